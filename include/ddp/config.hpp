@@ -1,0 +1,57 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// Build configuration. The optional backends are switched on by the build targets
+/// (`ddp::nccl` defines DDP_HAS_NCCL=1 and DDP_HAS_CUDA=1, `ddp::mpi` defines DDP_HAS_MPI=1),
+/// never by probing for headers, so a program's meaning does not depend on what happens to be
+/// installed.
+
+#include "ddp/version.hpp"
+
+#ifndef DDP_HAS_CUDA
+#define DDP_HAS_CUDA 0
+#endif
+#ifndef DDP_HAS_NCCL
+#define DDP_HAS_NCCL 0
+#endif
+#ifndef DDP_HAS_MPI
+#define DDP_HAS_MPI 0
+#endif
+
+#if DDP_HAS_NCCL && !DDP_HAS_CUDA
+#error "DDP_HAS_NCCL=1 requires DDP_HAS_CUDA=1: link the ddp::nccl target, which sets both"
+#endif
+
+#if !defined(__cplusplus) || (__cplusplus < 202002L && !defined(_MSVC_LANG))
+#error "ddp requires C++20 (compile with -std=c++20 or newer)"
+#endif
+
+#if defined(__cpp_exceptions) || defined(__EXCEPTIONS)
+#define DDP_HAS_EXCEPTIONS 1
+#else
+#define DDP_HAS_EXCEPTIONS 0
+#endif
+
+/// Throws an exception object; with exceptions disabled (-fno-exceptions) prints its message
+/// to stderr and aborts, as nlohmann/json's JSON_THROW does.
+#if DDP_HAS_EXCEPTIONS
+#define DDP_THROW(exception) throw exception
+#else
+#include <cstdio>
+#include <cstdlib>
+#define DDP_THROW(exception)                                      \
+  do {                                                            \
+    std::fprintf(stderr, "ddp: fatal: %s\n", (exception).what()); \
+    std::abort();                                                 \
+  } while (false)
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
+#define DDP_LIKELY(x) __builtin_expect(!!(x), 1)
+#define DDP_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#else
+#define DDP_LIKELY(x) (x)
+#define DDP_UNLIKELY(x) (x)
+#endif

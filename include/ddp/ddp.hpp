@@ -1,0 +1,17 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+//
+// Copyright (c) 2026 the ddp authors. Licensed under the MIT License (see LICENSE).
+#ifndef DDP_DDP_HPP
+#define DDP_DDP_HPP
+
+/// \file
+/// The umbrella header: #include <ddp/ddp.hpp> for everything. Each part also stands alone.
+
+#include "ddp/config.hpp"
+#include "ddp/error.hpp"
+#include "ddp/tensor.hpp"
+#include "ddp/types.hpp"
+#include "ddp/version.hpp"
+
+#endif  // DDP_DDP_HPP

@@ -1,0 +1,116 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// ddp::Error and ddp::Errc: every failure in ddp is reported as one exception type whose code
+/// says what happened and whose message names the rank, the operation and what to do.
+
+#include "ddp/config.hpp"
+#include "ddp/detail/string.hpp"
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <type_traits>
+
+DDP_BEGIN_NAMESPACE
+
+/// What went wrong. The values are stable: they may be logged, compared and sent between ranks.
+enum class Errc : int {
+  invalid_argument = 1,  ///< bad input, rejected before anything was sent
+  timeout = 2,           ///< a wait exceeded Options::timeout (a peer stopped or is slow)
+  peer_lost = 3,         ///< a peer process died or its connection closed
+  mismatch = 4,          ///< ranks called different collectives (op, dtype, count or root differ)
+  backend = 5,           ///< CUDA, NCCL or MPI reported an error
+  aborted = 6,           ///< the communicator was aborted or poisoned by an earlier failure
+  system = 7,            ///< an operating-system call failed (errno in the message)
+  protocol = 8,          ///< malformed, oversized or unexpected data arrived from the wire
+  unauthorized = 9,      ///< the rendezvous token was wrong or missing
+  address_in_use = 10,   ///< the rendezvous address/port is taken by another process
+  unsupported = 11,      ///< the operation is not available in this build or on this backend
+};
+
+/// The enumerator's name, e.g. "peer_lost".
+[[nodiscard]] constexpr std::string_view to_string(Errc code) noexcept {
+  switch (code) {
+    case Errc::invalid_argument: return "invalid_argument";
+    case Errc::timeout: return "timeout";
+    case Errc::peer_lost: return "peer_lost";
+    case Errc::mismatch: return "mismatch";
+    case Errc::backend: return "backend";
+    case Errc::aborted: return "aborted";
+    case Errc::system: return "system";
+    case Errc::protocol: return "protocol";
+    case Errc::unauthorized: return "unauthorized";
+    case Errc::address_in_use: return "address_in_use";
+    case Errc::unsupported: return "unsupported";
+  }
+  return "unknown";
+}
+
+namespace detail {
+class ErrcCategory final : public std::error_category {
+ public:
+  [[nodiscard]] const char* name() const noexcept override { return "ddp"; }
+  [[nodiscard]] std::string message(int value) const override {
+    return std::string(to_string(static_cast<Errc>(value)));
+  }
+};
+}  // namespace detail
+
+/// The std::error_category of ddp::Errc, for code that works with std::error_code.
+[[nodiscard]] inline const std::error_category& error_category() noexcept {
+  static const detail::ErrcCategory category;
+  return category;
+}
+
+[[nodiscard]] inline std::error_code make_error_code(Errc code) noexcept {
+  return {static_cast<int>(code), error_category()};
+}
+
+/// The one exception type of ddp. `what()` is the full message; `code()` tells what happened.
+class Error : public std::runtime_error {
+ public:
+  Error(Errc code, const std::string& message) : std::runtime_error(message), code_(code) {}
+  Error(Errc code, const char* message) : std::runtime_error(message), code_(code) {}
+
+  [[nodiscard]] Errc code() const noexcept { return code_; }
+  [[nodiscard]] std::error_code error_code() const noexcept { return make_error_code(code_); }
+
+ private:
+  Errc code_;
+};
+
+namespace detail {
+
+/// Builds a ddp::Error from message parts and throws it (or aborts without exceptions).
+template <class... Args>
+[[noreturn]] void fail(Errc code, const Args&... parts) {
+  DDP_THROW(Error(code, concat(parts...)));
+}
+
+/// Throws Errc::system for a failed OS call: "<what>: <strerror(err)> (errno <err>)".
+template <class... Args>
+[[noreturn]] void fail_errno(int err, const Args&... parts) {
+  char buf[256];
+  // GNU strerror_r may return a static string instead of filling buf; handle both variants.
+  auto text = [&]() -> const char* {
+    auto r = ::strerror_r(err, buf, sizeof buf);
+    if constexpr (std::is_same_v<decltype(r), int>) {
+      return r == 0 ? buf : "unknown error";
+    } else {
+      return r;
+    }
+  }();
+  DDP_THROW(Error(Errc::system, concat(parts..., ": ", text, " (errno ", err, ")")));
+}
+
+}  // namespace detail
+
+DDP_END_NAMESPACE
+
+template <>
+struct std::is_error_code_enum<ddp::Errc> : std::true_type {};

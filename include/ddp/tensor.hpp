@@ -1,0 +1,197 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// How ddp sees a user's tensor: a TensorView {data, size, device, stream}, obtained through one
+/// customization point, ddp::view(t), which tries in order
+///   1. a specialization of ddp::tensor_traits<T> with `static TensorView<E> view(T&)`,
+///   2. a member function `t.ddp_view()` returning TensorView<E>,
+///   3. any contiguous sized range (std::vector, std::array, std::span, C arrays): host memory.
+/// A traits specialization may also say where the buffer lives at compile time:
+///   static constexpr ddp::DeviceKind device_kind = ddp::DeviceKind::cuda;
+/// so that a CUDA-only backend can reject host buffers when the program is compiled.
+
+#include "ddp/config.hpp"
+#include "ddp/error.hpp"
+#include "ddp/types.hpp"
+
+#include <concepts>
+#include <cstddef>
+#include <optional>
+#include <ranges>
+#include <span>
+#include <type_traits>
+#include <utility>
+
+DDP_BEGIN_NAMESPACE
+
+/// A non-owning view of a tensor's contiguous elements: where they are (device), how many, and
+/// for CUDA buffers the stream whose work produced them (a cudaStream_t, or nullptr for the
+/// default stream). T may be const for read-only buffers.
+template <class T>
+struct TensorView {
+  using element_type = T;
+  using value_type = std::remove_cv_t<T>;
+
+  T* data = nullptr;
+  std::size_t size = 0;
+  Device device{};
+  void* stream = nullptr;
+
+  [[nodiscard]] constexpr std::size_t bytes() const noexcept { return size * sizeof(T); }
+  [[nodiscard]] constexpr bool empty() const noexcept { return size == 0; }
+  [[nodiscard]] static constexpr DType dtype() noexcept requires Scalar<value_type> {
+    return dtype_of<value_type>;
+  }
+
+  /// Elements [offset, offset + count) on the same device and stream; throws
+  /// Errc::invalid_argument when the range does not fit.
+  [[nodiscard]] constexpr TensorView subview(std::size_t offset, std::size_t count) const {
+    if (offset > size || count > size - offset) {
+      detail::fail(Errc::invalid_argument, "TensorView::subview: elements [", offset, ", ", offset,
+                   " + ", count, ") are outside a view of ", size, " elements");
+    }
+    return {data + offset, count, device, stream};
+  }
+
+  /// Host-side iteration (only meaningful when device.is_cpu()).
+  [[nodiscard]] constexpr T* begin() const noexcept { return data; }
+  [[nodiscard]] constexpr T* end() const noexcept { return data + size; }
+  [[nodiscard]] constexpr T& operator[](std::size_t i) const noexcept { return data[i]; }
+
+  /// A read-only view of the same elements.
+  constexpr operator TensorView<const T>() const noexcept requires(!std::is_const_v<T>) {
+    return {data, size, device, stream};
+  }
+};
+
+template <class T, class... Rest>
+TensorView(T*, Rest...) -> TensorView<T>;
+
+/// The customization point. The primary template is empty; specialize it (fully, or partially
+/// with constraints) for your tensor type:
+///
+///   template <> struct ddp::tensor_traits<MyTensor> {
+///     static constexpr ddp::DeviceKind device_kind = ddp::DeviceKind::cuda;  // optional
+///     static ddp::TensorView<float> view(MyTensor& t) {
+///       return {t.ptr(), t.numel(), ddp::Device::cuda(t.device()), t.stream()};
+///     }
+///     static ddp::TensorView<const float> view(const MyTensor& t) { ... }  // optional
+///   };
+template <class T>
+struct tensor_traits {};
+
+/// A TensorView passes through unchanged (keeping its device and stream); where it lives is known
+/// only at run time.
+template <class T>
+struct tensor_traits<TensorView<T>> {
+  static constexpr TensorView<T> view(const TensorView<T>& v) noexcept { return v; }
+};
+
+namespace detail {
+
+template <class T>
+inline constexpr bool is_tensor_view_v = false;
+template <class T>
+inline constexpr bool is_tensor_view_v<TensorView<T>> = true;
+
+template <class V>
+concept tensor_view_type = is_tensor_view_v<std::remove_cvref_t<V>>;
+
+template <class T>
+concept has_traits_view = requires(T& t) {
+  { tensor_traits<std::remove_cvref_t<T>>::view(t) } -> tensor_view_type;
+};
+
+template <class T>
+concept has_member_view = requires(T& t) {
+  { t.ddp_view() } -> tensor_view_type;
+};
+
+template <class T>
+concept contiguous_sized_range = std::ranges::contiguous_range<T&> && std::ranges::sized_range<T&>;
+
+struct view_fn {
+  template <class T>
+    requires has_traits_view<T>
+  constexpr auto operator()(T& t) const { return tensor_traits<std::remove_cvref_t<T>>::view(t); }
+
+  template <class T>
+    requires(!has_traits_view<T> && has_member_view<T>)
+  constexpr auto operator()(T& t) const { return t.ddp_view(); }
+
+  template <class T>
+    requires(!has_traits_view<T> && !has_member_view<T> && contiguous_sized_range<T>)
+  constexpr auto operator()(T& t) const {
+    using E = std::remove_reference_t<std::ranges::range_reference_t<T&>>;
+    return TensorView<E>{std::ranges::data(t), static_cast<std::size_t>(std::ranges::size(t)),
+                         Device::cpu(), nullptr};
+  }
+};
+
+template <class T>
+constexpr std::optional<DeviceKind> static_device_kind() {
+  using U = std::remove_cvref_t<T>;
+  if constexpr (has_traits_view<T>) {
+    if constexpr (requires { tensor_traits<U>::device_kind; }) {
+      return DeviceKind{tensor_traits<U>::device_kind};
+    } else {
+      return std::nullopt;
+    }
+  } else if constexpr (has_member_view<T>) {
+    if constexpr (requires { U::ddp_device_kind; }) {
+      return DeviceKind{U::ddp_device_kind};
+    } else {
+      return std::nullopt;
+    }
+  } else {
+    return DeviceKind::cpu;
+  }
+}
+
+}  // namespace detail
+
+/// ddp::view(t): the TensorView of any adapted tensor (see the file comment for the order).
+inline constexpr detail::view_fn view{};
+
+/// Anything ddp::view accepts, whatever its element type.
+template <class T>
+concept Viewable = requires(std::remove_reference_t<T>& t) {
+  ddp::view(t);
+};
+
+/// The TensorView type of T, e.g. TensorView<float> for std::vector<float>.
+template <Viewable T>
+using tensor_view_t = decltype(ddp::view(std::declval<std::remove_reference_t<T>&>()));
+
+/// The element type of T's view, without const.
+template <Viewable T>
+using tensor_value_t = typename tensor_view_t<T>::value_type;
+
+/// A buffer collectives accept: viewable, with a Scalar element type (see ddp::Scalar).
+template <class T>
+concept TensorLike = Viewable<T> && Scalar<tensor_value_t<T>>;
+
+/// A TensorLike whose elements may be written (the output of a collective).
+template <class T>
+concept MutableTensor = TensorLike<T> && !std::is_const_v<typename tensor_view_t<T>::element_type>;
+
+/// Where T's buffer lives if its type says so: DeviceKind::cpu for ranges, the traits'
+/// device_kind for adapted types, std::nullopt when only the TensorView knows (at run time).
+template <Viewable T>
+inline constexpr std::optional<DeviceKind> static_device_kind_v = detail::static_device_kind<T>();
+
+/// A TensorLike whose type says its buffer is on a CUDA device.
+template <class T>
+concept CudaTensor = TensorLike<T> &&(static_device_kind_v<T> == DeviceKind::cuda);
+
+/// A TensorLike whose type says its buffer is host memory (every std container and range).
+template <class T>
+concept HostTensor = TensorLike<T> &&(static_device_kind_v<T> == DeviceKind::cpu);
+
+/// The DType of T's elements: tensor_dtype_v<std::vector<float>> == DType::float32.
+template <TensorLike T>
+inline constexpr DType tensor_dtype_v = dtype_of<tensor_value_t<T>>;
+
+DDP_END_NAMESPACE

@@ -1,0 +1,50 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// Library version and the versioned namespace every ddp symbol lives in.
+
+#define DDP_VERSION_MAJOR 0
+#define DDP_VERSION_MINOR 1
+#define DDP_VERSION_PATCH 0
+
+#define DDP_DETAIL_STR2(x) #x
+#define DDP_DETAIL_STR(x) DDP_DETAIL_STR2(x)
+#define DDP_VERSION_STRING          \
+  DDP_DETAIL_STR(DDP_VERSION_MAJOR) \
+  "." DDP_DETAIL_STR(DDP_VERSION_MINOR) "." DDP_DETAIL_STR(DDP_VERSION_PATCH)
+
+/// A single integer for preprocessor comparisons: 10203 for 1.2.3.
+#define DDP_VERSION (DDP_VERSION_MAJOR * 10000 + DDP_VERSION_MINOR * 100 + DDP_VERSION_PATCH)
+
+// Every symbol is declared in an inline namespace named after the major version, so two
+// incompatible copies of the header in one program do not silently violate the ODR (the same
+// scheme as fmt and nlohmann/json). Users always spell names as ddp::X.
+#define DDP_ABI_NAMESPACE v0
+#define DDP_BEGIN_NAMESPACE \
+  namespace ddp {           \
+  inline namespace DDP_ABI_NAMESPACE {
+#define DDP_END_NAMESPACE \
+  }                       \
+  }
+
+#include <string_view>
+
+DDP_BEGIN_NAMESPACE
+
+/// The version of the headers this translation unit was compiled against, as "MAJOR.MINOR.PATCH".
+[[nodiscard]] constexpr std::string_view version() noexcept { return DDP_VERSION_STRING; }
+
+/// The version as numbers, for comparisons at run time.
+struct VersionInfo {
+  int major;
+  int minor;
+  int patch;
+};
+
+[[nodiscard]] constexpr VersionInfo version_info() noexcept {
+  return {DDP_VERSION_MAJOR, DDP_VERSION_MINOR, DDP_VERSION_PATCH};
+}
+
+DDP_END_NAMESPACE
