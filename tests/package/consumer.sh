@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Builds and runs one tiny consumer project against ddp, the way a user would.
+#   consumer.sh KIND SOURCE_DIR WORK_DIR PREFIX VERSION CXX
+# KIND: meson (subproject), pkgconfig (installed ddp.pc), conan (conan create + test_package).
+# Exits 77 (skipped) when the tool is missing, unless DDP_REQUIRE_PACKAGING_TOOLS=1.
+set -euo pipefail
+kind=$1 src=$2 work=$3 prefix=$4 version=$5 cxx=$6
+
+need() {
+  if ! command -v "$1" >/dev/null 2>&1; then
+    if [ "${DDP_REQUIRE_PACKAGING_TOOLS:-0}" = 1 ]; then
+      echo "error: $1 is required for the $kind consumer test but is not installed" >&2
+      exit 1
+    fi
+    echo "skipped: $1 is not installed"
+    exit 77
+  fi
+}
+check_output() {  # the consumer must print exactly the version it was built against
+  grep -qx "ddp $version (3 x bfloat16)" <<<"$1" || { echo "unexpected output: $1" >&2; exit 1; }
+  echo "$1"
+}
+
+rm -rf "$work"
+mkdir -p "$work"
+case $kind in
+  meson)
+    need meson
+    need ninja
+    cp "$src/tests/package/meson_subproject/meson.build" "$src/tests/package/common/main.cpp" "$work/"
+    mkdir -p "$work/subprojects/ddp"
+    cp -r "$src/meson.build" "$src/meson_options.txt" "$src/single_include" "$src/include" \
+      "$work/subprojects/ddp/"
+    CXX=$cxx meson setup "$work/build" "$work" >"$work/setup.log" 2>&1 || { cat "$work/setup.log"; exit 1; }
+    meson test -C "$work/build" --print-errorlogs
+    check_output "$("$work/build/consumer")"
+    ;;
+  pkgconfig)
+    need pkg-config
+    export PKG_CONFIG_PATH="$prefix/share/pkgconfig"
+    [ "$(pkg-config --modversion ddp)" = "$version" ] || { echo "pkg-config reports $(pkg-config --modversion ddp)" >&2; exit 1; }
+    cflags=$(pkg-config --cflags ddp)
+    libs=$(pkg-config --libs ddp)
+    echo "pkg-config --cflags ddp: $cflags"
+    [[ "$cflags" == *"-I$prefix/share/pkgconfig/../../include"* || "$cflags" == *"-I$prefix/include"* ]] \
+      || { echo "cflags do not point into the prefix" >&2; exit 1; }
+    # shellcheck disable=SC2086
+    "$cxx" -std=c++20 $cflags "$src/tests/package/common/main.cpp" -o "$work/consumer" $libs
+    check_output "$("$work/consumer")"
+    ;;
+  conan)
+    need conan
+    export CONAN_HOME="$work/conan-home"
+    conan profile detect >/dev/null 2>&1
+    # The profile's default is the compiler's default standard; ddp needs C++20.
+    # Work on a copy, so the test package's build folder never lands in the source tree.
+    mkdir -p "$work/src/tests/package"
+    cp -r "$src/conanfile.py" "$src/LICENSE" "$src/include" "$src/test_package" "$work/src/"
+    cp -r "$src/tests/package/common" "$work/src/tests/package/"
+    CXX=$cxx CC=${cxx/++/cc} conan create "$work/src" --no-remote --build=missing -s compiler.cppstd=20 \
+      >"$work/conan.log" 2>&1 || { tail -60 "$work/conan.log"; exit 1; }
+    out=$(grep -E '^ddp [0-9]' "$work/conan.log" | tail -1)
+    check_output "$out"
+    ;;
+  *)
+    echo "unknown consumer kind $kind" >&2
+    exit 2
+    ;;
+esac
