@@ -1,0 +1,24 @@
+# cmake -P CompileFail.cmake: one compile-fail test.
+#   COMPILER, STD, INCLUDE, SOURCE, REGEX (the pinned diagnostic), FLAGS (;-list, optional)
+# The source holds a valid program; with -DDDP_COMPILE_FAIL it holds one misuse instead. The
+# test passes only when the valid variant compiles (so the file itself is sound) and the misuse
+# fails with a diagnostic matching REGEX (so it fails for the reason we pin).
+foreach(_v COMPILER STD INCLUDE SOURCE REGEX)
+  if(NOT DEFINED ${_v})
+    message(FATAL_ERROR "CompileFail.cmake: ${_v} is not set")
+  endif()
+endforeach()
+set(_cmd "${COMPILER}" "-std=${STD}" -fsyntax-only "-I${INCLUDE}" ${FLAGS} "${SOURCE}")
+execute_process(COMMAND ${_cmd} RESULT_VARIABLE _ok_rc OUTPUT_VARIABLE _ok_out ERROR_VARIABLE _ok_err)
+if(NOT _ok_rc EQUAL 0)
+  message(FATAL_ERROR "the valid variant of ${SOURCE} does not compile:\n${_ok_out}${_ok_err}")
+endif()
+execute_process(COMMAND ${_cmd} -DDDP_COMPILE_FAIL RESULT_VARIABLE _rc OUTPUT_VARIABLE _out ERROR_VARIABLE _err)
+if(_rc EQUAL 0)
+  message(FATAL_ERROR "${SOURCE} compiled with -DDDP_COMPILE_FAIL, but it must not")
+endif()
+if(NOT "${_out}${_err}" MATCHES "${REGEX}")
+  message(FATAL_ERROR "${SOURCE} failed to compile, but not with the pinned diagnostic\n"
+                      "  expected to match: ${REGEX}\n  got:\n${_out}${_err}")
+endif()
+message(STATUS "${SOURCE}: rejected with the pinned diagnostic")

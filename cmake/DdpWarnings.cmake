@@ -1,0 +1,16 @@
+# ddp_strict(target): the warning set, -Werror and sanitizers for ddp's own programs (tests,
+# examples, tools). The library target itself imposes nothing on its users.
+function(ddp_strict target)
+  if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
+    target_compile_options(${target} PRIVATE -Wall -Wextra -Wpedantic -Wconversion -Wsign-conversion
+                                             -Wshadow -Wnon-virtual-dtor -Wold-style-cast)
+    if(DDP_WERROR)
+      target_compile_options(${target} PRIVATE -Werror)
+    endif()
+    if(DDP_SANITIZE)
+      target_compile_options(${target} PRIVATE -fsanitize=${DDP_SANITIZE} -fno-omit-frame-pointer
+                                               -fno-sanitize-recover=all)
+      target_link_options(${target} PRIVATE -fsanitize=${DDP_SANITIZE})
+    endif()
+  endif()
+endfunction()
