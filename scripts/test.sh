@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Runs every test of ddp on a fresh Debian/Ubuntu machine, installing what is missing first
+# (as root; otherwise it prints the apt-get line to run).
+#
+#   scripts/test.sh          everything: format, single-header freshness, g++ (+ packaging:
+#                            install, find_package, add_subdirectory, meson, pkg-config, conan),
+#                            clang++, single-header, ASan+UBSan, meson
+#   scripts/test.sh --fast   only the default g++ build and its tests
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+# shellcheck source=scripts/lib/deps.sh
+. scripts/lib/deps.sh
+
+fast=0
+[ "${1:-}" = "--fast" ] && fast=1
+
+ensure_debs build-essential g++ clang clang-format cmake ninja-build pkg-config python3 python3-venv \
+  doctest-dev meson git
+mkdir -p build
+ensure_conan "$root/build"
+
+passed=0
+failed=0
+failures=()
+stage() {  # stage NAME COMMAND...: runs one stage, records the outcome, keeps going
+  local name=$1
+  shift
+  echo
+  echo "==> $name"
+  local start=$SECONDS
+  if "$@"; then
+    passed=$((passed + 1))
+    echo "==> $name: ok ($((SECONDS - start)) s)"
+  else
+    failed=$((failed + 1))
+    failures+=("$name")
+    echo "==> $name: FAILED ($((SECONDS - start)) s)"
+  fi
+}
+
+fresh_workflow() {  # configure from scratch so a stale cache can never hide a problem
+  rm -rf "build/$1"
+  cmake --workflow --preset "$1"
+}
+
+meson_tests() {
+  rm -rf build/meson
+  meson setup build/meson -Dtests=enabled >build/meson-setup.log 2>&1 || { cat build/meson-setup.log; return 1; }
+  meson test -C build/meson --print-errorlogs
+}
+
+if [ $fast -eq 0 ]; then
+  stage "clang-format (every C++ file)" scripts/format.sh --check
+  stage "single_include is regenerated from include/" python3 tools/amalgamate.py --check
+fi
+stage "g++: build, unit, compile-fail, examples, packaging" fresh_workflow ci
+if [ $fast -eq 0 ]; then
+  stage "clang++: build and tests" fresh_workflow clang
+  stage "single header: build and tests against single_include/" fresh_workflow single-header
+  stage "AddressSanitizer + UndefinedBehaviorSanitizer" fresh_workflow asan-ubsan
+  stage "meson: build and tests (both dependencies)" meson_tests
+fi
+
+echo
+if [ $failed -ne 0 ]; then
+  printf 'failed stage: %s\n' "${failures[@]}"
+fi
+echo "stages: $passed passed, $failed failed"
+[ $failed -eq 0 ]
