@@ -34,6 +34,10 @@
 #define DDP_HAS_EXCEPTIONS 0
 #endif
 
+/// Placed at the top of the runtime headers (store, communicator, backends, ...).
+#define DDP_REQUIRE_EXCEPTIONS_MESSAGE \
+  "ddp's runtime needs C++ exceptions; with -fno-exceptions only the core types are available"
+
 /// Throws an exception object; with exceptions disabled (-fno-exceptions) prints its message
 /// to stderr and aborts, as nlohmann/json's JSON_THROW does.
 #if DDP_HAS_EXCEPTIONS

@@ -11,6 +11,13 @@
 #include "ddp/config.hpp"
 #include "ddp/error.hpp"
 #include "ddp/tensor.hpp"
+
+// The runtime reports failures across threads and layers with exceptions; with -fno-exceptions
+// only the core types above are available.
+#if DDP_HAS_EXCEPTIONS
+#include "ddp/environment.hpp"
+#include "ddp/store.hpp"
+#endif
 #include "ddp/types.hpp"
 #include "ddp/version.hpp"
 

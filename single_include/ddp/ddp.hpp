@@ -99,6 +99,10 @@ DDP_END_NAMESPACE
 #define DDP_HAS_EXCEPTIONS 0
 #endif
 
+/// Placed at the top of the runtime headers (store, communicator, backends, ...).
+#define DDP_REQUIRE_EXCEPTIONS_MESSAGE \
+  "ddp's runtime needs C++ exceptions; with -fno-exceptions only the core types are available"
+
 /// Throws an exception object; with exceptions disabled (-fno-exceptions) prints its message
 /// to stderr and aborts, as nlohmann/json's JSON_THROW does.
 #if DDP_HAS_EXCEPTIONS
@@ -878,6 +882,1694 @@ inline constexpr DType tensor_dtype_v = dtype_of<tensor_value_t<T>>;
 
 DDP_END_NAMESPACE
 // end ddp/tensor.hpp
+
+// The runtime reports failures across threads and layers with exceptions; with -fno-exceptions
+// only the core types above are available.
+#if DDP_HAS_EXCEPTIONS
+// begin ddp/environment.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ddp::Environment: who am I? Read from the variables a launcher sets — ddprun and torchrun
+/// (RANK, WORLD_SIZE, ...), Slurm (SLURM_PROCID, ...), Open MPI (OMPI_COMM_WORLD_*), MPICH/PMI
+/// (PMI_RANK, ...) — or, with no launcher, rank 0 of a world of 1.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+
+#include <charconv>
+#include <cstdlib>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <system_error>
+
+DDP_BEGIN_NAMESPACE
+
+/// Where a process stands in the job, and where the rendezvous store is.
+struct Environment {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;  ///< 0: not set (only allowed when world_size == 1 or under MPI)
+  /// Which launcher the values came from: "ddprun", "torchrun", "slurm", "openmpi", "pmi", "none".
+  std::string launcher = "none";
+
+  /// Reads the process environment. Never throws when no launcher variable is set; throws
+  /// Errc::invalid_argument naming the variable when one is malformed or inconsistent.
+  [[nodiscard]] static Environment detect();
+
+  /// The same, from any lookup function (returns nullptr for unset names): for tests and for
+  /// programs that keep their configuration elsewhere.
+  [[nodiscard]] static Environment detect(
+      const std::function<const char*(const char*)>& lookup);
+};
+
+namespace detail {
+
+class EnvReader {
+ public:
+  explicit EnvReader(const std::function<const char*(const char*)>& lookup) : lookup_(lookup) {}
+
+  [[nodiscard]] bool has(const char* name) const {
+    const char* v = lookup_(name);
+    return v != nullptr && *v != '\0';
+  }
+  [[nodiscard]] std::optional<std::string> str(const char* name) const {
+    const char* v = lookup_(name);
+    if (v == nullptr || *v == '\0') return std::nullopt;
+    return std::string(v);
+  }
+  /// An integer in [min, max]; anything else is an error that names the variable.
+  [[nodiscard]] std::optional<int> integer(const char* name, int min, int max) const {
+    const char* v = lookup_(name);
+    if (v == nullptr || *v == '\0') return std::nullopt;
+    const std::string_view text(v);
+    int value = 0;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+    if (ec != std::errc{} || end != text.data() + text.size()) {
+      fail(Errc::invalid_argument, "environment variable ", name, "=\"", text,
+           "\" is not an integer; check what your launcher exported");
+    }
+    if (value < min || value > max) {
+      fail(Errc::invalid_argument, "environment variable ", name, "=", value,
+           " is out of range [", min, ", ", max, "]");
+    }
+    return value;
+  }
+
+ private:
+  const std::function<const char*(const char*)>& lookup_;
+};
+
+/// The first host name of a Slurm node list: "gpu[07-09,12],cpu3" -> "gpu07".
+[[nodiscard]] inline std::string first_slurm_host(std::string_view list) {
+  const auto bracket = list.find('[');
+  const auto comma = list.find(',');
+  if (bracket == std::string_view::npos || (comma != std::string_view::npos && comma < bracket)) {
+    return std::string(list.substr(0, comma));
+  }
+  const auto close = list.find(']', bracket);
+  if (close == std::string_view::npos) {
+    fail(Errc::invalid_argument, "SLURM_JOB_NODELIST=\"", list, "\" is malformed (no ']')");
+  }
+  std::string_view range = list.substr(bracket + 1, close - bracket - 1);
+  range = range.substr(0, range.find_first_of(",-"));
+  return std::string(list.substr(0, bracket)) + std::string(range);
+}
+
+inline void check_rank(const EnvReader&, int rank, int world, const char* rank_var,
+                       const char* world_var) {
+  if (rank >= world) {
+    fail(Errc::invalid_argument, "environment: ", rank_var, "=", rank, " must be less than ",
+         world_var, "=", world);
+  }
+}
+
+}  // namespace detail
+
+inline Environment Environment::detect(const std::function<const char*(const char*)>& lookup) {
+  constexpr int max_world = 1 << 24;
+  const detail::EnvReader env(lookup);
+  Environment e;
+
+  const auto fill_master = [&](bool required) {
+    if (auto addr = env.str("MASTER_ADDR")) e.master_addr = *addr;
+    if (auto port = env.integer("MASTER_PORT", 1, 65535)) {
+      e.master_port = *port;
+    } else if (required && e.world_size > 1) {
+      detail::fail(Errc::invalid_argument, "environment: WORLD_SIZE=", e.world_size,
+                   " but MASTER_PORT is not set; export MASTER_ADDR and MASTER_PORT (ddprun and "
+                   "torchrun do this for you)");
+    }
+  };
+
+  if (env.has("RANK") || env.has("WORLD_SIZE")) {  // ddprun / torchrun / torch.distributed.launch
+    e.launcher = env.has("DDP_LAUNCHER") ? "ddprun" : "torchrun";
+    const auto rank = env.integer("RANK", 0, max_world - 1);
+    const auto world = env.integer("WORLD_SIZE", 1, max_world);
+    if (!rank) detail::fail(Errc::invalid_argument, "environment: WORLD_SIZE is set but RANK is not");
+    if (!world) detail::fail(Errc::invalid_argument, "environment: RANK is set but WORLD_SIZE is not");
+    e.rank = *rank;
+    e.world_size = *world;
+    detail::check_rank(env, e.rank, e.world_size, "RANK", "WORLD_SIZE");
+    e.local_world_size = env.integer("LOCAL_WORLD_SIZE", 1, max_world).value_or(e.world_size);
+    e.local_rank = env.integer("LOCAL_RANK", 0, max_world - 1).value_or(e.rank % e.local_world_size);
+    detail::check_rank(env, e.local_rank, e.local_world_size, "LOCAL_RANK", "LOCAL_WORLD_SIZE");
+    if (e.local_world_size > e.world_size) {
+      detail::fail(Errc::invalid_argument, "environment: LOCAL_WORLD_SIZE=", e.local_world_size,
+                   " is larger than WORLD_SIZE=", e.world_size);
+    }
+    auto node = env.integer("NODE_RANK", 0, max_world - 1);
+    if (!node) node = env.integer("GROUP_RANK", 0, max_world - 1);
+    e.node_rank = node.value_or(e.rank / e.local_world_size);
+    fill_master(/*required=*/true);
+  } else if (env.has("OMPI_COMM_WORLD_RANK")) {  // Open MPI's mpirun
+    e.launcher = "openmpi";
+    e.world_size = env.integer("OMPI_COMM_WORLD_SIZE", 1, max_world).value_or(1);
+    e.rank = *env.integer("OMPI_COMM_WORLD_RANK", 0, max_world - 1);
+    detail::check_rank(env, e.rank, e.world_size, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE");
+    e.local_world_size =
+        env.integer("OMPI_COMM_WORLD_LOCAL_SIZE", 1, max_world).value_or(e.world_size);
+    e.local_rank = env.integer("OMPI_COMM_WORLD_LOCAL_RANK", 0, max_world - 1).value_or(0);
+    detail::check_rank(env, e.local_rank, e.local_world_size, "OMPI_COMM_WORLD_LOCAL_RANK",
+                       "OMPI_COMM_WORLD_LOCAL_SIZE");
+    e.node_rank = env.integer("OMPI_COMM_WORLD_NODE_RANK", 0, max_world - 1)
+                      .value_or(e.rank / e.local_world_size);
+    fill_master(/*required=*/false);
+  } else if (env.has("PMI_RANK")) {  // MPICH / Intel MPI (hydra)
+    e.launcher = "pmi";
+    e.world_size = env.integer("PMI_SIZE", 1, max_world).value_or(1);
+    e.rank = *env.integer("PMI_RANK", 0, max_world - 1);
+    detail::check_rank(env, e.rank, e.world_size, "PMI_RANK", "PMI_SIZE");
+    e.local_world_size = env.integer("MPI_LOCALNRANKS", 1, max_world).value_or(e.world_size);
+    e.local_rank = env.integer("MPI_LOCALRANKID", 0, max_world - 1).value_or(0);
+    detail::check_rank(env, e.local_rank, e.local_world_size, "MPI_LOCALRANKID", "MPI_LOCALNRANKS");
+    e.node_rank = e.rank / e.local_world_size;
+    fill_master(/*required=*/false);
+  } else if (env.has("SLURM_PROCID")) {  // srun
+    e.launcher = "slurm";
+    e.world_size = env.integer("SLURM_NTASKS", 1, max_world).value_or(1);
+    e.rank = *env.integer("SLURM_PROCID", 0, max_world - 1);
+    detail::check_rank(env, e.rank, e.world_size, "SLURM_PROCID", "SLURM_NTASKS");
+    e.local_rank = env.integer("SLURM_LOCALID", 0, max_world - 1).value_or(0);
+    // SLURM_NTASKS_PER_NODE may read "4" or "4(x2)"; SLURM_TASKS_PER_NODE likewise. Use the
+    // leading number when it parses, else assume one node.
+    e.local_world_size = e.world_size;
+    for (const char* name : {"SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
+      if (auto v = env.str(name)) {
+        int n = 0;
+        const auto [end, ec] = std::from_chars(v->data(), v->data() + v->size(), n);
+        if (ec == std::errc{} && n > 0 && end != v->data()) {
+          e.local_world_size = n;
+          break;
+        }
+      }
+    }
+    detail::check_rank(env, e.local_rank, e.local_world_size, "SLURM_LOCALID",
+                       "SLURM_NTASKS_PER_NODE");
+    e.node_rank = env.integer("SLURM_NODEID", 0, max_world - 1).value_or(0);
+    if (!env.has("MASTER_ADDR")) {
+      if (auto nodes = env.str("SLURM_JOB_NODELIST")) e.master_addr = detail::first_slurm_host(*nodes);
+    }
+    fill_master(/*required=*/false);
+    if (e.master_port == 0) {
+      // Same on every task of the job, different between jobs sharing a node.
+      if (auto job = env.integer("SLURM_JOB_ID", 0, 2147483647)) e.master_port = 15000 + *job % 20000;
+    }
+  }
+  return e;
+}
+
+inline Environment Environment::detect() {
+  return detect([](const char* name) -> const char* { return std::getenv(name); });
+}
+
+DDP_END_NAMESPACE
+// end ddp/environment.hpp
+// begin ddp/store.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The rendezvous store: a TCP key-value server (run by rank 0 or by the launcher) and its
+/// clients, like c10d's TCPStore but safe to expose:
+///  * it binds the address it is given, never every interface unless asked ("0.0.0.0" / "::");
+///  * with a token (DDP_TOKEN) a client must prove it knows it: HMAC-SHA-256 over a fresh nonce
+///    from each side, compared in constant time, so a recorded handshake cannot be replayed and
+///    the token never crosses the wire; the server proves it too;
+///  * frames are length-prefixed and capped; a client that has not authenticated may only send a
+///    handshake-sized frame; buffers grow with the bytes that actually arrive, never with a
+///    length someone claims;
+///  * every call has a timeout, and waits are enforced by the server, so a client is never left
+///    reading a late reply.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// begin ddp/detail/bytes.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Little-endian byte writing and bounds-checked reading, for everything ddp puts on a wire.
+/// A reader never reads past its input and never allocates more than the input could hold.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+template <class T, bool = std::is_enum_v<T>>
+struct wire_integer {
+  using type = std::make_unsigned_t<T>;
+};
+template <class T>
+struct wire_integer<T, true> {
+  using type = std::make_unsigned_t<std::underlying_type_t<T>>;
+};
+
+class ByteWriter {
+ public:
+  explicit ByteWriter(std::string& out) : out_(out) {}
+
+  template <class T>
+    requires std::is_integral_v<T> || std::is_enum_v<T>
+  void put(T value) {
+    using U = typename wire_integer<T>::type;
+    auto u = static_cast<U>(value);
+    for (std::size_t i = 0; i < sizeof(U); ++i) {
+      out_.push_back(static_cast<char>(static_cast<std::uint8_t>(u & 0xffu)));
+      if constexpr (sizeof(U) > 1) u = static_cast<U>(u >> 8);
+    }
+  }
+  void raw(const void* data, std::size_t n) { out_.append(static_cast<const char*>(data), n); }
+  void str(std::string_view s) {
+    put(static_cast<std::uint32_t>(s.size()));
+    raw(s.data(), s.size());
+  }
+
+ private:
+  std::string& out_;
+};
+
+class ByteReader {
+ public:
+  ByteReader(const void* data, std::size_t n, std::string_view what)
+      : p_(static_cast<const std::uint8_t*>(data)), left_(n), what_(what) {}
+  explicit ByteReader(std::string_view s, std::string_view what = "message")
+      : ByteReader(s.data(), s.size(), what) {}
+
+  template <class T>
+    requires std::is_integral_v<T> || std::is_enum_v<T>
+  [[nodiscard]] T get() {
+    using U = typename wire_integer<T>::type;
+    need(sizeof(U));
+    U u = 0;
+    for (std::size_t i = 0; i < sizeof(U); ++i) u = static_cast<U>(u | (static_cast<U>(p_[i]) << (8 * i)));
+    p_ += sizeof(U);
+    left_ -= sizeof(U);
+    return static_cast<T>(u);
+  }
+  void raw(void* out, std::size_t n) {
+    need(n);
+    if (n != 0) std::memcpy(out, p_, n);
+    p_ += n;
+    left_ -= n;
+  }
+  [[nodiscard]] std::string_view view(std::size_t n) {
+    need(n);
+    std::string_view v(reinterpret_cast<const char*>(p_), n);
+    p_ += n;
+    left_ -= n;
+    return v;
+  }
+  /// A length-prefixed string no longer than max_len.
+  [[nodiscard]] std::string str(std::size_t max_len) {
+    const auto n = get<std::uint32_t>();
+    if (n > max_len) {
+      fail(Errc::protocol, what_, ": a string of ", n, " bytes exceeds the limit of ", max_len);
+    }
+    return std::string(view(n));
+  }
+  [[nodiscard]] std::size_t left() const noexcept { return left_; }
+  void expect_end() const {
+    if (left_ != 0) fail(Errc::protocol, what_, ": ", left_, " unexpected trailing bytes");
+  }
+
+ private:
+  void need(std::size_t n) const {
+    if (n > left_) {
+      fail(Errc::protocol, what_, " is truncated: needs ", n, " more bytes, has ", left_);
+    }
+  }
+  const std::uint8_t* p_;
+  std::size_t left_;
+  std::string_view what_;
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/bytes.hpp
+// begin ddp/detail/crypto.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// What the rendezvous handshake needs and nothing more: SHA-256 (FIPS 180-4), HMAC-SHA-256
+/// (RFC 2104), random bytes from the kernel, and a constant-time comparison.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <fcntl.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include <array>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string_view>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+using Digest = std::array<std::uint8_t, 32>;
+
+class Sha256 {
+ public:
+  Sha256() { reset(); }
+
+  void reset() {
+    state_ = {0x6a09e667u, 0xbb67ae85u, 0x3c6ef372u, 0xa54ff53au,
+              0x510e527fu, 0x9b05688cu, 0x1f83d9abu, 0x5be0cd19u};
+    length_ = 0;
+    used_ = 0;
+  }
+
+  void update(const void* data, std::size_t n) {
+    const auto* p = static_cast<const std::uint8_t*>(data);
+    length_ += static_cast<std::uint64_t>(n) * 8u;
+    while (n > 0) {
+      const std::size_t take = std::min<std::size_t>(64 - used_, n);
+      std::memcpy(block_.data() + used_, p, take);
+      used_ += take;
+      p += take;
+      n -= take;
+      if (used_ == 64) {
+        compress();
+        used_ = 0;
+      }
+    }
+  }
+  void update(std::string_view s) { update(s.data(), s.size()); }
+
+  [[nodiscard]] Digest finish() {
+    const std::uint64_t bits = length_;
+    const std::uint8_t one = 0x80;
+    update(&one, 1);
+    const std::uint8_t zero = 0;
+    while (used_ != 56) update(&zero, 1);
+    std::uint8_t len[8];
+    for (int i = 0; i < 8; ++i) len[i] = static_cast<std::uint8_t>(bits >> (56 - 8 * i));
+    update(len, 8);
+    Digest out{};
+    for (std::size_t i = 0; i < 8; ++i) {
+      for (std::size_t j = 0; j < 4; ++j) {
+        out[4 * i + j] = static_cast<std::uint8_t>(state_[i] >> (24 - 8 * j));
+      }
+    }
+    reset();
+    return out;
+  }
+
+ private:
+  static constexpr std::uint32_t rotr(std::uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+
+  void compress() {
+    static constexpr std::uint32_t k[64] = {
+        0x428a2f98u, 0x71374491u, 0xb5c0fbcfu, 0xe9b5dba5u, 0x3956c25bu, 0x59f111f1u, 0x923f82a4u,
+        0xab1c5ed5u, 0xd807aa98u, 0x12835b01u, 0x243185beu, 0x550c7dc3u, 0x72be5d74u, 0x80deb1feu,
+        0x9bdc06a7u, 0xc19bf174u, 0xe49b69c1u, 0xefbe4786u, 0x0fc19dc6u, 0x240ca1ccu, 0x2de92c6fu,
+        0x4a7484aau, 0x5cb0a9dcu, 0x76f988dau, 0x983e5152u, 0xa831c66du, 0xb00327c8u, 0xbf597fc7u,
+        0xc6e00bf3u, 0xd5a79147u, 0x06ca6351u, 0x14292967u, 0x27b70a85u, 0x2e1b2138u, 0x4d2c6dfcu,
+        0x53380d13u, 0x650a7354u, 0x766a0abbu, 0x81c2c92eu, 0x92722c85u, 0xa2bfe8a1u, 0xa81a664bu,
+        0xc24b8b70u, 0xc76c51a3u, 0xd192e819u, 0xd6990624u, 0xf40e3585u, 0x106aa070u, 0x19a4c116u,
+        0x1e376c08u, 0x2748774cu, 0x34b0bcb5u, 0x391c0cb3u, 0x4ed8aa4au, 0x5b9cca4fu, 0x682e6ff3u,
+        0x748f82eeu, 0x78a5636fu, 0x84c87814u, 0x8cc70208u, 0x90befffau, 0xa4506cebu, 0xbef9a3f7u,
+        0xc67178f2u};
+    std::uint32_t w[64];
+    for (std::size_t i = 0; i < 16; ++i) {
+      w[i] = static_cast<std::uint32_t>(block_[4 * i]) << 24 |
+             static_cast<std::uint32_t>(block_[4 * i + 1]) << 16 |
+             static_cast<std::uint32_t>(block_[4 * i + 2]) << 8 | block_[4 * i + 3];
+    }
+    for (std::size_t i = 16; i < 64; ++i) {
+      const std::uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
+      const std::uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
+      w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    auto s = state_;
+    for (std::size_t i = 0; i < 64; ++i) {
+      const std::uint32_t e1 = rotr(s[4], 6) ^ rotr(s[4], 11) ^ rotr(s[4], 25);
+      const std::uint32_t ch = (s[4] & s[5]) ^ (~s[4] & s[6]);
+      const std::uint32_t t1 = s[7] + e1 + ch + k[i] + w[i];
+      const std::uint32_t e0 = rotr(s[0], 2) ^ rotr(s[0], 13) ^ rotr(s[0], 22);
+      const std::uint32_t maj = (s[0] & s[1]) ^ (s[0] & s[2]) ^ (s[1] & s[2]);
+      const std::uint32_t t2 = e0 + maj;
+      s[7] = s[6];
+      s[6] = s[5];
+      s[5] = s[4];
+      s[4] = s[3] + t1;
+      s[3] = s[2];
+      s[2] = s[1];
+      s[1] = s[0];
+      s[0] = t1 + t2;
+    }
+    for (std::size_t i = 0; i < 8; ++i) state_[i] += s[i];
+  }
+
+  std::array<std::uint32_t, 8> state_{};
+  std::array<std::uint8_t, 64> block_{};
+  std::uint64_t length_ = 0;
+  std::size_t used_ = 0;
+};
+
+/// HMAC-SHA-256(key, message parts...).
+template <class... Parts>
+[[nodiscard]] Digest hmac_sha256(std::string_view key, const Parts&... parts) {
+  std::array<std::uint8_t, 64> k{};
+  if (key.size() > 64) {
+    Sha256 h;
+    h.update(key);
+    const Digest d = h.finish();
+    std::memcpy(k.data(), d.data(), d.size());
+  } else {
+    std::memcpy(k.data(), key.data(), key.size());
+  }
+  std::array<std::uint8_t, 64> ipad{}, opad{};
+  for (std::size_t i = 0; i < 64; ++i) {
+    ipad[i] = static_cast<std::uint8_t>(k[i] ^ 0x36u);
+    opad[i] = static_cast<std::uint8_t>(k[i] ^ 0x5cu);
+  }
+  Sha256 inner;
+  inner.update(ipad.data(), ipad.size());
+  (inner.update(parts.data(), parts.size()), ...);
+  const Digest ih = inner.finish();
+  Sha256 outer;
+  outer.update(opad.data(), opad.size());
+  outer.update(ih.data(), ih.size());
+  return outer.finish();
+}
+
+/// Compares two byte strings without an early exit, so timing reveals nothing about where they
+/// differ.
+[[nodiscard]] inline bool constant_time_equal(std::span<const std::uint8_t> a,
+                                              std::span<const std::uint8_t> b) {
+  if (a.size() != b.size()) return false;
+  volatile std::uint8_t diff = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) diff = static_cast<std::uint8_t>(diff | (a[i] ^ b[i]));
+  return diff == 0;
+}
+
+/// Fills buf with bytes from the kernel's CSPRNG.
+inline void random_bytes(void* buf, std::size_t n) {
+  auto* p = static_cast<std::uint8_t*>(buf);
+  while (n > 0) {
+    const ssize_t r = ::getrandom(p, n, 0);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      fail_errno(errno, "getrandom");
+    }
+    p += r;
+    n -= static_cast<std::size_t>(r);
+  }
+}
+
+template <class T>
+[[nodiscard]] T random_value() {
+  T v{};
+  random_bytes(&v, sizeof v);
+  return v;
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/crypto.hpp
+// begin ddp/detail/socket.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// POSIX sockets with deadlines: RAII descriptors, listen/connect/accept, and send/receive of
+/// whole buffers that never block past a deadline and survive EINTR.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+using Clock = std::chrono::steady_clock;
+
+/// A point in time after which a wait gives up.
+struct Deadline {
+  Clock::time_point at;
+
+  [[nodiscard]] static Deadline after(std::chrono::milliseconds d) {
+    // Saturate: "5 years" must not overflow the clock.
+    const auto now = Clock::now();
+    const auto max_wait = Clock::time_point::max() - now;
+    if (d >= std::chrono::duration_cast<std::chrono::milliseconds>(max_wait)) {
+      return {Clock::time_point::max()};
+    }
+    return {now + d};
+  }
+  [[nodiscard]] bool expired() const { return Clock::now() >= at; }
+  /// Milliseconds left, clamped to [0, cap], rounded up (for poll()).
+  [[nodiscard]] int poll_ms(int cap = 1 << 30) const {
+    const auto left = at - Clock::now();
+    if (left <= Clock::duration::zero()) return 0;
+    const auto ms = std::chrono::ceil<std::chrono::milliseconds>(left).count();
+    return static_cast<int>(std::min<long long>(ms, cap));
+  }
+};
+
+/// An owned file descriptor.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) noexcept : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  Fd& operator=(Fd&& o) noexcept {
+    if (this != &o) reset(std::exchange(o.fd_, -1));
+    return *this;
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() { reset(); }
+
+  [[nodiscard]] int get() const noexcept { return fd_; }
+  [[nodiscard]] bool valid() const noexcept { return fd_ >= 0; }
+  explicit operator bool() const noexcept { return valid(); }
+  int release() noexcept { return std::exchange(fd_, -1); }
+  void reset(int fd = -1) noexcept {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = fd;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+inline void set_nonblocking(int fd, bool on) {
+  const int flags = ::fcntl(fd, F_GETFL, 0);
+  if (flags < 0) fail_errno(errno, "fcntl(F_GETFL)");
+  if (::fcntl(fd, F_SETFL, on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK)) < 0) {
+    fail_errno(errno, "fcntl(F_SETFL)");
+  }
+}
+
+inline void set_nodelay(int fd) {
+  int one = 1;
+  (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+/// "host:port", with IPv6 literals in brackets.
+[[nodiscard]] inline std::string host_port(std::string_view host, int port) {
+  if (host.find(':') != std::string_view::npos) return concat('[', host, "]:", port);
+  return concat(host, ':', port);
+}
+
+/// The numeric address and port of a socket address.
+[[nodiscard]] inline std::pair<std::string, int> numeric_name(const sockaddr* sa, socklen_t len) {
+  char host[NI_MAXHOST] = {};
+  char serv[NI_MAXSERV] = {};
+  if (::getnameinfo(sa, len, host, sizeof host, serv, sizeof serv, NI_NUMERICHOST | NI_NUMERICSERV) !=
+      0) {
+    return {"?", 0};
+  }
+  return {host, std::atoi(serv)};
+}
+
+/// Resolves host:port for TCP; throws Errc::invalid_argument when the name does not resolve.
+class AddrInfo {
+ public:
+  AddrInfo(const std::string& host, int port, bool passive) {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_ADDRCONFIG | (passive ? AI_PASSIVE : 0);
+    if (host.empty()) hints.ai_flags |= AI_PASSIVE;
+    const std::string service = std::to_string(port);
+    const int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &list_);
+    if (rc != 0) {
+      fail(Errc::invalid_argument, "cannot resolve \"", host, "\": ", ::gai_strerror(rc),
+           "; check MASTER_ADDR");
+    }
+  }
+  AddrInfo(const AddrInfo&) = delete;
+  AddrInfo& operator=(const AddrInfo&) = delete;
+  ~AddrInfo() {
+    if (list_ != nullptr) ::freeaddrinfo(list_);
+  }
+  [[nodiscard]] const addrinfo* begin() const { return list_; }
+
+ private:
+  addrinfo* list_ = nullptr;
+};
+
+/// A listening TCP socket bound to exactly `host` (all interfaces only when host is "0.0.0.0" or
+/// "::", which must be asked for). port 0 picks a free port. EADDRINUSE -> Errc::address_in_use.
+[[nodiscard]] inline Fd listen_tcp(const std::string& host, int port, int backlog = 1024) {
+  const AddrInfo ai(host, port, /*passive=*/true);
+  int last_errno = 0;
+  for (const addrinfo* a = ai.begin(); a != nullptr; a = a->ai_next) {
+    Fd fd(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
+    if (!fd) {
+      last_errno = errno;
+      continue;
+    }
+    int one = 1;
+    (void)::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (::bind(fd.get(), a->ai_addr, a->ai_addrlen) != 0) {
+      last_errno = errno;
+      if (last_errno == EADDRINUSE) {
+        fail(Errc::address_in_use, "address ", host_port(host, port),
+             " is in use: another job (or a previous run that has not exited) holds it; choose "
+             "another MASTER_PORT or use ddprun --standalone");
+      }
+      continue;
+    }
+    if (::listen(fd.get(), backlog) != 0) {
+      last_errno = errno;
+      continue;
+    }
+    return fd;
+  }
+  fail_errno(last_errno, "cannot listen on ", host_port(host, port));
+}
+
+/// The port a bound socket listens on.
+[[nodiscard]] inline int local_port(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) fail_errno(errno, "getsockname");
+  return numeric_name(reinterpret_cast<sockaddr*>(&ss), len).second;
+}
+
+/// The local address of a connected socket (the interface that reaches its peer).
+[[nodiscard]] inline std::string local_address(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) fail_errno(errno, "getsockname");
+  return numeric_name(reinterpret_cast<sockaddr*>(&ss), len).first;
+}
+
+/// The peer of a connected socket as "addr:port".
+[[nodiscard]] inline std::string peer_name(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return "?";
+  auto [h, p] = numeric_name(reinterpret_cast<sockaddr*>(&ss), len);
+  return host_port(h, p);
+}
+
+/// Connects to host:port, retrying refused/unreachable attempts until the deadline (the server
+/// may not be up yet). Returns a blocking socket with TCP_NODELAY.
+[[nodiscard]] inline Fd connect_tcp(const std::string& host, int port, Deadline deadline,
+                                    std::string_view what) {
+  int last_errno = 0;
+  auto backoff = std::chrono::milliseconds(5);
+  for (;;) {
+    const AddrInfo ai(host, port, /*passive=*/false);
+    for (const addrinfo* a = ai.begin(); a != nullptr; a = a->ai_next) {
+      Fd fd(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
+      if (!fd) {
+        last_errno = errno;
+        continue;
+      }
+      set_nonblocking(fd.get(), true);
+      int rc = ::connect(fd.get(), a->ai_addr, a->ai_addrlen);
+      if (rc != 0 && errno == EINPROGRESS) {
+        pollfd p{fd.get(), POLLOUT, 0};
+        do {
+          rc = ::poll(&p, 1, deadline.poll_ms(1000));
+        } while ((rc < 0 && errno == EINTR) || (rc == 0 && !deadline.expired()));
+        if (rc == 1) {
+          int err = 0;
+          socklen_t len = sizeof err;
+          (void)::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+          rc = err == 0 ? 0 : -1;
+          errno = err;
+        } else {
+          rc = -1;
+          errno = ETIMEDOUT;
+        }
+      }
+      if (rc == 0) {
+        set_nonblocking(fd.get(), false);
+        set_nodelay(fd.get());
+        return fd;
+      }
+      last_errno = errno;
+    }
+    if (deadline.expired()) {
+      fail(Errc::timeout, "cannot connect to ", what, " at ", host_port(host, port), ": ",
+           std::strerror(last_errno),
+           " until the timeout; check that it is running and that MASTER_ADDR/MASTER_PORT are "
+           "right");
+    }
+    std::this_thread::sleep_for(std::min(backoff, std::chrono::milliseconds(deadline.poll_ms())));
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
+  }
+}
+
+enum class IoResult { ok, closed, timeout };
+
+/// Writes all of [data, data+n) before the deadline. Works on blocking and non-blocking sockets.
+[[nodiscard]] inline IoResult send_all(int fd, const void* data, std::size_t n, Deadline deadline) {
+  const auto* p = static_cast<const std::byte*>(data);
+  while (n > 0) {
+    const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w > 0) {
+      p += w;
+      n -= static_cast<std::size_t>(w);
+      continue;
+    }
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      pollfd pfd{fd, POLLOUT, 0};
+      const int rc = ::poll(&pfd, 1, deadline.poll_ms(1000));
+      if (rc == 0 && deadline.expired()) return IoResult::timeout;
+      if (rc > 0 && (pfd.revents & (POLLERR | POLLHUP)) != 0 && (pfd.revents & POLLOUT) == 0) {
+        return IoResult::closed;
+      }
+      continue;
+    }
+    return IoResult::closed;  // EPIPE, ECONNRESET, ...
+  }
+  return IoResult::ok;
+}
+
+/// Reads exactly n bytes before the deadline.
+[[nodiscard]] inline IoResult recv_all(int fd, void* data, std::size_t n, Deadline deadline) {
+  auto* p = static_cast<std::byte*>(data);
+  while (n > 0) {
+    const ssize_t r = ::recv(fd, p, n, MSG_DONTWAIT);
+    if (r > 0) {
+      p += r;
+      n -= static_cast<std::size_t>(r);
+      continue;
+    }
+    if (r == 0) return IoResult::closed;
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      pollfd pfd{fd, POLLIN, 0};
+      const int rc = ::poll(&pfd, 1, deadline.poll_ms(1000));
+      if (rc == 0 && deadline.expired()) return IoResult::timeout;
+      continue;
+    }
+    return IoResult::closed;
+  }
+  return IoResult::ok;
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/socket.hpp
+// #include "ddp/error.hpp" (already included above)
+
+#include <poll.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// Limits and security settings of a store server and its clients.
+struct StoreOptions {
+  /// How long get/wait/connect may take before Errc::timeout.
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  /// Shared secret; empty disables authentication. Communicator::init passes DDP_TOKEN.
+  std::string token;
+  std::size_t max_key_bytes = 4096;
+  std::size_t max_value_bytes = std::size_t{64} << 20;
+  std::size_t max_keys = std::size_t{1} << 20;
+  std::size_t max_total_bytes = std::size_t{1} << 30;
+  std::size_t max_connections = 4096;
+  /// A connection that has not finished the handshake by then is dropped (slow or stray clients).
+  std::chrono::milliseconds handshake_timeout{std::chrono::seconds(10)};
+  /// Where the server reports refused connections and malformed traffic; default: stderr.
+  /// Never receives the token.
+  std::function<void(std::string_view)> log;
+};
+
+namespace detail::store_proto {
+
+inline constexpr std::uint32_t magic = 0x53504444;  // "DDPS"
+inline constexpr std::uint16_t version = 1;
+inline constexpr std::size_t nonce_bytes = 16;
+inline constexpr std::size_t handshake_frame_limit = 256;
+inline constexpr std::string_view client_label = "ddp-store-client-v1";
+inline constexpr std::string_view server_label = "ddp-store-server-v1";
+
+enum class Op : std::uint8_t { set = 1, get = 2, wait = 3, add = 4, compare_set = 5, erase = 6, check = 7 };
+enum class Status : std::uint8_t { ok = 0, timeout = 1, error = 2 };
+enum class HandshakeStatus : std::uint8_t { ok = 0, unauthorized = 1, bad_version = 2 };
+
+using Nonce = std::array<std::uint8_t, nonce_bytes>;
+
+inline std::string_view as_view(const Nonce& n) {
+  return {reinterpret_cast<const char*>(n.data()), n.size()};
+}
+inline std::string_view as_view(const Digest& d) {
+  return {reinterpret_cast<const char*>(d.data()), d.size()};
+}
+
+/// Largest frame a peer may send once authenticated.
+inline std::size_t frame_limit(const StoreOptions& o) {
+  return o.max_value_bytes * 2 + o.max_key_bytes + 64;
+}
+
+/// Sends one length-prefixed frame.
+inline IoResult send_frame(int fd, std::string_view payload, Deadline d) {
+  std::string buf;
+  ByteWriter w(buf);
+  w.put(static_cast<std::uint32_t>(payload.size()));
+  buf.append(payload);
+  return send_all(fd, buf.data(), buf.size(), d);
+}
+
+/// Receives one frame of at most `limit` bytes.
+inline IoResult recv_frame(int fd, std::string& out, std::size_t limit, Deadline d,
+                           std::string_view what) {
+  std::uint8_t len_bytes[4];
+  if (auto r = recv_all(fd, len_bytes, 4, d); r != IoResult::ok) return r;
+  ByteReader lr(len_bytes, 4, what);
+  const auto len = lr.get<std::uint32_t>();
+  if (len > limit) detail::fail(Errc::protocol, what, ": frame of ", len, " bytes exceeds the limit of ", limit);
+  out.resize(len);
+  return recv_all(fd, out.data(), len, d);
+}
+
+}  // namespace detail::store_proto
+
+/// The store server. Runs one thread that serves every client with poll(); stops and joins in
+/// its destructor.
+class StoreServer {
+ public:
+  /// Listens on host:port (port 0 picks a free one, see port()). Throws Errc::address_in_use
+  /// when the port is taken.
+  StoreServer(const std::string& host, int port, StoreOptions options = {})
+      : options_(std::move(options)), host_(host) {
+    if (!options_.log) {
+      options_.log = [](std::string_view m) {
+        std::fprintf(stderr, "[ddp store] %.*s\n", static_cast<int>(m.size()), m.data());
+      };
+    }
+    listener_ = detail::listen_tcp(host, port);
+    port_ = detail::local_port(listener_.get());
+    detail::set_nonblocking(listener_.get(), true);
+    int pipe_fds[2];
+    if (::pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) != 0) detail::fail_errno(errno, "pipe2");
+    wake_read_.reset(pipe_fds[0]);
+    wake_write_.reset(pipe_fds[1]);
+    thread_ = std::thread([this] { run(); });
+  }
+
+  StoreServer(const StoreServer&) = delete;
+  StoreServer& operator=(const StoreServer&) = delete;
+  ~StoreServer() { stop(); }
+
+  [[nodiscard]] int port() const noexcept { return port_; }
+  [[nodiscard]] const std::string& host() const noexcept { return host_; }
+
+  /// Stops serving (idempotent). Connected clients see the connection close.
+  void stop() {
+    if (stopping_.exchange(true)) return;
+    const char c = 'x';
+    (void)!::write(wake_write_.get(), &c, 1);
+    if (thread_.joinable()) thread_.join();
+  }
+
+  /// Connections refused so far (bad handshake, wrong token, oversized frames, stray traffic).
+  [[nodiscard]] std::uint64_t refused() const noexcept { return refused_.load(); }
+
+ private:
+  using Clock = detail::Clock;
+  using Op = detail::store_proto::Op;
+  using Status = detail::store_proto::Status;
+
+  struct Conn {
+    detail::Fd fd;
+    std::string peer;
+    bool authed = false;
+    detail::store_proto::Nonce nonce{};
+    Clock::time_point accepted;
+    std::string in;            // bytes of the frame being read (length prefix included)
+    std::size_t frame_len = 0;  // 0 while the prefix is incomplete
+    std::string out;            // pending output
+    std::size_t out_sent = 0;
+    bool close_after_write = false;
+  };
+
+  struct Waiter {
+    std::uint64_t conn;
+    std::uint64_t request;
+    std::vector<std::string> keys;
+    Clock::time_point deadline;
+    bool is_get;
+  };
+
+  void log(std::string_view m) { options_.log(m); }
+
+  void run() {
+    std::vector<pollfd> fds;
+    std::vector<std::uint64_t> ids;
+    while (!stopping_.load()) {
+      fds.clear();
+      ids.clear();
+      fds.push_back({wake_read_.get(), POLLIN, 0});
+      fds.push_back({listener_.get(), POLLIN, 0});
+      for (auto& [id, c] : conns_) {
+        short ev = POLLIN;
+        if (c.out_sent < c.out.size()) ev = static_cast<short>(ev | POLLOUT);
+        fds.push_back({c.fd.get(), ev, 0});
+        ids.push_back(id);
+      }
+      const int rc = ::poll(fds.data(), fds.size(), next_timeout_ms());
+      if (rc < 0 && errno != EINTR) {
+        log(detail::concat("poll failed: ", std::strerror(errno), "; the store stops serving"));
+        break;
+      }
+      if (rc > 0) {
+        if ((fds[1].revents & POLLIN) != 0) accept_all();
+        for (std::size_t i = 2; i < fds.size(); ++i) {
+          if (fds[i].revents == 0) continue;
+          auto it = conns_.find(ids[i - 2]);
+          if (it == conns_.end()) continue;
+          if ((fds[i].revents & (POLLIN | POLLHUP | POLLERR)) != 0) on_readable(it->first, it->second);
+          it = conns_.find(ids[i - 2]);
+          if (it != conns_.end() && (fds[i].revents & POLLOUT) != 0) flush(it->first, it->second);
+        }
+      }
+      expire();
+      reap();
+    }
+    // Stopped: close every connection now, so clients learn at once instead of at their timeout.
+    waiters_.clear();
+    conns_.clear();
+    listener_.reset();
+  }
+
+  int next_timeout_ms() const {
+    auto next = Clock::now() + std::chrono::seconds(1);
+    for (const auto& w : waiters_) next = std::min(next, w.deadline);
+    for (const auto& [id, c] : conns_) {
+      if (!c.authed) next = std::min(next, c.accepted + options_.handshake_timeout);
+    }
+    return detail::Deadline{next}.poll_ms(1000);
+  }
+
+  void accept_all() {
+    for (;;) {
+      detail::Fd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+      if (!fd) {
+        if (errno == EINTR) continue;
+        return;  // EAGAIN, or a transient error (EMFILE...): try again on the next poll
+      }
+      if (conns_.size() >= options_.max_connections) {
+        refuse(detail::peer_name(fd.get()), "too many connections");
+        continue;
+      }
+      detail::set_nodelay(fd.get());
+      Conn c;
+      c.peer = detail::peer_name(fd.get());
+      c.fd = std::move(fd);
+      c.accepted = Clock::now();
+      detail::random_bytes(c.nonce.data(), c.nonce.size());
+      std::string hello;
+      detail::ByteWriter w(hello);
+      w.put(detail::store_proto::magic);
+      w.put(detail::store_proto::version);
+      w.put(static_cast<std::uint8_t>(options_.token.empty() ? 0 : 1));
+      w.raw(c.nonce.data(), c.nonce.size());
+      queue_frame(c, hello);
+      const auto id = next_conn_id_++;
+      auto [it, ok] = conns_.emplace(id, std::move(c));
+      flush(id, it->second);
+    }
+  }
+
+  void refuse(const std::string& peer, std::string_view why) {
+    refused_.fetch_add(1);
+    log(detail::concat("refused ", peer, ": ", why));
+  }
+
+  void drop(std::uint64_t /*id*/, Conn& c, std::string_view why) {
+    refuse(c.peer, why);
+    c.fd.reset();
+  }
+
+  static void queue_frame(Conn& c, std::string_view payload) {
+    detail::ByteWriter w(c.out);
+    w.put(static_cast<std::uint32_t>(payload.size()));
+    c.out.append(payload);
+  }
+
+  void flush(std::uint64_t, Conn& c) {
+    while (c.fd && c.out_sent < c.out.size()) {
+      const ssize_t n = ::send(c.fd.get(), c.out.data() + c.out_sent, c.out.size() - c.out_sent,
+                               MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n > 0) {
+        c.out_sent += static_cast<std::size_t>(n);
+      } else if (n < 0 && errno == EINTR) {
+        continue;
+      } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        return;
+      } else {
+        c.fd.reset();
+        return;
+      }
+    }
+    if (c.out_sent == c.out.size()) {
+      c.out.clear();
+      c.out_sent = 0;
+      if (c.close_after_write) c.fd.reset();
+    }
+  }
+
+  void on_readable(std::uint64_t id, Conn& c) {
+    char buf[64 * 1024];
+    for (int rounds = 0; rounds < 64 && c.fd; ++rounds) {
+      // Read no further than the current frame, so one connection cannot hoard memory.
+      std::size_t want = sizeof buf;
+      if (c.frame_len != 0) want = std::min(want, c.frame_len + 4 - c.in.size());
+      else want = 4 - c.in.size();
+      const ssize_t n = ::recv(c.fd.get(), buf, want, MSG_DONTWAIT);
+      if (n == 0) {
+        if (!c.authed && c.in.empty()) refuse(c.peer, "connected and closed without a handshake");
+        c.fd.reset();
+        return;
+      }
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) c.fd.reset();
+        return;
+      }
+      c.in.append(buf, static_cast<std::size_t>(n));
+      if (c.frame_len == 0 && c.in.size() == 4) {
+        detail::ByteReader r(c.in, "frame length");
+        const auto len = r.get<std::uint32_t>();
+        const std::size_t limit = c.authed ? detail::store_proto::frame_limit(options_)
+                                           : detail::store_proto::handshake_frame_limit;
+        if (!c.authed && looks_like_text(c.in)) {
+          return drop(id, c, detail::concat("not a ddp store client (stray traffic starting \"",
+                                             printable(c.in), "\")"));
+        }
+        if (len > limit) {
+          return drop(id, c, detail::concat("frame of ", len, " bytes refused (limit ", limit, ")"));
+        }
+        if (len == 0) return drop(id, c, "empty frame");
+        c.frame_len = len;
+      }
+      if (c.frame_len != 0 && c.in.size() == c.frame_len + 4) {
+        std::string frame = c.in.substr(4);
+        c.in.clear();
+        c.frame_len = 0;
+        try {
+          if (!c.authed) handshake(c, frame);
+          else handle(id, c, frame);
+        } catch (const Error& e) {
+          return drop(id, c, e.what());
+        }
+        flush(id, c);
+      }
+    }
+  }
+
+  static bool looks_like_text(std::string_view first4) {
+    return std::all_of(first4.begin(), first4.end(), [](char ch) {
+      return (ch >= 'A' && ch <= 'Z') || (ch >= 'a' && ch <= 'z') || ch == ' ' || ch == '/';
+    });
+  }
+  static std::string printable(std::string_view s) {
+    std::string out;
+    for (char ch : s) out += (ch >= 32 && ch < 127) ? ch : '?';
+    return out;
+  }
+
+  void handshake(Conn& c, const std::string& frame) {
+    namespace sp = detail::store_proto;
+    detail::ByteReader r(frame, "store handshake");
+    if (r.get<std::uint32_t>() != sp::magic) detail::fail(Errc::protocol, "bad handshake magic");
+    const auto v = r.get<std::uint16_t>();
+    sp::Nonce client_nonce{};
+    r.raw(client_nonce.data(), client_nonce.size());
+    detail::Digest mac{};
+    r.raw(mac.data(), mac.size());
+    r.expect_end();
+    std::string reply;
+    detail::ByteWriter w(reply);
+    if (v != sp::version) {
+      w.put(sp::HandshakeStatus::bad_version);
+      queue_frame(c, reply);
+      c.close_after_write = true;
+      refuse(c.peer, detail::concat("protocol version ", v, " (server speaks ", sp::version, ")"));
+      return;
+    }
+    if (!options_.token.empty()) {
+      const auto expected = detail::hmac_sha256(options_.token, sp::client_label,
+                                                sp::as_view(c.nonce), sp::as_view(client_nonce));
+      if (!detail::constant_time_equal(expected, mac)) {
+        w.put(sp::HandshakeStatus::unauthorized);
+        queue_frame(c, reply);
+        c.close_after_write = true;
+        refuse(c.peer, "wrong or missing token (DDP_TOKEN)");
+        return;
+      }
+    }
+    w.put(sp::HandshakeStatus::ok);
+    const auto proof = options_.token.empty()
+                           ? detail::Digest{}
+                           : detail::hmac_sha256(options_.token, sp::server_label,
+                                                 sp::as_view(client_nonce), sp::as_view(c.nonce));
+    w.raw(proof.data(), proof.size());
+    queue_frame(c, reply);
+    c.authed = true;
+  }
+
+  void reply(Conn& c, std::uint64_t request, Status status, std::string_view body = {}) {
+    std::string out;
+    detail::ByteWriter w(out);
+    w.put(status);
+    w.put(request);
+    w.raw(body.data(), body.size());
+    queue_frame(c, out);
+  }
+
+  void handle(std::uint64_t id, Conn& c, const std::string& frame) {
+    detail::ByteReader r(frame, "store request");
+    const auto op = r.get<Op>();
+    const auto request = r.get<std::uint64_t>();
+    const auto key = [&] { return r.str(options_.max_key_bytes); };
+    const auto timeout_at = [&] {
+      const auto ms = r.get<std::uint64_t>();
+      return detail::Deadline::after(std::chrono::milliseconds(
+                                         static_cast<std::int64_t>(std::min<std::uint64_t>(ms, 1ull << 40))))
+          .at;
+    };
+    const auto key_list = [&] {
+      const auto n = r.get<std::uint32_t>();
+      if (n > options_.max_keys) detail::fail(Errc::protocol, "request names ", n, " keys");
+      std::vector<std::string> keys;
+      for (std::uint32_t i = 0; i < n; ++i) keys.push_back(key());
+      return keys;
+    };
+    std::string body;
+    detail::ByteWriter w(body);
+    switch (op) {
+      case Op::set: {
+        auto k = key();
+        auto v = r.str(options_.max_value_bytes);
+        r.expect_end();
+        if (!store_value(k, std::move(v))) return reply(c, request, Status::error, "store is full");
+        reply(c, request, Status::ok);
+        wake_waiters();
+        return;
+      }
+      case Op::get: {
+        Waiter wt{id, request, {key()}, {}, true};
+        wt.deadline = timeout_at();
+        r.expect_end();
+        if (!try_answer(c, wt)) waiters_.push_back(std::move(wt));
+        return;
+      }
+      case Op::wait: {
+        Waiter wt{id, request, key_list(), {}, false};
+        wt.deadline = timeout_at();
+        r.expect_end();
+        if (!try_answer(c, wt)) waiters_.push_back(std::move(wt));
+        return;
+      }
+      case Op::add: {
+        auto k = key();
+        const auto delta = r.get<std::int64_t>();
+        r.expect_end();
+        std::int64_t value = 0;
+        if (auto it = data_.find(k); it != data_.end()) {
+          if (it->second.size() != 8) return reply(c, request, Status::error, "key does not hold a counter");
+          detail::ByteReader vr(it->second, "counter");
+          value = vr.get<std::int64_t>();
+        }
+        value = static_cast<std::int64_t>(static_cast<std::uint64_t>(value) + static_cast<std::uint64_t>(delta));
+        std::string enc;
+        detail::ByteWriter(enc).put(value);
+        if (!store_value(k, std::move(enc))) return reply(c, request, Status::error, "store is full");
+        w.put(value);
+        reply(c, request, Status::ok, body);
+        wake_waiters();
+        return;
+      }
+      case Op::compare_set: {
+        auto k = key();
+        auto expected = r.str(options_.max_value_bytes);
+        auto desired = r.str(options_.max_value_bytes);
+        r.expect_end();
+        auto it = data_.find(k);
+        const bool swap = (it == data_.end() && expected.empty()) || (it != data_.end() && it->second == expected);
+        if (swap) {
+          if (!store_value(k, desired)) return reply(c, request, Status::error, "store is full");
+          it = data_.find(k);
+          wake_waiters();
+        }
+        w.str(it == data_.end() ? std::string_view{} : std::string_view(it->second));
+        reply(c, request, Status::ok, body);
+        return;
+      }
+      case Op::erase: {
+        auto k = key();
+        r.expect_end();
+        auto it = data_.find(k);
+        const bool existed = it != data_.end();
+        if (existed) {
+          total_bytes_ -= it->first.size() + it->second.size();
+          data_.erase(it);
+        }
+        w.put(static_cast<std::uint8_t>(existed));
+        reply(c, request, Status::ok, body);
+        return;
+      }
+      case Op::check: {
+        auto keys = key_list();
+        r.expect_end();
+        const bool all = std::all_of(keys.begin(), keys.end(), [&](const auto& k) { return data_.count(k) != 0; });
+        w.put(static_cast<std::uint8_t>(all));
+        reply(c, request, Status::ok, body);
+        return;
+      }
+    }
+    detail::fail(Errc::protocol, "unknown store operation ", static_cast<int>(op));
+  }
+
+  bool store_value(const std::string& k, std::string v) {
+    auto it = data_.find(k);
+    const std::size_t old = it == data_.end() ? 0 : k.size() + it->second.size();
+    if (it == data_.end() && data_.size() >= options_.max_keys) return false;
+    if (total_bytes_ - old + k.size() + v.size() > options_.max_total_bytes) return false;
+    total_bytes_ = total_bytes_ - old + k.size() + v.size();
+    data_[k] = std::move(v);
+    return true;
+  }
+
+  /// Replies to a get/wait if its keys are present; returns whether it did.
+  bool try_answer(Conn& c, const Waiter& wt) {
+    for (const auto& k : wt.keys) {
+      if (data_.count(k) == 0) return false;
+    }
+    if (wt.is_get) {
+      std::string body;
+      detail::ByteWriter(body).str(data_[wt.keys.front()]);
+      reply(c, wt.request, Status::ok, body);
+    } else {
+      reply(c, wt.request, Status::ok);
+    }
+    return true;
+  }
+
+  void wake_waiters() {
+    std::erase_if(waiters_, [&](const Waiter& wt) {
+      auto it = conns_.find(wt.conn);
+      if (it == conns_.end() || !it->second.fd) return true;
+      if (!try_answer(it->second, wt)) return false;
+      flush(it->first, it->second);
+      return true;
+    });
+  }
+
+  void expire() {
+    const auto now = Clock::now();
+    std::erase_if(waiters_, [&](const Waiter& wt) {
+      auto it = conns_.find(wt.conn);
+      if (it == conns_.end() || !it->second.fd) return true;
+      if (wt.deadline > now) return false;
+      std::string body;
+      detail::ByteWriter w(body);
+      std::vector<std::string_view> missing;
+      for (const auto& k : wt.keys) {
+        if (data_.count(k) == 0) missing.push_back(k);
+      }
+      w.put(static_cast<std::uint32_t>(missing.size()));
+      for (auto k : missing) w.str(k);
+      reply(it->second, wt.request, Status::timeout, body);
+      flush(it->first, it->second);
+      return true;
+    });
+    for (auto& [id, c] : conns_) {
+      if (c.fd && !c.authed && now - c.accepted > options_.handshake_timeout) {
+        drop(id, c, "no handshake before the timeout");
+      }
+    }
+  }
+
+  void reap() {
+    std::erase_if(conns_, [](const auto& kv) { return !kv.second.fd; });
+  }
+
+  StoreOptions options_;
+  std::string host_;
+  detail::Fd listener_;
+  detail::Fd wake_read_, wake_write_;
+  int port_ = 0;
+  std::atomic<bool> stopping_{false};
+  std::atomic<std::uint64_t> refused_{0};
+  std::map<std::uint64_t, Conn> conns_;
+  std::uint64_t next_conn_id_ = 1;
+  std::vector<Waiter> waiters_;
+  std::unordered_map<std::string, std::string> data_;
+  std::size_t total_bytes_ = 0;
+  std::thread thread_;
+};
+
+/// A client of a StoreServer. Copies share one connection (calls are serialized); prefixed()
+/// gives a view whose keys live under a prefix. Thread-safe.
+class Store {
+ public:
+  /// Connects to host:port, retrying until options.timeout (the server may start later).
+  Store(std::string host, int port, StoreOptions options = {})
+      : conn_(std::make_shared<Connection>(std::move(host), port, std::move(options))) {
+    std::lock_guard lock(conn_->mutex);
+    conn_->connect();
+  }
+
+  /// A view of the same store whose keys are prefixed with `prefix`.
+  [[nodiscard]] Store prefixed(std::string_view prefix) const {
+    Store s(*this);
+    s.prefix_ += prefix;
+    return s;
+  }
+  [[nodiscard]] const std::string& prefix() const noexcept { return prefix_; }
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return conn_->options.timeout; }
+  [[nodiscard]] const std::string& host() const noexcept { return conn_->host; }
+  [[nodiscard]] int port() const noexcept { return conn_->port; }
+  /// The local address of the connection to the store (the interface that reaches it).
+  [[nodiscard]] std::string local_address() const {
+    std::lock_guard lock(conn_->mutex);
+    conn_->ensure();
+    return detail::local_address(conn_->fd.get());
+  }
+
+  void set(std::string_view key, std::string_view value) {
+    std::string req = header(Op::set);
+    detail::ByteWriter w(req);
+    w.str(full(key));
+    w.str(value);
+    (void)call(req, "set", key, conn_->options.timeout);
+  }
+
+  /// The value of key, waiting up to the store's timeout for it to appear.
+  [[nodiscard]] std::string get(std::string_view key) { return get(key, conn_->options.timeout); }
+  [[nodiscard]] std::string get(std::string_view key, std::chrono::milliseconds timeout) {
+    std::string req = header(Op::get);
+    detail::ByteWriter w(req);
+    w.str(full(key));
+    w.put(static_cast<std::uint64_t>(timeout.count()));
+    auto body = call(req, "get", key, timeout);
+    detail::ByteReader r(body, "store reply");
+    return r.str(body.size());
+  }
+
+  /// Waits until every key exists; Errc::timeout names the ones still missing.
+  void wait(std::span<const std::string> keys) { wait(keys, conn_->options.timeout); }
+  void wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) {
+    std::string req = header(Op::wait);
+    detail::ByteWriter w(req);
+    w.put(static_cast<std::uint32_t>(keys.size()));
+    for (const auto& k : keys) w.str(full(k));
+    w.put(static_cast<std::uint64_t>(timeout.count()));
+    (void)call(req, "wait", keys.empty() ? std::string_view{} : std::string_view(keys.front()), timeout);
+  }
+
+  /// Adds delta to the integer at key (absent counts as 0) and returns the new value.
+  std::int64_t add(std::string_view key, std::int64_t delta) {
+    std::string req = header(Op::add);
+    detail::ByteWriter w(req);
+    w.str(full(key));
+    w.put(delta);
+    auto body = call(req, "add", key, conn_->options.timeout);
+    detail::ByteReader r(body, "store reply");
+    return r.get<std::int64_t>();
+  }
+
+  /// torch semantics: sets key to desired if it holds expected (or is absent and expected is
+  /// empty); returns the value it holds afterwards.
+  std::string compare_set(std::string_view key, std::string_view expected, std::string_view desired) {
+    std::string req = header(Op::compare_set);
+    detail::ByteWriter w(req);
+    w.str(full(key));
+    w.str(expected);
+    w.str(desired);
+    auto body = call(req, "compare_set", key, conn_->options.timeout);
+    detail::ByteReader r(body, "store reply");
+    return r.str(body.size());
+  }
+
+  /// Removes key; returns whether it existed.
+  bool erase(std::string_view key) {
+    std::string req = header(Op::erase);
+    detail::ByteWriter w(req);
+    w.str(full(key));
+    auto body = call(req, "erase", key, conn_->options.timeout);
+    detail::ByteReader r(body, "store reply");
+    return r.get<std::uint8_t>() != 0;
+  }
+
+  /// Whether every key exists, without waiting.
+  [[nodiscard]] bool check(std::span<const std::string> keys) {
+    std::string req = header(Op::check);
+    detail::ByteWriter w(req);
+    w.put(static_cast<std::uint32_t>(keys.size()));
+    for (const auto& k : keys) w.str(full(k));
+    auto body = call(req, "check", {}, conn_->options.timeout);
+    detail::ByteReader r(body, "store reply");
+    return r.get<std::uint8_t>() != 0;
+  }
+
+  /// The keys of `keys` that are missing from the store after waiting up to `timeout`; empty when
+  /// all appeared. Unlike wait(), reports instead of throwing.
+  [[nodiscard]] std::vector<std::string> missing_after(std::span<const std::string> keys,
+                                                       std::chrono::milliseconds timeout) {
+    try {
+      wait(keys, timeout);
+      return {};
+    } catch (const Error& e) {
+      if (e.code() != Errc::timeout) throw;
+    }
+    std::vector<std::string> missing;
+    for (const auto& k : keys) {
+      if (!check(std::span<const std::string>(&k, 1))) missing.push_back(k);
+    }
+    return missing;
+  }
+
+ private:
+  using Op = detail::store_proto::Op;
+  using Status = detail::store_proto::Status;
+
+  struct Connection {
+    Connection(std::string h, int p, StoreOptions o)
+        : host(std::move(h)), port(p), options(std::move(o)) {}
+    std::string host;
+    int port;
+    StoreOptions options;
+    std::mutex mutex;
+    detail::Fd fd;
+    std::uint64_t next_request = 1;
+
+    void ensure() {
+      if (!fd) connect();
+    }
+
+    void connect() {
+      namespace sp = detail::store_proto;
+      const auto deadline = detail::Deadline::after(options.timeout);
+      const std::string where = detail::host_port(host, port);
+      fd = detail::connect_tcp(host, port, deadline, "the rendezvous store");
+      std::string frame;
+      const auto io = [&](detail::IoResult r, std::string_view step) {
+        if (r == detail::IoResult::ok) return;
+        fd.reset();
+        if (r == detail::IoResult::timeout) {
+          detail::fail(Errc::timeout, "rendezvous store at ", where, ": no ", step, " before the timeout");
+        }
+        detail::fail(Errc::peer_lost, "rendezvous store at ", where, " closed the connection during the ",
+             step, "; is something else listening on that port?");
+      };
+      io(sp::recv_frame(fd.get(), frame, sp::handshake_frame_limit, deadline, "store hello"), "hello");
+      detail::ByteReader r(frame, "store hello");
+      if (r.get<std::uint32_t>() != sp::magic) {
+        fd.reset();
+        detail::fail(Errc::protocol, where, " is not a ddp rendezvous store (bad magic)");
+      }
+      const auto v = r.get<std::uint16_t>();
+      const bool auth_required = r.get<std::uint8_t>() != 0;
+      sp::Nonce server_nonce{};
+      r.raw(server_nonce.data(), server_nonce.size());
+      if (v != sp::version) {
+        fd.reset();
+        detail::fail(Errc::protocol, "rendezvous store at ", where, " speaks protocol ", v, ", this client ", sp::version);
+      }
+      if (!options.token.empty() && !auth_required) {
+        fd.reset();
+        detail::fail(Errc::unauthorized, "rendezvous store at ", where,
+             " does not require a token but this process has one (DDP_TOKEN): refusing to talk "
+             "to a store that cannot prove it knows the token");
+      }
+      sp::Nonce client_nonce{};
+      detail::random_bytes(client_nonce.data(), client_nonce.size());
+      const auto mac = options.token.empty()
+                           ? detail::Digest{}
+                           : detail::hmac_sha256(options.token, sp::client_label,
+                                                 sp::as_view(server_nonce), sp::as_view(client_nonce));
+      std::string auth;
+      detail::ByteWriter w(auth);
+      w.put(sp::magic);
+      w.put(sp::version);
+      w.raw(client_nonce.data(), client_nonce.size());
+      w.raw(mac.data(), mac.size());
+      io(sp::send_frame(fd.get(), auth, deadline), "handshake");
+      io(sp::recv_frame(fd.get(), frame, sp::handshake_frame_limit, deadline, "store handshake reply"),
+         "handshake reply");
+      detail::ByteReader rr(frame, "store handshake reply");
+      const auto status = rr.get<sp::HandshakeStatus>();
+      if (status == sp::HandshakeStatus::unauthorized) {
+        fd.reset();
+        detail::fail(Errc::unauthorized, "rendezvous store at ", where, " refused this process: ",
+             options.token.empty() ? "it requires a token; set DDP_TOKEN to the job's secret"
+                                   : "wrong token; every rank must have the same DDP_TOKEN");
+      }
+      if (status != sp::HandshakeStatus::ok) {
+        fd.reset();
+        detail::fail(Errc::protocol, "rendezvous store at ", where, " refused the handshake (version)");
+      }
+      detail::Digest proof{};
+      rr.raw(proof.data(), proof.size());
+      if (!options.token.empty()) {
+        const auto expected = detail::hmac_sha256(options.token, sp::server_label,
+                                                  sp::as_view(client_nonce), sp::as_view(server_nonce));
+        if (!detail::constant_time_equal(expected, proof)) {
+          fd.reset();
+          detail::fail(Errc::unauthorized, "rendezvous store at ", where,
+               " could not prove it knows DDP_TOKEN: refusing to use it");
+        }
+      }
+    }
+  };
+
+  [[nodiscard]] std::string full(std::string_view key) const { return prefix_ + std::string(key); }
+
+  std::string header(Op op) {
+    std::string req;
+    detail::ByteWriter w(req);
+    w.put(op);
+    w.put(std::uint64_t{0});  // request id, filled in by call()
+    return req;
+  }
+
+  std::string call(std::string& req, std::string_view what, std::string_view key,
+                   std::chrono::milliseconds timeout) {
+    namespace sp = detail::store_proto;
+    std::lock_guard lock(conn_->mutex);
+    conn_->ensure();
+    const std::uint64_t id = conn_->next_request++;
+    for (std::size_t i = 0; i < 8; ++i) req[1 + i] = static_cast<char>((id >> (8 * i)) & 0xffu);
+    // The server answers waits itself at their deadline; allow it some slack before giving up on
+    // the connection.
+    const auto deadline = detail::Deadline::after(timeout + std::chrono::seconds(5));
+    const std::string where = detail::host_port(conn_->host, conn_->port);
+    const auto lost = [&](detail::IoResult r) {
+      conn_->fd.reset();
+      if (r == detail::IoResult::timeout) {
+        detail::fail(Errc::timeout, "store ", what, "(\"", prefix_, key, "\"): the store at ", where,
+             " did not answer before the timeout");
+      }
+      detail::fail(Errc::peer_lost, "store ", what, "(\"", prefix_, key, "\"): the store at ", where,
+           " closed the connection (did rank 0 or the launcher exit?)");
+    };
+    if (auto r = sp::send_frame(conn_->fd.get(), req, deadline); r != detail::IoResult::ok) lost(r);
+    std::string frame;
+    for (;;) {
+      if (auto r = sp::recv_frame(conn_->fd.get(), frame, sp::frame_limit(conn_->options), deadline,
+                                  "store reply");
+          r != detail::IoResult::ok) {
+        lost(r);
+      }
+      detail::ByteReader r(frame, "store reply");
+      const auto status = r.get<Status>();
+      const auto reply_id = r.get<std::uint64_t>();
+      if (reply_id != id) continue;  // a reply to a request abandoned earlier
+      std::string body(r.view(r.left()));
+      if (status == Status::ok) return body;
+      if (status == Status::timeout) {
+        detail::ByteReader br(body, "store timeout reply");
+        const auto n = br.get<std::uint32_t>();
+        std::string missing;
+        for (std::uint32_t i = 0; i < n && i < 16; ++i) {
+          missing += (i ? ", \"" : "\"") + br.str(body.size()) + "\"";
+        }
+        if (n > 16) missing += detail::concat(" and ", n - 16, " more");
+        detail::fail(Errc::timeout, "store ", what, ": timed out after ", timeout.count(),
+             " ms waiting for ", missing);
+      }
+      detail::ByteReader br(body, "store error reply");
+      detail::fail(Errc::protocol, "store ", what, "(\"", prefix_, key, "\") failed: ", br.view(br.left()));
+    }
+  }
+
+  std::shared_ptr<Connection> conn_;
+  std::string prefix_;
+};
+
+DDP_END_NAMESPACE
+// end ddp/store.hpp
+#endif
 // #include "ddp/types.hpp" (already included above)
 // #include "ddp/version.hpp" (already included above)
 

@@ -1,0 +1,301 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// POSIX sockets with deadlines: RAII descriptors, listen/connect/accept, and send/receive of
+/// whole buffers that never block past a deadline and survive EINTR.
+
+#include "ddp/config.hpp"
+#include "ddp/error.hpp"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+using Clock = std::chrono::steady_clock;
+
+/// A point in time after which a wait gives up.
+struct Deadline {
+  Clock::time_point at;
+
+  [[nodiscard]] static Deadline after(std::chrono::milliseconds d) {
+    // Saturate: "5 years" must not overflow the clock.
+    const auto now = Clock::now();
+    const auto max_wait = Clock::time_point::max() - now;
+    if (d >= std::chrono::duration_cast<std::chrono::milliseconds>(max_wait)) {
+      return {Clock::time_point::max()};
+    }
+    return {now + d};
+  }
+  [[nodiscard]] bool expired() const { return Clock::now() >= at; }
+  /// Milliseconds left, clamped to [0, cap], rounded up (for poll()).
+  [[nodiscard]] int poll_ms(int cap = 1 << 30) const {
+    const auto left = at - Clock::now();
+    if (left <= Clock::duration::zero()) return 0;
+    const auto ms = std::chrono::ceil<std::chrono::milliseconds>(left).count();
+    return static_cast<int>(std::min<long long>(ms, cap));
+  }
+};
+
+/// An owned file descriptor.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) noexcept : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  Fd& operator=(Fd&& o) noexcept {
+    if (this != &o) reset(std::exchange(o.fd_, -1));
+    return *this;
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() { reset(); }
+
+  [[nodiscard]] int get() const noexcept { return fd_; }
+  [[nodiscard]] bool valid() const noexcept { return fd_ >= 0; }
+  explicit operator bool() const noexcept { return valid(); }
+  int release() noexcept { return std::exchange(fd_, -1); }
+  void reset(int fd = -1) noexcept {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = fd;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+inline void set_nonblocking(int fd, bool on) {
+  const int flags = ::fcntl(fd, F_GETFL, 0);
+  if (flags < 0) fail_errno(errno, "fcntl(F_GETFL)");
+  if (::fcntl(fd, F_SETFL, on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK)) < 0) {
+    fail_errno(errno, "fcntl(F_SETFL)");
+  }
+}
+
+inline void set_nodelay(int fd) {
+  int one = 1;
+  (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+/// "host:port", with IPv6 literals in brackets.
+[[nodiscard]] inline std::string host_port(std::string_view host, int port) {
+  if (host.find(':') != std::string_view::npos) return concat('[', host, "]:", port);
+  return concat(host, ':', port);
+}
+
+/// The numeric address and port of a socket address.
+[[nodiscard]] inline std::pair<std::string, int> numeric_name(const sockaddr* sa, socklen_t len) {
+  char host[NI_MAXHOST] = {};
+  char serv[NI_MAXSERV] = {};
+  if (::getnameinfo(sa, len, host, sizeof host, serv, sizeof serv, NI_NUMERICHOST | NI_NUMERICSERV) !=
+      0) {
+    return {"?", 0};
+  }
+  return {host, std::atoi(serv)};
+}
+
+/// Resolves host:port for TCP; throws Errc::invalid_argument when the name does not resolve.
+class AddrInfo {
+ public:
+  AddrInfo(const std::string& host, int port, bool passive) {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_ADDRCONFIG | (passive ? AI_PASSIVE : 0);
+    if (host.empty()) hints.ai_flags |= AI_PASSIVE;
+    const std::string service = std::to_string(port);
+    const int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &list_);
+    if (rc != 0) {
+      fail(Errc::invalid_argument, "cannot resolve \"", host, "\": ", ::gai_strerror(rc),
+           "; check MASTER_ADDR");
+    }
+  }
+  AddrInfo(const AddrInfo&) = delete;
+  AddrInfo& operator=(const AddrInfo&) = delete;
+  ~AddrInfo() {
+    if (list_ != nullptr) ::freeaddrinfo(list_);
+  }
+  [[nodiscard]] const addrinfo* begin() const { return list_; }
+
+ private:
+  addrinfo* list_ = nullptr;
+};
+
+/// A listening TCP socket bound to exactly `host` (all interfaces only when host is "0.0.0.0" or
+/// "::", which must be asked for). port 0 picks a free port. EADDRINUSE -> Errc::address_in_use.
+[[nodiscard]] inline Fd listen_tcp(const std::string& host, int port, int backlog = 1024) {
+  const AddrInfo ai(host, port, /*passive=*/true);
+  int last_errno = 0;
+  for (const addrinfo* a = ai.begin(); a != nullptr; a = a->ai_next) {
+    Fd fd(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
+    if (!fd) {
+      last_errno = errno;
+      continue;
+    }
+    int one = 1;
+    (void)::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (::bind(fd.get(), a->ai_addr, a->ai_addrlen) != 0) {
+      last_errno = errno;
+      if (last_errno == EADDRINUSE) {
+        fail(Errc::address_in_use, "address ", host_port(host, port),
+             " is in use: another job (or a previous run that has not exited) holds it; choose "
+             "another MASTER_PORT or use ddprun --standalone");
+      }
+      continue;
+    }
+    if (::listen(fd.get(), backlog) != 0) {
+      last_errno = errno;
+      continue;
+    }
+    return fd;
+  }
+  fail_errno(last_errno, "cannot listen on ", host_port(host, port));
+}
+
+/// The port a bound socket listens on.
+[[nodiscard]] inline int local_port(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) fail_errno(errno, "getsockname");
+  return numeric_name(reinterpret_cast<sockaddr*>(&ss), len).second;
+}
+
+/// The local address of a connected socket (the interface that reaches its peer).
+[[nodiscard]] inline std::string local_address(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) fail_errno(errno, "getsockname");
+  return numeric_name(reinterpret_cast<sockaddr*>(&ss), len).first;
+}
+
+/// The peer of a connected socket as "addr:port".
+[[nodiscard]] inline std::string peer_name(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return "?";
+  auto [h, p] = numeric_name(reinterpret_cast<sockaddr*>(&ss), len);
+  return host_port(h, p);
+}
+
+/// Connects to host:port, retrying refused/unreachable attempts until the deadline (the server
+/// may not be up yet). Returns a blocking socket with TCP_NODELAY.
+[[nodiscard]] inline Fd connect_tcp(const std::string& host, int port, Deadline deadline,
+                                    std::string_view what) {
+  int last_errno = 0;
+  auto backoff = std::chrono::milliseconds(5);
+  for (;;) {
+    const AddrInfo ai(host, port, /*passive=*/false);
+    for (const addrinfo* a = ai.begin(); a != nullptr; a = a->ai_next) {
+      Fd fd(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
+      if (!fd) {
+        last_errno = errno;
+        continue;
+      }
+      set_nonblocking(fd.get(), true);
+      int rc = ::connect(fd.get(), a->ai_addr, a->ai_addrlen);
+      if (rc != 0 && errno == EINPROGRESS) {
+        pollfd p{fd.get(), POLLOUT, 0};
+        do {
+          rc = ::poll(&p, 1, deadline.poll_ms(1000));
+        } while ((rc < 0 && errno == EINTR) || (rc == 0 && !deadline.expired()));
+        if (rc == 1) {
+          int err = 0;
+          socklen_t len = sizeof err;
+          (void)::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+          rc = err == 0 ? 0 : -1;
+          errno = err;
+        } else {
+          rc = -1;
+          errno = ETIMEDOUT;
+        }
+      }
+      if (rc == 0) {
+        set_nonblocking(fd.get(), false);
+        set_nodelay(fd.get());
+        return fd;
+      }
+      last_errno = errno;
+    }
+    if (deadline.expired()) {
+      fail(Errc::timeout, "cannot connect to ", what, " at ", host_port(host, port), ": ",
+           std::strerror(last_errno),
+           " until the timeout; check that it is running and that MASTER_ADDR/MASTER_PORT are "
+           "right");
+    }
+    std::this_thread::sleep_for(std::min(backoff, std::chrono::milliseconds(deadline.poll_ms())));
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
+  }
+}
+
+enum class IoResult { ok, closed, timeout };
+
+/// Writes all of [data, data+n) before the deadline. Works on blocking and non-blocking sockets.
+[[nodiscard]] inline IoResult send_all(int fd, const void* data, std::size_t n, Deadline deadline) {
+  const auto* p = static_cast<const std::byte*>(data);
+  while (n > 0) {
+    const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w > 0) {
+      p += w;
+      n -= static_cast<std::size_t>(w);
+      continue;
+    }
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      pollfd pfd{fd, POLLOUT, 0};
+      const int rc = ::poll(&pfd, 1, deadline.poll_ms(1000));
+      if (rc == 0 && deadline.expired()) return IoResult::timeout;
+      if (rc > 0 && (pfd.revents & (POLLERR | POLLHUP)) != 0 && (pfd.revents & POLLOUT) == 0) {
+        return IoResult::closed;
+      }
+      continue;
+    }
+    return IoResult::closed;  // EPIPE, ECONNRESET, ...
+  }
+  return IoResult::ok;
+}
+
+/// Reads exactly n bytes before the deadline.
+[[nodiscard]] inline IoResult recv_all(int fd, void* data, std::size_t n, Deadline deadline) {
+  auto* p = static_cast<std::byte*>(data);
+  while (n > 0) {
+    const ssize_t r = ::recv(fd, p, n, MSG_DONTWAIT);
+    if (r > 0) {
+      p += r;
+      n -= static_cast<std::size_t>(r);
+      continue;
+    }
+    if (r == 0) return IoResult::closed;
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      pollfd pfd{fd, POLLIN, 0};
+      const int rc = ::poll(&pfd, 1, deadline.poll_ms(1000));
+      if (rc == 0 && deadline.expired()) return IoResult::timeout;
+      continue;
+    }
+    return IoResult::closed;
+  }
+  return IoResult::ok;
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE

@@ -1,0 +1,208 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// ddp::Environment: who am I? Read from the variables a launcher sets — ddprun and torchrun
+/// (RANK, WORLD_SIZE, ...), Slurm (SLURM_PROCID, ...), Open MPI (OMPI_COMM_WORLD_*), MPICH/PMI
+/// (PMI_RANK, ...) — or, with no launcher, rank 0 of a world of 1.
+
+#include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+#include "ddp/error.hpp"
+
+#include <charconv>
+#include <cstdlib>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <system_error>
+
+DDP_BEGIN_NAMESPACE
+
+/// Where a process stands in the job, and where the rendezvous store is.
+struct Environment {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;  ///< 0: not set (only allowed when world_size == 1 or under MPI)
+  /// Which launcher the values came from: "ddprun", "torchrun", "slurm", "openmpi", "pmi", "none".
+  std::string launcher = "none";
+
+  /// Reads the process environment. Never throws when no launcher variable is set; throws
+  /// Errc::invalid_argument naming the variable when one is malformed or inconsistent.
+  [[nodiscard]] static Environment detect();
+
+  /// The same, from any lookup function (returns nullptr for unset names): for tests and for
+  /// programs that keep their configuration elsewhere.
+  [[nodiscard]] static Environment detect(
+      const std::function<const char*(const char*)>& lookup);
+};
+
+namespace detail {
+
+class EnvReader {
+ public:
+  explicit EnvReader(const std::function<const char*(const char*)>& lookup) : lookup_(lookup) {}
+
+  [[nodiscard]] bool has(const char* name) const {
+    const char* v = lookup_(name);
+    return v != nullptr && *v != '\0';
+  }
+  [[nodiscard]] std::optional<std::string> str(const char* name) const {
+    const char* v = lookup_(name);
+    if (v == nullptr || *v == '\0') return std::nullopt;
+    return std::string(v);
+  }
+  /// An integer in [min, max]; anything else is an error that names the variable.
+  [[nodiscard]] std::optional<int> integer(const char* name, int min, int max) const {
+    const char* v = lookup_(name);
+    if (v == nullptr || *v == '\0') return std::nullopt;
+    const std::string_view text(v);
+    int value = 0;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+    if (ec != std::errc{} || end != text.data() + text.size()) {
+      fail(Errc::invalid_argument, "environment variable ", name, "=\"", text,
+           "\" is not an integer; check what your launcher exported");
+    }
+    if (value < min || value > max) {
+      fail(Errc::invalid_argument, "environment variable ", name, "=", value,
+           " is out of range [", min, ", ", max, "]");
+    }
+    return value;
+  }
+
+ private:
+  const std::function<const char*(const char*)>& lookup_;
+};
+
+/// The first host name of a Slurm node list: "gpu[07-09,12],cpu3" -> "gpu07".
+[[nodiscard]] inline std::string first_slurm_host(std::string_view list) {
+  const auto bracket = list.find('[');
+  const auto comma = list.find(',');
+  if (bracket == std::string_view::npos || (comma != std::string_view::npos && comma < bracket)) {
+    return std::string(list.substr(0, comma));
+  }
+  const auto close = list.find(']', bracket);
+  if (close == std::string_view::npos) {
+    fail(Errc::invalid_argument, "SLURM_JOB_NODELIST=\"", list, "\" is malformed (no ']')");
+  }
+  std::string_view range = list.substr(bracket + 1, close - bracket - 1);
+  range = range.substr(0, range.find_first_of(",-"));
+  return std::string(list.substr(0, bracket)) + std::string(range);
+}
+
+inline void check_rank(const EnvReader&, int rank, int world, const char* rank_var,
+                       const char* world_var) {
+  if (rank >= world) {
+    fail(Errc::invalid_argument, "environment: ", rank_var, "=", rank, " must be less than ",
+         world_var, "=", world);
+  }
+}
+
+}  // namespace detail
+
+inline Environment Environment::detect(const std::function<const char*(const char*)>& lookup) {
+  constexpr int max_world = 1 << 24;
+  const detail::EnvReader env(lookup);
+  Environment e;
+
+  const auto fill_master = [&](bool required) {
+    if (auto addr = env.str("MASTER_ADDR")) e.master_addr = *addr;
+    if (auto port = env.integer("MASTER_PORT", 1, 65535)) {
+      e.master_port = *port;
+    } else if (required && e.world_size > 1) {
+      detail::fail(Errc::invalid_argument, "environment: WORLD_SIZE=", e.world_size,
+                   " but MASTER_PORT is not set; export MASTER_ADDR and MASTER_PORT (ddprun and "
+                   "torchrun do this for you)");
+    }
+  };
+
+  if (env.has("RANK") || env.has("WORLD_SIZE")) {  // ddprun / torchrun / torch.distributed.launch
+    e.launcher = env.has("DDP_LAUNCHER") ? "ddprun" : "torchrun";
+    const auto rank = env.integer("RANK", 0, max_world - 1);
+    const auto world = env.integer("WORLD_SIZE", 1, max_world);
+    if (!rank) detail::fail(Errc::invalid_argument, "environment: WORLD_SIZE is set but RANK is not");
+    if (!world) detail::fail(Errc::invalid_argument, "environment: RANK is set but WORLD_SIZE is not");
+    e.rank = *rank;
+    e.world_size = *world;
+    detail::check_rank(env, e.rank, e.world_size, "RANK", "WORLD_SIZE");
+    e.local_world_size = env.integer("LOCAL_WORLD_SIZE", 1, max_world).value_or(e.world_size);
+    e.local_rank = env.integer("LOCAL_RANK", 0, max_world - 1).value_or(e.rank % e.local_world_size);
+    detail::check_rank(env, e.local_rank, e.local_world_size, "LOCAL_RANK", "LOCAL_WORLD_SIZE");
+    if (e.local_world_size > e.world_size) {
+      detail::fail(Errc::invalid_argument, "environment: LOCAL_WORLD_SIZE=", e.local_world_size,
+                   " is larger than WORLD_SIZE=", e.world_size);
+    }
+    auto node = env.integer("NODE_RANK", 0, max_world - 1);
+    if (!node) node = env.integer("GROUP_RANK", 0, max_world - 1);
+    e.node_rank = node.value_or(e.rank / e.local_world_size);
+    fill_master(/*required=*/true);
+  } else if (env.has("OMPI_COMM_WORLD_RANK")) {  // Open MPI's mpirun
+    e.launcher = "openmpi";
+    e.world_size = env.integer("OMPI_COMM_WORLD_SIZE", 1, max_world).value_or(1);
+    e.rank = *env.integer("OMPI_COMM_WORLD_RANK", 0, max_world - 1);
+    detail::check_rank(env, e.rank, e.world_size, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE");
+    e.local_world_size =
+        env.integer("OMPI_COMM_WORLD_LOCAL_SIZE", 1, max_world).value_or(e.world_size);
+    e.local_rank = env.integer("OMPI_COMM_WORLD_LOCAL_RANK", 0, max_world - 1).value_or(0);
+    detail::check_rank(env, e.local_rank, e.local_world_size, "OMPI_COMM_WORLD_LOCAL_RANK",
+                       "OMPI_COMM_WORLD_LOCAL_SIZE");
+    e.node_rank = env.integer("OMPI_COMM_WORLD_NODE_RANK", 0, max_world - 1)
+                      .value_or(e.rank / e.local_world_size);
+    fill_master(/*required=*/false);
+  } else if (env.has("PMI_RANK")) {  // MPICH / Intel MPI (hydra)
+    e.launcher = "pmi";
+    e.world_size = env.integer("PMI_SIZE", 1, max_world).value_or(1);
+    e.rank = *env.integer("PMI_RANK", 0, max_world - 1);
+    detail::check_rank(env, e.rank, e.world_size, "PMI_RANK", "PMI_SIZE");
+    e.local_world_size = env.integer("MPI_LOCALNRANKS", 1, max_world).value_or(e.world_size);
+    e.local_rank = env.integer("MPI_LOCALRANKID", 0, max_world - 1).value_or(0);
+    detail::check_rank(env, e.local_rank, e.local_world_size, "MPI_LOCALRANKID", "MPI_LOCALNRANKS");
+    e.node_rank = e.rank / e.local_world_size;
+    fill_master(/*required=*/false);
+  } else if (env.has("SLURM_PROCID")) {  // srun
+    e.launcher = "slurm";
+    e.world_size = env.integer("SLURM_NTASKS", 1, max_world).value_or(1);
+    e.rank = *env.integer("SLURM_PROCID", 0, max_world - 1);
+    detail::check_rank(env, e.rank, e.world_size, "SLURM_PROCID", "SLURM_NTASKS");
+    e.local_rank = env.integer("SLURM_LOCALID", 0, max_world - 1).value_or(0);
+    // SLURM_NTASKS_PER_NODE may read "4" or "4(x2)"; SLURM_TASKS_PER_NODE likewise. Use the
+    // leading number when it parses, else assume one node.
+    e.local_world_size = e.world_size;
+    for (const char* name : {"SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
+      if (auto v = env.str(name)) {
+        int n = 0;
+        const auto [end, ec] = std::from_chars(v->data(), v->data() + v->size(), n);
+        if (ec == std::errc{} && n > 0 && end != v->data()) {
+          e.local_world_size = n;
+          break;
+        }
+      }
+    }
+    detail::check_rank(env, e.local_rank, e.local_world_size, "SLURM_LOCALID",
+                       "SLURM_NTASKS_PER_NODE");
+    e.node_rank = env.integer("SLURM_NODEID", 0, max_world - 1).value_or(0);
+    if (!env.has("MASTER_ADDR")) {
+      if (auto nodes = env.str("SLURM_JOB_NODELIST")) e.master_addr = detail::first_slurm_host(*nodes);
+    }
+    fill_master(/*required=*/false);
+    if (e.master_port == 0) {
+      // Same on every task of the job, different between jobs sharing a node.
+      if (auto job = env.integer("SLURM_JOB_ID", 0, 2147483647)) e.master_port = 15000 + *job % 20000;
+    }
+  }
+  return e;
+}
+
+inline Environment Environment::detect() {
+  return detect([](const char* name) -> const char* { return std::getenv(name); });
+}
+
+DDP_END_NAMESPACE

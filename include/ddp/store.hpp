@@ -1,0 +1,874 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// The rendezvous store: a TCP key-value server (run by rank 0 or by the launcher) and its
+/// clients, like c10d's TCPStore but safe to expose:
+///  * it binds the address it is given, never every interface unless asked ("0.0.0.0" / "::");
+///  * with a token (DDP_TOKEN) a client must prove it knows it: HMAC-SHA-256 over a fresh nonce
+///    from each side, compared in constant time, so a recorded handshake cannot be replayed and
+///    the token never crosses the wire; the server proves it too;
+///  * frames are length-prefixed and capped; a client that has not authenticated may only send a
+///    handshake-sized frame; buffers grow with the bytes that actually arrive, never with a
+///    length someone claims;
+///  * every call has a timeout, and waits are enforced by the server, so a client is never left
+///    reading a late reply.
+
+#include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+#include "ddp/detail/bytes.hpp"
+#include "ddp/detail/crypto.hpp"
+#include "ddp/detail/socket.hpp"
+#include "ddp/error.hpp"
+
+#include <poll.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// Limits and security settings of a store server and its clients.
+struct StoreOptions {
+  /// How long get/wait/connect may take before Errc::timeout.
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  /// Shared secret; empty disables authentication. Communicator::init passes DDP_TOKEN.
+  std::string token;
+  std::size_t max_key_bytes = 4096;
+  std::size_t max_value_bytes = std::size_t{64} << 20;
+  std::size_t max_keys = std::size_t{1} << 20;
+  std::size_t max_total_bytes = std::size_t{1} << 30;
+  std::size_t max_connections = 4096;
+  /// A connection that has not finished the handshake by then is dropped (slow or stray clients).
+  std::chrono::milliseconds handshake_timeout{std::chrono::seconds(10)};
+  /// Where the server reports refused connections and malformed traffic; default: stderr.
+  /// Never receives the token.
+  std::function<void(std::string_view)> log;
+};
+
+namespace detail::store_proto {
+
+inline constexpr std::uint32_t magic = 0x53504444;  // "DDPS"
+inline constexpr std::uint16_t version = 1;
+inline constexpr std::size_t nonce_bytes = 16;
+inline constexpr std::size_t handshake_frame_limit = 256;
+inline constexpr std::string_view client_label = "ddp-store-client-v1";
+inline constexpr std::string_view server_label = "ddp-store-server-v1";
+
+enum class Op : std::uint8_t { set = 1, get = 2, wait = 3, add = 4, compare_set = 5, erase = 6, check = 7 };
+enum class Status : std::uint8_t { ok = 0, timeout = 1, error = 2 };
+enum class HandshakeStatus : std::uint8_t { ok = 0, unauthorized = 1, bad_version = 2 };
+
+using Nonce = std::array<std::uint8_t, nonce_bytes>;
+
+inline std::string_view as_view(const Nonce& n) {
+  return {reinterpret_cast<const char*>(n.data()), n.size()};
+}
+inline std::string_view as_view(const Digest& d) {
+  return {reinterpret_cast<const char*>(d.data()), d.size()};
+}
+
+/// Largest frame a peer may send once authenticated.
+inline std::size_t frame_limit(const StoreOptions& o) {
+  return o.max_value_bytes * 2 + o.max_key_bytes + 64;
+}
+
+/// Sends one length-prefixed frame.
+inline IoResult send_frame(int fd, std::string_view payload, Deadline d) {
+  std::string buf;
+  ByteWriter w(buf);
+  w.put(static_cast<std::uint32_t>(payload.size()));
+  buf.append(payload);
+  return send_all(fd, buf.data(), buf.size(), d);
+}
+
+/// Receives one frame of at most `limit` bytes.
+inline IoResult recv_frame(int fd, std::string& out, std::size_t limit, Deadline d,
+                           std::string_view what) {
+  std::uint8_t len_bytes[4];
+  if (auto r = recv_all(fd, len_bytes, 4, d); r != IoResult::ok) return r;
+  ByteReader lr(len_bytes, 4, what);
+  const auto len = lr.get<std::uint32_t>();
+  if (len > limit) detail::fail(Errc::protocol, what, ": frame of ", len, " bytes exceeds the limit of ", limit);
+  out.resize(len);
+  return recv_all(fd, out.data(), len, d);
+}
+
+}  // namespace detail::store_proto
+
+/// The store server. Runs one thread that serves every client with poll(); stops and joins in
+/// its destructor.
+class StoreServer {
+ public:
+  /// Listens on host:port (port 0 picks a free one, see port()). Throws Errc::address_in_use
+  /// when the port is taken.
+  StoreServer(const std::string& host, int port, StoreOptions options = {})
+      : options_(std::move(options)), host_(host) {
+    if (!options_.log) {
+      options_.log = [](std::string_view m) {
+        std::fprintf(stderr, "[ddp store] %.*s\n", static_cast<int>(m.size()), m.data());
+      };
+    }
+    listener_ = detail::listen_tcp(host, port);
+    port_ = detail::local_port(listener_.get());
+    detail::set_nonblocking(listener_.get(), true);
+    int pipe_fds[2];
+    if (::pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) != 0) detail::fail_errno(errno, "pipe2");
+    wake_read_.reset(pipe_fds[0]);
+    wake_write_.reset(pipe_fds[1]);
+    thread_ = std::thread([this] { run(); });
+  }
+
+  StoreServer(const StoreServer&) = delete;
+  StoreServer& operator=(const StoreServer&) = delete;
+  ~StoreServer() { stop(); }
+
+  [[nodiscard]] int port() const noexcept { return port_; }
+  [[nodiscard]] const std::string& host() const noexcept { return host_; }
+
+  /// Stops serving (idempotent). Connected clients see the connection close.
+  void stop() {
+    if (stopping_.exchange(true)) return;
+    const char c = 'x';
+    (void)!::write(wake_write_.get(), &c, 1);
+    if (thread_.joinable()) thread_.join();
+  }
+
+  /// Connections refused so far (bad handshake, wrong token, oversized frames, stray traffic).
+  [[nodiscard]] std::uint64_t refused() const noexcept { return refused_.load(); }
+
+ private:
+  using Clock = detail::Clock;
+  using Op = detail::store_proto::Op;
+  using Status = detail::store_proto::Status;
+
+  struct Conn {
+    detail::Fd fd;
+    std::string peer;
+    bool authed = false;
+    detail::store_proto::Nonce nonce{};
+    Clock::time_point accepted;
+    std::string in;            // bytes of the frame being read (length prefix included)
+    std::size_t frame_len = 0;  // 0 while the prefix is incomplete
+    std::string out;            // pending output
+    std::size_t out_sent = 0;
+    bool close_after_write = false;
+  };
+
+  struct Waiter {
+    std::uint64_t conn;
+    std::uint64_t request;
+    std::vector<std::string> keys;
+    Clock::time_point deadline;
+    bool is_get;
+  };
+
+  void log(std::string_view m) { options_.log(m); }
+
+  void run() {
+    std::vector<pollfd> fds;
+    std::vector<std::uint64_t> ids;
+    while (!stopping_.load()) {
+      fds.clear();
+      ids.clear();
+      fds.push_back({wake_read_.get(), POLLIN, 0});
+      fds.push_back({listener_.get(), POLLIN, 0});
+      for (auto& [id, c] : conns_) {
+        short ev = POLLIN;
+        if (c.out_sent < c.out.size()) ev = static_cast<short>(ev | POLLOUT);
+        fds.push_back({c.fd.get(), ev, 0});
+        ids.push_back(id);
+      }
+      const int rc = ::poll(fds.data(), fds.size(), next_timeout_ms());
+      if (rc < 0 && errno != EINTR) {
+        log(detail::concat("poll failed: ", std::strerror(errno), "; the store stops serving"));
+        break;
+      }
+      if (rc > 0) {
+        if ((fds[1].revents & POLLIN) != 0) accept_all();
+        for (std::size_t i = 2; i < fds.size(); ++i) {
+          if (fds[i].revents == 0) continue;
+          auto it = conns_.find(ids[i - 2]);
+          if (it == conns_.end()) continue;
+          if ((fds[i].revents & (POLLIN | POLLHUP | POLLERR)) != 0) on_readable(it->first, it->second);
+          it = conns_.find(ids[i - 2]);
+          if (it != conns_.end() && (fds[i].revents & POLLOUT) != 0) flush(it->first, it->second);
+        }
+      }
+      expire();
+      reap();
+    }
+    // Stopped: close every connection now, so clients learn at once instead of at their timeout.
+    waiters_.clear();
+    conns_.clear();
+    listener_.reset();
+  }
+
+  int next_timeout_ms() const {
+    auto next = Clock::now() + std::chrono::seconds(1);
+    for (const auto& w : waiters_) next = std::min(next, w.deadline);
+    for (const auto& [id, c] : conns_) {
+      if (!c.authed) next = std::min(next, c.accepted + options_.handshake_timeout);
+    }
+    return detail::Deadline{next}.poll_ms(1000);
+  }
+
+  void accept_all() {
+    for (;;) {
+      detail::Fd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+      if (!fd) {
+        if (errno == EINTR) continue;
+        return;  // EAGAIN, or a transient error (EMFILE...): try again on the next poll
+      }
+      if (conns_.size() >= options_.max_connections) {
+        refuse(detail::peer_name(fd.get()), "too many connections");
+        continue;
+      }
+      detail::set_nodelay(fd.get());
+      Conn c;
+      c.peer = detail::peer_name(fd.get());
+      c.fd = std::move(fd);
+      c.accepted = Clock::now();
+      detail::random_bytes(c.nonce.data(), c.nonce.size());
+      std::string hello;
+      detail::ByteWriter w(hello);
+      w.put(detail::store_proto::magic);
+      w.put(detail::store_proto::version);
+      w.put(static_cast<std::uint8_t>(options_.token.empty() ? 0 : 1));
+      w.raw(c.nonce.data(), c.nonce.size());
+      queue_frame(c, hello);
+      const auto id = next_conn_id_++;
+      auto [it, ok] = conns_.emplace(id, std::move(c));
+      flush(id, it->second);
+    }
+  }
+
+  void refuse(const std::string& peer, std::string_view why) {
+    refused_.fetch_add(1);
+    log(detail::concat("refused ", peer, ": ", why));
+  }
+
+  void drop(std::uint64_t /*id*/, Conn& c, std::string_view why) {
+    refuse(c.peer, why);
+    c.fd.reset();
+  }
+
+  static void queue_frame(Conn& c, std::string_view payload) {
+    detail::ByteWriter w(c.out);
+    w.put(static_cast<std::uint32_t>(payload.size()));
+    c.out.append(payload);
+  }
+
+  void flush(std::uint64_t, Conn& c) {
+    while (c.fd && c.out_sent < c.out.size()) {
+      const ssize_t n = ::send(c.fd.get(), c.out.data() + c.out_sent, c.out.size() - c.out_sent,
+                               MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n > 0) {
+        c.out_sent += static_cast<std::size_t>(n);
+      } else if (n < 0 && errno == EINTR) {
+        continue;
+      } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        return;
+      } else {
+        c.fd.reset();
+        return;
+      }
+    }
+    if (c.out_sent == c.out.size()) {
+      c.out.clear();
+      c.out_sent = 0;
+      if (c.close_after_write) c.fd.reset();
+    }
+  }
+
+  void on_readable(std::uint64_t id, Conn& c) {
+    char buf[64 * 1024];
+    for (int rounds = 0; rounds < 64 && c.fd; ++rounds) {
+      // Read no further than the current frame, so one connection cannot hoard memory.
+      std::size_t want = sizeof buf;
+      if (c.frame_len != 0) want = std::min(want, c.frame_len + 4 - c.in.size());
+      else want = 4 - c.in.size();
+      const ssize_t n = ::recv(c.fd.get(), buf, want, MSG_DONTWAIT);
+      if (n == 0) {
+        if (!c.authed && c.in.empty()) refuse(c.peer, "connected and closed without a handshake");
+        c.fd.reset();
+        return;
+      }
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) c.fd.reset();
+        return;
+      }
+      c.in.append(buf, static_cast<std::size_t>(n));
+      if (c.frame_len == 0 && c.in.size() == 4) {
+        detail::ByteReader r(c.in, "frame length");
+        const auto len = r.get<std::uint32_t>();
+        const std::size_t limit = c.authed ? detail::store_proto::frame_limit(options_)
+                                           : detail::store_proto::handshake_frame_limit;
+        if (!c.authed && looks_like_text(c.in)) {
+          return drop(id, c, detail::concat("not a ddp store client (stray traffic starting \"",
+                                             printable(c.in), "\")"));
+        }
+        if (len > limit) {
+          return drop(id, c, detail::concat("frame of ", len, " bytes refused (limit ", limit, ")"));
+        }
+        if (len == 0) return drop(id, c, "empty frame");
+        c.frame_len = len;
+      }
+      if (c.frame_len != 0 && c.in.size() == c.frame_len + 4) {
+        std::string frame = c.in.substr(4);
+        c.in.clear();
+        c.frame_len = 0;
+        try {
+          if (!c.authed) handshake(c, frame);
+          else handle(id, c, frame);
+        } catch (const Error& e) {
+          return drop(id, c, e.what());
+        }
+        flush(id, c);
+      }
+    }
+  }
+
+  static bool looks_like_text(std::string_view first4) {
+    return std::all_of(first4.begin(), first4.end(), [](char ch) {
+      return (ch >= 'A' && ch <= 'Z') || (ch >= 'a' && ch <= 'z') || ch == ' ' || ch == '/';
+    });
+  }
+  static std::string printable(std::string_view s) {
+    std::string out;
+    for (char ch : s) out += (ch >= 32 && ch < 127) ? ch : '?';
+    return out;
+  }
+
+  void handshake(Conn& c, const std::string& frame) {
+    namespace sp = detail::store_proto;
+    detail::ByteReader r(frame, "store handshake");
+    if (r.get<std::uint32_t>() != sp::magic) detail::fail(Errc::protocol, "bad handshake magic");
+    const auto v = r.get<std::uint16_t>();
+    sp::Nonce client_nonce{};
+    r.raw(client_nonce.data(), client_nonce.size());
+    detail::Digest mac{};
+    r.raw(mac.data(), mac.size());
+    r.expect_end();
+    std::string reply;
+    detail::ByteWriter w(reply);
+    if (v != sp::version) {
+      w.put(sp::HandshakeStatus::bad_version);
+      queue_frame(c, reply);
+      c.close_after_write = true;
+      refuse(c.peer, detail::concat("protocol version ", v, " (server speaks ", sp::version, ")"));
+      return;
+    }
+    if (!options_.token.empty()) {
+      const auto expected = detail::hmac_sha256(options_.token, sp::client_label,
+                                                sp::as_view(c.nonce), sp::as_view(client_nonce));
+      if (!detail::constant_time_equal(expected, mac)) {
+        w.put(sp::HandshakeStatus::unauthorized);
+        queue_frame(c, reply);
+        c.close_after_write = true;
+        refuse(c.peer, "wrong or missing token (DDP_TOKEN)");
+        return;
+      }
+    }
+    w.put(sp::HandshakeStatus::ok);
+    const auto proof = options_.token.empty()
+                           ? detail::Digest{}
+                           : detail::hmac_sha256(options_.token, sp::server_label,
+                                                 sp::as_view(client_nonce), sp::as_view(c.nonce));
+    w.raw(proof.data(), proof.size());
+    queue_frame(c, reply);
+    c.authed = true;
+  }
+
+  void reply(Conn& c, std::uint64_t request, Status status, std::string_view body = {}) {
+    std::string out;
+    detail::ByteWriter w(out);
+    w.put(status);
+    w.put(request);
+    w.raw(body.data(), body.size());
+    queue_frame(c, out);
+  }
+
+  void handle(std::uint64_t id, Conn& c, const std::string& frame) {
+    detail::ByteReader r(frame, "store request");
+    const auto op = r.get<Op>();
+    const auto request = r.get<std::uint64_t>();
+    const auto key = [&] { return r.str(options_.max_key_bytes); };
+    const auto timeout_at = [&] {
+      const auto ms = r.get<std::uint64_t>();
+      return detail::Deadline::after(std::chrono::milliseconds(
+                                         static_cast<std::int64_t>(std::min<std::uint64_t>(ms, 1ull << 40))))
+          .at;
+    };
+    const auto key_list = [&] {
+      const auto n = r.get<std::uint32_t>();
+      if (n > options_.max_keys) detail::fail(Errc::protocol, "request names ", n, " keys");
+      std::vector<std::string> keys;
+      for (std::uint32_t i = 0; i < n; ++i) keys.push_back(key());
+      return keys;
+    };
+    std::string body;
+    detail::ByteWriter w(body);
+    switch (op) {
+      case Op::set: {
+        auto k = key();
+        auto v = r.str(options_.max_value_bytes);
+        r.expect_end();
+        if (!store_value(k, std::move(v))) return reply(c, request, Status::error, "store is full");
+        reply(c, request, Status::ok);
+        wake_waiters();
+        return;
+      }
+      case Op::get: {
+        Waiter wt{id, request, {key()}, {}, true};
+        wt.deadline = timeout_at();
+        r.expect_end();
+        if (!try_answer(c, wt)) waiters_.push_back(std::move(wt));
+        return;
+      }
+      case Op::wait: {
+        Waiter wt{id, request, key_list(), {}, false};
+        wt.deadline = timeout_at();
+        r.expect_end();
+        if (!try_answer(c, wt)) waiters_.push_back(std::move(wt));
+        return;
+      }
+      case Op::add: {
+        auto k = key();
+        const auto delta = r.get<std::int64_t>();
+        r.expect_end();
+        std::int64_t value = 0;
+        if (auto it = data_.find(k); it != data_.end()) {
+          if (it->second.size() != 8) return reply(c, request, Status::error, "key does not hold a counter");
+          detail::ByteReader vr(it->second, "counter");
+          value = vr.get<std::int64_t>();
+        }
+        value = static_cast<std::int64_t>(static_cast<std::uint64_t>(value) + static_cast<std::uint64_t>(delta));
+        std::string enc;
+        detail::ByteWriter(enc).put(value);
+        if (!store_value(k, std::move(enc))) return reply(c, request, Status::error, "store is full");
+        w.put(value);
+        reply(c, request, Status::ok, body);
+        wake_waiters();
+        return;
+      }
+      case Op::compare_set: {
+        auto k = key();
+        auto expected = r.str(options_.max_value_bytes);
+        auto desired = r.str(options_.max_value_bytes);
+        r.expect_end();
+        auto it = data_.find(k);
+        const bool swap = (it == data_.end() && expected.empty()) || (it != data_.end() && it->second == expected);
+        if (swap) {
+          if (!store_value(k, desired)) return reply(c, request, Status::error, "store is full");
+          it = data_.find(k);
+          wake_waiters();
+        }
+        w.str(it == data_.end() ? std::string_view{} : std::string_view(it->second));
+        reply(c, request, Status::ok, body);
+        return;
+      }
+      case Op::erase: {
+        auto k = key();
+        r.expect_end();
+        auto it = data_.find(k);
+        const bool existed = it != data_.end();
+        if (existed) {
+          total_bytes_ -= it->first.size() + it->second.size();
+          data_.erase(it);
+        }
+        w.put(static_cast<std::uint8_t>(existed));
+        reply(c, request, Status::ok, body);
+        return;
+      }
+      case Op::check: {
+        auto keys = key_list();
+        r.expect_end();
+        const bool all = std::all_of(keys.begin(), keys.end(), [&](const auto& k) { return data_.count(k) != 0; });
+        w.put(static_cast<std::uint8_t>(all));
+        reply(c, request, Status::ok, body);
+        return;
+      }
+    }
+    detail::fail(Errc::protocol, "unknown store operation ", static_cast<int>(op));
+  }
+
+  bool store_value(const std::string& k, std::string v) {
+    auto it = data_.find(k);
+    const std::size_t old = it == data_.end() ? 0 : k.size() + it->second.size();
+    if (it == data_.end() && data_.size() >= options_.max_keys) return false;
+    if (total_bytes_ - old + k.size() + v.size() > options_.max_total_bytes) return false;
+    total_bytes_ = total_bytes_ - old + k.size() + v.size();
+    data_[k] = std::move(v);
+    return true;
+  }
+
+  /// Replies to a get/wait if its keys are present; returns whether it did.
+  bool try_answer(Conn& c, const Waiter& wt) {
+    for (const auto& k : wt.keys) {
+      if (data_.count(k) == 0) return false;
+    }
+    if (wt.is_get) {
+      std::string body;
+      detail::ByteWriter(body).str(data_[wt.keys.front()]);
+      reply(c, wt.request, Status::ok, body);
+    } else {
+      reply(c, wt.request, Status::ok);
+    }
+    return true;
+  }
+
+  void wake_waiters() {
+    std::erase_if(waiters_, [&](const Waiter& wt) {
+      auto it = conns_.find(wt.conn);
+      if (it == conns_.end() || !it->second.fd) return true;
+      if (!try_answer(it->second, wt)) return false;
+      flush(it->first, it->second);
+      return true;
+    });
+  }
+
+  void expire() {
+    const auto now = Clock::now();
+    std::erase_if(waiters_, [&](const Waiter& wt) {
+      auto it = conns_.find(wt.conn);
+      if (it == conns_.end() || !it->second.fd) return true;
+      if (wt.deadline > now) return false;
+      std::string body;
+      detail::ByteWriter w(body);
+      std::vector<std::string_view> missing;
+      for (const auto& k : wt.keys) {
+        if (data_.count(k) == 0) missing.push_back(k);
+      }
+      w.put(static_cast<std::uint32_t>(missing.size()));
+      for (auto k : missing) w.str(k);
+      reply(it->second, wt.request, Status::timeout, body);
+      flush(it->first, it->second);
+      return true;
+    });
+    for (auto& [id, c] : conns_) {
+      if (c.fd && !c.authed && now - c.accepted > options_.handshake_timeout) {
+        drop(id, c, "no handshake before the timeout");
+      }
+    }
+  }
+
+  void reap() {
+    std::erase_if(conns_, [](const auto& kv) { return !kv.second.fd; });
+  }
+
+  StoreOptions options_;
+  std::string host_;
+  detail::Fd listener_;
+  detail::Fd wake_read_, wake_write_;
+  int port_ = 0;
+  std::atomic<bool> stopping_{false};
+  std::atomic<std::uint64_t> refused_{0};
+  std::map<std::uint64_t, Conn> conns_;
+  std::uint64_t next_conn_id_ = 1;
+  std::vector<Waiter> waiters_;
+  std::unordered_map<std::string, std::string> data_;
+  std::size_t total_bytes_ = 0;
+  std::thread thread_;
+};
+
+/// A client of a StoreServer. Copies share one connection (calls are serialized); prefixed()
+/// gives a view whose keys live under a prefix. Thread-safe.
+class Store {
+ public:
+  /// Connects to host:port, retrying until options.timeout (the server may start later).
+  Store(std::string host, int port, StoreOptions options = {})
+      : conn_(std::make_shared<Connection>(std::move(host), port, std::move(options))) {
+    std::lock_guard lock(conn_->mutex);
+    conn_->connect();
+  }
+
+  /// A view of the same store whose keys are prefixed with `prefix`.
+  [[nodiscard]] Store prefixed(std::string_view prefix) const {
+    Store s(*this);
+    s.prefix_ += prefix;
+    return s;
+  }
+  [[nodiscard]] const std::string& prefix() const noexcept { return prefix_; }
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return conn_->options.timeout; }
+  [[nodiscard]] const std::string& host() const noexcept { return conn_->host; }
+  [[nodiscard]] int port() const noexcept { return conn_->port; }
+  /// The local address of the connection to the store (the interface that reaches it).
+  [[nodiscard]] std::string local_address() const {
+    std::lock_guard lock(conn_->mutex);
+    conn_->ensure();
+    return detail::local_address(conn_->fd.get());
+  }
+
+  void set(std::string_view key, std::string_view value) {
+    std::string req = header(Op::set);
+    detail::ByteWriter w(req);
+    w.str(full(key));
+    w.str(value);
+    (void)call(req, "set", key, conn_->options.timeout);
+  }
+
+  /// The value of key, waiting up to the store's timeout for it to appear.
+  [[nodiscard]] std::string get(std::string_view key) { return get(key, conn_->options.timeout); }
+  [[nodiscard]] std::string get(std::string_view key, std::chrono::milliseconds timeout) {
+    std::string req = header(Op::get);
+    detail::ByteWriter w(req);
+    w.str(full(key));
+    w.put(static_cast<std::uint64_t>(timeout.count()));
+    auto body = call(req, "get", key, timeout);
+    detail::ByteReader r(body, "store reply");
+    return r.str(body.size());
+  }
+
+  /// Waits until every key exists; Errc::timeout names the ones still missing.
+  void wait(std::span<const std::string> keys) { wait(keys, conn_->options.timeout); }
+  void wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) {
+    std::string req = header(Op::wait);
+    detail::ByteWriter w(req);
+    w.put(static_cast<std::uint32_t>(keys.size()));
+    for (const auto& k : keys) w.str(full(k));
+    w.put(static_cast<std::uint64_t>(timeout.count()));
+    (void)call(req, "wait", keys.empty() ? std::string_view{} : std::string_view(keys.front()), timeout);
+  }
+
+  /// Adds delta to the integer at key (absent counts as 0) and returns the new value.
+  std::int64_t add(std::string_view key, std::int64_t delta) {
+    std::string req = header(Op::add);
+    detail::ByteWriter w(req);
+    w.str(full(key));
+    w.put(delta);
+    auto body = call(req, "add", key, conn_->options.timeout);
+    detail::ByteReader r(body, "store reply");
+    return r.get<std::int64_t>();
+  }
+
+  /// torch semantics: sets key to desired if it holds expected (or is absent and expected is
+  /// empty); returns the value it holds afterwards.
+  std::string compare_set(std::string_view key, std::string_view expected, std::string_view desired) {
+    std::string req = header(Op::compare_set);
+    detail::ByteWriter w(req);
+    w.str(full(key));
+    w.str(expected);
+    w.str(desired);
+    auto body = call(req, "compare_set", key, conn_->options.timeout);
+    detail::ByteReader r(body, "store reply");
+    return r.str(body.size());
+  }
+
+  /// Removes key; returns whether it existed.
+  bool erase(std::string_view key) {
+    std::string req = header(Op::erase);
+    detail::ByteWriter w(req);
+    w.str(full(key));
+    auto body = call(req, "erase", key, conn_->options.timeout);
+    detail::ByteReader r(body, "store reply");
+    return r.get<std::uint8_t>() != 0;
+  }
+
+  /// Whether every key exists, without waiting.
+  [[nodiscard]] bool check(std::span<const std::string> keys) {
+    std::string req = header(Op::check);
+    detail::ByteWriter w(req);
+    w.put(static_cast<std::uint32_t>(keys.size()));
+    for (const auto& k : keys) w.str(full(k));
+    auto body = call(req, "check", {}, conn_->options.timeout);
+    detail::ByteReader r(body, "store reply");
+    return r.get<std::uint8_t>() != 0;
+  }
+
+  /// The keys of `keys` that are missing from the store after waiting up to `timeout`; empty when
+  /// all appeared. Unlike wait(), reports instead of throwing.
+  [[nodiscard]] std::vector<std::string> missing_after(std::span<const std::string> keys,
+                                                       std::chrono::milliseconds timeout) {
+    try {
+      wait(keys, timeout);
+      return {};
+    } catch (const Error& e) {
+      if (e.code() != Errc::timeout) throw;
+    }
+    std::vector<std::string> missing;
+    for (const auto& k : keys) {
+      if (!check(std::span<const std::string>(&k, 1))) missing.push_back(k);
+    }
+    return missing;
+  }
+
+ private:
+  using Op = detail::store_proto::Op;
+  using Status = detail::store_proto::Status;
+
+  struct Connection {
+    Connection(std::string h, int p, StoreOptions o)
+        : host(std::move(h)), port(p), options(std::move(o)) {}
+    std::string host;
+    int port;
+    StoreOptions options;
+    std::mutex mutex;
+    detail::Fd fd;
+    std::uint64_t next_request = 1;
+
+    void ensure() {
+      if (!fd) connect();
+    }
+
+    void connect() {
+      namespace sp = detail::store_proto;
+      const auto deadline = detail::Deadline::after(options.timeout);
+      const std::string where = detail::host_port(host, port);
+      fd = detail::connect_tcp(host, port, deadline, "the rendezvous store");
+      std::string frame;
+      const auto io = [&](detail::IoResult r, std::string_view step) {
+        if (r == detail::IoResult::ok) return;
+        fd.reset();
+        if (r == detail::IoResult::timeout) {
+          detail::fail(Errc::timeout, "rendezvous store at ", where, ": no ", step, " before the timeout");
+        }
+        detail::fail(Errc::peer_lost, "rendezvous store at ", where, " closed the connection during the ",
+             step, "; is something else listening on that port?");
+      };
+      io(sp::recv_frame(fd.get(), frame, sp::handshake_frame_limit, deadline, "store hello"), "hello");
+      detail::ByteReader r(frame, "store hello");
+      if (r.get<std::uint32_t>() != sp::magic) {
+        fd.reset();
+        detail::fail(Errc::protocol, where, " is not a ddp rendezvous store (bad magic)");
+      }
+      const auto v = r.get<std::uint16_t>();
+      const bool auth_required = r.get<std::uint8_t>() != 0;
+      sp::Nonce server_nonce{};
+      r.raw(server_nonce.data(), server_nonce.size());
+      if (v != sp::version) {
+        fd.reset();
+        detail::fail(Errc::protocol, "rendezvous store at ", where, " speaks protocol ", v, ", this client ", sp::version);
+      }
+      if (!options.token.empty() && !auth_required) {
+        fd.reset();
+        detail::fail(Errc::unauthorized, "rendezvous store at ", where,
+             " does not require a token but this process has one (DDP_TOKEN): refusing to talk "
+             "to a store that cannot prove it knows the token");
+      }
+      sp::Nonce client_nonce{};
+      detail::random_bytes(client_nonce.data(), client_nonce.size());
+      const auto mac = options.token.empty()
+                           ? detail::Digest{}
+                           : detail::hmac_sha256(options.token, sp::client_label,
+                                                 sp::as_view(server_nonce), sp::as_view(client_nonce));
+      std::string auth;
+      detail::ByteWriter w(auth);
+      w.put(sp::magic);
+      w.put(sp::version);
+      w.raw(client_nonce.data(), client_nonce.size());
+      w.raw(mac.data(), mac.size());
+      io(sp::send_frame(fd.get(), auth, deadline), "handshake");
+      io(sp::recv_frame(fd.get(), frame, sp::handshake_frame_limit, deadline, "store handshake reply"),
+         "handshake reply");
+      detail::ByteReader rr(frame, "store handshake reply");
+      const auto status = rr.get<sp::HandshakeStatus>();
+      if (status == sp::HandshakeStatus::unauthorized) {
+        fd.reset();
+        detail::fail(Errc::unauthorized, "rendezvous store at ", where, " refused this process: ",
+             options.token.empty() ? "it requires a token; set DDP_TOKEN to the job's secret"
+                                   : "wrong token; every rank must have the same DDP_TOKEN");
+      }
+      if (status != sp::HandshakeStatus::ok) {
+        fd.reset();
+        detail::fail(Errc::protocol, "rendezvous store at ", where, " refused the handshake (version)");
+      }
+      detail::Digest proof{};
+      rr.raw(proof.data(), proof.size());
+      if (!options.token.empty()) {
+        const auto expected = detail::hmac_sha256(options.token, sp::server_label,
+                                                  sp::as_view(client_nonce), sp::as_view(server_nonce));
+        if (!detail::constant_time_equal(expected, proof)) {
+          fd.reset();
+          detail::fail(Errc::unauthorized, "rendezvous store at ", where,
+               " could not prove it knows DDP_TOKEN: refusing to use it");
+        }
+      }
+    }
+  };
+
+  [[nodiscard]] std::string full(std::string_view key) const { return prefix_ + std::string(key); }
+
+  std::string header(Op op) {
+    std::string req;
+    detail::ByteWriter w(req);
+    w.put(op);
+    w.put(std::uint64_t{0});  // request id, filled in by call()
+    return req;
+  }
+
+  std::string call(std::string& req, std::string_view what, std::string_view key,
+                   std::chrono::milliseconds timeout) {
+    namespace sp = detail::store_proto;
+    std::lock_guard lock(conn_->mutex);
+    conn_->ensure();
+    const std::uint64_t id = conn_->next_request++;
+    for (std::size_t i = 0; i < 8; ++i) req[1 + i] = static_cast<char>((id >> (8 * i)) & 0xffu);
+    // The server answers waits itself at their deadline; allow it some slack before giving up on
+    // the connection.
+    const auto deadline = detail::Deadline::after(timeout + std::chrono::seconds(5));
+    const std::string where = detail::host_port(conn_->host, conn_->port);
+    const auto lost = [&](detail::IoResult r) {
+      conn_->fd.reset();
+      if (r == detail::IoResult::timeout) {
+        detail::fail(Errc::timeout, "store ", what, "(\"", prefix_, key, "\"): the store at ", where,
+             " did not answer before the timeout");
+      }
+      detail::fail(Errc::peer_lost, "store ", what, "(\"", prefix_, key, "\"): the store at ", where,
+           " closed the connection (did rank 0 or the launcher exit?)");
+    };
+    if (auto r = sp::send_frame(conn_->fd.get(), req, deadline); r != detail::IoResult::ok) lost(r);
+    std::string frame;
+    for (;;) {
+      if (auto r = sp::recv_frame(conn_->fd.get(), frame, sp::frame_limit(conn_->options), deadline,
+                                  "store reply");
+          r != detail::IoResult::ok) {
+        lost(r);
+      }
+      detail::ByteReader r(frame, "store reply");
+      const auto status = r.get<Status>();
+      const auto reply_id = r.get<std::uint64_t>();
+      if (reply_id != id) continue;  // a reply to a request abandoned earlier
+      std::string body(r.view(r.left()));
+      if (status == Status::ok) return body;
+      if (status == Status::timeout) {
+        detail::ByteReader br(body, "store timeout reply");
+        const auto n = br.get<std::uint32_t>();
+        std::string missing;
+        for (std::uint32_t i = 0; i < n && i < 16; ++i) {
+          missing += (i ? ", \"" : "\"") + br.str(body.size()) + "\"";
+        }
+        if (n > 16) missing += detail::concat(" and ", n - 16, " more");
+        detail::fail(Errc::timeout, "store ", what, ": timed out after ", timeout.count(),
+             " ms waiting for ", missing);
+      }
+      detail::ByteReader br(body, "store error reply");
+      detail::fail(Errc::protocol, "store ", what, "(\"", prefix_, key, "\") failed: ", br.view(br.left()));
+    }
+  }
+
+  std::shared_ptr<Connection> conn_;
+  std::string prefix_;
+};
+
+DDP_END_NAMESPACE
