@@ -41,8 +41,7 @@ struct Environment {
 
   /// The same, from any lookup function (returns nullptr for unset names): for tests and for
   /// programs that keep their configuration elsewhere.
-  [[nodiscard]] static Environment detect(
-      const std::function<const char*(const char*)>& lookup);
+  [[nodiscard]] static Environment detect(const std::function<const char*(const char*)>& lookup);
 };
 
 namespace detail {
@@ -72,8 +71,8 @@ class EnvReader {
            "\" is not an integer; check what your launcher exported");
     }
     if (value < min || value > max) {
-      fail(Errc::invalid_argument, "environment variable ", name, "=", value,
-           " is out of range [", min, ", ", max, "]");
+      fail(Errc::invalid_argument, "environment variable ", name, "=", value, " is out of range [",
+           min, ", ", max, "]");
     }
     return value;
   }
@@ -128,13 +127,16 @@ inline Environment Environment::detect(const std::function<const char*(const cha
     e.launcher = env.has("DDP_LAUNCHER") ? "ddprun" : "torchrun";
     const auto rank = env.integer("RANK", 0, max_world - 1);
     const auto world = env.integer("WORLD_SIZE", 1, max_world);
-    if (!rank) detail::fail(Errc::invalid_argument, "environment: WORLD_SIZE is set but RANK is not");
-    if (!world) detail::fail(Errc::invalid_argument, "environment: RANK is set but WORLD_SIZE is not");
+    if (!rank)
+      detail::fail(Errc::invalid_argument, "environment: WORLD_SIZE is set but RANK is not");
+    if (!world)
+      detail::fail(Errc::invalid_argument, "environment: RANK is set but WORLD_SIZE is not");
     e.rank = *rank;
     e.world_size = *world;
     detail::check_rank(env, e.rank, e.world_size, "RANK", "WORLD_SIZE");
     e.local_world_size = env.integer("LOCAL_WORLD_SIZE", 1, max_world).value_or(e.world_size);
-    e.local_rank = env.integer("LOCAL_RANK", 0, max_world - 1).value_or(e.rank % e.local_world_size);
+    e.local_rank =
+        env.integer("LOCAL_RANK", 0, max_world - 1).value_or(e.rank % e.local_world_size);
     detail::check_rank(env, e.local_rank, e.local_world_size, "LOCAL_RANK", "LOCAL_WORLD_SIZE");
     if (e.local_world_size > e.world_size) {
       detail::fail(Errc::invalid_argument, "environment: LOCAL_WORLD_SIZE=", e.local_world_size,
@@ -190,12 +192,14 @@ inline Environment Environment::detect(const std::function<const char*(const cha
                        "SLURM_NTASKS_PER_NODE");
     e.node_rank = env.integer("SLURM_NODEID", 0, max_world - 1).value_or(0);
     if (!env.has("MASTER_ADDR")) {
-      if (auto nodes = env.str("SLURM_JOB_NODELIST")) e.master_addr = detail::first_slurm_host(*nodes);
+      if (auto nodes = env.str("SLURM_JOB_NODELIST"))
+        e.master_addr = detail::first_slurm_host(*nodes);
     }
     fill_master(/*required=*/false);
     if (e.master_port == 0) {
       // Same on every task of the job, different between jobs sharing a node.
-      if (auto job = env.integer("SLURM_JOB_ID", 0, 2147483647)) e.master_port = 15000 + *job % 20000;
+      if (auto job = env.integer("SLURM_JOB_ID", 0, 2147483647))
+        e.master_port = 15000 + *job % 20000;
     }
   }
   return e;

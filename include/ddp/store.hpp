@@ -74,7 +74,15 @@ inline constexpr std::size_t handshake_frame_limit = 256;
 inline constexpr std::string_view client_label = "ddp-store-client-v1";
 inline constexpr std::string_view server_label = "ddp-store-server-v1";
 
-enum class Op : std::uint8_t { set = 1, get = 2, wait = 3, add = 4, compare_set = 5, erase = 6, check = 7 };
+enum class Op : std::uint8_t {
+  set = 1,
+  get = 2,
+  wait = 3,
+  add = 4,
+  compare_set = 5,
+  erase = 6,
+  check = 7
+};
 enum class Status : std::uint8_t { ok = 0, timeout = 1, error = 2 };
 enum class HandshakeStatus : std::uint8_t { ok = 0, unauthorized = 1, bad_version = 2 };
 
@@ -108,7 +116,8 @@ inline IoResult recv_frame(int fd, std::string& out, std::size_t limit, Deadline
   if (auto r = recv_all(fd, len_bytes, 4, d); r != IoResult::ok) return r;
   ByteReader lr(len_bytes, 4, what);
   const auto len = lr.get<std::uint32_t>();
-  if (len > limit) detail::fail(Errc::protocol, what, ": frame of ", len, " bytes exceeds the limit of ", limit);
+  if (len > limit)
+    detail::fail(Errc::protocol, what, ": frame of ", len, " bytes exceeds the limit of ", limit);
   out.resize(len);
   return recv_all(fd, out.data(), len, d);
 }
@@ -167,7 +176,7 @@ class StoreServer {
     bool authed = false;
     detail::store_proto::Nonce nonce{};
     Clock::time_point accepted;
-    std::string in;            // bytes of the frame being read (length prefix included)
+    std::string in;             // bytes of the frame being read (length prefix included)
     std::size_t frame_len = 0;  // 0 while the prefix is incomplete
     std::string out;            // pending output
     std::size_t out_sent = 0;
@@ -209,7 +218,8 @@ class StoreServer {
           if (fds[i].revents == 0) continue;
           auto it = conns_.find(ids[i - 2]);
           if (it == conns_.end()) continue;
-          if ((fds[i].revents & (POLLIN | POLLHUP | POLLERR)) != 0) on_readable(it->first, it->second);
+          if ((fds[i].revents & (POLLIN | POLLHUP | POLLERR)) != 0)
+            on_readable(it->first, it->second);
           it = conns_.find(ids[i - 2]);
           if (it != conns_.end() && (fds[i].revents & POLLOUT) != 0) flush(it->first, it->second);
         }
@@ -289,7 +299,7 @@ class StoreServer {
       } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
         return;
       } else {
-        c.fd.reset();
+        closed_by_peer(c);
         return;
       }
     }
@@ -305,17 +315,15 @@ class StoreServer {
     for (int rounds = 0; rounds < 64 && c.fd; ++rounds) {
       // Read no further than the current frame, so one connection cannot hoard memory.
       std::size_t want = sizeof buf;
-      if (c.frame_len != 0) want = std::min(want, c.frame_len + 4 - c.in.size());
-      else want = 4 - c.in.size();
+      if (c.frame_len != 0)
+        want = std::min(want, c.frame_len + 4 - c.in.size());
+      else
+        want = 4 - c.in.size();
       const ssize_t n = ::recv(c.fd.get(), buf, want, MSG_DONTWAIT);
-      if (n == 0) {
-        if (!c.authed && c.in.empty()) refuse(c.peer, "connected and closed without a handshake");
-        c.fd.reset();
-        return;
-      }
+      if (n == 0) return closed_by_peer(c);
       if (n < 0) {
         if (errno == EINTR) continue;
-        if (errno != EAGAIN && errno != EWOULDBLOCK) c.fd.reset();
+        if (errno != EAGAIN && errno != EWOULDBLOCK) closed_by_peer(c);
         return;
       }
       c.in.append(buf, static_cast<std::size_t>(n));
@@ -325,11 +333,13 @@ class StoreServer {
         const std::size_t limit = c.authed ? detail::store_proto::frame_limit(options_)
                                            : detail::store_proto::handshake_frame_limit;
         if (!c.authed && looks_like_text(c.in)) {
-          return drop(id, c, detail::concat("not a ddp store client (stray traffic starting \"",
-                                             printable(c.in), "\")"));
+          return drop(id, c,
+                      detail::concat("not a ddp store client (stray traffic starting \"",
+                                     printable(c.in), "\")"));
         }
         if (len > limit) {
-          return drop(id, c, detail::concat("frame of ", len, " bytes refused (limit ", limit, ")"));
+          return drop(id, c,
+                      detail::concat("frame of ", len, " bytes refused (limit ", limit, ")"));
         }
         if (len == 0) return drop(id, c, "empty frame");
         c.frame_len = len;
@@ -339,14 +349,24 @@ class StoreServer {
         c.in.clear();
         c.frame_len = 0;
         try {
-          if (!c.authed) handshake(c, frame);
-          else handle(id, c, frame);
+          if (!c.authed)
+            handshake(c, frame);
+          else
+            handle(id, c, frame);
         } catch (const Error& e) {
           return drop(id, c, e.what());
         }
         flush(id, c);
       }
     }
+  }
+
+  /// The peer closed (EOF, reset or broken pipe). A connection that never completed the
+  /// handshake is stray traffic and is logged.
+  void closed_by_peer(Conn& c) {
+    if (!c.fd) return;
+    if (!c.authed && c.in.empty()) refuse(c.peer, "connected and closed without a handshake");
+    c.fd.reset();
   }
 
   static bool looks_like_text(std::string_view first4) {
@@ -416,8 +436,8 @@ class StoreServer {
     const auto key = [&] { return r.str(options_.max_key_bytes); };
     const auto timeout_at = [&] {
       const auto ms = r.get<std::uint64_t>();
-      return detail::Deadline::after(std::chrono::milliseconds(
-                                         static_cast<std::int64_t>(std::min<std::uint64_t>(ms, 1ull << 40))))
+      return detail::Deadline::after(std::chrono::milliseconds(static_cast<std::int64_t>(
+                                         std::min<std::uint64_t>(ms, 1ull << 40))))
           .at;
     };
     const auto key_list = [&] {
@@ -459,14 +479,17 @@ class StoreServer {
         r.expect_end();
         std::int64_t value = 0;
         if (auto it = data_.find(k); it != data_.end()) {
-          if (it->second.size() != 8) return reply(c, request, Status::error, "key does not hold a counter");
+          if (it->second.size() != 8)
+            return reply(c, request, Status::error, "key does not hold a counter");
           detail::ByteReader vr(it->second, "counter");
           value = vr.get<std::int64_t>();
         }
-        value = static_cast<std::int64_t>(static_cast<std::uint64_t>(value) + static_cast<std::uint64_t>(delta));
+        value = static_cast<std::int64_t>(static_cast<std::uint64_t>(value) +
+                                          static_cast<std::uint64_t>(delta));
         std::string enc;
         detail::ByteWriter(enc).put(value);
-        if (!store_value(k, std::move(enc))) return reply(c, request, Status::error, "store is full");
+        if (!store_value(k, std::move(enc)))
+          return reply(c, request, Status::error, "store is full");
         w.put(value);
         reply(c, request, Status::ok, body);
         wake_waiters();
@@ -478,7 +501,8 @@ class StoreServer {
         auto desired = r.str(options_.max_value_bytes);
         r.expect_end();
         auto it = data_.find(k);
-        const bool swap = (it == data_.end() && expected.empty()) || (it != data_.end() && it->second == expected);
+        const bool swap = (it == data_.end() && expected.empty()) ||
+                          (it != data_.end() && it->second == expected);
         if (swap) {
           if (!store_value(k, desired)) return reply(c, request, Status::error, "store is full");
           it = data_.find(k);
@@ -504,7 +528,8 @@ class StoreServer {
       case Op::check: {
         auto keys = key_list();
         r.expect_end();
-        const bool all = std::all_of(keys.begin(), keys.end(), [&](const auto& k) { return data_.count(k) != 0; });
+        const bool all = std::all_of(keys.begin(), keys.end(),
+                                     [&](const auto& k) { return data_.count(k) != 0; });
         w.put(static_cast<std::uint8_t>(all));
         reply(c, request, Status::ok, body);
         return;
@@ -610,7 +635,9 @@ class Store {
     return s;
   }
   [[nodiscard]] const std::string& prefix() const noexcept { return prefix_; }
-  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return conn_->options.timeout; }
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept {
+    return conn_->options.timeout;
+  }
   [[nodiscard]] const std::string& host() const noexcept { return conn_->host; }
   [[nodiscard]] int port() const noexcept { return conn_->port; }
   /// The local address of the connection to the store (the interface that reaches it).
@@ -648,7 +675,8 @@ class Store {
     w.put(static_cast<std::uint32_t>(keys.size()));
     for (const auto& k : keys) w.str(full(k));
     w.put(static_cast<std::uint64_t>(timeout.count()));
-    (void)call(req, "wait", keys.empty() ? std::string_view{} : std::string_view(keys.front()), timeout);
+    (void)call(req, "wait", keys.empty() ? std::string_view{} : std::string_view(keys.front()),
+               timeout);
   }
 
   /// Adds delta to the integer at key (absent counts as 0) and returns the new value.
@@ -664,7 +692,8 @@ class Store {
 
   /// torch semantics: sets key to desired if it holds expected (or is absent and expected is
   /// empty); returns the value it holds afterwards.
-  std::string compare_set(std::string_view key, std::string_view expected, std::string_view desired) {
+  std::string compare_set(std::string_view key, std::string_view expected,
+                          std::string_view desired) {
     std::string req = header(Op::compare_set);
     detail::ByteWriter w(req);
     w.str(full(key));
@@ -741,12 +770,15 @@ class Store {
         if (r == detail::IoResult::ok) return;
         fd.reset();
         if (r == detail::IoResult::timeout) {
-          detail::fail(Errc::timeout, "rendezvous store at ", where, ": no ", step, " before the timeout");
+          detail::fail(Errc::timeout, "rendezvous store at ", where, ": no ", step,
+                       " before the timeout");
         }
-        detail::fail(Errc::peer_lost, "rendezvous store at ", where, " closed the connection during the ",
-             step, "; is something else listening on that port?");
+        detail::fail(Errc::peer_lost, "rendezvous store at ", where,
+                     " closed the connection during the ", step,
+                     "; is something else listening on that port?");
       };
-      io(sp::recv_frame(fd.get(), frame, sp::handshake_frame_limit, deadline, "store hello"), "hello");
+      io(sp::recv_frame(fd.get(), frame, sp::handshake_frame_limit, deadline, "store hello"),
+         "hello");
       detail::ByteReader r(frame, "store hello");
       if (r.get<std::uint32_t>() != sp::magic) {
         fd.reset();
@@ -758,20 +790,22 @@ class Store {
       r.raw(server_nonce.data(), server_nonce.size());
       if (v != sp::version) {
         fd.reset();
-        detail::fail(Errc::protocol, "rendezvous store at ", where, " speaks protocol ", v, ", this client ", sp::version);
+        detail::fail(Errc::protocol, "rendezvous store at ", where, " speaks protocol ", v,
+                     ", this client ", sp::version);
       }
       if (!options.token.empty() && !auth_required) {
         fd.reset();
-        detail::fail(Errc::unauthorized, "rendezvous store at ", where,
-             " does not require a token but this process has one (DDP_TOKEN): refusing to talk "
-             "to a store that cannot prove it knows the token");
+        detail::fail(
+            Errc::unauthorized, "rendezvous store at ", where,
+            " does not require a token but this process has one (DDP_TOKEN): refusing to talk "
+            "to a store that cannot prove it knows the token");
       }
       sp::Nonce client_nonce{};
       detail::random_bytes(client_nonce.data(), client_nonce.size());
-      const auto mac = options.token.empty()
-                           ? detail::Digest{}
-                           : detail::hmac_sha256(options.token, sp::client_label,
-                                                 sp::as_view(server_nonce), sp::as_view(client_nonce));
+      const auto mac = options.token.empty() ? detail::Digest{}
+                                             : detail::hmac_sha256(options.token, sp::client_label,
+                                                                   sp::as_view(server_nonce),
+                                                                   sp::as_view(client_nonce));
       std::string auth;
       detail::ByteWriter w(auth);
       w.put(sp::magic);
@@ -779,29 +813,32 @@ class Store {
       w.raw(client_nonce.data(), client_nonce.size());
       w.raw(mac.data(), mac.size());
       io(sp::send_frame(fd.get(), auth, deadline), "handshake");
-      io(sp::recv_frame(fd.get(), frame, sp::handshake_frame_limit, deadline, "store handshake reply"),
+      io(sp::recv_frame(fd.get(), frame, sp::handshake_frame_limit, deadline,
+                        "store handshake reply"),
          "handshake reply");
       detail::ByteReader rr(frame, "store handshake reply");
       const auto status = rr.get<sp::HandshakeStatus>();
       if (status == sp::HandshakeStatus::unauthorized) {
         fd.reset();
         detail::fail(Errc::unauthorized, "rendezvous store at ", where, " refused this process: ",
-             options.token.empty() ? "it requires a token; set DDP_TOKEN to the job's secret"
-                                   : "wrong token; every rank must have the same DDP_TOKEN");
+                     options.token.empty()
+                         ? "it requires a token; set DDP_TOKEN to the job's secret"
+                         : "wrong token; every rank must have the same DDP_TOKEN");
       }
       if (status != sp::HandshakeStatus::ok) {
         fd.reset();
-        detail::fail(Errc::protocol, "rendezvous store at ", where, " refused the handshake (version)");
+        detail::fail(Errc::protocol, "rendezvous store at ", where,
+                     " refused the handshake (version)");
       }
       detail::Digest proof{};
       rr.raw(proof.data(), proof.size());
       if (!options.token.empty()) {
-        const auto expected = detail::hmac_sha256(options.token, sp::server_label,
-                                                  sp::as_view(client_nonce), sp::as_view(server_nonce));
+        const auto expected = detail::hmac_sha256(
+            options.token, sp::server_label, sp::as_view(client_nonce), sp::as_view(server_nonce));
         if (!detail::constant_time_equal(expected, proof)) {
           fd.reset();
           detail::fail(Errc::unauthorized, "rendezvous store at ", where,
-               " could not prove it knows DDP_TOKEN: refusing to use it");
+                       " could not prove it knows DDP_TOKEN: refusing to use it");
         }
       }
     }
@@ -831,11 +868,11 @@ class Store {
     const auto lost = [&](detail::IoResult r) {
       conn_->fd.reset();
       if (r == detail::IoResult::timeout) {
-        detail::fail(Errc::timeout, "store ", what, "(\"", prefix_, key, "\"): the store at ", where,
-             " did not answer before the timeout");
+        detail::fail(Errc::timeout, "store ", what, "(\"", prefix_, key, "\"): the store at ",
+                     where, " did not answer before the timeout");
       }
-      detail::fail(Errc::peer_lost, "store ", what, "(\"", prefix_, key, "\"): the store at ", where,
-           " closed the connection (did rank 0 or the launcher exit?)");
+      detail::fail(Errc::peer_lost, "store ", what, "(\"", prefix_, key, "\"): the store at ",
+                   where, " closed the connection (did rank 0 or the launcher exit?)");
     };
     if (auto r = sp::send_frame(conn_->fd.get(), req, deadline); r != detail::IoResult::ok) lost(r);
     std::string frame;
@@ -860,10 +897,11 @@ class Store {
         }
         if (n > 16) missing += detail::concat(" and ", n - 16, " more");
         detail::fail(Errc::timeout, "store ", what, ": timed out after ", timeout.count(),
-             " ms waiting for ", missing);
+                     " ms waiting for ", missing);
       }
       detail::ByteReader br(body, "store error reply");
-      detail::fail(Errc::protocol, "store ", what, "(\"", prefix_, key, "\") failed: ", br.view(br.left()));
+      detail::fail(Errc::protocol, "store ", what, "(\"", prefix_, key,
+                   "\") failed: ", br.view(br.left()));
     }
   }
 

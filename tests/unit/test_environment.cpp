@@ -39,8 +39,12 @@ TEST_CASE("environment: no launcher means rank 0 of 1") {
 }
 
 TEST_CASE("environment: torchrun / ddprun variables") {
-  const auto e = detect({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"},
-                         {"LOCAL_WORLD_SIZE", "4"}, {"GROUP_RANK", "1"}, {"MASTER_ADDR", "10.0.0.7"},
+  const auto e = detect({{"RANK", "5"},
+                         {"WORLD_SIZE", "8"},
+                         {"LOCAL_RANK", "1"},
+                         {"LOCAL_WORLD_SIZE", "4"},
+                         {"GROUP_RANK", "1"},
+                         {"MASTER_ADDR", "10.0.0.7"},
                          {"MASTER_PORT", "29500"}});
   CHECK(e.rank == 5);
   CHECK(e.world_size == 8);
@@ -50,8 +54,11 @@ TEST_CASE("environment: torchrun / ddprun variables") {
   CHECK(e.master_addr == "10.0.0.7");
   CHECK(e.master_port == 29500);
   CHECK(e.launcher == "torchrun");
-  const auto d = detect({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1234"},
-                         {"NODE_RANK", "0"}, {"DDP_LAUNCHER", "ddprun"}});
+  const auto d = detect({{"RANK", "0"},
+                         {"WORLD_SIZE", "2"},
+                         {"MASTER_PORT", "1234"},
+                         {"NODE_RANK", "0"},
+                         {"DDP_LAUNCHER", "ddprun"}});
   CHECK(d.launcher == "ddprun");
   CHECK(d.master_addr == "127.0.0.1");
   CHECK(d.local_world_size == 2);  // defaults to the world
@@ -59,9 +66,13 @@ TEST_CASE("environment: torchrun / ddprun variables") {
 }
 
 TEST_CASE("environment: Slurm, Open MPI and MPICH") {
-  const auto s = detect({{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "1"},
-                         {"SLURM_NTASKS_PER_NODE", "2(x2)"}, {"SLURM_NODEID", "1"},
-                         {"SLURM_JOB_NODELIST", "gpu[07-08]"}, {"SLURM_JOB_ID", "4242"}});
+  const auto s = detect({{"SLURM_PROCID", "3"},
+                         {"SLURM_NTASKS", "4"},
+                         {"SLURM_LOCALID", "1"},
+                         {"SLURM_NTASKS_PER_NODE", "2(x2)"},
+                         {"SLURM_NODEID", "1"},
+                         {"SLURM_JOB_NODELIST", "gpu[07-08]"},
+                         {"SLURM_JOB_ID", "4242"}});
   CHECK(s.launcher == "slurm");
   CHECK(s.rank == 3);
   CHECK(s.world_size == 4);
@@ -73,16 +84,22 @@ TEST_CASE("environment: Slurm, Open MPI and MPICH") {
   CHECK(ddp::detail::first_slurm_host("node1,node2") == "node1");
   CHECK(ddp::detail::first_slurm_host("a[3,5-6],b") == "a3");
 
-  const auto o = detect({{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "4"},
-                         {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
-                         {"OMPI_COMM_WORLD_NODE_RANK", "1"}, {"SLURM_PROCID", "0"}});
+  const auto o = detect({{"OMPI_COMM_WORLD_RANK", "2"},
+                         {"OMPI_COMM_WORLD_SIZE", "4"},
+                         {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
+                         {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+                         {"OMPI_COMM_WORLD_NODE_RANK", "1"},
+                         {"SLURM_PROCID", "0"}});
   CHECK(o.launcher == "openmpi");  // mpirun inside an allocation: Open MPI's view wins
   CHECK(o.rank == 2);
   CHECK(o.local_world_size == 2);
   CHECK(o.node_rank == 1);
 
-  const auto p = detect({{"PMI_RANK", "1"}, {"PMI_SIZE", "3"}, {"MPI_LOCALRANKID", "1"},
-                         {"MPI_LOCALNRANKS", "3"}, {"MASTER_PORT", "4000"}});
+  const auto p = detect({{"PMI_RANK", "1"},
+                         {"PMI_SIZE", "3"},
+                         {"MPI_LOCALRANKID", "1"},
+                         {"MPI_LOCALNRANKS", "3"},
+                         {"MASTER_PORT", "4000"}});
   CHECK(p.launcher == "pmi");
   CHECK(p.rank == 1);
   CHECK(p.world_size == 3);
@@ -91,20 +108,28 @@ TEST_CASE("environment: Slurm, Open MPI and MPICH") {
 }
 
 TEST_CASE("environment: malformed values are rejected, naming the variable") {
-  CHECK(error_of({{"RANK", "4"}, {"WORLD_SIZE", "4"}, {"MASTER_PORT", "1"}}).find("RANK=4 must be less than WORLD_SIZE=4") !=
+  CHECK(error_of({{"RANK", "4"}, {"WORLD_SIZE", "4"}, {"MASTER_PORT", "1"}})
+            .find("RANK=4 must be less than WORLD_SIZE=4") != std::string::npos);
+  CHECK(error_of({{"RANK", "abc"}, {"WORLD_SIZE", "4"}}).find("RANK=\"abc\" is not an integer") !=
         std::string::npos);
-  CHECK(error_of({{"RANK", "abc"}, {"WORLD_SIZE", "4"}}).find("RANK=\"abc\" is not an integer") != std::string::npos);
-  CHECK(error_of({{"RANK", "-1"}, {"WORLD_SIZE", "4"}}).find("RANK=-1 is out of range") != std::string::npos);
-  CHECK(error_of({{"RANK", "1"}, {"WORLD_SIZE", "2x"}}).find("WORLD_SIZE=\"2x\"") != std::string::npos);
-  CHECK(error_of({{"RANK", "1"}, {"WORLD_SIZE", "2"}}).find("MASTER_PORT is not set") != std::string::npos);
-  CHECK(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}}).find("MASTER_PORT=70000") !=
+  CHECK(error_of({{"RANK", "-1"}, {"WORLD_SIZE", "4"}}).find("RANK=-1 is out of range") !=
         std::string::npos);
-  CHECK(error_of({{"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}}).find("RANK is not") != std::string::npos);
-  CHECK(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}, {"LOCAL_RANK", "2"},
+  CHECK(error_of({{"RANK", "1"}, {"WORLD_SIZE", "2x"}}).find("WORLD_SIZE=\"2x\"") !=
+        std::string::npos);
+  CHECK(error_of({{"RANK", "1"}, {"WORLD_SIZE", "2"}}).find("MASTER_PORT is not set") !=
+        std::string::npos);
+  CHECK(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}})
+            .find("MASTER_PORT=70000") != std::string::npos);
+  CHECK(error_of({{"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}}).find("RANK is not") !=
+        std::string::npos);
+  CHECK(error_of({{"RANK", "0"},
+                  {"WORLD_SIZE", "2"},
+                  {"MASTER_PORT", "1"},
+                  {"LOCAL_RANK", "2"},
                   {"LOCAL_WORLD_SIZE", "2"}})
             .find("LOCAL_RANK=2 must be less than LOCAL_WORLD_SIZE=2") != std::string::npos);
-  CHECK(error_of({{"OMPI_COMM_WORLD_RANK", "9"}, {"OMPI_COMM_WORLD_SIZE", "2"}}).find("OMPI_COMM_WORLD_RANK=9") !=
-        std::string::npos);
+  CHECK(error_of({{"OMPI_COMM_WORLD_RANK", "9"}, {"OMPI_COMM_WORLD_SIZE", "2"}})
+            .find("OMPI_COMM_WORLD_RANK=9") != std::string::npos);
   CHECK(error_of({{"SLURM_PROCID", "x"}}).find("SLURM_PROCID") != std::string::npos);
   // A world of one needs no master port.
   CHECK(detect({{"RANK", "0"}, {"WORLD_SIZE", "1"}}).world_size == 1);

@@ -62,7 +62,7 @@ TEST_CASE("store: set, get, add, compare_set, erase, check") {
   CHECK(store.get("a") == std::string("bin\0ary", 7));
   CHECK(store.add("n", 5) == 5);
   CHECK(store.add("n", -2) == 3);
-  CHECK(store.compare_set("c", "", "first") == "first");      // absent + empty expected: set
+  CHECK(store.compare_set("c", "", "first") == "first");        // absent + empty expected: set
   CHECK(store.compare_set("c", "wrong", "second") == "first");  // no swap
   CHECK(store.compare_set("c", "first", "third") == "third");
   const std::vector<std::string> keys{"a", "c"};
@@ -122,7 +122,8 @@ TEST_CASE("store: token authentication") {
   auto wrong = quiet();
   wrong.token = "not-the-token";
   const auto t0 = std::chrono::steady_clock::now();
-  CHECK(error_code_of([&] { ddp::Store s("127.0.0.1", server.port(), wrong); }) == ddp::Errc::unauthorized);
+  CHECK(error_code_of([&] { ddp::Store s("127.0.0.1", server.port(), wrong); }) ==
+        ddp::Errc::unauthorized);
   CHECK(std::chrono::steady_clock::now() - t0 < 1s);
   const auto text = error_text_of([&] { ddp::Store s("127.0.0.1", server.port(), quiet()); });
   CHECK(text.find("requires a token") != std::string::npos);
@@ -206,8 +207,8 @@ TEST_CASE("store: a port in use is reported as such") {
     FAIL("a second server bound the same port");
   } catch (const ddp::Error& e) {
     CHECK(e.code() == ddp::Errc::address_in_use);
-    CHECK(std::string(e.what()).find("address 127.0.0.1:" + std::to_string(first.port()) + " is in use") !=
-          std::string::npos);
+    CHECK(std::string(e.what()).find("address 127.0.0.1:" + std::to_string(first.port()) +
+                                     " is in use") != std::string::npos);
   }
 }
 
@@ -226,18 +227,38 @@ TEST_CASE("store: hostile traffic is dropped and the server keeps serving") {
   {  // an HTTP request
     auto fd = raw_connect(server.port());
     const std::string get = "GET / HTTP/1.1\r\nHost: x\r\n\r\n";
-    CHECK(ddp::detail::send_all(fd.get(), get.data(), get.size(), ddp::detail::Deadline::after(1s)) ==
-          ddp::detail::IoResult::ok);
+    CHECK(ddp::detail::send_all(fd.get(), get.data(), get.size(),
+                                ddp::detail::Deadline::after(1s)) == ddp::detail::IoResult::ok);
     char c;
     // The server closes on us (after its hello).
     std::string hello;
-    (void)ddp::detail::store_proto::recv_frame(fd.get(), hello, 256, ddp::detail::Deadline::after(2s), "hello");
+    (void)ddp::detail::store_proto::recv_frame(fd.get(), hello, 256,
+                                               ddp::detail::Deadline::after(2s), "hello");
     CHECK(ddp::detail::recv_all(fd.get(), &c, 1, ddp::detail::Deadline::after(2s)) ==
           ddp::detail::IoResult::closed);
   }
   { auto fd = raw_connect(server.port()); }  // connect, then close
-  // An authenticated client sending an oversized frame is dropped too.
-  auto fd = raw_connect(server.port());
+  {  // an authenticated client claiming a frame beyond the limit is dropped before allocation
+    namespace sp = ddp::detail::store_proto;
+    const auto deadline = ddp::detail::Deadline::after(2s);
+    auto fd = raw_connect(server.port());
+    std::string frame;
+    REQUIRE(sp::recv_frame(fd.get(), frame, 256, deadline, "hello") == ddp::detail::IoResult::ok);
+    std::string auth;
+    ddp::detail::ByteWriter w(auth);
+    w.put(sp::magic);
+    w.put(sp::version);
+    const std::string zeros(16 + 32, '\0');  // no token: any nonce, MAC ignored
+    w.raw(zeros.data(), zeros.size());
+    REQUIRE(sp::send_frame(fd.get(), auth, deadline) == ddp::detail::IoResult::ok);
+    REQUIRE(sp::recv_frame(fd.get(), frame, 256, deadline, "reply") == ddp::detail::IoResult::ok);
+    REQUIRE(frame[0] == 0);
+    const unsigned char huge[] = {0x00, 0x00, 0x00, 0xf0};  // 4026531840 bytes
+    REQUIRE(ddp::detail::send_all(fd.get(), huge, sizeof huge, deadline) ==
+            ddp::detail::IoResult::ok);
+    char c;
+    CHECK(ddp::detail::recv_all(fd.get(), &c, 1, deadline) == ddp::detail::IoResult::closed);
+  }
   CHECK(good.get("k") == "v");
   std::this_thread::sleep_for(100ms);
   std::lock_guard lock(mu);
@@ -246,6 +267,8 @@ TEST_CASE("store: hostile traffic is dropped and the server keeps serving") {
   CHECK(all.find("frame of 4294967295 bytes refused") != std::string::npos);
   CHECK(all.find("stray traffic starting \"GET \"") != std::string::npos);
   CHECK(all.find("connected and closed without a handshake") != std::string::npos);
+  CHECK(all.find("frame of 4026531840 bytes refused") != std::string::npos);
+  CHECK(server.refused() == 4);
 }
 
 TEST_CASE("store: connecting to nothing times out with a clear message") {

@@ -65,7 +65,8 @@ class ByteReader {
     using U = typename wire_integer<T>::type;
     need(sizeof(U));
     U u = 0;
-    for (std::size_t i = 0; i < sizeof(U); ++i) u = static_cast<U>(u | (static_cast<U>(p_[i]) << (8 * i)));
+    for (std::size_t i = 0; i < sizeof(U); ++i)
+      u = static_cast<U>(u | (static_cast<U>(p_[i]) << (8 * i)));
     p_ += sizeof(U);
     left_ -= sizeof(U);
     return static_cast<T>(u);

@@ -107,8 +107,8 @@ inline void set_nodelay(int fd) {
 [[nodiscard]] inline std::pair<std::string, int> numeric_name(const sockaddr* sa, socklen_t len) {
   char host[NI_MAXHOST] = {};
   char serv[NI_MAXSERV] = {};
-  if (::getnameinfo(sa, len, host, sizeof host, serv, sizeof serv, NI_NUMERICHOST | NI_NUMERICSERV) !=
-      0) {
+  if (::getnameinfo(sa, len, host, sizeof host, serv, sizeof serv,
+                    NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
     return {"?", 0};
   }
   return {host, std::atoi(serv)};
@@ -124,7 +124,8 @@ class AddrInfo {
     hints.ai_flags = AI_ADDRCONFIG | (passive ? AI_PASSIVE : 0);
     if (host.empty()) hints.ai_flags |= AI_PASSIVE;
     const std::string service = std::to_string(port);
-    const int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &list_);
+    const int rc =
+        ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &list_);
     if (rc != 0) {
       fail(Errc::invalid_argument, "cannot resolve \"", host, "\": ", ::gai_strerror(rc),
            "; check MASTER_ADDR");
@@ -176,7 +177,8 @@ class AddrInfo {
 [[nodiscard]] inline int local_port(int fd) {
   sockaddr_storage ss{};
   socklen_t len = sizeof ss;
-  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) fail_errno(errno, "getsockname");
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0)
+    fail_errno(errno, "getsockname");
   return numeric_name(reinterpret_cast<sockaddr*>(&ss), len).second;
 }
 
@@ -184,7 +186,8 @@ class AddrInfo {
 [[nodiscard]] inline std::string local_address(int fd) {
   sockaddr_storage ss{};
   socklen_t len = sizeof ss;
-  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) fail_errno(errno, "getsockname");
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0)
+    fail_errno(errno, "getsockname");
   return numeric_name(reinterpret_cast<sockaddr*>(&ss), len).first;
 }
 
