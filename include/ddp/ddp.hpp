@@ -16,7 +16,13 @@
 // only the core types above are available.
 #if DDP_HAS_EXCEPTIONS
 #include "ddp/environment.hpp"
+#include "ddp/options.hpp"
 #include "ddp/store.hpp"
+#include "ddp/codec.hpp"
+#include "ddp/backend/host.hpp"
+#include "ddp/communicator.hpp"
+#include "ddp/guard.hpp"
+#include "ddp/launch.hpp"
 #endif
 #include "ddp/types.hpp"
 #include "ddp/version.hpp"

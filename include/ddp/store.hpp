@@ -131,13 +131,17 @@ class StoreServer {
   /// Listens on host:port (port 0 picks a free one, see port()). Throws Errc::address_in_use
   /// when the port is taken.
   StoreServer(const std::string& host, int port, StoreOptions options = {})
-      : options_(std::move(options)), host_(host) {
+      : StoreServer(detail::listen_tcp(host, port), host, std::move(options)) {}
+
+  /// Serves on a socket that is already listening (a launcher binds it before it forks, so the
+  /// port is known and no thread exists at fork time).
+  StoreServer(detail::Fd listener, const std::string& host, StoreOptions options = {})
+      : options_(std::move(options)), host_(host), listener_(std::move(listener)) {
     if (!options_.log) {
       options_.log = [](std::string_view m) {
         std::fprintf(stderr, "[ddp store] %.*s\n", static_cast<int>(m.size()), m.data());
       };
     }
-    listener_ = detail::listen_tcp(host, port);
     port_ = detail::local_port(listener_.get());
     detail::set_nonblocking(listener_.get(), true);
     int pipe_fds[2];

@@ -1,0 +1,485 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// backend::Host: the built-in backend, with no dependency beyond the standard library and POSIX.
+/// Shared memory between the ranks of one host, TCP between hosts (or on one host with
+/// DDP_HOST_TRANSPORT=tcp).
+///
+/// Every collective is built from rounds (see backend/host/transport.hpp) with one family of
+/// algorithms on both transports:
+///  * all_reduce of a small buffer: every rank offers its whole buffer and reduces all of them;
+///  * all_reduce of a large buffer, in segments sized for the cache: a reduce-scatter in which
+///    rank j reduces chunk j of every rank's segment, then an all-gather of the reduced chunks;
+///    every rank's core is busy and each input byte is read once;
+///  * broadcast, gather, scatter, all_gather, reduce_scatter and all_to_all in segments.
+/// Every element is reduced in rank order 0..P-1 in both paths, so results are bitwise identical
+/// on every rank, in every run, for every message size and on both transports.
+
+#include "ddp/backend/host/shm.hpp"
+#include "ddp/backend/host/tcp.hpp"
+#include "ddp/backend/host/transport.hpp"
+#include "ddp/config.hpp"
+#include "ddp/detail/bytes.hpp"
+#include "ddp/detail/collective.hpp"
+#include "ddp/detail/crypto.hpp"
+#include "ddp/detail/reduce.hpp"
+#include "ddp/detail/socket.hpp"
+#include "ddp/error.hpp"
+#include "ddp/options.hpp"
+#include "ddp/store.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+namespace detail {
+
+/// What every backend is created from.
+struct BackendInit {
+  int rank = 0;
+  int size = 1;
+  /// The communicator's namespace in the rendezvous store (absent for a world of one).
+  std::shared_ptr<Store> store;
+  Options options;
+};
+
+/// Identifies "the same host" for shared memory: same machine (boot id), same /dev/shm (mount
+/// namespace), same pids (pid namespace) and same network namespace.
+[[nodiscard]] inline std::string host_identity() {
+  char name[256] = {};
+  (void)::gethostname(name, sizeof name - 1);
+  std::string id = name;
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::string boot_id;
+  std::getline(boot, boot_id);
+  id += "|" + boot_id;
+  for (const char* ns : {"/proc/self/ns/mnt", "/proc/self/ns/pid", "/proc/self/ns/net"}) {
+    char link[128] = {};
+    const ssize_t n = ::readlink(ns, link, sizeof link - 1);
+    id += "|" + std::string(link, n > 0 ? static_cast<std::size_t>(n) : 0);
+  }
+  return id;
+}
+
+/// Element range [lo, hi) of part j when m elements are split into `parts` cache-line-aligned
+/// parts (the last takes the remainder; parts may be empty).
+[[nodiscard]] inline std::pair<std::size_t, std::size_t> split_range(std::size_t m, int parts, int j,
+                                                                     std::size_t elem) {
+  const std::size_t align = std::max<std::size_t>(1, 64 / elem);
+  const auto bound = [&](int k) -> std::size_t {
+    if (k >= parts) return m;
+    const std::size_t b = m * static_cast<std::size_t>(k) / static_cast<std::size_t>(parts);
+    return b / align * align;
+  };
+  return {bound(j), bound(j + 1)};
+}
+
+}  // namespace detail
+
+namespace backend {
+
+class Host {
+ public:
+  static constexpr std::string_view name = "host";
+
+  /// Rendezvous through init.store, choose a transport and connect (see the file comment).
+  [[nodiscard]] static std::unique_ptr<Host> create(const detail::BackendInit& init) {
+    auto host = std::unique_ptr<Host>(new Host(init.rank, init.size));
+    host->connect(init);
+    return host;
+  }
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+  [[nodiscard]] int local_rank() const noexcept { return local_rank_; }
+  [[nodiscard]] int local_size() const noexcept { return local_size_; }
+  /// The lowest rank on this host (names the host in split()).
+  [[nodiscard]] int local_leader() const noexcept { return local_leader_; }
+  /// "shm", "tcp" or "self".
+  [[nodiscard]] std::string_view transport() const noexcept { return t_->name(); }
+  /// Whether this backend can use memory on `device` (the Host backend: host memory).
+  [[nodiscard]] static bool supports(const Device& device) noexcept { return device.is_cpu(); }
+
+  void all_reduce(const detail::Buf& b, ReduceOp op) {
+    const auto fp = next(detail::Coll::all_reduce, b.dtype, b.count, -1, op, true);
+    const auto fn = detail::reduce_fn(b.dtype, op);
+    const std::size_t es = b.elem();
+    const int p = size_;
+    if (b.bytes() <= t_->small_bytes()) {
+      const detail::Piece pc{b.data, b.bytes()};
+      auto ptrs = t_->round({&pc, 1}, [&](int, int) { return detail::Range{0, b.bytes()}; }, &fp);
+      fn(b.data, ptrs.data(), p, b.count);
+      return;
+    }
+    const std::size_t seg = std::max<std::size_t>(static_cast<std::size_t>(p), t_->max_offer() / es);
+    bool first = true;
+    for (std::size_t s0 = 0; s0 < b.count;) {
+      const std::size_t m = std::min(seg, b.count - s0);
+      std::byte* base = b.at(s0);
+      const auto chunk = [&](int j) {
+        const auto [lo, hi] = detail::split_range(m, p, j, es);
+        return detail::Range{lo * es, (hi - lo) * es};
+      };
+      const detail::Piece pc{base, m * es};
+      auto ptrs = t_->round({&pc, 1}, [&](int, int dst) { return chunk(dst); }, first ? &fp : nullptr);
+      first = false;
+      const detail::Range mine = chunk(rank_);
+      fn(base + mine.off, ptrs.data(), p, mine.len / es);
+      const detail::Piece result{base + mine.off, mine.len};
+      auto got = t_->round({&result, 1}, [&](int src, int) { return detail::Range{0, chunk(src).len}; }, nullptr);
+      for (int j = 0; j < p; ++j) {
+        const detail::Range r = chunk(j);
+        if (j != rank_ && r.len != 0) std::memcpy(base + r.off, got[static_cast<std::size_t>(j)], r.len);
+      }
+      s0 += m;
+    }
+  }
+
+  void broadcast(const detail::Buf& b, int root) {
+    const auto fp = next(detail::Coll::broadcast, b.dtype, b.count, root, ReduceOp::sum, false);
+    const std::size_t es = b.elem();
+    const std::size_t seg = std::max<std::size_t>(1, t_->max_offer() / es);
+    segments(b.count, seg, [&](std::size_t s0, std::size_t m, bool first) {
+      const detail::Piece pc{b.at(s0), rank_ == root ? m * es : 0};
+      auto ptrs = t_->round({&pc, 1},
+                            [&](int src, int dst) {
+                              return src == root && dst != root ? detail::Range{0, m * es} : detail::Range{};
+                            },
+                            first ? &fp : nullptr);
+      if (rank_ != root && m != 0) std::memcpy(b.at(s0), ptrs[static_cast<std::size_t>(root)], m * es);
+    });
+  }
+
+  void reduce(const detail::Buf& b, int root, ReduceOp op) {
+    const auto fp = next(detail::Coll::reduce, b.dtype, b.count, root, op, true);
+    const auto fn = detail::reduce_fn(b.dtype, op);
+    const std::size_t es = b.elem();
+    const int p = size_;
+    if (b.bytes() <= t_->small_bytes()) {
+      const detail::Piece pc{b.data, b.bytes()};
+      auto ptrs = t_->round(
+          {&pc, 1}, [&](int, int dst) { return dst == root ? detail::Range{0, b.bytes()} : detail::Range{}; }, &fp);
+      if (rank_ == root) fn(b.data, ptrs.data(), p, b.count);
+      return;
+    }
+    const std::size_t seg = std::max<std::size_t>(static_cast<std::size_t>(p), t_->max_offer() / es);
+    bool first = true;
+    for (std::size_t s0 = 0; s0 < b.count;) {
+      const std::size_t m = std::min(seg, b.count - s0);
+      std::byte* base = b.at(s0);
+      const auto chunk = [&](int j) {
+        const auto [lo, hi] = detail::split_range(m, p, j, es);
+        return detail::Range{lo * es, (hi - lo) * es};
+      };
+      const detail::Piece pc{base, m * es};
+      auto ptrs = t_->round({&pc, 1}, [&](int, int dst) { return chunk(dst); }, first ? &fp : nullptr);
+      first = false;
+      const detail::Range mine = chunk(rank_);
+      // The root reduces in place; the others must leave their buffers untouched.
+      std::byte* out = base + mine.off;
+      if (rank_ != root) {
+        if (scratch_.size() < mine.len) scratch_.resize(mine.len);
+        out = scratch_.data();
+      }
+      fn(out, ptrs.data(), p, mine.len / es);
+      const detail::Piece result{out, mine.len};
+      auto got = t_->round(
+          {&result, 1},
+          [&](int src, int dst) { return dst == root ? detail::Range{0, chunk(src).len} : detail::Range{}; },
+          nullptr);
+      if (rank_ == root) {
+        for (int j = 0; j < p; ++j) {
+          const detail::Range r = chunk(j);
+          if (j != rank_ && r.len != 0) std::memcpy(base + r.off, got[static_cast<std::size_t>(j)], r.len);
+        }
+      }
+      s0 += m;
+    }
+  }
+
+  void all_gather(const detail::Buf& in, const detail::Buf& out) { gather_impl(detail::Coll::all_gather, in, out, -1); }
+  void gather(const detail::Buf& in, const detail::Buf& out, int root) { gather_impl(detail::Coll::gather, in, out, root); }
+
+  void scatter(const detail::Buf& in, const detail::Buf& out, int root) {
+    const auto fp = next(detail::Coll::scatter, out.dtype, out.count, root, ReduceOp::sum, false);
+    const std::size_t es = out.elem(), n = out.count;
+    const std::size_t seg = std::max<std::size_t>(1, t_->max_offer() / (es * static_cast<std::size_t>(size_)));
+    segments(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
+      pieces_.clear();
+      if (rank_ == root) {
+        for (int j = 0; j < size_; ++j) pieces_.push_back({in.at(static_cast<std::size_t>(j) * n + s0), m * es});
+      }
+      auto ptrs = t_->round(
+          pieces_,
+          [&](int src, int dst) {
+            return src == root ? detail::Range{static_cast<std::size_t>(dst) * m * es, m * es} : detail::Range{};
+          },
+          first ? &fp : nullptr);
+      copy_if_distinct(out.at(s0), ptrs[static_cast<std::size_t>(root)], m * es);
+    });
+  }
+
+  void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
+    const auto fp = next(detail::Coll::reduce_scatter, out.dtype, out.count, -1, op, true);
+    const auto fn = detail::reduce_fn(out.dtype, op);
+    const std::size_t es = out.elem(), n = out.count;
+    const std::size_t seg = std::max<std::size_t>(1, t_->max_offer() / (es * static_cast<std::size_t>(size_)));
+    segments(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
+      blocks(in, n, s0, m);
+      auto ptrs = t_->round(
+          pieces_, [&](int, int dst) { return detail::Range{static_cast<std::size_t>(dst) * m * es, m * es}; },
+          first ? &fp : nullptr);
+      fn(out.at(s0), ptrs.data(), size_, m);
+    });
+  }
+
+  void all_to_all(const detail::Buf& in, const detail::Buf& out) {
+    const std::size_t n = in.count / static_cast<std::size_t>(size_);
+    const auto fp = next(detail::Coll::all_to_all, in.dtype, n, -1, ReduceOp::sum, false);
+    const std::size_t es = in.elem();
+    const std::size_t seg = std::max<std::size_t>(1, t_->max_offer() / (es * static_cast<std::size_t>(size_)));
+    segments(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
+      blocks(in, n, s0, m);
+      auto ptrs = t_->round(
+          pieces_, [&](int, int dst) { return detail::Range{static_cast<std::size_t>(dst) * m * es, m * es}; },
+          first ? &fp : nullptr);
+      for (int j = 0; j < size_; ++j) {
+        copy_if_distinct(out.at(static_cast<std::size_t>(j) * n + s0), ptrs[static_cast<std::size_t>(j)], m * es);
+      }
+    });
+  }
+
+  void barrier() {
+    const auto fp = next(detail::Coll::barrier, DType::uint8, 0, -1, ReduceOp::sum, false);
+    (void)t_->round({}, [](int, int) { return detail::Range{}; }, &fp);
+  }
+
+  void send(const detail::Buf& b, int peer, int tag) { t_->send(b, peer, tag, send_seq_[static_cast<std::size_t>(peer)]++); }
+  void recv(const detail::Buf& b, int peer, int tag) { t_->recv(b, peer, tag, recv_seq_[static_cast<std::size_t>(peer)]++); }
+
+  /// Fails every current and later operation of this communicator with `code`; peers on shared
+  /// memory fail too, TCP peers see the connections close. Thread-safe.
+  void abort(Errc code, const std::string& why) { t_->abort(code, why); }
+
+ private:
+  Host(int rank, int size)
+      : rank_(rank), size_(size), send_seq_(static_cast<std::size_t>(size)), recv_seq_(static_cast<std::size_t>(size)) {}
+
+  detail::Fingerprint next(detail::Coll c, DType t, std::size_t count, int root, ReduceOp op, bool has_op) {
+    detail::Fingerprint f;
+    f.seq = seq_++;
+    f.count = count;
+    f.root = root;
+    f.coll = c;
+    f.dtype = t;
+    f.op = op;
+    f.has_op = has_op ? 1 : 0;
+    return f;
+  }
+
+  /// Calls f(start, count, first) for each segment of at most `seg` elements; at least once, so
+  /// that an empty collective still synchronizes and checks fingerprints.
+  template <class F>
+  static void segments(std::size_t n, std::size_t seg, F&& f) {
+    std::size_t s0 = 0;
+    bool first = true;
+    do {
+      const std::size_t m = std::min(seg, n - s0);
+      f(s0, m, first);
+      first = false;
+      s0 += m;
+    } while (s0 < n);
+  }
+
+  void blocks(const detail::Buf& in, std::size_t n, std::size_t s0, std::size_t m) {
+    pieces_.clear();
+    for (int j = 0; j < size_; ++j) pieces_.push_back({in.at(static_cast<std::size_t>(j) * n + s0), m * in.elem()});
+  }
+
+  static void copy_if_distinct(std::byte* dst, const std::byte* src, std::size_t n) {
+    if (n != 0 && dst != src) std::memcpy(dst, src, n);
+  }
+
+  void gather_impl(detail::Coll c, const detail::Buf& in, const detail::Buf& out, int root) {
+    const auto fp = next(c, in.dtype, in.count, root, ReduceOp::sum, false);
+    const std::size_t es = in.elem(), n = in.count;
+    const std::size_t seg = std::max<std::size_t>(1, t_->max_offer() / es);
+    segments(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
+      const detail::Piece pc{in.at(s0), m * es};
+      auto ptrs = t_->round(
+          {&pc, 1},
+          [&](int, int dst) { return root < 0 || dst == root ? detail::Range{0, m * es} : detail::Range{}; },
+          first ? &fp : nullptr);
+      if (root >= 0 && rank_ != root) return;
+      for (int j = 0; j < size_; ++j) {
+        copy_if_distinct(out.at(static_cast<std::size_t>(j) * n + s0), ptrs[static_cast<std::size_t>(j)], m * es);
+      }
+    });
+  }
+
+  void connect(const detail::BackendInit& init) {
+    const Options& o = init.options;
+    if (size_ == 1) {
+      t_ = std::make_unique<detail::SelfTransport>(o.timeout);
+      local_size_ = 1;
+      return;
+    }
+    Store& store = *init.store;
+    const auto deadline = detail::Deadline::after(o.timeout);
+
+    // 1. Everyone publishes who and where it is, on the interface that reaches the store.
+    detail::Fd listener = detail::listen_tcp(store.local_address(), 0);
+    const std::string identity = detail::host_identity();
+    {
+      std::string rec;
+      detail::ByteWriter w(rec);
+      w.str(identity);
+      w.put(static_cast<std::uint32_t>(::getpid()));
+      w.str(store.local_address());
+      w.put(static_cast<std::uint32_t>(detail::local_port(listener.get())));
+      store.set(detail::concat("peer/", rank_), rec);
+    }
+    std::vector<std::string> keys;
+    for (int j = 0; j < size_; ++j) keys.push_back(detail::concat("peer/", j));
+    if (auto missing = store.missing_after(keys, o.timeout); !missing.empty()) {
+      std::string who;
+      for (const auto& k : missing) who += detail::concat(who.empty() ? "" : ", ", k.substr(5));
+      detail::fail(Errc::timeout, "rank ", rank_, ": rendezvous timed out after ", o.timeout.count(), " ms: ",
+                   size_ - static_cast<int>(missing.size()), "/", size_, " ranks joined; missing rank",
+                   missing.size() == 1 ? " " : "s ", who,
+                   ". Check that every rank was started with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE");
+    }
+    std::vector<std::string> identities;
+    std::vector<int> pids;
+    std::vector<std::pair<std::string, int>> addrs;
+    for (int j = 0; j < size_; ++j) {
+      const std::string rec = store.get(keys[static_cast<std::size_t>(j)]);
+      detail::ByteReader r(rec, "peer record");
+      identities.push_back(r.str(4096));
+      pids.push_back(static_cast<int>(r.get<std::uint32_t>()));
+      auto addr = r.str(256);
+      addrs.emplace_back(std::move(addr), static_cast<int>(r.get<std::uint32_t>()));
+    }
+    local_leader_ = rank_;
+    for (int j = 0; j < size_; ++j) {
+      if (identities[static_cast<std::size_t>(j)] != identity) continue;
+      if (j < rank_) ++local_rank_;
+      local_leader_ = std::min(local_leader_, j);
+      ++local_size_;
+    }
+    const bool one_host = local_size_ == size_;
+
+    // 2. Pick the transport: every rank computes the same answer from the same records.
+    HostTransport choice = o.transport;
+    if (choice == HostTransport::automatic) {
+      const std::string forced = detail::env_or("DDP_HOST_TRANSPORT", "");
+      if (forced == "tcp") choice = HostTransport::tcp;
+      else if (forced == "shm") choice = HostTransport::shm;
+      else if (!forced.empty() && forced != "auto") {
+        detail::fail(Errc::invalid_argument, "DDP_HOST_TRANSPORT=\"", forced, "\": use shm, tcp or auto");
+      }
+    }
+    if (choice == HostTransport::automatic) choice = one_host ? HostTransport::shm : HostTransport::tcp;
+    if (choice == HostTransport::shm && !one_host) {
+      detail::fail(Errc::invalid_argument, "rank ", rank_,
+                   ": the shm transport was requested but the ranks are on more than one host");
+    }
+
+    if (choice == HostTransport::shm) {
+      connect_shm(store, o, pids);
+    } else {
+      detail::TcpTransport::SessionKey key{};
+      if (rank_ == 0) {
+        detail::random_bytes(key.data(), key.size());
+        store.set("session", std::string(reinterpret_cast<const char*>(key.data()), key.size()));
+      } else {
+        const std::string k = store.get("session");
+        if (k.size() != key.size()) detail::fail(Errc::protocol, "bad session key in the store");
+        std::memcpy(key.data(), k.data(), key.size());
+      }
+      auto peers = detail::TcpTransport::connect_mesh(rank_, size_, listener, addrs, key, deadline);
+      t_ = std::make_unique<detail::TcpTransport>(rank_, size_, o.timeout, std::move(peers),
+                                                  segment_bytes(o, std::size_t{4} << 20));
+    }
+  }
+
+  /// Options::segment_bytes, else $DDP_SEGMENT_BYTES, else the transport's default.
+  static std::size_t segment_bytes(const Options& o, std::size_t fallback) {
+    if (o.segment_bytes != 0) return o.segment_bytes;
+    const std::string v = detail::env_or("DDP_SEGMENT_BYTES", "");
+    if (v.empty()) return fallback;
+    char* end = nullptr;
+    const auto n = std::strtoull(v.c_str(), &end, 10);
+    if (end == v.c_str() || *end != '\0' || n < 4096) {
+      detail::fail(Errc::invalid_argument, "DDP_SEGMENT_BYTES=\"", v, "\" must be a number of bytes >= 4096");
+    }
+    return static_cast<std::size_t>(n);
+  }
+
+  void connect_shm(Store& store, const Options& o, const std::vector<int>& pids) {
+    detail::ShmLayout layout;
+    layout.world = size_;
+    auto segment = std::make_unique<detail::ShmSegment>();
+    std::uint64_t cookie = 0;
+    if (rank_ == 0) {
+      const std::size_t slot = segment_bytes(o, std::size_t{512} << 10);
+      layout.slot_bytes = std::clamp<std::size_t>(detail::ShmLayout::align_up(slot, 4096), 4096, std::size_t{1} << 30);
+      layout.channel_bytes = std::size_t{256} << 10;
+      cookie = detail::random_value<std::uint64_t>();
+      const std::string segment_name = detail::concat("/ddp-", ::getuid(), "-", ::getpid(), "-", detail::random_value<std::uint32_t>());
+      segment->create(segment_name, layout.total());
+      detail::ShmTransport::format(segment->base(), layout, cookie);
+      std::string rec;
+      detail::ByteWriter w(rec);
+      w.str(segment_name);
+      w.put(cookie);
+      w.put(static_cast<std::uint64_t>(layout.slot_bytes));
+      w.put(static_cast<std::uint64_t>(layout.channel_bytes));
+      store.set("shm", rec);
+      // Unlink as soon as everyone has mapped it: from then on a crash leaves nothing behind.
+      std::vector<std::string> mapped;
+      for (int j = 1; j < size_; ++j) mapped.push_back(detail::concat("mapped/", j));
+      const auto missing = store.missing_after(mapped, o.timeout);
+      segment->unlink();
+      if (!missing.empty()) {
+        detail::fail(Errc::timeout, "rank 0: ", missing.size(), " rank(s) did not map the shared memory segment in time");
+      }
+    } else {
+      const std::string rec = store.get("shm");
+      detail::ByteReader r(rec, "shm record");
+      const std::string segment_name = r.str(255);
+      cookie = r.get<std::uint64_t>();
+      layout.slot_bytes = static_cast<std::size_t>(r.get<std::uint64_t>());
+      layout.channel_bytes = static_cast<std::size_t>(r.get<std::uint64_t>());
+      segment->open(segment_name, layout.total());
+      detail::ShmTransport::verify(segment->base(), layout, cookie);
+      store.set(detail::concat("mapped/", rank_), "");
+    }
+    t_ = std::make_unique<detail::ShmTransport>(rank_, size_, o.timeout, layout, std::move(segment), pids);
+  }
+
+  int rank_;
+  int size_;
+  int local_rank_ = 0;
+  int local_size_ = 0;
+  int local_leader_ = 0;
+  std::unique_ptr<detail::Transport> t_;
+  std::uint64_t seq_ = 0;
+  std::vector<std::uint64_t> send_seq_, recv_seq_;
+  std::vector<detail::Piece> pieces_;
+  std::vector<std::byte> scratch_;
+};
+
+}  // namespace backend
+DDP_END_NAMESPACE

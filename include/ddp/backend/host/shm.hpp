@@ -1,0 +1,451 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// The shared-memory transport of the Host backend (all ranks on one host).
+///
+/// One POSIX shared-memory segment per communicator, created by rank 0, opened by the others and
+/// unlinked as soon as every rank has mapped it, so a crash leaves nothing in /dev/shm. It holds:
+///  * a header: the abort word (the first failure, so peers fail fast) and the futex wake word;
+///  * per rank a control block: a monotonically increasing `tick` (one per round) on its own cache
+///    line, and two fingerprint slots (indexed by tick parity);
+///  * per rank two data slots (double buffering by tick parity);
+///  * per ordered pair a ring buffer for send/recv.
+///
+/// A round: copy the bytes peers want into my slot[tick % 2], publish tick, wait until every
+/// peer's tick reaches mine, compare fingerprints, hand out pointers into peers' slots. Double
+/// buffering needs no extra waits: a peer can only overwrite slot[t % 2] in round t + 2, which it
+/// cannot start before I publish round t + 1, which I do only after I am done reading round t.
+
+#include "ddp/backend/host/transport.hpp"
+#include "ddp/config.hpp"
+#include "ddp/detail/socket.hpp"
+#include "ddp/detail/wait.hpp"
+#include "ddp/error.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+struct ShmLayout {
+  static constexpr std::uint64_t magic = 0x3130306d68737064ull;  // "dpshm001"
+  static constexpr std::size_t header_bytes = 4096;
+  static constexpr std::size_t ctl_bytes = 256;
+  static constexpr std::size_t channel_ctl_bytes = 128;
+
+  int world = 1;
+  std::size_t slot_bytes = 0;
+  std::size_t channel_bytes = 0;
+
+  [[nodiscard]] static std::size_t align_up(std::size_t v, std::size_t a) { return (v + a - 1) / a * a; }
+  [[nodiscard]] std::size_t ctl_offset() const { return header_bytes; }
+  [[nodiscard]] std::size_t slots_offset() const {
+    return align_up(header_bytes + static_cast<std::size_t>(world) * ctl_bytes, 4096);
+  }
+  [[nodiscard]] std::size_t slot_offset(int rank, unsigned parity) const {
+    return slots_offset() + (static_cast<std::size_t>(rank) * 2 + parity) * slot_bytes;
+  }
+  [[nodiscard]] std::size_t channels_offset() const {
+    return slots_offset() + static_cast<std::size_t>(world) * 2 * slot_bytes;
+  }
+  [[nodiscard]] std::size_t channel_offset(int src, int dst) const {
+    return channels_offset() +
+           (static_cast<std::size_t>(src) * static_cast<std::size_t>(world) + static_cast<std::size_t>(dst)) *
+               (channel_ctl_bytes + channel_bytes);
+  }
+  [[nodiscard]] std::size_t total() const {
+    return align_up(channel_offset(world - 1, world - 1) + channel_ctl_bytes + channel_bytes, 4096);
+  }
+};
+
+struct ShmHeader {
+  std::uint64_t magic;
+  std::uint64_t cookie;
+  std::uint32_t world;
+  std::uint32_t reserved;
+  std::uint64_t slot_bytes;
+  std::uint64_t channel_bytes;
+  std::uint64_t total;
+  alignas(64) WakeWord wake;
+  alignas(64) std::atomic<std::uint32_t> abort_state;  // 0 none, 1 being written, 2 set
+  std::int32_t abort_rank;
+  std::int32_t abort_code;
+  char abort_message[2048];
+};
+static_assert(sizeof(ShmHeader) <= ShmLayout::header_bytes);
+
+struct alignas(64) ShmCtl {
+  std::atomic<std::uint64_t> tick;
+  char pad0[56];
+  Fingerprint fp[2];
+  char pad1[64 - 2 * sizeof(Fingerprint) % 64];
+};
+static_assert(sizeof(ShmCtl) <= ShmLayout::ctl_bytes);
+
+struct ShmChannelCtl {
+  alignas(64) std::atomic<std::uint64_t> head;  // bytes written so far
+  alignas(64) std::atomic<std::uint64_t> tail;  // bytes consumed so far
+};
+static_assert(sizeof(ShmChannelCtl) <= ShmLayout::channel_ctl_bytes);
+
+struct P2PHeader {
+  std::uint64_t seq;
+  std::uint64_t count;
+  std::int32_t tag;
+  DType dtype;
+  std::uint8_t pad[3];
+};
+
+/// A mapped shared-memory segment.
+class ShmSegment {
+ public:
+  ShmSegment() = default;
+  ShmSegment(const ShmSegment&) = delete;
+  ShmSegment& operator=(const ShmSegment&) = delete;
+  ~ShmSegment() {
+    if (base_ != nullptr) ::munmap(base_, size_);
+    if (!unlinked_ && !name_.empty()) ::shm_unlink(name_.c_str());
+  }
+
+  /// Creates, sizes and pre-faults a new segment (first touch is slow: pay it once, here).
+  void create(const std::string& name, std::size_t size) {
+    Fd fd(::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600));
+    if (!fd) fail_errno(errno, "shm_open(", name, ", O_CREAT)");
+    name_ = name;
+    if (::ftruncate(fd.get(), static_cast<off_t>(size)) != 0) {
+      fail_errno(errno, "ftruncate(", name, ", ", size, " bytes): is /dev/shm large enough?");
+    }
+    map(fd.get(), size);
+    std::memset(base_, 0, size);
+  }
+
+  /// Maps an existing segment of exactly `size` bytes.
+  void open(const std::string& name, std::size_t size) {
+    Fd fd(::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0));
+    if (!fd) fail_errno(errno, "shm_open(", name, ")");
+    struct stat st {};
+    if (::fstat(fd.get(), &st) != 0) fail_errno(errno, "fstat(", name, ")");
+    if (static_cast<std::size_t>(st.st_size) != size) {
+      fail(Errc::protocol, "shared memory segment ", name, " has ", st.st_size, " bytes, expected ", size);
+    }
+    map(fd.get(), size);
+    unlinked_ = true;  // the creator unlinks
+  }
+
+  void unlink() {
+    if (!unlinked_ && !name_.empty()) ::shm_unlink(name_.c_str());
+    unlinked_ = true;
+  }
+
+  [[nodiscard]] std::byte* base() const noexcept { return static_cast<std::byte*>(base_); }
+
+ private:
+  void map(int fd, std::size_t size) {
+    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) fail_errno(errno, "mmap of ", size, " bytes of shared memory");
+    base_ = p;
+    size_ = size;
+  }
+
+  void* base_ = nullptr;
+  std::size_t size_ = 0;
+  std::string name_;
+  bool unlinked_ = false;
+};
+
+class ShmTransport final : public Transport {
+ public:
+  /// `segment` is mapped and initialized; `pids[j]` is rank j's process id.
+  ShmTransport(int rank, int size, std::chrono::milliseconds timeout, ShmLayout layout,
+               std::unique_ptr<ShmSegment> segment, const std::vector<int>& pids)
+      : Transport(rank, size, timeout), layout_(layout), segment_(std::move(segment)), ptrs_(static_cast<std::size_t>(size)) {
+    header_ = reinterpret_cast<ShmHeader*>(segment_->base());
+    for (int j = 0; j < size; ++j) {
+      if (j != rank) watch_.add(j, pids[static_cast<std::size_t>(j)]);
+    }
+    oversubscribed_ = size > usable_cpus();
+    tick_ = ctl(rank)->tick.load();
+  }
+
+  /// Initializes a freshly created segment (rank 0 only, before anyone else maps it).
+  static void format(std::byte* base, const ShmLayout& layout, std::uint64_t cookie) {
+    auto* h = new (base) ShmHeader{};
+    h->magic = ShmLayout::magic;
+    h->cookie = cookie;
+    h->world = static_cast<std::uint32_t>(layout.world);
+    h->slot_bytes = layout.slot_bytes;
+    h->channel_bytes = layout.channel_bytes;
+    h->total = layout.total();
+    for (int j = 0; j < layout.world; ++j) new (base + layout.ctl_offset() + static_cast<std::size_t>(j) * ShmLayout::ctl_bytes) ShmCtl{};
+    for (int s = 0; s < layout.world; ++s) {
+      for (int d = 0; d < layout.world; ++d) new (base + layout.channel_offset(s, d)) ShmChannelCtl{};
+    }
+  }
+
+  /// Checks a segment opened by a non-creator.
+  static void verify(const std::byte* base, const ShmLayout& layout, std::uint64_t cookie) {
+    const auto* h = reinterpret_cast<const ShmHeader*>(base);
+    if (h->magic != ShmLayout::magic || h->cookie != cookie || h->world != static_cast<std::uint32_t>(layout.world) ||
+        h->slot_bytes != layout.slot_bytes || h->total != layout.total()) {
+      fail(Errc::protocol, "the shared memory segment does not belong to this communicator (cookie or layout differ)");
+    }
+  }
+
+  [[nodiscard]] std::string_view name() const noexcept override { return "shm"; }
+  [[nodiscard]] std::size_t max_offer() const noexcept override { return layout_.slot_bytes; }
+  [[nodiscard]] std::size_t small_bytes() const noexcept override { return std::min<std::size_t>(layout_.slot_bytes, 16384); }
+
+  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want, const Fingerprint* fp) override {
+    check_abort(fp);
+    const std::uint64_t t = ++tick_;
+    const unsigned parity = static_cast<unsigned>(t & 1u);
+    std::byte* my_slot = slot(rank_, parity);
+    // Copy only what peers want, each byte once.
+    wanted_.clear();
+    for (int j = 0; j < size_; ++j) {
+      if (j == rank_) continue;
+      const Range r = want(rank_, j);
+      if (r.len != 0) wanted_.push_back(r);
+    }
+    std::sort(wanted_.begin(), wanted_.end(), [](const Range& a, const Range& b) { return a.off < b.off; });
+    std::size_t copied_to = 0;
+    for (const Range& r : wanted_) {
+      std::size_t from = std::max(r.off, copied_to);
+      const std::size_t to = r.off + r.len;
+      if (to > layout_.slot_bytes) fail(Errc::invalid_argument, "internal error: offer exceeds the shared memory slot");
+      std::size_t base = 0;
+      for (const Piece& p : offer) {  // copy [from, to) out of the pieces
+        const std::size_t lo = std::max(from, base), hi = std::min(to, base + p.len);
+        if (lo < hi) std::memcpy(my_slot + lo, p.data + (lo - base), hi - lo);
+        base += p.len;
+      }
+      copied_to = std::max(copied_to, to);
+    }
+    ShmCtl* mine = ctl(rank_);
+    if (fp != nullptr) mine->fp[parity] = *fp;
+    mine->tick.store(t, std::memory_order_seq_cst);
+    header_->wake.notify();
+
+    wait([&] { return all_reached(t); }, fp, [&] { return behind(t); });
+
+    if (fp != nullptr) {
+      for (int j = 0; j < size_; ++j) {
+        if (j == rank_) continue;
+        const Fingerprint theirs = ctl(j)->fp[parity];
+        if (!(theirs == *fp)) {
+          const std::string msg = mismatch_message(*fp, j, theirs);
+          publish_abort(Errc::mismatch, msg);
+          fail(Errc::mismatch, msg);
+        }
+      }
+    }
+    for (int j = 0; j < size_; ++j) {
+      const Range r = want(j, rank_);
+      if (r.len == 0) ptrs_[static_cast<std::size_t>(j)] = nullptr;
+      else if (j == rank_) ptrs_[static_cast<std::size_t>(j)] = SelfTransport::locate(offer, r);
+      else ptrs_[static_cast<std::size_t>(j)] = slot(j, parity) + r.off;
+    }
+    return ptrs_;
+  }
+
+  void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
+    check_abort(nullptr);
+    const P2PHeader h{seq, buf.count, tag, buf.dtype, {}};
+    channel_write(peer, &h, sizeof h, "send", buf, tag);
+    channel_write(peer, buf.data, buf.bytes(), "send", buf, tag);
+  }
+
+  void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
+    check_abort(nullptr);
+    P2PHeader h{};
+    channel_read(peer, &h, sizeof h, "recv", buf, tag);
+    if (h.seq != seq || h.tag != tag || h.dtype != buf.dtype || h.count != buf.count) {
+      const std::string msg = concat("rank ", rank_, ": recv(from rank ", peer, ", tag ", tag, ", ", to_string(buf.dtype),
+                                     ", count=", buf.count, ") #", seq, " got send(tag ", h.tag, ", ",
+                                     to_string(h.dtype), ", count=", h.count, ") #", h.seq,
+                                     "; sends and receives between a pair are matched in order and must agree");
+      publish_abort(Errc::mismatch, msg);
+      fail(Errc::mismatch, msg);
+    }
+    channel_read(peer, buf.data, buf.bytes(), "recv", buf, tag);
+  }
+
+  void abort(Errc code, const std::string& why) override {
+    local_abort_code_.store(static_cast<int>(code));
+    publish_abort(code, why);
+  }
+
+ private:
+  [[nodiscard]] ShmCtl* ctl(int r) const {
+    return reinterpret_cast<ShmCtl*>(segment_->base() + layout_.ctl_offset() + static_cast<std::size_t>(r) * ShmLayout::ctl_bytes);
+  }
+  [[nodiscard]] std::byte* slot(int r, unsigned parity) const { return segment_->base() + layout_.slot_offset(r, parity); }
+  [[nodiscard]] ShmChannelCtl* channel(int src, int dst) const {
+    return reinterpret_cast<ShmChannelCtl*>(segment_->base() + layout_.channel_offset(src, dst));
+  }
+  [[nodiscard]] std::byte* channel_data(int src, int dst) const {
+    return segment_->base() + layout_.channel_offset(src, dst) + ShmLayout::channel_ctl_bytes;
+  }
+
+  [[nodiscard]] bool all_reached(std::uint64_t t) const {
+    for (int j = 0; j < size_; ++j) {
+      if (ctl(j)->tick.load(std::memory_order_acquire) < t) return false;
+    }
+    return true;
+  }
+
+  [[nodiscard]] std::string behind(std::uint64_t t) const {
+    std::string who;
+    int n = 0;
+    for (int j = 0; j < size_; ++j) {
+      if (ctl(j)->tick.load(std::memory_order_acquire) < t) who += concat(n++ ? ", " : "", j);
+    }
+    return concat(n == 1 ? "rank " : "ranks ", who);
+  }
+
+  /// First failure wins; later ones keep the first message.
+  void publish_abort(Errc code, const std::string& why) {
+    std::uint32_t expected = 0;
+    if (header_->abort_state.compare_exchange_strong(expected, 1)) {
+      header_->abort_rank = rank_;
+      header_->abort_code = static_cast<int>(code);
+      const std::size_t n = std::min(why.size(), sizeof header_->abort_message - 1);
+      std::memcpy(header_->abort_message, why.data(), n);
+      header_->abort_message[n] = '\0';
+      header_->abort_state.store(2, std::memory_order_seq_cst);
+    }
+    header_->wake.epoch.fetch_add(1);
+    futex_wake_all(&header_->wake.epoch);
+  }
+
+  /// Throws if this communicator was aborted here or by a peer.
+  void check_abort(const Fingerprint* fp) const {
+    if (const int code = local_abort_code_.load(); code != 0) {
+      fail(static_cast<Errc>(code), "rank ", rank_, ": ", fp ? to_string(fp->coll) : "operation",
+           ": the communicator was aborted on this rank; create a new communicator to continue");
+    }
+    if (header_->abort_state.load(std::memory_order_acquire) == 2) {
+      fail(static_cast<Errc>(header_->abort_code), "rank ", rank_, ": ",
+           fp ? to_string(*fp) : std::string("operation"), ": failed because rank ", header_->abort_rank,
+           " reported: ", header_->abort_message);
+    }
+  }
+
+  /// Spins, then sleeps, until ready(); fails on abort, on a dead peer and at the timeout.
+  template <class Ready, class Behind>
+  void wait(Ready&& ready, const Fingerprint* fp, Behind&& behind_desc, const char* what = nullptr) {
+    if (ready()) return;
+    const auto spin_until = Clock::now() + (oversubscribed_ ? std::chrono::microseconds(2) : std::chrono::microseconds(50));
+    do {
+      for (int i = 0; i < 64; ++i) {
+        cpu_relax();
+        if (ready()) return;
+      }
+    } while (Clock::now() < spin_until);
+    const auto deadline = Deadline::after(timeout_);
+    auto next_check = Clock::now();
+    int yields = 0;
+    for (;;) {
+      check_abort(fp);
+      if (ready()) return;
+      const auto now = Clock::now();
+      if (now >= next_check) {
+        if (const int dead = watch_.first_dead(); dead >= 0) {
+          const std::string msg =
+              concat("rank ", rank_, ": ", fp ? to_string(*fp) : std::string(what ? what : "operation"), ": rank ",
+                     dead, " died (its process exited); the job cannot continue with this communicator");
+          publish_abort(Errc::peer_lost, concat("rank ", dead, " died (its process exited)"));
+          fail(Errc::peer_lost, msg);
+        }
+        if (now >= deadline.at) {
+          const std::string who = behind_desc();
+          const std::string msg =
+              concat("rank ", rank_, ": ", fp ? to_string(*fp) : std::string(what ? what : "operation"), ": timed out after ",
+                     timeout_.count(), " ms waiting for ", who,
+                     " (shm transport); that rank is stopped, slow, or did not call this collective");
+          publish_abort(Errc::timeout, concat("timed out waiting for ", who));
+          fail(Errc::timeout, msg);
+        }
+        next_check = now + std::chrono::milliseconds(20);
+      }
+      if (oversubscribed_ && yields < 64) {
+        ++yields;
+        ::sched_yield();
+        continue;
+      }
+      header_->wake.sleep_unless(ready, 5'000'000);
+    }
+  }
+
+  void channel_write(int peer, const void* data, std::size_t n, const char* what, const Buf& buf, int tag) {
+    ShmChannelCtl* ch = channel(rank_, peer);
+    std::byte* ring = channel_data(rank_, peer);
+    const std::size_t cap = layout_.channel_bytes;
+    const auto* p = static_cast<const std::byte*>(data);
+    std::uint64_t head = ch->head.load(std::memory_order_relaxed);
+    const auto desc = [&] { return concat("rank ", peer, " to receive"); };
+    const std::string op = concat(what, "(to rank ", peer, ", tag ", tag, ", ", to_string(buf.dtype), ", count=", buf.count, ")");
+    while (n > 0) {
+      wait([&] { return head - ch->tail.load(std::memory_order_acquire) < cap; }, nullptr, desc, op.c_str());
+      const std::uint64_t free_bytes = cap - (head - ch->tail.load(std::memory_order_acquire));
+      const std::size_t at = static_cast<std::size_t>(head % cap);
+      const std::size_t k = std::min<std::size_t>({n, static_cast<std::size_t>(free_bytes), cap - at});
+      std::memcpy(ring + at, p, k);
+      p += k;
+      n -= k;
+      head += k;
+      ch->head.store(head, std::memory_order_seq_cst);
+      header_->wake.notify();
+    }
+  }
+
+  void channel_read(int peer, void* data, std::size_t n, const char* what, const Buf& buf, int tag) {
+    ShmChannelCtl* ch = channel(peer, rank_);
+    const std::byte* ring = channel_data(peer, rank_);
+    const std::size_t cap = layout_.channel_bytes;
+    auto* p = static_cast<std::byte*>(data);
+    std::uint64_t tail = ch->tail.load(std::memory_order_relaxed);
+    const auto desc = [&] { return concat("rank ", peer, " to send"); };
+    const std::string op = concat(what, "(from rank ", peer, ", tag ", tag, ", ", to_string(buf.dtype), ", count=", buf.count, ")");
+    while (n > 0) {
+      wait([&] { return ch->head.load(std::memory_order_acquire) > tail; }, nullptr, desc, op.c_str());
+      const std::uint64_t avail = ch->head.load(std::memory_order_acquire) - tail;
+      const std::size_t at = static_cast<std::size_t>(tail % cap);
+      const std::size_t k = std::min<std::size_t>({n, static_cast<std::size_t>(avail), cap - at});
+      std::memcpy(p, ring + at, k);
+      p += k;
+      n -= k;
+      tail += k;
+      ch->tail.store(tail, std::memory_order_seq_cst);
+      header_->wake.notify();
+    }
+  }
+
+  ShmLayout layout_;
+  std::unique_ptr<ShmSegment> segment_;
+  ShmHeader* header_ = nullptr;
+  ProcessWatch watch_;
+  bool oversubscribed_ = false;
+  std::uint64_t tick_ = 0;
+  std::vector<Range> wanted_;
+  std::vector<const std::byte*> ptrs_;
+  std::atomic<int> local_abort_code_{0};
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE

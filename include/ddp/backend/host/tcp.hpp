@@ -1,0 +1,347 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// The TCP transport of the Host backend (ranks on several hosts, or DDP_HOST_TRANSPORT=tcp).
+///
+/// A full mesh of connections, made at start-up: every rank listens on the interface that
+/// reaches the store, publishes its address there, connects to lower ranks and accepts higher
+/// ones; a connection must present the communicator's session key (a random value shared through
+/// the store, which DDP_TOKEN protects) or it is dropped. A round sends, to each peer at once,
+/// the part of this rank's offer it wants and receives what this rank wants, progressing every
+/// socket with poll() until done, the timeout, or a failure. The first round of a collective
+/// starts each message with the sender's fingerprint, checked before any data is used.
+
+#include "ddp/backend/host/transport.hpp"
+#include "ddp/config.hpp"
+#include "ddp/detail/bytes.hpp"
+#include "ddp/detail/socket.hpp"
+#include "ddp/error.hpp"
+
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+class TcpTransport final : public Transport {
+ public:
+  static constexpr std::uint32_t hello_magic = 0x50434444;  // "DDCP"
+  using SessionKey = std::array<std::uint8_t, 16>;
+
+  TcpTransport(int rank, int size, std::chrono::milliseconds timeout, std::vector<Fd> peers,
+               std::size_t segment_bytes)
+      : Transport(rank, size, timeout), segment_(segment_bytes), peers_(std::move(peers)), ptrs_(static_cast<std::size_t>(size)),
+        xfers_(static_cast<std::size_t>(size)), headers_in_(static_cast<std::size_t>(size)) {
+    for (auto& fd : peers_) {
+      if (fd) set_nonblocking(fd.get(), true);
+    }
+  }
+
+  /// Builds the mesh: connect to ranks below, accept ranks above (see the file comment).
+  [[nodiscard]] static std::vector<Fd> connect_mesh(int rank, int size, Fd& listener,
+                                                    const std::vector<std::pair<std::string, int>>& addrs,
+                                                    const SessionKey& key, Deadline deadline) {
+    std::vector<Fd> peers(static_cast<std::size_t>(size));
+    for (int j = 0; j < rank; ++j) {
+      const auto& [host, port] = addrs[static_cast<std::size_t>(j)];
+      Fd fd = connect_tcp(host, port, deadline, concat("rank ", j));
+      std::string hello;
+      ByteWriter w(hello);
+      w.put(hello_magic);
+      w.raw(key.data(), key.size());
+      w.put(static_cast<std::uint32_t>(rank));
+      if (send_all(fd.get(), hello.data(), hello.size(), deadline) != IoResult::ok) {
+        fail(Errc::peer_lost, "rank ", rank, ": could not introduce itself to rank ", j, " at ", host_port(host, port));
+      }
+      peers[static_cast<std::size_t>(j)] = std::move(fd);
+    }
+    int missing = size - 1 - rank;
+    set_nonblocking(listener.get(), true);
+    while (missing > 0) {
+      pollfd p{listener.get(), POLLIN, 0};
+      const int rc = ::poll(&p, 1, deadline.poll_ms(1000));
+      if (rc == 0 && deadline.expired()) {
+        std::string who;
+        for (int j = rank + 1; j < size; ++j) {
+          if (!peers[static_cast<std::size_t>(j)]) who += concat(who.empty() ? "" : ", ", j);
+        }
+        fail(Errc::timeout, "rank ", rank, ": timed out waiting for rank(s) ", who, " to connect (tcp transport)");
+      }
+      Fd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      if (!fd) continue;
+      set_nodelay(fd.get());
+      std::array<std::byte, 4 + 16 + 4> hello{};
+      // A stray connection gets a short window; it must not stall the mesh.
+      const auto short_deadline = Deadline{std::min(deadline.at, Clock::now() + std::chrono::seconds(2))};
+      if (recv_all(fd.get(), hello.data(), hello.size(), short_deadline) != IoResult::ok) continue;
+      ByteReader r(hello.data(), hello.size(), "peer hello");
+      if (r.get<std::uint32_t>() != hello_magic) continue;
+      SessionKey got{};
+      r.raw(got.data(), got.size());
+      const auto peer = static_cast<int>(r.get<std::uint32_t>());
+      if (!constant_time_equal(got, key) || peer <= rank || peer >= size || peers[static_cast<std::size_t>(peer)]) {
+        continue;  // not ours: drop it
+      }
+      peers[static_cast<std::size_t>(peer)] = std::move(fd);
+      --missing;
+    }
+    return peers;
+  }
+
+  [[nodiscard]] std::string_view name() const noexcept override { return "tcp"; }
+  [[nodiscard]] std::size_t max_offer() const noexcept override { return segment_; }
+  [[nodiscard]] std::size_t small_bytes() const noexcept override {
+    return std::min(segment_, size_ == 2 ? (std::size_t{1} << 20) : (std::size_t{64} << 10));
+  }
+
+  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want, const Fingerprint* fp) override {
+    check_abort(fp);
+    std::size_t scratch_needed = 0;
+    for (int j = 0; j < size_; ++j) {
+      if (j != rank_) scratch_needed += want(j, rank_).len;
+    }
+    if (scratch_.size() < scratch_needed) scratch_.resize(scratch_needed);  // zero-filled: pre-faulted
+    std::size_t scratch_at = 0;
+    for (int j = 0; j < size_; ++j) {
+      auto& x = xfers_[static_cast<std::size_t>(j)];
+      x.clear();
+      if (j == rank_) continue;
+      if (fp != nullptr) {
+        x.out.push_back({reinterpret_cast<std::byte*>(const_cast<Fingerprint*>(fp)), sizeof(Fingerprint)});
+        x.in.push_back({reinterpret_cast<std::byte*>(&headers_in_[static_cast<std::size_t>(j)]), sizeof(Fingerprint)});
+        x.header_in = true;
+      }
+      const Range out = want(rank_, j);
+      std::size_t base = 0;
+      for (const Piece& p : offer) {
+        const std::size_t lo = std::max(out.off, base), hi = std::min(out.off + out.len, base + p.len);
+        if (lo < hi) x.out.push_back({const_cast<std::byte*>(p.data) + (lo - base), hi - lo});
+        base += p.len;
+      }
+      const Range in = want(j, rank_);
+      if (in.len != 0) x.in.push_back({scratch_.data() + scratch_at, in.len});
+      ptrs_[static_cast<std::size_t>(j)] = in.len != 0 ? scratch_.data() + scratch_at : nullptr;
+      scratch_at += in.len;
+    }
+    progress(fp, nullptr);
+    ptrs_[static_cast<std::size_t>(rank_)] = SelfTransport::locate(offer, want(rank_, rank_));
+    return ptrs_;
+  }
+
+  void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
+    check_abort(nullptr);
+    p2p_header_ = {seq, buf.count, tag, buf.dtype, {}};
+    for (auto& x : xfers_) x.clear();
+    auto& x = xfers_[static_cast<std::size_t>(peer)];
+    x.out.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});
+    if (buf.bytes() != 0) x.out.push_back({buf.data, buf.bytes()});
+    const std::string what = concat("send(to rank ", peer, ", tag ", tag, ", ", to_string(buf.dtype), ", count=", buf.count, ")");
+    progress(nullptr, what.c_str());
+  }
+
+  void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
+    check_abort(nullptr);
+    for (auto& x : xfers_) x.clear();
+    auto& x = xfers_[static_cast<std::size_t>(peer)];
+    x.in.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});
+    const std::string what = concat("recv(from rank ", peer, ", tag ", tag, ", ", to_string(buf.dtype), ", count=", buf.count, ")");
+    progress(nullptr, what.c_str());
+    const auto& h = p2p_header_;
+    if (h.seq != seq || h.tag != tag || h.dtype != buf.dtype || h.count != buf.count) {
+      const std::string msg = concat("rank ", rank_, ": ", what, " #", seq, " got send(tag ", h.tag, ", ", to_string(h.dtype),
+                                     ", count=", h.count, ") #", h.seq,
+                                     "; sends and receives between a pair are matched in order and must agree");
+      poison();
+      fail(Errc::mismatch, msg);
+    }
+    x.clear();
+    if (buf.bytes() != 0) x.in.push_back({buf.data, buf.bytes()});
+    progress(nullptr, what.c_str());
+  }
+
+  void abort(Errc code, const std::string&) override {
+    local_abort_code_.store(static_cast<int>(code));
+    poison();
+  }
+
+ private:
+  struct Seg {
+    std::byte* p;
+    std::size_t n;
+  };
+  struct Xfer {
+    std::vector<Seg> out, in;
+    std::size_t out_i = 0, out_off = 0, in_i = 0, in_off = 0;
+    bool header_in = false;
+    void clear() {
+      out.clear();
+      in.clear();
+      out_i = out_off = in_i = in_off = 0;
+      header_in = false;
+    }
+    [[nodiscard]] bool out_done() const { return out_i == out.size(); }
+    [[nodiscard]] bool in_done() const { return in_i == in.size(); }
+  };
+  struct P2PHeader {
+    std::uint64_t seq;
+    std::uint64_t count;
+    std::int32_t tag;
+    DType dtype;
+    std::uint8_t pad[3];
+  };
+
+  /// Shuts every connection down, so that peers blocked on this rank fail at once.
+  void poison() {
+    for (auto& fd : peers_) {
+      if (fd) ::shutdown(fd.get(), SHUT_RDWR);
+    }
+  }
+
+  void check_abort(const Fingerprint* fp) const {
+    if (const int code = local_abort_code_.load(); code != 0) {
+      fail(static_cast<Errc>(code), "rank ", rank_, ": ", fp ? to_string(fp->coll) : "operation",
+           ": the communicator was aborted on this rank; create a new communicator to continue");
+    }
+  }
+
+  [[noreturn]] void lost(int peer, const Fingerprint* fp, const char* what) {
+    poison();
+    fail(Errc::peer_lost, "rank ", rank_, ": ", fp ? to_string(*fp) : std::string(what ? what : "operation"),
+         ": the connection to rank ", peer,
+         " closed (that process died or failed) (tcp transport); the job cannot continue with this communicator");
+  }
+
+  void progress(const Fingerprint* fp, const char* what) {
+    const auto deadline = Deadline::after(timeout_);
+    std::vector<pollfd> fds;
+    std::vector<int> who;
+    for (;;) {
+      fds.clear();
+      who.clear();
+      for (int j = 0; j < size_; ++j) {
+        const auto& x = xfers_[static_cast<std::size_t>(j)];
+        short ev = 0;
+        if (!x.out_done()) ev = static_cast<short>(ev | POLLOUT);
+        if (!x.in_done()) ev = static_cast<short>(ev | POLLIN);
+        if (ev != 0) {
+          fds.push_back({peers_[static_cast<std::size_t>(j)].get(), ev, 0});
+          who.push_back(j);
+        }
+      }
+      if (fds.empty()) return;
+      check_abort(fp);
+      const int rc = ::poll(fds.data(), fds.size(), deadline.poll_ms(50));
+      if (rc < 0 && errno != EINTR) fail_errno(errno, "poll");
+      if (rc <= 0) {
+        if (deadline.expired()) {
+          std::string list;
+          for (int j : who) list += concat(list.empty() ? "" : ", ", j);
+          // No poison(): the other ranks time out on their own, with their own message.
+          fail(Errc::timeout, "rank ", rank_, ": ", fp ? to_string(*fp) : std::string(what ? what : "operation"),
+               ": timed out after ", timeout_.count(), " ms waiting for ", who.size() == 1 ? "rank " : "ranks ", list,
+               " (tcp transport); that rank is stopped, slow, or did not call this collective");
+        }
+        continue;
+      }
+      for (std::size_t i = 0; i < fds.size(); ++i) {
+        const int j = who[i];
+        auto& x = xfers_[static_cast<std::size_t>(j)];
+        const int fd = fds[i].fd;
+        if ((fds[i].revents & POLLOUT) != 0 || ((fds[i].revents & (POLLERR | POLLHUP)) != 0 && !x.out_done())) {
+          while (!x.out_done()) {
+            Seg& s = x.out[x.out_i];
+            if (s.n == 0) {
+              ++x.out_i;
+              continue;
+            }
+            const ssize_t n = ::send(fd, s.p + x.out_off, s.n - x.out_off, MSG_NOSIGNAL | MSG_DONTWAIT);
+            if (n > 0) {
+              x.out_off += static_cast<std::size_t>(n);
+              if (x.out_off == s.n) {
+                ++x.out_i;
+                x.out_off = 0;
+              }
+            } else if (n < 0 && errno == EINTR) {
+              continue;
+            } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+              break;
+            } else {
+              lost(j, fp, what);
+            }
+          }
+        }
+        if ((fds[i].revents & (POLLIN | POLLERR | POLLHUP)) != 0) {
+          while (!x.in_done()) {
+            Seg& s = x.in[x.in_i];
+            if (s.n == 0) {
+              ++x.in_i;
+              continue;
+            }
+            const ssize_t n = ::recv(fd, s.p + x.in_off, s.n - x.in_off, MSG_DONTWAIT);
+            if (n > 0) {
+              x.in_off += static_cast<std::size_t>(n);
+              if (x.in_off == s.n) {
+                if (x.in_i == 0 && x.header_in) check_header(j, *fp);
+                ++x.in_i;
+                x.in_off = 0;
+              }
+            } else if (n < 0 && errno == EINTR) {
+              continue;
+            } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+              break;
+            } else {
+              lost(j, fp, what);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  void check_header(int peer, const Fingerprint& mine) {
+    const Fingerprint& theirs = headers_in_[static_cast<std::size_t>(peer)];
+    if (!(theirs == mine)) {
+      const std::string msg = mismatch_message(mine, peer, theirs);
+      flush_headers();
+      fail(Errc::mismatch, msg);
+    }
+  }
+
+  /// Finishes sending this round's fingerprint to every peer (best effort, briefly), so that each
+  /// of them sees the mismatch too instead of waiting for a header that never comes. The
+  /// connections stay open: closing them would turn the peers' mismatch into peer_lost.
+  void flush_headers() {
+    const auto deadline = Deadline::after(std::chrono::milliseconds(500));
+    for (int j = 0; j < size_; ++j) {
+      auto& x = xfers_[static_cast<std::size_t>(j)];
+      if (j == rank_ || x.out.empty() || x.out_i > 0) continue;  // header already sent (or none)
+      const Seg& h = x.out[0];
+      (void)send_all(peers_[static_cast<std::size_t>(j)].get(), h.p + x.out_off, h.n - x.out_off, deadline);
+      ++x.out_i;
+      x.out_off = 0;
+    }
+  }
+
+  std::size_t segment_;
+  std::vector<Fd> peers_;
+  std::vector<const std::byte*> ptrs_;
+  std::vector<Xfer> xfers_;
+  std::vector<Fingerprint> headers_in_;
+  std::vector<std::byte> scratch_;
+  P2PHeader p2p_header_{};
+  std::atomic<int> local_abort_code_{0};
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE

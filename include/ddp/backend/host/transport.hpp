@@ -1,0 +1,148 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// The interface between the Host backend's algorithms and its transports (shared memory, TCP).
+///
+/// A collective is a sequence of *rounds*. In a round every rank offers some bytes (a list of
+/// pieces, concatenated), and every rank reads parts of other ranks' offers: want(src, dst) is
+/// the byte range of src's offer that dst reads, and every rank can compute it for every pair.
+/// round() returns, for each rank j, a pointer to want(j, me) within j's offer — straight into
+/// j's shared-memory slot, or into a scratch buffer the TCP transport received it into. The
+/// pointers stay valid until the next round. The first round of each collective carries the
+/// collective's fingerprint, which every transport compares across all ranks before any data is
+/// used, so ranks that call different collectives fail together with Errc::mismatch.
+
+#include "ddp/config.hpp"
+#include "ddp/detail/collective.hpp"
+#include "ddp/detail/string.hpp"
+#include "ddp/error.hpp"
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// A non-owning reference to a callable (no allocation, unlike std::function).
+template <class Sig>
+class FunctionRef;
+template <class R, class... Args>
+class FunctionRef<R(Args...)> {
+ public:
+  template <class F>
+    requires(!std::is_same_v<std::remove_cvref_t<F>, FunctionRef> && std::is_invocable_r_v<R, F&, Args...>)
+  FunctionRef(F&& f) noexcept  // NOLINT(google-explicit-constructor)
+      : obj_(const_cast<void*>(static_cast<const void*>(&f))),
+        call_([](void* o, Args... a) -> R { return (*static_cast<std::remove_reference_t<F>*>(o))(a...); }) {}
+  R operator()(Args... a) const { return call_(obj_, a...); }
+
+ private:
+  void* obj_;
+  R (*call_)(void*, Args...);
+};
+
+/// One part of a rank's offer.
+struct Piece {
+  const std::byte* data = nullptr;
+  std::size_t len = 0;
+};
+
+using Want = FunctionRef<Range(int src, int dst)>;
+
+/// The first failure of a transport, kept so that every later call fails the same way.
+struct Poison {
+  Errc code{};
+  std::string message;
+};
+
+class Transport {
+ public:
+  Transport(int rank, int size, std::chrono::milliseconds timeout)
+      : rank_(rank), size_(size), timeout_(timeout) {}
+  Transport(const Transport&) = delete;
+  Transport& operator=(const Transport&) = delete;
+  virtual ~Transport() = default;
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+
+  /// Name for messages: "shm" or "tcp".
+  [[nodiscard]] virtual std::string_view name() const noexcept = 0;
+  /// The most bytes one rank may offer in one round.
+  [[nodiscard]] virtual std::size_t max_offer() const noexcept = 0;
+  /// Below this many bytes, all_reduce gathers whole buffers in one round (latency path).
+  [[nodiscard]] virtual std::size_t small_bytes() const noexcept = 0;
+
+  /// One round (see the file comment). `fp` is non-null on a collective's first round.
+  virtual std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
+                                                  const Fingerprint* fp) = 0;
+
+  /// Point-to-point, matched in order per pair; the receiver checks tag, dtype and count.
+  virtual void send(const Buf& buf, int peer, int tag, std::uint64_t seq) = 0;
+  virtual void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) = 0;
+
+  /// Makes every current and future wait of this process (and, where the transport can, of its
+  /// peers) fail with `code`. Safe to call from any thread.
+  virtual void abort(Errc code, const std::string& why) = 0;
+
+ protected:
+  /// "rank R: <what>: mismatched collectives: this rank called X but rank P called Y; ..."
+  [[nodiscard]] std::string mismatch_message(const Fingerprint& mine, int peer, const Fingerprint& theirs) const {
+    return concat("rank ", rank_, ": ", to_string(mine.coll), ": mismatched collectives: this rank called ",
+                  to_string(mine), " but rank ", peer, " called ", to_string(theirs),
+                  "; every rank must call the same collectives, in the same order, with the same counts, "
+                  "dtypes, ops and roots");
+  }
+
+  int rank_;
+  int size_;
+  std::chrono::milliseconds timeout_;
+};
+
+/// The transport of a world of one: every round returns the rank's own offer.
+class SelfTransport final : public Transport {
+ public:
+  explicit SelfTransport(std::chrono::milliseconds timeout) : Transport(0, 1, timeout) {}
+  [[nodiscard]] std::string_view name() const noexcept override { return "self"; }
+  [[nodiscard]] std::size_t max_offer() const noexcept override { return std::size_t{1} << 40; }
+  [[nodiscard]] std::size_t small_bytes() const noexcept override { return std::size_t{1} << 40; }
+
+  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
+                                          const Fingerprint*) override {
+    ptr_ = locate(offer, want(0, 0));
+    return {&ptr_, 1};
+  }
+  void send(const Buf&, int, int, std::uint64_t) override {
+    fail(Errc::invalid_argument, "rank 0: send: a world of one has no peer to send to");
+  }
+  void recv(const Buf&, int, int, std::uint64_t) override {
+    fail(Errc::invalid_argument, "rank 0: recv: a world of one has no peer to receive from");
+  }
+  void abort(Errc, const std::string&) override {}
+
+  /// Where byte `r.off` of the concatenated pieces lives (the range must lie in one piece).
+  static const std::byte* locate(std::span<const Piece> offer, Range r) {
+    if (r.len == 0) return nullptr;
+    std::size_t base = 0;
+    for (const auto& p : offer) {
+      if (r.off >= base && r.off + r.len <= base + p.len) return p.data + (r.off - base);
+      base += p.len;
+    }
+    fail(Errc::invalid_argument, "internal error: a wanted range crosses offer pieces");
+  }
+
+ private:
+  const std::byte* ptr_ = nullptr;
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE

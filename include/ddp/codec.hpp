@@ -1,0 +1,236 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// The object codec behind gather_object, all_gather_object and broadcast_object: a typed,
+/// length-prefixed binary encoding. Decoding never executes anything from the wire (unlike
+/// pickle), checks a type tag, and refuses truncated input, counts the input could not hold and
+/// nesting deeper than 64 with Errc::invalid_argument, before allocating.
+///
+/// Built in: trivially copyable types, std::string, std::vector, std::pair, std::optional (and
+/// any nesting of those). For your own type, specialize ddp::codec:
+///
+///   template <> struct ddp::codec<Sample> {
+///     static void encode(ddp::Encoder& e, const Sample& s) { e.put(s.id); e.put(s.label); }
+///     static Sample decode(ddp::Decoder& d) {
+///       Sample s;
+///       s.id = d.get<int>();
+///       s.label = d.get<std::string>();
+///       return s;
+///     }
+///   };
+
+#include "ddp/config.hpp"
+#include "ddp/error.hpp"
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+template <class T>
+struct codec;
+
+class Encoder;
+class Decoder;
+
+/// A type ddp can encode: built in, or with a ddp::codec<T> specialization.
+template <class T>
+concept Encodable = requires(Encoder& e, Decoder& d, const T& v) {
+  codec<T>::encode(e, v);
+  { codec<T>::decode(d) } -> std::same_as<T>;
+};
+
+class Encoder {
+ public:
+  explicit Encoder(std::string& out) : out_(out) {}
+  template <class T>
+  void put(const T& value) {
+    codec<T>::encode(*this, value);
+  }
+  void bytes(const void* data, std::size_t n) { out_.append(static_cast<const char*>(data), n); }
+  void count(std::size_t n) {
+    const auto v = static_cast<std::uint64_t>(n);
+    bytes(&v, sizeof v);
+  }
+
+ private:
+  std::string& out_;
+};
+
+class Decoder {
+ public:
+  static constexpr int max_depth = 64;
+
+  Decoder(const void* data, std::size_t n) : p_(static_cast<const std::byte*>(data)), left_(n) {}
+
+  template <class T>
+  [[nodiscard]] T get() {
+    if (++depth_ > max_depth) detail::fail(Errc::invalid_argument, "object decode: nesting deeper than ", max_depth);
+    T v = codec<T>::decode(*this);
+    --depth_;
+    return v;
+  }
+  void bytes(void* out, std::size_t n) {
+    if (n > left_) {
+      detail::fail(Errc::invalid_argument, "object decode: input truncated (needs ", n, " more bytes, has ", left_, ")");
+    }
+    if (n != 0) std::memcpy(out, p_, n);
+    p_ += n;
+    left_ -= n;
+  }
+  /// A count of elements that each take at least `min_bytes` of the remaining input.
+  [[nodiscard]] std::size_t count(std::size_t min_bytes) {
+    std::uint64_t n = 0;
+    bytes(&n, sizeof n);
+    if (min_bytes == 0) min_bytes = 1;
+    if (n > left_ / min_bytes) {
+      detail::fail(Errc::invalid_argument, "object decode: a count of ", n, " cannot fit in the ", left_,
+                   " bytes left (malformed or hostile input)");
+    }
+    return static_cast<std::size_t>(n);
+  }
+  [[nodiscard]] std::size_t left() const noexcept { return left_; }
+
+ private:
+  const std::byte* p_;
+  std::size_t left_;
+  int depth_ = 0;
+};
+
+namespace detail {
+/// Fewest bytes one encoded T takes (bounds counts read from the wire).
+template <class T>
+constexpr std::size_t min_encoded_bytes() {
+  if constexpr (std::is_trivially_copyable_v<T>) return sizeof(T);
+  else return 1;
+}
+}  // namespace detail
+
+template <class T>
+  requires std::is_trivially_copyable_v<T>
+struct codec<T> {
+  static void encode(Encoder& e, const T& v) { e.bytes(&v, sizeof v); }
+  static T decode(Decoder& d) {
+    T v;
+    d.bytes(&v, sizeof v);
+    return v;
+  }
+};
+
+template <>
+struct codec<std::string> {
+  static void encode(Encoder& e, const std::string& s) {
+    e.count(s.size());
+    e.bytes(s.data(), s.size());
+  }
+  static std::string decode(Decoder& d) {
+    std::string s(d.count(1), '\0');
+    d.bytes(s.data(), s.size());
+    return s;
+  }
+};
+
+template <class T>
+struct codec<std::vector<T>> {
+  static void encode(Encoder& e, const std::vector<T>& v) {
+    e.count(v.size());
+    if constexpr (std::is_trivially_copyable_v<T> && !std::is_same_v<T, bool>) {
+      e.bytes(v.data(), v.size() * sizeof(T));
+    } else {
+      for (const auto& x : v) e.put<T>(x);
+    }
+  }
+  static std::vector<T> decode(Decoder& d) {
+    const std::size_t n = d.count(detail::min_encoded_bytes<T>());
+    std::vector<T> v;
+    if constexpr (std::is_trivially_copyable_v<T> && !std::is_same_v<T, bool>) {
+      v.resize(n);
+      d.bytes(v.data(), n * sizeof(T));
+    } else {
+      v.reserve(n);
+      for (std::size_t i = 0; i < n; ++i) v.push_back(d.get<T>());
+    }
+    return v;
+  }
+};
+
+template <class A, class B>
+  requires(!std::is_trivially_copyable_v<std::pair<A, B>>)
+struct codec<std::pair<A, B>> {
+  static void encode(Encoder& e, const std::pair<A, B>& p) {
+    e.put<A>(p.first);
+    e.put<B>(p.second);
+  }
+  static std::pair<A, B> decode(Decoder& d) {
+    A a = d.get<A>();
+    B b = d.get<B>();
+    return {std::move(a), std::move(b)};
+  }
+};
+
+template <class T>
+  requires(!std::is_trivially_copyable_v<std::optional<T>>)
+struct codec<std::optional<T>> {
+  static void encode(Encoder& e, const std::optional<T>& o) {
+    e.put<std::uint8_t>(o.has_value() ? 1 : 0);
+    if (o) e.put<T>(*o);
+  }
+  static std::optional<T> decode(Decoder& d) {
+    const auto has = d.get<std::uint8_t>();
+    if (has > 1) detail::fail(Errc::invalid_argument, "object decode: bad optional flag ", int{has});
+    if (has == 0) return std::nullopt;
+    return d.get<T>();
+  }
+};
+
+namespace detail {
+
+/// FNV-1a of the compiler's spelling of T: the same on every rank of one program.
+template <class T>
+std::uint64_t type_tag() {
+  static const std::uint64_t tag = [] {
+    const std::string_view name = __PRETTY_FUNCTION__;
+    std::uint64_t h = 1469598103934665603ull;
+    for (char c : name) {
+      h ^= static_cast<std::uint8_t>(c);
+      h *= 1099511628211ull;
+    }
+    return h;
+  }();
+  return tag;
+}
+
+/// The complete message for one object: type tag, then the encoding.
+template <Encodable T>
+std::string encode_object(const T& value) {
+  std::string out;
+  Encoder e(out);
+  e.put<std::uint64_t>(type_tag<T>());
+  e.put<T>(value);
+  return out;
+}
+
+template <Encodable T>
+T decode_object(const void* data, std::size_t n) {
+  Decoder d(data, n);
+  if (d.get<std::uint64_t>() != type_tag<T>()) {
+    fail(Errc::invalid_argument, "object decode: the bytes encode a different type (type tag mismatch): every rank must "
+                                 "pass the same type");
+  }
+  T v = d.get<T>();
+  if (d.left() != 0) fail(Errc::invalid_argument, "object decode: ", d.left(), " trailing bytes");
+  return v;
+}
+
+}  // namespace detail
+
+DDP_END_NAMESPACE

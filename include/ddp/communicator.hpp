@@ -1,0 +1,739 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// ddp::Communicator<Backend>: a process group with every collective of torch.distributed,
+/// typed (any ddp::TensorLike buffer), checked before anything is sent, with an _async twin for
+/// each collective (returning ddp::Work), object collectives and split().
+///
+/// Operations on one communicator run one at a time, in the order they were issued, whichever
+/// thread issued them. A synchronous call with nothing queued runs in the calling thread (no
+/// hand-off); async calls run on the communicator's worker thread. Buffers given to an async
+/// call must stay alive and untouched until its Work completes.
+///
+/// After a collective fails (timeout, a lost peer, a mismatch, abort()), the communicator is
+/// unusable: every later call fails at once with Errc::aborted naming the first failure. Build a
+/// new one (with another Options::group) to continue.
+
+#include "ddp/backend/host.hpp"
+#include "ddp/codec.hpp"
+#include "ddp/config.hpp"
+#include "ddp/detail/collective.hpp"
+#include "ddp/environment.hpp"
+#include "ddp/error.hpp"
+#include "ddp/options.hpp"
+#include "ddp/store.hpp"
+#include "ddp/tensor.hpp"
+#include "ddp/types.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <concepts>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// What Communicator needs from a backend: byte movement on type-erased buffers.
+template <class B>
+concept CommBackend = requires(B& b, const detail::Buf& buf, ReduceOp op, int i, const detail::BackendInit& init,
+                               const std::string& s) {
+  { B::create(init) } -> std::same_as<std::unique_ptr<B>>;
+  { B::supports(Device{}) } -> std::convertible_to<bool>;
+  { b.rank() } -> std::convertible_to<int>;
+  { b.size() } -> std::convertible_to<int>;
+  { b.local_rank() } -> std::convertible_to<int>;
+  { b.local_size() } -> std::convertible_to<int>;
+  { b.local_leader() } -> std::convertible_to<int>;
+  b.all_reduce(buf, op);
+  b.broadcast(buf, i);
+  b.reduce(buf, i, op);
+  b.all_gather(buf, buf);
+  b.gather(buf, buf, i);
+  b.scatter(buf, buf, i);
+  b.reduce_scatter(buf, buf, op);
+  b.all_to_all(buf, buf);
+  b.send(buf, i, i);
+  b.recv(buf, i, i);
+  b.barrier();
+  b.abort(Errc::aborted, s);
+};
+
+namespace detail {
+
+struct WorkState {
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr error;
+
+  void finish(std::exception_ptr e) {
+    {
+      std::lock_guard lock(mutex);
+      done = true;
+      error = std::move(e);
+    }
+    cv.notify_all();
+  }
+};
+
+/// Runs operations one at a time in issue order: inline when idle, else on a worker thread.
+class Executor {
+ public:
+  Executor() = default;
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+  ~Executor() {
+    {
+      std::lock_guard lock(queue_mutex_);
+      stopping_ = true;
+    }
+    queue_cv_.notify_all();
+    if (worker_.joinable()) worker_.join();
+  }
+
+  template <class F>
+  void run(F&& f) {
+    std::unique_lock lock(queue_mutex_);
+    if (queue_.empty() && !busy_) {
+      std::lock_guard run_lock(run_mutex_);
+      lock.unlock();
+      f();
+      return;
+    }
+    auto state = enqueue_locked(std::function<void()>(std::forward<F>(f)));
+    lock.unlock();
+    std::unique_lock wait_lock(state->mutex);
+    state->cv.wait(wait_lock, [&] { return state->done; });
+    if (state->error) std::rethrow_exception(state->error);
+  }
+
+  std::shared_ptr<WorkState> submit(std::function<void()> f) {
+    std::lock_guard lock(queue_mutex_);
+    if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
+    auto state = enqueue_locked(std::move(f));
+    queue_cv_.notify_one();
+    return state;
+  }
+
+ private:
+  std::shared_ptr<WorkState> enqueue_locked(std::function<void()> f) {
+    if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
+    auto state = std::make_shared<WorkState>();
+    queue_.emplace_back(std::move(f), state);
+    queue_cv_.notify_one();
+    return state;
+  }
+
+  void loop() {
+    std::unique_lock lock(queue_mutex_);
+    for (;;) {
+      queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and drained
+      auto [f, state] = std::move(queue_.front());
+      queue_.pop_front();
+      busy_ = true;
+      lock.unlock();
+      std::exception_ptr error;
+      {
+        std::lock_guard run_lock(run_mutex_);
+        try {
+          f();
+        } catch (...) {
+          error = std::current_exception();
+        }
+      }
+      state->finish(error);
+      lock.lock();
+      busy_ = false;
+    }
+  }
+
+  std::mutex queue_mutex_;
+  std::condition_variable queue_cv_;
+  std::deque<std::pair<std::function<void()>, std::shared_ptr<WorkState>>> queue_;
+  bool busy_ = false;
+  bool stopping_ = false;
+  std::mutex run_mutex_;
+  std::thread worker_;
+};
+
+/// Whether [a, a+an) and [b, b+bn) share a byte.
+[[nodiscard]] inline bool overlaps(const std::byte* a, std::size_t an, const std::byte* b, std::size_t bn) {
+  return an != 0 && bn != 0 && a < b + bn && b < a + an;
+}
+
+}  // namespace detail
+
+/// The handle of an asynchronous operation.
+class Work {
+ public:
+  /// A Work that is already complete.
+  Work() = default;
+  explicit Work(std::shared_ptr<detail::WorkState> s) : state_(std::move(s)) {}
+
+  /// Blocks until the operation has finished; rethrows its ddp::Error if it failed.
+  void wait() const {
+    if (!state_) return;
+    std::unique_lock lock(state_->mutex);
+    state_->cv.wait(lock, [&] { return state_->done; });
+    if (state_->error) std::rethrow_exception(state_->error);
+  }
+
+  /// Whether the operation has finished (successfully or not); never blocks, never throws.
+  [[nodiscard]] bool test() const {
+    if (!state_) return true;
+    std::lock_guard lock(state_->mutex);
+    return state_->done;
+  }
+
+  /// Whether the operation finished and failed.
+  [[nodiscard]] bool failed() const {
+    if (!state_) return false;
+    std::lock_guard lock(state_->mutex);
+    return state_->done && state_->error != nullptr;
+  }
+
+ private:
+  std::shared_ptr<detail::WorkState> state_;
+};
+
+template <CommBackend Backend>
+class Communicator {
+ public:
+  /// split() color for ranks that join no group (MPI_UNDEFINED).
+  static constexpr int no_color = -1;
+
+  /// Joins the process group described by `env`: rank 0 starts the rendezvous store at
+  /// MASTER_ADDR:MASTER_PORT (unless a launcher hosts it), every rank connects, and the backend
+  /// connects the ranks. A world of one needs no store.
+  [[nodiscard]] static Communicator init(const Environment& env = Environment::detect(), Options options = {}) {
+    auto state = std::make_shared<State>();
+    state->options = options;
+    state->world_rank = env.rank;
+    detail::BackendInit bi;
+    bi.rank = env.rank;
+    bi.size = env.world_size;
+    bi.options = options;
+    if (env.world_size > 1) {
+      if (env.master_port == 0) {
+        detail::fail(Errc::invalid_argument, "rank ", env.rank, ": Communicator::init: MASTER_PORT is not set (world size ",
+                     env.world_size, "); export MASTER_ADDR and MASTER_PORT, or launch with ddprun");
+      }
+      StoreOptions so;
+      so.timeout = options.timeout;
+      so.token = options.token;
+      if (env.rank == 0 && !options.external_store) {
+        state->server = std::make_unique<StoreServer>(env.master_addr, env.master_port, so);
+      }
+      const std::string prefix =
+          detail::concat("ddp/", detail::env_or("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
+      state->root_store = std::make_shared<Store>(env.master_addr, env.master_port, so);
+      state->prefix = prefix;
+      bi.store = std::make_shared<Store>(state->root_store->prefixed(prefix));
+      state->store = bi.store;
+    }
+    state->backend = Backend::create(bi);
+    return Communicator(std::move(state));
+  }
+
+  Communicator(Communicator&&) noexcept = default;
+  Communicator& operator=(Communicator&&) noexcept = default;
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+  ~Communicator() = default;
+
+  /// False for the result of split() with no_color.
+  [[nodiscard]] bool valid() const noexcept { return state_ && state_->backend; }
+  [[nodiscard]] int rank() const { return backend().rank(); }
+  [[nodiscard]] int size() const { return backend().size(); }
+  [[nodiscard]] int local_rank() const { return backend().local_rank(); }
+  [[nodiscard]] int local_size() const { return backend().local_size(); }
+  [[nodiscard]] const Options& options() const { return checked().options; }
+  /// The backend, for backend-specific queries (e.g. backend().transport()).
+  [[nodiscard]] Backend& backend() const { return *checked().backend; }
+
+  // ---- collectives -------------------------------------------------------------------------
+
+  /// Reduces `buf` over all ranks, in place (every rank gets the result).
+  template <MutableTensor T>
+  void all_reduce(T&& buf, ReduceOp op = ReduceOp::sum) {
+    exec(prepare_all_reduce(buf, op));
+  }
+  template <MutableTensor T>
+  [[nodiscard]] Work all_reduce_async(T&& buf, ReduceOp op = ReduceOp::sum) {
+    return submit(prepare_all_reduce(buf, op));
+  }
+
+  /// Copies root's `buf` to every rank.
+  template <MutableTensor T>
+  void broadcast(T&& buf, int root = 0) {
+    exec(prepare_broadcast(buf, root));
+  }
+  template <MutableTensor T>
+  [[nodiscard]] Work broadcast_async(T&& buf, int root = 0) {
+    return submit(prepare_broadcast(buf, root));
+  }
+
+  /// Reduces `buf` over all ranks into root's `buf`; the other ranks' buffers are unchanged.
+  template <MutableTensor T>
+  void reduce(T&& buf, int root = 0, ReduceOp op = ReduceOp::sum) {
+    exec(prepare_reduce(buf, root, op));
+  }
+  template <MutableTensor T>
+  [[nodiscard]] Work reduce_async(T&& buf, int root = 0, ReduceOp op = ReduceOp::sum) {
+    return submit(prepare_reduce(buf, root, op));
+  }
+
+  /// out[r*n .. r*n+n) = rank r's `in` (n = in's size); out.size() == in.size() * size().
+  /// In place when `in` is exactly this rank's block of `out`.
+  template <TensorLike In, MutableTensor Out>
+  void all_gather(In&& in, Out&& out) {
+    exec(prepare_gather(detail::Coll::all_gather, in, out, -1));
+  }
+  template <TensorLike In, MutableTensor Out>
+  [[nodiscard]] Work all_gather_async(In&& in, Out&& out) {
+    return submit(prepare_gather(detail::Coll::all_gather, in, out, -1));
+  }
+
+  /// Like all_gather, into root's `out` only (`out` is not used on the other ranks).
+  template <TensorLike In, MutableTensor Out>
+  void gather(In&& in, Out&& out, int root = 0) {
+    exec(prepare_gather(detail::Coll::gather, in, out, root));
+  }
+  template <TensorLike In, MutableTensor Out>
+  [[nodiscard]] Work gather_async(In&& in, Out&& out, int root = 0) {
+    return submit(prepare_gather(detail::Coll::gather, in, out, root));
+  }
+
+  /// Rank r receives root's in[r*n .. r*n+n) into `out` (n = out's size; `in` used on root only).
+  template <TensorLike In, MutableTensor Out>
+  void scatter(In&& in, Out&& out, int root = 0) {
+    exec(prepare_scatter(in, out, root));
+  }
+  template <TensorLike In, MutableTensor Out>
+  [[nodiscard]] Work scatter_async(In&& in, Out&& out, int root = 0) {
+    return submit(prepare_scatter(in, out, root));
+  }
+
+  /// out = block r of the reduction of every rank's `in`; in.size() == out.size() * size().
+  template <TensorLike In, MutableTensor Out>
+  void reduce_scatter(In&& in, Out&& out, ReduceOp op = ReduceOp::sum) {
+    exec(prepare_reduce_scatter(in, out, op));
+  }
+  template <TensorLike In, MutableTensor Out>
+  [[nodiscard]] Work reduce_scatter_async(In&& in, Out&& out, ReduceOp op = ReduceOp::sum) {
+    return submit(prepare_reduce_scatter(in, out, op));
+  }
+
+  /// Block j of `in` goes to rank j, which stores it as its block r of `out`.
+  template <TensorLike In, MutableTensor Out>
+  void all_to_all(In&& in, Out&& out) {
+    exec(prepare_all_to_all(in, out));
+  }
+  template <TensorLike In, MutableTensor Out>
+  [[nodiscard]] Work all_to_all_async(In&& in, Out&& out) {
+    return submit(prepare_all_to_all(in, out));
+  }
+
+  /// Point-to-point. Between a pair, sends and receives match in issue order; the receiver checks
+  /// the tag, dtype and count.
+  template <TensorLike T>
+  void send(T&& buf, int peer, int tag = 0) {
+    exec(prepare_p2p(detail::Coll::send, buf, peer, tag));
+  }
+  template <TensorLike T>
+  [[nodiscard]] Work send_async(T&& buf, int peer, int tag = 0) {
+    return submit(prepare_p2p(detail::Coll::send, buf, peer, tag));
+  }
+  template <MutableTensor T>
+  void recv(T&& buf, int peer, int tag = 0) {
+    exec(prepare_p2p(detail::Coll::recv, buf, peer, tag));
+  }
+  template <MutableTensor T>
+  [[nodiscard]] Work recv_async(T&& buf, int peer, int tag = 0) {
+    return submit(prepare_p2p(detail::Coll::recv, buf, peer, tag));
+  }
+
+  void barrier() {
+    exec(Op{"barrier", [](Backend& b) { b.barrier(); }});
+  }
+  [[nodiscard]] Work barrier_async() {
+    return submit(Op{"barrier", [](Backend& b) { b.barrier(); }});
+  }
+
+  // ---- object collectives ------------------------------------------------------------------
+
+  /// Every rank's value, in rank order.
+  template <Encodable T>
+  [[nodiscard]] std::vector<T> all_gather_object(const T& value) {
+    return gather_objects<T>(value, -1);
+  }
+
+  /// Every rank's value on root (in rank order); an empty vector on the other ranks.
+  template <Encodable T>
+  [[nodiscard]] std::vector<T> gather_object(const T& value, int root = 0) {
+    return gather_objects<T>(value, root);
+  }
+
+  /// Replaces `value` on every rank with root's.
+  template <Encodable T>
+  void broadcast_object(T& value, int root = 0) {
+    check_root(root, "broadcast_object");
+    std::string bytes;
+    if (rank() == root) bytes = detail::encode_object(value);
+    std::int64_t n = static_cast<std::int64_t>(bytes.size());
+    broadcast(std::span<std::int64_t>(&n, 1), root);
+    check_object_size(n, "broadcast_object", root);
+    bytes.resize(static_cast<std::size_t>(n));
+    broadcast(std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(bytes.data()), bytes.size()), root);
+    if (rank() != root) value = detail::decode_object<T>(bytes.data(), bytes.size());
+  }
+
+  // ---- groups and failure ------------------------------------------------------------------
+
+  /// MPI_Comm_split: ranks passing the same color form a communicator, ordered by (key, rank).
+  /// Ranks passing no_color get an invalid communicator. Collective over this communicator.
+  [[nodiscard]] Communicator split(int color, int key = 0) {
+    if (color < no_color) {
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": split: color ", color, " is negative (use no_color)");
+    }
+    const auto all = all_gather_object(std::pair<int, int>{color, key});
+    const std::uint64_t n = checked().splits++;
+    if (color == no_color) return Communicator(nullptr);
+    std::vector<std::pair<int, int>> members;  // (key, old rank)
+    for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+      if (all[static_cast<std::size_t>(r)].first == color) members.emplace_back(all[static_cast<std::size_t>(r)].second, r);
+    }
+    std::sort(members.begin(), members.end());
+    auto sub = std::make_shared<State>();
+    sub->options = state_->options;
+    sub->world_rank = state_->world_rank;
+    sub->root_store = state_->root_store;
+    sub->prefix = detail::concat(state_->prefix, "split", n, "/", color, "/");
+    detail::BackendInit bi;
+    bi.size = static_cast<int>(members.size());
+    for (int i = 0; i < bi.size; ++i) {
+      if (members[static_cast<std::size_t>(i)].second == rank()) bi.rank = i;
+    }
+    bi.options = state_->options;
+    if (state_->root_store) {
+      bi.store = std::make_shared<Store>(state_->root_store->prefixed(sub->prefix));
+      sub->store = bi.store;
+    }
+    exec(Op{"split", [&](Backend&) { sub->backend = Backend::create(bi); }});
+    return Communicator(std::move(sub));
+  }
+
+  /// The ranks of this communicator on this host, as a communicator (made by split() on first
+  /// use, then cached). Collective on first use.
+  [[nodiscard]] Communicator& local_group() {
+    auto& s = checked();
+    if (!s.local_group) {
+      s.local_group = std::make_unique<Communicator>(split(backend().local_leader(), rank()));
+    }
+    return *s.local_group;
+  }
+
+  /// Makes every pending and later operation fail with Errc::aborted, here and, where the
+  /// backend can reach them, on the peers. Safe to call from any thread, e.g. a watchdog.
+  void abort(const std::string& why = "Communicator::abort() was called") {
+    auto& s = checked();
+    {
+      std::lock_guard lock(s.poison_mutex);
+      if (s.poison.empty()) {
+        s.poison = detail::concat("rank ", s.backend->rank(), ": aborted: ", why);
+        s.poison_code = Errc::aborted;
+      }
+    }
+    s.backend->abort(Errc::aborted, why);
+  }
+
+ private:
+  struct State {
+    ~State() {
+      local_group.reset();
+      executor.reset();  // drain the queue first
+      // Rank 0 keeps the store up until every rank has left, so none loses it mid-call.
+      if (store) {
+        try {
+          store->set(detail::concat("exit/", backend ? backend->rank() : 0), "");
+          if (server && backend && poison.empty()) {
+            std::vector<std::string> keys;
+            for (int r = 0; r < backend->size(); ++r) keys.push_back(detail::concat("exit/", r));
+            (void)store->missing_after(keys, std::min<std::chrono::milliseconds>(options.timeout, std::chrono::seconds(10)));
+          }
+        } catch (...) {  // leaving anyway
+        }
+      }
+      backend.reset();
+    }
+    Options options;
+    int world_rank = 0;
+    std::unique_ptr<StoreServer> server;
+    std::shared_ptr<Store> root_store;
+    std::shared_ptr<Store> store;
+    std::string prefix;
+    std::unique_ptr<Backend> backend;
+    std::unique_ptr<detail::Executor> executor = std::make_unique<detail::Executor>();
+    std::uint64_t splits = 0;
+    std::unique_ptr<Communicator> local_group;
+    std::mutex poison_mutex;
+    std::string poison;
+    Errc poison_code = Errc::aborted;
+  };
+
+  struct Op {
+    const char* name;
+    std::function<void(Backend&)> body;
+  };
+
+  explicit Communicator(std::shared_ptr<State> s) : state_(std::move(s)) {}
+
+  State& checked() const {
+    if (!valid()) {
+      detail::fail(Errc::invalid_argument,
+                   "this communicator is empty (moved from, or split() with no_color); it has no ranks");
+    }
+    return *state_;
+  }
+
+  /// Wraps an operation so that it fails fast once the communicator is poisoned, and poisons it
+  /// when it fails.
+  std::function<void()> guarded(Op op) {
+    return [s = state_, op = std::move(op)] {
+      {
+        std::lock_guard lock(s->poison_mutex);
+        if (!s->poison.empty()) {
+          detail::fail(Errc::aborted, "rank ", s->backend->rank(), ": ", op.name,
+                       ": this communicator failed earlier and cannot be used (", s->poison,
+                       "); create a new communicator (with another Options::group) to continue");
+        }
+      }
+      try {
+        op.body(*s->backend);
+      } catch (const Error& e) {
+        std::lock_guard lock(s->poison_mutex);
+        if (s->poison.empty()) {
+          s->poison = e.what();
+          s->poison_code = e.code();
+        }
+        throw;
+      } catch (...) {
+        std::lock_guard lock(s->poison_mutex);
+        if (s->poison.empty()) s->poison = "an operation threw a non-ddp exception";
+        throw;
+      }
+    };
+  }
+
+  void exec(Op op) { checked().executor->run(guarded(std::move(op))); }
+  Work submit(Op op) { return Work(checked().executor->submit(guarded(std::move(op)))); }
+
+  template <class T>
+  detail::Buf to_buf(T& t, const char* what, const char* arg) const {
+    const auto v = ddp::view(t);
+    if (!Backend::supports(v.device)) {
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": `", arg, "` is on ", to_string(v.device), ", but backend::",
+                   Backend::name, " cannot use that memory");
+    }
+    if (v.data == nullptr && v.size != 0) {
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": `", arg, "` has ", v.size, " elements but no data");
+    }
+    using E = typename decltype(v)::value_type;
+    return {reinterpret_cast<std::byte*>(const_cast<E*>(v.data)), v.size, dtype_of<E>, v.device, v.stream};
+  }
+
+  void check_op(ReduceOp op, DType t, const char* what) const {
+    if (!is_supported(op, t)) {
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": op ", is_valid(op) ? to_string(op) : "invalid",
+                   " is not defined on ", to_string(t), op == ReduceOp::avg ? " (avg needs a floating-point type)" : "");
+    }
+  }
+
+  void check_root(int root, const char* what) const {
+    if (root < 0 || root >= size()) {
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": root ", root, " is not a rank of this communicator [0, ",
+                   size(), ")");
+    }
+  }
+
+  static void check_same_dtype(const detail::Buf& a, const detail::Buf& b, int rank, const char* what) {
+    if (a.dtype != b.dtype) {
+      detail::fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `in` is ", to_string(a.dtype), " but `out` is ",
+                   to_string(b.dtype), "; they must have the same element type");
+    }
+  }
+
+  template <class T>
+  Op prepare_all_reduce(T& t, ReduceOp op) {
+    auto b = to_buf(t, "all_reduce", "buf");
+    check_op(op, b.dtype, "all_reduce");
+    return {"all_reduce", [b, op](Backend& be) { be.all_reduce(b, op); }};
+  }
+
+  template <class T>
+  Op prepare_broadcast(T& t, int root) {
+    auto b = to_buf(t, "broadcast", "buf");
+    check_root(root, "broadcast");
+    return {"broadcast", [b, root](Backend& be) { be.broadcast(b, root); }};
+  }
+
+  template <class T>
+  Op prepare_reduce(T& t, int root, ReduceOp op) {
+    auto b = to_buf(t, "reduce", "buf");
+    check_root(root, "reduce");
+    check_op(op, b.dtype, "reduce");
+    return {"reduce", [b, root, op](Backend& be) { be.reduce(b, root, op); }};
+  }
+
+  template <class In, class Out>
+  Op prepare_gather(detail::Coll c, In& in_t, Out& out_t, int root) {
+    const char* what = c == detail::Coll::all_gather ? "all_gather" : "gather";
+    auto in = to_buf(in_t, what, "in");
+    if (root >= 0) check_root(root, what);
+    const bool receives = root < 0 || root == rank();
+    detail::Buf out{};
+    if (receives) {
+      out = to_buf(out_t, what, "out");
+      check_same_dtype(in, out, rank(), what);
+      const std::size_t p = static_cast<std::size_t>(size());
+      if (out.count != in.count * p) {
+        detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": `out` has ", out.count, " elements but must have ",
+                     in.count, " x ", p, " = ", in.count * p, " (in.size() x size())");
+      }
+      const std::byte* mine = out.at(in.count * static_cast<std::size_t>(rank()));
+      if (detail::overlaps(in.data, in.bytes(), out.data, out.bytes()) && in.data != mine) {
+        detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what,
+                     ": `in` overlaps `out` but is not this rank's block of it (the only in-place form)");
+      }
+    }
+    return {what, [c, in, out, root](Backend& be) {
+              if (c == detail::Coll::all_gather) be.all_gather(in, out);
+              else be.gather(in, out, root);
+            }};
+  }
+
+  template <class In, class Out>
+  Op prepare_scatter(In& in_t, Out& out_t, int root) {
+    auto out = to_buf(out_t, "scatter", "out");
+    check_root(root, "scatter");
+    detail::Buf in{nullptr, 0, out.dtype, out.device, nullptr};
+    if (rank() == root) {
+      in = to_buf(in_t, "scatter", "in");
+      check_same_dtype(in, out, rank(), "scatter");
+      const std::size_t p = static_cast<std::size_t>(size());
+      if (in.count != out.count * p) {
+        detail::fail(Errc::invalid_argument, "rank ", rank(), ": scatter: `in` has ", in.count, " elements but must have ",
+                     out.count, " x ", p, " = ", out.count * p, " (out.size() x size())");
+      }
+      const std::byte* mine = in.at(out.count * static_cast<std::size_t>(rank()));
+      if (detail::overlaps(in.data, in.bytes(), out.data, out.bytes()) && out.data != mine) {
+        detail::fail(Errc::invalid_argument, "rank ", rank(),
+                     ": scatter: `out` overlaps `in` but is not this rank's block of it (the only in-place form)");
+      }
+    }
+    return {"scatter", [in, out, root](Backend& be) { be.scatter(in, out, root); }};
+  }
+
+  template <class In, class Out>
+  Op prepare_reduce_scatter(In& in_t, Out& out_t, ReduceOp op) {
+    auto in = to_buf(in_t, "reduce_scatter", "in");
+    auto out = to_buf(out_t, "reduce_scatter", "out");
+    check_same_dtype(in, out, rank(), "reduce_scatter");
+    check_op(op, out.dtype, "reduce_scatter");
+    const std::size_t p = static_cast<std::size_t>(size());
+    if (in.count != out.count * p) {
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": reduce_scatter: `in` has ", in.count, " elements but must have ",
+                   out.count, " x ", p, " = ", out.count * p, " (out.size() x size())");
+    }
+    const std::byte* mine = in.at(out.count * static_cast<std::size_t>(rank()));
+    if (detail::overlaps(in.data, in.bytes(), out.data, out.bytes()) && out.data != mine) {
+      detail::fail(Errc::invalid_argument, "rank ", rank(),
+                   ": reduce_scatter: `out` overlaps `in` but is not this rank's block of it (the only in-place form)");
+    }
+    return {"reduce_scatter", [in, out, op](Backend& be) { be.reduce_scatter(in, out, op); }};
+  }
+
+  template <class In, class Out>
+  Op prepare_all_to_all(In& in_t, Out& out_t) {
+    auto in = to_buf(in_t, "all_to_all", "in");
+    auto out = to_buf(out_t, "all_to_all", "out");
+    check_same_dtype(in, out, rank(), "all_to_all");
+    const std::size_t p = static_cast<std::size_t>(size());
+    if (in.count != out.count || in.count % p != 0) {
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": all_to_all: `in` (", in.count, ") and `out` (", out.count,
+                   ") must have the same number of elements, a multiple of size() = ", p);
+    }
+    if (detail::overlaps(in.data, in.bytes(), out.data, out.bytes())) {
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": all_to_all: `in` and `out` must not overlap");
+    }
+    return {"all_to_all", [in, out](Backend& be) { be.all_to_all(in, out); }};
+  }
+
+  template <class T>
+  Op prepare_p2p(detail::Coll c, T& t, int peer, int tag) {
+    const char* what = c == detail::Coll::send ? "send" : "recv";
+    auto b = to_buf(t, what, "buf");
+    if (peer < 0 || peer >= size() || peer == rank()) {
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": peer ", peer, " must be another rank in [0, ", size(), ")");
+    }
+    if (tag < 0) detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": tag ", tag, " is negative");
+    if (c == detail::Coll::send) return {what, [b, peer, tag](Backend& be) { be.send(b, peer, tag); }};
+    return {what, [b, peer, tag](Backend& be) { be.recv(b, peer, tag); }};
+  }
+
+  static constexpr std::int64_t max_object_bytes = std::int64_t{1} << 30;
+
+  void check_object_size(std::int64_t n, const char* what, int from) const {
+    if (n < 0 || n > max_object_bytes) {
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": rank ", from, "'s object encodes to ", n,
+                   " bytes, beyond the limit of ", max_object_bytes);
+    }
+  }
+
+  template <class T>
+  std::vector<T> gather_objects(const T& value, int root) {
+    const char* what = root < 0 ? "all_gather_object" : "gather_object";
+    if (root >= 0) check_root(root, what);
+    const std::string mine = detail::encode_object(value);
+    const auto p = static_cast<std::size_t>(size());
+    std::vector<std::int64_t> sizes(p);
+    std::int64_t my_size = static_cast<std::int64_t>(mine.size());
+    all_gather(std::span<std::int64_t>(&my_size, 1), sizes);
+    std::int64_t longest = 0;
+    for (std::size_t r = 0; r < p; ++r) {
+      check_object_size(sizes[r], what, static_cast<int>(r));
+      longest = std::max(longest, sizes[r]);
+    }
+    const auto width = static_cast<std::size_t>(longest);
+    std::vector<std::uint8_t> padded(width);
+    std::memcpy(padded.data(), mine.data(), mine.size());
+    const bool receives = root < 0 || root == rank();
+    std::vector<std::uint8_t> all(receives ? width * p : 0);
+    if (root < 0) all_gather(padded, all);
+    else gather(padded, all, root);
+    std::vector<T> out;
+    if (!receives) return out;
+    out.reserve(p);
+    for (std::size_t r = 0; r < p; ++r) {
+      out.push_back(detail::decode_object<T>(all.data() + r * width, static_cast<std::size_t>(sizes[r])));
+    }
+    return out;
+  }
+
+  std::shared_ptr<State> state_;
+};
+
+DDP_END_NAMESPACE

@@ -1,0 +1,94 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// What the typed Communicator hands to a backend: type-erased buffers, and the fingerprint
+/// every collective carries so that ranks calling different collectives fail instead of hanging.
+
+#include "ddp/config.hpp"
+#include "ddp/detail/string.hpp"
+#include "ddp/types.hpp"
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// A type-erased buffer: `count` elements of `dtype`.
+struct Buf {
+  std::byte* data = nullptr;
+  std::size_t count = 0;
+  DType dtype = DType::float32;
+  Device device{};
+  void* stream = nullptr;
+
+  [[nodiscard]] std::size_t elem() const noexcept { return size_of(dtype); }
+  [[nodiscard]] std::size_t bytes() const noexcept { return count * size_of(dtype); }
+  [[nodiscard]] std::byte* at(std::size_t element) const noexcept { return data + element * elem(); }
+};
+
+enum class Coll : std::uint8_t {
+  all_reduce = 1,
+  broadcast = 2,
+  reduce = 3,
+  all_gather = 4,
+  gather = 5,
+  scatter = 6,
+  reduce_scatter = 7,
+  all_to_all = 8,
+  barrier = 9,
+  send = 10,
+  recv = 11,
+};
+
+[[nodiscard]] constexpr std::string_view to_string(Coll c) noexcept {
+  switch (c) {
+    case Coll::all_reduce: return "all_reduce";
+    case Coll::broadcast: return "broadcast";
+    case Coll::reduce: return "reduce";
+    case Coll::all_gather: return "all_gather";
+    case Coll::gather: return "gather";
+    case Coll::scatter: return "scatter";
+    case Coll::reduce_scatter: return "reduce_scatter";
+    case Coll::all_to_all: return "all_to_all";
+    case Coll::barrier: return "barrier";
+    case Coll::send: return "send";
+    case Coll::recv: return "recv";
+  }
+  return "unknown collective";
+}
+
+/// What a rank says it is doing: compared across ranks at the start of every collective.
+struct Fingerprint {
+  std::uint64_t seq = 0;    ///< collectives issued on this communicator before this one
+  std::uint64_t count = 0;  ///< elements per rank (the size of `in` for all_gather, ...)
+  std::int32_t root = -1;   ///< root, or -1
+  Coll coll = Coll::barrier;
+  DType dtype = DType::uint8;
+  ReduceOp op = ReduceOp::sum;
+  std::uint8_t has_op = 0;
+
+  friend bool operator==(const Fingerprint&, const Fingerprint&) = default;
+};
+static_assert(sizeof(Fingerprint) == 24);
+
+[[nodiscard]] inline std::string to_string(const Fingerprint& f) {
+  std::string s = concat(to_string(f.coll), '(');
+  if (f.coll != Coll::barrier) s += concat(to_string(f.dtype), ", count=", f.count);
+  if (f.has_op != 0) s += concat(", op=", to_string(f.op));
+  if (f.root >= 0) s += concat(", root=", f.root);
+  return s + concat(") #", f.seq);
+}
+
+/// A byte range of a rank's offer.
+struct Range {
+  std::size_t off = 0;
+  std::size_t len = 0;
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE

@@ -1,0 +1,55 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// ddp::Options: how a communicator is made (timeouts, the rendezvous secret, transports).
+
+#include "ddp/config.hpp"
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+
+DDP_BEGIN_NAMESPACE
+
+/// How backend::Host moves bytes.
+enum class HostTransport : std::uint8_t {
+  automatic,  ///< shared memory when every rank is on this host, TCP otherwise
+  shm,        ///< shared memory (every rank must be on this host)
+  tcp,        ///< TCP, even on one host (what multi-host runs use)
+};
+
+namespace detail {
+[[nodiscard]] inline std::string env_or(const char* name, std::string_view fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? std::string(v) : std::string(fallback);
+}
+[[nodiscard]] inline std::string env_or_empty(const char* name) { return env_or(name, ""); }
+}  // namespace detail
+
+struct Options {
+  /// The longest any single wait may take (a collective, the rendezvous, a store call) before
+  /// Errc::timeout. A peer that dies is reported sooner (Errc::peer_lost).
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  /// Rendezvous secret: every rank must present it to the store. Default: $DDP_TOKEN.
+  std::string token = detail::env_or("DDP_TOKEN", "");
+  /// CUDA device for CUDA backends; -1: the local rank.
+  int device = -1;
+  /// Name of this communicator in the store; communicators made from the same store (a new one
+  /// after a failure, say) need different names.
+  std::string group = "default";
+  /// backend::Host transport. $DDP_HOST_TRANSPORT (shm or tcp) overrides `automatic`.
+  HostTransport transport = HostTransport::automatic;
+  /// backend::Host: bytes one rank moves per round (the shared-memory slot size, the TCP
+  /// segment). 0: $DDP_SEGMENT_BYTES, else the transport's default (shm 512 KiB, tcp 4 MiB).
+  std::size_t segment_bytes = 0;
+  /// The rendezvous store runs elsewhere (a launcher): rank 0 does not start one. Default: true
+  /// when $DDP_STORE_HOSTED is 1 (ddprun sets it).
+  bool external_store = detail::env_or("DDP_STORE_HOSTED", "0") == "1";
+};
+
+DDP_END_NAMESPACE
