@@ -22,6 +22,9 @@
 ///   };
 
 #include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
 #include "ddp/error.hpp"
 
 #include <cstddef>
@@ -74,14 +77,16 @@ class Decoder {
 
   template <class T>
   [[nodiscard]] T get() {
-    if (++depth_ > max_depth) detail::fail(Errc::invalid_argument, "object decode: nesting deeper than ", max_depth);
+    if (++depth_ > max_depth)
+      detail::fail(Errc::invalid_argument, "object decode: nesting deeper than ", max_depth);
     T v = codec<T>::decode(*this);
     --depth_;
     return v;
   }
   void bytes(void* out, std::size_t n) {
     if (n > left_) {
-      detail::fail(Errc::invalid_argument, "object decode: input truncated (needs ", n, " more bytes, has ", left_, ")");
+      detail::fail(Errc::invalid_argument, "object decode: input truncated (needs ", n,
+                   " more bytes, has ", left_, ")");
     }
     if (n != 0) std::memcpy(out, p_, n);
     p_ += n;
@@ -93,8 +98,8 @@ class Decoder {
     bytes(&n, sizeof n);
     if (min_bytes == 0) min_bytes = 1;
     if (n > left_ / min_bytes) {
-      detail::fail(Errc::invalid_argument, "object decode: a count of ", n, " cannot fit in the ", left_,
-                   " bytes left (malformed or hostile input)");
+      detail::fail(Errc::invalid_argument, "object decode: a count of ", n, " cannot fit in the ",
+                   left_, " bytes left (malformed or hostile input)");
     }
     return static_cast<std::size_t>(n);
   }
@@ -110,8 +115,10 @@ namespace detail {
 /// Fewest bytes one encoded T takes (bounds counts read from the wire).
 template <class T>
 constexpr std::size_t min_encoded_bytes() {
-  if constexpr (std::is_trivially_copyable_v<T>) return sizeof(T);
-  else return 1;
+  if constexpr (std::is_trivially_copyable_v<T>)
+    return sizeof(T);
+  else
+    return 1;
 }
 }  // namespace detail
 
@@ -186,7 +193,8 @@ struct codec<std::optional<T>> {
   }
   static std::optional<T> decode(Decoder& d) {
     const auto has = d.get<std::uint8_t>();
-    if (has > 1) detail::fail(Errc::invalid_argument, "object decode: bad optional flag ", int{has});
+    if (has > 1)
+      detail::fail(Errc::invalid_argument, "object decode: bad optional flag ", int{has});
     if (has == 0) return std::nullopt;
     return d.get<T>();
   }
@@ -223,8 +231,9 @@ template <Encodable T>
 T decode_object(const void* data, std::size_t n) {
   Decoder d(data, n);
   if (d.get<std::uint64_t>() != type_tag<T>()) {
-    fail(Errc::invalid_argument, "object decode: the bytes encode a different type (type tag mismatch): every rank must "
-                                 "pass the same type");
+    fail(Errc::invalid_argument,
+         "object decode: the bytes encode a different type (type tag mismatch): every rank must "
+         "pass the same type");
   }
   T v = d.get<T>();
   if (d.left() != 0) fail(Errc::invalid_argument, "object decode: ", d.left(), " trailing bytes");

@@ -19,6 +19,9 @@
 #include "ddp/backend/host.hpp"
 #include "ddp/codec.hpp"
 #include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
 #include "ddp/detail/collective.hpp"
 #include "ddp/environment.hpp"
 #include "ddp/error.hpp"
@@ -47,8 +50,8 @@ DDP_BEGIN_NAMESPACE
 
 /// What Communicator needs from a backend: byte movement on type-erased buffers.
 template <class B>
-concept CommBackend = requires(B& b, const detail::Buf& buf, ReduceOp op, int i, const detail::BackendInit& init,
-                               const std::string& s) {
+concept CommBackend = requires(B& b, const detail::Buf& buf, ReduceOp op, int i,
+                               const detail::BackendInit& init, const std::string& s) {
   { B::create(init) } -> std::same_as<std::unique_ptr<B>>;
   { B::supports(Device{}) } -> std::convertible_to<bool>;
   { b.rank() } -> std::convertible_to<int>;
@@ -170,7 +173,8 @@ class Executor {
 };
 
 /// Whether [a, a+an) and [b, b+bn) share a byte.
-[[nodiscard]] inline bool overlaps(const std::byte* a, std::size_t an, const std::byte* b, std::size_t bn) {
+[[nodiscard]] inline bool overlaps(const std::byte* a, std::size_t an, const std::byte* b,
+                                   std::size_t bn) {
   return an != 0 && bn != 0 && a < b + bn && b < a + an;
 }
 
@@ -218,7 +222,8 @@ class Communicator {
   /// Joins the process group described by `env`: rank 0 starts the rendezvous store at
   /// MASTER_ADDR:MASTER_PORT (unless a launcher hosts it), every rank connects, and the backend
   /// connects the ranks. A world of one needs no store.
-  [[nodiscard]] static Communicator init(const Environment& env = Environment::detect(), Options options = {}) {
+  [[nodiscard]] static Communicator init(const Environment& env = Environment::detect(),
+                                         Options options = {}) {
     auto state = std::make_shared<State>();
     state->options = options;
     state->world_rank = env.rank;
@@ -228,13 +233,15 @@ class Communicator {
     bi.options = options;
     if (env.world_size > 1) {
       if (env.master_port == 0) {
-        detail::fail(Errc::invalid_argument, "rank ", env.rank, ": Communicator::init: MASTER_PORT is not set (world size ",
-                     env.world_size, "); export MASTER_ADDR and MASTER_PORT, or launch with ddprun");
+        detail::fail(Errc::invalid_argument, "rank ", env.rank,
+                     ": Communicator::init: MASTER_PORT is not set (world size ", env.world_size,
+                     "); export MASTER_ADDR and MASTER_PORT, or launch with ddprun");
       }
       StoreOptions so;
       so.timeout = options.timeout;
       so.token = options.token;
-      if (env.rank == 0 && !options.external_store) {
+      const bool hosted = options.external_store || detail::env_or("DDP_STORE_HOSTED", "0") == "1";
+      if (env.rank == 0 && !hosted) {
         state->server = std::make_unique<StoreServer>(env.master_addr, env.master_port, so);
       }
       const std::string prefix =
@@ -397,7 +404,8 @@ class Communicator {
     broadcast(std::span<std::int64_t>(&n, 1), root);
     check_object_size(n, "broadcast_object", root);
     bytes.resize(static_cast<std::size_t>(n));
-    broadcast(std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(bytes.data()), bytes.size()), root);
+    broadcast(std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(bytes.data()), bytes.size()),
+              root);
     if (rank() != root) value = detail::decode_object<T>(bytes.data(), bytes.size());
   }
 
@@ -407,14 +415,16 @@ class Communicator {
   /// Ranks passing no_color get an invalid communicator. Collective over this communicator.
   [[nodiscard]] Communicator split(int color, int key = 0) {
     if (color < no_color) {
-      detail::fail(Errc::invalid_argument, "rank ", rank(), ": split: color ", color, " is negative (use no_color)");
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": split: color ", color,
+                   " is negative (use no_color)");
     }
     const auto all = all_gather_object(std::pair<int, int>{color, key});
     const std::uint64_t n = checked().splits++;
     if (color == no_color) return Communicator(nullptr);
     std::vector<std::pair<int, int>> members;  // (key, old rank)
     for (int r = 0; r < static_cast<int>(all.size()); ++r) {
-      if (all[static_cast<std::size_t>(r)].first == color) members.emplace_back(all[static_cast<std::size_t>(r)].second, r);
+      if (all[static_cast<std::size_t>(r)].first == color)
+        members.emplace_back(all[static_cast<std::size_t>(r)].second, r);
     }
     std::sort(members.begin(), members.end());
     auto sub = std::make_shared<State>();
@@ -472,7 +482,8 @@ class Communicator {
           if (server && backend && poison.empty()) {
             std::vector<std::string> keys;
             for (int r = 0; r < backend->size(); ++r) keys.push_back(detail::concat("exit/", r));
-            (void)store->missing_after(keys, std::min<std::chrono::milliseconds>(options.timeout, std::chrono::seconds(10)));
+            (void)store->missing_after(keys, std::min<std::chrono::milliseconds>(
+                                                 options.timeout, std::chrono::seconds(10)));
           }
         } catch (...) {  // leaving anyway
         }
@@ -503,8 +514,9 @@ class Communicator {
 
   State& checked() const {
     if (!valid()) {
-      detail::fail(Errc::invalid_argument,
-                   "this communicator is empty (moved from, or split() with no_color); it has no ranks");
+      detail::fail(
+          Errc::invalid_argument,
+          "this communicator is empty (moved from, or split() with no_color); it has no ranks");
     }
     return *state_;
   }
@@ -545,34 +557,40 @@ class Communicator {
   detail::Buf to_buf(T& t, const char* what, const char* arg) const {
     const auto v = ddp::view(t);
     if (!Backend::supports(v.device)) {
-      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": `", arg, "` is on ", to_string(v.device), ", but backend::",
-                   Backend::name, " cannot use that memory");
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": `", arg, "` is on ",
+                   to_string(v.device), ", but backend::", Backend::name,
+                   " cannot use that memory");
     }
     if (v.data == nullptr && v.size != 0) {
-      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": `", arg, "` has ", v.size, " elements but no data");
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": `", arg, "` has ",
+                   v.size, " elements but no data");
     }
     using E = typename decltype(v)::value_type;
-    return {reinterpret_cast<std::byte*>(const_cast<E*>(v.data)), v.size, dtype_of<E>, v.device, v.stream};
+    return {reinterpret_cast<std::byte*>(const_cast<E*>(v.data)), v.size, dtype_of<E>, v.device,
+            v.stream};
   }
 
   void check_op(ReduceOp op, DType t, const char* what) const {
     if (!is_supported(op, t)) {
-      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": op ", is_valid(op) ? to_string(op) : "invalid",
-                   " is not defined on ", to_string(t), op == ReduceOp::avg ? " (avg needs a floating-point type)" : "");
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": op ",
+                   is_valid(op) ? to_string(op) : "invalid", " is not defined on ", to_string(t),
+                   op == ReduceOp::avg ? " (avg needs a floating-point type)" : "");
     }
   }
 
   void check_root(int root, const char* what) const {
     if (root < 0 || root >= size()) {
-      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": root ", root, " is not a rank of this communicator [0, ",
-                   size(), ")");
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": root ", root,
+                   " is not a rank of this communicator [0, ", size(), ")");
     }
   }
 
-  static void check_same_dtype(const detail::Buf& a, const detail::Buf& b, int rank, const char* what) {
+  static void check_same_dtype(const detail::Buf& a, const detail::Buf& b, int rank,
+                               const char* what) {
     if (a.dtype != b.dtype) {
-      detail::fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `in` is ", to_string(a.dtype), " but `out` is ",
-                   to_string(b.dtype), "; they must have the same element type");
+      detail::fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `in` is ",
+                   to_string(a.dtype), " but `out` is ", to_string(b.dtype),
+                   "; they must have the same element type");
     }
   }
 
@@ -610,18 +628,22 @@ class Communicator {
       check_same_dtype(in, out, rank(), what);
       const std::size_t p = static_cast<std::size_t>(size());
       if (out.count != in.count * p) {
-        detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": `out` has ", out.count, " elements but must have ",
-                     in.count, " x ", p, " = ", in.count * p, " (in.size() x size())");
+        detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": `out` has ", out.count,
+                     " elements but must have ", in.count, " x ", p, " = ", in.count * p,
+                     " (in.size() x size())");
       }
       const std::byte* mine = out.at(in.count * static_cast<std::size_t>(rank()));
       if (detail::overlaps(in.data, in.bytes(), out.data, out.bytes()) && in.data != mine) {
-        detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what,
-                     ": `in` overlaps `out` but is not this rank's block of it (the only in-place form)");
+        detail::fail(
+            Errc::invalid_argument, "rank ", rank(), ": ", what,
+            ": `in` overlaps `out` but is not this rank's block of it (the only in-place form)");
       }
     }
     return {what, [c, in, out, root](Backend& be) {
-              if (c == detail::Coll::all_gather) be.all_gather(in, out);
-              else be.gather(in, out, root);
+              if (c == detail::Coll::all_gather)
+                be.all_gather(in, out);
+              else
+                be.gather(in, out, root);
             }};
   }
 
@@ -635,13 +657,15 @@ class Communicator {
       check_same_dtype(in, out, rank(), "scatter");
       const std::size_t p = static_cast<std::size_t>(size());
       if (in.count != out.count * p) {
-        detail::fail(Errc::invalid_argument, "rank ", rank(), ": scatter: `in` has ", in.count, " elements but must have ",
-                     out.count, " x ", p, " = ", out.count * p, " (out.size() x size())");
+        detail::fail(Errc::invalid_argument, "rank ", rank(), ": scatter: `in` has ", in.count,
+                     " elements but must have ", out.count, " x ", p, " = ", out.count * p,
+                     " (out.size() x size())");
       }
       const std::byte* mine = in.at(out.count * static_cast<std::size_t>(rank()));
       if (detail::overlaps(in.data, in.bytes(), out.data, out.bytes()) && out.data != mine) {
         detail::fail(Errc::invalid_argument, "rank ", rank(),
-                     ": scatter: `out` overlaps `in` but is not this rank's block of it (the only in-place form)");
+                     ": scatter: `out` overlaps `in` but is not this rank's block of it (the only "
+                     "in-place form)");
       }
     }
     return {"scatter", [in, out, root](Backend& be) { be.scatter(in, out, root); }};
@@ -655,13 +679,15 @@ class Communicator {
     check_op(op, out.dtype, "reduce_scatter");
     const std::size_t p = static_cast<std::size_t>(size());
     if (in.count != out.count * p) {
-      detail::fail(Errc::invalid_argument, "rank ", rank(), ": reduce_scatter: `in` has ", in.count, " elements but must have ",
-                   out.count, " x ", p, " = ", out.count * p, " (out.size() x size())");
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": reduce_scatter: `in` has ", in.count,
+                   " elements but must have ", out.count, " x ", p, " = ", out.count * p,
+                   " (out.size() x size())");
     }
     const std::byte* mine = in.at(out.count * static_cast<std::size_t>(rank()));
     if (detail::overlaps(in.data, in.bytes(), out.data, out.bytes()) && out.data != mine) {
       detail::fail(Errc::invalid_argument, "rank ", rank(),
-                   ": reduce_scatter: `out` overlaps `in` but is not this rank's block of it (the only in-place form)");
+                   ": reduce_scatter: `out` overlaps `in` but is not this rank's block of it (the "
+                   "only in-place form)");
     }
     return {"reduce_scatter", [in, out, op](Backend& be) { be.reduce_scatter(in, out, op); }};
   }
@@ -673,11 +699,13 @@ class Communicator {
     check_same_dtype(in, out, rank(), "all_to_all");
     const std::size_t p = static_cast<std::size_t>(size());
     if (in.count != out.count || in.count % p != 0) {
-      detail::fail(Errc::invalid_argument, "rank ", rank(), ": all_to_all: `in` (", in.count, ") and `out` (", out.count,
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": all_to_all: `in` (", in.count,
+                   ") and `out` (", out.count,
                    ") must have the same number of elements, a multiple of size() = ", p);
     }
     if (detail::overlaps(in.data, in.bytes(), out.data, out.bytes())) {
-      detail::fail(Errc::invalid_argument, "rank ", rank(), ": all_to_all: `in` and `out` must not overlap");
+      detail::fail(Errc::invalid_argument, "rank ", rank(),
+                   ": all_to_all: `in` and `out` must not overlap");
     }
     return {"all_to_all", [in, out](Backend& be) { be.all_to_all(in, out); }};
   }
@@ -687,10 +715,14 @@ class Communicator {
     const char* what = c == detail::Coll::send ? "send" : "recv";
     auto b = to_buf(t, what, "buf");
     if (peer < 0 || peer >= size() || peer == rank()) {
-      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": peer ", peer, " must be another rank in [0, ", size(), ")");
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": peer ", peer,
+                   " must be another rank in [0, ", size(), ")");
     }
-    if (tag < 0) detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": tag ", tag, " is negative");
-    if (c == detail::Coll::send) return {what, [b, peer, tag](Backend& be) { be.send(b, peer, tag); }};
+    if (tag < 0)
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": tag ", tag,
+                   " is negative");
+    if (c == detail::Coll::send)
+      return {what, [b, peer, tag](Backend& be) { be.send(b, peer, tag); }};
     return {what, [b, peer, tag](Backend& be) { be.recv(b, peer, tag); }};
   }
 
@@ -698,8 +730,8 @@ class Communicator {
 
   void check_object_size(std::int64_t n, const char* what, int from) const {
     if (n < 0 || n > max_object_bytes) {
-      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": rank ", from, "'s object encodes to ", n,
-                   " bytes, beyond the limit of ", max_object_bytes);
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": rank ", from,
+                   "'s object encodes to ", n, " bytes, beyond the limit of ", max_object_bytes);
     }
   }
 
@@ -722,13 +754,16 @@ class Communicator {
     std::memcpy(padded.data(), mine.data(), mine.size());
     const bool receives = root < 0 || root == rank();
     std::vector<std::uint8_t> all(receives ? width * p : 0);
-    if (root < 0) all_gather(padded, all);
-    else gather(padded, all, root);
+    if (root < 0)
+      all_gather(padded, all);
+    else
+      gather(padded, all, root);
     std::vector<T> out;
     if (!receives) return out;
     out.reserve(p);
     for (std::size_t r = 0; r < p; ++r) {
-      out.push_back(detail::decode_object<T>(all.data() + r * width, static_cast<std::size_t>(sizes[r])));
+      out.push_back(
+          detail::decode_object<T>(all.data() + r * width, static_cast<std::size_t>(sizes[r])));
     }
     return out;
   }

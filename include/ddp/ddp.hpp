@@ -15,14 +15,14 @@
 // The runtime reports failures across threads and layers with exceptions; with -fno-exceptions
 // only the core types above are available.
 #if DDP_HAS_EXCEPTIONS
-#include "ddp/environment.hpp"
-#include "ddp/options.hpp"
-#include "ddp/store.hpp"
-#include "ddp/codec.hpp"
 #include "ddp/backend/host.hpp"
+#include "ddp/codec.hpp"
 #include "ddp/communicator.hpp"
+#include "ddp/environment.hpp"
 #include "ddp/guard.hpp"
 #include "ddp/launch.hpp"
+#include "ddp/options.hpp"
+#include "ddp/store.hpp"
 #endif
 #include "ddp/types.hpp"
 #include "ddp/version.hpp"

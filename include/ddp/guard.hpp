@@ -14,6 +14,9 @@
 
 #include "ddp/communicator.hpp"
 #include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
 #include "ddp/error.hpp"
 
 #include <cstdint>
@@ -31,13 +34,15 @@ template <CommBackend Backend>
 class ZeroFirstGuard {
  public:
   explicit ZeroFirstGuard(Communicator<Backend>& comm, GuardScope scope = GuardScope::local)
-      : group_(scope == GuardScope::global ? comm : comm.local_group()), uncaught_(std::uncaught_exceptions()) {
+      : group_(scope == GuardScope::global ? comm : comm.local_group()),
+        uncaught_(std::uncaught_exceptions()) {
     if (group_.rank() != 0) {
       std::int64_t status = 0;
       group_.broadcast(std::span<std::int64_t>(&status, 1), 0);
       if (status != ok) {
         detail::fail(Errc::aborted, "rank ", comm.rank(),
-                     ": ZeroFirstGuard: rank 0 of the group threw inside the guarded block (its own error says why); "
+                     ": ZeroFirstGuard: rank 0 of the group threw inside the guarded block (its "
+                     "own error says why); "
                      "this rank stops here instead of waiting for a result that will not come");
       }
     }

@@ -10,6 +10,9 @@
 /// then SIGKILL) and throws a ddp::Error naming the rank and carrying the child's message.
 
 #include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
 #include "ddp/detail/socket.hpp"
 #include "ddp/environment.hpp"
 #include "ddp/error.hpp"
@@ -64,8 +67,10 @@ inline std::string describe_status(int status) {
 }  // namespace detail
 
 /// Runs fn(env) in nprocs forked processes and waits for all of them (see the file comment).
-inline void spawn(int nprocs, const std::function<void(Environment)>& fn, const SpawnOptions& options = {}) {
-  if (nprocs < 1) detail::fail(Errc::invalid_argument, "spawn: nprocs must be at least 1, got ", nprocs);
+inline void spawn(int nprocs, const std::function<void(Environment)>& fn,
+                  const SpawnOptions& options = {}) {
+  if (nprocs < 1)
+    detail::fail(Errc::invalid_argument, "spawn: nprocs must be at least 1, got ", nprocs);
   std::fflush(nullptr);
   // Bind before forking: the port is known to every child, and no thread exists yet.
   detail::Fd listener = detail::listen_tcp(options.master_addr, options.master_port);
@@ -85,6 +90,10 @@ inline void spawn(int nprocs, const std::function<void(Environment)>& fn, const 
     const pid_t pid = ::fork();
     if (pid < 0) detail::fail_errno(errno, "spawn: fork");
     if (pid == 0) {
+      // A worker starts with default signal dispositions: the parent's handlers (a test
+      // framework's crash reporter, an interactive shell's) are not the worker's.
+      for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGSEGV, SIGABRT, SIGFPE, SIGILL, SIGBUS, SIGPIPE})
+        ::signal(sig, SIG_DFL);
       ::close(fds[0]);
       listener.reset();
       for (int k = 0; k < r; ++k) children[static_cast<std::size_t>(k)].error_pipe.reset();
@@ -134,9 +143,12 @@ inline void spawn(int nprocs, const std::function<void(Environment)>& fn, const 
     char buf[4096];
     for (;;) {
       const ssize_t n = ::read(c.error_pipe.get(), buf, sizeof buf);
-      if (n > 0 && c.error.size() < 65536) c.error.append(buf, static_cast<std::size_t>(n));
-      else if (n < 0 && errno == EINTR) continue;
-      else break;
+      if (n > 0 && c.error.size() < 65536)
+        c.error.append(buf, static_cast<std::size_t>(n));
+      else if (n < 0 && errno == EINTR)
+        continue;
+      else
+        break;
     }
   };
   int first_failed = -1;
@@ -177,9 +189,11 @@ inline void spawn(int nprocs, const std::function<void(Environment)>& fn, const 
   if (first_failed >= 0) {
     const Child& c = children[static_cast<std::size_t>(first_failed)];
     if (!c.error.empty()) {
-      detail::fail(Errc::aborted, "spawn: rank ", first_failed, " (pid ", c.pid, ") failed: ", c.error);
+      detail::fail(Errc::aborted, "spawn: rank ", first_failed, " (pid ", c.pid,
+                   ") failed: ", c.error);
     }
-    detail::fail(Errc::aborted, "spawn: rank ", first_failed, " (pid ", c.pid, ") ", detail::describe_status(c.status));
+    detail::fail(Errc::aborted, "spawn: rank ", first_failed, " (pid ", c.pid, ") ",
+                 detail::describe_status(c.status));
   }
 }
 

@@ -47,9 +47,9 @@ struct Options {
   /// backend::Host: bytes one rank moves per round (the shared-memory slot size, the TCP
   /// segment). 0: $DDP_SEGMENT_BYTES, else the transport's default (shm 512 KiB, tcp 4 MiB).
   std::size_t segment_bytes = 0;
-  /// The rendezvous store runs elsewhere (a launcher): rank 0 does not start one. Default: true
-  /// when $DDP_STORE_HOSTED is 1 (ddprun sets it).
-  bool external_store = detail::env_or("DDP_STORE_HOSTED", "0") == "1";
+  /// The rendezvous store runs elsewhere: rank 0 does not start one. Launchers that host the
+  /// store (ddprun, ddp::spawn) say so with DDP_STORE_HOSTED=1, which init() also honours.
+  bool external_store = false;
 };
 
 DDP_END_NAMESPACE

@@ -886,541 +886,302 @@ DDP_END_NAMESPACE
 // The runtime reports failures across threads and layers with exceptions; with -fno-exceptions
 // only the core types above are available.
 #if DDP_HAS_EXCEPTIONS
-// begin ddp/environment.hpp
+// begin ddp/backend/host.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// ddp::Environment: who am I? Read from the variables a launcher sets — ddprun and torchrun
-/// (RANK, WORLD_SIZE, ...), Slurm (SLURM_PROCID, ...), Open MPI (OMPI_COMM_WORLD_*), MPICH/PMI
-/// (PMI_RANK, ...) — or, with no launcher, rank 0 of a world of 1.
+/// backend::Host: the built-in backend, with no dependency beyond the standard library and POSIX.
+/// Shared memory between the ranks of one host, TCP between hosts (or on one host with
+/// DDP_HOST_TRANSPORT=tcp).
+///
+/// Every collective is built from rounds (see backend/host/transport.hpp) with one family of
+/// algorithms on both transports:
+///  * all_reduce of a small buffer: every rank offers its whole buffer and reduces all of them;
+///  * all_reduce of a large buffer, in segments sized for the cache: a reduce-scatter in which
+///    rank j reduces chunk j of every rank's segment, then an all-gather of the reduced chunks;
+///    every rank's core is busy and each input byte is read once;
+///  * broadcast, gather, scatter, all_gather, reduce_scatter and all_to_all in segments.
+/// Every element is reduced in rank order 0..P-1 in both paths, so results are bitwise identical
+/// on every rank, in every run, for every message size and on both transports.
+
+// begin ddp/backend/host/shm.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The shared-memory transport of the Host backend (all ranks on one host).
+///
+/// One POSIX shared-memory segment per communicator, created by rank 0, opened by the others and
+/// unlinked as soon as every rank has mapped it, so a crash leaves nothing in /dev/shm. It holds:
+///  * a header: the abort word (the first failure, so peers fail fast) and the futex wake word;
+///  * per rank a control block: a monotonically increasing `tick` (one per round) on its own cache
+///    line, and two fingerprint slots (indexed by tick parity);
+///  * per rank two data slots (double buffering by tick parity);
+///  * per ordered pair a ring buffer for send/recv.
+///
+/// A round: copy the bytes peers want into my slot[tick % 2], publish tick, wait until every
+/// peer's tick reaches mine, compare fingerprints, hand out pointers into peers' slots. Double
+/// buffering needs no extra waits: a peer can only overwrite slot[t % 2] in round t + 2, which it
+/// cannot start before I publish round t + 1, which I do only after I am done reading round t.
+
+// begin ddp/backend/host/transport.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The interface between the Host backend's algorithms and its transports (shared memory, TCP).
+///
+/// A collective is a sequence of *rounds*. In a round every rank offers some bytes (a list of
+/// pieces, concatenated), and every rank reads parts of other ranks' offers: want(src, dst) is
+/// the byte range of src's offer that dst reads, and every rank can compute it for every pair.
+/// round() returns, for each rank j, a pointer to want(j, me) within j's offer — straight into
+/// j's shared-memory slot, or into a scratch buffer the TCP transport received it into. The
+/// pointers stay valid until the next round. The first round of each collective carries the
+/// collective's fingerprint, which every transport compares across all ranks before any data is
+/// used, so ranks that call different collectives fail together with Errc::mismatch.
 
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-// #include "ddp/error.hpp" (already included above)
-
-#include <charconv>
-#include <cstdlib>
-#include <functional>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <system_error>
-
-DDP_BEGIN_NAMESPACE
-
-/// Where a process stands in the job, and where the rendezvous store is.
-struct Environment {
-  int rank = 0;
-  int world_size = 1;
-  int local_rank = 0;
-  int local_world_size = 1;
-  int node_rank = 0;
-  std::string master_addr = "127.0.0.1";
-  int master_port = 0;  ///< 0: not set (only allowed when world_size == 1 or under MPI)
-  /// Which launcher the values came from: "ddprun", "torchrun", "slurm", "openmpi", "pmi", "none".
-  std::string launcher = "none";
-
-  /// Reads the process environment. Never throws when no launcher variable is set; throws
-  /// Errc::invalid_argument naming the variable when one is malformed or inconsistent.
-  [[nodiscard]] static Environment detect();
-
-  /// The same, from any lookup function (returns nullptr for unset names): for tests and for
-  /// programs that keep their configuration elsewhere.
-  [[nodiscard]] static Environment detect(const std::function<const char*(const char*)>& lookup);
-};
-
-namespace detail {
-
-class EnvReader {
- public:
-  explicit EnvReader(const std::function<const char*(const char*)>& lookup) : lookup_(lookup) {}
-
-  [[nodiscard]] bool has(const char* name) const {
-    const char* v = lookup_(name);
-    return v != nullptr && *v != '\0';
-  }
-  [[nodiscard]] std::optional<std::string> str(const char* name) const {
-    const char* v = lookup_(name);
-    if (v == nullptr || *v == '\0') return std::nullopt;
-    return std::string(v);
-  }
-  /// An integer in [min, max]; anything else is an error that names the variable.
-  [[nodiscard]] std::optional<int> integer(const char* name, int min, int max) const {
-    const char* v = lookup_(name);
-    if (v == nullptr || *v == '\0') return std::nullopt;
-    const std::string_view text(v);
-    int value = 0;
-    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-    if (ec != std::errc{} || end != text.data() + text.size()) {
-      fail(Errc::invalid_argument, "environment variable ", name, "=\"", text,
-           "\" is not an integer; check what your launcher exported");
-    }
-    if (value < min || value > max) {
-      fail(Errc::invalid_argument, "environment variable ", name, "=", value, " is out of range [",
-           min, ", ", max, "]");
-    }
-    return value;
-  }
-
- private:
-  const std::function<const char*(const char*)>& lookup_;
-};
-
-/// The first host name of a Slurm node list: "gpu[07-09,12],cpu3" -> "gpu07".
-[[nodiscard]] inline std::string first_slurm_host(std::string_view list) {
-  const auto bracket = list.find('[');
-  const auto comma = list.find(',');
-  if (bracket == std::string_view::npos || (comma != std::string_view::npos && comma < bracket)) {
-    return std::string(list.substr(0, comma));
-  }
-  const auto close = list.find(']', bracket);
-  if (close == std::string_view::npos) {
-    fail(Errc::invalid_argument, "SLURM_JOB_NODELIST=\"", list, "\" is malformed (no ']')");
-  }
-  std::string_view range = list.substr(bracket + 1, close - bracket - 1);
-  range = range.substr(0, range.find_first_of(",-"));
-  return std::string(list.substr(0, bracket)) + std::string(range);
-}
-
-inline void check_rank(const EnvReader&, int rank, int world, const char* rank_var,
-                       const char* world_var) {
-  if (rank >= world) {
-    fail(Errc::invalid_argument, "environment: ", rank_var, "=", rank, " must be less than ",
-         world_var, "=", world);
-  }
-}
-
-}  // namespace detail
-
-inline Environment Environment::detect(const std::function<const char*(const char*)>& lookup) {
-  constexpr int max_world = 1 << 24;
-  const detail::EnvReader env(lookup);
-  Environment e;
-
-  const auto fill_master = [&](bool required) {
-    if (auto addr = env.str("MASTER_ADDR")) e.master_addr = *addr;
-    if (auto port = env.integer("MASTER_PORT", 1, 65535)) {
-      e.master_port = *port;
-    } else if (required && e.world_size > 1) {
-      detail::fail(Errc::invalid_argument, "environment: WORLD_SIZE=", e.world_size,
-                   " but MASTER_PORT is not set; export MASTER_ADDR and MASTER_PORT (ddprun and "
-                   "torchrun do this for you)");
-    }
-  };
-
-  if (env.has("RANK") || env.has("WORLD_SIZE")) {  // ddprun / torchrun / torch.distributed.launch
-    e.launcher = env.has("DDP_LAUNCHER") ? "ddprun" : "torchrun";
-    const auto rank = env.integer("RANK", 0, max_world - 1);
-    const auto world = env.integer("WORLD_SIZE", 1, max_world);
-    if (!rank)
-      detail::fail(Errc::invalid_argument, "environment: WORLD_SIZE is set but RANK is not");
-    if (!world)
-      detail::fail(Errc::invalid_argument, "environment: RANK is set but WORLD_SIZE is not");
-    e.rank = *rank;
-    e.world_size = *world;
-    detail::check_rank(env, e.rank, e.world_size, "RANK", "WORLD_SIZE");
-    e.local_world_size = env.integer("LOCAL_WORLD_SIZE", 1, max_world).value_or(e.world_size);
-    e.local_rank =
-        env.integer("LOCAL_RANK", 0, max_world - 1).value_or(e.rank % e.local_world_size);
-    detail::check_rank(env, e.local_rank, e.local_world_size, "LOCAL_RANK", "LOCAL_WORLD_SIZE");
-    if (e.local_world_size > e.world_size) {
-      detail::fail(Errc::invalid_argument, "environment: LOCAL_WORLD_SIZE=", e.local_world_size,
-                   " is larger than WORLD_SIZE=", e.world_size);
-    }
-    auto node = env.integer("NODE_RANK", 0, max_world - 1);
-    if (!node) node = env.integer("GROUP_RANK", 0, max_world - 1);
-    e.node_rank = node.value_or(e.rank / e.local_world_size);
-    fill_master(/*required=*/true);
-  } else if (env.has("OMPI_COMM_WORLD_RANK")) {  // Open MPI's mpirun
-    e.launcher = "openmpi";
-    e.world_size = env.integer("OMPI_COMM_WORLD_SIZE", 1, max_world).value_or(1);
-    e.rank = *env.integer("OMPI_COMM_WORLD_RANK", 0, max_world - 1);
-    detail::check_rank(env, e.rank, e.world_size, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE");
-    e.local_world_size =
-        env.integer("OMPI_COMM_WORLD_LOCAL_SIZE", 1, max_world).value_or(e.world_size);
-    e.local_rank = env.integer("OMPI_COMM_WORLD_LOCAL_RANK", 0, max_world - 1).value_or(0);
-    detail::check_rank(env, e.local_rank, e.local_world_size, "OMPI_COMM_WORLD_LOCAL_RANK",
-                       "OMPI_COMM_WORLD_LOCAL_SIZE");
-    e.node_rank = env.integer("OMPI_COMM_WORLD_NODE_RANK", 0, max_world - 1)
-                      .value_or(e.rank / e.local_world_size);
-    fill_master(/*required=*/false);
-  } else if (env.has("PMI_RANK")) {  // MPICH / Intel MPI (hydra)
-    e.launcher = "pmi";
-    e.world_size = env.integer("PMI_SIZE", 1, max_world).value_or(1);
-    e.rank = *env.integer("PMI_RANK", 0, max_world - 1);
-    detail::check_rank(env, e.rank, e.world_size, "PMI_RANK", "PMI_SIZE");
-    e.local_world_size = env.integer("MPI_LOCALNRANKS", 1, max_world).value_or(e.world_size);
-    e.local_rank = env.integer("MPI_LOCALRANKID", 0, max_world - 1).value_or(0);
-    detail::check_rank(env, e.local_rank, e.local_world_size, "MPI_LOCALRANKID", "MPI_LOCALNRANKS");
-    e.node_rank = e.rank / e.local_world_size;
-    fill_master(/*required=*/false);
-  } else if (env.has("SLURM_PROCID")) {  // srun
-    e.launcher = "slurm";
-    e.world_size = env.integer("SLURM_NTASKS", 1, max_world).value_or(1);
-    e.rank = *env.integer("SLURM_PROCID", 0, max_world - 1);
-    detail::check_rank(env, e.rank, e.world_size, "SLURM_PROCID", "SLURM_NTASKS");
-    e.local_rank = env.integer("SLURM_LOCALID", 0, max_world - 1).value_or(0);
-    // SLURM_NTASKS_PER_NODE may read "4" or "4(x2)"; SLURM_TASKS_PER_NODE likewise. Use the
-    // leading number when it parses, else assume one node.
-    e.local_world_size = e.world_size;
-    for (const char* name : {"SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
-      if (auto v = env.str(name)) {
-        int n = 0;
-        const auto [end, ec] = std::from_chars(v->data(), v->data() + v->size(), n);
-        if (ec == std::errc{} && n > 0 && end != v->data()) {
-          e.local_world_size = n;
-          break;
-        }
-      }
-    }
-    detail::check_rank(env, e.local_rank, e.local_world_size, "SLURM_LOCALID",
-                       "SLURM_NTASKS_PER_NODE");
-    e.node_rank = env.integer("SLURM_NODEID", 0, max_world - 1).value_or(0);
-    if (!env.has("MASTER_ADDR")) {
-      if (auto nodes = env.str("SLURM_JOB_NODELIST"))
-        e.master_addr = detail::first_slurm_host(*nodes);
-    }
-    fill_master(/*required=*/false);
-    if (e.master_port == 0) {
-      // Same on every task of the job, different between jobs sharing a node.
-      if (auto job = env.integer("SLURM_JOB_ID", 0, 2147483647))
-        e.master_port = 15000 + *job % 20000;
-    }
-  }
-  return e;
-}
-
-inline Environment Environment::detect() {
-  return detect([](const char* name) -> const char* { return std::getenv(name); });
-}
-
-DDP_END_NAMESPACE
-// end ddp/environment.hpp
-// begin ddp/store.hpp
+// begin ddp/detail/collective.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// The rendezvous store: a TCP key-value server (run by rank 0 or by the launcher) and its
-/// clients, like c10d's TCPStore but safe to expose:
-///  * it binds the address it is given, never every interface unless asked ("0.0.0.0" / "::");
-///  * with a token (DDP_TOKEN) a client must prove it knows it: HMAC-SHA-256 over a fresh nonce
-///    from each side, compared in constant time, so a recorded handshake cannot be replayed and
-///    the token never crosses the wire; the server proves it too;
-///  * frames are length-prefixed and capped; a client that has not authenticated may only send a
-///    handshake-sized frame; buffers grow with the bytes that actually arrive, never with a
-///    length someone claims;
-///  * every call has a timeout, and waits are enforced by the server, so a client is never left
-///    reading a late reply.
+/// What the typed Communicator hands to a backend: type-erased buffers, and the fingerprint
+/// every collective carries so that ranks calling different collectives fail instead of hanging.
 
 // #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// begin ddp/detail/bytes.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Little-endian byte writing and bounds-checked reading, for everything ddp puts on a wire.
-/// A reader never reads past its input and never allocates more than the input could hold.
-
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
+// #include "ddp/detail/string.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
 
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <string_view>
-#include <type_traits>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
 
-template <class T, bool = std::is_enum_v<T>>
-struct wire_integer {
-  using type = std::make_unsigned_t<T>;
-};
-template <class T>
-struct wire_integer<T, true> {
-  using type = std::make_unsigned_t<std::underlying_type_t<T>>;
-};
+/// A type-erased buffer: `count` elements of `dtype`.
+struct Buf {
+  std::byte* data = nullptr;
+  std::size_t count = 0;
+  DType dtype = DType::float32;
+  Device device{};
+  void* stream = nullptr;
 
-class ByteWriter {
- public:
-  explicit ByteWriter(std::string& out) : out_(out) {}
-
-  template <class T>
-    requires std::is_integral_v<T> || std::is_enum_v<T>
-  void put(T value) {
-    using U = typename wire_integer<T>::type;
-    auto u = static_cast<U>(value);
-    for (std::size_t i = 0; i < sizeof(U); ++i) {
-      out_.push_back(static_cast<char>(static_cast<std::uint8_t>(u & 0xffu)));
-      if constexpr (sizeof(U) > 1) u = static_cast<U>(u >> 8);
-    }
+  [[nodiscard]] std::size_t elem() const noexcept { return size_of(dtype); }
+  [[nodiscard]] std::size_t bytes() const noexcept { return count * size_of(dtype); }
+  [[nodiscard]] std::byte* at(std::size_t element) const noexcept {
+    return data + element * elem();
   }
-  void raw(const void* data, std::size_t n) { out_.append(static_cast<const char*>(data), n); }
-  void str(std::string_view s) {
-    put(static_cast<std::uint32_t>(s.size()));
-    raw(s.data(), s.size());
-  }
-
- private:
-  std::string& out_;
 };
 
-class ByteReader {
- public:
-  ByteReader(const void* data, std::size_t n, std::string_view what)
-      : p_(static_cast<const std::uint8_t*>(data)), left_(n), what_(what) {}
-  explicit ByteReader(std::string_view s, std::string_view what = "message")
-      : ByteReader(s.data(), s.size(), what) {}
+enum class Coll : std::uint8_t {
+  all_reduce = 1,
+  broadcast = 2,
+  reduce = 3,
+  all_gather = 4,
+  gather = 5,
+  scatter = 6,
+  reduce_scatter = 7,
+  all_to_all = 8,
+  barrier = 9,
+  send = 10,
+  recv = 11,
+};
 
-  template <class T>
-    requires std::is_integral_v<T> || std::is_enum_v<T>
-  [[nodiscard]] T get() {
-    using U = typename wire_integer<T>::type;
-    need(sizeof(U));
-    U u = 0;
-    for (std::size_t i = 0; i < sizeof(U); ++i)
-      u = static_cast<U>(u | (static_cast<U>(p_[i]) << (8 * i)));
-    p_ += sizeof(U);
-    left_ -= sizeof(U);
-    return static_cast<T>(u);
+[[nodiscard]] constexpr std::string_view to_string(Coll c) noexcept {
+  switch (c) {
+    case Coll::all_reduce: return "all_reduce";
+    case Coll::broadcast: return "broadcast";
+    case Coll::reduce: return "reduce";
+    case Coll::all_gather: return "all_gather";
+    case Coll::gather: return "gather";
+    case Coll::scatter: return "scatter";
+    case Coll::reduce_scatter: return "reduce_scatter";
+    case Coll::all_to_all: return "all_to_all";
+    case Coll::barrier: return "barrier";
+    case Coll::send: return "send";
+    case Coll::recv: return "recv";
   }
-  void raw(void* out, std::size_t n) {
-    need(n);
-    if (n != 0) std::memcpy(out, p_, n);
-    p_ += n;
-    left_ -= n;
-  }
-  [[nodiscard]] std::string_view view(std::size_t n) {
-    need(n);
-    std::string_view v(reinterpret_cast<const char*>(p_), n);
-    p_ += n;
-    left_ -= n;
-    return v;
-  }
-  /// A length-prefixed string no longer than max_len.
-  [[nodiscard]] std::string str(std::size_t max_len) {
-    const auto n = get<std::uint32_t>();
-    if (n > max_len) {
-      fail(Errc::protocol, what_, ": a string of ", n, " bytes exceeds the limit of ", max_len);
-    }
-    return std::string(view(n));
-  }
-  [[nodiscard]] std::size_t left() const noexcept { return left_; }
-  void expect_end() const {
-    if (left_ != 0) fail(Errc::protocol, what_, ": ", left_, " unexpected trailing bytes");
-  }
+  return "unknown collective";
+}
 
- private:
-  void need(std::size_t n) const {
-    if (n > left_) {
-      fail(Errc::protocol, what_, " is truncated: needs ", n, " more bytes, has ", left_);
-    }
-  }
-  const std::uint8_t* p_;
-  std::size_t left_;
-  std::string_view what_;
+/// What a rank says it is doing: compared across ranks at the start of every collective.
+struct Fingerprint {
+  std::uint64_t seq = 0;    ///< collectives issued on this communicator before this one
+  std::uint64_t count = 0;  ///< elements per rank (the size of `in` for all_gather, ...)
+  std::int32_t root = -1;   ///< root, or -1
+  Coll coll = Coll::barrier;
+  DType dtype = DType::uint8;
+  ReduceOp op = ReduceOp::sum;
+  std::uint8_t has_op = 0;
+
+  friend bool operator==(const Fingerprint&, const Fingerprint&) = default;
+};
+static_assert(sizeof(Fingerprint) == 24);
+
+[[nodiscard]] inline std::string to_string(const Fingerprint& f) {
+  std::string s = concat(to_string(f.coll), '(');
+  if (f.coll != Coll::barrier) s += concat(to_string(f.dtype), ", count=", f.count);
+  if (f.has_op != 0) s += concat(", op=", to_string(f.op));
+  if (f.root >= 0) s += concat(", root=", f.root);
+  return s + concat(") #", f.seq);
+}
+
+/// A byte range of a rank's offer.
+struct Range {
+  std::size_t off = 0;
+  std::size_t len = 0;
 };
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/detail/bytes.hpp
-// begin ddp/detail/crypto.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// What the rendezvous handshake needs and nothing more: SHA-256 (FIPS 180-4), HMAC-SHA-256
-/// (RFC 2104), random bytes from the kernel, and a constant-time comparison.
-
-// #include "ddp/config.hpp" (already included above)
+// end ddp/detail/collective.hpp
+// #include "ddp/detail/string.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 
-#include <fcntl.h>
-#include <sys/random.h>
-#include <unistd.h>
-
-#include <array>
-#include <cerrno>
+#include <atomic>
+#include <chrono>
 #include <cstddef>
-#include <cstdint>
-#include <cstring>
 #include <span>
-#include <string_view>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
 
-using Digest = std::array<std::uint8_t, 32>;
-
-class Sha256 {
+/// A non-owning reference to a callable (no allocation, unlike std::function).
+template <class Sig>
+class FunctionRef;
+template <class R, class... Args>
+class FunctionRef<R(Args...)> {
  public:
-  Sha256() { reset(); }
+  template <class F>
+    requires(!std::is_same_v<std::remove_cvref_t<F>, FunctionRef> &&
+             std::is_invocable_r_v<R, F&, Args...>)
+  FunctionRef(F&& f)
+  noexcept  // NOLINT(google-explicit-constructor)
+      : obj_(const_cast<void*>(static_cast<const void*>(&f))), call_([](void* o, Args... a) -> R {
+          return (*static_cast<std::remove_reference_t<F>*>(o))(a...);
+        }) {}
+  R operator()(Args... a) const { return call_(obj_, a...); }
 
-  void reset() {
-    state_ = {0x6a09e667u, 0xbb67ae85u, 0x3c6ef372u, 0xa54ff53au,
-              0x510e527fu, 0x9b05688cu, 0x1f83d9abu, 0x5be0cd19u};
-    length_ = 0;
-    used_ = 0;
+ private:
+  void* obj_;
+  R (*call_)(void*, Args...);
+};
+
+/// One part of a rank's offer.
+struct Piece {
+  const std::byte* data = nullptr;
+  std::size_t len = 0;
+};
+
+using Want = FunctionRef<Range(int src, int dst)>;
+
+/// The first failure of a transport, kept so that every later call fails the same way.
+struct Poison {
+  Errc code{};
+  std::string message;
+};
+
+class Transport {
+ public:
+  Transport(int rank, int size, std::chrono::milliseconds timeout)
+      : rank_(rank), size_(size), timeout_(timeout) {}
+  Transport(const Transport&) = delete;
+  Transport& operator=(const Transport&) = delete;
+  virtual ~Transport() = default;
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+
+  /// Name for messages: "shm" or "tcp".
+  [[nodiscard]] virtual std::string_view name() const noexcept = 0;
+  /// The most bytes one rank may offer in one round.
+  [[nodiscard]] virtual std::size_t max_offer() const noexcept = 0;
+  /// Below this many bytes, all_reduce gathers whole buffers in one round (latency path).
+  [[nodiscard]] virtual std::size_t small_bytes() const noexcept = 0;
+
+  /// One round (see the file comment). `fp` is non-null on a collective's first round.
+  virtual std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
+                                                  const Fingerprint* fp) = 0;
+
+  /// Point-to-point, matched in order per pair; the receiver checks tag, dtype and count.
+  virtual void send(const Buf& buf, int peer, int tag, std::uint64_t seq) = 0;
+  virtual void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) = 0;
+
+  /// Makes every current and future wait of this process (and, where the transport can, of its
+  /// peers) fail with `code`. Safe to call from any thread.
+  virtual void abort(Errc code, const std::string& why) = 0;
+
+ protected:
+  /// "rank R: <what>: mismatched collectives: this rank called X but rank P called Y; ..."
+  [[nodiscard]] std::string mismatch_message(const Fingerprint& mine, int peer,
+                                             const Fingerprint& theirs) const {
+    return concat(
+        "rank ", rank_, ": ", to_string(mine.coll), ": mismatched collectives: this rank called ",
+        to_string(mine), " but rank ", peer, " called ", to_string(theirs),
+        "; every rank must call the same collectives, in the same order, with the same counts, "
+        "dtypes, ops and roots");
   }
 
-  void update(const void* data, std::size_t n) {
-    const auto* p = static_cast<const std::uint8_t*>(data);
-    length_ += static_cast<std::uint64_t>(n) * 8u;
-    while (n > 0) {
-      const std::size_t take = std::min<std::size_t>(64 - used_, n);
-      std::memcpy(block_.data() + used_, p, take);
-      used_ += take;
-      p += take;
-      n -= take;
-      if (used_ == 64) {
-        compress();
-        used_ = 0;
-      }
-    }
-  }
-  void update(std::string_view s) { update(s.data(), s.size()); }
+  int rank_;
+  int size_;
+  std::chrono::milliseconds timeout_;
+};
 
-  [[nodiscard]] Digest finish() {
-    const std::uint64_t bits = length_;
-    const std::uint8_t one = 0x80;
-    update(&one, 1);
-    const std::uint8_t zero = 0;
-    while (used_ != 56) update(&zero, 1);
-    std::uint8_t len[8];
-    for (int i = 0; i < 8; ++i) len[i] = static_cast<std::uint8_t>(bits >> (56 - 8 * i));
-    update(len, 8);
-    Digest out{};
-    for (std::size_t i = 0; i < 8; ++i) {
-      for (std::size_t j = 0; j < 4; ++j) {
-        out[4 * i + j] = static_cast<std::uint8_t>(state_[i] >> (24 - 8 * j));
-      }
+/// The transport of a world of one: every round returns the rank's own offer.
+class SelfTransport final : public Transport {
+ public:
+  explicit SelfTransport(std::chrono::milliseconds timeout) : Transport(0, 1, timeout) {}
+  [[nodiscard]] std::string_view name() const noexcept override { return "self"; }
+  [[nodiscard]] std::size_t max_offer() const noexcept override { return std::size_t{1} << 40; }
+  [[nodiscard]] std::size_t small_bytes() const noexcept override { return std::size_t{1} << 40; }
+
+  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
+                                          const Fingerprint*) override {
+    ptr_ = locate(offer, want(0, 0));
+    return {&ptr_, 1};
+  }
+  void send(const Buf&, int, int, std::uint64_t) override {
+    fail(Errc::invalid_argument, "rank 0: send: a world of one has no peer to send to");
+  }
+  void recv(const Buf&, int, int, std::uint64_t) override {
+    fail(Errc::invalid_argument, "rank 0: recv: a world of one has no peer to receive from");
+  }
+  void abort(Errc, const std::string&) override {}
+
+  /// Where byte `r.off` of the concatenated pieces lives (the range must lie in one piece).
+  static const std::byte* locate(std::span<const Piece> offer, Range r) {
+    if (r.len == 0) return nullptr;
+    std::size_t base = 0;
+    for (const auto& p : offer) {
+      if (r.off >= base && r.off + r.len <= base + p.len) return p.data + (r.off - base);
+      base += p.len;
     }
-    reset();
-    return out;
+    fail(Errc::invalid_argument, "internal error: a wanted range crosses offer pieces");
   }
 
  private:
-  static constexpr std::uint32_t rotr(std::uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
-
-  void compress() {
-    static constexpr std::uint32_t k[64] = {
-        0x428a2f98u, 0x71374491u, 0xb5c0fbcfu, 0xe9b5dba5u, 0x3956c25bu, 0x59f111f1u, 0x923f82a4u,
-        0xab1c5ed5u, 0xd807aa98u, 0x12835b01u, 0x243185beu, 0x550c7dc3u, 0x72be5d74u, 0x80deb1feu,
-        0x9bdc06a7u, 0xc19bf174u, 0xe49b69c1u, 0xefbe4786u, 0x0fc19dc6u, 0x240ca1ccu, 0x2de92c6fu,
-        0x4a7484aau, 0x5cb0a9dcu, 0x76f988dau, 0x983e5152u, 0xa831c66du, 0xb00327c8u, 0xbf597fc7u,
-        0xc6e00bf3u, 0xd5a79147u, 0x06ca6351u, 0x14292967u, 0x27b70a85u, 0x2e1b2138u, 0x4d2c6dfcu,
-        0x53380d13u, 0x650a7354u, 0x766a0abbu, 0x81c2c92eu, 0x92722c85u, 0xa2bfe8a1u, 0xa81a664bu,
-        0xc24b8b70u, 0xc76c51a3u, 0xd192e819u, 0xd6990624u, 0xf40e3585u, 0x106aa070u, 0x19a4c116u,
-        0x1e376c08u, 0x2748774cu, 0x34b0bcb5u, 0x391c0cb3u, 0x4ed8aa4au, 0x5b9cca4fu, 0x682e6ff3u,
-        0x748f82eeu, 0x78a5636fu, 0x84c87814u, 0x8cc70208u, 0x90befffau, 0xa4506cebu, 0xbef9a3f7u,
-        0xc67178f2u};
-    std::uint32_t w[64];
-    for (std::size_t i = 0; i < 16; ++i) {
-      w[i] = static_cast<std::uint32_t>(block_[4 * i]) << 24 |
-             static_cast<std::uint32_t>(block_[4 * i + 1]) << 16 |
-             static_cast<std::uint32_t>(block_[4 * i + 2]) << 8 | block_[4 * i + 3];
-    }
-    for (std::size_t i = 16; i < 64; ++i) {
-      const std::uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
-      const std::uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
-      w[i] = w[i - 16] + s0 + w[i - 7] + s1;
-    }
-    auto s = state_;
-    for (std::size_t i = 0; i < 64; ++i) {
-      const std::uint32_t e1 = rotr(s[4], 6) ^ rotr(s[4], 11) ^ rotr(s[4], 25);
-      const std::uint32_t ch = (s[4] & s[5]) ^ (~s[4] & s[6]);
-      const std::uint32_t t1 = s[7] + e1 + ch + k[i] + w[i];
-      const std::uint32_t e0 = rotr(s[0], 2) ^ rotr(s[0], 13) ^ rotr(s[0], 22);
-      const std::uint32_t maj = (s[0] & s[1]) ^ (s[0] & s[2]) ^ (s[1] & s[2]);
-      const std::uint32_t t2 = e0 + maj;
-      s[7] = s[6];
-      s[6] = s[5];
-      s[5] = s[4];
-      s[4] = s[3] + t1;
-      s[3] = s[2];
-      s[2] = s[1];
-      s[1] = s[0];
-      s[0] = t1 + t2;
-    }
-    for (std::size_t i = 0; i < 8; ++i) state_[i] += s[i];
-  }
-
-  std::array<std::uint32_t, 8> state_{};
-  std::array<std::uint8_t, 64> block_{};
-  std::uint64_t length_ = 0;
-  std::size_t used_ = 0;
+  const std::byte* ptr_ = nullptr;
 };
-
-/// HMAC-SHA-256(key, message parts...).
-template <class... Parts>
-[[nodiscard]] Digest hmac_sha256(std::string_view key, const Parts&... parts) {
-  std::array<std::uint8_t, 64> k{};
-  if (key.size() > 64) {
-    Sha256 h;
-    h.update(key);
-    const Digest d = h.finish();
-    std::memcpy(k.data(), d.data(), d.size());
-  } else {
-    std::memcpy(k.data(), key.data(), key.size());
-  }
-  std::array<std::uint8_t, 64> ipad{}, opad{};
-  for (std::size_t i = 0; i < 64; ++i) {
-    ipad[i] = static_cast<std::uint8_t>(k[i] ^ 0x36u);
-    opad[i] = static_cast<std::uint8_t>(k[i] ^ 0x5cu);
-  }
-  Sha256 inner;
-  inner.update(ipad.data(), ipad.size());
-  (inner.update(parts.data(), parts.size()), ...);
-  const Digest ih = inner.finish();
-  Sha256 outer;
-  outer.update(opad.data(), opad.size());
-  outer.update(ih.data(), ih.size());
-  return outer.finish();
-}
-
-/// Compares two byte strings without an early exit, so timing reveals nothing about where they
-/// differ.
-[[nodiscard]] inline bool constant_time_equal(std::span<const std::uint8_t> a,
-                                              std::span<const std::uint8_t> b) {
-  if (a.size() != b.size()) return false;
-  volatile std::uint8_t diff = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) diff = static_cast<std::uint8_t>(diff | (a[i] ^ b[i]));
-  return diff == 0;
-}
-
-/// Fills buf with bytes from the kernel's CSPRNG.
-inline void random_bytes(void* buf, std::size_t n) {
-  auto* p = static_cast<std::uint8_t*>(buf);
-  while (n > 0) {
-    const ssize_t r = ::getrandom(p, n, 0);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      fail_errno(errno, "getrandom");
-    }
-    p += r;
-    n -= static_cast<std::size_t>(r);
-  }
-}
-
-template <class T>
-[[nodiscard]] T random_value() {
-  T v{};
-  random_bytes(&v, sizeof v);
-  return v;
-}
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/detail/crypto.hpp
+// end ddp/backend/host/transport.hpp
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
 // begin ddp/detail/socket.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -1430,6 +1191,9 @@ DDP_END_NAMESPACE
 /// whole buffers that never block past a deadline and survive EINTR.
 
 // #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
 // #include "ddp/error.hpp" (already included above)
 
 #include <arpa/inet.h>
@@ -1726,6 +1490,1533 @@ enum class IoResult { ok, closed, timeout };
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/detail/socket.hpp
+// begin ddp/detail/wait.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Waiting for another process: spin briefly (a peer on another core answers in well under a
+/// microsecond), then sleep on a futex in shared memory, so that 4 ranks on 2 cores do not burn
+/// the core the awaited rank needs. Posters wake sleepers only when there are any (a Dekker-style
+/// handshake on `sleepers`), so the fast path costs no system call.
+///
+/// Also here: watching peer processes for death with pidfds (a dead peer makes its waiters fail
+/// with Errc::peer_lost in milliseconds, not at the timeout).
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+
+#include <linux/futex.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <cstdint>
+#include <ctime>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+inline void cpu_relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
+static_assert(sizeof(std::atomic<std::uint32_t>) == sizeof(std::uint32_t));
+
+/// FUTEX_WAIT on a word in (possibly shared) memory for at most `ns` nanoseconds.
+inline void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected, long ns) {
+  timespec ts{ns / 1000000000L, ns % 1000000000L};
+  (void)::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAIT, expected, &ts,
+                  nullptr, 0);
+}
+
+inline void futex_wake_all(std::atomic<std::uint32_t>* word) {
+  (void)::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr,
+                  nullptr, 0);
+}
+
+/// The sleeping half of the handshake; lives in shared memory.
+struct WakeWord {
+  std::atomic<std::uint32_t> epoch{0};
+  std::atomic<std::uint32_t> sleepers{0};
+
+  /// Call after publishing progress (with a seq_cst store).
+  void notify() noexcept {
+    if (sleepers.load(std::memory_order_seq_cst) != 0) {
+      epoch.fetch_add(1, std::memory_order_seq_cst);
+      futex_wake_all(&epoch);
+    }
+  }
+
+  /// Sleeps until notified (or for at most `ns`) unless `ready()` holds after registering.
+  template <class Ready>
+  void sleep_unless(Ready&& ready, long ns) noexcept {
+    sleepers.fetch_add(1, std::memory_order_seq_cst);
+    const std::uint32_t e = epoch.load(std::memory_order_seq_cst);
+    if (!ready()) futex_wait(&epoch, e, ns);
+    sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  }
+};
+
+/// Number of CPUs this process may run on.
+[[nodiscard]] inline int usable_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof set, &set) != 0) return 1;
+  return CPU_COUNT(&set);
+}
+
+/// Watches processes for exit. pidfds become readable when a process exits (a zombie counts as
+/// exited); without pidfd_open (Linux < 5.3) falls back to kill(pid, 0).
+class ProcessWatch {
+ public:
+  ProcessWatch() = default;
+  ProcessWatch(const ProcessWatch&) = delete;
+  ProcessWatch& operator=(const ProcessWatch&) = delete;
+  ~ProcessWatch() {
+    for (auto& w : watched_) {
+      if (w.fd >= 0) ::close(w.fd);
+    }
+  }
+
+  void add(int rank, int pid) {
+#ifdef SYS_pidfd_open
+    const int fd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+#else
+    const int fd = -1;
+#endif
+    watched_.push_back({rank, pid, fd});
+  }
+
+  /// The rank of an exited process, or -1.
+  [[nodiscard]] int first_dead() const {
+    for (const auto& w : watched_) {
+      if (w.fd >= 0) {
+        pollfd p{w.fd, POLLIN, 0};
+        if (::poll(&p, 1, 0) == 1) return w.rank;
+      } else if (::kill(w.pid, 0) != 0 && errno == ESRCH) {
+        return w.rank;
+      }
+    }
+    return -1;
+  }
+
+ private:
+  struct Watched {
+    int rank;
+    int pid;
+    int fd;
+  };
+  std::vector<Watched> watched_;
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/wait.hpp
+// #include "ddp/error.hpp" (already included above)
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+struct ShmLayout {
+  static constexpr std::uint64_t magic = 0x3130306d68737064ull;  // "dpshm001"
+  static constexpr std::size_t header_bytes = 4096;
+  static constexpr std::size_t ctl_bytes = 256;
+  static constexpr std::size_t channel_ctl_bytes = 128;
+
+  int world = 1;
+  std::size_t slot_bytes = 0;
+  std::size_t channel_bytes = 0;
+
+  [[nodiscard]] static std::size_t align_up(std::size_t v, std::size_t a) {
+    return (v + a - 1) / a * a;
+  }
+  [[nodiscard]] std::size_t ctl_offset() const { return header_bytes; }
+  [[nodiscard]] std::size_t slots_offset() const {
+    return align_up(header_bytes + static_cast<std::size_t>(world) * ctl_bytes, 4096);
+  }
+  [[nodiscard]] std::size_t slot_offset(int rank, unsigned parity) const {
+    return slots_offset() + (static_cast<std::size_t>(rank) * 2 + parity) * slot_bytes;
+  }
+  [[nodiscard]] std::size_t channels_offset() const {
+    return slots_offset() + static_cast<std::size_t>(world) * 2 * slot_bytes;
+  }
+  [[nodiscard]] std::size_t channel_offset(int src, int dst) const {
+    return channels_offset() + (static_cast<std::size_t>(src) * static_cast<std::size_t>(world) +
+                                static_cast<std::size_t>(dst)) *
+                                   (channel_ctl_bytes + channel_bytes);
+  }
+  [[nodiscard]] std::size_t total() const {
+    return align_up(channel_offset(world - 1, world - 1) + channel_ctl_bytes + channel_bytes, 4096);
+  }
+};
+
+struct ShmHeader {
+  std::uint64_t magic;
+  std::uint64_t cookie;
+  std::uint32_t world;
+  std::uint32_t reserved;
+  std::uint64_t slot_bytes;
+  std::uint64_t channel_bytes;
+  std::uint64_t total;
+  alignas(64) WakeWord wake;
+  alignas(64) std::atomic<std::uint32_t> abort_state;  // 0 none, 1 being written, 2 set
+  std::int32_t abort_rank;
+  std::int32_t abort_code;
+  char abort_message[2048];
+};
+static_assert(sizeof(ShmHeader) <= ShmLayout::header_bytes);
+
+struct alignas(64) ShmCtl {
+  std::atomic<std::uint64_t> tick;
+  char pad0[56];
+  Fingerprint fp[2];
+  char pad1[64 - 2 * sizeof(Fingerprint) % 64];
+};
+static_assert(sizeof(ShmCtl) <= ShmLayout::ctl_bytes);
+
+struct ShmChannelCtl {
+  alignas(64) std::atomic<std::uint64_t> head;  // bytes written so far
+  alignas(64) std::atomic<std::uint64_t> tail;  // bytes consumed so far
+};
+static_assert(sizeof(ShmChannelCtl) <= ShmLayout::channel_ctl_bytes);
+
+struct P2PHeader {
+  std::uint64_t seq;
+  std::uint64_t count;
+  std::int32_t tag;
+  DType dtype;
+  std::uint8_t pad[3];
+};
+
+/// A mapped shared-memory segment.
+class ShmSegment {
+ public:
+  ShmSegment() = default;
+  ShmSegment(const ShmSegment&) = delete;
+  ShmSegment& operator=(const ShmSegment&) = delete;
+  ~ShmSegment() {
+    if (base_ != nullptr) ::munmap(base_, size_);
+    if (!unlinked_ && !name_.empty()) ::shm_unlink(name_.c_str());
+  }
+
+  /// Creates, sizes and pre-faults a new segment (first touch is slow: pay it once, here).
+  void create(const std::string& name, std::size_t size) {
+    Fd fd(::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600));
+    if (!fd) fail_errno(errno, "shm_open(", name, ", O_CREAT)");
+    name_ = name;
+    if (::ftruncate(fd.get(), static_cast<off_t>(size)) != 0) {
+      fail_errno(errno, "ftruncate(", name, ", ", size, " bytes): is /dev/shm large enough?");
+    }
+    map(fd.get(), size);
+    std::memset(base_, 0, size);
+  }
+
+  /// Maps an existing segment of exactly `size` bytes.
+  void open(const std::string& name, std::size_t size) {
+    Fd fd(::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0));
+    if (!fd) fail_errno(errno, "shm_open(", name, ")");
+    struct stat st {};
+    if (::fstat(fd.get(), &st) != 0) fail_errno(errno, "fstat(", name, ")");
+    if (static_cast<std::size_t>(st.st_size) != size) {
+      fail(Errc::protocol, "shared memory segment ", name, " has ", st.st_size, " bytes, expected ",
+           size);
+    }
+    map(fd.get(), size);
+    unlinked_ = true;  // the creator unlinks
+  }
+
+  void unlink() {
+    if (!unlinked_ && !name_.empty()) ::shm_unlink(name_.c_str());
+    unlinked_ = true;
+  }
+
+  [[nodiscard]] std::byte* base() const noexcept { return static_cast<std::byte*>(base_); }
+
+ private:
+  void map(int fd, std::size_t size) {
+    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) fail_errno(errno, "mmap of ", size, " bytes of shared memory");
+    base_ = p;
+    size_ = size;
+  }
+
+  void* base_ = nullptr;
+  std::size_t size_ = 0;
+  std::string name_;
+  bool unlinked_ = false;
+};
+
+class ShmTransport final : public Transport {
+ public:
+  /// `segment` is mapped and initialized; `pids[j]` is rank j's process id.
+  ShmTransport(int rank, int size, std::chrono::milliseconds timeout, ShmLayout layout,
+               std::unique_ptr<ShmSegment> segment, const std::vector<int>& pids)
+      : Transport(rank, size, timeout),
+        layout_(layout),
+        segment_(std::move(segment)),
+        ptrs_(static_cast<std::size_t>(size)) {
+    header_ = reinterpret_cast<ShmHeader*>(segment_->base());
+    for (int j = 0; j < size; ++j) {
+      if (j != rank) watch_.add(j, pids[static_cast<std::size_t>(j)]);
+    }
+    oversubscribed_ = size > usable_cpus();
+    tick_ = ctl(rank)->tick.load();
+  }
+
+  /// Initializes a freshly created segment (rank 0 only, before anyone else maps it).
+  static void format(std::byte* base, const ShmLayout& layout, std::uint64_t cookie) {
+    auto* h = new (base) ShmHeader{};
+    h->magic = ShmLayout::magic;
+    h->cookie = cookie;
+    h->world = static_cast<std::uint32_t>(layout.world);
+    h->slot_bytes = layout.slot_bytes;
+    h->channel_bytes = layout.channel_bytes;
+    h->total = layout.total();
+    for (int j = 0; j < layout.world; ++j)
+      new (base + layout.ctl_offset() + static_cast<std::size_t>(j) * ShmLayout::ctl_bytes)
+          ShmCtl{};
+    for (int s = 0; s < layout.world; ++s) {
+      for (int d = 0; d < layout.world; ++d)
+        new (base + layout.channel_offset(s, d)) ShmChannelCtl{};
+    }
+  }
+
+  /// Checks a segment opened by a non-creator.
+  static void verify(const std::byte* base, const ShmLayout& layout, std::uint64_t cookie) {
+    const auto* h = reinterpret_cast<const ShmHeader*>(base);
+    if (h->magic != ShmLayout::magic || h->cookie != cookie ||
+        h->world != static_cast<std::uint32_t>(layout.world) ||
+        h->slot_bytes != layout.slot_bytes || h->total != layout.total()) {
+      fail(Errc::protocol,
+           "the shared memory segment does not belong to this communicator (cookie or layout "
+           "differ)");
+    }
+  }
+
+  [[nodiscard]] std::string_view name() const noexcept override { return "shm"; }
+  [[nodiscard]] std::size_t max_offer() const noexcept override { return layout_.slot_bytes; }
+  [[nodiscard]] std::size_t small_bytes() const noexcept override {
+    return std::min<std::size_t>(layout_.slot_bytes, 16384);
+  }
+
+  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
+                                          const Fingerprint* fp) override {
+    check_abort(fp);
+    const std::uint64_t t = ++tick_;
+    const unsigned parity = static_cast<unsigned>(t & 1u);
+    std::byte* my_slot = slot(rank_, parity);
+    // Copy only what peers want, each byte once.
+    wanted_.clear();
+    for (int j = 0; j < size_; ++j) {
+      if (j == rank_) continue;
+      const Range r = want(rank_, j);
+      if (r.len != 0) wanted_.push_back(r);
+    }
+    std::sort(wanted_.begin(), wanted_.end(),
+              [](const Range& a, const Range& b) { return a.off < b.off; });
+    std::size_t copied_to = 0;
+    for (const Range& r : wanted_) {
+      std::size_t from = std::max(r.off, copied_to);
+      const std::size_t to = r.off + r.len;
+      if (to > layout_.slot_bytes)
+        fail(Errc::invalid_argument, "internal error: offer exceeds the shared memory slot");
+      std::size_t base = 0;
+      for (const Piece& p : offer) {  // copy [from, to) out of the pieces
+        const std::size_t lo = std::max(from, base), hi = std::min(to, base + p.len);
+        if (lo < hi) std::memcpy(my_slot + lo, p.data + (lo - base), hi - lo);
+        base += p.len;
+      }
+      copied_to = std::max(copied_to, to);
+    }
+    ShmCtl* mine = ctl(rank_);
+    if (fp != nullptr) mine->fp[parity] = *fp;
+    mine->tick.store(t, std::memory_order_seq_cst);
+    header_->wake.notify();
+
+    wait([&] { return all_reached(t); }, fp, [&] { return behind(t); });
+
+    if (fp != nullptr) {
+      for (int j = 0; j < size_; ++j) {
+        if (j == rank_) continue;
+        const Fingerprint theirs = ctl(j)->fp[parity];
+        if (!(theirs == *fp)) {
+          const std::string msg = mismatch_message(*fp, j, theirs);
+          publish_abort(Errc::mismatch, msg);
+          fail(Errc::mismatch, msg);
+        }
+      }
+    }
+    for (int j = 0; j < size_; ++j) {
+      const Range r = want(j, rank_);
+      if (r.len == 0)
+        ptrs_[static_cast<std::size_t>(j)] = nullptr;
+      else if (j == rank_)
+        ptrs_[static_cast<std::size_t>(j)] = SelfTransport::locate(offer, r);
+      else
+        ptrs_[static_cast<std::size_t>(j)] = slot(j, parity) + r.off;
+    }
+    return ptrs_;
+  }
+
+  void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
+    check_abort(nullptr);
+    const P2PHeader h{seq, buf.count, tag, buf.dtype, {}};
+    channel_write(peer, &h, sizeof h, "send", buf, tag);
+    channel_write(peer, buf.data, buf.bytes(), "send", buf, tag);
+  }
+
+  void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
+    check_abort(nullptr);
+    P2PHeader h{};
+    channel_read(peer, &h, sizeof h, "recv", buf, tag);
+    if (h.seq != seq || h.tag != tag || h.dtype != buf.dtype || h.count != buf.count) {
+      const std::string msg =
+          concat("rank ", rank_, ": recv(from rank ", peer, ", tag ", tag, ", ",
+                 to_string(buf.dtype), ", count=", buf.count, ") #", seq, " got send(tag ", h.tag,
+                 ", ", to_string(h.dtype), ", count=", h.count, ") #", h.seq,
+                 "; sends and receives between a pair are matched in order and must agree");
+      publish_abort(Errc::mismatch, msg);
+      fail(Errc::mismatch, msg);
+    }
+    channel_read(peer, buf.data, buf.bytes(), "recv", buf, tag);
+  }
+
+  void abort(Errc code, const std::string& why) override {
+    local_abort_code_.store(static_cast<int>(code));
+    publish_abort(code, why);
+  }
+
+ private:
+  [[nodiscard]] ShmCtl* ctl(int r) const {
+    return reinterpret_cast<ShmCtl*>(segment_->base() + layout_.ctl_offset() +
+                                     static_cast<std::size_t>(r) * ShmLayout::ctl_bytes);
+  }
+  [[nodiscard]] std::byte* slot(int r, unsigned parity) const {
+    return segment_->base() + layout_.slot_offset(r, parity);
+  }
+  [[nodiscard]] ShmChannelCtl* channel(int src, int dst) const {
+    return reinterpret_cast<ShmChannelCtl*>(segment_->base() + layout_.channel_offset(src, dst));
+  }
+  [[nodiscard]] std::byte* channel_data(int src, int dst) const {
+    return segment_->base() + layout_.channel_offset(src, dst) + ShmLayout::channel_ctl_bytes;
+  }
+
+  [[nodiscard]] bool all_reached(std::uint64_t t) const {
+    for (int j = 0; j < size_; ++j) {
+      if (ctl(j)->tick.load(std::memory_order_acquire) < t) return false;
+    }
+    return true;
+  }
+
+  [[nodiscard]] std::string behind(std::uint64_t t) const {
+    std::string who;
+    int n = 0;
+    for (int j = 0; j < size_; ++j) {
+      if (ctl(j)->tick.load(std::memory_order_acquire) < t) who += concat(n++ ? ", " : "", j);
+    }
+    return concat(n == 1 ? "rank " : "ranks ", who);
+  }
+
+  /// First failure wins; later ones keep the first message.
+  void publish_abort(Errc code, const std::string& why) {
+    std::uint32_t expected = 0;
+    if (header_->abort_state.compare_exchange_strong(expected, 1)) {
+      header_->abort_rank = rank_;
+      header_->abort_code = static_cast<int>(code);
+      const std::size_t n = std::min(why.size(), sizeof header_->abort_message - 1);
+      std::memcpy(header_->abort_message, why.data(), n);
+      header_->abort_message[n] = '\0';
+      header_->abort_state.store(2, std::memory_order_seq_cst);
+    }
+    header_->wake.epoch.fetch_add(1);
+    futex_wake_all(&header_->wake.epoch);
+  }
+
+  /// Throws if this communicator was aborted here or by a peer.
+  void check_abort(const Fingerprint* fp) const {
+    if (const int code = local_abort_code_.load(); code != 0) {
+      fail(static_cast<Errc>(code), "rank ", rank_, ": ", fp ? to_string(fp->coll) : "operation",
+           ": the communicator was aborted on this rank; create a new communicator to continue");
+    }
+    if (header_->abort_state.load(std::memory_order_acquire) == 2) {
+      fail(static_cast<Errc>(header_->abort_code), "rank ", rank_, ": ",
+           fp ? to_string(*fp) : std::string("operation"), ": failed because rank ",
+           header_->abort_rank, " reported: ", header_->abort_message);
+    }
+  }
+
+  /// Spins, then sleeps, until ready(); fails on abort, on a dead peer and at the timeout.
+  template <class Ready, class Behind>
+  void wait(Ready&& ready, const Fingerprint* fp, Behind&& behind_desc,
+            const char* what = nullptr) {
+    if (ready()) return;
+    const auto spin_until = Clock::now() + (oversubscribed_ ? std::chrono::microseconds(2)
+                                                            : std::chrono::microseconds(50));
+    do {
+      for (int i = 0; i < 64; ++i) {
+        cpu_relax();
+        if (ready()) return;
+      }
+    } while (Clock::now() < spin_until);
+    const auto deadline = Deadline::after(timeout_);
+    auto next_check = Clock::now();
+    int yields = 0;
+    for (;;) {
+      check_abort(fp);
+      if (ready()) return;
+      const auto now = Clock::now();
+      if (now >= next_check) {
+        if (const int dead = watch_.first_dead(); dead >= 0) {
+          const std::string msg =
+              concat("rank ", rank_, ": ",
+                     fp ? to_string(*fp) : std::string(what ? what : "operation"), ": rank ", dead,
+                     " died (its process exited); the job cannot continue with this communicator");
+          publish_abort(Errc::peer_lost, concat("rank ", dead, " died (its process exited)"));
+          fail(Errc::peer_lost, msg);
+        }
+        if (now >= deadline.at) {
+          const std::string who = behind_desc();
+          const std::string msg = concat(
+              "rank ", rank_, ": ", fp ? to_string(*fp) : std::string(what ? what : "operation"),
+              ": timed out after ", timeout_.count(), " ms waiting for ", who,
+              " (shm transport); that rank is stopped, slow, or did not call this collective");
+          publish_abort(Errc::timeout, concat("timed out waiting for ", who));
+          fail(Errc::timeout, msg);
+        }
+        next_check = now + std::chrono::milliseconds(20);
+      }
+      if (oversubscribed_ && yields < 64) {
+        ++yields;
+        ::sched_yield();
+        continue;
+      }
+      header_->wake.sleep_unless(ready, 5'000'000);
+    }
+  }
+
+  void channel_write(int peer, const void* data, std::size_t n, const char* what, const Buf& buf,
+                     int tag) {
+    ShmChannelCtl* ch = channel(rank_, peer);
+    std::byte* ring = channel_data(rank_, peer);
+    const std::size_t cap = layout_.channel_bytes;
+    const auto* p = static_cast<const std::byte*>(data);
+    std::uint64_t head = ch->head.load(std::memory_order_relaxed);
+    const auto desc = [&] { return concat("rank ", peer, " to receive"); };
+    const std::string op = concat(what, "(to rank ", peer, ", tag ", tag, ", ",
+                                  to_string(buf.dtype), ", count=", buf.count, ")");
+    while (n > 0) {
+      wait([&] { return head - ch->tail.load(std::memory_order_acquire) < cap; }, nullptr, desc,
+           op.c_str());
+      const std::uint64_t free_bytes = cap - (head - ch->tail.load(std::memory_order_acquire));
+      const std::size_t at = static_cast<std::size_t>(head % cap);
+      const std::size_t k =
+          std::min<std::size_t>({n, static_cast<std::size_t>(free_bytes), cap - at});
+      std::memcpy(ring + at, p, k);
+      p += k;
+      n -= k;
+      head += k;
+      ch->head.store(head, std::memory_order_seq_cst);
+      header_->wake.notify();
+    }
+  }
+
+  void channel_read(int peer, void* data, std::size_t n, const char* what, const Buf& buf,
+                    int tag) {
+    ShmChannelCtl* ch = channel(peer, rank_);
+    const std::byte* ring = channel_data(peer, rank_);
+    const std::size_t cap = layout_.channel_bytes;
+    auto* p = static_cast<std::byte*>(data);
+    std::uint64_t tail = ch->tail.load(std::memory_order_relaxed);
+    const auto desc = [&] { return concat("rank ", peer, " to send"); };
+    const std::string op = concat(what, "(from rank ", peer, ", tag ", tag, ", ",
+                                  to_string(buf.dtype), ", count=", buf.count, ")");
+    while (n > 0) {
+      wait([&] { return ch->head.load(std::memory_order_acquire) > tail; }, nullptr, desc,
+           op.c_str());
+      const std::uint64_t avail = ch->head.load(std::memory_order_acquire) - tail;
+      const std::size_t at = static_cast<std::size_t>(tail % cap);
+      const std::size_t k = std::min<std::size_t>({n, static_cast<std::size_t>(avail), cap - at});
+      std::memcpy(p, ring + at, k);
+      p += k;
+      n -= k;
+      tail += k;
+      ch->tail.store(tail, std::memory_order_seq_cst);
+      header_->wake.notify();
+    }
+  }
+
+  ShmLayout layout_;
+  std::unique_ptr<ShmSegment> segment_;
+  ShmHeader* header_ = nullptr;
+  ProcessWatch watch_;
+  bool oversubscribed_ = false;
+  std::uint64_t tick_ = 0;
+  std::vector<Range> wanted_;
+  std::vector<const std::byte*> ptrs_;
+  std::atomic<int> local_abort_code_{0};
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/backend/host/shm.hpp
+// begin ddp/backend/host/tcp.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The TCP transport of the Host backend (ranks on several hosts, or DDP_HOST_TRANSPORT=tcp).
+///
+/// A full mesh of connections, made at start-up: every rank listens on the interface that
+/// reaches the store, publishes its address there, connects to lower ranks and accepts higher
+/// ones; a connection must present the communicator's session key (a random value shared through
+/// the store, which DDP_TOKEN protects) or it is dropped. A round sends, to each peer at once,
+/// the part of this rank's offer it wants and receives what this rank wants, progressing every
+/// socket with poll() until done, the timeout, or a failure. The first round of a collective
+/// starts each message with the sender's fingerprint, checked before any data is used.
+
+// #include "ddp/backend/host/transport.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// begin ddp/detail/bytes.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Little-endian byte writing and bounds-checked reading, for everything ddp puts on a wire.
+/// A reader never reads past its input and never allocates more than the input could hold.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+template <class T, bool = std::is_enum_v<T>>
+struct wire_integer {
+  using type = std::make_unsigned_t<T>;
+};
+template <class T>
+struct wire_integer<T, true> {
+  using type = std::make_unsigned_t<std::underlying_type_t<T>>;
+};
+
+class ByteWriter {
+ public:
+  explicit ByteWriter(std::string& out) : out_(out) {}
+
+  template <class T>
+    requires std::is_integral_v<T> || std::is_enum_v<T>
+  void put(T value) {
+    using U = typename wire_integer<T>::type;
+    auto u = static_cast<U>(value);
+    for (std::size_t i = 0; i < sizeof(U); ++i) {
+      out_.push_back(static_cast<char>(static_cast<std::uint8_t>(u & 0xffu)));
+      if constexpr (sizeof(U) > 1) u = static_cast<U>(u >> 8);
+    }
+  }
+  void raw(const void* data, std::size_t n) { out_.append(static_cast<const char*>(data), n); }
+  void str(std::string_view s) {
+    put(static_cast<std::uint32_t>(s.size()));
+    raw(s.data(), s.size());
+  }
+
+ private:
+  std::string& out_;
+};
+
+class ByteReader {
+ public:
+  ByteReader(const void* data, std::size_t n, std::string_view what)
+      : p_(static_cast<const std::uint8_t*>(data)), left_(n), what_(what) {}
+  explicit ByteReader(std::string_view s, std::string_view what = "message")
+      : ByteReader(s.data(), s.size(), what) {}
+
+  template <class T>
+    requires std::is_integral_v<T> || std::is_enum_v<T>
+  [[nodiscard]] T get() {
+    using U = typename wire_integer<T>::type;
+    need(sizeof(U));
+    U u = 0;
+    for (std::size_t i = 0; i < sizeof(U); ++i)
+      u = static_cast<U>(u | (static_cast<U>(p_[i]) << (8 * i)));
+    p_ += sizeof(U);
+    left_ -= sizeof(U);
+    return static_cast<T>(u);
+  }
+  void raw(void* out, std::size_t n) {
+    need(n);
+    if (n != 0) std::memcpy(out, p_, n);
+    p_ += n;
+    left_ -= n;
+  }
+  [[nodiscard]] std::string_view view(std::size_t n) {
+    need(n);
+    std::string_view v(reinterpret_cast<const char*>(p_), n);
+    p_ += n;
+    left_ -= n;
+    return v;
+  }
+  /// A length-prefixed string no longer than max_len.
+  [[nodiscard]] std::string str(std::size_t max_len) {
+    const auto n = get<std::uint32_t>();
+    if (n > max_len) {
+      fail(Errc::protocol, what_, ": a string of ", n, " bytes exceeds the limit of ", max_len);
+    }
+    return std::string(view(n));
+  }
+  [[nodiscard]] std::size_t left() const noexcept { return left_; }
+  void expect_end() const {
+    if (left_ != 0) fail(Errc::protocol, what_, ": ", left_, " unexpected trailing bytes");
+  }
+
+ private:
+  void need(std::size_t n) const {
+    if (n > left_) {
+      fail(Errc::protocol, what_, " is truncated: needs ", n, " more bytes, has ", left_);
+    }
+  }
+  const std::uint8_t* p_;
+  std::size_t left_;
+  std::string_view what_;
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/bytes.hpp
+// begin ddp/detail/crypto.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// What the rendezvous handshake needs and nothing more: SHA-256 (FIPS 180-4), HMAC-SHA-256
+/// (RFC 2104), random bytes from the kernel, and a constant-time comparison.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+
+#include <fcntl.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include <array>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string_view>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+using Digest = std::array<std::uint8_t, 32>;
+
+class Sha256 {
+ public:
+  Sha256() { reset(); }
+
+  void reset() {
+    state_ = {0x6a09e667u, 0xbb67ae85u, 0x3c6ef372u, 0xa54ff53au,
+              0x510e527fu, 0x9b05688cu, 0x1f83d9abu, 0x5be0cd19u};
+    length_ = 0;
+    used_ = 0;
+  }
+
+  void update(const void* data, std::size_t n) {
+    const auto* p = static_cast<const std::uint8_t*>(data);
+    length_ += static_cast<std::uint64_t>(n) * 8u;
+    while (n > 0) {
+      const std::size_t take = std::min<std::size_t>(64 - used_, n);
+      std::memcpy(block_.data() + used_, p, take);
+      used_ += take;
+      p += take;
+      n -= take;
+      if (used_ == 64) {
+        compress();
+        used_ = 0;
+      }
+    }
+  }
+  void update(std::string_view s) { update(s.data(), s.size()); }
+
+  [[nodiscard]] Digest finish() {
+    const std::uint64_t bits = length_;
+    const std::uint8_t one = 0x80;
+    update(&one, 1);
+    const std::uint8_t zero = 0;
+    while (used_ != 56) update(&zero, 1);
+    std::uint8_t len[8];
+    for (int i = 0; i < 8; ++i) len[i] = static_cast<std::uint8_t>(bits >> (56 - 8 * i));
+    update(len, 8);
+    Digest out{};
+    for (std::size_t i = 0; i < 8; ++i) {
+      for (std::size_t j = 0; j < 4; ++j) {
+        out[4 * i + j] = static_cast<std::uint8_t>(state_[i] >> (24 - 8 * j));
+      }
+    }
+    reset();
+    return out;
+  }
+
+ private:
+  static constexpr std::uint32_t rotr(std::uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+
+  void compress() {
+    static constexpr std::uint32_t k[64] = {
+        0x428a2f98u, 0x71374491u, 0xb5c0fbcfu, 0xe9b5dba5u, 0x3956c25bu, 0x59f111f1u, 0x923f82a4u,
+        0xab1c5ed5u, 0xd807aa98u, 0x12835b01u, 0x243185beu, 0x550c7dc3u, 0x72be5d74u, 0x80deb1feu,
+        0x9bdc06a7u, 0xc19bf174u, 0xe49b69c1u, 0xefbe4786u, 0x0fc19dc6u, 0x240ca1ccu, 0x2de92c6fu,
+        0x4a7484aau, 0x5cb0a9dcu, 0x76f988dau, 0x983e5152u, 0xa831c66du, 0xb00327c8u, 0xbf597fc7u,
+        0xc6e00bf3u, 0xd5a79147u, 0x06ca6351u, 0x14292967u, 0x27b70a85u, 0x2e1b2138u, 0x4d2c6dfcu,
+        0x53380d13u, 0x650a7354u, 0x766a0abbu, 0x81c2c92eu, 0x92722c85u, 0xa2bfe8a1u, 0xa81a664bu,
+        0xc24b8b70u, 0xc76c51a3u, 0xd192e819u, 0xd6990624u, 0xf40e3585u, 0x106aa070u, 0x19a4c116u,
+        0x1e376c08u, 0x2748774cu, 0x34b0bcb5u, 0x391c0cb3u, 0x4ed8aa4au, 0x5b9cca4fu, 0x682e6ff3u,
+        0x748f82eeu, 0x78a5636fu, 0x84c87814u, 0x8cc70208u, 0x90befffau, 0xa4506cebu, 0xbef9a3f7u,
+        0xc67178f2u};
+    std::uint32_t w[64];
+    for (std::size_t i = 0; i < 16; ++i) {
+      w[i] = static_cast<std::uint32_t>(block_[4 * i]) << 24 |
+             static_cast<std::uint32_t>(block_[4 * i + 1]) << 16 |
+             static_cast<std::uint32_t>(block_[4 * i + 2]) << 8 | block_[4 * i + 3];
+    }
+    for (std::size_t i = 16; i < 64; ++i) {
+      const std::uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
+      const std::uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
+      w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    auto s = state_;
+    for (std::size_t i = 0; i < 64; ++i) {
+      const std::uint32_t e1 = rotr(s[4], 6) ^ rotr(s[4], 11) ^ rotr(s[4], 25);
+      const std::uint32_t ch = (s[4] & s[5]) ^ (~s[4] & s[6]);
+      const std::uint32_t t1 = s[7] + e1 + ch + k[i] + w[i];
+      const std::uint32_t e0 = rotr(s[0], 2) ^ rotr(s[0], 13) ^ rotr(s[0], 22);
+      const std::uint32_t maj = (s[0] & s[1]) ^ (s[0] & s[2]) ^ (s[1] & s[2]);
+      const std::uint32_t t2 = e0 + maj;
+      s[7] = s[6];
+      s[6] = s[5];
+      s[5] = s[4];
+      s[4] = s[3] + t1;
+      s[3] = s[2];
+      s[2] = s[1];
+      s[1] = s[0];
+      s[0] = t1 + t2;
+    }
+    for (std::size_t i = 0; i < 8; ++i) state_[i] += s[i];
+  }
+
+  std::array<std::uint32_t, 8> state_{};
+  std::array<std::uint8_t, 64> block_{};
+  std::uint64_t length_ = 0;
+  std::size_t used_ = 0;
+};
+
+/// HMAC-SHA-256(key, message parts...).
+template <class... Parts>
+[[nodiscard]] Digest hmac_sha256(std::string_view key, const Parts&... parts) {
+  std::array<std::uint8_t, 64> k{};
+  if (key.size() > 64) {
+    Sha256 h;
+    h.update(key);
+    const Digest d = h.finish();
+    std::memcpy(k.data(), d.data(), d.size());
+  } else {
+    std::memcpy(k.data(), key.data(), key.size());
+  }
+  std::array<std::uint8_t, 64> ipad{}, opad{};
+  for (std::size_t i = 0; i < 64; ++i) {
+    ipad[i] = static_cast<std::uint8_t>(k[i] ^ 0x36u);
+    opad[i] = static_cast<std::uint8_t>(k[i] ^ 0x5cu);
+  }
+  Sha256 inner;
+  inner.update(ipad.data(), ipad.size());
+  (inner.update(parts.data(), parts.size()), ...);
+  const Digest ih = inner.finish();
+  Sha256 outer;
+  outer.update(opad.data(), opad.size());
+  outer.update(ih.data(), ih.size());
+  return outer.finish();
+}
+
+/// Compares two byte strings without an early exit, so timing reveals nothing about where they
+/// differ.
+[[nodiscard]] inline bool constant_time_equal(std::span<const std::uint8_t> a,
+                                              std::span<const std::uint8_t> b) {
+  if (a.size() != b.size()) return false;
+  volatile std::uint8_t diff = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) diff = static_cast<std::uint8_t>(diff | (a[i] ^ b[i]));
+  return diff == 0;
+}
+
+/// Fills buf with bytes from the kernel's CSPRNG.
+inline void random_bytes(void* buf, std::size_t n) {
+  auto* p = static_cast<std::uint8_t*>(buf);
+  while (n > 0) {
+    const ssize_t r = ::getrandom(p, n, 0);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      fail_errno(errno, "getrandom");
+    }
+    p += r;
+    n -= static_cast<std::size_t>(r);
+  }
+}
+
+template <class T>
+[[nodiscard]] T random_value() {
+  T v{};
+  random_bytes(&v, sizeof v);
+  return v;
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/crypto.hpp
+// #include "ddp/detail/socket.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+class TcpTransport final : public Transport {
+ public:
+  static constexpr std::uint32_t hello_magic = 0x50434444;  // "DDCP"
+  using SessionKey = std::array<std::uint8_t, 16>;
+
+  TcpTransport(int rank, int size, std::chrono::milliseconds timeout, std::vector<Fd> peers,
+               std::size_t segment_bytes)
+      : Transport(rank, size, timeout),
+        segment_(segment_bytes),
+        peers_(std::move(peers)),
+        ptrs_(static_cast<std::size_t>(size)),
+        xfers_(static_cast<std::size_t>(size)),
+        headers_in_(static_cast<std::size_t>(size)) {
+    for (auto& fd : peers_) {
+      if (fd) set_nonblocking(fd.get(), true);
+    }
+  }
+
+  /// Builds the mesh: connect to ranks below, accept ranks above (see the file comment).
+  [[nodiscard]] static std::vector<Fd> connect_mesh(
+      int rank, int size, Fd& listener, const std::vector<std::pair<std::string, int>>& addrs,
+      const SessionKey& key, Deadline deadline) {
+    std::vector<Fd> peers(static_cast<std::size_t>(size));
+    for (int j = 0; j < rank; ++j) {
+      const auto& [host, port] = addrs[static_cast<std::size_t>(j)];
+      Fd fd = connect_tcp(host, port, deadline, concat("rank ", j));
+      std::string hello;
+      ByteWriter w(hello);
+      w.put(hello_magic);
+      w.raw(key.data(), key.size());
+      w.put(static_cast<std::uint32_t>(rank));
+      if (send_all(fd.get(), hello.data(), hello.size(), deadline) != IoResult::ok) {
+        fail(Errc::peer_lost, "rank ", rank, ": could not introduce itself to rank ", j, " at ",
+             host_port(host, port));
+      }
+      peers[static_cast<std::size_t>(j)] = std::move(fd);
+    }
+    int missing = size - 1 - rank;
+    set_nonblocking(listener.get(), true);
+    while (missing > 0) {
+      pollfd p{listener.get(), POLLIN, 0};
+      const int rc = ::poll(&p, 1, deadline.poll_ms(1000));
+      if (rc == 0 && deadline.expired()) {
+        std::string who;
+        for (int j = rank + 1; j < size; ++j) {
+          if (!peers[static_cast<std::size_t>(j)]) who += concat(who.empty() ? "" : ", ", j);
+        }
+        fail(Errc::timeout, "rank ", rank, ": timed out waiting for rank(s) ", who,
+             " to connect (tcp transport)");
+      }
+      Fd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      if (!fd) continue;
+      set_nodelay(fd.get());
+      std::array<std::byte, 4 + 16 + 4> hello{};
+      // A stray connection gets a short window; it must not stall the mesh.
+      const auto short_deadline =
+          Deadline{std::min(deadline.at, Clock::now() + std::chrono::seconds(2))};
+      if (recv_all(fd.get(), hello.data(), hello.size(), short_deadline) != IoResult::ok) continue;
+      ByteReader r(hello.data(), hello.size(), "peer hello");
+      if (r.get<std::uint32_t>() != hello_magic) continue;
+      SessionKey got{};
+      r.raw(got.data(), got.size());
+      const auto peer = static_cast<int>(r.get<std::uint32_t>());
+      if (!constant_time_equal(got, key) || peer <= rank || peer >= size ||
+          peers[static_cast<std::size_t>(peer)]) {
+        continue;  // not ours: drop it
+      }
+      peers[static_cast<std::size_t>(peer)] = std::move(fd);
+      --missing;
+    }
+    return peers;
+  }
+
+  [[nodiscard]] std::string_view name() const noexcept override { return "tcp"; }
+  [[nodiscard]] std::size_t max_offer() const noexcept override { return segment_; }
+  [[nodiscard]] std::size_t small_bytes() const noexcept override {
+    return std::min(segment_, size_ == 2 ? (std::size_t{1} << 20) : (std::size_t{64} << 10));
+  }
+
+  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
+                                          const Fingerprint* fp) override {
+    check_abort(fp);
+    std::size_t scratch_needed = 0;
+    for (int j = 0; j < size_; ++j) {
+      if (j != rank_) scratch_needed += want(j, rank_).len;
+    }
+    if (scratch_.size() < scratch_needed)
+      scratch_.resize(scratch_needed);  // zero-filled: pre-faulted
+    std::size_t scratch_at = 0;
+    for (int j = 0; j < size_; ++j) {
+      auto& x = xfers_[static_cast<std::size_t>(j)];
+      x.clear();
+      if (j == rank_) continue;
+      if (fp != nullptr) {
+        x.out.push_back(
+            {reinterpret_cast<std::byte*>(const_cast<Fingerprint*>(fp)), sizeof(Fingerprint)});
+        x.in.push_back({reinterpret_cast<std::byte*>(&headers_in_[static_cast<std::size_t>(j)]),
+                        sizeof(Fingerprint)});
+        x.header_in = true;
+      }
+      const Range out = want(rank_, j);
+      std::size_t base = 0;
+      for (const Piece& p : offer) {
+        const std::size_t lo = std::max(out.off, base),
+                          hi = std::min(out.off + out.len, base + p.len);
+        if (lo < hi) x.out.push_back({const_cast<std::byte*>(p.data) + (lo - base), hi - lo});
+        base += p.len;
+      }
+      const Range in = want(j, rank_);
+      if (in.len != 0) x.in.push_back({scratch_.data() + scratch_at, in.len});
+      ptrs_[static_cast<std::size_t>(j)] = in.len != 0 ? scratch_.data() + scratch_at : nullptr;
+      scratch_at += in.len;
+    }
+    progress(fp, nullptr);
+    ptrs_[static_cast<std::size_t>(rank_)] = SelfTransport::locate(offer, want(rank_, rank_));
+    return ptrs_;
+  }
+
+  void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
+    check_abort(nullptr);
+    p2p_header_ = {seq, buf.count, tag, buf.dtype, {}};
+    for (auto& x : xfers_) x.clear();
+    auto& x = xfers_[static_cast<std::size_t>(peer)];
+    x.out.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});
+    if (buf.bytes() != 0) x.out.push_back({buf.data, buf.bytes()});
+    const std::string what = concat("send(to rank ", peer, ", tag ", tag, ", ",
+                                    to_string(buf.dtype), ", count=", buf.count, ")");
+    progress(nullptr, what.c_str());
+  }
+
+  void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
+    check_abort(nullptr);
+    for (auto& x : xfers_) x.clear();
+    auto& x = xfers_[static_cast<std::size_t>(peer)];
+    x.in.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});
+    const std::string what = concat("recv(from rank ", peer, ", tag ", tag, ", ",
+                                    to_string(buf.dtype), ", count=", buf.count, ")");
+    progress(nullptr, what.c_str());
+    const auto& h = p2p_header_;
+    if (h.seq != seq || h.tag != tag || h.dtype != buf.dtype || h.count != buf.count) {
+      const std::string msg =
+          concat("rank ", rank_, ": ", what, " #", seq, " got send(tag ", h.tag, ", ",
+                 to_string(h.dtype), ", count=", h.count, ") #", h.seq,
+                 "; sends and receives between a pair are matched in order and must agree");
+      poison();
+      fail(Errc::mismatch, msg);
+    }
+    x.clear();
+    if (buf.bytes() != 0) x.in.push_back({buf.data, buf.bytes()});
+    progress(nullptr, what.c_str());
+  }
+
+  void abort(Errc code, const std::string&) override {
+    local_abort_code_.store(static_cast<int>(code));
+    poison();
+  }
+
+ private:
+  struct Seg {
+    std::byte* p;
+    std::size_t n;
+  };
+  struct Xfer {
+    std::vector<Seg> out, in;
+    std::size_t out_i = 0, out_off = 0, in_i = 0, in_off = 0;
+    bool header_in = false;
+    void clear() {
+      out.clear();
+      in.clear();
+      out_i = out_off = in_i = in_off = 0;
+      header_in = false;
+    }
+    [[nodiscard]] bool out_done() const { return out_i == out.size(); }
+    [[nodiscard]] bool in_done() const { return in_i == in.size(); }
+  };
+  struct P2PHeader {
+    std::uint64_t seq;
+    std::uint64_t count;
+    std::int32_t tag;
+    DType dtype;
+    std::uint8_t pad[3];
+  };
+
+  /// Shuts every connection down, so that peers blocked on this rank fail at once.
+  void poison() {
+    for (auto& fd : peers_) {
+      if (fd) ::shutdown(fd.get(), SHUT_RDWR);
+    }
+  }
+
+  void check_abort(const Fingerprint* fp) const {
+    if (const int code = local_abort_code_.load(); code != 0) {
+      fail(static_cast<Errc>(code), "rank ", rank_, ": ", fp ? to_string(fp->coll) : "operation",
+           ": the communicator was aborted on this rank; create a new communicator to continue");
+    }
+  }
+
+  /// The connection to `peer` failed. Before blaming the peer, read what it may still have sent:
+  /// a fingerprint that shows it called another collective makes this a mismatch. The other
+  /// connections stay open: every survivor sees the dead peer itself (full mesh), and closing
+  /// them would make the survivors blame this rank instead.
+  [[noreturn]] void lost(int peer, const Fingerprint* fp, const char* what) {
+    check_abort(fp);  // our own abort() shut the sockets down: report that, not a lost peer
+    auto& x = xfers_[static_cast<std::size_t>(peer)];
+    if (fp != nullptr && x.header_in && x.in_i == 0) {
+      Seg& h = x.in[0];
+      for (;;) {
+        const ssize_t n = ::recv(peers_[static_cast<std::size_t>(peer)].get(), h.p + x.in_off,
+                                 h.n - x.in_off, MSG_DONTWAIT);
+        if (n > 0) {
+          x.in_off += static_cast<std::size_t>(n);
+          if (x.in_off == h.n)
+            check_header(peer, *fp);  // throws on a mismatch
+          else
+            continue;
+        } else if (n < 0 && errno == EINTR) {
+          continue;
+        }
+        break;
+      }
+    }
+    fail(Errc::peer_lost, "rank ", rank_, ": ",
+         fp ? to_string(*fp) : std::string(what ? what : "operation"), ": the connection to rank ",
+         peer,
+         " closed (that process died or failed) (tcp transport); the job cannot continue with this "
+         "communicator");
+  }
+
+  void progress(const Fingerprint* fp, const char* what) {
+    const auto deadline = Deadline::after(timeout_);
+    std::vector<pollfd> fds;
+    std::vector<int> who;
+    for (;;) {
+      fds.clear();
+      who.clear();
+      for (int j = 0; j < size_; ++j) {
+        const auto& x = xfers_[static_cast<std::size_t>(j)];
+        short ev = 0;
+        if (!x.out_done()) ev = static_cast<short>(ev | POLLOUT);
+        if (!x.in_done()) ev = static_cast<short>(ev | POLLIN);
+        if (ev != 0) {
+          fds.push_back({peers_[static_cast<std::size_t>(j)].get(), ev, 0});
+          who.push_back(j);
+        }
+      }
+      if (fds.empty()) return;
+      check_abort(fp);
+      const int rc = ::poll(fds.data(), fds.size(), deadline.poll_ms(50));
+      if (rc < 0 && errno != EINTR) fail_errno(errno, "poll");
+      if (rc <= 0) {
+        if (deadline.expired()) {
+          std::string list;
+          for (int j : who) list += concat(list.empty() ? "" : ", ", j);
+          // No poison(): the other ranks time out on their own, with their own message.
+          fail(Errc::timeout, "rank ", rank_, ": ",
+               fp ? to_string(*fp) : std::string(what ? what : "operation"), ": timed out after ",
+               timeout_.count(), " ms waiting for ", who.size() == 1 ? "rank " : "ranks ", list,
+               " (tcp transport); that rank is stopped, slow, or did not call this collective");
+        }
+        continue;
+      }
+      for (std::size_t i = 0; i < fds.size(); ++i) {
+        const int j = who[i];
+        auto& x = xfers_[static_cast<std::size_t>(j)];
+        const int fd = fds[i].fd;
+        if ((fds[i].revents & POLLOUT) != 0 ||
+            ((fds[i].revents & (POLLERR | POLLHUP)) != 0 && !x.out_done())) {
+          while (!x.out_done()) {
+            Seg& s = x.out[x.out_i];
+            if (s.n == 0) {
+              ++x.out_i;
+              continue;
+            }
+            const ssize_t n =
+                ::send(fd, s.p + x.out_off, s.n - x.out_off, MSG_NOSIGNAL | MSG_DONTWAIT);
+            if (n > 0) {
+              x.out_off += static_cast<std::size_t>(n);
+              if (x.out_off == s.n) {
+                ++x.out_i;
+                x.out_off = 0;
+              }
+            } else if (n < 0 && errno == EINTR) {
+              continue;
+            } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+              break;
+            } else {
+              lost(j, fp, what);
+            }
+          }
+        }
+        if ((fds[i].revents & (POLLIN | POLLERR | POLLHUP)) != 0) {
+          while (!x.in_done()) {
+            Seg& s = x.in[x.in_i];
+            if (s.n == 0) {
+              ++x.in_i;
+              continue;
+            }
+            const ssize_t n = ::recv(fd, s.p + x.in_off, s.n - x.in_off, MSG_DONTWAIT);
+            if (n > 0) {
+              x.in_off += static_cast<std::size_t>(n);
+              if (x.in_off == s.n) {
+                if (x.in_i == 0 && x.header_in) check_header(j, *fp);
+                ++x.in_i;
+                x.in_off = 0;
+              }
+            } else if (n < 0 && errno == EINTR) {
+              continue;
+            } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+              break;
+            } else {
+              lost(j, fp, what);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  void check_header(int peer, const Fingerprint& mine) {
+    const Fingerprint& theirs = headers_in_[static_cast<std::size_t>(peer)];
+    if (!(theirs == mine)) {
+      const std::string msg = mismatch_message(mine, peer, theirs);
+      flush_headers();
+      fail(Errc::mismatch, msg);
+    }
+  }
+
+  /// Finishes sending this round's fingerprint to every peer (best effort, briefly), so that each
+  /// of them sees the mismatch too instead of waiting for a header that never comes. The
+  /// connections stay open: closing them would turn the peers' mismatch into peer_lost.
+  void flush_headers() {
+    const auto deadline = Deadline::after(std::chrono::milliseconds(500));
+    for (int j = 0; j < size_; ++j) {
+      auto& x = xfers_[static_cast<std::size_t>(j)];
+      if (j == rank_ || x.out.empty() || x.out_i > 0) continue;  // header already sent (or none)
+      const Seg& h = x.out[0];
+      (void)send_all(peers_[static_cast<std::size_t>(j)].get(), h.p + x.out_off, h.n - x.out_off,
+                     deadline);
+      ++x.out_i;
+      x.out_off = 0;
+    }
+  }
+
+  std::size_t segment_;
+  std::vector<Fd> peers_;
+  std::vector<const std::byte*> ptrs_;
+  std::vector<Xfer> xfers_;
+  std::vector<Fingerprint> headers_in_;
+  std::vector<std::byte> scratch_;
+  P2PHeader p2p_header_{};
+  std::atomic<int> local_abort_code_{0};
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/backend/host/tcp.hpp
+// #include "ddp/backend/host/transport.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/bytes.hpp" (already included above)
+// #include "ddp/detail/collective.hpp" (already included above)
+// #include "ddp/detail/crypto.hpp" (already included above)
+// begin ddp/detail/reduce.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Reduction kernels. Every element is reduced over the ranks' contributions in rank order
+/// 0, 1, ..., P-1, whichever rank computes it and whatever the message size, so the result is
+/// bitwise the same on every rank and in every run. half and bfloat16 accumulate in float and
+/// are rounded once; integer sums and products wrap (two's complement) instead of overflowing
+/// into undefined behaviour; avg divides the sum by P.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+template <class T>
+struct Accum {
+  using type = T;
+};
+template <>
+struct Accum<half> {
+  using type = float;
+};
+template <>
+struct Accum<bfloat16> {
+  using type = float;
+};
+
+template <class T>
+inline T load_elem(const std::byte* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+template <ReduceOp Op, class A>
+inline A combine(A a, A b) {
+  if constexpr (Op == ReduceOp::sum || Op == ReduceOp::avg) {
+    if constexpr (std::is_integral_v<A>) {
+      using U = std::make_unsigned_t<A>;
+      return static_cast<A>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
+    } else {
+      return a + b;
+    }
+  } else if constexpr (Op == ReduceOp::prod) {
+    if constexpr (std::is_integral_v<A>) {
+      using U = std::make_unsigned_t<A>;
+      using W =
+          std::conditional_t<(sizeof(U) < sizeof(unsigned)), unsigned, U>;  // no int promotion
+      return static_cast<A>(
+          static_cast<U>(static_cast<W>(static_cast<U>(a)) * static_cast<W>(static_cast<U>(b))));
+    } else {
+      return a * b;
+    }
+  } else if constexpr (Op == ReduceOp::min) {
+    return b < a ? b : a;
+  } else {
+    return a < b ? b : a;
+  }
+}
+
+/// dst[i] = src[0][i] op src[1][i] op ... op src[n-1][i] for i in [0, count). dst may alias any
+/// source exactly (in place), but must not partially overlap one.
+template <class T, ReduceOp Op>
+void reduce_kernel(std::byte* dst, const std::byte* const* src, int n, std::size_t count) {
+  using A = typename Accum<T>::type;
+  constexpr std::size_t block = 1024;
+  A acc[block];
+  for (std::size_t base = 0; base < count; base += block) {
+    const std::size_t m = std::min(block, count - base);
+    {
+      const auto* s = reinterpret_cast<const T*>(src[0]) + base;
+      for (std::size_t i = 0; i < m; ++i) acc[i] = static_cast<A>(s[i]);
+    }
+    for (int k = 1; k < n; ++k) {
+      const auto* s = reinterpret_cast<const T*>(src[k]) + base;
+      for (std::size_t i = 0; i < m; ++i) acc[i] = combine<Op, A>(acc[i], static_cast<A>(s[i]));
+    }
+    auto* d = reinterpret_cast<T*>(dst) + base;
+    if constexpr (Op == ReduceOp::avg) {
+      const A ranks = static_cast<A>(n);
+      for (std::size_t i = 0; i < m; ++i) d[i] = static_cast<T>(acc[i] / ranks);
+    } else {
+      for (std::size_t i = 0; i < m; ++i) d[i] = static_cast<T>(acc[i]);
+    }
+  }
+}
+
+using ReduceFn = void (*)(std::byte*, const std::byte* const*, int, std::size_t);
+
+template <class T>
+constexpr ReduceFn reduce_fn_for(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return &reduce_kernel<T, ReduceOp::sum>;
+    case ReduceOp::prod: return &reduce_kernel<T, ReduceOp::prod>;
+    case ReduceOp::max: return &reduce_kernel<T, ReduceOp::max>;
+    case ReduceOp::min: return &reduce_kernel<T, ReduceOp::min>;
+    case ReduceOp::avg:
+      if constexpr (std::is_floating_point_v<T> || std::is_same_v<T, half> ||
+                    std::is_same_v<T, bfloat16>) {
+        return &reduce_kernel<T, ReduceOp::avg>;
+      } else {
+        return nullptr;
+      }
+  }
+  return nullptr;
+}
+
+/// The kernel for (dtype, op), or nullptr when the pair is not supported.
+[[nodiscard]] inline ReduceFn reduce_fn(DType t, ReduceOp op) {
+  switch (t) {
+    case DType::int8: return reduce_fn_for<std::int8_t>(op);
+    case DType::uint8: return reduce_fn_for<std::uint8_t>(op);
+    case DType::int32: return reduce_fn_for<std::int32_t>(op);
+    case DType::uint32: return reduce_fn_for<std::uint32_t>(op);
+    case DType::int64: return reduce_fn_for<std::int64_t>(op);
+    case DType::uint64: return reduce_fn_for<std::uint64_t>(op);
+    case DType::float16: return reduce_fn_for<half>(op);
+    case DType::float32: return reduce_fn_for<float>(op);
+    case DType::float64: return reduce_fn_for<double>(op);
+    case DType::bfloat16: return reduce_fn_for<bfloat16>(op);
+  }
+  return nullptr;
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/reduce.hpp
+// #include "ddp/detail/socket.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// begin ddp/options.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ddp::Options: how a communicator is made (timeouts, the rendezvous secret, transports).
+
+// #include "ddp/config.hpp" (already included above)
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+
+DDP_BEGIN_NAMESPACE
+
+/// How backend::Host moves bytes.
+enum class HostTransport : std::uint8_t {
+  automatic,  ///< shared memory when every rank is on this host, TCP otherwise
+  shm,        ///< shared memory (every rank must be on this host)
+  tcp,        ///< TCP, even on one host (what multi-host runs use)
+};
+
+namespace detail {
+[[nodiscard]] inline std::string env_or(const char* name, std::string_view fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? std::string(v) : std::string(fallback);
+}
+[[nodiscard]] inline std::string env_or_empty(const char* name) { return env_or(name, ""); }
+}  // namespace detail
+
+struct Options {
+  /// The longest any single wait may take (a collective, the rendezvous, a store call) before
+  /// Errc::timeout. A peer that dies is reported sooner (Errc::peer_lost).
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  /// Rendezvous secret: every rank must present it to the store. Default: $DDP_TOKEN.
+  std::string token = detail::env_or("DDP_TOKEN", "");
+  /// CUDA device for CUDA backends; -1: the local rank.
+  int device = -1;
+  /// Name of this communicator in the store; communicators made from the same store (a new one
+  /// after a failure, say) need different names.
+  std::string group = "default";
+  /// backend::Host transport. $DDP_HOST_TRANSPORT (shm or tcp) overrides `automatic`.
+  HostTransport transport = HostTransport::automatic;
+  /// backend::Host: bytes one rank moves per round (the shared-memory slot size, the TCP
+  /// segment). 0: $DDP_SEGMENT_BYTES, else the transport's default (shm 512 KiB, tcp 4 MiB).
+  std::size_t segment_bytes = 0;
+  /// The rendezvous store runs elsewhere: rank 0 does not start one. Launchers that host the
+  /// store (ddprun, ddp::spawn) say so with DDP_STORE_HOSTED=1, which init() also honours.
+  bool external_store = false;
+};
+
+DDP_END_NAMESPACE
+// end ddp/options.hpp
+// begin ddp/store.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The rendezvous store: a TCP key-value server (run by rank 0 or by the launcher) and its
+/// clients, like c10d's TCPStore but safe to expose:
+///  * it binds the address it is given, never every interface unless asked ("0.0.0.0" / "::");
+///  * with a token (DDP_TOKEN) a client must prove it knows it: HMAC-SHA-256 over a fresh nonce
+///    from each side, compared in constant time, so a recorded handshake cannot be replayed and
+///    the token never crosses the wire; the server proves it too;
+///  * frames are length-prefixed and capped; a client that has not authenticated may only send a
+///    handshake-sized frame; buffers grow with the bytes that actually arrive, never with a
+///    length someone claims;
+///  * every call has a timeout, and waits are enforced by the server, so a client is never left
+///    reading a late reply.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/bytes.hpp" (already included above)
+// #include "ddp/detail/crypto.hpp" (already included above)
+// #include "ddp/detail/socket.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 
 #include <poll.h>
@@ -1835,13 +3126,17 @@ class StoreServer {
   /// Listens on host:port (port 0 picks a free one, see port()). Throws Errc::address_in_use
   /// when the port is taken.
   StoreServer(const std::string& host, int port, StoreOptions options = {})
-      : options_(std::move(options)), host_(host) {
+      : StoreServer(detail::listen_tcp(host, port), host, std::move(options)) {}
+
+  /// Serves on a socket that is already listening (a launcher binds it before it forks, so the
+  /// port is known and no thread exists at fork time).
+  StoreServer(detail::Fd listener, const std::string& host, StoreOptions options = {})
+      : options_(std::move(options)), host_(host), listener_(std::move(listener)) {
     if (!options_.log) {
       options_.log = [](std::string_view m) {
         std::fprintf(stderr, "[ddp store] %.*s\n", static_cast<int>(m.size()), m.data());
       };
     }
-    listener_ = detail::listen_tcp(host, port);
     port_ = detail::local_port(listener_.get());
     detail::set_nonblocking(listener_.get(), true);
     int pipe_fds[2];
@@ -2615,6 +3910,2036 @@ class Store {
 
 DDP_END_NAMESPACE
 // end ddp/store.hpp
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+namespace detail {
+
+/// What every backend is created from.
+struct BackendInit {
+  int rank = 0;
+  int size = 1;
+  /// The communicator's namespace in the rendezvous store (absent for a world of one).
+  std::shared_ptr<Store> store;
+  Options options;
+};
+
+/// Identifies "the same host" for shared memory: same machine (boot id), same /dev/shm (mount
+/// namespace), same pids (pid namespace) and same network namespace.
+[[nodiscard]] inline std::string host_identity() {
+  char name[256] = {};
+  (void)::gethostname(name, sizeof name - 1);
+  std::string id = name;
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::string boot_id;
+  std::getline(boot, boot_id);
+  id += "|" + boot_id;
+  for (const char* ns : {"/proc/self/ns/mnt", "/proc/self/ns/pid", "/proc/self/ns/net"}) {
+    char link[128] = {};
+    const ssize_t n = ::readlink(ns, link, sizeof link - 1);
+    id += "|" + std::string(link, n > 0 ? static_cast<std::size_t>(n) : 0);
+  }
+  return id;
+}
+
+/// Element range [lo, hi) of part j when m elements are split into `parts` cache-line-aligned
+/// parts (the last takes the remainder; parts may be empty).
+[[nodiscard]] inline std::pair<std::size_t, std::size_t> split_range(std::size_t m, int parts,
+                                                                     int j, std::size_t elem) {
+  const std::size_t align = std::max<std::size_t>(1, 64 / elem);
+  const auto bound = [&](int k) -> std::size_t {
+    if (k >= parts) return m;
+    const std::size_t b = m * static_cast<std::size_t>(k) / static_cast<std::size_t>(parts);
+    return b / align * align;
+  };
+  return {bound(j), bound(j + 1)};
+}
+
+}  // namespace detail
+
+namespace backend {
+
+class Host {
+ public:
+  static constexpr std::string_view name = "host";
+
+  /// Rendezvous through init.store, choose a transport and connect (see the file comment).
+  [[nodiscard]] static std::unique_ptr<Host> create(const detail::BackendInit& init) {
+    auto host = std::unique_ptr<Host>(new Host(init.rank, init.size));
+    host->connect(init);
+    return host;
+  }
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+  [[nodiscard]] int local_rank() const noexcept { return local_rank_; }
+  [[nodiscard]] int local_size() const noexcept { return local_size_; }
+  /// The lowest rank on this host (names the host in split()).
+  [[nodiscard]] int local_leader() const noexcept { return local_leader_; }
+  /// "shm", "tcp" or "self".
+  [[nodiscard]] std::string_view transport() const noexcept { return t_->name(); }
+  /// Whether this backend can use memory on `device` (the Host backend: host memory).
+  [[nodiscard]] static bool supports(const Device& device) noexcept { return device.is_cpu(); }
+
+  void all_reduce(const detail::Buf& b, ReduceOp op) {
+    const auto fp = next(detail::Coll::all_reduce, b.dtype, b.count, -1, op, true);
+    const auto fn = detail::reduce_fn(b.dtype, op);
+    const std::size_t es = b.elem();
+    const int p = size_;
+    if (b.bytes() <= t_->small_bytes()) {
+      const detail::Piece pc{b.data, b.bytes()};
+      auto ptrs = t_->round(
+          {&pc, 1},
+          [&](int, int) {
+            return detail::Range{0, b.bytes()};
+          },
+          &fp);
+      fn(b.data, ptrs.data(), p, b.count);
+      return;
+    }
+    const std::size_t seg =
+        std::max<std::size_t>(static_cast<std::size_t>(p), t_->max_offer() / es);
+    bool first = true;
+    for (std::size_t s0 = 0; s0 < b.count;) {
+      const std::size_t m = std::min(seg, b.count - s0);
+      std::byte* base = b.at(s0);
+      const auto chunk = [&](int j) {
+        const auto [lo, hi] = detail::split_range(m, p, j, es);
+        return detail::Range{lo * es, (hi - lo) * es};
+      };
+      const detail::Piece pc{base, m * es};
+      auto ptrs = t_->round(
+          {&pc, 1}, [&](int, int dst) { return chunk(dst); }, first ? &fp : nullptr);
+      first = false;
+      const detail::Range mine = chunk(rank_);
+      fn(base + mine.off, ptrs.data(), p, mine.len / es);
+      const detail::Piece result{base + mine.off, mine.len};
+      auto got = t_->round(
+          {&result, 1},
+          [&](int src, int) {
+            return detail::Range{0, chunk(src).len};
+          },
+          nullptr);
+      for (int j = 0; j < p; ++j) {
+        const detail::Range r = chunk(j);
+        if (j != rank_ && r.len != 0)
+          std::memcpy(base + r.off, got[static_cast<std::size_t>(j)], r.len);
+      }
+      s0 += m;
+    }
+  }
+
+  void broadcast(const detail::Buf& b, int root) {
+    const auto fp = next(detail::Coll::broadcast, b.dtype, b.count, root, ReduceOp::sum, false);
+    const std::size_t es = b.elem();
+    const std::size_t seg = std::max<std::size_t>(1, t_->max_offer() / es);
+    segments(b.count, seg, [&](std::size_t s0, std::size_t m, bool first) {
+      const detail::Piece pc{b.at(s0), rank_ == root ? m * es : 0};
+      auto ptrs = t_->round(
+          {&pc, 1},
+          [&](int src, int dst) {
+            return src == root && dst != root ? detail::Range{0, m * es} : detail::Range{};
+          },
+          first ? &fp : nullptr);
+      if (rank_ != root && m != 0)
+        std::memcpy(b.at(s0), ptrs[static_cast<std::size_t>(root)], m * es);
+    });
+  }
+
+  void reduce(const detail::Buf& b, int root, ReduceOp op) {
+    const auto fp = next(detail::Coll::reduce, b.dtype, b.count, root, op, true);
+    const auto fn = detail::reduce_fn(b.dtype, op);
+    const std::size_t es = b.elem();
+    const int p = size_;
+    if (b.bytes() <= t_->small_bytes()) {
+      const detail::Piece pc{b.data, b.bytes()};
+      auto ptrs = t_->round(
+          {&pc, 1},
+          [&](int, int dst) {
+            return dst == root ? detail::Range{0, b.bytes()} : detail::Range{};
+          },
+          &fp);
+      if (rank_ == root) fn(b.data, ptrs.data(), p, b.count);
+      return;
+    }
+    const std::size_t seg =
+        std::max<std::size_t>(static_cast<std::size_t>(p), t_->max_offer() / es);
+    bool first = true;
+    for (std::size_t s0 = 0; s0 < b.count;) {
+      const std::size_t m = std::min(seg, b.count - s0);
+      std::byte* base = b.at(s0);
+      const auto chunk = [&](int j) {
+        const auto [lo, hi] = detail::split_range(m, p, j, es);
+        return detail::Range{lo * es, (hi - lo) * es};
+      };
+      const detail::Piece pc{base, m * es};
+      auto ptrs = t_->round(
+          {&pc, 1}, [&](int, int dst) { return chunk(dst); }, first ? &fp : nullptr);
+      first = false;
+      const detail::Range mine = chunk(rank_);
+      // The root reduces in place; the others must leave their buffers untouched.
+      std::byte* out = base + mine.off;
+      if (rank_ != root) {
+        if (scratch_.size() < mine.len) scratch_.resize(mine.len);
+        out = scratch_.data();
+      }
+      fn(out, ptrs.data(), p, mine.len / es);
+      const detail::Piece result{out, mine.len};
+      auto got = t_->round(
+          {&result, 1},
+          [&](int src, int dst) {
+            return dst == root ? detail::Range{0, chunk(src).len} : detail::Range{};
+          },
+          nullptr);
+      if (rank_ == root) {
+        for (int j = 0; j < p; ++j) {
+          const detail::Range r = chunk(j);
+          if (j != rank_ && r.len != 0)
+            std::memcpy(base + r.off, got[static_cast<std::size_t>(j)], r.len);
+        }
+      }
+      s0 += m;
+    }
+  }
+
+  void all_gather(const detail::Buf& in, const detail::Buf& out) {
+    gather_impl(detail::Coll::all_gather, in, out, -1);
+  }
+  void gather(const detail::Buf& in, const detail::Buf& out, int root) {
+    gather_impl(detail::Coll::gather, in, out, root);
+  }
+
+  void scatter(const detail::Buf& in, const detail::Buf& out, int root) {
+    const auto fp = next(detail::Coll::scatter, out.dtype, out.count, root, ReduceOp::sum, false);
+    const std::size_t es = out.elem(), n = out.count;
+    const std::size_t seg =
+        std::max<std::size_t>(1, t_->max_offer() / (es * static_cast<std::size_t>(size_)));
+    segments(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
+      pieces_.clear();
+      if (rank_ == root) {
+        for (int j = 0; j < size_; ++j)
+          pieces_.push_back({in.at(static_cast<std::size_t>(j) * n + s0), m * es});
+      }
+      auto ptrs = t_->round(
+          pieces_,
+          [&](int src, int dst) {
+            return src == root ? detail::Range{static_cast<std::size_t>(dst) * m * es, m * es}
+                               : detail::Range{};
+          },
+          first ? &fp : nullptr);
+      copy_if_distinct(out.at(s0), ptrs[static_cast<std::size_t>(root)], m * es);
+    });
+  }
+
+  void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
+    const auto fp = next(detail::Coll::reduce_scatter, out.dtype, out.count, -1, op, true);
+    const auto fn = detail::reduce_fn(out.dtype, op);
+    const std::size_t es = out.elem(), n = out.count;
+    const std::size_t seg =
+        std::max<std::size_t>(1, t_->max_offer() / (es * static_cast<std::size_t>(size_)));
+    segments(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
+      blocks(in, n, s0, m);
+      auto ptrs = t_->round(
+          pieces_,
+          [&](int, int dst) {
+            return detail::Range{static_cast<std::size_t>(dst) * m * es, m * es};
+          },
+          first ? &fp : nullptr);
+      fn(out.at(s0), ptrs.data(), size_, m);
+    });
+  }
+
+  void all_to_all(const detail::Buf& in, const detail::Buf& out) {
+    const std::size_t n = in.count / static_cast<std::size_t>(size_);
+    const auto fp = next(detail::Coll::all_to_all, in.dtype, n, -1, ReduceOp::sum, false);
+    const std::size_t es = in.elem();
+    const std::size_t seg =
+        std::max<std::size_t>(1, t_->max_offer() / (es * static_cast<std::size_t>(size_)));
+    segments(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
+      blocks(in, n, s0, m);
+      auto ptrs = t_->round(
+          pieces_,
+          [&](int, int dst) {
+            return detail::Range{static_cast<std::size_t>(dst) * m * es, m * es};
+          },
+          first ? &fp : nullptr);
+      for (int j = 0; j < size_; ++j) {
+        copy_if_distinct(out.at(static_cast<std::size_t>(j) * n + s0),
+                         ptrs[static_cast<std::size_t>(j)], m * es);
+      }
+    });
+  }
+
+  void barrier() {
+    const auto fp = next(detail::Coll::barrier, DType::uint8, 0, -1, ReduceOp::sum, false);
+    (void)t_->round(
+        {}, [](int, int) { return detail::Range{}; }, &fp);
+  }
+
+  void send(const detail::Buf& b, int peer, int tag) {
+    t_->send(b, peer, tag, send_seq_[static_cast<std::size_t>(peer)]++);
+  }
+  void recv(const detail::Buf& b, int peer, int tag) {
+    t_->recv(b, peer, tag, recv_seq_[static_cast<std::size_t>(peer)]++);
+  }
+
+  /// Fails every current and later operation of this communicator with `code`; peers on shared
+  /// memory fail too, TCP peers see the connections close. Thread-safe.
+  void abort(Errc code, const std::string& why) { t_->abort(code, why); }
+
+ private:
+  Host(int rank, int size)
+      : rank_(rank),
+        size_(size),
+        send_seq_(static_cast<std::size_t>(size)),
+        recv_seq_(static_cast<std::size_t>(size)) {}
+
+  detail::Fingerprint next(detail::Coll c, DType t, std::size_t count, int root, ReduceOp op,
+                           bool has_op) {
+    detail::Fingerprint f;
+    f.seq = seq_++;
+    f.count = count;
+    f.root = root;
+    f.coll = c;
+    f.dtype = t;
+    f.op = op;
+    f.has_op = has_op ? 1 : 0;
+    return f;
+  }
+
+  /// Calls f(start, count, first) for each segment of at most `seg` elements; at least once, so
+  /// that an empty collective still synchronizes and checks fingerprints.
+  template <class F>
+  static void segments(std::size_t n, std::size_t seg, F&& f) {
+    std::size_t s0 = 0;
+    bool first = true;
+    do {
+      const std::size_t m = std::min(seg, n - s0);
+      f(s0, m, first);
+      first = false;
+      s0 += m;
+    } while (s0 < n);
+  }
+
+  void blocks(const detail::Buf& in, std::size_t n, std::size_t s0, std::size_t m) {
+    pieces_.clear();
+    for (int j = 0; j < size_; ++j)
+      pieces_.push_back({in.at(static_cast<std::size_t>(j) * n + s0), m * in.elem()});
+  }
+
+  static void copy_if_distinct(std::byte* dst, const std::byte* src, std::size_t n) {
+    if (n != 0 && dst != src) std::memcpy(dst, src, n);
+  }
+
+  void gather_impl(detail::Coll c, const detail::Buf& in, const detail::Buf& out, int root) {
+    const auto fp = next(c, in.dtype, in.count, root, ReduceOp::sum, false);
+    const std::size_t es = in.elem(), n = in.count;
+    const std::size_t seg = std::max<std::size_t>(1, t_->max_offer() / es);
+    segments(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
+      const detail::Piece pc{in.at(s0), m * es};
+      auto ptrs = t_->round(
+          {&pc, 1},
+          [&](int, int dst) {
+            return root < 0 || dst == root ? detail::Range{0, m * es} : detail::Range{};
+          },
+          first ? &fp : nullptr);
+      if (root >= 0 && rank_ != root) return;
+      for (int j = 0; j < size_; ++j) {
+        copy_if_distinct(out.at(static_cast<std::size_t>(j) * n + s0),
+                         ptrs[static_cast<std::size_t>(j)], m * es);
+      }
+    });
+  }
+
+  void connect(const detail::BackendInit& init) {
+    const Options& o = init.options;
+    if (size_ == 1) {
+      t_ = std::make_unique<detail::SelfTransport>(o.timeout);
+      local_size_ = 1;
+      return;
+    }
+    Store& store = *init.store;
+    const auto deadline = detail::Deadline::after(o.timeout);
+
+    // 1. Everyone publishes who and where it is, on the interface that reaches the store.
+    detail::Fd listener = detail::listen_tcp(store.local_address(), 0);
+    const std::string identity = detail::host_identity();
+    {
+      std::string rec;
+      detail::ByteWriter w(rec);
+      w.str(identity);
+      w.put(static_cast<std::uint32_t>(::getpid()));
+      w.str(store.local_address());
+      w.put(static_cast<std::uint32_t>(detail::local_port(listener.get())));
+      store.set(detail::concat("peer/", rank_), rec);
+    }
+    std::vector<std::string> keys;
+    for (int j = 0; j < size_; ++j) keys.push_back(detail::concat("peer/", j));
+    if (auto missing = store.missing_after(keys, o.timeout); !missing.empty()) {
+      std::string who;
+      for (const auto& k : missing) who += detail::concat(who.empty() ? "" : ", ", k.substr(5));
+      detail::fail(Errc::timeout, "rank ", rank_, ": rendezvous timed out after ",
+                   o.timeout.count(), " ms: ", size_ - static_cast<int>(missing.size()), "/", size_,
+                   " ranks joined; missing rank", missing.size() == 1 ? " " : "s ", who,
+                   ". Check that every rank was started with the same MASTER_ADDR, MASTER_PORT and "
+                   "WORLD_SIZE");
+    }
+    std::vector<std::string> identities;
+    std::vector<int> pids;
+    std::vector<std::pair<std::string, int>> addrs;
+    for (int j = 0; j < size_; ++j) {
+      const std::string rec = store.get(keys[static_cast<std::size_t>(j)]);
+      detail::ByteReader r(rec, "peer record");
+      identities.push_back(r.str(4096));
+      pids.push_back(static_cast<int>(r.get<std::uint32_t>()));
+      auto addr = r.str(256);
+      addrs.emplace_back(std::move(addr), static_cast<int>(r.get<std::uint32_t>()));
+    }
+    local_leader_ = rank_;
+    for (int j = 0; j < size_; ++j) {
+      if (identities[static_cast<std::size_t>(j)] != identity) continue;
+      if (j < rank_) ++local_rank_;
+      local_leader_ = std::min(local_leader_, j);
+      ++local_size_;
+    }
+    const bool one_host = local_size_ == size_;
+
+    // 2. Pick the transport: every rank computes the same answer from the same records.
+    HostTransport choice = o.transport;
+    if (choice == HostTransport::automatic) {
+      const std::string forced = detail::env_or("DDP_HOST_TRANSPORT", "");
+      if (forced == "tcp")
+        choice = HostTransport::tcp;
+      else if (forced == "shm")
+        choice = HostTransport::shm;
+      else if (!forced.empty() && forced != "auto") {
+        detail::fail(Errc::invalid_argument, "DDP_HOST_TRANSPORT=\"", forced,
+                     "\": use shm, tcp or auto");
+      }
+    }
+    if (choice == HostTransport::automatic)
+      choice = one_host ? HostTransport::shm : HostTransport::tcp;
+    if (choice == HostTransport::shm && !one_host) {
+      detail::fail(Errc::invalid_argument, "rank ", rank_,
+                   ": the shm transport was requested but the ranks are on more than one host");
+    }
+
+    if (choice == HostTransport::shm) {
+      connect_shm(store, o, pids);
+    } else {
+      detail::TcpTransport::SessionKey key{};
+      if (rank_ == 0) {
+        detail::random_bytes(key.data(), key.size());
+        store.set("session", std::string(reinterpret_cast<const char*>(key.data()), key.size()));
+      } else {
+        const std::string k = store.get("session");
+        if (k.size() != key.size()) detail::fail(Errc::protocol, "bad session key in the store");
+        std::memcpy(key.data(), k.data(), key.size());
+      }
+      auto peers = detail::TcpTransport::connect_mesh(rank_, size_, listener, addrs, key, deadline);
+      t_ = std::make_unique<detail::TcpTransport>(rank_, size_, o.timeout, std::move(peers),
+                                                  segment_bytes(o, std::size_t{4} << 20));
+    }
+  }
+
+  /// Options::segment_bytes, else $DDP_SEGMENT_BYTES, else the transport's default.
+  static std::size_t segment_bytes(const Options& o, std::size_t fallback) {
+    if (o.segment_bytes != 0) return o.segment_bytes;
+    const std::string v = detail::env_or("DDP_SEGMENT_BYTES", "");
+    if (v.empty()) return fallback;
+    char* end = nullptr;
+    const auto n = std::strtoull(v.c_str(), &end, 10);
+    if (end == v.c_str() || *end != '\0' || n < 4096) {
+      detail::fail(Errc::invalid_argument, "DDP_SEGMENT_BYTES=\"", v,
+                   "\" must be a number of bytes >= 4096");
+    }
+    return static_cast<std::size_t>(n);
+  }
+
+  void connect_shm(Store& store, const Options& o, const std::vector<int>& pids) {
+    detail::ShmLayout layout;
+    layout.world = size_;
+    auto segment = std::make_unique<detail::ShmSegment>();
+    std::uint64_t cookie = 0;
+    if (rank_ == 0) {
+      const std::size_t slot = segment_bytes(o, std::size_t{512} << 10);
+      layout.slot_bytes = std::clamp<std::size_t>(detail::ShmLayout::align_up(slot, 4096), 4096,
+                                                  std::size_t{1} << 30);
+      layout.channel_bytes = std::size_t{256} << 10;
+      cookie = detail::random_value<std::uint64_t>();
+      const std::string segment_name = detail::concat("/ddp-", ::getuid(), "-", ::getpid(), "-",
+                                                      detail::random_value<std::uint32_t>());
+      segment->create(segment_name, layout.total());
+      detail::ShmTransport::format(segment->base(), layout, cookie);
+      std::string rec;
+      detail::ByteWriter w(rec);
+      w.str(segment_name);
+      w.put(cookie);
+      w.put(static_cast<std::uint64_t>(layout.slot_bytes));
+      w.put(static_cast<std::uint64_t>(layout.channel_bytes));
+      store.set("shm", rec);
+      // Unlink as soon as everyone has mapped it: from then on a crash leaves nothing behind.
+      std::vector<std::string> mapped;
+      for (int j = 1; j < size_; ++j) mapped.push_back(detail::concat("mapped/", j));
+      const auto missing = store.missing_after(mapped, o.timeout);
+      segment->unlink();
+      if (!missing.empty()) {
+        detail::fail(Errc::timeout, "rank 0: ", missing.size(),
+                     " rank(s) did not map the shared memory segment in time");
+      }
+    } else {
+      const std::string rec = store.get("shm");
+      detail::ByteReader r(rec, "shm record");
+      const std::string segment_name = r.str(255);
+      cookie = r.get<std::uint64_t>();
+      layout.slot_bytes = static_cast<std::size_t>(r.get<std::uint64_t>());
+      layout.channel_bytes = static_cast<std::size_t>(r.get<std::uint64_t>());
+      segment->open(segment_name, layout.total());
+      detail::ShmTransport::verify(segment->base(), layout, cookie);
+      store.set(detail::concat("mapped/", rank_), "");
+    }
+    t_ = std::make_unique<detail::ShmTransport>(rank_, size_, o.timeout, layout, std::move(segment),
+                                                pids);
+  }
+
+  int rank_;
+  int size_;
+  int local_rank_ = 0;
+  int local_size_ = 0;
+  int local_leader_ = 0;
+  std::unique_ptr<detail::Transport> t_;
+  std::uint64_t seq_ = 0;
+  std::vector<std::uint64_t> send_seq_, recv_seq_;
+  std::vector<detail::Piece> pieces_;
+  std::vector<std::byte> scratch_;
+};
+
+}  // namespace backend
+DDP_END_NAMESPACE
+// end ddp/backend/host.hpp
+// begin ddp/codec.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The object codec behind gather_object, all_gather_object and broadcast_object: a typed,
+/// length-prefixed binary encoding. Decoding never executes anything from the wire (unlike
+/// pickle), checks a type tag, and refuses truncated input, counts the input could not hold and
+/// nesting deeper than 64 with Errc::invalid_argument, before allocating.
+///
+/// Built in: trivially copyable types, std::string, std::vector, std::pair, std::optional (and
+/// any nesting of those). For your own type, specialize ddp::codec:
+///
+///   template <> struct ddp::codec<Sample> {
+///     static void encode(ddp::Encoder& e, const Sample& s) { e.put(s.id); e.put(s.label); }
+///     static Sample decode(ddp::Decoder& d) {
+///       Sample s;
+///       s.id = d.get<int>();
+///       s.label = d.get<std::string>();
+///       return s;
+///     }
+///   };
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+template <class T>
+struct codec;
+
+class Encoder;
+class Decoder;
+
+/// A type ddp can encode: built in, or with a ddp::codec<T> specialization.
+template <class T>
+concept Encodable = requires(Encoder& e, Decoder& d, const T& v) {
+  codec<T>::encode(e, v);
+  { codec<T>::decode(d) } -> std::same_as<T>;
+};
+
+class Encoder {
+ public:
+  explicit Encoder(std::string& out) : out_(out) {}
+  template <class T>
+  void put(const T& value) {
+    codec<T>::encode(*this, value);
+  }
+  void bytes(const void* data, std::size_t n) { out_.append(static_cast<const char*>(data), n); }
+  void count(std::size_t n) {
+    const auto v = static_cast<std::uint64_t>(n);
+    bytes(&v, sizeof v);
+  }
+
+ private:
+  std::string& out_;
+};
+
+class Decoder {
+ public:
+  static constexpr int max_depth = 64;
+
+  Decoder(const void* data, std::size_t n) : p_(static_cast<const std::byte*>(data)), left_(n) {}
+
+  template <class T>
+  [[nodiscard]] T get() {
+    if (++depth_ > max_depth)
+      detail::fail(Errc::invalid_argument, "object decode: nesting deeper than ", max_depth);
+    T v = codec<T>::decode(*this);
+    --depth_;
+    return v;
+  }
+  void bytes(void* out, std::size_t n) {
+    if (n > left_) {
+      detail::fail(Errc::invalid_argument, "object decode: input truncated (needs ", n,
+                   " more bytes, has ", left_, ")");
+    }
+    if (n != 0) std::memcpy(out, p_, n);
+    p_ += n;
+    left_ -= n;
+  }
+  /// A count of elements that each take at least `min_bytes` of the remaining input.
+  [[nodiscard]] std::size_t count(std::size_t min_bytes) {
+    std::uint64_t n = 0;
+    bytes(&n, sizeof n);
+    if (min_bytes == 0) min_bytes = 1;
+    if (n > left_ / min_bytes) {
+      detail::fail(Errc::invalid_argument, "object decode: a count of ", n, " cannot fit in the ",
+                   left_, " bytes left (malformed or hostile input)");
+    }
+    return static_cast<std::size_t>(n);
+  }
+  [[nodiscard]] std::size_t left() const noexcept { return left_; }
+
+ private:
+  const std::byte* p_;
+  std::size_t left_;
+  int depth_ = 0;
+};
+
+namespace detail {
+/// Fewest bytes one encoded T takes (bounds counts read from the wire).
+template <class T>
+constexpr std::size_t min_encoded_bytes() {
+  if constexpr (std::is_trivially_copyable_v<T>)
+    return sizeof(T);
+  else
+    return 1;
+}
+}  // namespace detail
+
+template <class T>
+  requires std::is_trivially_copyable_v<T>
+struct codec<T> {
+  static void encode(Encoder& e, const T& v) { e.bytes(&v, sizeof v); }
+  static T decode(Decoder& d) {
+    T v;
+    d.bytes(&v, sizeof v);
+    return v;
+  }
+};
+
+template <>
+struct codec<std::string> {
+  static void encode(Encoder& e, const std::string& s) {
+    e.count(s.size());
+    e.bytes(s.data(), s.size());
+  }
+  static std::string decode(Decoder& d) {
+    std::string s(d.count(1), '\0');
+    d.bytes(s.data(), s.size());
+    return s;
+  }
+};
+
+template <class T>
+struct codec<std::vector<T>> {
+  static void encode(Encoder& e, const std::vector<T>& v) {
+    e.count(v.size());
+    if constexpr (std::is_trivially_copyable_v<T> && !std::is_same_v<T, bool>) {
+      e.bytes(v.data(), v.size() * sizeof(T));
+    } else {
+      for (const auto& x : v) e.put<T>(x);
+    }
+  }
+  static std::vector<T> decode(Decoder& d) {
+    const std::size_t n = d.count(detail::min_encoded_bytes<T>());
+    std::vector<T> v;
+    if constexpr (std::is_trivially_copyable_v<T> && !std::is_same_v<T, bool>) {
+      v.resize(n);
+      d.bytes(v.data(), n * sizeof(T));
+    } else {
+      v.reserve(n);
+      for (std::size_t i = 0; i < n; ++i) v.push_back(d.get<T>());
+    }
+    return v;
+  }
+};
+
+template <class A, class B>
+  requires(!std::is_trivially_copyable_v<std::pair<A, B>>)
+struct codec<std::pair<A, B>> {
+  static void encode(Encoder& e, const std::pair<A, B>& p) {
+    e.put<A>(p.first);
+    e.put<B>(p.second);
+  }
+  static std::pair<A, B> decode(Decoder& d) {
+    A a = d.get<A>();
+    B b = d.get<B>();
+    return {std::move(a), std::move(b)};
+  }
+};
+
+template <class T>
+  requires(!std::is_trivially_copyable_v<std::optional<T>>)
+struct codec<std::optional<T>> {
+  static void encode(Encoder& e, const std::optional<T>& o) {
+    e.put<std::uint8_t>(o.has_value() ? 1 : 0);
+    if (o) e.put<T>(*o);
+  }
+  static std::optional<T> decode(Decoder& d) {
+    const auto has = d.get<std::uint8_t>();
+    if (has > 1)
+      detail::fail(Errc::invalid_argument, "object decode: bad optional flag ", int{has});
+    if (has == 0) return std::nullopt;
+    return d.get<T>();
+  }
+};
+
+namespace detail {
+
+/// FNV-1a of the compiler's spelling of T: the same on every rank of one program.
+template <class T>
+std::uint64_t type_tag() {
+  static const std::uint64_t tag = [] {
+    const std::string_view name = __PRETTY_FUNCTION__;
+    std::uint64_t h = 1469598103934665603ull;
+    for (char c : name) {
+      h ^= static_cast<std::uint8_t>(c);
+      h *= 1099511628211ull;
+    }
+    return h;
+  }();
+  return tag;
+}
+
+/// The complete message for one object: type tag, then the encoding.
+template <Encodable T>
+std::string encode_object(const T& value) {
+  std::string out;
+  Encoder e(out);
+  e.put<std::uint64_t>(type_tag<T>());
+  e.put<T>(value);
+  return out;
+}
+
+template <Encodable T>
+T decode_object(const void* data, std::size_t n) {
+  Decoder d(data, n);
+  if (d.get<std::uint64_t>() != type_tag<T>()) {
+    fail(Errc::invalid_argument,
+         "object decode: the bytes encode a different type (type tag mismatch): every rank must "
+         "pass the same type");
+  }
+  T v = d.get<T>();
+  if (d.left() != 0) fail(Errc::invalid_argument, "object decode: ", d.left(), " trailing bytes");
+  return v;
+}
+
+}  // namespace detail
+
+DDP_END_NAMESPACE
+// end ddp/codec.hpp
+// begin ddp/communicator.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ddp::Communicator<Backend>: a process group with every collective of torch.distributed,
+/// typed (any ddp::TensorLike buffer), checked before anything is sent, with an _async twin for
+/// each collective (returning ddp::Work), object collectives and split().
+///
+/// Operations on one communicator run one at a time, in the order they were issued, whichever
+/// thread issued them. A synchronous call with nothing queued runs in the calling thread (no
+/// hand-off); async calls run on the communicator's worker thread. Buffers given to an async
+/// call must stay alive and untouched until its Work completes.
+///
+/// After a collective fails (timeout, a lost peer, a mismatch, abort()), the communicator is
+/// unusable: every later call fails at once with Errc::aborted naming the first failure. Build a
+/// new one (with another Options::group) to continue.
+
+// #include "ddp/backend/host.hpp" (already included above)
+// #include "ddp/codec.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/collective.hpp" (already included above)
+// begin ddp/environment.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ddp::Environment: who am I? Read from the variables a launcher sets — ddprun and torchrun
+/// (RANK, WORLD_SIZE, ...), Slurm (SLURM_PROCID, ...), Open MPI (OMPI_COMM_WORLD_*), MPICH/PMI
+/// (PMI_RANK, ...) — or, with no launcher, rank 0 of a world of 1.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+
+#include <charconv>
+#include <cstdlib>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <system_error>
+
+DDP_BEGIN_NAMESPACE
+
+/// Where a process stands in the job, and where the rendezvous store is.
+struct Environment {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;  ///< 0: not set (only allowed when world_size == 1 or under MPI)
+  /// Which launcher the values came from: "ddprun", "torchrun", "slurm", "openmpi", "pmi", "none".
+  std::string launcher = "none";
+
+  /// Reads the process environment. Never throws when no launcher variable is set; throws
+  /// Errc::invalid_argument naming the variable when one is malformed or inconsistent.
+  [[nodiscard]] static Environment detect();
+
+  /// The same, from any lookup function (returns nullptr for unset names): for tests and for
+  /// programs that keep their configuration elsewhere.
+  [[nodiscard]] static Environment detect(const std::function<const char*(const char*)>& lookup);
+};
+
+namespace detail {
+
+class EnvReader {
+ public:
+  explicit EnvReader(const std::function<const char*(const char*)>& lookup) : lookup_(lookup) {}
+
+  [[nodiscard]] bool has(const char* name) const {
+    const char* v = lookup_(name);
+    return v != nullptr && *v != '\0';
+  }
+  [[nodiscard]] std::optional<std::string> str(const char* name) const {
+    const char* v = lookup_(name);
+    if (v == nullptr || *v == '\0') return std::nullopt;
+    return std::string(v);
+  }
+  /// An integer in [min, max]; anything else is an error that names the variable.
+  [[nodiscard]] std::optional<int> integer(const char* name, int min, int max) const {
+    const char* v = lookup_(name);
+    if (v == nullptr || *v == '\0') return std::nullopt;
+    const std::string_view text(v);
+    int value = 0;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+    if (ec != std::errc{} || end != text.data() + text.size()) {
+      fail(Errc::invalid_argument, "environment variable ", name, "=\"", text,
+           "\" is not an integer; check what your launcher exported");
+    }
+    if (value < min || value > max) {
+      fail(Errc::invalid_argument, "environment variable ", name, "=", value, " is out of range [",
+           min, ", ", max, "]");
+    }
+    return value;
+  }
+
+ private:
+  const std::function<const char*(const char*)>& lookup_;
+};
+
+/// The first host name of a Slurm node list: "gpu[07-09,12],cpu3" -> "gpu07".
+[[nodiscard]] inline std::string first_slurm_host(std::string_view list) {
+  const auto bracket = list.find('[');
+  const auto comma = list.find(',');
+  if (bracket == std::string_view::npos || (comma != std::string_view::npos && comma < bracket)) {
+    return std::string(list.substr(0, comma));
+  }
+  const auto close = list.find(']', bracket);
+  if (close == std::string_view::npos) {
+    fail(Errc::invalid_argument, "SLURM_JOB_NODELIST=\"", list, "\" is malformed (no ']')");
+  }
+  std::string_view range = list.substr(bracket + 1, close - bracket - 1);
+  range = range.substr(0, range.find_first_of(",-"));
+  return std::string(list.substr(0, bracket)) + std::string(range);
+}
+
+inline void check_rank(const EnvReader&, int rank, int world, const char* rank_var,
+                       const char* world_var) {
+  if (rank >= world) {
+    fail(Errc::invalid_argument, "environment: ", rank_var, "=", rank, " must be less than ",
+         world_var, "=", world);
+  }
+}
+
+}  // namespace detail
+
+inline Environment Environment::detect(const std::function<const char*(const char*)>& lookup) {
+  constexpr int max_world = 1 << 24;
+  const detail::EnvReader env(lookup);
+  Environment e;
+
+  const auto fill_master = [&](bool required) {
+    if (auto addr = env.str("MASTER_ADDR")) e.master_addr = *addr;
+    if (auto port = env.integer("MASTER_PORT", 1, 65535)) {
+      e.master_port = *port;
+    } else if (required && e.world_size > 1) {
+      detail::fail(Errc::invalid_argument, "environment: WORLD_SIZE=", e.world_size,
+                   " but MASTER_PORT is not set; export MASTER_ADDR and MASTER_PORT (ddprun and "
+                   "torchrun do this for you)");
+    }
+  };
+
+  if (env.has("RANK") || env.has("WORLD_SIZE")) {  // ddprun / torchrun / torch.distributed.launch
+    e.launcher = env.has("DDP_LAUNCHER") ? "ddprun" : "torchrun";
+    const auto rank = env.integer("RANK", 0, max_world - 1);
+    const auto world = env.integer("WORLD_SIZE", 1, max_world);
+    if (!rank)
+      detail::fail(Errc::invalid_argument, "environment: WORLD_SIZE is set but RANK is not");
+    if (!world)
+      detail::fail(Errc::invalid_argument, "environment: RANK is set but WORLD_SIZE is not");
+    e.rank = *rank;
+    e.world_size = *world;
+    detail::check_rank(env, e.rank, e.world_size, "RANK", "WORLD_SIZE");
+    e.local_world_size = env.integer("LOCAL_WORLD_SIZE", 1, max_world).value_or(e.world_size);
+    e.local_rank =
+        env.integer("LOCAL_RANK", 0, max_world - 1).value_or(e.rank % e.local_world_size);
+    detail::check_rank(env, e.local_rank, e.local_world_size, "LOCAL_RANK", "LOCAL_WORLD_SIZE");
+    if (e.local_world_size > e.world_size) {
+      detail::fail(Errc::invalid_argument, "environment: LOCAL_WORLD_SIZE=", e.local_world_size,
+                   " is larger than WORLD_SIZE=", e.world_size);
+    }
+    auto node = env.integer("NODE_RANK", 0, max_world - 1);
+    if (!node) node = env.integer("GROUP_RANK", 0, max_world - 1);
+    e.node_rank = node.value_or(e.rank / e.local_world_size);
+    fill_master(/*required=*/true);
+  } else if (env.has("OMPI_COMM_WORLD_RANK")) {  // Open MPI's mpirun
+    e.launcher = "openmpi";
+    e.world_size = env.integer("OMPI_COMM_WORLD_SIZE", 1, max_world).value_or(1);
+    e.rank = *env.integer("OMPI_COMM_WORLD_RANK", 0, max_world - 1);
+    detail::check_rank(env, e.rank, e.world_size, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE");
+    e.local_world_size =
+        env.integer("OMPI_COMM_WORLD_LOCAL_SIZE", 1, max_world).value_or(e.world_size);
+    e.local_rank = env.integer("OMPI_COMM_WORLD_LOCAL_RANK", 0, max_world - 1).value_or(0);
+    detail::check_rank(env, e.local_rank, e.local_world_size, "OMPI_COMM_WORLD_LOCAL_RANK",
+                       "OMPI_COMM_WORLD_LOCAL_SIZE");
+    e.node_rank = env.integer("OMPI_COMM_WORLD_NODE_RANK", 0, max_world - 1)
+                      .value_or(e.rank / e.local_world_size);
+    fill_master(/*required=*/false);
+  } else if (env.has("PMI_RANK")) {  // MPICH / Intel MPI (hydra)
+    e.launcher = "pmi";
+    e.world_size = env.integer("PMI_SIZE", 1, max_world).value_or(1);
+    e.rank = *env.integer("PMI_RANK", 0, max_world - 1);
+    detail::check_rank(env, e.rank, e.world_size, "PMI_RANK", "PMI_SIZE");
+    e.local_world_size = env.integer("MPI_LOCALNRANKS", 1, max_world).value_or(e.world_size);
+    e.local_rank = env.integer("MPI_LOCALRANKID", 0, max_world - 1).value_or(0);
+    detail::check_rank(env, e.local_rank, e.local_world_size, "MPI_LOCALRANKID", "MPI_LOCALNRANKS");
+    e.node_rank = e.rank / e.local_world_size;
+    fill_master(/*required=*/false);
+  } else if (env.has("SLURM_PROCID")) {  // srun
+    e.launcher = "slurm";
+    e.world_size = env.integer("SLURM_NTASKS", 1, max_world).value_or(1);
+    e.rank = *env.integer("SLURM_PROCID", 0, max_world - 1);
+    detail::check_rank(env, e.rank, e.world_size, "SLURM_PROCID", "SLURM_NTASKS");
+    e.local_rank = env.integer("SLURM_LOCALID", 0, max_world - 1).value_or(0);
+    // SLURM_NTASKS_PER_NODE may read "4" or "4(x2)"; SLURM_TASKS_PER_NODE likewise. Use the
+    // leading number when it parses, else assume one node.
+    e.local_world_size = e.world_size;
+    for (const char* name : {"SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
+      if (auto v = env.str(name)) {
+        int n = 0;
+        const auto [end, ec] = std::from_chars(v->data(), v->data() + v->size(), n);
+        if (ec == std::errc{} && n > 0 && end != v->data()) {
+          e.local_world_size = n;
+          break;
+        }
+      }
+    }
+    detail::check_rank(env, e.local_rank, e.local_world_size, "SLURM_LOCALID",
+                       "SLURM_NTASKS_PER_NODE");
+    e.node_rank = env.integer("SLURM_NODEID", 0, max_world - 1).value_or(0);
+    if (!env.has("MASTER_ADDR")) {
+      if (auto nodes = env.str("SLURM_JOB_NODELIST"))
+        e.master_addr = detail::first_slurm_host(*nodes);
+    }
+    fill_master(/*required=*/false);
+    if (e.master_port == 0) {
+      // Same on every task of the job, different between jobs sharing a node.
+      if (auto job = env.integer("SLURM_JOB_ID", 0, 2147483647))
+        e.master_port = 15000 + *job % 20000;
+    }
+  }
+  return e;
+}
+
+inline Environment Environment::detect() {
+  return detect([](const char* name) -> const char* { return std::getenv(name); });
+}
+
+DDP_END_NAMESPACE
+// end ddp/environment.hpp
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/options.hpp" (already included above)
+// #include "ddp/store.hpp" (already included above)
+// #include "ddp/tensor.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <algorithm>
+#include <chrono>
+#include <concepts>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// What Communicator needs from a backend: byte movement on type-erased buffers.
+template <class B>
+concept CommBackend = requires(B& b, const detail::Buf& buf, ReduceOp op, int i,
+                               const detail::BackendInit& init, const std::string& s) {
+  { B::create(init) } -> std::same_as<std::unique_ptr<B>>;
+  { B::supports(Device{}) } -> std::convertible_to<bool>;
+  { b.rank() } -> std::convertible_to<int>;
+  { b.size() } -> std::convertible_to<int>;
+  { b.local_rank() } -> std::convertible_to<int>;
+  { b.local_size() } -> std::convertible_to<int>;
+  { b.local_leader() } -> std::convertible_to<int>;
+  b.all_reduce(buf, op);
+  b.broadcast(buf, i);
+  b.reduce(buf, i, op);
+  b.all_gather(buf, buf);
+  b.gather(buf, buf, i);
+  b.scatter(buf, buf, i);
+  b.reduce_scatter(buf, buf, op);
+  b.all_to_all(buf, buf);
+  b.send(buf, i, i);
+  b.recv(buf, i, i);
+  b.barrier();
+  b.abort(Errc::aborted, s);
+};
+
+namespace detail {
+
+struct WorkState {
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr error;
+
+  void finish(std::exception_ptr e) {
+    {
+      std::lock_guard lock(mutex);
+      done = true;
+      error = std::move(e);
+    }
+    cv.notify_all();
+  }
+};
+
+/// Runs operations one at a time in issue order: inline when idle, else on a worker thread.
+class Executor {
+ public:
+  Executor() = default;
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+  ~Executor() {
+    {
+      std::lock_guard lock(queue_mutex_);
+      stopping_ = true;
+    }
+    queue_cv_.notify_all();
+    if (worker_.joinable()) worker_.join();
+  }
+
+  template <class F>
+  void run(F&& f) {
+    std::unique_lock lock(queue_mutex_);
+    if (queue_.empty() && !busy_) {
+      std::lock_guard run_lock(run_mutex_);
+      lock.unlock();
+      f();
+      return;
+    }
+    auto state = enqueue_locked(std::function<void()>(std::forward<F>(f)));
+    lock.unlock();
+    std::unique_lock wait_lock(state->mutex);
+    state->cv.wait(wait_lock, [&] { return state->done; });
+    if (state->error) std::rethrow_exception(state->error);
+  }
+
+  std::shared_ptr<WorkState> submit(std::function<void()> f) {
+    std::lock_guard lock(queue_mutex_);
+    if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
+    auto state = enqueue_locked(std::move(f));
+    queue_cv_.notify_one();
+    return state;
+  }
+
+ private:
+  std::shared_ptr<WorkState> enqueue_locked(std::function<void()> f) {
+    if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
+    auto state = std::make_shared<WorkState>();
+    queue_.emplace_back(std::move(f), state);
+    queue_cv_.notify_one();
+    return state;
+  }
+
+  void loop() {
+    std::unique_lock lock(queue_mutex_);
+    for (;;) {
+      queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and drained
+      auto [f, state] = std::move(queue_.front());
+      queue_.pop_front();
+      busy_ = true;
+      lock.unlock();
+      std::exception_ptr error;
+      {
+        std::lock_guard run_lock(run_mutex_);
+        try {
+          f();
+        } catch (...) {
+          error = std::current_exception();
+        }
+      }
+      state->finish(error);
+      lock.lock();
+      busy_ = false;
+    }
+  }
+
+  std::mutex queue_mutex_;
+  std::condition_variable queue_cv_;
+  std::deque<std::pair<std::function<void()>, std::shared_ptr<WorkState>>> queue_;
+  bool busy_ = false;
+  bool stopping_ = false;
+  std::mutex run_mutex_;
+  std::thread worker_;
+};
+
+/// Whether [a, a+an) and [b, b+bn) share a byte.
+[[nodiscard]] inline bool overlaps(const std::byte* a, std::size_t an, const std::byte* b,
+                                   std::size_t bn) {
+  return an != 0 && bn != 0 && a < b + bn && b < a + an;
+}
+
+}  // namespace detail
+
+/// The handle of an asynchronous operation.
+class Work {
+ public:
+  /// A Work that is already complete.
+  Work() = default;
+  explicit Work(std::shared_ptr<detail::WorkState> s) : state_(std::move(s)) {}
+
+  /// Blocks until the operation has finished; rethrows its ddp::Error if it failed.
+  void wait() const {
+    if (!state_) return;
+    std::unique_lock lock(state_->mutex);
+    state_->cv.wait(lock, [&] { return state_->done; });
+    if (state_->error) std::rethrow_exception(state_->error);
+  }
+
+  /// Whether the operation has finished (successfully or not); never blocks, never throws.
+  [[nodiscard]] bool test() const {
+    if (!state_) return true;
+    std::lock_guard lock(state_->mutex);
+    return state_->done;
+  }
+
+  /// Whether the operation finished and failed.
+  [[nodiscard]] bool failed() const {
+    if (!state_) return false;
+    std::lock_guard lock(state_->mutex);
+    return state_->done && state_->error != nullptr;
+  }
+
+ private:
+  std::shared_ptr<detail::WorkState> state_;
+};
+
+template <CommBackend Backend>
+class Communicator {
+ public:
+  /// split() color for ranks that join no group (MPI_UNDEFINED).
+  static constexpr int no_color = -1;
+
+  /// Joins the process group described by `env`: rank 0 starts the rendezvous store at
+  /// MASTER_ADDR:MASTER_PORT (unless a launcher hosts it), every rank connects, and the backend
+  /// connects the ranks. A world of one needs no store.
+  [[nodiscard]] static Communicator init(const Environment& env = Environment::detect(),
+                                         Options options = {}) {
+    auto state = std::make_shared<State>();
+    state->options = options;
+    state->world_rank = env.rank;
+    detail::BackendInit bi;
+    bi.rank = env.rank;
+    bi.size = env.world_size;
+    bi.options = options;
+    if (env.world_size > 1) {
+      if (env.master_port == 0) {
+        detail::fail(Errc::invalid_argument, "rank ", env.rank,
+                     ": Communicator::init: MASTER_PORT is not set (world size ", env.world_size,
+                     "); export MASTER_ADDR and MASTER_PORT, or launch with ddprun");
+      }
+      StoreOptions so;
+      so.timeout = options.timeout;
+      so.token = options.token;
+      const bool hosted = options.external_store || detail::env_or("DDP_STORE_HOSTED", "0") == "1";
+      if (env.rank == 0 && !hosted) {
+        state->server = std::make_unique<StoreServer>(env.master_addr, env.master_port, so);
+      }
+      const std::string prefix =
+          detail::concat("ddp/", detail::env_or("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
+      state->root_store = std::make_shared<Store>(env.master_addr, env.master_port, so);
+      state->prefix = prefix;
+      bi.store = std::make_shared<Store>(state->root_store->prefixed(prefix));
+      state->store = bi.store;
+    }
+    state->backend = Backend::create(bi);
+    return Communicator(std::move(state));
+  }
+
+  Communicator(Communicator&&) noexcept = default;
+  Communicator& operator=(Communicator&&) noexcept = default;
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+  ~Communicator() = default;
+
+  /// False for the result of split() with no_color.
+  [[nodiscard]] bool valid() const noexcept { return state_ && state_->backend; }
+  [[nodiscard]] int rank() const { return backend().rank(); }
+  [[nodiscard]] int size() const { return backend().size(); }
+  [[nodiscard]] int local_rank() const { return backend().local_rank(); }
+  [[nodiscard]] int local_size() const { return backend().local_size(); }
+  [[nodiscard]] const Options& options() const { return checked().options; }
+  /// The backend, for backend-specific queries (e.g. backend().transport()).
+  [[nodiscard]] Backend& backend() const { return *checked().backend; }
+
+  // ---- collectives -------------------------------------------------------------------------
+
+  /// Reduces `buf` over all ranks, in place (every rank gets the result).
+  template <MutableTensor T>
+  void all_reduce(T&& buf, ReduceOp op = ReduceOp::sum) {
+    exec(prepare_all_reduce(buf, op));
+  }
+  template <MutableTensor T>
+  [[nodiscard]] Work all_reduce_async(T&& buf, ReduceOp op = ReduceOp::sum) {
+    return submit(prepare_all_reduce(buf, op));
+  }
+
+  /// Copies root's `buf` to every rank.
+  template <MutableTensor T>
+  void broadcast(T&& buf, int root = 0) {
+    exec(prepare_broadcast(buf, root));
+  }
+  template <MutableTensor T>
+  [[nodiscard]] Work broadcast_async(T&& buf, int root = 0) {
+    return submit(prepare_broadcast(buf, root));
+  }
+
+  /// Reduces `buf` over all ranks into root's `buf`; the other ranks' buffers are unchanged.
+  template <MutableTensor T>
+  void reduce(T&& buf, int root = 0, ReduceOp op = ReduceOp::sum) {
+    exec(prepare_reduce(buf, root, op));
+  }
+  template <MutableTensor T>
+  [[nodiscard]] Work reduce_async(T&& buf, int root = 0, ReduceOp op = ReduceOp::sum) {
+    return submit(prepare_reduce(buf, root, op));
+  }
+
+  /// out[r*n .. r*n+n) = rank r's `in` (n = in's size); out.size() == in.size() * size().
+  /// In place when `in` is exactly this rank's block of `out`.
+  template <TensorLike In, MutableTensor Out>
+  void all_gather(In&& in, Out&& out) {
+    exec(prepare_gather(detail::Coll::all_gather, in, out, -1));
+  }
+  template <TensorLike In, MutableTensor Out>
+  [[nodiscard]] Work all_gather_async(In&& in, Out&& out) {
+    return submit(prepare_gather(detail::Coll::all_gather, in, out, -1));
+  }
+
+  /// Like all_gather, into root's `out` only (`out` is not used on the other ranks).
+  template <TensorLike In, MutableTensor Out>
+  void gather(In&& in, Out&& out, int root = 0) {
+    exec(prepare_gather(detail::Coll::gather, in, out, root));
+  }
+  template <TensorLike In, MutableTensor Out>
+  [[nodiscard]] Work gather_async(In&& in, Out&& out, int root = 0) {
+    return submit(prepare_gather(detail::Coll::gather, in, out, root));
+  }
+
+  /// Rank r receives root's in[r*n .. r*n+n) into `out` (n = out's size; `in` used on root only).
+  template <TensorLike In, MutableTensor Out>
+  void scatter(In&& in, Out&& out, int root = 0) {
+    exec(prepare_scatter(in, out, root));
+  }
+  template <TensorLike In, MutableTensor Out>
+  [[nodiscard]] Work scatter_async(In&& in, Out&& out, int root = 0) {
+    return submit(prepare_scatter(in, out, root));
+  }
+
+  /// out = block r of the reduction of every rank's `in`; in.size() == out.size() * size().
+  template <TensorLike In, MutableTensor Out>
+  void reduce_scatter(In&& in, Out&& out, ReduceOp op = ReduceOp::sum) {
+    exec(prepare_reduce_scatter(in, out, op));
+  }
+  template <TensorLike In, MutableTensor Out>
+  [[nodiscard]] Work reduce_scatter_async(In&& in, Out&& out, ReduceOp op = ReduceOp::sum) {
+    return submit(prepare_reduce_scatter(in, out, op));
+  }
+
+  /// Block j of `in` goes to rank j, which stores it as its block r of `out`.
+  template <TensorLike In, MutableTensor Out>
+  void all_to_all(In&& in, Out&& out) {
+    exec(prepare_all_to_all(in, out));
+  }
+  template <TensorLike In, MutableTensor Out>
+  [[nodiscard]] Work all_to_all_async(In&& in, Out&& out) {
+    return submit(prepare_all_to_all(in, out));
+  }
+
+  /// Point-to-point. Between a pair, sends and receives match in issue order; the receiver checks
+  /// the tag, dtype and count.
+  template <TensorLike T>
+  void send(T&& buf, int peer, int tag = 0) {
+    exec(prepare_p2p(detail::Coll::send, buf, peer, tag));
+  }
+  template <TensorLike T>
+  [[nodiscard]] Work send_async(T&& buf, int peer, int tag = 0) {
+    return submit(prepare_p2p(detail::Coll::send, buf, peer, tag));
+  }
+  template <MutableTensor T>
+  void recv(T&& buf, int peer, int tag = 0) {
+    exec(prepare_p2p(detail::Coll::recv, buf, peer, tag));
+  }
+  template <MutableTensor T>
+  [[nodiscard]] Work recv_async(T&& buf, int peer, int tag = 0) {
+    return submit(prepare_p2p(detail::Coll::recv, buf, peer, tag));
+  }
+
+  void barrier() {
+    exec(Op{"barrier", [](Backend& b) { b.barrier(); }});
+  }
+  [[nodiscard]] Work barrier_async() {
+    return submit(Op{"barrier", [](Backend& b) { b.barrier(); }});
+  }
+
+  // ---- object collectives ------------------------------------------------------------------
+
+  /// Every rank's value, in rank order.
+  template <Encodable T>
+  [[nodiscard]] std::vector<T> all_gather_object(const T& value) {
+    return gather_objects<T>(value, -1);
+  }
+
+  /// Every rank's value on root (in rank order); an empty vector on the other ranks.
+  template <Encodable T>
+  [[nodiscard]] std::vector<T> gather_object(const T& value, int root = 0) {
+    return gather_objects<T>(value, root);
+  }
+
+  /// Replaces `value` on every rank with root's.
+  template <Encodable T>
+  void broadcast_object(T& value, int root = 0) {
+    check_root(root, "broadcast_object");
+    std::string bytes;
+    if (rank() == root) bytes = detail::encode_object(value);
+    std::int64_t n = static_cast<std::int64_t>(bytes.size());
+    broadcast(std::span<std::int64_t>(&n, 1), root);
+    check_object_size(n, "broadcast_object", root);
+    bytes.resize(static_cast<std::size_t>(n));
+    broadcast(std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(bytes.data()), bytes.size()),
+              root);
+    if (rank() != root) value = detail::decode_object<T>(bytes.data(), bytes.size());
+  }
+
+  // ---- groups and failure ------------------------------------------------------------------
+
+  /// MPI_Comm_split: ranks passing the same color form a communicator, ordered by (key, rank).
+  /// Ranks passing no_color get an invalid communicator. Collective over this communicator.
+  [[nodiscard]] Communicator split(int color, int key = 0) {
+    if (color < no_color) {
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": split: color ", color,
+                   " is negative (use no_color)");
+    }
+    const auto all = all_gather_object(std::pair<int, int>{color, key});
+    const std::uint64_t n = checked().splits++;
+    if (color == no_color) return Communicator(nullptr);
+    std::vector<std::pair<int, int>> members;  // (key, old rank)
+    for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+      if (all[static_cast<std::size_t>(r)].first == color)
+        members.emplace_back(all[static_cast<std::size_t>(r)].second, r);
+    }
+    std::sort(members.begin(), members.end());
+    auto sub = std::make_shared<State>();
+    sub->options = state_->options;
+    sub->world_rank = state_->world_rank;
+    sub->root_store = state_->root_store;
+    sub->prefix = detail::concat(state_->prefix, "split", n, "/", color, "/");
+    detail::BackendInit bi;
+    bi.size = static_cast<int>(members.size());
+    for (int i = 0; i < bi.size; ++i) {
+      if (members[static_cast<std::size_t>(i)].second == rank()) bi.rank = i;
+    }
+    bi.options = state_->options;
+    if (state_->root_store) {
+      bi.store = std::make_shared<Store>(state_->root_store->prefixed(sub->prefix));
+      sub->store = bi.store;
+    }
+    exec(Op{"split", [&](Backend&) { sub->backend = Backend::create(bi); }});
+    return Communicator(std::move(sub));
+  }
+
+  /// The ranks of this communicator on this host, as a communicator (made by split() on first
+  /// use, then cached). Collective on first use.
+  [[nodiscard]] Communicator& local_group() {
+    auto& s = checked();
+    if (!s.local_group) {
+      s.local_group = std::make_unique<Communicator>(split(backend().local_leader(), rank()));
+    }
+    return *s.local_group;
+  }
+
+  /// Makes every pending and later operation fail with Errc::aborted, here and, where the
+  /// backend can reach them, on the peers. Safe to call from any thread, e.g. a watchdog.
+  void abort(const std::string& why = "Communicator::abort() was called") {
+    auto& s = checked();
+    {
+      std::lock_guard lock(s.poison_mutex);
+      if (s.poison.empty()) {
+        s.poison = detail::concat("rank ", s.backend->rank(), ": aborted: ", why);
+        s.poison_code = Errc::aborted;
+      }
+    }
+    s.backend->abort(Errc::aborted, why);
+  }
+
+ private:
+  struct State {
+    ~State() {
+      local_group.reset();
+      executor.reset();  // drain the queue first
+      // Rank 0 keeps the store up until every rank has left, so none loses it mid-call.
+      if (store) {
+        try {
+          store->set(detail::concat("exit/", backend ? backend->rank() : 0), "");
+          if (server && backend && poison.empty()) {
+            std::vector<std::string> keys;
+            for (int r = 0; r < backend->size(); ++r) keys.push_back(detail::concat("exit/", r));
+            (void)store->missing_after(keys, std::min<std::chrono::milliseconds>(
+                                                 options.timeout, std::chrono::seconds(10)));
+          }
+        } catch (...) {  // leaving anyway
+        }
+      }
+      backend.reset();
+    }
+    Options options;
+    int world_rank = 0;
+    std::unique_ptr<StoreServer> server;
+    std::shared_ptr<Store> root_store;
+    std::shared_ptr<Store> store;
+    std::string prefix;
+    std::unique_ptr<Backend> backend;
+    std::unique_ptr<detail::Executor> executor = std::make_unique<detail::Executor>();
+    std::uint64_t splits = 0;
+    std::unique_ptr<Communicator> local_group;
+    std::mutex poison_mutex;
+    std::string poison;
+    Errc poison_code = Errc::aborted;
+  };
+
+  struct Op {
+    const char* name;
+    std::function<void(Backend&)> body;
+  };
+
+  explicit Communicator(std::shared_ptr<State> s) : state_(std::move(s)) {}
+
+  State& checked() const {
+    if (!valid()) {
+      detail::fail(
+          Errc::invalid_argument,
+          "this communicator is empty (moved from, or split() with no_color); it has no ranks");
+    }
+    return *state_;
+  }
+
+  /// Wraps an operation so that it fails fast once the communicator is poisoned, and poisons it
+  /// when it fails.
+  std::function<void()> guarded(Op op) {
+    return [s = state_, op = std::move(op)] {
+      {
+        std::lock_guard lock(s->poison_mutex);
+        if (!s->poison.empty()) {
+          detail::fail(Errc::aborted, "rank ", s->backend->rank(), ": ", op.name,
+                       ": this communicator failed earlier and cannot be used (", s->poison,
+                       "); create a new communicator (with another Options::group) to continue");
+        }
+      }
+      try {
+        op.body(*s->backend);
+      } catch (const Error& e) {
+        std::lock_guard lock(s->poison_mutex);
+        if (s->poison.empty()) {
+          s->poison = e.what();
+          s->poison_code = e.code();
+        }
+        throw;
+      } catch (...) {
+        std::lock_guard lock(s->poison_mutex);
+        if (s->poison.empty()) s->poison = "an operation threw a non-ddp exception";
+        throw;
+      }
+    };
+  }
+
+  void exec(Op op) { checked().executor->run(guarded(std::move(op))); }
+  Work submit(Op op) { return Work(checked().executor->submit(guarded(std::move(op)))); }
+
+  template <class T>
+  detail::Buf to_buf(T& t, const char* what, const char* arg) const {
+    const auto v = ddp::view(t);
+    if (!Backend::supports(v.device)) {
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": `", arg, "` is on ",
+                   to_string(v.device), ", but backend::", Backend::name,
+                   " cannot use that memory");
+    }
+    if (v.data == nullptr && v.size != 0) {
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": `", arg, "` has ",
+                   v.size, " elements but no data");
+    }
+    using E = typename decltype(v)::value_type;
+    return {reinterpret_cast<std::byte*>(const_cast<E*>(v.data)), v.size, dtype_of<E>, v.device,
+            v.stream};
+  }
+
+  void check_op(ReduceOp op, DType t, const char* what) const {
+    if (!is_supported(op, t)) {
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": op ",
+                   is_valid(op) ? to_string(op) : "invalid", " is not defined on ", to_string(t),
+                   op == ReduceOp::avg ? " (avg needs a floating-point type)" : "");
+    }
+  }
+
+  void check_root(int root, const char* what) const {
+    if (root < 0 || root >= size()) {
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": root ", root,
+                   " is not a rank of this communicator [0, ", size(), ")");
+    }
+  }
+
+  static void check_same_dtype(const detail::Buf& a, const detail::Buf& b, int rank,
+                               const char* what) {
+    if (a.dtype != b.dtype) {
+      detail::fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `in` is ",
+                   to_string(a.dtype), " but `out` is ", to_string(b.dtype),
+                   "; they must have the same element type");
+    }
+  }
+
+  template <class T>
+  Op prepare_all_reduce(T& t, ReduceOp op) {
+    auto b = to_buf(t, "all_reduce", "buf");
+    check_op(op, b.dtype, "all_reduce");
+    return {"all_reduce", [b, op](Backend& be) { be.all_reduce(b, op); }};
+  }
+
+  template <class T>
+  Op prepare_broadcast(T& t, int root) {
+    auto b = to_buf(t, "broadcast", "buf");
+    check_root(root, "broadcast");
+    return {"broadcast", [b, root](Backend& be) { be.broadcast(b, root); }};
+  }
+
+  template <class T>
+  Op prepare_reduce(T& t, int root, ReduceOp op) {
+    auto b = to_buf(t, "reduce", "buf");
+    check_root(root, "reduce");
+    check_op(op, b.dtype, "reduce");
+    return {"reduce", [b, root, op](Backend& be) { be.reduce(b, root, op); }};
+  }
+
+  template <class In, class Out>
+  Op prepare_gather(detail::Coll c, In& in_t, Out& out_t, int root) {
+    const char* what = c == detail::Coll::all_gather ? "all_gather" : "gather";
+    auto in = to_buf(in_t, what, "in");
+    if (root >= 0) check_root(root, what);
+    const bool receives = root < 0 || root == rank();
+    detail::Buf out{};
+    if (receives) {
+      out = to_buf(out_t, what, "out");
+      check_same_dtype(in, out, rank(), what);
+      const std::size_t p = static_cast<std::size_t>(size());
+      if (out.count != in.count * p) {
+        detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": `out` has ", out.count,
+                     " elements but must have ", in.count, " x ", p, " = ", in.count * p,
+                     " (in.size() x size())");
+      }
+      const std::byte* mine = out.at(in.count * static_cast<std::size_t>(rank()));
+      if (detail::overlaps(in.data, in.bytes(), out.data, out.bytes()) && in.data != mine) {
+        detail::fail(
+            Errc::invalid_argument, "rank ", rank(), ": ", what,
+            ": `in` overlaps `out` but is not this rank's block of it (the only in-place form)");
+      }
+    }
+    return {what, [c, in, out, root](Backend& be) {
+              if (c == detail::Coll::all_gather)
+                be.all_gather(in, out);
+              else
+                be.gather(in, out, root);
+            }};
+  }
+
+  template <class In, class Out>
+  Op prepare_scatter(In& in_t, Out& out_t, int root) {
+    auto out = to_buf(out_t, "scatter", "out");
+    check_root(root, "scatter");
+    detail::Buf in{nullptr, 0, out.dtype, out.device, nullptr};
+    if (rank() == root) {
+      in = to_buf(in_t, "scatter", "in");
+      check_same_dtype(in, out, rank(), "scatter");
+      const std::size_t p = static_cast<std::size_t>(size());
+      if (in.count != out.count * p) {
+        detail::fail(Errc::invalid_argument, "rank ", rank(), ": scatter: `in` has ", in.count,
+                     " elements but must have ", out.count, " x ", p, " = ", out.count * p,
+                     " (out.size() x size())");
+      }
+      const std::byte* mine = in.at(out.count * static_cast<std::size_t>(rank()));
+      if (detail::overlaps(in.data, in.bytes(), out.data, out.bytes()) && out.data != mine) {
+        detail::fail(Errc::invalid_argument, "rank ", rank(),
+                     ": scatter: `out` overlaps `in` but is not this rank's block of it (the only "
+                     "in-place form)");
+      }
+    }
+    return {"scatter", [in, out, root](Backend& be) { be.scatter(in, out, root); }};
+  }
+
+  template <class In, class Out>
+  Op prepare_reduce_scatter(In& in_t, Out& out_t, ReduceOp op) {
+    auto in = to_buf(in_t, "reduce_scatter", "in");
+    auto out = to_buf(out_t, "reduce_scatter", "out");
+    check_same_dtype(in, out, rank(), "reduce_scatter");
+    check_op(op, out.dtype, "reduce_scatter");
+    const std::size_t p = static_cast<std::size_t>(size());
+    if (in.count != out.count * p) {
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": reduce_scatter: `in` has ", in.count,
+                   " elements but must have ", out.count, " x ", p, " = ", out.count * p,
+                   " (out.size() x size())");
+    }
+    const std::byte* mine = in.at(out.count * static_cast<std::size_t>(rank()));
+    if (detail::overlaps(in.data, in.bytes(), out.data, out.bytes()) && out.data != mine) {
+      detail::fail(Errc::invalid_argument, "rank ", rank(),
+                   ": reduce_scatter: `out` overlaps `in` but is not this rank's block of it (the "
+                   "only in-place form)");
+    }
+    return {"reduce_scatter", [in, out, op](Backend& be) { be.reduce_scatter(in, out, op); }};
+  }
+
+  template <class In, class Out>
+  Op prepare_all_to_all(In& in_t, Out& out_t) {
+    auto in = to_buf(in_t, "all_to_all", "in");
+    auto out = to_buf(out_t, "all_to_all", "out");
+    check_same_dtype(in, out, rank(), "all_to_all");
+    const std::size_t p = static_cast<std::size_t>(size());
+    if (in.count != out.count || in.count % p != 0) {
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": all_to_all: `in` (", in.count,
+                   ") and `out` (", out.count,
+                   ") must have the same number of elements, a multiple of size() = ", p);
+    }
+    if (detail::overlaps(in.data, in.bytes(), out.data, out.bytes())) {
+      detail::fail(Errc::invalid_argument, "rank ", rank(),
+                   ": all_to_all: `in` and `out` must not overlap");
+    }
+    return {"all_to_all", [in, out](Backend& be) { be.all_to_all(in, out); }};
+  }
+
+  template <class T>
+  Op prepare_p2p(detail::Coll c, T& t, int peer, int tag) {
+    const char* what = c == detail::Coll::send ? "send" : "recv";
+    auto b = to_buf(t, what, "buf");
+    if (peer < 0 || peer >= size() || peer == rank()) {
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": peer ", peer,
+                   " must be another rank in [0, ", size(), ")");
+    }
+    if (tag < 0)
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": tag ", tag,
+                   " is negative");
+    if (c == detail::Coll::send)
+      return {what, [b, peer, tag](Backend& be) { be.send(b, peer, tag); }};
+    return {what, [b, peer, tag](Backend& be) { be.recv(b, peer, tag); }};
+  }
+
+  static constexpr std::int64_t max_object_bytes = std::int64_t{1} << 30;
+
+  void check_object_size(std::int64_t n, const char* what, int from) const {
+    if (n < 0 || n > max_object_bytes) {
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": rank ", from,
+                   "'s object encodes to ", n, " bytes, beyond the limit of ", max_object_bytes);
+    }
+  }
+
+  template <class T>
+  std::vector<T> gather_objects(const T& value, int root) {
+    const char* what = root < 0 ? "all_gather_object" : "gather_object";
+    if (root >= 0) check_root(root, what);
+    const std::string mine = detail::encode_object(value);
+    const auto p = static_cast<std::size_t>(size());
+    std::vector<std::int64_t> sizes(p);
+    std::int64_t my_size = static_cast<std::int64_t>(mine.size());
+    all_gather(std::span<std::int64_t>(&my_size, 1), sizes);
+    std::int64_t longest = 0;
+    for (std::size_t r = 0; r < p; ++r) {
+      check_object_size(sizes[r], what, static_cast<int>(r));
+      longest = std::max(longest, sizes[r]);
+    }
+    const auto width = static_cast<std::size_t>(longest);
+    std::vector<std::uint8_t> padded(width);
+    std::memcpy(padded.data(), mine.data(), mine.size());
+    const bool receives = root < 0 || root == rank();
+    std::vector<std::uint8_t> all(receives ? width * p : 0);
+    if (root < 0)
+      all_gather(padded, all);
+    else
+      gather(padded, all, root);
+    std::vector<T> out;
+    if (!receives) return out;
+    out.reserve(p);
+    for (std::size_t r = 0; r < p; ++r) {
+      out.push_back(
+          detail::decode_object<T>(all.data() + r * width, static_cast<std::size_t>(sizes[r])));
+    }
+    return out;
+  }
+
+  std::shared_ptr<State> state_;
+};
+
+DDP_END_NAMESPACE
+// end ddp/communicator.hpp
+// #include "ddp/environment.hpp" (already included above)
+// begin ddp/guard.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ZeroFirstGuard: the RAII form of torch_distributed_zero_first (seed 003). Rank 0 runs the
+/// guarded block first (downloading or decoding a dataset into a cache, say) while the other
+/// ranks wait in the constructor; when rank 0 leaves the block, the others run it (and find the
+/// cache). Per host by default (local rank 0 of each host goes first), or for the whole job.
+///
+/// If rank 0's block throws, the others do not hang: their constructor throws Errc::aborted.
+///
+///   { ddp::ZeroFirstGuard g(comm); load_or_build_cache(); }
+
+// #include "ddp/communicator.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+
+#include <cstdint>
+#include <exception>
+#include <span>
+
+DDP_BEGIN_NAMESPACE
+
+enum class GuardScope : std::uint8_t {
+  local,   ///< local rank 0 of each host goes first (the cache is per host)
+  global,  ///< rank 0 of the job goes first (the cache is on a shared file system)
+};
+
+template <CommBackend Backend>
+class ZeroFirstGuard {
+ public:
+  explicit ZeroFirstGuard(Communicator<Backend>& comm, GuardScope scope = GuardScope::local)
+      : group_(scope == GuardScope::global ? comm : comm.local_group()),
+        uncaught_(std::uncaught_exceptions()) {
+    if (group_.rank() != 0) {
+      std::int64_t status = 0;
+      group_.broadcast(std::span<std::int64_t>(&status, 1), 0);
+      if (status != ok) {
+        detail::fail(Errc::aborted, "rank ", comm.rank(),
+                     ": ZeroFirstGuard: rank 0 of the group threw inside the guarded block (its "
+                     "own error says why); "
+                     "this rank stops here instead of waiting for a result that will not come");
+      }
+    }
+  }
+
+  ZeroFirstGuard(const ZeroFirstGuard&) = delete;
+  ZeroFirstGuard& operator=(const ZeroFirstGuard&) = delete;
+
+  /// Rank 0 releases the others, telling them whether its block succeeded. Throws only when no
+  /// other exception is in flight.
+  ~ZeroFirstGuard() noexcept(false) {
+    if (group_.rank() != 0) return;
+    const bool failing = std::uncaught_exceptions() > uncaught_;
+    std::int64_t status = failing ? failed : ok;
+    try {
+      group_.broadcast(std::span<std::int64_t>(&status, 1), 0);
+    } catch (...) {
+      if (!failing) throw;
+    }
+  }
+
+ private:
+  static constexpr std::int64_t ok = 1;
+  static constexpr std::int64_t failed = 2;
+  Communicator<Backend>& group_;
+  int uncaught_;
+};
+
+DDP_END_NAMESPACE
+// end ddp/guard.hpp
+// begin ddp/launch.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ddp::spawn: like torch.multiprocessing.spawn. Forks `nprocs` processes on this host, each
+/// running fn(env) with its Environment (also exported as RANK, WORLD_SIZE, ... so that
+/// Environment::detect() and Communicator::init() work inside), and waits for them. The parent
+/// hosts the rendezvous store. If a child throws or dies, the parent stops the others (SIGTERM,
+/// then SIGKILL) and throws a ddp::Error naming the rank and carrying the child's message.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/socket.hpp" (already included above)
+// #include "ddp/environment.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/options.hpp" (already included above)
+// #include "ddp/store.hpp" (already included above)
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+struct SpawnOptions {
+  /// Address the store listens on and workers connect to.
+  std::string master_addr = "127.0.0.1";
+  /// Port of the store; 0 picks a free one.
+  int master_port = 0;
+  /// Grace period between SIGTERM and SIGKILL when stopping the others after a failure.
+  std::chrono::milliseconds grace{std::chrono::seconds(3)};
+  /// Extra environment variables for the workers ("NAME=value").
+  std::vector<std::string> env;
+  /// Stop the other workers as soon as one fails (torchrun's behaviour). Fault-injection tests
+  /// turn it off to watch how the survivors react.
+  bool stop_on_failure = true;
+};
+
+namespace detail {
+
+inline std::string describe_status(int status) {
+  if (WIFEXITED(status)) return concat("exited with status ", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    const char* name = ::sigabbrev_np(sig);
+    return concat("was killed by SIG", name != nullptr ? name : "?", " (signal ", sig, ")");
+  }
+  return "stopped";
+}
+
+}  // namespace detail
+
+/// Runs fn(env) in nprocs forked processes and waits for all of them (see the file comment).
+inline void spawn(int nprocs, const std::function<void(Environment)>& fn,
+                  const SpawnOptions& options = {}) {
+  if (nprocs < 1)
+    detail::fail(Errc::invalid_argument, "spawn: nprocs must be at least 1, got ", nprocs);
+  std::fflush(nullptr);
+  // Bind before forking: the port is known to every child, and no thread exists yet.
+  detail::Fd listener = detail::listen_tcp(options.master_addr, options.master_port);
+  const int port = detail::local_port(listener.get());
+
+  struct Child {
+    pid_t pid = -1;
+    detail::Fd error_pipe;
+    std::string error;
+    int status = 0;
+    bool done = false;
+  };
+  std::vector<Child> children(static_cast<std::size_t>(nprocs));
+  for (int r = 0; r < nprocs; ++r) {
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC) != 0) detail::fail_errno(errno, "spawn: pipe2");
+    const pid_t pid = ::fork();
+    if (pid < 0) detail::fail_errno(errno, "spawn: fork");
+    if (pid == 0) {
+      // A worker starts with default signal dispositions: the parent's handlers (a test
+      // framework's crash reporter, an interactive shell's) are not the worker's.
+      for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGSEGV, SIGABRT, SIGFPE, SIGILL, SIGBUS, SIGPIPE})
+        ::signal(sig, SIG_DFL);
+      ::close(fds[0]);
+      listener.reset();
+      for (int k = 0; k < r; ++k) children[static_cast<std::size_t>(k)].error_pipe.reset();
+      Environment env;
+      env.rank = r;
+      env.world_size = nprocs;
+      env.local_rank = r;
+      env.local_world_size = nprocs;
+      env.node_rank = 0;
+      env.master_addr = options.master_addr;
+      env.master_port = port;
+      env.launcher = "spawn";
+      ::setenv("RANK", std::to_string(r).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(nprocs).c_str(), 1);
+      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+      ::setenv("LOCAL_WORLD_SIZE", std::to_string(nprocs).c_str(), 1);
+      ::setenv("NODE_RANK", "0", 1);
+      ::setenv("MASTER_ADDR", options.master_addr.c_str(), 1);
+      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      ::setenv("DDP_STORE_HOSTED", "1", 1);
+      for (const auto& kv : options.env) ::putenv(const_cast<char*>(kv.c_str()));
+      int code = 0;
+      std::string message;
+      try {
+        fn(env);
+      } catch (const std::exception& e) {
+        message = e.what();
+        code = 1;
+      } catch (...) {
+        message = "a non-standard exception";
+        code = 1;
+      }
+      if (code != 0) (void)!::write(fds[1], message.data(), message.size());
+      std::fflush(nullptr);
+      ::_exit(code);  // no atexit handlers or static destructors of the parent's copy
+    }
+    ::close(fds[1]);
+    children[static_cast<std::size_t>(r)].pid = pid;
+    children[static_cast<std::size_t>(r)].error_pipe.reset(fds[0]);
+  }
+
+  StoreOptions so;
+  so.token = detail::env_or_empty("DDP_TOKEN");
+  StoreServer server(std::move(listener), options.master_addr, so);
+
+  const auto read_error = [](Child& c) {
+    char buf[4096];
+    for (;;) {
+      const ssize_t n = ::read(c.error_pipe.get(), buf, sizeof buf);
+      if (n > 0 && c.error.size() < 65536)
+        c.error.append(buf, static_cast<std::size_t>(n));
+      else if (n < 0 && errno == EINTR)
+        continue;
+      else
+        break;
+    }
+  };
+  int first_failed = -1;
+  int remaining = nprocs;
+  auto kill_deadline = detail::Clock::time_point::max();
+  while (remaining > 0) {
+    bool reaped = false;
+    for (int r = 0; r < nprocs; ++r) {  // only our own children: never reap someone else's
+      Child& c = children[static_cast<std::size_t>(r)];
+      if (c.done) continue;
+      int status = 0;
+      const pid_t pid = ::waitpid(c.pid, &status, WNOHANG);
+      if (pid == 0 || (pid < 0 && errno == EINTR)) continue;
+      c.done = true;
+      c.status = pid < 0 ? 0 : status;
+      --remaining;
+      reaped = true;
+      read_error(c);
+      const bool ok = pid > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+      if (!ok && first_failed < 0) {
+        first_failed = r;
+        if (options.stop_on_failure) {
+          for (auto& other : children) {
+            if (!other.done) ::kill(other.pid, SIGTERM);
+          }
+          kill_deadline = detail::Clock::now() + options.grace;
+        }
+      }
+    }
+    if (detail::Clock::now() >= kill_deadline) {  // the grace period is over
+      for (auto& c : children) {
+        if (!c.done) ::kill(c.pid, SIGKILL);
+      }
+      kill_deadline = detail::Clock::time_point::max();
+    }
+    if (!reaped && remaining > 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  if (first_failed >= 0) {
+    const Child& c = children[static_cast<std::size_t>(first_failed)];
+    if (!c.error.empty()) {
+      detail::fail(Errc::aborted, "spawn: rank ", first_failed, " (pid ", c.pid,
+                   ") failed: ", c.error);
+    }
+    detail::fail(Errc::aborted, "spawn: rank ", first_failed, " (pid ", c.pid, ") ",
+                 detail::describe_status(c.status));
+  }
+}
+
+DDP_END_NAMESPACE
+// end ddp/launch.hpp
+// #include "ddp/options.hpp" (already included above)
+// #include "ddp/store.hpp" (already included above)
 #endif
 // #include "ddp/types.hpp" (already included above)
 // #include "ddp/version.hpp" (already included above)

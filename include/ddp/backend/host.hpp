@@ -21,6 +21,9 @@
 #include "ddp/backend/host/tcp.hpp"
 #include "ddp/backend/host/transport.hpp"
 #include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
 #include "ddp/detail/bytes.hpp"
 #include "ddp/detail/collective.hpp"
 #include "ddp/detail/crypto.hpp"
@@ -74,8 +77,8 @@ struct BackendInit {
 
 /// Element range [lo, hi) of part j when m elements are split into `parts` cache-line-aligned
 /// parts (the last takes the remainder; parts may be empty).
-[[nodiscard]] inline std::pair<std::size_t, std::size_t> split_range(std::size_t m, int parts, int j,
-                                                                     std::size_t elem) {
+[[nodiscard]] inline std::pair<std::size_t, std::size_t> split_range(std::size_t m, int parts,
+                                                                     int j, std::size_t elem) {
   const std::size_t align = std::max<std::size_t>(1, 64 / elem);
   const auto bound = [&](int k) -> std::size_t {
     if (k >= parts) return m;
@@ -118,11 +121,17 @@ class Host {
     const int p = size_;
     if (b.bytes() <= t_->small_bytes()) {
       const detail::Piece pc{b.data, b.bytes()};
-      auto ptrs = t_->round({&pc, 1}, [&](int, int) { return detail::Range{0, b.bytes()}; }, &fp);
+      auto ptrs = t_->round(
+          {&pc, 1},
+          [&](int, int) {
+            return detail::Range{0, b.bytes()};
+          },
+          &fp);
       fn(b.data, ptrs.data(), p, b.count);
       return;
     }
-    const std::size_t seg = std::max<std::size_t>(static_cast<std::size_t>(p), t_->max_offer() / es);
+    const std::size_t seg =
+        std::max<std::size_t>(static_cast<std::size_t>(p), t_->max_offer() / es);
     bool first = true;
     for (std::size_t s0 = 0; s0 < b.count;) {
       const std::size_t m = std::min(seg, b.count - s0);
@@ -132,15 +141,22 @@ class Host {
         return detail::Range{lo * es, (hi - lo) * es};
       };
       const detail::Piece pc{base, m * es};
-      auto ptrs = t_->round({&pc, 1}, [&](int, int dst) { return chunk(dst); }, first ? &fp : nullptr);
+      auto ptrs = t_->round(
+          {&pc, 1}, [&](int, int dst) { return chunk(dst); }, first ? &fp : nullptr);
       first = false;
       const detail::Range mine = chunk(rank_);
       fn(base + mine.off, ptrs.data(), p, mine.len / es);
       const detail::Piece result{base + mine.off, mine.len};
-      auto got = t_->round({&result, 1}, [&](int src, int) { return detail::Range{0, chunk(src).len}; }, nullptr);
+      auto got = t_->round(
+          {&result, 1},
+          [&](int src, int) {
+            return detail::Range{0, chunk(src).len};
+          },
+          nullptr);
       for (int j = 0; j < p; ++j) {
         const detail::Range r = chunk(j);
-        if (j != rank_ && r.len != 0) std::memcpy(base + r.off, got[static_cast<std::size_t>(j)], r.len);
+        if (j != rank_ && r.len != 0)
+          std::memcpy(base + r.off, got[static_cast<std::size_t>(j)], r.len);
       }
       s0 += m;
     }
@@ -152,12 +168,14 @@ class Host {
     const std::size_t seg = std::max<std::size_t>(1, t_->max_offer() / es);
     segments(b.count, seg, [&](std::size_t s0, std::size_t m, bool first) {
       const detail::Piece pc{b.at(s0), rank_ == root ? m * es : 0};
-      auto ptrs = t_->round({&pc, 1},
-                            [&](int src, int dst) {
-                              return src == root && dst != root ? detail::Range{0, m * es} : detail::Range{};
-                            },
-                            first ? &fp : nullptr);
-      if (rank_ != root && m != 0) std::memcpy(b.at(s0), ptrs[static_cast<std::size_t>(root)], m * es);
+      auto ptrs = t_->round(
+          {&pc, 1},
+          [&](int src, int dst) {
+            return src == root && dst != root ? detail::Range{0, m * es} : detail::Range{};
+          },
+          first ? &fp : nullptr);
+      if (rank_ != root && m != 0)
+        std::memcpy(b.at(s0), ptrs[static_cast<std::size_t>(root)], m * es);
     });
   }
 
@@ -169,11 +187,16 @@ class Host {
     if (b.bytes() <= t_->small_bytes()) {
       const detail::Piece pc{b.data, b.bytes()};
       auto ptrs = t_->round(
-          {&pc, 1}, [&](int, int dst) { return dst == root ? detail::Range{0, b.bytes()} : detail::Range{}; }, &fp);
+          {&pc, 1},
+          [&](int, int dst) {
+            return dst == root ? detail::Range{0, b.bytes()} : detail::Range{};
+          },
+          &fp);
       if (rank_ == root) fn(b.data, ptrs.data(), p, b.count);
       return;
     }
-    const std::size_t seg = std::max<std::size_t>(static_cast<std::size_t>(p), t_->max_offer() / es);
+    const std::size_t seg =
+        std::max<std::size_t>(static_cast<std::size_t>(p), t_->max_offer() / es);
     bool first = true;
     for (std::size_t s0 = 0; s0 < b.count;) {
       const std::size_t m = std::min(seg, b.count - s0);
@@ -183,7 +206,8 @@ class Host {
         return detail::Range{lo * es, (hi - lo) * es};
       };
       const detail::Piece pc{base, m * es};
-      auto ptrs = t_->round({&pc, 1}, [&](int, int dst) { return chunk(dst); }, first ? &fp : nullptr);
+      auto ptrs = t_->round(
+          {&pc, 1}, [&](int, int dst) { return chunk(dst); }, first ? &fp : nullptr);
       first = false;
       const detail::Range mine = chunk(rank_);
       // The root reduces in place; the others must leave their buffers untouched.
@@ -196,34 +220,44 @@ class Host {
       const detail::Piece result{out, mine.len};
       auto got = t_->round(
           {&result, 1},
-          [&](int src, int dst) { return dst == root ? detail::Range{0, chunk(src).len} : detail::Range{}; },
+          [&](int src, int dst) {
+            return dst == root ? detail::Range{0, chunk(src).len} : detail::Range{};
+          },
           nullptr);
       if (rank_ == root) {
         for (int j = 0; j < p; ++j) {
           const detail::Range r = chunk(j);
-          if (j != rank_ && r.len != 0) std::memcpy(base + r.off, got[static_cast<std::size_t>(j)], r.len);
+          if (j != rank_ && r.len != 0)
+            std::memcpy(base + r.off, got[static_cast<std::size_t>(j)], r.len);
         }
       }
       s0 += m;
     }
   }
 
-  void all_gather(const detail::Buf& in, const detail::Buf& out) { gather_impl(detail::Coll::all_gather, in, out, -1); }
-  void gather(const detail::Buf& in, const detail::Buf& out, int root) { gather_impl(detail::Coll::gather, in, out, root); }
+  void all_gather(const detail::Buf& in, const detail::Buf& out) {
+    gather_impl(detail::Coll::all_gather, in, out, -1);
+  }
+  void gather(const detail::Buf& in, const detail::Buf& out, int root) {
+    gather_impl(detail::Coll::gather, in, out, root);
+  }
 
   void scatter(const detail::Buf& in, const detail::Buf& out, int root) {
     const auto fp = next(detail::Coll::scatter, out.dtype, out.count, root, ReduceOp::sum, false);
     const std::size_t es = out.elem(), n = out.count;
-    const std::size_t seg = std::max<std::size_t>(1, t_->max_offer() / (es * static_cast<std::size_t>(size_)));
+    const std::size_t seg =
+        std::max<std::size_t>(1, t_->max_offer() / (es * static_cast<std::size_t>(size_)));
     segments(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
       pieces_.clear();
       if (rank_ == root) {
-        for (int j = 0; j < size_; ++j) pieces_.push_back({in.at(static_cast<std::size_t>(j) * n + s0), m * es});
+        for (int j = 0; j < size_; ++j)
+          pieces_.push_back({in.at(static_cast<std::size_t>(j) * n + s0), m * es});
       }
       auto ptrs = t_->round(
           pieces_,
           [&](int src, int dst) {
-            return src == root ? detail::Range{static_cast<std::size_t>(dst) * m * es, m * es} : detail::Range{};
+            return src == root ? detail::Range{static_cast<std::size_t>(dst) * m * es, m * es}
+                               : detail::Range{};
           },
           first ? &fp : nullptr);
       copy_if_distinct(out.at(s0), ptrs[static_cast<std::size_t>(root)], m * es);
@@ -234,11 +268,15 @@ class Host {
     const auto fp = next(detail::Coll::reduce_scatter, out.dtype, out.count, -1, op, true);
     const auto fn = detail::reduce_fn(out.dtype, op);
     const std::size_t es = out.elem(), n = out.count;
-    const std::size_t seg = std::max<std::size_t>(1, t_->max_offer() / (es * static_cast<std::size_t>(size_)));
+    const std::size_t seg =
+        std::max<std::size_t>(1, t_->max_offer() / (es * static_cast<std::size_t>(size_)));
     segments(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
       blocks(in, n, s0, m);
       auto ptrs = t_->round(
-          pieces_, [&](int, int dst) { return detail::Range{static_cast<std::size_t>(dst) * m * es, m * es}; },
+          pieces_,
+          [&](int, int dst) {
+            return detail::Range{static_cast<std::size_t>(dst) * m * es, m * es};
+          },
           first ? &fp : nullptr);
       fn(out.at(s0), ptrs.data(), size_, m);
     });
@@ -248,25 +286,35 @@ class Host {
     const std::size_t n = in.count / static_cast<std::size_t>(size_);
     const auto fp = next(detail::Coll::all_to_all, in.dtype, n, -1, ReduceOp::sum, false);
     const std::size_t es = in.elem();
-    const std::size_t seg = std::max<std::size_t>(1, t_->max_offer() / (es * static_cast<std::size_t>(size_)));
+    const std::size_t seg =
+        std::max<std::size_t>(1, t_->max_offer() / (es * static_cast<std::size_t>(size_)));
     segments(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
       blocks(in, n, s0, m);
       auto ptrs = t_->round(
-          pieces_, [&](int, int dst) { return detail::Range{static_cast<std::size_t>(dst) * m * es, m * es}; },
+          pieces_,
+          [&](int, int dst) {
+            return detail::Range{static_cast<std::size_t>(dst) * m * es, m * es};
+          },
           first ? &fp : nullptr);
       for (int j = 0; j < size_; ++j) {
-        copy_if_distinct(out.at(static_cast<std::size_t>(j) * n + s0), ptrs[static_cast<std::size_t>(j)], m * es);
+        copy_if_distinct(out.at(static_cast<std::size_t>(j) * n + s0),
+                         ptrs[static_cast<std::size_t>(j)], m * es);
       }
     });
   }
 
   void barrier() {
     const auto fp = next(detail::Coll::barrier, DType::uint8, 0, -1, ReduceOp::sum, false);
-    (void)t_->round({}, [](int, int) { return detail::Range{}; }, &fp);
+    (void)t_->round(
+        {}, [](int, int) { return detail::Range{}; }, &fp);
   }
 
-  void send(const detail::Buf& b, int peer, int tag) { t_->send(b, peer, tag, send_seq_[static_cast<std::size_t>(peer)]++); }
-  void recv(const detail::Buf& b, int peer, int tag) { t_->recv(b, peer, tag, recv_seq_[static_cast<std::size_t>(peer)]++); }
+  void send(const detail::Buf& b, int peer, int tag) {
+    t_->send(b, peer, tag, send_seq_[static_cast<std::size_t>(peer)]++);
+  }
+  void recv(const detail::Buf& b, int peer, int tag) {
+    t_->recv(b, peer, tag, recv_seq_[static_cast<std::size_t>(peer)]++);
+  }
 
   /// Fails every current and later operation of this communicator with `code`; peers on shared
   /// memory fail too, TCP peers see the connections close. Thread-safe.
@@ -274,9 +322,13 @@ class Host {
 
  private:
   Host(int rank, int size)
-      : rank_(rank), size_(size), send_seq_(static_cast<std::size_t>(size)), recv_seq_(static_cast<std::size_t>(size)) {}
+      : rank_(rank),
+        size_(size),
+        send_seq_(static_cast<std::size_t>(size)),
+        recv_seq_(static_cast<std::size_t>(size)) {}
 
-  detail::Fingerprint next(detail::Coll c, DType t, std::size_t count, int root, ReduceOp op, bool has_op) {
+  detail::Fingerprint next(detail::Coll c, DType t, std::size_t count, int root, ReduceOp op,
+                           bool has_op) {
     detail::Fingerprint f;
     f.seq = seq_++;
     f.count = count;
@@ -304,7 +356,8 @@ class Host {
 
   void blocks(const detail::Buf& in, std::size_t n, std::size_t s0, std::size_t m) {
     pieces_.clear();
-    for (int j = 0; j < size_; ++j) pieces_.push_back({in.at(static_cast<std::size_t>(j) * n + s0), m * in.elem()});
+    for (int j = 0; j < size_; ++j)
+      pieces_.push_back({in.at(static_cast<std::size_t>(j) * n + s0), m * in.elem()});
   }
 
   static void copy_if_distinct(std::byte* dst, const std::byte* src, std::size_t n) {
@@ -319,11 +372,14 @@ class Host {
       const detail::Piece pc{in.at(s0), m * es};
       auto ptrs = t_->round(
           {&pc, 1},
-          [&](int, int dst) { return root < 0 || dst == root ? detail::Range{0, m * es} : detail::Range{}; },
+          [&](int, int dst) {
+            return root < 0 || dst == root ? detail::Range{0, m * es} : detail::Range{};
+          },
           first ? &fp : nullptr);
       if (root >= 0 && rank_ != root) return;
       for (int j = 0; j < size_; ++j) {
-        copy_if_distinct(out.at(static_cast<std::size_t>(j) * n + s0), ptrs[static_cast<std::size_t>(j)], m * es);
+        copy_if_distinct(out.at(static_cast<std::size_t>(j) * n + s0),
+                         ptrs[static_cast<std::size_t>(j)], m * es);
       }
     });
   }
@@ -355,10 +411,11 @@ class Host {
     if (auto missing = store.missing_after(keys, o.timeout); !missing.empty()) {
       std::string who;
       for (const auto& k : missing) who += detail::concat(who.empty() ? "" : ", ", k.substr(5));
-      detail::fail(Errc::timeout, "rank ", rank_, ": rendezvous timed out after ", o.timeout.count(), " ms: ",
-                   size_ - static_cast<int>(missing.size()), "/", size_, " ranks joined; missing rank",
-                   missing.size() == 1 ? " " : "s ", who,
-                   ". Check that every rank was started with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE");
+      detail::fail(Errc::timeout, "rank ", rank_, ": rendezvous timed out after ",
+                   o.timeout.count(), " ms: ", size_ - static_cast<int>(missing.size()), "/", size_,
+                   " ranks joined; missing rank", missing.size() == 1 ? " " : "s ", who,
+                   ". Check that every rank was started with the same MASTER_ADDR, MASTER_PORT and "
+                   "WORLD_SIZE");
     }
     std::vector<std::string> identities;
     std::vector<int> pids;
@@ -384,13 +441,17 @@ class Host {
     HostTransport choice = o.transport;
     if (choice == HostTransport::automatic) {
       const std::string forced = detail::env_or("DDP_HOST_TRANSPORT", "");
-      if (forced == "tcp") choice = HostTransport::tcp;
-      else if (forced == "shm") choice = HostTransport::shm;
+      if (forced == "tcp")
+        choice = HostTransport::tcp;
+      else if (forced == "shm")
+        choice = HostTransport::shm;
       else if (!forced.empty() && forced != "auto") {
-        detail::fail(Errc::invalid_argument, "DDP_HOST_TRANSPORT=\"", forced, "\": use shm, tcp or auto");
+        detail::fail(Errc::invalid_argument, "DDP_HOST_TRANSPORT=\"", forced,
+                     "\": use shm, tcp or auto");
       }
     }
-    if (choice == HostTransport::automatic) choice = one_host ? HostTransport::shm : HostTransport::tcp;
+    if (choice == HostTransport::automatic)
+      choice = one_host ? HostTransport::shm : HostTransport::tcp;
     if (choice == HostTransport::shm && !one_host) {
       detail::fail(Errc::invalid_argument, "rank ", rank_,
                    ": the shm transport was requested but the ranks are on more than one host");
@@ -422,7 +483,8 @@ class Host {
     char* end = nullptr;
     const auto n = std::strtoull(v.c_str(), &end, 10);
     if (end == v.c_str() || *end != '\0' || n < 4096) {
-      detail::fail(Errc::invalid_argument, "DDP_SEGMENT_BYTES=\"", v, "\" must be a number of bytes >= 4096");
+      detail::fail(Errc::invalid_argument, "DDP_SEGMENT_BYTES=\"", v,
+                   "\" must be a number of bytes >= 4096");
     }
     return static_cast<std::size_t>(n);
   }
@@ -434,10 +496,12 @@ class Host {
     std::uint64_t cookie = 0;
     if (rank_ == 0) {
       const std::size_t slot = segment_bytes(o, std::size_t{512} << 10);
-      layout.slot_bytes = std::clamp<std::size_t>(detail::ShmLayout::align_up(slot, 4096), 4096, std::size_t{1} << 30);
+      layout.slot_bytes = std::clamp<std::size_t>(detail::ShmLayout::align_up(slot, 4096), 4096,
+                                                  std::size_t{1} << 30);
       layout.channel_bytes = std::size_t{256} << 10;
       cookie = detail::random_value<std::uint64_t>();
-      const std::string segment_name = detail::concat("/ddp-", ::getuid(), "-", ::getpid(), "-", detail::random_value<std::uint32_t>());
+      const std::string segment_name = detail::concat("/ddp-", ::getuid(), "-", ::getpid(), "-",
+                                                      detail::random_value<std::uint32_t>());
       segment->create(segment_name, layout.total());
       detail::ShmTransport::format(segment->base(), layout, cookie);
       std::string rec;
@@ -453,7 +517,8 @@ class Host {
       const auto missing = store.missing_after(mapped, o.timeout);
       segment->unlink();
       if (!missing.empty()) {
-        detail::fail(Errc::timeout, "rank 0: ", missing.size(), " rank(s) did not map the shared memory segment in time");
+        detail::fail(Errc::timeout, "rank 0: ", missing.size(),
+                     " rank(s) did not map the shared memory segment in time");
       }
     } else {
       const std::string rec = store.get("shm");
@@ -466,7 +531,8 @@ class Host {
       detail::ShmTransport::verify(segment->base(), layout, cookie);
       store.set(detail::concat("mapped/", rank_), "");
     }
-    t_ = std::make_unique<detail::ShmTransport>(rank_, size_, o.timeout, layout, std::move(segment), pids);
+    t_ = std::make_unique<detail::ShmTransport>(rank_, size_, o.timeout, layout, std::move(segment),
+                                                pids);
   }
 
   int rank_;

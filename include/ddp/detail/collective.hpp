@@ -28,7 +28,9 @@ struct Buf {
 
   [[nodiscard]] std::size_t elem() const noexcept { return size_of(dtype); }
   [[nodiscard]] std::size_t bytes() const noexcept { return count * size_of(dtype); }
-  [[nodiscard]] std::byte* at(std::size_t element) const noexcept { return data + element * elem(); }
+  [[nodiscard]] std::byte* at(std::size_t element) const noexcept {
+    return data + element * elem();
+  }
 };
 
 enum class Coll : std::uint8_t {

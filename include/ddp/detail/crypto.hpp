@@ -7,6 +7,9 @@
 /// (RFC 2104), random bytes from the kernel, and a constant-time comparison.
 
 #include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
 #include "ddp/error.hpp"
 
 #include <fcntl.h>

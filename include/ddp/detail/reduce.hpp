@@ -53,8 +53,10 @@ inline A combine(A a, A b) {
   } else if constexpr (Op == ReduceOp::prod) {
     if constexpr (std::is_integral_v<A>) {
       using U = std::make_unsigned_t<A>;
-      using W = std::conditional_t<(sizeof(U) < sizeof(unsigned)), unsigned, U>;  // no int promotion
-      return static_cast<A>(static_cast<U>(static_cast<W>(static_cast<U>(a)) * static_cast<W>(static_cast<U>(b))));
+      using W =
+          std::conditional_t<(sizeof(U) < sizeof(unsigned)), unsigned, U>;  // no int promotion
+      return static_cast<A>(
+          static_cast<U>(static_cast<W>(static_cast<U>(a)) * static_cast<W>(static_cast<U>(b))));
     } else {
       return a * b;
     }
@@ -102,7 +104,8 @@ constexpr ReduceFn reduce_fn_for(ReduceOp op) {
     case ReduceOp::max: return &reduce_kernel<T, ReduceOp::max>;
     case ReduceOp::min: return &reduce_kernel<T, ReduceOp::min>;
     case ReduceOp::avg:
-      if constexpr (std::is_floating_point_v<T> || std::is_same_v<T, half> || std::is_same_v<T, bfloat16>) {
+      if constexpr (std::is_floating_point_v<T> || std::is_same_v<T, half> ||
+                    std::is_same_v<T, bfloat16>) {
         return &reduce_kernel<T, ReduceOp::avg>;
       } else {
         return nullptr;

@@ -7,6 +7,9 @@
 /// whole buffers that never block past a deadline and survive EINTR.
 
 #include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
 #include "ddp/error.hpp"
 
 #include <arpa/inet.h>

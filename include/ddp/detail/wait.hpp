@@ -12,6 +12,9 @@
 /// with Errc::peer_lost in milliseconds, not at the timeout).
 
 #include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
 #include "ddp/error.hpp"
 
 #include <linux/futex.h>

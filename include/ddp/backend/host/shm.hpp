@@ -20,6 +20,9 @@
 
 #include "ddp/backend/host/transport.hpp"
 #include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
 #include "ddp/detail/socket.hpp"
 #include "ddp/detail/wait.hpp"
 #include "ddp/error.hpp"
@@ -52,7 +55,9 @@ struct ShmLayout {
   std::size_t slot_bytes = 0;
   std::size_t channel_bytes = 0;
 
-  [[nodiscard]] static std::size_t align_up(std::size_t v, std::size_t a) { return (v + a - 1) / a * a; }
+  [[nodiscard]] static std::size_t align_up(std::size_t v, std::size_t a) {
+    return (v + a - 1) / a * a;
+  }
   [[nodiscard]] std::size_t ctl_offset() const { return header_bytes; }
   [[nodiscard]] std::size_t slots_offset() const {
     return align_up(header_bytes + static_cast<std::size_t>(world) * ctl_bytes, 4096);
@@ -64,9 +69,9 @@ struct ShmLayout {
     return slots_offset() + static_cast<std::size_t>(world) * 2 * slot_bytes;
   }
   [[nodiscard]] std::size_t channel_offset(int src, int dst) const {
-    return channels_offset() +
-           (static_cast<std::size_t>(src) * static_cast<std::size_t>(world) + static_cast<std::size_t>(dst)) *
-               (channel_ctl_bytes + channel_bytes);
+    return channels_offset() + (static_cast<std::size_t>(src) * static_cast<std::size_t>(world) +
+                                static_cast<std::size_t>(dst)) *
+                                   (channel_ctl_bytes + channel_bytes);
   }
   [[nodiscard]] std::size_t total() const {
     return align_up(channel_offset(world - 1, world - 1) + channel_ctl_bytes + channel_bytes, 4096);
@@ -141,7 +146,8 @@ class ShmSegment {
     struct stat st {};
     if (::fstat(fd.get(), &st) != 0) fail_errno(errno, "fstat(", name, ")");
     if (static_cast<std::size_t>(st.st_size) != size) {
-      fail(Errc::protocol, "shared memory segment ", name, " has ", st.st_size, " bytes, expected ", size);
+      fail(Errc::protocol, "shared memory segment ", name, " has ", st.st_size, " bytes, expected ",
+           size);
     }
     map(fd.get(), size);
     unlinked_ = true;  // the creator unlinks
@@ -173,7 +179,10 @@ class ShmTransport final : public Transport {
   /// `segment` is mapped and initialized; `pids[j]` is rank j's process id.
   ShmTransport(int rank, int size, std::chrono::milliseconds timeout, ShmLayout layout,
                std::unique_ptr<ShmSegment> segment, const std::vector<int>& pids)
-      : Transport(rank, size, timeout), layout_(layout), segment_(std::move(segment)), ptrs_(static_cast<std::size_t>(size)) {
+      : Transport(rank, size, timeout),
+        layout_(layout),
+        segment_(std::move(segment)),
+        ptrs_(static_cast<std::size_t>(size)) {
     header_ = reinterpret_cast<ShmHeader*>(segment_->base());
     for (int j = 0; j < size; ++j) {
       if (j != rank) watch_.add(j, pids[static_cast<std::size_t>(j)]);
@@ -191,26 +200,35 @@ class ShmTransport final : public Transport {
     h->slot_bytes = layout.slot_bytes;
     h->channel_bytes = layout.channel_bytes;
     h->total = layout.total();
-    for (int j = 0; j < layout.world; ++j) new (base + layout.ctl_offset() + static_cast<std::size_t>(j) * ShmLayout::ctl_bytes) ShmCtl{};
+    for (int j = 0; j < layout.world; ++j)
+      new (base + layout.ctl_offset() + static_cast<std::size_t>(j) * ShmLayout::ctl_bytes)
+          ShmCtl{};
     for (int s = 0; s < layout.world; ++s) {
-      for (int d = 0; d < layout.world; ++d) new (base + layout.channel_offset(s, d)) ShmChannelCtl{};
+      for (int d = 0; d < layout.world; ++d)
+        new (base + layout.channel_offset(s, d)) ShmChannelCtl{};
     }
   }
 
   /// Checks a segment opened by a non-creator.
   static void verify(const std::byte* base, const ShmLayout& layout, std::uint64_t cookie) {
     const auto* h = reinterpret_cast<const ShmHeader*>(base);
-    if (h->magic != ShmLayout::magic || h->cookie != cookie || h->world != static_cast<std::uint32_t>(layout.world) ||
+    if (h->magic != ShmLayout::magic || h->cookie != cookie ||
+        h->world != static_cast<std::uint32_t>(layout.world) ||
         h->slot_bytes != layout.slot_bytes || h->total != layout.total()) {
-      fail(Errc::protocol, "the shared memory segment does not belong to this communicator (cookie or layout differ)");
+      fail(Errc::protocol,
+           "the shared memory segment does not belong to this communicator (cookie or layout "
+           "differ)");
     }
   }
 
   [[nodiscard]] std::string_view name() const noexcept override { return "shm"; }
   [[nodiscard]] std::size_t max_offer() const noexcept override { return layout_.slot_bytes; }
-  [[nodiscard]] std::size_t small_bytes() const noexcept override { return std::min<std::size_t>(layout_.slot_bytes, 16384); }
+  [[nodiscard]] std::size_t small_bytes() const noexcept override {
+    return std::min<std::size_t>(layout_.slot_bytes, 16384);
+  }
 
-  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want, const Fingerprint* fp) override {
+  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
+                                          const Fingerprint* fp) override {
     check_abort(fp);
     const std::uint64_t t = ++tick_;
     const unsigned parity = static_cast<unsigned>(t & 1u);
@@ -222,12 +240,14 @@ class ShmTransport final : public Transport {
       const Range r = want(rank_, j);
       if (r.len != 0) wanted_.push_back(r);
     }
-    std::sort(wanted_.begin(), wanted_.end(), [](const Range& a, const Range& b) { return a.off < b.off; });
+    std::sort(wanted_.begin(), wanted_.end(),
+              [](const Range& a, const Range& b) { return a.off < b.off; });
     std::size_t copied_to = 0;
     for (const Range& r : wanted_) {
       std::size_t from = std::max(r.off, copied_to);
       const std::size_t to = r.off + r.len;
-      if (to > layout_.slot_bytes) fail(Errc::invalid_argument, "internal error: offer exceeds the shared memory slot");
+      if (to > layout_.slot_bytes)
+        fail(Errc::invalid_argument, "internal error: offer exceeds the shared memory slot");
       std::size_t base = 0;
       for (const Piece& p : offer) {  // copy [from, to) out of the pieces
         const std::size_t lo = std::max(from, base), hi = std::min(to, base + p.len);
@@ -256,9 +276,12 @@ class ShmTransport final : public Transport {
     }
     for (int j = 0; j < size_; ++j) {
       const Range r = want(j, rank_);
-      if (r.len == 0) ptrs_[static_cast<std::size_t>(j)] = nullptr;
-      else if (j == rank_) ptrs_[static_cast<std::size_t>(j)] = SelfTransport::locate(offer, r);
-      else ptrs_[static_cast<std::size_t>(j)] = slot(j, parity) + r.off;
+      if (r.len == 0)
+        ptrs_[static_cast<std::size_t>(j)] = nullptr;
+      else if (j == rank_)
+        ptrs_[static_cast<std::size_t>(j)] = SelfTransport::locate(offer, r);
+      else
+        ptrs_[static_cast<std::size_t>(j)] = slot(j, parity) + r.off;
     }
     return ptrs_;
   }
@@ -275,10 +298,11 @@ class ShmTransport final : public Transport {
     P2PHeader h{};
     channel_read(peer, &h, sizeof h, "recv", buf, tag);
     if (h.seq != seq || h.tag != tag || h.dtype != buf.dtype || h.count != buf.count) {
-      const std::string msg = concat("rank ", rank_, ": recv(from rank ", peer, ", tag ", tag, ", ", to_string(buf.dtype),
-                                     ", count=", buf.count, ") #", seq, " got send(tag ", h.tag, ", ",
-                                     to_string(h.dtype), ", count=", h.count, ") #", h.seq,
-                                     "; sends and receives between a pair are matched in order and must agree");
+      const std::string msg =
+          concat("rank ", rank_, ": recv(from rank ", peer, ", tag ", tag, ", ",
+                 to_string(buf.dtype), ", count=", buf.count, ") #", seq, " got send(tag ", h.tag,
+                 ", ", to_string(h.dtype), ", count=", h.count, ") #", h.seq,
+                 "; sends and receives between a pair are matched in order and must agree");
       publish_abort(Errc::mismatch, msg);
       fail(Errc::mismatch, msg);
     }
@@ -292,9 +316,12 @@ class ShmTransport final : public Transport {
 
  private:
   [[nodiscard]] ShmCtl* ctl(int r) const {
-    return reinterpret_cast<ShmCtl*>(segment_->base() + layout_.ctl_offset() + static_cast<std::size_t>(r) * ShmLayout::ctl_bytes);
+    return reinterpret_cast<ShmCtl*>(segment_->base() + layout_.ctl_offset() +
+                                     static_cast<std::size_t>(r) * ShmLayout::ctl_bytes);
   }
-  [[nodiscard]] std::byte* slot(int r, unsigned parity) const { return segment_->base() + layout_.slot_offset(r, parity); }
+  [[nodiscard]] std::byte* slot(int r, unsigned parity) const {
+    return segment_->base() + layout_.slot_offset(r, parity);
+  }
   [[nodiscard]] ShmChannelCtl* channel(int src, int dst) const {
     return reinterpret_cast<ShmChannelCtl*>(segment_->base() + layout_.channel_offset(src, dst));
   }
@@ -341,16 +368,18 @@ class ShmTransport final : public Transport {
     }
     if (header_->abort_state.load(std::memory_order_acquire) == 2) {
       fail(static_cast<Errc>(header_->abort_code), "rank ", rank_, ": ",
-           fp ? to_string(*fp) : std::string("operation"), ": failed because rank ", header_->abort_rank,
-           " reported: ", header_->abort_message);
+           fp ? to_string(*fp) : std::string("operation"), ": failed because rank ",
+           header_->abort_rank, " reported: ", header_->abort_message);
     }
   }
 
   /// Spins, then sleeps, until ready(); fails on abort, on a dead peer and at the timeout.
   template <class Ready, class Behind>
-  void wait(Ready&& ready, const Fingerprint* fp, Behind&& behind_desc, const char* what = nullptr) {
+  void wait(Ready&& ready, const Fingerprint* fp, Behind&& behind_desc,
+            const char* what = nullptr) {
     if (ready()) return;
-    const auto spin_until = Clock::now() + (oversubscribed_ ? std::chrono::microseconds(2) : std::chrono::microseconds(50));
+    const auto spin_until = Clock::now() + (oversubscribed_ ? std::chrono::microseconds(2)
+                                                            : std::chrono::microseconds(50));
     do {
       for (int i = 0; i < 64; ++i) {
         cpu_relax();
@@ -367,17 +396,18 @@ class ShmTransport final : public Transport {
       if (now >= next_check) {
         if (const int dead = watch_.first_dead(); dead >= 0) {
           const std::string msg =
-              concat("rank ", rank_, ": ", fp ? to_string(*fp) : std::string(what ? what : "operation"), ": rank ",
-                     dead, " died (its process exited); the job cannot continue with this communicator");
+              concat("rank ", rank_, ": ",
+                     fp ? to_string(*fp) : std::string(what ? what : "operation"), ": rank ", dead,
+                     " died (its process exited); the job cannot continue with this communicator");
           publish_abort(Errc::peer_lost, concat("rank ", dead, " died (its process exited)"));
           fail(Errc::peer_lost, msg);
         }
         if (now >= deadline.at) {
           const std::string who = behind_desc();
-          const std::string msg =
-              concat("rank ", rank_, ": ", fp ? to_string(*fp) : std::string(what ? what : "operation"), ": timed out after ",
-                     timeout_.count(), " ms waiting for ", who,
-                     " (shm transport); that rank is stopped, slow, or did not call this collective");
+          const std::string msg = concat(
+              "rank ", rank_, ": ", fp ? to_string(*fp) : std::string(what ? what : "operation"),
+              ": timed out after ", timeout_.count(), " ms waiting for ", who,
+              " (shm transport); that rank is stopped, slow, or did not call this collective");
           publish_abort(Errc::timeout, concat("timed out waiting for ", who));
           fail(Errc::timeout, msg);
         }
@@ -392,19 +422,23 @@ class ShmTransport final : public Transport {
     }
   }
 
-  void channel_write(int peer, const void* data, std::size_t n, const char* what, const Buf& buf, int tag) {
+  void channel_write(int peer, const void* data, std::size_t n, const char* what, const Buf& buf,
+                     int tag) {
     ShmChannelCtl* ch = channel(rank_, peer);
     std::byte* ring = channel_data(rank_, peer);
     const std::size_t cap = layout_.channel_bytes;
     const auto* p = static_cast<const std::byte*>(data);
     std::uint64_t head = ch->head.load(std::memory_order_relaxed);
     const auto desc = [&] { return concat("rank ", peer, " to receive"); };
-    const std::string op = concat(what, "(to rank ", peer, ", tag ", tag, ", ", to_string(buf.dtype), ", count=", buf.count, ")");
+    const std::string op = concat(what, "(to rank ", peer, ", tag ", tag, ", ",
+                                  to_string(buf.dtype), ", count=", buf.count, ")");
     while (n > 0) {
-      wait([&] { return head - ch->tail.load(std::memory_order_acquire) < cap; }, nullptr, desc, op.c_str());
+      wait([&] { return head - ch->tail.load(std::memory_order_acquire) < cap; }, nullptr, desc,
+           op.c_str());
       const std::uint64_t free_bytes = cap - (head - ch->tail.load(std::memory_order_acquire));
       const std::size_t at = static_cast<std::size_t>(head % cap);
-      const std::size_t k = std::min<std::size_t>({n, static_cast<std::size_t>(free_bytes), cap - at});
+      const std::size_t k =
+          std::min<std::size_t>({n, static_cast<std::size_t>(free_bytes), cap - at});
       std::memcpy(ring + at, p, k);
       p += k;
       n -= k;
@@ -414,16 +448,19 @@ class ShmTransport final : public Transport {
     }
   }
 
-  void channel_read(int peer, void* data, std::size_t n, const char* what, const Buf& buf, int tag) {
+  void channel_read(int peer, void* data, std::size_t n, const char* what, const Buf& buf,
+                    int tag) {
     ShmChannelCtl* ch = channel(peer, rank_);
     const std::byte* ring = channel_data(peer, rank_);
     const std::size_t cap = layout_.channel_bytes;
     auto* p = static_cast<std::byte*>(data);
     std::uint64_t tail = ch->tail.load(std::memory_order_relaxed);
     const auto desc = [&] { return concat("rank ", peer, " to send"); };
-    const std::string op = concat(what, "(from rank ", peer, ", tag ", tag, ", ", to_string(buf.dtype), ", count=", buf.count, ")");
+    const std::string op = concat(what, "(from rank ", peer, ", tag ", tag, ", ",
+                                  to_string(buf.dtype), ", count=", buf.count, ")");
     while (n > 0) {
-      wait([&] { return ch->head.load(std::memory_order_acquire) > tail; }, nullptr, desc, op.c_str());
+      wait([&] { return ch->head.load(std::memory_order_acquire) > tail; }, nullptr, desc,
+           op.c_str());
       const std::uint64_t avail = ch->head.load(std::memory_order_acquire) - tail;
       const std::size_t at = static_cast<std::size_t>(tail % cap);
       const std::size_t k = std::min<std::size_t>({n, static_cast<std::size_t>(avail), cap - at});

@@ -15,7 +15,11 @@
 
 #include "ddp/backend/host/transport.hpp"
 #include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
 #include "ddp/detail/bytes.hpp"
+#include "ddp/detail/crypto.hpp"
 #include "ddp/detail/socket.hpp"
 #include "ddp/error.hpp"
 
@@ -41,17 +45,21 @@ class TcpTransport final : public Transport {
 
   TcpTransport(int rank, int size, std::chrono::milliseconds timeout, std::vector<Fd> peers,
                std::size_t segment_bytes)
-      : Transport(rank, size, timeout), segment_(segment_bytes), peers_(std::move(peers)), ptrs_(static_cast<std::size_t>(size)),
-        xfers_(static_cast<std::size_t>(size)), headers_in_(static_cast<std::size_t>(size)) {
+      : Transport(rank, size, timeout),
+        segment_(segment_bytes),
+        peers_(std::move(peers)),
+        ptrs_(static_cast<std::size_t>(size)),
+        xfers_(static_cast<std::size_t>(size)),
+        headers_in_(static_cast<std::size_t>(size)) {
     for (auto& fd : peers_) {
       if (fd) set_nonblocking(fd.get(), true);
     }
   }
 
   /// Builds the mesh: connect to ranks below, accept ranks above (see the file comment).
-  [[nodiscard]] static std::vector<Fd> connect_mesh(int rank, int size, Fd& listener,
-                                                    const std::vector<std::pair<std::string, int>>& addrs,
-                                                    const SessionKey& key, Deadline deadline) {
+  [[nodiscard]] static std::vector<Fd> connect_mesh(
+      int rank, int size, Fd& listener, const std::vector<std::pair<std::string, int>>& addrs,
+      const SessionKey& key, Deadline deadline) {
     std::vector<Fd> peers(static_cast<std::size_t>(size));
     for (int j = 0; j < rank; ++j) {
       const auto& [host, port] = addrs[static_cast<std::size_t>(j)];
@@ -62,7 +70,8 @@ class TcpTransport final : public Transport {
       w.raw(key.data(), key.size());
       w.put(static_cast<std::uint32_t>(rank));
       if (send_all(fd.get(), hello.data(), hello.size(), deadline) != IoResult::ok) {
-        fail(Errc::peer_lost, "rank ", rank, ": could not introduce itself to rank ", j, " at ", host_port(host, port));
+        fail(Errc::peer_lost, "rank ", rank, ": could not introduce itself to rank ", j, " at ",
+             host_port(host, port));
       }
       peers[static_cast<std::size_t>(j)] = std::move(fd);
     }
@@ -76,21 +85,24 @@ class TcpTransport final : public Transport {
         for (int j = rank + 1; j < size; ++j) {
           if (!peers[static_cast<std::size_t>(j)]) who += concat(who.empty() ? "" : ", ", j);
         }
-        fail(Errc::timeout, "rank ", rank, ": timed out waiting for rank(s) ", who, " to connect (tcp transport)");
+        fail(Errc::timeout, "rank ", rank, ": timed out waiting for rank(s) ", who,
+             " to connect (tcp transport)");
       }
       Fd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
       if (!fd) continue;
       set_nodelay(fd.get());
       std::array<std::byte, 4 + 16 + 4> hello{};
       // A stray connection gets a short window; it must not stall the mesh.
-      const auto short_deadline = Deadline{std::min(deadline.at, Clock::now() + std::chrono::seconds(2))};
+      const auto short_deadline =
+          Deadline{std::min(deadline.at, Clock::now() + std::chrono::seconds(2))};
       if (recv_all(fd.get(), hello.data(), hello.size(), short_deadline) != IoResult::ok) continue;
       ByteReader r(hello.data(), hello.size(), "peer hello");
       if (r.get<std::uint32_t>() != hello_magic) continue;
       SessionKey got{};
       r.raw(got.data(), got.size());
       const auto peer = static_cast<int>(r.get<std::uint32_t>());
-      if (!constant_time_equal(got, key) || peer <= rank || peer >= size || peers[static_cast<std::size_t>(peer)]) {
+      if (!constant_time_equal(got, key) || peer <= rank || peer >= size ||
+          peers[static_cast<std::size_t>(peer)]) {
         continue;  // not ours: drop it
       }
       peers[static_cast<std::size_t>(peer)] = std::move(fd);
@@ -105,27 +117,32 @@ class TcpTransport final : public Transport {
     return std::min(segment_, size_ == 2 ? (std::size_t{1} << 20) : (std::size_t{64} << 10));
   }
 
-  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want, const Fingerprint* fp) override {
+  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
+                                          const Fingerprint* fp) override {
     check_abort(fp);
     std::size_t scratch_needed = 0;
     for (int j = 0; j < size_; ++j) {
       if (j != rank_) scratch_needed += want(j, rank_).len;
     }
-    if (scratch_.size() < scratch_needed) scratch_.resize(scratch_needed);  // zero-filled: pre-faulted
+    if (scratch_.size() < scratch_needed)
+      scratch_.resize(scratch_needed);  // zero-filled: pre-faulted
     std::size_t scratch_at = 0;
     for (int j = 0; j < size_; ++j) {
       auto& x = xfers_[static_cast<std::size_t>(j)];
       x.clear();
       if (j == rank_) continue;
       if (fp != nullptr) {
-        x.out.push_back({reinterpret_cast<std::byte*>(const_cast<Fingerprint*>(fp)), sizeof(Fingerprint)});
-        x.in.push_back({reinterpret_cast<std::byte*>(&headers_in_[static_cast<std::size_t>(j)]), sizeof(Fingerprint)});
+        x.out.push_back(
+            {reinterpret_cast<std::byte*>(const_cast<Fingerprint*>(fp)), sizeof(Fingerprint)});
+        x.in.push_back({reinterpret_cast<std::byte*>(&headers_in_[static_cast<std::size_t>(j)]),
+                        sizeof(Fingerprint)});
         x.header_in = true;
       }
       const Range out = want(rank_, j);
       std::size_t base = 0;
       for (const Piece& p : offer) {
-        const std::size_t lo = std::max(out.off, base), hi = std::min(out.off + out.len, base + p.len);
+        const std::size_t lo = std::max(out.off, base),
+                          hi = std::min(out.off + out.len, base + p.len);
         if (lo < hi) x.out.push_back({const_cast<std::byte*>(p.data) + (lo - base), hi - lo});
         base += p.len;
       }
@@ -146,7 +163,8 @@ class TcpTransport final : public Transport {
     auto& x = xfers_[static_cast<std::size_t>(peer)];
     x.out.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});
     if (buf.bytes() != 0) x.out.push_back({buf.data, buf.bytes()});
-    const std::string what = concat("send(to rank ", peer, ", tag ", tag, ", ", to_string(buf.dtype), ", count=", buf.count, ")");
+    const std::string what = concat("send(to rank ", peer, ", tag ", tag, ", ",
+                                    to_string(buf.dtype), ", count=", buf.count, ")");
     progress(nullptr, what.c_str());
   }
 
@@ -155,13 +173,15 @@ class TcpTransport final : public Transport {
     for (auto& x : xfers_) x.clear();
     auto& x = xfers_[static_cast<std::size_t>(peer)];
     x.in.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});
-    const std::string what = concat("recv(from rank ", peer, ", tag ", tag, ", ", to_string(buf.dtype), ", count=", buf.count, ")");
+    const std::string what = concat("recv(from rank ", peer, ", tag ", tag, ", ",
+                                    to_string(buf.dtype), ", count=", buf.count, ")");
     progress(nullptr, what.c_str());
     const auto& h = p2p_header_;
     if (h.seq != seq || h.tag != tag || h.dtype != buf.dtype || h.count != buf.count) {
-      const std::string msg = concat("rank ", rank_, ": ", what, " #", seq, " got send(tag ", h.tag, ", ", to_string(h.dtype),
-                                     ", count=", h.count, ") #", h.seq,
-                                     "; sends and receives between a pair are matched in order and must agree");
+      const std::string msg =
+          concat("rank ", rank_, ": ", what, " #", seq, " got send(tag ", h.tag, ", ",
+                 to_string(h.dtype), ", count=", h.count, ") #", h.seq,
+                 "; sends and receives between a pair are matched in order and must agree");
       poison();
       fail(Errc::mismatch, msg);
     }
@@ -215,11 +235,35 @@ class TcpTransport final : public Transport {
     }
   }
 
+  /// The connection to `peer` failed. Before blaming the peer, read what it may still have sent:
+  /// a fingerprint that shows it called another collective makes this a mismatch. The other
+  /// connections stay open: every survivor sees the dead peer itself (full mesh), and closing
+  /// them would make the survivors blame this rank instead.
   [[noreturn]] void lost(int peer, const Fingerprint* fp, const char* what) {
-    poison();
-    fail(Errc::peer_lost, "rank ", rank_, ": ", fp ? to_string(*fp) : std::string(what ? what : "operation"),
-         ": the connection to rank ", peer,
-         " closed (that process died or failed) (tcp transport); the job cannot continue with this communicator");
+    check_abort(fp);  // our own abort() shut the sockets down: report that, not a lost peer
+    auto& x = xfers_[static_cast<std::size_t>(peer)];
+    if (fp != nullptr && x.header_in && x.in_i == 0) {
+      Seg& h = x.in[0];
+      for (;;) {
+        const ssize_t n = ::recv(peers_[static_cast<std::size_t>(peer)].get(), h.p + x.in_off,
+                                 h.n - x.in_off, MSG_DONTWAIT);
+        if (n > 0) {
+          x.in_off += static_cast<std::size_t>(n);
+          if (x.in_off == h.n)
+            check_header(peer, *fp);  // throws on a mismatch
+          else
+            continue;
+        } else if (n < 0 && errno == EINTR) {
+          continue;
+        }
+        break;
+      }
+    }
+    fail(Errc::peer_lost, "rank ", rank_, ": ",
+         fp ? to_string(*fp) : std::string(what ? what : "operation"), ": the connection to rank ",
+         peer,
+         " closed (that process died or failed) (tcp transport); the job cannot continue with this "
+         "communicator");
   }
 
   void progress(const Fingerprint* fp, const char* what) {
@@ -248,8 +292,9 @@ class TcpTransport final : public Transport {
           std::string list;
           for (int j : who) list += concat(list.empty() ? "" : ", ", j);
           // No poison(): the other ranks time out on their own, with their own message.
-          fail(Errc::timeout, "rank ", rank_, ": ", fp ? to_string(*fp) : std::string(what ? what : "operation"),
-               ": timed out after ", timeout_.count(), " ms waiting for ", who.size() == 1 ? "rank " : "ranks ", list,
+          fail(Errc::timeout, "rank ", rank_, ": ",
+               fp ? to_string(*fp) : std::string(what ? what : "operation"), ": timed out after ",
+               timeout_.count(), " ms waiting for ", who.size() == 1 ? "rank " : "ranks ", list,
                " (tcp transport); that rank is stopped, slow, or did not call this collective");
         }
         continue;
@@ -258,14 +303,16 @@ class TcpTransport final : public Transport {
         const int j = who[i];
         auto& x = xfers_[static_cast<std::size_t>(j)];
         const int fd = fds[i].fd;
-        if ((fds[i].revents & POLLOUT) != 0 || ((fds[i].revents & (POLLERR | POLLHUP)) != 0 && !x.out_done())) {
+        if ((fds[i].revents & POLLOUT) != 0 ||
+            ((fds[i].revents & (POLLERR | POLLHUP)) != 0 && !x.out_done())) {
           while (!x.out_done()) {
             Seg& s = x.out[x.out_i];
             if (s.n == 0) {
               ++x.out_i;
               continue;
             }
-            const ssize_t n = ::send(fd, s.p + x.out_off, s.n - x.out_off, MSG_NOSIGNAL | MSG_DONTWAIT);
+            const ssize_t n =
+                ::send(fd, s.p + x.out_off, s.n - x.out_off, MSG_NOSIGNAL | MSG_DONTWAIT);
             if (n > 0) {
               x.out_off += static_cast<std::size_t>(n);
               if (x.out_off == s.n) {
@@ -327,7 +374,8 @@ class TcpTransport final : public Transport {
       auto& x = xfers_[static_cast<std::size_t>(j)];
       if (j == rank_ || x.out.empty() || x.out_i > 0) continue;  // header already sent (or none)
       const Seg& h = x.out[0];
-      (void)send_all(peers_[static_cast<std::size_t>(j)].get(), h.p + x.out_off, h.n - x.out_off, deadline);
+      (void)send_all(peers_[static_cast<std::size_t>(j)].get(), h.p + x.out_off, h.n - x.out_off,
+                     deadline);
       ++x.out_i;
       x.out_off = 0;
     }

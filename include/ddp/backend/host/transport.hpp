@@ -15,6 +15,9 @@
 /// used, so ranks that call different collectives fail together with Errc::mismatch.
 
 #include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
 #include "ddp/detail/collective.hpp"
 #include "ddp/detail/string.hpp"
 #include "ddp/error.hpp"
@@ -38,10 +41,13 @@ template <class R, class... Args>
 class FunctionRef<R(Args...)> {
  public:
   template <class F>
-    requires(!std::is_same_v<std::remove_cvref_t<F>, FunctionRef> && std::is_invocable_r_v<R, F&, Args...>)
-  FunctionRef(F&& f) noexcept  // NOLINT(google-explicit-constructor)
-      : obj_(const_cast<void*>(static_cast<const void*>(&f))),
-        call_([](void* o, Args... a) -> R { return (*static_cast<std::remove_reference_t<F>*>(o))(a...); }) {}
+    requires(!std::is_same_v<std::remove_cvref_t<F>, FunctionRef> &&
+             std::is_invocable_r_v<R, F&, Args...>)
+  FunctionRef(F&& f)
+  noexcept  // NOLINT(google-explicit-constructor)
+      : obj_(const_cast<void*>(static_cast<const void*>(&f))), call_([](void* o, Args... a) -> R {
+          return (*static_cast<std::remove_reference_t<F>*>(o))(a...);
+        }) {}
   R operator()(Args... a) const { return call_(obj_, a...); }
 
  private:
@@ -96,11 +102,13 @@ class Transport {
 
  protected:
   /// "rank R: <what>: mismatched collectives: this rank called X but rank P called Y; ..."
-  [[nodiscard]] std::string mismatch_message(const Fingerprint& mine, int peer, const Fingerprint& theirs) const {
-    return concat("rank ", rank_, ": ", to_string(mine.coll), ": mismatched collectives: this rank called ",
-                  to_string(mine), " but rank ", peer, " called ", to_string(theirs),
-                  "; every rank must call the same collectives, in the same order, with the same counts, "
-                  "dtypes, ops and roots");
+  [[nodiscard]] std::string mismatch_message(const Fingerprint& mine, int peer,
+                                             const Fingerprint& theirs) const {
+    return concat(
+        "rank ", rank_, ": ", to_string(mine.coll), ": mismatched collectives: this rank called ",
+        to_string(mine), " but rank ", peer, " called ", to_string(theirs),
+        "; every rank must call the same collectives, in the same order, with the same counts, "
+        "dtypes, ops and roots");
   }
 
   int rank_;

@@ -1,0 +1,89 @@
+// Helpers for tests that fork real processes (ddp::spawn) and check collectives in each.
+#pragma once
+
+#include <ddp/ddp.hpp>
+
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace mp {
+
+using Comm = ddp::Communicator<ddp::backend::Host>;
+using namespace std::chrono_literals;
+
+/// In a child process doctest's CHECK would be lost: failures throw, and spawn carries the
+/// message back to the parent, which fails the test.
+#define MP_EXPECT(cond, ...)                                                                     \
+  do {                                                                                           \
+    if (!(cond)) {                                                                               \
+      std::ostringstream mp_os_;                                                                 \
+      mp_os_ << __FILE__ << ":" << __LINE__ << ": expected " #cond ": " << __VA_ARGS__;          \
+      throw std::runtime_error(mp_os_.str());                                                    \
+    }                                                                                            \
+  } while (false)
+
+inline std::string name(ddp::HostTransport t) { return t == ddp::HostTransport::shm ? "shm" : "tcp"; }
+
+/// Segment size used by the tests: small, so that "larger than any internal chunk" is cheap.
+inline constexpr std::size_t test_segment = 64 * 1024;
+
+/// Runs body(comm) on `world` forked ranks over `transport`; fails the doctest case on error.
+inline void run(int world, ddp::HostTransport transport, const std::function<void(Comm&)>& body,
+                ddp::Options options = {}) {
+  options.transport = transport;
+  if (options.segment_bytes == 0) options.segment_bytes = test_segment;
+  if (options.timeout == std::chrono::minutes(5)) options.timeout = 60s;
+  try {
+    ddp::spawn(world, [&](ddp::Environment env) {
+      auto comm = Comm::init(env, options);
+      body(comm);
+    });
+  } catch (const ddp::Error& e) {
+    FAIL_CHECK("world " << world << " over " << name(transport) << ": " << std::string(e.what()));
+  }
+}
+
+/// Runs body over every world size and both transports.
+inline void each_world(const std::function<void(Comm&)>& body, std::vector<int> worlds = {1, 2, 3, 4}) {
+  for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
+    for (int w : worlds) {
+      CAPTURE(w);
+      run(w, t, body);
+    }
+  }
+}
+
+/// A scratch directory for results that children report to the parent.
+struct TempDir {
+  std::string path;
+  TempDir() {
+    char tmpl[] = "/tmp/ddp-test-XXXXXX";
+    path = ::mkdtemp(tmpl);
+  }
+  ~TempDir() { std::system(("rm -rf " + path).c_str()); }
+  [[nodiscard]] std::string file(const std::string& name) const { return path + "/" + name; }
+  static void write(const std::string& file, const std::string& text) { std::ofstream(file) << text; }
+  [[nodiscard]] static std::string read(const std::string& file) {
+    std::ifstream in(file);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  }
+};
+
+/// Milliseconds since `t0`.
+inline long long ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace mp

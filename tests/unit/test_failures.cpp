@@ -1,0 +1,342 @@
+// What happens when things go wrong, across real processes: mismatched collectives, a killed
+// peer, a stalled peer, a rank that never joins, poisoning after a failure, abort() from
+// another thread, ZeroFirstGuard when rank 0 fails. Survivors report to files; the parent checks.
+#include "multiprocess.hpp"
+
+#include <dirent.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <thread>
+
+namespace {
+
+using mp::Comm;
+using Clock = std::chrono::steady_clock;
+
+long long now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch()).count();
+}
+
+/// What a rank saw: "<errc> <ms> <message>" or "ok".
+struct Outcome {
+  std::string code;
+  long long ms = 0;
+  std::string message;
+};
+
+Outcome read_outcome(const mp::TempDir& dir, int rank) {
+  std::istringstream in(mp::TempDir::read(dir.file("rank" + std::to_string(rank))));
+  Outcome o;
+  in >> o.code >> o.ms;
+  std::getline(in, o.message);
+  return o;
+}
+
+void report(const mp::TempDir& dir, int rank, const ddp::Error& e, long long ms) {
+  mp::TempDir::write(dir.file("rank" + std::to_string(rank)),
+                     std::string(ddp::to_string(e.code())) + " " + std::to_string(ms) + " " + e.what());
+}
+
+/// Runs body on `world` ranks without stopping the others when one fails.
+void run_faulty(int world, ddp::HostTransport t, const std::function<void(Comm&)>& body, ddp::Options o = {},
+                std::string* spawn_error = nullptr) {
+  o.transport = t;
+  o.segment_bytes = mp::test_segment;
+  ddp::SpawnOptions so;
+  so.stop_on_failure = false;
+  try {
+    ddp::spawn(world, [&](ddp::Environment env) {
+      auto comm = Comm::init(env, o);
+      body(comm);
+    }, so);
+    if (spawn_error != nullptr) *spawn_error = "";
+  } catch (const ddp::Error& e) {
+    if (spawn_error == nullptr) throw;
+    *spawn_error = e.what();
+  }
+}
+
+std::vector<std::string> our_shm_entries() {
+  std::vector<std::string> out;
+  const std::string prefix = "ddp-" + std::to_string(::getuid()) + "-";
+  if (DIR* d = ::opendir("/dev/shm")) {
+    while (const dirent* e = ::readdir(d)) {
+      if (std::string(e->d_name).rfind(prefix, 0) == 0) out.emplace_back(e->d_name);
+    }
+    ::closedir(d);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("mismatched collectives fail on every rank with both fingerprints") {
+  struct Case {
+    const char* name;
+    std::function<void(Comm&)> call;
+    const char* theirs;
+  };
+  const std::vector<Case> cases = {
+      {"different collective", [](Comm& c) { std::vector<float> v(10); c.broadcast(v, 0); }, "broadcast(float32, count=10, root=0) #0"},
+      {"different count", [](Comm& c) { std::vector<float> v(11); c.all_reduce(v); }, "all_reduce(float32, count=11, op=sum) #0"},
+      {"different dtype", [](Comm& c) { std::vector<double> v(10); c.all_reduce(v); }, "all_reduce(float64, count=10, op=sum) #0"},
+      {"different op", [](Comm& c) { std::vector<float> v(10); c.all_reduce(v, ddp::ReduceOp::max); }, "all_reduce(float32, count=10, op=max) #0"},
+      {"large vs small", [](Comm& c) { std::vector<float> v(100000); c.all_reduce(v); }, "all_reduce(float32, count=100000, op=sum) #0"},
+  };
+  for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
+    for (const auto& c : cases) {
+      CAPTURE(mp::name(t));
+      CAPTURE(c.name);
+      mp::TempDir dir;
+      std::string spawn_error;
+      run_faulty(3, t, [&](Comm& comm) {
+        const auto t0 = Clock::now();
+        try {
+          if (comm.rank() == 1) c.call(comm);
+          else {
+            std::vector<float> v(10);
+            comm.all_reduce(v);
+          }
+          mp::TempDir::write(dir.file("rank" + std::to_string(comm.rank())), "ok 0");
+        } catch (const ddp::Error& e) {
+          report(dir, comm.rank(), e, mp::ms_since(t0));
+          // Poisoned: the next call fails at once with aborted, naming the first failure.
+          const auto t1 = Clock::now();
+          try {
+            comm.barrier();
+          } catch (const ddp::Error& again) {
+            mp::TempDir::write(dir.file("next" + std::to_string(comm.rank())),
+                               std::string(ddp::to_string(again.code())) + " " + std::to_string(mp::ms_since(t1)));
+          }
+        }
+      }, {}, &spawn_error);
+      CHECK(spawn_error.empty());
+      for (int r = 0; r < 3; ++r) {
+        const Outcome o = read_outcome(dir, r);
+        CAPTURE(r);
+        CAPTURE(o.message);
+        CHECK(o.code == "mismatch");
+        CHECK(o.ms < 1000);
+        CHECK(o.message.find("mismatched collectives") != std::string::npos);
+        CHECK(o.message.find("all_reduce(float32, count=10, op=sum) #0") != std::string::npos);
+        CHECK(o.message.find(c.theirs) != std::string::npos);
+        std::istringstream next(mp::TempDir::read(dir.file("next" + std::to_string(r))));
+        std::string code;
+        long long ms = -1;
+        next >> code >> ms;
+        CHECK(code == "aborted");
+        CHECK(ms < 10);
+      }
+    }
+  }
+}
+
+TEST_CASE("a peer killed during a loop of 1 MiB all_reduces: survivors raise peer_lost naming it within 2 s") {
+  for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
+    CAPTURE(mp::name(t));
+    mp::TempDir dir;
+    std::string spawn_error;
+    run_faulty(4, t, [&](Comm& comm) {
+      std::vector<float> v(256 * 1024, 1.0f);
+      const auto t0 = Clock::now();
+      try {
+        for (int i = 0; i < 1000000; ++i) {
+          if (comm.rank() == 2 && i == 20) {
+            mp::TempDir::write(dir.file("killed"), std::to_string(now_ms()));
+            ::raise(SIGKILL);
+          }
+          comm.all_reduce(v);
+        }
+      } catch (const ddp::Error& e) {
+        report(dir, comm.rank(), e, now_ms());
+        return;
+      }
+      (void)t0;
+    }, {}, &spawn_error);
+    CHECK(spawn_error.find("rank 2") != std::string::npos);
+    CHECK(spawn_error.find("killed by SIGKILL") != std::string::npos);
+    const long long killed_at = std::stoll(mp::TempDir::read(dir.file("killed")));
+    for (int r : {0, 1, 3}) {
+      const Outcome o = read_outcome(dir, r);
+      CAPTURE(r);
+      CAPTURE(o.message);
+      CHECK(o.code == "peer_lost");
+      CHECK(o.message.find("rank 2") != std::string::npos);
+      CHECK(o.ms - killed_at < 2000);
+    }
+    CHECK(our_shm_entries().empty());
+  }
+}
+
+TEST_CASE("a stalled peer: the others time out after the timeout, naming it") {
+  for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
+    CAPTURE(mp::name(t));
+    mp::TempDir dir;
+    ddp::Options o;
+    o.timeout = std::chrono::milliseconds(1000);
+    run_faulty(3, t, [&](Comm& comm) {
+      if (comm.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+      const auto t0 = Clock::now();
+      std::vector<float> v(1000);
+      try {
+        comm.all_reduce(v);
+      } catch (const ddp::Error& e) {
+        report(dir, comm.rank(), e, mp::ms_since(t0));
+      }
+    }, o);
+    for (int r : {0, 2}) {
+      const Outcome out = read_outcome(dir, r);
+      CAPTURE(r);
+      CAPTURE(out.message);
+      CHECK(out.code == "timeout");
+      CHECK(out.ms >= 500);
+      CHECK(out.ms <= 2000);
+      CHECK(out.message.find("rank 1") != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("ranks that skip a collective are all named") {
+  for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
+    CAPTURE(mp::name(t));
+    mp::TempDir dir;
+    ddp::Options o;
+    o.timeout = std::chrono::milliseconds(700);
+    run_faulty(4, t, [&](Comm& comm) {
+      if (comm.rank() == 1 || comm.rank() == 3) {  // alive, but skipping the collective
+        std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+        return;
+      }
+      std::vector<float> v(10);
+      try {
+        comm.all_reduce(v);
+      } catch (const ddp::Error& e) {
+        report(dir, comm.rank(), e, 0);
+      }
+    }, o);
+    for (int r : {0, 2}) {
+      const Outcome out = read_outcome(dir, r);
+      CAPTURE(out.message);
+      CHECK(out.code == "timeout");
+      CHECK(out.message.find("ranks 1, 3") != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("a rank that never joins: the rendezvous names it") {
+  mp::TempDir dir;
+  ddp::SpawnOptions so;
+  so.stop_on_failure = false;
+  ddp::spawn(4, [&](ddp::Environment env) {
+    if (env.rank == 3) return;
+    ddp::Options o;
+    o.timeout = std::chrono::milliseconds(800);
+    try {
+      auto comm = Comm::init(env, o);
+    } catch (const ddp::Error& e) {
+      report(dir, env.rank, e, 0);
+    }
+  }, so);
+  for (int r : {0, 1, 2}) {
+    const Outcome out = read_outcome(dir, r);
+    CAPTURE(out.message);
+    CHECK(out.code == "timeout");
+    CHECK(out.message.find("3/4 ranks joined; missing rank 3") != std::string::npos);
+  }
+}
+
+TEST_CASE("Work::wait rethrows an async failure; abort() from another thread unblocks a waiting rank") {
+  for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
+    CAPTURE(mp::name(t));
+    mp::TempDir dir;
+    ddp::Options o;
+    o.timeout = std::chrono::seconds(4);
+    run_faulty(2, t, [&](Comm& comm) {
+      if (comm.rank() == 1) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // never joins in time
+        return;
+      }
+      std::vector<float> v(100);
+      auto work = comm.all_reduce_async(v);
+      const auto t0 = Clock::now();
+      std::thread watchdog([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        comm.abort("watchdog");
+      });
+      try {
+        work.wait();
+      } catch (const ddp::Error& e) {
+        report(dir, 0, e, mp::ms_since(t0));
+      }
+      watchdog.join();
+      mp::TempDir::write(dir.file("test"), work.test() && work.failed() ? "done-failed" : "not");
+    }, o);
+    const Outcome out = read_outcome(dir, 0);
+    CAPTURE(out.message);
+    CHECK(out.code == "aborted");
+    CHECK(out.ms < 1000);  // timeout / 4
+    CHECK(mp::TempDir::read(dir.file("test")) == "done-failed");
+  }
+}
+
+TEST_CASE("ZeroFirstGuard: rank 0 goes first; if it throws, the others do not hang") {
+  for (auto scope : {ddp::GuardScope::local, ddp::GuardScope::global}) {
+    mp::TempDir dir;
+    mp::run(3, ddp::HostTransport::shm, [&](Comm& comm) {
+      {
+        ddp::ZeroFirstGuard guard(comm, scope);
+        if (comm.rank() == 0) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(150));
+          mp::TempDir::write(dir.file("cache"), "built");
+        } else {
+          MP_EXPECT(mp::TempDir::read(dir.file("cache")) == "built", "rank " << comm.rank() << " entered before rank 0 finished");
+        }
+      }
+      comm.barrier();
+    });
+  }
+  mp::TempDir dir;
+  run_faulty(3, ddp::HostTransport::shm, [&](Comm& comm) {
+    try {
+      ddp::ZeroFirstGuard guard(comm);
+      if (comm.rank() == 0) throw std::runtime_error("dataset download failed");
+      mp::TempDir::write(dir.file("entered" + std::to_string(comm.rank())), "yes");
+    } catch (const ddp::Error& e) {
+      report(dir, comm.rank(), e, 0);
+    } catch (const std::runtime_error& e) {
+      mp::TempDir::write(dir.file("rank0"), std::string("user 0 ") + e.what());
+    }
+  });
+  CHECK(read_outcome(dir, 0).code == "user");
+  for (int r : {1, 2}) {
+    const Outcome out = read_outcome(dir, r);
+    CAPTURE(out.message);
+    CHECK(out.code == "aborted");
+    CHECK(out.message.find("rank 0 of the group threw inside the guarded block") != std::string::npos);
+    CHECK(mp::TempDir::read(dir.file("entered" + std::to_string(r))).empty());
+  }
+}
+
+TEST_CASE("spawn names a failing rank and carries its message") {
+  try {
+    ddp::spawn(3, [](ddp::Environment env) {
+      if (env.rank == 1) throw std::runtime_error("bad batch");
+      std::this_thread::sleep_for(std::chrono::seconds(30));  // stopped by spawn
+    });
+    FAIL("spawn did not throw");
+  } catch (const ddp::Error& e) {
+    CHECK(std::string(e.what()).find("rank 1") != std::string::npos);
+    CHECK(std::string(e.what()).find("bad batch") != std::string::npos);
+  }
+  try {
+    ddp::spawn(2, [](ddp::Environment env) {
+      if (env.rank == 0) ::raise(SIGSEGV);
+    });
+    FAIL("spawn did not throw");
+  } catch (const ddp::Error& e) {
+    CHECK(std::string(e.what()).find("rank 0") != std::string::npos);
+    CHECK(std::string(e.what()).find("killed by SIGSEGV") != std::string::npos);
+  }
+  CHECK(our_shm_entries().empty());
+}
