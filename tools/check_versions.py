@@ -16,6 +16,11 @@ found = {
     "CHANGELOG.md": re.search(r"^## \[?(\d+\.\d+\.\d+)", (root / "CHANGELOG.md").read_text(), re.M).group(1),
 }
 bad = {k: v for k, v in found.items() if v != version}
+# meson.build lists the unit test sources by hand: it must list every one.
+meson = (root / "meson.build").read_text()
+for test in sorted((root / "tests/unit").glob("*.cpp")):
+    if f"'tests/unit/{test.name}'" not in meson:
+        bad[f"meson.build (unit_sources lacks tests/unit/{test.name})"] = "missing"
 for k, v in bad.items():
     print(f"{k} says {v}, include/ddp/version.hpp says {version}", file=sys.stderr)
 if not bad:

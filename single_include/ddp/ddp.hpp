@@ -4542,10 +4542,22 @@ class Decoder {
 };
 
 namespace detail {
+template <class T>
+inline constexpr bool is_optional_v = false;
+template <class T>
+inline constexpr bool is_optional_v<std::optional<T>> = true;
+
+/// Sent as their bytes: trivially copyable types, except those whose bytes can be invalid
+/// (bool, std::optional), which have checking codecs. A trivially copyable struct with a bool
+/// or closed-enum member should get its own codec.
+template <class T>
+concept RawEncodable =
+    std::is_trivially_copyable_v<T> && !std::is_same_v<T, bool> && !is_optional_v<T>;
+
 /// Fewest bytes one encoded T takes (bounds counts read from the wire).
 template <class T>
 constexpr std::size_t min_encoded_bytes() {
-  if constexpr (std::is_trivially_copyable_v<T>)
+  if constexpr (RawEncodable<T>)
     return sizeof(T);
   else
     return 1;
@@ -4553,13 +4565,27 @@ constexpr std::size_t min_encoded_bytes() {
 }  // namespace detail
 
 template <class T>
-  requires std::is_trivially_copyable_v<T>
+  requires detail::RawEncodable<T>
 struct codec<T> {
   static void encode(Encoder& e, const T& v) { e.bytes(&v, sizeof v); }
   static T decode(Decoder& d) {
     T v;
     d.bytes(&v, sizeof v);
     return v;
+  }
+};
+
+template <>
+struct codec<bool> {
+  static void encode(Encoder& e, const bool& v) {
+    const std::uint8_t b = v ? 1 : 0;
+    e.bytes(&b, 1);
+  }
+  static bool decode(Decoder& d) {
+    std::uint8_t b = 0;
+    d.bytes(&b, 1);
+    if (b > 1) detail::fail(Errc::invalid_argument, "object decode: bad bool ", int{b});
+    return b == 1;
   }
 };
 
@@ -4580,7 +4606,7 @@ template <class T>
 struct codec<std::vector<T>> {
   static void encode(Encoder& e, const std::vector<T>& v) {
     e.count(v.size());
-    if constexpr (std::is_trivially_copyable_v<T> && !std::is_same_v<T, bool>) {
+    if constexpr (detail::RawEncodable<T>) {
       e.bytes(v.data(), v.size() * sizeof(T));
     } else {
       for (const auto& x : v) e.put<T>(x);
@@ -4589,7 +4615,7 @@ struct codec<std::vector<T>> {
   static std::vector<T> decode(Decoder& d) {
     const std::size_t n = d.count(detail::min_encoded_bytes<T>());
     std::vector<T> v;
-    if constexpr (std::is_trivially_copyable_v<T> && !std::is_same_v<T, bool>) {
+    if constexpr (detail::RawEncodable<T>) {
       v.resize(n);
       d.bytes(v.data(), n * sizeof(T));
     } else {
@@ -4601,7 +4627,7 @@ struct codec<std::vector<T>> {
 };
 
 template <class A, class B>
-  requires(!std::is_trivially_copyable_v<std::pair<A, B>>)
+  requires(!detail::RawEncodable<std::pair<A, B>>)
 struct codec<std::pair<A, B>> {
   static void encode(Encoder& e, const std::pair<A, B>& p) {
     e.put<A>(p.first);
@@ -4615,7 +4641,6 @@ struct codec<std::pair<A, B>> {
 };
 
 template <class T>
-  requires(!std::is_trivially_copyable_v<std::optional<T>>)
 struct codec<std::optional<T>> {
   static void encode(Encoder& e, const std::optional<T>& o) {
     e.put<std::uint8_t>(o.has_value() ? 1 : 0);

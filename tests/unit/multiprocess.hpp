@@ -23,16 +23,18 @@ using namespace std::chrono_literals;
 
 /// In a child process doctest's CHECK would be lost: failures throw, and spawn carries the
 /// message back to the parent, which fails the test.
-#define MP_EXPECT(cond, ...)                                                                     \
-  do {                                                                                           \
-    if (!(cond)) {                                                                               \
-      std::ostringstream mp_os_;                                                                 \
-      mp_os_ << __FILE__ << ":" << __LINE__ << ": expected " #cond ": " << __VA_ARGS__;          \
-      throw std::runtime_error(mp_os_.str());                                                    \
-    }                                                                                            \
+#define MP_EXPECT(cond, ...)                                                            \
+  do {                                                                                  \
+    if (!(cond)) {                                                                      \
+      std::ostringstream mp_os_;                                                        \
+      mp_os_ << __FILE__ << ":" << __LINE__ << ": expected " #cond ": " << __VA_ARGS__; \
+      throw std::runtime_error(mp_os_.str());                                           \
+    }                                                                                   \
   } while (false)
 
-inline std::string name(ddp::HostTransport t) { return t == ddp::HostTransport::shm ? "shm" : "tcp"; }
+inline std::string name(ddp::HostTransport t) {
+  return t == ddp::HostTransport::shm ? "shm" : "tcp";
+}
 
 /// Segment size used by the tests: small, so that "larger than any internal chunk" is cheap.
 inline constexpr std::size_t test_segment = 64 * 1024;
@@ -54,7 +56,8 @@ inline void run(int world, ddp::HostTransport transport, const std::function<voi
 }
 
 /// Runs body over every world size and both transports.
-inline void each_world(const std::function<void(Comm&)>& body, std::vector<int> worlds = {1, 2, 3, 4}) {
+inline void each_world(const std::function<void(Comm&)>& body,
+                       std::vector<int> worlds = {1, 2, 3, 4}) {
   for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
     for (int w : worlds) {
       CAPTURE(w);
@@ -72,7 +75,9 @@ struct TempDir {
   }
   ~TempDir() { std::system(("rm -rf " + path).c_str()); }
   [[nodiscard]] std::string file(const std::string& name) const { return path + "/" + name; }
-  static void write(const std::string& file, const std::string& text) { std::ofstream(file) << text; }
+  static void write(const std::string& file, const std::string& text) {
+    std::ofstream(file) << text;
+  }
   [[nodiscard]] static std::string read(const std::string& file) {
     std::ifstream in(file);
     std::stringstream ss;
@@ -83,7 +88,9 @@ struct TempDir {
 
 /// Milliseconds since `t0`.
 inline long long ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
+                                                               t0)
+      .count();
 }
 
 }  // namespace mp

@@ -15,7 +15,8 @@ using mp::Comm;
 using Clock = std::chrono::steady_clock;
 
 long long now_ms() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch()).count();
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch())
+      .count();
 }
 
 /// What a rank saw: "<errc> <ms> <message>" or "ok".
@@ -34,22 +35,26 @@ Outcome read_outcome(const mp::TempDir& dir, int rank) {
 }
 
 void report(const mp::TempDir& dir, int rank, const ddp::Error& e, long long ms) {
-  mp::TempDir::write(dir.file("rank" + std::to_string(rank)),
-                     std::string(ddp::to_string(e.code())) + " " + std::to_string(ms) + " " + e.what());
+  mp::TempDir::write(
+      dir.file("rank" + std::to_string(rank)),
+      std::string(ddp::to_string(e.code())) + " " + std::to_string(ms) + " " + e.what());
 }
 
 /// Runs body on `world` ranks without stopping the others when one fails.
-void run_faulty(int world, ddp::HostTransport t, const std::function<void(Comm&)>& body, ddp::Options o = {},
-                std::string* spawn_error = nullptr) {
+void run_faulty(int world, ddp::HostTransport t, const std::function<void(Comm&)>& body,
+                ddp::Options o = {}, std::string* spawn_error = nullptr) {
   o.transport = t;
   o.segment_bytes = mp::test_segment;
   ddp::SpawnOptions so;
   so.stop_on_failure = false;
   try {
-    ddp::spawn(world, [&](ddp::Environment env) {
-      auto comm = Comm::init(env, o);
-      body(comm);
-    }, so);
+    ddp::spawn(
+        world,
+        [&](ddp::Environment env) {
+          auto comm = Comm::init(env, o);
+          body(comm);
+        },
+        so);
     if (spawn_error != nullptr) *spawn_error = "";
   } catch (const ddp::Error& e) {
     if (spawn_error == nullptr) throw;
@@ -78,11 +83,36 @@ TEST_CASE("mismatched collectives fail on every rank with both fingerprints") {
     const char* theirs;
   };
   const std::vector<Case> cases = {
-      {"different collective", [](Comm& c) { std::vector<float> v(10); c.broadcast(v, 0); }, "broadcast(float32, count=10, root=0) #0"},
-      {"different count", [](Comm& c) { std::vector<float> v(11); c.all_reduce(v); }, "all_reduce(float32, count=11, op=sum) #0"},
-      {"different dtype", [](Comm& c) { std::vector<double> v(10); c.all_reduce(v); }, "all_reduce(float64, count=10, op=sum) #0"},
-      {"different op", [](Comm& c) { std::vector<float> v(10); c.all_reduce(v, ddp::ReduceOp::max); }, "all_reduce(float32, count=10, op=max) #0"},
-      {"large vs small", [](Comm& c) { std::vector<float> v(100000); c.all_reduce(v); }, "all_reduce(float32, count=100000, op=sum) #0"},
+      {"different collective",
+       [](Comm& c) {
+         std::vector<float> v(10);
+         c.broadcast(v, 0);
+       },
+       "broadcast(float32, count=10, root=0) #0"},
+      {"different count",
+       [](Comm& c) {
+         std::vector<float> v(11);
+         c.all_reduce(v);
+       },
+       "all_reduce(float32, count=11, op=sum) #0"},
+      {"different dtype",
+       [](Comm& c) {
+         std::vector<double> v(10);
+         c.all_reduce(v);
+       },
+       "all_reduce(float64, count=10, op=sum) #0"},
+      {"different op",
+       [](Comm& c) {
+         std::vector<float> v(10);
+         c.all_reduce(v, ddp::ReduceOp::max);
+       },
+       "all_reduce(float32, count=10, op=max) #0"},
+      {"large vs small",
+       [](Comm& c) {
+         std::vector<float> v(100000);
+         c.all_reduce(v);
+       },
+       "all_reduce(float32, count=100000, op=sum) #0"},
   };
   for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
     for (const auto& c : cases) {
@@ -90,27 +120,32 @@ TEST_CASE("mismatched collectives fail on every rank with both fingerprints") {
       CAPTURE(c.name);
       mp::TempDir dir;
       std::string spawn_error;
-      run_faulty(3, t, [&](Comm& comm) {
-        const auto t0 = Clock::now();
-        try {
-          if (comm.rank() == 1) c.call(comm);
-          else {
-            std::vector<float> v(10);
-            comm.all_reduce(v);
-          }
-          mp::TempDir::write(dir.file("rank" + std::to_string(comm.rank())), "ok 0");
-        } catch (const ddp::Error& e) {
-          report(dir, comm.rank(), e, mp::ms_since(t0));
-          // Poisoned: the next call fails at once with aborted, naming the first failure.
-          const auto t1 = Clock::now();
-          try {
-            comm.barrier();
-          } catch (const ddp::Error& again) {
-            mp::TempDir::write(dir.file("next" + std::to_string(comm.rank())),
-                               std::string(ddp::to_string(again.code())) + " " + std::to_string(mp::ms_since(t1)));
-          }
-        }
-      }, {}, &spawn_error);
+      run_faulty(
+          3, t,
+          [&](Comm& comm) {
+            const auto t0 = Clock::now();
+            try {
+              if (comm.rank() == 1)
+                c.call(comm);
+              else {
+                std::vector<float> v(10);
+                comm.all_reduce(v);
+              }
+              mp::TempDir::write(dir.file("rank" + std::to_string(comm.rank())), "ok 0");
+            } catch (const ddp::Error& e) {
+              report(dir, comm.rank(), e, mp::ms_since(t0));
+              // Poisoned: the next call fails at once with aborted, naming the first failure.
+              const auto t1 = Clock::now();
+              try {
+                comm.barrier();
+              } catch (const ddp::Error& again) {
+                mp::TempDir::write(dir.file("next" + std::to_string(comm.rank())),
+                                   std::string(ddp::to_string(again.code())) + " " +
+                                       std::to_string(mp::ms_since(t1)));
+              }
+            }
+          },
+          {}, &spawn_error);
       CHECK(spawn_error.empty());
       for (int r = 0; r < 3; ++r) {
         const Outcome o = read_outcome(dir, r);
@@ -132,28 +167,33 @@ TEST_CASE("mismatched collectives fail on every rank with both fingerprints") {
   }
 }
 
-TEST_CASE("a peer killed during a loop of 1 MiB all_reduces: survivors raise peer_lost naming it within 2 s") {
+TEST_CASE(
+    "a peer killed during a loop of 1 MiB all_reduces: survivors raise peer_lost naming it within "
+    "2 s") {
   for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
     CAPTURE(mp::name(t));
     mp::TempDir dir;
     std::string spawn_error;
-    run_faulty(4, t, [&](Comm& comm) {
-      std::vector<float> v(256 * 1024, 1.0f);
-      const auto t0 = Clock::now();
-      try {
-        for (int i = 0; i < 1000000; ++i) {
-          if (comm.rank() == 2 && i == 20) {
-            mp::TempDir::write(dir.file("killed"), std::to_string(now_ms()));
-            ::raise(SIGKILL);
+    run_faulty(
+        4, t,
+        [&](Comm& comm) {
+          std::vector<float> v(256 * 1024, 1.0f);
+          const auto t0 = Clock::now();
+          try {
+            for (int i = 0; i < 1000000; ++i) {
+              if (comm.rank() == 2 && i == 20) {
+                mp::TempDir::write(dir.file("killed"), std::to_string(now_ms()));
+                ::raise(SIGKILL);
+              }
+              comm.all_reduce(v);
+            }
+          } catch (const ddp::Error& e) {
+            report(dir, comm.rank(), e, now_ms());
+            return;
           }
-          comm.all_reduce(v);
-        }
-      } catch (const ddp::Error& e) {
-        report(dir, comm.rank(), e, now_ms());
-        return;
-      }
-      (void)t0;
-    }, {}, &spawn_error);
+          (void)t0;
+        },
+        {}, &spawn_error);
     CHECK(spawn_error.find("rank 2") != std::string::npos);
     CHECK(spawn_error.find("killed by SIGKILL") != std::string::npos);
     const long long killed_at = std::stoll(mp::TempDir::read(dir.file("killed")));
@@ -175,16 +215,19 @@ TEST_CASE("a stalled peer: the others time out after the timeout, naming it") {
     mp::TempDir dir;
     ddp::Options o;
     o.timeout = std::chrono::milliseconds(1000);
-    run_faulty(3, t, [&](Comm& comm) {
-      if (comm.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2500));
-      const auto t0 = Clock::now();
-      std::vector<float> v(1000);
-      try {
-        comm.all_reduce(v);
-      } catch (const ddp::Error& e) {
-        report(dir, comm.rank(), e, mp::ms_since(t0));
-      }
-    }, o);
+    run_faulty(
+        3, t,
+        [&](Comm& comm) {
+          if (comm.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+          const auto t0 = Clock::now();
+          std::vector<float> v(1000);
+          try {
+            comm.all_reduce(v);
+          } catch (const ddp::Error& e) {
+            report(dir, comm.rank(), e, mp::ms_since(t0));
+          }
+        },
+        o);
     for (int r : {0, 2}) {
       const Outcome out = read_outcome(dir, r);
       CAPTURE(r);
@@ -203,18 +246,21 @@ TEST_CASE("ranks that skip a collective are all named") {
     mp::TempDir dir;
     ddp::Options o;
     o.timeout = std::chrono::milliseconds(700);
-    run_faulty(4, t, [&](Comm& comm) {
-      if (comm.rank() == 1 || comm.rank() == 3) {  // alive, but skipping the collective
-        std::this_thread::sleep_for(std::chrono::milliseconds(1500));
-        return;
-      }
-      std::vector<float> v(10);
-      try {
-        comm.all_reduce(v);
-      } catch (const ddp::Error& e) {
-        report(dir, comm.rank(), e, 0);
-      }
-    }, o);
+    run_faulty(
+        4, t,
+        [&](Comm& comm) {
+          if (comm.rank() == 1 || comm.rank() == 3) {  // alive, but skipping the collective
+            std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+            return;
+          }
+          std::vector<float> v(10);
+          try {
+            comm.all_reduce(v);
+          } catch (const ddp::Error& e) {
+            report(dir, comm.rank(), e, 0);
+          }
+        },
+        o);
     for (int r : {0, 2}) {
       const Outcome out = read_outcome(dir, r);
       CAPTURE(out.message);
@@ -228,16 +274,19 @@ TEST_CASE("a rank that never joins: the rendezvous names it") {
   mp::TempDir dir;
   ddp::SpawnOptions so;
   so.stop_on_failure = false;
-  ddp::spawn(4, [&](ddp::Environment env) {
-    if (env.rank == 3) return;
-    ddp::Options o;
-    o.timeout = std::chrono::milliseconds(800);
-    try {
-      auto comm = Comm::init(env, o);
-    } catch (const ddp::Error& e) {
-      report(dir, env.rank, e, 0);
-    }
-  }, so);
+  ddp::spawn(
+      4,
+      [&](ddp::Environment env) {
+        if (env.rank == 3) return;
+        ddp::Options o;
+        o.timeout = std::chrono::milliseconds(800);
+        try {
+          auto comm = Comm::init(env, o);
+        } catch (const ddp::Error& e) {
+          report(dir, env.rank, e, 0);
+        }
+      },
+      so);
   for (int r : {0, 1, 2}) {
     const Outcome out = read_outcome(dir, r);
     CAPTURE(out.message);
@@ -246,32 +295,37 @@ TEST_CASE("a rank that never joins: the rendezvous names it") {
   }
 }
 
-TEST_CASE("Work::wait rethrows an async failure; abort() from another thread unblocks a waiting rank") {
+TEST_CASE(
+    "Work::wait rethrows an async failure; abort() from another thread unblocks a waiting rank") {
   for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
     CAPTURE(mp::name(t));
     mp::TempDir dir;
     ddp::Options o;
     o.timeout = std::chrono::seconds(4);
-    run_faulty(2, t, [&](Comm& comm) {
-      if (comm.rank() == 1) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // never joins in time
-        return;
-      }
-      std::vector<float> v(100);
-      auto work = comm.all_reduce_async(v);
-      const auto t0 = Clock::now();
-      std::thread watchdog([&] {
-        std::this_thread::sleep_for(std::chrono::milliseconds(200));
-        comm.abort("watchdog");
-      });
-      try {
-        work.wait();
-      } catch (const ddp::Error& e) {
-        report(dir, 0, e, mp::ms_since(t0));
-      }
-      watchdog.join();
-      mp::TempDir::write(dir.file("test"), work.test() && work.failed() ? "done-failed" : "not");
-    }, o);
+    run_faulty(
+        2, t,
+        [&](Comm& comm) {
+          if (comm.rank() == 1) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // never joins in time
+            return;
+          }
+          std::vector<float> v(100);
+          auto work = comm.all_reduce_async(v);
+          const auto t0 = Clock::now();
+          std::thread watchdog([&] {
+            std::this_thread::sleep_for(std::chrono::milliseconds(200));
+            comm.abort("watchdog");
+          });
+          try {
+            work.wait();
+          } catch (const ddp::Error& e) {
+            report(dir, 0, e, mp::ms_since(t0));
+          }
+          watchdog.join();
+          mp::TempDir::write(dir.file("test"),
+                             work.test() && work.failed() ? "done-failed" : "not");
+        },
+        o);
     const Outcome out = read_outcome(dir, 0);
     CAPTURE(out.message);
     CHECK(out.code == "aborted");
@@ -290,7 +344,8 @@ TEST_CASE("ZeroFirstGuard: rank 0 goes first; if it throws, the others do not ha
           std::this_thread::sleep_for(std::chrono::milliseconds(150));
           mp::TempDir::write(dir.file("cache"), "built");
         } else {
-          MP_EXPECT(mp::TempDir::read(dir.file("cache")) == "built", "rank " << comm.rank() << " entered before rank 0 finished");
+          MP_EXPECT(mp::TempDir::read(dir.file("cache")) == "built",
+                    "rank " << comm.rank() << " entered before rank 0 finished");
         }
       }
       comm.barrier();
@@ -313,7 +368,8 @@ TEST_CASE("ZeroFirstGuard: rank 0 goes first; if it throws, the others do not ha
     const Outcome out = read_outcome(dir, r);
     CAPTURE(out.message);
     CHECK(out.code == "aborted");
-    CHECK(out.message.find("rank 0 of the group threw inside the guarded block") != std::string::npos);
+    CHECK(out.message.find("rank 0 of the group threw inside the guarded block") !=
+          std::string::npos);
     CHECK(mp::TempDir::read(dir.file("entered" + std::to_string(r))).empty());
   }
 }
