@@ -21,6 +21,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -87,13 +88,20 @@ inline void spawn(int nprocs, const std::function<void(Environment)>& fn,
   for (int r = 0; r < nprocs; ++r) {
     int fds[2];
     if (::pipe2(fds, O_CLOEXEC) != 0) detail::fail_errno(errno, "spawn: pipe2");
+    // Signals are blocked across fork() so that none reaches the child before it has reset the
+    // parent's handlers: a worker starts with default dispositions (the parent's handlers, a
+    // test framework's crash reporter say, are not the worker's).
+    sigset_t all, previous;
+    ::sigfillset(&all);
+    ::pthread_sigmask(SIG_SETMASK, &all, &previous);
     const pid_t pid = ::fork();
+    if (pid != 0) ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
     if (pid < 0) detail::fail_errno(errno, "spawn: fork");
     if (pid == 0) {
-      // A worker starts with default signal dispositions: the parent's handlers (a test
-      // framework's crash reporter, an interactive shell's) are not the worker's.
-      for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGSEGV, SIGABRT, SIGFPE, SIGILL, SIGBUS, SIGPIPE})
+      for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGSEGV, SIGABRT, SIGFPE, SIGILL, SIGBUS, SIGPIPE}) {
         ::signal(sig, SIG_DFL);
+      }
+      ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
       ::close(fds[0]);
       listener.reset();
       for (int k = 0; k < r; ++k) children[static_cast<std::size_t>(k)].error_pipe.reset();

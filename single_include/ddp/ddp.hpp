@@ -2632,30 +2632,14 @@ class TcpTransport final : public Transport {
     }
   }
 
-  /// The connection to `peer` failed. Before blaming the peer, read what it may still have sent:
-  /// a fingerprint that shows it called another collective makes this a mismatch. The other
-  /// connections stay open: every survivor sees the dead peer itself (full mesh), and closing
-  /// them would make the survivors blame this rank instead.
+  /// The connection to `peer` failed. A mismatch explains more than a lost peer (the peer may
+  /// have left because it saw the mismatch first), so during a collective's first round this
+  /// rank collects the fingerprints still on their way, from every peer, for a short while, and
+  /// reports a mismatch if one shows. The other connections stay open: every survivor sees a
+  /// dead peer itself (full mesh), and closing them would make the survivors blame this rank.
   [[noreturn]] void lost(int peer, const Fingerprint* fp, const char* what) {
     check_abort(fp);  // our own abort() shut the sockets down: report that, not a lost peer
-    auto& x = xfers_[static_cast<std::size_t>(peer)];
-    if (fp != nullptr && x.header_in && x.in_i == 0) {
-      Seg& h = x.in[0];
-      for (;;) {
-        const ssize_t n = ::recv(peers_[static_cast<std::size_t>(peer)].get(), h.p + x.in_off,
-                                 h.n - x.in_off, MSG_DONTWAIT);
-        if (n > 0) {
-          x.in_off += static_cast<std::size_t>(n);
-          if (x.in_off == h.n)
-            check_header(peer, *fp);  // throws on a mismatch
-          else
-            continue;
-        } else if (n < 0 && errno == EINTR) {
-          continue;
-        }
-        break;
-      }
-    }
+    if (fp != nullptr) collect_headers(*fp, Deadline::after(std::chrono::milliseconds(500)));
     fail(Errc::peer_lost, "rank ", rank_, ": ",
          fp ? to_string(*fp) : std::string(what ? what : "operation"), ": the connection to rank ",
          peer,
@@ -2748,6 +2732,44 @@ class TcpTransport final : public Transport {
               lost(j, fp, what);
             }
           }
+        }
+      }
+    }
+  }
+
+  /// Reads the outstanding fingerprints of this round (only those) until all are in or the
+  /// deadline passes; throws Errc::mismatch if one differs from ours.
+  void collect_headers(const Fingerprint& mine, Deadline deadline) {
+    for (;;) {
+      std::vector<pollfd> fds;
+      std::vector<int> who;
+      for (int j = 0; j < size_; ++j) {
+        const auto& x = xfers_[static_cast<std::size_t>(j)];
+        if (j != rank_ && x.header_in && x.in_i == 0) {
+          fds.push_back({peers_[static_cast<std::size_t>(j)].get(), POLLIN, 0});
+          who.push_back(j);
+        }
+      }
+      if (fds.empty()) return;
+      const int rc = ::poll(fds.data(), fds.size(), deadline.poll_ms(50));
+      if (rc <= 0) {
+        if (deadline.expired() || (rc < 0 && errno != EINTR)) return;
+        continue;
+      }
+      for (std::size_t i = 0; i < fds.size(); ++i) {
+        if (fds[i].revents == 0) continue;
+        auto& x = xfers_[static_cast<std::size_t>(who[i])];
+        Seg& h = x.in[0];
+        const ssize_t n = ::recv(fds[i].fd, h.p + x.in_off, h.n - x.in_off, MSG_DONTWAIT);
+        if (n > 0) {
+          x.in_off += static_cast<std::size_t>(n);
+          if (x.in_off == h.n) {
+            check_header(who[i], mine);
+            ++x.in_i;
+            x.in_off = 0;
+          }
+        } else if (n == 0 || (errno != EAGAIN && errno != EINTR && errno != EWOULDBLOCK)) {
+          x.header_in = false;  // gone without a fingerprint: nothing more to learn there
         }
       }
     }
@@ -5785,6 +5807,7 @@ DDP_END_NAMESPACE
 
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -5851,13 +5874,20 @@ inline void spawn(int nprocs, const std::function<void(Environment)>& fn,
   for (int r = 0; r < nprocs; ++r) {
     int fds[2];
     if (::pipe2(fds, O_CLOEXEC) != 0) detail::fail_errno(errno, "spawn: pipe2");
+    // Signals are blocked across fork() so that none reaches the child before it has reset the
+    // parent's handlers: a worker starts with default dispositions (the parent's handlers, a
+    // test framework's crash reporter say, are not the worker's).
+    sigset_t all, previous;
+    ::sigfillset(&all);
+    ::pthread_sigmask(SIG_SETMASK, &all, &previous);
     const pid_t pid = ::fork();
+    if (pid != 0) ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
     if (pid < 0) detail::fail_errno(errno, "spawn: fork");
     if (pid == 0) {
-      // A worker starts with default signal dispositions: the parent's handlers (a test
-      // framework's crash reporter, an interactive shell's) are not the worker's.
-      for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGSEGV, SIGABRT, SIGFPE, SIGILL, SIGBUS, SIGPIPE})
+      for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGSEGV, SIGABRT, SIGFPE, SIGILL, SIGBUS, SIGPIPE}) {
         ::signal(sig, SIG_DFL);
+      }
+      ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
       ::close(fds[0]);
       listener.reset();
       for (int k = 0; k < r; ++k) children[static_cast<std::size_t>(k)].error_pipe.reset();

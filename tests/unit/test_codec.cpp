@@ -68,7 +68,8 @@ std::string u64(std::uint64_t v) {
 }  // namespace
 
 TEST_CASE("codec: round trips of built-in and user types") {
-  static_assert(ddp::Encodable<int> && ddp::Encodable<std::string> && ddp::Encodable<std::vector<std::string>>);
+  static_assert(ddp::Encodable<int> && ddp::Encodable<std::string> &&
+                ddp::Encodable<std::vector<std::string>>);
   static_assert(ddp::Encodable<user::Sample> && ddp::Encodable<std::optional<user::Sample>>);
   static_assert(!ddp::Encodable<std::map<int, int>>);  // no codec: refused at compile time
   CHECK(round_trip(42) == 42);
@@ -89,22 +90,28 @@ TEST_CASE("codec: hostile input is refused before allocating") {
   const std::string good = ddp::detail::encode_object(std::vector<std::string>{"alpha", "beta"});
   for (std::size_t n = 0; n < good.size(); ++n) {
     CAPTURE(n);
-    CHECK(decode_error<std::vector<std::string>>(good.substr(0, n)).find("object decode") != std::string::npos);
+    CHECK(decode_error<std::vector<std::string>>(good.substr(0, n)).find("object decode") !=
+          std::string::npos);
   }
   // Counts the input cannot hold: 2^63 and 2^64-1 strings in 8 bytes.
-  CHECK(decode_error<std::vector<std::string>>(with_tag_of(tag, u64(1ull << 63))).find("cannot fit") != std::string::npos);
-  CHECK(decode_error<std::vector<std::string>>(with_tag_of(tag, u64(~0ull))).find("cannot fit") != std::string::npos);
-  CHECK(decode_error<std::string>(with_tag_of(ddp::detail::type_tag<std::string>(), u64(1ull << 40) + "abc"))
+  CHECK(decode_error<std::vector<std::string>>(with_tag_of(tag, u64(1ull << 63)))
+            .find("cannot fit") != std::string::npos);
+  CHECK(decode_error<std::vector<std::string>>(with_tag_of(tag, u64(~0ull))).find("cannot fit") !=
+        std::string::npos);
+  CHECK(decode_error<std::string>(
+            with_tag_of(ddp::detail::type_tag<std::string>(), u64(1ull << 40) + "abc"))
             .find("cannot fit") != std::string::npos);
   // A vector of floats claiming more elements than bytes (4 bytes each).
-  CHECK(decode_error<std::vector<float>>(with_tag_of(ddp::detail::type_tag<std::vector<float>>(), u64(3) + "12345678"))
+  CHECK(decode_error<std::vector<float>>(
+            with_tag_of(ddp::detail::type_tag<std::vector<float>>(), u64(3) + "12345678"))
             .find("cannot fit") != std::string::npos);
   // Wrong type tag.
   CHECK(decode_error<std::vector<int>>(good).find("different type") != std::string::npos);
   // Trailing garbage.
   CHECK(decode_error<std::vector<std::string>>(good + "x").find("trailing") != std::string::npos);
   // Bad optional flag.
-  CHECK(decode_error<std::optional<int>>(with_tag_of(ddp::detail::type_tag<std::optional<int>>(), std::string(1, '\x07')))
+  CHECK(decode_error<std::optional<int>>(
+            with_tag_of(ddp::detail::type_tag<std::optional<int>>(), std::string(1, '\x07')))
             .find("optional flag") != std::string::npos);
 }
 
@@ -136,6 +143,6 @@ TEST_CASE("codec: nesting is bounded") {
   const std::string bytes = ddp::detail::encode_object(deep);
   CHECK(decode_error<user::Tree>(bytes).find("nesting deeper than 64") != std::string::npos);
   // bool is checked too.
-  CHECK(decode_error<bool>(with_tag_of(ddp::detail::type_tag<bool>(), std::string(1, '\x02'))).find("bad bool") !=
-        std::string::npos);
+  CHECK(decode_error<bool>(with_tag_of(ddp::detail::type_tag<bool>(), std::string(1, '\x02')))
+            .find("bad bool") != std::string::npos);
 }

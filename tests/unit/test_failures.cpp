@@ -117,7 +117,7 @@ TEST_CASE("mismatched collectives fail on every rank with both fingerprints") {
   for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
     for (const auto& c : cases) {
       CAPTURE(mp::name(t));
-      CAPTURE(c.name);
+      CAPTURE(std::string(c.name));
       mp::TempDir dir;
       std::string spawn_error;
       run_faulty(

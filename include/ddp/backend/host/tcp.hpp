@@ -235,30 +235,14 @@ class TcpTransport final : public Transport {
     }
   }
 
-  /// The connection to `peer` failed. Before blaming the peer, read what it may still have sent:
-  /// a fingerprint that shows it called another collective makes this a mismatch. The other
-  /// connections stay open: every survivor sees the dead peer itself (full mesh), and closing
-  /// them would make the survivors blame this rank instead.
+  /// The connection to `peer` failed. A mismatch explains more than a lost peer (the peer may
+  /// have left because it saw the mismatch first), so during a collective's first round this
+  /// rank collects the fingerprints still on their way, from every peer, for a short while, and
+  /// reports a mismatch if one shows. The other connections stay open: every survivor sees a
+  /// dead peer itself (full mesh), and closing them would make the survivors blame this rank.
   [[noreturn]] void lost(int peer, const Fingerprint* fp, const char* what) {
     check_abort(fp);  // our own abort() shut the sockets down: report that, not a lost peer
-    auto& x = xfers_[static_cast<std::size_t>(peer)];
-    if (fp != nullptr && x.header_in && x.in_i == 0) {
-      Seg& h = x.in[0];
-      for (;;) {
-        const ssize_t n = ::recv(peers_[static_cast<std::size_t>(peer)].get(), h.p + x.in_off,
-                                 h.n - x.in_off, MSG_DONTWAIT);
-        if (n > 0) {
-          x.in_off += static_cast<std::size_t>(n);
-          if (x.in_off == h.n)
-            check_header(peer, *fp);  // throws on a mismatch
-          else
-            continue;
-        } else if (n < 0 && errno == EINTR) {
-          continue;
-        }
-        break;
-      }
-    }
+    if (fp != nullptr) collect_headers(*fp, Deadline::after(std::chrono::milliseconds(500)));
     fail(Errc::peer_lost, "rank ", rank_, ": ",
          fp ? to_string(*fp) : std::string(what ? what : "operation"), ": the connection to rank ",
          peer,
@@ -351,6 +335,44 @@ class TcpTransport final : public Transport {
               lost(j, fp, what);
             }
           }
+        }
+      }
+    }
+  }
+
+  /// Reads the outstanding fingerprints of this round (only those) until all are in or the
+  /// deadline passes; throws Errc::mismatch if one differs from ours.
+  void collect_headers(const Fingerprint& mine, Deadline deadline) {
+    for (;;) {
+      std::vector<pollfd> fds;
+      std::vector<int> who;
+      for (int j = 0; j < size_; ++j) {
+        const auto& x = xfers_[static_cast<std::size_t>(j)];
+        if (j != rank_ && x.header_in && x.in_i == 0) {
+          fds.push_back({peers_[static_cast<std::size_t>(j)].get(), POLLIN, 0});
+          who.push_back(j);
+        }
+      }
+      if (fds.empty()) return;
+      const int rc = ::poll(fds.data(), fds.size(), deadline.poll_ms(50));
+      if (rc <= 0) {
+        if (deadline.expired() || (rc < 0 && errno != EINTR)) return;
+        continue;
+      }
+      for (std::size_t i = 0; i < fds.size(); ++i) {
+        if (fds[i].revents == 0) continue;
+        auto& x = xfers_[static_cast<std::size_t>(who[i])];
+        Seg& h = x.in[0];
+        const ssize_t n = ::recv(fds[i].fd, h.p + x.in_off, h.n - x.in_off, MSG_DONTWAIT);
+        if (n > 0) {
+          x.in_off += static_cast<std::size_t>(n);
+          if (x.in_off == h.n) {
+            check_header(who[i], mine);
+            ++x.in_i;
+            x.in_off = 0;
+          }
+        } else if (n == 0 || (errno != EAGAIN && errno != EINTR && errno != EWOULDBLOCK)) {
+          x.header_in = false;  // gone without a fingerprint: nothing more to learn there
         }
       }
     }
