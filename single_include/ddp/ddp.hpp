@@ -1115,6 +1115,11 @@ class Transport {
   virtual std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
                                                   const Fingerprint* fp) = 0;
 
+  /// Memory that may hold part of the next round's offer, so that data can be produced in place
+  /// instead of copied there (the shared-memory slot of the next round); nullptr when the
+  /// transport has none or `bytes` does not fit. Valid until the next round.
+  [[nodiscard]] virtual std::byte* stage(std::size_t /*bytes*/) { return nullptr; }
+
   /// Point-to-point, matched in order per pair; the receiver checks tag, dtype and count.
   virtual void send(const Buf& buf, int peer, int tag, std::uint64_t seq) = 0;
   virtual void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) = 0;
@@ -1857,7 +1862,9 @@ class ShmTransport final : public Transport {
       std::size_t base = 0;
       for (const Piece& p : offer) {  // copy [from, to) out of the pieces
         const std::size_t lo = std::max(from, base), hi = std::min(to, base + p.len);
-        if (lo < hi) std::memcpy(my_slot + lo, p.data + (lo - base), hi - lo);
+        // Skip bytes already in place (staged in the slot by the caller).
+        if (lo < hi && my_slot + lo != p.data + (lo - base))
+          std::memcpy(my_slot + lo, p.data + (lo - base), hi - lo);
         base += p.len;
       }
       copied_to = std::max(copied_to, to);
@@ -1890,6 +1897,13 @@ class ShmTransport final : public Transport {
         ptrs_[static_cast<std::size_t>(j)] = slot(j, parity) + r.off;
     }
     return ptrs_;
+  }
+
+  /// My slot for the next round: free, since every peer has finished reading the round that used
+  /// it last (they published the current round, which they only do after that).
+  std::byte* stage(std::size_t bytes) override {
+    if (bytes > layout_.slot_bytes) return nullptr;
+    return slot(rank_, static_cast<unsigned>((tick_ + 1) & 1u));
   }
 
   void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
@@ -1984,7 +1998,9 @@ class ShmTransport final : public Transport {
   void wait(Ready&& ready, const Fingerprint* fp, Behind&& behind_desc,
             const char* what = nullptr) {
     if (ready()) return;
-    const auto spin_until = Clock::now() + (oversubscribed_ ? std::chrono::microseconds(2)
+    // Spin first, unless there are more ranks than cores: then the awaited rank may be waiting
+    // for this very core, so yield it at once.
+    const auto spin_until = Clock::now() + (oversubscribed_ ? std::chrono::microseconds(0)
                                                             : std::chrono::microseconds(50));
     do {
       for (int i = 0; i < 64; ++i) {
@@ -1994,7 +2010,10 @@ class ShmTransport final : public Transport {
     } while (Clock::now() < spin_until);
     const auto deadline = Deadline::after(timeout_);
     auto next_check = Clock::now();
-    int yields = 0;
+    // More ranks than cores: the rank we wait for needs this core. Hand it over with
+    // sched_yield for a while (cheap for the poster: nobody sleeps, so no futex wake-up), and
+    // only then sleep.
+    const auto yield_until = Clock::now() + std::chrono::milliseconds(2);
     for (;;) {
       check_abort(fp);
       if (ready()) return;
@@ -2019,8 +2038,7 @@ class ShmTransport final : public Transport {
         }
         next_check = now + std::chrono::milliseconds(20);
       }
-      if (oversubscribed_ && yields < 64) {
-        ++yields;
+      if (oversubscribed_ && now < yield_until) {
         ::sched_yield();
         continue;
       }
@@ -2890,34 +2908,62 @@ inline A combine(A a, A b) {
   }
 }
 
-/// dst[i] = src[0][i] op src[1][i] op ... op src[n-1][i] for i in [0, count). dst may alias any
-/// source exactly (in place), but must not partially overlap one.
+/// dst[i] = src[0][i] op src[1][i] op ... op src[n-1][i] for i in [0, count), and the same into
+/// dst2 when it is not null (one pass writing both: the all-reduce writes its result to the user's
+/// buffer and to the slot peers read it from). dst may alias a source exactly (in place), but
+/// must not partially overlap one; dst2 must not overlap anything.
 template <class T, ReduceOp Op>
-void reduce_kernel(std::byte* dst, const std::byte* const* src, int n, std::size_t count) {
+void reduce_kernel(std::byte* dst, std::byte* dst2, const std::byte* const* src, int n,
+                   std::size_t count) {
   using A = typename Accum<T>::type;
+  auto* d = reinterpret_cast<T*>(dst);
+  auto* d2 = reinterpret_cast<T*>(dst2);
+  if constexpr (std::is_same_v<A, T> && Op != ReduceOp::avg) {
+    if (n == 2) {  // the common case, one fused pass
+      const auto* a = reinterpret_cast<const T*>(src[0]);
+      const auto* b = reinterpret_cast<const T*>(src[1]);
+      if (d2 == nullptr) {
+        for (std::size_t i = 0; i < count; ++i) d[i] = combine<Op, A>(a[i], b[i]);
+      } else {
+        for (std::size_t i = 0; i < count; ++i) {
+          const T v = combine<Op, A>(a[i], b[i]);
+          d[i] = v;
+          d2[i] = v;
+        }
+      }
+      return;
+    }
+  }
   constexpr std::size_t block = 1024;
   A acc[block];
   for (std::size_t base = 0; base < count; base += block) {
     const std::size_t m = std::min(block, count - base);
     {
       const auto* s = reinterpret_cast<const T*>(src[0]) + base;
-      for (std::size_t i = 0; i < m; ++i) acc[i] = static_cast<A>(s[i]);
+      if (n > 1) {
+        const auto* s1 = reinterpret_cast<const T*>(src[1]) + base;
+        for (std::size_t i = 0; i < m; ++i)
+          acc[i] = combine<Op, A>(static_cast<A>(s[i]), static_cast<A>(s1[i]));
+      } else {
+        for (std::size_t i = 0; i < m; ++i) acc[i] = static_cast<A>(s[i]);
+      }
     }
-    for (int k = 1; k < n; ++k) {
+    for (int k = 2; k < n; ++k) {
       const auto* s = reinterpret_cast<const T*>(src[k]) + base;
       for (std::size_t i = 0; i < m; ++i) acc[i] = combine<Op, A>(acc[i], static_cast<A>(s[i]));
     }
-    auto* d = reinterpret_cast<T*>(dst) + base;
     if constexpr (Op == ReduceOp::avg) {
       const A ranks = static_cast<A>(n);
-      for (std::size_t i = 0; i < m; ++i) d[i] = static_cast<T>(acc[i] / ranks);
-    } else {
-      for (std::size_t i = 0; i < m; ++i) d[i] = static_cast<T>(acc[i]);
+      for (std::size_t i = 0; i < m; ++i) acc[i] = acc[i] / ranks;
+    }
+    for (std::size_t i = 0; i < m; ++i) d[base + i] = static_cast<T>(acc[i]);
+    if (d2 != nullptr) {
+      for (std::size_t i = 0; i < m; ++i) d2[base + i] = d[base + i];
     }
   }
 }
 
-using ReduceFn = void (*)(std::byte*, const std::byte* const*, int, std::size_t);
+using ReduceFn = void (*)(std::byte*, std::byte*, const std::byte* const*, int, std::size_t);
 
 template <class T>
 constexpr ReduceFn reduce_fn_for(ReduceOp op) {
@@ -4027,7 +4073,7 @@ class Host {
             return detail::Range{0, b.bytes()};
           },
           &fp);
-      fn(b.data, ptrs.data(), p, b.count);
+      fn(b.data, nullptr, ptrs.data(), p, b.count);
       return;
     }
     const std::size_t seg =
@@ -4045,8 +4091,10 @@ class Host {
           {&pc, 1}, [&](int, int dst) { return chunk(dst); }, first ? &fp : nullptr);
       first = false;
       const detail::Range mine = chunk(rank_);
-      fn(base + mine.off, ptrs.data(), p, mine.len / es);
-      const detail::Piece result{base + mine.off, mine.len};
+      // Reduce into the user's buffer and, in the same pass, into the next round's slot.
+      std::byte* staged = t_->stage(mine.len);
+      fn(base + mine.off, staged, ptrs.data(), p, mine.len / es);
+      const detail::Piece result{staged != nullptr ? staged : base + mine.off, mine.len};
       auto got = t_->round(
           {&result, 1},
           [&](int src, int) {
@@ -4092,7 +4140,7 @@ class Host {
             return dst == root ? detail::Range{0, b.bytes()} : detail::Range{};
           },
           &fp);
-      if (rank_ == root) fn(b.data, ptrs.data(), p, b.count);
+      if (rank_ == root) fn(b.data, nullptr, ptrs.data(), p, b.count);
       return;
     }
     const std::size_t seg =
@@ -4116,7 +4164,7 @@ class Host {
         if (scratch_.size() < mine.len) scratch_.resize(mine.len);
         out = scratch_.data();
       }
-      fn(out, ptrs.data(), p, mine.len / es);
+      fn(out, nullptr, ptrs.data(), p, mine.len / es);
       const detail::Piece result{out, mine.len};
       auto got = t_->round(
           {&result, 1},
@@ -4178,7 +4226,7 @@ class Host {
             return detail::Range{static_cast<std::size_t>(dst) * m * es, m * es};
           },
           first ? &fp : nullptr);
-      fn(out.at(s0), ptrs.data(), size_, m);
+      fn(out.at(s0), nullptr, ptrs.data(), size_, m);
     });
   }
 

@@ -127,7 +127,7 @@ class Host {
             return detail::Range{0, b.bytes()};
           },
           &fp);
-      fn(b.data, ptrs.data(), p, b.count);
+      fn(b.data, nullptr, ptrs.data(), p, b.count);
       return;
     }
     const std::size_t seg =
@@ -145,8 +145,10 @@ class Host {
           {&pc, 1}, [&](int, int dst) { return chunk(dst); }, first ? &fp : nullptr);
       first = false;
       const detail::Range mine = chunk(rank_);
-      fn(base + mine.off, ptrs.data(), p, mine.len / es);
-      const detail::Piece result{base + mine.off, mine.len};
+      // Reduce into the user's buffer and, in the same pass, into the next round's slot.
+      std::byte* staged = t_->stage(mine.len);
+      fn(base + mine.off, staged, ptrs.data(), p, mine.len / es);
+      const detail::Piece result{staged != nullptr ? staged : base + mine.off, mine.len};
       auto got = t_->round(
           {&result, 1},
           [&](int src, int) {
@@ -192,7 +194,7 @@ class Host {
             return dst == root ? detail::Range{0, b.bytes()} : detail::Range{};
           },
           &fp);
-      if (rank_ == root) fn(b.data, ptrs.data(), p, b.count);
+      if (rank_ == root) fn(b.data, nullptr, ptrs.data(), p, b.count);
       return;
     }
     const std::size_t seg =
@@ -216,7 +218,7 @@ class Host {
         if (scratch_.size() < mine.len) scratch_.resize(mine.len);
         out = scratch_.data();
       }
-      fn(out, ptrs.data(), p, mine.len / es);
+      fn(out, nullptr, ptrs.data(), p, mine.len / es);
       const detail::Piece result{out, mine.len};
       auto got = t_->round(
           {&result, 1},
@@ -278,7 +280,7 @@ class Host {
             return detail::Range{static_cast<std::size_t>(dst) * m * es, m * es};
           },
           first ? &fp : nullptr);
-      fn(out.at(s0), ptrs.data(), size_, m);
+      fn(out.at(s0), nullptr, ptrs.data(), size_, m);
     });
   }
 

@@ -67,34 +67,62 @@ inline A combine(A a, A b) {
   }
 }
 
-/// dst[i] = src[0][i] op src[1][i] op ... op src[n-1][i] for i in [0, count). dst may alias any
-/// source exactly (in place), but must not partially overlap one.
+/// dst[i] = src[0][i] op src[1][i] op ... op src[n-1][i] for i in [0, count), and the same into
+/// dst2 when it is not null (one pass writing both: the all-reduce writes its result to the user's
+/// buffer and to the slot peers read it from). dst may alias a source exactly (in place), but
+/// must not partially overlap one; dst2 must not overlap anything.
 template <class T, ReduceOp Op>
-void reduce_kernel(std::byte* dst, const std::byte* const* src, int n, std::size_t count) {
+void reduce_kernel(std::byte* dst, std::byte* dst2, const std::byte* const* src, int n,
+                   std::size_t count) {
   using A = typename Accum<T>::type;
+  auto* d = reinterpret_cast<T*>(dst);
+  auto* d2 = reinterpret_cast<T*>(dst2);
+  if constexpr (std::is_same_v<A, T> && Op != ReduceOp::avg) {
+    if (n == 2) {  // the common case, one fused pass
+      const auto* a = reinterpret_cast<const T*>(src[0]);
+      const auto* b = reinterpret_cast<const T*>(src[1]);
+      if (d2 == nullptr) {
+        for (std::size_t i = 0; i < count; ++i) d[i] = combine<Op, A>(a[i], b[i]);
+      } else {
+        for (std::size_t i = 0; i < count; ++i) {
+          const T v = combine<Op, A>(a[i], b[i]);
+          d[i] = v;
+          d2[i] = v;
+        }
+      }
+      return;
+    }
+  }
   constexpr std::size_t block = 1024;
   A acc[block];
   for (std::size_t base = 0; base < count; base += block) {
     const std::size_t m = std::min(block, count - base);
     {
       const auto* s = reinterpret_cast<const T*>(src[0]) + base;
-      for (std::size_t i = 0; i < m; ++i) acc[i] = static_cast<A>(s[i]);
+      if (n > 1) {
+        const auto* s1 = reinterpret_cast<const T*>(src[1]) + base;
+        for (std::size_t i = 0; i < m; ++i)
+          acc[i] = combine<Op, A>(static_cast<A>(s[i]), static_cast<A>(s1[i]));
+      } else {
+        for (std::size_t i = 0; i < m; ++i) acc[i] = static_cast<A>(s[i]);
+      }
     }
-    for (int k = 1; k < n; ++k) {
+    for (int k = 2; k < n; ++k) {
       const auto* s = reinterpret_cast<const T*>(src[k]) + base;
       for (std::size_t i = 0; i < m; ++i) acc[i] = combine<Op, A>(acc[i], static_cast<A>(s[i]));
     }
-    auto* d = reinterpret_cast<T*>(dst) + base;
     if constexpr (Op == ReduceOp::avg) {
       const A ranks = static_cast<A>(n);
-      for (std::size_t i = 0; i < m; ++i) d[i] = static_cast<T>(acc[i] / ranks);
-    } else {
-      for (std::size_t i = 0; i < m; ++i) d[i] = static_cast<T>(acc[i]);
+      for (std::size_t i = 0; i < m; ++i) acc[i] = acc[i] / ranks;
+    }
+    for (std::size_t i = 0; i < m; ++i) d[base + i] = static_cast<T>(acc[i]);
+    if (d2 != nullptr) {
+      for (std::size_t i = 0; i < m; ++i) d2[base + i] = d[base + i];
     }
   }
 }
 
-using ReduceFn = void (*)(std::byte*, const std::byte* const*, int, std::size_t);
+using ReduceFn = void (*)(std::byte*, std::byte*, const std::byte* const*, int, std::size_t);
 
 template <class T>
 constexpr ReduceFn reduce_fn_for(ReduceOp op) {

@@ -251,7 +251,9 @@ class ShmTransport final : public Transport {
       std::size_t base = 0;
       for (const Piece& p : offer) {  // copy [from, to) out of the pieces
         const std::size_t lo = std::max(from, base), hi = std::min(to, base + p.len);
-        if (lo < hi) std::memcpy(my_slot + lo, p.data + (lo - base), hi - lo);
+        // Skip bytes already in place (staged in the slot by the caller).
+        if (lo < hi && my_slot + lo != p.data + (lo - base))
+          std::memcpy(my_slot + lo, p.data + (lo - base), hi - lo);
         base += p.len;
       }
       copied_to = std::max(copied_to, to);
@@ -284,6 +286,13 @@ class ShmTransport final : public Transport {
         ptrs_[static_cast<std::size_t>(j)] = slot(j, parity) + r.off;
     }
     return ptrs_;
+  }
+
+  /// My slot for the next round: free, since every peer has finished reading the round that used
+  /// it last (they published the current round, which they only do after that).
+  std::byte* stage(std::size_t bytes) override {
+    if (bytes > layout_.slot_bytes) return nullptr;
+    return slot(rank_, static_cast<unsigned>((tick_ + 1) & 1u));
   }
 
   void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
@@ -378,7 +387,9 @@ class ShmTransport final : public Transport {
   void wait(Ready&& ready, const Fingerprint* fp, Behind&& behind_desc,
             const char* what = nullptr) {
     if (ready()) return;
-    const auto spin_until = Clock::now() + (oversubscribed_ ? std::chrono::microseconds(2)
+    // Spin first, unless there are more ranks than cores: then the awaited rank may be waiting
+    // for this very core, so yield it at once.
+    const auto spin_until = Clock::now() + (oversubscribed_ ? std::chrono::microseconds(0)
                                                             : std::chrono::microseconds(50));
     do {
       for (int i = 0; i < 64; ++i) {
@@ -388,7 +399,10 @@ class ShmTransport final : public Transport {
     } while (Clock::now() < spin_until);
     const auto deadline = Deadline::after(timeout_);
     auto next_check = Clock::now();
-    int yields = 0;
+    // More ranks than cores: the rank we wait for needs this core. Hand it over with
+    // sched_yield for a while (cheap for the poster: nobody sleeps, so no futex wake-up), and
+    // only then sleep.
+    const auto yield_until = Clock::now() + std::chrono::milliseconds(2);
     for (;;) {
       check_abort(fp);
       if (ready()) return;
@@ -413,8 +427,7 @@ class ShmTransport final : public Transport {
         }
         next_check = now + std::chrono::milliseconds(20);
       }
-      if (oversubscribed_ && yields < 64) {
-        ++yields;
+      if (oversubscribed_ && now < yield_until) {
         ::sched_yield();
         continue;
       }

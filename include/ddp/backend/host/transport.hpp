@@ -92,6 +92,11 @@ class Transport {
   virtual std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
                                                   const Fingerprint* fp) = 0;
 
+  /// Memory that may hold part of the next round's offer, so that data can be produced in place
+  /// instead of copied there (the shared-memory slot of the next round); nullptr when the
+  /// transport has none or `bytes` does not fit. Valid until the next round.
+  [[nodiscard]] virtual std::byte* stage(std::size_t /*bytes*/) { return nullptr; }
+
   /// Point-to-point, matched in order per pair; the receiver checks tag, dtype and count.
   virtual void send(const Buf& buf, int peer, int tag, std::uint64_t seq) = 0;
   virtual void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) = 0;

@@ -1,0 +1,109 @@
+// mpi-bench: the same measurements as ddp-bench, with the MPI library's collectives (the peer
+// ddp is compared against). Run it with mpirun, e.g.
+//   mpirun -np 2 --allow-run-as-root --oversubscribe build/bench/mpi-bench --csv mpi.csv
+#include <mpi.h>
+
+#include <fmt/format.h>
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "bench_common.hpp"
+
+namespace {
+
+double time_op(const std::string& op, float* a, float* b, int count, int iterations, int p) {
+  MPI_Barrier(MPI_COMM_WORLD);
+  const double t0 = MPI_Wtime();
+  for (int i = 0; i < iterations; ++i) {
+    if (op == "all_reduce")
+      MPI_Allreduce(MPI_IN_PLACE, a, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+    else if (op == "broadcast")
+      MPI_Bcast(a, count, MPI_FLOAT, 0, MPI_COMM_WORLD);
+    else if (op == "reduce") {
+      int rank;
+      MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+      MPI_Reduce(rank == 0 ? MPI_IN_PLACE : a, a, count, MPI_FLOAT, MPI_SUM, 0, MPI_COMM_WORLD);
+    } else if (op == "all_gather")
+      MPI_Allgather(MPI_IN_PLACE, 0, MPI_FLOAT, a, count / p, MPI_FLOAT, MPI_COMM_WORLD);
+    else if (op == "reduce_scatter")
+      MPI_Reduce_scatter_block(a, b, count / p, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+    else if (op == "all_to_all")
+      MPI_Alltoall(a, count / p, MPI_FLOAT, b, count / p, MPI_FLOAT, MPI_COMM_WORLD);
+    else if (op == "barrier")
+      MPI_Barrier(MPI_COMM_WORLD);
+    else
+      throw std::invalid_argument("unknown collective " + op);
+  }
+  double mine = (MPI_Wtime() - t0) * 1e6 / iterations, slowest = 0;
+  MPI_Allreduce(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return slowest;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int rank = 0, p = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &p);
+  CLI::App app{"mpi-bench: MPI collectives, measured like ddp-bench"};
+  std::vector<std::string> ops{"all_reduce"};
+  std::string min_b = "4", max_b = "64M", csv, label = "Open MPI";
+  double factor = 2, seconds = 0.2;
+  int warmup = 5, iters = 0;
+  app.add_option("-o,--op", ops,
+                 "all_reduce broadcast reduce all_gather reduce_scatter all_to_all barrier");
+  app.add_option("-b,--min-bytes", min_b);
+  app.add_option("-e,--max-bytes", max_b);
+  app.add_option("-f,--factor", factor);
+  app.add_option("-w,--warmup", warmup);
+  app.add_option("--seconds", seconds);
+  app.add_option("-i,--iters", iters);
+  app.add_option("--csv", csv);
+  app.add_option("--label", label);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    MPI_Finalize();
+    return rc;
+  }
+  const auto max_bytes = bench::parse_size(max_b);
+  std::vector<float> a(std::max<std::size_t>(1, max_bytes / 4), 1.0f), b(a.size(), 1.0f);
+  std::vector<bench::Row> rows;
+  for (const auto& op : ops) {
+    if (rank == 0)
+      bench::print_header(stdout, fmt::format("{} over {} ranks (MPI), float32", op, p));
+    for (std::uint64_t bytes = bench::parse_size(min_b); bytes <= max_bytes;) {
+      int count = static_cast<int>(std::max<std::uint64_t>(1, bytes / 4));
+      if (op != "all_reduce" && op != "broadcast" && op != "reduce")
+        count = std::max(p, count / p * p);
+      (void)time_op(op, a.data(), b.data(), count, warmup, p);
+      int n = iters;
+      if (n <= 0) {
+        const double probe = time_op(op, a.data(), b.data(), count, 3, p);
+        n = static_cast<int>(std::clamp(seconds * 1e6 / std::max(probe, 0.01), 5.0, 100000.0));
+      }
+      bench::Row r;
+      r.op = op;
+      r.count = static_cast<std::uint64_t>(count);
+      r.bytes = r.count * 4;
+      r.dtype = "float32";
+      r.redop = (op == "all_reduce" || op == "reduce" || op == "reduce_scatter") ? "sum" : "";
+      r.iterations = n;
+      r.time_us = time_op(op, a.data(), b.data(), count, n, p);
+      r.algbw = static_cast<double>(r.bytes) / (r.time_us * 1e3);
+      r.busbw = r.algbw * bench::bus_factor(op, p);
+      if (rank == 0) bench::print_row(stdout, r);
+      rows.push_back(r);
+      const auto next = static_cast<std::uint64_t>(std::ceil(static_cast<double>(bytes) * factor));
+      bytes = next > bytes ? next : bytes + 1;
+    }
+  }
+  if (rank == 0 && !csv.empty()) bench::write_csv(csv, rows, label);
+  MPI_Finalize();
+  return 0;
+}
