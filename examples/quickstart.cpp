@@ -1,22 +1,18 @@
 #include <ddp/ddp.hpp>
 
 #include <cstdio>
+#include <string>
 #include <vector>
 
-struct Matrix {  // your own tensor type
-  std::vector<float> values;
-  int rows, cols;
-};
-
-template <>  // one specialization adapts it to every collective
-struct ddp::tensor_traits<Matrix> {
-  static ddp::TensorView<float> view(Matrix& m) { return {m.values.data(), m.values.size()}; }
-};
-
 int main() {
-  Matrix grad{std::vector<float>(6, 0.5f), 2, 3};
-  static_assert(ddp::TensorLike<Matrix> && !ddp::CudaTensor<Matrix>);  // checked when compiled
-  ddp::TensorView v = ddp::view(grad);  // what collectives see: data, size, device, stream
-  std::printf("ddp %s: %zu x %s on %s\n", ddp::version().data(), v.size,
-              ddp::to_string(v.dtype()).data(), ddp::to_string(v.device).c_str());
+  ddp::spawn(4, [](ddp::Environment env) {  // or start this program with torchrun, srun, mpirun
+    auto comm = ddp::Communicator<ddp::backend::Host>::init(env);
+    std::vector<float> grad(1 << 20, float(comm.rank()));  // this rank's gradient
+    comm.all_reduce(grad, ddp::ReduceOp::avg);             // now the mean on every rank
+    auto who = comm.gather_object("rank " + std::to_string(comm.rank()), /*root=*/0);
+    if (comm.rank() == 0) {
+      std::printf("%zu ranks over %s: mean %.2f, last is %s\n", who.size(),
+                  std::string(comm.backend().transport()).c_str(), grad[0], who.back().c_str());
+    }
+  });
 }
