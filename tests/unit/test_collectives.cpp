@@ -29,10 +29,6 @@ void for_each_dtype(F&& f) {
 constexpr ReduceOp all_ops[] = {ReduceOp::sum, ReduceOp::prod, ReduceOp::min, ReduceOp::max,
                                 ReduceOp::avg};
 
-template <class T>
-constexpr bool is_float_v =
-    std::is_floating_point_v<T> || std::is_same_v<T, ddp::half> || std::is_same_v<T, ddp::bfloat16>;
-
 /// Rank r's i-th input: small integers for integer types; values whose sums round, for floats,
 /// so that the order of summation shows in the bits.
 template <class T>
