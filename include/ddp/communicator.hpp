@@ -505,10 +505,14 @@ class Communicator {
     Errc poison_code = Errc::aborted;
   };
 
+  /// A prepared operation: checked arguments captured in `body`.
+  template <class F>
   struct Op {
     const char* name;
-    std::function<void(Backend&)> body;
+    F body;
   };
+  template <class F>
+  Op(const char*, F) -> Op<F>;
 
   explicit Communicator(std::shared_ptr<State> s) : state_(std::move(s)) {}
 
@@ -521,37 +525,48 @@ class Communicator {
     return *state_;
   }
 
-  /// Wraps an operation so that it fails fast once the communicator is poisoned, and poisons it
-  /// when it fails.
-  std::function<void()> guarded(Op op) {
-    return [s = state_, op = std::move(op)] {
-      {
-        std::lock_guard lock(s->poison_mutex);
-        if (!s->poison.empty()) {
-          detail::fail(Errc::aborted, "rank ", s->backend->rank(), ": ", op.name,
-                       ": this communicator failed earlier and cannot be used (", s->poison,
-                       "); create a new communicator (with another Options::group) to continue");
-        }
+  /// Runs an operation unless the communicator is poisoned (then fails at once), and poisons it
+  /// when the operation fails.
+  template <class F>
+  static void run_guarded(State& s, const char* name, const F& body) {
+    {
+      std::lock_guard lock(s.poison_mutex);
+      if (!s.poison.empty()) {
+        detail::fail(Errc::aborted, "rank ", s.backend->rank(), ": ", name,
+                     ": this communicator failed earlier and cannot be used (", s.poison,
+                     "); create a new communicator (with another Options::group) to continue");
       }
-      try {
-        op.body(*s->backend);
-      } catch (const Error& e) {
-        std::lock_guard lock(s->poison_mutex);
-        if (s->poison.empty()) {
-          s->poison = e.what();
-          s->poison_code = e.code();
-        }
-        throw;
-      } catch (...) {
-        std::lock_guard lock(s->poison_mutex);
-        if (s->poison.empty()) s->poison = "an operation threw a non-ddp exception";
-        throw;
+    }
+    try {
+      body(*s.backend);
+    } catch (const Error& e) {
+      std::lock_guard lock(s.poison_mutex);
+      if (s.poison.empty()) {
+        s.poison = e.what();
+        s.poison_code = e.code();
       }
-    };
+      throw;
+    } catch (...) {
+      std::lock_guard lock(s.poison_mutex);
+      if (s.poison.empty()) s.poison = "an operation threw a non-ddp exception";
+      throw;
+    }
   }
 
-  void exec(Op op) { checked().executor->run(guarded(std::move(op))); }
-  Work submit(Op op) { return Work(checked().executor->submit(guarded(std::move(op)))); }
+  /// Synchronous: inline when nothing is queued (no allocation on that path).
+  template <class F>
+  void exec(const Op<F>& op) {
+    State& s = checked();
+    s.executor->run([&] { run_guarded(s, op.name, op.body); });
+  }
+
+  template <class F>
+  Work submit(Op<F> op) {
+    auto s = state_;
+    checked();
+    return Work(
+        s->executor->submit([s, op = std::move(op)] { run_guarded(*s, op.name, op.body); }));
+  }
 
   template <class T>
   detail::Buf to_buf(T& t, const char* what, const char* arg) const {
@@ -595,29 +610,29 @@ class Communicator {
   }
 
   template <class T>
-  Op prepare_all_reduce(T& t, ReduceOp op) {
+  auto prepare_all_reduce(T& t, ReduceOp op) {
     auto b = to_buf(t, "all_reduce", "buf");
     check_op(op, b.dtype, "all_reduce");
-    return {"all_reduce", [b, op](Backend& be) { be.all_reduce(b, op); }};
+    return Op{"all_reduce", [b, op](Backend& be) { be.all_reduce(b, op); }};
   }
 
   template <class T>
-  Op prepare_broadcast(T& t, int root) {
+  auto prepare_broadcast(T& t, int root) {
     auto b = to_buf(t, "broadcast", "buf");
     check_root(root, "broadcast");
-    return {"broadcast", [b, root](Backend& be) { be.broadcast(b, root); }};
+    return Op{"broadcast", [b, root](Backend& be) { be.broadcast(b, root); }};
   }
 
   template <class T>
-  Op prepare_reduce(T& t, int root, ReduceOp op) {
+  auto prepare_reduce(T& t, int root, ReduceOp op) {
     auto b = to_buf(t, "reduce", "buf");
     check_root(root, "reduce");
     check_op(op, b.dtype, "reduce");
-    return {"reduce", [b, root, op](Backend& be) { be.reduce(b, root, op); }};
+    return Op{"reduce", [b, root, op](Backend& be) { be.reduce(b, root, op); }};
   }
 
   template <class In, class Out>
-  Op prepare_gather(detail::Coll c, In& in_t, Out& out_t, int root) {
+  auto prepare_gather(detail::Coll c, In& in_t, Out& out_t, int root) {
     const char* what = c == detail::Coll::all_gather ? "all_gather" : "gather";
     auto in = to_buf(in_t, what, "in");
     if (root >= 0) check_root(root, what);
@@ -639,16 +654,16 @@ class Communicator {
             ": `in` overlaps `out` but is not this rank's block of it (the only in-place form)");
       }
     }
-    return {what, [c, in, out, root](Backend& be) {
-              if (c == detail::Coll::all_gather)
-                be.all_gather(in, out);
-              else
-                be.gather(in, out, root);
-            }};
+    return Op{what, [c, in, out, root](Backend& be) {
+                if (c == detail::Coll::all_gather)
+                  be.all_gather(in, out);
+                else
+                  be.gather(in, out, root);
+              }};
   }
 
   template <class In, class Out>
-  Op prepare_scatter(In& in_t, Out& out_t, int root) {
+  auto prepare_scatter(In& in_t, Out& out_t, int root) {
     auto out = to_buf(out_t, "scatter", "out");
     check_root(root, "scatter");
     detail::Buf in{nullptr, 0, out.dtype, out.device, nullptr};
@@ -668,11 +683,11 @@ class Communicator {
                      "in-place form)");
       }
     }
-    return {"scatter", [in, out, root](Backend& be) { be.scatter(in, out, root); }};
+    return Op{"scatter", [in, out, root](Backend& be) { be.scatter(in, out, root); }};
   }
 
   template <class In, class Out>
-  Op prepare_reduce_scatter(In& in_t, Out& out_t, ReduceOp op) {
+  auto prepare_reduce_scatter(In& in_t, Out& out_t, ReduceOp op) {
     auto in = to_buf(in_t, "reduce_scatter", "in");
     auto out = to_buf(out_t, "reduce_scatter", "out");
     check_same_dtype(in, out, rank(), "reduce_scatter");
@@ -689,11 +704,11 @@ class Communicator {
                    ": reduce_scatter: `out` overlaps `in` but is not this rank's block of it (the "
                    "only in-place form)");
     }
-    return {"reduce_scatter", [in, out, op](Backend& be) { be.reduce_scatter(in, out, op); }};
+    return Op{"reduce_scatter", [in, out, op](Backend& be) { be.reduce_scatter(in, out, op); }};
   }
 
   template <class In, class Out>
-  Op prepare_all_to_all(In& in_t, Out& out_t) {
+  auto prepare_all_to_all(In& in_t, Out& out_t) {
     auto in = to_buf(in_t, "all_to_all", "in");
     auto out = to_buf(out_t, "all_to_all", "out");
     check_same_dtype(in, out, rank(), "all_to_all");
@@ -707,11 +722,11 @@ class Communicator {
       detail::fail(Errc::invalid_argument, "rank ", rank(),
                    ": all_to_all: `in` and `out` must not overlap");
     }
-    return {"all_to_all", [in, out](Backend& be) { be.all_to_all(in, out); }};
+    return Op{"all_to_all", [in, out](Backend& be) { be.all_to_all(in, out); }};
   }
 
   template <class T>
-  Op prepare_p2p(detail::Coll c, T& t, int peer, int tag) {
+  auto prepare_p2p(detail::Coll c, T& t, int peer, int tag) {
     const char* what = c == detail::Coll::send ? "send" : "recv";
     auto b = to_buf(t, what, "buf");
     if (peer < 0 || peer >= size() || peer == rank()) {
@@ -721,9 +736,13 @@ class Communicator {
     if (tag < 0)
       detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": tag ", tag,
                    " is negative");
-    if (c == detail::Coll::send)
-      return {what, [b, peer, tag](Backend& be) { be.send(b, peer, tag); }};
-    return {what, [b, peer, tag](Backend& be) { be.recv(b, peer, tag); }};
+    const bool sending = c == detail::Coll::send;
+    return Op{what, [b, peer, tag, sending](Backend& be) {
+                if (sending)
+                  be.send(b, peer, tag);
+                else
+                  be.recv(b, peer, tag);
+              }};
   }
 
   static constexpr std::int64_t max_object_bytes = std::int64_t{1} << 30;

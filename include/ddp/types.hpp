@@ -321,11 +321,9 @@ struct Device {
 
 DDP_END_NAMESPACE
 
-namespace std {
-
-template <>
-class numeric_limits<ddp::half> {
- public:
+namespace ddp::detail {
+/// What half and bfloat16 share in std::numeric_limits.
+struct SmallFloatLimits {
   static constexpr bool is_specialized = true;
   static constexpr bool is_signed = true;
   static constexpr bool is_integer = false;
@@ -333,14 +331,22 @@ class numeric_limits<ddp::half> {
   static constexpr bool has_infinity = true;
   static constexpr bool has_quiet_NaN = true;
   static constexpr bool has_signaling_NaN = true;
-  static constexpr bool is_iec559 = true;
   static constexpr bool is_bounded = true;
   static constexpr bool is_modulo = false;
-  static constexpr float_round_style round_style = round_to_nearest;
+  static constexpr std::float_round_style round_style = std::round_to_nearest;
+  static constexpr int radix = 2;
+};
+}  // namespace ddp::detail
+
+namespace std {
+
+template <>
+class numeric_limits<ddp::half> : public ddp::detail::SmallFloatLimits {
+ public:
+  static constexpr bool is_iec559 = true;
   static constexpr int digits = 11;
   static constexpr int digits10 = 3;
   static constexpr int max_digits10 = 5;
-  static constexpr int radix = 2;
   static constexpr int min_exponent = -13;
   static constexpr int min_exponent10 = -4;
   static constexpr int max_exponent = 16;
@@ -357,23 +363,12 @@ class numeric_limits<ddp::half> {
 };
 
 template <>
-class numeric_limits<ddp::bfloat16> {
+class numeric_limits<ddp::bfloat16> : public ddp::detail::SmallFloatLimits {
  public:
-  static constexpr bool is_specialized = true;
-  static constexpr bool is_signed = true;
-  static constexpr bool is_integer = false;
-  static constexpr bool is_exact = false;
-  static constexpr bool has_infinity = true;
-  static constexpr bool has_quiet_NaN = true;
-  static constexpr bool has_signaling_NaN = true;
   static constexpr bool is_iec559 = false;
-  static constexpr bool is_bounded = true;
-  static constexpr bool is_modulo = false;
-  static constexpr float_round_style round_style = round_to_nearest;
   static constexpr int digits = 8;
   static constexpr int digits10 = 2;
   static constexpr int max_digits10 = 4;
-  static constexpr int radix = 2;
   static constexpr int min_exponent = -125;
   static constexpr int min_exponent10 = -37;
   static constexpr int max_exponent = 128;

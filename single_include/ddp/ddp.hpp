@@ -629,11 +629,9 @@ struct Device {
 
 DDP_END_NAMESPACE
 
-namespace std {
-
-template <>
-class numeric_limits<ddp::half> {
- public:
+namespace ddp::detail {
+/// What half and bfloat16 share in std::numeric_limits.
+struct SmallFloatLimits {
   static constexpr bool is_specialized = true;
   static constexpr bool is_signed = true;
   static constexpr bool is_integer = false;
@@ -641,14 +639,22 @@ class numeric_limits<ddp::half> {
   static constexpr bool has_infinity = true;
   static constexpr bool has_quiet_NaN = true;
   static constexpr bool has_signaling_NaN = true;
-  static constexpr bool is_iec559 = true;
   static constexpr bool is_bounded = true;
   static constexpr bool is_modulo = false;
-  static constexpr float_round_style round_style = round_to_nearest;
+  static constexpr std::float_round_style round_style = std::round_to_nearest;
+  static constexpr int radix = 2;
+};
+}  // namespace ddp::detail
+
+namespace std {
+
+template <>
+class numeric_limits<ddp::half> : public ddp::detail::SmallFloatLimits {
+ public:
+  static constexpr bool is_iec559 = true;
   static constexpr int digits = 11;
   static constexpr int digits10 = 3;
   static constexpr int max_digits10 = 5;
-  static constexpr int radix = 2;
   static constexpr int min_exponent = -13;
   static constexpr int min_exponent10 = -4;
   static constexpr int max_exponent = 16;
@@ -665,23 +671,12 @@ class numeric_limits<ddp::half> {
 };
 
 template <>
-class numeric_limits<ddp::bfloat16> {
+class numeric_limits<ddp::bfloat16> : public ddp::detail::SmallFloatLimits {
  public:
-  static constexpr bool is_specialized = true;
-  static constexpr bool is_signed = true;
-  static constexpr bool is_integer = false;
-  static constexpr bool is_exact = false;
-  static constexpr bool has_infinity = true;
-  static constexpr bool has_quiet_NaN = true;
-  static constexpr bool has_signaling_NaN = true;
   static constexpr bool is_iec559 = false;
-  static constexpr bool is_bounded = true;
-  static constexpr bool is_modulo = false;
-  static constexpr float_round_style round_style = round_to_nearest;
   static constexpr int digits = 8;
   static constexpr int digits10 = 2;
   static constexpr int max_digits10 = 4;
-  static constexpr int radix = 2;
   static constexpr int min_exponent = -125;
   static constexpr int min_exponent10 = -37;
   static constexpr int max_exponent = 128;
@@ -1086,6 +1081,15 @@ struct Piece {
 
 using Want = FunctionRef<Range(int src, int dst)>;
 
+/// The header that precedes every point-to-point message (both transports).
+struct P2PHeader {
+  std::uint64_t seq;
+  std::uint64_t count;
+  std::int32_t tag;
+  DType dtype;
+  std::uint8_t pad[3];
+};
+
 /// The first failure of a transport, kept so that every later call fails the same way.
 struct Poison {
   Errc code{};
@@ -1139,9 +1143,38 @@ class Transport {
         "dtypes, ops and roots");
   }
 
+  /// What recv expects from `peer`, as in messages: "recv(from rank 1, tag 7, float32, count=3)".
+  [[nodiscard]] static std::string recv_description(const Buf& buf, int peer, int tag) {
+    return concat("recv(from rank ", peer, ", tag ", tag, ", ", to_string(buf.dtype),
+                  ", count=", buf.count, ")");
+  }
+
+  /// Empty when the header is the send that matches this recv, else the error message.
+  [[nodiscard]] std::string p2p_mismatch(const Buf& buf, int peer, int tag, std::uint64_t seq,
+                                         const P2PHeader& h) const {
+    if (h.seq == seq && h.tag == tag && h.dtype == buf.dtype && h.count == buf.count) return {};
+    return concat("rank ", rank_, ": ", recv_description(buf, peer, tag), " #", seq,
+                  " got send(tag ", h.tag, ", ", to_string(h.dtype), ", count=", h.count, ") #",
+                  h.seq, "; sends and receives between a pair are matched in order and must agree");
+  }
+
+  /// Records abort() on this rank.
+  void set_local_abort(Errc code) noexcept { local_abort_code_.store(static_cast<int>(code)); }
+
+  /// Throws if abort() was called on this rank.
+  void check_local_abort(const Fingerprint* fp) const {
+    if (const int code = local_abort_code_.load(); code != 0) {
+      fail(static_cast<Errc>(code), "rank ", rank_, ": ", fp ? to_string(fp->coll) : "operation",
+           ": the communicator was aborted on this rank; create a new communicator to continue");
+    }
+  }
+
   int rank_;
   int size_;
   std::chrono::milliseconds timeout_;
+
+ private:
+  std::atomic<int> local_abort_code_{0};
 };
 
 /// The transport of a world of one: every round returns the rank's own offer.
@@ -1719,14 +1752,6 @@ struct ShmChannelCtl {
 };
 static_assert(sizeof(ShmChannelCtl) <= ShmLayout::channel_ctl_bytes);
 
-struct P2PHeader {
-  std::uint64_t seq;
-  std::uint64_t count;
-  std::int32_t tag;
-  DType dtype;
-  std::uint8_t pad[3];
-};
-
 /// A mapped shared-memory segment.
 class ShmSegment {
  public:
@@ -1917,12 +1942,7 @@ class ShmTransport final : public Transport {
     check_abort(nullptr);
     P2PHeader h{};
     channel_read(peer, &h, sizeof h, "recv", buf, tag);
-    if (h.seq != seq || h.tag != tag || h.dtype != buf.dtype || h.count != buf.count) {
-      const std::string msg =
-          concat("rank ", rank_, ": recv(from rank ", peer, ", tag ", tag, ", ",
-                 to_string(buf.dtype), ", count=", buf.count, ") #", seq, " got send(tag ", h.tag,
-                 ", ", to_string(h.dtype), ", count=", h.count, ") #", h.seq,
-                 "; sends and receives between a pair are matched in order and must agree");
+    if (const std::string msg = p2p_mismatch(buf, peer, tag, seq, h); !msg.empty()) {
       publish_abort(Errc::mismatch, msg);
       fail(Errc::mismatch, msg);
     }
@@ -1930,7 +1950,7 @@ class ShmTransport final : public Transport {
   }
 
   void abort(Errc code, const std::string& why) override {
-    local_abort_code_.store(static_cast<int>(code));
+    set_local_abort(code);
     publish_abort(code, why);
   }
 
@@ -1982,10 +2002,7 @@ class ShmTransport final : public Transport {
 
   /// Throws if this communicator was aborted here or by a peer.
   void check_abort(const Fingerprint* fp) const {
-    if (const int code = local_abort_code_.load(); code != 0) {
-      fail(static_cast<Errc>(code), "rank ", rank_, ": ", fp ? to_string(fp->coll) : "operation",
-           ": the communicator was aborted on this rank; create a new communicator to continue");
-    }
+    check_local_abort(fp);
     if (header_->abort_state.load(std::memory_order_acquire) == 2) {
       fail(static_cast<Errc>(header_->abort_code), "rank ", rank_, ": ",
            fp ? to_string(*fp) : std::string("operation"), ": failed because rank ",
@@ -2105,7 +2122,6 @@ class ShmTransport final : public Transport {
   std::uint64_t tick_ = 0;
   std::vector<Range> wanted_;
   std::vector<const std::byte*> ptrs_;
-  std::atomic<int> local_abort_code_{0};
 };
 
 }  // namespace detail
@@ -2588,15 +2604,9 @@ class TcpTransport final : public Transport {
     for (auto& x : xfers_) x.clear();
     auto& x = xfers_[static_cast<std::size_t>(peer)];
     x.in.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});
-    const std::string what = concat("recv(from rank ", peer, ", tag ", tag, ", ",
-                                    to_string(buf.dtype), ", count=", buf.count, ")");
+    const std::string what = recv_description(buf, peer, tag);
     progress(nullptr, what.c_str());
-    const auto& h = p2p_header_;
-    if (h.seq != seq || h.tag != tag || h.dtype != buf.dtype || h.count != buf.count) {
-      const std::string msg =
-          concat("rank ", rank_, ": ", what, " #", seq, " got send(tag ", h.tag, ", ",
-                 to_string(h.dtype), ", count=", h.count, ") #", h.seq,
-                 "; sends and receives between a pair are matched in order and must agree");
+    if (const std::string msg = p2p_mismatch(buf, peer, tag, seq, p2p_header_); !msg.empty()) {
       poison();
       fail(Errc::mismatch, msg);
     }
@@ -2606,7 +2616,7 @@ class TcpTransport final : public Transport {
   }
 
   void abort(Errc code, const std::string&) override {
-    local_abort_code_.store(static_cast<int>(code));
+    set_local_abort(code);
     poison();
   }
 
@@ -2628,14 +2638,6 @@ class TcpTransport final : public Transport {
     [[nodiscard]] bool out_done() const { return out_i == out.size(); }
     [[nodiscard]] bool in_done() const { return in_i == in.size(); }
   };
-  struct P2PHeader {
-    std::uint64_t seq;
-    std::uint64_t count;
-    std::int32_t tag;
-    DType dtype;
-    std::uint8_t pad[3];
-  };
-
   /// Shuts every connection down, so that peers blocked on this rank fail at once.
   void poison() {
     for (auto& fd : peers_) {
@@ -2643,12 +2645,7 @@ class TcpTransport final : public Transport {
     }
   }
 
-  void check_abort(const Fingerprint* fp) const {
-    if (const int code = local_abort_code_.load(); code != 0) {
-      fail(static_cast<Errc>(code), "rank ", rank_, ": ", fp ? to_string(fp->coll) : "operation",
-           ": the communicator was aborted on this rank; create a new communicator to continue");
-    }
-  }
+  void check_abort(const Fingerprint* fp) const { check_local_abort(fp); }
 
   /// The connection to `peer` failed. A mismatch explains more than a lost peer (the peer may
   /// have left because it saw the mismatch first), so during a collective's first round this
@@ -2825,7 +2822,6 @@ class TcpTransport final : public Transport {
   std::vector<Fingerprint> headers_in_;
   std::vector<std::byte> scratch_;
   P2PHeader p2p_header_{};
-  std::atomic<int> local_abort_code_{0};
 };
 
 }  // namespace detail
@@ -4063,7 +4059,6 @@ class Host {
   void all_reduce(const detail::Buf& b, ReduceOp op) {
     const auto fp = next(detail::Coll::all_reduce, b.dtype, b.count, -1, op, true);
     const auto fn = detail::reduce_fn(b.dtype, op);
-    const std::size_t es = b.elem();
     const int p = size_;
     if (b.bytes() <= t_->small_bytes()) {
       const detail::Piece pc{b.data, b.bytes()};
@@ -4076,38 +4071,7 @@ class Host {
       fn(b.data, nullptr, ptrs.data(), p, b.count);
       return;
     }
-    const std::size_t seg =
-        std::max<std::size_t>(static_cast<std::size_t>(p), t_->max_offer() / es);
-    bool first = true;
-    for (std::size_t s0 = 0; s0 < b.count;) {
-      const std::size_t m = std::min(seg, b.count - s0);
-      std::byte* base = b.at(s0);
-      const auto chunk = [&](int j) {
-        const auto [lo, hi] = detail::split_range(m, p, j, es);
-        return detail::Range{lo * es, (hi - lo) * es};
-      };
-      const detail::Piece pc{base, m * es};
-      auto ptrs = t_->round(
-          {&pc, 1}, [&](int, int dst) { return chunk(dst); }, first ? &fp : nullptr);
-      first = false;
-      const detail::Range mine = chunk(rank_);
-      // Reduce into the user's buffer and, in the same pass, into the next round's slot.
-      std::byte* staged = t_->stage(mine.len);
-      fn(base + mine.off, staged, ptrs.data(), p, mine.len / es);
-      const detail::Piece result{staged != nullptr ? staged : base + mine.off, mine.len};
-      auto got = t_->round(
-          {&result, 1},
-          [&](int src, int) {
-            return detail::Range{0, chunk(src).len};
-          },
-          nullptr);
-      for (int j = 0; j < p; ++j) {
-        const detail::Range r = chunk(j);
-        if (j != rank_ && r.len != 0)
-          std::memcpy(base + r.off, got[static_cast<std::size_t>(j)], r.len);
-      }
-      s0 += m;
-    }
+    reduce_segments(b, fn, -1, fp);
   }
 
   void broadcast(const detail::Buf& b, int root) {
@@ -4130,7 +4094,6 @@ class Host {
   void reduce(const detail::Buf& b, int root, ReduceOp op) {
     const auto fp = next(detail::Coll::reduce, b.dtype, b.count, root, op, true);
     const auto fn = detail::reduce_fn(b.dtype, op);
-    const std::size_t es = b.elem();
     const int p = size_;
     if (b.bytes() <= t_->small_bytes()) {
       const detail::Piece pc{b.data, b.bytes()};
@@ -4143,44 +4106,7 @@ class Host {
       if (rank_ == root) fn(b.data, nullptr, ptrs.data(), p, b.count);
       return;
     }
-    const std::size_t seg =
-        std::max<std::size_t>(static_cast<std::size_t>(p), t_->max_offer() / es);
-    bool first = true;
-    for (std::size_t s0 = 0; s0 < b.count;) {
-      const std::size_t m = std::min(seg, b.count - s0);
-      std::byte* base = b.at(s0);
-      const auto chunk = [&](int j) {
-        const auto [lo, hi] = detail::split_range(m, p, j, es);
-        return detail::Range{lo * es, (hi - lo) * es};
-      };
-      const detail::Piece pc{base, m * es};
-      auto ptrs = t_->round(
-          {&pc, 1}, [&](int, int dst) { return chunk(dst); }, first ? &fp : nullptr);
-      first = false;
-      const detail::Range mine = chunk(rank_);
-      // The root reduces in place; the others must leave their buffers untouched.
-      std::byte* out = base + mine.off;
-      if (rank_ != root) {
-        if (scratch_.size() < mine.len) scratch_.resize(mine.len);
-        out = scratch_.data();
-      }
-      fn(out, nullptr, ptrs.data(), p, mine.len / es);
-      const detail::Piece result{out, mine.len};
-      auto got = t_->round(
-          {&result, 1},
-          [&](int src, int dst) {
-            return dst == root ? detail::Range{0, chunk(src).len} : detail::Range{};
-          },
-          nullptr);
-      if (rank_ == root) {
-        for (int j = 0; j < p; ++j) {
-          const detail::Range r = chunk(j);
-          if (j != rank_ && r.len != 0)
-            std::memcpy(base + r.off, got[static_cast<std::size_t>(j)], r.len);
-        }
-      }
-      s0 += m;
-    }
+    reduce_segments(b, fn, root, fp);
   }
 
   void all_gather(const detail::Buf& in, const detail::Buf& out) {
@@ -4310,6 +4236,60 @@ class Host {
 
   static void copy_if_distinct(std::byte* dst, const std::byte* src, std::size_t n) {
     if (n != 0 && dst != src) std::memcpy(dst, src, n);
+  }
+
+  /// The large-message path of all_reduce (root < 0) and reduce: in segments, a reduce-scatter
+  /// (rank j reduces chunk j of every rank's segment, in rank order) then a gather of the reduced
+  /// chunks to every rank or to root. The result is written, in the same pass, to the user's
+  /// buffer and to the slot of the next round when the transport offers one; ranks other than
+  /// the root of a reduce leave their buffers untouched.
+  void reduce_segments(const detail::Buf& b, detail::ReduceFn fn, int root,
+                       const detail::Fingerprint& fp) {
+    const std::size_t es = b.elem();
+    const int p = size_;
+    const bool keeps = root < 0 || rank_ == root;
+    const std::size_t seg =
+        std::max<std::size_t>(static_cast<std::size_t>(p), t_->max_offer() / es);
+    bool first = true;
+    for (std::size_t s0 = 0; s0 < b.count;) {
+      const std::size_t m = std::min(seg, b.count - s0);
+      std::byte* base = b.at(s0);
+      const auto chunk = [&](int j) {
+        const auto [lo, hi] = detail::split_range(m, p, j, es);
+        return detail::Range{lo * es, (hi - lo) * es};
+      };
+      const detail::Piece pc{base, m * es};
+      auto ptrs = t_->round(
+          {&pc, 1}, [&](int, int dst) { return chunk(dst); }, first ? &fp : nullptr);
+      first = false;
+      const detail::Range mine = chunk(rank_);
+      std::byte* staged = t_->stage(mine.len);
+      std::byte* out = base + mine.off;
+      if (!keeps) {  // reduce only into the slot (or scratch): this rank's buffer stays as it was
+        if (staged == nullptr) {
+          if (scratch_.size() < mine.len) scratch_.resize(mine.len);
+          staged = scratch_.data();
+        }
+        out = staged;
+        staged = nullptr;
+      }
+      fn(out, staged, ptrs.data(), p, mine.len / es);
+      const detail::Piece result{staged != nullptr ? staged : out, mine.len};
+      auto got = t_->round(
+          {&result, 1},
+          [&](int src, int dst) {
+            return root < 0 || dst == root ? detail::Range{0, chunk(src).len} : detail::Range{};
+          },
+          nullptr);
+      if (keeps) {
+        for (int j = 0; j < p; ++j) {
+          const detail::Range r = chunk(j);
+          if (j != rank_ && r.len != 0)
+            std::memcpy(base + r.off, got[static_cast<std::size_t>(j)], r.len);
+        }
+      }
+      s0 += m;
+    }
   }
 
   void gather_impl(detail::Coll c, const detail::Buf& in, const detail::Buf& out, int root) {
@@ -5488,10 +5468,14 @@ class Communicator {
     Errc poison_code = Errc::aborted;
   };
 
+  /// A prepared operation: checked arguments captured in `body`.
+  template <class F>
   struct Op {
     const char* name;
-    std::function<void(Backend&)> body;
+    F body;
   };
+  template <class F>
+  Op(const char*, F) -> Op<F>;
 
   explicit Communicator(std::shared_ptr<State> s) : state_(std::move(s)) {}
 
@@ -5504,37 +5488,48 @@ class Communicator {
     return *state_;
   }
 
-  /// Wraps an operation so that it fails fast once the communicator is poisoned, and poisons it
-  /// when it fails.
-  std::function<void()> guarded(Op op) {
-    return [s = state_, op = std::move(op)] {
-      {
-        std::lock_guard lock(s->poison_mutex);
-        if (!s->poison.empty()) {
-          detail::fail(Errc::aborted, "rank ", s->backend->rank(), ": ", op.name,
-                       ": this communicator failed earlier and cannot be used (", s->poison,
-                       "); create a new communicator (with another Options::group) to continue");
-        }
+  /// Runs an operation unless the communicator is poisoned (then fails at once), and poisons it
+  /// when the operation fails.
+  template <class F>
+  static void run_guarded(State& s, const char* name, const F& body) {
+    {
+      std::lock_guard lock(s.poison_mutex);
+      if (!s.poison.empty()) {
+        detail::fail(Errc::aborted, "rank ", s.backend->rank(), ": ", name,
+                     ": this communicator failed earlier and cannot be used (", s.poison,
+                     "); create a new communicator (with another Options::group) to continue");
       }
-      try {
-        op.body(*s->backend);
-      } catch (const Error& e) {
-        std::lock_guard lock(s->poison_mutex);
-        if (s->poison.empty()) {
-          s->poison = e.what();
-          s->poison_code = e.code();
-        }
-        throw;
-      } catch (...) {
-        std::lock_guard lock(s->poison_mutex);
-        if (s->poison.empty()) s->poison = "an operation threw a non-ddp exception";
-        throw;
+    }
+    try {
+      body(*s.backend);
+    } catch (const Error& e) {
+      std::lock_guard lock(s.poison_mutex);
+      if (s.poison.empty()) {
+        s.poison = e.what();
+        s.poison_code = e.code();
       }
-    };
+      throw;
+    } catch (...) {
+      std::lock_guard lock(s.poison_mutex);
+      if (s.poison.empty()) s.poison = "an operation threw a non-ddp exception";
+      throw;
+    }
   }
 
-  void exec(Op op) { checked().executor->run(guarded(std::move(op))); }
-  Work submit(Op op) { return Work(checked().executor->submit(guarded(std::move(op)))); }
+  /// Synchronous: inline when nothing is queued (no allocation on that path).
+  template <class F>
+  void exec(const Op<F>& op) {
+    State& s = checked();
+    s.executor->run([&] { run_guarded(s, op.name, op.body); });
+  }
+
+  template <class F>
+  Work submit(Op<F> op) {
+    auto s = state_;
+    checked();
+    return Work(
+        s->executor->submit([s, op = std::move(op)] { run_guarded(*s, op.name, op.body); }));
+  }
 
   template <class T>
   detail::Buf to_buf(T& t, const char* what, const char* arg) const {
@@ -5578,29 +5573,29 @@ class Communicator {
   }
 
   template <class T>
-  Op prepare_all_reduce(T& t, ReduceOp op) {
+  auto prepare_all_reduce(T& t, ReduceOp op) {
     auto b = to_buf(t, "all_reduce", "buf");
     check_op(op, b.dtype, "all_reduce");
-    return {"all_reduce", [b, op](Backend& be) { be.all_reduce(b, op); }};
+    return Op{"all_reduce", [b, op](Backend& be) { be.all_reduce(b, op); }};
   }
 
   template <class T>
-  Op prepare_broadcast(T& t, int root) {
+  auto prepare_broadcast(T& t, int root) {
     auto b = to_buf(t, "broadcast", "buf");
     check_root(root, "broadcast");
-    return {"broadcast", [b, root](Backend& be) { be.broadcast(b, root); }};
+    return Op{"broadcast", [b, root](Backend& be) { be.broadcast(b, root); }};
   }
 
   template <class T>
-  Op prepare_reduce(T& t, int root, ReduceOp op) {
+  auto prepare_reduce(T& t, int root, ReduceOp op) {
     auto b = to_buf(t, "reduce", "buf");
     check_root(root, "reduce");
     check_op(op, b.dtype, "reduce");
-    return {"reduce", [b, root, op](Backend& be) { be.reduce(b, root, op); }};
+    return Op{"reduce", [b, root, op](Backend& be) { be.reduce(b, root, op); }};
   }
 
   template <class In, class Out>
-  Op prepare_gather(detail::Coll c, In& in_t, Out& out_t, int root) {
+  auto prepare_gather(detail::Coll c, In& in_t, Out& out_t, int root) {
     const char* what = c == detail::Coll::all_gather ? "all_gather" : "gather";
     auto in = to_buf(in_t, what, "in");
     if (root >= 0) check_root(root, what);
@@ -5622,16 +5617,16 @@ class Communicator {
             ": `in` overlaps `out` but is not this rank's block of it (the only in-place form)");
       }
     }
-    return {what, [c, in, out, root](Backend& be) {
-              if (c == detail::Coll::all_gather)
-                be.all_gather(in, out);
-              else
-                be.gather(in, out, root);
-            }};
+    return Op{what, [c, in, out, root](Backend& be) {
+                if (c == detail::Coll::all_gather)
+                  be.all_gather(in, out);
+                else
+                  be.gather(in, out, root);
+              }};
   }
 
   template <class In, class Out>
-  Op prepare_scatter(In& in_t, Out& out_t, int root) {
+  auto prepare_scatter(In& in_t, Out& out_t, int root) {
     auto out = to_buf(out_t, "scatter", "out");
     check_root(root, "scatter");
     detail::Buf in{nullptr, 0, out.dtype, out.device, nullptr};
@@ -5651,11 +5646,11 @@ class Communicator {
                      "in-place form)");
       }
     }
-    return {"scatter", [in, out, root](Backend& be) { be.scatter(in, out, root); }};
+    return Op{"scatter", [in, out, root](Backend& be) { be.scatter(in, out, root); }};
   }
 
   template <class In, class Out>
-  Op prepare_reduce_scatter(In& in_t, Out& out_t, ReduceOp op) {
+  auto prepare_reduce_scatter(In& in_t, Out& out_t, ReduceOp op) {
     auto in = to_buf(in_t, "reduce_scatter", "in");
     auto out = to_buf(out_t, "reduce_scatter", "out");
     check_same_dtype(in, out, rank(), "reduce_scatter");
@@ -5672,11 +5667,11 @@ class Communicator {
                    ": reduce_scatter: `out` overlaps `in` but is not this rank's block of it (the "
                    "only in-place form)");
     }
-    return {"reduce_scatter", [in, out, op](Backend& be) { be.reduce_scatter(in, out, op); }};
+    return Op{"reduce_scatter", [in, out, op](Backend& be) { be.reduce_scatter(in, out, op); }};
   }
 
   template <class In, class Out>
-  Op prepare_all_to_all(In& in_t, Out& out_t) {
+  auto prepare_all_to_all(In& in_t, Out& out_t) {
     auto in = to_buf(in_t, "all_to_all", "in");
     auto out = to_buf(out_t, "all_to_all", "out");
     check_same_dtype(in, out, rank(), "all_to_all");
@@ -5690,11 +5685,11 @@ class Communicator {
       detail::fail(Errc::invalid_argument, "rank ", rank(),
                    ": all_to_all: `in` and `out` must not overlap");
     }
-    return {"all_to_all", [in, out](Backend& be) { be.all_to_all(in, out); }};
+    return Op{"all_to_all", [in, out](Backend& be) { be.all_to_all(in, out); }};
   }
 
   template <class T>
-  Op prepare_p2p(detail::Coll c, T& t, int peer, int tag) {
+  auto prepare_p2p(detail::Coll c, T& t, int peer, int tag) {
     const char* what = c == detail::Coll::send ? "send" : "recv";
     auto b = to_buf(t, what, "buf");
     if (peer < 0 || peer >= size() || peer == rank()) {
@@ -5704,9 +5699,13 @@ class Communicator {
     if (tag < 0)
       detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": tag ", tag,
                    " is negative");
-    if (c == detail::Coll::send)
-      return {what, [b, peer, tag](Backend& be) { be.send(b, peer, tag); }};
-    return {what, [b, peer, tag](Backend& be) { be.recv(b, peer, tag); }};
+    const bool sending = c == detail::Coll::send;
+    return Op{what, [b, peer, tag, sending](Backend& be) {
+                if (sending)
+                  be.send(b, peer, tag);
+                else
+                  be.recv(b, peer, tag);
+              }};
   }
 
   static constexpr std::int64_t max_object_bytes = std::int64_t{1} << 30;

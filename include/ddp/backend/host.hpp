@@ -117,7 +117,6 @@ class Host {
   void all_reduce(const detail::Buf& b, ReduceOp op) {
     const auto fp = next(detail::Coll::all_reduce, b.dtype, b.count, -1, op, true);
     const auto fn = detail::reduce_fn(b.dtype, op);
-    const std::size_t es = b.elem();
     const int p = size_;
     if (b.bytes() <= t_->small_bytes()) {
       const detail::Piece pc{b.data, b.bytes()};
@@ -130,38 +129,7 @@ class Host {
       fn(b.data, nullptr, ptrs.data(), p, b.count);
       return;
     }
-    const std::size_t seg =
-        std::max<std::size_t>(static_cast<std::size_t>(p), t_->max_offer() / es);
-    bool first = true;
-    for (std::size_t s0 = 0; s0 < b.count;) {
-      const std::size_t m = std::min(seg, b.count - s0);
-      std::byte* base = b.at(s0);
-      const auto chunk = [&](int j) {
-        const auto [lo, hi] = detail::split_range(m, p, j, es);
-        return detail::Range{lo * es, (hi - lo) * es};
-      };
-      const detail::Piece pc{base, m * es};
-      auto ptrs = t_->round(
-          {&pc, 1}, [&](int, int dst) { return chunk(dst); }, first ? &fp : nullptr);
-      first = false;
-      const detail::Range mine = chunk(rank_);
-      // Reduce into the user's buffer and, in the same pass, into the next round's slot.
-      std::byte* staged = t_->stage(mine.len);
-      fn(base + mine.off, staged, ptrs.data(), p, mine.len / es);
-      const detail::Piece result{staged != nullptr ? staged : base + mine.off, mine.len};
-      auto got = t_->round(
-          {&result, 1},
-          [&](int src, int) {
-            return detail::Range{0, chunk(src).len};
-          },
-          nullptr);
-      for (int j = 0; j < p; ++j) {
-        const detail::Range r = chunk(j);
-        if (j != rank_ && r.len != 0)
-          std::memcpy(base + r.off, got[static_cast<std::size_t>(j)], r.len);
-      }
-      s0 += m;
-    }
+    reduce_segments(b, fn, -1, fp);
   }
 
   void broadcast(const detail::Buf& b, int root) {
@@ -184,7 +152,6 @@ class Host {
   void reduce(const detail::Buf& b, int root, ReduceOp op) {
     const auto fp = next(detail::Coll::reduce, b.dtype, b.count, root, op, true);
     const auto fn = detail::reduce_fn(b.dtype, op);
-    const std::size_t es = b.elem();
     const int p = size_;
     if (b.bytes() <= t_->small_bytes()) {
       const detail::Piece pc{b.data, b.bytes()};
@@ -197,44 +164,7 @@ class Host {
       if (rank_ == root) fn(b.data, nullptr, ptrs.data(), p, b.count);
       return;
     }
-    const std::size_t seg =
-        std::max<std::size_t>(static_cast<std::size_t>(p), t_->max_offer() / es);
-    bool first = true;
-    for (std::size_t s0 = 0; s0 < b.count;) {
-      const std::size_t m = std::min(seg, b.count - s0);
-      std::byte* base = b.at(s0);
-      const auto chunk = [&](int j) {
-        const auto [lo, hi] = detail::split_range(m, p, j, es);
-        return detail::Range{lo * es, (hi - lo) * es};
-      };
-      const detail::Piece pc{base, m * es};
-      auto ptrs = t_->round(
-          {&pc, 1}, [&](int, int dst) { return chunk(dst); }, first ? &fp : nullptr);
-      first = false;
-      const detail::Range mine = chunk(rank_);
-      // The root reduces in place; the others must leave their buffers untouched.
-      std::byte* out = base + mine.off;
-      if (rank_ != root) {
-        if (scratch_.size() < mine.len) scratch_.resize(mine.len);
-        out = scratch_.data();
-      }
-      fn(out, nullptr, ptrs.data(), p, mine.len / es);
-      const detail::Piece result{out, mine.len};
-      auto got = t_->round(
-          {&result, 1},
-          [&](int src, int dst) {
-            return dst == root ? detail::Range{0, chunk(src).len} : detail::Range{};
-          },
-          nullptr);
-      if (rank_ == root) {
-        for (int j = 0; j < p; ++j) {
-          const detail::Range r = chunk(j);
-          if (j != rank_ && r.len != 0)
-            std::memcpy(base + r.off, got[static_cast<std::size_t>(j)], r.len);
-        }
-      }
-      s0 += m;
-    }
+    reduce_segments(b, fn, root, fp);
   }
 
   void all_gather(const detail::Buf& in, const detail::Buf& out) {
@@ -364,6 +294,60 @@ class Host {
 
   static void copy_if_distinct(std::byte* dst, const std::byte* src, std::size_t n) {
     if (n != 0 && dst != src) std::memcpy(dst, src, n);
+  }
+
+  /// The large-message path of all_reduce (root < 0) and reduce: in segments, a reduce-scatter
+  /// (rank j reduces chunk j of every rank's segment, in rank order) then a gather of the reduced
+  /// chunks to every rank or to root. The result is written, in the same pass, to the user's
+  /// buffer and to the slot of the next round when the transport offers one; ranks other than
+  /// the root of a reduce leave their buffers untouched.
+  void reduce_segments(const detail::Buf& b, detail::ReduceFn fn, int root,
+                       const detail::Fingerprint& fp) {
+    const std::size_t es = b.elem();
+    const int p = size_;
+    const bool keeps = root < 0 || rank_ == root;
+    const std::size_t seg =
+        std::max<std::size_t>(static_cast<std::size_t>(p), t_->max_offer() / es);
+    bool first = true;
+    for (std::size_t s0 = 0; s0 < b.count;) {
+      const std::size_t m = std::min(seg, b.count - s0);
+      std::byte* base = b.at(s0);
+      const auto chunk = [&](int j) {
+        const auto [lo, hi] = detail::split_range(m, p, j, es);
+        return detail::Range{lo * es, (hi - lo) * es};
+      };
+      const detail::Piece pc{base, m * es};
+      auto ptrs = t_->round(
+          {&pc, 1}, [&](int, int dst) { return chunk(dst); }, first ? &fp : nullptr);
+      first = false;
+      const detail::Range mine = chunk(rank_);
+      std::byte* staged = t_->stage(mine.len);
+      std::byte* out = base + mine.off;
+      if (!keeps) {  // reduce only into the slot (or scratch): this rank's buffer stays as it was
+        if (staged == nullptr) {
+          if (scratch_.size() < mine.len) scratch_.resize(mine.len);
+          staged = scratch_.data();
+        }
+        out = staged;
+        staged = nullptr;
+      }
+      fn(out, staged, ptrs.data(), p, mine.len / es);
+      const detail::Piece result{staged != nullptr ? staged : out, mine.len};
+      auto got = t_->round(
+          {&result, 1},
+          [&](int src, int dst) {
+            return root < 0 || dst == root ? detail::Range{0, chunk(src).len} : detail::Range{};
+          },
+          nullptr);
+      if (keeps) {
+        for (int j = 0; j < p; ++j) {
+          const detail::Range r = chunk(j);
+          if (j != rank_ && r.len != 0)
+            std::memcpy(base + r.off, got[static_cast<std::size_t>(j)], r.len);
+        }
+      }
+      s0 += m;
+    }
   }
 
   void gather_impl(detail::Coll c, const detail::Buf& in, const detail::Buf& out, int root) {

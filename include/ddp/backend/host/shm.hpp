@@ -108,14 +108,6 @@ struct ShmChannelCtl {
 };
 static_assert(sizeof(ShmChannelCtl) <= ShmLayout::channel_ctl_bytes);
 
-struct P2PHeader {
-  std::uint64_t seq;
-  std::uint64_t count;
-  std::int32_t tag;
-  DType dtype;
-  std::uint8_t pad[3];
-};
-
 /// A mapped shared-memory segment.
 class ShmSegment {
  public:
@@ -306,12 +298,7 @@ class ShmTransport final : public Transport {
     check_abort(nullptr);
     P2PHeader h{};
     channel_read(peer, &h, sizeof h, "recv", buf, tag);
-    if (h.seq != seq || h.tag != tag || h.dtype != buf.dtype || h.count != buf.count) {
-      const std::string msg =
-          concat("rank ", rank_, ": recv(from rank ", peer, ", tag ", tag, ", ",
-                 to_string(buf.dtype), ", count=", buf.count, ") #", seq, " got send(tag ", h.tag,
-                 ", ", to_string(h.dtype), ", count=", h.count, ") #", h.seq,
-                 "; sends and receives between a pair are matched in order and must agree");
+    if (const std::string msg = p2p_mismatch(buf, peer, tag, seq, h); !msg.empty()) {
       publish_abort(Errc::mismatch, msg);
       fail(Errc::mismatch, msg);
     }
@@ -319,7 +306,7 @@ class ShmTransport final : public Transport {
   }
 
   void abort(Errc code, const std::string& why) override {
-    local_abort_code_.store(static_cast<int>(code));
+    set_local_abort(code);
     publish_abort(code, why);
   }
 
@@ -371,10 +358,7 @@ class ShmTransport final : public Transport {
 
   /// Throws if this communicator was aborted here or by a peer.
   void check_abort(const Fingerprint* fp) const {
-    if (const int code = local_abort_code_.load(); code != 0) {
-      fail(static_cast<Errc>(code), "rank ", rank_, ": ", fp ? to_string(fp->coll) : "operation",
-           ": the communicator was aborted on this rank; create a new communicator to continue");
-    }
+    check_local_abort(fp);
     if (header_->abort_state.load(std::memory_order_acquire) == 2) {
       fail(static_cast<Errc>(header_->abort_code), "rank ", rank_, ": ",
            fp ? to_string(*fp) : std::string("operation"), ": failed because rank ",
@@ -494,7 +478,6 @@ class ShmTransport final : public Transport {
   std::uint64_t tick_ = 0;
   std::vector<Range> wanted_;
   std::vector<const std::byte*> ptrs_;
-  std::atomic<int> local_abort_code_{0};
 };
 
 }  // namespace detail

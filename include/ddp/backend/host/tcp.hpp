@@ -173,15 +173,9 @@ class TcpTransport final : public Transport {
     for (auto& x : xfers_) x.clear();
     auto& x = xfers_[static_cast<std::size_t>(peer)];
     x.in.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});
-    const std::string what = concat("recv(from rank ", peer, ", tag ", tag, ", ",
-                                    to_string(buf.dtype), ", count=", buf.count, ")");
+    const std::string what = recv_description(buf, peer, tag);
     progress(nullptr, what.c_str());
-    const auto& h = p2p_header_;
-    if (h.seq != seq || h.tag != tag || h.dtype != buf.dtype || h.count != buf.count) {
-      const std::string msg =
-          concat("rank ", rank_, ": ", what, " #", seq, " got send(tag ", h.tag, ", ",
-                 to_string(h.dtype), ", count=", h.count, ") #", h.seq,
-                 "; sends and receives between a pair are matched in order and must agree");
+    if (const std::string msg = p2p_mismatch(buf, peer, tag, seq, p2p_header_); !msg.empty()) {
       poison();
       fail(Errc::mismatch, msg);
     }
@@ -191,7 +185,7 @@ class TcpTransport final : public Transport {
   }
 
   void abort(Errc code, const std::string&) override {
-    local_abort_code_.store(static_cast<int>(code));
+    set_local_abort(code);
     poison();
   }
 
@@ -213,14 +207,6 @@ class TcpTransport final : public Transport {
     [[nodiscard]] bool out_done() const { return out_i == out.size(); }
     [[nodiscard]] bool in_done() const { return in_i == in.size(); }
   };
-  struct P2PHeader {
-    std::uint64_t seq;
-    std::uint64_t count;
-    std::int32_t tag;
-    DType dtype;
-    std::uint8_t pad[3];
-  };
-
   /// Shuts every connection down, so that peers blocked on this rank fail at once.
   void poison() {
     for (auto& fd : peers_) {
@@ -228,12 +214,7 @@ class TcpTransport final : public Transport {
     }
   }
 
-  void check_abort(const Fingerprint* fp) const {
-    if (const int code = local_abort_code_.load(); code != 0) {
-      fail(static_cast<Errc>(code), "rank ", rank_, ": ", fp ? to_string(fp->coll) : "operation",
-           ": the communicator was aborted on this rank; create a new communicator to continue");
-    }
-  }
+  void check_abort(const Fingerprint* fp) const { check_local_abort(fp); }
 
   /// The connection to `peer` failed. A mismatch explains more than a lost peer (the peer may
   /// have left because it saw the mismatch first), so during a collective's first round this
@@ -410,7 +391,6 @@ class TcpTransport final : public Transport {
   std::vector<Fingerprint> headers_in_;
   std::vector<std::byte> scratch_;
   P2PHeader p2p_header_{};
-  std::atomic<int> local_abort_code_{0};
 };
 
 }  // namespace detail

@@ -63,6 +63,15 @@ struct Piece {
 
 using Want = FunctionRef<Range(int src, int dst)>;
 
+/// The header that precedes every point-to-point message (both transports).
+struct P2PHeader {
+  std::uint64_t seq;
+  std::uint64_t count;
+  std::int32_t tag;
+  DType dtype;
+  std::uint8_t pad[3];
+};
+
 /// The first failure of a transport, kept so that every later call fails the same way.
 struct Poison {
   Errc code{};
@@ -116,9 +125,38 @@ class Transport {
         "dtypes, ops and roots");
   }
 
+  /// What recv expects from `peer`, as in messages: "recv(from rank 1, tag 7, float32, count=3)".
+  [[nodiscard]] static std::string recv_description(const Buf& buf, int peer, int tag) {
+    return concat("recv(from rank ", peer, ", tag ", tag, ", ", to_string(buf.dtype),
+                  ", count=", buf.count, ")");
+  }
+
+  /// Empty when the header is the send that matches this recv, else the error message.
+  [[nodiscard]] std::string p2p_mismatch(const Buf& buf, int peer, int tag, std::uint64_t seq,
+                                         const P2PHeader& h) const {
+    if (h.seq == seq && h.tag == tag && h.dtype == buf.dtype && h.count == buf.count) return {};
+    return concat("rank ", rank_, ": ", recv_description(buf, peer, tag), " #", seq,
+                  " got send(tag ", h.tag, ", ", to_string(h.dtype), ", count=", h.count, ") #",
+                  h.seq, "; sends and receives between a pair are matched in order and must agree");
+  }
+
+  /// Records abort() on this rank.
+  void set_local_abort(Errc code) noexcept { local_abort_code_.store(static_cast<int>(code)); }
+
+  /// Throws if abort() was called on this rank.
+  void check_local_abort(const Fingerprint* fp) const {
+    if (const int code = local_abort_code_.load(); code != 0) {
+      fail(static_cast<Errc>(code), "rank ", rank_, ": ", fp ? to_string(fp->coll) : "operation",
+           ": the communicator was aborted on this rank; create a new communicator to continue");
+    }
+  }
+
   int rank_;
   int size_;
   std::chrono::milliseconds timeout_;
+
+ private:
+  std::atomic<int> local_abort_code_{0};
 };
 
 /// The transport of a world of one: every round returns the rank's own offer.
