@@ -441,3 +441,34 @@ TEST_CASE("argument checks fail before anything is sent, naming the rank and the
     comm.all_reduce(a);  // nothing was sent: the communicator still works
   });
 }
+
+TEST_CASE("DDP_HOST_TRANSPORT picks the transport; a bad value is refused") {
+  for (const std::string t : {"tcp", "shm"}) {
+    ddp::SpawnOptions so;
+    so.env = {"DDP_HOST_TRANSPORT=" + t};
+    try {
+      ddp::spawn(
+          2,
+          [&](ddp::Environment env) {
+            auto comm = Comm::init(env);
+            MP_EXPECT(comm.backend().transport() == t, "transport " << comm.backend().transport());
+            std::vector<int> v{1};
+            comm.all_reduce(v);
+            MP_EXPECT(v[0] == 2, "sum");
+          },
+          so);
+    } catch (const ddp::Error& e) {
+      FAIL_CHECK(t << ": " << std::string(e.what()));
+    }
+  }
+  ddp::SpawnOptions so;
+  so.env = {"DDP_HOST_TRANSPORT=carrier-pigeon"};
+  try {
+    ddp::spawn(
+        2, [](ddp::Environment env) { auto comm = Comm::init(env); }, so);
+    FAIL("a bad DDP_HOST_TRANSPORT was accepted");
+  } catch (const ddp::Error& e) {
+    CHECK(std::string(e.what()).find(
+              "DDP_HOST_TRANSPORT=\"carrier-pigeon\": use shm, tcp or auto") != std::string::npos);
+  }
+}
