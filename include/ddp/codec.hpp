@@ -230,8 +230,9 @@ namespace detail {
 /// FNV-1a of the compiler's spelling of T: the same on every rank of one program.
 template <class T>
 std::uint64_t type_tag() {
-  static const std::uint64_t tag = [] {
-    const std::string_view name = __PRETTY_FUNCTION__;
+  // Read here, not inside a lambda: there it would name the lambda (clang), not type_tag<T>.
+  const std::string_view name = __PRETTY_FUNCTION__;
+  static const std::uint64_t tag = [name] {
     std::uint64_t h = 1469598103934665603ull;
     for (char c : name) {
       h ^= static_cast<std::uint8_t>(c);

@@ -67,6 +67,14 @@ std::string u64(std::uint64_t v) {
 
 }  // namespace
 
+TEST_CASE("codec: every type has its own tag") {
+  CHECK(ddp::detail::type_tag<int>() != ddp::detail::type_tag<long>());
+  CHECK(ddp::detail::type_tag<std::vector<int>>() !=
+        ddp::detail::type_tag<std::vector<std::string>>());
+  CHECK(ddp::detail::type_tag<user::Sample>() != ddp::detail::type_tag<std::string>());
+  CHECK(ddp::detail::type_tag<int>() == ddp::detail::type_tag<int>());
+}
+
 TEST_CASE("codec: round trips of built-in and user types") {
   static_assert(ddp::Encodable<int> && ddp::Encodable<std::string> &&
                 ddp::Encodable<std::vector<std::string>>);
