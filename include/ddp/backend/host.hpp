@@ -199,17 +199,7 @@ class Host {
   void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
     const auto fp = next(detail::Coll::reduce_scatter, out.dtype, out.count, -1, op, true);
     const auto fn = detail::reduce_fn(out.dtype, op);
-    const std::size_t es = out.elem(), n = out.count;
-    const std::size_t seg =
-        std::max<std::size_t>(1, t_->max_offer() / (es * static_cast<std::size_t>(size_)));
-    segments(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
-      blocks(in, n, s0, m);
-      auto ptrs = t_->round(
-          pieces_,
-          [&](int, int dst) {
-            return detail::Range{static_cast<std::size_t>(dst) * m * es, m * es};
-          },
-          first ? &fp : nullptr);
+    exchange_blocks(in, out.count, fp, [&](std::size_t s0, std::size_t m, auto ptrs) {
       fn(out.at(s0), nullptr, ptrs.data(), size_, m);
     });
   }
@@ -217,20 +207,10 @@ class Host {
   void all_to_all(const detail::Buf& in, const detail::Buf& out) {
     const std::size_t n = in.count / static_cast<std::size_t>(size_);
     const auto fp = next(detail::Coll::all_to_all, in.dtype, n, -1, ReduceOp::sum, false);
-    const std::size_t es = in.elem();
-    const std::size_t seg =
-        std::max<std::size_t>(1, t_->max_offer() / (es * static_cast<std::size_t>(size_)));
-    segments(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
-      blocks(in, n, s0, m);
-      auto ptrs = t_->round(
-          pieces_,
-          [&](int, int dst) {
-            return detail::Range{static_cast<std::size_t>(dst) * m * es, m * es};
-          },
-          first ? &fp : nullptr);
+    exchange_blocks(in, n, fp, [&](std::size_t s0, std::size_t m, auto ptrs) {
       for (int j = 0; j < size_; ++j) {
         copy_if_distinct(out.at(static_cast<std::size_t>(j) * n + s0),
-                         ptrs[static_cast<std::size_t>(j)], m * es);
+                         ptrs[static_cast<std::size_t>(j)], m * in.elem());
       }
     });
   }
@@ -284,6 +264,26 @@ class Host {
       first = false;
       s0 += m;
     } while (s0 < n);
+  }
+
+  /// `in` holds one block of n elements per rank; in segments, rank j receives segment part of
+  /// block j from every rank, and use(start, count, ptrs) consumes it (ptrs[r]: rank r's part).
+  template <class Use>
+  void exchange_blocks(const detail::Buf& in, std::size_t n, const detail::Fingerprint& fp,
+                       Use&& use) {
+    const std::size_t es = in.elem();
+    const std::size_t seg =
+        std::max<std::size_t>(1, t_->max_offer() / (es * static_cast<std::size_t>(size_)));
+    segments(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
+      blocks(in, n, s0, m);
+      auto ptrs = t_->round(
+          pieces_,
+          [&](int, int dst) {
+            return detail::Range{static_cast<std::size_t>(dst) * m * es, m * es};
+          },
+          first ? &fp : nullptr);
+      use(s0, m, ptrs);
+    });
   }
 
   void blocks(const detail::Buf& in, std::size_t n, std::size_t s0, std::size_t m) {
