@@ -52,7 +52,7 @@ int main(int argc, char** argv) {
   CLI::App app{"mpi-bench: MPI collectives, measured like ddp-bench"};
   std::vector<std::string> ops{"all_reduce"};
   std::string min_b = "4", max_b = "64M", csv, label = "Open MPI";
-  double factor = 2, seconds = 0.2;
+  double factor = 2, seconds = 0.2, settle = 0.3;
   int warmup = 5, iters = 0;
   app.add_option("-o,--op", ops,
                  "all_reduce broadcast reduce all_gather reduce_scatter all_to_all barrier");
@@ -61,6 +61,7 @@ int main(int argc, char** argv) {
   app.add_option("-f,--factor", factor);
   app.add_option("-w,--warmup", warmup);
   app.add_option("--seconds", seconds);
+  app.add_option("--settle", settle);
   app.add_option("-i,--iters", iters);
   app.add_option("--csv", csv);
   app.add_option("--label", label);
@@ -72,8 +73,14 @@ int main(int argc, char** argv) {
     return rc;
   }
   const auto max_bytes = bench::parse_size(max_b);
-  std::vector<float> a(std::max<std::size_t>(1, max_bytes / 4), 1.0f), b(a.size(), 1.0f);
+  std::vector<float> a(std::max<std::size_t>(static_cast<std::size_t>(p), max_bytes / 4), 1.0f),
+      b(a.size(), 1.0f);
   std::vector<bench::Row> rows;
+  if (settle > 0 && !ops.empty()) {  // untimed, like ddp-bench: let the scheduler settle first
+    const double probe = time_op(ops.front(), a.data(), b.data(), p, 3, p);
+    (void)time_op(ops.front(), a.data(), b.data(), p,
+                  static_cast<int>(std::clamp(settle * 1e6 / std::max(probe, 0.01), 1.0, 1e6)), p);
+  }
   for (const auto& op : ops) {
     if (rank == 0)
       bench::print_header(stdout, fmt::format("{} over {} ranks (MPI), float32", op, p));

@@ -36,6 +36,7 @@ struct Config {
   std::string redop = "sum";
   std::string transport = "auto";
   int warmup = 5;
+  double settle = 0.3;
   double seconds = 0.2;
   int iters = 0;
   std::string csv, json, plot, label = "ddp";
@@ -97,7 +98,18 @@ void run(Comm& comm, const Config& cfg, std::vector<bench::Row>& rows) {
   const auto redop = parse_redop(cfg.redop);
   const std::size_t max_count = std::max<std::size_t>(1, cfg.max_bytes / sizeof(T));
   // Allocated and touched once: first touch of fresh pages is slow and is not what we measure.
-  std::vector<T> a(max_count, T(1)), b(max_count, T(1));
+  std::vector<T> a(std::max<std::size_t>(max_count, static_cast<std::size_t>(p)), T(1)),
+      b(a.size(), T(1));
+  if (cfg.settle > 0 && !cfg.ops.empty()) {
+    // Freshly started ranks run slow until the scheduler has spread them over the cores (most
+    // visible with more ranks than cores): run the first measurement's collective untimed for a
+    // while first. mpi-bench does the same.
+    std::span<T> sa(a.data(), static_cast<std::size_t>(p));
+    std::span<T> sb(b.data(), sa.size());
+    const double probe = time_op(comm, cfg.ops.front(), sa, sb, redop, 3);
+    (void)time_op(comm, cfg.ops.front(), sa, sb, redop,
+                  static_cast<int>(std::clamp(cfg.settle * 1e6 / std::max(probe, 0.01), 1.0, 1e6)));
+  }
   for (const auto& op : cfg.ops) {
     if (comm.rank() == 0) {
       bench::print_header(
@@ -217,6 +229,8 @@ int main(int argc, char** argv) {
   app.add_option("-w,--warmup", cfg.warmup, "untimed calls per size")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--seconds", cfg.seconds, "target time per size (sets the iteration count)");
+  app.add_option("--settle", cfg.settle, "untimed seconds before the first size")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("-i,--iters", cfg.iters, "fixed iteration count (overrides --seconds)");
   app.add_option("--segment-bytes", cfg.segment, "Options::segment_bytes (0: default)");
   app.add_option("--csv", cfg.csv, "write the results as CSV");

@@ -94,12 +94,13 @@ struct ShmHeader {
 };
 static_assert(sizeof(ShmHeader) <= ShmLayout::header_bytes);
 
+/// One rank's control block. The tick and the fingerprints share a cache line, so a peer that
+/// sees the tick has the fingerprint too (one cache miss per peer and round, not two).
 struct alignas(64) ShmCtl {
   std::atomic<std::uint64_t> tick;
-  char pad0[56];
   Fingerprint fp[2];
-  char pad1[64 - 2 * sizeof(Fingerprint) % 64];
 };
+static_assert(sizeof(ShmCtl) == 64);
 static_assert(sizeof(ShmCtl) <= ShmLayout::ctl_bytes);
 
 struct ShmChannelCtl {
@@ -372,17 +373,21 @@ class ShmTransport final : public Transport {
             const char* what = nullptr) {
     if (ready()) return;
     // Spin first, unless there are more ranks than cores: then the awaited rank may be waiting
-    // for this very core, so yield it at once.
-    const auto spin_until = Clock::now() + (oversubscribed_ ? std::chrono::microseconds(0)
-                                                            : std::chrono::microseconds(50));
-    do {
-      for (int i = 0; i < 64; ++i) {
-        cpu_relax();
-        if (ready()) return;
-      }
-    } while (Clock::now() < spin_until);
+    // for this very core, so yield it at once (even a short spin of pause instructions costs
+    // more than the whole round).
+    if (!oversubscribed_) {
+      const auto spin_until = Clock::now() + std::chrono::microseconds(50);
+      do {
+        for (int i = 0; i < 64; ++i) {
+          cpu_relax();
+          if (ready()) return;
+        }
+      } while (Clock::now() < spin_until);
+    }
     const auto deadline = Deadline::after(timeout_);
-    auto next_check = Clock::now();
+    // Dead peers and the deadline are checked every 20 ms (a poll(2) of the peers' pidfds each
+    // time; not on every call, which would cost more than a small round).
+    auto next_check = Clock::now() + std::chrono::milliseconds(20);
     // More ranks than cores: the rank we wait for needs this core. Hand it over with
     // sched_yield for a while (cheap for the poster: nobody sleeps, so no futex wake-up), and
     // only then sleep.
