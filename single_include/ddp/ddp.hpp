@@ -5862,6 +5862,7 @@ DDP_END_NAMESPACE
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -5924,6 +5925,7 @@ inline void spawn(int nprocs, const std::function<void(Environment)>& fn,
     bool done = false;
   };
   std::vector<Child> children(static_cast<std::size_t>(nprocs));
+  const pid_t parent = ::getpid();
   for (int r = 0; r < nprocs; ++r) {
     int fds[2];
     if (::pipe2(fds, O_CLOEXEC) != 0) detail::fail_errno(errno, "spawn: pipe2");
@@ -5937,6 +5939,9 @@ inline void spawn(int nprocs, const std::function<void(Environment)>& fn,
     if (pid != 0) ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
     if (pid < 0) detail::fail_errno(errno, "spawn: fork");
     if (pid == 0) {
+      // A worker never outlives the parent (killed, say): no orphans spinning in a collective.
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(1);
       for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGSEGV, SIGABRT, SIGFPE, SIGILL, SIGBUS, SIGPIPE}) {
         ::signal(sig, SIG_DFL);
       }
@@ -5973,6 +5978,8 @@ inline void spawn(int nprocs, const std::function<void(Environment)>& fn,
         message = "a non-standard exception";
         code = 1;
       }
+      // Less than a pipe's capacity: the parent reads it only after this process has exited.
+      if (message.size() > 16384) message.resize(16384);
       if (code != 0) (void)!::write(fds[1], message.data(), message.size());
       std::fflush(nullptr);
       ::_exit(code);  // no atexit handlers or static destructors of the parent's copy

@@ -1,0 +1,361 @@
+#!/usr/bin/env python3
+# ddp — header-only C++20 distributed data-parallel toolkit
+# SPDX-License-Identifier: MIT
+"""ddprun across real processes: DDPRUN=path/to/ddprun WORKER=path/to/ddp-launch-worker
+python3 tests/launch/test_ddprun.py [-v] [TestCase.test_name ...]
+
+The multi-node cases run two ddprun "nodes" in two network namespaces joined by a veth pair; they
+need root (ip netns) and are skipped with a message otherwise."""
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import unittest
+
+DDPRUN = os.environ.get("DDPRUN", "build/default/tools/ddprun")
+WORKER = os.environ.get("WORKER", "build/default/tools/ddp-launch-worker")
+LIMIT = 60  # seconds any single ddprun may take before the test fails (instead of hanging)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def alive(pid):
+    """Whether pid is a live process (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def ddprun(*args, timeout=LIMIT, **kw):
+    return subprocess.run([DDPRUN, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+def read_int(path):
+    with open(path) as f:
+        return int(f.read())
+
+
+def wait_for_files(paths, proc=None, timeout=20):
+    until = time.monotonic() + timeout
+    while time.monotonic() < until:
+        if all(os.path.exists(p) and os.path.getsize(p) > 0 for p in paths):
+            return [read_int(p) for p in paths]
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"ddprun ended early ({proc.returncode}): {proc.communicate()}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {paths}")
+
+
+class Base(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="ddprun-test-")
+
+    def tearDown(self):
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def assertGone(self, pids, within=5.0):
+        until = time.monotonic() + within
+        while any(alive(p) for p in pids) and time.monotonic() < until:
+            time.sleep(0.05)
+        self.assertEqual([p for p in pids if alive(p)], [], "processes left behind")
+
+
+class SingleNode(Base):
+    def test_workers_1_2_4(self):
+        for n in (1, 2, 4):
+            r = ddprun("--standalone", "--nproc-per-node", n, WORKER, "allreduce")
+            self.assertEqual(r.returncode, 0, r.stderr)
+            lines = sorted(r.stdout.splitlines())
+            self.assertEqual(len(lines), n, r.stdout)
+            for rank, line in enumerate(lines):
+                m = re.fullmatch(rf"\[r{rank}\] rank {rank}/{n} local {rank}/{n} node 0 launcher "
+                                 r"ddprun transport (\w+) restart 0 sum ok", line)
+                self.assertIsNotNone(m, line)
+                self.assertEqual(m.group(1), "self" if n == 1 else "shm")
+
+    def test_torch_style_flags_and_fixed_port(self):
+        port = free_port()
+        r = ddprun(f"--nproc_per_node=2", f"--master_port={port}", "--master_addr", "127.0.0.1",
+                   "--node_rank=0", WORKER, "allreduce")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(len(r.stdout.splitlines()), 2)
+
+    def test_environment_of_the_workers(self):
+        r = ddprun("--standalone", "--nproc-per-node", 2, "sh", "-c",
+                   "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $NODE_RANK $GROUP_RANK "
+                   "$MASTER_ADDR $DDP_RESTART_COUNT $DDP_STORE_HOSTED $DDP_LAUNCHER")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(sorted(r.stdout.splitlines()),
+                         ["[r0] 0 2 0 2 0 0 127.0.0.1 0 1 ddprun",
+                          "[r1] 1 2 1 2 0 0 127.0.0.1 0 1 ddprun"])
+
+    def test_nproc_cpu(self):
+        r = ddprun("--standalone", "--nproc-per-node", "cpu", "sh", "-c", "echo $WORLD_SIZE")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        n = len(os.sched_getaffinity(0))
+        self.assertEqual(sorted(r.stdout.splitlines()), [f"[r{i}] {n}" for i in range(n)])
+
+    def test_nproc_gpu_without_gpus(self):
+        r = ddprun("--standalone", "--nproc-per-node", "gpu", "true",
+                   env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("no CUDA device is visible", r.stderr)
+        r = ddprun("--standalone", "--nproc-per-node", "gpu", "sh", "-c", "echo $LOCAL_RANK",
+                   env={**os.environ, "CUDA_VISIBLE_DEVICES": "0,1,2"})
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(len(r.stdout.splitlines()), 3)
+
+    def test_lines_are_prefixed_and_never_interleaved(self):
+        n_lines = 400
+        r = ddprun("--standalone", "--nproc-per-node", 4, WORKER, "lines", n_lines)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        for stream, parity in ((r.stdout, 0), (r.stderr, 1)):
+            counts = {}
+            for line in stream.splitlines():
+                m = re.fullmatch(r"\[r(\d)\] rank (\d) line (\d+) (x+) end", line)
+                self.assertIsNotNone(m, f"mangled line: {line[:120]}")
+                self.assertEqual(m.group(1), m.group(2))
+                i = int(m.group(3))
+                self.assertEqual(i % 2, parity)
+                self.assertEqual(len(m.group(4)), 100 + i % 900)
+                counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+            self.assertEqual(counts, {str(k): n_lines // 2 for k in range(4)})
+
+    def test_no_prefix_and_log_dir(self):
+        logs = os.path.join(self.dir, "logs")
+        r = ddprun("--standalone", "--nproc-per-node", 2, "--no-prefix", "--log-dir", logs,
+                   "sh", "-c", "echo out $RANK; echo err $RANK >&2; printf tail")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(sorted(r.stdout.splitlines()), ["out 0", "out 1", "tail", "tail"])
+        for rank in (0, 1):
+            with open(os.path.join(logs, "attempt_0", f"rank_{rank}.log")) as f:
+                self.assertEqual(sorted(f.read().splitlines()),
+                                 sorted([f"out {rank}", f"err {rank}", "tail"]))
+        # Without --log-dir or a prefix, the workers write to ddprun's own stdout.
+        r = ddprun("--standalone", "--nproc-per-node", 2, "--no-prefix", "sh", "-c", "echo $RANK")
+        self.assertEqual(sorted(r.stdout.splitlines()), ["0", "1"])
+
+    def test_exit_status_is_propagated_and_the_rest_stopped(self):
+        t0 = time.monotonic()
+        r = ddprun("--standalone", "--nproc-per-node", 3, WORKER, "exit", 1, 7)
+        self.assertEqual(r.returncode, 7, r.stderr)
+        self.assertRegex(r.stderr, r"ddprun: rank 1 \(local_rank 1, pid \d+\) exited with status 7 "
+                                   r"after \d+\.\d s; stopping the other workers")
+        self.assertRegex(r.stderr, r"root cause: rank 1 \(local_rank 1")
+        self.assertLess(time.monotonic() - t0, 30)
+
+    def test_killed_worker_is_named(self):
+        for sig, name in ((signal.SIGKILL, "SIGKILL"), (signal.SIGSEGV, "SIGSEGV")):
+            r = ddprun("--standalone", "--nproc-per-node", 3, WORKER, "signal", 2, int(sig))
+            self.assertEqual(r.returncode, 128 + sig, r.stderr)
+            self.assertRegex(r.stderr, rf"root cause: rank 2 \(local_rank 2, pid \d+\) was killed "
+                                       rf"by {name} \(signal {int(sig)}\) after \d+\.\d s")
+
+    def test_crash_is_the_root_cause_not_the_peers_that_noticed(self):
+        # rank 1 crashes while all ranks loop in all_reduce: the others fail with peer_lost at
+        # once, yet the summary names the crash.
+        p = subprocess.Popen([DDPRUN, "--standalone", "--nproc-per-node", "3", WORKER, "loop",
+                              self.dir], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        pids = wait_for_files([f"{self.dir}/pid.{r}" for r in range(3)], p)
+        os.kill(pids[1], signal.SIGKILL)
+        out, err = p.communicate(timeout=LIMIT)
+        self.assertEqual(p.returncode, 137, err)
+        self.assertRegex(err, r"root cause: rank 1 \(local_rank 1, pid \d+\) was killed by SIGKILL")
+        self.assertGone(pids)
+
+    def test_signals_are_forwarded(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            d = tempfile.mkdtemp(dir=self.dir)
+            p = subprocess.Popen([DDPRUN, "--standalone", "--nproc-per-node", "3", WORKER, "wait",
+                                  d], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            pids = wait_for_files([f"{d}/pid.{r}" for r in range(3)], p)
+            p.send_signal(sig)
+            out, err = p.communicate(timeout=LIMIT)
+            self.assertEqual(p.returncode, 128 + sig, err)
+            for r in range(3):  # each worker saw the signal itself
+                with open(f"{d}/got.{r}") as f:
+                    self.assertEqual(int(f.read()), int(sig))
+            self.assertGone(pids)
+
+    def test_grace_then_sigkill(self):
+        p = subprocess.Popen([DDPRUN, "--standalone", "--nproc-per-node", "2", "--grace", "0.5",
+                              WORKER, "wait", self.dir, "ignore-term"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        pids = wait_for_files([f"{self.dir}/pid.{r}" for r in range(2)], p)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=LIMIT)
+        self.assertEqual(p.returncode, 128 + signal.SIGTERM, err)
+        self.assertLess(time.monotonic() - t0, 10)
+        self.assertGone(pids)
+
+    def test_max_restarts_recovers(self):
+        r = ddprun("--standalone", "--nproc-per-node", 3, "--max-restarts", 2, WORKER, "exit", 1, 3,
+                   "once")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("restarting the workers (restart 1 of 2)", r.stderr)
+        self.assertEqual(sorted(re.findall(r"rank (\d)/3 .* restart 1 sum ok", r.stdout)),
+                         ["0", "1", "2"])
+
+    def test_max_restarts_gives_up(self):
+        logs = os.path.join(self.dir, "logs")
+        r = ddprun("--standalone", "--nproc-per-node", 2, "--max-restarts", 2, "--log-dir", logs,
+                   WORKER, "exit", 1, 3)
+        self.assertEqual(r.returncode, 3, r.stderr)
+        self.assertEqual(len(re.findall(r"exited with status 3", r.stderr)), 6)  # 3 attempts
+        self.assertIn("attempt 3 failed", r.stderr)
+        self.assertEqual(sorted(os.listdir(logs)), ["attempt_0", "attempt_1", "attempt_2"])
+
+    def test_nothing_left_behind(self):
+        r = ddprun("--standalone", "--nproc-per-node", 2, WORKER, "grandchild", self.dir)
+        self.assertEqual(r.returncode, 5, r.stderr)
+        pids = [read_int(f"{self.dir}/grandchild.{k}") for k in range(2)]
+        self.assertGone(pids)
+
+    def test_workers_die_with_ddprun(self):
+        p = subprocess.Popen([DDPRUN, "--standalone", "--nproc-per-node", "2", WORKER, "wait",
+                              self.dir], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        pids = wait_for_files([f"{self.dir}/pid.{r}" for r in range(2)], p)
+        p.kill()  # SIGKILL cannot be forwarded: the workers must not be orphaned anyway
+        p.communicate(timeout=LIMIT)
+        self.assertGone(pids)
+
+    def test_bad_arguments(self):
+        cases = [
+            (["--nnodes", 2, "--node-rank", 2, "true"], "--node-rank 2 is out of range"),
+            (["--nproc-per-node", "abc", "true"], 'expected a number from 1 to 4096'),
+            (["--nproc-per-nod", 2, "true"], "unknown option --nproc-per-nod"),
+            (["--standalone", "--nnodes", 2, "true"], "--standalone runs a single node"),
+            (["--nproc-per-node", 2], "no program given"),
+        ]
+        for args, message in cases:
+            r = ddprun(*args)
+            self.assertEqual(r.returncode, 2, (args, r.stderr))
+            self.assertIn(message, r.stderr)
+        r = ddprun("--standalone", "--nproc-per-node", 2, "/nonexistent/program")
+        self.assertEqual(r.returncode, 127)
+        self.assertIn('cannot run "/nonexistent/program": No such file or directory', r.stderr)
+
+    def test_port_in_use(self):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            port = s.getsockname()[1]
+            r = ddprun("--nproc-per-node", 1, "--master-port", port, "true")
+        self.assertEqual(r.returncode, 1)
+        self.assertIn(f"127.0.0.1:{port}", r.stderr)
+        self.assertIn("in use", r.stderr)
+        self.assertIn("--standalone", r.stderr)
+
+    def test_missing_node_times_out(self):
+        r = ddprun("--nnodes", 2, "--node-rank", 0, "--master-port", free_port(), "--join-timeout",
+                   1, "true")
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("1/2 nodes joined within 1 s; missing node 1", r.stderr)
+
+
+class Namespaces:
+    """Two network namespaces joined by a veth pair: node 0 at 10.231.0.1, node 1 at 10.231.0.2."""
+
+    def __init__(self):
+        self.names = [f"ddp{os.getpid()}a", f"ddp{os.getpid()}b"]
+        self.addrs = ["10.231.0.1", "10.231.0.2"]
+
+    def sh(self, *cmd):
+        subprocess.run(cmd, check=True, capture_output=True)
+
+    def __enter__(self):
+        a, b = self.names
+        self.sh("ip", "netns", "add", a)
+        self.sh("ip", "netns", "add", b)
+        self.sh("ip", "link", "add", f"{a}v", "netns", a, "type", "veth", "peer", "name", f"{b}v",
+                "netns", b)
+        for ns, dev, addr in ((a, f"{a}v", self.addrs[0]), (b, f"{b}v", self.addrs[1])):
+            self.sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            self.sh("ip", "-n", ns, "link", "set", dev, "up")
+            self.sh("ip", "-n", ns, "link", "set", "lo", "up")
+        return self
+
+    def __exit__(self, *exc):
+        for ns in self.names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    def start(self, node, port, *args):
+        return subprocess.Popen(
+            ["ip", "netns", "exec", self.names[node], DDPRUN, "--nnodes", "2", "--node-rank",
+             str(node), "--master-addr", self.addrs[0], "--master-port", str(port),
+             "--nproc-per-node", "2", *map(str, args)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def netns_unavailable():
+    if os.geteuid() != 0:
+        return "needs root for ip netns"
+    if shutil.which("ip") is None:
+        return "needs iproute2 (ip)"
+    probe = f"ddpprobe{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"ip netns add failed: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+@unittest.skipIf(netns_unavailable(), netns_unavailable() or "")
+class MultiNode(Base):
+    def test_all_reduce_across_two_nodes_over_tcp(self):
+        with Namespaces() as ns:
+            port = 29611
+            p0 = ns.start(0, port, WORKER, "allreduce")
+            p1 = ns.start(1, port, WORKER, "allreduce")
+            out0, err0 = p0.communicate(timeout=LIMIT)
+            out1, err1 = p1.communicate(timeout=LIMIT)
+        self.assertEqual((p0.returncode, p1.returncode), (0, 0), err0 + err1)
+        lines = sorted((out0 + out1).splitlines())
+        self.assertEqual(len(lines), 4, lines)
+        for rank, line in enumerate(lines):
+            self.assertRegex(line, rf"^\[r{rank}\] rank {rank}/4 local {rank % 2}/2 node {rank // 2} "
+                                   r"launcher ddprun transport tcp restart 0 sum ok$")
+
+    def test_failure_on_one_node_stops_the_other(self):
+        with Namespaces() as ns:
+            port = 29612
+            p0 = ns.start(0, port, WORKER, "loop", self.dir)
+            p1 = ns.start(1, port, WORKER, "loop", self.dir)
+            pids = wait_for_files([f"{self.dir}/pid.{r}" for r in range(4)], p0)
+            os.kill(pids[3], signal.SIGKILL)  # rank 3 lives on node 1
+            out1, err1 = p1.communicate(timeout=LIMIT)
+            out0, err0 = p0.communicate(timeout=LIMIT)
+        self.assertEqual(p1.returncode, 137, err1)
+        self.assertRegex(err1, r"root cause: node 1: rank 3 \(local_rank 1, pid \d+\) was killed by SIGKILL")
+        self.assertEqual(p0.returncode, 137, err0)
+        self.assertRegex(err0, r"root cause: node 1: rank 3 \(local_rank 1, pid \d+\) was killed by "
+                               r"SIGKILL")
+        self.assertGone(pids[:2])
+
+    def test_restart_across_nodes(self):
+        with Namespaces() as ns:
+            port = 29613
+            p0 = ns.start(0, port, "--max-restarts", 1, WORKER, "exit", 3, 4, "once")
+            p1 = ns.start(1, port, "--max-restarts", 1, WORKER, "exit", 3, 4, "once")
+            out0, err0 = p0.communicate(timeout=LIMIT)
+            out1, err1 = p1.communicate(timeout=LIMIT)
+        self.assertEqual((p0.returncode, p1.returncode), (0, 0), err0 + err1)
+        self.assertEqual(sorted(re.findall(r"rank (\d)/4 .* restart 1 sum ok", out0 + out1)),
+                         ["0", "1", "2", "3"])
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,154 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+//
+// The worker program of the launcher tests (tests/launch/test_ddprun.py): a real ddp program
+// whose behaviour each test picks with its arguments.
+//
+//   worker allreduce                  init a communicator, all_reduce, check, print
+//   worker exit RANK CODE [once]      RANK exits with CODE (only in the first attempt with once);
+//                                     the others all_reduce (once) or wait to be stopped
+//   worker signal RANK SIG            RANK raises SIG (9 = SIGKILL, 11 = SIGSEGV); others wait
+//   worker wait DIR [ignore-term]     write DIR/pid.RANK, note any signal in DIR/got.RANK, wait
+//   worker lines N                    print N long lines in several partial writes each
+//   worker grandchild DIR             start a process (pid in DIR/grandchild.RANK), then fail
+//   worker loop DIR                   all_reduce forever (pid in DIR/pid.RANK)
+
+#include <ddp/ddp.hpp>
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+std::string g_dir;
+int g_rank = 0;
+
+void write_file(const std::string& path, const std::string& text) { std::ofstream(path) << text; }
+
+extern "C" void note_signal(int sig) {
+  // Test program: not async-signal-safe in general, but the process does nothing else.
+  const std::string path = g_dir + "/got." + std::to_string(g_rank);
+  const std::string text = std::to_string(sig);
+  FILE* f = std::fopen(path.c_str(), "w");
+  if (f != nullptr) {
+    std::fputs(text.c_str(), f);
+    std::fclose(f);
+  }
+  ::_exit(0);
+}
+
+void wait_forever() {
+  for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+}
+
+int all_reduce_and_check() {
+  auto comm = ddp::Communicator<ddp::backend::Host>::init();
+  const int p = comm.size();
+  std::vector<float> v(100000, static_cast<float>(comm.rank() + 1));
+  comm.all_reduce(v);
+  const float want = static_cast<float>(p * (p + 1) / 2);
+  for (float x : v) {
+    if (x != want) {
+      std::cerr << "rank " << comm.rank() << ": wrong sum " << x << ", want " << want << "\n";
+      return 1;
+    }
+  }
+  const auto env = ddp::Environment::detect();
+  std::cout << "rank " << comm.rank() << "/" << p << " local " << comm.local_rank() << "/"
+            << comm.local_size() << " node " << env.node_rank << " launcher " << env.launcher
+            << " transport " << comm.backend().transport() << " restart "
+            << ddp::detail::env_or("DDP_RESTART_COUNT", "?") << " sum ok" << std::endl;
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  const std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty()) return 2;
+  const auto env = ddp::Environment::detect();
+  g_rank = env.rank;
+  const std::string& mode = args[0];
+  if (mode == "allreduce") return all_reduce_and_check();
+  if (mode == "exit" && args.size() >= 3) {
+    const bool once = args.size() > 3 && args[3] == "once";
+    const bool first = ddp::detail::env_or("DDP_RESTART_COUNT", "0") == "0";
+    if (env.rank == std::stoi(args[1]) && (!once || first)) {
+      std::cerr << "rank " << env.rank << " fails on purpose" << std::endl;
+      return std::stoi(args[2]);
+    }
+    if (once) return all_reduce_and_check();
+    wait_forever();
+  }
+  if (mode == "signal" && args.size() >= 3) {
+    if (env.rank == std::stoi(args[1])) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      ::raise(std::stoi(args[2]));
+    }
+    wait_forever();
+  }
+  if (mode == "wait" && args.size() >= 2) {
+    g_dir = args[1];
+    struct sigaction sa {};
+    sa.sa_handler = note_signal;
+    for (int sig : {SIGINT, SIGHUP}) ::sigaction(sig, &sa, nullptr);
+    if (args.size() > 2 && args[2] == "ignore-term")
+      ::signal(SIGTERM, SIG_IGN);
+    else
+      ::sigaction(SIGTERM, &sa, nullptr);
+    write_file(g_dir + "/pid." + std::to_string(env.rank), std::to_string(::getpid()));
+    wait_forever();
+  }
+  if (mode == "lines" && args.size() >= 2) {
+    const int n = std::stoi(args[1]);
+    for (int i = 0; i < n; ++i) {
+      const std::string line = "rank " + std::to_string(env.rank) + " line " + std::to_string(i) +
+                               " " + std::string(static_cast<std::size_t>(100 + i % 900), 'x') +
+                               " end\n";
+      // In three pieces, so a launcher that forwards reads as they come would interleave.
+      const std::size_t third = line.size() / 3;
+      for (std::size_t at = 0; at < line.size(); at += third) {
+        const std::size_t k = std::min(third, line.size() - at);
+        if (::write(i % 2 == 0 ? 1 : 2, line.data() + at, k) != static_cast<ssize_t>(k)) return 3;
+      }
+    }
+    return 0;
+  }
+  if (mode == "grandchild" && args.size() >= 2) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::execlp("sleep", "sleep", "60", static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    write_file(args[1] + "/grandchild." + std::to_string(env.rank), std::to_string(pid));
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    return env.rank == 0 ? 5 : 0;
+  }
+  if (mode == "loop" && args.size() >= 2) {
+    auto comm = ddp::Communicator<ddp::backend::Host>::init();
+    std::vector<float> v(1000, 1.0f);
+    comm.all_reduce(v);
+    write_file(args[1] + "/pid." + std::to_string(comm.rank()), std::to_string(::getpid()));
+    std::cout << "rank " << comm.rank() << " transport " << comm.backend().transport() << " looping"
+              << std::endl;
+    for (;;) {
+      comm.all_reduce(v);
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+  std::cerr << "worker: unknown arguments\n";
+  return 2;
+} catch (const std::exception& e) {
+  std::cerr << "worker: " << e.what() << std::endl;
+  return 1;
+}
