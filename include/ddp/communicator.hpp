@@ -240,13 +240,14 @@ class Communicator {
       StoreOptions so;
       so.timeout = options.timeout;
       so.token = options.token;
+      const int store_port = env.store_port != 0 ? env.store_port : env.master_port;
       const bool hosted = options.external_store || detail::env_or("DDP_STORE_HOSTED", "0") == "1";
       if (env.rank == 0 && !hosted) {
-        state->server = std::make_unique<StoreServer>(env.master_addr, env.master_port, so);
+        state->server = std::make_unique<StoreServer>(env.master_addr, store_port, so);
       }
       const std::string prefix =
           detail::concat("ddp/", detail::env_or("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
-      state->root_store = std::make_shared<Store>(env.master_addr, env.master_port, so);
+      state->root_store = std::make_shared<Store>(env.master_addr, store_port, so);
       state->prefix = prefix;
       bi.store = std::make_shared<Store>(state->root_store->prefixed(prefix));
       state->store = bi.store;

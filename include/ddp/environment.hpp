@@ -32,6 +32,10 @@ struct Environment {
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 0;  ///< 0: not set (only allowed when world_size == 1 or under MPI)
+  /// The port of ddp's rendezvous store on master_addr: DDP_STORE_PORT when set; under torchrun,
+  /// whose agent already serves its own (c10d) store on MASTER_PORT, MASTER_PORT + 1; otherwise
+  /// master_port.
+  int store_port = 0;
   /// Which launcher the values came from: "ddprun", "torchrun", "slurm", "openmpi", "pmi", "none".
   std::string launcher = "none";
 
@@ -156,8 +160,9 @@ inline Environment Environment::detect(const std::function<const char*(const cha
     e.local_rank = env.integer("OMPI_COMM_WORLD_LOCAL_RANK", 0, max_world - 1).value_or(0);
     detail::check_rank(env, e.local_rank, e.local_world_size, "OMPI_COMM_WORLD_LOCAL_RANK",
                        "OMPI_COMM_WORLD_LOCAL_SIZE");
-    e.node_rank = env.integer("OMPI_COMM_WORLD_NODE_RANK", 0, max_world - 1)
-                      .value_or(e.rank / e.local_world_size);
+    // Not OMPI_COMM_WORLD_NODE_RANK: despite its name it ranks processes within a node (across
+    // jobs). With mpirun's default by-slot mapping, ranks fill the nodes in order.
+    e.node_rank = e.rank / e.local_world_size;
     fill_master(/*required=*/false);
   } else if (env.has("PMI_RANK")) {  // MPICH / Intel MPI (hydra)
     e.launcher = "pmi";
@@ -201,6 +206,17 @@ inline Environment Environment::detect(const std::function<const char*(const cha
       if (auto job = env.integer("SLURM_JOB_ID", 0, 2147483647))
         e.master_port = 15000 + *job % 20000;
     }
+  }
+  e.store_port = e.master_port;
+  if (auto port = env.integer("DDP_STORE_PORT", 1, 65535)) {
+    e.store_port = *port;
+  } else if (e.launcher == "torchrun" && e.master_port != 0 &&
+             env.str("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True") {
+    if (e.master_port == 65535)
+      detail::fail(Errc::invalid_argument,
+                   "environment: under torchrun ddp's store listens on MASTER_PORT + 1, but "
+                   "MASTER_PORT is 65535; pick another port or set DDP_STORE_PORT");
+    e.store_port = e.master_port + 1;
   }
   return e;
 }

@@ -266,6 +266,53 @@ class SingleNode(Base):
         self.assertIn("1/2 nodes joined within 1 s; missing node 1", r.stderr)
 
 
+class OtherLaunchers(Base):
+    """The same worker program, unchanged, under the variables other launchers set."""
+
+    def start_workers(self, envs):
+        procs = [subprocess.Popen([WORKER, "allreduce"], env={**os.environ, **e},
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for e in envs]
+        results = [p.communicate(timeout=LIMIT) for p in procs]
+        for p, (out, err) in zip(procs, results):
+            self.assertEqual(p.returncode, 0, err)
+        return "".join(out for out, _ in results)
+
+    def test_torchrun_variables_with_its_agent_store(self):
+        # torchrun's agent serves its own store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE):
+        # ddp's store then listens on MASTER_PORT + 1.
+        with socket.socket() as agent_store:
+            agent_store.bind(("127.0.0.1", 0))
+            agent_store.listen()
+            port = agent_store.getsockname()[1]
+            common = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
+                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                      "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
+            out = self.start_workers([{**common, "RANK": str(r), "LOCAL_RANK": str(r)}
+                                      for r in range(2)])
+        self.assertEqual(len(re.findall(r"rank \d/2 local \d/2 node 0 launcher torchrun "
+                                        r"transport shm restart \? sum ok", out)), 2, out)
+
+    def test_slurm_variables(self):
+        job = str(400000 + os.getpid() % 10000)  # the port derives from the job id
+        common = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODEID": "0",
+                  "SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": "localhost"}
+        out = self.start_workers([{**common, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}
+                                  for r in range(2)])
+        self.assertEqual(len(re.findall(r"launcher slurm transport shm", out)), 2, out)
+
+    @unittest.skipIf(shutil.which("mpirun") is None, "needs Open MPI's mpirun")
+    def test_mpirun(self):
+        cmd = ["mpirun", "-np", "3", "--oversubscribe"]
+        if os.geteuid() == 0:
+            cmd.append("--allow-run-as-root")
+        r = subprocess.run([*cmd, "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={free_port()}",
+                            WORKER, "allreduce"], capture_output=True, text=True, timeout=LIMIT)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(len(re.findall(r"rank \d/3 local \d/3 node 0 launcher openmpi", r.stdout)),
+                         3, r.stdout)
+
+
 class Namespaces:
     """Two network namespaces joined by a veth pair: node 0 at 10.231.0.1, node 1 at 10.231.0.2."""
 

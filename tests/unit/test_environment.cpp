@@ -65,6 +65,26 @@ TEST_CASE("environment: torchrun / ddprun variables") {
   CHECK(d.local_rank == 0);
 }
 
+TEST_CASE("environment: the store port (torchrun's agent holds MASTER_PORT)") {
+  const std::map<std::string, std::string> base{
+      {"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "29500"}};
+  CHECK(detect(base).store_port == 29500);
+  auto torchrun = base;
+  torchrun["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+  CHECK(detect(torchrun).master_port == 29500);
+  CHECK(detect(torchrun).store_port == 29501);
+  auto ddprun = torchrun;
+  ddprun["DDP_LAUNCHER"] = "ddprun";  // ddprun's agent hosts ddp's own store on MASTER_PORT
+  CHECK(detect(ddprun).store_port == 29500);
+  auto explicit_port = torchrun;
+  explicit_port["DDP_STORE_PORT"] = "31000";
+  CHECK(detect(explicit_port).store_port == 31000);
+  torchrun["MASTER_PORT"] = "65535";
+  CHECK(error_of(torchrun).find("DDP_STORE_PORT") != std::string::npos);
+  explicit_port["DDP_STORE_PORT"] = "0";
+  CHECK(error_of(explicit_port).find("DDP_STORE_PORT") != std::string::npos);
+}
+
 TEST_CASE("environment: Slurm, Open MPI and MPICH") {
   const auto s = detect({{"SLURM_PROCID", "3"},
                          {"SLURM_NTASKS", "4"},
@@ -88,7 +108,7 @@ TEST_CASE("environment: Slurm, Open MPI and MPICH") {
                          {"OMPI_COMM_WORLD_SIZE", "4"},
                          {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
                          {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
-                         {"OMPI_COMM_WORLD_NODE_RANK", "1"},
+                         {"OMPI_COMM_WORLD_NODE_RANK", "0"},  // a rank within the node, not a node
                          {"SLURM_PROCID", "0"}});
   CHECK(o.launcher == "openmpi");  // mpirun inside an allocation: Open MPI's view wins
   CHECK(o.rank == 2);
