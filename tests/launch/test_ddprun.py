@@ -263,7 +263,7 @@ class SingleNode(Base):
         r = ddprun("--nnodes", 2, "--node-rank", 0, "--master-port", free_port(), "--join-timeout",
                    1, "true")
         self.assertEqual(r.returncode, 1)
-        self.assertIn("1/2 nodes joined within 1 s; missing node 1", r.stderr)
+        self.assertIn("1/2 nodes joined within 1.0 s; missing node 1 (start ddprun on every node", r.stderr)
 
 
 class OtherLaunchers(Base):
