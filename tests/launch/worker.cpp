@@ -93,7 +93,9 @@ int main(int argc, char** argv) try {
   if (mode == "signal" && args.size() >= 3) {
     if (env.rank == std::stoi(args[1])) {
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
-      ::raise(std::stoi(args[2]));
+      const int sig = std::stoi(args[2]);
+      ::signal(sig, SIG_DFL);  // a sanitizer's SIGSEGV handler would turn the crash into an exit
+      ::raise(sig);
     }
     wait_forever();
   }
