@@ -392,6 +392,21 @@ class MultiNode(Base):
                                r"SIGKILL")
         self.assertGone(pids[:2])
 
+    def test_interrupt_on_one_node_stops_both(self):
+        with Namespaces() as ns:
+            port = 29614
+            p0 = ns.start(0, port, "--max-restarts", 3, WORKER, "loop", self.dir)
+            p1 = ns.start(1, port, "--max-restarts", 3, WORKER, "loop", self.dir)
+            pids = wait_for_files([f"{self.dir}/pid.{r}" for r in range(4)], p0)
+            p1.send_signal(signal.SIGINT)  # reaches ddprun itself (ip netns exec execs it)
+            out1, err1 = p1.communicate(timeout=LIMIT)
+            out0, err0 = p0.communicate(timeout=LIMIT)
+        self.assertEqual(p1.returncode, 130, err1)
+        self.assertEqual(p0.returncode, 130, err0)  # an interrupt is never restarted
+        self.assertIn("root cause: node 1: ddprun on node 1 received SIGINT", err0)
+        self.assertNotIn("restarting", err0 + err1)
+        self.assertGone(pids)
+
     def test_restart_across_nodes(self):
         with Namespaces() as ns:
             port = 29613
