@@ -10,6 +10,8 @@
 
 #include "ddp/config.hpp"
 #include "ddp/error.hpp"
+#include "ddp/partition.hpp"
+#include "ddp/sync_batch_norm.hpp"
 #include "ddp/tensor.hpp"
 
 // The runtime reports failures across threads and layers with exceptions; with -fno-exceptions
@@ -19,6 +21,7 @@
 #include "ddp/codec.hpp"
 #include "ddp/communicator.hpp"
 #include "ddp/environment.hpp"
+#include "ddp/gradient.hpp"
 #include "ddp/guard.hpp"
 #include "ddp/launch.hpp"
 #include "ddp/options.hpp"

@@ -290,6 +290,446 @@ DDP_END_NAMESPACE
 template <>
 struct std::is_error_code_enum<ddp::Errc> : std::true_type {};
 // end ddp/error.hpp
+// begin ddp/partition.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Splitting a dataset between ranks.
+///
+///  * DataPartitioner<Dataset> (seed 001's DataPartitioner): shuffles the indices once with a seed
+///    and cuts them into parts of the given fractions; `use(i)` is a view of part i.
+///  * DistributedSampler (torch.utils.data.DistributedSampler): per epoch, a shuffled order of the
+///    whole dataset (seed + epoch), padded by wrapping around to a multiple of the number of ranks
+///    (or cut with drop_last); rank r takes positions r, r + R, r + 2R, ... Beyond torch: an exact
+///    mode for evaluation (every sample exactly once, no padding: shards differ by at most one, and
+///    exact_mean() weighs the per-rank results), and state()/restore() to resume mid-epoch.
+///
+/// Shuffles never use std::shuffle or std::uniform_int_distribution, whose results differ between
+/// standard libraries: the generator (SplitMix64), the bounded draw (Lemire's multiply-shift with
+/// rejection) and the shuffle (Fisher-Yates from the top) are specified here, so every rank, every
+/// compiler and every run computes the same permutation from the same seed.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <cmath>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <iterator>
+#include <memory>
+#include <numeric>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// A dataset: a size and indexed access (a std::vector, a span, your own class).
+template <class D>
+concept Dataset = requires(const D& d, std::size_t i) {
+  { d.size() } -> std::convertible_to<std::size_t>;
+  d[i];
+};
+
+namespace detail {
+
+__extension__ typedef unsigned __int128 u128;  // GCC and Clang; __extension__: no -Wpedantic
+
+/// SplitMix64 (Steele, Lea, Flood 2014): a 64-bit state advanced by the golden-ratio increment and
+/// mixed by two xor-shift-multiply rounds.
+class SplitMix64 {
+ public:
+  explicit SplitMix64(std::uint64_t seed) noexcept : state_(seed) {}
+
+  std::uint64_t next() noexcept {
+    std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+
+  /// Uniform in [0, bound), bound > 0: Lemire's multiply-shift with rejection (unbiased).
+  std::uint64_t below(std::uint64_t bound) noexcept {
+    u128 m = static_cast<u128>(next()) * bound;
+    auto low = static_cast<std::uint64_t>(m);
+    if (low < bound) {
+      const std::uint64_t threshold = (0 - bound) % bound;
+      while (low < threshold) {
+        m = static_cast<u128>(next()) * bound;
+        low = static_cast<std::uint64_t>(m);
+      }
+    }
+    return static_cast<std::uint64_t>(m >> 64);
+  }
+
+ private:
+  std::uint64_t state_;
+};
+
+/// 0, 1, ..., n-1 in the order a Fisher-Yates shuffle (from the top) with SplitMix64(seed) gives.
+[[nodiscard]] inline std::vector<std::size_t> permutation(std::size_t n, std::uint64_t seed) {
+  std::vector<std::size_t> p(n);
+  std::iota(p.begin(), p.end(), std::size_t{0});
+  SplitMix64 rng(seed);
+  for (std::size_t i = n; i > 1; --i) {
+    const auto j = static_cast<std::size_t>(rng.below(i));
+    std::swap(p[i - 1], p[j]);
+  }
+  return p;
+}
+
+}  // namespace detail
+
+/// A view of part of a dataset: size(), operator[], begin()/end(). It shares the index list with
+/// its DataPartitioner (so it may outlive it) and refers to the dataset, which must outlive it.
+template <Dataset D>
+class Partition {
+ public:
+  Partition(const D& data, std::shared_ptr<const std::vector<std::size_t>> order, std::size_t first,
+            std::size_t count)
+      : data_(&data), order_(std::move(order)), first_(first), count_(count) {}
+
+  [[nodiscard]] std::size_t size() const noexcept { return count_; }
+  [[nodiscard]] bool empty() const noexcept { return count_ == 0; }
+  /// The dataset's element at this part's position i (no bounds check, like operator[] of vector).
+  [[nodiscard]] decltype(auto) operator[](std::size_t i) const {
+    return (*data_)[(*order_)[first_ + i]];
+  }
+  /// The element at position i; Errc::invalid_argument when i is out of range.
+  [[nodiscard]] decltype(auto) at(std::size_t i) const {
+    if (i >= count_)
+      detail::fail(Errc::invalid_argument, "Partition::at: position ", i,
+                   " is out of range (the part has ", count_, " elements)");
+    return (*this)[i];
+  }
+  /// The dataset indices of this part, in order.
+  [[nodiscard]] std::span<const std::size_t> indices() const noexcept {
+    return std::span<const std::size_t>(*order_).subspan(first_, count_);
+  }
+
+  class iterator {
+   public:
+    using iterator_category = std::forward_iterator_tag;
+    using difference_type = std::ptrdiff_t;
+    using value_type = std::remove_cvref_t<decltype(std::declval<const D&>()[std::size_t{}])>;
+    iterator() = default;
+    iterator(const Partition* p, std::size_t i) : p_(p), i_(i) {}
+    decltype(auto) operator*() const { return (*p_)[i_]; }
+    iterator& operator++() {
+      ++i_;
+      return *this;
+    }
+    iterator operator++(int) {
+      iterator t = *this;
+      ++i_;
+      return t;
+    }
+    friend bool operator==(const iterator& a, const iterator& b) { return a.i_ == b.i_; }
+
+   private:
+    const Partition* p_ = nullptr;
+    std::size_t i_ = 0;
+  };
+  [[nodiscard]] iterator begin() const { return iterator(this, 0); }
+  [[nodiscard]] iterator end() const { return iterator(this, count_); }
+
+ private:
+  const D* data_;
+  std::shared_ptr<const std::vector<std::size_t>> order_;
+  std::size_t first_, count_;
+};
+
+/// Seed 001's DataPartitioner: the dataset's indices shuffled once by `seed`, then cut into
+/// consecutive parts of floor(fraction * size) elements each. The same on every rank.
+template <Dataset D>
+class DataPartitioner {
+ public:
+  /// Parts of the given fractions (each in (0, 1], summing to at most 1).
+  DataPartitioner(const D& data, std::vector<double> fractions, std::uint64_t seed = 1234)
+      : data_(&data) {
+    if (fractions.empty())
+      detail::fail(Errc::invalid_argument, "DataPartitioner: no fractions given");
+    double total = 0;
+    for (std::size_t i = 0; i < fractions.size(); ++i) {
+      const double f = fractions[i];
+      if (!(f > 0 && f <= 1))
+        detail::fail(Errc::invalid_argument, "DataPartitioner: fraction ", i, " is ", f,
+                     "; each must be in (0, 1]");
+      total += f;
+    }
+    if (total > 1 + 1e-9)
+      detail::fail(Errc::invalid_argument, "DataPartitioner: the fractions sum to ", total,
+                   ", more than 1");
+    const std::size_t n = data.size();
+    order_ = std::make_shared<const std::vector<std::size_t>>(detail::permutation(n, seed));
+    std::size_t at = 0;
+    for (const double f : fractions) {
+      const auto len =
+          std::min(n - at, static_cast<std::size_t>(std::floor(f * static_cast<double>(n))));
+      parts_.emplace_back(at, len);
+      at += len;
+    }
+  }
+
+  DataPartitioner(const D& data, std::initializer_list<double> fractions, std::uint64_t seed = 1234)
+      : DataPartitioner(data, std::vector<double>(fractions), seed) {}
+
+  /// `parts` equal parts (one per rank): floor(size / parts) elements each.
+  DataPartitioner(const D& data, int parts, std::uint64_t seed = 1234)
+      : DataPartitioner(data, equal(parts), seed) {}
+
+  /// A temporary dataset would dangle: keep the dataset alive and pass it by name.
+  DataPartitioner(const D&& data, std::vector<double>, std::uint64_t = 1234) = delete;
+  DataPartitioner(const D&& data, std::initializer_list<double>, std::uint64_t = 1234) = delete;
+  DataPartitioner(const D&& data, int, std::uint64_t = 1234) = delete;
+
+  [[nodiscard]] std::size_t parts() const noexcept { return parts_.size(); }
+
+  /// A view of part i; Errc::invalid_argument when there is no such part.
+  [[nodiscard]] Partition<D> use(std::size_t i) const {
+    if (i >= parts_.size())
+      detail::fail(Errc::invalid_argument, "DataPartitioner::use(", i, "): there are ",
+                   parts_.size(), " parts");
+    return Partition<D>(*data_, order_, parts_[i].first, parts_[i].second);
+  }
+  [[nodiscard]] Partition<D> use(int i) const {
+    if (i < 0) detail::fail(Errc::invalid_argument, "DataPartitioner::use(", i, "): negative");
+    return use(static_cast<std::size_t>(i));
+  }
+
+ private:
+  static std::vector<double> equal(int parts) {
+    if (parts < 1)
+      detail::fail(Errc::invalid_argument, "DataPartitioner: ", parts, " parts; need at least 1");
+    return std::vector<double>(static_cast<std::size_t>(parts), 1.0 / parts);
+  }
+
+  const D* data_;
+  std::shared_ptr<const std::vector<std::size_t>> order_;
+  std::vector<std::pair<std::size_t, std::size_t>> parts_;  // (first, count)
+};
+
+struct SamplerOptions {
+  /// A new order each epoch (seed + epoch); off: 0, 1, 2, ...
+  bool shuffle = true;
+  std::uint64_t seed = 0;
+  /// Cut the tail instead of padding, so every rank gets floor(size / ranks) distinct samples.
+  bool drop_last = false;
+  /// For evaluation: every sample exactly once over all ranks, no padding and no cut (shards
+  /// differ by at most one; weigh per-rank results with exact_mean()). Excludes drop_last.
+  bool exact = false;
+};
+
+/// Where a sampler is in an epoch, to resume a run (store it with the checkpoint).
+struct SamplerState {
+  std::uint64_t epoch = 0;
+  /// Samples of this rank's shard already consumed in that epoch.
+  std::uint64_t offset = 0;
+  std::uint64_t seed = 0;
+  std::uint64_t dataset_size = 0;
+  std::uint64_t num_replicas = 0;
+};
+
+/// torch.utils.data.DistributedSampler's semantics (see the file comment).
+class DistributedSampler {
+ public:
+  DistributedSampler(std::size_t dataset_size, int num_replicas, int rank,
+                     SamplerOptions options = {})
+      : n_(dataset_size), replicas_(num_replicas), rank_(rank), o_(options) {
+    if (num_replicas < 1)
+      detail::fail(Errc::invalid_argument, "DistributedSampler: num_replicas is ", num_replicas,
+                   "; need at least 1");
+    if (rank < 0 || rank >= num_replicas)
+      detail::fail(Errc::invalid_argument, "DistributedSampler: rank ", rank,
+                   " is out of range [0, ", num_replicas, ")");
+    if (o_.exact && o_.drop_last)
+      detail::fail(Errc::invalid_argument,
+                   "DistributedSampler: exact and drop_last exclude each other");
+  }
+
+  /// Starts an epoch: its order is shuffled with seed + epoch. Resets a restored offset.
+  void set_epoch(std::uint64_t epoch) noexcept {
+    epoch_ = epoch;
+    offset_ = 0;
+  }
+  [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_; }
+
+  /// Samples per rank in an epoch (for this rank: in exact mode, ranks differ by at most one).
+  [[nodiscard]] std::size_t size() const noexcept { return shard_size(rank_); }
+  /// Samples over all ranks in an epoch (padded or cut).
+  [[nodiscard]] std::size_t total_size() const noexcept {
+    if (o_.exact) return n_;
+    return per_rank() * static_cast<std::size_t>(replicas_);
+  }
+
+  /// This rank's dataset indices for the current epoch, from the restored offset on.
+  [[nodiscard]] std::vector<std::size_t> indices() const {
+    std::vector<std::size_t> order;
+    if (o_.shuffle) {
+      order = detail::permutation(n_, o_.seed + epoch_);
+    } else {
+      order.resize(n_);
+      std::iota(order.begin(), order.end(), std::size_t{0});
+    }
+    const std::size_t total = total_size();
+    if (!o_.exact && total > n_ && n_ > 0) {  // pad by wrapping around (torch's padding)
+      const std::size_t base = order.size();
+      for (std::size_t i = 0; order.size() < total; ++i) order.push_back(order[i % base]);
+    }
+    order.resize(std::min(order.size(), total));
+    std::vector<std::size_t> mine;
+    mine.reserve(size());
+    for (std::size_t i = static_cast<std::size_t>(rank_); i < order.size();
+         i += static_cast<std::size_t>(replicas_)) {
+      mine.push_back(order[i]);
+    }
+    mine.erase(mine.begin(), mine.begin() + static_cast<std::ptrdiff_t>(
+                                                std::min<std::uint64_t>(offset_, mine.size())));
+    return mine;
+  }
+
+  /// The state to resume from after `consumed` more samples of this epoch's indices().
+  [[nodiscard]] SamplerState state(std::size_t consumed = 0) const noexcept {
+    return SamplerState{epoch_, offset_ + consumed, o_.seed, n_,
+                        static_cast<std::uint64_t>(replicas_)};
+  }
+
+  /// Continues where state() left off: the same epoch, minus what was consumed. The dataset size,
+  /// seed and number of ranks must be those of the saved run (Errc::invalid_argument otherwise).
+  void restore(const SamplerState& s) {
+    if (s.dataset_size != n_ || s.seed != o_.seed ||
+        s.num_replicas != static_cast<std::uint64_t>(replicas_)) {
+      detail::fail(Errc::invalid_argument,
+                   "DistributedSampler::restore: the state is of a run with ", s.dataset_size,
+                   " samples, seed ", s.seed, " and ", s.num_replicas, " ranks; this sampler has ",
+                   n_, ", ", o_.seed, " and ", replicas_);
+    }
+    if (s.offset > size())
+      detail::fail(Errc::invalid_argument, "DistributedSampler::restore: offset ", s.offset,
+                   " is past the ", size(), " samples of the shard");
+    epoch_ = s.epoch;
+    offset_ = s.offset;
+  }
+
+ private:
+  [[nodiscard]] std::size_t per_rank() const noexcept {
+    const auto r = static_cast<std::size_t>(replicas_);
+    return o_.drop_last ? n_ / r : (n_ + r - 1) / r;
+  }
+  [[nodiscard]] std::size_t shard_size(int rank) const noexcept {
+    if (!o_.exact) return per_rank();
+    const auto r = static_cast<std::size_t>(replicas_);
+    return n_ / r + (static_cast<std::size_t>(rank) < n_ % r ? 1 : 0);
+  }
+
+  std::size_t n_;
+  int replicas_;
+  int rank_;
+  SamplerOptions o_;
+  std::uint64_t epoch_ = 0;
+  std::uint64_t offset_ = 0;
+};
+
+/// The mean over all ranks of a per-sample quantity, each rank contributing the sum over its
+/// samples and their count (exact-mode shards differ in size, so averaging the per-rank means
+/// would be biased). Collective: every rank of `comm` calls it. 0 when there are no samples.
+template <class Comm>
+[[nodiscard]] double exact_mean(Comm& comm, double local_sum, std::size_t local_count) {
+  std::vector<double> v{local_sum, static_cast<double>(local_count)};
+  comm.all_reduce(v);
+  return v[1] > 0 ? v[0] / v[1] : 0.0;
+}
+
+DDP_END_NAMESPACE
+// end ddp/partition.hpp
+// begin ddp/sync_batch_norm.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// SyncBatchNorm statistics (seed 004's nn.SyncBatchNorm): each rank has per-channel sums and sums
+/// of squares over its part of the batch; one all_reduce (in double, in a fixed rank order, so
+/// every rank gets bitwise the same result) gives the mean and variance over the whole global
+/// batch. Ranks with no samples contribute nothing and still get the global statistics.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <cstddef>
+#include <cstdint>
+#include <iterator>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// Per-channel statistics over every rank's samples.
+struct BatchStats {
+  std::vector<double> mean;
+  /// Biased (population) variance: what batch normalization divides by.
+  std::vector<double> var;
+  /// Unbiased variance (count - 1 in the denominator): what running_var is updated with; equals
+  /// var when count < 2.
+  std::vector<double> unbiased_var;
+  /// Samples over all ranks.
+  std::uint64_t count = 0;
+};
+
+/// Collective: every rank of `comm` calls it with the same number of channels. `sum[c]` and
+/// `sqsum[c]` are this rank's sum and sum of squares of channel c over its `count` samples
+/// (count may be 0). Errc::invalid_argument when sum and sqsum differ in length; when no rank has
+/// a sample the statistics are 0.
+template <class Comm, class T>
+[[nodiscard]] BatchStats sync_batch_stats(Comm& comm, std::span<const T> sum,
+                                          std::span<const T> sqsum, std::uint64_t count) {
+  if (sum.size() != sqsum.size())
+    detail::fail(Errc::invalid_argument, "rank ", comm.rank(), ": sync_batch_stats: ", sum.size(),
+                 " sums but ", sqsum.size(), " sums of squares; give one of each per channel");
+  const std::size_t c = sum.size();
+  std::vector<double> v(2 * c + 1);
+  for (std::size_t i = 0; i < c; ++i) {
+    v[i] = static_cast<double>(sum[i]);
+    v[c + i] = static_cast<double>(sqsum[i]);
+  }
+  v[2 * c] = static_cast<double>(count);
+  comm.all_reduce(v);  // exact for counts below 2^53
+  BatchStats s;
+  s.count = static_cast<std::uint64_t>(v[2 * c]);
+  s.mean.assign(c, 0.0);
+  s.var.assign(c, 0.0);
+  s.unbiased_var.assign(c, 0.0);
+  if (s.count == 0) return s;
+  const double n = v[2 * c];
+  for (std::size_t i = 0; i < c; ++i) {
+    const double mean = v[i] / n;
+    double var = v[c + i] / n - mean * mean;
+    if (var < 0) var = 0;  // rounding when the variance is tiny next to the mean
+    s.mean[i] = mean;
+    s.var[i] = var;
+    s.unbiased_var[i] = s.count > 1 ? var * n / (n - 1) : var;
+  }
+  return s;
+}
+
+/// Any contiguous ranges of float or double (std::vector, std::array, spans).
+template <class Comm, class R>
+[[nodiscard]] BatchStats sync_batch_stats(Comm& comm, const R& sum, const R& sqsum,
+                                          std::uint64_t count) requires requires {
+  std::span(sum);
+}
+{
+  using T = std::remove_cvref_t<decltype(*std::data(sum))>;
+  return sync_batch_stats(comm, std::span<const T>(std::data(sum), std::size(sum)),
+                          std::span<const T>(std::data(sqsum), std::size(sqsum)), count);
+}
+
+DDP_END_NAMESPACE
+// end ddp/sync_batch_norm.hpp
 // begin ddp/tensor.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -5779,6 +6219,412 @@ class Communicator {
 DDP_END_NAMESPACE
 // end ddp/communicator.hpp
 // #include "ddp/environment.hpp" (already included above)
+// begin ddp/gradient.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// GradientAverager<Model, Backend>: what DistributedDataParallel does to gradients.
+///
+///  * At construction it checks that every rank has the same parameters (count, sizes, element
+///    type; Errc::mismatch names the first difference and the ranks) and copies rank 0's values
+///    to every rank.
+///  * Gradients are averaged in buckets: parameters in reverse order (the order backward produces
+///    their gradients), a small first bucket (1 MiB) so communication starts early, then buckets
+///    of up to 25 MiB. mark_ready(i) says gradient i is final; a bucket whose gradients are all
+///    final starts its all_reduce at once, in the background, while backward goes on — always in
+///    the same bucket order on every rank. synchronize() waits and writes the averages back.
+///  * A gradient not marked by synchronize() counts as zero (an unused parameter) instead of
+///    hanging; every rank's gradient then holds the average.
+///  * no_sync() (a guard) skips averaging while micro-batches accumulate gradients.
+///  * Optional compression: float32 gradients travel as float16 or bfloat16 (half the bytes).
+///  * found_nonfinite(): whether any rank has an inf or NaN gradient, the same answer everywhere
+///    (for dynamic loss scaling).
+///
+/// A Model is a range of parameters (or has parameters() returning one); a parameter has a value
+/// and a gradient, both tensors with the same floating-point element type: members `value` and
+/// `grad` (data members or member functions), or a ddp::parameter_traits<P> specialization.
+/// The averager keeps views of the buffers: do not reallocate them while it lives.
+
+// #include "ddp/communicator.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/tensor.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <ranges>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// Adapts a parameter type: specialize with static value(P&) and grad(P&) returning tensors.
+template <class P>
+struct parameter_traits {};
+
+namespace detail {
+
+template <class P>
+decltype(auto) param_value(P& p) {
+  if constexpr (requires { parameter_traits<P>::value(p); })
+    return parameter_traits<P>::value(p);
+  else if constexpr (requires { p.value(); })
+    return p.value();
+  else
+    return (p.value);
+}
+
+template <class P>
+decltype(auto) param_grad(P& p) {
+  if constexpr (requires { parameter_traits<P>::grad(p); })
+    return parameter_traits<P>::grad(p);
+  else if constexpr (requires { p.grad(); })
+    return p.grad();
+  else
+    return (p.grad);
+}
+
+template <class M>
+decltype(auto) model_parameters(M& m) {
+  if constexpr (requires { m.parameters(); })
+    return m.parameters();
+  else
+    return (m);
+}
+
+template <class T>
+inline constexpr bool is_floating_scalar_v =
+    std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, half> ||
+    std::is_same_v<T, bfloat16>;
+
+}  // namespace detail
+
+/// A parameter: a value and a gradient, mutable tensors of the same floating-point type.
+template <class P>
+concept Parameter = requires(P& p) {
+  { detail::param_value(p) } -> MutableTensor;
+  { detail::param_grad(p) } -> MutableTensor;
+}
+&&std::is_same_v<tensor_value_t<decltype(detail::param_value(std::declval<P&>()))>,
+                 tensor_value_t<decltype(detail::param_grad(std::declval<P&>()))>>&&
+    detail::is_floating_scalar_v<tensor_value_t<decltype(detail::param_grad(std::declval<P&>()))>>;
+
+/// A model: a sized range of Parameters, or something whose parameters() returns one.
+template <class M>
+concept Model = requires(M& m) {
+  requires std::ranges::sized_range<decltype(detail::model_parameters(m))>;
+  requires Parameter<std::ranges::range_value_t<decltype(detail::model_parameters(m))>>;
+};
+
+/// How gradients travel.
+enum class Compression {
+  none,     ///< as they are
+  float16,  ///< float32 gradients sent as float16 (half the bytes; ~3 decimal digits)
+  bfloat16  ///< float32 gradients sent as bfloat16 (half the bytes; float32's range)
+};
+
+struct AveragerOptions {
+  /// Largest bucket, in bytes of gradient (torch's bucket_cap_mb = 25).
+  std::size_t bucket_bytes = std::size_t{25} << 20;
+  /// The first bucket (the last parameters), small so that communication starts early.
+  std::size_t first_bucket_bytes = std::size_t{1} << 20;
+  Compression compression = Compression::none;
+  /// Copy rank 0's parameter values to every rank at construction (torch does).
+  bool broadcast_parameters = true;
+};
+
+template <Model M, class Backend>
+class GradientAverager {
+  using Param = std::ranges::range_value_t<decltype(detail::model_parameters(std::declval<M&>()))>;
+  using T = tensor_value_t<decltype(detail::param_grad(std::declval<Param&>()))>;
+
+ public:
+  GradientAverager(Communicator<Backend>& comm, M& model, AveragerOptions options = {})
+      : comm_(&comm), o_(options) {
+    if constexpr (!std::is_same_v<T, float>) {
+      if (o_.compression != Compression::none)
+        detail::fail(Errc::invalid_argument, "rank ", comm.rank(),
+                     ": GradientAverager: compression applies to float32 gradients; these are ",
+                     to_string(dtype_of<T>));
+    }
+    if (o_.bucket_bytes == 0 || o_.first_bucket_bytes == 0)
+      detail::fail(Errc::invalid_argument, "rank ", comm.rank(),
+                   ": GradientAverager: bucket sizes must be positive");
+    for (auto&& p : detail::model_parameters(model)) {
+      auto v = ddp::view(detail::param_value(p));
+      auto g = ddp::view(detail::param_grad(p));
+      values_.push_back({v.data, v.size, v.device, v.stream});
+      grads_.push_back({g.data, g.size, g.device, g.stream});
+    }
+    check_same_everywhere();
+    if (o_.broadcast_parameters) {
+      for (auto& v : values_) comm.broadcast(v, 0);
+    }
+    make_buckets();
+    ready_.assign(grads_.size(), false);
+  }
+
+  GradientAverager(const GradientAverager&) = delete;
+  GradientAverager& operator=(const GradientAverager&) = delete;
+  ~GradientAverager() {
+    for (auto& b : buckets_) {  // never leave a collective writing into freed buffers
+      if (b.work) {
+        try {
+          b.work->wait();
+        } catch (...) {
+        }
+      }
+    }
+  }
+
+  /// Number of parameters.
+  [[nodiscard]] std::size_t size() const noexcept { return grads_.size(); }
+  /// The parameter indices of each bucket, in launch order.
+  [[nodiscard]] std::vector<std::vector<std::size_t>> buckets() const {
+    std::vector<std::vector<std::size_t>> out;
+    for (const auto& b : buckets_) out.push_back(b.params);
+    return out;
+  }
+
+  /// Gradient i is final for this step: its bucket starts averaging once all of its gradients
+  /// (and every earlier bucket) are. Ignored inside no_sync().
+  void mark_ready(std::size_t i) {
+    if (i >= grads_.size())
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                   ": GradientAverager::mark_ready(", i, "): the model has ", grads_.size(),
+                   " parameters");
+    if (no_sync_ || ready_[i]) return;
+    ready_[i] = true;
+    Bucket& b = buckets_[bucket_of_[i]];
+    ++b.ready;
+    while (next_ < buckets_.size() && buckets_[next_].ready == buckets_[next_].params.size())
+      launch(next_++);
+  }
+
+  /// Waits for every bucket (starting those not started: gradients never marked count as zero)
+  /// and writes the averages into the gradients. Ignored inside no_sync().
+  void synchronize() {
+    if (no_sync_) return;
+    while (next_ < buckets_.size()) launch(next_++);
+    for (auto& b : buckets_) {
+      Work w = std::move(*b.work);
+      b.work.reset();
+      w.wait();
+      unpack(b);
+      b.ready = 0;
+    }
+    next_ = 0;
+    std::fill(ready_.begin(), ready_.end(), false);
+  }
+
+  /// Every gradient is final: mark_ready for all (last first) and synchronize().
+  void average() {
+    if (no_sync_) return;
+    for (std::size_t i = grads_.size(); i-- > 0;) mark_ready(i);
+    synchronize();
+  }
+
+  /// While the returned guard lives, mark_ready/synchronize/average do nothing, so gradients of
+  /// several micro-batches accumulate locally; the next synchronize() after it averages them.
+  class NoSync {
+   public:
+    explicit NoSync(GradientAverager& a) : a_(&a), previous_(std::exchange(a.no_sync_, true)) {}
+    NoSync(NoSync&& o) noexcept : a_(std::exchange(o.a_, nullptr)), previous_(o.previous_) {}
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+    NoSync& operator=(NoSync&&) = delete;
+    ~NoSync() {
+      if (a_ != nullptr) a_->no_sync_ = previous_;
+    }
+
+   private:
+    GradientAverager* a_;
+    bool previous_;
+  };
+  [[nodiscard]] NoSync no_sync() {
+    if (next_ != 0)
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                   ": GradientAverager::no_sync(): buckets of this step were already started; "
+                   "enter no_sync before the backward pass");
+    return NoSync(*this);
+  }
+
+  /// Whether any rank's gradients hold an inf or a NaN (after synchronize(): every rank holds the
+  /// same averages, so every rank also gets the same answer). Collective.
+  [[nodiscard]] bool found_nonfinite() {
+    std::vector<std::int32_t> flag{0};
+    for (const auto& g : grads_) {
+      for (std::size_t k = 0; k < g.size && flag[0] == 0; ++k) {
+        if constexpr (std::is_same_v<T, double>) {
+          if (!std::isfinite(g.data[k])) flag[0] = 1;
+        } else if (!std::isfinite(static_cast<float>(g.data[k]))) {
+          flag[0] = 1;
+        }
+      }
+    }
+    comm_->all_reduce(flag, ReduceOp::max);
+    return flag[0] != 0;
+  }
+
+ private:
+  struct Bucket {
+    std::vector<std::size_t> params;  // parameter indices, in packing order
+    std::size_t elements = 0;
+    std::size_t ready = 0;
+    std::vector<T> flat;        // without compression
+    std::vector<half> f16;      // Compression::float16
+    std::vector<bfloat16> b16;  // Compression::bfloat16
+    std::optional<Work> work;
+  };
+
+  void check_same_everywhere() {
+    // (count, element type, sizes...) of this rank against everyone's.
+    std::vector<std::uint64_t> sig{grads_.size(), static_cast<std::uint64_t>(dtype_of<T>)};
+    for (std::size_t i = 0; i < grads_.size(); ++i) {
+      if (grads_[i].size != values_[i].size)
+        detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                     ": GradientAverager: parameter ", i, " has ", values_[i].size, " values but ",
+                     grads_[i].size, " gradients");
+      if (!Backend::supports(grads_[i].device) || !Backend::supports(values_[i].device))
+        detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                     ": GradientAverager: parameter ", i, " lives on ", to_string(grads_[i].device),
+                     ", which this backend cannot use");
+      sig.push_back(grads_[i].size);
+    }
+    const auto all = comm_->all_gather_object(sig);
+    for (std::size_t r = 1; r < all.size(); ++r) {
+      const auto& a = all[0];
+      const auto& b = all[r];
+      if (a == b) continue;
+      if (a[0] != b[0])
+        detail::fail(Errc::mismatch, "rank ", comm_->rank(), ": GradientAverager: rank 0 has ",
+                     a[0], " parameters but rank ", r, " has ", b[0],
+                     "; every rank must build the same model");
+      if (a[1] != b[1])
+        detail::fail(Errc::mismatch, "rank ", comm_->rank(),
+                     ": GradientAverager: the gradients are ", to_string(static_cast<DType>(a[1])),
+                     " on rank 0 but ", to_string(static_cast<DType>(b[1])), " on rank ", r);
+      for (std::size_t i = 2; i < a.size(); ++i) {
+        if (a[i] != b[i])
+          detail::fail(Errc::mismatch, "rank ", comm_->rank(), ": GradientAverager: parameter ",
+                       i - 2, " has ", a[i], " elements on rank 0 but ", b[i], " on rank ", r,
+                       "; every rank must build the same model");
+      }
+    }
+  }
+
+  void make_buckets() {
+    std::vector<std::size_t> bucket_of(grads_.size());
+    Bucket cur;
+    std::size_t bytes = 0;
+    const auto close = [&] {
+      if (cur.params.empty()) return;
+      buckets_.push_back(std::move(cur));
+      cur = Bucket{};
+      bytes = 0;
+    };
+    for (std::size_t i = grads_.size(); i-- > 0;) {
+      const std::size_t cap = buckets_.empty() ? o_.first_bucket_bytes : o_.bucket_bytes;
+      const std::size_t b = grads_[i].size * sizeof(T);
+      if (!cur.params.empty() && bytes + b > cap) close();
+      bucket_of[i] = buckets_.size();
+      cur.params.push_back(i);
+      cur.elements += grads_[i].size;
+      bytes += b;
+    }
+    close();
+    bucket_of_ = std::move(bucket_of);
+    for (auto& b : buckets_) {
+      switch (o_.compression) {
+        case Compression::none: b.flat.resize(b.elements); break;
+        case Compression::float16: b.f16.resize(b.elements); break;
+        case Compression::bfloat16: b.b16.resize(b.elements); break;
+      }
+    }
+  }
+
+  template <class W>
+  void pack_into(Bucket& b, std::vector<W>& out) {
+    std::size_t at = 0;
+    for (const std::size_t i : b.params) {
+      const auto& g = grads_[i];
+      if (!ready_[i]) {  // never marked: an unused parameter contributes zero
+        std::fill_n(out.data() + at, g.size, W{});
+      } else if constexpr (std::is_same_v<W, T>) {
+        std::memcpy(out.data() + at, g.data, g.size * sizeof(T));
+      } else {
+        for (std::size_t k = 0; k < g.size; ++k) out[at + k] = W(static_cast<float>(g.data[k]));
+      }
+      at += g.size;
+    }
+  }
+
+  template <class W>
+  void unpack_from(const Bucket& b, const std::vector<W>& in) {
+    std::size_t at = 0;
+    for (const std::size_t i : b.params) {
+      auto& g = grads_[i];
+      if constexpr (std::is_same_v<W, T>) {
+        std::memcpy(g.data, in.data() + at, g.size * sizeof(T));
+      } else {
+        for (std::size_t k = 0; k < g.size; ++k) g.data[k] = T(static_cast<float>(in[at + k]));
+      }
+      at += g.size;
+    }
+  }
+
+  void launch(std::size_t k) {
+    Bucket& b = buckets_[k];
+    switch (o_.compression) {
+      case Compression::none:
+        pack_into(b, b.flat);
+        b.work.emplace(comm_->all_reduce_async(b.flat, ReduceOp::avg));
+        break;
+      case Compression::float16:
+        pack_into(b, b.f16);
+        b.work.emplace(comm_->all_reduce_async(b.f16, ReduceOp::avg));
+        break;
+      case Compression::bfloat16:
+        pack_into(b, b.b16);
+        b.work.emplace(comm_->all_reduce_async(b.b16, ReduceOp::avg));
+        break;
+    }
+  }
+
+  void unpack(const Bucket& b) {
+    switch (o_.compression) {
+      case Compression::none: unpack_from(b, b.flat); break;
+      case Compression::float16: unpack_from(b, b.f16); break;
+      case Compression::bfloat16: unpack_from(b, b.b16); break;
+    }
+  }
+
+  Communicator<Backend>* comm_;
+  AveragerOptions o_;
+  std::vector<TensorView<T>> values_, grads_;
+  std::vector<Bucket> buckets_;
+  std::vector<std::size_t> bucket_of_;
+  std::vector<bool> ready_;
+  std::size_t next_ = 0;  // the next bucket to launch
+  bool no_sync_ = false;
+};
+
+template <class Backend, Model M>
+GradientAverager(Communicator<Backend>&, M&, AveragerOptions = {}) -> GradientAverager<M, Backend>;
+
+DDP_END_NAMESPACE
+// end ddp/gradient.hpp
 // begin ddp/guard.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT

@@ -1,0 +1,405 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// GradientAverager<Model, Backend>: what DistributedDataParallel does to gradients.
+///
+///  * At construction it checks that every rank has the same parameters (count, sizes, element
+///    type; Errc::mismatch names the first difference and the ranks) and copies rank 0's values
+///    to every rank.
+///  * Gradients are averaged in buckets: parameters in reverse order (the order backward produces
+///    their gradients), a small first bucket (1 MiB) so communication starts early, then buckets
+///    of up to 25 MiB. mark_ready(i) says gradient i is final; a bucket whose gradients are all
+///    final starts its all_reduce at once, in the background, while backward goes on — always in
+///    the same bucket order on every rank. synchronize() waits and writes the averages back.
+///  * A gradient not marked by synchronize() counts as zero (an unused parameter) instead of
+///    hanging; every rank's gradient then holds the average.
+///  * no_sync() (a guard) skips averaging while micro-batches accumulate gradients.
+///  * Optional compression: float32 gradients travel as float16 or bfloat16 (half the bytes).
+///  * found_nonfinite(): whether any rank has an inf or NaN gradient, the same answer everywhere
+///    (for dynamic loss scaling).
+///
+/// A Model is a range of parameters (or has parameters() returning one); a parameter has a value
+/// and a gradient, both tensors with the same floating-point element type: members `value` and
+/// `grad` (data members or member functions), or a ddp::parameter_traits<P> specialization.
+/// The averager keeps views of the buffers: do not reallocate them while it lives.
+
+#include "ddp/communicator.hpp"
+#include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+#include "ddp/error.hpp"
+#include "ddp/tensor.hpp"
+#include "ddp/types.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <ranges>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// Adapts a parameter type: specialize with static value(P&) and grad(P&) returning tensors.
+template <class P>
+struct parameter_traits {};
+
+namespace detail {
+
+template <class P>
+decltype(auto) param_value(P& p) {
+  if constexpr (requires { parameter_traits<P>::value(p); })
+    return parameter_traits<P>::value(p);
+  else if constexpr (requires { p.value(); })
+    return p.value();
+  else
+    return (p.value);
+}
+
+template <class P>
+decltype(auto) param_grad(P& p) {
+  if constexpr (requires { parameter_traits<P>::grad(p); })
+    return parameter_traits<P>::grad(p);
+  else if constexpr (requires { p.grad(); })
+    return p.grad();
+  else
+    return (p.grad);
+}
+
+template <class M>
+decltype(auto) model_parameters(M& m) {
+  if constexpr (requires { m.parameters(); })
+    return m.parameters();
+  else
+    return (m);
+}
+
+template <class T>
+inline constexpr bool is_floating_scalar_v =
+    std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, half> ||
+    std::is_same_v<T, bfloat16>;
+
+}  // namespace detail
+
+/// A parameter: a value and a gradient, mutable tensors of the same floating-point type.
+template <class P>
+concept Parameter = requires(P& p) {
+  { detail::param_value(p) } -> MutableTensor;
+  { detail::param_grad(p) } -> MutableTensor;
+}
+&&std::is_same_v<tensor_value_t<decltype(detail::param_value(std::declval<P&>()))>,
+                 tensor_value_t<decltype(detail::param_grad(std::declval<P&>()))>>&&
+    detail::is_floating_scalar_v<tensor_value_t<decltype(detail::param_grad(std::declval<P&>()))>>;
+
+/// A model: a sized range of Parameters, or something whose parameters() returns one.
+template <class M>
+concept Model = requires(M& m) {
+  requires std::ranges::sized_range<decltype(detail::model_parameters(m))>;
+  requires Parameter<std::ranges::range_value_t<decltype(detail::model_parameters(m))>>;
+};
+
+/// How gradients travel.
+enum class Compression {
+  none,     ///< as they are
+  float16,  ///< float32 gradients sent as float16 (half the bytes; ~3 decimal digits)
+  bfloat16  ///< float32 gradients sent as bfloat16 (half the bytes; float32's range)
+};
+
+struct AveragerOptions {
+  /// Largest bucket, in bytes of gradient (torch's bucket_cap_mb = 25).
+  std::size_t bucket_bytes = std::size_t{25} << 20;
+  /// The first bucket (the last parameters), small so that communication starts early.
+  std::size_t first_bucket_bytes = std::size_t{1} << 20;
+  Compression compression = Compression::none;
+  /// Copy rank 0's parameter values to every rank at construction (torch does).
+  bool broadcast_parameters = true;
+};
+
+template <Model M, class Backend>
+class GradientAverager {
+  using Param = std::ranges::range_value_t<decltype(detail::model_parameters(std::declval<M&>()))>;
+  using T = tensor_value_t<decltype(detail::param_grad(std::declval<Param&>()))>;
+
+ public:
+  GradientAverager(Communicator<Backend>& comm, M& model, AveragerOptions options = {})
+      : comm_(&comm), o_(options) {
+    if constexpr (!std::is_same_v<T, float>) {
+      if (o_.compression != Compression::none)
+        detail::fail(Errc::invalid_argument, "rank ", comm.rank(),
+                     ": GradientAverager: compression applies to float32 gradients; these are ",
+                     to_string(dtype_of<T>));
+    }
+    if (o_.bucket_bytes == 0 || o_.first_bucket_bytes == 0)
+      detail::fail(Errc::invalid_argument, "rank ", comm.rank(),
+                   ": GradientAverager: bucket sizes must be positive");
+    for (auto&& p : detail::model_parameters(model)) {
+      auto v = ddp::view(detail::param_value(p));
+      auto g = ddp::view(detail::param_grad(p));
+      values_.push_back({v.data, v.size, v.device, v.stream});
+      grads_.push_back({g.data, g.size, g.device, g.stream});
+    }
+    check_same_everywhere();
+    if (o_.broadcast_parameters) {
+      for (auto& v : values_) comm.broadcast(v, 0);
+    }
+    make_buckets();
+    ready_.assign(grads_.size(), false);
+  }
+
+  GradientAverager(const GradientAverager&) = delete;
+  GradientAverager& operator=(const GradientAverager&) = delete;
+  ~GradientAverager() {
+    for (auto& b : buckets_) {  // never leave a collective writing into freed buffers
+      if (b.work) {
+        try {
+          b.work->wait();
+        } catch (...) {
+        }
+      }
+    }
+  }
+
+  /// Number of parameters.
+  [[nodiscard]] std::size_t size() const noexcept { return grads_.size(); }
+  /// The parameter indices of each bucket, in launch order.
+  [[nodiscard]] std::vector<std::vector<std::size_t>> buckets() const {
+    std::vector<std::vector<std::size_t>> out;
+    for (const auto& b : buckets_) out.push_back(b.params);
+    return out;
+  }
+
+  /// Gradient i is final for this step: its bucket starts averaging once all of its gradients
+  /// (and every earlier bucket) are. Ignored inside no_sync().
+  void mark_ready(std::size_t i) {
+    if (i >= grads_.size())
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                   ": GradientAverager::mark_ready(", i, "): the model has ", grads_.size(),
+                   " parameters");
+    if (no_sync_ || ready_[i]) return;
+    ready_[i] = true;
+    Bucket& b = buckets_[bucket_of_[i]];
+    ++b.ready;
+    while (next_ < buckets_.size() && buckets_[next_].ready == buckets_[next_].params.size())
+      launch(next_++);
+  }
+
+  /// Waits for every bucket (starting those not started: gradients never marked count as zero)
+  /// and writes the averages into the gradients. Ignored inside no_sync().
+  void synchronize() {
+    if (no_sync_) return;
+    while (next_ < buckets_.size()) launch(next_++);
+    for (auto& b : buckets_) {
+      Work w = std::move(*b.work);
+      b.work.reset();
+      w.wait();
+      unpack(b);
+      b.ready = 0;
+    }
+    next_ = 0;
+    std::fill(ready_.begin(), ready_.end(), false);
+  }
+
+  /// Every gradient is final: mark_ready for all (last first) and synchronize().
+  void average() {
+    if (no_sync_) return;
+    for (std::size_t i = grads_.size(); i-- > 0;) mark_ready(i);
+    synchronize();
+  }
+
+  /// While the returned guard lives, mark_ready/synchronize/average do nothing, so gradients of
+  /// several micro-batches accumulate locally; the next synchronize() after it averages them.
+  class NoSync {
+   public:
+    explicit NoSync(GradientAverager& a) : a_(&a), previous_(std::exchange(a.no_sync_, true)) {}
+    NoSync(NoSync&& o) noexcept : a_(std::exchange(o.a_, nullptr)), previous_(o.previous_) {}
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+    NoSync& operator=(NoSync&&) = delete;
+    ~NoSync() {
+      if (a_ != nullptr) a_->no_sync_ = previous_;
+    }
+
+   private:
+    GradientAverager* a_;
+    bool previous_;
+  };
+  [[nodiscard]] NoSync no_sync() {
+    if (next_ != 0)
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                   ": GradientAverager::no_sync(): buckets of this step were already started; "
+                   "enter no_sync before the backward pass");
+    return NoSync(*this);
+  }
+
+  /// Whether any rank's gradients hold an inf or a NaN (after synchronize(): every rank holds the
+  /// same averages, so every rank also gets the same answer). Collective.
+  [[nodiscard]] bool found_nonfinite() {
+    std::vector<std::int32_t> flag{0};
+    for (const auto& g : grads_) {
+      for (std::size_t k = 0; k < g.size && flag[0] == 0; ++k) {
+        if constexpr (std::is_same_v<T, double>) {
+          if (!std::isfinite(g.data[k])) flag[0] = 1;
+        } else if (!std::isfinite(static_cast<float>(g.data[k]))) {
+          flag[0] = 1;
+        }
+      }
+    }
+    comm_->all_reduce(flag, ReduceOp::max);
+    return flag[0] != 0;
+  }
+
+ private:
+  struct Bucket {
+    std::vector<std::size_t> params;  // parameter indices, in packing order
+    std::size_t elements = 0;
+    std::size_t ready = 0;
+    std::vector<T> flat;        // without compression
+    std::vector<half> f16;      // Compression::float16
+    std::vector<bfloat16> b16;  // Compression::bfloat16
+    std::optional<Work> work;
+  };
+
+  void check_same_everywhere() {
+    // (count, element type, sizes...) of this rank against everyone's.
+    std::vector<std::uint64_t> sig{grads_.size(), static_cast<std::uint64_t>(dtype_of<T>)};
+    for (std::size_t i = 0; i < grads_.size(); ++i) {
+      if (grads_[i].size != values_[i].size)
+        detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                     ": GradientAverager: parameter ", i, " has ", values_[i].size, " values but ",
+                     grads_[i].size, " gradients");
+      if (!Backend::supports(grads_[i].device) || !Backend::supports(values_[i].device))
+        detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                     ": GradientAverager: parameter ", i, " lives on ", to_string(grads_[i].device),
+                     ", which this backend cannot use");
+      sig.push_back(grads_[i].size);
+    }
+    const auto all = comm_->all_gather_object(sig);
+    for (std::size_t r = 1; r < all.size(); ++r) {
+      const auto& a = all[0];
+      const auto& b = all[r];
+      if (a == b) continue;
+      if (a[0] != b[0])
+        detail::fail(Errc::mismatch, "rank ", comm_->rank(), ": GradientAverager: rank 0 has ",
+                     a[0], " parameters but rank ", r, " has ", b[0],
+                     "; every rank must build the same model");
+      if (a[1] != b[1])
+        detail::fail(Errc::mismatch, "rank ", comm_->rank(),
+                     ": GradientAverager: the gradients are ", to_string(static_cast<DType>(a[1])),
+                     " on rank 0 but ", to_string(static_cast<DType>(b[1])), " on rank ", r);
+      for (std::size_t i = 2; i < a.size(); ++i) {
+        if (a[i] != b[i])
+          detail::fail(Errc::mismatch, "rank ", comm_->rank(), ": GradientAverager: parameter ",
+                       i - 2, " has ", a[i], " elements on rank 0 but ", b[i], " on rank ", r,
+                       "; every rank must build the same model");
+      }
+    }
+  }
+
+  void make_buckets() {
+    std::vector<std::size_t> bucket_of(grads_.size());
+    Bucket cur;
+    std::size_t bytes = 0;
+    const auto close = [&] {
+      if (cur.params.empty()) return;
+      buckets_.push_back(std::move(cur));
+      cur = Bucket{};
+      bytes = 0;
+    };
+    for (std::size_t i = grads_.size(); i-- > 0;) {
+      const std::size_t cap = buckets_.empty() ? o_.first_bucket_bytes : o_.bucket_bytes;
+      const std::size_t b = grads_[i].size * sizeof(T);
+      if (!cur.params.empty() && bytes + b > cap) close();
+      bucket_of[i] = buckets_.size();
+      cur.params.push_back(i);
+      cur.elements += grads_[i].size;
+      bytes += b;
+    }
+    close();
+    bucket_of_ = std::move(bucket_of);
+    for (auto& b : buckets_) {
+      switch (o_.compression) {
+        case Compression::none: b.flat.resize(b.elements); break;
+        case Compression::float16: b.f16.resize(b.elements); break;
+        case Compression::bfloat16: b.b16.resize(b.elements); break;
+      }
+    }
+  }
+
+  template <class W>
+  void pack_into(Bucket& b, std::vector<W>& out) {
+    std::size_t at = 0;
+    for (const std::size_t i : b.params) {
+      const auto& g = grads_[i];
+      if (!ready_[i]) {  // never marked: an unused parameter contributes zero
+        std::fill_n(out.data() + at, g.size, W{});
+      } else if constexpr (std::is_same_v<W, T>) {
+        std::memcpy(out.data() + at, g.data, g.size * sizeof(T));
+      } else {
+        for (std::size_t k = 0; k < g.size; ++k) out[at + k] = W(static_cast<float>(g.data[k]));
+      }
+      at += g.size;
+    }
+  }
+
+  template <class W>
+  void unpack_from(const Bucket& b, const std::vector<W>& in) {
+    std::size_t at = 0;
+    for (const std::size_t i : b.params) {
+      auto& g = grads_[i];
+      if constexpr (std::is_same_v<W, T>) {
+        std::memcpy(g.data, in.data() + at, g.size * sizeof(T));
+      } else {
+        for (std::size_t k = 0; k < g.size; ++k) g.data[k] = T(static_cast<float>(in[at + k]));
+      }
+      at += g.size;
+    }
+  }
+
+  void launch(std::size_t k) {
+    Bucket& b = buckets_[k];
+    switch (o_.compression) {
+      case Compression::none:
+        pack_into(b, b.flat);
+        b.work.emplace(comm_->all_reduce_async(b.flat, ReduceOp::avg));
+        break;
+      case Compression::float16:
+        pack_into(b, b.f16);
+        b.work.emplace(comm_->all_reduce_async(b.f16, ReduceOp::avg));
+        break;
+      case Compression::bfloat16:
+        pack_into(b, b.b16);
+        b.work.emplace(comm_->all_reduce_async(b.b16, ReduceOp::avg));
+        break;
+    }
+  }
+
+  void unpack(const Bucket& b) {
+    switch (o_.compression) {
+      case Compression::none: unpack_from(b, b.flat); break;
+      case Compression::float16: unpack_from(b, b.f16); break;
+      case Compression::bfloat16: unpack_from(b, b.b16); break;
+    }
+  }
+
+  Communicator<Backend>* comm_;
+  AveragerOptions o_;
+  std::vector<TensorView<T>> values_, grads_;
+  std::vector<Bucket> buckets_;
+  std::vector<std::size_t> bucket_of_;
+  std::vector<bool> ready_;
+  std::size_t next_ = 0;  // the next bucket to launch
+  bool no_sync_ = false;
+};
+
+template <class Backend, Model M>
+GradientAverager(Communicator<Backend>&, M&, AveragerOptions = {}) -> GradientAverager<M, Backend>;
+
+DDP_END_NAMESPACE

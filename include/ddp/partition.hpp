@@ -1,0 +1,355 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// Splitting a dataset between ranks.
+///
+///  * DataPartitioner<Dataset> (seed 001's DataPartitioner): shuffles the indices once with a seed
+///    and cuts them into parts of the given fractions; `use(i)` is a view of part i.
+///  * DistributedSampler (torch.utils.data.DistributedSampler): per epoch, a shuffled order of the
+///    whole dataset (seed + epoch), padded by wrapping around to a multiple of the number of ranks
+///    (or cut with drop_last); rank r takes positions r, r + R, r + 2R, ... Beyond torch: an exact
+///    mode for evaluation (every sample exactly once, no padding: shards differ by at most one, and
+///    exact_mean() weighs the per-rank results), and state()/restore() to resume mid-epoch.
+///
+/// Shuffles never use std::shuffle or std::uniform_int_distribution, whose results differ between
+/// standard libraries: the generator (SplitMix64), the bounded draw (Lemire's multiply-shift with
+/// rejection) and the shuffle (Fisher-Yates from the top) are specified here, so every rank, every
+/// compiler and every run computes the same permutation from the same seed.
+
+#include "ddp/config.hpp"
+#include "ddp/error.hpp"
+
+#include <cmath>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <iterator>
+#include <memory>
+#include <numeric>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// A dataset: a size and indexed access (a std::vector, a span, your own class).
+template <class D>
+concept Dataset = requires(const D& d, std::size_t i) {
+  { d.size() } -> std::convertible_to<std::size_t>;
+  d[i];
+};
+
+namespace detail {
+
+__extension__ typedef unsigned __int128 u128;  // GCC and Clang; __extension__: no -Wpedantic
+
+/// SplitMix64 (Steele, Lea, Flood 2014): a 64-bit state advanced by the golden-ratio increment and
+/// mixed by two xor-shift-multiply rounds.
+class SplitMix64 {
+ public:
+  explicit SplitMix64(std::uint64_t seed) noexcept : state_(seed) {}
+
+  std::uint64_t next() noexcept {
+    std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+
+  /// Uniform in [0, bound), bound > 0: Lemire's multiply-shift with rejection (unbiased).
+  std::uint64_t below(std::uint64_t bound) noexcept {
+    u128 m = static_cast<u128>(next()) * bound;
+    auto low = static_cast<std::uint64_t>(m);
+    if (low < bound) {
+      const std::uint64_t threshold = (0 - bound) % bound;
+      while (low < threshold) {
+        m = static_cast<u128>(next()) * bound;
+        low = static_cast<std::uint64_t>(m);
+      }
+    }
+    return static_cast<std::uint64_t>(m >> 64);
+  }
+
+ private:
+  std::uint64_t state_;
+};
+
+/// 0, 1, ..., n-1 in the order a Fisher-Yates shuffle (from the top) with SplitMix64(seed) gives.
+[[nodiscard]] inline std::vector<std::size_t> permutation(std::size_t n, std::uint64_t seed) {
+  std::vector<std::size_t> p(n);
+  std::iota(p.begin(), p.end(), std::size_t{0});
+  SplitMix64 rng(seed);
+  for (std::size_t i = n; i > 1; --i) {
+    const auto j = static_cast<std::size_t>(rng.below(i));
+    std::swap(p[i - 1], p[j]);
+  }
+  return p;
+}
+
+}  // namespace detail
+
+/// A view of part of a dataset: size(), operator[], begin()/end(). It shares the index list with
+/// its DataPartitioner (so it may outlive it) and refers to the dataset, which must outlive it.
+template <Dataset D>
+class Partition {
+ public:
+  Partition(const D& data, std::shared_ptr<const std::vector<std::size_t>> order, std::size_t first,
+            std::size_t count)
+      : data_(&data), order_(std::move(order)), first_(first), count_(count) {}
+
+  [[nodiscard]] std::size_t size() const noexcept { return count_; }
+  [[nodiscard]] bool empty() const noexcept { return count_ == 0; }
+  /// The dataset's element at this part's position i (no bounds check, like operator[] of vector).
+  [[nodiscard]] decltype(auto) operator[](std::size_t i) const {
+    return (*data_)[(*order_)[first_ + i]];
+  }
+  /// The element at position i; Errc::invalid_argument when i is out of range.
+  [[nodiscard]] decltype(auto) at(std::size_t i) const {
+    if (i >= count_)
+      detail::fail(Errc::invalid_argument, "Partition::at: position ", i,
+                   " is out of range (the part has ", count_, " elements)");
+    return (*this)[i];
+  }
+  /// The dataset indices of this part, in order.
+  [[nodiscard]] std::span<const std::size_t> indices() const noexcept {
+    return std::span<const std::size_t>(*order_).subspan(first_, count_);
+  }
+
+  class iterator {
+   public:
+    using iterator_category = std::forward_iterator_tag;
+    using difference_type = std::ptrdiff_t;
+    using value_type = std::remove_cvref_t<decltype(std::declval<const D&>()[std::size_t{}])>;
+    iterator() = default;
+    iterator(const Partition* p, std::size_t i) : p_(p), i_(i) {}
+    decltype(auto) operator*() const { return (*p_)[i_]; }
+    iterator& operator++() {
+      ++i_;
+      return *this;
+    }
+    iterator operator++(int) {
+      iterator t = *this;
+      ++i_;
+      return t;
+    }
+    friend bool operator==(const iterator& a, const iterator& b) { return a.i_ == b.i_; }
+
+   private:
+    const Partition* p_ = nullptr;
+    std::size_t i_ = 0;
+  };
+  [[nodiscard]] iterator begin() const { return iterator(this, 0); }
+  [[nodiscard]] iterator end() const { return iterator(this, count_); }
+
+ private:
+  const D* data_;
+  std::shared_ptr<const std::vector<std::size_t>> order_;
+  std::size_t first_, count_;
+};
+
+/// Seed 001's DataPartitioner: the dataset's indices shuffled once by `seed`, then cut into
+/// consecutive parts of floor(fraction * size) elements each. The same on every rank.
+template <Dataset D>
+class DataPartitioner {
+ public:
+  /// Parts of the given fractions (each in (0, 1], summing to at most 1).
+  DataPartitioner(const D& data, std::vector<double> fractions, std::uint64_t seed = 1234)
+      : data_(&data) {
+    if (fractions.empty())
+      detail::fail(Errc::invalid_argument, "DataPartitioner: no fractions given");
+    double total = 0;
+    for (std::size_t i = 0; i < fractions.size(); ++i) {
+      const double f = fractions[i];
+      if (!(f > 0 && f <= 1))
+        detail::fail(Errc::invalid_argument, "DataPartitioner: fraction ", i, " is ", f,
+                     "; each must be in (0, 1]");
+      total += f;
+    }
+    if (total > 1 + 1e-9)
+      detail::fail(Errc::invalid_argument, "DataPartitioner: the fractions sum to ", total,
+                   ", more than 1");
+    const std::size_t n = data.size();
+    order_ = std::make_shared<const std::vector<std::size_t>>(detail::permutation(n, seed));
+    std::size_t at = 0;
+    for (const double f : fractions) {
+      const auto len =
+          std::min(n - at, static_cast<std::size_t>(std::floor(f * static_cast<double>(n))));
+      parts_.emplace_back(at, len);
+      at += len;
+    }
+  }
+
+  DataPartitioner(const D& data, std::initializer_list<double> fractions, std::uint64_t seed = 1234)
+      : DataPartitioner(data, std::vector<double>(fractions), seed) {}
+
+  /// `parts` equal parts (one per rank): floor(size / parts) elements each.
+  DataPartitioner(const D& data, int parts, std::uint64_t seed = 1234)
+      : DataPartitioner(data, equal(parts), seed) {}
+
+  /// A temporary dataset would dangle: keep the dataset alive and pass it by name.
+  DataPartitioner(const D&& data, std::vector<double>, std::uint64_t = 1234) = delete;
+  DataPartitioner(const D&& data, std::initializer_list<double>, std::uint64_t = 1234) = delete;
+  DataPartitioner(const D&& data, int, std::uint64_t = 1234) = delete;
+
+  [[nodiscard]] std::size_t parts() const noexcept { return parts_.size(); }
+
+  /// A view of part i; Errc::invalid_argument when there is no such part.
+  [[nodiscard]] Partition<D> use(std::size_t i) const {
+    if (i >= parts_.size())
+      detail::fail(Errc::invalid_argument, "DataPartitioner::use(", i, "): there are ",
+                   parts_.size(), " parts");
+    return Partition<D>(*data_, order_, parts_[i].first, parts_[i].second);
+  }
+  [[nodiscard]] Partition<D> use(int i) const {
+    if (i < 0) detail::fail(Errc::invalid_argument, "DataPartitioner::use(", i, "): negative");
+    return use(static_cast<std::size_t>(i));
+  }
+
+ private:
+  static std::vector<double> equal(int parts) {
+    if (parts < 1)
+      detail::fail(Errc::invalid_argument, "DataPartitioner: ", parts, " parts; need at least 1");
+    return std::vector<double>(static_cast<std::size_t>(parts), 1.0 / parts);
+  }
+
+  const D* data_;
+  std::shared_ptr<const std::vector<std::size_t>> order_;
+  std::vector<std::pair<std::size_t, std::size_t>> parts_;  // (first, count)
+};
+
+struct SamplerOptions {
+  /// A new order each epoch (seed + epoch); off: 0, 1, 2, ...
+  bool shuffle = true;
+  std::uint64_t seed = 0;
+  /// Cut the tail instead of padding, so every rank gets floor(size / ranks) distinct samples.
+  bool drop_last = false;
+  /// For evaluation: every sample exactly once over all ranks, no padding and no cut (shards
+  /// differ by at most one; weigh per-rank results with exact_mean()). Excludes drop_last.
+  bool exact = false;
+};
+
+/// Where a sampler is in an epoch, to resume a run (store it with the checkpoint).
+struct SamplerState {
+  std::uint64_t epoch = 0;
+  /// Samples of this rank's shard already consumed in that epoch.
+  std::uint64_t offset = 0;
+  std::uint64_t seed = 0;
+  std::uint64_t dataset_size = 0;
+  std::uint64_t num_replicas = 0;
+};
+
+/// torch.utils.data.DistributedSampler's semantics (see the file comment).
+class DistributedSampler {
+ public:
+  DistributedSampler(std::size_t dataset_size, int num_replicas, int rank,
+                     SamplerOptions options = {})
+      : n_(dataset_size), replicas_(num_replicas), rank_(rank), o_(options) {
+    if (num_replicas < 1)
+      detail::fail(Errc::invalid_argument, "DistributedSampler: num_replicas is ", num_replicas,
+                   "; need at least 1");
+    if (rank < 0 || rank >= num_replicas)
+      detail::fail(Errc::invalid_argument, "DistributedSampler: rank ", rank,
+                   " is out of range [0, ", num_replicas, ")");
+    if (o_.exact && o_.drop_last)
+      detail::fail(Errc::invalid_argument,
+                   "DistributedSampler: exact and drop_last exclude each other");
+  }
+
+  /// Starts an epoch: its order is shuffled with seed + epoch. Resets a restored offset.
+  void set_epoch(std::uint64_t epoch) noexcept {
+    epoch_ = epoch;
+    offset_ = 0;
+  }
+  [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_; }
+
+  /// Samples per rank in an epoch (for this rank: in exact mode, ranks differ by at most one).
+  [[nodiscard]] std::size_t size() const noexcept { return shard_size(rank_); }
+  /// Samples over all ranks in an epoch (padded or cut).
+  [[nodiscard]] std::size_t total_size() const noexcept {
+    if (o_.exact) return n_;
+    return per_rank() * static_cast<std::size_t>(replicas_);
+  }
+
+  /// This rank's dataset indices for the current epoch, from the restored offset on.
+  [[nodiscard]] std::vector<std::size_t> indices() const {
+    std::vector<std::size_t> order;
+    if (o_.shuffle) {
+      order = detail::permutation(n_, o_.seed + epoch_);
+    } else {
+      order.resize(n_);
+      std::iota(order.begin(), order.end(), std::size_t{0});
+    }
+    const std::size_t total = total_size();
+    if (!o_.exact && total > n_ && n_ > 0) {  // pad by wrapping around (torch's padding)
+      const std::size_t base = order.size();
+      for (std::size_t i = 0; order.size() < total; ++i) order.push_back(order[i % base]);
+    }
+    order.resize(std::min(order.size(), total));
+    std::vector<std::size_t> mine;
+    mine.reserve(size());
+    for (std::size_t i = static_cast<std::size_t>(rank_); i < order.size();
+         i += static_cast<std::size_t>(replicas_)) {
+      mine.push_back(order[i]);
+    }
+    mine.erase(mine.begin(), mine.begin() + static_cast<std::ptrdiff_t>(
+                                                std::min<std::uint64_t>(offset_, mine.size())));
+    return mine;
+  }
+
+  /// The state to resume from after `consumed` more samples of this epoch's indices().
+  [[nodiscard]] SamplerState state(std::size_t consumed = 0) const noexcept {
+    return SamplerState{epoch_, offset_ + consumed, o_.seed, n_,
+                        static_cast<std::uint64_t>(replicas_)};
+  }
+
+  /// Continues where state() left off: the same epoch, minus what was consumed. The dataset size,
+  /// seed and number of ranks must be those of the saved run (Errc::invalid_argument otherwise).
+  void restore(const SamplerState& s) {
+    if (s.dataset_size != n_ || s.seed != o_.seed ||
+        s.num_replicas != static_cast<std::uint64_t>(replicas_)) {
+      detail::fail(Errc::invalid_argument,
+                   "DistributedSampler::restore: the state is of a run with ", s.dataset_size,
+                   " samples, seed ", s.seed, " and ", s.num_replicas, " ranks; this sampler has ",
+                   n_, ", ", o_.seed, " and ", replicas_);
+    }
+    if (s.offset > size())
+      detail::fail(Errc::invalid_argument, "DistributedSampler::restore: offset ", s.offset,
+                   " is past the ", size(), " samples of the shard");
+    epoch_ = s.epoch;
+    offset_ = s.offset;
+  }
+
+ private:
+  [[nodiscard]] std::size_t per_rank() const noexcept {
+    const auto r = static_cast<std::size_t>(replicas_);
+    return o_.drop_last ? n_ / r : (n_ + r - 1) / r;
+  }
+  [[nodiscard]] std::size_t shard_size(int rank) const noexcept {
+    if (!o_.exact) return per_rank();
+    const auto r = static_cast<std::size_t>(replicas_);
+    return n_ / r + (static_cast<std::size_t>(rank) < n_ % r ? 1 : 0);
+  }
+
+  std::size_t n_;
+  int replicas_;
+  int rank_;
+  SamplerOptions o_;
+  std::uint64_t epoch_ = 0;
+  std::uint64_t offset_ = 0;
+};
+
+/// The mean over all ranks of a per-sample quantity, each rank contributing the sum over its
+/// samples and their count (exact-mode shards differ in size, so averaging the per-rank means
+/// would be biased). Collective: every rank of `comm` calls it. 0 when there are no samples.
+template <class Comm>
+[[nodiscard]] double exact_mean(Comm& comm, double local_sum, std::size_t local_count) {
+  std::vector<double> v{local_sum, static_cast<double>(local_count)};
+  comm.all_reduce(v);
+  return v[1] > 0 ? v[0] / v[1] : 0.0;
+}
+
+DDP_END_NAMESPACE
