@@ -6276,6 +6276,19 @@ struct parameter_traits {};
 namespace detail {
 
 template <class P>
+concept has_value = requires(P& p) {
+  parameter_traits<P>::value(p);
+}
+|| requires(P& p) { p.value(); }
+|| requires(P& p) { p.value; };
+template <class P>
+concept has_grad = requires(P& p) {
+  parameter_traits<P>::grad(p);
+}
+|| requires(P& p) { p.grad(); }
+|| requires(P& p) { p.grad; };
+
+template <has_value P>
 decltype(auto) param_value(P& p) {
   if constexpr (requires { parameter_traits<P>::value(p); })
     return parameter_traits<P>::value(p);
@@ -6285,7 +6298,7 @@ decltype(auto) param_value(P& p) {
     return (p.value);
 }
 
-template <class P>
+template <has_grad P>
 decltype(auto) param_grad(P& p) {
   if constexpr (requires { parameter_traits<P>::grad(p); })
     return parameter_traits<P>::grad(p);
