@@ -6244,7 +6244,8 @@ DDP_END_NAMESPACE
 /// A Model is a range of parameters (or has parameters() returning one); a parameter has a value
 /// and a gradient, both tensors with the same floating-point element type: members `value` and
 /// `grad` (data members or member functions), or a ddp::parameter_traits<P> specialization.
-/// The averager keeps views of the buffers: do not reallocate them while it lives.
+/// Buffers may be reallocated between steps (the averager looks them up again at the start of each
+/// step), but their sizes must stay as they were.
 
 // #include "ddp/communicator.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
@@ -6364,7 +6365,7 @@ class GradientAverager {
 
  public:
   GradientAverager(Communicator<Backend>& comm, M& model, AveragerOptions options = {})
-      : comm_(&comm), o_(options) {
+      : comm_(&comm), model_(&model), o_(options) {
     if constexpr (!std::is_same_v<T, float>) {
       if (o_.compression != Compression::none)
         detail::fail(Errc::invalid_argument, "rank ", comm.rank(),
@@ -6413,6 +6414,7 @@ class GradientAverager {
   /// Gradient i is final for this step: its bucket starts averaging once all of its gradients
   /// (and every earlier bucket) are. Ignored inside no_sync().
   void mark_ready(std::size_t i) {
+    if (!in_step_) begin_step();
     if (i >= grads_.size())
       detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
                    ": GradientAverager::mark_ready(", i, "): the model has ", grads_.size(),
@@ -6429,6 +6431,7 @@ class GradientAverager {
   /// and writes the averages into the gradients. Ignored inside no_sync().
   void synchronize() {
     if (no_sync_) return;
+    if (!in_step_) begin_step();
     while (next_ < buckets_.size()) launch(next_++);
     for (auto& b : buckets_) {
       Work w = std::move(*b.work);
@@ -6438,6 +6441,7 @@ class GradientAverager {
       b.ready = 0;
     }
     next_ = 0;
+    in_step_ = false;
     std::fill(ready_.begin(), ready_.end(), false);
   }
 
@@ -6500,6 +6504,32 @@ class GradientAverager {
     std::vector<bfloat16> b16;  // Compression::bfloat16
     std::optional<Work> work;
   };
+
+  // Looks the buffers up again (the model may have reallocated them since the last step).
+  void begin_step() {
+    std::size_t i = 0;
+    for (auto&& p : detail::model_parameters(*model_)) {
+      if (i >= grads_.size()) {
+        ++i;
+        continue;
+      }
+      auto v = ddp::view(detail::param_value(p));
+      auto g = ddp::view(detail::param_grad(p));
+      if (g.size != grads_[i].size || v.size != values_[i].size)
+        detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                     ": GradientAverager: parameter ", i, " now has ", v.size, " values and ",
+                     g.size, " gradients; it had ", values_[i].size, " and ", grads_[i].size,
+                     " when the averager was created (sizes must not change)");
+      values_[i] = {v.data, v.size, v.device, v.stream};
+      grads_[i] = {g.data, g.size, g.device, g.stream};
+      ++i;
+    }
+    if (i != grads_.size())
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                   ": GradientAverager: the model now has ", i, " parameters; it had ",
+                   grads_.size(), " when the averager was created");
+    in_step_ = true;
+  }
 
   void check_same_everywhere() {
     // (count, element type, sizes...) of this rank against everyone's.
@@ -6624,6 +6654,7 @@ class GradientAverager {
   }
 
   Communicator<Backend>* comm_;
+  M* model_;
   AveragerOptions o_;
   std::vector<TensorView<T>> values_, grads_;
   std::vector<Bucket> buckets_;
@@ -6631,6 +6662,7 @@ class GradientAverager {
   std::vector<bool> ready_;
   std::size_t next_ = 0;  // the next bucket to launch
   bool no_sync_ = false;
+  bool in_step_ = false;  // buffers looked up for the current step
 };
 
 template <class Backend, Model M>

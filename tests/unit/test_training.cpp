@@ -273,3 +273,26 @@ TEST_CASE("training: compressed gradients stay within float16 and bfloat16 round
     });
   }
 }
+
+TEST_CASE("training: buffers reallocated between steps are found again; resizing is refused") {
+  mp::run(2, ddp::HostTransport::shm, [](mp::Comm& comm) {
+    Linear m;
+    ddp::GradientAverager avg(comm, m);
+    for (int step = 0; step < 3; ++step) {
+      m.params[1].grad =
+          std::vector<float>(4, static_cast<float>(comm.rank() + step));  // new buffer
+      avg.average();
+      for (float g : m.params[1].grad)
+        MP_EXPECT(g == 0.5f + static_cast<float>(step), "step " << step << ": " << g);
+    }
+    m.params[1].grad.resize(5);
+    try {
+      avg.average();
+      MP_EXPECT(false, "a resized gradient was accepted");
+    } catch (const ddp::Error& e) {
+      MP_EXPECT(std::string(e.what()).find("parameter 1 now has 4 values and 5 gradients") !=
+                    std::string::npos,
+                e.what());
+    }
+  });
+}
