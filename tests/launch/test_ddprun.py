@@ -282,9 +282,17 @@ class OtherLaunchers(Base):
         # torchrun's agent serves its own store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE):
         # ddp's store then listens on MASTER_PORT + 1.
         with socket.socket() as agent_store:
-            agent_store.bind(("127.0.0.1", 0))
+            while True:  # a port whose successor is free too (ddp's store goes there)
+                agent_store.bind(("127.0.0.1", 0))
+                port = agent_store.getsockname()[1]
+                try:
+                    with socket.socket() as probe:
+                        probe.bind(("127.0.0.1", port + 1))
+                    break
+                except OSError:
+                    agent_store.close()
+                    agent_store = socket.socket()
             agent_store.listen()
-            port = agent_store.getsockname()[1]
             common = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                       "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
