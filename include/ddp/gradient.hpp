@@ -13,6 +13,8 @@
 ///    of up to 25 MiB. mark_ready(i) says gradient i is final; a bucket whose gradients are all
 ///    final starts its all_reduce at once, in the background, while backward goes on — always in
 ///    the same bucket order on every rank. synchronize() waits and writes the averages back.
+///    Large gradients (256 KiB and up) are averaged in place, each as its own bucket, small ones
+///    are copied into a bucket (one call for many tensors).
 ///  * A gradient not marked by synchronize() counts as zero (an unused parameter) instead of
 ///    hanging; every rank's gradient then holds the average.
 ///  * no_sync() (a guard) skips averaging while micro-batches accumulate gradients.
@@ -133,6 +135,9 @@ struct AveragerOptions {
   /// The first bucket (the last parameters), small so that communication starts early.
   std::size_t first_bucket_bytes = std::size_t{1} << 20;
   Compression compression = Compression::none;
+  /// Without compression, a gradient of at least this many bytes is averaged in place, as a bucket
+  /// of its own: copying it into a bucket and back would cost more than the call it saves.
+  std::size_t in_place_bytes = std::size_t{256} << 10;
   /// Copy rank 0's parameter values to every rank at construction (torch does).
   bool broadcast_parameters = true;
 };
@@ -278,6 +283,7 @@ class GradientAverager {
     std::vector<std::size_t> params;  // parameter indices, in packing order
     std::size_t elements = 0;
     std::size_t ready = 0;
+    bool in_place = false;      // one gradient, averaged where it is
     std::vector<T> flat;        // without compression
     std::vector<half> f16;      // Compression::float16
     std::vector<bfloat16> b16;  // Compression::bfloat16
@@ -359,6 +365,15 @@ class GradientAverager {
     for (std::size_t i = grads_.size(); i-- > 0;) {
       const std::size_t cap = buckets_.empty() ? o_.first_bucket_bytes : o_.bucket_bytes;
       const std::size_t b = grads_[i].size * sizeof(T);
+      if (o_.compression == Compression::none && b >= o_.in_place_bytes) {
+        close();
+        bucket_of[i] = buckets_.size();
+        buckets_.push_back(Bucket{});
+        buckets_.back().params.push_back(i);
+        buckets_.back().elements = grads_[i].size;
+        buckets_.back().in_place = true;
+        continue;
+      }
       if (!cur.params.empty() && bytes + b > cap) close();
       bucket_of[i] = buckets_.size();
       cur.params.push_back(i);
@@ -368,6 +383,7 @@ class GradientAverager {
     close();
     bucket_of_ = std::move(bucket_of);
     for (auto& b : buckets_) {
+      if (b.in_place) continue;
       switch (o_.compression) {
         case Compression::none: b.flat.resize(b.elements); break;
         case Compression::float16: b.f16.resize(b.elements); break;
@@ -408,6 +424,12 @@ class GradientAverager {
 
   void launch(std::size_t k) {
     Bucket& b = buckets_[k];
+    if (b.in_place) {
+      const std::size_t i = b.params.front();
+      if (!ready_[i]) std::fill_n(grads_[i].data, grads_[i].size, T{});  // unused: zero
+      b.work.emplace(comm_->all_reduce_async(grads_[i], ReduceOp::avg));
+      return;
+    }
     switch (o_.compression) {
       case Compression::none:
         pack_into(b, b.flat);
@@ -425,6 +447,7 @@ class GradientAverager {
   }
 
   void unpack(const Bucket& b) {
+    if (b.in_place) return;
     switch (o_.compression) {
       case Compression::none: unpack_from(b, b.flat); break;
       case Compression::float16: unpack_from(b, b.f16); break;
