@@ -75,6 +75,20 @@ concept CommBackend = requires(B& b, const detail::Buf& buf, ReduceOp op, int i,
 
 namespace detail {
 
+/// Whether Communicator::init must rendezvous through a Store before creating the backend
+/// (backend::Mpi, which gets ranks from the MPI library, says `needs_store = false`).
+template <class B>
+inline constexpr bool backend_needs_store = true;
+template <class B>
+  requires requires { B::needs_store; }
+inline constexpr bool backend_needs_store<B> = B::needs_store;
+
+/// Whether the backend makes sub-groups itself (MPI_Comm_split, ncclCommSplit).
+template <class B>
+concept splits_itself = requires(B& b, int i) {
+  { b.split(i, i) } -> std::same_as<std::unique_ptr<B>>;
+};
+
 struct WorkState {
   std::mutex mutex;
   std::condition_variable cv;
@@ -231,7 +245,7 @@ class Communicator {
     bi.rank = env.rank;
     bi.size = env.world_size;
     bi.options = options;
-    if (env.world_size > 1) {
+    if (env.world_size > 1 && detail::backend_needs_store<Backend>) {
       if (env.master_port == 0) {
         detail::fail(Errc::invalid_argument, "rank ", env.rank,
                      ": Communicator::init: MASTER_PORT is not set (world size ", env.world_size,
@@ -418,6 +432,16 @@ class Communicator {
     if (color < no_color) {
       detail::fail(Errc::invalid_argument, "rank ", rank(), ": split: color ", color,
                    " is negative (use no_color)");
+    }
+    if constexpr (detail::splits_itself<Backend>) {
+      std::unique_ptr<Backend> made;
+      exec(Op{"split", [&](Backend& b) { made = b.split(color, key); }});
+      if (!made) return Communicator(nullptr);
+      auto sub = std::make_shared<State>();
+      sub->options = state_->options;
+      sub->world_rank = state_->world_rank;
+      sub->backend = std::move(made);
+      return Communicator(std::move(sub));
     }
     const auto all = all_gather_object(std::pair<int, int>{color, key});
     const std::uint64_t n = checked().splits++;

@@ -18,6 +18,9 @@
 // only the core types above are available.
 #if DDP_HAS_EXCEPTIONS
 #include "ddp/backend/host.hpp"
+#if DDP_HAS_MPI
+#include "ddp/backend/mpi.hpp"
+#endif
 #include "ddp/codec.hpp"
 #include "ddp/communicator.hpp"
 #include "ddp/environment.hpp"

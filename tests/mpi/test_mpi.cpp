@@ -1,0 +1,217 @@
+// backend::Mpi under Open MPI's mpirun (-np 1, 2 and 4): the same collective cases and
+// references as the backend::Host tests (tests/unit/collective_cases.hpp), plus what is
+// particular to MPI (adoption of MPI, the p2p header, the watchdog, the training layer on top).
+// Every rank runs doctest; a failing check on any rank makes mpirun exit non-zero.
+//
+// DDP_MPI_TEST_MODE=collective-timeout runs no test cases: rank 0 calls an all_reduce that the
+// other ranks skip, and the watchdog must end the job naming it (checked by CTest's output regex).
+#define DOCTEST_CONFIG_IMPLEMENT
+#include "../unit/collective_cases.hpp"
+
+#include <mpi.h>
+
+#include <cstdlib>
+#include <string>
+#include <thread>
+
+namespace {
+
+using Mpi = ddp::Communicator<ddp::backend::Mpi>;
+using namespace std::chrono_literals;
+
+Mpi& world() {
+  static Mpi comm = [] {
+    ddp::Options o;
+    o.timeout = 60s;
+    return Mpi::init(ddp::Environment::detect(), o);
+  }();
+  return comm;
+}
+
+/// Runs a case body; MP_EXPECT's exceptions become doctest failures naming the rank.
+template <class F>
+void on_world(F&& body) {
+  try {
+    body(world());
+  } catch (const std::exception& e) {
+    FAIL_CHECK("rank " << world().rank() << ": " << std::string(e.what()));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("ddp initializes MPI itself; rank and size are MPI's") {
+  auto& comm = world();
+  int initialized = 0, level = 0, rank = -1, size = 0;
+  MPI_Initialized(&initialized);
+  MPI_Query_thread(&level);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  CHECK(initialized == 1);
+  CHECK(level >= MPI_THREAD_SERIALIZED);
+  CHECK(comm.rank() == rank);
+  CHECK(comm.size() == size);
+  CHECK(comm.local_size() == size);  // one host
+  CHECK(comm.local_rank() == rank);
+  const auto env = ddp::Environment::detect();
+  CHECK(env.rank == rank);
+  CHECK(env.world_size == size);
+  int cmp = MPI_UNEQUAL;
+  MPI_Comm_compare(comm.backend().comm(), MPI_COMM_WORLD, &cmp);
+  CHECK(cmp == MPI_CONGRUENT);  // a duplicate: ddp's traffic never matches the program's
+}
+
+TEST_CASE("all_reduce: every dtype, op and count, sync and async") {
+  on_world([](Mpi& c) { cases::all_reduce_every_dtype(c); });
+}
+TEST_CASE("reduce: the root gets the reduction, the others keep their buffers") {
+  on_world([](Mpi& c) { cases::reduce_to_root(c); });
+}
+TEST_CASE("broadcast: every dtype, count and root") {
+  on_world([](Mpi& c) { cases::broadcast_every_root(c); });
+}
+TEST_CASE("all_gather and gather, including in place") {
+  on_world([](Mpi& c) { cases::all_gather_and_gather(c); });
+}
+TEST_CASE("scatter, reduce_scatter and all_to_all") {
+  on_world([](Mpi& c) { cases::scatter_reduce_scatter_all_to_all(c); });
+}
+TEST_CASE("send and recv around a ring, and barrier") {
+  on_world([](Mpi& c) {
+    if (c.size() > 1) cases::send_recv_ring(c);
+  });
+}
+TEST_CASE("async operations complete in issue order, interleaved with sync ones") {
+  on_world([](Mpi& c) { cases::async_in_issue_order(c); });
+}
+TEST_CASE("split: MPI_Comm_split groups by color, ordered by key") {
+  on_world([](Mpi& c) { cases::split_by_color(c); });
+}
+TEST_CASE("object collectives") {
+  on_world([](Mpi& c) { cases::object_collectives(c); });
+}
+
+TEST_CASE("bad arguments fail before anything is sent") {
+  on_world([](Mpi& comm) {
+    std::vector<int> ints(3);
+    try {
+      comm.all_reduce(ints, ddp::ReduceOp::avg);
+      MP_EXPECT(false, "avg on int32 was accepted");
+    } catch (const ddp::Error& e) {
+      MP_EXPECT(e.code() == ddp::Errc::invalid_argument, e.what());
+    }
+    std::vector<float> a(4);
+    ddp::TensorView<float> gpu{a.data(), a.size(), ddp::Device::cuda(0)};
+    if (!ddp::backend::Mpi::cuda_aware()) {
+      try {
+        comm.all_reduce(gpu);
+        MP_EXPECT(false, "a CUDA buffer was accepted by a MPI that is not CUDA-aware");
+      } catch (const ddp::Error& e) {
+        MP_EXPECT(
+            std::string(e.what()).find("backend::mpi cannot use that memory") != std::string::npos,
+            e.what());
+      }
+    }
+    comm.all_reduce(ints);  // still usable
+  });
+}
+
+TEST_CASE("recv checks the sender's tag, dtype and count; p2p waits time out") {
+  on_world([](Mpi& comm) {
+    if (comm.size() < 2) return;
+    const int r = comm.rank();
+    {
+      auto pair = comm.split(r < 2 ? 0 : Mpi::no_color);
+      if (pair.valid()) {
+        std::vector<float> v(3, 1.0f);
+        if (r == 0) {
+          pair.send(v, 1, 5);
+        } else {
+          try {
+            pair.recv(v, 0, 6);
+            MP_EXPECT(false, "a send with tag 5 matched a recv with tag 6");
+          } catch (const ddp::Error& e) {
+            MP_EXPECT(e.code() == ddp::Errc::mismatch, e.what());
+            MP_EXPECT(
+                std::string(e.what()).find("rank 0 sent tag 5, float32 x 3") != std::string::npos,
+                e.what());
+          }
+        }
+      }
+    }
+    comm.barrier();
+    {
+      // A communicator with a short timeout (init is collective: MPI_Comm_dup); rank 0 never sends.
+      ddp::Options o;
+      o.timeout = 300ms;
+      auto quick = Mpi::init(ddp::Environment::detect(), o);
+      if (r == 1) {
+        std::vector<float> v(3);
+        const auto t0 = std::chrono::steady_clock::now();
+        try {
+          quick.recv(v, 0, 0);
+          MP_EXPECT(false, "a recv with no sender returned");
+        } catch (const ddp::Error& e) {
+          const auto waited = std::chrono::steady_clock::now() - t0;
+          MP_EXPECT(e.code() == ddp::Errc::timeout, e.what());
+          MP_EXPECT(waited >= 300ms && waited < 5s, "waited " << (waited / 1ms) << " ms");
+        }
+      }
+    }
+    comm.barrier();
+  });
+}
+
+namespace {
+struct Param {
+  std::vector<float> value, grad;
+};
+}  // namespace
+
+TEST_CASE("GradientAverager works unchanged on backend::Mpi") {
+  on_world([](Mpi& comm) {
+    const int r = comm.rank(), p = comm.size();
+    std::vector<Param> model;
+    for (std::size_t n : {std::size_t{3}, std::size_t{100000}, std::size_t{7}}) {
+      model.push_back({std::vector<float>(n, static_cast<float>(r)), std::vector<float>(n)});
+    }
+    ddp::AveragerOptions o;
+    o.bucket_bytes = 64 * 1024;
+    o.first_bucket_bytes = 1024;
+    ddp::GradientAverager avg(comm, model, o);  // broadcasts rank 0's values
+    for (auto& prm : model) {
+      MP_EXPECT(prm.value.front() == 0.0f && prm.value.back() == 0.0f, "rank 0's values");
+      for (std::size_t i = 0; i < prm.grad.size(); ++i)
+        prm.grad[i] = static_cast<float>(r + 1) * static_cast<float>(i % 7);
+    }
+    for (std::size_t k = model.size(); k-- > 0;) avg.mark_ready(k);
+    avg.synchronize();
+    const float mean = static_cast<float>(p + 1) / 2.0f;
+    for (auto& prm : model) {
+      for (std::size_t i = 0; i < prm.grad.size(); ++i) {
+        const float want = mean * static_cast<float>(i % 7);
+        MP_EXPECT(std::abs(prm.grad[i] - want) <= 1e-5f * std::max(1.0f, want),
+                  "grad " << i << " = " << prm.grad[i] << ", expected " << want);
+      }
+    }
+  });
+}
+
+int main(int argc, char** argv) {
+  cases::bitwise_floats = false;  // MPI chooses the order in which ranks are combined
+  const std::string mode = ddp::detail::env_or("DDP_MPI_TEST_MODE", "");
+  if (mode == "collective-timeout") {
+    ddp::Options o;
+    o.timeout = 500ms;
+    auto comm = Mpi::init(ddp::Environment::detect(), o);
+    std::vector<float> v(8, 1.0f);
+    if (comm.rank() == 0) comm.all_reduce(v);  // the others never join
+    std::this_thread::sleep_for(30s);          // the watchdog ends the job long before this
+    return 3;
+  }
+  doctest::Context context(argc, argv);
+  const int rc = context.run();
+  int failed = rc, any = 0;
+  MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  return any;
+}
