@@ -83,6 +83,15 @@ template <class B>
   requires requires { B::needs_store; }
 inline constexpr bool backend_needs_store<B> = B::needs_store;
 
+/// Whether a backend that moves only CUDA memory (`device_kind = DeviceKind::cuda`) is given a
+/// buffer whose type says it is host memory: rejected when the program is compiled.
+template <class B, class T>
+inline constexpr bool host_type_for_device_backend = false;
+template <class B, class T>
+  requires requires { B::device_kind; }
+inline constexpr bool host_type_for_device_backend<B, T> =
+    B::device_kind == DeviceKind::cuda && static_device_kind_v<T> == DeviceKind::cpu;
+
 /// Whether the backend makes sub-groups itself (MPI_Comm_split, ncclCommSplit).
 template <class B>
 concept splits_itself = requires(B& b, int i) {
@@ -244,6 +253,8 @@ class Communicator {
     detail::BackendInit bi;
     bi.rank = env.rank;
     bi.size = env.world_size;
+    bi.local_rank = env.local_rank;
+    state->local_rank_hint = env.local_rank;
     bi.options = options;
     if (env.world_size > 1 && detail::backend_needs_store<Backend>) {
       if (env.master_port == 0) {
@@ -463,6 +474,8 @@ class Communicator {
       if (members[static_cast<std::size_t>(i)].second == rank()) bi.rank = i;
     }
     bi.options = state_->options;
+    bi.local_rank = state_->local_rank_hint;
+    sub->local_rank_hint = state_->local_rank_hint;
     if (state_->root_store) {
       bi.store = std::make_shared<Store>(state_->root_store->prefixed(sub->prefix));
       sub->store = bi.store;
@@ -517,6 +530,7 @@ class Communicator {
     }
     Options options;
     int world_rank = 0;
+    int local_rank_hint = 0;  // the launcher's local rank: the default CUDA device
     std::unique_ptr<StoreServer> server;
     std::shared_ptr<Store> root_store;
     std::shared_ptr<Store> store;
@@ -595,6 +609,11 @@ class Communicator {
 
   template <class T>
   detail::Buf to_buf(T& t, const char* what, const char* arg) const {
+    static_assert(!detail::host_type_for_device_backend<Backend, T>,
+                  "ddp: this backend (backend::Nccl) moves CUDA device memory only, and this "
+                  "buffer's type is host memory (std::vector, std::array, a span, ...): use "
+                  "ddp::CudaBuffer<T> or a CUDA tensor type adapted with ddp::tensor_traits, or "
+                  "Communicator<backend::Host> for host buffers");
     const auto v = ddp::view(t);
     if (!Backend::supports(v.device)) {
       detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": `", arg, "` is on ",

@@ -21,6 +21,12 @@
 #if DDP_HAS_MPI
 #include "ddp/backend/mpi.hpp"
 #endif
+#if DDP_HAS_CUDA
+#include "ddp/cuda.hpp"
+#endif
+#if DDP_HAS_NCCL
+#include "ddp/backend/nccl.hpp"
+#endif
 #include "ddp/codec.hpp"
 #include "ddp/communicator.hpp"
 #include "ddp/environment.hpp"

@@ -4439,6 +4439,8 @@ namespace detail {
 struct BackendInit {
   int rank = 0;
   int size = 1;
+  /// The launcher's local rank (the default CUDA device of the CUDA backends).
+  int local_rank = 0;
   /// The communicator's namespace in the rendezvous store (absent for a world of one).
   std::shared_ptr<Store> store;
   Options options;
@@ -5201,8 +5203,8 @@ class Mpi {
 
   void broadcast(const detail::Buf& b, int root) {
     chunked(b, [&](std::byte* p, int n) {
-      call([&] { return MPI_Bcast(p, n, type(b.dtype), root, comm_); }, "broadcast", "MPI_Bcast",
-           b, std::nullopt, root);
+      call([&] { return MPI_Bcast(p, n, type(b.dtype), root, comm_); }, "broadcast", "MPI_Bcast", b,
+           std::nullopt, root);
     });
   }
 
@@ -5311,9 +5313,9 @@ class Mpi {
         h.count != static_cast<std::int64_t>(b.count)) {
       const auto dt = static_cast<DType>(h.dtype);
       detail::fail(Errc::mismatch, "rank ", rank_, ": recv from rank ", peer, ": expected tag ",
-                   tag, ", ", to_string(b.dtype), " x ", b.count, " but rank ", peer,
-                   " sent tag ", h.tag, ", ", is_valid(dt) ? to_string(dt) : "invalid dtype", " x ",
-                   h.count, "; make the matching send and recv agree");
+                   tag, ", ", to_string(b.dtype), " x ", b.count, " but rank ", peer, " sent tag ",
+                   h.tag, ", ", is_valid(dt) ? to_string(dt) : "invalid dtype", " x ", h.count,
+                   "; make the matching send and recv agree");
     }
     for_chunks(b, [&](std::byte* p, int n) {
       check(MPI_Irecv(p, n, type(b.dtype), peer, p2p_tag, comm_, &req), "MPI_Irecv", rank_);
@@ -5378,8 +5380,8 @@ class Mpi {
     int provided = 0;
     const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
     if (rc != MPI_SUCCESS) {
-      detail::fail(Errc::backend, "backend::Mpi: MPI_Init_thread failed: ",
-                   detail::mpi_error_string(rc));
+      detail::fail(Errc::backend,
+                   "backend::Mpi: MPI_Init_thread failed: ", detail::mpi_error_string(rc));
     }
     std::atexit([] {
       int finalized = 0;
@@ -5390,8 +5392,8 @@ class Mpi {
 
   static void check(int rc, const char* call, int rank) {
     if (rc != MPI_SUCCESS) {
-      detail::fail(Errc::backend, "rank ", rank, ": backend::Mpi: ", call, " failed: ",
-                   detail::mpi_error_string(rc));
+      detail::fail(Errc::backend, "rank ", rank, ": backend::Mpi: ", call,
+                   " failed: ", detail::mpi_error_string(rc));
     }
   }
 
@@ -5487,7 +5489,8 @@ class Mpi {
     const auto by = static_cast<double>(size_);
     const auto each = [&]<class T>(T*) {
       auto* p = reinterpret_cast<T*>(b.data);
-      for (std::size_t i = 0; i < b.count; ++i) p[i] = T(static_cast<float>(p[i]) / static_cast<float>(by));
+      for (std::size_t i = 0; i < b.count; ++i)
+        p[i] = T(static_cast<float>(p[i]) / static_cast<float>(by));
     };
     switch (b.dtype) {
       case DType::float16: each(static_cast<half*>(nullptr)); break;
@@ -5524,6 +5527,791 @@ class Mpi {
 }  // namespace backend
 DDP_END_NAMESPACE
 // end ddp/backend/mpi.hpp
+#endif
+#if DDP_HAS_CUDA
+// begin ddp/cuda.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// CUDA resources with RAII, for the CUDA backends and for programs that want a ready-made CUDA
+/// tensor: ddp::CudaBuffer<T> (device memory that ddp knows, at compile time, to be on a CUDA
+/// device), ddp::CudaStream, ddp::CudaEvent, ddp::PinnedBuffer<T> (page-locked host memory) and
+/// ddp::CudaDeviceGuard. Every CUDA call is checked: a failure raises Errc::backend naming the
+/// call and cudaGetErrorString's text. Host code only (the CUDA runtime API): compiles with any
+/// C++20 compiler given the CUDA headers; link CUDA::cudart (the `ddp::cuda` target does both
+/// and defines DDP_HAS_CUDA=1).
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/string.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/tensor.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <span>
+#include <utility>
+
+DDP_BEGIN_NAMESPACE
+
+namespace detail {
+
+/// Throws Errc::backend for a failed CUDA runtime call.
+inline void cuda_check(cudaError_t rc, const char* call) {
+  if (rc != cudaSuccess) {
+    (void)cudaGetLastError();  // clear a sticky-free error so later calls report their own
+    fail(Errc::backend, call, " failed: ", cudaGetErrorString(rc), " (", cudaGetErrorName(rc),
+         ")");
+  }
+}
+
+/// Makes `device` current until the end of the scope, never throwing (for destructors).
+struct CudaDeviceScope {
+  int previous = 0;
+  explicit CudaDeviceScope(int device) noexcept {
+    (void)cudaGetDevice(&previous);
+    if (device != previous) (void)cudaSetDevice(device);
+  }
+  ~CudaDeviceScope() { (void)cudaSetDevice(previous); }
+  CudaDeviceScope(const CudaDeviceScope&) = delete;
+  CudaDeviceScope& operator=(const CudaDeviceScope&) = delete;
+};
+
+}  // namespace detail
+
+/// Checks a CUDA runtime call: DDP_CUDA_CHECK(cudaMemcpy(...)).
+#define DDP_CUDA_CHECK(call) ::ddp::detail::cuda_check((call), #call)
+
+/// The number of CUDA devices this process can use; 0 when there is no driver or no device
+/// (never throws: this is how tests decide to skip).
+[[nodiscard]] inline int cuda_device_count() noexcept {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+/// Makes `device` current for the guard's lifetime, then restores the previous one.
+class CudaDeviceGuard {
+ public:
+  explicit CudaDeviceGuard(int device) {
+    DDP_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (device != previous_) DDP_CUDA_CHECK(cudaSetDevice(device));
+  }
+  CudaDeviceGuard(const CudaDeviceGuard&) = delete;
+  CudaDeviceGuard& operator=(const CudaDeviceGuard&) = delete;
+  ~CudaDeviceGuard() { (void)cudaSetDevice(previous_); }
+
+ private:
+  int previous_ = 0;
+};
+
+/// An owned, non-blocking CUDA stream (it does not synchronize with the legacy default stream).
+class CudaStream {
+ public:
+  /// A new stream on the current device.
+  CudaStream() { DDP_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
+  /// A new stream on `device`.
+  explicit CudaStream(int device) {
+    CudaDeviceGuard g(device);
+    DDP_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking));
+  }
+  CudaStream(CudaStream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
+  CudaStream& operator=(CudaStream&& o) noexcept {
+    if (this != &o) {
+      reset();
+      s_ = std::exchange(o.s_, nullptr);
+    }
+    return *this;
+  }
+  CudaStream(const CudaStream&) = delete;
+  CudaStream& operator=(const CudaStream&) = delete;
+  ~CudaStream() { reset(); }
+
+  [[nodiscard]] cudaStream_t get() const noexcept { return s_; }
+  /// Blocks until every operation queued on the stream has finished.
+  void synchronize() const { DDP_CUDA_CHECK(cudaStreamSynchronize(s_)); }
+
+ private:
+  void reset() noexcept {
+    if (s_ != nullptr) (void)cudaStreamDestroy(s_);
+    s_ = nullptr;
+  }
+  cudaStream_t s_ = nullptr;
+};
+
+/// An owned CUDA event without timing (the cheap kind), for ordering streams and for polling.
+class CudaEvent {
+ public:
+  CudaEvent() { DDP_CUDA_CHECK(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming)); }
+  CudaEvent(CudaEvent&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
+  CudaEvent& operator=(CudaEvent&& o) noexcept {
+    if (this != &o) {
+      reset();
+      e_ = std::exchange(o.e_, nullptr);
+    }
+    return *this;
+  }
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+  ~CudaEvent() { reset(); }
+
+  [[nodiscard]] cudaEvent_t get() const noexcept { return e_; }
+  /// Captures the work queued on `stream` so far.
+  void record(cudaStream_t stream) { DDP_CUDA_CHECK(cudaEventRecord(e_, stream)); }
+  /// Makes later work on `stream` wait for the captured work (no host blocking).
+  void block(cudaStream_t stream) const { DDP_CUDA_CHECK(cudaStreamWaitEvent(stream, e_, 0)); }
+  /// Whether the captured work has finished; throws if it failed.
+  [[nodiscard]] bool ready() const {
+    const cudaError_t rc = cudaEventQuery(e_);
+    if (rc == cudaErrorNotReady) return false;
+    detail::cuda_check(rc, "cudaEventQuery");
+    return true;
+  }
+  void synchronize() const { DDP_CUDA_CHECK(cudaEventSynchronize(e_)); }
+
+ private:
+  void reset() noexcept {
+    if (e_ != nullptr) (void)cudaEventDestroy(e_);
+    e_ = nullptr;
+  }
+  cudaEvent_t e_ = nullptr;
+};
+
+/// `size` elements of T in device memory (cudaMalloc), on `device`, associated with `stream`
+/// (the stream whose work produces its contents; nullptr: the legacy default stream). Moves, never
+/// copies. ddp::view(buffer) is a TensorView on Device::cuda(device) carrying the stream, and its
+/// type says DeviceKind::cuda, so CUDA-only backends accept it when the program is compiled.
+template <Scalar T>
+class CudaBuffer {
+ public:
+  static constexpr DeviceKind ddp_device_kind = DeviceKind::cuda;
+  using value_type = T;
+
+  CudaBuffer() = default;
+  /// Uninitialized memory for n elements on `device` (-1: the current device).
+  explicit CudaBuffer(std::size_t n, int device = -1, cudaStream_t stream = nullptr)
+      : size_(n), stream_(stream) {
+    if (device < 0) DDP_CUDA_CHECK(cudaGetDevice(&device));
+    device_ = device;
+    if (n == 0) return;
+    CudaDeviceGuard g(device);
+    void* p = nullptr;
+    DDP_CUDA_CHECK(cudaMalloc(&p, n * sizeof(T)));
+    data_ = static_cast<T*>(p);
+  }
+  /// A device copy of host elements.
+  explicit CudaBuffer(std::span<const T> host, int device = -1, cudaStream_t stream = nullptr)
+      : CudaBuffer(host.size(), device, stream) {
+    copy_from(host);
+  }
+  CudaBuffer(CudaBuffer&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)),
+        size_(std::exchange(o.size_, 0)),
+        device_(o.device_),
+        stream_(o.stream_) {}
+  CudaBuffer& operator=(CudaBuffer&& o) noexcept {
+    if (this != &o) {
+      release();
+      data_ = std::exchange(o.data_, nullptr);
+      size_ = std::exchange(o.size_, 0);
+      device_ = o.device_;
+      stream_ = o.stream_;
+    }
+    return *this;
+  }
+  CudaBuffer(const CudaBuffer&) = delete;
+  CudaBuffer& operator=(const CudaBuffer&) = delete;
+  ~CudaBuffer() { release(); }
+
+  [[nodiscard]] T* data() noexcept { return data_; }
+  [[nodiscard]] const T* data() const noexcept { return data_; }
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  [[nodiscard]] std::size_t bytes() const noexcept { return size_ * sizeof(T); }
+  [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
+  [[nodiscard]] int device() const noexcept { return device_; }
+  [[nodiscard]] cudaStream_t stream() const noexcept { return stream_; }
+  /// Associates the buffer with another stream (collectives then order after that stream's work).
+  void set_stream(cudaStream_t s) noexcept { stream_ = s; }
+
+  /// Copies host elements in (host.size() must equal size()), ordered on the buffer's stream;
+  /// returns when the copy is done.
+  void copy_from(std::span<const T> host) {
+    check_size(host.size(), "copy_from");
+    if (size_ == 0) return;
+    DDP_CUDA_CHECK(
+        cudaMemcpyAsync(data_, host.data(), bytes(), cudaMemcpyHostToDevice, stream_));
+    DDP_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  /// Copies the elements out to host memory, after the work queued on the buffer's stream.
+  void copy_to(std::span<T> host) const {
+    check_size(host.size(), "copy_to");
+    if (size_ == 0) return;
+    DDP_CUDA_CHECK(
+        cudaMemcpyAsync(host.data(), data_, bytes(), cudaMemcpyDeviceToHost, stream_));
+    DDP_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  /// Sets every byte to `byte`, on the buffer's stream (asynchronous).
+  void fill_bytes(int byte) {
+    if (size_ != 0) DDP_CUDA_CHECK(cudaMemsetAsync(data_, byte, bytes(), stream_));
+  }
+
+  [[nodiscard]] TensorView<T> ddp_view() noexcept {
+    return {data_, size_, Device::cuda(device_), stream_};
+  }
+  [[nodiscard]] TensorView<const T> ddp_view() const noexcept {
+    return {data_, size_, Device::cuda(device_), stream_};
+  }
+
+ private:
+  void check_size(std::size_t n, const char* what) const {
+    if (n != size_) {
+      detail::fail(Errc::invalid_argument, "CudaBuffer::", what, ": the host range has ", n,
+                   " elements but the buffer has ", size_);
+    }
+  }
+  void release() noexcept {
+    if (data_ != nullptr) {
+      const detail::CudaDeviceScope scope(device_);
+      (void)cudaFree(data_);
+    }
+    data_ = nullptr;
+    size_ = 0;
+  }
+  T* data_ = nullptr;
+  std::size_t size_ = 0;
+  int device_ = 0;
+  cudaStream_t stream_ = nullptr;
+};
+
+/// `size` elements of page-locked host memory (cudaMallocHost): host memory that the GPU's copy
+/// engines reach at full speed. A contiguous range, so ddp sees it as host memory.
+template <class T>
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  explicit PinnedBuffer(std::size_t n) : size_(n) {
+    if (n == 0) return;
+    void* p = nullptr;
+    DDP_CUDA_CHECK(cudaMallocHost(&p, n * sizeof(T)));
+    data_ = static_cast<T*>(p);
+  }
+  PinnedBuffer(PinnedBuffer&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept {
+    if (this != &o) {
+      release();
+      data_ = std::exchange(o.data_, nullptr);
+      size_ = std::exchange(o.size_, 0);
+    }
+    return *this;
+  }
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer() { release(); }
+
+  [[nodiscard]] T* data() noexcept { return data_; }
+  [[nodiscard]] const T* data() const noexcept { return data_; }
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  [[nodiscard]] T* begin() noexcept { return data_; }
+  [[nodiscard]] T* end() noexcept { return data_ + size_; }
+  [[nodiscard]] const T* begin() const noexcept { return data_; }
+  [[nodiscard]] const T* end() const noexcept { return data_ + size_; }
+  [[nodiscard]] T& operator[](std::size_t i) noexcept { return data_[i]; }
+  [[nodiscard]] const T& operator[](std::size_t i) const noexcept { return data_[i]; }
+
+ private:
+  void release() noexcept {
+    if (data_ != nullptr) (void)cudaFreeHost(data_);
+    data_ = nullptr;
+    size_ = 0;
+  }
+  T* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+DDP_END_NAMESPACE
+// end ddp/cuda.hpp
+#endif
+#if DDP_HAS_NCCL
+// begin ddp/backend/nccl.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// backend::Nccl: ddp's collectives on NCCL, for buffers in CUDA device memory (link the
+/// `ddp::nccl` target, which defines DDP_HAS_CUDA=1 and DDP_HAS_NCCL=1).
+///
+///  * Start: the device is bound explicitly before anything else (Options::device, else the
+///    local rank); rank 0 makes the ncclUniqueId and shares it through the rendezvous Store;
+///    the communicator is created non-blocking (ncclCommInitRankConfig, config.blocking = 0), so
+///    that initialization too honours Options::timeout.
+///  * Streams: the communicator has its own stream. Each collective is ordered after the work
+///    already queued on its buffers' streams (event record + cudaStreamWaitEvent), and the
+///    buffers' streams are ordered after the collective, so user kernels and collectives never
+///    race whichever stream either runs on.
+///  * Completion and timeouts: a call returns when its work has finished on the GPU (async calls
+///    on the Communicator's worker thread); while waiting it polls the completion event and
+///    ncclCommGetAsyncError, and past Options::timeout, or on an asynchronous NCCL error, or on
+///    abort(), it calls ncclCommAbort and raises Errc::timeout, Errc::peer_lost (ncclRemoteError)
+///    or Errc::backend.
+///  * gather, scatter and all_to_all are grouped ncclSend/ncclRecv; send/recv carry a small
+///    header, so the receiver checks the tag, dtype and count as on every backend.
+///  * Types: half -> ncclFloat16, bfloat16 -> ncclBfloat16, ReduceOp::avg -> ncclAvg.
+///  * Host buffers: a buffer whose type says it is host memory (std::vector, ...) does not
+///    compile with Communicator<backend::Nccl>; a run-time-typed view on the host, or on another
+///    device than the communicator's, is refused with Errc::invalid_argument.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/backend/host.hpp" (already included above)
+// #include "ddp/cuda.hpp" (already included above)
+// #include "ddp/detail/collective.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/store.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+namespace detail {
+
+[[nodiscard]] inline ncclDataType_t nccl_type(DType t) noexcept {
+  switch (t) {
+    case DType::int8: return ncclInt8;
+    case DType::uint8: return ncclUint8;
+    case DType::int32: return ncclInt32;
+    case DType::uint32: return ncclUint32;
+    case DType::int64: return ncclInt64;
+    case DType::uint64: return ncclUint64;
+    case DType::float16: return ncclFloat16;
+    case DType::float32: return ncclFloat32;
+    case DType::float64: return ncclFloat64;
+    case DType::bfloat16: return ncclBfloat16;
+  }
+  return ncclNumTypes;
+}
+
+[[nodiscard]] inline ncclRedOp_t nccl_op(ReduceOp op) noexcept {
+  switch (op) {
+    case ReduceOp::sum: return ncclSum;
+    case ReduceOp::prod: return ncclProd;
+    case ReduceOp::max: return ncclMax;
+    case ReduceOp::min: return ncclMin;
+    case ReduceOp::avg: return ncclAvg;
+  }
+  return ncclSum;
+}
+
+/// The Errc for an NCCL failure: a remote process or the network -> peer_lost, else backend.
+[[nodiscard]] inline Errc nccl_errc(ncclResult_t rc) noexcept {
+  return rc == ncclRemoteError ? Errc::peer_lost : Errc::backend;
+}
+
+}  // namespace detail
+
+namespace backend {
+
+class Nccl {
+ public:
+  static constexpr std::string_view name = "nccl";
+  /// Buffers must be CUDA device memory; host-typed buffers are rejected at compile time.
+  static constexpr DeviceKind device_kind = DeviceKind::cuda;
+
+  [[nodiscard]] static std::unique_ptr<Nccl> create(const detail::BackendInit& init) {
+    const int device = init.options.device >= 0 ? init.options.device : init.local_rank;
+    const int devices = cuda_device_count();
+    if (device >= devices) {
+      detail::fail(Errc::invalid_argument, "rank ", init.rank, ": backend::Nccl: CUDA device ",
+                   device, " does not exist (this process sees ", devices,
+                   " device(s)); set Options::device, or run at most that many ranks per host");
+    }
+    DDP_CUDA_CHECK(cudaSetDevice(device));
+    auto b = std::unique_ptr<Nccl>(new Nccl(init, device));
+    b->connect(init);
+    return b;
+  }
+
+  Nccl(const Nccl&) = delete;
+  Nccl& operator=(const Nccl&) = delete;
+  ~Nccl() {
+    if (comm_ == nullptr) return;
+    const detail::CudaDeviceScope scope(device_);
+    // Flush and free; a communicator that cannot finish in time is aborted instead.
+    ncclResult_t st = ncclCommFinalize(comm_);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while ((st == ncclSuccess || st == ncclInProgress) &&
+           ncclCommGetAsyncError(comm_, &st) == ncclSuccess && st == ncclInProgress &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::yield();
+    }
+    if (st == ncclSuccess)
+      (void)ncclCommDestroy(comm_);
+    else
+      (void)ncclCommAbort(comm_);
+  }
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+  [[nodiscard]] int local_rank() const noexcept { return local_rank_; }
+  [[nodiscard]] int local_size() const noexcept { return local_size_; }
+  [[nodiscard]] int local_leader() const noexcept { return local_leader_; }
+  /// The CUDA device this communicator's ranks use here.
+  [[nodiscard]] int device() const noexcept { return device_; }
+  /// The communicator's own stream.
+  [[nodiscard]] cudaStream_t stream() const noexcept { return stream_.get(); }
+  /// The NCCL communicator (owned by this backend).
+  [[nodiscard]] ncclComm_t comm() const noexcept { return comm_; }
+  [[nodiscard]] static bool supports(const Device& device) noexcept { return device.is_cuda(); }
+
+  void all_reduce(const detail::Buf& b, ReduceOp op) {
+    run("all_reduce", {&b}, [&] {
+      return ncclAllReduce(b.data, b.data, b.count, detail::nccl_type(b.dtype),
+                           detail::nccl_op(op), comm_, stream());
+    });
+  }
+
+  void broadcast(const detail::Buf& b, int root) {
+    run("broadcast", {&b}, [&] {
+      return ncclBroadcast(b.data, b.data, b.count, detail::nccl_type(b.dtype), root, comm_,
+                           stream());
+    });
+  }
+
+  void reduce(const detail::Buf& b, int root, ReduceOp op) {
+    run("reduce", {&b}, [&] {
+      return ncclReduce(b.data, b.data, b.count, detail::nccl_type(b.dtype), detail::nccl_op(op),
+                        root, comm_, stream());
+    });
+  }
+
+  void all_gather(const detail::Buf& in, const detail::Buf& out) {
+    run("all_gather", {&in, &out}, [&] {
+      return ncclAllGather(in.data, out.data, in.count, detail::nccl_type(in.dtype), comm_,
+                           stream());
+    });
+  }
+
+  void gather(const detail::Buf& in, const detail::Buf& out, int root) {
+    const std::size_t n = in.count;
+    run("gather", {&in, &out}, [&] {
+      return grouped([&]() -> ncclResult_t {
+        if (rank_ != root) return ncclSend(in.data, n, type(in), root, comm_, stream());
+        for (int r = 0; r < size_; ++r) {
+          std::byte* dst = out.at(n * static_cast<std::size_t>(r));
+          if (r == rank_) {
+            copy(dst, in.data, n * in.elem());
+          } else if (const auto rc = ncclRecv(dst, n, type(in), r, comm_, stream());
+                     rc != ncclSuccess && rc != ncclInProgress) {
+            return rc;
+          }
+        }
+        return ncclSuccess;
+      });
+    });
+  }
+
+  void scatter(const detail::Buf& in, const detail::Buf& out, int root) {
+    const std::size_t n = out.count;
+    run("scatter", {&in, &out}, [&] {
+      return grouped([&]() -> ncclResult_t {
+        if (rank_ != root) return ncclRecv(out.data, n, type(out), root, comm_, stream());
+        for (int r = 0; r < size_; ++r) {
+          const std::byte* src = in.at(n * static_cast<std::size_t>(r));
+          if (r == rank_) {
+            copy(out.data, src, n * out.elem());
+          } else if (const auto rc = ncclSend(src, n, type(out), r, comm_, stream());
+                     rc != ncclSuccess && rc != ncclInProgress) {
+            return rc;
+          }
+        }
+        return ncclSuccess;
+      });
+    });
+  }
+
+  void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
+    run("reduce_scatter", {&in, &out}, [&] {
+      return ncclReduceScatter(in.data, out.data, out.count, detail::nccl_type(out.dtype),
+                               detail::nccl_op(op), comm_, stream());
+    });
+  }
+
+  void all_to_all(const detail::Buf& in, const detail::Buf& out) {
+    const std::size_t n = in.count / static_cast<std::size_t>(size_);
+    run("all_to_all", {&in, &out}, [&] {
+      return grouped([&]() -> ncclResult_t {
+        for (int r = 0; r < size_; ++r) {
+          const std::size_t at = n * static_cast<std::size_t>(r);
+          if (r == rank_) {
+            copy(out.at(at), in.at(at), n * in.elem());
+            continue;
+          }
+          auto rc = ncclSend(in.at(at), n, type(in), r, comm_, stream());
+          if (rc == ncclSuccess || rc == ncclInProgress)
+            rc = ncclRecv(out.at(at), n, type(in), r, comm_, stream());
+          if (rc != ncclSuccess && rc != ncclInProgress) return rc;
+        }
+        return ncclSuccess;
+      });
+    });
+  }
+
+  void barrier() {
+    const detail::Buf b{reinterpret_cast<std::byte*>(scratch_.data()), 1, DType::int64,
+                        Device::cuda(device_), stream()};
+    run("barrier", {&b}, [&] {
+      return ncclAllReduce(b.data, b.data, 1, ncclInt64, ncclSum, comm_, stream());
+    });
+  }
+
+  void send(const detail::Buf& b, int peer, int tag) {
+    header_[0] = tag;
+    header_[1] = static_cast<std::int64_t>(b.dtype);
+    header_[2] = static_cast<std::int64_t>(b.count);
+    DDP_CUDA_CHECK(cudaMemcpyAsync(scratch_.data(), header_.data(), 3 * sizeof(std::int64_t),
+                                   cudaMemcpyHostToDevice, stream()));
+    const detail::Buf h{reinterpret_cast<std::byte*>(scratch_.data()), 3, DType::int64,
+                        Device::cuda(device_), stream()};
+    run("send", {&h}, [&] { return ncclSend(h.data, 3, ncclInt64, peer, comm_, stream()); });
+    if (b.count == 0) return;
+    run("send", {&b}, [&] { return ncclSend(b.data, b.count, type(b), peer, comm_, stream()); });
+  }
+
+  void recv(const detail::Buf& b, int peer, int tag) {
+    const detail::Buf h{reinterpret_cast<std::byte*>(scratch_.data()), 3, DType::int64,
+                        Device::cuda(device_), stream()};
+    run("recv", {&h}, [&] { return ncclRecv(h.data, 3, ncclInt64, peer, comm_, stream()); });
+    DDP_CUDA_CHECK(cudaMemcpy(header_.data(), scratch_.data(), 3 * sizeof(std::int64_t),
+                              cudaMemcpyDeviceToHost));
+    if (header_[0] != tag || header_[1] != static_cast<std::int64_t>(b.dtype) ||
+        header_[2] != static_cast<std::int64_t>(b.count)) {
+      const auto dt = static_cast<DType>(header_[1]);
+      detail::fail(Errc::mismatch, "rank ", rank_, ": recv from rank ", peer, ": expected tag ",
+                   tag, ", ", to_string(b.dtype), " x ", b.count, " but rank ", peer,
+                   " sent tag ", header_[0], ", ", is_valid(dt) ? to_string(dt) : "invalid dtype",
+                   " x ", header_[2], "; make the matching send and recv agree");
+    }
+    if (b.count == 0) return;
+    run("recv", {&b}, [&] { return ncclRecv(b.data, b.count, type(b), peer, comm_, stream()); });
+  }
+
+  /// Fails the operation in progress (its wait sees the flag and calls ncclCommAbort) and every
+  /// later one. Thread-safe.
+  void abort(Errc code, const std::string& why) {
+    std::lock_guard lock(abort_mutex_);
+    if (!aborted_.load()) {
+      abort_code_ = code;
+      abort_why_ = why;
+      aborted_.store(true);
+    }
+  }
+
+ private:
+  Nccl(const detail::BackendInit& init, int device)
+      : rank_(init.rank),
+        size_(init.size),
+        device_(device),
+        timeout_(init.options.timeout),
+        stream_(device),
+        scratch_(3, device) {}
+
+  void connect(const detail::BackendInit& init) {
+    ncclUniqueId id{};
+    local_rank_ = 0;
+    local_size_ = 1;
+    local_leader_ = rank_;
+    if (size_ > 1) {
+      auto& store = *init.store;
+      store.set(detail::concat("nccl/host/", rank_), detail::host_identity());
+      if (rank_ == 0) {
+        check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+        store.set("nccl/id", std::string_view(reinterpret_cast<const char*>(&id), sizeof id));
+      } else {
+        const std::string bytes = store.get("nccl/id");
+        if (bytes.size() != sizeof id) {
+          detail::fail(Errc::protocol, "rank ", rank_, ": backend::Nccl: the ncclUniqueId in the "
+                       "store has ", bytes.size(), " bytes, expected ", sizeof id);
+        }
+        std::memcpy(&id, bytes.data(), sizeof id);
+      }
+      const std::string mine = detail::host_identity();
+      local_size_ = 0;
+      local_leader_ = -1;
+      for (int r = 0; r < size_; ++r) {
+        if (store.get(detail::concat("nccl/host/", r)) != mine) continue;
+        if (local_leader_ < 0) local_leader_ = r;
+        if (r < rank_) ++local_rank_;
+        ++local_size_;
+      }
+    } else {
+      check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    }
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    const CudaDeviceGuard g(device_);
+    const auto rc = ncclCommInitRankConfig(&comm_, size_, id, rank_, &config);
+    if (rc != ncclSuccess && rc != ncclInProgress) {
+      comm_ = nullptr;
+      check(rc, "ncclCommInitRankConfig");
+    }
+    settle("ncclCommInitRankConfig", std::chrono::steady_clock::now());
+  }
+
+  void check(ncclResult_t rc, const char* call) const {
+    if (rc != ncclSuccess && rc != ncclInProgress) {
+      detail::fail(detail::nccl_errc(rc), "rank ", rank_, ": backend::Nccl: ", call,
+                   " failed: ", ncclGetErrorString(rc), last_error());
+    }
+  }
+
+  [[nodiscard]] std::string last_error() const {
+    const char* text = comm_ != nullptr ? ncclGetLastError(comm_) : nullptr;
+    return text != nullptr && *text != '\0' ? detail::concat(" (", text, ")") : std::string();
+  }
+
+  [[nodiscard]] static ncclDataType_t type(const detail::Buf& b) noexcept {
+    return detail::nccl_type(b.dtype);
+  }
+
+  /// Device-to-device copy on the communicator's stream (the local block of gather & co).
+  void copy(std::byte* dst, const std::byte* src, std::size_t n) {
+    if (n != 0 && dst != src)
+      DDP_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, stream()));
+  }
+
+  template <class F>
+  ncclResult_t grouped(F&& body) {
+    check(ncclGroupStart(), "ncclGroupStart");
+    const ncclResult_t rc = body();
+    const ncclResult_t end = ncclGroupEnd();
+    return rc != ncclSuccess && rc != ncclInProgress ? rc : end;
+  }
+
+  void fail_if_aborted(const char* what) {
+    if (!aborted_.load()) return;
+    if (comm_ != nullptr) {
+      (void)ncclCommAbort(comm_);
+      comm_ = nullptr;
+    }
+    std::lock_guard lock(abort_mutex_);
+    detail::fail(abort_code_, "rank ", rank_, ": ", what, ": aborted: ", abort_why_);
+  }
+
+  /// Waits for a non-blocking NCCL call to leave ncclInProgress, up to the timeout.
+  void settle(const char* what, std::chrono::steady_clock::time_point start) {
+    for (;;) {
+      ncclResult_t st = ncclSuccess;
+      check(ncclCommGetAsyncError(comm_, &st), "ncclCommGetAsyncError");
+      if (st == ncclSuccess) return;
+      if (st != ncclInProgress) give_up(what, detail::nccl_errc(st), ncclGetErrorString(st));
+      poll_pause(what, start);
+    }
+  }
+
+  void poll_pause(const char* what, std::chrono::steady_clock::time_point start) {
+    fail_if_aborted(what);
+    if (timeout_.count() > 0 && std::chrono::steady_clock::now() - start > timeout_) {
+      give_up(what, Errc::timeout,
+              detail::concat("did not complete within ", timeout_.count(),
+                             " ms; a peer stopped, died or called another collective"));
+    }
+    std::this_thread::yield();
+  }
+
+  [[noreturn]] void give_up(const char* what, Errc code, const std::string& why) {
+    const std::string detail_text = last_error();
+    if (comm_ != nullptr) {
+      (void)ncclCommAbort(comm_);
+      comm_ = nullptr;
+    }
+    {
+      std::lock_guard lock(abort_mutex_);
+      if (!aborted_.load()) {
+        abort_code_ = code;
+        abort_why_ = detail::concat(what, " failed earlier");
+        aborted_.store(true);
+      }
+    }
+    detail::fail(code, "rank ", rank_, ": backend::Nccl: ", what, ": ", why, detail_text,
+                 "; the NCCL communicator was aborted");
+  }
+
+  /// Orders the collective after its buffers' streams, enqueues it, orders the buffers' streams
+  /// after it, and waits for it to finish (polling, under the timeout).
+  template <class Enqueue>
+  void run(const char* what, std::initializer_list<const detail::Buf*> bufs, Enqueue&& enqueue) {
+    fail_if_aborted(what);
+    for (const auto* b : bufs) {
+      if (b->count != 0 && b->device.index != device_) {
+        detail::fail(Errc::invalid_argument, "rank ", rank_, ": ", what, ": a buffer is on ",
+                     to_string(b->device), " but this communicator uses cuda:", device_,
+                     "; move the tensor or create the communicator with Options::device = ",
+                     b->device.index);
+      }
+    }
+    const CudaDeviceGuard g(device_);
+    for (const auto* b : bufs) {
+      ready_.record(static_cast<cudaStream_t>(b->stream));
+      ready_.block(stream());
+    }
+    const auto start = std::chrono::steady_clock::now();
+    const ncclResult_t rc = enqueue();
+    if (rc != ncclSuccess && rc != ncclInProgress)
+      give_up(what, detail::nccl_errc(rc), ncclGetErrorString(rc));
+    if (rc == ncclInProgress) settle(what, start);
+    done_.record(stream());
+    for (const auto* b : bufs) done_.block(static_cast<cudaStream_t>(b->stream));
+    for (;;) {
+      if (done_.ready()) return;
+      ncclResult_t st = ncclSuccess;
+      check(ncclCommGetAsyncError(comm_, &st), "ncclCommGetAsyncError");
+      if (st != ncclSuccess && st != ncclInProgress)
+        give_up(what, detail::nccl_errc(st), ncclGetErrorString(st));
+      poll_pause(what, start);
+    }
+  }
+
+  int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1, local_leader_ = 0;
+  int device_ = 0;
+  std::chrono::milliseconds timeout_;
+  ncclComm_t comm_ = nullptr;
+  CudaStream stream_;
+  CudaEvent ready_, done_;
+  CudaBuffer<std::int64_t> scratch_;  // barrier word and the p2p header
+  std::vector<std::int64_t> header_ = std::vector<std::int64_t>(3);
+  std::mutex abort_mutex_;
+  std::atomic<bool> aborted_{false};
+  Errc abort_code_ = Errc::aborted;
+  std::string abort_why_;
+};
+
+}  // namespace backend
+DDP_END_NAMESPACE
+// end ddp/backend/nccl.hpp
 #endif
 // begin ddp/codec.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -6110,6 +6898,15 @@ template <class B>
   requires requires { B::needs_store; }
 inline constexpr bool backend_needs_store<B> = B::needs_store;
 
+/// Whether a backend that moves only CUDA memory (`device_kind = DeviceKind::cuda`) is given a
+/// buffer whose type says it is host memory: rejected when the program is compiled.
+template <class B, class T>
+inline constexpr bool host_type_for_device_backend = false;
+template <class B, class T>
+  requires requires { B::device_kind; }
+inline constexpr bool host_type_for_device_backend<B, T> =
+    B::device_kind == DeviceKind::cuda && static_device_kind_v<T> == DeviceKind::cpu;
+
 /// Whether the backend makes sub-groups itself (MPI_Comm_split, ncclCommSplit).
 template <class B>
 concept splits_itself = requires(B& b, int i) {
@@ -6271,6 +7068,8 @@ class Communicator {
     detail::BackendInit bi;
     bi.rank = env.rank;
     bi.size = env.world_size;
+    bi.local_rank = env.local_rank;
+    state->local_rank_hint = env.local_rank;
     bi.options = options;
     if (env.world_size > 1 && detail::backend_needs_store<Backend>) {
       if (env.master_port == 0) {
@@ -6490,6 +7289,8 @@ class Communicator {
       if (members[static_cast<std::size_t>(i)].second == rank()) bi.rank = i;
     }
     bi.options = state_->options;
+    bi.local_rank = state_->local_rank_hint;
+    sub->local_rank_hint = state_->local_rank_hint;
     if (state_->root_store) {
       bi.store = std::make_shared<Store>(state_->root_store->prefixed(sub->prefix));
       sub->store = bi.store;
@@ -6544,6 +7345,7 @@ class Communicator {
     }
     Options options;
     int world_rank = 0;
+    int local_rank_hint = 0;  // the launcher's local rank: the default CUDA device
     std::unique_ptr<StoreServer> server;
     std::shared_ptr<Store> root_store;
     std::shared_ptr<Store> store;
@@ -6622,6 +7424,11 @@ class Communicator {
 
   template <class T>
   detail::Buf to_buf(T& t, const char* what, const char* arg) const {
+    static_assert(!detail::host_type_for_device_backend<Backend, T>,
+                  "ddp: this backend (backend::Nccl) moves CUDA device memory only, and this "
+                  "buffer's type is host memory (std::vector, std::array, a span, ...): use "
+                  "ddp::CudaBuffer<T> or a CUDA tensor type adapted with ddp::tensor_traits, or "
+                  "Communicator<backend::Host> for host buffers");
     const auto v = ddp::view(t);
     if (!Backend::supports(v.device)) {
       detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": `", arg, "` is on ",

@@ -52,6 +52,8 @@ namespace detail {
 struct BackendInit {
   int rank = 0;
   int size = 1;
+  /// The launcher's local rank (the default CUDA device of the CUDA backends).
+  int local_rank = 0;
   /// The communicator's namespace in the rendezvous store (absent for a world of one).
   std::shared_ptr<Store> store;
   Options options;

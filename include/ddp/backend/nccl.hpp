@@ -1,0 +1,471 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// backend::Nccl: ddp's collectives on NCCL, for buffers in CUDA device memory (link the
+/// `ddp::nccl` target, which defines DDP_HAS_CUDA=1 and DDP_HAS_NCCL=1).
+///
+///  * Start: the device is bound explicitly before anything else (Options::device, else the
+///    local rank); rank 0 makes the ncclUniqueId and shares it through the rendezvous Store;
+///    the communicator is created non-blocking (ncclCommInitRankConfig, config.blocking = 0), so
+///    that initialization too honours Options::timeout.
+///  * Streams: the communicator has its own stream. Each collective is ordered after the work
+///    already queued on its buffers' streams (event record + cudaStreamWaitEvent), and the
+///    buffers' streams are ordered after the collective, so user kernels and collectives never
+///    race whichever stream either runs on.
+///  * Completion and timeouts: a call returns when its work has finished on the GPU (async calls
+///    on the Communicator's worker thread); while waiting it polls the completion event and
+///    ncclCommGetAsyncError, and past Options::timeout, or on an asynchronous NCCL error, or on
+///    abort(), it calls ncclCommAbort and raises Errc::timeout, Errc::peer_lost (ncclRemoteError)
+///    or Errc::backend.
+///  * gather, scatter and all_to_all are grouped ncclSend/ncclRecv; send/recv carry a small
+///    header, so the receiver checks the tag, dtype and count as on every backend.
+///  * Types: half -> ncclFloat16, bfloat16 -> ncclBfloat16, ReduceOp::avg -> ncclAvg.
+///  * Host buffers: a buffer whose type says it is host memory (std::vector, ...) does not
+///    compile with Communicator<backend::Nccl>; a run-time-typed view on the host, or on another
+///    device than the communicator's, is refused with Errc::invalid_argument.
+
+#include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+#include "ddp/backend/host.hpp"  // detail::BackendInit, detail::host_identity
+#include "ddp/cuda.hpp"
+#include "ddp/detail/collective.hpp"
+#include "ddp/error.hpp"
+#include "ddp/store.hpp"
+#include "ddp/types.hpp"
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+namespace detail {
+
+[[nodiscard]] inline ncclDataType_t nccl_type(DType t) noexcept {
+  switch (t) {
+    case DType::int8: return ncclInt8;
+    case DType::uint8: return ncclUint8;
+    case DType::int32: return ncclInt32;
+    case DType::uint32: return ncclUint32;
+    case DType::int64: return ncclInt64;
+    case DType::uint64: return ncclUint64;
+    case DType::float16: return ncclFloat16;
+    case DType::float32: return ncclFloat32;
+    case DType::float64: return ncclFloat64;
+    case DType::bfloat16: return ncclBfloat16;
+  }
+  return ncclNumTypes;
+}
+
+[[nodiscard]] inline ncclRedOp_t nccl_op(ReduceOp op) noexcept {
+  switch (op) {
+    case ReduceOp::sum: return ncclSum;
+    case ReduceOp::prod: return ncclProd;
+    case ReduceOp::max: return ncclMax;
+    case ReduceOp::min: return ncclMin;
+    case ReduceOp::avg: return ncclAvg;
+  }
+  return ncclSum;
+}
+
+/// The Errc for an NCCL failure: a remote process or the network -> peer_lost, else backend.
+[[nodiscard]] inline Errc nccl_errc(ncclResult_t rc) noexcept {
+  return rc == ncclRemoteError ? Errc::peer_lost : Errc::backend;
+}
+
+}  // namespace detail
+
+namespace backend {
+
+class Nccl {
+ public:
+  static constexpr std::string_view name = "nccl";
+  /// Buffers must be CUDA device memory; host-typed buffers are rejected at compile time.
+  static constexpr DeviceKind device_kind = DeviceKind::cuda;
+
+  [[nodiscard]] static std::unique_ptr<Nccl> create(const detail::BackendInit& init) {
+    const int device = init.options.device >= 0 ? init.options.device : init.local_rank;
+    const int devices = cuda_device_count();
+    if (device >= devices) {
+      detail::fail(Errc::invalid_argument, "rank ", init.rank, ": backend::Nccl: CUDA device ",
+                   device, " does not exist (this process sees ", devices,
+                   " device(s)); set Options::device, or run at most that many ranks per host");
+    }
+    DDP_CUDA_CHECK(cudaSetDevice(device));
+    auto b = std::unique_ptr<Nccl>(new Nccl(init, device));
+    b->connect(init);
+    return b;
+  }
+
+  Nccl(const Nccl&) = delete;
+  Nccl& operator=(const Nccl&) = delete;
+  ~Nccl() {
+    if (comm_ == nullptr) return;
+    const detail::CudaDeviceScope scope(device_);
+    // Flush and free; a communicator that cannot finish in time is aborted instead.
+    ncclResult_t st = ncclCommFinalize(comm_);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while ((st == ncclSuccess || st == ncclInProgress) &&
+           ncclCommGetAsyncError(comm_, &st) == ncclSuccess && st == ncclInProgress &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::yield();
+    }
+    if (st == ncclSuccess)
+      (void)ncclCommDestroy(comm_);
+    else
+      (void)ncclCommAbort(comm_);
+  }
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+  [[nodiscard]] int local_rank() const noexcept { return local_rank_; }
+  [[nodiscard]] int local_size() const noexcept { return local_size_; }
+  [[nodiscard]] int local_leader() const noexcept { return local_leader_; }
+  /// The CUDA device this communicator's ranks use here.
+  [[nodiscard]] int device() const noexcept { return device_; }
+  /// The communicator's own stream.
+  [[nodiscard]] cudaStream_t stream() const noexcept { return stream_.get(); }
+  /// The NCCL communicator (owned by this backend).
+  [[nodiscard]] ncclComm_t comm() const noexcept { return comm_; }
+  [[nodiscard]] static bool supports(const Device& device) noexcept { return device.is_cuda(); }
+
+  void all_reduce(const detail::Buf& b, ReduceOp op) {
+    run("all_reduce", {&b}, [&] {
+      return ncclAllReduce(b.data, b.data, b.count, detail::nccl_type(b.dtype), detail::nccl_op(op),
+                           comm_, stream());
+    });
+  }
+
+  void broadcast(const detail::Buf& b, int root) {
+    run("broadcast", {&b}, [&] {
+      return ncclBroadcast(b.data, b.data, b.count, detail::nccl_type(b.dtype), root, comm_,
+                           stream());
+    });
+  }
+
+  void reduce(const detail::Buf& b, int root, ReduceOp op) {
+    run("reduce", {&b}, [&] {
+      return ncclReduce(b.data, b.data, b.count, detail::nccl_type(b.dtype), detail::nccl_op(op),
+                        root, comm_, stream());
+    });
+  }
+
+  void all_gather(const detail::Buf& in, const detail::Buf& out) {
+    run("all_gather", {&in, &out}, [&] {
+      return ncclAllGather(in.data, out.data, in.count, detail::nccl_type(in.dtype), comm_,
+                           stream());
+    });
+  }
+
+  void gather(const detail::Buf& in, const detail::Buf& out, int root) {
+    const std::size_t n = in.count;
+    run("gather", {&in, &out}, [&] {
+      return grouped([&]() -> ncclResult_t {
+        if (rank_ != root) return ncclSend(in.data, n, type(in), root, comm_, stream());
+        for (int r = 0; r < size_; ++r) {
+          std::byte* dst = out.at(n * static_cast<std::size_t>(r));
+          if (r == rank_) {
+            copy(dst, in.data, n * in.elem());
+          } else if (const auto rc = ncclRecv(dst, n, type(in), r, comm_, stream());
+                     rc != ncclSuccess && rc != ncclInProgress) {
+            return rc;
+          }
+        }
+        return ncclSuccess;
+      });
+    });
+  }
+
+  void scatter(const detail::Buf& in, const detail::Buf& out, int root) {
+    const std::size_t n = out.count;
+    run("scatter", {&in, &out}, [&] {
+      return grouped([&]() -> ncclResult_t {
+        if (rank_ != root) return ncclRecv(out.data, n, type(out), root, comm_, stream());
+        for (int r = 0; r < size_; ++r) {
+          const std::byte* src = in.at(n * static_cast<std::size_t>(r));
+          if (r == rank_) {
+            copy(out.data, src, n * out.elem());
+          } else if (const auto rc = ncclSend(src, n, type(out), r, comm_, stream());
+                     rc != ncclSuccess && rc != ncclInProgress) {
+            return rc;
+          }
+        }
+        return ncclSuccess;
+      });
+    });
+  }
+
+  void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
+    run("reduce_scatter", {&in, &out}, [&] {
+      return ncclReduceScatter(in.data, out.data, out.count, detail::nccl_type(out.dtype),
+                               detail::nccl_op(op), comm_, stream());
+    });
+  }
+
+  void all_to_all(const detail::Buf& in, const detail::Buf& out) {
+    const std::size_t n = in.count / static_cast<std::size_t>(size_);
+    run("all_to_all", {&in, &out}, [&] {
+      return grouped([&]() -> ncclResult_t {
+        for (int r = 0; r < size_; ++r) {
+          const std::size_t at = n * static_cast<std::size_t>(r);
+          if (r == rank_) {
+            copy(out.at(at), in.at(at), n * in.elem());
+            continue;
+          }
+          auto rc = ncclSend(in.at(at), n, type(in), r, comm_, stream());
+          if (rc == ncclSuccess || rc == ncclInProgress)
+            rc = ncclRecv(out.at(at), n, type(in), r, comm_, stream());
+          if (rc != ncclSuccess && rc != ncclInProgress) return rc;
+        }
+        return ncclSuccess;
+      });
+    });
+  }
+
+  void barrier() {
+    const detail::Buf b{reinterpret_cast<std::byte*>(scratch_.data()), 1, DType::int64,
+                        Device::cuda(device_), stream()};
+    run("barrier", {&b},
+        [&] { return ncclAllReduce(b.data, b.data, 1, ncclInt64, ncclSum, comm_, stream()); });
+  }
+
+  void send(const detail::Buf& b, int peer, int tag) {
+    header_[0] = tag;
+    header_[1] = static_cast<std::int64_t>(b.dtype);
+    header_[2] = static_cast<std::int64_t>(b.count);
+    DDP_CUDA_CHECK(cudaMemcpyAsync(scratch_.data(), header_.data(), 3 * sizeof(std::int64_t),
+                                   cudaMemcpyHostToDevice, stream()));
+    const detail::Buf h{reinterpret_cast<std::byte*>(scratch_.data()), 3, DType::int64,
+                        Device::cuda(device_), stream()};
+    run("send", {&h}, [&] { return ncclSend(h.data, 3, ncclInt64, peer, comm_, stream()); });
+    if (b.count == 0) return;
+    run("send", {&b}, [&] { return ncclSend(b.data, b.count, type(b), peer, comm_, stream()); });
+  }
+
+  void recv(const detail::Buf& b, int peer, int tag) {
+    const detail::Buf h{reinterpret_cast<std::byte*>(scratch_.data()), 3, DType::int64,
+                        Device::cuda(device_), stream()};
+    run("recv", {&h}, [&] { return ncclRecv(h.data, 3, ncclInt64, peer, comm_, stream()); });
+    DDP_CUDA_CHECK(cudaMemcpy(header_.data(), scratch_.data(), 3 * sizeof(std::int64_t),
+                              cudaMemcpyDeviceToHost));
+    if (header_[0] != tag || header_[1] != static_cast<std::int64_t>(b.dtype) ||
+        header_[2] != static_cast<std::int64_t>(b.count)) {
+      const auto dt = static_cast<DType>(header_[1]);
+      detail::fail(Errc::mismatch, "rank ", rank_, ": recv from rank ", peer, ": expected tag ",
+                   tag, ", ", to_string(b.dtype), " x ", b.count, " but rank ", peer, " sent tag ",
+                   header_[0], ", ", is_valid(dt) ? to_string(dt) : "invalid dtype", " x ",
+                   header_[2], "; make the matching send and recv agree");
+    }
+    if (b.count == 0) return;
+    run("recv", {&b}, [&] { return ncclRecv(b.data, b.count, type(b), peer, comm_, stream()); });
+  }
+
+  /// Fails the operation in progress (its wait sees the flag and calls ncclCommAbort) and every
+  /// later one. Thread-safe.
+  void abort(Errc code, const std::string& why) {
+    std::lock_guard lock(abort_mutex_);
+    if (!aborted_.load()) {
+      abort_code_ = code;
+      abort_why_ = why;
+      aborted_.store(true);
+    }
+  }
+
+ private:
+  Nccl(const detail::BackendInit& init, int device)
+      : rank_(init.rank),
+        size_(init.size),
+        device_(device),
+        timeout_(init.options.timeout),
+        stream_(device),
+        scratch_(3, device) {}
+
+  void connect(const detail::BackendInit& init) {
+    ncclUniqueId id{};
+    local_rank_ = 0;
+    local_size_ = 1;
+    local_leader_ = rank_;
+    if (size_ > 1) {
+      auto& store = *init.store;
+      store.set(detail::concat("nccl/host/", rank_), detail::host_identity());
+      if (rank_ == 0) {
+        check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+        store.set("nccl/id", std::string_view(reinterpret_cast<const char*>(&id), sizeof id));
+      } else {
+        const std::string bytes = store.get("nccl/id");
+        if (bytes.size() != sizeof id) {
+          detail::fail(Errc::protocol, "rank ", rank_,
+                       ": backend::Nccl: the ncclUniqueId in the "
+                       "store has ",
+                       bytes.size(), " bytes, expected ", sizeof id);
+        }
+        std::memcpy(&id, bytes.data(), sizeof id);
+      }
+      const std::string mine = detail::host_identity();
+      local_size_ = 0;
+      local_leader_ = -1;
+      for (int r = 0; r < size_; ++r) {
+        if (store.get(detail::concat("nccl/host/", r)) != mine) continue;
+        if (local_leader_ < 0) local_leader_ = r;
+        if (r < rank_) ++local_rank_;
+        ++local_size_;
+      }
+    } else {
+      check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    }
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    const CudaDeviceGuard g(device_);
+    const auto rc = ncclCommInitRankConfig(&comm_, size_, id, rank_, &config);
+    if (rc != ncclSuccess && rc != ncclInProgress) {
+      comm_ = nullptr;
+      check(rc, "ncclCommInitRankConfig");
+    }
+    settle("ncclCommInitRankConfig", std::chrono::steady_clock::now());
+  }
+
+  void check(ncclResult_t rc, const char* call) const {
+    if (rc != ncclSuccess && rc != ncclInProgress) {
+      detail::fail(detail::nccl_errc(rc), "rank ", rank_, ": backend::Nccl: ", call,
+                   " failed: ", ncclGetErrorString(rc), last_error());
+    }
+  }
+
+  [[nodiscard]] std::string last_error() const {
+    const char* text = comm_ != nullptr ? ncclGetLastError(comm_) : nullptr;
+    return text != nullptr && *text != '\0' ? detail::concat(" (", text, ")") : std::string();
+  }
+
+  [[nodiscard]] static ncclDataType_t type(const detail::Buf& b) noexcept {
+    return detail::nccl_type(b.dtype);
+  }
+
+  /// Device-to-device copy on the communicator's stream (the local block of gather & co).
+  void copy(std::byte* dst, const std::byte* src, std::size_t n) {
+    if (n != 0 && dst != src)
+      DDP_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, stream()));
+  }
+
+  template <class F>
+  ncclResult_t grouped(F&& body) {
+    check(ncclGroupStart(), "ncclGroupStart");
+    const ncclResult_t rc = body();
+    const ncclResult_t end = ncclGroupEnd();
+    return rc != ncclSuccess && rc != ncclInProgress ? rc : end;
+  }
+
+  void fail_if_aborted(const char* what) {
+    if (!aborted_.load()) return;
+    if (comm_ != nullptr) {
+      (void)ncclCommAbort(comm_);
+      comm_ = nullptr;
+    }
+    std::lock_guard lock(abort_mutex_);
+    detail::fail(abort_code_, "rank ", rank_, ": ", what, ": aborted: ", abort_why_);
+  }
+
+  /// Waits for a non-blocking NCCL call to leave ncclInProgress, up to the timeout.
+  void settle(const char* what, std::chrono::steady_clock::time_point start) {
+    for (;;) {
+      ncclResult_t st = ncclSuccess;
+      check(ncclCommGetAsyncError(comm_, &st), "ncclCommGetAsyncError");
+      if (st == ncclSuccess) return;
+      if (st != ncclInProgress) give_up(what, detail::nccl_errc(st), ncclGetErrorString(st));
+      poll_pause(what, start);
+    }
+  }
+
+  void poll_pause(const char* what, std::chrono::steady_clock::time_point start) {
+    fail_if_aborted(what);
+    if (timeout_.count() > 0 && std::chrono::steady_clock::now() - start > timeout_) {
+      give_up(what, Errc::timeout,
+              detail::concat("did not complete within ", timeout_.count(),
+                             " ms; a peer stopped, died or called another collective"));
+    }
+    std::this_thread::yield();
+  }
+
+  [[noreturn]] void give_up(const char* what, Errc code, const std::string& why) {
+    const std::string detail_text = last_error();
+    if (comm_ != nullptr) {
+      (void)ncclCommAbort(comm_);
+      comm_ = nullptr;
+    }
+    {
+      std::lock_guard lock(abort_mutex_);
+      if (!aborted_.load()) {
+        abort_code_ = code;
+        abort_why_ = detail::concat(what, " failed earlier");
+        aborted_.store(true);
+      }
+    }
+    detail::fail(code, "rank ", rank_, ": backend::Nccl: ", what, ": ", why, detail_text,
+                 "; the NCCL communicator was aborted");
+  }
+
+  /// Orders the collective after its buffers' streams, enqueues it, orders the buffers' streams
+  /// after it, and waits for it to finish (polling, under the timeout).
+  template <class Enqueue>
+  void run(const char* what, std::initializer_list<const detail::Buf*> bufs, Enqueue&& enqueue) {
+    fail_if_aborted(what);
+    for (const auto* b : bufs) {
+      if (b->count != 0 && b->device.index != device_) {
+        detail::fail(Errc::invalid_argument, "rank ", rank_, ": ", what, ": a buffer is on ",
+                     to_string(b->device), " but this communicator uses cuda:", device_,
+                     "; move the tensor or create the communicator with Options::device = ",
+                     b->device.index);
+      }
+    }
+    const CudaDeviceGuard g(device_);
+    for (const auto* b : bufs) {
+      ready_.record(static_cast<cudaStream_t>(b->stream));
+      ready_.block(stream());
+    }
+    const auto start = std::chrono::steady_clock::now();
+    const ncclResult_t rc = enqueue();
+    if (rc != ncclSuccess && rc != ncclInProgress)
+      give_up(what, detail::nccl_errc(rc), ncclGetErrorString(rc));
+    if (rc == ncclInProgress) settle(what, start);
+    done_.record(stream());
+    for (const auto* b : bufs) done_.block(static_cast<cudaStream_t>(b->stream));
+    for (;;) {
+      if (done_.ready()) return;
+      ncclResult_t st = ncclSuccess;
+      check(ncclCommGetAsyncError(comm_, &st), "ncclCommGetAsyncError");
+      if (st != ncclSuccess && st != ncclInProgress)
+        give_up(what, detail::nccl_errc(st), ncclGetErrorString(st));
+      poll_pause(what, start);
+    }
+  }
+
+  int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1, local_leader_ = 0;
+  int device_ = 0;
+  std::chrono::milliseconds timeout_;
+  ncclComm_t comm_ = nullptr;
+  CudaStream stream_;
+  CudaEvent ready_, done_;
+  CudaBuffer<std::int64_t> scratch_;  // barrier word and the p2p header
+  std::vector<std::int64_t> header_ = std::vector<std::int64_t>(3);
+  std::mutex abort_mutex_;
+  std::atomic<bool> aborted_{false};
+  Errc abort_code_ = Errc::aborted;
+  std::string abort_why_;
+};
+
+}  // namespace backend
+DDP_END_NAMESPACE

@@ -1,0 +1,306 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// CUDA resources with RAII, for the CUDA backends and for programs that want a ready-made CUDA
+/// tensor: ddp::CudaBuffer<T> (device memory that ddp knows, at compile time, to be on a CUDA
+/// device), ddp::CudaStream, ddp::CudaEvent, ddp::PinnedBuffer<T> (page-locked host memory) and
+/// ddp::CudaDeviceGuard. Every CUDA call is checked: a failure raises Errc::backend naming the
+/// call and cudaGetErrorString's text. Host code only (the CUDA runtime API): compiles with any
+/// C++20 compiler given the CUDA headers; link CUDA::cudart (the `ddp::cuda` target does both
+/// and defines DDP_HAS_CUDA=1).
+
+#include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+#include "ddp/detail/string.hpp"
+#include "ddp/error.hpp"
+#include "ddp/tensor.hpp"
+#include "ddp/types.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <span>
+#include <utility>
+
+DDP_BEGIN_NAMESPACE
+
+namespace detail {
+
+/// Throws Errc::backend for a failed CUDA runtime call.
+inline void cuda_check(cudaError_t rc, const char* call) {
+  if (rc != cudaSuccess) {
+    (void)cudaGetLastError();  // clear a sticky-free error so later calls report their own
+    fail(Errc::backend, call, " failed: ", cudaGetErrorString(rc), " (", cudaGetErrorName(rc), ")");
+  }
+}
+
+/// Makes `device` current until the end of the scope, never throwing (for destructors).
+struct CudaDeviceScope {
+  int previous = 0;
+  explicit CudaDeviceScope(int device) noexcept {
+    (void)cudaGetDevice(&previous);
+    if (device != previous) (void)cudaSetDevice(device);
+  }
+  ~CudaDeviceScope() { (void)cudaSetDevice(previous); }
+  CudaDeviceScope(const CudaDeviceScope&) = delete;
+  CudaDeviceScope& operator=(const CudaDeviceScope&) = delete;
+};
+
+}  // namespace detail
+
+/// Checks a CUDA runtime call: DDP_CUDA_CHECK(cudaMemcpy(...)).
+#define DDP_CUDA_CHECK(call) ::ddp::detail::cuda_check((call), #call)
+
+/// The number of CUDA devices this process can use; 0 when there is no driver or no device
+/// (never throws: this is how tests decide to skip).
+[[nodiscard]] inline int cuda_device_count() noexcept {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+/// Makes `device` current for the guard's lifetime, then restores the previous one.
+class CudaDeviceGuard {
+ public:
+  explicit CudaDeviceGuard(int device) {
+    DDP_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (device != previous_) DDP_CUDA_CHECK(cudaSetDevice(device));
+  }
+  CudaDeviceGuard(const CudaDeviceGuard&) = delete;
+  CudaDeviceGuard& operator=(const CudaDeviceGuard&) = delete;
+  ~CudaDeviceGuard() { (void)cudaSetDevice(previous_); }
+
+ private:
+  int previous_ = 0;
+};
+
+/// An owned, non-blocking CUDA stream (it does not synchronize with the legacy default stream).
+class CudaStream {
+ public:
+  /// A new stream on the current device.
+  CudaStream() { DDP_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
+  /// A new stream on `device`.
+  explicit CudaStream(int device) {
+    CudaDeviceGuard g(device);
+    DDP_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking));
+  }
+  CudaStream(CudaStream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
+  CudaStream& operator=(CudaStream&& o) noexcept {
+    if (this != &o) {
+      reset();
+      s_ = std::exchange(o.s_, nullptr);
+    }
+    return *this;
+  }
+  CudaStream(const CudaStream&) = delete;
+  CudaStream& operator=(const CudaStream&) = delete;
+  ~CudaStream() { reset(); }
+
+  [[nodiscard]] cudaStream_t get() const noexcept { return s_; }
+  /// Blocks until every operation queued on the stream has finished.
+  void synchronize() const { DDP_CUDA_CHECK(cudaStreamSynchronize(s_)); }
+
+ private:
+  void reset() noexcept {
+    if (s_ != nullptr) (void)cudaStreamDestroy(s_);
+    s_ = nullptr;
+  }
+  cudaStream_t s_ = nullptr;
+};
+
+/// An owned CUDA event without timing (the cheap kind), for ordering streams and for polling.
+class CudaEvent {
+ public:
+  CudaEvent() { DDP_CUDA_CHECK(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming)); }
+  CudaEvent(CudaEvent&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
+  CudaEvent& operator=(CudaEvent&& o) noexcept {
+    if (this != &o) {
+      reset();
+      e_ = std::exchange(o.e_, nullptr);
+    }
+    return *this;
+  }
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+  ~CudaEvent() { reset(); }
+
+  [[nodiscard]] cudaEvent_t get() const noexcept { return e_; }
+  /// Captures the work queued on `stream` so far.
+  void record(cudaStream_t stream) { DDP_CUDA_CHECK(cudaEventRecord(e_, stream)); }
+  /// Makes later work on `stream` wait for the captured work (no host blocking).
+  void block(cudaStream_t stream) const { DDP_CUDA_CHECK(cudaStreamWaitEvent(stream, e_, 0)); }
+  /// Whether the captured work has finished; throws if it failed.
+  [[nodiscard]] bool ready() const {
+    const cudaError_t rc = cudaEventQuery(e_);
+    if (rc == cudaErrorNotReady) return false;
+    detail::cuda_check(rc, "cudaEventQuery");
+    return true;
+  }
+  void synchronize() const { DDP_CUDA_CHECK(cudaEventSynchronize(e_)); }
+
+ private:
+  void reset() noexcept {
+    if (e_ != nullptr) (void)cudaEventDestroy(e_);
+    e_ = nullptr;
+  }
+  cudaEvent_t e_ = nullptr;
+};
+
+/// `size` elements of T in device memory (cudaMalloc), on `device`, associated with `stream`
+/// (the stream whose work produces its contents; nullptr: the legacy default stream). Moves, never
+/// copies. ddp::view(buffer) is a TensorView on Device::cuda(device) carrying the stream, and its
+/// type says DeviceKind::cuda, so CUDA-only backends accept it when the program is compiled.
+template <Scalar T>
+class CudaBuffer {
+ public:
+  static constexpr DeviceKind ddp_device_kind = DeviceKind::cuda;
+  using value_type = T;
+
+  CudaBuffer() = default;
+  /// Uninitialized memory for n elements on `device` (-1: the current device).
+  explicit CudaBuffer(std::size_t n, int device = -1, cudaStream_t stream = nullptr)
+      : size_(n), stream_(stream) {
+    if (device < 0) DDP_CUDA_CHECK(cudaGetDevice(&device));
+    device_ = device;
+    if (n == 0) return;
+    CudaDeviceGuard g(device);
+    void* p = nullptr;
+    DDP_CUDA_CHECK(cudaMalloc(&p, n * sizeof(T)));
+    data_ = static_cast<T*>(p);
+  }
+  /// A device copy of host elements.
+  explicit CudaBuffer(std::span<const T> host, int device = -1, cudaStream_t stream = nullptr)
+      : CudaBuffer(host.size(), device, stream) {
+    copy_from(host);
+  }
+  CudaBuffer(CudaBuffer&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)),
+        size_(std::exchange(o.size_, 0)),
+        device_(o.device_),
+        stream_(o.stream_) {}
+  CudaBuffer& operator=(CudaBuffer&& o) noexcept {
+    if (this != &o) {
+      release();
+      data_ = std::exchange(o.data_, nullptr);
+      size_ = std::exchange(o.size_, 0);
+      device_ = o.device_;
+      stream_ = o.stream_;
+    }
+    return *this;
+  }
+  CudaBuffer(const CudaBuffer&) = delete;
+  CudaBuffer& operator=(const CudaBuffer&) = delete;
+  ~CudaBuffer() { release(); }
+
+  [[nodiscard]] T* data() noexcept { return data_; }
+  [[nodiscard]] const T* data() const noexcept { return data_; }
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  [[nodiscard]] std::size_t bytes() const noexcept { return size_ * sizeof(T); }
+  [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
+  [[nodiscard]] int device() const noexcept { return device_; }
+  [[nodiscard]] cudaStream_t stream() const noexcept { return stream_; }
+  /// Associates the buffer with another stream (collectives then order after that stream's work).
+  void set_stream(cudaStream_t s) noexcept { stream_ = s; }
+
+  /// Copies host elements in (host.size() must equal size()), ordered on the buffer's stream;
+  /// returns when the copy is done.
+  void copy_from(std::span<const T> host) {
+    check_size(host.size(), "copy_from");
+    if (size_ == 0) return;
+    DDP_CUDA_CHECK(cudaMemcpyAsync(data_, host.data(), bytes(), cudaMemcpyHostToDevice, stream_));
+    DDP_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  /// Copies the elements out to host memory, after the work queued on the buffer's stream.
+  void copy_to(std::span<T> host) const {
+    check_size(host.size(), "copy_to");
+    if (size_ == 0) return;
+    DDP_CUDA_CHECK(cudaMemcpyAsync(host.data(), data_, bytes(), cudaMemcpyDeviceToHost, stream_));
+    DDP_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  /// Sets every byte to `byte`, on the buffer's stream (asynchronous).
+  void fill_bytes(int byte) {
+    if (size_ != 0) DDP_CUDA_CHECK(cudaMemsetAsync(data_, byte, bytes(), stream_));
+  }
+
+  [[nodiscard]] TensorView<T> ddp_view() noexcept {
+    return {data_, size_, Device::cuda(device_), stream_};
+  }
+  [[nodiscard]] TensorView<const T> ddp_view() const noexcept {
+    return {data_, size_, Device::cuda(device_), stream_};
+  }
+
+ private:
+  void check_size(std::size_t n, const char* what) const {
+    if (n != size_) {
+      detail::fail(Errc::invalid_argument, "CudaBuffer::", what, ": the host range has ", n,
+                   " elements but the buffer has ", size_);
+    }
+  }
+  void release() noexcept {
+    if (data_ != nullptr) {
+      const detail::CudaDeviceScope scope(device_);
+      (void)cudaFree(data_);
+    }
+    data_ = nullptr;
+    size_ = 0;
+  }
+  T* data_ = nullptr;
+  std::size_t size_ = 0;
+  int device_ = 0;
+  cudaStream_t stream_ = nullptr;
+};
+
+/// `size` elements of page-locked host memory (cudaMallocHost): host memory that the GPU's copy
+/// engines reach at full speed. A contiguous range, so ddp sees it as host memory.
+template <class T>
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  explicit PinnedBuffer(std::size_t n) : size_(n) {
+    if (n == 0) return;
+    void* p = nullptr;
+    DDP_CUDA_CHECK(cudaMallocHost(&p, n * sizeof(T)));
+    data_ = static_cast<T*>(p);
+  }
+  PinnedBuffer(PinnedBuffer&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept {
+    if (this != &o) {
+      release();
+      data_ = std::exchange(o.data_, nullptr);
+      size_ = std::exchange(o.size_, 0);
+    }
+    return *this;
+  }
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer() { release(); }
+
+  [[nodiscard]] T* data() noexcept { return data_; }
+  [[nodiscard]] const T* data() const noexcept { return data_; }
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  [[nodiscard]] T* begin() noexcept { return data_; }
+  [[nodiscard]] T* end() noexcept { return data_ + size_; }
+  [[nodiscard]] const T* begin() const noexcept { return data_; }
+  [[nodiscard]] const T* end() const noexcept { return data_ + size_; }
+  [[nodiscard]] T& operator[](std::size_t i) noexcept { return data_[i]; }
+  [[nodiscard]] const T& operator[](std::size_t i) const noexcept { return data_[i]; }
+
+ private:
+  void release() noexcept {
+    if (data_ != nullptr) (void)cudaFreeHost(data_);
+    data_ = nullptr;
+    size_ = 0;
+  }
+  T* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+DDP_END_NAMESPACE
