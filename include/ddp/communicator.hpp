@@ -31,6 +31,7 @@
 #include "ddp/types.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <concepts>
 #include <condition_variable>
@@ -503,6 +504,7 @@ class Communicator {
       if (s.poison.empty()) {
         s.poison = detail::concat("rank ", s.backend->rank(), ": aborted: ", why);
         s.poison_code = Errc::aborted;
+        s.poisoned.store(true, std::memory_order_release);
       }
     }
     s.backend->abort(Errc::aborted, why);
@@ -542,6 +544,7 @@ class Communicator {
     std::mutex poison_mutex;
     std::string poison;
     Errc poison_code = Errc::aborted;
+    std::atomic<bool> poisoned{false};  // poison is set: read without the lock on every call
   };
 
   /// A prepared operation: checked arguments captured in `body`.
@@ -569,8 +572,8 @@ class Communicator {
   template <class F>
   static void run_guarded(State& s, const char* name, const F& body) {
     {
-      std::lock_guard lock(s.poison_mutex);
-      if (!s.poison.empty()) {
+      if (s.poisoned.load(std::memory_order_acquire)) {
+        std::lock_guard lock(s.poison_mutex);
         detail::fail(Errc::aborted, "rank ", s.backend->rank(), ": ", name,
                      ": this communicator failed earlier and cannot be used (", s.poison,
                      "); create a new communicator (with another Options::group) to continue");
@@ -583,11 +586,13 @@ class Communicator {
       if (s.poison.empty()) {
         s.poison = e.what();
         s.poison_code = e.code();
+        s.poisoned.store(true, std::memory_order_release);
       }
       throw;
     } catch (...) {
       std::lock_guard lock(s.poison_mutex);
       if (s.poison.empty()) s.poison = "an operation threw a non-ddp exception";
+      s.poisoned.store(true, std::memory_order_release);
       throw;
     }
   }

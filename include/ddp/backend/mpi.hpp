@@ -41,6 +41,7 @@
 #include <mpi-ext.h>
 #endif
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <climits>
@@ -145,10 +146,28 @@ class MpiTypes {
   MPI_Op bfloat16_ops_[4] = {};
 };
 
-/// Ends the job when a blocking MPI call outlives the timeout (it cannot be interrupted).
+/// What a blocking MPI call is doing, for the watchdog's message.
+struct MpiCall {
+  const char* what = "";
+  DType dtype = DType::uint8;
+  std::size_t count = 0;
+  int root = -1;
+  bool has_op = false;
+  ReduceOp op = ReduceOp::sum;
+};
+
+/// Ends the job when a blocking MPI call outlives the timeout (it cannot be interrupted). Arming
+/// costs a plain atomic store (no lock, no clock read, no wake-up): the thread looks every
+/// timeout/10 (10 ms to 1 s) and fires when the same call has been running for the timeout
+/// (between timeout and timeout + one period after it started).
 class MpiWatchdog {
  public:
-  explicit MpiWatchdog(std::chrono::milliseconds timeout) : timeout_(timeout) {}
+  MpiWatchdog(int rank, std::chrono::milliseconds timeout)
+      : rank_(rank),
+        timeout_(timeout),
+        period_(std::clamp<std::chrono::milliseconds>(timeout / 10, std::chrono::milliseconds(10),
+                                                      std::chrono::seconds(1))),
+        thread_([this] { loop(); }) {}
   MpiWatchdog(const MpiWatchdog&) = delete;
   MpiWatchdog& operator=(const MpiWatchdog&) = delete;
   ~MpiWatchdog() {
@@ -157,53 +176,55 @@ class MpiWatchdog {
       stopping_ = true;
     }
     cv_.notify_all();
-    if (thread_.joinable()) thread_.join();
+    thread_.join();
   }
 
-  /// Arms the watchdog for one call; `describe` is evaluated only if it fires.
-  void arm(std::string what) {
-    std::lock_guard lock(mutex_);
-    if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
-    what_ = std::move(what);
-    deadline_ = std::chrono::steady_clock::now() + timeout_;
-    armed_ = true;
-    cv_.notify_all();
+  // Called only by the thread running the operation (operations are serialized): plain stores.
+  void arm(const MpiCall& call) noexcept {
+    call_ = call;
+    serial_.store(serial_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
   }
-  void disarm() {
-    std::lock_guard lock(mutex_);
-    armed_ = false;
+  void disarm() noexcept {
+    serial_.store(serial_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
   }
 
  private:
   void loop() {
     std::unique_lock lock(mutex_);
-    while (!stopping_) {
-      if (!armed_) {
-        cv_.wait(lock);
+    std::uint64_t seen = 0;  // the running call (odd serial) seen at `since`
+    auto since = std::chrono::steady_clock::now();
+    while (!cv_.wait_for(lock, period_, [&] { return stopping_; })) {
+      const std::uint64_t s = serial_.load(std::memory_order_acquire);
+      const auto now = std::chrono::steady_clock::now();
+      if ((s & 1U) == 0 || s != seen) {  // idle, or another call than last time
+        seen = s;
+        since = now;
         continue;
       }
-      if (cv_.wait_until(lock, deadline_) == std::cv_status::timeout && armed_ &&
-          std::chrono::steady_clock::now() >= deadline_) {
-        std::fprintf(stderr,
-                     "ddp: %s did not complete within %lld ms (Errc::timeout): a peer stopped, "
-                     "died or called another collective; MPI collectives cannot be interrupted, "
-                     "so the job is ended with MPI_Abort\n",
-                     what_.c_str(), static_cast<long long>(timeout_.count()));
-        std::fflush(stderr);
-        MPI_Abort(MPI_COMM_WORLD, 124);
-        std::_Exit(124);
-      }
+      if (now - since + period_ < timeout_) continue;  // it started at most a period before
+      std::string d = concat("rank ", rank_, ": backend::Mpi: ", call_.what, "(",
+                             to_string(call_.dtype), ", count=", call_.count);
+      if (call_.has_op) d += concat(", op=", to_string(call_.op));
+      if (call_.root >= 0) d += concat(", root=", call_.root);
+      std::fprintf(stderr,
+                   "ddp: %s) did not complete within %lld ms (Errc::timeout): a peer stopped, "
+                   "died or called another collective; MPI collectives cannot be interrupted, "
+                   "so the job is ended with MPI_Abort\n",
+                   d.c_str(), static_cast<long long>(timeout_.count()));
+      std::fflush(stderr);
+      MPI_Abort(MPI_COMM_WORLD, 124);
+      std::_Exit(124);
     }
   }
 
-  std::chrono::milliseconds timeout_;
+  int rank_;
+  std::chrono::milliseconds timeout_, period_;
+  MpiCall call_;
+  std::atomic<std::uint64_t> serial_{0};
   std::mutex mutex_;
   std::condition_variable cv_;
-  std::thread thread_;
-  std::string what_;
-  std::chrono::steady_clock::time_point deadline_{};
-  bool armed_ = false;
   bool stopping_ = false;
+  std::thread thread_;
 };
 
 }  // namespace detail
@@ -442,7 +463,7 @@ class Mpi {
     serialized_ = level >= MPI_THREAD_SERIALIZED;
     owner_ = std::this_thread::get_id();
     if (options_.timeout.count() > 0)
-      watchdog_ = std::make_unique<detail::MpiWatchdog>(options_.timeout);
+      watchdog_ = std::make_unique<detail::MpiWatchdog>(rank_, options_.timeout);
   }
 
   static void ensure_initialized() {
@@ -522,13 +543,8 @@ class Mpi {
   void call(F&& f, const char* what, const char* mpi_call, const detail::Buf& b,
             std::optional<ReduceOp> op, int root) {
     before(what);
-    if (watchdog_) {
-      std::string d = detail::concat("rank ", rank_, ": backend::Mpi: ", what, "(",
-                                     to_string(b.dtype), ", count=", b.count);
-      if (op) d += detail::concat(", op=", to_string(*op));
-      if (root >= 0) d += detail::concat(", root=", root);
-      watchdog_->arm(d + ")");
-    }
+    if (watchdog_)
+      watchdog_->arm({what, b.dtype, b.count, root, op.has_value(), op.value_or(ReduceOp::sum)});
     const int rc = f();
     if (watchdog_) watchdog_->disarm();
     check(rc, mpi_call, rank_);
