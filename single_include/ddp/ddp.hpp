@@ -4969,6 +4969,7 @@ DDP_END_NAMESPACE
 #include <mpi-ext.h>
 #endif
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <climits>
@@ -5073,10 +5074,28 @@ class MpiTypes {
   MPI_Op bfloat16_ops_[4] = {};
 };
 
-/// Ends the job when a blocking MPI call outlives the timeout (it cannot be interrupted).
+/// What a blocking MPI call is doing, for the watchdog's message.
+struct MpiCall {
+  const char* what = "";
+  DType dtype = DType::uint8;
+  std::size_t count = 0;
+  int root = -1;
+  bool has_op = false;
+  ReduceOp op = ReduceOp::sum;
+};
+
+/// Ends the job when a blocking MPI call outlives the timeout (it cannot be interrupted). Arming
+/// costs a plain atomic store (no lock, no clock read, no wake-up): the thread looks every
+/// timeout/10 (10 ms to 1 s) and fires when the same call has been running for the timeout
+/// (between timeout and timeout + one period after it started).
 class MpiWatchdog {
  public:
-  explicit MpiWatchdog(std::chrono::milliseconds timeout) : timeout_(timeout) {}
+  MpiWatchdog(int rank, std::chrono::milliseconds timeout)
+      : rank_(rank),
+        timeout_(timeout),
+        period_(std::clamp<std::chrono::milliseconds>(timeout / 10, std::chrono::milliseconds(10),
+                                                      std::chrono::seconds(1))),
+        thread_([this] { loop(); }) {}
   MpiWatchdog(const MpiWatchdog&) = delete;
   MpiWatchdog& operator=(const MpiWatchdog&) = delete;
   ~MpiWatchdog() {
@@ -5085,53 +5104,55 @@ class MpiWatchdog {
       stopping_ = true;
     }
     cv_.notify_all();
-    if (thread_.joinable()) thread_.join();
+    thread_.join();
   }
 
-  /// Arms the watchdog for one call; `describe` is evaluated only if it fires.
-  void arm(std::string what) {
-    std::lock_guard lock(mutex_);
-    if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
-    what_ = std::move(what);
-    deadline_ = std::chrono::steady_clock::now() + timeout_;
-    armed_ = true;
-    cv_.notify_all();
+  // Called only by the thread running the operation (operations are serialized): plain stores.
+  void arm(const MpiCall& call) noexcept {
+    call_ = call;
+    serial_.store(serial_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
   }
-  void disarm() {
-    std::lock_guard lock(mutex_);
-    armed_ = false;
+  void disarm() noexcept {
+    serial_.store(serial_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
   }
 
  private:
   void loop() {
     std::unique_lock lock(mutex_);
-    while (!stopping_) {
-      if (!armed_) {
-        cv_.wait(lock);
+    std::uint64_t seen = 0;  // the running call (odd serial) seen at `since`
+    auto since = std::chrono::steady_clock::now();
+    while (!cv_.wait_for(lock, period_, [&] { return stopping_; })) {
+      const std::uint64_t s = serial_.load(std::memory_order_acquire);
+      const auto now = std::chrono::steady_clock::now();
+      if ((s & 1U) == 0 || s != seen) {  // idle, or another call than last time
+        seen = s;
+        since = now;
         continue;
       }
-      if (cv_.wait_until(lock, deadline_) == std::cv_status::timeout && armed_ &&
-          std::chrono::steady_clock::now() >= deadline_) {
-        std::fprintf(stderr,
-                     "ddp: %s did not complete within %lld ms (Errc::timeout): a peer stopped, "
-                     "died or called another collective; MPI collectives cannot be interrupted, "
-                     "so the job is ended with MPI_Abort\n",
-                     what_.c_str(), static_cast<long long>(timeout_.count()));
-        std::fflush(stderr);
-        MPI_Abort(MPI_COMM_WORLD, 124);
-        std::_Exit(124);
-      }
+      if (now - since + period_ < timeout_) continue;  // it started at most a period before
+      std::string d = concat("rank ", rank_, ": backend::Mpi: ", call_.what, "(",
+                             to_string(call_.dtype), ", count=", call_.count);
+      if (call_.has_op) d += concat(", op=", to_string(call_.op));
+      if (call_.root >= 0) d += concat(", root=", call_.root);
+      std::fprintf(stderr,
+                   "ddp: %s) did not complete within %lld ms (Errc::timeout): a peer stopped, "
+                   "died or called another collective; MPI collectives cannot be interrupted, "
+                   "so the job is ended with MPI_Abort\n",
+                   d.c_str(), static_cast<long long>(timeout_.count()));
+      std::fflush(stderr);
+      MPI_Abort(MPI_COMM_WORLD, 124);
+      std::_Exit(124);
     }
   }
 
-  std::chrono::milliseconds timeout_;
+  int rank_;
+  std::chrono::milliseconds timeout_, period_;
+  MpiCall call_;
+  std::atomic<std::uint64_t> serial_{0};
   std::mutex mutex_;
   std::condition_variable cv_;
-  std::thread thread_;
-  std::string what_;
-  std::chrono::steady_clock::time_point deadline_{};
-  bool armed_ = false;
   bool stopping_ = false;
+  std::thread thread_;
 };
 
 }  // namespace detail
@@ -5370,7 +5391,7 @@ class Mpi {
     serialized_ = level >= MPI_THREAD_SERIALIZED;
     owner_ = std::this_thread::get_id();
     if (options_.timeout.count() > 0)
-      watchdog_ = std::make_unique<detail::MpiWatchdog>(options_.timeout);
+      watchdog_ = std::make_unique<detail::MpiWatchdog>(rank_, options_.timeout);
   }
 
   static void ensure_initialized() {
@@ -5450,13 +5471,8 @@ class Mpi {
   void call(F&& f, const char* what, const char* mpi_call, const detail::Buf& b,
             std::optional<ReduceOp> op, int root) {
     before(what);
-    if (watchdog_) {
-      std::string d = detail::concat("rank ", rank_, ": backend::Mpi: ", what, "(",
-                                     to_string(b.dtype), ", count=", b.count);
-      if (op) d += detail::concat(", op=", to_string(*op));
-      if (root >= 0) d += detail::concat(", root=", root);
-      watchdog_->arm(d + ")");
-    }
+    if (watchdog_)
+      watchdog_->arm({what, b.dtype, b.count, root, op.has_value(), op.value_or(ReduceOp::sum)});
     const int rc = f();
     if (watchdog_) watchdog_->disarm();
     check(rc, mpi_call, rank_);
@@ -5565,8 +5581,7 @@ namespace detail {
 inline void cuda_check(cudaError_t rc, const char* call) {
   if (rc != cudaSuccess) {
     (void)cudaGetLastError();  // clear a sticky-free error so later calls report their own
-    fail(Errc::backend, call, " failed: ", cudaGetErrorString(rc), " (", cudaGetErrorName(rc),
-         ")");
+    fail(Errc::backend, call, " failed: ", cudaGetErrorString(rc), " (", cudaGetErrorName(rc), ")");
   }
 }
 
@@ -5746,16 +5761,14 @@ class CudaBuffer {
   void copy_from(std::span<const T> host) {
     check_size(host.size(), "copy_from");
     if (size_ == 0) return;
-    DDP_CUDA_CHECK(
-        cudaMemcpyAsync(data_, host.data(), bytes(), cudaMemcpyHostToDevice, stream_));
+    DDP_CUDA_CHECK(cudaMemcpyAsync(data_, host.data(), bytes(), cudaMemcpyHostToDevice, stream_));
     DDP_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
   /// Copies the elements out to host memory, after the work queued on the buffer's stream.
   void copy_to(std::span<T> host) const {
     check_size(host.size(), "copy_to");
     if (size_ == 0) return;
-    DDP_CUDA_CHECK(
-        cudaMemcpyAsync(host.data(), data_, bytes(), cudaMemcpyDeviceToHost, stream_));
+    DDP_CUDA_CHECK(cudaMemcpyAsync(host.data(), data_, bytes(), cudaMemcpyDeviceToHost, stream_));
     DDP_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
   /// Sets every byte to `byte`, on the buffer's stream (asynchronous).
@@ -5989,8 +6002,8 @@ class Nccl {
 
   void all_reduce(const detail::Buf& b, ReduceOp op) {
     run("all_reduce", {&b}, [&] {
-      return ncclAllReduce(b.data, b.data, b.count, detail::nccl_type(b.dtype),
-                           detail::nccl_op(op), comm_, stream());
+      return ncclAllReduce(b.data, b.data, b.count, detail::nccl_type(b.dtype), detail::nccl_op(op),
+                           comm_, stream());
     });
   }
 
@@ -6083,9 +6096,8 @@ class Nccl {
   void barrier() {
     const detail::Buf b{reinterpret_cast<std::byte*>(scratch_.data()), 1, DType::int64,
                         Device::cuda(device_), stream()};
-    run("barrier", {&b}, [&] {
-      return ncclAllReduce(b.data, b.data, 1, ncclInt64, ncclSum, comm_, stream());
-    });
+    run("barrier", {&b},
+        [&] { return ncclAllReduce(b.data, b.data, 1, ncclInt64, ncclSum, comm_, stream()); });
   }
 
   void send(const detail::Buf& b, int peer, int tag) {
@@ -6111,9 +6123,9 @@ class Nccl {
         header_[2] != static_cast<std::int64_t>(b.count)) {
       const auto dt = static_cast<DType>(header_[1]);
       detail::fail(Errc::mismatch, "rank ", rank_, ": recv from rank ", peer, ": expected tag ",
-                   tag, ", ", to_string(b.dtype), " x ", b.count, " but rank ", peer,
-                   " sent tag ", header_[0], ", ", is_valid(dt) ? to_string(dt) : "invalid dtype",
-                   " x ", header_[2], "; make the matching send and recv agree");
+                   tag, ", ", to_string(b.dtype), " x ", b.count, " but rank ", peer, " sent tag ",
+                   header_[0], ", ", is_valid(dt) ? to_string(dt) : "invalid dtype", " x ",
+                   header_[2], "; make the matching send and recv agree");
     }
     if (b.count == 0) return;
     run("recv", {&b}, [&] { return ncclRecv(b.data, b.count, type(b), peer, comm_, stream()); });
@@ -6153,8 +6165,10 @@ class Nccl {
       } else {
         const std::string bytes = store.get("nccl/id");
         if (bytes.size() != sizeof id) {
-          detail::fail(Errc::protocol, "rank ", rank_, ": backend::Nccl: the ncclUniqueId in the "
-                       "store has ", bytes.size(), " bytes, expected ", sizeof id);
+          detail::fail(Errc::protocol, "rank ", rank_,
+                       ": backend::Nccl: the ncclUniqueId in the "
+                       "store has ",
+                       bytes.size(), " bytes, expected ", sizeof id);
         }
         std::memcpy(&id, bytes.data(), sizeof id);
       }
@@ -6846,6 +6860,7 @@ DDP_END_NAMESPACE
 // #include "ddp/types.hpp" (already included above)
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <concepts>
 #include <condition_variable>
@@ -7318,6 +7333,7 @@ class Communicator {
       if (s.poison.empty()) {
         s.poison = detail::concat("rank ", s.backend->rank(), ": aborted: ", why);
         s.poison_code = Errc::aborted;
+        s.poisoned.store(true, std::memory_order_release);
       }
     }
     s.backend->abort(Errc::aborted, why);
@@ -7357,6 +7373,7 @@ class Communicator {
     std::mutex poison_mutex;
     std::string poison;
     Errc poison_code = Errc::aborted;
+    std::atomic<bool> poisoned{false};  // poison is set: read without the lock on every call
   };
 
   /// A prepared operation: checked arguments captured in `body`.
@@ -7384,8 +7401,8 @@ class Communicator {
   template <class F>
   static void run_guarded(State& s, const char* name, const F& body) {
     {
-      std::lock_guard lock(s.poison_mutex);
-      if (!s.poison.empty()) {
+      if (s.poisoned.load(std::memory_order_acquire)) {
+        std::lock_guard lock(s.poison_mutex);
         detail::fail(Errc::aborted, "rank ", s.backend->rank(), ": ", name,
                      ": this communicator failed earlier and cannot be used (", s.poison,
                      "); create a new communicator (with another Options::group) to continue");
@@ -7398,11 +7415,13 @@ class Communicator {
       if (s.poison.empty()) {
         s.poison = e.what();
         s.poison_code = e.code();
+        s.poisoned.store(true, std::memory_order_release);
       }
       throw;
     } catch (...) {
       std::lock_guard lock(s.poison_mutex);
       if (s.poison.empty()) s.poison = "an operation threw a non-ddp exception";
+      s.poisoned.store(true, std::memory_order_release);
       throw;
     }
   }
