@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds and runs everything that needs a GPU: the CUDA suite (CudaBuffer, backend::Nccl on one
+# Builds and runs everything that needs a GPU: the CUDA suites (CudaBuffer, backend::Nccl on one
 # device: every collective, stream ordering behind a slow producer, timeout and abort). Run it on a
 # machine with an NVIDIA GPU, the CUDA toolkit and NCCL (CUDA_HOME, default /usr/local/cuda).
 # Elsewhere the same tests build and report themselves skipped (scripts/test.sh).
@@ -16,5 +16,5 @@ if ! dpkg -s doctest-dev >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
 fi
 cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DDDP_WITH_NCCL=ON \
   -DDDP_BUILD_EXAMPLES=OFF -DDDP_BUILD_TOOLS=OFF -DDDP_INSTALL=OFF
-cmake --build build/gpu --target ddp-cuda-test
+cmake --build build/gpu --target ddp-cuda-test ddp-cuda-staging-test
 ctest --test-dir build/gpu -L cuda --output-on-failure

@@ -23,12 +23,16 @@
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 #include "ddp/detail/collective.hpp"
+#include "ddp/detail/staging.hpp"
 #include "ddp/environment.hpp"
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
 #include "ddp/store.hpp"
 #include "ddp/tensor.hpp"
 #include "ddp/types.hpp"
+#if DDP_HAS_CUDA
+#include "ddp/cuda.hpp"
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -92,6 +96,14 @@ template <class B, class T>
   requires requires { B::device_kind; }
 inline constexpr bool host_type_for_device_backend<B, T> =
     B::device_kind == DeviceKind::cuda && static_device_kind_v<T> == DeviceKind::cpu;
+
+/// Whether a backend moves device memory only (backend::Nccl): host data of object collectives
+/// goes through a device copy there.
+template <class B>
+inline constexpr bool device_only_backend = false;
+template <class B>
+  requires requires { B::device_kind; }
+inline constexpr bool device_only_backend<B> = B::device_kind == DeviceKind::cuda;
 
 /// Whether the backend makes sub-groups itself (MPI_Comm_split, ncclCommSplit).
 template <class B>
@@ -310,6 +322,19 @@ class Communicator {
     return submit(prepare_all_reduce(buf, op));
   }
 
+  /// all_reduce of several buffers as one operation (torch's all_reduce_coalesced): one NCCL
+  /// group on backend::Nccl (one launch, one wait), one buffer after another elsewhere.
+  template <std::ranges::range R>
+    requires MutableTensor<std::ranges::range_reference_t<R>>
+  void all_reduce_coalesced(R&& bufs, ReduceOp op = ReduceOp::sum) {
+    exec(prepare_all_reduce_coalesced(bufs, op));
+  }
+  template <std::ranges::range R>
+    requires MutableTensor<std::ranges::range_reference_t<R>>
+  [[nodiscard]] Work all_reduce_coalesced_async(R&& bufs, ReduceOp op = ReduceOp::sum) {
+    return submit(prepare_all_reduce_coalesced(bufs, op));
+  }
+
   /// Copies root's `buf` to every rank.
   template <MutableTensor T>
   void broadcast(T&& buf, int root = 0) {
@@ -401,10 +426,10 @@ class Communicator {
   }
 
   void barrier() {
-    exec(Op{"barrier", [](Backend& b) { b.barrier(); }});
+    exec(Op{"barrier", [](Backend& b, State&) { b.barrier(); }});
   }
   [[nodiscard]] Work barrier_async() {
-    return submit(Op{"barrier", [](Backend& b) { b.barrier(); }});
+    return submit(Op{"barrier", [](Backend& b, State&) { b.barrier(); }});
   }
 
   // ---- object collectives ------------------------------------------------------------------
@@ -428,11 +453,13 @@ class Communicator {
     std::string bytes;
     if (rank() == root) bytes = detail::encode_object(value);
     std::int64_t n = static_cast<std::int64_t>(bytes.size());
-    broadcast(std::span<std::int64_t>(&n, 1), root);
+    on_host_data(std::span<std::int64_t>(&n, 1), std::span<std::int64_t>(),
+                 [&](auto& b, auto&) { broadcast(b, root); });
     check_object_size(n, "broadcast_object", root);
     bytes.resize(static_cast<std::size_t>(n));
-    broadcast(std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(bytes.data()), bytes.size()),
-              root);
+    on_host_data(
+        std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(bytes.data()), bytes.size()),
+        std::span<std::uint8_t>(), [&](auto& b, auto&) { broadcast(b, root); });
     if (rank() != root) value = detail::decode_object<T>(bytes.data(), bytes.size());
   }
 
@@ -447,11 +474,12 @@ class Communicator {
     }
     if constexpr (detail::splits_itself<Backend>) {
       std::unique_ptr<Backend> made;
-      exec(Op{"split", [&](Backend& b) { made = b.split(color, key); }});
+      exec(Op{"split", [&](Backend& b, State&) { made = b.split(color, key); }});
       if (!made) return Communicator(nullptr);
       auto sub = std::make_shared<State>();
       sub->options = state_->options;
       sub->world_rank = state_->world_rank;
+      sub->local_rank_hint = state_->local_rank_hint;
       sub->backend = std::move(made);
       return Communicator(std::move(sub));
     }
@@ -481,7 +509,7 @@ class Communicator {
       bi.store = std::make_shared<Store>(state_->root_store->prefixed(sub->prefix));
       sub->store = bi.store;
     }
-    exec(Op{"split", [&](Backend&) { sub->backend = Backend::create(bi); }});
+    exec(Op{"split", [&](Backend&, State&) { sub->backend = Backend::create(bi); }});
     return Communicator(std::move(sub));
   }
 
@@ -545,6 +573,17 @@ class Communicator {
     std::string poison;
     Errc poison_code = Errc::aborted;
     std::atomic<bool> poisoned{false};  // poison is set: read without the lock on every call
+#if DDP_HAS_CUDA
+    std::unique_ptr<detail::CudaStager> stager;  // made on first use
+
+    detail::CudaStager& stager_for(int device) {
+      if (!stager || stager->device() != device) {
+        stager.reset();
+        stager = std::make_unique<detail::CudaStager>(device, options.timeout);
+      }
+      return *stager;
+    }
+#endif
   };
 
   /// A prepared operation: checked arguments captured in `body`.
@@ -580,7 +619,7 @@ class Communicator {
       }
     }
     try {
-      body(*s.backend);
+      body(*s.backend, s);
     } catch (const Error& e) {
       std::lock_guard lock(s.poison_mutex);
       if (s.poison.empty()) {
@@ -612,6 +651,54 @@ class Communicator {
         s->executor->submit([s, op = std::move(op)] { run_guarded(*s, op.name, op.body); }));
   }
 
+  /// Whether CUDA buffers given to a backend that moves host memory only are staged through
+  /// pinned host memory (ddp built with CUDA) rather than refused.
+  static bool stages_cuda() noexcept {
+    return DDP_HAS_CUDA != 0 && Backend::supports(Device::cpu()) &&
+           !Backend::supports(Device::cuda());
+  }
+
+  static bool staged(const detail::Buf& b) noexcept {
+    return b.device.is_cuda() && b.data != nullptr && b.count != 0 && stages_cuda();
+  }
+
+  /// Runs f(buffer) for an elementwise collective, through the staging pipeline when `b` is a
+  /// CUDA buffer this backend cannot use (see detail/staging.hpp).
+  template <class F>
+  static void elementwise(State& s, const detail::Buf& b, bool fetch, bool store, const F& f) {
+    if (!staged(b)) return f(b);
+#if DDP_HAS_CUDA
+    const CudaDeviceGuard current(b.device.index);
+    detail::stage_elementwise(s.stager_for(b.device.index), b, fetch, store,
+                              s.options.cuda_staging_bytes, f);
+#else
+    (void)s, (void)fetch, (void)store;
+#endif
+  }
+
+  /// Runs f(buffers...) with every CUDA buffer among `args` staged whole.
+  template <class F, class... A>
+  static void whole(State& s, const char* what, const F& f, A... args) {
+    if (!(staged(args.buf) || ...)) return f(args.buf...);
+#if DDP_HAS_CUDA
+    int device = -1;
+    for (const detail::StagedArg& a : {args...}) {
+      if (!staged(a.buf)) continue;
+      if (device >= 0 && a.buf.device.index != device) {
+        detail::fail(Errc::invalid_argument, "rank ", s.backend->rank(), ": ", what,
+                     ": the buffers are on cuda:", device, " and cuda:", a.buf.device.index,
+                     "; staged collectives need them on one device");
+      }
+      device = a.buf.device.index;
+    }
+    const CudaDeviceGuard current(device);
+    detail::stage_whole(s.stager_for(device), std::array<detail::StagedArg, sizeof...(A)>{args...},
+                        f);
+#else
+    (void)s, (void)what;
+#endif
+  }
+
   template <class T>
   detail::Buf to_buf(T& t, const char* what, const char* arg) const {
     static_assert(!detail::host_type_for_device_backend<Backend, T>,
@@ -620,7 +707,7 @@ class Communicator {
                   "ddp::CudaBuffer<T> or a CUDA tensor type adapted with ddp::tensor_traits, or "
                   "Communicator<backend::Host> for host buffers");
     const auto v = ddp::view(t);
-    if (!Backend::supports(v.device)) {
+    if (!Backend::supports(v.device) && !(v.device.is_cuda() && stages_cuda())) {
       detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": `", arg, "` is on ",
                    to_string(v.device), ", but backend::", Backend::name,
                    " cannot use that memory");
@@ -662,14 +749,39 @@ class Communicator {
   auto prepare_all_reduce(T& t, ReduceOp op) {
     auto b = to_buf(t, "all_reduce", "buf");
     check_op(op, b.dtype, "all_reduce");
-    return Op{"all_reduce", [b, op](Backend& be) { be.all_reduce(b, op); }};
+    return Op{"all_reduce", [b, op](Backend& be, State& s) {
+                elementwise(s, b, true, true, [&](const detail::Buf& h) { be.all_reduce(h, op); });
+              }};
+  }
+
+  template <class R>
+  auto prepare_all_reduce_coalesced(R& bufs, ReduceOp op) {
+    std::vector<detail::Buf> bs;
+    for (auto&& t : bufs) {
+      bs.push_back(to_buf(t, "all_reduce_coalesced", "bufs"));
+      check_op(op, bs.back().dtype, "all_reduce_coalesced");
+    }
+    return Op{"all_reduce_coalesced", [bs = std::move(bs), op](Backend& be, State& s) {
+                if constexpr (requires { be.all_reduce_many(bs, op); }) {
+                  be.all_reduce_many(bs, op);
+                } else {
+                  for (const auto& b : bs) {
+                    elementwise(s, b, true, true,
+                                [&](const detail::Buf& h) { be.all_reduce(h, op); });
+                  }
+                }
+              }};
   }
 
   template <class T>
   auto prepare_broadcast(T& t, int root) {
     auto b = to_buf(t, "broadcast", "buf");
     check_root(root, "broadcast");
-    return Op{"broadcast", [b, root](Backend& be) { be.broadcast(b, root); }};
+    return Op{"broadcast", [b, root](Backend& be, State& s) {
+                const bool mine = be.rank() == root;
+                elementwise(s, b, mine, !mine,
+                            [&](const detail::Buf& h) { be.broadcast(h, root); });
+              }};
   }
 
   template <class T>
@@ -677,7 +789,10 @@ class Communicator {
     auto b = to_buf(t, "reduce", "buf");
     check_root(root, "reduce");
     check_op(op, b.dtype, "reduce");
-    return Op{"reduce", [b, root, op](Backend& be) { be.reduce(b, root, op); }};
+    return Op{"reduce", [b, root, op](Backend& be, State& s) {
+                elementwise(s, b, true, be.rank() == root,
+                            [&](const detail::Buf& h) { be.reduce(h, root, op); });
+              }};
   }
 
   template <class In, class Out>
@@ -703,11 +818,16 @@ class Communicator {
             ": `in` overlaps `out` but is not this rank's block of it (the only in-place form)");
       }
     }
-    return Op{what, [c, in, out, root](Backend& be) {
-                if (c == detail::Coll::all_gather)
-                  be.all_gather(in, out);
-                else
-                  be.gather(in, out, root);
+    return Op{what, [c, in, out, root, what](Backend& be, State& s) {
+                whole(
+                    s, what,
+                    [&](const detail::Buf& i, const detail::Buf& o) {
+                      if (c == detail::Coll::all_gather)
+                        be.all_gather(i, o);
+                      else
+                        be.gather(i, o, root);
+                    },
+                    detail::StagedArg{in, true, false}, detail::StagedArg{out, false, true});
               }};
   }
 
@@ -732,7 +852,12 @@ class Communicator {
                      "in-place form)");
       }
     }
-    return Op{"scatter", [in, out, root](Backend& be) { be.scatter(in, out, root); }};
+    return Op{"scatter", [in, out, root](Backend& be, State& s) {
+                whole(
+                    s, "scatter",
+                    [&](const detail::Buf& i, const detail::Buf& o) { be.scatter(i, o, root); },
+                    detail::StagedArg{in, true, false}, detail::StagedArg{out, false, true});
+              }};
   }
 
   template <class In, class Out>
@@ -753,7 +878,13 @@ class Communicator {
                    ": reduce_scatter: `out` overlaps `in` but is not this rank's block of it (the "
                    "only in-place form)");
     }
-    return Op{"reduce_scatter", [in, out, op](Backend& be) { be.reduce_scatter(in, out, op); }};
+    return Op{
+        "reduce_scatter", [in, out, op](Backend& be, State& s) {
+          whole(
+              s, "reduce_scatter",
+              [&](const detail::Buf& i, const detail::Buf& o) { be.reduce_scatter(i, o, op); },
+              detail::StagedArg{in, true, false}, detail::StagedArg{out, false, true});
+        }};
   }
 
   template <class In, class Out>
@@ -771,7 +902,12 @@ class Communicator {
       detail::fail(Errc::invalid_argument, "rank ", rank(),
                    ": all_to_all: `in` and `out` must not overlap");
     }
-    return Op{"all_to_all", [in, out](Backend& be) { be.all_to_all(in, out); }};
+    return Op{"all_to_all", [in, out](Backend& be, State& s) {
+                whole(
+                    s, "all_to_all",
+                    [&](const detail::Buf& i, const detail::Buf& o) { be.all_to_all(i, o); },
+                    detail::StagedArg{in, true, false}, detail::StagedArg{out, false, true});
+              }};
   }
 
   template <class T>
@@ -786,11 +922,16 @@ class Communicator {
       detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": tag ", tag,
                    " is negative");
     const bool sending = c == detail::Coll::send;
-    return Op{what, [b, peer, tag, sending](Backend& be) {
-                if (sending)
-                  be.send(b, peer, tag);
-                else
-                  be.recv(b, peer, tag);
+    return Op{what, [b, peer, tag, sending, what](Backend& be, State& s) {
+                whole(
+                    s, what,
+                    [&](const detail::Buf& h) {
+                      if (sending)
+                        be.send(h, peer, tag);
+                      else
+                        be.recv(h, peer, tag);
+                    },
+                    detail::StagedArg{b, sending, !sending});
               }};
   }
 
@@ -803,6 +944,26 @@ class Communicator {
     }
   }
 
+  /// Runs f(a, b) on host spans; on a backend that moves device memory only, on device copies of
+  /// them instead, copied back afterwards. For the small host data of object collectives.
+  template <class E, class F>
+  void on_host_data(std::span<E> a, std::span<E> b, const F& f) {
+    if constexpr (detail::device_only_backend<Backend>) {
+#if DDP_HAS_CUDA
+      const int device = backend().device();
+      const CudaDeviceGuard current(device);
+      CudaBuffer<E> da(std::span<const E>(a), device), db(std::span<const E>(b), device);
+      f(da, db);
+      if (!a.empty()) da.copy_to(a);
+      if (!b.empty()) db.copy_to(b);
+#else
+      static_assert(!detail::device_only_backend<Backend>, "a CUDA backend without DDP_HAS_CUDA");
+#endif
+    } else {
+      f(a, b);
+    }
+  }
+
   template <class T>
   std::vector<T> gather_objects(const T& value, int root) {
     const char* what = root < 0 ? "all_gather_object" : "gather_object";
@@ -811,7 +972,8 @@ class Communicator {
     const auto p = static_cast<std::size_t>(size());
     std::vector<std::int64_t> sizes(p);
     std::int64_t my_size = static_cast<std::int64_t>(mine.size());
-    all_gather(std::span<std::int64_t>(&my_size, 1), sizes);
+    on_host_data(std::span<std::int64_t>(&my_size, 1), std::span<std::int64_t>(sizes),
+                 [&](auto& in, auto& out) { all_gather(in, out); });
     std::int64_t longest = 0;
     for (std::size_t r = 0; r < p; ++r) {
       check_object_size(sizes[r], what, static_cast<int>(r));
@@ -822,10 +984,13 @@ class Communicator {
     std::memcpy(padded.data(), mine.data(), mine.size());
     const bool receives = root < 0 || root == rank();
     std::vector<std::uint8_t> all(receives ? width * p : 0);
-    if (root < 0)
-      all_gather(padded, all);
-    else
-      gather(padded, all, root);
+    on_host_data(std::span<std::uint8_t>(padded), std::span<std::uint8_t>(all),
+                 [&](auto& in, auto& out) {
+                   if (root < 0)
+                     all_gather(in, out);
+                   else
+                     gather(in, out, root);
+                 });
     std::vector<T> out;
     if (!receives) return out;
     out.reserve(p);

@@ -22,8 +22,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include <array>
+#include <chrono>
 #include <cstddef>
 #include <span>
+#include <thread>
 #include <utility>
 
 DDP_BEGIN_NAMESPACE
@@ -302,5 +305,97 @@ class PinnedBuffer {
   T* data_ = nullptr;
   std::size_t size_ = 0;
 };
+
+namespace detail {
+
+/// Waits for a CUDA event, polling, for at most `timeout`; Errc::timeout names `what`.
+inline void cuda_wait(const CudaEvent& e, std::chrono::milliseconds timeout, const char* what) {
+  const auto start = std::chrono::steady_clock::now();
+  for (unsigned spins = 0; !e.ready(); ++spins) {
+    const auto waited = std::chrono::steady_clock::now() - start;
+    if (waited > timeout) {
+      fail(Errc::timeout, what, " did not complete within ", timeout.count(),
+           " ms (is a kernel on the tensor's stream stuck?)");
+    }
+    if (spins < 64)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+/// The copies of a host-memory backend staging CUDA buffers (see detail/staging.hpp): slots of
+/// pinned memory, kept between collectives; device-to-host copies on one stream and
+/// host-to-device copies on another, so the two directions overlap; copies ordered after the
+/// tensor's stream with an event. One per communicator and device; used with its device current.
+class CudaStager {
+ public:
+  CudaStager(int device, std::chrono::milliseconds timeout)
+      : previous_(make_current(device)), device_(device), timeout_(timeout) {
+    (void)cudaSetDevice(previous_);
+  }
+  CudaStager(const CudaStager&) = delete;
+  CudaStager& operator=(const CudaStager&) = delete;
+  ~CudaStager() {
+    const CudaDeviceScope scope(device_);
+    (void)cudaStreamSynchronize(fetches_.get());  // nothing may still copy into freed memory
+    (void)cudaStreamSynchronize(stores_.get());
+  }
+
+  [[nodiscard]] int device() const noexcept { return device_; }
+
+  std::byte* slot(int s, std::size_t bytes) {
+    auto& b = slots_.at(static_cast<std::size_t>(s));
+    if (b.size() < bytes) {
+      b = PinnedBuffer<std::byte>();  // free first: at most one copy of a large slot at a time
+      b = PinnedBuffer<std::byte>(bytes);
+    }
+    return b.data();
+  }
+  void after(void* stream) {
+    produced_.record(static_cast<cudaStream_t>(stream));
+    produced_.block(fetches_.get());
+  }
+  void fetch(int s, std::byte* host, const std::byte* dev, std::size_t n) {
+    DDP_CUDA_CHECK(cudaMemcpyAsync(host, dev, n, cudaMemcpyDeviceToHost, fetches_.get()));
+    fetched_.at(static_cast<std::size_t>(s)).record(fetches_.get());
+  }
+  void wait_fetch(int s) {
+    cuda_wait(fetched_.at(static_cast<std::size_t>(s)), timeout_,
+              "staging: the copy of a CUDA buffer into host memory");
+  }
+  void store(int s, std::byte* dev, const std::byte* host, std::size_t n) {
+    DDP_CUDA_CHECK(cudaMemcpyAsync(dev, host, n, cudaMemcpyHostToDevice, stores_.get()));
+    const auto i = static_cast<std::size_t>(s);
+    stored_.at(i).record(stores_.get());
+    pending_.at(i) = true;
+  }
+  void wait_store(int s) {
+    const auto i = static_cast<std::size_t>(s);
+    if (!pending_.at(i)) return;
+    cuda_wait(stored_[i], timeout_, "staging: the copy of a result back into a CUDA buffer");
+    pending_[i] = false;
+  }
+
+ private:
+  static int make_current(int device) {
+    int previous = 0;
+    DDP_CUDA_CHECK(cudaGetDevice(&previous));
+    DDP_CUDA_CHECK(cudaSetDevice(device));
+    return previous;
+  }
+
+  static constexpr std::size_t slots = 5;  // 3 pipeline slots + 2 whole-buffer slots
+  int previous_;  // first: the streams and events below are made on `device`
+  int device_;
+  std::chrono::milliseconds timeout_;
+  CudaStream fetches_, stores_;
+  CudaEvent produced_;
+  std::array<CudaEvent, slots> fetched_, stored_;
+  std::array<bool, slots> pending_{};
+  std::array<PinnedBuffer<std::byte>, slots> slots_;
+};
+
+}  // namespace detail
 
 DDP_END_NAMESPACE

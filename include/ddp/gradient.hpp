@@ -98,6 +98,57 @@ decltype(auto) model_parameters(M& m) {
     return (m);
 }
 
+/// Copies `n` bytes between host memory and CUDA devices (`cuda`: either side is on a device),
+/// ordered on `stream`.
+inline void copy_bytes(void* dst, const void* src, std::size_t n, bool cuda, void* stream) {
+  if (n == 0) return;
+  if (!cuda) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+#if DDP_HAS_CUDA
+  DDP_CUDA_CHECK(
+      cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)));
+#else
+  (void)stream;
+#endif
+}
+
+/// Sets `n` bytes to zero, on a CUDA device (ordered on `stream`) or on the host.
+inline void zero_bytes(void* dst, std::size_t n, bool cuda, void* stream) {
+  if (n == 0) return;
+  if (!cuda) {
+    std::memset(dst, 0, n);
+    return;
+  }
+#if DDP_HAS_CUDA
+  DDP_CUDA_CHECK(cudaMemsetAsync(dst, 0, n, static_cast<cudaStream_t>(stream)));
+#else
+  (void)stream;
+#endif
+}
+
+/// Blocks until the work queued on a CUDA stream is done (nothing for host memory).
+inline void sync_stream(bool cuda, void* stream) {
+#if DDP_HAS_CUDA
+  if (cuda) DDP_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+#else
+  (void)cuda, (void)stream;
+#endif
+}
+
+/// Later work on `waiter` starts after the work queued on `producer` so far (CUDA streams).
+inline void join_streams(bool cuda, void* waiter, void* producer) {
+#if DDP_HAS_CUDA
+  if (!cuda || waiter == producer) return;
+  CudaEvent done;
+  done.record(static_cast<cudaStream_t>(producer));
+  done.block(static_cast<cudaStream_t>(waiter));
+#else
+  (void)cuda, (void)waiter, (void)producer;
+#endif
+}
+
 template <class T>
 inline constexpr bool is_floating_scalar_v =
     std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, half> ||
@@ -165,6 +216,7 @@ class GradientAverager {
       values_.push_back({v.data, v.size, v.device, v.stream});
       grads_.push_back({g.data, g.size, g.device, g.stream});
     }
+    check_devices();
     check_same_everywhere();
     if (o_.broadcast_parameters) {
       for (auto& v : values_) comm.broadcast(v, 0);
@@ -216,11 +268,14 @@ class GradientAverager {
   void synchronize() {
     if (no_sync_) return;
     if (!in_step_) begin_step();
-    while (next_ < buckets_.size()) launch(next_++);
+    launch_rest();
     for (auto& b : buckets_) {
+      if (!b.work) continue;  // part of a coalesced launch
       Work w = std::move(*b.work);
       b.work.reset();
       w.wait();
+    }
+    for (auto& b : buckets_) {
       unpack(b);
       b.ready = 0;
     }
@@ -265,16 +320,32 @@ class GradientAverager {
   /// same averages, so every rank also gets the same answer). Collective.
   [[nodiscard]] bool found_nonfinite() {
     std::vector<std::int32_t> flag{0};
+    std::vector<T> copy;  // CUDA gradients are checked in a host copy
     for (const auto& g : grads_) {
+      const T* data = g.data;
+      if (cuda_) {
+        copy.resize(g.size);
+        detail::copy_bytes(copy.data(), g.data, g.size * sizeof(T), true, g.stream);
+        detail::sync_stream(true, g.stream);
+        data = copy.data();
+      }
       for (std::size_t k = 0; k < g.size && flag[0] == 0; ++k) {
         if constexpr (std::is_same_v<T, double>) {
-          if (!std::isfinite(g.data[k])) flag[0] = 1;
-        } else if (!std::isfinite(static_cast<float>(g.data[k]))) {
+          if (!std::isfinite(data[k])) flag[0] = 1;
+        } else if (!std::isfinite(static_cast<float>(data[k]))) {
           flag[0] = 1;
         }
       }
     }
-    comm_->all_reduce(flag, ReduceOp::max);
+    if constexpr (detail::device_only_backend<Backend>) {
+#if DDP_HAS_CUDA
+      CudaBuffer<std::int32_t> d(std::span<const std::int32_t>(flag), device_);
+      comm_->all_reduce(d, ReduceOp::max);
+      d.copy_to(flag);
+#endif
+    } else {
+      comm_->all_reduce(flag, ReduceOp::max);
+    }
     return flag[0] != 0;
   }
 
@@ -287,8 +358,41 @@ class GradientAverager {
     std::vector<T> flat;        // without compression
     std::vector<half> f16;      // Compression::float16
     std::vector<bfloat16> b16;  // Compression::bfloat16
+#if DDP_HAS_CUDA
+    CudaBuffer<T> device;  // on a backend that moves CUDA memory: the bucket on the GPU
+#endif
     std::optional<Work> work;
   };
+
+  // Where the gradients are: all on the host, or all on one CUDA device. A backend that moves
+  // CUDA memory gets buckets on that device; one that moves host memory gets host buckets, which
+  // the gradients are copied into and out of (large gradients go through the communicator's
+  // staging pipeline).
+  void check_devices() {
+    const Device first = grads_.empty() ? Device::cpu() : grads_[0].device;
+    for (std::size_t i = 0; i < grads_.size(); ++i) {
+      for (const Device d : {values_[i].device, grads_[i].device}) {
+        if (d != first)
+          detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                       ": GradientAverager: parameter ", i, " is on ", to_string(d),
+                       " but parameter 0's gradient is on ", to_string(first),
+                       "; every value and gradient must be on one device");
+      }
+    }
+    cuda_ = first.is_cuda();
+    device_ = first.index;
+    if (cuda_ && !DDP_HAS_CUDA)
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                   ": GradientAverager: the parameters are on ", to_string(first),
+                   " but ddp was built without CUDA (link the ddp::cuda target)");
+    device_buckets_ = cuda_ && Backend::supports(first);
+    if (device_buckets_ && o_.compression != Compression::none)
+      detail::fail(Errc::unsupported, "rank ", comm_->rank(),
+                   ": GradientAverager: compression of gradients on ", to_string(first),
+                   " with backend::", Backend::name,
+                   " is not available (ddp's headers carry no GPU kernels to convert them); use "
+                   "Compression::none, or compress with backend::Host, which converts on the host");
+  }
 
   // Looks the buffers up again (the model may have reallocated them since the last step).
   void begin_step() {
@@ -324,7 +428,11 @@ class GradientAverager {
         detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
                      ": GradientAverager: parameter ", i, " has ", values_[i].size, " values but ",
                      grads_[i].size, " gradients");
-      if (!Backend::supports(grads_[i].device) || !Backend::supports(values_[i].device))
+      const auto usable = [](const Device& d) {
+        return Backend::supports(d) ||
+               (d.is_cuda() && DDP_HAS_CUDA && Backend::supports(Device::cpu()));
+      };
+      if (!usable(grads_[i].device) || !usable(values_[i].device))
         detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
                      ": GradientAverager: parameter ", i, " lives on ", to_string(grads_[i].device),
                      ", which this backend cannot use");
@@ -384,6 +492,13 @@ class GradientAverager {
     bucket_of_ = std::move(bucket_of);
     for (auto& b : buckets_) {
       if (b.in_place) continue;
+#if DDP_HAS_CUDA
+      if (device_buckets_) {
+        b.device = CudaBuffer<T>(b.elements, device_,
+                                 static_cast<cudaStream_t>(grads_[b.params.front()].stream));
+        continue;
+      }
+#endif
       switch (o_.compression) {
         case Compression::none: b.flat.resize(b.elements); break;
         case Compression::float16: b.f16.resize(b.elements); break;
@@ -392,17 +507,32 @@ class GradientAverager {
     }
   }
 
+  // Host buckets. CUDA gradients are copied to the host first (compression then converts there).
   template <class W>
   void pack_into(Bucket& b, std::vector<W>& out) {
     std::size_t at = 0;
+    std::vector<T> copy;
     for (const std::size_t i : b.params) {
       const auto& g = grads_[i];
+      const T* data = g.data;
+      if (ready_[i] && cuda_) {
+        T* dst = copy.data();
+        if constexpr (std::is_same_v<W, T>) {
+          dst = out.data() + at;
+        } else {
+          copy.resize(g.size);
+          dst = copy.data();
+        }
+        detail::copy_bytes(dst, g.data, g.size * sizeof(T), true, g.stream);
+        detail::sync_stream(true, g.stream);
+        data = dst;
+      }
       if (!ready_[i]) {  // never marked: an unused parameter contributes zero
         std::fill_n(out.data() + at, g.size, W{});
       } else if constexpr (std::is_same_v<W, T>) {
-        std::memcpy(out.data() + at, g.data, g.size * sizeof(T));
+        if (!cuda_) std::memcpy(out.data() + at, data, g.size * sizeof(T));
       } else {
-        for (std::size_t k = 0; k < g.size; ++k) out[at + k] = W(static_cast<float>(g.data[k]));
+        for (std::size_t k = 0; k < g.size; ++k) out[at + k] = W(static_cast<float>(data[k]));
       }
       at += g.size;
     }
@@ -411,25 +541,99 @@ class GradientAverager {
   template <class W>
   void unpack_from(const Bucket& b, const std::vector<W>& in) {
     std::size_t at = 0;
+    std::vector<T> copy;
     for (const std::size_t i : b.params) {
       auto& g = grads_[i];
       if constexpr (std::is_same_v<W, T>) {
-        std::memcpy(g.data, in.data() + at, g.size * sizeof(T));
+        detail::copy_bytes(g.data, in.data() + at, g.size * sizeof(T), cuda_, g.stream);
       } else {
-        for (std::size_t k = 0; k < g.size; ++k) g.data[k] = T(static_cast<float>(in[at + k]));
+        T* dst = g.data;
+        if (cuda_) {
+          copy.resize(g.size);
+          dst = copy.data();
+        }
+        for (std::size_t k = 0; k < g.size; ++k) dst[k] = T(static_cast<float>(in[at + k]));
+        if (cuda_) detail::copy_bytes(g.data, dst, g.size * sizeof(T), true, g.stream);
+      }
+      if (cuda_) detail::sync_stream(true, g.stream);  // `copy` and the bucket are reused
+      at += g.size;
+    }
+  }
+
+#if DDP_HAS_CUDA
+  // Device buckets: packed and unpacked on the bucket's stream, which first waits for the
+  // gradients' streams.
+  void pack_device(Bucket& b) {
+    void* s = b.device.stream();
+    std::size_t at = 0;
+    for (const std::size_t i : b.params) {
+      const auto& g = grads_[i];
+      if (ready_[i]) {
+        detail::join_streams(true, s, g.stream);
+        detail::copy_bytes(b.device.data() + at, g.data, g.size * sizeof(T), true, s);
+      } else {
+        detail::zero_bytes(b.device.data() + at, g.size * sizeof(T), true, s);
       }
       at += g.size;
     }
+  }
+
+  void unpack_device(Bucket& b) {
+    void* s = b.device.stream();
+    std::size_t at = 0;
+    for (const std::size_t i : b.params) {
+      detail::copy_bytes(grads_[i].data, b.device.data() + at, grads_[i].size * sizeof(T), true, s);
+      at += grads_[i].size;
+    }
+    detail::sync_stream(true, s);  // the gradients are final for every stream when this returns
+  }
+#endif
+
+  // The buckets not started yet. On a backend that moves CUDA memory they go as one coalesced
+  // operation (one NCCL group); elsewhere one after another.
+  void launch_rest() {
+#if DDP_HAS_CUDA
+    if (device_buckets_ && buckets_.size() - next_ > 1) {
+      std::vector<TensorView<T>> group;
+      for (; next_ < buckets_.size(); ++next_) {
+        Bucket& b = buckets_[next_];
+        if (b.in_place) {
+          auto& g = grads_[b.params.front()];
+          if (!ready_[b.params.front()])
+            detail::zero_bytes(g.data, g.size * sizeof(T), true, g.stream);
+          group.push_back(g);
+        } else {
+          pack_device(b);
+          group.push_back(ddp::view(b.device));
+        }
+      }
+      buckets_.back().work.emplace(comm_->all_reduce_coalesced_async(group, ReduceOp::avg));
+      return;
+    }
+#endif
+    while (next_ < buckets_.size()) launch(next_++);
   }
 
   void launch(std::size_t k) {
     Bucket& b = buckets_[k];
     if (b.in_place) {
       const std::size_t i = b.params.front();
-      if (!ready_[i]) std::fill_n(grads_[i].data, grads_[i].size, T{});  // unused: zero
-      b.work.emplace(comm_->all_reduce_async(grads_[i], ReduceOp::avg));
+      auto& g = grads_[i];
+      if (!ready_[i]) detail::zero_bytes(g.data, g.size * sizeof(T), cuda_, g.stream);  // unused
+      b.work.emplace(comm_->all_reduce_async(g, ReduceOp::avg));
       return;
     }
+#if DDP_HAS_CUDA
+    if (device_buckets_) {
+      pack_device(b);
+      b.work.emplace(comm_->all_reduce_async(b.device, ReduceOp::avg));
+      return;
+    }
+#endif
+    if constexpr (!detail::device_only_backend<Backend>) launch_host(b);
+  }
+
+  void launch_host(Bucket& b) {
     switch (o_.compression) {
       case Compression::none:
         pack_into(b, b.flat);
@@ -446,8 +650,21 @@ class GradientAverager {
     }
   }
 
-  void unpack(const Bucket& b) {
-    if (b.in_place) return;
+  void unpack(Bucket& b) {
+    if (b.in_place) {
+      if (cuda_) detail::sync_stream(true, grads_[b.params.front()].stream);
+      return;
+    }
+#if DDP_HAS_CUDA
+    if (device_buckets_) {
+      unpack_device(b);
+      return;
+    }
+#endif
+    if constexpr (!detail::device_only_backend<Backend>) unpack_host(b);
+  }
+
+  void unpack_host(const Bucket& b) {
     switch (o_.compression) {
       case Compression::none: unpack_from(b, b.flat); break;
       case Compression::float16: unpack_from(b, b.f16); break;
@@ -462,7 +679,10 @@ class GradientAverager {
   std::vector<Bucket> buckets_;
   std::vector<std::size_t> bucket_of_;
   std::vector<bool> ready_;
-  std::size_t next_ = 0;  // the next bucket to launch
+  bool cuda_ = false;            // the parameters are on a CUDA device
+  int device_ = 0;               // ... this one
+  bool device_buckets_ = false;  // the backend moves CUDA memory: buckets live on the device
+  std::size_t next_ = 0;         // the next bucket to launch
   bool no_sync_ = false;
   bool in_step_ = false;  // buffers looked up for the current step
 };

@@ -50,6 +50,10 @@ struct Options {
   /// The rendezvous store runs elsewhere: rank 0 does not start one. Launchers that host the
   /// store (ddprun, ddp::spawn) say so with DDP_STORE_HOSTED=1, which init() also honours.
   bool external_store = false;
+  /// CUDA buffers given to a backend that moves host memory only (backend::Host, a backend::Mpi
+  /// whose MPI is not CUDA-aware) go through pinned host memory in pieces of this many bytes, so
+  /// that copies overlap the collective (ddp built with CUDA: the ddp::cuda target).
+  std::size_t cuda_staging_bytes = std::size_t{4} << 20;
 };
 
 DDP_END_NAMESPACE

@@ -1407,8 +1407,15 @@ struct Buf {
   DType dtype = DType::float32;
   Device device{};
   void* stream = nullptr;
+  /// For a piece of a larger elementwise collective (a CUDA buffer staged through host memory
+  /// chunk by chunk): the whole buffer's element count, which the fingerprint carries so that
+  /// ranks with different sizes fail on the first piece. 0: the buffer is whole.
+  std::size_t whole = 0;
 
   [[nodiscard]] std::size_t elem() const noexcept { return size_of(dtype); }
+  [[nodiscard]] std::size_t fingerprint_count() const noexcept {
+    return whole != 0 ? whole : count;
+  }
   [[nodiscard]] std::size_t bytes() const noexcept { return count * size_of(dtype); }
   [[nodiscard]] std::byte* at(std::size_t element) const noexcept {
     return data + element * elem();
@@ -3498,6 +3505,10 @@ struct Options {
   /// The rendezvous store runs elsewhere: rank 0 does not start one. Launchers that host the
   /// store (ddprun, ddp::spawn) say so with DDP_STORE_HOSTED=1, which init() also honours.
   bool external_store = false;
+  /// CUDA buffers given to a backend that moves host memory only (backend::Host, a backend::Mpi
+  /// whose MPI is not CUDA-aware) go through pinned host memory in pieces of this many bytes, so
+  /// that copies overlap the collective (ddp built with CUDA: the ddp::cuda target).
+  std::size_t cuda_staging_bytes = std::size_t{4} << 20;
 };
 
 DDP_END_NAMESPACE
@@ -4504,7 +4515,7 @@ class Host {
   [[nodiscard]] static bool supports(const Device& device) noexcept { return device.is_cpu(); }
 
   void all_reduce(const detail::Buf& b, ReduceOp op) {
-    const auto fp = next(detail::Coll::all_reduce, b.dtype, b.count, -1, op, true);
+    const auto fp = next(detail::Coll::all_reduce, b.dtype, b.fingerprint_count(), -1, op, true);
     const auto fn = detail::reduce_fn(b.dtype, op);
     const int p = size_;
     if (b.bytes() <= t_->small_bytes()) {
@@ -4522,7 +4533,8 @@ class Host {
   }
 
   void broadcast(const detail::Buf& b, int root) {
-    const auto fp = next(detail::Coll::broadcast, b.dtype, b.count, root, ReduceOp::sum, false);
+    const auto fp =
+        next(detail::Coll::broadcast, b.dtype, b.fingerprint_count(), root, ReduceOp::sum, false);
     const std::size_t es = b.elem();
     const std::size_t seg = std::max<std::size_t>(1, t_->max_offer() / es);
     segments(b.count, seg, [&](std::size_t s0, std::size_t m, bool first) {
@@ -4539,7 +4551,7 @@ class Host {
   }
 
   void reduce(const detail::Buf& b, int root, ReduceOp op) {
-    const auto fp = next(detail::Coll::reduce, b.dtype, b.count, root, op, true);
+    const auto fp = next(detail::Coll::reduce, b.dtype, b.fingerprint_count(), root, op, true);
     const auto fn = detail::reduce_fn(b.dtype, op);
     const int p = size_;
     if (b.bytes() <= t_->small_bytes()) {
@@ -5569,8 +5581,11 @@ DDP_END_NAMESPACE
 
 #include <cuda_runtime_api.h>
 
+#include <array>
+#include <chrono>
 #include <cstddef>
 #include <span>
+#include <thread>
 #include <utility>
 
 DDP_BEGIN_NAMESPACE
@@ -5850,6 +5865,98 @@ class PinnedBuffer {
   std::size_t size_ = 0;
 };
 
+namespace detail {
+
+/// Waits for a CUDA event, polling, for at most `timeout`; Errc::timeout names `what`.
+inline void cuda_wait(const CudaEvent& e, std::chrono::milliseconds timeout, const char* what) {
+  const auto start = std::chrono::steady_clock::now();
+  for (unsigned spins = 0; !e.ready(); ++spins) {
+    const auto waited = std::chrono::steady_clock::now() - start;
+    if (waited > timeout) {
+      fail(Errc::timeout, what, " did not complete within ", timeout.count(),
+           " ms (is a kernel on the tensor's stream stuck?)");
+    }
+    if (spins < 64)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+/// The copies of a host-memory backend staging CUDA buffers (see detail/staging.hpp): slots of
+/// pinned memory, kept between collectives; device-to-host copies on one stream and
+/// host-to-device copies on another, so the two directions overlap; copies ordered after the
+/// tensor's stream with an event. One per communicator and device; used with its device current.
+class CudaStager {
+ public:
+  CudaStager(int device, std::chrono::milliseconds timeout)
+      : previous_(make_current(device)), device_(device), timeout_(timeout) {
+    (void)cudaSetDevice(previous_);
+  }
+  CudaStager(const CudaStager&) = delete;
+  CudaStager& operator=(const CudaStager&) = delete;
+  ~CudaStager() {
+    const CudaDeviceScope scope(device_);
+    (void)cudaStreamSynchronize(fetches_.get());  // nothing may still copy into freed memory
+    (void)cudaStreamSynchronize(stores_.get());
+  }
+
+  [[nodiscard]] int device() const noexcept { return device_; }
+
+  std::byte* slot(int s, std::size_t bytes) {
+    auto& b = slots_.at(static_cast<std::size_t>(s));
+    if (b.size() < bytes) {
+      b = PinnedBuffer<std::byte>();  // free first: at most one copy of a large slot at a time
+      b = PinnedBuffer<std::byte>(bytes);
+    }
+    return b.data();
+  }
+  void after(void* stream) {
+    produced_.record(static_cast<cudaStream_t>(stream));
+    produced_.block(fetches_.get());
+  }
+  void fetch(int s, std::byte* host, const std::byte* dev, std::size_t n) {
+    DDP_CUDA_CHECK(cudaMemcpyAsync(host, dev, n, cudaMemcpyDeviceToHost, fetches_.get()));
+    fetched_.at(static_cast<std::size_t>(s)).record(fetches_.get());
+  }
+  void wait_fetch(int s) {
+    cuda_wait(fetched_.at(static_cast<std::size_t>(s)), timeout_,
+              "staging: the copy of a CUDA buffer into host memory");
+  }
+  void store(int s, std::byte* dev, const std::byte* host, std::size_t n) {
+    DDP_CUDA_CHECK(cudaMemcpyAsync(dev, host, n, cudaMemcpyHostToDevice, stores_.get()));
+    const auto i = static_cast<std::size_t>(s);
+    stored_.at(i).record(stores_.get());
+    pending_.at(i) = true;
+  }
+  void wait_store(int s) {
+    const auto i = static_cast<std::size_t>(s);
+    if (!pending_.at(i)) return;
+    cuda_wait(stored_[i], timeout_, "staging: the copy of a result back into a CUDA buffer");
+    pending_[i] = false;
+  }
+
+ private:
+  static int make_current(int device) {
+    int previous = 0;
+    DDP_CUDA_CHECK(cudaGetDevice(&previous));
+    DDP_CUDA_CHECK(cudaSetDevice(device));
+    return previous;
+  }
+
+  static constexpr std::size_t slots = 5;  // 3 pipeline slots + 2 whole-buffer slots
+  int previous_;  // first: the streams and events below are made on `device`
+  int device_;
+  std::chrono::milliseconds timeout_;
+  CudaStream fetches_, stores_;
+  CudaEvent produced_;
+  std::array<CudaEvent, slots> fetched_, stored_;
+  std::array<bool, slots> pending_{};
+  std::array<PinnedBuffer<std::byte>, slots> slots_;
+};
+
+}  // namespace detail
+
 DDP_END_NAMESPACE
 // end ddp/cuda.hpp
 #endif
@@ -5896,6 +6003,7 @@ DDP_END_NAMESPACE
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -6004,6 +6112,23 @@ class Nccl {
     run("all_reduce", {&b}, [&] {
       return ncclAllReduce(b.data, b.data, b.count, detail::nccl_type(b.dtype), detail::nccl_op(op),
                            comm_, stream());
+    });
+  }
+
+  /// Several all_reduces in one NCCL group: one launch, one wait (Communicator::
+  /// all_reduce_coalesced; the GradientAverager's buckets).
+  void all_reduce_many(const std::vector<detail::Buf>& bufs, ReduceOp op) {
+    std::vector<const detail::Buf*> ptrs;
+    for (const auto& b : bufs) ptrs.push_back(&b);
+    run_on("all_reduce_coalesced", ptrs, [&] {
+      return grouped([&]() -> ncclResult_t {
+        for (const auto& b : bufs) {
+          const auto rc =
+              ncclAllReduce(b.data, b.data, b.count, type(b), detail::nccl_op(op), comm_, stream());
+          if (rc != ncclSuccess && rc != ncclInProgress) return rc;
+        }
+        return ncclSuccess;
+      });
     });
   }
 
@@ -6131,6 +6256,53 @@ class Nccl {
     run("recv", {&b}, [&] { return ncclRecv(b.data, b.count, type(b), peer, comm_, stream()); });
   }
 
+  /// ncclCommSplit: ranks passing the same color form a communicator, ordered by (key, rank);
+  /// nullptr for color < 0. Collective over this communicator.
+  [[nodiscard]] std::unique_ptr<Nccl> split(int color, int key) {
+    // Every rank's (color, key), to know the members of each group and which share a host.
+    CudaBuffer<std::int64_t> all(2 * static_cast<std::size_t>(size_), device_, stream());
+    const std::int64_t mine[2] = {color, key};
+    const std::size_t at = 2 * static_cast<std::size_t>(rank_);
+    DDP_CUDA_CHECK(
+        cudaMemcpyAsync(all.data() + at, mine, sizeof mine, cudaMemcpyHostToDevice, stream()));
+    all_gather({reinterpret_cast<std::byte*>(all.data() + at), 2, DType::int64,
+                Device::cuda(device_), stream()},
+               {reinterpret_cast<std::byte*>(all.data()), all.size(), DType::int64,
+                Device::cuda(device_), stream()});
+    std::vector<std::int64_t> ck(all.size());
+    all.copy_to(ck);
+    std::vector<int> members;  // parent ranks of my group, in (key, rank) order
+    for (int r = 0; r < size_; ++r) {
+      if (color >= 0 && ck[2 * static_cast<std::size_t>(r)] == color) members.push_back(r);
+    }
+    std::stable_sort(members.begin(), members.end(), [&](int a, int b) {
+      return ck[2 * static_cast<std::size_t>(a) + 1] < ck[2 * static_cast<std::size_t>(b) + 1];
+    });
+
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t made = nullptr;
+    const CudaDeviceGuard g(device_);
+    const auto start = std::chrono::steady_clock::now();
+    const auto rc =
+        ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &made, &config);
+    if (rc != ncclSuccess && rc != ncclInProgress)
+      give_up("split", detail::nccl_errc(rc), ncclGetErrorString(rc));
+    if (color < 0) {
+      if (made != nullptr) (void)ncclCommDestroy(made);
+      return nullptr;
+    }
+    auto sub = std::unique_ptr<Nccl>(new Nccl(rank_, size_, device_, timeout_));
+    sub->comm_ = made;
+    sub->size_ = static_cast<int>(members.size());
+    sub->rank_ =
+        static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
+    for (const int r : members) sub->hosts_.push_back(hosts_[static_cast<std::size_t>(r)]);
+    sub->find_local();
+    sub->settle("split (ncclCommSplit)", start);
+    return sub;
+  }
+
   /// Fails the operation in progress (its wait sees the flag and calls ncclCommAbort) and every
   /// later one. Thread-safe.
   void abort(Errc code, const std::string& why) {
@@ -6144,10 +6316,12 @@ class Nccl {
 
  private:
   Nccl(const detail::BackendInit& init, int device)
-      : rank_(init.rank),
-        size_(init.size),
+      : Nccl(init.rank, init.size, device, init.options.timeout) {}
+  Nccl(int rank, int size, int device, std::chrono::milliseconds timeout)
+      : rank_(rank),
+        size_(size),
         device_(device),
-        timeout_(init.options.timeout),
+        timeout_(timeout),
         stream_(device),
         scratch_(3, device) {}
 
@@ -6172,16 +6346,10 @@ class Nccl {
         }
         std::memcpy(&id, bytes.data(), sizeof id);
       }
-      const std::string mine = detail::host_identity();
-      local_size_ = 0;
-      local_leader_ = -1;
-      for (int r = 0; r < size_; ++r) {
-        if (store.get(detail::concat("nccl/host/", r)) != mine) continue;
-        if (local_leader_ < 0) local_leader_ = r;
-        if (r < rank_) ++local_rank_;
-        ++local_size_;
-      }
+      for (int r = 0; r < size_; ++r) hosts_.push_back(store.get(detail::concat("nccl/host/", r)));
+      find_local();
     } else {
+      hosts_.push_back(detail::host_identity());
       check(ncclGetUniqueId(&id), "ncclGetUniqueId");
     }
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -6193,6 +6361,19 @@ class Nccl {
       check(rc, "ncclCommInitRankConfig");
     }
     settle("ncclCommInitRankConfig", std::chrono::steady_clock::now());
+  }
+
+  /// local_rank/local_size/local_leader from the host of every rank.
+  void find_local() {
+    local_rank_ = 0;
+    local_size_ = 0;
+    local_leader_ = -1;
+    for (int r = 0; r < size_; ++r) {
+      if (hosts_[static_cast<std::size_t>(r)] != hosts_[static_cast<std::size_t>(rank_)]) continue;
+      if (local_leader_ < 0) local_leader_ = r;
+      if (r < rank_) ++local_rank_;
+      ++local_size_;
+    }
   }
 
   void check(ncclResult_t rc, const char* call) const {
@@ -6278,6 +6459,10 @@ class Nccl {
   /// after it, and waits for it to finish (polling, under the timeout).
   template <class Enqueue>
   void run(const char* what, std::initializer_list<const detail::Buf*> bufs, Enqueue&& enqueue) {
+    run_on(what, bufs, enqueue);
+  }
+  template <class Bufs, class Enqueue>
+  void run_on(const char* what, const Bufs& bufs, Enqueue&& enqueue) {
     fail_if_aborted(what);
     for (const auto* b : bufs) {
       if (b->count != 0 && b->device.index != device_) {
@@ -6317,6 +6502,7 @@ class Nccl {
   CudaEvent ready_, done_;
   CudaBuffer<std::int64_t> scratch_;  // barrier word and the p2p header
   std::vector<std::int64_t> header_ = std::vector<std::int64_t>(3);
+  std::vector<std::string> hosts_;  // the host of every rank
   std::mutex abort_mutex_;
   std::atomic<bool> aborted_{false};
   Errc abort_code_ = Errc::aborted;
@@ -6624,6 +6810,134 @@ DDP_END_NAMESPACE
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 // #include "ddp/detail/collective.hpp" (already included above)
+// begin ddp/detail/staging.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Staging: how a backend that moves host memory only (backend::Host, a non-CUDA-aware
+/// backend::Mpi) runs a collective on device buffers. Each device buffer is copied into host
+/// staging memory, the backend works there, and results are copied back.
+///
+/// Elementwise collectives (all_reduce, broadcast, reduce) give the same result piece by piece,
+/// so they run as a pipeline over fixed-size pieces in three rotating staging slots: while the
+/// backend works on piece k, piece k+1 is copied in and piece k-1 copied out. Every piece carries
+/// the whole buffer's count in its fingerprint (Buf::whole), so ranks that disagree on the size
+/// fail on the first piece. Other collectives stage each buffer whole.
+///
+/// The copies are a `StagingCopier` (ddp::detail::CudaStager with pinned memory and CUDA
+/// streams; the unit tests use plain memcpy), so this file has no device dependency.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/detail/collective.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <algorithm>
+#include <array>
+#include <concepts>
+#include <cstddef>
+#include <tuple>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// The copies staging needs. Slots are independent staging areas; a slot is only resized or
+/// reused after its copies were waited for.
+template <class C>
+concept StagingCopier = requires(C& c, int slot, std::byte* p, const std::byte* q, std::size_t n,
+                                 void* stream) {
+  { c.slot(slot, n) } -> std::same_as<std::byte*>;  // host memory of at least n bytes
+  c.after(stream);         // later copies start after the work queued on `stream` so far
+  c.fetch(slot, p, q, n);  // device q -> host p, asynchronously
+  c.wait_fetch(slot);      // the slot's last fetch has landed
+  c.store(slot, p, q, n);  // host q -> device p, asynchronously
+  c.wait_store(slot);      // the slot's last store has landed (no-op when none is pending)
+};
+
+/// Staging slots 0..2 rotate through the pieces of an elementwise collective; whole-buffer
+/// staging uses slots 3 and 4.
+inline constexpr int staging_pipeline_slots = 3;
+inline constexpr int staging_whole_slot = 3;
+
+/// Runs op(host piece) over `dev` in pieces of at most `piece_bytes`, copying each piece in first
+/// when `fetch` and back afterwards when `store`; returns when every store has landed. Always
+/// calls op at least once (an empty collective still synchronizes the ranks). Every store has
+/// landed when this returns, so later work on any stream sees the results.
+template <StagingCopier C, class Op>
+void stage_elementwise(C& c, const Buf& dev, bool fetch, bool store, std::size_t piece_bytes,
+                       Op&& op) {
+  const std::size_t elem = dev.elem();
+  const std::size_t per = std::max<std::size_t>(1, piece_bytes / elem);
+  const std::size_t pieces = std::max<std::size_t>(1, (dev.count + per - 1) / per);
+  const auto length = [&](std::size_t k) { return std::min(per, dev.count - k * per); };
+  const std::size_t slot_bytes = std::min(per, dev.count) * elem;  // piece 0 is the longest
+  const auto host = [&](std::size_t k) {
+    return c.slot(static_cast<int>(k % staging_pipeline_slots), slot_bytes);
+  };
+  c.after(dev.stream);
+  if (fetch && dev.count != 0) {
+    c.fetch(0, host(0), dev.at(0), length(0) * elem);
+  }
+  for (std::size_t k = 0; k < pieces; ++k) {
+    const int slot = static_cast<int>(k % staging_pipeline_slots);
+    if (fetch && k + 1 < pieces) {  // bring the next piece in while this one is worked on
+      const int next = static_cast<int>((k + 1) % staging_pipeline_slots);
+      c.wait_store(next);
+      c.fetch(next, host(k + 1), dev.at((k + 1) * per), length(k + 1) * elem);
+    }
+    const std::size_t n = dev.count == 0 ? 0 : length(k);
+    std::byte* h = n == 0 ? nullptr : host(k);
+    if (fetch && n != 0) c.wait_fetch(slot);
+    if (!fetch && n != 0) c.wait_store(slot);  // store-only: the slot's previous store is done
+    op(Buf{h, n, dev.dtype, Device::cpu(), nullptr, dev.count});
+    if (store && n != 0) c.store(slot, dev.at(k * per), h, n * elem);
+  }
+  for (int s = 0; s < staging_pipeline_slots; ++s) c.wait_store(s);
+}
+
+/// A buffer of a non-elementwise collective and what the collective does with it.
+struct StagedArg {
+  Buf buf;
+  bool fetch = false;  // the collective reads it
+  bool store = false;  // the collective writes it
+};
+
+/// Runs op(host buffers...) with every device buffer among `args` staged whole: copied in when
+/// read, copied back when written. Host buffers and empty ones pass through.
+template <StagingCopier C, class Op, std::size_t N>
+void stage_whole(C& c, std::array<StagedArg, N> args, Op&& op) {
+  std::array<Buf, N> host{};
+  std::array<bool, N> moved{};
+  for (std::size_t i = 0; i < N; ++i) {
+    const Buf& b = args[i].buf;
+    host[i] = b;
+    if (b.device.is_cpu() || b.data == nullptr || b.count == 0) continue;
+    const int slot = staging_whole_slot + static_cast<int>(i);
+    host[i] = Buf{c.slot(slot, b.bytes()), b.count, b.dtype, Device::cpu(), nullptr};
+    moved[i] = true;
+    if (args[i].fetch) {
+      c.after(b.stream);
+      c.fetch(slot, host[i].data, b.data, b.bytes());
+    }
+  }
+  for (std::size_t i = 0; i < N; ++i) {
+    if (moved[i] && args[i].fetch) c.wait_fetch(staging_whole_slot + static_cast<int>(i));
+  }
+  std::apply([&](const auto&... h) { op(h...); }, host);
+  for (std::size_t i = 0; i < N; ++i) {
+    if (moved[i] && args[i].store) {
+      const int slot = staging_whole_slot + static_cast<int>(i);
+      c.store(slot, args[i].buf.data, host[i].data, args[i].buf.bytes());
+    }
+  }
+  for (std::size_t i = 0; i < N; ++i) {
+    if (moved[i] && args[i].store) c.wait_store(staging_whole_slot + static_cast<int>(i));
+  }
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/staging.hpp
 // begin ddp/environment.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -6858,6 +7172,9 @@ DDP_END_NAMESPACE
 // #include "ddp/store.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
+#if DDP_HAS_CUDA
+// #include "ddp/cuda.hpp" (already included above)
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -6921,6 +7238,14 @@ template <class B, class T>
   requires requires { B::device_kind; }
 inline constexpr bool host_type_for_device_backend<B, T> =
     B::device_kind == DeviceKind::cuda && static_device_kind_v<T> == DeviceKind::cpu;
+
+/// Whether a backend moves device memory only (backend::Nccl): host data of object collectives
+/// goes through a device copy there.
+template <class B>
+inline constexpr bool device_only_backend = false;
+template <class B>
+  requires requires { B::device_kind; }
+inline constexpr bool device_only_backend<B> = B::device_kind == DeviceKind::cuda;
 
 /// Whether the backend makes sub-groups itself (MPI_Comm_split, ncclCommSplit).
 template <class B>
@@ -7139,6 +7464,19 @@ class Communicator {
     return submit(prepare_all_reduce(buf, op));
   }
 
+  /// all_reduce of several buffers as one operation (torch's all_reduce_coalesced): one NCCL
+  /// group on backend::Nccl (one launch, one wait), one buffer after another elsewhere.
+  template <std::ranges::range R>
+    requires MutableTensor<std::ranges::range_reference_t<R>>
+  void all_reduce_coalesced(R&& bufs, ReduceOp op = ReduceOp::sum) {
+    exec(prepare_all_reduce_coalesced(bufs, op));
+  }
+  template <std::ranges::range R>
+    requires MutableTensor<std::ranges::range_reference_t<R>>
+  [[nodiscard]] Work all_reduce_coalesced_async(R&& bufs, ReduceOp op = ReduceOp::sum) {
+    return submit(prepare_all_reduce_coalesced(bufs, op));
+  }
+
   /// Copies root's `buf` to every rank.
   template <MutableTensor T>
   void broadcast(T&& buf, int root = 0) {
@@ -7230,10 +7568,10 @@ class Communicator {
   }
 
   void barrier() {
-    exec(Op{"barrier", [](Backend& b) { b.barrier(); }});
+    exec(Op{"barrier", [](Backend& b, State&) { b.barrier(); }});
   }
   [[nodiscard]] Work barrier_async() {
-    return submit(Op{"barrier", [](Backend& b) { b.barrier(); }});
+    return submit(Op{"barrier", [](Backend& b, State&) { b.barrier(); }});
   }
 
   // ---- object collectives ------------------------------------------------------------------
@@ -7257,11 +7595,13 @@ class Communicator {
     std::string bytes;
     if (rank() == root) bytes = detail::encode_object(value);
     std::int64_t n = static_cast<std::int64_t>(bytes.size());
-    broadcast(std::span<std::int64_t>(&n, 1), root);
+    on_host_data(std::span<std::int64_t>(&n, 1), std::span<std::int64_t>(),
+                 [&](auto& b, auto&) { broadcast(b, root); });
     check_object_size(n, "broadcast_object", root);
     bytes.resize(static_cast<std::size_t>(n));
-    broadcast(std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(bytes.data()), bytes.size()),
-              root);
+    on_host_data(
+        std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(bytes.data()), bytes.size()),
+        std::span<std::uint8_t>(), [&](auto& b, auto&) { broadcast(b, root); });
     if (rank() != root) value = detail::decode_object<T>(bytes.data(), bytes.size());
   }
 
@@ -7276,11 +7616,12 @@ class Communicator {
     }
     if constexpr (detail::splits_itself<Backend>) {
       std::unique_ptr<Backend> made;
-      exec(Op{"split", [&](Backend& b) { made = b.split(color, key); }});
+      exec(Op{"split", [&](Backend& b, State&) { made = b.split(color, key); }});
       if (!made) return Communicator(nullptr);
       auto sub = std::make_shared<State>();
       sub->options = state_->options;
       sub->world_rank = state_->world_rank;
+      sub->local_rank_hint = state_->local_rank_hint;
       sub->backend = std::move(made);
       return Communicator(std::move(sub));
     }
@@ -7310,7 +7651,7 @@ class Communicator {
       bi.store = std::make_shared<Store>(state_->root_store->prefixed(sub->prefix));
       sub->store = bi.store;
     }
-    exec(Op{"split", [&](Backend&) { sub->backend = Backend::create(bi); }});
+    exec(Op{"split", [&](Backend&, State&) { sub->backend = Backend::create(bi); }});
     return Communicator(std::move(sub));
   }
 
@@ -7374,6 +7715,17 @@ class Communicator {
     std::string poison;
     Errc poison_code = Errc::aborted;
     std::atomic<bool> poisoned{false};  // poison is set: read without the lock on every call
+#if DDP_HAS_CUDA
+    std::unique_ptr<detail::CudaStager> stager;  // made on first use
+
+    detail::CudaStager& stager_for(int device) {
+      if (!stager || stager->device() != device) {
+        stager.reset();
+        stager = std::make_unique<detail::CudaStager>(device, options.timeout);
+      }
+      return *stager;
+    }
+#endif
   };
 
   /// A prepared operation: checked arguments captured in `body`.
@@ -7409,7 +7761,7 @@ class Communicator {
       }
     }
     try {
-      body(*s.backend);
+      body(*s.backend, s);
     } catch (const Error& e) {
       std::lock_guard lock(s.poison_mutex);
       if (s.poison.empty()) {
@@ -7441,6 +7793,54 @@ class Communicator {
         s->executor->submit([s, op = std::move(op)] { run_guarded(*s, op.name, op.body); }));
   }
 
+  /// Whether CUDA buffers given to a backend that moves host memory only are staged through
+  /// pinned host memory (ddp built with CUDA) rather than refused.
+  static bool stages_cuda() noexcept {
+    return DDP_HAS_CUDA != 0 && Backend::supports(Device::cpu()) &&
+           !Backend::supports(Device::cuda());
+  }
+
+  static bool staged(const detail::Buf& b) noexcept {
+    return b.device.is_cuda() && b.data != nullptr && b.count != 0 && stages_cuda();
+  }
+
+  /// Runs f(buffer) for an elementwise collective, through the staging pipeline when `b` is a
+  /// CUDA buffer this backend cannot use (see detail/staging.hpp).
+  template <class F>
+  static void elementwise(State& s, const detail::Buf& b, bool fetch, bool store, const F& f) {
+    if (!staged(b)) return f(b);
+#if DDP_HAS_CUDA
+    const CudaDeviceGuard current(b.device.index);
+    detail::stage_elementwise(s.stager_for(b.device.index), b, fetch, store,
+                              s.options.cuda_staging_bytes, f);
+#else
+    (void)s, (void)fetch, (void)store;
+#endif
+  }
+
+  /// Runs f(buffers...) with every CUDA buffer among `args` staged whole.
+  template <class F, class... A>
+  static void whole(State& s, const char* what, const F& f, A... args) {
+    if (!(staged(args.buf) || ...)) return f(args.buf...);
+#if DDP_HAS_CUDA
+    int device = -1;
+    for (const detail::StagedArg& a : {args...}) {
+      if (!staged(a.buf)) continue;
+      if (device >= 0 && a.buf.device.index != device) {
+        detail::fail(Errc::invalid_argument, "rank ", s.backend->rank(), ": ", what,
+                     ": the buffers are on cuda:", device, " and cuda:", a.buf.device.index,
+                     "; staged collectives need them on one device");
+      }
+      device = a.buf.device.index;
+    }
+    const CudaDeviceGuard current(device);
+    detail::stage_whole(s.stager_for(device), std::array<detail::StagedArg, sizeof...(A)>{args...},
+                        f);
+#else
+    (void)s, (void)what;
+#endif
+  }
+
   template <class T>
   detail::Buf to_buf(T& t, const char* what, const char* arg) const {
     static_assert(!detail::host_type_for_device_backend<Backend, T>,
@@ -7449,7 +7849,7 @@ class Communicator {
                   "ddp::CudaBuffer<T> or a CUDA tensor type adapted with ddp::tensor_traits, or "
                   "Communicator<backend::Host> for host buffers");
     const auto v = ddp::view(t);
-    if (!Backend::supports(v.device)) {
+    if (!Backend::supports(v.device) && !(v.device.is_cuda() && stages_cuda())) {
       detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": `", arg, "` is on ",
                    to_string(v.device), ", but backend::", Backend::name,
                    " cannot use that memory");
@@ -7491,14 +7891,39 @@ class Communicator {
   auto prepare_all_reduce(T& t, ReduceOp op) {
     auto b = to_buf(t, "all_reduce", "buf");
     check_op(op, b.dtype, "all_reduce");
-    return Op{"all_reduce", [b, op](Backend& be) { be.all_reduce(b, op); }};
+    return Op{"all_reduce", [b, op](Backend& be, State& s) {
+                elementwise(s, b, true, true, [&](const detail::Buf& h) { be.all_reduce(h, op); });
+              }};
+  }
+
+  template <class R>
+  auto prepare_all_reduce_coalesced(R& bufs, ReduceOp op) {
+    std::vector<detail::Buf> bs;
+    for (auto&& t : bufs) {
+      bs.push_back(to_buf(t, "all_reduce_coalesced", "bufs"));
+      check_op(op, bs.back().dtype, "all_reduce_coalesced");
+    }
+    return Op{"all_reduce_coalesced", [bs = std::move(bs), op](Backend& be, State& s) {
+                if constexpr (requires { be.all_reduce_many(bs, op); }) {
+                  be.all_reduce_many(bs, op);
+                } else {
+                  for (const auto& b : bs) {
+                    elementwise(s, b, true, true,
+                                [&](const detail::Buf& h) { be.all_reduce(h, op); });
+                  }
+                }
+              }};
   }
 
   template <class T>
   auto prepare_broadcast(T& t, int root) {
     auto b = to_buf(t, "broadcast", "buf");
     check_root(root, "broadcast");
-    return Op{"broadcast", [b, root](Backend& be) { be.broadcast(b, root); }};
+    return Op{"broadcast", [b, root](Backend& be, State& s) {
+                const bool mine = be.rank() == root;
+                elementwise(s, b, mine, !mine,
+                            [&](const detail::Buf& h) { be.broadcast(h, root); });
+              }};
   }
 
   template <class T>
@@ -7506,7 +7931,10 @@ class Communicator {
     auto b = to_buf(t, "reduce", "buf");
     check_root(root, "reduce");
     check_op(op, b.dtype, "reduce");
-    return Op{"reduce", [b, root, op](Backend& be) { be.reduce(b, root, op); }};
+    return Op{"reduce", [b, root, op](Backend& be, State& s) {
+                elementwise(s, b, true, be.rank() == root,
+                            [&](const detail::Buf& h) { be.reduce(h, root, op); });
+              }};
   }
 
   template <class In, class Out>
@@ -7532,11 +7960,16 @@ class Communicator {
             ": `in` overlaps `out` but is not this rank's block of it (the only in-place form)");
       }
     }
-    return Op{what, [c, in, out, root](Backend& be) {
-                if (c == detail::Coll::all_gather)
-                  be.all_gather(in, out);
-                else
-                  be.gather(in, out, root);
+    return Op{what, [c, in, out, root, what](Backend& be, State& s) {
+                whole(
+                    s, what,
+                    [&](const detail::Buf& i, const detail::Buf& o) {
+                      if (c == detail::Coll::all_gather)
+                        be.all_gather(i, o);
+                      else
+                        be.gather(i, o, root);
+                    },
+                    detail::StagedArg{in, true, false}, detail::StagedArg{out, false, true});
               }};
   }
 
@@ -7561,7 +7994,12 @@ class Communicator {
                      "in-place form)");
       }
     }
-    return Op{"scatter", [in, out, root](Backend& be) { be.scatter(in, out, root); }};
+    return Op{"scatter", [in, out, root](Backend& be, State& s) {
+                whole(
+                    s, "scatter",
+                    [&](const detail::Buf& i, const detail::Buf& o) { be.scatter(i, o, root); },
+                    detail::StagedArg{in, true, false}, detail::StagedArg{out, false, true});
+              }};
   }
 
   template <class In, class Out>
@@ -7582,7 +8020,13 @@ class Communicator {
                    ": reduce_scatter: `out` overlaps `in` but is not this rank's block of it (the "
                    "only in-place form)");
     }
-    return Op{"reduce_scatter", [in, out, op](Backend& be) { be.reduce_scatter(in, out, op); }};
+    return Op{
+        "reduce_scatter", [in, out, op](Backend& be, State& s) {
+          whole(
+              s, "reduce_scatter",
+              [&](const detail::Buf& i, const detail::Buf& o) { be.reduce_scatter(i, o, op); },
+              detail::StagedArg{in, true, false}, detail::StagedArg{out, false, true});
+        }};
   }
 
   template <class In, class Out>
@@ -7600,7 +8044,12 @@ class Communicator {
       detail::fail(Errc::invalid_argument, "rank ", rank(),
                    ": all_to_all: `in` and `out` must not overlap");
     }
-    return Op{"all_to_all", [in, out](Backend& be) { be.all_to_all(in, out); }};
+    return Op{"all_to_all", [in, out](Backend& be, State& s) {
+                whole(
+                    s, "all_to_all",
+                    [&](const detail::Buf& i, const detail::Buf& o) { be.all_to_all(i, o); },
+                    detail::StagedArg{in, true, false}, detail::StagedArg{out, false, true});
+              }};
   }
 
   template <class T>
@@ -7615,11 +8064,16 @@ class Communicator {
       detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": tag ", tag,
                    " is negative");
     const bool sending = c == detail::Coll::send;
-    return Op{what, [b, peer, tag, sending](Backend& be) {
-                if (sending)
-                  be.send(b, peer, tag);
-                else
-                  be.recv(b, peer, tag);
+    return Op{what, [b, peer, tag, sending, what](Backend& be, State& s) {
+                whole(
+                    s, what,
+                    [&](const detail::Buf& h) {
+                      if (sending)
+                        be.send(h, peer, tag);
+                      else
+                        be.recv(h, peer, tag);
+                    },
+                    detail::StagedArg{b, sending, !sending});
               }};
   }
 
@@ -7632,6 +8086,26 @@ class Communicator {
     }
   }
 
+  /// Runs f(a, b) on host spans; on a backend that moves device memory only, on device copies of
+  /// them instead, copied back afterwards. For the small host data of object collectives.
+  template <class E, class F>
+  void on_host_data(std::span<E> a, std::span<E> b, const F& f) {
+    if constexpr (detail::device_only_backend<Backend>) {
+#if DDP_HAS_CUDA
+      const int device = backend().device();
+      const CudaDeviceGuard current(device);
+      CudaBuffer<E> da(std::span<const E>(a), device), db(std::span<const E>(b), device);
+      f(da, db);
+      if (!a.empty()) da.copy_to(a);
+      if (!b.empty()) db.copy_to(b);
+#else
+      static_assert(!detail::device_only_backend<Backend>, "a CUDA backend without DDP_HAS_CUDA");
+#endif
+    } else {
+      f(a, b);
+    }
+  }
+
   template <class T>
   std::vector<T> gather_objects(const T& value, int root) {
     const char* what = root < 0 ? "all_gather_object" : "gather_object";
@@ -7640,7 +8114,8 @@ class Communicator {
     const auto p = static_cast<std::size_t>(size());
     std::vector<std::int64_t> sizes(p);
     std::int64_t my_size = static_cast<std::int64_t>(mine.size());
-    all_gather(std::span<std::int64_t>(&my_size, 1), sizes);
+    on_host_data(std::span<std::int64_t>(&my_size, 1), std::span<std::int64_t>(sizes),
+                 [&](auto& in, auto& out) { all_gather(in, out); });
     std::int64_t longest = 0;
     for (std::size_t r = 0; r < p; ++r) {
       check_object_size(sizes[r], what, static_cast<int>(r));
@@ -7651,10 +8126,13 @@ class Communicator {
     std::memcpy(padded.data(), mine.data(), mine.size());
     const bool receives = root < 0 || root == rank();
     std::vector<std::uint8_t> all(receives ? width * p : 0);
-    if (root < 0)
-      all_gather(padded, all);
-    else
-      gather(padded, all, root);
+    on_host_data(std::span<std::uint8_t>(padded), std::span<std::uint8_t>(all),
+                 [&](auto& in, auto& out) {
+                   if (root < 0)
+                     all_gather(in, out);
+                   else
+                     gather(in, out, root);
+                 });
     std::vector<T> out;
     if (!receives) return out;
     out.reserve(p);
@@ -7771,6 +8249,57 @@ decltype(auto) model_parameters(M& m) {
     return (m);
 }
 
+/// Copies `n` bytes between host memory and CUDA devices (`cuda`: either side is on a device),
+/// ordered on `stream`.
+inline void copy_bytes(void* dst, const void* src, std::size_t n, bool cuda, void* stream) {
+  if (n == 0) return;
+  if (!cuda) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+#if DDP_HAS_CUDA
+  DDP_CUDA_CHECK(
+      cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)));
+#else
+  (void)stream;
+#endif
+}
+
+/// Sets `n` bytes to zero, on a CUDA device (ordered on `stream`) or on the host.
+inline void zero_bytes(void* dst, std::size_t n, bool cuda, void* stream) {
+  if (n == 0) return;
+  if (!cuda) {
+    std::memset(dst, 0, n);
+    return;
+  }
+#if DDP_HAS_CUDA
+  DDP_CUDA_CHECK(cudaMemsetAsync(dst, 0, n, static_cast<cudaStream_t>(stream)));
+#else
+  (void)stream;
+#endif
+}
+
+/// Blocks until the work queued on a CUDA stream is done (nothing for host memory).
+inline void sync_stream(bool cuda, void* stream) {
+#if DDP_HAS_CUDA
+  if (cuda) DDP_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+#else
+  (void)cuda, (void)stream;
+#endif
+}
+
+/// Later work on `waiter` starts after the work queued on `producer` so far (CUDA streams).
+inline void join_streams(bool cuda, void* waiter, void* producer) {
+#if DDP_HAS_CUDA
+  if (!cuda || waiter == producer) return;
+  CudaEvent done;
+  done.record(static_cast<cudaStream_t>(producer));
+  done.block(static_cast<cudaStream_t>(waiter));
+#else
+  (void)cuda, (void)waiter, (void)producer;
+#endif
+}
+
 template <class T>
 inline constexpr bool is_floating_scalar_v =
     std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, half> ||
@@ -7838,6 +8367,7 @@ class GradientAverager {
       values_.push_back({v.data, v.size, v.device, v.stream});
       grads_.push_back({g.data, g.size, g.device, g.stream});
     }
+    check_devices();
     check_same_everywhere();
     if (o_.broadcast_parameters) {
       for (auto& v : values_) comm.broadcast(v, 0);
@@ -7889,11 +8419,14 @@ class GradientAverager {
   void synchronize() {
     if (no_sync_) return;
     if (!in_step_) begin_step();
-    while (next_ < buckets_.size()) launch(next_++);
+    launch_rest();
     for (auto& b : buckets_) {
+      if (!b.work) continue;  // part of a coalesced launch
       Work w = std::move(*b.work);
       b.work.reset();
       w.wait();
+    }
+    for (auto& b : buckets_) {
       unpack(b);
       b.ready = 0;
     }
@@ -7938,16 +8471,32 @@ class GradientAverager {
   /// same averages, so every rank also gets the same answer). Collective.
   [[nodiscard]] bool found_nonfinite() {
     std::vector<std::int32_t> flag{0};
+    std::vector<T> copy;  // CUDA gradients are checked in a host copy
     for (const auto& g : grads_) {
+      const T* data = g.data;
+      if (cuda_) {
+        copy.resize(g.size);
+        detail::copy_bytes(copy.data(), g.data, g.size * sizeof(T), true, g.stream);
+        detail::sync_stream(true, g.stream);
+        data = copy.data();
+      }
       for (std::size_t k = 0; k < g.size && flag[0] == 0; ++k) {
         if constexpr (std::is_same_v<T, double>) {
-          if (!std::isfinite(g.data[k])) flag[0] = 1;
-        } else if (!std::isfinite(static_cast<float>(g.data[k]))) {
+          if (!std::isfinite(data[k])) flag[0] = 1;
+        } else if (!std::isfinite(static_cast<float>(data[k]))) {
           flag[0] = 1;
         }
       }
     }
-    comm_->all_reduce(flag, ReduceOp::max);
+    if constexpr (detail::device_only_backend<Backend>) {
+#if DDP_HAS_CUDA
+      CudaBuffer<std::int32_t> d(std::span<const std::int32_t>(flag), device_);
+      comm_->all_reduce(d, ReduceOp::max);
+      d.copy_to(flag);
+#endif
+    } else {
+      comm_->all_reduce(flag, ReduceOp::max);
+    }
     return flag[0] != 0;
   }
 
@@ -7960,8 +8509,41 @@ class GradientAverager {
     std::vector<T> flat;        // without compression
     std::vector<half> f16;      // Compression::float16
     std::vector<bfloat16> b16;  // Compression::bfloat16
+#if DDP_HAS_CUDA
+    CudaBuffer<T> device;  // on a backend that moves CUDA memory: the bucket on the GPU
+#endif
     std::optional<Work> work;
   };
+
+  // Where the gradients are: all on the host, or all on one CUDA device. A backend that moves
+  // CUDA memory gets buckets on that device; one that moves host memory gets host buckets, which
+  // the gradients are copied into and out of (large gradients go through the communicator's
+  // staging pipeline).
+  void check_devices() {
+    const Device first = grads_.empty() ? Device::cpu() : grads_[0].device;
+    for (std::size_t i = 0; i < grads_.size(); ++i) {
+      for (const Device d : {values_[i].device, grads_[i].device}) {
+        if (d != first)
+          detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                       ": GradientAverager: parameter ", i, " is on ", to_string(d),
+                       " but parameter 0's gradient is on ", to_string(first),
+                       "; every value and gradient must be on one device");
+      }
+    }
+    cuda_ = first.is_cuda();
+    device_ = first.index;
+    if (cuda_ && !DDP_HAS_CUDA)
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                   ": GradientAverager: the parameters are on ", to_string(first),
+                   " but ddp was built without CUDA (link the ddp::cuda target)");
+    device_buckets_ = cuda_ && Backend::supports(first);
+    if (device_buckets_ && o_.compression != Compression::none)
+      detail::fail(Errc::unsupported, "rank ", comm_->rank(),
+                   ": GradientAverager: compression of gradients on ", to_string(first),
+                   " with backend::", Backend::name,
+                   " is not available (ddp's headers carry no GPU kernels to convert them); use "
+                   "Compression::none, or compress with backend::Host, which converts on the host");
+  }
 
   // Looks the buffers up again (the model may have reallocated them since the last step).
   void begin_step() {
@@ -7997,7 +8579,11 @@ class GradientAverager {
         detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
                      ": GradientAverager: parameter ", i, " has ", values_[i].size, " values but ",
                      grads_[i].size, " gradients");
-      if (!Backend::supports(grads_[i].device) || !Backend::supports(values_[i].device))
+      const auto usable = [](const Device& d) {
+        return Backend::supports(d) ||
+               (d.is_cuda() && DDP_HAS_CUDA && Backend::supports(Device::cpu()));
+      };
+      if (!usable(grads_[i].device) || !usable(values_[i].device))
         detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
                      ": GradientAverager: parameter ", i, " lives on ", to_string(grads_[i].device),
                      ", which this backend cannot use");
@@ -8057,6 +8643,13 @@ class GradientAverager {
     bucket_of_ = std::move(bucket_of);
     for (auto& b : buckets_) {
       if (b.in_place) continue;
+#if DDP_HAS_CUDA
+      if (device_buckets_) {
+        b.device = CudaBuffer<T>(b.elements, device_,
+                                 static_cast<cudaStream_t>(grads_[b.params.front()].stream));
+        continue;
+      }
+#endif
       switch (o_.compression) {
         case Compression::none: b.flat.resize(b.elements); break;
         case Compression::float16: b.f16.resize(b.elements); break;
@@ -8065,17 +8658,32 @@ class GradientAverager {
     }
   }
 
+  // Host buckets. CUDA gradients are copied to the host first (compression then converts there).
   template <class W>
   void pack_into(Bucket& b, std::vector<W>& out) {
     std::size_t at = 0;
+    std::vector<T> copy;
     for (const std::size_t i : b.params) {
       const auto& g = grads_[i];
+      const T* data = g.data;
+      if (ready_[i] && cuda_) {
+        T* dst = copy.data();
+        if constexpr (std::is_same_v<W, T>) {
+          dst = out.data() + at;
+        } else {
+          copy.resize(g.size);
+          dst = copy.data();
+        }
+        detail::copy_bytes(dst, g.data, g.size * sizeof(T), true, g.stream);
+        detail::sync_stream(true, g.stream);
+        data = dst;
+      }
       if (!ready_[i]) {  // never marked: an unused parameter contributes zero
         std::fill_n(out.data() + at, g.size, W{});
       } else if constexpr (std::is_same_v<W, T>) {
-        std::memcpy(out.data() + at, g.data, g.size * sizeof(T));
+        if (!cuda_) std::memcpy(out.data() + at, data, g.size * sizeof(T));
       } else {
-        for (std::size_t k = 0; k < g.size; ++k) out[at + k] = W(static_cast<float>(g.data[k]));
+        for (std::size_t k = 0; k < g.size; ++k) out[at + k] = W(static_cast<float>(data[k]));
       }
       at += g.size;
     }
@@ -8084,25 +8692,99 @@ class GradientAverager {
   template <class W>
   void unpack_from(const Bucket& b, const std::vector<W>& in) {
     std::size_t at = 0;
+    std::vector<T> copy;
     for (const std::size_t i : b.params) {
       auto& g = grads_[i];
       if constexpr (std::is_same_v<W, T>) {
-        std::memcpy(g.data, in.data() + at, g.size * sizeof(T));
+        detail::copy_bytes(g.data, in.data() + at, g.size * sizeof(T), cuda_, g.stream);
       } else {
-        for (std::size_t k = 0; k < g.size; ++k) g.data[k] = T(static_cast<float>(in[at + k]));
+        T* dst = g.data;
+        if (cuda_) {
+          copy.resize(g.size);
+          dst = copy.data();
+        }
+        for (std::size_t k = 0; k < g.size; ++k) dst[k] = T(static_cast<float>(in[at + k]));
+        if (cuda_) detail::copy_bytes(g.data, dst, g.size * sizeof(T), true, g.stream);
+      }
+      if (cuda_) detail::sync_stream(true, g.stream);  // `copy` and the bucket are reused
+      at += g.size;
+    }
+  }
+
+#if DDP_HAS_CUDA
+  // Device buckets: packed and unpacked on the bucket's stream, which first waits for the
+  // gradients' streams.
+  void pack_device(Bucket& b) {
+    void* s = b.device.stream();
+    std::size_t at = 0;
+    for (const std::size_t i : b.params) {
+      const auto& g = grads_[i];
+      if (ready_[i]) {
+        detail::join_streams(true, s, g.stream);
+        detail::copy_bytes(b.device.data() + at, g.data, g.size * sizeof(T), true, s);
+      } else {
+        detail::zero_bytes(b.device.data() + at, g.size * sizeof(T), true, s);
       }
       at += g.size;
     }
+  }
+
+  void unpack_device(Bucket& b) {
+    void* s = b.device.stream();
+    std::size_t at = 0;
+    for (const std::size_t i : b.params) {
+      detail::copy_bytes(grads_[i].data, b.device.data() + at, grads_[i].size * sizeof(T), true, s);
+      at += grads_[i].size;
+    }
+    detail::sync_stream(true, s);  // the gradients are final for every stream when this returns
+  }
+#endif
+
+  // The buckets not started yet. On a backend that moves CUDA memory they go as one coalesced
+  // operation (one NCCL group); elsewhere one after another.
+  void launch_rest() {
+#if DDP_HAS_CUDA
+    if (device_buckets_ && buckets_.size() - next_ > 1) {
+      std::vector<TensorView<T>> group;
+      for (; next_ < buckets_.size(); ++next_) {
+        Bucket& b = buckets_[next_];
+        if (b.in_place) {
+          auto& g = grads_[b.params.front()];
+          if (!ready_[b.params.front()])
+            detail::zero_bytes(g.data, g.size * sizeof(T), true, g.stream);
+          group.push_back(g);
+        } else {
+          pack_device(b);
+          group.push_back(ddp::view(b.device));
+        }
+      }
+      buckets_.back().work.emplace(comm_->all_reduce_coalesced_async(group, ReduceOp::avg));
+      return;
+    }
+#endif
+    while (next_ < buckets_.size()) launch(next_++);
   }
 
   void launch(std::size_t k) {
     Bucket& b = buckets_[k];
     if (b.in_place) {
       const std::size_t i = b.params.front();
-      if (!ready_[i]) std::fill_n(grads_[i].data, grads_[i].size, T{});  // unused: zero
-      b.work.emplace(comm_->all_reduce_async(grads_[i], ReduceOp::avg));
+      auto& g = grads_[i];
+      if (!ready_[i]) detail::zero_bytes(g.data, g.size * sizeof(T), cuda_, g.stream);  // unused
+      b.work.emplace(comm_->all_reduce_async(g, ReduceOp::avg));
       return;
     }
+#if DDP_HAS_CUDA
+    if (device_buckets_) {
+      pack_device(b);
+      b.work.emplace(comm_->all_reduce_async(b.device, ReduceOp::avg));
+      return;
+    }
+#endif
+    if constexpr (!detail::device_only_backend<Backend>) launch_host(b);
+  }
+
+  void launch_host(Bucket& b) {
     switch (o_.compression) {
       case Compression::none:
         pack_into(b, b.flat);
@@ -8119,8 +8801,21 @@ class GradientAverager {
     }
   }
 
-  void unpack(const Bucket& b) {
-    if (b.in_place) return;
+  void unpack(Bucket& b) {
+    if (b.in_place) {
+      if (cuda_) detail::sync_stream(true, grads_[b.params.front()].stream);
+      return;
+    }
+#if DDP_HAS_CUDA
+    if (device_buckets_) {
+      unpack_device(b);
+      return;
+    }
+#endif
+    if constexpr (!detail::device_only_backend<Backend>) unpack_host(b);
+  }
+
+  void unpack_host(const Bucket& b) {
     switch (o_.compression) {
       case Compression::none: unpack_from(b, b.flat); break;
       case Compression::float16: unpack_from(b, b.f16); break;
@@ -8135,7 +8830,10 @@ class GradientAverager {
   std::vector<Bucket> buckets_;
   std::vector<std::size_t> bucket_of_;
   std::vector<bool> ready_;
-  std::size_t next_ = 0;  // the next bucket to launch
+  bool cuda_ = false;            // the parameters are on a CUDA device
+  int device_ = 0;               // ... this one
+  bool device_buckets_ = false;  // the backend moves CUDA memory: buckets live on the device
+  std::size_t next_ = 0;         // the next bucket to launch
   bool no_sync_ = false;
   bool in_step_ = false;  // buffers looked up for the current step
 };

@@ -104,6 +104,62 @@ TEST_CASE("Communicator<backend::Nccl>, world of one: every collective") {
   CHECK(static_cast<float>(back[1]) == -2.0f);
 }
 
+TEST_CASE("object collectives and split on backend::Nccl go through device memory") {
+  auto comm = single();
+  const auto all = comm.all_gather_object(std::string("rank zero"));
+  REQUIRE(all.size() == 1);
+  CHECK(all[0] == "rank zero");
+  std::vector<int> v{1, 2, 3};
+  comm.broadcast_object(v, 0);
+  CHECK(v == std::vector<int>{1, 2, 3});
+  CHECK(comm.gather_object(7, 0) == std::vector<int>{7});
+  auto sub = comm.split(0);
+  REQUIRE(sub.valid());
+  CHECK(sub.size() == 1);
+  ddp::CudaBuffer<float> a(std::vector<float>{2, 4}, 0);
+  sub.all_reduce(a, ddp::ReduceOp::avg);
+  CHECK(host(a) == std::vector<float>{2, 4});
+}
+
+namespace {
+struct Param {
+  ddp::CudaBuffer<float> value, grad;
+};
+}  // namespace
+
+TEST_CASE("GradientAverager on backend::Nccl: device buckets, in place, unused parameters") {
+  auto comm = single();
+  ddp::CudaStream stream(0);
+  std::vector<Param> model;
+  for (const std::size_t n : {5UL, 200'000UL, 3UL, 7UL}) {  // 200k floats: averaged in place
+    std::vector<float> g(n);
+    for (std::size_t i = 0; i < n; ++i) g[i] = static_cast<float>(i % 13) + 0.5f;
+    model.push_back({ddp::CudaBuffer<float>(std::span<const float>(g), 0, stream.get()),
+                     ddp::CudaBuffer<float>(std::span<const float>(g), 0, stream.get())});
+  }
+  ddp::GradientAverager avg(comm, model);
+  CHECK(avg.buckets().size() == 3);  // {3, 2} packed, {1} in place, {0} packed
+  avg.mark_ready(3);
+  avg.mark_ready(1);
+  avg.mark_ready(0);  // parameter 2 unused: its gradient becomes zero
+  avg.synchronize();
+  for (std::size_t k = 0; k < model.size(); ++k) {
+    const auto g = host(model[k].grad);
+    for (std::size_t i = 0; i < g.size(); ++i) {
+      REQUIRE(g[i] == (k == 2 ? 0.0f : static_cast<float>(i % 13) + 0.5f));
+    }
+  }
+  CHECK_FALSE(avg.found_nonfinite());
+  ddp::AveragerOptions compressed;
+  compressed.compression = ddp::Compression::bfloat16;
+  try {
+    ddp::GradientAverager bad(comm, model, compressed);
+    FAIL("compression of CUDA gradients on NCCL was accepted");
+  } catch (const ddp::Error& e) {
+    CHECK(e.code() == ddp::Errc::unsupported);
+  }
+}
+
 TEST_CASE("a host buffer seen only at run time, or one on another device, is refused") {
   auto comm = single();
   std::vector<float> h(4);

@@ -84,6 +84,10 @@ TEST_CASE("send and recv around a ring, and barrier") {
 TEST_CASE("async operations complete in issue order, interleaved with sync ones") {
   on_world([](Mpi& c) { cases::async_in_issue_order(c); });
 }
+
+TEST_CASE("all_reduce_coalesced") {
+  on_world([](Mpi& c) { cases::all_reduce_coalesced(c); });
+}
 TEST_CASE("split: MPI_Comm_split groups by color, ordered by key") {
   on_world([](Mpi& c) { cases::split_by_color(c); });
 }

@@ -289,6 +289,31 @@ void scatter_reduce_scatter_all_to_all(C& comm) {
   });
 }
 
+/// all_reduce_coalesced: several buffers of one type as one operation, sync and async.
+template <class C>
+void all_reduce_coalesced(C& comm) {
+  const int p = comm.size(), r = comm.rank();
+  const std::vector<std::size_t> sizes = {0, 1, 7, 3 * mp::test_segment / sizeof(float) + 5};
+  for (const bool async : {false, true}) {
+    std::vector<std::vector<float>> bufs;
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      bufs.emplace_back(sizes[k]);
+      for (std::size_t i = 0; i < sizes[k]; ++i)
+        bufs[k][i] = value<float>(r, i, static_cast<int>(k));
+    }
+    if (async)
+      comm.all_reduce_coalesced_async(bufs, ReduceOp::avg).wait();
+    else
+      comm.all_reduce_coalesced(bufs, ReduceOp::avg);
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      check_values<float>(
+          bufs[k],
+          [&](std::size_t i) { return reference<float>(ReduceOp::avg, p, i, static_cast<int>(k)); },
+          "all_reduce_coalesced buffer " + std::to_string(k));
+    }
+  }
+}
+
 template <class C>
 void send_recv_ring(C& comm) {
   const int p = comm.size(), r = comm.rank();

@@ -50,6 +50,10 @@ TEST_CASE("async operations complete in issue order, interleaved with sync ones"
   mp::each_world([](Comm& comm) { cases::async_in_issue_order(comm); });
 }
 
+TEST_CASE("all_reduce_coalesced: several buffers as one operation, sync and async") {
+  mp::each_world([](Comm& comm) { cases::all_reduce_coalesced(comm); }, {1, 3});
+}
+
 TEST_CASE("split: groups by color, ordered by key") {
   mp::each_world([](Comm& comm) { cases::split_by_color(comm); }, {1, 2, 3, 4});
 }

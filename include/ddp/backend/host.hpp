@@ -117,7 +117,7 @@ class Host {
   [[nodiscard]] static bool supports(const Device& device) noexcept { return device.is_cpu(); }
 
   void all_reduce(const detail::Buf& b, ReduceOp op) {
-    const auto fp = next(detail::Coll::all_reduce, b.dtype, b.count, -1, op, true);
+    const auto fp = next(detail::Coll::all_reduce, b.dtype, b.fingerprint_count(), -1, op, true);
     const auto fn = detail::reduce_fn(b.dtype, op);
     const int p = size_;
     if (b.bytes() <= t_->small_bytes()) {
@@ -135,7 +135,8 @@ class Host {
   }
 
   void broadcast(const detail::Buf& b, int root) {
-    const auto fp = next(detail::Coll::broadcast, b.dtype, b.count, root, ReduceOp::sum, false);
+    const auto fp =
+        next(detail::Coll::broadcast, b.dtype, b.fingerprint_count(), root, ReduceOp::sum, false);
     const std::size_t es = b.elem();
     const std::size_t seg = std::max<std::size_t>(1, t_->max_offer() / es);
     segments(b.count, seg, [&](std::size_t s0, std::size_t m, bool first) {
@@ -152,7 +153,7 @@ class Host {
   }
 
   void reduce(const detail::Buf& b, int root, ReduceOp op) {
-    const auto fp = next(detail::Coll::reduce, b.dtype, b.count, root, op, true);
+    const auto fp = next(detail::Coll::reduce, b.dtype, b.fingerprint_count(), root, op, true);
     const auto fn = detail::reduce_fn(b.dtype, op);
     const int p = size_;
     if (b.bytes() <= t_->small_bytes()) {

@@ -40,6 +40,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -148,6 +149,23 @@ class Nccl {
     run("all_reduce", {&b}, [&] {
       return ncclAllReduce(b.data, b.data, b.count, detail::nccl_type(b.dtype), detail::nccl_op(op),
                            comm_, stream());
+    });
+  }
+
+  /// Several all_reduces in one NCCL group: one launch, one wait (Communicator::
+  /// all_reduce_coalesced; the GradientAverager's buckets).
+  void all_reduce_many(const std::vector<detail::Buf>& bufs, ReduceOp op) {
+    std::vector<const detail::Buf*> ptrs;
+    for (const auto& b : bufs) ptrs.push_back(&b);
+    run_on("all_reduce_coalesced", ptrs, [&] {
+      return grouped([&]() -> ncclResult_t {
+        for (const auto& b : bufs) {
+          const auto rc =
+              ncclAllReduce(b.data, b.data, b.count, type(b), detail::nccl_op(op), comm_, stream());
+          if (rc != ncclSuccess && rc != ncclInProgress) return rc;
+        }
+        return ncclSuccess;
+      });
     });
   }
 
@@ -275,6 +293,53 @@ class Nccl {
     run("recv", {&b}, [&] { return ncclRecv(b.data, b.count, type(b), peer, comm_, stream()); });
   }
 
+  /// ncclCommSplit: ranks passing the same color form a communicator, ordered by (key, rank);
+  /// nullptr for color < 0. Collective over this communicator.
+  [[nodiscard]] std::unique_ptr<Nccl> split(int color, int key) {
+    // Every rank's (color, key), to know the members of each group and which share a host.
+    CudaBuffer<std::int64_t> all(2 * static_cast<std::size_t>(size_), device_, stream());
+    const std::int64_t mine[2] = {color, key};
+    const std::size_t at = 2 * static_cast<std::size_t>(rank_);
+    DDP_CUDA_CHECK(
+        cudaMemcpyAsync(all.data() + at, mine, sizeof mine, cudaMemcpyHostToDevice, stream()));
+    all_gather({reinterpret_cast<std::byte*>(all.data() + at), 2, DType::int64,
+                Device::cuda(device_), stream()},
+               {reinterpret_cast<std::byte*>(all.data()), all.size(), DType::int64,
+                Device::cuda(device_), stream()});
+    std::vector<std::int64_t> ck(all.size());
+    all.copy_to(ck);
+    std::vector<int> members;  // parent ranks of my group, in (key, rank) order
+    for (int r = 0; r < size_; ++r) {
+      if (color >= 0 && ck[2 * static_cast<std::size_t>(r)] == color) members.push_back(r);
+    }
+    std::stable_sort(members.begin(), members.end(), [&](int a, int b) {
+      return ck[2 * static_cast<std::size_t>(a) + 1] < ck[2 * static_cast<std::size_t>(b) + 1];
+    });
+
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t made = nullptr;
+    const CudaDeviceGuard g(device_);
+    const auto start = std::chrono::steady_clock::now();
+    const auto rc =
+        ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &made, &config);
+    if (rc != ncclSuccess && rc != ncclInProgress)
+      give_up("split", detail::nccl_errc(rc), ncclGetErrorString(rc));
+    if (color < 0) {
+      if (made != nullptr) (void)ncclCommDestroy(made);
+      return nullptr;
+    }
+    auto sub = std::unique_ptr<Nccl>(new Nccl(rank_, size_, device_, timeout_));
+    sub->comm_ = made;
+    sub->size_ = static_cast<int>(members.size());
+    sub->rank_ =
+        static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
+    for (const int r : members) sub->hosts_.push_back(hosts_[static_cast<std::size_t>(r)]);
+    sub->find_local();
+    sub->settle("split (ncclCommSplit)", start);
+    return sub;
+  }
+
   /// Fails the operation in progress (its wait sees the flag and calls ncclCommAbort) and every
   /// later one. Thread-safe.
   void abort(Errc code, const std::string& why) {
@@ -288,10 +353,12 @@ class Nccl {
 
  private:
   Nccl(const detail::BackendInit& init, int device)
-      : rank_(init.rank),
-        size_(init.size),
+      : Nccl(init.rank, init.size, device, init.options.timeout) {}
+  Nccl(int rank, int size, int device, std::chrono::milliseconds timeout)
+      : rank_(rank),
+        size_(size),
         device_(device),
-        timeout_(init.options.timeout),
+        timeout_(timeout),
         stream_(device),
         scratch_(3, device) {}
 
@@ -316,16 +383,10 @@ class Nccl {
         }
         std::memcpy(&id, bytes.data(), sizeof id);
       }
-      const std::string mine = detail::host_identity();
-      local_size_ = 0;
-      local_leader_ = -1;
-      for (int r = 0; r < size_; ++r) {
-        if (store.get(detail::concat("nccl/host/", r)) != mine) continue;
-        if (local_leader_ < 0) local_leader_ = r;
-        if (r < rank_) ++local_rank_;
-        ++local_size_;
-      }
+      for (int r = 0; r < size_; ++r) hosts_.push_back(store.get(detail::concat("nccl/host/", r)));
+      find_local();
     } else {
+      hosts_.push_back(detail::host_identity());
       check(ncclGetUniqueId(&id), "ncclGetUniqueId");
     }
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -337,6 +398,19 @@ class Nccl {
       check(rc, "ncclCommInitRankConfig");
     }
     settle("ncclCommInitRankConfig", std::chrono::steady_clock::now());
+  }
+
+  /// local_rank/local_size/local_leader from the host of every rank.
+  void find_local() {
+    local_rank_ = 0;
+    local_size_ = 0;
+    local_leader_ = -1;
+    for (int r = 0; r < size_; ++r) {
+      if (hosts_[static_cast<std::size_t>(r)] != hosts_[static_cast<std::size_t>(rank_)]) continue;
+      if (local_leader_ < 0) local_leader_ = r;
+      if (r < rank_) ++local_rank_;
+      ++local_size_;
+    }
   }
 
   void check(ncclResult_t rc, const char* call) const {
@@ -422,6 +496,10 @@ class Nccl {
   /// after it, and waits for it to finish (polling, under the timeout).
   template <class Enqueue>
   void run(const char* what, std::initializer_list<const detail::Buf*> bufs, Enqueue&& enqueue) {
+    run_on(what, bufs, enqueue);
+  }
+  template <class Bufs, class Enqueue>
+  void run_on(const char* what, const Bufs& bufs, Enqueue&& enqueue) {
     fail_if_aborted(what);
     for (const auto* b : bufs) {
       if (b->count != 0 && b->device.index != device_) {
@@ -461,6 +539,7 @@ class Nccl {
   CudaEvent ready_, done_;
   CudaBuffer<std::int64_t> scratch_;  // barrier word and the p2p header
   std::vector<std::int64_t> header_ = std::vector<std::int64_t>(3);
+  std::vector<std::string> hosts_;  // the host of every rank
   std::mutex abort_mutex_;
   std::atomic<bool> aborted_{false};
   Errc abort_code_ = Errc::aborted;

@@ -25,8 +25,15 @@ struct Buf {
   DType dtype = DType::float32;
   Device device{};
   void* stream = nullptr;
+  /// For a piece of a larger elementwise collective (a CUDA buffer staged through host memory
+  /// chunk by chunk): the whole buffer's element count, which the fingerprint carries so that
+  /// ranks with different sizes fail on the first piece. 0: the buffer is whole.
+  std::size_t whole = 0;
 
   [[nodiscard]] std::size_t elem() const noexcept { return size_of(dtype); }
+  [[nodiscard]] std::size_t fingerprint_count() const noexcept {
+    return whole != 0 ? whole : count;
+  }
   [[nodiscard]] std::size_t bytes() const noexcept { return count * size_of(dtype); }
   [[nodiscard]] std::byte* at(std::size_t element) const noexcept {
     return data + element * elem();

@@ -1,0 +1,293 @@
+// backend::Host with CUDA buffers, staged through pinned host memory: how several processes
+// that share one GPU train together (NCCL refuses two ranks on one device). Every collective on
+// CudaBuffers across 2 and 4 forked processes on device 0, against the same references as the
+// host tests (bit for bit: the host backend reduces in rank order); pieces larger than the
+// staging size; ordering after a slow producer kernel on the tensor's stream; the
+// GradientAverager on CUDA gradients.
+//
+// The parent process never touches CUDA (a CUDA context does not survive fork()): it asks a
+// forked child whether a device exists. Without one it prints "no CUDA device; skipped" and
+// exits 0, which CTest reports as skipped.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <ddp/ddp.hpp>
+
+#include <doctest/doctest.h>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "../unit/collective_cases.hpp"
+#include "kernels.hpp"
+
+namespace {
+
+using Host = ddp::Communicator<ddp::backend::Host>;
+using ddp::ReduceOp;
+using namespace std::chrono_literals;
+
+/// Runs body(comm, stream) on `world` forked ranks, all on CUDA device 0.
+void run(int world, const std::function<void(Host&, ddp::CudaStream&)>& body,
+         ddp::Options options = {}) {
+  options.timeout = 120s;
+  try {
+    ddp::spawn(world, [&](ddp::Environment env) {
+      DDP_CUDA_CHECK(cudaSetDevice(0));
+      ddp::CudaStream stream(0);
+      auto comm = Host::init(env, options);
+      body(comm, stream);
+    });
+  } catch (const ddp::Error& e) {
+    FAIL_CHECK("world " << world << ": " << std::string(e.what()));
+  }
+}
+
+template <class T>
+ddp::CudaBuffer<T> device(const std::vector<T>& h, cudaStream_t s) {
+  return ddp::CudaBuffer<T>(std::span<const T>(h), 0, s);
+}
+
+template <class T>
+std::vector<T> host(const ddp::CudaBuffer<T>& d) {
+  std::vector<T> h(d.size());
+  d.copy_to(h);
+  return h;
+}
+
+template <class T>
+std::vector<T> inputs(int rank, std::size_t n, int salt = 0) {
+  std::vector<T> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = cases::value<T>(rank, i, salt);
+  return v;
+}
+
+/// Counts: one element, an odd count, and one that needs three staging pieces (1 MiB pieces).
+template <class T>
+std::vector<std::size_t> counts() {
+  return {1, 1001, (std::size_t{5} << 19) / sizeof(T) + 3};
+}
+
+ddp::Options small_pieces() {
+  ddp::Options o;
+  o.cuda_staging_bytes = std::size_t{1} << 20;
+  return o;
+}
+
+template <class T>
+void all_reduce_case(Host& comm, cudaStream_t s) {
+  const int p = comm.size(), r = comm.rank();
+  for (const ReduceOp op : {ReduceOp::sum, ReduceOp::max, ReduceOp::avg}) {
+    if (op == ReduceOp::avg && std::is_integral_v<T>) continue;
+    for (const std::size_t n : counts<T>()) {
+      auto buf = device(inputs<T>(r, n), s);
+      if (n % 2 == 0)
+        comm.all_reduce(buf, op);
+      else
+        comm.all_reduce_async(buf, op).wait();
+      cases::check_values<T>(
+          host(buf), [&](std::size_t i) { return cases::reference<T>(op, p, i); },
+          std::string("all_reduce ") + std::string(to_string(ddp::dtype_of<T>)) + " " +
+              std::string(to_string(op)) + " n=" + std::to_string(n));
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("all_reduce of CUDA buffers over backend::Host: dtypes, ops, multi-piece sizes") {
+  for (const int world : {2, 4}) {
+    run(
+        world,
+        [](Host& comm, ddp::CudaStream& stream) {
+          all_reduce_case<float>(comm, stream.get());
+          all_reduce_case<ddp::half>(comm, stream.get());
+          all_reduce_case<std::int64_t>(comm, stream.get());
+        },
+        small_pieces());
+  }
+}
+
+TEST_CASE("broadcast and reduce of CUDA buffers: the root's side and the others'") {
+  for (const int world : {2, 4}) {
+    run(
+        world,
+        [](Host& comm, ddp::CudaStream& stream) {
+          const int p = comm.size(), r = comm.rank();
+          for (const std::size_t n : counts<float>()) {
+            for (int root = 0; root < p; ++root) {
+              auto b = device(inputs<float>(r, n), stream.get());
+              comm.broadcast(b, root);
+              cases::check_values<float>(
+                  host(b), [&](std::size_t i) { return cases::value<float>(root, i); },
+                  "broadcast root " + std::to_string(root));
+              auto red = device(inputs<float>(r, n), stream.get());
+              comm.reduce(red, root, ReduceOp::sum);
+              cases::check_values<float>(
+                  host(red),
+                  [&](std::size_t i) {
+                    return r == root ? cases::reference<float>(ReduceOp::sum, p, i)
+                                     : cases::value<float>(r, i);
+                  },
+                  "reduce root " + std::to_string(root));
+            }
+          }
+        },
+        small_pieces());
+  }
+}
+
+TEST_CASE("gather-type collectives and p2p on CUDA buffers, in place and not") {
+  for (const int world : {2, 4}) {
+    run(world, [](Host& comm, ddp::CudaStream& stream) {
+      const int p = comm.size(), r = comm.rank();
+      const auto up = static_cast<std::size_t>(p), ur = static_cast<std::size_t>(r);
+      const std::size_t n = 777;
+      const auto block =
+          [&](std::size_t i) {  // element i of the concatenation of every rank's input
+            return cases::value<std::int32_t>(static_cast<int>(i / n), i % n);
+          };
+      // all_gather: separate buffers, then in place (in = this rank's block of out).
+      auto in = device(inputs<std::int32_t>(r, n), stream.get());
+      ddp::CudaBuffer<std::int32_t> out(n * up, 0, stream.get());
+      comm.all_gather(in, out);
+      cases::check_values<std::int32_t>(host(out), block, "all_gather");
+      std::vector<std::int32_t> staged(n * up, -1);
+      for (std::size_t i = 0; i < n; ++i) staged[ur * n + i] = cases::value<std::int32_t>(r, i);
+      auto whole = device(staged, stream.get());
+      comm.all_gather(ddp::view(whole).subview(ur * n, n), whole);
+      cases::check_values<std::int32_t>(host(whole), block, "all_gather in place");
+      // gather to the last rank.
+      ddp::CudaBuffer<std::int32_t> g(r == p - 1 ? n * up : 0, 0, stream.get());
+      comm.gather(in, g, p - 1);
+      if (r == p - 1) cases::check_values<std::int32_t>(host(g), block, "gather");
+      // scatter from rank 0: rank r gets block r of rank 0's concatenation.
+      std::vector<std::int32_t> all(n * up);
+      for (std::size_t i = 0; i < all.size(); ++i) all[i] = block(i);
+      auto src = device(all, stream.get());
+      ddp::CudaBuffer<std::int32_t> mine(n, 0, stream.get());
+      comm.scatter(src, mine, 0);
+      cases::check_values<std::int32_t>(
+          host(mine), [&](std::size_t i) { return block(ur * n + i); }, "scatter");
+      // reduce_scatter: block r of the sum of everyone's concatenated inputs.
+      std::vector<float> rs_in(n * up);
+      for (std::size_t i = 0; i < rs_in.size(); ++i) rs_in[i] = cases::value<float>(r, i);
+      auto rs = device(rs_in, stream.get());
+      ddp::CudaBuffer<float> rs_out(n, 0, stream.get());
+      comm.reduce_scatter(rs, rs_out, ReduceOp::sum);
+      cases::check_values<float>(
+          host(rs_out),
+          [&](std::size_t i) { return cases::reference<float>(ReduceOp::sum, p, ur * n + i); },
+          "reduce_scatter");
+      // all_to_all: block j of rank r's input goes to rank j, as block r.
+      auto a2a_in = device(inputs<std::int32_t>(r, n * up), stream.get());
+      ddp::CudaBuffer<std::int32_t> a2a_out(n * up, 0, stream.get());
+      comm.all_to_all(a2a_in, a2a_out);
+      cases::check_values<std::int32_t>(
+          host(a2a_out),
+          [&](std::size_t i) {
+            return cases::value<std::int32_t>(static_cast<int>(i / n), ur * n + i % n);
+          },
+          "all_to_all");
+      // send/recv around the ring.
+      auto send = device(inputs<double>(r, n), stream.get());
+      ddp::CudaBuffer<double> recv(n, 0, stream.get());
+      if (r % 2 == 0) {
+        comm.send(send, (r + 1) % p, 5);
+        comm.recv(recv, (r + p - 1) % p, 5);
+      } else {
+        comm.recv(recv, (r + p - 1) % p, 5);
+        comm.send(send, (r + 1) % p, 5);
+      }
+      cases::check_values<double>(
+          host(recv), [&](std::size_t i) { return cases::value<double>((r + p - 1) % p, i); },
+          "recv");
+    });
+  }
+}
+
+TEST_CASE("staging waits for a slow producer on the tensor's stream") {
+  run(2, [](Host& comm, ddp::CudaStream& stream) {
+    ddp::CudaBuffer<float> buf(std::size_t{3} << 20, 0, stream.get());
+    buf.fill_bytes(0);
+    // ~200 ms of spinning before the kernel writes rank + 1: a copy that did not wait for it
+    // would stage zeros.
+    launch_slow_fill(buf.data(), buf.size(), static_cast<float>(comm.rank() + 1), stream.get(),
+                     400'000'000LL);
+    comm.all_reduce(buf, ReduceOp::sum);
+    const auto h = host(buf);
+    MP_EXPECT(h.front() == 3.0f && h.back() == 3.0f, "got " << h.front() << ", " << h.back());
+  });
+}
+
+namespace {
+struct CudaLinear {  // a model whose parameters live on the GPU
+  std::vector<ddp::CudaBuffer<float>> values, grads;
+};
+}  // namespace
+
+template <>
+struct ddp::parameter_traits<std::pair<ddp::CudaBuffer<float>*, ddp::CudaBuffer<float>*>> {
+  static auto& value(std::pair<ddp::CudaBuffer<float>*, ddp::CudaBuffer<float>*>& p) {
+    return *p.first;
+  }
+  static auto& grad(std::pair<ddp::CudaBuffer<float>*, ddp::CudaBuffer<float>*>& p) {
+    return *p.second;
+  }
+};
+
+TEST_CASE("GradientAverager on CUDA gradients over backend::Host") {
+  run(4, [](Host& comm, ddp::CudaStream& stream) {
+    const int p = comm.size(), r = comm.rank();
+    const std::vector<std::size_t> sizes = {3, 100'000, 17, 300'000};  // in place and packed
+    std::vector<ddp::CudaBuffer<float>> values, grads;
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      values.push_back(device(inputs<float>(r, sizes[k], 10 + static_cast<int>(k)), stream.get()));
+      grads.push_back(device(inputs<float>(r, sizes[k], static_cast<int>(k)), stream.get()));
+    }
+    std::vector<std::pair<ddp::CudaBuffer<float>*, ddp::CudaBuffer<float>*>> model;
+    for (std::size_t k = 0; k < sizes.size(); ++k) model.emplace_back(&values[k], &grads[k]);
+    ddp::GradientAverager avg(comm, model);
+    avg.mark_ready(3);
+    avg.mark_ready(2);
+    // parameter 1 is never marked: it counts as zero; parameter 0 is marked last.
+    avg.mark_ready(0);
+    avg.synchronize();
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      cases::check_values<float>(
+          host(values[k]),
+          [&](std::size_t i) { return cases::value<float>(0, i, 10 + static_cast<int>(k)); },
+          "parameter values broadcast from rank 0");
+      if (k == 1) {
+        cases::check_values<float>(
+            host(grads[k]), [](std::size_t) { return 0.0f; }, "unused parameter");
+        continue;
+      }
+      const auto got = host(grads[k]);
+      for (std::size_t i = 0; i < got.size(); ++i) {
+        float sum = 0;
+        for (int q = 0; q < p; ++q) sum += cases::value<float>(q, i, static_cast<int>(k));
+        MP_EXPECT(std::abs(got[i] - sum / static_cast<float>(p)) <= 1e-5f * std::abs(sum),
+                  "parameter " << k << " element " << i);
+      }
+    }
+    MP_EXPECT(!avg.found_nonfinite(), "finite gradients");
+  });
+}
+
+int main(int argc, char** argv) {
+  // Ask a child: the parent must not create a CUDA context before forking the ranks.
+  const pid_t pid = ::fork();
+  if (pid == 0) _exit(ddp::cuda_device_count() > 0 ? 0 : 3);
+  int status = 0;
+  if (pid < 0 || ::waitpid(pid, &status, 0) != pid || !WIFEXITED(status) ||
+      WEXITSTATUS(status) != 0) {
+    std::puts("ddp CUDA staging tests: no CUDA device; skipped");
+    return 0;
+  }
+  doctest::Context context(argc, argv);
+  return context.run();
+}
