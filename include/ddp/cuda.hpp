@@ -352,9 +352,10 @@ class CudaStager {
     }
     return b.data();
   }
-  void after(void* stream) {
+  void after(void* stream) {  // copies in read what it produced; copies back overwrite it after
     produced_.record(static_cast<cudaStream_t>(stream));
     produced_.block(fetches_.get());
+    produced_.block(stores_.get());
   }
   void fetch(int s, std::byte* host, const std::byte* dev, std::size_t n) {
     DDP_CUDA_CHECK(cudaMemcpyAsync(host, dev, n, cudaMemcpyDeviceToHost, fetches_.get()));

@@ -5911,9 +5911,10 @@ class CudaStager {
     }
     return b.data();
   }
-  void after(void* stream) {
+  void after(void* stream) {  // copies in read what it produced; copies back overwrite it after
     produced_.record(static_cast<cudaStream_t>(stream));
     produced_.block(fetches_.get());
+    produced_.block(stores_.get());
   }
   void fetch(int s, std::byte* host, const std::byte* dev, std::size_t n) {
     DDP_CUDA_CHECK(cudaMemcpyAsync(host, dev, n, cudaMemcpyDeviceToHost, fetches_.get()));
@@ -6847,7 +6848,7 @@ template <class C>
 concept StagingCopier = requires(C& c, int slot, std::byte* p, const std::byte* q, std::size_t n,
                                  void* stream) {
   { c.slot(slot, n) } -> std::same_as<std::byte*>;  // host memory of at least n bytes
-  c.after(stream);         // later copies start after the work queued on `stream` so far
+  c.after(stream);         // later copies (both ways) start after the work queued on `stream`
   c.fetch(slot, p, q, n);  // device q -> host p, asynchronously
   c.wait_fetch(slot);      // the slot's last fetch has landed
   c.store(slot, p, q, n);  // host q -> device p, asynchronously
@@ -6915,10 +6916,8 @@ void stage_whole(C& c, std::array<StagedArg, N> args, Op&& op) {
     const int slot = staging_whole_slot + static_cast<int>(i);
     host[i] = Buf{c.slot(slot, b.bytes()), b.count, b.dtype, Device::cpu(), nullptr};
     moved[i] = true;
-    if (args[i].fetch) {
-      c.after(b.stream);
-      c.fetch(slot, host[i].data, b.data, b.bytes());
-    }
+    c.after(b.stream);  // read or overwritten: after the work that uses it now
+    if (args[i].fetch) c.fetch(slot, host[i].data, b.data, b.bytes());
   }
   for (std::size_t i = 0; i < N; ++i) {
     if (moved[i] && args[i].fetch) c.wait_fetch(staging_whole_slot + static_cast<int>(i));

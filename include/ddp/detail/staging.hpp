@@ -35,7 +35,7 @@ template <class C>
 concept StagingCopier = requires(C& c, int slot, std::byte* p, const std::byte* q, std::size_t n,
                                  void* stream) {
   { c.slot(slot, n) } -> std::same_as<std::byte*>;  // host memory of at least n bytes
-  c.after(stream);         // later copies start after the work queued on `stream` so far
+  c.after(stream);         // later copies (both ways) start after the work queued on `stream`
   c.fetch(slot, p, q, n);  // device q -> host p, asynchronously
   c.wait_fetch(slot);      // the slot's last fetch has landed
   c.store(slot, p, q, n);  // host q -> device p, asynchronously
@@ -103,10 +103,8 @@ void stage_whole(C& c, std::array<StagedArg, N> args, Op&& op) {
     const int slot = staging_whole_slot + static_cast<int>(i);
     host[i] = Buf{c.slot(slot, b.bytes()), b.count, b.dtype, Device::cpu(), nullptr};
     moved[i] = true;
-    if (args[i].fetch) {
-      c.after(b.stream);
-      c.fetch(slot, host[i].data, b.data, b.bytes());
-    }
+    c.after(b.stream);  // read or overwritten: after the work that uses it now
+    if (args[i].fetch) c.fetch(slot, host[i].data, b.data, b.bytes());
   }
   for (std::size_t i = 0; i < N; ++i) {
     if (moved[i] && args[i].fetch) c.wait_fetch(staging_whole_slot + static_cast<int>(i));
