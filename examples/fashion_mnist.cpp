@@ -22,10 +22,6 @@
 
 #include <ddp/ddp.hpp>
 
-#include <sys/stat.h>
-#include <unistd.h>
-#include <zlib.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -39,6 +35,8 @@
 #include <string>
 #include <vector>
 
+#include "fashion_mnist_data.hpp"
+
 namespace {
 
 struct Config {
@@ -47,7 +45,7 @@ struct Config {
   float lr = 0.1f;
   float decay = 0.7f;  // the learning rate is multiplied by this after every epoch
   int hidden = 256;
-  std::string data = "/usr/share/datasets/fashion-mnist";
+  std::string data = fashion_mnist::default_dir;
   std::string cache = "fashion-mnist-cache";
   std::size_t limit = 0;
   std::string checkpoint = "fashion_mnist.ckpt";
@@ -89,81 +87,6 @@ Config parse(int argc, char** argv) {
   if (c.epochs < 1 || c.batch < 1 || c.hidden < 1 || c.nproc < 1 || !(c.lr > 0))
     throw std::invalid_argument("--epochs, --batch, --hidden, --nproc and --lr must be positive");
   return c;
-}
-
-// ---- the dataset: IDX files (big-endian header), gzip'd ------------------------------------
-
-std::string gunzip(const std::string& path) {
-  gzFile f = gzopen(path.c_str(), "rb");
-  if (f == nullptr)
-    throw std::runtime_error("cannot open " + path +
-                             " (install the Debian package dataset-fashion-mnist, or pass --data)");
-  std::string out;
-  char buf[1 << 16];
-  int n;
-  while ((n = gzread(f, buf, sizeof buf)) > 0) out.append(buf, static_cast<std::size_t>(n));
-  const bool ok = n == 0;
-  gzclose(f);
-  if (!ok) throw std::runtime_error("corrupt gzip file " + path);
-  return out;
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error("cannot read " + path);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-std::uint32_t be32(const std::string& s, std::size_t at) {
-  std::uint32_t v = 0;
-  for (std::size_t k = 0; k < 4; ++k) v = v << 8 | static_cast<unsigned char>(s[at + k]);
-  return v;
-}
-
-struct Split {
-  std::vector<float> images;  // n x 784, scaled to [0, 1]
-  std::vector<std::uint8_t> labels;
-  [[nodiscard]] std::size_t size() const { return labels.size(); }
-};
-
-Split parse_idx(const std::string& images, const std::string& labels) {
-  if (images.size() < 16 || be32(images, 0) != 0x803 || labels.size() < 8 ||
-      be32(labels, 0) != 0x801)
-    throw std::runtime_error("not an IDX image/label file pair");
-  const std::size_t n = be32(images, 4), rows = be32(images, 8), cols = be32(images, 12);
-  if (rows * cols != 784 || be32(labels, 4) != n || images.size() != 16 + n * 784 ||
-      labels.size() != 8 + n)
-    throw std::runtime_error("unexpected IDX sizes");
-  Split s;
-  s.images.resize(n * 784);
-  for (std::size_t k = 0; k < n * 784; ++k)
-    s.images[k] = static_cast<float>(static_cast<unsigned char>(images[16 + k])) / 255.0f;
-  s.labels.assign(labels.begin() + 8, labels.end());
-  return s;
-}
-
-// Local rank 0 decompresses into the cache (written under a temporary name, then renamed); the
-// other ranks of the node wait at the guard and read the cache.
-template <class Comm>
-Split load(Comm& comm, const Config& cfg, const char* images, const char* labels) {
-  {
-    ddp::ZeroFirstGuard guard(comm);
-    if (comm.local_rank() == 0) {
-      ::mkdir(cfg.cache.c_str(), 0755);
-      for (const char* name : {images, labels}) {
-        const std::string out = cfg.cache + "/" + name;
-        struct stat st {};
-        if (::stat(out.c_str(), &st) == 0) continue;  // decoded by an earlier run
-        const std::string raw = gunzip(cfg.data + "/" + name + ".gz");
-        const std::string tmp = out + ".tmp" + std::to_string(::getpid());
-        std::ofstream(tmp, std::ios::binary)
-            .write(raw.data(), static_cast<std::streamsize>(raw.size()));
-        if (std::rename(tmp.c_str(), out.c_str()) != 0)
-          throw std::runtime_error("cannot write " + out);
-      }
-    }
-  }
-  return parse_idx(read_file(cfg.cache + "/" + images), read_file(cfg.cache + "/" + labels));
 }
 
 // ---- the model ------------------------------------------------------------------------------
@@ -235,8 +158,11 @@ void run(ddp::Environment env, const Config& cfg) {
     throw std::invalid_argument("--batch " + std::to_string(cfg.batch) +
                                 " must be a multiple of the number of ranks (" +
                                 std::to_string(world) + ")");
-  Split train = load(comm, cfg, "train-images-idx3-ubyte", "train-labels-idx1-ubyte");
-  const Split test = load(comm, cfg, "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte");
+  using fashion_mnist::Split;
+  Split train = fashion_mnist::load(comm, cfg.data, cfg.cache, "train-images-idx3-ubyte",
+                                    "train-labels-idx1-ubyte");
+  const Split test = fashion_mnist::load(comm, cfg.data, cfg.cache, "t10k-images-idx3-ubyte",
+                                         "t10k-labels-idx1-ubyte");
   const std::size_t n_train = cfg.limit > 0 ? std::min(cfg.limit, train.size()) : train.size();
 
   Mlp model(cfg.hidden);

@@ -432,6 +432,22 @@ class Communicator {
     return submit(Op{"barrier", [](Backend& b, State&) { b.barrier(); }});
   }
 
+  // ---- small host values on any backend --------------------------------------------------
+
+  /// all_reduce of a few host values (counts, flags, metrics) on any backend: on one that moves
+  /// device memory only (backend::Nccl) they travel through a device copy, so code above the
+  /// Communicator (exact_mean, sync_batch_stats, ZeroFirstGuard) works on every backend alike.
+  /// For large data use all_reduce on the backend's own kind of buffer.
+  template <Scalar E>
+  void all_reduce_host(std::span<E> values, ReduceOp op = ReduceOp::sum) {
+    on_host_data(values, std::span<E>(), [&](auto& v, auto&) { all_reduce(v, op); });
+  }
+  /// broadcast of a few host values on any backend (see all_reduce_host).
+  template <Scalar E>
+  void broadcast_host(std::span<E> values, int root) {
+    on_host_data(values, std::span<E>(), [&](auto& v, auto&) { broadcast(v, root); });
+  }
+
   // ---- object collectives ------------------------------------------------------------------
 
   /// Every rank's value, in rank order.
@@ -453,13 +469,11 @@ class Communicator {
     std::string bytes;
     if (rank() == root) bytes = detail::encode_object(value);
     std::int64_t n = static_cast<std::int64_t>(bytes.size());
-    on_host_data(std::span<std::int64_t>(&n, 1), std::span<std::int64_t>(),
-                 [&](auto& b, auto&) { broadcast(b, root); });
+    broadcast_host(std::span<std::int64_t>(&n, 1), root);
     check_object_size(n, "broadcast_object", root);
     bytes.resize(static_cast<std::size_t>(n));
-    on_host_data(
-        std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(bytes.data()), bytes.size()),
-        std::span<std::uint8_t>(), [&](auto& b, auto&) { broadcast(b, root); });
+    broadcast_host(
+        std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(bytes.data()), bytes.size()), root);
     if (rank() != root) value = detail::decode_object<T>(bytes.data(), bytes.size());
   }
 
@@ -945,7 +959,7 @@ class Communicator {
   }
 
   /// Runs f(a, b) on host spans; on a backend that moves device memory only, on device copies of
-  /// them instead, copied back afterwards. For the small host data of object collectives.
+  /// them instead, copied back afterwards. For small host data (object collectives, *_host).
   template <class E, class F>
   void on_host_data(std::span<E> a, std::span<E> b, const F& f) {
     if constexpr (detail::device_only_backend<Backend>) {

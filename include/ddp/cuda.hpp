@@ -21,8 +21,12 @@
 #include "ddp/types.hpp"
 
 #include <cuda_runtime_api.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <array>
+#include <cerrno>
 #include <chrono>
 #include <cstddef>
 #include <span>
@@ -67,6 +71,22 @@ struct CudaDeviceScope {
     return 0;
   }
   return n;
+}
+
+/// cuda_device_count() asked in a forked child, so that this process creates no CUDA context: a
+/// context does not survive fork(), so a program that forks its ranks (ddp::spawn) asks this way
+/// before spawning. 0 when the child cannot be made.
+[[nodiscard]] inline int cuda_device_count_before_fork() noexcept {
+  const pid_t pid = ::fork();
+  if (pid == 0) ::_exit(std::min(cuda_device_count(), 250));
+  if (pid < 0) return 0;
+  int status = 0;
+  pid_t got = -1;
+  do {
+    got = ::waitpid(pid, &status, 0);
+  } while (got < 0 && errno == EINTR);
+  if (got != pid || !WIFEXITED(status)) return 0;
+  return WEXITSTATUS(status);
 }
 
 /// Makes `device` current for the guard's lifetime, then restores the previous one.

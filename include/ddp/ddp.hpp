@@ -26,6 +26,7 @@
 #endif
 #if DDP_HAS_NCCL
 #include "ddp/backend/nccl.hpp"
+#include "ddp/multi_gpu.hpp"
 #endif
 #include "ddp/codec.hpp"
 #include "ddp/communicator.hpp"

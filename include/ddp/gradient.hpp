@@ -337,15 +337,7 @@ class GradientAverager {
         }
       }
     }
-    if constexpr (detail::device_only_backend<Backend>) {
-#if DDP_HAS_CUDA
-      CudaBuffer<std::int32_t> d(std::span<const std::int32_t>(flag), device_);
-      comm_->all_reduce(d, ReduceOp::max);
-      d.copy_to(flag);
-#endif
-    } else {
-      comm_->all_reduce(flag, ReduceOp::max);
-    }
+    comm_->all_reduce_host(std::span<std::int32_t>(flag), ReduceOp::max);
     return flag[0] != 0;
   }
 

@@ -38,7 +38,7 @@ class ZeroFirstGuard {
         uncaught_(std::uncaught_exceptions()) {
     if (group_.rank() != 0) {
       std::int64_t status = 0;
-      group_.broadcast(std::span<std::int64_t>(&status, 1), 0);
+      group_.broadcast_host(std::span<std::int64_t>(&status, 1), 0);
       if (status != ok) {
         detail::fail(Errc::aborted, "rank ", comm.rank(),
                      ": ZeroFirstGuard: rank 0 of the group threw inside the guarded block (its "
@@ -58,7 +58,7 @@ class ZeroFirstGuard {
     const bool failing = std::uncaught_exceptions() > uncaught_;
     std::int64_t status = failing ? failed : ok;
     try {
-      group_.broadcast(std::span<std::int64_t>(&status, 1), 0);
+      group_.broadcast_host(std::span<std::int64_t>(&status, 1), 0);
     } catch (...) {
       if (!failing) throw;
     }

@@ -348,7 +348,7 @@ class DistributedSampler {
 template <class Comm>
 [[nodiscard]] double exact_mean(Comm& comm, double local_sum, std::size_t local_count) {
   std::vector<double> v{local_sum, static_cast<double>(local_count)};
-  comm.all_reduce(v);
+  comm.all_reduce_host(std::span<double>(v));
   return v[1] > 0 ? v[0] / v[1] : 0.0;
 }
 

@@ -49,7 +49,7 @@ template <class Comm, class T>
     v[c + i] = static_cast<double>(sqsum[i]);
   }
   v[2 * c] = static_cast<double>(count);
-  comm.all_reduce(v);  // exact for counts below 2^53
+  comm.all_reduce_host(std::span<double>(v));  // exact for counts below 2^53; any backend
   BatchStats s;
   s.count = static_cast<std::uint64_t>(v[2 * c]);
   s.mean.assign(c, 0.0);

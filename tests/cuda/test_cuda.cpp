@@ -9,8 +9,11 @@
 
 #include <chrono>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <thread>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "kernels.hpp"
@@ -127,6 +130,24 @@ struct Param {
 };
 }  // namespace
 
+TEST_CASE(
+    "the training layer's host values work on backend::Nccl: exact_mean, "
+    "sync_batch_stats, ZeroFirstGuard, all_reduce_host, broadcast_host") {
+  auto comm = single();
+  std::vector<double> v{1.5, -2.0};
+  comm.all_reduce_host(std::span<double>(v), ddp::ReduceOp::sum);
+  CHECK(v == std::vector<double>{1.5, -2.0});
+  comm.broadcast_host(std::span<double>(v), 0);
+  CHECK(v[1] == -2.0);
+  CHECK(ddp::exact_mean(comm, 6.0, 4) == 1.5);
+  const std::vector<float> sum{2.0f}, sq{5.0f};  // samples 1 and 2
+  const auto s =
+      ddp::sync_batch_stats(comm, std::span<const float>(sum), std::span<const float>(sq), 2);
+  CHECK(s.mean[0] == 1.5);
+  CHECK(s.var[0] == doctest::Approx(0.25));
+  { ddp::ZeroFirstGuard guard(comm); }
+}
+
 TEST_CASE("GradientAverager on backend::Nccl: device buckets, in place, unused parameters") {
   auto comm = single();
   ddp::CudaStream stream(0);
@@ -228,6 +249,163 @@ TEST_CASE("abort() from another thread unblocks a waiting collective") {
     CHECK(std::chrono::steady_clock::now() - t0 < 15s);  // timeout/4
   }
   watchdog.join();
+  producer.synchronize();
+}
+
+// ---- NcclClique: one process, every visible device (a clique of one on a one-GPU machine) ----
+
+namespace {
+
+/// One buffer per clique slot, on its device, holding value(slot, element).
+template <class F>
+std::vector<ddp::CudaBuffer<float>> per_device(const ddp::NcclClique& c, std::size_t n, F value) {
+  std::vector<ddp::CudaBuffer<float>> out;
+  for (int i = 0; i < c.size(); ++i) {
+    const ddp::CudaDeviceGuard g(c.device(i));
+    std::vector<float> h(n);
+    for (std::size_t k = 0; k < n; ++k) h[k] = value(i, k);
+    out.emplace_back(std::span<const float>(h), c.device(i));
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "NcclClique over every visible device: all_reduce, broadcast, reduce, all_gather, "
+    "reduce_scatter against host references") {
+  ddp::NcclClique clique;
+  const int n = clique.size();
+  REQUIRE(n == ddp::cuda_device_count());
+  const auto un = static_cast<std::size_t>(n);
+  constexpr std::size_t count = 1000;
+  auto value = [](int slot, std::size_t k) {
+    return static_cast<float>(slot + 1) * 0.5f + static_cast<float>(k % 7);
+  };
+
+  auto bufs = per_device(clique, count, value);
+  clique.all_reduce(bufs, ddp::ReduceOp::sum);
+  for (int i = 0; i < n; ++i) {
+    const auto h = host(bufs[static_cast<std::size_t>(i)]);
+    for (std::size_t k = 0; k < count; k += 97) {
+      float want = 0;
+      for (int j = 0; j < n; ++j) want += value(j, k);
+      CHECK(h[k] == want);
+    }
+  }
+
+  bufs = per_device(clique, count, value);
+  clique.broadcast(bufs, n - 1);
+  for (auto& b : bufs) CHECK(host(b)[5] == value(n - 1, 5));
+
+  bufs = per_device(clique, count, value);
+  clique.reduce(bufs, 0, ddp::ReduceOp::max);
+  CHECK(host(bufs[0])[3] == value(n - 1, 3));
+  if (n > 1) CHECK(host(bufs[1])[3] == value(1, 3));  // not the root: untouched
+
+  auto in = per_device(clique, 4, value);
+  auto gathered = per_device(clique, 4 * un, [](int, std::size_t) { return -1.0f; });
+  clique.all_gather(in, gathered);
+  for (auto& g : gathered) {
+    const auto h = host(g);
+    for (int j = 0; j < n; ++j) CHECK(h[4 * static_cast<std::size_t>(j) + 2] == value(j, 2));
+  }
+
+  auto big = per_device(clique, 4 * un, value);
+  auto part = per_device(clique, 4, [](int, std::size_t) { return -1.0f; });
+  clique.reduce_scatter(big, part, ddp::ReduceOp::sum);
+  for (int i = 0; i < n; ++i) {
+    const auto h = host(part[static_cast<std::size_t>(i)]);
+    float want = 0;
+    for (int j = 0; j < n; ++j) want += value(j, 4 * static_cast<std::size_t>(i) + 1);
+    CHECK(h[1] == want);
+  }
+
+  // avg over half precision, the DataParallel gradient step.
+  std::vector<ddp::CudaBuffer<ddp::half>> halves;
+  for (int i = 0; i < n; ++i) {
+    const ddp::CudaDeviceGuard g(clique.device(i));
+    const std::vector<ddp::half> h(8, ddp::half(2.0f));
+    halves.emplace_back(std::span<const ddp::half>(h), clique.device(i));
+  }
+  clique.all_reduce(halves, ddp::ReduceOp::avg);
+  CHECK(static_cast<float>(host(halves[0])[7]) == 2.0f);
+}
+
+TEST_CASE("NcclClique: wrong inputs are refused with the slot and the rule") {
+  ddp::NcclClique clique({0});
+  CHECK(clique.size() == 1);
+  CHECK(clique.device(0) == 0);
+  auto error_of = [](auto&& f) -> std::pair<std::optional<ddp::Errc>, std::string> {
+    try {
+      f();
+    } catch (const ddp::Error& e) {
+      return {e.code(), e.what()};
+    }
+    return {std::nullopt, "no error"};
+  };
+  auto [code, text] = error_of([&] { ddp::NcclClique bad({0, 0}); });
+  CHECK(code == ddp::Errc::invalid_argument);
+  CHECK(text.find("listed twice") != std::string::npos);
+  std::tie(code, text) = error_of([&] { ddp::NcclClique bad({ddp::cuda_device_count()}); });
+  CHECK(code == ddp::Errc::invalid_argument);
+  CHECK(text.find("does not exist") != std::string::npos);
+
+  std::vector<ddp::CudaBuffer<float>> two;
+  two.emplace_back(4);
+  two.emplace_back(4);
+  std::tie(code, text) = error_of([&] { clique.all_reduce(two); });
+  CHECK(code == ddp::Errc::invalid_argument);
+  CHECK(text.find("one tensor per device") != std::string::npos);
+
+  ddp::CudaBuffer<float> d(4);
+  std::vector<ddp::TensorView<float>> elsewhere{{d.data(), d.size(), ddp::Device::cuda(7)}};
+  std::tie(code, text) = error_of([&] { clique.all_reduce(elsewhere); });
+  CHECK(code == ddp::Errc::invalid_argument);
+  CHECK(text.find("tensors[0]` is on cuda:7") != std::string::npos);
+
+  std::vector<ddp::CudaBuffer<float>> in(1), out(1);
+  in[0] = ddp::CudaBuffer<float>(4);
+  out[0] = ddp::CudaBuffer<float>(3);
+  std::tie(code, text) = error_of([&] { clique.all_gather(in, out); });
+  CHECK(code == ddp::Errc::invalid_argument);
+  CHECK(text.find("all_gather") != std::string::npos);
+  std::vector<ddp::CudaBuffer<std::int32_t>> ints(1);
+  ints[0] = ddp::CudaBuffer<std::int32_t>(4);
+  std::tie(code, text) = error_of([&] { clique.all_reduce(ints, ddp::ReduceOp::avg); });
+  CHECK(code == ddp::Errc::invalid_argument);
+}
+
+TEST_CASE("NcclClique: ordered after a slow producer; a stuck one times out and aborts") {
+  {
+    ddp::NcclClique clique({0});
+    ddp::CudaStream producer(0);
+    std::vector<ddp::CudaBuffer<float>> bufs(1);
+    bufs[0] = ddp::CudaBuffer<float>(1 << 20, 0, producer.get());
+    bufs[0].fill_bytes(0);
+    launch_slow_fill(bufs[0].data(), bufs[0].size(), 3.0f, producer.get(), 400'000'000LL);
+    clique.all_reduce(bufs, ddp::ReduceOp::max);
+    CHECK(host(bufs[0]).back() == 3.0f);
+  }
+  ddp::NcclClique clique({0}, 300ms);
+  ddp::CudaStream producer(0);
+  std::vector<ddp::CudaBuffer<float>> bufs(1);
+  bufs[0] = ddp::CudaBuffer<float>(16, 0, producer.get());
+  launch_slow_fill(bufs[0].data(), bufs[0].size(), 1.0f, producer.get(), 8'000'000'000LL);
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    clique.all_reduce(bufs);
+    FAIL("the collective returned before the producer finished");
+  } catch (const ddp::Error& e) {
+    CHECK(e.code() == ddp::Errc::timeout);
+    CHECK(std::chrono::steady_clock::now() - t0 < 3s);
+  }
+  try {
+    clique.broadcast(bufs);
+    FAIL("an aborted clique ran a collective");
+  } catch (const ddp::Error& e) {
+    CHECK(e.code() == ddp::Errc::aborted);
+  }
   producer.synchronize();
 }
 

@@ -88,6 +88,9 @@ TEST_CASE("async operations complete in issue order, interleaved with sync ones"
 TEST_CASE("all_reduce_coalesced") {
   on_world([](Mpi& c) { cases::all_reduce_coalesced(c); });
 }
+TEST_CASE("all_reduce_host and broadcast_host: small host values, exact_mean, ZeroFirstGuard") {
+  on_world([](Mpi& c) { cases::host_values(c); });
+}
 TEST_CASE("split: MPI_Comm_split groups by color, ordered by key") {
   on_world([](Mpi& c) { cases::split_by_color(c); });
 }

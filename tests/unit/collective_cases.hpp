@@ -314,6 +314,29 @@ void all_reduce_coalesced(C& comm) {
   }
 }
 
+/// all_reduce_host/broadcast_host and the layers built on them (exact_mean, ZeroFirstGuard):
+/// small host values on any backend.
+template <class C>
+void host_values(C& comm) {
+  const int p = comm.size(), r = comm.rank();
+  std::vector<std::int64_t> v{r, 1, -r};
+  comm.all_reduce_host(std::span<std::int64_t>(v), ReduceOp::sum);
+  MP_EXPECT(v[0] == p * (p - 1) / 2 && v[1] == p && v[2] == -v[0], "all_reduce_host sum");
+  std::vector<double> m{static_cast<double>(r)};
+  comm.all_reduce_host(std::span<double>(m), ReduceOp::max);
+  MP_EXPECT(m[0] == p - 1, "all_reduce_host max " << m[0]);
+  std::vector<float> b{static_cast<float>(r) + 0.5f, 2.0f};
+  comm.broadcast_host(std::span<float>(b), p - 1);
+  MP_EXPECT(b[0] == static_cast<float>(p - 1) + 0.5f && b[1] == 2.0f, "broadcast_host");
+  // Rank r contributes r samples of value r: the mean is sum(r^2) / sum(r).
+  double sq = 0, n = 0;
+  for (int k = 0; k < p; ++k) sq += k * k, n += k;
+  const double mean =
+      ddp::exact_mean(comm, static_cast<double>(r * r), static_cast<std::size_t>(r));
+  MP_EXPECT(mean == (n > 0 ? sq / n : 0.0), "exact_mean " << mean);
+  { ddp::ZeroFirstGuard guard(comm); }
+}
+
 template <class C>
 void send_recv_ring(C& comm) {
   const int p = comm.size(), r = comm.rank();

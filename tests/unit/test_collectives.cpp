@@ -54,6 +54,10 @@ TEST_CASE("all_reduce_coalesced: several buffers as one operation, sync and asyn
   mp::each_world([](Comm& comm) { cases::all_reduce_coalesced(comm); }, {1, 3});
 }
 
+TEST_CASE("all_reduce_host and broadcast_host: small host values, exact_mean, ZeroFirstGuard") {
+  mp::each_world([](Comm& comm) { cases::host_values(comm); }, {1, 3});
+}
+
 TEST_CASE("split: groups by color, ordered by key") {
   mp::each_world([](Comm& comm) { cases::split_by_color(comm); }, {1, 2, 3, 4});
 }
