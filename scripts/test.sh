@@ -17,7 +17,7 @@ fast=0
 
 ensure_debs build-essential g++ clang clang-format cmake ninja-build pkg-config python3 python3-venv \
   doctest-dev meson git libopenmpi-dev openmpi-bin libcli11-dev libfmt-dev iproute2 \
-  zlib1g-dev libeigen3-dev dataset-fashion-mnist
+  zlib1g-dev libeigen3-dev libclang-rt-dev dataset-fashion-mnist
 mkdir -p build
 ensure_conan "$root/build"
 
