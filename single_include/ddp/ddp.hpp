@@ -9965,7 +9965,7 @@ class LaunchAgent {
       w.seconds = std::chrono::duration<double>(now - w.started).count();
       ::kill(-w.pid, SIGKILL);  // whatever it left behind in its process group
       const bool ok = WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0;
-      if (!ok && root_cause_ < 0 && !stopping_) {
+      if (!ok && (root_cause_ < 0 ? !stopping_ : crashed_while_stopping(w))) {
         const LaunchFailure f{o_.node_rank, exit_code_of(w.status), true,
                               describe(w),  WIFSIGNALED(w.status),  wall_ns()};
         if (!first || f.before(*first)) {
@@ -9974,12 +9974,26 @@ class LaunchAgent {
         }
       }
     }
-    if (first) {
-      root_cause_ = first_worker;
+    if (!first) return;
+    if (root_cause_ >= 0) {
+      // A worker killed or crashed just after a peer of it exited with an error (the peer saw
+      // the connection close before this one was reaped): the kill is the root cause.
+      say(first->what, "; that is the root cause, not rank ",
+          workers_[static_cast<std::size_t>(root_cause_)].rank);
+    } else {
       say(first->what, "; stopping the other workers");
-      publish_failure(attempt, *first);
-      stop_workers(now);
     }
+    root_cause_ = first_worker;
+    root_by_signal_ = first->by_signal;
+    publish_failure(attempt, *first);
+    stop_workers(now);
+  }
+
+  /// Whether a worker reaped while its group is being stopped for an error exit died of a signal
+  /// that ddprun did not send (it sends SIGTERM, then SIGKILL after the grace period).
+  [[nodiscard]] bool crashed_while_stopping(const Worker& w) const {
+    return !root_by_signal_ && interrupted_ == 0 && kill_at_ != Clock::time_point::max() &&
+           WIFSIGNALED(w.status) && WTERMSIG(w.status) != SIGTERM;
   }
 
   void on_signal(int sig, int attempt) {
@@ -10004,6 +10018,7 @@ class LaunchAgent {
     workers_.clear();
     workers_.resize(static_cast<std::size_t>(o_.nproc_per_node));
     root_cause_ = -1;
+    root_by_signal_ = false;
     stopping_ = false;
     kill_at_ = Clock::time_point::max();
     auto drain_until = Clock::time_point::max();
@@ -10123,6 +10138,7 @@ class LaunchAgent {
   std::unique_ptr<Store> store_;
   std::vector<Worker> workers_;
   int root_cause_ = -1;
+  bool root_by_signal_ = false;  // the root cause died of a signal (nothing can come before it)
   bool stopping_ = false;
   int interrupted_ = 0;
   Clock::time_point kill_at_ = Clock::time_point::max();
