@@ -6,14 +6,15 @@
 //   build/default/examples/data_parallel                 every visible device
 //   build/default/examples/data_parallel --devices 0,2   a subset
 //
-// Options: --devices LIST, --epochs N (3), --batch N (global, 64 per device), --lr X (0.1),
-// --hidden N (256), --data DIR, --cache DIR, --limit N. Without a CUDA device it prints
+// Options: --devices LIST, --epochs N (3), --batch N (per device, 64), --lr X (0.1), --lr-decay X
+// (1), --hidden N (256), --data DIR, --cache DIR, --limit N. Without a CUDA device it prints
 // "no CUDA device; skipped" and exits 0.
 
 #include <ddp/ddp.hpp>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -23,54 +24,26 @@
 #include <string>
 #include <vector>
 
-#include "fashion_mnist_data.hpp"
+#include "fashion_mnist_common.hpp"
 #include "gpu/gpu_mlp.hpp"
 
 namespace {
 
-struct Config {
+struct Config : fashion_mnist::Config {
   std::vector<int> devices;  // empty: all
-  int epochs = 3;
-  int batch = 0;  // 0: 64 per device
-  float lr = 0.1f;
-  int hidden = 256;
-  std::string data = fashion_mnist::default_dir;
-  std::string cache = "fashion-mnist-cache";
-  std::size_t limit = 0;
 };
 
 Config parse(int argc, char** argv) {
   Config c;
-  if (const char* d = std::getenv("FASHION_MNIST_DIR")) c.data = d;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    const auto next = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
-      return argv[++i];
-    };
-    if (a == "--devices") {
-      std::stringstream list(next());
-      for (std::string d; std::getline(list, d, ',');) c.devices.push_back(std::stoi(d));
-    } else if (a == "--epochs") {
-      c.epochs = std::stoi(next());
-    } else if (a == "--batch") {
-      c.batch = std::stoi(next());
-    } else if (a == "--lr") {
-      c.lr = std::stof(next());
-    } else if (a == "--hidden") {
-      c.hidden = std::stoi(next());
-    } else if (a == "--data") {
-      c.data = next();
-    } else if (a == "--cache") {
-      c.cache = next();
-    } else if (a == "--limit") {
-      c.limit = std::stoul(next());
-    } else {
-      throw std::invalid_argument("unknown option " + a + " (see the top of data_parallel.cpp)");
-    }
-  }
-  if (c.epochs < 1 || c.batch < 0 || c.hidden < 1 || !(c.lr > 0))
-    throw std::invalid_argument("--epochs, --batch, --hidden and --lr must be positive");
+  c.epochs = 3;
+  c.decay = 1.0f;
+  static_cast<fashion_mnist::Config&>(c) = fashion_mnist::parse(
+      argc, argv, c, "data_parallel.cpp", [&](const std::string& a, const auto& next) {
+        if (a != "--devices") return false;
+        std::stringstream list(next());
+        for (std::string d; std::getline(list, d, ',');) c.devices.push_back(std::stoi(d));
+        return true;
+      });
   return c;
 }
 
@@ -102,10 +75,8 @@ void run(const Config& cfg) {
   ddp::NcclClique clique(cfg.devices);
   const int n = clique.size();
   const auto un = static_cast<std::size_t>(n);
-  const int batch = cfg.batch > 0 ? cfg.batch : 64 * n;
-  if (batch % n != 0)
-    throw std::invalid_argument("--batch must be a multiple of the number of devices");
-  const auto per_device = static_cast<std::size_t>(batch / n);
+  const int batch = cfg.batch * n;  // --batch is per device
+  const auto per_device = static_cast<std::size_t>(cfg.batch);
   constexpr std::size_t eval_batch = 1000;
 
   const auto train = fashion_mnist::load(cfg.data, cfg.cache, "train-images-idx3-ubyte",
@@ -130,6 +101,7 @@ void run(const Config& cfg) {
     samplers.emplace_back(n_train, n, i, ddp::SamplerOptions{.shuffle = true, .seed = 7});
   double accuracy = 0;
   for (int epoch = 0; epoch < cfg.epochs; ++epoch) {
+    const float lr = cfg.lr * std::pow(cfg.decay, static_cast<float>(epoch));
     std::vector<std::vector<std::uint32_t>> mine;
     for (auto& s : samplers) {
       s.set_epoch(static_cast<std::uint64_t>(epoch));
@@ -148,7 +120,7 @@ void run(const Config& cfg) {
         clique.all_reduce(across(replicas, k, true), ddp::ReduceOp::avg);
       for (std::size_t i = 0; i < un; ++i) {
         const ddp::CudaDeviceGuard g(clique.device(static_cast<int>(i)));
-        replicas[i]->model.sgd_step(cfg.lr);
+        replicas[i]->model.sgd_step(lr);
       }
     }
     double loss = 0;

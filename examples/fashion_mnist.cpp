@@ -31,63 +31,16 @@
 #include <cstring>
 #include <fstream>
 #include <random>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
-#include "fashion_mnist_data.hpp"
+#include "fashion_mnist_common.hpp"
 
 namespace {
 
-struct Config {
-  int epochs = 5;
-  int batch = 64;
-  float lr = 0.1f;
-  float decay = 0.7f;  // the learning rate is multiplied by this after every epoch
-  int hidden = 256;
-  std::string data = fashion_mnist::default_dir;
-  std::string cache = "fashion-mnist-cache";
-  std::size_t limit = 0;
-  std::string checkpoint = "fashion_mnist.ckpt";
-  int nproc = 2;
-};
-
-Config parse(int argc, char** argv) {
-  Config c;
-  if (const char* d = std::getenv("FASHION_MNIST_DIR")) c.data = d;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    const auto next = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
-      return argv[++i];
-    };
-    if (a == "--epochs")
-      c.epochs = std::stoi(next());
-    else if (a == "--batch")
-      c.batch = std::stoi(next());
-    else if (a == "--lr")
-      c.lr = std::stof(next());
-    else if (a == "--lr-decay")
-      c.decay = std::stof(next());
-    else if (a == "--hidden")
-      c.hidden = std::stoi(next());
-    else if (a == "--data")
-      c.data = next();
-    else if (a == "--cache")
-      c.cache = next();
-    else if (a == "--limit")
-      c.limit = std::stoul(next());
-    else if (a == "--checkpoint")
-      c.checkpoint = next();
-    else if (a == "--nproc")
-      c.nproc = std::stoi(next());
-    else
-      throw std::invalid_argument("unknown option " + a + " (see the top of fashion_mnist.cpp)");
-  }
-  if (c.epochs < 1 || c.batch < 1 || c.hidden < 1 || c.nproc < 1 || !(c.lr > 0))
-    throw std::invalid_argument("--epochs, --batch, --hidden, --nproc and --lr must be positive");
-  return c;
-}
+using fashion_mnist::Config;
 
 // ---- the model ------------------------------------------------------------------------------
 
@@ -101,19 +54,10 @@ struct Mlp {
   int hidden;
   std::vector<Param> params;  // W1 (784 x H), b1 (H), W2 (H x 10), b2 (10)
   explicit Mlp(int h) : hidden(h) {
-    const auto hs = static_cast<std::size_t>(h);
-    params = {{std::vector<float>(784 * hs), {}},
-              {std::vector<float>(hs), {}},
-              {std::vector<float>(hs * 10), {}},
-              {std::vector<float>(10), {}}};
-    for (auto& p : params) p.grad.resize(p.value.size());
-    std::mt19937 rng(42);  // the same sequence everywhere; only rank 0's values are used anyway
-    const auto init = [&](std::vector<float>& w, float fan_in) {
-      const float a = std::sqrt(6.0f / fan_in);
-      for (auto& x : w) x = (static_cast<float>(rng()) / 4294967296.0f * 2.0f - 1.0f) * a;
-    };
-    init(params[0].value, 784.0f);
-    init(params[2].value, static_cast<float>(h));
+    for (auto& v : fashion_mnist::initial_parameters(h)) {
+      std::vector<float> grad(v.size());
+      params.push_back({std::move(v), std::move(grad)});
+    }
   }
   std::vector<Param>& parameters() { return params; }
 
@@ -261,16 +205,9 @@ void run(ddp::Environment env, const Config& cfg) {
     if (rank == 0) {
       std::printf("epoch %d/%d: train loss %.4f, test accuracy %.2f%%\n", epoch + 1, cfg.epochs,
                   train_loss, 100 * accuracy);
-      std::ofstream ck(cfg.checkpoint + ".tmp", std::ios::binary);  // rank 0 only, atomically
-      const std::uint32_t header[3] = {0x4B434444u /* "DDCK" */,
-                                       static_cast<std::uint32_t>(epoch + 1),
-                                       static_cast<std::uint32_t>(cfg.hidden)};
-      ck.write(reinterpret_cast<const char*>(header), sizeof header);
-      for (const auto& p : model.params)
-        ck.write(reinterpret_cast<const char*>(p.value.data()),
-                 static_cast<std::streamsize>(p.value.size() * sizeof(float)));
-      ck.close();
-      std::rename((cfg.checkpoint + ".tmp").c_str(), cfg.checkpoint.c_str());
+      std::vector<std::span<const float>> values;  // rank 0 only
+      for (const auto& p : model.params) values.emplace_back(p.value);
+      fashion_mnist::write_checkpoint(cfg.checkpoint, epoch + 1, cfg.hidden, values);
       std::fflush(stdout);
     }
   }
@@ -280,7 +217,9 @@ void run(ddp::Environment env, const Config& cfg) {
 
 int main(int argc, char** argv) {
   try {
-    const Config cfg = parse(argc, argv);
+    Config defaults;
+    defaults.checkpoint = "fashion_mnist.ckpt";
+    const Config cfg = fashion_mnist::parse(argc, argv, defaults, "fashion_mnist.cpp");
     const auto env = ddp::Environment::detect();
     if (env.launcher == "none")
       ddp::spawn(cfg.nproc, [&](ddp::Environment e) { run(e, cfg); });

@@ -27,62 +27,25 @@
 #include <string>
 #include <vector>
 
-#include "fashion_mnist_data.hpp"
+#include "fashion_mnist_common.hpp"
 #include "gpu/gpu_mlp.hpp"
 
 namespace {
 
-struct Config {
-  int epochs = 5;
-  int batch = 64;
-  float lr = 0.1f;
-  float decay = 0.7f;
-  int hidden = 256;
-  std::string data = fashion_mnist::default_dir;
-  std::string cache = "fashion-mnist-cache";
-  std::size_t limit = 0;
-  std::string checkpoint = "fashion_mnist_gpu.ckpt";
-  int nproc = 1;
+struct Config : fashion_mnist::Config {
   std::string backend = "nccl";
 };
 
 Config parse(int argc, char** argv) {
   Config c;
-  if (const char* d = std::getenv("FASHION_MNIST_DIR")) c.data = d;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    const auto next = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
-      return argv[++i];
-    };
-    if (a == "--epochs")
-      c.epochs = std::stoi(next());
-    else if (a == "--batch")
-      c.batch = std::stoi(next());
-    else if (a == "--lr")
-      c.lr = std::stof(next());
-    else if (a == "--lr-decay")
-      c.decay = std::stof(next());
-    else if (a == "--hidden")
-      c.hidden = std::stoi(next());
-    else if (a == "--data")
-      c.data = next();
-    else if (a == "--cache")
-      c.cache = next();
-    else if (a == "--limit")
-      c.limit = std::stoul(next());
-    else if (a == "--checkpoint")
-      c.checkpoint = next();
-    else if (a == "--nproc")
-      c.nproc = std::stoi(next());
-    else if (a == "--backend")
-      c.backend = next();
-    else
-      throw std::invalid_argument("unknown option " + a +
-                                  " (see the top of fashion_mnist_gpu.cpp)");
-  }
-  if (c.epochs < 1 || c.batch < 1 || c.hidden < 1 || c.nproc < 1 || !(c.lr > 0))
-    throw std::invalid_argument("--epochs, --batch, --hidden, --nproc and --lr must be positive");
+  c.checkpoint = "fashion_mnist_gpu.ckpt";
+  c.nproc = 1;
+  static_cast<fashion_mnist::Config&>(c) = fashion_mnist::parse(
+      argc, argv, c, "fashion_mnist_gpu.cpp", [&](const std::string& a, const auto& next) {
+        if (a != "--backend") return false;
+        c.backend = next();
+        return true;
+      });
   if (c.backend != "nccl" && c.backend != "host")
     throw std::invalid_argument("--backend must be nccl or host");
   return c;
@@ -168,16 +131,7 @@ void train(ddp::Environment env, const Config& cfg) {
     if (rank == 0) {
       std::printf("epoch %d/%d: train loss %.4f, test accuracy %.2f%%\n", epoch + 1, cfg.epochs,
                   train_loss, 100 * accuracy);
-      std::ofstream ck(cfg.checkpoint + ".tmp", std::ios::binary);  // rank 0 only, atomically
-      const std::uint32_t header[3] = {0x4B434444u /* "DDCK" */,
-                                       static_cast<std::uint32_t>(epoch + 1),
-                                       static_cast<std::uint32_t>(cfg.hidden)};
-      ck.write(reinterpret_cast<const char*>(header), sizeof header);
-      for (const auto& v : model.host_values())
-        ck.write(reinterpret_cast<const char*>(v.data()),
-                 static_cast<std::streamsize>(v.size() * sizeof(float)));
-      ck.close();
-      std::rename((cfg.checkpoint + ".tmp").c_str(), cfg.checkpoint.c_str());
+      fashion_mnist::write_checkpoint(cfg.checkpoint, epoch + 1, cfg.hidden, model.host_values());
       std::fflush(stdout);
     }
   }

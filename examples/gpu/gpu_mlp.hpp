@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "../fashion_mnist_data.hpp"
+#include "../fashion_mnist_common.hpp"
 #include "mlp_kernels.hpp"
 
 namespace gpu_mlp {
@@ -39,20 +39,11 @@ struct Param {
 
 class Mlp {
  public:
-  /// Parameters initialized as in the CPU example (the same generator and seed), on `device`.
+  /// Parameters initialized as in the CPU example (fashion_mnist::initial_parameters), on `device`.
   Mlp(int hidden, std::size_t max_batch, int device, cudaStream_t stream)
       : hidden_(hidden), stream_(stream) {
     const auto H = static_cast<std::size_t>(hidden);
-    std::vector<std::vector<float>> init{std::vector<float>(784 * H), std::vector<float>(H),
-                                         std::vector<float>(H * 10), std::vector<float>(10)};
-    std::mt19937 rng(42);
-    const auto uniform = [&](std::vector<float>& w, float fan_in) {
-      const float a = std::sqrt(6.0f / fan_in);
-      for (auto& x : w) x = (static_cast<float>(rng()) / 4294967296.0f * 2.0f - 1.0f) * a;
-    };
-    uniform(init[0], 784.0f);
-    uniform(init[2], static_cast<float>(hidden));
-    for (const auto& v : init) {
+    for (const auto& v : fashion_mnist::initial_parameters(hidden)) {
       params_.push_back({ddp::CudaBuffer<float>(std::span<const float>(v), device, stream),
                          ddp::CudaBuffer<float>(v.size(), device, stream)});
       params_.back().grad.fill_bytes(0);

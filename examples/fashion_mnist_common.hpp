@@ -1,0 +1,203 @@
+// What the Fashion-MNIST examples share: the dataset (Debian's dataset-fashion-mnist, IDX files
+// gzip'd, read with zlib, decoded once into a cache directory that later runs and other ranks
+// read directly), the command-line options, the MLP's initial parameters and the checkpoint.
+#pragma once
+
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <ddp/ddp.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace fashion_mnist {
+
+inline constexpr const char* default_dir = "/usr/share/datasets/fashion-mnist";
+
+// ---- options ------------------------------------------------------------------------------
+
+struct Config {
+  int epochs = 5;
+  int batch = 64;
+  float lr = 0.1f;
+  float decay = 0.7f;  // the learning rate is multiplied by this after every epoch
+  int hidden = 256;
+  std::string data = default_dir;
+  std::string cache = "fashion-mnist-cache";
+  std::size_t limit = 0;
+  std::string checkpoint;
+  int nproc = 2;
+};
+
+/// Parses --epochs, --batch, --lr, --lr-decay, --hidden, --data, --cache, --limit, --checkpoint
+/// and --nproc over `c` (FASHION_MNIST_DIR sets the data directory); `extra(option, next)` takes
+/// a program's own options and returns false for one it does not know.
+inline Config parse(int argc, char** argv, Config c, const char* program,
+                    const std::function<bool(const std::string&,
+                                             const std::function<std::string()>&)>& extra = {}) {
+  if (const char* d = std::getenv("FASHION_MNIST_DIR")) c.data = d;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const std::function<std::string()> next = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
+      return argv[++i];
+    };
+    if (a == "--epochs")
+      c.epochs = std::stoi(next());
+    else if (a == "--batch")
+      c.batch = std::stoi(next());
+    else if (a == "--lr")
+      c.lr = std::stof(next());
+    else if (a == "--lr-decay")
+      c.decay = std::stof(next());
+    else if (a == "--hidden")
+      c.hidden = std::stoi(next());
+    else if (a == "--data")
+      c.data = next();
+    else if (a == "--cache")
+      c.cache = next();
+    else if (a == "--limit")
+      c.limit = std::stoul(next());
+    else if (a == "--checkpoint")
+      c.checkpoint = next();
+    else if (a == "--nproc")
+      c.nproc = std::stoi(next());
+    else if (!extra || !extra(a, next))
+      throw std::invalid_argument("unknown option " + a + " (see the top of " + program + ")");
+  }
+  if (c.epochs < 1 || c.batch < 1 || c.hidden < 1 || c.nproc < 1 || !(c.lr > 0))
+    throw std::invalid_argument("--epochs, --batch, --hidden, --nproc and --lr must be positive");
+  return c;
+}
+
+// ---- the model's parameters -----------------------------------------------------------------
+
+/// The MLP's initial W1 (784 x hidden, input-major), b1, W2 (hidden x 10), b2: uniform in
+/// +-sqrt(6 / fan_in) from mt19937(42), the same sequence everywhere (only rank 0's are used).
+inline std::vector<std::vector<float>> initial_parameters(int hidden) {
+  const auto H = static_cast<std::size_t>(hidden);
+  std::vector<std::vector<float>> p{std::vector<float>(784 * H), std::vector<float>(H),
+                                    std::vector<float>(H * 10), std::vector<float>(10)};
+  std::mt19937 rng(42);
+  const auto uniform = [&](std::vector<float>& w, float fan_in) {
+    const float a = std::sqrt(6.0f / fan_in);
+    for (auto& x : w) x = (static_cast<float>(rng()) / 4294967296.0f * 2.0f - 1.0f) * a;
+  };
+  uniform(p[0], 784.0f);
+  uniform(p[2], static_cast<float>(hidden));
+  return p;
+}
+
+/// Writes "DDCK", the epoch, the hidden size and the parameters (host float ranges, in order)
+/// under a temporary name, then renames it: a reader never sees half a checkpoint.
+template <class Values>
+void write_checkpoint(const std::string& path, int epoch, int hidden, const Values& values) {
+  std::ofstream ck(path + ".tmp", std::ios::binary);
+  const std::uint32_t header[3] = {0x4B434444u /* "DDCK" */, static_cast<std::uint32_t>(epoch),
+                                   static_cast<std::uint32_t>(hidden)};
+  ck.write(reinterpret_cast<const char*>(header), sizeof header);
+  for (const auto& v : values)
+    ck.write(reinterpret_cast<const char*>(std::data(v)),
+             static_cast<std::streamsize>(std::size(v) * sizeof(float)));
+  ck.close();
+  if (!ck || std::rename((path + ".tmp").c_str(), path.c_str()) != 0)
+    throw std::runtime_error("cannot write the checkpoint " + path);
+}
+
+// ---- IDX files (big-endian header), gzip'd ----------------------------------------------------
+
+inline std::string gunzip(const std::string& path) {
+  gzFile f = gzopen(path.c_str(), "rb");
+  if (f == nullptr)
+    throw std::runtime_error("cannot open " + path +
+                             " (install the Debian package dataset-fashion-mnist, or pass --data)");
+  std::string out;
+  char buf[1 << 16];
+  int n;
+  while ((n = gzread(f, buf, sizeof buf)) > 0) out.append(buf, static_cast<std::size_t>(n));
+  const bool ok = n == 0;
+  gzclose(f);
+  if (!ok) throw std::runtime_error("corrupt gzip file " + path);
+  return out;
+}
+
+inline std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot read " + path);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+inline std::uint32_t be32(const std::string& s, std::size_t at) {
+  std::uint32_t v = 0;
+  for (std::size_t k = 0; k < 4; ++k) v = v << 8 | static_cast<unsigned char>(s[at + k]);
+  return v;
+}
+
+struct Split {
+  std::vector<float> images;  // n x 784, scaled to [0, 1]
+  std::vector<std::uint8_t> labels;
+  [[nodiscard]] std::size_t size() const { return labels.size(); }
+};
+
+inline Split parse_idx(const std::string& images, const std::string& labels) {
+  if (images.size() < 16 || be32(images, 0) != 0x803 || labels.size() < 8 ||
+      be32(labels, 0) != 0x801)
+    throw std::runtime_error("not an IDX image/label file pair");
+  const std::size_t n = be32(images, 4), rows = be32(images, 8), cols = be32(images, 12);
+  if (rows * cols != 784 || be32(labels, 4) != n || images.size() != 16 + n * 784 ||
+      labels.size() != 8 + n)
+    throw std::runtime_error("unexpected IDX sizes");
+  Split s;
+  s.images.resize(n * 784);
+  for (std::size_t k = 0; k < n * 784; ++k)
+    s.images[k] = static_cast<float>(static_cast<unsigned char>(images[16 + k])) / 255.0f;
+  s.labels.assign(labels.begin() + 8, labels.end());
+  return s;
+}
+
+/// Decompresses DATA/NAME.gz into CACHE/NAME unless an earlier run did (written under a temporary
+/// name, then renamed, so a reader never sees half a file).
+inline void decode_into_cache(const std::string& data, const std::string& cache, const char* name) {
+  ::mkdir(cache.c_str(), 0755);
+  const std::string out = cache + "/" + name;
+  struct stat st {};
+  if (::stat(out.c_str(), &st) == 0) return;
+  const std::string raw = gunzip(data + "/" + name + ".gz");
+  const std::string tmp = out + ".tmp" + std::to_string(::getpid());
+  std::ofstream(tmp, std::ios::binary).write(raw.data(), static_cast<std::streamsize>(raw.size()));
+  if (std::rename(tmp.c_str(), out.c_str()) != 0) throw std::runtime_error("cannot write " + out);
+}
+
+/// The split IMAGES/LABELS ("train-images-idx3-ubyte", ...), decoded through the cache.
+inline Split load(const std::string& data, const std::string& cache, const char* images,
+                  const char* labels) {
+  for (const char* name : {images, labels}) decode_into_cache(data, cache, name);
+  return parse_idx(read_file(cache + "/" + images), read_file(cache + "/" + labels));
+}
+
+/// The same across ranks: local rank 0 fills the cache first (ZeroFirstGuard); the other ranks of
+/// the node wait at the guard, then read the cache.
+template <class Comm>
+Split load(Comm& comm, const std::string& data, const std::string& cache, const char* images,
+           const char* labels) {
+  {
+    ddp::ZeroFirstGuard guard(comm);
+    if (comm.local_rank() == 0) {
+      for (const char* name : {images, labels}) decode_into_cache(data, cache, name);
+    }
+  }
+  return parse_idx(read_file(cache + "/" + images), read_file(cache + "/" + labels));
+}
+
+}  // namespace fashion_mnist
