@@ -58,6 +58,30 @@ def wait_for_files(paths, proc=None, timeout=20):
     raise AssertionError(f"timed out waiting for {paths}")
 
 
+def listening_addresses(pids):
+    """The local addresses of the TCP sockets the processes `pids` listen on, read from
+    /proc/net/tcp and /proc/net/tcp6 (state 0A) and matched to the processes by socket inode."""
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    found = []
+    for table, family in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 6)):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:
+                    address, port = cols[1].split(":")
+                    found.append((family, address, int(port, 16)))
+    return found
+
+
 class Base(unittest.TestCase):
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix="ddprun-test-")
@@ -223,6 +247,24 @@ class SingleNode(Base):
         self.assertEqual(r.returncode, 5, r.stderr)
         pids = [read_int(f"{self.dir}/grandchild.{k}") for k in range(2)]
         self.assertGone(pids)
+
+    def test_nothing_listens_on_every_interface(self):
+        # MASTER_ADDR=127.0.0.1: nothing ddprun or a worker listens on is bound to 0.0.0.0 or ::.
+        env = dict(os.environ, DDP_HOST_TRANSPORT="tcp")
+        p = subprocess.Popen([DDPRUN, "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
+                              "--master-port", str(free_port()), WORKER, "loop", self.dir],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        try:
+            pids = wait_for_files([f"{self.dir}/pid.{r}" for r in range(3)], p)
+            found = listening_addresses([p.pid, *pids])
+        finally:
+            p.terminate()
+            p.communicate(timeout=LIMIT)
+        loopback = "0100007F"  # 127.0.0.1 as /proc/net/tcp writes it
+        # The store; the ranks' transport listeners are bound the same way and closed once their
+        # connections are made, so they may be gone by now.
+        self.assertGreaterEqual(len(found), 1, found)
+        self.assertEqual([f for f in found if f[0] != 4 or f[1] != loopback], [], found)
 
     def test_workers_die_with_ddprun(self):
         p = subprocess.Popen([DDPRUN, "--standalone", "--nproc-per-node", "2", WORKER, "wait",
