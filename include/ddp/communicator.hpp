@@ -29,6 +29,7 @@
 #include "ddp/options.hpp"
 #include "ddp/store.hpp"
 #include "ddp/tensor.hpp"
+#include "ddp/trace.hpp"
 #include "ddp/types.hpp"
 #if DDP_HAS_CUDA
 #include "ddp/cuda.hpp"
@@ -261,7 +262,7 @@ class Communicator {
   [[nodiscard]] static Communicator init(const Environment& env = Environment::detect(),
                                          Options options = {}) {
     auto state = std::make_shared<State>();
-    state->options = options;
+    state->configure(options);
     state->world_rank = env.rank;
     detail::BackendInit bi;
     bi.rank = env.rank;
@@ -491,7 +492,7 @@ class Communicator {
       exec(Op{"split", [&](Backend& b, State&) { made = b.split(color, key); }});
       if (!made) return Communicator(nullptr);
       auto sub = std::make_shared<State>();
-      sub->options = state_->options;
+      sub->configure(state_->options);
       sub->world_rank = state_->world_rank;
       sub->local_rank_hint = state_->local_rank_hint;
       sub->backend = std::move(made);
@@ -507,7 +508,7 @@ class Communicator {
     }
     std::sort(members.begin(), members.end());
     auto sub = std::make_shared<State>();
-    sub->options = state_->options;
+    sub->configure(state_->options);
     sub->world_rank = state_->world_rank;
     sub->root_store = state_->root_store;
     sub->prefix = detail::concat(state_->prefix, "split", n, "/", color, "/");
@@ -535,6 +536,19 @@ class Communicator {
       s.local_group = std::make_unique<Communicator>(split(backend().local_leader(), rank()));
     }
     return *s.local_group;
+  }
+
+  // ---- diagnostics ---------------------------------------------------------------------------
+
+  /// The flight recorder: the last Options::trace_entries operations on this communicator
+  /// (op, seq, bytes, state), oldest first. Safe from any thread, e.g. a watchdog.
+  [[nodiscard]] std::vector<TraceRecord> recent() const { return checked().recorder.recent(); }
+
+  /// The same as text (what a timeout writes to Options::trace_dump), with `why` in its header.
+  [[nodiscard]] std::string trace(std::string_view why = {}) const {
+    const State& s = checked();
+    return detail::format_trace(s.recorder.recent(), s.recorder.issued(), s.backend->rank(),
+                                s.backend->size(), s.options.group, why);
   }
 
   /// Makes every pending and later operation fail with Errc::aborted, here and, where the
@@ -572,7 +586,13 @@ class Communicator {
       }
       backend.reset();
     }
+    void configure(const Options& o) {
+      options = o;
+      recorder.resize(detail::trace_capacity(o));
+    }
+
     Options options;
+    detail::FlightRecorder recorder;
     int world_rank = 0;
     int local_rank_hint = 0;  // the launcher's local rank: the default CUDA device
     std::unique_ptr<StoreServer> server;
@@ -605,9 +625,12 @@ class Communicator {
   struct Op {
     const char* name;
     F body;
+    std::size_t bytes = 0;  // this rank's buffers, for the flight recorder
   };
   template <class F>
   Op(const char*, F) -> Op<F>;
+  template <class F>
+  Op(const char*, F, std::size_t) -> Op<F>;
 
   explicit Communicator(std::shared_ptr<State> s) : state_(std::move(s)) {}
 
@@ -621,9 +644,33 @@ class Communicator {
   }
 
   /// Runs an operation unless the communicator is poisoned (then fails at once), and poisons it
-  /// when the operation fails.
+  /// when the operation fails; keeps the flight recorder's entry `seq` up to date and dumps the
+  /// recorder when the operation times out.
   template <class F>
-  static void run_guarded(State& s, const char* name, const F& body) {
+  static void run_guarded(State& s, std::uint64_t seq, const char* name, const F& body) {
+    using St = TraceRecord::State;
+    s.recorder.update(seq, St::running);
+    try {
+      run_poisoning(s, name, body);
+    } catch (const Error& e) {
+      s.recorder.update(seq, St::failed);
+      if (e.code() == Errc::timeout && !s.options.trace_dump.empty()) {
+        detail::dump_trace(
+            s.options.trace_dump,
+            detail::format_trace(s.recorder.recent(), s.recorder.issued(), s.backend->rank(),
+                                 s.backend->size(), s.options.group, e.what()),
+            s.options.group, s.backend->rank());
+      }
+      throw;
+    } catch (...) {
+      s.recorder.update(seq, St::failed);
+      throw;
+    }
+    s.recorder.update(seq, St::done);
+  }
+
+  template <class F>
+  static void run_poisoning(State& s, const char* name, const F& body) {
     {
       if (s.poisoned.load(std::memory_order_acquire)) {
         std::lock_guard lock(s.poison_mutex);
@@ -654,15 +701,17 @@ class Communicator {
   template <class F>
   void exec(const Op<F>& op) {
     State& s = checked();
-    s.executor->run([&] { run_guarded(s, op.name, op.body); });
+    const auto seq = s.recorder.issue(op.name, op.bytes, TraceRecord::State::queued);
+    s.executor->run([&] { run_guarded(s, seq, op.name, op.body); });
   }
 
   template <class F>
   Work submit(Op<F> op) {
     auto s = state_;
     checked();
-    return Work(
-        s->executor->submit([s, op = std::move(op)] { run_guarded(*s, op.name, op.body); }));
+    const auto seq = s->recorder.issue(op.name, op.bytes, TraceRecord::State::queued);
+    return Work(s->executor->submit(
+        [s, seq, op = std::move(op)] { run_guarded(*s, seq, op.name, op.body); }));
   }
 
   /// Whether CUDA buffers given to a backend that moves host memory only are staged through
@@ -763,19 +812,24 @@ class Communicator {
   auto prepare_all_reduce(T& t, ReduceOp op) {
     auto b = to_buf(t, "all_reduce", "buf");
     check_op(op, b.dtype, "all_reduce");
-    return Op{"all_reduce", [b, op](Backend& be, State& s) {
+    return Op{"all_reduce",
+              [b, op](Backend& be, State& s) {
                 elementwise(s, b, true, true, [&](const detail::Buf& h) { be.all_reduce(h, op); });
-              }};
+              },
+              b.bytes()};
   }
 
   template <class R>
   auto prepare_all_reduce_coalesced(R& bufs, ReduceOp op) {
     std::vector<detail::Buf> bs;
+    std::size_t bytes = 0;
     for (auto&& t : bufs) {
       bs.push_back(to_buf(t, "all_reduce_coalesced", "bufs"));
       check_op(op, bs.back().dtype, "all_reduce_coalesced");
+      bytes += bs.back().bytes();
     }
-    return Op{"all_reduce_coalesced", [bs = std::move(bs), op](Backend& be, State& s) {
+    return Op{"all_reduce_coalesced",
+              [bs = std::move(bs), op](Backend& be, State& s) {
                 if constexpr (requires { be.all_reduce_many(bs, op); }) {
                   be.all_reduce_many(bs, op);
                 } else {
@@ -784,18 +838,21 @@ class Communicator {
                                 [&](const detail::Buf& h) { be.all_reduce(h, op); });
                   }
                 }
-              }};
+              },
+              bytes};
   }
 
   template <class T>
   auto prepare_broadcast(T& t, int root) {
     auto b = to_buf(t, "broadcast", "buf");
     check_root(root, "broadcast");
-    return Op{"broadcast", [b, root](Backend& be, State& s) {
+    return Op{"broadcast",
+              [b, root](Backend& be, State& s) {
                 const bool mine = be.rank() == root;
                 elementwise(s, b, mine, !mine,
                             [&](const detail::Buf& h) { be.broadcast(h, root); });
-              }};
+              },
+              b.bytes()};
   }
 
   template <class T>
@@ -803,10 +860,12 @@ class Communicator {
     auto b = to_buf(t, "reduce", "buf");
     check_root(root, "reduce");
     check_op(op, b.dtype, "reduce");
-    return Op{"reduce", [b, root, op](Backend& be, State& s) {
+    return Op{"reduce",
+              [b, root, op](Backend& be, State& s) {
                 elementwise(s, b, true, be.rank() == root,
                             [&](const detail::Buf& h) { be.reduce(h, root, op); });
-              }};
+              },
+              b.bytes()};
   }
 
   template <class In, class Out>
@@ -832,7 +891,8 @@ class Communicator {
             ": `in` overlaps `out` but is not this rank's block of it (the only in-place form)");
       }
     }
-    return Op{what, [c, in, out, root, what](Backend& be, State& s) {
+    return Op{what,
+              [c, in, out, root, what](Backend& be, State& s) {
                 whole(
                     s, what,
                     [&](const detail::Buf& i, const detail::Buf& o) {
@@ -842,7 +902,8 @@ class Communicator {
                         be.gather(i, o, root);
                     },
                     detail::StagedArg{in, true, false}, detail::StagedArg{out, false, true});
-              }};
+              },
+              in.bytes() + out.bytes()};
   }
 
   template <class In, class Out>
@@ -866,12 +927,14 @@ class Communicator {
                      "in-place form)");
       }
     }
-    return Op{"scatter", [in, out, root](Backend& be, State& s) {
+    return Op{"scatter",
+              [in, out, root](Backend& be, State& s) {
                 whole(
                     s, "scatter",
                     [&](const detail::Buf& i, const detail::Buf& o) { be.scatter(i, o, root); },
                     detail::StagedArg{in, true, false}, detail::StagedArg{out, false, true});
-              }};
+              },
+              in.bytes() + out.bytes()};
   }
 
   template <class In, class Out>
@@ -893,12 +956,14 @@ class Communicator {
                    "only in-place form)");
     }
     return Op{
-        "reduce_scatter", [in, out, op](Backend& be, State& s) {
+        "reduce_scatter",
+        [in, out, op](Backend& be, State& s) {
           whole(
               s, "reduce_scatter",
               [&](const detail::Buf& i, const detail::Buf& o) { be.reduce_scatter(i, o, op); },
               detail::StagedArg{in, true, false}, detail::StagedArg{out, false, true});
-        }};
+        },
+        in.bytes() + out.bytes()};
   }
 
   template <class In, class Out>
@@ -916,12 +981,14 @@ class Communicator {
       detail::fail(Errc::invalid_argument, "rank ", rank(),
                    ": all_to_all: `in` and `out` must not overlap");
     }
-    return Op{"all_to_all", [in, out](Backend& be, State& s) {
+    return Op{"all_to_all",
+              [in, out](Backend& be, State& s) {
                 whole(
                     s, "all_to_all",
                     [&](const detail::Buf& i, const detail::Buf& o) { be.all_to_all(i, o); },
                     detail::StagedArg{in, true, false}, detail::StagedArg{out, false, true});
-              }};
+              },
+              in.bytes() + out.bytes()};
   }
 
   template <class T>
@@ -936,7 +1003,8 @@ class Communicator {
       detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": tag ", tag,
                    " is negative");
     const bool sending = c == detail::Coll::send;
-    return Op{what, [b, peer, tag, sending, what](Backend& be, State& s) {
+    return Op{what,
+              [b, peer, tag, sending, what](Backend& be, State& s) {
                 whole(
                     s, what,
                     [&](const detail::Buf& h) {
@@ -946,7 +1014,8 @@ class Communicator {
                         be.recv(h, peer, tag);
                     },
                     detail::StagedArg{b, sending, !sending});
-              }};
+              },
+              b.bytes()};
   }
 
   static constexpr std::int64_t max_object_bytes = std::int64_t{1} << 30;

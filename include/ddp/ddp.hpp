@@ -36,6 +36,7 @@
 #include "ddp/launch.hpp"
 #include "ddp/options.hpp"
 #include "ddp/store.hpp"
+#include "ddp/trace.hpp"
 #endif
 #include "ddp/types.hpp"
 #include "ddp/version.hpp"

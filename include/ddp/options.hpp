@@ -54,6 +54,17 @@ struct Options {
   /// whose MPI is not CUDA-aware) go through pinned host memory in pieces of this many bytes, so
   /// that copies overlap the collective (ddp built with CUDA: the ddp::cuda target).
   std::size_t cuda_staging_bytes = std::size_t{4} << 20;
+  /// backend::Host compares every collective's fingerprint (collective, dtype, count, op, root,
+  /// sequence number) across ranks, so that mismatched calls raise Errc::mismatch on every rank
+  /// instead of corrupting data or hanging. Every rank must use the same setting. Default: on,
+  /// unless $DDP_VERIFY_COLLECTIVES is 0 (what it costs: README, "Diagnostics").
+  bool verify_collectives = detail::env_or("DDP_VERIFY_COLLECTIVES", "1") != "0";
+  /// How many recent operations each communicator remembers (the flight recorder, see
+  /// trace.hpp); 0 turns it off. $DDP_TRACE_ENTRIES overrides.
+  std::size_t trace_entries = 2000;
+  /// Where a communicator writes its flight recorder when an operation times out: "" nowhere,
+  /// "stderr", or a directory (one file per rank). Default: $DDP_TRACE_DUMP.
+  std::string trace_dump = detail::env_or("DDP_TRACE_DUMP", "");
 };
 
 DDP_END_NAMESPACE

@@ -280,6 +280,159 @@ TEST_CASE("a stalled peer: the others time out after the timeout, naming it") {
   }
 }
 
+TEST_CASE("a frozen peer (SIGSTOP): the others time out between timeout/2 and timeout + 1 s") {
+  for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
+    CAPTURE(mp::name(t));
+    mp::TempDir dir;
+    ddp::Options o;
+    o.timeout = std::chrono::milliseconds(2000);
+    std::string spawn_error;
+    run_faulty(
+        3, t,
+        [&](Comm& comm) {
+          std::vector<float> v(1000, 1.0f);
+          for (int i = 0; i < 10; ++i) comm.all_reduce(v);
+          if (comm.rank() == 1) {
+            mp::TempDir::write(dir.file("pid"), std::to_string(::getpid()));
+            ::raise(SIGSTOP);  // frozen, not dead: its sockets and shared memory stay open
+            return;
+          }
+          const auto t0 = Clock::now();
+          try {
+            comm.all_reduce(v);
+          } catch (const ddp::Error& e) {
+            report(dir, comm.rank(), e, mp::ms_since(t0));
+          }
+          if (comm.rank() == 0) {  // thaw it (the parent waits for every rank)
+            const pid_t frozen = static_cast<pid_t>(std::stoll(mp::TempDir::read(dir.file("pid"))));
+            ::kill(frozen, SIGKILL);
+          }
+        },
+        o, &spawn_error);
+    for (int r : {0, 2}) {
+      const Outcome out = read_outcome(dir, r);
+      CAPTURE(r);
+      CAPTURE(out.message);
+      CHECK(out.code == "timeout");
+      CHECK(out.ms >= 1000);  // timeout / 2
+      CHECK(out.ms <= 3000);  // timeout + 1 s
+      CHECK(out.message.find("rank 1") != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("flight recorder: recent() lists the operations; a timeout dumps them on every rank") {
+  for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
+    CAPTURE(mp::name(t));
+    mp::TempDir dir;
+    ddp::Options o;
+    o.timeout = std::chrono::milliseconds(700);
+    o.trace_entries = 8;
+    o.trace_dump = dir.path;
+    o.group = "flight";
+    run_faulty(
+        3, t,
+        [&](Comm& comm) {
+          std::vector<float> v(1000, 1.0f);
+          std::vector<double> w(10);
+          for (int i = 0; i < 5; ++i) comm.all_reduce(v);
+          comm.broadcast(w, 0);
+          auto work = comm.barrier_async();
+          work.wait();
+          const auto recent = comm.recent();
+          MP_EXPECT(recent.size() == 7, recent.size() << " records");
+          MP_EXPECT(recent.front().seq == 0 && recent.back().seq == 6, "seq");
+          MP_EXPECT(std::string(recent[0].op) == "all_reduce" && recent[0].bytes == 4000,
+                    recent[0].op << " " << recent[0].bytes);
+          MP_EXPECT(std::string(recent[5].op) == "broadcast" && recent[5].bytes == 80, "broadcast");
+          MP_EXPECT(std::string(recent[6].op) == "barrier", "barrier");
+          for (const auto& r : recent) MP_EXPECT(r.state == ddp::TraceRecord::State::done, r.seq);
+          // Rank 2 falls behind: it skips two all_reduces and sleeps past the timeout.
+          if (comm.rank() == 2) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+            return;
+          }
+          try {
+            comm.all_reduce(v);
+            comm.all_reduce(v);
+          } catch (const ddp::Error& e) {
+            report(dir, comm.rank(), e, 0);
+            const auto after = comm.recent();
+            MP_EXPECT(after.size() == 8 && after.front().seq == 0 && after.back().seq == 7,
+                      after.size() << " records, last #" << after.back().seq);
+            MP_EXPECT(after.back().state == ddp::TraceRecord::State::failed, "state");
+            MP_EXPECT(comm.trace().find("all_reduce") != std::string::npos, comm.trace());
+          }
+        },
+        o);
+    for (int r : {0, 1}) {
+      const Outcome out = read_outcome(dir, r);
+      CAPTURE(r);
+      CAPTURE(out.message);
+      CHECK(out.code == "timeout");
+      CHECK(out.message.find("rank 2") != std::string::npos);
+      const std::string dump =
+          mp::TempDir::read(dir.file("ddp-trace-flight-rank" + std::to_string(r) + ".txt"));
+      CAPTURE(dump);
+      CHECK(dump.find("ddp flight recorder: rank " + std::to_string(r) +
+                      " of 3, group \"flight\", the last 8 of 8 operations") != std::string::npos);
+      CHECK(dump.find("dumped because: rank " + std::to_string(r)) != std::string::npos);
+      CHECK(dump.find("rank 2") != std::string::npos);  // the lagging rank, from the message
+      CHECK(dump.find("         7  all_reduce               4000  failed") != std::string::npos);
+      CHECK(dump.find("         5  broadcast                  80  done") != std::string::npos);
+    }
+    CHECK(mp::TempDir::read(dir.file("ddp-trace-flight-rank2.txt")).empty());  // no timeout there
+  }
+}
+
+TEST_CASE("verify_collectives: off, collectives still work; ranks that disagree fail at init") {
+  for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
+    CAPTURE(mp::name(t));
+    ddp::Options off;
+    off.verify_collectives = false;
+    mp::run(
+        3, t,
+        [](Comm& comm) {
+          std::vector<float> v(100000, static_cast<float>(comm.rank() + 1));
+          comm.all_reduce(v);
+          MP_EXPECT(v[0] == 6.0f && v[99999] == 6.0f, v[0]);
+          std::vector<int> w(7, comm.rank() == 1 ? 42 : 0);
+          comm.broadcast(w, 1);
+          MP_EXPECT(w[6] == 42, w[6]);
+        },
+        off);
+    mp::TempDir dir;
+    ddp::SpawnOptions so;
+    so.stop_on_failure = false;
+    try {
+      ddp::spawn(
+          2,
+          [&](ddp::Environment env) {
+            ddp::Options o;
+            o.transport = t;
+            o.timeout = std::chrono::seconds(5);
+            o.verify_collectives = env.rank == 0;
+            try {
+              auto comm = Comm::init(env, o);
+            } catch (const ddp::Error& e) {
+              report(dir, env.rank, e, 0);
+            }
+          },
+          so);
+    } catch (const ddp::Error&) {
+    }
+    for (int r : {0, 1}) {
+      const Outcome out = read_outcome(dir, r);
+      CAPTURE(out.message);
+      CHECK(out.code == "invalid_argument");
+      CHECK(out.message.find("Options::verify_collectives is " +
+                             std::string(r == 0 ? "on" : "off") + " here but " +
+                             (r == 0 ? "off" : "on") + " on rank " + std::to_string(1 - r)) !=
+            std::string::npos);
+    }
+  }
+}
+
 TEST_CASE("ranks that skip a collective are all named") {
   for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
     CAPTURE(mp::name(t));

@@ -393,6 +393,7 @@ class Host {
       w.put(static_cast<std::uint32_t>(::getpid()));
       w.str(store.local_address());
       w.put(static_cast<std::uint32_t>(detail::local_port(listener.get())));
+      w.put(static_cast<std::uint8_t>(o.verify_collectives ? 1 : 0));
       store.set(detail::concat("peer/", rank_), rec);
     }
     std::vector<std::string> keys;
@@ -416,6 +417,12 @@ class Host {
       pids.push_back(static_cast<int>(r.get<std::uint32_t>()));
       auto addr = r.str(256);
       addrs.emplace_back(std::move(addr), static_cast<int>(r.get<std::uint32_t>()));
+      if ((r.get<std::uint8_t>() != 0) != o.verify_collectives) {
+        detail::fail(Errc::invalid_argument, "rank ", rank_, ": Options::verify_collectives is ",
+                     o.verify_collectives ? "on" : "off", " here but ",
+                     o.verify_collectives ? "off" : "on", " on rank ", j,
+                     "; every rank must use the same setting (DDP_VERIFY_COLLECTIVES)");
+      }
     }
     local_leader_ = rank_;
     for (int j = 0; j < size_; ++j) {
@@ -462,6 +469,7 @@ class Host {
       t_ = std::make_unique<detail::TcpTransport>(rank_, size_, o.timeout, std::move(peers),
                                                   segment_bytes(o, std::size_t{4} << 20));
     }
+    t_->verify_fingerprints = o.verify_collectives;
   }
 
   /// Options::segment_bytes, else $DDP_SEGMENT_BYTES, else the transport's default.

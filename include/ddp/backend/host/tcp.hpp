@@ -131,7 +131,7 @@ class TcpTransport final : public Transport {
       auto& x = xfers_[static_cast<std::size_t>(j)];
       x.clear();
       if (j == rank_) continue;
-      if (fp != nullptr) {
+      if (fp != nullptr && verify_fingerprints) {
         x.out.push_back(
             {reinterpret_cast<std::byte*>(const_cast<Fingerprint*>(fp)), sizeof(Fingerprint)});
         x.in.push_back({reinterpret_cast<std::byte*>(&headers_in_[static_cast<std::size_t>(j)]),
@@ -223,7 +223,8 @@ class TcpTransport final : public Transport {
   /// dead peer itself (full mesh), and closing them would make the survivors blame this rank.
   [[noreturn]] void lost(int peer, const Fingerprint* fp, const char* what) {
     check_abort(fp);  // our own abort() shut the sockets down: report that, not a lost peer
-    if (fp != nullptr) collect_headers(*fp, Deadline::after(std::chrono::milliseconds(500)));
+    if (fp != nullptr && verify_fingerprints)
+      collect_headers(*fp, Deadline::after(std::chrono::milliseconds(500)));
     fail(Errc::peer_lost, "rank ", rank_, ": ",
          fp ? to_string(*fp) : std::string(what ? what : "operation"), ": the connection to rank ",
          peer,

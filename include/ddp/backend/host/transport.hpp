@@ -97,6 +97,10 @@ class Transport {
   /// Below this many bytes, all_reduce gathers whole buffers in one round (latency path).
   [[nodiscard]] virtual std::size_t small_bytes() const noexcept = 0;
 
+  /// Whether rounds compare fingerprints (Options::verify_collectives; the same on every rank).
+  /// Without it `fp` still names the collective in messages.
+  bool verify_fingerprints = true;
+
   /// One round (see the file comment). `fp` is non-null on a collective's first round.
   virtual std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
                                                   const Fingerprint* fp) = 0;
