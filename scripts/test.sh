@@ -60,6 +60,7 @@ if [ $fast -eq 0 ]; then
   stage "clang++: build and tests" fresh_workflow clang
   stage "single header: build and tests against single_include/" fresh_workflow single-header
   stage "AddressSanitizer + UndefinedBehaviorSanitizer" fresh_workflow asan-ubsan
+  stage "ThreadSanitizer (the multi-threaded parts)" fresh_workflow tsan
   stage "meson: build and tests (both dependencies)" meson_tests
 fi
 
