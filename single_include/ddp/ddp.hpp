@@ -1562,6 +1562,10 @@ class Transport {
   /// Below this many bytes, all_reduce gathers whole buffers in one round (latency path).
   [[nodiscard]] virtual std::size_t small_bytes() const noexcept = 0;
 
+  /// Whether rounds compare fingerprints (Options::verify_collectives; the same on every rank).
+  /// Without it `fp` still names the collective in messages.
+  bool verify_fingerprints = true;
+
   /// One round (see the file comment). `fp` is non-null on a collective's first round.
   virtual std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
                                                   const Fingerprint* fp) = 0;
@@ -2343,13 +2347,13 @@ class ShmTransport final : public Transport {
       copied_to = std::max(copied_to, to);
     }
     ShmCtl* mine = ctl(rank_);
-    if (fp != nullptr) mine->fp[parity] = *fp;
+    if (fp != nullptr && verify_fingerprints) mine->fp[parity] = *fp;
     mine->tick.store(t, std::memory_order_seq_cst);
     header_->wake.notify();
 
     wait([&] { return all_reached(t); }, fp, [&] { return behind(t); });
 
-    if (fp != nullptr) {
+    if (fp != nullptr && verify_fingerprints) {
       for (int j = 0; j < size_; ++j) {
         if (j == rank_) continue;
         const Fingerprint theirs = ctl(j)->fp[parity];
@@ -3014,7 +3018,7 @@ class TcpTransport final : public Transport {
       auto& x = xfers_[static_cast<std::size_t>(j)];
       x.clear();
       if (j == rank_) continue;
-      if (fp != nullptr) {
+      if (fp != nullptr && verify_fingerprints) {
         x.out.push_back(
             {reinterpret_cast<std::byte*>(const_cast<Fingerprint*>(fp)), sizeof(Fingerprint)});
         x.in.push_back({reinterpret_cast<std::byte*>(&headers_in_[static_cast<std::size_t>(j)]),
@@ -3106,7 +3110,8 @@ class TcpTransport final : public Transport {
   /// dead peer itself (full mesh), and closing them would make the survivors blame this rank.
   [[noreturn]] void lost(int peer, const Fingerprint* fp, const char* what) {
     check_abort(fp);  // our own abort() shut the sockets down: report that, not a lost peer
-    if (fp != nullptr) collect_headers(*fp, Deadline::after(std::chrono::milliseconds(500)));
+    if (fp != nullptr && verify_fingerprints)
+      collect_headers(*fp, Deadline::after(std::chrono::milliseconds(500)));
     fail(Errc::peer_lost, "rank ", rank_, ": ",
          fp ? to_string(*fp) : std::string(what ? what : "operation"), ": the connection to rank ",
          peer,
@@ -3509,6 +3514,17 @@ struct Options {
   /// whose MPI is not CUDA-aware) go through pinned host memory in pieces of this many bytes, so
   /// that copies overlap the collective (ddp built with CUDA: the ddp::cuda target).
   std::size_t cuda_staging_bytes = std::size_t{4} << 20;
+  /// backend::Host compares every collective's fingerprint (collective, dtype, count, op, root,
+  /// sequence number) across ranks, so that mismatched calls raise Errc::mismatch on every rank
+  /// instead of corrupting data or hanging. Every rank must use the same setting. Default: on,
+  /// unless $DDP_VERIFY_COLLECTIVES is 0 (what it costs: README, "Diagnostics").
+  bool verify_collectives = detail::env_or("DDP_VERIFY_COLLECTIVES", "1") != "0";
+  /// How many recent operations each communicator remembers (the flight recorder, see
+  /// trace.hpp); 0 turns it off. $DDP_TRACE_ENTRIES overrides.
+  std::size_t trace_entries = 2000;
+  /// Where a communicator writes its flight recorder when an operation times out: "" nowhere,
+  /// "stderr", or a directory (one file per rank). Default: $DDP_TRACE_DUMP.
+  std::string trace_dump = detail::env_or("DDP_TRACE_DUMP", "");
 };
 
 DDP_END_NAMESPACE
@@ -3639,8 +3655,429 @@ inline IoResult recv_frame(int fd, std::string& out, std::size_t limit, Deadline
 
 }  // namespace detail::store_proto
 
+namespace detail {
+
+/// The store server's protocol and data, free of I/O ("sans-IO"): StoreServer feeds it the bytes
+/// each connection sends and writes out what it queues; the frame-parser fuzzer
+/// (tests/fuzz/fuzz_store.cpp) drives it directly. Single-threaded.
+class StoreEngine {
+ public:
+  struct Session {
+    std::string peer;
+    bool authed = false;
+    store_proto::Nonce nonce{};
+    Clock::time_point accepted;
+    std::string in;             // bytes of the frame being read (length prefix included)
+    std::size_t frame_len = 0;  // 0 while the prefix is incomplete
+    std::string out;            // output not yet sent
+    std::size_t out_sent = 0;
+    bool close_after_write = false;  // close once `out` is sent
+    bool closed = false;             // close now; pending output is discarded
+  };
+
+  /// Output a connection may have pending before the server stops reading its requests (a
+  /// client that pipelines requests and never reads the replies cannot make the server buffer
+  /// more than this plus one reply).
+  static constexpr std::size_t backlog_limit = std::size_t{1} << 20;
+
+  /// `options.log` must be set.
+  explicit StoreEngine(StoreOptions options) : options_(std::move(options)) {}
+
+  [[nodiscard]] const StoreOptions& options() const noexcept { return options_; }
+  [[nodiscard]] std::uint64_t refused() const noexcept { return refused_.load(); }
+  [[nodiscard]] std::map<std::uint64_t, Session>& sessions() noexcept { return sessions_; }
+  [[nodiscard]] Session* session(std::uint64_t id) {
+    auto it = sessions_.find(id);
+    return it == sessions_.end() ? nullptr : &it->second;
+  }
+  [[nodiscard]] std::size_t keys() const noexcept { return data_.size(); }
+
+  /// A new connection from `peer`: queues the server's hello and returns the session's id, or
+  /// 0 (logged) when the server already has max_connections.
+  std::uint64_t open(std::string peer, Clock::time_point now) {
+    if (sessions_.size() >= options_.max_connections) {
+      refuse(peer, "too many connections");
+      return 0;
+    }
+    Session s;
+    s.peer = std::move(peer);
+    s.accepted = now;
+    random_bytes(s.nonce.data(), s.nonce.size());
+    std::string hello;
+    ByteWriter w(hello);
+    w.put(store_proto::magic);
+    w.put(store_proto::version);
+    w.put(static_cast<std::uint8_t>(options_.token.empty() ? 0 : 1));
+    w.raw(s.nonce.data(), s.nonce.size());
+    queue_frame(s, hello);
+    const auto id = next_id_++;
+    sessions_.emplace(id, std::move(s));
+    return id;
+  }
+
+  /// Whether the server should read more from a session: open, not refused, and its pending
+  /// output under backlog_limit.
+  [[nodiscard]] static bool readable(const Session& s) noexcept {
+    return !s.closed && !s.close_after_write && s.out.size() - s.out_sent < backlog_limit;
+  }
+
+  /// The bytes up to the end of the frame being read (or of its length prefix): the server reads
+  /// no further, so it can stop between requests when a client's backlog is full.
+  [[nodiscard]] static std::size_t wanted(const Session& s) noexcept {
+    return s.frame_len != 0 ? s.frame_len + 4 - s.in.size() : 4 - s.in.size();
+  }
+
+  /// Consumes bytes a connection sent, any amount, frame by frame. Only the current frame is
+  /// buffered and only as far as it has arrived, so memory follows the bytes actually sent, never
+  /// a length someone claims. A malformed frame closes the session (logged).
+  void receive(std::uint64_t id, std::string_view bytes, Clock::time_point now) {
+    Session* s = session(id);
+    while (s != nullptr && !s->closed && !bytes.empty()) {
+      const std::size_t take = std::min(wanted(*s), bytes.size());
+      s->in.append(bytes.substr(0, take));
+      bytes.remove_prefix(take);
+      if (s->frame_len == 0 && s->in.size() == 4 && !read_length(*s)) return;
+      if (s->frame_len != 0 && s->in.size() == s->frame_len + 4) {
+        try {
+          const auto frame = std::string_view(s->in).substr(4);
+          if (!s->authed)
+            handshake(*s, frame);
+          else
+            handle(id, *s, frame, now);
+        } catch (const Error& e) {
+          return drop(*s, e.what());
+        }
+        release(s->in);
+        s->frame_len = 0;
+        if (s->close_after_write) return;  // nothing more is read from a refused client
+      }
+    }
+  }
+
+  /// The peer closed (EOF, reset or broken pipe). A connection that never sent a byte of a
+  /// handshake is stray traffic and is logged.
+  void peer_closed(std::uint64_t id) {
+    Session* s = session(id);
+    if (s == nullptr || s->closed) return;
+    if (!s->authed && s->in.empty() && !s->close_after_write)
+      refuse(s->peer, "connected and closed without a handshake");
+    s->closed = true;
+  }
+
+  /// Answers the waits whose deadline passed (Status::timeout with the missing keys) and drops
+  /// the connections that did not finish the handshake in time.
+  void expire(Clock::time_point now) {
+    std::erase_if(waiters_, [&](const Waiter& wt) {
+      Session* s = session(wt.conn);
+      if (s == nullptr || s->closed) return true;
+      if (wt.deadline > now) return false;
+      std::string body;
+      ByteWriter w(body);
+      std::vector<std::string_view> missing;
+      for (const auto& k : wt.keys) {
+        if (data_.count(k) == 0) missing.push_back(k);
+      }
+      w.put(static_cast<std::uint32_t>(missing.size()));
+      for (auto k : missing) w.str(k);
+      reply(*s, wt.request, Status::timeout, body);
+      return true;
+    });
+    for (auto& [id, s] : sessions_) {
+      if (!s.closed && !s.authed && now - s.accepted > options_.handshake_timeout)
+        drop(s, "no handshake before the timeout");
+    }
+  }
+
+  /// The earliest of `limit`, the waits' deadlines and the handshake deadlines.
+  [[nodiscard]] Clock::time_point next_deadline(Clock::time_point limit) const {
+    for (const auto& w : waiters_) limit = std::min(limit, w.deadline);
+    for (const auto& [id, s] : sessions_) {
+      if (!s.authed && !s.closed) limit = std::min(limit, s.accepted + options_.handshake_timeout);
+    }
+    return limit;
+  }
+
+  /// Forgets the closed sessions and their waits.
+  void reap() {
+    std::erase_if(sessions_, [](const auto& kv) { return kv.second.closed; });
+    std::erase_if(waiters_, [&](const Waiter& wt) { return sessions_.count(wt.conn) == 0; });
+  }
+
+  /// Marks every session closed (the server stops).
+  void close_all() {
+    for (auto& [id, s] : sessions_) s.closed = true;
+  }
+
+ private:
+  using Op = store_proto::Op;
+  using Status = store_proto::Status;
+
+  struct Waiter {
+    std::uint64_t conn;
+    std::uint64_t request;
+    std::vector<std::string> keys;
+    Clock::time_point deadline;
+    bool is_get;
+  };
+
+  void refuse(const std::string& peer, std::string_view why) {
+    refused_.fetch_add(1);
+    options_.log(concat("refused ", peer, ": ", why));
+  }
+
+  void drop(Session& s, std::string_view why) {
+    refuse(s.peer, why);
+    s.closed = true;
+  }
+
+  static void queue_frame(Session& s, std::string_view payload) {
+    ByteWriter w(s.out);
+    w.put(static_cast<std::uint32_t>(payload.size()));
+    s.out.append(payload);
+  }
+
+ public:
+  /// Empties a buffer, giving its memory back when it held a large frame.
+  static void release(std::string& buf) {
+    if (buf.capacity() > 64 * 1024)
+      std::string().swap(buf);
+    else
+      buf.clear();
+  }
+
+ private:
+  /// Checks a complete length prefix before a byte of the frame is buffered.
+  bool read_length(Session& s) {
+    ByteReader r(s.in, "frame length");
+    const auto len = r.get<std::uint32_t>();
+    const std::size_t limit =
+        s.authed ? store_proto::frame_limit(options_) : store_proto::handshake_frame_limit;
+    if (!s.authed && looks_like_text(s.in)) {
+      drop(s, concat("not a ddp store client (stray traffic starting \"", printable(s.in), "\")"));
+      return false;
+    }
+    if (len > limit) {
+      drop(s, concat("frame of ", len, " bytes refused (limit ", limit, ")"));
+      return false;
+    }
+    if (len == 0) {
+      drop(s, "empty frame");
+      return false;
+    }
+    s.frame_len = len;
+    return true;
+  }
+
+  static bool looks_like_text(std::string_view first4) {
+    return std::all_of(first4.begin(), first4.end(), [](char ch) {
+      return (ch >= 'A' && ch <= 'Z') || (ch >= 'a' && ch <= 'z') || ch == ' ' || ch == '/';
+    });
+  }
+  static std::string printable(std::string_view s) {
+    std::string out;
+    for (char ch : s) out += (ch >= 32 && ch < 127) ? ch : '?';
+    return out;
+  }
+
+  void handshake(Session& s, std::string_view frame) {
+    namespace sp = store_proto;
+    ByteReader r(frame, "store handshake");
+    if (r.get<std::uint32_t>() != sp::magic) fail(Errc::protocol, "bad handshake magic");
+    const auto v = r.get<std::uint16_t>();
+    sp::Nonce client_nonce{};
+    r.raw(client_nonce.data(), client_nonce.size());
+    Digest mac{};
+    r.raw(mac.data(), mac.size());
+    r.expect_end();
+    std::string reply;
+    ByteWriter w(reply);
+    if (v != sp::version) {
+      w.put(sp::HandshakeStatus::bad_version);
+      queue_frame(s, reply);
+      s.close_after_write = true;
+      refuse(s.peer, concat("protocol version ", v, " (server speaks ", sp::version, ")"));
+      return;
+    }
+    if (!options_.token.empty()) {
+      const auto expected = hmac_sha256(options_.token, sp::client_label, sp::as_view(s.nonce),
+                                        sp::as_view(client_nonce));
+      if (!constant_time_equal(expected, mac)) {
+        w.put(sp::HandshakeStatus::unauthorized);
+        queue_frame(s, reply);
+        s.close_after_write = true;
+        refuse(s.peer, "wrong or missing token (DDP_TOKEN)");
+        return;
+      }
+    }
+    w.put(sp::HandshakeStatus::ok);
+    const auto proof = options_.token.empty()
+                           ? Digest{}
+                           : hmac_sha256(options_.token, sp::server_label,
+                                         sp::as_view(client_nonce), sp::as_view(s.nonce));
+    w.raw(proof.data(), proof.size());
+    queue_frame(s, reply);
+    s.authed = true;
+  }
+
+  /// Queues a reply: status, request id, `body`, then `value` as a string when given (written
+  /// straight into the output: a large value is not copied twice).
+  static void reply(Session& s, std::uint64_t request, Status status, std::string_view body = {},
+                    const std::string* value = nullptr) {
+    const std::size_t n = 1 + 8 + body.size() + (value != nullptr ? 4 + value->size() : 0);
+    ByteWriter w(s.out);
+    w.put(static_cast<std::uint32_t>(n));
+    w.put(status);
+    w.put(request);
+    w.raw(body.data(), body.size());
+    if (value != nullptr) w.str(*value);
+  }
+
+  void handle(std::uint64_t id, Session& s, std::string_view frame, Clock::time_point now) {
+    ByteReader r(frame, "store request");
+    const auto op = r.get<Op>();
+    const auto request = r.get<std::uint64_t>();
+    const auto key = [&] { return r.str(options_.max_key_bytes); };
+    const auto timeout_at = [&] {
+      const auto ms = std::min<std::uint64_t>(r.get<std::uint64_t>(), 1ull << 40);
+      return now + std::chrono::milliseconds(static_cast<std::int64_t>(ms));
+    };
+    const auto key_list = [&] {
+      const auto n = r.get<std::uint32_t>();
+      if (n > options_.max_keys) fail(Errc::protocol, "request names ", n, " keys");
+      std::vector<std::string> keys;
+      for (std::uint32_t i = 0; i < n; ++i) keys.push_back(key());
+      return keys;
+    };
+    std::string body;
+    ByteWriter w(body);
+    switch (op) {
+      case Op::set: {
+        auto k = key();
+        auto v = r.str(options_.max_value_bytes);
+        r.expect_end();
+        if (!store_value(k, std::move(v))) return reply(s, request, Status::error, "store is full");
+        reply(s, request, Status::ok);
+        wake_waiters();
+        return;
+      }
+      case Op::get:
+      case Op::wait: {
+        const bool is_get = op == Op::get;
+        Waiter wt{id, request, is_get ? std::vector<std::string>{key()} : key_list(), {}, is_get};
+        wt.deadline = timeout_at();
+        r.expect_end();
+        if (!try_answer(s, wt)) waiters_.push_back(std::move(wt));
+        return;
+      }
+      case Op::add: {
+        auto k = key();
+        const auto delta = r.get<std::int64_t>();
+        r.expect_end();
+        std::int64_t value = 0;
+        if (auto it = data_.find(k); it != data_.end()) {
+          if (it->second.size() != 8)
+            return reply(s, request, Status::error, "key does not hold a counter");
+          ByteReader vr(it->second, "counter");
+          value = vr.get<std::int64_t>();
+        }
+        value = static_cast<std::int64_t>(static_cast<std::uint64_t>(value) +
+                                          static_cast<std::uint64_t>(delta));
+        std::string enc;
+        ByteWriter(enc).put(value);
+        if (!store_value(k, std::move(enc)))
+          return reply(s, request, Status::error, "store is full");
+        w.put(value);
+        reply(s, request, Status::ok, body);
+        wake_waiters();
+        return;
+      }
+      case Op::compare_set: {
+        auto k = key();
+        auto expected = r.str(options_.max_value_bytes);
+        auto desired = r.str(options_.max_value_bytes);
+        r.expect_end();
+        auto it = data_.find(k);
+        const bool swap = (it == data_.end() && expected.empty()) ||
+                          (it != data_.end() && it->second == expected);
+        if (swap) {
+          if (!store_value(k, desired)) return reply(s, request, Status::error, "store is full");
+          it = data_.find(k);
+          wake_waiters();
+        }
+        const std::string none;
+        reply(s, request, Status::ok, {}, it == data_.end() ? &none : &it->second);
+        return;
+      }
+      case Op::erase: {
+        auto k = key();
+        r.expect_end();
+        auto it = data_.find(k);
+        const bool existed = it != data_.end();
+        if (existed) {
+          total_bytes_ -= it->first.size() + it->second.size();
+          data_.erase(it);
+        }
+        w.put(static_cast<std::uint8_t>(existed));
+        reply(s, request, Status::ok, body);
+        return;
+      }
+      case Op::check: {
+        auto keys = key_list();
+        r.expect_end();
+        const bool all = std::all_of(keys.begin(), keys.end(),
+                                     [&](const auto& k) { return data_.count(k) != 0; });
+        w.put(static_cast<std::uint8_t>(all));
+        reply(s, request, Status::ok, body);
+        return;
+      }
+    }
+    fail(Errc::protocol, "unknown store operation ", static_cast<int>(op));
+  }
+
+  bool store_value(const std::string& k, std::string v) {
+    auto it = data_.find(k);
+    const std::size_t old = it == data_.end() ? 0 : k.size() + it->second.size();
+    if (it == data_.end() && data_.size() >= options_.max_keys) return false;
+    if (total_bytes_ - old + k.size() + v.size() > options_.max_total_bytes) return false;
+    total_bytes_ = total_bytes_ - old + k.size() + v.size();
+    data_[k] = std::move(v);
+    return true;
+  }
+
+  /// Replies to a get/wait if its keys are present; returns whether it did.
+  bool try_answer(Session& s, const Waiter& wt) {
+    for (const auto& k : wt.keys) {
+      if (data_.count(k) == 0) return false;
+    }
+    if (wt.is_get) {
+      reply(s, wt.request, Status::ok, {}, &data_[wt.keys.front()]);
+    } else {
+      reply(s, wt.request, Status::ok);
+    }
+    return true;
+  }
+
+  void wake_waiters() {
+    std::erase_if(waiters_, [&](const Waiter& wt) {
+      Session* s = session(wt.conn);
+      if (s == nullptr || s->closed) return true;
+      return try_answer(*s, wt);
+    });
+  }
+
+  StoreOptions options_;
+  std::atomic<std::uint64_t> refused_{0};
+  std::map<std::uint64_t, Session> sessions_;
+  std::uint64_t next_id_ = 1;
+  std::vector<Waiter> waiters_;
+  std::unordered_map<std::string, std::string> data_;
+  std::size_t total_bytes_ = 0;
+};
+
+}  // namespace detail
+
 /// The store server. Runs one thread that serves every client with poll(); stops and joins in
-/// its destructor.
+/// its destructor. The protocol lives in detail::StoreEngine; this class only moves bytes.
 class StoreServer {
  public:
   /// Listens on host:port (port 0 picks a free one, see port()). Throws Errc::address_in_use
@@ -3651,12 +4088,7 @@ class StoreServer {
   /// Serves on a socket that is already listening (a launcher binds it before it forks, so the
   /// port is known and no thread exists at fork time).
   StoreServer(detail::Fd listener, const std::string& host, StoreOptions options = {})
-      : options_(std::move(options)), host_(host), listener_(std::move(listener)) {
-    if (!options_.log) {
-      options_.log = [](std::string_view m) {
-        std::fprintf(stderr, "[ddp store] %.*s\n", static_cast<int>(m.size()), m.data());
-      };
-    }
+      : engine_(with_default_log(std::move(options))), host_(host), listener_(std::move(listener)) {
     port_ = detail::local_port(listener_.get());
     detail::set_nonblocking(listener_.get(), true);
     int pipe_fds[2];
@@ -3682,35 +4114,20 @@ class StoreServer {
   }
 
   /// Connections refused so far (bad handshake, wrong token, oversized frames, stray traffic).
-  [[nodiscard]] std::uint64_t refused() const noexcept { return refused_.load(); }
+  [[nodiscard]] std::uint64_t refused() const noexcept { return engine_.refused(); }
 
  private:
   using Clock = detail::Clock;
-  using Op = detail::store_proto::Op;
-  using Status = detail::store_proto::Status;
+  using Session = detail::StoreEngine::Session;
 
-  struct Conn {
-    detail::Fd fd;
-    std::string peer;
-    bool authed = false;
-    detail::store_proto::Nonce nonce{};
-    Clock::time_point accepted;
-    std::string in;             // bytes of the frame being read (length prefix included)
-    std::size_t frame_len = 0;  // 0 while the prefix is incomplete
-    std::string out;            // pending output
-    std::size_t out_sent = 0;
-    bool close_after_write = false;
-  };
-
-  struct Waiter {
-    std::uint64_t conn;
-    std::uint64_t request;
-    std::vector<std::string> keys;
-    Clock::time_point deadline;
-    bool is_get;
-  };
-
-  void log(std::string_view m) { options_.log(m); }
+  static StoreOptions with_default_log(StoreOptions o) {
+    if (!o.log) {
+      o.log = [](std::string_view m) {
+        std::fprintf(stderr, "[ddp store] %.*s\n", static_cast<int>(m.size()), m.data());
+      };
+    }
+    return o;
+  }
 
   void run() {
     std::vector<pollfd> fds;
@@ -3720,45 +4137,37 @@ class StoreServer {
       ids.clear();
       fds.push_back({wake_read_.get(), POLLIN, 0});
       fds.push_back({listener_.get(), POLLIN, 0});
-      for (auto& [id, c] : conns_) {
-        short ev = POLLIN;
-        if (c.out_sent < c.out.size()) ev = static_cast<short>(ev | POLLOUT);
-        fds.push_back({c.fd.get(), ev, 0});
+      for (auto& [id, s] : engine_.sessions()) {
+        // A refused client is not read any more (its reply is sent, then it is closed), nor is
+        // one whose replies pile up unread.
+        short ev = detail::StoreEngine::readable(s) ? short{POLLIN} : short{0};
+        if (s.out_sent < s.out.size()) ev = static_cast<short>(ev | POLLOUT);
+        fds.push_back({fds_.at(id).get(), ev, 0});
         ids.push_back(id);
       }
-      const int rc = ::poll(fds.data(), fds.size(), next_timeout_ms());
+      const auto next = engine_.next_deadline(Clock::now() + std::chrono::seconds(1));
+      const int rc = ::poll(fds.data(), fds.size(), detail::Deadline{next}.poll_ms(1000));
       if (rc < 0 && errno != EINTR) {
-        log(detail::concat("poll failed: ", std::strerror(errno), "; the store stops serving"));
+        engine_.options().log(
+            detail::concat("poll failed: ", std::strerror(errno), "; the store stops serving"));
         break;
       }
       if (rc > 0) {
         if ((fds[1].revents & POLLIN) != 0) accept_all();
         for (std::size_t i = 2; i < fds.size(); ++i) {
-          if (fds[i].revents == 0) continue;
-          auto it = conns_.find(ids[i - 2]);
-          if (it == conns_.end()) continue;
-          if ((fds[i].revents & (POLLIN | POLLHUP | POLLERR)) != 0)
-            on_readable(it->first, it->second);
-          it = conns_.find(ids[i - 2]);
-          if (it != conns_.end() && (fds[i].revents & POLLOUT) != 0) flush(it->first, it->second);
+          if ((fds[i].revents & (POLLIN | POLLHUP | POLLERR)) != 0) on_readable(ids[i - 2]);
         }
       }
-      expire();
-      reap();
+      engine_.expire(Clock::now());
+      flush_all();
+      engine_.reap();
+      std::erase_if(fds_, [&](const auto& kv) { return engine_.session(kv.first) == nullptr; });
     }
     // Stopped: close every connection now, so clients learn at once instead of at their timeout.
-    waiters_.clear();
-    conns_.clear();
+    engine_.close_all();
+    engine_.reap();
+    fds_.clear();
     listener_.reset();
-  }
-
-  int next_timeout_ms() const {
-    auto next = Clock::now() + std::chrono::seconds(1);
-    for (const auto& w : waiters_) next = std::min(next, w.deadline);
-    for (const auto& [id, c] : conns_) {
-      if (!c.authed) next = std::min(next, c.accepted + options_.handshake_timeout);
-    }
-    return detail::Deadline{next}.poll_ms(1000);
   }
 
   void accept_all() {
@@ -3768,371 +4177,65 @@ class StoreServer {
         if (errno == EINTR) continue;
         return;  // EAGAIN, or a transient error (EMFILE...): try again on the next poll
       }
-      if (conns_.size() >= options_.max_connections) {
-        refuse(detail::peer_name(fd.get()), "too many connections");
-        continue;
-      }
+      const auto id = engine_.open(detail::peer_name(fd.get()), Clock::now());
+      if (id == 0) continue;  // refused: the socket closes here
       detail::set_nodelay(fd.get());
-      Conn c;
-      c.peer = detail::peer_name(fd.get());
-      c.fd = std::move(fd);
-      c.accepted = Clock::now();
-      detail::random_bytes(c.nonce.data(), c.nonce.size());
-      std::string hello;
-      detail::ByteWriter w(hello);
-      w.put(detail::store_proto::magic);
-      w.put(detail::store_proto::version);
-      w.put(static_cast<std::uint8_t>(options_.token.empty() ? 0 : 1));
-      w.raw(c.nonce.data(), c.nonce.size());
-      queue_frame(c, hello);
-      const auto id = next_conn_id_++;
-      auto [it, ok] = conns_.emplace(id, std::move(c));
-      flush(id, it->second);
+      fds_.emplace(id, std::move(fd));
     }
   }
 
-  void refuse(const std::string& peer, std::string_view why) {
-    refused_.fetch_add(1);
-    log(detail::concat("refused ", peer, ": ", why));
-  }
-
-  void drop(std::uint64_t /*id*/, Conn& c, std::string_view why) {
-    refuse(c.peer, why);
-    c.fd.reset();
-  }
-
-  static void queue_frame(Conn& c, std::string_view payload) {
-    detail::ByteWriter w(c.out);
-    w.put(static_cast<std::uint32_t>(payload.size()));
-    c.out.append(payload);
-  }
-
-  void flush(std::uint64_t, Conn& c) {
-    while (c.fd && c.out_sent < c.out.size()) {
-      const ssize_t n = ::send(c.fd.get(), c.out.data() + c.out_sent, c.out.size() - c.out_sent,
-                               MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (n > 0) {
-        c.out_sent += static_cast<std::size_t>(n);
-      } else if (n < 0 && errno == EINTR) {
-        continue;
-      } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        return;
-      } else {
-        closed_by_peer(c);
-        return;
-      }
-    }
-    if (c.out_sent == c.out.size()) {
-      c.out.clear();
-      c.out_sent = 0;
-      if (c.close_after_write) c.fd.reset();
-    }
-  }
-
-  void on_readable(std::uint64_t id, Conn& c) {
+  void on_readable(std::uint64_t id) {
     char buf[64 * 1024];
-    for (int rounds = 0; rounds < 64 && c.fd; ++rounds) {
-      // Read no further than the current frame, so one connection cannot hoard memory.
-      std::size_t want = sizeof buf;
-      if (c.frame_len != 0)
-        want = std::min(want, c.frame_len + 4 - c.in.size());
-      else
-        want = 4 - c.in.size();
-      const ssize_t n = ::recv(c.fd.get(), buf, want, MSG_DONTWAIT);
-      if (n == 0) return closed_by_peer(c);
+    // A bounded number of reads per wake-up, so one busy connection cannot starve the others.
+    for (int rounds = 0; rounds < 64; ++rounds) {
+      Session* s = engine_.session(id);
+      if (s == nullptr) return;
+      // Refused or backlogged: flush_all sends (or finds the peer gone) before reading resumes.
+      if (!detail::StoreEngine::readable(*s)) return;
+      const std::size_t want = std::min(sizeof buf, detail::StoreEngine::wanted(*s));
+      const ssize_t n = ::recv(fds_.at(id).get(), buf, want, MSG_DONTWAIT);
+      if (n == 0) return engine_.peer_closed(id);
       if (n < 0) {
         if (errno == EINTR) continue;
-        if (errno != EAGAIN && errno != EWOULDBLOCK) closed_by_peer(c);
+        if (errno != EAGAIN && errno != EWOULDBLOCK) engine_.peer_closed(id);
         return;
       }
-      c.in.append(buf, static_cast<std::size_t>(n));
-      if (c.frame_len == 0 && c.in.size() == 4) {
-        detail::ByteReader r(c.in, "frame length");
-        const auto len = r.get<std::uint32_t>();
-        const std::size_t limit = c.authed ? detail::store_proto::frame_limit(options_)
-                                           : detail::store_proto::handshake_frame_limit;
-        if (!c.authed && looks_like_text(c.in)) {
-          return drop(id, c,
-                      detail::concat("not a ddp store client (stray traffic starting \"",
-                                     printable(c.in), "\")"));
+      engine_.receive(id, {buf, static_cast<std::size_t>(n)}, Clock::now());
+    }
+  }
+
+  /// Sends what the engine queued, as far as the sockets take it; closes what should be closed.
+  void flush_all() {
+    for (auto& [id, s] : engine_.sessions()) {
+      const int fd = fds_.at(id).get();
+      while (!s.closed && s.out_sent < s.out.size()) {
+        const ssize_t n = ::send(fd, s.out.data() + s.out_sent, s.out.size() - s.out_sent,
+                                 MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n > 0) {
+          s.out_sent += static_cast<std::size_t>(n);
+        } else if (n < 0 && errno == EINTR) {
+          continue;
+        } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+          break;
+        } else {
+          engine_.peer_closed(id);
         }
-        if (len > limit) {
-          return drop(id, c,
-                      detail::concat("frame of ", len, " bytes refused (limit ", limit, ")"));
-        }
-        if (len == 0) return drop(id, c, "empty frame");
-        c.frame_len = len;
       }
-      if (c.frame_len != 0 && c.in.size() == c.frame_len + 4) {
-        std::string frame = c.in.substr(4);
-        c.in.clear();
-        c.frame_len = 0;
-        try {
-          if (!c.authed)
-            handshake(c, frame);
-          else
-            handle(id, c, frame);
-        } catch (const Error& e) {
-          return drop(id, c, e.what());
-        }
-        flush(id, c);
+      if (s.out_sent == s.out.size()) {
+        detail::StoreEngine::release(s.out);
+        s.out_sent = 0;
+        if (s.close_after_write) s.closed = true;
       }
     }
   }
 
-  /// The peer closed (EOF, reset or broken pipe). A connection that never completed the
-  /// handshake is stray traffic and is logged.
-  void closed_by_peer(Conn& c) {
-    if (!c.fd) return;
-    if (!c.authed && c.in.empty()) refuse(c.peer, "connected and closed without a handshake");
-    c.fd.reset();
-  }
-
-  static bool looks_like_text(std::string_view first4) {
-    return std::all_of(first4.begin(), first4.end(), [](char ch) {
-      return (ch >= 'A' && ch <= 'Z') || (ch >= 'a' && ch <= 'z') || ch == ' ' || ch == '/';
-    });
-  }
-  static std::string printable(std::string_view s) {
-    std::string out;
-    for (char ch : s) out += (ch >= 32 && ch < 127) ? ch : '?';
-    return out;
-  }
-
-  void handshake(Conn& c, const std::string& frame) {
-    namespace sp = detail::store_proto;
-    detail::ByteReader r(frame, "store handshake");
-    if (r.get<std::uint32_t>() != sp::magic) detail::fail(Errc::protocol, "bad handshake magic");
-    const auto v = r.get<std::uint16_t>();
-    sp::Nonce client_nonce{};
-    r.raw(client_nonce.data(), client_nonce.size());
-    detail::Digest mac{};
-    r.raw(mac.data(), mac.size());
-    r.expect_end();
-    std::string reply;
-    detail::ByteWriter w(reply);
-    if (v != sp::version) {
-      w.put(sp::HandshakeStatus::bad_version);
-      queue_frame(c, reply);
-      c.close_after_write = true;
-      refuse(c.peer, detail::concat("protocol version ", v, " (server speaks ", sp::version, ")"));
-      return;
-    }
-    if (!options_.token.empty()) {
-      const auto expected = detail::hmac_sha256(options_.token, sp::client_label,
-                                                sp::as_view(c.nonce), sp::as_view(client_nonce));
-      if (!detail::constant_time_equal(expected, mac)) {
-        w.put(sp::HandshakeStatus::unauthorized);
-        queue_frame(c, reply);
-        c.close_after_write = true;
-        refuse(c.peer, "wrong or missing token (DDP_TOKEN)");
-        return;
-      }
-    }
-    w.put(sp::HandshakeStatus::ok);
-    const auto proof = options_.token.empty()
-                           ? detail::Digest{}
-                           : detail::hmac_sha256(options_.token, sp::server_label,
-                                                 sp::as_view(client_nonce), sp::as_view(c.nonce));
-    w.raw(proof.data(), proof.size());
-    queue_frame(c, reply);
-    c.authed = true;
-  }
-
-  void reply(Conn& c, std::uint64_t request, Status status, std::string_view body = {}) {
-    std::string out;
-    detail::ByteWriter w(out);
-    w.put(status);
-    w.put(request);
-    w.raw(body.data(), body.size());
-    queue_frame(c, out);
-  }
-
-  void handle(std::uint64_t id, Conn& c, const std::string& frame) {
-    detail::ByteReader r(frame, "store request");
-    const auto op = r.get<Op>();
-    const auto request = r.get<std::uint64_t>();
-    const auto key = [&] { return r.str(options_.max_key_bytes); };
-    const auto timeout_at = [&] {
-      const auto ms = r.get<std::uint64_t>();
-      return detail::Deadline::after(std::chrono::milliseconds(static_cast<std::int64_t>(
-                                         std::min<std::uint64_t>(ms, 1ull << 40))))
-          .at;
-    };
-    const auto key_list = [&] {
-      const auto n = r.get<std::uint32_t>();
-      if (n > options_.max_keys) detail::fail(Errc::protocol, "request names ", n, " keys");
-      std::vector<std::string> keys;
-      for (std::uint32_t i = 0; i < n; ++i) keys.push_back(key());
-      return keys;
-    };
-    std::string body;
-    detail::ByteWriter w(body);
-    switch (op) {
-      case Op::set: {
-        auto k = key();
-        auto v = r.str(options_.max_value_bytes);
-        r.expect_end();
-        if (!store_value(k, std::move(v))) return reply(c, request, Status::error, "store is full");
-        reply(c, request, Status::ok);
-        wake_waiters();
-        return;
-      }
-      case Op::get: {
-        Waiter wt{id, request, {key()}, {}, true};
-        wt.deadline = timeout_at();
-        r.expect_end();
-        if (!try_answer(c, wt)) waiters_.push_back(std::move(wt));
-        return;
-      }
-      case Op::wait: {
-        Waiter wt{id, request, key_list(), {}, false};
-        wt.deadline = timeout_at();
-        r.expect_end();
-        if (!try_answer(c, wt)) waiters_.push_back(std::move(wt));
-        return;
-      }
-      case Op::add: {
-        auto k = key();
-        const auto delta = r.get<std::int64_t>();
-        r.expect_end();
-        std::int64_t value = 0;
-        if (auto it = data_.find(k); it != data_.end()) {
-          if (it->second.size() != 8)
-            return reply(c, request, Status::error, "key does not hold a counter");
-          detail::ByteReader vr(it->second, "counter");
-          value = vr.get<std::int64_t>();
-        }
-        value = static_cast<std::int64_t>(static_cast<std::uint64_t>(value) +
-                                          static_cast<std::uint64_t>(delta));
-        std::string enc;
-        detail::ByteWriter(enc).put(value);
-        if (!store_value(k, std::move(enc)))
-          return reply(c, request, Status::error, "store is full");
-        w.put(value);
-        reply(c, request, Status::ok, body);
-        wake_waiters();
-        return;
-      }
-      case Op::compare_set: {
-        auto k = key();
-        auto expected = r.str(options_.max_value_bytes);
-        auto desired = r.str(options_.max_value_bytes);
-        r.expect_end();
-        auto it = data_.find(k);
-        const bool swap = (it == data_.end() && expected.empty()) ||
-                          (it != data_.end() && it->second == expected);
-        if (swap) {
-          if (!store_value(k, desired)) return reply(c, request, Status::error, "store is full");
-          it = data_.find(k);
-          wake_waiters();
-        }
-        w.str(it == data_.end() ? std::string_view{} : std::string_view(it->second));
-        reply(c, request, Status::ok, body);
-        return;
-      }
-      case Op::erase: {
-        auto k = key();
-        r.expect_end();
-        auto it = data_.find(k);
-        const bool existed = it != data_.end();
-        if (existed) {
-          total_bytes_ -= it->first.size() + it->second.size();
-          data_.erase(it);
-        }
-        w.put(static_cast<std::uint8_t>(existed));
-        reply(c, request, Status::ok, body);
-        return;
-      }
-      case Op::check: {
-        auto keys = key_list();
-        r.expect_end();
-        const bool all = std::all_of(keys.begin(), keys.end(),
-                                     [&](const auto& k) { return data_.count(k) != 0; });
-        w.put(static_cast<std::uint8_t>(all));
-        reply(c, request, Status::ok, body);
-        return;
-      }
-    }
-    detail::fail(Errc::protocol, "unknown store operation ", static_cast<int>(op));
-  }
-
-  bool store_value(const std::string& k, std::string v) {
-    auto it = data_.find(k);
-    const std::size_t old = it == data_.end() ? 0 : k.size() + it->second.size();
-    if (it == data_.end() && data_.size() >= options_.max_keys) return false;
-    if (total_bytes_ - old + k.size() + v.size() > options_.max_total_bytes) return false;
-    total_bytes_ = total_bytes_ - old + k.size() + v.size();
-    data_[k] = std::move(v);
-    return true;
-  }
-
-  /// Replies to a get/wait if its keys are present; returns whether it did.
-  bool try_answer(Conn& c, const Waiter& wt) {
-    for (const auto& k : wt.keys) {
-      if (data_.count(k) == 0) return false;
-    }
-    if (wt.is_get) {
-      std::string body;
-      detail::ByteWriter(body).str(data_[wt.keys.front()]);
-      reply(c, wt.request, Status::ok, body);
-    } else {
-      reply(c, wt.request, Status::ok);
-    }
-    return true;
-  }
-
-  void wake_waiters() {
-    std::erase_if(waiters_, [&](const Waiter& wt) {
-      auto it = conns_.find(wt.conn);
-      if (it == conns_.end() || !it->second.fd) return true;
-      if (!try_answer(it->second, wt)) return false;
-      flush(it->first, it->second);
-      return true;
-    });
-  }
-
-  void expire() {
-    const auto now = Clock::now();
-    std::erase_if(waiters_, [&](const Waiter& wt) {
-      auto it = conns_.find(wt.conn);
-      if (it == conns_.end() || !it->second.fd) return true;
-      if (wt.deadline > now) return false;
-      std::string body;
-      detail::ByteWriter w(body);
-      std::vector<std::string_view> missing;
-      for (const auto& k : wt.keys) {
-        if (data_.count(k) == 0) missing.push_back(k);
-      }
-      w.put(static_cast<std::uint32_t>(missing.size()));
-      for (auto k : missing) w.str(k);
-      reply(it->second, wt.request, Status::timeout, body);
-      flush(it->first, it->second);
-      return true;
-    });
-    for (auto& [id, c] : conns_) {
-      if (c.fd && !c.authed && now - c.accepted > options_.handshake_timeout) {
-        drop(id, c, "no handshake before the timeout");
-      }
-    }
-  }
-
-  void reap() {
-    std::erase_if(conns_, [](const auto& kv) { return !kv.second.fd; });
-  }
-
-  StoreOptions options_;
+  detail::StoreEngine engine_;
   std::string host_;
   detail::Fd listener_;
   detail::Fd wake_read_, wake_write_;
   int port_ = 0;
   std::atomic<bool> stopping_{false};
-  std::atomic<std::uint64_t> refused_{0};
-  std::map<std::uint64_t, Conn> conns_;
-  std::uint64_t next_conn_id_ = 1;
-  std::vector<Waiter> waiters_;
-  std::unordered_map<std::string, std::string> data_;
-  std::size_t total_bytes_ = 0;
+  std::map<std::uint64_t, detail::Fd> fds_;
   std::thread thread_;
 };
 
@@ -4791,6 +4894,7 @@ class Host {
       w.put(static_cast<std::uint32_t>(::getpid()));
       w.str(store.local_address());
       w.put(static_cast<std::uint32_t>(detail::local_port(listener.get())));
+      w.put(static_cast<std::uint8_t>(o.verify_collectives ? 1 : 0));
       store.set(detail::concat("peer/", rank_), rec);
     }
     std::vector<std::string> keys;
@@ -4814,6 +4918,12 @@ class Host {
       pids.push_back(static_cast<int>(r.get<std::uint32_t>()));
       auto addr = r.str(256);
       addrs.emplace_back(std::move(addr), static_cast<int>(r.get<std::uint32_t>()));
+      if ((r.get<std::uint8_t>() != 0) != o.verify_collectives) {
+        detail::fail(Errc::invalid_argument, "rank ", rank_, ": Options::verify_collectives is ",
+                     o.verify_collectives ? "on" : "off", " here but ",
+                     o.verify_collectives ? "off" : "on", " on rank ", j,
+                     "; every rank must use the same setting (DDP_VERIFY_COLLECTIVES)");
+      }
     }
     local_leader_ = rank_;
     for (int j = 0; j < size_; ++j) {
@@ -4860,6 +4970,7 @@ class Host {
       t_ = std::make_unique<detail::TcpTransport>(rank_, size_, o.timeout, std::move(peers),
                                                   segment_bytes(o, std::size_t{4} << 20));
     }
+    t_->verify_fingerprints = o.verify_collectives;
   }
 
   /// Options::segment_bytes, else $DDP_SEGMENT_BYTES, else the transport's default.
@@ -7532,6 +7643,173 @@ DDP_END_NAMESPACE
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/store.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
+// begin ddp/trace.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The flight recorder: every communicator keeps its most recent operations (op, sequence
+/// number, bytes, state) in a ring of Options::trace_entries records, readable at any time with
+/// Communicator::recent() / trace(), and written out when an operation times out
+/// (Options::trace_dump, $DDP_TRACE_DUMP). Comparing the ranks' records shows which rank fell
+/// behind and where; the timeout message itself already names the ranks that did not arrive.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/detail/string.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/options.hpp" (already included above)
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// One operation in a communicator's flight recorder.
+struct TraceRecord {
+  enum class State : std::uint8_t { queued, running, done, failed };
+  std::uint64_t seq = 0;  ///< operations issued on this communicator before this one
+  const char* op = "";    ///< "all_reduce", "broadcast", ...
+  std::size_t bytes = 0;  ///< bytes of this rank's buffer(s)
+  State state = State::queued;
+  std::chrono::steady_clock::time_point issued{};  ///< when it was called (or queued)
+};
+
+[[nodiscard]] constexpr const char* to_string(TraceRecord::State s) noexcept {
+  switch (s) {
+    case TraceRecord::State::queued: return "queued";
+    case TraceRecord::State::running: return "running";
+    case TraceRecord::State::done: return "done";
+    case TraceRecord::State::failed: return "failed";
+  }
+  return "?";
+}
+
+namespace detail {
+
+/// Options::trace_entries, unless $DDP_TRACE_ENTRIES says otherwise.
+[[nodiscard]] inline std::size_t trace_capacity(const Options& o) {
+  const std::string v = env_or("DDP_TRACE_ENTRIES", "");
+  if (v.empty()) return o.trace_entries;
+  char* end = nullptr;
+  const auto n = std::strtoull(v.c_str(), &end, 10);
+  if (end == v.c_str() || *end != '\0' || n > 1000000) {
+    fail(Errc::invalid_argument, "DDP_TRACE_ENTRIES=\"", v,
+         "\" must be a number of records in [0, 1000000] (0 turns the flight recorder off)");
+  }
+  return static_cast<std::size_t>(n);
+}
+
+/// A fixed ring of TraceRecords. Thread-safe: operations are recorded by the thread that issues
+/// them and updated by the one that runs them; any thread may read.
+class FlightRecorder {
+ public:
+  using State = TraceRecord::State;
+
+  void resize(std::size_t capacity) {
+    std::lock_guard lock(mutex_);
+    ring_.assign(capacity, TraceRecord{});
+    next_ = 0;
+  }
+
+  /// Records a new operation and returns its sequence number.
+  std::uint64_t issue(const char* op, std::size_t bytes, State state) {
+    std::lock_guard lock(mutex_);
+    if (!ring_.empty()) {
+      ring_[next_ % ring_.size()] =
+          TraceRecord{next_, op, bytes, state, std::chrono::steady_clock::now()};
+    }
+    return next_++;
+  }
+
+  /// Moves operation `seq` to `state` (unless the ring has overwritten it since).
+  void update(std::uint64_t seq, State state) {
+    std::lock_guard lock(mutex_);
+    if (ring_.empty()) return;
+    auto& r = ring_[seq % ring_.size()];
+    if (r.seq == seq) r.state = state;
+  }
+
+  /// The records still held, oldest first.
+  [[nodiscard]] std::vector<TraceRecord> recent() const {
+    std::lock_guard lock(mutex_);
+    std::vector<TraceRecord> out;
+    const std::uint64_t n = std::min<std::uint64_t>(next_, ring_.size());
+    out.reserve(static_cast<std::size_t>(n));
+    for (std::uint64_t s = next_ - n; s < next_; ++s) out.push_back(ring_[s % ring_.size()]);
+    return out;
+  }
+
+  /// Operations issued so far.
+  [[nodiscard]] std::uint64_t issued() const {
+    std::lock_guard lock(mutex_);
+    return next_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::vector<TraceRecord> ring_;
+  std::uint64_t next_ = 0;
+};
+
+/// The recorder's contents as text: a header line, then one line per record, oldest first.
+[[nodiscard]] inline std::string format_trace(const std::vector<TraceRecord>& records,
+                                              std::uint64_t issued, int rank, int size,
+                                              std::string_view group, std::string_view why) {
+  const auto now = std::chrono::steady_clock::now();
+  std::string out = concat("ddp flight recorder: rank ", rank, " of ", size, ", group \"", group,
+                           "\", the last ", records.size(), " of ", issued, " operations");
+  if (!why.empty()) out += concat(", dumped because: ", why);
+  out += "\n       seq  op                     bytes  state    age (ms)\n";
+  for (const auto& r : records) {
+    const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(now - r.issued).count();
+    char line[160];
+    std::snprintf(line, sizeof line, "%10llu  %-16s %12llu  %-7s %9lld\n",
+                  static_cast<unsigned long long>(r.seq), r.op,
+                  static_cast<unsigned long long>(r.bytes), to_string(r.state),
+                  static_cast<long long>(age));
+    out += line;
+  }
+  return out;
+}
+
+/// Writes a dump where Options::trace_dump (or $DDP_TRACE_DUMP) says: "stderr", or a directory
+/// that receives ddp-trace-<group>-rank<r>.txt. Never throws (it runs while an error propagates).
+inline void dump_trace(const std::string& where, const std::string& text, std::string_view group,
+                       int rank) noexcept {
+  try {
+    if (where == "stderr" || where == "-") {
+      std::fwrite(text.data(), 1, text.size(), stderr);
+      return;
+    }
+    std::string name(group);
+    for (char& ch : name) {
+      const bool plain = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+                         (ch >= '0' && ch <= '9') || ch == '-' || ch == '_' || ch == '.';
+      if (!plain) ch = '_';
+    }
+    const std::string path = concat(where, "/ddp-trace-", name, "-rank", rank, ".txt");
+    if (std::FILE* f = std::fopen(path.c_str(), "w")) {
+      std::fwrite(text.data(), 1, text.size(), f);
+      std::fclose(f);
+      std::fprintf(stderr, "[ddp] rank %d: flight recorder written to %s\n", rank, path.c_str());
+    } else {
+      std::fprintf(stderr, "[ddp] rank %d: cannot write the flight recorder to %s\n", rank,
+                   path.c_str());
+    }
+  } catch (...) {
+  }
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/trace.hpp
 // #include "ddp/types.hpp" (already included above)
 #if DDP_HAS_CUDA
 // #include "ddp/cuda.hpp" (already included above)
@@ -7764,7 +8042,7 @@ class Communicator {
   [[nodiscard]] static Communicator init(const Environment& env = Environment::detect(),
                                          Options options = {}) {
     auto state = std::make_shared<State>();
-    state->options = options;
+    state->configure(options);
     state->world_rank = env.rank;
     detail::BackendInit bi;
     bi.rank = env.rank;
@@ -7994,7 +8272,7 @@ class Communicator {
       exec(Op{"split", [&](Backend& b, State&) { made = b.split(color, key); }});
       if (!made) return Communicator(nullptr);
       auto sub = std::make_shared<State>();
-      sub->options = state_->options;
+      sub->configure(state_->options);
       sub->world_rank = state_->world_rank;
       sub->local_rank_hint = state_->local_rank_hint;
       sub->backend = std::move(made);
@@ -8010,7 +8288,7 @@ class Communicator {
     }
     std::sort(members.begin(), members.end());
     auto sub = std::make_shared<State>();
-    sub->options = state_->options;
+    sub->configure(state_->options);
     sub->world_rank = state_->world_rank;
     sub->root_store = state_->root_store;
     sub->prefix = detail::concat(state_->prefix, "split", n, "/", color, "/");
@@ -8038,6 +8316,19 @@ class Communicator {
       s.local_group = std::make_unique<Communicator>(split(backend().local_leader(), rank()));
     }
     return *s.local_group;
+  }
+
+  // ---- diagnostics ---------------------------------------------------------------------------
+
+  /// The flight recorder: the last Options::trace_entries operations on this communicator
+  /// (op, seq, bytes, state), oldest first. Safe from any thread, e.g. a watchdog.
+  [[nodiscard]] std::vector<TraceRecord> recent() const { return checked().recorder.recent(); }
+
+  /// The same as text (what a timeout writes to Options::trace_dump), with `why` in its header.
+  [[nodiscard]] std::string trace(std::string_view why = {}) const {
+    const State& s = checked();
+    return detail::format_trace(s.recorder.recent(), s.recorder.issued(), s.backend->rank(),
+                                s.backend->size(), s.options.group, why);
   }
 
   /// Makes every pending and later operation fail with Errc::aborted, here and, where the
@@ -8075,7 +8366,13 @@ class Communicator {
       }
       backend.reset();
     }
+    void configure(const Options& o) {
+      options = o;
+      recorder.resize(detail::trace_capacity(o));
+    }
+
     Options options;
+    detail::FlightRecorder recorder;
     int world_rank = 0;
     int local_rank_hint = 0;  // the launcher's local rank: the default CUDA device
     std::unique_ptr<StoreServer> server;
@@ -8108,9 +8405,12 @@ class Communicator {
   struct Op {
     const char* name;
     F body;
+    std::size_t bytes = 0;  // this rank's buffers, for the flight recorder
   };
   template <class F>
   Op(const char*, F) -> Op<F>;
+  template <class F>
+  Op(const char*, F, std::size_t) -> Op<F>;
 
   explicit Communicator(std::shared_ptr<State> s) : state_(std::move(s)) {}
 
@@ -8124,9 +8424,33 @@ class Communicator {
   }
 
   /// Runs an operation unless the communicator is poisoned (then fails at once), and poisons it
-  /// when the operation fails.
+  /// when the operation fails; keeps the flight recorder's entry `seq` up to date and dumps the
+  /// recorder when the operation times out.
   template <class F>
-  static void run_guarded(State& s, const char* name, const F& body) {
+  static void run_guarded(State& s, std::uint64_t seq, const char* name, const F& body) {
+    using St = TraceRecord::State;
+    s.recorder.update(seq, St::running);
+    try {
+      run_poisoning(s, name, body);
+    } catch (const Error& e) {
+      s.recorder.update(seq, St::failed);
+      if (e.code() == Errc::timeout && !s.options.trace_dump.empty()) {
+        detail::dump_trace(
+            s.options.trace_dump,
+            detail::format_trace(s.recorder.recent(), s.recorder.issued(), s.backend->rank(),
+                                 s.backend->size(), s.options.group, e.what()),
+            s.options.group, s.backend->rank());
+      }
+      throw;
+    } catch (...) {
+      s.recorder.update(seq, St::failed);
+      throw;
+    }
+    s.recorder.update(seq, St::done);
+  }
+
+  template <class F>
+  static void run_poisoning(State& s, const char* name, const F& body) {
     {
       if (s.poisoned.load(std::memory_order_acquire)) {
         std::lock_guard lock(s.poison_mutex);
@@ -8157,15 +8481,17 @@ class Communicator {
   template <class F>
   void exec(const Op<F>& op) {
     State& s = checked();
-    s.executor->run([&] { run_guarded(s, op.name, op.body); });
+    const auto seq = s.recorder.issue(op.name, op.bytes, TraceRecord::State::queued);
+    s.executor->run([&] { run_guarded(s, seq, op.name, op.body); });
   }
 
   template <class F>
   Work submit(Op<F> op) {
     auto s = state_;
     checked();
-    return Work(
-        s->executor->submit([s, op = std::move(op)] { run_guarded(*s, op.name, op.body); }));
+    const auto seq = s->recorder.issue(op.name, op.bytes, TraceRecord::State::queued);
+    return Work(s->executor->submit(
+        [s, seq, op = std::move(op)] { run_guarded(*s, seq, op.name, op.body); }));
   }
 
   /// Whether CUDA buffers given to a backend that moves host memory only are staged through
@@ -8266,19 +8592,24 @@ class Communicator {
   auto prepare_all_reduce(T& t, ReduceOp op) {
     auto b = to_buf(t, "all_reduce", "buf");
     check_op(op, b.dtype, "all_reduce");
-    return Op{"all_reduce", [b, op](Backend& be, State& s) {
+    return Op{"all_reduce",
+              [b, op](Backend& be, State& s) {
                 elementwise(s, b, true, true, [&](const detail::Buf& h) { be.all_reduce(h, op); });
-              }};
+              },
+              b.bytes()};
   }
 
   template <class R>
   auto prepare_all_reduce_coalesced(R& bufs, ReduceOp op) {
     std::vector<detail::Buf> bs;
+    std::size_t bytes = 0;
     for (auto&& t : bufs) {
       bs.push_back(to_buf(t, "all_reduce_coalesced", "bufs"));
       check_op(op, bs.back().dtype, "all_reduce_coalesced");
+      bytes += bs.back().bytes();
     }
-    return Op{"all_reduce_coalesced", [bs = std::move(bs), op](Backend& be, State& s) {
+    return Op{"all_reduce_coalesced",
+              [bs = std::move(bs), op](Backend& be, State& s) {
                 if constexpr (requires { be.all_reduce_many(bs, op); }) {
                   be.all_reduce_many(bs, op);
                 } else {
@@ -8287,18 +8618,21 @@ class Communicator {
                                 [&](const detail::Buf& h) { be.all_reduce(h, op); });
                   }
                 }
-              }};
+              },
+              bytes};
   }
 
   template <class T>
   auto prepare_broadcast(T& t, int root) {
     auto b = to_buf(t, "broadcast", "buf");
     check_root(root, "broadcast");
-    return Op{"broadcast", [b, root](Backend& be, State& s) {
+    return Op{"broadcast",
+              [b, root](Backend& be, State& s) {
                 const bool mine = be.rank() == root;
                 elementwise(s, b, mine, !mine,
                             [&](const detail::Buf& h) { be.broadcast(h, root); });
-              }};
+              },
+              b.bytes()};
   }
 
   template <class T>
@@ -8306,10 +8640,12 @@ class Communicator {
     auto b = to_buf(t, "reduce", "buf");
     check_root(root, "reduce");
     check_op(op, b.dtype, "reduce");
-    return Op{"reduce", [b, root, op](Backend& be, State& s) {
+    return Op{"reduce",
+              [b, root, op](Backend& be, State& s) {
                 elementwise(s, b, true, be.rank() == root,
                             [&](const detail::Buf& h) { be.reduce(h, root, op); });
-              }};
+              },
+              b.bytes()};
   }
 
   template <class In, class Out>
@@ -8335,7 +8671,8 @@ class Communicator {
             ": `in` overlaps `out` but is not this rank's block of it (the only in-place form)");
       }
     }
-    return Op{what, [c, in, out, root, what](Backend& be, State& s) {
+    return Op{what,
+              [c, in, out, root, what](Backend& be, State& s) {
                 whole(
                     s, what,
                     [&](const detail::Buf& i, const detail::Buf& o) {
@@ -8345,7 +8682,8 @@ class Communicator {
                         be.gather(i, o, root);
                     },
                     detail::StagedArg{in, true, false}, detail::StagedArg{out, false, true});
-              }};
+              },
+              in.bytes() + out.bytes()};
   }
 
   template <class In, class Out>
@@ -8369,12 +8707,14 @@ class Communicator {
                      "in-place form)");
       }
     }
-    return Op{"scatter", [in, out, root](Backend& be, State& s) {
+    return Op{"scatter",
+              [in, out, root](Backend& be, State& s) {
                 whole(
                     s, "scatter",
                     [&](const detail::Buf& i, const detail::Buf& o) { be.scatter(i, o, root); },
                     detail::StagedArg{in, true, false}, detail::StagedArg{out, false, true});
-              }};
+              },
+              in.bytes() + out.bytes()};
   }
 
   template <class In, class Out>
@@ -8396,12 +8736,14 @@ class Communicator {
                    "only in-place form)");
     }
     return Op{
-        "reduce_scatter", [in, out, op](Backend& be, State& s) {
+        "reduce_scatter",
+        [in, out, op](Backend& be, State& s) {
           whole(
               s, "reduce_scatter",
               [&](const detail::Buf& i, const detail::Buf& o) { be.reduce_scatter(i, o, op); },
               detail::StagedArg{in, true, false}, detail::StagedArg{out, false, true});
-        }};
+        },
+        in.bytes() + out.bytes()};
   }
 
   template <class In, class Out>
@@ -8419,12 +8761,14 @@ class Communicator {
       detail::fail(Errc::invalid_argument, "rank ", rank(),
                    ": all_to_all: `in` and `out` must not overlap");
     }
-    return Op{"all_to_all", [in, out](Backend& be, State& s) {
+    return Op{"all_to_all",
+              [in, out](Backend& be, State& s) {
                 whole(
                     s, "all_to_all",
                     [&](const detail::Buf& i, const detail::Buf& o) { be.all_to_all(i, o); },
                     detail::StagedArg{in, true, false}, detail::StagedArg{out, false, true});
-              }};
+              },
+              in.bytes() + out.bytes()};
   }
 
   template <class T>
@@ -8439,7 +8783,8 @@ class Communicator {
       detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": tag ", tag,
                    " is negative");
     const bool sending = c == detail::Coll::send;
-    return Op{what, [b, peer, tag, sending, what](Backend& be, State& s) {
+    return Op{what,
+              [b, peer, tag, sending, what](Backend& be, State& s) {
                 whole(
                     s, what,
                     [&](const detail::Buf& h) {
@@ -8449,7 +8794,8 @@ class Communicator {
                         be.recv(h, peer, tag);
                     },
                     detail::StagedArg{b, sending, !sending});
-              }};
+              },
+              b.bytes()};
   }
 
   static constexpr std::int64_t max_object_bytes = std::int64_t{1} << 30;
@@ -10159,6 +10505,7 @@ DDP_END_NAMESPACE
 // end ddp/launch.hpp
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/store.hpp" (already included above)
+// #include "ddp/trace.hpp" (already included above)
 #endif
 // #include "ddp/types.hpp" (already included above)
 // #include "ddp/version.hpp" (already included above)
