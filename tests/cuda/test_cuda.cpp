@@ -376,7 +376,7 @@ TEST_CASE("NcclClique: wrong inputs are refused with the slot and the rule") {
   CHECK(code == ddp::Errc::invalid_argument);
 }
 
-TEST_CASE("NcclClique: ordered after a slow producer; a stuck one times out and aborts") {
+TEST_CASE("NcclClique: ordered after a slow producer, a stuck one times out and aborts") {
   {
     ddp::NcclClique clique({0});
     ddp::CudaStream producer(0);

@@ -40,7 +40,7 @@ void on_world(F&& body) {
 
 }  // namespace
 
-TEST_CASE("ddp initializes MPI itself; rank and size are MPI's") {
+TEST_CASE("ddp initializes MPI itself, rank and size are MPI's") {
   auto& comm = world();
   int initialized = 0, level = 0, rank = -1, size = 0;
   MPI_Initialized(&initialized);
@@ -123,7 +123,7 @@ TEST_CASE("bad arguments fail before anything is sent") {
   });
 }
 
-TEST_CASE("recv checks the sender's tag, dtype and count; p2p waits time out") {
+TEST_CASE("recv checks the sender's tag, dtype and count, p2p waits time out") {
   on_world([](Mpi& comm) {
     if (comm.size() < 2) return;
     const int r = comm.rank();

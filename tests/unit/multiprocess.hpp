@@ -16,6 +16,19 @@
 #include <string>
 #include <vector>
 
+// ASan's quarantine and TSan's shadow memory hold memory on purpose: RSS limits are not checked
+// under them.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define MP_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define MP_SANITIZED 1
+#endif
+#endif
+#ifndef MP_SANITIZED
+#define MP_SANITIZED 0
+#endif
+
 namespace mp {
 
 using Comm = ddp::Communicator<ddp::backend::Host>;

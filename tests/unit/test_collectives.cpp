@@ -106,7 +106,7 @@ TEST_CASE("argument checks fail before anything is sent, naming the rank and the
   });
 }
 
-TEST_CASE("DDP_HOST_TRANSPORT picks the transport; a bad value is refused") {
+TEST_CASE("DDP_HOST_TRANSPORT picks the transport, a bad value is refused") {
   for (const std::string t : {"tcp", "shm"}) {
     ddp::SpawnOptions so;
     so.env = {"DDP_HOST_TRANSPORT=" + t};

@@ -321,7 +321,7 @@ TEST_CASE("a frozen peer (SIGSTOP): the others time out between timeout/2 and ti
   }
 }
 
-TEST_CASE("flight recorder: recent() lists the operations; a timeout dumps them on every rank") {
+TEST_CASE("flight recorder: recent() lists the operations, a timeout dumps them on every rank") {
   for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
     CAPTURE(mp::name(t));
     mp::TempDir dir;
@@ -385,7 +385,7 @@ TEST_CASE("flight recorder: recent() lists the operations; a timeout dumps them 
   }
 }
 
-TEST_CASE("verify_collectives: off, collectives still work; ranks that disagree fail at init") {
+TEST_CASE("verify_collectives: off, collectives still work, ranks that disagree fail at init") {
   for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
     CAPTURE(mp::name(t));
     ddp::Options off;
@@ -489,7 +489,8 @@ TEST_CASE("a rank that never joins: the rendezvous names it") {
 }
 
 TEST_CASE(
-    "Work::wait rethrows an async failure; abort() from another thread unblocks a waiting rank") {
+    "Work::wait rethrows an async failure, and abort() from another thread unblocks a waiting "
+    "rank") {
   for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
     CAPTURE(mp::name(t));
     mp::TempDir dir;
@@ -527,7 +528,7 @@ TEST_CASE(
   }
 }
 
-TEST_CASE("ZeroFirstGuard: rank 0 goes first; if it throws, the others do not hang") {
+TEST_CASE("ZeroFirstGuard: rank 0 goes first, if it throws, the others do not hang") {
   for (auto scope : {ddp::GuardScope::local, ddp::GuardScope::global}) {
     mp::TempDir dir;
     mp::run(3, ddp::HostTransport::shm, [&](Comm& comm) {
@@ -698,7 +699,7 @@ TEST_CASE(
       in >> fds >> baseline >> growth;
       CAPTURE(r);
       CHECK(fds == baseline);
-#if !defined(__SANITIZE_ADDRESS__)  // ASan's quarantine holds freed memory on purpose
+#if !MP_SANITIZED
       CHECK(growth < 10 * 1024);
 #endif
       MESSAGE("rank " << r << ": " << fds << " fds, RSS growth " << growth

@@ -191,7 +191,7 @@ TEST_CASE("partition: DistributedSampler resumes mid-epoch and checks its argume
         std::string::npos);
 }
 
-TEST_CASE("partition: every rank computes the same order; exact_mean weighs uneven shards") {
+TEST_CASE("partition: every rank computes the same order, exact_mean weighs uneven shards") {
   mp::run(3, ddp::HostTransport::shm, [](mp::Comm& comm) {
     ddp::DistributedSampler s(1000, comm.size(), comm.rank(), {.seed = 9, .exact = false});
     s.set_epoch(3);

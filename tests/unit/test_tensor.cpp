@@ -152,7 +152,7 @@ TEST_CASE("traits specialization carries device and stream") {
   CHECK(ddp::view(ct).size == 2);
 }
 
-TEST_CASE("member ddp_view() is used when no traits exist; traits win over members") {
+TEST_CASE("member ddp_view() is used when no traits exist, traits win over members") {
   user::Grad g;
   CHECK(ddp::view(g).data == g.values.data());
   CHECK(ddp::view(g).size == 4);
@@ -169,7 +169,7 @@ TEST_CASE("a TensorView passes through ddp::view unchanged") {
   CHECK(again.stream == &x);
 }
 
-TEST_CASE("subview checks its bounds; views convert to read-only") {
+TEST_CASE("subview checks its bounds, views convert to read-only") {
   std::vector<std::int32_t> v(10);
   const auto tv = ddp::view(v);
   const auto sub = tv.subview(2, 5);

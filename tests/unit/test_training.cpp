@@ -274,7 +274,7 @@ TEST_CASE("training: compressed gradients stay within float16 and bfloat16 round
   }
 }
 
-TEST_CASE("training: buffers reallocated between steps are found again; resizing is refused") {
+TEST_CASE("training: buffers reallocated between steps are found again, resizing is refused") {
   mp::run(2, ddp::HostTransport::shm, [](mp::Comm& comm) {
     Linear m;
     ddp::GradientAverager avg(comm, m);
