@@ -12,15 +12,18 @@ import argparse
 import os
 import statistics
 import subprocess
+import tempfile
+from csv import DictReader
 
 
 def latency_us(bench, transport, nproc, verify, seconds):
     env = dict(os.environ, DDP_VERIFY_COLLECTIVES="1" if verify else "0")
-    out = subprocess.run([bench, "-o", "all_reduce", "-n", str(nproc), "-b", "4", "-e", "4",
-                          "-t", transport, "--seconds", str(seconds), "-w", "1000"],
-                         env=env, check=True, capture_output=True, text=True).stdout
-    rows = [line.split() for line in out.splitlines() if line.strip() and not line.startswith("#")]
-    return float(rows[-1][4])
+    with tempfile.NamedTemporaryFile(suffix=".csv") as csv:
+        subprocess.run([bench, "-o", "all_reduce", "-n", str(nproc), "-b", "4", "-e", "4",
+                        "-t", transport, "--seconds", str(seconds), "-w", "1000",
+                        "--csv", csv.name], env=env, check=True, capture_output=True)
+        rows = list(DictReader(open(csv.name)))
+    return float(rows[-1]["time_us"])
 
 
 def main():
@@ -36,11 +39,11 @@ def main():
     for t in a.transport:
         for n in a.nproc:
             on, off = [], []
-            for _ in range(a.rounds):
-                on.append(latency_us(a.bench, t, n, True, a.seconds))
-                off.append(latency_us(a.bench, t, n, False, a.seconds))
+            for k in range(a.rounds):  # alternating which goes first
+                for verify in ((True, False) if k % 2 == 0 else (False, True)):
+                    (on if verify else off).append(latency_us(a.bench, t, n, verify, a.seconds))
             m_on, m_off = statistics.median(on), statistics.median(off)
-            print(f"| {t} | {n} | {m_on:.2f} | {m_off:.2f} | {100 * (m_on / m_off - 1):+.1f}% |",
+            print(f"| {t} | {n} | {m_on:.3f} | {m_off:.3f} | {100 * (m_on / m_off - 1):+.1f}% |",
                   flush=True)
 
 

@@ -25,6 +25,7 @@
 
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 
 #include <algorithm>
 #include <array>
@@ -194,6 +195,26 @@ class TcpTransport final : public Transport {
     std::byte* p;
     std::size_t n;
   };
+  /// Points iov_ at the unfinished segments from (i, off) on; returns how many it filled.
+  std::size_t gather(const std::vector<Seg>& segs, std::size_t i, std::size_t off) {
+    std::size_t k = 0;
+    for (; i < segs.size() && k < iov_.size(); ++i, off = 0) {
+      if (segs[i].n > off) iov_[k++] = {segs[i].p + off, segs[i].n - off};
+    }
+    return k;
+  }
+
+  /// Moves (i, off) forward by n bytes over segs, past any empty segments.
+  static void advance(const std::vector<Seg>& segs, std::size_t& i, std::size_t& off,
+                      std::size_t n) {
+    while (i < segs.size() && segs[i].n - off <= n) {
+      n -= segs[i].n - off;
+      ++i;
+      off = 0;
+    }
+    off += n;
+  }
+
   struct Xfer {
     std::vector<Seg> out, in;
     std::size_t out_i = 0, out_off = 0, in_i = 0, in_off = 0;
@@ -271,20 +292,18 @@ class TcpTransport final : public Transport {
         const int fd = fds[i].fd;
         if ((fds[i].revents & POLLOUT) != 0 ||
             ((fds[i].revents & (POLLERR | POLLHUP)) != 0 && !x.out_done())) {
+          // Header and payload in one system call.
           while (!x.out_done()) {
-            Seg& s = x.out[x.out_i];
-            if (s.n == 0) {
-              ++x.out_i;
-              continue;
+            msghdr msg{};
+            msg.msg_iov = iov_.data();
+            msg.msg_iovlen = gather(x.out, x.out_i, x.out_off);
+            if (msg.msg_iovlen == 0) {
+              x.out_i = x.out.size();
+              break;
             }
-            const ssize_t n =
-                ::send(fd, s.p + x.out_off, s.n - x.out_off, MSG_NOSIGNAL | MSG_DONTWAIT);
+            const ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
             if (n > 0) {
-              x.out_off += static_cast<std::size_t>(n);
-              if (x.out_off == s.n) {
-                ++x.out_i;
-                x.out_off = 0;
-              }
+              advance(x.out, x.out_i, x.out_off, static_cast<std::size_t>(n));
             } else if (n < 0 && errno == EINTR) {
               continue;
             } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
@@ -296,19 +315,19 @@ class TcpTransport final : public Transport {
         }
         if ((fds[i].revents & (POLLIN | POLLERR | POLLHUP)) != 0) {
           while (!x.in_done()) {
-            Seg& s = x.in[x.in_i];
-            if (s.n == 0) {
-              ++x.in_i;
-              continue;
+            msghdr msg{};
+            msg.msg_iov = iov_.data();
+            msg.msg_iovlen = gather(x.in, x.in_i, x.in_off);
+            if (msg.msg_iovlen == 0) {
+              x.in_i = x.in.size();
+              break;
             }
-            const ssize_t n = ::recv(fd, s.p + x.in_off, s.n - x.in_off, MSG_DONTWAIT);
+            // Never more than this round's bytes: the next round's stay in the socket.
+            const ssize_t n = ::recvmsg(fd, &msg, MSG_DONTWAIT);
             if (n > 0) {
-              x.in_off += static_cast<std::size_t>(n);
-              if (x.in_off == s.n) {
-                if (x.in_i == 0 && x.header_in) check_header(j, *fp);
-                ++x.in_i;
-                x.in_off = 0;
-              }
+              const bool header_pending = x.header_in && x.in_i == 0;
+              advance(x.in, x.in_i, x.in_off, static_cast<std::size_t>(n));
+              if (header_pending && x.in_i > 0) check_header(j, *fp);
             } else if (n < 0 && errno == EINTR) {
               continue;
             } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
@@ -390,6 +409,7 @@ class TcpTransport final : public Transport {
   std::vector<const std::byte*> ptrs_;
   std::vector<Xfer> xfers_;
   std::vector<Fingerprint> headers_in_;
+  std::array<iovec, 16> iov_{};
   std::vector<std::byte> scratch_;
   P2PHeader p2p_header_{};
 };
