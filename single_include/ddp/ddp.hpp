@@ -8345,11 +8345,7 @@ class Communicator {
   [[nodiscard]] std::vector<TraceRecord> recent() const { return checked().recorder.recent(); }
 
   /// The same as text (what a timeout writes to Options::trace_dump), with `why` in its header.
-  [[nodiscard]] std::string trace(std::string_view why = {}) const {
-    const State& s = checked();
-    return detail::format_trace(s.recorder.recent(), s.recorder.issued(), s.backend->rank(),
-                                s.backend->size(), s.options.group, why);
-  }
+  [[nodiscard]] std::string trace(std::string_view why = {}) const { return checked().trace(why); }
 
   /// Makes every pending and later operation fail with Errc::aborted, here and, where the
   /// backend can reach them, on the peers. Safe to call from any thread, e.g. a watchdog.
@@ -8389,6 +8385,10 @@ class Communicator {
     void configure(const Options& o) {
       options = o;
       recorder.resize(detail::trace_capacity(o));
+    }
+    [[nodiscard]] std::string trace(std::string_view why) const {
+      return detail::format_trace(recorder.recent(), recorder.issued(), backend->rank(),
+                                  backend->size(), options.group, why);
     }
 
     Options options;
@@ -8455,11 +8455,8 @@ class Communicator {
     } catch (const Error& e) {
       s.recorder.update(seq, St::failed);
       if (e.code() == Errc::timeout && !s.options.trace_dump.empty()) {
-        detail::dump_trace(
-            s.options.trace_dump,
-            detail::format_trace(s.recorder.recent(), s.recorder.issued(), s.backend->rank(),
-                                 s.backend->size(), s.options.group, e.what()),
-            s.options.group, s.backend->rank());
+        detail::dump_trace(s.options.trace_dump, s.trace(e.what()), s.options.group,
+                           s.backend->rank());
       }
       throw;
     } catch (...) {
