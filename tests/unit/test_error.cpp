@@ -3,10 +3,12 @@
 #include <doctest/doctest.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <set>
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <vector>
 
 TEST_CASE("Error carries its code and message") {
   const ddp::Error e(ddp::Errc::timeout, "rank 2: all_reduce timed out");
@@ -59,5 +61,53 @@ TEST_CASE("detail::fail_errno names the call and the OS error") {
     CHECK(what.find("shm_open(/ddp-x): ") == 0);
     CHECK(what.find("No such file or directory") != std::string::npos);
     CHECK(what.find("(errno 2)") != std::string::npos);
+  }
+}
+
+TEST_CASE("fingerprint_digest: a change in any one field changes the digest, never 0") {
+  using ddp::detail::Fingerprint;
+  const Fingerprint base{
+      7, 1000, -1, ddp::detail::Coll::all_reduce, ddp::DType::float32, ddp::ReduceOp::sum, 1};
+  const std::uint32_t d0 = ddp::detail::fingerprint_digest(base);
+  CHECK(d0 != 0);
+  CHECK(ddp::detail::fingerprint_digest(base) == d0);  // deterministic: every rank agrees
+  std::vector<Fingerprint> variants;
+  for (std::uint64_t k = 1; k <= 64; ++k) {  // neighbouring and far sequence numbers and counts
+    Fingerprint f = base;
+    f.seq = base.seq + k;
+    variants.push_back(f);
+    f = base;
+    f.count = base.count ^ (std::uint64_t{1} << (k - 1));
+    variants.push_back(f);
+  }
+  for (int r = 0; r < 8; ++r) {
+    Fingerprint f = base;
+    f.root = r;
+    variants.push_back(f);
+  }
+  for (auto c :
+       {ddp::detail::Coll::broadcast, ddp::detail::Coll::reduce, ddp::detail::Coll::all_gather,
+        ddp::detail::Coll::reduce_scatter, ddp::detail::Coll::barrier}) {
+    Fingerprint f = base;
+    f.coll = c;
+    variants.push_back(f);
+  }
+  for (auto t : {ddp::DType::float64, ddp::DType::int32, ddp::DType::bfloat16}) {
+    Fingerprint f = base;
+    f.dtype = t;
+    variants.push_back(f);
+  }
+  for (auto o : {ddp::ReduceOp::max, ddp::ReduceOp::avg}) {
+    Fingerprint f = base;
+    f.op = o;
+    variants.push_back(f);
+  }
+  Fingerprint no_op = base;
+  no_op.has_op = 0;
+  variants.push_back(no_op);
+  for (const Fingerprint& f : variants) {
+    CAPTURE(ddp::detail::to_string(f));
+    CHECK(ddp::detail::fingerprint_digest(f) != d0);
+    CHECK(ddp::detail::fingerprint_digest(f) != 0);
   }
 }

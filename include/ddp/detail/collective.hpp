@@ -85,6 +85,22 @@ struct Fingerprint {
 };
 static_assert(sizeof(Fingerprint) == 24);
 
+/// A 32-bit digest of a fingerprint, never 0: what the shared-memory transport publishes with the
+/// round number (the full fingerprint is compared only when digests differ). Each field is spread
+/// by its own odd multiplier and the high half of the sum is mixed into the low one, so
+/// fingerprints that differ in any one field differ in the digest except by a 2^-31 chance.
+[[nodiscard]] constexpr std::uint32_t fingerprint_digest(const Fingerprint& f) noexcept {
+  const std::uint64_t small =
+      static_cast<std::uint32_t>(f.root) | std::uint64_t{static_cast<std::uint8_t>(f.coll)} << 32 |
+      std::uint64_t{static_cast<std::uint8_t>(f.dtype)} << 40 |
+      std::uint64_t{static_cast<std::uint8_t>(f.op)} << 48 | std::uint64_t{f.has_op} << 56;
+  std::uint64_t x = f.seq * 0x9e3779b97f4a7c15ull ^ f.count * 0xc2b2ae3d27d4eb4full ^
+                    small * 0x165667b19e3779f9ull;
+  x ^= x >> 29;
+  x *= 0xbf58476d1ce4e5b9ull;
+  return static_cast<std::uint32_t>(x >> 32) | 1u;
+}
+
 [[nodiscard]] inline std::string to_string(const Fingerprint& f) {
   std::string s = concat(to_string(f.coll), '(');
   if (f.coll != Coll::barrier) s += concat(to_string(f.dtype), ", count=", f.count);

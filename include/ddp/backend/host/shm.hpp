@@ -8,13 +8,14 @@
 /// One POSIX shared-memory segment per communicator, created by rank 0, opened by the others and
 /// unlinked as soon as every rank has mapped it, so a crash leaves nothing in /dev/shm. It holds:
 ///  * a header: the abort word (the first failure, so peers fail fast) and the futex wake word;
-///  * per rank a control block: a monotonically increasing `tick` (one per round) on its own cache
-///    line, and two fingerprint slots (indexed by tick parity);
+///  * per rank a control block: on its own cache line the round word (the round number and a
+///    32-bit digest of the collective's fingerprint), on another the two full fingerprints
+///    (indexed by round parity), which peers read only when the digests differ;
 ///  * per rank two data slots (double buffering by tick parity);
 ///  * per ordered pair a ring buffer for send/recv.
 ///
-/// A round: copy the bytes peers want into my slot[tick % 2], publish tick, wait until every
-/// peer's tick reaches mine, compare fingerprints, hand out pointers into peers' slots. Double
+/// A round: copy the bytes peers want into my slot[tick % 2], publish the round word, wait until
+/// every peer's round reaches mine, compare digests, hand out pointers into peers' slots. Double
 /// buffering needs no extra waits: a peer can only overwrite slot[t % 2] in round t + 2, which it
 /// cannot start before I publish round t + 1, which I do only after I am done reading round t.
 
@@ -46,7 +47,7 @@ DDP_BEGIN_NAMESPACE
 namespace detail {
 
 struct ShmLayout {
-  static constexpr std::uint64_t magic = 0x3130306d68737064ull;  // "dpshm001"
+  static constexpr std::uint64_t magic = 0x3230306d68737064ull;  // "dpshm002"
   static constexpr std::size_t header_bytes = 4096;
   static constexpr std::size_t ctl_bytes = 256;
   static constexpr std::size_t channel_ctl_bytes = 128;
@@ -94,13 +95,16 @@ struct ShmHeader {
 };
 static_assert(sizeof(ShmHeader) <= ShmLayout::header_bytes);
 
-/// One rank's control block. The tick and the fingerprints share a cache line, so a peer that
-/// sees the tick has the fingerprint too (one cache miss per peer and round, not two).
-struct alignas(64) ShmCtl {
-  std::atomic<std::uint64_t> tick;
-  Fingerprint fp[2];
+/// One rank's control block. Peers spin on `word`: the low 32 bits are the round number (modulo
+/// 2^32; ranks are never more than one round apart, so wrapping is harmless), the high 32 bits a
+/// digest of the round's fingerprint (0: none). One store publishes both, so checking that all
+/// ranks called the same collective costs no extra cache-line transfer; the full fingerprints lie
+/// on a line of their own, written by the owner only, read by a peer only when digests differ.
+struct ShmCtl {
+  alignas(64) std::atomic<std::uint64_t> word;
+  alignas(64) Fingerprint fp[2];
 };
-static_assert(sizeof(ShmCtl) == 64);
+static_assert(sizeof(ShmCtl) == 128);
 static_assert(sizeof(ShmCtl) <= ShmLayout::ctl_bytes);
 
 struct ShmChannelCtl {
@@ -175,13 +179,14 @@ class ShmTransport final : public Transport {
       : Transport(rank, size, timeout),
         layout_(layout),
         segment_(std::move(segment)),
-        ptrs_(static_cast<std::size_t>(size)) {
+        ptrs_(static_cast<std::size_t>(size)),
+        seen_(static_cast<std::size_t>(size)) {
     header_ = reinterpret_cast<ShmHeader*>(segment_->base());
     for (int j = 0; j < size; ++j) {
       if (j != rank) watch_.add(j, pids[static_cast<std::size_t>(j)]);
     }
     oversubscribed_ = size > usable_cpus();
-    tick_ = ctl(rank)->tick.load();
+    tick_ = round_of(ctl(rank)->word.load());
   }
 
   /// Initializes a freshly created segment (rank 0 only, before anyone else maps it).
@@ -252,15 +257,21 @@ class ShmTransport final : public Transport {
       copied_to = std::max(copied_to, to);
     }
     ShmCtl* mine = ctl(rank_);
-    if (fp != nullptr && verify_fingerprints) mine->fp[parity] = *fp;
-    mine->tick.store(t, std::memory_order_seq_cst);
+    std::uint64_t digest = 0;
+    if (fp != nullptr && verify_fingerprints) {
+      mine->fp[parity] = *fp;
+      digest = fingerprint_digest(*fp);
+    }
+    mine->word.store(digest << 32 | static_cast<std::uint32_t>(t), std::memory_order_seq_cst);
     header_->wake.notify();
 
     wait([&] { return all_reached(t); }, fp, [&] { return behind(t); });
 
-    if (fp != nullptr && verify_fingerprints) {
+    if (digest != 0) {
       for (int j = 0; j < size_; ++j) {
-        if (j == rank_) continue;
+        if (j == rank_ || seen_[static_cast<std::size_t>(j)] >> 32 == digest) continue;
+        // Digests differ, or the peer was already in round t + 1 (it cannot pass t + 1 before this
+        // rank publishes t + 1): its round-t fingerprint is in fp[parity] either way.
         const Fingerprint theirs = ctl(j)->fp[parity];
         if (!(theirs == *fp)) {
           const std::string msg = mismatch_message(*fp, j, theirs);
@@ -326,9 +337,22 @@ class ShmTransport final : public Transport {
     return segment_->base() + layout_.channel_offset(src, dst) + ShmLayout::channel_ctl_bytes;
   }
 
-  [[nodiscard]] bool all_reached(std::uint64_t t) const {
+  [[nodiscard]] static std::uint32_t round_of(std::uint64_t word) noexcept {
+    return static_cast<std::uint32_t>(word);
+  }
+  /// Whether a round word is of round t or later (modulo 2^32: a peer is at most one round ahead).
+  [[nodiscard]] static bool reached(std::uint64_t word, std::uint64_t t) noexcept {
+    return static_cast<std::int32_t>(round_of(word) - static_cast<std::uint32_t>(t)) >= 0;
+  }
+  [[nodiscard]] bool reached(int j, std::uint64_t t) const {
+    return reached(ctl(j)->word.load(std::memory_order_acquire), t);
+  }
+  /// Whether every rank has published round t; if so, their words are in seen_.
+  [[nodiscard]] bool all_reached(std::uint64_t t) {
     for (int j = 0; j < size_; ++j) {
-      if (ctl(j)->tick.load(std::memory_order_acquire) < t) return false;
+      const std::uint64_t w = ctl(j)->word.load(std::memory_order_acquire);
+      if (!reached(w, t)) return false;
+      seen_[static_cast<std::size_t>(j)] = w;
     }
     return true;
   }
@@ -337,7 +361,7 @@ class ShmTransport final : public Transport {
     std::string who;
     int n = 0;
     for (int j = 0; j < size_; ++j) {
-      if (ctl(j)->tick.load(std::memory_order_acquire) < t) who += concat(n++ ? ", " : "", j);
+      if (!reached(j, t)) who += concat(n++ ? ", " : "", j);
     }
     return concat(n == 1 ? "rank " : "ranks ", who);
   }
@@ -483,6 +507,7 @@ class ShmTransport final : public Transport {
   std::uint64_t tick_ = 0;
   std::vector<Range> wanted_;
   std::vector<const std::byte*> ptrs_;
+  std::vector<std::uint64_t> seen_;  // the round words all_reached last saw
 };
 
 }  // namespace detail
