@@ -19,6 +19,7 @@
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
 #include "ddp/store.hpp"
+#include "ddp/trace.hpp"
 
 #include "ddp/detail/wait.hpp"
 
@@ -40,6 +41,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <exception>
 #include <functional>
 #include <iterator>
@@ -625,8 +627,16 @@ class LaunchAgent {
   void stop_workers(Clock::time_point now) {
     if (stopping_) return;
     stopping_ = true;
-    signal_workers(SIGTERM);
-    kill_at_ = now + o_.grace;
+    // Workers that write flight recorders (DDP_TRACE_DUMP) get a second to fail on their own
+    // and write them (peers of a failed rank fail within milliseconds); then SIGTERM.
+    const auto delay = env_or_empty("DDP_TRACE_DUMP").empty() ? std::chrono::milliseconds(0)
+                                                              : std::chrono::milliseconds(1000);
+    term_at_ = now + delay;
+    if (delay.count() == 0) {
+      signal_workers(SIGTERM);
+      term_at_ = Clock::time_point::max();
+    }
+    kill_at_ = now + delay + o_.grace;
   }
 
   [[nodiscard]] static std::int64_t wall_ns() {
@@ -720,6 +730,7 @@ class LaunchAgent {
     say("received ", signal_name(sig), ": passing it on to the workers");
     signal_workers(sig);
     stopping_ = true;
+    term_at_ = Clock::time_point::max();
     kill_at_ = Clock::now() + o_.grace;
     publish_failure(attempt, LaunchFailure{o_.node_rank, 128 + sig, false,
                                            concat(o_.name, " on node ", o_.node_rank, " received ",
@@ -728,11 +739,13 @@ class LaunchAgent {
   }
 
   LaunchFailure run_attempt(int attempt) {
+    attempt_started_ = static_cast<std::int64_t>(std::time(nullptr));
     workers_.clear();
     workers_.resize(static_cast<std::size_t>(o_.nproc_per_node));
     root_cause_ = -1;
     root_by_signal_ = false;
     stopping_ = false;
+    term_at_ = Clock::time_point::max();
     kill_at_ = Clock::time_point::max();
     auto drain_until = Clock::time_point::max();
     std::optional<LaunchFailure> remote;
@@ -756,6 +769,10 @@ class LaunchAgent {
       if (!running && (!open || now >= drain_until)) break;
       if (!running && drain_until == Clock::time_point::max())
         drain_until = now + std::chrono::milliseconds(500);  // output in flight, or a leftover
+      if (now >= term_at_) {
+        signal_workers(SIGTERM);
+        term_at_ = Clock::time_point::max();
+      }
       if (now >= kill_at_) {
         signal_workers(SIGKILL);
         kill_at_ = Clock::time_point::max();
@@ -838,9 +855,23 @@ class LaunchAgent {
     } else if (local) {
       verdict = *local;
     }
-    if (verdict.code != 0 && interrupted_ == 0)
+    if (verdict.code != 0 && interrupted_ == 0) {
       say("attempt ", attempt + 1, " failed; root cause: ", verdict.what);
+      report_traces(attempt_started_);
+    }
     return verdict;
+  }
+
+  /// With DDP_TRACE_DUMP set to a directory, the flight recorders the workers of this attempt
+  /// wrote there (on a timeout), compared: who fell behind, and where.
+  void report_traces(std::int64_t since) const {
+    const std::string dir = env_or_empty("DDP_TRACE_DUMP");
+    if (dir.empty() || dir == "stderr" || dir == "-") return;
+    const std::vector<TraceDump> dumps = read_trace_dumps(dir, since);
+    if (dumps.empty()) return;
+    std::string text = diagnose_traces(dumps);
+    if (!text.empty() && text.back() == '\n') text.pop_back();
+    say("flight recorders in ", dir, " (ddp-trace ", dir, "):\n", text);
   }
 
   LaunchOptions o_;
@@ -854,7 +885,9 @@ class LaunchAgent {
   bool root_by_signal_ = false;  // the root cause died of a signal (nothing can come before it)
   bool stopping_ = false;
   int interrupted_ = 0;
+  Clock::time_point term_at_ = Clock::time_point::max();  // SIGTERM then (a stop was delayed)
   Clock::time_point kill_at_ = Clock::time_point::max();
+  std::int64_t attempt_started_ = 0;  // seconds since the epoch
 };
 
 }  // namespace detail

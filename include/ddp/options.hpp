@@ -6,6 +6,7 @@
 /// ddp::Options: how a communicator is made (timeouts, the rendezvous secret, transports).
 
 #include "ddp/config.hpp"
+#include "ddp/error.hpp"
 
 #include <chrono>
 #include <cstddef>
@@ -29,12 +30,28 @@ namespace detail {
   return v != nullptr ? std::string(v) : std::string(fallback);
 }
 [[nodiscard]] inline std::string env_or_empty(const char* name) { return env_or(name, ""); }
+
+/// $DDP_TIMEOUT (seconds, a decimal number such as 30 or 0.5) or `fallback` when unset. Anything
+/// else, or a value outside (0, 2147483] seconds, is Errc::invalid_argument naming the variable.
+[[nodiscard]] inline std::chrono::milliseconds timeout_from_env(
+    std::chrono::milliseconds fallback) {
+  const std::string v = env_or("DDP_TIMEOUT", "");
+  if (v.empty()) return fallback;
+  char* end = nullptr;
+  const double seconds = std::strtod(v.c_str(), &end);
+  if (end == v.c_str() || *end != '\0' || !(seconds >= 0.001) || seconds > 2147483.0) {
+    fail(Errc::invalid_argument, "DDP_TIMEOUT=\"", v,
+         "\" is not a timeout: give seconds, at least 0.001 and at most 2147483 (e.g. 300)");
+  }
+  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
+}
 }  // namespace detail
 
 struct Options {
   /// The longest any single wait may take (a collective, the rendezvous, a store call) before
-  /// Errc::timeout. A peer that dies is reported sooner (Errc::peer_lost).
-  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  /// Errc::timeout. A peer that dies is reported sooner (Errc::peer_lost). Default: 5 minutes,
+  /// or $DDP_TIMEOUT seconds (a malformed value throws Errc::invalid_argument naming it).
+  std::chrono::milliseconds timeout = detail::timeout_from_env(std::chrono::minutes(5));
   /// Rendezvous secret: every rank must present it to the store. Default: $DDP_TOKEN.
   std::string token = detail::env_or("DDP_TOKEN", "");
   /// CUDA device for CUDA backends; -1: the local rank.

@@ -1470,14 +1470,13 @@ static_assert(sizeof(Fingerprint) == 24);
 
 /// A 32-bit digest of a fingerprint, never 0: what the shared-memory transport publishes with the
 /// round number (the full fingerprint is compared only when digests differ). Each field is spread
-/// by its own odd multiplier and the high half of the sum is mixed into the low one, so fingerprints
-/// that differ in any one field differ in the digest except by a 2^-31 chance.
+/// by its own odd multiplier and the high half of the sum is mixed into the low one, so
+/// fingerprints that differ in any one field differ in the digest except by a 2^-31 chance.
 [[nodiscard]] constexpr std::uint32_t fingerprint_digest(const Fingerprint& f) noexcept {
-  const std::uint64_t small = static_cast<std::uint32_t>(f.root) |
-                              std::uint64_t{static_cast<std::uint8_t>(f.coll)} << 32 |
-                              std::uint64_t{static_cast<std::uint8_t>(f.dtype)} << 40 |
-                              std::uint64_t{static_cast<std::uint8_t>(f.op)} << 48 |
-                              std::uint64_t{f.has_op} << 56;
+  const std::uint64_t small =
+      static_cast<std::uint32_t>(f.root) | std::uint64_t{static_cast<std::uint8_t>(f.coll)} << 32 |
+      std::uint64_t{static_cast<std::uint8_t>(f.dtype)} << 40 |
+      std::uint64_t{static_cast<std::uint8_t>(f.op)} << 48 | std::uint64_t{f.has_op} << 56;
   std::uint64_t x = f.seq * 0x9e3779b97f4a7c15ull ^ f.count * 0xc2b2ae3d27d4eb4full ^
                     small * 0x165667b19e3779f9ull;
   x ^= x >> 29;
@@ -3528,6 +3527,7 @@ DDP_END_NAMESPACE
 /// ddp::Options: how a communicator is made (timeouts, the rendezvous secret, transports).
 
 // #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
 
 #include <chrono>
 #include <cstddef>
@@ -3551,12 +3551,27 @@ namespace detail {
   return v != nullptr ? std::string(v) : std::string(fallback);
 }
 [[nodiscard]] inline std::string env_or_empty(const char* name) { return env_or(name, ""); }
+
+/// $DDP_TIMEOUT (seconds, a decimal number such as 30 or 0.5) or `fallback` when unset. Anything
+/// else, or a value outside (0, 2147483] seconds, is Errc::invalid_argument naming the variable.
+[[nodiscard]] inline std::chrono::milliseconds timeout_from_env(std::chrono::milliseconds fallback) {
+  const std::string v = env_or("DDP_TIMEOUT", "");
+  if (v.empty()) return fallback;
+  char* end = nullptr;
+  const double seconds = std::strtod(v.c_str(), &end);
+  if (end == v.c_str() || *end != '\0' || !(seconds >= 0.001) || seconds > 2147483.0) {
+    fail(Errc::invalid_argument, "DDP_TIMEOUT=\"", v,
+         "\" is not a timeout: give seconds, at least 0.001 and at most 2147483 (e.g. 300)");
+  }
+  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
+}
 }  // namespace detail
 
 struct Options {
   /// The longest any single wait may take (a collective, the rendezvous, a store call) before
-  /// Errc::timeout. A peer that dies is reported sooner (Errc::peer_lost).
-  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  /// Errc::timeout. A peer that dies is reported sooner (Errc::peer_lost). Default: 5 minutes,
+  /// or $DDP_TIMEOUT seconds (a malformed value throws Errc::invalid_argument naming it).
+  std::chrono::milliseconds timeout = detail::timeout_from_env(std::chrono::minutes(5));
   /// Rendezvous secret: every rank must present it to the store. Default: $DDP_TOKEN.
   std::string token = detail::env_or("DDP_TOKEN", "");
   /// CUDA device for CUDA backends; -1: the local rank.
@@ -7715,18 +7730,26 @@ DDP_END_NAMESPACE
 /// Communicator::recent() / trace(), and written out when an operation times out
 /// (Options::trace_dump, $DDP_TRACE_DUMP). Comparing the ranks' records shows which rank fell
 /// behind and where; the timeout message itself already names the ranks that did not arrive.
+/// parse_trace() reads a dump back and diagnose_traces() compares the dumps of a job's ranks
+/// (the `ddp-trace` tool prints it for a directory of dumps).
 
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/detail/string.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
 
+#include <dirent.h>
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <mutex>
+#include <set>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -7751,6 +7774,193 @@ struct TraceRecord {
     case TraceRecord::State::failed: return "failed";
   }
   return "?";
+}
+
+/// A flight-recorder dump read back from its text (what format_trace writes).
+struct TraceDump {
+  struct Entry {
+    std::uint64_t seq = 0;
+    std::string op;
+    std::size_t bytes = 0;
+    TraceRecord::State state = TraceRecord::State::queued;
+  };
+  int rank = -1;
+  int size = 0;
+  std::string group;
+  std::uint64_t issued = 0;  ///< operations the communicator had issued
+  std::string why;           ///< the error that made it dump ("" when dumped on request)
+  std::vector<Entry> entries;
+
+  /// The operation this rank is stuck in or failed in: the oldest one not done, or `issued`
+  /// (the next one) when all it holds are done.
+  [[nodiscard]] std::uint64_t position() const {
+    for (const auto& e : entries) {
+      if (e.state != TraceRecord::State::done) return e.seq;
+    }
+    return issued;
+  }
+  [[nodiscard]] const Entry* entry(std::uint64_t seq) const {
+    for (const auto& e : entries) {
+      if (e.seq == seq) return &e;
+    }
+    return nullptr;
+  }
+};
+
+/// Reads a dump written by Communicator::trace() or on a timeout; `source` names it in errors.
+/// Throws Error(Errc::invalid_argument) on text that is not such a dump.
+[[nodiscard]] inline TraceDump parse_trace(std::string_view text, std::string_view source = "") {
+  const auto bad = [&](std::string_view what) {
+    detail::fail(Errc::invalid_argument, source.empty() ? std::string("flight recorder dump")
+                                                        : std::string(source),
+                 ": not a ddp flight recorder dump (", what, ")");
+  };
+  std::istringstream in{std::string(text)};
+  std::string head;
+  std::getline(in, head);
+  constexpr std::string_view prefix = "ddp flight recorder: rank ";
+  if (head.rfind(prefix, 0) != 0) bad("the first line does not start with \"ddp flight recorder\"");
+  TraceDump d;
+  const std::size_t q1 = head.find(", group \""), q2 = head.find("\", the last ");
+  if (q1 == std::string::npos || q2 == std::string::npos || q2 < q1) bad("no group");
+  d.group = head.substr(q1 + 9, q2 - q1 - 9);
+  unsigned long long held = 0, issued = 0;
+  if (std::sscanf(head.c_str() + prefix.size(), "%d of %d", &d.rank, &d.size) != 2 ||
+      std::sscanf(head.c_str() + q2, "\", the last %llu of %llu operations", &held, &issued) != 2 ||
+      d.rank < 0 || d.size <= d.rank) {
+    bad("a malformed first line");
+  }
+  d.issued = issued;
+  constexpr std::string_view because = ", dumped because: ";
+  if (const auto b = head.find(because, q2); b != std::string::npos)
+    d.why = head.substr(b + because.size());
+  std::string line;
+  std::getline(in, line);  // column titles
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    std::istringstream fields(line);
+    TraceDump::Entry e;
+    std::string state;
+    if (!(fields >> e.seq >> e.op >> e.bytes >> state)) bad(detail::concat("line \"", line, "\""));
+    if (state == "queued")
+      e.state = TraceRecord::State::queued;
+    else if (state == "running")
+      e.state = TraceRecord::State::running;
+    else if (state == "done")
+      e.state = TraceRecord::State::done;
+    else if (state == "failed")
+      e.state = TraceRecord::State::failed;
+    else
+      bad(detail::concat("state \"", state, "\""));
+    d.entries.push_back(std::move(e));
+  }
+  if (d.entries.size() != held) bad("fewer records than its first line says");
+  return d;
+}
+
+/// The dumps in directory `dir` (its ddp-trace-*.txt files) last written at or after `since`
+/// (seconds since the epoch: a launcher passes the start of the attempt, so older dumps do not
+/// count), sorted by group and rank. Files that cannot be read or are not dumps are skipped.
+[[nodiscard]] inline std::vector<TraceDump> read_trace_dumps(const std::string& dir,
+                                                             std::int64_t since = 0) {
+  std::vector<TraceDump> out;
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return out;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.rfind("ddp-trace-", 0) != 0 || name.size() < 4 ||
+        name.compare(name.size() - 4, 4, ".txt") != 0)
+      continue;
+    const std::string path = detail::concat(dir, "/", name);
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_mtime < since) continue;
+    std::FILE* f = std::fopen(path.c_str(), "r");
+    if (f == nullptr) continue;
+    std::string text;
+    char buf[4096];
+    for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) text.append(buf, n);
+    std::fclose(f);
+    try {
+      out.push_back(parse_trace(text, path));
+    } catch (const Error&) {
+    }
+  }
+  ::closedir(d);
+  std::sort(out.begin(), out.end(), [](const TraceDump& a, const TraceDump& b) {
+    return a.group != b.group ? a.group < b.group : a.rank < b.rank;
+  });
+  return out;
+}
+
+/// Compares the dumps of one job's ranks and says, in a few lines, who fell behind and where:
+/// per group, each rank's position (the operation it is stuck in), the ranks that are behind
+/// the others or left no dump (a rank that never timed out was not waiting in a collective:
+/// stopped, busy elsewhere or dead), and ranks that disagree on what an operation was.
+[[nodiscard]] inline std::string diagnose_traces(const std::vector<TraceDump>& dumps) {
+  using detail::concat;
+  std::map<std::string, std::vector<const TraceDump*>> groups;
+  for (const auto& d : dumps) groups[d.group].push_back(&d);
+  const auto list = [](const std::vector<int>& ranks) {
+    std::string s = ranks.size() == 1 ? "rank " : "ranks ";
+    for (std::size_t i = 0; i < ranks.size(); ++i) s += concat(i ? ", " : "", ranks[i]);
+    return s;
+  };
+  const auto describe = [](const TraceDump& d, std::uint64_t seq) {
+    const TraceDump::Entry* e = d.entry(seq);
+    if (e == nullptr) return concat("#", seq, seq == d.issued ? " (not called yet)" : "");
+    return concat("#", seq, " ", e->op, " (", e->bytes, " B, ", to_string(e->state), ")");
+  };
+  std::string out;
+  for (const auto& [group, ds] : groups) {
+    int size = 0;
+    std::map<int, const TraceDump*> by_rank;
+    for (const TraceDump* d : ds) {
+      size = std::max(size, d->size);
+      by_rank[d->rank] = d;
+    }
+    out += concat("group \"", group, "\": dumps from ", by_rank.size(), " of ", size, " ranks\n");
+    std::uint64_t front = 0;
+    for (const auto& [r, d] : by_rank) front = std::max(front, d->position());
+    std::vector<int> behind, silent;
+    for (const auto& [r, d] : by_rank) {
+      const std::uint64_t at = d->position();
+      out += concat("  rank ", r, ": at ", describe(*d, at), ", ", d->issued, " issued\n");
+      if (at < front) behind.push_back(r);
+    }
+    for (int r = 0; r < size; ++r) {
+      if (by_rank.count(r) == 0) silent.push_back(r);
+    }
+    // Ranks at the same operation that recorded different ones.
+    std::string disagree;
+    for (const auto& [r, d] : by_rank) {
+      const TraceDump::Entry* mine = d->entry(front);
+      const TraceDump::Entry* first = by_rank.begin()->second->entry(front);
+      if (mine != nullptr && first != nullptr && mine->op != first->op) {
+        disagree = concat("  ranks disagree on #", front, ": rank ", by_rank.begin()->first,
+                          " called ", first->op, ", rank ", r, " called ", mine->op, "\n");
+        break;
+      }
+    }
+    out += disagree;
+    if (!behind.empty()) {
+      out += concat("  behind: ", list(behind), " (the others reached #", front, ")\n");
+    }
+    if (!silent.empty()) {
+      out += concat("  no dump: ", list(silent),
+                    " (it did not time out, so it was not waiting in a collective of this "
+                    "group: stopped, busy elsewhere, or dead); the others wait in #",
+                    front, "\n");
+    }
+    if (behind.empty() && silent.empty() && disagree.empty()) {
+      out += concat("  every rank reached #", front,
+                    "; none lags: the operation itself stalled (transport or network)\n");
+    }
+    std::vector<int> lagging = behind;
+    lagging.insert(lagging.end(), silent.begin(), silent.end());
+    std::sort(lagging.begin(), lagging.end());
+    if (!lagging.empty()) out += concat("  lagging: ", list(lagging), "\n");
+  }
+  return out;
 }
 
 namespace detail {
@@ -9711,6 +9921,7 @@ DDP_END_NAMESPACE
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/store.hpp" (already included above)
+// #include "ddp/trace.hpp" (already included above)
 
 // #include "ddp/detail/wait.hpp" (already included above)
 
@@ -9732,6 +9943,7 @@ DDP_END_NAMESPACE
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <exception>
 #include <functional>
 #include <iterator>
@@ -10317,8 +10529,16 @@ class LaunchAgent {
   void stop_workers(Clock::time_point now) {
     if (stopping_) return;
     stopping_ = true;
-    signal_workers(SIGTERM);
-    kill_at_ = now + o_.grace;
+    // Workers that write flight recorders (DDP_TRACE_DUMP) get a second to fail on their own
+    // and write them (peers of a failed rank fail within milliseconds); then SIGTERM.
+    const auto delay = env_or_empty("DDP_TRACE_DUMP").empty() ? std::chrono::milliseconds(0)
+                                                              : std::chrono::milliseconds(1000);
+    term_at_ = now + delay;
+    if (delay.count() == 0) {
+      signal_workers(SIGTERM);
+      term_at_ = Clock::time_point::max();
+    }
+    kill_at_ = now + delay + o_.grace;
   }
 
   [[nodiscard]] static std::int64_t wall_ns() {
@@ -10412,6 +10632,7 @@ class LaunchAgent {
     say("received ", signal_name(sig), ": passing it on to the workers");
     signal_workers(sig);
     stopping_ = true;
+    term_at_ = Clock::time_point::max();
     kill_at_ = Clock::now() + o_.grace;
     publish_failure(attempt, LaunchFailure{o_.node_rank, 128 + sig, false,
                                            concat(o_.name, " on node ", o_.node_rank, " received ",
@@ -10420,11 +10641,13 @@ class LaunchAgent {
   }
 
   LaunchFailure run_attempt(int attempt) {
+    attempt_started_ = static_cast<std::int64_t>(std::time(nullptr));
     workers_.clear();
     workers_.resize(static_cast<std::size_t>(o_.nproc_per_node));
     root_cause_ = -1;
     root_by_signal_ = false;
     stopping_ = false;
+    term_at_ = Clock::time_point::max();
     kill_at_ = Clock::time_point::max();
     auto drain_until = Clock::time_point::max();
     std::optional<LaunchFailure> remote;
@@ -10448,6 +10671,10 @@ class LaunchAgent {
       if (!running && (!open || now >= drain_until)) break;
       if (!running && drain_until == Clock::time_point::max())
         drain_until = now + std::chrono::milliseconds(500);  // output in flight, or a leftover
+      if (now >= term_at_) {
+        signal_workers(SIGTERM);
+        term_at_ = Clock::time_point::max();
+      }
       if (now >= kill_at_) {
         signal_workers(SIGKILL);
         kill_at_ = Clock::time_point::max();
@@ -10530,9 +10757,23 @@ class LaunchAgent {
     } else if (local) {
       verdict = *local;
     }
-    if (verdict.code != 0 && interrupted_ == 0)
+    if (verdict.code != 0 && interrupted_ == 0) {
       say("attempt ", attempt + 1, " failed; root cause: ", verdict.what);
+      report_traces(attempt_started_);
+    }
     return verdict;
+  }
+
+  /// With DDP_TRACE_DUMP set to a directory, the flight recorders the workers of this attempt
+  /// wrote there (on a timeout), compared: who fell behind, and where.
+  void report_traces(std::int64_t since) const {
+    const std::string dir = env_or_empty("DDP_TRACE_DUMP");
+    if (dir.empty() || dir == "stderr" || dir == "-") return;
+    const std::vector<TraceDump> dumps = read_trace_dumps(dir, since);
+    if (dumps.empty()) return;
+    std::string text = diagnose_traces(dumps);
+    if (!text.empty() && text.back() == '\n') text.pop_back();
+    say("flight recorders in ", dir, " (ddp-trace ", dir, "):\n", text);
   }
 
   LaunchOptions o_;
@@ -10546,7 +10787,9 @@ class LaunchAgent {
   bool root_by_signal_ = false;  // the root cause died of a signal (nothing can come before it)
   bool stopping_ = false;
   int interrupted_ = 0;
+  Clock::time_point term_at_ = Clock::time_point::max();  // SIGTERM then (a stop was delayed)
   Clock::time_point kill_at_ = Clock::time_point::max();
+  std::int64_t attempt_started_ = 0;  // seconds since the epoch
 };
 
 }  // namespace detail

@@ -19,6 +19,7 @@ import unittest
 
 DDPRUN = os.environ.get("DDPRUN", "build/default/tools/ddprun")
 WORKER = os.environ.get("WORKER", "build/default/tools/ddp-launch-worker")
+TRACE_TOOL = os.environ.get("DDP_TRACE_TOOL", "build/default/tools/ddp-trace")
 LIMIT = 60  # seconds any single ddprun may take before the test fails (instead of hanging)
 
 
@@ -198,6 +199,38 @@ class SingleNode(Base):
         self.assertEqual(p.returncode, 137, err)
         self.assertRegex(err, r"root cause: rank 1 \(local_rank 1, pid \d+\) was killed by SIGKILL")
         self.assertGone(pids)
+
+    def test_timeout_dumps_flight_recorders_and_names_the_lagging_rank(self):
+        # Rank 2 sleeps while the others call a fourth all_reduce: they time out after 1 s and
+        # write their flight recorders; ddprun and ddp-trace compare them and name rank 2.
+        env = dict(os.environ, DDP_TIMEOUT="1", DDP_TRACE_DUMP=self.dir)
+        t0 = time.monotonic()
+        r = ddprun("--standalone", "--nproc-per-node", 4, WORKER, "lag", 2, env=env)
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertLess(time.monotonic() - t0, 20)  # not the sleeper's 30 s
+        self.assertRegex(r.stderr, r"timed out after 1000 ms waiting for rank 2")
+        self.assertEqual(sorted(os.listdir(self.dir)),
+                         [f"ddp-trace-default-rank{k}.txt" for k in (0, 1, 3)])
+        self.assertIn(f"ddprun: flight recorders in {self.dir}", r.stderr)
+        self.assertIn("  lagging: rank 2", r.stderr)
+        t = subprocess.run([TRACE_TOOL, self.dir], capture_output=True, text=True, timeout=LIMIT)
+        self.assertEqual(t.returncode, 0, t.stderr)
+        self.assertIn('group "default": dumps from 3 of 4 ranks', t.stdout)
+        self.assertRegex(t.stdout, r"rank 0: at #3 all_reduce \(1024 B, failed\), 4 issued")
+        self.assertIn("no dump: rank 2", t.stdout)
+        self.assertIn("lagging: rank 2", t.stdout)
+        # Nothing to read: a clear message and a non-zero status.
+        empty = tempfile.mkdtemp(dir=self.dir)
+        t = subprocess.run([TRACE_TOOL, empty], capture_output=True, text=True, timeout=LIMIT)
+        self.assertEqual(t.returncode, 1)
+        self.assertIn("no flight recorder dump", t.stderr)
+
+    def test_bad_timeout_variable_is_named(self):
+        for value in ("abc", "-1", "0", "2147483648", "1e400", "nan"):
+            r = ddprun("--standalone", "--nproc-per-node", 2, WORKER, "allreduce",
+                       env=dict(os.environ, DDP_TIMEOUT=value))
+            self.assertEqual(r.returncode, 1, (value, r.stderr))
+            self.assertIn(f'DDP_TIMEOUT="{value}" is not a timeout', r.stderr)
 
     def test_signals_are_forwarded(self):
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -12,6 +12,9 @@
 //   worker lines N                    print N long lines in several partial writes each
 //   worker grandchild DIR             start a process (pid in DIR/grandchild.RANK), then fail
 //   worker loop DIR                   all_reduce forever (pid in DIR/pid.RANK)
+//   worker lag RANK                   three all_reduces, then RANK sleeps 30 s while the others
+//   call
+//                                     a fourth (which times out: run with DDP_TIMEOUT)
 
 #include <ddp/ddp.hpp>
 
@@ -147,6 +150,17 @@ int main(int argc, char** argv) try {
       comm.all_reduce(v);
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
+  }
+  if (mode == "lag" && args.size() >= 2) {
+    auto comm = ddp::Communicator<ddp::backend::Host>::init();
+    std::vector<float> v(256, 1.0f);
+    for (int i = 0; i < 3; ++i) comm.all_reduce(v);
+    if (comm.rank() == std::stoi(args[1])) {
+      std::this_thread::sleep_for(std::chrono::seconds(30));
+      return 0;
+    }
+    comm.all_reduce(v);
+    return 0;
   }
   std::cerr << "worker: unknown arguments\n";
   return 2;

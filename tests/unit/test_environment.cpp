@@ -2,6 +2,8 @@
 
 #include <doctest/doctest.h>
 
+#include <chrono>
+#include <cstdlib>
 #include <map>
 #include <string>
 
@@ -153,4 +155,36 @@ TEST_CASE("environment: malformed values are rejected, naming the variable") {
   CHECK(error_of({{"SLURM_PROCID", "x"}}).find("SLURM_PROCID") != std::string::npos);
   // A world of one needs no master port.
   CHECK(detect({{"RANK", "0"}, {"WORLD_SIZE", "1"}}).world_size == 1);
+}
+
+TEST_CASE("DDP_TIMEOUT sets Options::timeout in seconds, a malformed value is named") {
+  using std::chrono::milliseconds;
+  const auto with = [](const char* value) {
+    ::setenv("DDP_TIMEOUT", value, 1);
+    const auto t = ddp::detail::timeout_from_env(milliseconds(7));
+    ::unsetenv("DDP_TIMEOUT");
+    return t;
+  };
+  ::unsetenv("DDP_TIMEOUT");
+  CHECK(ddp::detail::timeout_from_env(milliseconds(7)) == milliseconds(7));
+  CHECK(ddp::Options{}.timeout == std::chrono::minutes(5));
+  CHECK(with("0.5") == milliseconds(500));
+  CHECK(with("300") == milliseconds(300000));
+  CHECK(with("1e-3") == milliseconds(1));
+  CHECK(with("2147483") == milliseconds(2147483000));
+  ::setenv("DDP_TIMEOUT", "2.5", 1);
+  CHECK(ddp::Options{}.timeout == milliseconds(2500));
+  ::unsetenv("DDP_TIMEOUT");
+  for (const char* bad : {"abc", "-1", "0", "0.0001", "2147484", "inf", "nan", "5s", " "}) {
+    CAPTURE(std::string(bad));
+    try {
+      (void)with(bad);
+      FAIL("accepted");
+    } catch (const ddp::Error& e) {
+      ::unsetenv("DDP_TIMEOUT");
+      CHECK(e.code() == ddp::Errc::invalid_argument);
+      CHECK(std::string(e.what()).find("DDP_TIMEOUT=\"" + std::string(bad) +
+                                       "\" is not a timeout") != std::string::npos);
+    }
+  }
 }

@@ -382,7 +382,90 @@ TEST_CASE("flight recorder: recent() lists the operations, a timeout dumps them 
       CHECK(dump.find("         5  broadcast                  80  done") != std::string::npos);
     }
     CHECK(mp::TempDir::read(dir.file("ddp-trace-flight-rank2.txt")).empty());  // no timeout there
+    // The dumps read back and compared name rank 2.
+    const auto dumps = ddp::read_trace_dumps(dir.path);
+    REQUIRE(dumps.size() == 2);
+    CHECK(dumps[0].rank == 0);
+    CHECK(dumps[1].rank == 1);
+    CHECK(dumps[0].position() == 7);
+    const std::string report = ddp::diagnose_traces(dumps);
+    CAPTURE(report);
+    CHECK(report.find("group \"flight\": dumps from 2 of 3 ranks") != std::string::npos);
+    CHECK(report.find("rank 0: at #7 all_reduce (4000 B, failed), 8 issued") != std::string::npos);
+    CHECK(report.find("no dump: rank 2") != std::string::npos);
+    CHECK(report.find("lagging: rank 2\n") != std::string::npos);
   }
+}
+
+TEST_CASE("parse_trace reads format_trace back, refuses other text, diagnose_traces compares") {
+  using State = ddp::TraceRecord::State;
+  const auto dump = [](int rank, std::vector<ddp::TraceRecord> records, std::uint64_t issued,
+                       const char* group = "g") {
+    return ddp::parse_trace(ddp::detail::format_trace(records, issued, rank, 4, group,
+                                                      "rank 0: timed out, \"quoted\""));
+  };
+  const auto rec = [](std::uint64_t seq, const char* op, std::size_t bytes, State st) {
+    return ddp::TraceRecord{seq, op, bytes, st, std::chrono::steady_clock::now()};
+  };
+  const ddp::TraceDump d =
+      dump(1, {rec(8, "broadcast", 80, State::done), rec(9, "all_reduce", 4, State::failed)}, 10,
+           "my \"group\"");
+  CHECK(d.rank == 1);
+  CHECK(d.size == 4);
+  CHECK(d.group == "my \"group\"");
+  CHECK(d.issued == 10);
+  CHECK(d.why == "rank 0: timed out, \"quoted\"");
+  REQUIRE(d.entries.size() == 2);
+  CHECK(d.entries[0].seq == 8);
+  CHECK(d.entries[0].op == "broadcast");
+  CHECK(d.entries[0].bytes == 80);
+  CHECK(d.entries[1].state == State::failed);
+  CHECK(d.position() == 9);
+
+  for (const char* bad :
+       {"", "hello\n",
+        "ddp flight recorder: rank x of 4, group \"g\", the last 0 of 0 operations\n",
+        "ddp flight recorder: rank 5 of 4, group \"g\", the last 0 of 0 operations\n",
+        "ddp flight recorder: rank 0 of 4, group \"g\", the last 1 of 1 operations\ntitles\n",
+        "ddp flight recorder: rank 0 of 4, group \"g\", the last 1 of 1 operations\ntitles\n"
+        "  0 all_reduce 4 sleeping 3\n"}) {
+    CAPTURE(std::string(bad));
+    try {
+      (void)ddp::parse_trace(bad, "f.txt");
+      FAIL("accepted");
+    } catch (const ddp::Error& e) {
+      CHECK(e.code() == ddp::Errc::invalid_argument);
+      CHECK(std::string(e.what()).find("f.txt: not a ddp flight recorder dump") !=
+            std::string::npos);
+    }
+  }
+
+  // Rank 3 is stuck one operation behind ranks 0 and 1; rank 2 left no dump.
+  const std::vector<ddp::TraceDump> lag = {
+      dump(0, {rec(4, "all_reduce", 4, State::done), rec(5, "broadcast", 8, State::failed)}, 6),
+      dump(1, {rec(4, "all_reduce", 4, State::done), rec(5, "broadcast", 8, State::failed)}, 6),
+      dump(3, {rec(4, "all_reduce", 4, State::failed)}, 5)};
+  std::string report = ddp::diagnose_traces(lag);
+  CAPTURE(report);
+  CHECK(report.find("dumps from 3 of 4 ranks") != std::string::npos);
+  CHECK(report.find("rank 3: at #4 all_reduce (4 B, failed), 5 issued") != std::string::npos);
+  CHECK(report.find("behind: rank 3 (the others reached #5)") != std::string::npos);
+  CHECK(report.find("no dump: rank 2") != std::string::npos);
+  CHECK(report.find("lagging: ranks 2, 3\n") != std::string::npos);
+
+  // Every rank in #5, but they called different collectives (verify_collectives off).
+  std::vector<ddp::TraceDump> differ;
+  for (int r = 0; r < 4; ++r)
+    differ.push_back(dump(r, {rec(5, r == 2 ? "reduce" : "broadcast", 8, State::failed)}, 6));
+  report = ddp::diagnose_traces(differ);
+  CHECK(report.find("ranks disagree on #5: rank 0 called broadcast, rank 2 called reduce") !=
+        std::string::npos);
+  CHECK(report.find("lagging") == std::string::npos);
+
+  // Every rank in the same operation: nobody lags.
+  differ[2] = dump(2, {rec(5, "broadcast", 8, State::failed)}, 6);
+  report = ddp::diagnose_traces(differ);
+  CHECK(report.find("every rank reached #5; none lags") != std::string::npos);
 }
 
 TEST_CASE("verify_collectives: off, collectives still work, ranks that disagree fail at init") {
