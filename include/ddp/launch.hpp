@@ -66,8 +66,9 @@ struct SpawnOptions {
   std::chrono::milliseconds grace{std::chrono::seconds(3)};
   /// Extra environment variables for the workers ("NAME=value").
   std::vector<std::string> env;
-  /// Stop the other workers as soon as one fails (torchrun's behaviour). Fault-injection tests
-  /// turn it off to watch how the survivors react.
+  /// Stop the other workers as soon as one fails (torchrun's behaviour; with $DDP_TRACE_DUMP set,
+  /// a second later, so that they can write their flight recorders). Fault-injection tests turn
+  /// it off to watch how the survivors react.
   bool stop_on_failure = true;
 };
 
@@ -185,7 +186,13 @@ inline void spawn(int nprocs, const std::function<void(Environment)>& fn,
   };
   int first_failed = -1;
   int remaining = nprocs;
+  auto term_at = detail::Clock::time_point::max();
   auto kill_deadline = detail::Clock::time_point::max();
+  // Children that write flight recorders (DDP_TRACE_DUMP) get a second to fail on their own and
+  // write them before SIGTERM, as under ddprun.
+  const auto dump_delay = detail::env_or_empty("DDP_TRACE_DUMP").empty()
+                              ? std::chrono::milliseconds(0)
+                              : std::chrono::milliseconds(1000);
   while (remaining > 0) {
     bool reaped = false;
     for (int r = 0; r < nprocs; ++r) {  // only our own children: never reap someone else's
@@ -203,12 +210,16 @@ inline void spawn(int nprocs, const std::function<void(Environment)>& fn,
       if (!ok && first_failed < 0) {
         first_failed = r;
         if (options.stop_on_failure) {
-          for (auto& other : children) {
-            if (!other.done) ::kill(other.pid, SIGTERM);
-          }
-          kill_deadline = detail::Clock::now() + options.grace;
+          term_at = detail::Clock::now() + dump_delay;
+          kill_deadline = term_at + options.grace;
         }
       }
+    }
+    if (detail::Clock::now() >= term_at) {
+      for (auto& other : children) {
+        if (!other.done) ::kill(other.pid, SIGTERM);
+      }
+      term_at = detail::Clock::time_point::max();
     }
     if (detail::Clock::now() >= kill_deadline) {  // the grace period is over
       for (auto& c : children) {

@@ -3554,7 +3554,8 @@ namespace detail {
 
 /// $DDP_TIMEOUT (seconds, a decimal number such as 30 or 0.5) or `fallback` when unset. Anything
 /// else, or a value outside (0, 2147483] seconds, is Errc::invalid_argument naming the variable.
-[[nodiscard]] inline std::chrono::milliseconds timeout_from_env(std::chrono::milliseconds fallback) {
+[[nodiscard]] inline std::chrono::milliseconds timeout_from_env(
+    std::chrono::milliseconds fallback) {
   const std::string v = env_or("DDP_TIMEOUT", "");
   if (v.empty()) return fallback;
   char* end = nullptr;
@@ -7811,8 +7812,8 @@ struct TraceDump {
 /// Throws Error(Errc::invalid_argument) on text that is not such a dump.
 [[nodiscard]] inline TraceDump parse_trace(std::string_view text, std::string_view source = "") {
   const auto bad = [&](std::string_view what) {
-    detail::fail(Errc::invalid_argument, source.empty() ? std::string("flight recorder dump")
-                                                        : std::string(source),
+    detail::fail(Errc::invalid_argument,
+                 source.empty() ? std::string("flight recorder dump") : std::string(source),
                  ": not a ddp flight recorder dump (", what, ")");
   };
   std::istringstream in{std::string(text)};
@@ -9968,8 +9969,9 @@ struct SpawnOptions {
   std::chrono::milliseconds grace{std::chrono::seconds(3)};
   /// Extra environment variables for the workers ("NAME=value").
   std::vector<std::string> env;
-  /// Stop the other workers as soon as one fails (torchrun's behaviour). Fault-injection tests
-  /// turn it off to watch how the survivors react.
+  /// Stop the other workers as soon as one fails (torchrun's behaviour; with $DDP_TRACE_DUMP set,
+  /// a second later, so that they can write their flight recorders). Fault-injection tests turn
+  /// it off to watch how the survivors react.
   bool stop_on_failure = true;
 };
 
@@ -10087,7 +10089,13 @@ inline void spawn(int nprocs, const std::function<void(Environment)>& fn,
   };
   int first_failed = -1;
   int remaining = nprocs;
+  auto term_at = detail::Clock::time_point::max();
   auto kill_deadline = detail::Clock::time_point::max();
+  // Children that write flight recorders (DDP_TRACE_DUMP) get a second to fail on their own and
+  // write them before SIGTERM, as under ddprun.
+  const auto dump_delay = detail::env_or_empty("DDP_TRACE_DUMP").empty()
+                              ? std::chrono::milliseconds(0)
+                              : std::chrono::milliseconds(1000);
   while (remaining > 0) {
     bool reaped = false;
     for (int r = 0; r < nprocs; ++r) {  // only our own children: never reap someone else's
@@ -10105,12 +10113,16 @@ inline void spawn(int nprocs, const std::function<void(Environment)>& fn,
       if (!ok && first_failed < 0) {
         first_failed = r;
         if (options.stop_on_failure) {
-          for (auto& other : children) {
-            if (!other.done) ::kill(other.pid, SIGTERM);
-          }
-          kill_deadline = detail::Clock::now() + options.grace;
+          term_at = detail::Clock::now() + dump_delay;
+          kill_deadline = term_at + options.grace;
         }
       }
+    }
+    if (detail::Clock::now() >= term_at) {
+      for (auto& other : children) {
+        if (!other.done) ::kill(other.pid, SIGTERM);
+      }
+      term_at = detail::Clock::time_point::max();
     }
     if (detail::Clock::now() >= kill_deadline) {  // the grace period is over
       for (auto& c : children) {

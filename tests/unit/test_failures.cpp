@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <thread>
@@ -395,6 +396,46 @@ TEST_CASE("flight recorder: recent() lists the operations, a timeout dumps them 
     CHECK(report.find("no dump: rank 2") != std::string::npos);
     CHECK(report.find("lagging: rank 2\n") != std::string::npos);
   }
+}
+
+TEST_CASE("spawn with DDP_TRACE_DUMP: failing ranks all write their dumps before the stop") {
+  // Ranks 0, 1 and 3 time out waiting for rank 2 and let the error propagate: spawn stops the
+  // others after the first failure, but only after a second, so every waiting rank's dump is
+  // written; rank 2, which sleeps, is stopped well before its 20 s.
+  mp::TempDir dir;
+  ::setenv("DDP_TRACE_DUMP", dir.path.c_str(), 1);
+  ddp::Options o;
+  o.timeout = std::chrono::milliseconds(500);
+  o.transport = ddp::HostTransport::shm;
+  o.segment_bytes = mp::test_segment;
+  const auto t0 = Clock::now();
+  std::string error;
+  try {
+    ddp::spawn(4, [&](ddp::Environment env) {
+      auto comm = Comm::init(env, o);
+      std::vector<float> v(16, 1.0f);
+      comm.all_reduce(v);
+      if (comm.rank() == 2) {
+        std::this_thread::sleep_for(std::chrono::seconds(20));
+        return;
+      }
+      comm.all_reduce(v);
+    });
+  } catch (const ddp::Error& e) {
+    error = e.what();
+  }
+  ::unsetenv("DDP_TRACE_DUMP");
+  CAPTURE(error);
+  CHECK(error.find("spawn: rank ") != std::string::npos);
+  CHECK(mp::ms_since(t0) < 10000);
+  const auto dumps = ddp::read_trace_dumps(dir.path);
+  REQUIRE(dumps.size() == 3);
+  CHECK(dumps[0].rank == 0);
+  CHECK(dumps[1].rank == 1);
+  CHECK(dumps[2].rank == 3);
+  const std::string report = ddp::diagnose_traces(dumps);
+  CAPTURE(report);
+  CHECK(report.find("lagging: rank 2\n") != std::string::npos);
 }
 
 TEST_CASE("parse_trace reads format_trace back, refuses other text, diagnose_traces compares") {
