@@ -243,6 +243,14 @@ struct TraceDump {
 
 namespace detail {
 
+/// How long a launcher (ddprun, spawn) lets the other workers run after one failed before it
+/// stops them: a second when they write flight recorders ($DDP_TRACE_DUMP), in which they fail on
+/// their own (peers of a failed rank do within milliseconds) and write them; else no time.
+[[nodiscard]] inline std::chrono::milliseconds trace_dump_grace() {
+  return env_or_empty("DDP_TRACE_DUMP").empty() ? std::chrono::milliseconds(0)
+                                                : std::chrono::milliseconds(1000);
+}
+
 /// Options::trace_entries, unless $DDP_TRACE_ENTRIES says otherwise.
 [[nodiscard]] inline std::size_t trace_capacity(const Options& o) {
   const std::string v = env_or("DDP_TRACE_ENTRIES", "");

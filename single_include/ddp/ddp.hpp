@@ -7966,6 +7966,14 @@ struct TraceDump {
 
 namespace detail {
 
+/// How long a launcher (ddprun, spawn) lets the other workers run after one failed before it
+/// stops them: a second when they write flight recorders ($DDP_TRACE_DUMP), in which they fail on
+/// their own (peers of a failed rank do within milliseconds) and write them; else no time.
+[[nodiscard]] inline std::chrono::milliseconds trace_dump_grace() {
+  return env_or_empty("DDP_TRACE_DUMP").empty() ? std::chrono::milliseconds(0)
+                                                : std::chrono::milliseconds(1000);
+}
+
 /// Options::trace_entries, unless $DDP_TRACE_ENTRIES says otherwise.
 [[nodiscard]] inline std::size_t trace_capacity(const Options& o) {
   const std::string v = env_or("DDP_TRACE_ENTRIES", "");
@@ -10091,11 +10099,7 @@ inline void spawn(int nprocs, const std::function<void(Environment)>& fn,
   int remaining = nprocs;
   auto term_at = detail::Clock::time_point::max();
   auto kill_deadline = detail::Clock::time_point::max();
-  // Children that write flight recorders (DDP_TRACE_DUMP) get a second to fail on their own and
-  // write them before SIGTERM, as under ddprun.
-  const auto dump_delay = detail::env_or_empty("DDP_TRACE_DUMP").empty()
-                              ? std::chrono::milliseconds(0)
-                              : std::chrono::milliseconds(1000);
+  const auto dump_delay = detail::trace_dump_grace();  // time to write flight recorders
   while (remaining > 0) {
     bool reaped = false;
     for (int r = 0; r < nprocs; ++r) {  // only our own children: never reap someone else's
@@ -10541,10 +10545,7 @@ class LaunchAgent {
   void stop_workers(Clock::time_point now) {
     if (stopping_) return;
     stopping_ = true;
-    // Workers that write flight recorders (DDP_TRACE_DUMP) get a second to fail on their own
-    // and write them (peers of a failed rank fail within milliseconds); then SIGTERM.
-    const auto delay = env_or_empty("DDP_TRACE_DUMP").empty() ? std::chrono::milliseconds(0)
-                                                              : std::chrono::milliseconds(1000);
+    const auto delay = trace_dump_grace();  // time to write flight recorders, then SIGTERM
     term_at_ = now + delay;
     if (delay.count() == 0) {
       signal_workers(SIGTERM);
