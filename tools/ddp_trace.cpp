@@ -13,8 +13,6 @@
 
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -36,11 +34,7 @@ int main(int argc, char** argv) {
         dumps.insert(dumps.end(), found.begin(), found.end());
         continue;
       }
-      std::ifstream in(p);
-      if (!in) throw std::runtime_error(fmt::format("{}: cannot be read", p));
-      std::ostringstream text;
-      text << in.rdbuf();
-      dumps.push_back(ddp::parse_trace(text.str(), p));
+      dumps.push_back(ddp::read_trace_file(p));
     }
   } catch (const std::exception& e) {
     fmt::print(stderr, "ddp-trace: {}\n", e.what());

@@ -8,10 +8,12 @@
 #include "ddp/config.hpp"
 #include "ddp/error.hpp"
 
+#include <charconv>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -30,6 +32,21 @@ namespace detail {
   return v != nullptr ? std::string(v) : std::string(fallback);
 }
 [[nodiscard]] inline std::string env_or_empty(const char* name) { return env_or(name, ""); }
+
+/// $name as a whole number in [min, max], or nullopt when it is unset or empty. Anything else (a
+/// sign, a unit, a number out of range) is Errc::invalid_argument naming the variable and `what`
+/// it must be.
+[[nodiscard]] inline std::optional<std::uint64_t> env_unsigned(const char* name, std::uint64_t min,
+                                                               std::uint64_t max,
+                                                               std::string_view what) {
+  const std::string v = env_or(name, "");
+  if (v.empty()) return std::nullopt;
+  std::uint64_t n = 0;
+  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+  if (ec != std::errc{} || end != v.data() + v.size() || n < min || n > max)
+    fail(Errc::invalid_argument, name, "=\"", v, "\" must be ", what);
+  return n;
+}
 
 /// $DDP_TIMEOUT (seconds, a decimal number such as 30 or 0.5) or `fallback` when unset. Anything
 /// else, or a value outside (0, 2147483] seconds, is Errc::invalid_argument naming the variable.

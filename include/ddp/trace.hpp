@@ -20,6 +20,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -136,6 +137,18 @@ struct TraceDump {
   return d;
 }
 
+/// Reads and parses one dump file; Errc::system when it cannot be read, Errc::invalid_argument
+/// when it is not a dump.
+[[nodiscard]] inline TraceDump read_trace_file(const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "r");
+  if (f == nullptr) detail::fail_errno(errno, path, ": cannot open the flight recorder dump");
+  std::string text;
+  char buf[4096];
+  for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) text.append(buf, n);
+  std::fclose(f);
+  return parse_trace(text, path);
+}
+
 /// The dumps in directory `dir` (its ddp-trace-*.txt files) last written at or after `since`
 /// (seconds since the epoch: a launcher passes the start of the attempt, so older dumps do not
 /// count), sorted by group and rank. Files that cannot be read or are not dumps are skipped.
@@ -152,14 +165,8 @@ struct TraceDump {
     const std::string path = detail::concat(dir, "/", name);
     struct stat st {};
     if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_mtime < since) continue;
-    std::FILE* f = std::fopen(path.c_str(), "r");
-    if (f == nullptr) continue;
-    std::string text;
-    char buf[4096];
-    for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) text.append(buf, n);
-    std::fclose(f);
     try {
-      out.push_back(parse_trace(text, path));
+      out.push_back(read_trace_file(path));
     } catch (const Error&) {
     }
   }
@@ -210,9 +217,9 @@ struct TraceDump {
     }
     // Ranks at the same operation that recorded different ones.
     std::string disagree;
+    const TraceDump::Entry* first = by_rank.begin()->second->entry(front);
     for (const auto& [r, d] : by_rank) {
       const TraceDump::Entry* mine = d->entry(front);
-      const TraceDump::Entry* first = by_rank.begin()->second->entry(front);
       if (mine != nullptr && first != nullptr && mine->op != first->op) {
         disagree = concat("  ranks disagree on #", front, ": rank ", by_rank.begin()->first,
                           " called ", first->op, ", rank ", r, " called ", mine->op, "\n");
@@ -253,15 +260,10 @@ namespace detail {
 
 /// Options::trace_entries, unless $DDP_TRACE_ENTRIES says otherwise.
 [[nodiscard]] inline std::size_t trace_capacity(const Options& o) {
-  const std::string v = env_or("DDP_TRACE_ENTRIES", "");
-  if (v.empty()) return o.trace_entries;
-  char* end = nullptr;
-  const auto n = std::strtoull(v.c_str(), &end, 10);
-  if (end == v.c_str() || *end != '\0' || n > 1000000) {
-    fail(Errc::invalid_argument, "DDP_TRACE_ENTRIES=\"", v,
-         "\" must be a number of records in [0, 1000000] (0 turns the flight recorder off)");
-  }
-  return static_cast<std::size_t>(n);
+  const auto n = env_unsigned("DDP_TRACE_ENTRIES", 0, 1000000,
+                              "a number of records in [0, 1000000] (0 turns the flight recorder "
+                              "off)");
+  return n ? static_cast<std::size_t>(*n) : o.trace_entries;
 }
 
 /// A fixed ring of TraceRecords. Thread-safe: operations are recorded by the thread that issues

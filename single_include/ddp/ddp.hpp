@@ -3529,10 +3529,12 @@ DDP_END_NAMESPACE
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 
+#include <charconv>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -3551,6 +3553,21 @@ namespace detail {
   return v != nullptr ? std::string(v) : std::string(fallback);
 }
 [[nodiscard]] inline std::string env_or_empty(const char* name) { return env_or(name, ""); }
+
+/// $name as a whole number in [min, max], or nullopt when it is unset or empty. Anything else (a
+/// sign, a unit, a number out of range) is Errc::invalid_argument naming the variable and `what`
+/// it must be.
+[[nodiscard]] inline std::optional<std::uint64_t> env_unsigned(const char* name, std::uint64_t min,
+                                                               std::uint64_t max,
+                                                               std::string_view what) {
+  const std::string v = env_or(name, "");
+  if (v.empty()) return std::nullopt;
+  std::uint64_t n = 0;
+  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+  if (ec != std::errc{} || end != v.data() + v.size() || n < min || n > max)
+    fail(Errc::invalid_argument, name, "=\"", v, "\" must be ", what);
+  return n;
+}
 
 /// $DDP_TIMEOUT (seconds, a decimal number such as 30 or 0.5) or `fallback` when unset. Anything
 /// else, or a value outside (0, 2147483] seconds, is Errc::invalid_argument naming the variable.
@@ -5054,15 +5071,9 @@ class Host {
   /// Options::segment_bytes, else $DDP_SEGMENT_BYTES, else the transport's default.
   static std::size_t segment_bytes(const Options& o, std::size_t fallback) {
     if (o.segment_bytes != 0) return o.segment_bytes;
-    const std::string v = detail::env_or("DDP_SEGMENT_BYTES", "");
-    if (v.empty()) return fallback;
-    char* end = nullptr;
-    const auto n = std::strtoull(v.c_str(), &end, 10);
-    if (end == v.c_str() || *end != '\0' || n < 4096) {
-      detail::fail(Errc::invalid_argument, "DDP_SEGMENT_BYTES=\"", v,
-                   "\" must be a number of bytes >= 4096");
-    }
-    return static_cast<std::size_t>(n);
+    const auto n = detail::env_unsigned("DDP_SEGMENT_BYTES", 4096, std::uint64_t{1} << 40,
+                                        "a number of bytes in [4096, 2^40]");
+    return n ? static_cast<std::size_t>(*n) : fallback;
   }
 
   void connect_shm(Store& store, const Options& o, const std::vector<int>& pids) {
@@ -7743,6 +7754,7 @@ DDP_END_NAMESPACE
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -7859,6 +7871,18 @@ struct TraceDump {
   return d;
 }
 
+/// Reads and parses one dump file; Errc::system when it cannot be read, Errc::invalid_argument
+/// when it is not a dump.
+[[nodiscard]] inline TraceDump read_trace_file(const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "r");
+  if (f == nullptr) detail::fail_errno(errno, path, ": cannot open the flight recorder dump");
+  std::string text;
+  char buf[4096];
+  for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) text.append(buf, n);
+  std::fclose(f);
+  return parse_trace(text, path);
+}
+
 /// The dumps in directory `dir` (its ddp-trace-*.txt files) last written at or after `since`
 /// (seconds since the epoch: a launcher passes the start of the attempt, so older dumps do not
 /// count), sorted by group and rank. Files that cannot be read or are not dumps are skipped.
@@ -7875,14 +7899,8 @@ struct TraceDump {
     const std::string path = detail::concat(dir, "/", name);
     struct stat st {};
     if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_mtime < since) continue;
-    std::FILE* f = std::fopen(path.c_str(), "r");
-    if (f == nullptr) continue;
-    std::string text;
-    char buf[4096];
-    for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) text.append(buf, n);
-    std::fclose(f);
     try {
-      out.push_back(parse_trace(text, path));
+      out.push_back(read_trace_file(path));
     } catch (const Error&) {
     }
   }
@@ -7933,9 +7951,9 @@ struct TraceDump {
     }
     // Ranks at the same operation that recorded different ones.
     std::string disagree;
+    const TraceDump::Entry* first = by_rank.begin()->second->entry(front);
     for (const auto& [r, d] : by_rank) {
       const TraceDump::Entry* mine = d->entry(front);
-      const TraceDump::Entry* first = by_rank.begin()->second->entry(front);
       if (mine != nullptr && first != nullptr && mine->op != first->op) {
         disagree = concat("  ranks disagree on #", front, ": rank ", by_rank.begin()->first,
                           " called ", first->op, ", rank ", r, " called ", mine->op, "\n");
@@ -7976,15 +7994,10 @@ namespace detail {
 
 /// Options::trace_entries, unless $DDP_TRACE_ENTRIES says otherwise.
 [[nodiscard]] inline std::size_t trace_capacity(const Options& o) {
-  const std::string v = env_or("DDP_TRACE_ENTRIES", "");
-  if (v.empty()) return o.trace_entries;
-  char* end = nullptr;
-  const auto n = std::strtoull(v.c_str(), &end, 10);
-  if (end == v.c_str() || *end != '\0' || n > 1000000) {
-    fail(Errc::invalid_argument, "DDP_TRACE_ENTRIES=\"", v,
-         "\" must be a number of records in [0, 1000000] (0 turns the flight recorder off)");
-  }
-  return static_cast<std::size_t>(n);
+  const auto n = env_unsigned("DDP_TRACE_ENTRIES", 0, 1000000,
+                              "a number of records in [0, 1000000] (0 turns the flight recorder "
+                              "off)");
+  return n ? static_cast<std::size_t>(*n) : o.trace_entries;
 }
 
 /// A fixed ring of TraceRecords. Thread-safe: operations are recorded by the thread that issues

@@ -224,6 +224,12 @@ class SingleNode(Base):
         t = subprocess.run([TRACE_TOOL, empty], capture_output=True, text=True, timeout=LIMIT)
         self.assertEqual(t.returncode, 1)
         self.assertIn("no flight recorder dump", t.stderr)
+        # A file that is not a dump, and one that does not exist: named, non-zero status.
+        for path, why in ((WORKER, "not a ddp flight recorder dump"),
+                          (f"{self.dir}/missing.txt", "cannot open the flight recorder dump")):
+            t = subprocess.run([TRACE_TOOL, path], capture_output=True, text=True, timeout=LIMIT)
+            self.assertEqual(t.returncode, 1, t.stdout)
+            self.assertIn(f"{path}: {why}", t.stderr)
 
     def test_bad_timeout_variable_is_named(self):
         for value in ("abc", "-1", "0", "2147483648", "1e400", "nan"):

@@ -188,3 +188,37 @@ TEST_CASE("DDP_TIMEOUT sets Options::timeout in seconds, a malformed value is na
     }
   }
 }
+
+TEST_CASE("DDP_TRACE_ENTRIES and DDP_SEGMENT_BYTES: numbers in range, anything else named") {
+  ddp::Options o;
+  ::unsetenv("DDP_TRACE_ENTRIES");
+  CHECK(ddp::detail::trace_capacity(o) == 2000);
+  ::setenv("DDP_TRACE_ENTRIES", "0", 1);
+  CHECK(ddp::detail::trace_capacity(o) == 0);
+  ::setenv("DDP_TRACE_ENTRIES", "1000000", 1);
+  CHECK(ddp::detail::trace_capacity(o) == 1000000);
+  for (const char* bad : {"-1", "1000001", "abc", "10k", "+5", " 5", "18446744073709551616"}) {
+    CAPTURE(std::string(bad));
+    ::setenv("DDP_TRACE_ENTRIES", bad, 1);
+    try {
+      (void)ddp::detail::trace_capacity(o);
+      FAIL("accepted");
+    } catch (const ddp::Error& e) {
+      CHECK(e.code() == ddp::Errc::invalid_argument);
+      CHECK(std::string(e.what()).find("DDP_TRACE_ENTRIES=\"" + std::string(bad) +
+                                       "\" must be a number of records") != std::string::npos);
+    }
+  }
+  ::unsetenv("DDP_TRACE_ENTRIES");
+  // A size: "-1" once wrapped to 2^64 - 1 and was taken.
+  ::setenv("DDP_SEGMENT_BYTES", "65536", 1);
+  CHECK(ddp::detail::env_unsigned("DDP_SEGMENT_BYTES", 4096, 1ull << 40, "bytes") == 65536u);
+  for (const char* bad : {"-1", "4095", "64KiB"}) {
+    ::setenv("DDP_SEGMENT_BYTES", bad, 1);
+    CHECK_THROWS_WITH_AS(
+        (void)ddp::detail::env_unsigned("DDP_SEGMENT_BYTES", 4096, 1ull << 40, "bytes"),
+        doctest::Contains("DDP_SEGMENT_BYTES=\""), ddp::Error);
+  }
+  ::unsetenv("DDP_SEGMENT_BYTES");
+  CHECK(!ddp::detail::env_unsigned("DDP_SEGMENT_BYTES", 4096, 1ull << 40, "bytes").has_value());
+}

@@ -481,6 +481,15 @@ TEST_CASE("parse_trace reads format_trace back, refuses other text, diagnose_tra
     }
   }
 
+  try {
+    (void)ddp::read_trace_file("/nonexistent/ddp-trace-x-rank0.txt");
+    FAIL("read a file that does not exist");
+  } catch (const ddp::Error& e) {
+    CHECK(e.code() == ddp::Errc::system);
+    CHECK(std::string(e.what()).find("/nonexistent/ddp-trace-x-rank0.txt: cannot open") !=
+          std::string::npos);
+  }
+
   // Rank 3 is stuck one operation behind ranks 0 and 1; rank 2 left no dump.
   const std::vector<ddp::TraceDump> lag = {
       dump(0, {rec(4, "all_reduce", 4, State::done), rec(5, "broadcast", 8, State::failed)}, 6),

@@ -475,15 +475,9 @@ class Host {
   /// Options::segment_bytes, else $DDP_SEGMENT_BYTES, else the transport's default.
   static std::size_t segment_bytes(const Options& o, std::size_t fallback) {
     if (o.segment_bytes != 0) return o.segment_bytes;
-    const std::string v = detail::env_or("DDP_SEGMENT_BYTES", "");
-    if (v.empty()) return fallback;
-    char* end = nullptr;
-    const auto n = std::strtoull(v.c_str(), &end, 10);
-    if (end == v.c_str() || *end != '\0' || n < 4096) {
-      detail::fail(Errc::invalid_argument, "DDP_SEGMENT_BYTES=\"", v,
-                   "\" must be a number of bytes >= 4096");
-    }
-    return static_cast<std::size_t>(n);
+    const auto n = detail::env_unsigned("DDP_SEGMENT_BYTES", 4096, std::uint64_t{1} << 40,
+                                        "a number of bytes in [4096, 2^40]");
+    return n ? static_cast<std::size_t>(*n) : fallback;
   }
 
   void connect_shm(Store& store, const Options& o, const std::vector<int>& pids) {
