@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <filesystem>
 #include <random>
 #include <string>
 #include <thread>
@@ -305,6 +306,11 @@ TEST_CASE("a frozen peer (SIGSTOP): the others time out between timeout/2 and ti
             report(dir, comm.rank(), e, mp::ms_since(t0));
           }
           if (comm.rank() == 0) {  // thaw it (the parent waits for every rank)
+            // Not before rank 2 has timed out too: killing rank 1 closes its sockets, and a
+            // rank 2 still waiting would see peer_lost instead of its own timeout.
+            const auto deadline = Clock::now() + std::chrono::seconds(10);
+            while (!std::filesystem::exists(dir.file("rank2")) && Clock::now() < deadline)
+              std::this_thread::sleep_for(std::chrono::milliseconds(5));
             const pid_t frozen = static_cast<pid_t>(std::stoll(mp::TempDir::read(dir.file("pid"))));
             ::kill(frozen, SIGKILL);
           }
