@@ -16,7 +16,8 @@ endif()
 find_path(NCCL_INCLUDE_DIR nccl.h
   HINTS ${_nccl_include_hints} ${_nccl_hints}
   PATH_SUFFIXES include)
-find_library(NCCL_LIBRARY NAMES nccl
+# libnccl.so.2 alone: pip's nvidia-nccl-cu* wheels ship no unversioned link (NCCL_ROOT=<site-packages>/nvidia/nccl).
+find_library(NCCL_LIBRARY NAMES nccl libnccl.so.2
   HINTS ${CUDAToolkit_LIBRARY_DIR} ${_nccl_hints}
   PATH_SUFFIXES lib64 lib lib/x86_64-linux-gnu)
 

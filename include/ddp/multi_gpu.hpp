@@ -311,11 +311,8 @@ class NcclClique {
     }
   }
 
-  void abort_all() noexcept {
-    for (std::size_t i = 0; i < comms_.size(); ++i) {
-      if (comms_[i] != nullptr) (void)ncclCommAbort(comms_[i]);
-    }
-    comms_.clear();
+  void abort_all() {
+    aborter_.abort(std::exchange(comms_, {}), devices_);
   }
 
   [[noreturn]] void give_up(const char* what, ncclResult_t rc, const char* where) {
@@ -336,6 +333,7 @@ class NcclClique {
   std::chrono::milliseconds timeout_;
   std::vector<std::unique_ptr<Slot>> slots_;
   std::vector<ncclComm_t> comms_;
+  detail::NcclAborter aborter_;  // last: joined before the streams are freed
 };
 
 DDP_END_NAMESPACE

@@ -140,7 +140,7 @@ TEST_CASE(
   comm.broadcast_host(std::span<double>(v), 0);
   CHECK(v[1] == -2.0);
   CHECK(ddp::exact_mean(comm, 6.0, 4) == 1.5);
-  const std::vector<float> sum{2.0f}, sq{5.0f};  // samples 1 and 2
+  const std::vector<float> sum{3.0f}, sq{5.0f};  // samples 1 and 2
   const auto s =
       ddp::sync_batch_stats(comm, std::span<const float>(sum), std::span<const float>(sq), 2);
   CHECK(s.mean[0] == 1.5);
@@ -246,7 +246,7 @@ TEST_CASE("abort() from another thread unblocks a waiting collective") {
     FAIL("the collective returned");
   } catch (const ddp::Error& e) {
     CHECK(e.code() == ddp::Errc::aborted);
-    CHECK(std::chrono::steady_clock::now() - t0 < 15s);  // timeout/4
+    CHECK(std::chrono::steady_clock::now() - t0 < 3s);  // not held up by the producer
   }
   watchdog.join();
   producer.synchronize();

@@ -51,6 +51,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
@@ -88,6 +89,36 @@ namespace detail {
 [[nodiscard]] inline Errc nccl_errc(ncclResult_t rc) noexcept {
   return rc == ncclRemoteError ? Errc::peer_lost : Errc::backend;
 }
+
+/// ncclCommAbort on a thread of its own. The abort returns only once the communicator's kernels
+/// have stopped, and a kernel queued before them on a tensor's stream (the stuck producer that
+/// made the collective time out) delays that for as long as it runs; the error that asked for the
+/// abort is raised at once instead, and the owner's destructor waits for the abort to finish.
+class NcclAborter {
+ public:
+  NcclAborter() = default;
+  NcclAborter(const NcclAborter&) = delete;
+  NcclAborter& operator=(const NcclAborter&) = delete;
+  ~NcclAborter() { join(); }
+
+  /// Aborts every non-null communicator (comms[i] on devices[i]).
+  void abort(std::vector<ncclComm_t> comms, std::vector<int> devices) {
+    join();
+    thread_ = std::thread([comms = std::move(comms), devices = std::move(devices)] {
+      for (std::size_t i = 0; i < comms.size(); ++i) {
+        if (comms[i] == nullptr) continue;
+        (void)cudaSetDevice(devices[i]);
+        (void)ncclCommAbort(comms[i]);
+      }
+    });
+  }
+  void join() noexcept {
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  std::thread thread_;
+};
 
 }  // namespace detail
 
@@ -325,9 +356,16 @@ class Nccl {
         ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &made, &config);
     if (rc != ncclSuccess && rc != ncclInProgress)
       give_up("split", detail::nccl_errc(rc), ncclGetErrorString(rc));
+    // Non-blocking: the split runs as a job of the parent, which must return to ncclSuccess
+    // before the parent is used again; only then is the child's handle written.
+    settle("split (ncclCommSplit)", start);
     if (color < 0) {
       if (made != nullptr) (void)ncclCommDestroy(made);
       return nullptr;
+    }
+    if (made == nullptr) {
+      detail::fail(Errc::backend, "rank ", rank_, ": backend::Nccl: split: ncclCommSplit gave no ",
+                   "communicator for color ", color, last_error());
     }
     auto sub = std::unique_ptr<Nccl>(new Nccl(rank_, size_, device_, timeout_));
     sub->comm_ = made;
@@ -445,10 +483,7 @@ class Nccl {
 
   void fail_if_aborted(const char* what) {
     if (!aborted_.load()) return;
-    if (comm_ != nullptr) {
-      (void)ncclCommAbort(comm_);
-      comm_ = nullptr;
-    }
+    abort_comm();
     std::lock_guard lock(abort_mutex_);
     detail::fail(abort_code_, "rank ", rank_, ": ", what, ": aborted: ", abort_why_);
   }
@@ -474,12 +509,15 @@ class Nccl {
     std::this_thread::yield();
   }
 
+  /// Aborts the NCCL communicator in the background (detail::NcclAborter); later calls fail.
+  void abort_comm() {
+    if (comm_ == nullptr) return;
+    aborter_.abort({std::exchange(comm_, nullptr)}, {device_});
+  }
+
   [[noreturn]] void give_up(const char* what, Errc code, const std::string& why) {
     const std::string detail_text = last_error();
-    if (comm_ != nullptr) {
-      (void)ncclCommAbort(comm_);
-      comm_ = nullptr;
-    }
+    abort_comm();
     {
       std::lock_guard lock(abort_mutex_);
       if (!aborted_.load()) {
@@ -544,6 +582,7 @@ class Nccl {
   std::atomic<bool> aborted_{false};
   Errc abort_code_ = Errc::aborted;
   std::string abort_why_;
+  detail::NcclAborter aborter_;  // last: joined before the streams and buffers are freed
 };
 
 }  // namespace backend
