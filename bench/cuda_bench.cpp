@@ -71,8 +71,9 @@ int run_nccl(std::size_t iters, std::size_t blocks) {
   std::printf("%s, NCCL %d, world of one, synchronous all_reduce (float32, sum), median of %zu "
               "interleaved blocks of %zu calls\n\n",
               prop.name, NCCL_VERSION_CODE, blocks, iters);
-  std::printf("| bytes | raw ncclAllReduce + sync (us) | Communicator<Nccl> (us) | ddp adds (us) |\n");
-  std::printf("|---:|---:|---:|---:|\n");
+  std::printf("| bytes | raw ncclAllReduce + sync (us) | backend::Nccl alone (us) | "
+              "Communicator<Nccl> (us) | ddp adds (us) |\n");
+  std::printf("|---:|---:|---:|---:|---:|\n");
   for (const std::size_t bytes : {std::size_t{4}, std::size_t{64}, std::size_t{1024}, std::size_t{4096},
                                  std::size_t{65536}}) {
     const std::size_t n = bytes / sizeof(float);
@@ -84,21 +85,29 @@ int run_nccl(std::size_t iters, std::size_t blocks) {
                  "ncclAllReduce");
       DDP_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
     };
-    for (int i = 0; i < 200; ++i) {  // warm up both
+    // The backend without the Communicator's layers (ordering, flight recorder, checks).
+    const ddp::detail::Buf view{reinterpret_cast<std::byte*>(b.data()), n, ddp::DType::float32,
+                                ddp::Device::cuda(0), stream.get()};
+    const auto backend_call = [&] { comm.backend().all_reduce(view, ddp::ReduceOp::sum); };
+    for (int i = 0; i < 200; ++i) {  // warm up all three
       raw_call();
+      backend_call();
       comm.all_reduce(b);
     }
-    std::vector<double> raw_us, ddp_us;
+    std::vector<double> raw_us, backend_us, ddp_us;
     for (std::size_t k = 0; k < blocks; ++k) {
       auto t0 = Clock::now();
       for (std::size_t i = 0; i < iters; ++i) raw_call();
       raw_us.push_back(seconds_since(t0) * 1e6 / static_cast<double>(iters));
       t0 = Clock::now();
+      for (std::size_t i = 0; i < iters; ++i) backend_call();
+      backend_us.push_back(seconds_since(t0) * 1e6 / static_cast<double>(iters));
+      t0 = Clock::now();
       for (std::size_t i = 0; i < iters; ++i) comm.all_reduce(b);
       ddp_us.push_back(seconds_since(t0) * 1e6 / static_cast<double>(iters));
     }
-    const double r = median(raw_us), d = median(ddp_us);
-    std::printf("| %zu | %.2f | %.2f | %+.2f |\n", bytes, r, d, d - r);
+    const double r = median(raw_us), be = median(backend_us), d = median(ddp_us);
+    std::printf("| %zu | %.2f | %.2f | %.2f | %+.2f |\n", bytes, r, be, d, d - r);
   }
   nccl_check(ncclCommDestroy(raw), "ncclCommDestroy");
   return 0;

@@ -10,10 +10,12 @@
 ///    local rank); rank 0 makes the ncclUniqueId and shares it through the rendezvous Store;
 ///    the communicator is created non-blocking (ncclCommInitRankConfig, config.blocking = 0), so
 ///    that initialization too honours Options::timeout.
-///  * Streams: the communicator has its own stream. Each collective is ordered after the work
-///    already queued on its buffers' streams (event record + cudaStreamWaitEvent), and the
-///    buffers' streams are ordered after the collective, so user kernels and collectives never
-///    race whichever stream either runs on.
+///  * Streams: user kernels and collectives never race, whichever stream either runs on. When a
+///    collective's buffers share one stream, it is enqueued on that stream (ordered by the
+///    stream itself, no extra CUDA calls); otherwise on the communicator's own stream, ordered
+///    after the work queued on every buffer's stream (event record + cudaStreamWaitEvent), with
+///    those streams ordered after it. One collective is in flight at a time (each call waits for
+///    its work), so NCCL's kernels never run on two streams at once.
 ///  * Completion and timeouts: a call returns when its work has finished on the GPU (async calls
 ///    on the Communicator's worker thread); while waiting it polls the completion event and
 ///    ncclCommGetAsyncError, and past Options::timeout, or on an asynchronous NCCL error, or on
@@ -48,6 +50,7 @@
 #include <initializer_list>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -179,7 +182,7 @@ class Nccl {
   void all_reduce(const detail::Buf& b, ReduceOp op) {
     run("all_reduce", {&b}, [&] {
       return ncclAllReduce(b.data, b.data, b.count, detail::nccl_type(b.dtype), detail::nccl_op(op),
-                           comm_, stream());
+                           comm_, on());
     });
   }
 
@@ -192,7 +195,7 @@ class Nccl {
       return grouped([&]() -> ncclResult_t {
         for (const auto& b : bufs) {
           const auto rc =
-              ncclAllReduce(b.data, b.data, b.count, type(b), detail::nccl_op(op), comm_, stream());
+              ncclAllReduce(b.data, b.data, b.count, type(b), detail::nccl_op(op), comm_, on());
           if (rc != ncclSuccess && rc != ncclInProgress) return rc;
         }
         return ncclSuccess;
@@ -203,21 +206,21 @@ class Nccl {
   void broadcast(const detail::Buf& b, int root) {
     run("broadcast", {&b}, [&] {
       return ncclBroadcast(b.data, b.data, b.count, detail::nccl_type(b.dtype), root, comm_,
-                           stream());
+                           on());
     });
   }
 
   void reduce(const detail::Buf& b, int root, ReduceOp op) {
     run("reduce", {&b}, [&] {
       return ncclReduce(b.data, b.data, b.count, detail::nccl_type(b.dtype), detail::nccl_op(op),
-                        root, comm_, stream());
+                        root, comm_, on());
     });
   }
 
   void all_gather(const detail::Buf& in, const detail::Buf& out) {
     run("all_gather", {&in, &out}, [&] {
       return ncclAllGather(in.data, out.data, in.count, detail::nccl_type(in.dtype), comm_,
-                           stream());
+                           on());
     });
   }
 
@@ -225,12 +228,12 @@ class Nccl {
     const std::size_t n = in.count;
     run("gather", {&in, &out}, [&] {
       return grouped([&]() -> ncclResult_t {
-        if (rank_ != root) return ncclSend(in.data, n, type(in), root, comm_, stream());
+        if (rank_ != root) return ncclSend(in.data, n, type(in), root, comm_, on());
         for (int r = 0; r < size_; ++r) {
           std::byte* dst = out.at(n * static_cast<std::size_t>(r));
           if (r == rank_) {
             copy(dst, in.data, n * in.elem());
-          } else if (const auto rc = ncclRecv(dst, n, type(in), r, comm_, stream());
+          } else if (const auto rc = ncclRecv(dst, n, type(in), r, comm_, on());
                      rc != ncclSuccess && rc != ncclInProgress) {
             return rc;
           }
@@ -244,12 +247,12 @@ class Nccl {
     const std::size_t n = out.count;
     run("scatter", {&in, &out}, [&] {
       return grouped([&]() -> ncclResult_t {
-        if (rank_ != root) return ncclRecv(out.data, n, type(out), root, comm_, stream());
+        if (rank_ != root) return ncclRecv(out.data, n, type(out), root, comm_, on());
         for (int r = 0; r < size_; ++r) {
           const std::byte* src = in.at(n * static_cast<std::size_t>(r));
           if (r == rank_) {
             copy(out.data, src, n * out.elem());
-          } else if (const auto rc = ncclSend(src, n, type(out), r, comm_, stream());
+          } else if (const auto rc = ncclSend(src, n, type(out), r, comm_, on());
                      rc != ncclSuccess && rc != ncclInProgress) {
             return rc;
           }
@@ -262,7 +265,7 @@ class Nccl {
   void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
     run("reduce_scatter", {&in, &out}, [&] {
       return ncclReduceScatter(in.data, out.data, out.count, detail::nccl_type(out.dtype),
-                               detail::nccl_op(op), comm_, stream());
+                               detail::nccl_op(op), comm_, on());
     });
   }
 
@@ -276,9 +279,9 @@ class Nccl {
             copy(out.at(at), in.at(at), n * in.elem());
             continue;
           }
-          auto rc = ncclSend(in.at(at), n, type(in), r, comm_, stream());
+          auto rc = ncclSend(in.at(at), n, type(in), r, comm_, on());
           if (rc == ncclSuccess || rc == ncclInProgress)
-            rc = ncclRecv(out.at(at), n, type(in), r, comm_, stream());
+            rc = ncclRecv(out.at(at), n, type(in), r, comm_, on());
           if (rc != ncclSuccess && rc != ncclInProgress) return rc;
         }
         return ncclSuccess;
@@ -290,7 +293,7 @@ class Nccl {
     const detail::Buf b{reinterpret_cast<std::byte*>(scratch_.data()), 1, DType::int64,
                         Device::cuda(device_), stream()};
     run("barrier", {&b},
-        [&] { return ncclAllReduce(b.data, b.data, 1, ncclInt64, ncclSum, comm_, stream()); });
+        [&] { return ncclAllReduce(b.data, b.data, 1, ncclInt64, ncclSum, comm_, on()); });
   }
 
   void send(const detail::Buf& b, int peer, int tag) {
@@ -301,15 +304,15 @@ class Nccl {
                                    cudaMemcpyHostToDevice, stream()));
     const detail::Buf h{reinterpret_cast<std::byte*>(scratch_.data()), 3, DType::int64,
                         Device::cuda(device_), stream()};
-    run("send", {&h}, [&] { return ncclSend(h.data, 3, ncclInt64, peer, comm_, stream()); });
+    run("send", {&h}, [&] { return ncclSend(h.data, 3, ncclInt64, peer, comm_, on()); });
     if (b.count == 0) return;
-    run("send", {&b}, [&] { return ncclSend(b.data, b.count, type(b), peer, comm_, stream()); });
+    run("send", {&b}, [&] { return ncclSend(b.data, b.count, type(b), peer, comm_, on()); });
   }
 
   void recv(const detail::Buf& b, int peer, int tag) {
     const detail::Buf h{reinterpret_cast<std::byte*>(scratch_.data()), 3, DType::int64,
                         Device::cuda(device_), stream()};
-    run("recv", {&h}, [&] { return ncclRecv(h.data, 3, ncclInt64, peer, comm_, stream()); });
+    run("recv", {&h}, [&] { return ncclRecv(h.data, 3, ncclInt64, peer, comm_, on()); });
     DDP_CUDA_CHECK(cudaMemcpy(header_.data(), scratch_.data(), 3 * sizeof(std::int64_t),
                               cudaMemcpyDeviceToHost));
     if (header_[0] != tag || header_[1] != static_cast<std::int64_t>(b.dtype) ||
@@ -321,7 +324,7 @@ class Nccl {
                    header_[2], "; make the matching send and recv agree");
     }
     if (b.count == 0) return;
-    run("recv", {&b}, [&] { return ncclRecv(b.data, b.count, type(b), peer, comm_, stream()); });
+    run("recv", {&b}, [&] { return ncclRecv(b.data, b.count, type(b), peer, comm_, on()); });
   }
 
   /// ncclCommSplit: ranks passing the same color form a communicator, ordered by (key, rank);
@@ -467,10 +470,13 @@ class Nccl {
     return detail::nccl_type(b.dtype);
   }
 
-  /// Device-to-device copy on the communicator's stream (the local block of gather & co).
+  /// The stream the collective being enqueued goes on (set by run_on).
+  [[nodiscard]] cudaStream_t on() const noexcept { return on_; }
+
+  /// Device-to-device copy on the collective's stream (the local block of gather & co).
   void copy(std::byte* dst, const std::byte* src, std::size_t n) {
     if (n != 0 && dst != src)
-      DDP_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, stream()));
+      DDP_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, on()));
   }
 
   template <class F>
@@ -548,19 +554,40 @@ class Nccl {
       }
     }
     const CudaDeviceGuard g(device_);
-    for (const auto* b : bufs) {
-      ready_.record(static_cast<cudaStream_t>(b->stream));
-      ready_.block(stream());
+    // The buffers' one stream, when they share one: the collective goes on it, ordered after
+    // the work there and before later work by the stream itself (each call finishes before the
+    // next is enqueued, so NCCL's kernels never run concurrently on two streams). Otherwise the
+    // communicator's stream, ordered by events both ways.
+    const auto shared = [&]() -> std::optional<cudaStream_t> {
+      std::optional<cudaStream_t> common;
+      for (const auto* b : bufs) {
+        const auto s = static_cast<cudaStream_t>(b->stream);
+        if (common && *common != s) return std::nullopt;
+        common = s;
+      }
+      return common;
+    }();
+    on_ = shared.value_or(stream());
+    if (!shared) {
+      for (const auto* b : bufs) {
+        ready_.record(static_cast<cudaStream_t>(b->stream));
+        ready_.block(on_);
+      }
     }
     const auto start = std::chrono::steady_clock::now();
     const ncclResult_t rc = enqueue();
     if (rc != ncclSuccess && rc != ncclInProgress)
       give_up(what, detail::nccl_errc(rc), ncclGetErrorString(rc));
     if (rc == ncclInProgress) settle(what, start);
-    done_.record(stream());
-    for (const auto* b : bufs) done_.block(static_cast<cudaStream_t>(b->stream));
-    for (;;) {
+    done_.record(on_);
+    if (!shared) {
+      for (const auto* b : bufs) done_.block(static_cast<cudaStream_t>(b->stream));
+    }
+    // Small collectives finish within microseconds: spin on the event first (a yield is a
+    // system call, about as long as the collective), then poll the error state and yield.
+    for (unsigned spins = 0;; ++spins) {
       if (done_.ready()) return;
+      if (spins < 256) continue;
       ncclResult_t st = ncclSuccess;
       check(ncclCommGetAsyncError(comm_, &st), "ncclCommGetAsyncError");
       if (st != ncclSuccess && st != ncclInProgress)
@@ -574,6 +601,7 @@ class Nccl {
   std::chrono::milliseconds timeout_;
   ncclComm_t comm_ = nullptr;
   CudaStream stream_;
+  cudaStream_t on_ = nullptr;  // the stream of the collective being enqueued (run_on)
   CudaEvent ready_, done_;
   CudaBuffer<std::int64_t> scratch_;  // barrier word and the p2p header
   std::vector<std::int64_t> header_ = std::vector<std::int64_t>(3);
