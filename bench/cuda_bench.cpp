@@ -1,9 +1,9 @@
 // cuda-bench: the GPU figures of the GPU/MPI issue, each against its peer in the same run.
 //
 //   cuda-bench nccl [--iters N] [--blocks B]
-//       Communicator<backend::Nccl> (world of one) against raw ncclAllReduce + cudaStreamSynchronize
-//       on the same device and stream, small messages: microseconds per synchronous call, the
-//       median over B interleaved blocks of N calls each, and what ddp adds.
+//       Communicator<backend::Nccl> (world of one) against raw ncclAllReduce +
+//       cudaStreamSynchronize on the same device and stream, small messages: microseconds per
+//       synchronous call, the median over B interleaved blocks of N calls each, and what ddp adds.
 //   cuda-bench staged [-n RANKS] [--bytes B] [--reps R] [--piece BYTES]
 //       backend::Host all_reduce of a CUDA buffer across RANKS forked processes sharing device 0
 //       (staged through pinned memory), against the pinned cudaMemcpy rate (device to host and
@@ -68,14 +68,16 @@ int run_nccl(std::size_t iters, std::size_t blocks) {
   ddp::CudaStream stream(0);
   cudaDeviceProp prop{};
   DDP_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("%s, NCCL %d, world of one, synchronous all_reduce (float32, sum), median of %zu "
-              "interleaved blocks of %zu calls\n\n",
-              prop.name, NCCL_VERSION_CODE, blocks, iters);
-  std::printf("| bytes | raw ncclAllReduce + sync (us) | backend::Nccl alone (us) | "
-              "Communicator<Nccl> (us) | ddp adds (us) |\n");
+  std::printf(
+      "%s, NCCL %d, world of one, synchronous all_reduce (float32, sum), median of %zu "
+      "interleaved blocks of %zu calls\n\n",
+      prop.name, NCCL_VERSION_CODE, blocks, iters);
+  std::printf(
+      "| bytes | raw ncclAllReduce + sync (us) | backend::Nccl alone (us) | "
+      "Communicator<Nccl> (us) | ddp adds (us) |\n");
   std::printf("|---:|---:|---:|---:|---:|\n");
-  for (const std::size_t bytes : {std::size_t{4}, std::size_t{64}, std::size_t{1024}, std::size_t{4096},
-                                 std::size_t{65536}}) {
+  for (const std::size_t bytes : {std::size_t{4}, std::size_t{64}, std::size_t{1024},
+                                  std::size_t{4096}, std::size_t{65536}}) {
     const std::size_t n = bytes / sizeof(float);
     ddp::CudaBuffer<float> a(n, 0, stream.get()), b(n, 0, stream.get());
     a.fill_bytes(0);
@@ -122,9 +124,11 @@ double pinned_rate(std::size_t bytes, bool to_host, int reps) {
   for (int i = 0; i < reps; ++i) {
     const auto t0 = Clock::now();
     if (to_host) {
-      DDP_CUDA_CHECK(cudaMemcpyAsync(host.data(), dev.data(), bytes, cudaMemcpyDeviceToHost, s.get()));
+      DDP_CUDA_CHECK(
+          cudaMemcpyAsync(host.data(), dev.data(), bytes, cudaMemcpyDeviceToHost, s.get()));
     } else {
-      DDP_CUDA_CHECK(cudaMemcpyAsync(dev.data(), host.data(), bytes, cudaMemcpyHostToDevice, s.get()));
+      DDP_CUDA_CHECK(
+          cudaMemcpyAsync(dev.data(), host.data(), bytes, cudaMemcpyHostToDevice, s.get()));
     }
     s.synchronize();
     best = std::max(best, static_cast<double>(bytes) / seconds_since(t0) / 1e9);
@@ -169,14 +173,16 @@ int run_staged(int nproc, std::size_t bytes, int reps, std::size_t piece) {
     const double dev_s = time(dev), host_s = time(host);
     if (comm.rank() == 0) {
       const double gb = static_cast<double>(bytes) / 1e9;
-      std::printf("staged all_reduce, %d processes on one GPU, %zu bytes (pieces of %zu): "
-                  "%.2f ms, %.2f GB/s\n",
-                  nproc, bytes, o.cuda_staging_bytes, dev_s * 1e3, gb / dev_s);
+      std::printf(
+          "staged all_reduce, %d processes on one GPU, %zu bytes (pieces of %zu): "
+          "%.2f ms, %.2f GB/s\n",
+          nproc, bytes, o.cuda_staging_bytes, dev_s * 1e3, gb / dev_s);
       std::printf("  same all_reduce on host memory: %.2f ms, %.2f GB/s\n", host_s * 1e3,
                   gb / host_s);
-      std::printf("  pinned cudaMemcpy, one process: device to host %.2f GB/s, host to device "
-                  "%.2f GB/s\n",
-                  d2h, h2d);
+      std::printf(
+          "  pinned cudaMemcpy, one process: device to host %.2f GB/s, host to device "
+          "%.2f GB/s\n",
+          d2h, h2d);
       std::printf("  staged all_reduce / pinned device-to-host rate: %.0f%%\n",
                   100.0 * gb / dev_s / d2h);
       std::fflush(stdout);
@@ -190,11 +196,13 @@ int run_staged(int nproc, std::size_t bytes, int reps, std::size_t piece) {
 int main(int argc, char** argv) {
   const std::string_view mode = argc > 1 ? argv[1] : "";
   try {
-    if (mode == "nccl") return run_nccl(arg(argc, argv, "--iters", 2000), arg(argc, argv, "--blocks", 9));
+    if (mode == "nccl")
+      return run_nccl(arg(argc, argv, "--iters", 2000), arg(argc, argv, "--blocks", 9));
     if (mode == "staged") {
       return run_staged(static_cast<int>(arg(argc, argv, "-n", 2)),
                         arg(argc, argv, "--bytes", std::size_t{64} << 20),
-                        static_cast<int>(arg(argc, argv, "--reps", 10)), arg(argc, argv, "--piece", 0));
+                        static_cast<int>(arg(argc, argv, "--reps", 10)),
+                        arg(argc, argv, "--piece", 0));
     }
   } catch (const ddp::Error& e) {
     std::fprintf(stderr, "cuda-bench: %s\n", e.what());

@@ -311,9 +311,7 @@ class NcclClique {
     }
   }
 
-  void abort_all() {
-    aborter_.abort(std::exchange(comms_, {}), devices_);
-  }
+  void abort_all() { aborter_.abort(std::exchange(comms_, {}), devices_); }
 
   [[noreturn]] void give_up(const char* what, ncclResult_t rc, const char* where) {
     std::string last;

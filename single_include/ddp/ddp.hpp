@@ -6194,10 +6194,12 @@ DDP_END_NAMESPACE
 ///    local rank); rank 0 makes the ncclUniqueId and shares it through the rendezvous Store;
 ///    the communicator is created non-blocking (ncclCommInitRankConfig, config.blocking = 0), so
 ///    that initialization too honours Options::timeout.
-///  * Streams: the communicator has its own stream. Each collective is ordered after the work
-///    already queued on its buffers' streams (event record + cudaStreamWaitEvent), and the
-///    buffers' streams are ordered after the collective, so user kernels and collectives never
-///    race whichever stream either runs on.
+///  * Streams: user kernels and collectives never race, whichever stream either runs on. When a
+///    collective's buffers share one stream, it is enqueued on that stream (ordered by the
+///    stream itself, no extra CUDA calls); otherwise on the communicator's own stream, ordered
+///    after the work queued on every buffer's stream (event record + cudaStreamWaitEvent), with
+///    those streams ordered after it. One collective is in flight at a time (each call waits for
+///    its work), so NCCL's kernels never run on two streams at once.
 ///  * Completion and timeouts: a call returns when its work has finished on the GPU (async calls
 ///    on the Communicator's worker thread); while waiting it polls the completion event and
 ///    ncclCommGetAsyncError, and past Options::timeout, or on an asynchronous NCCL error, or on
@@ -6232,9 +6234,11 @@ DDP_END_NAMESPACE
 #include <initializer_list>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
@@ -6272,6 +6276,36 @@ namespace detail {
 [[nodiscard]] inline Errc nccl_errc(ncclResult_t rc) noexcept {
   return rc == ncclRemoteError ? Errc::peer_lost : Errc::backend;
 }
+
+/// ncclCommAbort on a thread of its own. The abort returns only once the communicator's kernels
+/// have stopped, and a kernel queued before them on a tensor's stream (the stuck producer that
+/// made the collective time out) delays that for as long as it runs; the error that asked for the
+/// abort is raised at once instead, and the owner's destructor waits for the abort to finish.
+class NcclAborter {
+ public:
+  NcclAborter() = default;
+  NcclAborter(const NcclAborter&) = delete;
+  NcclAborter& operator=(const NcclAborter&) = delete;
+  ~NcclAborter() { join(); }
+
+  /// Aborts every non-null communicator (comms[i] on devices[i]).
+  void abort(std::vector<ncclComm_t> comms, std::vector<int> devices) {
+    join();
+    thread_ = std::thread([comms = std::move(comms), devices = std::move(devices)] {
+      for (std::size_t i = 0; i < comms.size(); ++i) {
+        if (comms[i] == nullptr) continue;
+        (void)cudaSetDevice(devices[i]);
+        (void)ncclCommAbort(comms[i]);
+      }
+    });
+  }
+  void join() noexcept {
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  std::thread thread_;
+};
 
 }  // namespace detail
 
@@ -6332,7 +6366,7 @@ class Nccl {
   void all_reduce(const detail::Buf& b, ReduceOp op) {
     run("all_reduce", {&b}, [&] {
       return ncclAllReduce(b.data, b.data, b.count, detail::nccl_type(b.dtype), detail::nccl_op(op),
-                           comm_, stream());
+                           comm_, on());
     });
   }
 
@@ -6345,7 +6379,7 @@ class Nccl {
       return grouped([&]() -> ncclResult_t {
         for (const auto& b : bufs) {
           const auto rc =
-              ncclAllReduce(b.data, b.data, b.count, type(b), detail::nccl_op(op), comm_, stream());
+              ncclAllReduce(b.data, b.data, b.count, type(b), detail::nccl_op(op), comm_, on());
           if (rc != ncclSuccess && rc != ncclInProgress) return rc;
         }
         return ncclSuccess;
@@ -6355,22 +6389,20 @@ class Nccl {
 
   void broadcast(const detail::Buf& b, int root) {
     run("broadcast", {&b}, [&] {
-      return ncclBroadcast(b.data, b.data, b.count, detail::nccl_type(b.dtype), root, comm_,
-                           stream());
+      return ncclBroadcast(b.data, b.data, b.count, detail::nccl_type(b.dtype), root, comm_, on());
     });
   }
 
   void reduce(const detail::Buf& b, int root, ReduceOp op) {
     run("reduce", {&b}, [&] {
       return ncclReduce(b.data, b.data, b.count, detail::nccl_type(b.dtype), detail::nccl_op(op),
-                        root, comm_, stream());
+                        root, comm_, on());
     });
   }
 
   void all_gather(const detail::Buf& in, const detail::Buf& out) {
     run("all_gather", {&in, &out}, [&] {
-      return ncclAllGather(in.data, out.data, in.count, detail::nccl_type(in.dtype), comm_,
-                           stream());
+      return ncclAllGather(in.data, out.data, in.count, detail::nccl_type(in.dtype), comm_, on());
     });
   }
 
@@ -6378,12 +6410,12 @@ class Nccl {
     const std::size_t n = in.count;
     run("gather", {&in, &out}, [&] {
       return grouped([&]() -> ncclResult_t {
-        if (rank_ != root) return ncclSend(in.data, n, type(in), root, comm_, stream());
+        if (rank_ != root) return ncclSend(in.data, n, type(in), root, comm_, on());
         for (int r = 0; r < size_; ++r) {
           std::byte* dst = out.at(n * static_cast<std::size_t>(r));
           if (r == rank_) {
             copy(dst, in.data, n * in.elem());
-          } else if (const auto rc = ncclRecv(dst, n, type(in), r, comm_, stream());
+          } else if (const auto rc = ncclRecv(dst, n, type(in), r, comm_, on());
                      rc != ncclSuccess && rc != ncclInProgress) {
             return rc;
           }
@@ -6397,12 +6429,12 @@ class Nccl {
     const std::size_t n = out.count;
     run("scatter", {&in, &out}, [&] {
       return grouped([&]() -> ncclResult_t {
-        if (rank_ != root) return ncclRecv(out.data, n, type(out), root, comm_, stream());
+        if (rank_ != root) return ncclRecv(out.data, n, type(out), root, comm_, on());
         for (int r = 0; r < size_; ++r) {
           const std::byte* src = in.at(n * static_cast<std::size_t>(r));
           if (r == rank_) {
             copy(out.data, src, n * out.elem());
-          } else if (const auto rc = ncclSend(src, n, type(out), r, comm_, stream());
+          } else if (const auto rc = ncclSend(src, n, type(out), r, comm_, on());
                      rc != ncclSuccess && rc != ncclInProgress) {
             return rc;
           }
@@ -6415,7 +6447,7 @@ class Nccl {
   void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
     run("reduce_scatter", {&in, &out}, [&] {
       return ncclReduceScatter(in.data, out.data, out.count, detail::nccl_type(out.dtype),
-                               detail::nccl_op(op), comm_, stream());
+                               detail::nccl_op(op), comm_, on());
     });
   }
 
@@ -6429,9 +6461,9 @@ class Nccl {
             copy(out.at(at), in.at(at), n * in.elem());
             continue;
           }
-          auto rc = ncclSend(in.at(at), n, type(in), r, comm_, stream());
+          auto rc = ncclSend(in.at(at), n, type(in), r, comm_, on());
           if (rc == ncclSuccess || rc == ncclInProgress)
-            rc = ncclRecv(out.at(at), n, type(in), r, comm_, stream());
+            rc = ncclRecv(out.at(at), n, type(in), r, comm_, on());
           if (rc != ncclSuccess && rc != ncclInProgress) return rc;
         }
         return ncclSuccess;
@@ -6443,7 +6475,7 @@ class Nccl {
     const detail::Buf b{reinterpret_cast<std::byte*>(scratch_.data()), 1, DType::int64,
                         Device::cuda(device_), stream()};
     run("barrier", {&b},
-        [&] { return ncclAllReduce(b.data, b.data, 1, ncclInt64, ncclSum, comm_, stream()); });
+        [&] { return ncclAllReduce(b.data, b.data, 1, ncclInt64, ncclSum, comm_, on()); });
   }
 
   void send(const detail::Buf& b, int peer, int tag) {
@@ -6454,15 +6486,15 @@ class Nccl {
                                    cudaMemcpyHostToDevice, stream()));
     const detail::Buf h{reinterpret_cast<std::byte*>(scratch_.data()), 3, DType::int64,
                         Device::cuda(device_), stream()};
-    run("send", {&h}, [&] { return ncclSend(h.data, 3, ncclInt64, peer, comm_, stream()); });
+    run("send", {&h}, [&] { return ncclSend(h.data, 3, ncclInt64, peer, comm_, on()); });
     if (b.count == 0) return;
-    run("send", {&b}, [&] { return ncclSend(b.data, b.count, type(b), peer, comm_, stream()); });
+    run("send", {&b}, [&] { return ncclSend(b.data, b.count, type(b), peer, comm_, on()); });
   }
 
   void recv(const detail::Buf& b, int peer, int tag) {
     const detail::Buf h{reinterpret_cast<std::byte*>(scratch_.data()), 3, DType::int64,
                         Device::cuda(device_), stream()};
-    run("recv", {&h}, [&] { return ncclRecv(h.data, 3, ncclInt64, peer, comm_, stream()); });
+    run("recv", {&h}, [&] { return ncclRecv(h.data, 3, ncclInt64, peer, comm_, on()); });
     DDP_CUDA_CHECK(cudaMemcpy(header_.data(), scratch_.data(), 3 * sizeof(std::int64_t),
                               cudaMemcpyDeviceToHost));
     if (header_[0] != tag || header_[1] != static_cast<std::int64_t>(b.dtype) ||
@@ -6474,7 +6506,7 @@ class Nccl {
                    header_[2], "; make the matching send and recv agree");
     }
     if (b.count == 0) return;
-    run("recv", {&b}, [&] { return ncclRecv(b.data, b.count, type(b), peer, comm_, stream()); });
+    run("recv", {&b}, [&] { return ncclRecv(b.data, b.count, type(b), peer, comm_, on()); });
   }
 
   /// ncclCommSplit: ranks passing the same color form a communicator, ordered by (key, rank);
@@ -6509,9 +6541,16 @@ class Nccl {
         ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &made, &config);
     if (rc != ncclSuccess && rc != ncclInProgress)
       give_up("split", detail::nccl_errc(rc), ncclGetErrorString(rc));
+    // Non-blocking: the split runs as a job of the parent, which must return to ncclSuccess
+    // before the parent is used again; only then is the child's handle written.
+    settle("split (ncclCommSplit)", start);
     if (color < 0) {
       if (made != nullptr) (void)ncclCommDestroy(made);
       return nullptr;
+    }
+    if (made == nullptr) {
+      detail::fail(Errc::backend, "rank ", rank_, ": backend::Nccl: split: ncclCommSplit gave no ",
+                   "communicator for color ", color, last_error());
     }
     auto sub = std::unique_ptr<Nccl>(new Nccl(rank_, size_, device_, timeout_));
     sub->comm_ = made;
@@ -6613,10 +6652,13 @@ class Nccl {
     return detail::nccl_type(b.dtype);
   }
 
-  /// Device-to-device copy on the communicator's stream (the local block of gather & co).
+  /// The stream the collective being enqueued goes on (set by run_on).
+  [[nodiscard]] cudaStream_t on() const noexcept { return on_; }
+
+  /// Device-to-device copy on the collective's stream (the local block of gather & co).
   void copy(std::byte* dst, const std::byte* src, std::size_t n) {
     if (n != 0 && dst != src)
-      DDP_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, stream()));
+      DDP_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, on()));
   }
 
   template <class F>
@@ -6629,10 +6671,7 @@ class Nccl {
 
   void fail_if_aborted(const char* what) {
     if (!aborted_.load()) return;
-    if (comm_ != nullptr) {
-      (void)ncclCommAbort(comm_);
-      comm_ = nullptr;
-    }
+    abort_comm();
     std::lock_guard lock(abort_mutex_);
     detail::fail(abort_code_, "rank ", rank_, ": ", what, ": aborted: ", abort_why_);
   }
@@ -6658,12 +6697,15 @@ class Nccl {
     std::this_thread::yield();
   }
 
+  /// Aborts the NCCL communicator in the background (detail::NcclAborter); later calls fail.
+  void abort_comm() {
+    if (comm_ == nullptr) return;
+    aborter_.abort({std::exchange(comm_, nullptr)}, {device_});
+  }
+
   [[noreturn]] void give_up(const char* what, Errc code, const std::string& why) {
     const std::string detail_text = last_error();
-    if (comm_ != nullptr) {
-      (void)ncclCommAbort(comm_);
-      comm_ = nullptr;
-    }
+    abort_comm();
     {
       std::lock_guard lock(abort_mutex_);
       if (!aborted_.load()) {
@@ -6694,19 +6736,40 @@ class Nccl {
       }
     }
     const CudaDeviceGuard g(device_);
-    for (const auto* b : bufs) {
-      ready_.record(static_cast<cudaStream_t>(b->stream));
-      ready_.block(stream());
+    // The buffers' one stream, when they share one: the collective goes on it, ordered after
+    // the work there and before later work by the stream itself (each call finishes before the
+    // next is enqueued, so NCCL's kernels never run concurrently on two streams). Otherwise the
+    // communicator's stream, ordered by events both ways.
+    const auto shared = [&]() -> std::optional<cudaStream_t> {
+      std::optional<cudaStream_t> common;
+      for (const auto* b : bufs) {
+        const auto s = static_cast<cudaStream_t>(b->stream);
+        if (common && *common != s) return std::nullopt;
+        common = s;
+      }
+      return common;
+    }();
+    on_ = shared.value_or(stream());
+    if (!shared) {
+      for (const auto* b : bufs) {
+        ready_.record(static_cast<cudaStream_t>(b->stream));
+        ready_.block(on_);
+      }
     }
     const auto start = std::chrono::steady_clock::now();
     const ncclResult_t rc = enqueue();
     if (rc != ncclSuccess && rc != ncclInProgress)
       give_up(what, detail::nccl_errc(rc), ncclGetErrorString(rc));
     if (rc == ncclInProgress) settle(what, start);
-    done_.record(stream());
-    for (const auto* b : bufs) done_.block(static_cast<cudaStream_t>(b->stream));
-    for (;;) {
+    done_.record(on_);
+    if (!shared) {
+      for (const auto* b : bufs) done_.block(static_cast<cudaStream_t>(b->stream));
+    }
+    // Small collectives finish within microseconds: spin on the event first (a yield is a
+    // system call, about as long as the collective), then poll the error state and yield.
+    for (unsigned spins = 0;; ++spins) {
       if (done_.ready()) return;
+      if (spins < 256) continue;
       ncclResult_t st = ncclSuccess;
       check(ncclCommGetAsyncError(comm_, &st), "ncclCommGetAsyncError");
       if (st != ncclSuccess && st != ncclInProgress)
@@ -6720,6 +6783,7 @@ class Nccl {
   std::chrono::milliseconds timeout_;
   ncclComm_t comm_ = nullptr;
   CudaStream stream_;
+  cudaStream_t on_ = nullptr;  // the stream of the collective being enqueued (run_on)
   CudaEvent ready_, done_;
   CudaBuffer<std::int64_t> scratch_;  // barrier word and the p2p header
   std::vector<std::int64_t> header_ = std::vector<std::int64_t>(3);
@@ -6728,6 +6792,7 @@ class Nccl {
   std::atomic<bool> aborted_{false};
   Errc abort_code_ = Errc::aborted;
   std::string abort_why_;
+  detail::NcclAborter aborter_;  // last: joined before the streams and buffers are freed
 };
 
 }  // namespace backend
@@ -7046,12 +7111,7 @@ class NcclClique {
     }
   }
 
-  void abort_all() noexcept {
-    for (std::size_t i = 0; i < comms_.size(); ++i) {
-      if (comms_[i] != nullptr) (void)ncclCommAbort(comms_[i]);
-    }
-    comms_.clear();
-  }
+  void abort_all() { aborter_.abort(std::exchange(comms_, {}), devices_); }
 
   [[noreturn]] void give_up(const char* what, ncclResult_t rc, const char* where) {
     std::string last;
@@ -7071,6 +7131,7 @@ class NcclClique {
   std::chrono::milliseconds timeout_;
   std::vector<std::unique_ptr<Slot>> slots_;
   std::vector<ncclComm_t> comms_;
+  detail::NcclAborter aborter_;  // last: joined before the streams are freed
 };
 
 DDP_END_NAMESPACE

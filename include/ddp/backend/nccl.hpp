@@ -205,8 +205,7 @@ class Nccl {
 
   void broadcast(const detail::Buf& b, int root) {
     run("broadcast", {&b}, [&] {
-      return ncclBroadcast(b.data, b.data, b.count, detail::nccl_type(b.dtype), root, comm_,
-                           on());
+      return ncclBroadcast(b.data, b.data, b.count, detail::nccl_type(b.dtype), root, comm_, on());
     });
   }
 
@@ -219,8 +218,7 @@ class Nccl {
 
   void all_gather(const detail::Buf& in, const detail::Buf& out) {
     run("all_gather", {&in, &out}, [&] {
-      return ncclAllGather(in.data, out.data, in.count, detail::nccl_type(in.dtype), comm_,
-                           on());
+      return ncclAllGather(in.data, out.data, in.count, detail::nccl_type(in.dtype), comm_, on());
     });
   }
 
