@@ -23,6 +23,7 @@
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 #include "ddp/detail/collective.hpp"
+#include "ddp/detail/reduce.hpp"
 #include "ddp/detail/staging.hpp"
 #include "ddp/environment.hpp"
 #include "ddp/error.hpp"
@@ -321,6 +322,23 @@ class Communicator {
   template <MutableTensor T>
   [[nodiscard]] Work all_reduce_async(T&& buf, ReduceOp op = ReduceOp::sum) {
     return submit(prepare_all_reduce(buf, op));
+  }
+
+  /// all_reduce of float32 values that travel and are reduced as W (ddp::half or ddp::bfloat16):
+  /// half the bytes, for a result rounded to W (torch's fp16/bf16 compression hooks). The result
+  /// is bitwise that of converting to W, all_reduce on W (accumulating in float, in rank order)
+  /// and converting back; backend::Host fuses the conversions into its own passes over memory,
+  /// other host-memory backends convert around a plain all_reduce. Not available for buffers
+  /// that backend::Nccl moves (Errc::unsupported: ddp's headers carry no GPU kernels).
+  template <class W, MutableTensor T>
+    requires(std::is_same_v<W, half> || std::is_same_v<W, bfloat16>)
+  void all_reduce_as(T&& buf, ReduceOp op = ReduceOp::sum) {
+    exec(prepare_all_reduce_as<W>(buf, op));
+  }
+  template <class W, MutableTensor T>
+    requires(std::is_same_v<W, half> || std::is_same_v<W, bfloat16>)
+  [[nodiscard]] Work all_reduce_as_async(T&& buf, ReduceOp op = ReduceOp::sum) {
+    return submit(prepare_all_reduce_as<W>(buf, op));
   }
 
   /// all_reduce of several buffers as one operation (torch's all_reduce_coalesced): one NCCL
@@ -814,6 +832,36 @@ class Communicator {
                 elementwise(s, b, true, true, [&](const detail::Buf& h) { be.all_reduce(h, op); });
               },
               b.bytes()};
+  }
+
+  template <class W, class T>
+  auto prepare_all_reduce_as(T& t, ReduceOp op) {
+    auto b = to_buf(t, "all_reduce_as", "buf");
+    check_op(op, dtype_of<W>, "all_reduce_as");
+    if (b.dtype != DType::float32)
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": all_reduce_as: `buf` is ",
+                   to_string(b.dtype), "; compression carries float32 values");
+    if (b.device.is_cuda() && !staged(b))
+      detail::fail(Errc::unsupported, "rank ", rank(), ": all_reduce_as: `buf` is on ",
+                   to_string(b.device), ", which backend::", Backend::name,
+                   " moves itself, and ddp's headers carry no GPU kernels to convert it; use "
+                   "all_reduce, or convert on the device first");
+    return Op{
+        "all_reduce_as",
+        [b, op](Backend& be, State& s) {
+          elementwise(s, b, true, true, [&](const detail::Buf& h) {
+            if constexpr (requires { be.all_reduce_as(h, op, dtype_of<W>); }) {
+              be.all_reduce_as(h, op, dtype_of<W>);
+            } else {  // convert around a plain all_reduce
+              std::vector<W> wire(h.count);
+              auto* w = reinterpret_cast<std::byte*>(wire.data());
+              detail::encode_kernel<W>(w, h.data, h.count);
+              be.all_reduce(detail::Buf{w, h.count, dtype_of<W>, h.device, nullptr, h.whole}, op);
+              detail::decode_kernel<W>(h.data, w, h.count);
+            }
+          });
+        },
+        b.bytes()};
   }
 
   template <class R>

@@ -18,7 +18,9 @@
 ///  * A gradient not marked by synchronize() counts as zero (an unused parameter) instead of
 ///    hanging; every rank's gradient then holds the average.
 ///  * no_sync() (a guard) skips averaging while micro-batches accumulate gradients.
-///  * Optional compression: float32 gradients travel as float16 or bfloat16 (half the bytes).
+///  * Optional compression: float32 gradients travel as float16 or bfloat16 (half the bytes),
+///    through Communicator::all_reduce_as (on backend::Host the conversions ride along the
+///    transport's own copies, so compression adds no pass over memory).
 ///  * found_nonfinite(): whether any rank has an inf or NaN gradient, the same answer everywhere
 ///    (for dynamic loss scaling).
 ///
@@ -186,8 +188,8 @@ struct AveragerOptions {
   /// The first bucket (the last parameters), small so that communication starts early.
   std::size_t first_bucket_bytes = std::size_t{1} << 20;
   Compression compression = Compression::none;
-  /// Without compression, a gradient of at least this many bytes is averaged in place, as a bucket
-  /// of its own: copying it into a bucket and back would cost more than the call it saves.
+  /// A gradient of at least this many bytes is averaged in place, as a bucket of its own:
+  /// copying it into a bucket and back would cost more than the call it saves.
   std::size_t in_place_bytes = std::size_t{256} << 10;
   /// Copy rank 0's parameter values to every rank at construction (torch does).
   bool broadcast_parameters = true;
@@ -346,10 +348,8 @@ class GradientAverager {
     std::vector<std::size_t> params;  // parameter indices, in packing order
     std::size_t elements = 0;
     std::size_t ready = 0;
-    bool in_place = false;      // one gradient, averaged where it is
-    std::vector<T> flat;        // without compression
-    std::vector<half> f16;      // Compression::float16
-    std::vector<bfloat16> b16;  // Compression::bfloat16
+    bool in_place = false;  // one gradient, averaged where it is
+    std::vector<T> flat;    // host bucket (compression converts as it communicates)
 #if DDP_HAS_CUDA
     CudaBuffer<T> device;  // on a backend that moves CUDA memory: the bucket on the GPU
 #endif
@@ -465,7 +465,7 @@ class GradientAverager {
     for (std::size_t i = grads_.size(); i-- > 0;) {
       const std::size_t cap = buckets_.empty() ? o_.first_bucket_bytes : o_.bucket_bytes;
       const std::size_t b = grads_[i].size * sizeof(T);
-      if (o_.compression == Compression::none && b >= o_.in_place_bytes) {
+      if (b >= o_.in_place_bytes) {
         close();
         bucket_of[i] = buckets_.size();
         buckets_.push_back(Bucket{});
@@ -491,63 +491,32 @@ class GradientAverager {
         continue;
       }
 #endif
-      switch (o_.compression) {
-        case Compression::none: b.flat.resize(b.elements); break;
-        case Compression::float16: b.f16.resize(b.elements); break;
-        case Compression::bfloat16: b.b16.resize(b.elements); break;
-      }
+      b.flat.resize(b.elements);
     }
   }
 
-  // Host buckets. CUDA gradients are copied to the host first (compression then converts there).
-  template <class W>
-  void pack_into(Bucket& b, std::vector<W>& out) {
+  // Host buckets: the gradients are copied in (from the device, for CUDA gradients) and out.
+  void pack(Bucket& b) {
     std::size_t at = 0;
-    std::vector<T> copy;
     for (const std::size_t i : b.params) {
       const auto& g = grads_[i];
-      const T* data = g.data;
-      if (ready_[i] && cuda_) {
-        T* dst = copy.data();
-        if constexpr (std::is_same_v<W, T>) {
-          dst = out.data() + at;
-        } else {
-          copy.resize(g.size);
-          dst = copy.data();
-        }
-        detail::copy_bytes(dst, g.data, g.size * sizeof(T), true, g.stream);
-        detail::sync_stream(true, g.stream);
-        data = dst;
-      }
+      T* dst = b.flat.data() + at;
       if (!ready_[i]) {  // never marked: an unused parameter contributes zero
-        std::fill_n(out.data() + at, g.size, W{});
-      } else if constexpr (std::is_same_v<W, T>) {
-        if (!cuda_) std::memcpy(out.data() + at, data, g.size * sizeof(T));
+        std::fill_n(dst, g.size, T{});
       } else {
-        for (std::size_t k = 0; k < g.size; ++k) out[at + k] = W(static_cast<float>(data[k]));
+        detail::copy_bytes(dst, g.data, g.size * sizeof(T), cuda_, g.stream);
+        if (cuda_) detail::sync_stream(true, g.stream);
       }
       at += g.size;
     }
   }
 
-  template <class W>
-  void unpack_from(const Bucket& b, const std::vector<W>& in) {
+  void unpack_from(const Bucket& b) {
     std::size_t at = 0;
-    std::vector<T> copy;
     for (const std::size_t i : b.params) {
       auto& g = grads_[i];
-      if constexpr (std::is_same_v<W, T>) {
-        detail::copy_bytes(g.data, in.data() + at, g.size * sizeof(T), cuda_, g.stream);
-      } else {
-        T* dst = g.data;
-        if (cuda_) {
-          copy.resize(g.size);
-          dst = copy.data();
-        }
-        for (std::size_t k = 0; k < g.size; ++k) dst[k] = T(static_cast<float>(in[at + k]));
-        if (cuda_) detail::copy_bytes(g.data, dst, g.size * sizeof(T), true, g.stream);
-      }
-      if (cuda_) detail::sync_stream(true, g.stream);  // `copy` and the bucket are reused
+      detail::copy_bytes(g.data, b.flat.data() + at, g.size * sizeof(T), cuda_, g.stream);
+      if (cuda_) detail::sync_stream(true, g.stream);  // the bucket is reused
       at += g.size;
     }
   }
@@ -612,7 +581,7 @@ class GradientAverager {
       const std::size_t i = b.params.front();
       auto& g = grads_[i];
       if (!ready_[i]) detail::zero_bytes(g.data, g.size * sizeof(T), cuda_, g.stream);  // unused
-      b.work.emplace(comm_->all_reduce_async(g, ReduceOp::avg));
+      b.work.emplace(average_async(g));
       return;
     }
 #if DDP_HAS_CUDA
@@ -626,20 +595,21 @@ class GradientAverager {
   }
 
   void launch_host(Bucket& b) {
+    pack(b);
+    b.work.emplace(average_async(b.flat));
+  }
+
+  // The asynchronous average of one bucket's buffer, compressed as the options say.
+  template <class Buffer>
+  Work average_async(Buffer& buf) {
     switch (o_.compression) {
-      case Compression::none:
-        pack_into(b, b.flat);
-        b.work.emplace(comm_->all_reduce_async(b.flat, ReduceOp::avg));
-        break;
       case Compression::float16:
-        pack_into(b, b.f16);
-        b.work.emplace(comm_->all_reduce_async(b.f16, ReduceOp::avg));
-        break;
+        return comm_->template all_reduce_as_async<half>(buf, ReduceOp::avg);
       case Compression::bfloat16:
-        pack_into(b, b.b16);
-        b.work.emplace(comm_->all_reduce_async(b.b16, ReduceOp::avg));
-        break;
+        return comm_->template all_reduce_as_async<bfloat16>(buf, ReduceOp::avg);
+      case Compression::none: break;
     }
+    return comm_->all_reduce_async(buf, ReduceOp::avg);
   }
 
   void unpack(Bucket& b) {
@@ -653,15 +623,7 @@ class GradientAverager {
       return;
     }
 #endif
-    if constexpr (!detail::device_only_backend<Backend>) unpack_host(b);
-  }
-
-  void unpack_host(const Bucket& b) {
-    switch (o_.compression) {
-      case Compression::none: unpack_from(b, b.flat); break;
-      case Compression::float16: unpack_from(b, b.f16); break;
-      case Compression::bfloat16: unpack_from(b, b.b16); break;
-    }
+    if constexpr (!detail::device_only_backend<Backend>) unpack_from(b);
   }
 
   Communicator<Backend>* comm_;

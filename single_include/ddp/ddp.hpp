@@ -821,10 +821,13 @@ namespace detail {
 }
 
 [[nodiscard]] constexpr std::uint16_t float_to_bfloat16_bits(float value) noexcept {
+  // Branch-free, so that loops over arrays vectorize; the high half is taken with an arithmetic
+  // shift, which vectorizes to one pack instruction (a logical one needs several shuffles).
   const auto x = std::bit_cast<std::uint32_t>(value);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((x >> 16) | 0x0040u);
-  const std::uint32_t lsb = (x >> 16) & 1u;
-  return static_cast<std::uint16_t>((x + 0x7fffu + lsb) >> 16);  // round to nearest even
+  const std::uint32_t rounded = x + 0x7fffu + ((x >> 16) & 1u);  // to nearest even
+  const std::uint32_t quiet = x | 0x00400000u;                   // NaN stays NaN
+  const std::uint32_t v = (x & 0x7fffffffu) > 0x7f800000u ? quiet : rounded;
+  return static_cast<std::uint16_t>(static_cast<std::int16_t>(static_cast<std::int32_t>(v) >> 16));
 }
 
 [[nodiscard]] constexpr float bfloat16_bits_to_float(std::uint16_t bits) noexcept {
@@ -3372,6 +3375,7 @@ DDP_END_NAMESPACE
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -3432,21 +3436,35 @@ void reduce_kernel(std::byte* dst, std::byte* dst2, const std::byte* const* src,
   using A = typename Accum<T>::type;
   auto* d = reinterpret_cast<T*>(dst);
   auto* d2 = reinterpret_cast<T*>(dst2);
-  if constexpr (std::is_same_v<A, T> && Op != ReduceOp::avg) {
-    if (n == 2) {  // the common case, one fused pass
-      const auto* a = reinterpret_cast<const T*>(src[0]);
-      const auto* b = reinterpret_cast<const T*>(src[1]);
-      if (d2 == nullptr) {
-        for (std::size_t i = 0; i < count; ++i) d[i] = combine<Op, A>(a[i], b[i]);
-      } else {
-        for (std::size_t i = 0; i < count; ++i) {
-          const T v = combine<Op, A>(a[i], b[i]);
-          d[i] = v;
-          d2[i] = v;
-        }
+  if (n == 2) {  // the common case, one fused pass (the same operations as the general path)
+    const auto* a = reinterpret_cast<const T*>(src[0]);
+    const auto* b = reinterpret_cast<const T*>(src[1]);
+    const auto value = [a, b](std::size_t i) {
+      A v = combine<Op, A>(static_cast<A>(a[i]), static_cast<A>(b[i]));
+      if constexpr (Op == ReduceOp::avg) v = v / static_cast<A>(2);
+      return static_cast<T>(v);
+    };
+    if (d2 == nullptr) {
+      for (std::size_t i = 0; i < count; ++i) d[i] = value(i);
+      return;
+    }
+    if constexpr (std::is_same_v<A, T>) {
+      for (std::size_t i = 0; i < count; ++i) {
+        const T v = value(i);
+        d[i] = v;
+        d2[i] = v;
       }
       return;
     }
+    // half and bfloat16: two stores of the class type keep the loop scalar, so write dst in
+    // steps and copy each step to dst2 while it is still in L1.
+    constexpr std::size_t step = 4096;
+    for (std::size_t base = 0; base < count; base += step) {
+      const std::size_t end = std::min(count, base + step);
+      for (std::size_t i = base; i < end; ++i) d[i] = value(i);
+      std::memcpy(d2 + base, d + base, (end - base) * sizeof(T));
+    }
+    return;
   }
   constexpr std::size_t block = 1024;
   A acc[block];
@@ -3512,6 +3530,71 @@ constexpr ReduceFn reduce_fn_for(ReduceOp op) {
     case DType::bfloat16: return reduce_fn_for<bfloat16>(op);
   }
   return nullptr;
+}
+
+// ---- compressed all-reduce: float32 values that travel and are reduced as W (half, bfloat16) --
+
+/// dst[i] = W(src[i]): float32 to the wire type, rounded to nearest even.
+template <class W>
+void encode_kernel(std::byte* dst, const std::byte* src, std::size_t count) {
+  auto* d = reinterpret_cast<W*>(dst);
+  const auto* s = reinterpret_cast<const float*>(src);
+  for (std::size_t i = 0; i < count; ++i) d[i] = W(s[i]);
+}
+
+/// dst[i] = float(src[i]): the wire type back to float32 (exact).
+template <class W>
+void decode_kernel(std::byte* dst, const std::byte* src, std::size_t count) {
+  auto* d = reinterpret_cast<float*>(dst);
+  const auto* s = reinterpret_cast<const W*>(src);
+  for (std::size_t i = 0; i < count; ++i) d[i] = static_cast<float>(s[i]);
+}
+
+/// reduce_kernel<W, Op> over W-typed sources (the same operations, so the same bits), with the
+/// rounded result written decoded to `dst` (float32) and, when `wire` is not null, as W there.
+template <class W, ReduceOp Op>
+void reduce_decode_kernel(std::byte* dst, std::byte* wire, const std::byte* const* src, int n,
+                          std::size_t count) {
+  // In steps, each decoded while in L1: a loop storing both W and float stays scalar.
+  constexpr std::size_t step = 2048;
+  W block[step];
+  std::vector<const std::byte*> shifted(static_cast<std::size_t>(n));
+  for (std::size_t base = 0; base < count; base += step) {
+    const std::size_t m = std::min(step, count - base);
+    W* w = wire != nullptr ? reinterpret_cast<W*>(wire) + base : block;
+    for (int k = 0; k < n; ++k) shifted[static_cast<std::size_t>(k)] = src[k] + base * sizeof(W);
+    reduce_kernel<W, Op>(reinterpret_cast<std::byte*>(w), nullptr, shifted.data(), n, m);
+    decode_kernel<W>(dst + base * sizeof(float), reinterpret_cast<const std::byte*>(w), m);
+  }
+}
+
+/// The kernels of an all-reduce whose float32 values travel as `wire`.
+struct WireKernels {
+  void (*encode)(std::byte*, const std::byte*, std::size_t) = nullptr;
+  void (*decode)(std::byte*, const std::byte*, std::size_t) = nullptr;
+  ReduceFn reduce = nullptr;  // (float32 dst, wire dst or null, wire sources, n, count)
+};
+
+template <class W>
+WireKernels wire_kernels_for(ReduceOp op) {
+  WireKernels k{&encode_kernel<W>, &decode_kernel<W>, nullptr};
+  switch (op) {
+    case ReduceOp::sum: k.reduce = &reduce_decode_kernel<W, ReduceOp::sum>; break;
+    case ReduceOp::prod: k.reduce = &reduce_decode_kernel<W, ReduceOp::prod>; break;
+    case ReduceOp::max: k.reduce = &reduce_decode_kernel<W, ReduceOp::max>; break;
+    case ReduceOp::min: k.reduce = &reduce_decode_kernel<W, ReduceOp::min>; break;
+    case ReduceOp::avg: k.reduce = &reduce_decode_kernel<W, ReduceOp::avg>; break;
+  }
+  return k;
+}
+
+/// Kernels for float32 values carried as `wire` (float16 or bfloat16); reduce is null otherwise.
+[[nodiscard]] inline WireKernels wire_kernels(DType wire, ReduceOp op) {
+  switch (wire) {
+    case DType::float16: return wire_kernels_for<half>(op);
+    case DType::bfloat16: return wire_kernels_for<bfloat16>(op);
+    default: return {};
+  }
 }
 
 }  // namespace detail
@@ -4730,6 +4813,80 @@ class Host {
     reduce_segments(b, fn, -1, fp);
   }
 
+  /// all_reduce of float32 values that travel and are reduced as `wire` (float16 or bfloat16):
+  /// each rank rounds its values to `wire` as it offers them (into the shared-memory slot), the
+  /// owner of a chunk reduces the `wire` values in float, in rank order, and rounds the result
+  /// to `wire` once, and every rank writes the rounded result back as float32. The result is
+  /// bitwise that of converting to `wire`, all_reduce on `wire`, and converting back, in the
+  /// passes over memory of a plain all_reduce, with half its bytes moved.
+  void all_reduce_as(const detail::Buf& b, ReduceOp op, DType wire) {
+    const detail::WireKernels k = detail::wire_kernels(wire, op);
+    if (b.dtype != DType::float32 || k.reduce == nullptr)
+      detail::fail(Errc::invalid_argument, "rank ", rank_, ": all_reduce_as: ", to_string(b.dtype),
+                   " values carried as ", to_string(wire),
+                   " are not supported; compression carries float32 as float16 or bfloat16");
+    const auto fp = next(detail::Coll::all_reduce, wire, b.fingerprint_count(), -1, op, true);
+    const std::size_t ws = size_of(wire);
+    const int p = size_;
+    // Memory for this rank's encoded offer: the next round's slot where the transport has one.
+    const auto encoded = [&](std::size_t bytes, std::vector<std::byte>& own) {
+      std::byte* at = t_->stage(bytes);
+      if (at != nullptr) return at;
+      if (own.size() < bytes) own.resize(bytes);
+      return own.data();
+    };
+    if (b.count * ws <= t_->small_bytes()) {  // one round; every rank reduces everything
+      std::byte* enc = encoded(b.count * ws, scratch_);
+      k.encode(enc, b.data, b.count);
+      const detail::Piece pc{enc, b.count * ws};
+      auto ptrs = t_->round(
+          {&pc, 1},
+          [&](int, int) {
+            return detail::Range{0, b.count * ws};
+          },
+          &fp);
+      k.reduce(b.data, nullptr, ptrs.data(), p, b.count);
+      return;
+    }
+    const std::size_t seg =
+        std::max<std::size_t>(static_cast<std::size_t>(p), t_->max_offer() / ws);
+    bool first = true;
+    for (std::size_t s0 = 0; s0 < b.count;) {
+      const std::size_t m = std::min(seg, b.count - s0);
+      const auto chunk = [&](int j) {  // in elements
+        const auto [lo, hi] = detail::split_range(m, p, j, ws);
+        return detail::Range{lo, hi - lo};
+      };
+      std::byte* enc = encoded(m * ws, scratch_);
+      k.encode(enc, b.at(s0), m);
+      const detail::Piece pc{enc, m * ws};
+      auto ptrs = t_->round(
+          {&pc, 1},
+          [&](int, int dst) {
+            const detail::Range c = chunk(dst);
+            return detail::Range{c.off * ws, c.len * ws};
+          },
+          first ? &fp : nullptr);
+      first = false;
+      const detail::Range mine = chunk(rank_);
+      std::byte* result = encoded(mine.len * ws, wire_result_);
+      k.reduce(b.at(s0 + mine.off), result, ptrs.data(), p, mine.len);
+      const detail::Piece out{result, mine.len * ws};
+      auto got = t_->round(
+          {&out, 1},
+          [&](int src, int) {
+            return detail::Range{0, chunk(src).len * ws};
+          },
+          nullptr);
+      for (int j = 0; j < p; ++j) {
+        const detail::Range c = chunk(j);
+        if (j != rank_ && c.len != 0)
+          k.decode(b.at(s0 + c.off), got[static_cast<std::size_t>(j)], c.len);
+      }
+      s0 += m;
+    }
+  }
+
   void broadcast(const detail::Buf& b, int root) {
     const auto fp =
         next(detail::Coll::broadcast, b.dtype, b.fingerprint_count(), root, ReduceOp::sum, false);
@@ -5132,6 +5289,7 @@ class Host {
   std::vector<std::uint64_t> send_seq_, recv_seq_;
   std::vector<detail::Piece> pieces_;
   std::vector<std::byte> scratch_;
+  std::vector<std::byte> wire_result_;  // all_reduce_as without a staging slot (TCP)
 };
 
 }  // namespace backend
@@ -7434,6 +7592,7 @@ DDP_END_NAMESPACE
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 // #include "ddp/detail/collective.hpp" (already included above)
+// #include "ddp/detail/reduce.hpp" (already included above)
 // begin ddp/detail/staging.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -8458,6 +8617,23 @@ class Communicator {
     return submit(prepare_all_reduce(buf, op));
   }
 
+  /// all_reduce of float32 values that travel and are reduced as W (ddp::half or ddp::bfloat16):
+  /// half the bytes, for a result rounded to W (torch's fp16/bf16 compression hooks). The result
+  /// is bitwise that of converting to W, all_reduce on W (accumulating in float, in rank order)
+  /// and converting back; backend::Host fuses the conversions into its own passes over memory,
+  /// other host-memory backends convert around a plain all_reduce. Not available for buffers
+  /// that backend::Nccl moves (Errc::unsupported: ddp's headers carry no GPU kernels).
+  template <class W, MutableTensor T>
+    requires(std::is_same_v<W, half> || std::is_same_v<W, bfloat16>)
+  void all_reduce_as(T&& buf, ReduceOp op = ReduceOp::sum) {
+    exec(prepare_all_reduce_as<W>(buf, op));
+  }
+  template <class W, MutableTensor T>
+    requires(std::is_same_v<W, half> || std::is_same_v<W, bfloat16>)
+  [[nodiscard]] Work all_reduce_as_async(T&& buf, ReduceOp op = ReduceOp::sum) {
+    return submit(prepare_all_reduce_as<W>(buf, op));
+  }
+
   /// all_reduce of several buffers as one operation (torch's all_reduce_coalesced): one NCCL
   /// group on backend::Nccl (one launch, one wait), one buffer after another elsewhere.
   template <std::ranges::range R>
@@ -8951,6 +9127,36 @@ class Communicator {
               b.bytes()};
   }
 
+  template <class W, class T>
+  auto prepare_all_reduce_as(T& t, ReduceOp op) {
+    auto b = to_buf(t, "all_reduce_as", "buf");
+    check_op(op, dtype_of<W>, "all_reduce_as");
+    if (b.dtype != DType::float32)
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": all_reduce_as: `buf` is ",
+                   to_string(b.dtype), "; compression carries float32 values");
+    if (b.device.is_cuda() && !staged(b))
+      detail::fail(Errc::unsupported, "rank ", rank(), ": all_reduce_as: `buf` is on ",
+                   to_string(b.device), ", which backend::", Backend::name,
+                   " moves itself, and ddp's headers carry no GPU kernels to convert it; use "
+                   "all_reduce, or convert on the device first");
+    return Op{
+        "all_reduce_as",
+        [b, op](Backend& be, State& s) {
+          elementwise(s, b, true, true, [&](const detail::Buf& h) {
+            if constexpr (requires { be.all_reduce_as(h, op, dtype_of<W>); }) {
+              be.all_reduce_as(h, op, dtype_of<W>);
+            } else {  // convert around a plain all_reduce
+              std::vector<W> wire(h.count);
+              auto* w = reinterpret_cast<std::byte*>(wire.data());
+              detail::encode_kernel<W>(w, h.data, h.count);
+              be.all_reduce(detail::Buf{w, h.count, dtype_of<W>, h.device, nullptr, h.whole}, op);
+              detail::decode_kernel<W>(h.data, w, h.count);
+            }
+          });
+        },
+        b.bytes()};
+  }
+
   template <class R>
   auto prepare_all_reduce_coalesced(R& bufs, ReduceOp op) {
     std::vector<detail::Buf> bs;
@@ -9242,7 +9448,9 @@ DDP_END_NAMESPACE
 ///  * A gradient not marked by synchronize() counts as zero (an unused parameter) instead of
 ///    hanging; every rank's gradient then holds the average.
 ///  * no_sync() (a guard) skips averaging while micro-batches accumulate gradients.
-///  * Optional compression: float32 gradients travel as float16 or bfloat16 (half the bytes).
+///  * Optional compression: float32 gradients travel as float16 or bfloat16 (half the bytes),
+///    through Communicator::all_reduce_as (on backend::Host the conversions ride along the
+///    transport's own copies, so compression adds no pass over memory).
 ///  * found_nonfinite(): whether any rank has an inf or NaN gradient, the same answer everywhere
 ///    (for dynamic loss scaling).
 ///
@@ -9410,8 +9618,8 @@ struct AveragerOptions {
   /// The first bucket (the last parameters), small so that communication starts early.
   std::size_t first_bucket_bytes = std::size_t{1} << 20;
   Compression compression = Compression::none;
-  /// Without compression, a gradient of at least this many bytes is averaged in place, as a bucket
-  /// of its own: copying it into a bucket and back would cost more than the call it saves.
+  /// A gradient of at least this many bytes is averaged in place, as a bucket of its own:
+  /// copying it into a bucket and back would cost more than the call it saves.
   std::size_t in_place_bytes = std::size_t{256} << 10;
   /// Copy rank 0's parameter values to every rank at construction (torch does).
   bool broadcast_parameters = true;
@@ -9570,10 +9778,8 @@ class GradientAverager {
     std::vector<std::size_t> params;  // parameter indices, in packing order
     std::size_t elements = 0;
     std::size_t ready = 0;
-    bool in_place = false;      // one gradient, averaged where it is
-    std::vector<T> flat;        // without compression
-    std::vector<half> f16;      // Compression::float16
-    std::vector<bfloat16> b16;  // Compression::bfloat16
+    bool in_place = false;  // one gradient, averaged where it is
+    std::vector<T> flat;    // host bucket (compression converts as it communicates)
 #if DDP_HAS_CUDA
     CudaBuffer<T> device;  // on a backend that moves CUDA memory: the bucket on the GPU
 #endif
@@ -9689,7 +9895,7 @@ class GradientAverager {
     for (std::size_t i = grads_.size(); i-- > 0;) {
       const std::size_t cap = buckets_.empty() ? o_.first_bucket_bytes : o_.bucket_bytes;
       const std::size_t b = grads_[i].size * sizeof(T);
-      if (o_.compression == Compression::none && b >= o_.in_place_bytes) {
+      if (b >= o_.in_place_bytes) {
         close();
         bucket_of[i] = buckets_.size();
         buckets_.push_back(Bucket{});
@@ -9715,63 +9921,32 @@ class GradientAverager {
         continue;
       }
 #endif
-      switch (o_.compression) {
-        case Compression::none: b.flat.resize(b.elements); break;
-        case Compression::float16: b.f16.resize(b.elements); break;
-        case Compression::bfloat16: b.b16.resize(b.elements); break;
-      }
+      b.flat.resize(b.elements);
     }
   }
 
-  // Host buckets. CUDA gradients are copied to the host first (compression then converts there).
-  template <class W>
-  void pack_into(Bucket& b, std::vector<W>& out) {
+  // Host buckets: the gradients are copied in (from the device, for CUDA gradients) and out.
+  void pack(Bucket& b) {
     std::size_t at = 0;
-    std::vector<T> copy;
     for (const std::size_t i : b.params) {
       const auto& g = grads_[i];
-      const T* data = g.data;
-      if (ready_[i] && cuda_) {
-        T* dst = copy.data();
-        if constexpr (std::is_same_v<W, T>) {
-          dst = out.data() + at;
-        } else {
-          copy.resize(g.size);
-          dst = copy.data();
-        }
-        detail::copy_bytes(dst, g.data, g.size * sizeof(T), true, g.stream);
-        detail::sync_stream(true, g.stream);
-        data = dst;
-      }
+      T* dst = b.flat.data() + at;
       if (!ready_[i]) {  // never marked: an unused parameter contributes zero
-        std::fill_n(out.data() + at, g.size, W{});
-      } else if constexpr (std::is_same_v<W, T>) {
-        if (!cuda_) std::memcpy(out.data() + at, data, g.size * sizeof(T));
+        std::fill_n(dst, g.size, T{});
       } else {
-        for (std::size_t k = 0; k < g.size; ++k) out[at + k] = W(static_cast<float>(data[k]));
+        detail::copy_bytes(dst, g.data, g.size * sizeof(T), cuda_, g.stream);
+        if (cuda_) detail::sync_stream(true, g.stream);
       }
       at += g.size;
     }
   }
 
-  template <class W>
-  void unpack_from(const Bucket& b, const std::vector<W>& in) {
+  void unpack_from(const Bucket& b) {
     std::size_t at = 0;
-    std::vector<T> copy;
     for (const std::size_t i : b.params) {
       auto& g = grads_[i];
-      if constexpr (std::is_same_v<W, T>) {
-        detail::copy_bytes(g.data, in.data() + at, g.size * sizeof(T), cuda_, g.stream);
-      } else {
-        T* dst = g.data;
-        if (cuda_) {
-          copy.resize(g.size);
-          dst = copy.data();
-        }
-        for (std::size_t k = 0; k < g.size; ++k) dst[k] = T(static_cast<float>(in[at + k]));
-        if (cuda_) detail::copy_bytes(g.data, dst, g.size * sizeof(T), true, g.stream);
-      }
-      if (cuda_) detail::sync_stream(true, g.stream);  // `copy` and the bucket are reused
+      detail::copy_bytes(g.data, b.flat.data() + at, g.size * sizeof(T), cuda_, g.stream);
+      if (cuda_) detail::sync_stream(true, g.stream);  // the bucket is reused
       at += g.size;
     }
   }
@@ -9836,7 +10011,7 @@ class GradientAverager {
       const std::size_t i = b.params.front();
       auto& g = grads_[i];
       if (!ready_[i]) detail::zero_bytes(g.data, g.size * sizeof(T), cuda_, g.stream);  // unused
-      b.work.emplace(comm_->all_reduce_async(g, ReduceOp::avg));
+      b.work.emplace(average_async(g));
       return;
     }
 #if DDP_HAS_CUDA
@@ -9850,20 +10025,21 @@ class GradientAverager {
   }
 
   void launch_host(Bucket& b) {
+    pack(b);
+    b.work.emplace(average_async(b.flat));
+  }
+
+  // The asynchronous average of one bucket's buffer, compressed as the options say.
+  template <class Buffer>
+  Work average_async(Buffer& buf) {
     switch (o_.compression) {
-      case Compression::none:
-        pack_into(b, b.flat);
-        b.work.emplace(comm_->all_reduce_async(b.flat, ReduceOp::avg));
-        break;
       case Compression::float16:
-        pack_into(b, b.f16);
-        b.work.emplace(comm_->all_reduce_async(b.f16, ReduceOp::avg));
-        break;
+        return comm_->template all_reduce_as_async<half>(buf, ReduceOp::avg);
       case Compression::bfloat16:
-        pack_into(b, b.b16);
-        b.work.emplace(comm_->all_reduce_async(b.b16, ReduceOp::avg));
-        break;
+        return comm_->template all_reduce_as_async<bfloat16>(buf, ReduceOp::avg);
+      case Compression::none: break;
     }
+    return comm_->all_reduce_async(buf, ReduceOp::avg);
   }
 
   void unpack(Bucket& b) {
@@ -9877,15 +10053,7 @@ class GradientAverager {
       return;
     }
 #endif
-    if constexpr (!detail::device_only_backend<Backend>) unpack_host(b);
-  }
-
-  void unpack_host(const Bucket& b) {
-    switch (o_.compression) {
-      case Compression::none: unpack_from(b, b.flat); break;
-      case Compression::float16: unpack_from(b, b.f16); break;
-      case Compression::bfloat16: unpack_from(b, b.b16); break;
-    }
+    if constexpr (!detail::device_only_backend<Backend>) unpack_from(b);
   }
 
   Communicator<Backend>* comm_;

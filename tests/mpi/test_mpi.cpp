@@ -88,6 +88,9 @@ TEST_CASE("async operations complete in issue order, interleaved with sync ones"
 TEST_CASE("all_reduce_coalesced") {
   on_world([](Mpi& c) { cases::all_reduce_coalesced(c); });
 }
+TEST_CASE("all_reduce_as: float32 carried as half or bfloat16 (converted around MPI_Allreduce)") {
+  on_world([](Mpi& c) { cases::all_reduce_compressed(c); });
+}
 TEST_CASE("all_reduce_host and broadcast_host: small host values, exact_mean, ZeroFirstGuard") {
   on_world([](Mpi& c) { cases::host_values(c); });
 }

@@ -314,6 +314,65 @@ void all_reduce_coalesced(C& comm) {
   }
 }
 
+/// all_reduce_as<W>: every rank's float32 values rounded to W, combined in float in rank order,
+/// the result rounded to W once and handed back as float32 -- the same bits as all_reduce on W.
+template <class C>
+void all_reduce_compressed(C& comm) {
+  const int p = comm.size(), r = comm.rank();
+  const auto input = [](int rank, std::size_t i) {  // not representable in W: rounding shows
+    return value<float>(rank, i) + 0.0009f * static_cast<float>(i % 7 + 1);
+  };
+  const auto each_wire = [](auto&& f) {
+    f.template operator()<ddp::half>();
+    f.template operator()<ddp::bfloat16>();
+  };
+  each_wire([&]<class W>() {
+    for (ReduceOp op : all_ops) {
+      for (std::size_t n :
+           {std::size_t{0}, std::size_t{1}, std::size_t{7}, 3 * mp::test_segment / sizeof(W) + 5}) {
+        const std::string what = "all_reduce_as<" + std::string(ddp::to_string(ddp::dtype_of<W>)) +
+                                 ">(" + std::string(ddp::to_string(op)) +
+                                 ", n=" + std::to_string(n) + ")";
+        std::vector<float> buf(n);
+        std::vector<W> wire(n);  // the same values, converted by hand and reduced as W
+        for (std::size_t i = 0; i < n; ++i) {
+          buf[i] = input(r, i);
+          wire[i] = W(buf[i]);
+        }
+        if (n % 2 == 0)
+          comm.template all_reduce_as<W>(buf, op);
+        else
+          comm.template all_reduce_as_async<W>(buf, op).wait();
+        comm.all_reduce(wire, op);
+        const double ulp =
+            std::is_same_v<W, ddp::half> ? std::ldexp(1.0, -10) : std::ldexp(1.0, -7);
+        for (std::size_t i = 0; i < n; ++i) {
+          float acc = static_cast<float>(W(input(0, i)));
+          for (int k = 1; k < p; ++k) {
+            const float x = static_cast<float>(W(input(k, i)));
+            switch (op) {
+              case ReduceOp::sum:
+              case ReduceOp::avg: acc = acc + x; break;
+              case ReduceOp::prod: acc = acc * x; break;
+              case ReduceOp::min: acc = x < acc ? x : acc; break;
+              case ReduceOp::max: acc = acc < x ? x : acc; break;
+            }
+          }
+          if (op == ReduceOp::avg) acc = acc / static_cast<float>(p);
+          const float want = static_cast<float>(W(acc));
+          const bool ok =
+              bitwise_floats
+                  ? same_bits(buf[i], want) && same_bits(buf[i], static_cast<float>(wire[i]))
+                  : std::abs(buf[i] - want) <= 4 * ulp * std::abs(want);  // MPI: W at each step
+          MP_EXPECT(ok, what << ": element " << i << " is " << buf[i] << ", expected " << want
+                             << " (all_reduce on W gave " << static_cast<float>(wire[i]) << ")");
+          if (!ok) return;
+        }
+      }
+    }
+  });
+}
+
 /// all_reduce_host/broadcast_host and the layers built on them (exact_mean, ZeroFirstGuard):
 /// small host values on any backend.
 template <class C>

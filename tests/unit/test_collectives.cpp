@@ -54,6 +54,10 @@ TEST_CASE("all_reduce_coalesced: several buffers as one operation, sync and asyn
   mp::each_world([](Comm& comm) { cases::all_reduce_coalesced(comm); }, {1, 3});
 }
 
+TEST_CASE("all_reduce_as: float32 carried as half or bfloat16, every op and count") {
+  mp::each_world([](Comm& comm) { cases::all_reduce_compressed(comm); });
+}
+
 TEST_CASE("all_reduce_host and broadcast_host: small host values, exact_mean, ZeroFirstGuard") {
   mp::each_world([](Comm& comm) { cases::host_values(comm); }, {1, 3});
 }
@@ -97,6 +101,9 @@ TEST_CASE("argument checks fail before anything is sent, naming the rank and the
     expect_invalid([&] { comm.recv(a, 5); }, "recv: peer 5");
     expect_invalid([&] { comm.send(a, 1 - comm.rank(), -3); }, "tag -3");
     expect_invalid([&] { comm.all_reduce(ints, static_cast<ddp::ReduceOp>(42)); }, "op invalid");
+    std::vector<double> doubles(4);
+    expect_invalid([&] { comm.all_reduce_as<ddp::bfloat16>(doubles); },
+                   "all_reduce_as: `buf` is float64; compression carries float32 values");
     ddp::TensorView<float> nowhere{nullptr, 3};
     expect_invalid([&] { comm.all_reduce(nowhere); }, "has 3 elements but no data");
     ddp::TensorView<float> gpu{a.data(), a.size(), ddp::Device::cuda(0)};

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -77,21 +78,35 @@ void reduce_kernel(std::byte* dst, std::byte* dst2, const std::byte* const* src,
   using A = typename Accum<T>::type;
   auto* d = reinterpret_cast<T*>(dst);
   auto* d2 = reinterpret_cast<T*>(dst2);
-  if constexpr (std::is_same_v<A, T> && Op != ReduceOp::avg) {
-    if (n == 2) {  // the common case, one fused pass
-      const auto* a = reinterpret_cast<const T*>(src[0]);
-      const auto* b = reinterpret_cast<const T*>(src[1]);
-      if (d2 == nullptr) {
-        for (std::size_t i = 0; i < count; ++i) d[i] = combine<Op, A>(a[i], b[i]);
-      } else {
-        for (std::size_t i = 0; i < count; ++i) {
-          const T v = combine<Op, A>(a[i], b[i]);
-          d[i] = v;
-          d2[i] = v;
-        }
+  if (n == 2) {  // the common case, one fused pass (the same operations as the general path)
+    const auto* a = reinterpret_cast<const T*>(src[0]);
+    const auto* b = reinterpret_cast<const T*>(src[1]);
+    const auto value = [a, b](std::size_t i) {
+      A v = combine<Op, A>(static_cast<A>(a[i]), static_cast<A>(b[i]));
+      if constexpr (Op == ReduceOp::avg) v = v / static_cast<A>(2);
+      return static_cast<T>(v);
+    };
+    if (d2 == nullptr) {
+      for (std::size_t i = 0; i < count; ++i) d[i] = value(i);
+      return;
+    }
+    if constexpr (std::is_same_v<A, T>) {
+      for (std::size_t i = 0; i < count; ++i) {
+        const T v = value(i);
+        d[i] = v;
+        d2[i] = v;
       }
       return;
     }
+    // half and bfloat16: two stores of the class type keep the loop scalar, so write dst in
+    // steps and copy each step to dst2 while it is still in L1.
+    constexpr std::size_t step = 4096;
+    for (std::size_t base = 0; base < count; base += step) {
+      const std::size_t end = std::min(count, base + step);
+      for (std::size_t i = base; i < end; ++i) d[i] = value(i);
+      std::memcpy(d2 + base, d + base, (end - base) * sizeof(T));
+    }
+    return;
   }
   constexpr std::size_t block = 1024;
   A acc[block];
@@ -157,6 +172,71 @@ constexpr ReduceFn reduce_fn_for(ReduceOp op) {
     case DType::bfloat16: return reduce_fn_for<bfloat16>(op);
   }
   return nullptr;
+}
+
+// ---- compressed all-reduce: float32 values that travel and are reduced as W (half, bfloat16) --
+
+/// dst[i] = W(src[i]): float32 to the wire type, rounded to nearest even.
+template <class W>
+void encode_kernel(std::byte* dst, const std::byte* src, std::size_t count) {
+  auto* d = reinterpret_cast<W*>(dst);
+  const auto* s = reinterpret_cast<const float*>(src);
+  for (std::size_t i = 0; i < count; ++i) d[i] = W(s[i]);
+}
+
+/// dst[i] = float(src[i]): the wire type back to float32 (exact).
+template <class W>
+void decode_kernel(std::byte* dst, const std::byte* src, std::size_t count) {
+  auto* d = reinterpret_cast<float*>(dst);
+  const auto* s = reinterpret_cast<const W*>(src);
+  for (std::size_t i = 0; i < count; ++i) d[i] = static_cast<float>(s[i]);
+}
+
+/// reduce_kernel<W, Op> over W-typed sources (the same operations, so the same bits), with the
+/// rounded result written decoded to `dst` (float32) and, when `wire` is not null, as W there.
+template <class W, ReduceOp Op>
+void reduce_decode_kernel(std::byte* dst, std::byte* wire, const std::byte* const* src, int n,
+                          std::size_t count) {
+  // In steps, each decoded while in L1: a loop storing both W and float stays scalar.
+  constexpr std::size_t step = 2048;
+  W block[step];
+  std::vector<const std::byte*> shifted(static_cast<std::size_t>(n));
+  for (std::size_t base = 0; base < count; base += step) {
+    const std::size_t m = std::min(step, count - base);
+    W* w = wire != nullptr ? reinterpret_cast<W*>(wire) + base : block;
+    for (int k = 0; k < n; ++k) shifted[static_cast<std::size_t>(k)] = src[k] + base * sizeof(W);
+    reduce_kernel<W, Op>(reinterpret_cast<std::byte*>(w), nullptr, shifted.data(), n, m);
+    decode_kernel<W>(dst + base * sizeof(float), reinterpret_cast<const std::byte*>(w), m);
+  }
+}
+
+/// The kernels of an all-reduce whose float32 values travel as `wire`.
+struct WireKernels {
+  void (*encode)(std::byte*, const std::byte*, std::size_t) = nullptr;
+  void (*decode)(std::byte*, const std::byte*, std::size_t) = nullptr;
+  ReduceFn reduce = nullptr;  // (float32 dst, wire dst or null, wire sources, n, count)
+};
+
+template <class W>
+WireKernels wire_kernels_for(ReduceOp op) {
+  WireKernels k{&encode_kernel<W>, &decode_kernel<W>, nullptr};
+  switch (op) {
+    case ReduceOp::sum: k.reduce = &reduce_decode_kernel<W, ReduceOp::sum>; break;
+    case ReduceOp::prod: k.reduce = &reduce_decode_kernel<W, ReduceOp::prod>; break;
+    case ReduceOp::max: k.reduce = &reduce_decode_kernel<W, ReduceOp::max>; break;
+    case ReduceOp::min: k.reduce = &reduce_decode_kernel<W, ReduceOp::min>; break;
+    case ReduceOp::avg: k.reduce = &reduce_decode_kernel<W, ReduceOp::avg>; break;
+  }
+  return k;
+}
+
+/// Kernels for float32 values carried as `wire` (float16 or bfloat16); reduce is null otherwise.
+[[nodiscard]] inline WireKernels wire_kernels(DType wire, ReduceOp op) {
+  switch (wire) {
+    case DType::float16: return wire_kernels_for<half>(op);
+    case DType::bfloat16: return wire_kernels_for<bfloat16>(op);
+    default: return {};
+  }
 }
 
 }  // namespace detail
