@@ -46,6 +46,19 @@ T value(int rank, std::size_t i, int salt = 0) {
   }
 }
 
+/// One step of a floating-point reduction (avg sums; the caller divides at the end).
+template <class A>
+A combine_float(ReduceOp op, A acc, A x) {
+  switch (op) {
+    case ReduceOp::sum:
+    case ReduceOp::avg: return acc + x;
+    case ReduceOp::prod: return acc * x;
+    case ReduceOp::min: return x < acc ? x : acc;
+    case ReduceOp::max: return acc < x ? x : acc;
+  }
+  return acc;
+}
+
 /// The documented semantics: combine in rank order 0..P-1; half and bfloat16 in float, rounded
 /// once; integers wrap; avg divides by P. Written independently of the library's kernels.
 template <class T>
@@ -70,13 +83,7 @@ T reference(ReduceOp op, int p, std::size_t i, int salt = 0) {
         case ReduceOp::avg: break;
       }
     } else {
-      switch (op) {
-        case ReduceOp::sum:
-        case ReduceOp::avg: acc = acc + x; break;
-        case ReduceOp::prod: acc = acc * x; break;
-        case ReduceOp::min: acc = x < acc ? x : acc; break;
-        case ReduceOp::max: acc = acc < x ? x : acc; break;
-      }
+      acc = combine_float(op, acc, x);
     }
   }
   if constexpr (!std::is_integral_v<A>) {
@@ -349,14 +356,7 @@ void all_reduce_compressed(C& comm) {
         for (std::size_t i = 0; i < n; ++i) {
           float acc = static_cast<float>(W(input(0, i)));
           for (int k = 1; k < p; ++k) {
-            const float x = static_cast<float>(W(input(k, i)));
-            switch (op) {
-              case ReduceOp::sum:
-              case ReduceOp::avg: acc = acc + x; break;
-              case ReduceOp::prod: acc = acc * x; break;
-              case ReduceOp::min: acc = x < acc ? x : acc; break;
-              case ReduceOp::max: acc = acc < x ? x : acc; break;
-            }
+            acc = combine_float(op, acc, static_cast<float>(W(input(k, i))));
           }
           if (op == ReduceOp::avg) acc = acc / static_cast<float>(p);
           const float want = static_cast<float>(W(acc));
