@@ -23,7 +23,9 @@
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 #include "ddp/detail/collective.hpp"
+#include "ddp/detail/fork.hpp"
 #include "ddp/detail/reduce.hpp"
+#include "ddp/detail/rendezvous.hpp"
 #include "ddp/detail/staging.hpp"
 #include "ddp/environment.hpp"
 #include "ddp/error.hpp"
@@ -35,6 +37,8 @@
 #if DDP_HAS_CUDA
 #include "ddp/cuda.hpp"
 #endif
+
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -49,6 +53,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -289,10 +294,19 @@ class Communicator {
           detail::concat("ddp/", detail::env_or("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
       state->root_store = std::make_shared<Store>(env.master_addr, store_port, so);
       state->prefix = prefix;
-      bi.store = std::make_shared<Store>(state->root_store->prefixed(prefix));
+      bi.store = std::make_shared<Store>(state->root_store->prefixed(prefix).watching("failed"));
       state->store = bi.store;
+      state->world_size = env.world_size;
+      detail::claim_rank(*bi.store, env.rank, options.group);
+      state->joined = true;
     }
-    state->backend = Backend::create(bi);
+    state->create_backend(bi, [&] {
+      if (bi.store) {
+        detail::agree_on_job(*bi.store, bi.rank,
+                             {bi.size, std::string(Backend::name), options.verify_collectives},
+                             options.timeout, state->world_size);
+      }
+    });
     return Communicator(std::move(state));
   }
 
@@ -539,10 +553,13 @@ class Communicator {
     bi.local_rank = state_->local_rank_hint;
     sub->local_rank_hint = state_->local_rank_hint;
     if (state_->root_store) {
-      bi.store = std::make_shared<Store>(state_->root_store->prefixed(sub->prefix));
+      bi.store =
+          std::make_shared<Store>(state_->root_store->prefixed(sub->prefix).watching("failed"));
       sub->store = bi.store;
+      sub->world_size = bi.size;
+      sub->joined = true;
     }
-    exec(Op{"split", [&](Backend&, State&) { sub->backend = Backend::create(bi); }});
+    exec(Op{"split", [&](Backend&, State&) { sub->create_backend(bi, [] {}); }});
     return Communicator(std::move(sub));
   }
 
@@ -568,7 +585,7 @@ class Communicator {
   /// Makes every pending and later operation fail with Errc::aborted, here and, where the
   /// backend can reach them, on the peers. Safe to call from any thread, e.g. a watchdog.
   void abort(const std::string& why = "Communicator::abort() was called") {
-    auto& s = checked();
+    auto& s = same_process("abort");
     {
       std::lock_guard lock(s.poison_mutex);
       if (s.poison.empty()) {
@@ -583,22 +600,71 @@ class Communicator {
  private:
   struct State {
     ~State() {
+      if (detail::fork_generation() != fork_generation) {
+        // A fork() child's copy: the parent owns the store, the shared memory and the peers,
+        // and this process has none of the threads. Touch nothing; keep it reachable.
+        static std::vector<State*> inherited;
+        inherited.push_back(new State(std::move(*this), Inherited{}));
+        return;
+      }
       local_group.reset();
       executor.reset();  // drain the queue first
-      // Rank 0 keeps the store up until every rank has left, so none loses it mid-call.
-      if (store) {
+      // Rank 0 keeps the store up until every rank has left, so none loses it mid-call; after a
+      // failed rendezvous too, so the others can read why it failed.
+      if (store && joined && !store->lost()) {
         try {
-          store->set(detail::concat("exit/", backend ? backend->rank() : 0), "");
-          if (server && backend && poison.empty()) {
+          Store plain = store->unwatched();  // the waits below must not end at "failed"
+          plain.set(detail::concat("exit/", world_rank_in_group), "");
+          if (server && (backend ? poison.empty() : true)) {
             std::vector<std::string> keys;
-            for (int r = 0; r < backend->size(); ++r) keys.push_back(detail::concat("exit/", r));
-            (void)store->missing_after(keys, std::min<std::chrono::milliseconds>(
-                                                 options.timeout, std::chrono::seconds(10)));
+            for (int r = 0; r < world_size; ++r) keys.push_back(detail::concat("exit/", r));
+            (void)plain.missing_after(keys, std::min<std::chrono::milliseconds>(
+                                                options.timeout, std::chrono::seconds(10)));
           }
         } catch (...) {  // leaving anyway
         }
       }
       backend.reset();
+    }
+    State() = default;
+    struct Inherited {};
+    // Moves the members out of a fork child's copy (see ~State) without running their cleanup.
+    State(State&& o, Inherited) {
+      executor.reset(o.executor.release());
+      server.reset(o.server.release());
+      backend.reset(o.backend.release());
+      local_group.reset(o.local_group.release());
+      root_store = std::move(o.root_store);
+      store = std::move(o.store);
+#if DDP_HAS_CUDA
+      stager.reset(o.stager.release());
+#endif
+    }
+
+    /// Creates the backend after `before()` (checks that need the store), telling the other
+    /// ranks when this rank fails: they are waiting on the store for it, and fail at once with
+    /// its reason instead of at their timeout.
+    template <class Check>
+    void create_backend(const detail::BackendInit& bi, const Check& before) {
+      world_rank_in_group = bi.rank;
+      try {
+        before();
+        backend = Backend::create(bi);
+      } catch (const Error& e) {
+        constexpr std::string_view relayed = "the rendezvous failed on rank ";
+        if (std::string_view(e.what()).starts_with(relayed)) {  // another rank's, via the store
+          detail::fail(e.code(), "rank ", bi.rank, ": ", e.what());
+        }
+        if (store && !store->lost()) {
+          try {
+            (void)store->compare_set(
+                "failed", "",
+                Store::stop_value(e.code(), detail::concat(relayed, bi.rank, ": ", e.what())));
+          } catch (...) {  // the store is gone too: the peers learn from it
+          }
+        }
+        throw;
+      }
     }
     void configure(const Options& o) {
       options = o;
@@ -611,6 +677,11 @@ class Communicator {
 
     Options options;
     detail::FlightRecorder recorder;
+    std::uint64_t fork_generation = detail::fork_generation();  // made in this process
+    int pid = static_cast<int>(::getpid());
+    bool joined = false;          // this process holds its rank's claim in the store
+    int world_size = 1;           // ranks in this communicator (for the store host's wait)
+    int world_rank_in_group = 0;  // this rank in this communicator
     int world_rank = 0;
     int local_rank_hint = 0;  // the launcher's local rank: the default CUDA device
     std::unique_ptr<StoreServer> server;
@@ -651,6 +722,21 @@ class Communicator {
   Op(const char*, F, std::size_t) -> Op<F>;
 
   explicit Communicator(std::shared_ptr<State> s) : state_(std::move(s)) {}
+
+  /// checked(), and that this is the process that created the communicator: a fork() child
+  /// shares its peers' shared memory and sockets, and using them would corrupt the parent's job.
+  State& same_process(const char* what) const {
+    State& s = checked();
+    if (detail::fork_generation() != s.fork_generation) [[unlikely]] {
+      detail::fail(Errc::invalid_argument, "rank ", s.backend->rank(), ": ", what,
+                   ": this communicator was created by process ", s.pid,
+                   " and cannot be used by a child it fork()ed (this is process ", ::getpid(),
+                   "): the child would write into the parent's connections and shared memory. "
+                   "Create a new communicator in the child (another MASTER_PORT or "
+                   "Options::group), or fork before init()");
+    }
+    return s;
+  }
 
   State& checked() const {
     if (!valid()) {
@@ -715,7 +801,7 @@ class Communicator {
   /// Synchronous: inline when nothing is queued (no allocation on that path).
   template <class F>
   void exec(const Op<F>& op) {
-    State& s = checked();
+    State& s = same_process(op.name);
     const auto seq = s.recorder.issue(op.name, op.bytes, TraceRecord::State::queued);
     s.executor->run([&] { run_guarded(s, seq, op.name, op.body); });
   }
@@ -723,7 +809,7 @@ class Communicator {
   template <class F>
   Work submit(Op<F> op) {
     auto s = state_;
-    checked();
+    same_process(op.name);
     const auto seq = s->recorder.issue(op.name, op.bytes, TraceRecord::State::queued);
     return Work(s->executor->submit(
         [s, seq, op = std::move(op)] { run_guarded(*s, seq, op.name, op.body); }));
@@ -795,6 +881,12 @@ class Communicator {
                    v.size, " elements but no data");
     }
     using E = typename decltype(v)::value_type;
+    if (v.size > detail::max_buffer_bytes / sizeof(E)) {
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": `", arg, "` claims ",
+                   v.size, " elements of ", sizeof(E),
+                   " bytes: more than any buffer can hold (its size in bytes overflows); check "
+                   "the size the tensor's view reports");
+    }
     return {reinterpret_cast<std::byte*>(const_cast<E*>(v.data)), v.size, dtype_of<E>, v.device,
             v.stream};
   }
@@ -924,9 +1016,9 @@ class Communicator {
       out = to_buf(out_t, what, "out");
       check_same_dtype(in, out, rank(), what);
       const std::size_t p = static_cast<std::size_t>(size());
-      if (out.count != in.count * p) {
+      if (!detail::is_product(out.count, in.count, p)) {
         detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": `out` has ", out.count,
-                     " elements but must have ", in.count, " x ", p, " = ", in.count * p,
+                     " elements but must have ", detail::product_text(in.count, p),
                      " (in.size() x size())");
       }
       const std::byte* mine = out.at(in.count * static_cast<std::size_t>(rank()));
@@ -960,9 +1052,9 @@ class Communicator {
       in = to_buf(in_t, "scatter", "in");
       check_same_dtype(in, out, rank(), "scatter");
       const std::size_t p = static_cast<std::size_t>(size());
-      if (in.count != out.count * p) {
+      if (!detail::is_product(in.count, out.count, p)) {
         detail::fail(Errc::invalid_argument, "rank ", rank(), ": scatter: `in` has ", in.count,
-                     " elements but must have ", out.count, " x ", p, " = ", out.count * p,
+                     " elements but must have ", detail::product_text(out.count, p),
                      " (out.size() x size())");
       }
       const std::byte* mine = in.at(out.count * static_cast<std::size_t>(rank()));
@@ -989,9 +1081,9 @@ class Communicator {
     check_same_dtype(in, out, rank(), "reduce_scatter");
     check_op(op, out.dtype, "reduce_scatter");
     const std::size_t p = static_cast<std::size_t>(size());
-    if (in.count != out.count * p) {
+    if (!detail::is_product(in.count, out.count, p)) {
       detail::fail(Errc::invalid_argument, "rank ", rank(), ": reduce_scatter: `in` has ", in.count,
-                   " elements but must have ", out.count, " x ", p, " = ", out.count * p,
+                   " elements but must have ", detail::product_text(out.count, p),
                    " (out.size() x size())");
     }
     const std::byte* mine = in.at(out.count * static_cast<std::size_t>(rank()));

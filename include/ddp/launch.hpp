@@ -14,6 +14,7 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+#include "ddp/detail/guardian.hpp"
 #include "ddp/detail/socket.hpp"
 #include "ddp/environment.hpp"
 #include "ddp/error.hpp"
@@ -414,6 +415,10 @@ class LaunchAgent {
     sa.sa_flags = SA_RESTART;
     struct sigaction previous[4]{};
     const int sigs[4] = {SIGINT, SIGTERM, SIGHUP, SIGCHLD};
+    // First, while no thread exists: the guardian that removes whatever the workers started
+    // however this process ends (detail/guardian.hpp).
+    guardian_ = std::make_unique<LaunchGuardian>(
+        concat(launch_tag_prefix, random_value<std::uint64_t>(), "=1"));
     if (::pipe2(launch_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) fail_errno(errno, "pipe2");
     for (int i = 0; i < 4; ++i) ::sigaction(sigs[i], &sa, &previous[i]);
     struct Restore {
@@ -524,6 +529,7 @@ class LaunchAgent {
     env.push_back("DDP_STORE_HOSTED=1");
     env.push_back(concat("DDP_RESTART_COUNT=", attempt));
     env.push_back(concat("TORCHELASTIC_RESTART_COUNT=", attempt));
+    if (guardian_) env.push_back(guardian_->tag());
     if (std::getenv("OMP_NUM_THREADS") == nullptr && o_.nproc_per_node > 1)
       env.emplace_back("OMP_NUM_THREADS=1");
     return env;
@@ -567,6 +573,7 @@ class LaunchAgent {
       ::_exit(127);
     }
     ::setpgid(pid, pid);
+    if (guardian_) guardian_->watch(pid);
     ::close(exec_err[1]);
     int e = 0;
     ssize_t n;
@@ -878,6 +885,7 @@ class LaunchAgent {
     say("flight recorders in ", dir, " (ddp-trace ", dir, "):\n", text);
   }
 
+  std::unique_ptr<LaunchGuardian> guardian_;  // destroyed last: sweeps after everything else
   LaunchOptions o_;
   int port_ = 0;
   int base_rank_ = 0;

@@ -24,6 +24,7 @@
 #include "ddp/detail/socket.hpp"
 #include "ddp/error.hpp"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <unistd.h>
 
@@ -58,8 +59,14 @@ struct StoreOptions {
   std::size_t max_keys = std::size_t{1} << 20;
   std::size_t max_total_bytes = std::size_t{1} << 30;
   std::size_t max_connections = 4096;
-  /// A connection that has not finished the handshake by then is dropped (slow or stray clients).
-  std::chrono::milliseconds handshake_timeout{std::chrono::seconds(10)};
+  /// Connections that have not finished the handshake, at most: past this the oldest of them is
+  /// closed to make room, so idle or slow strangers can never lock a real rank out.
+  std::size_t max_pending_handshakes = 64;
+  /// A connection that has not finished the handshake by then is dropped (slow or stray clients;
+  /// a real client sends its handshake as soon as the hello arrives).
+  std::chrono::milliseconds handshake_timeout{std::chrono::seconds(3)};
+  /// Refusals logged per 10 s at most; the rest are counted in one summary line.
+  std::size_t log_burst = 20;
   /// Where the server reports refused connections and malformed traffic; default: stderr.
   /// Never receives the token.
   std::function<void(std::string_view)> log;
@@ -68,7 +75,7 @@ struct StoreOptions {
 namespace detail::store_proto {
 
 inline constexpr std::uint32_t magic = 0x53504444;  // "DDPS"
-inline constexpr std::uint16_t version = 1;
+inline constexpr std::uint16_t version = 2;
 inline constexpr std::size_t nonce_bytes = 16;
 inline constexpr std::size_t handshake_frame_limit = 256;
 inline constexpr std::string_view client_label = "ddp-store-client-v1";
@@ -83,7 +90,8 @@ enum class Op : std::uint8_t {
   erase = 6,
   check = 7
 };
-enum class Status : std::uint8_t { ok = 0, timeout = 1, error = 2 };
+/// stopped: a get/wait ended because its stop key appeared (the body holds that key's value).
+enum class Status : std::uint8_t { ok = 0, timeout = 1, error = 2, stopped = 3 };
 enum class HandshakeStatus : std::uint8_t { ok = 0, unauthorized = 1, bad_version = 2 };
 
 using Nonce = std::array<std::uint8_t, nonce_bytes>;
@@ -162,9 +170,22 @@ class StoreEngine {
   [[nodiscard]] std::size_t keys() const noexcept { return data_.size(); }
 
   /// A new connection from `peer`: queues the server's hello and returns the session's id, or
-  /// 0 (logged) when the server already has max_connections.
+  /// 0 (logged) when the server already has max_connections authenticated clients. Connections
+  /// that have not authenticated share a small budget (max_pending_handshakes): a new one closes
+  /// the oldest of them rather than be refused, so a flood of idle connections cannot keep a
+  /// real rank from connecting (it authenticates within one round trip).
   std::uint64_t open(std::string peer, Clock::time_point now) {
-    if (sessions_.size() >= options_.max_connections) {
+    std::size_t live = 0, pending = 0;
+    for (const auto& [id, s] : sessions_) {
+      live += s.closed ? 0 : 1;
+      pending += !s.authed && !s.closed ? 1 : 0;
+    }
+    if (pending > 0 && (pending >= std::max<std::size_t>(1, options_.max_pending_handshakes) ||
+                        live >= options_.max_connections)) {
+      evict_oldest_pending();
+      --live;
+    }
+    if (live >= options_.max_connections) {
       refuse(peer, "too many connections");
       return 0;
     }
@@ -236,6 +257,7 @@ class StoreEngine {
   /// Answers the waits whose deadline passed (Status::timeout with the missing keys) and drops
   /// the connections that did not finish the handshake in time.
   void expire(Clock::time_point now) {
+    flush_log_summary();
     std::erase_if(waiters_, [&](const Waiter& wt) {
       Session* s = session(wt.conn);
       if (s == nullptr || s->closed) return true;
@@ -287,11 +309,50 @@ class StoreEngine {
     std::vector<std::string> keys;
     Clock::time_point deadline;
     bool is_get;
+    std::string stop;  // answer Status::stopped as soon as this key exists (empty: none)
   };
 
+  /// Counts and logs a refusal that has no session (e.g. the server ran out of descriptors).
+ public:
+  void note_refusal(std::string_view why) { refuse("a client", why); }
+
+ private:
+  /// Counts and logs a refusal; at most log_burst lines per 10 s, the rest summed up in one line
+  /// (a flood of bad connections must not flood the log).
   void refuse(const std::string& peer, std::string_view why) {
     refused_.fetch_add(1);
-    options_.log(concat("refused ", peer, ": ", why));
+    flush_log_summary();
+    if (logged_in_window_ < options_.log_burst) {
+      ++logged_in_window_;
+      options_.log(concat("refused ", peer, ": ", why));
+    } else {
+      ++suppressed_;
+    }
+  }
+
+  /// Starts a new log window when the last one is over, first saying how many lines it held back.
+  void flush_log_summary() {
+    const auto now = Clock::now();
+    if (now - log_window_ < std::chrono::seconds(10)) return;
+    if (suppressed_ != 0) {
+      options_.log(
+          concat(suppressed_, " more connection(s) refused in the last ",
+                 std::chrono::duration_cast<std::chrono::seconds>(now - log_window_).count(),
+                 " s (not logged one by one)"));
+    }
+    log_window_ = now;
+    logged_in_window_ = 0;
+    suppressed_ = 0;
+  }
+
+  /// Closes the connection that has waited longest without authenticating.
+  void evict_oldest_pending() {
+    for (auto& [id, s] : sessions_) {  // ids grow with time: the first match is the oldest
+      if (!s.authed && !s.closed) {
+        drop(s, "closed to make room: too many connections that have not authenticated");
+        return;
+      }
+    }
   }
 
   void drop(Session& s, std::string_view why) {
@@ -432,8 +493,10 @@ class StoreEngine {
       case Op::get:
       case Op::wait: {
         const bool is_get = op == Op::get;
-        Waiter wt{id, request, is_get ? std::vector<std::string>{key()} : key_list(), {}, is_get};
+        Waiter wt{id, request, is_get ? std::vector<std::string>{key()} : key_list(),
+                  {}, is_get,  {}};
         wt.deadline = timeout_at();
+        wt.stop = key();
         r.expect_end();
         if (!try_answer(s, wt)) waiters_.push_back(std::move(wt));
         return;
@@ -513,8 +576,14 @@ class StoreEngine {
     return true;
   }
 
-  /// Replies to a get/wait if its keys are present; returns whether it did.
+  /// Replies to a get/wait if its stop key or all its keys are present; returns whether it did.
   bool try_answer(Session& s, const Waiter& wt) {
+    if (!wt.stop.empty()) {
+      if (auto it = data_.find(wt.stop); it != data_.end()) {
+        reply(s, wt.request, Status::stopped, {}, &it->second);
+        return true;
+      }
+    }
     for (const auto& k : wt.keys) {
       if (data_.count(k) == 0) return false;
     }
@@ -536,6 +605,9 @@ class StoreEngine {
 
   StoreOptions options_;
   std::atomic<std::uint64_t> refused_{0};
+  Clock::time_point log_window_ = Clock::now();
+  std::size_t logged_in_window_ = 0;
+  std::uint64_t suppressed_ = 0;
   std::map<std::uint64_t, Session> sessions_;
   std::uint64_t next_id_ = 1;
   std::vector<Waiter> waiters_;
@@ -558,6 +630,8 @@ class StoreServer {
   /// port is known and no thread exists at fork time).
   StoreServer(detail::Fd listener, const std::string& host, StoreOptions options = {})
       : engine_(with_default_log(std::move(options))), host_(host), listener_(std::move(listener)) {
+    detail::raise_fd_limit();
+    reserve_fd_ = detail::Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
     port_ = detail::local_port(listener_.get());
     detail::set_nonblocking(listener_.get(), true);
     int pipe_fds[2];
@@ -605,7 +679,10 @@ class StoreServer {
       fds.clear();
       ids.clear();
       fds.push_back({wake_read_.get(), POLLIN, 0});
-      fds.push_back({listener_.get(), POLLIN, 0});
+      // Out of file descriptors: the listener stays readable, so it is left out of the poll for
+      // a moment instead of being polled in a busy loop.
+      const bool accepting = Clock::now() >= accept_pause_until_;
+      fds.push_back({listener_.get(), accepting ? short{POLLIN} : short{0}, 0});
       for (auto& [id, s] : engine_.sessions()) {
         // A refused client is not read any more (its reply is sent, then it is closed), nor is
         // one whose replies pile up unread.
@@ -614,7 +691,8 @@ class StoreServer {
         fds.push_back({fds_.at(id).get(), ev, 0});
         ids.push_back(id);
       }
-      const auto next = engine_.next_deadline(Clock::now() + std::chrono::seconds(1));
+      auto next = engine_.next_deadline(Clock::now() + std::chrono::seconds(1));
+      if (!accepting) next = std::min(next, accept_pause_until_);
       const int rc = ::poll(fds.data(), fds.size(), detail::Deadline{next}.poll_ms(1000));
       if (rc < 0 && errno != EINTR) {
         engine_.options().log(
@@ -643,14 +721,32 @@ class StoreServer {
     for (;;) {
       detail::Fd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
       if (!fd) {
-        if (errno == EINTR) continue;
-        return;  // EAGAIN, or a transient error (EMFILE...): try again on the next poll
+        if (errno == EINTR || errno == ECONNABORTED) continue;
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+          out_of_descriptors(errno);
+        }
+        return;  // EAGAIN: try again on the next poll
       }
       const auto id = engine_.open(detail::peer_name(fd.get()), Clock::now());
       if (id == 0) continue;  // refused: the socket closes here
       detail::set_nodelay(fd.get());
       fds_.emplace(id, std::move(fd));
     }
+  }
+
+  /// accept() failed for lack of descriptors: the reserve descriptor is given up for a moment to
+  /// accept and close one waiting connection (its client learns at once instead of hanging), the
+  /// listener is left alone for 100 ms, and the condition is logged (rate-limited).
+  void out_of_descriptors(int err) {
+    engine_.note_refusal(detail::concat("out of file descriptors (", std::strerror(err),
+                                        "): a connection was closed unserved; raise ulimit -n"));
+    if (reserve_fd_) {
+      reserve_fd_.reset();
+      detail::Fd drop(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      drop.reset();
+      reserve_fd_ = detail::Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+    }
+    accept_pause_until_ = Clock::now() + std::chrono::milliseconds(100);
   }
 
   void on_readable(std::uint64_t id) {
@@ -705,6 +801,8 @@ class StoreServer {
   int port_ = 0;
   std::atomic<bool> stopping_{false};
   std::map<std::uint64_t, detail::Fd> fds_;
+  detail::Fd reserve_fd_;  // given up to accept-and-close when descriptors run out
+  Clock::time_point accept_pause_until_{};
   std::thread thread_;
 };
 
@@ -724,6 +822,40 @@ class Store {
     Store s(*this);
     s.prefix_ += prefix;
     return s;
+  }
+
+  /// A view whose get() and wait() also end as soon as `key` (under this view's prefix) exists:
+  /// they then throw the ddp::Error that `key` holds (see stop_value()), or Errc::aborted with its
+  /// text. A rank that fails during a rendezvous sets such a key, so its peers fail at once
+  /// with its reason instead of waiting out their timeout.
+  [[nodiscard]] Store watching(std::string_view key) const {
+    Store s(*this);
+    s.stop_ = full(key);
+    return s;
+  }
+
+  /// The same view without the watched key (see watching()).
+  [[nodiscard]] Store unwatched() const {
+    Store s(*this);
+    s.stop_.clear();
+    return s;
+  }
+
+  /// The value for a watched key (see watching()) that makes the waiters throw `code` with
+  /// `message`.
+  [[nodiscard]] static std::string stop_value(Errc code, std::string_view message) {
+    std::string v;
+    detail::ByteWriter w(v);
+    w.put(static_cast<std::int32_t>(code));
+    w.str(message);
+    return v;
+  }
+
+  /// Whether a call has found the store gone (closed or unresponsive): every later call fails at
+  /// once instead of reconnecting.
+  [[nodiscard]] bool lost() const {
+    std::lock_guard lock(conn_->mutex);
+    return !conn_->dead.empty();
   }
   [[nodiscard]] const std::string& prefix() const noexcept { return prefix_; }
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept {
@@ -753,6 +885,7 @@ class Store {
     detail::ByteWriter w(req);
     w.str(full(key));
     w.put(static_cast<std::uint64_t>(timeout.count()));
+    w.str(stop_);
     auto body = call(req, "get", key, timeout);
     detail::ByteReader r(body, "store reply");
     return r.str(body.size());
@@ -766,6 +899,7 @@ class Store {
     w.put(static_cast<std::uint32_t>(keys.size()));
     for (const auto& k : keys) w.str(full(k));
     w.put(static_cast<std::uint64_t>(timeout.count()));
+    w.str(stop_);
     (void)call(req, "wait", keys.empty() ? std::string_view{} : std::string_view(keys.front()),
                timeout);
   }
@@ -846,12 +980,31 @@ class Store {
     std::mutex mutex;
     detail::Fd fd;
     std::uint64_t next_request = 1;
+    std::string dead;  // why the store is known gone: no call waits on it again
 
     void ensure() {
+      if (!dead.empty()) {
+        detail::fail(Errc::peer_lost, "the rendezvous store at ", detail::host_port(host, port),
+                     " is gone (", dead, "); not waiting for it again");
+      }
       if (!fd) connect();
     }
 
+    /// Connects, and retries a few times when the server closes the connection during the
+    /// handshake (it closes the oldest unauthenticated connections when strangers flood it).
     void connect() {
+      for (int attempt = 1;; ++attempt) {
+        try {
+          connect_once();
+          return;
+        } catch (const Error& e) {
+          if (e.code() != Errc::peer_lost || attempt >= 8) throw;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(10 << std::min(attempt, 6)));
+      }
+    }
+
+    void connect_once() {
       namespace sp = detail::store_proto;
       const auto deadline = detail::Deadline::after(options.timeout);
       const std::string where = detail::host_port(host, port);
@@ -959,9 +1112,11 @@ class Store {
     const auto lost = [&](detail::IoResult r) {
       conn_->fd.reset();
       if (r == detail::IoResult::timeout) {
+        conn_->dead = "it did not answer a call before the timeout";
         detail::fail(Errc::timeout, "store ", what, "(\"", prefix_, key, "\"): the store at ",
                      where, " did not answer before the timeout");
       }
+      conn_->dead = "it closed the connection";
       detail::fail(Errc::peer_lost, "store ", what, "(\"", prefix_, key, "\"): the store at ",
                    where, " closed the connection (did rank 0 or the launcher exit?)");
     };
@@ -979,6 +1134,20 @@ class Store {
       if (reply_id != id) continue;  // a reply to a request abandoned earlier
       std::string body(r.view(r.left()));
       if (status == Status::ok) return body;
+      if (status == Status::stopped) {
+        detail::ByteReader br(body, "store stop reply");
+        const std::string value = br.str(body.size());
+        detail::ByteReader vr(value, "stop value");
+        if (value.size() >= 8) {
+          const auto code = vr.get<std::int32_t>();
+          if (code >= 1 && code <= static_cast<std::int32_t>(Errc::unsupported)) {
+            const std::string message = vr.str(value.size());
+            detail::fail(static_cast<Errc>(code), message);
+          }
+        }
+        detail::fail(Errc::aborted, "store ", what, "(\"", prefix_, key, "\"): stopped by \"",
+                     stop_, "\": ", value);
+      }
       if (status == Status::timeout) {
         detail::ByteReader br(body, "store timeout reply");
         const auto n = br.get<std::uint32_t>();
@@ -998,6 +1167,7 @@ class Store {
 
   std::shared_ptr<Connection> conn_;
   std::string prefix_;
+  std::string stop_;  // full key that ends get/wait early (watching())
 };
 
 DDP_END_NAMESPACE

@@ -1350,8 +1350,9 @@ DDP_END_NAMESPACE
 /// \file
 /// The shared-memory transport of the Host backend (all ranks on one host).
 ///
-/// One POSIX shared-memory segment per communicator, created by rank 0, opened by the others and
-/// unlinked as soon as every rank has mapped it, so a crash leaves nothing in /dev/shm. It holds:
+/// One shared-memory segment per communicator, created by rank 0 without a name (see ShmSegment)
+/// and opened by the others through rank 0's descriptor, so a crash at any moment leaves nothing
+/// in /dev/shm. It holds:
 ///  * a header: the abort word (the first failure, so peers fail fast) and the futex wake word;
 ///  * per rank a control block: on its own cache line the round word (the round number and a
 ///    32-bit digest of the collective's fingerprint), on another the two full fingerprints
@@ -1398,11 +1399,29 @@ DDP_END_NAMESPACE
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <string_view>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
+
+/// The largest buffer, in bytes, a collective accepts (what a pointer difference can express):
+/// element counts are checked against it, so no byte size computed from them can wrap.
+inline constexpr std::size_t max_buffer_bytes =
+    static_cast<std::size_t>(std::numeric_limits<std::ptrdiff_t>::max());
+
+/// Whether total == part * p exactly, with no overflow in the product.
+[[nodiscard]] constexpr bool is_product(std::size_t total, std::size_t part,
+                                        std::size_t p) noexcept {
+  return p != 0 && total % p == 0 && total / p == part;
+}
+
+/// "part x p = product", or that the product overflows.
+[[nodiscard]] inline std::string product_text(std::size_t part, std::size_t p) {
+  if (p != 0 && part > max_buffer_bytes / p) return concat(part, " x ", p, " (which overflows)");
+  return concat(part, " x ", p, " = ", part * p);
+}
 
 /// A type-erased buffer: `count` elements of `dtype`.
 struct Buf {
@@ -1586,6 +1605,20 @@ class Transport {
   /// Without it `fp` still names the collective in messages.
   bool verify_fingerprints = true;
 
+  /// The collective in progress (set by the backend as each one starts), so that a failure in
+  /// any of its rounds, not only the first, names it and its sequence number.
+  Fingerprint current{};
+  bool has_current = false;
+
+  /// What failed, for messages: the round's fingerprint, else `what` (point-to-point), else the
+  /// collective in progress.
+  [[nodiscard]] std::string describe(const Fingerprint* fp, const char* what) const {
+    if (fp != nullptr) return to_string(*fp);
+    if (what != nullptr) return what;
+    if (has_current) return to_string(current);
+    return "operation";
+  }
+
   /// One round (see the file comment). `fp` is non-null on a collective's first round.
   virtual std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
                                                   const Fingerprint* fp) = 0;
@@ -1635,7 +1668,7 @@ class Transport {
   /// Throws if abort() was called on this rank.
   void check_local_abort(const Fingerprint* fp) const {
     if (const int code = local_abort_code_.load(); code != 0) {
-      fail(static_cast<Errc>(code), "rank ", rank_, ": ", fp ? to_string(fp->coll) : "operation",
+      fail(static_cast<Errc>(code), "rank ", rank_, ": ", describe(fp, nullptr),
            ": the communicator was aborted on this rank; create a new communicator to continue");
     }
   }
@@ -1711,6 +1744,7 @@ DDP_END_NAMESPACE
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -1786,6 +1820,15 @@ inline void set_nonblocking(int fd, bool on) {
   if (::fcntl(fd, F_SETFL, on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK)) < 0) {
     fail_errno(errno, "fcntl(F_SETFL)");
   }
+}
+
+/// Raises the soft limit on open descriptors to the hard limit (a server holding one descriptor
+/// per client runs out at the common default of 1024 long before memory does). Best effort.
+inline void raise_fd_limit() noexcept {
+  rlimit lim{};
+  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur >= lim.rlim_max) return;
+  lim.rlim_cur = lim.rlim_max;
+  (void)::setrlimit(RLIMIT_NOFILE, &lim);
 }
 
 inline void set_nodelay(int fd) {
@@ -2145,6 +2188,8 @@ DDP_END_NAMESPACE
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -2227,7 +2272,10 @@ struct ShmChannelCtl {
 };
 static_assert(sizeof(ShmChannelCtl) <= ShmLayout::channel_ctl_bytes);
 
-/// A mapped shared-memory segment.
+/// A mapped shared-memory segment that never has a name: rank 0 creates it as an unnamed file
+/// in /dev/shm (O_TMPFILE; memfd_create where /dev/shm cannot), the other ranks open it through
+/// rank 0's descriptor (/proc/<pid>/fd/<n>) while rank 0 holds it. No kill at any moment can
+/// leave anything behind in /dev/shm; the memory goes when the last rank unmaps it.
 class ShmSegment {
  public:
   ShmSegment() = default;
@@ -2235,43 +2283,90 @@ class ShmSegment {
   ShmSegment& operator=(const ShmSegment&) = delete;
   ~ShmSegment() {
     if (base_ != nullptr) ::munmap(base_, size_);
-    if (!unlinked_ && !name_.empty()) ::shm_unlink(name_.c_str());
   }
 
-  /// Creates, sizes and pre-faults a new segment (first touch is slow: pay it once, here).
-  void create(const std::string& name, std::size_t size) {
-    Fd fd(::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600));
-    if (!fd) fail_errno(errno, "shm_open(", name, ", O_CREAT)");
-    name_ = name;
-    if (::ftruncate(fd.get(), static_cast<off_t>(size)) != 0) {
-      fail_errno(errno, "ftruncate(", name, ", ", size, " bytes): is /dev/shm large enough?");
+  /// Bytes of the segment that are touched once at creation, so the first collectives do not
+  /// pay first-touch page faults; beyond this pages are faulted in lazily, where they are used.
+  static constexpr std::size_t prefault_bytes = std::size_t{64} << 20;
+
+  /// Creates a segment of `size` bytes and reserves its memory up front, so that a /dev/shm too
+  /// small for it is an error here rather than a SIGBUS at first use. Returns false, with the
+  /// reason in `why` (naming /dev/shm, its free space and the bytes needed), when the space is
+  /// not there; throws for other failures.
+  [[nodiscard]] bool create(std::size_t size, std::string& why) {
+    fd_ = Fd(::open("/dev/shm", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600));
+    std::string where = "/dev/shm";
+    if (!fd_) {
+      fd_ = Fd(static_cast<int>(::syscall(SYS_memfd_create, "ddp-shm", 1u /* MFD_CLOEXEC */)));
+      if (!fd_) fail_errno(errno, "creating shared memory: /dev/shm (O_TMPFILE) and memfd_create");
+      where = "shared memory (memfd)";
     }
-    map(fd.get(), size);
-    std::memset(base_, 0, size);
+    const std::size_t avail = free_bytes(where == "/dev/shm");
+    if (avail < size) {
+      why = concat(where, " has ", mib(avail), " free but the shm transport needs ", mib(size),
+                   " for this communicator");
+      fd_.reset();
+      return false;
+    }
+    if (const int rc = ::posix_fallocate(fd_.get(), 0, static_cast<off_t>(size)); rc != 0) {
+      why = concat("reserving ", mib(size), " in ", where, " failed: ", std::strerror(rc), " (",
+                   mib(free_bytes(where == "/dev/shm")), " free)");
+      fd_.reset();
+      return false;
+    }
+    map(fd_.get(), size);
+    // The file reads as zeros; touch the head (header, control blocks, the first slots) once.
+    const std::size_t head = std::min(size, prefault_bytes);
+#ifdef MADV_POPULATE_WRITE
+    if (::madvise(base_, head, MADV_POPULATE_WRITE) == 0) return true;
+#endif
+    for (std::size_t i = 0; i < head; i += 4096) reinterpret_cast<volatile char*>(base_)[i] = 0;
+    return true;
   }
 
-  /// Maps an existing segment of exactly `size` bytes.
-  void open(const std::string& name, std::size_t size) {
-    Fd fd(::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0));
-    if (!fd) fail_errno(errno, "shm_open(", name, ")");
+  /// Where another process of the same host opens this segment while the creator holds it.
+  [[nodiscard]] std::string path() const { return concat("/proc/", ::getpid(), "/fd/", fd_.get()); }
+
+  /// Maps the segment of exactly `size` bytes that another process published at `path`.
+  void open(const std::string& path, std::size_t size) {
+    Fd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
+    if (!fd) {
+      fail_errno(errno, "opening rank 0's shared memory at ", path,
+                 " (rank 0 must be alive, of the same user, and dumpable; or use "
+                 "DDP_HOST_TRANSPORT=tcp)");
+    }
     struct stat st {};
-    if (::fstat(fd.get(), &st) != 0) fail_errno(errno, "fstat(", name, ")");
+    if (::fstat(fd.get(), &st) != 0) fail_errno(errno, "fstat(", path, ")");
     if (static_cast<std::size_t>(st.st_size) != size) {
-      fail(Errc::protocol, "shared memory segment ", name, " has ", st.st_size, " bytes, expected ",
+      fail(Errc::protocol, "shared memory segment ", path, " has ", st.st_size, " bytes, expected ",
            size);
     }
     map(fd.get(), size);
-    unlinked_ = true;  // the creator unlinks
   }
 
-  void unlink() {
-    if (!unlinked_ && !name_.empty()) ::shm_unlink(name_.c_str());
-    unlinked_ = true;
-  }
+  /// The creator lets go of its descriptor once every rank has mapped the segment.
+  void close_descriptor() noexcept { fd_.reset(); }
 
   [[nodiscard]] std::byte* base() const noexcept { return static_cast<std::byte*>(base_); }
 
  private:
+  static std::string mib(std::size_t bytes) {
+    return concat(bytes / (std::size_t{1} << 20), " MiB (", bytes, " bytes)");
+  }
+
+  /// Free bytes for a new segment: in /dev/shm, or of memory (MemAvailable) for a memfd.
+  static std::size_t free_bytes(bool dev_shm) {
+    if (dev_shm) {
+      struct statvfs v {};
+      if (::statvfs("/dev/shm", &v) != 0) return SIZE_MAX;
+      return static_cast<std::size_t>(v.f_bavail) * static_cast<std::size_t>(v.f_frsize);
+    }
+    const long pages = ::sysconf(_SC_AVPHYS_PAGES);
+    const long page = ::sysconf(_SC_PAGESIZE);
+    if (pages <= 0 || page <= 0) return SIZE_MAX;
+    return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page);
+  }
+
   void map(int fd, std::size_t size) {
     void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) fail_errno(errno, "mmap of ", size, " bytes of shared memory");
@@ -2281,8 +2376,7 @@ class ShmSegment {
 
   void* base_ = nullptr;
   std::size_t size_ = 0;
-  std::string name_;
-  bool unlinked_ = false;
+  Fd fd_;  // the creator's, until every rank has mapped the segment
 };
 
 class ShmTransport final : public Transport {
@@ -2499,9 +2593,8 @@ class ShmTransport final : public Transport {
   void check_abort(const Fingerprint* fp) const {
     check_local_abort(fp);
     if (header_->abort_state.load(std::memory_order_acquire) == 2) {
-      fail(static_cast<Errc>(header_->abort_code), "rank ", rank_, ": ",
-           fp ? to_string(*fp) : std::string("operation"), ": failed because rank ",
-           header_->abort_rank, " reported: ", header_->abort_message);
+      fail(static_cast<Errc>(header_->abort_code), "rank ", rank_, ": ", describe(fp, nullptr),
+           ": failed because rank ", header_->abort_rank, " reported: ", header_->abort_message);
     }
   }
 
@@ -2537,8 +2630,7 @@ class ShmTransport final : public Transport {
       if (now >= next_check) {
         if (const int dead = watch_.first_dead(); dead >= 0) {
           const std::string msg =
-              concat("rank ", rank_, ": ",
-                     fp ? to_string(*fp) : std::string(what ? what : "operation"), ": rank ", dead,
+              concat("rank ", rank_, ": ", describe(fp, what), ": rank ", dead,
                      " died (its process exited); the job cannot continue with this communicator");
           publish_abort(Errc::peer_lost, concat("rank ", dead, " died (its process exited)"));
           fail(Errc::peer_lost, msg);
@@ -2546,8 +2638,8 @@ class ShmTransport final : public Transport {
         if (now >= deadline.at) {
           const std::string who = behind_desc();
           const std::string msg = concat(
-              "rank ", rank_, ": ", fp ? to_string(*fp) : std::string(what ? what : "operation"),
-              ": timed out after ", timeout_.count(), " ms waiting for ", who,
+              "rank ", rank_, ": ", describe(fp, what), ": timed out after ", timeout_.count(),
+              " ms waiting for ", who,
               " (shm transport); that rank is stopped, slow, or did not call this collective");
           publish_abort(Errc::timeout, concat("timed out waiting for ", who));
           fail(Errc::timeout, msg);
@@ -2964,6 +3056,7 @@ DDP_END_NAMESPACE
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -2991,7 +3084,7 @@ class TcpTransport final : public Transport {
   /// Builds the mesh: connect to ranks below, accept ranks above (see the file comment).
   [[nodiscard]] static std::vector<Fd> connect_mesh(
       int rank, int size, Fd& listener, const std::vector<std::pair<std::string, int>>& addrs,
-      const SessionKey& key, Deadline deadline) {
+      const SessionKey& key, Deadline deadline, const std::function<void()>& check_stop = {}) {
     std::vector<Fd> peers(static_cast<std::size_t>(size));
     for (int j = 0; j < rank; ++j) {
       const auto& [host, port] = addrs[static_cast<std::size_t>(j)];
@@ -3010,8 +3103,9 @@ class TcpTransport final : public Transport {
     int missing = size - 1 - rank;
     set_nonblocking(listener.get(), true);
     while (missing > 0) {
+      if (check_stop) check_stop();  // throws when another rank failed meanwhile
       pollfd p{listener.get(), POLLIN, 0};
-      const int rc = ::poll(&p, 1, deadline.poll_ms(1000));
+      const int rc = ::poll(&p, 1, deadline.poll_ms(200));
       if (rc == 0 && deadline.expired()) {
         std::string who;
         for (int j = rank + 1; j < size; ++j) {
@@ -3177,8 +3271,7 @@ class TcpTransport final : public Transport {
     check_abort(fp);  // our own abort() shut the sockets down: report that, not a lost peer
     if (fp != nullptr && verify_fingerprints)
       collect_headers(*fp, Deadline::after(std::chrono::milliseconds(500)));
-    fail(Errc::peer_lost, "rank ", rank_, ": ",
-         fp ? to_string(*fp) : std::string(what ? what : "operation"), ": the connection to rank ",
+    fail(Errc::peer_lost, "rank ", rank_, ": ", describe(fp, what), ": the connection to rank ",
          peer,
          " closed (that process died or failed) (tcp transport); the job cannot continue with this "
          "communicator");
@@ -3210,8 +3303,7 @@ class TcpTransport final : public Transport {
           std::string list;
           for (int j : who) list += concat(list.empty() ? "" : ", ", j);
           // No poison(): the other ranks time out on their own, with their own message.
-          fail(Errc::timeout, "rank ", rank_, ": ",
-               fp ? to_string(*fp) : std::string(what ? what : "operation"), ": timed out after ",
+          fail(Errc::timeout, "rank ", rank_, ": ", describe(fp, what), ": timed out after ",
                timeout_.count(), " ms waiting for ", who.size() == 1 ? "rank " : "ranks ", list,
                " (tcp transport); that rank is stopped, slow, or did not call this collective");
         }
@@ -3600,113 +3692,26 @@ WireKernels wire_kernels_for(ReduceOp op) {
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/detail/reduce.hpp
-// #include "ddp/detail/socket.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// begin ddp/options.hpp
+// begin ddp/detail/rendezvous.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// ddp::Options: how a communicator is made (timeouts, the rendezvous secret, transports).
+/// The first steps of every communicator's rendezvous, before the backend connects:
+///  * each rank claims its rank number in the store (compare-and-set), so a second process
+///    started with the same RANK is refused at once and told who holds it;
+///  * each rank publishes the job as it sees it (world size, backend, library version,
+///    fingerprint check) and checks every other rank's record against its own, so ranks that
+///    were started differently fail together with Errc::mismatch instead of running with
+///    different views of the job (and different results).
 
 // #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/bytes.hpp" (already included above)
+// #include "ddp/detail/crypto.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
-
-#include <charconv>
-#include <chrono>
-#include <cstddef>
-#include <cstdint>
-#include <cstdlib>
-#include <optional>
-#include <string>
-#include <string_view>
-
-DDP_BEGIN_NAMESPACE
-
-/// How backend::Host moves bytes.
-enum class HostTransport : std::uint8_t {
-  automatic,  ///< shared memory when every rank is on this host, TCP otherwise
-  shm,        ///< shared memory (every rank must be on this host)
-  tcp,        ///< TCP, even on one host (what multi-host runs use)
-};
-
-namespace detail {
-[[nodiscard]] inline std::string env_or(const char* name, std::string_view fallback) {
-  const char* v = std::getenv(name);
-  return v != nullptr ? std::string(v) : std::string(fallback);
-}
-[[nodiscard]] inline std::string env_or_empty(const char* name) { return env_or(name, ""); }
-
-/// $name as a whole number in [min, max], or nullopt when it is unset or empty. Anything else (a
-/// sign, a unit, a number out of range) is Errc::invalid_argument naming the variable and `what`
-/// it must be.
-[[nodiscard]] inline std::optional<std::uint64_t> env_unsigned(const char* name, std::uint64_t min,
-                                                               std::uint64_t max,
-                                                               std::string_view what) {
-  const std::string v = env_or(name, "");
-  if (v.empty()) return std::nullopt;
-  std::uint64_t n = 0;
-  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
-  if (ec != std::errc{} || end != v.data() + v.size() || n < min || n > max)
-    fail(Errc::invalid_argument, name, "=\"", v, "\" must be ", what);
-  return n;
-}
-
-/// $DDP_TIMEOUT (seconds, a decimal number such as 30 or 0.5) or `fallback` when unset. Anything
-/// else, or a value outside (0, 2147483] seconds, is Errc::invalid_argument naming the variable.
-[[nodiscard]] inline std::chrono::milliseconds timeout_from_env(
-    std::chrono::milliseconds fallback) {
-  const std::string v = env_or("DDP_TIMEOUT", "");
-  if (v.empty()) return fallback;
-  char* end = nullptr;
-  const double seconds = std::strtod(v.c_str(), &end);
-  if (end == v.c_str() || *end != '\0' || !(seconds >= 0.001) || seconds > 2147483.0) {
-    fail(Errc::invalid_argument, "DDP_TIMEOUT=\"", v,
-         "\" is not a timeout: give seconds, at least 0.001 and at most 2147483 (e.g. 300)");
-  }
-  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
-}
-}  // namespace detail
-
-struct Options {
-  /// The longest any single wait may take (a collective, the rendezvous, a store call) before
-  /// Errc::timeout. A peer that dies is reported sooner (Errc::peer_lost). Default: 5 minutes,
-  /// or $DDP_TIMEOUT seconds (a malformed value throws Errc::invalid_argument naming it).
-  std::chrono::milliseconds timeout = detail::timeout_from_env(std::chrono::minutes(5));
-  /// Rendezvous secret: every rank must present it to the store. Default: $DDP_TOKEN.
-  std::string token = detail::env_or("DDP_TOKEN", "");
-  /// CUDA device for CUDA backends; -1: the local rank.
-  int device = -1;
-  /// Name of this communicator in the store; communicators made from the same store (a new one
-  /// after a failure, say) need different names.
-  std::string group = "default";
-  /// backend::Host transport. $DDP_HOST_TRANSPORT (shm or tcp) overrides `automatic`.
-  HostTransport transport = HostTransport::automatic;
-  /// backend::Host: bytes one rank moves per round (the shared-memory slot size, the TCP
-  /// segment). 0: $DDP_SEGMENT_BYTES, else the transport's default (shm 512 KiB, tcp 4 MiB).
-  std::size_t segment_bytes = 0;
-  /// The rendezvous store runs elsewhere: rank 0 does not start one. Launchers that host the
-  /// store (ddprun, ddp::spawn) say so with DDP_STORE_HOSTED=1, which init() also honours.
-  bool external_store = false;
-  /// CUDA buffers given to a backend that moves host memory only (backend::Host, a backend::Mpi
-  /// whose MPI is not CUDA-aware) go through pinned host memory in pieces of this many bytes, so
-  /// that copies overlap the collective (ddp built with CUDA: the ddp::cuda target).
-  std::size_t cuda_staging_bytes = std::size_t{4} << 20;
-  /// backend::Host compares every collective's fingerprint (collective, dtype, count, op, root,
-  /// sequence number) across ranks, so that mismatched calls raise Errc::mismatch on every rank
-  /// instead of corrupting data or hanging. Every rank must use the same setting. Default: on,
-  /// unless $DDP_VERIFY_COLLECTIVES is 0 (what it costs: README, "Diagnostics").
-  bool verify_collectives = detail::env_or("DDP_VERIFY_COLLECTIVES", "1") != "0";
-  /// How many recent operations each communicator remembers (the flight recorder, see
-  /// trace.hpp); 0 turns it off. $DDP_TRACE_ENTRIES overrides.
-  std::size_t trace_entries = 2000;
-  /// Where a communicator writes its flight recorder when an operation times out: "" nowhere,
-  /// "stderr", or a directory (one file per rank). Default: $DDP_TRACE_DUMP.
-  std::string trace_dump = detail::env_or("DDP_TRACE_DUMP", "");
-};
-
-DDP_END_NAMESPACE
-// end ddp/options.hpp
 // begin ddp/store.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -3733,6 +3738,7 @@ DDP_END_NAMESPACE
 // #include "ddp/detail/socket.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 
+#include <fcntl.h>
 #include <poll.h>
 #include <unistd.h>
 
@@ -3767,8 +3773,14 @@ struct StoreOptions {
   std::size_t max_keys = std::size_t{1} << 20;
   std::size_t max_total_bytes = std::size_t{1} << 30;
   std::size_t max_connections = 4096;
-  /// A connection that has not finished the handshake by then is dropped (slow or stray clients).
-  std::chrono::milliseconds handshake_timeout{std::chrono::seconds(10)};
+  /// Connections that have not finished the handshake, at most: past this the oldest of them is
+  /// closed to make room, so idle or slow strangers can never lock a real rank out.
+  std::size_t max_pending_handshakes = 64;
+  /// A connection that has not finished the handshake by then is dropped (slow or stray clients;
+  /// a real client sends its handshake as soon as the hello arrives).
+  std::chrono::milliseconds handshake_timeout{std::chrono::seconds(3)};
+  /// Refusals logged per 10 s at most; the rest are counted in one summary line.
+  std::size_t log_burst = 20;
   /// Where the server reports refused connections and malformed traffic; default: stderr.
   /// Never receives the token.
   std::function<void(std::string_view)> log;
@@ -3777,7 +3789,7 @@ struct StoreOptions {
 namespace detail::store_proto {
 
 inline constexpr std::uint32_t magic = 0x53504444;  // "DDPS"
-inline constexpr std::uint16_t version = 1;
+inline constexpr std::uint16_t version = 2;
 inline constexpr std::size_t nonce_bytes = 16;
 inline constexpr std::size_t handshake_frame_limit = 256;
 inline constexpr std::string_view client_label = "ddp-store-client-v1";
@@ -3792,7 +3804,8 @@ enum class Op : std::uint8_t {
   erase = 6,
   check = 7
 };
-enum class Status : std::uint8_t { ok = 0, timeout = 1, error = 2 };
+/// stopped: a get/wait ended because its stop key appeared (the body holds that key's value).
+enum class Status : std::uint8_t { ok = 0, timeout = 1, error = 2, stopped = 3 };
 enum class HandshakeStatus : std::uint8_t { ok = 0, unauthorized = 1, bad_version = 2 };
 
 using Nonce = std::array<std::uint8_t, nonce_bytes>;
@@ -3871,9 +3884,22 @@ class StoreEngine {
   [[nodiscard]] std::size_t keys() const noexcept { return data_.size(); }
 
   /// A new connection from `peer`: queues the server's hello and returns the session's id, or
-  /// 0 (logged) when the server already has max_connections.
+  /// 0 (logged) when the server already has max_connections authenticated clients. Connections
+  /// that have not authenticated share a small budget (max_pending_handshakes): a new one closes
+  /// the oldest of them rather than be refused, so a flood of idle connections cannot keep a
+  /// real rank from connecting (it authenticates within one round trip).
   std::uint64_t open(std::string peer, Clock::time_point now) {
-    if (sessions_.size() >= options_.max_connections) {
+    std::size_t live = 0, pending = 0;
+    for (const auto& [id, s] : sessions_) {
+      live += s.closed ? 0 : 1;
+      pending += !s.authed && !s.closed ? 1 : 0;
+    }
+    if (pending > 0 && (pending >= std::max<std::size_t>(1, options_.max_pending_handshakes) ||
+                        live >= options_.max_connections)) {
+      evict_oldest_pending();
+      --live;
+    }
+    if (live >= options_.max_connections) {
       refuse(peer, "too many connections");
       return 0;
     }
@@ -3945,6 +3971,7 @@ class StoreEngine {
   /// Answers the waits whose deadline passed (Status::timeout with the missing keys) and drops
   /// the connections that did not finish the handshake in time.
   void expire(Clock::time_point now) {
+    flush_log_summary();
     std::erase_if(waiters_, [&](const Waiter& wt) {
       Session* s = session(wt.conn);
       if (s == nullptr || s->closed) return true;
@@ -3996,11 +4023,50 @@ class StoreEngine {
     std::vector<std::string> keys;
     Clock::time_point deadline;
     bool is_get;
+    std::string stop;  // answer Status::stopped as soon as this key exists (empty: none)
   };
 
+  /// Counts and logs a refusal that has no session (e.g. the server ran out of descriptors).
+ public:
+  void note_refusal(std::string_view why) { refuse("a client", why); }
+
+ private:
+  /// Counts and logs a refusal; at most log_burst lines per 10 s, the rest summed up in one line
+  /// (a flood of bad connections must not flood the log).
   void refuse(const std::string& peer, std::string_view why) {
     refused_.fetch_add(1);
-    options_.log(concat("refused ", peer, ": ", why));
+    flush_log_summary();
+    if (logged_in_window_ < options_.log_burst) {
+      ++logged_in_window_;
+      options_.log(concat("refused ", peer, ": ", why));
+    } else {
+      ++suppressed_;
+    }
+  }
+
+  /// Starts a new log window when the last one is over, first saying how many lines it held back.
+  void flush_log_summary() {
+    const auto now = Clock::now();
+    if (now - log_window_ < std::chrono::seconds(10)) return;
+    if (suppressed_ != 0) {
+      options_.log(
+          concat(suppressed_, " more connection(s) refused in the last ",
+                 std::chrono::duration_cast<std::chrono::seconds>(now - log_window_).count(),
+                 " s (not logged one by one)"));
+    }
+    log_window_ = now;
+    logged_in_window_ = 0;
+    suppressed_ = 0;
+  }
+
+  /// Closes the connection that has waited longest without authenticating.
+  void evict_oldest_pending() {
+    for (auto& [id, s] : sessions_) {  // ids grow with time: the first match is the oldest
+      if (!s.authed && !s.closed) {
+        drop(s, "closed to make room: too many connections that have not authenticated");
+        return;
+      }
+    }
   }
 
   void drop(Session& s, std::string_view why) {
@@ -4141,8 +4207,10 @@ class StoreEngine {
       case Op::get:
       case Op::wait: {
         const bool is_get = op == Op::get;
-        Waiter wt{id, request, is_get ? std::vector<std::string>{key()} : key_list(), {}, is_get};
+        Waiter wt{id, request, is_get ? std::vector<std::string>{key()} : key_list(),
+                  {}, is_get,  {}};
         wt.deadline = timeout_at();
+        wt.stop = key();
         r.expect_end();
         if (!try_answer(s, wt)) waiters_.push_back(std::move(wt));
         return;
@@ -4222,8 +4290,14 @@ class StoreEngine {
     return true;
   }
 
-  /// Replies to a get/wait if its keys are present; returns whether it did.
+  /// Replies to a get/wait if its stop key or all its keys are present; returns whether it did.
   bool try_answer(Session& s, const Waiter& wt) {
+    if (!wt.stop.empty()) {
+      if (auto it = data_.find(wt.stop); it != data_.end()) {
+        reply(s, wt.request, Status::stopped, {}, &it->second);
+        return true;
+      }
+    }
     for (const auto& k : wt.keys) {
       if (data_.count(k) == 0) return false;
     }
@@ -4245,6 +4319,9 @@ class StoreEngine {
 
   StoreOptions options_;
   std::atomic<std::uint64_t> refused_{0};
+  Clock::time_point log_window_ = Clock::now();
+  std::size_t logged_in_window_ = 0;
+  std::uint64_t suppressed_ = 0;
   std::map<std::uint64_t, Session> sessions_;
   std::uint64_t next_id_ = 1;
   std::vector<Waiter> waiters_;
@@ -4267,6 +4344,8 @@ class StoreServer {
   /// port is known and no thread exists at fork time).
   StoreServer(detail::Fd listener, const std::string& host, StoreOptions options = {})
       : engine_(with_default_log(std::move(options))), host_(host), listener_(std::move(listener)) {
+    detail::raise_fd_limit();
+    reserve_fd_ = detail::Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
     port_ = detail::local_port(listener_.get());
     detail::set_nonblocking(listener_.get(), true);
     int pipe_fds[2];
@@ -4314,7 +4393,10 @@ class StoreServer {
       fds.clear();
       ids.clear();
       fds.push_back({wake_read_.get(), POLLIN, 0});
-      fds.push_back({listener_.get(), POLLIN, 0});
+      // Out of file descriptors: the listener stays readable, so it is left out of the poll for
+      // a moment instead of being polled in a busy loop.
+      const bool accepting = Clock::now() >= accept_pause_until_;
+      fds.push_back({listener_.get(), accepting ? short{POLLIN} : short{0}, 0});
       for (auto& [id, s] : engine_.sessions()) {
         // A refused client is not read any more (its reply is sent, then it is closed), nor is
         // one whose replies pile up unread.
@@ -4323,7 +4405,8 @@ class StoreServer {
         fds.push_back({fds_.at(id).get(), ev, 0});
         ids.push_back(id);
       }
-      const auto next = engine_.next_deadline(Clock::now() + std::chrono::seconds(1));
+      auto next = engine_.next_deadline(Clock::now() + std::chrono::seconds(1));
+      if (!accepting) next = std::min(next, accept_pause_until_);
       const int rc = ::poll(fds.data(), fds.size(), detail::Deadline{next}.poll_ms(1000));
       if (rc < 0 && errno != EINTR) {
         engine_.options().log(
@@ -4352,14 +4435,32 @@ class StoreServer {
     for (;;) {
       detail::Fd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
       if (!fd) {
-        if (errno == EINTR) continue;
-        return;  // EAGAIN, or a transient error (EMFILE...): try again on the next poll
+        if (errno == EINTR || errno == ECONNABORTED) continue;
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+          out_of_descriptors(errno);
+        }
+        return;  // EAGAIN: try again on the next poll
       }
       const auto id = engine_.open(detail::peer_name(fd.get()), Clock::now());
       if (id == 0) continue;  // refused: the socket closes here
       detail::set_nodelay(fd.get());
       fds_.emplace(id, std::move(fd));
     }
+  }
+
+  /// accept() failed for lack of descriptors: the reserve descriptor is given up for a moment to
+  /// accept and close one waiting connection (its client learns at once instead of hanging), the
+  /// listener is left alone for 100 ms, and the condition is logged (rate-limited).
+  void out_of_descriptors(int err) {
+    engine_.note_refusal(detail::concat("out of file descriptors (", std::strerror(err),
+                                        "): a connection was closed unserved; raise ulimit -n"));
+    if (reserve_fd_) {
+      reserve_fd_.reset();
+      detail::Fd drop(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      drop.reset();
+      reserve_fd_ = detail::Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+    }
+    accept_pause_until_ = Clock::now() + std::chrono::milliseconds(100);
   }
 
   void on_readable(std::uint64_t id) {
@@ -4414,6 +4515,8 @@ class StoreServer {
   int port_ = 0;
   std::atomic<bool> stopping_{false};
   std::map<std::uint64_t, detail::Fd> fds_;
+  detail::Fd reserve_fd_;  // given up to accept-and-close when descriptors run out
+  Clock::time_point accept_pause_until_{};
   std::thread thread_;
 };
 
@@ -4433,6 +4536,40 @@ class Store {
     Store s(*this);
     s.prefix_ += prefix;
     return s;
+  }
+
+  /// A view whose get() and wait() also end as soon as `key` (under this view's prefix) exists:
+  /// they then throw the ddp::Error that `key` holds (see stop_value()), or Errc::aborted with its
+  /// text. A rank that fails during a rendezvous sets such a key, so its peers fail at once
+  /// with its reason instead of waiting out their timeout.
+  [[nodiscard]] Store watching(std::string_view key) const {
+    Store s(*this);
+    s.stop_ = full(key);
+    return s;
+  }
+
+  /// The same view without the watched key (see watching()).
+  [[nodiscard]] Store unwatched() const {
+    Store s(*this);
+    s.stop_.clear();
+    return s;
+  }
+
+  /// The value for a watched key (see watching()) that makes the waiters throw `code` with
+  /// `message`.
+  [[nodiscard]] static std::string stop_value(Errc code, std::string_view message) {
+    std::string v;
+    detail::ByteWriter w(v);
+    w.put(static_cast<std::int32_t>(code));
+    w.str(message);
+    return v;
+  }
+
+  /// Whether a call has found the store gone (closed or unresponsive): every later call fails at
+  /// once instead of reconnecting.
+  [[nodiscard]] bool lost() const {
+    std::lock_guard lock(conn_->mutex);
+    return !conn_->dead.empty();
   }
   [[nodiscard]] const std::string& prefix() const noexcept { return prefix_; }
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept {
@@ -4462,6 +4599,7 @@ class Store {
     detail::ByteWriter w(req);
     w.str(full(key));
     w.put(static_cast<std::uint64_t>(timeout.count()));
+    w.str(stop_);
     auto body = call(req, "get", key, timeout);
     detail::ByteReader r(body, "store reply");
     return r.str(body.size());
@@ -4475,6 +4613,7 @@ class Store {
     w.put(static_cast<std::uint32_t>(keys.size()));
     for (const auto& k : keys) w.str(full(k));
     w.put(static_cast<std::uint64_t>(timeout.count()));
+    w.str(stop_);
     (void)call(req, "wait", keys.empty() ? std::string_view{} : std::string_view(keys.front()),
                timeout);
   }
@@ -4555,12 +4694,31 @@ class Store {
     std::mutex mutex;
     detail::Fd fd;
     std::uint64_t next_request = 1;
+    std::string dead;  // why the store is known gone: no call waits on it again
 
     void ensure() {
+      if (!dead.empty()) {
+        detail::fail(Errc::peer_lost, "the rendezvous store at ", detail::host_port(host, port),
+                     " is gone (", dead, "); not waiting for it again");
+      }
       if (!fd) connect();
     }
 
+    /// Connects, and retries a few times when the server closes the connection during the
+    /// handshake (it closes the oldest unauthenticated connections when strangers flood it).
     void connect() {
+      for (int attempt = 1;; ++attempt) {
+        try {
+          connect_once();
+          return;
+        } catch (const Error& e) {
+          if (e.code() != Errc::peer_lost || attempt >= 8) throw;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(10 << std::min(attempt, 6)));
+      }
+    }
+
+    void connect_once() {
       namespace sp = detail::store_proto;
       const auto deadline = detail::Deadline::after(options.timeout);
       const std::string where = detail::host_port(host, port);
@@ -4668,9 +4826,11 @@ class Store {
     const auto lost = [&](detail::IoResult r) {
       conn_->fd.reset();
       if (r == detail::IoResult::timeout) {
+        conn_->dead = "it did not answer a call before the timeout";
         detail::fail(Errc::timeout, "store ", what, "(\"", prefix_, key, "\"): the store at ",
                      where, " did not answer before the timeout");
       }
+      conn_->dead = "it closed the connection";
       detail::fail(Errc::peer_lost, "store ", what, "(\"", prefix_, key, "\"): the store at ",
                    where, " closed the connection (did rank 0 or the launcher exit?)");
     };
@@ -4688,6 +4848,20 @@ class Store {
       if (reply_id != id) continue;  // a reply to a request abandoned earlier
       std::string body(r.view(r.left()));
       if (status == Status::ok) return body;
+      if (status == Status::stopped) {
+        detail::ByteReader br(body, "store stop reply");
+        const std::string value = br.str(body.size());
+        detail::ByteReader vr(value, "stop value");
+        if (value.size() >= 8) {
+          const auto code = vr.get<std::int32_t>();
+          if (code >= 1 && code <= static_cast<std::int32_t>(Errc::unsupported)) {
+            const std::string message = vr.str(value.size());
+            detail::fail(static_cast<Errc>(code), message);
+          }
+        }
+        detail::fail(Errc::aborted, "store ", what, "(\"", prefix_, key, "\"): stopped by \"",
+                     stop_, "\": ", value);
+      }
       if (status == Status::timeout) {
         detail::ByteReader br(body, "store timeout reply");
         const auto n = br.get<std::uint32_t>();
@@ -4707,16 +4881,247 @@ class Store {
 
   std::shared_ptr<Connection> conn_;
   std::string prefix_;
+  std::string stop_;  // full key that ends get/wait early (watching())
 };
 
 DDP_END_NAMESPACE
 // end ddp/store.hpp
+// #include "ddp/version.hpp" (already included above)
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// Fails with Errc::mismatch unless every rank's `values[j]` equals this rank's, naming the ranks
+/// that differ and their values: "rank 0: the ranks disagree on WHAT: this rank has A, rank 1 has
+/// B; FIX".
+inline void require_agreement(int rank, std::string_view what, std::string_view fix,
+                              const std::vector<std::string>& values) {
+  const std::string& mine = values.at(static_cast<std::size_t>(rank));
+  std::string others;
+  int n = 0;
+  for (std::size_t j = 0; j < values.size(); ++j) {
+    if (values[j] == mine) continue;
+    if (n < 4) others += concat(", rank ", j, " has ", values[j]);
+    ++n;
+  }
+  if (n == 0) return;
+  if (n > 4) others += concat(" (and ", n - 4, " more ranks differ)");
+  fail(Errc::mismatch, "rank ", rank, ": the ranks disagree on ", what, ": this rank has ", mine,
+       others, "; ", fix);
+}
+
+/// The rendezvous timeout, naming the ranks whose `prefix<j>` key never appeared.
+[[noreturn]] inline void fail_missing_ranks(int rank, int size, std::chrono::milliseconds timeout,
+                                            const std::vector<std::string>& missing,
+                                            std::size_t prefix_len) {
+  std::string who;
+  for (const auto& k : missing) who += concat(who.empty() ? "" : ", ", k.substr(prefix_len));
+  fail(Errc::timeout, "rank ", rank, ": rendezvous timed out after ", timeout.count(),
+       " ms: ", size - static_cast<int>(missing.size()), "/", size, " ranks joined; missing rank",
+       missing.size() == 1 ? " " : "s ", who,
+       ". Check that every rank was started with the same MASTER_ADDR, MASTER_PORT and "
+       "WORLD_SIZE");
+}
+
+/// Waits up to `timeout` for `prefix<j>` of every rank j and returns their values; a timeout
+/// names the ranks that are missing.
+[[nodiscard]] inline std::vector<std::string> gather_records(Store& store, std::string_view prefix,
+                                                             int rank, int size,
+                                                             std::chrono::milliseconds timeout) {
+  std::vector<std::string> keys;
+  for (int j = 0; j < size; ++j) keys.push_back(concat(prefix, j));
+  if (auto missing = store.missing_after(keys, timeout); !missing.empty())
+    fail_missing_ranks(rank, size, timeout, missing, prefix.size());
+  std::vector<std::string> values;
+  for (const auto& k : keys) values.push_back(store.get(k));
+  return values;
+}
+
+/// What a rank believes about its job; every rank must believe the same.
+struct JobView {
+  int world_size = 1;
+  std::string backend;
+  bool verify_collectives = true;
+};
+
+/// Who this process is, as another process would be told ("pid 123 on host node7").
+[[nodiscard]] inline std::string process_label() {
+  char name[256] = {};
+  (void)::gethostname(name, sizeof name - 1);
+  return concat("pid ", ::getpid(), " on host ", name);
+}
+
+/// Claims `rank` in the store: fails with Errc::invalid_argument, naming the process that holds
+/// it, when another process claimed it first. Returns normally once the rank is this process's.
+inline void claim_rank(Store& store, int rank, std::string_view group) {
+  const std::string me =
+      concat(process_label(), " [", random_value<std::uint64_t>(), "]");  // unique per claim
+  const std::string held = store.compare_set(concat("claim/", rank), "", me);
+  if (held == me) return;
+  const std::string who = held.substr(0, held.find(" ["));
+  fail(Errc::invalid_argument, "rank ", rank, ": rank ", rank, " of group \"", group,
+       "\" is already taken by ", who, "; this process (", process_label(),
+       ") was started with the same RANK. Give every process its own RANK (0..WORLD_SIZE-1)");
+}
+
+/// Publishes this rank's view of the job and checks it against every rank's (see the file
+/// comment). Errc::mismatch names the ranks that differ and both values. `widest` is set to the
+/// largest world size any rank claimed (before a mismatch is thrown): the store's host waits for
+/// that many ranks to read the failure before it stops serving.
+inline void agree_on_job(Store& store, int rank, const JobView& job,
+                         std::chrono::milliseconds timeout, int& widest) {
+  std::string rec;
+  ByteWriter w(rec);
+  w.str(DDP_VERSION_STRING);
+  w.put(static_cast<std::uint32_t>(job.world_size));
+  w.str(job.backend);
+  w.put(static_cast<std::uint8_t>(job.verify_collectives ? 1 : 0));
+  store.set(concat("job/", rank), rec);
+  std::vector<std::string> versions, worlds, backends, verify;
+  for (const auto& r : gather_records(store, "job/", rank, job.world_size, timeout)) {
+    ByteReader rd(r, "job record");
+    versions.push_back(rd.str(64));
+    const auto ws = rd.get<std::uint32_t>();
+    worlds.push_back(std::to_string(ws));
+    if (ws <= 1u << 20) widest = std::max(widest, static_cast<int>(ws));
+    backends.push_back(rd.str(64));
+    verify.push_back(rd.get<std::uint8_t>() != 0 ? "on" : "off");
+  }
+  require_agreement(rank, "the world size", "start every rank with the same WORLD_SIZE", worlds);
+  require_agreement(rank, "the ddp version", "build every rank against the same ddp", versions);
+  require_agreement(rank, "the backend", "every rank must create the same Communicator<Backend>",
+                    backends);
+  require_agreement(rank, "Options::verify_collectives (DDP_VERIFY_COLLECTIVES)",
+                    "every rank must use the same setting", verify);
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/rendezvous.hpp
+// #include "ddp/detail/socket.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// begin ddp/options.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ddp::Options: how a communicator is made (timeouts, the rendezvous secret, transports).
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <charconv>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <string_view>
+
+DDP_BEGIN_NAMESPACE
+
+/// How backend::Host moves bytes.
+enum class HostTransport : std::uint8_t {
+  automatic,  ///< shared memory when every rank is on this host, TCP otherwise
+  shm,        ///< shared memory (every rank must be on this host)
+  tcp,        ///< TCP, even on one host (what multi-host runs use)
+};
+
+namespace detail {
+[[nodiscard]] inline std::string env_or(const char* name, std::string_view fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? std::string(v) : std::string(fallback);
+}
+[[nodiscard]] inline std::string env_or_empty(const char* name) { return env_or(name, ""); }
+
+/// $name as a whole number in [min, max], or nullopt when it is unset or empty. Anything else (a
+/// sign, a unit, a number out of range) is Errc::invalid_argument naming the variable and `what`
+/// it must be.
+[[nodiscard]] inline std::optional<std::uint64_t> env_unsigned(const char* name, std::uint64_t min,
+                                                               std::uint64_t max,
+                                                               std::string_view what) {
+  const std::string v = env_or(name, "");
+  if (v.empty()) return std::nullopt;
+  std::uint64_t n = 0;
+  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+  if (ec != std::errc{} || end != v.data() + v.size() || n < min || n > max)
+    fail(Errc::invalid_argument, name, "=\"", v, "\" must be ", what);
+  return n;
+}
+
+/// $DDP_TIMEOUT (seconds, a decimal number such as 30 or 0.5) or `fallback` when unset. Anything
+/// else, or a value outside (0, 2147483] seconds, is Errc::invalid_argument naming the variable.
+[[nodiscard]] inline std::chrono::milliseconds timeout_from_env(
+    std::chrono::milliseconds fallback) {
+  const std::string v = env_or("DDP_TIMEOUT", "");
+  if (v.empty()) return fallback;
+  char* end = nullptr;
+  const double seconds = std::strtod(v.c_str(), &end);
+  if (end == v.c_str() || *end != '\0' || !(seconds >= 0.001) || seconds > 2147483.0) {
+    fail(Errc::invalid_argument, "DDP_TIMEOUT=\"", v,
+         "\" is not a timeout: give seconds, at least 0.001 and at most 2147483 (e.g. 300)");
+  }
+  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
+}
+}  // namespace detail
+
+struct Options {
+  /// The longest any single wait may take (a collective, the rendezvous, a store call) before
+  /// Errc::timeout. A peer that dies is reported sooner (Errc::peer_lost). Default: 5 minutes,
+  /// or $DDP_TIMEOUT seconds (a malformed value throws Errc::invalid_argument naming it).
+  std::chrono::milliseconds timeout = detail::timeout_from_env(std::chrono::minutes(5));
+  /// Rendezvous secret: every rank must present it to the store. Default: $DDP_TOKEN.
+  std::string token = detail::env_or("DDP_TOKEN", "");
+  /// CUDA device for CUDA backends; -1: the local rank.
+  int device = -1;
+  /// Name of this communicator in the store; communicators made from the same store (a new one
+  /// after a failure, say) need different names.
+  std::string group = "default";
+  /// backend::Host transport. $DDP_HOST_TRANSPORT (shm or tcp) overrides `automatic`.
+  HostTransport transport = HostTransport::automatic;
+  /// backend::Host: bytes one rank moves per round (the shared-memory slot size, the TCP
+  /// segment). 0: $DDP_SEGMENT_BYTES, else the transport's default (shm 512 KiB, tcp 4 MiB).
+  std::size_t segment_bytes = 0;
+  /// The rendezvous store runs elsewhere: rank 0 does not start one. Launchers that host the
+  /// store (ddprun, ddp::spawn) say so with DDP_STORE_HOSTED=1, which init() also honours.
+  bool external_store = false;
+  /// CUDA buffers given to a backend that moves host memory only (backend::Host, a backend::Mpi
+  /// whose MPI is not CUDA-aware) go through pinned host memory in pieces of this many bytes, so
+  /// that copies overlap the collective (ddp built with CUDA: the ddp::cuda target).
+  std::size_t cuda_staging_bytes = std::size_t{4} << 20;
+  /// backend::Host compares every collective's fingerprint (collective, dtype, count, op, root,
+  /// sequence number) across ranks, so that mismatched calls raise Errc::mismatch on every rank
+  /// instead of corrupting data or hanging. Every rank must use the same setting. Default: on,
+  /// unless $DDP_VERIFY_COLLECTIVES is 0 (what it costs: README, "Diagnostics").
+  bool verify_collectives = detail::env_or("DDP_VERIFY_COLLECTIVES", "1") != "0";
+  /// How many recent operations each communicator remembers (the flight recorder, see
+  /// trace.hpp); 0 turns it off. $DDP_TRACE_ENTRIES overrides.
+  std::size_t trace_entries = 2000;
+  /// Where a communicator writes its flight recorder when an operation times out: "" nowhere,
+  /// "stderr", or a directory (one file per rank). Default: $DDP_TRACE_DUMP.
+  std::string trace_dump = detail::env_or("DDP_TRACE_DUMP", "");
+};
+
+DDP_END_NAMESPACE
+// end ddp/options.hpp
+// #include "ddp/store.hpp" (already included above)
 
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -5005,6 +5410,8 @@ class Host {
     f.dtype = t;
     f.op = op;
     f.has_op = has_op ? 1 : 0;
+    t_->current = f;
+    t_->has_current = true;
     return f;
   }
 
@@ -5135,8 +5542,11 @@ class Host {
     }
     Store& store = *init.store;
     const auto deadline = detail::Deadline::after(o.timeout);
+    const HostTransport requested = requested_transport(o);
+    const std::size_t segment_request = segment_bytes(o, 0);  // 0: the transport's default
 
-    // 1. Everyone publishes who and where it is, on the interface that reaches the store.
+    // 1. Everyone publishes who and where it is, on the interface that reaches the store, and
+    //    what it was asked for; every rank must have been asked for the same.
     detail::Fd listener = detail::listen_tcp(store.local_address(), 0);
     const std::string identity = detail::host_identity();
     {
@@ -5146,37 +5556,30 @@ class Host {
       w.put(static_cast<std::uint32_t>(::getpid()));
       w.str(store.local_address());
       w.put(static_cast<std::uint32_t>(detail::local_port(listener.get())));
-      w.put(static_cast<std::uint8_t>(o.verify_collectives ? 1 : 0));
+      w.put(static_cast<std::uint8_t>(requested));
+      w.put(static_cast<std::uint64_t>(segment_request));
       store.set(detail::concat("peer/", rank_), rec);
     }
-    std::vector<std::string> keys;
-    for (int j = 0; j < size_; ++j) keys.push_back(detail::concat("peer/", j));
-    if (auto missing = store.missing_after(keys, o.timeout); !missing.empty()) {
-      std::string who;
-      for (const auto& k : missing) who += detail::concat(who.empty() ? "" : ", ", k.substr(5));
-      detail::fail(Errc::timeout, "rank ", rank_, ": rendezvous timed out after ",
-                   o.timeout.count(), " ms: ", size_ - static_cast<int>(missing.size()), "/", size_,
-                   " ranks joined; missing rank", missing.size() == 1 ? " " : "s ", who,
-                   ". Check that every rank was started with the same MASTER_ADDR, MASTER_PORT and "
-                   "WORLD_SIZE");
-    }
-    std::vector<std::string> identities;
+    std::vector<std::string> identities, transports, segments;
     std::vector<int> pids;
     std::vector<std::pair<std::string, int>> addrs;
-    for (int j = 0; j < size_; ++j) {
-      const std::string rec = store.get(keys[static_cast<std::size_t>(j)]);
+    for (const auto& rec : detail::gather_records(store, "peer/", rank_, size_, o.timeout)) {
       detail::ByteReader r(rec, "peer record");
       identities.push_back(r.str(4096));
       pids.push_back(static_cast<int>(r.get<std::uint32_t>()));
       auto addr = r.str(256);
       addrs.emplace_back(std::move(addr), static_cast<int>(r.get<std::uint32_t>()));
-      if ((r.get<std::uint8_t>() != 0) != o.verify_collectives) {
-        detail::fail(Errc::invalid_argument, "rank ", rank_, ": Options::verify_collectives is ",
-                     o.verify_collectives ? "on" : "off", " here but ",
-                     o.verify_collectives ? "off" : "on", " on rank ", j,
-                     "; every rank must use the same setting (DDP_VERIFY_COLLECTIVES)");
-      }
+      const auto t = r.get<std::uint8_t>();
+      transports.push_back(t == static_cast<std::uint8_t>(HostTransport::shm)   ? "shm"
+                           : t == static_cast<std::uint8_t>(HostTransport::tcp) ? "tcp"
+                                                                                : "automatic");
+      const auto seg = r.get<std::uint64_t>();
+      segments.push_back(seg == 0 ? std::string("the default") : std::to_string(seg));
     }
+    detail::require_agreement(rank_, "the host transport (Options::transport, DDP_HOST_TRANSPORT)",
+                              "every rank must ask for the same transport", transports);
+    detail::require_agreement(rank_, "the segment size (Options::segment_bytes, DDP_SEGMENT_BYTES)",
+                              "every rank must use the same segment size", segments);
     local_leader_ = rank_;
     for (int j = 0; j < size_; ++j) {
       if (identities[static_cast<std::size_t>(j)] != identity) continue;
@@ -5186,29 +5589,19 @@ class Host {
     }
     const bool one_host = local_size_ == size_;
 
-    // 2. Pick the transport: every rank computes the same answer from the same records.
-    HostTransport choice = o.transport;
-    if (choice == HostTransport::automatic) {
-      const std::string forced = detail::env_or("DDP_HOST_TRANSPORT", "");
-      if (forced == "tcp")
-        choice = HostTransport::tcp;
-      else if (forced == "shm")
-        choice = HostTransport::shm;
-      else if (!forced.empty() && forced != "auto") {
-        detail::fail(Errc::invalid_argument, "DDP_HOST_TRANSPORT=\"", forced,
-                     "\": use shm, tcp or auto");
-      }
-    }
+    // 2. Pick the transport: every rank computes the same answer from the same records (rank 0
+    //    may still fall back from shm to tcp when /dev/shm is too small; it says so in its record).
+    HostTransport choice = requested;
     if (choice == HostTransport::automatic)
       choice = one_host ? HostTransport::shm : HostTransport::tcp;
     if (choice == HostTransport::shm && !one_host) {
       detail::fail(Errc::invalid_argument, "rank ", rank_,
                    ": the shm transport was requested but the ranks are on more than one host");
     }
-
-    if (choice == HostTransport::shm) {
-      connect_shm(store, o, pids);
-    } else {
+    if (choice == HostTransport::shm && !connect_shm(store, o, pids, requested)) {
+      choice = HostTransport::tcp;
+    }
+    if (choice == HostTransport::tcp) {
       detail::TcpTransport::SessionKey key{};
       if (rank_ == 0) {
         detail::random_bytes(key.data(), key.size());
@@ -5218,11 +5611,30 @@ class Host {
         if (k.size() != key.size()) detail::fail(Errc::protocol, "bad session key in the store");
         std::memcpy(key.data(), k.data(), key.size());
       }
-      auto peers = detail::TcpTransport::connect_mesh(rank_, size_, listener, addrs, key, deadline);
+      // A rank that fails meanwhile says so in the store ("failed"): stop waiting then.
+      const auto peer_failed = [&store] {
+        const std::string failed = "failed";
+        if (store.check(std::span<const std::string>(&failed, 1))) (void)store.get(failed);
+      };
+      auto peers = detail::TcpTransport::connect_mesh(rank_, size_, listener, addrs, key, deadline,
+                                                      peer_failed);
       t_ = std::make_unique<detail::TcpTransport>(rank_, size_, o.timeout, std::move(peers),
                                                   segment_bytes(o, std::size_t{4} << 20));
     }
     t_->verify_fingerprints = o.verify_collectives;
+  }
+
+  /// Options::transport, else $DDP_HOST_TRANSPORT.
+  static HostTransport requested_transport(const Options& o) {
+    if (o.transport != HostTransport::automatic) return o.transport;
+    const std::string forced = detail::env_or("DDP_HOST_TRANSPORT", "");
+    if (forced == "tcp") return HostTransport::tcp;
+    if (forced == "shm") return HostTransport::shm;
+    if (!forced.empty() && forced != "auto") {
+      detail::fail(Errc::invalid_argument, "DDP_HOST_TRANSPORT=\"", forced,
+                   "\": use shm, tcp or auto");
+    }
+    return HostTransport::automatic;
   }
 
   /// Options::segment_bytes, else $DDP_SEGMENT_BYTES, else the transport's default.
@@ -5233,33 +5645,55 @@ class Host {
     return n ? static_cast<std::size_t>(*n) : fallback;
   }
 
-  void connect_shm(Store& store, const Options& o, const std::vector<int>& pids) {
+  /// Largest shm slot: a round moves at most one slot, and rounds this large already run at
+  /// memory speed, so larger requests are clamped here rather than reserve memory nobody reads.
+  static constexpr std::size_t max_shm_slot = std::size_t{64} << 20;
+
+  /// Sets up the shared-memory transport; false when rank 0 found /dev/shm too small and the
+  /// ranks fall back to tcp (an error instead when shm was asked for explicitly).
+  bool connect_shm(Store& store, const Options& o, const std::vector<int>& pids,
+                   HostTransport requested) {
     detail::ShmLayout layout;
     layout.world = size_;
     auto segment = std::make_unique<detail::ShmSegment>();
     std::uint64_t cookie = 0;
     if (rank_ == 0) {
       const std::size_t slot = segment_bytes(o, std::size_t{512} << 10);
-      layout.slot_bytes = std::clamp<std::size_t>(detail::ShmLayout::align_up(slot, 4096), 4096,
-                                                  std::size_t{1} << 30);
+      layout.slot_bytes =
+          std::clamp<std::size_t>(detail::ShmLayout::align_up(slot, 4096), 4096, max_shm_slot);
       layout.channel_bytes = std::size_t{256} << 10;
       cookie = detail::random_value<std::uint64_t>();
-      const std::string segment_name = detail::concat("/ddp-", ::getuid(), "-", ::getpid(), "-",
-                                                      detail::random_value<std::uint32_t>());
-      segment->create(segment_name, layout.total());
-      detail::ShmTransport::format(segment->base(), layout, cookie);
+      std::string why;
+      const bool made = segment->create(layout.total(), why);
       std::string rec;
       detail::ByteWriter w(rec);
-      w.str(segment_name);
+      if (!made) {
+        if (requested == HostTransport::shm) {
+          detail::fail(Errc::backend, "rank 0: the shm transport cannot start: ", why,
+                       ". Give /dev/shm more room (e.g. docker run --shm-size=1g), use a smaller "
+                       "DDP_SEGMENT_BYTES, or DDP_HOST_TRANSPORT=tcp");
+        }
+        std::fprintf(stderr,
+                     "ddp: rank 0: %s; using the tcp transport instead (give /dev/shm more "
+                     "room, e.g. docker run --shm-size=1g, or set DDP_HOST_TRANSPORT=tcp)\n",
+                     why.c_str());
+        w.put(std::uint8_t{0});
+        store.set("shm", rec);
+        return false;
+      }
+      detail::ShmTransport::format(segment->base(), layout, cookie);
+      w.put(std::uint8_t{1});
+      w.str(segment->path());
       w.put(cookie);
       w.put(static_cast<std::uint64_t>(layout.slot_bytes));
       w.put(static_cast<std::uint64_t>(layout.channel_bytes));
       store.set("shm", rec);
-      // Unlink as soon as everyone has mapped it: from then on a crash leaves nothing behind.
+      // The others open the segment through this process's descriptor, which is closed once
+      // all have mapped it (the segment never has a name: a crash leaves nothing behind).
       std::vector<std::string> mapped;
       for (int j = 1; j < size_; ++j) mapped.push_back(detail::concat("mapped/", j));
       const auto missing = store.missing_after(mapped, o.timeout);
-      segment->unlink();
+      segment->close_descriptor();
       if (!missing.empty()) {
         detail::fail(Errc::timeout, "rank 0: ", missing.size(),
                      " rank(s) did not map the shared memory segment in time");
@@ -5267,16 +5701,22 @@ class Host {
     } else {
       const std::string rec = store.get("shm");
       detail::ByteReader r(rec, "shm record");
-      const std::string segment_name = r.str(255);
+      if (r.get<std::uint8_t>() == 0) return false;  // rank 0 fell back to tcp
+      const std::string path = r.str(255);
       cookie = r.get<std::uint64_t>();
       layout.slot_bytes = static_cast<std::size_t>(r.get<std::uint64_t>());
       layout.channel_bytes = static_cast<std::size_t>(r.get<std::uint64_t>());
-      segment->open(segment_name, layout.total());
+      if (layout.slot_bytes == 0 || layout.slot_bytes > max_shm_slot || layout.channel_bytes == 0 ||
+          layout.channel_bytes > max_shm_slot) {
+        detail::fail(Errc::protocol, "rank ", rank_, ": bad shm record from rank 0");
+      }
+      segment->open(path, layout.total());
       detail::ShmTransport::verify(segment->base(), layout, cookie);
       store.set(detail::concat("mapped/", rank_), "");
     }
     t_ = std::make_unique<detail::ShmTransport>(rank_, size_, o.timeout, layout, std::move(segment),
                                                 pids);
+    return true;
   }
 
   int rank_;
@@ -7592,7 +8032,46 @@ DDP_END_NAMESPACE
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 // #include "ddp/detail/collective.hpp" (already included above)
+// begin ddp/detail/fork.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Fork detection: a counter that pthread_atfork bumps in every child, so an object can tell in
+/// one relaxed load whether it is still in the process that made it (getpid() is a system call).
+
+// #include "ddp/config.hpp" (already included above)
+
+#include <pthread.h>
+
+#include <atomic>
+#include <cstdint>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+inline std::atomic<std::uint64_t>& fork_counter() noexcept {
+  static std::atomic<std::uint64_t> n{0};
+  return n;
+}
+
+/// How many fork()s separate this process from the first process that called this function:
+/// equal values mean "the same process". The first call registers the fork handler.
+[[nodiscard]] inline std::uint64_t fork_generation() noexcept {
+  static const bool registered = [] {
+    (void)::pthread_atfork(nullptr, nullptr,
+                           [] { fork_counter().fetch_add(1, std::memory_order_relaxed); });
+    return true;
+  }();
+  (void)registered;
+  return fork_counter().load(std::memory_order_relaxed);
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/fork.hpp
 // #include "ddp/detail/reduce.hpp" (already included above)
+// #include "ddp/detail/rendezvous.hpp" (already included above)
 // begin ddp/detail/staging.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -8329,6 +8808,8 @@ DDP_END_NAMESPACE
 // #include "ddp/cuda.hpp" (already included above)
 #endif
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -8342,6 +8823,7 @@ DDP_END_NAMESPACE
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -8582,10 +9064,19 @@ class Communicator {
           detail::concat("ddp/", detail::env_or("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
       state->root_store = std::make_shared<Store>(env.master_addr, store_port, so);
       state->prefix = prefix;
-      bi.store = std::make_shared<Store>(state->root_store->prefixed(prefix));
+      bi.store = std::make_shared<Store>(state->root_store->prefixed(prefix).watching("failed"));
       state->store = bi.store;
+      state->world_size = env.world_size;
+      detail::claim_rank(*bi.store, env.rank, options.group);
+      state->joined = true;
     }
-    state->backend = Backend::create(bi);
+    state->create_backend(bi, [&] {
+      if (bi.store) {
+        detail::agree_on_job(*bi.store, bi.rank,
+                             {bi.size, std::string(Backend::name), options.verify_collectives},
+                             options.timeout, state->world_size);
+      }
+    });
     return Communicator(std::move(state));
   }
 
@@ -8832,10 +9323,13 @@ class Communicator {
     bi.local_rank = state_->local_rank_hint;
     sub->local_rank_hint = state_->local_rank_hint;
     if (state_->root_store) {
-      bi.store = std::make_shared<Store>(state_->root_store->prefixed(sub->prefix));
+      bi.store =
+          std::make_shared<Store>(state_->root_store->prefixed(sub->prefix).watching("failed"));
       sub->store = bi.store;
+      sub->world_size = bi.size;
+      sub->joined = true;
     }
-    exec(Op{"split", [&](Backend&, State&) { sub->backend = Backend::create(bi); }});
+    exec(Op{"split", [&](Backend&, State&) { sub->create_backend(bi, [] {}); }});
     return Communicator(std::move(sub));
   }
 
@@ -8861,7 +9355,7 @@ class Communicator {
   /// Makes every pending and later operation fail with Errc::aborted, here and, where the
   /// backend can reach them, on the peers. Safe to call from any thread, e.g. a watchdog.
   void abort(const std::string& why = "Communicator::abort() was called") {
-    auto& s = checked();
+    auto& s = same_process("abort");
     {
       std::lock_guard lock(s.poison_mutex);
       if (s.poison.empty()) {
@@ -8876,22 +9370,71 @@ class Communicator {
  private:
   struct State {
     ~State() {
+      if (detail::fork_generation() != fork_generation) {
+        // A fork() child's copy: the parent owns the store, the shared memory and the peers,
+        // and this process has none of the threads. Touch nothing; keep it reachable.
+        static std::vector<State*> inherited;
+        inherited.push_back(new State(std::move(*this), Inherited{}));
+        return;
+      }
       local_group.reset();
       executor.reset();  // drain the queue first
-      // Rank 0 keeps the store up until every rank has left, so none loses it mid-call.
-      if (store) {
+      // Rank 0 keeps the store up until every rank has left, so none loses it mid-call; after a
+      // failed rendezvous too, so the others can read why it failed.
+      if (store && joined && !store->lost()) {
         try {
-          store->set(detail::concat("exit/", backend ? backend->rank() : 0), "");
-          if (server && backend && poison.empty()) {
+          Store plain = store->unwatched();  // the waits below must not end at "failed"
+          plain.set(detail::concat("exit/", world_rank_in_group), "");
+          if (server && (backend ? poison.empty() : true)) {
             std::vector<std::string> keys;
-            for (int r = 0; r < backend->size(); ++r) keys.push_back(detail::concat("exit/", r));
-            (void)store->missing_after(keys, std::min<std::chrono::milliseconds>(
-                                                 options.timeout, std::chrono::seconds(10)));
+            for (int r = 0; r < world_size; ++r) keys.push_back(detail::concat("exit/", r));
+            (void)plain.missing_after(keys, std::min<std::chrono::milliseconds>(
+                                                options.timeout, std::chrono::seconds(10)));
           }
         } catch (...) {  // leaving anyway
         }
       }
       backend.reset();
+    }
+    State() = default;
+    struct Inherited {};
+    // Moves the members out of a fork child's copy (see ~State) without running their cleanup.
+    State(State&& o, Inherited) {
+      executor.reset(o.executor.release());
+      server.reset(o.server.release());
+      backend.reset(o.backend.release());
+      local_group.reset(o.local_group.release());
+      root_store = std::move(o.root_store);
+      store = std::move(o.store);
+#if DDP_HAS_CUDA
+      stager.reset(o.stager.release());
+#endif
+    }
+
+    /// Creates the backend after `before()` (checks that need the store), telling the other
+    /// ranks when this rank fails: they are waiting on the store for it, and fail at once with
+    /// its reason instead of at their timeout.
+    template <class Check>
+    void create_backend(const detail::BackendInit& bi, const Check& before) {
+      world_rank_in_group = bi.rank;
+      try {
+        before();
+        backend = Backend::create(bi);
+      } catch (const Error& e) {
+        constexpr std::string_view relayed = "the rendezvous failed on rank ";
+        if (std::string_view(e.what()).starts_with(relayed)) {  // another rank's, via the store
+          detail::fail(e.code(), "rank ", bi.rank, ": ", e.what());
+        }
+        if (store && !store->lost()) {
+          try {
+            (void)store->compare_set(
+                "failed", "",
+                Store::stop_value(e.code(), detail::concat(relayed, bi.rank, ": ", e.what())));
+          } catch (...) {  // the store is gone too: the peers learn from it
+          }
+        }
+        throw;
+      }
     }
     void configure(const Options& o) {
       options = o;
@@ -8904,6 +9447,11 @@ class Communicator {
 
     Options options;
     detail::FlightRecorder recorder;
+    std::uint64_t fork_generation = detail::fork_generation();  // made in this process
+    int pid = static_cast<int>(::getpid());
+    bool joined = false;          // this process holds its rank's claim in the store
+    int world_size = 1;           // ranks in this communicator (for the store host's wait)
+    int world_rank_in_group = 0;  // this rank in this communicator
     int world_rank = 0;
     int local_rank_hint = 0;  // the launcher's local rank: the default CUDA device
     std::unique_ptr<StoreServer> server;
@@ -8944,6 +9492,21 @@ class Communicator {
   Op(const char*, F, std::size_t) -> Op<F>;
 
   explicit Communicator(std::shared_ptr<State> s) : state_(std::move(s)) {}
+
+  /// checked(), and that this is the process that created the communicator: a fork() child
+  /// shares its peers' shared memory and sockets, and using them would corrupt the parent's job.
+  State& same_process(const char* what) const {
+    State& s = checked();
+    if (detail::fork_generation() != s.fork_generation) [[unlikely]] {
+      detail::fail(Errc::invalid_argument, "rank ", s.backend->rank(), ": ", what,
+                   ": this communicator was created by process ", s.pid,
+                   " and cannot be used by a child it fork()ed (this is process ", ::getpid(),
+                   "): the child would write into the parent's connections and shared memory. "
+                   "Create a new communicator in the child (another MASTER_PORT or "
+                   "Options::group), or fork before init()");
+    }
+    return s;
+  }
 
   State& checked() const {
     if (!valid()) {
@@ -9008,7 +9571,7 @@ class Communicator {
   /// Synchronous: inline when nothing is queued (no allocation on that path).
   template <class F>
   void exec(const Op<F>& op) {
-    State& s = checked();
+    State& s = same_process(op.name);
     const auto seq = s.recorder.issue(op.name, op.bytes, TraceRecord::State::queued);
     s.executor->run([&] { run_guarded(s, seq, op.name, op.body); });
   }
@@ -9016,7 +9579,7 @@ class Communicator {
   template <class F>
   Work submit(Op<F> op) {
     auto s = state_;
-    checked();
+    same_process(op.name);
     const auto seq = s->recorder.issue(op.name, op.bytes, TraceRecord::State::queued);
     return Work(s->executor->submit(
         [s, seq, op = std::move(op)] { run_guarded(*s, seq, op.name, op.body); }));
@@ -9088,6 +9651,12 @@ class Communicator {
                    v.size, " elements but no data");
     }
     using E = typename decltype(v)::value_type;
+    if (v.size > detail::max_buffer_bytes / sizeof(E)) {
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": `", arg, "` claims ",
+                   v.size, " elements of ", sizeof(E),
+                   " bytes: more than any buffer can hold (its size in bytes overflows); check "
+                   "the size the tensor's view reports");
+    }
     return {reinterpret_cast<std::byte*>(const_cast<E*>(v.data)), v.size, dtype_of<E>, v.device,
             v.stream};
   }
@@ -9217,9 +9786,9 @@ class Communicator {
       out = to_buf(out_t, what, "out");
       check_same_dtype(in, out, rank(), what);
       const std::size_t p = static_cast<std::size_t>(size());
-      if (out.count != in.count * p) {
+      if (!detail::is_product(out.count, in.count, p)) {
         detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": `out` has ", out.count,
-                     " elements but must have ", in.count, " x ", p, " = ", in.count * p,
+                     " elements but must have ", detail::product_text(in.count, p),
                      " (in.size() x size())");
       }
       const std::byte* mine = out.at(in.count * static_cast<std::size_t>(rank()));
@@ -9253,9 +9822,9 @@ class Communicator {
       in = to_buf(in_t, "scatter", "in");
       check_same_dtype(in, out, rank(), "scatter");
       const std::size_t p = static_cast<std::size_t>(size());
-      if (in.count != out.count * p) {
+      if (!detail::is_product(in.count, out.count, p)) {
         detail::fail(Errc::invalid_argument, "rank ", rank(), ": scatter: `in` has ", in.count,
-                     " elements but must have ", out.count, " x ", p, " = ", out.count * p,
+                     " elements but must have ", detail::product_text(out.count, p),
                      " (out.size() x size())");
       }
       const std::byte* mine = in.at(out.count * static_cast<std::size_t>(rank()));
@@ -9282,9 +9851,9 @@ class Communicator {
     check_same_dtype(in, out, rank(), "reduce_scatter");
     check_op(op, out.dtype, "reduce_scatter");
     const std::size_t p = static_cast<std::size_t>(size());
-    if (in.count != out.count * p) {
+    if (!detail::is_product(in.count, out.count, p)) {
       detail::fail(Errc::invalid_argument, "rank ", rank(), ": reduce_scatter: `in` has ", in.count,
-                   " elements but must have ", out.count, " x ", p, " = ", out.count * p,
+                   " elements but must have ", detail::product_text(out.count, p),
                    " (out.size() x size())");
     }
     const std::byte* mine = in.at(out.count * static_cast<std::size_t>(rank()));
@@ -10167,6 +10736,198 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// begin ddp/detail/guardian.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The launcher's guardian: a small process, forked before any thread exists, that outlives the
+/// launcher by a moment and removes everything the workers started, however the launcher ends
+/// (SIGKILL included, when no code of the launcher runs any more). Workers get
+/// PR_SET_PDEATHSIG, but that reaches only the workers themselves: what they started (a shell's
+/// `cmd &`, a daemon that called setsid()) would be reparented to init and run on.
+///
+/// The launcher tells the guardian, through a pipe, each worker's process group, and puts a tag
+/// (DDPRUN_JOB_<random>=1, a name of its own so nested launchers' tags add up) into every
+/// worker's environment, which the workers' descendants inherit.
+/// When the pipe closes (the launcher is gone, for whatever reason) the guardian kills every
+/// worker process group, then every process of this user whose environment carries the tag,
+/// repeating until none is left (a process may fork while being swept). It uses only
+/// async-signal-safe calls, so it works even if the launcher had threads when it forked.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// The prefix of the environment entry that marks a launcher's workers and what they start.
+inline constexpr std::string_view launch_tag_prefix = "DDPRUN_JOB_";
+
+/// Whether the NUL-separated environment block [env, env + n) has the entry `tag` ("NAME=value").
+inline bool environ_has(const char* env, std::size_t n, const char* tag, std::size_t tag_len) {
+  std::size_t i = 0;
+  while (i < n) {
+    std::size_t end = i;
+    while (end < n && env[end] != '\0') ++end;
+    if (end - i == tag_len && std::memcmp(env + i, tag, tag_len) == 0) return true;
+    i = end + 1;
+  }
+  return false;
+}
+
+/// SIGKILLs every process (other than this one) whose environment holds `tag`; returns how many.
+/// Async-signal-safe: no allocation, no stdio.
+inline int kill_tagged(const char* tag, std::size_t tag_len) {
+  const int proc = ::open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (proc < 0) return 0;
+  const pid_t self = ::getpid();
+  int killed = 0;
+  alignas(8) char dents[8192];
+  char env[65536];
+  for (;;) {
+    const long n = ::syscall(SYS_getdents64, proc, dents, sizeof dents);
+    if (n <= 0) break;
+    for (long off = 0; off < n;) {
+      // struct linux_dirent64: u64 ino, s64 off, u16 reclen, u8 type, char name[]
+      std::uint16_t reclen = 0;
+      std::memcpy(&reclen, dents + off + 16, sizeof reclen);
+      const char* name = dents + off + 19;
+      off += reclen;
+      pid_t pid = 0;
+      bool numeric = *name != '\0';
+      for (const char* c = name; *c != '\0'; ++c) {
+        if (*c < '0' || *c > '9') {
+          numeric = false;
+          break;
+        }
+        pid = pid * 10 + (*c - '0');
+      }
+      if (!numeric || pid == self) continue;
+      char path[64] = "/proc/";
+      std::size_t len = 6;
+      char digits[16];
+      int nd = 0;
+      for (pid_t p = pid; p > 0; p /= 10) digits[nd++] = static_cast<char>('0' + p % 10);
+      while (nd > 0) path[len++] = digits[--nd];
+      std::memcpy(path + len, "/environ", 9);
+      const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+      if (fd < 0) continue;  // gone, or another user's
+      std::size_t got = 0;
+      for (;;) {
+        const ssize_t r = ::read(fd, env + got, sizeof env - got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) break;
+        got += static_cast<std::size_t>(r);
+        if (got == sizeof env) break;  // the tag is set by the launcher, early in the block
+      }
+      ::close(fd);
+      if (environ_has(env, got, tag, tag_len) && ::kill(pid, SIGKILL) == 0) ++killed;
+    }
+  }
+  ::close(proc);
+  return killed;
+}
+
+/// The guardian's life (in the forked child): collect process groups from `pipe_fd` until it
+/// closes, then sweep (see the file comment) and exit.
+[[noreturn]] inline void guardian_main(int pipe_fd, const char* tag, std::size_t tag_len) {
+  (void)::setsid();  // out of the launcher's process group: a signal to that group spares it
+  struct sigaction ign {};
+  ign.sa_handler = SIG_IGN;
+  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGPIPE, SIGUSR1, SIGUSR2, SIGTSTP})
+    ::sigaction(sig, &ign, nullptr);
+  for (int fd = 0; fd < 1024; ++fd) {
+    if (fd != pipe_fd) ::close(fd);
+  }
+  pid_t groups[4096];
+  std::size_t n = 0;
+  for (;;) {
+    pid_t g = 0;
+    const ssize_t r = ::read(pipe_fd, &g, sizeof g);
+    if (r < 0 && errno == EINTR) continue;
+    if (r != static_cast<ssize_t>(sizeof g)) break;  // the launcher is gone
+    if (g > 1 && n < sizeof groups / sizeof groups[0]) groups[n++] = g;
+  }
+  for (std::size_t i = 0; i < n; ++i) ::kill(-groups[i], SIGKILL);
+  for (int pass = 0; pass < 50; ++pass) {
+    if (kill_tagged(tag, tag_len) == 0) break;
+    const timespec pause{0, 20 * 1000 * 1000};
+    ::nanosleep(&pause, nullptr);
+  }
+  ::_exit(0);
+}
+
+/// Owns the guardian process (see the file comment). Create it before any thread starts.
+class LaunchGuardian {
+ public:
+  /// Forks the guardian; `tag` is the "DDPRUN_JOB_<random>=1" entry every worker gets.
+  explicit LaunchGuardian(std::string tag) : tag_(std::move(tag)) {
+    int p[2];
+    if (::pipe2(p, O_CLOEXEC) != 0) fail_errno(errno, "pipe2 (launcher guardian)");
+    const pid_t pid = ::fork();
+    if (pid < 0) {
+      ::close(p[0]);
+      ::close(p[1]);
+      fail_errno(errno, "fork (launcher guardian)");
+    }
+    if (pid == 0) {
+      ::close(p[1]);
+      guardian_main(p[0], tag_.c_str(), tag_.size());
+    }
+    ::close(p[0]);
+    pid_ = pid;
+    write_fd_ = p[1];
+  }
+  LaunchGuardian(const LaunchGuardian&) = delete;
+  LaunchGuardian& operator=(const LaunchGuardian&) = delete;
+
+  /// Closes the pipe: the guardian sweeps, and this waits for it (at most ~2 s), so nothing the
+  /// workers started is left when the launcher returns.
+  ~LaunchGuardian() {
+    ::close(write_fd_);
+    for (int i = 0; i < 200; ++i) {
+      const pid_t r = ::waitpid(pid_, nullptr, WNOHANG);
+      if (r == pid_ || (r < 0 && errno != EINTR)) return;
+      const timespec pause{0, 10 * 1000 * 1000};
+      ::nanosleep(&pause, nullptr);
+    }
+  }
+
+  [[nodiscard]] const std::string& tag() const noexcept { return tag_; }
+  [[nodiscard]] pid_t pid() const noexcept { return pid_; }
+
+  /// Tells the guardian about a worker's process group.
+  void watch(pid_t group) const noexcept {
+    ssize_t r;
+    do r = ::write(write_fd_, &group, sizeof group);
+    while (r < 0 && errno == EINTR);
+  }
+
+ private:
+  std::string tag_;
+  pid_t pid_ = -1;
+  int write_fd_ = -1;
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/guardian.hpp
 // #include "ddp/detail/socket.hpp" (already included above)
 // #include "ddp/environment.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
@@ -10567,6 +11328,10 @@ class LaunchAgent {
     sa.sa_flags = SA_RESTART;
     struct sigaction previous[4]{};
     const int sigs[4] = {SIGINT, SIGTERM, SIGHUP, SIGCHLD};
+    // First, while no thread exists: the guardian that removes whatever the workers started
+    // however this process ends (detail/guardian.hpp).
+    guardian_ = std::make_unique<LaunchGuardian>(
+        concat(launch_tag_prefix, random_value<std::uint64_t>(), "=1"));
     if (::pipe2(launch_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) fail_errno(errno, "pipe2");
     for (int i = 0; i < 4; ++i) ::sigaction(sigs[i], &sa, &previous[i]);
     struct Restore {
@@ -10677,6 +11442,7 @@ class LaunchAgent {
     env.push_back("DDP_STORE_HOSTED=1");
     env.push_back(concat("DDP_RESTART_COUNT=", attempt));
     env.push_back(concat("TORCHELASTIC_RESTART_COUNT=", attempt));
+    if (guardian_) env.push_back(guardian_->tag());
     if (std::getenv("OMP_NUM_THREADS") == nullptr && o_.nproc_per_node > 1)
       env.emplace_back("OMP_NUM_THREADS=1");
     return env;
@@ -10720,6 +11486,7 @@ class LaunchAgent {
       ::_exit(127);
     }
     ::setpgid(pid, pid);
+    if (guardian_) guardian_->watch(pid);
     ::close(exec_err[1]);
     int e = 0;
     ssize_t n;
@@ -11031,6 +11798,7 @@ class LaunchAgent {
     say("flight recorders in ", dir, " (ddp-trace ", dir, "):\n", text);
   }
 
+  std::unique_ptr<LaunchGuardian> guardian_;  // destroyed last: sweeps after everything else
   LaunchOptions o_;
   int port_ = 0;
   int base_rank_ = 0;

@@ -4,7 +4,8 @@
 // The worker program of the launcher tests (tests/launch/test_ddprun.py): a real ddp program
 // whose behaviour each test picks with its arguments.
 //
-//   worker allreduce                  init a communicator, all_reduce, check, print
+//   worker allreduce                  init a communicator, all_reduce, check, print (then wait
+//                                     $WORKER_HOLD_MS before leaving)
 //   worker exit RANK CODE [once]      RANK exits with CODE (only in the first attempt with once);
 //                                     the others all_reduce (once) or wait to be stopped
 //   worker signal RANK SIG            RANK raises SIG (9 = SIGKILL, 11 = SIGSEGV); others wait
@@ -12,6 +13,11 @@
 //   worker lines N                    print N long lines in several partial writes each
 //   worker grandchild DIR             start a process (pid in DIR/grandchild.RANK), then fail
 //   worker loop DIR                   all_reduce forever (pid in DIR/pid.RANK)
+//   worker descendants DIR            start `sleep 300 &` through a shell and a daemon that left
+//                                     the process group (setsid), write their pids and
+//                                     DIR/pid.RANK, wait
+//   worker init-exit RANK CODE        init a communicator, then RANK exits with CODE at once; the
+//                                     others all_reduce (and fail)
 //   worker lag RANK                   three all_reduces, then RANK sleeps 30 s while the others
 //   call
 //                                     a fourth (which times out: run with DDP_TIMEOUT)
@@ -19,6 +25,7 @@
 #include <ddp/ddp.hpp>
 
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -71,6 +78,9 @@ int all_reduce_and_check() {
             << comm.local_size() << " node " << env.node_rank << " launcher " << env.launcher
             << " transport " << comm.backend().transport() << " restart "
             << ddp::detail::env_or("DDP_RESTART_COUNT", "?") << " sum ok" << std::endl;
+  // WORKER_HOLD_MS: keep the communicator (and rank 0's store) a while before leaving.
+  std::this_thread::sleep_for(
+      std::chrono::milliseconds(std::stoi(ddp::detail::env_or("WORKER_HOLD_MS", "0"))));
   return 0;
 }
 
@@ -138,6 +148,31 @@ int main(int argc, char** argv) try {
     write_file(args[1] + "/grandchild." + std::to_string(env.rank), std::to_string(pid));
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
     return env.rank == 0 ? 5 : 0;
+  }
+  if (mode == "descendants" && args.size() >= 2) {
+    const std::string r = std::to_string(env.rank);
+    if (std::system(("sleep 300 & echo $! > " + args[1] + "/bg." + r).c_str()) != 0) return 3;
+    if (const pid_t child = ::fork(); child == 0) {
+      ::setsid();  // leaves the worker's process group and session
+      if (const pid_t daemon = ::fork(); daemon == 0) {
+        ::execlp("sleep", "sleep", "300", static_cast<char*>(nullptr));
+        ::_exit(127);
+      } else {
+        write_file(args[1] + "/daemon." + r, std::to_string(daemon));
+      }
+      ::_exit(0);
+    } else {
+      ::waitpid(child, nullptr, 0);
+    }
+    write_file(args[1] + "/pid." + r, std::to_string(::getpid()));
+    wait_forever();
+  }
+  if (mode == "init-exit" && args.size() >= 3) {
+    auto comm = ddp::Communicator<ddp::backend::Host>::init();
+    if (comm.rank() == std::stoi(args[1])) ::_exit(std::stoi(args[2]));
+    std::vector<float> v(1000, 1.0f);
+    comm.all_reduce(v);
+    return 0;
   }
   if (mode == "loop" && args.size() >= 2) {
     auto comm = ddp::Communicator<ddp::backend::Host>::init();

@@ -28,6 +28,7 @@
 #include "ddp/detail/collective.hpp"
 #include "ddp/detail/crypto.hpp"
 #include "ddp/detail/reduce.hpp"
+#include "ddp/detail/rendezvous.hpp"
 #include "ddp/detail/socket.hpp"
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
@@ -38,6 +39,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -326,6 +328,8 @@ class Host {
     f.dtype = t;
     f.op = op;
     f.has_op = has_op ? 1 : 0;
+    t_->current = f;
+    t_->has_current = true;
     return f;
   }
 
@@ -456,8 +460,11 @@ class Host {
     }
     Store& store = *init.store;
     const auto deadline = detail::Deadline::after(o.timeout);
+    const HostTransport requested = requested_transport(o);
+    const std::size_t segment_request = segment_bytes(o, 0);  // 0: the transport's default
 
-    // 1. Everyone publishes who and where it is, on the interface that reaches the store.
+    // 1. Everyone publishes who and where it is, on the interface that reaches the store, and
+    //    what it was asked for; every rank must have been asked for the same.
     detail::Fd listener = detail::listen_tcp(store.local_address(), 0);
     const std::string identity = detail::host_identity();
     {
@@ -467,37 +474,30 @@ class Host {
       w.put(static_cast<std::uint32_t>(::getpid()));
       w.str(store.local_address());
       w.put(static_cast<std::uint32_t>(detail::local_port(listener.get())));
-      w.put(static_cast<std::uint8_t>(o.verify_collectives ? 1 : 0));
+      w.put(static_cast<std::uint8_t>(requested));
+      w.put(static_cast<std::uint64_t>(segment_request));
       store.set(detail::concat("peer/", rank_), rec);
     }
-    std::vector<std::string> keys;
-    for (int j = 0; j < size_; ++j) keys.push_back(detail::concat("peer/", j));
-    if (auto missing = store.missing_after(keys, o.timeout); !missing.empty()) {
-      std::string who;
-      for (const auto& k : missing) who += detail::concat(who.empty() ? "" : ", ", k.substr(5));
-      detail::fail(Errc::timeout, "rank ", rank_, ": rendezvous timed out after ",
-                   o.timeout.count(), " ms: ", size_ - static_cast<int>(missing.size()), "/", size_,
-                   " ranks joined; missing rank", missing.size() == 1 ? " " : "s ", who,
-                   ". Check that every rank was started with the same MASTER_ADDR, MASTER_PORT and "
-                   "WORLD_SIZE");
-    }
-    std::vector<std::string> identities;
+    std::vector<std::string> identities, transports, segments;
     std::vector<int> pids;
     std::vector<std::pair<std::string, int>> addrs;
-    for (int j = 0; j < size_; ++j) {
-      const std::string rec = store.get(keys[static_cast<std::size_t>(j)]);
+    for (const auto& rec : detail::gather_records(store, "peer/", rank_, size_, o.timeout)) {
       detail::ByteReader r(rec, "peer record");
       identities.push_back(r.str(4096));
       pids.push_back(static_cast<int>(r.get<std::uint32_t>()));
       auto addr = r.str(256);
       addrs.emplace_back(std::move(addr), static_cast<int>(r.get<std::uint32_t>()));
-      if ((r.get<std::uint8_t>() != 0) != o.verify_collectives) {
-        detail::fail(Errc::invalid_argument, "rank ", rank_, ": Options::verify_collectives is ",
-                     o.verify_collectives ? "on" : "off", " here but ",
-                     o.verify_collectives ? "off" : "on", " on rank ", j,
-                     "; every rank must use the same setting (DDP_VERIFY_COLLECTIVES)");
-      }
+      const auto t = r.get<std::uint8_t>();
+      transports.push_back(t == static_cast<std::uint8_t>(HostTransport::shm)   ? "shm"
+                           : t == static_cast<std::uint8_t>(HostTransport::tcp) ? "tcp"
+                                                                                : "automatic");
+      const auto seg = r.get<std::uint64_t>();
+      segments.push_back(seg == 0 ? std::string("the default") : std::to_string(seg));
     }
+    detail::require_agreement(rank_, "the host transport (Options::transport, DDP_HOST_TRANSPORT)",
+                              "every rank must ask for the same transport", transports);
+    detail::require_agreement(rank_, "the segment size (Options::segment_bytes, DDP_SEGMENT_BYTES)",
+                              "every rank must use the same segment size", segments);
     local_leader_ = rank_;
     for (int j = 0; j < size_; ++j) {
       if (identities[static_cast<std::size_t>(j)] != identity) continue;
@@ -507,29 +507,19 @@ class Host {
     }
     const bool one_host = local_size_ == size_;
 
-    // 2. Pick the transport: every rank computes the same answer from the same records.
-    HostTransport choice = o.transport;
-    if (choice == HostTransport::automatic) {
-      const std::string forced = detail::env_or("DDP_HOST_TRANSPORT", "");
-      if (forced == "tcp")
-        choice = HostTransport::tcp;
-      else if (forced == "shm")
-        choice = HostTransport::shm;
-      else if (!forced.empty() && forced != "auto") {
-        detail::fail(Errc::invalid_argument, "DDP_HOST_TRANSPORT=\"", forced,
-                     "\": use shm, tcp or auto");
-      }
-    }
+    // 2. Pick the transport: every rank computes the same answer from the same records (rank 0
+    //    may still fall back from shm to tcp when /dev/shm is too small; it says so in its record).
+    HostTransport choice = requested;
     if (choice == HostTransport::automatic)
       choice = one_host ? HostTransport::shm : HostTransport::tcp;
     if (choice == HostTransport::shm && !one_host) {
       detail::fail(Errc::invalid_argument, "rank ", rank_,
                    ": the shm transport was requested but the ranks are on more than one host");
     }
-
-    if (choice == HostTransport::shm) {
-      connect_shm(store, o, pids);
-    } else {
+    if (choice == HostTransport::shm && !connect_shm(store, o, pids, requested)) {
+      choice = HostTransport::tcp;
+    }
+    if (choice == HostTransport::tcp) {
       detail::TcpTransport::SessionKey key{};
       if (rank_ == 0) {
         detail::random_bytes(key.data(), key.size());
@@ -539,11 +529,30 @@ class Host {
         if (k.size() != key.size()) detail::fail(Errc::protocol, "bad session key in the store");
         std::memcpy(key.data(), k.data(), key.size());
       }
-      auto peers = detail::TcpTransport::connect_mesh(rank_, size_, listener, addrs, key, deadline);
+      // A rank that fails meanwhile says so in the store ("failed"): stop waiting then.
+      const auto peer_failed = [&store] {
+        const std::string failed = "failed";
+        if (store.check(std::span<const std::string>(&failed, 1))) (void)store.get(failed);
+      };
+      auto peers = detail::TcpTransport::connect_mesh(rank_, size_, listener, addrs, key, deadline,
+                                                      peer_failed);
       t_ = std::make_unique<detail::TcpTransport>(rank_, size_, o.timeout, std::move(peers),
                                                   segment_bytes(o, std::size_t{4} << 20));
     }
     t_->verify_fingerprints = o.verify_collectives;
+  }
+
+  /// Options::transport, else $DDP_HOST_TRANSPORT.
+  static HostTransport requested_transport(const Options& o) {
+    if (o.transport != HostTransport::automatic) return o.transport;
+    const std::string forced = detail::env_or("DDP_HOST_TRANSPORT", "");
+    if (forced == "tcp") return HostTransport::tcp;
+    if (forced == "shm") return HostTransport::shm;
+    if (!forced.empty() && forced != "auto") {
+      detail::fail(Errc::invalid_argument, "DDP_HOST_TRANSPORT=\"", forced,
+                   "\": use shm, tcp or auto");
+    }
+    return HostTransport::automatic;
   }
 
   /// Options::segment_bytes, else $DDP_SEGMENT_BYTES, else the transport's default.
@@ -554,33 +563,55 @@ class Host {
     return n ? static_cast<std::size_t>(*n) : fallback;
   }
 
-  void connect_shm(Store& store, const Options& o, const std::vector<int>& pids) {
+  /// Largest shm slot: a round moves at most one slot, and rounds this large already run at
+  /// memory speed, so larger requests are clamped here rather than reserve memory nobody reads.
+  static constexpr std::size_t max_shm_slot = std::size_t{64} << 20;
+
+  /// Sets up the shared-memory transport; false when rank 0 found /dev/shm too small and the
+  /// ranks fall back to tcp (an error instead when shm was asked for explicitly).
+  bool connect_shm(Store& store, const Options& o, const std::vector<int>& pids,
+                   HostTransport requested) {
     detail::ShmLayout layout;
     layout.world = size_;
     auto segment = std::make_unique<detail::ShmSegment>();
     std::uint64_t cookie = 0;
     if (rank_ == 0) {
       const std::size_t slot = segment_bytes(o, std::size_t{512} << 10);
-      layout.slot_bytes = std::clamp<std::size_t>(detail::ShmLayout::align_up(slot, 4096), 4096,
-                                                  std::size_t{1} << 30);
+      layout.slot_bytes =
+          std::clamp<std::size_t>(detail::ShmLayout::align_up(slot, 4096), 4096, max_shm_slot);
       layout.channel_bytes = std::size_t{256} << 10;
       cookie = detail::random_value<std::uint64_t>();
-      const std::string segment_name = detail::concat("/ddp-", ::getuid(), "-", ::getpid(), "-",
-                                                      detail::random_value<std::uint32_t>());
-      segment->create(segment_name, layout.total());
-      detail::ShmTransport::format(segment->base(), layout, cookie);
+      std::string why;
+      const bool made = segment->create(layout.total(), why);
       std::string rec;
       detail::ByteWriter w(rec);
-      w.str(segment_name);
+      if (!made) {
+        if (requested == HostTransport::shm) {
+          detail::fail(Errc::backend, "rank 0: the shm transport cannot start: ", why,
+                       ". Give /dev/shm more room (e.g. docker run --shm-size=1g), use a smaller "
+                       "DDP_SEGMENT_BYTES, or DDP_HOST_TRANSPORT=tcp");
+        }
+        std::fprintf(stderr,
+                     "ddp: rank 0: %s; using the tcp transport instead (give /dev/shm more "
+                     "room, e.g. docker run --shm-size=1g, or set DDP_HOST_TRANSPORT=tcp)\n",
+                     why.c_str());
+        w.put(std::uint8_t{0});
+        store.set("shm", rec);
+        return false;
+      }
+      detail::ShmTransport::format(segment->base(), layout, cookie);
+      w.put(std::uint8_t{1});
+      w.str(segment->path());
       w.put(cookie);
       w.put(static_cast<std::uint64_t>(layout.slot_bytes));
       w.put(static_cast<std::uint64_t>(layout.channel_bytes));
       store.set("shm", rec);
-      // Unlink as soon as everyone has mapped it: from then on a crash leaves nothing behind.
+      // The others open the segment through this process's descriptor, which is closed once
+      // all have mapped it (the segment never has a name: a crash leaves nothing behind).
       std::vector<std::string> mapped;
       for (int j = 1; j < size_; ++j) mapped.push_back(detail::concat("mapped/", j));
       const auto missing = store.missing_after(mapped, o.timeout);
-      segment->unlink();
+      segment->close_descriptor();
       if (!missing.empty()) {
         detail::fail(Errc::timeout, "rank 0: ", missing.size(),
                      " rank(s) did not map the shared memory segment in time");
@@ -588,16 +619,22 @@ class Host {
     } else {
       const std::string rec = store.get("shm");
       detail::ByteReader r(rec, "shm record");
-      const std::string segment_name = r.str(255);
+      if (r.get<std::uint8_t>() == 0) return false;  // rank 0 fell back to tcp
+      const std::string path = r.str(255);
       cookie = r.get<std::uint64_t>();
       layout.slot_bytes = static_cast<std::size_t>(r.get<std::uint64_t>());
       layout.channel_bytes = static_cast<std::size_t>(r.get<std::uint64_t>());
-      segment->open(segment_name, layout.total());
+      if (layout.slot_bytes == 0 || layout.slot_bytes > max_shm_slot || layout.channel_bytes == 0 ||
+          layout.channel_bytes > max_shm_slot) {
+        detail::fail(Errc::protocol, "rank ", rank_, ": bad shm record from rank 0");
+      }
+      segment->open(path, layout.total());
       detail::ShmTransport::verify(segment->base(), layout, cookie);
       store.set(detail::concat("mapped/", rank_), "");
     }
     t_ = std::make_unique<detail::ShmTransport>(rank_, size_, o.timeout, layout, std::move(segment),
                                                 pids);
+    return true;
   }
 
   int rank_;

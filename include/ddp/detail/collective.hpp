@@ -12,11 +12,29 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <string_view>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
+
+/// The largest buffer, in bytes, a collective accepts (what a pointer difference can express):
+/// element counts are checked against it, so no byte size computed from them can wrap.
+inline constexpr std::size_t max_buffer_bytes =
+    static_cast<std::size_t>(std::numeric_limits<std::ptrdiff_t>::max());
+
+/// Whether total == part * p exactly, with no overflow in the product.
+[[nodiscard]] constexpr bool is_product(std::size_t total, std::size_t part,
+                                        std::size_t p) noexcept {
+  return p != 0 && total % p == 0 && total / p == part;
+}
+
+/// "part x p = product", or that the product overflows.
+[[nodiscard]] inline std::string product_text(std::size_t part, std::size_t p) {
+  if (p != 0 && part > max_buffer_bytes / p) return concat(part, " x ", p, " (which overflows)");
+  return concat(part, " x ", p, " = ", part * p);
+}
 
 /// A type-erased buffer: `count` elements of `dtype`.
 struct Buf {

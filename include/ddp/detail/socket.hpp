@@ -18,6 +18,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -93,6 +94,15 @@ inline void set_nonblocking(int fd, bool on) {
   if (::fcntl(fd, F_SETFL, on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK)) < 0) {
     fail_errno(errno, "fcntl(F_SETFL)");
   }
+}
+
+/// Raises the soft limit on open descriptors to the hard limit (a server holding one descriptor
+/// per client runs out at the common default of 1024 long before memory does). Best effort.
+inline void raise_fd_limit() noexcept {
+  rlimit lim{};
+  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur >= lim.rlim_max) return;
+  lim.rlim_cur = lim.rlim_max;
+  (void)::setrlimit(RLIMIT_NOFILE, &lim);
 }
 
 inline void set_nodelay(int fd) {

@@ -5,8 +5,9 @@
 /// \file
 /// The shared-memory transport of the Host backend (all ranks on one host).
 ///
-/// One POSIX shared-memory segment per communicator, created by rank 0, opened by the others and
-/// unlinked as soon as every rank has mapped it, so a crash leaves nothing in /dev/shm. It holds:
+/// One shared-memory segment per communicator, created by rank 0 without a name (see ShmSegment)
+/// and opened by the others through rank 0's descriptor, so a crash at any moment leaves nothing
+/// in /dev/shm. It holds:
 ///  * a header: the abort word (the first failure, so peers fail fast) and the futex wake word;
 ///  * per rank a control block: on its own cache line the round word (the round number and a
 ///    32-bit digest of the collective's fingerprint), on another the two full fingerprints
@@ -31,6 +32,8 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -113,7 +116,10 @@ struct ShmChannelCtl {
 };
 static_assert(sizeof(ShmChannelCtl) <= ShmLayout::channel_ctl_bytes);
 
-/// A mapped shared-memory segment.
+/// A mapped shared-memory segment that never has a name: rank 0 creates it as an unnamed file
+/// in /dev/shm (O_TMPFILE; memfd_create where /dev/shm cannot), the other ranks open it through
+/// rank 0's descriptor (/proc/<pid>/fd/<n>) while rank 0 holds it. No kill at any moment can
+/// leave anything behind in /dev/shm; the memory goes when the last rank unmaps it.
 class ShmSegment {
  public:
   ShmSegment() = default;
@@ -121,43 +127,90 @@ class ShmSegment {
   ShmSegment& operator=(const ShmSegment&) = delete;
   ~ShmSegment() {
     if (base_ != nullptr) ::munmap(base_, size_);
-    if (!unlinked_ && !name_.empty()) ::shm_unlink(name_.c_str());
   }
 
-  /// Creates, sizes and pre-faults a new segment (first touch is slow: pay it once, here).
-  void create(const std::string& name, std::size_t size) {
-    Fd fd(::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600));
-    if (!fd) fail_errno(errno, "shm_open(", name, ", O_CREAT)");
-    name_ = name;
-    if (::ftruncate(fd.get(), static_cast<off_t>(size)) != 0) {
-      fail_errno(errno, "ftruncate(", name, ", ", size, " bytes): is /dev/shm large enough?");
+  /// Bytes of the segment that are touched once at creation, so the first collectives do not
+  /// pay first-touch page faults; beyond this pages are faulted in lazily, where they are used.
+  static constexpr std::size_t prefault_bytes = std::size_t{64} << 20;
+
+  /// Creates a segment of `size` bytes and reserves its memory up front, so that a /dev/shm too
+  /// small for it is an error here rather than a SIGBUS at first use. Returns false, with the
+  /// reason in `why` (naming /dev/shm, its free space and the bytes needed), when the space is
+  /// not there; throws for other failures.
+  [[nodiscard]] bool create(std::size_t size, std::string& why) {
+    fd_ = Fd(::open("/dev/shm", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600));
+    std::string where = "/dev/shm";
+    if (!fd_) {
+      fd_ = Fd(static_cast<int>(::syscall(SYS_memfd_create, "ddp-shm", 1u /* MFD_CLOEXEC */)));
+      if (!fd_) fail_errno(errno, "creating shared memory: /dev/shm (O_TMPFILE) and memfd_create");
+      where = "shared memory (memfd)";
     }
-    map(fd.get(), size);
-    std::memset(base_, 0, size);
+    const std::size_t avail = free_bytes(where == "/dev/shm");
+    if (avail < size) {
+      why = concat(where, " has ", mib(avail), " free but the shm transport needs ", mib(size),
+                   " for this communicator");
+      fd_.reset();
+      return false;
+    }
+    if (const int rc = ::posix_fallocate(fd_.get(), 0, static_cast<off_t>(size)); rc != 0) {
+      why = concat("reserving ", mib(size), " in ", where, " failed: ", std::strerror(rc), " (",
+                   mib(free_bytes(where == "/dev/shm")), " free)");
+      fd_.reset();
+      return false;
+    }
+    map(fd_.get(), size);
+    // The file reads as zeros; touch the head (header, control blocks, the first slots) once.
+    const std::size_t head = std::min(size, prefault_bytes);
+#ifdef MADV_POPULATE_WRITE
+    if (::madvise(base_, head, MADV_POPULATE_WRITE) == 0) return true;
+#endif
+    for (std::size_t i = 0; i < head; i += 4096) reinterpret_cast<volatile char*>(base_)[i] = 0;
+    return true;
   }
 
-  /// Maps an existing segment of exactly `size` bytes.
-  void open(const std::string& name, std::size_t size) {
-    Fd fd(::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0));
-    if (!fd) fail_errno(errno, "shm_open(", name, ")");
+  /// Where another process of the same host opens this segment while the creator holds it.
+  [[nodiscard]] std::string path() const { return concat("/proc/", ::getpid(), "/fd/", fd_.get()); }
+
+  /// Maps the segment of exactly `size` bytes that another process published at `path`.
+  void open(const std::string& path, std::size_t size) {
+    Fd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
+    if (!fd) {
+      fail_errno(errno, "opening rank 0's shared memory at ", path,
+                 " (rank 0 must be alive, of the same user, and dumpable; or use "
+                 "DDP_HOST_TRANSPORT=tcp)");
+    }
     struct stat st {};
-    if (::fstat(fd.get(), &st) != 0) fail_errno(errno, "fstat(", name, ")");
+    if (::fstat(fd.get(), &st) != 0) fail_errno(errno, "fstat(", path, ")");
     if (static_cast<std::size_t>(st.st_size) != size) {
-      fail(Errc::protocol, "shared memory segment ", name, " has ", st.st_size, " bytes, expected ",
+      fail(Errc::protocol, "shared memory segment ", path, " has ", st.st_size, " bytes, expected ",
            size);
     }
     map(fd.get(), size);
-    unlinked_ = true;  // the creator unlinks
   }
 
-  void unlink() {
-    if (!unlinked_ && !name_.empty()) ::shm_unlink(name_.c_str());
-    unlinked_ = true;
-  }
+  /// The creator lets go of its descriptor once every rank has mapped the segment.
+  void close_descriptor() noexcept { fd_.reset(); }
 
   [[nodiscard]] std::byte* base() const noexcept { return static_cast<std::byte*>(base_); }
 
  private:
+  static std::string mib(std::size_t bytes) {
+    return concat(bytes / (std::size_t{1} << 20), " MiB (", bytes, " bytes)");
+  }
+
+  /// Free bytes for a new segment: in /dev/shm, or of memory (MemAvailable) for a memfd.
+  static std::size_t free_bytes(bool dev_shm) {
+    if (dev_shm) {
+      struct statvfs v {};
+      if (::statvfs("/dev/shm", &v) != 0) return SIZE_MAX;
+      return static_cast<std::size_t>(v.f_bavail) * static_cast<std::size_t>(v.f_frsize);
+    }
+    const long pages = ::sysconf(_SC_AVPHYS_PAGES);
+    const long page = ::sysconf(_SC_PAGESIZE);
+    if (pages <= 0 || page <= 0) return SIZE_MAX;
+    return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page);
+  }
+
   void map(int fd, std::size_t size) {
     void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) fail_errno(errno, "mmap of ", size, " bytes of shared memory");
@@ -167,8 +220,7 @@ class ShmSegment {
 
   void* base_ = nullptr;
   std::size_t size_ = 0;
-  std::string name_;
-  bool unlinked_ = false;
+  Fd fd_;  // the creator's, until every rank has mapped the segment
 };
 
 class ShmTransport final : public Transport {
@@ -385,9 +437,8 @@ class ShmTransport final : public Transport {
   void check_abort(const Fingerprint* fp) const {
     check_local_abort(fp);
     if (header_->abort_state.load(std::memory_order_acquire) == 2) {
-      fail(static_cast<Errc>(header_->abort_code), "rank ", rank_, ": ",
-           fp ? to_string(*fp) : std::string("operation"), ": failed because rank ",
-           header_->abort_rank, " reported: ", header_->abort_message);
+      fail(static_cast<Errc>(header_->abort_code), "rank ", rank_, ": ", describe(fp, nullptr),
+           ": failed because rank ", header_->abort_rank, " reported: ", header_->abort_message);
     }
   }
 
@@ -423,8 +474,7 @@ class ShmTransport final : public Transport {
       if (now >= next_check) {
         if (const int dead = watch_.first_dead(); dead >= 0) {
           const std::string msg =
-              concat("rank ", rank_, ": ",
-                     fp ? to_string(*fp) : std::string(what ? what : "operation"), ": rank ", dead,
+              concat("rank ", rank_, ": ", describe(fp, what), ": rank ", dead,
                      " died (its process exited); the job cannot continue with this communicator");
           publish_abort(Errc::peer_lost, concat("rank ", dead, " died (its process exited)"));
           fail(Errc::peer_lost, msg);
@@ -432,8 +482,8 @@ class ShmTransport final : public Transport {
         if (now >= deadline.at) {
           const std::string who = behind_desc();
           const std::string msg = concat(
-              "rank ", rank_, ": ", fp ? to_string(*fp) : std::string(what ? what : "operation"),
-              ": timed out after ", timeout_.count(), " ms waiting for ", who,
+              "rank ", rank_, ": ", describe(fp, what), ": timed out after ", timeout_.count(),
+              " ms waiting for ", who,
               " (shm transport); that rank is stopped, slow, or did not call this collective");
           publish_abort(Errc::timeout, concat("timed out waiting for ", who));
           fail(Errc::timeout, msg);

@@ -33,6 +33,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -60,7 +61,7 @@ class TcpTransport final : public Transport {
   /// Builds the mesh: connect to ranks below, accept ranks above (see the file comment).
   [[nodiscard]] static std::vector<Fd> connect_mesh(
       int rank, int size, Fd& listener, const std::vector<std::pair<std::string, int>>& addrs,
-      const SessionKey& key, Deadline deadline) {
+      const SessionKey& key, Deadline deadline, const std::function<void()>& check_stop = {}) {
     std::vector<Fd> peers(static_cast<std::size_t>(size));
     for (int j = 0; j < rank; ++j) {
       const auto& [host, port] = addrs[static_cast<std::size_t>(j)];
@@ -79,8 +80,9 @@ class TcpTransport final : public Transport {
     int missing = size - 1 - rank;
     set_nonblocking(listener.get(), true);
     while (missing > 0) {
+      if (check_stop) check_stop();  // throws when another rank failed meanwhile
       pollfd p{listener.get(), POLLIN, 0};
-      const int rc = ::poll(&p, 1, deadline.poll_ms(1000));
+      const int rc = ::poll(&p, 1, deadline.poll_ms(200));
       if (rc == 0 && deadline.expired()) {
         std::string who;
         for (int j = rank + 1; j < size; ++j) {
@@ -246,8 +248,7 @@ class TcpTransport final : public Transport {
     check_abort(fp);  // our own abort() shut the sockets down: report that, not a lost peer
     if (fp != nullptr && verify_fingerprints)
       collect_headers(*fp, Deadline::after(std::chrono::milliseconds(500)));
-    fail(Errc::peer_lost, "rank ", rank_, ": ",
-         fp ? to_string(*fp) : std::string(what ? what : "operation"), ": the connection to rank ",
+    fail(Errc::peer_lost, "rank ", rank_, ": ", describe(fp, what), ": the connection to rank ",
          peer,
          " closed (that process died or failed) (tcp transport); the job cannot continue with this "
          "communicator");
@@ -279,8 +280,7 @@ class TcpTransport final : public Transport {
           std::string list;
           for (int j : who) list += concat(list.empty() ? "" : ", ", j);
           // No poison(): the other ranks time out on their own, with their own message.
-          fail(Errc::timeout, "rank ", rank_, ": ",
-               fp ? to_string(*fp) : std::string(what ? what : "operation"), ": timed out after ",
+          fail(Errc::timeout, "rank ", rank_, ": ", describe(fp, what), ": timed out after ",
                timeout_.count(), " ms waiting for ", who.size() == 1 ? "rank " : "ranks ", list,
                " (tcp transport); that rank is stopped, slow, or did not call this collective");
         }

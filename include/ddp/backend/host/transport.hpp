@@ -101,6 +101,20 @@ class Transport {
   /// Without it `fp` still names the collective in messages.
   bool verify_fingerprints = true;
 
+  /// The collective in progress (set by the backend as each one starts), so that a failure in
+  /// any of its rounds, not only the first, names it and its sequence number.
+  Fingerprint current{};
+  bool has_current = false;
+
+  /// What failed, for messages: the round's fingerprint, else `what` (point-to-point), else the
+  /// collective in progress.
+  [[nodiscard]] std::string describe(const Fingerprint* fp, const char* what) const {
+    if (fp != nullptr) return to_string(*fp);
+    if (what != nullptr) return what;
+    if (has_current) return to_string(current);
+    return "operation";
+  }
+
   /// One round (see the file comment). `fp` is non-null on a collective's first round.
   virtual std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
                                                   const Fingerprint* fp) = 0;
@@ -150,7 +164,7 @@ class Transport {
   /// Throws if abort() was called on this rank.
   void check_local_abort(const Fingerprint* fp) const {
     if (const int code = local_abort_code_.load(); code != 0) {
-      fail(static_cast<Errc>(code), "rank ", rank_, ": ", fp ? to_string(fp->coll) : "operation",
+      fail(static_cast<Errc>(code), "rank ", rank_, ": ", describe(fp, nullptr),
            ": the communicator was aborted on this rank; create a new communicator to continue");
     }
   }

@@ -1,0 +1,141 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// The first steps of every communicator's rendezvous, before the backend connects:
+///  * each rank claims its rank number in the store (compare-and-set), so a second process
+///    started with the same RANK is refused at once and told who holds it;
+///  * each rank publishes the job as it sees it (world size, backend, library version,
+///    fingerprint check) and checks every other rank's record against its own, so ranks that
+///    were started differently fail together with Errc::mismatch instead of running with
+///    different views of the job (and different results).
+
+#include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+#include "ddp/detail/bytes.hpp"
+#include "ddp/detail/crypto.hpp"
+#include "ddp/error.hpp"
+#include "ddp/store.hpp"
+#include "ddp/version.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// Fails with Errc::mismatch unless every rank's `values[j]` equals this rank's, naming the ranks
+/// that differ and their values: "rank 0: the ranks disagree on WHAT: this rank has A, rank 1 has
+/// B; FIX".
+inline void require_agreement(int rank, std::string_view what, std::string_view fix,
+                              const std::vector<std::string>& values) {
+  const std::string& mine = values.at(static_cast<std::size_t>(rank));
+  std::string others;
+  int n = 0;
+  for (std::size_t j = 0; j < values.size(); ++j) {
+    if (values[j] == mine) continue;
+    if (n < 4) others += concat(", rank ", j, " has ", values[j]);
+    ++n;
+  }
+  if (n == 0) return;
+  if (n > 4) others += concat(" (and ", n - 4, " more ranks differ)");
+  fail(Errc::mismatch, "rank ", rank, ": the ranks disagree on ", what, ": this rank has ", mine,
+       others, "; ", fix);
+}
+
+/// The rendezvous timeout, naming the ranks whose `prefix<j>` key never appeared.
+[[noreturn]] inline void fail_missing_ranks(int rank, int size, std::chrono::milliseconds timeout,
+                                            const std::vector<std::string>& missing,
+                                            std::size_t prefix_len) {
+  std::string who;
+  for (const auto& k : missing) who += concat(who.empty() ? "" : ", ", k.substr(prefix_len));
+  fail(Errc::timeout, "rank ", rank, ": rendezvous timed out after ", timeout.count(),
+       " ms: ", size - static_cast<int>(missing.size()), "/", size, " ranks joined; missing rank",
+       missing.size() == 1 ? " " : "s ", who,
+       ". Check that every rank was started with the same MASTER_ADDR, MASTER_PORT and "
+       "WORLD_SIZE");
+}
+
+/// Waits up to `timeout` for `prefix<j>` of every rank j and returns their values; a timeout
+/// names the ranks that are missing.
+[[nodiscard]] inline std::vector<std::string> gather_records(Store& store, std::string_view prefix,
+                                                             int rank, int size,
+                                                             std::chrono::milliseconds timeout) {
+  std::vector<std::string> keys;
+  for (int j = 0; j < size; ++j) keys.push_back(concat(prefix, j));
+  if (auto missing = store.missing_after(keys, timeout); !missing.empty())
+    fail_missing_ranks(rank, size, timeout, missing, prefix.size());
+  std::vector<std::string> values;
+  for (const auto& k : keys) values.push_back(store.get(k));
+  return values;
+}
+
+/// What a rank believes about its job; every rank must believe the same.
+struct JobView {
+  int world_size = 1;
+  std::string backend;
+  bool verify_collectives = true;
+};
+
+/// Who this process is, as another process would be told ("pid 123 on host node7").
+[[nodiscard]] inline std::string process_label() {
+  char name[256] = {};
+  (void)::gethostname(name, sizeof name - 1);
+  return concat("pid ", ::getpid(), " on host ", name);
+}
+
+/// Claims `rank` in the store: fails with Errc::invalid_argument, naming the process that holds
+/// it, when another process claimed it first. Returns normally once the rank is this process's.
+inline void claim_rank(Store& store, int rank, std::string_view group) {
+  const std::string me =
+      concat(process_label(), " [", random_value<std::uint64_t>(), "]");  // unique per claim
+  const std::string held = store.compare_set(concat("claim/", rank), "", me);
+  if (held == me) return;
+  const std::string who = held.substr(0, held.find(" ["));
+  fail(Errc::invalid_argument, "rank ", rank, ": rank ", rank, " of group \"", group,
+       "\" is already taken by ", who, "; this process (", process_label(),
+       ") was started with the same RANK. Give every process its own RANK (0..WORLD_SIZE-1)");
+}
+
+/// Publishes this rank's view of the job and checks it against every rank's (see the file
+/// comment). Errc::mismatch names the ranks that differ and both values. `widest` is set to the
+/// largest world size any rank claimed (before a mismatch is thrown): the store's host waits for
+/// that many ranks to read the failure before it stops serving.
+inline void agree_on_job(Store& store, int rank, const JobView& job,
+                         std::chrono::milliseconds timeout, int& widest) {
+  std::string rec;
+  ByteWriter w(rec);
+  w.str(DDP_VERSION_STRING);
+  w.put(static_cast<std::uint32_t>(job.world_size));
+  w.str(job.backend);
+  w.put(static_cast<std::uint8_t>(job.verify_collectives ? 1 : 0));
+  store.set(concat("job/", rank), rec);
+  std::vector<std::string> versions, worlds, backends, verify;
+  for (const auto& r : gather_records(store, "job/", rank, job.world_size, timeout)) {
+    ByteReader rd(r, "job record");
+    versions.push_back(rd.str(64));
+    const auto ws = rd.get<std::uint32_t>();
+    worlds.push_back(std::to_string(ws));
+    if (ws <= 1u << 20) widest = std::max(widest, static_cast<int>(ws));
+    backends.push_back(rd.str(64));
+    verify.push_back(rd.get<std::uint8_t>() != 0 ? "on" : "off");
+  }
+  require_agreement(rank, "the world size", "start every rank with the same WORLD_SIZE", worlds);
+  require_agreement(rank, "the ddp version", "build every rank against the same ddp", versions);
+  require_agreement(rank, "the backend", "every rank must create the same Communicator<Backend>",
+                    backends);
+  require_agreement(rank, "Options::verify_collectives (DDP_VERIFY_COLLECTIVES)",
+                    "every rank must use the same setting", verify);
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
