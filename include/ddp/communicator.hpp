@@ -288,7 +288,14 @@ class Communicator {
       const int store_port = env.store_port != 0 ? env.store_port : env.master_port;
       const bool hosted = options.external_store || detail::env_or("DDP_STORE_HOSTED", "0") == "1";
       if (env.rank == 0 && !hosted) {
-        state->server = std::make_unique<StoreServer>(env.master_addr, store_port, so);
+        try {
+          state->server = std::make_unique<StoreServer>(env.master_addr, store_port, so);
+        } catch (const Error& e) {
+          if (e.code() != Errc::address_in_use) throw;
+          detail::fail(Errc::address_in_use, "rank 0: cannot host the rendezvous store: ", e.what(),
+                       ". Another process holds that port: a second process started with RANK=0, "
+                       "or another job on the same MASTER_PORT (pick another port)");
+        }
       }
       const std::string prefix =
           detail::concat("ddp/", detail::env_or("DDP_RESTART_COUNT", "0"), "/", options.group, "/");

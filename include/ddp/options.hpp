@@ -79,7 +79,8 @@ struct Options {
   /// backend::Host transport. $DDP_HOST_TRANSPORT (shm or tcp) overrides `automatic`.
   HostTransport transport = HostTransport::automatic;
   /// backend::Host: bytes one rank moves per round (the shared-memory slot size, the TCP
-  /// segment). 0: $DDP_SEGMENT_BYTES, else the transport's default (shm 512 KiB, tcp 4 MiB).
+  /// segment). 0: $DDP_SEGMENT_BYTES (4096 to 2^40), else the transport's default (shm 512 KiB,
+  /// tcp 4 MiB). Shared-memory slots are capped at 64 MiB. Every rank must use the same value.
   std::size_t segment_bytes = 0;
   /// The rendezvous store runs elsewhere: rank 0 does not start one. Launchers that host the
   /// store (ddprun, ddp::spawn) say so with DDP_STORE_HOSTED=1, which init() also honours.

@@ -5090,7 +5090,8 @@ struct Options {
   /// backend::Host transport. $DDP_HOST_TRANSPORT (shm or tcp) overrides `automatic`.
   HostTransport transport = HostTransport::automatic;
   /// backend::Host: bytes one rank moves per round (the shared-memory slot size, the TCP
-  /// segment). 0: $DDP_SEGMENT_BYTES, else the transport's default (shm 512 KiB, tcp 4 MiB).
+  /// segment). 0: $DDP_SEGMENT_BYTES (4096 to 2^40), else the transport's default (shm 512 KiB,
+  /// tcp 4 MiB). Shared-memory slots are capped at 64 MiB. Every rank must use the same value.
   std::size_t segment_bytes = 0;
   /// The rendezvous store runs elsewhere: rank 0 does not start one. Launchers that host the
   /// store (ddprun, ddp::spawn) say so with DDP_STORE_HOSTED=1, which init() also honours.
@@ -9058,7 +9059,14 @@ class Communicator {
       const int store_port = env.store_port != 0 ? env.store_port : env.master_port;
       const bool hosted = options.external_store || detail::env_or("DDP_STORE_HOSTED", "0") == "1";
       if (env.rank == 0 && !hosted) {
-        state->server = std::make_unique<StoreServer>(env.master_addr, store_port, so);
+        try {
+          state->server = std::make_unique<StoreServer>(env.master_addr, store_port, so);
+        } catch (const Error& e) {
+          if (e.code() != Errc::address_in_use) throw;
+          detail::fail(Errc::address_in_use, "rank 0: cannot host the rendezvous store: ", e.what(),
+                       ". Another process holds that port: a second process started with RANK=0, "
+                       "or another job on the same MASTER_PORT (pick another port)");
+        }
       }
       const std::string prefix =
           detail::concat("ddp/", detail::env_or("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
