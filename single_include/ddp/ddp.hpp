@@ -9064,8 +9064,7 @@ class Communicator {
         } catch (const Error& e) {
           if (e.code() != Errc::address_in_use) throw;
           detail::fail(Errc::address_in_use, "rank 0: cannot host the rendezvous store: ", e.what(),
-                       ". Another process holds that port: a second process started with RANK=0, "
-                       "or another job on the same MASTER_PORT (pick another port)");
+                       " (or a second process was started with RANK=0)");
         }
       }
       const std::string prefix =
