@@ -52,6 +52,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -267,6 +268,16 @@ class Communicator {
   /// connects the ranks. A world of one needs no store.
   [[nodiscard]] static Communicator init(const Environment& env = Environment::detect(),
                                          Options options = {}) {
+    try {
+      return init_unnamed(env, std::move(options));
+    } catch (const Error& e) {  // every message names the rank
+      if (std::string_view(e.what()).starts_with("rank ")) throw;
+      detail::fail(e.code(), "rank ", env.rank, ": ", e.what());
+    }
+  }
+
+ private:
+  static Communicator init_unnamed(const Environment& env, Options options) {
     auto state = std::make_shared<State>();
     state->configure(options);
     state->world_rank = env.rank;
@@ -316,6 +327,7 @@ class Communicator {
     return Communicator(std::move(state));
   }
 
+ public:
   Communicator(Communicator&&) noexcept = default;
   Communicator& operator=(Communicator&&) noexcept = default;
   Communicator(const Communicator&) = delete;
@@ -621,11 +633,14 @@ class Communicator {
         try {
           Store plain = store->unwatched();  // the waits below must not end at "failed"
           plain.set(detail::concat("exit/", world_rank_in_group), "");
-          if (server && (backend ? poison.empty() : true)) {
+          const auto limit =
+              std::min<std::chrono::milliseconds>(options.timeout, std::chrono::seconds(10));
+          if (server && backend && poison.empty()) {
             std::vector<std::string> keys;
             for (int r = 0; r < world_size; ++r) keys.push_back(detail::concat("exit/", r));
-            (void)plain.missing_after(keys, std::min<std::chrono::milliseconds>(
-                                                options.timeout, std::chrono::seconds(10)));
+            (void)plain.missing_after(keys, limit);
+          } else if (server && !backend) {
+            linger_after_failed_rendezvous(plain, limit);
           }
         } catch (...) {  // leaving anyway
         }
@@ -634,6 +649,28 @@ class Communicator {
     }
     State() = default;
     struct Inherited {};
+
+    /// The rendezvous failed here, and this process hosts the store: keep it up until every rank
+    /// that claimed its place has left (and has so read why), for at most `limit`; ranks that
+    /// never claimed one get a second to appear. Nobody waits for a rank that was never started.
+    void linger_after_failed_rendezvous(Store& plain, std::chrono::milliseconds limit) const {
+      const auto start = std::chrono::steady_clock::now();
+      for (;;) {
+        bool all_left = true, all_claimed = true;
+        for (int r = 0; r < world_size && all_left; ++r) {
+          const std::string claim = detail::concat("claim/", r);
+          const std::string left = detail::concat("exit/", r);
+          if (!plain.check(std::span<const std::string>(&claim, 1)))
+            all_claimed = false;
+          else if (!plain.check(std::span<const std::string>(&left, 1)))
+            all_left = false;
+        }
+        const auto waited = std::chrono::steady_clock::now() - start;
+        if ((all_left && (all_claimed || waited > std::chrono::seconds(1))) || waited > limit)
+          return;
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
     // Moves the members out of a fork child's copy (see ~State) without running their cleanup.
     State(State&& o, Inherited) {
       executor.reset(o.executor.release());

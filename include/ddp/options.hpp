@@ -48,6 +48,18 @@ namespace detail {
   return n;
 }
 
+/// $name as a yes/no setting: 1, true, on, yes or 0, false, off, no (any case); `fallback` when
+/// unset or empty. Anything else is Errc::invalid_argument naming the variable.
+[[nodiscard]] inline bool env_flag(const char* name, bool fallback) {
+  std::string v = env_or(name, "");
+  if (v.empty()) return fallback;
+  for (char& c : v) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+  if (v == "1" || v == "true" || v == "on" || v == "yes") return true;
+  if (v == "0" || v == "false" || v == "off" || v == "no") return false;
+  fail(Errc::invalid_argument, name, "=\"", env_or(name, ""),
+       "\" is not a yes/no setting: use 1 or 0 (also true/false, on/off, yes/no)");
+}
+
 /// $DDP_TIMEOUT (seconds, a decimal number such as 30 or 0.5) or `fallback` when unset. Anything
 /// else, or a value outside (0, 2147483] seconds, is Errc::invalid_argument naming the variable.
 [[nodiscard]] inline std::chrono::milliseconds timeout_from_env(
@@ -92,8 +104,9 @@ struct Options {
   /// backend::Host compares every collective's fingerprint (collective, dtype, count, op, root,
   /// sequence number) across ranks, so that mismatched calls raise Errc::mismatch on every rank
   /// instead of corrupting data or hanging. Every rank must use the same setting. Default: on,
-  /// unless $DDP_VERIFY_COLLECTIVES is 0 (what it costs: README, "Diagnostics").
-  bool verify_collectives = detail::env_or("DDP_VERIFY_COLLECTIVES", "1") != "0";
+  /// unless $DDP_VERIFY_COLLECTIVES is 0 (or false/off/no; other values than those and 1 are
+  /// refused) (what it costs: README, "Diagnostics").
+  bool verify_collectives = detail::env_flag("DDP_VERIFY_COLLECTIVES", true);
   /// How many recent operations each communicator remembers (the flight recorder, see
   /// trace.hpp); 0 turns it off. $DDP_TRACE_ENTRIES overrides.
   std::size_t trace_entries = 2000;

@@ -1015,14 +1015,22 @@ class Store {
         fd.reset();
         if (r == detail::IoResult::timeout) {
           detail::fail(Errc::timeout, "rendezvous store at ", where, ": no ", step,
-                       " before the timeout");
+                       " before the timeout; is something other than a ddp store listening there "
+                       "(check MASTER_ADDR/MASTER_PORT)?");
         }
         detail::fail(Errc::peer_lost, "rendezvous store at ", where,
                      " closed the connection during the ", step,
                      "; is something else listening on that port?");
       };
-      io(sp::recv_frame(fd.get(), frame, sp::handshake_frame_limit, deadline, "store hello"),
-         "hello");
+      try {
+        io(sp::recv_frame(fd.get(), frame, sp::handshake_frame_limit, deadline, "store hello"),
+           "hello");
+      } catch (const Error& e) {
+        if (e.code() != Errc::protocol) throw;
+        fd.reset();
+        detail::fail(Errc::protocol, "rendezvous store at ", where, " is not a ddp store (",
+                     e.what(), "); check MASTER_ADDR/MASTER_PORT: another program listens there");
+      }
       detail::ByteReader r(frame, "store hello");
       if (r.get<std::uint32_t>() != sp::magic) {
         fd.reset();

@@ -2351,6 +2351,7 @@ class ShmSegment {
 
  private:
   static std::string mib(std::size_t bytes) {
+    if (bytes < (std::size_t{1} << 20)) return concat(bytes / 1024, " KiB (", bytes, " bytes)");
     return concat(bytes / (std::size_t{1} << 20), " MiB (", bytes, " bytes)");
   }
 
@@ -4729,14 +4730,22 @@ class Store {
         fd.reset();
         if (r == detail::IoResult::timeout) {
           detail::fail(Errc::timeout, "rendezvous store at ", where, ": no ", step,
-                       " before the timeout");
+                       " before the timeout; is something other than a ddp store listening there "
+                       "(check MASTER_ADDR/MASTER_PORT)?");
         }
         detail::fail(Errc::peer_lost, "rendezvous store at ", where,
                      " closed the connection during the ", step,
                      "; is something else listening on that port?");
       };
-      io(sp::recv_frame(fd.get(), frame, sp::handshake_frame_limit, deadline, "store hello"),
-         "hello");
+      try {
+        io(sp::recv_frame(fd.get(), frame, sp::handshake_frame_limit, deadline, "store hello"),
+           "hello");
+      } catch (const Error& e) {
+        if (e.code() != Errc::protocol) throw;
+        fd.reset();
+        detail::fail(Errc::protocol, "rendezvous store at ", where, " is not a ddp store (",
+                     e.what(), "); check MASTER_ADDR/MASTER_PORT: another program listens there");
+      }
       detail::ByteReader r(frame, "store hello");
       if (r.get<std::uint32_t>() != sp::magic) {
         fd.reset();
@@ -4996,7 +5005,10 @@ inline void agree_on_job(Store& store, int rank, const JobView& job,
     backends.push_back(rd.str(64));
     verify.push_back(rd.get<std::uint8_t>() != 0 ? "on" : "off");
   }
-  require_agreement(rank, "the world size", "start every rank with the same WORLD_SIZE", worlds);
+  require_agreement(rank, "the world size",
+                    "start every rank with the same WORLD_SIZE (if the others are another job's "
+                    "processes, give each job its own MASTER_PORT)",
+                    worlds);
   require_agreement(rank, "the ddp version", "build every rank against the same ddp", versions);
   require_agreement(rank, "the backend", "every rank must create the same Communicator<Backend>",
                     backends);
@@ -5059,6 +5071,18 @@ namespace detail {
   return n;
 }
 
+/// $name as a yes/no setting: 1, true, on, yes or 0, false, off, no (any case); `fallback` when
+/// unset or empty. Anything else is Errc::invalid_argument naming the variable.
+[[nodiscard]] inline bool env_flag(const char* name, bool fallback) {
+  std::string v = env_or(name, "");
+  if (v.empty()) return fallback;
+  for (char& c : v) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+  if (v == "1" || v == "true" || v == "on" || v == "yes") return true;
+  if (v == "0" || v == "false" || v == "off" || v == "no") return false;
+  fail(Errc::invalid_argument, name, "=\"", env_or(name, ""),
+       "\" is not a yes/no setting: use 1 or 0 (also true/false, on/off, yes/no)");
+}
+
 /// $DDP_TIMEOUT (seconds, a decimal number such as 30 or 0.5) or `fallback` when unset. Anything
 /// else, or a value outside (0, 2147483] seconds, is Errc::invalid_argument naming the variable.
 [[nodiscard]] inline std::chrono::milliseconds timeout_from_env(
@@ -5103,8 +5127,9 @@ struct Options {
   /// backend::Host compares every collective's fingerprint (collective, dtype, count, op, root,
   /// sequence number) across ranks, so that mismatched calls raise Errc::mismatch on every rank
   /// instead of corrupting data or hanging. Every rank must use the same setting. Default: on,
-  /// unless $DDP_VERIFY_COLLECTIVES is 0 (what it costs: README, "Diagnostics").
-  bool verify_collectives = detail::env_or("DDP_VERIFY_COLLECTIVES", "1") != "0";
+  /// unless $DDP_VERIFY_COLLECTIVES is 0 (or false/off/no; other values than those and 1 are
+  /// refused) (what it costs: README, "Diagnostics").
+  bool verify_collectives = detail::env_flag("DDP_VERIFY_COLLECTIVES", true);
   /// How many recent operations each communicator remembers (the flight recorder, see
   /// trace.hpp); 0 turns it off. $DDP_TRACE_ENTRIES overrides.
   std::size_t trace_entries = 2000;
@@ -8823,6 +8848,7 @@ DDP_END_NAMESPACE
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -9038,6 +9064,16 @@ class Communicator {
   /// connects the ranks. A world of one needs no store.
   [[nodiscard]] static Communicator init(const Environment& env = Environment::detect(),
                                          Options options = {}) {
+    try {
+      return init_unnamed(env, std::move(options));
+    } catch (const Error& e) {  // every message names the rank
+      if (std::string_view(e.what()).starts_with("rank ")) throw;
+      detail::fail(e.code(), "rank ", env.rank, ": ", e.what());
+    }
+  }
+
+ private:
+  static Communicator init_unnamed(const Environment& env, Options options) {
     auto state = std::make_shared<State>();
     state->configure(options);
     state->world_rank = env.rank;
@@ -9087,6 +9123,7 @@ class Communicator {
     return Communicator(std::move(state));
   }
 
+ public:
   Communicator(Communicator&&) noexcept = default;
   Communicator& operator=(Communicator&&) noexcept = default;
   Communicator(const Communicator&) = delete;
@@ -9392,11 +9429,14 @@ class Communicator {
         try {
           Store plain = store->unwatched();  // the waits below must not end at "failed"
           plain.set(detail::concat("exit/", world_rank_in_group), "");
-          if (server && (backend ? poison.empty() : true)) {
+          const auto limit =
+              std::min<std::chrono::milliseconds>(options.timeout, std::chrono::seconds(10));
+          if (server && backend && poison.empty()) {
             std::vector<std::string> keys;
             for (int r = 0; r < world_size; ++r) keys.push_back(detail::concat("exit/", r));
-            (void)plain.missing_after(keys, std::min<std::chrono::milliseconds>(
-                                                options.timeout, std::chrono::seconds(10)));
+            (void)plain.missing_after(keys, limit);
+          } else if (server && !backend) {
+            linger_after_failed_rendezvous(plain, limit);
           }
         } catch (...) {  // leaving anyway
         }
@@ -9405,6 +9445,28 @@ class Communicator {
     }
     State() = default;
     struct Inherited {};
+
+    /// The rendezvous failed here, and this process hosts the store: keep it up until every rank
+    /// that claimed its place has left (and has so read why), for at most `limit`; ranks that
+    /// never claimed one get a second to appear. Nobody waits for a rank that was never started.
+    void linger_after_failed_rendezvous(Store& plain, std::chrono::milliseconds limit) const {
+      const auto start = std::chrono::steady_clock::now();
+      for (;;) {
+        bool all_left = true, all_claimed = true;
+        for (int r = 0; r < world_size && all_left; ++r) {
+          const std::string claim = detail::concat("claim/", r);
+          const std::string left = detail::concat("exit/", r);
+          if (!plain.check(std::span<const std::string>(&claim, 1)))
+            all_claimed = false;
+          else if (!plain.check(std::span<const std::string>(&left, 1)))
+            all_left = false;
+        }
+        const auto waited = std::chrono::steady_clock::now() - start;
+        if ((all_left && (all_claimed || waited > std::chrono::seconds(1))) || waited > limit)
+          return;
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
     // Moves the members out of a fork child's copy (see ~State) without running their cleanup.
     State(State&& o, Inherited) {
       executor.reset(o.executor.release());
@@ -10759,7 +10821,8 @@ DDP_END_NAMESPACE
 /// worker's environment, which the workers' descendants inherit.
 /// When the pipe closes (the launcher is gone, for whatever reason) the guardian kills every
 /// worker process group, then every process of this user whose environment carries the tag,
-/// repeating until none is left (a process may fork while being swept). It uses only
+/// repeating until none is left (a process may fork while being swept). What escapes: a process
+/// that both left its process group (setsid) and cleared its environment (env -i). It uses only
 /// async-signal-safe calls, so it works even if the launcher had threads when it forked.
 
 // #include "ddp/config.hpp" (already included above)
@@ -10786,17 +10849,29 @@ namespace detail {
 /// The prefix of the environment entry that marks a launcher's workers and what they start.
 inline constexpr std::string_view launch_tag_prefix = "DDPRUN_JOB_";
 
-/// Whether the NUL-separated environment block [env, env + n) has the entry `tag` ("NAME=value").
-inline bool environ_has(const char* env, std::size_t n, const char* tag, std::size_t tag_len) {
-  std::size_t i = 0;
-  while (i < n) {
-    std::size_t end = i;
-    while (end < n && env[end] != '\0') ++end;
-    if (end - i == tag_len && std::memcmp(env + i, tag, tag_len) == 0) return true;
-    i = end + 1;
+/// Finds an entry equal to `tag` in a NUL-separated environment block read piece by piece (an
+/// environment may be far larger than any buffer): feed() each piece in order.
+struct EnvironScan {
+  const char* tag;
+  std::size_t tag_len;
+  std::size_t pos = 0;  // bytes of the current entry that matched the tag
+  bool mismatch = false;
+  bool found = false;
+
+  void feed(const char* p, std::size_t n) noexcept {
+    for (std::size_t i = 0; i < n && !found; ++i) {
+      if (p[i] == '\0') {
+        found = !mismatch && pos == tag_len;
+        pos = 0;
+        mismatch = false;
+      } else if (!mismatch && pos < tag_len && p[i] == tag[pos]) {
+        ++pos;
+      } else {
+        mismatch = true;
+      }
+    }
   }
-  return false;
-}
+};
 
 /// SIGKILLs every process (other than this one) whose environment holds `tag`; returns how many.
 /// Async-signal-safe: no allocation, no stdio.
@@ -10806,7 +10881,7 @@ inline int kill_tagged(const char* tag, std::size_t tag_len) {
   const pid_t self = ::getpid();
   int killed = 0;
   alignas(8) char dents[8192];
-  char env[65536];
+  char env[16384];
   for (;;) {
     const long n = ::syscall(SYS_getdents64, proc, dents, sizeof dents);
     if (n <= 0) break;
@@ -10835,16 +10910,16 @@ inline int kill_tagged(const char* tag, std::size_t tag_len) {
       std::memcpy(path + len, "/environ", 9);
       const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
       if (fd < 0) continue;  // gone, or another user's
-      std::size_t got = 0;
+      EnvironScan scan{tag, tag_len};
       for (;;) {
-        const ssize_t r = ::read(fd, env + got, sizeof env - got);
+        const ssize_t r = ::read(fd, env, sizeof env);
         if (r < 0 && errno == EINTR) continue;
         if (r <= 0) break;
-        got += static_cast<std::size_t>(r);
-        if (got == sizeof env) break;  // the tag is set by the launcher, early in the block
+        scan.feed(env, static_cast<std::size_t>(r));
+        if (scan.found) break;
       }
       ::close(fd);
-      if (environ_has(env, got, tag, tag_len) && ::kill(pid, SIGKILL) == 0) ++killed;
+      if (scan.found && ::kill(pid, SIGKILL) == 0) ++killed;
     }
   }
   ::close(proc);

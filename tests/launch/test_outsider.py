@@ -12,6 +12,7 @@ import glob
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 import unittest
@@ -60,6 +61,31 @@ class ByHand(Base):
                     self.assertIn("the ranks disagree on the world size", err, f"rank {r}")
                     self.assertRegex(err, r"has 3\b.*has 4\b|has 4\b.*has 3\b")
                     self.assertLess(secs, 20, f"rank {r} took {secs:.1f} s")
+
+    def test_store_host_does_not_wait_for_ranks_that_never_came(self):
+        # Rank 3 believes in 5 ranks: rank 4 never exists, and rank 0 (the store) must not wait
+        # for it after the rendezvous failed.
+        port = free_port()
+        procs = [start_rank(r, 5 if r == 3 else 4, port, "allreduce", timeout_s=20)
+                 for r in range(4)]
+        for r, (code, _, err, secs) in enumerate(finish(procs)):
+            self.assertNotEqual(code, 0)
+            self.assertIn("disagree on the world size", err)
+            self.assertLess(secs, 5, f"rank {r} took {secs:.1f} s")
+
+    def test_a_port_held_by_another_program_is_named(self):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            port = s.getsockname()[1]
+            p = start_rank(1, 2, port, "allreduce", timeout_s=20)
+            conn, _ = s.accept()
+            conn.sendall(b"HTTP/1.0 200 OK\r\n\r\n" + os.urandom(64))
+            _, err = p.communicate(timeout=LIMIT)
+            conn.close()
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("rank 1: rendezvous store at", err)
+        self.assertIn("is not a ddp store", err)
 
     def test_a_rank_started_twice_is_named_and_the_job_is_unharmed(self):
         for world, ranks in ((2, [0, 1, 1]), (3, [0, 1, 1, 2])):
@@ -148,9 +174,11 @@ class Leftovers(Base):
         self.assertEqual(shm_entries() - before, set())
 
     def test_sigkill_of_ddprun_takes_everything_the_workers_started(self):
+        # An environment larger than any buffer: the job's tag comes after 70,000 bytes.
+        env = dict(os.environ, AAAA="x" * 70000)
         p = subprocess.Popen([DDPRUN, "--standalone", "--nproc-per-node", "2", WORKER,
                               "descendants", self.dir], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE)
+                             stderr=subprocess.PIPE, env=env)
         names = [f"{self.dir}/{k}.{r}" for k in ("pid", "bg", "daemon") for r in range(2)]
         pids = wait_for_files(names, p)
         p.kill()

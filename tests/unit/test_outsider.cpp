@@ -107,6 +107,22 @@ TEST_CASE("a communicator used by a fork() child fails there and leaves the pare
   }
 }
 
+TEST_CASE("DDP_VERIFY_COLLECTIVES takes yes/no words and refuses anything else") {
+  ::setenv("DDP_VERIFY_COLLECTIVES", "false", 1);
+  CHECK_FALSE(ddp::Options{}.verify_collectives);
+  ::setenv("DDP_VERIFY_COLLECTIVES", "On", 1);
+  CHECK(ddp::Options{}.verify_collectives);
+  ::setenv("DDP_VERIFY_COLLECTIVES", "maybe", 1);
+  try {
+    (void)ddp::Options{};
+    FAIL_CHECK("DDP_VERIFY_COLLECTIVES=maybe was accepted");
+  } catch (const ddp::Error& e) {
+    CHECK(e.code() == ddp::Errc::invalid_argument);
+    CHECK(std::string(e.what()).find("DDP_VERIFY_COLLECTIVES=\"maybe\"") != std::string::npos);
+  }
+  ::unsetenv("DDP_VERIFY_COLLECTIVES");
+}
+
 TEST_CASE("element counts whose byte size overflows are refused before anything is touched") {
   CHECK(ddp::detail::is_product(12, 3, 4));
   CHECK_FALSE(ddp::detail::is_product(12, 3, 5));

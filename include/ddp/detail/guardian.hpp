@@ -14,7 +14,8 @@
 /// worker's environment, which the workers' descendants inherit.
 /// When the pipe closes (the launcher is gone, for whatever reason) the guardian kills every
 /// worker process group, then every process of this user whose environment carries the tag,
-/// repeating until none is left (a process may fork while being swept). It uses only
+/// repeating until none is left (a process may fork while being swept). What escapes: a process
+/// that both left its process group (setsid) and cleared its environment (env -i). It uses only
 /// async-signal-safe calls, so it works even if the launcher had threads when it forked.
 
 #include "ddp/config.hpp"
@@ -41,17 +42,29 @@ namespace detail {
 /// The prefix of the environment entry that marks a launcher's workers and what they start.
 inline constexpr std::string_view launch_tag_prefix = "DDPRUN_JOB_";
 
-/// Whether the NUL-separated environment block [env, env + n) has the entry `tag` ("NAME=value").
-inline bool environ_has(const char* env, std::size_t n, const char* tag, std::size_t tag_len) {
-  std::size_t i = 0;
-  while (i < n) {
-    std::size_t end = i;
-    while (end < n && env[end] != '\0') ++end;
-    if (end - i == tag_len && std::memcmp(env + i, tag, tag_len) == 0) return true;
-    i = end + 1;
+/// Finds an entry equal to `tag` in a NUL-separated environment block read piece by piece (an
+/// environment may be far larger than any buffer): feed() each piece in order.
+struct EnvironScan {
+  const char* tag;
+  std::size_t tag_len;
+  std::size_t pos = 0;  // bytes of the current entry that matched the tag
+  bool mismatch = false;
+  bool found = false;
+
+  void feed(const char* p, std::size_t n) noexcept {
+    for (std::size_t i = 0; i < n && !found; ++i) {
+      if (p[i] == '\0') {
+        found = !mismatch && pos == tag_len;
+        pos = 0;
+        mismatch = false;
+      } else if (!mismatch && pos < tag_len && p[i] == tag[pos]) {
+        ++pos;
+      } else {
+        mismatch = true;
+      }
+    }
   }
-  return false;
-}
+};
 
 /// SIGKILLs every process (other than this one) whose environment holds `tag`; returns how many.
 /// Async-signal-safe: no allocation, no stdio.
@@ -61,7 +74,7 @@ inline int kill_tagged(const char* tag, std::size_t tag_len) {
   const pid_t self = ::getpid();
   int killed = 0;
   alignas(8) char dents[8192];
-  char env[65536];
+  char env[16384];
   for (;;) {
     const long n = ::syscall(SYS_getdents64, proc, dents, sizeof dents);
     if (n <= 0) break;
@@ -90,16 +103,16 @@ inline int kill_tagged(const char* tag, std::size_t tag_len) {
       std::memcpy(path + len, "/environ", 9);
       const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
       if (fd < 0) continue;  // gone, or another user's
-      std::size_t got = 0;
+      EnvironScan scan{tag, tag_len};
       for (;;) {
-        const ssize_t r = ::read(fd, env + got, sizeof env - got);
+        const ssize_t r = ::read(fd, env, sizeof env);
         if (r < 0 && errno == EINTR) continue;
         if (r <= 0) break;
-        got += static_cast<std::size_t>(r);
-        if (got == sizeof env) break;  // the tag is set by the launcher, early in the block
+        scan.feed(env, static_cast<std::size_t>(r));
+        if (scan.found) break;
       }
       ::close(fd);
-      if (environ_has(env, got, tag, tag_len) && ::kill(pid, SIGKILL) == 0) ++killed;
+      if (scan.found && ::kill(pid, SIGKILL) == 0) ++killed;
     }
   }
   ::close(proc);

@@ -129,7 +129,10 @@ inline void agree_on_job(Store& store, int rank, const JobView& job,
     backends.push_back(rd.str(64));
     verify.push_back(rd.get<std::uint8_t>() != 0 ? "on" : "off");
   }
-  require_agreement(rank, "the world size", "start every rank with the same WORLD_SIZE", worlds);
+  require_agreement(rank, "the world size",
+                    "start every rank with the same WORLD_SIZE (if the others are another job's "
+                    "processes, give each job its own MASTER_PORT)",
+                    worlds);
   require_agreement(rank, "the ddp version", "build every rank against the same ddp", versions);
   require_agreement(rank, "the backend", "every rank must create the same Communicator<Backend>",
                     backends);

@@ -195,6 +195,7 @@ class ShmSegment {
 
  private:
   static std::string mib(std::size_t bytes) {
+    if (bytes < (std::size_t{1} << 20)) return concat(bytes / 1024, " KiB (", bytes, " bytes)");
     return concat(bytes / (std::size_t{1} << 20), " MiB (", bytes, " bytes)");
   }
 
