@@ -9,7 +9,6 @@
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
-#include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -292,8 +291,6 @@ TEST_CASE("a store out of file descriptors does not spin and recovers") {
 }
 
 TEST_CASE("rank 0 killed while setting up a large shared-memory segment leaves nothing behind") {
-  struct statvfs v0 {};
-  ::statvfs("/dev/shm", &v0);
   const std::size_t names_before = ddp_shm_names();
   std::mt19937 rng(7);
   for (int run = 0; run < 3; ++run) {
@@ -332,12 +329,4 @@ TEST_CASE("rank 0 killed while setting up a large shared-memory segment leaves n
     CHECK(mp::ms_since(t0) < 15000);
   }
   CHECK(ddp_shm_names() == names_before);
-  // The memory is back too (unnamed segments go with their last process); other tests may use
-  // /dev/shm meanwhile, hence the margin.
-  struct statvfs v1 {};
-  ::statvfs("/dev/shm", &v1);
-  const auto used = [](const struct statvfs& v) {
-    return static_cast<long long>((v.f_blocks - v.f_bfree) * v.f_frsize);
-  };
-  CHECK(used(v1) - used(v0) < (256ll << 20));
 }
