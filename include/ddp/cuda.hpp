@@ -15,6 +15,8 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+#include "ddp/detail/collective.hpp"
+#include "ddp/detail/staging.hpp"
 #include "ddp/detail/string.hpp"
 #include "ddp/error.hpp"
 #include "ddp/tensor.hpp"
@@ -29,6 +31,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstddef>
+#include <memory>
 #include <span>
 #include <thread>
 #include <utility>
@@ -415,6 +418,53 @@ class CudaStager {
   std::array<CudaEvent, slots> fetched_, stored_;
   std::array<bool, slots> pending_{};
   std::array<PinnedBuffer<std::byte>, slots> slots_;
+};
+
+/// How a communicator runs a collective on CUDA buffers its backend cannot use (backend::Host, a
+/// backend::Mpi that is not CUDA-aware): through pinned host memory, with a CudaStager made on
+/// first use for the buffers' device (see detail/staging.hpp for the pipeline).
+class CudaStaging {
+ public:
+  CudaStaging(std::chrono::milliseconds timeout, std::size_t piece_bytes)
+      : timeout_(timeout), piece_bytes_(piece_bytes) {}
+
+  /// Runs f(host piece) over device buffer `b`, an elementwise collective, piece by piece.
+  template <class F>
+  void elementwise(const Buf& b, bool fetch, bool store, const F& f) {
+    const CudaDeviceGuard current(b.device.index);
+    stage_elementwise(for_device(b.device.index), b, fetch, store, piece_bytes_, f);
+  }
+
+  /// Runs f(buffers...) with every CUDA buffer among `args` (StagedArgs; `staged` says which)
+  /// staged whole. They must be on one device.
+  template <class F, class... A>
+  void whole(int rank, const char* what, const F& f, bool (*staged)(const Buf&), A... args) {
+    int device = -1;
+    for (const StagedArg& a : {args...}) {
+      if (!staged(a.buf)) continue;
+      if (device >= 0 && a.buf.device.index != device) {
+        fail(Errc::invalid_argument, "rank ", rank, ": ", what,
+             ": the buffers are on cuda:", device, " and cuda:", a.buf.device.index,
+             "; staged collectives need them on one device");
+      }
+      device = a.buf.device.index;
+    }
+    const CudaDeviceGuard current(device);
+    stage_whole(for_device(device), std::array<StagedArg, sizeof...(A)>{args...}, f);
+  }
+
+ private:
+  CudaStager& for_device(int device) {
+    if (!stager_ || stager_->device() != device) {
+      stager_.reset();
+      stager_ = std::make_unique<CudaStager>(device, timeout_);
+    }
+    return *stager_;
+  }
+
+  std::chrono::milliseconds timeout_;
+  std::size_t piece_bytes_;
+  std::unique_ptr<CudaStager> stager_;
 };
 
 }  // namespace detail

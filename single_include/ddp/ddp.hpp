@@ -1343,43 +1343,32 @@ DDP_END_NAMESPACE
 /// Every element is reduced in rank order 0..P-1 in both paths, so results are bitwise identical
 /// on every rank, in every run, for every message size and on both transports.
 
-// begin ddp/backend/host/shm.hpp
+// begin ddp/backend/backend.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// The shared-memory transport of the Host backend (all ranks on one host).
+/// The backend contract: what Communicator<Backend> needs from a backend, in one place.
 ///
-/// One shared-memory segment per communicator, created by rank 0 without a name (see ShmSegment)
-/// and opened by the others through rank 0's descriptor, so a crash at any moment leaves nothing
-/// in /dev/shm. It holds:
-///  * a header: the abort word (the first failure, so peers fail fast) and the futex wake word;
-///  * per rank a control block: on its own cache line the round word (the round number and a
-///    32-bit digest of the collective's fingerprint), on another the two full fingerprints
-///    (indexed by round parity), which peers read only when the digests differ;
-///  * per rank two data slots (double buffering by tick parity);
-///  * per ordered pair a ring buffer for send/recv.
+///  * `CommBackend<B>`: the required part — `B::create(BackendInit)`, the group's shape (rank,
+///    size, local rank/size/leader), `B::supports(Device)`, every collective on type-erased
+///    buffers (detail::Buf), barrier and abort.
+///  * `BackendInit`: what every backend is created from (rank, size, local rank, the
+///    communicator's namespace in the rendezvous store, the Options).
+///  * `backend_traits<B>`: the optional capabilities, each detected from the backend's members,
+///    each with the fallback the Communicator uses when it is absent:
 ///
-/// A round: copy the bytes peers want into my slot[tick % 2], publish the round word, wait until
-/// every peer's round reaches mine, compare digests, hand out pointers into peers' slots. Double
-/// buffering needs no extra waits: a peer can only overwrite slot[t % 2] in round t + 2, which it
-/// cannot start before I publish round t + 1, which I do only after I am done reading round t.
-
-// begin ddp/backend/host/transport.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// The interface between the Host backend's algorithms and its transports (shared memory, TCP).
+///    | capability | member | fallback |
+///    |---|---|---|
+///    | needs_store | `static constexpr bool needs_store` | true: init() rendezvous first |
+///    | device_kind | `static constexpr DeviceKind device_kind` | cpu (host memory) |
+///    | splits | `std::unique_ptr<B> split(color, key)` | split() over the store |
+///    | converts_wire | `all_reduce_as(Buf, ReduceOp, DType wire)` | convert around all_reduce |
+///    | reduces_many | `all_reduce_many(std::vector<Buf>, ReduceOp)` | one all_reduce per buffer |
+///    | has_device | `int device()` (the CUDA device it uses) | — |
 ///
-/// A collective is a sequence of *rounds*. In a round every rank offers some bytes (a list of
-/// pieces, concatenated), and every rank reads parts of other ranks' offers: want(src, dst) is
-/// the byte range of src's offer that dst reads, and every rank can compute it for every pair.
-/// round() returns, for each rank j, a pointer to want(j, me) within j's offer — straight into
-/// j's shared-memory slot, or into a scratch buffer the TCP transport received it into. The
-/// pointers stay valid until the next round. The first round of each collective carries the
-/// collective's fingerprint, which every transport compares across all ranks before any data is
-/// used, so ranks that call different collectives fail together with Errc::mismatch.
+/// backend::Host (backend/host.hpp), backend::Nccl (backend/nccl.hpp) and backend::Mpi
+/// (backend/mpi.hpp) implement it; a new backend needs only this header.
 
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
@@ -1523,207 +1512,451 @@ struct Range {
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/detail/collective.hpp
-// #include "ddp/detail/string.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// begin ddp/options.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ddp::Options: how a communicator is made (timeouts, the rendezvous secret, transports).
+
+// #include "ddp/config.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 
-#include <atomic>
+#include <charconv>
 #include <chrono>
 #include <cstddef>
-#include <span>
+#include <cstdint>
+#include <cstdlib>
+#include <optional>
 #include <string>
-#include <type_traits>
-#include <utility>
-#include <vector>
+#include <string_view>
 
 DDP_BEGIN_NAMESPACE
+
+/// How backend::Host moves bytes.
+enum class HostTransport : std::uint8_t {
+  automatic,  ///< shared memory when every rank is on this host, TCP otherwise
+  shm,        ///< shared memory (every rank must be on this host)
+  tcp,        ///< TCP, even on one host (what multi-host runs use)
+};
+
 namespace detail {
+[[nodiscard]] inline std::string env_or(const char* name, std::string_view fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? std::string(v) : std::string(fallback);
+}
+[[nodiscard]] inline std::string env_or_empty(const char* name) { return env_or(name, ""); }
 
-/// A non-owning reference to a callable (no allocation, unlike std::function).
-template <class Sig>
-class FunctionRef;
-template <class R, class... Args>
-class FunctionRef<R(Args...)> {
- public:
-  template <class F>
-    requires(!std::is_same_v<std::remove_cvref_t<F>, FunctionRef> &&
-             std::is_invocable_r_v<R, F&, Args...>)
-  FunctionRef(F&& f)
-  noexcept  // NOLINT(google-explicit-constructor)
-      : obj_(const_cast<void*>(static_cast<const void*>(&f))), call_([](void* o, Args... a) -> R {
-          return (*static_cast<std::remove_reference_t<F>*>(o))(a...);
-        }) {}
-  R operator()(Args... a) const { return call_(obj_, a...); }
+/// $name as a whole number in [min, max], or nullopt when it is unset or empty. Anything else (a
+/// sign, a unit, a number out of range) is Errc::invalid_argument naming the variable and `what`
+/// it must be.
+[[nodiscard]] inline std::optional<std::uint64_t> env_unsigned(const char* name, std::uint64_t min,
+                                                               std::uint64_t max,
+                                                               std::string_view what) {
+  const std::string v = env_or(name, "");
+  if (v.empty()) return std::nullopt;
+  std::uint64_t n = 0;
+  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+  if (ec != std::errc{} || end != v.data() + v.size() || n < min || n > max)
+    fail(Errc::invalid_argument, name, "=\"", v, "\" must be ", what);
+  return n;
+}
 
- private:
-  void* obj_;
-  R (*call_)(void*, Args...);
-};
+/// $name as a yes/no setting: 1, true, on, yes or 0, false, off, no (any case); `fallback` when
+/// unset or empty. Anything else is Errc::invalid_argument naming the variable.
+[[nodiscard]] inline bool env_flag(const char* name, bool fallback) {
+  std::string v = env_or(name, "");
+  if (v.empty()) return fallback;
+  for (char& c : v) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+  if (v == "1" || v == "true" || v == "on" || v == "yes") return true;
+  if (v == "0" || v == "false" || v == "off" || v == "no") return false;
+  fail(Errc::invalid_argument, name, "=\"", env_or(name, ""),
+       "\" is not a yes/no setting: use 1 or 0 (also true/false, on/off, yes/no)");
+}
 
-/// One part of a rank's offer.
-struct Piece {
-  const std::byte* data = nullptr;
-  std::size_t len = 0;
-};
-
-using Want = FunctionRef<Range(int src, int dst)>;
-
-/// The header that precedes every point-to-point message (both transports).
-struct P2PHeader {
-  std::uint64_t seq;
-  std::uint64_t count;
-  std::int32_t tag;
-  DType dtype;
-  std::uint8_t pad[3];
-};
-
-/// The first failure of a transport, kept so that every later call fails the same way.
-struct Poison {
-  Errc code{};
-  std::string message;
-};
-
-class Transport {
- public:
-  Transport(int rank, int size, std::chrono::milliseconds timeout)
-      : rank_(rank), size_(size), timeout_(timeout) {}
-  Transport(const Transport&) = delete;
-  Transport& operator=(const Transport&) = delete;
-  virtual ~Transport() = default;
-
-  [[nodiscard]] int rank() const noexcept { return rank_; }
-  [[nodiscard]] int size() const noexcept { return size_; }
-  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
-
-  /// Name for messages: "shm" or "tcp".
-  [[nodiscard]] virtual std::string_view name() const noexcept = 0;
-  /// The most bytes one rank may offer in one round.
-  [[nodiscard]] virtual std::size_t max_offer() const noexcept = 0;
-  /// Below this many bytes, all_reduce gathers whole buffers in one round (latency path).
-  [[nodiscard]] virtual std::size_t small_bytes() const noexcept = 0;
-
-  /// Whether rounds compare fingerprints (Options::verify_collectives; the same on every rank).
-  /// Without it `fp` still names the collective in messages.
-  bool verify_fingerprints = true;
-
-  /// The collective in progress (set by the backend as each one starts), so that a failure in
-  /// any of its rounds, not only the first, names it and its sequence number.
-  Fingerprint current{};
-  bool has_current = false;
-
-  /// What failed, for messages: the round's fingerprint, else `what` (point-to-point), else the
-  /// collective in progress.
-  [[nodiscard]] std::string describe(const Fingerprint* fp, const char* what) const {
-    if (fp != nullptr) return to_string(*fp);
-    if (what != nullptr) return what;
-    if (has_current) return to_string(current);
-    return "operation";
+/// $DDP_TIMEOUT (seconds, a decimal number such as 30 or 0.5) or `fallback` when unset. Anything
+/// else, or a value outside (0, 2147483] seconds, is Errc::invalid_argument naming the variable.
+[[nodiscard]] inline std::chrono::milliseconds timeout_from_env(
+    std::chrono::milliseconds fallback) {
+  const std::string v = env_or("DDP_TIMEOUT", "");
+  if (v.empty()) return fallback;
+  char* end = nullptr;
+  const double seconds = std::strtod(v.c_str(), &end);
+  if (end == v.c_str() || *end != '\0' || !(seconds >= 0.001) || seconds > 2147483.0) {
+    fail(Errc::invalid_argument, "DDP_TIMEOUT=\"", v,
+         "\" is not a timeout: give seconds, at least 0.001 and at most 2147483 (e.g. 300)");
   }
-
-  /// One round (see the file comment). `fp` is non-null on a collective's first round.
-  virtual std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
-                                                  const Fingerprint* fp) = 0;
-
-  /// Memory that may hold part of the next round's offer, so that data can be produced in place
-  /// instead of copied there (the shared-memory slot of the next round); nullptr when the
-  /// transport has none or `bytes` does not fit. Valid until the next round.
-  [[nodiscard]] virtual std::byte* stage(std::size_t /*bytes*/) { return nullptr; }
-
-  /// Point-to-point, matched in order per pair; the receiver checks tag, dtype and count.
-  virtual void send(const Buf& buf, int peer, int tag, std::uint64_t seq) = 0;
-  virtual void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) = 0;
-
-  /// Makes every current and future wait of this process (and, where the transport can, of its
-  /// peers) fail with `code`. Safe to call from any thread.
-  virtual void abort(Errc code, const std::string& why) = 0;
-
- protected:
-  /// "rank R: <what>: mismatched collectives: this rank called X but rank P called Y; ..."
-  [[nodiscard]] std::string mismatch_message(const Fingerprint& mine, int peer,
-                                             const Fingerprint& theirs) const {
-    return concat(
-        "rank ", rank_, ": ", to_string(mine.coll), ": mismatched collectives: this rank called ",
-        to_string(mine), " but rank ", peer, " called ", to_string(theirs),
-        "; every rank must call the same collectives, in the same order, with the same counts, "
-        "dtypes, ops and roots");
-  }
-
-  /// What recv expects from `peer`, as in messages: "recv(from rank 1, tag 7, float32, count=3)".
-  [[nodiscard]] static std::string recv_description(const Buf& buf, int peer, int tag) {
-    return concat("recv(from rank ", peer, ", tag ", tag, ", ", to_string(buf.dtype),
-                  ", count=", buf.count, ")");
-  }
-
-  /// Empty when the header is the send that matches this recv, else the error message.
-  [[nodiscard]] std::string p2p_mismatch(const Buf& buf, int peer, int tag, std::uint64_t seq,
-                                         const P2PHeader& h) const {
-    if (h.seq == seq && h.tag == tag && h.dtype == buf.dtype && h.count == buf.count) return {};
-    return concat("rank ", rank_, ": ", recv_description(buf, peer, tag), " #", seq,
-                  " got send(tag ", h.tag, ", ", to_string(h.dtype), ", count=", h.count, ") #",
-                  h.seq, "; sends and receives between a pair are matched in order and must agree");
-  }
-
-  /// Records abort() on this rank.
-  void set_local_abort(Errc code) noexcept { local_abort_code_.store(static_cast<int>(code)); }
-
-  /// Throws if abort() was called on this rank.
-  void check_local_abort(const Fingerprint* fp) const {
-    if (const int code = local_abort_code_.load(); code != 0) {
-      fail(static_cast<Errc>(code), "rank ", rank_, ": ", describe(fp, nullptr),
-           ": the communicator was aborted on this rank; create a new communicator to continue");
-    }
-  }
-
-  int rank_;
-  int size_;
-  std::chrono::milliseconds timeout_;
-
- private:
-  std::atomic<int> local_abort_code_{0};
-};
-
-/// The transport of a world of one: every round returns the rank's own offer.
-class SelfTransport final : public Transport {
- public:
-  explicit SelfTransport(std::chrono::milliseconds timeout) : Transport(0, 1, timeout) {}
-  [[nodiscard]] std::string_view name() const noexcept override { return "self"; }
-  [[nodiscard]] std::size_t max_offer() const noexcept override { return std::size_t{1} << 40; }
-  [[nodiscard]] std::size_t small_bytes() const noexcept override { return std::size_t{1} << 40; }
-
-  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
-                                          const Fingerprint*) override {
-    ptr_ = locate(offer, want(0, 0));
-    return {&ptr_, 1};
-  }
-  void send(const Buf&, int, int, std::uint64_t) override {
-    fail(Errc::invalid_argument, "rank 0: send: a world of one has no peer to send to");
-  }
-  void recv(const Buf&, int, int, std::uint64_t) override {
-    fail(Errc::invalid_argument, "rank 0: recv: a world of one has no peer to receive from");
-  }
-  void abort(Errc, const std::string&) override {}
-
-  /// Where byte `r.off` of the concatenated pieces lives (the range must lie in one piece).
-  static const std::byte* locate(std::span<const Piece> offer, Range r) {
-    if (r.len == 0) return nullptr;
-    std::size_t base = 0;
-    for (const auto& p : offer) {
-      if (r.off >= base && r.off + r.len <= base + p.len) return p.data + (r.off - base);
-      base += p.len;
-    }
-    fail(Errc::invalid_argument, "internal error: a wanted range crosses offer pieces");
-  }
-
- private:
-  const std::byte* ptr_ = nullptr;
-};
-
+  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
+}
 }  // namespace detail
+
+struct Options {
+  /// The longest any single wait may take (a collective, the rendezvous, a store call) before
+  /// Errc::timeout. A peer that dies is reported sooner (Errc::peer_lost). Default: 5 minutes,
+  /// or $DDP_TIMEOUT seconds (a malformed value throws Errc::invalid_argument naming it).
+  std::chrono::milliseconds timeout = detail::timeout_from_env(std::chrono::minutes(5));
+  /// Rendezvous secret: every rank must present it to the store. Default: $DDP_TOKEN.
+  std::string token = detail::env_or("DDP_TOKEN", "");
+  /// CUDA device for CUDA backends; -1: the local rank.
+  int device = -1;
+  /// Name of this communicator in the store; communicators made from the same store (a new one
+  /// after a failure, say) need different names.
+  std::string group = "default";
+  /// backend::Host transport. $DDP_HOST_TRANSPORT (shm or tcp) overrides `automatic`.
+  HostTransport transport = HostTransport::automatic;
+  /// backend::Host: bytes one rank moves per round (the shared-memory slot size, the TCP
+  /// segment). 0: $DDP_SEGMENT_BYTES (4096 to 2^40), else the transport's default (shm 512 KiB,
+  /// tcp 4 MiB). Shared-memory slots are capped at 64 MiB. Every rank must use the same value.
+  std::size_t segment_bytes = 0;
+  /// The rendezvous store runs elsewhere: rank 0 does not start one. Launchers that host the
+  /// store (ddprun, ddp::spawn) say so with DDP_STORE_HOSTED=1, which init() also honours.
+  bool external_store = false;
+  /// CUDA buffers given to a backend that moves host memory only (backend::Host, a backend::Mpi
+  /// whose MPI is not CUDA-aware) go through pinned host memory in pieces of this many bytes, so
+  /// that copies overlap the collective (ddp built with CUDA: the ddp::cuda target).
+  std::size_t cuda_staging_bytes = std::size_t{4} << 20;
+  /// backend::Host compares every collective's fingerprint (collective, dtype, count, op, root,
+  /// sequence number) across ranks, so that mismatched calls raise Errc::mismatch on every rank
+  /// instead of corrupting data or hanging. Every rank must use the same setting. Default: on,
+  /// unless $DDP_VERIFY_COLLECTIVES is 0 (or false/off/no; other values than those and 1 are
+  /// refused) (what it costs: README, "Diagnostics").
+  bool verify_collectives = detail::env_flag("DDP_VERIFY_COLLECTIVES", true);
+  /// How many recent operations each communicator remembers (the flight recorder, see
+  /// trace.hpp); 0 turns it off. $DDP_TRACE_ENTRIES overrides.
+  std::size_t trace_entries = 2000;
+  /// Where a communicator writes its flight recorder when an operation times out: "" nowhere,
+  /// "stderr", or a directory (one file per rank). Default: $DDP_TRACE_DUMP.
+  std::string trace_dump = detail::env_or("DDP_TRACE_DUMP", "");
+};
+
 DDP_END_NAMESPACE
-// end ddp/backend/host/transport.hpp
+// end ddp/options.hpp
+// begin ddp/store.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The rendezvous store: a TCP key-value server (run by rank 0 or by the launcher) and its
+/// clients, like c10d's TCPStore but safe to expose:
+///  * it binds the address it is given, never every interface unless asked ("0.0.0.0" / "::");
+///  * with a token (DDP_TOKEN) a client must prove it knows it: HMAC-SHA-256 over a fresh nonce
+///    from each side, compared in constant time, so a recorded handshake cannot be replayed and
+///    the token never crosses the wire; the server proves it too;
+///  * frames are length-prefixed and capped; a client that has not authenticated may only send a
+///    handshake-sized frame; buffers grow with the bytes that actually arrive, never with a
+///    length someone claims;
+///  * every call has a timeout, and waits are enforced by the server, so a client is never left
+///    reading a late reply.
+
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// begin ddp/detail/bytes.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Little-endian byte writing and bounds-checked reading, for everything ddp puts on a wire.
+/// A reader never reads past its input and never allocates more than the input could hold.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+template <class T, bool = std::is_enum_v<T>>
+struct wire_integer {
+  using type = std::make_unsigned_t<T>;
+};
+template <class T>
+struct wire_integer<T, true> {
+  using type = std::make_unsigned_t<std::underlying_type_t<T>>;
+};
+
+class ByteWriter {
+ public:
+  explicit ByteWriter(std::string& out) : out_(out) {}
+
+  template <class T>
+    requires std::is_integral_v<T> || std::is_enum_v<T>
+  void put(T value) {
+    using U = typename wire_integer<T>::type;
+    auto u = static_cast<U>(value);
+    for (std::size_t i = 0; i < sizeof(U); ++i) {
+      out_.push_back(static_cast<char>(static_cast<std::uint8_t>(u & 0xffu)));
+      if constexpr (sizeof(U) > 1) u = static_cast<U>(u >> 8);
+    }
+  }
+  void raw(const void* data, std::size_t n) { out_.append(static_cast<const char*>(data), n); }
+  void str(std::string_view s) {
+    put(static_cast<std::uint32_t>(s.size()));
+    raw(s.data(), s.size());
+  }
+
+ private:
+  std::string& out_;
+};
+
+class ByteReader {
+ public:
+  ByteReader(const void* data, std::size_t n, std::string_view what)
+      : p_(static_cast<const std::uint8_t*>(data)), left_(n), what_(what) {}
+  explicit ByteReader(std::string_view s, std::string_view what = "message")
+      : ByteReader(s.data(), s.size(), what) {}
+
+  template <class T>
+    requires std::is_integral_v<T> || std::is_enum_v<T>
+  [[nodiscard]] T get() {
+    using U = typename wire_integer<T>::type;
+    need(sizeof(U));
+    U u = 0;
+    for (std::size_t i = 0; i < sizeof(U); ++i)
+      u = static_cast<U>(u | (static_cast<U>(p_[i]) << (8 * i)));
+    p_ += sizeof(U);
+    left_ -= sizeof(U);
+    return static_cast<T>(u);
+  }
+  void raw(void* out, std::size_t n) {
+    need(n);
+    if (n != 0) std::memcpy(out, p_, n);
+    p_ += n;
+    left_ -= n;
+  }
+  [[nodiscard]] std::string_view view(std::size_t n) {
+    need(n);
+    std::string_view v(reinterpret_cast<const char*>(p_), n);
+    p_ += n;
+    left_ -= n;
+    return v;
+  }
+  /// A length-prefixed string no longer than max_len.
+  [[nodiscard]] std::string str(std::size_t max_len) {
+    const auto n = get<std::uint32_t>();
+    if (n > max_len) {
+      fail(Errc::protocol, what_, ": a string of ", n, " bytes exceeds the limit of ", max_len);
+    }
+    return std::string(view(n));
+  }
+  [[nodiscard]] std::size_t left() const noexcept { return left_; }
+  void expect_end() const {
+    if (left_ != 0) fail(Errc::protocol, what_, ": ", left_, " unexpected trailing bytes");
+  }
+
+ private:
+  void need(std::size_t n) const {
+    if (n > left_) {
+      fail(Errc::protocol, what_, " is truncated: needs ", n, " more bytes, has ", left_);
+    }
+  }
+  const std::uint8_t* p_;
+  std::size_t left_;
+  std::string_view what_;
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/bytes.hpp
+// begin ddp/detail/crypto.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// What the rendezvous handshake needs and nothing more: SHA-256 (FIPS 180-4), HMAC-SHA-256
+/// (RFC 2104), random bytes from the kernel, and a constant-time comparison.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+
+#include <fcntl.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include <array>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string_view>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+using Digest = std::array<std::uint8_t, 32>;
+
+class Sha256 {
+ public:
+  Sha256() { reset(); }
+
+  void reset() {
+    state_ = {0x6a09e667u, 0xbb67ae85u, 0x3c6ef372u, 0xa54ff53au,
+              0x510e527fu, 0x9b05688cu, 0x1f83d9abu, 0x5be0cd19u};
+    length_ = 0;
+    used_ = 0;
+  }
+
+  void update(const void* data, std::size_t n) {
+    const auto* p = static_cast<const std::uint8_t*>(data);
+    length_ += static_cast<std::uint64_t>(n) * 8u;
+    while (n > 0) {
+      const std::size_t take = std::min<std::size_t>(64 - used_, n);
+      std::memcpy(block_.data() + used_, p, take);
+      used_ += take;
+      p += take;
+      n -= take;
+      if (used_ == 64) {
+        compress();
+        used_ = 0;
+      }
+    }
+  }
+  void update(std::string_view s) { update(s.data(), s.size()); }
+
+  [[nodiscard]] Digest finish() {
+    const std::uint64_t bits = length_;
+    const std::uint8_t one = 0x80;
+    update(&one, 1);
+    const std::uint8_t zero = 0;
+    while (used_ != 56) update(&zero, 1);
+    std::uint8_t len[8];
+    for (int i = 0; i < 8; ++i) len[i] = static_cast<std::uint8_t>(bits >> (56 - 8 * i));
+    update(len, 8);
+    Digest out{};
+    for (std::size_t i = 0; i < 8; ++i) {
+      for (std::size_t j = 0; j < 4; ++j) {
+        out[4 * i + j] = static_cast<std::uint8_t>(state_[i] >> (24 - 8 * j));
+      }
+    }
+    reset();
+    return out;
+  }
+
+ private:
+  static constexpr std::uint32_t rotr(std::uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+
+  void compress() {
+    static constexpr std::uint32_t k[64] = {
+        0x428a2f98u, 0x71374491u, 0xb5c0fbcfu, 0xe9b5dba5u, 0x3956c25bu, 0x59f111f1u, 0x923f82a4u,
+        0xab1c5ed5u, 0xd807aa98u, 0x12835b01u, 0x243185beu, 0x550c7dc3u, 0x72be5d74u, 0x80deb1feu,
+        0x9bdc06a7u, 0xc19bf174u, 0xe49b69c1u, 0xefbe4786u, 0x0fc19dc6u, 0x240ca1ccu, 0x2de92c6fu,
+        0x4a7484aau, 0x5cb0a9dcu, 0x76f988dau, 0x983e5152u, 0xa831c66du, 0xb00327c8u, 0xbf597fc7u,
+        0xc6e00bf3u, 0xd5a79147u, 0x06ca6351u, 0x14292967u, 0x27b70a85u, 0x2e1b2138u, 0x4d2c6dfcu,
+        0x53380d13u, 0x650a7354u, 0x766a0abbu, 0x81c2c92eu, 0x92722c85u, 0xa2bfe8a1u, 0xa81a664bu,
+        0xc24b8b70u, 0xc76c51a3u, 0xd192e819u, 0xd6990624u, 0xf40e3585u, 0x106aa070u, 0x19a4c116u,
+        0x1e376c08u, 0x2748774cu, 0x34b0bcb5u, 0x391c0cb3u, 0x4ed8aa4au, 0x5b9cca4fu, 0x682e6ff3u,
+        0x748f82eeu, 0x78a5636fu, 0x84c87814u, 0x8cc70208u, 0x90befffau, 0xa4506cebu, 0xbef9a3f7u,
+        0xc67178f2u};
+    std::uint32_t w[64];
+    for (std::size_t i = 0; i < 16; ++i) {
+      w[i] = static_cast<std::uint32_t>(block_[4 * i]) << 24 |
+             static_cast<std::uint32_t>(block_[4 * i + 1]) << 16 |
+             static_cast<std::uint32_t>(block_[4 * i + 2]) << 8 | block_[4 * i + 3];
+    }
+    for (std::size_t i = 16; i < 64; ++i) {
+      const std::uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
+      const std::uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
+      w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    auto s = state_;
+    for (std::size_t i = 0; i < 64; ++i) {
+      const std::uint32_t e1 = rotr(s[4], 6) ^ rotr(s[4], 11) ^ rotr(s[4], 25);
+      const std::uint32_t ch = (s[4] & s[5]) ^ (~s[4] & s[6]);
+      const std::uint32_t t1 = s[7] + e1 + ch + k[i] + w[i];
+      const std::uint32_t e0 = rotr(s[0], 2) ^ rotr(s[0], 13) ^ rotr(s[0], 22);
+      const std::uint32_t maj = (s[0] & s[1]) ^ (s[0] & s[2]) ^ (s[1] & s[2]);
+      const std::uint32_t t2 = e0 + maj;
+      s[7] = s[6];
+      s[6] = s[5];
+      s[5] = s[4];
+      s[4] = s[3] + t1;
+      s[3] = s[2];
+      s[2] = s[1];
+      s[1] = s[0];
+      s[0] = t1 + t2;
+    }
+    for (std::size_t i = 0; i < 8; ++i) state_[i] += s[i];
+  }
+
+  std::array<std::uint32_t, 8> state_{};
+  std::array<std::uint8_t, 64> block_{};
+  std::uint64_t length_ = 0;
+  std::size_t used_ = 0;
+};
+
+/// HMAC-SHA-256(key, message parts...).
+template <class... Parts>
+[[nodiscard]] Digest hmac_sha256(std::string_view key, const Parts&... parts) {
+  std::array<std::uint8_t, 64> k{};
+  if (key.size() > 64) {
+    Sha256 h;
+    h.update(key);
+    const Digest d = h.finish();
+    std::memcpy(k.data(), d.data(), d.size());
+  } else {
+    std::memcpy(k.data(), key.data(), key.size());
+  }
+  std::array<std::uint8_t, 64> ipad{}, opad{};
+  for (std::size_t i = 0; i < 64; ++i) {
+    ipad[i] = static_cast<std::uint8_t>(k[i] ^ 0x36u);
+    opad[i] = static_cast<std::uint8_t>(k[i] ^ 0x5cu);
+  }
+  Sha256 inner;
+  inner.update(ipad.data(), ipad.size());
+  (inner.update(parts.data(), parts.size()), ...);
+  const Digest ih = inner.finish();
+  Sha256 outer;
+  outer.update(opad.data(), opad.size());
+  outer.update(ih.data(), ih.size());
+  return outer.finish();
+}
+
+/// Compares two byte strings without an early exit, so timing reveals nothing about where they
+/// differ.
+[[nodiscard]] inline bool constant_time_equal(std::span<const std::uint8_t> a,
+                                              std::span<const std::uint8_t> b) {
+  if (a.size() != b.size()) return false;
+  volatile std::uint8_t diff = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) diff = static_cast<std::uint8_t>(diff | (a[i] ^ b[i]));
+  return diff == 0;
+}
+
+/// Fills buf with bytes from the kernel's CSPRNG.
+inline void random_bytes(void* buf, std::size_t n) {
+  auto* p = static_cast<std::uint8_t*>(buf);
+  while (n > 0) {
+    const ssize_t r = ::getrandom(p, n, 0);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      fail_errno(errno, "getrandom");
+    }
+    p += r;
+    n -= static_cast<std::size_t>(r);
+  }
+}
+
+template <class T>
+[[nodiscard]] T random_value() {
+  T v{};
+  random_bytes(&v, sizeof v);
+  return v;
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/crypto.hpp
 // begin ddp/detail/socket.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -2042,1701 +2275,6 @@ enum class IoResult { ok, closed, timeout };
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/detail/socket.hpp
-// begin ddp/detail/wait.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Waiting for another process: spin briefly (a peer on another core answers in well under a
-/// microsecond), then sleep on a futex in shared memory, so that 4 ranks on 2 cores do not burn
-/// the core the awaited rank needs. Posters wake sleepers only when there are any (a Dekker-style
-/// handshake on `sleepers`), so the fast path costs no system call.
-///
-/// Also here: watching peer processes for death with pidfds (a dead peer makes its waiters fail
-/// with Errc::peer_lost in milliseconds, not at the timeout).
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/error.hpp" (already included above)
-
-#include <linux/futex.h>
-#include <poll.h>
-#include <sched.h>
-#include <signal.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <atomic>
-#include <cerrno>
-#include <climits>
-#include <cstdint>
-#include <ctime>
-#include <vector>
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-inline void cpu_relax() noexcept {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
-
-static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
-static_assert(sizeof(std::atomic<std::uint32_t>) == sizeof(std::uint32_t));
-
-/// FUTEX_WAIT on a word in (possibly shared) memory for at most `ns` nanoseconds.
-inline void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected, long ns) {
-  timespec ts{ns / 1000000000L, ns % 1000000000L};
-  (void)::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAIT, expected, &ts,
-                  nullptr, 0);
-}
-
-inline void futex_wake_all(std::atomic<std::uint32_t>* word) {
-  (void)::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr,
-                  nullptr, 0);
-}
-
-/// The sleeping half of the handshake; lives in shared memory.
-struct WakeWord {
-  std::atomic<std::uint32_t> epoch{0};
-  std::atomic<std::uint32_t> sleepers{0};
-
-  /// Call after publishing progress (with a seq_cst store).
-  void notify() noexcept {
-    if (sleepers.load(std::memory_order_seq_cst) != 0) {
-      epoch.fetch_add(1, std::memory_order_seq_cst);
-      futex_wake_all(&epoch);
-    }
-  }
-
-  /// Sleeps until notified (or for at most `ns`) unless `ready()` holds after registering.
-  template <class Ready>
-  void sleep_unless(Ready&& ready, long ns) noexcept {
-    sleepers.fetch_add(1, std::memory_order_seq_cst);
-    const std::uint32_t e = epoch.load(std::memory_order_seq_cst);
-    if (!ready()) futex_wait(&epoch, e, ns);
-    sleepers.fetch_sub(1, std::memory_order_seq_cst);
-  }
-};
-
-/// Number of CPUs this process may run on.
-[[nodiscard]] inline int usable_cpus() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (::sched_getaffinity(0, sizeof set, &set) != 0) return 1;
-  return CPU_COUNT(&set);
-}
-
-/// Watches processes for exit. pidfds become readable when a process exits (a zombie counts as
-/// exited); without pidfd_open (Linux < 5.3) falls back to kill(pid, 0).
-class ProcessWatch {
- public:
-  ProcessWatch() = default;
-  ProcessWatch(const ProcessWatch&) = delete;
-  ProcessWatch& operator=(const ProcessWatch&) = delete;
-  ~ProcessWatch() {
-    for (auto& w : watched_) {
-      if (w.fd >= 0) ::close(w.fd);
-    }
-  }
-
-  void add(int rank, int pid) {
-#ifdef SYS_pidfd_open
-    const int fd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
-#else
-    const int fd = -1;
-#endif
-    watched_.push_back({rank, pid, fd});
-  }
-
-  /// The rank of an exited process, or -1.
-  [[nodiscard]] int first_dead() const {
-    for (const auto& w : watched_) {
-      if (w.fd >= 0) {
-        pollfd p{w.fd, POLLIN, 0};
-        if (::poll(&p, 1, 0) == 1) return w.rank;
-      } else if (::kill(w.pid, 0) != 0 && errno == ESRCH) {
-        return w.rank;
-      }
-    }
-    return -1;
-  }
-
- private:
-  struct Watched {
-    int rank;
-    int pid;
-    int fd;
-  };
-  std::vector<Watched> watched_;
-};
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/detail/wait.hpp
-// #include "ddp/error.hpp" (already included above)
-
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <sys/statvfs.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <algorithm>
-#include <atomic>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <memory>
-#include <new>
-#include <string>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-struct ShmLayout {
-  static constexpr std::uint64_t magic = 0x3230306d68737064ull;  // "dpshm002"
-  static constexpr std::size_t header_bytes = 4096;
-  static constexpr std::size_t ctl_bytes = 256;
-  static constexpr std::size_t channel_ctl_bytes = 128;
-
-  int world = 1;
-  std::size_t slot_bytes = 0;
-  std::size_t channel_bytes = 0;
-
-  [[nodiscard]] static std::size_t align_up(std::size_t v, std::size_t a) {
-    return (v + a - 1) / a * a;
-  }
-  [[nodiscard]] std::size_t ctl_offset() const { return header_bytes; }
-  [[nodiscard]] std::size_t slots_offset() const {
-    return align_up(header_bytes + static_cast<std::size_t>(world) * ctl_bytes, 4096);
-  }
-  [[nodiscard]] std::size_t slot_offset(int rank, unsigned parity) const {
-    return slots_offset() + (static_cast<std::size_t>(rank) * 2 + parity) * slot_bytes;
-  }
-  [[nodiscard]] std::size_t channels_offset() const {
-    return slots_offset() + static_cast<std::size_t>(world) * 2 * slot_bytes;
-  }
-  [[nodiscard]] std::size_t channel_offset(int src, int dst) const {
-    return channels_offset() + (static_cast<std::size_t>(src) * static_cast<std::size_t>(world) +
-                                static_cast<std::size_t>(dst)) *
-                                   (channel_ctl_bytes + channel_bytes);
-  }
-  [[nodiscard]] std::size_t total() const {
-    return align_up(channel_offset(world - 1, world - 1) + channel_ctl_bytes + channel_bytes, 4096);
-  }
-};
-
-struct ShmHeader {
-  std::uint64_t magic;
-  std::uint64_t cookie;
-  std::uint32_t world;
-  std::uint32_t reserved;
-  std::uint64_t slot_bytes;
-  std::uint64_t channel_bytes;
-  std::uint64_t total;
-  alignas(64) WakeWord wake;
-  alignas(64) std::atomic<std::uint32_t> abort_state;  // 0 none, 1 being written, 2 set
-  std::int32_t abort_rank;
-  std::int32_t abort_code;
-  char abort_message[2048];
-};
-static_assert(sizeof(ShmHeader) <= ShmLayout::header_bytes);
-
-/// One rank's control block. Peers spin on `word`: the low 32 bits are the round number (modulo
-/// 2^32; ranks are never more than one round apart, so wrapping is harmless), the high 32 bits a
-/// digest of the round's fingerprint (0: none). One store publishes both, so checking that all
-/// ranks called the same collective costs no extra cache-line transfer; the full fingerprints lie
-/// on a line of their own, written by the owner only, read by a peer only when digests differ.
-struct ShmCtl {
-  alignas(64) std::atomic<std::uint64_t> word;
-  alignas(64) Fingerprint fp[2];
-};
-static_assert(sizeof(ShmCtl) == 128);
-static_assert(sizeof(ShmCtl) <= ShmLayout::ctl_bytes);
-
-struct ShmChannelCtl {
-  alignas(64) std::atomic<std::uint64_t> head;  // bytes written so far
-  alignas(64) std::atomic<std::uint64_t> tail;  // bytes consumed so far
-};
-static_assert(sizeof(ShmChannelCtl) <= ShmLayout::channel_ctl_bytes);
-
-/// A mapped shared-memory segment that never has a name: rank 0 creates it as an unnamed file
-/// in /dev/shm (O_TMPFILE; memfd_create where /dev/shm cannot), the other ranks open it through
-/// rank 0's descriptor (/proc/<pid>/fd/<n>) while rank 0 holds it. No kill at any moment can
-/// leave anything behind in /dev/shm; the memory goes when the last rank unmaps it.
-class ShmSegment {
- public:
-  ShmSegment() = default;
-  ShmSegment(const ShmSegment&) = delete;
-  ShmSegment& operator=(const ShmSegment&) = delete;
-  ~ShmSegment() {
-    if (base_ != nullptr) ::munmap(base_, size_);
-  }
-
-  /// Bytes of the segment that are touched once at creation, so the first collectives do not
-  /// pay first-touch page faults; beyond this pages are faulted in lazily, where they are used.
-  static constexpr std::size_t prefault_bytes = std::size_t{64} << 20;
-
-  /// Creates a segment of `size` bytes and reserves its memory up front, so that a /dev/shm too
-  /// small for it is an error here rather than a SIGBUS at first use. Returns false, with the
-  /// reason in `why` (naming /dev/shm, its free space and the bytes needed), when the space is
-  /// not there; throws for other failures.
-  [[nodiscard]] bool create(std::size_t size, std::string& why) {
-    fd_ = Fd(::open("/dev/shm", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600));
-    std::string where = "/dev/shm";
-    if (!fd_) {
-      fd_ = Fd(static_cast<int>(::syscall(SYS_memfd_create, "ddp-shm", 1u /* MFD_CLOEXEC */)));
-      if (!fd_) fail_errno(errno, "creating shared memory: /dev/shm (O_TMPFILE) and memfd_create");
-      where = "shared memory (memfd)";
-    }
-    const std::size_t avail = free_bytes(where == "/dev/shm");
-    if (avail < size) {
-      why = concat(where, " has ", mib(avail), " free but the shm transport needs ", mib(size),
-                   " for this communicator");
-      fd_.reset();
-      return false;
-    }
-    if (const int rc = ::posix_fallocate(fd_.get(), 0, static_cast<off_t>(size)); rc != 0) {
-      why = concat("reserving ", mib(size), " in ", where, " failed: ", std::strerror(rc), " (",
-                   mib(free_bytes(where == "/dev/shm")), " free)");
-      fd_.reset();
-      return false;
-    }
-    map(fd_.get(), size);
-    // The file reads as zeros; touch the head (header, control blocks, the first slots) once.
-    const std::size_t head = std::min(size, prefault_bytes);
-#ifdef MADV_POPULATE_WRITE
-    if (::madvise(base_, head, MADV_POPULATE_WRITE) == 0) return true;
-#endif
-    for (std::size_t i = 0; i < head; i += 4096) reinterpret_cast<volatile char*>(base_)[i] = 0;
-    return true;
-  }
-
-  /// Where another process of the same host opens this segment while the creator holds it.
-  [[nodiscard]] std::string path() const { return concat("/proc/", ::getpid(), "/fd/", fd_.get()); }
-
-  /// Maps the segment of exactly `size` bytes that another process published at `path`.
-  void open(const std::string& path, std::size_t size) {
-    Fd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
-    if (!fd) {
-      fail_errno(errno, "opening rank 0's shared memory at ", path,
-                 " (rank 0 must be alive, of the same user, and dumpable; or use "
-                 "DDP_HOST_TRANSPORT=tcp)");
-    }
-    struct stat st {};
-    if (::fstat(fd.get(), &st) != 0) fail_errno(errno, "fstat(", path, ")");
-    if (static_cast<std::size_t>(st.st_size) != size) {
-      fail(Errc::protocol, "shared memory segment ", path, " has ", st.st_size, " bytes, expected ",
-           size);
-    }
-    map(fd.get(), size);
-  }
-
-  /// The creator lets go of its descriptor once every rank has mapped the segment.
-  void close_descriptor() noexcept { fd_.reset(); }
-
-  [[nodiscard]] std::byte* base() const noexcept { return static_cast<std::byte*>(base_); }
-
- private:
-  static std::string mib(std::size_t bytes) {
-    if (bytes < (std::size_t{1} << 20)) return concat(bytes / 1024, " KiB (", bytes, " bytes)");
-    return concat(bytes / (std::size_t{1} << 20), " MiB (", bytes, " bytes)");
-  }
-
-  /// Free bytes for a new segment: in /dev/shm, or of memory (MemAvailable) for a memfd.
-  static std::size_t free_bytes(bool dev_shm) {
-    if (dev_shm) {
-      struct statvfs v {};
-      if (::statvfs("/dev/shm", &v) != 0) return SIZE_MAX;
-      return static_cast<std::size_t>(v.f_bavail) * static_cast<std::size_t>(v.f_frsize);
-    }
-    const long pages = ::sysconf(_SC_AVPHYS_PAGES);
-    const long page = ::sysconf(_SC_PAGESIZE);
-    if (pages <= 0 || page <= 0) return SIZE_MAX;
-    return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page);
-  }
-
-  void map(int fd, std::size_t size) {
-    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) fail_errno(errno, "mmap of ", size, " bytes of shared memory");
-    base_ = p;
-    size_ = size;
-  }
-
-  void* base_ = nullptr;
-  std::size_t size_ = 0;
-  Fd fd_;  // the creator's, until every rank has mapped the segment
-};
-
-class ShmTransport final : public Transport {
- public:
-  /// `segment` is mapped and initialized; `pids[j]` is rank j's process id.
-  ShmTransport(int rank, int size, std::chrono::milliseconds timeout, ShmLayout layout,
-               std::unique_ptr<ShmSegment> segment, const std::vector<int>& pids)
-      : Transport(rank, size, timeout),
-        layout_(layout),
-        segment_(std::move(segment)),
-        ptrs_(static_cast<std::size_t>(size)),
-        seen_(static_cast<std::size_t>(size)) {
-    header_ = reinterpret_cast<ShmHeader*>(segment_->base());
-    for (int j = 0; j < size; ++j) {
-      if (j != rank) watch_.add(j, pids[static_cast<std::size_t>(j)]);
-    }
-    oversubscribed_ = size > usable_cpus();
-    tick_ = round_of(ctl(rank)->word.load());
-  }
-
-  /// Initializes a freshly created segment (rank 0 only, before anyone else maps it).
-  static void format(std::byte* base, const ShmLayout& layout, std::uint64_t cookie) {
-    auto* h = new (base) ShmHeader{};
-    h->magic = ShmLayout::magic;
-    h->cookie = cookie;
-    h->world = static_cast<std::uint32_t>(layout.world);
-    h->slot_bytes = layout.slot_bytes;
-    h->channel_bytes = layout.channel_bytes;
-    h->total = layout.total();
-    for (int j = 0; j < layout.world; ++j)
-      new (base + layout.ctl_offset() + static_cast<std::size_t>(j) * ShmLayout::ctl_bytes)
-          ShmCtl{};
-    for (int s = 0; s < layout.world; ++s) {
-      for (int d = 0; d < layout.world; ++d)
-        new (base + layout.channel_offset(s, d)) ShmChannelCtl{};
-    }
-  }
-
-  /// Checks a segment opened by a non-creator.
-  static void verify(const std::byte* base, const ShmLayout& layout, std::uint64_t cookie) {
-    const auto* h = reinterpret_cast<const ShmHeader*>(base);
-    if (h->magic != ShmLayout::magic || h->cookie != cookie ||
-        h->world != static_cast<std::uint32_t>(layout.world) ||
-        h->slot_bytes != layout.slot_bytes || h->total != layout.total()) {
-      fail(Errc::protocol,
-           "the shared memory segment does not belong to this communicator (cookie or layout "
-           "differ)");
-    }
-  }
-
-  [[nodiscard]] std::string_view name() const noexcept override { return "shm"; }
-  [[nodiscard]] std::size_t max_offer() const noexcept override { return layout_.slot_bytes; }
-  [[nodiscard]] std::size_t small_bytes() const noexcept override {
-    return std::min<std::size_t>(layout_.slot_bytes, 16384);
-  }
-
-  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
-                                          const Fingerprint* fp) override {
-    check_abort(fp);
-    const std::uint64_t t = ++tick_;
-    const unsigned parity = static_cast<unsigned>(t & 1u);
-    std::byte* my_slot = slot(rank_, parity);
-    // Copy only what peers want, each byte once.
-    wanted_.clear();
-    for (int j = 0; j < size_; ++j) {
-      if (j == rank_) continue;
-      const Range r = want(rank_, j);
-      if (r.len != 0) wanted_.push_back(r);
-    }
-    std::sort(wanted_.begin(), wanted_.end(),
-              [](const Range& a, const Range& b) { return a.off < b.off; });
-    std::size_t copied_to = 0;
-    for (const Range& r : wanted_) {
-      std::size_t from = std::max(r.off, copied_to);
-      const std::size_t to = r.off + r.len;
-      if (to > layout_.slot_bytes)
-        fail(Errc::invalid_argument, "internal error: offer exceeds the shared memory slot");
-      std::size_t base = 0;
-      for (const Piece& p : offer) {  // copy [from, to) out of the pieces
-        const std::size_t lo = std::max(from, base), hi = std::min(to, base + p.len);
-        // Skip bytes already in place (staged in the slot by the caller).
-        if (lo < hi && my_slot + lo != p.data + (lo - base))
-          std::memcpy(my_slot + lo, p.data + (lo - base), hi - lo);
-        base += p.len;
-      }
-      copied_to = std::max(copied_to, to);
-    }
-    ShmCtl* mine = ctl(rank_);
-    std::uint64_t digest = 0;
-    if (fp != nullptr && verify_fingerprints) {
-      mine->fp[parity] = *fp;
-      digest = fingerprint_digest(*fp);
-    }
-    mine->word.store(digest << 32 | static_cast<std::uint32_t>(t), std::memory_order_seq_cst);
-    header_->wake.notify();
-
-    wait([&] { return all_reached(t); }, fp, [&] { return behind(t); });
-
-    if (digest != 0) {
-      for (int j = 0; j < size_; ++j) {
-        if (j == rank_ || seen_[static_cast<std::size_t>(j)] >> 32 == digest) continue;
-        // Digests differ, or the peer was already in round t + 1 (it cannot pass t + 1 before this
-        // rank publishes t + 1): its round-t fingerprint is in fp[parity] either way.
-        const Fingerprint theirs = ctl(j)->fp[parity];
-        if (!(theirs == *fp)) {
-          const std::string msg = mismatch_message(*fp, j, theirs);
-          publish_abort(Errc::mismatch, msg);
-          fail(Errc::mismatch, msg);
-        }
-      }
-    }
-    for (int j = 0; j < size_; ++j) {
-      const Range r = want(j, rank_);
-      if (r.len == 0)
-        ptrs_[static_cast<std::size_t>(j)] = nullptr;
-      else if (j == rank_)
-        ptrs_[static_cast<std::size_t>(j)] = SelfTransport::locate(offer, r);
-      else
-        ptrs_[static_cast<std::size_t>(j)] = slot(j, parity) + r.off;
-    }
-    return ptrs_;
-  }
-
-  /// My slot for the next round: free, since every peer has finished reading the round that used
-  /// it last (they published the current round, which they only do after that).
-  std::byte* stage(std::size_t bytes) override {
-    if (bytes > layout_.slot_bytes) return nullptr;
-    return slot(rank_, static_cast<unsigned>((tick_ + 1) & 1u));
-  }
-
-  void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
-    check_abort(nullptr);
-    const P2PHeader h{seq, buf.count, tag, buf.dtype, {}};
-    channel_write(peer, &h, sizeof h, "send", buf, tag);
-    channel_write(peer, buf.data, buf.bytes(), "send", buf, tag);
-  }
-
-  void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
-    check_abort(nullptr);
-    P2PHeader h{};
-    channel_read(peer, &h, sizeof h, "recv", buf, tag);
-    if (const std::string msg = p2p_mismatch(buf, peer, tag, seq, h); !msg.empty()) {
-      publish_abort(Errc::mismatch, msg);
-      fail(Errc::mismatch, msg);
-    }
-    channel_read(peer, buf.data, buf.bytes(), "recv", buf, tag);
-  }
-
-  void abort(Errc code, const std::string& why) override {
-    set_local_abort(code);
-    publish_abort(code, why);
-  }
-
- private:
-  [[nodiscard]] ShmCtl* ctl(int r) const {
-    return reinterpret_cast<ShmCtl*>(segment_->base() + layout_.ctl_offset() +
-                                     static_cast<std::size_t>(r) * ShmLayout::ctl_bytes);
-  }
-  [[nodiscard]] std::byte* slot(int r, unsigned parity) const {
-    return segment_->base() + layout_.slot_offset(r, parity);
-  }
-  [[nodiscard]] ShmChannelCtl* channel(int src, int dst) const {
-    return reinterpret_cast<ShmChannelCtl*>(segment_->base() + layout_.channel_offset(src, dst));
-  }
-  [[nodiscard]] std::byte* channel_data(int src, int dst) const {
-    return segment_->base() + layout_.channel_offset(src, dst) + ShmLayout::channel_ctl_bytes;
-  }
-
-  [[nodiscard]] static std::uint32_t round_of(std::uint64_t word) noexcept {
-    return static_cast<std::uint32_t>(word);
-  }
-  /// Whether a round word is of round t or later (modulo 2^32: a peer is at most one round ahead).
-  [[nodiscard]] static bool reached(std::uint64_t word, std::uint64_t t) noexcept {
-    return static_cast<std::int32_t>(round_of(word) - static_cast<std::uint32_t>(t)) >= 0;
-  }
-  [[nodiscard]] bool reached(int j, std::uint64_t t) const {
-    return reached(ctl(j)->word.load(std::memory_order_acquire), t);
-  }
-  /// Whether every rank has published round t; if so, their words are in seen_.
-  [[nodiscard]] bool all_reached(std::uint64_t t) {
-    for (int j = 0; j < size_; ++j) {
-      const std::uint64_t w = ctl(j)->word.load(std::memory_order_acquire);
-      if (!reached(w, t)) return false;
-      seen_[static_cast<std::size_t>(j)] = w;
-    }
-    return true;
-  }
-
-  [[nodiscard]] std::string behind(std::uint64_t t) const {
-    std::string who;
-    int n = 0;
-    for (int j = 0; j < size_; ++j) {
-      if (!reached(j, t)) who += concat(n++ ? ", " : "", j);
-    }
-    return concat(n == 1 ? "rank " : "ranks ", who);
-  }
-
-  /// First failure wins; later ones keep the first message.
-  void publish_abort(Errc code, const std::string& why) {
-    std::uint32_t expected = 0;
-    if (header_->abort_state.compare_exchange_strong(expected, 1)) {
-      header_->abort_rank = rank_;
-      header_->abort_code = static_cast<int>(code);
-      const std::size_t n = std::min(why.size(), sizeof header_->abort_message - 1);
-      std::memcpy(header_->abort_message, why.data(), n);
-      header_->abort_message[n] = '\0';
-      header_->abort_state.store(2, std::memory_order_seq_cst);
-    }
-    header_->wake.epoch.fetch_add(1);
-    futex_wake_all(&header_->wake.epoch);
-  }
-
-  /// Throws if this communicator was aborted here or by a peer.
-  void check_abort(const Fingerprint* fp) const {
-    check_local_abort(fp);
-    if (header_->abort_state.load(std::memory_order_acquire) == 2) {
-      fail(static_cast<Errc>(header_->abort_code), "rank ", rank_, ": ", describe(fp, nullptr),
-           ": failed because rank ", header_->abort_rank, " reported: ", header_->abort_message);
-    }
-  }
-
-  /// Spins, then sleeps, until ready(); fails on abort, on a dead peer and at the timeout.
-  template <class Ready, class Behind>
-  void wait(Ready&& ready, const Fingerprint* fp, Behind&& behind_desc,
-            const char* what = nullptr) {
-    if (ready()) return;
-    // Spin first, unless there are more ranks than cores: then the awaited rank may be waiting
-    // for this very core, so yield it at once (even a short spin of pause instructions costs
-    // more than the whole round).
-    if (!oversubscribed_) {
-      const auto spin_until = Clock::now() + std::chrono::microseconds(50);
-      do {
-        for (int i = 0; i < 64; ++i) {
-          cpu_relax();
-          if (ready()) return;
-        }
-      } while (Clock::now() < spin_until);
-    }
-    const auto deadline = Deadline::after(timeout_);
-    // Dead peers and the deadline are checked every 20 ms (a poll(2) of the peers' pidfds each
-    // time; not on every call, which would cost more than a small round).
-    auto next_check = Clock::now() + std::chrono::milliseconds(20);
-    // More ranks than cores: the rank we wait for needs this core. Hand it over with
-    // sched_yield for a while (cheap for the poster: nobody sleeps, so no futex wake-up), and
-    // only then sleep.
-    const auto yield_until = Clock::now() + std::chrono::milliseconds(2);
-    for (;;) {
-      check_abort(fp);
-      if (ready()) return;
-      const auto now = Clock::now();
-      if (now >= next_check) {
-        if (const int dead = watch_.first_dead(); dead >= 0) {
-          const std::string msg =
-              concat("rank ", rank_, ": ", describe(fp, what), ": rank ", dead,
-                     " died (its process exited); the job cannot continue with this communicator");
-          publish_abort(Errc::peer_lost, concat("rank ", dead, " died (its process exited)"));
-          fail(Errc::peer_lost, msg);
-        }
-        if (now >= deadline.at) {
-          const std::string who = behind_desc();
-          const std::string msg = concat(
-              "rank ", rank_, ": ", describe(fp, what), ": timed out after ", timeout_.count(),
-              " ms waiting for ", who,
-              " (shm transport); that rank is stopped, slow, or did not call this collective");
-          publish_abort(Errc::timeout, concat("timed out waiting for ", who));
-          fail(Errc::timeout, msg);
-        }
-        next_check = now + std::chrono::milliseconds(20);
-      }
-      if (oversubscribed_ && now < yield_until) {
-        ::sched_yield();
-        continue;
-      }
-      header_->wake.sleep_unless(ready, 5'000'000);
-    }
-  }
-
-  void channel_write(int peer, const void* data, std::size_t n, const char* what, const Buf& buf,
-                     int tag) {
-    ShmChannelCtl* ch = channel(rank_, peer);
-    std::byte* ring = channel_data(rank_, peer);
-    const std::size_t cap = layout_.channel_bytes;
-    const auto* p = static_cast<const std::byte*>(data);
-    std::uint64_t head = ch->head.load(std::memory_order_relaxed);
-    const auto desc = [&] { return concat("rank ", peer, " to receive"); };
-    const std::string op = concat(what, "(to rank ", peer, ", tag ", tag, ", ",
-                                  to_string(buf.dtype), ", count=", buf.count, ")");
-    while (n > 0) {
-      wait([&] { return head - ch->tail.load(std::memory_order_acquire) < cap; }, nullptr, desc,
-           op.c_str());
-      const std::uint64_t free_bytes = cap - (head - ch->tail.load(std::memory_order_acquire));
-      const std::size_t at = static_cast<std::size_t>(head % cap);
-      const std::size_t k =
-          std::min<std::size_t>({n, static_cast<std::size_t>(free_bytes), cap - at});
-      std::memcpy(ring + at, p, k);
-      p += k;
-      n -= k;
-      head += k;
-      ch->head.store(head, std::memory_order_seq_cst);
-      header_->wake.notify();
-    }
-  }
-
-  void channel_read(int peer, void* data, std::size_t n, const char* what, const Buf& buf,
-                    int tag) {
-    ShmChannelCtl* ch = channel(peer, rank_);
-    const std::byte* ring = channel_data(peer, rank_);
-    const std::size_t cap = layout_.channel_bytes;
-    auto* p = static_cast<std::byte*>(data);
-    std::uint64_t tail = ch->tail.load(std::memory_order_relaxed);
-    const auto desc = [&] { return concat("rank ", peer, " to send"); };
-    const std::string op = concat(what, "(from rank ", peer, ", tag ", tag, ", ",
-                                  to_string(buf.dtype), ", count=", buf.count, ")");
-    while (n > 0) {
-      wait([&] { return ch->head.load(std::memory_order_acquire) > tail; }, nullptr, desc,
-           op.c_str());
-      const std::uint64_t avail = ch->head.load(std::memory_order_acquire) - tail;
-      const std::size_t at = static_cast<std::size_t>(tail % cap);
-      const std::size_t k = std::min<std::size_t>({n, static_cast<std::size_t>(avail), cap - at});
-      std::memcpy(p, ring + at, k);
-      p += k;
-      n -= k;
-      tail += k;
-      ch->tail.store(tail, std::memory_order_seq_cst);
-      header_->wake.notify();
-    }
-  }
-
-  ShmLayout layout_;
-  std::unique_ptr<ShmSegment> segment_;
-  ShmHeader* header_ = nullptr;
-  ProcessWatch watch_;
-  bool oversubscribed_ = false;
-  std::uint64_t tick_ = 0;
-  std::vector<Range> wanted_;
-  std::vector<const std::byte*> ptrs_;
-  std::vector<std::uint64_t> seen_;  // the round words all_reached last saw
-};
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/backend/host/shm.hpp
-// begin ddp/backend/host/tcp.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// The TCP transport of the Host backend (ranks on several hosts, or DDP_HOST_TRANSPORT=tcp).
-///
-/// A full mesh of connections, made at start-up: every rank listens on the interface that
-/// reaches the store, publishes its address there, connects to lower ranks and accepts higher
-/// ones; a connection must present the communicator's session key (a random value shared through
-/// the store, which DDP_TOKEN protects) or it is dropped. A round sends, to each peer at once,
-/// the part of this rank's offer it wants and receives what this rank wants, progressing every
-/// socket with poll() until done, the timeout, or a failure. The first round of a collective
-/// starts each message with the sender's fingerprint, checked before any data is used.
-
-// #include "ddp/backend/host/transport.hpp" (already included above)
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// begin ddp/detail/bytes.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Little-endian byte writing and bounds-checked reading, for everything ddp puts on a wire.
-/// A reader never reads past its input and never allocates more than the input could hold.
-
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <string>
-#include <string_view>
-#include <type_traits>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-template <class T, bool = std::is_enum_v<T>>
-struct wire_integer {
-  using type = std::make_unsigned_t<T>;
-};
-template <class T>
-struct wire_integer<T, true> {
-  using type = std::make_unsigned_t<std::underlying_type_t<T>>;
-};
-
-class ByteWriter {
- public:
-  explicit ByteWriter(std::string& out) : out_(out) {}
-
-  template <class T>
-    requires std::is_integral_v<T> || std::is_enum_v<T>
-  void put(T value) {
-    using U = typename wire_integer<T>::type;
-    auto u = static_cast<U>(value);
-    for (std::size_t i = 0; i < sizeof(U); ++i) {
-      out_.push_back(static_cast<char>(static_cast<std::uint8_t>(u & 0xffu)));
-      if constexpr (sizeof(U) > 1) u = static_cast<U>(u >> 8);
-    }
-  }
-  void raw(const void* data, std::size_t n) { out_.append(static_cast<const char*>(data), n); }
-  void str(std::string_view s) {
-    put(static_cast<std::uint32_t>(s.size()));
-    raw(s.data(), s.size());
-  }
-
- private:
-  std::string& out_;
-};
-
-class ByteReader {
- public:
-  ByteReader(const void* data, std::size_t n, std::string_view what)
-      : p_(static_cast<const std::uint8_t*>(data)), left_(n), what_(what) {}
-  explicit ByteReader(std::string_view s, std::string_view what = "message")
-      : ByteReader(s.data(), s.size(), what) {}
-
-  template <class T>
-    requires std::is_integral_v<T> || std::is_enum_v<T>
-  [[nodiscard]] T get() {
-    using U = typename wire_integer<T>::type;
-    need(sizeof(U));
-    U u = 0;
-    for (std::size_t i = 0; i < sizeof(U); ++i)
-      u = static_cast<U>(u | (static_cast<U>(p_[i]) << (8 * i)));
-    p_ += sizeof(U);
-    left_ -= sizeof(U);
-    return static_cast<T>(u);
-  }
-  void raw(void* out, std::size_t n) {
-    need(n);
-    if (n != 0) std::memcpy(out, p_, n);
-    p_ += n;
-    left_ -= n;
-  }
-  [[nodiscard]] std::string_view view(std::size_t n) {
-    need(n);
-    std::string_view v(reinterpret_cast<const char*>(p_), n);
-    p_ += n;
-    left_ -= n;
-    return v;
-  }
-  /// A length-prefixed string no longer than max_len.
-  [[nodiscard]] std::string str(std::size_t max_len) {
-    const auto n = get<std::uint32_t>();
-    if (n > max_len) {
-      fail(Errc::protocol, what_, ": a string of ", n, " bytes exceeds the limit of ", max_len);
-    }
-    return std::string(view(n));
-  }
-  [[nodiscard]] std::size_t left() const noexcept { return left_; }
-  void expect_end() const {
-    if (left_ != 0) fail(Errc::protocol, what_, ": ", left_, " unexpected trailing bytes");
-  }
-
- private:
-  void need(std::size_t n) const {
-    if (n > left_) {
-      fail(Errc::protocol, what_, " is truncated: needs ", n, " more bytes, has ", left_);
-    }
-  }
-  const std::uint8_t* p_;
-  std::size_t left_;
-  std::string_view what_;
-};
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/detail/bytes.hpp
-// begin ddp/detail/crypto.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// What the rendezvous handshake needs and nothing more: SHA-256 (FIPS 180-4), HMAC-SHA-256
-/// (RFC 2104), random bytes from the kernel, and a constant-time comparison.
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/error.hpp" (already included above)
-
-#include <fcntl.h>
-#include <sys/random.h>
-#include <unistd.h>
-
-#include <array>
-#include <cerrno>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <span>
-#include <string_view>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-using Digest = std::array<std::uint8_t, 32>;
-
-class Sha256 {
- public:
-  Sha256() { reset(); }
-
-  void reset() {
-    state_ = {0x6a09e667u, 0xbb67ae85u, 0x3c6ef372u, 0xa54ff53au,
-              0x510e527fu, 0x9b05688cu, 0x1f83d9abu, 0x5be0cd19u};
-    length_ = 0;
-    used_ = 0;
-  }
-
-  void update(const void* data, std::size_t n) {
-    const auto* p = static_cast<const std::uint8_t*>(data);
-    length_ += static_cast<std::uint64_t>(n) * 8u;
-    while (n > 0) {
-      const std::size_t take = std::min<std::size_t>(64 - used_, n);
-      std::memcpy(block_.data() + used_, p, take);
-      used_ += take;
-      p += take;
-      n -= take;
-      if (used_ == 64) {
-        compress();
-        used_ = 0;
-      }
-    }
-  }
-  void update(std::string_view s) { update(s.data(), s.size()); }
-
-  [[nodiscard]] Digest finish() {
-    const std::uint64_t bits = length_;
-    const std::uint8_t one = 0x80;
-    update(&one, 1);
-    const std::uint8_t zero = 0;
-    while (used_ != 56) update(&zero, 1);
-    std::uint8_t len[8];
-    for (int i = 0; i < 8; ++i) len[i] = static_cast<std::uint8_t>(bits >> (56 - 8 * i));
-    update(len, 8);
-    Digest out{};
-    for (std::size_t i = 0; i < 8; ++i) {
-      for (std::size_t j = 0; j < 4; ++j) {
-        out[4 * i + j] = static_cast<std::uint8_t>(state_[i] >> (24 - 8 * j));
-      }
-    }
-    reset();
-    return out;
-  }
-
- private:
-  static constexpr std::uint32_t rotr(std::uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
-
-  void compress() {
-    static constexpr std::uint32_t k[64] = {
-        0x428a2f98u, 0x71374491u, 0xb5c0fbcfu, 0xe9b5dba5u, 0x3956c25bu, 0x59f111f1u, 0x923f82a4u,
-        0xab1c5ed5u, 0xd807aa98u, 0x12835b01u, 0x243185beu, 0x550c7dc3u, 0x72be5d74u, 0x80deb1feu,
-        0x9bdc06a7u, 0xc19bf174u, 0xe49b69c1u, 0xefbe4786u, 0x0fc19dc6u, 0x240ca1ccu, 0x2de92c6fu,
-        0x4a7484aau, 0x5cb0a9dcu, 0x76f988dau, 0x983e5152u, 0xa831c66du, 0xb00327c8u, 0xbf597fc7u,
-        0xc6e00bf3u, 0xd5a79147u, 0x06ca6351u, 0x14292967u, 0x27b70a85u, 0x2e1b2138u, 0x4d2c6dfcu,
-        0x53380d13u, 0x650a7354u, 0x766a0abbu, 0x81c2c92eu, 0x92722c85u, 0xa2bfe8a1u, 0xa81a664bu,
-        0xc24b8b70u, 0xc76c51a3u, 0xd192e819u, 0xd6990624u, 0xf40e3585u, 0x106aa070u, 0x19a4c116u,
-        0x1e376c08u, 0x2748774cu, 0x34b0bcb5u, 0x391c0cb3u, 0x4ed8aa4au, 0x5b9cca4fu, 0x682e6ff3u,
-        0x748f82eeu, 0x78a5636fu, 0x84c87814u, 0x8cc70208u, 0x90befffau, 0xa4506cebu, 0xbef9a3f7u,
-        0xc67178f2u};
-    std::uint32_t w[64];
-    for (std::size_t i = 0; i < 16; ++i) {
-      w[i] = static_cast<std::uint32_t>(block_[4 * i]) << 24 |
-             static_cast<std::uint32_t>(block_[4 * i + 1]) << 16 |
-             static_cast<std::uint32_t>(block_[4 * i + 2]) << 8 | block_[4 * i + 3];
-    }
-    for (std::size_t i = 16; i < 64; ++i) {
-      const std::uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
-      const std::uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
-      w[i] = w[i - 16] + s0 + w[i - 7] + s1;
-    }
-    auto s = state_;
-    for (std::size_t i = 0; i < 64; ++i) {
-      const std::uint32_t e1 = rotr(s[4], 6) ^ rotr(s[4], 11) ^ rotr(s[4], 25);
-      const std::uint32_t ch = (s[4] & s[5]) ^ (~s[4] & s[6]);
-      const std::uint32_t t1 = s[7] + e1 + ch + k[i] + w[i];
-      const std::uint32_t e0 = rotr(s[0], 2) ^ rotr(s[0], 13) ^ rotr(s[0], 22);
-      const std::uint32_t maj = (s[0] & s[1]) ^ (s[0] & s[2]) ^ (s[1] & s[2]);
-      const std::uint32_t t2 = e0 + maj;
-      s[7] = s[6];
-      s[6] = s[5];
-      s[5] = s[4];
-      s[4] = s[3] + t1;
-      s[3] = s[2];
-      s[2] = s[1];
-      s[1] = s[0];
-      s[0] = t1 + t2;
-    }
-    for (std::size_t i = 0; i < 8; ++i) state_[i] += s[i];
-  }
-
-  std::array<std::uint32_t, 8> state_{};
-  std::array<std::uint8_t, 64> block_{};
-  std::uint64_t length_ = 0;
-  std::size_t used_ = 0;
-};
-
-/// HMAC-SHA-256(key, message parts...).
-template <class... Parts>
-[[nodiscard]] Digest hmac_sha256(std::string_view key, const Parts&... parts) {
-  std::array<std::uint8_t, 64> k{};
-  if (key.size() > 64) {
-    Sha256 h;
-    h.update(key);
-    const Digest d = h.finish();
-    std::memcpy(k.data(), d.data(), d.size());
-  } else {
-    std::memcpy(k.data(), key.data(), key.size());
-  }
-  std::array<std::uint8_t, 64> ipad{}, opad{};
-  for (std::size_t i = 0; i < 64; ++i) {
-    ipad[i] = static_cast<std::uint8_t>(k[i] ^ 0x36u);
-    opad[i] = static_cast<std::uint8_t>(k[i] ^ 0x5cu);
-  }
-  Sha256 inner;
-  inner.update(ipad.data(), ipad.size());
-  (inner.update(parts.data(), parts.size()), ...);
-  const Digest ih = inner.finish();
-  Sha256 outer;
-  outer.update(opad.data(), opad.size());
-  outer.update(ih.data(), ih.size());
-  return outer.finish();
-}
-
-/// Compares two byte strings without an early exit, so timing reveals nothing about where they
-/// differ.
-[[nodiscard]] inline bool constant_time_equal(std::span<const std::uint8_t> a,
-                                              std::span<const std::uint8_t> b) {
-  if (a.size() != b.size()) return false;
-  volatile std::uint8_t diff = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) diff = static_cast<std::uint8_t>(diff | (a[i] ^ b[i]));
-  return diff == 0;
-}
-
-/// Fills buf with bytes from the kernel's CSPRNG.
-inline void random_bytes(void* buf, std::size_t n) {
-  auto* p = static_cast<std::uint8_t*>(buf);
-  while (n > 0) {
-    const ssize_t r = ::getrandom(p, n, 0);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      fail_errno(errno, "getrandom");
-    }
-    p += r;
-    n -= static_cast<std::size_t>(r);
-  }
-}
-
-template <class T>
-[[nodiscard]] T random_value() {
-  T v{};
-  random_bytes(&v, sizeof v);
-  return v;
-}
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/detail/crypto.hpp
-// #include "ddp/detail/socket.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-
-#include <poll.h>
-#include <sys/socket.h>
-#include <sys/uio.h>
-
-#include <algorithm>
-#include <array>
-#include <atomic>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <functional>
-#include <string>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-class TcpTransport final : public Transport {
- public:
-  static constexpr std::uint32_t hello_magic = 0x50434444;  // "DDCP"
-  using SessionKey = std::array<std::uint8_t, 16>;
-
-  TcpTransport(int rank, int size, std::chrono::milliseconds timeout, std::vector<Fd> peers,
-               std::size_t segment_bytes)
-      : Transport(rank, size, timeout),
-        segment_(segment_bytes),
-        peers_(std::move(peers)),
-        ptrs_(static_cast<std::size_t>(size)),
-        xfers_(static_cast<std::size_t>(size)),
-        headers_in_(static_cast<std::size_t>(size)) {
-    for (auto& fd : peers_) {
-      if (fd) set_nonblocking(fd.get(), true);
-    }
-  }
-
-  /// Builds the mesh: connect to ranks below, accept ranks above (see the file comment).
-  [[nodiscard]] static std::vector<Fd> connect_mesh(
-      int rank, int size, Fd& listener, const std::vector<std::pair<std::string, int>>& addrs,
-      const SessionKey& key, Deadline deadline, const std::function<void()>& check_stop = {}) {
-    std::vector<Fd> peers(static_cast<std::size_t>(size));
-    for (int j = 0; j < rank; ++j) {
-      const auto& [host, port] = addrs[static_cast<std::size_t>(j)];
-      Fd fd = connect_tcp(host, port, deadline, concat("rank ", j));
-      std::string hello;
-      ByteWriter w(hello);
-      w.put(hello_magic);
-      w.raw(key.data(), key.size());
-      w.put(static_cast<std::uint32_t>(rank));
-      if (send_all(fd.get(), hello.data(), hello.size(), deadline) != IoResult::ok) {
-        fail(Errc::peer_lost, "rank ", rank, ": could not introduce itself to rank ", j, " at ",
-             host_port(host, port));
-      }
-      peers[static_cast<std::size_t>(j)] = std::move(fd);
-    }
-    int missing = size - 1 - rank;
-    set_nonblocking(listener.get(), true);
-    while (missing > 0) {
-      if (check_stop) check_stop();  // throws when another rank failed meanwhile
-      pollfd p{listener.get(), POLLIN, 0};
-      const int rc = ::poll(&p, 1, deadline.poll_ms(200));
-      if (rc == 0 && deadline.expired()) {
-        std::string who;
-        for (int j = rank + 1; j < size; ++j) {
-          if (!peers[static_cast<std::size_t>(j)]) who += concat(who.empty() ? "" : ", ", j);
-        }
-        fail(Errc::timeout, "rank ", rank, ": timed out waiting for rank(s) ", who,
-             " to connect (tcp transport)");
-      }
-      Fd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
-      if (!fd) continue;
-      set_nodelay(fd.get());
-      std::array<std::byte, 4 + 16 + 4> hello{};
-      // A stray connection gets a short window; it must not stall the mesh.
-      const auto short_deadline =
-          Deadline{std::min(deadline.at, Clock::now() + std::chrono::seconds(2))};
-      if (recv_all(fd.get(), hello.data(), hello.size(), short_deadline) != IoResult::ok) continue;
-      ByteReader r(hello.data(), hello.size(), "peer hello");
-      if (r.get<std::uint32_t>() != hello_magic) continue;
-      SessionKey got{};
-      r.raw(got.data(), got.size());
-      const auto peer = static_cast<int>(r.get<std::uint32_t>());
-      if (!constant_time_equal(got, key) || peer <= rank || peer >= size ||
-          peers[static_cast<std::size_t>(peer)]) {
-        continue;  // not ours: drop it
-      }
-      peers[static_cast<std::size_t>(peer)] = std::move(fd);
-      --missing;
-    }
-    return peers;
-  }
-
-  [[nodiscard]] std::string_view name() const noexcept override { return "tcp"; }
-  [[nodiscard]] std::size_t max_offer() const noexcept override { return segment_; }
-  [[nodiscard]] std::size_t small_bytes() const noexcept override {
-    return std::min(segment_, size_ == 2 ? (std::size_t{1} << 20) : (std::size_t{64} << 10));
-  }
-
-  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
-                                          const Fingerprint* fp) override {
-    check_abort(fp);
-    std::size_t scratch_needed = 0;
-    for (int j = 0; j < size_; ++j) {
-      if (j != rank_) scratch_needed += want(j, rank_).len;
-    }
-    if (scratch_.size() < scratch_needed)
-      scratch_.resize(scratch_needed);  // zero-filled: pre-faulted
-    std::size_t scratch_at = 0;
-    for (int j = 0; j < size_; ++j) {
-      auto& x = xfers_[static_cast<std::size_t>(j)];
-      x.clear();
-      if (j == rank_) continue;
-      if (fp != nullptr && verify_fingerprints) {
-        x.out.push_back(
-            {reinterpret_cast<std::byte*>(const_cast<Fingerprint*>(fp)), sizeof(Fingerprint)});
-        x.in.push_back({reinterpret_cast<std::byte*>(&headers_in_[static_cast<std::size_t>(j)]),
-                        sizeof(Fingerprint)});
-        x.header_in = true;
-      }
-      const Range out = want(rank_, j);
-      std::size_t base = 0;
-      for (const Piece& p : offer) {
-        const std::size_t lo = std::max(out.off, base),
-                          hi = std::min(out.off + out.len, base + p.len);
-        if (lo < hi) x.out.push_back({const_cast<std::byte*>(p.data) + (lo - base), hi - lo});
-        base += p.len;
-      }
-      const Range in = want(j, rank_);
-      if (in.len != 0) x.in.push_back({scratch_.data() + scratch_at, in.len});
-      ptrs_[static_cast<std::size_t>(j)] = in.len != 0 ? scratch_.data() + scratch_at : nullptr;
-      scratch_at += in.len;
-    }
-    progress(fp, nullptr);
-    ptrs_[static_cast<std::size_t>(rank_)] = SelfTransport::locate(offer, want(rank_, rank_));
-    return ptrs_;
-  }
-
-  void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
-    check_abort(nullptr);
-    p2p_header_ = {seq, buf.count, tag, buf.dtype, {}};
-    for (auto& x : xfers_) x.clear();
-    auto& x = xfers_[static_cast<std::size_t>(peer)];
-    x.out.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});
-    if (buf.bytes() != 0) x.out.push_back({buf.data, buf.bytes()});
-    const std::string what = concat("send(to rank ", peer, ", tag ", tag, ", ",
-                                    to_string(buf.dtype), ", count=", buf.count, ")");
-    progress(nullptr, what.c_str());
-  }
-
-  void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
-    check_abort(nullptr);
-    for (auto& x : xfers_) x.clear();
-    auto& x = xfers_[static_cast<std::size_t>(peer)];
-    x.in.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});
-    const std::string what = recv_description(buf, peer, tag);
-    progress(nullptr, what.c_str());
-    if (const std::string msg = p2p_mismatch(buf, peer, tag, seq, p2p_header_); !msg.empty()) {
-      poison();
-      fail(Errc::mismatch, msg);
-    }
-    x.clear();
-    if (buf.bytes() != 0) x.in.push_back({buf.data, buf.bytes()});
-    progress(nullptr, what.c_str());
-  }
-
-  void abort(Errc code, const std::string&) override {
-    set_local_abort(code);
-    poison();
-  }
-
- private:
-  struct Seg {
-    std::byte* p;
-    std::size_t n;
-  };
-  /// Points iov_ at the unfinished segments from (i, off) on; returns how many it filled.
-  std::size_t gather(const std::vector<Seg>& segs, std::size_t i, std::size_t off) {
-    std::size_t k = 0;
-    for (; i < segs.size() && k < iov_.size(); ++i, off = 0) {
-      if (segs[i].n > off) iov_[k++] = {segs[i].p + off, segs[i].n - off};
-    }
-    return k;
-  }
-
-  /// Moves (i, off) forward by n bytes over segs, past any empty segments.
-  static void advance(const std::vector<Seg>& segs, std::size_t& i, std::size_t& off,
-                      std::size_t n) {
-    while (i < segs.size() && segs[i].n - off <= n) {
-      n -= segs[i].n - off;
-      ++i;
-      off = 0;
-    }
-    off += n;
-  }
-
-  struct Xfer {
-    std::vector<Seg> out, in;
-    std::size_t out_i = 0, out_off = 0, in_i = 0, in_off = 0;
-    bool header_in = false;
-    void clear() {
-      out.clear();
-      in.clear();
-      out_i = out_off = in_i = in_off = 0;
-      header_in = false;
-    }
-    [[nodiscard]] bool out_done() const { return out_i == out.size(); }
-    [[nodiscard]] bool in_done() const { return in_i == in.size(); }
-  };
-  /// Shuts every connection down, so that peers blocked on this rank fail at once.
-  void poison() {
-    for (auto& fd : peers_) {
-      if (fd) ::shutdown(fd.get(), SHUT_RDWR);
-    }
-  }
-
-  void check_abort(const Fingerprint* fp) const { check_local_abort(fp); }
-
-  /// The connection to `peer` failed. A mismatch explains more than a lost peer (the peer may
-  /// have left because it saw the mismatch first), so during a collective's first round this
-  /// rank collects the fingerprints still on their way, from every peer, for a short while, and
-  /// reports a mismatch if one shows. The other connections stay open: every survivor sees a
-  /// dead peer itself (full mesh), and closing them would make the survivors blame this rank.
-  [[noreturn]] void lost(int peer, const Fingerprint* fp, const char* what) {
-    check_abort(fp);  // our own abort() shut the sockets down: report that, not a lost peer
-    if (fp != nullptr && verify_fingerprints)
-      collect_headers(*fp, Deadline::after(std::chrono::milliseconds(500)));
-    fail(Errc::peer_lost, "rank ", rank_, ": ", describe(fp, what), ": the connection to rank ",
-         peer,
-         " closed (that process died or failed) (tcp transport); the job cannot continue with this "
-         "communicator");
-  }
-
-  void progress(const Fingerprint* fp, const char* what) {
-    const auto deadline = Deadline::after(timeout_);
-    std::vector<pollfd> fds;
-    std::vector<int> who;
-    for (;;) {
-      fds.clear();
-      who.clear();
-      for (int j = 0; j < size_; ++j) {
-        const auto& x = xfers_[static_cast<std::size_t>(j)];
-        short ev = 0;
-        if (!x.out_done()) ev = static_cast<short>(ev | POLLOUT);
-        if (!x.in_done()) ev = static_cast<short>(ev | POLLIN);
-        if (ev != 0) {
-          fds.push_back({peers_[static_cast<std::size_t>(j)].get(), ev, 0});
-          who.push_back(j);
-        }
-      }
-      if (fds.empty()) return;
-      check_abort(fp);
-      const int rc = ::poll(fds.data(), fds.size(), deadline.poll_ms(50));
-      if (rc < 0 && errno != EINTR) fail_errno(errno, "poll");
-      if (rc <= 0) {
-        if (deadline.expired()) {
-          std::string list;
-          for (int j : who) list += concat(list.empty() ? "" : ", ", j);
-          // No poison(): the other ranks time out on their own, with their own message.
-          fail(Errc::timeout, "rank ", rank_, ": ", describe(fp, what), ": timed out after ",
-               timeout_.count(), " ms waiting for ", who.size() == 1 ? "rank " : "ranks ", list,
-               " (tcp transport); that rank is stopped, slow, or did not call this collective");
-        }
-        continue;
-      }
-      for (std::size_t i = 0; i < fds.size(); ++i) {
-        const int j = who[i];
-        auto& x = xfers_[static_cast<std::size_t>(j)];
-        const int fd = fds[i].fd;
-        if ((fds[i].revents & POLLOUT) != 0 ||
-            ((fds[i].revents & (POLLERR | POLLHUP)) != 0 && !x.out_done())) {
-          // Header and payload in one system call.
-          while (!x.out_done()) {
-            msghdr msg{};
-            msg.msg_iov = iov_.data();
-            msg.msg_iovlen = gather(x.out, x.out_i, x.out_off);
-            if (msg.msg_iovlen == 0) {
-              x.out_i = x.out.size();
-              break;
-            }
-            const ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-            if (n > 0) {
-              advance(x.out, x.out_i, x.out_off, static_cast<std::size_t>(n));
-            } else if (n < 0 && errno == EINTR) {
-              continue;
-            } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-              break;
-            } else {
-              lost(j, fp, what);
-            }
-          }
-        }
-        if ((fds[i].revents & (POLLIN | POLLERR | POLLHUP)) != 0) {
-          while (!x.in_done()) {
-            msghdr msg{};
-            msg.msg_iov = iov_.data();
-            msg.msg_iovlen = gather(x.in, x.in_i, x.in_off);
-            if (msg.msg_iovlen == 0) {
-              x.in_i = x.in.size();
-              break;
-            }
-            // Never more than this round's bytes: the next round's stay in the socket.
-            const ssize_t n = ::recvmsg(fd, &msg, MSG_DONTWAIT);
-            if (n > 0) {
-              const bool header_pending = x.header_in && x.in_i == 0;
-              advance(x.in, x.in_i, x.in_off, static_cast<std::size_t>(n));
-              if (header_pending && x.in_i > 0) check_header(j, *fp);
-            } else if (n < 0 && errno == EINTR) {
-              continue;
-            } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-              break;
-            } else {
-              lost(j, fp, what);
-            }
-          }
-        }
-      }
-    }
-  }
-
-  /// Reads the outstanding fingerprints of this round (only those) until all are in or the
-  /// deadline passes; throws Errc::mismatch if one differs from ours.
-  void collect_headers(const Fingerprint& mine, Deadline deadline) {
-    for (;;) {
-      std::vector<pollfd> fds;
-      std::vector<int> who;
-      for (int j = 0; j < size_; ++j) {
-        const auto& x = xfers_[static_cast<std::size_t>(j)];
-        if (j != rank_ && x.header_in && x.in_i == 0) {
-          fds.push_back({peers_[static_cast<std::size_t>(j)].get(), POLLIN, 0});
-          who.push_back(j);
-        }
-      }
-      if (fds.empty()) return;
-      const int rc = ::poll(fds.data(), fds.size(), deadline.poll_ms(50));
-      if (rc <= 0) {
-        if (deadline.expired() || (rc < 0 && errno != EINTR)) return;
-        continue;
-      }
-      for (std::size_t i = 0; i < fds.size(); ++i) {
-        if (fds[i].revents == 0) continue;
-        auto& x = xfers_[static_cast<std::size_t>(who[i])];
-        Seg& h = x.in[0];
-        const ssize_t n = ::recv(fds[i].fd, h.p + x.in_off, h.n - x.in_off, MSG_DONTWAIT);
-        if (n > 0) {
-          x.in_off += static_cast<std::size_t>(n);
-          if (x.in_off == h.n) {
-            check_header(who[i], mine);
-            ++x.in_i;
-            x.in_off = 0;
-          }
-        } else if (n == 0 || (errno != EAGAIN && errno != EINTR && errno != EWOULDBLOCK)) {
-          x.header_in = false;  // gone without a fingerprint: nothing more to learn there
-        }
-      }
-    }
-  }
-
-  void check_header(int peer, const Fingerprint& mine) {
-    const Fingerprint& theirs = headers_in_[static_cast<std::size_t>(peer)];
-    if (!(theirs == mine)) {
-      const std::string msg = mismatch_message(mine, peer, theirs);
-      flush_headers();
-      fail(Errc::mismatch, msg);
-    }
-  }
-
-  /// Finishes sending this round's fingerprint to every peer (best effort, briefly), so that each
-  /// of them sees the mismatch too instead of waiting for a header that never comes. The
-  /// connections stay open: closing them would turn the peers' mismatch into peer_lost.
-  void flush_headers() {
-    const auto deadline = Deadline::after(std::chrono::milliseconds(500));
-    for (int j = 0; j < size_; ++j) {
-      auto& x = xfers_[static_cast<std::size_t>(j)];
-      if (j == rank_ || x.out.empty() || x.out_i > 0) continue;  // header already sent (or none)
-      const Seg& h = x.out[0];
-      (void)send_all(peers_[static_cast<std::size_t>(j)].get(), h.p + x.out_off, h.n - x.out_off,
-                     deadline);
-      ++x.out_i;
-      x.out_off = 0;
-    }
-  }
-
-  std::size_t segment_;
-  std::vector<Fd> peers_;
-  std::vector<const std::byte*> ptrs_;
-  std::vector<Xfer> xfers_;
-  std::vector<Fingerprint> headers_in_;
-  std::array<iovec, 16> iov_{};
-  std::vector<std::byte> scratch_;
-  P2PHeader p2p_header_{};
-};
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/backend/host/tcp.hpp
-// #include "ddp/backend/host/transport.hpp" (already included above)
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/detail/bytes.hpp" (already included above)
-// #include "ddp/detail/collective.hpp" (already included above)
-// #include "ddp/detail/crypto.hpp" (already included above)
-// begin ddp/detail/reduce.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Reduction kernels. Every element is reduced over the ranks' contributions in rank order
-/// 0, 1, ..., P-1, whichever rank computes it and whatever the message size, so the result is
-/// bitwise the same on every rank and in every run. half and bfloat16 accumulate in float and
-/// are rounded once; integer sums and products wrap (two's complement) instead of overflowing
-/// into undefined behaviour; avg divides the sum by P.
-
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
-
-#include <algorithm>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <type_traits>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-template <class T>
-struct Accum {
-  using type = T;
-};
-template <>
-struct Accum<half> {
-  using type = float;
-};
-template <>
-struct Accum<bfloat16> {
-  using type = float;
-};
-
-template <class T>
-inline T load_elem(const std::byte* p) {
-  T v;
-  std::memcpy(&v, p, sizeof(T));
-  return v;
-}
-
-template <ReduceOp Op, class A>
-inline A combine(A a, A b) {
-  if constexpr (Op == ReduceOp::sum || Op == ReduceOp::avg) {
-    if constexpr (std::is_integral_v<A>) {
-      using U = std::make_unsigned_t<A>;
-      return static_cast<A>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
-    } else {
-      return a + b;
-    }
-  } else if constexpr (Op == ReduceOp::prod) {
-    if constexpr (std::is_integral_v<A>) {
-      using U = std::make_unsigned_t<A>;
-      using W =
-          std::conditional_t<(sizeof(U) < sizeof(unsigned)), unsigned, U>;  // no int promotion
-      return static_cast<A>(
-          static_cast<U>(static_cast<W>(static_cast<U>(a)) * static_cast<W>(static_cast<U>(b))));
-    } else {
-      return a * b;
-    }
-  } else if constexpr (Op == ReduceOp::min) {
-    return b < a ? b : a;
-  } else {
-    return a < b ? b : a;
-  }
-}
-
-/// dst[i] = src[0][i] op src[1][i] op ... op src[n-1][i] for i in [0, count), and the same into
-/// dst2 when it is not null (one pass writing both: the all-reduce writes its result to the user's
-/// buffer and to the slot peers read it from). dst may alias a source exactly (in place), but
-/// must not partially overlap one; dst2 must not overlap anything.
-template <class T, ReduceOp Op>
-void reduce_kernel(std::byte* dst, std::byte* dst2, const std::byte* const* src, int n,
-                   std::size_t count) {
-  using A = typename Accum<T>::type;
-  auto* d = reinterpret_cast<T*>(dst);
-  auto* d2 = reinterpret_cast<T*>(dst2);
-  if (n == 2) {  // the common case, one fused pass (the same operations as the general path)
-    const auto* a = reinterpret_cast<const T*>(src[0]);
-    const auto* b = reinterpret_cast<const T*>(src[1]);
-    const auto value = [a, b](std::size_t i) {
-      A v = combine<Op, A>(static_cast<A>(a[i]), static_cast<A>(b[i]));
-      if constexpr (Op == ReduceOp::avg) v = v / static_cast<A>(2);
-      return static_cast<T>(v);
-    };
-    if (d2 == nullptr) {
-      for (std::size_t i = 0; i < count; ++i) d[i] = value(i);
-      return;
-    }
-    if constexpr (std::is_same_v<A, T>) {
-      for (std::size_t i = 0; i < count; ++i) {
-        const T v = value(i);
-        d[i] = v;
-        d2[i] = v;
-      }
-      return;
-    }
-    // half and bfloat16: two stores of the class type keep the loop scalar, so write dst in
-    // steps and copy each step to dst2 while it is still in L1.
-    constexpr std::size_t step = 4096;
-    for (std::size_t base = 0; base < count; base += step) {
-      const std::size_t end = std::min(count, base + step);
-      for (std::size_t i = base; i < end; ++i) d[i] = value(i);
-      std::memcpy(d2 + base, d + base, (end - base) * sizeof(T));
-    }
-    return;
-  }
-  constexpr std::size_t block = 1024;
-  A acc[block];
-  for (std::size_t base = 0; base < count; base += block) {
-    const std::size_t m = std::min(block, count - base);
-    {
-      const auto* s = reinterpret_cast<const T*>(src[0]) + base;
-      if (n > 1) {
-        const auto* s1 = reinterpret_cast<const T*>(src[1]) + base;
-        for (std::size_t i = 0; i < m; ++i)
-          acc[i] = combine<Op, A>(static_cast<A>(s[i]), static_cast<A>(s1[i]));
-      } else {
-        for (std::size_t i = 0; i < m; ++i) acc[i] = static_cast<A>(s[i]);
-      }
-    }
-    for (int k = 2; k < n; ++k) {
-      const auto* s = reinterpret_cast<const T*>(src[k]) + base;
-      for (std::size_t i = 0; i < m; ++i) acc[i] = combine<Op, A>(acc[i], static_cast<A>(s[i]));
-    }
-    if constexpr (Op == ReduceOp::avg) {
-      const A ranks = static_cast<A>(n);
-      for (std::size_t i = 0; i < m; ++i) acc[i] = acc[i] / ranks;
-    }
-    for (std::size_t i = 0; i < m; ++i) d[base + i] = static_cast<T>(acc[i]);
-    if (d2 != nullptr) {
-      for (std::size_t i = 0; i < m; ++i) d2[base + i] = d[base + i];
-    }
-  }
-}
-
-using ReduceFn = void (*)(std::byte*, std::byte*, const std::byte* const*, int, std::size_t);
-
-template <class T>
-constexpr ReduceFn reduce_fn_for(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::sum: return &reduce_kernel<T, ReduceOp::sum>;
-    case ReduceOp::prod: return &reduce_kernel<T, ReduceOp::prod>;
-    case ReduceOp::max: return &reduce_kernel<T, ReduceOp::max>;
-    case ReduceOp::min: return &reduce_kernel<T, ReduceOp::min>;
-    case ReduceOp::avg:
-      if constexpr (std::is_floating_point_v<T> || std::is_same_v<T, half> ||
-                    std::is_same_v<T, bfloat16>) {
-        return &reduce_kernel<T, ReduceOp::avg>;
-      } else {
-        return nullptr;
-      }
-  }
-  return nullptr;
-}
-
-/// The kernel for (dtype, op), or nullptr when the pair is not supported.
-[[nodiscard]] inline ReduceFn reduce_fn(DType t, ReduceOp op) {
-  switch (t) {
-    case DType::int8: return reduce_fn_for<std::int8_t>(op);
-    case DType::uint8: return reduce_fn_for<std::uint8_t>(op);
-    case DType::int32: return reduce_fn_for<std::int32_t>(op);
-    case DType::uint32: return reduce_fn_for<std::uint32_t>(op);
-    case DType::int64: return reduce_fn_for<std::int64_t>(op);
-    case DType::uint64: return reduce_fn_for<std::uint64_t>(op);
-    case DType::float16: return reduce_fn_for<half>(op);
-    case DType::float32: return reduce_fn_for<float>(op);
-    case DType::float64: return reduce_fn_for<double>(op);
-    case DType::bfloat16: return reduce_fn_for<bfloat16>(op);
-  }
-  return nullptr;
-}
-
-// ---- compressed all-reduce: float32 values that travel and are reduced as W (half, bfloat16) --
-
-/// dst[i] = W(src[i]): float32 to the wire type, rounded to nearest even.
-template <class W>
-void encode_kernel(std::byte* dst, const std::byte* src, std::size_t count) {
-  auto* d = reinterpret_cast<W*>(dst);
-  const auto* s = reinterpret_cast<const float*>(src);
-  for (std::size_t i = 0; i < count; ++i) d[i] = W(s[i]);
-}
-
-/// dst[i] = float(src[i]): the wire type back to float32 (exact).
-template <class W>
-void decode_kernel(std::byte* dst, const std::byte* src, std::size_t count) {
-  auto* d = reinterpret_cast<float*>(dst);
-  const auto* s = reinterpret_cast<const W*>(src);
-  for (std::size_t i = 0; i < count; ++i) d[i] = static_cast<float>(s[i]);
-}
-
-/// reduce_kernel<W, Op> over W-typed sources (the same operations, so the same bits), with the
-/// rounded result written decoded to `dst` (float32) and, when `wire` is not null, as W there.
-template <class W, ReduceOp Op>
-void reduce_decode_kernel(std::byte* dst, std::byte* wire, const std::byte* const* src, int n,
-                          std::size_t count) {
-  // In steps, each decoded while in L1: a loop storing both W and float stays scalar.
-  constexpr std::size_t step = 2048;
-  W block[step];
-  std::vector<const std::byte*> shifted(static_cast<std::size_t>(n));
-  for (std::size_t base = 0; base < count; base += step) {
-    const std::size_t m = std::min(step, count - base);
-    W* w = wire != nullptr ? reinterpret_cast<W*>(wire) + base : block;
-    for (int k = 0; k < n; ++k) shifted[static_cast<std::size_t>(k)] = src[k] + base * sizeof(W);
-    reduce_kernel<W, Op>(reinterpret_cast<std::byte*>(w), nullptr, shifted.data(), n, m);
-    decode_kernel<W>(dst + base * sizeof(float), reinterpret_cast<const std::byte*>(w), m);
-  }
-}
-
-/// The kernels of an all-reduce whose float32 values travel as `wire`.
-struct WireKernels {
-  void (*encode)(std::byte*, const std::byte*, std::size_t) = nullptr;
-  void (*decode)(std::byte*, const std::byte*, std::size_t) = nullptr;
-  ReduceFn reduce = nullptr;  // (float32 dst, wire dst or null, wire sources, n, count)
-};
-
-template <class W>
-WireKernels wire_kernels_for(ReduceOp op) {
-  WireKernels k{&encode_kernel<W>, &decode_kernel<W>, nullptr};
-  switch (op) {
-    case ReduceOp::sum: k.reduce = &reduce_decode_kernel<W, ReduceOp::sum>; break;
-    case ReduceOp::prod: k.reduce = &reduce_decode_kernel<W, ReduceOp::prod>; break;
-    case ReduceOp::max: k.reduce = &reduce_decode_kernel<W, ReduceOp::max>; break;
-    case ReduceOp::min: k.reduce = &reduce_decode_kernel<W, ReduceOp::min>; break;
-    case ReduceOp::avg: k.reduce = &reduce_decode_kernel<W, ReduceOp::avg>; break;
-  }
-  return k;
-}
-
-/// Kernels for float32 values carried as `wire` (float16 or bfloat16); reduce is null otherwise.
-[[nodiscard]] inline WireKernels wire_kernels(DType wire, ReduceOp op) {
-  switch (wire) {
-    case DType::float16: return wire_kernels_for<half>(op);
-    case DType::bfloat16: return wire_kernels_for<bfloat16>(op);
-    default: return {};
-  }
-}
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/detail/reduce.hpp
-// begin ddp/detail/rendezvous.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// The first steps of every communicator's rendezvous, before the backend connects:
-///  * each rank claims its rank number in the store (compare-and-set), so a second process
-///    started with the same RANK is refused at once and told who holds it;
-///  * each rank publishes the job as it sees it (world size, backend, library version,
-///    fingerprint check) and checks every other rank's record against its own, so ranks that
-///    were started differently fail together with Errc::mismatch instead of running with
-///    different views of the job (and different results).
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/detail/bytes.hpp" (already included above)
-// #include "ddp/detail/crypto.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// begin ddp/store.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// The rendezvous store: a TCP key-value server (run by rank 0 or by the launcher) and its
-/// clients, like c10d's TCPStore but safe to expose:
-///  * it binds the address it is given, never every interface unless asked ("0.0.0.0" / "::");
-///  * with a token (DDP_TOKEN) a client must prove it knows it: HMAC-SHA-256 over a fresh nonce
-///    from each side, compared in constant time, so a recorded handshake cannot be replayed and
-///    the token never crosses the wire; the server proves it too;
-///  * frames are length-prefixed and capped; a client that has not authenticated may only send a
-///    handshake-sized frame; buffers grow with the bytes that actually arrive, never with a
-///    length someone claims;
-///  * every call has a timeout, and waits are enforced by the server, so a client is never left
-///    reading a late reply.
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/detail/bytes.hpp" (already included above)
-// #include "ddp/detail/crypto.hpp" (already included above)
-// #include "ddp/detail/socket.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 
 #include <fcntl.h>
@@ -4895,6 +3433,1761 @@ class Store {
 
 DDP_END_NAMESPACE
 // end ddp/store.hpp
+// #include "ddp/tensor.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <concepts>
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+namespace detail {
+
+/// What every backend is created from.
+struct BackendInit {
+  int rank = 0;
+  int size = 1;
+  /// The launcher's local rank (the default CUDA device of the CUDA backends).
+  int local_rank = 0;
+  /// The communicator's namespace in the rendezvous store (absent for a world of one).
+  std::shared_ptr<Store> store;
+  Options options;
+};
+
+/// Identifies "the same host" for shared memory and for grouping ranks by host: same machine
+/// (host name and boot id), same /dev/shm (mount namespace), same pids (pid namespace) and same
+/// network namespace.
+[[nodiscard]] inline std::string host_identity() {
+  char name[256] = {};
+  (void)::gethostname(name, sizeof name - 1);
+  std::string id = name;
+  char boot[64] = {};
+  if (const int fd = ::open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC); fd >= 0) {
+    const ssize_t n = ::read(fd, boot, sizeof boot - 1);
+    ::close(fd);
+    std::size_t len = n > 0 ? static_cast<std::size_t>(n) : 0;
+    while (len > 0 && (boot[len - 1] == '\n' || boot[len - 1] == '\r')) --len;
+    boot[len] = '\0';
+  }
+  id += "|";
+  id += boot;
+  for (const char* ns : {"/proc/self/ns/mnt", "/proc/self/ns/pid", "/proc/self/ns/net"}) {
+    char link[128] = {};
+    const ssize_t n = ::readlink(ns, link, sizeof link - 1);
+    id += "|" + std::string(link, n > 0 ? static_cast<std::size_t>(n) : 0);
+  }
+  return id;
+}
+
+}  // namespace detail
+
+/// What Communicator needs from a backend: byte movement on type-erased buffers.
+template <class B>
+concept CommBackend = requires(B& b, const detail::Buf& buf, ReduceOp op, int i,
+                               const detail::BackendInit& init, const std::string& s) {
+  { B::name } -> std::convertible_to<std::string_view>;
+  { B::create(init) } -> std::same_as<std::unique_ptr<B>>;
+  { B::supports(Device{}) } -> std::convertible_to<bool>;
+  { b.rank() } -> std::convertible_to<int>;
+  { b.size() } -> std::convertible_to<int>;
+  { b.local_rank() } -> std::convertible_to<int>;
+  { b.local_size() } -> std::convertible_to<int>;
+  { b.local_leader() } -> std::convertible_to<int>;
+  b.all_reduce(buf, op);
+  b.broadcast(buf, i);
+  b.reduce(buf, i, op);
+  b.all_gather(buf, buf);
+  b.gather(buf, buf, i);
+  b.scatter(buf, buf, i);
+  b.reduce_scatter(buf, buf, op);
+  b.all_to_all(buf, buf);
+  b.send(buf, i, i);
+  b.recv(buf, i, i);
+  b.barrier();
+  b.abort(Errc::aborted, s);
+};
+
+/// The optional capabilities of a backend (see the table in this file's comment).
+template <class B>
+struct backend_traits {
+  /// init() must rendezvous through a Store before creating the backend (backend::Mpi, which
+  /// gets its ranks from the MPI library, says `needs_store = false`).
+  static constexpr bool needs_store = [] {
+    if constexpr (requires { B::needs_store; })
+      return static_cast<bool>(B::needs_store);
+    else
+      return true;
+  }();
+  /// The memory the backend moves: DeviceKind::cuda for one that moves device memory only
+  /// (backend::Nccl); host-typed buffers are then refused when the program is compiled.
+  static constexpr DeviceKind device_kind = [] {
+    if constexpr (requires { B::device_kind; })
+      return DeviceKind{B::device_kind};
+    else
+      return DeviceKind::cpu;
+  }();
+  static constexpr bool device_only = device_kind == DeviceKind::cuda;
+  /// The backend makes sub-groups itself (MPI_Comm_split, ncclCommSplit).
+  static constexpr bool splits = requires(B & b, int i) {
+    { b.split(i, i) } -> std::same_as<std::unique_ptr<B>>;
+  };
+  /// The backend carries float32 values as half/bfloat16 itself (fused conversions).
+  static constexpr bool converts_wire = requires(B & b, const detail::Buf& x, ReduceOp op) {
+    b.all_reduce_as(x, op, DType::float16);
+  };
+  /// The backend reduces several buffers as one operation (one NCCL group).
+  static constexpr bool reduces_many =
+      requires(B & b, const std::vector<detail::Buf>& v, ReduceOp op) {
+    b.all_reduce_many(v, op);
+  };
+  /// The backend uses one CUDA device, named by device().
+  static constexpr bool has_device = requires(const B& b) {
+    { b.device() } -> std::convertible_to<int>;
+  };
+};
+
+namespace detail {
+
+// The names these capabilities had before backend_traits (kept for code that used them).
+template <class B>
+inline constexpr bool backend_needs_store = backend_traits<B>::needs_store;
+template <class B>
+inline constexpr bool device_only_backend = backend_traits<B>::device_only;
+template <class B>
+concept splits_itself = backend_traits<B>::splits;
+
+/// Whether a backend that moves only CUDA memory is given a buffer whose type says it is host
+/// memory: rejected when the program is compiled.
+template <class B, class T>
+inline constexpr bool host_type_for_device_backend =
+    backend_traits<B>::device_only&& static_device_kind_v<T> == DeviceKind::cpu;
+
+}  // namespace detail
+
+DDP_END_NAMESPACE
+// end ddp/backend/backend.hpp
+// begin ddp/backend/host/shm.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The shared-memory transport of the Host backend (all ranks on one host).
+///
+/// One shared-memory segment per communicator, created by rank 0 without a name (see ShmSegment)
+/// and opened by the others through rank 0's descriptor, so a crash at any moment leaves nothing
+/// in /dev/shm. It holds:
+///  * a header: the abort word (the first failure, so peers fail fast) and the futex wake word;
+///  * per rank a control block: on its own cache line the round word (the round number and a
+///    32-bit digest of the collective's fingerprint), on another the two full fingerprints
+///    (indexed by round parity), which peers read only when the digests differ;
+///  * per rank two data slots (double buffering by tick parity);
+///  * per ordered pair a ring buffer for send/recv.
+///
+/// A round: copy the bytes peers want into my slot[tick % 2], publish the round word, wait until
+/// every peer's round reaches mine, compare digests, hand out pointers into peers' slots. Double
+/// buffering needs no extra waits: a peer can only overwrite slot[t % 2] in round t + 2, which it
+/// cannot start before I publish round t + 1, which I do only after I am done reading round t.
+
+// begin ddp/backend/host/transport.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The interface between the Host backend's algorithms and its transports (shared memory, TCP).
+///
+/// A collective is a sequence of *rounds*. In a round every rank offers some bytes (a list of
+/// pieces, concatenated), and every rank reads parts of other ranks' offers: want(src, dst) is
+/// the byte range of src's offer that dst reads, and every rank can compute it for every pair.
+/// round() returns, for each rank j, a pointer to want(j, me) within j's offer — straight into
+/// j's shared-memory slot, or into a scratch buffer the TCP transport received it into. The
+/// pointers stay valid until the next round. The first round of each collective carries the
+/// collective's fingerprint, which every transport compares across all ranks before any data is
+/// used, so ranks that call different collectives fail together with Errc::mismatch.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/collective.hpp" (already included above)
+// #include "ddp/detail/string.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// A non-owning reference to a callable (no allocation, unlike std::function).
+template <class Sig>
+class FunctionRef;
+template <class R, class... Args>
+class FunctionRef<R(Args...)> {
+ public:
+  template <class F>
+    requires(!std::is_same_v<std::remove_cvref_t<F>, FunctionRef> &&
+             std::is_invocable_r_v<R, F&, Args...>)
+  FunctionRef(F&& f)
+  noexcept  // NOLINT(google-explicit-constructor)
+      : obj_(const_cast<void*>(static_cast<const void*>(&f))), call_([](void* o, Args... a) -> R {
+          return (*static_cast<std::remove_reference_t<F>*>(o))(a...);
+        }) {}
+  R operator()(Args... a) const { return call_(obj_, a...); }
+
+ private:
+  void* obj_;
+  R (*call_)(void*, Args...);
+};
+
+/// One part of a rank's offer.
+struct Piece {
+  const std::byte* data = nullptr;
+  std::size_t len = 0;
+};
+
+using Want = FunctionRef<Range(int src, int dst)>;
+
+/// The header that precedes every point-to-point message (both transports).
+struct P2PHeader {
+  std::uint64_t seq;
+  std::uint64_t count;
+  std::int32_t tag;
+  DType dtype;
+  std::uint8_t pad[3];
+};
+
+/// The first failure of a transport, kept so that every later call fails the same way.
+struct Poison {
+  Errc code{};
+  std::string message;
+};
+
+class Transport {
+ public:
+  Transport(int rank, int size, std::chrono::milliseconds timeout)
+      : rank_(rank), size_(size), timeout_(timeout) {}
+  Transport(const Transport&) = delete;
+  Transport& operator=(const Transport&) = delete;
+  virtual ~Transport() = default;
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+
+  /// Name for messages: "shm" or "tcp".
+  [[nodiscard]] virtual std::string_view name() const noexcept = 0;
+  /// The most bytes one rank may offer in one round.
+  [[nodiscard]] virtual std::size_t max_offer() const noexcept = 0;
+  /// Below this many bytes, all_reduce gathers whole buffers in one round (latency path).
+  [[nodiscard]] virtual std::size_t small_bytes() const noexcept = 0;
+
+  /// Whether rounds compare fingerprints (Options::verify_collectives; the same on every rank).
+  /// Without it `fp` still names the collective in messages.
+  bool verify_fingerprints = true;
+
+  /// The collective in progress (set by the backend as each one starts), so that a failure in
+  /// any of its rounds, not only the first, names it and its sequence number.
+  Fingerprint current{};
+  bool has_current = false;
+
+  /// What failed, for messages: the round's fingerprint, else `what` (point-to-point), else the
+  /// collective in progress.
+  [[nodiscard]] std::string describe(const Fingerprint* fp, const char* what) const {
+    if (fp != nullptr) return to_string(*fp);
+    if (what != nullptr) return what;
+    if (has_current) return to_string(current);
+    return "operation";
+  }
+
+  /// One round (see the file comment). `fp` is non-null on a collective's first round.
+  virtual std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
+                                                  const Fingerprint* fp) = 0;
+
+  /// Memory that may hold part of the next round's offer, so that data can be produced in place
+  /// instead of copied there (the shared-memory slot of the next round); nullptr when the
+  /// transport has none or `bytes` does not fit. Valid until the next round.
+  [[nodiscard]] virtual std::byte* stage(std::size_t /*bytes*/) { return nullptr; }
+
+  /// Point-to-point, matched in order per pair; the receiver checks tag, dtype and count.
+  virtual void send(const Buf& buf, int peer, int tag, std::uint64_t seq) = 0;
+  virtual void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) = 0;
+
+  /// Makes every current and future wait of this process (and, where the transport can, of its
+  /// peers) fail with `code`. Safe to call from any thread.
+  virtual void abort(Errc code, const std::string& why) = 0;
+
+ protected:
+  /// "rank R: <what>: mismatched collectives: this rank called X but rank P called Y; ..."
+  [[nodiscard]] std::string mismatch_message(const Fingerprint& mine, int peer,
+                                             const Fingerprint& theirs) const {
+    return concat(
+        "rank ", rank_, ": ", to_string(mine.coll), ": mismatched collectives: this rank called ",
+        to_string(mine), " but rank ", peer, " called ", to_string(theirs),
+        "; every rank must call the same collectives, in the same order, with the same counts, "
+        "dtypes, ops and roots");
+  }
+
+  /// What recv expects from `peer`, as in messages: "recv(from rank 1, tag 7, float32, count=3)".
+  [[nodiscard]] static std::string recv_description(const Buf& buf, int peer, int tag) {
+    return concat("recv(from rank ", peer, ", tag ", tag, ", ", to_string(buf.dtype),
+                  ", count=", buf.count, ")");
+  }
+
+  /// Empty when the header is the send that matches this recv, else the error message.
+  [[nodiscard]] std::string p2p_mismatch(const Buf& buf, int peer, int tag, std::uint64_t seq,
+                                         const P2PHeader& h) const {
+    if (h.seq == seq && h.tag == tag && h.dtype == buf.dtype && h.count == buf.count) return {};
+    return concat("rank ", rank_, ": ", recv_description(buf, peer, tag), " #", seq,
+                  " got send(tag ", h.tag, ", ", to_string(h.dtype), ", count=", h.count, ") #",
+                  h.seq, "; sends and receives between a pair are matched in order and must agree");
+  }
+
+  /// Records abort() on this rank.
+  void set_local_abort(Errc code) noexcept { local_abort_code_.store(static_cast<int>(code)); }
+
+  /// Throws if abort() was called on this rank.
+  void check_local_abort(const Fingerprint* fp) const {
+    if (const int code = local_abort_code_.load(); code != 0) {
+      fail(static_cast<Errc>(code), "rank ", rank_, ": ", describe(fp, nullptr),
+           ": the communicator was aborted on this rank; create a new communicator to continue");
+    }
+  }
+
+  int rank_;
+  int size_;
+  std::chrono::milliseconds timeout_;
+
+ private:
+  std::atomic<int> local_abort_code_{0};
+};
+
+/// The transport of a world of one: every round returns the rank's own offer.
+class SelfTransport final : public Transport {
+ public:
+  explicit SelfTransport(std::chrono::milliseconds timeout) : Transport(0, 1, timeout) {}
+  [[nodiscard]] std::string_view name() const noexcept override { return "self"; }
+  [[nodiscard]] std::size_t max_offer() const noexcept override { return std::size_t{1} << 40; }
+  [[nodiscard]] std::size_t small_bytes() const noexcept override { return std::size_t{1} << 40; }
+
+  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
+                                          const Fingerprint*) override {
+    ptr_ = locate(offer, want(0, 0));
+    return {&ptr_, 1};
+  }
+  void send(const Buf&, int, int, std::uint64_t) override {
+    fail(Errc::invalid_argument, "rank 0: send: a world of one has no peer to send to");
+  }
+  void recv(const Buf&, int, int, std::uint64_t) override {
+    fail(Errc::invalid_argument, "rank 0: recv: a world of one has no peer to receive from");
+  }
+  void abort(Errc, const std::string&) override {}
+
+  /// Where byte `r.off` of the concatenated pieces lives (the range must lie in one piece).
+  static const std::byte* locate(std::span<const Piece> offer, Range r) {
+    if (r.len == 0) return nullptr;
+    std::size_t base = 0;
+    for (const auto& p : offer) {
+      if (r.off >= base && r.off + r.len <= base + p.len) return p.data + (r.off - base);
+      base += p.len;
+    }
+    fail(Errc::invalid_argument, "internal error: a wanted range crosses offer pieces");
+  }
+
+ private:
+  const std::byte* ptr_ = nullptr;
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/backend/host/transport.hpp
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/socket.hpp" (already included above)
+// begin ddp/detail/wait.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Waiting for another process: spin briefly (a peer on another core answers in well under a
+/// microsecond), then sleep on a futex in shared memory, so that 4 ranks on 2 cores do not burn
+/// the core the awaited rank needs. Posters wake sleepers only when there are any (a Dekker-style
+/// handshake on `sleepers`), so the fast path costs no system call.
+///
+/// Also here: watching peer processes for death with pidfds (a dead peer makes its waiters fail
+/// with Errc::peer_lost in milliseconds, not at the timeout).
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+
+#include <linux/futex.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <cstdint>
+#include <ctime>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+inline void cpu_relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
+static_assert(sizeof(std::atomic<std::uint32_t>) == sizeof(std::uint32_t));
+
+/// FUTEX_WAIT on a word in (possibly shared) memory for at most `ns` nanoseconds.
+inline void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected, long ns) {
+  timespec ts{ns / 1000000000L, ns % 1000000000L};
+  (void)::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAIT, expected, &ts,
+                  nullptr, 0);
+}
+
+inline void futex_wake_all(std::atomic<std::uint32_t>* word) {
+  (void)::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr,
+                  nullptr, 0);
+}
+
+/// The sleeping half of the handshake; lives in shared memory.
+struct WakeWord {
+  std::atomic<std::uint32_t> epoch{0};
+  std::atomic<std::uint32_t> sleepers{0};
+
+  /// Call after publishing progress (with a seq_cst store).
+  void notify() noexcept {
+    if (sleepers.load(std::memory_order_seq_cst) != 0) {
+      epoch.fetch_add(1, std::memory_order_seq_cst);
+      futex_wake_all(&epoch);
+    }
+  }
+
+  /// Sleeps until notified (or for at most `ns`) unless `ready()` holds after registering.
+  template <class Ready>
+  void sleep_unless(Ready&& ready, long ns) noexcept {
+    sleepers.fetch_add(1, std::memory_order_seq_cst);
+    const std::uint32_t e = epoch.load(std::memory_order_seq_cst);
+    if (!ready()) futex_wait(&epoch, e, ns);
+    sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  }
+};
+
+/// Number of CPUs this process may run on.
+[[nodiscard]] inline int usable_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof set, &set) != 0) return 1;
+  return CPU_COUNT(&set);
+}
+
+/// Watches processes for exit. pidfds become readable when a process exits (a zombie counts as
+/// exited); without pidfd_open (Linux < 5.3) falls back to kill(pid, 0).
+class ProcessWatch {
+ public:
+  ProcessWatch() = default;
+  ProcessWatch(const ProcessWatch&) = delete;
+  ProcessWatch& operator=(const ProcessWatch&) = delete;
+  ~ProcessWatch() {
+    for (auto& w : watched_) {
+      if (w.fd >= 0) ::close(w.fd);
+    }
+  }
+
+  void add(int rank, int pid) {
+#ifdef SYS_pidfd_open
+    const int fd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+#else
+    const int fd = -1;
+#endif
+    watched_.push_back({rank, pid, fd});
+  }
+
+  /// The rank of an exited process, or -1.
+  [[nodiscard]] int first_dead() const {
+    for (const auto& w : watched_) {
+      if (w.fd >= 0) {
+        pollfd p{w.fd, POLLIN, 0};
+        if (::poll(&p, 1, 0) == 1) return w.rank;
+      } else if (::kill(w.pid, 0) != 0 && errno == ESRCH) {
+        return w.rank;
+      }
+    }
+    return -1;
+  }
+
+ private:
+  struct Watched {
+    int rank;
+    int pid;
+    int fd;
+  };
+  std::vector<Watched> watched_;
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/wait.hpp
+// #include "ddp/error.hpp" (already included above)
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+struct ShmLayout {
+  static constexpr std::uint64_t magic = 0x3230306d68737064ull;  // "dpshm002"
+  static constexpr std::size_t header_bytes = 4096;
+  static constexpr std::size_t ctl_bytes = 256;
+  static constexpr std::size_t channel_ctl_bytes = 128;
+
+  int world = 1;
+  std::size_t slot_bytes = 0;
+  std::size_t channel_bytes = 0;
+
+  [[nodiscard]] static std::size_t align_up(std::size_t v, std::size_t a) {
+    return (v + a - 1) / a * a;
+  }
+  [[nodiscard]] std::size_t ctl_offset() const { return header_bytes; }
+  [[nodiscard]] std::size_t slots_offset() const {
+    return align_up(header_bytes + static_cast<std::size_t>(world) * ctl_bytes, 4096);
+  }
+  [[nodiscard]] std::size_t slot_offset(int rank, unsigned parity) const {
+    return slots_offset() + (static_cast<std::size_t>(rank) * 2 + parity) * slot_bytes;
+  }
+  [[nodiscard]] std::size_t channels_offset() const {
+    return slots_offset() + static_cast<std::size_t>(world) * 2 * slot_bytes;
+  }
+  [[nodiscard]] std::size_t channel_offset(int src, int dst) const {
+    return channels_offset() + (static_cast<std::size_t>(src) * static_cast<std::size_t>(world) +
+                                static_cast<std::size_t>(dst)) *
+                                   (channel_ctl_bytes + channel_bytes);
+  }
+  [[nodiscard]] std::size_t total() const {
+    return align_up(channel_offset(world - 1, world - 1) + channel_ctl_bytes + channel_bytes, 4096);
+  }
+};
+
+struct ShmHeader {
+  std::uint64_t magic;
+  std::uint64_t cookie;
+  std::uint32_t world;
+  std::uint32_t reserved;
+  std::uint64_t slot_bytes;
+  std::uint64_t channel_bytes;
+  std::uint64_t total;
+  alignas(64) WakeWord wake;
+  alignas(64) std::atomic<std::uint32_t> abort_state;  // 0 none, 1 being written, 2 set
+  std::int32_t abort_rank;
+  std::int32_t abort_code;
+  char abort_message[2048];
+};
+static_assert(sizeof(ShmHeader) <= ShmLayout::header_bytes);
+
+/// One rank's control block. Peers spin on `word`: the low 32 bits are the round number (modulo
+/// 2^32; ranks are never more than one round apart, so wrapping is harmless), the high 32 bits a
+/// digest of the round's fingerprint (0: none). One store publishes both, so checking that all
+/// ranks called the same collective costs no extra cache-line transfer; the full fingerprints lie
+/// on a line of their own, written by the owner only, read by a peer only when digests differ.
+struct ShmCtl {
+  alignas(64) std::atomic<std::uint64_t> word;
+  alignas(64) Fingerprint fp[2];
+};
+static_assert(sizeof(ShmCtl) == 128);
+static_assert(sizeof(ShmCtl) <= ShmLayout::ctl_bytes);
+
+struct ShmChannelCtl {
+  alignas(64) std::atomic<std::uint64_t> head;  // bytes written so far
+  alignas(64) std::atomic<std::uint64_t> tail;  // bytes consumed so far
+};
+static_assert(sizeof(ShmChannelCtl) <= ShmLayout::channel_ctl_bytes);
+
+/// A mapped shared-memory segment that never has a name: rank 0 creates it as an unnamed file
+/// in /dev/shm (O_TMPFILE; memfd_create where /dev/shm cannot), the other ranks open it through
+/// rank 0's descriptor (/proc/<pid>/fd/<n>) while rank 0 holds it. No kill at any moment can
+/// leave anything behind in /dev/shm; the memory goes when the last rank unmaps it.
+class ShmSegment {
+ public:
+  ShmSegment() = default;
+  ShmSegment(const ShmSegment&) = delete;
+  ShmSegment& operator=(const ShmSegment&) = delete;
+  ~ShmSegment() {
+    if (base_ != nullptr) ::munmap(base_, size_);
+  }
+
+  /// Bytes of the segment that are touched once at creation, so the first collectives do not
+  /// pay first-touch page faults; beyond this pages are faulted in lazily, where they are used.
+  static constexpr std::size_t prefault_bytes = std::size_t{64} << 20;
+
+  /// Creates a segment of `size` bytes and reserves its memory up front, so that a /dev/shm too
+  /// small for it is an error here rather than a SIGBUS at first use. Returns false, with the
+  /// reason in `why` (naming /dev/shm, its free space and the bytes needed), when the space is
+  /// not there; throws for other failures.
+  [[nodiscard]] bool create(std::size_t size, std::string& why) {
+    fd_ = Fd(::open("/dev/shm", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600));
+    std::string where = "/dev/shm";
+    if (!fd_) {
+      fd_ = Fd(static_cast<int>(::syscall(SYS_memfd_create, "ddp-shm", 1u /* MFD_CLOEXEC */)));
+      if (!fd_) fail_errno(errno, "creating shared memory: /dev/shm (O_TMPFILE) and memfd_create");
+      where = "shared memory (memfd)";
+    }
+    const std::size_t avail = free_bytes(where == "/dev/shm");
+    if (avail < size) {
+      why = concat(where, " has ", mib(avail), " free but the shm transport needs ", mib(size),
+                   " for this communicator");
+      fd_.reset();
+      return false;
+    }
+    if (const int rc = ::posix_fallocate(fd_.get(), 0, static_cast<off_t>(size)); rc != 0) {
+      why = concat("reserving ", mib(size), " in ", where, " failed: ", std::strerror(rc), " (",
+                   mib(free_bytes(where == "/dev/shm")), " free)");
+      fd_.reset();
+      return false;
+    }
+    map(fd_.get(), size);
+    // The file reads as zeros; touch the head (header, control blocks, the first slots) once.
+    const std::size_t head = std::min(size, prefault_bytes);
+#ifdef MADV_POPULATE_WRITE
+    if (::madvise(base_, head, MADV_POPULATE_WRITE) == 0) return true;
+#endif
+    for (std::size_t i = 0; i < head; i += 4096) reinterpret_cast<volatile char*>(base_)[i] = 0;
+    return true;
+  }
+
+  /// Where another process of the same host opens this segment while the creator holds it.
+  [[nodiscard]] std::string path() const { return concat("/proc/", ::getpid(), "/fd/", fd_.get()); }
+
+  /// Maps the segment of exactly `size` bytes that another process published at `path`.
+  void open(const std::string& path, std::size_t size) {
+    Fd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
+    if (!fd) {
+      fail_errno(errno, "opening rank 0's shared memory at ", path,
+                 " (rank 0 must be alive, of the same user, and dumpable; or use "
+                 "DDP_HOST_TRANSPORT=tcp)");
+    }
+    struct stat st {};
+    if (::fstat(fd.get(), &st) != 0) fail_errno(errno, "fstat(", path, ")");
+    if (static_cast<std::size_t>(st.st_size) != size) {
+      fail(Errc::protocol, "shared memory segment ", path, " has ", st.st_size, " bytes, expected ",
+           size);
+    }
+    map(fd.get(), size);
+  }
+
+  /// The creator lets go of its descriptor once every rank has mapped the segment.
+  void close_descriptor() noexcept { fd_.reset(); }
+
+  [[nodiscard]] std::byte* base() const noexcept { return static_cast<std::byte*>(base_); }
+
+ private:
+  static std::string mib(std::size_t bytes) {
+    if (bytes < (std::size_t{1} << 20)) return concat(bytes / 1024, " KiB (", bytes, " bytes)");
+    return concat(bytes / (std::size_t{1} << 20), " MiB (", bytes, " bytes)");
+  }
+
+  /// Free bytes for a new segment: in /dev/shm, or of memory (MemAvailable) for a memfd.
+  static std::size_t free_bytes(bool dev_shm) {
+    if (dev_shm) {
+      struct statvfs v {};
+      if (::statvfs("/dev/shm", &v) != 0) return SIZE_MAX;
+      return static_cast<std::size_t>(v.f_bavail) * static_cast<std::size_t>(v.f_frsize);
+    }
+    const long pages = ::sysconf(_SC_AVPHYS_PAGES);
+    const long page = ::sysconf(_SC_PAGESIZE);
+    if (pages <= 0 || page <= 0) return SIZE_MAX;
+    return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page);
+  }
+
+  void map(int fd, std::size_t size) {
+    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) fail_errno(errno, "mmap of ", size, " bytes of shared memory");
+    base_ = p;
+    size_ = size;
+  }
+
+  void* base_ = nullptr;
+  std::size_t size_ = 0;
+  Fd fd_;  // the creator's, until every rank has mapped the segment
+};
+
+class ShmTransport final : public Transport {
+ public:
+  /// `segment` is mapped and initialized; `pids[j]` is rank j's process id.
+  ShmTransport(int rank, int size, std::chrono::milliseconds timeout, ShmLayout layout,
+               std::unique_ptr<ShmSegment> segment, const std::vector<int>& pids)
+      : Transport(rank, size, timeout),
+        layout_(layout),
+        segment_(std::move(segment)),
+        ptrs_(static_cast<std::size_t>(size)),
+        seen_(static_cast<std::size_t>(size)) {
+    header_ = reinterpret_cast<ShmHeader*>(segment_->base());
+    for (int j = 0; j < size; ++j) {
+      if (j != rank) watch_.add(j, pids[static_cast<std::size_t>(j)]);
+    }
+    oversubscribed_ = size > usable_cpus();
+    tick_ = round_of(ctl(rank)->word.load());
+  }
+
+  /// Initializes a freshly created segment (rank 0 only, before anyone else maps it).
+  static void format(std::byte* base, const ShmLayout& layout, std::uint64_t cookie) {
+    auto* h = new (base) ShmHeader{};
+    h->magic = ShmLayout::magic;
+    h->cookie = cookie;
+    h->world = static_cast<std::uint32_t>(layout.world);
+    h->slot_bytes = layout.slot_bytes;
+    h->channel_bytes = layout.channel_bytes;
+    h->total = layout.total();
+    for (int j = 0; j < layout.world; ++j)
+      new (base + layout.ctl_offset() + static_cast<std::size_t>(j) * ShmLayout::ctl_bytes)
+          ShmCtl{};
+    for (int s = 0; s < layout.world; ++s) {
+      for (int d = 0; d < layout.world; ++d)
+        new (base + layout.channel_offset(s, d)) ShmChannelCtl{};
+    }
+  }
+
+  /// Checks a segment opened by a non-creator.
+  static void verify(const std::byte* base, const ShmLayout& layout, std::uint64_t cookie) {
+    const auto* h = reinterpret_cast<const ShmHeader*>(base);
+    if (h->magic != ShmLayout::magic || h->cookie != cookie ||
+        h->world != static_cast<std::uint32_t>(layout.world) ||
+        h->slot_bytes != layout.slot_bytes || h->total != layout.total()) {
+      fail(Errc::protocol,
+           "the shared memory segment does not belong to this communicator (cookie or layout "
+           "differ)");
+    }
+  }
+
+  [[nodiscard]] std::string_view name() const noexcept override { return "shm"; }
+  [[nodiscard]] std::size_t max_offer() const noexcept override { return layout_.slot_bytes; }
+  [[nodiscard]] std::size_t small_bytes() const noexcept override {
+    return std::min<std::size_t>(layout_.slot_bytes, 16384);
+  }
+
+  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
+                                          const Fingerprint* fp) override {
+    check_abort(fp);
+    const std::uint64_t t = ++tick_;
+    const unsigned parity = static_cast<unsigned>(t & 1u);
+    std::byte* my_slot = slot(rank_, parity);
+    // Copy only what peers want, each byte once.
+    wanted_.clear();
+    for (int j = 0; j < size_; ++j) {
+      if (j == rank_) continue;
+      const Range r = want(rank_, j);
+      if (r.len != 0) wanted_.push_back(r);
+    }
+    std::sort(wanted_.begin(), wanted_.end(),
+              [](const Range& a, const Range& b) { return a.off < b.off; });
+    std::size_t copied_to = 0;
+    for (const Range& r : wanted_) {
+      std::size_t from = std::max(r.off, copied_to);
+      const std::size_t to = r.off + r.len;
+      if (to > layout_.slot_bytes)
+        fail(Errc::invalid_argument, "internal error: offer exceeds the shared memory slot");
+      std::size_t base = 0;
+      for (const Piece& p : offer) {  // copy [from, to) out of the pieces
+        const std::size_t lo = std::max(from, base), hi = std::min(to, base + p.len);
+        // Skip bytes already in place (staged in the slot by the caller).
+        if (lo < hi && my_slot + lo != p.data + (lo - base))
+          std::memcpy(my_slot + lo, p.data + (lo - base), hi - lo);
+        base += p.len;
+      }
+      copied_to = std::max(copied_to, to);
+    }
+    ShmCtl* mine = ctl(rank_);
+    std::uint64_t digest = 0;
+    if (fp != nullptr && verify_fingerprints) {
+      mine->fp[parity] = *fp;
+      digest = fingerprint_digest(*fp);
+    }
+    mine->word.store(digest << 32 | static_cast<std::uint32_t>(t), std::memory_order_seq_cst);
+    header_->wake.notify();
+
+    wait([&] { return all_reached(t); }, fp, [&] { return behind(t); });
+
+    if (digest != 0) {
+      for (int j = 0; j < size_; ++j) {
+        if (j == rank_ || seen_[static_cast<std::size_t>(j)] >> 32 == digest) continue;
+        // Digests differ, or the peer was already in round t + 1 (it cannot pass t + 1 before this
+        // rank publishes t + 1): its round-t fingerprint is in fp[parity] either way.
+        const Fingerprint theirs = ctl(j)->fp[parity];
+        if (!(theirs == *fp)) {
+          const std::string msg = mismatch_message(*fp, j, theirs);
+          publish_abort(Errc::mismatch, msg);
+          fail(Errc::mismatch, msg);
+        }
+      }
+    }
+    for (int j = 0; j < size_; ++j) {
+      const Range r = want(j, rank_);
+      if (r.len == 0)
+        ptrs_[static_cast<std::size_t>(j)] = nullptr;
+      else if (j == rank_)
+        ptrs_[static_cast<std::size_t>(j)] = SelfTransport::locate(offer, r);
+      else
+        ptrs_[static_cast<std::size_t>(j)] = slot(j, parity) + r.off;
+    }
+    return ptrs_;
+  }
+
+  /// My slot for the next round: free, since every peer has finished reading the round that used
+  /// it last (they published the current round, which they only do after that).
+  std::byte* stage(std::size_t bytes) override {
+    if (bytes > layout_.slot_bytes) return nullptr;
+    return slot(rank_, static_cast<unsigned>((tick_ + 1) & 1u));
+  }
+
+  void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
+    check_abort(nullptr);
+    const P2PHeader h{seq, buf.count, tag, buf.dtype, {}};
+    channel_write(peer, &h, sizeof h, "send", buf, tag);
+    channel_write(peer, buf.data, buf.bytes(), "send", buf, tag);
+  }
+
+  void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
+    check_abort(nullptr);
+    P2PHeader h{};
+    channel_read(peer, &h, sizeof h, "recv", buf, tag);
+    if (const std::string msg = p2p_mismatch(buf, peer, tag, seq, h); !msg.empty()) {
+      publish_abort(Errc::mismatch, msg);
+      fail(Errc::mismatch, msg);
+    }
+    channel_read(peer, buf.data, buf.bytes(), "recv", buf, tag);
+  }
+
+  void abort(Errc code, const std::string& why) override {
+    set_local_abort(code);
+    publish_abort(code, why);
+  }
+
+ private:
+  [[nodiscard]] ShmCtl* ctl(int r) const {
+    return reinterpret_cast<ShmCtl*>(segment_->base() + layout_.ctl_offset() +
+                                     static_cast<std::size_t>(r) * ShmLayout::ctl_bytes);
+  }
+  [[nodiscard]] std::byte* slot(int r, unsigned parity) const {
+    return segment_->base() + layout_.slot_offset(r, parity);
+  }
+  [[nodiscard]] ShmChannelCtl* channel(int src, int dst) const {
+    return reinterpret_cast<ShmChannelCtl*>(segment_->base() + layout_.channel_offset(src, dst));
+  }
+  [[nodiscard]] std::byte* channel_data(int src, int dst) const {
+    return segment_->base() + layout_.channel_offset(src, dst) + ShmLayout::channel_ctl_bytes;
+  }
+
+  [[nodiscard]] static std::uint32_t round_of(std::uint64_t word) noexcept {
+    return static_cast<std::uint32_t>(word);
+  }
+  /// Whether a round word is of round t or later (modulo 2^32: a peer is at most one round ahead).
+  [[nodiscard]] static bool reached(std::uint64_t word, std::uint64_t t) noexcept {
+    return static_cast<std::int32_t>(round_of(word) - static_cast<std::uint32_t>(t)) >= 0;
+  }
+  [[nodiscard]] bool reached(int j, std::uint64_t t) const {
+    return reached(ctl(j)->word.load(std::memory_order_acquire), t);
+  }
+  /// Whether every rank has published round t; if so, their words are in seen_.
+  [[nodiscard]] bool all_reached(std::uint64_t t) {
+    for (int j = 0; j < size_; ++j) {
+      const std::uint64_t w = ctl(j)->word.load(std::memory_order_acquire);
+      if (!reached(w, t)) return false;
+      seen_[static_cast<std::size_t>(j)] = w;
+    }
+    return true;
+  }
+
+  [[nodiscard]] std::string behind(std::uint64_t t) const {
+    std::string who;
+    int n = 0;
+    for (int j = 0; j < size_; ++j) {
+      if (!reached(j, t)) who += concat(n++ ? ", " : "", j);
+    }
+    return concat(n == 1 ? "rank " : "ranks ", who);
+  }
+
+  /// First failure wins; later ones keep the first message.
+  void publish_abort(Errc code, const std::string& why) {
+    std::uint32_t expected = 0;
+    if (header_->abort_state.compare_exchange_strong(expected, 1)) {
+      header_->abort_rank = rank_;
+      header_->abort_code = static_cast<int>(code);
+      const std::size_t n = std::min(why.size(), sizeof header_->abort_message - 1);
+      std::memcpy(header_->abort_message, why.data(), n);
+      header_->abort_message[n] = '\0';
+      header_->abort_state.store(2, std::memory_order_seq_cst);
+    }
+    header_->wake.epoch.fetch_add(1);
+    futex_wake_all(&header_->wake.epoch);
+  }
+
+  /// Throws if this communicator was aborted here or by a peer.
+  void check_abort(const Fingerprint* fp) const {
+    check_local_abort(fp);
+    if (header_->abort_state.load(std::memory_order_acquire) == 2) {
+      fail(static_cast<Errc>(header_->abort_code), "rank ", rank_, ": ", describe(fp, nullptr),
+           ": failed because rank ", header_->abort_rank, " reported: ", header_->abort_message);
+    }
+  }
+
+  /// Spins, then sleeps, until ready(); fails on abort, on a dead peer and at the timeout.
+  template <class Ready, class Behind>
+  void wait(Ready&& ready, const Fingerprint* fp, Behind&& behind_desc,
+            const char* what = nullptr) {
+    if (ready()) return;
+    // Spin first, unless there are more ranks than cores: then the awaited rank may be waiting
+    // for this very core, so yield it at once (even a short spin of pause instructions costs
+    // more than the whole round).
+    if (!oversubscribed_) {
+      const auto spin_until = Clock::now() + std::chrono::microseconds(50);
+      do {
+        for (int i = 0; i < 64; ++i) {
+          cpu_relax();
+          if (ready()) return;
+        }
+      } while (Clock::now() < spin_until);
+    }
+    const auto deadline = Deadline::after(timeout_);
+    // Dead peers and the deadline are checked every 20 ms (a poll(2) of the peers' pidfds each
+    // time; not on every call, which would cost more than a small round).
+    auto next_check = Clock::now() + std::chrono::milliseconds(20);
+    // More ranks than cores: the rank we wait for needs this core. Hand it over with
+    // sched_yield for a while (cheap for the poster: nobody sleeps, so no futex wake-up), and
+    // only then sleep.
+    const auto yield_until = Clock::now() + std::chrono::milliseconds(2);
+    for (;;) {
+      check_abort(fp);
+      if (ready()) return;
+      const auto now = Clock::now();
+      if (now >= next_check) {
+        if (const int dead = watch_.first_dead(); dead >= 0) {
+          const std::string msg =
+              concat("rank ", rank_, ": ", describe(fp, what), ": rank ", dead,
+                     " died (its process exited); the job cannot continue with this communicator");
+          publish_abort(Errc::peer_lost, concat("rank ", dead, " died (its process exited)"));
+          fail(Errc::peer_lost, msg);
+        }
+        if (now >= deadline.at) {
+          const std::string who = behind_desc();
+          const std::string msg = concat(
+              "rank ", rank_, ": ", describe(fp, what), ": timed out after ", timeout_.count(),
+              " ms waiting for ", who,
+              " (shm transport); that rank is stopped, slow, or did not call this collective");
+          publish_abort(Errc::timeout, concat("timed out waiting for ", who));
+          fail(Errc::timeout, msg);
+        }
+        next_check = now + std::chrono::milliseconds(20);
+      }
+      if (oversubscribed_ && now < yield_until) {
+        ::sched_yield();
+        continue;
+      }
+      header_->wake.sleep_unless(ready, 5'000'000);
+    }
+  }
+
+  void channel_write(int peer, const void* data, std::size_t n, const char* what, const Buf& buf,
+                     int tag) {
+    ShmChannelCtl* ch = channel(rank_, peer);
+    std::byte* ring = channel_data(rank_, peer);
+    const std::size_t cap = layout_.channel_bytes;
+    const auto* p = static_cast<const std::byte*>(data);
+    std::uint64_t head = ch->head.load(std::memory_order_relaxed);
+    const auto desc = [&] { return concat("rank ", peer, " to receive"); };
+    const std::string op = concat(what, "(to rank ", peer, ", tag ", tag, ", ",
+                                  to_string(buf.dtype), ", count=", buf.count, ")");
+    while (n > 0) {
+      wait([&] { return head - ch->tail.load(std::memory_order_acquire) < cap; }, nullptr, desc,
+           op.c_str());
+      const std::uint64_t free_bytes = cap - (head - ch->tail.load(std::memory_order_acquire));
+      const std::size_t at = static_cast<std::size_t>(head % cap);
+      const std::size_t k =
+          std::min<std::size_t>({n, static_cast<std::size_t>(free_bytes), cap - at});
+      std::memcpy(ring + at, p, k);
+      p += k;
+      n -= k;
+      head += k;
+      ch->head.store(head, std::memory_order_seq_cst);
+      header_->wake.notify();
+    }
+  }
+
+  void channel_read(int peer, void* data, std::size_t n, const char* what, const Buf& buf,
+                    int tag) {
+    ShmChannelCtl* ch = channel(peer, rank_);
+    const std::byte* ring = channel_data(peer, rank_);
+    const std::size_t cap = layout_.channel_bytes;
+    auto* p = static_cast<std::byte*>(data);
+    std::uint64_t tail = ch->tail.load(std::memory_order_relaxed);
+    const auto desc = [&] { return concat("rank ", peer, " to send"); };
+    const std::string op = concat(what, "(from rank ", peer, ", tag ", tag, ", ",
+                                  to_string(buf.dtype), ", count=", buf.count, ")");
+    while (n > 0) {
+      wait([&] { return ch->head.load(std::memory_order_acquire) > tail; }, nullptr, desc,
+           op.c_str());
+      const std::uint64_t avail = ch->head.load(std::memory_order_acquire) - tail;
+      const std::size_t at = static_cast<std::size_t>(tail % cap);
+      const std::size_t k = std::min<std::size_t>({n, static_cast<std::size_t>(avail), cap - at});
+      std::memcpy(p, ring + at, k);
+      p += k;
+      n -= k;
+      tail += k;
+      ch->tail.store(tail, std::memory_order_seq_cst);
+      header_->wake.notify();
+    }
+  }
+
+  ShmLayout layout_;
+  std::unique_ptr<ShmSegment> segment_;
+  ShmHeader* header_ = nullptr;
+  ProcessWatch watch_;
+  bool oversubscribed_ = false;
+  std::uint64_t tick_ = 0;
+  std::vector<Range> wanted_;
+  std::vector<const std::byte*> ptrs_;
+  std::vector<std::uint64_t> seen_;  // the round words all_reached last saw
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/backend/host/shm.hpp
+// begin ddp/backend/host/tcp.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The TCP transport of the Host backend (ranks on several hosts, or DDP_HOST_TRANSPORT=tcp).
+///
+/// A full mesh of connections, made at start-up: every rank listens on the interface that
+/// reaches the store, publishes its address there, connects to lower ranks and accepts higher
+/// ones; a connection must present the communicator's session key (a random value shared through
+/// the store, which DDP_TOKEN protects) or it is dropped. A round sends, to each peer at once,
+/// the part of this rank's offer it wants and receives what this rank wants, progressing every
+/// socket with poll() until done, the timeout, or a failure. The first round of a collective
+/// starts each message with the sender's fingerprint, checked before any data is used.
+
+// #include "ddp/backend/host/transport.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/bytes.hpp" (already included above)
+// #include "ddp/detail/crypto.hpp" (already included above)
+// #include "ddp/detail/socket.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+class TcpTransport final : public Transport {
+ public:
+  static constexpr std::uint32_t hello_magic = 0x50434444;  // "DDCP"
+  using SessionKey = std::array<std::uint8_t, 16>;
+
+  TcpTransport(int rank, int size, std::chrono::milliseconds timeout, std::vector<Fd> peers,
+               std::size_t segment_bytes)
+      : Transport(rank, size, timeout),
+        segment_(segment_bytes),
+        peers_(std::move(peers)),
+        ptrs_(static_cast<std::size_t>(size)),
+        xfers_(static_cast<std::size_t>(size)),
+        headers_in_(static_cast<std::size_t>(size)) {
+    for (auto& fd : peers_) {
+      if (fd) set_nonblocking(fd.get(), true);
+    }
+  }
+
+  /// Builds the mesh: connect to ranks below, accept ranks above (see the file comment).
+  [[nodiscard]] static std::vector<Fd> connect_mesh(
+      int rank, int size, Fd& listener, const std::vector<std::pair<std::string, int>>& addrs,
+      const SessionKey& key, Deadline deadline, const std::function<void()>& check_stop = {}) {
+    std::vector<Fd> peers(static_cast<std::size_t>(size));
+    for (int j = 0; j < rank; ++j) {
+      const auto& [host, port] = addrs[static_cast<std::size_t>(j)];
+      Fd fd = connect_tcp(host, port, deadline, concat("rank ", j));
+      std::string hello;
+      ByteWriter w(hello);
+      w.put(hello_magic);
+      w.raw(key.data(), key.size());
+      w.put(static_cast<std::uint32_t>(rank));
+      if (send_all(fd.get(), hello.data(), hello.size(), deadline) != IoResult::ok) {
+        fail(Errc::peer_lost, "rank ", rank, ": could not introduce itself to rank ", j, " at ",
+             host_port(host, port));
+      }
+      peers[static_cast<std::size_t>(j)] = std::move(fd);
+    }
+    int missing = size - 1 - rank;
+    set_nonblocking(listener.get(), true);
+    while (missing > 0) {
+      if (check_stop) check_stop();  // throws when another rank failed meanwhile
+      pollfd p{listener.get(), POLLIN, 0};
+      const int rc = ::poll(&p, 1, deadline.poll_ms(200));
+      if (rc == 0 && deadline.expired()) {
+        std::string who;
+        for (int j = rank + 1; j < size; ++j) {
+          if (!peers[static_cast<std::size_t>(j)]) who += concat(who.empty() ? "" : ", ", j);
+        }
+        fail(Errc::timeout, "rank ", rank, ": timed out waiting for rank(s) ", who,
+             " to connect (tcp transport)");
+      }
+      Fd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      if (!fd) continue;
+      set_nodelay(fd.get());
+      std::array<std::byte, 4 + 16 + 4> hello{};
+      // A stray connection gets a short window; it must not stall the mesh.
+      const auto short_deadline =
+          Deadline{std::min(deadline.at, Clock::now() + std::chrono::seconds(2))};
+      if (recv_all(fd.get(), hello.data(), hello.size(), short_deadline) != IoResult::ok) continue;
+      ByteReader r(hello.data(), hello.size(), "peer hello");
+      if (r.get<std::uint32_t>() != hello_magic) continue;
+      SessionKey got{};
+      r.raw(got.data(), got.size());
+      const auto peer = static_cast<int>(r.get<std::uint32_t>());
+      if (!constant_time_equal(got, key) || peer <= rank || peer >= size ||
+          peers[static_cast<std::size_t>(peer)]) {
+        continue;  // not ours: drop it
+      }
+      peers[static_cast<std::size_t>(peer)] = std::move(fd);
+      --missing;
+    }
+    return peers;
+  }
+
+  [[nodiscard]] std::string_view name() const noexcept override { return "tcp"; }
+  [[nodiscard]] std::size_t max_offer() const noexcept override { return segment_; }
+  [[nodiscard]] std::size_t small_bytes() const noexcept override {
+    return std::min(segment_, size_ == 2 ? (std::size_t{1} << 20) : (std::size_t{64} << 10));
+  }
+
+  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
+                                          const Fingerprint* fp) override {
+    check_abort(fp);
+    std::size_t scratch_needed = 0;
+    for (int j = 0; j < size_; ++j) {
+      if (j != rank_) scratch_needed += want(j, rank_).len;
+    }
+    if (scratch_.size() < scratch_needed)
+      scratch_.resize(scratch_needed);  // zero-filled: pre-faulted
+    std::size_t scratch_at = 0;
+    for (int j = 0; j < size_; ++j) {
+      auto& x = xfers_[static_cast<std::size_t>(j)];
+      x.clear();
+      if (j == rank_) continue;
+      if (fp != nullptr && verify_fingerprints) {
+        x.out.push_back(
+            {reinterpret_cast<std::byte*>(const_cast<Fingerprint*>(fp)), sizeof(Fingerprint)});
+        x.in.push_back({reinterpret_cast<std::byte*>(&headers_in_[static_cast<std::size_t>(j)]),
+                        sizeof(Fingerprint)});
+        x.header_in = true;
+      }
+      const Range out = want(rank_, j);
+      std::size_t base = 0;
+      for (const Piece& p : offer) {
+        const std::size_t lo = std::max(out.off, base),
+                          hi = std::min(out.off + out.len, base + p.len);
+        if (lo < hi) x.out.push_back({const_cast<std::byte*>(p.data) + (lo - base), hi - lo});
+        base += p.len;
+      }
+      const Range in = want(j, rank_);
+      if (in.len != 0) x.in.push_back({scratch_.data() + scratch_at, in.len});
+      ptrs_[static_cast<std::size_t>(j)] = in.len != 0 ? scratch_.data() + scratch_at : nullptr;
+      scratch_at += in.len;
+    }
+    progress(fp, nullptr);
+    ptrs_[static_cast<std::size_t>(rank_)] = SelfTransport::locate(offer, want(rank_, rank_));
+    return ptrs_;
+  }
+
+  void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
+    check_abort(nullptr);
+    p2p_header_ = {seq, buf.count, tag, buf.dtype, {}};
+    for (auto& x : xfers_) x.clear();
+    auto& x = xfers_[static_cast<std::size_t>(peer)];
+    x.out.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});
+    if (buf.bytes() != 0) x.out.push_back({buf.data, buf.bytes()});
+    const std::string what = concat("send(to rank ", peer, ", tag ", tag, ", ",
+                                    to_string(buf.dtype), ", count=", buf.count, ")");
+    progress(nullptr, what.c_str());
+  }
+
+  void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
+    check_abort(nullptr);
+    for (auto& x : xfers_) x.clear();
+    auto& x = xfers_[static_cast<std::size_t>(peer)];
+    x.in.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});
+    const std::string what = recv_description(buf, peer, tag);
+    progress(nullptr, what.c_str());
+    if (const std::string msg = p2p_mismatch(buf, peer, tag, seq, p2p_header_); !msg.empty()) {
+      poison();
+      fail(Errc::mismatch, msg);
+    }
+    x.clear();
+    if (buf.bytes() != 0) x.in.push_back({buf.data, buf.bytes()});
+    progress(nullptr, what.c_str());
+  }
+
+  void abort(Errc code, const std::string&) override {
+    set_local_abort(code);
+    poison();
+  }
+
+ private:
+  struct Seg {
+    std::byte* p;
+    std::size_t n;
+  };
+  /// Points iov_ at the unfinished segments from (i, off) on; returns how many it filled.
+  std::size_t gather(const std::vector<Seg>& segs, std::size_t i, std::size_t off) {
+    std::size_t k = 0;
+    for (; i < segs.size() && k < iov_.size(); ++i, off = 0) {
+      if (segs[i].n > off) iov_[k++] = {segs[i].p + off, segs[i].n - off};
+    }
+    return k;
+  }
+
+  /// Moves (i, off) forward by n bytes over segs, past any empty segments.
+  static void advance(const std::vector<Seg>& segs, std::size_t& i, std::size_t& off,
+                      std::size_t n) {
+    while (i < segs.size() && segs[i].n - off <= n) {
+      n -= segs[i].n - off;
+      ++i;
+      off = 0;
+    }
+    off += n;
+  }
+
+  struct Xfer {
+    std::vector<Seg> out, in;
+    std::size_t out_i = 0, out_off = 0, in_i = 0, in_off = 0;
+    bool header_in = false;
+    void clear() {
+      out.clear();
+      in.clear();
+      out_i = out_off = in_i = in_off = 0;
+      header_in = false;
+    }
+    [[nodiscard]] bool out_done() const { return out_i == out.size(); }
+    [[nodiscard]] bool in_done() const { return in_i == in.size(); }
+  };
+  /// Shuts every connection down, so that peers blocked on this rank fail at once.
+  void poison() {
+    for (auto& fd : peers_) {
+      if (fd) ::shutdown(fd.get(), SHUT_RDWR);
+    }
+  }
+
+  void check_abort(const Fingerprint* fp) const { check_local_abort(fp); }
+
+  /// The connection to `peer` failed. A mismatch explains more than a lost peer (the peer may
+  /// have left because it saw the mismatch first), so during a collective's first round this
+  /// rank collects the fingerprints still on their way, from every peer, for a short while, and
+  /// reports a mismatch if one shows. The other connections stay open: every survivor sees a
+  /// dead peer itself (full mesh), and closing them would make the survivors blame this rank.
+  [[noreturn]] void lost(int peer, const Fingerprint* fp, const char* what) {
+    check_abort(fp);  // our own abort() shut the sockets down: report that, not a lost peer
+    if (fp != nullptr && verify_fingerprints)
+      collect_headers(*fp, Deadline::after(std::chrono::milliseconds(500)));
+    fail(Errc::peer_lost, "rank ", rank_, ": ", describe(fp, what), ": the connection to rank ",
+         peer,
+         " closed (that process died or failed) (tcp transport); the job cannot continue with this "
+         "communicator");
+  }
+
+  void progress(const Fingerprint* fp, const char* what) {
+    const auto deadline = Deadline::after(timeout_);
+    std::vector<pollfd> fds;
+    std::vector<int> who;
+    for (;;) {
+      fds.clear();
+      who.clear();
+      for (int j = 0; j < size_; ++j) {
+        const auto& x = xfers_[static_cast<std::size_t>(j)];
+        short ev = 0;
+        if (!x.out_done()) ev = static_cast<short>(ev | POLLOUT);
+        if (!x.in_done()) ev = static_cast<short>(ev | POLLIN);
+        if (ev != 0) {
+          fds.push_back({peers_[static_cast<std::size_t>(j)].get(), ev, 0});
+          who.push_back(j);
+        }
+      }
+      if (fds.empty()) return;
+      check_abort(fp);
+      const int rc = ::poll(fds.data(), fds.size(), deadline.poll_ms(50));
+      if (rc < 0 && errno != EINTR) fail_errno(errno, "poll");
+      if (rc <= 0) {
+        if (deadline.expired()) {
+          std::string list;
+          for (int j : who) list += concat(list.empty() ? "" : ", ", j);
+          // No poison(): the other ranks time out on their own, with their own message.
+          fail(Errc::timeout, "rank ", rank_, ": ", describe(fp, what), ": timed out after ",
+               timeout_.count(), " ms waiting for ", who.size() == 1 ? "rank " : "ranks ", list,
+               " (tcp transport); that rank is stopped, slow, or did not call this collective");
+        }
+        continue;
+      }
+      for (std::size_t i = 0; i < fds.size(); ++i) {
+        const int j = who[i];
+        auto& x = xfers_[static_cast<std::size_t>(j)];
+        const int fd = fds[i].fd;
+        if ((fds[i].revents & POLLOUT) != 0 ||
+            ((fds[i].revents & (POLLERR | POLLHUP)) != 0 && !x.out_done())) {
+          // Header and payload in one system call.
+          while (!x.out_done()) {
+            msghdr msg{};
+            msg.msg_iov = iov_.data();
+            msg.msg_iovlen = gather(x.out, x.out_i, x.out_off);
+            if (msg.msg_iovlen == 0) {
+              x.out_i = x.out.size();
+              break;
+            }
+            const ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+            if (n > 0) {
+              advance(x.out, x.out_i, x.out_off, static_cast<std::size_t>(n));
+            } else if (n < 0 && errno == EINTR) {
+              continue;
+            } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+              break;
+            } else {
+              lost(j, fp, what);
+            }
+          }
+        }
+        if ((fds[i].revents & (POLLIN | POLLERR | POLLHUP)) != 0) {
+          while (!x.in_done()) {
+            msghdr msg{};
+            msg.msg_iov = iov_.data();
+            msg.msg_iovlen = gather(x.in, x.in_i, x.in_off);
+            if (msg.msg_iovlen == 0) {
+              x.in_i = x.in.size();
+              break;
+            }
+            // Never more than this round's bytes: the next round's stay in the socket.
+            const ssize_t n = ::recvmsg(fd, &msg, MSG_DONTWAIT);
+            if (n > 0) {
+              const bool header_pending = x.header_in && x.in_i == 0;
+              advance(x.in, x.in_i, x.in_off, static_cast<std::size_t>(n));
+              if (header_pending && x.in_i > 0) check_header(j, *fp);
+            } else if (n < 0 && errno == EINTR) {
+              continue;
+            } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+              break;
+            } else {
+              lost(j, fp, what);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  /// Reads the outstanding fingerprints of this round (only those) until all are in or the
+  /// deadline passes; throws Errc::mismatch if one differs from ours.
+  void collect_headers(const Fingerprint& mine, Deadline deadline) {
+    for (;;) {
+      std::vector<pollfd> fds;
+      std::vector<int> who;
+      for (int j = 0; j < size_; ++j) {
+        const auto& x = xfers_[static_cast<std::size_t>(j)];
+        if (j != rank_ && x.header_in && x.in_i == 0) {
+          fds.push_back({peers_[static_cast<std::size_t>(j)].get(), POLLIN, 0});
+          who.push_back(j);
+        }
+      }
+      if (fds.empty()) return;
+      const int rc = ::poll(fds.data(), fds.size(), deadline.poll_ms(50));
+      if (rc <= 0) {
+        if (deadline.expired() || (rc < 0 && errno != EINTR)) return;
+        continue;
+      }
+      for (std::size_t i = 0; i < fds.size(); ++i) {
+        if (fds[i].revents == 0) continue;
+        auto& x = xfers_[static_cast<std::size_t>(who[i])];
+        Seg& h = x.in[0];
+        const ssize_t n = ::recv(fds[i].fd, h.p + x.in_off, h.n - x.in_off, MSG_DONTWAIT);
+        if (n > 0) {
+          x.in_off += static_cast<std::size_t>(n);
+          if (x.in_off == h.n) {
+            check_header(who[i], mine);
+            ++x.in_i;
+            x.in_off = 0;
+          }
+        } else if (n == 0 || (errno != EAGAIN && errno != EINTR && errno != EWOULDBLOCK)) {
+          x.header_in = false;  // gone without a fingerprint: nothing more to learn there
+        }
+      }
+    }
+  }
+
+  void check_header(int peer, const Fingerprint& mine) {
+    const Fingerprint& theirs = headers_in_[static_cast<std::size_t>(peer)];
+    if (!(theirs == mine)) {
+      const std::string msg = mismatch_message(mine, peer, theirs);
+      flush_headers();
+      fail(Errc::mismatch, msg);
+    }
+  }
+
+  /// Finishes sending this round's fingerprint to every peer (best effort, briefly), so that each
+  /// of them sees the mismatch too instead of waiting for a header that never comes. The
+  /// connections stay open: closing them would turn the peers' mismatch into peer_lost.
+  void flush_headers() {
+    const auto deadline = Deadline::after(std::chrono::milliseconds(500));
+    for (int j = 0; j < size_; ++j) {
+      auto& x = xfers_[static_cast<std::size_t>(j)];
+      if (j == rank_ || x.out.empty() || x.out_i > 0) continue;  // header already sent (or none)
+      const Seg& h = x.out[0];
+      (void)send_all(peers_[static_cast<std::size_t>(j)].get(), h.p + x.out_off, h.n - x.out_off,
+                     deadline);
+      ++x.out_i;
+      x.out_off = 0;
+    }
+  }
+
+  std::size_t segment_;
+  std::vector<Fd> peers_;
+  std::vector<const std::byte*> ptrs_;
+  std::vector<Xfer> xfers_;
+  std::vector<Fingerprint> headers_in_;
+  std::array<iovec, 16> iov_{};
+  std::vector<std::byte> scratch_;
+  P2PHeader p2p_header_{};
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/backend/host/tcp.hpp
+// #include "ddp/backend/host/transport.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/bytes.hpp" (already included above)
+// #include "ddp/detail/collective.hpp" (already included above)
+// #include "ddp/detail/crypto.hpp" (already included above)
+// begin ddp/detail/reduce.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Reduction kernels. Every element is reduced over the ranks' contributions in rank order
+/// 0, 1, ..., P-1, whichever rank computes it and whatever the message size, so the result is
+/// bitwise the same on every rank and in every run. half and bfloat16 accumulate in float and
+/// are rounded once; integer sums and products wrap (two's complement) instead of overflowing
+/// into undefined behaviour; avg divides the sum by P.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+template <class T>
+struct Accum {
+  using type = T;
+};
+template <>
+struct Accum<half> {
+  using type = float;
+};
+template <>
+struct Accum<bfloat16> {
+  using type = float;
+};
+
+template <class T>
+inline T load_elem(const std::byte* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+template <ReduceOp Op, class A>
+inline A combine(A a, A b) {
+  if constexpr (Op == ReduceOp::sum || Op == ReduceOp::avg) {
+    if constexpr (std::is_integral_v<A>) {
+      using U = std::make_unsigned_t<A>;
+      return static_cast<A>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
+    } else {
+      return a + b;
+    }
+  } else if constexpr (Op == ReduceOp::prod) {
+    if constexpr (std::is_integral_v<A>) {
+      using U = std::make_unsigned_t<A>;
+      using W =
+          std::conditional_t<(sizeof(U) < sizeof(unsigned)), unsigned, U>;  // no int promotion
+      return static_cast<A>(
+          static_cast<U>(static_cast<W>(static_cast<U>(a)) * static_cast<W>(static_cast<U>(b))));
+    } else {
+      return a * b;
+    }
+  } else if constexpr (Op == ReduceOp::min) {
+    return b < a ? b : a;
+  } else {
+    return a < b ? b : a;
+  }
+}
+
+/// dst[i] = src[0][i] op src[1][i] op ... op src[n-1][i] for i in [0, count), and the same into
+/// dst2 when it is not null (one pass writing both: the all-reduce writes its result to the user's
+/// buffer and to the slot peers read it from). dst may alias a source exactly (in place), but
+/// must not partially overlap one; dst2 must not overlap anything.
+template <class T, ReduceOp Op>
+void reduce_kernel(std::byte* dst, std::byte* dst2, const std::byte* const* src, int n,
+                   std::size_t count) {
+  using A = typename Accum<T>::type;
+  auto* d = reinterpret_cast<T*>(dst);
+  auto* d2 = reinterpret_cast<T*>(dst2);
+  if (n == 2) {  // the common case, one fused pass (the same operations as the general path)
+    const auto* a = reinterpret_cast<const T*>(src[0]);
+    const auto* b = reinterpret_cast<const T*>(src[1]);
+    const auto value = [a, b](std::size_t i) {
+      A v = combine<Op, A>(static_cast<A>(a[i]), static_cast<A>(b[i]));
+      if constexpr (Op == ReduceOp::avg) v = v / static_cast<A>(2);
+      return static_cast<T>(v);
+    };
+    if (d2 == nullptr) {
+      for (std::size_t i = 0; i < count; ++i) d[i] = value(i);
+      return;
+    }
+    if constexpr (std::is_same_v<A, T>) {
+      for (std::size_t i = 0; i < count; ++i) {
+        const T v = value(i);
+        d[i] = v;
+        d2[i] = v;
+      }
+      return;
+    }
+    // half and bfloat16: two stores of the class type keep the loop scalar, so write dst in
+    // steps and copy each step to dst2 while it is still in L1.
+    constexpr std::size_t step = 4096;
+    for (std::size_t base = 0; base < count; base += step) {
+      const std::size_t end = std::min(count, base + step);
+      for (std::size_t i = base; i < end; ++i) d[i] = value(i);
+      std::memcpy(d2 + base, d + base, (end - base) * sizeof(T));
+    }
+    return;
+  }
+  constexpr std::size_t block = 1024;
+  A acc[block];
+  for (std::size_t base = 0; base < count; base += block) {
+    const std::size_t m = std::min(block, count - base);
+    {
+      const auto* s = reinterpret_cast<const T*>(src[0]) + base;
+      if (n > 1) {
+        const auto* s1 = reinterpret_cast<const T*>(src[1]) + base;
+        for (std::size_t i = 0; i < m; ++i)
+          acc[i] = combine<Op, A>(static_cast<A>(s[i]), static_cast<A>(s1[i]));
+      } else {
+        for (std::size_t i = 0; i < m; ++i) acc[i] = static_cast<A>(s[i]);
+      }
+    }
+    for (int k = 2; k < n; ++k) {
+      const auto* s = reinterpret_cast<const T*>(src[k]) + base;
+      for (std::size_t i = 0; i < m; ++i) acc[i] = combine<Op, A>(acc[i], static_cast<A>(s[i]));
+    }
+    if constexpr (Op == ReduceOp::avg) {
+      const A ranks = static_cast<A>(n);
+      for (std::size_t i = 0; i < m; ++i) acc[i] = acc[i] / ranks;
+    }
+    for (std::size_t i = 0; i < m; ++i) d[base + i] = static_cast<T>(acc[i]);
+    if (d2 != nullptr) {
+      for (std::size_t i = 0; i < m; ++i) d2[base + i] = d[base + i];
+    }
+  }
+}
+
+using ReduceFn = void (*)(std::byte*, std::byte*, const std::byte* const*, int, std::size_t);
+
+template <class T>
+constexpr ReduceFn reduce_fn_for(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return &reduce_kernel<T, ReduceOp::sum>;
+    case ReduceOp::prod: return &reduce_kernel<T, ReduceOp::prod>;
+    case ReduceOp::max: return &reduce_kernel<T, ReduceOp::max>;
+    case ReduceOp::min: return &reduce_kernel<T, ReduceOp::min>;
+    case ReduceOp::avg:
+      if constexpr (std::is_floating_point_v<T> || std::is_same_v<T, half> ||
+                    std::is_same_v<T, bfloat16>) {
+        return &reduce_kernel<T, ReduceOp::avg>;
+      } else {
+        return nullptr;
+      }
+  }
+  return nullptr;
+}
+
+/// The kernel for (dtype, op), or nullptr when the pair is not supported.
+[[nodiscard]] inline ReduceFn reduce_fn(DType t, ReduceOp op) {
+  switch (t) {
+    case DType::int8: return reduce_fn_for<std::int8_t>(op);
+    case DType::uint8: return reduce_fn_for<std::uint8_t>(op);
+    case DType::int32: return reduce_fn_for<std::int32_t>(op);
+    case DType::uint32: return reduce_fn_for<std::uint32_t>(op);
+    case DType::int64: return reduce_fn_for<std::int64_t>(op);
+    case DType::uint64: return reduce_fn_for<std::uint64_t>(op);
+    case DType::float16: return reduce_fn_for<half>(op);
+    case DType::float32: return reduce_fn_for<float>(op);
+    case DType::float64: return reduce_fn_for<double>(op);
+    case DType::bfloat16: return reduce_fn_for<bfloat16>(op);
+  }
+  return nullptr;
+}
+
+// ---- compressed all-reduce: float32 values that travel and are reduced as W (half, bfloat16) --
+
+/// dst[i] = W(src[i]): float32 to the wire type, rounded to nearest even.
+template <class W>
+void encode_kernel(std::byte* dst, const std::byte* src, std::size_t count) {
+  auto* d = reinterpret_cast<W*>(dst);
+  const auto* s = reinterpret_cast<const float*>(src);
+  for (std::size_t i = 0; i < count; ++i) d[i] = W(s[i]);
+}
+
+/// dst[i] = float(src[i]): the wire type back to float32 (exact).
+template <class W>
+void decode_kernel(std::byte* dst, const std::byte* src, std::size_t count) {
+  auto* d = reinterpret_cast<float*>(dst);
+  const auto* s = reinterpret_cast<const W*>(src);
+  for (std::size_t i = 0; i < count; ++i) d[i] = static_cast<float>(s[i]);
+}
+
+/// reduce_kernel<W, Op> over W-typed sources (the same operations, so the same bits), with the
+/// rounded result written decoded to `dst` (float32) and, when `wire` is not null, as W there.
+template <class W, ReduceOp Op>
+void reduce_decode_kernel(std::byte* dst, std::byte* wire, const std::byte* const* src, int n,
+                          std::size_t count) {
+  // In steps, each decoded while in L1: a loop storing both W and float stays scalar.
+  constexpr std::size_t step = 2048;
+  W block[step];
+  std::vector<const std::byte*> shifted(static_cast<std::size_t>(n));
+  for (std::size_t base = 0; base < count; base += step) {
+    const std::size_t m = std::min(step, count - base);
+    W* w = wire != nullptr ? reinterpret_cast<W*>(wire) + base : block;
+    for (int k = 0; k < n; ++k) shifted[static_cast<std::size_t>(k)] = src[k] + base * sizeof(W);
+    reduce_kernel<W, Op>(reinterpret_cast<std::byte*>(w), nullptr, shifted.data(), n, m);
+    decode_kernel<W>(dst + base * sizeof(float), reinterpret_cast<const std::byte*>(w), m);
+  }
+}
+
+/// The kernels of an all-reduce whose float32 values travel as `wire`.
+struct WireKernels {
+  void (*encode)(std::byte*, const std::byte*, std::size_t) = nullptr;
+  void (*decode)(std::byte*, const std::byte*, std::size_t) = nullptr;
+  ReduceFn reduce = nullptr;  // (float32 dst, wire dst or null, wire sources, n, count)
+};
+
+template <class W>
+WireKernels wire_kernels_for(ReduceOp op) {
+  WireKernels k{&encode_kernel<W>, &decode_kernel<W>, nullptr};
+  switch (op) {
+    case ReduceOp::sum: k.reduce = &reduce_decode_kernel<W, ReduceOp::sum>; break;
+    case ReduceOp::prod: k.reduce = &reduce_decode_kernel<W, ReduceOp::prod>; break;
+    case ReduceOp::max: k.reduce = &reduce_decode_kernel<W, ReduceOp::max>; break;
+    case ReduceOp::min: k.reduce = &reduce_decode_kernel<W, ReduceOp::min>; break;
+    case ReduceOp::avg: k.reduce = &reduce_decode_kernel<W, ReduceOp::avg>; break;
+  }
+  return k;
+}
+
+/// Kernels for float32 values carried as `wire` (float16 or bfloat16); reduce is null otherwise.
+[[nodiscard]] inline WireKernels wire_kernels(DType wire, ReduceOp op) {
+  switch (wire) {
+    case DType::float16: return wire_kernels_for<half>(op);
+    case DType::bfloat16: return wire_kernels_for<bfloat16>(op);
+    default: return {};
+  }
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/reduce.hpp
+// begin ddp/detail/rendezvous.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The first steps of every communicator's rendezvous, before the backend connects:
+///  * each rank claims its rank number in the store (compare-and-set), so a second process
+///    started with the same RANK is refused at once and told who holds it;
+///  * each rank publishes the job as it sees it (world size, backend, library version,
+///    fingerprint check) and checks every other rank's record against its own, so ranks that
+///    were started differently fail together with Errc::mismatch instead of running with
+///    different views of the job (and different results).
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/bytes.hpp" (already included above)
+// #include "ddp/detail/crypto.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/store.hpp" (already included above)
 // #include "ddp/version.hpp" (already included above)
 
 #include <unistd.h>
@@ -5021,125 +5314,7 @@ DDP_END_NAMESPACE
 // end ddp/detail/rendezvous.hpp
 // #include "ddp/detail/socket.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
-// begin ddp/options.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// ddp::Options: how a communicator is made (timeouts, the rendezvous secret, transports).
-
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-
-#include <charconv>
-#include <chrono>
-#include <cstddef>
-#include <cstdint>
-#include <cstdlib>
-#include <optional>
-#include <string>
-#include <string_view>
-
-DDP_BEGIN_NAMESPACE
-
-/// How backend::Host moves bytes.
-enum class HostTransport : std::uint8_t {
-  automatic,  ///< shared memory when every rank is on this host, TCP otherwise
-  shm,        ///< shared memory (every rank must be on this host)
-  tcp,        ///< TCP, even on one host (what multi-host runs use)
-};
-
-namespace detail {
-[[nodiscard]] inline std::string env_or(const char* name, std::string_view fallback) {
-  const char* v = std::getenv(name);
-  return v != nullptr ? std::string(v) : std::string(fallback);
-}
-[[nodiscard]] inline std::string env_or_empty(const char* name) { return env_or(name, ""); }
-
-/// $name as a whole number in [min, max], or nullopt when it is unset or empty. Anything else (a
-/// sign, a unit, a number out of range) is Errc::invalid_argument naming the variable and `what`
-/// it must be.
-[[nodiscard]] inline std::optional<std::uint64_t> env_unsigned(const char* name, std::uint64_t min,
-                                                               std::uint64_t max,
-                                                               std::string_view what) {
-  const std::string v = env_or(name, "");
-  if (v.empty()) return std::nullopt;
-  std::uint64_t n = 0;
-  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
-  if (ec != std::errc{} || end != v.data() + v.size() || n < min || n > max)
-    fail(Errc::invalid_argument, name, "=\"", v, "\" must be ", what);
-  return n;
-}
-
-/// $name as a yes/no setting: 1, true, on, yes or 0, false, off, no (any case); `fallback` when
-/// unset or empty. Anything else is Errc::invalid_argument naming the variable.
-[[nodiscard]] inline bool env_flag(const char* name, bool fallback) {
-  std::string v = env_or(name, "");
-  if (v.empty()) return fallback;
-  for (char& c : v) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
-  if (v == "1" || v == "true" || v == "on" || v == "yes") return true;
-  if (v == "0" || v == "false" || v == "off" || v == "no") return false;
-  fail(Errc::invalid_argument, name, "=\"", env_or(name, ""),
-       "\" is not a yes/no setting: use 1 or 0 (also true/false, on/off, yes/no)");
-}
-
-/// $DDP_TIMEOUT (seconds, a decimal number such as 30 or 0.5) or `fallback` when unset. Anything
-/// else, or a value outside (0, 2147483] seconds, is Errc::invalid_argument naming the variable.
-[[nodiscard]] inline std::chrono::milliseconds timeout_from_env(
-    std::chrono::milliseconds fallback) {
-  const std::string v = env_or("DDP_TIMEOUT", "");
-  if (v.empty()) return fallback;
-  char* end = nullptr;
-  const double seconds = std::strtod(v.c_str(), &end);
-  if (end == v.c_str() || *end != '\0' || !(seconds >= 0.001) || seconds > 2147483.0) {
-    fail(Errc::invalid_argument, "DDP_TIMEOUT=\"", v,
-         "\" is not a timeout: give seconds, at least 0.001 and at most 2147483 (e.g. 300)");
-  }
-  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
-}
-}  // namespace detail
-
-struct Options {
-  /// The longest any single wait may take (a collective, the rendezvous, a store call) before
-  /// Errc::timeout. A peer that dies is reported sooner (Errc::peer_lost). Default: 5 minutes,
-  /// or $DDP_TIMEOUT seconds (a malformed value throws Errc::invalid_argument naming it).
-  std::chrono::milliseconds timeout = detail::timeout_from_env(std::chrono::minutes(5));
-  /// Rendezvous secret: every rank must present it to the store. Default: $DDP_TOKEN.
-  std::string token = detail::env_or("DDP_TOKEN", "");
-  /// CUDA device for CUDA backends; -1: the local rank.
-  int device = -1;
-  /// Name of this communicator in the store; communicators made from the same store (a new one
-  /// after a failure, say) need different names.
-  std::string group = "default";
-  /// backend::Host transport. $DDP_HOST_TRANSPORT (shm or tcp) overrides `automatic`.
-  HostTransport transport = HostTransport::automatic;
-  /// backend::Host: bytes one rank moves per round (the shared-memory slot size, the TCP
-  /// segment). 0: $DDP_SEGMENT_BYTES (4096 to 2^40), else the transport's default (shm 512 KiB,
-  /// tcp 4 MiB). Shared-memory slots are capped at 64 MiB. Every rank must use the same value.
-  std::size_t segment_bytes = 0;
-  /// The rendezvous store runs elsewhere: rank 0 does not start one. Launchers that host the
-  /// store (ddprun, ddp::spawn) say so with DDP_STORE_HOSTED=1, which init() also honours.
-  bool external_store = false;
-  /// CUDA buffers given to a backend that moves host memory only (backend::Host, a backend::Mpi
-  /// whose MPI is not CUDA-aware) go through pinned host memory in pieces of this many bytes, so
-  /// that copies overlap the collective (ddp built with CUDA: the ddp::cuda target).
-  std::size_t cuda_staging_bytes = std::size_t{4} << 20;
-  /// backend::Host compares every collective's fingerprint (collective, dtype, count, op, root,
-  /// sequence number) across ranks, so that mismatched calls raise Errc::mismatch on every rank
-  /// instead of corrupting data or hanging. Every rank must use the same setting. Default: on,
-  /// unless $DDP_VERIFY_COLLECTIVES is 0 (or false/off/no; other values than those and 1 are
-  /// refused) (what it costs: README, "Diagnostics").
-  bool verify_collectives = detail::env_flag("DDP_VERIFY_COLLECTIVES", true);
-  /// How many recent operations each communicator remembers (the flight recorder, see
-  /// trace.hpp); 0 turns it off. $DDP_TRACE_ENTRIES overrides.
-  std::size_t trace_entries = 2000;
-  /// Where a communicator writes its flight recorder when an operation times out: "" nowhere,
-  /// "stderr", or a directory (one file per rank). Default: $DDP_TRACE_DUMP.
-  std::string trace_dump = detail::env_or("DDP_TRACE_DUMP", "");
-};
-
-DDP_END_NAMESPACE
-// end ddp/options.hpp
+// #include "ddp/options.hpp" (already included above)
 // #include "ddp/store.hpp" (already included above)
 
 #include <unistd.h>
@@ -5149,7 +5324,6 @@ DDP_END_NAMESPACE
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -5157,35 +5331,6 @@ DDP_END_NAMESPACE
 DDP_BEGIN_NAMESPACE
 
 namespace detail {
-
-/// What every backend is created from.
-struct BackendInit {
-  int rank = 0;
-  int size = 1;
-  /// The launcher's local rank (the default CUDA device of the CUDA backends).
-  int local_rank = 0;
-  /// The communicator's namespace in the rendezvous store (absent for a world of one).
-  std::shared_ptr<Store> store;
-  Options options;
-};
-
-/// Identifies "the same host" for shared memory: same machine (boot id), same /dev/shm (mount
-/// namespace), same pids (pid namespace) and same network namespace.
-[[nodiscard]] inline std::string host_identity() {
-  char name[256] = {};
-  (void)::gethostname(name, sizeof name - 1);
-  std::string id = name;
-  std::ifstream boot("/proc/sys/kernel/random/boot_id");
-  std::string boot_id;
-  std::getline(boot, boot_id);
-  id += "|" + boot_id;
-  for (const char* ns : {"/proc/self/ns/mnt", "/proc/self/ns/pid", "/proc/self/ns/net"}) {
-    char link[128] = {};
-    const ssize_t n = ::readlink(ns, link, sizeof link - 1);
-    id += "|" + std::string(link, n > 0 ? static_cast<std::size_t>(n) : 0);
-  }
-  return id;
-}
 
 /// Element range [lo, hi) of part j when m elements are split into `parts` cache-line-aligned
 /// parts (the last takes the remainder; parts may be empty).
@@ -5795,7 +5940,7 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-// #include "ddp/backend/host.hpp" (already included above)
+// #include "ddp/backend/backend.hpp" (already included above)
 // #include "ddp/detail/collective.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
@@ -6398,6 +6543,133 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// #include "ddp/detail/collective.hpp" (already included above)
+// begin ddp/detail/staging.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Staging: how a backend that moves host memory only (backend::Host, a non-CUDA-aware
+/// backend::Mpi) runs a collective on device buffers. Each device buffer is copied into host
+/// staging memory, the backend works there, and results are copied back.
+///
+/// Elementwise collectives (all_reduce, broadcast, reduce) give the same result piece by piece,
+/// so they run as a pipeline over fixed-size pieces in three rotating staging slots: while the
+/// backend works on piece k, piece k+1 is copied in and piece k-1 copied out. Every piece carries
+/// the whole buffer's count in its fingerprint (Buf::whole), so ranks that disagree on the size
+/// fail on the first piece. Other collectives stage each buffer whole.
+///
+/// The copies are a `StagingCopier` (ddp::detail::CudaStager with pinned memory and CUDA
+/// streams; the unit tests use plain memcpy), so this file has no device dependency.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/detail/collective.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <algorithm>
+#include <array>
+#include <concepts>
+#include <cstddef>
+#include <tuple>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// The copies staging needs. Slots are independent staging areas; a slot is only resized or
+/// reused after its copies were waited for.
+template <class C>
+concept StagingCopier = requires(C& c, int slot, std::byte* p, const std::byte* q, std::size_t n,
+                                 void* stream) {
+  { c.slot(slot, n) } -> std::same_as<std::byte*>;  // host memory of at least n bytes
+  c.after(stream);         // later copies (both ways) start after the work queued on `stream`
+  c.fetch(slot, p, q, n);  // device q -> host p, asynchronously
+  c.wait_fetch(slot);      // the slot's last fetch has landed
+  c.store(slot, p, q, n);  // host q -> device p, asynchronously
+  c.wait_store(slot);      // the slot's last store has landed (no-op when none is pending)
+};
+
+/// Staging slots 0..2 rotate through the pieces of an elementwise collective; whole-buffer
+/// staging uses slots 3 and 4.
+inline constexpr int staging_pipeline_slots = 3;
+inline constexpr int staging_whole_slot = 3;
+
+/// Runs op(host piece) over `dev` in pieces of at most `piece_bytes`, copying each piece in first
+/// when `fetch` and back afterwards when `store`; returns when every store has landed. Always
+/// calls op at least once (an empty collective still synchronizes the ranks). Every store has
+/// landed when this returns, so later work on any stream sees the results.
+template <StagingCopier C, class Op>
+void stage_elementwise(C& c, const Buf& dev, bool fetch, bool store, std::size_t piece_bytes,
+                       Op&& op) {
+  const std::size_t elem = dev.elem();
+  const std::size_t per = std::max<std::size_t>(1, piece_bytes / elem);
+  const std::size_t pieces = std::max<std::size_t>(1, (dev.count + per - 1) / per);
+  const auto length = [&](std::size_t k) { return std::min(per, dev.count - k * per); };
+  const std::size_t slot_bytes = std::min(per, dev.count) * elem;  // piece 0 is the longest
+  const auto host = [&](std::size_t k) {
+    return c.slot(static_cast<int>(k % staging_pipeline_slots), slot_bytes);
+  };
+  c.after(dev.stream);
+  if (fetch && dev.count != 0) {
+    c.fetch(0, host(0), dev.at(0), length(0) * elem);
+  }
+  for (std::size_t k = 0; k < pieces; ++k) {
+    const int slot = static_cast<int>(k % staging_pipeline_slots);
+    if (fetch && k + 1 < pieces) {  // bring the next piece in while this one is worked on
+      const int next = static_cast<int>((k + 1) % staging_pipeline_slots);
+      c.wait_store(next);
+      c.fetch(next, host(k + 1), dev.at((k + 1) * per), length(k + 1) * elem);
+    }
+    const std::size_t n = dev.count == 0 ? 0 : length(k);
+    std::byte* h = n == 0 ? nullptr : host(k);
+    if (fetch && n != 0) c.wait_fetch(slot);
+    if (!fetch && n != 0) c.wait_store(slot);  // store-only: the slot's previous store is done
+    op(Buf{h, n, dev.dtype, Device::cpu(), nullptr, dev.count});
+    if (store && n != 0) c.store(slot, dev.at(k * per), h, n * elem);
+  }
+  for (int s = 0; s < staging_pipeline_slots; ++s) c.wait_store(s);
+}
+
+/// A buffer of a non-elementwise collective and what the collective does with it.
+struct StagedArg {
+  Buf buf;
+  bool fetch = false;  // the collective reads it
+  bool store = false;  // the collective writes it
+};
+
+/// Runs op(host buffers...) with every device buffer among `args` staged whole: copied in when
+/// read, copied back when written. Host buffers and empty ones pass through.
+template <StagingCopier C, class Op, std::size_t N>
+void stage_whole(C& c, std::array<StagedArg, N> args, Op&& op) {
+  std::array<Buf, N> host{};
+  std::array<bool, N> moved{};
+  for (std::size_t i = 0; i < N; ++i) {
+    const Buf& b = args[i].buf;
+    host[i] = b;
+    if (b.device.is_cpu() || b.data == nullptr || b.count == 0) continue;
+    const int slot = staging_whole_slot + static_cast<int>(i);
+    host[i] = Buf{c.slot(slot, b.bytes()), b.count, b.dtype, Device::cpu(), nullptr};
+    moved[i] = true;
+    c.after(b.stream);  // read or overwritten: after the work that uses it now
+    if (args[i].fetch) c.fetch(slot, host[i].data, b.data, b.bytes());
+  }
+  for (std::size_t i = 0; i < N; ++i) {
+    if (moved[i] && args[i].fetch) c.wait_fetch(staging_whole_slot + static_cast<int>(i));
+  }
+  std::apply([&](const auto&... h) { op(h...); }, host);
+  for (std::size_t i = 0; i < N; ++i) {
+    if (moved[i] && args[i].store) {
+      const int slot = staging_whole_slot + static_cast<int>(i);
+      c.store(slot, args[i].buf.data, host[i].data, args[i].buf.bytes());
+    }
+  }
+  for (std::size_t i = 0; i < N; ++i) {
+    if (moved[i] && args[i].store) c.wait_store(staging_whole_slot + static_cast<int>(i));
+  }
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/staging.hpp
 // #include "ddp/detail/string.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
@@ -6412,6 +6684,7 @@ DDP_END_NAMESPACE
 #include <cerrno>
 #include <chrono>
 #include <cstddef>
+#include <memory>
 #include <span>
 #include <thread>
 #include <utility>
@@ -6800,6 +7073,53 @@ class CudaStager {
   std::array<PinnedBuffer<std::byte>, slots> slots_;
 };
 
+/// How a communicator runs a collective on CUDA buffers its backend cannot use (backend::Host, a
+/// backend::Mpi that is not CUDA-aware): through pinned host memory, with a CudaStager made on
+/// first use for the buffers' device (see detail/staging.hpp for the pipeline).
+class CudaStaging {
+ public:
+  CudaStaging(std::chrono::milliseconds timeout, std::size_t piece_bytes)
+      : timeout_(timeout), piece_bytes_(piece_bytes) {}
+
+  /// Runs f(host piece) over device buffer `b`, an elementwise collective, piece by piece.
+  template <class F>
+  void elementwise(const Buf& b, bool fetch, bool store, const F& f) {
+    const CudaDeviceGuard current(b.device.index);
+    stage_elementwise(for_device(b.device.index), b, fetch, store, piece_bytes_, f);
+  }
+
+  /// Runs f(buffers...) with every CUDA buffer among `args` (StagedArgs; `staged` says which)
+  /// staged whole. They must be on one device.
+  template <class F, class... A>
+  void whole(int rank, const char* what, const F& f, bool (*staged)(const Buf&), A... args) {
+    int device = -1;
+    for (const StagedArg& a : {args...}) {
+      if (!staged(a.buf)) continue;
+      if (device >= 0 && a.buf.device.index != device) {
+        fail(Errc::invalid_argument, "rank ", rank, ": ", what,
+             ": the buffers are on cuda:", device, " and cuda:", a.buf.device.index,
+             "; staged collectives need them on one device");
+      }
+      device = a.buf.device.index;
+    }
+    const CudaDeviceGuard current(device);
+    stage_whole(for_device(device), std::array<StagedArg, sizeof...(A)>{args...}, f);
+  }
+
+ private:
+  CudaStager& for_device(int device) {
+    if (!stager_ || stager_->device() != device) {
+      stager_.reset();
+      stager_ = std::make_unique<CudaStager>(device, timeout_);
+    }
+    return *stager_;
+  }
+
+  std::chrono::milliseconds timeout_;
+  std::size_t piece_bytes_;
+  std::unique_ptr<CudaStager> stager_;
+};
+
 }  // namespace detail
 
 DDP_END_NAMESPACE
@@ -6840,7 +7160,7 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-// #include "ddp/backend/host.hpp" (already included above)
+// #include "ddp/backend/backend.hpp" (already included above)
 // #include "ddp/cuda.hpp" (already included above)
 // #include "ddp/detail/collective.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
@@ -8040,23 +8360,312 @@ DDP_END_NAMESPACE
 /// \file
 /// ddp::Communicator<Backend>: a process group with every collective of torch.distributed,
 /// typed (any ddp::TensorLike buffer), checked before anything is sent, with an _async twin for
-/// each collective (returning ddp::Work), object collectives and split().
+/// each collective (returning ddp::Work, see work.hpp), and split().
+///
+/// Each typed argument becomes a detail::Buf (the only code compiled per tensor type); the
+/// checks and the call description are plain functions (detail/call.hpp); the backend contract
+/// is backend/backend.hpp; object collectives and *_host helpers are objects.hpp.
 ///
 /// Operations on one communicator run one at a time, in the order they were issued, whichever
 /// thread issued them. A synchronous call with nothing queued runs in the calling thread (no
-/// hand-off); async calls run on the communicator's worker thread. Buffers given to an async
-/// call must stay alive and untouched until its Work completes.
+/// hand-off, no lock); async calls run on the communicator's worker thread. Buffers given to an
+/// async call must stay alive and untouched until its Work completes.
 ///
 /// After a collective fails (timeout, a lost peer, a mismatch, abort()), the communicator is
 /// unusable: every later call fails at once with Errc::aborted naming the first failure. Build a
 /// new one (with another Options::group) to continue.
 
-// #include "ddp/backend/host.hpp" (already included above)
-// #include "ddp/codec.hpp" (already included above)
+// #include "ddp/backend/backend.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// begin ddp/detail/call.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// A collective call as data, and the argument checks that build it. Communicator turns each
+/// typed argument into a detail::Buf (the only code instantiated per tensor type) and hands
+/// the Bufs to the prepare_* functions here: plain functions, compiled once, that check
+/// everything that can be checked before anything is sent (roots, peers, tags, sizes, dtype/op
+/// pairs, overlaps) and fail with Errc::invalid_argument naming the rank and the collective.
+/// The resulting Call is what the executor runs and the flight recorder records.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/collective.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <cstddef>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// Who checks a call: this rank in a group of `size`.
+struct Caller {
+  int rank = 0;
+  int size = 1;
+};
+
+/// A checked collective call.
+struct Call {
+  enum class Form : std::uint8_t {
+    plain,      ///< `coll` on `in` (and `out`)
+    as_wire,    ///< all_reduce of float32 `in` carried as `wire` (all_reduce_as)
+    coalesced,  ///< all_reduce of every buffer of `many` (all_reduce_coalesced)
+  };
+  const char* name = "";
+  Coll coll = Coll::barrier;
+  Form form = Form::plain;
+  Buf in{};   ///< the buffer of single-buffer collectives; `in` of the others
+  Buf out{};  ///< `out` of all_gather, gather, scatter, reduce_scatter, all_to_all
+  std::vector<Buf> many;
+  ReduceOp op = ReduceOp::sum;
+  int root = -1;  ///< root, or the peer of send/recv
+  int tag = 0;
+  DType wire = DType::float32;
+  std::size_t bytes = 0;  ///< this rank's buffers, for the flight recorder
+};
+
+[[nodiscard]] inline Call make_call(const char* name, Coll coll,
+                                    Call::Form form = Call::Form::plain) {
+  Call c;
+  c.name = name;
+  c.coll = coll;
+  c.form = form;
+  return c;
+}
+
+/// Whether [a, a+an) and [b, b+bn) share a byte.
+[[nodiscard]] inline bool overlaps(const std::byte* a, std::size_t an, const std::byte* b,
+                                   std::size_t bn) {
+  return an != 0 && bn != 0 && a < b + bn && b < a + an;
+}
+
+/// The checks of a typed argument once it is a Buf: `usable` says whether the backend can use
+/// its memory (directly or staged).
+inline void check_buf(const Buf& b, std::size_t elem, bool usable, std::string_view backend,
+                      int rank, const char* what, const char* arg) {
+  if (!usable) {
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg, "` is on ",
+         to_string(b.device), ", but backend::", backend, " cannot use that memory");
+  }
+  if (b.data == nullptr && b.count != 0) {
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg, "` has ", b.count,
+         " elements but no data");
+  }
+  if (b.count > max_buffer_bytes / elem) {
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg, "` claims ", b.count,
+         " elements of ", elem,
+         " bytes: more than any buffer can hold (its size in bytes overflows); check the size "
+         "the tensor's view reports");
+  }
+}
+
+inline void check_op(ReduceOp op, DType t, Caller c, const char* what) {
+  if (!is_supported(op, t)) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": op ",
+         is_valid(op) ? to_string(op) : "invalid", " is not defined on ", to_string(t),
+         op == ReduceOp::avg ? " (avg needs a floating-point type)" : "");
+  }
+}
+
+inline void check_root(int root, Caller c, const char* what) {
+  if (root < 0 || root >= c.size) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": root ", root,
+         " is not a rank of this communicator [0, ", c.size, ")");
+  }
+}
+
+inline void check_same_dtype(const Buf& a, const Buf& b, Caller c, const char* what) {
+  if (a.dtype != b.dtype) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `in` is ", to_string(a.dtype),
+         " but `out` is ", to_string(b.dtype), "; they must have the same element type");
+  }
+}
+
+/// `whole` must be `part` x size() elements; `part_name` is the argument that sets the size.
+inline void check_blocks(const Buf& whole, const Buf& part, Caller c, const char* what,
+                         const char* whole_name, const char* rule) {
+  const auto p = static_cast<std::size_t>(c.size);
+  if (!is_product(whole.count, part.count, p)) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `", whole_name, "` has ",
+         whole.count, " elements but must have ", product_text(part.count, p), " (", rule, ")");
+  }
+}
+
+/// The only in-place form of a collective with blocks: `part` is exactly this rank's block of
+/// `whole`.
+inline void check_in_place(const Buf& whole, const Buf& part, Caller c, const char* what,
+                           const char* message) {
+  const std::byte* mine = whole.at(part.count * static_cast<std::size_t>(c.rank));
+  if (overlaps(part.data, part.bytes(), whole.data, whole.bytes()) && part.data != mine) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, message);
+  }
+}
+
+[[nodiscard]] inline Call prepare_all_reduce(const Buf& b, ReduceOp op, Caller c) {
+  check_op(op, b.dtype, c, "all_reduce");
+  Call call = make_call("all_reduce", Coll::all_reduce);
+  call.in = b;
+  call.op = op;
+  call.bytes = b.bytes();
+  return call;
+}
+
+/// `moved_on_device`: the backend moves this CUDA buffer itself (no staging), so there is no
+/// host pass in which to convert it.
+[[nodiscard]] inline Call prepare_all_reduce_as(const Buf& b, ReduceOp op, DType wire,
+                                                bool moved_on_device, std::string_view backend,
+                                                Caller c) {
+  check_op(op, wire, c, "all_reduce_as");
+  if (b.dtype != DType::float32)
+    fail(Errc::invalid_argument, "rank ", c.rank, ": all_reduce_as: `buf` is ", to_string(b.dtype),
+         "; compression carries float32 values");
+  if (moved_on_device)
+    fail(Errc::unsupported, "rank ", c.rank, ": all_reduce_as: `buf` is on ", to_string(b.device),
+         ", which backend::", backend,
+         " moves itself, and ddp's headers carry no GPU kernels to convert it; use all_reduce, or "
+         "convert on the device first");
+  Call call = make_call("all_reduce_as", Coll::all_reduce, Call::Form::as_wire);
+  call.in = b;
+  call.op = op;
+  call.wire = wire;
+  call.bytes = b.bytes();
+  return call;
+}
+
+[[nodiscard]] inline Call prepare_all_reduce_coalesced(std::vector<Buf> bufs, ReduceOp op,
+                                                       Caller c) {
+  Call call = make_call("all_reduce_coalesced", Coll::all_reduce, Call::Form::coalesced);
+  for (const Buf& b : bufs) {
+    check_op(op, b.dtype, c, "all_reduce_coalesced");
+    call.bytes += b.bytes();
+  }
+  call.many = std::move(bufs);
+  call.op = op;
+  return call;
+}
+
+[[nodiscard]] inline Call prepare_broadcast(const Buf& b, int root, Caller c) {
+  check_root(root, c, "broadcast");
+  Call call = make_call("broadcast", Coll::broadcast);
+  call.in = b;
+  call.root = root;
+  call.bytes = b.bytes();
+  return call;
+}
+
+[[nodiscard]] inline Call prepare_reduce(const Buf& b, int root, ReduceOp op, Caller c) {
+  check_root(root, c, "reduce");
+  check_op(op, b.dtype, c, "reduce");
+  Call call = make_call("reduce", Coll::reduce);
+  call.in = b;
+  call.root = root;
+  call.op = op;
+  call.bytes = b.bytes();
+  return call;
+}
+
+/// all_gather (root < 0) or gather; `out` is used (and checked) only where it receives.
+[[nodiscard]] inline Call prepare_gather(const Buf& in, const Buf& out, int root, Caller c) {
+  const char* what = root < 0 ? "all_gather" : "gather";
+  if (root >= 0) check_root(root, c, what);
+  Call call = make_call(what, root < 0 ? Coll::all_gather : Coll::gather);
+  call.in = in;
+  call.root = root;
+  if (root < 0 || root == c.rank) {
+    check_same_dtype(in, out, c, what);
+    check_blocks(out, in, c, what, "out", "in.size() x size()");
+    check_in_place(out, in, c, what,
+                   ": `in` overlaps `out` but is not this rank's block of it (the only in-place "
+                   "form)");
+    call.out = out;
+  }
+  call.bytes = call.in.bytes() + call.out.bytes();
+  return call;
+}
+
+/// scatter; `in` is used (and checked) on the root only.
+[[nodiscard]] inline Call prepare_scatter(const Buf& in, const Buf& out, int root, Caller c) {
+  check_root(root, c, "scatter");
+  Call call = make_call("scatter", Coll::scatter);
+  call.in = Buf{nullptr, 0, out.dtype, out.device, nullptr};
+  call.out = out;
+  call.root = root;
+  if (c.rank == root) {
+    check_same_dtype(in, out, c, "scatter");
+    check_blocks(in, out, c, "scatter", "in", "out.size() x size()");
+    check_in_place(in, out, c, "scatter",
+                   ": `out` overlaps `in` but is not this rank's block of it (the only in-place "
+                   "form)");
+    call.in = in;
+  }
+  call.bytes = call.in.bytes() + call.out.bytes();
+  return call;
+}
+
+[[nodiscard]] inline Call prepare_reduce_scatter(const Buf& in, const Buf& out, ReduceOp op,
+                                                 Caller c) {
+  check_same_dtype(in, out, c, "reduce_scatter");
+  check_op(op, out.dtype, c, "reduce_scatter");
+  check_blocks(in, out, c, "reduce_scatter", "in", "out.size() x size()");
+  check_in_place(in, out, c, "reduce_scatter",
+                 ": `out` overlaps `in` but is not this rank's block of it (the only in-place "
+                 "form)");
+  Call call = make_call("reduce_scatter", Coll::reduce_scatter);
+  call.in = in;
+  call.out = out;
+  call.op = op;
+  call.bytes = in.bytes() + out.bytes();
+  return call;
+}
+
+[[nodiscard]] inline Call prepare_all_to_all(const Buf& in, const Buf& out, Caller c) {
+  check_same_dtype(in, out, c, "all_to_all");
+  const auto p = static_cast<std::size_t>(c.size);
+  if (in.count != out.count || in.count % p != 0) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": all_to_all: `in` (", in.count, ") and `out` (",
+         out.count, ") must have the same number of elements, a multiple of size() = ", p);
+  }
+  if (overlaps(in.data, in.bytes(), out.data, out.bytes())) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": all_to_all: `in` and `out` must not overlap");
+  }
+  Call call = make_call("all_to_all", Coll::all_to_all);
+  call.in = in;
+  call.out = out;
+  call.bytes = in.bytes() + out.bytes();
+  return call;
+}
+
+[[nodiscard]] inline Call prepare_p2p(Coll coll, const Buf& b, int peer, int tag, Caller c) {
+  const char* what = coll == Coll::send ? "send" : "recv";
+  if (peer < 0 || peer >= c.size || peer == c.rank) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": peer ", peer,
+         " must be another rank in [0, ", c.size, ")");
+  }
+  if (tag < 0)
+    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": tag ", tag, " is negative");
+  Call call = make_call(what, coll);
+  call.in = b;
+  call.root = peer;
+  call.tag = tag;
+  call.bytes = b.bytes();
+  return call;
+}
+
+[[nodiscard]] inline Call prepare_barrier() { return make_call("barrier", Coll::barrier); }
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/call.hpp
 // #include "ddp/detail/collective.hpp" (already included above)
 // begin ddp/detail/fork.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -8098,132 +8707,7 @@ DDP_END_NAMESPACE
 // end ddp/detail/fork.hpp
 // #include "ddp/detail/reduce.hpp" (already included above)
 // #include "ddp/detail/rendezvous.hpp" (already included above)
-// begin ddp/detail/staging.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Staging: how a backend that moves host memory only (backend::Host, a non-CUDA-aware
-/// backend::Mpi) runs a collective on device buffers. Each device buffer is copied into host
-/// staging memory, the backend works there, and results are copied back.
-///
-/// Elementwise collectives (all_reduce, broadcast, reduce) give the same result piece by piece,
-/// so they run as a pipeline over fixed-size pieces in three rotating staging slots: while the
-/// backend works on piece k, piece k+1 is copied in and piece k-1 copied out. Every piece carries
-/// the whole buffer's count in its fingerprint (Buf::whole), so ranks that disagree on the size
-/// fail on the first piece. Other collectives stage each buffer whole.
-///
-/// The copies are a `StagingCopier` (ddp::detail::CudaStager with pinned memory and CUDA
-/// streams; the unit tests use plain memcpy), so this file has no device dependency.
-
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/detail/collective.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
-
-#include <algorithm>
-#include <array>
-#include <concepts>
-#include <cstddef>
-#include <tuple>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-/// The copies staging needs. Slots are independent staging areas; a slot is only resized or
-/// reused after its copies were waited for.
-template <class C>
-concept StagingCopier = requires(C& c, int slot, std::byte* p, const std::byte* q, std::size_t n,
-                                 void* stream) {
-  { c.slot(slot, n) } -> std::same_as<std::byte*>;  // host memory of at least n bytes
-  c.after(stream);         // later copies (both ways) start after the work queued on `stream`
-  c.fetch(slot, p, q, n);  // device q -> host p, asynchronously
-  c.wait_fetch(slot);      // the slot's last fetch has landed
-  c.store(slot, p, q, n);  // host q -> device p, asynchronously
-  c.wait_store(slot);      // the slot's last store has landed (no-op when none is pending)
-};
-
-/// Staging slots 0..2 rotate through the pieces of an elementwise collective; whole-buffer
-/// staging uses slots 3 and 4.
-inline constexpr int staging_pipeline_slots = 3;
-inline constexpr int staging_whole_slot = 3;
-
-/// Runs op(host piece) over `dev` in pieces of at most `piece_bytes`, copying each piece in first
-/// when `fetch` and back afterwards when `store`; returns when every store has landed. Always
-/// calls op at least once (an empty collective still synchronizes the ranks). Every store has
-/// landed when this returns, so later work on any stream sees the results.
-template <StagingCopier C, class Op>
-void stage_elementwise(C& c, const Buf& dev, bool fetch, bool store, std::size_t piece_bytes,
-                       Op&& op) {
-  const std::size_t elem = dev.elem();
-  const std::size_t per = std::max<std::size_t>(1, piece_bytes / elem);
-  const std::size_t pieces = std::max<std::size_t>(1, (dev.count + per - 1) / per);
-  const auto length = [&](std::size_t k) { return std::min(per, dev.count - k * per); };
-  const std::size_t slot_bytes = std::min(per, dev.count) * elem;  // piece 0 is the longest
-  const auto host = [&](std::size_t k) {
-    return c.slot(static_cast<int>(k % staging_pipeline_slots), slot_bytes);
-  };
-  c.after(dev.stream);
-  if (fetch && dev.count != 0) {
-    c.fetch(0, host(0), dev.at(0), length(0) * elem);
-  }
-  for (std::size_t k = 0; k < pieces; ++k) {
-    const int slot = static_cast<int>(k % staging_pipeline_slots);
-    if (fetch && k + 1 < pieces) {  // bring the next piece in while this one is worked on
-      const int next = static_cast<int>((k + 1) % staging_pipeline_slots);
-      c.wait_store(next);
-      c.fetch(next, host(k + 1), dev.at((k + 1) * per), length(k + 1) * elem);
-    }
-    const std::size_t n = dev.count == 0 ? 0 : length(k);
-    std::byte* h = n == 0 ? nullptr : host(k);
-    if (fetch && n != 0) c.wait_fetch(slot);
-    if (!fetch && n != 0) c.wait_store(slot);  // store-only: the slot's previous store is done
-    op(Buf{h, n, dev.dtype, Device::cpu(), nullptr, dev.count});
-    if (store && n != 0) c.store(slot, dev.at(k * per), h, n * elem);
-  }
-  for (int s = 0; s < staging_pipeline_slots; ++s) c.wait_store(s);
-}
-
-/// A buffer of a non-elementwise collective and what the collective does with it.
-struct StagedArg {
-  Buf buf;
-  bool fetch = false;  // the collective reads it
-  bool store = false;  // the collective writes it
-};
-
-/// Runs op(host buffers...) with every device buffer among `args` staged whole: copied in when
-/// read, copied back when written. Host buffers and empty ones pass through.
-template <StagingCopier C, class Op, std::size_t N>
-void stage_whole(C& c, std::array<StagedArg, N> args, Op&& op) {
-  std::array<Buf, N> host{};
-  std::array<bool, N> moved{};
-  for (std::size_t i = 0; i < N; ++i) {
-    const Buf& b = args[i].buf;
-    host[i] = b;
-    if (b.device.is_cpu() || b.data == nullptr || b.count == 0) continue;
-    const int slot = staging_whole_slot + static_cast<int>(i);
-    host[i] = Buf{c.slot(slot, b.bytes()), b.count, b.dtype, Device::cpu(), nullptr};
-    moved[i] = true;
-    c.after(b.stream);  // read or overwritten: after the work that uses it now
-    if (args[i].fetch) c.fetch(slot, host[i].data, b.data, b.bytes());
-  }
-  for (std::size_t i = 0; i < N; ++i) {
-    if (moved[i] && args[i].fetch) c.wait_fetch(staging_whole_slot + static_cast<int>(i));
-  }
-  std::apply([&](const auto&... h) { op(h...); }, host);
-  for (std::size_t i = 0; i < N; ++i) {
-    if (moved[i] && args[i].store) {
-      const int slot = staging_whole_slot + static_cast<int>(i);
-      c.store(slot, args[i].buf.data, host[i].data, args[i].buf.bytes());
-    }
-  }
-  for (std::size_t i = 0; i < N; ++i) {
-    if (moved[i] && args[i].store) c.wait_store(staging_whole_slot + static_cast<int>(i));
-  }
-}
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/detail/staging.hpp
+// #include "ddp/detail/staging.hpp" (already included above)
 // begin ddp/environment.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -8454,6 +8938,160 @@ inline Environment Environment::detect() {
 DDP_END_NAMESPACE
 // end ddp/environment.hpp
 // #include "ddp/error.hpp" (already included above)
+// begin ddp/objects.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Object collectives (all_gather_object, gather_object, broadcast_object) and small host-value
+/// helpers (all_reduce_host, broadcast_host), written on the public Communicator API the way
+/// torch.distributed layers its object collectives above the ProcessGroup: free functions of any
+/// communicator, `ddp::all_gather_object(comm, value)`. Communicator's members of the same names
+/// call these.
+///
+/// Objects travel as bytes made by ddp::codec (never executed); a rank's object may encode to at
+/// most 1 GiB. On a backend that moves device memory only (backend::Nccl) host data travels
+/// through a device copy, so code above the Communicator works on every backend alike.
+
+// #include "ddp/backend/backend.hpp" (already included above)
+// #include "ddp/codec.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/detail/call.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+#if DDP_HAS_CUDA
+// #include "ddp/cuda.hpp" (already included above)
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+namespace detail {
+
+inline constexpr std::int64_t max_object_bytes = std::int64_t{1} << 30;
+
+inline void check_object_size(std::int64_t n, int rank, const char* what, int from) {
+  if (n < 0 || n > max_object_bytes) {
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": rank ", from,
+         "'s object encodes to ", n, " bytes, beyond the limit of ", max_object_bytes);
+  }
+}
+
+/// Runs f(a, b) on host spans; on a backend that moves device memory only, on device copies of
+/// them instead, copied back afterwards. For small host data (object collectives, *_host).
+template <class Comm, class E, class F>
+void on_host_data(Comm& comm, std::span<E> a, std::span<E> b, const F& f) {
+  using Backend = typename Comm::backend_type;
+  if constexpr (backend_traits<Backend>::device_only) {
+#if DDP_HAS_CUDA
+    const int device = comm.backend().device();
+    const CudaDeviceGuard current(device);
+    CudaBuffer<E> da(std::span<const E>(a), device), db(std::span<const E>(b), device);
+    f(da, db);
+    if (!a.empty()) da.copy_to(a);
+    if (!b.empty()) db.copy_to(b);
+#else
+    static_assert(!backend_traits<Backend>::device_only, "a CUDA backend without DDP_HAS_CUDA");
+    (void)comm, (void)a, (void)b, (void)f;
+#endif
+  } else {
+    (void)comm;
+    f(a, b);
+  }
+}
+
+template <class T, class Comm>
+std::vector<T> gather_objects(Comm& comm, const T& value, int root) {
+  const char* what = root < 0 ? "all_gather_object" : "gather_object";
+  if (root >= 0) check_root(root, {comm.rank(), comm.size()}, what);
+  const std::string mine = encode_object(value);
+  const auto p = static_cast<std::size_t>(comm.size());
+  std::vector<std::int64_t> sizes(p);
+  std::int64_t my_size = static_cast<std::int64_t>(mine.size());
+  on_host_data(comm, std::span<std::int64_t>(&my_size, 1), std::span<std::int64_t>(sizes),
+               [&](auto& in, auto& out) { comm.all_gather(in, out); });
+  std::int64_t longest = 0;
+  for (std::size_t r = 0; r < p; ++r) {
+    check_object_size(sizes[r], comm.rank(), what, static_cast<int>(r));
+    longest = std::max(longest, sizes[r]);
+  }
+  const auto width = static_cast<std::size_t>(longest);
+  std::vector<std::uint8_t> padded(width);
+  if (!mine.empty()) std::memcpy(padded.data(), mine.data(), mine.size());
+  const bool receives = root < 0 || root == comm.rank();
+  std::vector<std::uint8_t> all(receives ? width * p : 0);
+  on_host_data(comm, std::span<std::uint8_t>(padded), std::span<std::uint8_t>(all),
+               [&](auto& in, auto& out) {
+                 if (root < 0)
+                   comm.all_gather(in, out);
+                 else
+                   comm.gather(in, out, root);
+               });
+  std::vector<T> out;
+  if (!receives) return out;
+  out.reserve(p);
+  for (std::size_t r = 0; r < p; ++r) {
+    out.push_back(decode_object<T>(all.data() + r * width, static_cast<std::size_t>(sizes[r])));
+  }
+  return out;
+}
+
+}  // namespace detail
+
+/// all_reduce of a few host values (counts, flags, metrics) on any backend: on one that moves
+/// device memory only (backend::Nccl) they travel through a device copy, so code above the
+/// Communicator (exact_mean, sync_batch_stats, ZeroFirstGuard) works on every backend alike.
+/// For large data use all_reduce on the backend's own kind of buffer.
+template <class Comm, Scalar E>
+void all_reduce_host(Comm& comm, std::span<E> values, ReduceOp op = ReduceOp::sum) {
+  detail::on_host_data(comm, values, std::span<E>(),
+                       [&](auto& v, auto&) { comm.all_reduce(v, op); });
+}
+
+/// broadcast of a few host values on any backend (see all_reduce_host).
+template <class Comm, Scalar E>
+void broadcast_host(Comm& comm, std::span<E> values, int root) {
+  detail::on_host_data(comm, values, std::span<E>(),
+                       [&](auto& v, auto&) { comm.broadcast(v, root); });
+}
+
+/// Every rank's value, in rank order.
+template <Encodable T, class Comm>
+[[nodiscard]] std::vector<T> all_gather_object(Comm& comm, const T& value) {
+  return detail::gather_objects<T>(comm, value, -1);
+}
+
+/// Every rank's value on root (in rank order); an empty vector on the other ranks.
+template <Encodable T, class Comm>
+[[nodiscard]] std::vector<T> gather_object(Comm& comm, const T& value, int root = 0) {
+  return detail::gather_objects<T>(comm, value, root);
+}
+
+/// Replaces `value` on every rank with root's.
+template <Encodable T, class Comm>
+void broadcast_object(Comm& comm, T& value, int root = 0) {
+  detail::check_root(root, {comm.rank(), comm.size()}, "broadcast_object");
+  std::string bytes;
+  if (comm.rank() == root) bytes = detail::encode_object(value);
+  std::int64_t n = static_cast<std::int64_t>(bytes.size());
+  broadcast_host(comm, std::span<std::int64_t>(&n, 1), root);
+  detail::check_object_size(n, comm.rank(), "broadcast_object", root);
+  bytes.resize(static_cast<std::size_t>(n));
+  broadcast_host(
+      comm, std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(bytes.data()), bytes.size()),
+      root);
+  if (comm.rank() != root) value = detail::decode_object<T>(bytes.data(), bytes.size());
+}
+
+DDP_END_NAMESPACE
+// end ddp/objects.hpp
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/store.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
@@ -8830,91 +9468,41 @@ inline void dump_trace(const std::string& where, const std::string& text, std::s
 DDP_END_NAMESPACE
 // end ddp/trace.hpp
 // #include "ddp/types.hpp" (already included above)
-#if DDP_HAS_CUDA
-// #include "ddp/cuda.hpp" (already included above)
+// begin ddp/work.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Asynchronous execution: ddp::Work (the handle an _async collective returns) and the executor
+/// that runs a communicator's operations one at a time, in the order they were issued.
+///
+/// The synchronous path takes no lock: a call that finds the communicator idle claims it with
+/// one compare-and-swap, runs in the calling thread and releases it with one atomic subtraction
+/// (what keeps Communicator within a few nanoseconds of a raw MPI_Allreduce on small messages).
+/// Anything issued while an operation runs goes through the queue, to a worker thread started on
+/// first use, and a synchronous call that finds the queue busy waits for its turn there.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 
-#include <unistd.h>
-
-#include <algorithm>
 #include <atomic>
-#include <chrono>
-#include <concepts>
 #include <condition_variable>
-#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <span>
-#include <string>
-#include <string_view>
 #include <thread>
 #include <utility>
-#include <vector>
 
 DDP_BEGIN_NAMESPACE
 
-/// What Communicator needs from a backend: byte movement on type-erased buffers.
-template <class B>
-concept CommBackend = requires(B& b, const detail::Buf& buf, ReduceOp op, int i,
-                               const detail::BackendInit& init, const std::string& s) {
-  { B::create(init) } -> std::same_as<std::unique_ptr<B>>;
-  { B::supports(Device{}) } -> std::convertible_to<bool>;
-  { b.rank() } -> std::convertible_to<int>;
-  { b.size() } -> std::convertible_to<int>;
-  { b.local_rank() } -> std::convertible_to<int>;
-  { b.local_size() } -> std::convertible_to<int>;
-  { b.local_leader() } -> std::convertible_to<int>;
-  b.all_reduce(buf, op);
-  b.broadcast(buf, i);
-  b.reduce(buf, i, op);
-  b.all_gather(buf, buf);
-  b.gather(buf, buf, i);
-  b.scatter(buf, buf, i);
-  b.reduce_scatter(buf, buf, op);
-  b.all_to_all(buf, buf);
-  b.send(buf, i, i);
-  b.recv(buf, i, i);
-  b.barrier();
-  b.abort(Errc::aborted, s);
-};
-
 namespace detail {
 
-/// Whether Communicator::init must rendezvous through a Store before creating the backend
-/// (backend::Mpi, which gets ranks from the MPI library, says `needs_store = false`).
-template <class B>
-inline constexpr bool backend_needs_store = true;
-template <class B>
-  requires requires { B::needs_store; }
-inline constexpr bool backend_needs_store<B> = B::needs_store;
-
-/// Whether a backend that moves only CUDA memory (`device_kind = DeviceKind::cuda`) is given a
-/// buffer whose type says it is host memory: rejected when the program is compiled.
-template <class B, class T>
-inline constexpr bool host_type_for_device_backend = false;
-template <class B, class T>
-  requires requires { B::device_kind; }
-inline constexpr bool host_type_for_device_backend<B, T> =
-    B::device_kind == DeviceKind::cuda && static_device_kind_v<T> == DeviceKind::cpu;
-
-/// Whether a backend moves device memory only (backend::Nccl): host data of object collectives
-/// goes through a device copy there.
-template <class B>
-inline constexpr bool device_only_backend = false;
-template <class B>
-  requires requires { B::device_kind; }
-inline constexpr bool device_only_backend<B> = B::device_kind == DeviceKind::cuda;
-
-/// Whether the backend makes sub-groups itself (MPI_Comm_split, ncclCommSplit).
-template <class B>
-concept splits_itself = requires(B& b, int i) {
-  { b.split(i, i) } -> std::same_as<std::unique_ptr<B>>;
-};
-
+/// The completion state an asynchronous operation shares with its Work.
 struct WorkState {
   std::mutex mutex;
   std::condition_variable cv;
@@ -8928,6 +9516,12 @@ struct WorkState {
       error = std::move(e);
     }
     cv.notify_all();
+  }
+
+  void wait() {
+    std::unique_lock lock(mutex);
+    cv.wait(lock, [&] { return done; });
+    if (error) std::rethrow_exception(error);
   }
 };
 
@@ -8946,38 +9540,50 @@ class Executor {
     if (worker_.joinable()) worker_.join();
   }
 
+  /// Runs f() now, in this thread, when nothing else runs or waits; otherwise after everything
+  /// issued before it. Returns when f has run; rethrows what it threw.
   template <class F>
   void run(F&& f) {
-    std::unique_lock lock(queue_mutex_);
-    if (queue_.empty() && !busy_) {
-      std::lock_guard run_lock(run_mutex_);
-      lock.unlock();
+    std::uint32_t idle = 0;
+    if (state_.compare_exchange_strong(idle, inline_bit, std::memory_order_acquire,
+                                       std::memory_order_relaxed)) [[likely]] {
+      const Release release{*this};
       f();
       return;
     }
-    auto state = enqueue_locked(std::function<void()>(std::forward<F>(f)));
-    lock.unlock();
-    std::unique_lock wait_lock(state->mutex);
-    state->cv.wait(wait_lock, [&] { return state->done; });
-    if (state->error) std::rethrow_exception(state->error);
+    submit(std::function<void()>([&f] { f(); }))->wait();
   }
 
+  /// Queues f() behind everything issued before it; the returned state completes when it ran.
   std::shared_ptr<WorkState> submit(std::function<void()> f) {
-    std::lock_guard lock(queue_mutex_);
-    if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
-    auto state = enqueue_locked(std::move(f));
+    auto state = std::make_shared<WorkState>();
+    {
+      std::lock_guard lock(queue_mutex_);
+      if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
+      state_.fetch_add(queued_unit, std::memory_order_relaxed);  // before a caller can go inline
+      queue_.emplace_back(std::move(f), state);
+    }
     queue_cv_.notify_one();
     return state;
   }
 
  private:
-  std::shared_ptr<WorkState> enqueue_locked(std::function<void()> f) {
-    if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
-    auto state = std::make_shared<WorkState>();
-    queue_.emplace_back(std::move(f), state);
-    queue_cv_.notify_one();
-    return state;
-  }
+  // state_: bit 0 set while an operation runs inline in a caller's thread; the bits above count
+  // the operations queued or running on the worker.
+  static constexpr std::uint32_t inline_bit = 1;
+  static constexpr std::uint32_t queued_unit = 2;
+
+  struct Release {
+    explicit Release(Executor& owner) noexcept : e(owner) {}
+    Executor& e;
+    Release(const Release&) = delete;
+    Release& operator=(const Release&) = delete;
+    ~Release() {
+      // Someone queued meanwhile: the worker waits for this bit to clear.
+      if (e.state_.fetch_sub(inline_bit, std::memory_order_release) != inline_bit)
+        e.state_.notify_all();
+    }
+  };
 
   void loop() {
     std::unique_lock lock(queue_mutex_);
@@ -8986,37 +9592,31 @@ class Executor {
       if (queue_.empty()) return;  // stopping, and drained
       auto [f, state] = std::move(queue_.front());
       queue_.pop_front();
-      busy_ = true;
       lock.unlock();
-      std::exception_ptr error;
-      {
-        std::lock_guard run_lock(run_mutex_);
-        try {
-          f();
-        } catch (...) {
-          error = std::current_exception();
-        }
+      for (;;) {  // an operation issued before this one may still run inline
+        const std::uint32_t v = state_.load(std::memory_order_acquire);
+        if ((v & inline_bit) == 0) break;
+        state_.wait(v, std::memory_order_acquire);
       }
+      std::exception_ptr error;
+      try {
+        f();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      state_.fetch_sub(queued_unit, std::memory_order_release);
       state->finish(error);
       lock.lock();
-      busy_ = false;
     }
   }
 
+  std::atomic<std::uint32_t> state_{0};
   std::mutex queue_mutex_;
   std::condition_variable queue_cv_;
   std::deque<std::pair<std::function<void()>, std::shared_ptr<WorkState>>> queue_;
-  bool busy_ = false;
   bool stopping_ = false;
-  std::mutex run_mutex_;
   std::thread worker_;
 };
-
-/// Whether [a, a+an) and [b, b+bn) share a byte.
-[[nodiscard]] inline bool overlaps(const std::byte* a, std::size_t an, const std::byte* b,
-                                   std::size_t bn) {
-  return an != 0 && bn != 0 && a < b + bn && b < a + an;
-}
 
 }  // namespace detail
 
@@ -9029,10 +9629,7 @@ class Work {
 
   /// Blocks until the operation has finished; rethrows its ddp::Error if it failed.
   void wait() const {
-    if (!state_) return;
-    std::unique_lock lock(state_->mutex);
-    state_->cv.wait(lock, [&] { return state_->done; });
-    if (state_->error) std::rethrow_exception(state_->error);
+    if (state_) state_->wait();
   }
 
   /// Whether the operation has finished (successfully or not); never blocks, never throws.
@@ -9053,9 +9650,36 @@ class Work {
   std::shared_ptr<detail::WorkState> state_;
 };
 
+DDP_END_NAMESPACE
+// end ddp/work.hpp
+#if DDP_HAS_CUDA
+// #include "ddp/cuda.hpp" (already included above)
+#endif
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <ranges>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
 template <CommBackend Backend>
 class Communicator {
  public:
+  using backend_type = Backend;
   /// split() color for ranks that join no group (MPI_UNDEFINED).
   static constexpr int no_color = -1;
 
@@ -9145,11 +9769,11 @@ class Communicator {
   /// Reduces `buf` over all ranks, in place (every rank gets the result).
   template <MutableTensor T>
   void all_reduce(T&& buf, ReduceOp op = ReduceOp::sum) {
-    exec(prepare_all_reduce(buf, op));
+    exec(detail::prepare_all_reduce(arg(buf, "all_reduce", "buf"), op, caller()));
   }
   template <MutableTensor T>
   [[nodiscard]] Work all_reduce_async(T&& buf, ReduceOp op = ReduceOp::sum) {
-    return submit(prepare_all_reduce(buf, op));
+    return submit(detail::prepare_all_reduce(arg(buf, "all_reduce", "buf"), op, caller()));
   }
 
   /// all_reduce of float32 values that travel and are reduced as W (ddp::half or ddp::bfloat16):
@@ -9161,12 +9785,12 @@ class Communicator {
   template <class W, MutableTensor T>
     requires(std::is_same_v<W, half> || std::is_same_v<W, bfloat16>)
   void all_reduce_as(T&& buf, ReduceOp op = ReduceOp::sum) {
-    exec(prepare_all_reduce_as<W>(buf, op));
+    exec(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, dtype_of<W>));
   }
   template <class W, MutableTensor T>
     requires(std::is_same_v<W, half> || std::is_same_v<W, bfloat16>)
   [[nodiscard]] Work all_reduce_as_async(T&& buf, ReduceOp op = ReduceOp::sum) {
-    return submit(prepare_all_reduce_as<W>(buf, op));
+    return submit(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, dtype_of<W>));
   }
 
   /// all_reduce of several buffers as one operation (torch's all_reduce_coalesced): one NCCL
@@ -9174,53 +9798,53 @@ class Communicator {
   template <std::ranges::range R>
     requires MutableTensor<std::ranges::range_reference_t<R>>
   void all_reduce_coalesced(R&& bufs, ReduceOp op = ReduceOp::sum) {
-    exec(prepare_all_reduce_coalesced(bufs, op));
+    exec(detail::prepare_all_reduce_coalesced(args(bufs), op, caller()));
   }
   template <std::ranges::range R>
     requires MutableTensor<std::ranges::range_reference_t<R>>
   [[nodiscard]] Work all_reduce_coalesced_async(R&& bufs, ReduceOp op = ReduceOp::sum) {
-    return submit(prepare_all_reduce_coalesced(bufs, op));
+    return submit(detail::prepare_all_reduce_coalesced(args(bufs), op, caller()));
   }
 
   /// Copies root's `buf` to every rank.
   template <MutableTensor T>
   void broadcast(T&& buf, int root = 0) {
-    exec(prepare_broadcast(buf, root));
+    exec(detail::prepare_broadcast(arg(buf, "broadcast", "buf"), root, caller()));
   }
   template <MutableTensor T>
   [[nodiscard]] Work broadcast_async(T&& buf, int root = 0) {
-    return submit(prepare_broadcast(buf, root));
+    return submit(detail::prepare_broadcast(arg(buf, "broadcast", "buf"), root, caller()));
   }
 
   /// Reduces `buf` over all ranks into root's `buf`; the other ranks' buffers are unchanged.
   template <MutableTensor T>
   void reduce(T&& buf, int root = 0, ReduceOp op = ReduceOp::sum) {
-    exec(prepare_reduce(buf, root, op));
+    exec(detail::prepare_reduce(arg(buf, "reduce", "buf"), root, op, caller()));
   }
   template <MutableTensor T>
   [[nodiscard]] Work reduce_async(T&& buf, int root = 0, ReduceOp op = ReduceOp::sum) {
-    return submit(prepare_reduce(buf, root, op));
+    return submit(detail::prepare_reduce(arg(buf, "reduce", "buf"), root, op, caller()));
   }
 
   /// out[r*n .. r*n+n) = rank r's `in` (n = in's size); out.size() == in.size() * size().
   /// In place when `in` is exactly this rank's block of `out`.
   template <TensorLike In, MutableTensor Out>
   void all_gather(In&& in, Out&& out) {
-    exec(prepare_gather(detail::Coll::all_gather, in, out, -1));
+    exec(prepare_gather(in, out, -1));
   }
   template <TensorLike In, MutableTensor Out>
   [[nodiscard]] Work all_gather_async(In&& in, Out&& out) {
-    return submit(prepare_gather(detail::Coll::all_gather, in, out, -1));
+    return submit(prepare_gather(in, out, -1));
   }
 
   /// Like all_gather, into root's `out` only (`out` is not used on the other ranks).
   template <TensorLike In, MutableTensor Out>
   void gather(In&& in, Out&& out, int root = 0) {
-    exec(prepare_gather(detail::Coll::gather, in, out, root));
+    exec(prepare_gather(in, out, root));
   }
   template <TensorLike In, MutableTensor Out>
   [[nodiscard]] Work gather_async(In&& in, Out&& out, int root = 0) {
-    return submit(prepare_gather(detail::Coll::gather, in, out, root));
+    return submit(prepare_gather(in, out, root));
   }
 
   /// Rank r receives root's in[r*n .. r*n+n) into `out` (n = out's size; `in` used on root only).
@@ -9236,92 +9860,77 @@ class Communicator {
   /// out = block r of the reduction of every rank's `in`; in.size() == out.size() * size().
   template <TensorLike In, MutableTensor Out>
   void reduce_scatter(In&& in, Out&& out, ReduceOp op = ReduceOp::sum) {
-    exec(prepare_reduce_scatter(in, out, op));
+    exec(detail::prepare_reduce_scatter(arg(in, "reduce_scatter", "in"),
+                                        arg(out, "reduce_scatter", "out"), op, caller()));
   }
   template <TensorLike In, MutableTensor Out>
   [[nodiscard]] Work reduce_scatter_async(In&& in, Out&& out, ReduceOp op = ReduceOp::sum) {
-    return submit(prepare_reduce_scatter(in, out, op));
+    return submit(detail::prepare_reduce_scatter(arg(in, "reduce_scatter", "in"),
+                                                 arg(out, "reduce_scatter", "out"), op, caller()));
   }
 
   /// Block j of `in` goes to rank j, which stores it as its block r of `out`.
   template <TensorLike In, MutableTensor Out>
   void all_to_all(In&& in, Out&& out) {
-    exec(prepare_all_to_all(in, out));
+    exec(detail::prepare_all_to_all(arg(in, "all_to_all", "in"), arg(out, "all_to_all", "out"),
+                                    caller()));
   }
   template <TensorLike In, MutableTensor Out>
   [[nodiscard]] Work all_to_all_async(In&& in, Out&& out) {
-    return submit(prepare_all_to_all(in, out));
+    return submit(detail::prepare_all_to_all(arg(in, "all_to_all", "in"),
+                                             arg(out, "all_to_all", "out"), caller()));
   }
 
   /// Point-to-point. Between a pair, sends and receives match in issue order; the receiver checks
   /// the tag, dtype and count.
   template <TensorLike T>
   void send(T&& buf, int peer, int tag = 0) {
-    exec(prepare_p2p(detail::Coll::send, buf, peer, tag));
+    exec(detail::prepare_p2p(detail::Coll::send, arg(buf, "send", "buf"), peer, tag, caller()));
   }
   template <TensorLike T>
   [[nodiscard]] Work send_async(T&& buf, int peer, int tag = 0) {
-    return submit(prepare_p2p(detail::Coll::send, buf, peer, tag));
+    return submit(
+        detail::prepare_p2p(detail::Coll::send, arg(buf, "send", "buf"), peer, tag, caller()));
   }
   template <MutableTensor T>
   void recv(T&& buf, int peer, int tag = 0) {
-    exec(prepare_p2p(detail::Coll::recv, buf, peer, tag));
+    exec(detail::prepare_p2p(detail::Coll::recv, arg(buf, "recv", "buf"), peer, tag, caller()));
   }
   template <MutableTensor T>
   [[nodiscard]] Work recv_async(T&& buf, int peer, int tag = 0) {
-    return submit(prepare_p2p(detail::Coll::recv, buf, peer, tag));
+    return submit(
+        detail::prepare_p2p(detail::Coll::recv, arg(buf, "recv", "buf"), peer, tag, caller()));
   }
 
-  void barrier() {
-    exec(Op{"barrier", [](Backend& b, State&) { b.barrier(); }});
-  }
-  [[nodiscard]] Work barrier_async() {
-    return submit(Op{"barrier", [](Backend& b, State&) { b.barrier(); }});
-  }
+  void barrier() { exec(detail::prepare_barrier()); }
+  [[nodiscard]] Work barrier_async() { return submit(detail::prepare_barrier()); }
 
-  // ---- small host values on any backend --------------------------------------------------
+  // ---- layered on the collectives (objects.hpp has them as free functions) ------------------
 
-  /// all_reduce of a few host values (counts, flags, metrics) on any backend: on one that moves
-  /// device memory only (backend::Nccl) they travel through a device copy, so code above the
-  /// Communicator (exact_mean, sync_batch_stats, ZeroFirstGuard) works on every backend alike.
-  /// For large data use all_reduce on the backend's own kind of buffer.
+  /// all_reduce of a few host values on any backend (see ddp::all_reduce_host).
   template <Scalar E>
   void all_reduce_host(std::span<E> values, ReduceOp op = ReduceOp::sum) {
-    on_host_data(values, std::span<E>(), [&](auto& v, auto&) { all_reduce(v, op); });
+    ::ddp::all_reduce_host(*this, values, op);
   }
-  /// broadcast of a few host values on any backend (see all_reduce_host).
+  /// broadcast of a few host values on any backend (see ddp::broadcast_host).
   template <Scalar E>
   void broadcast_host(std::span<E> values, int root) {
-    on_host_data(values, std::span<E>(), [&](auto& v, auto&) { broadcast(v, root); });
+    ::ddp::broadcast_host(*this, values, root);
   }
-
-  // ---- object collectives ------------------------------------------------------------------
-
   /// Every rank's value, in rank order.
   template <Encodable T>
   [[nodiscard]] std::vector<T> all_gather_object(const T& value) {
-    return gather_objects<T>(value, -1);
+    return ::ddp::all_gather_object(*this, value);
   }
-
   /// Every rank's value on root (in rank order); an empty vector on the other ranks.
   template <Encodable T>
   [[nodiscard]] std::vector<T> gather_object(const T& value, int root = 0) {
-    return gather_objects<T>(value, root);
+    return ::ddp::gather_object(*this, value, root);
   }
-
   /// Replaces `value` on every rank with root's.
   template <Encodable T>
   void broadcast_object(T& value, int root = 0) {
-    check_root(root, "broadcast_object");
-    std::string bytes;
-    if (rank() == root) bytes = detail::encode_object(value);
-    std::int64_t n = static_cast<std::int64_t>(bytes.size());
-    broadcast_host(std::span<std::int64_t>(&n, 1), root);
-    check_object_size(n, "broadcast_object", root);
-    bytes.resize(static_cast<std::size_t>(n));
-    broadcast_host(
-        std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(bytes.data()), bytes.size()), root);
-    if (rank() != root) value = detail::decode_object<T>(bytes.data(), bytes.size());
+    ::ddp::broadcast_object(*this, value, root);
   }
 
   // ---- groups and failure ------------------------------------------------------------------
@@ -9333,9 +9942,9 @@ class Communicator {
       detail::fail(Errc::invalid_argument, "rank ", rank(), ": split: color ", color,
                    " is negative (use no_color)");
     }
-    if constexpr (detail::splits_itself<Backend>) {
+    if constexpr (backend_traits<Backend>::splits) {
       std::unique_ptr<Backend> made;
-      exec(Op{"split", [&](Backend& b, State&) { made = b.split(color, key); }});
+      exec_fn("split", [&](Backend& b, State&) { made = b.split(color, key); });
       if (!made) return Communicator(nullptr);
       auto sub = std::make_shared<State>();
       sub->configure(state_->options);
@@ -9373,7 +9982,7 @@ class Communicator {
       sub->world_size = bi.size;
       sub->joined = true;
     }
-    exec(Op{"split", [&](Backend&, State&) { sub->create_backend(bi, [] {}); }});
+    exec_fn("split", [&](Backend&, State&) { sub->create_backend(bi, [] {}); });
     return Communicator(std::move(sub));
   }
 
@@ -9476,7 +10085,7 @@ class Communicator {
       root_store = std::move(o.root_store);
       store = std::move(o.store);
 #if DDP_HAS_CUDA
-      stager.reset(o.stager.release());
+      staging.reset(o.staging.release());
 #endif
     }
 
@@ -9536,29 +10145,16 @@ class Communicator {
     Errc poison_code = Errc::aborted;
     std::atomic<bool> poisoned{false};  // poison is set: read without the lock on every call
 #if DDP_HAS_CUDA
-    std::unique_ptr<detail::CudaStager> stager;  // made on first use
+    std::unique_ptr<detail::CudaStaging> staging;  // made on first use
 
-    detail::CudaStager& stager_for(int device) {
-      if (!stager || stager->device() != device) {
-        stager.reset();
-        stager = std::make_unique<detail::CudaStager>(device, options.timeout);
-      }
-      return *stager;
+    detail::CudaStaging& cuda_staging() {
+      if (!staging)
+        staging =
+            std::make_unique<detail::CudaStaging>(options.timeout, options.cuda_staging_bytes);
+      return *staging;
     }
 #endif
   };
-
-  /// A prepared operation: checked arguments captured in `body`.
-  template <class F>
-  struct Op {
-    const char* name;
-    F body;
-    std::size_t bytes = 0;  // this rank's buffers, for the flight recorder
-  };
-  template <class F>
-  Op(const char*, F) -> Op<F>;
-  template <class F>
-  Op(const char*, F, std::size_t) -> Op<F>;
 
   explicit Communicator(std::shared_ptr<State> s) : state_(std::move(s)) {}
 
@@ -9637,33 +10233,95 @@ class Communicator {
     }
   }
 
-  /// Synchronous: inline when nothing is queued (no allocation on that path).
-  template <class F>
-  void exec(const Op<F>& op) {
-    State& s = same_process(op.name);
-    const auto seq = s.recorder.issue(op.name, op.bytes, TraceRecord::State::queued);
-    s.executor->run([&] { run_guarded(s, seq, op.name, op.body); });
+  /// Synchronous: inline when nothing is queued (no allocation, no lock on that path).
+  void exec(const detail::Call& c) {
+    State& s = same_process(c.name);
+    const auto seq = s.recorder.issue(c.name, c.bytes, TraceRecord::State::queued);
+    s.executor->run(
+        [&] { run_guarded(s, seq, c.name, [&](Backend& be, State& st) { dispatch(be, st, c); }); });
   }
 
-  template <class F>
-  Work submit(Op<F> op) {
+  Work submit(detail::Call c) {
     auto s = state_;
-    same_process(op.name);
-    const auto seq = s->recorder.issue(op.name, op.bytes, TraceRecord::State::queued);
-    return Work(s->executor->submit(
-        [s, seq, op = std::move(op)] { run_guarded(*s, seq, op.name, op.body); }));
+    same_process(c.name);
+    const auto seq = s->recorder.issue(c.name, c.bytes, TraceRecord::State::queued);
+    return Work(s->executor->submit([s, seq, c = std::move(c)] {
+      run_guarded(*s, seq, c.name, [&](Backend& be, State& st) { dispatch(be, st, c); });
+    }));
   }
+
+  /// An operation that is not a collective call (split).
+  template <class F>
+  void exec_fn(const char* name, const F& body) {
+    State& s = same_process(name);
+    const auto seq = s.recorder.issue(name, 0, TraceRecord::State::queued);
+    s.executor->run([&] { run_guarded(s, seq, name, body); });
+  }
+
+  // ---- arguments -----------------------------------------------------------------------------
+
+  [[nodiscard]] detail::Caller caller() const { return {rank(), size()}; }
 
   /// Whether CUDA buffers given to a backend that moves host memory only are staged through
   /// pinned host memory (ddp built with CUDA) rather than refused.
   static bool stages_cuda() noexcept {
-    return DDP_HAS_CUDA != 0 && Backend::supports(Device::cpu()) &&
-           !Backend::supports(Device::cuda());
+    return DDP_HAS_CUDA != 0 && !backend_traits<Backend>::device_only &&
+           Backend::supports(Device::cpu()) && !Backend::supports(Device::cuda());
   }
 
   static bool staged(const detail::Buf& b) noexcept {
     return b.device.is_cuda() && b.data != nullptr && b.count != 0 && stages_cuda();
   }
+
+  /// A typed argument as a checked type-erased buffer (the only code compiled per tensor type).
+  template <class T>
+  detail::Buf arg(T& t, const char* what, const char* name) const {
+    static_assert(!detail::host_type_for_device_backend<Backend, T>,
+                  "ddp: this backend (backend::Nccl) moves CUDA device memory only, and this "
+                  "buffer's type is host memory (std::vector, std::array, a span, ...): use "
+                  "ddp::CudaBuffer<T> or a CUDA tensor type adapted with ddp::tensor_traits, or "
+                  "Communicator<backend::Host> for host buffers");
+    const auto v = ddp::view(t);
+    using E = typename decltype(v)::value_type;
+    const detail::Buf b{reinterpret_cast<std::byte*>(const_cast<E*>(v.data)), v.size, dtype_of<E>,
+                        v.device, v.stream};
+    const bool usable = Backend::supports(v.device) || (v.device.is_cuda() && stages_cuda());
+    if (!usable || v.data == nullptr || v.size > detail::max_buffer_bytes / sizeof(E)) [[unlikely]]
+      detail::check_buf(b, sizeof(E), usable, Backend::name, rank(), what, name);
+    return b;
+  }
+
+  template <class R>
+  std::vector<detail::Buf> args(R& bufs) const {
+    std::vector<detail::Buf> out;
+    for (auto&& t : bufs) out.push_back(arg(t, "all_reduce_coalesced", "bufs"));
+    return out;
+  }
+
+  detail::Call prepare_all_reduce_as(const detail::Buf& b, ReduceOp op, DType wire) const {
+    return detail::prepare_all_reduce_as(b, op, wire, b.device.is_cuda() && !staged(b),
+                                         Backend::name, caller());
+  }
+
+  template <class In, class Out>
+  detail::Call prepare_gather(In& in_t, Out& out_t, int root) const {
+    const char* what = root < 0 ? "all_gather" : "gather";
+    const detail::Buf in = arg(in_t, what, "in");
+    if (root >= 0) detail::check_root(root, caller(), what);
+    const bool receives = root < 0 || root == rank();
+    return detail::prepare_gather(in, receives ? arg(out_t, what, "out") : detail::Buf{}, root,
+                                  caller());
+  }
+
+  template <class In, class Out>
+  detail::Call prepare_scatter(In& in_t, Out& out_t, int root) const {
+    const detail::Buf out = arg(out_t, "scatter", "out");
+    detail::check_root(root, caller(), "scatter");
+    return detail::prepare_scatter(rank() == root ? arg(in_t, "scatter", "in") : detail::Buf{}, out,
+                                   root, caller());
+  }
+
+  // ---- running a call on the backend ---------------------------------------------------------
 
   /// Runs f(buffer) for an elementwise collective, through the staging pipeline when `b` is a
   /// CUDA buffer this backend cannot use (see detail/staging.hpp).
@@ -9671,393 +10329,94 @@ class Communicator {
   static void elementwise(State& s, const detail::Buf& b, bool fetch, bool store, const F& f) {
     if (!staged(b)) return f(b);
 #if DDP_HAS_CUDA
-    const CudaDeviceGuard current(b.device.index);
-    detail::stage_elementwise(s.stager_for(b.device.index), b, fetch, store,
-                              s.options.cuda_staging_bytes, f);
+    s.cuda_staging().elementwise(b, fetch, store, f);
 #else
     (void)s, (void)fetch, (void)store;
 #endif
   }
 
-  /// Runs f(buffers...) with every CUDA buffer among `args` staged whole.
+  /// Runs f(buffers...) with every CUDA buffer among `a` staged whole.
   template <class F, class... A>
-  static void whole(State& s, const char* what, const F& f, A... args) {
-    if (!(staged(args.buf) || ...)) return f(args.buf...);
+  static void whole(State& s, const char* what, const F& f, A... a) {
+    if (!(staged(a.buf) || ...)) return f(a.buf...);
 #if DDP_HAS_CUDA
-    int device = -1;
-    for (const detail::StagedArg& a : {args...}) {
-      if (!staged(a.buf)) continue;
-      if (device >= 0 && a.buf.device.index != device) {
-        detail::fail(Errc::invalid_argument, "rank ", s.backend->rank(), ": ", what,
-                     ": the buffers are on cuda:", device, " and cuda:", a.buf.device.index,
-                     "; staged collectives need them on one device");
-      }
-      device = a.buf.device.index;
-    }
-    const CudaDeviceGuard current(device);
-    detail::stage_whole(s.stager_for(device), std::array<detail::StagedArg, sizeof...(A)>{args...},
-                        f);
+    s.cuda_staging().whole(s.backend->rank(), what, f, &staged, a...);
 #else
     (void)s, (void)what;
 #endif
   }
 
-  template <class T>
-  detail::Buf to_buf(T& t, const char* what, const char* arg) const {
-    static_assert(!detail::host_type_for_device_backend<Backend, T>,
-                  "ddp: this backend (backend::Nccl) moves CUDA device memory only, and this "
-                  "buffer's type is host memory (std::vector, std::array, a span, ...): use "
-                  "ddp::CudaBuffer<T> or a CUDA tensor type adapted with ddp::tensor_traits, or "
-                  "Communicator<backend::Host> for host buffers");
-    const auto v = ddp::view(t);
-    if (!Backend::supports(v.device) && !(v.device.is_cuda() && stages_cuda())) {
-      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": `", arg, "` is on ",
-                   to_string(v.device), ", but backend::", Backend::name,
-                   " cannot use that memory");
-    }
-    if (v.data == nullptr && v.size != 0) {
-      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": `", arg, "` has ",
-                   v.size, " elements but no data");
-    }
-    using E = typename decltype(v)::value_type;
-    if (v.size > detail::max_buffer_bytes / sizeof(E)) {
-      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": `", arg, "` claims ",
-                   v.size, " elements of ", sizeof(E),
-                   " bytes: more than any buffer can hold (its size in bytes overflows); check "
-                   "the size the tensor's view reports");
-    }
-    return {reinterpret_cast<std::byte*>(const_cast<E*>(v.data)), v.size, dtype_of<E>, v.device,
-            v.stream};
-  }
-
-  void check_op(ReduceOp op, DType t, const char* what) const {
-    if (!is_supported(op, t)) {
-      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": op ",
-                   is_valid(op) ? to_string(op) : "invalid", " is not defined on ", to_string(t),
-                   op == ReduceOp::avg ? " (avg needs a floating-point type)" : "");
-    }
-  }
-
-  void check_root(int root, const char* what) const {
-    if (root < 0 || root >= size()) {
-      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": root ", root,
-                   " is not a rank of this communicator [0, ", size(), ")");
-    }
-  }
-
-  static void check_same_dtype(const detail::Buf& a, const detail::Buf& b, int rank,
-                               const char* what) {
-    if (a.dtype != b.dtype) {
-      detail::fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `in` is ",
-                   to_string(a.dtype), " but `out` is ", to_string(b.dtype),
-                   "; they must have the same element type");
-    }
-  }
-
-  template <class T>
-  auto prepare_all_reduce(T& t, ReduceOp op) {
-    auto b = to_buf(t, "all_reduce", "buf");
-    check_op(op, b.dtype, "all_reduce");
-    return Op{"all_reduce",
-              [b, op](Backend& be, State& s) {
-                elementwise(s, b, true, true, [&](const detail::Buf& h) { be.all_reduce(h, op); });
-              },
-              b.bytes()};
-  }
-
-  template <class W, class T>
-  auto prepare_all_reduce_as(T& t, ReduceOp op) {
-    auto b = to_buf(t, "all_reduce_as", "buf");
-    check_op(op, dtype_of<W>, "all_reduce_as");
-    if (b.dtype != DType::float32)
-      detail::fail(Errc::invalid_argument, "rank ", rank(), ": all_reduce_as: `buf` is ",
-                   to_string(b.dtype), "; compression carries float32 values");
-    if (b.device.is_cuda() && !staged(b))
-      detail::fail(Errc::unsupported, "rank ", rank(), ": all_reduce_as: `buf` is on ",
-                   to_string(b.device), ", which backend::", Backend::name,
-                   " moves itself, and ddp's headers carry no GPU kernels to convert it; use "
-                   "all_reduce, or convert on the device first");
-    return Op{
-        "all_reduce_as",
-        [b, op](Backend& be, State& s) {
-          elementwise(s, b, true, true, [&](const detail::Buf& h) {
-            if constexpr (requires { be.all_reduce_as(h, op, dtype_of<W>); }) {
-              be.all_reduce_as(h, op, dtype_of<W>);
-            } else {  // convert around a plain all_reduce
-              std::vector<W> wire(h.count);
-              auto* w = reinterpret_cast<std::byte*>(wire.data());
-              detail::encode_kernel<W>(w, h.data, h.count);
-              be.all_reduce(detail::Buf{w, h.count, dtype_of<W>, h.device, nullptr, h.whole}, op);
-              detail::decode_kernel<W>(h.data, w, h.count);
-            }
-          });
-        },
-        b.bytes()};
-  }
-
-  template <class R>
-  auto prepare_all_reduce_coalesced(R& bufs, ReduceOp op) {
-    std::vector<detail::Buf> bs;
-    std::size_t bytes = 0;
-    for (auto&& t : bufs) {
-      bs.push_back(to_buf(t, "all_reduce_coalesced", "bufs"));
-      check_op(op, bs.back().dtype, "all_reduce_coalesced");
-      bytes += bs.back().bytes();
-    }
-    return Op{"all_reduce_coalesced",
-              [bs = std::move(bs), op](Backend& be, State& s) {
-                if constexpr (requires { be.all_reduce_many(bs, op); }) {
-                  be.all_reduce_many(bs, op);
-                } else {
-                  for (const auto& b : bs) {
-                    elementwise(s, b, true, true,
-                                [&](const detail::Buf& h) { be.all_reduce(h, op); });
-                  }
-                }
-              },
-              bytes};
-  }
-
-  template <class T>
-  auto prepare_broadcast(T& t, int root) {
-    auto b = to_buf(t, "broadcast", "buf");
-    check_root(root, "broadcast");
-    return Op{"broadcast",
-              [b, root](Backend& be, State& s) {
-                const bool mine = be.rank() == root;
-                elementwise(s, b, mine, !mine,
-                            [&](const detail::Buf& h) { be.broadcast(h, root); });
-              },
-              b.bytes()};
-  }
-
-  template <class T>
-  auto prepare_reduce(T& t, int root, ReduceOp op) {
-    auto b = to_buf(t, "reduce", "buf");
-    check_root(root, "reduce");
-    check_op(op, b.dtype, "reduce");
-    return Op{"reduce",
-              [b, root, op](Backend& be, State& s) {
-                elementwise(s, b, true, be.rank() == root,
-                            [&](const detail::Buf& h) { be.reduce(h, root, op); });
-              },
-              b.bytes()};
-  }
-
-  template <class In, class Out>
-  auto prepare_gather(detail::Coll c, In& in_t, Out& out_t, int root) {
-    const char* what = c == detail::Coll::all_gather ? "all_gather" : "gather";
-    auto in = to_buf(in_t, what, "in");
-    if (root >= 0) check_root(root, what);
-    const bool receives = root < 0 || root == rank();
-    detail::Buf out{};
-    if (receives) {
-      out = to_buf(out_t, what, "out");
-      check_same_dtype(in, out, rank(), what);
-      const std::size_t p = static_cast<std::size_t>(size());
-      if (!detail::is_product(out.count, in.count, p)) {
-        detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": `out` has ", out.count,
-                     " elements but must have ", detail::product_text(in.count, p),
-                     " (in.size() x size())");
-      }
-      const std::byte* mine = out.at(in.count * static_cast<std::size_t>(rank()));
-      if (detail::overlaps(in.data, in.bytes(), out.data, out.bytes()) && in.data != mine) {
-        detail::fail(
-            Errc::invalid_argument, "rank ", rank(), ": ", what,
-            ": `in` overlaps `out` but is not this rank's block of it (the only in-place form)");
-      }
-    }
-    return Op{what,
-              [c, in, out, root, what](Backend& be, State& s) {
-                whole(
-                    s, what,
-                    [&](const detail::Buf& i, const detail::Buf& o) {
-                      if (c == detail::Coll::all_gather)
-                        be.all_gather(i, o);
-                      else
-                        be.gather(i, o, root);
-                    },
-                    detail::StagedArg{in, true, false}, detail::StagedArg{out, false, true});
-              },
-              in.bytes() + out.bytes()};
-  }
-
-  template <class In, class Out>
-  auto prepare_scatter(In& in_t, Out& out_t, int root) {
-    auto out = to_buf(out_t, "scatter", "out");
-    check_root(root, "scatter");
-    detail::Buf in{nullptr, 0, out.dtype, out.device, nullptr};
-    if (rank() == root) {
-      in = to_buf(in_t, "scatter", "in");
-      check_same_dtype(in, out, rank(), "scatter");
-      const std::size_t p = static_cast<std::size_t>(size());
-      if (!detail::is_product(in.count, out.count, p)) {
-        detail::fail(Errc::invalid_argument, "rank ", rank(), ": scatter: `in` has ", in.count,
-                     " elements but must have ", detail::product_text(out.count, p),
-                     " (out.size() x size())");
-      }
-      const std::byte* mine = in.at(out.count * static_cast<std::size_t>(rank()));
-      if (detail::overlaps(in.data, in.bytes(), out.data, out.bytes()) && out.data != mine) {
-        detail::fail(Errc::invalid_argument, "rank ", rank(),
-                     ": scatter: `out` overlaps `in` but is not this rank's block of it (the only "
-                     "in-place form)");
-      }
-    }
-    return Op{"scatter",
-              [in, out, root](Backend& be, State& s) {
-                whole(
-                    s, "scatter",
-                    [&](const detail::Buf& i, const detail::Buf& o) { be.scatter(i, o, root); },
-                    detail::StagedArg{in, true, false}, detail::StagedArg{out, false, true});
-              },
-              in.bytes() + out.bytes()};
-  }
-
-  template <class In, class Out>
-  auto prepare_reduce_scatter(In& in_t, Out& out_t, ReduceOp op) {
-    auto in = to_buf(in_t, "reduce_scatter", "in");
-    auto out = to_buf(out_t, "reduce_scatter", "out");
-    check_same_dtype(in, out, rank(), "reduce_scatter");
-    check_op(op, out.dtype, "reduce_scatter");
-    const std::size_t p = static_cast<std::size_t>(size());
-    if (!detail::is_product(in.count, out.count, p)) {
-      detail::fail(Errc::invalid_argument, "rank ", rank(), ": reduce_scatter: `in` has ", in.count,
-                   " elements but must have ", detail::product_text(out.count, p),
-                   " (out.size() x size())");
-    }
-    const std::byte* mine = in.at(out.count * static_cast<std::size_t>(rank()));
-    if (detail::overlaps(in.data, in.bytes(), out.data, out.bytes()) && out.data != mine) {
-      detail::fail(Errc::invalid_argument, "rank ", rank(),
-                   ": reduce_scatter: `out` overlaps `in` but is not this rank's block of it (the "
-                   "only in-place form)");
-    }
-    return Op{
-        "reduce_scatter",
-        [in, out, op](Backend& be, State& s) {
-          whole(
-              s, "reduce_scatter",
-              [&](const detail::Buf& i, const detail::Buf& o) { be.reduce_scatter(i, o, op); },
-              detail::StagedArg{in, true, false}, detail::StagedArg{out, false, true});
-        },
-        in.bytes() + out.bytes()};
-  }
-
-  template <class In, class Out>
-  auto prepare_all_to_all(In& in_t, Out& out_t) {
-    auto in = to_buf(in_t, "all_to_all", "in");
-    auto out = to_buf(out_t, "all_to_all", "out");
-    check_same_dtype(in, out, rank(), "all_to_all");
-    const std::size_t p = static_cast<std::size_t>(size());
-    if (in.count != out.count || in.count % p != 0) {
-      detail::fail(Errc::invalid_argument, "rank ", rank(), ": all_to_all: `in` (", in.count,
-                   ") and `out` (", out.count,
-                   ") must have the same number of elements, a multiple of size() = ", p);
-    }
-    if (detail::overlaps(in.data, in.bytes(), out.data, out.bytes())) {
-      detail::fail(Errc::invalid_argument, "rank ", rank(),
-                   ": all_to_all: `in` and `out` must not overlap");
-    }
-    return Op{"all_to_all",
-              [in, out](Backend& be, State& s) {
-                whole(
-                    s, "all_to_all",
-                    [&](const detail::Buf& i, const detail::Buf& o) { be.all_to_all(i, o); },
-                    detail::StagedArg{in, true, false}, detail::StagedArg{out, false, true});
-              },
-              in.bytes() + out.bytes()};
-  }
-
-  template <class T>
-  auto prepare_p2p(detail::Coll c, T& t, int peer, int tag) {
-    const char* what = c == detail::Coll::send ? "send" : "recv";
-    auto b = to_buf(t, what, "buf");
-    if (peer < 0 || peer >= size() || peer == rank()) {
-      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": peer ", peer,
-                   " must be another rank in [0, ", size(), ")");
-    }
-    if (tag < 0)
-      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": tag ", tag,
-                   " is negative");
-    const bool sending = c == detail::Coll::send;
-    return Op{what,
-              [b, peer, tag, sending, what](Backend& be, State& s) {
-                whole(
-                    s, what,
-                    [&](const detail::Buf& h) {
-                      if (sending)
-                        be.send(h, peer, tag);
-                      else
-                        be.recv(h, peer, tag);
-                    },
-                    detail::StagedArg{b, sending, !sending});
-              },
-              b.bytes()};
-  }
-
-  static constexpr std::int64_t max_object_bytes = std::int64_t{1} << 30;
-
-  void check_object_size(std::int64_t n, const char* what, int from) const {
-    if (n < 0 || n > max_object_bytes) {
-      detail::fail(Errc::invalid_argument, "rank ", rank(), ": ", what, ": rank ", from,
-                   "'s object encodes to ", n, " bytes, beyond the limit of ", max_object_bytes);
-    }
-  }
-
-  /// Runs f(a, b) on host spans; on a backend that moves device memory only, on device copies of
-  /// them instead, copied back afterwards. For small host data (object collectives, *_host).
-  template <class E, class F>
-  void on_host_data(std::span<E> a, std::span<E> b, const F& f) {
-    if constexpr (detail::device_only_backend<Backend>) {
-#if DDP_HAS_CUDA
-      const int device = backend().device();
-      const CudaDeviceGuard current(device);
-      CudaBuffer<E> da(std::span<const E>(a), device), db(std::span<const E>(b), device);
-      f(da, db);
-      if (!a.empty()) da.copy_to(a);
-      if (!b.empty()) db.copy_to(b);
-#else
-      static_assert(!detail::device_only_backend<Backend>, "a CUDA backend without DDP_HAS_CUDA");
-#endif
+  /// all_reduce of float32 `h` carried as `wire`: by the backend when it can, else converted
+  /// around a plain all_reduce.
+  template <class W>
+  static void all_reduce_as_wire(Backend& be, const detail::Buf& h, ReduceOp op) {
+    if constexpr (backend_traits<Backend>::converts_wire) {
+      be.all_reduce_as(h, op, dtype_of<W>);
     } else {
-      f(a, b);
+      std::vector<W> wire(h.count);
+      auto* w = reinterpret_cast<std::byte*>(wire.data());
+      detail::encode_kernel<W>(w, h.data, h.count);
+      be.all_reduce(detail::Buf{w, h.count, dtype_of<W>, h.device, nullptr, h.whole}, op);
+      detail::decode_kernel<W>(h.data, w, h.count);
     }
   }
 
-  template <class T>
-  std::vector<T> gather_objects(const T& value, int root) {
-    const char* what = root < 0 ? "all_gather_object" : "gather_object";
-    if (root >= 0) check_root(root, what);
-    const std::string mine = detail::encode_object(value);
-    const auto p = static_cast<std::size_t>(size());
-    std::vector<std::int64_t> sizes(p);
-    std::int64_t my_size = static_cast<std::int64_t>(mine.size());
-    on_host_data(std::span<std::int64_t>(&my_size, 1), std::span<std::int64_t>(sizes),
-                 [&](auto& in, auto& out) { all_gather(in, out); });
-    std::int64_t longest = 0;
-    for (std::size_t r = 0; r < p; ++r) {
-      check_object_size(sizes[r], what, static_cast<int>(r));
-      longest = std::max(longest, sizes[r]);
+  static void dispatch(Backend& be, State& s, const detail::Call& c) {
+    using detail::Buf;
+    using detail::Coll;
+    using detail::StagedArg;
+    const auto in_out = [&](const auto& f) {
+      whole(s, c.name, f, StagedArg{c.in, true, false}, StagedArg{c.out, false, true});
+    };
+    switch (c.coll) {
+      case Coll::all_reduce:
+        if (c.form == detail::Call::Form::coalesced) {
+          if constexpr (backend_traits<Backend>::reduces_many) {
+            be.all_reduce_many(c.many, c.op);
+          } else {
+            for (const Buf& b : c.many)
+              elementwise(s, b, true, true, [&](const Buf& h) { be.all_reduce(h, c.op); });
+          }
+        } else if (c.form == detail::Call::Form::as_wire) {
+          elementwise(s, c.in, true, true, [&](const Buf& h) {
+            if (c.wire == DType::float16)
+              all_reduce_as_wire<half>(be, h, c.op);
+            else
+              all_reduce_as_wire<bfloat16>(be, h, c.op);
+          });
+        } else {
+          elementwise(s, c.in, true, true, [&](const Buf& h) { be.all_reduce(h, c.op); });
+        }
+        return;
+      case Coll::broadcast: {
+        const bool mine = be.rank() == c.root;
+        elementwise(s, c.in, mine, !mine, [&](const Buf& h) { be.broadcast(h, c.root); });
+        return;
+      }
+      case Coll::reduce:
+        elementwise(s, c.in, true, be.rank() == c.root,
+                    [&](const Buf& h) { be.reduce(h, c.root, c.op); });
+        return;
+      case Coll::all_gather:
+        return in_out([&](const Buf& i, const Buf& o) { be.all_gather(i, o); });
+      case Coll::gather:
+        return in_out([&](const Buf& i, const Buf& o) { be.gather(i, o, c.root); });
+      case Coll::scatter:
+        return in_out([&](const Buf& i, const Buf& o) { be.scatter(i, o, c.root); });
+      case Coll::reduce_scatter:
+        return in_out([&](const Buf& i, const Buf& o) { be.reduce_scatter(i, o, c.op); });
+      case Coll::all_to_all:
+        return in_out([&](const Buf& i, const Buf& o) { be.all_to_all(i, o); });
+      case Coll::send:
+        return whole(
+            s, c.name, [&](const Buf& h) { be.send(h, c.root, c.tag); },
+            StagedArg{c.in, true, false});
+      case Coll::recv:
+        return whole(
+            s, c.name, [&](const Buf& h) { be.recv(h, c.root, c.tag); },
+            StagedArg{c.in, false, true});
+      case Coll::barrier: be.barrier(); return;
     }
-    const auto width = static_cast<std::size_t>(longest);
-    std::vector<std::uint8_t> padded(width);
-    std::memcpy(padded.data(), mine.data(), mine.size());
-    const bool receives = root < 0 || root == rank();
-    std::vector<std::uint8_t> all(receives ? width * p : 0);
-    on_host_data(std::span<std::uint8_t>(padded), std::span<std::uint8_t>(all),
-                 [&](auto& in, auto& out) {
-                   if (root < 0)
-                     all_gather(in, out);
-                   else
-                     gather(in, out, root);
-                 });
-    std::vector<T> out;
-    if (!receives) return out;
-    out.reserve(p);
-    for (std::size_t r = 0; r < p; ++r) {
-      out.push_back(
-          detail::decode_object<T>(all.data() + r * width, static_cast<std::size_t>(sizes[r])));
-    }
-    return out;
   }
 
   std::shared_ptr<State> state_;

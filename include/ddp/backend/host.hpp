@@ -17,6 +17,7 @@
 /// Every element is reduced in rank order 0..P-1 in both paths, so results are bitwise identical
 /// on every rank, in every run, for every message size and on both transports.
 
+#include "ddp/backend/backend.hpp"
 #include "ddp/backend/host/shm.hpp"
 #include "ddp/backend/host/tcp.hpp"
 #include "ddp/backend/host/transport.hpp"
@@ -41,7 +42,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -49,35 +49,6 @@
 DDP_BEGIN_NAMESPACE
 
 namespace detail {
-
-/// What every backend is created from.
-struct BackendInit {
-  int rank = 0;
-  int size = 1;
-  /// The launcher's local rank (the default CUDA device of the CUDA backends).
-  int local_rank = 0;
-  /// The communicator's namespace in the rendezvous store (absent for a world of one).
-  std::shared_ptr<Store> store;
-  Options options;
-};
-
-/// Identifies "the same host" for shared memory: same machine (boot id), same /dev/shm (mount
-/// namespace), same pids (pid namespace) and same network namespace.
-[[nodiscard]] inline std::string host_identity() {
-  char name[256] = {};
-  (void)::gethostname(name, sizeof name - 1);
-  std::string id = name;
-  std::ifstream boot("/proc/sys/kernel/random/boot_id");
-  std::string boot_id;
-  std::getline(boot, boot_id);
-  id += "|" + boot_id;
-  for (const char* ns : {"/proc/self/ns/mnt", "/proc/self/ns/pid", "/proc/self/ns/net"}) {
-    char link[128] = {};
-    const ssize_t n = ::readlink(ns, link, sizeof link - 1);
-    id += "|" + std::string(link, n > 0 ? static_cast<std::size_t>(n) : 0);
-  }
-  return id;
-}
 
 /// Element range [lo, hi) of part j when m elements are split into `parts` cache-line-aligned
 /// parts (the last takes the remainder; parts may be empty).

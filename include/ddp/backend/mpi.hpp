@@ -31,7 +31,7 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-#include "ddp/backend/host.hpp"  // detail::BackendInit
+#include "ddp/backend/backend.hpp"
 #include "ddp/detail/collective.hpp"
 #include "ddp/error.hpp"
 #include "ddp/types.hpp"

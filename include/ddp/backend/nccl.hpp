@@ -32,7 +32,7 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-#include "ddp/backend/host.hpp"  // detail::BackendInit, detail::host_identity
+#include "ddp/backend/backend.hpp"
 #include "ddp/cuda.hpp"
 #include "ddp/detail/collective.hpp"
 #include "ddp/error.hpp"

@@ -1,0 +1,174 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// The backend contract: what Communicator<Backend> needs from a backend, in one place.
+///
+///  * `CommBackend<B>`: the required part — `B::create(BackendInit)`, the group's shape (rank,
+///    size, local rank/size/leader), `B::supports(Device)`, every collective on type-erased
+///    buffers (detail::Buf), barrier and abort.
+///  * `BackendInit`: what every backend is created from (rank, size, local rank, the
+///    communicator's namespace in the rendezvous store, the Options).
+///  * `backend_traits<B>`: the optional capabilities, each detected from the backend's members,
+///    each with the fallback the Communicator uses when it is absent:
+///
+///    | capability | member | fallback |
+///    |---|---|---|
+///    | needs_store | `static constexpr bool needs_store` | true: init() rendezvous first |
+///    | device_kind | `static constexpr DeviceKind device_kind` | cpu (host memory) |
+///    | splits | `std::unique_ptr<B> split(color, key)` | split() over the store |
+///    | converts_wire | `all_reduce_as(Buf, ReduceOp, DType wire)` | convert around all_reduce |
+///    | reduces_many | `all_reduce_many(std::vector<Buf>, ReduceOp)` | one all_reduce per buffer |
+///    | has_device | `int device()` (the CUDA device it uses) | — |
+///
+/// backend::Host (backend/host.hpp), backend::Nccl (backend/nccl.hpp) and backend::Mpi
+/// (backend/mpi.hpp) implement it; a new backend needs only this header.
+
+#include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+#include "ddp/detail/collective.hpp"
+#include "ddp/error.hpp"
+#include "ddp/options.hpp"
+#include "ddp/store.hpp"  // TODO(split): ddp/store/client.hpp
+#include "ddp/tensor.hpp"
+#include "ddp/types.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <concepts>
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+namespace detail {
+
+/// What every backend is created from.
+struct BackendInit {
+  int rank = 0;
+  int size = 1;
+  /// The launcher's local rank (the default CUDA device of the CUDA backends).
+  int local_rank = 0;
+  /// The communicator's namespace in the rendezvous store (absent for a world of one).
+  std::shared_ptr<Store> store;
+  Options options;
+};
+
+/// Identifies "the same host" for shared memory and for grouping ranks by host: same machine
+/// (host name and boot id), same /dev/shm (mount namespace), same pids (pid namespace) and same
+/// network namespace.
+[[nodiscard]] inline std::string host_identity() {
+  char name[256] = {};
+  (void)::gethostname(name, sizeof name - 1);
+  std::string id = name;
+  char boot[64] = {};
+  if (const int fd = ::open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC); fd >= 0) {
+    const ssize_t n = ::read(fd, boot, sizeof boot - 1);
+    ::close(fd);
+    std::size_t len = n > 0 ? static_cast<std::size_t>(n) : 0;
+    while (len > 0 && (boot[len - 1] == '\n' || boot[len - 1] == '\r')) --len;
+    boot[len] = '\0';
+  }
+  id += "|";
+  id += boot;
+  for (const char* ns : {"/proc/self/ns/mnt", "/proc/self/ns/pid", "/proc/self/ns/net"}) {
+    char link[128] = {};
+    const ssize_t n = ::readlink(ns, link, sizeof link - 1);
+    id += "|" + std::string(link, n > 0 ? static_cast<std::size_t>(n) : 0);
+  }
+  return id;
+}
+
+}  // namespace detail
+
+/// What Communicator needs from a backend: byte movement on type-erased buffers.
+template <class B>
+concept CommBackend = requires(B& b, const detail::Buf& buf, ReduceOp op, int i,
+                               const detail::BackendInit& init, const std::string& s) {
+  { B::name } -> std::convertible_to<std::string_view>;
+  { B::create(init) } -> std::same_as<std::unique_ptr<B>>;
+  { B::supports(Device{}) } -> std::convertible_to<bool>;
+  { b.rank() } -> std::convertible_to<int>;
+  { b.size() } -> std::convertible_to<int>;
+  { b.local_rank() } -> std::convertible_to<int>;
+  { b.local_size() } -> std::convertible_to<int>;
+  { b.local_leader() } -> std::convertible_to<int>;
+  b.all_reduce(buf, op);
+  b.broadcast(buf, i);
+  b.reduce(buf, i, op);
+  b.all_gather(buf, buf);
+  b.gather(buf, buf, i);
+  b.scatter(buf, buf, i);
+  b.reduce_scatter(buf, buf, op);
+  b.all_to_all(buf, buf);
+  b.send(buf, i, i);
+  b.recv(buf, i, i);
+  b.barrier();
+  b.abort(Errc::aborted, s);
+};
+
+/// The optional capabilities of a backend (see the table in this file's comment).
+template <class B>
+struct backend_traits {
+  /// init() must rendezvous through a Store before creating the backend (backend::Mpi, which
+  /// gets its ranks from the MPI library, says `needs_store = false`).
+  static constexpr bool needs_store = [] {
+    if constexpr (requires { B::needs_store; })
+      return static_cast<bool>(B::needs_store);
+    else
+      return true;
+  }();
+  /// The memory the backend moves: DeviceKind::cuda for one that moves device memory only
+  /// (backend::Nccl); host-typed buffers are then refused when the program is compiled.
+  static constexpr DeviceKind device_kind = [] {
+    if constexpr (requires { B::device_kind; })
+      return DeviceKind{B::device_kind};
+    else
+      return DeviceKind::cpu;
+  }();
+  static constexpr bool device_only = device_kind == DeviceKind::cuda;
+  /// The backend makes sub-groups itself (MPI_Comm_split, ncclCommSplit).
+  static constexpr bool splits = requires(B & b, int i) {
+    { b.split(i, i) } -> std::same_as<std::unique_ptr<B>>;
+  };
+  /// The backend carries float32 values as half/bfloat16 itself (fused conversions).
+  static constexpr bool converts_wire = requires(B & b, const detail::Buf& x, ReduceOp op) {
+    b.all_reduce_as(x, op, DType::float16);
+  };
+  /// The backend reduces several buffers as one operation (one NCCL group).
+  static constexpr bool reduces_many =
+      requires(B & b, const std::vector<detail::Buf>& v, ReduceOp op) {
+    b.all_reduce_many(v, op);
+  };
+  /// The backend uses one CUDA device, named by device().
+  static constexpr bool has_device = requires(const B& b) {
+    { b.device() } -> std::convertible_to<int>;
+  };
+};
+
+namespace detail {
+
+// The names these capabilities had before backend_traits (kept for code that used them).
+template <class B>
+inline constexpr bool backend_needs_store = backend_traits<B>::needs_store;
+template <class B>
+inline constexpr bool device_only_backend = backend_traits<B>::device_only;
+template <class B>
+concept splits_itself = backend_traits<B>::splits;
+
+/// Whether a backend that moves only CUDA memory is given a buffer whose type says it is host
+/// memory: rejected when the program is compiled.
+template <class B, class T>
+inline constexpr bool host_type_for_device_backend =
+    backend_traits<B>::device_only&& static_device_kind_v<T> == DeviceKind::cpu;
+
+}  // namespace detail
+
+DDP_END_NAMESPACE

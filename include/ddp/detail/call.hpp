@@ -1,0 +1,285 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// A collective call as data, and the argument checks that build it. Communicator turns each
+/// typed argument into a detail::Buf (the only code instantiated per tensor type) and hands
+/// the Bufs to the prepare_* functions here: plain functions, compiled once, that check
+/// everything that can be checked before anything is sent (roots, peers, tags, sizes, dtype/op
+/// pairs, overlaps) and fail with Errc::invalid_argument naming the rank and the collective.
+/// The resulting Call is what the executor runs and the flight recorder records.
+
+#include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+#include "ddp/detail/collective.hpp"
+#include "ddp/error.hpp"
+#include "ddp/types.hpp"
+
+#include <cstddef>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// Who checks a call: this rank in a group of `size`.
+struct Caller {
+  int rank = 0;
+  int size = 1;
+};
+
+/// A checked collective call.
+struct Call {
+  enum class Form : std::uint8_t {
+    plain,      ///< `coll` on `in` (and `out`)
+    as_wire,    ///< all_reduce of float32 `in` carried as `wire` (all_reduce_as)
+    coalesced,  ///< all_reduce of every buffer of `many` (all_reduce_coalesced)
+  };
+  const char* name = "";
+  Coll coll = Coll::barrier;
+  Form form = Form::plain;
+  Buf in{};   ///< the buffer of single-buffer collectives; `in` of the others
+  Buf out{};  ///< `out` of all_gather, gather, scatter, reduce_scatter, all_to_all
+  std::vector<Buf> many;
+  ReduceOp op = ReduceOp::sum;
+  int root = -1;  ///< root, or the peer of send/recv
+  int tag = 0;
+  DType wire = DType::float32;
+  std::size_t bytes = 0;  ///< this rank's buffers, for the flight recorder
+};
+
+[[nodiscard]] inline Call make_call(const char* name, Coll coll,
+                                    Call::Form form = Call::Form::plain) {
+  Call c;
+  c.name = name;
+  c.coll = coll;
+  c.form = form;
+  return c;
+}
+
+/// Whether [a, a+an) and [b, b+bn) share a byte.
+[[nodiscard]] inline bool overlaps(const std::byte* a, std::size_t an, const std::byte* b,
+                                   std::size_t bn) {
+  return an != 0 && bn != 0 && a < b + bn && b < a + an;
+}
+
+/// The checks of a typed argument once it is a Buf: `usable` says whether the backend can use
+/// its memory (directly or staged).
+inline void check_buf(const Buf& b, std::size_t elem, bool usable, std::string_view backend,
+                      int rank, const char* what, const char* arg) {
+  if (!usable) {
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg, "` is on ",
+         to_string(b.device), ", but backend::", backend, " cannot use that memory");
+  }
+  if (b.data == nullptr && b.count != 0) {
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg, "` has ", b.count,
+         " elements but no data");
+  }
+  if (b.count > max_buffer_bytes / elem) {
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg, "` claims ", b.count,
+         " elements of ", elem,
+         " bytes: more than any buffer can hold (its size in bytes overflows); check the size "
+         "the tensor's view reports");
+  }
+}
+
+inline void check_op(ReduceOp op, DType t, Caller c, const char* what) {
+  if (!is_supported(op, t)) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": op ",
+         is_valid(op) ? to_string(op) : "invalid", " is not defined on ", to_string(t),
+         op == ReduceOp::avg ? " (avg needs a floating-point type)" : "");
+  }
+}
+
+inline void check_root(int root, Caller c, const char* what) {
+  if (root < 0 || root >= c.size) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": root ", root,
+         " is not a rank of this communicator [0, ", c.size, ")");
+  }
+}
+
+inline void check_same_dtype(const Buf& a, const Buf& b, Caller c, const char* what) {
+  if (a.dtype != b.dtype) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `in` is ", to_string(a.dtype),
+         " but `out` is ", to_string(b.dtype), "; they must have the same element type");
+  }
+}
+
+/// `whole` must be `part` x size() elements; `part_name` is the argument that sets the size.
+inline void check_blocks(const Buf& whole, const Buf& part, Caller c, const char* what,
+                         const char* whole_name, const char* rule) {
+  const auto p = static_cast<std::size_t>(c.size);
+  if (!is_product(whole.count, part.count, p)) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `", whole_name, "` has ",
+         whole.count, " elements but must have ", product_text(part.count, p), " (", rule, ")");
+  }
+}
+
+/// The only in-place form of a collective with blocks: `part` is exactly this rank's block of
+/// `whole`.
+inline void check_in_place(const Buf& whole, const Buf& part, Caller c, const char* what,
+                           const char* message) {
+  const std::byte* mine = whole.at(part.count * static_cast<std::size_t>(c.rank));
+  if (overlaps(part.data, part.bytes(), whole.data, whole.bytes()) && part.data != mine) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, message);
+  }
+}
+
+[[nodiscard]] inline Call prepare_all_reduce(const Buf& b, ReduceOp op, Caller c) {
+  check_op(op, b.dtype, c, "all_reduce");
+  Call call = make_call("all_reduce", Coll::all_reduce);
+  call.in = b;
+  call.op = op;
+  call.bytes = b.bytes();
+  return call;
+}
+
+/// `moved_on_device`: the backend moves this CUDA buffer itself (no staging), so there is no
+/// host pass in which to convert it.
+[[nodiscard]] inline Call prepare_all_reduce_as(const Buf& b, ReduceOp op, DType wire,
+                                                bool moved_on_device, std::string_view backend,
+                                                Caller c) {
+  check_op(op, wire, c, "all_reduce_as");
+  if (b.dtype != DType::float32)
+    fail(Errc::invalid_argument, "rank ", c.rank, ": all_reduce_as: `buf` is ", to_string(b.dtype),
+         "; compression carries float32 values");
+  if (moved_on_device)
+    fail(Errc::unsupported, "rank ", c.rank, ": all_reduce_as: `buf` is on ", to_string(b.device),
+         ", which backend::", backend,
+         " moves itself, and ddp's headers carry no GPU kernels to convert it; use all_reduce, or "
+         "convert on the device first");
+  Call call = make_call("all_reduce_as", Coll::all_reduce, Call::Form::as_wire);
+  call.in = b;
+  call.op = op;
+  call.wire = wire;
+  call.bytes = b.bytes();
+  return call;
+}
+
+[[nodiscard]] inline Call prepare_all_reduce_coalesced(std::vector<Buf> bufs, ReduceOp op,
+                                                       Caller c) {
+  Call call = make_call("all_reduce_coalesced", Coll::all_reduce, Call::Form::coalesced);
+  for (const Buf& b : bufs) {
+    check_op(op, b.dtype, c, "all_reduce_coalesced");
+    call.bytes += b.bytes();
+  }
+  call.many = std::move(bufs);
+  call.op = op;
+  return call;
+}
+
+[[nodiscard]] inline Call prepare_broadcast(const Buf& b, int root, Caller c) {
+  check_root(root, c, "broadcast");
+  Call call = make_call("broadcast", Coll::broadcast);
+  call.in = b;
+  call.root = root;
+  call.bytes = b.bytes();
+  return call;
+}
+
+[[nodiscard]] inline Call prepare_reduce(const Buf& b, int root, ReduceOp op, Caller c) {
+  check_root(root, c, "reduce");
+  check_op(op, b.dtype, c, "reduce");
+  Call call = make_call("reduce", Coll::reduce);
+  call.in = b;
+  call.root = root;
+  call.op = op;
+  call.bytes = b.bytes();
+  return call;
+}
+
+/// all_gather (root < 0) or gather; `out` is used (and checked) only where it receives.
+[[nodiscard]] inline Call prepare_gather(const Buf& in, const Buf& out, int root, Caller c) {
+  const char* what = root < 0 ? "all_gather" : "gather";
+  if (root >= 0) check_root(root, c, what);
+  Call call = make_call(what, root < 0 ? Coll::all_gather : Coll::gather);
+  call.in = in;
+  call.root = root;
+  if (root < 0 || root == c.rank) {
+    check_same_dtype(in, out, c, what);
+    check_blocks(out, in, c, what, "out", "in.size() x size()");
+    check_in_place(out, in, c, what,
+                   ": `in` overlaps `out` but is not this rank's block of it (the only in-place "
+                   "form)");
+    call.out = out;
+  }
+  call.bytes = call.in.bytes() + call.out.bytes();
+  return call;
+}
+
+/// scatter; `in` is used (and checked) on the root only.
+[[nodiscard]] inline Call prepare_scatter(const Buf& in, const Buf& out, int root, Caller c) {
+  check_root(root, c, "scatter");
+  Call call = make_call("scatter", Coll::scatter);
+  call.in = Buf{nullptr, 0, out.dtype, out.device, nullptr};
+  call.out = out;
+  call.root = root;
+  if (c.rank == root) {
+    check_same_dtype(in, out, c, "scatter");
+    check_blocks(in, out, c, "scatter", "in", "out.size() x size()");
+    check_in_place(in, out, c, "scatter",
+                   ": `out` overlaps `in` but is not this rank's block of it (the only in-place "
+                   "form)");
+    call.in = in;
+  }
+  call.bytes = call.in.bytes() + call.out.bytes();
+  return call;
+}
+
+[[nodiscard]] inline Call prepare_reduce_scatter(const Buf& in, const Buf& out, ReduceOp op,
+                                                 Caller c) {
+  check_same_dtype(in, out, c, "reduce_scatter");
+  check_op(op, out.dtype, c, "reduce_scatter");
+  check_blocks(in, out, c, "reduce_scatter", "in", "out.size() x size()");
+  check_in_place(in, out, c, "reduce_scatter",
+                 ": `out` overlaps `in` but is not this rank's block of it (the only in-place "
+                 "form)");
+  Call call = make_call("reduce_scatter", Coll::reduce_scatter);
+  call.in = in;
+  call.out = out;
+  call.op = op;
+  call.bytes = in.bytes() + out.bytes();
+  return call;
+}
+
+[[nodiscard]] inline Call prepare_all_to_all(const Buf& in, const Buf& out, Caller c) {
+  check_same_dtype(in, out, c, "all_to_all");
+  const auto p = static_cast<std::size_t>(c.size);
+  if (in.count != out.count || in.count % p != 0) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": all_to_all: `in` (", in.count, ") and `out` (",
+         out.count, ") must have the same number of elements, a multiple of size() = ", p);
+  }
+  if (overlaps(in.data, in.bytes(), out.data, out.bytes())) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": all_to_all: `in` and `out` must not overlap");
+  }
+  Call call = make_call("all_to_all", Coll::all_to_all);
+  call.in = in;
+  call.out = out;
+  call.bytes = in.bytes() + out.bytes();
+  return call;
+}
+
+[[nodiscard]] inline Call prepare_p2p(Coll coll, const Buf& b, int peer, int tag, Caller c) {
+  const char* what = coll == Coll::send ? "send" : "recv";
+  if (peer < 0 || peer >= c.size || peer == c.rank) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": peer ", peer,
+         " must be another rank in [0, ", c.size, ")");
+  }
+  if (tag < 0)
+    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": tag ", tag, " is negative");
+  Call call = make_call(what, coll);
+  call.in = b;
+  call.root = peer;
+  call.tag = tag;
+  call.bytes = b.bytes();
+  return call;
+}
+
+[[nodiscard]] inline Call prepare_barrier() { return make_call("barrier", Coll::barrier); }
+
+}  // namespace detail
+DDP_END_NAMESPACE
