@@ -19,14 +19,17 @@
 #include <dirent.h>
 #include <sys/stat.h>
 
+#include <time.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
-#include <mutex>
+#include <memory>
 #include <set>
 #include <sstream>
 #include <string>
@@ -266,56 +269,95 @@ namespace detail {
   return n ? static_cast<std::size_t>(*n) : o.trace_entries;
 }
 
-/// A fixed ring of TraceRecords. Thread-safe: operations are recorded by the thread that issues
-/// them and updated by the one that runs them; any thread may read.
+/// A fixed ring of TraceRecords that costs no lock: issuing an operation is one atomic
+/// increment and a few plain stores, updating its state one store, so the flight recorder stays
+/// on in production. Operations are recorded by the thread that issues them and updated by the
+/// one that runs them; any thread may read (a record being written at that moment is skipped).
+/// Times come from the coarse monotonic clock (a memory read; a few ms resolution, enough for
+/// ages in ms).
 class FlightRecorder {
  public:
   using State = TraceRecord::State;
 
+  /// Sets the capacity and forgets every record; not concurrent with the other members.
   void resize(std::size_t capacity) {
-    std::lock_guard lock(mutex_);
-    ring_.assign(capacity, TraceRecord{});
-    next_ = 0;
+    slots_ = capacity != 0 ? std::make_unique<Slot[]>(capacity) : nullptr;
+    capacity_ = capacity;
+    next_.store(0, std::memory_order_relaxed);
   }
 
   /// Records a new operation and returns its sequence number.
   std::uint64_t issue(const char* op, std::size_t bytes, State state) {
-    std::lock_guard lock(mutex_);
-    if (!ring_.empty()) {
-      ring_[next_ % ring_.size()] =
-          TraceRecord{next_, op, bytes, state, std::chrono::steady_clock::now()};
-    }
-    return next_++;
+    const std::uint64_t seq = next_.fetch_add(1, std::memory_order_relaxed);
+    if (capacity_ == 0) return seq;
+    Slot& s = slots_[seq % capacity_];
+    s.version.store(2 * seq + 1, std::memory_order_relaxed);  // odd: being written
+    std::atomic_thread_fence(std::memory_order_release);
+    s.op.store(op, std::memory_order_relaxed);
+    s.bytes.store(bytes, std::memory_order_relaxed);
+    s.state.store(state, std::memory_order_relaxed);
+    s.issued_ns.store(coarse_now_ns(), std::memory_order_relaxed);
+    s.version.store(2 * seq + 2, std::memory_order_release);
+    return seq;
   }
 
   /// Moves operation `seq` to `state` (unless the ring has overwritten it since).
   void update(std::uint64_t seq, State state) {
-    std::lock_guard lock(mutex_);
-    if (ring_.empty()) return;
-    auto& r = ring_[seq % ring_.size()];
-    if (r.seq == seq) r.state = state;
+    if (capacity_ == 0) return;
+    Slot& s = slots_[seq % capacity_];
+    if (s.version.load(std::memory_order_relaxed) == 2 * seq + 2)
+      s.state.store(state, std::memory_order_relaxed);
   }
 
   /// The records still held, oldest first.
   [[nodiscard]] std::vector<TraceRecord> recent() const {
-    std::lock_guard lock(mutex_);
     std::vector<TraceRecord> out;
-    const std::uint64_t n = std::min<std::uint64_t>(next_, ring_.size());
+    const std::uint64_t next = next_.load(std::memory_order_acquire);
+    const std::uint64_t n = std::min<std::uint64_t>(next, capacity_);
     out.reserve(static_cast<std::size_t>(n));
-    for (std::uint64_t s = next_ - n; s < next_; ++s) out.push_back(ring_[s % ring_.size()]);
+    for (std::uint64_t seq = next - n; seq < next; ++seq) {
+      const Slot& s = slots_[seq % capacity_];
+      const std::uint64_t v = s.version.load(std::memory_order_acquire);
+      if (v != 2 * seq + 2) continue;  // being written, or already overwritten
+      TraceRecord r;
+      r.seq = seq;
+      r.op = s.op.load(std::memory_order_relaxed);
+      r.bytes = s.bytes.load(std::memory_order_relaxed);
+      r.state = s.state.load(std::memory_order_relaxed);
+      r.issued = std::chrono::steady_clock::time_point(
+          std::chrono::nanoseconds(s.issued_ns.load(std::memory_order_relaxed)));
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if (s.version.load(std::memory_order_relaxed) == v) out.push_back(r);
+    }
     return out;
   }
 
   /// Operations issued so far.
-  [[nodiscard]] std::uint64_t issued() const {
-    std::lock_guard lock(mutex_);
-    return next_;
-  }
+  [[nodiscard]] std::uint64_t issued() const { return next_.load(std::memory_order_acquire); }
 
  private:
-  mutable std::mutex mutex_;
-  std::vector<TraceRecord> ring_;
-  std::uint64_t next_ = 0;
+  struct Slot {
+    std::atomic<std::uint64_t> version{0};  // 2 seq + 2 when record `seq` is complete
+    std::atomic<const char*> op{""};
+    std::atomic<std::size_t> bytes{0};
+    std::atomic<State> state{State::queued};
+    std::atomic<std::int64_t> issued_ns{0};
+  };
+
+  /// steady_clock's clock (CLOCK_MONOTONIC), read at its coarse resolution.
+  static std::int64_t coarse_now_ns() noexcept {
+    timespec ts{};
+    if (::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts) != 0) {
+      return std::chrono::duration_cast<std::chrono::nanoseconds>(
+                 std::chrono::steady_clock::now().time_since_epoch())
+          .count();
+    }
+    return std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+  }
+
+  std::unique_ptr<Slot[]> slots_;
+  std::size_t capacity_ = 0;
+  std::atomic<std::uint64_t> next_{0};
 };
 
 /// The recorder's contents as text: a header line, then one line per record, oldest first.

@@ -14,6 +14,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -139,9 +140,8 @@ void attack_once(int port, int kind, std::mt19937_64& rng) {
 /// client that never reads. Writes a byte to `ready` once all are under way.
 [[noreturn]] void attacker(int port, int ready) {
   std::atomic<bool> done{false};
-  std::vector<std::thread> threads;
   // 16 slow clients: a well-formed handshake, one byte per second.
-  threads.emplace_back([&] {
+  std::thread slow_clients([&] {
     std::vector<Raw> slow;
     for (int i = 0; i < 16; ++i) slow.emplace_back(port);
     const std::string hs = frame_of(std::string(4 + 2 + 16 + 32, 'x'));
@@ -151,7 +151,7 @@ void attack_once(int port, int kind, std::mt19937_64& rng) {
     }
   });
   // A client that stores 1 MiB and asks for it 3,000 times without reading a reply.
-  threads.emplace_back([&] {
+  std::thread non_reader([&] {
     Raw c(port);
     if (!c.ok || !c.authenticate(token)) return;
     const auto request = [](sp::Op op, std::uint64_t id, std::string_view key,
@@ -174,8 +174,9 @@ void attack_once(int port, int kind, std::mt19937_64& rng) {
     while (!done.load()) std::this_thread::sleep_for(50ms);
   });
   std::atomic<int> sent{0};
+  std::array<std::thread, 8> senders;
   for (int t = 0; t < 8; ++t) {
-    threads.emplace_back([&, t] {
+    senders[static_cast<std::size_t>(t)] = std::thread([&, t] {
       std::mt19937_64 rng(static_cast<std::uint64_t>(t) + 1);
       for (int i = 0; i < 1250; ++i) {
         attack_once(port, static_cast<int>(rng() % 10), rng);
@@ -185,10 +186,10 @@ void attack_once(int port, int kind, std::mt19937_64& rng) {
   }
   while (sent.load() < 100) std::this_thread::sleep_for(1ms);
   (void)!::write(ready, "s", 1);
-  for (std::size_t t = 2; t < threads.size(); ++t) threads[t].join();
+  for (auto& t : senders) t.join();
   done.store(true);
-  threads[0].join();
-  threads[1].join();
+  slow_clients.join();
+  non_reader.join();
   ::_exit(sent.load() == 10000 ? 0 : 1);
 }
 

@@ -31,16 +31,12 @@
 #include <ctime>
 #include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-
 DDP_BEGIN_NAMESPACE
 namespace detail {
 
 inline void cpu_relax() noexcept {
 #if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
+  __builtin_ia32_pause();  // _mm_pause without <immintrin.h> (0.4 s of every compile)
 #elif defined(__aarch64__)
   asm volatile("yield" ::: "memory");
 #endif

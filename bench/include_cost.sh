@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# What `#include <ddp/ddp.hpp>` costs a user's translation unit: an empty program that includes
+# the umbrella header against one that includes only <vector>, compiled with -O2 (best of
+# $ROUNDS, default 3, alternating the two), for g++ and clang++; prints seconds, peak memory and
+# the ratio. Usage: bench/include_cost.sh [header ...]   (default: ddp/ddp.hpp)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rounds=${ROUNDS:-3}
+headers=("$@")
+[ ${#headers[@]} -eq 0 ] && headers=(ddp/ddp.hpp)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+printf '#include <vector>\nint main() { return 0; }\n' >"$work/vector.cpp"
+
+once() {  # once CXX SOURCE: "seconds peak_kb"
+  { /usr/bin/time -f '%e %M' "$1" -std=c++20 -O2 -Iinclude -c "$2" -o "$work/o.o"; } 2>&1 | tail -1
+}
+lower() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a < b) }'; }
+
+printf '%-10s %-28s %9s %9s %9s %8s\n' compiler header "time (s)" "<vector>" ratio "MB"
+for cxx in g++ clang++; do
+  command -v "$cxx" >/dev/null || continue
+  for h in "${headers[@]}"; do
+    printf '#include <%s>\nint main() { return 0; }\n' "$h" >"$work/ddp.cpp"
+    t=999 m=0 v=999
+    for _ in $(seq "$rounds"); do  # alternate, keep the best of each
+      read -r s k < <(once "$cxx" "$work/ddp.cpp")
+      if lower "$s" "$t"; then t=$s m=$k; fi
+      read -r s _ < <(once "$cxx" "$work/vector.cpp")
+      if lower "$s" "$v"; then v=$s; fi
+    done
+    ratio=$(awk -v a="$t" -v b="$v" 'BEGIN { printf "%.1f", a / b }')
+    printf '%-10s %-28s %9s %9s %9s %8d\n' "$cxx" "$h" "$t" "$v" "${ratio}x" $((m / 1024))
+  done
+done
