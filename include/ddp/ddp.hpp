@@ -35,7 +35,9 @@
 #include "ddp/guard.hpp"
 #include "ddp/launch.hpp"
 #include "ddp/options.hpp"
-#include "ddp/store.hpp"
+#include "ddp/store/client.hpp"
+#include "ddp/store/protocol.hpp"
+#include "ddp/store/server.hpp"
 #include "ddp/trace.hpp"
 #endif
 #include "ddp/types.hpp"
