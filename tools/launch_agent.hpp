@@ -13,6 +13,7 @@
 #include <ddp/ddp.hpp>
 
 #include "guardian.hpp"
+#include "trace_diagnose.hpp"
 
 #include <dirent.h>
 #include <fcntl.h>
