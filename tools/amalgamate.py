@@ -11,6 +11,9 @@ Rules (deterministic: the output depends only on the files in include/):
   * `#include MACRO` is refused, and so is a ddp header whose first inclusion is inside a
     conditional block when another inclusion of it is not (it would vanish from the output).
 
+Forwarding headers (FORWARDING below: an old spelling kept working, e.g. ddp/launch.hpp) need
+not be reachable from the umbrella: they may hold only comments and includes of headers that are.
+
 Adapters (include/ddp/adapters/*.hpp) depend on third-party headers, so they stay out of the
 umbrella: each is copied to single_include/ddp/adapters/ with its ddp includes replaced by one
 `#include "../ddp.hpp"`, so the single-header tree keeps working when copied as a whole.
@@ -29,6 +32,8 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 INCLUDE = ROOT / "include"
 ENTRY = "ddp/ddp.hpp"
+# Headers that only forward to others (an old spelling kept working); see forwarding_errors().
+FORWARDING = ["ddp/launch.hpp", "ddp/store.hpp"]
 OUTPUT = ROOT / "single_include" / "ddp" / "ddp.hpp"
 
 INCLUDE_RE = re.compile(r'^\s*#\s*include\s*(?P<open>["<])(?P<path>[^">]+)[">]')
@@ -113,7 +118,29 @@ def read_version() -> str:
 
 def unused_headers(done: dict[str, bool]) -> list[str]:
     all_headers = sorted(str(p.relative_to(INCLUDE)) for p in (INCLUDE / "ddp").rglob("*.hpp"))
-    return [h for h in all_headers if h not in done and not h.startswith("ddp/adapters/")]
+    return [h for h in all_headers
+            if h not in done and h not in FORWARDING and not h.startswith("ddp/adapters/")]
+
+
+def forwarding_errors(done: dict[str, bool]) -> list[str]:
+    """A forwarding header left out of the single header must hold nothing but comments,
+    `#pragma once` and includes of headers the umbrella reaches."""
+    errors = []
+    for header in FORWARDING:
+        path = INCLUDE / header
+        if not path.is_file():
+            errors.append(f"{header} is listed in FORWARDING but does not exist")
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            stripped = line.strip()
+            m = INCLUDE_RE.match(line)
+            if m and m.group("path").startswith("ddp/") and m.group("path") in done:
+                continue
+            if not stripped or stripped.startswith("//") or PRAGMA_ONCE_RE.match(line):
+                continue
+            errors.append(f"include/{header}:{number}: a forwarding header may only include "
+                          f"headers the umbrella reaches: {stripped}")
+    return errors
 
 
 ADAPTER_BANNER = """\
@@ -155,6 +182,9 @@ def main() -> int:
     if missing:
         print("amalgamate: error: not reachable from include/ddp/ddp.hpp: " + ", ".join(missing),
               file=sys.stderr)
+        return 2
+    for error in forwarding_errors(amalgamator.done):
+        print(f"amalgamate: error: {error}", file=sys.stderr)
         return 2
     outputs = {OUTPUT: text, **adapter_outputs()}
     if args.check:

@@ -7,6 +7,8 @@
 // dumps were read, 1 when none were found or one could not be read.
 #include <ddp/ddp.hpp>
 
+#include "trace_diagnose.hpp"
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <CLI/CLI.hpp>

@@ -2,7 +2,7 @@
 // SPDX-License-Identifier: MIT
 //
 // ddprun: starts a program's worker processes on this node, like torchrun. The command line of
-// ddp::launch (include/ddp/launch.hpp), where the agent lives.
+// ddp::launch (tools/launch_agent.hpp), where the agent lives.
 //
 //   ddprun --nproc-per-node 4 ./train --epochs 3
 //   ddprun --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --nproc-per-node 2 ./train   (node 0)
@@ -22,6 +22,8 @@
 // sent to ddprun are forwarded to every worker; a second one kills them at once.
 
 #include <ddp/ddp.hpp>
+
+#include "launch_agent.hpp"
 
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>

@@ -7,7 +7,7 @@
 // The input is a little program of client actions, so the fuzzer reaches the authenticated
 // request parser without having to forge HMACs: "authenticate" computes the proof from the
 // session's nonce the way a real client would.
-#include <ddp/store.hpp>
+#include <ddp/store/server.hpp>
 
 #include <chrono>
 #include <cstddef>

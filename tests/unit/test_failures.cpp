@@ -2,6 +2,7 @@
 // peer, a stalled peer, a rank that never joins, poisoning after a failure, abort() from
 // another thread, ZeroFirstGuard when rank 0 fails. Survivors report to files; the parent checks.
 #include "multiprocess.hpp"
+#include "trace_diagnose.hpp"  // tools/: parse_trace, diagnose_traces
 
 #include <dirent.h>
 #include <signal.h>

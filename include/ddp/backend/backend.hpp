@@ -32,7 +32,7 @@
 #include "ddp/detail/collective.hpp"
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
-#include "ddp/store.hpp"  // TODO(split): ddp/store/client.hpp
+#include "ddp/store/client.hpp"
 #include "ddp/tensor.hpp"
 #include "ddp/types.hpp"
 

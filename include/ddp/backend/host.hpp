@@ -33,7 +33,7 @@
 #include "ddp/detail/socket.hpp"
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
-#include "ddp/store.hpp"
+#include "ddp/store/client.hpp"
 
 #include <unistd.h>
 

@@ -36,7 +36,7 @@
 #include "ddp/cuda.hpp"
 #include "ddp/detail/collective.hpp"
 #include "ddp/error.hpp"
-#include "ddp/store.hpp"
+#include "ddp/store/client.hpp"
 #include "ddp/types.hpp"
 
 #include <cuda_runtime_api.h>

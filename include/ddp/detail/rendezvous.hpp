@@ -18,7 +18,7 @@
 #include "ddp/detail/bytes.hpp"
 #include "ddp/detail/crypto.hpp"
 #include "ddp/error.hpp"
-#include "ddp/store.hpp"
+#include "ddp/store/client.hpp"
 #include "ddp/version.hpp"
 
 #include <unistd.h>

@@ -17,9 +17,11 @@
 /// repeating until none is left (a process may fork while being swept). What escapes: a process
 /// that both left its process group (setsid) and cleared its environment (env -i). It uses only
 /// async-signal-safe calls, so it works even if the launcher had threads when it forked.
+///
+/// Used only by the launcher agent (launch_agent.hpp); like it, it includes nothing of ddp but
+/// <ddp/ddp.hpp>.
 
-#include "ddp/config.hpp"
-#include "ddp/error.hpp"
+#include <ddp/ddp.hpp>
 
 #include <fcntl.h>
 #include <signal.h>
@@ -35,6 +37,7 @@
 #include <cstring>
 #include <string>
 #include <string_view>
+#include <utility>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {

@@ -1,0 +1,225 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// ddp::spawn: like torch.multiprocessing.spawn. Forks `nprocs` processes on this host, each
+/// running fn(env) with its Environment (also exported as RANK, WORLD_SIZE, ... so that
+/// Environment::detect() and Communicator::init() work inside), and waits for them. The parent
+/// hosts the rendezvous store. If a child throws or dies, the parent stops the others (SIGTERM,
+/// then SIGKILL) and throws a ddp::Error naming the rank and carrying the child's message.
+
+#include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+#include "ddp/detail/socket.hpp"
+#include "ddp/environment.hpp"
+#include "ddp/error.hpp"
+#include "ddp/options.hpp"
+#include "ddp/store/protocol.hpp"
+#include "ddp/store/server.hpp"
+#include "ddp/trace.hpp"
+
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+struct SpawnOptions {
+  /// Address the store listens on and workers connect to.
+  std::string master_addr = "127.0.0.1";
+  /// Port of the store; 0 picks a free one.
+  int master_port = 0;
+  /// Grace period between SIGTERM and SIGKILL when stopping the others after a failure.
+  std::chrono::milliseconds grace{std::chrono::seconds(3)};
+  /// Extra environment variables for the workers ("NAME=value").
+  std::vector<std::string> env;
+  /// Stop the other workers as soon as one fails (torchrun's behaviour; with $DDP_TRACE_DUMP set,
+  /// a second later, so that they can write their flight recorders). Fault-injection tests turn
+  /// it off to watch how the survivors react.
+  bool stop_on_failure = true;
+};
+
+namespace detail {
+
+inline std::string describe_status(int status) {
+  if (WIFEXITED(status)) return concat("exited with status ", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    const char* name = ::sigabbrev_np(sig);
+    return concat("was killed by SIG", name != nullptr ? name : "?", " (signal ", sig, ")");
+  }
+  return "stopped";
+}
+
+}  // namespace detail
+
+/// Runs fn(env) in nprocs forked processes and waits for all of them (see the file comment).
+inline void spawn(int nprocs, const std::function<void(Environment)>& fn,
+                  const SpawnOptions& options = {}) {
+  if (nprocs < 1)
+    detail::fail(Errc::invalid_argument, "spawn: nprocs must be at least 1, got ", nprocs);
+  std::fflush(nullptr);
+  // Bind before forking: the port is known to every child, and no thread exists yet.
+  detail::Fd listener = detail::listen_tcp(options.master_addr, options.master_port);
+  const int port = detail::local_port(listener.get());
+
+  struct Child {
+    pid_t pid = -1;
+    detail::Fd error_pipe;
+    std::string error;
+    int status = 0;
+    bool done = false;
+  };
+  std::vector<Child> children(static_cast<std::size_t>(nprocs));
+  const pid_t parent = ::getpid();
+  for (int r = 0; r < nprocs; ++r) {
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC) != 0) detail::fail_errno(errno, "spawn: pipe2");
+    // Signals are blocked across fork() so that none reaches the child before it has reset the
+    // parent's handlers: a worker starts with default dispositions (the parent's handlers, a
+    // test framework's crash reporter say, are not the worker's).
+    sigset_t all, previous;
+    ::sigfillset(&all);
+    ::pthread_sigmask(SIG_SETMASK, &all, &previous);
+    const pid_t pid = ::fork();
+    if (pid != 0) ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+    if (pid < 0) detail::fail_errno(errno, "spawn: fork");
+    if (pid == 0) {
+      // A worker never outlives the parent (killed, say): no orphans spinning in a collective.
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(1);
+      for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGSEGV, SIGABRT, SIGFPE, SIGILL, SIGBUS, SIGPIPE}) {
+        ::signal(sig, SIG_DFL);
+      }
+      ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+      ::close(fds[0]);
+      listener.reset();
+      for (int k = 0; k < r; ++k) children[static_cast<std::size_t>(k)].error_pipe.reset();
+      Environment env;
+      env.rank = r;
+      env.world_size = nprocs;
+      env.local_rank = r;
+      env.local_world_size = nprocs;
+      env.node_rank = 0;
+      env.master_addr = options.master_addr;
+      env.master_port = port;
+      env.launcher = "spawn";
+      ::setenv("RANK", std::to_string(r).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(nprocs).c_str(), 1);
+      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+      ::setenv("LOCAL_WORLD_SIZE", std::to_string(nprocs).c_str(), 1);
+      ::setenv("NODE_RANK", "0", 1);
+      ::setenv("MASTER_ADDR", options.master_addr.c_str(), 1);
+      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      ::setenv("DDP_STORE_HOSTED", "1", 1);
+      for (const auto& kv : options.env) ::putenv(const_cast<char*>(kv.c_str()));
+      int code = 0;
+      std::string message;
+      try {
+        fn(env);
+      } catch (const std::exception& e) {
+        message = e.what();
+        code = 1;
+      } catch (...) {
+        message = "a non-standard exception";
+        code = 1;
+      }
+      // Less than a pipe's capacity: the parent reads it only after this process has exited.
+      if (message.size() > 16384) message.resize(16384);
+      if (code != 0) (void)!::write(fds[1], message.data(), message.size());
+      std::fflush(nullptr);
+      ::_exit(code);  // no atexit handlers or static destructors of the parent's copy
+    }
+    ::close(fds[1]);
+    children[static_cast<std::size_t>(r)].pid = pid;
+    children[static_cast<std::size_t>(r)].error_pipe.reset(fds[0]);
+  }
+
+  StoreOptions so;
+  so.token = detail::env_or_empty("DDP_TOKEN");
+  StoreServer server(std::move(listener), options.master_addr, so);
+
+  const auto read_error = [](Child& c) {
+    char buf[4096];
+    for (;;) {
+      const ssize_t n = ::read(c.error_pipe.get(), buf, sizeof buf);
+      if (n > 0 && c.error.size() < 65536)
+        c.error.append(buf, static_cast<std::size_t>(n));
+      else if (n < 0 && errno == EINTR)
+        continue;
+      else
+        break;
+    }
+  };
+  int first_failed = -1;
+  int remaining = nprocs;
+  auto term_at = detail::Clock::time_point::max();
+  auto kill_deadline = detail::Clock::time_point::max();
+  const auto dump_delay = detail::trace_dump_grace();  // time to write flight recorders
+  while (remaining > 0) {
+    bool reaped = false;
+    for (int r = 0; r < nprocs; ++r) {  // only our own children: never reap someone else's
+      Child& c = children[static_cast<std::size_t>(r)];
+      if (c.done) continue;
+      int status = 0;
+      const pid_t pid = ::waitpid(c.pid, &status, WNOHANG);
+      if (pid == 0 || (pid < 0 && errno == EINTR)) continue;
+      c.done = true;
+      c.status = pid < 0 ? 0 : status;
+      --remaining;
+      reaped = true;
+      read_error(c);
+      const bool ok = pid > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+      if (!ok && first_failed < 0) {
+        first_failed = r;
+        if (options.stop_on_failure) {
+          term_at = detail::Clock::now() + dump_delay;
+          kill_deadline = term_at + options.grace;
+        }
+      }
+    }
+    if (detail::Clock::now() >= term_at) {
+      for (auto& other : children) {
+        if (!other.done) ::kill(other.pid, SIGTERM);
+      }
+      term_at = detail::Clock::time_point::max();
+    }
+    if (detail::Clock::now() >= kill_deadline) {  // the grace period is over
+      for (auto& c : children) {
+        if (!c.done) ::kill(c.pid, SIGKILL);
+      }
+      kill_deadline = detail::Clock::time_point::max();
+    }
+    if (!reaped && remaining > 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  if (first_failed >= 0) {
+    const Child& c = children[static_cast<std::size_t>(first_failed)];
+    if (!c.error.empty()) {
+      detail::fail(Errc::aborted, "spawn: rank ", first_failed, " (pid ", c.pid,
+                   ") failed: ", c.error);
+    }
+    detail::fail(Errc::aborted, "spawn: rank ", first_failed, " (pid ", c.pid, ") ",
+                 detail::describe_status(c.status));
+  }
+}
+
+DDP_END_NAMESPACE

@@ -1,0 +1,407 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// The rendezvous store's client: ddp::Store, a connection to a StoreServer shared by its copies
+/// (calls serialized), with prefixed views, watched stop keys and a timeout on every call. It
+/// authenticates the server as the server authenticates it (ddp/store.hpp).
+
+#include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+#include "ddp/detail/bytes.hpp"
+#include "ddp/detail/crypto.hpp"
+#include "ddp/detail/socket.hpp"
+#include "ddp/error.hpp"
+#include "ddp/store/protocol.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// A client of a StoreServer. Copies share one connection (calls are serialized); prefixed()
+/// gives a view whose keys live under a prefix. Thread-safe.
+class Store {
+ public:
+  /// Connects to host:port, retrying until options.timeout (the server may start later).
+  Store(std::string host, int port, StoreOptions options = {})
+      : conn_(std::make_shared<Connection>(std::move(host), port, std::move(options))) {
+    std::lock_guard lock(conn_->mutex);
+    conn_->connect();
+  }
+
+  /// A view of the same store whose keys are prefixed with `prefix`.
+  [[nodiscard]] Store prefixed(std::string_view prefix) const {
+    Store s(*this);
+    s.prefix_ += prefix;
+    return s;
+  }
+
+  /// A view whose get() and wait() also end as soon as `key` (under this view's prefix) exists:
+  /// they then throw the ddp::Error that `key` holds (see stop_value()), or Errc::aborted with its
+  /// text. A rank that fails during a rendezvous sets such a key, so its peers fail at once
+  /// with its reason instead of waiting out their timeout.
+  [[nodiscard]] Store watching(std::string_view key) const {
+    Store s(*this);
+    s.stop_ = full(key);
+    return s;
+  }
+
+  /// The same view without the watched key (see watching()).
+  [[nodiscard]] Store unwatched() const {
+    Store s(*this);
+    s.stop_.clear();
+    return s;
+  }
+
+  /// The value for a watched key (see watching()) that makes the waiters throw `code` with
+  /// `message`.
+  [[nodiscard]] static std::string stop_value(Errc code, std::string_view message) {
+    std::string v;
+    detail::ByteWriter w(v);
+    w.put(static_cast<std::int32_t>(code));
+    w.str(message);
+    return v;
+  }
+
+  /// Whether a call has found the store gone (closed or unresponsive): every later call fails at
+  /// once instead of reconnecting.
+  [[nodiscard]] bool lost() const {
+    std::lock_guard lock(conn_->mutex);
+    return !conn_->dead.empty();
+  }
+  [[nodiscard]] const std::string& prefix() const noexcept { return prefix_; }
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept {
+    return conn_->options.timeout;
+  }
+  [[nodiscard]] const std::string& host() const noexcept { return conn_->host; }
+  [[nodiscard]] int port() const noexcept { return conn_->port; }
+  /// The local address of the connection to the store (the interface that reaches it).
+  [[nodiscard]] std::string local_address() const {
+    std::lock_guard lock(conn_->mutex);
+    conn_->ensure();
+    return detail::local_address(conn_->fd.get());
+  }
+
+  void set(std::string_view key, std::string_view value) {
+    std::string req = header(Op::set);
+    detail::ByteWriter w(req);
+    w.str(full(key));
+    w.str(value);
+    (void)call(req, "set", key, conn_->options.timeout);
+  }
+
+  /// The value of key, waiting up to the store's timeout for it to appear.
+  [[nodiscard]] std::string get(std::string_view key) { return get(key, conn_->options.timeout); }
+  [[nodiscard]] std::string get(std::string_view key, std::chrono::milliseconds timeout) {
+    std::string req = header(Op::get);
+    detail::ByteWriter w(req);
+    w.str(full(key));
+    w.put(static_cast<std::uint64_t>(timeout.count()));
+    w.str(stop_);
+    auto body = call(req, "get", key, timeout);
+    detail::ByteReader r(body, "store reply");
+    return r.str(body.size());
+  }
+
+  /// Waits until every key exists; Errc::timeout names the ones still missing.
+  void wait(std::span<const std::string> keys) { wait(keys, conn_->options.timeout); }
+  void wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) {
+    std::string req = header(Op::wait);
+    detail::ByteWriter w(req);
+    w.put(static_cast<std::uint32_t>(keys.size()));
+    for (const auto& k : keys) w.str(full(k));
+    w.put(static_cast<std::uint64_t>(timeout.count()));
+    w.str(stop_);
+    (void)call(req, "wait", keys.empty() ? std::string_view{} : std::string_view(keys.front()),
+               timeout);
+  }
+
+  /// Adds delta to the integer at key (absent counts as 0) and returns the new value.
+  std::int64_t add(std::string_view key, std::int64_t delta) {
+    std::string req = header(Op::add);
+    detail::ByteWriter w(req);
+    w.str(full(key));
+    w.put(delta);
+    auto body = call(req, "add", key, conn_->options.timeout);
+    detail::ByteReader r(body, "store reply");
+    return r.get<std::int64_t>();
+  }
+
+  /// torch semantics: sets key to desired if it holds expected (or is absent and expected is
+  /// empty); returns the value it holds afterwards.
+  std::string compare_set(std::string_view key, std::string_view expected,
+                          std::string_view desired) {
+    std::string req = header(Op::compare_set);
+    detail::ByteWriter w(req);
+    w.str(full(key));
+    w.str(expected);
+    w.str(desired);
+    auto body = call(req, "compare_set", key, conn_->options.timeout);
+    detail::ByteReader r(body, "store reply");
+    return r.str(body.size());
+  }
+
+  /// Removes key; returns whether it existed.
+  bool erase(std::string_view key) {
+    std::string req = header(Op::erase);
+    detail::ByteWriter w(req);
+    w.str(full(key));
+    auto body = call(req, "erase", key, conn_->options.timeout);
+    detail::ByteReader r(body, "store reply");
+    return r.get<std::uint8_t>() != 0;
+  }
+
+  /// Whether every key exists, without waiting.
+  [[nodiscard]] bool check(std::span<const std::string> keys) {
+    std::string req = header(Op::check);
+    detail::ByteWriter w(req);
+    w.put(static_cast<std::uint32_t>(keys.size()));
+    for (const auto& k : keys) w.str(full(k));
+    auto body = call(req, "check", {}, conn_->options.timeout);
+    detail::ByteReader r(body, "store reply");
+    return r.get<std::uint8_t>() != 0;
+  }
+
+  /// The keys of `keys` that are missing from the store after waiting up to `timeout`; empty when
+  /// all appeared. Unlike wait(), reports instead of throwing.
+  [[nodiscard]] std::vector<std::string> missing_after(std::span<const std::string> keys,
+                                                       std::chrono::milliseconds timeout) {
+    try {
+      wait(keys, timeout);
+      return {};
+    } catch (const Error& e) {
+      if (e.code() != Errc::timeout) throw;
+    }
+    std::vector<std::string> missing;
+    for (const auto& k : keys) {
+      if (!check(std::span<const std::string>(&k, 1))) missing.push_back(k);
+    }
+    return missing;
+  }
+
+ private:
+  using Op = detail::store_proto::Op;
+  using Status = detail::store_proto::Status;
+
+  struct Connection {
+    Connection(std::string h, int p, StoreOptions o)
+        : host(std::move(h)), port(p), options(std::move(o)) {}
+    std::string host;
+    int port;
+    StoreOptions options;
+    std::mutex mutex;
+    detail::Fd fd;
+    std::uint64_t next_request = 1;
+    std::string dead;  // why the store is known gone: no call waits on it again
+
+    void ensure() {
+      if (!dead.empty()) {
+        detail::fail(Errc::peer_lost, "the rendezvous store at ", detail::host_port(host, port),
+                     " is gone (", dead, "); not waiting for it again");
+      }
+      if (!fd) connect();
+    }
+
+    /// Connects, and retries a few times when the server closes the connection during the
+    /// handshake (it closes the oldest unauthenticated connections when strangers flood it).
+    void connect() {
+      for (int attempt = 1;; ++attempt) {
+        try {
+          connect_once();
+          return;
+        } catch (const Error& e) {
+          if (e.code() != Errc::peer_lost || attempt >= 8) throw;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(10 << std::min(attempt, 6)));
+      }
+    }
+
+    void connect_once() {
+      namespace sp = detail::store_proto;
+      const auto deadline = detail::Deadline::after(options.timeout);
+      const std::string where = detail::host_port(host, port);
+      fd = detail::connect_tcp(host, port, deadline, "the rendezvous store");
+      std::string frame;
+      const auto io = [&](detail::IoResult r, std::string_view step) {
+        if (r == detail::IoResult::ok) return;
+        fd.reset();
+        if (r == detail::IoResult::timeout) {
+          detail::fail(Errc::timeout, "rendezvous store at ", where, ": no ", step,
+                       " before the timeout; is something other than a ddp store listening there "
+                       "(check MASTER_ADDR/MASTER_PORT)?");
+        }
+        detail::fail(Errc::peer_lost, "rendezvous store at ", where,
+                     " closed the connection during the ", step,
+                     "; is something else listening on that port?");
+      };
+      try {
+        io(sp::recv_frame(fd.get(), frame, sp::handshake_frame_limit, deadline, "store hello"),
+           "hello");
+      } catch (const Error& e) {
+        if (e.code() != Errc::protocol) throw;
+        fd.reset();
+        detail::fail(Errc::protocol, "rendezvous store at ", where, " is not a ddp store (",
+                     e.what(), "); check MASTER_ADDR/MASTER_PORT: another program listens there");
+      }
+      detail::ByteReader r(frame, "store hello");
+      if (r.get<std::uint32_t>() != sp::magic) {
+        fd.reset();
+        detail::fail(Errc::protocol, where, " is not a ddp rendezvous store (bad magic)");
+      }
+      const auto v = r.get<std::uint16_t>();
+      const bool auth_required = r.get<std::uint8_t>() != 0;
+      sp::Nonce server_nonce{};
+      r.raw(server_nonce.data(), server_nonce.size());
+      if (v != sp::version) {
+        fd.reset();
+        detail::fail(Errc::protocol, "rendezvous store at ", where, " speaks protocol ", v,
+                     ", this client ", sp::version);
+      }
+      if (!options.token.empty() && !auth_required) {
+        fd.reset();
+        detail::fail(
+            Errc::unauthorized, "rendezvous store at ", where,
+            " does not require a token but this process has one (DDP_TOKEN): refusing to talk "
+            "to a store that cannot prove it knows the token");
+      }
+      sp::Nonce client_nonce{};
+      detail::random_bytes(client_nonce.data(), client_nonce.size());
+      const auto mac = options.token.empty() ? detail::Digest{}
+                                             : detail::hmac_sha256(options.token, sp::client_label,
+                                                                   sp::as_view(server_nonce),
+                                                                   sp::as_view(client_nonce));
+      std::string auth;
+      detail::ByteWriter w(auth);
+      w.put(sp::magic);
+      w.put(sp::version);
+      w.raw(client_nonce.data(), client_nonce.size());
+      w.raw(mac.data(), mac.size());
+      io(sp::send_frame(fd.get(), auth, deadline), "handshake");
+      io(sp::recv_frame(fd.get(), frame, sp::handshake_frame_limit, deadline,
+                        "store handshake reply"),
+         "handshake reply");
+      detail::ByteReader rr(frame, "store handshake reply");
+      const auto status = rr.get<sp::HandshakeStatus>();
+      if (status == sp::HandshakeStatus::unauthorized) {
+        fd.reset();
+        detail::fail(Errc::unauthorized, "rendezvous store at ", where, " refused this process: ",
+                     options.token.empty()
+                         ? "it requires a token; set DDP_TOKEN to the job's secret"
+                         : "wrong token; every rank must have the same DDP_TOKEN");
+      }
+      if (status != sp::HandshakeStatus::ok) {
+        fd.reset();
+        detail::fail(Errc::protocol, "rendezvous store at ", where,
+                     " refused the handshake (version)");
+      }
+      detail::Digest proof{};
+      rr.raw(proof.data(), proof.size());
+      if (!options.token.empty()) {
+        const auto expected = detail::hmac_sha256(
+            options.token, sp::server_label, sp::as_view(client_nonce), sp::as_view(server_nonce));
+        if (!detail::constant_time_equal(expected, proof)) {
+          fd.reset();
+          detail::fail(Errc::unauthorized, "rendezvous store at ", where,
+                       " could not prove it knows DDP_TOKEN: refusing to use it");
+        }
+      }
+    }
+  };
+
+  [[nodiscard]] std::string full(std::string_view key) const { return prefix_ + std::string(key); }
+
+  std::string header(Op op) {
+    std::string req;
+    detail::ByteWriter w(req);
+    w.put(op);
+    w.put(std::uint64_t{0});  // request id, filled in by call()
+    return req;
+  }
+
+  std::string call(std::string& req, std::string_view what, std::string_view key,
+                   std::chrono::milliseconds timeout) {
+    namespace sp = detail::store_proto;
+    std::lock_guard lock(conn_->mutex);
+    conn_->ensure();
+    const std::uint64_t id = conn_->next_request++;
+    for (std::size_t i = 0; i < 8; ++i) req[1 + i] = static_cast<char>((id >> (8 * i)) & 0xffu);
+    // The server answers waits itself at their deadline; allow it some slack before giving up on
+    // the connection.
+    const auto deadline = detail::Deadline::after(timeout + std::chrono::seconds(5));
+    const std::string where = detail::host_port(conn_->host, conn_->port);
+    const auto lost = [&](detail::IoResult r) {
+      conn_->fd.reset();
+      if (r == detail::IoResult::timeout) {
+        conn_->dead = "it did not answer a call before the timeout";
+        detail::fail(Errc::timeout, "store ", what, "(\"", prefix_, key, "\"): the store at ",
+                     where, " did not answer before the timeout");
+      }
+      conn_->dead = "it closed the connection";
+      detail::fail(Errc::peer_lost, "store ", what, "(\"", prefix_, key, "\"): the store at ",
+                   where, " closed the connection (did rank 0 or the launcher exit?)");
+    };
+    if (auto r = sp::send_frame(conn_->fd.get(), req, deadline); r != detail::IoResult::ok) lost(r);
+    std::string frame;
+    for (;;) {
+      if (auto r = sp::recv_frame(conn_->fd.get(), frame, sp::frame_limit(conn_->options), deadline,
+                                  "store reply");
+          r != detail::IoResult::ok) {
+        lost(r);
+      }
+      detail::ByteReader r(frame, "store reply");
+      const auto status = r.get<Status>();
+      const auto reply_id = r.get<std::uint64_t>();
+      if (reply_id != id) continue;  // a reply to a request abandoned earlier
+      std::string body(r.view(r.left()));
+      if (status == Status::ok) return body;
+      if (status == Status::stopped) {
+        detail::ByteReader br(body, "store stop reply");
+        const std::string value = br.str(body.size());
+        detail::ByteReader vr(value, "stop value");
+        if (value.size() >= 8) {
+          const auto code = vr.get<std::int32_t>();
+          if (code >= 1 && code <= static_cast<std::int32_t>(Errc::unsupported)) {
+            const std::string message = vr.str(value.size());
+            detail::fail(static_cast<Errc>(code), message);
+          }
+        }
+        detail::fail(Errc::aborted, "store ", what, "(\"", prefix_, key, "\"): stopped by \"",
+                     stop_, "\": ", value);
+      }
+      if (status == Status::timeout) {
+        detail::ByteReader br(body, "store timeout reply");
+        const auto n = br.get<std::uint32_t>();
+        std::string missing;
+        for (std::uint32_t i = 0; i < n && i < 16; ++i) {
+          missing += (i ? ", \"" : "\"") + br.str(body.size()) + "\"";
+        }
+        if (n > 16) missing += detail::concat(" and ", n - 16, " more");
+        detail::fail(Errc::timeout, "store ", what, ": timed out after ", timeout.count(),
+                     " ms waiting for ", missing);
+      }
+      detail::ByteReader br(body, "store error reply");
+      detail::fail(Errc::protocol, "store ", what, "(\"", prefix_, key,
+                   "\") failed: ", br.view(br.left()));
+    }
+  }
+
+  std::shared_ptr<Connection> conn_;
+  std::string prefix_;
+  std::string stop_;  // full key that ends get/wait early (watching())
+};
+
+DDP_END_NAMESPACE

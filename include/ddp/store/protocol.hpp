@@ -1,0 +1,114 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// The rendezvous store's wire protocol, shared by its server (ddp/store/server.hpp) and its
+/// client (ddp/store/client.hpp): StoreOptions (limits, timeout, token), and in
+/// detail::store_proto the hello/handshake constants, the operations and reply statuses, and
+/// length-prefixed frames (send_frame, recv_frame) capped at a limit the receiver sets.
+
+#include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+#include "ddp/detail/bytes.hpp"
+#include "ddp/detail/crypto.hpp"
+#include "ddp/detail/socket.hpp"
+#include "ddp/error.hpp"
+
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <string_view>
+
+DDP_BEGIN_NAMESPACE
+
+/// Limits and security settings of a store server and its clients.
+struct StoreOptions {
+  /// How long get/wait/connect may take before Errc::timeout.
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  /// Shared secret; empty disables authentication. Communicator::init passes DDP_TOKEN.
+  std::string token;
+  std::size_t max_key_bytes = 4096;
+  std::size_t max_value_bytes = std::size_t{64} << 20;
+  std::size_t max_keys = std::size_t{1} << 20;
+  std::size_t max_total_bytes = std::size_t{1} << 30;
+  std::size_t max_connections = 4096;
+  /// Connections that have not finished the handshake, at most: past this the oldest of them is
+  /// closed to make room, so idle or slow strangers can never lock a real rank out.
+  std::size_t max_pending_handshakes = 64;
+  /// A connection that has not finished the handshake by then is dropped (slow or stray clients;
+  /// a real client sends its handshake as soon as the hello arrives).
+  std::chrono::milliseconds handshake_timeout{std::chrono::seconds(3)};
+  /// Refusals logged per 10 s at most; the rest are counted in one summary line.
+  std::size_t log_burst = 20;
+  /// Where the server reports refused connections and malformed traffic; default: stderr.
+  /// Never receives the token.
+  std::function<void(std::string_view)> log;
+};
+
+namespace detail::store_proto {
+
+inline constexpr std::uint32_t magic = 0x53504444;  // "DDPS"
+inline constexpr std::uint16_t version = 2;
+inline constexpr std::size_t nonce_bytes = 16;
+inline constexpr std::size_t handshake_frame_limit = 256;
+inline constexpr std::string_view client_label = "ddp-store-client-v1";
+inline constexpr std::string_view server_label = "ddp-store-server-v1";
+
+enum class Op : std::uint8_t {
+  set = 1,
+  get = 2,
+  wait = 3,
+  add = 4,
+  compare_set = 5,
+  erase = 6,
+  check = 7
+};
+/// stopped: a get/wait ended because its stop key appeared (the body holds that key's value).
+enum class Status : std::uint8_t { ok = 0, timeout = 1, error = 2, stopped = 3 };
+enum class HandshakeStatus : std::uint8_t { ok = 0, unauthorized = 1, bad_version = 2 };
+
+using Nonce = std::array<std::uint8_t, nonce_bytes>;
+
+inline std::string_view as_view(const Nonce& n) {
+  return {reinterpret_cast<const char*>(n.data()), n.size()};
+}
+inline std::string_view as_view(const Digest& d) {
+  return {reinterpret_cast<const char*>(d.data()), d.size()};
+}
+
+/// Largest frame a peer may send once authenticated.
+inline std::size_t frame_limit(const StoreOptions& o) {
+  return o.max_value_bytes * 2 + o.max_key_bytes + 64;
+}
+
+/// Sends one length-prefixed frame.
+inline IoResult send_frame(int fd, std::string_view payload, Deadline d) {
+  std::string buf;
+  ByteWriter w(buf);
+  w.put(static_cast<std::uint32_t>(payload.size()));
+  buf.append(payload);
+  return send_all(fd, buf.data(), buf.size(), d);
+}
+
+/// Receives one frame of at most `limit` bytes.
+inline IoResult recv_frame(int fd, std::string& out, std::size_t limit, Deadline d,
+                           std::string_view what) {
+  std::uint8_t len_bytes[4];
+  if (auto r = recv_all(fd, len_bytes, 4, d); r != IoResult::ok) return r;
+  ByteReader lr(len_bytes, 4, what);
+  const auto len = lr.get<std::uint32_t>();
+  if (len > limit)
+    detail::fail(Errc::protocol, what, ": frame of ", len, " bytes exceeds the limit of ", limit);
+  out.resize(len);
+  return recv_all(fd, out.data(), len, d);
+}
+
+}  // namespace detail::store_proto
+
+DDP_END_NAMESPACE

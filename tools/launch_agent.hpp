@@ -1,0 +1,726 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// ddp::launch: the launcher core behind tools/ddprun, one node's agent (detail::LaunchAgent):
+/// it hosts or joins the rendezvous store, starts the workers with their environment, forwards
+/// their output line by line, watches them and the other nodes, agrees with the other agents on
+/// restarts and on the root cause of a failure, and stops everything on a failure or a signal.
+/// Only the tools use it; it includes nothing of ddp but <ddp/ddp.hpp>, so it builds against
+/// include/ and against the single header alike.
+
+#include <ddp/ddp.hpp>
+
+#include "guardian.hpp"
+#include "trace_diagnose.hpp"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <iterator>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+extern "C" char** environ;  // NOLINT: POSIX
+
+DDP_BEGIN_NAMESPACE
+
+/// What a launcher does on one node (tools/ddprun is its command line; see README "Launching").
+struct LaunchOptions {
+  /// Workers on this node.
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  /// This node's index; node 0 hosts the rendezvous store.
+  int node_rank = 0;
+  /// Where node 0's store listens (it binds this address only) and the workers connect.
+  std::string master_addr = "127.0.0.1";
+  /// 0 picks a free port (a single node only: the other nodes could not know it).
+  int master_port = 29500;
+  /// Restart the whole group (every node) up to this many times after a failure.
+  int max_restarts = 0;
+  /// When not empty, each worker's output is also written to DIR/attempt_K/rank_R.log.
+  std::string log_dir;
+  /// Prefix each output line with "[rR] ".
+  bool prefix_output = true;
+  /// Between SIGTERM and SIGKILL when stopping workers.
+  std::chrono::milliseconds grace{std::chrono::seconds(5)};
+  /// How long to wait for every node to join (and, after a failure, for the others to stop).
+  std::chrono::milliseconds join_timeout{std::chrono::minutes(5)};
+  /// The program and its arguments (looked up in PATH).
+  std::vector<std::string> command;
+  /// Starts every message launch() prints on stderr.
+  std::string name = "ddprun";
+};
+
+/// Number of CUDA devices this process may use, without loading CUDA: CUDA_VISIBLE_DEVICES when
+/// set (up to its first invalid entry, as CUDA reads it), else the GPUs the NVIDIA driver lists.
+[[nodiscard]] inline int visible_cuda_devices() {
+  if (const char* v = std::getenv("CUDA_VISIBLE_DEVICES"); v != nullptr) {
+    int n = 0;
+    const std::string_view s(v);
+    for (std::size_t at = 0; at < s.size();) {
+      const std::size_t comma = std::min(s.find(',', at), s.size());
+      const std::string_view item = s.substr(at, comma - at);
+      if (item.empty() || item == "-1") break;
+      ++n;
+      at = comma + 1;
+    }
+    return n;
+  }
+  int n = 0;
+  if (DIR* d = ::opendir("/proc/driver/nvidia/gpus"); d != nullptr) {
+    while (const dirent* e = ::readdir(d)) n += e->d_name[0] != '.';
+    ::closedir(d);
+  }
+  return n;
+}
+
+namespace detail {
+
+inline std::string fixed1(double v) {
+  char buf[64];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v, std::chars_format::fixed, 1);
+  return std::string(buf, r.ptr);
+}
+
+inline std::string signal_name(int sig) {
+  const char* n = ::sigabbrev_np(sig);
+  return concat("SIG", n != nullptr ? n : "?");
+}
+
+inline void write_fully(int fd, const char* p, std::size_t n) {
+  while (n > 0) {
+    const ssize_t k = ::write(fd, p, n);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) return;  // the output is gone (a closed pipe): nothing left to report it to
+    p += k;
+    n -= static_cast<std::size_t>(k);
+  }
+}
+
+inline void make_dirs(const std::string& path) {
+  std::string at;
+  for (std::size_t i = 0; i <= path.size(); ++i) {
+    if ((i == path.size() || path[i] == '/') && !at.empty() && ::mkdir(at.c_str(), 0755) != 0 &&
+        errno != EEXIST) {
+      fail_errno(errno, "cannot create ", at);
+    }
+    if (i < path.size()) at += path[i];
+  }
+}
+
+/// The exit status a launcher reports for a worker's wait status (128 + N for signal N).
+inline int exit_code_of(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+inline int launch_signal_pipe[2] = {-1, -1};
+
+inline void launch_on_signal(int sig) {
+  const int saved = errno;
+  const auto b = static_cast<unsigned char>(sig);
+  (void)!::write(launch_signal_pipe[1], &b, 1);
+  errno = saved;
+}
+
+/// A failed attempt as agents publish it: which node, the exit status, whether another attempt
+/// may follow (not after an interrupt), what happened, and what decides the root cause.
+struct LaunchFailure {
+  int node = -1;
+  int code = 0;
+  bool restartable = true;
+  std::string what;
+  bool by_signal = false;    ///< a crash or a kill, rather than an exit
+  std::int64_t when_ns = 0;  ///< wall clock, comparable between nodes
+
+  /// The root cause of two: a worker that crashed or was killed comes before one that exited
+  /// with an error (typically "peer lost", after the crash); then the earlier.
+  [[nodiscard]] bool before(const LaunchFailure& o) const {
+    if (by_signal != o.by_signal) return by_signal;
+    return when_ns < o.when_ns;
+  }
+
+  [[nodiscard]] std::string encode() const {
+    return concat(code, '|', restartable ? 1 : 0, '|', by_signal ? 1 : 0, '|', when_ns, '|', what);
+  }
+  [[nodiscard]] static std::optional<LaunchFailure> decode(int node, const std::string& v) {
+    std::string f[4];
+    std::size_t at = 0;
+    for (auto& field : f) {
+      const std::size_t bar = v.find('|', at);
+      if (bar == std::string::npos) return std::nullopt;
+      field = v.substr(at, bar - at);
+      at = bar + 1;
+    }
+    return LaunchFailure{node,        std::atoi(f[0].c_str()), f[1] == "1", v.substr(at),
+                         f[2] == "1", std::atoll(f[3].c_str())};
+  }
+};
+
+/// One node's agent: starts the workers, forwards their output, watches them and the other
+/// nodes, and agrees with the other agents on restarts and on the root cause.
+class LaunchAgent {
+  using Clock = std::chrono::steady_clock;
+
+  struct Stream {
+    Fd fd;
+    int out = 1;  // where its lines go: 1 (stdout) or 2 (stderr)
+    std::string pending;
+  };
+  struct Worker {
+    int rank = 0;
+    int local_rank = 0;
+    pid_t pid = -1;
+    bool running = false;
+    int status = 0;
+    Clock::time_point started;
+    double seconds = 0;  // how long it ran
+    Stream streams[2];
+    Fd log;
+    std::string prefix;
+  };
+
+ public:
+  explicit LaunchAgent(LaunchOptions o) : o_(std::move(o)) {
+    if (o_.nproc_per_node < 1)
+      fail(Errc::invalid_argument, "launch: nproc_per_node must be at least 1, got ",
+           o_.nproc_per_node);
+    if (o_.nnodes < 1 || o_.node_rank < 0 || o_.node_rank >= o_.nnodes)
+      fail(Errc::invalid_argument, "launch: node rank ", o_.node_rank, " is out of range (",
+           o_.nnodes, " node", o_.nnodes == 1 ? "" : "s", ")");
+    if (o_.master_port == 0 && o_.nnodes > 1)
+      fail(Errc::invalid_argument,
+           "launch: a free port (master_port 0) works for a single node only; give the port");
+    if (o_.command.empty()) fail(Errc::invalid_argument, "launch: no program given");
+  }
+
+  int run() {
+    struct sigaction sa {};
+    sa.sa_handler = launch_on_signal;
+    ::sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;
+    struct sigaction previous[4]{};
+    const int sigs[4] = {SIGINT, SIGTERM, SIGHUP, SIGCHLD};
+    // First, while no thread exists: the guardian that removes whatever the workers started
+    // however this process ends (guardian.hpp).
+    guardian_ = std::make_unique<LaunchGuardian>(
+        concat(launch_tag_prefix, random_value<std::uint64_t>(), "=1"));
+    if (::pipe2(launch_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) fail_errno(errno, "pipe2");
+    for (int i = 0; i < 4; ++i) ::sigaction(sigs[i], &sa, &previous[i]);
+    struct Restore {
+      const int* sigs;
+      struct sigaction* previous;
+      ~Restore() {
+        for (int i = 0; i < 4; ++i) ::sigaction(sigs[i], &previous[i], nullptr);
+        ::close(launch_signal_pipe[0]);
+        ::close(launch_signal_pipe[1]);
+        launch_signal_pipe[0] = launch_signal_pipe[1] = -1;
+      }
+    } restore{sigs, previous};
+
+    StoreOptions so;
+    so.token = env_or_empty("DDP_TOKEN");
+    so.timeout = o_.join_timeout;
+    port_ = o_.master_port;
+    if (o_.node_rank == 0) {
+      try {
+        server_ = std::make_unique<StoreServer>(o_.master_addr, port_, so);
+      } catch (const Error& e) {
+        if (e.code() != Errc::address_in_use) throw;
+        fail(Errc::address_in_use, "cannot host the rendezvous store: ", e.what(),
+             " (another job may use it: pick another --master-port, or --standalone for a free "
+             "one)");
+      }
+      port_ = server_->port();
+    }
+    store_ = std::make_unique<Store>(Store(o_.master_addr, port_, so).prefixed("ddprun/"));
+    join();
+    int code = 0;
+    for (int attempt = 0;; ++attempt) {
+      const LaunchFailure f = run_attempt(attempt);
+      code = f.code;
+      if (code == 0 || !f.restartable || interrupted_ != 0 || attempt >= o_.max_restarts) break;
+      say("restarting the workers (restart ", attempt + 1, " of ", o_.max_restarts, ")");
+    }
+    finish();
+    return code;
+  }
+
+ private:
+  template <class... A>
+  void say(const A&... a) const {
+    const std::string line = concat(o_.name, ": ", a..., '\n');
+    write_fully(2, line.data(), line.size());
+  }
+
+  // Registers this node and learns where its ranks start.
+  void join() {
+    const std::string me = concat(o_.nproc_per_node, '|', ::getpid());
+    if (store_->compare_set(concat("node/", o_.node_rank), "", me) != me)
+      fail(Errc::invalid_argument, "node rank ", o_.node_rank,
+           " is already taken by another launcher (each node needs its own --node-rank from 0 "
+           "to ",
+           o_.nnodes - 1, ")");
+    std::vector<std::string> keys;
+    for (int i = 0; i < o_.nnodes; ++i) keys.push_back(concat("node/", i));
+    if (auto missing = store_->missing_after(keys, o_.join_timeout); !missing.empty()) {
+      std::string who;
+      for (const auto& k : missing) who += concat(who.empty() ? "" : ", ", k.substr(5));
+      fail(Errc::timeout, o_.nnodes - static_cast<int>(missing.size()), "/", o_.nnodes,
+           " nodes joined within ", fixed1(static_cast<double>(o_.join_timeout.count()) / 1000),
+           " s; missing node", missing.size() == 1 ? " " : "s ", who, " (start ", o_.name,
+           " on every node with the same --nnodes, --master-addr and --master-port)");
+    }
+    for (int i = 0; i < o_.nnodes; ++i) {
+      const int n = std::atoi(store_->get(keys[static_cast<std::size_t>(i)]).c_str());
+      if (i < o_.node_rank) base_rank_ += n;
+      world_ += n;
+    }
+  }
+
+  // Tells node 0 this agent is done with the store; node 0 waits for all of them.
+  void finish() {
+    try {
+      store_->add("exited", 1);
+      if (server_) {
+        const auto until = Clock::now() + std::chrono::seconds(10);
+        while (store_->add("exited", 0) < o_.nnodes && Clock::now() < until)
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    } catch (const Error&) {  // node 0 is gone already: nothing left to coordinate
+    }
+  }
+
+  [[nodiscard]] std::vector<std::string> worker_env(const Worker& w, int attempt) const {
+    static constexpr const char* ours[] = {
+        "RANK",         "WORLD_SIZE",        "LOCAL_RANK",       "LOCAL_WORLD_SIZE",
+        "NODE_RANK",    "GROUP_RANK",        "MASTER_ADDR",      "MASTER_PORT",
+        "DDP_LAUNCHER", "DDP_RESTART_COUNT", "DDP_STORE_HOSTED", "TORCHELASTIC_RESTART_COUNT"};
+    std::vector<std::string> env;
+    for (char** e = environ; *e != nullptr; ++e) {
+      const std::string_view kv(*e);
+      const auto name = kv.substr(0, kv.find('='));
+      if (std::none_of(std::begin(ours), std::end(ours), [&](const char* o) { return name == o; }))
+        env.emplace_back(kv);
+    }
+    env.push_back(concat("RANK=", w.rank));
+    env.push_back(concat("WORLD_SIZE=", world_));
+    env.push_back(concat("LOCAL_RANK=", w.local_rank));
+    env.push_back(concat("LOCAL_WORLD_SIZE=", o_.nproc_per_node));
+    env.push_back(concat("NODE_RANK=", o_.node_rank));
+    env.push_back(concat("GROUP_RANK=", o_.node_rank));
+    env.push_back(concat("MASTER_ADDR=", o_.master_addr));
+    env.push_back(concat("MASTER_PORT=", port_));
+    env.push_back("DDP_LAUNCHER=" + o_.name);
+    env.push_back("DDP_STORE_HOSTED=1");
+    env.push_back(concat("DDP_RESTART_COUNT=", attempt));
+    env.push_back(concat("TORCHELASTIC_RESTART_COUNT=", attempt));
+    if (guardian_) env.push_back(guardian_->tag());
+    if (std::getenv("OMP_NUM_THREADS") == nullptr && o_.nproc_per_node > 1)
+      env.emplace_back("OMP_NUM_THREADS=1");
+    return env;
+  }
+
+  void start(Worker& w, int attempt) {
+    const bool piped = o_.prefix_output || !o_.log_dir.empty();
+    int out[2][2] = {{-1, -1}, {-1, -1}};
+    if (piped) {
+      for (auto& p : out)
+        if (::pipe2(p, O_CLOEXEC) != 0) fail_errno(errno, "pipe2");
+    }
+    int exec_err[2];
+    if (::pipe2(exec_err, O_CLOEXEC) != 0) fail_errno(errno, "pipe2");
+    // Everything the child needs is prepared here: after fork() in a process with threads (the
+    // store server's) only async-signal-safe calls are allowed.
+    const auto env = worker_env(w, attempt);
+    std::vector<char*> envp, argv;
+    for (const auto& kv : env) envp.push_back(const_cast<char*>(kv.c_str()));
+    envp.push_back(nullptr);
+    for (const auto& a : o_.command) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    const pid_t parent = ::getpid();
+    std::fflush(nullptr);
+    const pid_t pid = ::fork();
+    if (pid < 0) fail_errno(errno, "fork");
+    if (pid == 0) {
+      ::setpgid(0, 0);                     // its own group: stopping it stops what it started
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the launcher
+      if (::getppid() != parent) ::_exit(127);
+      struct sigaction dfl {};
+      dfl.sa_handler = SIG_DFL;
+      for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGCHLD, SIGPIPE}) ::sigaction(sig, &dfl, nullptr);
+      if (piped) {
+        ::dup2(out[0][1], 1);
+        ::dup2(out[1][1], 2);
+      }
+      ::execvpe(argv[0], argv.data(), envp.data());
+      const int e = errno;
+      (void)!::write(exec_err[1], &e, sizeof e);
+      ::_exit(127);
+    }
+    ::setpgid(pid, pid);
+    if (guardian_) guardian_->watch(pid);
+    ::close(exec_err[1]);
+    int e = 0;
+    ssize_t n;
+    do n = ::read(exec_err[0], &e, sizeof e);
+    while (n < 0 && errno == EINTR);
+    ::close(exec_err[0]);
+    w.pid = pid;
+    w.running = true;
+    w.started = Clock::now();
+    w.prefix = o_.prefix_output ? concat("[r", w.rank, "] ") : std::string();
+    if (piped) {
+      for (int s = 0; s < 2; ++s) {
+        ::close(out[s][1]);
+        w.streams[s].fd.reset(out[s][0]);
+        w.streams[s].out = s + 1;
+      }
+    }
+    if (!o_.log_dir.empty()) {
+      const std::string dir = concat(o_.log_dir, "/attempt_", attempt);
+      make_dirs(dir);
+      const std::string path = concat(dir, "/rank_", w.rank, ".log");
+      w.log.reset(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+      if (!w.log) fail_errno(errno, "cannot write ", path);
+    }
+    if (n == static_cast<ssize_t>(sizeof e))
+      say("cannot run \"", o_.command.front(), "\": ", std::strerror(e));
+  }
+
+  static void emit(Worker& w, Stream& s, std::string_view line) {
+    std::string text = w.prefix;
+    text.append(line);
+    text.push_back('\n');
+    write_fully(s.out, text.data(), text.size());  // one line, one write: lines never mix
+    if (w.log)
+      write_fully(w.log.get(), text.data() + w.prefix.size(), text.size() - w.prefix.size());
+  }
+
+  // Forwards what can be read now, as whole lines.
+  static void pump(Worker& w, Stream& s) {
+    char buf[65536];
+    const ssize_t n = ::read(s.fd.get(), buf, sizeof buf);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) return;
+    if (n <= 0) {
+      if (!s.pending.empty()) emit(w, s, s.pending);  // a last line without its newline
+      s.pending.clear();
+      s.fd.reset();
+      return;
+    }
+    s.pending.append(buf, static_cast<std::size_t>(n));
+    std::size_t from = 0;
+    for (std::size_t nl; (nl = s.pending.find('\n', from)) != std::string::npos; from = nl + 1)
+      emit(w, s, std::string_view(s.pending).substr(from, nl - from));
+    s.pending.erase(0, from);
+    if (s.pending.size() >= (std::size_t{1} << 20)) {  // a megabyte without a newline
+      emit(w, s, s.pending);
+      s.pending.clear();
+    }
+  }
+
+  void signal_workers(int sig) {
+    for (auto& w : workers_)
+      if (w.running) ::kill(-w.pid, sig);
+  }
+
+  void stop_workers(Clock::time_point now) {
+    if (stopping_) return;
+    stopping_ = true;
+    const auto delay = trace_dump_grace();  // time to write flight recorders, then SIGTERM
+    term_at_ = now + delay;
+    if (delay.count() == 0) {
+      signal_workers(SIGTERM);
+      term_at_ = Clock::time_point::max();
+    }
+    kill_at_ = now + delay + o_.grace;
+  }
+
+  [[nodiscard]] static std::int64_t wall_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  }
+
+  [[nodiscard]] static std::string describe(const Worker& w) {
+    return concat("rank ", w.rank, " (local_rank ", w.local_rank, ", pid ", w.pid, ") ",
+                  describe_status(w.status), " after ", fixed1(w.seconds), " s");
+  }
+
+  void publish_failure(int attempt, const LaunchFailure& f) {
+    try {
+      store_->set(concat("attempt/", attempt, "/failure/", o_.node_rank), f.encode());
+      store_->set(concat("attempt/", attempt, "/failed"), "1");
+    } catch (const Error&) {  // the store is gone: the other agents notice that themselves
+    }
+  }
+
+  [[nodiscard]] bool any_failure(int attempt) {
+    const std::vector<std::string> keys{concat("attempt/", attempt, "/failed")};
+    return store_->check(keys);
+  }
+
+  // The root cause among the failures the nodes published for this attempt, if any.
+  [[nodiscard]] std::optional<LaunchFailure> published_failure(int attempt) {
+    std::optional<LaunchFailure> best;
+    for (int node = 0; node < o_.nnodes; ++node) {
+      const std::vector<std::string> keys{concat("attempt/", attempt, "/failure/", node)};
+      if (!store_->check(keys)) continue;
+      const auto f = LaunchFailure::decode(node, store_->get(keys[0]));
+      if (f && (!best || f->before(*best))) best = f;
+    }
+    return best;
+  }
+
+  void reap(Clock::time_point now, int attempt) {
+    std::optional<LaunchFailure> first;  // the root cause among the workers reaped now
+    int first_worker = -1;
+    for (auto& w : workers_) {
+      if (!w.running) continue;
+      int status = 0;
+      const pid_t r = ::waitpid(w.pid, &status, WNOHANG);
+      if (r == 0 || (r < 0 && errno == EINTR)) continue;
+      w.running = false;
+      w.status = r < 0 ? 0 : status;
+      w.seconds = std::chrono::duration<double>(now - w.started).count();
+      ::kill(-w.pid, SIGKILL);  // whatever it left behind in its process group
+      const bool ok = WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0;
+      if (!ok && (root_cause_ < 0 ? !stopping_ : crashed_while_stopping(w))) {
+        const LaunchFailure f{o_.node_rank, exit_code_of(w.status), true,
+                              describe(w),  WIFSIGNALED(w.status),  wall_ns()};
+        if (!first || f.before(*first)) {
+          first = f;
+          first_worker = w.local_rank;
+        }
+      }
+    }
+    if (!first) return;
+    if (root_cause_ >= 0) {
+      // A worker killed or crashed just after a peer of it exited with an error (the peer saw
+      // the connection close before this one was reaped): the kill is the root cause.
+      say(first->what, "; that is the root cause, not rank ",
+          workers_[static_cast<std::size_t>(root_cause_)].rank);
+    } else {
+      say(first->what, "; stopping the other workers");
+    }
+    root_cause_ = first_worker;
+    root_by_signal_ = first->by_signal;
+    publish_failure(attempt, *first);
+    stop_workers(now);
+  }
+
+  /// Whether a worker reaped while its group is being stopped for an error exit died of a signal
+  /// that ddprun did not send (it sends SIGTERM, then SIGKILL after the grace period).
+  [[nodiscard]] bool crashed_while_stopping(const Worker& w) const {
+    return !root_by_signal_ && interrupted_ == 0 && kill_at_ != Clock::time_point::max() &&
+           WIFSIGNALED(w.status) && WTERMSIG(w.status) != SIGTERM;
+  }
+
+  void on_signal(int sig, int attempt) {
+    if (sig == SIGCHLD) return;  // reaped at the top of the loop
+    if (interrupted_ != 0) {     // the second one: no more grace
+      say(signal_name(sig), " again: killing the workers");
+      signal_workers(SIGKILL);
+      return;
+    }
+    interrupted_ = sig;
+    say("received ", signal_name(sig), ": passing it on to the workers");
+    signal_workers(sig);
+    stopping_ = true;
+    term_at_ = Clock::time_point::max();
+    kill_at_ = Clock::now() + o_.grace;
+    publish_failure(attempt, LaunchFailure{o_.node_rank, 128 + sig, false,
+                                           concat(o_.name, " on node ", o_.node_rank, " received ",
+                                                  signal_name(sig)),
+                                           true, wall_ns()});
+  }
+
+  LaunchFailure run_attempt(int attempt) {
+    attempt_started_ = static_cast<std::int64_t>(std::time(nullptr));
+    workers_.clear();
+    workers_.resize(static_cast<std::size_t>(o_.nproc_per_node));
+    root_cause_ = -1;
+    root_by_signal_ = false;
+    stopping_ = false;
+    term_at_ = Clock::time_point::max();
+    kill_at_ = Clock::time_point::max();
+    auto drain_until = Clock::time_point::max();
+    std::optional<LaunchFailure> remote;
+    for (int i = 0; i < o_.nproc_per_node; ++i) {
+      Worker& w = workers_[static_cast<std::size_t>(i)];
+      w.rank = base_rank_ + i;
+      w.local_rank = i;
+      start(w, attempt);
+    }
+    auto next_store_check = Clock::now();
+    std::vector<pollfd> fds;
+    std::vector<std::pair<Worker*, Stream*>> owners;
+    for (;;) {
+      const auto now = Clock::now();
+      reap(now, attempt);
+      const bool running =
+          std::any_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.running; });
+      const bool open = std::any_of(workers_.begin(), workers_.end(), [](const Worker& w) {
+        return w.streams[0].fd || w.streams[1].fd;
+      });
+      if (!running && (!open || now >= drain_until)) break;
+      if (!running && drain_until == Clock::time_point::max())
+        drain_until = now + std::chrono::milliseconds(500);  // output in flight, or a leftover
+      if (now >= term_at_) {
+        signal_workers(SIGTERM);
+        term_at_ = Clock::time_point::max();
+      }
+      if (now >= kill_at_) {
+        signal_workers(SIGKILL);
+        kill_at_ = Clock::time_point::max();
+      }
+      if (o_.nnodes > 1 && !remote && root_cause_ < 0 && now >= next_store_check) {
+        next_store_check = now + std::chrono::milliseconds(100);
+        try {
+          if (any_failure(attempt)) remote = published_failure(attempt);
+        } catch (const Error& e) {
+          remote =
+              LaunchFailure{-1, 1, false, concat("the rendezvous store is gone (", e.what(), ")")};
+        }
+        if (remote && running) {
+          say("node ", o_.node_rank, ": stopping the workers here: ",
+              remote->node >= 0 ? concat("node ", remote->node, ": ", remote->what) : remote->what);
+          stop_workers(now);
+        }
+      }
+      fds.assign(1, pollfd{launch_signal_pipe[0], POLLIN, 0});
+      owners.assign(1, {nullptr, nullptr});
+      for (auto& w : workers_) {
+        for (auto& s : w.streams) {
+          if (!s.fd) continue;
+          fds.push_back({s.fd.get(), POLLIN, 0});
+          owners.emplace_back(&w, &s);
+        }
+      }
+      if (::poll(fds.data(), fds.size(), 50) <= 0) continue;
+      if (fds[0].revents & POLLIN) {
+        unsigned char sigs[64];
+        const ssize_t n = ::read(launch_signal_pipe[0], sigs, sizeof sigs);
+        for (ssize_t i = 0; i < n; ++i) on_signal(sigs[i], attempt);
+      }
+      for (std::size_t i = 1; i < fds.size(); ++i) {
+        if (fds[i].revents & (POLLIN | POLLHUP | POLLERR))
+          pump(*owners[i].first, *owners[i].second);
+      }
+    }
+    return conclude(attempt, remote);
+  }
+
+  // Every agent's view of the attempt: code 0 when every worker of every node succeeded, else
+  // the root cause's exit status, and whether a restart may follow.
+  LaunchFailure conclude(int attempt, std::optional<LaunchFailure> remote) {
+    std::optional<LaunchFailure> local;
+    if (root_cause_ >= 0) {
+      const Worker& w = workers_[static_cast<std::size_t>(root_cause_)];
+      local = LaunchFailure{o_.node_rank, exit_code_of(w.status), true, describe(w)};
+    }
+    if (interrupted_ != 0)
+      local = LaunchFailure{o_.node_rank, 128 + interrupted_, false,
+                            concat("interrupted by ", signal_name(interrupted_))};
+    if (o_.nnodes > 1) {
+      // Wait until every node's workers have ended; then all agents read the same verdict.
+      try {
+        const std::string key = concat("attempt/", attempt, "/ended");
+        store_->add(key, 1);
+        if (interrupted_ != 0) return *local;
+        const auto until = Clock::now() + o_.join_timeout;
+        while (store_->add(key, 0) < o_.nnodes) {
+          if (Clock::now() >= until)
+            return LaunchFailure{o_.node_rank, 1, false,
+                                 "the other nodes' workers did not end in time (is a launcher "
+                                 "gone?)"};
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+        remote = published_failure(attempt);
+      } catch (const Error& e) {
+        if (!local)
+          remote = LaunchFailure{-1, 1, false, concat("lost the rendezvous store: ", e.what())};
+      }
+    }
+    // With several nodes the published root cause, the same for every agent, decides.
+    LaunchFailure verdict{};
+    if (remote) {
+      verdict = *remote;
+      if (local) verdict.restartable = verdict.restartable && local->restartable;
+      if (o_.nnodes > 1 && verdict.node >= 0)
+        verdict.what = concat("node ", verdict.node, ": ", verdict.what);
+    } else if (local) {
+      verdict = *local;
+    }
+    if (verdict.code != 0 && interrupted_ == 0) {
+      say("attempt ", attempt + 1, " failed; root cause: ", verdict.what);
+      report_traces(attempt_started_);
+    }
+    return verdict;
+  }
+
+  /// With DDP_TRACE_DUMP set to a directory, the flight recorders the workers of this attempt
+  /// wrote there (on a timeout), compared: who fell behind, and where.
+  void report_traces(std::int64_t since) const {
+    const std::string dir = env_or_empty("DDP_TRACE_DUMP");
+    if (dir.empty() || dir == "stderr" || dir == "-") return;
+    const std::vector<TraceDump> dumps = read_trace_dumps(dir, since);
+    if (dumps.empty()) return;
+    std::string text = diagnose_traces(dumps);
+    if (!text.empty() && text.back() == '\n') text.pop_back();
+    say("flight recorders in ", dir, " (ddp-trace ", dir, "):\n", text);
+  }
+
+  std::unique_ptr<LaunchGuardian> guardian_;  // destroyed last: sweeps after everything else
+  LaunchOptions o_;
+  int port_ = 0;
+  int base_rank_ = 0;
+  int world_ = 0;
+  std::unique_ptr<StoreServer> server_;
+  std::unique_ptr<Store> store_;
+  std::vector<Worker> workers_;
+  int root_cause_ = -1;
+  bool root_by_signal_ = false;  // the root cause died of a signal (nothing can come before it)
+  bool stopping_ = false;
+  int interrupted_ = 0;
+  Clock::time_point term_at_ = Clock::time_point::max();  // SIGTERM then (a stop was delayed)
+  Clock::time_point kill_at_ = Clock::time_point::max();
+  std::int64_t attempt_started_ = 0;  // seconds since the epoch
+};
+
+}  // namespace detail
+
+/// Runs `options.command` as `nproc_per_node` workers on this node, as one node of a job of
+/// `nnodes`, and returns the status a launcher should exit with: 0 when every worker of every node
+/// succeeded, else the root cause's exit status (128 + N for signal N). Node 0 hosts the
+/// rendezvous store. While it runs, SIGINT, SIGTERM and SIGHUP are forwarded to the workers (a
+/// second one kills them) and SIGCHLD is handled; the previous handlers are restored afterwards.
+/// Throws ddp::Error for bad options and when the nodes cannot meet (Errc::invalid_argument,
+/// Errc::timeout, Errc::address_in_use, ...).
+inline int launch(const LaunchOptions& options) { return detail::LaunchAgent(options).run(); }
+
+DDP_END_NAMESPACE
