@@ -52,28 +52,41 @@ BANNER = """\
 """
 
 
+# Conditions that imply others (ddp::nccl is built on ddp::cuda).
+IMPLIES = {"#if DDP_HAS_NCCL": {"#if DDP_HAS_CUDA"}}
+
+
+def closure(conditions: set[str]) -> frozenset[str]:
+    out = set(conditions)
+    for c in conditions:
+        out |= IMPLIES.get(c, set())
+    return frozenset(out)
+
+
 class AmalgamationError(Exception):
     pass
 
 
 class Amalgamator:
     def __init__(self) -> None:
-        self.done: dict[str, bool] = {}  # header -> was it first included unconditionally?
+        # header -> the #if conditions (their text) around its first inclusion: it is in the output
+        # only where all of them hold
+        self.done: dict[str, frozenset[str]] = {}
         self.out: list[str] = []
 
     def run(self) -> str:
         version = read_version()
         self.out.append(BANNER.format(version=version))
-        self.emit(ENTRY, conditional=False, stack=[])
+        self.emit(ENTRY, conditions=frozenset(), stack=[])
         return "".join(self.out)
 
-    def emit(self, header: str, conditional: bool, stack: list[str]) -> None:
+    def emit(self, header: str, conditions: frozenset[str], stack: list[str]) -> None:
         path = INCLUDE / header
         if not path.is_file():
             raise AmalgamationError(f"{' -> '.join(stack + [header])}: {path} does not exist")
-        self.done[header] = not conditional
+        self.done[header] = conditions
         lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-        depth: list[bool] = []  # one entry per open #if: is it an include guard?
+        depth: list[str | None] = []  # one entry per open #if: its text, None for an include guard
         if header != ENTRY:
             self.out.append(f"// begin {header}\n")
         for number, line in enumerate(lines, 1):
@@ -81,7 +94,7 @@ class Amalgamator:
             if PRAGMA_ONCE_RE.match(line):
                 continue
             if IF_RE.match(line):
-                depth.append(bool(GUARD_RE.match(line)))
+                depth.append(None if GUARD_RE.match(line) else " ".join(line.split()))
             elif ENDIF_RE.match(line):
                 if not depth:
                     raise AmalgamationError(f"{where}: #endif without #if")
@@ -91,15 +104,16 @@ class Amalgamator:
             m = INCLUDE_RE.match(line)
             if m and m.group("path").startswith("ddp/"):
                 target = m.group("path")
-                inner_conditional = conditional or not all(depth)
+                inner = closure(conditions | {d for d in depth if d is not None})
                 if target in self.done:
-                    if self.done[target] is False and not inner_conditional:
+                    if not self.done[target] <= inner:
+                        first = "; ".join(sorted(self.done[target] - inner))
                         raise AmalgamationError(
-                            f"{where}: {target} was first included inside a conditional block; "
-                            "include it unconditionally earlier")
+                            f"{where}: {target} was first included inside a conditional block "
+                            f"({first}) that does not hold here; include it earlier, outside it")
                     self.out.append(f"// #include \"{target}\" (already included above)\n")
                     continue
-                self.emit(target, inner_conditional, stack + [header])
+                self.emit(target, inner, stack + [header])
                 continue
             self.out.append(line)
         if depth:

@@ -17,6 +17,7 @@
 // The runtime reports failures across threads and layers with exceptions; with -fno-exceptions
 // only the core types above are available.
 #if DDP_HAS_EXCEPTIONS
+#include "ddp/communicator.hpp"  // first: what it includes is then outside any #if below
 #include "ddp/backend/host.hpp"
 #if DDP_HAS_MPI
 #include "ddp/backend/mpi.hpp"
@@ -29,7 +30,6 @@
 #include "ddp/multi_gpu.hpp"
 #endif
 #include "ddp/codec.hpp"
-#include "ddp/communicator.hpp"
 #include "ddp/environment.hpp"
 #include "ddp/gradient.hpp"
 #include "ddp/guard.hpp"

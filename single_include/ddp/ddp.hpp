@@ -1324,24 +1324,27 @@ DDP_END_NAMESPACE
 // The runtime reports failures across threads and layers with exceptions; with -fno-exceptions
 // only the core types above are available.
 #if DDP_HAS_EXCEPTIONS
-// begin ddp/backend/host.hpp
+// begin ddp/communicator.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// backend::Host: the built-in backend, with no dependency beyond the standard library and POSIX.
-/// Shared memory between the ranks of one host, TCP between hosts (or on one host with
-/// DDP_HOST_TRANSPORT=tcp).
+/// ddp::Communicator<Backend>: a process group with every collective of torch.distributed,
+/// typed (any ddp::TensorLike buffer), checked before anything is sent, with an _async twin for
+/// each collective (returning ddp::Work, see work.hpp), and split().
 ///
-/// Every collective is built from rounds (see backend/host/transport.hpp) with one family of
-/// algorithms on both transports:
-///  * all_reduce of a small buffer: every rank offers its whole buffer and reduces all of them;
-///  * all_reduce of a large buffer, in segments sized for the cache: a reduce-scatter in which
-///    rank j reduces chunk j of every rank's segment, then an all-gather of the reduced chunks;
-///    every rank's core is busy and each input byte is read once;
-///  * broadcast, gather, scatter, all_gather, reduce_scatter and all_to_all in segments.
-/// Every element is reduced in rank order 0..P-1 in both paths, so results are bitwise identical
-/// on every rank, in every run, for every message size and on both transports.
+/// Each typed argument becomes a detail::Buf (the only code compiled per tensor type); the
+/// checks and the call description are plain functions (detail/call.hpp); the backend contract
+/// is backend/backend.hpp; object collectives and *_host helpers are objects.hpp.
+///
+/// Operations on one communicator run one at a time, in the order they were issued, whichever
+/// thread issued them. A synchronous call with nothing queued runs in the calling thread (no
+/// hand-off, no lock); async calls run on the communicator's worker thread. Buffers given to an
+/// async call must stay alive and untouched until its Work completes.
+///
+/// After a collective fails (timeout, a lost peer, a mismatch, abort()), the communicator is
+/// unusable: every later call fails at once with Errc::aborted naming the first failure. Build a
+/// new one (with another Options::group) to continue.
 
 // begin ddp/backend/backend.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -2913,1352 +2916,335 @@ inline constexpr bool host_type_for_device_backend =
 
 DDP_END_NAMESPACE
 // end ddp/backend/backend.hpp
-// begin ddp/backend/host/shm.hpp
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// begin ddp/detail/call.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// The shared-memory transport of the Host backend (all ranks on one host).
-///
-/// One shared-memory segment per communicator, created by rank 0 without a name (see ShmSegment)
-/// and opened by the others through rank 0's descriptor, so a crash at any moment leaves nothing
-/// in /dev/shm. It holds:
-///  * a header: the abort word (the first failure, so peers fail fast) and the futex wake word;
-///  * per rank a control block: on its own cache line the round word (the round number and a
-///    32-bit digest of the collective's fingerprint), on another the two full fingerprints
-///    (indexed by round parity), which peers read only when the digests differ;
-///  * per rank two data slots (double buffering by tick parity);
-///  * per ordered pair a ring buffer for send/recv.
-///
-/// A round: copy the bytes peers want into my slot[tick % 2], publish the round word, wait until
-/// every peer's round reaches mine, compare digests, hand out pointers into peers' slots. Double
-/// buffering needs no extra waits: a peer can only overwrite slot[t % 2] in round t + 2, which it
-/// cannot start before I publish round t + 1, which I do only after I am done reading round t.
-
-// begin ddp/backend/host/transport.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// The interface between the Host backend's algorithms and its transports (shared memory, TCP).
-///
-/// A collective is a sequence of *rounds*. In a round every rank offers some bytes (a list of
-/// pieces, concatenated), and every rank reads parts of other ranks' offers: want(src, dst) is
-/// the byte range of src's offer that dst reads, and every rank can compute it for every pair.
-/// round() returns, for each rank j, a pointer to want(j, me) within j's offer — straight into
-/// j's shared-memory slot, or into a scratch buffer the TCP transport received it into. The
-/// pointers stay valid until the next round. The first round of each collective carries the
-/// collective's fingerprint, which every transport compares across all ranks before any data is
-/// used, so ranks that call different collectives fail together with Errc::mismatch.
+/// A collective call as data, and the argument checks that build it. Communicator turns each
+/// typed argument into a detail::Buf (the only code instantiated per tensor type) and hands
+/// the Bufs to the prepare_* functions here: plain functions, compiled once, that check
+/// everything that can be checked before anything is sent (roots, peers, tags, sizes, dtype/op
+/// pairs, overlaps) and fail with Errc::invalid_argument naming the rank and the collective.
+/// The resulting Call is what the executor runs and the flight recorder records.
 
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 // #include "ddp/detail/collective.hpp" (already included above)
-// #include "ddp/detail/string.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
 
-#include <atomic>
-#include <chrono>
 #include <cstddef>
-#include <span>
-#include <string>
-#include <type_traits>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
 
-/// A non-owning reference to a callable (no allocation, unlike std::function).
-template <class Sig>
-class FunctionRef;
-template <class R, class... Args>
-class FunctionRef<R(Args...)> {
- public:
-  template <class F>
-    requires(!std::is_same_v<std::remove_cvref_t<F>, FunctionRef> &&
-             std::is_invocable_r_v<R, F&, Args...>)
-  FunctionRef(F&& f)
-  noexcept  // NOLINT(google-explicit-constructor)
-      : obj_(const_cast<void*>(static_cast<const void*>(&f))), call_([](void* o, Args... a) -> R {
-          return (*static_cast<std::remove_reference_t<F>*>(o))(a...);
-        }) {}
-  R operator()(Args... a) const { return call_(obj_, a...); }
-
- private:
-  void* obj_;
-  R (*call_)(void*, Args...);
+/// Who checks a call: this rank in a group of `size`.
+struct Caller {
+  int rank = 0;
+  int size = 1;
 };
 
-/// One part of a rank's offer.
-struct Piece {
-  const std::byte* data = nullptr;
-  std::size_t len = 0;
-};
-
-using Want = FunctionRef<Range(int src, int dst)>;
-
-/// The header that precedes every point-to-point message (both transports).
-struct P2PHeader {
-  std::uint64_t seq;
-  std::uint64_t count;
-  std::int32_t tag;
-  DType dtype;
-  std::uint8_t pad[3];
-};
-
-/// The first failure of a transport, kept so that every later call fails the same way.
-struct Poison {
-  Errc code{};
-  std::string message;
-};
-
-class Transport {
- public:
-  Transport(int rank, int size, std::chrono::milliseconds timeout)
-      : rank_(rank), size_(size), timeout_(timeout) {}
-  Transport(const Transport&) = delete;
-  Transport& operator=(const Transport&) = delete;
-  virtual ~Transport() = default;
-
-  [[nodiscard]] int rank() const noexcept { return rank_; }
-  [[nodiscard]] int size() const noexcept { return size_; }
-  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
-
-  /// Name for messages: "shm" or "tcp".
-  [[nodiscard]] virtual std::string_view name() const noexcept = 0;
-  /// The most bytes one rank may offer in one round.
-  [[nodiscard]] virtual std::size_t max_offer() const noexcept = 0;
-  /// Below this many bytes, all_reduce gathers whole buffers in one round (latency path).
-  [[nodiscard]] virtual std::size_t small_bytes() const noexcept = 0;
-
-  /// Whether rounds compare fingerprints (Options::verify_collectives; the same on every rank).
-  /// Without it `fp` still names the collective in messages.
-  bool verify_fingerprints = true;
-
-  /// The collective in progress (set by the backend as each one starts), so that a failure in
-  /// any of its rounds, not only the first, names it and its sequence number.
-  Fingerprint current{};
-  bool has_current = false;
-
-  /// What failed, for messages: the round's fingerprint, else `what` (point-to-point), else the
-  /// collective in progress.
-  [[nodiscard]] std::string describe(const Fingerprint* fp, const char* what) const {
-    if (fp != nullptr) return to_string(*fp);
-    if (what != nullptr) return what;
-    if (has_current) return to_string(current);
-    return "operation";
-  }
-
-  /// One round (see the file comment). `fp` is non-null on a collective's first round.
-  virtual std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
-                                                  const Fingerprint* fp) = 0;
-
-  /// Memory that may hold part of the next round's offer, so that data can be produced in place
-  /// instead of copied there (the shared-memory slot of the next round); nullptr when the
-  /// transport has none or `bytes` does not fit. Valid until the next round.
-  [[nodiscard]] virtual std::byte* stage(std::size_t /*bytes*/) { return nullptr; }
-
-  /// Point-to-point, matched in order per pair; the receiver checks tag, dtype and count.
-  virtual void send(const Buf& buf, int peer, int tag, std::uint64_t seq) = 0;
-  virtual void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) = 0;
-
-  /// Makes every current and future wait of this process (and, where the transport can, of its
-  /// peers) fail with `code`. Safe to call from any thread.
-  virtual void abort(Errc code, const std::string& why) = 0;
-
- protected:
-  /// "rank R: <what>: mismatched collectives: this rank called X but rank P called Y; ..."
-  [[nodiscard]] std::string mismatch_message(const Fingerprint& mine, int peer,
-                                             const Fingerprint& theirs) const {
-    return concat(
-        "rank ", rank_, ": ", to_string(mine.coll), ": mismatched collectives: this rank called ",
-        to_string(mine), " but rank ", peer, " called ", to_string(theirs),
-        "; every rank must call the same collectives, in the same order, with the same counts, "
-        "dtypes, ops and roots");
-  }
-
-  /// What recv expects from `peer`, as in messages: "recv(from rank 1, tag 7, float32, count=3)".
-  [[nodiscard]] static std::string recv_description(const Buf& buf, int peer, int tag) {
-    return concat("recv(from rank ", peer, ", tag ", tag, ", ", to_string(buf.dtype),
-                  ", count=", buf.count, ")");
-  }
-
-  /// Empty when the header is the send that matches this recv, else the error message.
-  [[nodiscard]] std::string p2p_mismatch(const Buf& buf, int peer, int tag, std::uint64_t seq,
-                                         const P2PHeader& h) const {
-    if (h.seq == seq && h.tag == tag && h.dtype == buf.dtype && h.count == buf.count) return {};
-    return concat("rank ", rank_, ": ", recv_description(buf, peer, tag), " #", seq,
-                  " got send(tag ", h.tag, ", ", to_string(h.dtype), ", count=", h.count, ") #",
-                  h.seq, "; sends and receives between a pair are matched in order and must agree");
-  }
-
-  /// Records abort() on this rank.
-  void set_local_abort(Errc code) noexcept { local_abort_code_.store(static_cast<int>(code)); }
-
-  /// Throws if abort() was called on this rank.
-  void check_local_abort(const Fingerprint* fp) const {
-    if (const int code = local_abort_code_.load(); code != 0) {
-      fail(static_cast<Errc>(code), "rank ", rank_, ": ", describe(fp, nullptr),
-           ": the communicator was aborted on this rank; create a new communicator to continue");
-    }
-  }
-
-  int rank_;
-  int size_;
-  std::chrono::milliseconds timeout_;
-
- private:
-  std::atomic<int> local_abort_code_{0};
-};
-
-/// The transport of a world of one: every round returns the rank's own offer.
-class SelfTransport final : public Transport {
- public:
-  explicit SelfTransport(std::chrono::milliseconds timeout) : Transport(0, 1, timeout) {}
-  [[nodiscard]] std::string_view name() const noexcept override { return "self"; }
-  [[nodiscard]] std::size_t max_offer() const noexcept override { return std::size_t{1} << 40; }
-  [[nodiscard]] std::size_t small_bytes() const noexcept override { return std::size_t{1} << 40; }
-
-  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
-                                          const Fingerprint*) override {
-    ptr_ = locate(offer, want(0, 0));
-    return {&ptr_, 1};
-  }
-  void send(const Buf&, int, int, std::uint64_t) override {
-    fail(Errc::invalid_argument, "rank 0: send: a world of one has no peer to send to");
-  }
-  void recv(const Buf&, int, int, std::uint64_t) override {
-    fail(Errc::invalid_argument, "rank 0: recv: a world of one has no peer to receive from");
-  }
-  void abort(Errc, const std::string&) override {}
-
-  /// Where byte `r.off` of the concatenated pieces lives (the range must lie in one piece).
-  static const std::byte* locate(std::span<const Piece> offer, Range r) {
-    if (r.len == 0) return nullptr;
-    std::size_t base = 0;
-    for (const auto& p : offer) {
-      if (r.off >= base && r.off + r.len <= base + p.len) return p.data + (r.off - base);
-      base += p.len;
-    }
-    fail(Errc::invalid_argument, "internal error: a wanted range crosses offer pieces");
-  }
-
- private:
-  const std::byte* ptr_ = nullptr;
-};
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/backend/host/transport.hpp
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/detail/socket.hpp" (already included above)
-// begin ddp/detail/wait.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Waiting for another process: spin briefly (a peer on another core answers in well under a
-/// microsecond), then sleep on a futex in shared memory, so that 4 ranks on 2 cores do not burn
-/// the core the awaited rank needs. Posters wake sleepers only when there are any (a Dekker-style
-/// handshake on `sleepers`), so the fast path costs no system call.
-///
-/// Also here: watching peer processes for death with pidfds (a dead peer makes its waiters fail
-/// with Errc::peer_lost in milliseconds, not at the timeout).
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/error.hpp" (already included above)
-
-#include <linux/futex.h>
-#include <poll.h>
-#include <sched.h>
-#include <signal.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <atomic>
-#include <cerrno>
-#include <climits>
-#include <cstdint>
-#include <ctime>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-inline void cpu_relax() noexcept {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();  // _mm_pause without <immintrin.h> (0.4 s of every compile)
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
-
-static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
-static_assert(sizeof(std::atomic<std::uint32_t>) == sizeof(std::uint32_t));
-
-/// FUTEX_WAIT on a word in (possibly shared) memory for at most `ns` nanoseconds.
-inline void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected, long ns) {
-  timespec ts{ns / 1000000000L, ns % 1000000000L};
-  (void)::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAIT, expected, &ts,
-                  nullptr, 0);
-}
-
-inline void futex_wake_all(std::atomic<std::uint32_t>* word) {
-  (void)::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr,
-                  nullptr, 0);
-}
-
-/// The sleeping half of the handshake; lives in shared memory.
-struct WakeWord {
-  std::atomic<std::uint32_t> epoch{0};
-  std::atomic<std::uint32_t> sleepers{0};
-
-  /// Call after publishing progress (with a seq_cst store).
-  void notify() noexcept {
-    if (sleepers.load(std::memory_order_seq_cst) != 0) {
-      epoch.fetch_add(1, std::memory_order_seq_cst);
-      futex_wake_all(&epoch);
-    }
-  }
-
-  /// Sleeps until notified (or for at most `ns`) unless `ready()` holds after registering.
-  template <class Ready>
-  void sleep_unless(Ready&& ready, long ns) noexcept {
-    sleepers.fetch_add(1, std::memory_order_seq_cst);
-    const std::uint32_t e = epoch.load(std::memory_order_seq_cst);
-    if (!ready()) futex_wait(&epoch, e, ns);
-    sleepers.fetch_sub(1, std::memory_order_seq_cst);
-  }
-};
-
-/// Number of CPUs this process may run on.
-[[nodiscard]] inline int usable_cpus() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (::sched_getaffinity(0, sizeof set, &set) != 0) return 1;
-  return CPU_COUNT(&set);
-}
-
-/// Watches processes for exit. pidfds become readable when a process exits (a zombie counts as
-/// exited); without pidfd_open (Linux < 5.3) falls back to kill(pid, 0).
-class ProcessWatch {
- public:
-  ProcessWatch() = default;
-  ProcessWatch(const ProcessWatch&) = delete;
-  ProcessWatch& operator=(const ProcessWatch&) = delete;
-  ~ProcessWatch() {
-    for (auto& w : watched_) {
-      if (w.fd >= 0) ::close(w.fd);
-    }
-  }
-
-  void add(int rank, int pid) {
-#ifdef SYS_pidfd_open
-    const int fd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
-#else
-    const int fd = -1;
-#endif
-    watched_.push_back({rank, pid, fd});
-  }
-
-  /// The rank of an exited process, or -1.
-  [[nodiscard]] int first_dead() const {
-    for (const auto& w : watched_) {
-      if (w.fd >= 0) {
-        pollfd p{w.fd, POLLIN, 0};
-        if (::poll(&p, 1, 0) == 1) return w.rank;
-      } else if (::kill(w.pid, 0) != 0 && errno == ESRCH) {
-        return w.rank;
-      }
-    }
-    return -1;
-  }
-
- private:
-  struct Watched {
-    int rank;
-    int pid;
-    int fd;
+/// A checked collective call.
+struct Call {
+  enum class Form : std::uint8_t {
+    plain,      ///< `coll` on `in` (and `out`)
+    as_wire,    ///< all_reduce of float32 `in` carried as `wire` (all_reduce_as)
+    coalesced,  ///< all_reduce of every buffer of `many` (all_reduce_coalesced)
   };
-  std::vector<Watched> watched_;
+  const char* name = "";
+  Coll coll = Coll::barrier;
+  Form form = Form::plain;
+  Buf in{};   ///< the buffer of single-buffer collectives; `in` of the others
+  Buf out{};  ///< `out` of all_gather, gather, scatter, reduce_scatter, all_to_all
+  std::vector<Buf> many;
+  ReduceOp op = ReduceOp::sum;
+  int root = -1;  ///< root, or the peer of send/recv
+  int tag = 0;
+  DType wire = DType::float32;
+  std::size_t bytes = 0;  ///< this rank's buffers, for the flight recorder
 };
+
+[[nodiscard]] inline Call make_call(const char* name, Coll coll,
+                                    Call::Form form = Call::Form::plain) {
+  Call c;
+  c.name = name;
+  c.coll = coll;
+  c.form = form;
+  return c;
+}
+
+/// Whether [a, a+an) and [b, b+bn) share a byte.
+[[nodiscard]] inline bool overlaps(const std::byte* a, std::size_t an, const std::byte* b,
+                                   std::size_t bn) {
+  return an != 0 && bn != 0 && a < b + bn && b < a + an;
+}
+
+/// The checks of a typed argument once it is a Buf: `usable` says whether the backend can use
+/// its memory (directly or staged).
+inline void check_buf(const Buf& b, std::size_t elem, bool usable, std::string_view backend,
+                      int rank, const char* what, const char* arg) {
+  if (!usable) {
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg, "` is on ",
+         to_string(b.device), ", but backend::", backend, " cannot use that memory");
+  }
+  if (b.data == nullptr && b.count != 0) {
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg, "` has ", b.count,
+         " elements but no data");
+  }
+  if (b.count > max_buffer_bytes / elem) {
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg, "` claims ", b.count,
+         " elements of ", elem,
+         " bytes: more than any buffer can hold (its size in bytes overflows); check the size "
+         "the tensor's view reports");
+  }
+}
+
+inline void check_op(ReduceOp op, DType t, Caller c, const char* what) {
+  if (!is_supported(op, t)) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": op ",
+         is_valid(op) ? to_string(op) : "invalid", " is not defined on ", to_string(t),
+         op == ReduceOp::avg ? " (avg needs a floating-point type)" : "");
+  }
+}
+
+inline void check_root(int root, Caller c, const char* what) {
+  if (root < 0 || root >= c.size) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": root ", root,
+         " is not a rank of this communicator [0, ", c.size, ")");
+  }
+}
+
+inline void check_same_dtype(const Buf& a, const Buf& b, Caller c, const char* what) {
+  if (a.dtype != b.dtype) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `in` is ", to_string(a.dtype),
+         " but `out` is ", to_string(b.dtype), "; they must have the same element type");
+  }
+}
+
+/// `whole` must be `part` x size() elements; `part_name` is the argument that sets the size.
+inline void check_blocks(const Buf& whole, const Buf& part, Caller c, const char* what,
+                         const char* whole_name, const char* rule) {
+  const auto p = static_cast<std::size_t>(c.size);
+  if (!is_product(whole.count, part.count, p)) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `", whole_name, "` has ",
+         whole.count, " elements but must have ", product_text(part.count, p), " (", rule, ")");
+  }
+}
+
+/// The only in-place form of a collective with blocks: `part` is exactly this rank's block of
+/// `whole`.
+inline void check_in_place(const Buf& whole, const Buf& part, Caller c, const char* what,
+                           const char* message) {
+  const std::byte* mine = whole.at(part.count * static_cast<std::size_t>(c.rank));
+  if (overlaps(part.data, part.bytes(), whole.data, whole.bytes()) && part.data != mine) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, message);
+  }
+}
+
+[[nodiscard]] inline Call prepare_all_reduce(const Buf& b, ReduceOp op, Caller c) {
+  check_op(op, b.dtype, c, "all_reduce");
+  Call call = make_call("all_reduce", Coll::all_reduce);
+  call.in = b;
+  call.op = op;
+  call.bytes = b.bytes();
+  return call;
+}
+
+/// `moved_on_device`: the backend moves this CUDA buffer itself (no staging), so there is no
+/// host pass in which to convert it.
+[[nodiscard]] inline Call prepare_all_reduce_as(const Buf& b, ReduceOp op, DType wire,
+                                                bool moved_on_device, std::string_view backend,
+                                                Caller c) {
+  check_op(op, wire, c, "all_reduce_as");
+  if (b.dtype != DType::float32)
+    fail(Errc::invalid_argument, "rank ", c.rank, ": all_reduce_as: `buf` is ", to_string(b.dtype),
+         "; compression carries float32 values");
+  if (moved_on_device)
+    fail(Errc::unsupported, "rank ", c.rank, ": all_reduce_as: `buf` is on ", to_string(b.device),
+         ", which backend::", backend,
+         " moves itself, and ddp's headers carry no GPU kernels to convert it; use all_reduce, or "
+         "convert on the device first");
+  Call call = make_call("all_reduce_as", Coll::all_reduce, Call::Form::as_wire);
+  call.in = b;
+  call.op = op;
+  call.wire = wire;
+  call.bytes = b.bytes();
+  return call;
+}
+
+[[nodiscard]] inline Call prepare_all_reduce_coalesced(std::vector<Buf> bufs, ReduceOp op,
+                                                       Caller c) {
+  Call call = make_call("all_reduce_coalesced", Coll::all_reduce, Call::Form::coalesced);
+  for (const Buf& b : bufs) {
+    check_op(op, b.dtype, c, "all_reduce_coalesced");
+    call.bytes += b.bytes();
+  }
+  call.many = std::move(bufs);
+  call.op = op;
+  return call;
+}
+
+[[nodiscard]] inline Call prepare_broadcast(const Buf& b, int root, Caller c) {
+  check_root(root, c, "broadcast");
+  Call call = make_call("broadcast", Coll::broadcast);
+  call.in = b;
+  call.root = root;
+  call.bytes = b.bytes();
+  return call;
+}
+
+[[nodiscard]] inline Call prepare_reduce(const Buf& b, int root, ReduceOp op, Caller c) {
+  check_root(root, c, "reduce");
+  check_op(op, b.dtype, c, "reduce");
+  Call call = make_call("reduce", Coll::reduce);
+  call.in = b;
+  call.root = root;
+  call.op = op;
+  call.bytes = b.bytes();
+  return call;
+}
+
+/// all_gather (root < 0) or gather; `out` is used (and checked) only where it receives.
+[[nodiscard]] inline Call prepare_gather(const Buf& in, const Buf& out, int root, Caller c) {
+  const char* what = root < 0 ? "all_gather" : "gather";
+  if (root >= 0) check_root(root, c, what);
+  Call call = make_call(what, root < 0 ? Coll::all_gather : Coll::gather);
+  call.in = in;
+  call.root = root;
+  if (root < 0 || root == c.rank) {
+    check_same_dtype(in, out, c, what);
+    check_blocks(out, in, c, what, "out", "in.size() x size()");
+    check_in_place(out, in, c, what,
+                   ": `in` overlaps `out` but is not this rank's block of it (the only in-place "
+                   "form)");
+    call.out = out;
+  }
+  call.bytes = call.in.bytes() + call.out.bytes();
+  return call;
+}
+
+/// scatter; `in` is used (and checked) on the root only.
+[[nodiscard]] inline Call prepare_scatter(const Buf& in, const Buf& out, int root, Caller c) {
+  check_root(root, c, "scatter");
+  Call call = make_call("scatter", Coll::scatter);
+  call.in = Buf{nullptr, 0, out.dtype, out.device, nullptr};
+  call.out = out;
+  call.root = root;
+  if (c.rank == root) {
+    check_same_dtype(in, out, c, "scatter");
+    check_blocks(in, out, c, "scatter", "in", "out.size() x size()");
+    check_in_place(in, out, c, "scatter",
+                   ": `out` overlaps `in` but is not this rank's block of it (the only in-place "
+                   "form)");
+    call.in = in;
+  }
+  call.bytes = call.in.bytes() + call.out.bytes();
+  return call;
+}
+
+[[nodiscard]] inline Call prepare_reduce_scatter(const Buf& in, const Buf& out, ReduceOp op,
+                                                 Caller c) {
+  check_same_dtype(in, out, c, "reduce_scatter");
+  check_op(op, out.dtype, c, "reduce_scatter");
+  check_blocks(in, out, c, "reduce_scatter", "in", "out.size() x size()");
+  check_in_place(in, out, c, "reduce_scatter",
+                 ": `out` overlaps `in` but is not this rank's block of it (the only in-place "
+                 "form)");
+  Call call = make_call("reduce_scatter", Coll::reduce_scatter);
+  call.in = in;
+  call.out = out;
+  call.op = op;
+  call.bytes = in.bytes() + out.bytes();
+  return call;
+}
+
+[[nodiscard]] inline Call prepare_all_to_all(const Buf& in, const Buf& out, Caller c) {
+  check_same_dtype(in, out, c, "all_to_all");
+  const auto p = static_cast<std::size_t>(c.size);
+  if (in.count != out.count || in.count % p != 0) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": all_to_all: `in` (", in.count, ") and `out` (",
+         out.count, ") must have the same number of elements, a multiple of size() = ", p);
+  }
+  if (overlaps(in.data, in.bytes(), out.data, out.bytes())) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": all_to_all: `in` and `out` must not overlap");
+  }
+  Call call = make_call("all_to_all", Coll::all_to_all);
+  call.in = in;
+  call.out = out;
+  call.bytes = in.bytes() + out.bytes();
+  return call;
+}
+
+[[nodiscard]] inline Call prepare_p2p(Coll coll, const Buf& b, int peer, int tag, Caller c) {
+  const char* what = coll == Coll::send ? "send" : "recv";
+  if (peer < 0 || peer >= c.size || peer == c.rank) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": peer ", peer,
+         " must be another rank in [0, ", c.size, ")");
+  }
+  if (tag < 0)
+    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": tag ", tag, " is negative");
+  Call call = make_call(what, coll);
+  call.in = b;
+  call.root = peer;
+  call.tag = tag;
+  call.bytes = b.bytes();
+  return call;
+}
+
+[[nodiscard]] inline Call prepare_barrier() { return make_call("barrier", Coll::barrier); }
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/detail/wait.hpp
-// #include "ddp/error.hpp" (already included above)
-
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <sys/statvfs.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <algorithm>
-#include <atomic>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <memory>
-#include <new>
-#include <string>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-struct ShmLayout {
-  static constexpr std::uint64_t magic = 0x3230306d68737064ull;  // "dpshm002"
-  static constexpr std::size_t header_bytes = 4096;
-  static constexpr std::size_t ctl_bytes = 256;
-  static constexpr std::size_t channel_ctl_bytes = 128;
-
-  int world = 1;
-  std::size_t slot_bytes = 0;
-  std::size_t channel_bytes = 0;
-
-  [[nodiscard]] static std::size_t align_up(std::size_t v, std::size_t a) {
-    return (v + a - 1) / a * a;
-  }
-  [[nodiscard]] std::size_t ctl_offset() const { return header_bytes; }
-  [[nodiscard]] std::size_t slots_offset() const {
-    return align_up(header_bytes + static_cast<std::size_t>(world) * ctl_bytes, 4096);
-  }
-  [[nodiscard]] std::size_t slot_offset(int rank, unsigned parity) const {
-    return slots_offset() + (static_cast<std::size_t>(rank) * 2 + parity) * slot_bytes;
-  }
-  [[nodiscard]] std::size_t channels_offset() const {
-    return slots_offset() + static_cast<std::size_t>(world) * 2 * slot_bytes;
-  }
-  [[nodiscard]] std::size_t channel_offset(int src, int dst) const {
-    return channels_offset() + (static_cast<std::size_t>(src) * static_cast<std::size_t>(world) +
-                                static_cast<std::size_t>(dst)) *
-                                   (channel_ctl_bytes + channel_bytes);
-  }
-  [[nodiscard]] std::size_t total() const {
-    return align_up(channel_offset(world - 1, world - 1) + channel_ctl_bytes + channel_bytes, 4096);
-  }
-};
-
-struct ShmHeader {
-  std::uint64_t magic;
-  std::uint64_t cookie;
-  std::uint32_t world;
-  std::uint32_t reserved;
-  std::uint64_t slot_bytes;
-  std::uint64_t channel_bytes;
-  std::uint64_t total;
-  alignas(64) WakeWord wake;
-  alignas(64) std::atomic<std::uint32_t> abort_state;  // 0 none, 1 being written, 2 set
-  std::int32_t abort_rank;
-  std::int32_t abort_code;
-  char abort_message[2048];
-};
-static_assert(sizeof(ShmHeader) <= ShmLayout::header_bytes);
-
-/// One rank's control block. Peers spin on `word`: the low 32 bits are the round number (modulo
-/// 2^32; ranks are never more than one round apart, so wrapping is harmless), the high 32 bits a
-/// digest of the round's fingerprint (0: none). One store publishes both, so checking that all
-/// ranks called the same collective costs no extra cache-line transfer; the full fingerprints lie
-/// on a line of their own, written by the owner only, read by a peer only when digests differ.
-struct ShmCtl {
-  alignas(64) std::atomic<std::uint64_t> word;
-  alignas(64) Fingerprint fp[2];
-};
-static_assert(sizeof(ShmCtl) == 128);
-static_assert(sizeof(ShmCtl) <= ShmLayout::ctl_bytes);
-
-struct ShmChannelCtl {
-  alignas(64) std::atomic<std::uint64_t> head;  // bytes written so far
-  alignas(64) std::atomic<std::uint64_t> tail;  // bytes consumed so far
-};
-static_assert(sizeof(ShmChannelCtl) <= ShmLayout::channel_ctl_bytes);
-
-/// A mapped shared-memory segment that never has a name: rank 0 creates it as an unnamed file
-/// in /dev/shm (O_TMPFILE; memfd_create where /dev/shm cannot), the other ranks open it through
-/// rank 0's descriptor (/proc/<pid>/fd/<n>) while rank 0 holds it. No kill at any moment can
-/// leave anything behind in /dev/shm; the memory goes when the last rank unmaps it.
-class ShmSegment {
- public:
-  ShmSegment() = default;
-  ShmSegment(const ShmSegment&) = delete;
-  ShmSegment& operator=(const ShmSegment&) = delete;
-  ~ShmSegment() {
-    if (base_ != nullptr) ::munmap(base_, size_);
-  }
-
-  /// Bytes of the segment that are touched once at creation, so the first collectives do not
-  /// pay first-touch page faults; beyond this pages are faulted in lazily, where they are used.
-  static constexpr std::size_t prefault_bytes = std::size_t{64} << 20;
-
-  /// Creates a segment of `size` bytes and reserves its memory up front, so that a /dev/shm too
-  /// small for it is an error here rather than a SIGBUS at first use. Returns false, with the
-  /// reason in `why` (naming /dev/shm, its free space and the bytes needed), when the space is
-  /// not there; throws for other failures.
-  [[nodiscard]] bool create(std::size_t size, std::string& why) {
-    fd_ = Fd(::open("/dev/shm", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600));
-    std::string where = "/dev/shm";
-    if (!fd_) {
-      fd_ = Fd(static_cast<int>(::syscall(SYS_memfd_create, "ddp-shm", 1u /* MFD_CLOEXEC */)));
-      if (!fd_) fail_errno(errno, "creating shared memory: /dev/shm (O_TMPFILE) and memfd_create");
-      where = "shared memory (memfd)";
-    }
-    const std::size_t avail = free_bytes(where == "/dev/shm");
-    if (avail < size) {
-      why = concat(where, " has ", mib(avail), " free but the shm transport needs ", mib(size),
-                   " for this communicator");
-      fd_.reset();
-      return false;
-    }
-    if (const int rc = ::posix_fallocate(fd_.get(), 0, static_cast<off_t>(size)); rc != 0) {
-      why = concat("reserving ", mib(size), " in ", where, " failed: ", std::strerror(rc), " (",
-                   mib(free_bytes(where == "/dev/shm")), " free)");
-      fd_.reset();
-      return false;
-    }
-    map(fd_.get(), size);
-    // The file reads as zeros; touch the head (header, control blocks, the first slots) once.
-    const std::size_t head = std::min(size, prefault_bytes);
-#ifdef MADV_POPULATE_WRITE
-    if (::madvise(base_, head, MADV_POPULATE_WRITE) == 0) return true;
-#endif
-    for (std::size_t i = 0; i < head; i += 4096) reinterpret_cast<volatile char*>(base_)[i] = 0;
-    return true;
-  }
-
-  /// Where another process of the same host opens this segment while the creator holds it.
-  [[nodiscard]] std::string path() const { return concat("/proc/", ::getpid(), "/fd/", fd_.get()); }
-
-  /// Maps the segment of exactly `size` bytes that another process published at `path`.
-  void open(const std::string& path, std::size_t size) {
-    Fd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
-    if (!fd) {
-      fail_errno(errno, "opening rank 0's shared memory at ", path,
-                 " (rank 0 must be alive, of the same user, and dumpable; or use "
-                 "DDP_HOST_TRANSPORT=tcp)");
-    }
-    struct stat st {};
-    if (::fstat(fd.get(), &st) != 0) fail_errno(errno, "fstat(", path, ")");
-    if (static_cast<std::size_t>(st.st_size) != size) {
-      fail(Errc::protocol, "shared memory segment ", path, " has ", st.st_size, " bytes, expected ",
-           size);
-    }
-    map(fd.get(), size);
-  }
-
-  /// The creator lets go of its descriptor once every rank has mapped the segment.
-  void close_descriptor() noexcept { fd_.reset(); }
-
-  [[nodiscard]] std::byte* base() const noexcept { return static_cast<std::byte*>(base_); }
-
- private:
-  static std::string mib(std::size_t bytes) {
-    if (bytes < (std::size_t{1} << 20)) return concat(bytes / 1024, " KiB (", bytes, " bytes)");
-    return concat(bytes / (std::size_t{1} << 20), " MiB (", bytes, " bytes)");
-  }
-
-  /// Free bytes for a new segment: in /dev/shm, or of memory (MemAvailable) for a memfd.
-  static std::size_t free_bytes(bool dev_shm) {
-    if (dev_shm) {
-      struct statvfs v {};
-      if (::statvfs("/dev/shm", &v) != 0) return SIZE_MAX;
-      return static_cast<std::size_t>(v.f_bavail) * static_cast<std::size_t>(v.f_frsize);
-    }
-    const long pages = ::sysconf(_SC_AVPHYS_PAGES);
-    const long page = ::sysconf(_SC_PAGESIZE);
-    if (pages <= 0 || page <= 0) return SIZE_MAX;
-    return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page);
-  }
-
-  void map(int fd, std::size_t size) {
-    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) fail_errno(errno, "mmap of ", size, " bytes of shared memory");
-    base_ = p;
-    size_ = size;
-  }
-
-  void* base_ = nullptr;
-  std::size_t size_ = 0;
-  Fd fd_;  // the creator's, until every rank has mapped the segment
-};
-
-class ShmTransport final : public Transport {
- public:
-  /// `segment` is mapped and initialized; `pids[j]` is rank j's process id.
-  ShmTransport(int rank, int size, std::chrono::milliseconds timeout, ShmLayout layout,
-               std::unique_ptr<ShmSegment> segment, const std::vector<int>& pids)
-      : Transport(rank, size, timeout),
-        layout_(layout),
-        segment_(std::move(segment)),
-        ptrs_(static_cast<std::size_t>(size)),
-        seen_(static_cast<std::size_t>(size)) {
-    header_ = reinterpret_cast<ShmHeader*>(segment_->base());
-    for (int j = 0; j < size; ++j) {
-      if (j != rank) watch_.add(j, pids[static_cast<std::size_t>(j)]);
-    }
-    oversubscribed_ = size > usable_cpus();
-    tick_ = round_of(ctl(rank)->word.load());
-  }
-
-  /// Initializes a freshly created segment (rank 0 only, before anyone else maps it).
-  static void format(std::byte* base, const ShmLayout& layout, std::uint64_t cookie) {
-    auto* h = new (base) ShmHeader{};
-    h->magic = ShmLayout::magic;
-    h->cookie = cookie;
-    h->world = static_cast<std::uint32_t>(layout.world);
-    h->slot_bytes = layout.slot_bytes;
-    h->channel_bytes = layout.channel_bytes;
-    h->total = layout.total();
-    for (int j = 0; j < layout.world; ++j)
-      new (base + layout.ctl_offset() + static_cast<std::size_t>(j) * ShmLayout::ctl_bytes)
-          ShmCtl{};
-    for (int s = 0; s < layout.world; ++s) {
-      for (int d = 0; d < layout.world; ++d)
-        new (base + layout.channel_offset(s, d)) ShmChannelCtl{};
-    }
-  }
-
-  /// Checks a segment opened by a non-creator.
-  static void verify(const std::byte* base, const ShmLayout& layout, std::uint64_t cookie) {
-    const auto* h = reinterpret_cast<const ShmHeader*>(base);
-    if (h->magic != ShmLayout::magic || h->cookie != cookie ||
-        h->world != static_cast<std::uint32_t>(layout.world) ||
-        h->slot_bytes != layout.slot_bytes || h->total != layout.total()) {
-      fail(Errc::protocol,
-           "the shared memory segment does not belong to this communicator (cookie or layout "
-           "differ)");
-    }
-  }
-
-  [[nodiscard]] std::string_view name() const noexcept override { return "shm"; }
-  [[nodiscard]] std::size_t max_offer() const noexcept override { return layout_.slot_bytes; }
-  [[nodiscard]] std::size_t small_bytes() const noexcept override {
-    return std::min<std::size_t>(layout_.slot_bytes, 16384);
-  }
-
-  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
-                                          const Fingerprint* fp) override {
-    check_abort(fp);
-    const std::uint64_t t = ++tick_;
-    const unsigned parity = static_cast<unsigned>(t & 1u);
-    std::byte* my_slot = slot(rank_, parity);
-    // Copy only what peers want, each byte once.
-    wanted_.clear();
-    for (int j = 0; j < size_; ++j) {
-      if (j == rank_) continue;
-      const Range r = want(rank_, j);
-      if (r.len != 0) wanted_.push_back(r);
-    }
-    std::sort(wanted_.begin(), wanted_.end(),
-              [](const Range& a, const Range& b) { return a.off < b.off; });
-    std::size_t copied_to = 0;
-    for (const Range& r : wanted_) {
-      std::size_t from = std::max(r.off, copied_to);
-      const std::size_t to = r.off + r.len;
-      if (to > layout_.slot_bytes)
-        fail(Errc::invalid_argument, "internal error: offer exceeds the shared memory slot");
-      std::size_t base = 0;
-      for (const Piece& p : offer) {  // copy [from, to) out of the pieces
-        const std::size_t lo = std::max(from, base), hi = std::min(to, base + p.len);
-        // Skip bytes already in place (staged in the slot by the caller).
-        if (lo < hi && my_slot + lo != p.data + (lo - base))
-          std::memcpy(my_slot + lo, p.data + (lo - base), hi - lo);
-        base += p.len;
-      }
-      copied_to = std::max(copied_to, to);
-    }
-    ShmCtl* mine = ctl(rank_);
-    std::uint64_t digest = 0;
-    if (fp != nullptr && verify_fingerprints) {
-      mine->fp[parity] = *fp;
-      digest = fingerprint_digest(*fp);
-    }
-    mine->word.store(digest << 32 | static_cast<std::uint32_t>(t), std::memory_order_seq_cst);
-    header_->wake.notify();
-
-    wait([&] { return all_reached(t); }, fp, [&] { return behind(t); });
-
-    if (digest != 0) {
-      for (int j = 0; j < size_; ++j) {
-        if (j == rank_ || seen_[static_cast<std::size_t>(j)] >> 32 == digest) continue;
-        // Digests differ, or the peer was already in round t + 1 (it cannot pass t + 1 before this
-        // rank publishes t + 1): its round-t fingerprint is in fp[parity] either way.
-        const Fingerprint theirs = ctl(j)->fp[parity];
-        if (!(theirs == *fp)) {
-          const std::string msg = mismatch_message(*fp, j, theirs);
-          publish_abort(Errc::mismatch, msg);
-          fail(Errc::mismatch, msg);
-        }
-      }
-    }
-    for (int j = 0; j < size_; ++j) {
-      const Range r = want(j, rank_);
-      if (r.len == 0)
-        ptrs_[static_cast<std::size_t>(j)] = nullptr;
-      else if (j == rank_)
-        ptrs_[static_cast<std::size_t>(j)] = SelfTransport::locate(offer, r);
-      else
-        ptrs_[static_cast<std::size_t>(j)] = slot(j, parity) + r.off;
-    }
-    return ptrs_;
-  }
-
-  /// My slot for the next round: free, since every peer has finished reading the round that used
-  /// it last (they published the current round, which they only do after that).
-  std::byte* stage(std::size_t bytes) override {
-    if (bytes > layout_.slot_bytes) return nullptr;
-    return slot(rank_, static_cast<unsigned>((tick_ + 1) & 1u));
-  }
-
-  void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
-    check_abort(nullptr);
-    const P2PHeader h{seq, buf.count, tag, buf.dtype, {}};
-    channel_write(peer, &h, sizeof h, "send", buf, tag);
-    channel_write(peer, buf.data, buf.bytes(), "send", buf, tag);
-  }
-
-  void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
-    check_abort(nullptr);
-    P2PHeader h{};
-    channel_read(peer, &h, sizeof h, "recv", buf, tag);
-    if (const std::string msg = p2p_mismatch(buf, peer, tag, seq, h); !msg.empty()) {
-      publish_abort(Errc::mismatch, msg);
-      fail(Errc::mismatch, msg);
-    }
-    channel_read(peer, buf.data, buf.bytes(), "recv", buf, tag);
-  }
-
-  void abort(Errc code, const std::string& why) override {
-    set_local_abort(code);
-    publish_abort(code, why);
-  }
-
- private:
-  [[nodiscard]] ShmCtl* ctl(int r) const {
-    return reinterpret_cast<ShmCtl*>(segment_->base() + layout_.ctl_offset() +
-                                     static_cast<std::size_t>(r) * ShmLayout::ctl_bytes);
-  }
-  [[nodiscard]] std::byte* slot(int r, unsigned parity) const {
-    return segment_->base() + layout_.slot_offset(r, parity);
-  }
-  [[nodiscard]] ShmChannelCtl* channel(int src, int dst) const {
-    return reinterpret_cast<ShmChannelCtl*>(segment_->base() + layout_.channel_offset(src, dst));
-  }
-  [[nodiscard]] std::byte* channel_data(int src, int dst) const {
-    return segment_->base() + layout_.channel_offset(src, dst) + ShmLayout::channel_ctl_bytes;
-  }
-
-  [[nodiscard]] static std::uint32_t round_of(std::uint64_t word) noexcept {
-    return static_cast<std::uint32_t>(word);
-  }
-  /// Whether a round word is of round t or later (modulo 2^32: a peer is at most one round ahead).
-  [[nodiscard]] static bool reached(std::uint64_t word, std::uint64_t t) noexcept {
-    return static_cast<std::int32_t>(round_of(word) - static_cast<std::uint32_t>(t)) >= 0;
-  }
-  [[nodiscard]] bool reached(int j, std::uint64_t t) const {
-    return reached(ctl(j)->word.load(std::memory_order_acquire), t);
-  }
-  /// Whether every rank has published round t; if so, their words are in seen_.
-  [[nodiscard]] bool all_reached(std::uint64_t t) {
-    for (int j = 0; j < size_; ++j) {
-      const std::uint64_t w = ctl(j)->word.load(std::memory_order_acquire);
-      if (!reached(w, t)) return false;
-      seen_[static_cast<std::size_t>(j)] = w;
-    }
-    return true;
-  }
-
-  [[nodiscard]] std::string behind(std::uint64_t t) const {
-    std::string who;
-    int n = 0;
-    for (int j = 0; j < size_; ++j) {
-      if (!reached(j, t)) who += concat(n++ ? ", " : "", j);
-    }
-    return concat(n == 1 ? "rank " : "ranks ", who);
-  }
-
-  /// First failure wins; later ones keep the first message.
-  void publish_abort(Errc code, const std::string& why) {
-    std::uint32_t expected = 0;
-    if (header_->abort_state.compare_exchange_strong(expected, 1)) {
-      header_->abort_rank = rank_;
-      header_->abort_code = static_cast<int>(code);
-      const std::size_t n = std::min(why.size(), sizeof header_->abort_message - 1);
-      std::memcpy(header_->abort_message, why.data(), n);
-      header_->abort_message[n] = '\0';
-      header_->abort_state.store(2, std::memory_order_seq_cst);
-    }
-    header_->wake.epoch.fetch_add(1);
-    futex_wake_all(&header_->wake.epoch);
-  }
-
-  /// Throws if this communicator was aborted here or by a peer.
-  void check_abort(const Fingerprint* fp) const {
-    check_local_abort(fp);
-    if (header_->abort_state.load(std::memory_order_acquire) == 2) {
-      fail(static_cast<Errc>(header_->abort_code), "rank ", rank_, ": ", describe(fp, nullptr),
-           ": failed because rank ", header_->abort_rank, " reported: ", header_->abort_message);
-    }
-  }
-
-  /// Spins, then sleeps, until ready(); fails on abort, on a dead peer and at the timeout.
-  template <class Ready, class Behind>
-  void wait(Ready&& ready, const Fingerprint* fp, Behind&& behind_desc,
-            const char* what = nullptr) {
-    if (ready()) return;
-    // Spin first, unless there are more ranks than cores: then the awaited rank may be waiting
-    // for this very core, so yield it at once (even a short spin of pause instructions costs
-    // more than the whole round).
-    if (!oversubscribed_) {
-      const auto spin_until = Clock::now() + std::chrono::microseconds(50);
-      do {
-        for (int i = 0; i < 64; ++i) {
-          cpu_relax();
-          if (ready()) return;
-        }
-      } while (Clock::now() < spin_until);
-    }
-    const auto deadline = Deadline::after(timeout_);
-    // Dead peers and the deadline are checked every 20 ms (a poll(2) of the peers' pidfds each
-    // time; not on every call, which would cost more than a small round).
-    auto next_check = Clock::now() + std::chrono::milliseconds(20);
-    // More ranks than cores: the rank we wait for needs this core. Hand it over with
-    // sched_yield for a while (cheap for the poster: nobody sleeps, so no futex wake-up), and
-    // only then sleep.
-    const auto yield_until = Clock::now() + std::chrono::milliseconds(2);
-    for (;;) {
-      check_abort(fp);
-      if (ready()) return;
-      const auto now = Clock::now();
-      if (now >= next_check) {
-        if (const int dead = watch_.first_dead(); dead >= 0) {
-          const std::string msg =
-              concat("rank ", rank_, ": ", describe(fp, what), ": rank ", dead,
-                     " died (its process exited); the job cannot continue with this communicator");
-          publish_abort(Errc::peer_lost, concat("rank ", dead, " died (its process exited)"));
-          fail(Errc::peer_lost, msg);
-        }
-        if (now >= deadline.at) {
-          const std::string who = behind_desc();
-          const std::string msg = concat(
-              "rank ", rank_, ": ", describe(fp, what), ": timed out after ", timeout_.count(),
-              " ms waiting for ", who,
-              " (shm transport); that rank is stopped, slow, or did not call this collective");
-          publish_abort(Errc::timeout, concat("timed out waiting for ", who));
-          fail(Errc::timeout, msg);
-        }
-        next_check = now + std::chrono::milliseconds(20);
-      }
-      if (oversubscribed_ && now < yield_until) {
-        ::sched_yield();
-        continue;
-      }
-      header_->wake.sleep_unless(ready, 5'000'000);
-    }
-  }
-
-  void channel_write(int peer, const void* data, std::size_t n, const char* what, const Buf& buf,
-                     int tag) {
-    ShmChannelCtl* ch = channel(rank_, peer);
-    std::byte* ring = channel_data(rank_, peer);
-    const std::size_t cap = layout_.channel_bytes;
-    const auto* p = static_cast<const std::byte*>(data);
-    std::uint64_t head = ch->head.load(std::memory_order_relaxed);
-    const auto desc = [&] { return concat("rank ", peer, " to receive"); };
-    const std::string op = concat(what, "(to rank ", peer, ", tag ", tag, ", ",
-                                  to_string(buf.dtype), ", count=", buf.count, ")");
-    while (n > 0) {
-      wait([&] { return head - ch->tail.load(std::memory_order_acquire) < cap; }, nullptr, desc,
-           op.c_str());
-      const std::uint64_t free_bytes = cap - (head - ch->tail.load(std::memory_order_acquire));
-      const std::size_t at = static_cast<std::size_t>(head % cap);
-      const std::size_t k =
-          std::min<std::size_t>({n, static_cast<std::size_t>(free_bytes), cap - at});
-      std::memcpy(ring + at, p, k);
-      p += k;
-      n -= k;
-      head += k;
-      ch->head.store(head, std::memory_order_seq_cst);
-      header_->wake.notify();
-    }
-  }
-
-  void channel_read(int peer, void* data, std::size_t n, const char* what, const Buf& buf,
-                    int tag) {
-    ShmChannelCtl* ch = channel(peer, rank_);
-    const std::byte* ring = channel_data(peer, rank_);
-    const std::size_t cap = layout_.channel_bytes;
-    auto* p = static_cast<std::byte*>(data);
-    std::uint64_t tail = ch->tail.load(std::memory_order_relaxed);
-    const auto desc = [&] { return concat("rank ", peer, " to send"); };
-    const std::string op = concat(what, "(from rank ", peer, ", tag ", tag, ", ",
-                                  to_string(buf.dtype), ", count=", buf.count, ")");
-    while (n > 0) {
-      wait([&] { return ch->head.load(std::memory_order_acquire) > tail; }, nullptr, desc,
-           op.c_str());
-      const std::uint64_t avail = ch->head.load(std::memory_order_acquire) - tail;
-      const std::size_t at = static_cast<std::size_t>(tail % cap);
-      const std::size_t k = std::min<std::size_t>({n, static_cast<std::size_t>(avail), cap - at});
-      std::memcpy(p, ring + at, k);
-      p += k;
-      n -= k;
-      tail += k;
-      ch->tail.store(tail, std::memory_order_seq_cst);
-      header_->wake.notify();
-    }
-  }
-
-  ShmLayout layout_;
-  std::unique_ptr<ShmSegment> segment_;
-  ShmHeader* header_ = nullptr;
-  ProcessWatch watch_;
-  bool oversubscribed_ = false;
-  std::uint64_t tick_ = 0;
-  std::vector<Range> wanted_;
-  std::vector<const std::byte*> ptrs_;
-  std::vector<std::uint64_t> seen_;  // the round words all_reached last saw
-};
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/backend/host/shm.hpp
-// begin ddp/backend/host/tcp.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// The TCP transport of the Host backend (ranks on several hosts, or DDP_HOST_TRANSPORT=tcp).
-///
-/// A full mesh of connections, made at start-up: every rank listens on the interface that
-/// reaches the store, publishes its address there, connects to lower ranks and accepts higher
-/// ones; a connection must present the communicator's session key (a random value shared through
-/// the store, which DDP_TOKEN protects) or it is dropped. A round sends, to each peer at once,
-/// the part of this rank's offer it wants and receives what this rank wants, progressing every
-/// socket with poll() until done, the timeout, or a failure. The first round of a collective
-/// starts each message with the sender's fingerprint, checked before any data is used.
-
-// #include "ddp/backend/host/transport.hpp" (already included above)
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/detail/bytes.hpp" (already included above)
-// #include "ddp/detail/crypto.hpp" (already included above)
-// #include "ddp/detail/socket.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-
-#include <poll.h>
-#include <sys/socket.h>
-#include <sys/uio.h>
-
-#include <algorithm>
-#include <array>
-#include <atomic>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <functional>
-#include <string>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-class TcpTransport final : public Transport {
- public:
-  static constexpr std::uint32_t hello_magic = 0x50434444;  // "DDCP"
-  using SessionKey = std::array<std::uint8_t, 16>;
-
-  TcpTransport(int rank, int size, std::chrono::milliseconds timeout, std::vector<Fd> peers,
-               std::size_t segment_bytes)
-      : Transport(rank, size, timeout),
-        segment_(segment_bytes),
-        peers_(std::move(peers)),
-        ptrs_(static_cast<std::size_t>(size)),
-        xfers_(static_cast<std::size_t>(size)),
-        headers_in_(static_cast<std::size_t>(size)) {
-    for (auto& fd : peers_) {
-      if (fd) set_nonblocking(fd.get(), true);
-    }
-  }
-
-  /// Builds the mesh: connect to ranks below, accept ranks above (see the file comment).
-  [[nodiscard]] static std::vector<Fd> connect_mesh(
-      int rank, int size, Fd& listener, const std::vector<std::pair<std::string, int>>& addrs,
-      const SessionKey& key, Deadline deadline, const std::function<void()>& check_stop = {}) {
-    std::vector<Fd> peers(static_cast<std::size_t>(size));
-    for (int j = 0; j < rank; ++j) {
-      const auto& [host, port] = addrs[static_cast<std::size_t>(j)];
-      Fd fd = connect_tcp(host, port, deadline, concat("rank ", j));
-      std::string hello;
-      ByteWriter w(hello);
-      w.put(hello_magic);
-      w.raw(key.data(), key.size());
-      w.put(static_cast<std::uint32_t>(rank));
-      if (send_all(fd.get(), hello.data(), hello.size(), deadline) != IoResult::ok) {
-        fail(Errc::peer_lost, "rank ", rank, ": could not introduce itself to rank ", j, " at ",
-             host_port(host, port));
-      }
-      peers[static_cast<std::size_t>(j)] = std::move(fd);
-    }
-    int missing = size - 1 - rank;
-    set_nonblocking(listener.get(), true);
-    while (missing > 0) {
-      if (check_stop) check_stop();  // throws when another rank failed meanwhile
-      pollfd p{listener.get(), POLLIN, 0};
-      const int rc = ::poll(&p, 1, deadline.poll_ms(200));
-      if (rc == 0 && deadline.expired()) {
-        std::string who;
-        for (int j = rank + 1; j < size; ++j) {
-          if (!peers[static_cast<std::size_t>(j)]) who += concat(who.empty() ? "" : ", ", j);
-        }
-        fail(Errc::timeout, "rank ", rank, ": timed out waiting for rank(s) ", who,
-             " to connect (tcp transport)");
-      }
-      Fd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
-      if (!fd) continue;
-      set_nodelay(fd.get());
-      std::array<std::byte, 4 + 16 + 4> hello{};
-      // A stray connection gets a short window; it must not stall the mesh.
-      const auto short_deadline =
-          Deadline{std::min(deadline.at, Clock::now() + std::chrono::seconds(2))};
-      if (recv_all(fd.get(), hello.data(), hello.size(), short_deadline) != IoResult::ok) continue;
-      ByteReader r(hello.data(), hello.size(), "peer hello");
-      if (r.get<std::uint32_t>() != hello_magic) continue;
-      SessionKey got{};
-      r.raw(got.data(), got.size());
-      const auto peer = static_cast<int>(r.get<std::uint32_t>());
-      if (!constant_time_equal(got, key) || peer <= rank || peer >= size ||
-          peers[static_cast<std::size_t>(peer)]) {
-        continue;  // not ours: drop it
-      }
-      peers[static_cast<std::size_t>(peer)] = std::move(fd);
-      --missing;
-    }
-    return peers;
-  }
-
-  [[nodiscard]] std::string_view name() const noexcept override { return "tcp"; }
-  [[nodiscard]] std::size_t max_offer() const noexcept override { return segment_; }
-  [[nodiscard]] std::size_t small_bytes() const noexcept override {
-    return std::min(segment_, size_ == 2 ? (std::size_t{1} << 20) : (std::size_t{64} << 10));
-  }
-
-  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
-                                          const Fingerprint* fp) override {
-    check_abort(fp);
-    std::size_t scratch_needed = 0;
-    for (int j = 0; j < size_; ++j) {
-      if (j != rank_) scratch_needed += want(j, rank_).len;
-    }
-    if (scratch_.size() < scratch_needed)
-      scratch_.resize(scratch_needed);  // zero-filled: pre-faulted
-    std::size_t scratch_at = 0;
-    for (int j = 0; j < size_; ++j) {
-      auto& x = xfers_[static_cast<std::size_t>(j)];
-      x.clear();
-      if (j == rank_) continue;
-      if (fp != nullptr && verify_fingerprints) {
-        x.out.push_back(
-            {reinterpret_cast<std::byte*>(const_cast<Fingerprint*>(fp)), sizeof(Fingerprint)});
-        x.in.push_back({reinterpret_cast<std::byte*>(&headers_in_[static_cast<std::size_t>(j)]),
-                        sizeof(Fingerprint)});
-        x.header_in = true;
-      }
-      const Range out = want(rank_, j);
-      std::size_t base = 0;
-      for (const Piece& p : offer) {
-        const std::size_t lo = std::max(out.off, base),
-                          hi = std::min(out.off + out.len, base + p.len);
-        if (lo < hi) x.out.push_back({const_cast<std::byte*>(p.data) + (lo - base), hi - lo});
-        base += p.len;
-      }
-      const Range in = want(j, rank_);
-      if (in.len != 0) x.in.push_back({scratch_.data() + scratch_at, in.len});
-      ptrs_[static_cast<std::size_t>(j)] = in.len != 0 ? scratch_.data() + scratch_at : nullptr;
-      scratch_at += in.len;
-    }
-    progress(fp, nullptr);
-    ptrs_[static_cast<std::size_t>(rank_)] = SelfTransport::locate(offer, want(rank_, rank_));
-    return ptrs_;
-  }
-
-  void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
-    check_abort(nullptr);
-    p2p_header_ = {seq, buf.count, tag, buf.dtype, {}};
-    for (auto& x : xfers_) x.clear();
-    auto& x = xfers_[static_cast<std::size_t>(peer)];
-    x.out.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});
-    if (buf.bytes() != 0) x.out.push_back({buf.data, buf.bytes()});
-    const std::string what = concat("send(to rank ", peer, ", tag ", tag, ", ",
-                                    to_string(buf.dtype), ", count=", buf.count, ")");
-    progress(nullptr, what.c_str());
-  }
-
-  void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
-    check_abort(nullptr);
-    for (auto& x : xfers_) x.clear();
-    auto& x = xfers_[static_cast<std::size_t>(peer)];
-    x.in.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});
-    const std::string what = recv_description(buf, peer, tag);
-    progress(nullptr, what.c_str());
-    if (const std::string msg = p2p_mismatch(buf, peer, tag, seq, p2p_header_); !msg.empty()) {
-      poison();
-      fail(Errc::mismatch, msg);
-    }
-    x.clear();
-    if (buf.bytes() != 0) x.in.push_back({buf.data, buf.bytes()});
-    progress(nullptr, what.c_str());
-  }
-
-  void abort(Errc code, const std::string&) override {
-    set_local_abort(code);
-    poison();
-  }
-
- private:
-  struct Seg {
-    std::byte* p;
-    std::size_t n;
-  };
-  /// Points iov_ at the unfinished segments from (i, off) on; returns how many it filled.
-  std::size_t gather(const std::vector<Seg>& segs, std::size_t i, std::size_t off) {
-    std::size_t k = 0;
-    for (; i < segs.size() && k < iov_.size(); ++i, off = 0) {
-      if (segs[i].n > off) iov_[k++] = {segs[i].p + off, segs[i].n - off};
-    }
-    return k;
-  }
-
-  /// Moves (i, off) forward by n bytes over segs, past any empty segments.
-  static void advance(const std::vector<Seg>& segs, std::size_t& i, std::size_t& off,
-                      std::size_t n) {
-    while (i < segs.size() && segs[i].n - off <= n) {
-      n -= segs[i].n - off;
-      ++i;
-      off = 0;
-    }
-    off += n;
-  }
-
-  struct Xfer {
-    std::vector<Seg> out, in;
-    std::size_t out_i = 0, out_off = 0, in_i = 0, in_off = 0;
-    bool header_in = false;
-    void clear() {
-      out.clear();
-      in.clear();
-      out_i = out_off = in_i = in_off = 0;
-      header_in = false;
-    }
-    [[nodiscard]] bool out_done() const { return out_i == out.size(); }
-    [[nodiscard]] bool in_done() const { return in_i == in.size(); }
-  };
-  /// Shuts every connection down, so that peers blocked on this rank fail at once.
-  void poison() {
-    for (auto& fd : peers_) {
-      if (fd) ::shutdown(fd.get(), SHUT_RDWR);
-    }
-  }
-
-  void check_abort(const Fingerprint* fp) const { check_local_abort(fp); }
-
-  /// The connection to `peer` failed. A mismatch explains more than a lost peer (the peer may
-  /// have left because it saw the mismatch first), so during a collective's first round this
-  /// rank collects the fingerprints still on their way, from every peer, for a short while, and
-  /// reports a mismatch if one shows. The other connections stay open: every survivor sees a
-  /// dead peer itself (full mesh), and closing them would make the survivors blame this rank.
-  [[noreturn]] void lost(int peer, const Fingerprint* fp, const char* what) {
-    check_abort(fp);  // our own abort() shut the sockets down: report that, not a lost peer
-    if (fp != nullptr && verify_fingerprints)
-      collect_headers(*fp, Deadline::after(std::chrono::milliseconds(500)));
-    fail(Errc::peer_lost, "rank ", rank_, ": ", describe(fp, what), ": the connection to rank ",
-         peer,
-         " closed (that process died or failed) (tcp transport); the job cannot continue with this "
-         "communicator");
-  }
-
-  void progress(const Fingerprint* fp, const char* what) {
-    const auto deadline = Deadline::after(timeout_);
-    std::vector<pollfd> fds;
-    std::vector<int> who;
-    for (;;) {
-      fds.clear();
-      who.clear();
-      for (int j = 0; j < size_; ++j) {
-        const auto& x = xfers_[static_cast<std::size_t>(j)];
-        short ev = 0;
-        if (!x.out_done()) ev = static_cast<short>(ev | POLLOUT);
-        if (!x.in_done()) ev = static_cast<short>(ev | POLLIN);
-        if (ev != 0) {
-          fds.push_back({peers_[static_cast<std::size_t>(j)].get(), ev, 0});
-          who.push_back(j);
-        }
-      }
-      if (fds.empty()) return;
-      check_abort(fp);
-      const int rc = ::poll(fds.data(), fds.size(), deadline.poll_ms(50));
-      if (rc < 0 && errno != EINTR) fail_errno(errno, "poll");
-      if (rc <= 0) {
-        if (deadline.expired()) {
-          std::string list;
-          for (int j : who) list += concat(list.empty() ? "" : ", ", j);
-          // No poison(): the other ranks time out on their own, with their own message.
-          fail(Errc::timeout, "rank ", rank_, ": ", describe(fp, what), ": timed out after ",
-               timeout_.count(), " ms waiting for ", who.size() == 1 ? "rank " : "ranks ", list,
-               " (tcp transport); that rank is stopped, slow, or did not call this collective");
-        }
-        continue;
-      }
-      for (std::size_t i = 0; i < fds.size(); ++i) {
-        const int j = who[i];
-        auto& x = xfers_[static_cast<std::size_t>(j)];
-        const int fd = fds[i].fd;
-        if ((fds[i].revents & POLLOUT) != 0 ||
-            ((fds[i].revents & (POLLERR | POLLHUP)) != 0 && !x.out_done())) {
-          // Header and payload in one system call.
-          while (!x.out_done()) {
-            msghdr msg{};
-            msg.msg_iov = iov_.data();
-            msg.msg_iovlen = gather(x.out, x.out_i, x.out_off);
-            if (msg.msg_iovlen == 0) {
-              x.out_i = x.out.size();
-              break;
-            }
-            const ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-            if (n > 0) {
-              advance(x.out, x.out_i, x.out_off, static_cast<std::size_t>(n));
-            } else if (n < 0 && errno == EINTR) {
-              continue;
-            } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-              break;
-            } else {
-              lost(j, fp, what);
-            }
-          }
-        }
-        if ((fds[i].revents & (POLLIN | POLLERR | POLLHUP)) != 0) {
-          while (!x.in_done()) {
-            msghdr msg{};
-            msg.msg_iov = iov_.data();
-            msg.msg_iovlen = gather(x.in, x.in_i, x.in_off);
-            if (msg.msg_iovlen == 0) {
-              x.in_i = x.in.size();
-              break;
-            }
-            // Never more than this round's bytes: the next round's stay in the socket.
-            const ssize_t n = ::recvmsg(fd, &msg, MSG_DONTWAIT);
-            if (n > 0) {
-              const bool header_pending = x.header_in && x.in_i == 0;
-              advance(x.in, x.in_i, x.in_off, static_cast<std::size_t>(n));
-              if (header_pending && x.in_i > 0) check_header(j, *fp);
-            } else if (n < 0 && errno == EINTR) {
-              continue;
-            } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-              break;
-            } else {
-              lost(j, fp, what);
-            }
-          }
-        }
-      }
-    }
-  }
-
-  /// Reads the outstanding fingerprints of this round (only those) until all are in or the
-  /// deadline passes; throws Errc::mismatch if one differs from ours.
-  void collect_headers(const Fingerprint& mine, Deadline deadline) {
-    for (;;) {
-      std::vector<pollfd> fds;
-      std::vector<int> who;
-      for (int j = 0; j < size_; ++j) {
-        const auto& x = xfers_[static_cast<std::size_t>(j)];
-        if (j != rank_ && x.header_in && x.in_i == 0) {
-          fds.push_back({peers_[static_cast<std::size_t>(j)].get(), POLLIN, 0});
-          who.push_back(j);
-        }
-      }
-      if (fds.empty()) return;
-      const int rc = ::poll(fds.data(), fds.size(), deadline.poll_ms(50));
-      if (rc <= 0) {
-        if (deadline.expired() || (rc < 0 && errno != EINTR)) return;
-        continue;
-      }
-      for (std::size_t i = 0; i < fds.size(); ++i) {
-        if (fds[i].revents == 0) continue;
-        auto& x = xfers_[static_cast<std::size_t>(who[i])];
-        Seg& h = x.in[0];
-        const ssize_t n = ::recv(fds[i].fd, h.p + x.in_off, h.n - x.in_off, MSG_DONTWAIT);
-        if (n > 0) {
-          x.in_off += static_cast<std::size_t>(n);
-          if (x.in_off == h.n) {
-            check_header(who[i], mine);
-            ++x.in_i;
-            x.in_off = 0;
-          }
-        } else if (n == 0 || (errno != EAGAIN && errno != EINTR && errno != EWOULDBLOCK)) {
-          x.header_in = false;  // gone without a fingerprint: nothing more to learn there
-        }
-      }
-    }
-  }
-
-  void check_header(int peer, const Fingerprint& mine) {
-    const Fingerprint& theirs = headers_in_[static_cast<std::size_t>(peer)];
-    if (!(theirs == mine)) {
-      const std::string msg = mismatch_message(mine, peer, theirs);
-      flush_headers();
-      fail(Errc::mismatch, msg);
-    }
-  }
-
-  /// Finishes sending this round's fingerprint to every peer (best effort, briefly), so that each
-  /// of them sees the mismatch too instead of waiting for a header that never comes. The
-  /// connections stay open: closing them would turn the peers' mismatch into peer_lost.
-  void flush_headers() {
-    const auto deadline = Deadline::after(std::chrono::milliseconds(500));
-    for (int j = 0; j < size_; ++j) {
-      auto& x = xfers_[static_cast<std::size_t>(j)];
-      if (j == rank_ || x.out.empty() || x.out_i > 0) continue;  // header already sent (or none)
-      const Seg& h = x.out[0];
-      (void)send_all(peers_[static_cast<std::size_t>(j)].get(), h.p + x.out_off, h.n - x.out_off,
-                     deadline);
-      ++x.out_i;
-      x.out_off = 0;
-    }
-  }
-
-  std::size_t segment_;
-  std::vector<Fd> peers_;
-  std::vector<const std::byte*> ptrs_;
-  std::vector<Xfer> xfers_;
-  std::vector<Fingerprint> headers_in_;
-  std::array<iovec, 16> iov_{};
-  std::vector<std::byte> scratch_;
-  P2PHeader p2p_header_{};
-};
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/backend/host/tcp.hpp
-// #include "ddp/backend/host/transport.hpp" (already included above)
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/detail/bytes.hpp" (already included above)
+// end ddp/detail/call.hpp
 // #include "ddp/detail/collective.hpp" (already included above)
-// #include "ddp/detail/crypto.hpp" (already included above)
+// begin ddp/detail/fork.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Fork detection: a counter that pthread_atfork bumps in every child, so an object can tell in
+/// one relaxed load whether it is still in the process that made it (getpid() is a system call).
+
+// #include "ddp/config.hpp" (already included above)
+
+#include <pthread.h>
+
+#include <atomic>
+#include <cstdint>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+inline std::atomic<std::uint64_t>& fork_counter() noexcept {
+  static std::atomic<std::uint64_t> n{0};
+  return n;
+}
+
+/// How many fork()s separate this process from the first process that called this function:
+/// equal values mean "the same process". The first call registers the fork handler.
+[[nodiscard]] inline std::uint64_t fork_generation() noexcept {
+  static const bool registered = [] {
+    (void)::pthread_atfork(nullptr, nullptr,
+                           [] { fork_counter().fetch_add(1, std::memory_order_relaxed); });
+    return true;
+  }();
+  (void)registered;
+  return fork_counter().load(std::memory_order_relaxed);
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/fork.hpp
 // begin ddp/detail/reduce.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -4648,1238 +3634,6 @@ inline void agree_on_job(Store& store, int rank, const JobView& job,
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/detail/rendezvous.hpp
-// #include "ddp/detail/socket.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/options.hpp" (already included above)
-// #include "ddp/store/client.hpp" (already included above)
-
-#include <unistd.h>
-
-#include <algorithm>
-#include <cstddef>
-#include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <memory>
-#include <string>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-namespace detail {
-
-/// Element range [lo, hi) of part j when m elements are split into `parts` cache-line-aligned
-/// parts (the last takes the remainder; parts may be empty).
-[[nodiscard]] inline std::pair<std::size_t, std::size_t> split_range(std::size_t m, int parts,
-                                                                     int j, std::size_t elem) {
-  const std::size_t align = std::max<std::size_t>(1, 64 / elem);
-  const auto bound = [&](int k) -> std::size_t {
-    if (k >= parts) return m;
-    const std::size_t b = m * static_cast<std::size_t>(k) / static_cast<std::size_t>(parts);
-    return b / align * align;
-  };
-  return {bound(j), bound(j + 1)};
-}
-
-}  // namespace detail
-
-namespace backend {
-
-class Host {
- public:
-  static constexpr std::string_view name = "host";
-
-  /// Rendezvous through init.store, choose a transport and connect (see the file comment).
-  [[nodiscard]] static std::unique_ptr<Host> create(const detail::BackendInit& init) {
-    auto host = std::unique_ptr<Host>(new Host(init.rank, init.size));
-    host->connect(init);
-    return host;
-  }
-
-  [[nodiscard]] int rank() const noexcept { return rank_; }
-  [[nodiscard]] int size() const noexcept { return size_; }
-  [[nodiscard]] int local_rank() const noexcept { return local_rank_; }
-  [[nodiscard]] int local_size() const noexcept { return local_size_; }
-  /// The lowest rank on this host (names the host in split()).
-  [[nodiscard]] int local_leader() const noexcept { return local_leader_; }
-  /// "shm", "tcp" or "self".
-  [[nodiscard]] std::string_view transport() const noexcept { return t_->name(); }
-  /// Whether this backend can use memory on `device` (the Host backend: host memory).
-  [[nodiscard]] static bool supports(const Device& device) noexcept { return device.is_cpu(); }
-
-  void all_reduce(const detail::Buf& b, ReduceOp op) {
-    const auto fp = next(detail::Coll::all_reduce, b.dtype, b.fingerprint_count(), -1, op, true);
-    const auto fn = detail::reduce_fn(b.dtype, op);
-    const int p = size_;
-    if (b.bytes() <= t_->small_bytes()) {
-      const detail::Piece pc{b.data, b.bytes()};
-      auto ptrs = t_->round(
-          {&pc, 1},
-          [&](int, int) {
-            return detail::Range{0, b.bytes()};
-          },
-          &fp);
-      fn(b.data, nullptr, ptrs.data(), p, b.count);
-      return;
-    }
-    reduce_segments(b, fn, -1, fp);
-  }
-
-  /// all_reduce of float32 values that travel and are reduced as `wire` (float16 or bfloat16):
-  /// each rank rounds its values to `wire` as it offers them (into the shared-memory slot), the
-  /// owner of a chunk reduces the `wire` values in float, in rank order, and rounds the result
-  /// to `wire` once, and every rank writes the rounded result back as float32. The result is
-  /// bitwise that of converting to `wire`, all_reduce on `wire`, and converting back, in the
-  /// passes over memory of a plain all_reduce, with half its bytes moved.
-  void all_reduce_as(const detail::Buf& b, ReduceOp op, DType wire) {
-    const detail::WireKernels k = detail::wire_kernels(wire, op);
-    if (b.dtype != DType::float32 || k.reduce == nullptr)
-      detail::fail(Errc::invalid_argument, "rank ", rank_, ": all_reduce_as: ", to_string(b.dtype),
-                   " values carried as ", to_string(wire),
-                   " are not supported; compression carries float32 as float16 or bfloat16");
-    const auto fp = next(detail::Coll::all_reduce, wire, b.fingerprint_count(), -1, op, true);
-    const std::size_t ws = size_of(wire);
-    const int p = size_;
-    // Memory for this rank's encoded offer: the next round's slot where the transport has one.
-    const auto encoded = [&](std::size_t bytes, std::vector<std::byte>& own) {
-      std::byte* at = t_->stage(bytes);
-      if (at != nullptr) return at;
-      if (own.size() < bytes) own.resize(bytes);
-      return own.data();
-    };
-    if (b.count * ws <= t_->small_bytes()) {  // one round; every rank reduces everything
-      std::byte* enc = encoded(b.count * ws, scratch_);
-      k.encode(enc, b.data, b.count);
-      const detail::Piece pc{enc, b.count * ws};
-      auto ptrs = t_->round(
-          {&pc, 1},
-          [&](int, int) {
-            return detail::Range{0, b.count * ws};
-          },
-          &fp);
-      k.reduce(b.data, nullptr, ptrs.data(), p, b.count);
-      return;
-    }
-    const std::size_t seg =
-        std::max<std::size_t>(static_cast<std::size_t>(p), t_->max_offer() / ws);
-    bool first = true;
-    for (std::size_t s0 = 0; s0 < b.count;) {
-      const std::size_t m = std::min(seg, b.count - s0);
-      const auto chunk = [&](int j) {  // in elements
-        const auto [lo, hi] = detail::split_range(m, p, j, ws);
-        return detail::Range{lo, hi - lo};
-      };
-      std::byte* enc = encoded(m * ws, scratch_);
-      k.encode(enc, b.at(s0), m);
-      const detail::Piece pc{enc, m * ws};
-      auto ptrs = t_->round(
-          {&pc, 1},
-          [&](int, int dst) {
-            const detail::Range c = chunk(dst);
-            return detail::Range{c.off * ws, c.len * ws};
-          },
-          first ? &fp : nullptr);
-      first = false;
-      const detail::Range mine = chunk(rank_);
-      std::byte* result = encoded(mine.len * ws, wire_result_);
-      k.reduce(b.at(s0 + mine.off), result, ptrs.data(), p, mine.len);
-      const detail::Piece out{result, mine.len * ws};
-      auto got = t_->round(
-          {&out, 1},
-          [&](int src, int) {
-            return detail::Range{0, chunk(src).len * ws};
-          },
-          nullptr);
-      for (int j = 0; j < p; ++j) {
-        const detail::Range c = chunk(j);
-        if (j != rank_ && c.len != 0)
-          k.decode(b.at(s0 + c.off), got[static_cast<std::size_t>(j)], c.len);
-      }
-      s0 += m;
-    }
-  }
-
-  void broadcast(const detail::Buf& b, int root) {
-    const auto fp =
-        next(detail::Coll::broadcast, b.dtype, b.fingerprint_count(), root, ReduceOp::sum, false);
-    const std::size_t es = b.elem();
-    const std::size_t seg = std::max<std::size_t>(1, t_->max_offer() / es);
-    segments(b.count, seg, [&](std::size_t s0, std::size_t m, bool first) {
-      const detail::Piece pc{b.at(s0), rank_ == root ? m * es : 0};
-      auto ptrs = t_->round(
-          {&pc, 1},
-          [&](int src, int dst) {
-            return src == root && dst != root ? detail::Range{0, m * es} : detail::Range{};
-          },
-          first ? &fp : nullptr);
-      if (rank_ != root && m != 0)
-        std::memcpy(b.at(s0), ptrs[static_cast<std::size_t>(root)], m * es);
-    });
-  }
-
-  void reduce(const detail::Buf& b, int root, ReduceOp op) {
-    const auto fp = next(detail::Coll::reduce, b.dtype, b.fingerprint_count(), root, op, true);
-    const auto fn = detail::reduce_fn(b.dtype, op);
-    const int p = size_;
-    if (b.bytes() <= t_->small_bytes()) {
-      const detail::Piece pc{b.data, b.bytes()};
-      auto ptrs = t_->round(
-          {&pc, 1},
-          [&](int, int dst) {
-            return dst == root ? detail::Range{0, b.bytes()} : detail::Range{};
-          },
-          &fp);
-      if (rank_ == root) fn(b.data, nullptr, ptrs.data(), p, b.count);
-      return;
-    }
-    reduce_segments(b, fn, root, fp);
-  }
-
-  void all_gather(const detail::Buf& in, const detail::Buf& out) {
-    gather_impl(detail::Coll::all_gather, in, out, -1);
-  }
-  void gather(const detail::Buf& in, const detail::Buf& out, int root) {
-    gather_impl(detail::Coll::gather, in, out, root);
-  }
-
-  void scatter(const detail::Buf& in, const detail::Buf& out, int root) {
-    const auto fp = next(detail::Coll::scatter, out.dtype, out.count, root, ReduceOp::sum, false);
-    const std::size_t es = out.elem(), n = out.count;
-    const std::size_t seg =
-        std::max<std::size_t>(1, t_->max_offer() / (es * static_cast<std::size_t>(size_)));
-    segments(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
-      pieces_.clear();
-      if (rank_ == root) {
-        for (int j = 0; j < size_; ++j)
-          pieces_.push_back({in.at(static_cast<std::size_t>(j) * n + s0), m * es});
-      }
-      auto ptrs = t_->round(
-          pieces_,
-          [&](int src, int dst) {
-            return src == root ? detail::Range{static_cast<std::size_t>(dst) * m * es, m * es}
-                               : detail::Range{};
-          },
-          first ? &fp : nullptr);
-      copy_if_distinct(out.at(s0), ptrs[static_cast<std::size_t>(root)], m * es);
-    });
-  }
-
-  void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
-    const auto fp = next(detail::Coll::reduce_scatter, out.dtype, out.count, -1, op, true);
-    const auto fn = detail::reduce_fn(out.dtype, op);
-    exchange_blocks(in, out.count, fp, [&](std::size_t s0, std::size_t m, auto ptrs) {
-      fn(out.at(s0), nullptr, ptrs.data(), size_, m);
-    });
-  }
-
-  void all_to_all(const detail::Buf& in, const detail::Buf& out) {
-    const std::size_t n = in.count / static_cast<std::size_t>(size_);
-    const auto fp = next(detail::Coll::all_to_all, in.dtype, n, -1, ReduceOp::sum, false);
-    exchange_blocks(in, n, fp, [&](std::size_t s0, std::size_t m, auto ptrs) {
-      for (int j = 0; j < size_; ++j) {
-        copy_if_distinct(out.at(static_cast<std::size_t>(j) * n + s0),
-                         ptrs[static_cast<std::size_t>(j)], m * in.elem());
-      }
-    });
-  }
-
-  void barrier() {
-    const auto fp = next(detail::Coll::barrier, DType::uint8, 0, -1, ReduceOp::sum, false);
-    (void)t_->round(
-        {}, [](int, int) { return detail::Range{}; }, &fp);
-  }
-
-  void send(const detail::Buf& b, int peer, int tag) {
-    t_->send(b, peer, tag, send_seq_[static_cast<std::size_t>(peer)]++);
-  }
-  void recv(const detail::Buf& b, int peer, int tag) {
-    t_->recv(b, peer, tag, recv_seq_[static_cast<std::size_t>(peer)]++);
-  }
-
-  /// Fails every current and later operation of this communicator with `code`; peers on shared
-  /// memory fail too, TCP peers see the connections close. Thread-safe.
-  void abort(Errc code, const std::string& why) { t_->abort(code, why); }
-
- private:
-  Host(int rank, int size)
-      : rank_(rank),
-        size_(size),
-        send_seq_(static_cast<std::size_t>(size)),
-        recv_seq_(static_cast<std::size_t>(size)) {}
-
-  detail::Fingerprint next(detail::Coll c, DType t, std::size_t count, int root, ReduceOp op,
-                           bool has_op) {
-    detail::Fingerprint f;
-    f.seq = seq_++;
-    f.count = count;
-    f.root = root;
-    f.coll = c;
-    f.dtype = t;
-    f.op = op;
-    f.has_op = has_op ? 1 : 0;
-    t_->current = f;
-    t_->has_current = true;
-    return f;
-  }
-
-  /// Calls f(start, count, first) for each segment of at most `seg` elements; at least once, so
-  /// that an empty collective still synchronizes and checks fingerprints.
-  template <class F>
-  static void segments(std::size_t n, std::size_t seg, F&& f) {
-    std::size_t s0 = 0;
-    bool first = true;
-    do {
-      const std::size_t m = std::min(seg, n - s0);
-      f(s0, m, first);
-      first = false;
-      s0 += m;
-    } while (s0 < n);
-  }
-
-  /// `in` holds one block of n elements per rank; in segments, rank j receives segment part of
-  /// block j from every rank, and use(start, count, ptrs) consumes it (ptrs[r]: rank r's part).
-  template <class Use>
-  void exchange_blocks(const detail::Buf& in, std::size_t n, const detail::Fingerprint& fp,
-                       Use&& use) {
-    const std::size_t es = in.elem();
-    const std::size_t seg =
-        std::max<std::size_t>(1, t_->max_offer() / (es * static_cast<std::size_t>(size_)));
-    segments(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
-      blocks(in, n, s0, m);
-      auto ptrs = t_->round(
-          pieces_,
-          [&](int, int dst) {
-            return detail::Range{static_cast<std::size_t>(dst) * m * es, m * es};
-          },
-          first ? &fp : nullptr);
-      use(s0, m, ptrs);
-    });
-  }
-
-  void blocks(const detail::Buf& in, std::size_t n, std::size_t s0, std::size_t m) {
-    pieces_.clear();
-    for (int j = 0; j < size_; ++j)
-      pieces_.push_back({in.at(static_cast<std::size_t>(j) * n + s0), m * in.elem()});
-  }
-
-  static void copy_if_distinct(std::byte* dst, const std::byte* src, std::size_t n) {
-    if (n != 0 && dst != src) std::memcpy(dst, src, n);
-  }
-
-  /// The large-message path of all_reduce (root < 0) and reduce: in segments, a reduce-scatter
-  /// (rank j reduces chunk j of every rank's segment, in rank order) then a gather of the reduced
-  /// chunks to every rank or to root. The result is written, in the same pass, to the user's
-  /// buffer and to the slot of the next round when the transport offers one; ranks other than
-  /// the root of a reduce leave their buffers untouched.
-  void reduce_segments(const detail::Buf& b, detail::ReduceFn fn, int root,
-                       const detail::Fingerprint& fp) {
-    const std::size_t es = b.elem();
-    const int p = size_;
-    const bool keeps = root < 0 || rank_ == root;
-    const std::size_t seg =
-        std::max<std::size_t>(static_cast<std::size_t>(p), t_->max_offer() / es);
-    bool first = true;
-    for (std::size_t s0 = 0; s0 < b.count;) {
-      const std::size_t m = std::min(seg, b.count - s0);
-      std::byte* base = b.at(s0);
-      const auto chunk = [&](int j) {
-        const auto [lo, hi] = detail::split_range(m, p, j, es);
-        return detail::Range{lo * es, (hi - lo) * es};
-      };
-      const detail::Piece pc{base, m * es};
-      auto ptrs = t_->round(
-          {&pc, 1}, [&](int, int dst) { return chunk(dst); }, first ? &fp : nullptr);
-      first = false;
-      const detail::Range mine = chunk(rank_);
-      std::byte* staged = t_->stage(mine.len);
-      std::byte* out = base + mine.off;
-      if (!keeps) {  // reduce only into the slot (or scratch): this rank's buffer stays as it was
-        if (staged == nullptr) {
-          if (scratch_.size() < mine.len) scratch_.resize(mine.len);
-          staged = scratch_.data();
-        }
-        out = staged;
-        staged = nullptr;
-      }
-      fn(out, staged, ptrs.data(), p, mine.len / es);
-      const detail::Piece result{staged != nullptr ? staged : out, mine.len};
-      auto got = t_->round(
-          {&result, 1},
-          [&](int src, int dst) {
-            return root < 0 || dst == root ? detail::Range{0, chunk(src).len} : detail::Range{};
-          },
-          nullptr);
-      if (keeps) {
-        for (int j = 0; j < p; ++j) {
-          const detail::Range r = chunk(j);
-          if (j != rank_ && r.len != 0)
-            std::memcpy(base + r.off, got[static_cast<std::size_t>(j)], r.len);
-        }
-      }
-      s0 += m;
-    }
-  }
-
-  void gather_impl(detail::Coll c, const detail::Buf& in, const detail::Buf& out, int root) {
-    const auto fp = next(c, in.dtype, in.count, root, ReduceOp::sum, false);
-    const std::size_t es = in.elem(), n = in.count;
-    const std::size_t seg = std::max<std::size_t>(1, t_->max_offer() / es);
-    segments(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
-      const detail::Piece pc{in.at(s0), m * es};
-      auto ptrs = t_->round(
-          {&pc, 1},
-          [&](int, int dst) {
-            return root < 0 || dst == root ? detail::Range{0, m * es} : detail::Range{};
-          },
-          first ? &fp : nullptr);
-      if (root >= 0 && rank_ != root) return;
-      for (int j = 0; j < size_; ++j) {
-        copy_if_distinct(out.at(static_cast<std::size_t>(j) * n + s0),
-                         ptrs[static_cast<std::size_t>(j)], m * es);
-      }
-    });
-  }
-
-  void connect(const detail::BackendInit& init) {
-    const Options& o = init.options;
-    if (size_ == 1) {
-      t_ = std::make_unique<detail::SelfTransport>(o.timeout);
-      local_size_ = 1;
-      return;
-    }
-    Store& store = *init.store;
-    const auto deadline = detail::Deadline::after(o.timeout);
-    const HostTransport requested = requested_transport(o);
-    const std::size_t segment_request = segment_bytes(o, 0);  // 0: the transport's default
-
-    // 1. Everyone publishes who and where it is, on the interface that reaches the store, and
-    //    what it was asked for; every rank must have been asked for the same.
-    detail::Fd listener = detail::listen_tcp(store.local_address(), 0);
-    const std::string identity = detail::host_identity();
-    {
-      std::string rec;
-      detail::ByteWriter w(rec);
-      w.str(identity);
-      w.put(static_cast<std::uint32_t>(::getpid()));
-      w.str(store.local_address());
-      w.put(static_cast<std::uint32_t>(detail::local_port(listener.get())));
-      w.put(static_cast<std::uint8_t>(requested));
-      w.put(static_cast<std::uint64_t>(segment_request));
-      store.set(detail::concat("peer/", rank_), rec);
-    }
-    std::vector<std::string> identities, transports, segments;
-    std::vector<int> pids;
-    std::vector<std::pair<std::string, int>> addrs;
-    for (const auto& rec : detail::gather_records(store, "peer/", rank_, size_, o.timeout)) {
-      detail::ByteReader r(rec, "peer record");
-      identities.push_back(r.str(4096));
-      pids.push_back(static_cast<int>(r.get<std::uint32_t>()));
-      auto addr = r.str(256);
-      addrs.emplace_back(std::move(addr), static_cast<int>(r.get<std::uint32_t>()));
-      const auto t = r.get<std::uint8_t>();
-      transports.push_back(t == static_cast<std::uint8_t>(HostTransport::shm)   ? "shm"
-                           : t == static_cast<std::uint8_t>(HostTransport::tcp) ? "tcp"
-                                                                                : "automatic");
-      const auto seg = r.get<std::uint64_t>();
-      segments.push_back(seg == 0 ? std::string("the default") : std::to_string(seg));
-    }
-    detail::require_agreement(rank_, "the host transport (Options::transport, DDP_HOST_TRANSPORT)",
-                              "every rank must ask for the same transport", transports);
-    detail::require_agreement(rank_, "the segment size (Options::segment_bytes, DDP_SEGMENT_BYTES)",
-                              "every rank must use the same segment size", segments);
-    local_leader_ = rank_;
-    for (int j = 0; j < size_; ++j) {
-      if (identities[static_cast<std::size_t>(j)] != identity) continue;
-      if (j < rank_) ++local_rank_;
-      local_leader_ = std::min(local_leader_, j);
-      ++local_size_;
-    }
-    const bool one_host = local_size_ == size_;
-
-    // 2. Pick the transport: every rank computes the same answer from the same records (rank 0
-    //    may still fall back from shm to tcp when /dev/shm is too small; it says so in its record).
-    HostTransport choice = requested;
-    if (choice == HostTransport::automatic)
-      choice = one_host ? HostTransport::shm : HostTransport::tcp;
-    if (choice == HostTransport::shm && !one_host) {
-      detail::fail(Errc::invalid_argument, "rank ", rank_,
-                   ": the shm transport was requested but the ranks are on more than one host");
-    }
-    if (choice == HostTransport::shm && !connect_shm(store, o, pids, requested)) {
-      choice = HostTransport::tcp;
-    }
-    if (choice == HostTransport::tcp) {
-      detail::TcpTransport::SessionKey key{};
-      if (rank_ == 0) {
-        detail::random_bytes(key.data(), key.size());
-        store.set("session", std::string(reinterpret_cast<const char*>(key.data()), key.size()));
-      } else {
-        const std::string k = store.get("session");
-        if (k.size() != key.size()) detail::fail(Errc::protocol, "bad session key in the store");
-        std::memcpy(key.data(), k.data(), key.size());
-      }
-      // A rank that fails meanwhile says so in the store ("failed"): stop waiting then.
-      const auto peer_failed = [&store] {
-        const std::string failed = "failed";
-        if (store.check(std::span<const std::string>(&failed, 1))) (void)store.get(failed);
-      };
-      auto peers = detail::TcpTransport::connect_mesh(rank_, size_, listener, addrs, key, deadline,
-                                                      peer_failed);
-      t_ = std::make_unique<detail::TcpTransport>(rank_, size_, o.timeout, std::move(peers),
-                                                  segment_bytes(o, std::size_t{4} << 20));
-    }
-    t_->verify_fingerprints = o.verify_collectives;
-  }
-
-  /// Options::transport, else $DDP_HOST_TRANSPORT.
-  static HostTransport requested_transport(const Options& o) {
-    if (o.transport != HostTransport::automatic) return o.transport;
-    const std::string forced = detail::env_or("DDP_HOST_TRANSPORT", "");
-    if (forced == "tcp") return HostTransport::tcp;
-    if (forced == "shm") return HostTransport::shm;
-    if (!forced.empty() && forced != "auto") {
-      detail::fail(Errc::invalid_argument, "DDP_HOST_TRANSPORT=\"", forced,
-                   "\": use shm, tcp or auto");
-    }
-    return HostTransport::automatic;
-  }
-
-  /// Options::segment_bytes, else $DDP_SEGMENT_BYTES, else the transport's default.
-  static std::size_t segment_bytes(const Options& o, std::size_t fallback) {
-    if (o.segment_bytes != 0) return o.segment_bytes;
-    const auto n = detail::env_unsigned("DDP_SEGMENT_BYTES", 4096, std::uint64_t{1} << 40,
-                                        "a number of bytes in [4096, 2^40]");
-    return n ? static_cast<std::size_t>(*n) : fallback;
-  }
-
-  /// Largest shm slot: a round moves at most one slot, and rounds this large already run at
-  /// memory speed, so larger requests are clamped here rather than reserve memory nobody reads.
-  static constexpr std::size_t max_shm_slot = std::size_t{64} << 20;
-
-  /// Sets up the shared-memory transport; false when rank 0 found /dev/shm too small and the
-  /// ranks fall back to tcp (an error instead when shm was asked for explicitly).
-  bool connect_shm(Store& store, const Options& o, const std::vector<int>& pids,
-                   HostTransport requested) {
-    detail::ShmLayout layout;
-    layout.world = size_;
-    auto segment = std::make_unique<detail::ShmSegment>();
-    std::uint64_t cookie = 0;
-    if (rank_ == 0) {
-      const std::size_t slot = segment_bytes(o, std::size_t{512} << 10);
-      layout.slot_bytes =
-          std::clamp<std::size_t>(detail::ShmLayout::align_up(slot, 4096), 4096, max_shm_slot);
-      layout.channel_bytes = std::size_t{256} << 10;
-      cookie = detail::random_value<std::uint64_t>();
-      std::string why;
-      const bool made = segment->create(layout.total(), why);
-      std::string rec;
-      detail::ByteWriter w(rec);
-      if (!made) {
-        if (requested == HostTransport::shm) {
-          detail::fail(Errc::backend, "rank 0: the shm transport cannot start: ", why,
-                       ". Give /dev/shm more room (e.g. docker run --shm-size=1g), use a smaller "
-                       "DDP_SEGMENT_BYTES, or DDP_HOST_TRANSPORT=tcp");
-        }
-        std::fprintf(stderr,
-                     "ddp: rank 0: %s; using the tcp transport instead (give /dev/shm more "
-                     "room, e.g. docker run --shm-size=1g, or set DDP_HOST_TRANSPORT=tcp)\n",
-                     why.c_str());
-        w.put(std::uint8_t{0});
-        store.set("shm", rec);
-        return false;
-      }
-      detail::ShmTransport::format(segment->base(), layout, cookie);
-      w.put(std::uint8_t{1});
-      w.str(segment->path());
-      w.put(cookie);
-      w.put(static_cast<std::uint64_t>(layout.slot_bytes));
-      w.put(static_cast<std::uint64_t>(layout.channel_bytes));
-      store.set("shm", rec);
-      // The others open the segment through this process's descriptor, which is closed once
-      // all have mapped it (the segment never has a name: a crash leaves nothing behind).
-      std::vector<std::string> mapped;
-      for (int j = 1; j < size_; ++j) mapped.push_back(detail::concat("mapped/", j));
-      const auto missing = store.missing_after(mapped, o.timeout);
-      segment->close_descriptor();
-      if (!missing.empty()) {
-        detail::fail(Errc::timeout, "rank 0: ", missing.size(),
-                     " rank(s) did not map the shared memory segment in time");
-      }
-    } else {
-      const std::string rec = store.get("shm");
-      detail::ByteReader r(rec, "shm record");
-      if (r.get<std::uint8_t>() == 0) return false;  // rank 0 fell back to tcp
-      const std::string path = r.str(255);
-      cookie = r.get<std::uint64_t>();
-      layout.slot_bytes = static_cast<std::size_t>(r.get<std::uint64_t>());
-      layout.channel_bytes = static_cast<std::size_t>(r.get<std::uint64_t>());
-      if (layout.slot_bytes == 0 || layout.slot_bytes > max_shm_slot || layout.channel_bytes == 0 ||
-          layout.channel_bytes > max_shm_slot) {
-        detail::fail(Errc::protocol, "rank ", rank_, ": bad shm record from rank 0");
-      }
-      segment->open(path, layout.total());
-      detail::ShmTransport::verify(segment->base(), layout, cookie);
-      store.set(detail::concat("mapped/", rank_), "");
-    }
-    t_ = std::make_unique<detail::ShmTransport>(rank_, size_, o.timeout, layout, std::move(segment),
-                                                pids);
-    return true;
-  }
-
-  int rank_;
-  int size_;
-  int local_rank_ = 0;
-  int local_size_ = 0;
-  int local_leader_ = 0;
-  std::unique_ptr<detail::Transport> t_;
-  std::uint64_t seq_ = 0;
-  std::vector<std::uint64_t> send_seq_, recv_seq_;
-  std::vector<detail::Piece> pieces_;
-  std::vector<std::byte> scratch_;
-  std::vector<std::byte> wire_result_;  // all_reduce_as without a staging slot (TCP)
-};
-
-}  // namespace backend
-DDP_END_NAMESPACE
-// end ddp/backend/host.hpp
-#if DDP_HAS_MPI
-// begin ddp/backend/mpi.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// backend::Mpi: ddp's collectives on an MPI library (link the `ddp::mpi` target, which defines
-/// DDP_HAS_MPI=1).
-///
-///  * Start: adopts an MPI that the program initialized (it must provide at least
-///    MPI_THREAD_SERIALIZED for async operations, which run on another thread), or calls
-///    MPI_Init_thread itself and MPI_Finalize at exit. Each communicator works on its own
-///    duplicate of MPI_COMM_WORLD (MPI_Comm_dup), so ddp's traffic never matches the program's;
-///    split() is MPI_Comm_split. Rank and size are MPI's: run the program under mpirun or srun.
-///  * Collectives map 1:1 onto MPI's blocking collectives (MPI_Allreduce, MPI_Bcast, ...), so
-///    ddp costs a few nanoseconds over calling MPI directly. float16 and bfloat16 use MPI
-///    operations defined here (computed in float); ReduceOp::avg is a sum divided by size().
-///    The order in which MPI combines ranks is the library's: floating-point results may differ
-///    in the last bits from backend::Host's rank-order reduction.
-///  * send/recv carry a header, so the receiver checks the tag, dtype and count as on every
-///    backend, and they wait with MPI_Test up to Options::timeout (Errc::timeout).
-///  * Timeouts of collectives: a blocking MPI collective cannot be interrupted, so a watchdog
-///    thread reports a collective that outlives Options::timeout on stderr (Errc::timeout, with
-///    the rank, the collective and its arguments) and ends the job with MPI_Abort instead of
-///    letting it hang.
-///  * CUDA buffers: passed to MPI directly when the library says it is CUDA-aware
-///    (MPIX_Query_cuda_support); otherwise the Communicator stages them through host memory.
-///  * Errors: the communicator uses MPI_ERRORS_RETURN; a failing call raises Errc::backend with
-///    the call's name and MPI_Error_string.
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/backend/backend.hpp" (already included above)
-// #include "ddp/detail/collective.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
-
-#include <mpi.h>
-#if defined(OPEN_MPI) && OPEN_MPI && __has_include(<mpi-ext.h>)
-#include <mpi-ext.h>
-#endif
-
-#include <algorithm>
-#include <atomic>
-#include <chrono>
-#include <climits>
-#include <condition_variable>
-#include <cstddef>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <memory>
-#include <mutex>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <thread>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-namespace detail {
-
-[[nodiscard]] inline std::string mpi_error_string(int code) {
-  char text[MPI_MAX_ERROR_STRING] = {};
-  int len = 0;
-  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) return concat("MPI error ", code);
-  return std::string(text, static_cast<std::size_t>(len));
-}
-
-/// float16 and bfloat16 reductions for MPI, computed in float and rounded per step.
-template <class T, ReduceOp Op>
-void mpi_small_float_op(void* in, void* inout, int* len, MPI_Datatype*) {
-  const auto* a = static_cast<const T*>(in);
-  auto* b = static_cast<T*>(inout);
-  for (int i = 0; i < *len; ++i) {
-    const float x = static_cast<float>(a[i]), y = static_cast<float>(b[i]);
-    float r = 0;
-    if constexpr (Op == ReduceOp::prod)
-      r = x * y;
-    else if constexpr (Op == ReduceOp::min)
-      r = x < y ? x : y;
-    else if constexpr (Op == ReduceOp::max)
-      r = y < x ? x : y;
-    else
-      r = x + y;
-    b[i] = T(r);
-  }
-}
-
-/// The MPI datatypes and operations ddp needs beyond the predefined ones; made once per process.
-class MpiTypes {
- public:
-  static MpiTypes& get() {
-    static MpiTypes types;
-    return types;
-  }
-
-  [[nodiscard]] MPI_Datatype type(DType t) const noexcept {
-    switch (t) {
-      case DType::int8: return MPI_INT8_T;
-      case DType::uint8: return MPI_UINT8_T;
-      case DType::int32: return MPI_INT32_T;
-      case DType::uint32: return MPI_UINT32_T;
-      case DType::int64: return MPI_INT64_T;
-      case DType::uint64: return MPI_UINT64_T;
-      case DType::float16: return half_;
-      case DType::bfloat16: return bfloat16_;
-      case DType::float32: return MPI_FLOAT;
-      case DType::float64: return MPI_DOUBLE;
-    }
-    return MPI_DATATYPE_NULL;
-  }
-
-  /// avg maps to sum (the backend divides afterwards).
-  [[nodiscard]] MPI_Op op(ReduceOp op, DType t) const noexcept {
-    const int k = op == ReduceOp::prod ? 1 : op == ReduceOp::min ? 2 : op == ReduceOp::max ? 3 : 0;
-    if (t == DType::float16) return half_ops_[k];
-    if (t == DType::bfloat16) return bfloat16_ops_[k];
-    static const MPI_Op builtin[] = {MPI_SUM, MPI_PROD, MPI_MIN, MPI_MAX};
-    return builtin[k];
-  }
-
- private:
-  MpiTypes() {
-    MPI_Type_contiguous(2, MPI_BYTE, &half_);
-    MPI_Type_commit(&half_);
-    MPI_Type_contiguous(2, MPI_BYTE, &bfloat16_);
-    MPI_Type_commit(&bfloat16_);
-    make_ops<half>(half_ops_);
-    make_ops<bfloat16>(bfloat16_ops_);
-  }
-  template <class T>
-  static void make_ops(MPI_Op (&ops)[4]) {
-    MPI_Op_create(&mpi_small_float_op<T, ReduceOp::sum>, 1, &ops[0]);
-    MPI_Op_create(&mpi_small_float_op<T, ReduceOp::prod>, 1, &ops[1]);
-    MPI_Op_create(&mpi_small_float_op<T, ReduceOp::min>, 1, &ops[2]);
-    MPI_Op_create(&mpi_small_float_op<T, ReduceOp::max>, 1, &ops[3]);
-  }
-
-  MPI_Datatype half_ = MPI_DATATYPE_NULL;
-  MPI_Datatype bfloat16_ = MPI_DATATYPE_NULL;
-  MPI_Op half_ops_[4] = {};
-  MPI_Op bfloat16_ops_[4] = {};
-};
-
-/// What a blocking MPI call is doing, for the watchdog's message.
-struct MpiCall {
-  const char* what = "";
-  DType dtype = DType::uint8;
-  std::size_t count = 0;
-  int root = -1;
-  bool has_op = false;
-  ReduceOp op = ReduceOp::sum;
-};
-
-/// Ends the job when a blocking MPI call outlives the timeout (it cannot be interrupted). Arming
-/// costs a plain atomic store (no lock, no clock read, no wake-up): the thread looks every
-/// timeout/10 (10 ms to 1 s) and fires when the same call has been running for the timeout
-/// (between timeout and timeout + one period after it started).
-class MpiWatchdog {
- public:
-  MpiWatchdog(int rank, std::chrono::milliseconds timeout)
-      : rank_(rank),
-        timeout_(timeout),
-        period_(std::clamp<std::chrono::milliseconds>(timeout / 10, std::chrono::milliseconds(10),
-                                                      std::chrono::seconds(1))),
-        thread_([this] { loop(); }) {}
-  MpiWatchdog(const MpiWatchdog&) = delete;
-  MpiWatchdog& operator=(const MpiWatchdog&) = delete;
-  ~MpiWatchdog() {
-    {
-      std::lock_guard lock(mutex_);
-      stopping_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-
-  // Called only by the thread running the operation (operations are serialized): plain stores.
-  void arm(const MpiCall& call) noexcept {
-    call_ = call;
-    serial_.store(serial_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
-  }
-  void disarm() noexcept {
-    serial_.store(serial_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
-  }
-
- private:
-  void loop() {
-    std::unique_lock lock(mutex_);
-    std::uint64_t seen = 0;  // the running call (odd serial) seen at `since`
-    auto since = std::chrono::steady_clock::now();
-    while (!cv_.wait_for(lock, period_, [&] { return stopping_; })) {
-      const std::uint64_t s = serial_.load(std::memory_order_acquire);
-      const auto now = std::chrono::steady_clock::now();
-      if ((s & 1U) == 0 || s != seen) {  // idle, or another call than last time
-        seen = s;
-        since = now;
-        continue;
-      }
-      if (now - since + period_ < timeout_) continue;  // it started at most a period before
-      std::string d = concat("rank ", rank_, ": backend::Mpi: ", call_.what, "(",
-                             to_string(call_.dtype), ", count=", call_.count);
-      if (call_.has_op) d += concat(", op=", to_string(call_.op));
-      if (call_.root >= 0) d += concat(", root=", call_.root);
-      std::fprintf(stderr,
-                   "ddp: %s) did not complete within %lld ms (Errc::timeout): a peer stopped, "
-                   "died or called another collective; MPI collectives cannot be interrupted, "
-                   "so the job is ended with MPI_Abort\n",
-                   d.c_str(), static_cast<long long>(timeout_.count()));
-      std::fflush(stderr);
-      MPI_Abort(MPI_COMM_WORLD, 124);
-      std::_Exit(124);
-    }
-  }
-
-  int rank_;
-  std::chrono::milliseconds timeout_, period_;
-  MpiCall call_;
-  std::atomic<std::uint64_t> serial_{0};
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  bool stopping_ = false;
-  std::thread thread_;
-};
-
-}  // namespace detail
-
-namespace backend {
-
-class Mpi {
- public:
-  static constexpr std::string_view name = "mpi";
-  /// Rank and size come from MPI, not from a rendezvous store.
-  static constexpr bool needs_store = false;
-
-  /// Initializes MPI if the program has not (MPI_THREAD_SERIALIZED; finalized at exit) and
-  /// duplicates MPI_COMM_WORLD.
-  [[nodiscard]] static std::unique_ptr<Mpi> create(const detail::BackendInit& init) {
-    ensure_initialized();
-    MPI_Comm world = MPI_COMM_NULL;
-    check(MPI_Comm_dup(MPI_COMM_WORLD, &world), "MPI_Comm_dup", -1);
-    auto b = std::unique_ptr<Mpi>(new Mpi(world, init.options));
-    if (init.size > 1 && init.size != b->size_) {
-      detail::fail(Errc::invalid_argument, "rank ", init.rank, ": backend::Mpi: the launcher says ",
-                   "the world has ", init.size, " ranks but MPI_COMM_WORLD has ", b->size_,
-                   "; start the program with mpirun (or srun --mpi=pmix) to use backend::Mpi");
-    }
-    return b;
-  }
-
-  Mpi(const Mpi&) = delete;
-  Mpi& operator=(const Mpi&) = delete;
-  ~Mpi() {
-    watchdog_.reset();
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    if (finalized != 0) return;
-    if (local_ != MPI_COMM_NULL) MPI_Comm_free(&local_);
-    if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
-  }
-
-  [[nodiscard]] int rank() const noexcept { return rank_; }
-  [[nodiscard]] int size() const noexcept { return size_; }
-  [[nodiscard]] int local_rank() const noexcept { return local_rank_; }
-  [[nodiscard]] int local_size() const noexcept { return local_size_; }
-  [[nodiscard]] int local_leader() const noexcept { return local_leader_; }
-  /// The MPI communicator ddp works on (a duplicate; do not free it).
-  [[nodiscard]] MPI_Comm comm() const noexcept { return comm_; }
-
-  /// Whether the MPI library accepts CUDA device pointers (Open MPI's MPIX_Query_cuda_support).
-  [[nodiscard]] static bool cuda_aware() noexcept {
-#if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
-    return MPIX_Query_cuda_support() == 1;
-#else
-    return false;
-#endif
-  }
-  [[nodiscard]] static bool supports(const Device& device) noexcept {
-    return device.is_cpu() || (DDP_HAS_CUDA && cuda_aware());
-  }
-
-  void all_reduce(const detail::Buf& b, ReduceOp op) {
-    chunked(b, [&](std::byte* p, int n) {
-      call(
-          [&] {
-            return MPI_Allreduce(MPI_IN_PLACE, p, n, type(b.dtype), mpi_op(op, b.dtype), comm_);
-          },
-          "all_reduce", "MPI_Allreduce", b, op, -1);
-    });
-    if (op == ReduceOp::avg) divide(b);
-  }
-
-  void broadcast(const detail::Buf& b, int root) {
-    chunked(b, [&](std::byte* p, int n) {
-      call([&] { return MPI_Bcast(p, n, type(b.dtype), root, comm_); }, "broadcast", "MPI_Bcast", b,
-           std::nullopt, root);
-    });
-  }
-
-  void reduce(const detail::Buf& b, int root, ReduceOp op) {
-    chunked(b, [&](std::byte* p, int n) {
-      call(
-          [&] {
-            return MPI_Reduce(rank_ == root ? MPI_IN_PLACE : p, p, n, type(b.dtype),
-                              mpi_op(op, b.dtype), root, comm_);
-          },
-          "reduce", "MPI_Reduce", b, op, root);
-    });
-    if (op == ReduceOp::avg && rank_ == root) divide(b);
-  }
-
-  void all_gather(const detail::Buf& in, const detail::Buf& out) {
-    const int n = count(in, "all_gather");
-    const bool in_place = in.count != 0 && in.data == out.at(in.count * unsigned_rank());
-    call(
-        [&] {
-          return MPI_Allgather(in_place ? MPI_IN_PLACE : in.data, n, type(in.dtype), out.data, n,
-                               type(in.dtype), comm_);
-        },
-        "all_gather", "MPI_Allgather", in, std::nullopt, -1);
-  }
-
-  void gather(const detail::Buf& in, const detail::Buf& out, int root) {
-    const int n = count(in, "gather");
-    const bool in_place =
-        rank_ == root && in.count != 0 && in.data == out.at(in.count * unsigned_rank());
-    call(
-        [&] {
-          return MPI_Gather(in_place ? MPI_IN_PLACE : in.data, n, type(in.dtype), out.data, n,
-                            type(in.dtype), root, comm_);
-        },
-        "gather", "MPI_Gather", in, std::nullopt, root);
-  }
-
-  void scatter(const detail::Buf& in, const detail::Buf& out, int root) {
-    const int n = count(out, "scatter");
-    const bool in_place =
-        rank_ == root && out.count != 0 && out.data == in.at(out.count * unsigned_rank());
-    call(
-        [&] {
-          return MPI_Scatter(in.data, n, type(out.dtype), in_place ? MPI_IN_PLACE : out.data, n,
-                             type(out.dtype), root, comm_);
-        },
-        "scatter", "MPI_Scatter", out, std::nullopt, root);
-  }
-
-  void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
-    const int n = count(out, "reduce_scatter");
-    // ddp's in-place form (out is this rank's block of in) is not MPI's (the result lands at the
-    // start of the buffer): reduce into scratch, then copy.
-    const bool overlapping = out.count != 0 && out.data == in.at(out.count * unsigned_rank());
-    std::byte* dst = out.data;
-    if (overlapping) {
-      scratch_.resize(out.bytes());
-      dst = scratch_.data();
-    }
-    call(
-        [&] {
-          return MPI_Reduce_scatter_block(in.data, dst, n, type(out.dtype), mpi_op(op, out.dtype),
-                                          comm_);
-        },
-        "reduce_scatter", "MPI_Reduce_scatter_block", out, op, -1);
-    if (overlapping) std::memcpy(out.data, dst, out.bytes());
-    if (op == ReduceOp::avg) divide(out);
-  }
-
-  void all_to_all(const detail::Buf& in, const detail::Buf& out) {
-    detail::Buf block = in;
-    block.count = in.count / static_cast<std::size_t>(size_);
-    const int n = count(block, "all_to_all");
-    call(
-        [&] {
-          return MPI_Alltoall(in.data, n, type(in.dtype), out.data, n, type(in.dtype), comm_);
-        },
-        "all_to_all", "MPI_Alltoall", block, std::nullopt, -1);
-  }
-
-  void barrier() {
-    MPI_Request req = MPI_REQUEST_NULL;
-    check(MPI_Ibarrier(comm_, &req), "MPI_Ibarrier", rank_);
-    wait(req, "barrier", -1);
-  }
-
-  void send(const detail::Buf& b, int peer, int tag) {
-    const Header h{static_cast<std::int64_t>(tag), static_cast<std::int64_t>(b.dtype),
-                   static_cast<std::int64_t>(b.count)};
-    MPI_Request req = MPI_REQUEST_NULL;
-    check(MPI_Isend(&h, sizeof h, MPI_BYTE, peer, p2p_tag, comm_, &req), "MPI_Isend", rank_);
-    wait(req, "send", peer);
-    for_chunks(b, [&](std::byte* p, int n) {
-      check(MPI_Isend(p, n, type(b.dtype), peer, p2p_tag, comm_, &req), "MPI_Isend", rank_);
-      wait(req, "send", peer);
-    });
-  }
-
-  void recv(const detail::Buf& b, int peer, int tag) {
-    Header h{};
-    MPI_Request req = MPI_REQUEST_NULL;
-    check(MPI_Irecv(&h, sizeof h, MPI_BYTE, peer, p2p_tag, comm_, &req), "MPI_Irecv", rank_);
-    wait(req, "recv", peer);
-    if (h.tag != tag || h.dtype != static_cast<std::int64_t>(b.dtype) ||
-        h.count != static_cast<std::int64_t>(b.count)) {
-      const auto dt = static_cast<DType>(h.dtype);
-      detail::fail(Errc::mismatch, "rank ", rank_, ": recv from rank ", peer, ": expected tag ",
-                   tag, ", ", to_string(b.dtype), " x ", b.count, " but rank ", peer, " sent tag ",
-                   h.tag, ", ", is_valid(dt) ? to_string(dt) : "invalid dtype", " x ", h.count,
-                   "; make the matching send and recv agree");
-    }
-    for_chunks(b, [&](std::byte* p, int n) {
-      check(MPI_Irecv(p, n, type(b.dtype), peer, p2p_tag, comm_, &req), "MPI_Irecv", rank_);
-      wait(req, "recv", peer);
-    });
-  }
-
-  /// Later operations fail at once (the Communicator poisons itself); a blocking MPI call in
-  /// progress cannot be interrupted and ends at its timeout.
-  void abort(Errc code, const std::string& why) {
-    std::lock_guard lock(abort_mutex_);
-    if (!aborted_.load()) {
-      abort_code_ = code;
-      abort_why_ = why;
-      aborted_.store(true);
-    }
-  }
-
-  /// MPI_Comm_split; nullptr for color < 0 (no group).
-  [[nodiscard]] std::unique_ptr<Mpi> split(int color, int key) {
-    MPI_Comm sub = MPI_COMM_NULL;
-    check(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &sub), "MPI_Comm_split",
-          rank_);
-    if (sub == MPI_COMM_NULL) return nullptr;
-    return std::unique_ptr<Mpi>(new Mpi(sub, options_));
-  }
-
- private:
-  struct Header {
-    std::int64_t tag, dtype, count;
-  };
-  static constexpr int p2p_tag = 7;
-  static constexpr std::size_t max_chunk = std::size_t{1} << 30;  // elements per MPI call
-
-  Mpi(MPI_Comm comm, const Options& options) : comm_(comm), options_(options) {
-    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
-    MPI_Comm_rank(comm_, &rank_);
-    MPI_Comm_size(comm_, &size_);
-    check(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local_),
-          "MPI_Comm_split_type", rank_);
-    MPI_Comm_rank(local_, &local_rank_);
-    MPI_Comm_size(local_, &local_size_);
-    MPI_Group local_group = MPI_GROUP_NULL, group = MPI_GROUP_NULL;
-    MPI_Comm_group(local_, &local_group);
-    MPI_Comm_group(comm_, &group);
-    const int zero = 0;
-    MPI_Group_translate_ranks(local_group, 1, &zero, group, &local_leader_);
-    MPI_Group_free(&local_group);
-    MPI_Group_free(&group);
-    int level = MPI_THREAD_SINGLE;
-    MPI_Query_thread(&level);
-    serialized_ = level >= MPI_THREAD_SERIALIZED;
-    owner_ = std::this_thread::get_id();
-    if (options_.timeout.count() > 0)
-      watchdog_ = std::make_unique<detail::MpiWatchdog>(rank_, options_.timeout);
-  }
-
-  static void ensure_initialized() {
-    int initialized = 0;
-    MPI_Initialized(&initialized);
-    if (initialized != 0) return;
-    int provided = 0;
-    const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
-    if (rc != MPI_SUCCESS) {
-      detail::fail(Errc::backend,
-                   "backend::Mpi: MPI_Init_thread failed: ", detail::mpi_error_string(rc));
-    }
-    std::atexit([] {
-      int finalized = 0;
-      MPI_Finalized(&finalized);
-      if (finalized == 0) MPI_Finalize();
-    });
-  }
-
-  static void check(int rc, const char* call, int rank) {
-    if (rc != MPI_SUCCESS) {
-      detail::fail(Errc::backend, "rank ", rank, ": backend::Mpi: ", call,
-                   " failed: ", detail::mpi_error_string(rc));
-    }
-  }
-
-  [[nodiscard]] std::size_t unsigned_rank() const noexcept {
-    return static_cast<std::size_t>(rank_);
-  }
-  [[nodiscard]] static MPI_Datatype type(DType t) { return detail::MpiTypes::get().type(t); }
-  [[nodiscard]] static MPI_Op mpi_op(ReduceOp op, DType t) {
-    return detail::MpiTypes::get().op(op, t);
-  }
-
-  /// Elements per rank as MPI's int, or Errc::invalid_argument beyond it.
-  [[nodiscard]] int count(const detail::Buf& b, const char* what) const {
-    if (b.count > static_cast<std::size_t>(INT_MAX)) {
-      detail::fail(Errc::invalid_argument, "rank ", rank_, ": ", what, ": ", b.count,
-                   " elements per rank exceed what one MPI call can carry (", INT_MAX,
-                   "); split the buffer");
-    }
-    return static_cast<int>(b.count);
-  }
-
-  /// Element-wise collectives in calls of at most max_chunk elements (at least one call).
-  template <class F>
-  static void chunked(const detail::Buf& b, F&& f) {
-    std::size_t s0 = 0;
-    do {
-      const std::size_t m = std::min(max_chunk, b.count - s0);
-      f(b.at(s0), static_cast<int>(m));
-      s0 += m;
-    } while (s0 < b.count);
-  }
-  template <class F>
-  static void for_chunks(const detail::Buf& b, F&& f) {
-    for (std::size_t s0 = 0; s0 < b.count; s0 += max_chunk)
-      f(b.at(s0), static_cast<int>(std::min(max_chunk, b.count - s0)));
-  }
-
-  void before(const char* what) {
-    if (aborted_.load()) {
-      std::lock_guard lock(abort_mutex_);
-      detail::fail(abort_code_, "rank ", rank_, ": ", what, ": aborted: ", abort_why_);
-    }
-    if (!serialized_ && std::this_thread::get_id() != owner_) {
-      detail::fail(Errc::unsupported, "rank ", rank_, ": ", what,
-                   ": the program initialized MPI below MPI_THREAD_SERIALIZED, so ddp may call "
-                   "MPI only from the thread that created the communicator (async operations "
-                   "run on another); initialize MPI with MPI_Init_thread(..., "
-                   "MPI_THREAD_SERIALIZED, ...) or let ddp initialize it");
-    }
-  }
-
-  /// One blocking MPI collective under the watchdog.
-  template <class F>
-  void call(F&& f, const char* what, const char* mpi_call, const detail::Buf& b,
-            std::optional<ReduceOp> op, int root) {
-    before(what);
-    if (watchdog_)
-      watchdog_->arm({what, b.dtype, b.count, root, op.has_value(), op.value_or(ReduceOp::sum)});
-    const int rc = f();
-    if (watchdog_) watchdog_->disarm();
-    check(rc, mpi_call, rank_);
-  }
-
-  /// Polls a request up to the timeout.
-  void wait(MPI_Request& req, const char* what, int peer) {
-    before(what);
-    const auto start = std::chrono::steady_clock::now();
-    int spins = 0;
-    for (;;) {
-      int done = 0;
-      check(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "MPI_Test", rank_);
-      if (done != 0) return;
-      if (aborted_.load()) before(what);
-      if (++spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
-      if (options_.timeout.count() > 0 &&
-          std::chrono::steady_clock::now() - start > options_.timeout) {
-        MPI_Cancel(&req);
-        MPI_Request_free(&req);
-        detail::fail(Errc::timeout, "rank ", rank_, ": backend::Mpi: ", what,
-                     peer >= 0 ? detail::concat(" with rank ", peer) : std::string(),
-                     " did not complete within ", options_.timeout.count(),
-                     " ms; check that the peer makes the matching call");
-      }
-    }
-  }
-
-  void divide(const detail::Buf& b) const {
-    const auto by = static_cast<double>(size_);
-    const auto each = [&]<class T>(T*) {
-      auto* p = reinterpret_cast<T*>(b.data);
-      for (std::size_t i = 0; i < b.count; ++i)
-        p[i] = T(static_cast<float>(p[i]) / static_cast<float>(by));
-    };
-    switch (b.dtype) {
-      case DType::float16: each(static_cast<half*>(nullptr)); break;
-      case DType::bfloat16: each(static_cast<bfloat16*>(nullptr)); break;
-      case DType::float32: {
-        auto* p = reinterpret_cast<float*>(b.data);
-        const auto f = static_cast<float>(by);
-        for (std::size_t i = 0; i < b.count; ++i) p[i] /= f;
-        break;
-      }
-      case DType::float64: {
-        auto* p = reinterpret_cast<double*>(b.data);
-        for (std::size_t i = 0; i < b.count; ++i) p[i] /= by;
-        break;
-      }
-      default: break;  // avg on integers is refused before this point
-    }
-  }
-
-  MPI_Comm comm_ = MPI_COMM_NULL;
-  MPI_Comm local_ = MPI_COMM_NULL;
-  Options options_;
-  int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1, local_leader_ = 0;
-  bool serialized_ = true;
-  std::thread::id owner_;
-  std::unique_ptr<detail::MpiWatchdog> watchdog_;
-  std::vector<std::byte> scratch_;
-  std::mutex abort_mutex_;
-  std::atomic<bool> aborted_{false};
-  Errc abort_code_ = Errc::aborted;
-  std::string abort_why_;
-};
-
-}  // namespace backend
-DDP_END_NAMESPACE
-// end ddp/backend/mpi.hpp
-#endif
-#if DDP_HAS_CUDA
-// begin ddp/cuda.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// CUDA resources with RAII, for the CUDA backends and for programs that want a ready-made CUDA
-/// tensor: ddp::CudaBuffer<T> (device memory that ddp knows, at compile time, to be on a CUDA
-/// device), ddp::CudaStream, ddp::CudaEvent, ddp::PinnedBuffer<T> (page-locked host memory) and
-/// ddp::CudaDeviceGuard. Every CUDA call is checked: a failure raises Errc::backend naming the
-/// call and cudaGetErrorString's text. Host code only (the CUDA runtime API): compiles with any
-/// C++20 compiler given the CUDA headers; link CUDA::cudart (the `ddp::cuda` target does both
-/// and defines DDP_HAS_CUDA=1).
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/detail/collective.hpp" (already included above)
 // begin ddp/detail/staging.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -6006,6 +3760,548 @@ void stage_whole(C& c, std::array<StagedArg, N> args, Op&& op) {
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/detail/staging.hpp
+// begin ddp/environment.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ddp::Environment: who am I? Read from the variables a launcher sets — ddprun and torchrun
+/// (RANK, WORLD_SIZE, ...), Slurm (SLURM_PROCID, ...), Open MPI (OMPI_COMM_WORLD_*), MPICH/PMI
+/// (PMI_RANK, ...) — or, with no launcher, rank 0 of a world of 1.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+
+#include <charconv>
+#include <cstdlib>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <system_error>
+
+DDP_BEGIN_NAMESPACE
+
+/// Where a process stands in the job, and where the rendezvous store is.
+struct Environment {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;  ///< 0: not set (only allowed when world_size == 1 or under MPI)
+  /// The port of ddp's rendezvous store on master_addr: DDP_STORE_PORT when set; under torchrun,
+  /// whose agent already serves its own (c10d) store on MASTER_PORT, MASTER_PORT + 1; otherwise
+  /// master_port.
+  int store_port = 0;
+  /// Which launcher the values came from: "ddprun", "torchrun", "slurm", "openmpi", "pmi", "none".
+  std::string launcher = "none";
+
+  /// Reads the process environment. Never throws when no launcher variable is set; throws
+  /// Errc::invalid_argument naming the variable when one is malformed or inconsistent.
+  [[nodiscard]] static Environment detect();
+
+  /// The same, from any lookup function (returns nullptr for unset names): for tests and for
+  /// programs that keep their configuration elsewhere.
+  [[nodiscard]] static Environment detect(const std::function<const char*(const char*)>& lookup);
+};
+
+namespace detail {
+
+class EnvReader {
+ public:
+  explicit EnvReader(const std::function<const char*(const char*)>& lookup) : lookup_(lookup) {}
+
+  [[nodiscard]] bool has(const char* name) const {
+    const char* v = lookup_(name);
+    return v != nullptr && *v != '\0';
+  }
+  [[nodiscard]] std::optional<std::string> str(const char* name) const {
+    const char* v = lookup_(name);
+    if (v == nullptr || *v == '\0') return std::nullopt;
+    return std::string(v);
+  }
+  /// An integer in [min, max]; anything else is an error that names the variable.
+  [[nodiscard]] std::optional<int> integer(const char* name, int min, int max) const {
+    const char* v = lookup_(name);
+    if (v == nullptr || *v == '\0') return std::nullopt;
+    const std::string_view text(v);
+    int value = 0;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+    if (ec != std::errc{} || end != text.data() + text.size()) {
+      fail(Errc::invalid_argument, "environment variable ", name, "=\"", text,
+           "\" is not an integer; check what your launcher exported");
+    }
+    if (value < min || value > max) {
+      fail(Errc::invalid_argument, "environment variable ", name, "=", value, " is out of range [",
+           min, ", ", max, "]");
+    }
+    return value;
+  }
+
+ private:
+  const std::function<const char*(const char*)>& lookup_;
+};
+
+/// The first host name of a Slurm node list: "gpu[07-09,12],cpu3" -> "gpu07".
+[[nodiscard]] inline std::string first_slurm_host(std::string_view list) {
+  const auto bracket = list.find('[');
+  const auto comma = list.find(',');
+  if (bracket == std::string_view::npos || (comma != std::string_view::npos && comma < bracket)) {
+    return std::string(list.substr(0, comma));
+  }
+  const auto close = list.find(']', bracket);
+  if (close == std::string_view::npos) {
+    fail(Errc::invalid_argument, "SLURM_JOB_NODELIST=\"", list, "\" is malformed (no ']')");
+  }
+  std::string_view range = list.substr(bracket + 1, close - bracket - 1);
+  range = range.substr(0, range.find_first_of(",-"));
+  return std::string(list.substr(0, bracket)) + std::string(range);
+}
+
+inline void check_rank(const EnvReader&, int rank, int world, const char* rank_var,
+                       const char* world_var) {
+  if (rank >= world) {
+    fail(Errc::invalid_argument, "environment: ", rank_var, "=", rank, " must be less than ",
+         world_var, "=", world);
+  }
+}
+
+}  // namespace detail
+
+inline Environment Environment::detect(const std::function<const char*(const char*)>& lookup) {
+  constexpr int max_world = 1 << 24;
+  const detail::EnvReader env(lookup);
+  Environment e;
+
+  const auto fill_master = [&](bool required) {
+    if (auto addr = env.str("MASTER_ADDR")) e.master_addr = *addr;
+    if (auto port = env.integer("MASTER_PORT", 1, 65535)) {
+      e.master_port = *port;
+    } else if (required && e.world_size > 1) {
+      detail::fail(Errc::invalid_argument, "environment: WORLD_SIZE=", e.world_size,
+                   " but MASTER_PORT is not set; export MASTER_ADDR and MASTER_PORT (ddprun and "
+                   "torchrun do this for you)");
+    }
+  };
+
+  if (env.has("RANK") || env.has("WORLD_SIZE")) {  // ddprun / torchrun / torch.distributed.launch
+    e.launcher = env.has("DDP_LAUNCHER") ? "ddprun" : "torchrun";
+    const auto rank = env.integer("RANK", 0, max_world - 1);
+    const auto world = env.integer("WORLD_SIZE", 1, max_world);
+    if (!rank)
+      detail::fail(Errc::invalid_argument, "environment: WORLD_SIZE is set but RANK is not");
+    if (!world)
+      detail::fail(Errc::invalid_argument, "environment: RANK is set but WORLD_SIZE is not");
+    e.rank = *rank;
+    e.world_size = *world;
+    detail::check_rank(env, e.rank, e.world_size, "RANK", "WORLD_SIZE");
+    e.local_world_size = env.integer("LOCAL_WORLD_SIZE", 1, max_world).value_or(e.world_size);
+    e.local_rank =
+        env.integer("LOCAL_RANK", 0, max_world - 1).value_or(e.rank % e.local_world_size);
+    detail::check_rank(env, e.local_rank, e.local_world_size, "LOCAL_RANK", "LOCAL_WORLD_SIZE");
+    if (e.local_world_size > e.world_size) {
+      detail::fail(Errc::invalid_argument, "environment: LOCAL_WORLD_SIZE=", e.local_world_size,
+                   " is larger than WORLD_SIZE=", e.world_size);
+    }
+    auto node = env.integer("NODE_RANK", 0, max_world - 1);
+    if (!node) node = env.integer("GROUP_RANK", 0, max_world - 1);
+    e.node_rank = node.value_or(e.rank / e.local_world_size);
+    fill_master(/*required=*/true);
+  } else if (env.has("OMPI_COMM_WORLD_RANK")) {  // Open MPI's mpirun
+    e.launcher = "openmpi";
+    e.world_size = env.integer("OMPI_COMM_WORLD_SIZE", 1, max_world).value_or(1);
+    e.rank = *env.integer("OMPI_COMM_WORLD_RANK", 0, max_world - 1);
+    detail::check_rank(env, e.rank, e.world_size, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE");
+    e.local_world_size =
+        env.integer("OMPI_COMM_WORLD_LOCAL_SIZE", 1, max_world).value_or(e.world_size);
+    e.local_rank = env.integer("OMPI_COMM_WORLD_LOCAL_RANK", 0, max_world - 1).value_or(0);
+    detail::check_rank(env, e.local_rank, e.local_world_size, "OMPI_COMM_WORLD_LOCAL_RANK",
+                       "OMPI_COMM_WORLD_LOCAL_SIZE");
+    // Not OMPI_COMM_WORLD_NODE_RANK: despite its name it ranks processes within a node (across
+    // jobs). With mpirun's default by-slot mapping, ranks fill the nodes in order.
+    e.node_rank = e.rank / e.local_world_size;
+    fill_master(/*required=*/false);
+  } else if (env.has("PMI_RANK")) {  // MPICH / Intel MPI (hydra)
+    e.launcher = "pmi";
+    e.world_size = env.integer("PMI_SIZE", 1, max_world).value_or(1);
+    e.rank = *env.integer("PMI_RANK", 0, max_world - 1);
+    detail::check_rank(env, e.rank, e.world_size, "PMI_RANK", "PMI_SIZE");
+    e.local_world_size = env.integer("MPI_LOCALNRANKS", 1, max_world).value_or(e.world_size);
+    e.local_rank = env.integer("MPI_LOCALRANKID", 0, max_world - 1).value_or(0);
+    detail::check_rank(env, e.local_rank, e.local_world_size, "MPI_LOCALRANKID", "MPI_LOCALNRANKS");
+    e.node_rank = e.rank / e.local_world_size;
+    fill_master(/*required=*/false);
+  } else if (env.has("SLURM_PROCID")) {  // srun
+    e.launcher = "slurm";
+    e.world_size = env.integer("SLURM_NTASKS", 1, max_world).value_or(1);
+    e.rank = *env.integer("SLURM_PROCID", 0, max_world - 1);
+    detail::check_rank(env, e.rank, e.world_size, "SLURM_PROCID", "SLURM_NTASKS");
+    e.local_rank = env.integer("SLURM_LOCALID", 0, max_world - 1).value_or(0);
+    // SLURM_NTASKS_PER_NODE may read "4" or "4(x2)"; SLURM_TASKS_PER_NODE likewise. Use the
+    // leading number when it parses, else assume one node.
+    e.local_world_size = e.world_size;
+    for (const char* name : {"SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
+      if (auto v = env.str(name)) {
+        int n = 0;
+        const auto [end, ec] = std::from_chars(v->data(), v->data() + v->size(), n);
+        if (ec == std::errc{} && n > 0 && end != v->data()) {
+          e.local_world_size = n;
+          break;
+        }
+      }
+    }
+    detail::check_rank(env, e.local_rank, e.local_world_size, "SLURM_LOCALID",
+                       "SLURM_NTASKS_PER_NODE");
+    e.node_rank = env.integer("SLURM_NODEID", 0, max_world - 1).value_or(0);
+    if (!env.has("MASTER_ADDR")) {
+      if (auto nodes = env.str("SLURM_JOB_NODELIST"))
+        e.master_addr = detail::first_slurm_host(*nodes);
+    }
+    fill_master(/*required=*/false);
+    if (e.master_port == 0) {
+      // Same on every task of the job, different between jobs sharing a node.
+      if (auto job = env.integer("SLURM_JOB_ID", 0, 2147483647))
+        e.master_port = 15000 + *job % 20000;
+    }
+  }
+  e.store_port = e.master_port;
+  if (auto port = env.integer("DDP_STORE_PORT", 1, 65535)) {
+    e.store_port = *port;
+  } else if (e.launcher == "torchrun" && e.master_port != 0 &&
+             env.str("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True") {
+    if (e.master_port == 65535)
+      detail::fail(Errc::invalid_argument,
+                   "environment: under torchrun ddp's store listens on MASTER_PORT + 1, but "
+                   "MASTER_PORT is 65535; pick another port or set DDP_STORE_PORT");
+    e.store_port = e.master_port + 1;
+  }
+  return e;
+}
+
+inline Environment Environment::detect() {
+  return detect([](const char* name) -> const char* { return std::getenv(name); });
+}
+
+DDP_END_NAMESPACE
+// end ddp/environment.hpp
+// #include "ddp/error.hpp" (already included above)
+// begin ddp/objects.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Object collectives (all_gather_object, gather_object, broadcast_object) and small host-value
+/// helpers (all_reduce_host, broadcast_host), written on the public Communicator API the way
+/// torch.distributed layers its object collectives above the ProcessGroup: free functions of any
+/// communicator, `ddp::all_gather_object(comm, value)`. Communicator's members of the same names
+/// call these.
+///
+/// Objects travel as bytes made by ddp::codec (never executed); a rank's object may encode to at
+/// most 1 GiB. On a backend that moves device memory only (backend::Nccl) host data travels
+/// through a device copy, so code above the Communicator works on every backend alike.
+
+// #include "ddp/backend/backend.hpp" (already included above)
+// begin ddp/codec.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The object codec behind gather_object, all_gather_object and broadcast_object: a typed,
+/// length-prefixed binary encoding. Decoding never executes anything from the wire (unlike
+/// pickle), checks a type tag, and refuses truncated input, counts the input could not hold and
+/// nesting deeper than 64 with Errc::invalid_argument, before allocating.
+///
+/// Built in: trivially copyable types, std::string, std::vector, std::pair, std::optional (and
+/// any nesting of those). For your own type, specialize ddp::codec:
+///
+///   template <> struct ddp::codec<Sample> {
+///     static void encode(ddp::Encoder& e, const Sample& s) { e.put(s.id); e.put(s.label); }
+///     static Sample decode(ddp::Decoder& d) {
+///       Sample s;
+///       s.id = d.get<int>();
+///       s.label = d.get<std::string>();
+///       return s;
+///     }
+///   };
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+template <class T>
+struct codec;
+
+class Encoder;
+class Decoder;
+
+/// A type ddp can encode: built in, or with a ddp::codec<T> specialization.
+template <class T>
+concept Encodable = requires(Encoder& e, Decoder& d, const T& v) {
+  codec<T>::encode(e, v);
+  { codec<T>::decode(d) } -> std::same_as<T>;
+};
+
+class Encoder {
+ public:
+  explicit Encoder(std::string& out) : out_(out) {}
+  template <class T>
+  void put(const T& value) {
+    codec<T>::encode(*this, value);
+  }
+  void bytes(const void* data, std::size_t n) { out_.append(static_cast<const char*>(data), n); }
+  void count(std::size_t n) {
+    const auto v = static_cast<std::uint64_t>(n);
+    bytes(&v, sizeof v);
+  }
+
+ private:
+  std::string& out_;
+};
+
+class Decoder {
+ public:
+  static constexpr int max_depth = 64;
+
+  Decoder(const void* data, std::size_t n) : p_(static_cast<const std::byte*>(data)), left_(n) {}
+
+  template <class T>
+  [[nodiscard]] T get() {
+    if (++depth_ > max_depth)
+      detail::fail(Errc::invalid_argument, "object decode: nesting deeper than ", max_depth);
+    T v = codec<T>::decode(*this);
+    --depth_;
+    return v;
+  }
+  void bytes(void* out, std::size_t n) {
+    if (n > left_) {
+      detail::fail(Errc::invalid_argument, "object decode: input truncated (needs ", n,
+                   " more bytes, has ", left_, ")");
+    }
+    if (n != 0) std::memcpy(out, p_, n);
+    p_ += n;
+    left_ -= n;
+  }
+  /// A count of elements that each take at least `min_bytes` of the remaining input.
+  [[nodiscard]] std::size_t count(std::size_t min_bytes) {
+    std::uint64_t n = 0;
+    bytes(&n, sizeof n);
+    if (min_bytes == 0) min_bytes = 1;
+    if (n > left_ / min_bytes) {
+      detail::fail(Errc::invalid_argument, "object decode: a count of ", n, " cannot fit in the ",
+                   left_, " bytes left (malformed or hostile input)");
+    }
+    return static_cast<std::size_t>(n);
+  }
+  [[nodiscard]] std::size_t left() const noexcept { return left_; }
+
+ private:
+  const std::byte* p_;
+  std::size_t left_;
+  int depth_ = 0;
+};
+
+namespace detail {
+template <class T>
+inline constexpr bool is_optional_v = false;
+template <class T>
+inline constexpr bool is_optional_v<std::optional<T>> = true;
+
+/// Sent as their bytes: trivially copyable types, except those whose bytes can be invalid
+/// (bool, std::optional), which have checking codecs. A trivially copyable struct with a bool
+/// or closed-enum member should get its own codec.
+template <class T>
+concept RawEncodable =
+    std::is_trivially_copyable_v<T> && !std::is_same_v<T, bool> && !is_optional_v<T>;
+
+/// Fewest bytes one encoded T takes (bounds counts read from the wire).
+template <class T>
+constexpr std::size_t min_encoded_bytes() {
+  if constexpr (RawEncodable<T>)
+    return sizeof(T);
+  else
+    return 1;
+}
+}  // namespace detail
+
+template <class T>
+  requires detail::RawEncodable<T>
+struct codec<T> {
+  static void encode(Encoder& e, const T& v) { e.bytes(&v, sizeof v); }
+  static T decode(Decoder& d) {
+    T v;
+    d.bytes(&v, sizeof v);
+    return v;
+  }
+};
+
+template <>
+struct codec<bool> {
+  static void encode(Encoder& e, const bool& v) {
+    const std::uint8_t b = v ? 1 : 0;
+    e.bytes(&b, 1);
+  }
+  static bool decode(Decoder& d) {
+    std::uint8_t b = 0;
+    d.bytes(&b, 1);
+    if (b > 1) detail::fail(Errc::invalid_argument, "object decode: bad bool ", int{b});
+    return b == 1;
+  }
+};
+
+template <>
+struct codec<std::string> {
+  static void encode(Encoder& e, const std::string& s) {
+    e.count(s.size());
+    e.bytes(s.data(), s.size());
+  }
+  static std::string decode(Decoder& d) {
+    std::string s(d.count(1), '\0');
+    d.bytes(s.data(), s.size());
+    return s;
+  }
+};
+
+template <class T>
+struct codec<std::vector<T>> {
+  static void encode(Encoder& e, const std::vector<T>& v) {
+    e.count(v.size());
+    if constexpr (detail::RawEncodable<T>) {
+      e.bytes(v.data(), v.size() * sizeof(T));
+    } else {
+      for (const auto& x : v) e.put<T>(x);
+    }
+  }
+  static std::vector<T> decode(Decoder& d) {
+    const std::size_t n = d.count(detail::min_encoded_bytes<T>());
+    std::vector<T> v;
+    if constexpr (detail::RawEncodable<T>) {
+      v.resize(n);
+      d.bytes(v.data(), n * sizeof(T));
+    } else {
+      v.reserve(n);
+      for (std::size_t i = 0; i < n; ++i) v.push_back(d.get<T>());
+    }
+    return v;
+  }
+};
+
+template <class A, class B>
+  requires(!detail::RawEncodable<std::pair<A, B>>)
+struct codec<std::pair<A, B>> {
+  static void encode(Encoder& e, const std::pair<A, B>& p) {
+    e.put<A>(p.first);
+    e.put<B>(p.second);
+  }
+  static std::pair<A, B> decode(Decoder& d) {
+    A a = d.get<A>();
+    B b = d.get<B>();
+    return {std::move(a), std::move(b)};
+  }
+};
+
+template <class T>
+struct codec<std::optional<T>> {
+  static void encode(Encoder& e, const std::optional<T>& o) {
+    e.put<std::uint8_t>(o.has_value() ? 1 : 0);
+    if (o) e.put<T>(*o);
+  }
+  static std::optional<T> decode(Decoder& d) {
+    const auto has = d.get<std::uint8_t>();
+    if (has > 1)
+      detail::fail(Errc::invalid_argument, "object decode: bad optional flag ", int{has});
+    if (has == 0) return std::nullopt;
+    return d.get<T>();
+  }
+};
+
+namespace detail {
+
+/// FNV-1a of the compiler's spelling of T: the same on every rank of one program.
+template <class T>
+std::uint64_t type_tag() {
+  // Read here, not inside a lambda: there it would name the lambda (clang), not type_tag<T>.
+  const std::string_view name = __PRETTY_FUNCTION__;
+  static const std::uint64_t tag = [name] {
+    std::uint64_t h = 1469598103934665603ull;
+    for (char c : name) {
+      h ^= static_cast<std::uint8_t>(c);
+      h *= 1099511628211ull;
+    }
+    return h;
+  }();
+  return tag;
+}
+
+/// The complete message for one object: type tag, then the encoding.
+template <Encodable T>
+std::string encode_object(const T& value) {
+  std::string out;
+  Encoder e(out);
+  e.put<std::uint64_t>(type_tag<T>());
+  e.put<T>(value);
+  return out;
+}
+
+template <Encodable T>
+T decode_object(const void* data, std::size_t n) {
+  Decoder d(data, n);
+  if (d.get<std::uint64_t>() != type_tag<T>()) {
+    fail(Errc::invalid_argument,
+         "object decode: the bytes encode a different type (type tag mismatch): every rank must "
+         "pass the same type");
+  }
+  T v = d.get<T>();
+  if (d.left() != 0) fail(Errc::invalid_argument, "object decode: ", d.left(), " trailing bytes");
+  return v;
+}
+
+}  // namespace detail
+
+DDP_END_NAMESPACE
+// end ddp/codec.hpp
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/detail/call.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+#if DDP_HAS_CUDA
+// begin ddp/cuda.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// CUDA resources with RAII, for the CUDA backends and for programs that want a ready-made CUDA
+/// tensor: ddp::CudaBuffer<T> (device memory that ddp knows, at compile time, to be on a CUDA
+/// device), ddp::CudaStream, ddp::CudaEvent, ddp::PinnedBuffer<T> (page-locked host memory) and
+/// ddp::CudaDeviceGuard. Every CUDA call is checked: a failure raises Errc::backend naming the
+/// call and cudaGetErrorString's text. Host code only (the CUDA runtime API): compiles with any
+/// C++20 compiler given the CUDA headers; link CUDA::cudart (the `ddp::cuda` target does both
+/// and defines DDP_HAS_CUDA=1).
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/collective.hpp" (already included above)
+// #include "ddp/detail/staging.hpp" (already included above)
 // #include "ddp/detail/string.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
@@ -6460,1843 +4756,6 @@ class CudaStaging {
 
 DDP_END_NAMESPACE
 // end ddp/cuda.hpp
-#endif
-#if DDP_HAS_NCCL
-// begin ddp/backend/nccl.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// backend::Nccl: ddp's collectives on NCCL, for buffers in CUDA device memory (link the
-/// `ddp::nccl` target, which defines DDP_HAS_CUDA=1 and DDP_HAS_NCCL=1).
-///
-///  * Start: the device is bound explicitly before anything else (Options::device, else the
-///    local rank); rank 0 makes the ncclUniqueId and shares it through the rendezvous Store;
-///    the communicator is created non-blocking (ncclCommInitRankConfig, config.blocking = 0), so
-///    that initialization too honours Options::timeout.
-///  * Streams: user kernels and collectives never race, whichever stream either runs on. When a
-///    collective's buffers share one stream, it is enqueued on that stream (ordered by the
-///    stream itself, no extra CUDA calls); otherwise on the communicator's own stream, ordered
-///    after the work queued on every buffer's stream (event record + cudaStreamWaitEvent), with
-///    those streams ordered after it. One collective is in flight at a time (each call waits for
-///    its work), so NCCL's kernels never run on two streams at once.
-///  * Completion and timeouts: a call returns when its work has finished on the GPU (async calls
-///    on the Communicator's worker thread); while waiting it polls the completion event and
-///    ncclCommGetAsyncError, and past Options::timeout, or on an asynchronous NCCL error, or on
-///    abort(), it calls ncclCommAbort and raises Errc::timeout, Errc::peer_lost (ncclRemoteError)
-///    or Errc::backend.
-///  * gather, scatter and all_to_all are grouped ncclSend/ncclRecv; send/recv carry a small
-///    header, so the receiver checks the tag, dtype and count as on every backend.
-///  * Types: half -> ncclFloat16, bfloat16 -> ncclBfloat16, ReduceOp::avg -> ncclAvg.
-///  * Host buffers: a buffer whose type says it is host memory (std::vector, ...) does not
-///    compile with Communicator<backend::Nccl>; a run-time-typed view on the host, or on another
-///    device than the communicator's, is refused with Errc::invalid_argument.
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/backend/backend.hpp" (already included above)
-// #include "ddp/cuda.hpp" (already included above)
-// #include "ddp/detail/collective.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/store/client.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
-
-#include <cuda_runtime_api.h>
-#include <nccl.h>
-
-#include <algorithm>
-#include <atomic>
-#include <chrono>
-#include <cstdint>
-#include <cstring>
-#include <initializer_list>
-#include <memory>
-#include <mutex>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <thread>
-#include <utility>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-namespace detail {
-
-[[nodiscard]] inline ncclDataType_t nccl_type(DType t) noexcept {
-  switch (t) {
-    case DType::int8: return ncclInt8;
-    case DType::uint8: return ncclUint8;
-    case DType::int32: return ncclInt32;
-    case DType::uint32: return ncclUint32;
-    case DType::int64: return ncclInt64;
-    case DType::uint64: return ncclUint64;
-    case DType::float16: return ncclFloat16;
-    case DType::float32: return ncclFloat32;
-    case DType::float64: return ncclFloat64;
-    case DType::bfloat16: return ncclBfloat16;
-  }
-  return ncclNumTypes;
-}
-
-[[nodiscard]] inline ncclRedOp_t nccl_op(ReduceOp op) noexcept {
-  switch (op) {
-    case ReduceOp::sum: return ncclSum;
-    case ReduceOp::prod: return ncclProd;
-    case ReduceOp::max: return ncclMax;
-    case ReduceOp::min: return ncclMin;
-    case ReduceOp::avg: return ncclAvg;
-  }
-  return ncclSum;
-}
-
-/// The Errc for an NCCL failure: a remote process or the network -> peer_lost, else backend.
-[[nodiscard]] inline Errc nccl_errc(ncclResult_t rc) noexcept {
-  return rc == ncclRemoteError ? Errc::peer_lost : Errc::backend;
-}
-
-/// ncclCommAbort on a thread of its own. The abort returns only once the communicator's kernels
-/// have stopped, and a kernel queued before them on a tensor's stream (the stuck producer that
-/// made the collective time out) delays that for as long as it runs; the error that asked for the
-/// abort is raised at once instead, and the owner's destructor waits for the abort to finish.
-class NcclAborter {
- public:
-  NcclAborter() = default;
-  NcclAborter(const NcclAborter&) = delete;
-  NcclAborter& operator=(const NcclAborter&) = delete;
-  ~NcclAborter() { join(); }
-
-  /// Aborts every non-null communicator (comms[i] on devices[i]).
-  void abort(std::vector<ncclComm_t> comms, std::vector<int> devices) {
-    join();
-    thread_ = std::thread([comms = std::move(comms), devices = std::move(devices)] {
-      for (std::size_t i = 0; i < comms.size(); ++i) {
-        if (comms[i] == nullptr) continue;
-        (void)cudaSetDevice(devices[i]);
-        (void)ncclCommAbort(comms[i]);
-      }
-    });
-  }
-  void join() noexcept {
-    if (thread_.joinable()) thread_.join();
-  }
-
- private:
-  std::thread thread_;
-};
-
-}  // namespace detail
-
-namespace backend {
-
-class Nccl {
- public:
-  static constexpr std::string_view name = "nccl";
-  /// Buffers must be CUDA device memory; host-typed buffers are rejected at compile time.
-  static constexpr DeviceKind device_kind = DeviceKind::cuda;
-
-  [[nodiscard]] static std::unique_ptr<Nccl> create(const detail::BackendInit& init) {
-    const int device = init.options.device >= 0 ? init.options.device : init.local_rank;
-    const int devices = cuda_device_count();
-    if (device >= devices) {
-      detail::fail(Errc::invalid_argument, "rank ", init.rank, ": backend::Nccl: CUDA device ",
-                   device, " does not exist (this process sees ", devices,
-                   " device(s)); set Options::device, or run at most that many ranks per host");
-    }
-    DDP_CUDA_CHECK(cudaSetDevice(device));
-    auto b = std::unique_ptr<Nccl>(new Nccl(init, device));
-    b->connect(init);
-    return b;
-  }
-
-  Nccl(const Nccl&) = delete;
-  Nccl& operator=(const Nccl&) = delete;
-  ~Nccl() {
-    if (comm_ == nullptr) return;
-    const detail::CudaDeviceScope scope(device_);
-    // Flush and free; a communicator that cannot finish in time is aborted instead.
-    ncclResult_t st = ncclCommFinalize(comm_);
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while ((st == ncclSuccess || st == ncclInProgress) &&
-           ncclCommGetAsyncError(comm_, &st) == ncclSuccess && st == ncclInProgress &&
-           std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::yield();
-    }
-    if (st == ncclSuccess)
-      (void)ncclCommDestroy(comm_);
-    else
-      (void)ncclCommAbort(comm_);
-  }
-
-  [[nodiscard]] int rank() const noexcept { return rank_; }
-  [[nodiscard]] int size() const noexcept { return size_; }
-  [[nodiscard]] int local_rank() const noexcept { return local_rank_; }
-  [[nodiscard]] int local_size() const noexcept { return local_size_; }
-  [[nodiscard]] int local_leader() const noexcept { return local_leader_; }
-  /// The CUDA device this communicator's ranks use here.
-  [[nodiscard]] int device() const noexcept { return device_; }
-  /// The communicator's own stream.
-  [[nodiscard]] cudaStream_t stream() const noexcept { return stream_.get(); }
-  /// The NCCL communicator (owned by this backend).
-  [[nodiscard]] ncclComm_t comm() const noexcept { return comm_; }
-  [[nodiscard]] static bool supports(const Device& device) noexcept { return device.is_cuda(); }
-
-  void all_reduce(const detail::Buf& b, ReduceOp op) {
-    run("all_reduce", {&b}, [&] {
-      return ncclAllReduce(b.data, b.data, b.count, detail::nccl_type(b.dtype), detail::nccl_op(op),
-                           comm_, on());
-    });
-  }
-
-  /// Several all_reduces in one NCCL group: one launch, one wait (Communicator::
-  /// all_reduce_coalesced; the GradientAverager's buckets).
-  void all_reduce_many(const std::vector<detail::Buf>& bufs, ReduceOp op) {
-    std::vector<const detail::Buf*> ptrs;
-    for (const auto& b : bufs) ptrs.push_back(&b);
-    run_on("all_reduce_coalesced", ptrs, [&] {
-      return grouped([&]() -> ncclResult_t {
-        for (const auto& b : bufs) {
-          const auto rc =
-              ncclAllReduce(b.data, b.data, b.count, type(b), detail::nccl_op(op), comm_, on());
-          if (rc != ncclSuccess && rc != ncclInProgress) return rc;
-        }
-        return ncclSuccess;
-      });
-    });
-  }
-
-  void broadcast(const detail::Buf& b, int root) {
-    run("broadcast", {&b}, [&] {
-      return ncclBroadcast(b.data, b.data, b.count, detail::nccl_type(b.dtype), root, comm_, on());
-    });
-  }
-
-  void reduce(const detail::Buf& b, int root, ReduceOp op) {
-    run("reduce", {&b}, [&] {
-      return ncclReduce(b.data, b.data, b.count, detail::nccl_type(b.dtype), detail::nccl_op(op),
-                        root, comm_, on());
-    });
-  }
-
-  void all_gather(const detail::Buf& in, const detail::Buf& out) {
-    run("all_gather", {&in, &out}, [&] {
-      return ncclAllGather(in.data, out.data, in.count, detail::nccl_type(in.dtype), comm_, on());
-    });
-  }
-
-  void gather(const detail::Buf& in, const detail::Buf& out, int root) {
-    const std::size_t n = in.count;
-    run("gather", {&in, &out}, [&] {
-      return grouped([&]() -> ncclResult_t {
-        if (rank_ != root) return ncclSend(in.data, n, type(in), root, comm_, on());
-        for (int r = 0; r < size_; ++r) {
-          std::byte* dst = out.at(n * static_cast<std::size_t>(r));
-          if (r == rank_) {
-            copy(dst, in.data, n * in.elem());
-          } else if (const auto rc = ncclRecv(dst, n, type(in), r, comm_, on());
-                     rc != ncclSuccess && rc != ncclInProgress) {
-            return rc;
-          }
-        }
-        return ncclSuccess;
-      });
-    });
-  }
-
-  void scatter(const detail::Buf& in, const detail::Buf& out, int root) {
-    const std::size_t n = out.count;
-    run("scatter", {&in, &out}, [&] {
-      return grouped([&]() -> ncclResult_t {
-        if (rank_ != root) return ncclRecv(out.data, n, type(out), root, comm_, on());
-        for (int r = 0; r < size_; ++r) {
-          const std::byte* src = in.at(n * static_cast<std::size_t>(r));
-          if (r == rank_) {
-            copy(out.data, src, n * out.elem());
-          } else if (const auto rc = ncclSend(src, n, type(out), r, comm_, on());
-                     rc != ncclSuccess && rc != ncclInProgress) {
-            return rc;
-          }
-        }
-        return ncclSuccess;
-      });
-    });
-  }
-
-  void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
-    run("reduce_scatter", {&in, &out}, [&] {
-      return ncclReduceScatter(in.data, out.data, out.count, detail::nccl_type(out.dtype),
-                               detail::nccl_op(op), comm_, on());
-    });
-  }
-
-  void all_to_all(const detail::Buf& in, const detail::Buf& out) {
-    const std::size_t n = in.count / static_cast<std::size_t>(size_);
-    run("all_to_all", {&in, &out}, [&] {
-      return grouped([&]() -> ncclResult_t {
-        for (int r = 0; r < size_; ++r) {
-          const std::size_t at = n * static_cast<std::size_t>(r);
-          if (r == rank_) {
-            copy(out.at(at), in.at(at), n * in.elem());
-            continue;
-          }
-          auto rc = ncclSend(in.at(at), n, type(in), r, comm_, on());
-          if (rc == ncclSuccess || rc == ncclInProgress)
-            rc = ncclRecv(out.at(at), n, type(in), r, comm_, on());
-          if (rc != ncclSuccess && rc != ncclInProgress) return rc;
-        }
-        return ncclSuccess;
-      });
-    });
-  }
-
-  void barrier() {
-    const detail::Buf b{reinterpret_cast<std::byte*>(scratch_.data()), 1, DType::int64,
-                        Device::cuda(device_), stream()};
-    run("barrier", {&b},
-        [&] { return ncclAllReduce(b.data, b.data, 1, ncclInt64, ncclSum, comm_, on()); });
-  }
-
-  void send(const detail::Buf& b, int peer, int tag) {
-    header_[0] = tag;
-    header_[1] = static_cast<std::int64_t>(b.dtype);
-    header_[2] = static_cast<std::int64_t>(b.count);
-    DDP_CUDA_CHECK(cudaMemcpyAsync(scratch_.data(), header_.data(), 3 * sizeof(std::int64_t),
-                                   cudaMemcpyHostToDevice, stream()));
-    const detail::Buf h{reinterpret_cast<std::byte*>(scratch_.data()), 3, DType::int64,
-                        Device::cuda(device_), stream()};
-    run("send", {&h}, [&] { return ncclSend(h.data, 3, ncclInt64, peer, comm_, on()); });
-    if (b.count == 0) return;
-    run("send", {&b}, [&] { return ncclSend(b.data, b.count, type(b), peer, comm_, on()); });
-  }
-
-  void recv(const detail::Buf& b, int peer, int tag) {
-    const detail::Buf h{reinterpret_cast<std::byte*>(scratch_.data()), 3, DType::int64,
-                        Device::cuda(device_), stream()};
-    run("recv", {&h}, [&] { return ncclRecv(h.data, 3, ncclInt64, peer, comm_, on()); });
-    DDP_CUDA_CHECK(cudaMemcpy(header_.data(), scratch_.data(), 3 * sizeof(std::int64_t),
-                              cudaMemcpyDeviceToHost));
-    if (header_[0] != tag || header_[1] != static_cast<std::int64_t>(b.dtype) ||
-        header_[2] != static_cast<std::int64_t>(b.count)) {
-      const auto dt = static_cast<DType>(header_[1]);
-      detail::fail(Errc::mismatch, "rank ", rank_, ": recv from rank ", peer, ": expected tag ",
-                   tag, ", ", to_string(b.dtype), " x ", b.count, " but rank ", peer, " sent tag ",
-                   header_[0], ", ", is_valid(dt) ? to_string(dt) : "invalid dtype", " x ",
-                   header_[2], "; make the matching send and recv agree");
-    }
-    if (b.count == 0) return;
-    run("recv", {&b}, [&] { return ncclRecv(b.data, b.count, type(b), peer, comm_, on()); });
-  }
-
-  /// ncclCommSplit: ranks passing the same color form a communicator, ordered by (key, rank);
-  /// nullptr for color < 0. Collective over this communicator.
-  [[nodiscard]] std::unique_ptr<Nccl> split(int color, int key) {
-    // Every rank's (color, key), to know the members of each group and which share a host.
-    CudaBuffer<std::int64_t> all(2 * static_cast<std::size_t>(size_), device_, stream());
-    const std::int64_t mine[2] = {color, key};
-    const std::size_t at = 2 * static_cast<std::size_t>(rank_);
-    DDP_CUDA_CHECK(
-        cudaMemcpyAsync(all.data() + at, mine, sizeof mine, cudaMemcpyHostToDevice, stream()));
-    all_gather({reinterpret_cast<std::byte*>(all.data() + at), 2, DType::int64,
-                Device::cuda(device_), stream()},
-               {reinterpret_cast<std::byte*>(all.data()), all.size(), DType::int64,
-                Device::cuda(device_), stream()});
-    std::vector<std::int64_t> ck(all.size());
-    all.copy_to(ck);
-    std::vector<int> members;  // parent ranks of my group, in (key, rank) order
-    for (int r = 0; r < size_; ++r) {
-      if (color >= 0 && ck[2 * static_cast<std::size_t>(r)] == color) members.push_back(r);
-    }
-    std::stable_sort(members.begin(), members.end(), [&](int a, int b) {
-      return ck[2 * static_cast<std::size_t>(a) + 1] < ck[2 * static_cast<std::size_t>(b) + 1];
-    });
-
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
-    ncclComm_t made = nullptr;
-    const CudaDeviceGuard g(device_);
-    const auto start = std::chrono::steady_clock::now();
-    const auto rc =
-        ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &made, &config);
-    if (rc != ncclSuccess && rc != ncclInProgress)
-      give_up("split", detail::nccl_errc(rc), ncclGetErrorString(rc));
-    // Non-blocking: the split runs as a job of the parent, which must return to ncclSuccess
-    // before the parent is used again; only then is the child's handle written.
-    settle("split (ncclCommSplit)", start);
-    if (color < 0) {
-      if (made != nullptr) (void)ncclCommDestroy(made);
-      return nullptr;
-    }
-    if (made == nullptr) {
-      detail::fail(Errc::backend, "rank ", rank_, ": backend::Nccl: split: ncclCommSplit gave no ",
-                   "communicator for color ", color, last_error());
-    }
-    auto sub = std::unique_ptr<Nccl>(new Nccl(rank_, size_, device_, timeout_));
-    sub->comm_ = made;
-    sub->size_ = static_cast<int>(members.size());
-    sub->rank_ =
-        static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
-    for (const int r : members) sub->hosts_.push_back(hosts_[static_cast<std::size_t>(r)]);
-    sub->find_local();
-    sub->settle("split (ncclCommSplit)", start);
-    return sub;
-  }
-
-  /// Fails the operation in progress (its wait sees the flag and calls ncclCommAbort) and every
-  /// later one. Thread-safe.
-  void abort(Errc code, const std::string& why) {
-    std::lock_guard lock(abort_mutex_);
-    if (!aborted_.load()) {
-      abort_code_ = code;
-      abort_why_ = why;
-      aborted_.store(true);
-    }
-  }
-
- private:
-  Nccl(const detail::BackendInit& init, int device)
-      : Nccl(init.rank, init.size, device, init.options.timeout) {}
-  Nccl(int rank, int size, int device, std::chrono::milliseconds timeout)
-      : rank_(rank),
-        size_(size),
-        device_(device),
-        timeout_(timeout),
-        stream_(device),
-        scratch_(3, device) {}
-
-  void connect(const detail::BackendInit& init) {
-    ncclUniqueId id{};
-    local_rank_ = 0;
-    local_size_ = 1;
-    local_leader_ = rank_;
-    if (size_ > 1) {
-      auto& store = *init.store;
-      store.set(detail::concat("nccl/host/", rank_), detail::host_identity());
-      if (rank_ == 0) {
-        check(ncclGetUniqueId(&id), "ncclGetUniqueId");
-        store.set("nccl/id", std::string_view(reinterpret_cast<const char*>(&id), sizeof id));
-      } else {
-        const std::string bytes = store.get("nccl/id");
-        if (bytes.size() != sizeof id) {
-          detail::fail(Errc::protocol, "rank ", rank_,
-                       ": backend::Nccl: the ncclUniqueId in the "
-                       "store has ",
-                       bytes.size(), " bytes, expected ", sizeof id);
-        }
-        std::memcpy(&id, bytes.data(), sizeof id);
-      }
-      for (int r = 0; r < size_; ++r) hosts_.push_back(store.get(detail::concat("nccl/host/", r)));
-      find_local();
-    } else {
-      hosts_.push_back(detail::host_identity());
-      check(ncclGetUniqueId(&id), "ncclGetUniqueId");
-    }
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
-    const CudaDeviceGuard g(device_);
-    const auto rc = ncclCommInitRankConfig(&comm_, size_, id, rank_, &config);
-    if (rc != ncclSuccess && rc != ncclInProgress) {
-      comm_ = nullptr;
-      check(rc, "ncclCommInitRankConfig");
-    }
-    settle("ncclCommInitRankConfig", std::chrono::steady_clock::now());
-  }
-
-  /// local_rank/local_size/local_leader from the host of every rank.
-  void find_local() {
-    local_rank_ = 0;
-    local_size_ = 0;
-    local_leader_ = -1;
-    for (int r = 0; r < size_; ++r) {
-      if (hosts_[static_cast<std::size_t>(r)] != hosts_[static_cast<std::size_t>(rank_)]) continue;
-      if (local_leader_ < 0) local_leader_ = r;
-      if (r < rank_) ++local_rank_;
-      ++local_size_;
-    }
-  }
-
-  void check(ncclResult_t rc, const char* call) const {
-    if (rc != ncclSuccess && rc != ncclInProgress) {
-      detail::fail(detail::nccl_errc(rc), "rank ", rank_, ": backend::Nccl: ", call,
-                   " failed: ", ncclGetErrorString(rc), last_error());
-    }
-  }
-
-  [[nodiscard]] std::string last_error() const {
-    const char* text = comm_ != nullptr ? ncclGetLastError(comm_) : nullptr;
-    return text != nullptr && *text != '\0' ? detail::concat(" (", text, ")") : std::string();
-  }
-
-  [[nodiscard]] static ncclDataType_t type(const detail::Buf& b) noexcept {
-    return detail::nccl_type(b.dtype);
-  }
-
-  /// The stream the collective being enqueued goes on (set by run_on).
-  [[nodiscard]] cudaStream_t on() const noexcept { return on_; }
-
-  /// Device-to-device copy on the collective's stream (the local block of gather & co).
-  void copy(std::byte* dst, const std::byte* src, std::size_t n) {
-    if (n != 0 && dst != src)
-      DDP_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, on()));
-  }
-
-  template <class F>
-  ncclResult_t grouped(F&& body) {
-    check(ncclGroupStart(), "ncclGroupStart");
-    const ncclResult_t rc = body();
-    const ncclResult_t end = ncclGroupEnd();
-    return rc != ncclSuccess && rc != ncclInProgress ? rc : end;
-  }
-
-  void fail_if_aborted(const char* what) {
-    if (!aborted_.load()) return;
-    abort_comm();
-    std::lock_guard lock(abort_mutex_);
-    detail::fail(abort_code_, "rank ", rank_, ": ", what, ": aborted: ", abort_why_);
-  }
-
-  /// Waits for a non-blocking NCCL call to leave ncclInProgress, up to the timeout.
-  void settle(const char* what, std::chrono::steady_clock::time_point start) {
-    for (;;) {
-      ncclResult_t st = ncclSuccess;
-      check(ncclCommGetAsyncError(comm_, &st), "ncclCommGetAsyncError");
-      if (st == ncclSuccess) return;
-      if (st != ncclInProgress) give_up(what, detail::nccl_errc(st), ncclGetErrorString(st));
-      poll_pause(what, start);
-    }
-  }
-
-  void poll_pause(const char* what, std::chrono::steady_clock::time_point start) {
-    fail_if_aborted(what);
-    if (timeout_.count() > 0 && std::chrono::steady_clock::now() - start > timeout_) {
-      give_up(what, Errc::timeout,
-              detail::concat("did not complete within ", timeout_.count(),
-                             " ms; a peer stopped, died or called another collective"));
-    }
-    std::this_thread::yield();
-  }
-
-  /// Aborts the NCCL communicator in the background (detail::NcclAborter); later calls fail.
-  void abort_comm() {
-    if (comm_ == nullptr) return;
-    aborter_.abort({std::exchange(comm_, nullptr)}, {device_});
-  }
-
-  [[noreturn]] void give_up(const char* what, Errc code, const std::string& why) {
-    const std::string detail_text = last_error();
-    abort_comm();
-    {
-      std::lock_guard lock(abort_mutex_);
-      if (!aborted_.load()) {
-        abort_code_ = code;
-        abort_why_ = detail::concat(what, " failed earlier");
-        aborted_.store(true);
-      }
-    }
-    detail::fail(code, "rank ", rank_, ": backend::Nccl: ", what, ": ", why, detail_text,
-                 "; the NCCL communicator was aborted");
-  }
-
-  /// Orders the collective after its buffers' streams, enqueues it, orders the buffers' streams
-  /// after it, and waits for it to finish (polling, under the timeout).
-  template <class Enqueue>
-  void run(const char* what, std::initializer_list<const detail::Buf*> bufs, Enqueue&& enqueue) {
-    run_on(what, bufs, enqueue);
-  }
-  template <class Bufs, class Enqueue>
-  void run_on(const char* what, const Bufs& bufs, Enqueue&& enqueue) {
-    fail_if_aborted(what);
-    for (const auto* b : bufs) {
-      if (b->count != 0 && b->device.index != device_) {
-        detail::fail(Errc::invalid_argument, "rank ", rank_, ": ", what, ": a buffer is on ",
-                     to_string(b->device), " but this communicator uses cuda:", device_,
-                     "; move the tensor or create the communicator with Options::device = ",
-                     b->device.index);
-      }
-    }
-    const CudaDeviceGuard g(device_);
-    // The buffers' one stream, when they share one: the collective goes on it, ordered after
-    // the work there and before later work by the stream itself (each call finishes before the
-    // next is enqueued, so NCCL's kernels never run concurrently on two streams). Otherwise the
-    // communicator's stream, ordered by events both ways.
-    const auto shared = [&]() -> std::optional<cudaStream_t> {
-      std::optional<cudaStream_t> common;
-      for (const auto* b : bufs) {
-        const auto s = static_cast<cudaStream_t>(b->stream);
-        if (common && *common != s) return std::nullopt;
-        common = s;
-      }
-      return common;
-    }();
-    on_ = shared.value_or(stream());
-    if (!shared) {
-      for (const auto* b : bufs) {
-        ready_.record(static_cast<cudaStream_t>(b->stream));
-        ready_.block(on_);
-      }
-    }
-    const auto start = std::chrono::steady_clock::now();
-    const ncclResult_t rc = enqueue();
-    if (rc != ncclSuccess && rc != ncclInProgress)
-      give_up(what, detail::nccl_errc(rc), ncclGetErrorString(rc));
-    if (rc == ncclInProgress) settle(what, start);
-    done_.record(on_);
-    if (!shared) {
-      for (const auto* b : bufs) done_.block(static_cast<cudaStream_t>(b->stream));
-    }
-    // Small collectives finish within microseconds: spin on the event first (a yield is a
-    // system call, about as long as the collective), then poll the error state and yield.
-    for (unsigned spins = 0;; ++spins) {
-      if (done_.ready()) return;
-      if (spins < 256) continue;
-      ncclResult_t st = ncclSuccess;
-      check(ncclCommGetAsyncError(comm_, &st), "ncclCommGetAsyncError");
-      if (st != ncclSuccess && st != ncclInProgress)
-        give_up(what, detail::nccl_errc(st), ncclGetErrorString(st));
-      poll_pause(what, start);
-    }
-  }
-
-  int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1, local_leader_ = 0;
-  int device_ = 0;
-  std::chrono::milliseconds timeout_;
-  ncclComm_t comm_ = nullptr;
-  CudaStream stream_;
-  cudaStream_t on_ = nullptr;  // the stream of the collective being enqueued (run_on)
-  CudaEvent ready_, done_;
-  CudaBuffer<std::int64_t> scratch_;  // barrier word and the p2p header
-  std::vector<std::int64_t> header_ = std::vector<std::int64_t>(3);
-  std::vector<std::string> hosts_;  // the host of every rank
-  std::mutex abort_mutex_;
-  std::atomic<bool> aborted_{false};
-  Errc abort_code_ = Errc::aborted;
-  std::string abort_why_;
-  detail::NcclAborter aborter_;  // last: joined before the streams and buffers are freed
-};
-
-}  // namespace backend
-DDP_END_NAMESPACE
-// end ddp/backend/nccl.hpp
-// begin ddp/multi_gpu.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Single-process multi-GPU: one process drives several CUDA devices through one NCCL clique
-/// (ncclCommInitAll), the seeds' "one process, several cards" (torch.nn.DataParallel) done the
-/// way NCCL does it: every device keeps its own replica and the replicas' gradients are averaged
-/// with one all_reduce over the devices, instead of being gathered onto the first card.
-///
-///   ddp::NcclClique clique;                       // every visible device (or {0, 2, 3})
-///   std::vector<ddp::CudaBuffer<float>> grads;    // grads[i] lives on clique.device(i)
-///   clique.all_reduce(grads, ddp::ReduceOp::avg); // one NCCL group over all devices
-///
-/// Each collective takes one tensor per device, in the order of devices(); it checks that the
-/// i-th tensor is on the i-th device and that dtypes and sizes agree, orders the work after each
-/// tensor's stream and each tensor's stream after the work (events), launches every device's call
-/// in one ncclGroupStart/End, and returns when all of it has finished, polling the events and
-/// ncclCommGetAsyncError under the clique's timeout; past it, every communicator is aborted
-/// (ncclCommAbort) and the call raises Errc::timeout. Link `ddp::nccl`.
-///
-/// A clique lives in one process: to combine several processes, each with several devices, use
-/// Communicator<backend::Nccl> with one rank per device (ddprun --nproc-per-node = devices).
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/backend/nccl.hpp" (already included above)
-// #include "ddp/cuda.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/tensor.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
-
-#include <cuda_runtime_api.h>
-#include <nccl.h>
-
-#include <algorithm>
-#include <chrono>
-#include <cstddef>
-#include <initializer_list>
-#include <memory>
-#include <ranges>
-#include <string>
-#include <thread>
-#include <utility>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-/// A sized random-access range of tensors, one per device of a NcclClique.
-template <class R>
-concept TensorRange = std::ranges::random_access_range<R> && std::ranges::sized_range<R> &&
-    TensorLike<std::ranges::range_reference_t<R>>;
-
-class NcclClique {
- public:
-  /// One NCCL communicator per device of `devices` (empty: every device this process sees),
-  /// created together by ncclCommInitAll. A device may appear once.
-  explicit NcclClique(std::vector<int> devices = {},
-                      std::chrono::milliseconds timeout = std::chrono::minutes(5))
-      : devices_(std::move(devices)), timeout_(timeout) {
-    const int visible = cuda_device_count();
-    if (devices_.empty()) {
-      for (int d = 0; d < visible; ++d) devices_.push_back(d);
-      if (devices_.empty()) {
-        detail::fail(Errc::invalid_argument,
-                     "NcclClique: this process sees no CUDA device; check CUDA_VISIBLE_DEVICES "
-                     "and the driver");
-      }
-    }
-    for (std::size_t i = 0; i < devices_.size(); ++i) {
-      const int d = devices_[i];
-      if (d < 0 || d >= visible) {
-        detail::fail(Errc::invalid_argument, "NcclClique: device ", d,
-                     " does not exist (this process sees ", visible, " device(s))");
-      }
-      if (std::find(devices_.begin(), devices_.begin() + static_cast<std::ptrdiff_t>(i), d) !=
-          devices_.begin() + static_cast<std::ptrdiff_t>(i)) {
-        detail::fail(Errc::invalid_argument, "NcclClique: device ", d,
-                     " is listed twice; NCCL drives each device of a clique once");
-      }
-    }
-    slots_.reserve(devices_.size());
-    for (const int d : devices_) {
-      const CudaDeviceGuard g(d);
-      slots_.push_back(std::make_unique<Slot>(d));
-    }
-    comms_.assign(devices_.size(), nullptr);
-    const auto rc = ncclCommInitAll(comms_.data(), size(), devices_.data());
-    if (rc != ncclSuccess) {
-      comms_.clear();
-      detail::fail(detail::nccl_errc(rc), "NcclClique: ncclCommInitAll over ", size(),
-                   " device(s) failed: ", ncclGetErrorString(rc));
-    }
-  }
-
-  NcclClique(const NcclClique&) = delete;
-  NcclClique& operator=(const NcclClique&) = delete;
-  ~NcclClique() {
-    for (std::size_t i = 0; i < comms_.size(); ++i) {
-      if (comms_[i] == nullptr) continue;
-      const CudaDeviceGuard g(devices_[i]);
-      (void)ncclCommDestroy(comms_[i]);
-    }
-  }
-
-  /// The number of devices.
-  [[nodiscard]] int size() const noexcept { return static_cast<int>(devices_.size()); }
-  [[nodiscard]] const std::vector<int>& devices() const noexcept { return devices_; }
-  /// The CUDA device of slot i.
-  [[nodiscard]] int device(int i) const { return devices_.at(static_cast<std::size_t>(i)); }
-  /// The clique's own stream on slot i's device.
-  [[nodiscard]] cudaStream_t stream(int i) const {
-    return slots_.at(static_cast<std::size_t>(i))->stream.get();
-  }
-  /// Slot i's NCCL communicator (owned by the clique).
-  [[nodiscard]] ncclComm_t comm(int i) const { return comms_.at(static_cast<std::size_t>(i)); }
-
-  /// tensors[i] = op over all tensors, on every device.
-  template <TensorRange R>
-  void all_reduce(R&& tensors, ReduceOp op = ReduceOp::sum) {
-    const auto bs = bufs(tensors, "all_reduce", "tensors");
-    same_shape(bs, "all_reduce");
-    check_op(op, bs[0].dtype, "all_reduce");
-    run("all_reduce", {&bs}, [&](std::size_t i, cudaStream_t s) {
-      return ncclAllReduce(bs[i].data, bs[i].data, bs[i].count, detail::nccl_type(bs[i].dtype),
-                           detail::nccl_op(op), comms_[i], s);
-    });
-  }
-
-  /// Every tensor = tensors[root].
-  template <TensorRange R>
-  void broadcast(R&& tensors, int root = 0) {
-    const auto bs = bufs(tensors, "broadcast", "tensors");
-    same_shape(bs, "broadcast");
-    check_root(root, "broadcast");
-    run("broadcast", {&bs}, [&](std::size_t i, cudaStream_t s) {
-      return ncclBroadcast(bs[i].data, bs[i].data, bs[i].count, detail::nccl_type(bs[i].dtype),
-                           root, comms_[i], s);
-    });
-  }
-
-  /// tensors[root] = op over all tensors; the others are left as they were.
-  template <TensorRange R>
-  void reduce(R&& tensors, int root = 0, ReduceOp op = ReduceOp::sum) {
-    const auto bs = bufs(tensors, "reduce", "tensors");
-    same_shape(bs, "reduce");
-    check_root(root, "reduce");
-    check_op(op, bs[0].dtype, "reduce");
-    run("reduce", {&bs}, [&](std::size_t i, cudaStream_t s) {
-      return ncclReduce(bs[i].data, bs[i].data, bs[i].count, detail::nccl_type(bs[i].dtype),
-                        detail::nccl_op(op), root, comms_[i], s);
-    });
-  }
-
-  /// out[j] = in[0] ++ in[1] ++ ... for every j: each out holds size() times in's elements.
-  template <TensorRange In, TensorRange Out>
-  void all_gather(In&& in, Out&& out) {
-    const auto is = bufs(in, "all_gather", "in");
-    const auto os = bufs(out, "all_gather", "out");
-    same_shape(is, "all_gather");
-    same_shape(os, "all_gather");
-    paired(is, os, is[0].count * devices_.size(), "all_gather", "size() * in");
-    run("all_gather", {&is, &os}, [&](std::size_t i, cudaStream_t s) {
-      return ncclAllGather(is[i].data, os[i].data, is[i].count, detail::nccl_type(is[i].dtype),
-                           comms_[i], s);
-    });
-  }
-
-  /// out[j] = block j of (op over all in): each in holds size() times out's elements.
-  template <TensorRange In, TensorRange Out>
-  void reduce_scatter(In&& in, Out&& out, ReduceOp op = ReduceOp::sum) {
-    const auto is = bufs(in, "reduce_scatter", "in");
-    const auto os = bufs(out, "reduce_scatter", "out");
-    same_shape(is, "reduce_scatter");
-    same_shape(os, "reduce_scatter");
-    check_op(op, is[0].dtype, "reduce_scatter");
-    paired(os, is, os[0].count * devices_.size(), "reduce_scatter", "size() * out");
-    run("reduce_scatter", {&is, &os}, [&](std::size_t i, cudaStream_t s) {
-      return ncclReduceScatter(is[i].data, os[i].data, os[i].count, detail::nccl_type(os[i].dtype),
-                               detail::nccl_op(op), comms_[i], s);
-    });
-  }
-
- private:
-  struct Slot {
-    explicit Slot(int device) : stream(device) {}
-    CudaStream stream;
-    CudaEvent ready, done;  // created with the slot's device current
-  };
-
-  template <class R>
-  std::vector<detail::Buf> bufs(R& tensors, const char* what, const char* arg) const {
-    if (comms_.empty()) {
-      detail::fail(Errc::aborted, "NcclClique: ", what,
-                   ": the clique was aborted by an earlier failure; make a new one");
-    }
-    const auto n = static_cast<std::size_t>(std::ranges::size(tensors));
-    if (n != devices_.size()) {
-      detail::fail(Errc::invalid_argument, "NcclClique: ", what, ": `", arg, "` has ", n,
-                   " tensor(s) but the clique has ", devices_.size(),
-                   " device(s); pass one tensor per device, in the order of devices()");
-    }
-    std::vector<detail::Buf> out;
-    out.reserve(n);
-    std::size_t i = 0;
-    for (auto&& t : tensors) {
-      const auto v = ddp::view(t);
-      using E = typename decltype(v)::value_type;
-      if (!v.device.is_cuda() || v.device.index != devices_[i]) {
-        detail::fail(Errc::invalid_argument, "NcclClique: ", what, ": `", arg, "[", i, "]` is on ",
-                     to_string(v.device), " but slot ", i, " of the clique is cuda:", devices_[i],
-                     "; put the i-th tensor on device(i)");
-      }
-      if (v.data == nullptr && v.size != 0) {
-        detail::fail(Errc::invalid_argument, "NcclClique: ", what, ": `", arg, "[", i, "]` has ",
-                     v.size, " elements but no data");
-      }
-      out.push_back({reinterpret_cast<std::byte*>(const_cast<E*>(v.data)), v.size, dtype_of<E>,
-                     v.device, v.stream});
-      ++i;
-    }
-    return out;
-  }
-
-  static void same_shape(const std::vector<detail::Buf>& bs, const char* what) {
-    for (std::size_t i = 1; i < bs.size(); ++i) {
-      if (bs[i].dtype != bs[0].dtype || bs[i].count != bs[0].count) {
-        detail::fail(Errc::mismatch, "NcclClique: ", what, ": tensor ", i, " is ",
-                     to_string(bs[i].dtype), " x ", bs[i].count, " but tensor 0 is ",
-                     to_string(bs[0].dtype), " x ", bs[0].count,
-                     "; every device's tensor must have the same dtype and size");
-      }
-    }
-  }
-
-  /// `big` must hold size() times `small`'s elements, of the same dtype.
-  static void paired(const std::vector<detail::Buf>& small, const std::vector<detail::Buf>& big,
-                     std::size_t want, const char* what, const char* rule) {
-    if (big[0].dtype != small[0].dtype || big[0].count != want) {
-      detail::fail(Errc::invalid_argument, "NcclClique: ", what, ": `in` is ",
-                   to_string(small[0].dtype), " x ", small[0].count, " and `out` ",
-                   to_string(big[0].dtype), " x ", big[0].count, ", but ", rule,
-                   " elements of the same dtype are needed");
-    }
-  }
-
-  void check_op(ReduceOp op, DType t, const char* what) const {
-    if (!is_supported(op, t)) {
-      detail::fail(Errc::invalid_argument, "NcclClique: ", what, ": op ",
-                   is_valid(op) ? to_string(op) : "invalid", " is not defined on ", to_string(t));
-    }
-  }
-
-  void check_root(int root, const char* what) const {
-    if (root < 0 || root >= size()) {
-      detail::fail(Errc::invalid_argument, "NcclClique: ", what, ": root ", root,
-                   " is not a slot of the clique [0, ", size(), ")");
-    }
-  }
-
-  /// Orders each slot's stream after its tensors' streams, launches enqueue(i, stream) for
-  /// every slot in one NCCL group, orders the tensors' streams after it and waits.
-  template <class Enqueue>
-  void run(const char* what, std::initializer_list<const std::vector<detail::Buf>*> sets,
-           const Enqueue& enqueue) {
-    const std::size_t n = devices_.size();
-    for (std::size_t i = 0; i < n; ++i) {
-      const CudaDeviceGuard g(devices_[i]);
-      for (const auto* set : sets) {
-        slots_[i]->ready.record(static_cast<cudaStream_t>((*set)[i].stream));
-        slots_[i]->ready.block(slots_[i]->stream.get());
-      }
-    }
-    const auto start = std::chrono::steady_clock::now();
-    if (const auto rc = ncclGroupStart(); rc != ncclSuccess) give_up(what, rc, "ncclGroupStart");
-    ncclResult_t first = ncclSuccess;
-    for (std::size_t i = 0; i < n && first == ncclSuccess; ++i) {
-      const CudaDeviceGuard g(devices_[i]);
-      first = enqueue(i, slots_[i]->stream.get());
-    }
-    const auto end = ncclGroupEnd();
-    if (first != ncclSuccess) give_up(what, first, "enqueue");
-    if (end != ncclSuccess) give_up(what, end, "ncclGroupEnd");
-    for (std::size_t i = 0; i < n; ++i) {
-      const CudaDeviceGuard g(devices_[i]);
-      slots_[i]->done.record(slots_[i]->stream.get());
-      for (const auto* set : sets)
-        slots_[i]->done.block(static_cast<cudaStream_t>((*set)[i].stream));
-    }
-    for (std::size_t i = 0; i < n;) {
-      if (slots_[i]->done.ready()) {
-        ++i;
-        continue;
-      }
-      for (std::size_t j = 0; j < n; ++j) {
-        ncclResult_t st = ncclSuccess;
-        const auto rc = ncclCommGetAsyncError(comms_[j], &st);
-        if (rc != ncclSuccess) give_up(what, rc, "ncclCommGetAsyncError");
-        if (st != ncclSuccess && st != ncclInProgress) give_up(what, st, "asynchronous error");
-      }
-      if (timeout_.count() > 0 && std::chrono::steady_clock::now() - start > timeout_) {
-        abort_all();
-        detail::fail(Errc::timeout, "NcclClique: ", what, " over ", n,
-                     " device(s) did not complete within ", timeout_.count(),
-                     " ms (a kernel before it on a tensor's stream did not finish, or a device "
-                     "hung); the clique was aborted");
-      }
-      std::this_thread::yield();
-    }
-  }
-
-  void abort_all() { aborter_.abort(std::exchange(comms_, {}), devices_); }
-
-  [[noreturn]] void give_up(const char* what, ncclResult_t rc, const char* where) {
-    std::string last;
-    for (const auto c : comms_) {
-      const char* text = ncclGetLastError(c);
-      if (text != nullptr && *text != '\0') {
-        last = detail::concat(" (", text, ")");
-        break;
-      }
-    }
-    abort_all();
-    detail::fail(detail::nccl_errc(rc), "NcclClique: ", what, ": ", where,
-                 " failed: ", ncclGetErrorString(rc), last, "; the clique was aborted");
-  }
-
-  std::vector<int> devices_;
-  std::chrono::milliseconds timeout_;
-  std::vector<std::unique_ptr<Slot>> slots_;
-  std::vector<ncclComm_t> comms_;
-  detail::NcclAborter aborter_;  // last: joined before the streams are freed
-};
-
-DDP_END_NAMESPACE
-// end ddp/multi_gpu.hpp
-#endif
-// begin ddp/codec.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// The object codec behind gather_object, all_gather_object and broadcast_object: a typed,
-/// length-prefixed binary encoding. Decoding never executes anything from the wire (unlike
-/// pickle), checks a type tag, and refuses truncated input, counts the input could not hold and
-/// nesting deeper than 64 with Errc::invalid_argument, before allocating.
-///
-/// Built in: trivially copyable types, std::string, std::vector, std::pair, std::optional (and
-/// any nesting of those). For your own type, specialize ddp::codec:
-///
-///   template <> struct ddp::codec<Sample> {
-///     static void encode(ddp::Encoder& e, const Sample& s) { e.put(s.id); e.put(s.label); }
-///     static Sample decode(ddp::Decoder& d) {
-///       Sample s;
-///       s.id = d.get<int>();
-///       s.label = d.get<std::string>();
-///       return s;
-///     }
-///   };
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/error.hpp" (already included above)
-
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-template <class T>
-struct codec;
-
-class Encoder;
-class Decoder;
-
-/// A type ddp can encode: built in, or with a ddp::codec<T> specialization.
-template <class T>
-concept Encodable = requires(Encoder& e, Decoder& d, const T& v) {
-  codec<T>::encode(e, v);
-  { codec<T>::decode(d) } -> std::same_as<T>;
-};
-
-class Encoder {
- public:
-  explicit Encoder(std::string& out) : out_(out) {}
-  template <class T>
-  void put(const T& value) {
-    codec<T>::encode(*this, value);
-  }
-  void bytes(const void* data, std::size_t n) { out_.append(static_cast<const char*>(data), n); }
-  void count(std::size_t n) {
-    const auto v = static_cast<std::uint64_t>(n);
-    bytes(&v, sizeof v);
-  }
-
- private:
-  std::string& out_;
-};
-
-class Decoder {
- public:
-  static constexpr int max_depth = 64;
-
-  Decoder(const void* data, std::size_t n) : p_(static_cast<const std::byte*>(data)), left_(n) {}
-
-  template <class T>
-  [[nodiscard]] T get() {
-    if (++depth_ > max_depth)
-      detail::fail(Errc::invalid_argument, "object decode: nesting deeper than ", max_depth);
-    T v = codec<T>::decode(*this);
-    --depth_;
-    return v;
-  }
-  void bytes(void* out, std::size_t n) {
-    if (n > left_) {
-      detail::fail(Errc::invalid_argument, "object decode: input truncated (needs ", n,
-                   " more bytes, has ", left_, ")");
-    }
-    if (n != 0) std::memcpy(out, p_, n);
-    p_ += n;
-    left_ -= n;
-  }
-  /// A count of elements that each take at least `min_bytes` of the remaining input.
-  [[nodiscard]] std::size_t count(std::size_t min_bytes) {
-    std::uint64_t n = 0;
-    bytes(&n, sizeof n);
-    if (min_bytes == 0) min_bytes = 1;
-    if (n > left_ / min_bytes) {
-      detail::fail(Errc::invalid_argument, "object decode: a count of ", n, " cannot fit in the ",
-                   left_, " bytes left (malformed or hostile input)");
-    }
-    return static_cast<std::size_t>(n);
-  }
-  [[nodiscard]] std::size_t left() const noexcept { return left_; }
-
- private:
-  const std::byte* p_;
-  std::size_t left_;
-  int depth_ = 0;
-};
-
-namespace detail {
-template <class T>
-inline constexpr bool is_optional_v = false;
-template <class T>
-inline constexpr bool is_optional_v<std::optional<T>> = true;
-
-/// Sent as their bytes: trivially copyable types, except those whose bytes can be invalid
-/// (bool, std::optional), which have checking codecs. A trivially copyable struct with a bool
-/// or closed-enum member should get its own codec.
-template <class T>
-concept RawEncodable =
-    std::is_trivially_copyable_v<T> && !std::is_same_v<T, bool> && !is_optional_v<T>;
-
-/// Fewest bytes one encoded T takes (bounds counts read from the wire).
-template <class T>
-constexpr std::size_t min_encoded_bytes() {
-  if constexpr (RawEncodable<T>)
-    return sizeof(T);
-  else
-    return 1;
-}
-}  // namespace detail
-
-template <class T>
-  requires detail::RawEncodable<T>
-struct codec<T> {
-  static void encode(Encoder& e, const T& v) { e.bytes(&v, sizeof v); }
-  static T decode(Decoder& d) {
-    T v;
-    d.bytes(&v, sizeof v);
-    return v;
-  }
-};
-
-template <>
-struct codec<bool> {
-  static void encode(Encoder& e, const bool& v) {
-    const std::uint8_t b = v ? 1 : 0;
-    e.bytes(&b, 1);
-  }
-  static bool decode(Decoder& d) {
-    std::uint8_t b = 0;
-    d.bytes(&b, 1);
-    if (b > 1) detail::fail(Errc::invalid_argument, "object decode: bad bool ", int{b});
-    return b == 1;
-  }
-};
-
-template <>
-struct codec<std::string> {
-  static void encode(Encoder& e, const std::string& s) {
-    e.count(s.size());
-    e.bytes(s.data(), s.size());
-  }
-  static std::string decode(Decoder& d) {
-    std::string s(d.count(1), '\0');
-    d.bytes(s.data(), s.size());
-    return s;
-  }
-};
-
-template <class T>
-struct codec<std::vector<T>> {
-  static void encode(Encoder& e, const std::vector<T>& v) {
-    e.count(v.size());
-    if constexpr (detail::RawEncodable<T>) {
-      e.bytes(v.data(), v.size() * sizeof(T));
-    } else {
-      for (const auto& x : v) e.put<T>(x);
-    }
-  }
-  static std::vector<T> decode(Decoder& d) {
-    const std::size_t n = d.count(detail::min_encoded_bytes<T>());
-    std::vector<T> v;
-    if constexpr (detail::RawEncodable<T>) {
-      v.resize(n);
-      d.bytes(v.data(), n * sizeof(T));
-    } else {
-      v.reserve(n);
-      for (std::size_t i = 0; i < n; ++i) v.push_back(d.get<T>());
-    }
-    return v;
-  }
-};
-
-template <class A, class B>
-  requires(!detail::RawEncodable<std::pair<A, B>>)
-struct codec<std::pair<A, B>> {
-  static void encode(Encoder& e, const std::pair<A, B>& p) {
-    e.put<A>(p.first);
-    e.put<B>(p.second);
-  }
-  static std::pair<A, B> decode(Decoder& d) {
-    A a = d.get<A>();
-    B b = d.get<B>();
-    return {std::move(a), std::move(b)};
-  }
-};
-
-template <class T>
-struct codec<std::optional<T>> {
-  static void encode(Encoder& e, const std::optional<T>& o) {
-    e.put<std::uint8_t>(o.has_value() ? 1 : 0);
-    if (o) e.put<T>(*o);
-  }
-  static std::optional<T> decode(Decoder& d) {
-    const auto has = d.get<std::uint8_t>();
-    if (has > 1)
-      detail::fail(Errc::invalid_argument, "object decode: bad optional flag ", int{has});
-    if (has == 0) return std::nullopt;
-    return d.get<T>();
-  }
-};
-
-namespace detail {
-
-/// FNV-1a of the compiler's spelling of T: the same on every rank of one program.
-template <class T>
-std::uint64_t type_tag() {
-  // Read here, not inside a lambda: there it would name the lambda (clang), not type_tag<T>.
-  const std::string_view name = __PRETTY_FUNCTION__;
-  static const std::uint64_t tag = [name] {
-    std::uint64_t h = 1469598103934665603ull;
-    for (char c : name) {
-      h ^= static_cast<std::uint8_t>(c);
-      h *= 1099511628211ull;
-    }
-    return h;
-  }();
-  return tag;
-}
-
-/// The complete message for one object: type tag, then the encoding.
-template <Encodable T>
-std::string encode_object(const T& value) {
-  std::string out;
-  Encoder e(out);
-  e.put<std::uint64_t>(type_tag<T>());
-  e.put<T>(value);
-  return out;
-}
-
-template <Encodable T>
-T decode_object(const void* data, std::size_t n) {
-  Decoder d(data, n);
-  if (d.get<std::uint64_t>() != type_tag<T>()) {
-    fail(Errc::invalid_argument,
-         "object decode: the bytes encode a different type (type tag mismatch): every rank must "
-         "pass the same type");
-  }
-  T v = d.get<T>();
-  if (d.left() != 0) fail(Errc::invalid_argument, "object decode: ", d.left(), " trailing bytes");
-  return v;
-}
-
-}  // namespace detail
-
-DDP_END_NAMESPACE
-// end ddp/codec.hpp
-// begin ddp/communicator.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// ddp::Communicator<Backend>: a process group with every collective of torch.distributed,
-/// typed (any ddp::TensorLike buffer), checked before anything is sent, with an _async twin for
-/// each collective (returning ddp::Work, see work.hpp), and split().
-///
-/// Each typed argument becomes a detail::Buf (the only code compiled per tensor type); the
-/// checks and the call description are plain functions (detail/call.hpp); the backend contract
-/// is backend/backend.hpp; object collectives and *_host helpers are objects.hpp.
-///
-/// Operations on one communicator run one at a time, in the order they were issued, whichever
-/// thread issued them. A synchronous call with nothing queued runs in the calling thread (no
-/// hand-off, no lock); async calls run on the communicator's worker thread. Buffers given to an
-/// async call must stay alive and untouched until its Work completes.
-///
-/// After a collective fails (timeout, a lost peer, a mismatch, abort()), the communicator is
-/// unusable: every later call fails at once with Errc::aborted naming the first failure. Build a
-/// new one (with another Options::group) to continue.
-
-// #include "ddp/backend/backend.hpp" (already included above)
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// begin ddp/detail/call.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// A collective call as data, and the argument checks that build it. Communicator turns each
-/// typed argument into a detail::Buf (the only code instantiated per tensor type) and hands
-/// the Bufs to the prepare_* functions here: plain functions, compiled once, that check
-/// everything that can be checked before anything is sent (roots, peers, tags, sizes, dtype/op
-/// pairs, overlaps) and fail with Errc::invalid_argument naming the rank and the collective.
-/// The resulting Call is what the executor runs and the flight recorder records.
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/detail/collective.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
-
-#include <cstddef>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-/// Who checks a call: this rank in a group of `size`.
-struct Caller {
-  int rank = 0;
-  int size = 1;
-};
-
-/// A checked collective call.
-struct Call {
-  enum class Form : std::uint8_t {
-    plain,      ///< `coll` on `in` (and `out`)
-    as_wire,    ///< all_reduce of float32 `in` carried as `wire` (all_reduce_as)
-    coalesced,  ///< all_reduce of every buffer of `many` (all_reduce_coalesced)
-  };
-  const char* name = "";
-  Coll coll = Coll::barrier;
-  Form form = Form::plain;
-  Buf in{};   ///< the buffer of single-buffer collectives; `in` of the others
-  Buf out{};  ///< `out` of all_gather, gather, scatter, reduce_scatter, all_to_all
-  std::vector<Buf> many;
-  ReduceOp op = ReduceOp::sum;
-  int root = -1;  ///< root, or the peer of send/recv
-  int tag = 0;
-  DType wire = DType::float32;
-  std::size_t bytes = 0;  ///< this rank's buffers, for the flight recorder
-};
-
-[[nodiscard]] inline Call make_call(const char* name, Coll coll,
-                                    Call::Form form = Call::Form::plain) {
-  Call c;
-  c.name = name;
-  c.coll = coll;
-  c.form = form;
-  return c;
-}
-
-/// Whether [a, a+an) and [b, b+bn) share a byte.
-[[nodiscard]] inline bool overlaps(const std::byte* a, std::size_t an, const std::byte* b,
-                                   std::size_t bn) {
-  return an != 0 && bn != 0 && a < b + bn && b < a + an;
-}
-
-/// The checks of a typed argument once it is a Buf: `usable` says whether the backend can use
-/// its memory (directly or staged).
-inline void check_buf(const Buf& b, std::size_t elem, bool usable, std::string_view backend,
-                      int rank, const char* what, const char* arg) {
-  if (!usable) {
-    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg, "` is on ",
-         to_string(b.device), ", but backend::", backend, " cannot use that memory");
-  }
-  if (b.data == nullptr && b.count != 0) {
-    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg, "` has ", b.count,
-         " elements but no data");
-  }
-  if (b.count > max_buffer_bytes / elem) {
-    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg, "` claims ", b.count,
-         " elements of ", elem,
-         " bytes: more than any buffer can hold (its size in bytes overflows); check the size "
-         "the tensor's view reports");
-  }
-}
-
-inline void check_op(ReduceOp op, DType t, Caller c, const char* what) {
-  if (!is_supported(op, t)) {
-    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": op ",
-         is_valid(op) ? to_string(op) : "invalid", " is not defined on ", to_string(t),
-         op == ReduceOp::avg ? " (avg needs a floating-point type)" : "");
-  }
-}
-
-inline void check_root(int root, Caller c, const char* what) {
-  if (root < 0 || root >= c.size) {
-    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": root ", root,
-         " is not a rank of this communicator [0, ", c.size, ")");
-  }
-}
-
-inline void check_same_dtype(const Buf& a, const Buf& b, Caller c, const char* what) {
-  if (a.dtype != b.dtype) {
-    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `in` is ", to_string(a.dtype),
-         " but `out` is ", to_string(b.dtype), "; they must have the same element type");
-  }
-}
-
-/// `whole` must be `part` x size() elements; `part_name` is the argument that sets the size.
-inline void check_blocks(const Buf& whole, const Buf& part, Caller c, const char* what,
-                         const char* whole_name, const char* rule) {
-  const auto p = static_cast<std::size_t>(c.size);
-  if (!is_product(whole.count, part.count, p)) {
-    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `", whole_name, "` has ",
-         whole.count, " elements but must have ", product_text(part.count, p), " (", rule, ")");
-  }
-}
-
-/// The only in-place form of a collective with blocks: `part` is exactly this rank's block of
-/// `whole`.
-inline void check_in_place(const Buf& whole, const Buf& part, Caller c, const char* what,
-                           const char* message) {
-  const std::byte* mine = whole.at(part.count * static_cast<std::size_t>(c.rank));
-  if (overlaps(part.data, part.bytes(), whole.data, whole.bytes()) && part.data != mine) {
-    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, message);
-  }
-}
-
-[[nodiscard]] inline Call prepare_all_reduce(const Buf& b, ReduceOp op, Caller c) {
-  check_op(op, b.dtype, c, "all_reduce");
-  Call call = make_call("all_reduce", Coll::all_reduce);
-  call.in = b;
-  call.op = op;
-  call.bytes = b.bytes();
-  return call;
-}
-
-/// `moved_on_device`: the backend moves this CUDA buffer itself (no staging), so there is no
-/// host pass in which to convert it.
-[[nodiscard]] inline Call prepare_all_reduce_as(const Buf& b, ReduceOp op, DType wire,
-                                                bool moved_on_device, std::string_view backend,
-                                                Caller c) {
-  check_op(op, wire, c, "all_reduce_as");
-  if (b.dtype != DType::float32)
-    fail(Errc::invalid_argument, "rank ", c.rank, ": all_reduce_as: `buf` is ", to_string(b.dtype),
-         "; compression carries float32 values");
-  if (moved_on_device)
-    fail(Errc::unsupported, "rank ", c.rank, ": all_reduce_as: `buf` is on ", to_string(b.device),
-         ", which backend::", backend,
-         " moves itself, and ddp's headers carry no GPU kernels to convert it; use all_reduce, or "
-         "convert on the device first");
-  Call call = make_call("all_reduce_as", Coll::all_reduce, Call::Form::as_wire);
-  call.in = b;
-  call.op = op;
-  call.wire = wire;
-  call.bytes = b.bytes();
-  return call;
-}
-
-[[nodiscard]] inline Call prepare_all_reduce_coalesced(std::vector<Buf> bufs, ReduceOp op,
-                                                       Caller c) {
-  Call call = make_call("all_reduce_coalesced", Coll::all_reduce, Call::Form::coalesced);
-  for (const Buf& b : bufs) {
-    check_op(op, b.dtype, c, "all_reduce_coalesced");
-    call.bytes += b.bytes();
-  }
-  call.many = std::move(bufs);
-  call.op = op;
-  return call;
-}
-
-[[nodiscard]] inline Call prepare_broadcast(const Buf& b, int root, Caller c) {
-  check_root(root, c, "broadcast");
-  Call call = make_call("broadcast", Coll::broadcast);
-  call.in = b;
-  call.root = root;
-  call.bytes = b.bytes();
-  return call;
-}
-
-[[nodiscard]] inline Call prepare_reduce(const Buf& b, int root, ReduceOp op, Caller c) {
-  check_root(root, c, "reduce");
-  check_op(op, b.dtype, c, "reduce");
-  Call call = make_call("reduce", Coll::reduce);
-  call.in = b;
-  call.root = root;
-  call.op = op;
-  call.bytes = b.bytes();
-  return call;
-}
-
-/// all_gather (root < 0) or gather; `out` is used (and checked) only where it receives.
-[[nodiscard]] inline Call prepare_gather(const Buf& in, const Buf& out, int root, Caller c) {
-  const char* what = root < 0 ? "all_gather" : "gather";
-  if (root >= 0) check_root(root, c, what);
-  Call call = make_call(what, root < 0 ? Coll::all_gather : Coll::gather);
-  call.in = in;
-  call.root = root;
-  if (root < 0 || root == c.rank) {
-    check_same_dtype(in, out, c, what);
-    check_blocks(out, in, c, what, "out", "in.size() x size()");
-    check_in_place(out, in, c, what,
-                   ": `in` overlaps `out` but is not this rank's block of it (the only in-place "
-                   "form)");
-    call.out = out;
-  }
-  call.bytes = call.in.bytes() + call.out.bytes();
-  return call;
-}
-
-/// scatter; `in` is used (and checked) on the root only.
-[[nodiscard]] inline Call prepare_scatter(const Buf& in, const Buf& out, int root, Caller c) {
-  check_root(root, c, "scatter");
-  Call call = make_call("scatter", Coll::scatter);
-  call.in = Buf{nullptr, 0, out.dtype, out.device, nullptr};
-  call.out = out;
-  call.root = root;
-  if (c.rank == root) {
-    check_same_dtype(in, out, c, "scatter");
-    check_blocks(in, out, c, "scatter", "in", "out.size() x size()");
-    check_in_place(in, out, c, "scatter",
-                   ": `out` overlaps `in` but is not this rank's block of it (the only in-place "
-                   "form)");
-    call.in = in;
-  }
-  call.bytes = call.in.bytes() + call.out.bytes();
-  return call;
-}
-
-[[nodiscard]] inline Call prepare_reduce_scatter(const Buf& in, const Buf& out, ReduceOp op,
-                                                 Caller c) {
-  check_same_dtype(in, out, c, "reduce_scatter");
-  check_op(op, out.dtype, c, "reduce_scatter");
-  check_blocks(in, out, c, "reduce_scatter", "in", "out.size() x size()");
-  check_in_place(in, out, c, "reduce_scatter",
-                 ": `out` overlaps `in` but is not this rank's block of it (the only in-place "
-                 "form)");
-  Call call = make_call("reduce_scatter", Coll::reduce_scatter);
-  call.in = in;
-  call.out = out;
-  call.op = op;
-  call.bytes = in.bytes() + out.bytes();
-  return call;
-}
-
-[[nodiscard]] inline Call prepare_all_to_all(const Buf& in, const Buf& out, Caller c) {
-  check_same_dtype(in, out, c, "all_to_all");
-  const auto p = static_cast<std::size_t>(c.size);
-  if (in.count != out.count || in.count % p != 0) {
-    fail(Errc::invalid_argument, "rank ", c.rank, ": all_to_all: `in` (", in.count, ") and `out` (",
-         out.count, ") must have the same number of elements, a multiple of size() = ", p);
-  }
-  if (overlaps(in.data, in.bytes(), out.data, out.bytes())) {
-    fail(Errc::invalid_argument, "rank ", c.rank, ": all_to_all: `in` and `out` must not overlap");
-  }
-  Call call = make_call("all_to_all", Coll::all_to_all);
-  call.in = in;
-  call.out = out;
-  call.bytes = in.bytes() + out.bytes();
-  return call;
-}
-
-[[nodiscard]] inline Call prepare_p2p(Coll coll, const Buf& b, int peer, int tag, Caller c) {
-  const char* what = coll == Coll::send ? "send" : "recv";
-  if (peer < 0 || peer >= c.size || peer == c.rank) {
-    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": peer ", peer,
-         " must be another rank in [0, ", c.size, ")");
-  }
-  if (tag < 0)
-    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": tag ", tag, " is negative");
-  Call call = make_call(what, coll);
-  call.in = b;
-  call.root = peer;
-  call.tag = tag;
-  call.bytes = b.bytes();
-  return call;
-}
-
-[[nodiscard]] inline Call prepare_barrier() { return make_call("barrier", Coll::barrier); }
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/detail/call.hpp
-// #include "ddp/detail/collective.hpp" (already included above)
-// begin ddp/detail/fork.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Fork detection: a counter that pthread_atfork bumps in every child, so an object can tell in
-/// one relaxed load whether it is still in the process that made it (getpid() is a system call).
-
-// #include "ddp/config.hpp" (already included above)
-
-#include <pthread.h>
-
-#include <atomic>
-#include <cstdint>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-inline std::atomic<std::uint64_t>& fork_counter() noexcept {
-  static std::atomic<std::uint64_t> n{0};
-  return n;
-}
-
-/// How many fork()s separate this process from the first process that called this function:
-/// equal values mean "the same process". The first call registers the fork handler.
-[[nodiscard]] inline std::uint64_t fork_generation() noexcept {
-  static const bool registered = [] {
-    (void)::pthread_atfork(nullptr, nullptr,
-                           [] { fork_counter().fetch_add(1, std::memory_order_relaxed); });
-    return true;
-  }();
-  (void)registered;
-  return fork_counter().load(std::memory_order_relaxed);
-}
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/detail/fork.hpp
-// #include "ddp/detail/reduce.hpp" (already included above)
-// #include "ddp/detail/rendezvous.hpp" (already included above)
-// #include "ddp/detail/staging.hpp" (already included above)
-// begin ddp/environment.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// ddp::Environment: who am I? Read from the variables a launcher sets — ddprun and torchrun
-/// (RANK, WORLD_SIZE, ...), Slurm (SLURM_PROCID, ...), Open MPI (OMPI_COMM_WORLD_*), MPICH/PMI
-/// (PMI_RANK, ...) — or, with no launcher, rank 0 of a world of 1.
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/error.hpp" (already included above)
-
-#include <charconv>
-#include <cstdlib>
-#include <functional>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <system_error>
-
-DDP_BEGIN_NAMESPACE
-
-/// Where a process stands in the job, and where the rendezvous store is.
-struct Environment {
-  int rank = 0;
-  int world_size = 1;
-  int local_rank = 0;
-  int local_world_size = 1;
-  int node_rank = 0;
-  std::string master_addr = "127.0.0.1";
-  int master_port = 0;  ///< 0: not set (only allowed when world_size == 1 or under MPI)
-  /// The port of ddp's rendezvous store on master_addr: DDP_STORE_PORT when set; under torchrun,
-  /// whose agent already serves its own (c10d) store on MASTER_PORT, MASTER_PORT + 1; otherwise
-  /// master_port.
-  int store_port = 0;
-  /// Which launcher the values came from: "ddprun", "torchrun", "slurm", "openmpi", "pmi", "none".
-  std::string launcher = "none";
-
-  /// Reads the process environment. Never throws when no launcher variable is set; throws
-  /// Errc::invalid_argument naming the variable when one is malformed or inconsistent.
-  [[nodiscard]] static Environment detect();
-
-  /// The same, from any lookup function (returns nullptr for unset names): for tests and for
-  /// programs that keep their configuration elsewhere.
-  [[nodiscard]] static Environment detect(const std::function<const char*(const char*)>& lookup);
-};
-
-namespace detail {
-
-class EnvReader {
- public:
-  explicit EnvReader(const std::function<const char*(const char*)>& lookup) : lookup_(lookup) {}
-
-  [[nodiscard]] bool has(const char* name) const {
-    const char* v = lookup_(name);
-    return v != nullptr && *v != '\0';
-  }
-  [[nodiscard]] std::optional<std::string> str(const char* name) const {
-    const char* v = lookup_(name);
-    if (v == nullptr || *v == '\0') return std::nullopt;
-    return std::string(v);
-  }
-  /// An integer in [min, max]; anything else is an error that names the variable.
-  [[nodiscard]] std::optional<int> integer(const char* name, int min, int max) const {
-    const char* v = lookup_(name);
-    if (v == nullptr || *v == '\0') return std::nullopt;
-    const std::string_view text(v);
-    int value = 0;
-    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-    if (ec != std::errc{} || end != text.data() + text.size()) {
-      fail(Errc::invalid_argument, "environment variable ", name, "=\"", text,
-           "\" is not an integer; check what your launcher exported");
-    }
-    if (value < min || value > max) {
-      fail(Errc::invalid_argument, "environment variable ", name, "=", value, " is out of range [",
-           min, ", ", max, "]");
-    }
-    return value;
-  }
-
- private:
-  const std::function<const char*(const char*)>& lookup_;
-};
-
-/// The first host name of a Slurm node list: "gpu[07-09,12],cpu3" -> "gpu07".
-[[nodiscard]] inline std::string first_slurm_host(std::string_view list) {
-  const auto bracket = list.find('[');
-  const auto comma = list.find(',');
-  if (bracket == std::string_view::npos || (comma != std::string_view::npos && comma < bracket)) {
-    return std::string(list.substr(0, comma));
-  }
-  const auto close = list.find(']', bracket);
-  if (close == std::string_view::npos) {
-    fail(Errc::invalid_argument, "SLURM_JOB_NODELIST=\"", list, "\" is malformed (no ']')");
-  }
-  std::string_view range = list.substr(bracket + 1, close - bracket - 1);
-  range = range.substr(0, range.find_first_of(",-"));
-  return std::string(list.substr(0, bracket)) + std::string(range);
-}
-
-inline void check_rank(const EnvReader&, int rank, int world, const char* rank_var,
-                       const char* world_var) {
-  if (rank >= world) {
-    fail(Errc::invalid_argument, "environment: ", rank_var, "=", rank, " must be less than ",
-         world_var, "=", world);
-  }
-}
-
-}  // namespace detail
-
-inline Environment Environment::detect(const std::function<const char*(const char*)>& lookup) {
-  constexpr int max_world = 1 << 24;
-  const detail::EnvReader env(lookup);
-  Environment e;
-
-  const auto fill_master = [&](bool required) {
-    if (auto addr = env.str("MASTER_ADDR")) e.master_addr = *addr;
-    if (auto port = env.integer("MASTER_PORT", 1, 65535)) {
-      e.master_port = *port;
-    } else if (required && e.world_size > 1) {
-      detail::fail(Errc::invalid_argument, "environment: WORLD_SIZE=", e.world_size,
-                   " but MASTER_PORT is not set; export MASTER_ADDR and MASTER_PORT (ddprun and "
-                   "torchrun do this for you)");
-    }
-  };
-
-  if (env.has("RANK") || env.has("WORLD_SIZE")) {  // ddprun / torchrun / torch.distributed.launch
-    e.launcher = env.has("DDP_LAUNCHER") ? "ddprun" : "torchrun";
-    const auto rank = env.integer("RANK", 0, max_world - 1);
-    const auto world = env.integer("WORLD_SIZE", 1, max_world);
-    if (!rank)
-      detail::fail(Errc::invalid_argument, "environment: WORLD_SIZE is set but RANK is not");
-    if (!world)
-      detail::fail(Errc::invalid_argument, "environment: RANK is set but WORLD_SIZE is not");
-    e.rank = *rank;
-    e.world_size = *world;
-    detail::check_rank(env, e.rank, e.world_size, "RANK", "WORLD_SIZE");
-    e.local_world_size = env.integer("LOCAL_WORLD_SIZE", 1, max_world).value_or(e.world_size);
-    e.local_rank =
-        env.integer("LOCAL_RANK", 0, max_world - 1).value_or(e.rank % e.local_world_size);
-    detail::check_rank(env, e.local_rank, e.local_world_size, "LOCAL_RANK", "LOCAL_WORLD_SIZE");
-    if (e.local_world_size > e.world_size) {
-      detail::fail(Errc::invalid_argument, "environment: LOCAL_WORLD_SIZE=", e.local_world_size,
-                   " is larger than WORLD_SIZE=", e.world_size);
-    }
-    auto node = env.integer("NODE_RANK", 0, max_world - 1);
-    if (!node) node = env.integer("GROUP_RANK", 0, max_world - 1);
-    e.node_rank = node.value_or(e.rank / e.local_world_size);
-    fill_master(/*required=*/true);
-  } else if (env.has("OMPI_COMM_WORLD_RANK")) {  // Open MPI's mpirun
-    e.launcher = "openmpi";
-    e.world_size = env.integer("OMPI_COMM_WORLD_SIZE", 1, max_world).value_or(1);
-    e.rank = *env.integer("OMPI_COMM_WORLD_RANK", 0, max_world - 1);
-    detail::check_rank(env, e.rank, e.world_size, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE");
-    e.local_world_size =
-        env.integer("OMPI_COMM_WORLD_LOCAL_SIZE", 1, max_world).value_or(e.world_size);
-    e.local_rank = env.integer("OMPI_COMM_WORLD_LOCAL_RANK", 0, max_world - 1).value_or(0);
-    detail::check_rank(env, e.local_rank, e.local_world_size, "OMPI_COMM_WORLD_LOCAL_RANK",
-                       "OMPI_COMM_WORLD_LOCAL_SIZE");
-    // Not OMPI_COMM_WORLD_NODE_RANK: despite its name it ranks processes within a node (across
-    // jobs). With mpirun's default by-slot mapping, ranks fill the nodes in order.
-    e.node_rank = e.rank / e.local_world_size;
-    fill_master(/*required=*/false);
-  } else if (env.has("PMI_RANK")) {  // MPICH / Intel MPI (hydra)
-    e.launcher = "pmi";
-    e.world_size = env.integer("PMI_SIZE", 1, max_world).value_or(1);
-    e.rank = *env.integer("PMI_RANK", 0, max_world - 1);
-    detail::check_rank(env, e.rank, e.world_size, "PMI_RANK", "PMI_SIZE");
-    e.local_world_size = env.integer("MPI_LOCALNRANKS", 1, max_world).value_or(e.world_size);
-    e.local_rank = env.integer("MPI_LOCALRANKID", 0, max_world - 1).value_or(0);
-    detail::check_rank(env, e.local_rank, e.local_world_size, "MPI_LOCALRANKID", "MPI_LOCALNRANKS");
-    e.node_rank = e.rank / e.local_world_size;
-    fill_master(/*required=*/false);
-  } else if (env.has("SLURM_PROCID")) {  // srun
-    e.launcher = "slurm";
-    e.world_size = env.integer("SLURM_NTASKS", 1, max_world).value_or(1);
-    e.rank = *env.integer("SLURM_PROCID", 0, max_world - 1);
-    detail::check_rank(env, e.rank, e.world_size, "SLURM_PROCID", "SLURM_NTASKS");
-    e.local_rank = env.integer("SLURM_LOCALID", 0, max_world - 1).value_or(0);
-    // SLURM_NTASKS_PER_NODE may read "4" or "4(x2)"; SLURM_TASKS_PER_NODE likewise. Use the
-    // leading number when it parses, else assume one node.
-    e.local_world_size = e.world_size;
-    for (const char* name : {"SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
-      if (auto v = env.str(name)) {
-        int n = 0;
-        const auto [end, ec] = std::from_chars(v->data(), v->data() + v->size(), n);
-        if (ec == std::errc{} && n > 0 && end != v->data()) {
-          e.local_world_size = n;
-          break;
-        }
-      }
-    }
-    detail::check_rank(env, e.local_rank, e.local_world_size, "SLURM_LOCALID",
-                       "SLURM_NTASKS_PER_NODE");
-    e.node_rank = env.integer("SLURM_NODEID", 0, max_world - 1).value_or(0);
-    if (!env.has("MASTER_ADDR")) {
-      if (auto nodes = env.str("SLURM_JOB_NODELIST"))
-        e.master_addr = detail::first_slurm_host(*nodes);
-    }
-    fill_master(/*required=*/false);
-    if (e.master_port == 0) {
-      // Same on every task of the job, different between jobs sharing a node.
-      if (auto job = env.integer("SLURM_JOB_ID", 0, 2147483647))
-        e.master_port = 15000 + *job % 20000;
-    }
-  }
-  e.store_port = e.master_port;
-  if (auto port = env.integer("DDP_STORE_PORT", 1, 65535)) {
-    e.store_port = *port;
-  } else if (e.launcher == "torchrun" && e.master_port != 0 &&
-             env.str("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True") {
-    if (e.master_port == 65535)
-      detail::fail(Errc::invalid_argument,
-                   "environment: under torchrun ddp's store listens on MASTER_PORT + 1, but "
-                   "MASTER_PORT is 65535; pick another port or set DDP_STORE_PORT");
-    e.store_port = e.master_port + 1;
-  }
-  return e;
-}
-
-inline Environment Environment::detect() {
-  return detect([](const char* name) -> const char* { return std::getenv(name); });
-}
-
-DDP_END_NAMESPACE
-// end ddp/environment.hpp
-// #include "ddp/error.hpp" (already included above)
-// begin ddp/objects.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Object collectives (all_gather_object, gather_object, broadcast_object) and small host-value
-/// helpers (all_reduce_host, broadcast_host), written on the public Communicator API the way
-/// torch.distributed layers its object collectives above the ProcessGroup: free functions of any
-/// communicator, `ddp::all_gather_object(comm, value)`. Communicator's members of the same names
-/// call these.
-///
-/// Objects travel as bytes made by ddp::codec (never executed); a rank's object may encode to at
-/// most 1 GiB. On a backend that moves device memory only (backend::Nccl) host data travels
-/// through a device copy, so code above the Communicator works on every backend alike.
-
-// #include "ddp/backend/backend.hpp" (already included above)
-// #include "ddp/codec.hpp" (already included above)
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/detail/call.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
-#if DDP_HAS_CUDA
-// #include "ddp/cuda.hpp" (already included above)
 #endif
 
 #include <algorithm>
@@ -10321,6 +6780,3547 @@ class Communicator {
 
 DDP_END_NAMESPACE
 // end ddp/communicator.hpp
+// begin ddp/backend/host.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// backend::Host: the built-in backend, with no dependency beyond the standard library and POSIX.
+/// Shared memory between the ranks of one host, TCP between hosts (or on one host with
+/// DDP_HOST_TRANSPORT=tcp).
+///
+/// Every collective is built from rounds (see backend/host/transport.hpp) with one family of
+/// algorithms on both transports:
+///  * all_reduce of a small buffer: every rank offers its whole buffer and reduces all of them;
+///  * all_reduce of a large buffer, in segments sized for the cache: a reduce-scatter in which
+///    rank j reduces chunk j of every rank's segment, then an all-gather of the reduced chunks;
+///    every rank's core is busy and each input byte is read once;
+///  * broadcast, gather, scatter, all_gather, reduce_scatter and all_to_all in segments.
+/// Every element is reduced in rank order 0..P-1 in both paths, so results are bitwise identical
+/// on every rank, in every run, for every message size and on both transports.
+
+// #include "ddp/backend/backend.hpp" (already included above)
+// begin ddp/backend/host/shm.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The shared-memory transport of the Host backend (all ranks on one host).
+///
+/// One shared-memory segment per communicator, created by rank 0 without a name (see ShmSegment)
+/// and opened by the others through rank 0's descriptor, so a crash at any moment leaves nothing
+/// in /dev/shm. It holds:
+///  * a header: the abort word (the first failure, so peers fail fast) and the futex wake word;
+///  * per rank a control block: on its own cache line the round word (the round number and a
+///    32-bit digest of the collective's fingerprint), on another the two full fingerprints
+///    (indexed by round parity), which peers read only when the digests differ;
+///  * per rank two data slots (double buffering by tick parity);
+///  * per ordered pair a ring buffer for send/recv.
+///
+/// A round: copy the bytes peers want into my slot[tick % 2], publish the round word, wait until
+/// every peer's round reaches mine, compare digests, hand out pointers into peers' slots. Double
+/// buffering needs no extra waits: a peer can only overwrite slot[t % 2] in round t + 2, which it
+/// cannot start before I publish round t + 1, which I do only after I am done reading round t.
+
+// begin ddp/backend/host/transport.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The interface between the Host backend's algorithms and its transports (shared memory, TCP).
+///
+/// A collective is a sequence of *rounds*. In a round every rank offers some bytes (a list of
+/// pieces, concatenated), and every rank reads parts of other ranks' offers: want(src, dst) is
+/// the byte range of src's offer that dst reads, and every rank can compute it for every pair.
+/// round() returns, for each rank j, a pointer to want(j, me) within j's offer — straight into
+/// j's shared-memory slot, or into a scratch buffer the TCP transport received it into. The
+/// pointers stay valid until the next round. The first round of each collective carries the
+/// collective's fingerprint, which every transport compares across all ranks before any data is
+/// used, so ranks that call different collectives fail together with Errc::mismatch.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/collective.hpp" (already included above)
+// #include "ddp/detail/string.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// A non-owning reference to a callable (no allocation, unlike std::function).
+template <class Sig>
+class FunctionRef;
+template <class R, class... Args>
+class FunctionRef<R(Args...)> {
+ public:
+  template <class F>
+    requires(!std::is_same_v<std::remove_cvref_t<F>, FunctionRef> &&
+             std::is_invocable_r_v<R, F&, Args...>)
+  FunctionRef(F&& f)
+  noexcept  // NOLINT(google-explicit-constructor)
+      : obj_(const_cast<void*>(static_cast<const void*>(&f))), call_([](void* o, Args... a) -> R {
+          return (*static_cast<std::remove_reference_t<F>*>(o))(a...);
+        }) {}
+  R operator()(Args... a) const { return call_(obj_, a...); }
+
+ private:
+  void* obj_;
+  R (*call_)(void*, Args...);
+};
+
+/// One part of a rank's offer.
+struct Piece {
+  const std::byte* data = nullptr;
+  std::size_t len = 0;
+};
+
+using Want = FunctionRef<Range(int src, int dst)>;
+
+/// The header that precedes every point-to-point message (both transports).
+struct P2PHeader {
+  std::uint64_t seq;
+  std::uint64_t count;
+  std::int32_t tag;
+  DType dtype;
+  std::uint8_t pad[3];
+};
+
+/// The first failure of a transport, kept so that every later call fails the same way.
+struct Poison {
+  Errc code{};
+  std::string message;
+};
+
+class Transport {
+ public:
+  Transport(int rank, int size, std::chrono::milliseconds timeout)
+      : rank_(rank), size_(size), timeout_(timeout) {}
+  Transport(const Transport&) = delete;
+  Transport& operator=(const Transport&) = delete;
+  virtual ~Transport() = default;
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+
+  /// Name for messages: "shm" or "tcp".
+  [[nodiscard]] virtual std::string_view name() const noexcept = 0;
+  /// The most bytes one rank may offer in one round.
+  [[nodiscard]] virtual std::size_t max_offer() const noexcept = 0;
+  /// Below this many bytes, all_reduce gathers whole buffers in one round (latency path).
+  [[nodiscard]] virtual std::size_t small_bytes() const noexcept = 0;
+
+  /// Whether rounds compare fingerprints (Options::verify_collectives; the same on every rank).
+  /// Without it `fp` still names the collective in messages.
+  bool verify_fingerprints = true;
+
+  /// The collective in progress (set by the backend as each one starts), so that a failure in
+  /// any of its rounds, not only the first, names it and its sequence number.
+  Fingerprint current{};
+  bool has_current = false;
+
+  /// What failed, for messages: the round's fingerprint, else `what` (point-to-point), else the
+  /// collective in progress.
+  [[nodiscard]] std::string describe(const Fingerprint* fp, const char* what) const {
+    if (fp != nullptr) return to_string(*fp);
+    if (what != nullptr) return what;
+    if (has_current) return to_string(current);
+    return "operation";
+  }
+
+  /// One round (see the file comment). `fp` is non-null on a collective's first round.
+  virtual std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
+                                                  const Fingerprint* fp) = 0;
+
+  /// Memory that may hold part of the next round's offer, so that data can be produced in place
+  /// instead of copied there (the shared-memory slot of the next round); nullptr when the
+  /// transport has none or `bytes` does not fit. Valid until the next round.
+  [[nodiscard]] virtual std::byte* stage(std::size_t /*bytes*/) { return nullptr; }
+
+  /// Point-to-point, matched in order per pair; the receiver checks tag, dtype and count.
+  virtual void send(const Buf& buf, int peer, int tag, std::uint64_t seq) = 0;
+  virtual void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) = 0;
+
+  /// Makes every current and future wait of this process (and, where the transport can, of its
+  /// peers) fail with `code`. Safe to call from any thread.
+  virtual void abort(Errc code, const std::string& why) = 0;
+
+ protected:
+  /// "rank R: <what>: mismatched collectives: this rank called X but rank P called Y; ..."
+  [[nodiscard]] std::string mismatch_message(const Fingerprint& mine, int peer,
+                                             const Fingerprint& theirs) const {
+    return concat(
+        "rank ", rank_, ": ", to_string(mine.coll), ": mismatched collectives: this rank called ",
+        to_string(mine), " but rank ", peer, " called ", to_string(theirs),
+        "; every rank must call the same collectives, in the same order, with the same counts, "
+        "dtypes, ops and roots");
+  }
+
+  /// What recv expects from `peer`, as in messages: "recv(from rank 1, tag 7, float32, count=3)".
+  [[nodiscard]] static std::string recv_description(const Buf& buf, int peer, int tag) {
+    return concat("recv(from rank ", peer, ", tag ", tag, ", ", to_string(buf.dtype),
+                  ", count=", buf.count, ")");
+  }
+
+  /// Empty when the header is the send that matches this recv, else the error message.
+  [[nodiscard]] std::string p2p_mismatch(const Buf& buf, int peer, int tag, std::uint64_t seq,
+                                         const P2PHeader& h) const {
+    if (h.seq == seq && h.tag == tag && h.dtype == buf.dtype && h.count == buf.count) return {};
+    return concat("rank ", rank_, ": ", recv_description(buf, peer, tag), " #", seq,
+                  " got send(tag ", h.tag, ", ", to_string(h.dtype), ", count=", h.count, ") #",
+                  h.seq, "; sends and receives between a pair are matched in order and must agree");
+  }
+
+  /// Records abort() on this rank.
+  void set_local_abort(Errc code) noexcept { local_abort_code_.store(static_cast<int>(code)); }
+
+  /// Throws if abort() was called on this rank.
+  void check_local_abort(const Fingerprint* fp) const {
+    if (const int code = local_abort_code_.load(); code != 0) {
+      fail(static_cast<Errc>(code), "rank ", rank_, ": ", describe(fp, nullptr),
+           ": the communicator was aborted on this rank; create a new communicator to continue");
+    }
+  }
+
+  int rank_;
+  int size_;
+  std::chrono::milliseconds timeout_;
+
+ private:
+  std::atomic<int> local_abort_code_{0};
+};
+
+/// The transport of a world of one: every round returns the rank's own offer.
+class SelfTransport final : public Transport {
+ public:
+  explicit SelfTransport(std::chrono::milliseconds timeout) : Transport(0, 1, timeout) {}
+  [[nodiscard]] std::string_view name() const noexcept override { return "self"; }
+  [[nodiscard]] std::size_t max_offer() const noexcept override { return std::size_t{1} << 40; }
+  [[nodiscard]] std::size_t small_bytes() const noexcept override { return std::size_t{1} << 40; }
+
+  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
+                                          const Fingerprint*) override {
+    ptr_ = locate(offer, want(0, 0));
+    return {&ptr_, 1};
+  }
+  void send(const Buf&, int, int, std::uint64_t) override {
+    fail(Errc::invalid_argument, "rank 0: send: a world of one has no peer to send to");
+  }
+  void recv(const Buf&, int, int, std::uint64_t) override {
+    fail(Errc::invalid_argument, "rank 0: recv: a world of one has no peer to receive from");
+  }
+  void abort(Errc, const std::string&) override {}
+
+  /// Where byte `r.off` of the concatenated pieces lives (the range must lie in one piece).
+  static const std::byte* locate(std::span<const Piece> offer, Range r) {
+    if (r.len == 0) return nullptr;
+    std::size_t base = 0;
+    for (const auto& p : offer) {
+      if (r.off >= base && r.off + r.len <= base + p.len) return p.data + (r.off - base);
+      base += p.len;
+    }
+    fail(Errc::invalid_argument, "internal error: a wanted range crosses offer pieces");
+  }
+
+ private:
+  const std::byte* ptr_ = nullptr;
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/backend/host/transport.hpp
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/socket.hpp" (already included above)
+// begin ddp/detail/wait.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Waiting for another process: spin briefly (a peer on another core answers in well under a
+/// microsecond), then sleep on a futex in shared memory, so that 4 ranks on 2 cores do not burn
+/// the core the awaited rank needs. Posters wake sleepers only when there are any (a Dekker-style
+/// handshake on `sleepers`), so the fast path costs no system call.
+///
+/// Also here: watching peer processes for death with pidfds (a dead peer makes its waiters fail
+/// with Errc::peer_lost in milliseconds, not at the timeout).
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+
+#include <linux/futex.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <cstdint>
+#include <ctime>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+inline void cpu_relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();  // _mm_pause without <immintrin.h> (0.4 s of every compile)
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
+static_assert(sizeof(std::atomic<std::uint32_t>) == sizeof(std::uint32_t));
+
+/// FUTEX_WAIT on a word in (possibly shared) memory for at most `ns` nanoseconds.
+inline void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected, long ns) {
+  timespec ts{ns / 1000000000L, ns % 1000000000L};
+  (void)::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAIT, expected, &ts,
+                  nullptr, 0);
+}
+
+inline void futex_wake_all(std::atomic<std::uint32_t>* word) {
+  (void)::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr,
+                  nullptr, 0);
+}
+
+/// The sleeping half of the handshake; lives in shared memory.
+struct WakeWord {
+  std::atomic<std::uint32_t> epoch{0};
+  std::atomic<std::uint32_t> sleepers{0};
+
+  /// Call after publishing progress (with a seq_cst store).
+  void notify() noexcept {
+    if (sleepers.load(std::memory_order_seq_cst) != 0) {
+      epoch.fetch_add(1, std::memory_order_seq_cst);
+      futex_wake_all(&epoch);
+    }
+  }
+
+  /// Sleeps until notified (or for at most `ns`) unless `ready()` holds after registering.
+  template <class Ready>
+  void sleep_unless(Ready&& ready, long ns) noexcept {
+    sleepers.fetch_add(1, std::memory_order_seq_cst);
+    const std::uint32_t e = epoch.load(std::memory_order_seq_cst);
+    if (!ready()) futex_wait(&epoch, e, ns);
+    sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  }
+};
+
+/// Number of CPUs this process may run on.
+[[nodiscard]] inline int usable_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof set, &set) != 0) return 1;
+  return CPU_COUNT(&set);
+}
+
+/// Watches processes for exit. pidfds become readable when a process exits (a zombie counts as
+/// exited); without pidfd_open (Linux < 5.3) falls back to kill(pid, 0).
+class ProcessWatch {
+ public:
+  ProcessWatch() = default;
+  ProcessWatch(const ProcessWatch&) = delete;
+  ProcessWatch& operator=(const ProcessWatch&) = delete;
+  ~ProcessWatch() {
+    for (auto& w : watched_) {
+      if (w.fd >= 0) ::close(w.fd);
+    }
+  }
+
+  void add(int rank, int pid) {
+#ifdef SYS_pidfd_open
+    const int fd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+#else
+    const int fd = -1;
+#endif
+    watched_.push_back({rank, pid, fd});
+  }
+
+  /// The rank of an exited process, or -1.
+  [[nodiscard]] int first_dead() const {
+    for (const auto& w : watched_) {
+      if (w.fd >= 0) {
+        pollfd p{w.fd, POLLIN, 0};
+        if (::poll(&p, 1, 0) == 1) return w.rank;
+      } else if (::kill(w.pid, 0) != 0 && errno == ESRCH) {
+        return w.rank;
+      }
+    }
+    return -1;
+  }
+
+ private:
+  struct Watched {
+    int rank;
+    int pid;
+    int fd;
+  };
+  std::vector<Watched> watched_;
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/wait.hpp
+// #include "ddp/error.hpp" (already included above)
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+struct ShmLayout {
+  static constexpr std::uint64_t magic = 0x3230306d68737064ull;  // "dpshm002"
+  static constexpr std::size_t header_bytes = 4096;
+  static constexpr std::size_t ctl_bytes = 256;
+  static constexpr std::size_t channel_ctl_bytes = 128;
+
+  int world = 1;
+  std::size_t slot_bytes = 0;
+  std::size_t channel_bytes = 0;
+
+  [[nodiscard]] static std::size_t align_up(std::size_t v, std::size_t a) {
+    return (v + a - 1) / a * a;
+  }
+  [[nodiscard]] std::size_t ctl_offset() const { return header_bytes; }
+  [[nodiscard]] std::size_t slots_offset() const {
+    return align_up(header_bytes + static_cast<std::size_t>(world) * ctl_bytes, 4096);
+  }
+  [[nodiscard]] std::size_t slot_offset(int rank, unsigned parity) const {
+    return slots_offset() + (static_cast<std::size_t>(rank) * 2 + parity) * slot_bytes;
+  }
+  [[nodiscard]] std::size_t channels_offset() const {
+    return slots_offset() + static_cast<std::size_t>(world) * 2 * slot_bytes;
+  }
+  [[nodiscard]] std::size_t channel_offset(int src, int dst) const {
+    return channels_offset() + (static_cast<std::size_t>(src) * static_cast<std::size_t>(world) +
+                                static_cast<std::size_t>(dst)) *
+                                   (channel_ctl_bytes + channel_bytes);
+  }
+  [[nodiscard]] std::size_t total() const {
+    return align_up(channel_offset(world - 1, world - 1) + channel_ctl_bytes + channel_bytes, 4096);
+  }
+};
+
+struct ShmHeader {
+  std::uint64_t magic;
+  std::uint64_t cookie;
+  std::uint32_t world;
+  std::uint32_t reserved;
+  std::uint64_t slot_bytes;
+  std::uint64_t channel_bytes;
+  std::uint64_t total;
+  alignas(64) WakeWord wake;
+  alignas(64) std::atomic<std::uint32_t> abort_state;  // 0 none, 1 being written, 2 set
+  std::int32_t abort_rank;
+  std::int32_t abort_code;
+  char abort_message[2048];
+};
+static_assert(sizeof(ShmHeader) <= ShmLayout::header_bytes);
+
+/// One rank's control block. Peers spin on `word`: the low 32 bits are the round number (modulo
+/// 2^32; ranks are never more than one round apart, so wrapping is harmless), the high 32 bits a
+/// digest of the round's fingerprint (0: none). One store publishes both, so checking that all
+/// ranks called the same collective costs no extra cache-line transfer; the full fingerprints lie
+/// on a line of their own, written by the owner only, read by a peer only when digests differ.
+struct ShmCtl {
+  alignas(64) std::atomic<std::uint64_t> word;
+  alignas(64) Fingerprint fp[2];
+};
+static_assert(sizeof(ShmCtl) == 128);
+static_assert(sizeof(ShmCtl) <= ShmLayout::ctl_bytes);
+
+struct ShmChannelCtl {
+  alignas(64) std::atomic<std::uint64_t> head;  // bytes written so far
+  alignas(64) std::atomic<std::uint64_t> tail;  // bytes consumed so far
+};
+static_assert(sizeof(ShmChannelCtl) <= ShmLayout::channel_ctl_bytes);
+
+/// A mapped shared-memory segment that never has a name: rank 0 creates it as an unnamed file
+/// in /dev/shm (O_TMPFILE; memfd_create where /dev/shm cannot), the other ranks open it through
+/// rank 0's descriptor (/proc/<pid>/fd/<n>) while rank 0 holds it. No kill at any moment can
+/// leave anything behind in /dev/shm; the memory goes when the last rank unmaps it.
+class ShmSegment {
+ public:
+  ShmSegment() = default;
+  ShmSegment(const ShmSegment&) = delete;
+  ShmSegment& operator=(const ShmSegment&) = delete;
+  ~ShmSegment() {
+    if (base_ != nullptr) ::munmap(base_, size_);
+  }
+
+  /// Bytes of the segment that are touched once at creation, so the first collectives do not
+  /// pay first-touch page faults; beyond this pages are faulted in lazily, where they are used.
+  static constexpr std::size_t prefault_bytes = std::size_t{64} << 20;
+
+  /// Creates a segment of `size` bytes and reserves its memory up front, so that a /dev/shm too
+  /// small for it is an error here rather than a SIGBUS at first use. Returns false, with the
+  /// reason in `why` (naming /dev/shm, its free space and the bytes needed), when the space is
+  /// not there; throws for other failures.
+  [[nodiscard]] bool create(std::size_t size, std::string& why) {
+    fd_ = Fd(::open("/dev/shm", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600));
+    std::string where = "/dev/shm";
+    if (!fd_) {
+      fd_ = Fd(static_cast<int>(::syscall(SYS_memfd_create, "ddp-shm", 1u /* MFD_CLOEXEC */)));
+      if (!fd_) fail_errno(errno, "creating shared memory: /dev/shm (O_TMPFILE) and memfd_create");
+      where = "shared memory (memfd)";
+    }
+    const std::size_t avail = free_bytes(where == "/dev/shm");
+    if (avail < size) {
+      why = concat(where, " has ", mib(avail), " free but the shm transport needs ", mib(size),
+                   " for this communicator");
+      fd_.reset();
+      return false;
+    }
+    if (const int rc = ::posix_fallocate(fd_.get(), 0, static_cast<off_t>(size)); rc != 0) {
+      why = concat("reserving ", mib(size), " in ", where, " failed: ", std::strerror(rc), " (",
+                   mib(free_bytes(where == "/dev/shm")), " free)");
+      fd_.reset();
+      return false;
+    }
+    map(fd_.get(), size);
+    // The file reads as zeros; touch the head (header, control blocks, the first slots) once.
+    const std::size_t head = std::min(size, prefault_bytes);
+#ifdef MADV_POPULATE_WRITE
+    if (::madvise(base_, head, MADV_POPULATE_WRITE) == 0) return true;
+#endif
+    for (std::size_t i = 0; i < head; i += 4096) reinterpret_cast<volatile char*>(base_)[i] = 0;
+    return true;
+  }
+
+  /// Where another process of the same host opens this segment while the creator holds it.
+  [[nodiscard]] std::string path() const { return concat("/proc/", ::getpid(), "/fd/", fd_.get()); }
+
+  /// Maps the segment of exactly `size` bytes that another process published at `path`.
+  void open(const std::string& path, std::size_t size) {
+    Fd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
+    if (!fd) {
+      fail_errno(errno, "opening rank 0's shared memory at ", path,
+                 " (rank 0 must be alive, of the same user, and dumpable; or use "
+                 "DDP_HOST_TRANSPORT=tcp)");
+    }
+    struct stat st {};
+    if (::fstat(fd.get(), &st) != 0) fail_errno(errno, "fstat(", path, ")");
+    if (static_cast<std::size_t>(st.st_size) != size) {
+      fail(Errc::protocol, "shared memory segment ", path, " has ", st.st_size, " bytes, expected ",
+           size);
+    }
+    map(fd.get(), size);
+  }
+
+  /// The creator lets go of its descriptor once every rank has mapped the segment.
+  void close_descriptor() noexcept { fd_.reset(); }
+
+  [[nodiscard]] std::byte* base() const noexcept { return static_cast<std::byte*>(base_); }
+
+ private:
+  static std::string mib(std::size_t bytes) {
+    if (bytes < (std::size_t{1} << 20)) return concat(bytes / 1024, " KiB (", bytes, " bytes)");
+    return concat(bytes / (std::size_t{1} << 20), " MiB (", bytes, " bytes)");
+  }
+
+  /// Free bytes for a new segment: in /dev/shm, or of memory (MemAvailable) for a memfd.
+  static std::size_t free_bytes(bool dev_shm) {
+    if (dev_shm) {
+      struct statvfs v {};
+      if (::statvfs("/dev/shm", &v) != 0) return SIZE_MAX;
+      return static_cast<std::size_t>(v.f_bavail) * static_cast<std::size_t>(v.f_frsize);
+    }
+    const long pages = ::sysconf(_SC_AVPHYS_PAGES);
+    const long page = ::sysconf(_SC_PAGESIZE);
+    if (pages <= 0 || page <= 0) return SIZE_MAX;
+    return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page);
+  }
+
+  void map(int fd, std::size_t size) {
+    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) fail_errno(errno, "mmap of ", size, " bytes of shared memory");
+    base_ = p;
+    size_ = size;
+  }
+
+  void* base_ = nullptr;
+  std::size_t size_ = 0;
+  Fd fd_;  // the creator's, until every rank has mapped the segment
+};
+
+class ShmTransport final : public Transport {
+ public:
+  /// `segment` is mapped and initialized; `pids[j]` is rank j's process id.
+  ShmTransport(int rank, int size, std::chrono::milliseconds timeout, ShmLayout layout,
+               std::unique_ptr<ShmSegment> segment, const std::vector<int>& pids)
+      : Transport(rank, size, timeout),
+        layout_(layout),
+        segment_(std::move(segment)),
+        ptrs_(static_cast<std::size_t>(size)),
+        seen_(static_cast<std::size_t>(size)) {
+    header_ = reinterpret_cast<ShmHeader*>(segment_->base());
+    for (int j = 0; j < size; ++j) {
+      if (j != rank) watch_.add(j, pids[static_cast<std::size_t>(j)]);
+    }
+    oversubscribed_ = size > usable_cpus();
+    tick_ = round_of(ctl(rank)->word.load());
+  }
+
+  /// Initializes a freshly created segment (rank 0 only, before anyone else maps it).
+  static void format(std::byte* base, const ShmLayout& layout, std::uint64_t cookie) {
+    auto* h = new (base) ShmHeader{};
+    h->magic = ShmLayout::magic;
+    h->cookie = cookie;
+    h->world = static_cast<std::uint32_t>(layout.world);
+    h->slot_bytes = layout.slot_bytes;
+    h->channel_bytes = layout.channel_bytes;
+    h->total = layout.total();
+    for (int j = 0; j < layout.world; ++j)
+      new (base + layout.ctl_offset() + static_cast<std::size_t>(j) * ShmLayout::ctl_bytes)
+          ShmCtl{};
+    for (int s = 0; s < layout.world; ++s) {
+      for (int d = 0; d < layout.world; ++d)
+        new (base + layout.channel_offset(s, d)) ShmChannelCtl{};
+    }
+  }
+
+  /// Checks a segment opened by a non-creator.
+  static void verify(const std::byte* base, const ShmLayout& layout, std::uint64_t cookie) {
+    const auto* h = reinterpret_cast<const ShmHeader*>(base);
+    if (h->magic != ShmLayout::magic || h->cookie != cookie ||
+        h->world != static_cast<std::uint32_t>(layout.world) ||
+        h->slot_bytes != layout.slot_bytes || h->total != layout.total()) {
+      fail(Errc::protocol,
+           "the shared memory segment does not belong to this communicator (cookie or layout "
+           "differ)");
+    }
+  }
+
+  [[nodiscard]] std::string_view name() const noexcept override { return "shm"; }
+  [[nodiscard]] std::size_t max_offer() const noexcept override { return layout_.slot_bytes; }
+  [[nodiscard]] std::size_t small_bytes() const noexcept override {
+    return std::min<std::size_t>(layout_.slot_bytes, 16384);
+  }
+
+  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
+                                          const Fingerprint* fp) override {
+    check_abort(fp);
+    const std::uint64_t t = ++tick_;
+    const unsigned parity = static_cast<unsigned>(t & 1u);
+    std::byte* my_slot = slot(rank_, parity);
+    // Copy only what peers want, each byte once.
+    wanted_.clear();
+    for (int j = 0; j < size_; ++j) {
+      if (j == rank_) continue;
+      const Range r = want(rank_, j);
+      if (r.len != 0) wanted_.push_back(r);
+    }
+    std::sort(wanted_.begin(), wanted_.end(),
+              [](const Range& a, const Range& b) { return a.off < b.off; });
+    std::size_t copied_to = 0;
+    for (const Range& r : wanted_) {
+      std::size_t from = std::max(r.off, copied_to);
+      const std::size_t to = r.off + r.len;
+      if (to > layout_.slot_bytes)
+        fail(Errc::invalid_argument, "internal error: offer exceeds the shared memory slot");
+      std::size_t base = 0;
+      for (const Piece& p : offer) {  // copy [from, to) out of the pieces
+        const std::size_t lo = std::max(from, base), hi = std::min(to, base + p.len);
+        // Skip bytes already in place (staged in the slot by the caller).
+        if (lo < hi && my_slot + lo != p.data + (lo - base))
+          std::memcpy(my_slot + lo, p.data + (lo - base), hi - lo);
+        base += p.len;
+      }
+      copied_to = std::max(copied_to, to);
+    }
+    ShmCtl* mine = ctl(rank_);
+    std::uint64_t digest = 0;
+    if (fp != nullptr && verify_fingerprints) {
+      mine->fp[parity] = *fp;
+      digest = fingerprint_digest(*fp);
+    }
+    mine->word.store(digest << 32 | static_cast<std::uint32_t>(t), std::memory_order_seq_cst);
+    header_->wake.notify();
+
+    wait([&] { return all_reached(t); }, fp, [&] { return behind(t); });
+
+    if (digest != 0) {
+      for (int j = 0; j < size_; ++j) {
+        if (j == rank_ || seen_[static_cast<std::size_t>(j)] >> 32 == digest) continue;
+        // Digests differ, or the peer was already in round t + 1 (it cannot pass t + 1 before this
+        // rank publishes t + 1): its round-t fingerprint is in fp[parity] either way.
+        const Fingerprint theirs = ctl(j)->fp[parity];
+        if (!(theirs == *fp)) {
+          const std::string msg = mismatch_message(*fp, j, theirs);
+          publish_abort(Errc::mismatch, msg);
+          fail(Errc::mismatch, msg);
+        }
+      }
+    }
+    for (int j = 0; j < size_; ++j) {
+      const Range r = want(j, rank_);
+      if (r.len == 0)
+        ptrs_[static_cast<std::size_t>(j)] = nullptr;
+      else if (j == rank_)
+        ptrs_[static_cast<std::size_t>(j)] = SelfTransport::locate(offer, r);
+      else
+        ptrs_[static_cast<std::size_t>(j)] = slot(j, parity) + r.off;
+    }
+    return ptrs_;
+  }
+
+  /// My slot for the next round: free, since every peer has finished reading the round that used
+  /// it last (they published the current round, which they only do after that).
+  std::byte* stage(std::size_t bytes) override {
+    if (bytes > layout_.slot_bytes) return nullptr;
+    return slot(rank_, static_cast<unsigned>((tick_ + 1) & 1u));
+  }
+
+  void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
+    check_abort(nullptr);
+    const P2PHeader h{seq, buf.count, tag, buf.dtype, {}};
+    channel_write(peer, &h, sizeof h, "send", buf, tag);
+    channel_write(peer, buf.data, buf.bytes(), "send", buf, tag);
+  }
+
+  void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
+    check_abort(nullptr);
+    P2PHeader h{};
+    channel_read(peer, &h, sizeof h, "recv", buf, tag);
+    if (const std::string msg = p2p_mismatch(buf, peer, tag, seq, h); !msg.empty()) {
+      publish_abort(Errc::mismatch, msg);
+      fail(Errc::mismatch, msg);
+    }
+    channel_read(peer, buf.data, buf.bytes(), "recv", buf, tag);
+  }
+
+  void abort(Errc code, const std::string& why) override {
+    set_local_abort(code);
+    publish_abort(code, why);
+  }
+
+ private:
+  [[nodiscard]] ShmCtl* ctl(int r) const {
+    return reinterpret_cast<ShmCtl*>(segment_->base() + layout_.ctl_offset() +
+                                     static_cast<std::size_t>(r) * ShmLayout::ctl_bytes);
+  }
+  [[nodiscard]] std::byte* slot(int r, unsigned parity) const {
+    return segment_->base() + layout_.slot_offset(r, parity);
+  }
+  [[nodiscard]] ShmChannelCtl* channel(int src, int dst) const {
+    return reinterpret_cast<ShmChannelCtl*>(segment_->base() + layout_.channel_offset(src, dst));
+  }
+  [[nodiscard]] std::byte* channel_data(int src, int dst) const {
+    return segment_->base() + layout_.channel_offset(src, dst) + ShmLayout::channel_ctl_bytes;
+  }
+
+  [[nodiscard]] static std::uint32_t round_of(std::uint64_t word) noexcept {
+    return static_cast<std::uint32_t>(word);
+  }
+  /// Whether a round word is of round t or later (modulo 2^32: a peer is at most one round ahead).
+  [[nodiscard]] static bool reached(std::uint64_t word, std::uint64_t t) noexcept {
+    return static_cast<std::int32_t>(round_of(word) - static_cast<std::uint32_t>(t)) >= 0;
+  }
+  [[nodiscard]] bool reached(int j, std::uint64_t t) const {
+    return reached(ctl(j)->word.load(std::memory_order_acquire), t);
+  }
+  /// Whether every rank has published round t; if so, their words are in seen_.
+  [[nodiscard]] bool all_reached(std::uint64_t t) {
+    for (int j = 0; j < size_; ++j) {
+      const std::uint64_t w = ctl(j)->word.load(std::memory_order_acquire);
+      if (!reached(w, t)) return false;
+      seen_[static_cast<std::size_t>(j)] = w;
+    }
+    return true;
+  }
+
+  [[nodiscard]] std::string behind(std::uint64_t t) const {
+    std::string who;
+    int n = 0;
+    for (int j = 0; j < size_; ++j) {
+      if (!reached(j, t)) who += concat(n++ ? ", " : "", j);
+    }
+    return concat(n == 1 ? "rank " : "ranks ", who);
+  }
+
+  /// First failure wins; later ones keep the first message.
+  void publish_abort(Errc code, const std::string& why) {
+    std::uint32_t expected = 0;
+    if (header_->abort_state.compare_exchange_strong(expected, 1)) {
+      header_->abort_rank = rank_;
+      header_->abort_code = static_cast<int>(code);
+      const std::size_t n = std::min(why.size(), sizeof header_->abort_message - 1);
+      std::memcpy(header_->abort_message, why.data(), n);
+      header_->abort_message[n] = '\0';
+      header_->abort_state.store(2, std::memory_order_seq_cst);
+    }
+    header_->wake.epoch.fetch_add(1);
+    futex_wake_all(&header_->wake.epoch);
+  }
+
+  /// Throws if this communicator was aborted here or by a peer.
+  void check_abort(const Fingerprint* fp) const {
+    check_local_abort(fp);
+    if (header_->abort_state.load(std::memory_order_acquire) == 2) {
+      fail(static_cast<Errc>(header_->abort_code), "rank ", rank_, ": ", describe(fp, nullptr),
+           ": failed because rank ", header_->abort_rank, " reported: ", header_->abort_message);
+    }
+  }
+
+  /// Spins, then sleeps, until ready(); fails on abort, on a dead peer and at the timeout.
+  template <class Ready, class Behind>
+  void wait(Ready&& ready, const Fingerprint* fp, Behind&& behind_desc,
+            const char* what = nullptr) {
+    if (ready()) return;
+    // Spin first, unless there are more ranks than cores: then the awaited rank may be waiting
+    // for this very core, so yield it at once (even a short spin of pause instructions costs
+    // more than the whole round).
+    if (!oversubscribed_) {
+      const auto spin_until = Clock::now() + std::chrono::microseconds(50);
+      do {
+        for (int i = 0; i < 64; ++i) {
+          cpu_relax();
+          if (ready()) return;
+        }
+      } while (Clock::now() < spin_until);
+    }
+    const auto deadline = Deadline::after(timeout_);
+    // Dead peers and the deadline are checked every 20 ms (a poll(2) of the peers' pidfds each
+    // time; not on every call, which would cost more than a small round).
+    auto next_check = Clock::now() + std::chrono::milliseconds(20);
+    // More ranks than cores: the rank we wait for needs this core. Hand it over with
+    // sched_yield for a while (cheap for the poster: nobody sleeps, so no futex wake-up), and
+    // only then sleep.
+    const auto yield_until = Clock::now() + std::chrono::milliseconds(2);
+    for (;;) {
+      check_abort(fp);
+      if (ready()) return;
+      const auto now = Clock::now();
+      if (now >= next_check) {
+        if (const int dead = watch_.first_dead(); dead >= 0) {
+          const std::string msg =
+              concat("rank ", rank_, ": ", describe(fp, what), ": rank ", dead,
+                     " died (its process exited); the job cannot continue with this communicator");
+          publish_abort(Errc::peer_lost, concat("rank ", dead, " died (its process exited)"));
+          fail(Errc::peer_lost, msg);
+        }
+        if (now >= deadline.at) {
+          const std::string who = behind_desc();
+          const std::string msg = concat(
+              "rank ", rank_, ": ", describe(fp, what), ": timed out after ", timeout_.count(),
+              " ms waiting for ", who,
+              " (shm transport); that rank is stopped, slow, or did not call this collective");
+          publish_abort(Errc::timeout, concat("timed out waiting for ", who));
+          fail(Errc::timeout, msg);
+        }
+        next_check = now + std::chrono::milliseconds(20);
+      }
+      if (oversubscribed_ && now < yield_until) {
+        ::sched_yield();
+        continue;
+      }
+      header_->wake.sleep_unless(ready, 5'000'000);
+    }
+  }
+
+  void channel_write(int peer, const void* data, std::size_t n, const char* what, const Buf& buf,
+                     int tag) {
+    ShmChannelCtl* ch = channel(rank_, peer);
+    std::byte* ring = channel_data(rank_, peer);
+    const std::size_t cap = layout_.channel_bytes;
+    const auto* p = static_cast<const std::byte*>(data);
+    std::uint64_t head = ch->head.load(std::memory_order_relaxed);
+    const auto desc = [&] { return concat("rank ", peer, " to receive"); };
+    const std::string op = concat(what, "(to rank ", peer, ", tag ", tag, ", ",
+                                  to_string(buf.dtype), ", count=", buf.count, ")");
+    while (n > 0) {
+      wait([&] { return head - ch->tail.load(std::memory_order_acquire) < cap; }, nullptr, desc,
+           op.c_str());
+      const std::uint64_t free_bytes = cap - (head - ch->tail.load(std::memory_order_acquire));
+      const std::size_t at = static_cast<std::size_t>(head % cap);
+      const std::size_t k =
+          std::min<std::size_t>({n, static_cast<std::size_t>(free_bytes), cap - at});
+      std::memcpy(ring + at, p, k);
+      p += k;
+      n -= k;
+      head += k;
+      ch->head.store(head, std::memory_order_seq_cst);
+      header_->wake.notify();
+    }
+  }
+
+  void channel_read(int peer, void* data, std::size_t n, const char* what, const Buf& buf,
+                    int tag) {
+    ShmChannelCtl* ch = channel(peer, rank_);
+    const std::byte* ring = channel_data(peer, rank_);
+    const std::size_t cap = layout_.channel_bytes;
+    auto* p = static_cast<std::byte*>(data);
+    std::uint64_t tail = ch->tail.load(std::memory_order_relaxed);
+    const auto desc = [&] { return concat("rank ", peer, " to send"); };
+    const std::string op = concat(what, "(from rank ", peer, ", tag ", tag, ", ",
+                                  to_string(buf.dtype), ", count=", buf.count, ")");
+    while (n > 0) {
+      wait([&] { return ch->head.load(std::memory_order_acquire) > tail; }, nullptr, desc,
+           op.c_str());
+      const std::uint64_t avail = ch->head.load(std::memory_order_acquire) - tail;
+      const std::size_t at = static_cast<std::size_t>(tail % cap);
+      const std::size_t k = std::min<std::size_t>({n, static_cast<std::size_t>(avail), cap - at});
+      std::memcpy(p, ring + at, k);
+      p += k;
+      n -= k;
+      tail += k;
+      ch->tail.store(tail, std::memory_order_seq_cst);
+      header_->wake.notify();
+    }
+  }
+
+  ShmLayout layout_;
+  std::unique_ptr<ShmSegment> segment_;
+  ShmHeader* header_ = nullptr;
+  ProcessWatch watch_;
+  bool oversubscribed_ = false;
+  std::uint64_t tick_ = 0;
+  std::vector<Range> wanted_;
+  std::vector<const std::byte*> ptrs_;
+  std::vector<std::uint64_t> seen_;  // the round words all_reached last saw
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/backend/host/shm.hpp
+// begin ddp/backend/host/tcp.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The TCP transport of the Host backend (ranks on several hosts, or DDP_HOST_TRANSPORT=tcp).
+///
+/// A full mesh of connections, made at start-up: every rank listens on the interface that
+/// reaches the store, publishes its address there, connects to lower ranks and accepts higher
+/// ones; a connection must present the communicator's session key (a random value shared through
+/// the store, which DDP_TOKEN protects) or it is dropped. A round sends, to each peer at once,
+/// the part of this rank's offer it wants and receives what this rank wants, progressing every
+/// socket with poll() until done, the timeout, or a failure. The first round of a collective
+/// starts each message with the sender's fingerprint, checked before any data is used.
+
+// #include "ddp/backend/host/transport.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/bytes.hpp" (already included above)
+// #include "ddp/detail/crypto.hpp" (already included above)
+// #include "ddp/detail/socket.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+class TcpTransport final : public Transport {
+ public:
+  static constexpr std::uint32_t hello_magic = 0x50434444;  // "DDCP"
+  using SessionKey = std::array<std::uint8_t, 16>;
+
+  TcpTransport(int rank, int size, std::chrono::milliseconds timeout, std::vector<Fd> peers,
+               std::size_t segment_bytes)
+      : Transport(rank, size, timeout),
+        segment_(segment_bytes),
+        peers_(std::move(peers)),
+        ptrs_(static_cast<std::size_t>(size)),
+        xfers_(static_cast<std::size_t>(size)),
+        headers_in_(static_cast<std::size_t>(size)) {
+    for (auto& fd : peers_) {
+      if (fd) set_nonblocking(fd.get(), true);
+    }
+  }
+
+  /// Builds the mesh: connect to ranks below, accept ranks above (see the file comment).
+  [[nodiscard]] static std::vector<Fd> connect_mesh(
+      int rank, int size, Fd& listener, const std::vector<std::pair<std::string, int>>& addrs,
+      const SessionKey& key, Deadline deadline, const std::function<void()>& check_stop = {}) {
+    std::vector<Fd> peers(static_cast<std::size_t>(size));
+    for (int j = 0; j < rank; ++j) {
+      const auto& [host, port] = addrs[static_cast<std::size_t>(j)];
+      Fd fd = connect_tcp(host, port, deadline, concat("rank ", j));
+      std::string hello;
+      ByteWriter w(hello);
+      w.put(hello_magic);
+      w.raw(key.data(), key.size());
+      w.put(static_cast<std::uint32_t>(rank));
+      if (send_all(fd.get(), hello.data(), hello.size(), deadline) != IoResult::ok) {
+        fail(Errc::peer_lost, "rank ", rank, ": could not introduce itself to rank ", j, " at ",
+             host_port(host, port));
+      }
+      peers[static_cast<std::size_t>(j)] = std::move(fd);
+    }
+    int missing = size - 1 - rank;
+    set_nonblocking(listener.get(), true);
+    while (missing > 0) {
+      if (check_stop) check_stop();  // throws when another rank failed meanwhile
+      pollfd p{listener.get(), POLLIN, 0};
+      const int rc = ::poll(&p, 1, deadline.poll_ms(200));
+      if (rc == 0 && deadline.expired()) {
+        std::string who;
+        for (int j = rank + 1; j < size; ++j) {
+          if (!peers[static_cast<std::size_t>(j)]) who += concat(who.empty() ? "" : ", ", j);
+        }
+        fail(Errc::timeout, "rank ", rank, ": timed out waiting for rank(s) ", who,
+             " to connect (tcp transport)");
+      }
+      Fd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      if (!fd) continue;
+      set_nodelay(fd.get());
+      std::array<std::byte, 4 + 16 + 4> hello{};
+      // A stray connection gets a short window; it must not stall the mesh.
+      const auto short_deadline =
+          Deadline{std::min(deadline.at, Clock::now() + std::chrono::seconds(2))};
+      if (recv_all(fd.get(), hello.data(), hello.size(), short_deadline) != IoResult::ok) continue;
+      ByteReader r(hello.data(), hello.size(), "peer hello");
+      if (r.get<std::uint32_t>() != hello_magic) continue;
+      SessionKey got{};
+      r.raw(got.data(), got.size());
+      const auto peer = static_cast<int>(r.get<std::uint32_t>());
+      if (!constant_time_equal(got, key) || peer <= rank || peer >= size ||
+          peers[static_cast<std::size_t>(peer)]) {
+        continue;  // not ours: drop it
+      }
+      peers[static_cast<std::size_t>(peer)] = std::move(fd);
+      --missing;
+    }
+    return peers;
+  }
+
+  [[nodiscard]] std::string_view name() const noexcept override { return "tcp"; }
+  [[nodiscard]] std::size_t max_offer() const noexcept override { return segment_; }
+  [[nodiscard]] std::size_t small_bytes() const noexcept override {
+    return std::min(segment_, size_ == 2 ? (std::size_t{1} << 20) : (std::size_t{64} << 10));
+  }
+
+  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
+                                          const Fingerprint* fp) override {
+    check_abort(fp);
+    std::size_t scratch_needed = 0;
+    for (int j = 0; j < size_; ++j) {
+      if (j != rank_) scratch_needed += want(j, rank_).len;
+    }
+    if (scratch_.size() < scratch_needed)
+      scratch_.resize(scratch_needed);  // zero-filled: pre-faulted
+    std::size_t scratch_at = 0;
+    for (int j = 0; j < size_; ++j) {
+      auto& x = xfers_[static_cast<std::size_t>(j)];
+      x.clear();
+      if (j == rank_) continue;
+      if (fp != nullptr && verify_fingerprints) {
+        x.out.push_back(
+            {reinterpret_cast<std::byte*>(const_cast<Fingerprint*>(fp)), sizeof(Fingerprint)});
+        x.in.push_back({reinterpret_cast<std::byte*>(&headers_in_[static_cast<std::size_t>(j)]),
+                        sizeof(Fingerprint)});
+        x.header_in = true;
+      }
+      const Range out = want(rank_, j);
+      std::size_t base = 0;
+      for (const Piece& p : offer) {
+        const std::size_t lo = std::max(out.off, base),
+                          hi = std::min(out.off + out.len, base + p.len);
+        if (lo < hi) x.out.push_back({const_cast<std::byte*>(p.data) + (lo - base), hi - lo});
+        base += p.len;
+      }
+      const Range in = want(j, rank_);
+      if (in.len != 0) x.in.push_back({scratch_.data() + scratch_at, in.len});
+      ptrs_[static_cast<std::size_t>(j)] = in.len != 0 ? scratch_.data() + scratch_at : nullptr;
+      scratch_at += in.len;
+    }
+    progress(fp, nullptr);
+    ptrs_[static_cast<std::size_t>(rank_)] = SelfTransport::locate(offer, want(rank_, rank_));
+    return ptrs_;
+  }
+
+  void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
+    check_abort(nullptr);
+    p2p_header_ = {seq, buf.count, tag, buf.dtype, {}};
+    for (auto& x : xfers_) x.clear();
+    auto& x = xfers_[static_cast<std::size_t>(peer)];
+    x.out.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});
+    if (buf.bytes() != 0) x.out.push_back({buf.data, buf.bytes()});
+    const std::string what = concat("send(to rank ", peer, ", tag ", tag, ", ",
+                                    to_string(buf.dtype), ", count=", buf.count, ")");
+    progress(nullptr, what.c_str());
+  }
+
+  void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
+    check_abort(nullptr);
+    for (auto& x : xfers_) x.clear();
+    auto& x = xfers_[static_cast<std::size_t>(peer)];
+    x.in.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});
+    const std::string what = recv_description(buf, peer, tag);
+    progress(nullptr, what.c_str());
+    if (const std::string msg = p2p_mismatch(buf, peer, tag, seq, p2p_header_); !msg.empty()) {
+      poison();
+      fail(Errc::mismatch, msg);
+    }
+    x.clear();
+    if (buf.bytes() != 0) x.in.push_back({buf.data, buf.bytes()});
+    progress(nullptr, what.c_str());
+  }
+
+  void abort(Errc code, const std::string&) override {
+    set_local_abort(code);
+    poison();
+  }
+
+ private:
+  struct Seg {
+    std::byte* p;
+    std::size_t n;
+  };
+  /// Points iov_ at the unfinished segments from (i, off) on; returns how many it filled.
+  std::size_t gather(const std::vector<Seg>& segs, std::size_t i, std::size_t off) {
+    std::size_t k = 0;
+    for (; i < segs.size() && k < iov_.size(); ++i, off = 0) {
+      if (segs[i].n > off) iov_[k++] = {segs[i].p + off, segs[i].n - off};
+    }
+    return k;
+  }
+
+  /// Moves (i, off) forward by n bytes over segs, past any empty segments.
+  static void advance(const std::vector<Seg>& segs, std::size_t& i, std::size_t& off,
+                      std::size_t n) {
+    while (i < segs.size() && segs[i].n - off <= n) {
+      n -= segs[i].n - off;
+      ++i;
+      off = 0;
+    }
+    off += n;
+  }
+
+  struct Xfer {
+    std::vector<Seg> out, in;
+    std::size_t out_i = 0, out_off = 0, in_i = 0, in_off = 0;
+    bool header_in = false;
+    void clear() {
+      out.clear();
+      in.clear();
+      out_i = out_off = in_i = in_off = 0;
+      header_in = false;
+    }
+    [[nodiscard]] bool out_done() const { return out_i == out.size(); }
+    [[nodiscard]] bool in_done() const { return in_i == in.size(); }
+  };
+  /// Shuts every connection down, so that peers blocked on this rank fail at once.
+  void poison() {
+    for (auto& fd : peers_) {
+      if (fd) ::shutdown(fd.get(), SHUT_RDWR);
+    }
+  }
+
+  void check_abort(const Fingerprint* fp) const { check_local_abort(fp); }
+
+  /// The connection to `peer` failed. A mismatch explains more than a lost peer (the peer may
+  /// have left because it saw the mismatch first), so during a collective's first round this
+  /// rank collects the fingerprints still on their way, from every peer, for a short while, and
+  /// reports a mismatch if one shows. The other connections stay open: every survivor sees a
+  /// dead peer itself (full mesh), and closing them would make the survivors blame this rank.
+  [[noreturn]] void lost(int peer, const Fingerprint* fp, const char* what) {
+    check_abort(fp);  // our own abort() shut the sockets down: report that, not a lost peer
+    if (fp != nullptr && verify_fingerprints)
+      collect_headers(*fp, Deadline::after(std::chrono::milliseconds(500)));
+    fail(Errc::peer_lost, "rank ", rank_, ": ", describe(fp, what), ": the connection to rank ",
+         peer,
+         " closed (that process died or failed) (tcp transport); the job cannot continue with this "
+         "communicator");
+  }
+
+  void progress(const Fingerprint* fp, const char* what) {
+    const auto deadline = Deadline::after(timeout_);
+    std::vector<pollfd> fds;
+    std::vector<int> who;
+    for (;;) {
+      fds.clear();
+      who.clear();
+      for (int j = 0; j < size_; ++j) {
+        const auto& x = xfers_[static_cast<std::size_t>(j)];
+        short ev = 0;
+        if (!x.out_done()) ev = static_cast<short>(ev | POLLOUT);
+        if (!x.in_done()) ev = static_cast<short>(ev | POLLIN);
+        if (ev != 0) {
+          fds.push_back({peers_[static_cast<std::size_t>(j)].get(), ev, 0});
+          who.push_back(j);
+        }
+      }
+      if (fds.empty()) return;
+      check_abort(fp);
+      const int rc = ::poll(fds.data(), fds.size(), deadline.poll_ms(50));
+      if (rc < 0 && errno != EINTR) fail_errno(errno, "poll");
+      if (rc <= 0) {
+        if (deadline.expired()) {
+          std::string list;
+          for (int j : who) list += concat(list.empty() ? "" : ", ", j);
+          // No poison(): the other ranks time out on their own, with their own message.
+          fail(Errc::timeout, "rank ", rank_, ": ", describe(fp, what), ": timed out after ",
+               timeout_.count(), " ms waiting for ", who.size() == 1 ? "rank " : "ranks ", list,
+               " (tcp transport); that rank is stopped, slow, or did not call this collective");
+        }
+        continue;
+      }
+      for (std::size_t i = 0; i < fds.size(); ++i) {
+        const int j = who[i];
+        auto& x = xfers_[static_cast<std::size_t>(j)];
+        const int fd = fds[i].fd;
+        if ((fds[i].revents & POLLOUT) != 0 ||
+            ((fds[i].revents & (POLLERR | POLLHUP)) != 0 && !x.out_done())) {
+          // Header and payload in one system call.
+          while (!x.out_done()) {
+            msghdr msg{};
+            msg.msg_iov = iov_.data();
+            msg.msg_iovlen = gather(x.out, x.out_i, x.out_off);
+            if (msg.msg_iovlen == 0) {
+              x.out_i = x.out.size();
+              break;
+            }
+            const ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+            if (n > 0) {
+              advance(x.out, x.out_i, x.out_off, static_cast<std::size_t>(n));
+            } else if (n < 0 && errno == EINTR) {
+              continue;
+            } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+              break;
+            } else {
+              lost(j, fp, what);
+            }
+          }
+        }
+        if ((fds[i].revents & (POLLIN | POLLERR | POLLHUP)) != 0) {
+          while (!x.in_done()) {
+            msghdr msg{};
+            msg.msg_iov = iov_.data();
+            msg.msg_iovlen = gather(x.in, x.in_i, x.in_off);
+            if (msg.msg_iovlen == 0) {
+              x.in_i = x.in.size();
+              break;
+            }
+            // Never more than this round's bytes: the next round's stay in the socket.
+            const ssize_t n = ::recvmsg(fd, &msg, MSG_DONTWAIT);
+            if (n > 0) {
+              const bool header_pending = x.header_in && x.in_i == 0;
+              advance(x.in, x.in_i, x.in_off, static_cast<std::size_t>(n));
+              if (header_pending && x.in_i > 0) check_header(j, *fp);
+            } else if (n < 0 && errno == EINTR) {
+              continue;
+            } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+              break;
+            } else {
+              lost(j, fp, what);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  /// Reads the outstanding fingerprints of this round (only those) until all are in or the
+  /// deadline passes; throws Errc::mismatch if one differs from ours.
+  void collect_headers(const Fingerprint& mine, Deadline deadline) {
+    for (;;) {
+      std::vector<pollfd> fds;
+      std::vector<int> who;
+      for (int j = 0; j < size_; ++j) {
+        const auto& x = xfers_[static_cast<std::size_t>(j)];
+        if (j != rank_ && x.header_in && x.in_i == 0) {
+          fds.push_back({peers_[static_cast<std::size_t>(j)].get(), POLLIN, 0});
+          who.push_back(j);
+        }
+      }
+      if (fds.empty()) return;
+      const int rc = ::poll(fds.data(), fds.size(), deadline.poll_ms(50));
+      if (rc <= 0) {
+        if (deadline.expired() || (rc < 0 && errno != EINTR)) return;
+        continue;
+      }
+      for (std::size_t i = 0; i < fds.size(); ++i) {
+        if (fds[i].revents == 0) continue;
+        auto& x = xfers_[static_cast<std::size_t>(who[i])];
+        Seg& h = x.in[0];
+        const ssize_t n = ::recv(fds[i].fd, h.p + x.in_off, h.n - x.in_off, MSG_DONTWAIT);
+        if (n > 0) {
+          x.in_off += static_cast<std::size_t>(n);
+          if (x.in_off == h.n) {
+            check_header(who[i], mine);
+            ++x.in_i;
+            x.in_off = 0;
+          }
+        } else if (n == 0 || (errno != EAGAIN && errno != EINTR && errno != EWOULDBLOCK)) {
+          x.header_in = false;  // gone without a fingerprint: nothing more to learn there
+        }
+      }
+    }
+  }
+
+  void check_header(int peer, const Fingerprint& mine) {
+    const Fingerprint& theirs = headers_in_[static_cast<std::size_t>(peer)];
+    if (!(theirs == mine)) {
+      const std::string msg = mismatch_message(mine, peer, theirs);
+      flush_headers();
+      fail(Errc::mismatch, msg);
+    }
+  }
+
+  /// Finishes sending this round's fingerprint to every peer (best effort, briefly), so that each
+  /// of them sees the mismatch too instead of waiting for a header that never comes. The
+  /// connections stay open: closing them would turn the peers' mismatch into peer_lost.
+  void flush_headers() {
+    const auto deadline = Deadline::after(std::chrono::milliseconds(500));
+    for (int j = 0; j < size_; ++j) {
+      auto& x = xfers_[static_cast<std::size_t>(j)];
+      if (j == rank_ || x.out.empty() || x.out_i > 0) continue;  // header already sent (or none)
+      const Seg& h = x.out[0];
+      (void)send_all(peers_[static_cast<std::size_t>(j)].get(), h.p + x.out_off, h.n - x.out_off,
+                     deadline);
+      ++x.out_i;
+      x.out_off = 0;
+    }
+  }
+
+  std::size_t segment_;
+  std::vector<Fd> peers_;
+  std::vector<const std::byte*> ptrs_;
+  std::vector<Xfer> xfers_;
+  std::vector<Fingerprint> headers_in_;
+  std::array<iovec, 16> iov_{};
+  std::vector<std::byte> scratch_;
+  P2PHeader p2p_header_{};
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/backend/host/tcp.hpp
+// #include "ddp/backend/host/transport.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/bytes.hpp" (already included above)
+// #include "ddp/detail/collective.hpp" (already included above)
+// #include "ddp/detail/crypto.hpp" (already included above)
+// #include "ddp/detail/reduce.hpp" (already included above)
+// #include "ddp/detail/rendezvous.hpp" (already included above)
+// #include "ddp/detail/socket.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/options.hpp" (already included above)
+// #include "ddp/store/client.hpp" (already included above)
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+namespace detail {
+
+/// Element range [lo, hi) of part j when m elements are split into `parts` cache-line-aligned
+/// parts (the last takes the remainder; parts may be empty).
+[[nodiscard]] inline std::pair<std::size_t, std::size_t> split_range(std::size_t m, int parts,
+                                                                     int j, std::size_t elem) {
+  const std::size_t align = std::max<std::size_t>(1, 64 / elem);
+  const auto bound = [&](int k) -> std::size_t {
+    if (k >= parts) return m;
+    const std::size_t b = m * static_cast<std::size_t>(k) / static_cast<std::size_t>(parts);
+    return b / align * align;
+  };
+  return {bound(j), bound(j + 1)};
+}
+
+}  // namespace detail
+
+namespace backend {
+
+class Host {
+ public:
+  static constexpr std::string_view name = "host";
+
+  /// Rendezvous through init.store, choose a transport and connect (see the file comment).
+  [[nodiscard]] static std::unique_ptr<Host> create(const detail::BackendInit& init) {
+    auto host = std::unique_ptr<Host>(new Host(init.rank, init.size));
+    host->connect(init);
+    return host;
+  }
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+  [[nodiscard]] int local_rank() const noexcept { return local_rank_; }
+  [[nodiscard]] int local_size() const noexcept { return local_size_; }
+  /// The lowest rank on this host (names the host in split()).
+  [[nodiscard]] int local_leader() const noexcept { return local_leader_; }
+  /// "shm", "tcp" or "self".
+  [[nodiscard]] std::string_view transport() const noexcept { return t_->name(); }
+  /// Whether this backend can use memory on `device` (the Host backend: host memory).
+  [[nodiscard]] static bool supports(const Device& device) noexcept { return device.is_cpu(); }
+
+  void all_reduce(const detail::Buf& b, ReduceOp op) {
+    const auto fp = next(detail::Coll::all_reduce, b.dtype, b.fingerprint_count(), -1, op, true);
+    const auto fn = detail::reduce_fn(b.dtype, op);
+    const int p = size_;
+    if (b.bytes() <= t_->small_bytes()) {
+      const detail::Piece pc{b.data, b.bytes()};
+      auto ptrs = t_->round(
+          {&pc, 1},
+          [&](int, int) {
+            return detail::Range{0, b.bytes()};
+          },
+          &fp);
+      fn(b.data, nullptr, ptrs.data(), p, b.count);
+      return;
+    }
+    reduce_segments(b, fn, -1, fp);
+  }
+
+  /// all_reduce of float32 values that travel and are reduced as `wire` (float16 or bfloat16):
+  /// each rank rounds its values to `wire` as it offers them (into the shared-memory slot), the
+  /// owner of a chunk reduces the `wire` values in float, in rank order, and rounds the result
+  /// to `wire` once, and every rank writes the rounded result back as float32. The result is
+  /// bitwise that of converting to `wire`, all_reduce on `wire`, and converting back, in the
+  /// passes over memory of a plain all_reduce, with half its bytes moved.
+  void all_reduce_as(const detail::Buf& b, ReduceOp op, DType wire) {
+    const detail::WireKernels k = detail::wire_kernels(wire, op);
+    if (b.dtype != DType::float32 || k.reduce == nullptr)
+      detail::fail(Errc::invalid_argument, "rank ", rank_, ": all_reduce_as: ", to_string(b.dtype),
+                   " values carried as ", to_string(wire),
+                   " are not supported; compression carries float32 as float16 or bfloat16");
+    const auto fp = next(detail::Coll::all_reduce, wire, b.fingerprint_count(), -1, op, true);
+    const std::size_t ws = size_of(wire);
+    const int p = size_;
+    // Memory for this rank's encoded offer: the next round's slot where the transport has one.
+    const auto encoded = [&](std::size_t bytes, std::vector<std::byte>& own) {
+      std::byte* at = t_->stage(bytes);
+      if (at != nullptr) return at;
+      if (own.size() < bytes) own.resize(bytes);
+      return own.data();
+    };
+    if (b.count * ws <= t_->small_bytes()) {  // one round; every rank reduces everything
+      std::byte* enc = encoded(b.count * ws, scratch_);
+      k.encode(enc, b.data, b.count);
+      const detail::Piece pc{enc, b.count * ws};
+      auto ptrs = t_->round(
+          {&pc, 1},
+          [&](int, int) {
+            return detail::Range{0, b.count * ws};
+          },
+          &fp);
+      k.reduce(b.data, nullptr, ptrs.data(), p, b.count);
+      return;
+    }
+    const std::size_t seg =
+        std::max<std::size_t>(static_cast<std::size_t>(p), t_->max_offer() / ws);
+    bool first = true;
+    for (std::size_t s0 = 0; s0 < b.count;) {
+      const std::size_t m = std::min(seg, b.count - s0);
+      const auto chunk = [&](int j) {  // in elements
+        const auto [lo, hi] = detail::split_range(m, p, j, ws);
+        return detail::Range{lo, hi - lo};
+      };
+      std::byte* enc = encoded(m * ws, scratch_);
+      k.encode(enc, b.at(s0), m);
+      const detail::Piece pc{enc, m * ws};
+      auto ptrs = t_->round(
+          {&pc, 1},
+          [&](int, int dst) {
+            const detail::Range c = chunk(dst);
+            return detail::Range{c.off * ws, c.len * ws};
+          },
+          first ? &fp : nullptr);
+      first = false;
+      const detail::Range mine = chunk(rank_);
+      std::byte* result = encoded(mine.len * ws, wire_result_);
+      k.reduce(b.at(s0 + mine.off), result, ptrs.data(), p, mine.len);
+      const detail::Piece out{result, mine.len * ws};
+      auto got = t_->round(
+          {&out, 1},
+          [&](int src, int) {
+            return detail::Range{0, chunk(src).len * ws};
+          },
+          nullptr);
+      for (int j = 0; j < p; ++j) {
+        const detail::Range c = chunk(j);
+        if (j != rank_ && c.len != 0)
+          k.decode(b.at(s0 + c.off), got[static_cast<std::size_t>(j)], c.len);
+      }
+      s0 += m;
+    }
+  }
+
+  void broadcast(const detail::Buf& b, int root) {
+    const auto fp =
+        next(detail::Coll::broadcast, b.dtype, b.fingerprint_count(), root, ReduceOp::sum, false);
+    const std::size_t es = b.elem();
+    const std::size_t seg = std::max<std::size_t>(1, t_->max_offer() / es);
+    segments(b.count, seg, [&](std::size_t s0, std::size_t m, bool first) {
+      const detail::Piece pc{b.at(s0), rank_ == root ? m * es : 0};
+      auto ptrs = t_->round(
+          {&pc, 1},
+          [&](int src, int dst) {
+            return src == root && dst != root ? detail::Range{0, m * es} : detail::Range{};
+          },
+          first ? &fp : nullptr);
+      if (rank_ != root && m != 0)
+        std::memcpy(b.at(s0), ptrs[static_cast<std::size_t>(root)], m * es);
+    });
+  }
+
+  void reduce(const detail::Buf& b, int root, ReduceOp op) {
+    const auto fp = next(detail::Coll::reduce, b.dtype, b.fingerprint_count(), root, op, true);
+    const auto fn = detail::reduce_fn(b.dtype, op);
+    const int p = size_;
+    if (b.bytes() <= t_->small_bytes()) {
+      const detail::Piece pc{b.data, b.bytes()};
+      auto ptrs = t_->round(
+          {&pc, 1},
+          [&](int, int dst) {
+            return dst == root ? detail::Range{0, b.bytes()} : detail::Range{};
+          },
+          &fp);
+      if (rank_ == root) fn(b.data, nullptr, ptrs.data(), p, b.count);
+      return;
+    }
+    reduce_segments(b, fn, root, fp);
+  }
+
+  void all_gather(const detail::Buf& in, const detail::Buf& out) {
+    gather_impl(detail::Coll::all_gather, in, out, -1);
+  }
+  void gather(const detail::Buf& in, const detail::Buf& out, int root) {
+    gather_impl(detail::Coll::gather, in, out, root);
+  }
+
+  void scatter(const detail::Buf& in, const detail::Buf& out, int root) {
+    const auto fp = next(detail::Coll::scatter, out.dtype, out.count, root, ReduceOp::sum, false);
+    const std::size_t es = out.elem(), n = out.count;
+    const std::size_t seg =
+        std::max<std::size_t>(1, t_->max_offer() / (es * static_cast<std::size_t>(size_)));
+    segments(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
+      pieces_.clear();
+      if (rank_ == root) {
+        for (int j = 0; j < size_; ++j)
+          pieces_.push_back({in.at(static_cast<std::size_t>(j) * n + s0), m * es});
+      }
+      auto ptrs = t_->round(
+          pieces_,
+          [&](int src, int dst) {
+            return src == root ? detail::Range{static_cast<std::size_t>(dst) * m * es, m * es}
+                               : detail::Range{};
+          },
+          first ? &fp : nullptr);
+      copy_if_distinct(out.at(s0), ptrs[static_cast<std::size_t>(root)], m * es);
+    });
+  }
+
+  void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
+    const auto fp = next(detail::Coll::reduce_scatter, out.dtype, out.count, -1, op, true);
+    const auto fn = detail::reduce_fn(out.dtype, op);
+    exchange_blocks(in, out.count, fp, [&](std::size_t s0, std::size_t m, auto ptrs) {
+      fn(out.at(s0), nullptr, ptrs.data(), size_, m);
+    });
+  }
+
+  void all_to_all(const detail::Buf& in, const detail::Buf& out) {
+    const std::size_t n = in.count / static_cast<std::size_t>(size_);
+    const auto fp = next(detail::Coll::all_to_all, in.dtype, n, -1, ReduceOp::sum, false);
+    exchange_blocks(in, n, fp, [&](std::size_t s0, std::size_t m, auto ptrs) {
+      for (int j = 0; j < size_; ++j) {
+        copy_if_distinct(out.at(static_cast<std::size_t>(j) * n + s0),
+                         ptrs[static_cast<std::size_t>(j)], m * in.elem());
+      }
+    });
+  }
+
+  void barrier() {
+    const auto fp = next(detail::Coll::barrier, DType::uint8, 0, -1, ReduceOp::sum, false);
+    (void)t_->round(
+        {}, [](int, int) { return detail::Range{}; }, &fp);
+  }
+
+  void send(const detail::Buf& b, int peer, int tag) {
+    t_->send(b, peer, tag, send_seq_[static_cast<std::size_t>(peer)]++);
+  }
+  void recv(const detail::Buf& b, int peer, int tag) {
+    t_->recv(b, peer, tag, recv_seq_[static_cast<std::size_t>(peer)]++);
+  }
+
+  /// Fails every current and later operation of this communicator with `code`; peers on shared
+  /// memory fail too, TCP peers see the connections close. Thread-safe.
+  void abort(Errc code, const std::string& why) { t_->abort(code, why); }
+
+ private:
+  Host(int rank, int size)
+      : rank_(rank),
+        size_(size),
+        send_seq_(static_cast<std::size_t>(size)),
+        recv_seq_(static_cast<std::size_t>(size)) {}
+
+  detail::Fingerprint next(detail::Coll c, DType t, std::size_t count, int root, ReduceOp op,
+                           bool has_op) {
+    detail::Fingerprint f;
+    f.seq = seq_++;
+    f.count = count;
+    f.root = root;
+    f.coll = c;
+    f.dtype = t;
+    f.op = op;
+    f.has_op = has_op ? 1 : 0;
+    t_->current = f;
+    t_->has_current = true;
+    return f;
+  }
+
+  /// Calls f(start, count, first) for each segment of at most `seg` elements; at least once, so
+  /// that an empty collective still synchronizes and checks fingerprints.
+  template <class F>
+  static void segments(std::size_t n, std::size_t seg, F&& f) {
+    std::size_t s0 = 0;
+    bool first = true;
+    do {
+      const std::size_t m = std::min(seg, n - s0);
+      f(s0, m, first);
+      first = false;
+      s0 += m;
+    } while (s0 < n);
+  }
+
+  /// `in` holds one block of n elements per rank; in segments, rank j receives segment part of
+  /// block j from every rank, and use(start, count, ptrs) consumes it (ptrs[r]: rank r's part).
+  template <class Use>
+  void exchange_blocks(const detail::Buf& in, std::size_t n, const detail::Fingerprint& fp,
+                       Use&& use) {
+    const std::size_t es = in.elem();
+    const std::size_t seg =
+        std::max<std::size_t>(1, t_->max_offer() / (es * static_cast<std::size_t>(size_)));
+    segments(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
+      blocks(in, n, s0, m);
+      auto ptrs = t_->round(
+          pieces_,
+          [&](int, int dst) {
+            return detail::Range{static_cast<std::size_t>(dst) * m * es, m * es};
+          },
+          first ? &fp : nullptr);
+      use(s0, m, ptrs);
+    });
+  }
+
+  void blocks(const detail::Buf& in, std::size_t n, std::size_t s0, std::size_t m) {
+    pieces_.clear();
+    for (int j = 0; j < size_; ++j)
+      pieces_.push_back({in.at(static_cast<std::size_t>(j) * n + s0), m * in.elem()});
+  }
+
+  static void copy_if_distinct(std::byte* dst, const std::byte* src, std::size_t n) {
+    if (n != 0 && dst != src) std::memcpy(dst, src, n);
+  }
+
+  /// The large-message path of all_reduce (root < 0) and reduce: in segments, a reduce-scatter
+  /// (rank j reduces chunk j of every rank's segment, in rank order) then a gather of the reduced
+  /// chunks to every rank or to root. The result is written, in the same pass, to the user's
+  /// buffer and to the slot of the next round when the transport offers one; ranks other than
+  /// the root of a reduce leave their buffers untouched.
+  void reduce_segments(const detail::Buf& b, detail::ReduceFn fn, int root,
+                       const detail::Fingerprint& fp) {
+    const std::size_t es = b.elem();
+    const int p = size_;
+    const bool keeps = root < 0 || rank_ == root;
+    const std::size_t seg =
+        std::max<std::size_t>(static_cast<std::size_t>(p), t_->max_offer() / es);
+    bool first = true;
+    for (std::size_t s0 = 0; s0 < b.count;) {
+      const std::size_t m = std::min(seg, b.count - s0);
+      std::byte* base = b.at(s0);
+      const auto chunk = [&](int j) {
+        const auto [lo, hi] = detail::split_range(m, p, j, es);
+        return detail::Range{lo * es, (hi - lo) * es};
+      };
+      const detail::Piece pc{base, m * es};
+      auto ptrs = t_->round(
+          {&pc, 1}, [&](int, int dst) { return chunk(dst); }, first ? &fp : nullptr);
+      first = false;
+      const detail::Range mine = chunk(rank_);
+      std::byte* staged = t_->stage(mine.len);
+      std::byte* out = base + mine.off;
+      if (!keeps) {  // reduce only into the slot (or scratch): this rank's buffer stays as it was
+        if (staged == nullptr) {
+          if (scratch_.size() < mine.len) scratch_.resize(mine.len);
+          staged = scratch_.data();
+        }
+        out = staged;
+        staged = nullptr;
+      }
+      fn(out, staged, ptrs.data(), p, mine.len / es);
+      const detail::Piece result{staged != nullptr ? staged : out, mine.len};
+      auto got = t_->round(
+          {&result, 1},
+          [&](int src, int dst) {
+            return root < 0 || dst == root ? detail::Range{0, chunk(src).len} : detail::Range{};
+          },
+          nullptr);
+      if (keeps) {
+        for (int j = 0; j < p; ++j) {
+          const detail::Range r = chunk(j);
+          if (j != rank_ && r.len != 0)
+            std::memcpy(base + r.off, got[static_cast<std::size_t>(j)], r.len);
+        }
+      }
+      s0 += m;
+    }
+  }
+
+  void gather_impl(detail::Coll c, const detail::Buf& in, const detail::Buf& out, int root) {
+    const auto fp = next(c, in.dtype, in.count, root, ReduceOp::sum, false);
+    const std::size_t es = in.elem(), n = in.count;
+    const std::size_t seg = std::max<std::size_t>(1, t_->max_offer() / es);
+    segments(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
+      const detail::Piece pc{in.at(s0), m * es};
+      auto ptrs = t_->round(
+          {&pc, 1},
+          [&](int, int dst) {
+            return root < 0 || dst == root ? detail::Range{0, m * es} : detail::Range{};
+          },
+          first ? &fp : nullptr);
+      if (root >= 0 && rank_ != root) return;
+      for (int j = 0; j < size_; ++j) {
+        copy_if_distinct(out.at(static_cast<std::size_t>(j) * n + s0),
+                         ptrs[static_cast<std::size_t>(j)], m * es);
+      }
+    });
+  }
+
+  void connect(const detail::BackendInit& init) {
+    const Options& o = init.options;
+    if (size_ == 1) {
+      t_ = std::make_unique<detail::SelfTransport>(o.timeout);
+      local_size_ = 1;
+      return;
+    }
+    Store& store = *init.store;
+    const auto deadline = detail::Deadline::after(o.timeout);
+    const HostTransport requested = requested_transport(o);
+    const std::size_t segment_request = segment_bytes(o, 0);  // 0: the transport's default
+
+    // 1. Everyone publishes who and where it is, on the interface that reaches the store, and
+    //    what it was asked for; every rank must have been asked for the same.
+    detail::Fd listener = detail::listen_tcp(store.local_address(), 0);
+    const std::string identity = detail::host_identity();
+    {
+      std::string rec;
+      detail::ByteWriter w(rec);
+      w.str(identity);
+      w.put(static_cast<std::uint32_t>(::getpid()));
+      w.str(store.local_address());
+      w.put(static_cast<std::uint32_t>(detail::local_port(listener.get())));
+      w.put(static_cast<std::uint8_t>(requested));
+      w.put(static_cast<std::uint64_t>(segment_request));
+      store.set(detail::concat("peer/", rank_), rec);
+    }
+    std::vector<std::string> identities, transports, segments;
+    std::vector<int> pids;
+    std::vector<std::pair<std::string, int>> addrs;
+    for (const auto& rec : detail::gather_records(store, "peer/", rank_, size_, o.timeout)) {
+      detail::ByteReader r(rec, "peer record");
+      identities.push_back(r.str(4096));
+      pids.push_back(static_cast<int>(r.get<std::uint32_t>()));
+      auto addr = r.str(256);
+      addrs.emplace_back(std::move(addr), static_cast<int>(r.get<std::uint32_t>()));
+      const auto t = r.get<std::uint8_t>();
+      transports.push_back(t == static_cast<std::uint8_t>(HostTransport::shm)   ? "shm"
+                           : t == static_cast<std::uint8_t>(HostTransport::tcp) ? "tcp"
+                                                                                : "automatic");
+      const auto seg = r.get<std::uint64_t>();
+      segments.push_back(seg == 0 ? std::string("the default") : std::to_string(seg));
+    }
+    detail::require_agreement(rank_, "the host transport (Options::transport, DDP_HOST_TRANSPORT)",
+                              "every rank must ask for the same transport", transports);
+    detail::require_agreement(rank_, "the segment size (Options::segment_bytes, DDP_SEGMENT_BYTES)",
+                              "every rank must use the same segment size", segments);
+    local_leader_ = rank_;
+    for (int j = 0; j < size_; ++j) {
+      if (identities[static_cast<std::size_t>(j)] != identity) continue;
+      if (j < rank_) ++local_rank_;
+      local_leader_ = std::min(local_leader_, j);
+      ++local_size_;
+    }
+    const bool one_host = local_size_ == size_;
+
+    // 2. Pick the transport: every rank computes the same answer from the same records (rank 0
+    //    may still fall back from shm to tcp when /dev/shm is too small; it says so in its record).
+    HostTransport choice = requested;
+    if (choice == HostTransport::automatic)
+      choice = one_host ? HostTransport::shm : HostTransport::tcp;
+    if (choice == HostTransport::shm && !one_host) {
+      detail::fail(Errc::invalid_argument, "rank ", rank_,
+                   ": the shm transport was requested but the ranks are on more than one host");
+    }
+    if (choice == HostTransport::shm && !connect_shm(store, o, pids, requested)) {
+      choice = HostTransport::tcp;
+    }
+    if (choice == HostTransport::tcp) {
+      detail::TcpTransport::SessionKey key{};
+      if (rank_ == 0) {
+        detail::random_bytes(key.data(), key.size());
+        store.set("session", std::string(reinterpret_cast<const char*>(key.data()), key.size()));
+      } else {
+        const std::string k = store.get("session");
+        if (k.size() != key.size()) detail::fail(Errc::protocol, "bad session key in the store");
+        std::memcpy(key.data(), k.data(), key.size());
+      }
+      // A rank that fails meanwhile says so in the store ("failed"): stop waiting then.
+      const auto peer_failed = [&store] {
+        const std::string failed = "failed";
+        if (store.check(std::span<const std::string>(&failed, 1))) (void)store.get(failed);
+      };
+      auto peers = detail::TcpTransport::connect_mesh(rank_, size_, listener, addrs, key, deadline,
+                                                      peer_failed);
+      t_ = std::make_unique<detail::TcpTransport>(rank_, size_, o.timeout, std::move(peers),
+                                                  segment_bytes(o, std::size_t{4} << 20));
+    }
+    t_->verify_fingerprints = o.verify_collectives;
+  }
+
+  /// Options::transport, else $DDP_HOST_TRANSPORT.
+  static HostTransport requested_transport(const Options& o) {
+    if (o.transport != HostTransport::automatic) return o.transport;
+    const std::string forced = detail::env_or("DDP_HOST_TRANSPORT", "");
+    if (forced == "tcp") return HostTransport::tcp;
+    if (forced == "shm") return HostTransport::shm;
+    if (!forced.empty() && forced != "auto") {
+      detail::fail(Errc::invalid_argument, "DDP_HOST_TRANSPORT=\"", forced,
+                   "\": use shm, tcp or auto");
+    }
+    return HostTransport::automatic;
+  }
+
+  /// Options::segment_bytes, else $DDP_SEGMENT_BYTES, else the transport's default.
+  static std::size_t segment_bytes(const Options& o, std::size_t fallback) {
+    if (o.segment_bytes != 0) return o.segment_bytes;
+    const auto n = detail::env_unsigned("DDP_SEGMENT_BYTES", 4096, std::uint64_t{1} << 40,
+                                        "a number of bytes in [4096, 2^40]");
+    return n ? static_cast<std::size_t>(*n) : fallback;
+  }
+
+  /// Largest shm slot: a round moves at most one slot, and rounds this large already run at
+  /// memory speed, so larger requests are clamped here rather than reserve memory nobody reads.
+  static constexpr std::size_t max_shm_slot = std::size_t{64} << 20;
+
+  /// Sets up the shared-memory transport; false when rank 0 found /dev/shm too small and the
+  /// ranks fall back to tcp (an error instead when shm was asked for explicitly).
+  bool connect_shm(Store& store, const Options& o, const std::vector<int>& pids,
+                   HostTransport requested) {
+    detail::ShmLayout layout;
+    layout.world = size_;
+    auto segment = std::make_unique<detail::ShmSegment>();
+    std::uint64_t cookie = 0;
+    if (rank_ == 0) {
+      const std::size_t slot = segment_bytes(o, std::size_t{512} << 10);
+      layout.slot_bytes =
+          std::clamp<std::size_t>(detail::ShmLayout::align_up(slot, 4096), 4096, max_shm_slot);
+      layout.channel_bytes = std::size_t{256} << 10;
+      cookie = detail::random_value<std::uint64_t>();
+      std::string why;
+      const bool made = segment->create(layout.total(), why);
+      std::string rec;
+      detail::ByteWriter w(rec);
+      if (!made) {
+        if (requested == HostTransport::shm) {
+          detail::fail(Errc::backend, "rank 0: the shm transport cannot start: ", why,
+                       ". Give /dev/shm more room (e.g. docker run --shm-size=1g), use a smaller "
+                       "DDP_SEGMENT_BYTES, or DDP_HOST_TRANSPORT=tcp");
+        }
+        std::fprintf(stderr,
+                     "ddp: rank 0: %s; using the tcp transport instead (give /dev/shm more "
+                     "room, e.g. docker run --shm-size=1g, or set DDP_HOST_TRANSPORT=tcp)\n",
+                     why.c_str());
+        w.put(std::uint8_t{0});
+        store.set("shm", rec);
+        return false;
+      }
+      detail::ShmTransport::format(segment->base(), layout, cookie);
+      w.put(std::uint8_t{1});
+      w.str(segment->path());
+      w.put(cookie);
+      w.put(static_cast<std::uint64_t>(layout.slot_bytes));
+      w.put(static_cast<std::uint64_t>(layout.channel_bytes));
+      store.set("shm", rec);
+      // The others open the segment through this process's descriptor, which is closed once
+      // all have mapped it (the segment never has a name: a crash leaves nothing behind).
+      std::vector<std::string> mapped;
+      for (int j = 1; j < size_; ++j) mapped.push_back(detail::concat("mapped/", j));
+      const auto missing = store.missing_after(mapped, o.timeout);
+      segment->close_descriptor();
+      if (!missing.empty()) {
+        detail::fail(Errc::timeout, "rank 0: ", missing.size(),
+                     " rank(s) did not map the shared memory segment in time");
+      }
+    } else {
+      const std::string rec = store.get("shm");
+      detail::ByteReader r(rec, "shm record");
+      if (r.get<std::uint8_t>() == 0) return false;  // rank 0 fell back to tcp
+      const std::string path = r.str(255);
+      cookie = r.get<std::uint64_t>();
+      layout.slot_bytes = static_cast<std::size_t>(r.get<std::uint64_t>());
+      layout.channel_bytes = static_cast<std::size_t>(r.get<std::uint64_t>());
+      if (layout.slot_bytes == 0 || layout.slot_bytes > max_shm_slot || layout.channel_bytes == 0 ||
+          layout.channel_bytes > max_shm_slot) {
+        detail::fail(Errc::protocol, "rank ", rank_, ": bad shm record from rank 0");
+      }
+      segment->open(path, layout.total());
+      detail::ShmTransport::verify(segment->base(), layout, cookie);
+      store.set(detail::concat("mapped/", rank_), "");
+    }
+    t_ = std::make_unique<detail::ShmTransport>(rank_, size_, o.timeout, layout, std::move(segment),
+                                                pids);
+    return true;
+  }
+
+  int rank_;
+  int size_;
+  int local_rank_ = 0;
+  int local_size_ = 0;
+  int local_leader_ = 0;
+  std::unique_ptr<detail::Transport> t_;
+  std::uint64_t seq_ = 0;
+  std::vector<std::uint64_t> send_seq_, recv_seq_;
+  std::vector<detail::Piece> pieces_;
+  std::vector<std::byte> scratch_;
+  std::vector<std::byte> wire_result_;  // all_reduce_as without a staging slot (TCP)
+};
+
+}  // namespace backend
+DDP_END_NAMESPACE
+// end ddp/backend/host.hpp
+#if DDP_HAS_MPI
+// begin ddp/backend/mpi.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// backend::Mpi: ddp's collectives on an MPI library (link the `ddp::mpi` target, which defines
+/// DDP_HAS_MPI=1).
+///
+///  * Start: adopts an MPI that the program initialized (it must provide at least
+///    MPI_THREAD_SERIALIZED for async operations, which run on another thread), or calls
+///    MPI_Init_thread itself and MPI_Finalize at exit. Each communicator works on its own
+///    duplicate of MPI_COMM_WORLD (MPI_Comm_dup), so ddp's traffic never matches the program's;
+///    split() is MPI_Comm_split. Rank and size are MPI's: run the program under mpirun or srun.
+///  * Collectives map 1:1 onto MPI's blocking collectives (MPI_Allreduce, MPI_Bcast, ...), so
+///    ddp costs a few nanoseconds over calling MPI directly. float16 and bfloat16 use MPI
+///    operations defined here (computed in float); ReduceOp::avg is a sum divided by size().
+///    The order in which MPI combines ranks is the library's: floating-point results may differ
+///    in the last bits from backend::Host's rank-order reduction.
+///  * send/recv carry a header, so the receiver checks the tag, dtype and count as on every
+///    backend, and they wait with MPI_Test up to Options::timeout (Errc::timeout).
+///  * Timeouts of collectives: a blocking MPI collective cannot be interrupted, so a watchdog
+///    thread reports a collective that outlives Options::timeout on stderr (Errc::timeout, with
+///    the rank, the collective and its arguments) and ends the job with MPI_Abort instead of
+///    letting it hang.
+///  * CUDA buffers: passed to MPI directly when the library says it is CUDA-aware
+///    (MPIX_Query_cuda_support); otherwise the Communicator stages them through host memory.
+///  * Errors: the communicator uses MPI_ERRORS_RETURN; a failing call raises Errc::backend with
+///    the call's name and MPI_Error_string.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/backend/backend.hpp" (already included above)
+// #include "ddp/detail/collective.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <mpi.h>
+#if defined(OPEN_MPI) && OPEN_MPI && __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+namespace detail {
+
+[[nodiscard]] inline std::string mpi_error_string(int code) {
+  char text[MPI_MAX_ERROR_STRING] = {};
+  int len = 0;
+  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) return concat("MPI error ", code);
+  return std::string(text, static_cast<std::size_t>(len));
+}
+
+/// float16 and bfloat16 reductions for MPI, computed in float and rounded per step.
+template <class T, ReduceOp Op>
+void mpi_small_float_op(void* in, void* inout, int* len, MPI_Datatype*) {
+  const auto* a = static_cast<const T*>(in);
+  auto* b = static_cast<T*>(inout);
+  for (int i = 0; i < *len; ++i) {
+    const float x = static_cast<float>(a[i]), y = static_cast<float>(b[i]);
+    float r = 0;
+    if constexpr (Op == ReduceOp::prod)
+      r = x * y;
+    else if constexpr (Op == ReduceOp::min)
+      r = x < y ? x : y;
+    else if constexpr (Op == ReduceOp::max)
+      r = y < x ? x : y;
+    else
+      r = x + y;
+    b[i] = T(r);
+  }
+}
+
+/// The MPI datatypes and operations ddp needs beyond the predefined ones; made once per process.
+class MpiTypes {
+ public:
+  static MpiTypes& get() {
+    static MpiTypes types;
+    return types;
+  }
+
+  [[nodiscard]] MPI_Datatype type(DType t) const noexcept {
+    switch (t) {
+      case DType::int8: return MPI_INT8_T;
+      case DType::uint8: return MPI_UINT8_T;
+      case DType::int32: return MPI_INT32_T;
+      case DType::uint32: return MPI_UINT32_T;
+      case DType::int64: return MPI_INT64_T;
+      case DType::uint64: return MPI_UINT64_T;
+      case DType::float16: return half_;
+      case DType::bfloat16: return bfloat16_;
+      case DType::float32: return MPI_FLOAT;
+      case DType::float64: return MPI_DOUBLE;
+    }
+    return MPI_DATATYPE_NULL;
+  }
+
+  /// avg maps to sum (the backend divides afterwards).
+  [[nodiscard]] MPI_Op op(ReduceOp op, DType t) const noexcept {
+    const int k = op == ReduceOp::prod ? 1 : op == ReduceOp::min ? 2 : op == ReduceOp::max ? 3 : 0;
+    if (t == DType::float16) return half_ops_[k];
+    if (t == DType::bfloat16) return bfloat16_ops_[k];
+    static const MPI_Op builtin[] = {MPI_SUM, MPI_PROD, MPI_MIN, MPI_MAX};
+    return builtin[k];
+  }
+
+ private:
+  MpiTypes() {
+    MPI_Type_contiguous(2, MPI_BYTE, &half_);
+    MPI_Type_commit(&half_);
+    MPI_Type_contiguous(2, MPI_BYTE, &bfloat16_);
+    MPI_Type_commit(&bfloat16_);
+    make_ops<half>(half_ops_);
+    make_ops<bfloat16>(bfloat16_ops_);
+  }
+  template <class T>
+  static void make_ops(MPI_Op (&ops)[4]) {
+    MPI_Op_create(&mpi_small_float_op<T, ReduceOp::sum>, 1, &ops[0]);
+    MPI_Op_create(&mpi_small_float_op<T, ReduceOp::prod>, 1, &ops[1]);
+    MPI_Op_create(&mpi_small_float_op<T, ReduceOp::min>, 1, &ops[2]);
+    MPI_Op_create(&mpi_small_float_op<T, ReduceOp::max>, 1, &ops[3]);
+  }
+
+  MPI_Datatype half_ = MPI_DATATYPE_NULL;
+  MPI_Datatype bfloat16_ = MPI_DATATYPE_NULL;
+  MPI_Op half_ops_[4] = {};
+  MPI_Op bfloat16_ops_[4] = {};
+};
+
+/// What a blocking MPI call is doing, for the watchdog's message.
+struct MpiCall {
+  const char* what = "";
+  DType dtype = DType::uint8;
+  std::size_t count = 0;
+  int root = -1;
+  bool has_op = false;
+  ReduceOp op = ReduceOp::sum;
+};
+
+/// Ends the job when a blocking MPI call outlives the timeout (it cannot be interrupted). Arming
+/// costs a plain atomic store (no lock, no clock read, no wake-up): the thread looks every
+/// timeout/10 (10 ms to 1 s) and fires when the same call has been running for the timeout
+/// (between timeout and timeout + one period after it started).
+class MpiWatchdog {
+ public:
+  MpiWatchdog(int rank, std::chrono::milliseconds timeout)
+      : rank_(rank),
+        timeout_(timeout),
+        period_(std::clamp<std::chrono::milliseconds>(timeout / 10, std::chrono::milliseconds(10),
+                                                      std::chrono::seconds(1))),
+        thread_([this] { loop(); }) {}
+  MpiWatchdog(const MpiWatchdog&) = delete;
+  MpiWatchdog& operator=(const MpiWatchdog&) = delete;
+  ~MpiWatchdog() {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+  // Called only by the thread running the operation (operations are serialized): plain stores.
+  void arm(const MpiCall& call) noexcept {
+    call_ = call;
+    serial_.store(serial_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
+  }
+  void disarm() noexcept {
+    serial_.store(serial_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
+  }
+
+ private:
+  void loop() {
+    std::unique_lock lock(mutex_);
+    std::uint64_t seen = 0;  // the running call (odd serial) seen at `since`
+    auto since = std::chrono::steady_clock::now();
+    while (!cv_.wait_for(lock, period_, [&] { return stopping_; })) {
+      const std::uint64_t s = serial_.load(std::memory_order_acquire);
+      const auto now = std::chrono::steady_clock::now();
+      if ((s & 1U) == 0 || s != seen) {  // idle, or another call than last time
+        seen = s;
+        since = now;
+        continue;
+      }
+      if (now - since + period_ < timeout_) continue;  // it started at most a period before
+      std::string d = concat("rank ", rank_, ": backend::Mpi: ", call_.what, "(",
+                             to_string(call_.dtype), ", count=", call_.count);
+      if (call_.has_op) d += concat(", op=", to_string(call_.op));
+      if (call_.root >= 0) d += concat(", root=", call_.root);
+      std::fprintf(stderr,
+                   "ddp: %s) did not complete within %lld ms (Errc::timeout): a peer stopped, "
+                   "died or called another collective; MPI collectives cannot be interrupted, "
+                   "so the job is ended with MPI_Abort\n",
+                   d.c_str(), static_cast<long long>(timeout_.count()));
+      std::fflush(stderr);
+      MPI_Abort(MPI_COMM_WORLD, 124);
+      std::_Exit(124);
+    }
+  }
+
+  int rank_;
+  std::chrono::milliseconds timeout_, period_;
+  MpiCall call_;
+  std::atomic<std::uint64_t> serial_{0};
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+}  // namespace detail
+
+namespace backend {
+
+class Mpi {
+ public:
+  static constexpr std::string_view name = "mpi";
+  /// Rank and size come from MPI, not from a rendezvous store.
+  static constexpr bool needs_store = false;
+
+  /// Initializes MPI if the program has not (MPI_THREAD_SERIALIZED; finalized at exit) and
+  /// duplicates MPI_COMM_WORLD.
+  [[nodiscard]] static std::unique_ptr<Mpi> create(const detail::BackendInit& init) {
+    ensure_initialized();
+    MPI_Comm world = MPI_COMM_NULL;
+    check(MPI_Comm_dup(MPI_COMM_WORLD, &world), "MPI_Comm_dup", -1);
+    auto b = std::unique_ptr<Mpi>(new Mpi(world, init.options));
+    if (init.size > 1 && init.size != b->size_) {
+      detail::fail(Errc::invalid_argument, "rank ", init.rank, ": backend::Mpi: the launcher says ",
+                   "the world has ", init.size, " ranks but MPI_COMM_WORLD has ", b->size_,
+                   "; start the program with mpirun (or srun --mpi=pmix) to use backend::Mpi");
+    }
+    return b;
+  }
+
+  Mpi(const Mpi&) = delete;
+  Mpi& operator=(const Mpi&) = delete;
+  ~Mpi() {
+    watchdog_.reset();
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized != 0) return;
+    if (local_ != MPI_COMM_NULL) MPI_Comm_free(&local_);
+    if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  }
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+  [[nodiscard]] int local_rank() const noexcept { return local_rank_; }
+  [[nodiscard]] int local_size() const noexcept { return local_size_; }
+  [[nodiscard]] int local_leader() const noexcept { return local_leader_; }
+  /// The MPI communicator ddp works on (a duplicate; do not free it).
+  [[nodiscard]] MPI_Comm comm() const noexcept { return comm_; }
+
+  /// Whether the MPI library accepts CUDA device pointers (Open MPI's MPIX_Query_cuda_support).
+  [[nodiscard]] static bool cuda_aware() noexcept {
+#if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
+    return MPIX_Query_cuda_support() == 1;
+#else
+    return false;
+#endif
+  }
+  [[nodiscard]] static bool supports(const Device& device) noexcept {
+    return device.is_cpu() || (DDP_HAS_CUDA && cuda_aware());
+  }
+
+  void all_reduce(const detail::Buf& b, ReduceOp op) {
+    chunked(b, [&](std::byte* p, int n) {
+      call(
+          [&] {
+            return MPI_Allreduce(MPI_IN_PLACE, p, n, type(b.dtype), mpi_op(op, b.dtype), comm_);
+          },
+          "all_reduce", "MPI_Allreduce", b, op, -1);
+    });
+    if (op == ReduceOp::avg) divide(b);
+  }
+
+  void broadcast(const detail::Buf& b, int root) {
+    chunked(b, [&](std::byte* p, int n) {
+      call([&] { return MPI_Bcast(p, n, type(b.dtype), root, comm_); }, "broadcast", "MPI_Bcast", b,
+           std::nullopt, root);
+    });
+  }
+
+  void reduce(const detail::Buf& b, int root, ReduceOp op) {
+    chunked(b, [&](std::byte* p, int n) {
+      call(
+          [&] {
+            return MPI_Reduce(rank_ == root ? MPI_IN_PLACE : p, p, n, type(b.dtype),
+                              mpi_op(op, b.dtype), root, comm_);
+          },
+          "reduce", "MPI_Reduce", b, op, root);
+    });
+    if (op == ReduceOp::avg && rank_ == root) divide(b);
+  }
+
+  void all_gather(const detail::Buf& in, const detail::Buf& out) {
+    const int n = count(in, "all_gather");
+    const bool in_place = in.count != 0 && in.data == out.at(in.count * unsigned_rank());
+    call(
+        [&] {
+          return MPI_Allgather(in_place ? MPI_IN_PLACE : in.data, n, type(in.dtype), out.data, n,
+                               type(in.dtype), comm_);
+        },
+        "all_gather", "MPI_Allgather", in, std::nullopt, -1);
+  }
+
+  void gather(const detail::Buf& in, const detail::Buf& out, int root) {
+    const int n = count(in, "gather");
+    const bool in_place =
+        rank_ == root && in.count != 0 && in.data == out.at(in.count * unsigned_rank());
+    call(
+        [&] {
+          return MPI_Gather(in_place ? MPI_IN_PLACE : in.data, n, type(in.dtype), out.data, n,
+                            type(in.dtype), root, comm_);
+        },
+        "gather", "MPI_Gather", in, std::nullopt, root);
+  }
+
+  void scatter(const detail::Buf& in, const detail::Buf& out, int root) {
+    const int n = count(out, "scatter");
+    const bool in_place =
+        rank_ == root && out.count != 0 && out.data == in.at(out.count * unsigned_rank());
+    call(
+        [&] {
+          return MPI_Scatter(in.data, n, type(out.dtype), in_place ? MPI_IN_PLACE : out.data, n,
+                             type(out.dtype), root, comm_);
+        },
+        "scatter", "MPI_Scatter", out, std::nullopt, root);
+  }
+
+  void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
+    const int n = count(out, "reduce_scatter");
+    // ddp's in-place form (out is this rank's block of in) is not MPI's (the result lands at the
+    // start of the buffer): reduce into scratch, then copy.
+    const bool overlapping = out.count != 0 && out.data == in.at(out.count * unsigned_rank());
+    std::byte* dst = out.data;
+    if (overlapping) {
+      scratch_.resize(out.bytes());
+      dst = scratch_.data();
+    }
+    call(
+        [&] {
+          return MPI_Reduce_scatter_block(in.data, dst, n, type(out.dtype), mpi_op(op, out.dtype),
+                                          comm_);
+        },
+        "reduce_scatter", "MPI_Reduce_scatter_block", out, op, -1);
+    if (overlapping) std::memcpy(out.data, dst, out.bytes());
+    if (op == ReduceOp::avg) divide(out);
+  }
+
+  void all_to_all(const detail::Buf& in, const detail::Buf& out) {
+    detail::Buf block = in;
+    block.count = in.count / static_cast<std::size_t>(size_);
+    const int n = count(block, "all_to_all");
+    call(
+        [&] {
+          return MPI_Alltoall(in.data, n, type(in.dtype), out.data, n, type(in.dtype), comm_);
+        },
+        "all_to_all", "MPI_Alltoall", block, std::nullopt, -1);
+  }
+
+  void barrier() {
+    MPI_Request req = MPI_REQUEST_NULL;
+    check(MPI_Ibarrier(comm_, &req), "MPI_Ibarrier", rank_);
+    wait(req, "barrier", -1);
+  }
+
+  void send(const detail::Buf& b, int peer, int tag) {
+    const Header h{static_cast<std::int64_t>(tag), static_cast<std::int64_t>(b.dtype),
+                   static_cast<std::int64_t>(b.count)};
+    MPI_Request req = MPI_REQUEST_NULL;
+    check(MPI_Isend(&h, sizeof h, MPI_BYTE, peer, p2p_tag, comm_, &req), "MPI_Isend", rank_);
+    wait(req, "send", peer);
+    for_chunks(b, [&](std::byte* p, int n) {
+      check(MPI_Isend(p, n, type(b.dtype), peer, p2p_tag, comm_, &req), "MPI_Isend", rank_);
+      wait(req, "send", peer);
+    });
+  }
+
+  void recv(const detail::Buf& b, int peer, int tag) {
+    Header h{};
+    MPI_Request req = MPI_REQUEST_NULL;
+    check(MPI_Irecv(&h, sizeof h, MPI_BYTE, peer, p2p_tag, comm_, &req), "MPI_Irecv", rank_);
+    wait(req, "recv", peer);
+    if (h.tag != tag || h.dtype != static_cast<std::int64_t>(b.dtype) ||
+        h.count != static_cast<std::int64_t>(b.count)) {
+      const auto dt = static_cast<DType>(h.dtype);
+      detail::fail(Errc::mismatch, "rank ", rank_, ": recv from rank ", peer, ": expected tag ",
+                   tag, ", ", to_string(b.dtype), " x ", b.count, " but rank ", peer, " sent tag ",
+                   h.tag, ", ", is_valid(dt) ? to_string(dt) : "invalid dtype", " x ", h.count,
+                   "; make the matching send and recv agree");
+    }
+    for_chunks(b, [&](std::byte* p, int n) {
+      check(MPI_Irecv(p, n, type(b.dtype), peer, p2p_tag, comm_, &req), "MPI_Irecv", rank_);
+      wait(req, "recv", peer);
+    });
+  }
+
+  /// Later operations fail at once (the Communicator poisons itself); a blocking MPI call in
+  /// progress cannot be interrupted and ends at its timeout.
+  void abort(Errc code, const std::string& why) {
+    std::lock_guard lock(abort_mutex_);
+    if (!aborted_.load()) {
+      abort_code_ = code;
+      abort_why_ = why;
+      aborted_.store(true);
+    }
+  }
+
+  /// MPI_Comm_split; nullptr for color < 0 (no group).
+  [[nodiscard]] std::unique_ptr<Mpi> split(int color, int key) {
+    MPI_Comm sub = MPI_COMM_NULL;
+    check(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &sub), "MPI_Comm_split",
+          rank_);
+    if (sub == MPI_COMM_NULL) return nullptr;
+    return std::unique_ptr<Mpi>(new Mpi(sub, options_));
+  }
+
+ private:
+  struct Header {
+    std::int64_t tag, dtype, count;
+  };
+  static constexpr int p2p_tag = 7;
+  static constexpr std::size_t max_chunk = std::size_t{1} << 30;  // elements per MPI call
+
+  Mpi(MPI_Comm comm, const Options& options) : comm_(comm), options_(options) {
+    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+    check(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local_),
+          "MPI_Comm_split_type", rank_);
+    MPI_Comm_rank(local_, &local_rank_);
+    MPI_Comm_size(local_, &local_size_);
+    MPI_Group local_group = MPI_GROUP_NULL, group = MPI_GROUP_NULL;
+    MPI_Comm_group(local_, &local_group);
+    MPI_Comm_group(comm_, &group);
+    const int zero = 0;
+    MPI_Group_translate_ranks(local_group, 1, &zero, group, &local_leader_);
+    MPI_Group_free(&local_group);
+    MPI_Group_free(&group);
+    int level = MPI_THREAD_SINGLE;
+    MPI_Query_thread(&level);
+    serialized_ = level >= MPI_THREAD_SERIALIZED;
+    owner_ = std::this_thread::get_id();
+    if (options_.timeout.count() > 0)
+      watchdog_ = std::make_unique<detail::MpiWatchdog>(rank_, options_.timeout);
+  }
+
+  static void ensure_initialized() {
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (initialized != 0) return;
+    int provided = 0;
+    const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
+    if (rc != MPI_SUCCESS) {
+      detail::fail(Errc::backend,
+                   "backend::Mpi: MPI_Init_thread failed: ", detail::mpi_error_string(rc));
+    }
+    std::atexit([] {
+      int finalized = 0;
+      MPI_Finalized(&finalized);
+      if (finalized == 0) MPI_Finalize();
+    });
+  }
+
+  static void check(int rc, const char* call, int rank) {
+    if (rc != MPI_SUCCESS) {
+      detail::fail(Errc::backend, "rank ", rank, ": backend::Mpi: ", call,
+                   " failed: ", detail::mpi_error_string(rc));
+    }
+  }
+
+  [[nodiscard]] std::size_t unsigned_rank() const noexcept {
+    return static_cast<std::size_t>(rank_);
+  }
+  [[nodiscard]] static MPI_Datatype type(DType t) { return detail::MpiTypes::get().type(t); }
+  [[nodiscard]] static MPI_Op mpi_op(ReduceOp op, DType t) {
+    return detail::MpiTypes::get().op(op, t);
+  }
+
+  /// Elements per rank as MPI's int, or Errc::invalid_argument beyond it.
+  [[nodiscard]] int count(const detail::Buf& b, const char* what) const {
+    if (b.count > static_cast<std::size_t>(INT_MAX)) {
+      detail::fail(Errc::invalid_argument, "rank ", rank_, ": ", what, ": ", b.count,
+                   " elements per rank exceed what one MPI call can carry (", INT_MAX,
+                   "); split the buffer");
+    }
+    return static_cast<int>(b.count);
+  }
+
+  /// Element-wise collectives in calls of at most max_chunk elements (at least one call).
+  template <class F>
+  static void chunked(const detail::Buf& b, F&& f) {
+    std::size_t s0 = 0;
+    do {
+      const std::size_t m = std::min(max_chunk, b.count - s0);
+      f(b.at(s0), static_cast<int>(m));
+      s0 += m;
+    } while (s0 < b.count);
+  }
+  template <class F>
+  static void for_chunks(const detail::Buf& b, F&& f) {
+    for (std::size_t s0 = 0; s0 < b.count; s0 += max_chunk)
+      f(b.at(s0), static_cast<int>(std::min(max_chunk, b.count - s0)));
+  }
+
+  void before(const char* what) {
+    if (aborted_.load()) {
+      std::lock_guard lock(abort_mutex_);
+      detail::fail(abort_code_, "rank ", rank_, ": ", what, ": aborted: ", abort_why_);
+    }
+    if (!serialized_ && std::this_thread::get_id() != owner_) {
+      detail::fail(Errc::unsupported, "rank ", rank_, ": ", what,
+                   ": the program initialized MPI below MPI_THREAD_SERIALIZED, so ddp may call "
+                   "MPI only from the thread that created the communicator (async operations "
+                   "run on another); initialize MPI with MPI_Init_thread(..., "
+                   "MPI_THREAD_SERIALIZED, ...) or let ddp initialize it");
+    }
+  }
+
+  /// One blocking MPI collective under the watchdog.
+  template <class F>
+  void call(F&& f, const char* what, const char* mpi_call, const detail::Buf& b,
+            std::optional<ReduceOp> op, int root) {
+    before(what);
+    if (watchdog_)
+      watchdog_->arm({what, b.dtype, b.count, root, op.has_value(), op.value_or(ReduceOp::sum)});
+    const int rc = f();
+    if (watchdog_) watchdog_->disarm();
+    check(rc, mpi_call, rank_);
+  }
+
+  /// Polls a request up to the timeout.
+  void wait(MPI_Request& req, const char* what, int peer) {
+    before(what);
+    const auto start = std::chrono::steady_clock::now();
+    int spins = 0;
+    for (;;) {
+      int done = 0;
+      check(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "MPI_Test", rank_);
+      if (done != 0) return;
+      if (aborted_.load()) before(what);
+      if (++spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      if (options_.timeout.count() > 0 &&
+          std::chrono::steady_clock::now() - start > options_.timeout) {
+        MPI_Cancel(&req);
+        MPI_Request_free(&req);
+        detail::fail(Errc::timeout, "rank ", rank_, ": backend::Mpi: ", what,
+                     peer >= 0 ? detail::concat(" with rank ", peer) : std::string(),
+                     " did not complete within ", options_.timeout.count(),
+                     " ms; check that the peer makes the matching call");
+      }
+    }
+  }
+
+  void divide(const detail::Buf& b) const {
+    const auto by = static_cast<double>(size_);
+    const auto each = [&]<class T>(T*) {
+      auto* p = reinterpret_cast<T*>(b.data);
+      for (std::size_t i = 0; i < b.count; ++i)
+        p[i] = T(static_cast<float>(p[i]) / static_cast<float>(by));
+    };
+    switch (b.dtype) {
+      case DType::float16: each(static_cast<half*>(nullptr)); break;
+      case DType::bfloat16: each(static_cast<bfloat16*>(nullptr)); break;
+      case DType::float32: {
+        auto* p = reinterpret_cast<float*>(b.data);
+        const auto f = static_cast<float>(by);
+        for (std::size_t i = 0; i < b.count; ++i) p[i] /= f;
+        break;
+      }
+      case DType::float64: {
+        auto* p = reinterpret_cast<double*>(b.data);
+        for (std::size_t i = 0; i < b.count; ++i) p[i] /= by;
+        break;
+      }
+      default: break;  // avg on integers is refused before this point
+    }
+  }
+
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Comm local_ = MPI_COMM_NULL;
+  Options options_;
+  int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1, local_leader_ = 0;
+  bool serialized_ = true;
+  std::thread::id owner_;
+  std::unique_ptr<detail::MpiWatchdog> watchdog_;
+  std::vector<std::byte> scratch_;
+  std::mutex abort_mutex_;
+  std::atomic<bool> aborted_{false};
+  Errc abort_code_ = Errc::aborted;
+  std::string abort_why_;
+};
+
+}  // namespace backend
+DDP_END_NAMESPACE
+// end ddp/backend/mpi.hpp
+#endif
+#if DDP_HAS_CUDA
+// #include "ddp/cuda.hpp" (already included above)
+#endif
+#if DDP_HAS_NCCL
+// begin ddp/backend/nccl.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// backend::Nccl: ddp's collectives on NCCL, for buffers in CUDA device memory (link the
+/// `ddp::nccl` target, which defines DDP_HAS_CUDA=1 and DDP_HAS_NCCL=1).
+///
+///  * Start: the device is bound explicitly before anything else (Options::device, else the
+///    local rank); rank 0 makes the ncclUniqueId and shares it through the rendezvous Store;
+///    the communicator is created non-blocking (ncclCommInitRankConfig, config.blocking = 0), so
+///    that initialization too honours Options::timeout.
+///  * Streams: user kernels and collectives never race, whichever stream either runs on. When a
+///    collective's buffers share one stream, it is enqueued on that stream (ordered by the
+///    stream itself, no extra CUDA calls); otherwise on the communicator's own stream, ordered
+///    after the work queued on every buffer's stream (event record + cudaStreamWaitEvent), with
+///    those streams ordered after it. One collective is in flight at a time (each call waits for
+///    its work), so NCCL's kernels never run on two streams at once.
+///  * Completion and timeouts: a call returns when its work has finished on the GPU (async calls
+///    on the Communicator's worker thread); while waiting it polls the completion event and
+///    ncclCommGetAsyncError, and past Options::timeout, or on an asynchronous NCCL error, or on
+///    abort(), it calls ncclCommAbort and raises Errc::timeout, Errc::peer_lost (ncclRemoteError)
+///    or Errc::backend.
+///  * gather, scatter and all_to_all are grouped ncclSend/ncclRecv; send/recv carry a small
+///    header, so the receiver checks the tag, dtype and count as on every backend.
+///  * Types: half -> ncclFloat16, bfloat16 -> ncclBfloat16, ReduceOp::avg -> ncclAvg.
+///  * Host buffers: a buffer whose type says it is host memory (std::vector, ...) does not
+///    compile with Communicator<backend::Nccl>; a run-time-typed view on the host, or on another
+///    device than the communicator's, is refused with Errc::invalid_argument.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/backend/backend.hpp" (already included above)
+// #include "ddp/cuda.hpp" (already included above)
+// #include "ddp/detail/collective.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/store/client.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+namespace detail {
+
+[[nodiscard]] inline ncclDataType_t nccl_type(DType t) noexcept {
+  switch (t) {
+    case DType::int8: return ncclInt8;
+    case DType::uint8: return ncclUint8;
+    case DType::int32: return ncclInt32;
+    case DType::uint32: return ncclUint32;
+    case DType::int64: return ncclInt64;
+    case DType::uint64: return ncclUint64;
+    case DType::float16: return ncclFloat16;
+    case DType::float32: return ncclFloat32;
+    case DType::float64: return ncclFloat64;
+    case DType::bfloat16: return ncclBfloat16;
+  }
+  return ncclNumTypes;
+}
+
+[[nodiscard]] inline ncclRedOp_t nccl_op(ReduceOp op) noexcept {
+  switch (op) {
+    case ReduceOp::sum: return ncclSum;
+    case ReduceOp::prod: return ncclProd;
+    case ReduceOp::max: return ncclMax;
+    case ReduceOp::min: return ncclMin;
+    case ReduceOp::avg: return ncclAvg;
+  }
+  return ncclSum;
+}
+
+/// The Errc for an NCCL failure: a remote process or the network -> peer_lost, else backend.
+[[nodiscard]] inline Errc nccl_errc(ncclResult_t rc) noexcept {
+  return rc == ncclRemoteError ? Errc::peer_lost : Errc::backend;
+}
+
+/// ncclCommAbort on a thread of its own. The abort returns only once the communicator's kernels
+/// have stopped, and a kernel queued before them on a tensor's stream (the stuck producer that
+/// made the collective time out) delays that for as long as it runs; the error that asked for the
+/// abort is raised at once instead, and the owner's destructor waits for the abort to finish.
+class NcclAborter {
+ public:
+  NcclAborter() = default;
+  NcclAborter(const NcclAborter&) = delete;
+  NcclAborter& operator=(const NcclAborter&) = delete;
+  ~NcclAborter() { join(); }
+
+  /// Aborts every non-null communicator (comms[i] on devices[i]).
+  void abort(std::vector<ncclComm_t> comms, std::vector<int> devices) {
+    join();
+    thread_ = std::thread([comms = std::move(comms), devices = std::move(devices)] {
+      for (std::size_t i = 0; i < comms.size(); ++i) {
+        if (comms[i] == nullptr) continue;
+        (void)cudaSetDevice(devices[i]);
+        (void)ncclCommAbort(comms[i]);
+      }
+    });
+  }
+  void join() noexcept {
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  std::thread thread_;
+};
+
+}  // namespace detail
+
+namespace backend {
+
+class Nccl {
+ public:
+  static constexpr std::string_view name = "nccl";
+  /// Buffers must be CUDA device memory; host-typed buffers are rejected at compile time.
+  static constexpr DeviceKind device_kind = DeviceKind::cuda;
+
+  [[nodiscard]] static std::unique_ptr<Nccl> create(const detail::BackendInit& init) {
+    const int device = init.options.device >= 0 ? init.options.device : init.local_rank;
+    const int devices = cuda_device_count();
+    if (device >= devices) {
+      detail::fail(Errc::invalid_argument, "rank ", init.rank, ": backend::Nccl: CUDA device ",
+                   device, " does not exist (this process sees ", devices,
+                   " device(s)); set Options::device, or run at most that many ranks per host");
+    }
+    DDP_CUDA_CHECK(cudaSetDevice(device));
+    auto b = std::unique_ptr<Nccl>(new Nccl(init, device));
+    b->connect(init);
+    return b;
+  }
+
+  Nccl(const Nccl&) = delete;
+  Nccl& operator=(const Nccl&) = delete;
+  ~Nccl() {
+    if (comm_ == nullptr) return;
+    const detail::CudaDeviceScope scope(device_);
+    // Flush and free; a communicator that cannot finish in time is aborted instead.
+    ncclResult_t st = ncclCommFinalize(comm_);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while ((st == ncclSuccess || st == ncclInProgress) &&
+           ncclCommGetAsyncError(comm_, &st) == ncclSuccess && st == ncclInProgress &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::yield();
+    }
+    if (st == ncclSuccess)
+      (void)ncclCommDestroy(comm_);
+    else
+      (void)ncclCommAbort(comm_);
+  }
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+  [[nodiscard]] int local_rank() const noexcept { return local_rank_; }
+  [[nodiscard]] int local_size() const noexcept { return local_size_; }
+  [[nodiscard]] int local_leader() const noexcept { return local_leader_; }
+  /// The CUDA device this communicator's ranks use here.
+  [[nodiscard]] int device() const noexcept { return device_; }
+  /// The communicator's own stream.
+  [[nodiscard]] cudaStream_t stream() const noexcept { return stream_.get(); }
+  /// The NCCL communicator (owned by this backend).
+  [[nodiscard]] ncclComm_t comm() const noexcept { return comm_; }
+  [[nodiscard]] static bool supports(const Device& device) noexcept { return device.is_cuda(); }
+
+  void all_reduce(const detail::Buf& b, ReduceOp op) {
+    run("all_reduce", {&b}, [&] {
+      return ncclAllReduce(b.data, b.data, b.count, detail::nccl_type(b.dtype), detail::nccl_op(op),
+                           comm_, on());
+    });
+  }
+
+  /// Several all_reduces in one NCCL group: one launch, one wait (Communicator::
+  /// all_reduce_coalesced; the GradientAverager's buckets).
+  void all_reduce_many(const std::vector<detail::Buf>& bufs, ReduceOp op) {
+    std::vector<const detail::Buf*> ptrs;
+    for (const auto& b : bufs) ptrs.push_back(&b);
+    run_on("all_reduce_coalesced", ptrs, [&] {
+      return grouped([&]() -> ncclResult_t {
+        for (const auto& b : bufs) {
+          const auto rc =
+              ncclAllReduce(b.data, b.data, b.count, type(b), detail::nccl_op(op), comm_, on());
+          if (rc != ncclSuccess && rc != ncclInProgress) return rc;
+        }
+        return ncclSuccess;
+      });
+    });
+  }
+
+  void broadcast(const detail::Buf& b, int root) {
+    run("broadcast", {&b}, [&] {
+      return ncclBroadcast(b.data, b.data, b.count, detail::nccl_type(b.dtype), root, comm_, on());
+    });
+  }
+
+  void reduce(const detail::Buf& b, int root, ReduceOp op) {
+    run("reduce", {&b}, [&] {
+      return ncclReduce(b.data, b.data, b.count, detail::nccl_type(b.dtype), detail::nccl_op(op),
+                        root, comm_, on());
+    });
+  }
+
+  void all_gather(const detail::Buf& in, const detail::Buf& out) {
+    run("all_gather", {&in, &out}, [&] {
+      return ncclAllGather(in.data, out.data, in.count, detail::nccl_type(in.dtype), comm_, on());
+    });
+  }
+
+  void gather(const detail::Buf& in, const detail::Buf& out, int root) {
+    const std::size_t n = in.count;
+    run("gather", {&in, &out}, [&] {
+      return grouped([&]() -> ncclResult_t {
+        if (rank_ != root) return ncclSend(in.data, n, type(in), root, comm_, on());
+        for (int r = 0; r < size_; ++r) {
+          std::byte* dst = out.at(n * static_cast<std::size_t>(r));
+          if (r == rank_) {
+            copy(dst, in.data, n * in.elem());
+          } else if (const auto rc = ncclRecv(dst, n, type(in), r, comm_, on());
+                     rc != ncclSuccess && rc != ncclInProgress) {
+            return rc;
+          }
+        }
+        return ncclSuccess;
+      });
+    });
+  }
+
+  void scatter(const detail::Buf& in, const detail::Buf& out, int root) {
+    const std::size_t n = out.count;
+    run("scatter", {&in, &out}, [&] {
+      return grouped([&]() -> ncclResult_t {
+        if (rank_ != root) return ncclRecv(out.data, n, type(out), root, comm_, on());
+        for (int r = 0; r < size_; ++r) {
+          const std::byte* src = in.at(n * static_cast<std::size_t>(r));
+          if (r == rank_) {
+            copy(out.data, src, n * out.elem());
+          } else if (const auto rc = ncclSend(src, n, type(out), r, comm_, on());
+                     rc != ncclSuccess && rc != ncclInProgress) {
+            return rc;
+          }
+        }
+        return ncclSuccess;
+      });
+    });
+  }
+
+  void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
+    run("reduce_scatter", {&in, &out}, [&] {
+      return ncclReduceScatter(in.data, out.data, out.count, detail::nccl_type(out.dtype),
+                               detail::nccl_op(op), comm_, on());
+    });
+  }
+
+  void all_to_all(const detail::Buf& in, const detail::Buf& out) {
+    const std::size_t n = in.count / static_cast<std::size_t>(size_);
+    run("all_to_all", {&in, &out}, [&] {
+      return grouped([&]() -> ncclResult_t {
+        for (int r = 0; r < size_; ++r) {
+          const std::size_t at = n * static_cast<std::size_t>(r);
+          if (r == rank_) {
+            copy(out.at(at), in.at(at), n * in.elem());
+            continue;
+          }
+          auto rc = ncclSend(in.at(at), n, type(in), r, comm_, on());
+          if (rc == ncclSuccess || rc == ncclInProgress)
+            rc = ncclRecv(out.at(at), n, type(in), r, comm_, on());
+          if (rc != ncclSuccess && rc != ncclInProgress) return rc;
+        }
+        return ncclSuccess;
+      });
+    });
+  }
+
+  void barrier() {
+    const detail::Buf b{reinterpret_cast<std::byte*>(scratch_.data()), 1, DType::int64,
+                        Device::cuda(device_), stream()};
+    run("barrier", {&b},
+        [&] { return ncclAllReduce(b.data, b.data, 1, ncclInt64, ncclSum, comm_, on()); });
+  }
+
+  void send(const detail::Buf& b, int peer, int tag) {
+    header_[0] = tag;
+    header_[1] = static_cast<std::int64_t>(b.dtype);
+    header_[2] = static_cast<std::int64_t>(b.count);
+    DDP_CUDA_CHECK(cudaMemcpyAsync(scratch_.data(), header_.data(), 3 * sizeof(std::int64_t),
+                                   cudaMemcpyHostToDevice, stream()));
+    const detail::Buf h{reinterpret_cast<std::byte*>(scratch_.data()), 3, DType::int64,
+                        Device::cuda(device_), stream()};
+    run("send", {&h}, [&] { return ncclSend(h.data, 3, ncclInt64, peer, comm_, on()); });
+    if (b.count == 0) return;
+    run("send", {&b}, [&] { return ncclSend(b.data, b.count, type(b), peer, comm_, on()); });
+  }
+
+  void recv(const detail::Buf& b, int peer, int tag) {
+    const detail::Buf h{reinterpret_cast<std::byte*>(scratch_.data()), 3, DType::int64,
+                        Device::cuda(device_), stream()};
+    run("recv", {&h}, [&] { return ncclRecv(h.data, 3, ncclInt64, peer, comm_, on()); });
+    DDP_CUDA_CHECK(cudaMemcpy(header_.data(), scratch_.data(), 3 * sizeof(std::int64_t),
+                              cudaMemcpyDeviceToHost));
+    if (header_[0] != tag || header_[1] != static_cast<std::int64_t>(b.dtype) ||
+        header_[2] != static_cast<std::int64_t>(b.count)) {
+      const auto dt = static_cast<DType>(header_[1]);
+      detail::fail(Errc::mismatch, "rank ", rank_, ": recv from rank ", peer, ": expected tag ",
+                   tag, ", ", to_string(b.dtype), " x ", b.count, " but rank ", peer, " sent tag ",
+                   header_[0], ", ", is_valid(dt) ? to_string(dt) : "invalid dtype", " x ",
+                   header_[2], "; make the matching send and recv agree");
+    }
+    if (b.count == 0) return;
+    run("recv", {&b}, [&] { return ncclRecv(b.data, b.count, type(b), peer, comm_, on()); });
+  }
+
+  /// ncclCommSplit: ranks passing the same color form a communicator, ordered by (key, rank);
+  /// nullptr for color < 0. Collective over this communicator.
+  [[nodiscard]] std::unique_ptr<Nccl> split(int color, int key) {
+    // Every rank's (color, key), to know the members of each group and which share a host.
+    CudaBuffer<std::int64_t> all(2 * static_cast<std::size_t>(size_), device_, stream());
+    const std::int64_t mine[2] = {color, key};
+    const std::size_t at = 2 * static_cast<std::size_t>(rank_);
+    DDP_CUDA_CHECK(
+        cudaMemcpyAsync(all.data() + at, mine, sizeof mine, cudaMemcpyHostToDevice, stream()));
+    all_gather({reinterpret_cast<std::byte*>(all.data() + at), 2, DType::int64,
+                Device::cuda(device_), stream()},
+               {reinterpret_cast<std::byte*>(all.data()), all.size(), DType::int64,
+                Device::cuda(device_), stream()});
+    std::vector<std::int64_t> ck(all.size());
+    all.copy_to(ck);
+    std::vector<int> members;  // parent ranks of my group, in (key, rank) order
+    for (int r = 0; r < size_; ++r) {
+      if (color >= 0 && ck[2 * static_cast<std::size_t>(r)] == color) members.push_back(r);
+    }
+    std::stable_sort(members.begin(), members.end(), [&](int a, int b) {
+      return ck[2 * static_cast<std::size_t>(a) + 1] < ck[2 * static_cast<std::size_t>(b) + 1];
+    });
+
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t made = nullptr;
+    const CudaDeviceGuard g(device_);
+    const auto start = std::chrono::steady_clock::now();
+    const auto rc =
+        ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &made, &config);
+    if (rc != ncclSuccess && rc != ncclInProgress)
+      give_up("split", detail::nccl_errc(rc), ncclGetErrorString(rc));
+    // Non-blocking: the split runs as a job of the parent, which must return to ncclSuccess
+    // before the parent is used again; only then is the child's handle written.
+    settle("split (ncclCommSplit)", start);
+    if (color < 0) {
+      if (made != nullptr) (void)ncclCommDestroy(made);
+      return nullptr;
+    }
+    if (made == nullptr) {
+      detail::fail(Errc::backend, "rank ", rank_, ": backend::Nccl: split: ncclCommSplit gave no ",
+                   "communicator for color ", color, last_error());
+    }
+    auto sub = std::unique_ptr<Nccl>(new Nccl(rank_, size_, device_, timeout_));
+    sub->comm_ = made;
+    sub->size_ = static_cast<int>(members.size());
+    sub->rank_ =
+        static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
+    for (const int r : members) sub->hosts_.push_back(hosts_[static_cast<std::size_t>(r)]);
+    sub->find_local();
+    sub->settle("split (ncclCommSplit)", start);
+    return sub;
+  }
+
+  /// Fails the operation in progress (its wait sees the flag and calls ncclCommAbort) and every
+  /// later one. Thread-safe.
+  void abort(Errc code, const std::string& why) {
+    std::lock_guard lock(abort_mutex_);
+    if (!aborted_.load()) {
+      abort_code_ = code;
+      abort_why_ = why;
+      aborted_.store(true);
+    }
+  }
+
+ private:
+  Nccl(const detail::BackendInit& init, int device)
+      : Nccl(init.rank, init.size, device, init.options.timeout) {}
+  Nccl(int rank, int size, int device, std::chrono::milliseconds timeout)
+      : rank_(rank),
+        size_(size),
+        device_(device),
+        timeout_(timeout),
+        stream_(device),
+        scratch_(3, device) {}
+
+  void connect(const detail::BackendInit& init) {
+    ncclUniqueId id{};
+    local_rank_ = 0;
+    local_size_ = 1;
+    local_leader_ = rank_;
+    if (size_ > 1) {
+      auto& store = *init.store;
+      store.set(detail::concat("nccl/host/", rank_), detail::host_identity());
+      if (rank_ == 0) {
+        check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+        store.set("nccl/id", std::string_view(reinterpret_cast<const char*>(&id), sizeof id));
+      } else {
+        const std::string bytes = store.get("nccl/id");
+        if (bytes.size() != sizeof id) {
+          detail::fail(Errc::protocol, "rank ", rank_,
+                       ": backend::Nccl: the ncclUniqueId in the "
+                       "store has ",
+                       bytes.size(), " bytes, expected ", sizeof id);
+        }
+        std::memcpy(&id, bytes.data(), sizeof id);
+      }
+      for (int r = 0; r < size_; ++r) hosts_.push_back(store.get(detail::concat("nccl/host/", r)));
+      find_local();
+    } else {
+      hosts_.push_back(detail::host_identity());
+      check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    }
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    const CudaDeviceGuard g(device_);
+    const auto rc = ncclCommInitRankConfig(&comm_, size_, id, rank_, &config);
+    if (rc != ncclSuccess && rc != ncclInProgress) {
+      comm_ = nullptr;
+      check(rc, "ncclCommInitRankConfig");
+    }
+    settle("ncclCommInitRankConfig", std::chrono::steady_clock::now());
+  }
+
+  /// local_rank/local_size/local_leader from the host of every rank.
+  void find_local() {
+    local_rank_ = 0;
+    local_size_ = 0;
+    local_leader_ = -1;
+    for (int r = 0; r < size_; ++r) {
+      if (hosts_[static_cast<std::size_t>(r)] != hosts_[static_cast<std::size_t>(rank_)]) continue;
+      if (local_leader_ < 0) local_leader_ = r;
+      if (r < rank_) ++local_rank_;
+      ++local_size_;
+    }
+  }
+
+  void check(ncclResult_t rc, const char* call) const {
+    if (rc != ncclSuccess && rc != ncclInProgress) {
+      detail::fail(detail::nccl_errc(rc), "rank ", rank_, ": backend::Nccl: ", call,
+                   " failed: ", ncclGetErrorString(rc), last_error());
+    }
+  }
+
+  [[nodiscard]] std::string last_error() const {
+    const char* text = comm_ != nullptr ? ncclGetLastError(comm_) : nullptr;
+    return text != nullptr && *text != '\0' ? detail::concat(" (", text, ")") : std::string();
+  }
+
+  [[nodiscard]] static ncclDataType_t type(const detail::Buf& b) noexcept {
+    return detail::nccl_type(b.dtype);
+  }
+
+  /// The stream the collective being enqueued goes on (set by run_on).
+  [[nodiscard]] cudaStream_t on() const noexcept { return on_; }
+
+  /// Device-to-device copy on the collective's stream (the local block of gather & co).
+  void copy(std::byte* dst, const std::byte* src, std::size_t n) {
+    if (n != 0 && dst != src)
+      DDP_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, on()));
+  }
+
+  template <class F>
+  ncclResult_t grouped(F&& body) {
+    check(ncclGroupStart(), "ncclGroupStart");
+    const ncclResult_t rc = body();
+    const ncclResult_t end = ncclGroupEnd();
+    return rc != ncclSuccess && rc != ncclInProgress ? rc : end;
+  }
+
+  void fail_if_aborted(const char* what) {
+    if (!aborted_.load()) return;
+    abort_comm();
+    std::lock_guard lock(abort_mutex_);
+    detail::fail(abort_code_, "rank ", rank_, ": ", what, ": aborted: ", abort_why_);
+  }
+
+  /// Waits for a non-blocking NCCL call to leave ncclInProgress, up to the timeout.
+  void settle(const char* what, std::chrono::steady_clock::time_point start) {
+    for (;;) {
+      ncclResult_t st = ncclSuccess;
+      check(ncclCommGetAsyncError(comm_, &st), "ncclCommGetAsyncError");
+      if (st == ncclSuccess) return;
+      if (st != ncclInProgress) give_up(what, detail::nccl_errc(st), ncclGetErrorString(st));
+      poll_pause(what, start);
+    }
+  }
+
+  void poll_pause(const char* what, std::chrono::steady_clock::time_point start) {
+    fail_if_aborted(what);
+    if (timeout_.count() > 0 && std::chrono::steady_clock::now() - start > timeout_) {
+      give_up(what, Errc::timeout,
+              detail::concat("did not complete within ", timeout_.count(),
+                             " ms; a peer stopped, died or called another collective"));
+    }
+    std::this_thread::yield();
+  }
+
+  /// Aborts the NCCL communicator in the background (detail::NcclAborter); later calls fail.
+  void abort_comm() {
+    if (comm_ == nullptr) return;
+    aborter_.abort({std::exchange(comm_, nullptr)}, {device_});
+  }
+
+  [[noreturn]] void give_up(const char* what, Errc code, const std::string& why) {
+    const std::string detail_text = last_error();
+    abort_comm();
+    {
+      std::lock_guard lock(abort_mutex_);
+      if (!aborted_.load()) {
+        abort_code_ = code;
+        abort_why_ = detail::concat(what, " failed earlier");
+        aborted_.store(true);
+      }
+    }
+    detail::fail(code, "rank ", rank_, ": backend::Nccl: ", what, ": ", why, detail_text,
+                 "; the NCCL communicator was aborted");
+  }
+
+  /// Orders the collective after its buffers' streams, enqueues it, orders the buffers' streams
+  /// after it, and waits for it to finish (polling, under the timeout).
+  template <class Enqueue>
+  void run(const char* what, std::initializer_list<const detail::Buf*> bufs, Enqueue&& enqueue) {
+    run_on(what, bufs, enqueue);
+  }
+  template <class Bufs, class Enqueue>
+  void run_on(const char* what, const Bufs& bufs, Enqueue&& enqueue) {
+    fail_if_aborted(what);
+    for (const auto* b : bufs) {
+      if (b->count != 0 && b->device.index != device_) {
+        detail::fail(Errc::invalid_argument, "rank ", rank_, ": ", what, ": a buffer is on ",
+                     to_string(b->device), " but this communicator uses cuda:", device_,
+                     "; move the tensor or create the communicator with Options::device = ",
+                     b->device.index);
+      }
+    }
+    const CudaDeviceGuard g(device_);
+    // The buffers' one stream, when they share one: the collective goes on it, ordered after
+    // the work there and before later work by the stream itself (each call finishes before the
+    // next is enqueued, so NCCL's kernels never run concurrently on two streams). Otherwise the
+    // communicator's stream, ordered by events both ways.
+    const auto shared = [&]() -> std::optional<cudaStream_t> {
+      std::optional<cudaStream_t> common;
+      for (const auto* b : bufs) {
+        const auto s = static_cast<cudaStream_t>(b->stream);
+        if (common && *common != s) return std::nullopt;
+        common = s;
+      }
+      return common;
+    }();
+    on_ = shared.value_or(stream());
+    if (!shared) {
+      for (const auto* b : bufs) {
+        ready_.record(static_cast<cudaStream_t>(b->stream));
+        ready_.block(on_);
+      }
+    }
+    const auto start = std::chrono::steady_clock::now();
+    const ncclResult_t rc = enqueue();
+    if (rc != ncclSuccess && rc != ncclInProgress)
+      give_up(what, detail::nccl_errc(rc), ncclGetErrorString(rc));
+    if (rc == ncclInProgress) settle(what, start);
+    done_.record(on_);
+    if (!shared) {
+      for (const auto* b : bufs) done_.block(static_cast<cudaStream_t>(b->stream));
+    }
+    // Small collectives finish within microseconds: spin on the event first (a yield is a
+    // system call, about as long as the collective), then poll the error state and yield.
+    for (unsigned spins = 0;; ++spins) {
+      if (done_.ready()) return;
+      if (spins < 256) continue;
+      ncclResult_t st = ncclSuccess;
+      check(ncclCommGetAsyncError(comm_, &st), "ncclCommGetAsyncError");
+      if (st != ncclSuccess && st != ncclInProgress)
+        give_up(what, detail::nccl_errc(st), ncclGetErrorString(st));
+      poll_pause(what, start);
+    }
+  }
+
+  int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1, local_leader_ = 0;
+  int device_ = 0;
+  std::chrono::milliseconds timeout_;
+  ncclComm_t comm_ = nullptr;
+  CudaStream stream_;
+  cudaStream_t on_ = nullptr;  // the stream of the collective being enqueued (run_on)
+  CudaEvent ready_, done_;
+  CudaBuffer<std::int64_t> scratch_;  // barrier word and the p2p header
+  std::vector<std::int64_t> header_ = std::vector<std::int64_t>(3);
+  std::vector<std::string> hosts_;  // the host of every rank
+  std::mutex abort_mutex_;
+  std::atomic<bool> aborted_{false};
+  Errc abort_code_ = Errc::aborted;
+  std::string abort_why_;
+  detail::NcclAborter aborter_;  // last: joined before the streams and buffers are freed
+};
+
+}  // namespace backend
+DDP_END_NAMESPACE
+// end ddp/backend/nccl.hpp
+// begin ddp/multi_gpu.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Single-process multi-GPU: one process drives several CUDA devices through one NCCL clique
+/// (ncclCommInitAll), the seeds' "one process, several cards" (torch.nn.DataParallel) done the
+/// way NCCL does it: every device keeps its own replica and the replicas' gradients are averaged
+/// with one all_reduce over the devices, instead of being gathered onto the first card.
+///
+///   ddp::NcclClique clique;                       // every visible device (or {0, 2, 3})
+///   std::vector<ddp::CudaBuffer<float>> grads;    // grads[i] lives on clique.device(i)
+///   clique.all_reduce(grads, ddp::ReduceOp::avg); // one NCCL group over all devices
+///
+/// Each collective takes one tensor per device, in the order of devices(); it checks that the
+/// i-th tensor is on the i-th device and that dtypes and sizes agree, orders the work after each
+/// tensor's stream and each tensor's stream after the work (events), launches every device's call
+/// in one ncclGroupStart/End, and returns when all of it has finished, polling the events and
+/// ncclCommGetAsyncError under the clique's timeout; past it, every communicator is aborted
+/// (ncclCommAbort) and the call raises Errc::timeout. Link `ddp::nccl`.
+///
+/// A clique lives in one process: to combine several processes, each with several devices, use
+/// Communicator<backend::Nccl> with one rank per device (ddprun --nproc-per-node = devices).
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/backend/nccl.hpp" (already included above)
+// #include "ddp/cuda.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/tensor.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <initializer_list>
+#include <memory>
+#include <ranges>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// A sized random-access range of tensors, one per device of a NcclClique.
+template <class R>
+concept TensorRange = std::ranges::random_access_range<R> && std::ranges::sized_range<R> &&
+    TensorLike<std::ranges::range_reference_t<R>>;
+
+class NcclClique {
+ public:
+  /// One NCCL communicator per device of `devices` (empty: every device this process sees),
+  /// created together by ncclCommInitAll. A device may appear once.
+  explicit NcclClique(std::vector<int> devices = {},
+                      std::chrono::milliseconds timeout = std::chrono::minutes(5))
+      : devices_(std::move(devices)), timeout_(timeout) {
+    const int visible = cuda_device_count();
+    if (devices_.empty()) {
+      for (int d = 0; d < visible; ++d) devices_.push_back(d);
+      if (devices_.empty()) {
+        detail::fail(Errc::invalid_argument,
+                     "NcclClique: this process sees no CUDA device; check CUDA_VISIBLE_DEVICES "
+                     "and the driver");
+      }
+    }
+    for (std::size_t i = 0; i < devices_.size(); ++i) {
+      const int d = devices_[i];
+      if (d < 0 || d >= visible) {
+        detail::fail(Errc::invalid_argument, "NcclClique: device ", d,
+                     " does not exist (this process sees ", visible, " device(s))");
+      }
+      if (std::find(devices_.begin(), devices_.begin() + static_cast<std::ptrdiff_t>(i), d) !=
+          devices_.begin() + static_cast<std::ptrdiff_t>(i)) {
+        detail::fail(Errc::invalid_argument, "NcclClique: device ", d,
+                     " is listed twice; NCCL drives each device of a clique once");
+      }
+    }
+    slots_.reserve(devices_.size());
+    for (const int d : devices_) {
+      const CudaDeviceGuard g(d);
+      slots_.push_back(std::make_unique<Slot>(d));
+    }
+    comms_.assign(devices_.size(), nullptr);
+    const auto rc = ncclCommInitAll(comms_.data(), size(), devices_.data());
+    if (rc != ncclSuccess) {
+      comms_.clear();
+      detail::fail(detail::nccl_errc(rc), "NcclClique: ncclCommInitAll over ", size(),
+                   " device(s) failed: ", ncclGetErrorString(rc));
+    }
+  }
+
+  NcclClique(const NcclClique&) = delete;
+  NcclClique& operator=(const NcclClique&) = delete;
+  ~NcclClique() {
+    for (std::size_t i = 0; i < comms_.size(); ++i) {
+      if (comms_[i] == nullptr) continue;
+      const CudaDeviceGuard g(devices_[i]);
+      (void)ncclCommDestroy(comms_[i]);
+    }
+  }
+
+  /// The number of devices.
+  [[nodiscard]] int size() const noexcept { return static_cast<int>(devices_.size()); }
+  [[nodiscard]] const std::vector<int>& devices() const noexcept { return devices_; }
+  /// The CUDA device of slot i.
+  [[nodiscard]] int device(int i) const { return devices_.at(static_cast<std::size_t>(i)); }
+  /// The clique's own stream on slot i's device.
+  [[nodiscard]] cudaStream_t stream(int i) const {
+    return slots_.at(static_cast<std::size_t>(i))->stream.get();
+  }
+  /// Slot i's NCCL communicator (owned by the clique).
+  [[nodiscard]] ncclComm_t comm(int i) const { return comms_.at(static_cast<std::size_t>(i)); }
+
+  /// tensors[i] = op over all tensors, on every device.
+  template <TensorRange R>
+  void all_reduce(R&& tensors, ReduceOp op = ReduceOp::sum) {
+    const auto bs = bufs(tensors, "all_reduce", "tensors");
+    same_shape(bs, "all_reduce");
+    check_op(op, bs[0].dtype, "all_reduce");
+    run("all_reduce", {&bs}, [&](std::size_t i, cudaStream_t s) {
+      return ncclAllReduce(bs[i].data, bs[i].data, bs[i].count, detail::nccl_type(bs[i].dtype),
+                           detail::nccl_op(op), comms_[i], s);
+    });
+  }
+
+  /// Every tensor = tensors[root].
+  template <TensorRange R>
+  void broadcast(R&& tensors, int root = 0) {
+    const auto bs = bufs(tensors, "broadcast", "tensors");
+    same_shape(bs, "broadcast");
+    check_root(root, "broadcast");
+    run("broadcast", {&bs}, [&](std::size_t i, cudaStream_t s) {
+      return ncclBroadcast(bs[i].data, bs[i].data, bs[i].count, detail::nccl_type(bs[i].dtype),
+                           root, comms_[i], s);
+    });
+  }
+
+  /// tensors[root] = op over all tensors; the others are left as they were.
+  template <TensorRange R>
+  void reduce(R&& tensors, int root = 0, ReduceOp op = ReduceOp::sum) {
+    const auto bs = bufs(tensors, "reduce", "tensors");
+    same_shape(bs, "reduce");
+    check_root(root, "reduce");
+    check_op(op, bs[0].dtype, "reduce");
+    run("reduce", {&bs}, [&](std::size_t i, cudaStream_t s) {
+      return ncclReduce(bs[i].data, bs[i].data, bs[i].count, detail::nccl_type(bs[i].dtype),
+                        detail::nccl_op(op), root, comms_[i], s);
+    });
+  }
+
+  /// out[j] = in[0] ++ in[1] ++ ... for every j: each out holds size() times in's elements.
+  template <TensorRange In, TensorRange Out>
+  void all_gather(In&& in, Out&& out) {
+    const auto is = bufs(in, "all_gather", "in");
+    const auto os = bufs(out, "all_gather", "out");
+    same_shape(is, "all_gather");
+    same_shape(os, "all_gather");
+    paired(is, os, is[0].count * devices_.size(), "all_gather", "size() * in");
+    run("all_gather", {&is, &os}, [&](std::size_t i, cudaStream_t s) {
+      return ncclAllGather(is[i].data, os[i].data, is[i].count, detail::nccl_type(is[i].dtype),
+                           comms_[i], s);
+    });
+  }
+
+  /// out[j] = block j of (op over all in): each in holds size() times out's elements.
+  template <TensorRange In, TensorRange Out>
+  void reduce_scatter(In&& in, Out&& out, ReduceOp op = ReduceOp::sum) {
+    const auto is = bufs(in, "reduce_scatter", "in");
+    const auto os = bufs(out, "reduce_scatter", "out");
+    same_shape(is, "reduce_scatter");
+    same_shape(os, "reduce_scatter");
+    check_op(op, is[0].dtype, "reduce_scatter");
+    paired(os, is, os[0].count * devices_.size(), "reduce_scatter", "size() * out");
+    run("reduce_scatter", {&is, &os}, [&](std::size_t i, cudaStream_t s) {
+      return ncclReduceScatter(is[i].data, os[i].data, os[i].count, detail::nccl_type(os[i].dtype),
+                               detail::nccl_op(op), comms_[i], s);
+    });
+  }
+
+ private:
+  struct Slot {
+    explicit Slot(int device) : stream(device) {}
+    CudaStream stream;
+    CudaEvent ready, done;  // created with the slot's device current
+  };
+
+  template <class R>
+  std::vector<detail::Buf> bufs(R& tensors, const char* what, const char* arg) const {
+    if (comms_.empty()) {
+      detail::fail(Errc::aborted, "NcclClique: ", what,
+                   ": the clique was aborted by an earlier failure; make a new one");
+    }
+    const auto n = static_cast<std::size_t>(std::ranges::size(tensors));
+    if (n != devices_.size()) {
+      detail::fail(Errc::invalid_argument, "NcclClique: ", what, ": `", arg, "` has ", n,
+                   " tensor(s) but the clique has ", devices_.size(),
+                   " device(s); pass one tensor per device, in the order of devices()");
+    }
+    std::vector<detail::Buf> out;
+    out.reserve(n);
+    std::size_t i = 0;
+    for (auto&& t : tensors) {
+      const auto v = ddp::view(t);
+      using E = typename decltype(v)::value_type;
+      if (!v.device.is_cuda() || v.device.index != devices_[i]) {
+        detail::fail(Errc::invalid_argument, "NcclClique: ", what, ": `", arg, "[", i, "]` is on ",
+                     to_string(v.device), " but slot ", i, " of the clique is cuda:", devices_[i],
+                     "; put the i-th tensor on device(i)");
+      }
+      if (v.data == nullptr && v.size != 0) {
+        detail::fail(Errc::invalid_argument, "NcclClique: ", what, ": `", arg, "[", i, "]` has ",
+                     v.size, " elements but no data");
+      }
+      out.push_back({reinterpret_cast<std::byte*>(const_cast<E*>(v.data)), v.size, dtype_of<E>,
+                     v.device, v.stream});
+      ++i;
+    }
+    return out;
+  }
+
+  static void same_shape(const std::vector<detail::Buf>& bs, const char* what) {
+    for (std::size_t i = 1; i < bs.size(); ++i) {
+      if (bs[i].dtype != bs[0].dtype || bs[i].count != bs[0].count) {
+        detail::fail(Errc::mismatch, "NcclClique: ", what, ": tensor ", i, " is ",
+                     to_string(bs[i].dtype), " x ", bs[i].count, " but tensor 0 is ",
+                     to_string(bs[0].dtype), " x ", bs[0].count,
+                     "; every device's tensor must have the same dtype and size");
+      }
+    }
+  }
+
+  /// `big` must hold size() times `small`'s elements, of the same dtype.
+  static void paired(const std::vector<detail::Buf>& small, const std::vector<detail::Buf>& big,
+                     std::size_t want, const char* what, const char* rule) {
+    if (big[0].dtype != small[0].dtype || big[0].count != want) {
+      detail::fail(Errc::invalid_argument, "NcclClique: ", what, ": `in` is ",
+                   to_string(small[0].dtype), " x ", small[0].count, " and `out` ",
+                   to_string(big[0].dtype), " x ", big[0].count, ", but ", rule,
+                   " elements of the same dtype are needed");
+    }
+  }
+
+  void check_op(ReduceOp op, DType t, const char* what) const {
+    if (!is_supported(op, t)) {
+      detail::fail(Errc::invalid_argument, "NcclClique: ", what, ": op ",
+                   is_valid(op) ? to_string(op) : "invalid", " is not defined on ", to_string(t));
+    }
+  }
+
+  void check_root(int root, const char* what) const {
+    if (root < 0 || root >= size()) {
+      detail::fail(Errc::invalid_argument, "NcclClique: ", what, ": root ", root,
+                   " is not a slot of the clique [0, ", size(), ")");
+    }
+  }
+
+  /// Orders each slot's stream after its tensors' streams, launches enqueue(i, stream) for
+  /// every slot in one NCCL group, orders the tensors' streams after it and waits.
+  template <class Enqueue>
+  void run(const char* what, std::initializer_list<const std::vector<detail::Buf>*> sets,
+           const Enqueue& enqueue) {
+    const std::size_t n = devices_.size();
+    for (std::size_t i = 0; i < n; ++i) {
+      const CudaDeviceGuard g(devices_[i]);
+      for (const auto* set : sets) {
+        slots_[i]->ready.record(static_cast<cudaStream_t>((*set)[i].stream));
+        slots_[i]->ready.block(slots_[i]->stream.get());
+      }
+    }
+    const auto start = std::chrono::steady_clock::now();
+    if (const auto rc = ncclGroupStart(); rc != ncclSuccess) give_up(what, rc, "ncclGroupStart");
+    ncclResult_t first = ncclSuccess;
+    for (std::size_t i = 0; i < n && first == ncclSuccess; ++i) {
+      const CudaDeviceGuard g(devices_[i]);
+      first = enqueue(i, slots_[i]->stream.get());
+    }
+    const auto end = ncclGroupEnd();
+    if (first != ncclSuccess) give_up(what, first, "enqueue");
+    if (end != ncclSuccess) give_up(what, end, "ncclGroupEnd");
+    for (std::size_t i = 0; i < n; ++i) {
+      const CudaDeviceGuard g(devices_[i]);
+      slots_[i]->done.record(slots_[i]->stream.get());
+      for (const auto* set : sets)
+        slots_[i]->done.block(static_cast<cudaStream_t>((*set)[i].stream));
+    }
+    for (std::size_t i = 0; i < n;) {
+      if (slots_[i]->done.ready()) {
+        ++i;
+        continue;
+      }
+      for (std::size_t j = 0; j < n; ++j) {
+        ncclResult_t st = ncclSuccess;
+        const auto rc = ncclCommGetAsyncError(comms_[j], &st);
+        if (rc != ncclSuccess) give_up(what, rc, "ncclCommGetAsyncError");
+        if (st != ncclSuccess && st != ncclInProgress) give_up(what, st, "asynchronous error");
+      }
+      if (timeout_.count() > 0 && std::chrono::steady_clock::now() - start > timeout_) {
+        abort_all();
+        detail::fail(Errc::timeout, "NcclClique: ", what, " over ", n,
+                     " device(s) did not complete within ", timeout_.count(),
+                     " ms (a kernel before it on a tensor's stream did not finish, or a device "
+                     "hung); the clique was aborted");
+      }
+      std::this_thread::yield();
+    }
+  }
+
+  void abort_all() { aborter_.abort(std::exchange(comms_, {}), devices_); }
+
+  [[noreturn]] void give_up(const char* what, ncclResult_t rc, const char* where) {
+    std::string last;
+    for (const auto c : comms_) {
+      const char* text = ncclGetLastError(c);
+      if (text != nullptr && *text != '\0') {
+        last = detail::concat(" (", text, ")");
+        break;
+      }
+    }
+    abort_all();
+    detail::fail(detail::nccl_errc(rc), "NcclClique: ", what, ": ", where,
+                 " failed: ", ncclGetErrorString(rc), last, "; the clique was aborted");
+  }
+
+  std::vector<int> devices_;
+  std::chrono::milliseconds timeout_;
+  std::vector<std::unique_ptr<Slot>> slots_;
+  std::vector<ncclComm_t> comms_;
+  detail::NcclAborter aborter_;  // last: joined before the streams are freed
+};
+
+DDP_END_NAMESPACE
+// end ddp/multi_gpu.hpp
+#endif
+// #include "ddp/codec.hpp" (already included above)
 // #include "ddp/environment.hpp" (already included above)
 // begin ddp/gradient.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
