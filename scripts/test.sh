@@ -2,10 +2,13 @@
 # Runs every test of ddp on a fresh Debian/Ubuntu machine, installing what is missing first
 # (as root; otherwise it prints the apt-get line to run).
 #
-#   scripts/test.sh          everything: format, single-header freshness, g++ (+ packaging:
-#                            install, find_package, add_subdirectory, meson, pkg-config, conan),
-#                            clang++, single-header, ASan+UBSan, meson
-#   scripts/test.sh --fast   only the default g++ build and its tests
+#   scripts/test.sh          everything: format, single-header freshness, g++ Release with every
+#                            test (+ packaging: install, find_package, add_subdirectory, meson,
+#                            pkg-config, conan), clang++ against the single header (the fast
+#                            tests and the fuzzers), ASan+UBSan (every test but the main job and
+#                            packaging), TSan (the multi-threaded parts), meson
+#   scripts/test.sh --fast   g++, the tests labelled fast (the development loop)
+# Tests run two at a time (the presets' jobs); those that measure time windows run alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -55,16 +58,18 @@ if [ $fast -eq 0 ]; then
   stage "clang-format (every C++ file)" scripts/format.sh --check
   stage "single_include is regenerated from include/" python3 tools/amalgamate.py --check
 fi
-stage "g++: build, unit, compile-fail, examples, packaging" fresh_workflow ci
-if [ $fast -eq 0 ]; then
-  stage "clang++: build and tests" fresh_workflow clang
-  stage "single header: build and tests against single_include/" fresh_workflow single-header
+if [ $fast -eq 1 ]; then
+  stage "g++: the fast tests" fresh_workflow fast
+else
+  stage "g++ Release: every test (unit, launch, examples, the main job, MPI, packaging)" fresh_workflow ci
+  stage "clang++ against single_include/: the fast tests and the fuzzers" fresh_workflow clang
   stage "AddressSanitizer + UndefinedBehaviorSanitizer" fresh_workflow asan-ubsan
   stage "ThreadSanitizer (the multi-threaded parts)" fresh_workflow tsan
   stage "meson: build and tests (both dependencies)" meson_tests
 fi
 
 echo
+echo "total: $((SECONDS / 60)) min $((SECONDS % 60)) s"
 if [ $failed -ne 0 ]; then
   printf 'failed stage: %s\n' "${failures[@]}"
 fi

@@ -17,7 +17,9 @@
 // The runtime reports failures across threads and layers with exceptions; with -fno-exceptions
 // only the core types above are available.
 #if DDP_HAS_EXCEPTIONS
-#include "ddp/communicator.hpp"  // first: what it includes is then outside any #if below
+// First, in a block of its own: what it includes is then included outside the #ifs below.
+#include "ddp/communicator.hpp"
+
 #include "ddp/backend/host.hpp"
 #if DDP_HAS_MPI
 #include "ddp/backend/mpi.hpp"

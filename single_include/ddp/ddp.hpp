@@ -1324,6 +1324,7 @@ DDP_END_NAMESPACE
 // The runtime reports failures across threads and layers with exceptions; with -fno-exceptions
 // only the core types above are available.
 #if DDP_HAS_EXCEPTIONS
+// First, in a block of its own: what it includes is then included outside the #ifs below.
 // begin ddp/communicator.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -6780,6 +6781,7 @@ class Communicator {
 
 DDP_END_NAMESPACE
 // end ddp/communicator.hpp
+
 // begin ddp/backend/host.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT

@@ -5,6 +5,10 @@
 
 #include "multiprocess.hpp"
 
+#include <ddp/gradient.hpp>
+#include <ddp/guard.hpp>
+#include <ddp/partition.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>

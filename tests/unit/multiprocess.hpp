@@ -1,7 +1,9 @@
 // Helpers for tests that fork real processes (ddp::spawn) and check collectives in each.
 #pragma once
 
-#include <ddp/ddp.hpp>
+#include <ddp/backend/host.hpp>
+#include <ddp/communicator.hpp>
+#include <ddp/spawn.hpp>
 
 #include <doctest/doctest.h>
 

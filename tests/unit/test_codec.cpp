@@ -1,5 +1,5 @@
 // The object codec: round trips, and hostile input refused with bounded allocation.
-#include <ddp/ddp.hpp>
+#include <ddp/codec.hpp>
 
 #include <doctest/doctest.h>
 

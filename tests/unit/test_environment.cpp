@@ -1,4 +1,6 @@
-#include <ddp/ddp.hpp>
+#include <ddp/environment.hpp>
+#include <ddp/options.hpp>
+#include <ddp/trace.hpp>
 
 #include <doctest/doctest.h>
 

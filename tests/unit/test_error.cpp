@@ -1,4 +1,5 @@
-#include <ddp/ddp.hpp>
+#include <ddp/detail/collective.hpp>
+#include <ddp/error.hpp>
 
 #include <doctest/doctest.h>
 

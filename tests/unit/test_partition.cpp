@@ -1,4 +1,4 @@
-#include <ddp/ddp.hpp>
+#include <ddp/partition.hpp>
 
 #include <doctest/doctest.h>
 

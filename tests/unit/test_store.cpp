@@ -1,4 +1,4 @@
-#include <ddp/ddp.hpp>
+#include <ddp/store.hpp>
 
 #include <doctest/doctest.h>
 

@@ -5,8 +5,6 @@
 // peak RSS grows < 16 MiB), and must keep the token out of its log.
 #include "multiprocess.hpp"
 
-#include <ddp/ddp.hpp>
-
 #include <doctest/doctest.h>
 
 #include <signal.h>

@@ -1,4 +1,4 @@
-#include <ddp/ddp.hpp>
+#include <ddp/tensor.hpp>
 
 #include <doctest/doctest.h>
 

@@ -1,4 +1,6 @@
-#include <ddp/ddp.hpp>
+#include <ddp/gradient.hpp>
+#include <ddp/guard.hpp>
+#include <ddp/sync_batch_norm.hpp>
 
 #include <doctest/doctest.h>
 

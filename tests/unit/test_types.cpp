@@ -1,4 +1,4 @@
-#include <ddp/ddp.hpp>
+#include <ddp/types.hpp>
 
 #include <doctest/doctest.h>
 
@@ -6,6 +6,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <ios>
 #include <limits>
 #include <set>
 #include <string_view>
