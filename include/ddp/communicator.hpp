@@ -27,7 +27,7 @@
 #endif
 #include "ddp/detail/call.hpp"
 #include "ddp/detail/collective.hpp"
-#include "ddp/detail/fork.hpp"
+#include "ddp/detail/comm_state.hpp"
 #include "ddp/detail/reduce.hpp"
 #include "ddp/detail/rendezvous.hpp"
 #include "ddp/detail/staging.hpp"
@@ -35,8 +35,6 @@
 #include "ddp/error.hpp"
 #include "ddp/objects.hpp"
 #include "ddp/options.hpp"
-#include "ddp/store/client.hpp"
-#include "ddp/store/server.hpp"
 #include "ddp/tensor.hpp"
 #include "ddp/trace.hpp"
 #include "ddp/types.hpp"
@@ -45,20 +43,15 @@
 #include "ddp/cuda.hpp"
 #endif
 
-#include <unistd.h>
-
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <memory>
-#include <mutex>
 #include <ranges>
 #include <span>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -87,6 +80,10 @@ class Communicator {
 
  private:
   static Communicator init_unnamed(const Environment& env, Options options) {
+    // A malformed DDP_* variable fails this rank once it has joined the rendezvous (below), so
+    // that the others learn why at once instead of at their timeout.
+    std::exception_ptr bad_setting;
+    options = options.with_env(detail::EnvReader(), bad_setting);
     auto state = std::make_shared<State>();
     state->configure(options);
     state->world_rank = env.rank;
@@ -102,31 +99,11 @@ class Communicator {
                      ": Communicator::init: MASTER_PORT is not set (world size ", env.world_size,
                      "); export MASTER_ADDR and MASTER_PORT, or launch with ddprun");
       }
-      StoreOptions so;
-      so.timeout = options.timeout;
-      so.token = options.token;
-      const int store_port = env.store_port != 0 ? env.store_port : env.master_port;
-      const bool hosted = options.external_store || detail::env_or("DDP_STORE_HOSTED", "0") == "1";
-      if (env.rank == 0 && !hosted) {
-        try {
-          state->server = std::make_unique<StoreServer>(env.master_addr, store_port, so);
-        } catch (const Error& e) {
-          if (e.code() != Errc::address_in_use) throw;
-          detail::fail(Errc::address_in_use, "rank 0: cannot host the rendezvous store: ", e.what(),
-                       " (or a second process was started with RANK=0)");
-        }
-      }
-      const std::string prefix =
-          detail::concat("ddp/", detail::env_or("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
-      state->root_store = std::make_shared<Store>(env.master_addr, store_port, so);
-      state->prefix = prefix;
-      bi.store = std::make_shared<Store>(state->root_store->prefixed(prefix).watching("failed"));
-      state->store = bi.store;
-      state->world_size = env.world_size;
-      detail::claim_rank(*bi.store, env.rank, options.group);
-      state->joined = true;
+      bi.store = state->join_store(env);
     }
+    if (bad_setting && !bi.store) std::rethrow_exception(bad_setting);
     state->create_backend(bi, [&] {
+      if (bad_setting) std::rethrow_exception(bad_setting);
       if (bi.store) {
         detail::agree_on_job(*bi.store, bi.rank,
                              {bi.size, std::string(Backend::name), options.verify_collectives},
@@ -398,89 +375,32 @@ class Communicator {
   /// backend can reach them, on the peers. Safe to call from any thread, e.g. a watchdog.
   void abort(const std::string& why = "Communicator::abort() was called") {
     auto& s = same_process("abort");
-    {
-      std::lock_guard lock(s.poison_mutex);
-      if (s.poison.empty()) {
-        s.poison = detail::concat("rank ", s.backend->rank(), ": aborted: ", why);
-        s.poison_code = Errc::aborted;
-        s.poisoned.store(true, std::memory_order_release);
-      }
-    }
+    s.poison_with(detail::concat("rank ", s.backend->rank(), ": aborted: ", why), Errc::aborted);
     s.backend->abort(Errc::aborted, why);
   }
 
  private:
-  struct State {
+  /// The communicator's state: detail::CommState (everything that does not depend on the
+  /// backend) and the backend.
+  struct State : detail::CommState {
+    State() = default;
+    State(const State&) = delete;
+    State& operator=(const State&) = delete;
     ~State() {
-      if (detail::fork_generation() != fork_generation) {
-        // A fork() child's copy: the parent owns the store, the shared memory and the peers,
-        // and this process has none of the threads. Touch nothing; keep it reachable.
-        static std::vector<State*> inherited;
-        inherited.push_back(new State(std::move(*this), Inherited{}));
+      if (inherited()) {  // a fork() child's copy: see CommState::abandon
+        abandon();
+        (void)backend.release();
+        (void)local_group.release();
         return;
       }
       local_group.reset();
       executor.reset();  // drain the queue first
-      // Rank 0 keeps the store up until every rank has left, so none loses it mid-call; after a
-      // failed rendezvous too, so the others can read why it failed.
-      if (store && joined && !store->lost()) {
-        try {
-          Store plain = store->unwatched();  // the waits below must not end at "failed"
-          plain.set(detail::concat("exit/", world_rank_in_group), "");
-          const auto limit =
-              std::min<std::chrono::milliseconds>(options.timeout, std::chrono::seconds(10));
-          if (server && backend && poison.empty()) {
-            std::vector<std::string> keys;
-            for (int r = 0; r < world_size; ++r) keys.push_back(detail::concat("exit/", r));
-            (void)plain.missing_after(keys, limit);
-          } else if (server && !backend) {
-            linger_after_failed_rendezvous(plain, limit);
-          }
-        } catch (...) {  // leaving anyway
-        }
-      }
+      leave(backend != nullptr);
       backend.reset();
-    }
-    State() = default;
-    struct Inherited {};
-
-    /// The rendezvous failed here, and this process hosts the store: keep it up until every rank
-    /// that claimed its place has left (and has so read why), for at most `limit`; ranks that
-    /// never claimed one get a second to appear. Nobody waits for a rank that was never started.
-    void linger_after_failed_rendezvous(Store& plain, std::chrono::milliseconds limit) const {
-      const auto start = std::chrono::steady_clock::now();
-      for (;;) {
-        bool all_left = true, all_claimed = true;
-        for (int r = 0; r < world_size && all_left; ++r) {
-          const std::string claim = detail::concat("claim/", r);
-          const std::string left = detail::concat("exit/", r);
-          if (!plain.check(std::span<const std::string>(&claim, 1)))
-            all_claimed = false;
-          else if (!plain.check(std::span<const std::string>(&left, 1)))
-            all_left = false;
-        }
-        const auto waited = std::chrono::steady_clock::now() - start;
-        if ((all_left && (all_claimed || waited > std::chrono::seconds(1))) || waited > limit)
-          return;
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-    }
-    // Moves the members out of a fork child's copy (see ~State) without running their cleanup.
-    State(State&& o, Inherited) {
-      executor.reset(o.executor.release());
-      server.reset(o.server.release());
-      backend.reset(o.backend.release());
-      local_group.reset(o.local_group.release());
-      root_store = std::move(o.root_store);
-      store = std::move(o.store);
-#if DDP_HAS_CUDA
-      staging.reset(o.staging.release());
-#endif
     }
 
     /// Creates the backend after `before()` (checks that need the store), telling the other
-    /// ranks when this rank fails: they are waiting on the store for it, and fail at once with
-    /// its reason instead of at their timeout.
+    /// ranks when this rank fails (CommState::relay_failure).
     template <class Check>
     void create_backend(const detail::BackendInit& bi, const Check& before) {
       world_rank_in_group = bi.rank;
@@ -488,61 +408,17 @@ class Communicator {
         before();
         backend = Backend::create(bi);
       } catch (const Error& e) {
-        constexpr std::string_view relayed = "the rendezvous failed on rank ";
-        if (std::string_view(e.what()).starts_with(relayed)) {  // another rank's, via the store
-          detail::fail(e.code(), "rank ", bi.rank, ": ", e.what());
-        }
-        if (store && !store->lost()) {
-          try {
-            (void)store->compare_set(
-                "failed", "",
-                Store::stop_value(e.code(), detail::concat(relayed, bi.rank, ": ", e.what())));
-          } catch (...) {  // the store is gone too: the peers learn from it
-          }
-        }
+        relay_failure(bi.rank, e);
         throw;
       }
-    }
-    void configure(const Options& o) {
-      options = o;
-      recorder.resize(detail::trace_capacity(o));
     }
     [[nodiscard]] std::string trace(std::string_view why) const {
       return detail::format_trace(recorder.recent(), recorder.issued(), backend->rank(),
                                   backend->size(), options.group, why);
     }
 
-    Options options;
-    detail::FlightRecorder recorder;
-    std::uint64_t fork_generation = detail::fork_generation();  // made in this process
-    int pid = static_cast<int>(::getpid());
-    bool joined = false;          // this process holds its rank's claim in the store
-    int world_size = 1;           // ranks in this communicator (for the store host's wait)
-    int world_rank_in_group = 0;  // this rank in this communicator
-    int world_rank = 0;
-    int local_rank_hint = 0;  // the launcher's local rank: the default CUDA device
-    std::unique_ptr<StoreServer> server;
-    std::shared_ptr<Store> root_store;
-    std::shared_ptr<Store> store;
-    std::string prefix;
     std::unique_ptr<Backend> backend;
-    std::unique_ptr<detail::Executor> executor = std::make_unique<detail::Executor>();
-    std::uint64_t splits = 0;
     std::unique_ptr<Communicator> local_group;
-    std::mutex poison_mutex;
-    std::string poison;
-    Errc poison_code = Errc::aborted;
-    std::atomic<bool> poisoned{false};  // poison is set: read without the lock on every call
-#if DDP_HAS_CUDA
-    std::unique_ptr<detail::CudaStaging> staging;  // made on first use
-
-    detail::CudaStaging& cuda_staging() {
-      if (!staging)
-        staging =
-            std::make_unique<detail::CudaStaging>(options.timeout, options.cuda_staging_bytes);
-      return *staging;
-    }
-#endif
   };
 
   explicit Communicator(std::shared_ptr<State> s) : state_(std::move(s)) {}
@@ -551,14 +427,7 @@ class Communicator {
   /// shares its peers' shared memory and sockets, and using them would corrupt the parent's job.
   State& same_process(const char* what) const {
     State& s = checked();
-    if (detail::fork_generation() != s.fork_generation) [[unlikely]] {
-      detail::fail(Errc::invalid_argument, "rank ", s.backend->rank(), ": ", what,
-                   ": this communicator was created by process ", s.pid,
-                   " and cannot be used by a child it fork()ed (this is process ", ::getpid(),
-                   "): the child would write into the parent's connections and shared memory. "
-                   "Create a new communicator in the child (another MASTER_PORT or "
-                   "Options::group), or fork before init()");
-    }
+    s.check_process(s.backend->rank(), what);
     return s;
   }
 
@@ -579,7 +448,7 @@ class Communicator {
     using St = TraceRecord::State;
     s.recorder.update(seq, St::running);
     try {
-      run_poisoning(s, name, body);
+      s.run_poisoning(s.backend->rank(), name, [&] { body(*s.backend, s); });
     } catch (const Error& e) {
       s.recorder.update(seq, St::failed);
       if (e.code() == Errc::timeout && !s.options.trace_dump.empty()) {
@@ -592,34 +461,6 @@ class Communicator {
       throw;
     }
     s.recorder.update(seq, St::done);
-  }
-
-  template <class F>
-  static void run_poisoning(State& s, const char* name, const F& body) {
-    {
-      if (s.poisoned.load(std::memory_order_acquire)) {
-        std::lock_guard lock(s.poison_mutex);
-        detail::fail(Errc::aborted, "rank ", s.backend->rank(), ": ", name,
-                     ": this communicator failed earlier and cannot be used (", s.poison,
-                     "); create a new communicator (with another Options::group) to continue");
-      }
-    }
-    try {
-      body(*s.backend, s);
-    } catch (const Error& e) {
-      std::lock_guard lock(s.poison_mutex);
-      if (s.poison.empty()) {
-        s.poison = e.what();
-        s.poison_code = e.code();
-        s.poisoned.store(true, std::memory_order_release);
-      }
-      throw;
-    } catch (...) {
-      std::lock_guard lock(s.poison_mutex);
-      if (s.poison.empty()) s.poison = "an operation threw a non-ddp exception";
-      s.poisoned.store(true, std::memory_order_release);
-      throw;
-    }
   }
 
   /// Synchronous: inline when nothing is queued (no allocation, no lock on that path).

@@ -11,6 +11,7 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+#include "ddp/detail/env.hpp"
 #include "ddp/error.hpp"
 
 #include <charconv>
@@ -49,41 +50,6 @@ struct Environment {
 };
 
 namespace detail {
-
-class EnvReader {
- public:
-  explicit EnvReader(const std::function<const char*(const char*)>& lookup) : lookup_(lookup) {}
-
-  [[nodiscard]] bool has(const char* name) const {
-    const char* v = lookup_(name);
-    return v != nullptr && *v != '\0';
-  }
-  [[nodiscard]] std::optional<std::string> str(const char* name) const {
-    const char* v = lookup_(name);
-    if (v == nullptr || *v == '\0') return std::nullopt;
-    return std::string(v);
-  }
-  /// An integer in [min, max]; anything else is an error that names the variable.
-  [[nodiscard]] std::optional<int> integer(const char* name, int min, int max) const {
-    const char* v = lookup_(name);
-    if (v == nullptr || *v == '\0') return std::nullopt;
-    const std::string_view text(v);
-    int value = 0;
-    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-    if (ec != std::errc{} || end != text.data() + text.size()) {
-      fail(Errc::invalid_argument, "environment variable ", name, "=\"", text,
-           "\" is not an integer; check what your launcher exported");
-    }
-    if (value < min || value > max) {
-      fail(Errc::invalid_argument, "environment variable ", name, "=", value, " is out of range [",
-           min, ", ", max, "]");
-    }
-    return value;
-  }
-
- private:
-  const std::function<const char*(const char*)>& lookup_;
-};
 
 /// The first host name of a Slurm node list: "gpu[07-09,12],cpu3" -> "gpu07".
 [[nodiscard]] inline std::string first_slurm_host(std::string_view list) {

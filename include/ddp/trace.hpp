@@ -61,13 +61,8 @@ namespace detail {
                                                 : std::chrono::milliseconds(1000);
 }
 
-/// Options::trace_entries, unless $DDP_TRACE_ENTRIES says otherwise.
-[[nodiscard]] inline std::size_t trace_capacity(const Options& o) {
-  const auto n = env_unsigned("DDP_TRACE_ENTRIES", 0, 1000000,
-                              "a number of records in [0, 1000000] (0 turns the flight recorder "
-                              "off)");
-  return n ? static_cast<std::size_t>(*n) : o.trace_entries;
-}
+/// Options::trace_entries (the environment's DDP_TRACE_ENTRIES is applied by Options::with_env).
+[[nodiscard]] inline std::size_t trace_capacity(const Options& o) { return o.trace_entries; }
 
 /// A fixed ring of TraceRecords that costs no lock: issuing an operation is one atomic
 /// increment and a few plain stores, updating its state one store, so the flight recorder stays

@@ -1522,19 +1522,163 @@ DDP_END_NAMESPACE
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// ddp::Options: how a communicator is made (timeouts, the rendezvous secret, transports).
+/// ddp::Options: how a communicator is made (timeouts, the rendezvous secret, transports), as
+/// plain data: a default-constructed Options reads nothing and never throws. The environment's
+/// DDP_* settings apply through with_env()/from_env(), which Communicator::init calls: each
+/// applies to a field left at its default.
+
+// #include "ddp/config.hpp" (already included above)
+// begin ddp/detail/env.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The one reader of environment variables (the launchers' RANK, WORLD_SIZE, ... and ddp's own
+/// DDP_*): EnvReader over an injectable lookup (getenv by default; tests and programs that keep
+/// their configuration elsewhere pass their own), with one set of rules for each kind of value.
+/// A malformed value is Errc::invalid_argument naming the variable and what it must be.
+///
+/// Who reads what: Environment::detect (the launcher's variables), Options::with_env (DDP_TIMEOUT,
+/// DDP_TOKEN, DDP_HOST_TRANSPORT, DDP_SEGMENT_BYTES, DDP_VERIFY_COLLECTIVES, DDP_TRACE_ENTRIES,
+/// DDP_TRACE_DUMP), Communicator::init (DDP_STORE_HOSTED, DDP_RESTART_COUNT: set by launchers
+/// that host the store), ddp::spawn and ddprun (what they pass to their workers).
 
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 
 #include <charconv>
 #include <chrono>
-#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <system_error>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// A variable's value, or nullptr when it is unset.
+using EnvLookup = std::function<const char*(const char*)>;
+
+/// The process environment (getenv).
+[[nodiscard]] inline const char* process_env(const char* name) { return std::getenv(name); }
+
+class EnvReader {
+ public:
+  /// Reads the process environment.
+  EnvReader() : lookup_(&process_env) {}
+  explicit EnvReader(EnvLookup lookup) : lookup_(std::move(lookup)) {}
+
+  /// Set and not empty.
+  [[nodiscard]] bool has(const char* name) const {
+    const char* v = lookup_(name);
+    return v != nullptr && *v != '\0';
+  }
+  [[nodiscard]] std::optional<std::string> str(const char* name) const {
+    const char* v = lookup_(name);
+    if (v == nullptr || *v == '\0') return std::nullopt;
+    return std::string(v);
+  }
+  /// The value, or `fallback` when unset (an empty value is returned as it is).
+  [[nodiscard]] std::string get(const char* name, std::string_view fallback = {}) const {
+    const char* v = lookup_(name);
+    return v != nullptr ? std::string(v) : std::string(fallback);
+  }
+
+  /// A launcher's integer in [min, max]; anything else is an error that names the variable.
+  [[nodiscard]] std::optional<int> integer(const char* name, int min, int max) const {
+    const auto v = str(name);
+    if (!v) return std::nullopt;
+    const std::string_view text(*v);
+    int value = 0;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+    if (ec != std::errc{} || end != text.data() + text.size()) {
+      fail(Errc::invalid_argument, "environment variable ", name, "=\"", text,
+           "\" is not an integer; check what your launcher exported");
+    }
+    if (value < min || value > max) {
+      fail(Errc::invalid_argument, "environment variable ", name, "=", value, " is out of range [",
+           min, ", ", max, "]");
+    }
+    return value;
+  }
+
+  /// A whole number in [min, max], or nullopt when unset or empty. Anything else (a sign, a
+  /// unit, a number out of range) names the variable and `what` it must be.
+  [[nodiscard]] std::optional<std::uint64_t> whole_number(const char* name, std::uint64_t min,
+                                                          std::uint64_t max,
+                                                          std::string_view what) const {
+    const auto v = str(name);
+    if (!v) return std::nullopt;
+    std::uint64_t n = 0;
+    const auto [end, ec] = std::from_chars(v->data(), v->data() + v->size(), n);
+    if (ec != std::errc{} || end != v->data() + v->size() || n < min || n > max)
+      fail(Errc::invalid_argument, name, "=\"", *v, "\" must be ", what);
+    return n;
+  }
+
+  /// A yes/no setting: 1, true, on, yes or 0, false, off, no (any case); nullopt when unset or
+  /// empty. Anything else names the variable.
+  [[nodiscard]] std::optional<bool> flag(const char* name) const {
+    const auto v = str(name);
+    if (!v) return std::nullopt;
+    std::string w = *v;
+    for (char& c : w) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+    if (w == "1" || w == "true" || w == "on" || w == "yes") return true;
+    if (w == "0" || w == "false" || w == "off" || w == "no") return false;
+    fail(Errc::invalid_argument, name, "=\"", *v,
+         "\" is not a yes/no setting: use 1 or 0 (also true/false, on/off, yes/no)");
+  }
+
+  /// Seconds as a decimal number (30, 0.5) in [0.001, 2147483]; nullopt when unset or empty.
+  [[nodiscard]] std::optional<std::chrono::milliseconds> seconds(const char* name) const {
+    const auto v = str(name);
+    if (!v) return std::nullopt;
+    char* end = nullptr;
+    const double s = std::strtod(v->c_str(), &end);
+    if (end == v->c_str() || *end != '\0' || !(s >= 0.001) || s > 2147483.0) {
+      fail(Errc::invalid_argument, name, "=\"", *v,
+           "\" is not a timeout: give seconds, at least 0.001 and at most 2147483 (e.g. 300)");
+    }
+    return std::chrono::milliseconds(static_cast<std::int64_t>(s * 1000.0 + 0.5));
+  }
+
+ private:
+  EnvLookup lookup_;
+};
+
+// The process environment through the reader, under the names the headers used before it.
+[[nodiscard]] inline std::string env_or(const char* name, std::string_view fallback) {
+  return EnvReader().get(name, fallback);
+}
+[[nodiscard]] inline std::string env_or_empty(const char* name) { return env_or(name, ""); }
+[[nodiscard]] inline std::optional<std::uint64_t> env_unsigned(const char* name, std::uint64_t min,
+                                                               std::uint64_t max,
+                                                               std::string_view what) {
+  return EnvReader().whole_number(name, min, max, what);
+}
+[[nodiscard]] inline bool env_flag(const char* name, bool fallback) {
+  return EnvReader().flag(name).value_or(fallback);
+}
+/// $DDP_TIMEOUT or `fallback` when unset.
+[[nodiscard]] inline std::chrono::milliseconds timeout_from_env(
+    std::chrono::milliseconds fallback) {
+  return EnvReader().seconds("DDP_TIMEOUT").value_or(fallback);
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/env.hpp
+// #include "ddp/error.hpp" (already included above)
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <string>
+#include <utility>
 
 DDP_BEGIN_NAMESPACE
 
@@ -1545,73 +1689,23 @@ enum class HostTransport : std::uint8_t {
   tcp,        ///< TCP, even on one host (what multi-host runs use)
 };
 
-namespace detail {
-[[nodiscard]] inline std::string env_or(const char* name, std::string_view fallback) {
-  const char* v = std::getenv(name);
-  return v != nullptr ? std::string(v) : std::string(fallback);
-}
-[[nodiscard]] inline std::string env_or_empty(const char* name) { return env_or(name, ""); }
-
-/// $name as a whole number in [min, max], or nullopt when it is unset or empty. Anything else (a
-/// sign, a unit, a number out of range) is Errc::invalid_argument naming the variable and `what`
-/// it must be.
-[[nodiscard]] inline std::optional<std::uint64_t> env_unsigned(const char* name, std::uint64_t min,
-                                                               std::uint64_t max,
-                                                               std::string_view what) {
-  const std::string v = env_or(name, "");
-  if (v.empty()) return std::nullopt;
-  std::uint64_t n = 0;
-  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
-  if (ec != std::errc{} || end != v.data() + v.size() || n < min || n > max)
-    fail(Errc::invalid_argument, name, "=\"", v, "\" must be ", what);
-  return n;
-}
-
-/// $name as a yes/no setting: 1, true, on, yes or 0, false, off, no (any case); `fallback` when
-/// unset or empty. Anything else is Errc::invalid_argument naming the variable.
-[[nodiscard]] inline bool env_flag(const char* name, bool fallback) {
-  std::string v = env_or(name, "");
-  if (v.empty()) return fallback;
-  for (char& c : v) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
-  if (v == "1" || v == "true" || v == "on" || v == "yes") return true;
-  if (v == "0" || v == "false" || v == "off" || v == "no") return false;
-  fail(Errc::invalid_argument, name, "=\"", env_or(name, ""),
-       "\" is not a yes/no setting: use 1 or 0 (also true/false, on/off, yes/no)");
-}
-
-/// $DDP_TIMEOUT (seconds, a decimal number such as 30 or 0.5) or `fallback` when unset. Anything
-/// else, or a value outside (0, 2147483] seconds, is Errc::invalid_argument naming the variable.
-[[nodiscard]] inline std::chrono::milliseconds timeout_from_env(
-    std::chrono::milliseconds fallback) {
-  const std::string v = env_or("DDP_TIMEOUT", "");
-  if (v.empty()) return fallback;
-  char* end = nullptr;
-  const double seconds = std::strtod(v.c_str(), &end);
-  if (end == v.c_str() || *end != '\0' || !(seconds >= 0.001) || seconds > 2147483.0) {
-    fail(Errc::invalid_argument, "DDP_TIMEOUT=\"", v,
-         "\" is not a timeout: give seconds, at least 0.001 and at most 2147483 (e.g. 300)");
-  }
-  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
-}
-}  // namespace detail
-
 struct Options {
   /// The longest any single wait may take (a collective, the rendezvous, a store call) before
-  /// Errc::timeout. A peer that dies is reported sooner (Errc::peer_lost). Default: 5 minutes,
-  /// or $DDP_TIMEOUT seconds (a malformed value throws Errc::invalid_argument naming it).
-  std::chrono::milliseconds timeout = detail::timeout_from_env(std::chrono::minutes(5));
-  /// Rendezvous secret: every rank must present it to the store. Default: $DDP_TOKEN.
-  std::string token = detail::env_or("DDP_TOKEN", "");
+  /// Errc::timeout. A peer that dies is reported sooner (Errc::peer_lost). Default: 5 minutes
+  /// ($DDP_TIMEOUT: seconds).
+  std::chrono::milliseconds timeout = std::chrono::minutes(5);
+  /// Rendezvous secret: every rank must present it to the store ($DDP_TOKEN).
+  std::string token{};
   /// CUDA device for CUDA backends; -1: the local rank.
   int device = -1;
   /// Name of this communicator in the store; communicators made from the same store (a new one
   /// after a failure, say) need different names.
   std::string group = "default";
-  /// backend::Host transport. $DDP_HOST_TRANSPORT (shm or tcp) overrides `automatic`.
+  /// backend::Host transport ($DDP_HOST_TRANSPORT: shm, tcp or auto).
   HostTransport transport = HostTransport::automatic;
   /// backend::Host: bytes one rank moves per round (the shared-memory slot size, the TCP
-  /// segment). 0: $DDP_SEGMENT_BYTES (4096 to 2^40), else the transport's default (shm 512 KiB,
-  /// tcp 4 MiB). Shared-memory slots are capped at 64 MiB. Every rank must use the same value.
+  /// segment). 0: the transport's default (shm 512 KiB, tcp 4 MiB) ($DDP_SEGMENT_BYTES: 4096 to
+  /// 2^40). Shared-memory slots are capped at 64 MiB. Every rank must use the same value.
   std::size_t segment_bytes = 0;
   /// The rendezvous store runs elsewhere: rank 0 does not start one. Launchers that host the
   /// store (ddprun, ddp::spawn) say so with DDP_STORE_HOSTED=1, which init() also honours.
@@ -1622,16 +1716,82 @@ struct Options {
   std::size_t cuda_staging_bytes = std::size_t{4} << 20;
   /// backend::Host compares every collective's fingerprint (collective, dtype, count, op, root,
   /// sequence number) across ranks, so that mismatched calls raise Errc::mismatch on every rank
-  /// instead of corrupting data or hanging. Every rank must use the same setting. Default: on,
-  /// unless $DDP_VERIFY_COLLECTIVES is 0 (or false/off/no; other values than those and 1 are
-  /// refused) (what it costs: README, "Diagnostics").
-  bool verify_collectives = detail::env_flag("DDP_VERIFY_COLLECTIVES", true);
+  /// instead of corrupting data or hanging. Every rank must use the same setting. Default: on
+  /// ($DDP_VERIFY_COLLECTIVES: 1 or 0, also true/false, on/off, yes/no) (what it costs: README,
+  /// "Diagnostics").
+  bool verify_collectives = true;
   /// How many recent operations each communicator remembers (the flight recorder, see
-  /// trace.hpp); 0 turns it off. $DDP_TRACE_ENTRIES overrides.
+  /// trace.hpp); 0 turns it off ($DDP_TRACE_ENTRIES: 0 to 10^6).
   std::size_t trace_entries = 2000;
   /// Where a communicator writes its flight recorder when an operation times out: "" nowhere,
-  /// "stderr", or a directory (one file per rank). Default: $DDP_TRACE_DUMP.
-  std::string trace_dump = detail::env_or("DDP_TRACE_DUMP", "");
+  /// "stderr", or a directory (one file per rank) ($DDP_TRACE_DUMP).
+  std::string trace_dump{};
+
+  /// These options with the environment's settings (the $ names above) applied to every field
+  /// still at its default. A malformed value is Errc::invalid_argument naming the variable.
+  /// Communicator::init applies it to the Options it is given.
+  [[nodiscard]] Options with_env(const detail::EnvReader& env = detail::EnvReader()) const {
+    std::exception_ptr error;
+    Options o = with_env(env, error);
+    if (error) std::rethrow_exception(error);
+    return o;
+  }
+
+  /// The same, going on past a malformed variable (its field keeps its value): `error` gets the
+  /// first one. What Communicator::init uses, so that a rank can still join the rendezvous and
+  /// tell the others why it fails.
+  [[nodiscard]] Options with_env(const detail::EnvReader& env, std::exception_ptr& error) const {
+    Options o = *this;
+    const Options defaults;
+    const auto apply = [&](auto&& f) {
+      try {
+        f();
+      } catch (const Error&) {
+        if (!error) error = std::current_exception();
+      }
+    };
+    apply([&] {
+      if (o.timeout == defaults.timeout) o.timeout = env.seconds("DDP_TIMEOUT").value_or(o.timeout);
+    });
+    if (o.token.empty()) o.token = env.get("DDP_TOKEN");
+    apply([&] {
+      if (o.transport != HostTransport::automatic) return;
+      const std::string t = env.get("DDP_HOST_TRANSPORT");
+      if (t == "tcp")
+        o.transport = HostTransport::tcp;
+      else if (t == "shm")
+        o.transport = HostTransport::shm;
+      else if (!t.empty() && t != "auto")
+        detail::fail(Errc::invalid_argument, "DDP_HOST_TRANSPORT=\"", t,
+                     "\": use shm, tcp or auto");
+    });
+    apply([&] {
+      if (o.segment_bytes != 0) return;
+      o.segment_bytes = static_cast<std::size_t>(
+          env.whole_number("DDP_SEGMENT_BYTES", 4096, std::uint64_t{1} << 40,
+                           "a number of bytes in [4096, 2^40]")
+              .value_or(0));
+    });
+    apply([&] {
+      if (o.verify_collectives == defaults.verify_collectives)
+        o.verify_collectives = env.flag("DDP_VERIFY_COLLECTIVES").value_or(o.verify_collectives);
+    });
+    apply([&] {
+      if (o.trace_entries != defaults.trace_entries) return;
+      o.trace_entries = static_cast<std::size_t>(
+          env.whole_number("DDP_TRACE_ENTRIES", 0, 1000000,
+                           "a number of records in [0, 1000000] (0 turns the flight recorder "
+                           "off)")
+              .value_or(o.trace_entries));
+    });
+    if (o.trace_dump.empty()) o.trace_dump = env.get("DDP_TRACE_DUMP");
+    return o;
+  }
+
+  /// Default options with the environment's settings (Options{}.with_env(env)).
+  [[nodiscard]] static Options from_env(const detail::EnvReader& env = detail::EnvReader()) {
+    return Options{}.with_env(env);
+  }
 };
 
 DDP_END_NAMESPACE
@@ -3208,6 +3368,21 @@ inline void check_in_place(const Buf& whole, const Buf& part, Caller c, const ch
 DDP_END_NAMESPACE
 // end ddp/detail/call.hpp
 // #include "ddp/detail/collective.hpp" (already included above)
+// begin ddp/detail/comm_state.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// What a communicator holds besides its backend, and the rules around it that do not depend on
+/// the backend (compiled once, not per Communicator<Backend>): its store connections and the
+/// leaving protocol, the executor, the flight recorder, the poison that makes every call after a
+/// failure fail at once, and the fork() check.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/env.hpp" (already included above)
 // begin ddp/detail/fork.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -3246,250 +3421,6 @@ inline std::atomic<std::uint64_t>& fork_counter() noexcept {
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/detail/fork.hpp
-// begin ddp/detail/reduce.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Reduction kernels. Every element is reduced over the ranks' contributions in rank order
-/// 0, 1, ..., P-1, whichever rank computes it and whatever the message size, so the result is
-/// bitwise the same on every rank and in every run. half and bfloat16 accumulate in float and
-/// are rounded once; integer sums and products wrap (two's complement) instead of overflowing
-/// into undefined behaviour; avg divides the sum by P.
-
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
-
-#include <algorithm>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <type_traits>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-template <class T>
-struct Accum {
-  using type = T;
-};
-template <>
-struct Accum<half> {
-  using type = float;
-};
-template <>
-struct Accum<bfloat16> {
-  using type = float;
-};
-
-template <class T>
-inline T load_elem(const std::byte* p) {
-  T v;
-  std::memcpy(&v, p, sizeof(T));
-  return v;
-}
-
-template <ReduceOp Op, class A>
-inline A combine(A a, A b) {
-  if constexpr (Op == ReduceOp::sum || Op == ReduceOp::avg) {
-    if constexpr (std::is_integral_v<A>) {
-      using U = std::make_unsigned_t<A>;
-      return static_cast<A>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
-    } else {
-      return a + b;
-    }
-  } else if constexpr (Op == ReduceOp::prod) {
-    if constexpr (std::is_integral_v<A>) {
-      using U = std::make_unsigned_t<A>;
-      using W =
-          std::conditional_t<(sizeof(U) < sizeof(unsigned)), unsigned, U>;  // no int promotion
-      return static_cast<A>(
-          static_cast<U>(static_cast<W>(static_cast<U>(a)) * static_cast<W>(static_cast<U>(b))));
-    } else {
-      return a * b;
-    }
-  } else if constexpr (Op == ReduceOp::min) {
-    return b < a ? b : a;
-  } else {
-    return a < b ? b : a;
-  }
-}
-
-/// dst[i] = src[0][i] op src[1][i] op ... op src[n-1][i] for i in [0, count), and the same into
-/// dst2 when it is not null (one pass writing both: the all-reduce writes its result to the user's
-/// buffer and to the slot peers read it from). dst may alias a source exactly (in place), but
-/// must not partially overlap one; dst2 must not overlap anything.
-template <class T, ReduceOp Op>
-void reduce_kernel(std::byte* dst, std::byte* dst2, const std::byte* const* src, int n,
-                   std::size_t count) {
-  using A = typename Accum<T>::type;
-  auto* d = reinterpret_cast<T*>(dst);
-  auto* d2 = reinterpret_cast<T*>(dst2);
-  if (n == 2) {  // the common case, one fused pass (the same operations as the general path)
-    const auto* a = reinterpret_cast<const T*>(src[0]);
-    const auto* b = reinterpret_cast<const T*>(src[1]);
-    const auto value = [a, b](std::size_t i) {
-      A v = combine<Op, A>(static_cast<A>(a[i]), static_cast<A>(b[i]));
-      if constexpr (Op == ReduceOp::avg) v = v / static_cast<A>(2);
-      return static_cast<T>(v);
-    };
-    if (d2 == nullptr) {
-      for (std::size_t i = 0; i < count; ++i) d[i] = value(i);
-      return;
-    }
-    if constexpr (std::is_same_v<A, T>) {
-      for (std::size_t i = 0; i < count; ++i) {
-        const T v = value(i);
-        d[i] = v;
-        d2[i] = v;
-      }
-      return;
-    }
-    // half and bfloat16: two stores of the class type keep the loop scalar, so write dst in
-    // steps and copy each step to dst2 while it is still in L1.
-    constexpr std::size_t step = 4096;
-    for (std::size_t base = 0; base < count; base += step) {
-      const std::size_t end = std::min(count, base + step);
-      for (std::size_t i = base; i < end; ++i) d[i] = value(i);
-      std::memcpy(d2 + base, d + base, (end - base) * sizeof(T));
-    }
-    return;
-  }
-  constexpr std::size_t block = 1024;
-  A acc[block];
-  for (std::size_t base = 0; base < count; base += block) {
-    const std::size_t m = std::min(block, count - base);
-    {
-      const auto* s = reinterpret_cast<const T*>(src[0]) + base;
-      if (n > 1) {
-        const auto* s1 = reinterpret_cast<const T*>(src[1]) + base;
-        for (std::size_t i = 0; i < m; ++i)
-          acc[i] = combine<Op, A>(static_cast<A>(s[i]), static_cast<A>(s1[i]));
-      } else {
-        for (std::size_t i = 0; i < m; ++i) acc[i] = static_cast<A>(s[i]);
-      }
-    }
-    for (int k = 2; k < n; ++k) {
-      const auto* s = reinterpret_cast<const T*>(src[k]) + base;
-      for (std::size_t i = 0; i < m; ++i) acc[i] = combine<Op, A>(acc[i], static_cast<A>(s[i]));
-    }
-    if constexpr (Op == ReduceOp::avg) {
-      const A ranks = static_cast<A>(n);
-      for (std::size_t i = 0; i < m; ++i) acc[i] = acc[i] / ranks;
-    }
-    for (std::size_t i = 0; i < m; ++i) d[base + i] = static_cast<T>(acc[i]);
-    if (d2 != nullptr) {
-      for (std::size_t i = 0; i < m; ++i) d2[base + i] = d[base + i];
-    }
-  }
-}
-
-using ReduceFn = void (*)(std::byte*, std::byte*, const std::byte* const*, int, std::size_t);
-
-template <class T>
-constexpr ReduceFn reduce_fn_for(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::sum: return &reduce_kernel<T, ReduceOp::sum>;
-    case ReduceOp::prod: return &reduce_kernel<T, ReduceOp::prod>;
-    case ReduceOp::max: return &reduce_kernel<T, ReduceOp::max>;
-    case ReduceOp::min: return &reduce_kernel<T, ReduceOp::min>;
-    case ReduceOp::avg:
-      if constexpr (std::is_floating_point_v<T> || std::is_same_v<T, half> ||
-                    std::is_same_v<T, bfloat16>) {
-        return &reduce_kernel<T, ReduceOp::avg>;
-      } else {
-        return nullptr;
-      }
-  }
-  return nullptr;
-}
-
-/// The kernel for (dtype, op), or nullptr when the pair is not supported.
-[[nodiscard]] inline ReduceFn reduce_fn(DType t, ReduceOp op) {
-  switch (t) {
-    case DType::int8: return reduce_fn_for<std::int8_t>(op);
-    case DType::uint8: return reduce_fn_for<std::uint8_t>(op);
-    case DType::int32: return reduce_fn_for<std::int32_t>(op);
-    case DType::uint32: return reduce_fn_for<std::uint32_t>(op);
-    case DType::int64: return reduce_fn_for<std::int64_t>(op);
-    case DType::uint64: return reduce_fn_for<std::uint64_t>(op);
-    case DType::float16: return reduce_fn_for<half>(op);
-    case DType::float32: return reduce_fn_for<float>(op);
-    case DType::float64: return reduce_fn_for<double>(op);
-    case DType::bfloat16: return reduce_fn_for<bfloat16>(op);
-  }
-  return nullptr;
-}
-
-// ---- compressed all-reduce: float32 values that travel and are reduced as W (half, bfloat16) --
-
-/// dst[i] = W(src[i]): float32 to the wire type, rounded to nearest even.
-template <class W>
-void encode_kernel(std::byte* dst, const std::byte* src, std::size_t count) {
-  auto* d = reinterpret_cast<W*>(dst);
-  const auto* s = reinterpret_cast<const float*>(src);
-  for (std::size_t i = 0; i < count; ++i) d[i] = W(s[i]);
-}
-
-/// dst[i] = float(src[i]): the wire type back to float32 (exact).
-template <class W>
-void decode_kernel(std::byte* dst, const std::byte* src, std::size_t count) {
-  auto* d = reinterpret_cast<float*>(dst);
-  const auto* s = reinterpret_cast<const W*>(src);
-  for (std::size_t i = 0; i < count; ++i) d[i] = static_cast<float>(s[i]);
-}
-
-/// reduce_kernel<W, Op> over W-typed sources (the same operations, so the same bits), with the
-/// rounded result written decoded to `dst` (float32) and, when `wire` is not null, as W there.
-template <class W, ReduceOp Op>
-void reduce_decode_kernel(std::byte* dst, std::byte* wire, const std::byte* const* src, int n,
-                          std::size_t count) {
-  // In steps, each decoded while in L1: a loop storing both W and float stays scalar.
-  constexpr std::size_t step = 2048;
-  W block[step];
-  std::vector<const std::byte*> shifted(static_cast<std::size_t>(n));
-  for (std::size_t base = 0; base < count; base += step) {
-    const std::size_t m = std::min(step, count - base);
-    W* w = wire != nullptr ? reinterpret_cast<W*>(wire) + base : block;
-    for (int k = 0; k < n; ++k) shifted[static_cast<std::size_t>(k)] = src[k] + base * sizeof(W);
-    reduce_kernel<W, Op>(reinterpret_cast<std::byte*>(w), nullptr, shifted.data(), n, m);
-    decode_kernel<W>(dst + base * sizeof(float), reinterpret_cast<const std::byte*>(w), m);
-  }
-}
-
-/// The kernels of an all-reduce whose float32 values travel as `wire`.
-struct WireKernels {
-  void (*encode)(std::byte*, const std::byte*, std::size_t) = nullptr;
-  void (*decode)(std::byte*, const std::byte*, std::size_t) = nullptr;
-  ReduceFn reduce = nullptr;  // (float32 dst, wire dst or null, wire sources, n, count)
-};
-
-template <class W>
-WireKernels wire_kernels_for(ReduceOp op) {
-  WireKernels k{&encode_kernel<W>, &decode_kernel<W>, nullptr};
-  switch (op) {
-    case ReduceOp::sum: k.reduce = &reduce_decode_kernel<W, ReduceOp::sum>; break;
-    case ReduceOp::prod: k.reduce = &reduce_decode_kernel<W, ReduceOp::prod>; break;
-    case ReduceOp::max: k.reduce = &reduce_decode_kernel<W, ReduceOp::max>; break;
-    case ReduceOp::min: k.reduce = &reduce_decode_kernel<W, ReduceOp::min>; break;
-    case ReduceOp::avg: k.reduce = &reduce_decode_kernel<W, ReduceOp::avg>; break;
-  }
-  return k;
-}
-
-/// Kernels for float32 values carried as `wire` (float16 or bfloat16); reduce is null otherwise.
-[[nodiscard]] inline WireKernels wire_kernels(DType wire, ReduceOp op) {
-  switch (wire) {
-    case DType::float16: return wire_kernels_for<half>(op);
-    case DType::bfloat16: return wire_kernels_for<bfloat16>(op);
-    default: return {};
-  }
-}
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/detail/reduce.hpp
 // begin ddp/detail/rendezvous.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -3774,6 +3705,7 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// #include "ddp/detail/env.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 
 #include <charconv>
@@ -3812,41 +3744,6 @@ struct Environment {
 };
 
 namespace detail {
-
-class EnvReader {
- public:
-  explicit EnvReader(const std::function<const char*(const char*)>& lookup) : lookup_(lookup) {}
-
-  [[nodiscard]] bool has(const char* name) const {
-    const char* v = lookup_(name);
-    return v != nullptr && *v != '\0';
-  }
-  [[nodiscard]] std::optional<std::string> str(const char* name) const {
-    const char* v = lookup_(name);
-    if (v == nullptr || *v == '\0') return std::nullopt;
-    return std::string(v);
-  }
-  /// An integer in [min, max]; anything else is an error that names the variable.
-  [[nodiscard]] std::optional<int> integer(const char* name, int min, int max) const {
-    const char* v = lookup_(name);
-    if (v == nullptr || *v == '\0') return std::nullopt;
-    const std::string_view text(v);
-    int value = 0;
-    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-    if (ec != std::errc{} || end != text.data() + text.size()) {
-      fail(Errc::invalid_argument, "environment variable ", name, "=\"", text,
-           "\" is not an integer; check what your launcher exported");
-    }
-    if (value < min || value > max) {
-      fail(Errc::invalid_argument, "environment variable ", name, "=", value, " is out of range [",
-           min, ", ", max, "]");
-    }
-    return value;
-  }
-
- private:
-  const std::function<const char*(const char*)>& lookup_;
-};
 
 /// The first host name of a Slurm node list: "gpu[07-09,12],cpu3" -> "gpu07".
 [[nodiscard]] inline std::string first_slurm_host(std::string_view list) {
@@ -3991,903 +3888,6 @@ inline Environment Environment::detect() {
 DDP_END_NAMESPACE
 // end ddp/environment.hpp
 // #include "ddp/error.hpp" (already included above)
-// begin ddp/objects.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Object collectives (all_gather_object, gather_object, broadcast_object) and small host-value
-/// helpers (all_reduce_host, broadcast_host), written on the public Communicator API the way
-/// torch.distributed layers its object collectives above the ProcessGroup: free functions of any
-/// communicator, `ddp::all_gather_object(comm, value)`. Communicator's members of the same names
-/// call these.
-///
-/// Objects travel as bytes made by ddp::codec (never executed); a rank's object may encode to at
-/// most 1 GiB. On a backend that moves device memory only (backend::Nccl) host data travels
-/// through a device copy, so code above the Communicator works on every backend alike.
-
-// #include "ddp/backend/backend.hpp" (already included above)
-// begin ddp/codec.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// The object codec behind gather_object, all_gather_object and broadcast_object: a typed,
-/// length-prefixed binary encoding. Decoding never executes anything from the wire (unlike
-/// pickle), checks a type tag, and refuses truncated input, counts the input could not hold and
-/// nesting deeper than 64 with Errc::invalid_argument, before allocating.
-///
-/// Built in: trivially copyable types, std::string, std::vector, std::pair, std::optional (and
-/// any nesting of those). For your own type, specialize ddp::codec:
-///
-///   template <> struct ddp::codec<Sample> {
-///     static void encode(ddp::Encoder& e, const Sample& s) { e.put(s.id); e.put(s.label); }
-///     static Sample decode(ddp::Decoder& d) {
-///       Sample s;
-///       s.id = d.get<int>();
-///       s.label = d.get<std::string>();
-///       return s;
-///     }
-///   };
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/error.hpp" (already included above)
-
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-template <class T>
-struct codec;
-
-class Encoder;
-class Decoder;
-
-/// A type ddp can encode: built in, or with a ddp::codec<T> specialization.
-template <class T>
-concept Encodable = requires(Encoder& e, Decoder& d, const T& v) {
-  codec<T>::encode(e, v);
-  { codec<T>::decode(d) } -> std::same_as<T>;
-};
-
-class Encoder {
- public:
-  explicit Encoder(std::string& out) : out_(out) {}
-  template <class T>
-  void put(const T& value) {
-    codec<T>::encode(*this, value);
-  }
-  void bytes(const void* data, std::size_t n) { out_.append(static_cast<const char*>(data), n); }
-  void count(std::size_t n) {
-    const auto v = static_cast<std::uint64_t>(n);
-    bytes(&v, sizeof v);
-  }
-
- private:
-  std::string& out_;
-};
-
-class Decoder {
- public:
-  static constexpr int max_depth = 64;
-
-  Decoder(const void* data, std::size_t n) : p_(static_cast<const std::byte*>(data)), left_(n) {}
-
-  template <class T>
-  [[nodiscard]] T get() {
-    if (++depth_ > max_depth)
-      detail::fail(Errc::invalid_argument, "object decode: nesting deeper than ", max_depth);
-    T v = codec<T>::decode(*this);
-    --depth_;
-    return v;
-  }
-  void bytes(void* out, std::size_t n) {
-    if (n > left_) {
-      detail::fail(Errc::invalid_argument, "object decode: input truncated (needs ", n,
-                   " more bytes, has ", left_, ")");
-    }
-    if (n != 0) std::memcpy(out, p_, n);
-    p_ += n;
-    left_ -= n;
-  }
-  /// A count of elements that each take at least `min_bytes` of the remaining input.
-  [[nodiscard]] std::size_t count(std::size_t min_bytes) {
-    std::uint64_t n = 0;
-    bytes(&n, sizeof n);
-    if (min_bytes == 0) min_bytes = 1;
-    if (n > left_ / min_bytes) {
-      detail::fail(Errc::invalid_argument, "object decode: a count of ", n, " cannot fit in the ",
-                   left_, " bytes left (malformed or hostile input)");
-    }
-    return static_cast<std::size_t>(n);
-  }
-  [[nodiscard]] std::size_t left() const noexcept { return left_; }
-
- private:
-  const std::byte* p_;
-  std::size_t left_;
-  int depth_ = 0;
-};
-
-namespace detail {
-template <class T>
-inline constexpr bool is_optional_v = false;
-template <class T>
-inline constexpr bool is_optional_v<std::optional<T>> = true;
-
-/// Sent as their bytes: trivially copyable types, except those whose bytes can be invalid
-/// (bool, std::optional), which have checking codecs. A trivially copyable struct with a bool
-/// or closed-enum member should get its own codec.
-template <class T>
-concept RawEncodable =
-    std::is_trivially_copyable_v<T> && !std::is_same_v<T, bool> && !is_optional_v<T>;
-
-/// Fewest bytes one encoded T takes (bounds counts read from the wire).
-template <class T>
-constexpr std::size_t min_encoded_bytes() {
-  if constexpr (RawEncodable<T>)
-    return sizeof(T);
-  else
-    return 1;
-}
-}  // namespace detail
-
-template <class T>
-  requires detail::RawEncodable<T>
-struct codec<T> {
-  static void encode(Encoder& e, const T& v) { e.bytes(&v, sizeof v); }
-  static T decode(Decoder& d) {
-    T v;
-    d.bytes(&v, sizeof v);
-    return v;
-  }
-};
-
-template <>
-struct codec<bool> {
-  static void encode(Encoder& e, const bool& v) {
-    const std::uint8_t b = v ? 1 : 0;
-    e.bytes(&b, 1);
-  }
-  static bool decode(Decoder& d) {
-    std::uint8_t b = 0;
-    d.bytes(&b, 1);
-    if (b > 1) detail::fail(Errc::invalid_argument, "object decode: bad bool ", int{b});
-    return b == 1;
-  }
-};
-
-template <>
-struct codec<std::string> {
-  static void encode(Encoder& e, const std::string& s) {
-    e.count(s.size());
-    e.bytes(s.data(), s.size());
-  }
-  static std::string decode(Decoder& d) {
-    std::string s(d.count(1), '\0');
-    d.bytes(s.data(), s.size());
-    return s;
-  }
-};
-
-template <class T>
-struct codec<std::vector<T>> {
-  static void encode(Encoder& e, const std::vector<T>& v) {
-    e.count(v.size());
-    if constexpr (detail::RawEncodable<T>) {
-      e.bytes(v.data(), v.size() * sizeof(T));
-    } else {
-      for (const auto& x : v) e.put<T>(x);
-    }
-  }
-  static std::vector<T> decode(Decoder& d) {
-    const std::size_t n = d.count(detail::min_encoded_bytes<T>());
-    std::vector<T> v;
-    if constexpr (detail::RawEncodable<T>) {
-      v.resize(n);
-      d.bytes(v.data(), n * sizeof(T));
-    } else {
-      v.reserve(n);
-      for (std::size_t i = 0; i < n; ++i) v.push_back(d.get<T>());
-    }
-    return v;
-  }
-};
-
-template <class A, class B>
-  requires(!detail::RawEncodable<std::pair<A, B>>)
-struct codec<std::pair<A, B>> {
-  static void encode(Encoder& e, const std::pair<A, B>& p) {
-    e.put<A>(p.first);
-    e.put<B>(p.second);
-  }
-  static std::pair<A, B> decode(Decoder& d) {
-    A a = d.get<A>();
-    B b = d.get<B>();
-    return {std::move(a), std::move(b)};
-  }
-};
-
-template <class T>
-struct codec<std::optional<T>> {
-  static void encode(Encoder& e, const std::optional<T>& o) {
-    e.put<std::uint8_t>(o.has_value() ? 1 : 0);
-    if (o) e.put<T>(*o);
-  }
-  static std::optional<T> decode(Decoder& d) {
-    const auto has = d.get<std::uint8_t>();
-    if (has > 1)
-      detail::fail(Errc::invalid_argument, "object decode: bad optional flag ", int{has});
-    if (has == 0) return std::nullopt;
-    return d.get<T>();
-  }
-};
-
-namespace detail {
-
-/// FNV-1a of the compiler's spelling of T: the same on every rank of one program.
-template <class T>
-std::uint64_t type_tag() {
-  // Read here, not inside a lambda: there it would name the lambda (clang), not type_tag<T>.
-  const std::string_view name = __PRETTY_FUNCTION__;
-  static const std::uint64_t tag = [name] {
-    std::uint64_t h = 1469598103934665603ull;
-    for (char c : name) {
-      h ^= static_cast<std::uint8_t>(c);
-      h *= 1099511628211ull;
-    }
-    return h;
-  }();
-  return tag;
-}
-
-/// The complete message for one object: type tag, then the encoding.
-template <Encodable T>
-std::string encode_object(const T& value) {
-  std::string out;
-  Encoder e(out);
-  e.put<std::uint64_t>(type_tag<T>());
-  e.put<T>(value);
-  return out;
-}
-
-template <Encodable T>
-T decode_object(const void* data, std::size_t n) {
-  Decoder d(data, n);
-  if (d.get<std::uint64_t>() != type_tag<T>()) {
-    fail(Errc::invalid_argument,
-         "object decode: the bytes encode a different type (type tag mismatch): every rank must "
-         "pass the same type");
-  }
-  T v = d.get<T>();
-  if (d.left() != 0) fail(Errc::invalid_argument, "object decode: ", d.left(), " trailing bytes");
-  return v;
-}
-
-}  // namespace detail
-
-DDP_END_NAMESPACE
-// end ddp/codec.hpp
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/detail/call.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
-#if DDP_HAS_CUDA
-// begin ddp/cuda.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// CUDA resources with RAII, for the CUDA backends and for programs that want a ready-made CUDA
-/// tensor: ddp::CudaBuffer<T> (device memory that ddp knows, at compile time, to be on a CUDA
-/// device), ddp::CudaStream, ddp::CudaEvent, ddp::PinnedBuffer<T> (page-locked host memory) and
-/// ddp::CudaDeviceGuard. Every CUDA call is checked: a failure raises Errc::backend naming the
-/// call and cudaGetErrorString's text. Host code only (the CUDA runtime API): compiles with any
-/// C++20 compiler given the CUDA headers; link CUDA::cudart (the `ddp::cuda` target does both
-/// and defines DDP_HAS_CUDA=1).
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/detail/collective.hpp" (already included above)
-// #include "ddp/detail/staging.hpp" (already included above)
-// #include "ddp/detail/string.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/tensor.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
-
-#include <cuda_runtime_api.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
-#include <algorithm>
-#include <array>
-#include <cerrno>
-#include <chrono>
-#include <cstddef>
-#include <memory>
-#include <span>
-#include <thread>
-#include <utility>
-
-DDP_BEGIN_NAMESPACE
-
-namespace detail {
-
-/// Throws Errc::backend for a failed CUDA runtime call.
-inline void cuda_check(cudaError_t rc, const char* call) {
-  if (rc != cudaSuccess) {
-    (void)cudaGetLastError();  // clear a sticky-free error so later calls report their own
-    fail(Errc::backend, call, " failed: ", cudaGetErrorString(rc), " (", cudaGetErrorName(rc), ")");
-  }
-}
-
-/// Makes `device` current until the end of the scope, never throwing (for destructors).
-struct CudaDeviceScope {
-  int previous = 0;
-  explicit CudaDeviceScope(int device) noexcept {
-    (void)cudaGetDevice(&previous);
-    if (device != previous) (void)cudaSetDevice(device);
-  }
-  ~CudaDeviceScope() { (void)cudaSetDevice(previous); }
-  CudaDeviceScope(const CudaDeviceScope&) = delete;
-  CudaDeviceScope& operator=(const CudaDeviceScope&) = delete;
-};
-
-}  // namespace detail
-
-/// Checks a CUDA runtime call: DDP_CUDA_CHECK(cudaMemcpy(...)).
-#define DDP_CUDA_CHECK(call) ::ddp::detail::cuda_check((call), #call)
-
-/// The number of CUDA devices this process can use; 0 when there is no driver or no device
-/// (never throws: this is how tests decide to skip).
-[[nodiscard]] inline int cuda_device_count() noexcept {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
-
-/// cuda_device_count() asked in a forked child, so that this process creates no CUDA context: a
-/// context does not survive fork(), so a program that forks its ranks (ddp::spawn) asks this way
-/// before spawning. 0 when the child cannot be made.
-[[nodiscard]] inline int cuda_device_count_before_fork() noexcept {
-  const pid_t pid = ::fork();
-  if (pid == 0) ::_exit(std::min(cuda_device_count(), 250));
-  if (pid < 0) return 0;
-  int status = 0;
-  pid_t got = -1;
-  do {
-    got = ::waitpid(pid, &status, 0);
-  } while (got < 0 && errno == EINTR);
-  if (got != pid || !WIFEXITED(status)) return 0;
-  return WEXITSTATUS(status);
-}
-
-/// Makes `device` current for the guard's lifetime, then restores the previous one.
-class CudaDeviceGuard {
- public:
-  explicit CudaDeviceGuard(int device) {
-    DDP_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (device != previous_) DDP_CUDA_CHECK(cudaSetDevice(device));
-  }
-  CudaDeviceGuard(const CudaDeviceGuard&) = delete;
-  CudaDeviceGuard& operator=(const CudaDeviceGuard&) = delete;
-  ~CudaDeviceGuard() { (void)cudaSetDevice(previous_); }
-
- private:
-  int previous_ = 0;
-};
-
-/// An owned, non-blocking CUDA stream (it does not synchronize with the legacy default stream).
-class CudaStream {
- public:
-  /// A new stream on the current device.
-  CudaStream() { DDP_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
-  /// A new stream on `device`.
-  explicit CudaStream(int device) {
-    CudaDeviceGuard g(device);
-    DDP_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking));
-  }
-  CudaStream(CudaStream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
-  CudaStream& operator=(CudaStream&& o) noexcept {
-    if (this != &o) {
-      reset();
-      s_ = std::exchange(o.s_, nullptr);
-    }
-    return *this;
-  }
-  CudaStream(const CudaStream&) = delete;
-  CudaStream& operator=(const CudaStream&) = delete;
-  ~CudaStream() { reset(); }
-
-  [[nodiscard]] cudaStream_t get() const noexcept { return s_; }
-  /// Blocks until every operation queued on the stream has finished.
-  void synchronize() const { DDP_CUDA_CHECK(cudaStreamSynchronize(s_)); }
-
- private:
-  void reset() noexcept {
-    if (s_ != nullptr) (void)cudaStreamDestroy(s_);
-    s_ = nullptr;
-  }
-  cudaStream_t s_ = nullptr;
-};
-
-/// An owned CUDA event without timing (the cheap kind), for ordering streams and for polling.
-class CudaEvent {
- public:
-  CudaEvent() { DDP_CUDA_CHECK(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming)); }
-  CudaEvent(CudaEvent&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
-  CudaEvent& operator=(CudaEvent&& o) noexcept {
-    if (this != &o) {
-      reset();
-      e_ = std::exchange(o.e_, nullptr);
-    }
-    return *this;
-  }
-  CudaEvent(const CudaEvent&) = delete;
-  CudaEvent& operator=(const CudaEvent&) = delete;
-  ~CudaEvent() { reset(); }
-
-  [[nodiscard]] cudaEvent_t get() const noexcept { return e_; }
-  /// Captures the work queued on `stream` so far.
-  void record(cudaStream_t stream) { DDP_CUDA_CHECK(cudaEventRecord(e_, stream)); }
-  /// Makes later work on `stream` wait for the captured work (no host blocking).
-  void block(cudaStream_t stream) const { DDP_CUDA_CHECK(cudaStreamWaitEvent(stream, e_, 0)); }
-  /// Whether the captured work has finished; throws if it failed.
-  [[nodiscard]] bool ready() const {
-    const cudaError_t rc = cudaEventQuery(e_);
-    if (rc == cudaErrorNotReady) return false;
-    detail::cuda_check(rc, "cudaEventQuery");
-    return true;
-  }
-  void synchronize() const { DDP_CUDA_CHECK(cudaEventSynchronize(e_)); }
-
- private:
-  void reset() noexcept {
-    if (e_ != nullptr) (void)cudaEventDestroy(e_);
-    e_ = nullptr;
-  }
-  cudaEvent_t e_ = nullptr;
-};
-
-/// `size` elements of T in device memory (cudaMalloc), on `device`, associated with `stream`
-/// (the stream whose work produces its contents; nullptr: the legacy default stream). Moves, never
-/// copies. ddp::view(buffer) is a TensorView on Device::cuda(device) carrying the stream, and its
-/// type says DeviceKind::cuda, so CUDA-only backends accept it when the program is compiled.
-template <Scalar T>
-class CudaBuffer {
- public:
-  static constexpr DeviceKind ddp_device_kind = DeviceKind::cuda;
-  using value_type = T;
-
-  CudaBuffer() = default;
-  /// Uninitialized memory for n elements on `device` (-1: the current device).
-  explicit CudaBuffer(std::size_t n, int device = -1, cudaStream_t stream = nullptr)
-      : size_(n), stream_(stream) {
-    if (device < 0) DDP_CUDA_CHECK(cudaGetDevice(&device));
-    device_ = device;
-    if (n == 0) return;
-    CudaDeviceGuard g(device);
-    void* p = nullptr;
-    DDP_CUDA_CHECK(cudaMalloc(&p, n * sizeof(T)));
-    data_ = static_cast<T*>(p);
-  }
-  /// A device copy of host elements.
-  explicit CudaBuffer(std::span<const T> host, int device = -1, cudaStream_t stream = nullptr)
-      : CudaBuffer(host.size(), device, stream) {
-    copy_from(host);
-  }
-  CudaBuffer(CudaBuffer&& o) noexcept
-      : data_(std::exchange(o.data_, nullptr)),
-        size_(std::exchange(o.size_, 0)),
-        device_(o.device_),
-        stream_(o.stream_) {}
-  CudaBuffer& operator=(CudaBuffer&& o) noexcept {
-    if (this != &o) {
-      release();
-      data_ = std::exchange(o.data_, nullptr);
-      size_ = std::exchange(o.size_, 0);
-      device_ = o.device_;
-      stream_ = o.stream_;
-    }
-    return *this;
-  }
-  CudaBuffer(const CudaBuffer&) = delete;
-  CudaBuffer& operator=(const CudaBuffer&) = delete;
-  ~CudaBuffer() { release(); }
-
-  [[nodiscard]] T* data() noexcept { return data_; }
-  [[nodiscard]] const T* data() const noexcept { return data_; }
-  [[nodiscard]] std::size_t size() const noexcept { return size_; }
-  [[nodiscard]] std::size_t bytes() const noexcept { return size_ * sizeof(T); }
-  [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
-  [[nodiscard]] int device() const noexcept { return device_; }
-  [[nodiscard]] cudaStream_t stream() const noexcept { return stream_; }
-  /// Associates the buffer with another stream (collectives then order after that stream's work).
-  void set_stream(cudaStream_t s) noexcept { stream_ = s; }
-
-  /// Copies host elements in (host.size() must equal size()), ordered on the buffer's stream;
-  /// returns when the copy is done.
-  void copy_from(std::span<const T> host) {
-    check_size(host.size(), "copy_from");
-    if (size_ == 0) return;
-    DDP_CUDA_CHECK(cudaMemcpyAsync(data_, host.data(), bytes(), cudaMemcpyHostToDevice, stream_));
-    DDP_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  }
-  /// Copies the elements out to host memory, after the work queued on the buffer's stream.
-  void copy_to(std::span<T> host) const {
-    check_size(host.size(), "copy_to");
-    if (size_ == 0) return;
-    DDP_CUDA_CHECK(cudaMemcpyAsync(host.data(), data_, bytes(), cudaMemcpyDeviceToHost, stream_));
-    DDP_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  }
-  /// Sets every byte to `byte`, on the buffer's stream (asynchronous).
-  void fill_bytes(int byte) {
-    if (size_ != 0) DDP_CUDA_CHECK(cudaMemsetAsync(data_, byte, bytes(), stream_));
-  }
-
-  [[nodiscard]] TensorView<T> ddp_view() noexcept {
-    return {data_, size_, Device::cuda(device_), stream_};
-  }
-  [[nodiscard]] TensorView<const T> ddp_view() const noexcept {
-    return {data_, size_, Device::cuda(device_), stream_};
-  }
-
- private:
-  void check_size(std::size_t n, const char* what) const {
-    if (n != size_) {
-      detail::fail(Errc::invalid_argument, "CudaBuffer::", what, ": the host range has ", n,
-                   " elements but the buffer has ", size_);
-    }
-  }
-  void release() noexcept {
-    if (data_ != nullptr) {
-      const detail::CudaDeviceScope scope(device_);
-      (void)cudaFree(data_);
-    }
-    data_ = nullptr;
-    size_ = 0;
-  }
-  T* data_ = nullptr;
-  std::size_t size_ = 0;
-  int device_ = 0;
-  cudaStream_t stream_ = nullptr;
-};
-
-/// `size` elements of page-locked host memory (cudaMallocHost): host memory that the GPU's copy
-/// engines reach at full speed. A contiguous range, so ddp sees it as host memory.
-template <class T>
-class PinnedBuffer {
- public:
-  PinnedBuffer() = default;
-  explicit PinnedBuffer(std::size_t n) : size_(n) {
-    if (n == 0) return;
-    void* p = nullptr;
-    DDP_CUDA_CHECK(cudaMallocHost(&p, n * sizeof(T)));
-    data_ = static_cast<T*>(p);
-  }
-  PinnedBuffer(PinnedBuffer&& o) noexcept
-      : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
-  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept {
-    if (this != &o) {
-      release();
-      data_ = std::exchange(o.data_, nullptr);
-      size_ = std::exchange(o.size_, 0);
-    }
-    return *this;
-  }
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-  ~PinnedBuffer() { release(); }
-
-  [[nodiscard]] T* data() noexcept { return data_; }
-  [[nodiscard]] const T* data() const noexcept { return data_; }
-  [[nodiscard]] std::size_t size() const noexcept { return size_; }
-  [[nodiscard]] T* begin() noexcept { return data_; }
-  [[nodiscard]] T* end() noexcept { return data_ + size_; }
-  [[nodiscard]] const T* begin() const noexcept { return data_; }
-  [[nodiscard]] const T* end() const noexcept { return data_ + size_; }
-  [[nodiscard]] T& operator[](std::size_t i) noexcept { return data_[i]; }
-  [[nodiscard]] const T& operator[](std::size_t i) const noexcept { return data_[i]; }
-
- private:
-  void release() noexcept {
-    if (data_ != nullptr) (void)cudaFreeHost(data_);
-    data_ = nullptr;
-    size_ = 0;
-  }
-  T* data_ = nullptr;
-  std::size_t size_ = 0;
-};
-
-namespace detail {
-
-/// Waits for a CUDA event, polling, for at most `timeout`; Errc::timeout names `what`.
-inline void cuda_wait(const CudaEvent& e, std::chrono::milliseconds timeout, const char* what) {
-  const auto start = std::chrono::steady_clock::now();
-  for (unsigned spins = 0; !e.ready(); ++spins) {
-    const auto waited = std::chrono::steady_clock::now() - start;
-    if (waited > timeout) {
-      fail(Errc::timeout, what, " did not complete within ", timeout.count(),
-           " ms (is a kernel on the tensor's stream stuck?)");
-    }
-    if (spins < 64)
-      std::this_thread::yield();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
-  }
-}
-
-/// The copies of a host-memory backend staging CUDA buffers (see detail/staging.hpp): slots of
-/// pinned memory, kept between collectives; device-to-host copies on one stream and
-/// host-to-device copies on another, so the two directions overlap; copies ordered after the
-/// tensor's stream with an event. One per communicator and device; used with its device current.
-class CudaStager {
- public:
-  CudaStager(int device, std::chrono::milliseconds timeout)
-      : previous_(make_current(device)), device_(device), timeout_(timeout) {
-    (void)cudaSetDevice(previous_);
-  }
-  CudaStager(const CudaStager&) = delete;
-  CudaStager& operator=(const CudaStager&) = delete;
-  ~CudaStager() {
-    const CudaDeviceScope scope(device_);
-    (void)cudaStreamSynchronize(fetches_.get());  // nothing may still copy into freed memory
-    (void)cudaStreamSynchronize(stores_.get());
-  }
-
-  [[nodiscard]] int device() const noexcept { return device_; }
-
-  std::byte* slot(int s, std::size_t bytes) {
-    auto& b = slots_.at(static_cast<std::size_t>(s));
-    if (b.size() < bytes) {
-      b = PinnedBuffer<std::byte>();  // free first: at most one copy of a large slot at a time
-      b = PinnedBuffer<std::byte>(bytes);
-    }
-    return b.data();
-  }
-  void after(void* stream) {  // copies in read what it produced; copies back overwrite it after
-    produced_.record(static_cast<cudaStream_t>(stream));
-    produced_.block(fetches_.get());
-    produced_.block(stores_.get());
-  }
-  void fetch(int s, std::byte* host, const std::byte* dev, std::size_t n) {
-    DDP_CUDA_CHECK(cudaMemcpyAsync(host, dev, n, cudaMemcpyDeviceToHost, fetches_.get()));
-    fetched_.at(static_cast<std::size_t>(s)).record(fetches_.get());
-  }
-  void wait_fetch(int s) {
-    cuda_wait(fetched_.at(static_cast<std::size_t>(s)), timeout_,
-              "staging: the copy of a CUDA buffer into host memory");
-  }
-  void store(int s, std::byte* dev, const std::byte* host, std::size_t n) {
-    DDP_CUDA_CHECK(cudaMemcpyAsync(dev, host, n, cudaMemcpyHostToDevice, stores_.get()));
-    const auto i = static_cast<std::size_t>(s);
-    stored_.at(i).record(stores_.get());
-    pending_.at(i) = true;
-  }
-  void wait_store(int s) {
-    const auto i = static_cast<std::size_t>(s);
-    if (!pending_.at(i)) return;
-    cuda_wait(stored_[i], timeout_, "staging: the copy of a result back into a CUDA buffer");
-    pending_[i] = false;
-  }
-
- private:
-  static int make_current(int device) {
-    int previous = 0;
-    DDP_CUDA_CHECK(cudaGetDevice(&previous));
-    DDP_CUDA_CHECK(cudaSetDevice(device));
-    return previous;
-  }
-
-  static constexpr std::size_t slots = 5;  // 3 pipeline slots + 2 whole-buffer slots
-  int previous_;  // first: the streams and events below are made on `device`
-  int device_;
-  std::chrono::milliseconds timeout_;
-  CudaStream fetches_, stores_;
-  CudaEvent produced_;
-  std::array<CudaEvent, slots> fetched_, stored_;
-  std::array<bool, slots> pending_{};
-  std::array<PinnedBuffer<std::byte>, slots> slots_;
-};
-
-/// How a communicator runs a collective on CUDA buffers its backend cannot use (backend::Host, a
-/// backend::Mpi that is not CUDA-aware): through pinned host memory, with a CudaStager made on
-/// first use for the buffers' device (see detail/staging.hpp for the pipeline).
-class CudaStaging {
- public:
-  CudaStaging(std::chrono::milliseconds timeout, std::size_t piece_bytes)
-      : timeout_(timeout), piece_bytes_(piece_bytes) {}
-
-  /// Runs f(host piece) over device buffer `b`, an elementwise collective, piece by piece.
-  template <class F>
-  void elementwise(const Buf& b, bool fetch, bool store, const F& f) {
-    const CudaDeviceGuard current(b.device.index);
-    stage_elementwise(for_device(b.device.index), b, fetch, store, piece_bytes_, f);
-  }
-
-  /// Runs f(buffers...) with every CUDA buffer among `args` (StagedArgs; `staged` says which)
-  /// staged whole. They must be on one device.
-  template <class F, class... A>
-  void whole(int rank, const char* what, const F& f, bool (*staged)(const Buf&), A... args) {
-    int device = -1;
-    for (const StagedArg& a : {args...}) {
-      if (!staged(a.buf)) continue;
-      if (device >= 0 && a.buf.device.index != device) {
-        fail(Errc::invalid_argument, "rank ", rank, ": ", what,
-             ": the buffers are on cuda:", device, " and cuda:", a.buf.device.index,
-             "; staged collectives need them on one device");
-      }
-      device = a.buf.device.index;
-    }
-    const CudaDeviceGuard current(device);
-    stage_whole(for_device(device), std::array<StagedArg, sizeof...(A)>{args...}, f);
-  }
-
- private:
-  CudaStager& for_device(int device) {
-    if (!stager_ || stager_->device() != device) {
-      stager_.reset();
-      stager_ = std::make_unique<CudaStager>(device, timeout_);
-    }
-    return *stager_;
-  }
-
-  std::chrono::milliseconds timeout_;
-  std::size_t piece_bytes_;
-  std::unique_ptr<CudaStager> stager_;
-};
-
-}  // namespace detail
-
-DDP_END_NAMESPACE
-// end ddp/cuda.hpp
-#endif
-
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <span>
-#include <string>
-#include <utility>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-namespace detail {
-
-inline constexpr std::int64_t max_object_bytes = std::int64_t{1} << 30;
-
-inline void check_object_size(std::int64_t n, int rank, const char* what, int from) {
-  if (n < 0 || n > max_object_bytes) {
-    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": rank ", from,
-         "'s object encodes to ", n, " bytes, beyond the limit of ", max_object_bytes);
-  }
-}
-
-/// Runs f(a, b) on host spans; on a backend that moves device memory only, on device copies of
-/// them instead, copied back afterwards. For small host data (object collectives, *_host).
-template <class Comm, class E, class F>
-void on_host_data(Comm& comm, std::span<E> a, std::span<E> b, const F& f) {
-  using Backend = typename Comm::backend_type;
-  if constexpr (backend_traits<Backend>::device_only) {
-#if DDP_HAS_CUDA
-    const int device = comm.backend().device();
-    const CudaDeviceGuard current(device);
-    CudaBuffer<E> da(std::span<const E>(a), device), db(std::span<const E>(b), device);
-    f(da, db);
-    if (!a.empty()) da.copy_to(a);
-    if (!b.empty()) db.copy_to(b);
-#else
-    static_assert(!backend_traits<Backend>::device_only, "a CUDA backend without DDP_HAS_CUDA");
-    (void)comm, (void)a, (void)b, (void)f;
-#endif
-  } else {
-    (void)comm;
-    f(a, b);
-  }
-}
-
-template <class T, class Comm>
-std::vector<T> gather_objects(Comm& comm, const T& value, int root) {
-  const char* what = root < 0 ? "all_gather_object" : "gather_object";
-  if (root >= 0) check_root(root, {comm.rank(), comm.size()}, what);
-  const std::string mine = encode_object(value);
-  const auto p = static_cast<std::size_t>(comm.size());
-  std::vector<std::int64_t> sizes(p);
-  std::int64_t my_size = static_cast<std::int64_t>(mine.size());
-  on_host_data(comm, std::span<std::int64_t>(&my_size, 1), std::span<std::int64_t>(sizes),
-               [&](auto& in, auto& out) { comm.all_gather(in, out); });
-  std::int64_t longest = 0;
-  for (std::size_t r = 0; r < p; ++r) {
-    check_object_size(sizes[r], comm.rank(), what, static_cast<int>(r));
-    longest = std::max(longest, sizes[r]);
-  }
-  const auto width = static_cast<std::size_t>(longest);
-  std::vector<std::uint8_t> padded(width);
-  if (!mine.empty()) std::memcpy(padded.data(), mine.data(), mine.size());
-  const bool receives = root < 0 || root == comm.rank();
-  std::vector<std::uint8_t> all(receives ? width * p : 0);
-  on_host_data(comm, std::span<std::uint8_t>(padded), std::span<std::uint8_t>(all),
-               [&](auto& in, auto& out) {
-                 if (root < 0)
-                   comm.all_gather(in, out);
-                 else
-                   comm.gather(in, out, root);
-               });
-  std::vector<T> out;
-  if (!receives) return out;
-  out.reserve(p);
-  for (std::size_t r = 0; r < p; ++r) {
-    out.push_back(decode_object<T>(all.data() + r * width, static_cast<std::size_t>(sizes[r])));
-  }
-  return out;
-}
-
-}  // namespace detail
-
-/// all_reduce of a few host values (counts, flags, metrics) on any backend: on one that moves
-/// device memory only (backend::Nccl) they travel through a device copy, so code above the
-/// Communicator (exact_mean, sync_batch_stats, ZeroFirstGuard) works on every backend alike.
-/// For large data use all_reduce on the backend's own kind of buffer.
-template <class Comm, Scalar E>
-void all_reduce_host(Comm& comm, std::span<E> values, ReduceOp op = ReduceOp::sum) {
-  detail::on_host_data(comm, values, std::span<E>(),
-                       [&](auto& v, auto&) { comm.all_reduce(v, op); });
-}
-
-/// broadcast of a few host values on any backend (see all_reduce_host).
-template <class Comm, Scalar E>
-void broadcast_host(Comm& comm, std::span<E> values, int root) {
-  detail::on_host_data(comm, values, std::span<E>(),
-                       [&](auto& v, auto&) { comm.broadcast(v, root); });
-}
-
-/// Every rank's value, in rank order.
-template <Encodable T, class Comm>
-[[nodiscard]] std::vector<T> all_gather_object(Comm& comm, const T& value) {
-  return detail::gather_objects<T>(comm, value, -1);
-}
-
-/// Every rank's value on root (in rank order); an empty vector on the other ranks.
-template <Encodable T, class Comm>
-[[nodiscard]] std::vector<T> gather_object(Comm& comm, const T& value, int root = 0) {
-  return detail::gather_objects<T>(comm, value, root);
-}
-
-/// Replaces `value` on every rank with root's.
-template <Encodable T, class Comm>
-void broadcast_object(Comm& comm, T& value, int root = 0) {
-  detail::check_root(root, {comm.rank(), comm.size()}, "broadcast_object");
-  std::string bytes;
-  if (comm.rank() == root) bytes = detail::encode_object(value);
-  std::int64_t n = static_cast<std::int64_t>(bytes.size());
-  broadcast_host(comm, std::span<std::int64_t>(&n, 1), root);
-  detail::check_object_size(n, comm.rank(), "broadcast_object", root);
-  bytes.resize(static_cast<std::size_t>(n));
-  broadcast_host(
-      comm, std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(bytes.data()), bytes.size()),
-      root);
-  if (comm.rank() != root) value = detail::decode_object<T>(bytes.data(), bytes.size());
-}
-
-DDP_END_NAMESPACE
-// end ddp/objects.hpp
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 // begin ddp/store/server.hpp
@@ -4895,10 +3895,27 @@ DDP_END_NAMESPACE
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// The rendezvous store's server: detail::StoreEngine, its protocol and data free of I/O (the
-/// handshake, the limits, the operations, waits answered or timed out by the server), and
-/// StoreServer, the one thread that serves it over TCP with poll(). See ddp/store.hpp for what
-/// makes the store safe to expose.
+/// StoreServer: the rendezvous store's server, one thread that serves detail::StoreEngine
+/// (store/engine.hpp) over TCP with poll(). See ddp/store.hpp for what makes the store safe to
+/// expose.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/bytes.hpp" (already included above)
+// #include "ddp/detail/crypto.hpp" (already included above)
+// #include "ddp/detail/socket.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// begin ddp/store/engine.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// detail::StoreEngine: the rendezvous store's protocol and data, free of I/O: the handshake,
+/// the limits, the operations, and waits answered or timed out by the server. StoreServer
+/// (store/server.hpp) feeds it the bytes of its connections. See ddp/store.hpp for what makes the
+/// store safe to expose.
 
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
@@ -5418,6 +4435,33 @@ class StoreEngine {
 
 }  // namespace detail
 
+DDP_END_NAMESPACE
+// end ddp/store/engine.hpp
+// #include "ddp/store/protocol.hpp" (already included above)
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
 /// The store server. Runs one thread that serves every client with poll(); stops and joins in
 /// its destructor. The protocol lives in detail::StoreEngine; this class only moves bytes.
 class StoreServer {
@@ -5609,7 +4653,6 @@ class StoreServer {
 
 DDP_END_NAMESPACE
 // end ddp/store/server.hpp
-// #include "ddp/tensor.hpp" (already included above)
 // begin ddp/trace.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -5673,13 +4716,8 @@ namespace detail {
                                                 : std::chrono::milliseconds(1000);
 }
 
-/// Options::trace_entries, unless $DDP_TRACE_ENTRIES says otherwise.
-[[nodiscard]] inline std::size_t trace_capacity(const Options& o) {
-  const auto n = env_unsigned("DDP_TRACE_ENTRIES", 0, 1000000,
-                              "a number of records in [0, 1000000] (0 turns the flight recorder "
-                              "off)");
-  return n ? static_cast<std::size_t>(*n) : o.trace_entries;
-}
+/// Options::trace_entries (the environment's DDP_TRACE_ENTRIES is applied by Options::with_env).
+[[nodiscard]] inline std::size_t trace_capacity(const Options& o) { return o.trace_entries; }
 
 /// A fixed ring of TraceRecords that costs no lock: issuing an operation is one atomic
 /// increment and a few plain stores, updating its state one store, so the flight recorder stays
@@ -5824,7 +4862,6 @@ inline void dump_trace(const std::string& where, const std::string& text, std::s
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/trace.hpp
-// #include "ddp/types.hpp" (already included above)
 // begin ddp/work.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -6010,7 +5047,479 @@ class Work {
 DDP_END_NAMESPACE
 // end ddp/work.hpp
 #if DDP_HAS_CUDA
-// #include "ddp/cuda.hpp" (already included above)
+// begin ddp/cuda.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// CUDA resources with RAII, for the CUDA backends and for programs that want a ready-made CUDA
+/// tensor: ddp::CudaBuffer<T> (device memory that ddp knows, at compile time, to be on a CUDA
+/// device), ddp::CudaStream, ddp::CudaEvent, ddp::PinnedBuffer<T> (page-locked host memory) and
+/// ddp::CudaDeviceGuard. Every CUDA call is checked: a failure raises Errc::backend naming the
+/// call and cudaGetErrorString's text. Host code only (the CUDA runtime API): compiles with any
+/// C++20 compiler given the CUDA headers; link CUDA::cudart (the `ddp::cuda` target does both
+/// and defines DDP_HAS_CUDA=1).
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/collective.hpp" (already included above)
+// #include "ddp/detail/staging.hpp" (already included above)
+// #include "ddp/detail/string.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/tensor.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <cuda_runtime_api.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <span>
+#include <thread>
+#include <utility>
+
+DDP_BEGIN_NAMESPACE
+
+namespace detail {
+
+/// Throws Errc::backend for a failed CUDA runtime call.
+inline void cuda_check(cudaError_t rc, const char* call) {
+  if (rc != cudaSuccess) {
+    (void)cudaGetLastError();  // clear a sticky-free error so later calls report their own
+    fail(Errc::backend, call, " failed: ", cudaGetErrorString(rc), " (", cudaGetErrorName(rc), ")");
+  }
+}
+
+/// Makes `device` current until the end of the scope, never throwing (for destructors).
+struct CudaDeviceScope {
+  int previous = 0;
+  explicit CudaDeviceScope(int device) noexcept {
+    (void)cudaGetDevice(&previous);
+    if (device != previous) (void)cudaSetDevice(device);
+  }
+  ~CudaDeviceScope() { (void)cudaSetDevice(previous); }
+  CudaDeviceScope(const CudaDeviceScope&) = delete;
+  CudaDeviceScope& operator=(const CudaDeviceScope&) = delete;
+};
+
+}  // namespace detail
+
+/// Checks a CUDA runtime call: DDP_CUDA_CHECK(cudaMemcpy(...)).
+#define DDP_CUDA_CHECK(call) ::ddp::detail::cuda_check((call), #call)
+
+/// The number of CUDA devices this process can use; 0 when there is no driver or no device
+/// (never throws: this is how tests decide to skip).
+[[nodiscard]] inline int cuda_device_count() noexcept {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+/// cuda_device_count() asked in a forked child, so that this process creates no CUDA context: a
+/// context does not survive fork(), so a program that forks its ranks (ddp::spawn) asks this way
+/// before spawning. 0 when the child cannot be made.
+[[nodiscard]] inline int cuda_device_count_before_fork() noexcept {
+  const pid_t pid = ::fork();
+  if (pid == 0) ::_exit(std::min(cuda_device_count(), 250));
+  if (pid < 0) return 0;
+  int status = 0;
+  pid_t got = -1;
+  do {
+    got = ::waitpid(pid, &status, 0);
+  } while (got < 0 && errno == EINTR);
+  if (got != pid || !WIFEXITED(status)) return 0;
+  return WEXITSTATUS(status);
+}
+
+/// Makes `device` current for the guard's lifetime, then restores the previous one.
+class CudaDeviceGuard {
+ public:
+  explicit CudaDeviceGuard(int device) {
+    DDP_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (device != previous_) DDP_CUDA_CHECK(cudaSetDevice(device));
+  }
+  CudaDeviceGuard(const CudaDeviceGuard&) = delete;
+  CudaDeviceGuard& operator=(const CudaDeviceGuard&) = delete;
+  ~CudaDeviceGuard() { (void)cudaSetDevice(previous_); }
+
+ private:
+  int previous_ = 0;
+};
+
+/// An owned, non-blocking CUDA stream (it does not synchronize with the legacy default stream).
+class CudaStream {
+ public:
+  /// A new stream on the current device.
+  CudaStream() { DDP_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
+  /// A new stream on `device`.
+  explicit CudaStream(int device) {
+    CudaDeviceGuard g(device);
+    DDP_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking));
+  }
+  CudaStream(CudaStream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
+  CudaStream& operator=(CudaStream&& o) noexcept {
+    if (this != &o) {
+      reset();
+      s_ = std::exchange(o.s_, nullptr);
+    }
+    return *this;
+  }
+  CudaStream(const CudaStream&) = delete;
+  CudaStream& operator=(const CudaStream&) = delete;
+  ~CudaStream() { reset(); }
+
+  [[nodiscard]] cudaStream_t get() const noexcept { return s_; }
+  /// Blocks until every operation queued on the stream has finished.
+  void synchronize() const { DDP_CUDA_CHECK(cudaStreamSynchronize(s_)); }
+
+ private:
+  void reset() noexcept {
+    if (s_ != nullptr) (void)cudaStreamDestroy(s_);
+    s_ = nullptr;
+  }
+  cudaStream_t s_ = nullptr;
+};
+
+/// An owned CUDA event without timing (the cheap kind), for ordering streams and for polling.
+class CudaEvent {
+ public:
+  CudaEvent() { DDP_CUDA_CHECK(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming)); }
+  CudaEvent(CudaEvent&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
+  CudaEvent& operator=(CudaEvent&& o) noexcept {
+    if (this != &o) {
+      reset();
+      e_ = std::exchange(o.e_, nullptr);
+    }
+    return *this;
+  }
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+  ~CudaEvent() { reset(); }
+
+  [[nodiscard]] cudaEvent_t get() const noexcept { return e_; }
+  /// Captures the work queued on `stream` so far.
+  void record(cudaStream_t stream) { DDP_CUDA_CHECK(cudaEventRecord(e_, stream)); }
+  /// Makes later work on `stream` wait for the captured work (no host blocking).
+  void block(cudaStream_t stream) const { DDP_CUDA_CHECK(cudaStreamWaitEvent(stream, e_, 0)); }
+  /// Whether the captured work has finished; throws if it failed.
+  [[nodiscard]] bool ready() const {
+    const cudaError_t rc = cudaEventQuery(e_);
+    if (rc == cudaErrorNotReady) return false;
+    detail::cuda_check(rc, "cudaEventQuery");
+    return true;
+  }
+  void synchronize() const { DDP_CUDA_CHECK(cudaEventSynchronize(e_)); }
+
+ private:
+  void reset() noexcept {
+    if (e_ != nullptr) (void)cudaEventDestroy(e_);
+    e_ = nullptr;
+  }
+  cudaEvent_t e_ = nullptr;
+};
+
+/// `size` elements of T in device memory (cudaMalloc), on `device`, associated with `stream`
+/// (the stream whose work produces its contents; nullptr: the legacy default stream). Moves, never
+/// copies. ddp::view(buffer) is a TensorView on Device::cuda(device) carrying the stream, and its
+/// type says DeviceKind::cuda, so CUDA-only backends accept it when the program is compiled.
+template <Scalar T>
+class CudaBuffer {
+ public:
+  static constexpr DeviceKind ddp_device_kind = DeviceKind::cuda;
+  using value_type = T;
+
+  CudaBuffer() = default;
+  /// Uninitialized memory for n elements on `device` (-1: the current device).
+  explicit CudaBuffer(std::size_t n, int device = -1, cudaStream_t stream = nullptr)
+      : size_(n), stream_(stream) {
+    if (device < 0) DDP_CUDA_CHECK(cudaGetDevice(&device));
+    device_ = device;
+    if (n == 0) return;
+    CudaDeviceGuard g(device);
+    void* p = nullptr;
+    DDP_CUDA_CHECK(cudaMalloc(&p, n * sizeof(T)));
+    data_ = static_cast<T*>(p);
+  }
+  /// A device copy of host elements.
+  explicit CudaBuffer(std::span<const T> host, int device = -1, cudaStream_t stream = nullptr)
+      : CudaBuffer(host.size(), device, stream) {
+    copy_from(host);
+  }
+  CudaBuffer(CudaBuffer&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)),
+        size_(std::exchange(o.size_, 0)),
+        device_(o.device_),
+        stream_(o.stream_) {}
+  CudaBuffer& operator=(CudaBuffer&& o) noexcept {
+    if (this != &o) {
+      release();
+      data_ = std::exchange(o.data_, nullptr);
+      size_ = std::exchange(o.size_, 0);
+      device_ = o.device_;
+      stream_ = o.stream_;
+    }
+    return *this;
+  }
+  CudaBuffer(const CudaBuffer&) = delete;
+  CudaBuffer& operator=(const CudaBuffer&) = delete;
+  ~CudaBuffer() { release(); }
+
+  [[nodiscard]] T* data() noexcept { return data_; }
+  [[nodiscard]] const T* data() const noexcept { return data_; }
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  [[nodiscard]] std::size_t bytes() const noexcept { return size_ * sizeof(T); }
+  [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
+  [[nodiscard]] int device() const noexcept { return device_; }
+  [[nodiscard]] cudaStream_t stream() const noexcept { return stream_; }
+  /// Associates the buffer with another stream (collectives then order after that stream's work).
+  void set_stream(cudaStream_t s) noexcept { stream_ = s; }
+
+  /// Copies host elements in (host.size() must equal size()), ordered on the buffer's stream;
+  /// returns when the copy is done.
+  void copy_from(std::span<const T> host) {
+    check_size(host.size(), "copy_from");
+    if (size_ == 0) return;
+    DDP_CUDA_CHECK(cudaMemcpyAsync(data_, host.data(), bytes(), cudaMemcpyHostToDevice, stream_));
+    DDP_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  /// Copies the elements out to host memory, after the work queued on the buffer's stream.
+  void copy_to(std::span<T> host) const {
+    check_size(host.size(), "copy_to");
+    if (size_ == 0) return;
+    DDP_CUDA_CHECK(cudaMemcpyAsync(host.data(), data_, bytes(), cudaMemcpyDeviceToHost, stream_));
+    DDP_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  /// Sets every byte to `byte`, on the buffer's stream (asynchronous).
+  void fill_bytes(int byte) {
+    if (size_ != 0) DDP_CUDA_CHECK(cudaMemsetAsync(data_, byte, bytes(), stream_));
+  }
+
+  [[nodiscard]] TensorView<T> ddp_view() noexcept {
+    return {data_, size_, Device::cuda(device_), stream_};
+  }
+  [[nodiscard]] TensorView<const T> ddp_view() const noexcept {
+    return {data_, size_, Device::cuda(device_), stream_};
+  }
+
+ private:
+  void check_size(std::size_t n, const char* what) const {
+    if (n != size_) {
+      detail::fail(Errc::invalid_argument, "CudaBuffer::", what, ": the host range has ", n,
+                   " elements but the buffer has ", size_);
+    }
+  }
+  void release() noexcept {
+    if (data_ != nullptr) {
+      const detail::CudaDeviceScope scope(device_);
+      (void)cudaFree(data_);
+    }
+    data_ = nullptr;
+    size_ = 0;
+  }
+  T* data_ = nullptr;
+  std::size_t size_ = 0;
+  int device_ = 0;
+  cudaStream_t stream_ = nullptr;
+};
+
+/// `size` elements of page-locked host memory (cudaMallocHost): host memory that the GPU's copy
+/// engines reach at full speed. A contiguous range, so ddp sees it as host memory.
+template <class T>
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  explicit PinnedBuffer(std::size_t n) : size_(n) {
+    if (n == 0) return;
+    void* p = nullptr;
+    DDP_CUDA_CHECK(cudaMallocHost(&p, n * sizeof(T)));
+    data_ = static_cast<T*>(p);
+  }
+  PinnedBuffer(PinnedBuffer&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept {
+    if (this != &o) {
+      release();
+      data_ = std::exchange(o.data_, nullptr);
+      size_ = std::exchange(o.size_, 0);
+    }
+    return *this;
+  }
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer() { release(); }
+
+  [[nodiscard]] T* data() noexcept { return data_; }
+  [[nodiscard]] const T* data() const noexcept { return data_; }
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  [[nodiscard]] T* begin() noexcept { return data_; }
+  [[nodiscard]] T* end() noexcept { return data_ + size_; }
+  [[nodiscard]] const T* begin() const noexcept { return data_; }
+  [[nodiscard]] const T* end() const noexcept { return data_ + size_; }
+  [[nodiscard]] T& operator[](std::size_t i) noexcept { return data_[i]; }
+  [[nodiscard]] const T& operator[](std::size_t i) const noexcept { return data_[i]; }
+
+ private:
+  void release() noexcept {
+    if (data_ != nullptr) (void)cudaFreeHost(data_);
+    data_ = nullptr;
+    size_ = 0;
+  }
+  T* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+namespace detail {
+
+/// Waits for a CUDA event, polling, for at most `timeout`; Errc::timeout names `what`.
+inline void cuda_wait(const CudaEvent& e, std::chrono::milliseconds timeout, const char* what) {
+  const auto start = std::chrono::steady_clock::now();
+  for (unsigned spins = 0; !e.ready(); ++spins) {
+    const auto waited = std::chrono::steady_clock::now() - start;
+    if (waited > timeout) {
+      fail(Errc::timeout, what, " did not complete within ", timeout.count(),
+           " ms (is a kernel on the tensor's stream stuck?)");
+    }
+    if (spins < 64)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+/// The copies of a host-memory backend staging CUDA buffers (see detail/staging.hpp): slots of
+/// pinned memory, kept between collectives; device-to-host copies on one stream and
+/// host-to-device copies on another, so the two directions overlap; copies ordered after the
+/// tensor's stream with an event. One per communicator and device; used with its device current.
+class CudaStager {
+ public:
+  CudaStager(int device, std::chrono::milliseconds timeout)
+      : previous_(make_current(device)), device_(device), timeout_(timeout) {
+    (void)cudaSetDevice(previous_);
+  }
+  CudaStager(const CudaStager&) = delete;
+  CudaStager& operator=(const CudaStager&) = delete;
+  ~CudaStager() {
+    const CudaDeviceScope scope(device_);
+    (void)cudaStreamSynchronize(fetches_.get());  // nothing may still copy into freed memory
+    (void)cudaStreamSynchronize(stores_.get());
+  }
+
+  [[nodiscard]] int device() const noexcept { return device_; }
+
+  std::byte* slot(int s, std::size_t bytes) {
+    auto& b = slots_.at(static_cast<std::size_t>(s));
+    if (b.size() < bytes) {
+      b = PinnedBuffer<std::byte>();  // free first: at most one copy of a large slot at a time
+      b = PinnedBuffer<std::byte>(bytes);
+    }
+    return b.data();
+  }
+  void after(void* stream) {  // copies in read what it produced; copies back overwrite it after
+    produced_.record(static_cast<cudaStream_t>(stream));
+    produced_.block(fetches_.get());
+    produced_.block(stores_.get());
+  }
+  void fetch(int s, std::byte* host, const std::byte* dev, std::size_t n) {
+    DDP_CUDA_CHECK(cudaMemcpyAsync(host, dev, n, cudaMemcpyDeviceToHost, fetches_.get()));
+    fetched_.at(static_cast<std::size_t>(s)).record(fetches_.get());
+  }
+  void wait_fetch(int s) {
+    cuda_wait(fetched_.at(static_cast<std::size_t>(s)), timeout_,
+              "staging: the copy of a CUDA buffer into host memory");
+  }
+  void store(int s, std::byte* dev, const std::byte* host, std::size_t n) {
+    DDP_CUDA_CHECK(cudaMemcpyAsync(dev, host, n, cudaMemcpyHostToDevice, stores_.get()));
+    const auto i = static_cast<std::size_t>(s);
+    stored_.at(i).record(stores_.get());
+    pending_.at(i) = true;
+  }
+  void wait_store(int s) {
+    const auto i = static_cast<std::size_t>(s);
+    if (!pending_.at(i)) return;
+    cuda_wait(stored_[i], timeout_, "staging: the copy of a result back into a CUDA buffer");
+    pending_[i] = false;
+  }
+
+ private:
+  static int make_current(int device) {
+    int previous = 0;
+    DDP_CUDA_CHECK(cudaGetDevice(&previous));
+    DDP_CUDA_CHECK(cudaSetDevice(device));
+    return previous;
+  }
+
+  static constexpr std::size_t slots = 5;  // 3 pipeline slots + 2 whole-buffer slots
+  int previous_;  // first: the streams and events below are made on `device`
+  int device_;
+  std::chrono::milliseconds timeout_;
+  CudaStream fetches_, stores_;
+  CudaEvent produced_;
+  std::array<CudaEvent, slots> fetched_, stored_;
+  std::array<bool, slots> pending_{};
+  std::array<PinnedBuffer<std::byte>, slots> slots_;
+};
+
+/// How a communicator runs a collective on CUDA buffers its backend cannot use (backend::Host, a
+/// backend::Mpi that is not CUDA-aware): through pinned host memory, with a CudaStager made on
+/// first use for the buffers' device (see detail/staging.hpp for the pipeline).
+class CudaStaging {
+ public:
+  CudaStaging(std::chrono::milliseconds timeout, std::size_t piece_bytes)
+      : timeout_(timeout), piece_bytes_(piece_bytes) {}
+
+  /// Runs f(host piece) over device buffer `b`, an elementwise collective, piece by piece.
+  template <class F>
+  void elementwise(const Buf& b, bool fetch, bool store, const F& f) {
+    const CudaDeviceGuard current(b.device.index);
+    stage_elementwise(for_device(b.device.index), b, fetch, store, piece_bytes_, f);
+  }
+
+  /// Runs f(buffers...) with every CUDA buffer among `args` (StagedArgs; `staged` says which)
+  /// staged whole. They must be on one device.
+  template <class F, class... A>
+  void whole(int rank, const char* what, const F& f, bool (*staged)(const Buf&), A... args) {
+    int device = -1;
+    for (const StagedArg& a : {args...}) {
+      if (!staged(a.buf)) continue;
+      if (device >= 0 && a.buf.device.index != device) {
+        fail(Errc::invalid_argument, "rank ", rank, ": ", what,
+             ": the buffers are on cuda:", device, " and cuda:", a.buf.device.index,
+             "; staged collectives need them on one device");
+      }
+      device = a.buf.device.index;
+    }
+    const CudaDeviceGuard current(device);
+    stage_whole(for_device(device), std::array<StagedArg, sizeof...(A)>{args...}, f);
+  }
+
+ private:
+  CudaStager& for_device(int device) {
+    if (!stager_ || stager_->device() != device) {
+      stager_.reset();
+      stager_ = std::make_unique<CudaStager>(device, timeout_);
+    }
+    return *stager_;
+  }
+
+  std::chrono::milliseconds timeout_;
+  std::size_t piece_bytes_;
+  std::unique_ptr<CudaStager> stager_;
+};
+
+}  // namespace detail
+
+DDP_END_NAMESPACE
+// end ddp/cuda.hpp
 #endif
 
 #include <unistd.h>
@@ -6018,15 +5527,901 @@ DDP_END_NAMESPACE
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
-#include <ranges>
 #include <span>
 #include <string>
 #include <string_view>
 #include <thread>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+struct CommState {
+  CommState() = default;
+  CommState(const CommState&) = delete;
+  CommState& operator=(const CommState&) = delete;
+  ~CommState() = default;
+
+  Options options;
+  FlightRecorder recorder;
+  std::uint64_t fork_generation = detail::fork_generation();  // made in this process
+  int pid = static_cast<int>(::getpid());
+  bool joined = false;          // this process holds its rank's claim in the store
+  int world_size = 1;           // ranks in this communicator (for the store host's wait)
+  int world_rank_in_group = 0;  // this rank in this communicator
+  int world_rank = 0;
+  int local_rank_hint = 0;  // the launcher's local rank: the default CUDA device
+  std::unique_ptr<StoreServer> server;
+  std::shared_ptr<Store> root_store;
+  std::shared_ptr<Store> store;
+  std::string prefix;
+  std::unique_ptr<Executor> executor = std::make_unique<Executor>();
+  std::uint64_t splits = 0;
+  std::mutex poison_mutex;
+  std::string poison;
+  Errc poison_code = Errc::aborted;
+  std::atomic<bool> poisoned{false};  // poison is set: read without the lock on every call
+#if DDP_HAS_CUDA
+  std::unique_ptr<CudaStaging> staging;  // made on first use
+
+  CudaStaging& cuda_staging() {
+    if (!staging)
+      staging = std::make_unique<CudaStaging>(options.timeout, options.cuda_staging_bytes);
+    return *staging;
+  }
+#endif
+
+  void configure(const Options& o) {
+    options = o;
+    recorder.resize(trace_capacity(o));
+  }
+
+  /// Joins the rendezvous store of the job `env` describes: rank 0 hosts it (unless a launcher
+  /// does: Options::external_store, DDP_STORE_HOSTED=1), every rank connects, works under this
+  /// communicator's prefix, watches the "failed" key and claims its rank. Returns that store.
+  std::shared_ptr<Store> join_store(const Environment& env) {
+    StoreOptions so;
+    so.timeout = options.timeout;
+    so.token = options.token;
+    const EnvReader launcher;  // what the launcher that hosts the store says
+    const int store_port = env.store_port != 0 ? env.store_port : env.master_port;
+    const bool hosted = options.external_store || launcher.get("DDP_STORE_HOSTED") == "1";
+    if (env.rank == 0 && !hosted) {
+      try {
+        server = std::make_unique<StoreServer>(env.master_addr, store_port, so);
+      } catch (const Error& e) {
+        if (e.code() != Errc::address_in_use) throw;
+        fail(Errc::address_in_use, "rank 0: cannot host the rendezvous store: ", e.what(),
+             " (or a second process was started with RANK=0)");
+      }
+    }
+    prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
+    root_store = std::make_shared<Store>(env.master_addr, store_port, so);
+    store = std::make_shared<Store>(root_store->prefixed(prefix).watching("failed"));
+    world_size = env.world_size;
+    claim_rank(*store, env.rank, options.group);
+    joined = true;
+    return store;
+  }
+
+  /// Whether this is a fork() child's copy.
+  [[nodiscard]] bool inherited() const noexcept {
+    return detail::fork_generation() != fork_generation;
+  }
+
+  /// A fork() child's copy: the parent owns the store, the shared memory and the peers, and
+  /// this process has none of the threads. Touch nothing; keep it reachable (never destroyed).
+  void abandon() noexcept {
+    (void)executor.release();
+    (void)server.release();
+    (void)new std::shared_ptr<Store>(std::move(root_store));
+    (void)new std::shared_ptr<Store>(std::move(store));
+#if DDP_HAS_CUDA
+    (void)staging.release();
+#endif
+  }
+
+  /// The fork() check of every call: a child shares its parent's peers' shared memory and
+  /// sockets, and using them would corrupt the parent's job.
+  void check_process(int rank, const char* what) const {
+    if (inherited()) [[unlikely]] {
+      fail(Errc::invalid_argument, "rank ", rank, ": ", what,
+           ": this communicator was created by process ", pid,
+           " and cannot be used by a child it fork()ed (this is process ", ::getpid(),
+           "): the child would write into the parent's connections and shared memory. Create a "
+           "new communicator in the child (another MASTER_PORT or Options::group), or fork "
+           "before init()");
+    }
+  }
+
+  /// Leaving (the communicator is destroyed, its executor drained): this rank says so in the
+  /// store; rank 0 keeps the store up until every rank has left, so none loses it mid-call, and
+  /// after a failed rendezvous too, so the others can read why it failed.
+  void leave(bool connected) {
+    if (!store || !joined || store->lost()) return;
+    try {
+      Store plain = store->unwatched();  // the waits below must not end at "failed"
+      plain.set(concat("exit/", world_rank_in_group), "");
+      const auto limit =
+          std::min<std::chrono::milliseconds>(options.timeout, std::chrono::seconds(10));
+      if (server && connected && poison.empty()) {
+        std::vector<std::string> keys;
+        for (int r = 0; r < world_size; ++r) keys.push_back(concat("exit/", r));
+        (void)plain.missing_after(keys, limit);
+      } else if (server && !connected) {
+        linger_after_failed_rendezvous(plain, limit);
+      }
+    } catch (...) {  // leaving anyway
+    }
+  }
+
+  /// The rendezvous failed here, and this process hosts the store: keep it up until every rank
+  /// that claimed its place has left (and has so read why), for at most `limit`; ranks that
+  /// never claimed one get a second to appear. Nobody waits for a rank that was never started.
+  void linger_after_failed_rendezvous(Store& plain, std::chrono::milliseconds limit) const {
+    const auto start = std::chrono::steady_clock::now();
+    for (;;) {
+      bool all_left = true, all_claimed = true;
+      for (int r = 0; r < world_size && all_left; ++r) {
+        const std::string claim = concat("claim/", r);
+        const std::string left = concat("exit/", r);
+        if (!plain.check(std::span<const std::string>(&claim, 1)))
+          all_claimed = false;
+        else if (!plain.check(std::span<const std::string>(&left, 1)))
+          all_left = false;
+      }
+      const auto waited = std::chrono::steady_clock::now() - start;
+      if ((all_left && (all_claimed || waited > std::chrono::seconds(1))) || waited > limit) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+
+  /// Creating the backend failed on `rank` with `e`: tell the other ranks, which are waiting on
+  /// the store for it, so that they fail at once with its reason instead of at their timeout.
+  /// A failure relayed from another rank gets this rank's name in front instead.
+  void relay_failure(int rank, const Error& e) {
+    constexpr std::string_view relayed = "the rendezvous failed on rank ";
+    if (std::string_view(e.what()).starts_with(relayed)) {  // another rank's, via the store
+      fail(e.code(), "rank ", rank, ": ", e.what());
+    }
+    if (store && !store->lost()) {
+      try {
+        (void)store->compare_set(
+            "failed", "", Store::stop_value(e.code(), concat(relayed, rank, ": ", e.what())));
+      } catch (...) {  // the store is gone too: the peers learn from it
+      }
+    }
+  }
+
+  /// Marks the communicator failed with `why` (the first failure wins).
+  void poison_with(std::string why, Errc code) {
+    std::lock_guard lock(poison_mutex);
+    if (poison.empty()) {
+      poison = std::move(why);
+      poison_code = code;
+      poisoned.store(true, std::memory_order_release);
+    }
+  }
+
+  /// Runs body() unless the communicator is poisoned (then fails at once), and poisons it when
+  /// body fails.
+  template <class F>
+  void run_poisoning(int rank, const char* name, const F& body) {
+    if (poisoned.load(std::memory_order_acquire)) [[unlikely]] {
+      std::lock_guard lock(poison_mutex);
+      fail(Errc::aborted, "rank ", rank, ": ", name,
+           ": this communicator failed earlier and cannot be used (", poison,
+           "); create a new communicator (with another Options::group) to continue");
+    }
+    try {
+      body();
+    } catch (const Error& e) {
+      poison_with(e.what(), e.code());
+      throw;
+    } catch (...) {
+      poison_with("an operation threw a non-ddp exception", Errc::aborted);
+      throw;
+    }
+  }
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/comm_state.hpp
+// begin ddp/detail/reduce.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Reduction kernels. Every element is reduced over the ranks' contributions in rank order
+/// 0, 1, ..., P-1, whichever rank computes it and whatever the message size, so the result is
+/// bitwise the same on every rank and in every run. half and bfloat16 accumulate in float and
+/// are rounded once; integer sums and products wrap (two's complement) instead of overflowing
+/// into undefined behaviour; avg divides the sum by P.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+template <class T>
+struct Accum {
+  using type = T;
+};
+template <>
+struct Accum<half> {
+  using type = float;
+};
+template <>
+struct Accum<bfloat16> {
+  using type = float;
+};
+
+template <class T>
+inline T load_elem(const std::byte* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+template <ReduceOp Op, class A>
+inline A combine(A a, A b) {
+  if constexpr (Op == ReduceOp::sum || Op == ReduceOp::avg) {
+    if constexpr (std::is_integral_v<A>) {
+      using U = std::make_unsigned_t<A>;
+      return static_cast<A>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
+    } else {
+      return a + b;
+    }
+  } else if constexpr (Op == ReduceOp::prod) {
+    if constexpr (std::is_integral_v<A>) {
+      using U = std::make_unsigned_t<A>;
+      using W =
+          std::conditional_t<(sizeof(U) < sizeof(unsigned)), unsigned, U>;  // no int promotion
+      return static_cast<A>(
+          static_cast<U>(static_cast<W>(static_cast<U>(a)) * static_cast<W>(static_cast<U>(b))));
+    } else {
+      return a * b;
+    }
+  } else if constexpr (Op == ReduceOp::min) {
+    return b < a ? b : a;
+  } else {
+    return a < b ? b : a;
+  }
+}
+
+/// dst[i] = src[0][i] op src[1][i] op ... op src[n-1][i] for i in [0, count), and the same into
+/// dst2 when it is not null (one pass writing both: the all-reduce writes its result to the user's
+/// buffer and to the slot peers read it from). dst may alias a source exactly (in place), but
+/// must not partially overlap one; dst2 must not overlap anything.
+template <class T, ReduceOp Op>
+void reduce_kernel(std::byte* dst, std::byte* dst2, const std::byte* const* src, int n,
+                   std::size_t count) {
+  using A = typename Accum<T>::type;
+  auto* d = reinterpret_cast<T*>(dst);
+  auto* d2 = reinterpret_cast<T*>(dst2);
+  if (n == 2) {  // the common case, one fused pass (the same operations as the general path)
+    const auto* a = reinterpret_cast<const T*>(src[0]);
+    const auto* b = reinterpret_cast<const T*>(src[1]);
+    const auto value = [a, b](std::size_t i) {
+      A v = combine<Op, A>(static_cast<A>(a[i]), static_cast<A>(b[i]));
+      if constexpr (Op == ReduceOp::avg) v = v / static_cast<A>(2);
+      return static_cast<T>(v);
+    };
+    if (d2 == nullptr) {
+      for (std::size_t i = 0; i < count; ++i) d[i] = value(i);
+      return;
+    }
+    if constexpr (std::is_same_v<A, T>) {
+      for (std::size_t i = 0; i < count; ++i) {
+        const T v = value(i);
+        d[i] = v;
+        d2[i] = v;
+      }
+      return;
+    }
+    // half and bfloat16: two stores of the class type keep the loop scalar, so write dst in
+    // steps and copy each step to dst2 while it is still in L1.
+    constexpr std::size_t step = 4096;
+    for (std::size_t base = 0; base < count; base += step) {
+      const std::size_t end = std::min(count, base + step);
+      for (std::size_t i = base; i < end; ++i) d[i] = value(i);
+      std::memcpy(d2 + base, d + base, (end - base) * sizeof(T));
+    }
+    return;
+  }
+  constexpr std::size_t block = 1024;
+  A acc[block];
+  for (std::size_t base = 0; base < count; base += block) {
+    const std::size_t m = std::min(block, count - base);
+    {
+      const auto* s = reinterpret_cast<const T*>(src[0]) + base;
+      if (n > 1) {
+        const auto* s1 = reinterpret_cast<const T*>(src[1]) + base;
+        for (std::size_t i = 0; i < m; ++i)
+          acc[i] = combine<Op, A>(static_cast<A>(s[i]), static_cast<A>(s1[i]));
+      } else {
+        for (std::size_t i = 0; i < m; ++i) acc[i] = static_cast<A>(s[i]);
+      }
+    }
+    for (int k = 2; k < n; ++k) {
+      const auto* s = reinterpret_cast<const T*>(src[k]) + base;
+      for (std::size_t i = 0; i < m; ++i) acc[i] = combine<Op, A>(acc[i], static_cast<A>(s[i]));
+    }
+    if constexpr (Op == ReduceOp::avg) {
+      const A ranks = static_cast<A>(n);
+      for (std::size_t i = 0; i < m; ++i) acc[i] = acc[i] / ranks;
+    }
+    for (std::size_t i = 0; i < m; ++i) d[base + i] = static_cast<T>(acc[i]);
+    if (d2 != nullptr) {
+      for (std::size_t i = 0; i < m; ++i) d2[base + i] = d[base + i];
+    }
+  }
+}
+
+using ReduceFn = void (*)(std::byte*, std::byte*, const std::byte* const*, int, std::size_t);
+
+template <class T>
+constexpr ReduceFn reduce_fn_for(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return &reduce_kernel<T, ReduceOp::sum>;
+    case ReduceOp::prod: return &reduce_kernel<T, ReduceOp::prod>;
+    case ReduceOp::max: return &reduce_kernel<T, ReduceOp::max>;
+    case ReduceOp::min: return &reduce_kernel<T, ReduceOp::min>;
+    case ReduceOp::avg:
+      if constexpr (std::is_floating_point_v<T> || std::is_same_v<T, half> ||
+                    std::is_same_v<T, bfloat16>) {
+        return &reduce_kernel<T, ReduceOp::avg>;
+      } else {
+        return nullptr;
+      }
+  }
+  return nullptr;
+}
+
+/// The kernel for (dtype, op), or nullptr when the pair is not supported.
+[[nodiscard]] inline ReduceFn reduce_fn(DType t, ReduceOp op) {
+  switch (t) {
+    case DType::int8: return reduce_fn_for<std::int8_t>(op);
+    case DType::uint8: return reduce_fn_for<std::uint8_t>(op);
+    case DType::int32: return reduce_fn_for<std::int32_t>(op);
+    case DType::uint32: return reduce_fn_for<std::uint32_t>(op);
+    case DType::int64: return reduce_fn_for<std::int64_t>(op);
+    case DType::uint64: return reduce_fn_for<std::uint64_t>(op);
+    case DType::float16: return reduce_fn_for<half>(op);
+    case DType::float32: return reduce_fn_for<float>(op);
+    case DType::float64: return reduce_fn_for<double>(op);
+    case DType::bfloat16: return reduce_fn_for<bfloat16>(op);
+  }
+  return nullptr;
+}
+
+// ---- compressed all-reduce: float32 values that travel and are reduced as W (half, bfloat16) --
+
+/// dst[i] = W(src[i]): float32 to the wire type, rounded to nearest even.
+template <class W>
+void encode_kernel(std::byte* dst, const std::byte* src, std::size_t count) {
+  auto* d = reinterpret_cast<W*>(dst);
+  const auto* s = reinterpret_cast<const float*>(src);
+  for (std::size_t i = 0; i < count; ++i) d[i] = W(s[i]);
+}
+
+/// dst[i] = float(src[i]): the wire type back to float32 (exact).
+template <class W>
+void decode_kernel(std::byte* dst, const std::byte* src, std::size_t count) {
+  auto* d = reinterpret_cast<float*>(dst);
+  const auto* s = reinterpret_cast<const W*>(src);
+  for (std::size_t i = 0; i < count; ++i) d[i] = static_cast<float>(s[i]);
+}
+
+/// reduce_kernel<W, Op> over W-typed sources (the same operations, so the same bits), with the
+/// rounded result written decoded to `dst` (float32) and, when `wire` is not null, as W there.
+template <class W, ReduceOp Op>
+void reduce_decode_kernel(std::byte* dst, std::byte* wire, const std::byte* const* src, int n,
+                          std::size_t count) {
+  // In steps, each decoded while in L1: a loop storing both W and float stays scalar.
+  constexpr std::size_t step = 2048;
+  W block[step];
+  std::vector<const std::byte*> shifted(static_cast<std::size_t>(n));
+  for (std::size_t base = 0; base < count; base += step) {
+    const std::size_t m = std::min(step, count - base);
+    W* w = wire != nullptr ? reinterpret_cast<W*>(wire) + base : block;
+    for (int k = 0; k < n; ++k) shifted[static_cast<std::size_t>(k)] = src[k] + base * sizeof(W);
+    reduce_kernel<W, Op>(reinterpret_cast<std::byte*>(w), nullptr, shifted.data(), n, m);
+    decode_kernel<W>(dst + base * sizeof(float), reinterpret_cast<const std::byte*>(w), m);
+  }
+}
+
+/// The kernels of an all-reduce whose float32 values travel as `wire`.
+struct WireKernels {
+  void (*encode)(std::byte*, const std::byte*, std::size_t) = nullptr;
+  void (*decode)(std::byte*, const std::byte*, std::size_t) = nullptr;
+  ReduceFn reduce = nullptr;  // (float32 dst, wire dst or null, wire sources, n, count)
+};
+
+template <class W>
+WireKernels wire_kernels_for(ReduceOp op) {
+  WireKernels k{&encode_kernel<W>, &decode_kernel<W>, nullptr};
+  switch (op) {
+    case ReduceOp::sum: k.reduce = &reduce_decode_kernel<W, ReduceOp::sum>; break;
+    case ReduceOp::prod: k.reduce = &reduce_decode_kernel<W, ReduceOp::prod>; break;
+    case ReduceOp::max: k.reduce = &reduce_decode_kernel<W, ReduceOp::max>; break;
+    case ReduceOp::min: k.reduce = &reduce_decode_kernel<W, ReduceOp::min>; break;
+    case ReduceOp::avg: k.reduce = &reduce_decode_kernel<W, ReduceOp::avg>; break;
+  }
+  return k;
+}
+
+/// Kernels for float32 values carried as `wire` (float16 or bfloat16); reduce is null otherwise.
+[[nodiscard]] inline WireKernels wire_kernels(DType wire, ReduceOp op) {
+  switch (wire) {
+    case DType::float16: return wire_kernels_for<half>(op);
+    case DType::bfloat16: return wire_kernels_for<bfloat16>(op);
+    default: return {};
+  }
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/reduce.hpp
+// #include "ddp/detail/rendezvous.hpp" (already included above)
+// #include "ddp/detail/staging.hpp" (already included above)
+// #include "ddp/environment.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// begin ddp/objects.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Object collectives (all_gather_object, gather_object, broadcast_object) and small host-value
+/// helpers (all_reduce_host, broadcast_host), written on the public Communicator API the way
+/// torch.distributed layers its object collectives above the ProcessGroup: free functions of any
+/// communicator, `ddp::all_gather_object(comm, value)`. Communicator's members of the same names
+/// call these.
+///
+/// Objects travel as bytes made by ddp::codec (never executed); a rank's object may encode to at
+/// most 1 GiB. On a backend that moves device memory only (backend::Nccl) host data travels
+/// through a device copy, so code above the Communicator works on every backend alike.
+
+// #include "ddp/backend/backend.hpp" (already included above)
+// begin ddp/codec.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The object codec behind gather_object, all_gather_object and broadcast_object: a typed,
+/// length-prefixed binary encoding. Decoding never executes anything from the wire (unlike
+/// pickle), checks a type tag, and refuses truncated input, counts the input could not hold and
+/// nesting deeper than 64 with Errc::invalid_argument, before allocating.
+///
+/// Built in: trivially copyable types, std::string, std::vector, std::pair, std::optional (and
+/// any nesting of those). For your own type, specialize ddp::codec:
+///
+///   template <> struct ddp::codec<Sample> {
+///     static void encode(ddp::Encoder& e, const Sample& s) { e.put(s.id); e.put(s.label); }
+///     static Sample decode(ddp::Decoder& d) {
+///       Sample s;
+///       s.id = d.get<int>();
+///       s.label = d.get<std::string>();
+///       return s;
+///     }
+///   };
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+template <class T>
+struct codec;
+
+class Encoder;
+class Decoder;
+
+/// A type ddp can encode: built in, or with a ddp::codec<T> specialization.
+template <class T>
+concept Encodable = requires(Encoder& e, Decoder& d, const T& v) {
+  codec<T>::encode(e, v);
+  { codec<T>::decode(d) } -> std::same_as<T>;
+};
+
+class Encoder {
+ public:
+  explicit Encoder(std::string& out) : out_(out) {}
+  template <class T>
+  void put(const T& value) {
+    codec<T>::encode(*this, value);
+  }
+  void bytes(const void* data, std::size_t n) { out_.append(static_cast<const char*>(data), n); }
+  void count(std::size_t n) {
+    const auto v = static_cast<std::uint64_t>(n);
+    bytes(&v, sizeof v);
+  }
+
+ private:
+  std::string& out_;
+};
+
+class Decoder {
+ public:
+  static constexpr int max_depth = 64;
+
+  Decoder(const void* data, std::size_t n) : p_(static_cast<const std::byte*>(data)), left_(n) {}
+
+  template <class T>
+  [[nodiscard]] T get() {
+    if (++depth_ > max_depth)
+      detail::fail(Errc::invalid_argument, "object decode: nesting deeper than ", max_depth);
+    T v = codec<T>::decode(*this);
+    --depth_;
+    return v;
+  }
+  void bytes(void* out, std::size_t n) {
+    if (n > left_) {
+      detail::fail(Errc::invalid_argument, "object decode: input truncated (needs ", n,
+                   " more bytes, has ", left_, ")");
+    }
+    if (n != 0) std::memcpy(out, p_, n);
+    p_ += n;
+    left_ -= n;
+  }
+  /// A count of elements that each take at least `min_bytes` of the remaining input.
+  [[nodiscard]] std::size_t count(std::size_t min_bytes) {
+    std::uint64_t n = 0;
+    bytes(&n, sizeof n);
+    if (min_bytes == 0) min_bytes = 1;
+    if (n > left_ / min_bytes) {
+      detail::fail(Errc::invalid_argument, "object decode: a count of ", n, " cannot fit in the ",
+                   left_, " bytes left (malformed or hostile input)");
+    }
+    return static_cast<std::size_t>(n);
+  }
+  [[nodiscard]] std::size_t left() const noexcept { return left_; }
+
+ private:
+  const std::byte* p_;
+  std::size_t left_;
+  int depth_ = 0;
+};
+
+namespace detail {
+template <class T>
+inline constexpr bool is_optional_v = false;
+template <class T>
+inline constexpr bool is_optional_v<std::optional<T>> = true;
+
+/// Sent as their bytes: trivially copyable types, except those whose bytes can be invalid
+/// (bool, std::optional), which have checking codecs. A trivially copyable struct with a bool
+/// or closed-enum member should get its own codec.
+template <class T>
+concept RawEncodable =
+    std::is_trivially_copyable_v<T> && !std::is_same_v<T, bool> && !is_optional_v<T>;
+
+/// Fewest bytes one encoded T takes (bounds counts read from the wire).
+template <class T>
+constexpr std::size_t min_encoded_bytes() {
+  if constexpr (RawEncodable<T>)
+    return sizeof(T);
+  else
+    return 1;
+}
+}  // namespace detail
+
+template <class T>
+  requires detail::RawEncodable<T>
+struct codec<T> {
+  static void encode(Encoder& e, const T& v) { e.bytes(&v, sizeof v); }
+  static T decode(Decoder& d) {
+    T v;
+    d.bytes(&v, sizeof v);
+    return v;
+  }
+};
+
+template <>
+struct codec<bool> {
+  static void encode(Encoder& e, const bool& v) {
+    const std::uint8_t b = v ? 1 : 0;
+    e.bytes(&b, 1);
+  }
+  static bool decode(Decoder& d) {
+    std::uint8_t b = 0;
+    d.bytes(&b, 1);
+    if (b > 1) detail::fail(Errc::invalid_argument, "object decode: bad bool ", int{b});
+    return b == 1;
+  }
+};
+
+template <>
+struct codec<std::string> {
+  static void encode(Encoder& e, const std::string& s) {
+    e.count(s.size());
+    e.bytes(s.data(), s.size());
+  }
+  static std::string decode(Decoder& d) {
+    std::string s(d.count(1), '\0');
+    d.bytes(s.data(), s.size());
+    return s;
+  }
+};
+
+template <class T>
+struct codec<std::vector<T>> {
+  static void encode(Encoder& e, const std::vector<T>& v) {
+    e.count(v.size());
+    if constexpr (detail::RawEncodable<T>) {
+      e.bytes(v.data(), v.size() * sizeof(T));
+    } else {
+      for (const auto& x : v) e.put<T>(x);
+    }
+  }
+  static std::vector<T> decode(Decoder& d) {
+    const std::size_t n = d.count(detail::min_encoded_bytes<T>());
+    std::vector<T> v;
+    if constexpr (detail::RawEncodable<T>) {
+      v.resize(n);
+      d.bytes(v.data(), n * sizeof(T));
+    } else {
+      v.reserve(n);
+      for (std::size_t i = 0; i < n; ++i) v.push_back(d.get<T>());
+    }
+    return v;
+  }
+};
+
+template <class A, class B>
+  requires(!detail::RawEncodable<std::pair<A, B>>)
+struct codec<std::pair<A, B>> {
+  static void encode(Encoder& e, const std::pair<A, B>& p) {
+    e.put<A>(p.first);
+    e.put<B>(p.second);
+  }
+  static std::pair<A, B> decode(Decoder& d) {
+    A a = d.get<A>();
+    B b = d.get<B>();
+    return {std::move(a), std::move(b)};
+  }
+};
+
+template <class T>
+struct codec<std::optional<T>> {
+  static void encode(Encoder& e, const std::optional<T>& o) {
+    e.put<std::uint8_t>(o.has_value() ? 1 : 0);
+    if (o) e.put<T>(*o);
+  }
+  static std::optional<T> decode(Decoder& d) {
+    const auto has = d.get<std::uint8_t>();
+    if (has > 1)
+      detail::fail(Errc::invalid_argument, "object decode: bad optional flag ", int{has});
+    if (has == 0) return std::nullopt;
+    return d.get<T>();
+  }
+};
+
+namespace detail {
+
+/// FNV-1a of the compiler's spelling of T: the same on every rank of one program.
+template <class T>
+std::uint64_t type_tag() {
+  // Read here, not inside a lambda: there it would name the lambda (clang), not type_tag<T>.
+  const std::string_view name = __PRETTY_FUNCTION__;
+  static const std::uint64_t tag = [name] {
+    std::uint64_t h = 1469598103934665603ull;
+    for (char c : name) {
+      h ^= static_cast<std::uint8_t>(c);
+      h *= 1099511628211ull;
+    }
+    return h;
+  }();
+  return tag;
+}
+
+/// The complete message for one object: type tag, then the encoding.
+template <Encodable T>
+std::string encode_object(const T& value) {
+  std::string out;
+  Encoder e(out);
+  e.put<std::uint64_t>(type_tag<T>());
+  e.put<T>(value);
+  return out;
+}
+
+template <Encodable T>
+T decode_object(const void* data, std::size_t n) {
+  Decoder d(data, n);
+  if (d.get<std::uint64_t>() != type_tag<T>()) {
+    fail(Errc::invalid_argument,
+         "object decode: the bytes encode a different type (type tag mismatch): every rank must "
+         "pass the same type");
+  }
+  T v = d.get<T>();
+  if (d.left() != 0) fail(Errc::invalid_argument, "object decode: ", d.left(), " trailing bytes");
+  return v;
+}
+
+}  // namespace detail
+
+DDP_END_NAMESPACE
+// end ddp/codec.hpp
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/detail/call.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+#if DDP_HAS_CUDA
+// #include "ddp/cuda.hpp" (already included above)
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+namespace detail {
+
+inline constexpr std::int64_t max_object_bytes = std::int64_t{1} << 30;
+
+inline void check_object_size(std::int64_t n, int rank, const char* what, int from) {
+  if (n < 0 || n > max_object_bytes) {
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": rank ", from,
+         "'s object encodes to ", n, " bytes, beyond the limit of ", max_object_bytes);
+  }
+}
+
+/// Runs f(a, b) on host spans; on a backend that moves device memory only, on device copies of
+/// them instead, copied back afterwards. For small host data (object collectives, *_host).
+template <class Comm, class E, class F>
+void on_host_data(Comm& comm, std::span<E> a, std::span<E> b, const F& f) {
+  using Backend = typename Comm::backend_type;
+  if constexpr (backend_traits<Backend>::device_only) {
+#if DDP_HAS_CUDA
+    const int device = comm.backend().device();
+    const CudaDeviceGuard current(device);
+    CudaBuffer<E> da(std::span<const E>(a), device), db(std::span<const E>(b), device);
+    f(da, db);
+    if (!a.empty()) da.copy_to(a);
+    if (!b.empty()) db.copy_to(b);
+#else
+    static_assert(!backend_traits<Backend>::device_only, "a CUDA backend without DDP_HAS_CUDA");
+    (void)comm, (void)a, (void)b, (void)f;
+#endif
+  } else {
+    (void)comm;
+    f(a, b);
+  }
+}
+
+template <class T, class Comm>
+std::vector<T> gather_objects(Comm& comm, const T& value, int root) {
+  const char* what = root < 0 ? "all_gather_object" : "gather_object";
+  if (root >= 0) check_root(root, {comm.rank(), comm.size()}, what);
+  const std::string mine = encode_object(value);
+  const auto p = static_cast<std::size_t>(comm.size());
+  std::vector<std::int64_t> sizes(p);
+  std::int64_t my_size = static_cast<std::int64_t>(mine.size());
+  on_host_data(comm, std::span<std::int64_t>(&my_size, 1), std::span<std::int64_t>(sizes),
+               [&](auto& in, auto& out) { comm.all_gather(in, out); });
+  std::int64_t longest = 0;
+  for (std::size_t r = 0; r < p; ++r) {
+    check_object_size(sizes[r], comm.rank(), what, static_cast<int>(r));
+    longest = std::max(longest, sizes[r]);
+  }
+  const auto width = static_cast<std::size_t>(longest);
+  std::vector<std::uint8_t> padded(width);
+  if (!mine.empty()) std::memcpy(padded.data(), mine.data(), mine.size());
+  const bool receives = root < 0 || root == comm.rank();
+  std::vector<std::uint8_t> all(receives ? width * p : 0);
+  on_host_data(comm, std::span<std::uint8_t>(padded), std::span<std::uint8_t>(all),
+               [&](auto& in, auto& out) {
+                 if (root < 0)
+                   comm.all_gather(in, out);
+                 else
+                   comm.gather(in, out, root);
+               });
+  std::vector<T> out;
+  if (!receives) return out;
+  out.reserve(p);
+  for (std::size_t r = 0; r < p; ++r) {
+    out.push_back(decode_object<T>(all.data() + r * width, static_cast<std::size_t>(sizes[r])));
+  }
+  return out;
+}
+
+}  // namespace detail
+
+/// all_reduce of a few host values (counts, flags, metrics) on any backend: on one that moves
+/// device memory only (backend::Nccl) they travel through a device copy, so code above the
+/// Communicator (exact_mean, sync_batch_stats, ZeroFirstGuard) works on every backend alike.
+/// For large data use all_reduce on the backend's own kind of buffer.
+template <class Comm, Scalar E>
+void all_reduce_host(Comm& comm, std::span<E> values, ReduceOp op = ReduceOp::sum) {
+  detail::on_host_data(comm, values, std::span<E>(),
+                       [&](auto& v, auto&) { comm.all_reduce(v, op); });
+}
+
+/// broadcast of a few host values on any backend (see all_reduce_host).
+template <class Comm, Scalar E>
+void broadcast_host(Comm& comm, std::span<E> values, int root) {
+  detail::on_host_data(comm, values, std::span<E>(),
+                       [&](auto& v, auto&) { comm.broadcast(v, root); });
+}
+
+/// Every rank's value, in rank order.
+template <Encodable T, class Comm>
+[[nodiscard]] std::vector<T> all_gather_object(Comm& comm, const T& value) {
+  return detail::gather_objects<T>(comm, value, -1);
+}
+
+/// Every rank's value on root (in rank order); an empty vector on the other ranks.
+template <Encodable T, class Comm>
+[[nodiscard]] std::vector<T> gather_object(Comm& comm, const T& value, int root = 0) {
+  return detail::gather_objects<T>(comm, value, root);
+}
+
+/// Replaces `value` on every rank with root's.
+template <Encodable T, class Comm>
+void broadcast_object(Comm& comm, T& value, int root = 0) {
+  detail::check_root(root, {comm.rank(), comm.size()}, "broadcast_object");
+  std::string bytes;
+  if (comm.rank() == root) bytes = detail::encode_object(value);
+  std::int64_t n = static_cast<std::int64_t>(bytes.size());
+  broadcast_host(comm, std::span<std::int64_t>(&n, 1), root);
+  detail::check_object_size(n, comm.rank(), "broadcast_object", root);
+  bytes.resize(static_cast<std::size_t>(n));
+  broadcast_host(
+      comm, std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(bytes.data()), bytes.size()),
+      root);
+  if (comm.rank() != root) value = detail::decode_object<T>(bytes.data(), bytes.size());
+}
+
+DDP_END_NAMESPACE
+// end ddp/objects.hpp
+// #include "ddp/options.hpp" (already included above)
+// #include "ddp/tensor.hpp" (already included above)
+// #include "ddp/trace.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+// #include "ddp/work.hpp" (already included above)
+#if DDP_HAS_CUDA
+// #include "ddp/cuda.hpp" (already included above)
+#endif
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <ranges>
+#include <span>
+#include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -6055,6 +6450,10 @@ class Communicator {
 
  private:
   static Communicator init_unnamed(const Environment& env, Options options) {
+    // A malformed DDP_* variable fails this rank once it has joined the rendezvous (below), so
+    // that the others learn why at once instead of at their timeout.
+    std::exception_ptr bad_setting;
+    options = options.with_env(detail::EnvReader(), bad_setting);
     auto state = std::make_shared<State>();
     state->configure(options);
     state->world_rank = env.rank;
@@ -6070,31 +6469,11 @@ class Communicator {
                      ": Communicator::init: MASTER_PORT is not set (world size ", env.world_size,
                      "); export MASTER_ADDR and MASTER_PORT, or launch with ddprun");
       }
-      StoreOptions so;
-      so.timeout = options.timeout;
-      so.token = options.token;
-      const int store_port = env.store_port != 0 ? env.store_port : env.master_port;
-      const bool hosted = options.external_store || detail::env_or("DDP_STORE_HOSTED", "0") == "1";
-      if (env.rank == 0 && !hosted) {
-        try {
-          state->server = std::make_unique<StoreServer>(env.master_addr, store_port, so);
-        } catch (const Error& e) {
-          if (e.code() != Errc::address_in_use) throw;
-          detail::fail(Errc::address_in_use, "rank 0: cannot host the rendezvous store: ", e.what(),
-                       " (or a second process was started with RANK=0)");
-        }
-      }
-      const std::string prefix =
-          detail::concat("ddp/", detail::env_or("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
-      state->root_store = std::make_shared<Store>(env.master_addr, store_port, so);
-      state->prefix = prefix;
-      bi.store = std::make_shared<Store>(state->root_store->prefixed(prefix).watching("failed"));
-      state->store = bi.store;
-      state->world_size = env.world_size;
-      detail::claim_rank(*bi.store, env.rank, options.group);
-      state->joined = true;
+      bi.store = state->join_store(env);
     }
+    if (bad_setting && !bi.store) std::rethrow_exception(bad_setting);
     state->create_backend(bi, [&] {
+      if (bad_setting) std::rethrow_exception(bad_setting);
       if (bi.store) {
         detail::agree_on_job(*bi.store, bi.rank,
                              {bi.size, std::string(Backend::name), options.verify_collectives},
@@ -6366,89 +6745,32 @@ class Communicator {
   /// backend can reach them, on the peers. Safe to call from any thread, e.g. a watchdog.
   void abort(const std::string& why = "Communicator::abort() was called") {
     auto& s = same_process("abort");
-    {
-      std::lock_guard lock(s.poison_mutex);
-      if (s.poison.empty()) {
-        s.poison = detail::concat("rank ", s.backend->rank(), ": aborted: ", why);
-        s.poison_code = Errc::aborted;
-        s.poisoned.store(true, std::memory_order_release);
-      }
-    }
+    s.poison_with(detail::concat("rank ", s.backend->rank(), ": aborted: ", why), Errc::aborted);
     s.backend->abort(Errc::aborted, why);
   }
 
  private:
-  struct State {
+  /// The communicator's state: detail::CommState (everything that does not depend on the
+  /// backend) and the backend.
+  struct State : detail::CommState {
+    State() = default;
+    State(const State&) = delete;
+    State& operator=(const State&) = delete;
     ~State() {
-      if (detail::fork_generation() != fork_generation) {
-        // A fork() child's copy: the parent owns the store, the shared memory and the peers,
-        // and this process has none of the threads. Touch nothing; keep it reachable.
-        static std::vector<State*> inherited;
-        inherited.push_back(new State(std::move(*this), Inherited{}));
+      if (inherited()) {  // a fork() child's copy: see CommState::abandon
+        abandon();
+        (void)backend.release();
+        (void)local_group.release();
         return;
       }
       local_group.reset();
       executor.reset();  // drain the queue first
-      // Rank 0 keeps the store up until every rank has left, so none loses it mid-call; after a
-      // failed rendezvous too, so the others can read why it failed.
-      if (store && joined && !store->lost()) {
-        try {
-          Store plain = store->unwatched();  // the waits below must not end at "failed"
-          plain.set(detail::concat("exit/", world_rank_in_group), "");
-          const auto limit =
-              std::min<std::chrono::milliseconds>(options.timeout, std::chrono::seconds(10));
-          if (server && backend && poison.empty()) {
-            std::vector<std::string> keys;
-            for (int r = 0; r < world_size; ++r) keys.push_back(detail::concat("exit/", r));
-            (void)plain.missing_after(keys, limit);
-          } else if (server && !backend) {
-            linger_after_failed_rendezvous(plain, limit);
-          }
-        } catch (...) {  // leaving anyway
-        }
-      }
+      leave(backend != nullptr);
       backend.reset();
-    }
-    State() = default;
-    struct Inherited {};
-
-    /// The rendezvous failed here, and this process hosts the store: keep it up until every rank
-    /// that claimed its place has left (and has so read why), for at most `limit`; ranks that
-    /// never claimed one get a second to appear. Nobody waits for a rank that was never started.
-    void linger_after_failed_rendezvous(Store& plain, std::chrono::milliseconds limit) const {
-      const auto start = std::chrono::steady_clock::now();
-      for (;;) {
-        bool all_left = true, all_claimed = true;
-        for (int r = 0; r < world_size && all_left; ++r) {
-          const std::string claim = detail::concat("claim/", r);
-          const std::string left = detail::concat("exit/", r);
-          if (!plain.check(std::span<const std::string>(&claim, 1)))
-            all_claimed = false;
-          else if (!plain.check(std::span<const std::string>(&left, 1)))
-            all_left = false;
-        }
-        const auto waited = std::chrono::steady_clock::now() - start;
-        if ((all_left && (all_claimed || waited > std::chrono::seconds(1))) || waited > limit)
-          return;
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-    }
-    // Moves the members out of a fork child's copy (see ~State) without running their cleanup.
-    State(State&& o, Inherited) {
-      executor.reset(o.executor.release());
-      server.reset(o.server.release());
-      backend.reset(o.backend.release());
-      local_group.reset(o.local_group.release());
-      root_store = std::move(o.root_store);
-      store = std::move(o.store);
-#if DDP_HAS_CUDA
-      staging.reset(o.staging.release());
-#endif
     }
 
     /// Creates the backend after `before()` (checks that need the store), telling the other
-    /// ranks when this rank fails: they are waiting on the store for it, and fail at once with
-    /// its reason instead of at their timeout.
+    /// ranks when this rank fails (CommState::relay_failure).
     template <class Check>
     void create_backend(const detail::BackendInit& bi, const Check& before) {
       world_rank_in_group = bi.rank;
@@ -6456,61 +6778,17 @@ class Communicator {
         before();
         backend = Backend::create(bi);
       } catch (const Error& e) {
-        constexpr std::string_view relayed = "the rendezvous failed on rank ";
-        if (std::string_view(e.what()).starts_with(relayed)) {  // another rank's, via the store
-          detail::fail(e.code(), "rank ", bi.rank, ": ", e.what());
-        }
-        if (store && !store->lost()) {
-          try {
-            (void)store->compare_set(
-                "failed", "",
-                Store::stop_value(e.code(), detail::concat(relayed, bi.rank, ": ", e.what())));
-          } catch (...) {  // the store is gone too: the peers learn from it
-          }
-        }
+        relay_failure(bi.rank, e);
         throw;
       }
-    }
-    void configure(const Options& o) {
-      options = o;
-      recorder.resize(detail::trace_capacity(o));
     }
     [[nodiscard]] std::string trace(std::string_view why) const {
       return detail::format_trace(recorder.recent(), recorder.issued(), backend->rank(),
                                   backend->size(), options.group, why);
     }
 
-    Options options;
-    detail::FlightRecorder recorder;
-    std::uint64_t fork_generation = detail::fork_generation();  // made in this process
-    int pid = static_cast<int>(::getpid());
-    bool joined = false;          // this process holds its rank's claim in the store
-    int world_size = 1;           // ranks in this communicator (for the store host's wait)
-    int world_rank_in_group = 0;  // this rank in this communicator
-    int world_rank = 0;
-    int local_rank_hint = 0;  // the launcher's local rank: the default CUDA device
-    std::unique_ptr<StoreServer> server;
-    std::shared_ptr<Store> root_store;
-    std::shared_ptr<Store> store;
-    std::string prefix;
     std::unique_ptr<Backend> backend;
-    std::unique_ptr<detail::Executor> executor = std::make_unique<detail::Executor>();
-    std::uint64_t splits = 0;
     std::unique_ptr<Communicator> local_group;
-    std::mutex poison_mutex;
-    std::string poison;
-    Errc poison_code = Errc::aborted;
-    std::atomic<bool> poisoned{false};  // poison is set: read without the lock on every call
-#if DDP_HAS_CUDA
-    std::unique_ptr<detail::CudaStaging> staging;  // made on first use
-
-    detail::CudaStaging& cuda_staging() {
-      if (!staging)
-        staging =
-            std::make_unique<detail::CudaStaging>(options.timeout, options.cuda_staging_bytes);
-      return *staging;
-    }
-#endif
   };
 
   explicit Communicator(std::shared_ptr<State> s) : state_(std::move(s)) {}
@@ -6519,14 +6797,7 @@ class Communicator {
   /// shares its peers' shared memory and sockets, and using them would corrupt the parent's job.
   State& same_process(const char* what) const {
     State& s = checked();
-    if (detail::fork_generation() != s.fork_generation) [[unlikely]] {
-      detail::fail(Errc::invalid_argument, "rank ", s.backend->rank(), ": ", what,
-                   ": this communicator was created by process ", s.pid,
-                   " and cannot be used by a child it fork()ed (this is process ", ::getpid(),
-                   "): the child would write into the parent's connections and shared memory. "
-                   "Create a new communicator in the child (another MASTER_PORT or "
-                   "Options::group), or fork before init()");
-    }
+    s.check_process(s.backend->rank(), what);
     return s;
   }
 
@@ -6547,7 +6818,7 @@ class Communicator {
     using St = TraceRecord::State;
     s.recorder.update(seq, St::running);
     try {
-      run_poisoning(s, name, body);
+      s.run_poisoning(s.backend->rank(), name, [&] { body(*s.backend, s); });
     } catch (const Error& e) {
       s.recorder.update(seq, St::failed);
       if (e.code() == Errc::timeout && !s.options.trace_dump.empty()) {
@@ -6560,34 +6831,6 @@ class Communicator {
       throw;
     }
     s.recorder.update(seq, St::done);
-  }
-
-  template <class F>
-  static void run_poisoning(State& s, const char* name, const F& body) {
-    {
-      if (s.poisoned.load(std::memory_order_acquire)) {
-        std::lock_guard lock(s.poison_mutex);
-        detail::fail(Errc::aborted, "rank ", s.backend->rank(), ": ", name,
-                     ": this communicator failed earlier and cannot be used (", s.poison,
-                     "); create a new communicator (with another Options::group) to continue");
-      }
-    }
-    try {
-      body(*s.backend, s);
-    } catch (const Error& e) {
-      std::lock_guard lock(s.poison_mutex);
-      if (s.poison.empty()) {
-        s.poison = e.what();
-        s.poison_code = e.code();
-        s.poisoned.store(true, std::memory_order_release);
-      }
-      throw;
-    } catch (...) {
-      std::lock_guard lock(s.poison_mutex);
-      if (s.poison.empty()) s.poison = "an operation threw a non-ddp exception";
-      s.poisoned.store(true, std::memory_order_release);
-      throw;
-    }
   }
 
   /// Synchronous: inline when nothing is queued (no allocation, no lock on that path).
@@ -8633,25 +8876,10 @@ class Host {
     t_->verify_fingerprints = o.verify_collectives;
   }
 
-  /// Options::transport, else $DDP_HOST_TRANSPORT.
-  static HostTransport requested_transport(const Options& o) {
-    if (o.transport != HostTransport::automatic) return o.transport;
-    const std::string forced = detail::env_or("DDP_HOST_TRANSPORT", "");
-    if (forced == "tcp") return HostTransport::tcp;
-    if (forced == "shm") return HostTransport::shm;
-    if (!forced.empty() && forced != "auto") {
-      detail::fail(Errc::invalid_argument, "DDP_HOST_TRANSPORT=\"", forced,
-                   "\": use shm, tcp or auto");
-    }
-    return HostTransport::automatic;
-  }
-
-  /// Options::segment_bytes, else $DDP_SEGMENT_BYTES, else the transport's default.
+  /// Options::transport and segment_bytes, the environment applied (Options::with_env).
+  static HostTransport requested_transport(const Options& o) { return o.transport; }
   static std::size_t segment_bytes(const Options& o, std::size_t fallback) {
-    if (o.segment_bytes != 0) return o.segment_bytes;
-    const auto n = detail::env_unsigned("DDP_SEGMENT_BYTES", 4096, std::uint64_t{1} << 40,
-                                        "a number of bytes in [4096, 2^40]");
-    return n ? static_cast<std::size_t>(*n) : fallback;
+    return o.segment_bytes != 0 ? o.segment_bytes : fallback;
   }
 
   /// Largest shm slot: a round moves at most one slot, and rounds this large already run at

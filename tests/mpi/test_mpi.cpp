@@ -8,6 +8,8 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include "../unit/collective_cases.hpp"
 
+#include <ddp/backend/mpi.hpp>
+
 #include <mpi.h>
 
 #include <cstdlib>

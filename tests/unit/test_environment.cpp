@@ -175,7 +175,9 @@ TEST_CASE("DDP_TIMEOUT sets Options::timeout in seconds, a malformed value is na
   CHECK(with("1e-3") == milliseconds(1));
   CHECK(with("2147483") == milliseconds(2147483000));
   ::setenv("DDP_TIMEOUT", "2.5", 1);
-  CHECK(ddp::Options{}.timeout == milliseconds(2500));
+  CHECK(ddp::Options::from_env().timeout == milliseconds(2500));
+  CHECK(ddp::Options{}.timeout == std::chrono::minutes(5));  // plain data: reads nothing
+  CHECK(ddp::Options{.timeout = milliseconds(7)}.with_env().timeout == milliseconds(7));
   ::unsetenv("DDP_TIMEOUT");
   for (const char* bad : {"abc", "-1", "0", "0.0001", "2147484", "inf", "nan", "5s", " "}) {
     CAPTURE(std::string(bad));
@@ -192,7 +194,9 @@ TEST_CASE("DDP_TIMEOUT sets Options::timeout in seconds, a malformed value is na
 }
 
 TEST_CASE("DDP_TRACE_ENTRIES and DDP_SEGMENT_BYTES: numbers in range, anything else named") {
-  ddp::Options o;
+  struct FromEnv {  // what Communicator::init does with the Options it is given
+    operator ddp::Options() const { return ddp::Options{}.with_env(); }
+  } o;
   ::unsetenv("DDP_TRACE_ENTRIES");
   CHECK(ddp::detail::trace_capacity(o) == 2000);
   ::setenv("DDP_TRACE_ENTRIES", "0", 1);
@@ -223,4 +227,42 @@ TEST_CASE("DDP_TRACE_ENTRIES and DDP_SEGMENT_BYTES: numbers in range, anything e
   }
   ::unsetenv("DDP_SEGMENT_BYTES");
   CHECK(!ddp::detail::env_unsigned("DDP_SEGMENT_BYTES", 4096, 1ull << 40, "bytes").has_value());
+  ::setenv("DDP_SEGMENT_BYTES", "65536", 1);
+  CHECK(ddp::Options::from_env().segment_bytes == 65536u);
+  CHECK(ddp::Options{.segment_bytes = 8192}.with_env().segment_bytes == 8192u);
+  ::unsetenv("DDP_SEGMENT_BYTES");
+}
+
+TEST_CASE(
+    "Options::with_env reads through any lookup, and only into fields left at their default") {
+  const std::map<std::string, std::string> vars = {
+      {"DDP_TIMEOUT", "3"},          {"DDP_TOKEN", "s3cret"},
+      {"DDP_HOST_TRANSPORT", "tcp"}, {"DDP_VERIFY_COLLECTIVES", "off"},
+      {"DDP_TRACE_ENTRIES", "7"},    {"DDP_TRACE_DUMP", "stderr"}};
+  const ddp::detail::EnvReader env([&](const char* name) -> const char* {
+    const auto it = vars.find(name);
+    return it == vars.end() ? nullptr : it->second.c_str();
+  });
+  const auto o = ddp::Options::from_env(env);
+  CHECK(o.timeout == std::chrono::seconds(3));
+  CHECK(o.token == "s3cret");
+  CHECK(o.transport == ddp::HostTransport::tcp);
+  CHECK_FALSE(o.verify_collectives);
+  CHECK(o.trace_entries == 7);
+  CHECK(o.trace_dump == "stderr");
+  ddp::Options mine;
+  mine.token = "mine";
+  mine.transport = ddp::HostTransport::shm;
+  mine.trace_dump = "/tmp";
+  const auto m = mine.with_env(env);
+  CHECK(m.token == "mine");
+  CHECK(m.transport == ddp::HostTransport::shm);
+  CHECK(m.trace_dump == "/tmp");
+  CHECK(m.timeout == std::chrono::seconds(3));
+  const ddp::detail::EnvReader bad([](const char* name) -> const char* {
+    return std::string_view(name) == "DDP_HOST_TRANSPORT" ? "carrier-pigeon" : nullptr;
+  });
+  CHECK_THROWS_WITH_AS(
+      (void)ddp::Options::from_env(bad),
+      doctest::Contains("DDP_HOST_TRANSPORT=\"carrier-pigeon\": use shm, tcp or auto"), ddp::Error);
 }

@@ -108,12 +108,12 @@ TEST_CASE("a communicator used by a fork() child fails there and leaves the pare
 
 TEST_CASE("DDP_VERIFY_COLLECTIVES takes yes/no words and refuses anything else") {
   ::setenv("DDP_VERIFY_COLLECTIVES", "false", 1);
-  CHECK_FALSE(ddp::Options{}.verify_collectives);
+  CHECK_FALSE(ddp::Options::from_env().verify_collectives);
   ::setenv("DDP_VERIFY_COLLECTIVES", "On", 1);
-  CHECK(ddp::Options{}.verify_collectives);
+  CHECK(ddp::Options::from_env().verify_collectives);
   ::setenv("DDP_VERIFY_COLLECTIVES", "maybe", 1);
   try {
-    (void)ddp::Options{};
+    (void)ddp::Options::from_env();
     FAIL_CHECK("DDP_VERIFY_COLLECTIVES=maybe was accepted");
   } catch (const ddp::Error& e) {
     CHECK(e.code() == ddp::Errc::invalid_argument);

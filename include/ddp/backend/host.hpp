@@ -513,25 +513,10 @@ class Host {
     t_->verify_fingerprints = o.verify_collectives;
   }
 
-  /// Options::transport, else $DDP_HOST_TRANSPORT.
-  static HostTransport requested_transport(const Options& o) {
-    if (o.transport != HostTransport::automatic) return o.transport;
-    const std::string forced = detail::env_or("DDP_HOST_TRANSPORT", "");
-    if (forced == "tcp") return HostTransport::tcp;
-    if (forced == "shm") return HostTransport::shm;
-    if (!forced.empty() && forced != "auto") {
-      detail::fail(Errc::invalid_argument, "DDP_HOST_TRANSPORT=\"", forced,
-                   "\": use shm, tcp or auto");
-    }
-    return HostTransport::automatic;
-  }
-
-  /// Options::segment_bytes, else $DDP_SEGMENT_BYTES, else the transport's default.
+  /// Options::transport and segment_bytes, the environment applied (Options::with_env).
+  static HostTransport requested_transport(const Options& o) { return o.transport; }
   static std::size_t segment_bytes(const Options& o, std::size_t fallback) {
-    if (o.segment_bytes != 0) return o.segment_bytes;
-    const auto n = detail::env_unsigned("DDP_SEGMENT_BYTES", 4096, std::uint64_t{1} << 40,
-                                        "a number of bytes in [4096, 2^40]");
-    return n ? static_cast<std::size_t>(*n) : fallback;
+    return o.segment_bytes != 0 ? o.segment_bytes : fallback;
   }
 
   /// Largest shm slot: a round moves at most one slot, and rounds this large already run at

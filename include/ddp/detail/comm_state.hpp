@@ -1,0 +1,237 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// What a communicator holds besides its backend, and the rules around it that do not depend on
+/// the backend (compiled once, not per Communicator<Backend>): its store connections and the
+/// leaving protocol, the executor, the flight recorder, the poison that makes every call after a
+/// failure fail at once, and the fork() check.
+
+#include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+#include "ddp/detail/env.hpp"
+#include "ddp/detail/fork.hpp"
+#include "ddp/detail/rendezvous.hpp"
+#include "ddp/detail/staging.hpp"
+#include "ddp/environment.hpp"
+#include "ddp/error.hpp"
+#include "ddp/options.hpp"
+#include "ddp/store/client.hpp"
+#include "ddp/store/server.hpp"
+#include "ddp/trace.hpp"
+#include "ddp/work.hpp"
+#if DDP_HAS_CUDA
+#include "ddp/cuda.hpp"
+#endif
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+struct CommState {
+  CommState() = default;
+  CommState(const CommState&) = delete;
+  CommState& operator=(const CommState&) = delete;
+  ~CommState() = default;
+
+  Options options;
+  FlightRecorder recorder;
+  std::uint64_t fork_generation = detail::fork_generation();  // made in this process
+  int pid = static_cast<int>(::getpid());
+  bool joined = false;          // this process holds its rank's claim in the store
+  int world_size = 1;           // ranks in this communicator (for the store host's wait)
+  int world_rank_in_group = 0;  // this rank in this communicator
+  int world_rank = 0;
+  int local_rank_hint = 0;  // the launcher's local rank: the default CUDA device
+  std::unique_ptr<StoreServer> server;
+  std::shared_ptr<Store> root_store;
+  std::shared_ptr<Store> store;
+  std::string prefix;
+  std::unique_ptr<Executor> executor = std::make_unique<Executor>();
+  std::uint64_t splits = 0;
+  std::mutex poison_mutex;
+  std::string poison;
+  Errc poison_code = Errc::aborted;
+  std::atomic<bool> poisoned{false};  // poison is set: read without the lock on every call
+#if DDP_HAS_CUDA
+  std::unique_ptr<CudaStaging> staging;  // made on first use
+
+  CudaStaging& cuda_staging() {
+    if (!staging)
+      staging = std::make_unique<CudaStaging>(options.timeout, options.cuda_staging_bytes);
+    return *staging;
+  }
+#endif
+
+  void configure(const Options& o) {
+    options = o;
+    recorder.resize(trace_capacity(o));
+  }
+
+  /// Joins the rendezvous store of the job `env` describes: rank 0 hosts it (unless a launcher
+  /// does: Options::external_store, DDP_STORE_HOSTED=1), every rank connects, works under this
+  /// communicator's prefix, watches the "failed" key and claims its rank. Returns that store.
+  std::shared_ptr<Store> join_store(const Environment& env) {
+    StoreOptions so;
+    so.timeout = options.timeout;
+    so.token = options.token;
+    const EnvReader launcher;  // what the launcher that hosts the store says
+    const int store_port = env.store_port != 0 ? env.store_port : env.master_port;
+    const bool hosted = options.external_store || launcher.get("DDP_STORE_HOSTED") == "1";
+    if (env.rank == 0 && !hosted) {
+      try {
+        server = std::make_unique<StoreServer>(env.master_addr, store_port, so);
+      } catch (const Error& e) {
+        if (e.code() != Errc::address_in_use) throw;
+        fail(Errc::address_in_use, "rank 0: cannot host the rendezvous store: ", e.what(),
+             " (or a second process was started with RANK=0)");
+      }
+    }
+    prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
+    root_store = std::make_shared<Store>(env.master_addr, store_port, so);
+    store = std::make_shared<Store>(root_store->prefixed(prefix).watching("failed"));
+    world_size = env.world_size;
+    claim_rank(*store, env.rank, options.group);
+    joined = true;
+    return store;
+  }
+
+  /// Whether this is a fork() child's copy.
+  [[nodiscard]] bool inherited() const noexcept {
+    return detail::fork_generation() != fork_generation;
+  }
+
+  /// A fork() child's copy: the parent owns the store, the shared memory and the peers, and
+  /// this process has none of the threads. Touch nothing; keep it reachable (never destroyed).
+  void abandon() noexcept {
+    (void)executor.release();
+    (void)server.release();
+    (void)new std::shared_ptr<Store>(std::move(root_store));
+    (void)new std::shared_ptr<Store>(std::move(store));
+#if DDP_HAS_CUDA
+    (void)staging.release();
+#endif
+  }
+
+  /// The fork() check of every call: a child shares its parent's peers' shared memory and
+  /// sockets, and using them would corrupt the parent's job.
+  void check_process(int rank, const char* what) const {
+    if (inherited()) [[unlikely]] {
+      fail(Errc::invalid_argument, "rank ", rank, ": ", what,
+           ": this communicator was created by process ", pid,
+           " and cannot be used by a child it fork()ed (this is process ", ::getpid(),
+           "): the child would write into the parent's connections and shared memory. Create a "
+           "new communicator in the child (another MASTER_PORT or Options::group), or fork "
+           "before init()");
+    }
+  }
+
+  /// Leaving (the communicator is destroyed, its executor drained): this rank says so in the
+  /// store; rank 0 keeps the store up until every rank has left, so none loses it mid-call, and
+  /// after a failed rendezvous too, so the others can read why it failed.
+  void leave(bool connected) {
+    if (!store || !joined || store->lost()) return;
+    try {
+      Store plain = store->unwatched();  // the waits below must not end at "failed"
+      plain.set(concat("exit/", world_rank_in_group), "");
+      const auto limit =
+          std::min<std::chrono::milliseconds>(options.timeout, std::chrono::seconds(10));
+      if (server && connected && poison.empty()) {
+        std::vector<std::string> keys;
+        for (int r = 0; r < world_size; ++r) keys.push_back(concat("exit/", r));
+        (void)plain.missing_after(keys, limit);
+      } else if (server && !connected) {
+        linger_after_failed_rendezvous(plain, limit);
+      }
+    } catch (...) {  // leaving anyway
+    }
+  }
+
+  /// The rendezvous failed here, and this process hosts the store: keep it up until every rank
+  /// that claimed its place has left (and has so read why), for at most `limit`; ranks that
+  /// never claimed one get a second to appear. Nobody waits for a rank that was never started.
+  void linger_after_failed_rendezvous(Store& plain, std::chrono::milliseconds limit) const {
+    const auto start = std::chrono::steady_clock::now();
+    for (;;) {
+      bool all_left = true, all_claimed = true;
+      for (int r = 0; r < world_size && all_left; ++r) {
+        const std::string claim = concat("claim/", r);
+        const std::string left = concat("exit/", r);
+        if (!plain.check(std::span<const std::string>(&claim, 1)))
+          all_claimed = false;
+        else if (!plain.check(std::span<const std::string>(&left, 1)))
+          all_left = false;
+      }
+      const auto waited = std::chrono::steady_clock::now() - start;
+      if ((all_left && (all_claimed || waited > std::chrono::seconds(1))) || waited > limit) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+
+  /// Creating the backend failed on `rank` with `e`: tell the other ranks, which are waiting on
+  /// the store for it, so that they fail at once with its reason instead of at their timeout.
+  /// A failure relayed from another rank gets this rank's name in front instead.
+  void relay_failure(int rank, const Error& e) {
+    constexpr std::string_view relayed = "the rendezvous failed on rank ";
+    if (std::string_view(e.what()).starts_with(relayed)) {  // another rank's, via the store
+      fail(e.code(), "rank ", rank, ": ", e.what());
+    }
+    if (store && !store->lost()) {
+      try {
+        (void)store->compare_set(
+            "failed", "", Store::stop_value(e.code(), concat(relayed, rank, ": ", e.what())));
+      } catch (...) {  // the store is gone too: the peers learn from it
+      }
+    }
+  }
+
+  /// Marks the communicator failed with `why` (the first failure wins).
+  void poison_with(std::string why, Errc code) {
+    std::lock_guard lock(poison_mutex);
+    if (poison.empty()) {
+      poison = std::move(why);
+      poison_code = code;
+      poisoned.store(true, std::memory_order_release);
+    }
+  }
+
+  /// Runs body() unless the communicator is poisoned (then fails at once), and poisons it when
+  /// body fails.
+  template <class F>
+  void run_poisoning(int rank, const char* name, const F& body) {
+    if (poisoned.load(std::memory_order_acquire)) [[unlikely]] {
+      std::lock_guard lock(poison_mutex);
+      fail(Errc::aborted, "rank ", rank, ": ", name,
+           ": this communicator failed earlier and cannot be used (", poison,
+           "); create a new communicator (with another Options::group) to continue");
+    }
+    try {
+      body();
+    } catch (const Error& e) {
+      poison_with(e.what(), e.code());
+      throw;
+    } catch (...) {
+      poison_with("an operation threw a non-ddp exception", Errc::aborted);
+      throw;
+    }
+  }
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE

@@ -1,0 +1,142 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// The one reader of environment variables (the launchers' RANK, WORLD_SIZE, ... and ddp's own
+/// DDP_*): EnvReader over an injectable lookup (getenv by default; tests and programs that keep
+/// their configuration elsewhere pass their own), with one set of rules for each kind of value.
+/// A malformed value is Errc::invalid_argument naming the variable and what it must be.
+///
+/// Who reads what: Environment::detect (the launcher's variables), Options::with_env (DDP_TIMEOUT,
+/// DDP_TOKEN, DDP_HOST_TRANSPORT, DDP_SEGMENT_BYTES, DDP_VERIFY_COLLECTIVES, DDP_TRACE_ENTRIES,
+/// DDP_TRACE_DUMP), Communicator::init (DDP_STORE_HOSTED, DDP_RESTART_COUNT: set by launchers
+/// that host the store), ddp::spawn and ddprun (what they pass to their workers).
+
+#include "ddp/config.hpp"
+#include "ddp/error.hpp"
+
+#include <charconv>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <system_error>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// A variable's value, or nullptr when it is unset.
+using EnvLookup = std::function<const char*(const char*)>;
+
+/// The process environment (getenv).
+[[nodiscard]] inline const char* process_env(const char* name) { return std::getenv(name); }
+
+class EnvReader {
+ public:
+  /// Reads the process environment.
+  EnvReader() : lookup_(&process_env) {}
+  explicit EnvReader(EnvLookup lookup) : lookup_(std::move(lookup)) {}
+
+  /// Set and not empty.
+  [[nodiscard]] bool has(const char* name) const {
+    const char* v = lookup_(name);
+    return v != nullptr && *v != '\0';
+  }
+  [[nodiscard]] std::optional<std::string> str(const char* name) const {
+    const char* v = lookup_(name);
+    if (v == nullptr || *v == '\0') return std::nullopt;
+    return std::string(v);
+  }
+  /// The value, or `fallback` when unset (an empty value is returned as it is).
+  [[nodiscard]] std::string get(const char* name, std::string_view fallback = {}) const {
+    const char* v = lookup_(name);
+    return v != nullptr ? std::string(v) : std::string(fallback);
+  }
+
+  /// A launcher's integer in [min, max]; anything else is an error that names the variable.
+  [[nodiscard]] std::optional<int> integer(const char* name, int min, int max) const {
+    const auto v = str(name);
+    if (!v) return std::nullopt;
+    const std::string_view text(*v);
+    int value = 0;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+    if (ec != std::errc{} || end != text.data() + text.size()) {
+      fail(Errc::invalid_argument, "environment variable ", name, "=\"", text,
+           "\" is not an integer; check what your launcher exported");
+    }
+    if (value < min || value > max) {
+      fail(Errc::invalid_argument, "environment variable ", name, "=", value, " is out of range [",
+           min, ", ", max, "]");
+    }
+    return value;
+  }
+
+  /// A whole number in [min, max], or nullopt when unset or empty. Anything else (a sign, a
+  /// unit, a number out of range) names the variable and `what` it must be.
+  [[nodiscard]] std::optional<std::uint64_t> whole_number(const char* name, std::uint64_t min,
+                                                          std::uint64_t max,
+                                                          std::string_view what) const {
+    const auto v = str(name);
+    if (!v) return std::nullopt;
+    std::uint64_t n = 0;
+    const auto [end, ec] = std::from_chars(v->data(), v->data() + v->size(), n);
+    if (ec != std::errc{} || end != v->data() + v->size() || n < min || n > max)
+      fail(Errc::invalid_argument, name, "=\"", *v, "\" must be ", what);
+    return n;
+  }
+
+  /// A yes/no setting: 1, true, on, yes or 0, false, off, no (any case); nullopt when unset or
+  /// empty. Anything else names the variable.
+  [[nodiscard]] std::optional<bool> flag(const char* name) const {
+    const auto v = str(name);
+    if (!v) return std::nullopt;
+    std::string w = *v;
+    for (char& c : w) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+    if (w == "1" || w == "true" || w == "on" || w == "yes") return true;
+    if (w == "0" || w == "false" || w == "off" || w == "no") return false;
+    fail(Errc::invalid_argument, name, "=\"", *v,
+         "\" is not a yes/no setting: use 1 or 0 (also true/false, on/off, yes/no)");
+  }
+
+  /// Seconds as a decimal number (30, 0.5) in [0.001, 2147483]; nullopt when unset or empty.
+  [[nodiscard]] std::optional<std::chrono::milliseconds> seconds(const char* name) const {
+    const auto v = str(name);
+    if (!v) return std::nullopt;
+    char* end = nullptr;
+    const double s = std::strtod(v->c_str(), &end);
+    if (end == v->c_str() || *end != '\0' || !(s >= 0.001) || s > 2147483.0) {
+      fail(Errc::invalid_argument, name, "=\"", *v,
+           "\" is not a timeout: give seconds, at least 0.001 and at most 2147483 (e.g. 300)");
+    }
+    return std::chrono::milliseconds(static_cast<std::int64_t>(s * 1000.0 + 0.5));
+  }
+
+ private:
+  EnvLookup lookup_;
+};
+
+// The process environment through the reader, under the names the headers used before it.
+[[nodiscard]] inline std::string env_or(const char* name, std::string_view fallback) {
+  return EnvReader().get(name, fallback);
+}
+[[nodiscard]] inline std::string env_or_empty(const char* name) { return env_or(name, ""); }
+[[nodiscard]] inline std::optional<std::uint64_t> env_unsigned(const char* name, std::uint64_t min,
+                                                               std::uint64_t max,
+                                                               std::string_view what) {
+  return EnvReader().whole_number(name, min, max, what);
+}
+[[nodiscard]] inline bool env_flag(const char* name, bool fallback) {
+  return EnvReader().flag(name).value_or(fallback);
+}
+/// $DDP_TIMEOUT or `fallback` when unset.
+[[nodiscard]] inline std::chrono::milliseconds timeout_from_env(
+    std::chrono::milliseconds fallback) {
+  return EnvReader().seconds("DDP_TIMEOUT").value_or(fallback);
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE

@@ -1,0 +1,529 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// detail::StoreEngine: the rendezvous store's protocol and data, free of I/O: the handshake,
+/// the limits, the operations, and waits answered or timed out by the server. StoreServer
+/// (store/server.hpp) feeds it the bytes of its connections. See ddp/store.hpp for what makes the
+/// store safe to expose.
+
+#include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+#include "ddp/detail/bytes.hpp"
+#include "ddp/detail/crypto.hpp"
+#include "ddp/detail/socket.hpp"
+#include "ddp/error.hpp"
+#include "ddp/store/protocol.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+namespace detail {
+
+/// The store server's protocol and data, free of I/O ("sans-IO"): StoreServer feeds it the bytes
+/// each connection sends and writes out what it queues; the frame-parser fuzzer
+/// (tests/fuzz/fuzz_store.cpp) drives it directly. Single-threaded.
+class StoreEngine {
+ public:
+  struct Session {
+    std::string peer;
+    bool authed = false;
+    store_proto::Nonce nonce{};
+    Clock::time_point accepted;
+    std::string in;             // bytes of the frame being read (length prefix included)
+    std::size_t frame_len = 0;  // 0 while the prefix is incomplete
+    std::string out;            // output not yet sent
+    std::size_t out_sent = 0;
+    bool close_after_write = false;  // close once `out` is sent
+    bool closed = false;             // close now; pending output is discarded
+  };
+
+  /// Output a connection may have pending before the server stops reading its requests (a
+  /// client that pipelines requests and never reads the replies cannot make the server buffer
+  /// more than this plus one reply).
+  static constexpr std::size_t backlog_limit = std::size_t{1} << 20;
+
+  /// `options.log` must be set.
+  explicit StoreEngine(StoreOptions options) : options_(std::move(options)) {}
+
+  [[nodiscard]] const StoreOptions& options() const noexcept { return options_; }
+  [[nodiscard]] std::uint64_t refused() const noexcept { return refused_.load(); }
+  [[nodiscard]] std::map<std::uint64_t, Session>& sessions() noexcept { return sessions_; }
+  [[nodiscard]] Session* session(std::uint64_t id) {
+    auto it = sessions_.find(id);
+    return it == sessions_.end() ? nullptr : &it->second;
+  }
+  [[nodiscard]] std::size_t keys() const noexcept { return data_.size(); }
+
+  /// A new connection from `peer`: queues the server's hello and returns the session's id, or
+  /// 0 (logged) when the server already has max_connections authenticated clients. Connections
+  /// that have not authenticated share a small budget (max_pending_handshakes): a new one closes
+  /// the oldest of them rather than be refused, so a flood of idle connections cannot keep a
+  /// real rank from connecting (it authenticates within one round trip).
+  std::uint64_t open(std::string peer, Clock::time_point now) {
+    std::size_t live = 0, pending = 0;
+    for (const auto& [id, s] : sessions_) {
+      live += s.closed ? 0 : 1;
+      pending += !s.authed && !s.closed ? 1 : 0;
+    }
+    if (pending > 0 && (pending >= std::max<std::size_t>(1, options_.max_pending_handshakes) ||
+                        live >= options_.max_connections)) {
+      evict_oldest_pending();
+      --live;
+    }
+    if (live >= options_.max_connections) {
+      refuse(peer, "too many connections");
+      return 0;
+    }
+    Session s;
+    s.peer = std::move(peer);
+    s.accepted = now;
+    random_bytes(s.nonce.data(), s.nonce.size());
+    std::string hello;
+    ByteWriter w(hello);
+    w.put(store_proto::magic);
+    w.put(store_proto::version);
+    w.put(static_cast<std::uint8_t>(options_.token.empty() ? 0 : 1));
+    w.raw(s.nonce.data(), s.nonce.size());
+    queue_frame(s, hello);
+    const auto id = next_id_++;
+    sessions_.emplace(id, std::move(s));
+    return id;
+  }
+
+  /// Whether the server should read more from a session: open, not refused, and its pending
+  /// output under backlog_limit.
+  [[nodiscard]] static bool readable(const Session& s) noexcept {
+    return !s.closed && !s.close_after_write && s.out.size() - s.out_sent < backlog_limit;
+  }
+
+  /// The bytes up to the end of the frame being read (or of its length prefix): the server reads
+  /// no further, so it can stop between requests when a client's backlog is full.
+  [[nodiscard]] static std::size_t wanted(const Session& s) noexcept {
+    return s.frame_len != 0 ? s.frame_len + 4 - s.in.size() : 4 - s.in.size();
+  }
+
+  /// Consumes bytes a connection sent, any amount, frame by frame. Only the current frame is
+  /// buffered and only as far as it has arrived, so memory follows the bytes actually sent, never
+  /// a length someone claims. A malformed frame closes the session (logged).
+  void receive(std::uint64_t id, std::string_view bytes, Clock::time_point now) {
+    Session* s = session(id);
+    while (s != nullptr && !s->closed && !bytes.empty()) {
+      const std::size_t take = std::min(wanted(*s), bytes.size());
+      s->in.append(bytes.substr(0, take));
+      bytes.remove_prefix(take);
+      if (s->frame_len == 0 && s->in.size() == 4 && !read_length(*s)) return;
+      if (s->frame_len != 0 && s->in.size() == s->frame_len + 4) {
+        try {
+          const auto frame = std::string_view(s->in).substr(4);
+          if (!s->authed)
+            handshake(*s, frame);
+          else
+            handle(id, *s, frame, now);
+        } catch (const Error& e) {
+          return drop(*s, e.what());
+        }
+        release(s->in);
+        s->frame_len = 0;
+        if (s->close_after_write) return;  // nothing more is read from a refused client
+      }
+    }
+  }
+
+  /// The peer closed (EOF, reset or broken pipe). A connection that never sent a byte of a
+  /// handshake is stray traffic and is logged.
+  void peer_closed(std::uint64_t id) {
+    Session* s = session(id);
+    if (s == nullptr || s->closed) return;
+    if (!s->authed && s->in.empty() && !s->close_after_write)
+      refuse(s->peer, "connected and closed without a handshake");
+    s->closed = true;
+  }
+
+  /// Answers the waits whose deadline passed (Status::timeout with the missing keys) and drops
+  /// the connections that did not finish the handshake in time.
+  void expire(Clock::time_point now) {
+    flush_log_summary();
+    std::erase_if(waiters_, [&](const Waiter& wt) {
+      Session* s = session(wt.conn);
+      if (s == nullptr || s->closed) return true;
+      if (wt.deadline > now) return false;
+      std::string body;
+      ByteWriter w(body);
+      std::vector<std::string_view> missing;
+      for (const auto& k : wt.keys) {
+        if (data_.count(k) == 0) missing.push_back(k);
+      }
+      w.put(static_cast<std::uint32_t>(missing.size()));
+      for (auto k : missing) w.str(k);
+      reply(*s, wt.request, Status::timeout, body);
+      return true;
+    });
+    for (auto& [id, s] : sessions_) {
+      if (!s.closed && !s.authed && now - s.accepted > options_.handshake_timeout)
+        drop(s, "no handshake before the timeout");
+    }
+  }
+
+  /// The earliest of `limit`, the waits' deadlines and the handshake deadlines.
+  [[nodiscard]] Clock::time_point next_deadline(Clock::time_point limit) const {
+    for (const auto& w : waiters_) limit = std::min(limit, w.deadline);
+    for (const auto& [id, s] : sessions_) {
+      if (!s.authed && !s.closed) limit = std::min(limit, s.accepted + options_.handshake_timeout);
+    }
+    return limit;
+  }
+
+  /// Forgets the closed sessions and their waits.
+  void reap() {
+    std::erase_if(sessions_, [](const auto& kv) { return kv.second.closed; });
+    std::erase_if(waiters_, [&](const Waiter& wt) { return sessions_.count(wt.conn) == 0; });
+  }
+
+  /// Marks every session closed (the server stops).
+  void close_all() {
+    for (auto& [id, s] : sessions_) s.closed = true;
+  }
+
+ private:
+  using Op = store_proto::Op;
+  using Status = store_proto::Status;
+
+  struct Waiter {
+    std::uint64_t conn;
+    std::uint64_t request;
+    std::vector<std::string> keys;
+    Clock::time_point deadline;
+    bool is_get;
+    std::string stop;  // answer Status::stopped as soon as this key exists (empty: none)
+  };
+
+  /// Counts and logs a refusal that has no session (e.g. the server ran out of descriptors).
+ public:
+  void note_refusal(std::string_view why) { refuse("a client", why); }
+
+ private:
+  /// Counts and logs a refusal; at most log_burst lines per 10 s, the rest summed up in one line
+  /// (a flood of bad connections must not flood the log).
+  void refuse(const std::string& peer, std::string_view why) {
+    refused_.fetch_add(1);
+    flush_log_summary();
+    if (logged_in_window_ < options_.log_burst) {
+      ++logged_in_window_;
+      options_.log(concat("refused ", peer, ": ", why));
+    } else {
+      ++suppressed_;
+    }
+  }
+
+  /// Starts a new log window when the last one is over, first saying how many lines it held back.
+  void flush_log_summary() {
+    const auto now = Clock::now();
+    if (now - log_window_ < std::chrono::seconds(10)) return;
+    if (suppressed_ != 0) {
+      options_.log(
+          concat(suppressed_, " more connection(s) refused in the last ",
+                 std::chrono::duration_cast<std::chrono::seconds>(now - log_window_).count(),
+                 " s (not logged one by one)"));
+    }
+    log_window_ = now;
+    logged_in_window_ = 0;
+    suppressed_ = 0;
+  }
+
+  /// Closes the connection that has waited longest without authenticating.
+  void evict_oldest_pending() {
+    for (auto& [id, s] : sessions_) {  // ids grow with time: the first match is the oldest
+      if (!s.authed && !s.closed) {
+        drop(s, "closed to make room: too many connections that have not authenticated");
+        return;
+      }
+    }
+  }
+
+  void drop(Session& s, std::string_view why) {
+    refuse(s.peer, why);
+    s.closed = true;
+  }
+
+  static void queue_frame(Session& s, std::string_view payload) {
+    ByteWriter w(s.out);
+    w.put(static_cast<std::uint32_t>(payload.size()));
+    s.out.append(payload);
+  }
+
+ public:
+  /// Empties a buffer, giving its memory back when it held a large frame.
+  static void release(std::string& buf) {
+    if (buf.capacity() > 64 * 1024)
+      std::string().swap(buf);
+    else
+      buf.clear();
+  }
+
+ private:
+  /// Checks a complete length prefix before a byte of the frame is buffered.
+  bool read_length(Session& s) {
+    ByteReader r(s.in, "frame length");
+    const auto len = r.get<std::uint32_t>();
+    const std::size_t limit =
+        s.authed ? store_proto::frame_limit(options_) : store_proto::handshake_frame_limit;
+    if (!s.authed && looks_like_text(s.in)) {
+      drop(s, concat("not a ddp store client (stray traffic starting \"", printable(s.in), "\")"));
+      return false;
+    }
+    if (len > limit) {
+      drop(s, concat("frame of ", len, " bytes refused (limit ", limit, ")"));
+      return false;
+    }
+    if (len == 0) {
+      drop(s, "empty frame");
+      return false;
+    }
+    s.frame_len = len;
+    return true;
+  }
+
+  static bool looks_like_text(std::string_view first4) {
+    return std::all_of(first4.begin(), first4.end(), [](char ch) {
+      return (ch >= 'A' && ch <= 'Z') || (ch >= 'a' && ch <= 'z') || ch == ' ' || ch == '/';
+    });
+  }
+  static std::string printable(std::string_view s) {
+    std::string out;
+    for (char ch : s) out += (ch >= 32 && ch < 127) ? ch : '?';
+    return out;
+  }
+
+  void handshake(Session& s, std::string_view frame) {
+    namespace sp = store_proto;
+    ByteReader r(frame, "store handshake");
+    if (r.get<std::uint32_t>() != sp::magic) fail(Errc::protocol, "bad handshake magic");
+    const auto v = r.get<std::uint16_t>();
+    sp::Nonce client_nonce{};
+    r.raw(client_nonce.data(), client_nonce.size());
+    Digest mac{};
+    r.raw(mac.data(), mac.size());
+    r.expect_end();
+    std::string reply;
+    ByteWriter w(reply);
+    if (v != sp::version) {
+      w.put(sp::HandshakeStatus::bad_version);
+      queue_frame(s, reply);
+      s.close_after_write = true;
+      refuse(s.peer, concat("protocol version ", v, " (server speaks ", sp::version, ")"));
+      return;
+    }
+    if (!options_.token.empty()) {
+      const auto expected = hmac_sha256(options_.token, sp::client_label, sp::as_view(s.nonce),
+                                        sp::as_view(client_nonce));
+      if (!constant_time_equal(expected, mac)) {
+        w.put(sp::HandshakeStatus::unauthorized);
+        queue_frame(s, reply);
+        s.close_after_write = true;
+        refuse(s.peer, "wrong or missing token (DDP_TOKEN)");
+        return;
+      }
+    }
+    w.put(sp::HandshakeStatus::ok);
+    const auto proof = options_.token.empty()
+                           ? Digest{}
+                           : hmac_sha256(options_.token, sp::server_label,
+                                         sp::as_view(client_nonce), sp::as_view(s.nonce));
+    w.raw(proof.data(), proof.size());
+    queue_frame(s, reply);
+    s.authed = true;
+  }
+
+  /// Queues a reply: status, request id, `body`, then `value` as a string when given (written
+  /// straight into the output: a large value is not copied twice).
+  static void reply(Session& s, std::uint64_t request, Status status, std::string_view body = {},
+                    const std::string* value = nullptr) {
+    const std::size_t n = 1 + 8 + body.size() + (value != nullptr ? 4 + value->size() : 0);
+    ByteWriter w(s.out);
+    w.put(static_cast<std::uint32_t>(n));
+    w.put(status);
+    w.put(request);
+    w.raw(body.data(), body.size());
+    if (value != nullptr) w.str(*value);
+  }
+
+  void handle(std::uint64_t id, Session& s, std::string_view frame, Clock::time_point now) {
+    ByteReader r(frame, "store request");
+    const auto op = r.get<Op>();
+    const auto request = r.get<std::uint64_t>();
+    const auto key = [&] { return r.str(options_.max_key_bytes); };
+    const auto timeout_at = [&] {
+      const auto ms = std::min<std::uint64_t>(r.get<std::uint64_t>(), 1ull << 40);
+      return now + std::chrono::milliseconds(static_cast<std::int64_t>(ms));
+    };
+    const auto key_list = [&] {
+      const auto n = r.get<std::uint32_t>();
+      if (n > options_.max_keys) fail(Errc::protocol, "request names ", n, " keys");
+      std::vector<std::string> keys;
+      for (std::uint32_t i = 0; i < n; ++i) keys.push_back(key());
+      return keys;
+    };
+    std::string body;
+    ByteWriter w(body);
+    switch (op) {
+      case Op::set: {
+        auto k = key();
+        auto v = r.str(options_.max_value_bytes);
+        r.expect_end();
+        if (!store_value(k, std::move(v))) return reply(s, request, Status::error, "store is full");
+        reply(s, request, Status::ok);
+        wake_waiters();
+        return;
+      }
+      case Op::get:
+      case Op::wait: {
+        const bool is_get = op == Op::get;
+        Waiter wt{id, request, is_get ? std::vector<std::string>{key()} : key_list(),
+                  {}, is_get,  {}};
+        wt.deadline = timeout_at();
+        wt.stop = key();
+        r.expect_end();
+        if (!try_answer(s, wt)) waiters_.push_back(std::move(wt));
+        return;
+      }
+      case Op::add: {
+        auto k = key();
+        const auto delta = r.get<std::int64_t>();
+        r.expect_end();
+        std::int64_t value = 0;
+        if (auto it = data_.find(k); it != data_.end()) {
+          if (it->second.size() != 8)
+            return reply(s, request, Status::error, "key does not hold a counter");
+          ByteReader vr(it->second, "counter");
+          value = vr.get<std::int64_t>();
+        }
+        value = static_cast<std::int64_t>(static_cast<std::uint64_t>(value) +
+                                          static_cast<std::uint64_t>(delta));
+        std::string enc;
+        ByteWriter(enc).put(value);
+        if (!store_value(k, std::move(enc)))
+          return reply(s, request, Status::error, "store is full");
+        w.put(value);
+        reply(s, request, Status::ok, body);
+        wake_waiters();
+        return;
+      }
+      case Op::compare_set: {
+        auto k = key();
+        auto expected = r.str(options_.max_value_bytes);
+        auto desired = r.str(options_.max_value_bytes);
+        r.expect_end();
+        auto it = data_.find(k);
+        const bool swap = (it == data_.end() && expected.empty()) ||
+                          (it != data_.end() && it->second == expected);
+        if (swap) {
+          if (!store_value(k, desired)) return reply(s, request, Status::error, "store is full");
+          it = data_.find(k);
+          wake_waiters();
+        }
+        const std::string none;
+        reply(s, request, Status::ok, {}, it == data_.end() ? &none : &it->second);
+        return;
+      }
+      case Op::erase: {
+        auto k = key();
+        r.expect_end();
+        auto it = data_.find(k);
+        const bool existed = it != data_.end();
+        if (existed) {
+          total_bytes_ -= it->first.size() + it->second.size();
+          data_.erase(it);
+        }
+        w.put(static_cast<std::uint8_t>(existed));
+        reply(s, request, Status::ok, body);
+        return;
+      }
+      case Op::check: {
+        auto keys = key_list();
+        r.expect_end();
+        const bool all = std::all_of(keys.begin(), keys.end(),
+                                     [&](const auto& k) { return data_.count(k) != 0; });
+        w.put(static_cast<std::uint8_t>(all));
+        reply(s, request, Status::ok, body);
+        return;
+      }
+    }
+    fail(Errc::protocol, "unknown store operation ", static_cast<int>(op));
+  }
+
+  bool store_value(const std::string& k, std::string v) {
+    auto it = data_.find(k);
+    const std::size_t old = it == data_.end() ? 0 : k.size() + it->second.size();
+    if (it == data_.end() && data_.size() >= options_.max_keys) return false;
+    if (total_bytes_ - old + k.size() + v.size() > options_.max_total_bytes) return false;
+    total_bytes_ = total_bytes_ - old + k.size() + v.size();
+    data_[k] = std::move(v);
+    return true;
+  }
+
+  /// Replies to a get/wait if its stop key or all its keys are present; returns whether it did.
+  bool try_answer(Session& s, const Waiter& wt) {
+    if (!wt.stop.empty()) {
+      if (auto it = data_.find(wt.stop); it != data_.end()) {
+        reply(s, wt.request, Status::stopped, {}, &it->second);
+        return true;
+      }
+    }
+    for (const auto& k : wt.keys) {
+      if (data_.count(k) == 0) return false;
+    }
+    if (wt.is_get) {
+      reply(s, wt.request, Status::ok, {}, &data_[wt.keys.front()]);
+    } else {
+      reply(s, wt.request, Status::ok);
+    }
+    return true;
+  }
+
+  void wake_waiters() {
+    std::erase_if(waiters_, [&](const Waiter& wt) {
+      Session* s = session(wt.conn);
+      if (s == nullptr || s->closed) return true;
+      return try_answer(*s, wt);
+    });
+  }
+
+  StoreOptions options_;
+  std::atomic<std::uint64_t> refused_{0};
+  Clock::time_point log_window_ = Clock::now();
+  std::size_t logged_in_window_ = 0;
+  std::uint64_t suppressed_ = 0;
+  std::map<std::uint64_t, Session> sessions_;
+  std::uint64_t next_id_ = 1;
+  std::vector<Waiter> waiters_;
+  std::unordered_map<std::string, std::string> data_;
+  std::size_t total_bytes_ = 0;
+};
+
+}  // namespace detail
+
+DDP_END_NAMESPACE
