@@ -20,7 +20,7 @@ bad = {k: v for k, v in found.items() if v != version}
 # in tests/CMakeLists.txt.
 meson = (root / "meson.build").read_text()
 cmake = (root / "tests/CMakeLists.txt").read_text()
-core = re.search(r"ddp_unit_test\(ddp-test-core \"[^\"]*\"([^)]*)\)", cmake).group(1).split()
+core = re.search(r"ddp_unit_test\(ddp-test-core \w+([^)]*)\)", cmake).group(1).split()
 for source in ["unit/main.cpp"] + core:
     if f"'tests/{source}'" not in meson:
         bad[f"meson.build (unit_sources lacks tests/{source}, a source of ddp-test-core)"] = "missing"

@@ -35,6 +35,7 @@
 #include "ddp/error.hpp"
 #include "ddp/objects.hpp"
 #include "ddp/options.hpp"
+#include "ddp/process_group.hpp"
 #include "ddp/tensor.hpp"
 #include "ddp/trace.hpp"
 #include "ddp/types.hpp"

@@ -347,6 +347,31 @@ inline void cuda_wait(const CudaEvent& e, std::chrono::milliseconds timeout, con
   }
 }
 
+/// Copies `n` bytes between host memory and CUDA devices, in either direction, ordered on
+/// `stream` (a cudaStream_t as void*).
+inline void cuda_copy_async(void* dst, const void* src, std::size_t n, void* stream) {
+  DDP_CUDA_CHECK(
+      cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)));
+}
+
+/// Sets `n` bytes of device memory to zero, ordered on `stream`.
+inline void cuda_zero_async(void* dst, std::size_t n, void* stream) {
+  DDP_CUDA_CHECK(cudaMemsetAsync(dst, 0, n, static_cast<cudaStream_t>(stream)));
+}
+
+/// Blocks until the work queued on `stream` is done.
+inline void cuda_sync(void* stream) {
+  DDP_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+}
+
+/// Later work on `waiter` starts after the work queued on `producer` so far.
+inline void cuda_join_streams(void* waiter, void* producer) {
+  if (waiter == producer) return;
+  CudaEvent done;
+  done.record(static_cast<cudaStream_t>(producer));
+  done.block(static_cast<cudaStream_t>(waiter));
+}
+
 /// The copies of a host-memory backend staging CUDA buffers (see detail/staging.hpp): slots of
 /// pinned memory, kept between collectives; device-to-host copies on one stream and
 /// host-to-device copies on another, so the two directions overlap; copies ordered after the

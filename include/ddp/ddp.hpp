@@ -11,6 +11,7 @@
 #include "ddp/config.hpp"
 #include "ddp/error.hpp"
 #include "ddp/partition.hpp"
+#include "ddp/process_group.hpp"
 #include "ddp/sync_batch_norm.hpp"
 #include "ddp/tensor.hpp"
 

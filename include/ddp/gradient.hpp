@@ -109,8 +109,7 @@ inline void copy_bytes(void* dst, const void* src, std::size_t n, bool cuda, voi
     return;
   }
 #if DDP_HAS_CUDA
-  DDP_CUDA_CHECK(
-      cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)));
+  cuda_copy_async(dst, src, n, stream);
 #else
   (void)stream;
 #endif
@@ -124,7 +123,7 @@ inline void zero_bytes(void* dst, std::size_t n, bool cuda, void* stream) {
     return;
   }
 #if DDP_HAS_CUDA
-  DDP_CUDA_CHECK(cudaMemsetAsync(dst, 0, n, static_cast<cudaStream_t>(stream)));
+  cuda_zero_async(dst, n, stream);
 #else
   (void)stream;
 #endif
@@ -133,7 +132,7 @@ inline void zero_bytes(void* dst, std::size_t n, bool cuda, void* stream) {
 /// Blocks until the work queued on a CUDA stream is done (nothing for host memory).
 inline void sync_stream(bool cuda, void* stream) {
 #if DDP_HAS_CUDA
-  if (cuda) DDP_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+  if (cuda) cuda_sync(stream);
 #else
   (void)cuda, (void)stream;
 #endif
@@ -142,10 +141,7 @@ inline void sync_stream(bool cuda, void* stream) {
 /// Later work on `waiter` starts after the work queued on `producer` so far (CUDA streams).
 inline void join_streams(bool cuda, void* waiter, void* producer) {
 #if DDP_HAS_CUDA
-  if (!cuda || waiter == producer) return;
-  CudaEvent done;
-  done.record(static_cast<cudaStream_t>(producer));
-  done.block(static_cast<cudaStream_t>(waiter));
+  if (cuda) cuda_join_streams(waiter, producer);
 #else
   (void)cuda, (void)waiter, (void)producer;
 #endif

@@ -20,6 +20,7 @@
 
 #include "ddp/config.hpp"
 #include "ddp/error.hpp"
+#include "ddp/process_group.hpp"
 
 #include <cmath>
 #include <concepts>
@@ -345,7 +346,7 @@ class DistributedSampler {
 /// The mean over all ranks of a per-sample quantity, each rank contributing the sum over its
 /// samples and their count (exact-mode shards differ in size, so averaging the per-rank means
 /// would be biased). Collective: every rank of `comm` calls it. 0 when there are no samples.
-template <class Comm>
+template <ProcessGroup Comm>
 [[nodiscard]] double exact_mean(Comm& comm, double local_sum, std::size_t local_count) {
   std::vector<double> v{local_sum, static_cast<double>(local_count)};
   comm.all_reduce_host(std::span<double>(v));

@@ -10,6 +10,7 @@
 
 #include "ddp/config.hpp"
 #include "ddp/error.hpp"
+#include "ddp/process_group.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -36,7 +37,7 @@ struct BatchStats {
 /// `sqsum[c]` are this rank's sum and sum of squares of channel c over its `count` samples
 /// (count may be 0). Errc::invalid_argument when sum and sqsum differ in length; when no rank has
 /// a sample the statistics are 0.
-template <class Comm, class T>
+template <ProcessGroup Comm, class T>
 [[nodiscard]] BatchStats sync_batch_stats(Comm& comm, std::span<const T> sum,
                                           std::span<const T> sqsum, std::uint64_t count) {
   if (sum.size() != sqsum.size())

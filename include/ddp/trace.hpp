@@ -86,12 +86,13 @@ class FlightRecorder {
     const std::uint64_t seq = next_.fetch_add(1, std::memory_order_relaxed);
     if (capacity_ == 0) return seq;
     Slot& s = slots_[seq % capacity_];
+    // A seqlock without fences (ThreadSanitizer does not model them): the fields are release
+    // stores after the odd version, so a reader that sees any of them sees the version change.
     s.version.store(2 * seq + 1, std::memory_order_relaxed);  // odd: being written
-    std::atomic_thread_fence(std::memory_order_release);
-    s.op.store(op, std::memory_order_relaxed);
-    s.bytes.store(bytes, std::memory_order_relaxed);
-    s.state.store(state, std::memory_order_relaxed);
-    s.issued_ns.store(coarse_now_ns(), std::memory_order_relaxed);
+    s.op.store(op, std::memory_order_release);
+    s.bytes.store(bytes, std::memory_order_release);
+    s.state.store(state, std::memory_order_release);
+    s.issued_ns.store(coarse_now_ns(), std::memory_order_release);
     s.version.store(2 * seq + 2, std::memory_order_release);
     return seq;
   }
@@ -101,7 +102,7 @@ class FlightRecorder {
     if (capacity_ == 0) return;
     Slot& s = slots_[seq % capacity_];
     if (s.version.load(std::memory_order_relaxed) == 2 * seq + 2)
-      s.state.store(state, std::memory_order_relaxed);
+      s.state.store(state, std::memory_order_release);
   }
 
   /// The records still held, oldest first.
@@ -116,12 +117,11 @@ class FlightRecorder {
       if (v != 2 * seq + 2) continue;  // being written, or already overwritten
       TraceRecord r;
       r.seq = seq;
-      r.op = s.op.load(std::memory_order_relaxed);
-      r.bytes = s.bytes.load(std::memory_order_relaxed);
-      r.state = s.state.load(std::memory_order_relaxed);
+      r.op = s.op.load(std::memory_order_acquire);
+      r.bytes = s.bytes.load(std::memory_order_acquire);
+      r.state = s.state.load(std::memory_order_acquire);
       r.issued = std::chrono::steady_clock::time_point(
-          std::chrono::nanoseconds(s.issued_ns.load(std::memory_order_relaxed)));
-      std::atomic_thread_fence(std::memory_order_acquire);
+          std::chrono::nanoseconds(s.issued_ns.load(std::memory_order_acquire)));
       if (s.version.load(std::memory_order_relaxed) == v) out.push_back(r);
     }
     return out;

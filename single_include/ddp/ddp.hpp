@@ -312,440 +312,18 @@ struct std::is_error_code_enum<ddp::Errc> : std::true_type {};
 
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
-
-#include <cmath>
-#include <concepts>
-#include <cstddef>
-#include <cstdint>
-#include <initializer_list>
-#include <iterator>
-#include <memory>
-#include <numeric>
-#include <span>
-#include <string>
-#include <utility>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-/// A dataset: a size and indexed access (a std::vector, a span, your own class).
-template <class D>
-concept Dataset = requires(const D& d, std::size_t i) {
-  { d.size() } -> std::convertible_to<std::size_t>;
-  d[i];
-};
-
-namespace detail {
-
-__extension__ typedef unsigned __int128 u128;  // GCC and Clang; __extension__: no -Wpedantic
-
-/// SplitMix64 (Steele, Lea, Flood 2014): a 64-bit state advanced by the golden-ratio increment and
-/// mixed by two xor-shift-multiply rounds.
-class SplitMix64 {
- public:
-  explicit SplitMix64(std::uint64_t seed) noexcept : state_(seed) {}
-
-  std::uint64_t next() noexcept {
-    std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-
-  /// Uniform in [0, bound), bound > 0: Lemire's multiply-shift with rejection (unbiased).
-  std::uint64_t below(std::uint64_t bound) noexcept {
-    u128 m = static_cast<u128>(next()) * bound;
-    auto low = static_cast<std::uint64_t>(m);
-    if (low < bound) {
-      const std::uint64_t threshold = (0 - bound) % bound;
-      while (low < threshold) {
-        m = static_cast<u128>(next()) * bound;
-        low = static_cast<std::uint64_t>(m);
-      }
-    }
-    return static_cast<std::uint64_t>(m >> 64);
-  }
-
- private:
-  std::uint64_t state_;
-};
-
-/// 0, 1, ..., n-1 in the order a Fisher-Yates shuffle (from the top) with SplitMix64(seed) gives.
-[[nodiscard]] inline std::vector<std::size_t> permutation(std::size_t n, std::uint64_t seed) {
-  std::vector<std::size_t> p(n);
-  std::iota(p.begin(), p.end(), std::size_t{0});
-  SplitMix64 rng(seed);
-  for (std::size_t i = n; i > 1; --i) {
-    const auto j = static_cast<std::size_t>(rng.below(i));
-    std::swap(p[i - 1], p[j]);
-  }
-  return p;
-}
-
-}  // namespace detail
-
-/// A view of part of a dataset: size(), operator[], begin()/end(). It shares the index list with
-/// its DataPartitioner (so it may outlive it) and refers to the dataset, which must outlive it.
-template <Dataset D>
-class Partition {
- public:
-  Partition(const D& data, std::shared_ptr<const std::vector<std::size_t>> order, std::size_t first,
-            std::size_t count)
-      : data_(&data), order_(std::move(order)), first_(first), count_(count) {}
-
-  [[nodiscard]] std::size_t size() const noexcept { return count_; }
-  [[nodiscard]] bool empty() const noexcept { return count_ == 0; }
-  /// The dataset's element at this part's position i (no bounds check, like operator[] of vector).
-  [[nodiscard]] decltype(auto) operator[](std::size_t i) const {
-    return (*data_)[(*order_)[first_ + i]];
-  }
-  /// The element at position i; Errc::invalid_argument when i is out of range.
-  [[nodiscard]] decltype(auto) at(std::size_t i) const {
-    if (i >= count_)
-      detail::fail(Errc::invalid_argument, "Partition::at: position ", i,
-                   " is out of range (the part has ", count_, " elements)");
-    return (*this)[i];
-  }
-  /// The dataset indices of this part, in order.
-  [[nodiscard]] std::span<const std::size_t> indices() const noexcept {
-    return std::span<const std::size_t>(*order_).subspan(first_, count_);
-  }
-
-  class iterator {
-   public:
-    using iterator_category = std::forward_iterator_tag;
-    using difference_type = std::ptrdiff_t;
-    using value_type = std::remove_cvref_t<decltype(std::declval<const D&>()[std::size_t{}])>;
-    iterator() = default;
-    iterator(const Partition* p, std::size_t i) : p_(p), i_(i) {}
-    decltype(auto) operator*() const { return (*p_)[i_]; }
-    iterator& operator++() {
-      ++i_;
-      return *this;
-    }
-    iterator operator++(int) {
-      iterator t = *this;
-      ++i_;
-      return t;
-    }
-    friend bool operator==(const iterator& a, const iterator& b) { return a.i_ == b.i_; }
-
-   private:
-    const Partition* p_ = nullptr;
-    std::size_t i_ = 0;
-  };
-  [[nodiscard]] iterator begin() const { return iterator(this, 0); }
-  [[nodiscard]] iterator end() const { return iterator(this, count_); }
-
- private:
-  const D* data_;
-  std::shared_ptr<const std::vector<std::size_t>> order_;
-  std::size_t first_, count_;
-};
-
-/// Seed 001's DataPartitioner: the dataset's indices shuffled once by `seed`, then cut into
-/// consecutive parts of floor(fraction * size) elements each. The same on every rank.
-template <Dataset D>
-class DataPartitioner {
- public:
-  /// Parts of the given fractions (each in (0, 1], summing to at most 1).
-  DataPartitioner(const D& data, std::vector<double> fractions, std::uint64_t seed = 1234)
-      : data_(&data) {
-    if (fractions.empty())
-      detail::fail(Errc::invalid_argument, "DataPartitioner: no fractions given");
-    double total = 0;
-    for (std::size_t i = 0; i < fractions.size(); ++i) {
-      const double f = fractions[i];
-      if (!(f > 0 && f <= 1))
-        detail::fail(Errc::invalid_argument, "DataPartitioner: fraction ", i, " is ", f,
-                     "; each must be in (0, 1]");
-      total += f;
-    }
-    if (total > 1 + 1e-9)
-      detail::fail(Errc::invalid_argument, "DataPartitioner: the fractions sum to ", total,
-                   ", more than 1");
-    const std::size_t n = data.size();
-    order_ = std::make_shared<const std::vector<std::size_t>>(detail::permutation(n, seed));
-    std::size_t at = 0;
-    for (const double f : fractions) {
-      const auto len =
-          std::min(n - at, static_cast<std::size_t>(std::floor(f * static_cast<double>(n))));
-      parts_.emplace_back(at, len);
-      at += len;
-    }
-  }
-
-  DataPartitioner(const D& data, std::initializer_list<double> fractions, std::uint64_t seed = 1234)
-      : DataPartitioner(data, std::vector<double>(fractions), seed) {}
-
-  /// `parts` equal parts (one per rank): floor(size / parts) elements each.
-  DataPartitioner(const D& data, int parts, std::uint64_t seed = 1234)
-      : DataPartitioner(data, equal(parts), seed) {}
-
-  /// A temporary dataset would dangle: keep the dataset alive and pass it by name.
-  DataPartitioner(const D&& data, std::vector<double>, std::uint64_t = 1234) = delete;
-  DataPartitioner(const D&& data, std::initializer_list<double>, std::uint64_t = 1234) = delete;
-  DataPartitioner(const D&& data, int, std::uint64_t = 1234) = delete;
-
-  [[nodiscard]] std::size_t parts() const noexcept { return parts_.size(); }
-
-  /// A view of part i; Errc::invalid_argument when there is no such part.
-  [[nodiscard]] Partition<D> use(std::size_t i) const {
-    if (i >= parts_.size())
-      detail::fail(Errc::invalid_argument, "DataPartitioner::use(", i, "): there are ",
-                   parts_.size(), " parts");
-    return Partition<D>(*data_, order_, parts_[i].first, parts_[i].second);
-  }
-  [[nodiscard]] Partition<D> use(int i) const {
-    if (i < 0) detail::fail(Errc::invalid_argument, "DataPartitioner::use(", i, "): negative");
-    return use(static_cast<std::size_t>(i));
-  }
-
- private:
-  static std::vector<double> equal(int parts) {
-    if (parts < 1)
-      detail::fail(Errc::invalid_argument, "DataPartitioner: ", parts, " parts; need at least 1");
-    return std::vector<double>(static_cast<std::size_t>(parts), 1.0 / parts);
-  }
-
-  const D* data_;
-  std::shared_ptr<const std::vector<std::size_t>> order_;
-  std::vector<std::pair<std::size_t, std::size_t>> parts_;  // (first, count)
-};
-
-struct SamplerOptions {
-  /// A new order each epoch (seed + epoch); off: 0, 1, 2, ...
-  bool shuffle = true;
-  std::uint64_t seed = 0;
-  /// Cut the tail instead of padding, so every rank gets floor(size / ranks) distinct samples.
-  bool drop_last = false;
-  /// For evaluation: every sample exactly once over all ranks, no padding and no cut (shards
-  /// differ by at most one; weigh per-rank results with exact_mean()). Excludes drop_last.
-  bool exact = false;
-};
-
-/// Where a sampler is in an epoch, to resume a run (store it with the checkpoint).
-struct SamplerState {
-  std::uint64_t epoch = 0;
-  /// Samples of this rank's shard already consumed in that epoch.
-  std::uint64_t offset = 0;
-  std::uint64_t seed = 0;
-  std::uint64_t dataset_size = 0;
-  std::uint64_t num_replicas = 0;
-};
-
-/// torch.utils.data.DistributedSampler's semantics (see the file comment).
-class DistributedSampler {
- public:
-  DistributedSampler(std::size_t dataset_size, int num_replicas, int rank,
-                     SamplerOptions options = {})
-      : n_(dataset_size), replicas_(num_replicas), rank_(rank), o_(options) {
-    if (num_replicas < 1)
-      detail::fail(Errc::invalid_argument, "DistributedSampler: num_replicas is ", num_replicas,
-                   "; need at least 1");
-    if (rank < 0 || rank >= num_replicas)
-      detail::fail(Errc::invalid_argument, "DistributedSampler: rank ", rank,
-                   " is out of range [0, ", num_replicas, ")");
-    if (o_.exact && o_.drop_last)
-      detail::fail(Errc::invalid_argument,
-                   "DistributedSampler: exact and drop_last exclude each other");
-  }
-
-  /// Starts an epoch: its order is shuffled with seed + epoch. Resets a restored offset.
-  void set_epoch(std::uint64_t epoch) noexcept {
-    epoch_ = epoch;
-    offset_ = 0;
-  }
-  [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_; }
-
-  /// Samples per rank in an epoch (for this rank: in exact mode, ranks differ by at most one).
-  [[nodiscard]] std::size_t size() const noexcept { return shard_size(rank_); }
-  /// Samples over all ranks in an epoch (padded or cut).
-  [[nodiscard]] std::size_t total_size() const noexcept {
-    if (o_.exact) return n_;
-    return per_rank() * static_cast<std::size_t>(replicas_);
-  }
-
-  /// This rank's dataset indices for the current epoch, from the restored offset on.
-  [[nodiscard]] std::vector<std::size_t> indices() const {
-    std::vector<std::size_t> order;
-    if (o_.shuffle) {
-      order = detail::permutation(n_, o_.seed + epoch_);
-    } else {
-      order.resize(n_);
-      std::iota(order.begin(), order.end(), std::size_t{0});
-    }
-    const std::size_t total = total_size();
-    if (!o_.exact && total > n_ && n_ > 0) {  // pad by wrapping around (torch's padding)
-      const std::size_t base = order.size();
-      for (std::size_t i = 0; order.size() < total; ++i) order.push_back(order[i % base]);
-    }
-    order.resize(std::min(order.size(), total));
-    std::vector<std::size_t> mine;
-    mine.reserve(size());
-    for (std::size_t i = static_cast<std::size_t>(rank_); i < order.size();
-         i += static_cast<std::size_t>(replicas_)) {
-      mine.push_back(order[i]);
-    }
-    mine.erase(mine.begin(), mine.begin() + static_cast<std::ptrdiff_t>(
-                                                std::min<std::uint64_t>(offset_, mine.size())));
-    return mine;
-  }
-
-  /// The state to resume from after `consumed` more samples of this epoch's indices().
-  [[nodiscard]] SamplerState state(std::size_t consumed = 0) const noexcept {
-    return SamplerState{epoch_, offset_ + consumed, o_.seed, n_,
-                        static_cast<std::uint64_t>(replicas_)};
-  }
-
-  /// Continues where state() left off: the same epoch, minus what was consumed. The dataset size,
-  /// seed and number of ranks must be those of the saved run (Errc::invalid_argument otherwise).
-  void restore(const SamplerState& s) {
-    if (s.dataset_size != n_ || s.seed != o_.seed ||
-        s.num_replicas != static_cast<std::uint64_t>(replicas_)) {
-      detail::fail(Errc::invalid_argument,
-                   "DistributedSampler::restore: the state is of a run with ", s.dataset_size,
-                   " samples, seed ", s.seed, " and ", s.num_replicas, " ranks; this sampler has ",
-                   n_, ", ", o_.seed, " and ", replicas_);
-    }
-    if (s.offset > size())
-      detail::fail(Errc::invalid_argument, "DistributedSampler::restore: offset ", s.offset,
-                   " is past the ", size(), " samples of the shard");
-    epoch_ = s.epoch;
-    offset_ = s.offset;
-  }
-
- private:
-  [[nodiscard]] std::size_t per_rank() const noexcept {
-    const auto r = static_cast<std::size_t>(replicas_);
-    return o_.drop_last ? n_ / r : (n_ + r - 1) / r;
-  }
-  [[nodiscard]] std::size_t shard_size(int rank) const noexcept {
-    if (!o_.exact) return per_rank();
-    const auto r = static_cast<std::size_t>(replicas_);
-    return n_ / r + (static_cast<std::size_t>(rank) < n_ % r ? 1 : 0);
-  }
-
-  std::size_t n_;
-  int replicas_;
-  int rank_;
-  SamplerOptions o_;
-  std::uint64_t epoch_ = 0;
-  std::uint64_t offset_ = 0;
-};
-
-/// The mean over all ranks of a per-sample quantity, each rank contributing the sum over its
-/// samples and their count (exact-mode shards differ in size, so averaging the per-rank means
-/// would be biased). Collective: every rank of `comm` calls it. 0 when there are no samples.
-template <class Comm>
-[[nodiscard]] double exact_mean(Comm& comm, double local_sum, std::size_t local_count) {
-  std::vector<double> v{local_sum, static_cast<double>(local_count)};
-  comm.all_reduce_host(std::span<double>(v));
-  return v[1] > 0 ? v[0] / v[1] : 0.0;
-}
-
-DDP_END_NAMESPACE
-// end ddp/partition.hpp
-// begin ddp/sync_batch_norm.hpp
+// begin ddp/process_group.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// SyncBatchNorm statistics (seed 004's nn.SyncBatchNorm): each rank has per-channel sums and sums
-/// of squares over its part of the batch; one all_reduce (in double, in a fixed rank order, so
-/// every rank gets bitwise the same result) gives the mean and variance over the whole global
-/// batch. Ranks with no samples contribute nothing and still get the global statistics.
+/// ddp::ProcessGroup: what the training helpers need from a communicator — its rank and size,
+/// and a few host values reduced or broadcast on any backend (all_reduce_host, broadcast_host).
+/// Communicator<Backend> satisfies it for every backend. exact_mean and sync_batch_stats take
+/// any ProcessGroup; GradientAverager and ZeroFirstGuard take a Communicator<Backend>, whose
+/// Backend they deduce (they move the backend's own kind of buffer).
 
 // #include "ddp/config.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-
-#include <cstddef>
-#include <cstdint>
-#include <iterator>
-#include <span>
-#include <type_traits>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-/// Per-channel statistics over every rank's samples.
-struct BatchStats {
-  std::vector<double> mean;
-  /// Biased (population) variance: what batch normalization divides by.
-  std::vector<double> var;
-  /// Unbiased variance (count - 1 in the denominator): what running_var is updated with; equals
-  /// var when count < 2.
-  std::vector<double> unbiased_var;
-  /// Samples over all ranks.
-  std::uint64_t count = 0;
-};
-
-/// Collective: every rank of `comm` calls it with the same number of channels. `sum[c]` and
-/// `sqsum[c]` are this rank's sum and sum of squares of channel c over its `count` samples
-/// (count may be 0). Errc::invalid_argument when sum and sqsum differ in length; when no rank has
-/// a sample the statistics are 0.
-template <class Comm, class T>
-[[nodiscard]] BatchStats sync_batch_stats(Comm& comm, std::span<const T> sum,
-                                          std::span<const T> sqsum, std::uint64_t count) {
-  if (sum.size() != sqsum.size())
-    detail::fail(Errc::invalid_argument, "rank ", comm.rank(), ": sync_batch_stats: ", sum.size(),
-                 " sums but ", sqsum.size(), " sums of squares; give one of each per channel");
-  const std::size_t c = sum.size();
-  std::vector<double> v(2 * c + 1);
-  for (std::size_t i = 0; i < c; ++i) {
-    v[i] = static_cast<double>(sum[i]);
-    v[c + i] = static_cast<double>(sqsum[i]);
-  }
-  v[2 * c] = static_cast<double>(count);
-  comm.all_reduce_host(std::span<double>(v));  // exact for counts below 2^53; any backend
-  BatchStats s;
-  s.count = static_cast<std::uint64_t>(v[2 * c]);
-  s.mean.assign(c, 0.0);
-  s.var.assign(c, 0.0);
-  s.unbiased_var.assign(c, 0.0);
-  if (s.count == 0) return s;
-  const double n = v[2 * c];
-  for (std::size_t i = 0; i < c; ++i) {
-    const double mean = v[i] / n;
-    double var = v[c + i] / n - mean * mean;
-    if (var < 0) var = 0;  // rounding when the variance is tiny next to the mean
-    s.mean[i] = mean;
-    s.var[i] = var;
-    s.unbiased_var[i] = s.count > 1 ? var * n / (n - 1) : var;
-  }
-  return s;
-}
-
-/// Any contiguous ranges of float or double (std::vector, std::array, spans).
-template <class Comm, class R>
-[[nodiscard]] BatchStats sync_batch_stats(Comm& comm, const R& sum, const R& sqsum,
-                                          std::uint64_t count) requires requires {
-  std::span(sum);
-}
-{
-  using T = std::remove_cvref_t<decltype(*std::data(sum))>;
-  return sync_batch_stats(comm, std::span<const T>(std::data(sum), std::size(sum)),
-                          std::span<const T>(std::data(sqsum), std::size(sqsum)), count);
-}
-
-DDP_END_NAMESPACE
-// end ddp/sync_batch_norm.hpp
-// begin ddp/tensor.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// How ddp sees a user's tensor: a TensorView {data, size, device, stream}, obtained through one
-/// customization point, ddp::view(t), which tries in order
-///   1. a specialization of ddp::tensor_traits<T> with `static TensorView<E> view(T&)`,
-///   2. a member function `t.ddp_view()` returning TensorView<E>,
-///   3. any contiguous sized range (std::vector, std::array, std::span, C arrays): host memory.
-/// A traits specialization may also say where the buffer lives at compile time:
-///   static constexpr ddp::DeviceKind device_kind = ddp::DeviceKind::cuda;
-/// so that a CUDA-only backend can reject host buffers when the program is compiled.
-
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
 // begin ddp/types.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -1139,6 +717,460 @@ class numeric_limits<ddp::bfloat16> : public ddp::detail::SmallFloatLimits {
 
 }  // namespace std
 // end ddp/types.hpp
+
+#include <concepts>
+#include <cstdint>
+#include <span>
+
+DDP_BEGIN_NAMESPACE
+
+template <class C>
+concept ProcessGroup = requires(C& c, std::span<double> values, std::span<std::int64_t> ints) {
+  { c.rank() } -> std::convertible_to<int>;
+  { c.size() } -> std::convertible_to<int>;
+  c.all_reduce_host(values, ReduceOp::sum);
+  c.broadcast_host(ints, 0);
+};
+
+DDP_END_NAMESPACE
+// end ddp/process_group.hpp
+
+#include <cmath>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <iterator>
+#include <memory>
+#include <numeric>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// A dataset: a size and indexed access (a std::vector, a span, your own class).
+template <class D>
+concept Dataset = requires(const D& d, std::size_t i) {
+  { d.size() } -> std::convertible_to<std::size_t>;
+  d[i];
+};
+
+namespace detail {
+
+__extension__ typedef unsigned __int128 u128;  // GCC and Clang; __extension__: no -Wpedantic
+
+/// SplitMix64 (Steele, Lea, Flood 2014): a 64-bit state advanced by the golden-ratio increment and
+/// mixed by two xor-shift-multiply rounds.
+class SplitMix64 {
+ public:
+  explicit SplitMix64(std::uint64_t seed) noexcept : state_(seed) {}
+
+  std::uint64_t next() noexcept {
+    std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+
+  /// Uniform in [0, bound), bound > 0: Lemire's multiply-shift with rejection (unbiased).
+  std::uint64_t below(std::uint64_t bound) noexcept {
+    u128 m = static_cast<u128>(next()) * bound;
+    auto low = static_cast<std::uint64_t>(m);
+    if (low < bound) {
+      const std::uint64_t threshold = (0 - bound) % bound;
+      while (low < threshold) {
+        m = static_cast<u128>(next()) * bound;
+        low = static_cast<std::uint64_t>(m);
+      }
+    }
+    return static_cast<std::uint64_t>(m >> 64);
+  }
+
+ private:
+  std::uint64_t state_;
+};
+
+/// 0, 1, ..., n-1 in the order a Fisher-Yates shuffle (from the top) with SplitMix64(seed) gives.
+[[nodiscard]] inline std::vector<std::size_t> permutation(std::size_t n, std::uint64_t seed) {
+  std::vector<std::size_t> p(n);
+  std::iota(p.begin(), p.end(), std::size_t{0});
+  SplitMix64 rng(seed);
+  for (std::size_t i = n; i > 1; --i) {
+    const auto j = static_cast<std::size_t>(rng.below(i));
+    std::swap(p[i - 1], p[j]);
+  }
+  return p;
+}
+
+}  // namespace detail
+
+/// A view of part of a dataset: size(), operator[], begin()/end(). It shares the index list with
+/// its DataPartitioner (so it may outlive it) and refers to the dataset, which must outlive it.
+template <Dataset D>
+class Partition {
+ public:
+  Partition(const D& data, std::shared_ptr<const std::vector<std::size_t>> order, std::size_t first,
+            std::size_t count)
+      : data_(&data), order_(std::move(order)), first_(first), count_(count) {}
+
+  [[nodiscard]] std::size_t size() const noexcept { return count_; }
+  [[nodiscard]] bool empty() const noexcept { return count_ == 0; }
+  /// The dataset's element at this part's position i (no bounds check, like operator[] of vector).
+  [[nodiscard]] decltype(auto) operator[](std::size_t i) const {
+    return (*data_)[(*order_)[first_ + i]];
+  }
+  /// The element at position i; Errc::invalid_argument when i is out of range.
+  [[nodiscard]] decltype(auto) at(std::size_t i) const {
+    if (i >= count_)
+      detail::fail(Errc::invalid_argument, "Partition::at: position ", i,
+                   " is out of range (the part has ", count_, " elements)");
+    return (*this)[i];
+  }
+  /// The dataset indices of this part, in order.
+  [[nodiscard]] std::span<const std::size_t> indices() const noexcept {
+    return std::span<const std::size_t>(*order_).subspan(first_, count_);
+  }
+
+  class iterator {
+   public:
+    using iterator_category = std::forward_iterator_tag;
+    using difference_type = std::ptrdiff_t;
+    using value_type = std::remove_cvref_t<decltype(std::declval<const D&>()[std::size_t{}])>;
+    iterator() = default;
+    iterator(const Partition* p, std::size_t i) : p_(p), i_(i) {}
+    decltype(auto) operator*() const { return (*p_)[i_]; }
+    iterator& operator++() {
+      ++i_;
+      return *this;
+    }
+    iterator operator++(int) {
+      iterator t = *this;
+      ++i_;
+      return t;
+    }
+    friend bool operator==(const iterator& a, const iterator& b) { return a.i_ == b.i_; }
+
+   private:
+    const Partition* p_ = nullptr;
+    std::size_t i_ = 0;
+  };
+  [[nodiscard]] iterator begin() const { return iterator(this, 0); }
+  [[nodiscard]] iterator end() const { return iterator(this, count_); }
+
+ private:
+  const D* data_;
+  std::shared_ptr<const std::vector<std::size_t>> order_;
+  std::size_t first_, count_;
+};
+
+/// Seed 001's DataPartitioner: the dataset's indices shuffled once by `seed`, then cut into
+/// consecutive parts of floor(fraction * size) elements each. The same on every rank.
+template <Dataset D>
+class DataPartitioner {
+ public:
+  /// Parts of the given fractions (each in (0, 1], summing to at most 1).
+  DataPartitioner(const D& data, std::vector<double> fractions, std::uint64_t seed = 1234)
+      : data_(&data) {
+    if (fractions.empty())
+      detail::fail(Errc::invalid_argument, "DataPartitioner: no fractions given");
+    double total = 0;
+    for (std::size_t i = 0; i < fractions.size(); ++i) {
+      const double f = fractions[i];
+      if (!(f > 0 && f <= 1))
+        detail::fail(Errc::invalid_argument, "DataPartitioner: fraction ", i, " is ", f,
+                     "; each must be in (0, 1]");
+      total += f;
+    }
+    if (total > 1 + 1e-9)
+      detail::fail(Errc::invalid_argument, "DataPartitioner: the fractions sum to ", total,
+                   ", more than 1");
+    const std::size_t n = data.size();
+    order_ = std::make_shared<const std::vector<std::size_t>>(detail::permutation(n, seed));
+    std::size_t at = 0;
+    for (const double f : fractions) {
+      const auto len =
+          std::min(n - at, static_cast<std::size_t>(std::floor(f * static_cast<double>(n))));
+      parts_.emplace_back(at, len);
+      at += len;
+    }
+  }
+
+  DataPartitioner(const D& data, std::initializer_list<double> fractions, std::uint64_t seed = 1234)
+      : DataPartitioner(data, std::vector<double>(fractions), seed) {}
+
+  /// `parts` equal parts (one per rank): floor(size / parts) elements each.
+  DataPartitioner(const D& data, int parts, std::uint64_t seed = 1234)
+      : DataPartitioner(data, equal(parts), seed) {}
+
+  /// A temporary dataset would dangle: keep the dataset alive and pass it by name.
+  DataPartitioner(const D&& data, std::vector<double>, std::uint64_t = 1234) = delete;
+  DataPartitioner(const D&& data, std::initializer_list<double>, std::uint64_t = 1234) = delete;
+  DataPartitioner(const D&& data, int, std::uint64_t = 1234) = delete;
+
+  [[nodiscard]] std::size_t parts() const noexcept { return parts_.size(); }
+
+  /// A view of part i; Errc::invalid_argument when there is no such part.
+  [[nodiscard]] Partition<D> use(std::size_t i) const {
+    if (i >= parts_.size())
+      detail::fail(Errc::invalid_argument, "DataPartitioner::use(", i, "): there are ",
+                   parts_.size(), " parts");
+    return Partition<D>(*data_, order_, parts_[i].first, parts_[i].second);
+  }
+  [[nodiscard]] Partition<D> use(int i) const {
+    if (i < 0) detail::fail(Errc::invalid_argument, "DataPartitioner::use(", i, "): negative");
+    return use(static_cast<std::size_t>(i));
+  }
+
+ private:
+  static std::vector<double> equal(int parts) {
+    if (parts < 1)
+      detail::fail(Errc::invalid_argument, "DataPartitioner: ", parts, " parts; need at least 1");
+    return std::vector<double>(static_cast<std::size_t>(parts), 1.0 / parts);
+  }
+
+  const D* data_;
+  std::shared_ptr<const std::vector<std::size_t>> order_;
+  std::vector<std::pair<std::size_t, std::size_t>> parts_;  // (first, count)
+};
+
+struct SamplerOptions {
+  /// A new order each epoch (seed + epoch); off: 0, 1, 2, ...
+  bool shuffle = true;
+  std::uint64_t seed = 0;
+  /// Cut the tail instead of padding, so every rank gets floor(size / ranks) distinct samples.
+  bool drop_last = false;
+  /// For evaluation: every sample exactly once over all ranks, no padding and no cut (shards
+  /// differ by at most one; weigh per-rank results with exact_mean()). Excludes drop_last.
+  bool exact = false;
+};
+
+/// Where a sampler is in an epoch, to resume a run (store it with the checkpoint).
+struct SamplerState {
+  std::uint64_t epoch = 0;
+  /// Samples of this rank's shard already consumed in that epoch.
+  std::uint64_t offset = 0;
+  std::uint64_t seed = 0;
+  std::uint64_t dataset_size = 0;
+  std::uint64_t num_replicas = 0;
+};
+
+/// torch.utils.data.DistributedSampler's semantics (see the file comment).
+class DistributedSampler {
+ public:
+  DistributedSampler(std::size_t dataset_size, int num_replicas, int rank,
+                     SamplerOptions options = {})
+      : n_(dataset_size), replicas_(num_replicas), rank_(rank), o_(options) {
+    if (num_replicas < 1)
+      detail::fail(Errc::invalid_argument, "DistributedSampler: num_replicas is ", num_replicas,
+                   "; need at least 1");
+    if (rank < 0 || rank >= num_replicas)
+      detail::fail(Errc::invalid_argument, "DistributedSampler: rank ", rank,
+                   " is out of range [0, ", num_replicas, ")");
+    if (o_.exact && o_.drop_last)
+      detail::fail(Errc::invalid_argument,
+                   "DistributedSampler: exact and drop_last exclude each other");
+  }
+
+  /// Starts an epoch: its order is shuffled with seed + epoch. Resets a restored offset.
+  void set_epoch(std::uint64_t epoch) noexcept {
+    epoch_ = epoch;
+    offset_ = 0;
+  }
+  [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_; }
+
+  /// Samples per rank in an epoch (for this rank: in exact mode, ranks differ by at most one).
+  [[nodiscard]] std::size_t size() const noexcept { return shard_size(rank_); }
+  /// Samples over all ranks in an epoch (padded or cut).
+  [[nodiscard]] std::size_t total_size() const noexcept {
+    if (o_.exact) return n_;
+    return per_rank() * static_cast<std::size_t>(replicas_);
+  }
+
+  /// This rank's dataset indices for the current epoch, from the restored offset on.
+  [[nodiscard]] std::vector<std::size_t> indices() const {
+    std::vector<std::size_t> order;
+    if (o_.shuffle) {
+      order = detail::permutation(n_, o_.seed + epoch_);
+    } else {
+      order.resize(n_);
+      std::iota(order.begin(), order.end(), std::size_t{0});
+    }
+    const std::size_t total = total_size();
+    if (!o_.exact && total > n_ && n_ > 0) {  // pad by wrapping around (torch's padding)
+      const std::size_t base = order.size();
+      for (std::size_t i = 0; order.size() < total; ++i) order.push_back(order[i % base]);
+    }
+    order.resize(std::min(order.size(), total));
+    std::vector<std::size_t> mine;
+    mine.reserve(size());
+    for (std::size_t i = static_cast<std::size_t>(rank_); i < order.size();
+         i += static_cast<std::size_t>(replicas_)) {
+      mine.push_back(order[i]);
+    }
+    mine.erase(mine.begin(), mine.begin() + static_cast<std::ptrdiff_t>(
+                                                std::min<std::uint64_t>(offset_, mine.size())));
+    return mine;
+  }
+
+  /// The state to resume from after `consumed` more samples of this epoch's indices().
+  [[nodiscard]] SamplerState state(std::size_t consumed = 0) const noexcept {
+    return SamplerState{epoch_, offset_ + consumed, o_.seed, n_,
+                        static_cast<std::uint64_t>(replicas_)};
+  }
+
+  /// Continues where state() left off: the same epoch, minus what was consumed. The dataset size,
+  /// seed and number of ranks must be those of the saved run (Errc::invalid_argument otherwise).
+  void restore(const SamplerState& s) {
+    if (s.dataset_size != n_ || s.seed != o_.seed ||
+        s.num_replicas != static_cast<std::uint64_t>(replicas_)) {
+      detail::fail(Errc::invalid_argument,
+                   "DistributedSampler::restore: the state is of a run with ", s.dataset_size,
+                   " samples, seed ", s.seed, " and ", s.num_replicas, " ranks; this sampler has ",
+                   n_, ", ", o_.seed, " and ", replicas_);
+    }
+    if (s.offset > size())
+      detail::fail(Errc::invalid_argument, "DistributedSampler::restore: offset ", s.offset,
+                   " is past the ", size(), " samples of the shard");
+    epoch_ = s.epoch;
+    offset_ = s.offset;
+  }
+
+ private:
+  [[nodiscard]] std::size_t per_rank() const noexcept {
+    const auto r = static_cast<std::size_t>(replicas_);
+    return o_.drop_last ? n_ / r : (n_ + r - 1) / r;
+  }
+  [[nodiscard]] std::size_t shard_size(int rank) const noexcept {
+    if (!o_.exact) return per_rank();
+    const auto r = static_cast<std::size_t>(replicas_);
+    return n_ / r + (static_cast<std::size_t>(rank) < n_ % r ? 1 : 0);
+  }
+
+  std::size_t n_;
+  int replicas_;
+  int rank_;
+  SamplerOptions o_;
+  std::uint64_t epoch_ = 0;
+  std::uint64_t offset_ = 0;
+};
+
+/// The mean over all ranks of a per-sample quantity, each rank contributing the sum over its
+/// samples and their count (exact-mode shards differ in size, so averaging the per-rank means
+/// would be biased). Collective: every rank of `comm` calls it. 0 when there are no samples.
+template <ProcessGroup Comm>
+[[nodiscard]] double exact_mean(Comm& comm, double local_sum, std::size_t local_count) {
+  std::vector<double> v{local_sum, static_cast<double>(local_count)};
+  comm.all_reduce_host(std::span<double>(v));
+  return v[1] > 0 ? v[0] / v[1] : 0.0;
+}
+
+DDP_END_NAMESPACE
+// end ddp/partition.hpp
+// #include "ddp/process_group.hpp" (already included above)
+// begin ddp/sync_batch_norm.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// SyncBatchNorm statistics (seed 004's nn.SyncBatchNorm): each rank has per-channel sums and sums
+/// of squares over its part of the batch; one all_reduce (in double, in a fixed rank order, so
+/// every rank gets bitwise the same result) gives the mean and variance over the whole global
+/// batch. Ranks with no samples contribute nothing and still get the global statistics.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/process_group.hpp" (already included above)
+
+#include <cstddef>
+#include <cstdint>
+#include <iterator>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// Per-channel statistics over every rank's samples.
+struct BatchStats {
+  std::vector<double> mean;
+  /// Biased (population) variance: what batch normalization divides by.
+  std::vector<double> var;
+  /// Unbiased variance (count - 1 in the denominator): what running_var is updated with; equals
+  /// var when count < 2.
+  std::vector<double> unbiased_var;
+  /// Samples over all ranks.
+  std::uint64_t count = 0;
+};
+
+/// Collective: every rank of `comm` calls it with the same number of channels. `sum[c]` and
+/// `sqsum[c]` are this rank's sum and sum of squares of channel c over its `count` samples
+/// (count may be 0). Errc::invalid_argument when sum and sqsum differ in length; when no rank has
+/// a sample the statistics are 0.
+template <ProcessGroup Comm, class T>
+[[nodiscard]] BatchStats sync_batch_stats(Comm& comm, std::span<const T> sum,
+                                          std::span<const T> sqsum, std::uint64_t count) {
+  if (sum.size() != sqsum.size())
+    detail::fail(Errc::invalid_argument, "rank ", comm.rank(), ": sync_batch_stats: ", sum.size(),
+                 " sums but ", sqsum.size(), " sums of squares; give one of each per channel");
+  const std::size_t c = sum.size();
+  std::vector<double> v(2 * c + 1);
+  for (std::size_t i = 0; i < c; ++i) {
+    v[i] = static_cast<double>(sum[i]);
+    v[c + i] = static_cast<double>(sqsum[i]);
+  }
+  v[2 * c] = static_cast<double>(count);
+  comm.all_reduce_host(std::span<double>(v));  // exact for counts below 2^53; any backend
+  BatchStats s;
+  s.count = static_cast<std::uint64_t>(v[2 * c]);
+  s.mean.assign(c, 0.0);
+  s.var.assign(c, 0.0);
+  s.unbiased_var.assign(c, 0.0);
+  if (s.count == 0) return s;
+  const double n = v[2 * c];
+  for (std::size_t i = 0; i < c; ++i) {
+    const double mean = v[i] / n;
+    double var = v[c + i] / n - mean * mean;
+    if (var < 0) var = 0;  // rounding when the variance is tiny next to the mean
+    s.mean[i] = mean;
+    s.var[i] = var;
+    s.unbiased_var[i] = s.count > 1 ? var * n / (n - 1) : var;
+  }
+  return s;
+}
+
+/// Any contiguous ranges of float or double (std::vector, std::array, spans).
+template <class Comm, class R>
+[[nodiscard]] BatchStats sync_batch_stats(Comm& comm, const R& sum, const R& sqsum,
+                                          std::uint64_t count) requires requires {
+  std::span(sum);
+}
+{
+  using T = std::remove_cvref_t<decltype(*std::data(sum))>;
+  return sync_batch_stats(comm, std::span<const T>(std::data(sum), std::size(sum)),
+                          std::span<const T>(std::data(sqsum), std::size(sqsum)), count);
+}
+
+DDP_END_NAMESPACE
+// end ddp/sync_batch_norm.hpp
+// begin ddp/tensor.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// How ddp sees a user's tensor: a TensorView {data, size, device, stream}, obtained through one
+/// customization point, ddp::view(t), which tries in order
+///   1. a specialization of ddp::tensor_traits<T> with `static TensorView<E> view(T&)`,
+///   2. a member function `t.ddp_view()` returning TensorView<E>,
+///   3. any contiguous sized range (std::vector, std::array, std::span, C arrays): host memory.
+/// A traits specialization may also say where the buffer lives at compile time:
+///   static constexpr ddp::DeviceKind device_kind = ddp::DeviceKind::cuda;
+/// so that a CUDA-only backend can reject host buffers when the program is compiled.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
 
 #include <concepts>
 #include <cstddef>
@@ -4741,12 +4773,13 @@ class FlightRecorder {
     const std::uint64_t seq = next_.fetch_add(1, std::memory_order_relaxed);
     if (capacity_ == 0) return seq;
     Slot& s = slots_[seq % capacity_];
+    // A seqlock without fences (ThreadSanitizer does not model them): the fields are release
+    // stores after the odd version, so a reader that sees any of them sees the version change.
     s.version.store(2 * seq + 1, std::memory_order_relaxed);  // odd: being written
-    std::atomic_thread_fence(std::memory_order_release);
-    s.op.store(op, std::memory_order_relaxed);
-    s.bytes.store(bytes, std::memory_order_relaxed);
-    s.state.store(state, std::memory_order_relaxed);
-    s.issued_ns.store(coarse_now_ns(), std::memory_order_relaxed);
+    s.op.store(op, std::memory_order_release);
+    s.bytes.store(bytes, std::memory_order_release);
+    s.state.store(state, std::memory_order_release);
+    s.issued_ns.store(coarse_now_ns(), std::memory_order_release);
     s.version.store(2 * seq + 2, std::memory_order_release);
     return seq;
   }
@@ -4756,7 +4789,7 @@ class FlightRecorder {
     if (capacity_ == 0) return;
     Slot& s = slots_[seq % capacity_];
     if (s.version.load(std::memory_order_relaxed) == 2 * seq + 2)
-      s.state.store(state, std::memory_order_relaxed);
+      s.state.store(state, std::memory_order_release);
   }
 
   /// The records still held, oldest first.
@@ -4771,12 +4804,11 @@ class FlightRecorder {
       if (v != 2 * seq + 2) continue;  // being written, or already overwritten
       TraceRecord r;
       r.seq = seq;
-      r.op = s.op.load(std::memory_order_relaxed);
-      r.bytes = s.bytes.load(std::memory_order_relaxed);
-      r.state = s.state.load(std::memory_order_relaxed);
+      r.op = s.op.load(std::memory_order_acquire);
+      r.bytes = s.bytes.load(std::memory_order_acquire);
+      r.state = s.state.load(std::memory_order_acquire);
       r.issued = std::chrono::steady_clock::time_point(
-          std::chrono::nanoseconds(s.issued_ns.load(std::memory_order_relaxed)));
-      std::atomic_thread_fence(std::memory_order_acquire);
+          std::chrono::nanoseconds(s.issued_ns.load(std::memory_order_acquire)));
       if (s.version.load(std::memory_order_relaxed) == v) out.push_back(r);
     }
     return out;
@@ -5394,6 +5426,31 @@ inline void cuda_wait(const CudaEvent& e, std::chrono::milliseconds timeout, con
     else
       std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
+}
+
+/// Copies `n` bytes between host memory and CUDA devices, in either direction, ordered on
+/// `stream` (a cudaStream_t as void*).
+inline void cuda_copy_async(void* dst, const void* src, std::size_t n, void* stream) {
+  DDP_CUDA_CHECK(
+      cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)));
+}
+
+/// Sets `n` bytes of device memory to zero, ordered on `stream`.
+inline void cuda_zero_async(void* dst, std::size_t n, void* stream) {
+  DDP_CUDA_CHECK(cudaMemsetAsync(dst, 0, n, static_cast<cudaStream_t>(stream)));
+}
+
+/// Blocks until the work queued on `stream` is done.
+inline void cuda_sync(void* stream) {
+  DDP_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+}
+
+/// Later work on `waiter` starts after the work queued on `producer` so far.
+inline void cuda_join_streams(void* waiter, void* producer) {
+  if (waiter == producer) return;
+  CudaEvent done;
+  done.record(static_cast<cudaStream_t>(producer));
+  done.block(static_cast<cudaStream_t>(waiter));
 }
 
 /// The copies of a host-memory backend staging CUDA buffers (see detail/staging.hpp): slots of
@@ -6405,6 +6462,7 @@ void broadcast_object(Comm& comm, T& value, int root = 0) {
 DDP_END_NAMESPACE
 // end ddp/objects.hpp
 // #include "ddp/options.hpp" (already included above)
+// #include "ddp/process_group.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/trace.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
@@ -10663,8 +10721,7 @@ inline void copy_bytes(void* dst, const void* src, std::size_t n, bool cuda, voi
     return;
   }
 #if DDP_HAS_CUDA
-  DDP_CUDA_CHECK(
-      cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)));
+  cuda_copy_async(dst, src, n, stream);
 #else
   (void)stream;
 #endif
@@ -10678,7 +10735,7 @@ inline void zero_bytes(void* dst, std::size_t n, bool cuda, void* stream) {
     return;
   }
 #if DDP_HAS_CUDA
-  DDP_CUDA_CHECK(cudaMemsetAsync(dst, 0, n, static_cast<cudaStream_t>(stream)));
+  cuda_zero_async(dst, n, stream);
 #else
   (void)stream;
 #endif
@@ -10687,7 +10744,7 @@ inline void zero_bytes(void* dst, std::size_t n, bool cuda, void* stream) {
 /// Blocks until the work queued on a CUDA stream is done (nothing for host memory).
 inline void sync_stream(bool cuda, void* stream) {
 #if DDP_HAS_CUDA
-  if (cuda) DDP_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+  if (cuda) cuda_sync(stream);
 #else
   (void)cuda, (void)stream;
 #endif
@@ -10696,10 +10753,7 @@ inline void sync_stream(bool cuda, void* stream) {
 /// Later work on `waiter` starts after the work queued on `producer` so far (CUDA streams).
 inline void join_streams(bool cuda, void* waiter, void* producer) {
 #if DDP_HAS_CUDA
-  if (!cuda || waiter == producer) return;
-  CudaEvent done;
-  done.record(static_cast<cudaStream_t>(producer));
-  done.block(static_cast<cudaStream_t>(waiter));
+  if (cuda) cuda_join_streams(waiter, producer);
 #else
   (void)cuda, (void)waiter, (void)producer;
 #endif

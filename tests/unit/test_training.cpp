@@ -10,6 +10,9 @@
 
 #include "multiprocess.hpp"
 
+static_assert(ddp::ProcessGroup<ddp::Communicator<ddp::backend::Host>>,
+              "exact_mean and sync_batch_stats take any communicator");
+
 TEST_CASE("training: sync_batch_stats equals the statistics of the whole batch") {
   // Rank r holds samples r*10 .. r*10 + r*3 - 1 of 2 channels (rank 0 holds none); channel 1 is
   // channel 0 times -2 plus 1000 (a large mean, a small spread).
