@@ -165,12 +165,15 @@ class Communicator {
   template <std::ranges::range R>
     requires MutableTensor<std::ranges::range_reference_t<R>>
   void all_reduce_coalesced(R&& bufs, ReduceOp op = ReduceOp::sum) {
-    exec(detail::prepare_all_reduce_coalesced(args(bufs), op, caller()));
+    const auto b = args(bufs);
+    exec(detail::prepare_all_reduce_coalesced(b, op, caller()));
   }
   template <std::ranges::range R>
     requires MutableTensor<std::ranges::range_reference_t<R>>
   [[nodiscard]] Work all_reduce_coalesced_async(R&& bufs, ReduceOp op = ReduceOp::sum) {
-    return submit(detail::prepare_all_reduce_coalesced(args(bufs), op, caller()));
+    auto b = args(bufs);
+    const auto call = detail::prepare_all_reduce_coalesced(b, op, caller());
+    return submit(call, std::move(b));
   }
 
   /// Copies root's `buf` to every rank.
@@ -472,11 +475,13 @@ class Communicator {
         [&] { run_guarded(s, seq, c.name, [&](Backend& be, State& st) { dispatch(be, st, c); }); });
   }
 
-  Work submit(detail::Call c) {
+  /// Asynchronous: the call runs on the worker; `many` keeps all_reduce_coalesced's buffers.
+  Work submit(detail::Call c, std::vector<detail::Buf> many = {}) {
     auto s = state_;
     same_process(c.name);
     const auto seq = s->recorder.issue(c.name, c.bytes, TraceRecord::State::queued);
-    return Work(s->executor->submit([s, seq, c = std::move(c)] {
+    return Work(s->executor->submit([s, seq, c, many = std::move(many)]() mutable {
+      if (!many.empty()) c.many = many;
       run_guarded(*s, seq, c.name, [&](Backend& be, State& st) { dispatch(be, st, c); });
     }));
   }

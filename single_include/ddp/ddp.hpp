@@ -1400,8 +1400,8 @@ DDP_END_NAMESPACE
 ///    | device_kind | `static constexpr DeviceKind device_kind` | cpu (host memory) |
 ///    | splits | `std::unique_ptr<B> split(color, key)` | split() over the store |
 ///    | converts_wire | `all_reduce_as(Buf, ReduceOp, DType wire)` | convert around all_reduce |
-///    | reduces_many | `all_reduce_many(std::vector<Buf>, ReduceOp)` | one all_reduce per buffer |
-///    | has_device | `int device()` (the CUDA device it uses) | — |
+///    | reduces_many | `all_reduce_many(std::span<const Buf>, ReduceOp)` | one all_reduce per
+///    buffer | | has_device | `int device()` (the CUDA device it uses) | — |
 ///
 /// backend::Host (backend/host.hpp), backend::Nccl (backend/nccl.hpp) and backend::Mpi
 /// (backend/mpi.hpp) implement it; a new backend needs only this header.
@@ -2978,6 +2978,7 @@ DDP_END_NAMESPACE
 #include <concepts>
 #include <cstddef>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -3080,7 +3081,7 @@ struct backend_traits {
   };
   /// The backend reduces several buffers as one operation (one NCCL group).
   static constexpr bool reduces_many =
-      requires(B & b, const std::vector<detail::Buf>& v, ReduceOp op) {
+      requires(B & b, std::span<const detail::Buf> v, ReduceOp op) {
     b.all_reduce_many(v, op);
   };
   /// The backend uses one CUDA device, named by device().
@@ -3134,9 +3135,9 @@ DDP_END_NAMESPACE
 // #include "ddp/types.hpp" (already included above)
 
 #include <cstddef>
+#include <span>
 #include <string_view>
-#include <utility>
-#include <vector>
+#include <type_traits>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -3159,7 +3160,9 @@ struct Call {
   Form form = Form::plain;
   Buf in{};   ///< the buffer of single-buffer collectives; `in` of the others
   Buf out{};  ///< `out` of all_gather, gather, scatter, reduce_scatter, all_to_all
-  std::vector<Buf> many;
+  /// The buffers of all_reduce_coalesced, owned by the caller (Communicator keeps them alive
+  /// until the call has run). A Call is trivially copyable: cheap to build on every call.
+  std::span<const Buf> many{};
   ReduceOp op = ReduceOp::sum;
   int root = -1;  ///< root, or the peer of send/recv
   int tag = 0;
@@ -3167,14 +3170,7 @@ struct Call {
   std::size_t bytes = 0;  ///< this rank's buffers, for the flight recorder
 };
 
-[[nodiscard]] inline Call make_call(const char* name, Coll coll,
-                                    Call::Form form = Call::Form::plain) {
-  Call c;
-  c.name = name;
-  c.coll = coll;
-  c.form = form;
-  return c;
-}
+static_assert(std::is_trivially_copyable_v<Call>);
 
 /// Whether [a, a+an) and [b, b+bn) share a byte.
 [[nodiscard]] inline bool overlaps(const std::byte* a, std::size_t an, const std::byte* b,
@@ -3246,11 +3242,8 @@ inline void check_in_place(const Buf& whole, const Buf& part, Caller c, const ch
 
 [[nodiscard]] inline Call prepare_all_reduce(const Buf& b, ReduceOp op, Caller c) {
   check_op(op, b.dtype, c, "all_reduce");
-  Call call = make_call("all_reduce", Coll::all_reduce);
-  call.in = b;
-  call.op = op;
-  call.bytes = b.bytes();
-  return call;
+  return Call{
+      .name = "all_reduce", .coll = Coll::all_reduce, .in = b, .op = op, .bytes = b.bytes()};
 }
 
 /// `moved_on_device`: the backend moves this CUDA buffer itself (no staging), so there is no
@@ -3267,51 +3260,49 @@ inline void check_in_place(const Buf& whole, const Buf& part, Caller c, const ch
          ", which backend::", backend,
          " moves itself, and ddp's headers carry no GPU kernels to convert it; use all_reduce, or "
          "convert on the device first");
-  Call call = make_call("all_reduce_as", Coll::all_reduce, Call::Form::as_wire);
-  call.in = b;
-  call.op = op;
-  call.wire = wire;
-  call.bytes = b.bytes();
-  return call;
+  return Call{.name = "all_reduce_as",
+              .coll = Coll::all_reduce,
+              .form = Call::Form::as_wire,
+              .in = b,
+              .op = op,
+              .wire = wire,
+              .bytes = b.bytes()};
 }
 
-[[nodiscard]] inline Call prepare_all_reduce_coalesced(std::vector<Buf> bufs, ReduceOp op,
+/// `bufs` must outlive the call.
+[[nodiscard]] inline Call prepare_all_reduce_coalesced(std::span<const Buf> bufs, ReduceOp op,
                                                        Caller c) {
-  Call call = make_call("all_reduce_coalesced", Coll::all_reduce, Call::Form::coalesced);
+  std::size_t bytes = 0;
   for (const Buf& b : bufs) {
     check_op(op, b.dtype, c, "all_reduce_coalesced");
-    call.bytes += b.bytes();
+    bytes += b.bytes();
   }
-  call.many = std::move(bufs);
-  call.op = op;
-  return call;
+  return Call{.name = "all_reduce_coalesced",
+              .coll = Coll::all_reduce,
+              .form = Call::Form::coalesced,
+              .many = bufs,
+              .op = op,
+              .bytes = bytes};
 }
 
 [[nodiscard]] inline Call prepare_broadcast(const Buf& b, int root, Caller c) {
   check_root(root, c, "broadcast");
-  Call call = make_call("broadcast", Coll::broadcast);
-  call.in = b;
-  call.root = root;
-  call.bytes = b.bytes();
-  return call;
+  return Call{
+      .name = "broadcast", .coll = Coll::broadcast, .in = b, .root = root, .bytes = b.bytes()};
 }
 
 [[nodiscard]] inline Call prepare_reduce(const Buf& b, int root, ReduceOp op, Caller c) {
   check_root(root, c, "reduce");
   check_op(op, b.dtype, c, "reduce");
-  Call call = make_call("reduce", Coll::reduce);
-  call.in = b;
-  call.root = root;
-  call.op = op;
-  call.bytes = b.bytes();
-  return call;
+  return Call{
+      .name = "reduce", .coll = Coll::reduce, .in = b, .op = op, .root = root, .bytes = b.bytes()};
 }
 
 /// all_gather (root < 0) or gather; `out` is used (and checked) only where it receives.
 [[nodiscard]] inline Call prepare_gather(const Buf& in, const Buf& out, int root, Caller c) {
   const char* what = root < 0 ? "all_gather" : "gather";
   if (root >= 0) check_root(root, c, what);
-  Call call = make_call(what, root < 0 ? Coll::all_gather : Coll::gather);
+  Call call{.name = what, .coll = root < 0 ? Coll::all_gather : Coll::gather};
   call.in = in;
   call.root = root;
   if (root < 0 || root == c.rank) {
@@ -3329,7 +3320,7 @@ inline void check_in_place(const Buf& whole, const Buf& part, Caller c, const ch
 /// scatter; `in` is used (and checked) on the root only.
 [[nodiscard]] inline Call prepare_scatter(const Buf& in, const Buf& out, int root, Caller c) {
   check_root(root, c, "scatter");
-  Call call = make_call("scatter", Coll::scatter);
+  Call call{.name = "scatter", .coll = Coll::scatter};
   call.in = Buf{nullptr, 0, out.dtype, out.device, nullptr};
   call.out = out;
   call.root = root;
@@ -3353,7 +3344,7 @@ inline void check_in_place(const Buf& whole, const Buf& part, Caller c, const ch
   check_in_place(in, out, c, "reduce_scatter",
                  ": `out` overlaps `in` but is not this rank's block of it (the only in-place "
                  "form)");
-  Call call = make_call("reduce_scatter", Coll::reduce_scatter);
+  Call call{.name = "reduce_scatter", .coll = Coll::reduce_scatter};
   call.in = in;
   call.out = out;
   call.op = op;
@@ -3371,7 +3362,7 @@ inline void check_in_place(const Buf& whole, const Buf& part, Caller c, const ch
   if (overlaps(in.data, in.bytes(), out.data, out.bytes())) {
     fail(Errc::invalid_argument, "rank ", c.rank, ": all_to_all: `in` and `out` must not overlap");
   }
-  Call call = make_call("all_to_all", Coll::all_to_all);
+  Call call{.name = "all_to_all", .coll = Coll::all_to_all};
   call.in = in;
   call.out = out;
   call.bytes = in.bytes() + out.bytes();
@@ -3386,7 +3377,7 @@ inline void check_in_place(const Buf& whole, const Buf& part, Caller c, const ch
   }
   if (tag < 0)
     fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": tag ", tag, " is negative");
-  Call call = make_call(what, coll);
+  Call call{.name = what, .coll = coll};
   call.in = b;
   call.root = peer;
   call.tag = tag;
@@ -3394,7 +3385,9 @@ inline void check_in_place(const Buf& whole, const Buf& part, Caller c, const ch
   return call;
 }
 
-[[nodiscard]] inline Call prepare_barrier() { return make_call("barrier", Coll::barrier); }
+[[nodiscard]] inline Call prepare_barrier() {
+  return Call{.name = "barrier", .coll = Coll::barrier};
+}
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -4763,7 +4756,12 @@ class FlightRecorder {
 
   /// Sets the capacity and forgets every record; not concurrent with the other members.
   void resize(std::size_t capacity) {
-    slots_ = capacity != 0 ? std::make_unique<Slot[]>(capacity) : nullptr;
+    // Slots for a power of two at least `capacity`: a slot is found with a mask, not a division
+    // (a 64-bit division costs more than the rest of recording an operation).
+    std::size_t slots = capacity != 0 ? 1 : 0;
+    while (slots < capacity) slots <<= 1;
+    slots_ = slots != 0 ? std::make_unique<Slot[]>(slots) : nullptr;
+    mask_ = slots - 1;
     capacity_ = capacity;
     next_.store(0, std::memory_order_relaxed);
   }
@@ -4772,7 +4770,7 @@ class FlightRecorder {
   std::uint64_t issue(const char* op, std::size_t bytes, State state) {
     const std::uint64_t seq = next_.fetch_add(1, std::memory_order_relaxed);
     if (capacity_ == 0) return seq;
-    Slot& s = slots_[seq % capacity_];
+    Slot& s = slots_[seq & mask_];
     // A seqlock without fences (ThreadSanitizer does not model them): the fields are release
     // stores after the odd version, so a reader that sees any of them sees the version change.
     s.version.store(2 * seq + 1, std::memory_order_relaxed);  // odd: being written
@@ -4787,7 +4785,7 @@ class FlightRecorder {
   /// Moves operation `seq` to `state` (unless the ring has overwritten it since).
   void update(std::uint64_t seq, State state) {
     if (capacity_ == 0) return;
-    Slot& s = slots_[seq % capacity_];
+    Slot& s = slots_[seq & mask_];
     if (s.version.load(std::memory_order_relaxed) == 2 * seq + 2)
       s.state.store(state, std::memory_order_release);
   }
@@ -4799,7 +4797,7 @@ class FlightRecorder {
     const std::uint64_t n = std::min<std::uint64_t>(next, capacity_);
     out.reserve(static_cast<std::size_t>(n));
     for (std::uint64_t seq = next - n; seq < next; ++seq) {
-      const Slot& s = slots_[seq % capacity_];
+      const Slot& s = slots_[seq & mask_];
       const std::uint64_t v = s.version.load(std::memory_order_acquire);
       if (v != 2 * seq + 2) continue;  // being written, or already overwritten
       TraceRecord r;
@@ -4838,7 +4836,8 @@ class FlightRecorder {
   }
 
   std::unique_ptr<Slot[]> slots_;
-  std::size_t capacity_ = 0;
+  std::size_t mask_ = 0;
+  std::size_t capacity_ = 0;  // records kept (recent() returns at most this many)
   std::atomic<std::uint64_t> next_{0};
 };
 
@@ -6592,12 +6591,15 @@ class Communicator {
   template <std::ranges::range R>
     requires MutableTensor<std::ranges::range_reference_t<R>>
   void all_reduce_coalesced(R&& bufs, ReduceOp op = ReduceOp::sum) {
-    exec(detail::prepare_all_reduce_coalesced(args(bufs), op, caller()));
+    const auto b = args(bufs);
+    exec(detail::prepare_all_reduce_coalesced(b, op, caller()));
   }
   template <std::ranges::range R>
     requires MutableTensor<std::ranges::range_reference_t<R>>
   [[nodiscard]] Work all_reduce_coalesced_async(R&& bufs, ReduceOp op = ReduceOp::sum) {
-    return submit(detail::prepare_all_reduce_coalesced(args(bufs), op, caller()));
+    auto b = args(bufs);
+    const auto call = detail::prepare_all_reduce_coalesced(b, op, caller());
+    return submit(call, std::move(b));
   }
 
   /// Copies root's `buf` to every rank.
@@ -6899,11 +6901,13 @@ class Communicator {
         [&] { run_guarded(s, seq, c.name, [&](Backend& be, State& st) { dispatch(be, st, c); }); });
   }
 
-  Work submit(detail::Call c) {
+  /// Asynchronous: the call runs on the worker; `many` keeps all_reduce_coalesced's buffers.
+  Work submit(detail::Call c, std::vector<detail::Buf> many = {}) {
     auto s = state_;
     same_process(c.name);
     const auto seq = s->recorder.issue(c.name, c.bytes, TraceRecord::State::queued);
-    return Work(s->executor->submit([s, seq, c = std::move(c)] {
+    return Work(s->executor->submit([s, seq, c, many = std::move(many)]() mutable {
+      if (!many.empty()) c.many = many;
       run_guarded(*s, seq, c.name, [&](Backend& be, State& st) { dispatch(be, st, c); });
     }));
   }
@@ -9706,6 +9710,7 @@ DDP_END_NAMESPACE
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -9843,7 +9848,7 @@ class Nccl {
 
   /// Several all_reduces in one NCCL group: one launch, one wait (Communicator::
   /// all_reduce_coalesced; the GradientAverager's buckets).
-  void all_reduce_many(const std::vector<detail::Buf>& bufs, ReduceOp op) {
+  void all_reduce_many(std::span<const detail::Buf> bufs, ReduceOp op) {
     std::vector<const detail::Buf*> ptrs;
     for (const auto& b : bufs) ptrs.push_back(&b);
     run_on("all_reduce_coalesced", ptrs, [&] {

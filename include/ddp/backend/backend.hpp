@@ -19,8 +19,8 @@
 ///    | device_kind | `static constexpr DeviceKind device_kind` | cpu (host memory) |
 ///    | splits | `std::unique_ptr<B> split(color, key)` | split() over the store |
 ///    | converts_wire | `all_reduce_as(Buf, ReduceOp, DType wire)` | convert around all_reduce |
-///    | reduces_many | `all_reduce_many(std::vector<Buf>, ReduceOp)` | one all_reduce per buffer |
-///    | has_device | `int device()` (the CUDA device it uses) | — |
+///    | reduces_many | `all_reduce_many(std::span<const Buf>, ReduceOp)` | one all_reduce per
+///    buffer | | has_device | `int device()` (the CUDA device it uses) | — |
 ///
 /// backend::Host (backend/host.hpp), backend::Nccl (backend/nccl.hpp) and backend::Mpi
 /// (backend/mpi.hpp) implement it; a new backend needs only this header.
@@ -42,6 +42,7 @@
 #include <concepts>
 #include <cstddef>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -144,7 +145,7 @@ struct backend_traits {
   };
   /// The backend reduces several buffers as one operation (one NCCL group).
   static constexpr bool reduces_many =
-      requires(B & b, const std::vector<detail::Buf>& v, ReduceOp op) {
+      requires(B & b, std::span<const detail::Buf> v, ReduceOp op) {
     b.all_reduce_many(v, op);
   };
   /// The backend uses one CUDA device, named by device().

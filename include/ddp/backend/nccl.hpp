@@ -51,6 +51,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -188,7 +189,7 @@ class Nccl {
 
   /// Several all_reduces in one NCCL group: one launch, one wait (Communicator::
   /// all_reduce_coalesced; the GradientAverager's buckets).
-  void all_reduce_many(const std::vector<detail::Buf>& bufs, ReduceOp op) {
+  void all_reduce_many(std::span<const detail::Buf> bufs, ReduceOp op) {
     std::vector<const detail::Buf*> ptrs;
     for (const auto& b : bufs) ptrs.push_back(&b);
     run_on("all_reduce_coalesced", ptrs, [&] {

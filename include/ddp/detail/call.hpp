@@ -19,9 +19,9 @@
 #include "ddp/types.hpp"
 
 #include <cstddef>
+#include <span>
 #include <string_view>
-#include <utility>
-#include <vector>
+#include <type_traits>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -44,7 +44,9 @@ struct Call {
   Form form = Form::plain;
   Buf in{};   ///< the buffer of single-buffer collectives; `in` of the others
   Buf out{};  ///< `out` of all_gather, gather, scatter, reduce_scatter, all_to_all
-  std::vector<Buf> many;
+  /// The buffers of all_reduce_coalesced, owned by the caller (Communicator keeps them alive
+  /// until the call has run). A Call is trivially copyable: cheap to build on every call.
+  std::span<const Buf> many{};
   ReduceOp op = ReduceOp::sum;
   int root = -1;  ///< root, or the peer of send/recv
   int tag = 0;
@@ -52,14 +54,7 @@ struct Call {
   std::size_t bytes = 0;  ///< this rank's buffers, for the flight recorder
 };
 
-[[nodiscard]] inline Call make_call(const char* name, Coll coll,
-                                    Call::Form form = Call::Form::plain) {
-  Call c;
-  c.name = name;
-  c.coll = coll;
-  c.form = form;
-  return c;
-}
+static_assert(std::is_trivially_copyable_v<Call>);
 
 /// Whether [a, a+an) and [b, b+bn) share a byte.
 [[nodiscard]] inline bool overlaps(const std::byte* a, std::size_t an, const std::byte* b,
@@ -131,11 +126,8 @@ inline void check_in_place(const Buf& whole, const Buf& part, Caller c, const ch
 
 [[nodiscard]] inline Call prepare_all_reduce(const Buf& b, ReduceOp op, Caller c) {
   check_op(op, b.dtype, c, "all_reduce");
-  Call call = make_call("all_reduce", Coll::all_reduce);
-  call.in = b;
-  call.op = op;
-  call.bytes = b.bytes();
-  return call;
+  return Call{
+      .name = "all_reduce", .coll = Coll::all_reduce, .in = b, .op = op, .bytes = b.bytes()};
 }
 
 /// `moved_on_device`: the backend moves this CUDA buffer itself (no staging), so there is no
@@ -152,51 +144,49 @@ inline void check_in_place(const Buf& whole, const Buf& part, Caller c, const ch
          ", which backend::", backend,
          " moves itself, and ddp's headers carry no GPU kernels to convert it; use all_reduce, or "
          "convert on the device first");
-  Call call = make_call("all_reduce_as", Coll::all_reduce, Call::Form::as_wire);
-  call.in = b;
-  call.op = op;
-  call.wire = wire;
-  call.bytes = b.bytes();
-  return call;
+  return Call{.name = "all_reduce_as",
+              .coll = Coll::all_reduce,
+              .form = Call::Form::as_wire,
+              .in = b,
+              .op = op,
+              .wire = wire,
+              .bytes = b.bytes()};
 }
 
-[[nodiscard]] inline Call prepare_all_reduce_coalesced(std::vector<Buf> bufs, ReduceOp op,
+/// `bufs` must outlive the call.
+[[nodiscard]] inline Call prepare_all_reduce_coalesced(std::span<const Buf> bufs, ReduceOp op,
                                                        Caller c) {
-  Call call = make_call("all_reduce_coalesced", Coll::all_reduce, Call::Form::coalesced);
+  std::size_t bytes = 0;
   for (const Buf& b : bufs) {
     check_op(op, b.dtype, c, "all_reduce_coalesced");
-    call.bytes += b.bytes();
+    bytes += b.bytes();
   }
-  call.many = std::move(bufs);
-  call.op = op;
-  return call;
+  return Call{.name = "all_reduce_coalesced",
+              .coll = Coll::all_reduce,
+              .form = Call::Form::coalesced,
+              .many = bufs,
+              .op = op,
+              .bytes = bytes};
 }
 
 [[nodiscard]] inline Call prepare_broadcast(const Buf& b, int root, Caller c) {
   check_root(root, c, "broadcast");
-  Call call = make_call("broadcast", Coll::broadcast);
-  call.in = b;
-  call.root = root;
-  call.bytes = b.bytes();
-  return call;
+  return Call{
+      .name = "broadcast", .coll = Coll::broadcast, .in = b, .root = root, .bytes = b.bytes()};
 }
 
 [[nodiscard]] inline Call prepare_reduce(const Buf& b, int root, ReduceOp op, Caller c) {
   check_root(root, c, "reduce");
   check_op(op, b.dtype, c, "reduce");
-  Call call = make_call("reduce", Coll::reduce);
-  call.in = b;
-  call.root = root;
-  call.op = op;
-  call.bytes = b.bytes();
-  return call;
+  return Call{
+      .name = "reduce", .coll = Coll::reduce, .in = b, .op = op, .root = root, .bytes = b.bytes()};
 }
 
 /// all_gather (root < 0) or gather; `out` is used (and checked) only where it receives.
 [[nodiscard]] inline Call prepare_gather(const Buf& in, const Buf& out, int root, Caller c) {
   const char* what = root < 0 ? "all_gather" : "gather";
   if (root >= 0) check_root(root, c, what);
-  Call call = make_call(what, root < 0 ? Coll::all_gather : Coll::gather);
+  Call call{.name = what, .coll = root < 0 ? Coll::all_gather : Coll::gather};
   call.in = in;
   call.root = root;
   if (root < 0 || root == c.rank) {
@@ -214,7 +204,7 @@ inline void check_in_place(const Buf& whole, const Buf& part, Caller c, const ch
 /// scatter; `in` is used (and checked) on the root only.
 [[nodiscard]] inline Call prepare_scatter(const Buf& in, const Buf& out, int root, Caller c) {
   check_root(root, c, "scatter");
-  Call call = make_call("scatter", Coll::scatter);
+  Call call{.name = "scatter", .coll = Coll::scatter};
   call.in = Buf{nullptr, 0, out.dtype, out.device, nullptr};
   call.out = out;
   call.root = root;
@@ -238,7 +228,7 @@ inline void check_in_place(const Buf& whole, const Buf& part, Caller c, const ch
   check_in_place(in, out, c, "reduce_scatter",
                  ": `out` overlaps `in` but is not this rank's block of it (the only in-place "
                  "form)");
-  Call call = make_call("reduce_scatter", Coll::reduce_scatter);
+  Call call{.name = "reduce_scatter", .coll = Coll::reduce_scatter};
   call.in = in;
   call.out = out;
   call.op = op;
@@ -256,7 +246,7 @@ inline void check_in_place(const Buf& whole, const Buf& part, Caller c, const ch
   if (overlaps(in.data, in.bytes(), out.data, out.bytes())) {
     fail(Errc::invalid_argument, "rank ", c.rank, ": all_to_all: `in` and `out` must not overlap");
   }
-  Call call = make_call("all_to_all", Coll::all_to_all);
+  Call call{.name = "all_to_all", .coll = Coll::all_to_all};
   call.in = in;
   call.out = out;
   call.bytes = in.bytes() + out.bytes();
@@ -271,7 +261,7 @@ inline void check_in_place(const Buf& whole, const Buf& part, Caller c, const ch
   }
   if (tag < 0)
     fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": tag ", tag, " is negative");
-  Call call = make_call(what, coll);
+  Call call{.name = what, .coll = coll};
   call.in = b;
   call.root = peer;
   call.tag = tag;
@@ -279,7 +269,9 @@ inline void check_in_place(const Buf& whole, const Buf& part, Caller c, const ch
   return call;
 }
 
-[[nodiscard]] inline Call prepare_barrier() { return make_call("barrier", Coll::barrier); }
+[[nodiscard]] inline Call prepare_barrier() {
+  return Call{.name = "barrier", .coll = Coll::barrier};
+}
 
 }  // namespace detail
 DDP_END_NAMESPACE
