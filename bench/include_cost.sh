@@ -2,7 +2,9 @@
 # What `#include <ddp/ddp.hpp>` costs a user's translation unit: an empty program that includes
 # the umbrella header against one that includes only <vector>, compiled with -O2 (best of
 # $ROUNDS, default 3, alternating the two), for g++ and clang++; prints seconds, peak memory and
-# the ratio. Usage: bench/include_cost.sh [header ...]   (default: ddp/ddp.hpp)
+# the ratio; then, for g++, the floor: the standard and POSIX headers that ddp's headers include
+# themselves (found with g++ -H), compiled alone. Usage: bench/include_cost.sh [header ...]
+# (default: ddp/ddp.hpp)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${ROUNDS:-3}
@@ -33,3 +35,26 @@ for cxx in g++ clang++; do
     printf '%-10s %-28s %9s %9s %9s %8d\n' "$cxx" "$h" "$t" "$v" "${ratio}x" $((m / 1024))
   done
 done
+
+# The floor (g++): what the system headers ddp's headers include directly cost by themselves.
+printf '#include <%s>\nint main() { return 0; }\n' "${headers[0]}" >"$work/ddp.cpp"
+g++ -std=c++20 -Iinclude -H -fsyntax-only "$work/ddp.cpp" 2>&1 | grep -E '^\.+ ' |
+  awk '{ print length($1), $2 }' | python3 -c '
+import sys
+direct, stack = set(), []
+for line in sys.stdin:
+    depth, path = line.split()
+    depth = int(depth)
+    while stack and stack[-1][0] >= depth:
+        stack.pop()
+    if stack and "include/ddp/" in stack[-1][1] and "include/ddp/" not in path:
+        direct.add(path)
+    stack.append((depth, path))
+print("".join(f"#include \"{p}\"\n" for p in sorted(direct)) + "int main() { return 0; }")
+' >"$work/floor.cpp"
+f=999
+for _ in $(seq "$rounds"); do
+  read -r s _ < <(once g++ "$work/floor.cpp")
+  if lower "$s" "$f"; then f=$s; fi
+done
+echo "floor (g++): the $(grep -c '#include' "$work/floor.cpp") system headers ddp's headers include: $f s"
