@@ -192,10 +192,13 @@ struct CommState {
     if (std::string_view(e.what()).starts_with(relayed)) {  // another rank's, via the store
       fail(e.code(), "rank ", rank, ": ", e.what());
     }
+    std::string_view why = e.what();
+    if (const std::string own = concat("rank ", rank, ": "); why.starts_with(own))
+      why.remove_prefix(own.size());  // the relayed message names the rank once
     if (store && !store->lost()) {
       try {
-        (void)store->compare_set(
-            "failed", "", Store::stop_value(e.code(), concat(relayed, rank, ": ", e.what())));
+        (void)store->compare_set("failed", "",
+                                 Store::stop_value(e.code(), concat(relayed, rank, ": ", why)));
       } catch (...) {  // the store is gone too: the peers learn from it
       }
     }
