@@ -243,7 +243,7 @@ class LaunchAgent {
     } restore{sigs, previous};
 
     StoreOptions so;
-    so.token = env_or_empty("DDP_TOKEN");
+    so.token = EnvReader().get("DDP_TOKEN");
     so.timeout = o_.join_timeout;
     port_ = o_.master_port;
     if (o_.node_rank == 0) {
@@ -686,7 +686,7 @@ class LaunchAgent {
   /// With DDP_TRACE_DUMP set to a directory, the flight recorders the workers of this attempt
   /// wrote there (on a timeout), compared: who fell behind, and where.
   void report_traces(std::int64_t since) const {
-    const std::string dir = env_or_empty("DDP_TRACE_DUMP");
+    const std::string dir = EnvReader().get("DDP_TRACE_DUMP");
     if (dir.empty() || dir == "stderr" || dir == "-") return;
     const std::vector<TraceDump> dumps = read_trace_dumps(dir, since);
     if (dumps.empty()) return;

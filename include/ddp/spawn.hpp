@@ -155,7 +155,7 @@ inline void spawn(int nprocs, const std::function<void(Environment)>& fn,
   }
 
   StoreOptions so;
-  so.token = detail::env_or_empty("DDP_TOKEN");
+  so.token = detail::EnvReader().get("DDP_TOKEN");
   StoreServer server(std::move(listener), options.master_addr, so);
 
   const auto read_error = [](Child& c) {

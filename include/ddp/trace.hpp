@@ -57,12 +57,9 @@ namespace detail {
 /// stops them: a second when they write flight recorders ($DDP_TRACE_DUMP), in which they fail on
 /// their own (peers of a failed rank do within milliseconds) and write them; else no time.
 [[nodiscard]] inline std::chrono::milliseconds trace_dump_grace() {
-  return env_or_empty("DDP_TRACE_DUMP").empty() ? std::chrono::milliseconds(0)
-                                                : std::chrono::milliseconds(1000);
+  return !EnvReader().has("DDP_TRACE_DUMP") ? std::chrono::milliseconds(0)
+                                            : std::chrono::milliseconds(1000);
 }
-
-/// Options::trace_entries (the environment's DDP_TRACE_ENTRIES is applied by Options::with_env).
-[[nodiscard]] inline std::size_t trace_capacity(const Options& o) { return o.trace_entries; }
 
 /// A fixed ring of TraceRecords that costs no lock: issuing an operation is one atomic
 /// increment and a few plain stores, updating its state one store, so the flight recorder stays

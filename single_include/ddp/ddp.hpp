@@ -1681,25 +1681,6 @@ class EnvReader {
   EnvLookup lookup_;
 };
 
-// The process environment through the reader, under the names the headers used before it.
-[[nodiscard]] inline std::string env_or(const char* name, std::string_view fallback) {
-  return EnvReader().get(name, fallback);
-}
-[[nodiscard]] inline std::string env_or_empty(const char* name) { return env_or(name, ""); }
-[[nodiscard]] inline std::optional<std::uint64_t> env_unsigned(const char* name, std::uint64_t min,
-                                                               std::uint64_t max,
-                                                               std::string_view what) {
-  return EnvReader().whole_number(name, min, max, what);
-}
-[[nodiscard]] inline bool env_flag(const char* name, bool fallback) {
-  return EnvReader().flag(name).value_or(fallback);
-}
-/// $DDP_TIMEOUT or `fallback` when unset.
-[[nodiscard]] inline std::chrono::milliseconds timeout_from_env(
-    std::chrono::milliseconds fallback) {
-  return EnvReader().seconds("DDP_TIMEOUT").value_or(fallback);
-}
-
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/detail/env.hpp
@@ -4737,12 +4718,9 @@ namespace detail {
 /// stops them: a second when they write flight recorders ($DDP_TRACE_DUMP), in which they fail on
 /// their own (peers of a failed rank do within milliseconds) and write them; else no time.
 [[nodiscard]] inline std::chrono::milliseconds trace_dump_grace() {
-  return env_or_empty("DDP_TRACE_DUMP").empty() ? std::chrono::milliseconds(0)
-                                                : std::chrono::milliseconds(1000);
+  return !EnvReader().has("DDP_TRACE_DUMP") ? std::chrono::milliseconds(0)
+                                            : std::chrono::milliseconds(1000);
 }
-
-/// Options::trace_entries (the environment's DDP_TRACE_ENTRIES is applied by Options::with_env).
-[[nodiscard]] inline std::size_t trace_capacity(const Options& o) { return o.trace_entries; }
 
 /// A fixed ring of TraceRecords that costs no lock: issuing an operation is one atomic
 /// increment and a few plain stores, updating its state one store, so the flight recorder stays
@@ -5632,7 +5610,7 @@ struct CommState {
 
   void configure(const Options& o) {
     options = o;
-    recorder.resize(trace_capacity(o));
+    recorder.resize(o.trace_entries);
   }
 
   /// Joins the rendezvous store of the job `env` describes: rank 0 hosts it (unless a launcher
@@ -11496,7 +11474,7 @@ inline void spawn(int nprocs, const std::function<void(Environment)>& fn,
   }
 
   StoreOptions so;
-  so.token = detail::env_or_empty("DDP_TOKEN");
+  so.token = detail::EnvReader().get("DDP_TOKEN");
   StoreServer server(std::move(listener), options.master_addr, so);
 
   const auto read_error = [](Child& c) {

@@ -77,10 +77,10 @@ int all_reduce_and_check() {
   std::cout << "rank " << comm.rank() << "/" << p << " local " << comm.local_rank() << "/"
             << comm.local_size() << " node " << env.node_rank << " launcher " << env.launcher
             << " transport " << comm.backend().transport() << " restart "
-            << ddp::detail::env_or("DDP_RESTART_COUNT", "?") << " sum ok" << std::endl;
+            << ddp::detail::EnvReader().get("DDP_RESTART_COUNT", "?") << " sum ok" << std::endl;
   // WORKER_HOLD_MS: keep the communicator (and rank 0's store) a while before leaving.
   std::this_thread::sleep_for(
-      std::chrono::milliseconds(std::stoi(ddp::detail::env_or("WORKER_HOLD_MS", "0"))));
+      std::chrono::milliseconds(std::stoi(ddp::detail::EnvReader().get("WORKER_HOLD_MS", "0"))));
   return 0;
 }
 
@@ -95,7 +95,7 @@ int main(int argc, char** argv) try {
   if (mode == "allreduce") return all_reduce_and_check();
   if (mode == "exit" && args.size() >= 3) {
     const bool once = args.size() > 3 && args[3] == "once";
-    const bool first = ddp::detail::env_or("DDP_RESTART_COUNT", "0") == "0";
+    const bool first = ddp::detail::EnvReader().get("DDP_RESTART_COUNT", "0") == "0";
     if (env.rank == std::stoi(args[1]) && (!once || first)) {
       std::cerr << "rank " << env.rank << " fails on purpose" << std::endl;
       return std::stoi(args[2]);

@@ -211,7 +211,7 @@ TEST_CASE("GradientAverager works unchanged on backend::Mpi") {
 
 int main(int argc, char** argv) {
   cases::bitwise_floats = false;  // MPI chooses the order in which ranks are combined
-  const std::string mode = ddp::detail::env_or("DDP_MPI_TEST_MODE", "");
+  const std::string mode = ddp::detail::EnvReader().get("DDP_MPI_TEST_MODE");
   if (mode == "collective-timeout") {
     ddp::Options o;
     o.timeout = 500ms;

@@ -163,12 +163,13 @@ TEST_CASE("DDP_TIMEOUT sets Options::timeout in seconds, a malformed value is na
   using std::chrono::milliseconds;
   const auto with = [](const char* value) {
     ::setenv("DDP_TIMEOUT", value, 1);
-    const auto t = ddp::detail::timeout_from_env(milliseconds(7));
+    const auto t = ddp::detail::EnvReader().seconds("DDP_TIMEOUT").value_or(milliseconds(7));
     ::unsetenv("DDP_TIMEOUT");
     return t;
   };
   ::unsetenv("DDP_TIMEOUT");
-  CHECK(ddp::detail::timeout_from_env(milliseconds(7)) == milliseconds(7));
+  CHECK(ddp::detail::EnvReader().seconds("DDP_TIMEOUT").value_or(milliseconds(7)) ==
+        milliseconds(7));
   CHECK(ddp::Options{}.timeout == std::chrono::minutes(5));
   CHECK(with("0.5") == milliseconds(500));
   CHECK(with("300") == milliseconds(300000));
@@ -194,20 +195,17 @@ TEST_CASE("DDP_TIMEOUT sets Options::timeout in seconds, a malformed value is na
 }
 
 TEST_CASE("DDP_TRACE_ENTRIES and DDP_SEGMENT_BYTES: numbers in range, anything else named") {
-  struct FromEnv {  // what Communicator::init does with the Options it is given
-    operator ddp::Options() const { return ddp::Options{}.with_env(); }
-  } o;
   ::unsetenv("DDP_TRACE_ENTRIES");
-  CHECK(ddp::detail::trace_capacity(o) == 2000);
+  CHECK(ddp::Options::from_env().trace_entries == 2000);
   ::setenv("DDP_TRACE_ENTRIES", "0", 1);
-  CHECK(ddp::detail::trace_capacity(o) == 0);
+  CHECK(ddp::Options::from_env().trace_entries == 0);
   ::setenv("DDP_TRACE_ENTRIES", "1000000", 1);
-  CHECK(ddp::detail::trace_capacity(o) == 1000000);
+  CHECK(ddp::Options::from_env().trace_entries == 1000000);
   for (const char* bad : {"-1", "1000001", "abc", "10k", "+5", " 5", "18446744073709551616"}) {
     CAPTURE(std::string(bad));
     ::setenv("DDP_TRACE_ENTRIES", bad, 1);
     try {
-      (void)ddp::detail::trace_capacity(o);
+      (void)ddp::Options::from_env().trace_entries;
       FAIL("accepted");
     } catch (const ddp::Error& e) {
       CHECK(e.code() == ddp::Errc::invalid_argument);
@@ -218,15 +216,18 @@ TEST_CASE("DDP_TRACE_ENTRIES and DDP_SEGMENT_BYTES: numbers in range, anything e
   ::unsetenv("DDP_TRACE_ENTRIES");
   // A size: "-1" once wrapped to 2^64 - 1 and was taken.
   ::setenv("DDP_SEGMENT_BYTES", "65536", 1);
-  CHECK(ddp::detail::env_unsigned("DDP_SEGMENT_BYTES", 4096, 1ull << 40, "bytes") == 65536u);
+  CHECK(ddp::detail::EnvReader().whole_number("DDP_SEGMENT_BYTES", 4096, 1ull << 40, "bytes") ==
+        65536u);
   for (const char* bad : {"-1", "4095", "64KiB"}) {
     ::setenv("DDP_SEGMENT_BYTES", bad, 1);
     CHECK_THROWS_WITH_AS(
-        (void)ddp::detail::env_unsigned("DDP_SEGMENT_BYTES", 4096, 1ull << 40, "bytes"),
+        (void)ddp::detail::EnvReader().whole_number("DDP_SEGMENT_BYTES", 4096, 1ull << 40, "bytes"),
         doctest::Contains("DDP_SEGMENT_BYTES=\""), ddp::Error);
   }
   ::unsetenv("DDP_SEGMENT_BYTES");
-  CHECK(!ddp::detail::env_unsigned("DDP_SEGMENT_BYTES", 4096, 1ull << 40, "bytes").has_value());
+  CHECK(!ddp::detail::EnvReader()
+             .whole_number("DDP_SEGMENT_BYTES", 4096, 1ull << 40, "bytes")
+             .has_value());
   ::setenv("DDP_SEGMENT_BYTES", "65536", 1);
   CHECK(ddp::Options::from_env().segment_bytes == 65536u);
   CHECK(ddp::Options{.segment_bytes = 8192}.with_env().segment_bytes == 8192u);

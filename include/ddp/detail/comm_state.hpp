@@ -81,7 +81,7 @@ struct CommState {
 
   void configure(const Options& o) {
     options = o;
-    recorder.resize(trace_capacity(o));
+    recorder.resize(o.trace_entries);
   }
 
   /// Joins the rendezvous store of the job `env` describes: rank 0 hosts it (unless a launcher

@@ -119,24 +119,5 @@ class EnvReader {
   EnvLookup lookup_;
 };
 
-// The process environment through the reader, under the names the headers used before it.
-[[nodiscard]] inline std::string env_or(const char* name, std::string_view fallback) {
-  return EnvReader().get(name, fallback);
-}
-[[nodiscard]] inline std::string env_or_empty(const char* name) { return env_or(name, ""); }
-[[nodiscard]] inline std::optional<std::uint64_t> env_unsigned(const char* name, std::uint64_t min,
-                                                               std::uint64_t max,
-                                                               std::string_view what) {
-  return EnvReader().whole_number(name, min, max, what);
-}
-[[nodiscard]] inline bool env_flag(const char* name, bool fallback) {
-  return EnvReader().flag(name).value_or(fallback);
-}
-/// $DDP_TIMEOUT or `fallback` when unset.
-[[nodiscard]] inline std::chrono::milliseconds timeout_from_env(
-    std::chrono::milliseconds fallback) {
-  return EnvReader().seconds("DDP_TIMEOUT").value_or(fallback);
-}
-
 }  // namespace detail
 DDP_END_NAMESPACE
