@@ -136,11 +136,12 @@ class Communicator {
   /// Reduces `buf` over all ranks, in place (every rank gets the result).
   template <MutableTensor T>
   void all_reduce(T&& buf, ReduceOp op = ReduceOp::sum) {
-    exec(detail::prepare_all_reduce(arg(buf, "all_reduce", "buf"), op, caller()));
+    exec_single(detail::Coll::all_reduce, arg(buf, "all_reduce", "buf"), op, 0);
   }
   template <MutableTensor T>
   [[nodiscard]] Work all_reduce_async(T&& buf, ReduceOp op = ReduceOp::sum) {
-    return submit(detail::prepare_all_reduce(arg(buf, "all_reduce", "buf"), op, caller()));
+    return submit(detail::prepare_single(detail::Coll::all_reduce, arg(buf, "all_reduce", "buf"),
+                                         op, 0, caller()));
   }
 
   /// all_reduce of float32 values that travel and are reduced as W (ddp::half or ddp::bfloat16):
@@ -179,21 +180,23 @@ class Communicator {
   /// Copies root's `buf` to every rank.
   template <MutableTensor T>
   void broadcast(T&& buf, int root = 0) {
-    exec(detail::prepare_broadcast(arg(buf, "broadcast", "buf"), root, caller()));
+    exec_single(detail::Coll::broadcast, arg(buf, "broadcast", "buf"), ReduceOp::sum, root);
   }
   template <MutableTensor T>
   [[nodiscard]] Work broadcast_async(T&& buf, int root = 0) {
-    return submit(detail::prepare_broadcast(arg(buf, "broadcast", "buf"), root, caller()));
+    return submit(detail::prepare_single(detail::Coll::broadcast, arg(buf, "broadcast", "buf"),
+                                         ReduceOp::sum, root, caller()));
   }
 
   /// Reduces `buf` over all ranks into root's `buf`; the other ranks' buffers are unchanged.
   template <MutableTensor T>
   void reduce(T&& buf, int root = 0, ReduceOp op = ReduceOp::sum) {
-    exec(detail::prepare_reduce(arg(buf, "reduce", "buf"), root, op, caller()));
+    exec_single(detail::Coll::reduce, arg(buf, "reduce", "buf"), op, root);
   }
   template <MutableTensor T>
   [[nodiscard]] Work reduce_async(T&& buf, int root = 0, ReduceOp op = ReduceOp::sum) {
-    return submit(detail::prepare_reduce(arg(buf, "reduce", "buf"), root, op, caller()));
+    return submit(detail::prepare_single(detail::Coll::reduce, arg(buf, "reduce", "buf"), op, root,
+                                         caller()));
   }
 
   /// out[r*n .. r*n+n) = rank r's `in` (n = in's size); out.size() == in.size() * size().
@@ -450,7 +453,6 @@ class Communicator {
   template <class F>
   static void run_guarded(State& s, std::uint64_t seq, const char* name, const F& body) {
     using St = TraceRecord::State;
-    s.recorder.update(seq, St::running);
     try {
       s.run_poisoning(s.backend->rank(), name, [&] { body(*s.backend, s); });
     } catch (const Error& e) {
@@ -467,12 +469,36 @@ class Communicator {
     s.recorder.update(seq, St::done);
   }
 
-  /// Synchronous: inline when nothing is queued (no allocation, no lock on that path).
-  void exec(const detail::Call& c) {
-    State& s = same_process(c.name);
-    const auto seq = s.recorder.issue(c.name, c.bytes, TraceRecord::State::queued);
+  /// Runs `body` in issue order: inline when the communicator is idle (recorded as running at
+  /// once: no allocation, no lock, one record written), else queued behind what runs.
+  template <class F>
+  static void run_in_order(State& s, const char* name, std::size_t bytes, const F& body) {
+    using St = TraceRecord::State;
+    std::uint64_t seq = 0;
     s.executor->run(
-        [&] { run_guarded(s, seq, c.name, [&](Backend& be, State& st) { dispatch(be, st, c); }); });
+        [&](bool now) {
+          if (now)
+            seq = s.recorder.issue(name, bytes, St::running);
+          else
+            s.recorder.update(seq, St::running);
+          run_guarded(s, seq, name, body);
+        },
+        [&] { seq = s.recorder.issue(name, bytes, St::queued); });
+  }
+
+  /// Synchronous.
+  void exec(const detail::Call& c) {
+    run_in_order(same_process(c.name), c.name, c.bytes,
+                 [&](Backend& be, State& st) { dispatch(be, st, c); });
+  }
+
+  /// Synchronous all_reduce, broadcast and reduce, without building a Call: the same checks and
+  /// the same code as through dispatch(), minus writing a 150-byte description on the path where
+  /// the library's own cost shows most (small messages).
+  void exec_single(detail::Coll coll, const detail::Buf& b, ReduceOp op, int root) {
+    const char* name = detail::check_single(coll, b, op, root, caller());
+    run_in_order(same_process(name), name, b.bytes(),
+                 [&](Backend& be, State& st) { run_single(be, st, coll, b, op, root); });
   }
 
   /// Asynchronous: the call runs on the worker; `many` keeps all_reduce_coalesced's buffers.
@@ -482,6 +508,7 @@ class Communicator {
     const auto seq = s->recorder.issue(c.name, c.bytes, TraceRecord::State::queued);
     return Work(s->executor->submit([s, seq, c, many = std::move(many)]() mutable {
       if (!many.empty()) c.many = many;
+      s->recorder.update(seq, TraceRecord::State::running);
       run_guarded(*s, seq, c.name, [&](Backend& be, State& st) { dispatch(be, st, c); });
     }));
   }
@@ -489,9 +516,7 @@ class Communicator {
   /// An operation that is not a collective call (split).
   template <class F>
   void exec_fn(const char* name, const F& body) {
-    State& s = same_process(name);
-    const auto seq = s.recorder.issue(name, 0, TraceRecord::State::queued);
-    s.executor->run([&] { run_guarded(s, seq, name, body); });
+    run_in_order(same_process(name), name, 0, body);
   }
 
   // ---- arguments -----------------------------------------------------------------------------
@@ -519,8 +544,10 @@ class Communicator {
                   "Communicator<backend::Host> for host buffers");
     const auto v = ddp::view(t);
     using E = typename decltype(v)::value_type;
+    // The device field by field: copying it whole after view() wrote it piecewise makes g++
+    // reload it as one 8-byte word, a store-forwarding stall that cost ~5 ns per call.
     const detail::Buf b{reinterpret_cast<std::byte*>(const_cast<E*>(v.data)), v.size, dtype_of<E>,
-                        v.device, v.stream};
+                        Device{v.device.kind, v.device.index}, v.stream};
     const bool usable = Backend::supports(v.device) || (v.device.is_cuda() && stages_cuda());
     if (!usable || v.data == nullptr || v.size > detail::max_buffer_bytes / sizeof(E)) [[unlikely]]
       detail::check_buf(b, sizeof(E), usable, Backend::name, rank(), what, name);
@@ -597,6 +624,22 @@ class Communicator {
     }
   }
 
+  static void run_single(Backend& be, State& s, detail::Coll coll, const detail::Buf& b,
+                         ReduceOp op, int root) {
+    using detail::Buf;
+    switch (coll) {
+      case detail::Coll::all_reduce:
+        return elementwise(s, b, true, true, [&](const Buf& h) { be.all_reduce(h, op); });
+      case detail::Coll::broadcast: {
+        const bool mine = be.rank() == root;
+        return elementwise(s, b, mine, !mine, [&](const Buf& h) { be.broadcast(h, root); });
+      }
+      default:
+        return elementwise(s, b, true, be.rank() == root,
+                           [&](const Buf& h) { be.reduce(h, root, op); });
+    }
+  }
+
   static void dispatch(Backend& be, State& s, const detail::Call& c) {
     using detail::Buf;
     using detail::Coll;
@@ -621,18 +664,11 @@ class Communicator {
               all_reduce_as_wire<bfloat16>(be, h, c.op);
           });
         } else {
-          elementwise(s, c.in, true, true, [&](const Buf& h) { be.all_reduce(h, c.op); });
+          run_single(be, s, c.coll, c.in, c.op, c.root);
         }
         return;
-      case Coll::broadcast: {
-        const bool mine = be.rank() == c.root;
-        elementwise(s, c.in, mine, !mine, [&](const Buf& h) { be.broadcast(h, c.root); });
-        return;
-      }
-      case Coll::reduce:
-        elementwise(s, c.in, true, be.rank() == c.root,
-                    [&](const Buf& h) { be.reduce(h, c.root, c.op); });
-        return;
+      case Coll::broadcast:
+      case Coll::reduce: return run_single(be, s, c.coll, c.in, c.op, c.root);
       case Coll::all_gather:
         return in_out([&](const Buf& i, const Buf& o) { be.all_gather(i, o); });
       case Coll::gather:

@@ -70,18 +70,20 @@ class Executor {
     if (worker_.joinable()) worker_.join();
   }
 
-  /// Runs f() now, in this thread, when nothing else runs or waits; otherwise after everything
-  /// issued before it. Returns when f has run; rethrows what it threw.
-  template <class F>
-  void run(F&& f) {
+  /// Runs f(true) now, in this thread, when nothing else runs or waits. Otherwise calls queued()
+  /// in this thread, then runs f(false) after everything issued before it. Returns when f has
+  /// run; rethrows what it threw.
+  template <class F, class Q>
+  void run(F&& f, Q&& queued) {
     std::uint32_t idle = 0;
     if (state_.compare_exchange_strong(idle, inline_bit, std::memory_order_acquire,
                                        std::memory_order_relaxed)) [[likely]] {
       const Release release{*this};
-      f();
+      f(true);
       return;
     }
-    submit(std::function<void()>([&f] { f(); }))->wait();
+    queued();
+    submit(std::function<void()>([&f] { f(false); }))->wait();
   }
 
   /// Queues f() behind everything issued before it; the returned state completes when it ran.

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -327,6 +328,46 @@ TEST_CASE("a frozen peer (SIGSTOP): the others time out between timeout/2 and ti
       CHECK(out.message.find("rank 1") != std::string::npos);
     }
   }
+}
+
+TEST_CASE("flight recorder: an operation in progress is running, one behind it queued") {
+  ddp::Options o;
+  o.timeout = std::chrono::seconds(20);
+  o.group = "recorder-states";
+  run_faulty(
+      2, ddp::HostTransport::shm,
+      [&](Comm& comm) {
+        std::vector<float> v(16, 1.0f);
+        if (comm.rank() == 1) {  // late: rank 0's all_reduce waits for it
+          std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+          comm.all_reduce(v);
+          comm.barrier();
+          return;
+        }
+        using St = ddp::TraceRecord::State;
+        const auto state_of = [&](std::uint64_t seq) -> std::optional<St> {
+          for (const auto& r : comm.recent())
+            if (r.seq == seq) return r.state;
+          return std::nullopt;
+        };
+        std::optional<St> seen_running, seen_queued;
+        std::thread watcher([&] {
+          const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+          while (state_of(0) != St::running && std::chrono::steady_clock::now() < until)
+            std::this_thread::yield();
+          seen_running = state_of(0);
+          auto work = comm.barrier_async();  // behind the all_reduce that runs
+          seen_queued = state_of(1);
+          work.wait();
+        });
+        comm.all_reduce(v);  // inline: recorded as running at once
+        watcher.join();
+        MP_EXPECT(seen_running == St::running, "the all_reduce in progress");
+        MP_EXPECT(seen_queued == St::queued, "the barrier behind it");
+        MP_EXPECT(state_of(0) == St::done && state_of(1) == St::done, "both done");
+        MP_EXPECT(v[0] == 2.0f, v[0]);
+      },
+      o);
 }
 
 TEST_CASE("flight recorder: recent() lists the operations, a timeout dumps them on every rank") {

@@ -124,10 +124,22 @@ inline void check_in_place(const Buf& whole, const Buf& part, Caller c, const ch
   }
 }
 
-[[nodiscard]] inline Call prepare_all_reduce(const Buf& b, ReduceOp op, Caller c) {
-  check_op(op, b.dtype, c, "all_reduce");
-  return Call{
-      .name = "all_reduce", .coll = Coll::all_reduce, .in = b, .op = op, .bytes = b.bytes()};
+/// The checks of the single-buffer collectives (all_reduce, broadcast, reduce); returns the
+/// collective's name. Their synchronous form runs without building a Call.
+inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, Caller c) {
+  switch (coll) {
+    case Coll::all_reduce: check_op(op, b.dtype, c, "all_reduce"); return "all_reduce";
+    case Coll::broadcast: check_root(root, c, "broadcast"); return "broadcast";
+    default:
+      check_root(root, c, "reduce");
+      check_op(op, b.dtype, c, "reduce");
+      return "reduce";
+  }
+}
+
+[[nodiscard]] inline Call prepare_single(Coll coll, const Buf& b, ReduceOp op, int root, Caller c) {
+  const char* name = check_single(coll, b, op, root, c);
+  return Call{.name = name, .coll = coll, .in = b, .op = op, .root = root, .bytes = b.bytes()};
 }
 
 /// `moved_on_device`: the backend moves this CUDA buffer itself (no staging), so there is no
@@ -167,19 +179,6 @@ inline void check_in_place(const Buf& whole, const Buf& part, Caller c, const ch
               .many = bufs,
               .op = op,
               .bytes = bytes};
-}
-
-[[nodiscard]] inline Call prepare_broadcast(const Buf& b, int root, Caller c) {
-  check_root(root, c, "broadcast");
-  return Call{
-      .name = "broadcast", .coll = Coll::broadcast, .in = b, .root = root, .bytes = b.bytes()};
-}
-
-[[nodiscard]] inline Call prepare_reduce(const Buf& b, int root, ReduceOp op, Caller c) {
-  check_root(root, c, "reduce");
-  check_op(op, b.dtype, c, "reduce");
-  return Call{
-      .name = "reduce", .coll = Coll::reduce, .in = b, .op = op, .root = root, .bytes = b.bytes()};
 }
 
 /// all_gather (root < 0) or gather; `out` is used (and checked) only where it receives.
