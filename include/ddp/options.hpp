@@ -7,6 +7,17 @@
 /// plain data: a default-constructed Options reads nothing and never throws. The environment's
 /// DDP_* settings apply through with_env()/from_env(), which Communicator::init calls: each
 /// applies to a field left at its default.
+///
+/// Which backend reads which field (a backend ignores the others):
+///   every backend        timeout, token, group, external_store, trace_entries, trace_dump
+///   backend::Host        transport, segment_bytes, verify_collectives
+///   CUDA                 device (backend::Nccl), cuda_staging_bytes (CUDA buffers on a
+///                        host-memory backend)
+/// They stay in one flat struct, not per-backend structs like c10d's ProcessGroupNCCL::Options:
+/// programs build Options with designated initializers (`Options{.timeout = t, .transport =
+/// HostTransport::tcp}`), which cannot name a member of a base class or of a nested struct, so
+/// moving a field would break them. New backend-specific settings are added at the end, with the
+/// backend in their comment.
 
 #include "ddp/config.hpp"
 #include "ddp/detail/env.hpp"
