@@ -474,6 +474,9 @@ class Communicator {
   template <class F>
   static void run_in_order(State& s, const char* name, std::size_t bytes, const F& body) {
     using St = TraceRecord::State;
+    // A poisoned communicator fails at once and records nothing: its recorder keeps the
+    // operation that failed, not thousands of refused calls after it.
+    s.check_poisoned(s.backend->rank(), name);
     std::uint64_t seq = 0;
     s.executor->run(
         [&](bool now) {
@@ -483,7 +486,7 @@ class Communicator {
             s.recorder.update(seq, St::running);
           run_guarded(s, seq, name, body);
         },
-        [&] { seq = s.recorder.issue(name, bytes, St::queued); });
+        [&] { return seq = s.recorder.issue(name, bytes, St::queued); });
   }
 
   /// Synchronous.
@@ -505,12 +508,24 @@ class Communicator {
   Work submit(detail::Call c, std::vector<detail::Buf> many = {}) {
     auto s = state_;
     same_process(c.name);
-    const auto seq = s->recorder.issue(c.name, c.bytes, TraceRecord::State::queued);
-    return Work(s->executor->submit([s, seq, c, many = std::move(many)]() mutable {
-      if (!many.empty()) c.many = many;
-      s->recorder.update(seq, TraceRecord::State::running);
-      run_guarded(*s, seq, c.name, [&](Backend& be, State& st) { dispatch(be, st, c); });
-    }));
+    if (s->poisoned.load(std::memory_order_acquire)) [[unlikely]] {  // fails on wait(), unrecorded
+      auto failed = std::make_shared<detail::WorkState>();
+      try {
+        s->check_poisoned(s->backend->rank(), c.name);
+      } catch (...) {
+        failed->finish(std::current_exception());
+      }
+      return Work(std::move(failed));
+    }
+    return Work(s->executor->submit_recorded(
+        [&] { return s->recorder.issue(c.name, c.bytes, TraceRecord::State::queued); },
+        [&](std::uint64_t seq) {
+          return std::function<void()>([s, seq, c, many = std::move(many)]() mutable {
+            if (!many.empty()) c.many = many;
+            s->recorder.update(seq, TraceRecord::State::running);
+            run_guarded(*s, seq, c.name, [&](Backend& be, State& st) { dispatch(be, st, c); });
+          });
+        }));
   }
 
   /// An operation that is not a collective call (split).

@@ -70,9 +70,9 @@ class Executor {
     if (worker_.joinable()) worker_.join();
   }
 
-  /// Runs f(true) now, in this thread, when nothing else runs or waits. Otherwise calls queued()
-  /// in this thread, then runs f(false) after everything issued before it. Returns when f has
-  /// run; rethrows what it threw.
+  /// Runs f(true) now, in this thread, when nothing else runs or waits. Otherwise queues f(false)
+  /// behind everything issued before it, calling queued() as it joins the queue (see
+  /// submit_recorded). Returns when f has run; rethrows what it threw.
   template <class F, class Q>
   void run(F&& f, Q&& queued) {
     std::uint32_t idle = 0;
@@ -82,16 +82,21 @@ class Executor {
       f(true);
       return;
     }
-    queued();
-    submit(std::function<void()>([&f] { f(false); }))->wait();
+    submit_recorded(queued, [&f](auto) {
+      return std::function<void()>([&f] { f(false); });
+    })->wait();
   }
 
-  /// Queues f() behind everything issued before it; the returned state completes when it ran.
-  std::shared_ptr<WorkState> submit(std::function<void()> f) {
+  /// Queues make(record()) behind everything issued before it, calling record() (which numbers
+  /// the operation, e.g. in the flight recorder) inside the queue's critical section: the numbers
+  /// follow the queue's order, so an operation numbered k runs before any numbered after it.
+  template <class R, class M>
+  std::shared_ptr<WorkState> submit_recorded(R&& record, M&& make) {
     auto state = std::make_shared<WorkState>();
     {
       std::lock_guard lock(queue_mutex_);
       if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
+      std::function<void()> f = make(record());
       state_.fetch_add(queued_unit, std::memory_order_relaxed);  // before a caller can go inline
       queue_.emplace_back(std::move(f), state);
     }

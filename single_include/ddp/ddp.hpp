@@ -1558,6 +1558,17 @@ DDP_END_NAMESPACE
 /// plain data: a default-constructed Options reads nothing and never throws. The environment's
 /// DDP_* settings apply through with_env()/from_env(), which Communicator::init calls: each
 /// applies to a field left at its default.
+///
+/// Which backend reads which field (a backend ignores the others):
+///   every backend        timeout, token, group, external_store, trace_entries, trace_dump
+///   backend::Host        transport, segment_bytes, verify_collectives
+///   CUDA                 device (backend::Nccl), cuda_staging_bytes (CUDA buffers on a
+///                        host-memory backend)
+/// They stay in one flat struct, not per-backend structs like c10d's ProcessGroupNCCL::Options:
+/// programs build Options with designated initializers (`Options{.timeout = t, .transport =
+/// HostTransport::tcp}`), which cannot name a member of a base class or of a nested struct, so
+/// moving a field would break them. New backend-specific settings are added at the end, with the
+/// backend in their comment.
 
 // #include "ddp/config.hpp" (already included above)
 // begin ddp/detail/env.hpp
@@ -3182,7 +3193,9 @@ inline void check_buf(const Buf& b, std::size_t elem, bool usable, std::string_v
 inline void check_op(ReduceOp op, DType t, Caller c, const char* what) {
   if (!is_supported(op, t)) {
     fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": op ",
-         is_valid(op) ? to_string(op) : "invalid", " is not defined on ", to_string(t),
+         is_valid(op) ? std::string(to_string(op))
+                      : concat("code ", static_cast<int>(op), " (not a ddp::ReduceOp)"),
+         " is not defined on ", to_string(t),
          op == ReduceOp::avg ? " (avg needs a floating-point type)" : "");
   }
 }
@@ -4942,9 +4955,9 @@ class Executor {
     if (worker_.joinable()) worker_.join();
   }
 
-  /// Runs f(true) now, in this thread, when nothing else runs or waits. Otherwise calls queued()
-  /// in this thread, then runs f(false) after everything issued before it. Returns when f has
-  /// run; rethrows what it threw.
+  /// Runs f(true) now, in this thread, when nothing else runs or waits. Otherwise queues f(false)
+  /// behind everything issued before it, calling queued() as it joins the queue (see
+  /// submit_recorded). Returns when f has run; rethrows what it threw.
   template <class F, class Q>
   void run(F&& f, Q&& queued) {
     std::uint32_t idle = 0;
@@ -4954,16 +4967,21 @@ class Executor {
       f(true);
       return;
     }
-    queued();
-    submit(std::function<void()>([&f] { f(false); }))->wait();
+    submit_recorded(queued, [&f](auto) {
+      return std::function<void()>([&f] { f(false); });
+    })->wait();
   }
 
-  /// Queues f() behind everything issued before it; the returned state completes when it ran.
-  std::shared_ptr<WorkState> submit(std::function<void()> f) {
+  /// Queues make(record()) behind everything issued before it, calling record() (which numbers
+  /// the operation, e.g. in the flight recorder) inside the queue's critical section: the numbers
+  /// follow the queue's order, so an operation numbered k runs before any numbered after it.
+  template <class R, class M>
+  std::shared_ptr<WorkState> submit_recorded(R&& record, M&& make) {
     auto state = std::make_shared<WorkState>();
     {
       std::lock_guard lock(queue_mutex_);
       if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
+      std::function<void()> f = make(record());
       state_.fetch_add(queued_unit, std::memory_order_relaxed);  // before a caller can go inline
       queue_.emplace_back(std::move(f), state);
     }
@@ -5595,7 +5613,7 @@ struct CommState {
   std::string prefix;
   std::unique_ptr<Executor> executor = std::make_unique<Executor>();
   std::uint64_t splits = 0;
-  std::mutex poison_mutex;
+  mutable std::mutex poison_mutex;
   std::string poison;
   Errc poison_code = Errc::aborted;
   std::atomic<bool> poisoned{false};  // poison is set: read without the lock on every call
@@ -5744,16 +5762,21 @@ struct CommState {
     }
   }
 
-  /// Runs body() unless the communicator is poisoned (then fails at once), and poisons it when
-  /// body fails.
-  template <class F>
-  void run_poisoning(int rank, const char* name, const F& body) {
+  /// Fails with Errc::aborted, quoting the first failure, when the communicator is poisoned.
+  void check_poisoned(int rank, const char* name) const {
     if (poisoned.load(std::memory_order_acquire)) [[unlikely]] {
       std::lock_guard lock(poison_mutex);
       fail(Errc::aborted, "rank ", rank, ": ", name,
            ": this communicator failed earlier and cannot be used (", poison,
            "); create a new communicator (with another Options::group) to continue");
     }
+  }
+
+  /// Runs body() unless the communicator is poisoned (then fails at once), and poisons it when
+  /// body fails.
+  template <class F>
+  void run_poisoning(int rank, const char* name, const F& body) {
+    check_poisoned(rank, name);
     try {
       body();
     } catch (const Error& e) {
@@ -6882,6 +6905,9 @@ class Communicator {
   template <class F>
   static void run_in_order(State& s, const char* name, std::size_t bytes, const F& body) {
     using St = TraceRecord::State;
+    // A poisoned communicator fails at once and records nothing: its recorder keeps the
+    // operation that failed, not thousands of refused calls after it.
+    s.check_poisoned(s.backend->rank(), name);
     std::uint64_t seq = 0;
     s.executor->run(
         [&](bool now) {
@@ -6891,7 +6917,7 @@ class Communicator {
             s.recorder.update(seq, St::running);
           run_guarded(s, seq, name, body);
         },
-        [&] { seq = s.recorder.issue(name, bytes, St::queued); });
+        [&] { return seq = s.recorder.issue(name, bytes, St::queued); });
   }
 
   /// Synchronous.
@@ -6913,12 +6939,24 @@ class Communicator {
   Work submit(detail::Call c, std::vector<detail::Buf> many = {}) {
     auto s = state_;
     same_process(c.name);
-    const auto seq = s->recorder.issue(c.name, c.bytes, TraceRecord::State::queued);
-    return Work(s->executor->submit([s, seq, c, many = std::move(many)]() mutable {
-      if (!many.empty()) c.many = many;
-      s->recorder.update(seq, TraceRecord::State::running);
-      run_guarded(*s, seq, c.name, [&](Backend& be, State& st) { dispatch(be, st, c); });
-    }));
+    if (s->poisoned.load(std::memory_order_acquire)) [[unlikely]] {  // fails on wait(), unrecorded
+      auto failed = std::make_shared<detail::WorkState>();
+      try {
+        s->check_poisoned(s->backend->rank(), c.name);
+      } catch (...) {
+        failed->finish(std::current_exception());
+      }
+      return Work(std::move(failed));
+    }
+    return Work(s->executor->submit_recorded(
+        [&] { return s->recorder.issue(c.name, c.bytes, TraceRecord::State::queued); },
+        [&](std::uint64_t seq) {
+          return std::function<void()>([s, seq, c, many = std::move(many)]() mutable {
+            if (!many.empty()) c.many = many;
+            s->recorder.update(seq, TraceRecord::State::running);
+            run_guarded(*s, seq, c.name, [&](Backend& be, State& st) { dispatch(be, st, c); });
+          });
+        }));
   }
 
   /// An operation that is not a collective call (split).

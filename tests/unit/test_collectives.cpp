@@ -2,6 +2,9 @@
 // over both transports, against references computed here, in real forked processes.
 #include "collective_cases.hpp"
 
+#include <exception>
+#include <thread>
+
 namespace {
 using ddp::ReduceOp;
 using mp::Comm;
@@ -48,6 +51,33 @@ TEST_CASE("send and recv around a ring, and barrier") {
 
 TEST_CASE("async operations complete in issue order, interleaved with sync ones") {
   mp::each_world([](Comm& comm) { cases::async_in_issue_order(comm); });
+}
+
+TEST_CASE("an operation the flight recorder shows as issued runs before any issued after it") {
+  // A synchronous reduce that finds the queue busy is numbered as it joins the queue: a thread
+  // that waits to see its record and then issues a broadcast cannot overtake it (it did when
+  // the number was taken before the operation was queued: ranks ran different orders).
+  mp::run(2, ddp::HostTransport::shm, [](Comm& comm) {
+    std::vector<float> big(1 << 16, 1.0f), a(8, 1.0f), b(16, 1.0f);
+    for (int i = 0; i < 1500; ++i) {
+      const std::uint64_t base = i == 0 ? 0 : comm.recent().back().seq + 1;
+      ddp::Work busy = comm.all_reduce_async(big);  // keeps the worker busy
+      std::exception_ptr error;
+      std::thread t([&] {
+        try {
+          comm.reduce(a, 0);
+        } catch (...) {
+          error = std::current_exception();
+        }
+      });
+      while (comm.recent().back().seq < base + 1 && !error) std::this_thread::yield();
+      ddp::Work after = comm.broadcast_async(b, 0);
+      t.join();
+      busy.wait();
+      after.wait();
+      if (error) std::rethrow_exception(error);
+    }
+  });
 }
 
 TEST_CASE("all_reduce_coalesced: several buffers as one operation, sync and async") {
@@ -100,7 +130,8 @@ TEST_CASE("argument checks fail before anything is sent, naming the rank and the
     expect_invalid([&] { comm.send(a, comm.rank()); }, "send: peer");
     expect_invalid([&] { comm.recv(a, 5); }, "recv: peer 5");
     expect_invalid([&] { comm.send(a, 1 - comm.rank(), -3); }, "tag -3");
-    expect_invalid([&] { comm.all_reduce(ints, static_cast<ddp::ReduceOp>(42)); }, "op invalid");
+    expect_invalid([&] { comm.all_reduce(ints, static_cast<ddp::ReduceOp>(42)); },
+                   "op code 42 (not a ddp::ReduceOp)");
     std::vector<double> doubles(4);
     expect_invalid([&] { comm.all_reduce_as<ddp::bfloat16>(doubles); },
                    "all_reduce_as: `buf` is float64; compression carries float32 values");

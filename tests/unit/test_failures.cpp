@@ -411,6 +411,20 @@ TEST_CASE("flight recorder: recent() lists the operations, a timeout dumps them 
                       after.size() << " records, last #" << after.back().seq);
             MP_EXPECT(after.back().state == ddp::TraceRecord::State::failed, "state");
             MP_EXPECT(comm.trace().find("all_reduce") != std::string::npos, comm.trace());
+            // Calls on the poisoned communicator fail at once (an async one on wait()) and
+            // leave the recorder alone: it keeps the operation that failed.
+            for (int k = 0; k < 20; ++k) {
+              try {
+                if (k % 2 == 0)
+                  comm.all_reduce(v);
+                else
+                  comm.broadcast_async(w, 0).wait();
+                MP_EXPECT(false, "a poisoned communicator ran an operation");
+              } catch (const ddp::Error& again) {
+                MP_EXPECT(again.code() == ddp::Errc::aborted, again.what());
+              }
+            }
+            MP_EXPECT(comm.recent().back().seq == 7, "last #" << comm.recent().back().seq);
           }
         },
         o);

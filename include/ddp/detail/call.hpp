@@ -85,7 +85,9 @@ inline void check_buf(const Buf& b, std::size_t elem, bool usable, std::string_v
 inline void check_op(ReduceOp op, DType t, Caller c, const char* what) {
   if (!is_supported(op, t)) {
     fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": op ",
-         is_valid(op) ? to_string(op) : "invalid", " is not defined on ", to_string(t),
+         is_valid(op) ? std::string(to_string(op))
+                      : concat("code ", static_cast<int>(op), " (not a ddp::ReduceOp)"),
+         " is not defined on ", to_string(t),
          op == ReduceOp::avg ? " (avg needs a floating-point type)" : "");
   }
 }

@@ -65,7 +65,7 @@ struct CommState {
   std::string prefix;
   std::unique_ptr<Executor> executor = std::make_unique<Executor>();
   std::uint64_t splits = 0;
-  std::mutex poison_mutex;
+  mutable std::mutex poison_mutex;
   std::string poison;
   Errc poison_code = Errc::aborted;
   std::atomic<bool> poisoned{false};  // poison is set: read without the lock on every call
@@ -214,16 +214,21 @@ struct CommState {
     }
   }
 
-  /// Runs body() unless the communicator is poisoned (then fails at once), and poisons it when
-  /// body fails.
-  template <class F>
-  void run_poisoning(int rank, const char* name, const F& body) {
+  /// Fails with Errc::aborted, quoting the first failure, when the communicator is poisoned.
+  void check_poisoned(int rank, const char* name) const {
     if (poisoned.load(std::memory_order_acquire)) [[unlikely]] {
       std::lock_guard lock(poison_mutex);
       fail(Errc::aborted, "rank ", rank, ": ", name,
            ": this communicator failed earlier and cannot be used (", poison,
            "); create a new communicator (with another Options::group) to continue");
     }
+  }
+
+  /// Runs body() unless the communicator is poisoned (then fails at once), and poisons it when
+  /// body fails.
+  template <class F>
+  void run_poisoning(int rank, const char* name, const F& body) {
+    check_poisoned(rank, name);
     try {
       body();
     } catch (const Error& e) {
