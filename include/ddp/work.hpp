@@ -8,7 +8,7 @@
 ///
 /// The synchronous path takes no lock: a call that finds the communicator idle claims it with
 /// one compare-and-swap, runs in the calling thread and releases it with one atomic subtraction
-/// (4 ns of the ~19 ns a Communicator call adds to a raw MPI_Allreduce: bench/README.md).
+/// (4 ns of the ~20 ns a Communicator call adds to a raw MPI_Allreduce: bench/README.md).
 /// Anything issued while an operation runs goes through the queue, to a worker thread started on
 /// first use, and a synchronous call that finds the queue busy waits for its turn there.
 

@@ -4893,7 +4893,7 @@ DDP_END_NAMESPACE
 ///
 /// The synchronous path takes no lock: a call that finds the communicator idle claims it with
 /// one compare-and-swap, runs in the calling thread and releases it with one atomic subtraction
-/// (4 ns of the ~19 ns a Communicator call adds to a raw MPI_Allreduce: bench/README.md).
+/// (4 ns of the ~20 ns a Communicator call adds to a raw MPI_Allreduce: bench/README.md).
 /// Anything issued while an operation runs goes through the queue, to a worker thread started on
 /// first use, and a synchronous call that finds the queue busy waits for its turn there.
 
@@ -5764,12 +5764,15 @@ struct CommState {
 
   /// Fails with Errc::aborted, quoting the first failure, when the communicator is poisoned.
   void check_poisoned(int rank, const char* name) const {
-    if (poisoned.load(std::memory_order_acquire)) [[unlikely]] {
-      std::lock_guard lock(poison_mutex);
-      fail(Errc::aborted, "rank ", rank, ": ", name,
-           ": this communicator failed earlier and cannot be used (", poison,
-           "); create a new communicator (with another Options::group) to continue");
-    }
+    if (poisoned.load(std::memory_order_acquire)) [[unlikely]]
+      fail_poisoned(rank, name);
+  }
+
+  [[noreturn, gnu::noinline, gnu::cold]] void fail_poisoned(int rank, const char* name) const {
+    std::lock_guard lock(poison_mutex);
+    fail(Errc::aborted, "rank ", rank, ": ", name,
+         ": this communicator failed earlier and cannot be used (", poison,
+         "); create a new communicator (with another Options::group) to continue");
   }
 
   /// Runs body() unless the communicator is poisoned (then fails at once), and poisons it when

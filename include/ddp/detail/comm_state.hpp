@@ -216,12 +216,15 @@ struct CommState {
 
   /// Fails with Errc::aborted, quoting the first failure, when the communicator is poisoned.
   void check_poisoned(int rank, const char* name) const {
-    if (poisoned.load(std::memory_order_acquire)) [[unlikely]] {
-      std::lock_guard lock(poison_mutex);
-      fail(Errc::aborted, "rank ", rank, ": ", name,
-           ": this communicator failed earlier and cannot be used (", poison,
-           "); create a new communicator (with another Options::group) to continue");
-    }
+    if (poisoned.load(std::memory_order_acquire)) [[unlikely]]
+      fail_poisoned(rank, name);
+  }
+
+  [[noreturn, gnu::noinline, gnu::cold]] void fail_poisoned(int rank, const char* name) const {
+    std::lock_guard lock(poison_mutex);
+    fail(Errc::aborted, "rank ", rank, ": ", name,
+         ": this communicator failed earlier and cannot be used (", poison,
+         "); create a new communicator (with another Options::group) to continue");
   }
 
   /// Runs body() unless the communicator is poisoned (then fails at once), and poisons it when
