@@ -557,8 +557,15 @@ class Communicator {
                   "buffer's type is host memory (std::vector, std::array, a span, ...): use "
                   "ddp::CudaBuffer<T> or a CUDA tensor type adapted with ddp::tensor_traits, or "
                   "Communicator<backend::Host> for host buffers");
-    const auto v = ddp::view(t);
-    using E = typename decltype(v)::value_type;
+    if constexpr (DynamicTensor<T>) {
+      return dynamic_arg(ddp::view(t), what, name);
+    } else {
+      return typed_arg(ddp::view(t), what, name);
+    }
+  }
+
+  template <class E>
+  detail::Buf typed_arg(const TensorView<E>& v, const char* what, const char* name) const {
     // The device field by field: copying it whole after view() wrote it piecewise makes g++
     // reload it as one 8-byte word, a store-forwarding stall that cost ~5 ns per call.
     const detail::Buf b{reinterpret_cast<std::byte*>(const_cast<E*>(v.data)), v.size, dtype_of<E>,
@@ -566,6 +573,19 @@ class Communicator {
     const bool usable = Backend::supports(v.device) || (v.device.is_cuda() && stages_cuda());
     if (!usable || v.data == nullptr || v.size > detail::max_buffer_bytes / sizeof(E)) [[unlikely]]
       detail::check_buf(b, sizeof(E), usable, Backend::name, rank(), what, name);
+    return b;
+  }
+
+  /// A run-time-typed argument: everything the compiler checks for a TensorView, checked here.
+  /// Arguments named `in`, and send's buffer, are read; the others are written.
+  detail::Buf dynamic_arg(const DynamicView& v, const char* what, const char* name) const {
+    const detail::Buf b{static_cast<std::byte*>(v.data), v.size, v.dtype,
+                        Device{v.device.kind, v.device.index}, v.stream};
+    const bool writes = std::string_view(name) != "in" && std::string_view(what) != "send";
+    const bool usable = Backend::supports(v.device) || (v.device.is_cuda() && stages_cuda());
+    detail::check_dynamic(v, writes, what, name, rank());
+    if (!usable || v.data == nullptr || v.size > detail::max_buffer_bytes / size_of(v.dtype))
+      detail::check_buf(b, size_of(v.dtype), usable, Backend::name, rank(), what, name);
     return b;
   }
 

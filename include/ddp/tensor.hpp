@@ -11,6 +11,12 @@
 /// A traits specialization may also say where the buffer lives at compile time:
 ///   static constexpr ddp::DeviceKind device_kind = ddp::DeviceKind::cuda;
 /// so that a CUDA-only backend can reject host buffers when the program is compiled.
+///
+/// A framework tensor (torch::Tensor, an ONNX Runtime value, a TensorFlow or ggml tensor, an
+/// Arrow array) knows its element type, device and layout only at run time: its adapter returns
+/// a ddp::DynamicView instead of a TensorView, through the same two customization points, and
+/// the communicator checks at run time what the compiler checks for a TensorView (the dtype and
+/// the op, contiguity, the device, writability).
 
 #include "ddp/config.hpp"
 #include "ddp/error.hpp"
@@ -69,6 +75,29 @@ struct TensorView {
 template <class T, class... Rest>
 TensorView(T*, Rest...) -> TensorView<T>;
 
+/// A view whose element type is known only at run time: what an adapter of a framework tensor
+/// returns (see the file comment). Collectives check it when they are called and raise
+/// Errc::invalid_argument naming the rank, the collective and the argument when it cannot be used.
+struct DynamicView {
+  void* data = nullptr;
+  std::size_t size = 0;  ///< elements
+  DType dtype = DType::float32;
+  Device device{};
+  void* stream = nullptr;  ///< CUDA: the stream whose work produced the data (nullptr: default)
+  /// The elements are dense and in order, so `size` of them from `data` are the tensor. A
+  /// collective refuses a view that is not (it would read or write the wrong elements).
+  bool contiguous = true;
+  /// The tensor may be read, not written: refused as a collective's output.
+  bool read_only = false;
+  /// Why this tensor cannot be used at all, in the framework's words (e.g. "an undefined
+  /// torch::Tensor", "torch dtype ComplexFloat has no ddp::DType"); nullptr when it can. The
+  /// collective's error carries it.
+  const char* problem = nullptr;
+
+  /// Bytes of the elements (0 for an invalid dtype).
+  [[nodiscard]] constexpr std::size_t bytes() const noexcept { return size * size_of(dtype); }
+};
+
 /// The customization point. The primary template is empty; specialize it (fully, or partially
 /// with constraints) for your tensor type:
 ///
@@ -97,7 +126,11 @@ template <class T>
 inline constexpr bool is_tensor_view_v<TensorView<T>> = true;
 
 template <class V>
-concept tensor_view_type = is_tensor_view_v<std::remove_cvref_t<V>>;
+concept dynamic_view_type = std::is_same_v<std::remove_cvref_t<V>, DynamicView>;
+
+/// What a customization point may return: a TensorView<E> or a DynamicView.
+template <class V>
+concept tensor_view_type = is_tensor_view_v<std::remove_cvref_t<V>> || dynamic_view_type<V>;
 
 template <class T>
 concept has_traits_view = requires(T& t) {
@@ -161,21 +194,30 @@ concept Viewable = requires(std::remove_reference_t<T>& t) {
   ddp::view(t);
 };
 
-/// The TensorView type of T, e.g. TensorView<float> for std::vector<float>.
+/// The view type of T: TensorView<float> for std::vector<float>, DynamicView for a tensor whose
+/// adapter returns one.
 template <Viewable T>
 using tensor_view_t = decltype(ddp::view(std::declval<std::remove_reference_t<T>&>()));
 
-/// The element type of T's view, without const.
+/// A tensor whose element type is known only at run time (its view is a ddp::DynamicView).
+template <class T>
+concept DynamicTensor = Viewable<T> && detail::dynamic_view_type<tensor_view_t<T>>;
+
+/// The element type of T's view, without const (types with a compile-time element type).
 template <Viewable T>
+  requires(!DynamicTensor<T>)
 using tensor_value_t = typename tensor_view_t<T>::value_type;
 
-/// A buffer collectives accept: viewable, with a Scalar element type (see ddp::Scalar).
+/// A buffer collectives accept: viewable, with a Scalar element type (see ddp::Scalar), or a
+/// DynamicTensor (its element type is checked when the collective is called).
 template <class T>
-concept TensorLike = Viewable<T> && Scalar<tensor_value_t<T>>;
+concept TensorLike = DynamicTensor<T> ||(Viewable<T>&& Scalar<tensor_value_t<T>>);
 
-/// A TensorLike whose elements may be written (the output of a collective).
+/// A TensorLike whose elements may be written (the output of a collective): a DynamicTensor's
+/// writability is checked when the collective is called.
 template <class T>
-concept MutableTensor = TensorLike<T> && !std::is_const_v<typename tensor_view_t<T>::element_type>;
+concept MutableTensor = DynamicTensor<T> ||
+    (TensorLike<T> && !std::is_const_v<typename tensor_view_t<T>::element_type>);
 
 /// Where T's buffer lives if its type says so: DeviceKind::cpu for ranges, the traits'
 /// device_kind for adapted types, std::nullopt when only the TensorView knows (at run time).
@@ -190,8 +232,10 @@ concept CudaTensor = TensorLike<T> &&(static_device_kind_v<T> == DeviceKind::cud
 template <class T>
 concept HostTensor = TensorLike<T> &&(static_device_kind_v<T> == DeviceKind::cpu);
 
-/// The DType of T's elements: tensor_dtype_v<std::vector<float>> == DType::float32.
+/// The DType of T's elements: tensor_dtype_v<std::vector<float>> == DType::float32 (types with
+/// a compile-time element type).
 template <TensorLike T>
+  requires(!DynamicTensor<T>)
 inline constexpr DType tensor_dtype_v = dtype_of<tensor_value_t<T>>;
 
 DDP_END_NAMESPACE

@@ -1167,6 +1167,12 @@ DDP_END_NAMESPACE
 /// A traits specialization may also say where the buffer lives at compile time:
 ///   static constexpr ddp::DeviceKind device_kind = ddp::DeviceKind::cuda;
 /// so that a CUDA-only backend can reject host buffers when the program is compiled.
+///
+/// A framework tensor (torch::Tensor, an ONNX Runtime value, a TensorFlow or ggml tensor, an
+/// Arrow array) knows its element type, device and layout only at run time: its adapter returns
+/// a ddp::DynamicView instead of a TensorView, through the same two customization points, and
+/// the communicator checks at run time what the compiler checks for a TensorView (the dtype and
+/// the op, contiguity, the device, writability).
 
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
@@ -1225,6 +1231,29 @@ struct TensorView {
 template <class T, class... Rest>
 TensorView(T*, Rest...) -> TensorView<T>;
 
+/// A view whose element type is known only at run time: what an adapter of a framework tensor
+/// returns (see the file comment). Collectives check it when they are called and raise
+/// Errc::invalid_argument naming the rank, the collective and the argument when it cannot be used.
+struct DynamicView {
+  void* data = nullptr;
+  std::size_t size = 0;  ///< elements
+  DType dtype = DType::float32;
+  Device device{};
+  void* stream = nullptr;  ///< CUDA: the stream whose work produced the data (nullptr: default)
+  /// The elements are dense and in order, so `size` of them from `data` are the tensor. A
+  /// collective refuses a view that is not (it would read or write the wrong elements).
+  bool contiguous = true;
+  /// The tensor may be read, not written: refused as a collective's output.
+  bool read_only = false;
+  /// Why this tensor cannot be used at all, in the framework's words (e.g. "an undefined
+  /// torch::Tensor", "torch dtype ComplexFloat has no ddp::DType"); nullptr when it can. The
+  /// collective's error carries it.
+  const char* problem = nullptr;
+
+  /// Bytes of the elements (0 for an invalid dtype).
+  [[nodiscard]] constexpr std::size_t bytes() const noexcept { return size * size_of(dtype); }
+};
+
 /// The customization point. The primary template is empty; specialize it (fully, or partially
 /// with constraints) for your tensor type:
 ///
@@ -1253,7 +1282,11 @@ template <class T>
 inline constexpr bool is_tensor_view_v<TensorView<T>> = true;
 
 template <class V>
-concept tensor_view_type = is_tensor_view_v<std::remove_cvref_t<V>>;
+concept dynamic_view_type = std::is_same_v<std::remove_cvref_t<V>, DynamicView>;
+
+/// What a customization point may return: a TensorView<E> or a DynamicView.
+template <class V>
+concept tensor_view_type = is_tensor_view_v<std::remove_cvref_t<V>> || dynamic_view_type<V>;
 
 template <class T>
 concept has_traits_view = requires(T& t) {
@@ -1317,21 +1350,30 @@ concept Viewable = requires(std::remove_reference_t<T>& t) {
   ddp::view(t);
 };
 
-/// The TensorView type of T, e.g. TensorView<float> for std::vector<float>.
+/// The view type of T: TensorView<float> for std::vector<float>, DynamicView for a tensor whose
+/// adapter returns one.
 template <Viewable T>
 using tensor_view_t = decltype(ddp::view(std::declval<std::remove_reference_t<T>&>()));
 
-/// The element type of T's view, without const.
+/// A tensor whose element type is known only at run time (its view is a ddp::DynamicView).
+template <class T>
+concept DynamicTensor = Viewable<T> && detail::dynamic_view_type<tensor_view_t<T>>;
+
+/// The element type of T's view, without const (types with a compile-time element type).
 template <Viewable T>
+  requires(!DynamicTensor<T>)
 using tensor_value_t = typename tensor_view_t<T>::value_type;
 
-/// A buffer collectives accept: viewable, with a Scalar element type (see ddp::Scalar).
+/// A buffer collectives accept: viewable, with a Scalar element type (see ddp::Scalar), or a
+/// DynamicTensor (its element type is checked when the collective is called).
 template <class T>
-concept TensorLike = Viewable<T> && Scalar<tensor_value_t<T>>;
+concept TensorLike = DynamicTensor<T> ||(Viewable<T>&& Scalar<tensor_value_t<T>>);
 
-/// A TensorLike whose elements may be written (the output of a collective).
+/// A TensorLike whose elements may be written (the output of a collective): a DynamicTensor's
+/// writability is checked when the collective is called.
 template <class T>
-concept MutableTensor = TensorLike<T> && !std::is_const_v<typename tensor_view_t<T>::element_type>;
+concept MutableTensor = DynamicTensor<T> ||
+    (TensorLike<T> && !std::is_const_v<typename tensor_view_t<T>::element_type>);
 
 /// Where T's buffer lives if its type says so: DeviceKind::cpu for ranges, the traits'
 /// device_kind for adapted types, std::nullopt when only the TensorView knows (at run time).
@@ -1346,8 +1388,10 @@ concept CudaTensor = TensorLike<T> &&(static_device_kind_v<T> == DeviceKind::cud
 template <class T>
 concept HostTensor = TensorLike<T> &&(static_device_kind_v<T> == DeviceKind::cpu);
 
-/// The DType of T's elements: tensor_dtype_v<std::vector<float>> == DType::float32.
+/// The DType of T's elements: tensor_dtype_v<std::vector<float>> == DType::float32 (types with
+/// a compile-time element type).
 template <TensorLike T>
+  requires(!DynamicTensor<T>)
 inline constexpr DType tensor_dtype_v = dtype_of<tensor_value_t<T>>;
 
 DDP_END_NAMESPACE
@@ -3124,6 +3168,7 @@ DDP_END_NAMESPACE
 #endif
 // #include "ddp/detail/collective.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
+// #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
 #include <cstddef>
@@ -3212,6 +3257,25 @@ inline void check_same_dtype(const Buf& a, const Buf& b, Caller c, const char* w
     fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `in` is ", to_string(a.dtype),
          " but `out` is ", to_string(b.dtype), "; they must have the same element type");
   }
+}
+
+/// The checks of a DynamicView that a TensorView passes at compile time (the device, a null
+/// pointer and the size follow in check_buf, as for a TensorView).
+inline void check_dynamic(const DynamicView& v, bool writes, const char* what, const char* arg,
+                          int rank) {
+  if (v.problem != nullptr)
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg,
+         "` cannot be used: ", v.problem);
+  if (!is_valid(v.dtype))
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg, "` has dtype code ",
+         static_cast<int>(v.dtype), ", which is not a ddp::DType (its adapter is wrong)");
+  if (!v.contiguous)
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg,
+         "` is not contiguous (a slice, a transpose or an expanded tensor); pass a contiguous "
+         "tensor (e.g. t.contiguous()) and copy the result back where it was written");
+  if (writes && v.read_only)
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg,
+         "` is read-only, but this collective writes it");
 }
 
 /// `whole` must be `part` x size() elements; `part_name` is the argument that sets the size.
@@ -6991,8 +7055,15 @@ class Communicator {
                   "buffer's type is host memory (std::vector, std::array, a span, ...): use "
                   "ddp::CudaBuffer<T> or a CUDA tensor type adapted with ddp::tensor_traits, or "
                   "Communicator<backend::Host> for host buffers");
-    const auto v = ddp::view(t);
-    using E = typename decltype(v)::value_type;
+    if constexpr (DynamicTensor<T>) {
+      return dynamic_arg(ddp::view(t), what, name);
+    } else {
+      return typed_arg(ddp::view(t), what, name);
+    }
+  }
+
+  template <class E>
+  detail::Buf typed_arg(const TensorView<E>& v, const char* what, const char* name) const {
     // The device field by field: copying it whole after view() wrote it piecewise makes g++
     // reload it as one 8-byte word, a store-forwarding stall that cost ~5 ns per call.
     const detail::Buf b{reinterpret_cast<std::byte*>(const_cast<E*>(v.data)), v.size, dtype_of<E>,
@@ -7000,6 +7071,19 @@ class Communicator {
     const bool usable = Backend::supports(v.device) || (v.device.is_cuda() && stages_cuda());
     if (!usable || v.data == nullptr || v.size > detail::max_buffer_bytes / sizeof(E)) [[unlikely]]
       detail::check_buf(b, sizeof(E), usable, Backend::name, rank(), what, name);
+    return b;
+  }
+
+  /// A run-time-typed argument: everything the compiler checks for a TensorView, checked here.
+  /// Arguments named `in`, and send's buffer, are read; the others are written.
+  detail::Buf dynamic_arg(const DynamicView& v, const char* what, const char* name) const {
+    const detail::Buf b{static_cast<std::byte*>(v.data), v.size, v.dtype,
+                        Device{v.device.kind, v.device.index}, v.stream};
+    const bool writes = std::string_view(name) != "in" && std::string_view(what) != "send";
+    const bool usable = Backend::supports(v.device) || (v.device.is_cuda() && stages_cuda());
+    detail::check_dynamic(v, writes, what, name, rank());
+    if (!usable || v.data == nullptr || v.size > detail::max_buffer_bytes / size_of(v.dtype))
+      detail::check_buf(b, size_of(v.dtype), usable, Backend::name, rank(), what, name);
     return b;
   }
 

@@ -87,6 +87,20 @@ TEST_CASE("async operations complete in issue order, interleaved with sync ones"
   on_world([](Mpi& c) { cases::async_in_issue_order(c); });
 }
 
+TEST_CASE("run-time-typed tensors (ddp::DynamicView): every dtype through every collective") {
+  on_world([](Mpi& c) {
+    const cases::AsRuntime wrap;
+    cases::all_reduce_every_dtype(c, wrap);
+    cases::reduce_to_root(c, wrap);
+    cases::broadcast_every_root(c, wrap);
+    cases::all_gather_and_gather(c, wrap);
+    cases::scatter_reduce_scatter_all_to_all(c, wrap);
+    cases::all_reduce_coalesced(c, wrap);
+    if (c.size() > 1) cases::send_recv_ring(c, wrap);
+    cases::async_in_issue_order(c, wrap);
+  });
+}
+
 TEST_CASE("all_reduce_coalesced") {
   on_world([](Mpi& c) { cases::all_reduce_coalesced(c); });
 }

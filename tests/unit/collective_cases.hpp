@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <ranges>
 #include <span>
 #include <type_traits>
 
@@ -36,6 +37,63 @@ void for_each_dtype(F&& f) {
 
 constexpr ReduceOp all_ops[] = {ReduceOp::sum, ReduceOp::prod, ReduceOp::min, ReduceOp::max,
                                 ReduceOp::avg};
+
+/// How a case passes its buffers: as they are (compile-time typed), or through RuntimeTensor.
+struct AsIs {
+  template <class B>
+  B&& operator()(B&& b) const {
+    return std::forward<B>(b);
+  }
+};
+
+/// A tensor whose element type is known only at run time, as a framework's is: a pointer, an
+/// element count and a ddp::DType, adapted through ddp::tensor_traits (ddp::DynamicView).
+struct RuntimeTensor {
+  void* data = nullptr;
+  std::size_t numel = 0;
+  ddp::DType dtype = ddp::DType::float32;
+  bool read_only = false;
+};
+
+}  // namespace cases
+
+template <>
+struct ddp::tensor_traits<cases::RuntimeTensor> {
+  static ddp::DynamicView view(const cases::RuntimeTensor& t) {
+    return {.data = t.data,
+            .size = t.numel,
+            .dtype = t.dtype,
+            .device = ddp::Device::cpu(),
+            .read_only = t.read_only};
+  }
+};
+
+namespace cases {
+
+/// The same, adapted through a member ddp_view() (the second customization point).
+struct RuntimeTensorMember {
+  RuntimeTensor t;
+  [[nodiscard]] ddp::DynamicView ddp_view() const {
+    return {t.data, t.numel, t.dtype, ddp::Device::cpu(), nullptr, true, t.read_only, nullptr};
+  }
+};
+
+/// Wraps a contiguous range as a RuntimeTensor (Member: a RuntimeTensorMember).
+template <bool Member>
+struct AsRuntimeT {
+  template <class B>
+  auto operator()(B&& b) const {
+    using E = std::remove_cvref_t<decltype(*std::ranges::data(b))>;
+    const RuntimeTensor t{const_cast<E*>(std::ranges::data(b)), std::ranges::size(b),
+                          ddp::dtype_of<E>, false};
+    if constexpr (Member)
+      return RuntimeTensorMember{t};
+    else
+      return t;
+  }
+};
+using AsRuntime = AsRuntimeT<false>;
+using AsRuntimeMember = AsRuntimeT<true>;
 
 /// Rank r's i-th input: small integers for integer types; values whose sums round, for floats,
 /// so that the order of summation shows in the bits.
@@ -144,8 +202,8 @@ void check_values(const std::vector<T>& got, const std::function<T(std::size_t)>
   }
 }
 
-template <class C>
-void all_reduce_every_dtype(C& comm) {
+template <class C, class Wrap = AsIs>
+void all_reduce_every_dtype(C& comm, Wrap wrap = {}) {
   const int p = comm.size(), r = comm.rank();
   for_each_dtype([&]<class T>() {
     for (ReduceOp op : all_ops) {
@@ -157,9 +215,9 @@ void all_reduce_every_dtype(C& comm) {
                                  ", " + std::string(ddp::to_string(op)) +
                                  ", n=" + std::to_string(n) + ")";
         if (n % 2 == 0)
-          comm.all_reduce(buf, op);
+          comm.all_reduce(wrap(buf), op);
         else
-          comm.all_reduce_async(buf, op).wait();
+          comm.all_reduce_async(wrap(buf), op).wait();
         check_values<T>(
             buf, [&](std::size_t i) { return reference<T>(op, p, i); }, what);
       }
@@ -167,8 +225,8 @@ void all_reduce_every_dtype(C& comm) {
   });
 }
 
-template <class C>
-void reduce_to_root(C& comm) {
+template <class C, class Wrap = AsIs>
+void reduce_to_root(C& comm, Wrap wrap = {}) {
   const int p = comm.size(), r = comm.rank();
   for_each_dtype([&]<class T>() {
     for (ReduceOp op : {ReduceOp::sum, ReduceOp::max}) {
@@ -176,7 +234,7 @@ void reduce_to_root(C& comm) {
         for (std::size_t n : counts<T>()) {
           std::vector<T> buf(n);
           for (std::size_t i = 0; i < n; ++i) buf[i] = value<T>(r, i, 1);
-          comm.reduce(buf, root, op);
+          comm.reduce(wrap(buf), root, op);
           const std::string what =
               "reduce(root " + std::to_string(root) + ", n=" + std::to_string(n) + ")";
           if (r == root)
@@ -191,8 +249,8 @@ void reduce_to_root(C& comm) {
   });
 }
 
-template <class C>
-void broadcast_every_root(C& comm) {
+template <class C, class Wrap = AsIs>
+void broadcast_every_root(C& comm, Wrap wrap = {}) {
   const int p = comm.size(), r = comm.rank();
   for_each_dtype([&]<class T>() {
     for (int root = 0; root < p; ++root) {
@@ -200,9 +258,9 @@ void broadcast_every_root(C& comm) {
         std::vector<T> buf(n);
         for (std::size_t i = 0; i < n; ++i) buf[i] = value<T>(r, i);
         if (root % 2 == 0)
-          comm.broadcast(buf, root);
+          comm.broadcast(wrap(buf), root);
         else
-          comm.broadcast_async(buf, root).wait();
+          comm.broadcast_async(wrap(buf), root).wait();
         check_values<T>(
             buf, [&](std::size_t i) { return value<T>(root, i); },
             "broadcast(root " + std::to_string(root) + ")");
@@ -211,8 +269,8 @@ void broadcast_every_root(C& comm) {
   });
 }
 
-template <class C>
-void all_gather_and_gather(C& comm) {
+template <class C, class Wrap = AsIs>
+void all_gather_and_gather(C& comm, Wrap wrap = {}) {
   const int p = comm.size(), r = comm.rank();
   const auto up = static_cast<std::size_t>(p);
   for_each_dtype([&]<class T>() {
@@ -224,25 +282,26 @@ void all_gather_and_gather(C& comm) {
                         k % std::max<std::size_t>(n, 1));
       };
       std::vector<T> out(n * up);
-      comm.all_gather(in, out);
+      comm.all_gather(wrap(in), wrap(out));
       check_values<T>(out, want, "all_gather(n=" + std::to_string(n) + ")");
       // In place: this rank's block of `out` is the input.
       std::vector<T> inplace(n * up);
       std::copy(in.begin(), in.end(),
                 inplace.begin() + static_cast<std::ptrdiff_t>(n * static_cast<std::size_t>(r)));
-      comm.all_gather(std::span<T>(inplace).subspan(n * static_cast<std::size_t>(r), n), inplace);
+      comm.all_gather(wrap(std::span<T>(inplace).subspan(n * static_cast<std::size_t>(r), n)),
+                      wrap(inplace));
       check_values<T>(inplace, want, "all_gather in place");
       for (int root : {0, p - 1}) {
         std::vector<T> g(r == root ? n * up : 0);
-        comm.gather(in, g, root);
+        comm.gather(wrap(in), wrap(g), root);
         if (r == root) check_values<T>(g, want, "gather(root " + std::to_string(root) + ")");
       }
     }
   });
 }
 
-template <class C>
-void scatter_reduce_scatter_all_to_all(C& comm) {
+template <class C, class Wrap = AsIs>
+void scatter_reduce_scatter_all_to_all(C& comm, Wrap wrap = {}) {
   const int p = comm.size(), r = comm.rank();
   const auto up = static_cast<std::size_t>(p);
   for_each_dtype([&]<class T>() {
@@ -254,7 +313,7 @@ void scatter_reduce_scatter_all_to_all(C& comm) {
         std::vector<T> in(r == root ? n * up : 0);
         for (std::size_t k = 0; k < in.size(); ++k) in[k] = value<T>(root, k, 2);
         std::vector<T> out(n);
-        comm.scatter(in, out, root);
+        comm.scatter(wrap(in), wrap(out), root);
         check_values<T>(
             out,
             [&](std::size_t i) { return value<T>(root, static_cast<std::size_t>(r) * n + i, 2); },
@@ -265,7 +324,7 @@ void scatter_reduce_scatter_all_to_all(C& comm) {
         std::vector<T> in(n * up);
         for (std::size_t k = 0; k < in.size(); ++k) in[k] = value<T>(r, k, 3);
         std::vector<T> out(n);
-        comm.reduce_scatter(in, out, op);
+        comm.reduce_scatter(wrap(in), wrap(out), op);
         check_values<T>(
             out,
             [&](std::size_t i) {
@@ -275,7 +334,7 @@ void scatter_reduce_scatter_all_to_all(C& comm) {
         // In place: out is this rank's block of in.
         for (std::size_t k = 0; k < in.size(); ++k) in[k] = value<T>(r, k, 3);
         auto mine = std::span<T>(in).subspan(static_cast<std::size_t>(r) * n, n);
-        comm.reduce_scatter(in, mine, op);
+        comm.reduce_scatter(wrap(in), wrap(mine), op);
         std::vector<T> copy(mine.begin(), mine.end());
         check_values<T>(
             copy,
@@ -287,7 +346,7 @@ void scatter_reduce_scatter_all_to_all(C& comm) {
       // all_to_all: out block j = rank j's in block r.
       std::vector<T> in(n * up), out(n * up);
       for (std::size_t k = 0; k < in.size(); ++k) in[k] = value<T>(r, k, 4);
-      comm.all_to_all(in, out);
+      comm.all_to_all(wrap(in), wrap(out));
       check_values<T>(
           out,
           [&](std::size_t k) {
@@ -301,8 +360,8 @@ void scatter_reduce_scatter_all_to_all(C& comm) {
 }
 
 /// all_reduce_coalesced: several buffers of one type as one operation, sync and async.
-template <class C>
-void all_reduce_coalesced(C& comm) {
+template <class C, class Wrap = AsIs>
+void all_reduce_coalesced(C& comm, Wrap wrap = {}) {
   const int p = comm.size(), r = comm.rank();
   const std::vector<std::size_t> sizes = {0, 1, 7, 3 * mp::test_segment / sizeof(float) + 5};
   for (const bool async : {false, true}) {
@@ -312,10 +371,19 @@ void all_reduce_coalesced(C& comm) {
       for (std::size_t i = 0; i < sizes[k]; ++i)
         bufs[k][i] = value<float>(r, i, static_cast<int>(k));
     }
-    if (async)
-      comm.all_reduce_coalesced_async(bufs, ReduceOp::avg).wait();
-    else
-      comm.all_reduce_coalesced(bufs, ReduceOp::avg);
+    const auto run = [&](auto& range) {
+      if (async)
+        comm.all_reduce_coalesced_async(range, ReduceOp::avg).wait();
+      else
+        comm.all_reduce_coalesced(range, ReduceOp::avg);
+    };
+    if constexpr (std::is_same_v<Wrap, AsIs>) {
+      run(bufs);
+    } else {
+      std::vector<decltype(wrap(bufs[0]))> wrapped;
+      for (auto& b : bufs) wrapped.push_back(wrap(b));
+      run(wrapped);
+    }
     for (std::size_t k = 0; k < sizes.size(); ++k) {
       check_values<float>(
           bufs[k],
@@ -400,8 +468,8 @@ void host_values(C& comm) {
   { ddp::ZeroFirstGuard guard(comm); }
 }
 
-template <class C>
-void send_recv_ring(C& comm) {
+template <class C, class Wrap = AsIs>
+void send_recv_ring(C& comm, Wrap wrap = {}) {
   const int p = comm.size(), r = comm.rank();
   for (std::size_t n : {std::size_t{1}, std::size_t{1000}, std::size_t{300000}}) {  // > a channel
     std::vector<double> out(n), in(n);
@@ -409,11 +477,11 @@ void send_recv_ring(C& comm) {
     const int next = (r + 1) % p, prev = (r + p - 1) % p;
     // Even ranks send first, odd ranks receive first: no cycle of blocked senders.
     if (r % 2 == 0) {
-      comm.send(out, next, 7);
-      comm.recv(in, prev, 7);
+      comm.send(wrap(out), next, 7);
+      comm.recv(wrap(in), prev, 7);
     } else {
-      comm.recv(in, prev, 7);
-      comm.send(out, next, 7);
+      comm.recv(wrap(in), prev, 7);
+      comm.send(wrap(out), next, 7);
     }
     for (std::size_t i = 0; i < n; ++i)
       MP_EXPECT(in[i] == prev * 1e6 + static_cast<double>(i), "ring element " << i);
@@ -424,18 +492,18 @@ void send_recv_ring(C& comm) {
   MP_EXPECT(w.test() && !w.failed(), "barrier_async");
 }
 
-template <class C>
-void async_in_issue_order(C& comm) {
+template <class C, class Wrap = AsIs>
+void async_in_issue_order(C& comm, Wrap wrap = {}) {
   const int p = comm.size();
   std::vector<std::vector<float>> bufs(6, std::vector<float>(20000));
   std::vector<ddp::Work> works;
   for (std::size_t k = 0; k < bufs.size(); ++k) {
     std::fill(bufs[k].begin(), bufs[k].end(),
               static_cast<float>(comm.rank() + static_cast<int>(k)));
-    works.push_back(comm.all_reduce_async(bufs[k]));
+    works.push_back(comm.all_reduce_async(wrap(bufs[k])));
   }
   std::vector<int> sync{comm.rank()};
-  comm.all_reduce(sync);  // waits for the queued ones, then runs
+  comm.all_reduce(wrap(sync));  // waits for the queued ones, then runs
   for (auto& w : works) w.wait();
   for (std::size_t k = 0; k < bufs.size(); ++k) {
     const float want = static_cast<float>(p * (p - 1) / 2 + p * static_cast<int>(k));

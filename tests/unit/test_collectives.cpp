@@ -100,6 +100,95 @@ TEST_CASE("object collectives") {
   mp::each_world([](Comm& comm) { cases::object_collectives(comm); });
 }
 
+TEST_CASE("run-time-typed tensors (ddp::DynamicView): every dtype through every collective") {
+  // The same cases and references as above, through a tensor type that knows its dtype only at
+  // run time: adapted by tensor_traits in even worlds, by a member ddp_view() in odd ones.
+  mp::each_world([](Comm& comm) {
+    const auto all = [&](auto wrap) {
+      cases::all_reduce_every_dtype(comm, wrap);
+      cases::reduce_to_root(comm, wrap);
+      cases::broadcast_every_root(comm, wrap);
+      cases::all_gather_and_gather(comm, wrap);
+      cases::scatter_reduce_scatter_all_to_all(comm, wrap);
+      cases::all_reduce_coalesced(comm, wrap);
+      if (comm.size() > 1) cases::send_recv_ring(comm, wrap);
+      cases::async_in_issue_order(comm, wrap);
+    };
+    if (comm.size() % 2 == 0)
+      all(cases::AsRuntime{});
+    else
+      all(cases::AsRuntimeMember{});
+  });
+}
+
+TEST_CASE("run-time-typed tensors are checked when the collective is called") {
+  mp::run(2, ddp::HostTransport::shm, [](Comm& comm) {
+    std::vector<float> v(8, 1.0f);
+    std::vector<int> ints(8, 1);
+    const auto refused = [&](const char* what, const std::string& needle, auto&& call) {
+      try {
+        call();
+        MP_EXPECT(false, what << " was accepted");
+      } catch (const ddp::Error& e) {
+        const std::string m = e.what();
+        MP_EXPECT(e.code() == ddp::Errc::invalid_argument, what << ": " << m);
+        MP_EXPECT(m.find("rank " + std::to_string(comm.rank())) != std::string::npos, m);
+        MP_EXPECT(m.find(needle) != std::string::npos, what << ": " << m);
+      }
+    };
+    const cases::RuntimeTensor f{v.data(), v.size(), ddp::DType::float32, false};
+    const cases::RuntimeTensor i{ints.data(), ints.size(), ddp::DType::int32, false};
+    cases::RuntimeTensor ro = f;
+    ro.read_only = true;
+    refused("avg on int32", "avg needs a floating-point type",
+            [&] { comm.all_reduce(i, ReduceOp::avg); });
+    refused("a read-only output", "`buf` is read-only", [&] { comm.all_reduce(ro); });
+    refused("a read-only recv", "recv: `buf` is read-only",
+            [&] { comm.recv(ro, 1 - comm.rank()); });
+    std::vector<float> gathered(16);
+    cases::RuntimeTensor out{gathered.data(), gathered.size(), ddp::DType::float32, true};
+    refused("a read-only all_gather output", "all_gather: `out` is read-only",
+            [&] { comm.all_gather(f, out); });
+    refused("mixed dtypes", "they must have the same element type", [&] {
+      comm.all_gather(i, cases::RuntimeTensor{gathered.data(), 16});
+    });
+    cases::RuntimeTensor bad = f;
+    bad.dtype = static_cast<ddp::DType>(42);
+    refused("an invalid dtype code", "dtype code 42", [&] { comm.all_reduce(bad); });
+    cases::RuntimeTensor null = f;
+    null.data = nullptr;
+    refused("a null pointer", "has 8 elements but no data", [&] { comm.broadcast(null, 0); });
+    struct Sliced {
+      float* p;
+      [[nodiscard]] ddp::DynamicView ddp_view() const {
+        return {.data = p, .size = 4, .dtype = ddp::DType::float32, .contiguous = false};
+      }
+    };
+    refused("a non-contiguous tensor", "`buf` is not contiguous",
+            [&] { comm.all_reduce(Sliced{v.data()}); });
+    struct Undefined {
+      [[nodiscard]] ddp::DynamicView ddp_view() const {
+        return {.problem = "an undefined tensor (it has no storage)"};
+      }
+    };
+    refused("an adapter's problem", "`buf` cannot be used: an undefined tensor",
+            [&] { comm.reduce(Undefined{}, 0); });
+    // A read-only tensor is fine where the collective only reads it.
+    std::vector<float> got(8);
+    const cases::RuntimeTensor into{got.data(), got.size()};
+    if (comm.rank() == 0) {
+      comm.send(ro, 1);
+      comm.recv(into, 1);
+    } else {
+      comm.recv(into, 0);
+      comm.send(ro, 0);
+    }
+    MP_EXPECT(got[0] == 1.0f, got[0]);
+    comm.all_reduce(f);  // the communicator is still usable after the refusals
+    MP_EXPECT(v[0] == 2.0f, v[0]);
+  });
+}
+
 TEST_CASE("argument checks fail before anything is sent, naming the rank and the collective") {
   mp::run(2, ddp::HostTransport::shm, [](Comm& comm) {
     const auto expect_invalid = [&](const std::function<void()>& f, const std::string& needle) {

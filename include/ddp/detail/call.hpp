@@ -16,6 +16,7 @@
 #endif
 #include "ddp/detail/collective.hpp"
 #include "ddp/error.hpp"
+#include "ddp/tensor.hpp"
 #include "ddp/types.hpp"
 
 #include <cstddef>
@@ -104,6 +105,25 @@ inline void check_same_dtype(const Buf& a, const Buf& b, Caller c, const char* w
     fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `in` is ", to_string(a.dtype),
          " but `out` is ", to_string(b.dtype), "; they must have the same element type");
   }
+}
+
+/// The checks of a DynamicView that a TensorView passes at compile time (the device, a null
+/// pointer and the size follow in check_buf, as for a TensorView).
+inline void check_dynamic(const DynamicView& v, bool writes, const char* what, const char* arg,
+                          int rank) {
+  if (v.problem != nullptr)
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg,
+         "` cannot be used: ", v.problem);
+  if (!is_valid(v.dtype))
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg, "` has dtype code ",
+         static_cast<int>(v.dtype), ", which is not a ddp::DType (its adapter is wrong)");
+  if (!v.contiguous)
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg,
+         "` is not contiguous (a slice, a transpose or an expanded tensor); pass a contiguous "
+         "tensor (e.g. t.contiguous()) and copy the result back where it was written");
+  if (writes && v.read_only)
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg,
+         "` is read-only, but this collective writes it");
 }
 
 /// `whole` must be `part` x size() elements; `part_name` is the argument that sets the size.
