@@ -23,6 +23,9 @@ ensure_debs build-essential g++ clang clang-format cmake ninja-build pkg-config 
   zlib1g-dev libeigen3-dev libclang-rt-dev dataset-fashion-mnist
 mkdir -p build
 [ $fast -eq 0 ] && ensure_conan "$root/build"  # the conan consumer test: not in --fast
+# libtorch (CPU) for the torch adapter's tests and examples, PyTorch for the benchmark's peer:
+# the g++ stage only (the --fast, clang and sanitizer presets build without them).
+[ $fast -eq 0 ] && ensure_debs libtorch-dev python3-torch
 
 passed=0
 failed=0
@@ -61,7 +64,7 @@ fi
 if [ $fast -eq 1 ]; then
   stage "g++: the fast tests" fresh_workflow fast
 else
-  stage "g++ Release: every test (unit, launch, examples, the main job, MPI, packaging)" fresh_workflow ci
+  stage "g++ Release: every test (unit, launch, examples, the main job, MPI, libtorch, packaging)" fresh_workflow ci
   stage "clang++ against single_include/: the fast tests and the fuzzers" fresh_workflow clang
   stage "AddressSanitizer + UndefinedBehaviorSanitizer" fresh_workflow asan-ubsan
   stage "ThreadSanitizer (the multi-threaded parts)" fresh_workflow tsan

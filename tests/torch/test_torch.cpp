@@ -1,0 +1,162 @@
+// libtorch's torch::Tensor through ddp (include/ddp/adapters/torch.hpp), in real forked
+// processes: every dtype through every collective against the references of the unit tests,
+// tensors torch owns, and every refusal.
+#include <ddp/adapters/torch.hpp>
+
+#include <torch/torch.h>
+
+#include "collective_cases.hpp"
+
+#include <string>
+#include <vector>
+
+namespace {
+
+using ddp::ReduceOp;
+using mp::Comm;
+
+/// Passes a case's buffer as a torch::Tensor over the same memory (torch::from_blob); the two
+/// dtypes torch 1.13 lacks (uint32, uint64) pass as they are.
+struct AsTorch {
+  template <class B>
+  decltype(auto) operator()(B&& b) const {
+    using E = std::remove_cvref_t<decltype(*std::ranges::data(b))>;
+    const auto type = ddp::torch_detail::scalar_type_of(ddp::dtype_of<E>);
+    if constexpr (std::is_same_v<E, std::uint32_t> || std::is_same_v<E, std::uint64_t>) {
+      return std::forward<B>(b);
+    } else {
+      return torch::from_blob(const_cast<E*>(std::ranges::data(b)),
+                              {static_cast<std::int64_t>(std::ranges::size(b))},
+                              torch::TensorOptions().dtype(*type));
+    }
+  }
+};
+
+/// Runs `call` and expects Errc::invalid_argument whose message has the rank and `needle`.
+template <class F>
+void refused(const Comm& comm, const char* what, const std::string& needle, F&& call) {
+  try {
+    call();
+    MP_EXPECT(false, what << " was accepted");
+  } catch (const ddp::Error& e) {
+    const std::string m = e.what();
+    MP_EXPECT(e.code() == ddp::Errc::invalid_argument, what << ": " << m);
+    MP_EXPECT(m.find("rank " + std::to_string(comm.rank())) != std::string::npos, m);
+    MP_EXPECT(m.find(needle) != std::string::npos, what << ": " << m);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("torch::Tensor: every dtype through every collective, sync and async") {
+  mp::each_world([](Comm& comm) {
+    torch::set_num_threads(1);
+    const AsTorch wrap;
+    cases::all_reduce_every_dtype(comm, wrap);
+    cases::reduce_to_root(comm, wrap);
+    cases::broadcast_every_root(comm, wrap);
+    cases::all_gather_and_gather(comm, wrap);
+    cases::scatter_reduce_scatter_all_to_all(comm, wrap);
+    cases::all_reduce_coalesced(comm, wrap);
+    if (comm.size() > 1) cases::send_recv_ring(comm, wrap);
+    cases::async_in_issue_order(comm, wrap);
+  });
+}
+
+TEST_CASE("torch::Tensor: tensors torch owns, every op, and the result seen by torch") {
+  mp::run(3, ddp::HostTransport::shm, [](Comm& comm) {
+    torch::set_num_threads(1);
+    const int p = comm.size(), r = comm.rank();
+    // A 2-D float tensor: all_reduce sums in place; torch sees the result.
+    auto x = torch::full({4, 5}, static_cast<double>(r + 1), torch::kFloat);
+    comm.all_reduce(x);
+    MP_EXPECT(torch::equal(x, torch::full({4, 5}, p * (p + 1) / 2.0, torch::kFloat)), x);
+    // avg on float64, max on int64, async.
+    auto d = torch::arange(10, torch::kDouble) * (r + 1);
+    comm.all_reduce_async(d, ReduceOp::avg).wait();
+    MP_EXPECT(torch::allclose(d, torch::arange(10, torch::kDouble) * ((p + 1) / 2.0)), d);
+    auto l = torch::tensor({static_cast<std::int64_t>(r), std::int64_t{-r}}, torch::kLong);
+    comm.all_reduce(l, ReduceOp::max);
+    MP_EXPECT(l[0].item<std::int64_t>() == p - 1 && l[1].item<std::int64_t>() == 0, l);
+    // bfloat16 and half broadcast from the last rank.
+    for (auto type : {torch::kBFloat16, torch::kHalf}) {
+      auto h = torch::full({7}, static_cast<double>(r), type);
+      comm.broadcast(h, p - 1);
+      MP_EXPECT(torch::equal(h, torch::full({7}, static_cast<double>(p - 1), type)), h);
+    }
+    // all_gather into a [p, 3] tensor; a row of it is contiguous, so it is a valid input.
+    auto rows = torch::empty({p, 3}, torch::kInt);
+    rows[r].fill_(r * 10);
+    comm.all_gather(rows[r], rows);
+    for (int k = 0; k < p; ++k)
+      MP_EXPECT(torch::equal(rows[k], torch::full({3}, k * 10, torch::kInt)), rows);
+    // all_reduce_coalesced over a std::vector<torch::Tensor> of several dtypes.
+    std::vector<torch::Tensor> many{torch::ones({3}, torch::kFloat), torch::ones({2}, torch::kByte),
+                                    torch::ones({5}, torch::kChar)};
+    comm.all_reduce_coalesced(many);
+    for (const auto& t : many) MP_EXPECT(torch::all(t == p).item<bool>(), t);
+  });
+}
+
+TEST_CASE("torch::Tensor: what a collective refuses, before anything is sent") {
+  mp::run(2, ddp::HostTransport::shm, [](Comm& comm) {
+    torch::set_num_threads(1);
+    auto m = torch::ones({4, 6});
+    refused(comm, "a transpose", "all_reduce: `buf` is not contiguous", [&] {
+      auto t = m.t();
+      comm.all_reduce(t);
+    });
+    refused(comm, "a strided slice", "broadcast: `buf` is not contiguous", [&] {
+      auto s = m.slice(1, 0, 6, 2);
+      comm.broadcast(s, 0);
+    });
+    refused(comm, "an expanded tensor", "all_gather: `in` is not contiguous", [&] {
+      auto e = torch::ones({1}).expand({4});
+      auto out = torch::empty({8});
+      comm.all_gather(e, out);
+    });
+    refused(comm, "an undefined tensor", "an undefined torch::Tensor", [&] {
+      torch::Tensor undefined;
+      comm.all_reduce(undefined);
+    });
+    refused(comm, "a gradient before the first backward", "`buf` cannot be used", [&] {
+      auto w = torch::ones({3}, torch::requires_grad());
+      auto g = w.grad();
+      comm.all_reduce(g);
+    });
+    refused(comm, "a bool tensor", "a dtype ddp does not carry", [&] {
+      auto b = torch::ones({3}, torch::kBool);
+      comm.all_reduce(b);
+    });
+    refused(comm, "a complex tensor", "a dtype ddp does not carry", [&] {
+      auto c = torch::ones({3}, torch::kComplexFloat);
+      comm.all_reduce(c);
+    });
+    refused(comm, "a sparse tensor", "not strided", [&] {
+      auto s = torch::eye(3).to_sparse();
+      comm.all_reduce(s);
+    });
+    refused(comm, "a tensor on the meta device", "a device other than CPU and CUDA", [&] {
+      auto t = torch::empty({3}, torch::TensorOptions().device(torch::kMeta));
+      comm.all_reduce(t);
+    });
+    refused(comm, "avg on an integer tensor", "avg needs a floating-point type", [&] {
+      auto i = torch::ones({3}, torch::kInt);
+      comm.all_reduce(i, ReduceOp::avg);
+    });
+    refused(comm, "mixed dtypes in all_gather", "they must have the same element type", [&] {
+      auto in = torch::ones({2}, torch::kFloat);
+      auto out = torch::empty({4}, torch::kDouble);
+      comm.all_gather(in, out);
+    });
+    refused(comm, "a wrong output size", "all_gather: `out` has 5 elements", [&] {
+      auto in = torch::ones({2});
+      auto out = torch::empty({5});
+      comm.all_gather(in, out);
+    });
+    // Still usable: a contiguous copy of the transpose works.
+    auto t = m.t().contiguous();
+    comm.all_reduce(t);
+    MP_EXPECT(torch::all(t == 2).item<bool>(), t);
+  });
+}
