@@ -44,6 +44,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <ranges>
 #include <string>
@@ -100,6 +102,33 @@ decltype(auto) model_parameters(M& m) {
     return (m);
 }
 
+/// A framework that creates gradients lazily (libtorch: before the first backward, or after
+/// zero_grad() set them to None) creates parameter p's gradient here, as zeros, before the
+/// averager reads it: parameter_traits<P>::ensure_grad(p), where defined.
+template <class P>
+void ensure_grad(P& p) {
+  if constexpr (requires { parameter_traits<P>::ensure_grad(p); })
+    parameter_traits<P>::ensure_grad(p);
+}
+
+/// Whether the framework can call back when a parameter's gradient is final for this backward
+/// pass: parameter_traits<P>::ready_hook(p, std::function<void()>) returns a handle whose
+/// destruction removes the hook (libtorch: a post hook on the gradient's accumulator).
+template <class P>
+concept has_ready_hook = requires(P& p, std::function<void()> f) {
+  {
+    parameter_traits<P>::ready_hook(p, std::move(f))
+    } -> std::convertible_to<std::shared_ptr<void>>;
+};
+
+/// The model's buffers (tensors that are state but not parameters, e.g. BatchNorm's running
+/// statistics), where it has buffers(): copied from rank 0 like the parameters.
+template <class M>
+concept has_buffers = requires(M& m) {
+  requires std::ranges::range<decltype(m.buffers())>;
+  requires MutableTensor<std::ranges::range_reference_t<decltype(m.buffers())>>;
+};
+
 /// Copies `n` bytes between host memory and CUDA devices (`cuda`: either side is on a device),
 /// ordered on `stream`.
 inline void copy_bytes(void* dst, const void* src, std::size_t n, bool cuda, void* stream) {
@@ -154,15 +183,32 @@ inline constexpr bool is_floating_scalar_v =
 
 }  // namespace detail
 
-/// A parameter: a value and a gradient, mutable tensors of the same floating-point type.
+namespace detail {
+template <class P>
+using value_of_t = decltype(param_value(std::declval<P&>()));
+template <class P>
+using grad_of_t = decltype(param_grad(std::declval<P&>()));
+
+/// Value and gradient typed at compile time: the same floating-point element type.
+template <class P>
+concept typed_parameter =
+    !DynamicTensor<value_of_t<P>> && !DynamicTensor<grad_of_t<P>> &&
+    std::is_same_v<tensor_value_t<value_of_t<P>>, tensor_value_t<grad_of_t<P>>> &&
+    is_floating_scalar_v<tensor_value_t<grad_of_t<P>>>;
+
+/// Value and gradient typed at run time (a framework's tensors): checked at construction.
+template <class P>
+concept dynamic_parameter = DynamicTensor<value_of_t<P>> && DynamicTensor<grad_of_t<P>>;
+}  // namespace detail
+
+/// A parameter: a value and a gradient, mutable tensors of the same floating-point type (checked
+/// when the averager is made, for tensors typed at run time).
 template <class P>
 concept Parameter = requires(P& p) {
   { detail::param_value(p) } -> MutableTensor;
   { detail::param_grad(p) } -> MutableTensor;
 }
-&&std::is_same_v<tensor_value_t<decltype(detail::param_value(std::declval<P&>()))>,
-                 tensor_value_t<decltype(detail::param_grad(std::declval<P&>()))>>&&
-    detail::is_floating_scalar_v<tensor_value_t<decltype(detail::param_grad(std::declval<P&>()))>>;
+&&(detail::typed_parameter<P> || detail::dynamic_parameter<P>);
 
 /// A model: a sized range of Parameters, or something whose parameters() returns one.
 template <class M>
@@ -189,15 +235,79 @@ struct AveragerOptions {
   std::size_t in_place_bytes = std::size_t{256} << 10;
   /// Copy rank 0's parameter values to every rank at construction (torch does).
   bool broadcast_parameters = true;
+  /// Models with buffers() (e.g. a torch::nn::Module's BatchNorm statistics): copy rank 0's
+  /// buffers to every rank at construction and after every synchronize(), so every rank's next
+  /// forward pass uses the same ones (torch DDP's broadcast_buffers).
+  bool broadcast_buffers = true;
+  /// Where the framework can say when a gradient is final (libtorch's autograd hooks), call
+  /// mark_ready from there, so buckets start during backward. Off: mark_ready yourself, or
+  /// average() after backward.
+  bool hooks = true;
 };
 
-template <Model M, class Backend>
-class GradientAverager {
-  using Param = std::ranges::range_value_t<decltype(detail::model_parameters(std::declval<M&>()))>;
-  using T = tensor_value_t<decltype(detail::param_grad(std::declval<Param&>()))>;
+namespace detail {
 
+/// While it lives, the averager's mark_ready/synchronize/average do nothing (no_sync()).
+class AveragerNoSync {
  public:
-  GradientAverager(Communicator<Backend>& comm, M& model, AveragerOptions options = {})
+  explicit AveragerNoSync(bool& flag) : flag_(&flag), previous_(std::exchange(flag, true)) {}
+  AveragerNoSync(AveragerNoSync&& o) noexcept
+      : flag_(std::exchange(o.flag_, nullptr)), previous_(o.previous_) {}
+  AveragerNoSync(const AveragerNoSync&) = delete;
+  AveragerNoSync& operator=(const AveragerNoSync&) = delete;
+  AveragerNoSync& operator=(AveragerNoSync&&) = delete;
+  ~AveragerNoSync() {
+    if (flag_ != nullptr) *flag_ = previous_;
+  }
+
+ private:
+  bool* flag_;
+  bool previous_;
+};
+
+/// A parameter's value or gradient as a TensorView<T>: a run-time-typed one is checked here.
+template <class T, class X>
+TensorView<T> typed_view(X& x, int rank, std::size_t i, const char* what) {
+  const auto v = ddp::view(x);
+  if constexpr (std::is_same_v<std::remove_cvref_t<decltype(v)>, DynamicView>) {
+    if (v.problem != nullptr)
+      fail(Errc::invalid_argument, "rank ", rank, ": GradientAverager: parameter ", i, "'s ", what,
+           " cannot be used: ", v.problem);
+    if (!v.contiguous)
+      fail(Errc::invalid_argument, "rank ", rank, ": GradientAverager: parameter ", i, "'s ", what,
+           " is not contiguous");
+    if (v.dtype != dtype_of<T>)
+      fail(Errc::invalid_argument, "rank ", rank, ": GradientAverager: parameter ", i, "'s ", what,
+           " is ", to_string(v.dtype), " but parameter 0's gradient is ", to_string(dtype_of<T>),
+           "; the averager takes one floating-point dtype per model");
+    return {static_cast<T*>(v.data), v.size, v.device, v.stream};
+  } else {
+    return {v.data, v.size, v.device, v.stream};
+  }
+}
+
+/// What GradientAverager forwards to: the averager for one element type.
+class AveragerBase {
+ public:
+  AveragerBase() = default;
+  AveragerBase(const AveragerBase&) = delete;
+  AveragerBase& operator=(const AveragerBase&) = delete;
+  virtual ~AveragerBase() = default;
+  [[nodiscard]] virtual std::size_t size() const noexcept = 0;
+  [[nodiscard]] virtual std::vector<std::vector<std::size_t>> buckets() const = 0;
+  virtual void mark_ready(std::size_t i) = 0;
+  virtual void mark_all_ready() = 0;
+  virtual void synchronize() = 0;
+  [[nodiscard]] virtual bool in_no_sync() const noexcept = 0;
+  [[nodiscard]] virtual AveragerNoSync no_sync() = 0;
+  [[nodiscard]] virtual bool found_nonfinite() = 0;
+};
+
+/// GradientAverager's work, for gradients of element type T (see the file comment).
+template <class T, class M, class Backend>
+class TypedAverager final : public AveragerBase {
+ public:
+  TypedAverager(Communicator<Backend>& comm, M& model, AveragerOptions options)
       : comm_(&comm), model_(&model), o_(options) {
     if constexpr (!std::is_same_v<T, float>) {
       if (o_.compression != Compression::none)
@@ -209,10 +319,10 @@ class GradientAverager {
       detail::fail(Errc::invalid_argument, "rank ", comm.rank(),
                    ": GradientAverager: bucket sizes must be positive");
     for (auto&& p : detail::model_parameters(model)) {
-      auto v = ddp::view(detail::param_value(p));
-      auto g = ddp::view(detail::param_grad(p));
-      values_.push_back({v.data, v.size, v.device, v.stream});
-      grads_.push_back({g.data, g.size, g.device, g.stream});
+      const std::size_t i = grads_.size();
+      detail::ensure_grad(p);
+      values_.push_back(typed_view<T>(detail::param_value(p), comm.rank(), i, "value"));
+      grads_.push_back(typed_view<T>(detail::param_grad(p), comm.rank(), i, "gradient"));
     }
     check_devices();
     check_same_everywhere();
@@ -223,9 +333,9 @@ class GradientAverager {
     ready_.assign(grads_.size(), false);
   }
 
-  GradientAverager(const GradientAverager&) = delete;
-  GradientAverager& operator=(const GradientAverager&) = delete;
-  ~GradientAverager() {
+  TypedAverager(const TypedAverager&) = delete;
+  TypedAverager& operator=(const TypedAverager&) = delete;
+  ~TypedAverager() override {
     for (auto& b : buckets_) {  // never leave a collective writing into freed buffers
       if (b.work) {
         try {
@@ -237,9 +347,9 @@ class GradientAverager {
   }
 
   /// Number of parameters.
-  [[nodiscard]] std::size_t size() const noexcept { return grads_.size(); }
+  [[nodiscard]] std::size_t size() const noexcept override { return grads_.size(); }
   /// The parameter indices of each bucket, in launch order.
-  [[nodiscard]] std::vector<std::vector<std::size_t>> buckets() const {
+  [[nodiscard]] std::vector<std::vector<std::size_t>> buckets() const override {
     std::vector<std::vector<std::size_t>> out;
     for (const auto& b : buckets_) out.push_back(b.params);
     return out;
@@ -247,7 +357,7 @@ class GradientAverager {
 
   /// Gradient i is final for this step: its bucket starts averaging once all of its gradients
   /// (and every earlier bucket) are. Ignored inside no_sync().
-  void mark_ready(std::size_t i) {
+  void mark_ready(std::size_t i) override {
     if (!in_step_) begin_step();
     if (i >= grads_.size())
       detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
@@ -263,7 +373,7 @@ class GradientAverager {
 
   /// Waits for every bucket (starting those not started: gradients never marked count as zero)
   /// and writes the averages into the gradients. Ignored inside no_sync().
-  void synchronize() {
+  void synchronize() override {
     if (no_sync_) return;
     if (!in_step_) begin_step();
     launch_rest();
@@ -282,41 +392,25 @@ class GradientAverager {
     std::fill(ready_.begin(), ready_.end(), false);
   }
 
-  /// Every gradient is final: mark_ready for all (last first) and synchronize().
-  void average() {
+  /// Every gradient is final: mark_ready for all, last first.
+  void mark_all_ready() override {
     if (no_sync_) return;
     for (std::size_t i = grads_.size(); i-- > 0;) mark_ready(i);
-    synchronize();
   }
 
-  /// While the returned guard lives, mark_ready/synchronize/average do nothing, so gradients of
-  /// several micro-batches accumulate locally; the next synchronize() after it averages them.
-  class NoSync {
-   public:
-    explicit NoSync(GradientAverager& a) : a_(&a), previous_(std::exchange(a.no_sync_, true)) {}
-    NoSync(NoSync&& o) noexcept : a_(std::exchange(o.a_, nullptr)), previous_(o.previous_) {}
-    NoSync(const NoSync&) = delete;
-    NoSync& operator=(const NoSync&) = delete;
-    NoSync& operator=(NoSync&&) = delete;
-    ~NoSync() {
-      if (a_ != nullptr) a_->no_sync_ = previous_;
-    }
+  [[nodiscard]] bool in_no_sync() const noexcept override { return no_sync_; }
 
-   private:
-    GradientAverager* a_;
-    bool previous_;
-  };
-  [[nodiscard]] NoSync no_sync() {
+  [[nodiscard]] AveragerNoSync no_sync() override {
     if (next_ != 0)
       detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
                    ": GradientAverager::no_sync(): buckets of this step were already started; "
                    "enter no_sync before the backward pass");
-    return NoSync(*this);
+    return AveragerNoSync(no_sync_);
   }
 
   /// Whether any rank's gradients hold an inf or a NaN (after synchronize(): every rank holds the
   /// same averages, so every rank also gets the same answer). Collective.
-  [[nodiscard]] bool found_nonfinite() {
+  [[nodiscard]] bool found_nonfinite() override {
     std::vector<std::int32_t> flag{0};
     std::vector<T> copy;  // CUDA gradients are checked in a host copy
     for (const auto& g : grads_) {
@@ -390,15 +484,16 @@ class GradientAverager {
         ++i;
         continue;
       }
-      auto v = ddp::view(detail::param_value(p));
-      auto g = ddp::view(detail::param_grad(p));
+      detail::ensure_grad(p);
+      const auto v = typed_view<T>(detail::param_value(p), comm_->rank(), i, "value");
+      const auto g = typed_view<T>(detail::param_grad(p), comm_->rank(), i, "gradient");
       if (g.size != grads_[i].size || v.size != values_[i].size)
         detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
                      ": GradientAverager: parameter ", i, " now has ", v.size, " values and ",
                      g.size, " gradients; it had ", values_[i].size, " and ", grads_[i].size,
                      " when the averager was created (sizes must not change)");
-      values_[i] = {v.data, v.size, v.device, v.stream};
-      grads_[i] = {g.data, g.size, g.device, g.stream};
+      values_[i] = v;
+      grads_[i] = g;
       ++i;
     }
     if (i != grads_.size())
@@ -635,6 +730,120 @@ class GradientAverager {
   std::size_t next_ = 0;         // the next bucket to launch
   bool no_sync_ = false;
   bool in_step_ = false;  // buffers looked up for the current step
+};
+
+}  // namespace detail
+
+/// What DistributedDataParallel does to gradients (see the file comment), for a Model whose
+/// gradients are typed at compile time or at run time (a framework's tensors: the element type
+/// is read from the first gradient when the averager is made).
+template <Model M, class Backend>
+class GradientAverager {
+  using Param = std::ranges::range_value_t<decltype(detail::model_parameters(std::declval<M&>()))>;
+  template <class T>
+  using Typed = detail::TypedAverager<T, M, Backend>;
+
+ public:
+  using NoSync = detail::AveragerNoSync;
+
+  GradientAverager(Communicator<Backend>& comm, M& model, AveragerOptions options = {})
+      : comm_(&comm), model_(&model), o_(options) {
+    if constexpr (detail::dynamic_parameter<Param>) {
+      switch (first_dtype()) {
+        case DType::float64: impl_ = std::make_unique<Typed<double>>(comm, model, options); break;
+        case DType::float16: impl_ = std::make_unique<Typed<half>>(comm, model, options); break;
+        case DType::bfloat16:
+          impl_ = std::make_unique<Typed<bfloat16>>(comm, model, options);
+          break;
+        default: impl_ = std::make_unique<Typed<float>>(comm, model, options); break;
+      }
+    } else {
+      impl_ =
+          std::make_unique<Typed<tensor_value_t<detail::grad_of_t<Param>>>>(comm, model, options);
+    }
+    if constexpr (detail::has_buffers<M>) {
+      if (o_.broadcast_parameters || o_.broadcast_buffers) broadcast_buffers();
+    }
+    if constexpr (detail::has_ready_hook<Param>) {
+      if (!o_.hooks) return;
+      std::size_t i = 0;
+      for (auto&& p : detail::model_parameters(model)) {
+        hooks_.push_back(parameter_traits<Param>::ready_hook(p, [this, i] { mark_ready(i); }));
+        ++i;
+      }
+    }
+  }
+
+  GradientAverager(const GradientAverager&) = delete;
+  GradientAverager& operator=(const GradientAverager&) = delete;
+  ~GradientAverager() { hooks_.clear(); }  // no hook may call into a destroyed averager
+
+  /// Number of parameters.
+  [[nodiscard]] std::size_t size() const noexcept { return impl_->size(); }
+  /// The parameter indices of each bucket, in launch order.
+  [[nodiscard]] std::vector<std::vector<std::size_t>> buckets() const { return impl_->buckets(); }
+
+  /// Gradient i is final for this step: its bucket starts averaging once all of its gradients
+  /// (and every earlier bucket) are. Ignored inside no_sync(). Where the framework can say when
+  /// a gradient is final (libtorch: hooks on the gradients' accumulation, which the averager
+  /// sets up), it is called during backward by itself.
+  void mark_ready(std::size_t i) { impl_->mark_ready(i); }
+
+  /// Waits for every bucket (starting those not started: gradients never marked count as zero)
+  /// and writes the averages into the gradients; then, for a model with buffers, copies rank 0's
+  /// buffers to every rank (AveragerOptions::broadcast_buffers). Ignored inside no_sync().
+  void synchronize() {
+    const bool skipped = impl_->in_no_sync();
+    impl_->synchronize();
+    if constexpr (detail::has_buffers<M>) {
+      if (!skipped && o_.broadcast_buffers) broadcast_buffers();
+    }
+  }
+
+  /// Every gradient is final: mark_ready for all (last first) and synchronize().
+  void average() {
+    impl_->mark_all_ready();
+    synchronize();
+  }
+
+  /// While the returned guard lives, mark_ready/synchronize/average do nothing, so gradients of
+  /// several micro-batches accumulate locally; the next synchronize() after it averages them.
+  [[nodiscard]] NoSync no_sync() { return impl_->no_sync(); }
+
+  /// Whether any rank's gradients hold an inf or a NaN (after synchronize(): every rank holds the
+  /// same averages, so every rank also gets the same answer). Collective.
+  [[nodiscard]] bool found_nonfinite() { return impl_->found_nonfinite(); }
+
+ private:
+  // The element type of run-time-typed gradients: the first gradient's (a model without
+  // parameters: float32).
+  DType first_dtype() {
+    for (auto&& p : detail::model_parameters(*model_)) {
+      detail::ensure_grad(p);
+      const DynamicView g = ddp::view(detail::param_grad(p));
+      if (g.problem != nullptr)
+        detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                     ": GradientAverager: parameter 0's gradient cannot be used: ", g.problem);
+      if (!is_valid(g.dtype) || !is_floating_point(g.dtype))
+        detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                     ": GradientAverager: parameter 0's gradient is ", to_string(g.dtype),
+                     "; gradients must be float32, float64, float16 or bfloat16");
+      return g.dtype;
+    }
+    return DType::float32;
+  }
+
+  void broadcast_buffers() {
+    if constexpr (detail::has_buffers<M>) {
+      for (auto&& b : model_->buffers()) comm_->broadcast(b, 0);
+    }
+  }
+
+  Communicator<Backend>* comm_;
+  M* model_;
+  AveragerOptions o_;
+  std::unique_ptr<detail::AveragerBase> impl_;
+  std::vector<std::shared_ptr<void>> hooks_;
 };
 
 template <class Backend, Model M>

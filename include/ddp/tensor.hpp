@@ -208,16 +208,33 @@ template <Viewable T>
   requires(!DynamicTensor<T>)
 using tensor_value_t = typename tensor_view_t<T>::value_type;
 
+namespace detail {
+/// What stands for the element type of a DynamicTensor (known only at run time).
+struct DynamicElement {};
+template <class T, bool Dynamic = DynamicTensor<T>>
+struct element_type_of {
+  using type = typename tensor_view_t<T>::element_type;
+};
+template <class T>
+struct element_type_of<T, true> {
+  using type = DynamicElement;
+};
+}  // namespace detail
+
+/// The element type of T's view, const where the view is read-only (detail::DynamicElement for
+/// a DynamicTensor: its writability is checked at run time).
+template <Viewable T>
+using tensor_element_type_t = typename detail::element_type_of<T>::type;
+
 /// A buffer collectives accept: viewable, with a Scalar element type (see ddp::Scalar), or a
 /// DynamicTensor (its element type is checked when the collective is called).
 template <class T>
-concept TensorLike = DynamicTensor<T> ||(Viewable<T>&& Scalar<tensor_value_t<T>>);
+concept TensorLike = Viewable<T> &&(DynamicTensor<T> || Scalar<tensor_value_t<T>>);
 
-/// A TensorLike whose elements may be written (the output of a collective): a DynamicTensor's
+/// A TensorLike whose elements may be written (the output of a collective); a DynamicTensor's
 /// writability is checked when the collective is called.
 template <class T>
-concept MutableTensor = DynamicTensor<T> ||
-    (TensorLike<T> && !std::is_const_v<typename tensor_view_t<T>::element_type>);
+concept MutableTensor = TensorLike<T> && !std::is_const_v<tensor_element_type_t<T>>;
 
 /// Where T's buffer lives if its type says so: DeviceKind::cpu for ranges, the traits'
 /// device_kind for adapted types, std::nullopt when only the TensorView knows (at run time).

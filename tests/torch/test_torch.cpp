@@ -160,3 +160,173 @@ TEST_CASE("torch::Tensor: what a collective refuses, before anything is sent") {
     MP_EXPECT(torch::all(t == 2).item<bool>(), t);
   });
 }
+
+namespace {
+
+/// A small model with every kind of state: linear layers, BatchNorm (running statistics and a
+/// count as buffers: float32 and int64).
+struct NetImpl : torch::nn::Module {
+  NetImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(8, 16))),
+        bn(register_module("bn", torch::nn::BatchNorm1d(16))),
+        fc2(register_module("fc2", torch::nn::Linear(16, 4))) {}
+  torch::Tensor forward(torch::Tensor x) { return fc2(torch::relu(bn(fc1(x)))); }
+  torch::nn::Linear fc1;
+  torch::nn::BatchNorm1d bn;
+  torch::nn::Linear fc2;
+};
+TORCH_MODULE(Net);
+
+/// Rank r's batch k: the same on every run, different on every rank.
+std::pair<torch::Tensor, torch::Tensor> batch(int r, int k, int n = 6) {
+  torch::manual_seed(static_cast<std::uint64_t>(1000 + 17 * r + k));
+  return {torch::randn({n, 8}), torch::randint(0, 4, {n}, torch::kLong)};
+}
+
+/// Every parameter and buffer of the model, flattened into one float64 tensor.
+torch::Tensor state_of(torch::nn::Module& m) {
+  std::vector<torch::Tensor> parts;
+  for (const auto& p : m.parameters()) parts.push_back(p.detach().to(torch::kDouble).flatten());
+  for (const auto& b : m.buffers()) parts.push_back(b.detach().to(torch::kDouble).flatten());
+  return torch::cat(parts);
+}
+
+/// Whether `t` is bitwise the same on every rank.
+bool same_everywhere(Comm& comm, const torch::Tensor& t) {
+  auto all = torch::empty({comm.size(), t.numel()}, t.options());
+  comm.all_gather(t.contiguous(), all);
+  for (int k = 1; k < comm.size(); ++k)
+    if (!torch::equal(all[k], all[0])) return false;
+  return true;
+}
+
+/// Trains `steps` SGD steps on rank-specific data; returns the final state.
+torch::Tensor train(Comm& comm, bool hooks, int steps) {
+  torch::manual_seed(
+      static_cast<std::uint64_t>(comm.rank()));  // a different initialization on every rank
+  Net net;
+  ddp::GradientAverager avg(comm, *net, {.hooks = hooks});
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+  for (int k = 0; k < steps; ++k) {
+    const auto [x, y] = batch(comm.rank(), k);
+    if (k % 2 == 1)
+      for (auto& p : net->parameters()) p.mutable_grad() = torch::Tensor();  // set_to_none
+    else
+      opt.zero_grad();
+    const auto issued = comm.recent().empty() ? 0 : comm.recent().back().seq + 1;
+    torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+    if (hooks) {  // the buckets started during backward, from the hooks
+      const auto recent = comm.recent();
+      MP_EXPECT(!recent.empty() && recent.back().seq >= issued &&
+                    std::string(recent.back().op) == "all_reduce",
+                "no bucket started during backward at step " << k);
+      avg.synchronize();
+    } else {
+      avg.average();
+    }
+    opt.step();
+    MP_EXPECT(same_everywhere(comm, state_of(*net)), "replicas differ after step " << k);
+  }
+  return state_of(*net);
+}
+
+}  // namespace
+
+TEST_CASE(
+    "GradientAverager over a torch::nn::Module: rank 0's parameters and buffers, identical "
+    "replicas, hooks bitwise equal to average() after backward") {
+  mp::run(3, ddp::HostTransport::shm, [](Comm& comm) {
+    torch::set_num_threads(1);
+    {
+      torch::manual_seed(static_cast<std::uint64_t>(comm.rank()));
+      Net net;
+      const auto before = state_of(*net);
+      const bool same_before = same_everywhere(comm, before);  // (a collective: every rank)
+      MP_EXPECT(!same_before, "different initializations");
+      ddp::GradientAverager avg(comm, *net);
+      MP_EXPECT(same_everywhere(comm, state_of(*net)), "rank 0's parameters and buffers");
+      MP_EXPECT(avg.size() == net->parameters().size(), avg.size());
+      // Gradients that did not exist were made as zeros (no backward yet).
+      for (const auto& p : net->parameters())
+        MP_EXPECT(p.grad().defined() && torch::all(p.grad() == 0).item<bool>(), "zero gradient");
+    }
+    const auto with_hooks = train(comm, true, 4);
+    const auto after_backward = train(comm, false, 4);
+    MP_EXPECT(torch::equal(with_hooks, after_backward),
+              "hooks and average() differ by " << (with_hooks - after_backward).abs().max());
+  });
+}
+
+TEST_CASE("GradientAverager over a torch::nn::Module: no_sync accumulation equals one big batch") {
+  mp::run(2, ddp::HostTransport::tcp, [](Comm& comm) {
+    torch::set_num_threads(1);
+    torch::manual_seed(5);
+    Net net;
+    net->eval();  // BatchNorm with its running statistics: the loss is a sum over samples
+    ddp::GradientAverager avg(comm, *net);
+    const int micro = 3, p = comm.size();
+    const auto loss_of = [&](const torch::Tensor& x, const torch::Tensor& y) {
+      return torch::nn::functional::cross_entropy(
+          net->forward(x), y,
+          torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+    };
+    for (auto& q : net->parameters()) q.mutable_grad().zero_();
+    {
+      auto guard = avg.no_sync();
+      for (int k = 0; k < micro - 1; ++k) {
+        const auto [x, y] = batch(comm.rank(), k);
+        loss_of(x, y).backward();
+      }
+    }
+    const auto [x, y] = batch(comm.rank(), micro - 1);
+    loss_of(x, y).backward();
+    avg.synchronize();
+    std::vector<torch::Tensor> got;
+    for (const auto& q : net->parameters()) got.push_back(q.grad().clone());
+    // The reference: every rank's micro-batches in one process, averaged over ranks.
+    for (auto& q : net->parameters()) q.mutable_grad().zero_();
+    torch::Tensor total;
+    for (int r = 0; r < p; ++r)
+      for (int k = 0; k < micro; ++k) {
+        const auto [xr, yr] = batch(r, k);
+        const auto l = loss_of(xr, yr) / p;
+        total = total.defined() ? total + l : l;
+      }
+    total.backward();
+    std::size_t i = 0;
+    for (const auto& q : net->parameters()) {
+      MP_EXPECT(torch::allclose(got[i], q.grad(), 1e-6, 1e-6),
+                "parameter " << i << " differs by " << (got[i] - q.grad()).abs().max());
+      ++i;
+    }
+  });
+}
+
+TEST_CASE("GradientAverager over a torch::nn::Module: refusals") {
+  mp::run(2, ddp::HostTransport::shm, [](Comm& comm) {
+    torch::set_num_threads(1);
+    // Different models on different ranks: a mismatch, named, on every rank.
+    torch::nn::Linear a(4, comm.rank() == 0 ? 3 : 5);
+    try {
+      ddp::GradientAverager avg(comm, *a);
+      MP_EXPECT(false, "different models were accepted");
+    } catch (const ddp::Error& e) {
+      MP_EXPECT(e.code() == ddp::Errc::mismatch, e.what());
+      MP_EXPECT(std::string(e.what()).find(
+                    "parameter 0 has 12 elements on rank 0 but 20 on rank 1") != std::string::npos,
+                e.what());
+    }
+    // Integer parameters have no gradients to average.
+    struct Ints : torch::nn::Module {
+      Ints() { register_parameter("w", torch::ones({3}, torch::kLong), false); }
+    } ints;
+    try {
+      ddp::GradientAverager avg(comm, ints);
+      MP_EXPECT(false, "an int64 model was accepted");
+    } catch (const ddp::Error& e) {
+      MP_EXPECT(e.code() == ddp::Errc::invalid_argument, e.what());
+      MP_EXPECT(std::string(e.what()).find("gradients must be float32") != std::string::npos,
+                e.what());
+    }
+  });
+}

@@ -18,18 +18,34 @@
 /// CUDA streams: with libtorch 2.1 or later the tensor's current stream is found through c10's
 /// device-generic stream API; earlier versions order collectives after the default stream.
 ///
+/// A torch::nn::Module is a ddp Model: `ddp::GradientAverager avg(comm, *net)` copies rank 0's
+/// parameters and buffers (BatchNorm statistics) to every rank, creates gradients that do not
+/// exist yet (before the first backward, or after zero_grad() set them to None) as zeros, and
+/// hooks each parameter's gradient accumulation, so that buckets start averaging during
+/// backward() while the rest of it runs; avg.synchronize() after backward() waits for them
+/// (avg.average() without hooks does the same at the end). The hooks are post hooks on the
+/// parameters' AccumulateGrad nodes, which libtorch 1.13 and 2.x both have.
+///
 /// Needs libtorch on the include path and linked (CMake: the ddp::torch target, or
 /// find_package(Torch) and ${TORCH_LIBRARIES}); only this header depends on it.
 
+#include "ddp/gradient.hpp"
 #include "ddp/tensor.hpp"
 #include "ddp/types.hpp"
 
+#include <ATen/Functions.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <optional>
+#include <utility>
 
 DDP_BEGIN_NAMESPACE
 namespace torch_detail {
@@ -117,6 +133,46 @@ template <class S>
 template <>
 struct tensor_traits<at::Tensor> {
   static DynamicView view(const at::Tensor& t) { return torch_detail::view(t); }
+};
+
+namespace torch_detail {
+
+/// Calls back after autograd has accumulated a parameter's gradient for this backward pass.
+class ReadyHook final : public torch::autograd::FunctionPostHook {
+ public:
+  explicit ReadyHook(std::function<void()> f) : f_(std::move(f)) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& /*inputs*/) override {
+    f_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> f_;
+};
+
+}  // namespace torch_detail
+
+/// A torch parameter (an at::Tensor that requires grad): its value is itself, its gradient
+/// p.grad(), created as zeros where autograd has not made it yet.
+template <>
+struct parameter_traits<at::Tensor> {
+  static at::Tensor& value(at::Tensor& p) { return p; }
+  static at::Tensor& grad(at::Tensor& p) { return p.mutable_grad(); }
+  static void ensure_grad(at::Tensor& p) {
+    if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p, at::MemoryFormat::Contiguous);
+  }
+  /// A post hook on p's AccumulateGrad node; the handle removes it (and keeps the node alive,
+  /// as torch's DDP reducer does). nullptr for a parameter that does not require grad.
+  static std::shared_ptr<void> ready_hook(at::Tensor& p, std::function<void()> on_ready) {
+    if (!p.requires_grad()) return nullptr;
+    std::shared_ptr<torch::autograd::Node> acc = torch::autograd::impl::grad_accumulator(p);
+    if (!acc) return nullptr;
+    const std::uintptr_t key =
+        acc->add_post_hook(std::make_unique<torch_detail::ReadyHook>(std::move(on_ready)));
+    return {acc.get(), [acc, key](void*) { acc->del_post_hook(key); }};
+  }
 };
 
 DDP_END_NAMESPACE
