@@ -180,17 +180,9 @@ void run(ddp::Environment env, const Config& cfg) {
       for (auto& p : model.params)
         for (std::size_t k = 0; k < p.value.size(); ++k) p.value[k] -= lr * p.grad[k];
       seen += count;
-      if (rank == 0 && seen >= next_report) {
-        const double secs =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        const int pct = static_cast<int>(100 * seen / mine.size());
-        std::printf("epoch %d/%d [%-20s] %3d%%  loss %.4f  %.0f samples/s\n", epoch + 1, cfg.epochs,
-                    std::string(static_cast<std::size_t>(pct / 5), '#').c_str(), pct,
-                    loss_sum / static_cast<double>(seen),
-                    static_cast<double>(seen) * world / std::max(secs, 1e-9));
-        std::fflush(stdout);
-        next_report += mine.size() / 4;
-      }
+      if (rank == 0)
+        fashion_mnist::report_progress(epoch, cfg.epochs, seen, mine.size(), loss_sum, world, t0,
+                                       next_report);
     }
     // Test accuracy: every test image exactly once over the ranks.
     std::size_t correct = 0;

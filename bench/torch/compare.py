@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Runs the libtorch step four ways in alternating rounds and prints medians:
+  (a) torch-bench --mode hooks     libtorch + ddp, buckets started from autograd hooks
+  (b) torch-bench --mode average   libtorch + ddp, average() after backward
+  (c) torch_ddp.py                 PyTorch's DistributedDataParallel with gloo
+  (d) torch-bench --mode none      one process, no communication
+Each round runs a, b, c, d once (the machine's speed drifts between minutes, so ratios are taken
+within a round and their median reported). Exposed communication = step - one-process step;
+scaling efficiency = one-process step / step.
+    bench/torch/compare.py --bench build/release/bench/torch-bench [--model mlp] [--ranks 2]
+        [--rounds 5] [--steps 30]"""
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def ms_per_step(cmd, env):
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+    m = re.search(r"ms/step ([0-9.]+)", out)
+    if not m:
+        sys.exit(f"no ms/step in the output of {' '.join(cmd)}:\n{out}")
+    return float(m.group(1))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--bench", required=True, help="the torch-bench program")
+    p.add_argument("--model", default="mlp", choices=["mlp", "cnn"])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--python", default="/usr/bin/python3", help="an interpreter with torch")
+    a = p.parse_args()
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    common = ["--model", a.model, "--steps", str(a.steps)]
+    runs = {
+        "hooks": [a.bench, "--mode", "hooks", "--ranks", str(a.ranks)] + common,
+        "average": [a.bench, "--mode", "average", "--ranks", str(a.ranks)] + common,
+        "torch-ddp": [a.python, os.path.join(HERE, "torch_ddp.py"), "--ranks", str(a.ranks)] + common,
+        "one process": [a.bench, "--mode", "none"] + common,
+    }
+    t = {k: [] for k in runs}
+    for r in range(a.rounds):
+        for k, cmd in runs.items():
+            t[k].append(ms_per_step(cmd, env))
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in t.items()), flush=True)
+    med = {k: statistics.median(v) for k, v in t.items()}
+    one = t["one process"]
+
+    def paired(f):
+        return statistics.median(f(i) for i in range(a.rounds))
+
+    print(f"\n{a.model}, {a.ranks} ranks, batch 64 per rank, medians of {a.rounds} rounds (ms/step):")
+    print("| run | ms/step | exposed communication (ms) | scaling efficiency |")
+    print("|---|---:|---:|---:|")
+    for k in runs:
+        exp = paired(lambda i: t[k][i] - one[i])
+        eff = paired(lambda i: one[i] / t[k][i])
+        print(f"| {k} | {med[k]:.2f} | {exp:.2f} | {100 * eff:.1f}% |")
+    for k in ("hooks", "average"):
+        speed = paired(lambda i: t["torch-ddp"][i] / t[k][i])
+        exposed = paired(lambda i: (t[k][i] - one[i]) / max(t["torch-ddp"][i] - one[i], 1e-9))
+        print(f"ddp ({k}) vs PyTorch DDP: {speed:.2f}x the steps per second, "
+              f"{exposed:.2f}x the exposed communication (paired per round)")
+    hooks_vs_avg = paired(lambda i: (t["hooks"][i] - one[i]) / max(t["average"][i] - one[i], 1e-9))
+    print(f"hooks vs average(): {hooks_vs_avg:.2f}x the exposed communication (paired per round)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+// Data-parallel training of a small CNN on Fashion-MNIST with libtorch and ddp.
+//
+//   ddprun --standalone --nproc-per-node 4 build/default/examples/fashion_mnist_torch
+//   build/default/examples/fashion_mnist_torch --nproc 2     (no launcher: forks 2 ranks itself)
+//
+// Options: --epochs N (3), --batch N (global batch, 64), --lr X (0.05), --lr-decay X (0.7 per
+// epoch), --data DIR (/usr/share/datasets/fashion-mnist, or $FASHION_MNIST_DIR), --cache DIR
+// (./fashion-mnist-cache), --limit N (the first N training images), --checkpoint FILE
+// (fashion_mnist_torch.pt), --nproc N (ranks to fork without a launcher, 2).
+//
+// What ddp does here: ZeroFirstGuard (local rank 0 decodes the dataset once), DistributedSampler
+// (a new shuffled shard every epoch; the test set in exact mode, every image once, and
+// exact_mean() for the accuracy), GradientAverager over the torch::nn::Module (rank 0's initial
+// parameters everywhere, buckets averaged from autograd hooks while backward runs). Rank 0 alone
+// prints progress and saves the model (torch::save).
+#include <ddp/adapters/torch.hpp>
+#include <ddp/ddp.hpp>
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "../fashion_mnist_common.hpp"
+#include "models.hpp"
+
+namespace {
+
+using torch_models::Cnn;
+
+using fashion_mnist::Config;
+using fashion_mnist::Split;
+
+/// The images `idx` of `s` as a [n, 1, 28, 28] float tensor, and their labels.
+std::pair<torch::Tensor, torch::Tensor> gather(const Split& s, const std::vector<std::size_t>& idx,
+                                               std::size_t first, std::size_t count) {
+  auto x = torch::empty({static_cast<std::int64_t>(count), 1, 28, 28});
+  auto y = torch::empty({static_cast<std::int64_t>(count)}, torch::kLong);
+  float* xp = x.data_ptr<float>();
+  auto* yp = y.data_ptr<std::int64_t>();
+  for (std::size_t b = 0; b < count; ++b) {
+    const std::size_t k = idx[first + b];
+    std::copy_n(&s.images[k * 784], 784, xp + b * 784);
+    yp[b] = s.labels[k];
+  }
+  return {x, y};
+}
+
+void run(const ddp::Environment& env, const Config& cfg) {
+  torch::set_num_threads(1);
+  auto comm = ddp::Communicator<ddp::backend::Host>::init(env);
+  const int world = comm.size(), rank = comm.rank();
+  if (cfg.batch % world != 0)
+    throw std::invalid_argument("--batch must be a multiple of the number of ranks");
+  const Split train = fashion_mnist::load(comm, cfg.data, cfg.cache, "train-images-idx3-ubyte",
+                                          "train-labels-idx1-ubyte");
+  const Split test = fashion_mnist::load(comm, cfg.data, cfg.cache, "t10k-images-idx3-ubyte",
+                                         "t10k-labels-idx1-ubyte");
+  const std::size_t n_train = cfg.limit > 0 ? std::min(cfg.limit, train.size()) : train.size();
+
+  torch::manual_seed(static_cast<std::uint64_t>(rank));  // different on every rank ...
+  Cnn net;
+  ddp::GradientAverager avg(comm, *net);  // ... until the averager copies rank 0's
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(cfg.lr).momentum(0.9));
+  ddp::DistributedSampler sampler(n_train, world, rank, {.shuffle = true, .seed = 7});
+  ddp::DistributedSampler eval(test.size(), world, rank, {.shuffle = false, .exact = true});
+  const auto local_batch = static_cast<std::size_t>(cfg.batch / world);
+  if (rank == 0)
+    std::printf("training a CNN on %zu images with %d rank%s, global batch %d, %zu test images\n",
+                n_train, world, world == 1 ? "" : "s", cfg.batch, test.size());
+
+  for (int epoch = 0; epoch < cfg.epochs; ++epoch) {
+    sampler.set_epoch(static_cast<std::uint64_t>(epoch));
+    for (auto& group : opt.param_groups())
+      static_cast<torch::optim::SGDOptions&>(group.options())
+          .lr(cfg.lr * std::pow(cfg.decay, static_cast<double>(epoch)));
+    const auto mine = sampler.indices();
+    const auto t0 = std::chrono::steady_clock::now();
+    double loss_sum = 0;
+    std::size_t seen = 0, next_report = 0;
+    net->train();
+    for (std::size_t first = 0; first < mine.size(); first += local_batch) {
+      const std::size_t count = std::min(local_batch, mine.size() - first);
+      const auto [x, y] = gather(train, mine, first, count);
+      opt.zero_grad();
+      const auto loss = torch::nn::functional::cross_entropy(net->forward(x), y);
+      loss.backward();    // buckets are averaged from the hooks while backward runs
+      avg.synchronize();  // gradients hold the average over the global batch
+      opt.step();
+      loss_sum += loss.item<double>() * static_cast<double>(count);
+      seen += count;
+      if (rank == 0)
+        fashion_mnist::report_progress(epoch, cfg.epochs, seen, mine.size(), loss_sum, world, t0,
+                                       next_report);
+    }
+    // Test accuracy: every test image exactly once over the ranks.
+    net->eval();
+    std::size_t correct = 0;
+    const auto part = eval.indices();
+    {
+      torch::NoGradGuard no_grad;
+      for (std::size_t first = 0; first < part.size(); first += 500) {
+        const std::size_t count = std::min<std::size_t>(500, part.size() - first);
+        const auto [x, y] = gather(test, part, first, count);
+        correct +=
+            static_cast<std::size_t>((net->forward(x).argmax(1) == y).sum().item<std::int64_t>());
+      }
+    }
+    const double accuracy = ddp::exact_mean(comm, static_cast<double>(correct), part.size());
+    const double train_loss = ddp::exact_mean(comm, loss_sum, seen);
+    if (rank == 0) {
+      std::printf("epoch %d/%d: train loss %.4f, test accuracy %.2f%%\n", epoch + 1, cfg.epochs,
+                  train_loss, 100 * accuracy);
+      const std::string tmp = cfg.checkpoint + ".tmp";
+      torch::save(net, tmp);  // then renamed: a reader never sees half a checkpoint
+      if (std::rename(tmp.c_str(), cfg.checkpoint.c_str()) != 0)
+        throw std::runtime_error("cannot write " + cfg.checkpoint);
+      std::fflush(stdout);
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    Config defaults;
+    defaults.epochs = 3;
+    defaults.lr = 0.05f;
+    defaults.checkpoint = "fashion_mnist_torch.pt";
+    const Config cfg = fashion_mnist::parse(argc, argv, defaults, "fashion_mnist_torch.cpp");
+    const auto env = ddp::Environment::detect();
+    if (env.launcher == "none")
+      ddp::spawn(cfg.nproc, [&](ddp::Environment e) { run(e, cfg); });
+    else
+      run(env, cfg);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fashion_mnist_torch: %s\n", e.what());
+    return 1;
+  }
+}

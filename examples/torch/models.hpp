@@ -1,0 +1,39 @@
+// The libtorch models of the torch example and benchmark (bench/torch/torch_bench.cpp,
+// bench/torch/torch_ddp.py defines the same in Python).
+#pragma once
+
+#include <torch/torch.h>
+
+namespace torch_models {
+
+/// A small CNN for 28x28 images: conv 3x3 (32) - max pool - conv 3x3 (64) - max pool - 128 - 10.
+struct CnnImpl : torch::nn::Module {
+  CnnImpl()
+      : c1(register_module("c1", torch::nn::Conv2d(1, 32, 3))),
+        c2(register_module("c2", torch::nn::Conv2d(32, 64, 3))),
+        fc1(register_module("fc1", torch::nn::Linear(64 * 5 * 5, 128))),
+        fc2(register_module("fc2", torch::nn::Linear(128, 10))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::max_pool2d(torch::relu(c1(x)), 2);
+    h = torch::max_pool2d(torch::relu(c2(h)), 2);
+    return fc2(torch::relu(fc1(h.flatten(1))));
+  }
+  torch::nn::Conv2d c1, c2;
+  torch::nn::Linear fc1, fc2;
+};
+TORCH_MODULE(Cnn);
+
+/// The MLP 784-2048-2048-10.
+struct MlpImpl : torch::nn::Module {
+  MlpImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(784, 2048))),
+        fc2(register_module("fc2", torch::nn::Linear(2048, 2048))),
+        fc3(register_module("fc3", torch::nn::Linear(2048, 10))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return fc3(torch::relu(fc2(torch::relu(fc1(x.view({x.size(0), 784}))))));
+  }
+  torch::nn::Linear fc1, fc2, fc3;
+};
+TORCH_MODULE(Mlp);
+
+}  // namespace torch_models
