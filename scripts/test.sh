@@ -23,9 +23,10 @@ ensure_debs build-essential g++ clang clang-format cmake ninja-build pkg-config 
   zlib1g-dev libeigen3-dev libclang-rt-dev dataset-fashion-mnist
 mkdir -p build
 [ $fast -eq 0 ] && ensure_conan "$root/build"  # the conan consumer test: not in --fast
-# libtorch (CPU) for the torch adapter's tests and examples, PyTorch for the benchmark's peer:
-# the g++ stage only (the --fast, clang and sanitizer presets build without them).
-[ $fast -eq 0 ] && ensure_debs libtorch-dev python3-torch
+# libtorch (CPU) for the torch adapter's tests and examples, PyTorch for the benchmark's peer and
+# OpenBLAS under both (Debian's libtorch uses whatever libblas.so.3 points at; the reference BLAS
+# is ~10x slower): the g++ stage only (the --fast, clang and sanitizer presets build without them).
+[ $fast -eq 0 ] && ensure_debs libtorch-dev python3-torch libopenblas0-pthread
 
 passed=0
 failed=0
