@@ -12,6 +12,7 @@ scaling efficiency = one-process step / step.
 import argparse
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -19,12 +20,24 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def ms_per_step(cmd, env):
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-    m = re.search(r"ms/step ([0-9.]+)", out)
-    if not m:
-        sys.exit(f"no ms/step in the output of {' '.join(cmd)}:\n{out}")
-    return float(m.group(1))
+def ms_per_step(cmd, env, tries=3):
+    """One run's ms/step. A run that hangs (PyTorch's gloo rendezvous does, now and then, on this
+    VM) is killed with its whole process group after 180 s and retried."""
+    for attempt in range(tries):
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+        try:
+            out, err = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+            print(f"  (timed out, retrying: {' '.join(cmd)})", file=sys.stderr, flush=True)
+            continue
+        m = re.search(r"ms/step ([0-9.]+)", out)
+        if p.returncode != 0 or not m:
+            sys.exit(f"{' '.join(cmd)} failed ({p.returncode}):\n{out}\n{err}")
+        return float(m.group(1))
+    sys.exit(f"{' '.join(cmd)} timed out {tries} times")
 
 
 def main():
@@ -36,7 +49,8 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--python", default="/usr/bin/python3", help="an interpreter with torch")
     a = p.parse_args()
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    # One BLAS thread per process on both sides; gloo on the loopback interface.
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     common = ["--model", a.model, "--steps", str(a.steps)]
     runs = {
         "hooks": [a.bench, "--mode", "hooks", "--ranks", str(a.ranks)] + common,
