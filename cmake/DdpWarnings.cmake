@@ -8,10 +8,12 @@ function(ddp_strict target)
       target_compile_options(${target} PRIVATE -Werror)
     endif()
     # g++ 12 at -O3 reports std::optional<std::string> and std::vector<std::thread> in
-    # libstdc++ itself as maybe uninitialized / out of bounds (GCC bugs 105562, 107852);
-    # g++ 13 does not.
+    # libstdc++ itself as maybe uninitialized / out of bounds (GCC bugs 105562, 107852), and
+    # std::string's operator+ as an overlapping memcpy (-Wrestrict, GCC bug 105329); g++ 13 does
+    # not.
     if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND CMAKE_CXX_COMPILER_VERSION VERSION_LESS 13)
-      target_compile_options(${target} PRIVATE $<$<CONFIG:Release>:-Wno-maybe-uninitialized>)
+      target_compile_options(${target} PRIVATE
+        "$<$<CONFIG:Release>:-Wno-maybe-uninitialized;-Wno-restrict>")
     endif()
     if(DDP_SANITIZE)
       target_compile_options(${target} PRIVATE -fsanitize=${DDP_SANITIZE} -fno-omit-frame-pointer

@@ -3071,7 +3071,8 @@ struct BackendInit {
   for (const char* ns : {"/proc/self/ns/mnt", "/proc/self/ns/pid", "/proc/self/ns/net"}) {
     char link[128] = {};
     const ssize_t n = ::readlink(ns, link, sizeof link - 1);
-    id += "|" + std::string(link, n > 0 ? static_cast<std::size_t>(n) : 0);
+    id += '|';
+    id.append(link, n > 0 ? static_cast<std::size_t>(n) : 0);
   }
   return id;
 }
