@@ -32,18 +32,10 @@ struct AsTorch {
   }
 };
 
-/// Runs `call` and expects Errc::invalid_argument whose message has the rank and `needle`.
+/// Runs `call` and expects Errc::invalid_argument naming the rank and `needle`.
 template <class F>
 void refused(const Comm& comm, const char* what, const std::string& needle, F&& call) {
-  try {
-    call();
-    MP_EXPECT(false, what << " was accepted");
-  } catch (const ddp::Error& e) {
-    const std::string m = e.what();
-    MP_EXPECT(e.code() == ddp::Errc::invalid_argument, what << ": " << m);
-    MP_EXPECT(m.find("rank " + std::to_string(comm.rank())) != std::string::npos, m);
-    MP_EXPECT(m.find(needle) != std::string::npos, what << ": " << m);
-  }
+  mp::expect_refused(comm, what, needle, call);
 }
 
 }  // namespace

@@ -102,6 +102,21 @@ struct TempDir {
 };
 
 /// Milliseconds since `t0`.
+/// Runs `call` on `comm`'s rank and expects Errc::invalid_argument whose message names the rank
+/// and contains `needle`.
+template <class F>
+void expect_refused(const Comm& comm, const char* what, const std::string& needle, F&& call) {
+  try {
+    call();
+    MP_EXPECT(false, what << " was accepted");
+  } catch (const ddp::Error& e) {
+    const std::string m = e.what();
+    MP_EXPECT(e.code() == ddp::Errc::invalid_argument, what << ": " << m);
+    MP_EXPECT(m.find("rank " + std::to_string(comm.rank())) != std::string::npos, m);
+    MP_EXPECT(m.find(needle) != std::string::npos, what << ": " << m);
+  }
+}
+
 inline long long ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
                                                                t0)
