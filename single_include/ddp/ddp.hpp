@@ -10889,6 +10889,16 @@ void ensure_grad(P& p) {
     parameter_traits<P>::ensure_grad(p);
 }
 
+/// Whether parameter p has no gradient yet (libtorch: p.grad() undefined):
+/// parameter_traits<P>::has_grad(p), where defined. The averager then looks the gradient up when
+/// its bucket starts (the framework made it by then, or the parameter was unused this step and
+/// gets zeros), instead of creating zeros that the backward pass would add into.
+template <class P>
+concept lazy_grad = requires(P& p) {
+  parameter_traits<P>::ensure_grad(p);
+  { parameter_traits<P>::has_grad(p) } -> std::convertible_to<bool>;
+};
+
 /// Whether the framework can call back when a parameter's gradient is final for this backward
 /// pass: parameter_traits<P>::ready_hook(p, std::function<void()>) returns a handle whose
 /// destruction removes the hook (libtorch: a post hook on the gradient's accumulator).
@@ -11084,6 +11094,8 @@ class AveragerBase {
 /// GradientAverager's work, for gradients of element type T (see the file comment).
 template <class T, class M, class Backend>
 class TypedAverager final : public AveragerBase {
+  using Param = std::ranges::range_value_t<decltype(detail::model_parameters(std::declval<M&>()))>;
+
  public:
   TypedAverager(Communicator<Backend>& comm, M& model, AveragerOptions options)
       : comm_(&comm), model_(&model), o_(options) {
@@ -11109,6 +11121,10 @@ class TypedAverager final : public AveragerBase {
     }
     make_buckets();
     ready_.assign(grads_.size(), false);
+    if constexpr (detail::lazy_grad<Param>) {
+      lazy_.resize(grads_.size());
+      missing_.assign(grads_.size(), false);
+    }
   }
 
   TypedAverager(const TypedAverager&) = delete;
@@ -11255,6 +11271,7 @@ class TypedAverager final : public AveragerBase {
   }
 
   // Looks the buffers up again (the model may have reallocated them since the last step).
+  // Gradients the framework has not made yet (lazy_grad) are looked up when their bucket starts.
   void begin_step() {
     std::size_t i = 0;
     for (auto&& p : detail::model_parameters(*model_)) {
@@ -11262,16 +11279,15 @@ class TypedAverager final : public AveragerBase {
         ++i;
         continue;
       }
-      detail::ensure_grad(p);
-      const auto v = typed_view<T>(detail::param_value(p), comm_->rank(), i, "value");
-      const auto g = typed_view<T>(detail::param_grad(p), comm_->rank(), i, "gradient");
-      if (g.size != grads_[i].size || v.size != values_[i].size)
-        detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
-                     ": GradientAverager: parameter ", i, " now has ", v.size, " values and ",
-                     g.size, " gradients; it had ", values_[i].size, " and ", grads_[i].size,
-                     " when the averager was created (sizes must not change)");
-      values_[i] = v;
-      grads_[i] = g;
+      if constexpr (detail::lazy_grad<Param>) {
+        lazy_[i] = p;  // a handle: the same parameter
+        missing_[i] = !parameter_traits<Param>::has_grad(p);
+        if (missing_[i]) {
+          ++i;
+          continue;
+        }
+      }
+      look_up(i, p);
       ++i;
     }
     if (i != grads_.size())
@@ -11279,6 +11295,32 @@ class TypedAverager final : public AveragerBase {
                    ": GradientAverager: the model now has ", i, " parameters; it had ",
                    grads_.size(), " when the averager was created");
     in_step_ = true;
+  }
+
+  template <class P>
+  void look_up(std::size_t i, P& p) {
+    detail::ensure_grad(p);
+    const auto v = typed_view<T>(detail::param_value(p), comm_->rank(), i, "value");
+    const auto g = typed_view<T>(detail::param_grad(p), comm_->rank(), i, "gradient");
+    if (g.size != grads_[i].size || v.size != values_[i].size)
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": GradientAverager: parameter ",
+                   i, " now has ", v.size, " values and ", g.size, " gradients; it had ",
+                   values_[i].size, " and ", grads_[i].size,
+                   " when the averager was created (sizes must not change)");
+    values_[i] = v;
+    grads_[i] = g;
+  }
+
+  // The gradients of bucket b, which starts now: those looked up lazily are made by now (or are
+  // created as zeros: the parameter was unused this step).
+  void look_up_missing(const Bucket& b) {
+    if constexpr (detail::lazy_grad<Param>) {
+      for (const std::size_t i : b.params) {
+        if (!missing_[i]) continue;
+        look_up(i, lazy_[i]);
+        missing_[i] = false;
+      }
+    }
   }
 
   void check_same_everywhere() {
@@ -11427,6 +11469,7 @@ class TypedAverager final : public AveragerBase {
       std::vector<TensorView<T>> group;
       for (; next_ < buckets_.size(); ++next_) {
         Bucket& b = buckets_[next_];
+        look_up_missing(b);
         if (b.in_place) {
           auto& g = grads_[b.params.front()];
           if (!ready_[b.params.front()])
@@ -11446,6 +11489,7 @@ class TypedAverager final : public AveragerBase {
 
   void launch(std::size_t k) {
     Bucket& b = buckets_[k];
+    look_up_missing(b);
     if (b.in_place) {
       const std::size_t i = b.params.front();
       auto& g = grads_[i];
@@ -11502,6 +11546,9 @@ class TypedAverager final : public AveragerBase {
   std::vector<Bucket> buckets_;
   std::vector<std::size_t> bucket_of_;
   std::vector<bool> ready_;
+  // lazy_grad parameters: their handles for this step, and whose gradients are not looked up yet.
+  std::vector<Param> lazy_;
+  std::vector<bool> missing_;
   bool cuda_ = false;            // the parameters are on a CUDA device
   int device_ = 0;               // ... this one
   bool device_buckets_ = false;  // the backend moves CUDA memory: buckets live on the device

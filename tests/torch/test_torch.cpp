@@ -294,6 +294,41 @@ TEST_CASE("GradientAverager over a torch::nn::Module: no_sync accumulation equal
   });
 }
 
+TEST_CASE(
+    "GradientAverager over a torch::nn::Module: gradients set to None, a parameter only some ranks "
+    "use, with and without hooks") {
+  mp::run(3, ddp::HostTransport::shm, [](Comm& comm) {
+    torch::set_num_threads(1);
+    for (const bool hooks : {false, true}) {
+      torch::manual_seed(9);
+      Net net;
+      auto extra = net->register_parameter("extra", torch::ones({5}));  // used by rank 0 only
+      ddp::GradientAverager avg(comm, *net, {.hooks = hooks});
+      for (int step = 0; step < 3; ++step) {
+        for (auto& q : net->parameters()) q.mutable_grad() = torch::Tensor();  // set_to_none
+        const auto [x, y] = batch(comm.rank(), step);
+        auto loss = torch::nn::functional::cross_entropy(net->forward(x), y);
+        if (comm.rank() == 0) loss = loss + (extra * 2).sum();
+        loss.backward();
+        // The gradients are autograd's own: the averager made none of them before backward.
+        if (comm.rank() != 0) MP_EXPECT(!extra.grad().defined(), "extra's gradient exists");
+        const auto fc1_grad = net->fc1->weight.grad().data_ptr();
+        if (hooks)
+          avg.synchronize();
+        else
+          avg.average();
+        MP_EXPECT(net->fc1->weight.grad().data_ptr() == fc1_grad, "averaged where autograd put it");
+        // Rank 0's gradient 2, averaged over 3 ranks; zeros made where the parameter was unused.
+        MP_EXPECT(
+            extra.grad().defined() && torch::allclose(extra.grad(), torch::full({5}, 2.0F / 3.0F)),
+            "extra's averaged gradient (hooks " << hooks << ", step " << step << ")");
+        MP_EXPECT(same_everywhere(comm, net->fc1->weight.grad().flatten()),
+                  "fc1's gradient differs between ranks");
+      }
+    }
+  });
+}
+
 TEST_CASE("GradientAverager over a torch::nn::Module: refusals") {
   mp::run(2, ddp::HostTransport::shm, [](Comm& comm) {
     torch::set_num_threads(1);

@@ -160,6 +160,7 @@ template <>
 struct parameter_traits<at::Tensor> {
   static at::Tensor& value(at::Tensor& p) { return p; }
   static at::Tensor& grad(at::Tensor& p) { return p.mutable_grad(); }
+  static bool has_grad(const at::Tensor& p) { return p.grad().defined(); }
   static void ensure_grad(at::Tensor& p) {
     if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p, at::MemoryFormat::Contiguous);
   }
