@@ -1,13 +1,18 @@
 #!/usr/bin/env python3
-"""Runs the libtorch step four ways in alternating rounds and prints medians:
-  (a) torch-bench --mode hooks     libtorch + ddp, buckets started from autograd hooks
-  (b) torch-bench --mode average   libtorch + ddp, average() after backward
-  (c) torch_ddp.py                 PyTorch's DistributedDataParallel with gloo
-  (d) torch-bench --mode none      one process, no communication
-Each round runs a, b, c, d once (the machine's speed drifts between minutes, so ratios are taken
+"""Runs the libtorch step several ways in alternating rounds and prints medians:
+  hooks        torch-bench --mode hooks     libtorch + ddp, buckets started from autograd hooks
+  average      torch-bench --mode average   libtorch + ddp, average() after backward
+  torch-ddp    torch_ddp.py                 PyTorch's DistributedDataParallel with gloo
+  one process  torch-bench --mode none      one process, no communication
+and, to say where the exposed communication goes:
+  local        torch-bench --mode local     N ranks training alone (the cost of sharing the cores)
+  barrier      torch-bench --mode barrier   local + a barrier per step (+ waiting for the slowest)
+  comm         torch-bench --mode comm      average() alone: this model's all_reduce (the floor)
+Each round runs every one once (the machine's speed drifts between minutes, so ratios are taken
 within a round and their median reported). Exposed communication = step - one-process step;
-scaling efficiency = one-process step / step.
-    bench/torch/compare.py --bench build/release/bench/torch-bench [--model mlp] [--ranks 2]
+scaling efficiency = one-process step / step. --model device-mlp (an accelerator-style MLP, see
+torch_bench.cpp) has no PyTorch side.
+    bench/torch/compare.py --bench build/default/bench/torch-bench [--model mlp] [--ranks 2]
         [--rounds 5] [--steps 30]"""
 import argparse
 import os
@@ -43,7 +48,7 @@ def ms_per_step(cmd, env, tries=3):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--bench", required=True, help="the torch-bench program")
-    p.add_argument("--model", default="mlp", choices=["mlp", "cnn"])
+    p.add_argument("--model", default="mlp", choices=["mlp", "cnn", "device-mlp"])
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=30)
@@ -52,12 +57,18 @@ def main():
     # One BLAS thread per process on both sides; gloo on the loopback interface.
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     common = ["--model", a.model, "--steps", str(a.steps)]
+    ranks = ["--ranks", str(a.ranks)]
     runs = {
-        "hooks": [a.bench, "--mode", "hooks", "--ranks", str(a.ranks)] + common,
-        "average": [a.bench, "--mode", "average", "--ranks", str(a.ranks)] + common,
-        "torch-ddp": [a.python, os.path.join(HERE, "torch_ddp.py"), "--ranks", str(a.ranks)] + common,
+        "hooks": [a.bench, "--mode", "hooks"] + ranks + common,
+        "average": [a.bench, "--mode", "average"] + ranks + common,
+        "torch-ddp": [a.python, os.path.join(HERE, "torch_ddp.py")] + ranks + common,
         "one process": [a.bench, "--mode", "none"] + common,
+        "local": [a.bench, "--mode", "local"] + ranks + common,
+        "barrier": [a.bench, "--mode", "barrier"] + ranks + common,
+        "comm": [a.bench, "--mode", "comm"] + ranks + common,
     }
+    if a.model == "device-mlp":
+        del runs["torch-ddp"]
     t = {k: [] for k in runs}
     for r in range(a.rounds):
         for k, cmd in runs.items():
@@ -73,17 +84,25 @@ def main():
     print("| run | ms/step | exposed communication (ms) | scaling efficiency |")
     print("|---|---:|---:|---:|")
     for k in runs:
+        if k == "comm":
+            continue
         exp = paired(lambda i: t[k][i] - one[i])
         eff = paired(lambda i: one[i] / t[k][i])
         print(f"| {k} | {med[k]:.2f} | {exp:.2f} | {100 * eff:.1f}% |")
-    for k in ("hooks", "average"):
-        speed = paired(lambda i: t["torch-ddp"][i] / t[k][i])
-        exposed = paired(lambda i: (t[k][i] - one[i]) / max(t["torch-ddp"][i] - one[i], 1e-9))
-        print(f"ddp ({k}) vs PyTorch DDP: {speed:.2f}x the steps per second, "
-              f"{exposed:.2f}x the exposed communication (paired per round)")
+    print(f"| comm: average() alone | {med['comm']:.2f} | | |")
+    if "torch-ddp" in runs:
+        for k in ("hooks", "average"):
+            speed = paired(lambda i: t["torch-ddp"][i] / t[k][i])
+            exposed = paired(lambda i: (t[k][i] - one[i]) / max(t["torch-ddp"][i] - one[i], 1e-9))
+            print(f"ddp ({k}) vs PyTorch DDP: {speed:.2f}x the steps per second, "
+                  f"{exposed:.2f}x the exposed communication (paired per round)")
     hooks_vs_avg = paired(lambda i: (t["hooks"][i] - one[i]) / max(t["average"][i] - one[i], 1e-9))
     print(f"hooks vs average(): {hooks_vs_avg:.2f}x the exposed communication (paired per round)")
-
+    floor = paired(lambda i: one[i] / (one[i] + t["comm"][i]))
+    floor_barrier = paired(lambda i: one[i] / (t["barrier"][i] + t["comm"][i]))
+    print(f"efficiency if the all_reduce were the only cost (one / (one + comm)): {100 * floor:.1f}%; "
+          f"with the cost of sharing the cores and waiting for the slowest rank "
+          f"(one / (barrier + comm)): {100 * floor_barrier:.1f}%")
 
 if __name__ == "__main__":
     main()
