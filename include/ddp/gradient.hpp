@@ -56,6 +56,8 @@
 DDP_BEGIN_NAMESPACE
 
 /// Adapts a parameter type: specialize with static value(P&) and grad(P&) returning tensors.
+/// Optional, for frameworks: ensure_grad(P&) and has_grad(P&) (gradients made lazily: see
+/// detail::lazy_grad) and ready_hook(P&, std::function<void()>) (see detail::has_ready_hook).
 template <class P>
 struct parameter_traits {};
 

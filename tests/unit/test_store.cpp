@@ -1,4 +1,6 @@
 #include <ddp/store.hpp>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
 #include <doctest/doctest.h>
 
@@ -284,6 +286,33 @@ TEST_CASE("store: connecting to nothing times out with a clear message") {
   CHECK(text.find("cannot connect to the rendezvous store at 127.0.0.1:" + std::to_string(port)) !=
         std::string::npos);
   CHECK(std::chrono::steady_clock::now() - t0 < 3s);
+}
+
+TEST_CASE("store: a socket connected to itself is recognized (and connect_tcp retries it)") {
+  // A real self-connection: bound to a port and connected to that same port, with nothing
+  // listening there (TCP simultaneous open), which connect_tcp can meet by chance when the
+  // store's port lies in the ephemeral range.
+  int port;
+  {
+    ddp::StoreServer tmp("127.0.0.1", 0, quiet());
+    port = tmp.port();
+  }
+  ddp::detail::Fd self(::socket(AF_INET, SOCK_STREAM, 0));
+  REQUIRE(self);
+  const int one = 1;
+  ::setsockopt(self.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<std::uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(self.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  REQUIRE(::connect(self.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  CHECK(ddp::detail::connected_to_itself(self.get()));
+  // An ordinary connection is not.
+  ddp::StoreServer server("127.0.0.1", 0, quiet());
+  const auto fd = ddp::detail::connect_tcp("127.0.0.1", server.port(),
+                                           ddp::detail::Deadline::after(5s), "the store");
+  CHECK(!ddp::detail::connected_to_itself(fd.get()));
 }
 
 TEST_CASE("store: a client whose server goes away gets peer_lost") {
