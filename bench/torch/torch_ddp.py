@@ -6,6 +6,7 @@ interpreter (python3-torch):
 Prints "ms/step X" (the slowest rank's mean over the timed steps)."""
 import argparse
 import os
+import random
 import socket
 import time
 
@@ -65,6 +66,25 @@ def worker(rank, args, port):
     dist.destroy_process_group()
 
 
+def store_port():
+    """A free port below the kernel's ephemeral range. A port from bind(0) lies inside it, and a
+    rank that connects before rank 0's TCPStore listens can then be given that very port as its
+    own source port: the socket connects to itself (TCP simultaneous open), and the rank hangs at
+    100% CPU talking to itself -- the intermittent hang this benchmark used to meet."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(10000, max(low, 10001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port below the ephemeral range")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
@@ -72,9 +92,7 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     args = p.parse_args()
-    with socket.socket() as s:  # a free port
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = store_port()
     mp.spawn(worker, args=(args, port), nprocs=args.ranks)
 
 

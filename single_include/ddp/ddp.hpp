@@ -2413,8 +2413,22 @@ class AddrInfo {
   return host_port(h, p);
 }
 
+/// Whether a connected TCP socket is connected to itself. Connecting on this host to a port in
+/// the kernel's ephemeral range while nothing listens there can be given that very port as the
+/// source port; TCP's simultaneous open then connects the socket to itself, and a client would
+/// read its own requests back as answers (PyTorch's TCPStore hangs this way, now and then).
+[[nodiscard]] inline bool connected_to_itself(int fd) {
+  sockaddr_storage local{}, peer{};
+  socklen_t local_len = sizeof local, peer_len = sizeof peer;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_len) != 0 ||
+      ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_len) != 0)
+    return false;
+  return local_len == peer_len && std::memcmp(&local, &peer, local_len) == 0;
+}
+
 /// Connects to host:port, retrying refused/unreachable attempts until the deadline (the server
-/// may not be up yet). Returns a blocking socket with TCP_NODELAY.
+/// may not be up yet; a socket connected to itself counts as refused). Returns a blocking socket
+/// with TCP_NODELAY.
 [[nodiscard]] inline Fd connect_tcp(const std::string& host, int port, Deadline deadline,
                                     std::string_view what) {
   int last_errno = 0;
@@ -2444,6 +2458,10 @@ class AddrInfo {
           rc = -1;
           errno = ETIMEDOUT;
         }
+      }
+      if (rc == 0 && connected_to_itself(fd.get())) {
+        rc = -1;
+        errno = ECONNREFUSED;
       }
       if (rc == 0) {
         set_nonblocking(fd.get(), false);
@@ -10834,6 +10852,8 @@ DDP_END_NAMESPACE
 DDP_BEGIN_NAMESPACE
 
 /// Adapts a parameter type: specialize with static value(P&) and grad(P&) returning tensors.
+/// Optional, for frameworks: ensure_grad(P&) and has_grad(P&) (gradients made lazily: see
+/// detail::lazy_grad) and ready_hook(P&, std::function<void()>) (see detail::has_ready_hook).
 template <class P>
 struct parameter_traits {};
 

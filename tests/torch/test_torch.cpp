@@ -132,6 +132,21 @@ TEST_CASE("torch::Tensor: what a collective refuses, before anything is sent") {
       auto t = torch::empty({3}, torch::TensorOptions().device(torch::kMeta));
       comm.all_reduce(t);
     });
+    // A tensor that says it is on CUDA, made over host memory without touching a GPU (neither
+    // libtorch makes a real one here: Debian's has no CUDA, pip's finds no GPU). It is refused:
+    // by this libtorch (it cannot give the tensor's stream), or by ddp built without CUDA.
+    float host[3] = {1, 2, 3};
+    auto impl = c10::make_intrusive<c10::TensorImpl>(
+        c10::Storage(c10::Storage::use_byte_size_t(), sizeof host,
+                     c10::DataPtr(host, c10::Device(c10::DeviceType::CUDA, 0)), nullptr, false),
+        c10::DispatchKeySet(c10::DispatchKey::CUDA), caffe2::TypeMeta::Make<float>());
+    impl->set_sizes_contiguous({3});
+    const torch::Tensor cuda_tensor(std::move(impl));
+    MP_EXPECT(cuda_tensor.is_cuda(), cuda_tensor.device());
+    refused(comm, "a CUDA tensor, without CUDA", "CUDA", [&] {
+      auto t = cuda_tensor;
+      comm.all_reduce(t);
+    });
     refused(comm, "avg on an integer tensor", "avg needs a floating-point type", [&] {
       auto i = torch::ones({3}, torch::kInt);
       comm.all_reduce(i, ReduceOp::avg);

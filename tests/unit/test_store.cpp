@@ -1,6 +1,6 @@
-#include <ddp/store.hpp>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <ddp/store.hpp>
 
 #include <doctest/doctest.h>
 

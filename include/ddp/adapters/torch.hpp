@@ -115,7 +115,14 @@ template <class S>
     v.device = Device::cpu();
   } else if (d.is_cuda()) {
     v.device = Device::cuda(d.index());
-    v.stream = native_stream(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(d));
+    try {
+      v.stream = native_stream(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(d));
+    } catch (const std::exception&) {  // c10::Error: this libtorch has no CUDA, or no GPU works
+      v.problem =
+          "a CUDA torch::Tensor, but this libtorch cannot give its CUDA stream (built "
+          "without CUDA, or no usable GPU)";
+      return v;
+    }
   } else {
     v.problem = "a torch::Tensor on a device other than CPU and CUDA";
     return v;
@@ -168,7 +175,8 @@ struct parameter_traits<at::Tensor> {
   /// as torch's DDP reducer does). nullptr for a parameter that does not require grad.
   static std::shared_ptr<void> ready_hook(at::Tensor& p, std::function<void()> on_ready) {
     if (!p.requires_grad()) return nullptr;
-    std::shared_ptr<torch::autograd::Node> acc = torch::autograd::impl::grad_accumulator(p);
+    // A std::shared_ptr up to torch 2.x's later releases, a c10::intrusive_ptr since.
+    auto acc = torch::autograd::impl::grad_accumulator(p);
     if (!acc) return nullptr;
     const std::uintptr_t key =
         acc->add_post_hook(std::make_unique<torch_detail::ReadyHook>(std::move(on_ready)));
