@@ -1,4 +1,5 @@
-// Data-parallel training of a small CNN on Fashion-MNIST with libtorch and ddp.
+// Data-parallel training of a small CNN (or the MLP 784-2048-2048-10) on Fashion-MNIST with
+// libtorch and ddp.
 //
 //   ddprun --standalone --nproc-per-node 4 build/default/examples/fashion_mnist_torch
 //   build/default/examples/fashion_mnist_torch --nproc 2     (no launcher: forks 2 ranks itself)
@@ -6,7 +7,8 @@
 // Options: --epochs N (3), --batch N (global batch, 64), --lr X (0.05), --lr-decay X (0.7 per
 // epoch), --data DIR (/usr/share/datasets/fashion-mnist, or $FASHION_MNIST_DIR), --cache DIR
 // (./fashion-mnist-cache), --limit N (the first N training images), --checkpoint FILE
-// (fashion_mnist_torch.pt), --nproc N (ranks to fork without a launcher, 2).
+// (fashion_mnist_torch.pt), --nproc N (ranks to fork without a launcher, 2), --model cnn|mlp
+// (cnn).
 //
 // What ddp does here: ZeroFirstGuard (local rank 0 decodes the dataset once), DistributedSampler
 // (a new shuffled shard every epoch; the test set in exact mode, every image once, and
@@ -23,6 +25,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -32,6 +36,7 @@
 namespace {
 
 using torch_models::Cnn;
+using torch_models::Mlp;
 
 using fashion_mnist::Config;
 using fashion_mnist::Split;
@@ -51,7 +56,8 @@ std::pair<torch::Tensor, torch::Tensor> gather(const Split& s, const std::vector
   return {x, y};
 }
 
-void run(const ddp::Environment& env, const Config& cfg) {
+template <class Net>
+void run(const ddp::Environment& env, const Config& cfg, const char* name) {
   torch::set_num_threads(1);
   auto comm = ddp::Communicator<ddp::backend::Host>::init(env);
   const int world = comm.size(), rank = comm.rank();
@@ -64,15 +70,15 @@ void run(const ddp::Environment& env, const Config& cfg) {
   const std::size_t n_train = cfg.limit > 0 ? std::min(cfg.limit, train.size()) : train.size();
 
   torch::manual_seed(static_cast<std::uint64_t>(rank));  // different on every rank ...
-  Cnn net;
+  Net net;
   ddp::GradientAverager avg(comm, *net);  // ... until the averager copies rank 0's
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(cfg.lr).momentum(0.9));
   ddp::DistributedSampler sampler(n_train, world, rank, {.shuffle = true, .seed = 7});
   ddp::DistributedSampler eval(test.size(), world, rank, {.shuffle = false, .exact = true});
   const auto local_batch = static_cast<std::size_t>(cfg.batch / world);
   if (rank == 0)
-    std::printf("training a CNN on %zu images with %d rank%s, global batch %d, %zu test images\n",
-                n_train, world, world == 1 ? "" : "s", cfg.batch, test.size());
+    std::printf("training %s on %zu images with %d rank%s, global batch %d, %zu test images\n",
+                name, n_train, world, world == 1 ? "" : "s", cfg.batch, test.size());
 
   for (int epoch = 0; epoch < cfg.epochs; ++epoch) {
     sampler.set_epoch(static_cast<std::uint64_t>(epoch));
@@ -88,7 +94,7 @@ void run(const ddp::Environment& env, const Config& cfg) {
       const std::size_t count = std::min(local_batch, mine.size() - first);
       const auto [x, y] = gather(train, mine, first, count);
       opt.zero_grad();
-      const auto loss = torch::nn::functional::cross_entropy(net->forward(x), y);
+      const torch::Tensor loss = torch::nn::functional::cross_entropy(net->forward(x), y);
       loss.backward();    // buckets are averaged from the hooks while backward runs
       avg.synchronize();  // gradients hold the average over the global batch
       opt.step();
@@ -107,8 +113,8 @@ void run(const ddp::Environment& env, const Config& cfg) {
       for (std::size_t first = 0; first < part.size(); first += 500) {
         const std::size_t count = std::min<std::size_t>(500, part.size() - first);
         const auto [x, y] = gather(test, part, first, count);
-        correct +=
-            static_cast<std::size_t>((net->forward(x).argmax(1) == y).sum().item<std::int64_t>());
+        const torch::Tensor logits = net->forward(x);
+        correct += static_cast<std::size_t>((logits.argmax(1) == y).sum().item<std::int64_t>());
       }
     }
     const double accuracy = ddp::exact_mean(comm, static_cast<double>(correct), part.size());
@@ -133,12 +139,27 @@ int main(int argc, char** argv) {
     defaults.epochs = 3;
     defaults.lr = 0.05f;
     defaults.checkpoint = "fashion_mnist_torch.pt";
-    const Config cfg = fashion_mnist::parse(argc, argv, defaults, "fashion_mnist_torch.cpp");
+    std::string model = "cnn";
+    const Config cfg = fashion_mnist::parse(
+        argc, argv, defaults, "fashion_mnist_torch.cpp",
+        [&](const std::string& option, const std::function<std::string()>& next) {
+          if (option != "--model") return false;
+          model = next();
+          if (model != "cnn" && model != "mlp")
+            throw std::invalid_argument("--model must be cnn or mlp");
+          return true;
+        });
+    const auto train = [&](const ddp::Environment& e) {
+      if (model == "mlp")
+        run<Mlp>(e, cfg, "the MLP 784-2048-2048-10");
+      else
+        run<Cnn>(e, cfg, "a CNN");
+    };
     const auto env = ddp::Environment::detect();
     if (env.launcher == "none")
-      ddp::spawn(cfg.nproc, [&](ddp::Environment e) { run(e, cfg); });
+      ddp::spawn(cfg.nproc, [&](ddp::Environment e) { train(e); });
     else
-      run(env, cfg);
+      train(env);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "fashion_mnist_torch: %s\n", e.what());
     return 1;
