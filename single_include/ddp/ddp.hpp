@@ -11104,6 +11104,7 @@ class AveragerBase {
   [[nodiscard]] virtual std::size_t size() const noexcept = 0;
   [[nodiscard]] virtual std::vector<std::vector<std::size_t>> buckets() const = 0;
   virtual void mark_ready(std::size_t i) = 0;
+  virtual void hook_ready(std::size_t i) = 0;
   virtual void mark_all_ready() = 0;
   virtual void synchronize() = 0;
   [[nodiscard]] virtual bool in_no_sync() const noexcept = 0;
@@ -11183,6 +11184,19 @@ class TypedAverager final : public AveragerBase {
     ++b.ready;
     while (next_ < buckets_.size() && buckets_[next_].ready == buckets_[next_].params.size())
       launch(next_++);
+  }
+
+  /// Gradient i was accumulated by the framework's backward (its ready hook fired). A second
+  /// time in one step is a second backward before synchronize(), whose accumulation races the
+  /// averaging already under way in that gradient: refused, as torch's DDP does.
+  void hook_ready(std::size_t i) override {
+    if (!no_sync_ && i < ready_.size() && ready_[i])
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": GradientAverager: parameter ",
+                   i,
+                   "'s gradient was accumulated twice in one step (a second backward before "
+                   "synchronize()); call synchronize() after each backward, or run all but the "
+                   "last inside no_sync()");
+    mark_ready(i);
   }
 
   /// Waits for every bucket (starting those not started: gradients never marked count as zero)
@@ -11613,7 +11627,8 @@ class GradientAverager {
       if (!o_.hooks) return;
       std::size_t i = 0;
       for (auto&& p : detail::model_parameters(model)) {
-        hooks_.push_back(parameter_traits<Param>::ready_hook(p, [this, i] { mark_ready(i); }));
+        hooks_.push_back(
+            parameter_traits<Param>::ready_hook(p, [this, i] { impl_->hook_ready(i); }));
         ++i;
       }
     }

@@ -344,6 +344,37 @@ TEST_CASE(
   });
 }
 
+TEST_CASE("GradientAverager over a torch::nn::Module: a second backward before synchronize()") {
+  mp::run(2, ddp::HostTransport::shm, [](Comm& comm) {
+    torch::set_num_threads(1);
+    torch::manual_seed(3);
+    Net net;
+    ddp::GradientAverager avg(comm, *net);
+    const auto [x, y] = batch(comm.rank(), 0);
+    torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+    std::string what;
+    try {  // its accumulation would race the averaging the first one started: refused
+      torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+    } catch (const std::exception& e) {
+      what = e.what();
+    }
+    MP_EXPECT(what.find("accumulated twice in one step (a second backward before "
+                        "synchronize())") != std::string::npos &&
+                  what.find("rank " + std::to_string(comm.rank())) != std::string::npos,
+              what);
+    avg.synchronize();  // the buckets already started still finish
+    // Inside no_sync(), several backward passes are what it is for.
+    {
+      auto guard = avg.no_sync();
+      for (int k = 0; k < 2; ++k)
+        torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+    }
+    torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+    avg.synchronize();
+    MP_EXPECT(same_everywhere(comm, net->fc1->weight.grad().flatten()), "gradients differ");
+  });
+}
+
 TEST_CASE("GradientAverager over a torch::nn::Module: refusals") {
   mp::run(2, ddp::HostTransport::shm, [](Comm& comm) {
     torch::set_num_threads(1);
