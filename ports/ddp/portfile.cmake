@@ -17,7 +17,10 @@ vcpkg_cmake_configure(
     ${FEATURE_OPTIONS}
     -DDDP_INSTALL=ON
     -DDDP_BUILD_TESTS=OFF
-    -DDDP_BUILD_EXAMPLES=OFF)
+    -DDDP_BUILD_EXAMPLES=OFF
+    -DDDP_BUILD_TOOLS=OFF       # a library port installs no executables into bin/
+    -DDDP_BUILD_BENCHMARKS=OFF
+    -DDDP_WERROR=OFF)           # a newer compiler's new warning must not fail a user's install
 vcpkg_cmake_install()
 vcpkg_cmake_config_fixup(CONFIG_PATH share/cmake/ddp)
 vcpkg_fixup_pkgconfig()

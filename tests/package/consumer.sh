@@ -41,6 +41,9 @@ case $kind in
     [ "$(pkg-config --modversion ddp)" = "$version" ] || { echo "pkg-config reports $(pkg-config --modversion ddp)" >&2; exit 1; }
     cflags=$(pkg-config --cflags ddp)
     libs=$(pkg-config --libs ddp)
+    # One command line of both must not repeat a flag (it once said -pthread twice).
+    repeated=$(pkg-config --cflags --libs ddp | tr ' ' '\n' | grep . | sort | uniq -d)
+    [ -z "$repeated" ] || { echo "pkg-config --cflags --libs repeats: $repeated" >&2; exit 1; }
     echo "pkg-config --cflags ddp: $cflags"
     [[ "$cflags" == *"-I$prefix/share/pkgconfig/../../include"* || "$cflags" == *"-I$prefix/include"* ]] \
       || { echo "cflags do not point into the prefix" >&2; exit 1; }
