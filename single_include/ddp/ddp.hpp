@@ -3827,6 +3827,8 @@ DDP_END_NAMESPACE
 // #include "ddp/error.hpp" (already included above)
 
 #include <charconv>
+#include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <optional>
@@ -3849,8 +3851,14 @@ struct Environment {
   /// whose agent already serves its own (c10d) store on MASTER_PORT, MASTER_PORT + 1; otherwise
   /// master_port.
   int store_port = 0;
-  /// Which launcher the values came from: "ddprun", "torchrun", "slurm", "openmpi", "pmi", "none".
+  /// Which launcher the values came from: "ddprun", "torchrun", "slurm", "openmpi", "pmi"
+  /// (MPICH, Intel MPI), "mvapich", "none"; "unknown" when variables of a launcher ddp cannot read
+  /// fully were seen (then `warning` says which, and the values are those of a world of 1).
   std::string launcher = "none";
+  /// Non-empty when the environment looks like a launcher's that ddp could not read (PMIX_RANK
+  /// without a world size, LOCAL_RANK alone): what was seen and what to do. detect() prints it to
+  /// stderr; detect(lookup) leaves that to the caller.
+  std::string warning;
 
   /// Reads the process environment. Never throws when no launcher variable is set; throws
   /// Errc::invalid_argument naming the variable when one is malformed or inconsistent.
@@ -3862,6 +3870,31 @@ struct Environment {
 };
 
 namespace detail {
+
+/// The number of tasks on node `node` from a Slurm task layout: "2(x3),1" means 2, 2, 2, 1.
+/// nullopt when it does not parse or has no such node.
+[[nodiscard]] inline std::optional<int> slurm_tasks_on_node(std::string_view layout, int node) {
+  int index = 0;
+  while (!layout.empty()) {
+    const std::size_t comma = layout.find(',');
+    const std::string_view item = layout.substr(0, comma);
+    layout = comma == std::string_view::npos ? std::string_view{} : layout.substr(comma + 1);
+    int tasks = 0, repeat = 1;
+    auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), tasks);
+    if (ec != std::errc{} || tasks < 1) return std::nullopt;
+    std::string_view rest(end, static_cast<std::size_t>(item.data() + item.size() - end));
+    if (!rest.empty()) {  // "(xM)"
+      if (rest.size() < 4 || rest.substr(0, 2) != "(x" || rest.back() != ')') return std::nullopt;
+      const auto [e2, ec2] =
+          std::from_chars(rest.data() + 2, rest.data() + rest.size() - 1, repeat);
+      if (ec2 != std::errc{} || e2 != rest.data() + rest.size() - 1 || repeat < 1)
+        return std::nullopt;
+    }
+    if (node < index + repeat) return tasks;
+    index += repeat;
+  }
+  return std::nullopt;
+}
 
 /// The first host name of a Slurm node list: "gpu[07-09,12],cpu3" -> "gpu07".
 [[nodiscard]] inline std::string first_slurm_host(std::string_view list) {
@@ -3958,32 +3991,64 @@ inline Environment Environment::detect(const std::function<const char*(const cha
     e.rank = *env.integer("SLURM_PROCID", 0, max_world - 1);
     detail::check_rank(env, e.rank, e.world_size, "SLURM_PROCID", "SLURM_NTASKS");
     e.local_rank = env.integer("SLURM_LOCALID", 0, max_world - 1).value_or(0);
-    // SLURM_NTASKS_PER_NODE may read "4" or "4(x2)"; SLURM_TASKS_PER_NODE likewise. Use the
-    // leading number when it parses, else assume one node.
+    e.node_rank = env.integer("SLURM_NODEID", 0, max_world - 1).value_or(0);
+    // The tasks on this node: the step's layout (srun), else the job's, each like "2(x2),1"
+    // (2 on nodes 0 and 1, 1 on node 2), indexed by this node; else SLURM_NTASKS_PER_NODE; else
+    // one node.
     e.local_world_size = e.world_size;
-    for (const char* name : {"SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
+    const char* local_from = "SLURM_NTASKS";
+    for (const char* name :
+         {"SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"}) {
       if (auto v = env.str(name)) {
-        int n = 0;
-        const auto [end, ec] = std::from_chars(v->data(), v->data() + v->size(), n);
-        if (ec == std::errc{} && n > 0 && end != v->data()) {
-          e.local_world_size = n;
+        if (auto n = detail::slurm_tasks_on_node(*v, e.node_rank)) {
+          e.local_world_size = *n;
+          local_from = name;
           break;
         }
       }
     }
-    detail::check_rank(env, e.local_rank, e.local_world_size, "SLURM_LOCALID",
-                       "SLURM_NTASKS_PER_NODE");
-    e.node_rank = env.integer("SLURM_NODEID", 0, max_world - 1).value_or(0);
+    detail::check_rank(env, e.local_rank, e.local_world_size, "SLURM_LOCALID", local_from);
     if (!env.has("MASTER_ADDR")) {
       if (auto nodes = env.str("SLURM_JOB_NODELIST"))
         e.master_addr = detail::first_slurm_host(*nodes);
     }
     fill_master(/*required=*/false);
     if (e.master_port == 0) {
-      // Same on every task of the job, different between jobs sharing a node.
-      if (auto job = env.integer("SLURM_JOB_ID", 0, 2147483647))
-        e.master_port = 15000 + *job % 20000;
+      // Same on every task of the step; different between jobs, and between the steps of one
+      // job (which may run at once on a node). Below the kernel's ephemeral ports (32768-),
+      // where a connecting socket can never be given it as its own source port.
+      if (auto job = env.integer("SLURM_JOB_ID", 0, 2147483647)) {
+        const auto step = env.integer("SLURM_STEP_ID", 0, 2147483647).value_or(0);
+        e.master_port = 15000 + static_cast<int>((static_cast<std::uint64_t>(*job) * 7919U +
+                                                  static_cast<std::uint64_t>(step)) %
+                                                 17000U);
+      }
     }
+  } else if (env.has("MV2_COMM_WORLD_RANK")) {  // MVAPICH2's mpirun_rsh / mpiexec
+    e.launcher = "mvapich";
+    e.world_size = env.integer("MV2_COMM_WORLD_SIZE", 1, max_world).value_or(1);
+    e.rank = *env.integer("MV2_COMM_WORLD_RANK", 0, max_world - 1);
+    detail::check_rank(env, e.rank, e.world_size, "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE");
+    e.local_world_size =
+        env.integer("MV2_COMM_WORLD_LOCAL_SIZE", 1, max_world).value_or(e.world_size);
+    e.local_rank = env.integer("MV2_COMM_WORLD_LOCAL_RANK", 0, max_world - 1).value_or(0);
+    detail::check_rank(env, e.local_rank, e.local_world_size, "MV2_COMM_WORLD_LOCAL_RANK",
+                       "MV2_COMM_WORLD_LOCAL_SIZE");
+    e.node_rank = e.rank / e.local_world_size;
+    fill_master(/*required=*/false);
+  } else if (env.has("PMIX_RANK") || env.has("LOCAL_RANK")) {
+    // A launcher ddp cannot read fully: PMIx gives a rank but no world size in the environment
+    // (Open MPI 5 and srun --mpi=pmix also set the variables above); LOCAL_RANK alone comes from
+    // launchers that set nothing else. Run as a world of 1, but say so: in the quickstart
+    // pattern (spawn when there is no launcher) every process would otherwise fork a job.
+    e.launcher = "unknown";
+    const char* seen = env.has("PMIX_RANK") ? "PMIX_RANK" : "LOCAL_RANK";
+    e.warning = detail::concat(
+        "ddp: ", seen,
+        " is set, but not the variables ddp reads a job from (RANK and WORLD_SIZE, "
+        "OMPI_COMM_WORLD_*, PMI_RANK/PMI_SIZE, MV2_COMM_WORLD_*, SLURM_PROCID); this process "
+        "runs as rank 0 of a world of 1. Launch with ddprun, torchrun, srun or mpirun, or export "
+        "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.");
   }
   e.store_port = e.master_port;
   if (auto port = env.integer("DDP_STORE_PORT", 1, 65535)) {
@@ -4000,7 +4065,9 @@ inline Environment Environment::detect(const std::function<const char*(const cha
 }
 
 inline Environment Environment::detect() {
-  return detect([](const char* name) -> const char* { return std::getenv(name); });
+  Environment e = detect([](const char* name) -> const char* { return std::getenv(name); });
+  if (!e.warning.empty()) std::fprintf(stderr, "%s\n", e.warning.c_str());
+  return e;
 }
 
 DDP_END_NAMESPACE

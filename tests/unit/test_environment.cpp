@@ -104,7 +104,45 @@ TEST_CASE("environment: Slurm, Open MPI and MPICH") {
   CHECK(s.local_world_size == 2);
   CHECK(s.node_rank == 1);
   CHECK(s.master_addr == "gpu07");
-  CHECK(s.master_port == 15000 + 4242);
+  // The store port: the same for every task of a step, different between steps of one job
+  // (SLURM_STEP_ID) and between jobs, below the ephemeral range.
+  CHECK(s.master_port >= 15000);
+  CHECK(s.master_port < 32768);
+  const auto slurm_port = [](const char* job, const char* step) {
+    std::map<std::string, std::string> v{
+        {"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}, {"SLURM_JOB_ID", job}};
+    if (step != nullptr) v["SLURM_STEP_ID"] = step;
+    return detect(v).master_port;
+  };
+  CHECK(slurm_port("4242", nullptr) == s.master_port);
+  CHECK(slurm_port("4242", "0") == s.master_port);
+  CHECK(slurm_port("4242", "1") != s.master_port);
+  CHECK(slurm_port("4242", "2") != slurm_port("4242", "1"));
+  CHECK(slurm_port("4243", "0") != s.master_port);
+  // An uneven layout: SLURM_TASKS_PER_NODE=2(x2),1 has 1 task on node 2 (not 2).
+  const auto uneven = detect({{"SLURM_PROCID", "4"},
+                              {"SLURM_NTASKS", "5"},
+                              {"SLURM_LOCALID", "0"},
+                              {"SLURM_NODEID", "2"},
+                              {"SLURM_TASKS_PER_NODE", "2(x2),1"},
+                              {"SLURM_JOB_ID", "7"}});
+  CHECK(uneven.local_world_size == 1);
+  CHECK(uneven.node_rank == 2);
+  const auto step_layout = detect({{"SLURM_PROCID", "1"},
+                                   {"SLURM_NTASKS", "3"},
+                                   {"SLURM_LOCALID", "1"},
+                                   {"SLURM_NODEID", "0"},
+                                   {"SLURM_STEP_TASKS_PER_NODE", "3"},
+                                   {"SLURM_TASKS_PER_NODE", "4(x2)"},
+                                   {"SLURM_JOB_ID", "7"}});
+  CHECK(step_layout.local_world_size == 3);  // the step's layout, not the allocation's
+  CHECK(ddp::detail::slurm_tasks_on_node("2(x2),1", 0) == 2);
+  CHECK(ddp::detail::slurm_tasks_on_node("2(x2),1", 1) == 2);
+  CHECK(ddp::detail::slurm_tasks_on_node("2(x2),1", 2) == 1);
+  CHECK(!ddp::detail::slurm_tasks_on_node("2(x2),1", 3));
+  CHECK(!ddp::detail::slurm_tasks_on_node("2(x", 0));
+  CHECK(!ddp::detail::slurm_tasks_on_node("x", 0));
+  CHECK(!ddp::detail::slurm_tasks_on_node("", 0));
   CHECK(ddp::detail::first_slurm_host("node1,node2") == "node1");
   CHECK(ddp::detail::first_slurm_host("a[3,5-6],b") == "a3");
 
@@ -129,6 +167,33 @@ TEST_CASE("environment: Slurm, Open MPI and MPICH") {
   CHECK(p.world_size == 3);
   CHECK(p.local_rank == 1);
   CHECK(p.master_port == 4000);
+
+  const auto m = detect({{"MV2_COMM_WORLD_RANK", "3"},
+                         {"MV2_COMM_WORLD_SIZE", "4"},
+                         {"MV2_COMM_WORLD_LOCAL_RANK", "1"},
+                         {"MV2_COMM_WORLD_LOCAL_SIZE", "2"},
+                         {"MASTER_ADDR", "n1"},
+                         {"MASTER_PORT", "4100"}});
+  CHECK(m.launcher == "mvapich");
+  CHECK(m.rank == 3);
+  CHECK(m.world_size == 4);
+  CHECK(m.local_rank == 1);
+  CHECK(m.local_world_size == 2);
+  CHECK(m.node_rank == 1);
+  CHECK(m.master_addr == "n1");
+  CHECK(m.warning.empty());
+}
+
+TEST_CASE("environment: a launcher ddp cannot read is not silent") {
+  for (const char* var : {"PMIX_RANK", "LOCAL_RANK"}) {
+    const auto e = detect({{var, "2"}});
+    CHECK(e.launcher == "unknown");  // not "none": the quickstart pattern does not fork a job
+    CHECK(e.world_size == 1);
+    CHECK(e.warning.find(var) != std::string::npos);
+    CHECK(e.warning.find("rank 0 of a world of 1") != std::string::npos);
+  }
+  CHECK(detect({}).warning.empty());
+  CHECK(detect({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"LOCAL_RANK", "0"}}).warning.empty());
 }
 
 TEST_CASE("environment: malformed values are rejected, naming the variable") {
