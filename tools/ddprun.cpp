@@ -11,8 +11,10 @@
 // The agent on node 0 hosts the rendezvous store at MASTER_ADDR:MASTER_PORT; every agent connects
 // to it to register its node, to learn the first rank of its workers, to tell the others when one
 // of its workers failed, and to agree on restarts. Each worker gets RANK, WORLD_SIZE, LOCAL_RANK,
-// LOCAL_WORLD_SIZE, NODE_RANK, GROUP_RANK, MASTER_ADDR, MASTER_PORT, DDP_RESTART_COUNT (and
-// TORCHELASTIC_RESTART_COUNT), DDP_LAUNCHER=ddprun and DDP_STORE_HOSTED=1.
+// LOCAL_WORLD_SIZE, NODE_RANK, GROUP_RANK, MASTER_ADDR, MASTER_PORT, DDP_RESTART_COUNT,
+// DDP_LAUNCHER=ddprun and DDP_STORE_HOSTED=1, and what torchrun's workers read: GROUP_WORLD_SIZE,
+// ROLE_NAME, ROLE_RANK, ROLE_WORLD_SIZE, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS,
+// TORCHELASTIC_RUN_ID.
 //
 // Failure policy: the first worker to exit non-zero or by a signal is the root cause. The agent
 // stops the other workers (SIGTERM to each worker's process group, SIGKILL after --grace), tells

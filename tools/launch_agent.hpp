@@ -316,10 +316,24 @@ class LaunchAgent {
   }
 
   [[nodiscard]] std::vector<std::string> worker_env(const Worker& w, int attempt) const {
-    static constexpr const char* ours[] = {
-        "RANK",         "WORLD_SIZE",        "LOCAL_RANK",       "LOCAL_WORLD_SIZE",
-        "NODE_RANK",    "GROUP_RANK",        "MASTER_ADDR",      "MASTER_PORT",
-        "DDP_LAUNCHER", "DDP_RESTART_COUNT", "DDP_STORE_HOSTED", "TORCHELASTIC_RESTART_COUNT"};
+    static constexpr const char* ours[] = {"RANK",
+                                           "WORLD_SIZE",
+                                           "LOCAL_RANK",
+                                           "LOCAL_WORLD_SIZE",
+                                           "NODE_RANK",
+                                           "GROUP_RANK",
+                                           "GROUP_WORLD_SIZE",
+                                           "ROLE_NAME",
+                                           "ROLE_RANK",
+                                           "ROLE_WORLD_SIZE",
+                                           "MASTER_ADDR",
+                                           "MASTER_PORT",
+                                           "DDP_LAUNCHER",
+                                           "DDP_RESTART_COUNT",
+                                           "DDP_STORE_HOSTED",
+                                           "TORCHELASTIC_RESTART_COUNT",
+                                           "TORCHELASTIC_MAX_RESTARTS",
+                                           "TORCHELASTIC_RUN_ID"};
     std::vector<std::string> env;
     for (char** e = environ; *e != nullptr; ++e) {
       const std::string_view kv(*e);
@@ -333,12 +347,19 @@ class LaunchAgent {
     env.push_back(concat("LOCAL_WORLD_SIZE=", o_.nproc_per_node));
     env.push_back(concat("NODE_RANK=", o_.node_rank));
     env.push_back(concat("GROUP_RANK=", o_.node_rank));
+    // What torchrun also sets, for programs that read it: one role ("default") spanning the job.
+    env.push_back(concat("GROUP_WORLD_SIZE=", o_.nnodes));
+    env.push_back("ROLE_NAME=default");
+    env.push_back(concat("ROLE_RANK=", w.rank));
+    env.push_back(concat("ROLE_WORLD_SIZE=", world_));
     env.push_back(concat("MASTER_ADDR=", o_.master_addr));
     env.push_back(concat("MASTER_PORT=", port_));
     env.push_back("DDP_LAUNCHER=" + o_.name);
     env.push_back("DDP_STORE_HOSTED=1");
     env.push_back(concat("DDP_RESTART_COUNT=", attempt));
     env.push_back(concat("TORCHELASTIC_RESTART_COUNT=", attempt));
+    env.push_back(concat("TORCHELASTIC_MAX_RESTARTS=", o_.max_restarts));
+    env.push_back("TORCHELASTIC_RUN_ID=none");  // torchrun's default --rdzv-id
     if (guardian_) env.push_back(guardian_->tag());
     if (std::getenv("OMP_NUM_THREADS") == nullptr && o_.nproc_per_node > 1)
       env.emplace_back("OMP_NUM_THREADS=1");

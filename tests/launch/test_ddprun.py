@@ -126,6 +126,14 @@ class SingleNode(Base):
                          ["[r0] 0 2 0 2 0 0 127.0.0.1 0 1 ddprun",
                           "[r1] 1 2 1 2 0 0 127.0.0.1 0 1 ddprun"])
 
+    def test_torchrun_worker_variables(self):
+        r = ddprun("--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "sh", "-c",
+                   "echo $GROUP_WORLD_SIZE $ROLE_NAME $ROLE_RANK $ROLE_WORLD_SIZE "
+                   "$TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS $TORCHELASTIC_RUN_ID")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(sorted(r.stdout.splitlines()),
+                         ["[r0] 1 default 0 2 0 1 none", "[r1] 1 default 1 2 0 1 none"])
+
     def test_nproc_cpu(self):
         r = ddprun("--standalone", "--nproc-per-node", "cpu", "sh", "-c", "echo $WORLD_SIZE")
         self.assertEqual(r.returncode, 0, r.stderr)
