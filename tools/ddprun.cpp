@@ -51,6 +51,9 @@ struct Config {
   bool no_prefix = false;
   double grace = 5;
   double join_timeout = 300;
+  std::string rdzv_endpoint;
+  bool no_python = false;
+  bool module = false;
   std::vector<std::string> command;
 };
 
@@ -120,6 +123,14 @@ int main(int argc, char** argv) {
                  "seconds to wait for every node to join, and for the others to finish")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app.add_option("--rdzv-endpoint,--rdzv_endpoint", cfg.rdzv_endpoint,
+                 "HOST:PORT of the rendezvous store: --master-addr and --master-port in one "
+                 "(torchrun's spelling)");
+  app.add_flag("--no-python,--no_python", cfg.no_python,
+               "run the program as it is, even a .py file (which is otherwise run with python3, "
+               "or $PYTHON, as torchrun does)");
+  app.add_flag("-m,--module", cfg.module,
+               "the program is a Python module: run python3 -m MODULE (as torchrun -m)");
   app.prefix_command();  // everything from the program on belongs to it
   app.footer(
       "Output lines are prefixed with [rRANK] and never interleave. Exit status: 0, or the "
@@ -131,6 +142,26 @@ int main(int argc, char** argv) {
   if (cfg.command.front().starts_with("-"))
     die(2, fmt::format("unknown option {} (see ddprun --help)", cfg.command.front()));
 
+  if (!cfg.rdzv_endpoint.empty()) {  // HOST:PORT, or [IPv6]:PORT
+    const auto colon = cfg.rdzv_endpoint.rfind(':');
+    std::string host = colon == std::string::npos ? "" : cfg.rdzv_endpoint.substr(0, colon);
+    if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
+      host = host.substr(1, host.size() - 2);
+    int port = 0;
+    const std::string p = colon == std::string::npos ? "" : cfg.rdzv_endpoint.substr(colon + 1);
+    const auto [end, ec] = std::from_chars(p.data(), p.data() + p.size(), port);
+    if (host.empty() || ec != std::errc{} || end != p.data() + p.size() || port < 1 || port > 65535)
+      die(2, fmt::format("--rdzv-endpoint: expected HOST:PORT, got \"{}\"", cfg.rdzv_endpoint));
+    cfg.master_addr = host;
+    cfg.master_port = port;
+  }
+  if (cfg.module && cfg.no_python) die(2, "--module runs python3 -m: drop --no-python");
+  if (cfg.module || (!cfg.no_python && cfg.command.front().ends_with(".py"))) {
+    const char* python = std::getenv("PYTHON");
+    std::vector<std::string> run{python != nullptr && *python != '\0' ? python : "python3", "-u"};
+    if (cfg.module) run.emplace_back("-m");
+    cfg.command.insert(cfg.command.begin(), run.begin(), run.end());
+  }
   if (cfg.node_rank >= cfg.nnodes)
     die(2,
         fmt::format("--node-rank {} is out of range: --nnodes is {}", cfg.node_rank, cfg.nnodes));

@@ -134,6 +134,23 @@ class SingleNode(Base):
         self.assertEqual(sorted(r.stdout.splitlines()),
                          ["[r0] 1 default 0 2 0 1 none", "[r1] 1 default 1 2 0 1 none"])
 
+    def test_python_programs_as_torchrun_runs_them(self):
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, "prog.py"), "w") as f:  # not executable: run with python
+                f.write("import os\nprint('py', os.environ['RANK'], os.environ['WORLD_SIZE'])\n")
+            r = ddprun("--standalone", "--nproc-per-node", 2, os.path.join(d, "prog.py"))
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertEqual(sorted(r.stdout.splitlines()), ["[r0] py 0 2", "[r1] py 1 2"])
+            # -m runs a module; --rdzv-endpoint is --master-addr and --master-port in one.
+            r = ddprun("--nproc_per_node", 2, "--rdzv_endpoint", f"127.0.0.1:{free_port()}",
+                       "-m", "prog", cwd=d)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertEqual(sorted(r.stdout.splitlines()), ["[r0] py 0 2", "[r1] py 1 2"])
+            # --no-python runs the file itself (not executable here: the exec fails, named).
+            r = ddprun("--standalone", "--no-python", os.path.join(d, "prog.py"))
+            self.assertEqual(r.returncode, 127)
+            self.assertIn("Permission denied", r.stderr)
+
     def test_nproc_cpu(self):
         r = ddprun("--standalone", "--nproc-per-node", "cpu", "sh", "-c", "echo $WORLD_SIZE")
         self.assertEqual(r.returncode, 0, r.stderr)
@@ -328,6 +345,9 @@ class SingleNode(Base):
             (["--nproc-per-nod", 2, "true"], "unknown option --nproc-per-nod"),
             (["--standalone", "--nnodes", 2, "true"], "--standalone runs a single node"),
             (["--nproc-per-node", 2], "no program given"),
+            (["--rdzv-endpoint", "nohost", "true"], 'expected HOST:PORT, got "nohost"'),
+            (["--rdzv_endpoint", "h:99999", "true"], "expected HOST:PORT"),
+            (["--no-python", "-m", "mod"], "--module runs python3 -m: drop --no-python"),
         ]
         for args, message in cases:
             r = ddprun(*args)
