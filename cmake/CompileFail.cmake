@@ -1,5 +1,6 @@
 # cmake -P CompileFail.cmake: one compile-fail test.
-#   COMPILER, STD, INCLUDE, SOURCE, REGEX (the pinned diagnostic), FLAGS (;-list, optional)
+#   COMPILER, STD, INCLUDE, SOURCE, REGEX (the pinned diagnostic), FLAGS (;-list, optional),
+#   FIRST_ERROR (optional: REGEX must match the first line that says "error", not any line)
 # The source holds a valid program; with -DDDP_COMPILE_FAIL it holds one misuse instead. The
 # test passes only when the valid variant compiles (so the file itself is sound) and the misuse
 # fails with a diagnostic matching REGEX (so it fails for the reason we pin).
@@ -17,7 +18,11 @@ execute_process(COMMAND ${_cmd} -DDDP_COMPILE_FAIL RESULT_VARIABLE _rc OUTPUT_VA
 if(_rc EQUAL 0)
   message(FATAL_ERROR "${SOURCE} compiled with -DDDP_COMPILE_FAIL, but it must not")
 endif()
-if(NOT "${_out}${_err}" MATCHES "${REGEX}")
+set(_searched "${_out}${_err}")
+if(FIRST_ERROR)
+  string(REGEX MATCH "[^\n]*error[^\n]*" _searched "${_searched}")
+endif()
+if(NOT "${_searched}" MATCHES "${REGEX}")
   message(FATAL_ERROR "${SOURCE} failed to compile, but not with the pinned diagnostic\n"
                       "  expected to match: ${REGEX}\n  got:\n${_out}${_err}")
 endif()

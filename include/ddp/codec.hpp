@@ -39,6 +39,8 @@
 
 DDP_BEGIN_NAMESPACE
 
+/// How values of T are encoded: a static encode(Encoder&, const T&) and a static
+/// T decode(Decoder&). Specialize it for your own types (see the file comment).
 template <class T>
 struct codec;
 
@@ -52,14 +54,19 @@ concept Encodable = requires(Encoder& e, Decoder& d, const T& v) {
   { codec<T>::decode(d) } -> std::same_as<T>;
 };
 
+/// Appends encoded values to a string; what a codec's encode() writes with.
 class Encoder {
  public:
+  /// Appends to `out` (which must outlive the encoder).
   explicit Encoder(std::string& out) : out_(out) {}
+  /// Appends `value` with codec<T>.
   template <class T>
   void put(const T& value) {
     codec<T>::encode(*this, value);
   }
+  /// Appends `n` raw bytes.
   void bytes(const void* data, std::size_t n) { out_.append(static_cast<const char*>(data), n); }
+  /// Appends an element count (8 bytes), read back by Decoder::count.
   void count(std::size_t n) {
     const auto v = static_cast<std::uint64_t>(n);
     bytes(&v, sizeof v);
@@ -69,12 +76,15 @@ class Encoder {
   std::string& out_;
 };
 
+/// Reads values back from `n` bytes, checking every length against the input left.
 class Decoder {
  public:
-  static constexpr int max_depth = 64;
+  static constexpr int max_depth = 64;  ///< Deepest nesting of get() calls accepted.
 
+  /// Reads from `data`, `n` bytes (which must outlive the decoder).
   Decoder(const void* data, std::size_t n) : p_(static_cast<const std::byte*>(data)), left_(n) {}
 
+  /// The next value, read with codec<T>; Errc::invalid_argument past max_depth nesting.
   template <class T>
   [[nodiscard]] T get() {
     if (++depth_ > max_depth)
@@ -83,6 +93,7 @@ class Decoder {
     --depth_;
     return v;
   }
+  /// Copies the next `n` bytes to `out`; Errc::invalid_argument if fewer are left.
   void bytes(void* out, std::size_t n) {
     if (n > left_) {
       detail::fail(Errc::invalid_argument, "object decode: input truncated (needs ", n,
@@ -103,6 +114,7 @@ class Decoder {
     }
     return static_cast<std::size_t>(n);
   }
+  /// The number of bytes not yet read.
   [[nodiscard]] std::size_t left() const noexcept { return left_; }
 
  private:
@@ -134,10 +146,13 @@ constexpr std::size_t min_encoded_bytes() {
 }
 }  // namespace detail
 
+/// Trivially copyable types (bool and std::optional excepted): sent as their bytes.
 template <class T>
   requires detail::RawEncodable<T>
 struct codec<T> {
+  /// Appends the bytes of `v`.
   static void encode(Encoder& e, const T& v) { e.bytes(&v, sizeof v); }
+  /// Reads sizeof(T) bytes.
   static T decode(Decoder& d) {
     T v;
     d.bytes(&v, sizeof v);
@@ -145,12 +160,15 @@ struct codec<T> {
   }
 };
 
+/// bool: one byte, 0 or 1; any other byte is refused.
 template <>
 struct codec<bool> {
+  /// Appends 1 or 0.
   static void encode(Encoder& e, const bool& v) {
     const std::uint8_t b = v ? 1 : 0;
     e.bytes(&b, 1);
   }
+  /// Reads one byte; Errc::invalid_argument unless it is 0 or 1.
   static bool decode(Decoder& d) {
     std::uint8_t b = 0;
     d.bytes(&b, 1);
@@ -159,12 +177,15 @@ struct codec<bool> {
   }
 };
 
+/// std::string: its length, then its bytes.
 template <>
 struct codec<std::string> {
+  /// Appends the length and the characters.
   static void encode(Encoder& e, const std::string& s) {
     e.count(s.size());
     e.bytes(s.data(), s.size());
   }
+  /// Reads a length (checked against the input left), then the characters.
   static std::string decode(Decoder& d) {
     std::string s(d.count(1), '\0');
     d.bytes(s.data(), s.size());
@@ -172,8 +193,10 @@ struct codec<std::string> {
   }
 };
 
+/// std::vector: its size, then its elements (in one block when they are raw bytes).
 template <class T>
 struct codec<std::vector<T>> {
+  /// Appends the size and every element.
   static void encode(Encoder& e, const std::vector<T>& v) {
     e.count(v.size());
     if constexpr (detail::RawEncodable<T>) {
@@ -182,6 +205,7 @@ struct codec<std::vector<T>> {
       for (const auto& x : v) e.put<T>(x);
     }
   }
+  /// Reads a size (checked against the input left), then that many elements.
   static std::vector<T> decode(Decoder& d) {
     const std::size_t n = d.count(detail::min_encoded_bytes<T>());
     std::vector<T> v;
@@ -196,13 +220,16 @@ struct codec<std::vector<T>> {
   }
 };
 
+/// std::pair that is not trivially copyable: first, then second.
 template <class A, class B>
   requires(!detail::RawEncodable<std::pair<A, B>>)
 struct codec<std::pair<A, B>> {
+  /// Appends first, then second.
   static void encode(Encoder& e, const std::pair<A, B>& p) {
     e.put<A>(p.first);
     e.put<B>(p.second);
   }
+  /// Reads first, then second.
   static std::pair<A, B> decode(Decoder& d) {
     A a = d.get<A>();
     B b = d.get<B>();
@@ -210,12 +237,15 @@ struct codec<std::pair<A, B>> {
   }
 };
 
+/// std::optional: a flag byte (0 or 1), then the value if there is one.
 template <class T>
 struct codec<std::optional<T>> {
+  /// Appends the flag, then the value if there is one.
   static void encode(Encoder& e, const std::optional<T>& o) {
     e.put<std::uint8_t>(o.has_value() ? 1 : 0);
     if (o) e.put<T>(*o);
   }
+  /// Reads the flag (Errc::invalid_argument unless 0 or 1), then the value if it is 1.
   static std::optional<T> decode(Decoder& d) {
     const auto has = d.get<std::uint8_t>();
     if (has > 1)

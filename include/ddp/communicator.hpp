@@ -59,10 +59,13 @@
 
 DDP_BEGIN_NAMESPACE
 
+/// A process group over `Backend` (backend::Host, backend::Mpi or backend::Nccl): every
+/// collective of torch.distributed on typed buffers, each with an _async twin that returns a
+/// Work. Made by init() (or split()); move-only.
 template <CommBackend Backend>
 class Communicator {
  public:
-  using backend_type = Backend;
+  using backend_type = Backend;  ///< The backend that moves the data.
   /// split() color for ranks that join no group (MPI_UNDEFINED).
   static constexpr int no_color = -1;
 
@@ -115,7 +118,9 @@ class Communicator {
   }
 
  public:
+  /// Takes over `other`'s process group; `other` is left invalid.
   Communicator(Communicator&&) noexcept = default;
+  /// Takes over `other`'s process group, releasing the one this communicator held.
   Communicator& operator=(Communicator&&) noexcept = default;
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
@@ -123,10 +128,15 @@ class Communicator {
 
   /// False for the result of split() with no_color.
   [[nodiscard]] bool valid() const noexcept { return state_ && state_->backend; }
+  /// This process's rank in the group, 0 .. size()-1.
   [[nodiscard]] int rank() const { return backend().rank(); }
+  /// The number of ranks in the group.
   [[nodiscard]] int size() const { return backend().size(); }
+  /// This process's rank among the group's ranks on this host.
   [[nodiscard]] int local_rank() const { return backend().local_rank(); }
+  /// The number of the group's ranks on this host.
   [[nodiscard]] int local_size() const { return backend().local_size(); }
+  /// The options the communicator was made with (after the DDP_* environment overrides).
   [[nodiscard]] const Options& options() const { return checked().options; }
   /// The backend, for backend-specific queries (e.g. backend().transport()).
   [[nodiscard]] Backend& backend() const { return *checked().backend; }
@@ -134,11 +144,12 @@ class Communicator {
   // ---- collectives -------------------------------------------------------------------------
 
   /// Reduces `buf` over all ranks, in place (every rank gets the result).
-  template <MutableTensor T>
+  template <detail::tensor_output T>
   void all_reduce(T&& buf, ReduceOp op = ReduceOp::sum) {
     exec_single(detail::Coll::all_reduce, arg(buf, "all_reduce", "buf"), op, 0);
   }
-  template <MutableTensor T>
+  /// all_reduce(), run asynchronously: returns at once; the buffers must outlive the Work.
+  template <detail::tensor_output T>
   [[nodiscard]] Work all_reduce_async(T&& buf, ReduceOp op = ReduceOp::sum) {
     return submit(detail::prepare_single(detail::Coll::all_reduce, arg(buf, "all_reduce", "buf"),
                                          op, 0, caller()));
@@ -150,12 +161,13 @@ class Communicator {
   /// and converting back; backend::Host fuses the conversions into its own passes over memory,
   /// other host-memory backends convert around a plain all_reduce. Not available for buffers
   /// that backend::Nccl moves (Errc::unsupported: ddp's headers carry no GPU kernels).
-  template <class W, MutableTensor T>
+  template <class W, detail::tensor_output T>
     requires(std::is_same_v<W, half> || std::is_same_v<W, bfloat16>)
   void all_reduce_as(T&& buf, ReduceOp op = ReduceOp::sum) {
     exec(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, dtype_of<W>));
   }
-  template <class W, MutableTensor T>
+  /// all_reduce_as(), run asynchronously: returns at once; the buffers must outlive the Work.
+  template <class W, detail::tensor_output T>
     requires(std::is_same_v<W, half> || std::is_same_v<W, bfloat16>)
   [[nodiscard]] Work all_reduce_as_async(T&& buf, ReduceOp op = ReduceOp::sum) {
     return submit(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, dtype_of<W>));
@@ -164,13 +176,14 @@ class Communicator {
   /// all_reduce of several buffers as one operation (torch's all_reduce_coalesced): one NCCL
   /// group on backend::Nccl (one launch, one wait), one buffer after another elsewhere.
   template <std::ranges::range R>
-    requires MutableTensor<std::ranges::range_reference_t<R>>
+    requires detail::tensor_output<std::ranges::range_reference_t<R>>
   void all_reduce_coalesced(R&& bufs, ReduceOp op = ReduceOp::sum) {
     const auto b = args(bufs);
     exec(detail::prepare_all_reduce_coalesced(b, op, caller()));
   }
+  /// all_reduce_coalesced(), run asynchronously: the buffers must outlive the returned Work.
   template <std::ranges::range R>
-    requires MutableTensor<std::ranges::range_reference_t<R>>
+    requires detail::tensor_output<std::ranges::range_reference_t<R>>
   [[nodiscard]] Work all_reduce_coalesced_async(R&& bufs, ReduceOp op = ReduceOp::sum) {
     auto b = args(bufs);
     const auto call = detail::prepare_all_reduce_coalesced(b, op, caller());
@@ -178,22 +191,24 @@ class Communicator {
   }
 
   /// Copies root's `buf` to every rank.
-  template <MutableTensor T>
+  template <detail::tensor_output T>
   void broadcast(T&& buf, int root = 0) {
     exec_single(detail::Coll::broadcast, arg(buf, "broadcast", "buf"), ReduceOp::sum, root);
   }
-  template <MutableTensor T>
+  /// broadcast(), run asynchronously: returns at once; the buffers must outlive the Work.
+  template <detail::tensor_output T>
   [[nodiscard]] Work broadcast_async(T&& buf, int root = 0) {
     return submit(detail::prepare_single(detail::Coll::broadcast, arg(buf, "broadcast", "buf"),
                                          ReduceOp::sum, root, caller()));
   }
 
   /// Reduces `buf` over all ranks into root's `buf`; the other ranks' buffers are unchanged.
-  template <MutableTensor T>
+  template <detail::tensor_output T>
   void reduce(T&& buf, int root = 0, ReduceOp op = ReduceOp::sum) {
     exec_single(detail::Coll::reduce, arg(buf, "reduce", "buf"), op, root);
   }
-  template <MutableTensor T>
+  /// reduce(), run asynchronously: returns at once; the buffers must outlive the Work.
+  template <detail::tensor_output T>
   [[nodiscard]] Work reduce_async(T&& buf, int root = 0, ReduceOp op = ReduceOp::sum) {
     return submit(detail::prepare_single(detail::Coll::reduce, arg(buf, "reduce", "buf"), op, root,
                                          caller()));
@@ -201,54 +216,59 @@ class Communicator {
 
   /// out[r*n .. r*n+n) = rank r's `in` (n = in's size); out.size() == in.size() * size().
   /// In place when `in` is exactly this rank's block of `out`.
-  template <TensorLike In, MutableTensor Out>
+  template <detail::tensor_input In, detail::tensor_output Out>
   void all_gather(In&& in, Out&& out) {
     exec(prepare_gather(in, out, -1));
   }
-  template <TensorLike In, MutableTensor Out>
+  /// all_gather(), run asynchronously: returns at once; the buffers must outlive the Work.
+  template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work all_gather_async(In&& in, Out&& out) {
     return submit(prepare_gather(in, out, -1));
   }
 
   /// Like all_gather, into root's `out` only (`out` is not used on the other ranks).
-  template <TensorLike In, MutableTensor Out>
+  template <detail::tensor_input In, detail::tensor_output Out>
   void gather(In&& in, Out&& out, int root = 0) {
     exec(prepare_gather(in, out, root));
   }
-  template <TensorLike In, MutableTensor Out>
+  /// gather(), run asynchronously: returns at once; the buffers must outlive the Work.
+  template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work gather_async(In&& in, Out&& out, int root = 0) {
     return submit(prepare_gather(in, out, root));
   }
 
   /// Rank r receives root's in[r*n .. r*n+n) into `out` (n = out's size; `in` used on root only).
-  template <TensorLike In, MutableTensor Out>
+  template <detail::tensor_input In, detail::tensor_output Out>
   void scatter(In&& in, Out&& out, int root = 0) {
     exec(prepare_scatter(in, out, root));
   }
-  template <TensorLike In, MutableTensor Out>
+  /// scatter(), run asynchronously: returns at once; the buffers must outlive the Work.
+  template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work scatter_async(In&& in, Out&& out, int root = 0) {
     return submit(prepare_scatter(in, out, root));
   }
 
   /// out = block r of the reduction of every rank's `in`; in.size() == out.size() * size().
-  template <TensorLike In, MutableTensor Out>
+  template <detail::tensor_input In, detail::tensor_output Out>
   void reduce_scatter(In&& in, Out&& out, ReduceOp op = ReduceOp::sum) {
     exec(detail::prepare_reduce_scatter(arg(in, "reduce_scatter", "in"),
                                         arg(out, "reduce_scatter", "out"), op, caller()));
   }
-  template <TensorLike In, MutableTensor Out>
+  /// reduce_scatter(), run asynchronously: returns at once; the buffers must outlive the Work.
+  template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work reduce_scatter_async(In&& in, Out&& out, ReduceOp op = ReduceOp::sum) {
     return submit(detail::prepare_reduce_scatter(arg(in, "reduce_scatter", "in"),
                                                  arg(out, "reduce_scatter", "out"), op, caller()));
   }
 
   /// Block j of `in` goes to rank j, which stores it as its block r of `out`.
-  template <TensorLike In, MutableTensor Out>
+  template <detail::tensor_input In, detail::tensor_output Out>
   void all_to_all(In&& in, Out&& out) {
     exec(detail::prepare_all_to_all(arg(in, "all_to_all", "in"), arg(out, "all_to_all", "out"),
                                     caller()));
   }
-  template <TensorLike In, MutableTensor Out>
+  /// all_to_all(), run asynchronously: returns at once; the buffers must outlive the Work.
+  template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work all_to_all_async(In&& in, Out&& out) {
     return submit(detail::prepare_all_to_all(arg(in, "all_to_all", "in"),
                                              arg(out, "all_to_all", "out"), caller()));
@@ -256,26 +276,31 @@ class Communicator {
 
   /// Point-to-point. Between a pair, sends and receives match in issue order; the receiver checks
   /// the tag, dtype and count.
-  template <TensorLike T>
+  template <detail::tensor_input T>
   void send(T&& buf, int peer, int tag = 0) {
     exec(detail::prepare_p2p(detail::Coll::send, arg(buf, "send", "buf"), peer, tag, caller()));
   }
-  template <TensorLike T>
+  /// send(), run asynchronously: returns at once; the buffers must outlive the Work.
+  template <detail::tensor_input T>
   [[nodiscard]] Work send_async(T&& buf, int peer, int tag = 0) {
     return submit(
         detail::prepare_p2p(detail::Coll::send, arg(buf, "send", "buf"), peer, tag, caller()));
   }
-  template <MutableTensor T>
+  /// Receives into `buf` the next send() from `peer`; its tag, dtype and count must match.
+  template <detail::tensor_output T>
   void recv(T&& buf, int peer, int tag = 0) {
     exec(detail::prepare_p2p(detail::Coll::recv, arg(buf, "recv", "buf"), peer, tag, caller()));
   }
-  template <MutableTensor T>
+  /// recv(), run asynchronously: returns at once; the buffers must outlive the Work.
+  template <detail::tensor_output T>
   [[nodiscard]] Work recv_async(T&& buf, int peer, int tag = 0) {
     return submit(
         detail::prepare_p2p(detail::Coll::recv, arg(buf, "recv", "buf"), peer, tag, caller()));
   }
 
+  /// Returns once every rank has entered barrier().
   void barrier() { exec(detail::prepare_barrier()); }
+  /// barrier(), run asynchronously: the Work completes once every rank has entered it.
   [[nodiscard]] Work barrier_async() { return submit(detail::prepare_barrier()); }
 
   // ---- layered on the collectives (objects.hpp has them as free functions) ------------------

@@ -95,6 +95,7 @@ struct CudaDeviceScope {
 /// Makes `device` current for the guard's lifetime, then restores the previous one.
 class CudaDeviceGuard {
  public:
+  /// Makes `device` current (remembering the current one).
   explicit CudaDeviceGuard(int device) {
     DDP_CUDA_CHECK(cudaGetDevice(&previous_));
     if (device != previous_) DDP_CUDA_CHECK(cudaSetDevice(device));
@@ -117,7 +118,9 @@ class CudaStream {
     CudaDeviceGuard g(device);
     DDP_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking));
   }
+  /// Takes over `o`'s stream; `o` is left empty.
   CudaStream(CudaStream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
+  /// Destroys this stream and takes over `o`'s; `o` is left empty.
   CudaStream& operator=(CudaStream&& o) noexcept {
     if (this != &o) {
       reset();
@@ -129,6 +132,7 @@ class CudaStream {
   CudaStream& operator=(const CudaStream&) = delete;
   ~CudaStream() { reset(); }
 
+  /// The stream handle (owned by this object; nullptr once moved from).
   [[nodiscard]] cudaStream_t get() const noexcept { return s_; }
   /// Blocks until every operation queued on the stream has finished.
   void synchronize() const { DDP_CUDA_CHECK(cudaStreamSynchronize(s_)); }
@@ -144,8 +148,11 @@ class CudaStream {
 /// An owned CUDA event without timing (the cheap kind), for ordering streams and for polling.
 class CudaEvent {
  public:
+  /// A new event on the current device.
   CudaEvent() { DDP_CUDA_CHECK(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming)); }
+  /// Takes over `o`'s event; `o` is left empty.
   CudaEvent(CudaEvent&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
+  /// Destroys this event and takes over `o`'s; `o` is left empty.
   CudaEvent& operator=(CudaEvent&& o) noexcept {
     if (this != &o) {
       reset();
@@ -157,6 +164,7 @@ class CudaEvent {
   CudaEvent& operator=(const CudaEvent&) = delete;
   ~CudaEvent() { reset(); }
 
+  /// The event handle (owned by this object; nullptr once moved from).
   [[nodiscard]] cudaEvent_t get() const noexcept { return e_; }
   /// Captures the work queued on `stream` so far.
   void record(cudaStream_t stream) { DDP_CUDA_CHECK(cudaEventRecord(e_, stream)); }
@@ -169,6 +177,7 @@ class CudaEvent {
     detail::cuda_check(rc, "cudaEventQuery");
     return true;
   }
+  /// Blocks until the captured work has finished.
   void synchronize() const { DDP_CUDA_CHECK(cudaEventSynchronize(e_)); }
 
  private:
@@ -186,9 +195,11 @@ class CudaEvent {
 template <Scalar T>
 class CudaBuffer {
  public:
+  /// Tells ddp's tensor_traits that this type is device memory, when the program is compiled.
   static constexpr DeviceKind ddp_device_kind = DeviceKind::cuda;
-  using value_type = T;
+  using value_type = T;  ///< The element type.
 
+  /// An empty buffer (no memory).
   CudaBuffer() = default;
   /// Uninitialized memory for n elements on `device` (-1: the current device).
   explicit CudaBuffer(std::size_t n, int device = -1, cudaStream_t stream = nullptr)
@@ -206,11 +217,13 @@ class CudaBuffer {
       : CudaBuffer(host.size(), device, stream) {
     copy_from(host);
   }
+  /// Takes over `o`'s memory; `o` is left empty.
   CudaBuffer(CudaBuffer&& o) noexcept
       : data_(std::exchange(o.data_, nullptr)),
         size_(std::exchange(o.size_, 0)),
         device_(o.device_),
         stream_(o.stream_) {}
+  /// Frees this buffer's memory and takes over `o`'s; `o` is left empty.
   CudaBuffer& operator=(CudaBuffer&& o) noexcept {
     if (this != &o) {
       release();
@@ -225,12 +238,20 @@ class CudaBuffer {
   CudaBuffer& operator=(const CudaBuffer&) = delete;
   ~CudaBuffer() { release(); }
 
+  /// The device pointer to the first element (nullptr when empty).
+  ///@{
   [[nodiscard]] T* data() noexcept { return data_; }
   [[nodiscard]] const T* data() const noexcept { return data_; }
+  ///@}
+  /// The number of elements.
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  /// size() * sizeof(T).
   [[nodiscard]] std::size_t bytes() const noexcept { return size_ * sizeof(T); }
+  /// Whether size() is 0.
   [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
+  /// The CUDA device the memory is on.
   [[nodiscard]] int device() const noexcept { return device_; }
+  /// The stream the buffer is associated with (nullptr: the legacy default stream).
   [[nodiscard]] cudaStream_t stream() const noexcept { return stream_; }
   /// Associates the buffer with another stream (collectives then order after that stream's work).
   void set_stream(cudaStream_t s) noexcept { stream_ = s; }
@@ -255,12 +276,15 @@ class CudaBuffer {
     if (size_ != 0) DDP_CUDA_CHECK(cudaMemsetAsync(data_, byte, bytes(), stream_));
   }
 
+  /// The buffer as a TensorView on Device::cuda(device()) with its stream; what ddp::view uses.
+  ///@{
   [[nodiscard]] TensorView<T> ddp_view() noexcept {
     return {data_, size_, Device::cuda(device_), stream_};
   }
   [[nodiscard]] TensorView<const T> ddp_view() const noexcept {
     return {data_, size_, Device::cuda(device_), stream_};
   }
+  ///@}
 
  private:
   void check_size(std::size_t n, const char* what) const {
@@ -288,15 +312,19 @@ class CudaBuffer {
 template <class T>
 class PinnedBuffer {
  public:
+  /// An empty buffer (no memory).
   PinnedBuffer() = default;
+  /// Uninitialized page-locked memory for `n` elements.
   explicit PinnedBuffer(std::size_t n) : size_(n) {
     if (n == 0) return;
     void* p = nullptr;
     DDP_CUDA_CHECK(cudaMallocHost(&p, n * sizeof(T)));
     data_ = static_cast<T*>(p);
   }
+  /// Takes over `o`'s memory; `o` is left empty.
   PinnedBuffer(PinnedBuffer&& o) noexcept
       : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  /// Frees this buffer's memory and takes over `o`'s; `o` is left empty.
   PinnedBuffer& operator=(PinnedBuffer&& o) noexcept {
     if (this != &o) {
       release();
@@ -309,15 +337,25 @@ class PinnedBuffer {
   PinnedBuffer& operator=(const PinnedBuffer&) = delete;
   ~PinnedBuffer() { release(); }
 
+  /// The first element (nullptr when empty).
+  ///@{
   [[nodiscard]] T* data() noexcept { return data_; }
   [[nodiscard]] const T* data() const noexcept { return data_; }
+  ///@}
+  /// The number of elements.
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  /// The elements as a contiguous range.
+  ///@{
   [[nodiscard]] T* begin() noexcept { return data_; }
   [[nodiscard]] T* end() noexcept { return data_ + size_; }
   [[nodiscard]] const T* begin() const noexcept { return data_; }
   [[nodiscard]] const T* end() const noexcept { return data_ + size_; }
+  ///@}
+  /// Element `i` (unchecked).
+  ///@{
   [[nodiscard]] T& operator[](std::size_t i) noexcept { return data_[i]; }
   [[nodiscard]] const T& operator[](std::size_t i) const noexcept { return data_[i]; }
+  ///@}
 
  private:
   void release() noexcept {

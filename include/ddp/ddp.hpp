@@ -6,7 +6,7 @@
 #define DDP_DDP_HPP
 
 /// \file
-/// The umbrella header: #include <ddp/ddp.hpp> for everything. Each part also stands alone.
+/// The umbrella header: `#include <ddp/ddp.hpp>` for everything. Each part also stands alone.
 
 #include "ddp/config.hpp"
 #include "ddp/error.hpp"

@@ -28,12 +28,12 @@ DDP_BEGIN_NAMESPACE
 
 /// Where a process stands in the job, and where the rendezvous store is.
 struct Environment {
-  int rank = 0;
-  int world_size = 1;
-  int local_rank = 0;
-  int local_world_size = 1;
-  int node_rank = 0;
-  std::string master_addr = "127.0.0.1";
+  int rank = 0;                           ///< this process's rank in the job (RANK)
+  int world_size = 1;                     ///< the number of processes (WORLD_SIZE)
+  int local_rank = 0;                     ///< this process's rank on its host (LOCAL_RANK)
+  int local_world_size = 1;               ///< processes on this host (LOCAL_WORLD_SIZE)
+  int node_rank = 0;                      ///< this host's index in the job (NODE_RANK)
+  std::string master_addr = "127.0.0.1";  ///< host of rank 0's rendezvous store (MASTER_ADDR)
   int master_port = 0;  ///< 0: not set (only allowed when world_size == 1 or under MPI)
   /// The port of ddp's rendezvous store on master_addr: DDP_STORE_PORT when set; under torchrun,
   /// whose agent already serves its own (c10d) store on MASTER_PORT, MASTER_PORT + 1; otherwise

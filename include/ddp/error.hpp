@@ -67,6 +67,7 @@ class ErrcCategory final : public std::error_category {
   return category;
 }
 
+/// The std::error_code of an Errc in error_category(); found by ADL for `std::error_code ec = e;`.
 [[nodiscard]] inline std::error_code make_error_code(Errc code) noexcept {
   return {static_cast<int>(code), error_category()};
 }
@@ -74,10 +75,14 @@ class ErrcCategory final : public std::error_category {
 /// The one exception type of ddp. `what()` is the full message; `code()` tells what happened.
 class Error : public std::runtime_error {
  public:
+  /// An error with the given code; `message` becomes what().
   Error(Errc code, const std::string& message) : std::runtime_error(message), code_(code) {}
+  /// An error with the given code; `message` becomes what().
   Error(Errc code, const char* message) : std::runtime_error(message), code_(code) {}
 
+  /// What went wrong.
   [[nodiscard]] Errc code() const noexcept { return code_; }
+  /// code() as a std::error_code in ddp::error_category().
   [[nodiscard]] std::error_code error_code() const noexcept { return make_error_code(code_); }
 
  private:

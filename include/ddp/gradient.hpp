@@ -236,11 +236,14 @@ enum class Compression {
   bfloat16  ///< float32 gradients sent as bfloat16 (half the bytes; float32's range)
 };
 
+/// How a GradientAverager buckets, compresses and synchronizes (torch DDP's constructor options).
 struct AveragerOptions {
   /// Largest bucket, in bytes of gradient (torch's bucket_cap_mb = 25).
   std::size_t bucket_bytes = std::size_t{25} << 20;
   /// The first bucket (the last parameters), small so that communication starts early.
   std::size_t first_bucket_bytes = std::size_t{1} << 20;
+  /// How the gradients travel (torch's fp16/bf16 compression hooks); the averages are rounded
+  /// to that type.
   Compression compression = Compression::none;
   /// A gradient of at least this many bytes is averaged in place, as a bucket of its own:
   /// copying it into a bucket and back would cost more than the call it saves.
@@ -807,8 +810,11 @@ class GradientAverager {
   using Typed = detail::TypedAverager<T, M, Backend>;
 
  public:
+  /// The guard no_sync() returns: restores the previous mode when it is destroyed.
   using NoSync = detail::AveragerNoSync;
 
+  /// Averages `model`'s gradients over `comm` (both must outlive the averager); copies rank 0's
+  /// parameters (and buffers) to every rank unless `options` says not to. Collective.
   GradientAverager(Communicator<Backend>& comm, M& model, AveragerOptions options = {})
       : comm_(&comm), model_(&model), o_(options) {
     if constexpr (detail::dynamic_parameter<Param>) {
@@ -910,6 +916,7 @@ class GradientAverager {
   std::vector<std::shared_ptr<void>> hooks_;
 };
 
+/// `GradientAverager avg(comm, model)` deduces the model type and the backend.
 template <class Backend, Model M>
 GradientAverager(Communicator<Backend>&, M&, AveragerOptions = {}) -> GradientAverager<M, Backend>;
 

@@ -25,14 +25,18 @@
 
 DDP_BEGIN_NAMESPACE
 
+/// Which ranks a ZeroFirstGuard orders: those of each host, or those of the whole job.
 enum class GuardScope : std::uint8_t {
   local,   ///< local rank 0 of each host goes first (the cache is per host)
   global,  ///< rank 0 of the job goes first (the cache is on a shared file system)
 };
 
+/// Lets rank 0 of the group run a block first, the other ranks after it (see the file comment).
 template <CommBackend Backend>
 class ZeroFirstGuard {
  public:
+  /// Rank 0 of the group (local rank 0 with GuardScope::local) returns at once; the others wait
+  /// here until it destroys its guard, and throw Errc::aborted if its block threw. Collective.
   explicit ZeroFirstGuard(Communicator<Backend>& comm, GuardScope scope = GuardScope::local)
       : group_(scope == GuardScope::global ? comm : comm.local_group()),
         uncaught_(std::uncaught_exceptions()) {

@@ -53,6 +53,8 @@ template <class R>
 concept TensorRange = std::ranges::random_access_range<R> && std::ranges::sized_range<R> &&
     TensorLike<std::ranges::range_reference_t<R>>;
 
+/// One process driving several CUDA devices through one NCCL clique: each collective takes one
+/// tensor per device, in the order of devices() (see the file comment).
 class NcclClique {
  public:
   /// One NCCL communicator per device of `devices` (empty: every device this process sees),
@@ -107,6 +109,7 @@ class NcclClique {
 
   /// The number of devices.
   [[nodiscard]] int size() const noexcept { return static_cast<int>(devices_.size()); }
+  /// The CUDA devices of the clique, slot by slot.
   [[nodiscard]] const std::vector<int>& devices() const noexcept { return devices_; }
   /// The CUDA device of slot i.
   [[nodiscard]] int device(int i) const { return devices_.at(static_cast<std::size_t>(i)); }

@@ -39,6 +39,8 @@ enum class HostTransport : std::uint8_t {
   tcp,        ///< TCP, even on one host (what multi-host runs use)
 };
 
+/// How a communicator is made and behaves: timeouts, the rendezvous secret, transports,
+/// verification and the flight recorder (see the file comment for which backend reads what).
 struct Options {
   /// The longest any single wait may take (a collective, the rendezvous, a store call) before
   /// Errc::timeout. A peer that dies is reported sooner (Errc::peer_lost). Default: 5 minutes

@@ -98,11 +98,15 @@ class SplitMix64 {
 template <Dataset D>
 class Partition {
  public:
+  /// The `count` elements of `data` whose indices are order[first .. first + count); made by
+  /// DataPartitioner::use.
   Partition(const D& data, std::shared_ptr<const std::vector<std::size_t>> order, std::size_t first,
             std::size_t count)
       : data_(&data), order_(std::move(order)), first_(first), count_(count) {}
 
+  /// The number of elements in this part.
   [[nodiscard]] std::size_t size() const noexcept { return count_; }
+  /// Whether the part has no elements.
   [[nodiscard]] bool empty() const noexcept { return count_ == 0; }
   /// The dataset's element at this part's position i (no bounds check, like operator[] of vector).
   [[nodiscard]] decltype(auto) operator[](std::size_t i) const {
@@ -120,30 +124,40 @@ class Partition {
     return std::span<const std::size_t>(*order_).subspan(first_, count_);
   }
 
+  /// A forward iterator over the part's elements, in the part's order.
   class iterator {
    public:
-    using iterator_category = std::forward_iterator_tag;
-    using difference_type = std::ptrdiff_t;
+    using iterator_category = std::forward_iterator_tag;  ///< A forward iterator.
+    using difference_type = std::ptrdiff_t;               ///< Distance between positions.
+    /// The dataset's element type.
     using value_type = std::remove_cvref_t<decltype(std::declval<const D&>()[std::size_t{}])>;
+    /// A singular iterator (not attached to a part).
     iterator() = default;
+    /// Position `i` of part `*p`.
     iterator(const Partition* p, std::size_t i) : p_(p), i_(i) {}
+    /// The element at this position, as the dataset's operator[] returns it.
     decltype(auto) operator*() const { return (*p_)[i_]; }
+    /// Moves to the next position.
     iterator& operator++() {
       ++i_;
       return *this;
     }
+    /// Moves to the next position, returning the previous one.
     iterator operator++(int) {
       iterator t = *this;
       ++i_;
       return t;
     }
+    /// Same position (iterators of the same part).
     friend bool operator==(const iterator& a, const iterator& b) { return a.i_ == b.i_; }
 
    private:
     const Partition* p_ = nullptr;
     std::size_t i_ = 0;
   };
+  /// The first element.
   [[nodiscard]] iterator begin() const { return iterator(this, 0); }
+  /// Past the last element.
   [[nodiscard]] iterator end() const { return iterator(this, count_); }
 
  private:
@@ -184,6 +198,7 @@ class DataPartitioner {
     }
   }
 
+  /// Parts of the given fractions, written in braces: `DataPartitioner(data, {0.8, 0.2})`.
   DataPartitioner(const D& data, std::initializer_list<double> fractions, std::uint64_t seed = 1234)
       : DataPartitioner(data, std::vector<double>(fractions), seed) {}
 
@@ -196,6 +211,7 @@ class DataPartitioner {
   DataPartitioner(const D&& data, std::initializer_list<double>, std::uint64_t = 1234) = delete;
   DataPartitioner(const D&& data, int, std::uint64_t = 1234) = delete;
 
+  /// The number of parts.
   [[nodiscard]] std::size_t parts() const noexcept { return parts_.size(); }
 
   /// A view of part i; Errc::invalid_argument when there is no such part.
@@ -205,6 +221,7 @@ class DataPartitioner {
                    parts_.size(), " parts");
     return Partition<D>(*data_, order_, parts_[i].first, parts_[i].second);
   }
+  /// A view of part i (e.g. the rank); Errc::invalid_argument when i is negative or too large.
   [[nodiscard]] Partition<D> use(int i) const {
     if (i < 0) detail::fail(Errc::invalid_argument, "DataPartitioner::use(", i, "): negative");
     return use(static_cast<std::size_t>(i));
@@ -222,9 +239,11 @@ class DataPartitioner {
   std::vector<std::pair<std::size_t, std::size_t>> parts_;  // (first, count)
 };
 
+/// How a DistributedSampler orders and splits the dataset (torch's constructor arguments).
 struct SamplerOptions {
   /// A new order each epoch (seed + epoch); off: 0, 1, 2, ...
   bool shuffle = true;
+  /// The shuffle's seed; must be the same on every rank.
   std::uint64_t seed = 0;
   /// Cut the tail instead of padding, so every rank gets floor(size / ranks) distinct samples.
   bool drop_last = false;
@@ -235,17 +254,23 @@ struct SamplerOptions {
 
 /// Where a sampler is in an epoch, to resume a run (store it with the checkpoint).
 struct SamplerState {
+  /// The epoch in progress (set_epoch).
   std::uint64_t epoch = 0;
   /// Samples of this rank's shard already consumed in that epoch.
   std::uint64_t offset = 0;
+  /// SamplerOptions::seed, checked on restore.
   std::uint64_t seed = 0;
+  /// The dataset size, checked on restore.
   std::uint64_t dataset_size = 0;
+  /// The number of ranks, checked on restore.
   std::uint64_t num_replicas = 0;
 };
 
 /// torch.utils.data.DistributedSampler's semantics (see the file comment).
 class DistributedSampler {
  public:
+  /// Rank `rank`'s sampler of `dataset_size` samples over `num_replicas` ranks;
+  /// Errc::invalid_argument for a bad rank or count, or for exact together with drop_last.
   DistributedSampler(std::size_t dataset_size, int num_replicas, int rank,
                      SamplerOptions options = {})
       : n_(dataset_size), replicas_(num_replicas), rank_(rank), o_(options) {
@@ -265,6 +290,7 @@ class DistributedSampler {
     epoch_ = epoch;
     offset_ = 0;
   }
+  /// The current epoch (0 until set_epoch).
   [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_; }
 
   /// Samples per rank in an epoch (for this rank: in exact mode, ranks differ by at most one).

@@ -43,6 +43,7 @@
 
 DDP_BEGIN_NAMESPACE
 
+/// How spawn() starts, hosts and stops its workers.
 struct SpawnOptions {
   /// Address the store listens on and workers connect to.
   std::string master_addr = "127.0.0.1";

@@ -23,6 +23,7 @@ DDP_BEGIN_NAMESPACE
 
 /// Per-channel statistics over every rank's samples.
 struct BatchStats {
+  /// Mean of each channel over all ranks' samples.
   std::vector<double> mean;
   /// Biased (population) variance: what batch normalization divides by.
   std::vector<double> var;

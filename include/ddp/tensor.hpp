@@ -37,16 +37,19 @@ DDP_BEGIN_NAMESPACE
 /// default stream). T may be const for read-only buffers.
 template <class T>
 struct TensorView {
-  using element_type = T;
-  using value_type = std::remove_cv_t<T>;
+  using element_type = T;                  ///< The element type, const for a read-only view.
+  using value_type = std::remove_cv_t<T>;  ///< The element type without const.
 
-  T* data = nullptr;
-  std::size_t size = 0;
-  Device device{};
-  void* stream = nullptr;
+  T* data = nullptr;       ///< The first element.
+  std::size_t size = 0;    ///< The number of elements.
+  Device device{};         ///< Where the elements are.
+  void* stream = nullptr;  ///< CUDA: the stream whose work produced the data (nullptr: default)
 
+  /// size * sizeof(T).
   [[nodiscard]] constexpr std::size_t bytes() const noexcept { return size * sizeof(T); }
+  /// Whether size is 0.
   [[nodiscard]] constexpr bool empty() const noexcept { return size == 0; }
+  /// The DType of the elements (dtype_of<value_type>).
   [[nodiscard]] static constexpr DType dtype() noexcept requires Scalar<value_type> {
     return dtype_of<value_type>;
   }
@@ -62,8 +65,11 @@ struct TensorView {
   }
 
   /// Host-side iteration (only meaningful when device.is_cpu()).
+  ///@{
   [[nodiscard]] constexpr T* begin() const noexcept { return data; }
   [[nodiscard]] constexpr T* end() const noexcept { return data + size; }
+  ///@}
+  /// Element `i`, unchecked (only meaningful when device.is_cpu()).
   [[nodiscard]] constexpr T& operator[](std::size_t i) const noexcept { return data[i]; }
 
   /// A read-only view of the same elements.
@@ -72,6 +78,7 @@ struct TensorView {
   }
 };
 
+/// `TensorView{ptr, n, ...}` deduces the element type from the pointer.
 template <class T, class... Rest>
 TensorView(T*, Rest...) -> TensorView<T>;
 
@@ -79,10 +86,10 @@ TensorView(T*, Rest...) -> TensorView<T>;
 /// returns (see the file comment). Collectives check it when they are called and raise
 /// Errc::invalid_argument naming the rank, the collective and the argument when it cannot be used.
 struct DynamicView {
-  void* data = nullptr;
-  std::size_t size = 0;  ///< elements
-  DType dtype = DType::float32;
-  Device device{};
+  void* data = nullptr;          ///< the first element
+  std::size_t size = 0;          ///< elements
+  DType dtype = DType::float32;  ///< the element type, as the framework reports it
+  Device device{};               ///< where the elements are
   void* stream = nullptr;  ///< CUDA: the stream whose work produced the data (nullptr: default)
   /// The elements are dense and in order, so `size` of them from `data` are the tensor. A
   /// collective refuses a view that is not (it would read or write the wrong elements).
@@ -115,6 +122,7 @@ struct tensor_traits {};
 /// only at run time.
 template <class T>
 struct tensor_traits<TensorView<T>> {
+  /// `v` itself.
   static constexpr TensorView<T> view(const TensorView<T>& v) noexcept { return v; }
 };
 
@@ -235,6 +243,64 @@ concept TensorLike = Viewable<T> &&(DynamicTensor<T> || Scalar<tensor_value_t<T>
 /// writability is checked when the collective is called.
 template <class T>
 concept MutableTensor = TensorLike<T> && !std::is_const_v<tensor_element_type_t<T>>;
+
+namespace detail {
+template <class>
+inline constexpr bool always_false = false;
+
+/// A range whose elements are not objects in memory (std::vector<bool>, a transforming view).
+template <class U>
+concept proxy_range =
+    std::ranges::range<U&> && !std::is_lvalue_reference_v<std::ranges::range_reference_t<U&>>;
+
+/// True when T can be a collective's argument (written to when Output); otherwise the first
+/// error the compiler prints says why, instead of "no matching function" and 20 lines of
+/// unsatisfied constraints. The collectives' template parameters use it (tensor_input /
+/// tensor_output below), so a wrong type is a hard error there, not a silent non-match.
+template <class T, bool Output>
+consteval bool explain_tensor_argument() {
+  using U = std::remove_reference_t<T>;
+  if constexpr (Output ? MutableTensor<T> : TensorLike<T>) {
+    return true;
+  } else if constexpr (!Viewable<T> && proxy_range<U>) {
+    static_assert(always_false<T>,
+                  "ddp: this range has no elements in memory to send (std::vector<bool> packs "
+                  "bits; a view computes its values): use std::vector<std::uint8_t> for flags, "
+                  "or copy the values into a std::vector");
+  } else if constexpr (!Viewable<T> && std::ranges::range<U&> &&
+                       !std::ranges::contiguous_range<U&>) {
+    static_assert(always_false<T>,
+                  "ddp: this range is not contiguous (std::list, std::deque, std::set, std::map, "
+                  "...): a collective moves one block of memory; copy the values into a "
+                  "std::vector, or give ddp::tensor_traits<T> a view() of the memory");
+  } else if constexpr (!Viewable<T>) {
+    static_assert(always_false<T>,
+                  "ddp: this type is not a tensor ddp knows: specialize ddp::tensor_traits<T> "
+                  "(in namespace ddp, visible where the collective is called) with static "
+                  "ddp::TensorView<E> view(T&), or give T a member ddp_view(); see ddp/tensor.hpp "
+                  "and the README's 'Adapting your tensor type'");
+  } else if constexpr (!DynamicTensor<T> && !Scalar<tensor_value_t<T>>) {
+    static_assert(always_false<T>,
+                  "ddp: the element type is not one a collective carries; ddp carries int8, "
+                  "int16, int32, int64, uint8, uint16, uint32, uint64, ddp::half, "
+                  "ddp::bfloat16, float and double (not bool, char, long double or "
+                  "std::complex: a std::complex<float> buffer travels as a std::span<float> of "
+                  "twice the size)");
+  } else {
+    static_assert(always_false<T>,
+                  "ddp: this argument is written to, but its elements are const: pass a "
+                  "non-const buffer");
+  }
+  return false;
+}
+
+/// A collective's input: TensorLike, else a compile error that says why.
+template <class T>
+concept tensor_input = explain_tensor_argument<T, false>();
+/// A collective's output: MutableTensor, else a compile error that says why.
+template <class T>
+concept tensor_output = explain_tensor_argument<T, true>();
+}  // namespace detail
 
 /// Where T's buffer lives if its type says so: DeviceKind::cpu for ranges, the traits'
 /// device_kind for adapted types, std::nullopt when only the TensorView knows (at run time).

@@ -33,14 +33,16 @@ DDP_BEGIN_NAMESPACE
 
 /// One operation in a communicator's flight recorder.
 struct TraceRecord {
+  /// Where the operation is: waiting behind others, running, finished, or failed.
   enum class State : std::uint8_t { queued, running, done, failed };
-  std::uint64_t seq = 0;  ///< operations issued on this communicator before this one
-  const char* op = "";    ///< "all_reduce", "broadcast", ...
-  std::size_t bytes = 0;  ///< bytes of this rank's buffer(s)
-  State state = State::queued;
+  std::uint64_t seq = 0;        ///< operations issued on this communicator before this one
+  const char* op = "";          ///< "all_reduce", "broadcast", ...
+  std::size_t bytes = 0;        ///< bytes of this rank's buffer(s)
+  State state = State::queued;  ///< where it was when the record was read
   std::chrono::steady_clock::time_point issued{};  ///< when it was called (or queued)
 };
 
+/// The state's name: "queued", "running", "done" or "failed".
 [[nodiscard]] constexpr const char* to_string(TraceRecord::State s) noexcept {
   switch (s) {
     case TraceRecord::State::queued: return "queued";

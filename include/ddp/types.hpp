@@ -122,18 +122,23 @@ struct Float16Ops {
 /// float implicitly; arithmetic between two halves is done in float and rounded once.
 class half : public detail::Float16Ops<half> {
  public:
+  /// Positive zero.
   half() = default;
+  /// `value` converted to float, then rounded to the nearest half (ties to even).
   template <class T>
     requires std::is_arithmetic_v<T>
   constexpr explicit half(T value) noexcept
       : bits_(detail::float_to_half_bits(static_cast<float>(value))) {}
+  /// The exact float value (every half is representable as a float).
   constexpr operator float() const noexcept { return detail::half_bits_to_float(bits_); }
 
+  /// The half whose binary16 encoding is `bits`.
   [[nodiscard]] static constexpr half from_bits(std::uint16_t bits) noexcept {
     half h;
     h.bits_ = bits;
     return h;
   }
+  /// The binary16 encoding: sign, 5 exponent bits, 10 mantissa bits.
   [[nodiscard]] constexpr std::uint16_t bits() const noexcept { return bits_; }
 
  private:
@@ -143,18 +148,23 @@ class half : public detail::Float16Ops<half> {
 /// bfloat16 (the top half of an IEEE binary32): same range as float, 8 bits of precision.
 class bfloat16 : public detail::Float16Ops<bfloat16> {
  public:
+  /// Positive zero.
   bfloat16() = default;
+  /// `value` converted to float, then rounded to the nearest bfloat16 (ties to even).
   template <class T>
     requires std::is_arithmetic_v<T>
   constexpr explicit bfloat16(T value) noexcept
       : bits_(detail::float_to_bfloat16_bits(static_cast<float>(value))) {}
+  /// The exact float value (the encoding padded with 16 zero bits).
   constexpr operator float() const noexcept { return detail::bfloat16_bits_to_float(bits_); }
 
+  /// The bfloat16 whose encoding is `bits` (the top 16 bits of a binary32).
   [[nodiscard]] static constexpr bfloat16 from_bits(std::uint16_t bits) noexcept {
     bfloat16 h;
     h.bits_ = bits;
     return h;
   }
+  /// The encoding: sign, 8 exponent bits, 7 mantissa bits.
   [[nodiscard]] constexpr std::uint16_t bits() const noexcept { return bits_; }
 
  private:
@@ -165,7 +175,8 @@ static_assert(sizeof(half) == 2 && std::is_trivially_copyable_v<half>);
 static_assert(sizeof(bfloat16) == 2 && std::is_trivially_copyable_v<bfloat16>);
 
 /// Element types a collective can carry. The numbering is stable (it is sent on the wire) and
-/// matches ncclDataType_t's set of types.
+/// matches ncclDataType_t's set of types, plus the 16-bit integers (which NCCL moves but cannot
+/// reduce).
 enum class DType : std::uint8_t {
   int8 = 0,
   uint8 = 1,
@@ -177,10 +188,14 @@ enum class DType : std::uint8_t {
   float32 = 7,
   float64 = 8,
   bfloat16 = 9,
+  int16 = 10,
+  uint16 = 11,
 };
 
-inline constexpr int dtype_count = 10;
+/// The number of DType enumerators (one past the largest value).
+inline constexpr int dtype_count = 12;
 
+/// The enumerator's name, e.g. "float32"; "invalid" for a value that is not one.
 [[nodiscard]] constexpr std::string_view to_string(DType t) noexcept {
   switch (t) {
     case DType::int8: return "int8";
@@ -193,6 +208,8 @@ inline constexpr int dtype_count = 10;
     case DType::float32: return "float32";
     case DType::float64: return "float64";
     case DType::bfloat16: return "bfloat16";
+    case DType::int16: return "int16";
+    case DType::uint16: return "uint16";
   }
   return "invalid";
 }
@@ -202,6 +219,8 @@ inline constexpr int dtype_count = 10;
   switch (t) {
     case DType::int8:
     case DType::uint8: return 1;
+    case DType::int16:
+    case DType::uint16:
     case DType::float16:
     case DType::bfloat16: return 2;
     case DType::int32:
@@ -214,6 +233,7 @@ inline constexpr int dtype_count = 10;
   return 0;
 }
 
+/// True for float16, bfloat16, float32 and float64.
 [[nodiscard]] constexpr bool is_floating_point(DType t) noexcept {
   return t == DType::float16 || t == DType::bfloat16 || t == DType::float32 || t == DType::float64;
 }
@@ -230,12 +250,13 @@ template <class T>
   requires(std::is_integral_v<T> && !std::is_same_v<T, bool> && !std::is_same_v<T, char> &&
            !std::is_same_v<T, wchar_t> && !std::is_same_v<T, char8_t> &&
            !std::is_same_v<T, char16_t> && !std::is_same_v<T, char32_t> &&
-           (sizeof(T) == 1 || sizeof(T) == 4 || sizeof(T) == 8))
+           (sizeof(T) == 1 || sizeof(T) == 2 || sizeof(T) == 4 || sizeof(T) == 8))
 struct dtype_of_impl<T> {
-  static constexpr DType value = sizeof(T) == 1 ? (std::is_signed_v<T> ? DType::int8 : DType::uint8)
-                                 : sizeof(T) == 4
-                                     ? (std::is_signed_v<T> ? DType::int32 : DType::uint32)
-                                     : (std::is_signed_v<T> ? DType::int64 : DType::uint64);
+  static constexpr DType value =
+      sizeof(T) == 1   ? (std::is_signed_v<T> ? DType::int8 : DType::uint8)
+      : sizeof(T) == 2 ? (std::is_signed_v<T> ? DType::int16 : DType::uint16)
+      : sizeof(T) == 4 ? (std::is_signed_v<T> ? DType::int32 : DType::uint32)
+                       : (std::is_signed_v<T> ? DType::int64 : DType::uint64);
 };
 template <>
 struct dtype_of_impl<float> {
@@ -255,7 +276,7 @@ struct dtype_of_impl<bfloat16> {
 };
 }  // namespace detail
 
-/// A type that collectives can carry: the fixed-width integers of 8, 32 and 64 bits (signed
+/// A type that collectives can carry: the fixed-width integers of 8, 16, 32 and 64 bits (signed
 /// char and unsigned char included, plain char, bool and the character types excluded), half,
 /// bfloat16, float and double.
 template <class T>
@@ -270,8 +291,10 @@ inline constexpr DType dtype_of = detail::dtype_of_impl<std::remove_cv_t<T>>::va
 /// Reduction operators, as in torch.distributed.ReduceOp (stable numbering, 1:1 with ncclRedOp_t).
 enum class ReduceOp : std::uint8_t { sum = 0, prod = 1, max = 2, min = 3, avg = 4 };
 
+/// The number of ReduceOp enumerators (one past the largest value).
 inline constexpr int reduce_op_count = 5;
 
+/// The enumerator's name, e.g. "sum"; "invalid" for a value that is not one.
 [[nodiscard]] constexpr std::string_view to_string(ReduceOp op) noexcept {
   switch (op) {
     case ReduceOp::sum: return "sum";
@@ -283,6 +306,7 @@ inline constexpr int reduce_op_count = 5;
   return "invalid";
 }
 
+/// True for the enumerators above; false for a value decoded from untrusted bytes that is not one.
 [[nodiscard]] constexpr bool is_valid(ReduceOp op) noexcept {
   return static_cast<unsigned>(op) < static_cast<unsigned>(reduce_op_count);
 }
@@ -297,22 +321,28 @@ inline constexpr int reduce_op_count = 5;
 /// Where a buffer lives.
 enum class DeviceKind : std::uint8_t { cpu = 0, cuda = 1 };
 
+/// "cpu" or "cuda"; "invalid" for a value that is not one.
 [[nodiscard]] constexpr std::string_view to_string(DeviceKind k) noexcept {
   return k == DeviceKind::cpu ? "cpu" : k == DeviceKind::cuda ? "cuda" : "invalid";
 }
 
 /// A device: the host, or CUDA device `index`.
 struct Device {
-  DeviceKind kind = DeviceKind::cpu;
-  int index = 0;
+  DeviceKind kind = DeviceKind::cpu;  ///< The host or a CUDA device.
+  int index = 0;                      ///< The CUDA device ordinal; 0 for the host.
 
+  /// The host.
   [[nodiscard]] static constexpr Device cpu() noexcept { return {DeviceKind::cpu, 0}; }
+  /// CUDA device `index`.
   [[nodiscard]] static constexpr Device cuda(int index = 0) noexcept {
     return {DeviceKind::cuda, index};
   }
+  /// Whether this is the host.
   [[nodiscard]] constexpr bool is_cpu() const noexcept { return kind == DeviceKind::cpu; }
+  /// Whether this is a CUDA device.
   [[nodiscard]] constexpr bool is_cuda() const noexcept { return kind == DeviceKind::cuda; }
 
+  /// Same kind and same index.
   friend constexpr bool operator==(const Device&, const Device&) = default;
 };
 
@@ -343,9 +373,12 @@ struct SmallFloatLimits {
 
 namespace std {
 
+/// std::numeric_limits for ddp::half: the IEEE 754 binary16 format.
 template <>
 class numeric_limits<ddp::half> : public ddp::detail::SmallFloatLimits {
  public:
+  /// The standard members, with the values of binary16 (11-bit significand, exponents -14..15).
+  ///@{
   static constexpr bool is_iec559 = true;
   static constexpr int digits = 11;
   static constexpr int digits10 = 3;
@@ -363,11 +396,15 @@ class numeric_limits<ddp::half> : public ddp::detail::SmallFloatLimits {
   static constexpr ddp::half quiet_NaN() noexcept { return ddp::half::from_bits(0x7e00); }
   static constexpr ddp::half signaling_NaN() noexcept { return ddp::half::from_bits(0x7d00); }
   static constexpr ddp::half denorm_min() noexcept { return ddp::half::from_bits(0x0001); }
+  ///@}
 };
 
+/// std::numeric_limits for ddp::bfloat16: float's exponent range with an 8-bit significand.
 template <>
 class numeric_limits<ddp::bfloat16> : public ddp::detail::SmallFloatLimits {
  public:
+  /// The standard members, with the values of bfloat16 (8-bit significand, float's exponents).
+  ///@{
   static constexpr bool is_iec559 = false;
   static constexpr int digits = 8;
   static constexpr int digits10 = 2;
@@ -387,6 +424,7 @@ class numeric_limits<ddp::bfloat16> : public ddp::detail::SmallFloatLimits {
     return ddp::bfloat16::from_bits(0x7fa0);
   }
   static constexpr ddp::bfloat16 denorm_min() noexcept { return ddp::bfloat16::from_bits(0x0001); }
+  ///@}
 };
 
 }  // namespace std

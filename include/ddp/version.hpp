@@ -31,6 +31,11 @@
 
 #include <string_view>
 
+/// \namespace ddp
+/// Everything ddp declares: communicators, backends, launchers, the training helpers and the
+/// tensor customization points. Written ddp::X; declared inside an inline namespace named after
+/// the major version (DDP_ABI_NAMESPACE), so that two incompatible copies cannot be mixed.
+
 DDP_BEGIN_NAMESPACE
 
 /// The version of the headers this translation unit was compiled against, as "MAJOR.MINOR.PATCH".
@@ -38,11 +43,12 @@ DDP_BEGIN_NAMESPACE
 
 /// The version as numbers, for comparisons at run time.
 struct VersionInfo {
-  int major;
-  int minor;
-  int patch;
+  int major;  ///< DDP_VERSION_MAJOR: incompatible API changes.
+  int minor;  ///< DDP_VERSION_MINOR: compatible additions.
+  int patch;  ///< DDP_VERSION_PATCH: fixes.
 };
 
+/// The version of the headers this translation unit was compiled against, as numbers.
 [[nodiscard]] constexpr VersionInfo version_info() noexcept {
   return {DDP_VERSION_MAJOR, DDP_VERSION_MINOR, DDP_VERSION_PATCH};
 }

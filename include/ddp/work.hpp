@@ -162,6 +162,7 @@ class Work {
  public:
   /// A Work that is already complete.
   Work() = default;
+  /// Wraps the shared state an executor completes; what the _async collectives return.
   explicit Work(std::shared_ptr<detail::WorkState> s) : state_(std::move(s)) {}
 
   /// Blocks until the operation has finished; rethrows its ddp::Error if it failed.

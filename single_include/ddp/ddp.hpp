@@ -11,7 +11,7 @@
 #define DDP_DDP_HPP
 
 /// \file
-/// The umbrella header: #include <ddp/ddp.hpp> for everything. Each part also stands alone.
+/// The umbrella header: `#include <ddp/ddp.hpp>` for everything. Each part also stands alone.
 
 // begin ddp/config.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -56,6 +56,11 @@
 
 #include <string_view>
 
+/// \namespace ddp
+/// Everything ddp declares: communicators, backends, launchers, the training helpers and the
+/// tensor customization points. Written ddp::X; declared inside an inline namespace named after
+/// the major version (DDP_ABI_NAMESPACE), so that two incompatible copies cannot be mixed.
+
 DDP_BEGIN_NAMESPACE
 
 /// The version of the headers this translation unit was compiled against, as "MAJOR.MINOR.PATCH".
@@ -63,11 +68,12 @@ DDP_BEGIN_NAMESPACE
 
 /// The version as numbers, for comparisons at run time.
 struct VersionInfo {
-  int major;
-  int minor;
-  int patch;
+  int major;  ///< DDP_VERSION_MAJOR: incompatible API changes.
+  int minor;  ///< DDP_VERSION_MINOR: compatible additions.
+  int patch;  ///< DDP_VERSION_PATCH: fixes.
 };
 
+/// The version of the headers this translation unit was compiled against, as numbers.
 [[nodiscard]] constexpr VersionInfo version_info() noexcept {
   return {DDP_VERSION_MAJOR, DDP_VERSION_MINOR, DDP_VERSION_PATCH};
 }
@@ -242,6 +248,7 @@ class ErrcCategory final : public std::error_category {
   return category;
 }
 
+/// The std::error_code of an Errc in error_category(); found by ADL for `std::error_code ec = e;`.
 [[nodiscard]] inline std::error_code make_error_code(Errc code) noexcept {
   return {static_cast<int>(code), error_category()};
 }
@@ -249,10 +256,14 @@ class ErrcCategory final : public std::error_category {
 /// The one exception type of ddp. `what()` is the full message; `code()` tells what happened.
 class Error : public std::runtime_error {
  public:
+  /// An error with the given code; `message` becomes what().
   Error(Errc code, const std::string& message) : std::runtime_error(message), code_(code) {}
+  /// An error with the given code; `message` becomes what().
   Error(Errc code, const char* message) : std::runtime_error(message), code_(code) {}
 
+  /// What went wrong.
   [[nodiscard]] Errc code() const noexcept { return code_; }
+  /// code() as a std::error_code in ddp::error_category().
   [[nodiscard]] std::error_code error_code() const noexcept { return make_error_code(code_); }
 
  private:
@@ -448,18 +459,23 @@ struct Float16Ops {
 /// float implicitly; arithmetic between two halves is done in float and rounded once.
 class half : public detail::Float16Ops<half> {
  public:
+  /// Positive zero.
   half() = default;
+  /// `value` converted to float, then rounded to the nearest half (ties to even).
   template <class T>
     requires std::is_arithmetic_v<T>
   constexpr explicit half(T value) noexcept
       : bits_(detail::float_to_half_bits(static_cast<float>(value))) {}
+  /// The exact float value (every half is representable as a float).
   constexpr operator float() const noexcept { return detail::half_bits_to_float(bits_); }
 
+  /// The half whose binary16 encoding is `bits`.
   [[nodiscard]] static constexpr half from_bits(std::uint16_t bits) noexcept {
     half h;
     h.bits_ = bits;
     return h;
   }
+  /// The binary16 encoding: sign, 5 exponent bits, 10 mantissa bits.
   [[nodiscard]] constexpr std::uint16_t bits() const noexcept { return bits_; }
 
  private:
@@ -469,18 +485,23 @@ class half : public detail::Float16Ops<half> {
 /// bfloat16 (the top half of an IEEE binary32): same range as float, 8 bits of precision.
 class bfloat16 : public detail::Float16Ops<bfloat16> {
  public:
+  /// Positive zero.
   bfloat16() = default;
+  /// `value` converted to float, then rounded to the nearest bfloat16 (ties to even).
   template <class T>
     requires std::is_arithmetic_v<T>
   constexpr explicit bfloat16(T value) noexcept
       : bits_(detail::float_to_bfloat16_bits(static_cast<float>(value))) {}
+  /// The exact float value (the encoding padded with 16 zero bits).
   constexpr operator float() const noexcept { return detail::bfloat16_bits_to_float(bits_); }
 
+  /// The bfloat16 whose encoding is `bits` (the top 16 bits of a binary32).
   [[nodiscard]] static constexpr bfloat16 from_bits(std::uint16_t bits) noexcept {
     bfloat16 h;
     h.bits_ = bits;
     return h;
   }
+  /// The encoding: sign, 8 exponent bits, 7 mantissa bits.
   [[nodiscard]] constexpr std::uint16_t bits() const noexcept { return bits_; }
 
  private:
@@ -491,7 +512,8 @@ static_assert(sizeof(half) == 2 && std::is_trivially_copyable_v<half>);
 static_assert(sizeof(bfloat16) == 2 && std::is_trivially_copyable_v<bfloat16>);
 
 /// Element types a collective can carry. The numbering is stable (it is sent on the wire) and
-/// matches ncclDataType_t's set of types.
+/// matches ncclDataType_t's set of types, plus the 16-bit integers (which NCCL moves but cannot
+/// reduce).
 enum class DType : std::uint8_t {
   int8 = 0,
   uint8 = 1,
@@ -503,10 +525,14 @@ enum class DType : std::uint8_t {
   float32 = 7,
   float64 = 8,
   bfloat16 = 9,
+  int16 = 10,
+  uint16 = 11,
 };
 
-inline constexpr int dtype_count = 10;
+/// The number of DType enumerators (one past the largest value).
+inline constexpr int dtype_count = 12;
 
+/// The enumerator's name, e.g. "float32"; "invalid" for a value that is not one.
 [[nodiscard]] constexpr std::string_view to_string(DType t) noexcept {
   switch (t) {
     case DType::int8: return "int8";
@@ -519,6 +545,8 @@ inline constexpr int dtype_count = 10;
     case DType::float32: return "float32";
     case DType::float64: return "float64";
     case DType::bfloat16: return "bfloat16";
+    case DType::int16: return "int16";
+    case DType::uint16: return "uint16";
   }
   return "invalid";
 }
@@ -528,6 +556,8 @@ inline constexpr int dtype_count = 10;
   switch (t) {
     case DType::int8:
     case DType::uint8: return 1;
+    case DType::int16:
+    case DType::uint16:
     case DType::float16:
     case DType::bfloat16: return 2;
     case DType::int32:
@@ -540,6 +570,7 @@ inline constexpr int dtype_count = 10;
   return 0;
 }
 
+/// True for float16, bfloat16, float32 and float64.
 [[nodiscard]] constexpr bool is_floating_point(DType t) noexcept {
   return t == DType::float16 || t == DType::bfloat16 || t == DType::float32 || t == DType::float64;
 }
@@ -556,12 +587,13 @@ template <class T>
   requires(std::is_integral_v<T> && !std::is_same_v<T, bool> && !std::is_same_v<T, char> &&
            !std::is_same_v<T, wchar_t> && !std::is_same_v<T, char8_t> &&
            !std::is_same_v<T, char16_t> && !std::is_same_v<T, char32_t> &&
-           (sizeof(T) == 1 || sizeof(T) == 4 || sizeof(T) == 8))
+           (sizeof(T) == 1 || sizeof(T) == 2 || sizeof(T) == 4 || sizeof(T) == 8))
 struct dtype_of_impl<T> {
-  static constexpr DType value = sizeof(T) == 1 ? (std::is_signed_v<T> ? DType::int8 : DType::uint8)
-                                 : sizeof(T) == 4
-                                     ? (std::is_signed_v<T> ? DType::int32 : DType::uint32)
-                                     : (std::is_signed_v<T> ? DType::int64 : DType::uint64);
+  static constexpr DType value =
+      sizeof(T) == 1   ? (std::is_signed_v<T> ? DType::int8 : DType::uint8)
+      : sizeof(T) == 2 ? (std::is_signed_v<T> ? DType::int16 : DType::uint16)
+      : sizeof(T) == 4 ? (std::is_signed_v<T> ? DType::int32 : DType::uint32)
+                       : (std::is_signed_v<T> ? DType::int64 : DType::uint64);
 };
 template <>
 struct dtype_of_impl<float> {
@@ -581,7 +613,7 @@ struct dtype_of_impl<bfloat16> {
 };
 }  // namespace detail
 
-/// A type that collectives can carry: the fixed-width integers of 8, 32 and 64 bits (signed
+/// A type that collectives can carry: the fixed-width integers of 8, 16, 32 and 64 bits (signed
 /// char and unsigned char included, plain char, bool and the character types excluded), half,
 /// bfloat16, float and double.
 template <class T>
@@ -596,8 +628,10 @@ inline constexpr DType dtype_of = detail::dtype_of_impl<std::remove_cv_t<T>>::va
 /// Reduction operators, as in torch.distributed.ReduceOp (stable numbering, 1:1 with ncclRedOp_t).
 enum class ReduceOp : std::uint8_t { sum = 0, prod = 1, max = 2, min = 3, avg = 4 };
 
+/// The number of ReduceOp enumerators (one past the largest value).
 inline constexpr int reduce_op_count = 5;
 
+/// The enumerator's name, e.g. "sum"; "invalid" for a value that is not one.
 [[nodiscard]] constexpr std::string_view to_string(ReduceOp op) noexcept {
   switch (op) {
     case ReduceOp::sum: return "sum";
@@ -609,6 +643,7 @@ inline constexpr int reduce_op_count = 5;
   return "invalid";
 }
 
+/// True for the enumerators above; false for a value decoded from untrusted bytes that is not one.
 [[nodiscard]] constexpr bool is_valid(ReduceOp op) noexcept {
   return static_cast<unsigned>(op) < static_cast<unsigned>(reduce_op_count);
 }
@@ -623,22 +658,28 @@ inline constexpr int reduce_op_count = 5;
 /// Where a buffer lives.
 enum class DeviceKind : std::uint8_t { cpu = 0, cuda = 1 };
 
+/// "cpu" or "cuda"; "invalid" for a value that is not one.
 [[nodiscard]] constexpr std::string_view to_string(DeviceKind k) noexcept {
   return k == DeviceKind::cpu ? "cpu" : k == DeviceKind::cuda ? "cuda" : "invalid";
 }
 
 /// A device: the host, or CUDA device `index`.
 struct Device {
-  DeviceKind kind = DeviceKind::cpu;
-  int index = 0;
+  DeviceKind kind = DeviceKind::cpu;  ///< The host or a CUDA device.
+  int index = 0;                      ///< The CUDA device ordinal; 0 for the host.
 
+  /// The host.
   [[nodiscard]] static constexpr Device cpu() noexcept { return {DeviceKind::cpu, 0}; }
+  /// CUDA device `index`.
   [[nodiscard]] static constexpr Device cuda(int index = 0) noexcept {
     return {DeviceKind::cuda, index};
   }
+  /// Whether this is the host.
   [[nodiscard]] constexpr bool is_cpu() const noexcept { return kind == DeviceKind::cpu; }
+  /// Whether this is a CUDA device.
   [[nodiscard]] constexpr bool is_cuda() const noexcept { return kind == DeviceKind::cuda; }
 
+  /// Same kind and same index.
   friend constexpr bool operator==(const Device&, const Device&) = default;
 };
 
@@ -669,9 +710,12 @@ struct SmallFloatLimits {
 
 namespace std {
 
+/// std::numeric_limits for ddp::half: the IEEE 754 binary16 format.
 template <>
 class numeric_limits<ddp::half> : public ddp::detail::SmallFloatLimits {
  public:
+  /// The standard members, with the values of binary16 (11-bit significand, exponents -14..15).
+  ///@{
   static constexpr bool is_iec559 = true;
   static constexpr int digits = 11;
   static constexpr int digits10 = 3;
@@ -689,11 +733,15 @@ class numeric_limits<ddp::half> : public ddp::detail::SmallFloatLimits {
   static constexpr ddp::half quiet_NaN() noexcept { return ddp::half::from_bits(0x7e00); }
   static constexpr ddp::half signaling_NaN() noexcept { return ddp::half::from_bits(0x7d00); }
   static constexpr ddp::half denorm_min() noexcept { return ddp::half::from_bits(0x0001); }
+  ///@}
 };
 
+/// std::numeric_limits for ddp::bfloat16: float's exponent range with an 8-bit significand.
 template <>
 class numeric_limits<ddp::bfloat16> : public ddp::detail::SmallFloatLimits {
  public:
+  /// The standard members, with the values of bfloat16 (8-bit significand, float's exponents).
+  ///@{
   static constexpr bool is_iec559 = false;
   static constexpr int digits = 8;
   static constexpr int digits10 = 2;
@@ -713,6 +761,7 @@ class numeric_limits<ddp::bfloat16> : public ddp::detail::SmallFloatLimits {
     return ddp::bfloat16::from_bits(0x7fa0);
   }
   static constexpr ddp::bfloat16 denorm_min() noexcept { return ddp::bfloat16::from_bits(0x0001); }
+  ///@}
 };
 
 }  // namespace std
@@ -811,11 +860,15 @@ class SplitMix64 {
 template <Dataset D>
 class Partition {
  public:
+  /// The `count` elements of `data` whose indices are order[first .. first + count); made by
+  /// DataPartitioner::use.
   Partition(const D& data, std::shared_ptr<const std::vector<std::size_t>> order, std::size_t first,
             std::size_t count)
       : data_(&data), order_(std::move(order)), first_(first), count_(count) {}
 
+  /// The number of elements in this part.
   [[nodiscard]] std::size_t size() const noexcept { return count_; }
+  /// Whether the part has no elements.
   [[nodiscard]] bool empty() const noexcept { return count_ == 0; }
   /// The dataset's element at this part's position i (no bounds check, like operator[] of vector).
   [[nodiscard]] decltype(auto) operator[](std::size_t i) const {
@@ -833,30 +886,40 @@ class Partition {
     return std::span<const std::size_t>(*order_).subspan(first_, count_);
   }
 
+  /// A forward iterator over the part's elements, in the part's order.
   class iterator {
    public:
-    using iterator_category = std::forward_iterator_tag;
-    using difference_type = std::ptrdiff_t;
+    using iterator_category = std::forward_iterator_tag;  ///< A forward iterator.
+    using difference_type = std::ptrdiff_t;               ///< Distance between positions.
+    /// The dataset's element type.
     using value_type = std::remove_cvref_t<decltype(std::declval<const D&>()[std::size_t{}])>;
+    /// A singular iterator (not attached to a part).
     iterator() = default;
+    /// Position `i` of part `*p`.
     iterator(const Partition* p, std::size_t i) : p_(p), i_(i) {}
+    /// The element at this position, as the dataset's operator[] returns it.
     decltype(auto) operator*() const { return (*p_)[i_]; }
+    /// Moves to the next position.
     iterator& operator++() {
       ++i_;
       return *this;
     }
+    /// Moves to the next position, returning the previous one.
     iterator operator++(int) {
       iterator t = *this;
       ++i_;
       return t;
     }
+    /// Same position (iterators of the same part).
     friend bool operator==(const iterator& a, const iterator& b) { return a.i_ == b.i_; }
 
    private:
     const Partition* p_ = nullptr;
     std::size_t i_ = 0;
   };
+  /// The first element.
   [[nodiscard]] iterator begin() const { return iterator(this, 0); }
+  /// Past the last element.
   [[nodiscard]] iterator end() const { return iterator(this, count_); }
 
  private:
@@ -897,6 +960,7 @@ class DataPartitioner {
     }
   }
 
+  /// Parts of the given fractions, written in braces: `DataPartitioner(data, {0.8, 0.2})`.
   DataPartitioner(const D& data, std::initializer_list<double> fractions, std::uint64_t seed = 1234)
       : DataPartitioner(data, std::vector<double>(fractions), seed) {}
 
@@ -909,6 +973,7 @@ class DataPartitioner {
   DataPartitioner(const D&& data, std::initializer_list<double>, std::uint64_t = 1234) = delete;
   DataPartitioner(const D&& data, int, std::uint64_t = 1234) = delete;
 
+  /// The number of parts.
   [[nodiscard]] std::size_t parts() const noexcept { return parts_.size(); }
 
   /// A view of part i; Errc::invalid_argument when there is no such part.
@@ -918,6 +983,7 @@ class DataPartitioner {
                    parts_.size(), " parts");
     return Partition<D>(*data_, order_, parts_[i].first, parts_[i].second);
   }
+  /// A view of part i (e.g. the rank); Errc::invalid_argument when i is negative or too large.
   [[nodiscard]] Partition<D> use(int i) const {
     if (i < 0) detail::fail(Errc::invalid_argument, "DataPartitioner::use(", i, "): negative");
     return use(static_cast<std::size_t>(i));
@@ -935,9 +1001,11 @@ class DataPartitioner {
   std::vector<std::pair<std::size_t, std::size_t>> parts_;  // (first, count)
 };
 
+/// How a DistributedSampler orders and splits the dataset (torch's constructor arguments).
 struct SamplerOptions {
   /// A new order each epoch (seed + epoch); off: 0, 1, 2, ...
   bool shuffle = true;
+  /// The shuffle's seed; must be the same on every rank.
   std::uint64_t seed = 0;
   /// Cut the tail instead of padding, so every rank gets floor(size / ranks) distinct samples.
   bool drop_last = false;
@@ -948,17 +1016,23 @@ struct SamplerOptions {
 
 /// Where a sampler is in an epoch, to resume a run (store it with the checkpoint).
 struct SamplerState {
+  /// The epoch in progress (set_epoch).
   std::uint64_t epoch = 0;
   /// Samples of this rank's shard already consumed in that epoch.
   std::uint64_t offset = 0;
+  /// SamplerOptions::seed, checked on restore.
   std::uint64_t seed = 0;
+  /// The dataset size, checked on restore.
   std::uint64_t dataset_size = 0;
+  /// The number of ranks, checked on restore.
   std::uint64_t num_replicas = 0;
 };
 
 /// torch.utils.data.DistributedSampler's semantics (see the file comment).
 class DistributedSampler {
  public:
+  /// Rank `rank`'s sampler of `dataset_size` samples over `num_replicas` ranks;
+  /// Errc::invalid_argument for a bad rank or count, or for exact together with drop_last.
   DistributedSampler(std::size_t dataset_size, int num_replicas, int rank,
                      SamplerOptions options = {})
       : n_(dataset_size), replicas_(num_replicas), rank_(rank), o_(options) {
@@ -978,6 +1052,7 @@ class DistributedSampler {
     epoch_ = epoch;
     offset_ = 0;
   }
+  /// The current epoch (0 until set_epoch).
   [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_; }
 
   /// Samples per rank in an epoch (for this rank: in exact mode, ranks differ by at most one).
@@ -1094,6 +1169,7 @@ DDP_BEGIN_NAMESPACE
 
 /// Per-channel statistics over every rank's samples.
 struct BatchStats {
+  /// Mean of each channel over all ranks' samples.
   std::vector<double> mean;
   /// Biased (population) variance: what batch normalization divides by.
   std::vector<double> var;
@@ -1193,16 +1269,19 @@ DDP_BEGIN_NAMESPACE
 /// default stream). T may be const for read-only buffers.
 template <class T>
 struct TensorView {
-  using element_type = T;
-  using value_type = std::remove_cv_t<T>;
+  using element_type = T;                  ///< The element type, const for a read-only view.
+  using value_type = std::remove_cv_t<T>;  ///< The element type without const.
 
-  T* data = nullptr;
-  std::size_t size = 0;
-  Device device{};
-  void* stream = nullptr;
+  T* data = nullptr;       ///< The first element.
+  std::size_t size = 0;    ///< The number of elements.
+  Device device{};         ///< Where the elements are.
+  void* stream = nullptr;  ///< CUDA: the stream whose work produced the data (nullptr: default)
 
+  /// size * sizeof(T).
   [[nodiscard]] constexpr std::size_t bytes() const noexcept { return size * sizeof(T); }
+  /// Whether size is 0.
   [[nodiscard]] constexpr bool empty() const noexcept { return size == 0; }
+  /// The DType of the elements (dtype_of<value_type>).
   [[nodiscard]] static constexpr DType dtype() noexcept requires Scalar<value_type> {
     return dtype_of<value_type>;
   }
@@ -1218,8 +1297,11 @@ struct TensorView {
   }
 
   /// Host-side iteration (only meaningful when device.is_cpu()).
+  ///@{
   [[nodiscard]] constexpr T* begin() const noexcept { return data; }
   [[nodiscard]] constexpr T* end() const noexcept { return data + size; }
+  ///@}
+  /// Element `i`, unchecked (only meaningful when device.is_cpu()).
   [[nodiscard]] constexpr T& operator[](std::size_t i) const noexcept { return data[i]; }
 
   /// A read-only view of the same elements.
@@ -1228,6 +1310,7 @@ struct TensorView {
   }
 };
 
+/// `TensorView{ptr, n, ...}` deduces the element type from the pointer.
 template <class T, class... Rest>
 TensorView(T*, Rest...) -> TensorView<T>;
 
@@ -1235,10 +1318,10 @@ TensorView(T*, Rest...) -> TensorView<T>;
 /// returns (see the file comment). Collectives check it when they are called and raise
 /// Errc::invalid_argument naming the rank, the collective and the argument when it cannot be used.
 struct DynamicView {
-  void* data = nullptr;
-  std::size_t size = 0;  ///< elements
-  DType dtype = DType::float32;
-  Device device{};
+  void* data = nullptr;          ///< the first element
+  std::size_t size = 0;          ///< elements
+  DType dtype = DType::float32;  ///< the element type, as the framework reports it
+  Device device{};               ///< where the elements are
   void* stream = nullptr;  ///< CUDA: the stream whose work produced the data (nullptr: default)
   /// The elements are dense and in order, so `size` of them from `data` are the tensor. A
   /// collective refuses a view that is not (it would read or write the wrong elements).
@@ -1271,6 +1354,7 @@ struct tensor_traits {};
 /// only at run time.
 template <class T>
 struct tensor_traits<TensorView<T>> {
+  /// `v` itself.
   static constexpr TensorView<T> view(const TensorView<T>& v) noexcept { return v; }
 };
 
@@ -1392,6 +1476,64 @@ concept TensorLike = Viewable<T> &&(DynamicTensor<T> || Scalar<tensor_value_t<T>
 template <class T>
 concept MutableTensor = TensorLike<T> && !std::is_const_v<tensor_element_type_t<T>>;
 
+namespace detail {
+template <class>
+inline constexpr bool always_false = false;
+
+/// A range whose elements are not objects in memory (std::vector<bool>, a transforming view).
+template <class U>
+concept proxy_range =
+    std::ranges::range<U&> && !std::is_lvalue_reference_v<std::ranges::range_reference_t<U&>>;
+
+/// True when T can be a collective's argument (written to when Output); otherwise the first
+/// error the compiler prints says why, instead of "no matching function" and 20 lines of
+/// unsatisfied constraints. The collectives' template parameters use it (tensor_input /
+/// tensor_output below), so a wrong type is a hard error there, not a silent non-match.
+template <class T, bool Output>
+consteval bool explain_tensor_argument() {
+  using U = std::remove_reference_t<T>;
+  if constexpr (Output ? MutableTensor<T> : TensorLike<T>) {
+    return true;
+  } else if constexpr (!Viewable<T> && proxy_range<U>) {
+    static_assert(always_false<T>,
+                  "ddp: this range has no elements in memory to send (std::vector<bool> packs "
+                  "bits; a view computes its values): use std::vector<std::uint8_t> for flags, "
+                  "or copy the values into a std::vector");
+  } else if constexpr (!Viewable<T> && std::ranges::range<U&> &&
+                       !std::ranges::contiguous_range<U&>) {
+    static_assert(always_false<T>,
+                  "ddp: this range is not contiguous (std::list, std::deque, std::set, std::map, "
+                  "...): a collective moves one block of memory; copy the values into a "
+                  "std::vector, or give ddp::tensor_traits<T> a view() of the memory");
+  } else if constexpr (!Viewable<T>) {
+    static_assert(always_false<T>,
+                  "ddp: this type is not a tensor ddp knows: specialize ddp::tensor_traits<T> "
+                  "(in namespace ddp, visible where the collective is called) with static "
+                  "ddp::TensorView<E> view(T&), or give T a member ddp_view(); see ddp/tensor.hpp "
+                  "and the README's 'Adapting your tensor type'");
+  } else if constexpr (!DynamicTensor<T> && !Scalar<tensor_value_t<T>>) {
+    static_assert(always_false<T>,
+                  "ddp: the element type is not one a collective carries; ddp carries int8, "
+                  "int16, int32, int64, uint8, uint16, uint32, uint64, ddp::half, "
+                  "ddp::bfloat16, float and double (not bool, char, long double or "
+                  "std::complex: a std::complex<float> buffer travels as a std::span<float> of "
+                  "twice the size)");
+  } else {
+    static_assert(always_false<T>,
+                  "ddp: this argument is written to, but its elements are const: pass a "
+                  "non-const buffer");
+  }
+  return false;
+}
+
+/// A collective's input: TensorLike, else a compile error that says why.
+template <class T>
+concept tensor_input = explain_tensor_argument<T, false>();
+/// A collective's output: MutableTensor, else a compile error that says why.
+template <class T>
+concept tensor_output = explain_tensor_argument<T, true>();
+}  // namespace detail
+
 /// Where T's buffer lives if its type says so: DeviceKind::cpu for ranges, the traits'
 /// device_kind for adapted types, std::nullopt when only the TensorView knows (at run time).
 template <Viewable T>
@@ -1461,8 +1603,8 @@ DDP_END_NAMESPACE
 ///    | device_kind | `static constexpr DeviceKind device_kind` | cpu (host memory) |
 ///    | splits | `std::unique_ptr<B> split(color, key)` | split() over the store |
 ///    | converts_wire | `all_reduce_as(Buf, ReduceOp, DType wire)` | convert around all_reduce |
-///    | reduces_many | `all_reduce_many(std::span<const Buf>, ReduceOp)` | one all_reduce per
-///    buffer | | has_device | `int device()` (the CUDA device it uses) | — |
+///    | reduces_many | `all_reduce_many(std::span<const Buf>, ReduceOp)` | one all_reduce each |
+///    | has_device | `int device()` (the CUDA device it uses) | — |
 ///
 /// backend::Host (backend/host.hpp), backend::Nccl (backend/nccl.hpp) and backend::Mpi
 /// (backend/mpi.hpp) implement it; a new backend needs only this header.
@@ -1774,6 +1916,8 @@ enum class HostTransport : std::uint8_t {
   tcp,        ///< TCP, even on one host (what multi-host runs use)
 };
 
+/// How a communicator is made and behaves: timeouts, the rendezvous secret, transports,
+/// verification and the flight recorder (see the file comment for which backend reads what).
 struct Options {
   /// The longest any single wait may take (a collective, the rendezvous, a store call) before
   /// Errc::timeout. A peer that dies is reported sooner (Errc::peer_lost). Default: 5 minutes
@@ -2717,11 +2861,15 @@ class Store {
     std::lock_guard lock(conn_->mutex);
     return !conn_->dead.empty();
   }
+  /// The prefix this view puts before every key ("" for the root view).
   [[nodiscard]] const std::string& prefix() const noexcept { return prefix_; }
+  /// The default timeout of every call (StoreOptions::timeout).
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept {
     return conn_->options.timeout;
   }
+  /// The server's host, as given to the constructor.
   [[nodiscard]] const std::string& host() const noexcept { return conn_->host; }
+  /// The server's port.
   [[nodiscard]] int port() const noexcept { return conn_->port; }
   /// The local address of the connection to the store (the interface that reaches it).
   [[nodiscard]] std::string local_address() const {
@@ -2730,6 +2878,7 @@ class Store {
     return detail::local_address(conn_->fd.get());
   }
 
+  /// Sets `key` (under this view's prefix) to `value`, waking those waiting for it.
   void set(std::string_view key, std::string_view value) {
     std::string req = header(Op::set);
     detail::ByteWriter w(req);
@@ -2740,6 +2889,7 @@ class Store {
 
   /// The value of key, waiting up to the store's timeout for it to appear.
   [[nodiscard]] std::string get(std::string_view key) { return get(key, conn_->options.timeout); }
+  /// The value of key, waiting up to `timeout` for it to appear (then Errc::timeout).
   [[nodiscard]] std::string get(std::string_view key, std::chrono::milliseconds timeout) {
     std::string req = header(Op::get);
     detail::ByteWriter w(req);
@@ -2753,6 +2903,7 @@ class Store {
 
   /// Waits until every key exists; Errc::timeout names the ones still missing.
   void wait(std::span<const std::string> keys) { wait(keys, conn_->options.timeout); }
+  /// Waits up to `timeout` until every key exists; Errc::timeout names the ones still missing.
   void wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) {
     std::string req = header(Op::wait);
     detail::ByteWriter w(req);
@@ -3097,6 +3248,9 @@ struct BackendInit {
 
 }  // namespace detail
 
+/// \namespace ddp::backend
+/// The backends a Communicator runs on: backend::Host, backend::Nccl and backend::Mpi.
+
 /// What Communicator needs from a backend: byte movement on type-erased buffers.
 template <class B>
 concept CommBackend = requires(B& b, const detail::Buf& buf, ReduceOp op, int i,
@@ -3142,6 +3296,7 @@ struct backend_traits {
     else
       return DeviceKind::cpu;
   }();
+  /// The backend moves CUDA device memory only (device_kind is DeviceKind::cuda).
   static constexpr bool device_only = device_kind == DeviceKind::cuda;
   /// The backend makes sub-groups itself (MPI_Comm_split, ncclCommSplit).
   static constexpr bool splits = requires(B & b, int i) {
@@ -3840,12 +3995,12 @@ DDP_BEGIN_NAMESPACE
 
 /// Where a process stands in the job, and where the rendezvous store is.
 struct Environment {
-  int rank = 0;
-  int world_size = 1;
-  int local_rank = 0;
-  int local_world_size = 1;
-  int node_rank = 0;
-  std::string master_addr = "127.0.0.1";
+  int rank = 0;                           ///< this process's rank in the job (RANK)
+  int world_size = 1;                     ///< the number of processes (WORLD_SIZE)
+  int local_rank = 0;                     ///< this process's rank on its host (LOCAL_RANK)
+  int local_world_size = 1;               ///< processes on this host (LOCAL_WORLD_SIZE)
+  int node_rank = 0;                      ///< this host's index in the job (NODE_RANK)
+  std::string master_addr = "127.0.0.1";  ///< host of rank 0's rendezvous store (MASTER_ADDR)
   int master_port = 0;  ///< 0: not set (only allowed when world_size == 1 or under MPI)
   /// The port of ddp's rendezvous store on master_addr: DDP_STORE_PORT when set; under torchrun,
   /// whose agent already serves its own (c10d) store on MASTER_PORT, MASTER_PORT + 1; otherwise
@@ -4675,7 +4830,9 @@ class StoreServer {
   StoreServer& operator=(const StoreServer&) = delete;
   ~StoreServer() { stop(); }
 
+  /// The port the server listens on (the one picked when 0 was asked for).
   [[nodiscard]] int port() const noexcept { return port_; }
+  /// The host the server was given to listen on.
   [[nodiscard]] const std::string& host() const noexcept { return host_; }
 
   /// Stops serving (idempotent). Connected clients see the connection close.
@@ -4873,14 +5030,16 @@ DDP_BEGIN_NAMESPACE
 
 /// One operation in a communicator's flight recorder.
 struct TraceRecord {
+  /// Where the operation is: waiting behind others, running, finished, or failed.
   enum class State : std::uint8_t { queued, running, done, failed };
-  std::uint64_t seq = 0;  ///< operations issued on this communicator before this one
-  const char* op = "";    ///< "all_reduce", "broadcast", ...
-  std::size_t bytes = 0;  ///< bytes of this rank's buffer(s)
-  State state = State::queued;
+  std::uint64_t seq = 0;        ///< operations issued on this communicator before this one
+  const char* op = "";          ///< "all_reduce", "broadcast", ...
+  std::size_t bytes = 0;        ///< bytes of this rank's buffer(s)
+  State state = State::queued;  ///< where it was when the record was read
   std::chrono::steady_clock::time_point issued{};  ///< when it was called (or queued)
 };
 
+/// The state's name: "queued", "running", "done" or "failed".
 [[nodiscard]] constexpr const char* to_string(TraceRecord::State s) noexcept {
   switch (s) {
     case TraceRecord::State::queued: return "queued";
@@ -5214,6 +5373,7 @@ class Work {
  public:
   /// A Work that is already complete.
   Work() = default;
+  /// Wraps the shared state an executor completes; what the _async collectives return.
   explicit Work(std::shared_ptr<detail::WorkState> s) : state_(std::move(s)) {}
 
   /// Blocks until the operation has finished; rethrows its ddp::Error if it failed.
@@ -5339,6 +5499,7 @@ struct CudaDeviceScope {
 /// Makes `device` current for the guard's lifetime, then restores the previous one.
 class CudaDeviceGuard {
  public:
+  /// Makes `device` current (remembering the current one).
   explicit CudaDeviceGuard(int device) {
     DDP_CUDA_CHECK(cudaGetDevice(&previous_));
     if (device != previous_) DDP_CUDA_CHECK(cudaSetDevice(device));
@@ -5361,7 +5522,9 @@ class CudaStream {
     CudaDeviceGuard g(device);
     DDP_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking));
   }
+  /// Takes over `o`'s stream; `o` is left empty.
   CudaStream(CudaStream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
+  /// Destroys this stream and takes over `o`'s; `o` is left empty.
   CudaStream& operator=(CudaStream&& o) noexcept {
     if (this != &o) {
       reset();
@@ -5373,6 +5536,7 @@ class CudaStream {
   CudaStream& operator=(const CudaStream&) = delete;
   ~CudaStream() { reset(); }
 
+  /// The stream handle (owned by this object; nullptr once moved from).
   [[nodiscard]] cudaStream_t get() const noexcept { return s_; }
   /// Blocks until every operation queued on the stream has finished.
   void synchronize() const { DDP_CUDA_CHECK(cudaStreamSynchronize(s_)); }
@@ -5388,8 +5552,11 @@ class CudaStream {
 /// An owned CUDA event without timing (the cheap kind), for ordering streams and for polling.
 class CudaEvent {
  public:
+  /// A new event on the current device.
   CudaEvent() { DDP_CUDA_CHECK(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming)); }
+  /// Takes over `o`'s event; `o` is left empty.
   CudaEvent(CudaEvent&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
+  /// Destroys this event and takes over `o`'s; `o` is left empty.
   CudaEvent& operator=(CudaEvent&& o) noexcept {
     if (this != &o) {
       reset();
@@ -5401,6 +5568,7 @@ class CudaEvent {
   CudaEvent& operator=(const CudaEvent&) = delete;
   ~CudaEvent() { reset(); }
 
+  /// The event handle (owned by this object; nullptr once moved from).
   [[nodiscard]] cudaEvent_t get() const noexcept { return e_; }
   /// Captures the work queued on `stream` so far.
   void record(cudaStream_t stream) { DDP_CUDA_CHECK(cudaEventRecord(e_, stream)); }
@@ -5413,6 +5581,7 @@ class CudaEvent {
     detail::cuda_check(rc, "cudaEventQuery");
     return true;
   }
+  /// Blocks until the captured work has finished.
   void synchronize() const { DDP_CUDA_CHECK(cudaEventSynchronize(e_)); }
 
  private:
@@ -5430,9 +5599,11 @@ class CudaEvent {
 template <Scalar T>
 class CudaBuffer {
  public:
+  /// Tells ddp's tensor_traits that this type is device memory, when the program is compiled.
   static constexpr DeviceKind ddp_device_kind = DeviceKind::cuda;
-  using value_type = T;
+  using value_type = T;  ///< The element type.
 
+  /// An empty buffer (no memory).
   CudaBuffer() = default;
   /// Uninitialized memory for n elements on `device` (-1: the current device).
   explicit CudaBuffer(std::size_t n, int device = -1, cudaStream_t stream = nullptr)
@@ -5450,11 +5621,13 @@ class CudaBuffer {
       : CudaBuffer(host.size(), device, stream) {
     copy_from(host);
   }
+  /// Takes over `o`'s memory; `o` is left empty.
   CudaBuffer(CudaBuffer&& o) noexcept
       : data_(std::exchange(o.data_, nullptr)),
         size_(std::exchange(o.size_, 0)),
         device_(o.device_),
         stream_(o.stream_) {}
+  /// Frees this buffer's memory and takes over `o`'s; `o` is left empty.
   CudaBuffer& operator=(CudaBuffer&& o) noexcept {
     if (this != &o) {
       release();
@@ -5469,12 +5642,20 @@ class CudaBuffer {
   CudaBuffer& operator=(const CudaBuffer&) = delete;
   ~CudaBuffer() { release(); }
 
+  /// The device pointer to the first element (nullptr when empty).
+  ///@{
   [[nodiscard]] T* data() noexcept { return data_; }
   [[nodiscard]] const T* data() const noexcept { return data_; }
+  ///@}
+  /// The number of elements.
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  /// size() * sizeof(T).
   [[nodiscard]] std::size_t bytes() const noexcept { return size_ * sizeof(T); }
+  /// Whether size() is 0.
   [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
+  /// The CUDA device the memory is on.
   [[nodiscard]] int device() const noexcept { return device_; }
+  /// The stream the buffer is associated with (nullptr: the legacy default stream).
   [[nodiscard]] cudaStream_t stream() const noexcept { return stream_; }
   /// Associates the buffer with another stream (collectives then order after that stream's work).
   void set_stream(cudaStream_t s) noexcept { stream_ = s; }
@@ -5499,12 +5680,15 @@ class CudaBuffer {
     if (size_ != 0) DDP_CUDA_CHECK(cudaMemsetAsync(data_, byte, bytes(), stream_));
   }
 
+  /// The buffer as a TensorView on Device::cuda(device()) with its stream; what ddp::view uses.
+  ///@{
   [[nodiscard]] TensorView<T> ddp_view() noexcept {
     return {data_, size_, Device::cuda(device_), stream_};
   }
   [[nodiscard]] TensorView<const T> ddp_view() const noexcept {
     return {data_, size_, Device::cuda(device_), stream_};
   }
+  ///@}
 
  private:
   void check_size(std::size_t n, const char* what) const {
@@ -5532,15 +5716,19 @@ class CudaBuffer {
 template <class T>
 class PinnedBuffer {
  public:
+  /// An empty buffer (no memory).
   PinnedBuffer() = default;
+  /// Uninitialized page-locked memory for `n` elements.
   explicit PinnedBuffer(std::size_t n) : size_(n) {
     if (n == 0) return;
     void* p = nullptr;
     DDP_CUDA_CHECK(cudaMallocHost(&p, n * sizeof(T)));
     data_ = static_cast<T*>(p);
   }
+  /// Takes over `o`'s memory; `o` is left empty.
   PinnedBuffer(PinnedBuffer&& o) noexcept
       : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  /// Frees this buffer's memory and takes over `o`'s; `o` is left empty.
   PinnedBuffer& operator=(PinnedBuffer&& o) noexcept {
     if (this != &o) {
       release();
@@ -5553,15 +5741,25 @@ class PinnedBuffer {
   PinnedBuffer& operator=(const PinnedBuffer&) = delete;
   ~PinnedBuffer() { release(); }
 
+  /// The first element (nullptr when empty).
+  ///@{
   [[nodiscard]] T* data() noexcept { return data_; }
   [[nodiscard]] const T* data() const noexcept { return data_; }
+  ///@}
+  /// The number of elements.
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  /// The elements as a contiguous range.
+  ///@{
   [[nodiscard]] T* begin() noexcept { return data_; }
   [[nodiscard]] T* end() noexcept { return data_ + size_; }
   [[nodiscard]] const T* begin() const noexcept { return data_; }
   [[nodiscard]] const T* end() const noexcept { return data_ + size_; }
+  ///@}
+  /// Element `i` (unchecked).
+  ///@{
   [[nodiscard]] T& operator[](std::size_t i) noexcept { return data_[i]; }
   [[nodiscard]] const T& operator[](std::size_t i) const noexcept { return data_[i]; }
+  ///@}
 
  private:
   void release() noexcept {
@@ -6126,6 +6324,8 @@ constexpr ReduceFn reduce_fn_for(ReduceOp op) {
   switch (t) {
     case DType::int8: return reduce_fn_for<std::int8_t>(op);
     case DType::uint8: return reduce_fn_for<std::uint8_t>(op);
+    case DType::int16: return reduce_fn_for<std::int16_t>(op);
+    case DType::uint16: return reduce_fn_for<std::uint16_t>(op);
     case DType::int32: return reduce_fn_for<std::int32_t>(op);
     case DType::uint32: return reduce_fn_for<std::uint32_t>(op);
     case DType::int64: return reduce_fn_for<std::int64_t>(op);
@@ -6267,6 +6467,8 @@ DDP_END_NAMESPACE
 
 DDP_BEGIN_NAMESPACE
 
+/// How values of T are encoded: a static encode(Encoder&, const T&) and a static
+/// T decode(Decoder&). Specialize it for your own types (see the file comment).
 template <class T>
 struct codec;
 
@@ -6280,14 +6482,19 @@ concept Encodable = requires(Encoder& e, Decoder& d, const T& v) {
   { codec<T>::decode(d) } -> std::same_as<T>;
 };
 
+/// Appends encoded values to a string; what a codec's encode() writes with.
 class Encoder {
  public:
+  /// Appends to `out` (which must outlive the encoder).
   explicit Encoder(std::string& out) : out_(out) {}
+  /// Appends `value` with codec<T>.
   template <class T>
   void put(const T& value) {
     codec<T>::encode(*this, value);
   }
+  /// Appends `n` raw bytes.
   void bytes(const void* data, std::size_t n) { out_.append(static_cast<const char*>(data), n); }
+  /// Appends an element count (8 bytes), read back by Decoder::count.
   void count(std::size_t n) {
     const auto v = static_cast<std::uint64_t>(n);
     bytes(&v, sizeof v);
@@ -6297,12 +6504,15 @@ class Encoder {
   std::string& out_;
 };
 
+/// Reads values back from `n` bytes, checking every length against the input left.
 class Decoder {
  public:
-  static constexpr int max_depth = 64;
+  static constexpr int max_depth = 64;  ///< Deepest nesting of get() calls accepted.
 
+  /// Reads from `data`, `n` bytes (which must outlive the decoder).
   Decoder(const void* data, std::size_t n) : p_(static_cast<const std::byte*>(data)), left_(n) {}
 
+  /// The next value, read with codec<T>; Errc::invalid_argument past max_depth nesting.
   template <class T>
   [[nodiscard]] T get() {
     if (++depth_ > max_depth)
@@ -6311,6 +6521,7 @@ class Decoder {
     --depth_;
     return v;
   }
+  /// Copies the next `n` bytes to `out`; Errc::invalid_argument if fewer are left.
   void bytes(void* out, std::size_t n) {
     if (n > left_) {
       detail::fail(Errc::invalid_argument, "object decode: input truncated (needs ", n,
@@ -6331,6 +6542,7 @@ class Decoder {
     }
     return static_cast<std::size_t>(n);
   }
+  /// The number of bytes not yet read.
   [[nodiscard]] std::size_t left() const noexcept { return left_; }
 
  private:
@@ -6362,10 +6574,13 @@ constexpr std::size_t min_encoded_bytes() {
 }
 }  // namespace detail
 
+/// Trivially copyable types (bool and std::optional excepted): sent as their bytes.
 template <class T>
   requires detail::RawEncodable<T>
 struct codec<T> {
+  /// Appends the bytes of `v`.
   static void encode(Encoder& e, const T& v) { e.bytes(&v, sizeof v); }
+  /// Reads sizeof(T) bytes.
   static T decode(Decoder& d) {
     T v;
     d.bytes(&v, sizeof v);
@@ -6373,12 +6588,15 @@ struct codec<T> {
   }
 };
 
+/// bool: one byte, 0 or 1; any other byte is refused.
 template <>
 struct codec<bool> {
+  /// Appends 1 or 0.
   static void encode(Encoder& e, const bool& v) {
     const std::uint8_t b = v ? 1 : 0;
     e.bytes(&b, 1);
   }
+  /// Reads one byte; Errc::invalid_argument unless it is 0 or 1.
   static bool decode(Decoder& d) {
     std::uint8_t b = 0;
     d.bytes(&b, 1);
@@ -6387,12 +6605,15 @@ struct codec<bool> {
   }
 };
 
+/// std::string: its length, then its bytes.
 template <>
 struct codec<std::string> {
+  /// Appends the length and the characters.
   static void encode(Encoder& e, const std::string& s) {
     e.count(s.size());
     e.bytes(s.data(), s.size());
   }
+  /// Reads a length (checked against the input left), then the characters.
   static std::string decode(Decoder& d) {
     std::string s(d.count(1), '\0');
     d.bytes(s.data(), s.size());
@@ -6400,8 +6621,10 @@ struct codec<std::string> {
   }
 };
 
+/// std::vector: its size, then its elements (in one block when they are raw bytes).
 template <class T>
 struct codec<std::vector<T>> {
+  /// Appends the size and every element.
   static void encode(Encoder& e, const std::vector<T>& v) {
     e.count(v.size());
     if constexpr (detail::RawEncodable<T>) {
@@ -6410,6 +6633,7 @@ struct codec<std::vector<T>> {
       for (const auto& x : v) e.put<T>(x);
     }
   }
+  /// Reads a size (checked against the input left), then that many elements.
   static std::vector<T> decode(Decoder& d) {
     const std::size_t n = d.count(detail::min_encoded_bytes<T>());
     std::vector<T> v;
@@ -6424,13 +6648,16 @@ struct codec<std::vector<T>> {
   }
 };
 
+/// std::pair that is not trivially copyable: first, then second.
 template <class A, class B>
   requires(!detail::RawEncodable<std::pair<A, B>>)
 struct codec<std::pair<A, B>> {
+  /// Appends first, then second.
   static void encode(Encoder& e, const std::pair<A, B>& p) {
     e.put<A>(p.first);
     e.put<B>(p.second);
   }
+  /// Reads first, then second.
   static std::pair<A, B> decode(Decoder& d) {
     A a = d.get<A>();
     B b = d.get<B>();
@@ -6438,12 +6665,15 @@ struct codec<std::pair<A, B>> {
   }
 };
 
+/// std::optional: a flag byte (0 or 1), then the value if there is one.
 template <class T>
 struct codec<std::optional<T>> {
+  /// Appends the flag, then the value if there is one.
   static void encode(Encoder& e, const std::optional<T>& o) {
     e.put<std::uint8_t>(o.has_value() ? 1 : 0);
     if (o) e.put<T>(*o);
   }
+  /// Reads the flag (Errc::invalid_argument unless 0 or 1), then the value if it is 1.
   static std::optional<T> decode(Decoder& d) {
     const auto has = d.get<std::uint8_t>();
     if (has > 1)
@@ -6660,10 +6890,13 @@ DDP_END_NAMESPACE
 
 DDP_BEGIN_NAMESPACE
 
+/// A process group over `Backend` (backend::Host, backend::Mpi or backend::Nccl): every
+/// collective of torch.distributed on typed buffers, each with an _async twin that returns a
+/// Work. Made by init() (or split()); move-only.
 template <CommBackend Backend>
 class Communicator {
  public:
-  using backend_type = Backend;
+  using backend_type = Backend;  ///< The backend that moves the data.
   /// split() color for ranks that join no group (MPI_UNDEFINED).
   static constexpr int no_color = -1;
 
@@ -6716,7 +6949,9 @@ class Communicator {
   }
 
  public:
+  /// Takes over `other`'s process group; `other` is left invalid.
   Communicator(Communicator&&) noexcept = default;
+  /// Takes over `other`'s process group, releasing the one this communicator held.
   Communicator& operator=(Communicator&&) noexcept = default;
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
@@ -6724,10 +6959,15 @@ class Communicator {
 
   /// False for the result of split() with no_color.
   [[nodiscard]] bool valid() const noexcept { return state_ && state_->backend; }
+  /// This process's rank in the group, 0 .. size()-1.
   [[nodiscard]] int rank() const { return backend().rank(); }
+  /// The number of ranks in the group.
   [[nodiscard]] int size() const { return backend().size(); }
+  /// This process's rank among the group's ranks on this host.
   [[nodiscard]] int local_rank() const { return backend().local_rank(); }
+  /// The number of the group's ranks on this host.
   [[nodiscard]] int local_size() const { return backend().local_size(); }
+  /// The options the communicator was made with (after the DDP_* environment overrides).
   [[nodiscard]] const Options& options() const { return checked().options; }
   /// The backend, for backend-specific queries (e.g. backend().transport()).
   [[nodiscard]] Backend& backend() const { return *checked().backend; }
@@ -6735,11 +6975,12 @@ class Communicator {
   // ---- collectives -------------------------------------------------------------------------
 
   /// Reduces `buf` over all ranks, in place (every rank gets the result).
-  template <MutableTensor T>
+  template <detail::tensor_output T>
   void all_reduce(T&& buf, ReduceOp op = ReduceOp::sum) {
     exec_single(detail::Coll::all_reduce, arg(buf, "all_reduce", "buf"), op, 0);
   }
-  template <MutableTensor T>
+  /// all_reduce(), run asynchronously: returns at once; the buffers must outlive the Work.
+  template <detail::tensor_output T>
   [[nodiscard]] Work all_reduce_async(T&& buf, ReduceOp op = ReduceOp::sum) {
     return submit(detail::prepare_single(detail::Coll::all_reduce, arg(buf, "all_reduce", "buf"),
                                          op, 0, caller()));
@@ -6751,12 +6992,13 @@ class Communicator {
   /// and converting back; backend::Host fuses the conversions into its own passes over memory,
   /// other host-memory backends convert around a plain all_reduce. Not available for buffers
   /// that backend::Nccl moves (Errc::unsupported: ddp's headers carry no GPU kernels).
-  template <class W, MutableTensor T>
+  template <class W, detail::tensor_output T>
     requires(std::is_same_v<W, half> || std::is_same_v<W, bfloat16>)
   void all_reduce_as(T&& buf, ReduceOp op = ReduceOp::sum) {
     exec(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, dtype_of<W>));
   }
-  template <class W, MutableTensor T>
+  /// all_reduce_as(), run asynchronously: returns at once; the buffers must outlive the Work.
+  template <class W, detail::tensor_output T>
     requires(std::is_same_v<W, half> || std::is_same_v<W, bfloat16>)
   [[nodiscard]] Work all_reduce_as_async(T&& buf, ReduceOp op = ReduceOp::sum) {
     return submit(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, dtype_of<W>));
@@ -6765,13 +7007,14 @@ class Communicator {
   /// all_reduce of several buffers as one operation (torch's all_reduce_coalesced): one NCCL
   /// group on backend::Nccl (one launch, one wait), one buffer after another elsewhere.
   template <std::ranges::range R>
-    requires MutableTensor<std::ranges::range_reference_t<R>>
+    requires detail::tensor_output<std::ranges::range_reference_t<R>>
   void all_reduce_coalesced(R&& bufs, ReduceOp op = ReduceOp::sum) {
     const auto b = args(bufs);
     exec(detail::prepare_all_reduce_coalesced(b, op, caller()));
   }
+  /// all_reduce_coalesced(), run asynchronously: the buffers must outlive the returned Work.
   template <std::ranges::range R>
-    requires MutableTensor<std::ranges::range_reference_t<R>>
+    requires detail::tensor_output<std::ranges::range_reference_t<R>>
   [[nodiscard]] Work all_reduce_coalesced_async(R&& bufs, ReduceOp op = ReduceOp::sum) {
     auto b = args(bufs);
     const auto call = detail::prepare_all_reduce_coalesced(b, op, caller());
@@ -6779,22 +7022,24 @@ class Communicator {
   }
 
   /// Copies root's `buf` to every rank.
-  template <MutableTensor T>
+  template <detail::tensor_output T>
   void broadcast(T&& buf, int root = 0) {
     exec_single(detail::Coll::broadcast, arg(buf, "broadcast", "buf"), ReduceOp::sum, root);
   }
-  template <MutableTensor T>
+  /// broadcast(), run asynchronously: returns at once; the buffers must outlive the Work.
+  template <detail::tensor_output T>
   [[nodiscard]] Work broadcast_async(T&& buf, int root = 0) {
     return submit(detail::prepare_single(detail::Coll::broadcast, arg(buf, "broadcast", "buf"),
                                          ReduceOp::sum, root, caller()));
   }
 
   /// Reduces `buf` over all ranks into root's `buf`; the other ranks' buffers are unchanged.
-  template <MutableTensor T>
+  template <detail::tensor_output T>
   void reduce(T&& buf, int root = 0, ReduceOp op = ReduceOp::sum) {
     exec_single(detail::Coll::reduce, arg(buf, "reduce", "buf"), op, root);
   }
-  template <MutableTensor T>
+  /// reduce(), run asynchronously: returns at once; the buffers must outlive the Work.
+  template <detail::tensor_output T>
   [[nodiscard]] Work reduce_async(T&& buf, int root = 0, ReduceOp op = ReduceOp::sum) {
     return submit(detail::prepare_single(detail::Coll::reduce, arg(buf, "reduce", "buf"), op, root,
                                          caller()));
@@ -6802,54 +7047,59 @@ class Communicator {
 
   /// out[r*n .. r*n+n) = rank r's `in` (n = in's size); out.size() == in.size() * size().
   /// In place when `in` is exactly this rank's block of `out`.
-  template <TensorLike In, MutableTensor Out>
+  template <detail::tensor_input In, detail::tensor_output Out>
   void all_gather(In&& in, Out&& out) {
     exec(prepare_gather(in, out, -1));
   }
-  template <TensorLike In, MutableTensor Out>
+  /// all_gather(), run asynchronously: returns at once; the buffers must outlive the Work.
+  template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work all_gather_async(In&& in, Out&& out) {
     return submit(prepare_gather(in, out, -1));
   }
 
   /// Like all_gather, into root's `out` only (`out` is not used on the other ranks).
-  template <TensorLike In, MutableTensor Out>
+  template <detail::tensor_input In, detail::tensor_output Out>
   void gather(In&& in, Out&& out, int root = 0) {
     exec(prepare_gather(in, out, root));
   }
-  template <TensorLike In, MutableTensor Out>
+  /// gather(), run asynchronously: returns at once; the buffers must outlive the Work.
+  template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work gather_async(In&& in, Out&& out, int root = 0) {
     return submit(prepare_gather(in, out, root));
   }
 
   /// Rank r receives root's in[r*n .. r*n+n) into `out` (n = out's size; `in` used on root only).
-  template <TensorLike In, MutableTensor Out>
+  template <detail::tensor_input In, detail::tensor_output Out>
   void scatter(In&& in, Out&& out, int root = 0) {
     exec(prepare_scatter(in, out, root));
   }
-  template <TensorLike In, MutableTensor Out>
+  /// scatter(), run asynchronously: returns at once; the buffers must outlive the Work.
+  template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work scatter_async(In&& in, Out&& out, int root = 0) {
     return submit(prepare_scatter(in, out, root));
   }
 
   /// out = block r of the reduction of every rank's `in`; in.size() == out.size() * size().
-  template <TensorLike In, MutableTensor Out>
+  template <detail::tensor_input In, detail::tensor_output Out>
   void reduce_scatter(In&& in, Out&& out, ReduceOp op = ReduceOp::sum) {
     exec(detail::prepare_reduce_scatter(arg(in, "reduce_scatter", "in"),
                                         arg(out, "reduce_scatter", "out"), op, caller()));
   }
-  template <TensorLike In, MutableTensor Out>
+  /// reduce_scatter(), run asynchronously: returns at once; the buffers must outlive the Work.
+  template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work reduce_scatter_async(In&& in, Out&& out, ReduceOp op = ReduceOp::sum) {
     return submit(detail::prepare_reduce_scatter(arg(in, "reduce_scatter", "in"),
                                                  arg(out, "reduce_scatter", "out"), op, caller()));
   }
 
   /// Block j of `in` goes to rank j, which stores it as its block r of `out`.
-  template <TensorLike In, MutableTensor Out>
+  template <detail::tensor_input In, detail::tensor_output Out>
   void all_to_all(In&& in, Out&& out) {
     exec(detail::prepare_all_to_all(arg(in, "all_to_all", "in"), arg(out, "all_to_all", "out"),
                                     caller()));
   }
-  template <TensorLike In, MutableTensor Out>
+  /// all_to_all(), run asynchronously: returns at once; the buffers must outlive the Work.
+  template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work all_to_all_async(In&& in, Out&& out) {
     return submit(detail::prepare_all_to_all(arg(in, "all_to_all", "in"),
                                              arg(out, "all_to_all", "out"), caller()));
@@ -6857,26 +7107,31 @@ class Communicator {
 
   /// Point-to-point. Between a pair, sends and receives match in issue order; the receiver checks
   /// the tag, dtype and count.
-  template <TensorLike T>
+  template <detail::tensor_input T>
   void send(T&& buf, int peer, int tag = 0) {
     exec(detail::prepare_p2p(detail::Coll::send, arg(buf, "send", "buf"), peer, tag, caller()));
   }
-  template <TensorLike T>
+  /// send(), run asynchronously: returns at once; the buffers must outlive the Work.
+  template <detail::tensor_input T>
   [[nodiscard]] Work send_async(T&& buf, int peer, int tag = 0) {
     return submit(
         detail::prepare_p2p(detail::Coll::send, arg(buf, "send", "buf"), peer, tag, caller()));
   }
-  template <MutableTensor T>
+  /// Receives into `buf` the next send() from `peer`; its tag, dtype and count must match.
+  template <detail::tensor_output T>
   void recv(T&& buf, int peer, int tag = 0) {
     exec(detail::prepare_p2p(detail::Coll::recv, arg(buf, "recv", "buf"), peer, tag, caller()));
   }
-  template <MutableTensor T>
+  /// recv(), run asynchronously: returns at once; the buffers must outlive the Work.
+  template <detail::tensor_output T>
   [[nodiscard]] Work recv_async(T&& buf, int peer, int tag = 0) {
     return submit(
         detail::prepare_p2p(detail::Coll::recv, arg(buf, "recv", "buf"), peer, tag, caller()));
   }
 
+  /// Returns once every rank has entered barrier().
   void barrier() { exec(detail::prepare_barrier()); }
+  /// barrier(), run asynchronously: the Work completes once every rank has entered it.
   [[nodiscard]] Work barrier_async() { return submit(detail::prepare_barrier()); }
 
   // ---- layered on the collectives (objects.hpp has them as free functions) ------------------
@@ -8738,9 +8993,11 @@ namespace detail {
 
 namespace backend {
 
+/// The built-in backend: host memory over shared memory within a host and TCP between hosts,
+/// with results bitwise identical on every rank (see the file comment).
 class Host {
  public:
-  static constexpr std::string_view name = "host";
+  static constexpr std::string_view name = "host";  ///< The backend's name, in messages.
 
   /// Rendezvous through init.store, choose a transport and connect (see the file comment).
   [[nodiscard]] static std::unique_ptr<Host> create(const detail::BackendInit& init) {
@@ -8749,9 +9006,13 @@ class Host {
     return host;
   }
 
+  /// This process's rank, 0 .. size()-1.
   [[nodiscard]] int rank() const noexcept { return rank_; }
+  /// The number of ranks.
   [[nodiscard]] int size() const noexcept { return size_; }
+  /// This process's rank among the ranks on this host.
   [[nodiscard]] int local_rank() const noexcept { return local_rank_; }
+  /// The number of ranks on this host.
   [[nodiscard]] int local_size() const noexcept { return local_size_; }
   /// The lowest rank on this host (names the host in split()).
   [[nodiscard]] int local_leader() const noexcept { return local_leader_; }
@@ -8760,6 +9021,7 @@ class Host {
   /// Whether this backend can use memory on `device` (the Host backend: host memory).
   [[nodiscard]] static bool supports(const Device& device) noexcept { return device.is_cpu(); }
 
+  /// Communicator::all_reduce: in place, each element reduced in rank order.
   void all_reduce(const detail::Buf& b, ReduceOp op) {
     const auto fp = next(detail::Coll::all_reduce, b.dtype, b.fingerprint_count(), -1, op, true);
     const auto fn = detail::reduce_fn(b.dtype, op);
@@ -8852,6 +9114,7 @@ class Host {
     }
   }
 
+  /// Communicator::broadcast: root's `b` copied into every rank's.
   void broadcast(const detail::Buf& b, int root) {
     const auto fp =
         next(detail::Coll::broadcast, b.dtype, b.fingerprint_count(), root, ReduceOp::sum, false);
@@ -8870,6 +9133,7 @@ class Host {
     });
   }
 
+  /// Communicator::reduce: the reduction lands in root's `b` only.
   void reduce(const detail::Buf& b, int root, ReduceOp op) {
     const auto fp = next(detail::Coll::reduce, b.dtype, b.fingerprint_count(), root, op, true);
     const auto fn = detail::reduce_fn(b.dtype, op);
@@ -8888,13 +9152,16 @@ class Host {
     reduce_segments(b, fn, root, fp);
   }
 
+  /// Communicator::all_gather: every rank's `in`, in rank order, into every rank's `out`.
   void all_gather(const detail::Buf& in, const detail::Buf& out) {
     gather_impl(detail::Coll::all_gather, in, out, -1);
   }
+  /// Communicator::gather: every rank's `in`, in rank order, into root's `out`.
   void gather(const detail::Buf& in, const detail::Buf& out, int root) {
     gather_impl(detail::Coll::gather, in, out, root);
   }
 
+  /// Communicator::scatter: block r of root's `in` into rank r's `out`.
   void scatter(const detail::Buf& in, const detail::Buf& out, int root) {
     const auto fp = next(detail::Coll::scatter, out.dtype, out.count, root, ReduceOp::sum, false);
     const std::size_t es = out.elem(), n = out.count;
@@ -8917,6 +9184,7 @@ class Host {
     });
   }
 
+  /// Communicator::reduce_scatter: block r of the reduction of every rank's `in` into rank r's.
   void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
     const auto fp = next(detail::Coll::reduce_scatter, out.dtype, out.count, -1, op, true);
     const auto fn = detail::reduce_fn(out.dtype, op);
@@ -8925,6 +9193,7 @@ class Host {
     });
   }
 
+  /// Communicator::all_to_all: block j of `in` to rank j, stored as its block r of `out`.
   void all_to_all(const detail::Buf& in, const detail::Buf& out) {
     const std::size_t n = in.count / static_cast<std::size_t>(size_);
     const auto fp = next(detail::Coll::all_to_all, in.dtype, n, -1, ReduceOp::sum, false);
@@ -8936,15 +9205,18 @@ class Host {
     });
   }
 
+  /// Communicator::barrier: returns once every rank has entered it.
   void barrier() {
     const auto fp = next(detail::Coll::barrier, DType::uint8, 0, -1, ReduceOp::sum, false);
     (void)t_->round(
         {}, [](int, int) { return detail::Range{}; }, &fp);
   }
 
+  /// Communicator::send: `b` to `peer`, matched with its recv() in issue order.
   void send(const detail::Buf& b, int peer, int tag) {
     t_->send(b, peer, tag, send_seq_[static_cast<std::size_t>(peer)]++);
   }
+  /// Communicator::recv: the next send() from `peer` into `b`, checking its tag, dtype and count.
   void recv(const detail::Buf& b, int peer, int tag) {
     t_->recv(b, peer, tag, recv_seq_[static_cast<std::size_t>(peer)]++);
   }
@@ -9385,6 +9657,8 @@ class MpiTypes {
     switch (t) {
       case DType::int8: return MPI_INT8_T;
       case DType::uint8: return MPI_UINT8_T;
+      case DType::int16: return MPI_INT16_T;
+      case DType::uint16: return MPI_UINT16_T;
       case DType::int32: return MPI_INT32_T;
       case DType::uint32: return MPI_UINT32_T;
       case DType::int64: return MPI_INT64_T;
@@ -9514,9 +9788,11 @@ class MpiWatchdog {
 
 namespace backend {
 
+/// The backend on an MPI library: each collective is the matching blocking MPI call on a
+/// duplicate of MPI_COMM_WORLD (see the file comment).
 class Mpi {
  public:
-  static constexpr std::string_view name = "mpi";
+  static constexpr std::string_view name = "mpi";  ///< The backend's name, in messages.
   /// Rank and size come from MPI, not from a rendezvous store.
   static constexpr bool needs_store = false;
 
@@ -9546,10 +9822,15 @@ class Mpi {
     if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
   }
 
+  /// This process's rank in MPI_COMM_WORLD (or in the split communicator).
   [[nodiscard]] int rank() const noexcept { return rank_; }
+  /// The number of ranks.
   [[nodiscard]] int size() const noexcept { return size_; }
+  /// This process's rank among the ranks on this host.
   [[nodiscard]] int local_rank() const noexcept { return local_rank_; }
+  /// The number of ranks on this host.
   [[nodiscard]] int local_size() const noexcept { return local_size_; }
+  /// The lowest rank on this host (names the host in split()).
   [[nodiscard]] int local_leader() const noexcept { return local_leader_; }
   /// The MPI communicator ddp works on (a duplicate; do not free it).
   [[nodiscard]] MPI_Comm comm() const noexcept { return comm_; }
@@ -9562,10 +9843,12 @@ class Mpi {
     return false;
 #endif
   }
+  /// Host memory always; CUDA memory when ddp is built with CUDA and MPI is cuda_aware().
   [[nodiscard]] static bool supports(const Device& device) noexcept {
     return device.is_cpu() || (DDP_HAS_CUDA && cuda_aware());
   }
 
+  /// Communicator::all_reduce with MPI_Allreduce (in place).
   void all_reduce(const detail::Buf& b, ReduceOp op) {
     chunked(b, [&](std::byte* p, int n) {
       call(
@@ -9577,6 +9860,7 @@ class Mpi {
     if (op == ReduceOp::avg) divide(b);
   }
 
+  /// Communicator::broadcast with MPI_Bcast.
   void broadcast(const detail::Buf& b, int root) {
     chunked(b, [&](std::byte* p, int n) {
       call([&] { return MPI_Bcast(p, n, type(b.dtype), root, comm_); }, "broadcast", "MPI_Bcast", b,
@@ -9584,6 +9868,7 @@ class Mpi {
     });
   }
 
+  /// Communicator::reduce with MPI_Reduce (in place on root).
   void reduce(const detail::Buf& b, int root, ReduceOp op) {
     chunked(b, [&](std::byte* p, int n) {
       call(
@@ -9596,6 +9881,7 @@ class Mpi {
     if (op == ReduceOp::avg && rank_ == root) divide(b);
   }
 
+  /// Communicator::all_gather with MPI_Allgather.
   void all_gather(const detail::Buf& in, const detail::Buf& out) {
     const int n = count(in, "all_gather");
     const bool in_place = in.count != 0 && in.data == out.at(in.count * unsigned_rank());
@@ -9607,6 +9893,7 @@ class Mpi {
         "all_gather", "MPI_Allgather", in, std::nullopt, -1);
   }
 
+  /// Communicator::gather with MPI_Gather.
   void gather(const detail::Buf& in, const detail::Buf& out, int root) {
     const int n = count(in, "gather");
     const bool in_place =
@@ -9619,6 +9906,7 @@ class Mpi {
         "gather", "MPI_Gather", in, std::nullopt, root);
   }
 
+  /// Communicator::scatter with MPI_Scatter.
   void scatter(const detail::Buf& in, const detail::Buf& out, int root) {
     const int n = count(out, "scatter");
     const bool in_place =
@@ -9631,6 +9919,7 @@ class Mpi {
         "scatter", "MPI_Scatter", out, std::nullopt, root);
   }
 
+  /// Communicator::reduce_scatter with MPI_Reduce_scatter_block.
   void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
     const int n = count(out, "reduce_scatter");
     // ddp's in-place form (out is this rank's block of in) is not MPI's (the result lands at the
@@ -9651,6 +9940,7 @@ class Mpi {
     if (op == ReduceOp::avg) divide(out);
   }
 
+  /// Communicator::all_to_all with MPI_Alltoall.
   void all_to_all(const detail::Buf& in, const detail::Buf& out) {
     detail::Buf block = in;
     block.count = in.count / static_cast<std::size_t>(size_);
@@ -9662,12 +9952,14 @@ class Mpi {
         "all_to_all", "MPI_Alltoall", block, std::nullopt, -1);
   }
 
+  /// Communicator::barrier with MPI_Ibarrier, waited on up to Options::timeout.
   void barrier() {
     MPI_Request req = MPI_REQUEST_NULL;
     check(MPI_Ibarrier(comm_, &req), "MPI_Ibarrier", rank_);
     wait(req, "barrier", -1);
   }
 
+  /// Communicator::send: a header (tag, dtype, count), then `b`, with MPI_Isend.
   void send(const detail::Buf& b, int peer, int tag) {
     const Header h{static_cast<std::int64_t>(tag), static_cast<std::int64_t>(b.dtype),
                    static_cast<std::int64_t>(b.count)};
@@ -9680,6 +9972,7 @@ class Mpi {
     });
   }
 
+  /// Communicator::recv: checks the sender's header against `b` and `tag`, then receives.
   void recv(const detail::Buf& b, int peer, int tag) {
     Header h{};
     MPI_Request req = MPI_REQUEST_NULL;
@@ -9967,8 +10260,13 @@ DDP_BEGIN_NAMESPACE
 
 namespace detail {
 
+/// The NCCL type a buffer travels as. NCCL has no 16-bit integers: they move as float16, whose
+/// copies are bitwise (broadcast, gathers, all_to_all, send/recv); reductions of them are refused
+/// before this is asked (Nccl::reducible).
 [[nodiscard]] inline ncclDataType_t nccl_type(DType t) noexcept {
   switch (t) {
+    case DType::int16:
+    case DType::uint16: return ncclFloat16;
     case DType::int8: return ncclInt8;
     case DType::uint8: return ncclUint8;
     case DType::int32: return ncclInt32;
@@ -10033,12 +10331,16 @@ class NcclAborter {
 
 namespace backend {
 
+/// The backend on NCCL, for buffers in CUDA device memory: one CUDA device per rank, every call
+/// waits for its work on the GPU (see the file comment).
 class Nccl {
  public:
-  static constexpr std::string_view name = "nccl";
+  static constexpr std::string_view name = "nccl";  ///< The backend's name, in messages.
   /// Buffers must be CUDA device memory; host-typed buffers are rejected at compile time.
   static constexpr DeviceKind device_kind = DeviceKind::cuda;
 
+  /// Binds the CUDA device (Options::device, else the local rank), shares rank 0's
+  /// ncclUniqueId through the store and creates the NCCL communicator within Options::timeout.
   [[nodiscard]] static std::unique_ptr<Nccl> create(const detail::BackendInit& init) {
     const int device = init.options.device >= 0 ? init.options.device : init.local_rank;
     const int devices = cuda_device_count();
@@ -10072,10 +10374,15 @@ class Nccl {
       (void)ncclCommAbort(comm_);
   }
 
+  /// This process's rank, 0 .. size()-1.
   [[nodiscard]] int rank() const noexcept { return rank_; }
+  /// The number of ranks.
   [[nodiscard]] int size() const noexcept { return size_; }
+  /// This process's rank among the ranks on this host.
   [[nodiscard]] int local_rank() const noexcept { return local_rank_; }
+  /// The number of ranks on this host.
   [[nodiscard]] int local_size() const noexcept { return local_size_; }
+  /// The lowest rank on this host (names the host in split()).
   [[nodiscard]] int local_leader() const noexcept { return local_leader_; }
   /// The CUDA device this communicator's ranks use here.
   [[nodiscard]] int device() const noexcept { return device_; }
@@ -10083,9 +10390,12 @@ class Nccl {
   [[nodiscard]] cudaStream_t stream() const noexcept { return stream_.get(); }
   /// The NCCL communicator (owned by this backend).
   [[nodiscard]] ncclComm_t comm() const noexcept { return comm_; }
+  /// CUDA device memory only.
   [[nodiscard]] static bool supports(const Device& device) noexcept { return device.is_cuda(); }
 
+  /// Communicator::all_reduce with ncclAllReduce (in place).
   void all_reduce(const detail::Buf& b, ReduceOp op) {
+    reducible(b, "all_reduce");
     run("all_reduce", {&b}, [&] {
       return ncclAllReduce(b.data, b.data, b.count, detail::nccl_type(b.dtype), detail::nccl_op(op),
                            comm_, on());
@@ -10096,7 +10406,10 @@ class Nccl {
   /// all_reduce_coalesced; the GradientAverager's buckets).
   void all_reduce_many(std::span<const detail::Buf> bufs, ReduceOp op) {
     std::vector<const detail::Buf*> ptrs;
-    for (const auto& b : bufs) ptrs.push_back(&b);
+    for (const auto& b : bufs) {
+      reducible(b, "all_reduce_coalesced");
+      ptrs.push_back(&b);
+    }
     run_on("all_reduce_coalesced", ptrs, [&] {
       return grouped([&]() -> ncclResult_t {
         for (const auto& b : bufs) {
@@ -10109,25 +10422,30 @@ class Nccl {
     });
   }
 
+  /// Communicator::broadcast with ncclBroadcast.
   void broadcast(const detail::Buf& b, int root) {
     run("broadcast", {&b}, [&] {
       return ncclBroadcast(b.data, b.data, b.count, detail::nccl_type(b.dtype), root, comm_, on());
     });
   }
 
+  /// Communicator::reduce with ncclReduce.
   void reduce(const detail::Buf& b, int root, ReduceOp op) {
+    reducible(b, "reduce");
     run("reduce", {&b}, [&] {
       return ncclReduce(b.data, b.data, b.count, detail::nccl_type(b.dtype), detail::nccl_op(op),
                         root, comm_, on());
     });
   }
 
+  /// Communicator::all_gather with ncclAllGather.
   void all_gather(const detail::Buf& in, const detail::Buf& out) {
     run("all_gather", {&in, &out}, [&] {
       return ncclAllGather(in.data, out.data, in.count, detail::nccl_type(in.dtype), comm_, on());
     });
   }
 
+  /// Communicator::gather: grouped ncclSend to root, ncclRecv on root.
   void gather(const detail::Buf& in, const detail::Buf& out, int root) {
     const std::size_t n = in.count;
     run("gather", {&in, &out}, [&] {
@@ -10147,6 +10465,7 @@ class Nccl {
     });
   }
 
+  /// Communicator::scatter: grouped ncclSend from root, ncclRecv elsewhere.
   void scatter(const detail::Buf& in, const detail::Buf& out, int root) {
     const std::size_t n = out.count;
     run("scatter", {&in, &out}, [&] {
@@ -10166,13 +10485,16 @@ class Nccl {
     });
   }
 
+  /// Communicator::reduce_scatter with ncclReduceScatter.
   void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
+    reducible(out, "reduce_scatter");
     run("reduce_scatter", {&in, &out}, [&] {
       return ncclReduceScatter(in.data, out.data, out.count, detail::nccl_type(out.dtype),
                                detail::nccl_op(op), comm_, on());
     });
   }
 
+  /// Communicator::all_to_all: a grouped ncclSend and ncclRecv with every rank.
   void all_to_all(const detail::Buf& in, const detail::Buf& out) {
     const std::size_t n = in.count / static_cast<std::size_t>(size_);
     run("all_to_all", {&in, &out}, [&] {
@@ -10193,6 +10515,7 @@ class Nccl {
     });
   }
 
+  /// Communicator::barrier: an ncclAllReduce of one value, waited on.
   void barrier() {
     const detail::Buf b{reinterpret_cast<std::byte*>(scratch_.data()), 1, DType::int64,
                         Device::cuda(device_), stream()};
@@ -10200,6 +10523,7 @@ class Nccl {
         [&] { return ncclAllReduce(b.data, b.data, 1, ncclInt64, ncclSum, comm_, on()); });
   }
 
+  /// Communicator::send: a header (tag, dtype, count), then `b`, with ncclSend.
   void send(const detail::Buf& b, int peer, int tag) {
     header_[0] = tag;
     header_[1] = static_cast<std::int64_t>(b.dtype);
@@ -10213,6 +10537,7 @@ class Nccl {
     run("send", {&b}, [&] { return ncclSend(b.data, b.count, type(b), peer, comm_, on()); });
   }
 
+  /// Communicator::recv: checks the sender's header against `b` and `tag`, then ncclRecv.
   void recv(const detail::Buf& b, int peer, int tag) {
     const detail::Buf h{reinterpret_cast<std::byte*>(scratch_.data()), 3, DType::int64,
                         Device::cuda(device_), stream()};
@@ -10368,6 +10693,16 @@ class Nccl {
   [[nodiscard]] std::string last_error() const {
     const char* text = comm_ != nullptr ? ncclGetLastError(comm_) : nullptr;
     return text != nullptr && *text != '\0' ? detail::concat(" (", text, ")") : std::string();
+  }
+
+  /// NCCL reduces no 16-bit integers; every rank refuses alike (the dtype is in the fingerprint).
+  void reducible(const detail::Buf& b, const char* what) const {
+    if (b.dtype == DType::int16 || b.dtype == DType::uint16) {
+      detail::fail(Errc::invalid_argument, "rank ", rank_, ": backend::Nccl: ", what, "(",
+                   to_string(b.dtype),
+                   "): NCCL cannot reduce 16-bit integers; reduce them as "
+                   "int32 (or float16 where the values fit), or use backend::Host");
+    }
   }
 
   [[nodiscard]] static ncclDataType_t type(const detail::Buf& b) noexcept {
@@ -10575,6 +10910,8 @@ template <class R>
 concept TensorRange = std::ranges::random_access_range<R> && std::ranges::sized_range<R> &&
     TensorLike<std::ranges::range_reference_t<R>>;
 
+/// One process driving several CUDA devices through one NCCL clique: each collective takes one
+/// tensor per device, in the order of devices() (see the file comment).
 class NcclClique {
  public:
   /// One NCCL communicator per device of `devices` (empty: every device this process sees),
@@ -10629,6 +10966,7 @@ class NcclClique {
 
   /// The number of devices.
   [[nodiscard]] int size() const noexcept { return static_cast<int>(devices_.size()); }
+  /// The CUDA devices of the clique, slot by slot.
   [[nodiscard]] const std::vector<int>& devices() const noexcept { return devices_; }
   /// The CUDA device of slot i.
   [[nodiscard]] int device(int i) const { return devices_.at(static_cast<std::size_t>(i)); }
@@ -11099,11 +11437,14 @@ enum class Compression {
   bfloat16  ///< float32 gradients sent as bfloat16 (half the bytes; float32's range)
 };
 
+/// How a GradientAverager buckets, compresses and synchronizes (torch DDP's constructor options).
 struct AveragerOptions {
   /// Largest bucket, in bytes of gradient (torch's bucket_cap_mb = 25).
   std::size_t bucket_bytes = std::size_t{25} << 20;
   /// The first bucket (the last parameters), small so that communication starts early.
   std::size_t first_bucket_bytes = std::size_t{1} << 20;
+  /// How the gradients travel (torch's fp16/bf16 compression hooks); the averages are rounded
+  /// to that type.
   Compression compression = Compression::none;
   /// A gradient of at least this many bytes is averaged in place, as a bucket of its own:
   /// copying it into a bucket and back would cost more than the call it saves.
@@ -11670,8 +12011,11 @@ class GradientAverager {
   using Typed = detail::TypedAverager<T, M, Backend>;
 
  public:
+  /// The guard no_sync() returns: restores the previous mode when it is destroyed.
   using NoSync = detail::AveragerNoSync;
 
+  /// Averages `model`'s gradients over `comm` (both must outlive the averager); copies rank 0's
+  /// parameters (and buffers) to every rank unless `options` says not to. Collective.
   GradientAverager(Communicator<Backend>& comm, M& model, AveragerOptions options = {})
       : comm_(&comm), model_(&model), o_(options) {
     if constexpr (detail::dynamic_parameter<Param>) {
@@ -11773,6 +12117,7 @@ class GradientAverager {
   std::vector<std::shared_ptr<void>> hooks_;
 };
 
+/// `GradientAverager avg(comm, model)` deduces the model type and the backend.
 template <class Backend, Model M>
 GradientAverager(Communicator<Backend>&, M&, AveragerOptions = {}) -> GradientAverager<M, Backend>;
 
@@ -11805,14 +12150,18 @@ DDP_END_NAMESPACE
 
 DDP_BEGIN_NAMESPACE
 
+/// Which ranks a ZeroFirstGuard orders: those of each host, or those of the whole job.
 enum class GuardScope : std::uint8_t {
   local,   ///< local rank 0 of each host goes first (the cache is per host)
   global,  ///< rank 0 of the job goes first (the cache is on a shared file system)
 };
 
+/// Lets rank 0 of the group run a block first, the other ranks after it (see the file comment).
 template <CommBackend Backend>
 class ZeroFirstGuard {
  public:
+  /// Rank 0 of the group (local rank 0 with GuardScope::local) returns at once; the others wait
+  /// here until it destroys its guard, and throw Errc::aborted if its block threw. Collective.
   explicit ZeroFirstGuard(Communicator<Backend>& comm, GuardScope scope = GuardScope::local)
       : group_(scope == GuardScope::global ? comm : comm.local_group()),
         uncaught_(std::uncaught_exceptions()) {
@@ -11900,6 +12249,7 @@ DDP_END_NAMESPACE
 
 DDP_BEGIN_NAMESPACE
 
+/// How spawn() starts, hosts and stops its workers.
 struct SpawnOptions {
   /// Address the store listens on and workers connect to.
   std::string master_addr = "127.0.0.1";

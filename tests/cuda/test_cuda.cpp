@@ -107,6 +107,34 @@ TEST_CASE("Communicator<backend::Nccl>, world of one: every collective") {
   CHECK(static_cast<float>(back[1]) == -2.0f);
 }
 
+TEST_CASE("16-bit integers on backend::Nccl: moved bitwise, reductions refused") {
+  auto comm = single();
+  // NCCL has no 16-bit integer type: they travel as float16, whose copies are bitwise; these
+  // bit patterns include float16 NaNs and negative zero.
+  std::vector<std::int16_t> h{-1, 0x7e01, -32768, 0x7c00, 12345};
+  ddp::CudaBuffer<std::int16_t> a{std::span<const std::int16_t>(h)}, b(h.size());
+  comm.broadcast(a, 0);
+  CHECK(host(a) == h);
+  comm.all_gather(a, b);
+  CHECK(host(b) == h);
+  comm.all_to_all(a, b);
+  CHECK(host(b) == h);
+  ddp::CudaBuffer<std::uint16_t> u(3);
+  for (auto call : {0, 1, 2}) {
+    try {
+      if (call == 0) comm.all_reduce(a);
+      if (call == 1) comm.reduce(u, 0);
+      if (call == 2) comm.reduce_scatter(a, b);
+      FAIL("a 16-bit integer reduction was accepted by backend::Nccl");
+    } catch (const ddp::Error& e) {
+      CHECK(e.code() == ddp::Errc::invalid_argument);
+      CHECK(std::string(e.what()).find("NCCL cannot reduce 16-bit integers") != std::string::npos);
+    }
+  }
+  ddp::CudaBuffer<std::int32_t> wide(3);
+  comm.all_reduce(wide);  // still usable: the refused calls sent nothing
+}
+
 TEST_CASE("object collectives and split on backend::Nccl go through device memory") {
   auto comm = single();
   const auto all = comm.all_gather_object(std::string("rank zero"));

@@ -15,14 +15,22 @@ namespace {
 using ddp::ReduceOp;
 using mp::Comm;
 
-/// Passes a case's buffer as a torch::Tensor over the same memory (torch::from_blob); the two
-/// dtypes torch 1.13 lacks (uint32, uint64) pass as they are.
+/// Whether this libtorch has the unsigned types of 16 to 64 bits (2.3 and later).
+template <class S = c10::ScalarType>
+constexpr bool torch_has_unsigned = requires {
+  S::UInt16;
+};
+
+/// Passes a case's buffer as a torch::Tensor over the same memory (torch::from_blob); the
+/// dtypes torch 1.13 lacks (uint16, uint32, uint64) pass as they are there.
 struct AsTorch {
   template <class B>
   decltype(auto) operator()(B&& b) const {
     using E = std::remove_cvref_t<decltype(*std::ranges::data(b))>;
     const auto type = ddp::torch_detail::scalar_type_of(ddp::dtype_of<E>);
-    if constexpr (std::is_same_v<E, std::uint32_t> || std::is_same_v<E, std::uint64_t>) {
+    if constexpr (!torch_has_unsigned<> &&
+                  (std::is_same_v<E, std::uint16_t> || std::is_same_v<E, std::uint32_t> ||
+                   std::is_same_v<E, std::uint64_t>)) {
       return std::forward<B>(b);
     } else {
       return torch::from_blob(const_cast<E*>(std::ranges::data(b)),

@@ -25,6 +25,8 @@ template <class F>
 void for_each_dtype(F&& f) {
   f.template operator()<std::int8_t>();
   f.template operator()<std::uint8_t>();
+  f.template operator()<std::int16_t>();
+  f.template operator()<std::uint16_t>();
   f.template operator()<std::int32_t>();
   f.template operator()<std::uint32_t>();
   f.template operator()<std::int64_t>();

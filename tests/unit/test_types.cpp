@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <complex>
 #include <cstdint>
 #include <ios>
 #include <limits>
@@ -229,7 +230,10 @@ TEST_CASE("DType: element sizes, names, floating-point flag, mapping from C++ ty
   static_assert(ddp::dtype_of<ddp::half> == ddp::DType::float16);
   static_assert(ddp::dtype_of<ddp::bfloat16> == ddp::DType::bfloat16);
   static_assert(!ddp::Scalar<bool> && !ddp::Scalar<char> && !ddp::Scalar<char8_t>);
-  static_assert(!ddp::Scalar<short> && !ddp::Scalar<long double> && !ddp::Scalar<void*>);
+  static_assert(ddp::dtype_of<short> == ddp::DType::int16);
+  static_assert(ddp::dtype_of<std::uint16_t> == ddp::DType::uint16);
+  static_assert(!ddp::Scalar<long double> && !ddp::Scalar<void*> && !ddp::Scalar<char16_t>);
+  static_assert(!ddp::Scalar<wchar_t> && !ddp::Scalar<std::complex<float>>);
 
   std::set<std::string_view> names;
   for (int i = 0; i < ddp::dtype_count; ++i) {

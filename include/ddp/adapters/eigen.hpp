@@ -47,10 +47,12 @@ TensorView<S> eigen_view(E& e) noexcept {
 /// Eigen::Matrix and Eigen::Array.
 template <detail::eigen_plain E>
 struct tensor_traits<E> {
-  static constexpr DeviceKind device_kind = DeviceKind::cpu;
+  static constexpr DeviceKind device_kind = DeviceKind::cpu;  ///< Host memory.
+  /// The coefficients, in storage order, as host memory.
   static TensorView<typename E::Scalar> view(E& e) noexcept {
     return detail::eigen_view<typename E::Scalar>(e);
   }
+  /// The coefficients, in storage order, as read-only host memory.
   static TensorView<const typename E::Scalar> view(const E& e) noexcept {
     return detail::eigen_view<const typename E::Scalar>(e);
   }
@@ -60,11 +62,14 @@ struct tensor_traits<E> {
 template <class M>
   requires detail::is_eigen_dense_map_v<M>
 struct tensor_traits<M> {
-  using Pointer = decltype(std::declval<M&>().data());  // const for Map<const Matrix>
-  static constexpr DeviceKind device_kind = DeviceKind::cpu;
+  /// The map's pointer type (to const for Map<const Matrix>).
+  using Pointer = decltype(std::declval<M&>().data());
+  static constexpr DeviceKind device_kind = DeviceKind::cpu;  ///< Host memory.
+  /// The mapped coefficients as host memory (read-only for Map<const ...>).
   static TensorView<std::remove_pointer_t<Pointer>> view(M& m) noexcept {
     return detail::eigen_view<std::remove_pointer_t<Pointer>>(m);
   }
+  /// The mapped coefficients as read-only host memory.
   static TensorView<const typename M::Scalar> view(const M& m) noexcept {
     return detail::eigen_view<const typename M::Scalar>(m);
   }

@@ -19,8 +19,8 @@
 ///    | device_kind | `static constexpr DeviceKind device_kind` | cpu (host memory) |
 ///    | splits | `std::unique_ptr<B> split(color, key)` | split() over the store |
 ///    | converts_wire | `all_reduce_as(Buf, ReduceOp, DType wire)` | convert around all_reduce |
-///    | reduces_many | `all_reduce_many(std::span<const Buf>, ReduceOp)` | one all_reduce per
-///    buffer | | has_device | `int device()` (the CUDA device it uses) | — |
+///    | reduces_many | `all_reduce_many(std::span<const Buf>, ReduceOp)` | one all_reduce each |
+///    | has_device | `int device()` (the CUDA device it uses) | — |
 ///
 /// backend::Host (backend/host.hpp), backend::Nccl (backend/nccl.hpp) and backend::Mpi
 /// (backend/mpi.hpp) implement it; a new backend needs only this header.
@@ -90,6 +90,9 @@ struct BackendInit {
 
 }  // namespace detail
 
+/// \namespace ddp::backend
+/// The backends a Communicator runs on: backend::Host, backend::Nccl and backend::Mpi.
+
 /// What Communicator needs from a backend: byte movement on type-erased buffers.
 template <class B>
 concept CommBackend = requires(B& b, const detail::Buf& buf, ReduceOp op, int i,
@@ -135,6 +138,7 @@ struct backend_traits {
     else
       return DeviceKind::cpu;
   }();
+  /// The backend moves CUDA device memory only (device_kind is DeviceKind::cuda).
   static constexpr bool device_only = device_kind == DeviceKind::cuda;
   /// The backend makes sub-groups itself (MPI_Comm_split, ncclCommSplit).
   static constexpr bool splits = requires(B & b, int i) {

@@ -67,9 +67,11 @@ namespace detail {
 
 namespace backend {
 
+/// The built-in backend: host memory over shared memory within a host and TCP between hosts,
+/// with results bitwise identical on every rank (see the file comment).
 class Host {
  public:
-  static constexpr std::string_view name = "host";
+  static constexpr std::string_view name = "host";  ///< The backend's name, in messages.
 
   /// Rendezvous through init.store, choose a transport and connect (see the file comment).
   [[nodiscard]] static std::unique_ptr<Host> create(const detail::BackendInit& init) {
@@ -78,9 +80,13 @@ class Host {
     return host;
   }
 
+  /// This process's rank, 0 .. size()-1.
   [[nodiscard]] int rank() const noexcept { return rank_; }
+  /// The number of ranks.
   [[nodiscard]] int size() const noexcept { return size_; }
+  /// This process's rank among the ranks on this host.
   [[nodiscard]] int local_rank() const noexcept { return local_rank_; }
+  /// The number of ranks on this host.
   [[nodiscard]] int local_size() const noexcept { return local_size_; }
   /// The lowest rank on this host (names the host in split()).
   [[nodiscard]] int local_leader() const noexcept { return local_leader_; }
@@ -89,6 +95,7 @@ class Host {
   /// Whether this backend can use memory on `device` (the Host backend: host memory).
   [[nodiscard]] static bool supports(const Device& device) noexcept { return device.is_cpu(); }
 
+  /// Communicator::all_reduce: in place, each element reduced in rank order.
   void all_reduce(const detail::Buf& b, ReduceOp op) {
     const auto fp = next(detail::Coll::all_reduce, b.dtype, b.fingerprint_count(), -1, op, true);
     const auto fn = detail::reduce_fn(b.dtype, op);
@@ -181,6 +188,7 @@ class Host {
     }
   }
 
+  /// Communicator::broadcast: root's `b` copied into every rank's.
   void broadcast(const detail::Buf& b, int root) {
     const auto fp =
         next(detail::Coll::broadcast, b.dtype, b.fingerprint_count(), root, ReduceOp::sum, false);
@@ -199,6 +207,7 @@ class Host {
     });
   }
 
+  /// Communicator::reduce: the reduction lands in root's `b` only.
   void reduce(const detail::Buf& b, int root, ReduceOp op) {
     const auto fp = next(detail::Coll::reduce, b.dtype, b.fingerprint_count(), root, op, true);
     const auto fn = detail::reduce_fn(b.dtype, op);
@@ -217,13 +226,16 @@ class Host {
     reduce_segments(b, fn, root, fp);
   }
 
+  /// Communicator::all_gather: every rank's `in`, in rank order, into every rank's `out`.
   void all_gather(const detail::Buf& in, const detail::Buf& out) {
     gather_impl(detail::Coll::all_gather, in, out, -1);
   }
+  /// Communicator::gather: every rank's `in`, in rank order, into root's `out`.
   void gather(const detail::Buf& in, const detail::Buf& out, int root) {
     gather_impl(detail::Coll::gather, in, out, root);
   }
 
+  /// Communicator::scatter: block r of root's `in` into rank r's `out`.
   void scatter(const detail::Buf& in, const detail::Buf& out, int root) {
     const auto fp = next(detail::Coll::scatter, out.dtype, out.count, root, ReduceOp::sum, false);
     const std::size_t es = out.elem(), n = out.count;
@@ -246,6 +258,7 @@ class Host {
     });
   }
 
+  /// Communicator::reduce_scatter: block r of the reduction of every rank's `in` into rank r's.
   void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
     const auto fp = next(detail::Coll::reduce_scatter, out.dtype, out.count, -1, op, true);
     const auto fn = detail::reduce_fn(out.dtype, op);
@@ -254,6 +267,7 @@ class Host {
     });
   }
 
+  /// Communicator::all_to_all: block j of `in` to rank j, stored as its block r of `out`.
   void all_to_all(const detail::Buf& in, const detail::Buf& out) {
     const std::size_t n = in.count / static_cast<std::size_t>(size_);
     const auto fp = next(detail::Coll::all_to_all, in.dtype, n, -1, ReduceOp::sum, false);
@@ -265,15 +279,18 @@ class Host {
     });
   }
 
+  /// Communicator::barrier: returns once every rank has entered it.
   void barrier() {
     const auto fp = next(detail::Coll::barrier, DType::uint8, 0, -1, ReduceOp::sum, false);
     (void)t_->round(
         {}, [](int, int) { return detail::Range{}; }, &fp);
   }
 
+  /// Communicator::send: `b` to `peer`, matched with its recv() in issue order.
   void send(const detail::Buf& b, int peer, int tag) {
     t_->send(b, peer, tag, send_seq_[static_cast<std::size_t>(peer)]++);
   }
+  /// Communicator::recv: the next send() from `peer` into `b`, checking its tag, dtype and count.
   void recv(const detail::Buf& b, int peer, int tag) {
     t_->recv(b, peer, tag, recv_seq_[static_cast<std::size_t>(peer)]++);
   }

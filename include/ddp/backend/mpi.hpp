@@ -102,6 +102,8 @@ class MpiTypes {
     switch (t) {
       case DType::int8: return MPI_INT8_T;
       case DType::uint8: return MPI_UINT8_T;
+      case DType::int16: return MPI_INT16_T;
+      case DType::uint16: return MPI_UINT16_T;
       case DType::int32: return MPI_INT32_T;
       case DType::uint32: return MPI_UINT32_T;
       case DType::int64: return MPI_INT64_T;
@@ -231,9 +233,11 @@ class MpiWatchdog {
 
 namespace backend {
 
+/// The backend on an MPI library: each collective is the matching blocking MPI call on a
+/// duplicate of MPI_COMM_WORLD (see the file comment).
 class Mpi {
  public:
-  static constexpr std::string_view name = "mpi";
+  static constexpr std::string_view name = "mpi";  ///< The backend's name, in messages.
   /// Rank and size come from MPI, not from a rendezvous store.
   static constexpr bool needs_store = false;
 
@@ -263,10 +267,15 @@ class Mpi {
     if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
   }
 
+  /// This process's rank in MPI_COMM_WORLD (or in the split communicator).
   [[nodiscard]] int rank() const noexcept { return rank_; }
+  /// The number of ranks.
   [[nodiscard]] int size() const noexcept { return size_; }
+  /// This process's rank among the ranks on this host.
   [[nodiscard]] int local_rank() const noexcept { return local_rank_; }
+  /// The number of ranks on this host.
   [[nodiscard]] int local_size() const noexcept { return local_size_; }
+  /// The lowest rank on this host (names the host in split()).
   [[nodiscard]] int local_leader() const noexcept { return local_leader_; }
   /// The MPI communicator ddp works on (a duplicate; do not free it).
   [[nodiscard]] MPI_Comm comm() const noexcept { return comm_; }
@@ -279,10 +288,12 @@ class Mpi {
     return false;
 #endif
   }
+  /// Host memory always; CUDA memory when ddp is built with CUDA and MPI is cuda_aware().
   [[nodiscard]] static bool supports(const Device& device) noexcept {
     return device.is_cpu() || (DDP_HAS_CUDA && cuda_aware());
   }
 
+  /// Communicator::all_reduce with MPI_Allreduce (in place).
   void all_reduce(const detail::Buf& b, ReduceOp op) {
     chunked(b, [&](std::byte* p, int n) {
       call(
@@ -294,6 +305,7 @@ class Mpi {
     if (op == ReduceOp::avg) divide(b);
   }
 
+  /// Communicator::broadcast with MPI_Bcast.
   void broadcast(const detail::Buf& b, int root) {
     chunked(b, [&](std::byte* p, int n) {
       call([&] { return MPI_Bcast(p, n, type(b.dtype), root, comm_); }, "broadcast", "MPI_Bcast", b,
@@ -301,6 +313,7 @@ class Mpi {
     });
   }
 
+  /// Communicator::reduce with MPI_Reduce (in place on root).
   void reduce(const detail::Buf& b, int root, ReduceOp op) {
     chunked(b, [&](std::byte* p, int n) {
       call(
@@ -313,6 +326,7 @@ class Mpi {
     if (op == ReduceOp::avg && rank_ == root) divide(b);
   }
 
+  /// Communicator::all_gather with MPI_Allgather.
   void all_gather(const detail::Buf& in, const detail::Buf& out) {
     const int n = count(in, "all_gather");
     const bool in_place = in.count != 0 && in.data == out.at(in.count * unsigned_rank());
@@ -324,6 +338,7 @@ class Mpi {
         "all_gather", "MPI_Allgather", in, std::nullopt, -1);
   }
 
+  /// Communicator::gather with MPI_Gather.
   void gather(const detail::Buf& in, const detail::Buf& out, int root) {
     const int n = count(in, "gather");
     const bool in_place =
@@ -336,6 +351,7 @@ class Mpi {
         "gather", "MPI_Gather", in, std::nullopt, root);
   }
 
+  /// Communicator::scatter with MPI_Scatter.
   void scatter(const detail::Buf& in, const detail::Buf& out, int root) {
     const int n = count(out, "scatter");
     const bool in_place =
@@ -348,6 +364,7 @@ class Mpi {
         "scatter", "MPI_Scatter", out, std::nullopt, root);
   }
 
+  /// Communicator::reduce_scatter with MPI_Reduce_scatter_block.
   void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
     const int n = count(out, "reduce_scatter");
     // ddp's in-place form (out is this rank's block of in) is not MPI's (the result lands at the
@@ -368,6 +385,7 @@ class Mpi {
     if (op == ReduceOp::avg) divide(out);
   }
 
+  /// Communicator::all_to_all with MPI_Alltoall.
   void all_to_all(const detail::Buf& in, const detail::Buf& out) {
     detail::Buf block = in;
     block.count = in.count / static_cast<std::size_t>(size_);
@@ -379,12 +397,14 @@ class Mpi {
         "all_to_all", "MPI_Alltoall", block, std::nullopt, -1);
   }
 
+  /// Communicator::barrier with MPI_Ibarrier, waited on up to Options::timeout.
   void barrier() {
     MPI_Request req = MPI_REQUEST_NULL;
     check(MPI_Ibarrier(comm_, &req), "MPI_Ibarrier", rank_);
     wait(req, "barrier", -1);
   }
 
+  /// Communicator::send: a header (tag, dtype, count), then `b`, with MPI_Isend.
   void send(const detail::Buf& b, int peer, int tag) {
     const Header h{static_cast<std::int64_t>(tag), static_cast<std::int64_t>(b.dtype),
                    static_cast<std::int64_t>(b.count)};
@@ -397,6 +417,7 @@ class Mpi {
     });
   }
 
+  /// Communicator::recv: checks the sender's header against `b` and `tag`, then receives.
   void recv(const detail::Buf& b, int peer, int tag) {
     Header h{};
     MPI_Request req = MPI_REQUEST_NULL;

@@ -62,8 +62,13 @@ DDP_BEGIN_NAMESPACE
 
 namespace detail {
 
+/// The NCCL type a buffer travels as. NCCL has no 16-bit integers: they move as float16, whose
+/// copies are bitwise (broadcast, gathers, all_to_all, send/recv); reductions of them are refused
+/// before this is asked (Nccl::reducible).
 [[nodiscard]] inline ncclDataType_t nccl_type(DType t) noexcept {
   switch (t) {
+    case DType::int16:
+    case DType::uint16: return ncclFloat16;
     case DType::int8: return ncclInt8;
     case DType::uint8: return ncclUint8;
     case DType::int32: return ncclInt32;
@@ -128,12 +133,16 @@ class NcclAborter {
 
 namespace backend {
 
+/// The backend on NCCL, for buffers in CUDA device memory: one CUDA device per rank, every call
+/// waits for its work on the GPU (see the file comment).
 class Nccl {
  public:
-  static constexpr std::string_view name = "nccl";
+  static constexpr std::string_view name = "nccl";  ///< The backend's name, in messages.
   /// Buffers must be CUDA device memory; host-typed buffers are rejected at compile time.
   static constexpr DeviceKind device_kind = DeviceKind::cuda;
 
+  /// Binds the CUDA device (Options::device, else the local rank), shares rank 0's
+  /// ncclUniqueId through the store and creates the NCCL communicator within Options::timeout.
   [[nodiscard]] static std::unique_ptr<Nccl> create(const detail::BackendInit& init) {
     const int device = init.options.device >= 0 ? init.options.device : init.local_rank;
     const int devices = cuda_device_count();
@@ -167,10 +176,15 @@ class Nccl {
       (void)ncclCommAbort(comm_);
   }
 
+  /// This process's rank, 0 .. size()-1.
   [[nodiscard]] int rank() const noexcept { return rank_; }
+  /// The number of ranks.
   [[nodiscard]] int size() const noexcept { return size_; }
+  /// This process's rank among the ranks on this host.
   [[nodiscard]] int local_rank() const noexcept { return local_rank_; }
+  /// The number of ranks on this host.
   [[nodiscard]] int local_size() const noexcept { return local_size_; }
+  /// The lowest rank on this host (names the host in split()).
   [[nodiscard]] int local_leader() const noexcept { return local_leader_; }
   /// The CUDA device this communicator's ranks use here.
   [[nodiscard]] int device() const noexcept { return device_; }
@@ -178,9 +192,12 @@ class Nccl {
   [[nodiscard]] cudaStream_t stream() const noexcept { return stream_.get(); }
   /// The NCCL communicator (owned by this backend).
   [[nodiscard]] ncclComm_t comm() const noexcept { return comm_; }
+  /// CUDA device memory only.
   [[nodiscard]] static bool supports(const Device& device) noexcept { return device.is_cuda(); }
 
+  /// Communicator::all_reduce with ncclAllReduce (in place).
   void all_reduce(const detail::Buf& b, ReduceOp op) {
+    reducible(b, "all_reduce");
     run("all_reduce", {&b}, [&] {
       return ncclAllReduce(b.data, b.data, b.count, detail::nccl_type(b.dtype), detail::nccl_op(op),
                            comm_, on());
@@ -191,7 +208,10 @@ class Nccl {
   /// all_reduce_coalesced; the GradientAverager's buckets).
   void all_reduce_many(std::span<const detail::Buf> bufs, ReduceOp op) {
     std::vector<const detail::Buf*> ptrs;
-    for (const auto& b : bufs) ptrs.push_back(&b);
+    for (const auto& b : bufs) {
+      reducible(b, "all_reduce_coalesced");
+      ptrs.push_back(&b);
+    }
     run_on("all_reduce_coalesced", ptrs, [&] {
       return grouped([&]() -> ncclResult_t {
         for (const auto& b : bufs) {
@@ -204,25 +224,30 @@ class Nccl {
     });
   }
 
+  /// Communicator::broadcast with ncclBroadcast.
   void broadcast(const detail::Buf& b, int root) {
     run("broadcast", {&b}, [&] {
       return ncclBroadcast(b.data, b.data, b.count, detail::nccl_type(b.dtype), root, comm_, on());
     });
   }
 
+  /// Communicator::reduce with ncclReduce.
   void reduce(const detail::Buf& b, int root, ReduceOp op) {
+    reducible(b, "reduce");
     run("reduce", {&b}, [&] {
       return ncclReduce(b.data, b.data, b.count, detail::nccl_type(b.dtype), detail::nccl_op(op),
                         root, comm_, on());
     });
   }
 
+  /// Communicator::all_gather with ncclAllGather.
   void all_gather(const detail::Buf& in, const detail::Buf& out) {
     run("all_gather", {&in, &out}, [&] {
       return ncclAllGather(in.data, out.data, in.count, detail::nccl_type(in.dtype), comm_, on());
     });
   }
 
+  /// Communicator::gather: grouped ncclSend to root, ncclRecv on root.
   void gather(const detail::Buf& in, const detail::Buf& out, int root) {
     const std::size_t n = in.count;
     run("gather", {&in, &out}, [&] {
@@ -242,6 +267,7 @@ class Nccl {
     });
   }
 
+  /// Communicator::scatter: grouped ncclSend from root, ncclRecv elsewhere.
   void scatter(const detail::Buf& in, const detail::Buf& out, int root) {
     const std::size_t n = out.count;
     run("scatter", {&in, &out}, [&] {
@@ -261,13 +287,16 @@ class Nccl {
     });
   }
 
+  /// Communicator::reduce_scatter with ncclReduceScatter.
   void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
+    reducible(out, "reduce_scatter");
     run("reduce_scatter", {&in, &out}, [&] {
       return ncclReduceScatter(in.data, out.data, out.count, detail::nccl_type(out.dtype),
                                detail::nccl_op(op), comm_, on());
     });
   }
 
+  /// Communicator::all_to_all: a grouped ncclSend and ncclRecv with every rank.
   void all_to_all(const detail::Buf& in, const detail::Buf& out) {
     const std::size_t n = in.count / static_cast<std::size_t>(size_);
     run("all_to_all", {&in, &out}, [&] {
@@ -288,6 +317,7 @@ class Nccl {
     });
   }
 
+  /// Communicator::barrier: an ncclAllReduce of one value, waited on.
   void barrier() {
     const detail::Buf b{reinterpret_cast<std::byte*>(scratch_.data()), 1, DType::int64,
                         Device::cuda(device_), stream()};
@@ -295,6 +325,7 @@ class Nccl {
         [&] { return ncclAllReduce(b.data, b.data, 1, ncclInt64, ncclSum, comm_, on()); });
   }
 
+  /// Communicator::send: a header (tag, dtype, count), then `b`, with ncclSend.
   void send(const detail::Buf& b, int peer, int tag) {
     header_[0] = tag;
     header_[1] = static_cast<std::int64_t>(b.dtype);
@@ -308,6 +339,7 @@ class Nccl {
     run("send", {&b}, [&] { return ncclSend(b.data, b.count, type(b), peer, comm_, on()); });
   }
 
+  /// Communicator::recv: checks the sender's header against `b` and `tag`, then ncclRecv.
   void recv(const detail::Buf& b, int peer, int tag) {
     const detail::Buf h{reinterpret_cast<std::byte*>(scratch_.data()), 3, DType::int64,
                         Device::cuda(device_), stream()};
@@ -463,6 +495,16 @@ class Nccl {
   [[nodiscard]] std::string last_error() const {
     const char* text = comm_ != nullptr ? ncclGetLastError(comm_) : nullptr;
     return text != nullptr && *text != '\0' ? detail::concat(" (", text, ")") : std::string();
+  }
+
+  /// NCCL reduces no 16-bit integers; every rank refuses alike (the dtype is in the fingerprint).
+  void reducible(const detail::Buf& b, const char* what) const {
+    if (b.dtype == DType::int16 || b.dtype == DType::uint16) {
+      detail::fail(Errc::invalid_argument, "rank ", rank_, ": backend::Nccl: ", what, "(",
+                   to_string(b.dtype),
+                   "): NCCL cannot reduce 16-bit integers; reduce them as "
+                   "int32 (or float16 where the values fit), or use backend::Host");
+    }
   }
 
   [[nodiscard]] static ncclDataType_t type(const detail::Buf& b) noexcept {

@@ -162,6 +162,8 @@ constexpr ReduceFn reduce_fn_for(ReduceOp op) {
   switch (t) {
     case DType::int8: return reduce_fn_for<std::int8_t>(op);
     case DType::uint8: return reduce_fn_for<std::uint8_t>(op);
+    case DType::int16: return reduce_fn_for<std::int16_t>(op);
+    case DType::uint16: return reduce_fn_for<std::uint16_t>(op);
     case DType::int32: return reduce_fn_for<std::int32_t>(op);
     case DType::uint32: return reduce_fn_for<std::uint32_t>(op);
     case DType::int64: return reduce_fn_for<std::int64_t>(op);

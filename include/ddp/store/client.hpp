@@ -83,11 +83,15 @@ class Store {
     std::lock_guard lock(conn_->mutex);
     return !conn_->dead.empty();
   }
+  /// The prefix this view puts before every key ("" for the root view).
   [[nodiscard]] const std::string& prefix() const noexcept { return prefix_; }
+  /// The default timeout of every call (StoreOptions::timeout).
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept {
     return conn_->options.timeout;
   }
+  /// The server's host, as given to the constructor.
   [[nodiscard]] const std::string& host() const noexcept { return conn_->host; }
+  /// The server's port.
   [[nodiscard]] int port() const noexcept { return conn_->port; }
   /// The local address of the connection to the store (the interface that reaches it).
   [[nodiscard]] std::string local_address() const {
@@ -96,6 +100,7 @@ class Store {
     return detail::local_address(conn_->fd.get());
   }
 
+  /// Sets `key` (under this view's prefix) to `value`, waking those waiting for it.
   void set(std::string_view key, std::string_view value) {
     std::string req = header(Op::set);
     detail::ByteWriter w(req);
@@ -106,6 +111,7 @@ class Store {
 
   /// The value of key, waiting up to the store's timeout for it to appear.
   [[nodiscard]] std::string get(std::string_view key) { return get(key, conn_->options.timeout); }
+  /// The value of key, waiting up to `timeout` for it to appear (then Errc::timeout).
   [[nodiscard]] std::string get(std::string_view key, std::chrono::milliseconds timeout) {
     std::string req = header(Op::get);
     detail::ByteWriter w(req);
@@ -119,6 +125,7 @@ class Store {
 
   /// Waits until every key exists; Errc::timeout names the ones still missing.
   void wait(std::span<const std::string> keys) { wait(keys, conn_->options.timeout); }
+  /// Waits up to `timeout` until every key exists; Errc::timeout names the ones still missing.
   void wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) {
     std::string req = header(Op::wait);
     detail::ByteWriter w(req);

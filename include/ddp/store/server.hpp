@@ -69,7 +69,9 @@ class StoreServer {
   StoreServer& operator=(const StoreServer&) = delete;
   ~StoreServer() { stop(); }
 
+  /// The port the server listens on (the one picked when 0 was asked for).
   [[nodiscard]] int port() const noexcept { return port_; }
+  /// The host the server was given to listen on.
   [[nodiscard]] const std::string& host() const noexcept { return host_; }
 
   /// Stops serving (idempotent). Connected clients see the connection close.

@@ -13,7 +13,7 @@
 /// What a collective refuses, with Errc::invalid_argument naming the rank, the collective and
 /// the argument: an undefined tensor, a sparse or otherwise non-strided one, a non-contiguous
 /// one (a slice, a transpose, an expanded tensor: pass t.contiguous() and copy the result back),
-/// a dtype ddp does not carry (bool, int16, complex, quantized), a device other than CPU and
+/// a dtype ddp does not carry (bool, complex, quantized, float8), a device other than CPU and
 /// CUDA. Tensors are read and written in place, outside autograd (as torch.distributed does).
 ///
 /// CUDA streams: with libtorch 2.1 or later the tensor's current stream is found through c10's
@@ -49,6 +49,26 @@
 DDP_BEGIN_NAMESPACE
 namespace torch_detail {
 
+/// torch's unsigned types of 16 to 64 bits, in the releases that have them (2.3 and later).
+template <class S = c10::ScalarType>
+[[nodiscard]] std::optional<DType> unsigned_dtype_of(S t) noexcept {
+  if constexpr (requires { S::UInt16, S::UInt32, S::UInt64; }) {
+    if (t == S::UInt16) return DType::uint16;
+    if (t == S::UInt32) return DType::uint32;
+    if (t == S::UInt64) return DType::uint64;
+  }
+  return std::nullopt;
+}
+template <class S = c10::ScalarType>
+[[nodiscard]] std::optional<S> unsigned_scalar_type_of(DType t) noexcept {
+  if constexpr (requires { S::UInt16, S::UInt32, S::UInt64; }) {
+    if (t == DType::uint16) return S::UInt16;
+    if (t == DType::uint32) return S::UInt32;
+    if (t == DType::uint64) return S::UInt64;
+  }
+  return std::nullopt;
+}
+
 /// The ddp::DType of a torch scalar type, if ddp carries it.
 [[nodiscard]] inline std::optional<DType> dtype_of(c10::ScalarType t) noexcept {
   switch (t) {
@@ -58,14 +78,15 @@ namespace torch_detail {
     case c10::ScalarType::BFloat16: return DType::bfloat16;
     case c10::ScalarType::Char: return DType::int8;
     case c10::ScalarType::Byte: return DType::uint8;
+    case c10::ScalarType::Short: return DType::int16;
     case c10::ScalarType::Int: return DType::int32;
     case c10::ScalarType::Long: return DType::int64;
-    default: return std::nullopt;
+    default: return unsigned_dtype_of(t);
   }
 }
 
-/// The torch scalar type of a ddp::DType, if torch has it (uint32 and uint64 it does not, before
-/// torch 2.3).
+/// The torch scalar type of a ddp::DType, if torch has it (uint16, uint32 and uint64 it does not,
+/// before torch 2.3).
 [[nodiscard]] inline std::optional<c10::ScalarType> scalar_type_of(DType t) noexcept {
   switch (t) {
     case DType::float32: return c10::ScalarType::Float;
@@ -74,9 +95,10 @@ namespace torch_detail {
     case DType::bfloat16: return c10::ScalarType::BFloat16;
     case DType::int8: return c10::ScalarType::Char;
     case DType::uint8: return c10::ScalarType::Byte;
+    case DType::int16: return c10::ScalarType::Short;
     case DType::int32: return c10::ScalarType::Int;
     case DType::int64: return c10::ScalarType::Long;
-    default: return std::nullopt;
+    default: return unsigned_scalar_type_of(t);
   }
 }
 
@@ -105,8 +127,9 @@ template <class S>
   const auto dtype = dtype_of(t.scalar_type());
   if (!dtype) {
     v.problem =
-        "a torch::Tensor of a dtype ddp does not carry (bool, int16, complex, quantized): ddp "
-        "carries float32/64, half, bfloat16, int8, uint8, int32, int64";
+        "a torch::Tensor of a dtype ddp does not carry (bool, complex, quantized, float8): ddp "
+        "carries float32/64, half, bfloat16, int8/16/32/64 and uint8 (uint16/32/64 with torch 2.3 "
+        "or later)";
     return v;
   }
   const c10::Device d = t.device();
@@ -138,6 +161,7 @@ template <class S>
 /// torch::Tensor (at::Tensor) as a run-time-typed ddp tensor.
 template <>
 struct tensor_traits<at::Tensor> {
+  /// The tensor's data, dtype, device and layout; `problem` says why it cannot be used, if so.
   static DynamicView view(const at::Tensor& t) { return torch_detail::view(t); }
 };
 
@@ -164,9 +188,13 @@ class ReadyHook final : public torch::autograd::FunctionPostHook {
 /// p.grad(), created as zeros where autograd has not made it yet.
 template <>
 struct parameter_traits<at::Tensor> {
+  /// The parameter itself.
   static at::Tensor& value(at::Tensor& p) { return p; }
+  /// p.grad(), writable.
   static at::Tensor& grad(at::Tensor& p) { return p.mutable_grad(); }
+  /// Whether autograd has made p.grad() yet.
   static bool has_grad(const at::Tensor& p) { return p.grad().defined(); }
+  /// Creates p.grad() as contiguous zeros if it is undefined.
   static void ensure_grad(at::Tensor& p) {
     if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p, at::MemoryFormat::Contiguous);
   }
