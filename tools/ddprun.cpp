@@ -11,10 +11,13 @@
 // The agent on node 0 hosts the rendezvous store at MASTER_ADDR:MASTER_PORT; every agent connects
 // to it to register its node, to learn the first rank of its workers, to tell the others when one
 // of its workers failed, and to agree on restarts. Each worker gets RANK, WORLD_SIZE, LOCAL_RANK,
-// LOCAL_WORLD_SIZE, NODE_RANK, GROUP_RANK, MASTER_ADDR, MASTER_PORT, DDP_RESTART_COUNT,
-// DDP_LAUNCHER=ddprun and DDP_STORE_HOSTED=1, and what torchrun's workers read: GROUP_WORLD_SIZE,
-// ROLE_NAME, ROLE_RANK, ROLE_WORLD_SIZE, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS,
-// TORCHELASTIC_RUN_ID.
+// LOCAL_WORLD_SIZE, NODE_RANK, GROUP_RANK, MASTER_ADDR, DDP_RESTART_COUNT, DDP_LAUNCHER=ddprun,
+// DDP_STORE_HOSTED=1 and DDP_STORE_PORT (ddprun's store, which ddp's workers use), MASTER_PORT (a
+// free port on node 0 that the program's rank 0 may bind: torch.distributed's TCPStore does), and
+// what torchrun's workers read: GROUP_WORLD_SIZE, ROLE_NAME, ROLE_RANK, ROLE_WORLD_SIZE,
+// TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID and
+// TORCHELASTIC_ERROR_FILE (a worker that writes torchrun's JSON there has its message reported).
+// With TORCHELASTIC_ERROR_FILE set for ddprun itself, it writes the root cause there.
 //
 // Failure policy: the first worker to exit non-zero or by a signal is the root cause. The agent
 // stops the other workers (SIGTERM to each worker's process group, SIGKILL after --grace), tells
@@ -54,6 +57,9 @@ struct Config {
   std::string rdzv_endpoint;
   bool no_python = false;
   bool module = false;
+  std::string redirects;
+  std::string tee;
+  std::string local_ranks_filter;
   std::vector<std::string> command;
 };
 
@@ -131,6 +137,16 @@ int main(int argc, char** argv) {
                "or $PYTHON, as torchrun does)");
   app.add_flag("-m,--module", cfg.module,
                "the program is a Python module: run python3 -m MODULE (as torchrun -m)");
+  app.add_option("-r,--redirects", cfg.redirects,
+                 "send workers' streams to their log files only: 0 none, 1 stdout, 2 stderr, 3 "
+                 "both, or LOCAL_RANK:N,... (as torchrun; logs in --log-dir, else a new "
+                 "directory under $TMPDIR)");
+  app.add_option("-t,--tee", cfg.tee,
+                 "send workers' streams to the console and their log files: same values as "
+                 "--redirects");
+  app.add_option("--local-ranks-filter,--local_ranks_filter", cfg.local_ranks_filter,
+                 "show only these local ranks' output on the console, e.g. 0 or 0,2 (the log "
+                 "files still get everything)");
   app.prefix_command();  // everything from the program on belongs to it
   app.footer(
       "Output lines are prefixed with [rRANK] and never interleave. Exit status: 0, or the "
@@ -177,6 +193,21 @@ int main(int argc, char** argv) {
   o.master_port = cfg.standalone ? 0 : cfg.master_port;
   o.max_restarts = cfg.max_restarts;
   o.log_dir = cfg.log_dir;
+  o.redirects = cfg.redirects;
+  o.tee = cfg.tee;
+  for (std::size_t at = 0;
+       !cfg.local_ranks_filter.empty() && at <= cfg.local_ranks_filter.size();) {
+    const std::size_t comma =
+        std::min(cfg.local_ranks_filter.find(',', at), cfg.local_ranks_filter.size());
+    const std::string item = cfg.local_ranks_filter.substr(at, comma - at);
+    int r = -1;
+    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), r);
+    if (ec != std::errc{} || end != item.data() + item.size() || r < 0)
+      die(2, fmt::format("--local-ranks-filter: expected local ranks like 0 or 0,2; got \"{}\"",
+                         cfg.local_ranks_filter));
+    o.local_ranks_filter.push_back(r);
+    at = comma + 1;
+  }
   o.prefix_output = !cfg.no_prefix;
   o.grace = millis(cfg.grace);
   o.join_timeout = millis(cfg.join_timeout);

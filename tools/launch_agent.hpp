@@ -17,6 +17,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <ftw.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -60,8 +61,21 @@ struct LaunchOptions {
   int master_port = 29500;
   /// Restart the whole group (every node) up to this many times after a failure.
   int max_restarts = 0;
-  /// When not empty, each worker's output is also written to DIR/attempt_K/rank_R.log.
+  /// When not empty, each worker's output is also written to DIR/attempt_K/rank_R.log (both
+  /// streams, unless `redirects` or `tee` say which), and its error file (TORCHELASTIC_ERROR_FILE)
+  /// is DIR/attempt_K/rank_R.error.json.
   std::string log_dir;
+  /// torchrun's -r/--redirects and -t/--tee: which streams of which local ranks go to the log
+  /// file only (redirects) or to the console and the log file (tee): "0" none, "1" stdout, "2"
+  /// stderr, "3" both, for every local rank, or "LOCAL_RANK:N,..." per local rank. Either one
+  /// set: the other streams go to the console only, and without log_dir the logs go to a new
+  /// directory under $TMPDIR (printed). Neither set: both streams to the console, and to the log
+  /// file when log_dir is set.
+  std::string redirects;
+  std::string tee;
+  /// When not empty, only these local ranks' output is shown on the console (all of it is still
+  /// written to the log files): torchrun's --local-ranks-filter.
+  std::vector<int> local_ranks_filter;
   /// Prefix each output line with "[rR] ".
   bool prefix_output = true;
   /// Between SIGTERM and SIGKILL when stopping workers.
@@ -147,6 +161,118 @@ inline void launch_on_signal(int sig) {
   errno = saved;
 }
 
+/// torchrun's stream spec ("0".."3", or "LOCAL_RANK:N,..."): the streams (bit 0 stdout, bit 1
+/// stderr) it names for each of `n` local ranks. Throws Errc::invalid_argument naming `flag`.
+inline std::vector<int> parse_stream_spec(const std::string& spec, int n, const char* flag) {
+  std::vector<int> mask(static_cast<std::size_t>(n), 0);
+  if (spec.empty()) return mask;
+  const auto number = [&](std::string_view t, int lo, int hi) {
+    int v = -1;
+    const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
+    if (ec != std::errc{} || end != t.data() + t.size() || v < lo || v > hi)
+      fail(Errc::invalid_argument, flag,
+           ": expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both), "
+           "or LOCAL_RANK:N,... with local ranks 0 to ",
+           n - 1, "; got \"", spec, "\"");
+    return v;
+  };
+  if (spec.find(':') == std::string::npos) {
+    std::fill(mask.begin(), mask.end(), number(spec, 0, 3));
+    return mask;
+  }
+  for (std::size_t at = 0; at <= spec.size();) {
+    const std::size_t comma = std::min(spec.find(',', at), spec.size());
+    const std::string_view item = std::string_view(spec).substr(at, comma - at);
+    const std::size_t colon = item.find(':');
+    if (colon == std::string_view::npos) number("", 0, -1);  // fails with the message
+    mask[static_cast<std::size_t>(number(item.substr(0, colon), 0, n - 1))] =
+        number(item.substr(colon + 1), 0, 3);
+    at = comma + 1;
+  }
+  return mask;
+}
+
+/// The text of a torchrun error file ({"message": {"message": TEXT, ...}} or {"message": TEXT}),
+/// or "" when `json` has none: what a Python worker's @record wrote, for the failure report.
+inline std::string error_file_message(std::string_view json) {
+  // The string value after the last "message" key before the first string value that is not
+  // an object: enough for the two shapes torch writes, without a JSON library.
+  std::size_t at = 0;
+  for (int depth = 0; depth < 2; ++depth) {
+    const std::size_t key = json.find("\"message\"", at);
+    if (key == std::string_view::npos) return {};
+    at = json.find_first_not_of(" \t\r\n", key + 9);
+    if (at == std::string_view::npos || json[at] != ':') return {};
+    at = json.find_first_not_of(" \t\r\n", at + 1);
+    if (at == std::string_view::npos) return {};
+    if (json[at] == '"') break;
+    if (json[at] != '{') return {};
+  }
+  if (at >= json.size() || json[at] != '"') return {};
+  std::string out;
+  for (std::size_t i = at + 1; i < json.size(); ++i) {
+    const char c = json[i];
+    if (c == '"') return out;
+    if (c != '\\' || i + 1 >= json.size()) {
+      out.push_back(c);
+      continue;
+    }
+    const char e = json[++i];
+    switch (e) {
+      case 'n': out.push_back('\n'); break;
+      case 't': out.push_back('\t'); break;
+      case 'r': out.push_back('\r'); break;
+      case 'b':
+      case 'f': break;
+      case 'u':
+        i += 4;
+        out.push_back('?');
+        break;  // non-ASCII: not needed for a report line
+      default: out.push_back(e); break;
+    }
+  }
+  return {};  // unterminated: not a message
+}
+
+/// `text` as a JSON string literal.
+inline std::string json_string(std::string_view text) {
+  std::string out = "\"";
+  for (const char c : text) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      case '\r': out += "\\r"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(c));
+          out += buf;
+        } else {
+          out.push_back(c);
+        }
+    }
+  }
+  out.push_back('"');
+  return out;
+}
+
+inline std::string read_small_file(const std::string& path, std::size_t limit = 1 << 20) {
+  const Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd) return {};
+  std::string text(limit, '\0');
+  std::size_t n = 0;
+  while (n < limit) {
+    const ssize_t k = ::read(fd.get(), text.data() + n, limit - n);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) break;
+    n += static_cast<std::size_t>(k);
+  }
+  text.resize(n);
+  return text;
+}
+
 /// A failed attempt as agents publish it: which node, the exit status, whether another attempt
 /// may follow (not after an interrupt), what happened, and what decides the root cause.
 struct LaunchFailure {
@@ -188,7 +314,9 @@ class LaunchAgent {
 
   struct Stream {
     Fd fd;
-    int out = 1;  // where its lines go: 1 (stdout) or 2 (stderr)
+    int out = 1;  // where its lines go on the console: 1 (stdout) or 2 (stderr)
+    bool console = true;
+    bool log = false;  // also (or only) to the worker's log file
     std::string pending;
   };
   struct Worker {
@@ -216,6 +344,20 @@ class LaunchAgent {
       fail(Errc::invalid_argument,
            "launch: a free port (master_port 0) works for a single node only; give the port");
     if (o_.command.empty()) fail(Errc::invalid_argument, "launch: no program given");
+    redirect_ = parse_stream_spec(o_.redirects, o_.nproc_per_node, "--redirects");
+    tee_ = parse_stream_spec(o_.tee, o_.nproc_per_node, "--tee");
+    for (const int r : o_.local_ranks_filter) {
+      if (r < 0 || r >= o_.nproc_per_node)
+        fail(Errc::invalid_argument, "--local-ranks-filter: local rank ", r,
+             " does not exist (local ranks are 0 to ", o_.nproc_per_node - 1, ")");
+    }
+    own_error_file_ = EnvReader().get("TORCHELASTIC_ERROR_FILE");
+  }
+
+  LaunchAgent(const LaunchAgent&) = delete;
+  LaunchAgent& operator=(const LaunchAgent&) = delete;
+  ~LaunchAgent() {
+    if (!scratch_dir_.empty()) remove_tree(scratch_dir_);
   }
 
   int run() {
@@ -259,15 +401,16 @@ class LaunchAgent {
     }
     store_ = std::make_unique<Store>(Store(o_.master_addr, port_, so).prefixed("ddprun/"));
     join();
-    int code = 0;
+    prepare_dirs();
+    LaunchFailure f;
     for (int attempt = 0;; ++attempt) {
-      const LaunchFailure f = run_attempt(attempt);
-      code = f.code;
-      if (code == 0 || !f.restartable || interrupted_ != 0 || attempt >= o_.max_restarts) break;
+      f = run_attempt(attempt);
+      if (f.code == 0 || !f.restartable || interrupted_ != 0 || attempt >= o_.max_restarts) break;
       say("restarting the workers (restart ", attempt + 1, " of ", o_.max_restarts, ")");
     }
+    if (f.code != 0) write_own_error_file(f);
     finish();
-    return code;
+    return f.code;
   }
 
  private:
@@ -277,8 +420,92 @@ class LaunchAgent {
     write_fully(2, line.data(), line.size());
   }
 
+  // Where the logs and the workers' error files go: log_dir, or (for logs that -r/-t asked for
+  // without one) a new directory that stays; error files alone go to one removed at the end.
+  void prepare_dirs() {
+    log_dir_ = o_.log_dir;
+    const bool logs_asked = !o_.redirects.empty() || !o_.tee.empty();
+    if (log_dir_.empty() && logs_asked) {
+      log_dir_ = temp_dir("ddprun-logs-");
+      say("worker logs in ", log_dir_);
+    }
+    error_dir_ = log_dir_;
+    if (error_dir_.empty()) error_dir_ = scratch_dir_ = temp_dir("ddprun-errors-");
+  }
+
+  [[nodiscard]] static std::string temp_dir(const char* prefix) {
+    const std::string base = EnvReader().get("TMPDIR");
+    std::string path = concat(base.empty() ? "/tmp" : base, "/", prefix, "XXXXXX");
+    if (::mkdtemp(path.data()) == nullptr) fail_errno(errno, "cannot create ", path);
+    return path;
+  }
+
+  static void remove_tree(const std::string& path) {
+    ::nftw(
+        path.c_str(),
+        [](const char* p, const struct stat*, int, FTW*) {
+          (void)::remove(p);
+          return 0;
+        },
+        16, FTW_DEPTH | FTW_PHYS);
+  }
+
+  [[nodiscard]] std::string error_file(const Worker& w, int attempt) const {
+    return concat(error_dir_, "/attempt_", attempt, "/rank_", w.rank, ".error.json");
+  }
+
+  // What a worker's failure is reported as: how it ended, and the message it left in its error
+  // file (a Python worker's @record, or any program that writes torchrun's format), if any.
+  [[nodiscard]] std::string failure_text(const Worker& w, int attempt) const {
+    std::string text = describe(w);
+    std::string msg = error_file_message(read_small_file(error_file(w, attempt)));
+    if (const auto nl = msg.find('\n'); nl != std::string::npos) msg.resize(nl);
+    if (msg.size() > 400) msg = msg.substr(0, 400) + "...";
+    if (!msg.empty()) text += concat(": ", msg);
+    return text;
+  }
+
+  // With TORCHELASTIC_ERROR_FILE set for ddprun itself (a scheduler asks, as torchelastic
+  // does), the root cause in torchrun's format.
+  void write_own_error_file(const LaunchFailure& f) const {
+    if (own_error_file_.empty()) return;
+    const std::string json = concat(
+        "{\"message\": {\"message\": ", json_string(concat(o_.name, ": ", f.what)),
+        ", \"errorCode\": ", f.code, ", \"extraInfo\": {\"py_callstack\": \"\", \"timestamp\": \"",
+        static_cast<long long>(std::time(nullptr)), "\"}}}\n");
+    const Fd fd(::open(own_error_file_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (!fd) {
+      say("cannot write TORCHELASTIC_ERROR_FILE ", own_error_file_, ": ", std::strerror(errno));
+      return;
+    }
+    write_fully(fd.get(), json.data(), json.size());
+  }
+
+  // A port for the workers' MASTER_PORT, free now on master_addr and below the ephemeral range
+  // (so that a peer's connect can never be given it as its own source port): the program's
+  // rank 0 binds it (torch.distributed's TCPStore, ddp with its own store); ddprun's store stays
+  // on --master-port and reaches ddp workers as DDP_STORE_PORT.
+  [[nodiscard]] int pick_worker_port() const {
+    std::uint64_t x = random_value<std::uint64_t>();
+    for (int i = 0; i < 64; ++i) {
+      x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+      const int port = 15000 + static_cast<int>((x >> 33) % 17000);
+      try {
+        const Fd fd = listen_tcp(o_.master_addr, port, 1);
+        return port;
+      } catch (const Error&) {
+      }
+    }
+    const Fd fd = listen_tcp(o_.master_addr, 0, 1);
+    return local_port(fd.get());
+  }
+
   // Registers this node and learns where its ranks start.
   void join() {
+    if (server_) {
+      worker_port_ = pick_worker_port();
+      store_->set("worker_port", std::to_string(worker_port_));
+    }
     const std::string me = concat(o_.nproc_per_node, '|', ::getpid());
     if (store_->compare_set(concat("node/", o_.node_rank), "", me) != me)
       fail(Errc::invalid_argument, "node rank ", o_.node_rank,
@@ -300,6 +527,7 @@ class LaunchAgent {
       if (i < o_.node_rank) base_rank_ += n;
       world_ += n;
     }
+    if (!server_) worker_port_ = std::atoi(store_->get("worker_port").c_str());
   }
 
   // Tells node 0 this agent is done with the store; node 0 waits for all of them.
@@ -331,6 +559,9 @@ class LaunchAgent {
                                            "DDP_LAUNCHER",
                                            "DDP_RESTART_COUNT",
                                            "DDP_STORE_HOSTED",
+                                           "DDP_STORE_PORT",
+                                           "TORCHELASTIC_ERROR_FILE",
+                                           "TORCHELASTIC_USE_AGENT_STORE",
                                            "TORCHELASTIC_RESTART_COUNT",
                                            "TORCHELASTIC_MAX_RESTARTS",
                                            "TORCHELASTIC_RUN_ID"};
@@ -353,9 +584,13 @@ class LaunchAgent {
     env.push_back(concat("ROLE_RANK=", w.rank));
     env.push_back(concat("ROLE_WORLD_SIZE=", world_));
     env.push_back(concat("MASTER_ADDR=", o_.master_addr));
-    env.push_back(concat("MASTER_PORT=", port_));
+    // MASTER_PORT is the program's (torch.distributed's rank 0 hosts its store there); ddp's
+    // workers use ddprun's own store, on DDP_STORE_PORT.
+    env.push_back(concat("MASTER_PORT=", worker_port_));
+    env.push_back(concat("DDP_STORE_PORT=", port_));
     env.push_back("DDP_LAUNCHER=" + o_.name);
     env.push_back("DDP_STORE_HOSTED=1");
+    env.push_back(concat("TORCHELASTIC_ERROR_FILE=", error_file(w, attempt)));
     env.push_back(concat("DDP_RESTART_COUNT=", attempt));
     env.push_back(concat("TORCHELASTIC_RESTART_COUNT=", attempt));
     env.push_back(concat("TORCHELASTIC_MAX_RESTARTS=", o_.max_restarts));
@@ -367,7 +602,20 @@ class LaunchAgent {
   }
 
   void start(Worker& w, int attempt) {
-    const bool piped = o_.prefix_output || !o_.log_dir.empty();
+    make_dirs(concat(error_dir_, "/attempt_", attempt));
+    ::unlink(error_file(w, attempt).c_str());  // a file left by an earlier launch is not news
+    const bool custom = !o_.redirects.empty() || !o_.tee.empty();
+    const bool shown = o_.local_ranks_filter.empty() ||
+                       std::find(o_.local_ranks_filter.begin(), o_.local_ranks_filter.end(),
+                                 w.local_rank) != o_.local_ranks_filter.end();
+    for (int s = 0; s < 2; ++s) {
+      const auto lr = static_cast<std::size_t>(w.local_rank);
+      const bool redirected = custom && (redirect_[lr] & (1 << s)) != 0;
+      const bool teed = custom && (tee_[lr] & (1 << s)) != 0;
+      w.streams[s].log = custom ? redirected || teed : !log_dir_.empty();
+      w.streams[s].console = shown && !redirected;
+    }
+    const bool piped = o_.prefix_output || !log_dir_.empty() || !shown || custom;
     int out[2][2] = {{-1, -1}, {-1, -1}};
     if (piped) {
       for (auto& p : out)
@@ -422,8 +670,8 @@ class LaunchAgent {
         w.streams[s].out = s + 1;
       }
     }
-    if (!o_.log_dir.empty()) {
-      const std::string dir = concat(o_.log_dir, "/attempt_", attempt);
+    if (w.streams[0].log || w.streams[1].log) {
+      const std::string dir = concat(log_dir_, "/attempt_", attempt);
       make_dirs(dir);
       const std::string path = concat(dir, "/rank_", w.rank, ".log");
       w.log.reset(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
@@ -437,8 +685,8 @@ class LaunchAgent {
     std::string text = w.prefix;
     text.append(line);
     text.push_back('\n');
-    write_fully(s.out, text.data(), text.size());  // one line, one write: lines never mix
-    if (w.log)
+    if (s.console) write_fully(s.out, text.data(), text.size());  // one write: lines never mix
+    if (s.log && w.log)
       write_fully(w.log.get(), text.data() + w.prefix.size(), text.size() - w.prefix.size());
   }
 
@@ -531,8 +779,12 @@ class LaunchAgent {
       ::kill(-w.pid, SIGKILL);  // whatever it left behind in its process group
       const bool ok = WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0;
       if (!ok && (root_cause_ < 0 ? !stopping_ : crashed_while_stopping(w))) {
-        const LaunchFailure f{o_.node_rank, exit_code_of(w.status), true,
-                              describe(w),  WIFSIGNALED(w.status),  wall_ns()};
+        const LaunchFailure f{o_.node_rank,
+                              exit_code_of(w.status),
+                              true,
+                              failure_text(w, attempt),
+                              WIFSIGNALED(w.status),
+                              wall_ns()};
         if (!first || f.before(*first)) {
           first = f;
           first_worker = w.local_rank;
@@ -662,7 +914,7 @@ class LaunchAgent {
     std::optional<LaunchFailure> local;
     if (root_cause_ >= 0) {
       const Worker& w = workers_[static_cast<std::size_t>(root_cause_)];
-      local = LaunchFailure{o_.node_rank, exit_code_of(w.status), true, describe(w)};
+      local = LaunchFailure{o_.node_rank, exit_code_of(w.status), true, failure_text(w, attempt)};
     }
     if (interrupted_ != 0)
       local = LaunchFailure{o_.node_rank, 128 + interrupted_, false,
@@ -718,7 +970,13 @@ class LaunchAgent {
 
   std::unique_ptr<LaunchGuardian> guardian_;  // destroyed last: sweeps after everything else
   LaunchOptions o_;
-  int port_ = 0;
+  std::vector<int> redirect_, tee_;  // per local rank: streams to the log only / to both
+  std::string log_dir_;              // o_.log_dir, or a directory made for -r/-t
+  std::string error_dir_;            // where the workers' TORCHELASTIC_ERROR_FILEs go
+  std::string scratch_dir_;          // error_dir_ when made only for them: removed at the end
+  std::string own_error_file_;       // ddprun's own TORCHELASTIC_ERROR_FILE
+  int port_ = 0;                     // ddprun's store
+  int worker_port_ = 0;              // the workers' MASTER_PORT
   int base_rank_ = 0;
   int world_ = 0;
   std::unique_ptr<StoreServer> server_;

@@ -7,6 +7,7 @@ python3 tests/launch/test_ddprun.py [-v] [TestCase.test_name ...]
 The multi-node cases run two ddprun "nodes" in two network namespaces joined by a veth pair; they
 need root (ip netns) and are skipped with a message otherwise."""
 
+import json
 import os
 import re
 import shutil
@@ -197,6 +198,107 @@ class SingleNode(Base):
         r = ddprun("--standalone", "--nproc-per-node", 2, "--no-prefix", "sh", "-c", "echo $RANK")
         self.assertEqual(sorted(r.stdout.splitlines()), ["0", "1"])
 
+    def test_redirects_tee_and_local_ranks_filter(self):
+        prog = ["sh", "-c", "echo out $RANK; echo err $RANK >&2"]
+        logs = os.path.join(self.dir, "logs")
+
+        def log(rank, attempt=0, where=logs):
+            path = os.path.join(where, f"attempt_{attempt}", f"rank_{rank}.log")
+            if not os.path.exists(path):
+                return None
+            with open(path) as f:
+                return sorted(f.read().splitlines())
+
+        # -r 1: stdout to the log file only, stderr to the console only (as torchrun).
+        r = ddprun("--standalone", "--nproc-per-node", 2, "-r", 1, "--log-dir", logs, *prog)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout, "")
+        self.assertEqual(sorted(line for line in r.stderr.splitlines() if line.startswith("[r")),
+                         ["[r0] err 0", "[r1] err 1"])
+        self.assertEqual([log(0), log(1)], [["out 0"], ["out 1"]])
+        # -t 3 with a filter: both streams to console and log, rank 1 only in its log.
+        r = ddprun("--standalone", "--nproc-per-node", 2, "--tee", 3, "--log-dir", logs,
+                   "--local-ranks-filter", 0, *prog)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout.splitlines(), ["[r0] out 0"])
+        self.assertNotIn("[r1]", r.stderr)
+        self.assertEqual([log(0), log(1)], [["err 0", "out 0"], ["err 1", "out 1"]])
+        # Per local rank, without --log-dir: a directory is made and named.
+        r = ddprun("--standalone", "--nproc-per-node", 2, "--redirects", "0:3,1:0", *prog)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        m = re.search(r"worker logs in (\S+)", r.stderr)
+        self.assertIsNotNone(m, r.stderr)
+        try:
+            self.assertEqual(r.stdout.splitlines(), ["[r1] out 1"])
+            self.assertEqual(log(0, where=m.group(1)), ["err 0", "out 0"])
+            self.assertIsNone(log(1, where=m.group(1)))  # rank 1: console only
+        finally:
+            shutil.rmtree(m.group(1), ignore_errors=True)
+        # A filter alone: the other ranks' output is dropped from the console.
+        r = ddprun("--standalone", "--nproc-per-node", 3, "--local-ranks-filter", "0,2", *prog)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(sorted(r.stdout.splitlines()), ["[r0] out 0", "[r2] out 2"])
+
+    def test_error_files_as_torchrun_writes_and_reads_them(self):
+        # A worker that writes torchrun's error file has its message in the report; ddprun's own
+        # TORCHELASTIC_ERROR_FILE gets the root cause in the same format.
+        own = os.path.join(self.dir, "launcher_error.json")
+        write = ('if [ "$RANK" = 1 ]; then printf \'{"message": {"message": "ValueError: bad '
+                 'shard \\\\"7\\\\"", "extraInfo": {"timestamp": "1"}}}\' > '
+                 '"$TORCHELASTIC_ERROR_FILE"; exit 3; fi; sleep 30')
+        r = ddprun("--standalone", "--nproc-per-node", 2, "--grace", 1, "sh", "-c", write,
+                   env={**os.environ, "TORCHELASTIC_ERROR_FILE": own})
+        self.assertEqual(r.returncode, 3, r.stderr)
+        self.assertIn('rank 1 (local_rank 1, pid', r.stderr)
+        self.assertIn('exited with status 3 after', r.stderr)
+        self.assertIn(': ValueError: bad shard "7"', r.stderr)
+        with open(own) as f:
+            data = json.load(f)
+        self.assertEqual(data["message"]["errorCode"], 3)
+        self.assertIn('rank 1 (local_rank 1', data["message"]["message"])
+        self.assertIn('ValueError: bad shard "7"', data["message"]["message"])
+        self.assertTrue(data["message"]["extraInfo"]["timestamp"].isdigit())
+        # Each worker's file is its own, in the log directory when there is one; a success
+        # leaves ddprun's own file alone.
+        os.unlink(own)
+        logs = os.path.join(self.dir, "logs")
+        r = ddprun("--standalone", "--nproc-per-node", 2, "--log-dir", logs, "sh", "-c",
+                   "echo $TORCHELASTIC_ERROR_FILE", env={**os.environ,
+                                                         "TORCHELASTIC_ERROR_FILE": own})
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(sorted(r.stdout.splitlines()),
+                         [f"[r{k}] {logs}/attempt_0/rank_{k}.error.json" for k in (0, 1)])
+        self.assertFalse(os.path.exists(own))
+        # A malformed file is not a message.
+        r = ddprun("--standalone", "sh", "-c", 'echo "{\\"message\\": 12" > '
+                   '"$TORCHELASTIC_ERROR_FILE"; exit 5')
+        self.assertEqual(r.returncode, 5, r.stderr)
+        self.assertRegex(r.stderr, r"exited with status 5 after [0-9.]+ s\n")
+
+    def test_master_port_is_left_to_the_program(self):
+        # ddprun's store is on DDP_STORE_PORT; MASTER_PORT is free for the program's rank 0.
+        port = free_port()
+        r = ddprun("--nproc-per-node", 2, "--master-port", port, "sh", "-c",
+                   "echo $MASTER_PORT $DDP_STORE_PORT")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        lines = sorted(r.stdout.splitlines())
+        self.assertEqual(len(lines), 2, r.stdout)
+        worker_port, store_port = (int(v) for v in lines[0].split()[1:])
+        self.assertEqual(store_port, port)
+        self.assertNotEqual(worker_port, port)
+        self.assertEqual(lines[1], f"[r1] {worker_port} {port}")
+        self.assertLess(worker_port, 32768)  # below the ephemeral range: no self-connect
+        code = ("import os, socket\n"
+                "if os.environ['RANK'] == '0':\n"
+                "    s = socket.socket(); s.bind((os.environ['MASTER_ADDR'], "
+                "int(os.environ['MASTER_PORT']))); print('bound')\n")
+        prog = os.path.join(self.dir, "bind.py")
+        with open(prog, "w") as f:
+            f.write(code)
+        r = ddprun("--standalone", "--nproc-per-node", 2, prog)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout.splitlines(), ["[r0] bound"])
+
     def test_exit_status_is_propagated_and_the_rest_stopped(self):
         t0 = time.monotonic()
         r = ddprun("--standalone", "--nproc-per-node", 3, WORKER, "exit", 1, 7)
@@ -348,6 +450,14 @@ class SingleNode(Base):
             (["--rdzv-endpoint", "nohost", "true"], 'expected HOST:PORT, got "nohost"'),
             (["--rdzv_endpoint", "h:99999", "true"], "expected HOST:PORT"),
             (["--no-python", "-m", "mod"], "--module runs python3 -m: drop --no-python"),
+            (["--standalone", "-r", "4", "true"], '--redirects: expected 0 (none), 1 (stdout)'),
+            (["--standalone", "--nproc-per-node", 2, "--tee", "2:1", "true"],
+             "with local ranks 0 to 1; got \"2:1\""),
+            (["--standalone", "-r", "0:1,x", "true"], "--redirects: expected"),
+            (["--standalone", "--local-ranks-filter", "3", "true"],
+             "--local-ranks-filter: local rank 3 does not exist"),
+            (["--standalone", "--local_ranks_filter", "0,a", "true"],
+             'expected local ranks like 0 or 0,2; got "0,a"'),
         ]
         for args, message in cases:
             r = ddprun(*args)
@@ -408,7 +518,7 @@ class OtherLaunchers(Base):
             out = self.start_workers([{**common, "RANK": str(r), "LOCAL_RANK": str(r)}
                                       for r in range(2)])
         self.assertEqual(len(re.findall(r"rank \d/2 local \d/2 node 0 launcher torchrun "
-                                        r"transport shm restart \? sum ok", out)), 2, out)
+                                        r"transport shm restart 0 sum ok", out)), 2, out)
 
     def test_slurm_variables(self):
         job = str(400000 + os.getpid() % 10000)  # the port derives from the job id
@@ -428,6 +538,207 @@ class OtherLaunchers(Base):
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertEqual(len(re.findall(r"rank \d/3 local \d/3 node 0 launcher openmpi", r.stdout)),
                          3, r.stdout)
+
+
+def python_with_torch():
+    """A Python whose torch has torch.distributed with gloo: $DDP_TEST_TORCH_PYTHON, Debian's
+    python3-torch, or pip's torch cached for the tests (~/.cache/ddp/torch-venv); None if none."""
+    candidates = [os.environ.get("DDP_TEST_TORCH_PYTHON", ""), "/usr/bin/python3",
+                  os.path.expanduser("~/.cache/ddp/torch-venv/bin/python")]
+    for py in candidates:
+        if py and os.access(py, os.X_OK) and subprocess.run(
+                [py, "-c", "import torch.distributed as d; assert d.is_gloo_available()"],
+                capture_output=True, timeout=LIMIT).returncode == 0:
+            return py
+    return None
+
+
+TORCH_PYTHON = python_with_torch()
+
+TORCH_PROGRAM = '''
+import os, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+@record
+def main():
+    dist.init_process_group("gloo")  # env://: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    if len(sys.argv) > 1 and rank == int(sys.argv[1]):
+        raise ValueError(f"rank {rank} fails on purpose")
+    print("sum", int(t.item()), "world", world, "restart", os.environ["TORCHELASTIC_RESTART_COUNT"])
+    dist.destroy_process_group()
+
+
+main()
+'''
+
+
+@unittest.skipIf(TORCH_PYTHON is None, "needs a Python with torch (python3-torch or pip's torch)")
+class TorchDistributedPrograms(Base):
+    """torch.distributed programs under ddprun, as under torchrun: init_process_group("gloo") with
+    env://, whose rank 0 hosts its TCPStore on MASTER_PORT, and @record's error files."""
+
+    def run_program(self, *args, nproc=2, env=None, prog_args=()):
+        prog = os.path.join(self.dir, "train.py")
+        with open(prog, "w") as f:
+            f.write(TORCH_PROGRAM)
+        return ddprun("--nproc-per-node", nproc, "--master-port", free_port(), *args, prog,
+                      *prog_args,
+                      env={**os.environ, "PYTHON": TORCH_PYTHON, "OMP_NUM_THREADS": "1",
+                           **(env or {})}, timeout=2 * LIMIT)
+
+    def test_init_process_group_and_all_reduce(self):
+        for n in (1, 3):
+            r = self.run_program(nproc=n)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            total = n * (n + 1) // 2
+            self.assertEqual(sorted(r.stdout.splitlines()),
+                             [f"[r{k}] sum {total} world {n} restart 0" for k in range(n)])
+
+    def test_a_failing_rank_is_reported_with_its_exception(self):
+        own = os.path.join(self.dir, "error.json")
+        r = self.run_program("--grace", 2, prog_args=["1"], env={"TORCHELASTIC_ERROR_FILE": own})
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn("root cause: rank 1 (local_rank 1", r.stderr)
+        self.assertIn("ValueError: rank 1 fails on purpose", r.stderr)
+        with open(own) as f:
+            self.assertIn("ValueError: rank 1 fails on purpose", json.load(f)["message"]["message"])
+
+    def test_restart_after_a_failure_reuses_the_port(self):
+        # The first attempt's rank 0 fails; the second attempt hosts its store on the same
+        # MASTER_PORT again and runs to the end.
+        prog_args = ["--max-restarts", 1]
+        code = TORCH_PROGRAM.replace(
+            "if len(sys.argv) > 1 and rank == int(sys.argv[1]):",
+            "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' and rank == 0:")
+        prog = os.path.join(self.dir, "flaky.py")
+        with open(prog, "w") as f:
+            f.write(code)
+        r = ddprun("--nproc-per-node", 2, "--master-port", free_port(), *prog_args, prog,
+                   env={**os.environ, "PYTHON": TORCH_PYTHON, "OMP_NUM_THREADS": "1"},
+                   timeout=2 * LIMIT)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("restarting the workers (restart 1 of 1)", r.stderr)
+        self.assertEqual(sorted(line for line in r.stdout.splitlines() if "restart 1" in line),
+                         ["[r0] sum 3 world 2 restart 1", "[r1] sum 3 world 2 restart 1"])
+
+
+TORCHRUN = os.environ.get("DDP_TEST_TORCHRUN",
+                          os.path.expanduser("~/.cache/ddp/torch-venv/bin/torchrun"))
+
+
+@unittest.skipIf(not os.access(TORCHRUN, os.X_OK),
+                 "needs PyPI's torchrun (scripts/test.sh installs it in ~/.cache/ddp/torch-venv)")
+class RealTorchrun(Base):
+    """The worker program, unchanged, under PyPI torch's own torchrun: one agent, two agents
+    meeting through the c10d rendezvous, a failing worker, and --max-restarts."""
+
+    def torchrun(self, *args):
+        return subprocess.Popen([TORCHRUN, *map(str, args)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def finish(self, *procs):
+        try:
+            results = [p.communicate(timeout=3 * LIMIT) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
+        return [(p.returncode, out, err) for p, (out, err) in zip(procs, results)]
+
+    def test_standalone_one_agent(self):
+        [(code, out, err)] = self.finish(self.torchrun(
+            "--standalone", "--nproc_per_node", 3, "--no-python", WORKER, "allreduce"))
+        self.assertEqual(code, 0, err)
+        self.assertEqual(sorted(re.findall(r"rank (\d)/3 local \d/3 node 0 launcher torchrun "
+                                           r"transport shm restart 0 sum ok", out)),
+                         ["0", "1", "2"], out + err)
+
+    def test_two_agents_c10d_rendezvous(self):
+        # Two "nodes" on this host: each torchrun agent starts 2 workers; they meet through the
+        # c10d rendezvous store; ddp's own store goes on MASTER_PORT + 1 (the agent store).
+        port = free_port()
+        args = ["--nnodes", 2, "--nproc_per_node", 2, "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"ddp-{os.getpid()}",
+                "--no-python", WORKER, "allreduce"]
+        results = self.finish(self.torchrun(*args), self.torchrun(*args))
+        out = "".join(o for _, o, _ in results)
+        for code, _, err in results:
+            self.assertEqual(code, 0, err)
+        # (ddp sees the 4 ranks on one host: local 0/4 to 3/4, over shared memory)
+        found = re.findall(r"rank (\d)/4 local \d/4 node (\d) launcher torchrun transport shm "
+                           r"restart 0 sum ok", out)
+        self.assertEqual(sorted(rank for rank, _ in found), ["0", "1", "2", "3"], out)
+        self.assertEqual(sorted({node for _, node in found}), ["0", "1"], out)
+
+    def test_a_failing_worker_fails_the_job(self):
+        [(code, out, err)] = self.finish(self.torchrun(
+            "--standalone", "--nproc_per_node", 2, "--no-python", WORKER, "exit", 1, 7))
+        self.assertNotEqual(code, 0, out)
+        self.assertIn("rank 1 fails on purpose", err)
+        self.assertRegex(err, r"exitcode\s*:\s*7")
+
+    def test_max_restarts(self):
+        # Rank 0 fails in the first attempt only: torchrun restarts the group and the second
+        # attempt (TORCHELASTIC_RESTART_COUNT=1) completes, its ddp store on a fresh port.
+        [(code, out, err)] = self.finish(self.torchrun(
+            "--standalone", "--nproc_per_node", 2, "--max-restarts", 1, "--no-python", WORKER,
+            "exit", 0, 3, "once"))
+        self.assertEqual(code, 0, err)
+        self.assertIn("rank 0 fails on purpose", err)
+        self.assertEqual(sorted(re.findall(r"rank (\d)/2 local \d/2 node 0 launcher torchrun "
+                                           r"transport shm restart 1 sum ok", out)),
+                         ["0", "1"], out + err)
+
+
+def slurm_cluster():
+    """Whether srun can reach a Slurm cluster (scripts/slurm.sh start makes one here)."""
+    if shutil.which("srun") is None or shutil.which("sinfo") is None:
+        return False
+    try:
+        r = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=10)
+    except subprocess.TimeoutExpired:
+        return False
+    return r.returncode == 0 and ("idle" in r.stdout or "mix" in r.stdout)
+
+
+@unittest.skipIf(not slurm_cluster(),
+                 "needs a Slurm cluster: scripts/slurm.sh start, then SLURM_CONF as it prints")
+class RealSlurm(Base):
+    """The worker program, unchanged, under the real srun of slurm-wlm."""
+
+    def launch(self, *cmd, env=None):
+        return subprocess.run(list(map(str, cmd)), capture_output=True, text=True,
+                              timeout=3 * LIMIT, env={**os.environ, **(env or {})})
+
+    def test_srun_four_tasks(self):
+        r = self.launch("srun", "-N1", "-n4", WORKER, "allreduce")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(sorted(re.findall(r"rank (\d)/4 local \d/4 node 0 launcher slurm "
+                                           r"transport shm restart \? sum ok", r.stdout)),
+                         ["0", "1", "2", "3"], r.stdout + r.stderr)
+
+    def test_two_steps_of_one_job_at_once(self):
+        # Two job steps side by side in one allocation: each has its own store port (derived
+        # from the job id and the step id), so neither joins the other's rendezvous.
+        r = self.launch("salloc", "-N1", "-n4", "sh", "-c",
+                     f"srun -n2 --exact {WORKER} allreduce & srun -n2 --exact {WORKER} allreduce; "
+                     "wait", env={"WORKER_HOLD_MS": "1500"})
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(sorted(re.findall(r"rank (\d)/2 local \d/2 node 0 launcher slurm",
+                                           r.stdout)), ["0", "0", "1", "1"], r.stdout + r.stderr)
+
+    def test_a_failing_task_fails_the_step(self):
+        r = self.launch("srun", "-N1", "-n2", "--kill-on-bad-exit=1", WORKER, "exit", 1, 4)
+        self.assertNotEqual(r.returncode, 0, r.stdout)
+        self.assertIn("rank 1 fails on purpose", r.stderr)
 
 
 class Namespaces:

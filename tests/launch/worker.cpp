@@ -61,6 +61,13 @@ void wait_forever() {
   for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
 }
 
+/// The launcher's restart count: ddprun's DDP_RESTART_COUNT or torchrun's
+/// TORCHELASTIC_RESTART_COUNT ("?" under a launcher with neither).
+std::string restart_count() {
+  const ddp::detail::EnvReader env;
+  return env.get("DDP_RESTART_COUNT", env.get("TORCHELASTIC_RESTART_COUNT", "?"));
+}
+
 int all_reduce_and_check() {
   auto comm = ddp::Communicator<ddp::backend::Host>::init();
   const int p = comm.size();
@@ -76,8 +83,8 @@ int all_reduce_and_check() {
   const auto env = ddp::Environment::detect();
   std::cout << "rank " << comm.rank() << "/" << p << " local " << comm.local_rank() << "/"
             << comm.local_size() << " node " << env.node_rank << " launcher " << env.launcher
-            << " transport " << comm.backend().transport() << " restart "
-            << ddp::detail::EnvReader().get("DDP_RESTART_COUNT", "?") << " sum ok" << std::endl;
+            << " transport " << comm.backend().transport() << " restart " << restart_count()
+            << " sum ok" << std::endl;
   // WORKER_HOLD_MS: keep the communicator (and rank 0's store) a while before leaving.
   std::this_thread::sleep_for(
       std::chrono::milliseconds(std::stoi(ddp::detail::EnvReader().get("WORKER_HOLD_MS", "0"))));
@@ -95,7 +102,7 @@ int main(int argc, char** argv) try {
   if (mode == "allreduce") return all_reduce_and_check();
   if (mode == "exit" && args.size() >= 3) {
     const bool once = args.size() > 3 && args[3] == "once";
-    const bool first = ddp::detail::EnvReader().get("DDP_RESTART_COUNT", "0") == "0";
+    const bool first = restart_count() == "0";
     if (env.rank == std::stoi(args[1]) && (!once || first)) {
       std::cerr << "rank " << env.rank << " fails on purpose" << std::endl;
       return std::stoi(args[2]);
