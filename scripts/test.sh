@@ -20,13 +20,26 @@ fast=0
 
 ensure_debs build-essential g++ clang clang-format cmake ninja-build pkg-config python3 python3-venv \
   doctest-dev meson git libopenmpi-dev openmpi-bin libcli11-dev libfmt-dev iproute2 \
-  zlib1g-dev libeigen3-dev libclang-rt-dev dataset-fashion-mnist
+  zlib1g-dev libeigen3-dev libclang-rt-dev dataset-fashion-mnist doxygen
 mkdir -p build
 [ $fast -eq 0 ] && ensure_conan "$root/build"  # the conan consumer test: not in --fast
 # libtorch (CPU) for the torch adapter's tests and examples, PyTorch for the benchmark's peer and
 # OpenBLAS under both (Debian's libtorch uses whatever libblas.so.3 points at; the reference BLAS
 # is ~10x slower): the g++ stage only (the --fast, clang and sanitizer presets build without them).
 [ $fast -eq 0 ] && ensure_debs libtorch-dev python3-torch libopenblas0-pthread
+# The real launchers the launch tests run programs under: PyPI's torchrun (Debian's 1.13 torchrun
+# does not start on Python 3.11) and a one-node Slurm cluster (slurm-wlm, munge) started here.
+if [ $fast -eq 0 ]; then
+  ensure_debs slurm-wlm munge
+  ensure_torch_venv || exit 1
+  if [ "$(id -u)" -eq 0 ]; then
+    slurm_env=$(scripts/slurm.sh start build/slurm) || exit 1
+    eval "$slurm_env"  # export SLURM_CONF=...
+    trap 'scripts/slurm.sh stop build/slurm' EXIT
+  else
+    echo "note: not root: the Slurm tests are skipped (scripts/slurm.sh needs root)"
+  fi
+fi
 
 passed=0
 failed=0
@@ -61,6 +74,7 @@ meson_tests() {
 if [ $fast -eq 0 ]; then
   stage "clang-format (every C++ file)" scripts/format.sh --check
   stage "single_include is regenerated from include/" python3 tools/amalgamate.py --check
+  stage "API reference (Doxygen, warnings are errors)" scripts/docs.sh
 fi
 if [ $fast -eq 1 ]; then
   stage "g++: the fast tests" fresh_workflow fast

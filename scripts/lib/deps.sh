@@ -2,6 +2,8 @@
 # Sourced by scripts/*.sh: make sure Debian packages and PyPI tools are present.
 #   ensure_debs PKG...   installs what is missing (as root), or prints the one apt-get line to run
 #   ensure_conan         Conan 2 in a private venv (build/venv), put first on PATH
+#   ensure_torch_venv    PyPI's torch (its torchrun and CUDA-built libtorch) in
+#                        ~/.cache/ddp/torch-venv, shared by every clone on the machine (~5 GB)
 
 ensure_debs() {
   local missing=()
@@ -33,4 +35,24 @@ ensure_conan() {
     "$venv/bin/python" -m pip install -q --disable-pip-version-check "conan>=2,<3"
   fi
   export PATH="$venv/bin:$PATH"
+}
+
+ensure_torch_venv() {
+  local venv="${DDP_TORCH_VENV:-$HOME/.cache/ddp/torch-venv}"
+  if "$venv/bin/python" -c "import torch.distributed.run" >/dev/null 2>&1; then
+    return 0
+  fi
+  echo "==> installing PyPI's torch into $venv (torchrun and libtorch for the tests; ~3 GB download)"
+  local start=$SECONDS
+  rm -rf "$venv"
+  mkdir -p "$(dirname "$venv")"
+  python3 -m venv "$venv"
+  if ! "$venv/bin/python" -m pip install -q --disable-pip-version-check torch \
+      >"$(dirname "$venv")/pip.log" 2>&1; then
+    tail -20 "$(dirname "$venv")/pip.log" >&2
+    echo "error: pip install torch failed (see above); the real-torchrun tests need it" >&2
+    rm -rf "$venv"
+    return 1
+  fi
+  echo "==> torch installed in $((SECONDS - start)) s"
 }
