@@ -1,8 +1,10 @@
 import os
 
 from conan import ConanFile
+from conan.errors import ConanInvalidConfiguration
 from conan.tools.build import check_min_cppstd
 from conan.tools.files import copy
+from conan.tools.gnu import PkgConfig
 from conan.tools.layout import basic_layout
 
 required_conan_version = ">=2.0"
@@ -16,14 +18,18 @@ class DdpConan(ConanFile):
     topics = ("distributed", "collectives", "allreduce", "ddp", "header-only")
     package_type = "header-library"
     settings = "os", "arch", "compiler", "build_type"
+    # The optional backends, as the CMake components ddp::mpi and ddp::nccl: each adds a component
+    # (ddp::mpi / ddp::nccl) with its define and the system library it links. The libraries come
+    # from the system, not from Conan packages: MPI through pkg-config's mpi-cxx (Open MPI, MPICH),
+    # CUDA and NCCL from the conf user.ddp:cuda_root (else $CUDA_HOME, else /usr/local/cuda) and
+    # user.ddp:nccl_root (else $NCCL_ROOT, else the CUDA root).
+    options = {"with_mpi": [True, False], "with_nccl": [True, False]}
+    default_options = {"with_mpi": False, "with_nccl": False}
     exports_sources = "include/*", "LICENSE"
     no_copy_source = True
 
     def layout(self):
         basic_layout(self, src_folder=".")
-
-    def validate(self):
-        check_min_cppstd(self, 20)
 
     def package_id(self):
         self.info.clear()  # the same headers for every configuration
@@ -33,11 +39,47 @@ class DdpConan(ConanFile):
         copy(self, "*.hpp", os.path.join(self.source_folder, "include"),
              os.path.join(self.package_folder, "include"))
 
+    def _cuda_roots(self):
+        cuda = self.conf.get("user.ddp:cuda_root", default=os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+        nccl = self.conf.get("user.ddp:nccl_root", default=os.environ.get("NCCL_ROOT", cuda))
+        return cuda, nccl
+
+    def validate(self):
+        check_min_cppstd(self, 20)
+        if self.options.with_nccl:
+            cuda, nccl = self._cuda_roots()
+            if not os.path.exists(os.path.join(nccl, "include", "nccl.h")):
+                raise ConanInvalidConfiguration(
+                    f"ddp/*:with_nccl=True needs nccl.h under {nccl}/include: "
+                    "set -c user.ddp:nccl_root=<dir> (or NCCL_ROOT / CUDA_HOME)")
+
     def package_info(self):
+        # Targets as the CMake install names them: ddp::ddp (the headers), ddp::mpi, ddp::nccl;
+        # ddp::all links every component this configuration has.
         self.cpp_info.set_property("cmake_file_name", "ddp")
-        self.cpp_info.set_property("cmake_target_name", "ddp::ddp")
+        self.cpp_info.set_property("cmake_target_name", "ddp::all")
         self.cpp_info.set_property("pkg_config_name", "ddp")
-        self.cpp_info.bindirs = []
-        self.cpp_info.libdirs = []
+        core = self.cpp_info.components["core"]
+        core.set_property("cmake_target_name", "ddp::ddp")
+        core.bindirs = []
+        core.libdirs = []
         if self.settings.os in ("Linux", "FreeBSD"):
-            self.cpp_info.system_libs = ["pthread", "rt"]
+            core.system_libs = ["pthread", "rt"]
+        if self.options.with_mpi:
+            mpi = self.cpp_info.components["mpi"]
+            mpi.set_property("cmake_target_name", "ddp::mpi")
+            mpi.requires = ["core"]
+            PkgConfig(self, "mpi-cxx").fill_cpp_info(mpi, is_system=True)  # sets defines: ours after
+            mpi.defines = mpi.defines + ["DDP_HAS_MPI=1"]
+            mpi.bindirs = []
+        if self.options.with_nccl:
+            cuda, nccl = self._cuda_roots()
+            nccl_component = self.cpp_info.components["nccl"]
+            nccl_component.set_property("cmake_target_name", "ddp::nccl")
+            nccl_component.requires = ["core"]
+            nccl_component.defines = ["DDP_HAS_CUDA=1", "DDP_HAS_NCCL=1"]
+            nccl_component.bindirs = []
+            nccl_component.includedirs = sorted({os.path.join(cuda, "include"), os.path.join(nccl, "include")})
+            nccl_component.libdirs = sorted({os.path.join(cuda, "lib64"), os.path.join(nccl, "lib64"),
+                                             os.path.join(nccl, "lib")})
+            nccl_component.system_libs = ["nccl", "cudart"]

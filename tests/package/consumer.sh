@@ -28,11 +28,21 @@ case $kind in
     need meson
     need ninja
     cp "$src/tests/package/meson_subproject/meson.build" "$src/tests/package/common/main.cpp" "$work/"
+    cp "$src/tests/package/cmake_components/main.cpp" "$work/components.cpp"
     mkdir -p "$work/subprojects/ddp"
     cp -r "$src/meson.build" "$src/meson_options.txt" "$src/single_include" "$src/include" \
       "$work/subprojects/ddp/"
     CXX=$cxx meson setup "$work/build" "$work" >"$work/setup.log" 2>&1 || { cat "$work/setup.log"; exit 1; }
     meson test -C "$work/build" --print-errorlogs
+    # dependency('ddp-mpi') / ('ddp-nccl') must exist wherever their libraries are installed.
+    if command -v mpicxx >/dev/null 2>&1; then
+      grep -q "components ok" <<<"$("$work/build/consumer-mpi")" || { echo "no ddp-mpi consumer" >&2; exit 1; }
+      echo "dependency('ddp-mpi'): $("$work/build/consumer-mpi" | head -1)"
+    fi
+    if [ -e "${CUDA_PATH:-/usr/local/cuda}/include/nccl.h" ]; then
+      grep -q "components ok" <<<"$("$work/build/consumer-nccl")" || { echo "no ddp-nccl consumer" >&2; exit 1; }
+      echo "dependency('ddp-nccl'): $("$work/build/consumer-nccl" | head -1)"
+    fi
     check_output "$("$work/build/consumer")"
     ;;
   pkgconfig)
@@ -59,10 +69,22 @@ case $kind in
     # Work on a copy, so the test package's build folder never lands in the source tree.
     mkdir -p "$work/src/tests/package"
     cp -r "$src/conanfile.py" "$src/LICENSE" "$src/include" "$src/test_package" "$work/src/"
-    cp -r "$src/tests/package/common" "$work/src/tests/package/"
+    cp -r "$src/tests/package/common" "$src/tests/package/cmake_components" "$work/src/tests/package/"
     CXX=$cxx CC=${cxx/++/cc} conan create "$work/src" --no-remote --build=missing -s compiler.cppstd=20 \
       >"$work/conan.log" 2>&1 || { tail -60 "$work/conan.log"; exit 1; }
     out=$(grep -E '^ddp [0-9]' "$work/conan.log" | tail -1)
+    # The backend options, each where its library is installed: ddp::mpi / ddp::nccl link and
+    # define what the headers need.
+    options=()
+    command -v mpicxx >/dev/null 2>&1 && options+=(-o "ddp/*:with_mpi=True")
+    [ -e "${CUDA_HOME:-/usr/local/cuda}/include/nccl.h" ] && options+=(-o "ddp/*:with_nccl=True")
+    if [ ${#options[@]} -gt 0 ]; then
+      CXX=$cxx CC=${cxx/++/cc} conan create "$work/src" --no-remote --build=missing -s compiler.cppstd=20 \
+        "${options[@]}" >"$work/conan-options.log" 2>&1 || { tail -60 "$work/conan-options.log"; exit 1; }
+      grep -q "^components ok: ddp $version" "$work/conan-options.log" \
+        || { tail -40 "$work/conan-options.log"; echo "the components consumer did not run" >&2; exit 1; }
+      echo "conan create ${options[*]}: $(grep -E '^(mpi|nccl) linked' "$work/conan-options.log" | tr '\n' ' ')"
+    fi
     check_output "$out"
     ;;
   *)
