@@ -103,6 +103,17 @@ class Communicator {
                      ": Communicator::init: MASTER_PORT is not set (world size ", env.world_size,
                      "); export MASTER_ADDR and MASTER_PORT, or launch with ddprun");
       }
+      if (env.master_addr.empty()) {
+        const int hosts = (env.world_size + env.local_world_size - 1) / env.local_world_size;
+        detail::fail(Errc::invalid_argument, "rank ", env.rank,
+                     ": Communicator::init: the job spans ", hosts,
+                     " hosts but MASTER_ADDR is not "
+                     "set, and ",
+                     env.launcher,
+                     " does not say which host rank 0 runs on; export "
+                     "MASTER_ADDR=<rank 0's host> to every rank (mpirun -x MASTER_ADDR=<host> -x "
+                     "MASTER_PORT=<port>)");
+      }
       bi.store = state->join_store(env);
     }
     if (bad_setting && !bi.store) std::rethrow_exception(bad_setting);

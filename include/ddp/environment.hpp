@@ -28,12 +28,15 @@ DDP_BEGIN_NAMESPACE
 
 /// Where a process stands in the job, and where the rendezvous store is.
 struct Environment {
-  int rank = 0;                           ///< this process's rank in the job (RANK)
-  int world_size = 1;                     ///< the number of processes (WORLD_SIZE)
-  int local_rank = 0;                     ///< this process's rank on its host (LOCAL_RANK)
-  int local_world_size = 1;               ///< processes on this host (LOCAL_WORLD_SIZE)
-  int node_rank = 0;                      ///< this host's index in the job (NODE_RANK)
-  std::string master_addr = "127.0.0.1";  ///< host of rank 0's rendezvous store (MASTER_ADDR)
+  int rank = 0;              ///< this process's rank in the job (RANK)
+  int world_size = 1;        ///< the number of processes (WORLD_SIZE)
+  int local_rank = 0;        ///< this process's rank on its host (LOCAL_RANK)
+  int local_world_size = 1;  ///< processes on this host (LOCAL_WORLD_SIZE)
+  int node_rank = 0;         ///< this host's index in the job (NODE_RANK)
+  /// Host of rank 0's rendezvous store (MASTER_ADDR). Empty when an MPI launcher (mpirun, hydra,
+  /// MVAPICH) runs the job across hosts and MASTER_ADDR is not set: MPI does not say which host
+  /// rank 0 is on, and Communicator<backend::Host>::init then fails saying what to export.
+  std::string master_addr = "127.0.0.1";
   int master_port = 0;  ///< 0: not set (only allowed when world_size == 1 or under MPI)
   /// The port of ddp's rendezvous store on master_addr: DDP_STORE_PORT when set; under torchrun,
   /// whose agent already serves its own (c10d) store on MASTER_PORT, MASTER_PORT + 1; otherwise
@@ -116,7 +119,11 @@ inline Environment Environment::detect(const std::function<const char*(const cha
   Environment e;
 
   const auto fill_master = [&](bool required) {
-    if (auto addr = env.str("MASTER_ADDR")) e.master_addr = *addr;
+    if (auto addr = env.str("MASTER_ADDR")) {
+      e.master_addr = *addr;
+    } else if (e.launcher != "slurm" && !required && e.local_world_size < e.world_size) {
+      e.master_addr.clear();  // an MPI job across hosts: rank 0's host is unknown
+    }
     if (auto port = env.integer("MASTER_PORT", 1, 65535)) {
       e.master_port = *port;
     } else if (required && e.world_size > 1) {

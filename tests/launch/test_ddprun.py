@@ -788,6 +788,61 @@ def netns_unavailable():
     return None
 
 
+MPI_TEST = os.environ.get("DDP_MPI_TEST", os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(WORKER))), "tests", "ddp-mpi-test"))
+NETNS_RSH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "netns_rsh.sh")
+
+
+@unittest.skipIf(netns_unavailable(), netns_unavailable() or "")
+@unittest.skipIf(shutil.which("mpirun") is None, "needs Open MPI's mpirun")
+class MpirunTwoNodes(Base):
+    """Open MPI's mpirun over two "hosts" that are network namespaces (2 ranks each): mpirun runs
+    in node 0's namespace and starts node 1's daemon through an rsh agent (netns_rsh.sh)."""
+
+    def mpirun(self, ns, *args):
+        # mpirun and node 0's ranks get the host name of node 0's namespace, as netns_rsh.sh gives
+        # node 1 its own.
+        cmd = ["ip", "netns", "exec", ns.names[0], "unshare", "--uts", "sh", "-c",
+               'hostname "$0" && exec "$@"', ns.names[0], "mpirun", "--host",
+               f"{ns.addrs[0]}:2,{ns.addrs[1]}:2", "-np", "4", "--mca", "plm_rsh_agent", NETNS_RSH,
+               "--mca", "btl", "self,vader,tcp"]
+        if os.geteuid() == 0:
+            cmd.append("--allow-run-as-root")
+        env = {**os.environ,
+               "DDP_NETNS_HOSTS": f"{ns.addrs[0]}={ns.names[0]},{ns.addrs[1]}={ns.names[1]}"}
+        return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True,
+                              timeout=LIMIT * 2, env=env)
+
+    def test_backend_host_over_tcp_between_the_nodes(self):
+        with Namespaces() as ns:
+            r = self.mpirun(ns, "-x", f"MASTER_ADDR={ns.addrs[0]}", "-x", "MASTER_PORT=29621",
+                            WORKER, "allreduce")
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        lines = sorted(r.stdout.splitlines())
+        self.assertEqual(len(lines), 4, r.stdout + r.stderr)
+        for rank, line in enumerate(lines):
+            self.assertRegex(line, rf"^rank {rank}/4 local {rank % 2}/2 node {rank // 2} "
+                                   r"launcher openmpi transport tcp restart \? sum ok$")
+
+    def test_without_master_addr_backend_host_says_what_to_export(self):
+        # Rank 0's host is not in Open MPI's environment: a job across hosts must name it.
+        with Namespaces() as ns:
+            r = self.mpirun(ns, "-x", "MASTER_PORT=29622", WORKER, "allreduce")
+        self.assertNotEqual(r.returncode, 0, r.stdout)
+        self.assertRegex(r.stderr, r"rank [0-3]: Communicator::init: the job spans 2 hosts but "
+                                   r"MASTER_ADDR is not set.*mpirun -x MASTER_ADDR=")
+
+    @unittest.skipIf(not os.access(MPI_TEST, os.X_OK), f"needs {MPI_TEST} (built with ddp::mpi)")
+    def test_backend_mpi_suite_across_the_nodes(self):
+        with Namespaces() as ns:
+            r = self.mpirun(ns, MPI_TEST, "--no-colors")
+        self.assertEqual(r.returncode, 0, r.stdout[-4000:] + r.stderr[-4000:])
+        # Every rank ran every case (the local group is the 2 ranks of its host, not all 4).
+        passed = re.findall(r"test cases: *(\d+) \| *(\d+) passed \| *0 failed", r.stdout)
+        self.assertEqual(len(passed), 4, r.stdout[-4000:])
+        self.assertTrue(all(int(n) >= 10 and n == ok for n, ok in passed), passed)
+
+
 @unittest.skipIf(netns_unavailable(), netns_unavailable() or "")
 class MultiNode(Base):
     def test_all_reduce_across_two_nodes_over_tcp(self):

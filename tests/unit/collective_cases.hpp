@@ -537,7 +537,11 @@ void split_by_color(C& comm) {
     MP_EXPECT(partial.size() == p - 1, "partial size");
     partial.barrier();
   }
-  MP_EXPECT(comm.local_group().size() == p, "local group on one host");
+  // The ranks on this host: all of them on one host, the host's share across hosts.
+  auto& local = comm.local_group();
+  MP_EXPECT(local.size() == comm.local_size(), "local group size");
+  MP_EXPECT(local.rank() == comm.local_rank(), "local group rank");
+  local.barrier();
   comm.barrier();  // the parent still works
 }
 

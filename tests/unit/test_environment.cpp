@@ -156,6 +156,13 @@ TEST_CASE("environment: Slurm, Open MPI and MPICH") {
   CHECK(o.rank == 2);
   CHECK(o.local_world_size == 2);
   CHECK(o.node_rank == 1);
+  CHECK(o.master_addr.empty());  // across hosts without MASTER_ADDR: rank 0's host is unknown
+
+  const auto one_host = detect({{"OMPI_COMM_WORLD_RANK", "1"},
+                                {"OMPI_COMM_WORLD_SIZE", "2"},
+                                {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                                {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}});
+  CHECK(one_host.master_addr == "127.0.0.1");  // one host: rank 0 is here
 
   const auto p = detect({{"PMI_RANK", "1"},
                          {"PMI_SIZE", "3"},
