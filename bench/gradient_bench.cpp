@@ -3,8 +3,9 @@
 //   build/release/bench/gradient-bench -n 2            (forks 2 ranks; or run under ddprun)
 //
 // Time per step (slowest rank, median of --reps steps) of:
-//   per-tensor   seed 001's average_gradients: all_reduce(sum) of every tensor, then divide
-//   ps           seed 004's parameter-server style: gather everything to rank 0, average there,
+//   per-tensor   average_gradients of PyTorch's distributed tutorial: all_reduce(sum) of every
+//   tensor, then divide ps           parameter-server style: gather everything to rank 0, average
+//   there,
 //                broadcast back
 //   bucketed     GradientAverager::average() (25 MiB buckets, ReduceOp::avg)
 //   bucketed+bf16  the same with bfloat16 compression
@@ -115,7 +116,7 @@ void run(ddp::Environment env, int reps) {
   const float size = static_cast<float>(comm.size());
 
   const double per_tensor = measure(comm, reps, [&] {
-    for (auto& p : model) {  // seed 001's average_gradients
+    for (auto& p : model) {  // the tutorial's average_gradients
       comm.all_reduce(p.grad, ddp::ReduceOp::sum);
       for (auto& g : p.grad) g /= size;
     }
@@ -179,8 +180,8 @@ void run(ddp::Environment env, int reps) {
     const auto row = [&](const char* name, double us) {
       fmt::print("| {} | {:.2f} | {:.2f}x |\n", name, us / 1e3, per_tensor / us);
     };
-    row("per-tensor all_reduce + divide (seed 001)", per_tensor);
-    row("parameter server: gather, average on rank 0, broadcast (seed 004)", ps);
+    row("per-tensor all_reduce + divide (tutorial)", per_tensor);
+    row("parameter server: gather, average on rank 0, broadcast", ps);
     row("GradientAverager, 25 MiB buckets", bucketed);
     row("GradientAverager + bfloat16 compression", bf16);
     const double comm_time = sequential - compute_only;

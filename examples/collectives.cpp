@@ -1,4 +1,5 @@
-// Seed 001's run.py: a process group and every kind of communication, in C++.
+// PyTorch's "Writing Distributed Applications" tutorial's run.py: a process group and every kind of
+// communication, in C++.
 //   build/default/examples/collectives             (forks 4 ranks)
 //   ddprun --standalone --nproc-per-node 4 build/default/examples/collectives
 #include <ddp/ddp.hpp>

@@ -1,6 +1,6 @@
-// One process, several GPUs (the seeds' DataParallel): every device holds a replica of the MLP of
-// fashion_mnist.cpp and a slice of each batch; after each backward the replicas' gradients are
-// averaged through one NCCL clique (ddp::NcclClique, ncclCommInitAll), so the replicas stay
+// One process, several GPUs (torch.nn.DataParallel's model): every device holds a replica of the
+// MLP of fashion_mnist.cpp and a slice of each batch; after each backward the replicas' gradients
+// are averaged through one NCCL clique (ddp::NcclClique, ncclCommInitAll), so the replicas stay
 // identical without ever gathering onto the first card.
 //
 //   build/default/examples/data_parallel                 every visible device

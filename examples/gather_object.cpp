@@ -1,6 +1,6 @@
-// Seed 001's gather_object helper: collect any value (here a struct and a string per rank) on one
-// rank. Values travel through a typed codec: nothing from the wire is executed, and malformed or
-// oversized input is refused with an error.
+// A gather_object helper as torch.distributed has it: collect any value (here a struct and a string
+// per rank) on one rank. Values travel through a typed codec: nothing from the wire is executed,
+// and malformed or oversized input is refused with an error.
 #include <ddp/ddp.hpp>
 
 #include <cstdio>

@@ -1,5 +1,5 @@
-// Seed 004's gradient accumulation: several micro-batches per optimizer step, averaged across
-// ranks only once (inside no_sync() the averager does nothing; the gradients just add up).
+// Gradient accumulation (DDP's no_sync pattern): several micro-batches per optimizer step, averaged
+// across ranks only once (inside no_sync() the averager does nothing; the gradients just add up).
 // The result equals one step on the large batch; this program checks it.
 #include <ddp/ddp.hpp>
 

@@ -1,7 +1,7 @@
-// Seed 001's "Distributed Synchronous SGD": DataPartitioner gives each rank its share of the data,
-// and average_gradients() all-reduces every gradient after backward. Here the model fits a line
-// y = 3x - 2 to noisy points. (GradientAverager does the same in buckets, overlapped; see
-// fashion_mnist.cpp.)
+// "Distributed Synchronous SGD" from PyTorch's "Writing Distributed Applications" tutorial:
+// DataPartitioner gives each rank its share of the data, and average_gradients() all-reduces every
+// gradient after backward. Here the model fits a line y = 3x - 2 to noisy points. (GradientAverager
+// does the same in buckets, overlapped; see fashion_mnist.cpp.)
 #include <ddp/ddp.hpp>
 
 #include <cmath>
@@ -12,7 +12,7 @@ struct Point {
   float x, y;
 };
 
-// Seed 001's average_gradients: one all_reduce per parameter, then divide by the world size.
+// The tutorial's average_gradients: one all_reduce per parameter, then divide by the world size.
 template <class Comm>
 void average_gradients(Comm& comm, std::vector<std::vector<float>>& grads) {
   for (auto& g : grads) {

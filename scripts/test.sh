@@ -2,11 +2,14 @@
 # Runs every test of ddp on a fresh Debian/Ubuntu machine, installing what is missing first
 # (as root; otherwise it prints the apt-get line to run).
 #
-#   scripts/test.sh          everything: format, single-header freshness, g++ Release with every
-#                            test (+ packaging: install, find_package, add_subdirectory, meson,
-#                            pkg-config, conan), clang++ against the single header (the fast
-#                            tests and the fuzzers), ASan+UBSan (every test but the main job and
-#                            packaging), TSan (the multi-threaded parts), meson
+#   scripts/test.sh          everything: format, single-header freshness, the API reference
+#                            (Doxygen, warnings are errors), g++ Release with every test
+#                            (+ packaging: install, find_package, add_subdirectory, meson,
+#                            pkg-config, conan; the launchers for real: PyPI's torchrun, a
+#                            one-node Slurm cluster, mpirun across two network namespaces),
+#                            clang++ against the single header (the fast tests and the fuzzers),
+#                            ASan+UBSan (every test but the main job and packaging), TSan (the
+#                            multi-threaded parts), meson
 #   scripts/test.sh --fast   g++, the tests labelled fast (the development loop)
 # Tests run two at a time (the presets' jobs); those that measure time windows run alone.
 set -uo pipefail

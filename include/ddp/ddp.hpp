@@ -44,6 +44,38 @@
 #include "ddp/store/server.hpp"
 #include "ddp/trace.hpp"
 #include "ddp/work.hpp"
+
+DDP_BEGIN_NAMESPACE
+namespace backend {
+namespace detail {
+/// What backend::Mpi / backend::Nccl name when the build did not enable them: using one (e.g.
+/// Communicator<backend::Nccl>) fails with this message instead of "Nccl is not a member of
+/// ddp::backend".
+template <bool Enabled = false>
+struct MpiNotEnabled {
+  static_assert(Enabled,
+                "ddp: backend::Mpi is not enabled in this translation unit: link the ddp::mpi "
+                "target (CMake; meson: dependency('ddp-mpi')), or define DDP_HAS_MPI=1 and "
+                "compile and link with your MPI (mpicxx)");
+};
+template <bool Enabled = false>
+struct NcclNotEnabled {
+  static_assert(Enabled,
+                "ddp: backend::Nccl is not enabled in this translation unit: link the ddp::nccl "
+                "target (CMake; meson: dependency('ddp-nccl')), or define DDP_HAS_CUDA=1 and "
+                "DDP_HAS_NCCL=1 and add CUDA's include directory and -lnccl -lcudart");
+};
+}  // namespace detail
+#if !DDP_HAS_MPI
+/// Not enabled here: naming it is fine, using it is a compile error that says what to link.
+using Mpi = detail::MpiNotEnabled<>;
+#endif
+#if !DDP_HAS_NCCL
+/// Not enabled here: naming it is fine, using it is a compile error that says what to link.
+using Nccl = detail::NcclNotEnabled<>;
+#endif
+}  // namespace backend
+DDP_END_NAMESPACE
 #endif
 #include "ddp/types.hpp"
 #include "ddp/version.hpp"

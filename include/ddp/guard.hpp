@@ -3,10 +3,11 @@
 #pragma once
 
 /// \file
-/// ZeroFirstGuard: the RAII form of torch_distributed_zero_first (seed 003). Rank 0 runs the
-/// guarded block first (downloading or decoding a dataset into a cache, say) while the other
-/// ranks wait in the constructor; when rank 0 leaves the block, the others run it (and find the
-/// cache). Per host by default (local rank 0 of each host goes first), or for the whole job.
+/// ZeroFirstGuard: the RAII form of torch_distributed_zero_first (the context manager of
+/// YOLOv5-style training scripts). Rank 0 runs the guarded block first (downloading or decoding a
+/// dataset into a cache, say) while the other ranks wait in the constructor; when rank 0 leaves the
+/// block, the others run it (and find the cache). Per host by default (local rank 0 of each host
+/// goes first), or for the whole job.
 ///
 /// If rank 0's block throws, the others do not hang: their constructor throws Errc::aborted.
 ///

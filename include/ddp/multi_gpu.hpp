@@ -4,7 +4,7 @@
 
 /// \file
 /// Single-process multi-GPU: one process drives several CUDA devices through one NCCL clique
-/// (ncclCommInitAll), the seeds' "one process, several cards" (torch.nn.DataParallel) done the
+/// (ncclCommInitAll), the "one process, several cards" model of torch.nn.DataParallel done the
 /// way NCCL does it: every device keeps its own replica and the replicas' gradients are averaged
 /// with one all_reduce over the devices, instead of being gathered onto the first card.
 ///

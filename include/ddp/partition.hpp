@@ -5,7 +5,8 @@
 /// \file
 /// Splitting a dataset between ranks.
 ///
-///  * DataPartitioner<Dataset> (seed 001's DataPartitioner): shuffles the indices once with a seed
+///  * DataPartitioner<Dataset> (the DataPartitioner of PyTorch's distributed tutorial): shuffles
+///  the indices once with a seed
 ///    and cuts them into parts of the given fractions; `use(i)` is a view of part i.
 ///  * DistributedSampler (torch.utils.data.DistributedSampler): per epoch, a shuffled order of the
 ///    whole dataset (seed + epoch), padded by wrapping around to a multiple of the number of ranks
@@ -166,8 +167,9 @@ class Partition {
   std::size_t first_, count_;
 };
 
-/// Seed 001's DataPartitioner: the dataset's indices shuffled once by `seed`, then cut into
-/// consecutive parts of floor(fraction * size) elements each. The same on every rank.
+/// The DataPartitioner of PyTorch's "Writing Distributed Applications" tutorial: the dataset's
+/// indices shuffled once by `seed`, then cut into consecutive parts of floor(fraction * size)
+/// elements each. The same on every rank.
 template <Dataset D>
 class DataPartitioner {
  public:

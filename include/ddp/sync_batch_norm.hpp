@@ -3,7 +3,7 @@
 #pragma once
 
 /// \file
-/// SyncBatchNorm statistics (seed 004's nn.SyncBatchNorm): each rank has per-channel sums and sums
+/// SyncBatchNorm statistics (torch.nn.SyncBatchNorm's): each rank has per-channel sums and sums
 /// of squares over its part of the batch; one all_reduce (in double, in a fixed rank order, so
 /// every rank gets bitwise the same result) gives the mean and variance over the whole global
 /// batch. Ranks with no samples contribute nothing and still get the global statistics.

@@ -308,7 +308,8 @@ struct std::is_error_code_enum<ddp::Errc> : std::true_type {};
 /// \file
 /// Splitting a dataset between ranks.
 ///
-///  * DataPartitioner<Dataset> (seed 001's DataPartitioner): shuffles the indices once with a seed
+///  * DataPartitioner<Dataset> (the DataPartitioner of PyTorch's distributed tutorial): shuffles
+///  the indices once with a seed
 ///    and cuts them into parts of the given fractions; `use(i)` is a view of part i.
 ///  * DistributedSampler (torch.utils.data.DistributedSampler): per epoch, a shuffled order of the
 ///    whole dataset (seed + epoch), padded by wrapping around to a multiple of the number of ranks
@@ -928,8 +929,9 @@ class Partition {
   std::size_t first_, count_;
 };
 
-/// Seed 001's DataPartitioner: the dataset's indices shuffled once by `seed`, then cut into
-/// consecutive parts of floor(fraction * size) elements each. The same on every rank.
+/// The DataPartitioner of PyTorch's "Writing Distributed Applications" tutorial: the dataset's
+/// indices shuffled once by `seed`, then cut into consecutive parts of floor(fraction * size)
+/// elements each. The same on every rank.
 template <Dataset D>
 class DataPartitioner {
  public:
@@ -1149,7 +1151,7 @@ DDP_END_NAMESPACE
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// SyncBatchNorm statistics (seed 004's nn.SyncBatchNorm): each rank has per-channel sums and sums
+/// SyncBatchNorm statistics (torch.nn.SyncBatchNorm's): each rank has per-channel sums and sums
 /// of squares over its part of the batch; one all_reduce (in double, in a fixed rank order, so
 /// every rank gets bitwise the same result) gives the mean and variance over the whole global
 /// batch. Ranks with no samples contribute nothing and still get the global statistics.
@@ -10879,7 +10881,7 @@ DDP_END_NAMESPACE
 
 /// \file
 /// Single-process multi-GPU: one process drives several CUDA devices through one NCCL clique
-/// (ncclCommInitAll), the seeds' "one process, several cards" (torch.nn.DataParallel) done the
+/// (ncclCommInitAll), the "one process, several cards" model of torch.nn.DataParallel done the
 /// way NCCL does it: every device keeps its own replica and the replicas' gradients are averaged
 /// with one all_reduce over the devices, instead of being gathered onto the first card.
 ///
@@ -12146,10 +12148,11 @@ DDP_END_NAMESPACE
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// ZeroFirstGuard: the RAII form of torch_distributed_zero_first (seed 003). Rank 0 runs the
-/// guarded block first (downloading or decoding a dataset into a cache, say) while the other
-/// ranks wait in the constructor; when rank 0 leaves the block, the others run it (and find the
-/// cache). Per host by default (local rank 0 of each host goes first), or for the whole job.
+/// ZeroFirstGuard: the RAII form of torch_distributed_zero_first (the context manager of
+/// YOLOv5-style training scripts). Rank 0 runs the guarded block first (downloading or decoding a
+/// dataset into a cache, say) while the other ranks wait in the constructor; when rank 0 leaves the
+/// block, the others run it (and find the cache). Per host by default (local rank 0 of each host
+/// goes first), or for the whole job.
 ///
 /// If rank 0's block throws, the others do not hang: their constructor throws Errc::aborted.
 ///
@@ -12454,6 +12457,38 @@ DDP_END_NAMESPACE
 // #include "ddp/store/server.hpp" (already included above)
 // #include "ddp/trace.hpp" (already included above)
 // #include "ddp/work.hpp" (already included above)
+
+DDP_BEGIN_NAMESPACE
+namespace backend {
+namespace detail {
+/// What backend::Mpi / backend::Nccl name when the build did not enable them: using one (e.g.
+/// Communicator<backend::Nccl>) fails with this message instead of "Nccl is not a member of
+/// ddp::backend".
+template <bool Enabled = false>
+struct MpiNotEnabled {
+  static_assert(Enabled,
+                "ddp: backend::Mpi is not enabled in this translation unit: link the ddp::mpi "
+                "target (CMake; meson: dependency('ddp-mpi')), or define DDP_HAS_MPI=1 and "
+                "compile and link with your MPI (mpicxx)");
+};
+template <bool Enabled = false>
+struct NcclNotEnabled {
+  static_assert(Enabled,
+                "ddp: backend::Nccl is not enabled in this translation unit: link the ddp::nccl "
+                "target (CMake; meson: dependency('ddp-nccl')), or define DDP_HAS_CUDA=1 and "
+                "DDP_HAS_NCCL=1 and add CUDA's include directory and -lnccl -lcudart");
+};
+}  // namespace detail
+#if !DDP_HAS_MPI
+/// Not enabled here: naming it is fine, using it is a compile error that says what to link.
+using Mpi = detail::MpiNotEnabled<>;
+#endif
+#if !DDP_HAS_NCCL
+/// Not enabled here: naming it is fine, using it is a compile error that says what to link.
+using Nccl = detail::NcclNotEnabled<>;
+#endif
+}  // namespace backend
+DDP_END_NAMESPACE
 #endif
 // #include "ddp/types.hpp" (already included above)
 // #include "ddp/version.hpp" (already included above)
