@@ -8570,9 +8570,11 @@ DDP_END_NAMESPACE
 // #include "ddp/detail/bytes.hpp" (already included above)
 // #include "ddp/detail/crypto.hpp" (already included above)
 // #include "ddp/detail/socket.hpp" (already included above)
+// #include "ddp/detail/wait.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 
 #include <poll.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 
@@ -8594,9 +8596,11 @@ class TcpTransport final : public Transport {
   static constexpr std::uint32_t hello_magic = 0x50434444;  // "DDCP"
   using SessionKey = std::array<std::uint8_t, 16>;
 
+  /// `local_ranks`: how many ranks run on this host (more than its cores: busy waits yield).
   TcpTransport(int rank, int size, std::chrono::milliseconds timeout, std::vector<Fd> peers,
-               std::size_t segment_bytes)
+               std::size_t segment_bytes, int local_ranks)
       : Transport(rank, size, timeout),
+        oversubscribed_(local_ranks > usable_cpus()),
         segment_(segment_bytes),
         peers_(std::move(peers)),
         ptrs_(static_cast<std::size_t>(size)),
@@ -8803,7 +8807,89 @@ class TcpTransport final : public Transport {
          "communicator");
   }
 
+  /// Sends what the socket takes of peer j's outstanding bytes.
+  void pump_out(int j, const Fingerprint* fp, const char* what) {
+    auto& x = xfers_[static_cast<std::size_t>(j)];
+    const int fd = peers_[static_cast<std::size_t>(j)].get();
+    while (!x.out_done()) {  // header and payload in one system call
+      msghdr msg{};
+      msg.msg_iov = iov_.data();
+      msg.msg_iovlen = gather(x.out, x.out_i, x.out_off);
+      if (msg.msg_iovlen == 0) {  // only empty segments are left
+        x.out_i = x.out.size();
+        break;
+      }
+      const ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n > 0) {
+        advance(x.out, x.out_i, x.out_off, static_cast<std::size_t>(n));
+      } else if (n < 0 && errno == EINTR) {
+        continue;
+      } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        break;
+      } else {
+        lost(j, fp, what);
+      }
+    }
+  }
+
+  /// Receives what has arrived of peer j's outstanding bytes.
+  void pump_in(int j, const Fingerprint* fp, const char* what) {
+    auto& x = xfers_[static_cast<std::size_t>(j)];
+    const int fd = peers_[static_cast<std::size_t>(j)].get();
+    while (!x.in_done()) {
+      msghdr msg{};
+      msg.msg_iov = iov_.data();
+      msg.msg_iovlen = gather(x.in, x.in_i, x.in_off);
+      if (msg.msg_iovlen == 0) {
+        x.in_i = x.in.size();
+        break;
+      }
+      // Never more than this round's bytes: the next round's stay in the socket.
+      const ssize_t n = ::recvmsg(fd, &msg, MSG_DONTWAIT);
+      if (n > 0) {
+        const bool header_pending = x.header_in && x.in_i == 0;
+        advance(x.in, x.in_i, x.in_off, static_cast<std::size_t>(n));
+        if (header_pending && x.in_i > 0) check_header(j, *fp);
+      } else if (n < 0 && errno == EINTR) {
+        continue;
+      } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        break;
+      } else {
+        lost(j, fp, what);
+      }
+    }
+  }
+
+  /// One non-blocking pass over every unfinished transfer; true when all are done.
+  bool pump_all(const Fingerprint* fp, const char* what) {
+    bool done = true;
+    for (int j = 0; j < size_; ++j) {
+      auto& x = xfers_[static_cast<std::size_t>(j)];
+      if (!x.out_done()) pump_out(j, fp, what);
+      if (!x.in_done()) pump_in(j, fp, what);
+      done = done && x.out_done() && x.in_done();
+    }
+    return done;
+  }
+
+  /// Moves this round's bytes. Sockets are tried at once (they usually take the data without a
+  /// wait), then polled without sleeping for a few tens of microseconds (a peer on another core
+  /// answers within that: sleeping in poll() and being woken costs more than the whole round),
+  /// then waited for with poll() until done, the timeout, or a failure. With more ranks on this
+  /// host than cores the awaited rank may need this very core, so the busy phase yields it.
   void progress(const Fingerprint* fp, const char* what) {
+    if (pump_all(fp, what)) return;
+    const auto busy_until = Clock::now() + (oversubscribed_ ? std::chrono::microseconds(200)
+                                                            : std::chrono::microseconds(50));
+    do {
+      if (oversubscribed_) {
+        ::sched_yield();
+      } else {
+        for (int i = 0; i < 16; ++i) cpu_relax();
+      }
+      check_abort(fp);
+      if (pump_all(fp, what)) return;
+    } while (Clock::now() < busy_until);
     const auto deadline = Deadline::after(timeout_);
     std::vector<pollfd> fds;
     std::vector<int> who;
@@ -8837,55 +8923,11 @@ class TcpTransport final : public Transport {
       }
       for (std::size_t i = 0; i < fds.size(); ++i) {
         const int j = who[i];
-        auto& x = xfers_[static_cast<std::size_t>(j)];
-        const int fd = fds[i].fd;
-        if ((fds[i].revents & POLLOUT) != 0 ||
-            ((fds[i].revents & (POLLERR | POLLHUP)) != 0 && !x.out_done())) {
-          // Header and payload in one system call.
-          while (!x.out_done()) {
-            msghdr msg{};
-            msg.msg_iov = iov_.data();
-            msg.msg_iovlen = gather(x.out, x.out_i, x.out_off);
-            if (msg.msg_iovlen == 0) {
-              x.out_i = x.out.size();
-              break;
-            }
-            const ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-            if (n > 0) {
-              advance(x.out, x.out_i, x.out_off, static_cast<std::size_t>(n));
-            } else if (n < 0 && errno == EINTR) {
-              continue;
-            } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-              break;
-            } else {
-              lost(j, fp, what);
-            }
-          }
-        }
-        if ((fds[i].revents & (POLLIN | POLLERR | POLLHUP)) != 0) {
-          while (!x.in_done()) {
-            msghdr msg{};
-            msg.msg_iov = iov_.data();
-            msg.msg_iovlen = gather(x.in, x.in_i, x.in_off);
-            if (msg.msg_iovlen == 0) {
-              x.in_i = x.in.size();
-              break;
-            }
-            // Never more than this round's bytes: the next round's stay in the socket.
-            const ssize_t n = ::recvmsg(fd, &msg, MSG_DONTWAIT);
-            if (n > 0) {
-              const bool header_pending = x.header_in && x.in_i == 0;
-              advance(x.in, x.in_i, x.in_off, static_cast<std::size_t>(n));
-              if (header_pending && x.in_i > 0) check_header(j, *fp);
-            } else if (n < 0 && errno == EINTR) {
-              continue;
-            } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-              break;
-            } else {
-              lost(j, fp, what);
-            }
-          }
-        }
+        const auto& x = xfers_[static_cast<std::size_t>(j)];
+        const short re = fds[i].revents;
+        if ((re & POLLOUT) != 0 || ((re & (POLLERR | POLLHUP)) != 0 && !x.out_done()))
+          pump_out(j, fp, what);
+        if ((re & (POLLIN | POLLERR | POLLHUP)) != 0) pump_in(j, fp, what);
       }
     }
   }
@@ -8953,6 +8995,7 @@ class TcpTransport final : public Transport {
     }
   }
 
+  bool oversubscribed_;
   std::size_t segment_;
   std::vector<Fd> peers_;
   std::vector<const std::byte*> ptrs_;
@@ -9471,7 +9514,8 @@ class Host {
       auto peers = detail::TcpTransport::connect_mesh(rank_, size_, listener, addrs, key, deadline,
                                                       peer_failed);
       t_ = std::make_unique<detail::TcpTransport>(rank_, size_, o.timeout, std::move(peers),
-                                                  segment_bytes(o, std::size_t{4} << 20));
+                                                  segment_bytes(o, std::size_t{4} << 20),
+                                                  local_size_);
     }
     t_->verify_fingerprints = o.verify_collectives;
   }
