@@ -1935,7 +1935,7 @@ struct Options {
   /// backend::Host transport ($DDP_HOST_TRANSPORT: shm, tcp or auto).
   HostTransport transport = HostTransport::automatic;
   /// backend::Host: bytes one rank moves per round (the shared-memory slot size, the TCP
-  /// segment). 0: the transport's default (shm 512 KiB, tcp 4 MiB) ($DDP_SEGMENT_BYTES: 4096 to
+  /// segment). 0: the transport's default (shm 512 KiB, tcp 1 MiB) ($DDP_SEGMENT_BYTES: 4096 to
   /// 2^40). Shared-memory slots are capped at 64 MiB. Every rank must use the same value.
   std::size_t segment_bytes = 0;
   /// The rendezvous store runs elsewhere: rank 0 does not start one. Launchers that host the
@@ -8670,7 +8670,9 @@ class TcpTransport final : public Transport {
   [[nodiscard]] std::string_view name() const noexcept override { return "tcp"; }
   [[nodiscard]] std::size_t max_offer() const noexcept override { return segment_; }
   [[nodiscard]] std::size_t small_bytes() const noexcept override {
-    return std::min(segment_, size_ == 2 ? (std::size_t{1} << 20) : (std::size_t{64} << 10));
+    // Measured (bench/README.md): above these, the two-round path (each rank reduces 1/P of the
+    // buffer) beats gathering whole buffers (each reduces all of it) despite its second round.
+    return std::min(segment_, size_ == 2 ? (std::size_t{128} << 10) : (std::size_t{64} << 10));
   }
 
   std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
@@ -9514,7 +9516,7 @@ class Host {
       auto peers = detail::TcpTransport::connect_mesh(rank_, size_, listener, addrs, key, deadline,
                                                       peer_failed);
       t_ = std::make_unique<detail::TcpTransport>(rank_, size_, o.timeout, std::move(peers),
-                                                  segment_bytes(o, std::size_t{4} << 20),
+                                                  segment_bytes(o, std::size_t{1} << 20),
                                                   local_size_);
     }
     t_->verify_fingerprints = o.verify_collectives;

@@ -525,7 +525,7 @@ class Host {
       auto peers = detail::TcpTransport::connect_mesh(rank_, size_, listener, addrs, key, deadline,
                                                       peer_failed);
       t_ = std::make_unique<detail::TcpTransport>(rank_, size_, o.timeout, std::move(peers),
-                                                  segment_bytes(o, std::size_t{4} << 20),
+                                                  segment_bytes(o, std::size_t{1} << 20),
                                                   local_size_);
     }
     t_->verify_fingerprints = o.verify_collectives;

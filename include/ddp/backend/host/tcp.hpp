@@ -121,7 +121,9 @@ class TcpTransport final : public Transport {
   [[nodiscard]] std::string_view name() const noexcept override { return "tcp"; }
   [[nodiscard]] std::size_t max_offer() const noexcept override { return segment_; }
   [[nodiscard]] std::size_t small_bytes() const noexcept override {
-    return std::min(segment_, size_ == 2 ? (std::size_t{1} << 20) : (std::size_t{64} << 10));
+    // Measured (bench/README.md): above these, the two-round path (each rank reduces 1/P of the
+    // buffer) beats gathering whole buffers (each reduces all of it) despite its second round.
+    return std::min(segment_, size_ == 2 ? (std::size_t{128} << 10) : (std::size_t{64} << 10));
   }
 
   std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
