@@ -604,11 +604,13 @@ class Communicator {
   detail::Buf typed_arg(const TensorView<E>& v, const char* what, const char* name) const {
     // The device field by field: copying it whole after view() wrote it piecewise makes g++
     // reload it as one 8-byte word, a store-forwarding stall that cost ~5 ns per call.
-    const detail::Buf b{reinterpret_cast<std::byte*>(const_cast<E*>(v.data)), v.size, dtype_of<E>,
+    // E is const for a read-only input (a const vector, a span<const T>): Buf is untyped.
+    using M = std::remove_const_t<E>;
+    const detail::Buf b{reinterpret_cast<std::byte*>(const_cast<M*>(v.data)), v.size, dtype_of<M>,
                         Device{v.device.kind, v.device.index}, v.stream};
     const bool usable = Backend::supports(v.device) || (v.device.is_cuda() && stages_cuda());
-    if (!usable || v.data == nullptr || v.size > detail::max_buffer_bytes / sizeof(E)) [[unlikely]]
-      detail::check_buf(b, sizeof(E), usable, Backend::name, rank(), what, name);
+    if (!usable || v.data == nullptr || v.size > detail::max_buffer_bytes / sizeof(M)) [[unlikely]]
+      detail::check_buf(b, sizeof(M), usable, Backend::name, rank(), what, name);
     return b;
   }
 

@@ -2,8 +2,13 @@
 // over both transports, against references computed here, in real forked processes.
 #include "collective_cases.hpp"
 
+#include <algorithm>
+#include <array>
+#include <cstdint>
 #include <exception>
+#include <span>
 #include <thread>
+#include <vector>
 
 namespace {
 using ddp::ReduceOp;
@@ -179,6 +184,62 @@ TEST_CASE("run-time-typed tensors are checked when the collective is called") {
     comm.all_reduce(f);  // the communicator is still usable after the refusals
     MP_EXPECT(v[0] == 2.0f, v[0]);
   });
+}
+
+TEST_CASE("read-only inputs: const containers and spans of const elements") {
+  // Every argument a collective only reads takes a const buffer (this failed to compile: the
+  // element type's const reached a cast that drops it).
+  mp::each_world(
+      [](Comm& comm) {
+        const int p = comm.size(), r = comm.rank();
+        const std::vector<float> mine{static_cast<float>(r), static_cast<float>(10 * r)};
+        const std::span<const float> mine_span(mine);
+        std::vector<float> all(2 * static_cast<std::size_t>(p));
+        comm.all_gather(mine, all);
+        for (std::size_t j = 0; j < static_cast<std::size_t>(p); ++j) {
+          MP_EXPECT(all[2 * j] == static_cast<float>(j) &&
+                        all[2 * j + 1] == 10.0F * static_cast<float>(j),
+                    j);
+        }
+        std::fill(all.begin(), all.end(), -1.0F);
+        comm.all_gather_async(mine_span, all).wait();
+        MP_EXPECT(all.back() == 10.0F * static_cast<float>(p - 1), all.back());
+        std::vector<float> gathered(r == 0 ? all.size() : 0);
+        comm.gather(mine, gathered, 0);
+        if (r == 0) MP_EXPECT(gathered[all.size() - 2] == static_cast<float>(p - 1), gathered[0]);
+        // Block j of every rank's input goes to rank j.
+        std::vector<float> blocks_v(2 * static_cast<std::size_t>(p));
+        for (std::size_t j = 0; j < static_cast<std::size_t>(p); ++j)
+          blocks_v[2 * j] = blocks_v[2 * j + 1] =
+              static_cast<float>(static_cast<std::size_t>(r) + j);
+        const std::vector<float>& blocks = blocks_v;
+        std::vector<float> two(2);
+        comm.reduce_scatter(blocks, two);
+        float expect = 0;
+        for (int q = 0; q < p; ++q) expect += static_cast<float>(q + r);
+        MP_EXPECT(two[0] == expect && two[1] == expect, two[0]);
+        std::vector<float> swapped(blocks.size());
+        comm.all_to_all(blocks, swapped);
+        MP_EXPECT(swapped[0] == static_cast<float>(r), swapped[0]);  // from rank 0: 0 + r
+        std::vector<float> part(2);
+        const std::vector<float>& source = blocks;
+        comm.scatter(r == 0 ? std::span<const float>(source) : std::span<const float>(), part, 0);
+        MP_EXPECT(part[0] == static_cast<float>(r), part[0]);  // rank 0's block r: 0 + r
+        if (p > 1) {
+          const std::array<std::int64_t, 3> msg{r, r + 1, r + 2};
+          std::array<std::int64_t, 3> got{};
+          const int to = (r + 1) % p, from = (r + p - 1) % p;
+          if (r % 2 == 0) {
+            comm.send(msg, to);
+            comm.recv(got, from);
+          } else {
+            comm.recv(got, from);
+            comm.send(std::span<const std::int64_t>(msg), to);
+          }
+          MP_EXPECT(got[0] == from && got[2] == from + 2, got[0]);
+        }
+      },
+      {1, 2, 3});
 }
 
 TEST_CASE("argument checks fail before anything is sent, naming the rank and the collective") {
