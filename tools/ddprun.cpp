@@ -37,6 +37,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -95,7 +96,10 @@ std::chrono::milliseconds millis(double seconds) {
 
 int main(int argc, char** argv) {
   Config cfg;
-  CLI::App app{"ddprun: launch the worker processes of a ddp (or torch.distributed) program"};
+  CLI::App app{
+      "ddprun [OPTIONS] PROGRAM [ARGS...]\n"
+      "Launches the worker processes of a ddp (or torch.distributed) program. A PROGRAM ending in "
+      ".py runs with $PYTHON (default: python3 on PATH)."};
   // Both spellings: --nproc-per-node and torchrun's --nproc_per_node.
   app.add_option("--nproc-per-node,--nproc_per_node", cfg.nproc,
                  "workers on this node: a number, gpu (visible CUDA devices), cpu (usable CPUs) "
@@ -192,7 +196,8 @@ int main(int argc, char** argv) {
   o.master_addr = cfg.master_addr;
   o.master_port = cfg.standalone ? 0 : cfg.master_port;
   o.max_restarts = cfg.max_restarts;
-  o.log_dir = cfg.log_dir;
+  // Absolute, as torchrun's: workers that change directory still find their error files.
+  o.log_dir = cfg.log_dir.empty() ? cfg.log_dir : std::filesystem::absolute(cfg.log_dir).string();
   o.redirects = cfg.redirects;
   o.tee = cfg.tee;
   for (std::size_t at = 0;

@@ -393,9 +393,11 @@ class LaunchAgent {
         server_ = std::make_unique<StoreServer>(o_.master_addr, port_, so);
       } catch (const Error& e) {
         if (e.code() != Errc::address_in_use) throw;
-        fail(Errc::address_in_use, "cannot host the rendezvous store: ", e.what(),
-             " (another job may use it: pick another --master-port, or --standalone for a free "
-             "one)");
+        std::string why = e.what();  // its advice names the variable; ours names the flags
+        if (const auto k = why.find("; choose another MASTER_PORT"); k != std::string::npos)
+          why.resize(k);
+        fail(Errc::address_in_use, "cannot host the rendezvous store: ", why,
+             "; pick another --master-port, or --standalone for a free one");
       }
       port_ = server_->port();
     }

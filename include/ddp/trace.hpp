@@ -16,14 +16,17 @@
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
 
+#include <sys/stat.h>
 #include <time.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -168,11 +171,12 @@ class FlightRecorder {
   std::string out = concat("ddp flight recorder: rank ", rank, " of ", size, ", group \"", group,
                            "\", the last ", records.size(), " of ", issued, " operations");
   if (!why.empty()) out += concat(", dumped because: ", why);
-  out += "\n       seq  op                     bytes  state    age (ms)\n";
+  // The op column fits the longest name (all_reduce_coalesced, 20 characters).
+  out += "\n       seq  op                           bytes  state    age (ms)\n";
   for (const auto& r : records) {
     const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(now - r.issued).count();
     char line[160];
-    std::snprintf(line, sizeof line, "%10llu  %-16s %12llu  %-7s %9lld\n",
+    std::snprintf(line, sizeof line, "%10llu  %-22s %12llu  %-7s %9lld\n",
                   static_cast<unsigned long long>(r.seq), r.op,
                   static_cast<unsigned long long>(r.bytes), to_string(r.state),
                   static_cast<long long>(age));
@@ -196,14 +200,22 @@ inline void dump_trace(const std::string& where, const std::string& text, std::s
                          (ch >= '0' && ch <= '9') || ch == '-' || ch == '_' || ch == '.';
       if (!plain) ch = '_';
     }
+    // The directory is made if missing (and its parents), as `mkdir -p` would.
+    for (std::size_t at = where.find('/', 1); at != std::string::npos; at = where.find('/', at + 1))
+      (void)::mkdir(where.substr(0, at).c_str(), 0777);
+    (void)::mkdir(where.c_str(), 0777);
     const std::string path = concat(where, "/ddp-trace-", name, "-rank", rank, ".txt");
     if (std::FILE* f = std::fopen(path.c_str(), "w")) {
       std::fwrite(text.data(), 1, text.size(), f);
       std::fclose(f);
       std::fprintf(stderr, "[ddp] rank %d: flight recorder written to %s\n", rank, path.c_str());
     } else {
-      std::fprintf(stderr, "[ddp] rank %d: cannot write the flight recorder to %s\n", rank,
-                   path.c_str());
+      // Not lost: the dump goes to stderr instead, after the reason.
+      const int err = errno;
+      std::fprintf(stderr,
+                   "[ddp] rank %d: cannot write the flight recorder to %s: %s; here it is\n", rank,
+                   path.c_str(), std::strerror(err));
+      std::fwrite(text.data(), 1, text.size(), stderr);
     }
   } catch (...) {
   }

@@ -269,6 +269,13 @@ class SingleNode(Base):
         self.assertEqual(sorted(r.stdout.splitlines()),
                          [f"[r{k}] {logs}/attempt_0/rank_{k}.error.json" for k in (0, 1)])
         self.assertFalse(os.path.exists(own))
+        # A relative --log-dir becomes absolute, as torchrun's: a worker that changes directory
+        # still writes its error file there.
+        r = ddprun("--standalone", "--log-dir", "rel-logs", "sh", "-c",
+                   'cd / && echo "$TORCHELASTIC_ERROR_FILE"', cwd=self.dir)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout.strip(),
+                         f"[r0] {os.path.realpath(self.dir)}/rel-logs/attempt_0/rank_0.error.json")
         # A malformed file is not a message.
         r = ddprun("--standalone", "sh", "-c", 'echo "{\\"message\\": 12" > '
                    '"$TORCHELASTIC_ERROR_FILE"; exit 5')

@@ -441,8 +441,10 @@ TEST_CASE("flight recorder: recent() lists the operations, a timeout dumps them 
                       " of 3, group \"flight\", the last 8 of 8 operations") != std::string::npos);
       CHECK(dump.find("dumped because: rank " + std::to_string(r)) != std::string::npos);
       CHECK(dump.find("rank 2") != std::string::npos);  // the lagging rank, from the message
-      CHECK(dump.find("         7  all_reduce               4000  failed") != std::string::npos);
-      CHECK(dump.find("         5  broadcast                  80  done") != std::string::npos);
+      CHECK(dump.find("         7  all_reduce                     4000  failed") !=
+            std::string::npos);
+      CHECK(dump.find("         5  broadcast                        80  done") !=
+            std::string::npos);
     }
     CHECK(mp::TempDir::read(dir.file("ddp-trace-flight-rank2.txt")).empty());  // no timeout there
     // The dumps read back and compared name rank 2.
@@ -464,8 +466,9 @@ TEST_CASE("spawn with DDP_TRACE_DUMP: failing ranks all write their dumps before
   // Ranks 0, 1 and 3 time out waiting for rank 2 and let the error propagate: spawn stops the
   // others after the first failure, but only after a second, so every waiting rank's dump is
   // written; rank 2, which sleeps, is stopped well before its 20 s.
-  mp::TempDir dir;
-  ::setenv("DDP_TRACE_DUMP", dir.path.c_str(), 1);
+  mp::TempDir tmp;
+  const std::string dir = tmp.path + "/dumps/job1";  // made on demand, parents too
+  ::setenv("DDP_TRACE_DUMP", dir.c_str(), 1);
   ddp::Options o;
   o.timeout = std::chrono::milliseconds(500);
   o.transport = ddp::HostTransport::shm;
@@ -490,7 +493,7 @@ TEST_CASE("spawn with DDP_TRACE_DUMP: failing ranks all write their dumps before
   CAPTURE(error);
   CHECK(error.find("spawn: rank ") != std::string::npos);
   CHECK(mp::ms_since(t0) < 10000);
-  const auto dumps = ddp::read_trace_dumps(dir.path);
+  const auto dumps = ddp::read_trace_dumps(dir);
   REQUIRE(dumps.size() == 3);
   CHECK(dumps[0].rank == 0);
   CHECK(dumps[1].rank == 1);
