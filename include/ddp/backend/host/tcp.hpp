@@ -250,14 +250,31 @@ class TcpTransport final : public Transport {
   /// rank collects the fingerprints still on their way, from every peer, for a short while, and
   /// reports a mismatch if one shows. The other connections stay open: every survivor sees a
   /// dead peer itself (full mesh), and closing them would make the survivors blame this rank.
+  /// A survivor that failed first may have exited already, so every connection found closed is
+  /// named: the rank that died is among them.
   [[noreturn]] void lost(int peer, const Fingerprint* fp, const char* what) {
     check_abort(fp);  // our own abort() shut the sockets down: report that, not a lost peer
     if (fp != nullptr && verify_fingerprints)
       collect_headers(*fp, Deadline::after(std::chrono::milliseconds(500)));
-    fail(Errc::peer_lost, "rank ", rank_, ": ", describe(fp, what), ": the connection to rank ",
-         peer,
-         " closed (that process died or failed) (tcp transport); the job cannot continue with this "
-         "communicator");
+    std::vector<int> closed{peer};
+    for (int j = 0; j < size_; ++j) {
+      if (j == rank_ || j == peer) continue;
+      pollfd p{peers_[static_cast<std::size_t>(j)].get(), POLLRDHUP, 0};
+      if (::poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0)
+        closed.push_back(j);
+    }
+    if (closed.size() == 1) {
+      fail(Errc::peer_lost, "rank ", rank_, ": ", describe(fp, what), ": the connection to rank ",
+           peer,
+           " closed (that process died or failed) (tcp transport); the job cannot continue with "
+           "this communicator");
+    }
+    std::sort(closed.begin(), closed.end());
+    std::string list;
+    for (int j : closed) list += concat(list.empty() ? "" : ", ", "rank ", j);
+    fail(Errc::peer_lost, "rank ", rank_, ": ", describe(fp, what), ": the connections to ", list,
+         " closed (one of those processes died, and the others left because of it) (tcp "
+         "transport); the job cannot continue with this communicator");
   }
 
   /// Sends what the socket takes of peer j's outstanding bytes.
