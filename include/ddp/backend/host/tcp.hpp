@@ -277,49 +277,29 @@ class TcpTransport final : public Transport {
          "transport); the job cannot continue with this communicator");
   }
 
-  /// Sends what the socket takes of peer j's outstanding bytes.
-  void pump_out(int j, const Fingerprint* fp, const char* what) {
+  /// Moves what the socket takes (out) or has (in) of peer j's outstanding bytes, without
+  /// waiting; the header and payload go in one system call.
+  void pump(int j, bool out, const Fingerprint* fp, const char* what) {
     auto& x = xfers_[static_cast<std::size_t>(j)];
+    std::vector<Seg>& segs = out ? x.out : x.in;
+    std::size_t& i = out ? x.out_i : x.in_i;
+    std::size_t& off = out ? x.out_off : x.in_off;
     const int fd = peers_[static_cast<std::size_t>(j)].get();
-    while (!x.out_done()) {  // header and payload in one system call
+    while (i < segs.size()) {
       msghdr msg{};
       msg.msg_iov = iov_.data();
-      msg.msg_iovlen = gather(x.out, x.out_i, x.out_off);
+      msg.msg_iovlen = gather(segs, i, off);
       if (msg.msg_iovlen == 0) {  // only empty segments are left
-        x.out_i = x.out.size();
+        i = segs.size();
         break;
       }
-      const ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      // A receive never takes more than this round's bytes: the next round's stay in the socket.
+      const ssize_t n = out ? ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT)
+                            : ::recvmsg(fd, &msg, MSG_DONTWAIT);
       if (n > 0) {
-        advance(x.out, x.out_i, x.out_off, static_cast<std::size_t>(n));
-      } else if (n < 0 && errno == EINTR) {
-        continue;
-      } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        break;
-      } else {
-        lost(j, fp, what);
-      }
-    }
-  }
-
-  /// Receives what has arrived of peer j's outstanding bytes.
-  void pump_in(int j, const Fingerprint* fp, const char* what) {
-    auto& x = xfers_[static_cast<std::size_t>(j)];
-    const int fd = peers_[static_cast<std::size_t>(j)].get();
-    while (!x.in_done()) {
-      msghdr msg{};
-      msg.msg_iov = iov_.data();
-      msg.msg_iovlen = gather(x.in, x.in_i, x.in_off);
-      if (msg.msg_iovlen == 0) {
-        x.in_i = x.in.size();
-        break;
-      }
-      // Never more than this round's bytes: the next round's stay in the socket.
-      const ssize_t n = ::recvmsg(fd, &msg, MSG_DONTWAIT);
-      if (n > 0) {
-        const bool header_pending = x.header_in && x.in_i == 0;
-        advance(x.in, x.in_i, x.in_off, static_cast<std::size_t>(n));
-        if (header_pending && x.in_i > 0) check_header(j, *fp);
+        const bool header_pending = !out && x.header_in && i == 0;
+        advance(segs, i, off, static_cast<std::size_t>(n));
+        if (header_pending && i > 0) check_header(j, *fp);
       } else if (n < 0 && errno == EINTR) {
         continue;
       } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
@@ -335,8 +315,8 @@ class TcpTransport final : public Transport {
     bool done = true;
     for (int j = 0; j < size_; ++j) {
       auto& x = xfers_[static_cast<std::size_t>(j)];
-      if (!x.out_done()) pump_out(j, fp, what);
-      if (!x.in_done()) pump_in(j, fp, what);
+      if (!x.out_done()) pump(j, true, fp, what);
+      if (!x.in_done()) pump(j, false, fp, what);
       done = done && x.out_done() && x.in_done();
     }
     return done;
@@ -396,8 +376,8 @@ class TcpTransport final : public Transport {
         const auto& x = xfers_[static_cast<std::size_t>(j)];
         const short re = fds[i].revents;
         if ((re & POLLOUT) != 0 || ((re & (POLLERR | POLLHUP)) != 0 && !x.out_done()))
-          pump_out(j, fp, what);
-        if ((re & (POLLIN | POLLERR | POLLHUP)) != 0) pump_in(j, fp, what);
+          pump(j, true, fp, what);
+        if ((re & (POLLIN | POLLERR | POLLHUP)) != 0) pump(j, false, fp, what);
       }
     }
   }
