@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <span>
@@ -43,6 +44,7 @@ struct Config {
   std::vector<std::string> compare;
   bool check = false;
   std::size_t segment = 0;
+  int hosts = 1;
 };
 
 ddp::ReduceOp parse_redop(const std::string& s) {
@@ -115,7 +117,8 @@ void run(Comm& comm, const Config& cfg, std::vector<bench::Row>& rows) {
       bench::print_header(
           stdout,
           fmt::format(
-              "{} over {} ranks ({} transport), {} {}", op, p, comm.backend().transport(),
+              "{} over {} ranks ({} transport, {}), {} {}", op, p, comm.backend().transport(),
+              comm.backend().hierarchy(),
               cfg.dtype,
               op == "all_reduce" || op == "reduce" || op == "reduce_scatter" ? cfg.redop : ""));
     }
@@ -172,6 +175,12 @@ void bench_rank(const ddp::Environment& env, const Config& cfg) {
   else if (cfg.transport == "tcp")
     o.transport = ddp::HostTransport::tcp;
   o.segment_bytes = cfg.segment;
+  // --hosts: the forked ranks play H hosts of consecutive ranks (DDP_HOST_ID, as a launcher
+  // across machines would give them different hosts).
+  if (cfg.hosts > 1 && env.launcher == "spawn") {
+    const std::string id = std::to_string(env.rank * cfg.hosts / env.world_size);
+    ::setenv("DDP_HOST_ID", id.c_str(), 1);
+  }
   auto comm = Comm::init(env, o);
   std::vector<bench::Row> rows;
   if (cfg.dtype == "float32")
@@ -233,6 +242,10 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("-i,--iters", cfg.iters, "fixed iteration count (overrides --seconds)");
   app.add_option("--segment-bytes", cfg.segment, "Options::segment_bytes (0: default)");
+  app.add_option("--hosts", cfg.hosts,
+                 "forked ranks play this many hosts (DDP_HOST_ID): shared memory inside, TCP "
+                 "between (DDP_HIERARCHY picks how all_reduce crosses)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--csv", cfg.csv, "write the results as CSV");
   app.add_option("--json", cfg.json, "write the results as JSON");
   app.add_option("--plot", cfg.plot, "write an SVG plot of busbw against size");

@@ -10,7 +10,7 @@
 ///
 /// Which backend reads which field (a backend ignores the others):
 ///   every backend        timeout, token, group, external_store, trace_entries, trace_dump
-///   backend::Host        transport, segment_bytes, verify_collectives
+///   backend::Host        transport, segment_bytes, verify_collectives, hierarchy
 ///   CUDA                 device (backend::Nccl), cuda_staging_bytes (CUDA buffers on a
 ///                        host-memory backend)
 /// They stay in one flat struct, not per-backend structs like c10d's ProcessGroupNCCL::Options:
@@ -37,6 +37,16 @@ enum class HostTransport : std::uint8_t {
   automatic,  ///< shared memory when every rank is on this host, TCP otherwise
   shm,        ///< shared memory (every rank must be on this host)
   tcp,        ///< TCP, even on one host (what multi-host runs use)
+};
+
+/// How backend::Host's all_reduce runs when the ranks span several hosts (HostTransport::automatic).
+/// A hierarchical all_reduce reduces inside each host over shared memory and moves only each
+/// host's sum over TCP; the others run every rank on the TCP mesh (see README, "Across hosts").
+enum class HostHierarchy : std::uint8_t {
+  automatic,  ///< `slices` when every host runs as many ranks, else `leaders`; flat on one host
+  flat,       ///< every rank on the TCP mesh (the order of a single host: ranks 0..P-1)
+  slices,     ///< local rank i of every host carries slice i across (equal ranks per host)
+  leaders,    ///< the lowest rank of each host carries the host's whole sum across
 };
 
 /// How a communicator is made and behaves: timeouts, the rendezvous secret, transports,
@@ -78,6 +88,9 @@ struct Options {
   /// Where a communicator writes its flight recorder when an operation times out: "" nowhere,
   /// "stderr", or a directory (one file per rank) ($DDP_TRACE_DUMP).
   std::string trace_dump{};
+  /// backend::Host: the all_reduce across hosts (see HostHierarchy; $DDP_HIERARCHY: auto, flat,
+  /// slices or leaders). Every rank must use the same value.
+  HostHierarchy hierarchy = HostHierarchy::automatic;
 
   /// These options with the environment's settings (the $ names above) applied to every field
   /// still at its default. A malformed value is Errc::invalid_argument naming the variable.
@@ -137,6 +150,19 @@ struct Options {
               .value_or(o.trace_entries));
     });
     if (o.trace_dump.empty()) o.trace_dump = env.get("DDP_TRACE_DUMP");
+    apply([&] {
+      if (o.hierarchy != HostHierarchy::automatic) return;
+      const std::string h = env.get("DDP_HIERARCHY");
+      if (h == "flat")
+        o.hierarchy = HostHierarchy::flat;
+      else if (h == "slices")
+        o.hierarchy = HostHierarchy::slices;
+      else if (h == "leaders")
+        o.hierarchy = HostHierarchy::leaders;
+      else if (!h.empty() && h != "auto")
+        detail::fail(Errc::invalid_argument, "DDP_HIERARCHY=\"", h,
+                     "\": use auto, flat, slices or leaders");
+    });
     return o;
   }
 

@@ -124,14 +124,39 @@ A combine_float(ReduceOp op, A acc, A x) {
 }
 
 /// The documented semantics: combine in rank order 0..P-1; half and bfloat16 in float, rounded
-/// once; integers wrap; avg divides by P. Written independently of the library's kernels.
-template <class T>
-T reference(ReduceOp op, int p, std::size_t i, int salt = 0) {
+/// once; integers wrap; avg divides by P. all_reduce across `hosts` > 1 hosts (of consecutive
+/// ranks, as mp::Path makes them): floating-point values combine as each host's result, rounded
+/// to T, in host order, avg dividing that by P (integers wrap the same in any order). v(r): rank
+/// r's value. Written independently of the library's kernels.
+template <class T, class V>
+T reference_of(ReduceOp op, int p, V&& v, int hosts = 1) {
   using A = std::conditional_t<std::is_same_v<T, ddp::half> || std::is_same_v<T, ddp::bfloat16>,
                                float, T>;
-  auto acc = static_cast<A>(value<T>(0, i, salt));
+  if constexpr (!std::is_integral_v<T>) {
+    if (hosts > 1 && p > 1) {
+      std::vector<T> sums;
+      for (int h = 0; h < hosts; ++h) {
+        std::vector<T> mine;
+        for (int r = 0; r < p; ++r) {
+          if (r * hosts / p == h) mine.push_back(v(r));
+        }
+        if (mine.empty()) continue;
+        auto acc = static_cast<A>(mine[0]);
+        for (std::size_t k = 1; k < mine.size(); ++k)
+          acc = combine_float(op, acc, static_cast<A>(mine[k]));
+        sums.push_back(static_cast<T>(acc));
+      }
+      auto acc = static_cast<A>(sums[0]);
+      for (std::size_t k = 1; k < sums.size(); ++k)
+        acc = combine_float(op, acc, static_cast<A>(sums[k]));
+      auto out = static_cast<T>(acc);
+      if (op == ReduceOp::avg) out = static_cast<T>(static_cast<A>(out) / static_cast<A>(p));
+      return out;
+    }
+  }
+  auto acc = static_cast<A>(v(0));
   for (int r = 1; r < p; ++r) {
-    const auto x = static_cast<A>(value<T>(r, i, salt));
+    const auto x = static_cast<A>(v(r));
     if constexpr (std::is_integral_v<A>) {
       using U = std::make_unsigned_t<A>;
       switch (op) {
@@ -154,6 +179,18 @@ T reference(ReduceOp op, int p, std::size_t i, int salt = 0) {
     if (op == ReduceOp::avg) acc = acc / static_cast<A>(p);
   }
   return static_cast<T>(acc);
+}
+
+template <class T>
+T reference(ReduceOp op, int p, std::size_t i, int salt = 0) {
+  return reference_of<T>(op, p, [&](int r) { return value<T>(r, i, salt); });
+}
+
+/// reference() in the order of all_reduce on this child's path (mp::Path::enter).
+template <class T>
+T all_reduce_reference(ReduceOp op, int p, std::size_t i, int salt = 0) {
+  return reference_of<T>(
+      op, p, [&](int r) { return value<T>(r, i, salt); }, mp::current_hosts);
 }
 
 template <class T>
@@ -221,7 +258,7 @@ void all_reduce_every_dtype(C& comm, Wrap wrap = {}) {
         else
           comm.all_reduce_async(wrap(buf), op).wait();
         check_values<T>(
-            buf, [&](std::size_t i) { return reference<T>(op, p, i); }, what);
+            buf, [&](std::size_t i) { return all_reduce_reference<T>(op, p, i); }, what);
       }
     }
   });
@@ -389,7 +426,9 @@ void all_reduce_coalesced(C& comm, Wrap wrap = {}) {
     for (std::size_t k = 0; k < sizes.size(); ++k) {
       check_values<float>(
           bufs[k],
-          [&](std::size_t i) { return reference<float>(ReduceOp::avg, p, i, static_cast<int>(k)); },
+          [&](std::size_t i) {
+            return all_reduce_reference<float>(ReduceOp::avg, p, i, static_cast<int>(k));
+          },
           "all_reduce_coalesced buffer " + std::to_string(k));
     }
   }
@@ -428,12 +467,9 @@ void all_reduce_compressed(C& comm) {
         const double ulp =
             std::is_same_v<W, ddp::half> ? std::ldexp(1.0, -10) : std::ldexp(1.0, -7);
         for (std::size_t i = 0; i < n; ++i) {
-          float acc = static_cast<float>(W(input(0, i)));
-          for (int k = 1; k < p; ++k) {
-            acc = combine_float(op, acc, static_cast<float>(W(input(k, i))));
-          }
-          if (op == ReduceOp::avg) acc = acc / static_cast<float>(p);
-          const float want = static_cast<float>(W(acc));
+          const float want =
+              static_cast<float>(reference_of<W>(
+                  op, p, [&](int k) { return W(input(k, i)); }, mp::current_hosts));
           const bool ok =
               bitwise_floats
                   ? same_bits(buf[i], want) && same_bits(buf[i], static_cast<float>(wire[i]))

@@ -47,21 +47,51 @@ using namespace std::chrono_literals;
     }                                                                                   \
   } while (false)
 
-inline std::string name(ddp::HostTransport t) {
-  return t == ddp::HostTransport::shm ? "shm" : "tcp";
+/// In a child: how many hosts its ranks play (Path::enter), for references whose order depends
+/// on it (collective_cases.hpp).
+inline int current_hosts = 1;
+
+/// Where the ranks of a test run: every rank on shared memory, or on TCP, or split into
+/// `hosts` hosts of consecutive ranks (DDP_HOST_ID) with the automatic transport: shared memory
+/// inside each, TCP between, and all_reduce hierarchical.
+struct Path {
+  ddp::HostTransport transport = ddp::HostTransport::automatic;
+  int hosts = 1;
+  Path(ddp::HostTransport t) : transport(t) {}  // NOLINT(google-explicit-constructor)
+  Path(ddp::HostTransport t, int h) : transport(t), hosts(h) {}
+  /// In a child, before Comm::init: this rank's host.
+  void enter(int rank, int world) const {
+    current_hosts = hosts;
+    if (hosts > 1)
+      ::setenv("DDP_HOST_ID", std::to_string(rank * hosts / world).c_str(), 1);
+  }
+};
+
+inline std::string name(const Path& p) {
+  if (p.hosts > 1) return std::to_string(p.hosts) + " hosts (shm inside, tcp between)";
+  return p.transport == ddp::HostTransport::shm ? "shm" : "tcp";
+}
+
+/// Two hosts: ranks {0, 1} and {2, 3} for 4 ranks (slices), {0, 1} and {2} for 3 (leaders).
+inline const Path two_hosts{ddp::HostTransport::automatic, 2};
+
+/// Every path: shm, tcp and two hosts.
+inline std::vector<Path> paths() {
+  return {ddp::HostTransport::shm, ddp::HostTransport::tcp, two_hosts};
 }
 
 /// Segment size used by the tests: small, so that "larger than any internal chunk" is cheap.
 inline constexpr std::size_t test_segment = 64 * 1024;
 
 /// Runs body(comm) on `world` forked ranks over `transport`; fails the doctest case on error.
-inline void run(int world, ddp::HostTransport transport, const std::function<void(Comm&)>& body,
+inline void run(int world, const Path& transport, const std::function<void(Comm&)>& body,
                 ddp::Options options = {}) {
-  options.transport = transport;
+  options.transport = transport.transport;
   if (options.segment_bytes == 0) options.segment_bytes = test_segment;
   if (options.timeout == std::chrono::minutes(5)) options.timeout = 60s;
   try {
     ddp::spawn(world, [&](ddp::Environment env) {
+      transport.enter(env.rank, env.world_size);
       auto comm = Comm::init(env, options);
       body(comm);
     });
@@ -70,11 +100,12 @@ inline void run(int world, ddp::HostTransport transport, const std::function<voi
   }
 }
 
-/// Runs body over every world size and both transports.
+/// Runs body over every world size and both transports, and over two hosts for 3 and 4 ranks.
 inline void each_world(const std::function<void(Comm&)>& body,
                        std::vector<int> worlds = {1, 2, 3, 4}) {
-  for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
+  for (const Path& t : paths()) {
     for (int w : worlds) {
+      if (t.hosts > 1 && w < 3) continue;
       CAPTURE(w);
       run(w, t, body);
     }

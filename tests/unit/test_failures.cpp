@@ -48,9 +48,9 @@ void report(const mp::TempDir& dir, int rank, const ddp::Error& e, long long ms)
 }
 
 /// Runs body on `world` ranks without stopping the others when one fails.
-void run_faulty(int world, ddp::HostTransport t, const std::function<void(Comm&)>& body,
+void run_faulty(int world, const mp::Path& t, const std::function<void(Comm&)>& body,
                 ddp::Options o = {}, std::string* spawn_error = nullptr) {
-  o.transport = t;
+  o.transport = t.transport;
   o.segment_bytes = mp::test_segment;
   ddp::SpawnOptions so;
   so.stop_on_failure = false;
@@ -58,6 +58,7 @@ void run_faulty(int world, ddp::HostTransport t, const std::function<void(Comm&)
     ddp::spawn(
         world,
         [&](ddp::Environment env) {
+          t.enter(env.rank, env.world_size);
           auto comm = Comm::init(env, o);
           body(comm);
         },
@@ -157,7 +158,7 @@ TEST_CASE("mismatched collectives fail on every rank with both fingerprints") {
        },
        "all_reduce(float32, count=100000, op=sum) #0"},
   };
-  for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
+  for (const mp::Path& t : mp::paths()) {
     for (const auto& c : cases) {
       CAPTURE(mp::name(t));
       CAPTURE(std::string(c.name));
@@ -213,7 +214,7 @@ TEST_CASE("mismatched collectives fail on every rank with both fingerprints") {
 TEST_CASE(
     "a peer killed during a loop of 1 MiB all_reduces: survivors raise peer_lost naming it within "
     "2 s") {
-  for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
+  for (const mp::Path& t : mp::paths()) {
     CAPTURE(mp::name(t));
     mp::TempDir dir;
     std::string spawn_error;
@@ -254,7 +255,7 @@ TEST_CASE(
 }
 
 TEST_CASE("a stalled peer: the others time out after the timeout, naming it") {
-  for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
+  for (const mp::Path& t : mp::paths()) {
     CAPTURE(mp::name(t));
     mp::TempDir dir;
     ddp::Options o;
@@ -285,7 +286,7 @@ TEST_CASE("a stalled peer: the others time out after the timeout, naming it") {
 }
 
 TEST_CASE("a frozen peer (SIGSTOP): the others time out between timeout/2 and timeout + 1 s") {
-  for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
+  for (const mp::Path& t : mp::paths()) {
     CAPTURE(mp::name(t));
     mp::TempDir dir;
     ddp::Options o;
@@ -371,7 +372,7 @@ TEST_CASE("flight recorder: an operation in progress is running, one behind it q
 }
 
 TEST_CASE("flight recorder: recent() lists the operations, a timeout dumps them on every rank") {
-  for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
+  for (const mp::Path& t : mp::paths()) {
     CAPTURE(mp::name(t));
     mp::TempDir dir;
     ddp::Options o;
@@ -584,7 +585,7 @@ TEST_CASE("parse_trace reads format_trace back, refuses other text, diagnose_tra
 }
 
 TEST_CASE("verify_collectives: off, collectives still work, ranks that disagree fail at init") {
-  for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
+  for (const mp::Path& t : mp::paths()) {
     CAPTURE(mp::name(t));
     ddp::Options off;
     off.verify_collectives = false;
@@ -607,7 +608,8 @@ TEST_CASE("verify_collectives: off, collectives still work, ranks that disagree 
           2,
           [&](ddp::Environment env) {
             ddp::Options o;
-            o.transport = t;
+            o.transport = t.transport;
+            t.enter(env.rank, env.world_size);
             o.timeout = std::chrono::seconds(5);
             o.verify_collectives = env.rank == 0;
             try {
@@ -632,7 +634,7 @@ TEST_CASE("verify_collectives: off, collectives still work, ranks that disagree 
 }
 
 TEST_CASE("ranks that skip a collective are all named") {
-  for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
+  for (const mp::Path& t : mp::paths()) {
     CAPTURE(mp::name(t));
     mp::TempDir dir;
     ddp::Options o;
@@ -689,7 +691,7 @@ TEST_CASE("a rank that never joins: the rendezvous names it") {
 TEST_CASE(
     "Work::wait rethrows an async failure, and abort() from another thread unblocks a waiting "
     "rank") {
-  for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
+  for (const mp::Path& t : mp::paths()) {
     CAPTURE(mp::name(t));
     mp::TempDir dir;
     ddp::Options o;
@@ -849,19 +851,20 @@ TEST_CASE(
   // communicator hosts it (a server made in the parent before fork() could leave a child with a
   // lock its thread held). Each cycle makes a new communicator under a new group name on that
   // store, breaks it with a mismatched collective, and the next one must work.
-  for (auto t : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
+  for (const mp::Path& t : mp::paths()) {
     CAPTURE(mp::name(t));
     mp::TempDir dir;
     ddp::spawn(3, [&](ddp::Environment env) {
+      t.enter(env.rank, env.world_size);
       ddp::Options base_options;
-      base_options.transport = t;
+      base_options.transport = t.transport;
       base_options.group = "base";
       const auto base = Comm::init(env, base_options);  // rank 0 hosts the store
       std::size_t fds_after_first = 0;
       long long rss_after_first = 0;
       for (int cycle = 0; cycle <= 100; ++cycle) {
         ddp::Options o;
-        o.transport = t;
+        o.transport = t.transport;
         o.segment_bytes = mp::test_segment;
         o.external_store = true;
         o.timeout = std::chrono::seconds(20);

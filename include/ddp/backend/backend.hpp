@@ -41,6 +41,7 @@
 
 #include <concepts>
 #include <cstddef>
+#include <cstdlib>
 #include <memory>
 #include <span>
 #include <string>
@@ -62,23 +63,33 @@ struct BackendInit {
   Options options;
 };
 
-/// Identifies "the same host" for shared memory and for grouping ranks by host: same machine
-/// (host name and boot id), same /dev/shm (mount namespace), same pids (pid namespace) and same
-/// network namespace.
-[[nodiscard]] inline std::string host_identity() {
-  char name[256] = {};
-  (void)::gethostname(name, sizeof name - 1);
-  std::string id = name;
+/// This machine's boot id: the same for every process of the machine, whatever namespaces or
+/// containers they run in ("" where the kernel does not say).
+[[nodiscard]] inline std::string machine_identity() {
   char boot[64] = {};
+  std::size_t len = 0;
   if (const int fd = ::open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC); fd >= 0) {
     const ssize_t n = ::read(fd, boot, sizeof boot - 1);
     ::close(fd);
-    std::size_t len = n > 0 ? static_cast<std::size_t>(n) : 0;
-    while (len > 0 && (boot[len - 1] == '\n' || boot[len - 1] == '\r')) --len;
-    boot[len] = '\0';
+    len = n > 0 ? static_cast<std::size_t>(n) : 0;
   }
+  while (len > 0 && (boot[len - 1] == '\n' || boot[len - 1] == '\r')) --len;
+  return std::string(boot, len);
+}
+
+/// Identifies "the same host" for shared memory and for grouping ranks by host: same machine
+/// (host name and boot id), same /dev/shm (mount namespace), same pids (pid namespace) and same
+/// network namespace. $DDP_HOST_ID, when set, replaces it (as NCCL_HOSTID does NCCL's): ranks
+/// with the same value count as one host (they must share /dev/shm and pids), ranks with
+/// different values as different hosts, whatever machine they run on.
+[[nodiscard]] inline std::string host_identity() {
+  if (const char* forced = std::getenv("DDP_HOST_ID"); forced != nullptr && *forced != '\0')
+    return std::string("DDP_HOST_ID=") + forced;
+  char name[256] = {};
+  (void)::gethostname(name, sizeof name - 1);
+  std::string id = name;
   id += "|";
-  id += boot;
+  id += machine_identity();
   for (const char* ns : {"/proc/self/ns/mnt", "/proc/self/ns/pid", "/proc/self/ns/net"}) {
     char link[128] = {};
     const ssize_t n = ::readlink(ns, link, sizeof link - 1);

@@ -176,6 +176,29 @@ constexpr ReduceFn reduce_fn_for(ReduceOp op) {
   return nullptr;
 }
 
+/// data[i] /= n in place, in the accumulator's precision (as avg does after its sum): the last
+/// step of an avg whose sum was taken in parts (the hierarchical all_reduce).
+using DivideFn = void (*)(std::byte*, std::size_t, int);
+
+template <class T>
+void divide_kernel(std::byte* data, std::size_t count, int n) {
+  using A = typename Accum<T>::type;
+  auto* d = reinterpret_cast<T*>(data);
+  const A by = static_cast<A>(n);
+  for (std::size_t i = 0; i < count; ++i) d[i] = static_cast<T>(static_cast<A>(d[i]) / by);
+}
+
+/// The divide kernel for a dtype that avg supports (floating point), else nullptr.
+[[nodiscard]] inline DivideFn divide_fn(DType t) {
+  switch (t) {
+    case DType::float16: return &divide_kernel<half>;
+    case DType::float32: return &divide_kernel<float>;
+    case DType::float64: return &divide_kernel<double>;
+    case DType::bfloat16: return &divide_kernel<bfloat16>;
+    default: return nullptr;
+  }
+}
+
 // ---- compressed all-reduce: float32 values that travel and are reduced as W (half, bfloat16) --
 
 /// dst[i] = W(src[i]): float32 to the wire type, rounded to nearest even.

@@ -226,9 +226,11 @@ class ShmSegment {
 
 class ShmTransport final : public Transport {
  public:
-  /// `segment` is mapped and initialized; `pids[j]` is rank j's process id.
+  /// `segment` is mapped and initialized; `pids[j]` is rank j's process id; `machine_ranks`: the
+  /// ranks running on this machine, this transport's or not (more than its cores: waits yield).
   ShmTransport(int rank, int size, std::chrono::milliseconds timeout, ShmLayout layout,
-               std::unique_ptr<ShmSegment> segment, const std::vector<int>& pids)
+               std::unique_ptr<ShmSegment> segment, const std::vector<int>& pids,
+               int machine_ranks = 0)
       : Transport(rank, size, timeout),
         layout_(layout),
         segment_(std::move(segment)),
@@ -238,7 +240,7 @@ class ShmTransport final : public Transport {
     for (int j = 0; j < size; ++j) {
       if (j != rank) watch_.add(j, pids[static_cast<std::size_t>(j)]);
     }
-    oversubscribed_ = size > usable_cpus();
+    oversubscribed_ = std::max(size, machine_ranks) > usable_cpus();
     tick_ = round_of(ctl(rank)->word.load());
   }
 
@@ -414,7 +416,7 @@ class ShmTransport final : public Transport {
     std::string who;
     int n = 0;
     for (int j = 0; j < size_; ++j) {
-      if (!reached(j, t)) who += concat(n++ ? ", " : "", j);
+      if (!reached(j, t)) who += concat(n++ ? ", " : "", global(j));
     }
     return concat(n == 1 ? "rank " : "ranks ", who);
   }
@@ -423,7 +425,7 @@ class ShmTransport final : public Transport {
   void publish_abort(Errc code, const std::string& why) {
     std::uint32_t expected = 0;
     if (header_->abort_state.compare_exchange_strong(expected, 1)) {
-      header_->abort_rank = rank_;
+      header_->abort_rank = global(rank_);
       header_->abort_code = static_cast<int>(code);
       const std::size_t n = std::min(why.size(), sizeof header_->abort_message - 1);
       std::memcpy(header_->abort_message, why.data(), n);
@@ -438,7 +440,8 @@ class ShmTransport final : public Transport {
   void check_abort(const Fingerprint* fp) const {
     check_local_abort(fp);
     if (header_->abort_state.load(std::memory_order_acquire) == 2) {
-      fail(static_cast<Errc>(header_->abort_code), "rank ", rank_, ": ", describe(fp, nullptr),
+      fail(static_cast<Errc>(header_->abort_code), "rank ", global(rank_), ": ",
+           describe(fp, nullptr),
            ": failed because rank ", header_->abort_rank, " reported: ", header_->abort_message);
     }
   }
@@ -475,15 +478,16 @@ class ShmTransport final : public Transport {
       if (now >= next_check) {
         if (const int dead = watch_.first_dead(); dead >= 0) {
           const std::string msg =
-              concat("rank ", rank_, ": ", describe(fp, what), ": rank ", dead,
+              concat("rank ", global(rank_), ": ", describe(fp, what), ": rank ", global(dead),
                      " died (its process exited); the job cannot continue with this communicator");
-          publish_abort(Errc::peer_lost, concat("rank ", dead, " died (its process exited)"));
+          publish_abort(Errc::peer_lost,
+                        concat("rank ", global(dead), " died (its process exited)"));
           fail(Errc::peer_lost, msg);
         }
         if (now >= deadline.at) {
           const std::string who = behind_desc();
           const std::string msg = concat(
-              "rank ", rank_, ": ", describe(fp, what), ": timed out after ", timeout_.count(),
+              "rank ", global(rank_), ": ", describe(fp, what), ": timed out after ", timeout_.count(),
               " ms waiting for ", who,
               " (shm transport); that rank is stopped, slow, or did not call this collective");
           publish_abort(Errc::timeout, concat("timed out waiting for ", who));

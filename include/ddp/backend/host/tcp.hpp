@@ -47,7 +47,7 @@ class TcpTransport final : public Transport {
   static constexpr std::uint32_t hello_magic = 0x50434444;  // "DDCP"
   using SessionKey = std::array<std::uint8_t, 16>;
 
-  /// `local_ranks`: how many ranks run on this host (more than its cores: busy waits yield).
+  /// `local_ranks`: how many ranks run on this machine (more than its cores: busy waits yield).
   TcpTransport(int rank, int size, std::chrono::milliseconds timeout, std::vector<Fd> peers,
                std::size_t segment_bytes, int local_ranks)
       : Transport(rank, size, timeout),
@@ -264,15 +264,15 @@ class TcpTransport final : public Transport {
         closed.push_back(j);
     }
     if (closed.size() == 1) {
-      fail(Errc::peer_lost, "rank ", rank_, ": ", describe(fp, what), ": the connection to rank ",
-           peer,
+      fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what),
+           ": the connection to rank ", global(peer),
            " closed (that process died or failed) (tcp transport); the job cannot continue with "
            "this communicator");
     }
     std::sort(closed.begin(), closed.end());
     std::string list;
-    for (int j : closed) list += concat(list.empty() ? "" : ", ", "rank ", j);
-    fail(Errc::peer_lost, "rank ", rank_, ": ", describe(fp, what), ": the connections to ", list,
+    for (int j : closed) list += concat(list.empty() ? "" : ", ", "rank ", global(j));
+    fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what), ": the connections to ", list,
          " closed (one of those processes died, and the others left because of it) (tcp "
          "transport); the job cannot continue with this communicator");
   }
@@ -363,9 +363,9 @@ class TcpTransport final : public Transport {
       if (rc <= 0) {
         if (deadline.expired()) {
           std::string list;
-          for (int j : who) list += concat(list.empty() ? "" : ", ", j);
+          for (int j : who) list += concat(list.empty() ? "" : ", ", global(j));
           // No poison(): the other ranks time out on their own, with their own message.
-          fail(Errc::timeout, "rank ", rank_, ": ", describe(fp, what), ": timed out after ",
+          fail(Errc::timeout, "rank ", global(rank_), ": ", describe(fp, what), ": timed out after ",
                timeout_.count(), " ms waiting for ", who.size() == 1 ? "rank " : "ranks ", list,
                " (tcp transport); that rank is stopped, slow, or did not call this collective");
         }

@@ -90,6 +90,14 @@ class Transport {
   [[nodiscard]] int size() const noexcept { return size_; }
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
 
+  /// The communicator's rank of this transport's rank j, for messages: a transport may connect
+  /// a group of the communicator's ranks (the hierarchical all_reduce's, see backend/host.hpp),
+  /// numbered 0..size()-1 within the group. Empty: the numbers are the communicator's.
+  std::vector<int> global_ranks;
+  [[nodiscard]] int global(int j) const {
+    return global_ranks.empty() ? j : global_ranks[static_cast<std::size_t>(j)];
+  }
+
   /// Name for messages: "shm" or "tcp".
   [[nodiscard]] virtual std::string_view name() const noexcept = 0;
   /// The most bytes one rank may offer in one round.
@@ -137,8 +145,9 @@ class Transport {
   [[nodiscard]] std::string mismatch_message(const Fingerprint& mine, int peer,
                                              const Fingerprint& theirs) const {
     return concat(
-        "rank ", rank_, ": ", to_string(mine.coll), ": mismatched collectives: this rank called ",
-        to_string(mine), " but rank ", peer, " called ", to_string(theirs),
+        "rank ", global(rank_), ": ", to_string(mine.coll),
+        ": mismatched collectives: this rank called ", to_string(mine), " but rank ", global(peer),
+        " called ", to_string(theirs),
         "; every rank must call the same collectives, in the same order, with the same counts, "
         "dtypes, ops and roots");
   }
@@ -164,7 +173,7 @@ class Transport {
   /// Throws if abort() was called on this rank.
   void check_local_abort(const Fingerprint* fp) const {
     if (const int code = local_abort_code_.load(); code != 0) {
-      fail(static_cast<Errc>(code), "rank ", rank_, ": ", describe(fp, nullptr),
+      fail(static_cast<Errc>(code), "rank ", global(rank_), ": ", describe(fp, nullptr),
            ": the communicator was aborted on this rank; create a new communicator to continue");
     }
   }
