@@ -38,12 +38,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <optional>
+#include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
@@ -319,6 +323,7 @@ class Host {
     }
     if (check_locally && hier_ != HostHierarchy::flat && lt_->size() > 1 &&
         lt_->verify_fingerprints) {
+      lt_->slack = std::chrono::milliseconds(0);
       guarded(
           [&](detail::Transport*&) {
             (void)lt_->round(
@@ -493,8 +498,46 @@ class Host {
       body(in_remote);
     } catch (const Error& e) {
       lt_->abort(e.code(), e.what());
-      if (remote != nullptr && remote != in_remote) remote->abort(e.code(), e.what());
+      if (remote != nullptr && remote != in_remote) {
+        record_leaving(e);
+        remote->abort(e.code(), e.what());
+      }
       throw;
+    }
+  }
+
+  /// Says in the store why this rank leaves the hierarchical path, before it closes its
+  /// connections, so that a rank of another host that sees them close reports this error (with
+  /// its code) rather than a lost peer (Transport::why_left). Best effort.
+  void record_leaving(const Error& e) noexcept {
+    try {
+      store_->set(detail::concat("left/", rank_), Store::stop_value(e.code(), e.what()));
+    } catch (...) {  // the store is gone: the peers report a lost connection instead
+    }
+  }
+
+  /// Transport::why_left over the store's records (see record_leaving).
+  std::optional<detail::Transport::Left> why_left(const std::vector<int>& ranks,
+                                                  std::chrono::milliseconds grace) {
+    const auto deadline = detail::Clock::now() + grace;
+    try {
+      for (;;) {
+        for (int j : ranks) {
+          const std::string key = detail::concat("left/", j);
+          if (!store_->check(std::span<const std::string>(&key, 1))) continue;
+          const std::string rec = store_->get(key);
+          detail::ByteReader r(rec, "leaving record");
+          detail::Transport::Left left;
+          left.rank = j;
+          left.code = static_cast<Errc>(r.get<std::int32_t>());
+          left.message = r.str(rec.size());
+          return left;
+        }
+        if (detail::Clock::now() >= deadline) return std::nullopt;
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    } catch (const Error&) {  // the store is gone or the record unreadable: nothing to add
+      return std::nullopt;
     }
   }
 
@@ -518,6 +561,11 @@ class Host {
     detail::Transport& local = *lt_;
     const bool by_slices = hier_ == HostHierarchy::slices &&
                            b.bytes() > slices_from_ * static_cast<std::size_t>(local.size());
+    // Each phase waits a little longer than the one before it (Transport::slack), so that a rank
+    // waiting on one that waits on the culprit hears the culprit named before its own timeout.
+    local.slack = std::chrono::milliseconds(0);
+    if (xt_) xt_->slack = std::chrono::milliseconds(250);
+    const auto last_phase = [&] { local.slack = std::chrono::milliseconds(500); };
     guarded([&](detail::Transport*& crossing) {
       if (!by_slices) {
         if (local.size() > 1) reduce_on(local, b, fn, 0, &fp);
@@ -527,6 +575,7 @@ class Host {
           crossing = nullptr;
           divide(b);
         }
+        last_phase();
         if (local.size() > 1) broadcast_on(local, b, 0, nullptr);
         return;
       }
@@ -544,6 +593,7 @@ class Host {
       all_reduce_on(*xt_, slice, fn, &fp);
       crossing = nullptr;
       divide(slice);
+      last_phase();
       all_gather_parts(local, b, part);
     }, xt_.get());
   }
@@ -631,6 +681,7 @@ class Host {
       return;
     }
     Store& store = *init.store;
+    store_ = init.store;
     const auto deadline = detail::Deadline::after(o.timeout);
     const HostTransport requested = requested_transport(o);
     const std::size_t segment_request = segment_bytes(o, 0);  // 0: the transport's default
@@ -727,7 +778,13 @@ class Host {
                                                   machine_ranks_);
     }
     for (detail::Transport* tr : {t_.get(), lt_.get(), xt_.get()}) {
-      if (tr != nullptr) tr->verify_fingerprints = o.verify_collectives;
+      if (tr == nullptr) continue;
+      tr->verify_fingerprints = o.verify_collectives;
+      if (hier_ != HostHierarchy::flat) {
+        tr->why_left = [this](const std::vector<int>& ranks, std::chrono::milliseconds grace) {
+          return why_left(ranks, grace);
+        };
+      }
     }
   }
 
@@ -929,6 +986,7 @@ class Host {
   /// leaders (measured: bench/README.md, "Across hosts").
   static constexpr std::size_t slices_from_bytes = std::size_t{16} << 10;
 
+  std::shared_ptr<Store> store_;
   std::unique_ptr<detail::Transport> t_;
   std::unique_ptr<detail::Transport> lt_;  // this host's ranks, when all_reduce is hierarchical
   std::unique_ptr<detail::Transport> xt_;  // the ranks that carry this rank's part across hosts

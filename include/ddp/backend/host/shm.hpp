@@ -463,7 +463,7 @@ class ShmTransport final : public Transport {
         }
       } while (Clock::now() < spin_until);
     }
-    const auto deadline = Deadline::after(timeout_);
+    const auto deadline = Deadline::after(timeout_ + slack);
     // Dead peers and the deadline are checked every 20 ms (a poll(2) of the peers' pidfds each
     // time; not on every call, which would cost more than a small round).
     auto next_check = Clock::now() + std::chrono::milliseconds(20);
@@ -487,7 +487,8 @@ class ShmTransport final : public Transport {
         if (now >= deadline.at) {
           const std::string who = behind_desc();
           const std::string msg = concat(
-              "rank ", global(rank_), ": ", describe(fp, what), ": timed out after ", timeout_.count(),
+              "rank ", global(rank_), ": ", describe(fp, what), ": timed out after ",
+              (timeout_ + slack).count(),
               " ms waiting for ", who,
               " (shm transport); that rank is stopped, slow, or did not call this collective");
           publish_abort(Errc::timeout, concat("timed out waiting for ", who));

@@ -263,6 +263,8 @@ class TcpTransport final : public Transport {
       if (::poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0)
         closed.push_back(j);
     }
+    // A rank that failed and left may have said why (a rank that died says nothing).
+    fail_if_left(closed, std::chrono::milliseconds(300), fp, what);
     if (closed.size() == 1) {
       fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what),
            ": the connection to rank ", global(peer),
@@ -340,7 +342,7 @@ class TcpTransport final : public Transport {
       check_abort(fp);
       if (pump_all(fp, what)) return;
     } while (Clock::now() < busy_until);
-    const auto deadline = Deadline::after(timeout_);
+    const auto deadline = Deadline::after(timeout_ + slack);
     std::vector<pollfd> fds;
     std::vector<int> who;
     for (;;) {
@@ -362,11 +364,13 @@ class TcpTransport final : public Transport {
       if (rc < 0 && errno != EINTR) fail_errno(errno, "poll");
       if (rc <= 0) {
         if (deadline.expired()) {
+          // One of them may have failed at its own timeout, or for another reason, just now.
+          fail_if_left(who, std::chrono::milliseconds(100), fp, what);
           std::string list;
           for (int j : who) list += concat(list.empty() ? "" : ", ", global(j));
           // No poison(): the other ranks time out on their own, with their own message.
           fail(Errc::timeout, "rank ", global(rank_), ": ", describe(fp, what), ": timed out after ",
-               timeout_.count(), " ms waiting for ", who.size() == 1 ? "rank " : "ranks ", list,
+               (timeout_ + slack).count(), " ms waiting for ", who.size() == 1 ? "rank " : "ranks ", list,
                " (tcp transport); that rank is stopped, slow, or did not call this collective");
         }
         continue;

@@ -25,6 +25,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstddef>
+#include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -98,6 +100,22 @@ class Transport {
     return global_ranks.empty() ? j : global_ranks[static_cast<std::size_t>(j)];
   }
 
+  /// Extra time the waits of the next rounds allow beyond timeout(): the hierarchical
+  /// all_reduce's later phases wait for an earlier phase's failure (which comes at the timeout)
+  /// to reach them, instead of timing out at the same moment and naming the wrong rank.
+  std::chrono::milliseconds slack{0};
+
+  /// Why ranks left, where they record it (the hierarchical all_reduce, through the store): given
+  /// the communicator's ranks whose connections closed or that a round still waits for at its
+  /// timeout, and how long to wait for a record, the first rank that recorded one with its
+  /// error; nothing when none did (a rank that died records nothing).
+  struct Left {
+    int rank = -1;
+    Errc code{};
+    std::string message;
+  };
+  std::function<std::optional<Left>(const std::vector<int>&, std::chrono::milliseconds)> why_left;
+
   /// Name for messages: "shm" or "tcp".
   [[nodiscard]] virtual std::string_view name() const noexcept = 0;
   /// The most bytes one rank may offer in one round.
@@ -165,6 +183,19 @@ class Transport {
     return concat("rank ", rank_, ": ", recv_description(buf, peer, tag), " #", seq,
                   " got send(tag ", h.tag, ", ", to_string(h.dtype), ", count=", h.count, ") #",
                   h.seq, "; sends and receives between a pair are matched in order and must agree");
+  }
+
+  /// Fails with the error a rank among `ranks` (this transport's numbers) recorded when it left
+  /// (why_left), waiting up to `grace` for one; returns when none did.
+  void fail_if_left(const std::vector<int>& ranks, std::chrono::milliseconds grace,
+                    const Fingerprint* fp, const char* what) const {
+    if (!why_left) return;
+    std::vector<int> globals;
+    for (int j : ranks) globals.push_back(global(j));
+    if (const auto left = why_left(globals, grace)) {
+      fail(left->code, "rank ", global(rank_), ": ", describe(fp, what), ": failed because rank ",
+           left->rank, " reported: ", left->message);
+    }
   }
 
   /// Records abort() on this rank.
