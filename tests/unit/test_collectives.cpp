@@ -316,3 +316,94 @@ TEST_CASE("DDP_HOST_TRANSPORT picks the transport, a bad value is refused") {
               "DDP_HOST_TRANSPORT=\"carrier-pigeon\": use shm, tcp or auto") != std::string::npos);
   }
 }
+
+TEST_CASE("across hosts: DDP_HIERARCHY and the host layout pick the path, bad settings refused") {
+  struct Case {
+    int world;
+    const char* setting;  // DDP_HIERARCHY
+    const char* expect;   // hierarchy(), or the error's text
+  };
+  for (const Case c : {Case{4, "", "slices"}, Case{4, "leaders", "leaders"}, Case{4, "flat", "flat"},
+                       Case{3, "", "leaders"}, Case{3, "slices", "needs as many ranks on every "
+                                                                 "host, but the hosts run 2, 1"},
+                       Case{4, "ring", "DDP_HIERARCHY=\"ring\": use auto, flat, slices or "
+                                       "leaders"}}) {
+    CAPTURE(c.world);
+    CAPTURE(std::string(c.setting));
+    ddp::SpawnOptions so;
+    if (*c.setting != '\0') so.env = {std::string("DDP_HIERARCHY=") + c.setting};
+    mp::TempDir dir;
+    so.stop_on_failure = false;
+    try {
+      ddp::spawn(
+          c.world,
+          [&](ddp::Environment env) {
+            mp::two_hosts.enter(env.rank, env.world_size);
+            std::string got;
+            try {
+              auto comm = Comm::init(env);
+              MP_EXPECT(comm.backend().transport() == "tcp", comm.backend().transport());
+              MP_EXPECT(comm.local_size() == (env.rank < 2 ? 2 : env.world_size - 2), "local");
+              got = comm.backend().hierarchy();
+              std::vector<int> v(5000, env.rank + 1);
+              comm.all_reduce(v);
+              MP_EXPECT(v[4999] == env.world_size * (env.world_size + 1) / 2, v[4999]);
+            } catch (const ddp::Error& e) {
+              MP_EXPECT(e.code() == ddp::Errc::invalid_argument, e.what());
+              got = e.what();
+            }
+            mp::TempDir::write(dir.file("rank" + std::to_string(env.rank)), got);
+          },
+          so);
+    } catch (const ddp::Error& e) {
+      FAIL_CHECK(std::string(e.what()));
+    }
+    for (int r = 0; r < c.world; ++r) {
+      const std::string got = mp::TempDir::read(dir.file("rank" + std::to_string(r)));
+      CAPTURE(got);
+      CHECK(got.find(c.expect) != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("across hosts: the combination order is fixed, whatever the path, size and segment") {
+  // Values whose float sums round differently in different orders: the result must be bitwise
+  // (x0 + x1) + (x2 + x3) for 2 hosts of 2, on every rank, for slices and leaders, small and
+  // large buffers and segment sizes; avg divides that by 4.
+  const std::size_t n = 300000;
+  const auto x = [](int r, std::size_t i) {
+    const float big = (i % 3 == 0) ? 1.0e8f : 1.0f;
+    return (r % 2 == 0 ? big : 1.0f) * (1.0f + 1e-3f * static_cast<float>((i * 7 + r) % 11)) *
+           (r == 2 ? -1.0f : 1.0f);
+  };
+  for (const char* setting : {"slices", "leaders"}) {
+    for (std::size_t segment : {std::size_t{4096}, std::size_t{1} << 20}) {
+      CAPTURE(std::string(setting));
+      CAPTURE(segment);
+      ddp::Options o;
+      o.segment_bytes = segment;
+      o.hierarchy =
+          std::string(setting) == "slices" ? ddp::HostHierarchy::slices : ddp::HostHierarchy::leaders;
+      mp::run(
+          4, mp::two_hosts,
+          [&](Comm& comm) {
+            const int r = comm.rank();
+            for (std::size_t count : {std::size_t{1}, std::size_t{33}, std::size_t{5000}, n}) {
+              for (ddp::ReduceOp op : {ddp::ReduceOp::sum, ddp::ReduceOp::avg}) {
+                std::vector<float> v(count);
+                for (std::size_t i = 0; i < count; ++i) v[i] = x(r, i);
+                comm.all_reduce(v, op);
+                for (std::size_t i = 0; i < count; ++i) {
+                  float want = (x(0, i) + x(1, i)) + (x(2, i) + x(3, i));
+                  if (op == ddp::ReduceOp::avg) want = want / 4.0f;
+                  MP_EXPECT(cases::same_bits(v[i], want), "count " << count << " element " << i
+                                                                   << ": " << v[i] << " != "
+                                                                   << want);
+                }
+              }
+            }
+          },
+          o);
+    }
+  }
+}
