@@ -118,8 +118,7 @@ void run(Comm& comm, const Config& cfg, std::vector<bench::Row>& rows) {
           stdout,
           fmt::format(
               "{} over {} ranks ({} transport, {}), {} {}", op, p, comm.backend().transport(),
-              comm.backend().hierarchy(),
-              cfg.dtype,
+              comm.backend().hierarchy(), cfg.dtype,
               op == "all_reduce" || op == "reduce" || op == "reduce_scatter" ? cfg.redop : ""));
     }
     for (std::uint64_t bytes = cfg.min_bytes; bytes <= cfg.max_bytes;) {

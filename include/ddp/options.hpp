@@ -39,9 +39,10 @@ enum class HostTransport : std::uint8_t {
   tcp,        ///< TCP, even on one host (what multi-host runs use)
 };
 
-/// How backend::Host's all_reduce runs when the ranks span several hosts (HostTransport::automatic).
-/// A hierarchical all_reduce reduces inside each host over shared memory and moves only each
-/// host's sum over TCP; the others run every rank on the TCP mesh (see README, "Across hosts").
+/// How backend::Host's all_reduce runs when the ranks span several hosts
+/// (HostTransport::automatic). A hierarchical all_reduce reduces inside each host over shared
+/// memory and moves only each host's sum over TCP; the others run every rank on the TCP mesh (see
+/// README, "Across hosts").
 enum class HostHierarchy : std::uint8_t {
   automatic,  ///< `slices` when every host runs as many ranks, else `leaders`; flat on one host
   flat,       ///< every rank on the TCP mesh (the order of a single host: ranks 0..P-1)

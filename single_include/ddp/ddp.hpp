@@ -1766,7 +1766,7 @@ DDP_END_NAMESPACE
 ///
 /// Which backend reads which field (a backend ignores the others):
 ///   every backend        timeout, token, group, external_store, trace_entries, trace_dump
-///   backend::Host        transport, segment_bytes, verify_collectives
+///   backend::Host        transport, segment_bytes, verify_collectives, hierarchy
 ///   CUDA                 device (backend::Nccl), cuda_staging_bytes (CUDA buffers on a
 ///                        host-memory backend)
 /// They stay in one flat struct, not per-backend structs like c10d's ProcessGroupNCCL::Options:
@@ -1918,6 +1918,17 @@ enum class HostTransport : std::uint8_t {
   tcp,        ///< TCP, even on one host (what multi-host runs use)
 };
 
+/// How backend::Host's all_reduce runs when the ranks span several hosts
+/// (HostTransport::automatic). A hierarchical all_reduce reduces inside each host over shared
+/// memory and moves only each host's sum over TCP; the others run every rank on the TCP mesh (see
+/// README, "Across hosts").
+enum class HostHierarchy : std::uint8_t {
+  automatic,  ///< `slices` when every host runs as many ranks, else `leaders`; flat on one host
+  flat,       ///< every rank on the TCP mesh (the order of a single host: ranks 0..P-1)
+  slices,     ///< local rank i of every host carries slice i across (equal ranks per host)
+  leaders,    ///< the lowest rank of each host carries the host's whole sum across
+};
+
 /// How a communicator is made and behaves: timeouts, the rendezvous secret, transports,
 /// verification and the flight recorder (see the file comment for which backend reads what).
 struct Options {
@@ -1957,6 +1968,9 @@ struct Options {
   /// Where a communicator writes its flight recorder when an operation times out: "" nowhere,
   /// "stderr", or a directory (one file per rank) ($DDP_TRACE_DUMP).
   std::string trace_dump{};
+  /// backend::Host: the all_reduce across hosts (see HostHierarchy; $DDP_HIERARCHY: auto, flat,
+  /// slices or leaders). Every rank must use the same value.
+  HostHierarchy hierarchy = HostHierarchy::automatic;
 
   /// These options with the environment's settings (the $ names above) applied to every field
   /// still at its default. A malformed value is Errc::invalid_argument naming the variable.
@@ -2016,6 +2030,19 @@ struct Options {
               .value_or(o.trace_entries));
     });
     if (o.trace_dump.empty()) o.trace_dump = env.get("DDP_TRACE_DUMP");
+    apply([&] {
+      if (o.hierarchy != HostHierarchy::automatic) return;
+      const std::string h = env.get("DDP_HIERARCHY");
+      if (h == "flat")
+        o.hierarchy = HostHierarchy::flat;
+      else if (h == "slices")
+        o.hierarchy = HostHierarchy::slices;
+      else if (h == "leaders")
+        o.hierarchy = HostHierarchy::leaders;
+      else if (!h.empty() && h != "auto")
+        detail::fail(Errc::invalid_argument, "DDP_HIERARCHY=\"", h,
+                     "\": use auto, flat, slices or leaders");
+    });
     return o;
   }
 
@@ -3201,6 +3228,7 @@ DDP_END_NAMESPACE
 
 #include <concepts>
 #include <cstddef>
+#include <cstdlib>
 #include <memory>
 #include <span>
 #include <string>
@@ -3222,23 +3250,33 @@ struct BackendInit {
   Options options;
 };
 
-/// Identifies "the same host" for shared memory and for grouping ranks by host: same machine
-/// (host name and boot id), same /dev/shm (mount namespace), same pids (pid namespace) and same
-/// network namespace.
-[[nodiscard]] inline std::string host_identity() {
-  char name[256] = {};
-  (void)::gethostname(name, sizeof name - 1);
-  std::string id = name;
+/// This machine's boot id: the same for every process of the machine, whatever namespaces or
+/// containers they run in ("" where the kernel does not say).
+[[nodiscard]] inline std::string machine_identity() {
   char boot[64] = {};
+  std::size_t len = 0;
   if (const int fd = ::open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC); fd >= 0) {
     const ssize_t n = ::read(fd, boot, sizeof boot - 1);
     ::close(fd);
-    std::size_t len = n > 0 ? static_cast<std::size_t>(n) : 0;
-    while (len > 0 && (boot[len - 1] == '\n' || boot[len - 1] == '\r')) --len;
-    boot[len] = '\0';
+    len = n > 0 ? static_cast<std::size_t>(n) : 0;
   }
+  while (len > 0 && (boot[len - 1] == '\n' || boot[len - 1] == '\r')) --len;
+  return std::string(boot, len);
+}
+
+/// Identifies "the same host" for shared memory and for grouping ranks by host: same machine
+/// (host name and boot id), same /dev/shm (mount namespace), same pids (pid namespace) and same
+/// network namespace. $DDP_HOST_ID, when set, replaces it (as NCCL_HOSTID does NCCL's): ranks
+/// with the same value count as one host (they must share /dev/shm and pids), ranks with
+/// different values as different hosts, whatever machine they run on.
+[[nodiscard]] inline std::string host_identity() {
+  if (const char* forced = std::getenv("DDP_HOST_ID"); forced != nullptr && *forced != '\0')
+    return std::string("DDP_HOST_ID=") + forced;
+  char name[256] = {};
+  (void)::gethostname(name, sizeof name - 1);
+  std::string id = name;
   id += "|";
-  id += boot;
+  id += machine_identity();
   for (const char* ns : {"/proc/self/ns/mnt", "/proc/self/ns/pid", "/proc/self/ns/net"}) {
     char link[128] = {};
     const ssize_t n = ::readlink(ns, link, sizeof link - 1);
@@ -6359,6 +6397,29 @@ constexpr ReduceFn reduce_fn_for(ReduceOp op) {
   return nullptr;
 }
 
+/// data[i] /= n in place, in the accumulator's precision (as avg does after its sum): the last
+/// step of an avg whose sum was taken in parts (the hierarchical all_reduce).
+using DivideFn = void (*)(std::byte*, std::size_t, int);
+
+template <class T>
+void divide_kernel(std::byte* data, std::size_t count, int n) {
+  using A = typename Accum<T>::type;
+  auto* d = reinterpret_cast<T*>(data);
+  const A by = static_cast<A>(n);
+  for (std::size_t i = 0; i < count; ++i) d[i] = static_cast<T>(static_cast<A>(d[i]) / by);
+}
+
+/// The divide kernel for a dtype that avg supports (floating point), else nullptr.
+[[nodiscard]] inline DivideFn divide_fn(DType t) {
+  switch (t) {
+    case DType::float16: return &divide_kernel<half>;
+    case DType::float32: return &divide_kernel<float>;
+    case DType::float64: return &divide_kernel<double>;
+    case DType::bfloat16: return &divide_kernel<bfloat16>;
+    default: return nullptr;
+  }
+}
+
 // ---- compressed all-reduce: float32 values that travel and are reduced as W (half, bfloat16) --
 
 /// dst[i] = W(src[i]): float32 to the wire type, rounded to nearest even.
@@ -7691,6 +7752,8 @@ DDP_END_NAMESPACE
 #include <atomic>
 #include <chrono>
 #include <cstddef>
+#include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -7756,6 +7819,30 @@ class Transport {
   [[nodiscard]] int size() const noexcept { return size_; }
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
 
+  /// The communicator's rank of this transport's rank j, for messages: a transport may connect
+  /// a group of the communicator's ranks (the hierarchical all_reduce's, see backend/host.hpp),
+  /// numbered 0..size()-1 within the group. Empty: the numbers are the communicator's.
+  std::vector<int> global_ranks;
+  [[nodiscard]] int global(int j) const {
+    return global_ranks.empty() ? j : global_ranks[static_cast<std::size_t>(j)];
+  }
+
+  /// Extra time the waits of the next rounds allow beyond timeout(): the hierarchical
+  /// all_reduce's later phases wait for an earlier phase's failure (which comes at the timeout)
+  /// to reach them, instead of timing out at the same moment and naming the wrong rank.
+  std::chrono::milliseconds slack{0};
+
+  /// Why ranks left, where they record it (the hierarchical all_reduce, through the store): given
+  /// the communicator's ranks whose connections closed or that a round still waits for at its
+  /// timeout, and how long to wait for a record, the first rank that recorded one with its
+  /// error; nothing when none did (a rank that died records nothing).
+  struct Left {
+    int rank = -1;
+    Errc code{};
+    std::string message;
+  };
+  std::function<std::optional<Left>(const std::vector<int>&, std::chrono::milliseconds)> why_left;
+
   /// Name for messages: "shm" or "tcp".
   [[nodiscard]] virtual std::string_view name() const noexcept = 0;
   /// The most bytes one rank may offer in one round.
@@ -7803,8 +7890,9 @@ class Transport {
   [[nodiscard]] std::string mismatch_message(const Fingerprint& mine, int peer,
                                              const Fingerprint& theirs) const {
     return concat(
-        "rank ", rank_, ": ", to_string(mine.coll), ": mismatched collectives: this rank called ",
-        to_string(mine), " but rank ", peer, " called ", to_string(theirs),
+        "rank ", global(rank_), ": ", to_string(mine.coll),
+        ": mismatched collectives: this rank called ", to_string(mine), " but rank ", global(peer),
+        " called ", to_string(theirs),
         "; every rank must call the same collectives, in the same order, with the same counts, "
         "dtypes, ops and roots");
   }
@@ -7824,13 +7912,26 @@ class Transport {
                   h.seq, "; sends and receives between a pair are matched in order and must agree");
   }
 
+  /// Fails with the error a rank among `ranks` (this transport's numbers) recorded when it left
+  /// (why_left), waiting up to `grace` for one; returns when none did.
+  void fail_if_left(const std::vector<int>& ranks, std::chrono::milliseconds grace,
+                    const Fingerprint* fp, const char* what) const {
+    if (!why_left) return;
+    std::vector<int> globals;
+    for (int j : ranks) globals.push_back(global(j));
+    if (const auto left = why_left(globals, grace)) {
+      fail(left->code, "rank ", global(rank_), ": ", describe(fp, what), ": failed because rank ",
+           left->rank, " reported: ", left->message);
+    }
+  }
+
   /// Records abort() on this rank.
   void set_local_abort(Errc code) noexcept { local_abort_code_.store(static_cast<int>(code)); }
 
   /// Throws if abort() was called on this rank.
   void check_local_abort(const Fingerprint* fp) const {
     if (const int code = local_abort_code_.load(); code != 0) {
-      fail(static_cast<Errc>(code), "rank ", rank_, ": ", describe(fp, nullptr),
+      fail(static_cast<Errc>(code), "rank ", global(rank_), ": ", describe(fp, nullptr),
            ": the communicator was aborted on this rank; create a new communicator to continue");
     }
   }
@@ -8223,9 +8324,11 @@ class ShmSegment {
 
 class ShmTransport final : public Transport {
  public:
-  /// `segment` is mapped and initialized; `pids[j]` is rank j's process id.
+  /// `segment` is mapped and initialized; `pids[j]` is rank j's process id; `machine_ranks`: the
+  /// ranks running on this machine, this transport's or not (more than its cores: waits yield).
   ShmTransport(int rank, int size, std::chrono::milliseconds timeout, ShmLayout layout,
-               std::unique_ptr<ShmSegment> segment, const std::vector<int>& pids)
+               std::unique_ptr<ShmSegment> segment, const std::vector<int>& pids,
+               int machine_ranks = 0)
       : Transport(rank, size, timeout),
         layout_(layout),
         segment_(std::move(segment)),
@@ -8235,7 +8338,7 @@ class ShmTransport final : public Transport {
     for (int j = 0; j < size; ++j) {
       if (j != rank) watch_.add(j, pids[static_cast<std::size_t>(j)]);
     }
-    oversubscribed_ = size > usable_cpus();
+    oversubscribed_ = std::max(size, machine_ranks) > usable_cpus();
     tick_ = round_of(ctl(rank)->word.load());
   }
 
@@ -8411,7 +8514,7 @@ class ShmTransport final : public Transport {
     std::string who;
     int n = 0;
     for (int j = 0; j < size_; ++j) {
-      if (!reached(j, t)) who += concat(n++ ? ", " : "", j);
+      if (!reached(j, t)) who += concat(n++ ? ", " : "", global(j));
     }
     return concat(n == 1 ? "rank " : "ranks ", who);
   }
@@ -8420,7 +8523,7 @@ class ShmTransport final : public Transport {
   void publish_abort(Errc code, const std::string& why) {
     std::uint32_t expected = 0;
     if (header_->abort_state.compare_exchange_strong(expected, 1)) {
-      header_->abort_rank = rank_;
+      header_->abort_rank = global(rank_);
       header_->abort_code = static_cast<int>(code);
       const std::size_t n = std::min(why.size(), sizeof header_->abort_message - 1);
       std::memcpy(header_->abort_message, why.data(), n);
@@ -8435,8 +8538,9 @@ class ShmTransport final : public Transport {
   void check_abort(const Fingerprint* fp) const {
     check_local_abort(fp);
     if (header_->abort_state.load(std::memory_order_acquire) == 2) {
-      fail(static_cast<Errc>(header_->abort_code), "rank ", rank_, ": ", describe(fp, nullptr),
-           ": failed because rank ", header_->abort_rank, " reported: ", header_->abort_message);
+      fail(static_cast<Errc>(header_->abort_code), "rank ", global(rank_), ": ",
+           describe(fp, nullptr), ": failed because rank ", header_->abort_rank,
+           " reported: ", header_->abort_message);
     }
   }
 
@@ -8457,7 +8561,7 @@ class ShmTransport final : public Transport {
         }
       } while (Clock::now() < spin_until);
     }
-    const auto deadline = Deadline::after(timeout_);
+    const auto deadline = Deadline::after(timeout_ + slack);
     // Dead peers and the deadline are checked every 20 ms (a poll(2) of the peers' pidfds each
     // time; not on every call, which would cost more than a small round).
     auto next_check = Clock::now() + std::chrono::milliseconds(20);
@@ -8472,16 +8576,17 @@ class ShmTransport final : public Transport {
       if (now >= next_check) {
         if (const int dead = watch_.first_dead(); dead >= 0) {
           const std::string msg =
-              concat("rank ", rank_, ": ", describe(fp, what), ": rank ", dead,
+              concat("rank ", global(rank_), ": ", describe(fp, what), ": rank ", global(dead),
                      " died (its process exited); the job cannot continue with this communicator");
-          publish_abort(Errc::peer_lost, concat("rank ", dead, " died (its process exited)"));
+          publish_abort(Errc::peer_lost,
+                        concat("rank ", global(dead), " died (its process exited)"));
           fail(Errc::peer_lost, msg);
         }
         if (now >= deadline.at) {
           const std::string who = behind_desc();
           const std::string msg = concat(
-              "rank ", rank_, ": ", describe(fp, what), ": timed out after ", timeout_.count(),
-              " ms waiting for ", who,
+              "rank ", global(rank_), ": ", describe(fp, what), ": timed out after ",
+              (timeout_ + slack).count(), " ms waiting for ", who,
               " (shm transport); that rank is stopped, slow, or did not call this collective");
           publish_abort(Errc::timeout, concat("timed out waiting for ", who));
           fail(Errc::timeout, msg);
@@ -8610,7 +8715,7 @@ class TcpTransport final : public Transport {
   static constexpr std::uint32_t hello_magic = 0x50434444;  // "DDCP"
   using SessionKey = std::array<std::uint8_t, 16>;
 
-  /// `local_ranks`: how many ranks run on this host (more than its cores: busy waits yield).
+  /// `local_ranks`: how many ranks run on this machine (more than its cores: busy waits yield).
   TcpTransport(int rank, int size, std::chrono::milliseconds timeout, std::vector<Fd> peers,
                std::size_t segment_bytes, int local_ranks)
       : Transport(rank, size, timeout),
@@ -8826,16 +8931,19 @@ class TcpTransport final : public Transport {
       if (::poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0)
         closed.push_back(j);
     }
+    // A rank that failed and left may have said why (a rank that died says nothing).
+    fail_if_left(closed, std::chrono::milliseconds(300), fp, what);
     if (closed.size() == 1) {
-      fail(Errc::peer_lost, "rank ", rank_, ": ", describe(fp, what), ": the connection to rank ",
-           peer,
+      fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what),
+           ": the connection to rank ", global(peer),
            " closed (that process died or failed) (tcp transport); the job cannot continue with "
            "this communicator");
     }
     std::sort(closed.begin(), closed.end());
     std::string list;
-    for (int j : closed) list += concat(list.empty() ? "" : ", ", "rank ", j);
-    fail(Errc::peer_lost, "rank ", rank_, ": ", describe(fp, what), ": the connections to ", list,
+    for (int j : closed) list += concat(list.empty() ? "" : ", ", "rank ", global(j));
+    fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what), ": the connections to ",
+         list,
          " closed (one of those processes died, and the others left because of it) (tcp "
          "transport); the job cannot continue with this communicator");
   }
@@ -8903,7 +9011,7 @@ class TcpTransport final : public Transport {
       check_abort(fp);
       if (pump_all(fp, what)) return;
     } while (Clock::now() < busy_until);
-    const auto deadline = Deadline::after(timeout_);
+    const auto deadline = Deadline::after(timeout_ + slack);
     std::vector<pollfd> fds;
     std::vector<int> who;
     for (;;) {
@@ -8925,11 +9033,14 @@ class TcpTransport final : public Transport {
       if (rc < 0 && errno != EINTR) fail_errno(errno, "poll");
       if (rc <= 0) {
         if (deadline.expired()) {
+          // One of them may have failed at its own timeout, or for another reason, just now.
+          fail_if_left(who, std::chrono::milliseconds(100), fp, what);
           std::string list;
-          for (int j : who) list += concat(list.empty() ? "" : ", ", j);
+          for (int j : who) list += concat(list.empty() ? "" : ", ", global(j));
           // No poison(): the other ranks time out on their own, with their own message.
-          fail(Errc::timeout, "rank ", rank_, ": ", describe(fp, what), ": timed out after ",
-               timeout_.count(), " ms waiting for ", who.size() == 1 ? "rank " : "ranks ", list,
+          fail(Errc::timeout, "rank ", global(rank_), ": ", describe(fp, what),
+               ": timed out after ", (timeout_ + slack).count(), " ms waiting for ",
+               who.size() == 1 ? "rank " : "ranks ", list,
                " (tcp transport); that rank is stopped, slow, or did not call this collective");
         }
         continue;
@@ -9040,12 +9151,16 @@ DDP_END_NAMESPACE
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <optional>
+#include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
@@ -9094,26 +9209,26 @@ class Host {
   [[nodiscard]] int local_leader() const noexcept { return local_leader_; }
   /// "shm", "tcp" or "self".
   [[nodiscard]] std::string_view transport() const noexcept { return t_->name(); }
+  /// How all_reduce runs: "flat" (every rank on the transport above), or across hosts
+  /// "slices" or "leaders" (see HostHierarchy and the file comment).
+  [[nodiscard]] std::string_view hierarchy() const noexcept {
+    return hier_ == HostHierarchy::slices    ? "slices"
+           : hier_ == HostHierarchy::leaders ? "leaders"
+                                             : "flat";
+  }
   /// Whether this backend can use memory on `device` (the Host backend: host memory).
   [[nodiscard]] static bool supports(const Device& device) noexcept { return device.is_cpu(); }
 
   /// Communicator::all_reduce: in place, each element reduced in rank order.
   void all_reduce(const detail::Buf& b, ReduceOp op) {
-    const auto fp = next(detail::Coll::all_reduce, b.dtype, b.fingerprint_count(), -1, op, true);
-    const auto fn = detail::reduce_fn(b.dtype, op);
-    const int p = size_;
-    if (b.bytes() <= t_->small_bytes()) {
-      const detail::Piece pc{b.data, b.bytes()};
-      auto ptrs = t_->round(
-          {&pc, 1},
-          [&](int, int) {
-            return detail::Range{0, b.bytes()};
-          },
-          &fp);
-      fn(b.data, nullptr, ptrs.data(), p, b.count);
+    const bool across = hier_ != HostHierarchy::flat;
+    const auto fp =
+        next(detail::Coll::all_reduce, b.dtype, b.fingerprint_count(), -1, op, true, !across);
+    if (across) {
+      hierarchical_all_reduce(b, op, fp);
       return;
     }
-    reduce_segments(b, fn, -1, fp);
+    all_reduce_on(*t_, b, detail::reduce_fn(b.dtype, op), &fp);
   }
 
   /// all_reduce of float32 values that travel and are reduced as `wire` (float16 or bfloat16):
@@ -9128,8 +9243,20 @@ class Host {
       detail::fail(Errc::invalid_argument, "rank ", rank_, ": all_reduce_as: ", to_string(b.dtype),
                    " values carried as ", to_string(wire),
                    " are not supported; compression carries float32 as float16 or bfloat16");
-    const auto fp = next(detail::Coll::all_reduce, wire, b.fingerprint_count(), -1, op, true);
+    const bool across = hier_ != HostHierarchy::flat;
+    const auto fp =
+        next(detail::Coll::all_reduce, wire, b.fingerprint_count(), -1, op, true, !across);
     const std::size_t ws = size_of(wire);
+    if (across) {  // converted once each way around the hierarchical all_reduce on `wire`
+      if (wire_result_.size() < b.count * ws) wire_result_.resize(b.count * ws);
+      detail::Buf w = b;
+      w.data = wire_result_.data();
+      w.dtype = wire;
+      k.encode(w.data, b.data, b.count);
+      hierarchical_all_reduce(w, op, fp);
+      k.decode(b.data, w.data, b.count);
+      return;
+    }
     const int p = size_;
     // Memory for this rank's encoded offer: the next round's slot where the transport has one.
     const auto encoded = [&](std::size_t bytes, std::vector<std::byte>& own) {
@@ -9194,38 +9321,13 @@ class Host {
   void broadcast(const detail::Buf& b, int root) {
     const auto fp =
         next(detail::Coll::broadcast, b.dtype, b.fingerprint_count(), root, ReduceOp::sum, false);
-    const std::size_t es = b.elem();
-    const std::size_t seg = std::max<std::size_t>(1, t_->max_offer() / es);
-    segments(b.count, seg, [&](std::size_t s0, std::size_t m, bool first) {
-      const detail::Piece pc{b.at(s0), rank_ == root ? m * es : 0};
-      auto ptrs = t_->round(
-          {&pc, 1},
-          [&](int src, int dst) {
-            return src == root && dst != root ? detail::Range{0, m * es} : detail::Range{};
-          },
-          first ? &fp : nullptr);
-      if (rank_ != root && m != 0)
-        std::memcpy(b.at(s0), ptrs[static_cast<std::size_t>(root)], m * es);
-    });
+    broadcast_on(*t_, b, root, &fp);
   }
 
   /// Communicator::reduce: the reduction lands in root's `b` only.
   void reduce(const detail::Buf& b, int root, ReduceOp op) {
     const auto fp = next(detail::Coll::reduce, b.dtype, b.fingerprint_count(), root, op, true);
-    const auto fn = detail::reduce_fn(b.dtype, op);
-    const int p = size_;
-    if (b.bytes() <= t_->small_bytes()) {
-      const detail::Piece pc{b.data, b.bytes()};
-      auto ptrs = t_->round(
-          {&pc, 1},
-          [&](int, int dst) {
-            return dst == root ? detail::Range{0, b.bytes()} : detail::Range{};
-          },
-          &fp);
-      if (rank_ == root) fn(b.data, nullptr, ptrs.data(), p, b.count);
-      return;
-    }
-    reduce_segments(b, fn, root, fp);
+    reduce_on(*t_, b, detail::reduce_fn(b.dtype, op), root, &fp);
   }
 
   /// Communicator::all_gather: every rank's `in`, in rank order, into every rank's `out`.
@@ -9299,7 +9401,11 @@ class Host {
 
   /// Fails every current and later operation of this communicator with `code`; peers on shared
   /// memory fail too, TCP peers see the connections close. Thread-safe.
-  void abort(Errc code, const std::string& why) { t_->abort(code, why); }
+  void abort(Errc code, const std::string& why) {
+    t_->abort(code, why);
+    if (lt_) lt_->abort(code, why);
+    if (xt_) xt_->abort(code, why);
+  }
 
  private:
   Host(int rank, int size)
@@ -9308,8 +9414,13 @@ class Host {
         send_seq_(static_cast<std::size_t>(size)),
         recv_seq_(static_cast<std::size_t>(size)) {}
 
+  /// The next collective's fingerprint. When all_reduce runs across hosts (the hierarchical
+  /// path), `check_locally`: the other collectives first compare it among the ranks of this host
+  /// (one shared-memory round), so that a rank in a hierarchical all_reduce, which talks to its
+  /// host and to one rank per host, and a rank in any other collective meet in a round that
+  /// compares their fingerprints, and fail with Errc::mismatch instead of a timeout.
   detail::Fingerprint next(detail::Coll c, DType t, std::size_t count, int root, ReduceOp op,
-                           bool has_op) {
+                           bool has_op, bool check_locally = true) {
     detail::Fingerprint f;
     f.seq = seq_++;
     f.count = count;
@@ -9318,8 +9429,21 @@ class Host {
     f.dtype = t;
     f.op = op;
     f.has_op = has_op ? 1 : 0;
-    t_->current = f;
-    t_->has_current = true;
+    for (detail::Transport* tr : {t_.get(), lt_.get(), xt_.get()}) {
+      if (tr == nullptr) continue;
+      tr->current = f;
+      tr->has_current = true;
+    }
+    if (check_locally && hier_ != HostHierarchy::flat && lt_->size() > 1 &&
+        lt_->verify_fingerprints) {
+      lt_->slack = std::chrono::milliseconds(0);
+      guarded(
+          [&](detail::Transport*&) {
+            (void)lt_->round(
+                {}, [](int, int) { return detail::Range{}; }, &f);
+          },
+          t_.get());
+    }
     return f;
   }
 
@@ -9372,13 +9496,12 @@ class Host {
   /// chunks to every rank or to root. The result is written, in the same pass, to the user's
   /// buffer and to the slot of the next round when the transport offers one; ranks other than
   /// the root of a reduce leave their buffers untouched.
-  void reduce_segments(const detail::Buf& b, detail::ReduceFn fn, int root,
-                       const detail::Fingerprint& fp) {
+  void reduce_segments(detail::Transport& t, const detail::Buf& b, detail::ReduceFn fn, int root,
+                       const detail::Fingerprint* fp) {
     const std::size_t es = b.elem();
-    const int p = size_;
-    const bool keeps = root < 0 || rank_ == root;
-    const std::size_t seg =
-        std::max<std::size_t>(static_cast<std::size_t>(p), t_->max_offer() / es);
+    const int p = t.size(), me = t.rank();
+    const bool keeps = root < 0 || me == root;
+    const std::size_t seg = std::max<std::size_t>(static_cast<std::size_t>(p), t.max_offer() / es);
     bool first = true;
     for (std::size_t s0 = 0; s0 < b.count;) {
       const std::size_t m = std::min(seg, b.count - s0);
@@ -9388,11 +9511,11 @@ class Host {
         return detail::Range{lo * es, (hi - lo) * es};
       };
       const detail::Piece pc{base, m * es};
-      auto ptrs = t_->round(
-          {&pc, 1}, [&](int, int dst) { return chunk(dst); }, first ? &fp : nullptr);
+      auto ptrs = t.round(
+          {&pc, 1}, [&](int, int dst) { return chunk(dst); }, first ? fp : nullptr);
       first = false;
-      const detail::Range mine = chunk(rank_);
-      std::byte* staged = t_->stage(mine.len);
+      const detail::Range mine = chunk(me);
+      std::byte* staged = t.stage(mine.len);
       std::byte* out = base + mine.off;
       if (!keeps) {  // reduce only into the slot (or scratch): this rank's buffer stays as it was
         if (staged == nullptr) {
@@ -9404,7 +9527,7 @@ class Host {
       }
       fn(out, staged, ptrs.data(), p, mine.len / es);
       const detail::Piece result{staged != nullptr ? staged : out, mine.len};
-      auto got = t_->round(
+      auto got = t.round(
           {&result, 1},
           [&](int src, int dst) {
             return root < 0 || dst == root ? detail::Range{0, chunk(src).len} : detail::Range{};
@@ -9413,12 +9536,239 @@ class Host {
       if (keeps) {
         for (int j = 0; j < p; ++j) {
           const detail::Range r = chunk(j);
-          if (j != rank_ && r.len != 0)
+          if (j != me && r.len != 0)
             std::memcpy(base + r.off, got[static_cast<std::size_t>(j)], r.len);
         }
       }
       s0 += m;
     }
+  }
+
+  /// all_reduce over transport `t` (the whole communicator, or one of the hierarchical path's
+  /// groups): one round that gathers whole buffers when small, else reduce_segments.
+  void all_reduce_on(detail::Transport& t, const detail::Buf& b, detail::ReduceFn fn,
+                     const detail::Fingerprint* fp) {
+    if (b.bytes() <= t.small_bytes()) {
+      const detail::Piece pc{b.data, b.bytes()};
+      auto ptrs = t.round(
+          {&pc, 1},
+          [&](int, int) {
+            return detail::Range{0, b.bytes()};
+          },
+          fp);
+      fn(b.data, nullptr, ptrs.data(), t.size(), b.count);
+      return;
+    }
+    reduce_segments(t, b, fn, -1, fp);
+  }
+
+  /// reduce over `t`: the reduction lands in the buffer of t's rank `root` only.
+  void reduce_on(detail::Transport& t, const detail::Buf& b, detail::ReduceFn fn, int root,
+                 const detail::Fingerprint* fp) {
+    if (b.bytes() <= t.small_bytes()) {
+      const detail::Piece pc{b.data, b.bytes()};
+      auto ptrs = t.round(
+          {&pc, 1},
+          [&](int, int dst) {
+            return dst == root ? detail::Range{0, b.bytes()} : detail::Range{};
+          },
+          fp);
+      if (t.rank() == root) fn(b.data, nullptr, ptrs.data(), t.size(), b.count);
+      return;
+    }
+    reduce_segments(t, b, fn, root, fp);
+  }
+
+  /// broadcast over `t` from t's rank `root`.
+  void broadcast_on(detail::Transport& t, const detail::Buf& b, int root,
+                    const detail::Fingerprint* fp) {
+    const std::size_t es = b.elem();
+    const bool is_root = t.rank() == root;
+    const std::size_t seg = std::max<std::size_t>(1, t.max_offer() / es);
+    segments(b.count, seg, [&](std::size_t s0, std::size_t m, bool first) {
+      const detail::Piece pc{b.at(s0), is_root ? m * es : 0};
+      auto ptrs = t.round(
+          {&pc, 1},
+          [&](int src, int dst) {
+            return src == root && dst != root ? detail::Range{0, m * es} : detail::Range{};
+          },
+          first ? fp : nullptr);
+      if (!is_root && m != 0) std::memcpy(b.at(s0), ptrs[static_cast<std::size_t>(root)], m * es);
+    });
+  }
+
+  /// Runs body(); if it fails, fails this host's other ranks too (through the local transport)
+  /// and shuts down the connections of `remote` (when not null), before rethrowing, so that no
+  /// rank waits for the timeout on one that left the hierarchical path: a rank of this host in a
+  /// later phase (its all-gather or broadcast) fails with this error, a rank of another host
+  /// sees the connection close (Errc::peer_lost). A failure in a round of `remote` itself keeps
+  /// its connections (that transport's peers learn of it as it says, e.g. both fingerprints).
+  template <class F>
+  void guarded(F&& body, detail::Transport* remote) {
+    detail::Transport* in_remote = nullptr;
+    try {
+      body(in_remote);
+    } catch (const Error& e) {
+      lt_->abort(e.code(), e.what());
+      if (remote != nullptr && remote != in_remote) {
+        record_leaving(e);
+        remote->abort(e.code(), e.what());
+      }
+      throw;
+    }
+  }
+
+  /// Says in the store why this rank leaves the hierarchical path, before it closes its
+  /// connections, so that a rank of another host that sees them close reports this error (with
+  /// its code) rather than a lost peer (Transport::why_left). Best effort.
+  void record_leaving(const Error& e) noexcept {
+    try {
+      store_->set(detail::concat("left/", rank_), Store::stop_value(e.code(), e.what()));
+    } catch (...) {  // the store is gone: the peers report a lost connection instead
+    }
+  }
+
+  /// Transport::why_left over the store's records (see record_leaving).
+  std::optional<detail::Transport::Left> why_left(const std::vector<int>& ranks,
+                                                  std::chrono::milliseconds grace) {
+    const auto deadline = detail::Clock::now() + grace;
+    try {
+      for (;;) {
+        for (int j : ranks) {
+          const std::string key = detail::concat("left/", j);
+          if (!store_->check(std::span<const std::string>(&key, 1))) continue;
+          const std::string rec = store_->get(key);
+          detail::ByteReader r(rec, "leaving record");
+          detail::Transport::Left left;
+          left.rank = j;
+          left.code = static_cast<Errc>(r.get<std::int32_t>());
+          left.message = r.str(rec.size());
+          return left;
+        }
+        if (detail::Clock::now() >= deadline) return std::nullopt;
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    } catch (const Error&) {  // the store is gone or the record unreadable: nothing to add
+      return std::nullopt;
+    }
+  }
+
+  /// all_reduce when the ranks span several hosts (HostHierarchy): every element is combined as
+  /// host 0's sum, op host 1's sum, ..., where hosts are ordered by their lowest rank and each
+  /// host's sum combines its ranks in rank order; avg divides that sum by size() at the end. The
+  /// order depends on the hosts only, not on the message size or on slices/leaders, so the result
+  /// is bitwise the same on every rank and in every run (it may differ in the last bits from a
+  /// single host's order 0..P-1).
+  ///  * slices: a reduce-scatter inside the host (local rank i gets the host's sum of slice i of
+  ///    the buffer), an all_reduce of slice i with local rank i of every other host over TCP, an
+  ///    all-gather inside the host. Every rank carries 1/local_size() of the bytes across.
+  ///  * leaders: a reduce to the host's lowest rank, an all_reduce among those over TCP, a
+  ///    broadcast inside the host.
+  void hierarchical_all_reduce(const detail::Buf& b, ReduceOp op, const detail::Fingerprint& fp) {
+    const bool avg = op == ReduceOp::avg;
+    const auto fn = detail::reduce_fn(b.dtype, avg ? ReduceOp::sum : op);
+    const auto divide = [&](const detail::Buf& x) {
+      if (avg && x.count != 0) detail::divide_fn(b.dtype)(x.data, x.count, size_);
+    };
+    detail::Transport& local = *lt_;
+    const bool by_slices = hier_ == HostHierarchy::slices &&
+                           b.bytes() > slices_from_ * static_cast<std::size_t>(local.size());
+    // Each phase waits a little longer than the one before it (Transport::slack), so that a rank
+    // waiting on one that waits on the culprit hears the culprit named before its own timeout.
+    local.slack = std::chrono::milliseconds(0);
+    if (xt_) xt_->slack = std::chrono::milliseconds(250);
+    const auto last_phase = [&] { local.slack = std::chrono::milliseconds(500); };
+    guarded(
+        [&](detail::Transport*& crossing) {
+          if (!by_slices) {
+            if (local.size() > 1) reduce_on(local, b, fn, 0, &fp);
+            if (local.rank() == 0) {
+              crossing = xt_.get();
+              all_reduce_on(*xt_, b, fn, &fp);
+              crossing = nullptr;
+              divide(b);
+            }
+            last_phase();
+            if (local.size() > 1) broadcast_on(local, b, 0, nullptr);
+            return;
+          }
+          const int q = local.size();
+          const auto part = [&](int j) {  // in elements
+            const auto [lo, hi] = detail::split_range(b.count, q, j, b.elem());
+            return detail::Range{lo, hi - lo};
+          };
+          reduce_scatter_parts(local, b, fn, part, &fp);
+          const detail::Range mine = part(local.rank());
+          detail::Buf slice = b;
+          slice.data = b.at(mine.off);
+          slice.count = mine.len;
+          crossing = xt_.get();
+          all_reduce_on(*xt_, slice, fn, &fp);
+          crossing = nullptr;
+          divide(slice);
+          last_phase();
+          all_gather_parts(local, b, part);
+        },
+        xt_.get());
+  }
+
+  /// Rank j of `t` ends with the reduction, over t's ranks in their order, of part(j) of every
+  /// rank's `b` (a Range in elements), in place in its own `b`; the rest of `b` is only read.
+  template <class Part>
+  void reduce_scatter_parts(detail::Transport& t, const detail::Buf& b, detail::ReduceFn fn,
+                            const Part& part, const detail::Fingerprint* fp) {
+    const int q = t.size(), me = t.rank();
+    const std::size_t es = b.elem();
+    const std::size_t seg =
+        std::max<std::size_t>(1, t.max_offer() / (es * static_cast<std::size_t>(q)));
+    std::size_t longest = 0;
+    for (int j = 0; j < q; ++j) longest = std::max(longest, part(j).len);
+    ranges_.resize(static_cast<std::size_t>(q));
+    segments(longest, seg, [&](std::size_t s0, std::size_t, bool first) {
+      pieces_.clear();
+      std::size_t at = 0;
+      for (int j = 0; j < q; ++j) {
+        const detail::Range pj = part(j);
+        const std::size_t n = pj.len > s0 ? std::min(seg, pj.len - s0) : 0;
+        pieces_.push_back({n != 0 ? b.at(pj.off + s0) : b.data, n * es});
+        ranges_[static_cast<std::size_t>(j)] = detail::Range{at, n * es};
+        at += n * es;
+      }
+      auto ptrs = t.round(
+          pieces_, [&](int, int dst) { return ranges_[static_cast<std::size_t>(dst)]; },
+          first ? fp : nullptr);
+      const std::size_t n = ranges_[static_cast<std::size_t>(me)].len / es;
+      if (n != 0) fn(b.at(part(me).off + s0), nullptr, ptrs.data(), q, n);
+    });
+  }
+
+  /// Every rank of `t` ends with every rank j's part(j) of `b` (its own part is offered).
+  template <class Part>
+  void all_gather_parts(detail::Transport& t, const detail::Buf& b, const Part& part) {
+    const int q = t.size(), me = t.rank();
+    const std::size_t es = b.elem();
+    const std::size_t seg = std::max<std::size_t>(1, t.max_offer() / es);
+    std::size_t longest = 0;
+    for (int j = 0; j < q; ++j) longest = std::max(longest, part(j).len);
+    const auto len = [&](int j, std::size_t s0) {
+      const std::size_t l = part(j).len;
+      return l > s0 ? std::min(seg, l - s0) : std::size_t{0};
+    };
+    segments(longest, seg, [&](std::size_t s0, std::size_t, bool) {
+      const std::size_t n = len(me, s0);
+      const detail::Piece pc{n != 0 ? b.at(part(me).off + s0) : b.data, n * es};
+      auto ptrs = t.round(
+          {&pc, 1},
+          [&](int src, int) {
+            return detail::Range{0, len(src, s0) * es};
+          },
+          nullptr);
+      for (int j = 0; j < q; ++j) {
+        const std::size_t k = len(j, s0);
+        if (j != me && k != 0)
+          std::memcpy(b.at(part(j).off + s0), ptrs[static_cast<std::size_t>(j)], k * es);
+      }
+    });
   }
 
   void gather_impl(detail::Coll c, const detail::Buf& in, const detail::Buf& out, int root) {
@@ -9449,6 +9799,7 @@ class Host {
       return;
     }
     Store& store = *init.store;
+    store_ = init.store;
     const auto deadline = detail::Deadline::after(o.timeout);
     const HostTransport requested = requested_transport(o);
     const std::size_t segment_request = segment_bytes(o, 0);  // 0: the transport's default
@@ -9466,9 +9817,11 @@ class Host {
       w.put(static_cast<std::uint32_t>(detail::local_port(listener.get())));
       w.put(static_cast<std::uint8_t>(requested));
       w.put(static_cast<std::uint64_t>(segment_request));
+      w.put(static_cast<std::uint8_t>(o.hierarchy));
+      w.str(detail::machine_identity());
       store.set(detail::concat("peer/", rank_), rec);
     }
-    std::vector<std::string> identities, transports, segments;
+    std::vector<std::string> identities, transports, segments, hierarchies, machines;
     std::vector<int> pids;
     std::vector<std::pair<std::string, int>> addrs;
     for (const auto& rec : detail::gather_records(store, "peer/", rank_, size_, o.timeout)) {
@@ -9483,11 +9836,15 @@ class Host {
                                                                                 : "automatic");
       const auto seg = r.get<std::uint64_t>();
       segments.push_back(seg == 0 ? std::string("the default") : std::to_string(seg));
+      hierarchies.push_back(std::to_string(r.get<std::uint8_t>()));
+      machines.push_back(r.str(256));
     }
     detail::require_agreement(rank_, "the host transport (Options::transport, DDP_HOST_TRANSPORT)",
                               "every rank must ask for the same transport", transports);
     detail::require_agreement(rank_, "the segment size (Options::segment_bytes, DDP_SEGMENT_BYTES)",
                               "every rank must use the same segment size", segments);
+    detail::require_agreement(rank_, "the hierarchy (Options::hierarchy, DDP_HIERARCHY)",
+                              "every rank must use the same hierarchy", hierarchies);
     local_leader_ = rank_;
     for (int j = 0; j < size_; ++j) {
       if (identities[static_cast<std::size_t>(j)] != identity) continue;
@@ -9496,6 +9853,9 @@ class Host {
       ++local_size_;
     }
     const bool one_host = local_size_ == size_;
+    // Ranks of this machine, in any namespace or container (they share its cores).
+    machine_ranks_ = static_cast<int>(
+        std::count(machines.begin(), machines.end(), machines[static_cast<std::size_t>(rank_)]));
 
     // 2. Pick the transport: every rank computes the same answer from the same records (rank 0
     //    may still fall back from shm to tcp when /dev/shm is too small; it says so in its record).
@@ -9506,8 +9866,11 @@ class Host {
       detail::fail(Errc::invalid_argument, "rank ", rank_,
                    ": the shm transport was requested but the ranks are on more than one host");
     }
-    if (choice == HostTransport::shm && !connect_shm(store, o, pids, requested)) {
-      choice = HostTransport::tcp;
+    if (choice == HostTransport::shm) {
+      std::vector<int> all(static_cast<std::size_t>(size_));
+      for (int j = 0; j < size_; ++j) all[static_cast<std::size_t>(j)] = j;
+      t_ = connect_shm(store, o, all, pids, requested);
+      if (!t_) choice = HostTransport::tcp;
     }
     if (choice == HostTransport::tcp) {
       detail::TcpTransport::SessionKey key{};
@@ -9526,11 +9889,121 @@ class Host {
       };
       auto peers = detail::TcpTransport::connect_mesh(rank_, size_, listener, addrs, key, deadline,
                                                       peer_failed);
+      if (requested == HostTransport::automatic && o.hierarchy != HostHierarchy::flat)
+        connect_hierarchy(store, o, identities, pids, peers);
       t_ = std::make_unique<detail::TcpTransport>(rank_, size_, o.timeout, std::move(peers),
                                                   segment_bytes(o, std::size_t{1} << 20),
-                                                  local_size_);
+                                                  machine_ranks_);
     }
-    t_->verify_fingerprints = o.verify_collectives;
+    for (detail::Transport* tr : {t_.get(), lt_.get(), xt_.get()}) {
+      if (tr == nullptr) continue;
+      tr->verify_fingerprints = o.verify_collectives;
+      if (hier_ != HostHierarchy::flat) {
+        tr->why_left = [this](const std::vector<int>& ranks, std::chrono::milliseconds grace) {
+          return why_left(ranks, grace);
+        };
+      }
+    }
+  }
+
+  /// The hierarchical all_reduce's transports, when the ranks span hosts and some host runs
+  /// several (see hierarchical_all_reduce): shared memory among this host's ranks (lt_; a group of
+  /// the TCP mesh's connections when /dev/shm has no room) and, over the mesh's connections, the
+  /// group that carries this rank's part across hosts (xt_). Every rank decides the same from
+  /// the same records.
+  void connect_hierarchy(Store& store, const Options& o, const std::vector<std::string>& ids,
+                         const std::vector<int>& pids, const std::vector<detail::Fd>& mesh) {
+    std::vector<std::string> hosts;  // in order of their lowest rank
+    std::vector<int> host_of, local_of, per_host;
+    for (const std::string& id : ids) {
+      const auto h =
+          static_cast<std::size_t>(std::find(hosts.begin(), hosts.end(), id) - hosts.begin());
+      if (h == hosts.size()) {
+        hosts.push_back(id);
+        per_host.push_back(0);
+      }
+      host_of.push_back(static_cast<int>(h));
+      local_of.push_back(per_host[h]++);
+    }
+    const bool shared = std::any_of(per_host.begin(), per_host.end(), [](int n) { return n > 1; });
+    const bool equal =
+        std::all_of(per_host.begin(), per_host.end(), [&](int n) { return n == per_host.front(); });
+    if (hosts.size() < 2 || !shared) return;  // one rank per host: the mesh is the hierarchy
+    if (o.hierarchy == HostHierarchy::slices && !equal) {
+      std::string counts;
+      for (std::size_t h = 0; h < hosts.size(); ++h)
+        counts += detail::concat(h != 0 ? ", " : "", per_host[h]);
+      detail::fail(Errc::invalid_argument, "rank ", rank_,
+                   ": the slices hierarchy (Options::hierarchy, DDP_HIERARCHY) needs as many ranks "
+                   "on every host, but the hosts run ",
+                   counts, " ranks; use leaders or auto");
+    }
+    hier_ = o.hierarchy == HostHierarchy::leaders || !equal ? HostHierarchy::leaders
+                                                            : HostHierarchy::slices;
+    // Below this many bytes per local rank, slices' TCP rounds cost more than they save
+    // (bench/README.md, "Across hosts"): all_reduce goes through the leaders.
+    slices_from_ = o.hierarchy == HostHierarchy::slices ? 0 : slices_from_bytes;
+    const int me_host = host_of[static_cast<std::size_t>(rank_)];
+    const auto group = [&](auto&& member) {
+      std::vector<int> g;
+      for (int j = 0; j < size_; ++j) {
+        if (member(j)) g.push_back(j);
+      }
+      return g;
+    };
+    // This rank's host, in rank order.
+    const std::vector<int> local =
+        group([&](int j) { return host_of[static_cast<std::size_t>(j)] == me_host; });
+    if (local.size() > 1) {
+      std::vector<int> local_pids;
+      for (int j : local) local_pids.push_back(pids[static_cast<std::size_t>(j)]);
+      Store sub = store.prefixed(detail::concat("host", local.front(), "/"));
+      lt_ = connect_shm(sub, o, local, local_pids, HostTransport::automatic);
+      if (!lt_) lt_ = mesh_group(o, local, mesh);
+    } else {
+      lt_ = std::make_unique<detail::SelfTransport>(o.timeout);
+    }
+    // Across: local rank i of every host (slices; local rank 0 is also the leaders' group), in
+    // host order, which is rank order of the hosts' lowest ranks.
+    const int mine = local_of[static_cast<std::size_t>(rank_)];
+    if (hier_ == HostHierarchy::slices || mine == 0) {
+      std::vector<int> across;
+      for (std::size_t h = 0; h < hosts.size(); ++h) {
+        for (int j = 0; j < size_; ++j) {
+          if (host_of[static_cast<std::size_t>(j)] == static_cast<int>(h) &&
+              local_of[static_cast<std::size_t>(j)] == mine)
+            across.push_back(j);
+        }
+      }
+      xt_ = mesh_group(o, across, mesh);
+    }
+  }
+
+  /// A TCP transport over the mesh's connections to `members` (communicator ranks, this rank
+  /// among them), numbered by their place in `members`. The connections are shared with the
+  /// mesh (duplicated descriptors): a failure closes both, and a rank in a round of one meets a
+  /// rank in a round of the other on the same stream, where the fingerprints are compared.
+  std::unique_ptr<detail::Transport> mesh_group(const Options& o, const std::vector<int>& members,
+                                                const std::vector<detail::Fd>& mesh) {
+    std::vector<detail::Fd> fds;
+    int me = 0;
+    for (std::size_t i = 0; i < members.size(); ++i) {
+      const int j = members[i];
+      if (j == rank_) {
+        me = static_cast<int>(i);
+        fds.emplace_back();
+        continue;
+      }
+      detail::Fd fd(::fcntl(mesh[static_cast<std::size_t>(j)].get(), F_DUPFD_CLOEXEC, 0));
+      if (!fd)
+        detail::fail_errno(errno, "rank ", rank_, ": duplicating the connection to rank ", j);
+      fds.push_back(std::move(fd));
+    }
+    auto t = std::make_unique<detail::TcpTransport>(
+        me, static_cast<int>(members.size()), o.timeout, std::move(fds),
+        segment_bytes(o, std::size_t{1} << 20), machine_ranks_);
+    t->global_ranks = members;
+    return t;
   }
 
   /// Options::transport and segment_bytes, the environment applied (Options::with_env).
@@ -9543,15 +10016,23 @@ class Host {
   /// memory speed, so larger requests are clamped here rather than reserve memory nobody reads.
   static constexpr std::size_t max_shm_slot = std::size_t{64} << 20;
 
-  /// Sets up the shared-memory transport; false when rank 0 found /dev/shm too small and the
-  /// ranks fall back to tcp (an error instead when shm was asked for explicitly).
-  bool connect_shm(Store& store, const Options& o, const std::vector<int>& pids,
-                   HostTransport requested) {
+  /// The shared-memory transport among `members` (communicator ranks on this host, this rank
+  /// among them; `pids` theirs), set up through `store`; nullptr when the first member found
+  /// /dev/shm too small and the ranks fall back to tcp (an error instead when shm was asked for
+  /// explicitly).
+  std::unique_ptr<detail::Transport> connect_shm(Store& store, const Options& o,
+                                                 const std::vector<int>& members,
+                                                 const std::vector<int>& pids,
+                                                 HostTransport requested) {
+    const int n = static_cast<int>(members.size());
+    const int me =
+        static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
+    const int first = members.front();
     detail::ShmLayout layout;
-    layout.world = size_;
+    layout.world = n;
     auto segment = std::make_unique<detail::ShmSegment>();
     std::uint64_t cookie = 0;
-    if (rank_ == 0) {
+    if (me == 0) {
       const std::size_t slot = segment_bytes(o, std::size_t{512} << 10);
       layout.slot_bytes =
           std::clamp<std::size_t>(detail::ShmLayout::align_up(slot, 4096), 4096, max_shm_slot);
@@ -9563,17 +10044,17 @@ class Host {
       detail::ByteWriter w(rec);
       if (!made) {
         if (requested == HostTransport::shm) {
-          detail::fail(Errc::backend, "rank 0: the shm transport cannot start: ", why,
+          detail::fail(Errc::backend, "rank ", first, ": the shm transport cannot start: ", why,
                        ". Give /dev/shm more room (e.g. docker run --shm-size=1g), use a smaller "
                        "DDP_SEGMENT_BYTES, or DDP_HOST_TRANSPORT=tcp");
         }
         std::fprintf(stderr,
-                     "ddp: rank 0: %s; using the tcp transport instead (give /dev/shm more "
+                     "ddp: rank %d: %s; using the tcp transport instead (give /dev/shm more "
                      "room, e.g. docker run --shm-size=1g, or set DDP_HOST_TRANSPORT=tcp)\n",
-                     why.c_str());
+                     first, why.c_str());
         w.put(std::uint8_t{0});
         store.set("shm", rec);
-        return false;
+        return nullptr;
       }
       detail::ShmTransport::format(segment->base(), layout, cookie);
       w.put(std::uint8_t{1});
@@ -9585,32 +10066,33 @@ class Host {
       // The others open the segment through this process's descriptor, which is closed once
       // all have mapped it (the segment never has a name: a crash leaves nothing behind).
       std::vector<std::string> mapped;
-      for (int j = 1; j < size_; ++j) mapped.push_back(detail::concat("mapped/", j));
+      for (int j = 1; j < n; ++j) mapped.push_back(detail::concat("mapped/", j));
       const auto missing = store.missing_after(mapped, o.timeout);
       segment->close_descriptor();
       if (!missing.empty()) {
-        detail::fail(Errc::timeout, "rank 0: ", missing.size(),
+        detail::fail(Errc::timeout, "rank ", first, ": ", missing.size(),
                      " rank(s) did not map the shared memory segment in time");
       }
     } else {
       const std::string rec = store.get("shm");
       detail::ByteReader r(rec, "shm record");
-      if (r.get<std::uint8_t>() == 0) return false;  // rank 0 fell back to tcp
+      if (r.get<std::uint8_t>() == 0) return nullptr;  // the first member fell back to tcp
       const std::string path = r.str(255);
       cookie = r.get<std::uint64_t>();
       layout.slot_bytes = static_cast<std::size_t>(r.get<std::uint64_t>());
       layout.channel_bytes = static_cast<std::size_t>(r.get<std::uint64_t>());
       if (layout.slot_bytes == 0 || layout.slot_bytes > max_shm_slot || layout.channel_bytes == 0 ||
           layout.channel_bytes > max_shm_slot) {
-        detail::fail(Errc::protocol, "rank ", rank_, ": bad shm record from rank 0");
+        detail::fail(Errc::protocol, "rank ", rank_, ": bad shm record from rank ", first);
       }
       segment->open(path, layout.total());
       detail::ShmTransport::verify(segment->base(), layout, cookie);
-      store.set(detail::concat("mapped/", rank_), "");
+      store.set(detail::concat("mapped/", me), "");
     }
-    t_ = std::make_unique<detail::ShmTransport>(rank_, size_, o.timeout, layout, std::move(segment),
-                                                pids);
-    return true;
+    auto t = std::make_unique<detail::ShmTransport>(me, n, o.timeout, layout, std::move(segment),
+                                                    pids, machine_ranks_);
+    if (n != size_) t->global_ranks = members;
+    return t;
   }
 
   int rank_;
@@ -9618,7 +10100,18 @@ class Host {
   int local_rank_ = 0;
   int local_size_ = 0;
   int local_leader_ = 0;
+  int machine_ranks_ = 0;
+  /// Below this many bytes per local rank, the slices hierarchy sends all_reduce through the
+  /// leaders (measured: bench/README.md, "Across hosts").
+  static constexpr std::size_t slices_from_bytes = std::size_t{16} << 10;
+
+  std::shared_ptr<Store> store_;
   std::unique_ptr<detail::Transport> t_;
+  std::unique_ptr<detail::Transport> lt_;  // this host's ranks, when all_reduce is hierarchical
+  std::unique_ptr<detail::Transport> xt_;  // the ranks that carry this rank's part across hosts
+  HostHierarchy hier_ = HostHierarchy::flat;
+  std::size_t slices_from_ = 0;
+  std::vector<detail::Range> ranges_;
   std::uint64_t seq_ = 0;
   std::vector<std::uint64_t> send_seq_, recv_seq_;
   std::vector<detail::Piece> pieces_;

@@ -467,9 +467,8 @@ void all_reduce_compressed(C& comm) {
         const double ulp =
             std::is_same_v<W, ddp::half> ? std::ldexp(1.0, -10) : std::ldexp(1.0, -7);
         for (std::size_t i = 0; i < n; ++i) {
-          const float want =
-              static_cast<float>(reference_of<W>(
-                  op, p, [&](int k) { return W(input(k, i)); }, mp::current_hosts));
+          const float want = static_cast<float>(reference_of<W>(
+              op, p, [&](int k) { return W(input(k, i)); }, mp::current_hosts));
           const bool ok =
               bitwise_floats
                   ? same_bits(buf[i], want) && same_bits(buf[i], static_cast<float>(wire[i]))

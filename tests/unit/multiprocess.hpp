@@ -62,8 +62,7 @@ struct Path {
   /// In a child, before Comm::init: this rank's host.
   void enter(int rank, int world) const {
     current_hosts = hosts;
-    if (hosts > 1)
-      ::setenv("DDP_HOST_ID", std::to_string(rank * hosts / world).c_str(), 1);
+    if (hosts > 1) ::setenv("DDP_HOST_ID", std::to_string(rank * hosts / world).c_str(), 1);
   }
 };
 

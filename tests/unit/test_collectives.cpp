@@ -323,11 +323,14 @@ TEST_CASE("across hosts: DDP_HIERARCHY and the host layout pick the path, bad se
     const char* setting;  // DDP_HIERARCHY
     const char* expect;   // hierarchy(), or the error's text
   };
-  for (const Case c : {Case{4, "", "slices"}, Case{4, "leaders", "leaders"}, Case{4, "flat", "flat"},
-                       Case{3, "", "leaders"}, Case{3, "slices", "needs as many ranks on every "
-                                                                 "host, but the hosts run 2, 1"},
-                       Case{4, "ring", "DDP_HIERARCHY=\"ring\": use auto, flat, slices or "
-                                       "leaders"}}) {
+  for (const Case c : {Case{4, "", "slices"}, Case{4, "leaders", "leaders"},
+                       Case{4, "flat", "flat"}, Case{3, "", "leaders"},
+                       Case{3, "slices",
+                            "needs as many ranks on every "
+                            "host, but the hosts run 2, 1"},
+                       Case{4, "ring",
+                            "DDP_HIERARCHY=\"ring\": use auto, flat, slices or "
+                            "leaders"}}) {
     CAPTURE(c.world);
     CAPTURE(std::string(c.setting));
     ddp::SpawnOptions so;
@@ -382,8 +385,8 @@ TEST_CASE("across hosts: the combination order is fixed, whatever the path, size
       CAPTURE(segment);
       ddp::Options o;
       o.segment_bytes = segment;
-      o.hierarchy =
-          std::string(setting) == "slices" ? ddp::HostHierarchy::slices : ddp::HostHierarchy::leaders;
+      o.hierarchy = std::string(setting) == "slices" ? ddp::HostHierarchy::slices
+                                                     : ddp::HostHierarchy::leaders;
       mp::run(
           4, mp::two_hosts,
           [&](Comm& comm) {
@@ -397,8 +400,8 @@ TEST_CASE("across hosts: the combination order is fixed, whatever the path, size
                   float want = (x(0, i) + x(1, i)) + (x(2, i) + x(3, i));
                   if (op == ddp::ReduceOp::avg) want = want / 4.0f;
                   MP_EXPECT(cases::same_bits(v[i], want), "count " << count << " element " << i
-                                                                   << ": " << v[i] << " != "
-                                                                   << want);
+                                                                   << ": " << v[i]
+                                                                   << " != " << want);
                 }
               }
             }

@@ -388,8 +388,7 @@ class Host {
     const std::size_t es = b.elem();
     const int p = t.size(), me = t.rank();
     const bool keeps = root < 0 || me == root;
-    const std::size_t seg =
-        std::max<std::size_t>(static_cast<std::size_t>(p), t.max_offer() / es);
+    const std::size_t seg = std::max<std::size_t>(static_cast<std::size_t>(p), t.max_offer() / es);
     bool first = true;
     for (std::size_t s0 = 0; s0 < b.count;) {
       const std::size_t m = std::min(seg, b.count - s0);
@@ -566,36 +565,38 @@ class Host {
     local.slack = std::chrono::milliseconds(0);
     if (xt_) xt_->slack = std::chrono::milliseconds(250);
     const auto last_phase = [&] { local.slack = std::chrono::milliseconds(500); };
-    guarded([&](detail::Transport*& crossing) {
-      if (!by_slices) {
-        if (local.size() > 1) reduce_on(local, b, fn, 0, &fp);
-        if (local.rank() == 0) {
+    guarded(
+        [&](detail::Transport*& crossing) {
+          if (!by_slices) {
+            if (local.size() > 1) reduce_on(local, b, fn, 0, &fp);
+            if (local.rank() == 0) {
+              crossing = xt_.get();
+              all_reduce_on(*xt_, b, fn, &fp);
+              crossing = nullptr;
+              divide(b);
+            }
+            last_phase();
+            if (local.size() > 1) broadcast_on(local, b, 0, nullptr);
+            return;
+          }
+          const int q = local.size();
+          const auto part = [&](int j) {  // in elements
+            const auto [lo, hi] = detail::split_range(b.count, q, j, b.elem());
+            return detail::Range{lo, hi - lo};
+          };
+          reduce_scatter_parts(local, b, fn, part, &fp);
+          const detail::Range mine = part(local.rank());
+          detail::Buf slice = b;
+          slice.data = b.at(mine.off);
+          slice.count = mine.len;
           crossing = xt_.get();
-          all_reduce_on(*xt_, b, fn, &fp);
+          all_reduce_on(*xt_, slice, fn, &fp);
           crossing = nullptr;
-          divide(b);
-        }
-        last_phase();
-        if (local.size() > 1) broadcast_on(local, b, 0, nullptr);
-        return;
-      }
-      const int q = local.size();
-      const auto part = [&](int j) {  // in elements
-        const auto [lo, hi] = detail::split_range(b.count, q, j, b.elem());
-        return detail::Range{lo, hi - lo};
-      };
-      reduce_scatter_parts(local, b, fn, part, &fp);
-      const detail::Range mine = part(local.rank());
-      detail::Buf slice = b;
-      slice.data = b.at(mine.off);
-      slice.count = mine.len;
-      crossing = xt_.get();
-      all_reduce_on(*xt_, slice, fn, &fp);
-      crossing = nullptr;
-      divide(slice);
-      last_phase();
-      all_gather_parts(local, b, part);
-    }, xt_.get());
+          divide(slice);
+          last_phase();
+          all_gather_parts(local, b, part);
+        },
+        xt_.get());
   }
 
   /// Rank j of `t` ends with the reduction, over t's ranks in their order, of part(j) of every
@@ -644,7 +645,11 @@ class Host {
       const std::size_t n = len(me, s0);
       const detail::Piece pc{n != 0 ? b.at(part(me).off + s0) : b.data, n * es};
       auto ptrs = t.round(
-          {&pc, 1}, [&](int src, int) { return detail::Range{0, len(src, s0) * es}; }, nullptr);
+          {&pc, 1},
+          [&](int src, int) {
+            return detail::Range{0, len(src, s0) * es};
+          },
+          nullptr);
       for (int j = 0; j < q; ++j) {
         const std::size_t k = len(j, s0);
         if (j != me && k != 0)
@@ -798,8 +803,8 @@ class Host {
     std::vector<std::string> hosts;  // in order of their lowest rank
     std::vector<int> host_of, local_of, per_host;
     for (const std::string& id : ids) {
-      const auto h = static_cast<std::size_t>(std::find(hosts.begin(), hosts.end(), id) -
-                                              hosts.begin());
+      const auto h =
+          static_cast<std::size_t>(std::find(hosts.begin(), hosts.end(), id) - hosts.begin());
       if (h == hosts.size()) {
         hosts.push_back(id);
         per_host.push_back(0);
@@ -808,8 +813,8 @@ class Host {
       local_of.push_back(per_host[h]++);
     }
     const bool shared = std::any_of(per_host.begin(), per_host.end(), [](int n) { return n > 1; });
-    const bool equal = std::all_of(per_host.begin(), per_host.end(),
-                                   [&](int n) { return n == per_host.front(); });
+    const bool equal =
+        std::all_of(per_host.begin(), per_host.end(), [&](int n) { return n == per_host.front(); });
     if (hosts.size() < 2 || !shared) return;  // one rank per host: the mesh is the hierarchy
     if (o.hierarchy == HostHierarchy::slices && !equal) {
       std::string counts;
@@ -834,7 +839,8 @@ class Host {
       return g;
     };
     // This rank's host, in rank order.
-    const std::vector<int> local = group([&](int j) { return host_of[static_cast<std::size_t>(j)] == me_host; });
+    const std::vector<int> local =
+        group([&](int j) { return host_of[static_cast<std::size_t>(j)] == me_host; });
     if (local.size() > 1) {
       std::vector<int> local_pids;
       for (int j : local) local_pids.push_back(pids[static_cast<std::size_t>(j)]);
@@ -876,13 +882,13 @@ class Host {
         continue;
       }
       detail::Fd fd(::fcntl(mesh[static_cast<std::size_t>(j)].get(), F_DUPFD_CLOEXEC, 0));
-      if (!fd) detail::fail_errno(errno, "rank ", rank_, ": duplicating the connection to rank ", j);
+      if (!fd)
+        detail::fail_errno(errno, "rank ", rank_, ": duplicating the connection to rank ", j);
       fds.push_back(std::move(fd));
     }
-    auto t = std::make_unique<detail::TcpTransport>(me, static_cast<int>(members.size()), o.timeout,
-                                                    std::move(fds),
-                                                    segment_bytes(o, std::size_t{1} << 20),
-                                                    machine_ranks_);
+    auto t = std::make_unique<detail::TcpTransport>(
+        me, static_cast<int>(members.size()), o.timeout, std::move(fds),
+        segment_bytes(o, std::size_t{1} << 20), machine_ranks_);
     t->global_ranks = members;
     return t;
   }

@@ -441,8 +441,8 @@ class ShmTransport final : public Transport {
     check_local_abort(fp);
     if (header_->abort_state.load(std::memory_order_acquire) == 2) {
       fail(static_cast<Errc>(header_->abort_code), "rank ", global(rank_), ": ",
-           describe(fp, nullptr),
-           ": failed because rank ", header_->abort_rank, " reported: ", header_->abort_message);
+           describe(fp, nullptr), ": failed because rank ", header_->abort_rank,
+           " reported: ", header_->abort_message);
     }
   }
 
@@ -488,8 +488,7 @@ class ShmTransport final : public Transport {
           const std::string who = behind_desc();
           const std::string msg = concat(
               "rank ", global(rank_), ": ", describe(fp, what), ": timed out after ",
-              (timeout_ + slack).count(),
-              " ms waiting for ", who,
+              (timeout_ + slack).count(), " ms waiting for ", who,
               " (shm transport); that rank is stopped, slow, or did not call this collective");
           publish_abort(Errc::timeout, concat("timed out waiting for ", who));
           fail(Errc::timeout, msg);

@@ -274,7 +274,8 @@ class TcpTransport final : public Transport {
     std::sort(closed.begin(), closed.end());
     std::string list;
     for (int j : closed) list += concat(list.empty() ? "" : ", ", "rank ", global(j));
-    fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what), ": the connections to ", list,
+    fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what), ": the connections to ",
+         list,
          " closed (one of those processes died, and the others left because of it) (tcp "
          "transport); the job cannot continue with this communicator");
   }
@@ -369,8 +370,9 @@ class TcpTransport final : public Transport {
           std::string list;
           for (int j : who) list += concat(list.empty() ? "" : ", ", global(j));
           // No poison(): the other ranks time out on their own, with their own message.
-          fail(Errc::timeout, "rank ", global(rank_), ": ", describe(fp, what), ": timed out after ",
-               (timeout_ + slack).count(), " ms waiting for ", who.size() == 1 ? "rank " : "ranks ", list,
+          fail(Errc::timeout, "rank ", global(rank_), ": ", describe(fp, what),
+               ": timed out after ", (timeout_ + slack).count(), " ms waiting for ",
+               who.size() == 1 ? "rank " : "ranks ", list,
                " (tcp transport); that rank is stopped, slow, or did not call this collective");
         }
         continue;
