@@ -376,7 +376,8 @@ TEST_CASE("across hosts: the combination order is fixed, whatever the path, size
   const std::size_t n = 300000;
   const auto x = [](int r, std::size_t i) {
     const float big = (i % 3 == 0) ? 1.0e8f : 1.0f;
-    return (r % 2 == 0 ? big : 1.0f) * (1.0f + 1e-3f * static_cast<float>((i * 7 + r) % 11)) *
+    return (r % 2 == 0 ? big : 1.0f) *
+           (1.0f + 1e-3f * static_cast<float>((i * 7 + static_cast<std::size_t>(r)) % 11)) *
            (r == 2 ? -1.0f : 1.0f);
   };
   for (const char* setting : {"slices", "leaders"}) {
