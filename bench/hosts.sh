@@ -56,7 +56,7 @@ run_mpi() {  # run_mpi LABEL CSV [mpirun arguments]
   mpirun "$@" "$PWD/build/release/bench/mpi-bench" "${sizes[@]}" --label "$label" --csv "$csv" \
     >/dev/null
 }
-kinds=(ddp leaders flat tuned han)
+kinds=(ddp leaders flat tuned ${HAN:+han})  # HAN=1: also HAN (it crashed here, bench/README.md)
 run_kind() {  # run_kind KIND ROUND
   local csv="$out/$1-$2.csv"
   case $1 in
@@ -74,13 +74,13 @@ for round in $(seq 1 "$rounds"); do
   for i in $(seq 0 $((n - 1))); do run_kind "${kinds[$(((i + round) % n))]}" "$round"; done
 done
 files() { for r in $(seq 1 "$rounds"); do echo "$out/$1-$r.csv"; done; }
-for peer in flat leaders tuned han; do
+for peer in flat leaders tuned ${HAN:+han}; do
   echo "== all_reduce, float32 sum, 2 hosts x 2 ranks: ddp (slices) against $peer"
   # shellcheck disable=SC2046
   python3 bench/compare.py $(files ddp) -- $(files "$peer") | tee "$out/compare-$peer.md"
 done
 plot_with=()
-for peer in flat tuned han; do plot_with+=(--compare "$out/$peer-1.csv"); done
+for peer in flat tuned; do plot_with+=(--compare "$out/$peer-1.csv"); done
 mpirun -x MASTER_ADDR="$addr_a" -x MASTER_PORT=$((port + 1)) \
   "$PWD/build/release/tools/ddp-bench" "${sizes[@]}" --iters 5 --label "ddp slices" \
   --plot "$out/busbw-hosts.svg" "${plot_with[@]}" >/dev/null
