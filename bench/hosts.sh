@@ -6,7 +6,9 @@
 #   ddp        ddp-bench, backend::Host, hierarchical all_reduce (automatic: slices)
 #   leaders    the same with DDP_HIERARCHY=leaders
 #   flat       the same with DDP_HIERARCHY=flat: every rank on the TCP mesh
-#   tuned      mpi-bench, --mca btl self,vader,tcp, Open MPI's default collectives (tuned)
+#   tuned      mpi-bench, --mca btl self,vader,tcp, Open MPI's default collectives (tuned); like
+#              every Open MPI run here with mpi_yield_when_idle (4 ranks on 2 cores: without it
+#              its busy-polling ranks starve each other, 4 ms for 4 bytes)
 #   han        mpi-bench, the same with the hierarchical HAN collectives (coll_han_priority 100;
 #              without vader's single-copy, with which HAN crashes in vader here)
 # and reports, per size, the median over the rounds of each round's time ratio (compare.py).
@@ -53,7 +55,7 @@ run_ddp() {  # run_ddp LABEL HIERARCHY CSV
 run_mpi() {  # run_mpi LABEL CSV [mpirun arguments]
   local label=$1 csv=$2
   shift 2
-  mpirun "$@" "$PWD/build/release/bench/mpi-bench" "${sizes[@]}" --label "$label" --csv "$csv" \
+  mpirun --mca mpi_yield_when_idle 1 "$@" "$PWD/build/release/bench/mpi-bench" "${sizes[@]}" --label "$label" --csv "$csv" \
     >/dev/null
 }
 kinds=(ddp leaders flat tuned ${HAN:+han})  # HAN=1: also HAN (it crashed here, bench/README.md)

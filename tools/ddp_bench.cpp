@@ -9,9 +9,11 @@
 #include <ddp/ddp.hpp>
 
 #include <fmt/format.h>
+#include <sched.h>
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -45,6 +47,7 @@ struct Config {
   bool check = false;
   std::size_t segment = 0;
   int hosts = 1;
+  bool bind = false;
 };
 
 ddp::ReduceOp parse_redop(const std::string& s) {
@@ -167,7 +170,26 @@ void run(Comm& comm, const Config& cfg, std::vector<bench::Row>& rows) {
   }
 }
 
+/// Pins this rank to one of the CPUs it may use (local rank modulo their number), as mpirun does
+/// by default for 2 ranks: the ranks then never share a core, and never migrate.
+void bind_to_cpu(const ddp::Environment& env) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (::sched_getaffinity(0, sizeof allowed, &allowed) != 0) return;
+  std::vector<std::size_t> cpus;
+  for (std::size_t c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
+  }
+  if (cpus.empty()) return;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(cpus[static_cast<std::size_t>(env.local_rank) % cpus.size()], &one);
+  if (::sched_setaffinity(0, sizeof one, &one) != 0)
+    throw std::runtime_error(fmt::format("--bind: sched_setaffinity: {}", std::strerror(errno)));
+}
+
 void bench_rank(const ddp::Environment& env, const Config& cfg) {
+  if (cfg.bind) bind_to_cpu(env);
   ddp::Options o;
   if (cfg.transport == "shm")
     o.transport = ddp::HostTransport::shm;
@@ -252,6 +274,8 @@ int main(int argc, char** argv) {
                  "CSV files (e.g. from mpi-bench) to draw in the same plot");
   app.add_option("--label", cfg.label, "name of this run in CSV/JSON/plots");
   app.add_flag("-c,--check", cfg.check, "verify all_reduce results");
+  app.add_flag("--bind", cfg.bind,
+               "pin each rank to one CPU (local rank modulo the usable CPUs), as mpirun binds");
   CLI11_PARSE(app, argc, argv);
   try {
     cfg.min_bytes = bench::parse_size(min_b);

@@ -67,7 +67,7 @@ struct Options {
   /// backend::Host transport ($DDP_HOST_TRANSPORT: shm, tcp or auto).
   HostTransport transport = HostTransport::automatic;
   /// backend::Host: bytes one rank moves per round (the shared-memory slot size, the TCP
-  /// segment). 0: the transport's default (shm 512 KiB, tcp 1 MiB) ($DDP_SEGMENT_BYTES: 4096 to
+  /// segment). 0: the transport's default (shm 1 MiB, tcp 1 MiB) ($DDP_SEGMENT_BYTES: 4096 to
   /// 2^40). Shared-memory slots are capped at 64 MiB. Every rank must use the same value.
   std::size_t segment_bytes = 0;
   /// The rendezvous store runs elsewhere: rank 0 does not start one. Launchers that host the

@@ -1946,7 +1946,7 @@ struct Options {
   /// backend::Host transport ($DDP_HOST_TRANSPORT: shm, tcp or auto).
   HostTransport transport = HostTransport::automatic;
   /// backend::Host: bytes one rank moves per round (the shared-memory slot size, the TCP
-  /// segment). 0: the transport's default (shm 512 KiB, tcp 1 MiB) ($DDP_SEGMENT_BYTES: 4096 to
+  /// segment). 0: the transport's default (shm 1 MiB, tcp 1 MiB) ($DDP_SEGMENT_BYTES: 4096 to
   /// 2^40). Shared-memory slots are capped at 64 MiB. Every rank must use the same value.
   std::size_t segment_bytes = 0;
   /// The rendezvous store runs elsewhere: rank 0 does not start one. Launchers that host the
@@ -10033,7 +10033,7 @@ class Host {
     auto segment = std::make_unique<detail::ShmSegment>();
     std::uint64_t cookie = 0;
     if (me == 0) {
-      const std::size_t slot = segment_bytes(o, std::size_t{512} << 10);
+      const std::size_t slot = segment_bytes(o, std::size_t{1} << 20);
       layout.slot_bytes =
           std::clamp<std::size_t>(detail::ShmLayout::align_up(slot, 4096), 4096, max_shm_slot);
       layout.channel_bytes = std::size_t{256} << 10;

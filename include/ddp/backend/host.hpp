@@ -920,7 +920,7 @@ class Host {
     auto segment = std::make_unique<detail::ShmSegment>();
     std::uint64_t cookie = 0;
     if (me == 0) {
-      const std::size_t slot = segment_bytes(o, std::size_t{512} << 10);
+      const std::size_t slot = segment_bytes(o, std::size_t{1} << 20);
       layout.slot_bytes =
           std::clamp<std::size_t>(detail::ShmLayout::align_up(slot, 4096), 4096, max_shm_slot);
       layout.channel_bytes = std::size_t{256} << 10;
