@@ -10,7 +10,8 @@
 ///
 /// Which backend reads which field (a backend ignores the others):
 ///   every backend        timeout, token, group, external_store, trace_entries, trace_dump
-///   backend::Host        transport, segment_bytes, verify_collectives, hierarchy
+///   backend::Host        transport, segment_bytes, shm_single_copy_bytes, verify_collectives,
+///                        hierarchy
 ///   CUDA                 device (backend::Nccl), cuda_staging_bytes (CUDA buffers on a
 ///                        host-memory backend)
 /// They stay in one flat struct, not per-backend structs like c10d's ProcessGroupNCCL::Options:
@@ -70,6 +71,16 @@ struct Options {
   /// segment). 0: the transport's default (shm 1 MiB, tcp 1 MiB) ($DDP_SEGMENT_BYTES: 4096 to
   /// 2^40). Shared-memory slots are capped at 64 MiB. Every rank must use the same value.
   std::size_t segment_bytes = 0;
+  /// backend::Host on shared memory: an all_reduce of at least this many bytes copies straight
+  /// out of the peers' memory (single copy: process_vm_readv) instead of through shared memory,
+  /// where the kernel lets the ranks read each other's memory (else, silently, it does not).
+  /// 0, the default: from 64 KiB rank 0 times both paths for each size and takes the faster,
+  /// retrying the other now and then (which wins depends on the size and on the machine's state:
+  /// bench/README.md, "Shared memory at mid sizes"); the results are the same bits either way.
+  /// Options::never: off ($DDP_SHM_SINGLE_COPY: a number of bytes, or off). Every rank must use
+  /// the same value.
+  std::size_t shm_single_copy_bytes = 0;
+  static constexpr std::size_t never = ~std::size_t{0};
   /// The rendezvous store runs elsewhere: rank 0 does not start one. Launchers that host the
   /// store (ddprun, ddp::spawn) say so with DDP_STORE_HOSTED=1, which init() also honours.
   bool external_store = false;
@@ -137,6 +148,16 @@ struct Options {
           env.whole_number("DDP_SEGMENT_BYTES", 4096, std::uint64_t{1} << 40,
                            "a number of bytes in [4096, 2^40]")
               .value_or(0));
+    });
+    apply([&] {
+      if (o.shm_single_copy_bytes != 0) return;
+      const std::string v = env.get("DDP_SHM_SINGLE_COPY");
+      o.shm_single_copy_bytes =
+          v == "off" ? never
+                     : static_cast<std::size_t>(
+                           env.whole_number("DDP_SHM_SINGLE_COPY", 1, std::uint64_t{1} << 40,
+                                            "a number of bytes in [1, 2^40], or off")
+                               .value_or(0));
     });
     apply([&] {
       if (o.verify_collectives == defaults.verify_collectives)

@@ -1766,7 +1766,8 @@ DDP_END_NAMESPACE
 ///
 /// Which backend reads which field (a backend ignores the others):
 ///   every backend        timeout, token, group, external_store, trace_entries, trace_dump
-///   backend::Host        transport, segment_bytes, verify_collectives, hierarchy
+///   backend::Host        transport, segment_bytes, shm_single_copy_bytes, verify_collectives,
+///                        hierarchy
 ///   CUDA                 device (backend::Nccl), cuda_staging_bytes (CUDA buffers on a
 ///                        host-memory backend)
 /// They stay in one flat struct, not per-backend structs like c10d's ProcessGroupNCCL::Options:
@@ -1787,8 +1788,8 @@ DDP_END_NAMESPACE
 /// A malformed value is Errc::invalid_argument naming the variable and what it must be.
 ///
 /// Who reads what: Environment::detect (the launcher's variables), Options::with_env (DDP_TIMEOUT,
-/// DDP_TOKEN, DDP_HOST_TRANSPORT, DDP_SEGMENT_BYTES, DDP_VERIFY_COLLECTIVES, DDP_TRACE_ENTRIES,
-/// DDP_TRACE_DUMP), Communicator::init (DDP_STORE_HOSTED, DDP_RESTART_COUNT: set by launchers
+/// DDP_TOKEN, DDP_HOST_TRANSPORT, DDP_SEGMENT_BYTES, DDP_SHM_SINGLE_COPY, DDP_VERIFY_COLLECTIVES,
+/// DDP_TRACE_ENTRIES, DDP_TRACE_DUMP), Communicator::init (DDP_STORE_HOSTED, DDP_RESTART_COUNT: set by launchers
 /// that host the store), ddp::spawn and ddprun (what they pass to their workers).
 
 // #include "ddp/config.hpp" (already included above)
@@ -1949,6 +1950,16 @@ struct Options {
   /// segment). 0: the transport's default (shm 1 MiB, tcp 1 MiB) ($DDP_SEGMENT_BYTES: 4096 to
   /// 2^40). Shared-memory slots are capped at 64 MiB. Every rank must use the same value.
   std::size_t segment_bytes = 0;
+  /// backend::Host on shared memory: an all_reduce of at least this many bytes copies straight
+  /// out of the peers' memory (single copy: process_vm_readv) instead of through shared memory,
+  /// where the kernel lets the ranks read each other's memory (else, silently, it does not).
+  /// 0, the default: from 64 KiB rank 0 times both paths for each size and takes the faster,
+  /// retrying the other now and then (which wins depends on the size and on the machine's state:
+  /// bench/README.md, "Shared memory at mid sizes"); the results are the same bits either way.
+  /// Options::never: off ($DDP_SHM_SINGLE_COPY: a number of bytes, or off). Every rank must use
+  /// the same value.
+  std::size_t shm_single_copy_bytes = 0;
+  static constexpr std::size_t never = ~std::size_t{0};
   /// The rendezvous store runs elsewhere: rank 0 does not start one. Launchers that host the
   /// store (ddprun, ddp::spawn) say so with DDP_STORE_HOSTED=1, which init() also honours.
   bool external_store = false;
@@ -2016,6 +2027,16 @@ struct Options {
           env.whole_number("DDP_SEGMENT_BYTES", 4096, std::uint64_t{1} << 40,
                            "a number of bytes in [4096, 2^40]")
               .value_or(0));
+    });
+    apply([&] {
+      if (o.shm_single_copy_bytes != 0) return;
+      const std::string v = env.get("DDP_SHM_SINGLE_COPY");
+      o.shm_single_copy_bytes =
+          v == "off" ? never
+                     : static_cast<std::size_t>(
+                           env.whole_number("DDP_SHM_SINGLE_COPY", 1, std::uint64_t{1} << 40,
+                                            "a number of bytes in [1, 2^40], or off")
+                               .value_or(0));
     });
     apply([&] {
       if (o.verify_collectives == defaults.verify_collectives)
@@ -7877,6 +7898,17 @@ class Transport {
   /// transport has none or `bytes` does not fit. Valid until the next round.
   [[nodiscard]] virtual std::byte* stage(std::size_t /*bytes*/) { return nullptr; }
 
+  /// Single copy: the smallest all_reduce, in bytes, that copies straight out of the peers'
+  /// memory with copy_from instead of through rounds (the same on every rank); none by default.
+  [[nodiscard]] virtual std::size_t single_copy_from() const noexcept { return ~std::size_t{0}; }
+  /// Copies `len` bytes at address `addr` of rank j's process into `dst` (single copy). Fails
+  /// with Errc::peer_lost (or the error the peer left with) when rank j's memory is gone.
+  virtual void copy_from(int j, std::uint64_t /*addr*/, std::byte* /*dst*/, std::size_t /*len*/,
+                         const Fingerprint* fp) {
+    fail(Errc::unsupported, "rank ", global(rank_), ": ", describe(fp, nullptr),
+         ": internal error: single copy from rank ", global(j), " on the ", name(), " transport");
+  }
+
   /// Point-to-point, matched in order per pair; the receiver checks tag, dtype and count.
   virtual void send(const Buf& buf, int peer, int tag, std::uint64_t seq) = 0;
   virtual void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) = 0;
@@ -8132,10 +8164,12 @@ DDP_END_NAMESPACE
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -8333,7 +8367,8 @@ class ShmTransport final : public Transport {
         layout_(layout),
         segment_(std::move(segment)),
         ptrs_(static_cast<std::size_t>(size)),
-        seen_(static_cast<std::size_t>(size)) {
+        seen_(static_cast<std::size_t>(size)),
+        pids_(pids) {
     header_ = reinterpret_cast<ShmHeader*>(segment_->base());
     for (int j = 0; j < size; ++j) {
       if (j != rank) watch_.add(j, pids[static_cast<std::size_t>(j)]);
@@ -8450,6 +8485,49 @@ class ShmTransport final : public Transport {
   std::byte* stage(std::size_t bytes) override {
     if (bytes > layout_.slot_bytes) return nullptr;
     return slot(rank_, static_cast<unsigned>((tick_ + 1) & 1u));
+  }
+
+  /// Single copy. Where this process's probe word lies, for peers' probe_single_copy().
+  [[nodiscard]] std::uint64_t probe_address() const noexcept {
+    return reinterpret_cast<std::uintptr_t>(&probe_);
+  }
+  /// Whether this process may read peer j's memory (process_vm_readv: the kernel allows it
+  /// between processes of one user unless Yama's ptrace_scope, a seccomp filter or a missing
+  /// capability forbids it), tried on the probe word at `addr` in j.
+  [[nodiscard]] bool probe_single_copy(int j, std::uint64_t addr) const {
+    std::uint64_t word = 0;
+    iovec local{&word, sizeof word};
+    iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(addr)), sizeof word};
+    return ::process_vm_readv(pids_[static_cast<std::size_t>(j)], &local, 1, &remote, 1, 0) ==
+               static_cast<ssize_t>(sizeof word) &&
+           word == probe_value;
+  }
+  /// From now on, all_reduce of at least `bytes` goes by single copy (every rank alike).
+  void use_single_copy(std::size_t bytes) noexcept { single_copy_from_ = bytes; }
+  [[nodiscard]] std::size_t single_copy_from() const noexcept override { return single_copy_from_; }
+
+  void copy_from(int j, std::uint64_t addr, std::byte* dst, std::size_t len,
+                 const Fingerprint* fp) override {
+    if (len == 0) return;
+    iovec local{dst, len};
+    iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(addr)), len};
+    const ssize_t got =
+        ::process_vm_readv(pids_[static_cast<std::size_t>(j)], &local, 1, &remote, 1, 0);
+    if (got == static_cast<ssize_t>(len)) return;
+    const int err = got < 0 ? errno : 0;
+    check_abort(fp);  // the peer left with an error (its buffer may be gone): report that
+    const char* why = err == ESRCH    ? "its process is gone"
+                      : err == EFAULT ? "its buffer is gone: it left the collective"
+                      : err == EPERM  ? "the kernel no longer lets this process read it"
+                                      : "it died or left the collective";
+    const std::string msg =
+        concat("rank ", global(rank_), ": ", describe(fp, nullptr), ": copying ", len,
+               " bytes out of rank ", global(j), "'s memory failed (",
+               err != 0 ? std::strerror(err) : "short copy", "): ", why,
+               "; the job cannot continue with this communicator");
+    const Errc code = err == EPERM ? Errc::system : Errc::peer_lost;
+    publish_abort(code, concat("copying out of rank ", global(j), "'s memory failed: ", why));
+    fail(code, msg);
   }
 
   void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
@@ -8661,6 +8739,10 @@ class ShmTransport final : public Transport {
   std::vector<Range> wanted_;
   std::vector<const std::byte*> ptrs_;
   std::vector<std::uint64_t> seen_;  // the round words all_reached last saw
+  std::vector<int> pids_;
+  std::size_t single_copy_from_ = ~std::size_t{0};
+  static constexpr std::uint64_t probe_value = 0x65626f7270706464ull;  // "ddpprobe"
+  std::uint64_t probe_ = probe_value;
 };
 
 }  // namespace detail
@@ -9151,6 +9233,8 @@ DDP_END_NAMESPACE
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -9216,6 +9300,10 @@ class Host {
            : hier_ == HostHierarchy::leaders ? "leaders"
                                              : "flat";
   }
+  /// The smallest all_reduce, in bytes, that copies straight out of the peers' memory (single
+  /// copy, see Options::shm_single_copy_bytes); Options::never when none does (tcp, across
+  /// hosts, or the kernel does not let these ranks read each other's memory).
+  [[nodiscard]] std::size_t single_copy_bytes() const noexcept { return t_->single_copy_from(); }
   /// Whether this backend can use memory on `device` (the Host backend: host memory).
   [[nodiscard]] static bool supports(const Device& device) noexcept { return device.is_cpu(); }
 
@@ -9559,8 +9647,135 @@ class Host {
       fn(b.data, nullptr, ptrs.data(), t.size(), b.count);
       return;
     }
+    if (b.bytes() >= t.single_copy_from()) {
+      single_copy_all_reduce(t, b, fn, fp);
+      return;
+    }
     reduce_segments(t, b, fn, -1, fp);
   }
+
+  /// all_reduce by single copy, where every rank can read the others' memory: ranks exchange
+  /// where their buffers lie (the round that compares fingerprints) and which path rank 0 chose
+  /// (single copy unless choosing is automatic, see PathChooser: then reduce_segments may run
+  /// instead), then, segment by segment,
+  /// rank j copies chunk j of every peer's buffer straight out of that peer, reduces it into its
+  /// own in rank order, and, once every chunk is reduced (a round), copies the peers' reduced
+  /// chunks straight into its buffer; a last round keeps every buffer alive until no peer reads
+  /// it. Each rank receives N bytes, written once: no copy through shared memory. The same
+  /// combination order as reduce_segments, so the same bits.
+  void single_copy_all_reduce(detail::Transport& t, const detail::Buf& b, detail::ReduceFn fn,
+                              const detail::Fingerprint* fp) {
+    const std::size_t es = b.elem();
+    const int p = t.size(), me = t.rank();
+    const bool timed = me == 0 && choose_path_;
+    const auto t0 = timed ? detail::Clock::now() : detail::Clock::time_point{};
+    const bool single = me != 0 || !choose_path_ || chooser_.single(b.bytes());
+    const Where mine{reinterpret_cast<std::uintptr_t>(b.data), b.bytes(), single ? 1u : 0u};
+    const detail::Piece pc{reinterpret_cast<const std::byte*>(&mine), sizeof mine};
+    auto got = t.round(
+        {&pc, 1},
+        [](int, int) {
+          return detail::Range{0, sizeof(Where)};
+        },
+        fp);
+    where_.resize(static_cast<std::size_t>(p));
+    for (int j = 0; j < p; ++j) {
+      std::memcpy(&where_[static_cast<std::size_t>(j)], got[static_cast<std::size_t>(j)],
+                  sizeof(Where));
+      if (where_[static_cast<std::size_t>(j)].bytes != mine.bytes) {
+        const std::string msg = detail::concat(
+            "rank ", t.global(me), ": ", t.describe(fp, nullptr), ": rank ", t.global(j),
+            " reduces ", where_[static_cast<std::size_t>(j)].bytes, " bytes but this rank ",
+            mine.bytes, "; every rank must pass the same count and dtype");
+        t.abort(Errc::mismatch, msg);
+        detail::fail(Errc::mismatch, msg);
+      }
+    }
+    const auto done = [&](bool by_single_copy) {
+      if (timed) {
+        chooser_.record(b.bytes(), by_single_copy,
+                        std::chrono::duration<double>(detail::Clock::now() - t0).count());
+      }
+    };
+    if (where_[0].single == 0) {  // rank 0 chose the slot path (fingerprints already compared)
+      reduce_segments(t, b, fn, -1, nullptr);
+      done(false);
+      return;
+    }
+    const std::size_t seg = std::max<std::size_t>(static_cast<std::size_t>(p), t.max_offer() / es);
+    std::vector<const std::byte*>& ptrs = single_ptrs_;
+    ptrs.resize(static_cast<std::size_t>(p));
+    for (std::size_t s0 = 0; s0 < b.count;) {
+      const std::size_t m = std::min(seg, b.count - s0);
+      std::byte* base = b.at(s0);
+      const auto chunk = [&](int j) {
+        const auto [lo, hi] = detail::split_range(m, p, j, es);
+        return detail::Range{lo * es, (hi - lo) * es};
+      };
+      const detail::Range r = chunk(me);
+      if (scratch_.size() < r.len * static_cast<std::size_t>(p))
+        scratch_.resize(r.len * static_cast<std::size_t>(p));
+      for (int j = 0; j < p; ++j) {
+        std::byte* dst = scratch_.data() + r.len * static_cast<std::size_t>(j);
+        if (j == me) {
+          ptrs[static_cast<std::size_t>(j)] = base + r.off;
+          continue;
+        }
+        t.copy_from(j, where_[static_cast<std::size_t>(j)].addr + s0 * es + r.off, dst, r.len, fp);
+        ptrs[static_cast<std::size_t>(j)] = dst;
+      }
+      fn(base + r.off, nullptr, ptrs.data(), p, r.len / es);
+      (void)t.round(
+          {}, [](int, int) { return detail::Range{}; }, nullptr);
+      for (int j = 0; j < p; ++j) {
+        const detail::Range c = chunk(j);
+        if (j != me)
+          t.copy_from(j, where_[static_cast<std::size_t>(j)].addr + s0 * es + c.off, base + c.off,
+                      c.len, fp);
+      }
+      s0 += m;
+    }
+    (void)t.round(
+        {}, [](int, int) { return detail::Range{}; }, nullptr);
+    done(true);
+  }
+
+  /// Which path an all_reduce on shared memory takes when Options::shm_single_copy_bytes is
+  /// automatic (rank 0 decides; the others follow what it says in the first round): both give
+  /// the same bits, but which is faster depends on the size and flips with the machine's state
+  /// (bench/README.md, "Shared memory at mid sizes"). Per power-of-two size class, each path is
+  /// tried a few times in turn, then the faster by its recent times runs, and the other is
+  /// retried every 64th call, so that a change is noticed.
+  class PathChooser {
+   public:
+    /// Whether the next all_reduce of `bytes` goes by single copy.
+    [[nodiscard]] bool single(std::size_t bytes) {
+      Class& c = at(bytes);
+      ++c.calls;
+      if (c.runs[0] < tries || c.runs[1] < tries) return c.runs[1] < c.runs[0];
+      const bool faster = c.seconds[1] < c.seconds[0];
+      return c.calls % retry_every == 0 ? !faster : faster;
+    }
+    /// How long an all_reduce of `bytes` took by that path.
+    void record(std::size_t bytes, bool single, double seconds) {
+      Class& c = at(bytes);
+      double& avg = c.seconds[single ? 1 : 0];
+      avg = c.runs[single ? 1 : 0]++ == 0 ? seconds : (avg + seconds) / 2;
+    }
+
+   private:
+    struct Class {
+      double seconds[2] = {0, 0};  // recent time of the slot path, of single copy
+      std::uint32_t runs[2] = {0, 0};
+      std::uint64_t calls = 0;
+    };
+    Class& at(std::size_t bytes) {
+      return classes_[static_cast<std::size_t>(std::bit_width(bytes | 1)) - 1];
+    }
+    static constexpr std::uint32_t tries = 3;
+    static constexpr std::uint64_t retry_every = 64;
+    std::array<Class, 64> classes_{};
+  };
 
   /// reduce over `t`: the reduction lands in the buffer of t's rank `root` only.
   void reduce_on(detail::Transport& t, const detail::Buf& b, detail::ReduceFn fn, int root,
@@ -9819,9 +10034,10 @@ class Host {
       w.put(static_cast<std::uint64_t>(segment_request));
       w.put(static_cast<std::uint8_t>(o.hierarchy));
       w.str(detail::machine_identity());
+      w.put(static_cast<std::uint64_t>(o.shm_single_copy_bytes));
       store.set(detail::concat("peer/", rank_), rec);
     }
-    std::vector<std::string> identities, transports, segments, hierarchies, machines;
+    std::vector<std::string> identities, transports, segments, hierarchies, machines, singles;
     std::vector<int> pids;
     std::vector<std::pair<std::string, int>> addrs;
     for (const auto& rec : detail::gather_records(store, "peer/", rank_, size_, o.timeout)) {
@@ -9838,6 +10054,10 @@ class Host {
       segments.push_back(seg == 0 ? std::string("the default") : std::to_string(seg));
       hierarchies.push_back(std::to_string(r.get<std::uint8_t>()));
       machines.push_back(r.str(256));
+      const auto single = r.get<std::uint64_t>();
+      singles.push_back(single == 0                ? std::string("the default")
+                        : single == Options::never ? std::string("off")
+                                                   : std::to_string(single));
     }
     detail::require_agreement(rank_, "the host transport (Options::transport, DDP_HOST_TRANSPORT)",
                               "every rank must ask for the same transport", transports);
@@ -9845,6 +10065,9 @@ class Host {
                               "every rank must use the same segment size", segments);
     detail::require_agreement(rank_, "the hierarchy (Options::hierarchy, DDP_HIERARCHY)",
                               "every rank must use the same hierarchy", hierarchies);
+    detail::require_agreement(rank_,
+                              "single copy (Options::shm_single_copy_bytes, DDP_SHM_SINGLE_COPY)",
+                              "every rank must use the same setting", singles);
     local_leader_ = rank_;
     for (int j = 0; j < size_; ++j) {
       if (identities[static_cast<std::size_t>(j)] != identity) continue;
@@ -10092,6 +10315,27 @@ class Host {
     auto t = std::make_unique<detail::ShmTransport>(me, n, o.timeout, layout, std::move(segment),
                                                     pids, machine_ranks_);
     if (n != size_) t->global_ranks = members;
+    // Single copy, when every member can read every other's memory (one that cannot, e.g. under
+    // Yama's ptrace_scope or a seccomp filter, turns it off for all). Every rank asked for the
+    // same threshold (checked at connect).
+    const std::size_t from =
+        o.shm_single_copy_bytes == 0 ? single_copy_from_bytes : o.shm_single_copy_bytes;
+    if (n == size_) choose_path_ = o.shm_single_copy_bytes == 0;
+    if (n > 1 && from != Options::never) {
+      store.set(detail::concat("probe/", me), std::to_string(t->probe_address()));
+      bool can = true;
+      for (int j = 0; j < n; ++j) {
+        if (j == me) continue;
+        const std::string addr = store.get(detail::concat("probe/", j));
+        char* end = nullptr;
+        const std::uint64_t a = std::strtoull(addr.c_str(), &end, 10);
+        can = end != addr.c_str() && *end == '\0' && t->probe_single_copy(j, a) && can;
+      }
+      store.set(detail::concat("single-copy/", me), can ? "1" : "0");
+      bool all = true;
+      for (int j = 0; j < n; ++j) all = store.get(detail::concat("single-copy/", j)) == "1" && all;
+      if (all) t->use_single_copy(from);
+    }
     return t;
   }
 
@@ -10104,6 +10348,9 @@ class Host {
   /// Below this many bytes per local rank, the slices hierarchy sends all_reduce through the
   /// leaders (measured: bench/README.md, "Across hosts").
   static constexpr std::size_t slices_from_bytes = std::size_t{16} << 10;
+  /// The default Options::shm_single_copy_bytes (measured: bench/README.md, "Shared memory at
+  /// mid sizes").
+  static constexpr std::size_t single_copy_from_bytes = std::size_t{64} << 10;
 
   std::shared_ptr<Store> store_;
   std::unique_ptr<detail::Transport> t_;
@@ -10116,6 +10363,15 @@ class Host {
   std::vector<std::uint64_t> send_seq_, recv_seq_;
   std::vector<detail::Piece> pieces_;
   std::vector<std::byte> scratch_;
+  /// Where a rank's buffer lies in its process, for single_copy_all_reduce.
+  struct Where {
+    std::uint64_t addr, bytes;
+    std::uint64_t single;  // rank 0's: 1 single copy, 0 the slot path
+  };
+  std::vector<Where> where_;
+  bool choose_path_ = false;  // Options::shm_single_copy_bytes automatic: rank 0 times the paths
+  PathChooser chooser_;
+  std::vector<const std::byte*> single_ptrs_;
   std::vector<std::byte> wire_result_;  // all_reduce_as without a staging slot (TCP)
 };
 

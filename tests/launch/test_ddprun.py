@@ -828,8 +828,10 @@ class MpirunTwoNodes(Base):
         lines = sorted(r.stdout.splitlines())
         self.assertEqual(len(lines), 4, r.stdout + r.stderr)
         for rank, line in enumerate(lines):
+            # Shared memory inside each node, TCP between: the hierarchical all_reduce (slices).
             self.assertRegex(line, rf"^rank {rank}/4 local {rank % 2}/2 node {rank // 2} "
-                                   r"launcher openmpi transport tcp restart \? sum ok$")
+                                   r"launcher openmpi transport tcp hierarchy slices restart \? "
+                                   r"sum ok$")
 
     def test_without_master_addr_backend_host_says_what_to_export(self):
         # Rank 0's host is not in Open MPI's environment: a job across hosts must name it.
@@ -867,7 +869,8 @@ class MultiNode(Base):
         self.assertEqual(len(lines), 4, lines)
         for rank, line in enumerate(lines):
             self.assertRegex(line, rf"^\[r{rank}\] rank {rank}/4 local {rank % 2}/2 node {rank // 2} "
-                                   r"launcher ddprun transport tcp restart 0 sum ok$")
+                                   r"launcher ddprun transport tcp hierarchy slices restart 0 "
+                                   r"sum ok$")
 
     def test_failure_on_one_node_stops_the_other(self):
         with Namespaces() as ns:

@@ -83,8 +83,11 @@ int all_reduce_and_check() {
   const auto env = ddp::Environment::detect();
   std::cout << "rank " << comm.rank() << "/" << p << " local " << comm.local_rank() << "/"
             << comm.local_size() << " node " << env.node_rank << " launcher " << env.launcher
-            << " transport " << comm.backend().transport() << " restart " << restart_count()
-            << " sum ok" << std::endl;
+            << " transport " << comm.backend().transport();
+  // Across hosts, how all_reduce runs (flat on one host: nothing, as before).
+  if (comm.backend().hierarchy() != "flat")
+    std::cout << " hierarchy " << comm.backend().hierarchy();
+  std::cout << " restart " << restart_count() << " sum ok" << std::endl;
   // WORKER_HOLD_MS: keep the communicator (and rank 0's store) a while before leaving.
   std::this_thread::sleep_for(
       std::chrono::milliseconds(std::stoi(ddp::detail::EnvReader().get("WORKER_HOLD_MS", "0"))));

@@ -411,3 +411,74 @@ TEST_CASE("across hosts: the combination order is fixed, whatever the path, size
     }
   }
 }
+
+TEST_CASE("shm all_reduce by single copy: on by default, the same bits as the slot path") {
+  // The slot path, single copy off: every dtype and op, counts beyond three segments.
+  ddp::Options off;
+  off.shm_single_copy_bytes = ddp::Options::never;
+  for (int w : {2, 3}) {
+    CAPTURE(w);
+    mp::run(
+        w, ddp::HostTransport::shm,
+        [](Comm& comm) {
+          MP_EXPECT(comm.backend().single_copy_bytes() == ddp::Options::never,
+                    comm.backend().single_copy_bytes());
+          cases::all_reduce_every_dtype(comm);
+        },
+        off);
+  }
+  // Never on tcp.
+  mp::run(2, ddp::HostTransport::tcp, [](Comm& comm) {
+    MP_EXPECT(comm.backend().single_copy_bytes() == ddp::Options::never,
+              comm.backend().single_copy_bytes());
+  });
+  // Around the threshold and across segments (with a remainder that does not split evenly),
+  // values whose float sums round differently in different orders: bitwise x0 + x1 (+ x2 + x3)
+  // in rank order, on every rank, by single copy and by the slot path alike, and when rank 0
+  // chooses between them (the default, from 64 KiB here, where the kernel lets a user's
+  // processes read each other's memory: each path is tried in turn for each size first, so
+  // repeated calls take both).
+  const auto x = [](int r, std::size_t i) {
+    const float big = (i % 3 == 0) ? 1.0e8f : 1.0f;
+    return (r % 2 == 0 ? big : 1.0f) *
+           (1.0f + 1e-3f * static_cast<float>((i * 7 + static_cast<std::size_t>(r)) % 11)) *
+           (r == 2 ? -1.0f : 1.0f);
+  };
+  const auto check = [&](Comm& comm, std::size_t count, ddp::ReduceOp op) {
+    std::vector<float> v(count);
+    for (std::size_t i = 0; i < count; ++i) v[i] = x(comm.rank(), i);
+    comm.all_reduce(v, op);
+    for (std::size_t i = 0; i < count; ++i) {
+      float want = x(0, i);
+      for (int j = 1; j < comm.size(); ++j) want = want + x(j, i);
+      if (op == ddp::ReduceOp::avg) want = want / static_cast<float>(comm.size());
+      MP_EXPECT(cases::same_bits(v[i], want),
+                "count " << count << " element " << i << ": " << v[i] << " != " << want);
+    }
+  };
+  for (std::size_t threshold : {std::size_t{0}, std::size_t{4096}, ddp::Options::never}) {
+    for (int w : {2, 3, 4}) {
+      CAPTURE(threshold);
+      CAPTURE(w);
+      ddp::Options o;
+      o.shm_single_copy_bytes = threshold;
+      mp::run(
+          w, ddp::HostTransport::shm,
+          [&](Comm& comm) {
+            const std::size_t want = threshold == 0 ? 64 * 1024 : threshold;
+            MP_EXPECT(comm.backend().single_copy_bytes() == want,
+                      comm.backend().single_copy_bytes());
+            const int repeats = threshold == 0 ? 8 : 1;
+            for (std::size_t count :
+                 {std::size_t{1023}, std::size_t{1024}, std::size_t{1025}, std::size_t{16384},
+                  3 * mp::test_segment / 4 + 1, std::size_t{300001}}) {
+              for (int k = 0; k < repeats; ++k) {
+                check(comm, count, ddp::ReduceOp::sum);
+                check(comm, count, ddp::ReduceOp::avg);
+              }
+            }
+          },
+          o);
+    }
+  }
+}

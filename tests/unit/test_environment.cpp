@@ -306,6 +306,29 @@ TEST_CASE("DDP_TRACE_ENTRIES and DDP_SEGMENT_BYTES: numbers in range, anything e
   ::unsetenv("DDP_SEGMENT_BYTES");
 }
 
+TEST_CASE("DDP_SHM_SINGLE_COPY: a number of bytes or off, anything else named") {
+  ::unsetenv("DDP_SHM_SINGLE_COPY");
+  CHECK(ddp::Options::from_env().shm_single_copy_bytes == 0u);  // the default
+  ::setenv("DDP_SHM_SINGLE_COPY", "4096", 1);
+  CHECK(ddp::Options::from_env().shm_single_copy_bytes == 4096u);
+  ::setenv("DDP_SHM_SINGLE_COPY", "off", 1);
+  CHECK(ddp::Options::from_env().shm_single_copy_bytes == ddp::Options::never);
+  CHECK(ddp::Options{.shm_single_copy_bytes = 8192}.with_env().shm_single_copy_bytes == 8192u);
+  for (const char* bad : {"0", "-1", "Off", "64K", "1099511627777"}) {
+    CAPTURE(std::string(bad));
+    ::setenv("DDP_SHM_SINGLE_COPY", bad, 1);
+    try {
+      (void)ddp::Options::from_env();
+      FAIL("accepted");
+    } catch (const ddp::Error& e) {
+      CHECK(e.code() == ddp::Errc::invalid_argument);
+      CHECK(std::string(e.what()).find("DDP_SHM_SINGLE_COPY=\"" + std::string(bad) + "\"") !=
+            std::string::npos);
+    }
+  }
+  ::unsetenv("DDP_SHM_SINGLE_COPY");
+}
+
 TEST_CASE(
     "Options::with_env reads through any lookup, and only into fields left at their default") {
   const std::map<std::string, std::string> vars = {

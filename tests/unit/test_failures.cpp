@@ -5,7 +5,11 @@
 #include "trace_diagnose.hpp"  // tools/: parse_trace, diagnose_traces
 
 #include <dirent.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
 #include <signal.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -630,6 +634,100 @@ TEST_CASE("verify_collectives: off, collectives still work, ranks that disagree 
       CHECK(out.message.find("has on") != std::string::npos);
       CHECK(out.message.find("has off") != std::string::npos);
     }
+  }
+}
+
+namespace {
+/// Makes process_vm_readv fail with EPERM in this process from now on (a seccomp filter, as a
+/// container runtime installs one): what a rank sees where the kernel forbids single copy.
+void forbid_process_vm_readv() {
+  sock_filter code[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, static_cast<__u32>(offsetof(seccomp_data, nr))),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, static_cast<__u32>(SYS_process_vm_readv), 0, 1),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA)),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+  sock_fprog prog{static_cast<unsigned short>(std::size(code)), code};
+  MP_EXPECT(::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0, std::strerror(errno));
+  MP_EXPECT(::prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) == 0, std::strerror(errno));
+}
+}  // namespace
+
+TEST_CASE("shm single copy: one rank that may not read the others turns it off for all") {
+  // Rank 1 of 3 cannot read its peers' memory: every rank finds out at init and uses the slot
+  // path; the results are right, and nobody fails.
+  for (int blocked : {0, 1}) {
+    CAPTURE(blocked);
+    ddp::spawn(3, [&](ddp::Environment env) {
+      if (env.rank == 1 && blocked == 1) forbid_process_vm_readv();
+      ddp::Options o;
+      o.transport = ddp::HostTransport::shm;
+      o.timeout = std::chrono::seconds(20);
+      auto comm = Comm::init(env, o);
+      const std::size_t want = blocked == 1 ? ddp::Options::never : 64 * 1024u;
+      MP_EXPECT(comm.backend().single_copy_bytes() == want, comm.backend().single_copy_bytes());
+      std::vector<float> v(1 << 20, static_cast<float>(comm.rank() + 1));
+      comm.all_reduce(v);
+      MP_EXPECT(v.front() == 6.0f && v.back() == 6.0f, v.front() << " " << v.back());
+    });
+  }
+}
+
+TEST_CASE("shm single copy: ranks that disagree fail at init, or on counts with checks off") {
+  mp::TempDir dir;
+  ddp::SpawnOptions so;
+  so.stop_on_failure = false;
+  try {
+    ddp::spawn(
+        2,
+        [&](ddp::Environment env) {
+          ddp::Options o;
+          o.transport = ddp::HostTransport::shm;
+          o.timeout = std::chrono::seconds(5);
+          o.shm_single_copy_bytes = env.rank == 0 ? 0 : ddp::Options::never;
+          try {
+            auto comm = Comm::init(env, o);
+          } catch (const ddp::Error& e) {
+            report(dir, env.rank, e, 0);
+          }
+        },
+        so);
+  } catch (const ddp::Error&) {
+  }
+  for (int r : {0, 1}) {
+    const Outcome out = read_outcome(dir, r);
+    CAPTURE(out.message);
+    CHECK(out.code == "mismatch");
+    CHECK(out.message.find("disagree on single copy (Options::shm_single_copy_bytes, "
+                           "DDP_SHM_SINGLE_COPY)") != std::string::npos);
+    CHECK(out.message.find("has the default") != std::string::npos);
+    CHECK(out.message.find("has off") != std::string::npos);
+  }
+  // Without fingerprint checks, a rank that reduces fewer bytes than its peer must not let the
+  // peer copy past the end of its buffer: both fail with mismatch, naming both counts.
+  mp::TempDir dir2;
+  ddp::Options off;
+  off.verify_collectives = false;
+  off.timeout = std::chrono::seconds(10);
+  run_faulty(
+      2, ddp::HostTransport::shm,
+      [&](Comm& comm) {
+        std::vector<float> v(comm.rank() == 0 ? 100000 : 100001, 1.0f);
+        try {
+          comm.all_reduce(v);
+          mp::TempDir::write(dir2.file("rank" + std::to_string(comm.rank())), "ok 0");
+        } catch (const ddp::Error& e) {
+          report(dir2, comm.rank(), e, 0);
+        }
+      },
+      off);
+  for (int r : {0, 1}) {
+    const Outcome out = read_outcome(dir2, r);
+    CAPTURE(r);
+    CAPTURE(out.message);
+    CHECK(out.code == "mismatch");
+    CHECK(out.message.find("400000") != std::string::npos);
+    CHECK(out.message.find("400004") != std::string::npos);
   }
 }
 

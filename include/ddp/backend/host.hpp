@@ -38,6 +38,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -103,6 +105,10 @@ class Host {
            : hier_ == HostHierarchy::leaders ? "leaders"
                                              : "flat";
   }
+  /// The smallest all_reduce, in bytes, that copies straight out of the peers' memory (single
+  /// copy, see Options::shm_single_copy_bytes); Options::never when none does (tcp, across
+  /// hosts, or the kernel does not let these ranks read each other's memory).
+  [[nodiscard]] std::size_t single_copy_bytes() const noexcept { return t_->single_copy_from(); }
   /// Whether this backend can use memory on `device` (the Host backend: host memory).
   [[nodiscard]] static bool supports(const Device& device) noexcept { return device.is_cpu(); }
 
@@ -446,8 +452,135 @@ class Host {
       fn(b.data, nullptr, ptrs.data(), t.size(), b.count);
       return;
     }
+    if (b.bytes() >= t.single_copy_from()) {
+      single_copy_all_reduce(t, b, fn, fp);
+      return;
+    }
     reduce_segments(t, b, fn, -1, fp);
   }
+
+  /// all_reduce by single copy, where every rank can read the others' memory: ranks exchange
+  /// where their buffers lie (the round that compares fingerprints) and which path rank 0 chose
+  /// (single copy unless choosing is automatic, see PathChooser: then reduce_segments may run
+  /// instead), then, segment by segment,
+  /// rank j copies chunk j of every peer's buffer straight out of that peer, reduces it into its
+  /// own in rank order, and, once every chunk is reduced (a round), copies the peers' reduced
+  /// chunks straight into its buffer; a last round keeps every buffer alive until no peer reads
+  /// it. Each rank receives N bytes, written once: no copy through shared memory. The same
+  /// combination order as reduce_segments, so the same bits.
+  void single_copy_all_reduce(detail::Transport& t, const detail::Buf& b, detail::ReduceFn fn,
+                              const detail::Fingerprint* fp) {
+    const std::size_t es = b.elem();
+    const int p = t.size(), me = t.rank();
+    const bool timed = me == 0 && choose_path_;
+    const auto t0 = timed ? detail::Clock::now() : detail::Clock::time_point{};
+    const bool single = me != 0 || !choose_path_ || chooser_.single(b.bytes());
+    const Where mine{reinterpret_cast<std::uintptr_t>(b.data), b.bytes(), single ? 1u : 0u};
+    const detail::Piece pc{reinterpret_cast<const std::byte*>(&mine), sizeof mine};
+    auto got = t.round(
+        {&pc, 1},
+        [](int, int) {
+          return detail::Range{0, sizeof(Where)};
+        },
+        fp);
+    where_.resize(static_cast<std::size_t>(p));
+    for (int j = 0; j < p; ++j) {
+      std::memcpy(&where_[static_cast<std::size_t>(j)], got[static_cast<std::size_t>(j)],
+                  sizeof(Where));
+      if (where_[static_cast<std::size_t>(j)].bytes != mine.bytes) {
+        const std::string msg = detail::concat(
+            "rank ", t.global(me), ": ", t.describe(fp, nullptr), ": rank ", t.global(j),
+            " reduces ", where_[static_cast<std::size_t>(j)].bytes, " bytes but this rank ",
+            mine.bytes, "; every rank must pass the same count and dtype");
+        t.abort(Errc::mismatch, msg);
+        detail::fail(Errc::mismatch, msg);
+      }
+    }
+    const auto done = [&](bool by_single_copy) {
+      if (timed) {
+        chooser_.record(b.bytes(), by_single_copy,
+                        std::chrono::duration<double>(detail::Clock::now() - t0).count());
+      }
+    };
+    if (where_[0].single == 0) {  // rank 0 chose the slot path (fingerprints already compared)
+      reduce_segments(t, b, fn, -1, nullptr);
+      done(false);
+      return;
+    }
+    const std::size_t seg = std::max<std::size_t>(static_cast<std::size_t>(p), t.max_offer() / es);
+    std::vector<const std::byte*>& ptrs = single_ptrs_;
+    ptrs.resize(static_cast<std::size_t>(p));
+    for (std::size_t s0 = 0; s0 < b.count;) {
+      const std::size_t m = std::min(seg, b.count - s0);
+      std::byte* base = b.at(s0);
+      const auto chunk = [&](int j) {
+        const auto [lo, hi] = detail::split_range(m, p, j, es);
+        return detail::Range{lo * es, (hi - lo) * es};
+      };
+      const detail::Range r = chunk(me);
+      if (scratch_.size() < r.len * static_cast<std::size_t>(p))
+        scratch_.resize(r.len * static_cast<std::size_t>(p));
+      for (int j = 0; j < p; ++j) {
+        std::byte* dst = scratch_.data() + r.len * static_cast<std::size_t>(j);
+        if (j == me) {
+          ptrs[static_cast<std::size_t>(j)] = base + r.off;
+          continue;
+        }
+        t.copy_from(j, where_[static_cast<std::size_t>(j)].addr + s0 * es + r.off, dst, r.len, fp);
+        ptrs[static_cast<std::size_t>(j)] = dst;
+      }
+      fn(base + r.off, nullptr, ptrs.data(), p, r.len / es);
+      (void)t.round(
+          {}, [](int, int) { return detail::Range{}; }, nullptr);
+      for (int j = 0; j < p; ++j) {
+        const detail::Range c = chunk(j);
+        if (j != me)
+          t.copy_from(j, where_[static_cast<std::size_t>(j)].addr + s0 * es + c.off, base + c.off,
+                      c.len, fp);
+      }
+      s0 += m;
+    }
+    (void)t.round(
+        {}, [](int, int) { return detail::Range{}; }, nullptr);
+    done(true);
+  }
+
+  /// Which path an all_reduce on shared memory takes when Options::shm_single_copy_bytes is
+  /// automatic (rank 0 decides; the others follow what it says in the first round): both give
+  /// the same bits, but which is faster depends on the size and flips with the machine's state
+  /// (bench/README.md, "Shared memory at mid sizes"). Per power-of-two size class, each path is
+  /// tried a few times in turn, then the faster by its recent times runs, and the other is
+  /// retried every 64th call, so that a change is noticed.
+  class PathChooser {
+   public:
+    /// Whether the next all_reduce of `bytes` goes by single copy.
+    [[nodiscard]] bool single(std::size_t bytes) {
+      Class& c = at(bytes);
+      ++c.calls;
+      if (c.runs[0] < tries || c.runs[1] < tries) return c.runs[1] < c.runs[0];
+      const bool faster = c.seconds[1] < c.seconds[0];
+      return c.calls % retry_every == 0 ? !faster : faster;
+    }
+    /// How long an all_reduce of `bytes` took by that path.
+    void record(std::size_t bytes, bool single, double seconds) {
+      Class& c = at(bytes);
+      double& avg = c.seconds[single ? 1 : 0];
+      avg = c.runs[single ? 1 : 0]++ == 0 ? seconds : (avg + seconds) / 2;
+    }
+
+   private:
+    struct Class {
+      double seconds[2] = {0, 0};  // recent time of the slot path, of single copy
+      std::uint32_t runs[2] = {0, 0};
+      std::uint64_t calls = 0;
+    };
+    Class& at(std::size_t bytes) {
+      return classes_[static_cast<std::size_t>(std::bit_width(bytes | 1)) - 1];
+    }
+    static constexpr std::uint32_t tries = 3;
+    static constexpr std::uint64_t retry_every = 64;
+    std::array<Class, 64> classes_{};
+  };
 
   /// reduce over `t`: the reduction lands in the buffer of t's rank `root` only.
   void reduce_on(detail::Transport& t, const detail::Buf& b, detail::ReduceFn fn, int root,
@@ -706,9 +839,10 @@ class Host {
       w.put(static_cast<std::uint64_t>(segment_request));
       w.put(static_cast<std::uint8_t>(o.hierarchy));
       w.str(detail::machine_identity());
+      w.put(static_cast<std::uint64_t>(o.shm_single_copy_bytes));
       store.set(detail::concat("peer/", rank_), rec);
     }
-    std::vector<std::string> identities, transports, segments, hierarchies, machines;
+    std::vector<std::string> identities, transports, segments, hierarchies, machines, singles;
     std::vector<int> pids;
     std::vector<std::pair<std::string, int>> addrs;
     for (const auto& rec : detail::gather_records(store, "peer/", rank_, size_, o.timeout)) {
@@ -725,6 +859,10 @@ class Host {
       segments.push_back(seg == 0 ? std::string("the default") : std::to_string(seg));
       hierarchies.push_back(std::to_string(r.get<std::uint8_t>()));
       machines.push_back(r.str(256));
+      const auto single = r.get<std::uint64_t>();
+      singles.push_back(single == 0                ? std::string("the default")
+                        : single == Options::never ? std::string("off")
+                                                   : std::to_string(single));
     }
     detail::require_agreement(rank_, "the host transport (Options::transport, DDP_HOST_TRANSPORT)",
                               "every rank must ask for the same transport", transports);
@@ -732,6 +870,9 @@ class Host {
                               "every rank must use the same segment size", segments);
     detail::require_agreement(rank_, "the hierarchy (Options::hierarchy, DDP_HIERARCHY)",
                               "every rank must use the same hierarchy", hierarchies);
+    detail::require_agreement(rank_,
+                              "single copy (Options::shm_single_copy_bytes, DDP_SHM_SINGLE_COPY)",
+                              "every rank must use the same setting", singles);
     local_leader_ = rank_;
     for (int j = 0; j < size_; ++j) {
       if (identities[static_cast<std::size_t>(j)] != identity) continue;
@@ -979,6 +1120,27 @@ class Host {
     auto t = std::make_unique<detail::ShmTransport>(me, n, o.timeout, layout, std::move(segment),
                                                     pids, machine_ranks_);
     if (n != size_) t->global_ranks = members;
+    // Single copy, when every member can read every other's memory (one that cannot, e.g. under
+    // Yama's ptrace_scope or a seccomp filter, turns it off for all). Every rank asked for the
+    // same threshold (checked at connect).
+    const std::size_t from =
+        o.shm_single_copy_bytes == 0 ? single_copy_from_bytes : o.shm_single_copy_bytes;
+    if (n == size_) choose_path_ = o.shm_single_copy_bytes == 0;
+    if (n > 1 && from != Options::never) {
+      store.set(detail::concat("probe/", me), std::to_string(t->probe_address()));
+      bool can = true;
+      for (int j = 0; j < n; ++j) {
+        if (j == me) continue;
+        const std::string addr = store.get(detail::concat("probe/", j));
+        char* end = nullptr;
+        const std::uint64_t a = std::strtoull(addr.c_str(), &end, 10);
+        can = end != addr.c_str() && *end == '\0' && t->probe_single_copy(j, a) && can;
+      }
+      store.set(detail::concat("single-copy/", me), can ? "1" : "0");
+      bool all = true;
+      for (int j = 0; j < n; ++j) all = store.get(detail::concat("single-copy/", j)) == "1" && all;
+      if (all) t->use_single_copy(from);
+    }
     return t;
   }
 
@@ -991,6 +1153,9 @@ class Host {
   /// Below this many bytes per local rank, the slices hierarchy sends all_reduce through the
   /// leaders (measured: bench/README.md, "Across hosts").
   static constexpr std::size_t slices_from_bytes = std::size_t{16} << 10;
+  /// The default Options::shm_single_copy_bytes (measured: bench/README.md, "Shared memory at
+  /// mid sizes").
+  static constexpr std::size_t single_copy_from_bytes = std::size_t{64} << 10;
 
   std::shared_ptr<Store> store_;
   std::unique_ptr<detail::Transport> t_;
@@ -1003,6 +1168,15 @@ class Host {
   std::vector<std::uint64_t> send_seq_, recv_seq_;
   std::vector<detail::Piece> pieces_;
   std::vector<std::byte> scratch_;
+  /// Where a rank's buffer lies in its process, for single_copy_all_reduce.
+  struct Where {
+    std::uint64_t addr, bytes;
+    std::uint64_t single;  // rank 0's: 1 single copy, 0 the slot path
+  };
+  std::vector<Where> where_;
+  bool choose_path_ = false;  // Options::shm_single_copy_bytes automatic: rank 0 times the paths
+  PathChooser chooser_;
+  std::vector<const std::byte*> single_ptrs_;
   std::vector<std::byte> wire_result_;  // all_reduce_as without a staging slot (TCP)
 };
 

@@ -34,10 +34,12 @@
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -235,7 +237,8 @@ class ShmTransport final : public Transport {
         layout_(layout),
         segment_(std::move(segment)),
         ptrs_(static_cast<std::size_t>(size)),
-        seen_(static_cast<std::size_t>(size)) {
+        seen_(static_cast<std::size_t>(size)),
+        pids_(pids) {
     header_ = reinterpret_cast<ShmHeader*>(segment_->base());
     for (int j = 0; j < size; ++j) {
       if (j != rank) watch_.add(j, pids[static_cast<std::size_t>(j)]);
@@ -352,6 +355,49 @@ class ShmTransport final : public Transport {
   std::byte* stage(std::size_t bytes) override {
     if (bytes > layout_.slot_bytes) return nullptr;
     return slot(rank_, static_cast<unsigned>((tick_ + 1) & 1u));
+  }
+
+  /// Single copy. Where this process's probe word lies, for peers' probe_single_copy().
+  [[nodiscard]] std::uint64_t probe_address() const noexcept {
+    return reinterpret_cast<std::uintptr_t>(&probe_);
+  }
+  /// Whether this process may read peer j's memory (process_vm_readv: the kernel allows it
+  /// between processes of one user unless Yama's ptrace_scope, a seccomp filter or a missing
+  /// capability forbids it), tried on the probe word at `addr` in j.
+  [[nodiscard]] bool probe_single_copy(int j, std::uint64_t addr) const {
+    std::uint64_t word = 0;
+    iovec local{&word, sizeof word};
+    iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(addr)), sizeof word};
+    return ::process_vm_readv(pids_[static_cast<std::size_t>(j)], &local, 1, &remote, 1, 0) ==
+               static_cast<ssize_t>(sizeof word) &&
+           word == probe_value;
+  }
+  /// From now on, all_reduce of at least `bytes` goes by single copy (every rank alike).
+  void use_single_copy(std::size_t bytes) noexcept { single_copy_from_ = bytes; }
+  [[nodiscard]] std::size_t single_copy_from() const noexcept override { return single_copy_from_; }
+
+  void copy_from(int j, std::uint64_t addr, std::byte* dst, std::size_t len,
+                 const Fingerprint* fp) override {
+    if (len == 0) return;
+    iovec local{dst, len};
+    iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(addr)), len};
+    const ssize_t got =
+        ::process_vm_readv(pids_[static_cast<std::size_t>(j)], &local, 1, &remote, 1, 0);
+    if (got == static_cast<ssize_t>(len)) return;
+    const int err = got < 0 ? errno : 0;
+    check_abort(fp);  // the peer left with an error (its buffer may be gone): report that
+    const char* why = err == ESRCH    ? "its process is gone"
+                      : err == EFAULT ? "its buffer is gone: it left the collective"
+                      : err == EPERM  ? "the kernel no longer lets this process read it"
+                                      : "it died or left the collective";
+    const std::string msg =
+        concat("rank ", global(rank_), ": ", describe(fp, nullptr), ": copying ", len,
+               " bytes out of rank ", global(j), "'s memory failed (",
+               err != 0 ? std::strerror(err) : "short copy", "): ", why,
+               "; the job cannot continue with this communicator");
+    const Errc code = err == EPERM ? Errc::system : Errc::peer_lost;
+    publish_abort(code, concat("copying out of rank ", global(j), "'s memory failed: ", why));
+    fail(code, msg);
   }
 
   void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
@@ -563,6 +609,10 @@ class ShmTransport final : public Transport {
   std::vector<Range> wanted_;
   std::vector<const std::byte*> ptrs_;
   std::vector<std::uint64_t> seen_;  // the round words all_reached last saw
+  std::vector<int> pids_;
+  std::size_t single_copy_from_ = ~std::size_t{0};
+  static constexpr std::uint64_t probe_value = 0x65626f7270706464ull;  // "ddpprobe"
+  std::uint64_t probe_ = probe_value;
 };
 
 }  // namespace detail

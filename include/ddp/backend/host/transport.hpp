@@ -150,6 +150,17 @@ class Transport {
   /// transport has none or `bytes` does not fit. Valid until the next round.
   [[nodiscard]] virtual std::byte* stage(std::size_t /*bytes*/) { return nullptr; }
 
+  /// Single copy: the smallest all_reduce, in bytes, that copies straight out of the peers'
+  /// memory with copy_from instead of through rounds (the same on every rank); none by default.
+  [[nodiscard]] virtual std::size_t single_copy_from() const noexcept { return ~std::size_t{0}; }
+  /// Copies `len` bytes at address `addr` of rank j's process into `dst` (single copy). Fails
+  /// with Errc::peer_lost (or the error the peer left with) when rank j's memory is gone.
+  virtual void copy_from(int j, std::uint64_t /*addr*/, std::byte* /*dst*/, std::size_t /*len*/,
+                         const Fingerprint* fp) {
+    fail(Errc::unsupported, "rank ", global(rank_), ": ", describe(fp, nullptr),
+         ": internal error: single copy from rank ", global(j), " on the ", name(), " transport");
+  }
+
   /// Point-to-point, matched in order per pair; the receiver checks tag, dtype and count.
   virtual void send(const Buf& buf, int peer, int tag, std::uint64_t seq) = 0;
   virtual void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) = 0;
