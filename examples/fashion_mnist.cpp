@@ -14,7 +14,7 @@
 //  * ZeroFirstGuard: local rank 0 decompresses the dataset into the cache once; the others wait,
 //    then read the cache.
 //  * DistributedSampler: each rank takes its shard of a new shuffled order every epoch; the test
-//    set uses the exact mode (every image once) and exact_mean() for the accuracy.
+//    set uses the exact mode (every image once) and ddp::Metrics for the accuracy.
 //  * GradientAverager: parameters start equal on every rank (rank 0's), gradients are averaged in
 //    buckets that start while the backward pass still runs (mark_ready, last layer first).
 //  * Rank 0 alone prints progress and writes the checkpoint.
@@ -192,8 +192,14 @@ void run(ddp::Environment env, const Config& cfg) {
       correct += static_cast<std::size_t>(std::max_element(z.begin(), z.end()) - z.begin()) ==
                  test.labels[s];
     }
-    const double accuracy = ddp::exact_mean(comm, static_cast<double>(correct), part.size());
-    const double train_loss = ddp::exact_mean(comm, loss_sum, seen);
+    // Both in one collective: means over every sample of every rank (ranks hold different
+    // numbers of test images in the exact mode).
+    ddp::Metrics metrics;
+    const auto n_test = static_cast<double>(part.size()), n_seen = static_cast<double>(seen);
+    metrics.mean("accuracy", n_test == 0 ? 0.0 : static_cast<double>(correct) / n_test, n_test);
+    metrics.mean("train_loss", n_seen == 0 ? 0.0 : loss_sum / n_seen, n_seen);
+    const ddp::MetricValues reduced = metrics.reduce(comm);
+    const double accuracy = reduced["accuracy"], train_loss = reduced["train_loss"];
     if (rank == 0) {
       std::printf("epoch %d/%d: train loss %.4f, test accuracy %.2f%%\n", epoch + 1, cfg.epochs,
                   train_loss, 100 * accuracy);

@@ -12,7 +12,7 @@
 //
 // What ddp does here: ZeroFirstGuard (local rank 0 decodes the dataset once), DistributedSampler
 // (a new shuffled shard every epoch; the test set in exact mode, every image once, and
-// exact_mean() for the accuracy), GradientAverager over the torch::nn::Module (rank 0's initial
+// ddp::Metrics for the accuracy), GradientAverager over the torch::nn::Module (rank 0's initial
 // parameters everywhere, buckets averaged from autograd hooks while backward runs). Rank 0 alone
 // prints progress and saves the model (torch::save).
 #include <ddp/adapters/torch.hpp>
@@ -117,8 +117,14 @@ void run(const ddp::Environment& env, const Config& cfg, const char* name) {
         correct += static_cast<std::size_t>((logits.argmax(1) == y).sum().item<std::int64_t>());
       }
     }
-    const double accuracy = ddp::exact_mean(comm, static_cast<double>(correct), part.size());
-    const double train_loss = ddp::exact_mean(comm, loss_sum, seen);
+    // Both in one collective: means over every sample of every rank (ranks hold different
+    // numbers of test images in the exact mode).
+    ddp::Metrics metrics;
+    const auto n_test = static_cast<double>(part.size()), n_seen = static_cast<double>(seen);
+    metrics.mean("accuracy", n_test == 0 ? 0.0 : static_cast<double>(correct) / n_test, n_test);
+    metrics.mean("train_loss", n_seen == 0 ? 0.0 : loss_sum / n_seen, n_seen);
+    const ddp::MetricValues reduced = metrics.reduce(comm);
+    const double accuracy = reduced["accuracy"], train_loss = reduced["train_loss"];
     if (rank == 0) {
       std::printf("epoch %d/%d: train loss %.4f, test accuracy %.2f%%\n", epoch + 1, cfg.epochs,
                   train_loss, 100 * accuracy);

@@ -1789,8 +1789,8 @@ DDP_END_NAMESPACE
 ///
 /// Who reads what: Environment::detect (the launcher's variables), Options::with_env (DDP_TIMEOUT,
 /// DDP_TOKEN, DDP_HOST_TRANSPORT, DDP_SEGMENT_BYTES, DDP_SHM_SINGLE_COPY, DDP_VERIFY_COLLECTIVES,
-/// DDP_TRACE_ENTRIES, DDP_TRACE_DUMP), Communicator::init (DDP_STORE_HOSTED, DDP_RESTART_COUNT: set by launchers
-/// that host the store), ddp::spawn and ddprun (what they pass to their workers).
+/// DDP_TRACE_ENTRIES, DDP_TRACE_DUMP), Communicator::init (DDP_STORE_HOSTED, DDP_RESTART_COUNT: set
+/// by launchers that host the store), ddp::spawn and ddprun (what they pass to their workers).
 
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
@@ -13029,6 +13029,286 @@ class ZeroFirstGuard {
 
 DDP_END_NAMESPACE
 // end ddp/guard.hpp
+// begin ddp/metrics.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ddp::Metrics: named scalars that every rank records during an epoch (a loss, counts of correct
+/// answers, a step time), reduced across ranks in one collective: sums, weighted means, minima and
+/// maxima, the same bits on every rank.
+///
+///     ddp::Metrics m;
+///     m.mean("loss", batch_loss, batch_size);    // weighted: per-sample, not per-rank
+///     m.sum("correct", correct).sum("seen", batch_size);
+///     m.max("step_ms", ms);
+///     const auto r = m.reduce(comm);             // collective: every rank calls it
+///     if (comm.rank() == 0) std::puts(r.format().c_str());   // "loss 0.3412  correct 8923 ..."
+///
+/// reduce() is one all_reduce of a rank-by-metric table (each rank fills its own row, zeros
+/// elsewhere), after which every rank combines the rows in rank order 0..P-1: sums and means
+/// are those ddp's own all_reduce would give (bitwise on backend::Host), and a mean is the sum of
+/// value × weight over every rank's records divided by the sum of the weights (as exact_mean:
+/// ranks with more samples weigh more). Every rank must record the same names, kinds and order;
+/// reduce() compares them (a digest in each row) and fails with Errc::mismatch on every rank,
+/// naming the first rank that differs, instead of mixing up values. It costs 8 × P × (names + 1)
+/// bytes: meant for a handful of metrics per epoch or per log line, not per-element tensors.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/string.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/process_group.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// How a metric combines across records and ranks.
+enum class MetricKind : std::uint8_t {
+  sum,   ///< the total
+  mean,  ///< Σ value × weight / Σ weight over every record of every rank
+  min,   ///< the smallest value
+  max,   ///< the largest value
+};
+
+/// Reduced metrics: the same names, in the order they were first recorded, with their values.
+class MetricValues {
+ public:
+  struct Entry {
+    std::string name;
+    MetricKind kind;
+    double value;
+    double weight;  ///< mean: Σ weight over all ranks; sum, min, max: records over all ranks
+  };
+
+  /// The value named `name`; Errc::invalid_argument naming it when there is none.
+  [[nodiscard]] double operator[](std::string_view name) const { return entry(name).value; }
+  [[nodiscard]] const Entry& entry(std::string_view name) const {
+    for (const Entry& e : entries_) {
+      if (e.name == name) return e;
+    }
+    detail::fail(Errc::invalid_argument, "MetricValues: no metric named \"", name,
+                 "\" (recorded: ", names(), ")");
+  }
+  [[nodiscard]] bool contains(std::string_view name) const noexcept {
+    return std::any_of(entries_.begin(), entries_.end(),
+                       [&](const Entry& e) { return e.name == name; });
+  }
+  [[nodiscard]] const std::vector<Entry>& entries() const noexcept { return entries_; }
+  [[nodiscard]] std::size_t size() const noexcept { return entries_.size(); }
+  [[nodiscard]] bool empty() const noexcept { return entries_.empty(); }
+
+  /// "loss 0.3412  correct 8923  step_ms 41.2": each value with `digits` significant digits
+  /// (%g), in recording order, two spaces apart.
+  [[nodiscard]] std::string format(int digits = 4) const {
+    std::string out;
+    for (const Entry& e : entries_) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%.*g", std::clamp(digits, 1, 17), e.value);
+      if (!out.empty()) out += "  ";
+      out += e.name;
+      out += ' ';
+      out += buf;
+    }
+    return out;
+  }
+
+ private:
+  friend class Metrics;
+  [[nodiscard]] std::string names() const {
+    std::string s;
+    for (const Entry& e : entries_) s += (s.empty() ? "" : ", ") + e.name;
+    return s.empty() ? std::string("none") : s;
+  }
+  std::vector<Entry> entries_;
+};
+
+/// Named scalars recorded on each rank and reduced across ranks in one collective (see the file
+/// comment). Recording is local and cheap; a name keeps the kind it was first recorded with.
+class Metrics {
+ public:
+  /// Adds `value` to the sum named `name`.
+  Metrics& sum(std::string_view name, double value) {
+    Slot& s = slot(name, MetricKind::sum);
+    s.a += value;
+    s.b += 1;
+    return *this;
+  }
+  /// Records `value` as the mean of `weight` samples (a batch's mean loss and its size): the
+  /// reduced mean weighs every sample of every rank alike. weight 0 records nothing.
+  Metrics& mean(std::string_view name, double value, double weight = 1.0) {
+    if (!(weight >= 0) || !std::isfinite(weight)) {
+      detail::fail(Errc::invalid_argument, "Metrics::mean(\"", name, "\"): the weight ", weight,
+                   " must be finite and non-negative (a number of samples)");
+    }
+    Slot& s = slot(name, MetricKind::mean);
+    if (weight > 0) {
+      s.a += value * weight;
+      s.b += weight;
+    }
+    return *this;
+  }
+  /// Keeps the smallest value recorded as `name`.
+  Metrics& min(std::string_view name, double value) {
+    Slot& s = slot(name, MetricKind::min);
+    s.a = s.b == 0 ? value : std::min(s.a, value);
+    s.b += 1;
+    return *this;
+  }
+  /// Keeps the largest value recorded as `name`.
+  Metrics& max(std::string_view name, double value) {
+    Slot& s = slot(name, MetricKind::max);
+    s.a = s.b == 0 ? value : std::max(s.a, value);
+    s.b += 1;
+    return *this;
+  }
+
+  /// This rank's own values (not reduced), for per-rank logs.
+  [[nodiscard]] MetricValues local() const {
+    MetricValues v;
+    for (const Slot& s : slots_)
+      v.entries_.push_back({s.name, s.kind, value_of(s.kind, s.a, s.b), s.b});
+    return v;
+  }
+
+  /// Collective: every rank of `comm` calls it, having recorded the same names with the same
+  /// kinds in the same order (Errc::mismatch on every rank otherwise). Returns the reduced
+  /// values, the same on every rank; the records stay (clear() starts afresh). A metric no rank
+  /// recorded a value for (a mean of weight 0 everywhere, a min with no record) is NaN.
+  template <ProcessGroup Comm>
+  [[nodiscard]] MetricValues reduce(Comm& comm) const {
+    const std::size_t p = static_cast<std::size_t>(comm.size());
+    const std::size_t me = static_cast<std::size_t>(comm.rank());
+    const std::size_t k = slots_.size();
+    const std::size_t row = 2 * k + 1;  // digest, then (a, b) per metric
+    std::vector<double> table(p * row, 0.0);
+    double* mine = table.data() + me * row;
+    mine[0] = static_cast<double>(digest() >> 11);  // 53 bits: exact in a double
+    for (std::size_t i = 0; i < k; ++i) {
+      mine[1 + 2 * i] = slots_[i].a;
+      mine[2 + 2 * i] = slots_[i].b;
+    }
+    comm.all_reduce_host(std::span<double>(table), ReduceOp::sum);
+    for (std::size_t j = 0; j < p; ++j) {
+      if (table[j * row] != mine[0]) {
+        detail::fail(Errc::mismatch, "rank ", me, ": Metrics::reduce: rank ", j,
+                     " recorded other metrics than this rank (", describe(),
+                     "); every rank must record the same names, with the same kinds, in the "
+                     "same order (record a weight-0 mean or skip the name on every rank)");
+      }
+    }
+    MetricValues out;
+    for (std::size_t i = 0; i < k; ++i) {
+      const MetricKind kind = slots_[i].kind;
+      double a = 0, b = 0;
+      bool any = false;
+      for (std::size_t j = 0; j < p; ++j) {  // rank order: the same bits on every rank
+        const double ra = table[j * row + 1 + 2 * i], rb = table[j * row + 2 + 2 * i];
+        if (kind == MetricKind::sum || kind == MetricKind::mean) {
+          a = j == 0 ? ra : a + ra;
+          b = j == 0 ? rb : b + rb;
+        } else if (rb > 0) {
+          a = !any ? ra : kind == MetricKind::min ? std::min(a, ra) : std::max(a, ra);
+          b += rb;
+          any = true;
+        }
+      }
+      if ((kind == MetricKind::min || kind == MetricKind::max) && !any)
+        a = std::numeric_limits<double>::quiet_NaN();
+      out.entries_.push_back({slots_[i].name, kind, value_of(kind, a, b), b});
+    }
+    return out;
+  }
+
+  /// Forgets every record and name (e.g. at the start of an epoch).
+  void clear() noexcept { slots_.clear(); }
+  /// Forgets the records but keeps the names, kinds and order.
+  void reset() noexcept {
+    for (Slot& s : slots_) s.a = s.b = 0;
+  }
+  [[nodiscard]] std::size_t size() const noexcept { return slots_.size(); }
+
+ private:
+  struct Slot {
+    std::string name;
+    MetricKind kind;
+    double a = 0;  // sum: total; mean: Σ value × weight; min/max: the extreme so far
+    double b = 0;  // mean: Σ weight; otherwise the number of records
+  };
+
+  Slot& slot(std::string_view name, MetricKind kind) {
+    for (Slot& s : slots_) {
+      if (s.name != name) continue;
+      if (s.kind != kind) {
+        detail::fail(Errc::invalid_argument, "Metrics: \"", name, "\" was recorded as a ",
+                     to_string(s.kind), " and now as a ", to_string(kind),
+                     "; a name keeps its kind (clear() forgets it)");
+      }
+      return s;
+    }
+    if (name.empty()) detail::fail(Errc::invalid_argument, "Metrics: a metric needs a name");
+    slots_.push_back({std::string(name), kind});
+    return slots_.back();
+  }
+
+  static double value_of(MetricKind kind, double a, double b) {
+    if (kind == MetricKind::mean) return b > 0 ? a / b : std::numeric_limits<double>::quiet_NaN();
+    if ((kind == MetricKind::min || kind == MetricKind::max) && b == 0)
+      return std::numeric_limits<double>::quiet_NaN();
+    return a;
+  }
+
+  static std::string_view to_string(MetricKind k) noexcept {
+    switch (k) {
+      case MetricKind::sum: return "sum";
+      case MetricKind::mean: return "mean";
+      case MetricKind::min: return "min";
+      case MetricKind::max: return "max";
+    }
+    return "?";
+  }
+
+  /// FNV-1a over the names and kinds, in order.
+  [[nodiscard]] std::uint64_t digest() const noexcept {
+    std::uint64_t h = 0xcbf29ce484222325ull;
+    const auto mix = [&](unsigned char c) {
+      h ^= c;
+      h *= 0x100000001b3ull;
+    };
+    for (const Slot& s : slots_) {
+      for (char c : s.name) mix(static_cast<unsigned char>(c));
+      mix(0);
+      mix(static_cast<unsigned char>(s.kind));
+    }
+    return h;
+  }
+
+  [[nodiscard]] std::string describe() const {
+    std::string s;
+    for (const Slot& x : slots_)
+      s += detail::concat(s.empty() ? "" : ", ", x.name, " (", to_string(x.kind), ")");
+    return s.empty() ? std::string("no metrics") : "this rank has " + s;
+  }
+
+  std::vector<Slot> slots_;
+};
+
+DDP_END_NAMESPACE
+// end ddp/metrics.hpp
 // #include "ddp/objects.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
 // begin ddp/spawn.hpp
