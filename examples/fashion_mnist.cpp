@@ -116,18 +116,19 @@ void run(ddp::Environment env, const Config& cfg) {
   const auto H = static_cast<std::size_t>(cfg.hidden);
   const std::size_t local_batch = static_cast<std::size_t>(cfg.batch / world);
   std::vector<float> h(H), dh(H), z(10);
-  if (rank == 0)
-    std::printf("training on %zu images with %d rank%s (%s), global batch %d, %zu test images\n",
-                n_train, world, world == 1 ? "" : "s",
-                std::string(comm.backend().transport()).c_str(), cfg.batch, test.size());
+  const ddp::Logger log(rank);  // rank 0 prints
+  log.print("training on %zu images with %d rank%s (%s), global batch %d, %zu test images", n_train,
+            world, world == 1 ? "" : "s", std::string(comm.backend().transport()).c_str(),
+            cfg.batch, test.size());
 
   for (int epoch = 0; epoch < cfg.epochs; ++epoch) {
     sampler.set_epoch(static_cast<std::uint64_t>(epoch));
     const float lr = cfg.lr * std::pow(cfg.decay, static_cast<float>(epoch));
     const auto mine = sampler.indices();
-    const auto t0 = std::chrono::steady_clock::now();
+    ddp::Progress bar(log, "epoch " + std::to_string(epoch + 1) + "/" + std::to_string(cfg.epochs),
+                      mine.size(), world);
     double loss_sum = 0;
-    std::size_t seen = 0, next_report = 0;
+    std::size_t seen = 0;
     for (std::size_t first = 0; first < mine.size(); first += local_batch) {
       const std::size_t count = std::min(local_batch, mine.size() - first);
       for (auto& p : model.params) std::fill(p.grad.begin(), p.grad.end(), 0.0f);
@@ -180,10 +181,9 @@ void run(ddp::Environment env, const Config& cfg) {
       for (auto& p : model.params)
         for (std::size_t k = 0; k < p.value.size(); ++k) p.value[k] -= lr * p.grad[k];
       seen += count;
-      if (rank == 0)
-        fashion_mnist::report_progress(epoch, cfg.epochs, seen, mine.size(), loss_sum, world, t0,
-                                       next_report);
+      bar.update(seen, {{"loss", loss_sum / static_cast<double>(seen)}});
     }
+    bar.finish();
     // Test accuracy: every test image exactly once over the ranks.
     std::size_t correct = 0;
     const auto part = eval.indices();
@@ -200,9 +200,9 @@ void run(ddp::Environment env, const Config& cfg) {
     metrics.mean("train_loss", n_seen == 0 ? 0.0 : loss_sum / n_seen, n_seen);
     const ddp::MetricValues reduced = metrics.reduce(comm);
     const double accuracy = reduced["accuracy"], train_loss = reduced["train_loss"];
+    log.print("epoch %d/%d: train loss %.4f, test accuracy %.2f%%", epoch + 1, cfg.epochs,
+              train_loss, 100 * accuracy);
     if (rank == 0) {
-      std::printf("epoch %d/%d: train loss %.4f, test accuracy %.2f%%\n", epoch + 1, cfg.epochs,
-                  train_loss, 100 * accuracy);
       std::vector<std::span<const float>> values;  // rank 0 only
       for (const auto& p : model.params) values.emplace_back(p.value);
       fashion_mnist::write_checkpoint(cfg.checkpoint, epoch + 1, cfg.hidden, values);

@@ -202,20 +202,4 @@ Split load(Comm& comm, const std::string& data, const std::string& cache, const 
   return parse_idx(read_file(cache + "/" + images), read_file(cache + "/" + labels));
 }
 
-/// Rank 0's progress line, four times an epoch: `seen` of this rank's `total` samples,
-/// `loss_sum` over them, since `t0`; moves `next_report` on.
-inline void report_progress(int epoch, int epochs, std::size_t seen, std::size_t total,
-                            double loss_sum, int world, std::chrono::steady_clock::time_point t0,
-                            std::size_t& next_report) {
-  if (seen < next_report) return;
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const int pct = static_cast<int>(100 * seen / total);
-  std::printf("epoch %d/%d [%-20s] %3d%%  loss %.4f  %.0f samples/s\n", epoch + 1, epochs,
-              std::string(static_cast<std::size_t>(pct / 5), '#').c_str(), pct,
-              loss_sum / static_cast<double>(seen),
-              static_cast<double>(seen) * world / std::max(secs, 1e-9));
-  std::fflush(stdout);
-  next_report += total / 4;
-}
-
 }  // namespace fashion_mnist

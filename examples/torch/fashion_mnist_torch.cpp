@@ -76,9 +76,9 @@ void run(const ddp::Environment& env, const Config& cfg, const char* name) {
   ddp::DistributedSampler sampler(n_train, world, rank, {.shuffle = true, .seed = 7});
   ddp::DistributedSampler eval(test.size(), world, rank, {.shuffle = false, .exact = true});
   const auto local_batch = static_cast<std::size_t>(cfg.batch / world);
-  if (rank == 0)
-    std::printf("training %s on %zu images with %d rank%s, global batch %d, %zu test images\n",
-                name, n_train, world, world == 1 ? "" : "s", cfg.batch, test.size());
+  const ddp::Logger log(rank);  // rank 0 prints
+  log.print("training %s on %zu images with %d rank%s, global batch %d, %zu test images", name,
+            n_train, world, world == 1 ? "" : "s", cfg.batch, test.size());
 
   for (int epoch = 0; epoch < cfg.epochs; ++epoch) {
     sampler.set_epoch(static_cast<std::uint64_t>(epoch));
@@ -86,9 +86,10 @@ void run(const ddp::Environment& env, const Config& cfg, const char* name) {
       static_cast<torch::optim::SGDOptions&>(group.options())
           .lr(cfg.lr * std::pow(cfg.decay, static_cast<double>(epoch)));
     const auto mine = sampler.indices();
-    const auto t0 = std::chrono::steady_clock::now();
+    ddp::Progress bar(log, "epoch " + std::to_string(epoch + 1) + "/" + std::to_string(cfg.epochs),
+                      mine.size(), world);
     double loss_sum = 0;
-    std::size_t seen = 0, next_report = 0;
+    std::size_t seen = 0;
     net->train();
     for (std::size_t first = 0; first < mine.size(); first += local_batch) {
       const std::size_t count = std::min(local_batch, mine.size() - first);
@@ -100,10 +101,9 @@ void run(const ddp::Environment& env, const Config& cfg, const char* name) {
       opt.step();
       loss_sum += loss.item<double>() * static_cast<double>(count);
       seen += count;
-      if (rank == 0)
-        fashion_mnist::report_progress(epoch, cfg.epochs, seen, mine.size(), loss_sum, world, t0,
-                                       next_report);
+      bar.update(seen, {{"loss", loss_sum / static_cast<double>(seen)}});
     }
+    bar.finish();
     // Test accuracy: every test image exactly once over the ranks.
     net->eval();
     std::size_t correct = 0;
@@ -125,9 +125,9 @@ void run(const ddp::Environment& env, const Config& cfg, const char* name) {
     metrics.mean("train_loss", n_seen == 0 ? 0.0 : loss_sum / n_seen, n_seen);
     const ddp::MetricValues reduced = metrics.reduce(comm);
     const double accuracy = reduced["accuracy"], train_loss = reduced["train_loss"];
+    log.print("epoch %d/%d: train loss %.4f, test accuracy %.2f%%", epoch + 1, cfg.epochs,
+              train_loss, 100 * accuracy);
     if (rank == 0) {
-      std::printf("epoch %d/%d: train loss %.4f, test accuracy %.2f%%\n", epoch + 1, cfg.epochs,
-                  train_loss, 100 * accuracy);
       const std::string tmp = cfg.checkpoint + ".tmp";
       torch::save(net, tmp);  // then renamed: a reader never sees half a checkpoint
       if (std::rename(tmp.c_str(), cfg.checkpoint.c_str()) != 0)

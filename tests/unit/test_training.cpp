@@ -1,11 +1,18 @@
 #include <ddp/gradient.hpp>
 #include <ddp/guard.hpp>
+#include <ddp/logging.hpp>
 #include <ddp/metrics.hpp>
 #include <ddp/sync_batch_norm.hpp>
 
 #include <doctest/doctest.h>
 
+#include <fcntl.h>
+#include <termios.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -399,4 +406,83 @@ TEST_CASE("training: Metrics refuses disagreeing ranks, unknown names and change
       MP_EXPECT(e.code() == ddp::Errc::invalid_argument, e.what());
     }
   });
+}
+
+namespace {
+/// What was written to a temporary file through `fd`.
+std::string written(int fd) {
+  std::string out(4096, '\0');
+  const ssize_t n = ::pread(fd, out.data(), out.size(), 0);
+  out.resize(n > 0 ? static_cast<std::size_t>(n) : 0);
+  return out;
+}
+}  // namespace
+
+TEST_CASE("training: Logger prints whole lines on rank 0 or on every rank with its prefix") {
+  char path[] = "/tmp/ddp-log-XXXXXX";
+  const int fd = ::mkstemp(path);
+  REQUIRE(fd >= 0);
+  ::unlink(path);
+  ddp::Logger(1, {.fd = fd}).print("rank %d says %s", 1, "nothing");
+  ddp::Logger(0, {.fd = fd}).print("epoch %d: %s", 3, "loss 0.25");
+  ddp::Logger(2, {.every_rank = true, .fd = fd}).print("%s", "mine");
+  ddp::Logger(0, {.fd = fd}).print("%s", std::string(300, 'x').c_str());  // past the small buffer
+  CHECK(written(fd) == "epoch 3: loss 0.25\n[r2] mine\n" + std::string(300, 'x') + "\n");
+  CHECK(!ddp::Logger(0, {.fd = fd}).terminal());
+  CHECK(!ddp::Logger(1).enabled());
+  ::close(fd);
+}
+
+TEST_CASE("training: Progress writes a line per quarter in a log, redraws on a terminal") {
+  char path[] = "/tmp/ddp-log-XXXXXX";
+  const int fd = ::mkstemp(path);
+  REQUIRE(fd >= 0);
+  ::unlink(path);
+  const ddp::Logger log(0, {.fd = fd});
+  {
+    ddp::Progress bar(log, "epoch 1/2", 1000, 4);
+    for (std::size_t done = 10; done <= 1000; done += 10) bar.update(done, {{"loss", 0.5}});
+    bar.finish();
+  }
+  const std::string out = written(fd);
+  CAPTURE(out);
+  CHECK(std::count(out.begin(), out.end(), '\n') == 4);
+  CHECK(out.find('\r') == std::string::npos);
+  for (const char* pct : {" 25%", " 50%", " 75%", "100%"})
+    CHECK(out.find(pct) != std::string::npos);
+  CHECK(out.rfind("epoch 1/2 [#####               ]  25%  ", 0) == 0);
+  CHECK(out.find("samples/s  loss 0.5\n") != std::string::npos);
+  // Stopped early: the final line says where.
+  REQUIRE(::ftruncate(fd, 0) == 0);
+  ::lseek(fd, 0, SEEK_SET);
+  { ddp::Progress(log, "short", 1000).update(100); }
+  CHECK(written(fd).find("short [##                  ]  10%") == 0);
+  ::close(fd);
+  // A terminal: one line redrawn with carriage returns, ended by finish().
+  const int master = ::posix_openpt(O_RDWR | O_NOCTTY);
+  REQUIRE(master >= 0);
+  REQUIRE(::grantpt(master) == 0);
+  REQUIRE(::unlockpt(master) == 0);
+  const int tty = ::open(::ptsname(master), O_RDWR | O_NOCTTY);
+  REQUIRE(tty >= 0);
+  termios raw{};
+  ::tcgetattr(tty, &raw);
+  ::cfmakeraw(&raw);
+  ::tcsetattr(tty, TCSANOW, &raw);
+  const ddp::Logger term(0, {.fd = tty});
+  CHECK(term.terminal());
+  {
+    ddp::Progress bar(term, "tty", 100);
+    bar.update(100);
+    bar.finish();
+  }
+  char buf[512];
+  const ssize_t n = ::read(master, buf, sizeof buf);
+  REQUIRE(n > 0);
+  const std::string drawn(buf, static_cast<std::size_t>(n));
+  CAPTURE(drawn);
+  CHECK(drawn.rfind("\rtty [####################] 100%", 0) == 0);
+  CHECK(drawn.back() == '\n');
+  ::close(tty);
+  ::close(master);
 }
