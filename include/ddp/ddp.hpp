@@ -36,6 +36,7 @@
 #include "ddp/environment.hpp"
 #include "ddp/gradient.hpp"
 #include "ddp/guard.hpp"
+#include "ddp/join.hpp"
 #include "ddp/logging.hpp"
 #include "ddp/metrics.hpp"
 #include "ddp/objects.hpp"

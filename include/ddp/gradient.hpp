@@ -23,6 +23,8 @@
 ///    transport's own copies, so compression adds no pass over memory).
 ///  * found_nonfinite(): whether any rank has an inf or NaN gradient, the same answer everywhere
 ///    (for dynamic loss scaling).
+///  * It is a Joinable (ddp/join.hpp): with uneven inputs, ranks that finish early shadow its
+///    all_reduces, and the average is over the ranks that trained the step.
 ///
 /// A Model is a range of parameters (or has parameters() returning one); a parameter has a value
 /// and a gradient, both tensors with the same floating-point element type: members `value` and
@@ -36,6 +38,7 @@
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 #include "ddp/error.hpp"
+#include "ddp/join.hpp"
 #include "ddp/tensor.hpp"
 #include "ddp/types.hpp"
 
@@ -317,6 +320,10 @@ class AveragerBase {
   [[nodiscard]] virtual bool in_no_sync() const noexcept = 0;
   [[nodiscard]] virtual AveragerNoSync no_sync() = 0;
   [[nodiscard]] virtual bool found_nonfinite() = 0;
+  virtual void join_attach(bool on) = 0;
+  virtual void join_active(int active) = 0;
+  virtual void join_step(int active) = 0;
+  virtual void join_done(int last) = 0;
 };
 
 /// GradientAverager's work, for gradients of element type T (see the file comment).
@@ -411,6 +418,7 @@ class TypedAverager final : public AveragerBase {
   void synchronize() override {
     if (no_sync_) return;
     if (!in_step_) begin_step();
+    check_joined_step();
     launch_rest();
     for (auto& b : buckets_) {
       if (!b.work) continue;  // part of a coalesced launch
@@ -419,11 +427,13 @@ class TypedAverager final : public AveragerBase {
       w.wait();
     }
     for (auto& b : buckets_) {
+      if (join_) divide(b);
       unpack(b);
       b.ready = 0;
     }
     next_ = 0;
     in_step_ = false;
+    stepped_ = false;
     std::fill(ready_.begin(), ready_.end(), false);
   }
 
@@ -729,6 +739,7 @@ class TypedAverager final : public AveragerBase {
   }
 
   void launch(std::size_t k) {
+    check_joined_step();
     Bucket& b = buckets_[k];
     look_up_missing(b);
     if (b.in_place) {
@@ -753,19 +764,74 @@ class TypedAverager final : public AveragerBase {
     b.work.emplace(average_async(b.flat));
   }
 
-  // The asynchronous average of one bucket's buffer, compressed as the options say.
+  // The asynchronous average of one bucket's buffer, compressed as the options say. In a Join,
+  // the sum (divided by the ranks that trained the step in synchronize()).
   template <class Buffer>
   Work average_async(Buffer& buf) {
+    const ReduceOp op = join_ ? ReduceOp::sum : ReduceOp::avg;
     switch (o_.compression) {
-      case Compression::float16:
-        return comm_->template all_reduce_as_async<half>(buf, ReduceOp::avg);
-      case Compression::bfloat16:
-        return comm_->template all_reduce_as_async<bfloat16>(buf, ReduceOp::avg);
+      case Compression::float16: return comm_->template all_reduce_as_async<half>(buf, op);
+      case Compression::bfloat16: return comm_->template all_reduce_as_async<bfloat16>(buf, op);
       case Compression::none: break;
     }
-    return comm_->all_reduce_async(buf, ReduceOp::avg);
+    return comm_->all_reduce_async(buf, op);
   }
 
+  // In a Join: the sums of bucket b become averages over the ranks that trained this step.
+  void divide(Bucket& b) {
+    const auto by = static_cast<typename detail::Accum<T>::type>(active_);
+    const auto apply = [&](T* d, std::size_t n) {
+      for (std::size_t k = 0; k < n; ++k)
+        d[k] = static_cast<T>(static_cast<typename detail::Accum<T>::type>(d[k]) / by);
+    };
+    if (b.in_place)
+      apply(grads_[b.params.front()].data, b.elements);
+    else
+      apply(b.flat.data(), b.elements);
+  }
+
+  void check_joined_step() {
+    if (join_ && !stepped_)
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                   ": GradientAverager: inside a ddp::Join, call join.step() once per optimizer "
+                   "step, before its backward pass (the finished ranks count on it)");
+  }
+
+ public:
+  void join_attach(bool on) override {
+    if (on && (device_buckets_ || cuda_))
+      detail::fail(Errc::unsupported, "rank ", comm_->rank(),
+                   ": ddp::Join: GradientAverager with gradients in CUDA memory cannot join yet "
+                   "(host gradients on backend::Host and backend::Mpi can)");
+    if (next_ != 0)
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                   ": ddp::Join: buckets of this step were already started; make the Join "
+                   "between steps");
+    join_ = on;
+    stepped_ = false;
+  }
+  void join_active(int active) override {
+    active_ = active;
+    stepped_ = true;
+  }
+  // A finished rank shadows one step: each bucket's all_reduce, in order, with zeros.
+  void join_step(int) override {
+    for (const Bucket& b : buckets_) {
+      shadow_.assign(b.elements, T{});
+      average_async(shadow_).wait();
+    }
+  }
+  // Every rank has finished: the parameters of the rank that trained longest, everywhere (the
+  // others stopped updating theirs when their inputs ran out).
+  void join_done(int last) override {
+    std::size_t i = 0;
+    for (auto&& p : detail::model_parameters(*model_)) {
+      auto v = typed_view<T>(detail::param_value(p), comm_->rank(), i++, "value");
+      comm_->broadcast(v, last);
+    }
+  }
+
+ private:
   void unpack(Bucket& b) {
     if (b.in_place) {
       if (cuda_) detail::sync_stream(true, grads_[b.params.front()].stream);
@@ -793,6 +859,10 @@ class TypedAverager final : public AveragerBase {
   bool cuda_ = false;            // the parameters are on a CUDA device
   int device_ = 0;               // ... this one
   bool device_buckets_ = false;  // the backend moves CUDA memory: buckets live on the device
+  bool join_ = false;            // inside a ddp::Join: sums, divided by active_
+  bool stepped_ = false;         // join.step() was called for the current step
+  int active_ = 0;               // ranks that train the current step (join.step())
+  std::vector<T> shadow_;        // zeros a finished rank contributes
   std::size_t next_ = 0;         // the next bucket to launch
   bool no_sync_ = false;
   bool in_step_ = false;  // buffers looked up for the current step
@@ -804,7 +874,7 @@ class TypedAverager final : public AveragerBase {
 /// gradients are typed at compile time or at run time (a framework's tensors: the element type
 /// is read from the first gradient when the averager is made).
 template <Model M, class Backend>
-class GradientAverager {
+class GradientAverager : public Joinable {
   using Param = std::ranges::range_value_t<decltype(detail::model_parameters(std::declval<M&>()))>;
   template <class T>
   using Typed = detail::TypedAverager<T, M, Backend>;
@@ -883,6 +953,27 @@ class GradientAverager {
   /// Whether any rank's gradients hold an inf or a NaN (after synchronize(): every rank holds the
   /// same averages, so every rank also gets the same answer). Collective.
   [[nodiscard]] bool found_nonfinite() { return impl_->found_nonfinite(); }
+
+  /// Joinable (ddp::Join, uneven inputs): in a Join, gradients are summed and divided by the
+  /// number of ranks that trained the step; a finished rank shadows each bucket's all_reduce
+  /// with zeros and, for a model with buffers, their broadcast from rank 0; when every rank has
+  /// finished, every rank gets the parameters of the rank that trained longest.
+  void join_attach(bool on) override { impl_->join_attach(on); }
+  void join_active(int active) override { impl_->join_active(active); }
+  void join_step(int active) override {
+    impl_->join_step(active);
+    if constexpr (detail::has_buffers<M>) {
+      if (o_.broadcast_buffers) broadcast_buffers();
+    }
+  }
+  /// Every rank has finished: the parameters (and buffers) of `last`, the rank that trained
+  /// longest, are copied to every rank (torch's DDP join hook does the same).
+  void join_done(int last) override {
+    impl_->join_done(last);
+    if constexpr (detail::has_buffers<M>) {
+      for (auto&& b : model_->buffers()) comm_->broadcast(b, last);
+    }
+  }
 
  private:
   // The element type of run-time-typed gradients: the first gradient's (a model without

@@ -12050,6 +12050,8 @@ DDP_END_NAMESPACE
 ///    transport's own copies, so compression adds no pass over memory).
 ///  * found_nonfinite(): whether any rank has an inf or NaN gradient, the same answer everywhere
 ///    (for dynamic loss scaling).
+///  * It is a Joinable (ddp/join.hpp): with uneven inputs, ranks that finish early shadow its
+///    all_reduces, and the average is over the ranks that trained the step.
 ///
 /// A Model is a range of parameters (or has parameters() returning one); a parameter has a value
 /// and a gradient, both tensors with the same floating-point element type: members `value` and
@@ -12063,6 +12065,179 @@ DDP_END_NAMESPACE
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 // #include "ddp/error.hpp" (already included above)
+// begin ddp/join.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Uneven inputs (torch's Join context, Horovod's hvd.join): ranks whose data runs out early keep
+/// answering the collectives of the ranks still training, with contributions that change nothing,
+/// so that a job whose ranks have different numbers of batches finishes without a hang.
+///
+///     ddp::GradientAverager avg(comm, model);
+///     {
+///       ddp::Join join(comm, {&avg});          // collective: every rank
+///       for (auto batch : my_batches) {        // as many as this rank has
+///         join.step();                         // before each optimizer step's backward
+///         forward_backward(model, batch);
+///         avg.synchronize();                   // the average over the ranks still training
+///         sgd_step(model);
+///       }
+///       join.finish();                         // (or the destructor) answers the others
+///     }
+///
+/// Each step() is one small all_reduce that counts the ranks still training. A rank that called
+/// finish() takes part in that count with 0 and, while the count is not 0, runs each Joinable's
+/// join_step(): the collectives one step issues, with zeros. GradientAverager is a Joinable: in a
+/// Join it sums the gradients and divides by the number of ranks that trained the step, so the
+/// average is over the ranks that contributed (torch's divide_by_initial_world_size=False), and
+/// a rank that finished shadows each bucket's all_reduce and the buffers' broadcast; once every
+/// rank has finished, every rank gets the parameters of the rank that trained longest. Your own
+/// per-step collectives join the same way: derive from Joinable and issue them, with neutral
+/// contributions, in join_step(). Collectives a step issues that no Joinable shadows (e.g. a
+/// found_nonfinite() call) would meet a finished rank's count instead: Errc::mismatch on backends
+/// that compare fingerprints (backend::Host), so make them Joinables too.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/string.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/process_group.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <cmath>
+#include <exception>
+#include <initializer_list>
+#include <span>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// Something whose per-step collectives a Join shadows on ranks that have finished.
+class Joinable {
+ public:
+  virtual ~Joinable() = default;
+  /// On a finished rank, once per step of the ranks still training (`active` of them): issue
+  /// the collectives one step issues, with contributions that change nothing (zeros for a sum).
+  virtual void join_step(int active) = 0;
+  /// On a rank still training, at each Join::step(): `active` ranks train this step.
+  virtual void join_active(int /*active*/) {}
+  /// The Join begins (true, at its construction) or ends (false), on every rank.
+  virtual void join_attach(bool /*on*/) {}
+  /// Every rank has finished (collective, on every rank, before join_attach(false)). `last`:
+  /// the rank that trained the most steps (the highest such rank), the same on every rank, whose
+  /// state the others may want (GradientAverager copies its parameters to every rank).
+  virtual void join_done(int /*last*/) {}
+};
+
+/// Uneven inputs: see the file comment. Comm is any ProcessGroup (a Communicator<Backend>).
+template <ProcessGroup Comm>
+class Join {
+ public:
+  /// Collective: every rank makes it, with the same Joinables in the same order.
+  Join(Comm& comm, std::initializer_list<Joinable*> joinables)
+      : comm_(&comm), joinables_(joinables) {
+    for (Joinable* j : joinables_) {
+      if (j == nullptr)
+        detail::fail(Errc::invalid_argument, "rank ", comm.rank(), ": Join: a Joinable is null");
+    }
+    std::size_t attached = 0;
+    try {
+      for (Joinable* j : joinables_) {
+        j->join_attach(true);
+        ++attached;
+      }
+    } catch (...) {
+      for (std::size_t i = 0; i < attached; ++i) detach(joinables_[i]);
+      throw;
+    }
+  }
+  Join(const Join&) = delete;
+  Join& operator=(const Join&) = delete;
+  /// finish(), unless an exception is on its way out (then only the Joinables are released: the
+  /// other ranks learn of the failure from the communicator).
+  ~Join() noexcept(false) {
+    if (finished_) return;
+    if (std::uncaught_exceptions() > uncaught_) {
+      for (Joinable* j : joinables_) detach(j);
+      return;
+    }
+    finish();
+  }
+
+  /// Collective with the finished ranks: a step begins on this rank. Returns how many ranks
+  /// train it (this one included). Call it once per optimizer step, before its backward pass.
+  int step() {
+    if (finished_)
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                   ": Join::step() after finish(): this rank said its inputs were done");
+    active_ = count(1.0);
+    ++steps_;
+    for (Joinable* j : joinables_) j->join_active(active_);
+    return active_;
+  }
+
+  /// This rank's inputs are done: answers the steps of the ranks still training until every
+  /// rank has finished. Collective.
+  void finish() {
+    if (finished_) return;
+    finished_ = true;
+    try {
+      for (;;) {
+        const int n = count(0.0);
+        if (n == 0) break;
+        ++shadowed_;
+        for (Joinable* j : joinables_) j->join_step(n);
+      }
+      // The rank that trained longest: steps * size + rank, the largest over the ranks.
+      double key = static_cast<double>(steps_) * comm_->size() + comm_->rank();
+      comm_->all_reduce_host(std::span<double>(&key, 1), ReduceOp::max);
+      last_ = static_cast<int>(std::fmod(key, static_cast<double>(comm_->size())));
+      for (Joinable* j : joinables_) j->join_done(last_);
+    } catch (...) {
+      for (Joinable* j : joinables_) detach(j);
+      throw;
+    }
+    for (Joinable* j : joinables_) j->join_attach(false);
+  }
+
+  /// How many ranks trained this rank's last step.
+  [[nodiscard]] int active() const noexcept { return active_; }
+  /// Steps this rank trained, and steps of others it shadowed after finishing.
+  [[nodiscard]] std::size_t steps() const noexcept { return steps_; }
+  [[nodiscard]] std::size_t shadowed() const noexcept { return shadowed_; }
+  /// After finish(): the rank that trained the most steps (see Joinable::join_done).
+  [[nodiscard]] int last() const noexcept { return last_; }
+
+ private:
+  int count(double mine) {
+    double v = mine;
+    comm_->all_reduce_host(std::span<double>(&v, 1), ReduceOp::sum);
+    if (!(v >= 0) || v > comm_->size())
+      detail::fail(Errc::protocol, "rank ", comm_->rank(), ": Join: ", v,
+                   " ranks said they train this step, of ", comm_->size());
+    return static_cast<int>(v);
+  }
+  static void detach(Joinable* j) noexcept {
+    try {
+      j->join_attach(false);
+    } catch (...) {  // releasing must not fail on top of the failure in flight
+    }
+  }
+
+  Comm* comm_;
+  std::vector<Joinable*> joinables_;
+  int uncaught_ = std::uncaught_exceptions();
+  int active_ = 0;
+  int last_ = -1;
+  std::size_t steps_ = 0, shadowed_ = 0;
+  bool finished_ = false;
+};
+
+DDP_END_NAMESPACE
+// end ddp/join.hpp
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
@@ -12344,6 +12519,10 @@ class AveragerBase {
   [[nodiscard]] virtual bool in_no_sync() const noexcept = 0;
   [[nodiscard]] virtual AveragerNoSync no_sync() = 0;
   [[nodiscard]] virtual bool found_nonfinite() = 0;
+  virtual void join_attach(bool on) = 0;
+  virtual void join_active(int active) = 0;
+  virtual void join_step(int active) = 0;
+  virtual void join_done(int last) = 0;
 };
 
 /// GradientAverager's work, for gradients of element type T (see the file comment).
@@ -12438,6 +12617,7 @@ class TypedAverager final : public AveragerBase {
   void synchronize() override {
     if (no_sync_) return;
     if (!in_step_) begin_step();
+    check_joined_step();
     launch_rest();
     for (auto& b : buckets_) {
       if (!b.work) continue;  // part of a coalesced launch
@@ -12446,11 +12626,13 @@ class TypedAverager final : public AveragerBase {
       w.wait();
     }
     for (auto& b : buckets_) {
+      if (join_) divide(b);
       unpack(b);
       b.ready = 0;
     }
     next_ = 0;
     in_step_ = false;
+    stepped_ = false;
     std::fill(ready_.begin(), ready_.end(), false);
   }
 
@@ -12756,6 +12938,7 @@ class TypedAverager final : public AveragerBase {
   }
 
   void launch(std::size_t k) {
+    check_joined_step();
     Bucket& b = buckets_[k];
     look_up_missing(b);
     if (b.in_place) {
@@ -12780,19 +12963,74 @@ class TypedAverager final : public AveragerBase {
     b.work.emplace(average_async(b.flat));
   }
 
-  // The asynchronous average of one bucket's buffer, compressed as the options say.
+  // The asynchronous average of one bucket's buffer, compressed as the options say. In a Join,
+  // the sum (divided by the ranks that trained the step in synchronize()).
   template <class Buffer>
   Work average_async(Buffer& buf) {
+    const ReduceOp op = join_ ? ReduceOp::sum : ReduceOp::avg;
     switch (o_.compression) {
-      case Compression::float16:
-        return comm_->template all_reduce_as_async<half>(buf, ReduceOp::avg);
-      case Compression::bfloat16:
-        return comm_->template all_reduce_as_async<bfloat16>(buf, ReduceOp::avg);
+      case Compression::float16: return comm_->template all_reduce_as_async<half>(buf, op);
+      case Compression::bfloat16: return comm_->template all_reduce_as_async<bfloat16>(buf, op);
       case Compression::none: break;
     }
-    return comm_->all_reduce_async(buf, ReduceOp::avg);
+    return comm_->all_reduce_async(buf, op);
   }
 
+  // In a Join: the sums of bucket b become averages over the ranks that trained this step.
+  void divide(Bucket& b) {
+    const auto by = static_cast<typename detail::Accum<T>::type>(active_);
+    const auto apply = [&](T* d, std::size_t n) {
+      for (std::size_t k = 0; k < n; ++k)
+        d[k] = static_cast<T>(static_cast<typename detail::Accum<T>::type>(d[k]) / by);
+    };
+    if (b.in_place)
+      apply(grads_[b.params.front()].data, b.elements);
+    else
+      apply(b.flat.data(), b.elements);
+  }
+
+  void check_joined_step() {
+    if (join_ && !stepped_)
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                   ": GradientAverager: inside a ddp::Join, call join.step() once per optimizer "
+                   "step, before its backward pass (the finished ranks count on it)");
+  }
+
+ public:
+  void join_attach(bool on) override {
+    if (on && (device_buckets_ || cuda_))
+      detail::fail(Errc::unsupported, "rank ", comm_->rank(),
+                   ": ddp::Join: GradientAverager with gradients in CUDA memory cannot join yet "
+                   "(host gradients on backend::Host and backend::Mpi can)");
+    if (next_ != 0)
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                   ": ddp::Join: buckets of this step were already started; make the Join "
+                   "between steps");
+    join_ = on;
+    stepped_ = false;
+  }
+  void join_active(int active) override {
+    active_ = active;
+    stepped_ = true;
+  }
+  // A finished rank shadows one step: each bucket's all_reduce, in order, with zeros.
+  void join_step(int) override {
+    for (const Bucket& b : buckets_) {
+      shadow_.assign(b.elements, T{});
+      average_async(shadow_).wait();
+    }
+  }
+  // Every rank has finished: the parameters of the rank that trained longest, everywhere (the
+  // others stopped updating theirs when their inputs ran out).
+  void join_done(int last) override {
+    std::size_t i = 0;
+    for (auto&& p : detail::model_parameters(*model_)) {
+      auto v = typed_view<T>(detail::param_value(p), comm_->rank(), i++, "value");
+      comm_->broadcast(v, last);
+    }
+  }
+
+ private:
   void unpack(Bucket& b) {
     if (b.in_place) {
       if (cuda_) detail::sync_stream(true, grads_[b.params.front()].stream);
@@ -12820,6 +13058,10 @@ class TypedAverager final : public AveragerBase {
   bool cuda_ = false;            // the parameters are on a CUDA device
   int device_ = 0;               // ... this one
   bool device_buckets_ = false;  // the backend moves CUDA memory: buckets live on the device
+  bool join_ = false;            // inside a ddp::Join: sums, divided by active_
+  bool stepped_ = false;         // join.step() was called for the current step
+  int active_ = 0;               // ranks that train the current step (join.step())
+  std::vector<T> shadow_;        // zeros a finished rank contributes
   std::size_t next_ = 0;         // the next bucket to launch
   bool no_sync_ = false;
   bool in_step_ = false;  // buffers looked up for the current step
@@ -12831,7 +13073,7 @@ class TypedAverager final : public AveragerBase {
 /// gradients are typed at compile time or at run time (a framework's tensors: the element type
 /// is read from the first gradient when the averager is made).
 template <Model M, class Backend>
-class GradientAverager {
+class GradientAverager : public Joinable {
   using Param = std::ranges::range_value_t<decltype(detail::model_parameters(std::declval<M&>()))>;
   template <class T>
   using Typed = detail::TypedAverager<T, M, Backend>;
@@ -12910,6 +13152,27 @@ class GradientAverager {
   /// Whether any rank's gradients hold an inf or a NaN (after synchronize(): every rank holds the
   /// same averages, so every rank also gets the same answer). Collective.
   [[nodiscard]] bool found_nonfinite() { return impl_->found_nonfinite(); }
+
+  /// Joinable (ddp::Join, uneven inputs): in a Join, gradients are summed and divided by the
+  /// number of ranks that trained the step; a finished rank shadows each bucket's all_reduce
+  /// with zeros and, for a model with buffers, their broadcast from rank 0; when every rank has
+  /// finished, every rank gets the parameters of the rank that trained longest.
+  void join_attach(bool on) override { impl_->join_attach(on); }
+  void join_active(int active) override { impl_->join_active(active); }
+  void join_step(int active) override {
+    impl_->join_step(active);
+    if constexpr (detail::has_buffers<M>) {
+      if (o_.broadcast_buffers) broadcast_buffers();
+    }
+  }
+  /// Every rank has finished: the parameters (and buffers) of `last`, the rank that trained
+  /// longest, are copied to every rank (torch's DDP join hook does the same).
+  void join_done(int last) override {
+    impl_->join_done(last);
+    if constexpr (detail::has_buffers<M>) {
+      for (auto&& b : model_->buffers()) comm_->broadcast(b, last);
+    }
+  }
 
  private:
   // The element type of run-time-typed gradients: the first gradient's (a model without
@@ -13029,6 +13292,7 @@ class ZeroFirstGuard {
 
 DDP_END_NAMESPACE
 // end ddp/guard.hpp
+// #include "ddp/join.hpp" (already included above)
 // begin ddp/logging.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
