@@ -225,6 +225,40 @@ TEST_CASE("GradientAverager works unchanged on backend::Mpi") {
   });
 }
 
+TEST_CASE("Join: uneven inputs on backend::Mpi, averaged over the ranks that trained each step") {
+  on_world([](Mpi& comm) {
+    const int r = comm.rank(), p = comm.size();
+    std::vector<Param> model;
+    for (std::size_t n : {std::size_t{100000}, std::size_t{5}})
+      model.push_back({std::vector<float>(n, 1.0f), std::vector<float>(n)});
+    ddp::GradientAverager avg(comm, model);
+    const auto steps = [](int rank) { return 2 + 2 * rank; };  // 2, 4, 6, 8: up to 4x
+    ddp::Join join(comm, {&avg});
+    for (int s = 0; s < steps(r); ++s) {
+      const int active = join.step();
+      int want = 0, sum = 0;
+      for (int j = 0; j < p; ++j) {
+        want += steps(j) > s;
+        if (steps(j) > s) sum += j + 1;
+      }
+      MP_EXPECT(active == want, "step " << s << ": " << active);
+      for (auto& prm : model)
+        std::fill(prm.grad.begin(), prm.grad.end(), static_cast<float>(r + 1));
+      avg.average();
+      const float mean = static_cast<float>(sum) / static_cast<float>(active);
+      for (auto& prm : model) {
+        MP_EXPECT(prm.grad.front() == mean && prm.grad.back() == mean,
+                  "step " << s << ": " << prm.grad.front() << ", expected " << mean);
+        for (float& v : prm.value) v -= 0.25f * prm.grad.front();
+      }
+    }
+    join.finish();
+    MP_EXPECT(join.last() == p - 1, join.last());
+    const auto all = comm.all_gather_object(static_cast<double>(model[0].value[7]));
+    for (double v : all) MP_EXPECT(v == all[0], "ranks ended with different parameters");
+  });
+}
+
 int main(int argc, char** argv) {
   cases::bitwise_floats = false;  // MPI chooses the order in which ranks are combined
   const std::string mode = ddp::detail::EnvReader().get("DDP_MPI_TEST_MODE");
