@@ -77,8 +77,8 @@ struct Options {
   /// 0, the default: from 64 KiB rank 0 times both paths for each size and takes the faster,
   /// retrying the other now and then (which wins depends on the size and on the machine's state:
   /// bench/README.md, "Shared memory at mid sizes"); the results are the same bits either way.
-  /// Options::never: off ($DDP_SHM_SINGLE_COPY: a number of bytes, or off). Every rank must use
-  /// the same value.
+  /// A number: single copy always from that many bytes. Options::never: off
+  /// ($DDP_SHM_SINGLE_COPY: auto, a number of bytes, or off). Every rank must use the same value.
   std::size_t shm_single_copy_bytes = 0;
   static constexpr std::size_t never = ~std::size_t{0};
   /// The rendezvous store runs elsewhere: rank 0 does not start one. Launchers that host the
@@ -152,11 +152,12 @@ struct Options {
     apply([&] {
       if (o.shm_single_copy_bytes != 0) return;
       const std::string v = env.get("DDP_SHM_SINGLE_COPY");
+      if (v == "auto") return;  // 0: the default
       o.shm_single_copy_bytes =
           v == "off" ? never
                      : static_cast<std::size_t>(
                            env.whole_number("DDP_SHM_SINGLE_COPY", 1, std::uint64_t{1} << 40,
-                                            "a number of bytes in [1, 2^40], or off")
+                                            "a number of bytes in [1, 2^40], auto or off")
                                .value_or(0));
     });
     apply([&] {

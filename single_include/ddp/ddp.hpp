@@ -1956,8 +1956,8 @@ struct Options {
   /// 0, the default: from 64 KiB rank 0 times both paths for each size and takes the faster,
   /// retrying the other now and then (which wins depends on the size and on the machine's state:
   /// bench/README.md, "Shared memory at mid sizes"); the results are the same bits either way.
-  /// Options::never: off ($DDP_SHM_SINGLE_COPY: a number of bytes, or off). Every rank must use
-  /// the same value.
+  /// A number: single copy always from that many bytes. Options::never: off
+  /// ($DDP_SHM_SINGLE_COPY: auto, a number of bytes, or off). Every rank must use the same value.
   std::size_t shm_single_copy_bytes = 0;
   static constexpr std::size_t never = ~std::size_t{0};
   /// The rendezvous store runs elsewhere: rank 0 does not start one. Launchers that host the
@@ -2031,11 +2031,12 @@ struct Options {
     apply([&] {
       if (o.shm_single_copy_bytes != 0) return;
       const std::string v = env.get("DDP_SHM_SINGLE_COPY");
+      if (v == "auto") return;  // 0: the default
       o.shm_single_copy_bytes =
           v == "off" ? never
                      : static_cast<std::size_t>(
                            env.whole_number("DDP_SHM_SINGLE_COPY", 1, std::uint64_t{1} << 40,
-                                            "a number of bytes in [1, 2^40], or off")
+                                            "a number of bytes in [1, 2^40], auto or off")
                                .value_or(0));
     });
     apply([&] {
@@ -3250,6 +3251,7 @@ DDP_END_NAMESPACE
 #include <concepts>
 #include <cstddef>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <span>
 #include <string>
@@ -3291,8 +3293,13 @@ struct BackendInit {
 /// with the same value count as one host (they must share /dev/shm and pids), ranks with
 /// different values as different hosts, whatever machine they run on.
 [[nodiscard]] inline std::string host_identity() {
-  if (const char* forced = std::getenv("DDP_HOST_ID"); forced != nullptr && *forced != '\0')
+  if (const char* forced = std::getenv("DDP_HOST_ID"); forced != nullptr && *forced != '\0') {
+    const std::size_t n = std::strlen(forced);
+    if (n > 1024)
+      fail(Errc::invalid_argument, "DDP_HOST_ID is ", n,
+           " characters long; at most 1024 (any string, the same on the ranks of one host)");
     return std::string("DDP_HOST_ID=") + forced;
+  }
   char name[256] = {};
   (void)::gethostname(name, sizeof name - 1);
   std::string id = name;
@@ -10052,7 +10059,13 @@ class Host {
                                                                                 : "automatic");
       const auto seg = r.get<std::uint64_t>();
       segments.push_back(seg == 0 ? std::string("the default") : std::to_string(seg));
-      hierarchies.push_back(std::to_string(r.get<std::uint8_t>()));
+      const auto h = r.get<std::uint8_t>();
+      hierarchies.push_back(h == static_cast<std::uint8_t>(HostHierarchy::flat)      ? "flat"
+                            : h == static_cast<std::uint8_t>(HostHierarchy::slices)  ? "slices"
+                            : h == static_cast<std::uint8_t>(HostHierarchy::leaders) ? "leaders"
+                            : h == static_cast<std::uint8_t>(HostHierarchy::automatic)
+                                ? "auto"
+                                : std::to_string(h));
       machines.push_back(r.str(256));
       const auto single = r.get<std::uint64_t>();
       singles.push_back(single == 0                ? std::string("the default")
@@ -10235,6 +10248,37 @@ class Host {
     return o.segment_bytes != 0 ? o.segment_bytes : fallback;
   }
 
+  /// Waits for `keys` in `store` (this host's members publish them while the shm transport is
+  /// set up), checking every 50 ms that those members' processes (`pids`, communicator ranks
+  /// `members`) are alive: one that died fails this rank at once with Errc::peer_lost naming it,
+  /// instead of at the timeout. Errc::timeout naming the missing keys after `timeout`.
+  void wait_for_members(Store& store, const std::vector<std::string>& keys,
+                        const std::vector<int>& members, const std::vector<int>& pids,
+                        std::chrono::milliseconds timeout, const char* what) {
+    detail::ProcessWatch watch;
+    for (std::size_t j = 0; j < members.size(); ++j) {
+      if (members[j] != rank_) watch.add(members[j], pids[j]);
+    }
+    const auto deadline = detail::Clock::now() + timeout;
+    for (;;) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - detail::Clock::now());
+      const auto missing = store.missing_after(
+          keys, std::clamp(left, std::chrono::milliseconds(1), std::chrono::milliseconds(50)));
+      if (missing.empty()) return;
+      if (const int dead = watch.first_dead(); dead >= 0) {
+        detail::fail(Errc::peer_lost, "rank ", rank_, ": Communicator::init: rank ", dead,
+                     " died (its process exited) while ", what,
+                     "; the job cannot start: restart it (a launcher with --max-restarts does)");
+      }
+      if (left.count() <= 0) {
+        detail::fail(Errc::timeout, "rank ", rank_, ": Communicator::init: timed out after ",
+                     timeout.count(), " ms while ", what, " (still missing: ", missing.front(),
+                     missing.size() > 1 ? " and others" : "", "); a rank of this host is stuck");
+      }
+    }
+  }
+
   /// Largest shm slot: a round moves at most one slot, and rounds this large already run at
   /// memory speed, so larger requests are clamped here rather than reserve memory nobody reads.
   static constexpr std::size_t max_shm_slot = std::size_t{64} << 20;
@@ -10290,13 +10334,17 @@ class Host {
       // all have mapped it (the segment never has a name: a crash leaves nothing behind).
       std::vector<std::string> mapped;
       for (int j = 1; j < n; ++j) mapped.push_back(detail::concat("mapped/", j));
-      const auto missing = store.missing_after(mapped, o.timeout);
-      segment->close_descriptor();
-      if (!missing.empty()) {
-        detail::fail(Errc::timeout, "rank ", first, ": ", missing.size(),
-                     " rank(s) did not map the shared memory segment in time");
+      try {
+        wait_for_members(store, mapped, members, pids, o.timeout,
+                         "the ranks of this host map the shared memory segment");
+      } catch (...) {
+        segment->close_descriptor();
+        throw;
       }
+      segment->close_descriptor();
     } else {
+      wait_for_members(store, {"shm"}, members, pids, o.timeout,
+                       "waiting for the shared memory segment of this host's first rank");
       const std::string rec = store.get("shm");
       detail::ByteReader r(rec, "shm record");
       if (r.get<std::uint8_t>() == 0) return nullptr;  // the first member fell back to tcp
@@ -10323,6 +10371,13 @@ class Host {
     if (n == size_) choose_path_ = o.shm_single_copy_bytes == 0;
     if (n > 1 && from != Options::never) {
       store.set(detail::concat("probe/", me), std::to_string(t->probe_address()));
+      std::vector<std::string> probes, answers;
+      for (int j = 0; j < n; ++j) {
+        probes.push_back(detail::concat("probe/", j));
+        answers.push_back(detail::concat("single-copy/", j));
+      }
+      wait_for_members(store, probes, members, pids, o.timeout,
+                       "the ranks of this host check whether they can read each other's memory");
       bool can = true;
       for (int j = 0; j < n; ++j) {
         if (j == me) continue;
@@ -10332,6 +10387,8 @@ class Host {
         can = end != addr.c_str() && *end == '\0' && t->probe_single_copy(j, a) && can;
       }
       store.set(detail::concat("single-copy/", me), can ? "1" : "0");
+      wait_for_members(store, answers, members, pids, o.timeout,
+                       "the ranks of this host agree on single copy");
       bool all = true;
       for (int j = 0; j < n; ++j) all = store.get(detail::concat("single-copy/", j)) == "1" && all;
       if (all) t->use_single_copy(from);

@@ -311,6 +311,8 @@ TEST_CASE("DDP_SHM_SINGLE_COPY: a number of bytes or off, anything else named") 
   CHECK(ddp::Options::from_env().shm_single_copy_bytes == 0u);  // the default
   ::setenv("DDP_SHM_SINGLE_COPY", "4096", 1);
   CHECK(ddp::Options::from_env().shm_single_copy_bytes == 4096u);
+  ::setenv("DDP_SHM_SINGLE_COPY", "auto", 1);
+  CHECK(ddp::Options::from_env().shm_single_copy_bytes == 0u);
   ::setenv("DDP_SHM_SINGLE_COPY", "off", 1);
   CHECK(ddp::Options::from_env().shm_single_copy_bytes == ddp::Options::never);
   CHECK(ddp::Options{.shm_single_copy_bytes = 8192}.with_env().shm_single_copy_bytes == 8192u);

@@ -673,6 +673,58 @@ TEST_CASE("shm single copy: one rank that may not read the others turns it off f
   }
 }
 
+TEST_CASE("a rank killed while the shm transport is set up: the others fail at once naming it") {
+  // Rank 2 kills itself a few milliseconds into init: mostly while the ranks of the host map
+  // the segment or probe each other's memory, where the others watch its process; a kill before
+  // it joined the rendezvous is only found at the timeout (its pid is not known yet).
+  int fast = 0;
+  for (int delay_ms = 2; delay_ms <= 7; ++delay_ms) {
+    CAPTURE(delay_ms);
+    mp::TempDir dir;
+    ddp::SpawnOptions so;
+    so.stop_on_failure = false;
+    try {
+      ddp::spawn(
+          3,
+          [&](ddp::Environment env) {
+            if (env.rank == 2) {
+              std::thread([delay_ms] {
+                std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+                ::raise(SIGKILL);
+              }).detach();
+            }
+            ddp::Options o;
+            o.transport = ddp::HostTransport::shm;
+            o.timeout = std::chrono::seconds(4);
+            const long long t0 = now_ms();
+            try {
+              auto comm = Comm::init(env, o);
+              std::vector<float> v(1 << 18, 1.0f);
+              comm.all_reduce(v);
+              mp::TempDir::write(dir.file("rank" + std::to_string(env.rank)), "ok 0");
+            } catch (const ddp::Error& e) {
+              report(dir, env.rank, e, now_ms() - t0);
+            }
+          },
+          so);
+    } catch (const ddp::Error&) {
+    }
+    for (int r : {0, 1}) {
+      const Outcome out = read_outcome(dir, r);
+      CAPTURE(r);
+      CAPTURE(out.message);
+      CHECK(out.message.find("rank 2") != std::string::npos);
+      if (out.code == "peer_lost") {
+        CHECK(out.ms < 2000);
+        fast += out.message.find("Communicator::init: rank 2 died") != std::string::npos;
+      } else {
+        CHECK(out.code == "timeout");
+      }
+    }
+  }
+  CHECK(fast > 0);
+}
+
 TEST_CASE("shm single copy: ranks that disagree fail at init, or on counts with checks off") {
   mp::TempDir dir;
   ddp::SpawnOptions so;

@@ -42,6 +42,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <span>
 #include <string>
@@ -83,8 +84,13 @@ struct BackendInit {
 /// with the same value count as one host (they must share /dev/shm and pids), ranks with
 /// different values as different hosts, whatever machine they run on.
 [[nodiscard]] inline std::string host_identity() {
-  if (const char* forced = std::getenv("DDP_HOST_ID"); forced != nullptr && *forced != '\0')
+  if (const char* forced = std::getenv("DDP_HOST_ID"); forced != nullptr && *forced != '\0') {
+    const std::size_t n = std::strlen(forced);
+    if (n > 1024)
+      fail(Errc::invalid_argument, "DDP_HOST_ID is ", n,
+           " characters long; at most 1024 (any string, the same on the ranks of one host)");
     return std::string("DDP_HOST_ID=") + forced;
+  }
   char name[256] = {};
   (void)::gethostname(name, sizeof name - 1);
   std::string id = name;

@@ -857,7 +857,13 @@ class Host {
                                                                                 : "automatic");
       const auto seg = r.get<std::uint64_t>();
       segments.push_back(seg == 0 ? std::string("the default") : std::to_string(seg));
-      hierarchies.push_back(std::to_string(r.get<std::uint8_t>()));
+      const auto h = r.get<std::uint8_t>();
+      hierarchies.push_back(h == static_cast<std::uint8_t>(HostHierarchy::flat)      ? "flat"
+                            : h == static_cast<std::uint8_t>(HostHierarchy::slices)  ? "slices"
+                            : h == static_cast<std::uint8_t>(HostHierarchy::leaders) ? "leaders"
+                            : h == static_cast<std::uint8_t>(HostHierarchy::automatic)
+                                ? "auto"
+                                : std::to_string(h));
       machines.push_back(r.str(256));
       const auto single = r.get<std::uint64_t>();
       singles.push_back(single == 0                ? std::string("the default")
@@ -1040,6 +1046,37 @@ class Host {
     return o.segment_bytes != 0 ? o.segment_bytes : fallback;
   }
 
+  /// Waits for `keys` in `store` (this host's members publish them while the shm transport is
+  /// set up), checking every 50 ms that those members' processes (`pids`, communicator ranks
+  /// `members`) are alive: one that died fails this rank at once with Errc::peer_lost naming it,
+  /// instead of at the timeout. Errc::timeout naming the missing keys after `timeout`.
+  void wait_for_members(Store& store, const std::vector<std::string>& keys,
+                        const std::vector<int>& members, const std::vector<int>& pids,
+                        std::chrono::milliseconds timeout, const char* what) {
+    detail::ProcessWatch watch;
+    for (std::size_t j = 0; j < members.size(); ++j) {
+      if (members[j] != rank_) watch.add(members[j], pids[j]);
+    }
+    const auto deadline = detail::Clock::now() + timeout;
+    for (;;) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - detail::Clock::now());
+      const auto missing = store.missing_after(
+          keys, std::clamp(left, std::chrono::milliseconds(1), std::chrono::milliseconds(50)));
+      if (missing.empty()) return;
+      if (const int dead = watch.first_dead(); dead >= 0) {
+        detail::fail(Errc::peer_lost, "rank ", rank_, ": Communicator::init: rank ", dead,
+                     " died (its process exited) while ", what,
+                     "; the job cannot start: restart it (a launcher with --max-restarts does)");
+      }
+      if (left.count() <= 0) {
+        detail::fail(Errc::timeout, "rank ", rank_, ": Communicator::init: timed out after ",
+                     timeout.count(), " ms while ", what, " (still missing: ", missing.front(),
+                     missing.size() > 1 ? " and others" : "", "); a rank of this host is stuck");
+      }
+    }
+  }
+
   /// Largest shm slot: a round moves at most one slot, and rounds this large already run at
   /// memory speed, so larger requests are clamped here rather than reserve memory nobody reads.
   static constexpr std::size_t max_shm_slot = std::size_t{64} << 20;
@@ -1095,13 +1132,17 @@ class Host {
       // all have mapped it (the segment never has a name: a crash leaves nothing behind).
       std::vector<std::string> mapped;
       for (int j = 1; j < n; ++j) mapped.push_back(detail::concat("mapped/", j));
-      const auto missing = store.missing_after(mapped, o.timeout);
-      segment->close_descriptor();
-      if (!missing.empty()) {
-        detail::fail(Errc::timeout, "rank ", first, ": ", missing.size(),
-                     " rank(s) did not map the shared memory segment in time");
+      try {
+        wait_for_members(store, mapped, members, pids, o.timeout,
+                         "the ranks of this host map the shared memory segment");
+      } catch (...) {
+        segment->close_descriptor();
+        throw;
       }
+      segment->close_descriptor();
     } else {
+      wait_for_members(store, {"shm"}, members, pids, o.timeout,
+                       "waiting for the shared memory segment of this host's first rank");
       const std::string rec = store.get("shm");
       detail::ByteReader r(rec, "shm record");
       if (r.get<std::uint8_t>() == 0) return nullptr;  // the first member fell back to tcp
@@ -1128,6 +1169,13 @@ class Host {
     if (n == size_) choose_path_ = o.shm_single_copy_bytes == 0;
     if (n > 1 && from != Options::never) {
       store.set(detail::concat("probe/", me), std::to_string(t->probe_address()));
+      std::vector<std::string> probes, answers;
+      for (int j = 0; j < n; ++j) {
+        probes.push_back(detail::concat("probe/", j));
+        answers.push_back(detail::concat("single-copy/", j));
+      }
+      wait_for_members(store, probes, members, pids, o.timeout,
+                       "the ranks of this host check whether they can read each other's memory");
       bool can = true;
       for (int j = 0; j < n; ++j) {
         if (j == me) continue;
@@ -1137,6 +1185,8 @@ class Host {
         can = end != addr.c_str() && *end == '\0' && t->probe_single_copy(j, a) && can;
       }
       store.set(detail::concat("single-copy/", me), can ? "1" : "0");
+      wait_for_members(store, answers, members, pids, o.timeout,
+                       "the ranks of this host agree on single copy");
       bool all = true;
       for (int j = 0; j < n; ++j) all = store.get(detail::concat("single-copy/", j)) == "1" && all;
       if (all) t->use_single_copy(from);
