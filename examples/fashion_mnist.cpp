@@ -8,7 +8,10 @@
 // --data DIR (/usr/share/datasets/fashion-mnist, or $FASHION_MNIST_DIR: the IDX files, gzip'd, of
 // Debian's dataset-fashion-mnist), --cache DIR (the decoded files, ./fashion-mnist-cache),
 // --limit N (use the first N training images), --checkpoint FILE
-// (fashion_mnist.ckpt), --nproc N (ranks to fork without a launcher, 2).
+// (fashion_mnist.ckpt), --nproc N (ranks to fork without a launcher, 2), --resume (continue
+// from the checkpoint when there is one), --crash-once-after-epoch N (rank 1 kills itself once
+// after that epoch's checkpoint: with --resume under ddprun --max-restarts 1, the restarted job
+// picks up from there).
 //
 // What each piece of ddp does here:
 //  * ZeroFirstGuard: local rank 0 decompresses the dataset into the cache once; the others wait,
@@ -17,10 +20,15 @@
 //    set uses the exact mode (every image once) and ddp::Metrics for the accuracy.
 //  * GradientAverager: parameters start equal on every rank (rank 0's), gradients are averaged in
 //    buckets that start while the backward pass still runs (mark_ready, last layer first).
-//  * Rank 0 alone prints progress and writes the checkpoint.
+//  * Logger/Progress: rank 0 alone prints; Metrics: accuracy and loss in one collective.
+//  * Checkpoint: after every epoch rank 0 saves the parameters and the epoch atomically
+//    (save_checkpoint); with --resume every rank starts from it (load_checkpoint).
 // The global batch is split between ranks, so 1, 2 or 4 ranks train the same model.
 
 #include <ddp/ddp.hpp>
+
+#include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -30,6 +38,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <span>
 #include <stdexcept>
@@ -39,6 +48,9 @@
 #include "fashion_mnist_common.hpp"
 
 namespace {
+
+bool cfg_resume = false;  // --resume
+int cfg_crash_after = 0;  // --crash-once-after-epoch
 
 using fashion_mnist::Config;
 
@@ -117,11 +129,22 @@ void run(ddp::Environment env, const Config& cfg) {
   const std::size_t local_batch = static_cast<std::size_t>(cfg.batch / world);
   std::vector<float> h(H), dh(H), z(10);
   const ddp::Logger log(rank);  // rank 0 prints
+  int first_epoch = 0;
+  if (cfg_resume) {
+    if (const auto ck = ddp::load_checkpoint(comm, cfg.checkpoint)) {  // every rank gets it
+      if (ck->get_object<int>("hidden") != cfg.hidden)
+        throw std::invalid_argument("--resume: " + cfg.checkpoint + " has another --hidden");
+      for (std::size_t i = 0; i < model.params.size(); ++i)
+        ck->get_values("param" + std::to_string(i), std::span(model.params[i].value));
+      first_epoch = ck->get_object<int>("epoch");
+      log.print("resumed from %s after epoch %d", cfg.checkpoint.c_str(), first_epoch);
+    }
+  }
   log.print("training on %zu images with %d rank%s (%s), global batch %d, %zu test images", n_train,
             world, world == 1 ? "" : "s", std::string(comm.backend().transport()).c_str(),
             cfg.batch, test.size());
 
-  for (int epoch = 0; epoch < cfg.epochs; ++epoch) {
+  for (int epoch = first_epoch; epoch < cfg.epochs; ++epoch) {
     sampler.set_epoch(static_cast<std::uint64_t>(epoch));
     const float lr = cfg.lr * std::pow(cfg.decay, static_cast<float>(epoch));
     const auto mine = sampler.indices();
@@ -202,11 +225,17 @@ void run(ddp::Environment env, const Config& cfg) {
     const double accuracy = reduced["accuracy"], train_loss = reduced["train_loss"];
     log.print("epoch %d/%d: train loss %.4f, test accuracy %.2f%%", epoch + 1, cfg.epochs,
               train_loss, 100 * accuracy);
-    if (rank == 0) {
-      std::vector<std::span<const float>> values;  // rank 0 only
-      for (const auto& p : model.params) values.emplace_back(p.value);
-      fashion_mnist::write_checkpoint(cfg.checkpoint, epoch + 1, cfg.hidden, values);
-      std::fflush(stdout);
+    ddp::Checkpoint ck;  // rank 0's is written (all ranks hold the same parameters)
+    ck.put_object("epoch", epoch + 1);
+    ck.put_object("hidden", cfg.hidden);
+    for (std::size_t i = 0; i < model.params.size(); ++i)
+      ck.put_values("param" + std::to_string(i), model.params[i].value);
+    ddp::save_checkpoint(comm, ck, cfg.checkpoint);
+    if (epoch + 1 == cfg_crash_after && rank == 1 &&
+        ::access((cfg.checkpoint + ".crashed").c_str(), F_OK) != 0) {
+      std::fclose(std::fopen((cfg.checkpoint + ".crashed").c_str(), "w"));
+      std::fprintf(stderr, "rank 1 crashes on purpose after epoch %d\n", epoch + 1);
+      ::raise(SIGKILL);
     }
   }
 }
@@ -217,7 +246,17 @@ int main(int argc, char** argv) {
   try {
     Config defaults;
     defaults.checkpoint = "fashion_mnist.ckpt";
-    const Config cfg = fashion_mnist::parse(argc, argv, defaults, "fashion_mnist.cpp");
+    const Config cfg =
+        fashion_mnist::parse(argc, argv, defaults, "fashion_mnist.cpp",
+                             [](const std::string& a, const std::function<std::string()>& next) {
+                               if (a == "--resume")
+                                 cfg_resume = true;
+                               else if (a == "--crash-once-after-epoch")
+                                 cfg_crash_after = std::stoi(next());
+                               else
+                                 return false;
+                               return true;
+                             });
     const auto env = ddp::Environment::detect();
     if (env.launcher == "none")
       ddp::spawn(cfg.nproc, [&](ddp::Environment e) { run(e, cfg); });

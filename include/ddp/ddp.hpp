@@ -32,6 +32,7 @@
 #include "ddp/backend/nccl.hpp"
 #include "ddp/multi_gpu.hpp"
 #endif
+#include "ddp/checkpoint.hpp"
 #include "ddp/codec.hpp"
 #include "ddp/environment.hpp"
 #include "ddp/gradient.hpp"

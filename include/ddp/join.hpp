@@ -69,7 +69,8 @@ class Joinable {
 template <ProcessGroup Comm>
 class Join {
  public:
-  /// Collective: every rank makes it, with the same Joinables in the same order.
+  /// Collective: every rank makes it, with the same Joinables in the same order; they (and
+  /// `comm`) must outlive the Join.
   Join(Comm& comm, std::initializer_list<Joinable*> joinables)
       : comm_(&comm), joinables_(joinables) {
     for (Joinable* j : joinables_) {

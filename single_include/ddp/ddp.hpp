@@ -12080,6 +12080,388 @@ class NcclClique {
 DDP_END_NAMESPACE
 // end ddp/multi_gpu.hpp
 #endif
+// begin ddp/checkpoint.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ddp::Checkpoint: a training run's state as named sections (parameters, the optimizer's state,
+/// the sampler's position, the step, seeds), saved atomically and verified when loaded.
+///
+///     ddp::Checkpoint ck;
+///     ck.put_values("w", weights);                       // contiguous trivially copyable values
+///     ck.put_object("step", step);                       // anything ddp::codec encodes
+///     ck.put_object("sampler", sampler.state(consumed));
+///     ddp::save_checkpoint(comm, ck, "run.ckpt");        // collective: rank 0 writes
+///     ...
+///     if (auto ck = ddp::load_checkpoint(comm, "run.ckpt")) {   // collective: every rank gets it
+///       ck->get_values("w", std::span(weights));
+///       sampler.restore(ck->get_object<ddp::SamplerState>("sampler"));
+///     }
+///
+/// The file: "DDPCKPT1", the section count, each section's name and length, the sections' bytes,
+/// then a 64-bit checksum of everything before it. save() writes a temporary file next to the
+/// target, fsyncs it, renames it over the target and fsyncs the directory, so a crash at any
+/// moment leaves the old checkpoint or the new one, never a mixture. load() refuses a file that is
+/// not a checkpoint, is truncated, or whose checksum differs (Errc::protocol, naming the file and
+/// what is wrong). The checksum catches corruption, not tampering: a checkpoint is as trusted as
+/// the directory it lives in.
+
+// #include "ddp/codec.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/string.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/objects.hpp" (already included above)
+// #include "ddp/partition.hpp" (already included above)
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// SamplerState travels in checkpoints (put_object / get_object).
+template <>
+struct codec<SamplerState> {
+  static void encode(Encoder& e, const SamplerState& s) {
+    e.put(s.epoch);
+    e.put(s.offset);
+    e.put(s.seed);
+    e.put(s.dataset_size);
+    e.put(s.num_replicas);
+  }
+  static SamplerState decode(Decoder& d) {
+    SamplerState s;
+    s.epoch = d.get<std::uint64_t>();
+    s.offset = d.get<std::uint64_t>();
+    s.seed = d.get<std::uint64_t>();
+    s.dataset_size = d.get<std::uint64_t>();
+    s.num_replicas = d.get<std::uint64_t>();
+    return s;
+  }
+};
+
+/// Named sections of bytes (see the file comment).
+class Checkpoint {
+ public:
+  /// Sets section `name` to `bytes` (replacing one of that name).
+  Checkpoint& put(std::string_view name, std::span<const std::byte> bytes) {
+    check_name(name);
+    for (auto& [n, b] : sections_) {
+      if (n == name) {
+        b.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+        return *this;
+      }
+    }
+    sections_.emplace_back(std::string(name),
+                           std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+    return *this;
+  }
+  /// Section `name` holds the bytes of `values` (a contiguous range of trivially copyable
+  /// elements: floats, a std::vector<double>, a std::span).
+  template <class R>
+  requires std::ranges::contiguous_range<R> &&
+      std::is_trivially_copyable_v<std::ranges::range_value_t<R>>
+          Checkpoint& put_values(std::string_view name, const R& values) {
+    return put(name,
+               std::as_bytes(std::span(std::ranges::data(values), std::ranges::size(values))));
+  }
+  /// Section `name` holds `value` encoded by ddp::codec (numbers, strings, vectors, optionals,
+  /// SamplerState, your types with a codec).
+  template <Encodable T>
+  Checkpoint& put_object(std::string_view name, const T& value) {
+    const std::string bytes = detail::encode_object(value);
+    return put(name, std::as_bytes(std::span(bytes.data(), bytes.size())));
+  }
+
+  [[nodiscard]] bool contains(std::string_view name) const noexcept {
+    for (const auto& s : sections_) {
+      if (s.first == name) return true;
+    }
+    return false;
+  }
+  /// The sections' names, in the order they were first put.
+  [[nodiscard]] std::vector<std::string> names() const {
+    std::vector<std::string> out;
+    for (const auto& s : sections_) out.push_back(s.first);
+    return out;
+  }
+  /// Section `name`'s bytes; Errc::invalid_argument naming it (and the sections there are) when
+  /// there is none.
+  [[nodiscard]] std::span<const std::byte> get(std::string_view name) const {
+    const std::string& b = section(name);
+    return std::as_bytes(std::span(b.data(), b.size()));
+  }
+  /// Copies section `name` into `out`, which must have exactly its size.
+  template <class T>
+    requires std::is_trivially_copyable_v<T> &&
+        (!std::is_const_v<T>)void get_values(std::string_view name, std::span<T> out) const {
+      const std::string& b = section(name);
+      if (b.size() != out.size_bytes())
+        detail::fail(Errc::invalid_argument, "Checkpoint: section \"", name, "\" holds ", b.size(),
+                     " bytes, but ", out.size(), " values of ", sizeof(T), " bytes (",
+                     out.size_bytes(),
+                     ") were asked for: the model or its element type changed since it was saved");
+      if (!b.empty()) std::memcpy(out.data(), b.data(), b.size());
+    }
+    /// Section `name` decoded as T (it must have been put_object'ed as a T).
+    template <Encodable T>
+    [[nodiscard]] T get_object(std::string_view name) const {
+      const std::string& b = section(name);
+      try {
+        return detail::decode_object<T>(b.data(), b.size());
+      } catch (const Error& e) {
+        detail::fail(Errc::invalid_argument, "Checkpoint: section \"", name,
+                     "\" does not hold the type asked for: ", e.what());
+      }
+    }
+
+    /// The checkpoint as the bytes of its file.
+    [[nodiscard]] std::string serialize() const {
+      std::string out(magic, sizeof magic);
+      put_u64(out, sections_.size());
+      for (const auto& [n, b] : sections_) {
+        put_u64(out, n.size());
+        out += n;
+        put_u64(out, b.size());
+      }
+      for (const auto& s : sections_) out += s.second;
+      put_u64(out, checksum(out.data(), out.size()));
+      return out;
+    }
+    /// Parses and verifies the bytes of a checkpoint file; Errc::protocol saying what is wrong,
+    /// with `what` (e.g. the path) in the message.
+    [[nodiscard]] static Checkpoint parse(std::string_view bytes, std::string_view what) {
+      const auto bad = [&](auto&&... why) {
+        detail::fail(Errc::protocol, "Checkpoint: ", what, ": ", why...);
+      };
+      if (bytes.size() < sizeof magic || std::memcmp(bytes.data(), magic, sizeof magic) != 0)
+        bad("not a ddp checkpoint (it does not start with DDPCKPT1)");
+      if (bytes.size() < sizeof magic + 16) bad("truncated: ", bytes.size(), " bytes");
+      const std::size_t body = bytes.size() - 8;
+      if (get_u64(bytes, body) != checksum(bytes.data(), body))
+        bad("the checksum does not match: the file is truncated or corrupt (", bytes.size(),
+            " bytes)");
+      std::size_t at = sizeof magic;
+      const auto read = [&](std::size_t n) {
+        if (n > body - at) bad("truncated or corrupt: a length runs past the end");
+        const std::size_t from = at;
+        at += n;
+        return from;
+      };
+      const std::uint64_t count = get_u64(bytes, read(8));
+      if (count > (body - at) / 16) bad("corrupt: ", count, " sections cannot fit");
+      Checkpoint ck;
+      std::vector<std::uint64_t> lens;
+      for (std::uint64_t i = 0; i < count; ++i) {
+        const std::uint64_t n = get_u64(bytes, read(8));
+        if (n > body - at) bad("truncated or corrupt: a name runs past the end");
+        std::string name(
+            bytes.substr(read(static_cast<std::size_t>(n)), static_cast<std::size_t>(n)));
+        lens.push_back(get_u64(bytes, read(8)));
+        ck.sections_.emplace_back(std::move(name), std::string());
+      }
+      for (std::uint64_t i = 0; i < count; ++i) {
+        const std::uint64_t n = lens[static_cast<std::size_t>(i)];
+        if (n > body - at) bad("truncated or corrupt: section ", i, " runs past the end");
+        ck.sections_[static_cast<std::size_t>(i)].second = std::string(
+            bytes.substr(read(static_cast<std::size_t>(n)), static_cast<std::size_t>(n)));
+      }
+      if (at != body) bad("corrupt: ", body - at, " bytes after the last section");
+      return ck;
+    }
+
+    /// Writes the checkpoint to `path` atomically (see the file comment); Errc::system naming the
+    /// path and the reason (a full disk, a missing directory, permissions) on failure, leaving any
+    /// earlier file at `path` as it was.
+    void save(const std::string& path) const {
+      const std::string bytes = serialize();
+      const std::string tmp = detail::concat(path, ".tmp.", ::getpid());
+      const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+      if (fd < 0) io_fail("cannot create ", tmp);
+      const char* p = bytes.data();
+      std::size_t left = bytes.size();
+      while (left > 0) {
+        const ssize_t n = ::write(fd, p, left);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+          const int err = n < 0 ? errno : ENOSPC;
+          ::close(fd);
+          ::unlink(tmp.c_str());
+          errno = err;
+          io_fail("cannot write ", bytes.size(), " bytes to ", tmp);
+        }
+        p += n;
+        left -= static_cast<std::size_t>(n);
+      }
+      if (::fsync(fd) != 0) {
+        const int err = errno;
+        ::close(fd);
+        ::unlink(tmp.c_str());
+        errno = err;
+        io_fail("cannot flush ", tmp, " to disk");
+      }
+      ::close(fd);
+      if (::rename(tmp.c_str(), path.c_str()) != 0) {
+        const int err = errno;
+        ::unlink(tmp.c_str());
+        errno = err;
+        io_fail("cannot rename ", tmp, " to ", path);
+      }
+      const std::size_t slash = path.rfind('/');
+      const std::string dir = slash == std::string::npos ? "."
+                              : slash == 0               ? "/"
+                                                         : path.substr(0, slash);
+      if (const int d = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); d >= 0) {
+        (void)::fsync(d);  // the rename itself on disk; best effort where directories cannot sync
+        ::close(d);
+      }
+    }
+
+    /// Reads and verifies `path`; std::nullopt when there is no file there (a run that starts
+    /// afresh); Errc::protocol for a file that is not a valid checkpoint, Errc::system when it
+    /// cannot be read.
+    [[nodiscard]] static std::optional<Checkpoint> load(const std::string& path) {
+      const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0) {
+        if (errno == ENOENT) return std::nullopt;
+        io_fail("cannot open ", path);
+      }
+      std::string bytes;
+      char buf[1 << 16];
+      for (;;) {
+        const ssize_t n = ::read(fd, buf, sizeof buf);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) {
+          const int err = errno;
+          ::close(fd);
+          errno = err;
+          io_fail("cannot read ", path);
+        }
+        if (n == 0) break;
+        bytes.append(buf, static_cast<std::size_t>(n));
+      }
+      ::close(fd);
+      return parse(bytes, path);
+    }
+
+   private:
+    static constexpr char magic[8] = {'D', 'D', 'P', 'C', 'K', 'P', 'T', '1'};
+
+    const std::string& section(std::string_view name) const {
+      for (const auto& s : sections_) {
+        if (s.first == name) return s.second;
+      }
+      std::string have;
+      for (const auto& s : sections_) have += (have.empty() ? "" : ", ") + s.first;
+      detail::fail(Errc::invalid_argument, "Checkpoint: no section \"", name, "\" (it has ",
+                   have.empty() ? std::string("none") : have, ")");
+    }
+    static void check_name(std::string_view name) {
+      if (name.empty() || name.size() > 4096)
+        detail::fail(Errc::invalid_argument,
+                     "Checkpoint: a section name must have 1 to 4096 bytes");
+    }
+    template <class... A>
+    [[noreturn]] static void io_fail(const A&... what) {
+      const int err = errno;
+      detail::fail(Errc::system, "Checkpoint: ", what..., ": ", std::strerror(err));
+    }
+    static void put_u64(std::string& out, std::uint64_t v) {
+      for (int i = 0; i < 8; ++i) out += static_cast<char>((v >> (8 * i)) & 0xff);
+    }
+    static std::uint64_t get_u64(std::string_view in, std::size_t at) {
+      std::uint64_t v = 0;
+      for (int i = 0; i < 8; ++i)
+        v |= static_cast<std::uint64_t>(
+                 static_cast<unsigned char>(in[at + static_cast<std::size_t>(i)]))
+             << (8 * i);
+      return v;
+    }
+    /// A 64-bit checksum (multiply-xorshift over 8-byte words, then the tail and the length):
+    /// several GB/s, and any change of a byte or of the length changes it with high probability.
+    static std::uint64_t checksum(const char* data, std::size_t n) {
+      std::uint64_t h = 0x9e3779b97f4a7c15ull ^ n;
+      std::size_t i = 0;
+      for (; i + 8 <= n; i += 8) {
+        std::uint64_t w;
+        std::memcpy(&w, data + i, 8);
+        h = (h ^ w) * 0xff51afd7ed558ccdull;
+        h ^= h >> 32;
+      }
+      for (; i < n; ++i) h = (h ^ static_cast<unsigned char>(data[i])) * 0xc4ceb9fe1a85ec53ull;
+      h ^= h >> 29;
+      h *= 0xbf58476d1ce4e5b9ull;
+      return h ^ (h >> 32);
+    }
+
+    std::vector<std::pair<std::string, std::string>> sections_;
+};
+
+/// Collective: rank `root` saves `ck` to `path` (Checkpoint::save); every rank returns once the
+/// file is complete, or fails with root's error.
+template <class Comm>
+void save_checkpoint(Comm& comm, const Checkpoint& ck, const std::string& path, int root = 0) {
+  std::string error;  // "<errc number> <message>", empty when it worked
+  if (comm.rank() == root) {
+    try {
+      ck.save(path);
+    } catch (const Error& e) {
+      error = detail::concat(static_cast<int>(e.code()), " ", e.what());
+    }
+  }
+  broadcast_object(comm, error, root);
+  if (error.empty()) return;
+  const std::size_t space = error.find(' ');
+  detail::fail(static_cast<Errc>(std::stoi(error.substr(0, space))), "rank ", comm.rank(),
+               ": save_checkpoint: rank ", root, " could not save: ", error.substr(space + 1));
+}
+
+/// Collective: rank `root` loads and verifies `path`, and every rank gets the same checkpoint
+/// (broadcast); std::nullopt on every rank when there is no file (a run that starts afresh).
+/// Fails on every rank with root's error when the file is not a valid checkpoint.
+template <class Comm>
+[[nodiscard]] std::optional<Checkpoint> load_checkpoint(Comm& comm, const std::string& path,
+                                                        int root = 0) {
+  std::string state;  // "ok", "none", or "<errc number> <message>"
+  std::string bytes;
+  if (comm.rank() == root) {
+    try {
+      const auto ck = Checkpoint::load(path);
+      state = ck ? "ok" : "none";
+      if (ck) bytes = ck->serialize();
+    } catch (const Error& e) {
+      state = detail::concat(static_cast<int>(e.code()), " ", e.what());
+    }
+  }
+  broadcast_object(comm, state, root);
+  if (state == "none") return std::nullopt;
+  if (state != "ok") {
+    const std::size_t space = state.find(' ');
+    detail::fail(static_cast<Errc>(std::stoi(state.substr(0, space))), "rank ", comm.rank(),
+                 ": load_checkpoint: rank ", root, " could not load: ", state.substr(space + 1));
+  }
+  broadcast_object(comm, bytes, root);
+  return Checkpoint::parse(bytes, path);
+}
+
+DDP_END_NAMESPACE
+// end ddp/checkpoint.hpp
 // #include "ddp/codec.hpp" (already included above)
 // #include "ddp/environment.hpp" (already included above)
 // begin ddp/gradient.hpp
@@ -12193,7 +12575,8 @@ class Joinable {
 template <ProcessGroup Comm>
 class Join {
  public:
-  /// Collective: every rank makes it, with the same Joinables in the same order.
+  /// Collective: every rank makes it, with the same Joinables in the same order; they (and
+  /// `comm`) must outlive the Join.
   Join(Comm& comm, std::initializer_list<Joinable*> joinables)
       : comm_(&comm), joinables_(joinables) {
     for (Joinable* j : joinables_) {
