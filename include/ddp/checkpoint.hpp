@@ -56,6 +56,7 @@ DDP_BEGIN_NAMESPACE
 /// SamplerState travels in checkpoints (put_object / get_object).
 template <>
 struct codec<SamplerState> {
+  /// Its five numbers, in declaration order.
   static void encode(Encoder& e, const SamplerState& s) {
     e.put(s.epoch);
     e.put(s.offset);
@@ -63,6 +64,7 @@ struct codec<SamplerState> {
     e.put(s.dataset_size);
     e.put(s.num_replicas);
   }
+  /// The five numbers back.
   static SamplerState decode(Decoder& d) {
     SamplerState s;
     s.epoch = d.get<std::uint64_t>();
@@ -107,6 +109,7 @@ class Checkpoint {
     return put(name, std::as_bytes(std::span(bytes.data(), bytes.size())));
   }
 
+  /// Whether there is a section named `name`.
   [[nodiscard]] bool contains(std::string_view name) const noexcept {
     for (const auto& s : sections_) {
       if (s.first == name) return true;

@@ -816,9 +816,14 @@ class TypedAverager final : public AveragerBase {
   }
   // A finished rank shadows one step: each bucket's all_reduce, in order, with zeros.
   void join_step(int) override {
-    for (const Bucket& b : buckets_) {
-      shadow_.assign(b.elements, T{});
-      average_async(shadow_).wait();
+    if constexpr (!detail::device_only_backend<Backend>) {
+      for (const Bucket& b : buckets_) {
+        shadow_.assign(b.elements, T{});
+        average_async(shadow_).wait();
+      }
+    } else {  // join_attach refused it already
+      detail::fail(Errc::unsupported, "rank ", comm_->rank(),
+                   ": ddp::Join: GradientAverager on a backend that moves CUDA memory only");
     }
   }
   // Every rank has finished: the parameters of the rank that trained longest, everywhere (the

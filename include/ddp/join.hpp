@@ -139,8 +139,9 @@ class Join {
 
   /// How many ranks trained this rank's last step.
   [[nodiscard]] int active() const noexcept { return active_; }
-  /// Steps this rank trained, and steps of others it shadowed after finishing.
+  /// Steps this rank trained.
   [[nodiscard]] std::size_t steps() const noexcept { return steps_; }
+  /// Steps of the others this rank answered after it finished.
   [[nodiscard]] std::size_t shadowed() const noexcept { return shadowed_; }
   /// After finish(): the rank that trained the most steps (see Joinable::join_done).
   [[nodiscard]] int last() const noexcept { return last_; }

@@ -47,6 +47,7 @@ struct LoggerOptions {
 /// Prints whole lines on rank 0 (see the file comment). Copyable; no state but the options.
 class Logger {
  public:
+  /// A logger for rank `rank` (rank 0 prints unless `o` says every rank does).
   explicit Logger(int rank, LoggerOptions o = {}) : rank_(rank), o_(o) {}
 
   /// Whether this rank prints.
@@ -122,6 +123,8 @@ class Progress {
   /// A named value shown after the rate, e.g. {"loss", 0.4123}.
   using Value = std::pair<std::string_view, double>;
 
+  /// A bar labelled `label` (e.g. "epoch 1/5") for `total` samples of this rank, `world` ranks
+  /// in step; in a log (not a terminal) a line at each 1/lines_in_logs of the total.
   Progress(const Logger& log, std::string label, std::size_t total, int world = 1,
            int lines_in_logs = 4)
       : log_(log),

@@ -57,15 +57,17 @@ enum class MetricKind : std::uint8_t {
 /// Reduced metrics: the same names, in the order they were first recorded, with their values.
 class MetricValues {
  public:
+  /// One reduced metric.
   struct Entry {
-    std::string name;
-    MetricKind kind;
-    double value;
-    double weight;  ///< mean: Σ weight over all ranks; sum, min, max: records over all ranks
+    std::string name;  ///< as recorded
+    MetricKind kind;   ///< how it combined
+    double value;      ///< the reduced value (NaN when no rank recorded one)
+    double weight;     ///< mean: Σ weight over all ranks; sum, min, max: records over all ranks
   };
 
   /// The value named `name`; Errc::invalid_argument naming it when there is none.
   [[nodiscard]] double operator[](std::string_view name) const { return entry(name).value; }
+  /// The entry named `name` (value, kind, weight); Errc::invalid_argument when there is none.
   [[nodiscard]] const Entry& entry(std::string_view name) const {
     for (const Entry& e : entries_) {
       if (e.name == name) return e;
@@ -73,12 +75,16 @@ class MetricValues {
     detail::fail(Errc::invalid_argument, "MetricValues: no metric named \"", name,
                  "\" (recorded: ", names(), ")");
   }
+  /// Whether a metric named `name` was reduced.
   [[nodiscard]] bool contains(std::string_view name) const noexcept {
     return std::any_of(entries_.begin(), entries_.end(),
                        [&](const Entry& e) { return e.name == name; });
   }
+  /// Every entry, in recording order.
   [[nodiscard]] const std::vector<Entry>& entries() const noexcept { return entries_; }
+  /// The number of metrics.
   [[nodiscard]] std::size_t size() const noexcept { return entries_.size(); }
+  /// Whether there are none.
   [[nodiscard]] bool empty() const noexcept { return entries_.empty(); }
 
   /// "loss 0.3412  correct 8923  step_ms 41.2": each value with `digits` significant digits
@@ -209,6 +215,7 @@ class Metrics {
   void reset() noexcept {
     for (Slot& s : slots_) s.a = s.b = 0;
   }
+  /// The number of names recorded.
   [[nodiscard]] std::size_t size() const noexcept { return slots_.size(); }
 
  private:

@@ -80,6 +80,7 @@ struct Options {
   /// A number: single copy always from that many bytes. Options::never: off
   /// ($DDP_SHM_SINGLE_COPY: auto, a number of bytes, or off). Every rank must use the same value.
   std::size_t shm_single_copy_bytes = 0;
+  /// shm_single_copy_bytes: single copy off.
   static constexpr std::size_t never = ~std::size_t{0};
   /// The rendezvous store runs elsewhere: rank 0 does not start one. Launchers that host the
   /// store (ddprun, ddp::spawn) say so with DDP_STORE_HOSTED=1, which init() also honours.

@@ -1959,6 +1959,7 @@ struct Options {
   /// A number: single copy always from that many bytes. Options::never: off
   /// ($DDP_SHM_SINGLE_COPY: auto, a number of bytes, or off). Every rank must use the same value.
   std::size_t shm_single_copy_bytes = 0;
+  /// shm_single_copy_bytes: single copy off.
   static constexpr std::size_t never = ~std::size_t{0};
   /// The rendezvous store runs elsewhere: rank 0 does not start one. Launchers that host the
   /// store (ddprun, ddp::spawn) say so with DDP_STORE_HOSTED=1, which init() also honours.
@@ -12138,6 +12139,7 @@ DDP_BEGIN_NAMESPACE
 /// SamplerState travels in checkpoints (put_object / get_object).
 template <>
 struct codec<SamplerState> {
+  /// Its five numbers, in declaration order.
   static void encode(Encoder& e, const SamplerState& s) {
     e.put(s.epoch);
     e.put(s.offset);
@@ -12145,6 +12147,7 @@ struct codec<SamplerState> {
     e.put(s.dataset_size);
     e.put(s.num_replicas);
   }
+  /// The five numbers back.
   static SamplerState decode(Decoder& d) {
     SamplerState s;
     s.epoch = d.get<std::uint64_t>();
@@ -12189,6 +12192,7 @@ class Checkpoint {
     return put(name, std::as_bytes(std::span(bytes.data(), bytes.size())));
   }
 
+  /// Whether there is a section named `name`.
   [[nodiscard]] bool contains(std::string_view name) const noexcept {
     for (const auto& s : sections_) {
       if (s.first == name) return true;
@@ -12645,8 +12649,9 @@ class Join {
 
   /// How many ranks trained this rank's last step.
   [[nodiscard]] int active() const noexcept { return active_; }
-  /// Steps this rank trained, and steps of others it shadowed after finishing.
+  /// Steps this rank trained.
   [[nodiscard]] std::size_t steps() const noexcept { return steps_; }
+  /// Steps of the others this rank answered after it finished.
   [[nodiscard]] std::size_t shadowed() const noexcept { return shadowed_; }
   /// After finish(): the rank that trained the most steps (see Joinable::join_done).
   [[nodiscard]] int last() const noexcept { return last_; }
@@ -13455,9 +13460,14 @@ class TypedAverager final : public AveragerBase {
   }
   // A finished rank shadows one step: each bucket's all_reduce, in order, with zeros.
   void join_step(int) override {
-    for (const Bucket& b : buckets_) {
-      shadow_.assign(b.elements, T{});
-      average_async(shadow_).wait();
+    if constexpr (!detail::device_only_backend<Backend>) {
+      for (const Bucket& b : buckets_) {
+        shadow_.assign(b.elements, T{});
+        average_async(shadow_).wait();
+      }
+    } else {  // join_attach refused it already
+      detail::fail(Errc::unsupported, "rank ", comm_->rank(),
+                   ": ddp::Join: GradientAverager on a backend that moves CUDA memory only");
     }
   }
   // Every rank has finished: the parameters of the rank that trained longest, everywhere (the
@@ -13782,6 +13792,7 @@ struct LoggerOptions {
 /// Prints whole lines on rank 0 (see the file comment). Copyable; no state but the options.
 class Logger {
  public:
+  /// A logger for rank `rank` (rank 0 prints unless `o` says every rank does).
   explicit Logger(int rank, LoggerOptions o = {}) : rank_(rank), o_(o) {}
 
   /// Whether this rank prints.
@@ -13857,6 +13868,8 @@ class Progress {
   /// A named value shown after the rate, e.g. {"loss", 0.4123}.
   using Value = std::pair<std::string_view, double>;
 
+  /// A bar labelled `label` (e.g. "epoch 1/5") for `total` samples of this rank, `world` ranks
+  /// in step; in a log (not a terminal) a line at each 1/lines_in_logs of the total.
   Progress(const Logger& log, std::string label, std::size_t total, int world = 1,
            int lines_in_logs = 4)
       : log_(log),
@@ -13993,15 +14006,17 @@ enum class MetricKind : std::uint8_t {
 /// Reduced metrics: the same names, in the order they were first recorded, with their values.
 class MetricValues {
  public:
+  /// One reduced metric.
   struct Entry {
-    std::string name;
-    MetricKind kind;
-    double value;
-    double weight;  ///< mean: Σ weight over all ranks; sum, min, max: records over all ranks
+    std::string name;  ///< as recorded
+    MetricKind kind;   ///< how it combined
+    double value;      ///< the reduced value (NaN when no rank recorded one)
+    double weight;     ///< mean: Σ weight over all ranks; sum, min, max: records over all ranks
   };
 
   /// The value named `name`; Errc::invalid_argument naming it when there is none.
   [[nodiscard]] double operator[](std::string_view name) const { return entry(name).value; }
+  /// The entry named `name` (value, kind, weight); Errc::invalid_argument when there is none.
   [[nodiscard]] const Entry& entry(std::string_view name) const {
     for (const Entry& e : entries_) {
       if (e.name == name) return e;
@@ -14009,12 +14024,16 @@ class MetricValues {
     detail::fail(Errc::invalid_argument, "MetricValues: no metric named \"", name,
                  "\" (recorded: ", names(), ")");
   }
+  /// Whether a metric named `name` was reduced.
   [[nodiscard]] bool contains(std::string_view name) const noexcept {
     return std::any_of(entries_.begin(), entries_.end(),
                        [&](const Entry& e) { return e.name == name; });
   }
+  /// Every entry, in recording order.
   [[nodiscard]] const std::vector<Entry>& entries() const noexcept { return entries_; }
+  /// The number of metrics.
   [[nodiscard]] std::size_t size() const noexcept { return entries_.size(); }
+  /// Whether there are none.
   [[nodiscard]] bool empty() const noexcept { return entries_.empty(); }
 
   /// "loss 0.3412  correct 8923  step_ms 41.2": each value with `digits` significant digits
@@ -14145,6 +14164,7 @@ class Metrics {
   void reset() noexcept {
     for (Slot& s : slots_) s.a = s.b = 0;
   }
+  /// The number of names recorded.
   [[nodiscard]] std::size_t size() const noexcept { return slots_.size(); }
 
  private:
