@@ -8,6 +8,7 @@
 #include <doctest/doctest.h>
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/stat.h>
 #include <termios.h>
 #include <unistd.h>
@@ -482,10 +483,14 @@ TEST_CASE("training: Progress writes a line per quarter in a log, redraws on a t
     bar.update(100);
     bar.finish();
   }
-  char buf[512];
-  const ssize_t n = ::read(master, buf, sizeof buf);
-  REQUIRE(n > 0);
-  const std::string drawn(buf, static_cast<std::size_t>(n));
+  std::string drawn;  // what the terminal shows, read until the line ends (writes may arrive apart)
+  for (int tries = 0; tries < 200 && drawn.find('\n') == std::string::npos; ++tries) {
+    pollfd pfd{master, POLLIN, 0};
+    if (::poll(&pfd, 1, 10) != 1) continue;
+    char buf[512];
+    const ssize_t n = ::read(master, buf, sizeof buf);
+    if (n > 0) drawn.append(buf, static_cast<std::size_t>(n));
+  }
   CAPTURE(drawn);
   CHECK(drawn.rfind("\rtty [####################] 100%", 0) == 0);
   CHECK(drawn.back() == '\n');
