@@ -215,14 +215,8 @@ void run(ddp::Environment env, const Config& cfg) {
       correct += static_cast<std::size_t>(std::max_element(z.begin(), z.end()) - z.begin()) ==
                  test.labels[s];
     }
-    // Both in one collective: means over every sample of every rank (ranks hold different
-    // numbers of test images in the exact mode).
-    ddp::Metrics metrics;
-    const auto n_test = static_cast<double>(part.size()), n_seen = static_cast<double>(seen);
-    metrics.mean("accuracy", n_test == 0 ? 0.0 : static_cast<double>(correct) / n_test, n_test);
-    metrics.mean("train_loss", n_seen == 0 ? 0.0 : loss_sum / n_seen, n_seen);
-    const ddp::MetricValues reduced = metrics.reduce(comm);
-    const double accuracy = reduced["accuracy"], train_loss = reduced["train_loss"];
+    const auto [accuracy, train_loss] =
+        fashion_mnist::epoch_metrics(comm, correct, part.size(), loss_sum, seen);
     log.print("epoch %d/%d: train loss %.4f, test accuracy %.2f%%", epoch + 1, cfg.epochs,
               train_loss, 100 * accuracy);
     ddp::Checkpoint ck;  // rank 0's is written (all ranks hold the same parameters)

@@ -21,6 +21,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace fashion_mnist {
@@ -200,6 +201,19 @@ Split load(Comm& comm, const std::string& data, const std::string& cache, const 
     }
   }
   return parse_idx(read_file(cache + "/" + images), read_file(cache + "/" + labels));
+}
+
+/// The epoch's test accuracy and training loss, means over every sample of every rank (ranks
+/// hold different numbers of test images in the exact mode), in one collective.
+template <class Comm>
+std::pair<double, double> epoch_metrics(Comm& comm, std::size_t correct, std::size_t n_test,
+                                        double loss_sum, std::size_t seen) {
+  ddp::Metrics metrics;
+  const auto tested = static_cast<double>(n_test), trained = static_cast<double>(seen);
+  metrics.mean("accuracy", tested == 0 ? 0.0 : static_cast<double>(correct) / tested, tested);
+  metrics.mean("train_loss", trained == 0 ? 0.0 : loss_sum / trained, trained);
+  const ddp::MetricValues reduced = metrics.reduce(comm);
+  return {reduced["accuracy"], reduced["train_loss"]};
 }
 
 }  // namespace fashion_mnist

@@ -384,6 +384,16 @@ class Host {
     if (n != 0 && dst != src) std::memcpy(dst, src, n);
   }
 
+  /// Elements per segment of the large-message paths: a slot's worth (at least one per rank).
+  static std::size_t segment_elements(const detail::Transport& t, std::size_t es) {
+    return std::max<std::size_t>(static_cast<std::size_t>(t.size()), t.max_offer() / es);
+  }
+  /// Chunk j of a segment of m elements split among p ranks, in bytes from the segment's start.
+  static detail::Range chunk_bytes(std::size_t m, int p, int j, std::size_t es) {
+    const auto [lo, hi] = detail::split_range(m, p, j, es);
+    return detail::Range{lo * es, (hi - lo) * es};
+  }
+
   /// The large-message path of all_reduce (root < 0) and reduce: in segments, a reduce-scatter
   /// (rank j reduces chunk j of every rank's segment, in rank order) then a gather of the reduced
   /// chunks to every rank or to root. The result is written, in the same pass, to the user's
@@ -394,15 +404,12 @@ class Host {
     const std::size_t es = b.elem();
     const int p = t.size(), me = t.rank();
     const bool keeps = root < 0 || me == root;
-    const std::size_t seg = std::max<std::size_t>(static_cast<std::size_t>(p), t.max_offer() / es);
+    const std::size_t seg = segment_elements(t, es);
     bool first = true;
     for (std::size_t s0 = 0; s0 < b.count;) {
       const std::size_t m = std::min(seg, b.count - s0);
       std::byte* base = b.at(s0);
-      const auto chunk = [&](int j) {
-        const auto [lo, hi] = detail::split_range(m, p, j, es);
-        return detail::Range{lo * es, (hi - lo) * es};
-      };
+      const auto chunk = [&](int j) { return chunk_bytes(m, p, j, es); };
       const detail::Piece pc{base, m * es};
       auto ptrs = t.round(
           {&pc, 1}, [&](int, int dst) { return chunk(dst); }, first ? fp : nullptr);
@@ -507,16 +514,13 @@ class Host {
       done(false);
       return;
     }
-    const std::size_t seg = std::max<std::size_t>(static_cast<std::size_t>(p), t.max_offer() / es);
+    const std::size_t seg = segment_elements(t, es);
     std::vector<const std::byte*>& ptrs = single_ptrs_;
     ptrs.resize(static_cast<std::size_t>(p));
     for (std::size_t s0 = 0; s0 < b.count;) {
       const std::size_t m = std::min(seg, b.count - s0);
       std::byte* base = b.at(s0);
-      const auto chunk = [&](int j) {
-        const auto [lo, hi] = detail::split_range(m, p, j, es);
-        return detail::Range{lo * es, (hi - lo) * es};
-      };
+      const auto chunk = [&](int j) { return chunk_bytes(m, p, j, es); };
       const detail::Range r = chunk(me);
       if (scratch_.size() < r.len * static_cast<std::size_t>(p))
         scratch_.resize(r.len * static_cast<std::size_t>(p));
@@ -1065,6 +1069,9 @@ class Host {
           keys, std::clamp(left, std::chrono::milliseconds(1), std::chrono::milliseconds(50)));
       if (missing.empty()) return;
       if (const int dead = watch.first_dead(); dead >= 0) {
+        // A rank that exited after failing itself (e.g. it saw another die first) relayed its
+        // error through the store: a short wait there reports that root cause instead.
+        if (store.missing_after(keys, std::chrono::milliseconds(300)).empty()) continue;
         detail::fail(Errc::peer_lost, "rank ", rank_, ": Communicator::init: rank ", dead,
                      " died (its process exited) while ", what,
                      "; the job cannot start: restart it (a launcher with --max-restarts does)");
