@@ -12,13 +12,23 @@
 // and the overlap of communication with a simulated backward pass (compute per tensor in
 // reverse order, mark_ready after each): exposed communication = step time - compute time,
 // against the communication time without overlap.
+//
+//   gradient-bench -n 2 --zero 5   ShardedAverager (ZeRO) against GradientAverager, 5 rounds
+//
+// Each round runs both in fresh processes, alternating which goes first: a training step with
+// Adam (average, update, and for the sharded one gather), the communication alone, each rank's
+// peak resident memory (VmHWM) and the optimizer state it holds; then the per-round ratios and
+// their medians.
 #include <ddp/ddp.hpp>
 
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <functional>
 #include <string>
@@ -194,6 +204,143 @@ void run(ddp::Environment env, int reps) {
   }
 }
 
+// ---- --zero: ShardedAverager against GradientAverager, with Adam ----
+
+struct ZeroResult {
+  double step_us = 0, comm_us = 0;
+  double peak_mb = 0;   // the largest VmHWM of any rank
+  double state_mb = 0;  // Adam's moments on one rank
+};
+
+// Adam (lr 1e-3, betas 0.9 / 0.999, eps 1e-8) on n elements.
+void adam(float* v, const float* g, float* m, float* s, std::size_t n, int t) {
+  const float c1 = 1.0f / (1.0f - std::pow(0.9f, static_cast<float>(t)));
+  const float c2 = 1.0f / (1.0f - std::pow(0.999f, static_cast<float>(t)));
+  for (std::size_t k = 0; k < n; ++k) {
+    m[k] = 0.9f * m[k] + 0.1f * g[k];
+    s[k] = 0.999f * s[k] + 0.001f * g[k] * g[k];
+    v[k] -= 1e-3f * (m[k] * c1) / (std::sqrt(s[k] * c2) + 1e-8f);
+  }
+}
+
+double vm_hwm_mb() {
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  double kb = 0;
+  while (std::fgets(line, sizeof line, f) != nullptr)
+    if (std::sscanf(line, "VmHWM: %lf kB", &kb) == 1) break;
+  std::fclose(f);
+  return kb / 1024;
+}
+
+ZeroResult run_zero(ddp::Environment env, int reps, bool sharded) {
+  auto comm = Comm::init(env);
+  std::vector<Param> model;
+  for (std::size_t n : resnet50_sizes())
+    model.push_back({std::vector<float>(n, 0.01f),
+                     std::vector<float>(n, 1.0f + static_cast<float>(comm.rank()))});
+  std::vector<std::vector<float>> m, s;  // Adam's moments: per parameter, or per slice
+  int t = 0;
+  ZeroResult r;
+  if (!sharded) {
+    ddp::GradientAverager avg(comm, model);
+    for (const auto& p : model) {
+      m.emplace_back(p.value.size(), 0.0f);
+      s.emplace_back(p.value.size(), 0.0f);
+    }
+    r.comm_us = measure(comm, reps, [&] { avg.average(); });
+    r.step_us = measure(comm, reps, [&] {
+      avg.average();
+      ++t;
+      for (std::size_t j = 0; j < model.size(); ++j)
+        adam(model[j].value.data(), model[j].grad.data(), m[j].data(), s[j].data(),
+             model[j].value.size(), t);
+    });
+  } else {
+    ddp::ShardedAverager zero(comm, model);
+    for (const auto& sl : zero.shard()) {
+      m.emplace_back(sl.value.size, 0.0f);
+      s.emplace_back(sl.value.size, 0.0f);
+    }
+    r.comm_us = measure(comm, reps, [&] {
+      zero.average();
+      zero.gather();
+    });
+    r.step_us = measure(comm, reps, [&] {
+      zero.step([&](std::span<ddp::ShardSlice<float>> shard) {
+        ++t;
+        for (std::size_t j = 0; j < shard.size(); ++j)
+          adam(shard[j].value.data, shard[j].grad.data, m[j].data(), s[j].data(),
+               shard[j].value.size, t);
+      });
+    });
+  }
+  for (const auto& x : m) r.state_mb += 2.0 * static_cast<double>(x.size()) * 4 / 1e6;
+  std::vector<double> peak{vm_hwm_mb()};
+  comm.all_reduce(peak, ddp::ReduceOp::max);
+  r.peak_mb = peak[0];
+  return r;
+}
+
+// Rounds of both, each in fresh processes (so that each peak is its own), alternating order.
+int zero_rounds(int nproc, int reps, int rounds) {
+  const std::string file = "/tmp/gradient-bench-zero." + std::to_string(::getpid());
+  std::vector<ZeroResult> full, zero;
+  for (int round = 0; round < rounds; ++round) {
+    for (int k = 0; k < 2; ++k) {
+      const bool sharded = (k == 1) != (round % 2 == 1);
+      ddp::spawn(nproc, [&](ddp::Environment e) {
+        const ZeroResult r = run_zero(e, reps, sharded);
+        if (e.rank != 0) return;
+        std::FILE* f = std::fopen(file.c_str(), "wb");
+        if (f == nullptr) return;
+        std::fwrite(&r, sizeof r, 1, f);
+        std::fclose(f);
+      });
+      ZeroResult r;
+      std::FILE* f = std::fopen(file.c_str(), "rb");
+      if (f == nullptr || std::fread(&r, sizeof r, 1, f) != 1) {
+        std::fprintf(stderr, "gradient-bench: no result from round %d\n", round);
+        return 1;
+      }
+      std::fclose(f);
+      std::remove(file.c_str());
+      (sharded ? zero : full).push_back(r);
+    }
+  }
+  fmt::print(
+      "# ResNet-50 (25.6 M floats) with Adam, {} ranks: GradientAverager against ShardedAverager, "
+      "{} rounds (median of {} steps each)\n",
+      nproc, rounds, reps);
+  fmt::print(
+      "| round | step ms: averager / sharded | ratio | communication ms: all_reduce / "
+      "reduce_scatter + all_gather | ratio | peak RSS MB: averager / sharded | Adam state MB "
+      "per rank |\n|---|---|---:|---|---:|---|---|\n");
+  std::vector<double> step_ratio, comm_ratio, peak_ratio;
+  for (int i = 0; i < rounds; ++i) {
+    const auto& a = full[static_cast<std::size_t>(i)];
+    const auto& b = zero[static_cast<std::size_t>(i)];
+    step_ratio.push_back(a.step_us / b.step_us);
+    comm_ratio.push_back(a.comm_us / b.comm_us);
+    peak_ratio.push_back(b.peak_mb / a.peak_mb);
+    fmt::print(
+        "| {} | {:.1f} / {:.1f} | {:.2f}x | {:.1f} / {:.1f} | {:.2f}x | {:.0f} / {:.0f} | "
+        "{:.0f} / {:.0f} |\n",
+        i + 1, a.step_us / 1e3, b.step_us / 1e3, step_ratio.back(), a.comm_us / 1e3,
+        b.comm_us / 1e3, comm_ratio.back(), a.peak_mb, b.peak_mb, a.state_mb, b.state_mb);
+  }
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  fmt::print(
+      "\n# medians: step time averager / sharded {:.2f}x, communication {:.2f}x, peak memory "
+      "sharded / averager {:.2f}\n",
+      median(step_ratio), median(comm_ratio), median(peak_ratio));
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -205,8 +352,19 @@ int main(int argc, char** argv) {
   app.add_option("--compute", compute,
                  "simulated backward: spin (this core computes) or sleep (an accelerator does)")
       ->check(CLI::IsMember({"spin", "sleep"}));
+  int zero = 0;
+  app.add_option("--zero", zero,
+                 "ShardedAverager against GradientAverager with Adam: this many rounds");
   CLI11_PARSE(app, argc, argv);
   g_sleep = compute == "sleep";
+  if (zero > 0) {
+    try {
+      return zero_rounds(nproc, reps, zero);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "gradient-bench: %s\n", e.what());
+      return 1;
+    }
+  }
   const auto env = ddp::Environment::detect();
   try {
     if (env.launcher == "none")

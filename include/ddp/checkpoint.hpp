@@ -35,15 +35,18 @@
 #include "ddp/objects.hpp"
 #include "ddp/partition.hpp"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <random>
 #include <span>
 #include <string>
 #include <string_view>
@@ -210,7 +213,11 @@ class Checkpoint {
     /// Writes the checkpoint to `path` atomically (see the file comment); Errc::system naming the
     /// path and the reason (a full disk, a missing directory, permissions) on failure, leaving any
     /// earlier file at `path` as it was.
-    void save(const std::string& path) const {
+    void save(const std::string& path) const { commit(stage(path), path); }
+
+    /// The first half of save(): writes the checkpoint to a temporary file next to `path` and
+    /// flushes it to disk; returns that file's name (for commit() or discard()).
+    [[nodiscard]] std::string stage(const std::string& path) const {
       const std::string bytes = serialize();
       const std::string tmp = detail::concat(path, ".tmp.", ::getpid());
       const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -238,6 +245,12 @@ class Checkpoint {
         io_fail("cannot flush ", tmp, " to disk");
       }
       ::close(fd);
+      return tmp;
+    }
+
+    /// The second half of save(): renames the staged file `tmp` over `path` and flushes the
+    /// directory, so the new checkpoint replaces the old one in one step.
+    static void commit(const std::string& tmp, const std::string& path) {
       if (::rename(tmp.c_str(), path.c_str()) != 0) {
         const int err = errno;
         ::unlink(tmp.c_str());
@@ -253,6 +266,9 @@ class Checkpoint {
         ::close(d);
       }
     }
+
+    /// Removes a staged file that will not be committed.
+    static void discard(const std::string& tmp) noexcept { ::unlink(tmp.c_str()); }
 
     /// Reads and verifies `path`; std::nullopt when there is no file there (a run that starts
     /// afresh); Errc::protocol for a file that is not a valid checkpoint, Errc::system when it
@@ -334,6 +350,23 @@ class Checkpoint {
     std::vector<std::pair<std::string, std::string>> sections_;
 };
 
+namespace detail {
+/// "<errc number> <message>" of an Error (empty: none), and back: the error, on every rank.
+inline std::string error_text(const Error& e) {
+  return concat(static_cast<int>(e.code()), " ", e.what());
+}
+/// Fails with the first rank's error in `errors` (gathered from every rank), if there is one.
+template <class Comm>
+void fail_with_first(Comm& comm, const std::vector<std::string>& errors, const char* what) {
+  for (std::size_t r = 0; r < errors.size(); ++r) {
+    if (errors[r].empty()) continue;
+    const std::size_t space = errors[r].find(' ');
+    fail(static_cast<Errc>(std::stoi(errors[r].substr(0, space))), "rank ", comm.rank(), ": ", what,
+         ": rank ", r, " failed: ", errors[r].substr(space + 1));
+  }
+}
+}  // namespace detail
+
 /// Collective: rank `root` saves `ck` to `path` (Checkpoint::save); every rank returns once the
 /// file is complete, or fails with root's error.
 template <class Comm>
@@ -343,7 +376,7 @@ void save_checkpoint(Comm& comm, const Checkpoint& ck, const std::string& path, 
     try {
       ck.save(path);
     } catch (const Error& e) {
-      error = detail::concat(static_cast<int>(e.code()), " ", e.what());
+      error = detail::error_text(e);
     }
   }
   broadcast_object(comm, error, root);
@@ -367,7 +400,7 @@ template <class Comm>
       state = ck ? "ok" : "none";
       if (ck) bytes = ck->serialize();
     } catch (const Error& e) {
-      state = detail::concat(static_cast<int>(e.code()), " ", e.what());
+      state = detail::error_text(e);
     }
   }
   broadcast_object(comm, state, root);
@@ -379,6 +412,135 @@ template <class Comm>
   }
   broadcast_object(comm, bytes, root);
   return Checkpoint::parse(bytes, path);
+}
+
+namespace detail {
+/// A shard file of rank 0 of a world size other than `world` next to `path` ("" if none).
+inline std::string other_world_shard(const std::string& path, int world) {
+  const std::size_t slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
+  const std::string prefix =
+      (slash == std::string::npos ? path : path.substr(slash + 1)) + ".rank0-of-";
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return {};
+  std::string found;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.rfind(prefix, 0) != 0) continue;
+    const std::string rest = name.substr(prefix.size());
+    if (rest.empty() || rest.find_first_not_of("0123456789") != std::string::npos) continue;
+    if (rest == std::to_string(world)) continue;
+    found = (slash == std::string::npos ? "" : dir) + name;
+    break;
+  }
+  ::closedir(d);
+  return found;
+}
+}  // namespace detail
+
+/// The file that rank `rank` of `world` saves and loads for sharded state: path.rankR-of-P.
+[[nodiscard]] inline std::string shard_path(const std::string& path, int rank, int world) {
+  return detail::concat(path, ".rank", rank, "-of-", world);
+}
+
+/// Collective: every rank saves its own `ck` (its shard of the optimizer state, e.g. a
+/// ShardedAverager's) to shard_path(path, rank, size). In two phases: every rank writes and
+/// flushes a temporary file; only when all have succeeded does each rename its file into place,
+/// so a failure anywhere (a full disk on one rank) leaves every earlier shard file as it was and
+/// fails on every rank with that rank's error. Each file records the rank, the world size and
+/// a save identifier that load_sharded_checkpoint checks. Returns the identifier.
+template <class Comm>
+std::uint64_t save_sharded_checkpoint(Comm& comm, Checkpoint ck, const std::string& path) {
+  std::uint64_t id = 0;
+  if (comm.rank() == 0) {
+    std::random_device rd;
+    id = (static_cast<std::uint64_t>(rd()) << 32) ^ rd() ^
+         static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  }
+  broadcast_object(comm, id, 0);
+  ck.put_object("ddp.shard",
+                std::vector<std::uint64_t>{static_cast<std::uint64_t>(comm.rank()),
+                                           static_cast<std::uint64_t>(comm.size()), id});
+  const std::string target = shard_path(path, comm.rank(), comm.size());
+  std::string tmp, error;
+  try {
+    tmp = ck.stage(target);
+  } catch (const Error& e) {
+    error = detail::error_text(e);
+  }
+  auto errors = comm.all_gather_object(error);
+  for (const auto& e : errors) {
+    if (!e.empty() && !tmp.empty()) {
+      Checkpoint::discard(tmp);
+      tmp.clear();
+    }
+  }
+  detail::fail_with_first(comm, errors, "save_sharded_checkpoint");
+  try {
+    Checkpoint::commit(tmp, target);
+  } catch (const Error& e) {
+    error = detail::error_text(e);
+  }
+  errors = comm.all_gather_object(error);
+  detail::fail_with_first(comm, errors, "save_sharded_checkpoint");
+  return id;
+}
+
+/// Collective: each rank loads and verifies its own shard_path(path, rank, size); std::nullopt
+/// on every rank when no rank has its file (a run that starts afresh). Fails on every rank when
+/// one rank's file is invalid (Errc::protocol or Errc::system, naming the rank), when some ranks
+/// have their file and others do not, or when the files come from different saves (a save cut
+/// short between the ranks' renames) or a different rank or world size (Errc::mismatch).
+template <class Comm>
+[[nodiscard]] std::optional<Checkpoint> load_sharded_checkpoint(Comm& comm,
+                                                                const std::string& path) {
+  const std::string mine = shard_path(path, comm.rank(), comm.size());
+  std::optional<Checkpoint> ck;
+  std::string error;
+  std::vector<std::uint64_t> stamp;  // rank, world, save id
+  try {
+    ck = Checkpoint::load(mine);
+    if (ck) {
+      if (!ck->contains("ddp.shard"))
+        detail::fail(Errc::mismatch, "Checkpoint: ", mine,
+                     " is not a shard file (it was not written by save_sharded_checkpoint)");
+      stamp = ck->get_object<std::vector<std::uint64_t>>("ddp.shard");
+      if (stamp.size() != 3 || stamp[0] != static_cast<std::uint64_t>(comm.rank()) ||
+          stamp[1] != static_cast<std::uint64_t>(comm.size()))
+        detail::fail(Errc::mismatch, "Checkpoint: ", mine, " was written by rank ",
+                     stamp.empty() ? 0 : stamp[0], " of ", stamp.size() < 2 ? 0 : stamp[1],
+                     " ranks; a shard resumes on its own rank with the same world size");
+    }
+  } catch (const Error& e) {
+    error = detail::error_text(e);
+  }
+  detail::fail_with_first(comm, comm.all_gather_object(error), "load_sharded_checkpoint");
+  const auto ids = comm.all_gather_object(ck ? std::optional<std::uint64_t>(stamp[2])
+                                             : std::optional<std::uint64_t>());
+  std::optional<std::size_t> with, without;
+  for (std::size_t r = 0; r < ids.size(); ++r) (ids[r] ? with : without) = r;
+  if (!with) {  // a fresh start, unless shard files of another world size are there
+    std::string other = comm.rank() == 0 ? detail::other_world_shard(path, comm.size()) : "";
+    broadcast_object(comm, other, 0);
+    if (other.empty()) return std::nullopt;
+    detail::fail(Errc::mismatch, "rank ", comm.rank(),
+                 ": load_sharded_checkpoint: there is no "
+                 "shard file for ",
+                 comm.size(), " ranks (", mine, ") but there is ", other,
+                 ": sharded state resumes on the world size that saved it");
+  }
+  if (without)
+    detail::fail(Errc::mismatch, "rank ", comm.rank(), ": load_sharded_checkpoint: rank ", *with,
+                 " has its shard file but rank ", *without, " has none (",
+                 shard_path(path, static_cast<int>(*without), comm.size()),
+                 "): the checkpoint is incomplete, or was saved with another world size");
+  for (std::size_t r = 1; r < ids.size(); ++r) {
+    if (*ids[r] != *ids[0])
+      detail::fail(Errc::mismatch, "rank ", comm.rank(), ": load_sharded_checkpoint: rank ", r,
+                   "'s shard file comes from a different save than rank 0's (a save was cut "
+                   "short); resume from a complete checkpoint");
+  }
+  return ck;
 }
 
 DDP_END_NAMESPACE

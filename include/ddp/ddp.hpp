@@ -42,6 +42,7 @@
 #include "ddp/metrics.hpp"
 #include "ddp/objects.hpp"
 #include "ddp/options.hpp"
+#include "ddp/sharded.hpp"
 #include "ddp/spawn.hpp"
 #include "ddp/store/client.hpp"
 #include "ddp/store/protocol.hpp"

@@ -285,22 +285,95 @@ class AveragerNoSync {
 
 /// A parameter's value or gradient as a TensorView<T>: a run-time-typed one is checked here.
 template <class T, class X>
-TensorView<T> typed_view(X& x, int rank, std::size_t i, const char* what) {
+TensorView<T> typed_view(X& x, int rank, std::size_t i, const char* what,
+                         const char* who = "GradientAverager") {
   const auto v = ddp::view(x);
   if constexpr (std::is_same_v<std::remove_cvref_t<decltype(v)>, DynamicView>) {
     if (v.problem != nullptr)
-      fail(Errc::invalid_argument, "rank ", rank, ": GradientAverager: parameter ", i, "'s ", what,
+      fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": parameter ", i, "'s ", what,
            " cannot be used: ", v.problem);
     if (!v.contiguous)
-      fail(Errc::invalid_argument, "rank ", rank, ": GradientAverager: parameter ", i, "'s ", what,
+      fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": parameter ", i, "'s ", what,
            " is not contiguous");
     if (v.dtype != dtype_of<T>)
-      fail(Errc::invalid_argument, "rank ", rank, ": GradientAverager: parameter ", i, "'s ", what,
-           " is ", to_string(v.dtype), " but parameter 0's gradient is ", to_string(dtype_of<T>),
-           "; the averager takes one floating-point dtype per model");
+      fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": parameter ", i, "'s ", what, " is ",
+           to_string(v.dtype), " but parameter 0's gradient is ", to_string(dtype_of<T>), "; the ",
+           who, " takes one floating-point dtype per model");
     return {static_cast<T*>(v.data), v.size, v.device, v.stream};
   } else {
     return {v.data, v.size, v.device, v.stream};
+  }
+}
+
+/// Where a model's parameters are, as an averager needs to know it.
+struct Placement {
+  bool cuda = false;            ///< on a CUDA device
+  int device = 0;               ///< ... this one
+  bool device_buckets = false;  ///< the backend moves CUDA memory: buckets live on the device
+};
+
+/// Every value and gradient must be on one device (all on the host, or all on one CUDA device).
+/// A backend that moves CUDA memory gets buckets on that device; one that moves host memory gets
+/// host buckets, which the gradients are copied into and out of.
+template <class Backend, class T>
+Placement place_parameters(int rank, const std::vector<TensorView<T>>& values,
+                           const std::vector<TensorView<T>>& grads, const char* who) {
+  const Device first = grads.empty() ? Device::cpu() : grads[0].device;
+  for (std::size_t i = 0; i < grads.size(); ++i) {
+    for (const Device d : {values[i].device, grads[i].device}) {
+      if (d != first)
+        fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": parameter ", i, " is on ",
+             to_string(d), " but parameter 0's gradient is on ", to_string(first),
+             "; every value and gradient must be on one device");
+    }
+  }
+  if (first.is_cuda() && !DDP_HAS_CUDA)
+    fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": the parameters are on ",
+         to_string(first), " but ddp was built without CUDA (link the ddp::cuda target)");
+  if (!first.is_cuda() && device_only_backend<Backend>)
+    fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": the parameters are on ",
+         to_string(first), " but backend::", Backend::name, " moves CUDA memory only");
+  return {first.is_cuda(), first.index, first.is_cuda() && Backend::supports(first)};
+}
+
+/// Every rank has the same parameters: count, element type and sizes (Errc::mismatch names the
+/// first difference and the ranks). Collective.
+template <class T, class Backend>
+void check_same_parameters(Communicator<Backend>& comm, const std::vector<TensorView<T>>& values,
+                           const std::vector<TensorView<T>>& grads, const char* who) {
+  // (count, element type, sizes...) of this rank against everyone's.
+  std::vector<std::uint64_t> sig{grads.size(), static_cast<std::uint64_t>(dtype_of<T>)};
+  for (std::size_t i = 0; i < grads.size(); ++i) {
+    if (grads[i].size != values[i].size)
+      fail(Errc::invalid_argument, "rank ", comm.rank(), ": ", who, ": parameter ", i, " has ",
+           values[i].size, " values but ", grads[i].size, " gradients");
+    const auto usable = [](const Device& d) {
+      return Backend::supports(d) ||
+             (d.is_cuda() && DDP_HAS_CUDA && Backend::supports(Device::cpu()));
+    };
+    if (!usable(grads[i].device) || !usable(values[i].device))
+      fail(Errc::invalid_argument, "rank ", comm.rank(), ": ", who, ": parameter ", i, " lives on ",
+           to_string(grads[i].device), ", which this backend cannot use");
+    sig.push_back(grads[i].size);
+  }
+  const auto all = comm.all_gather_object(sig);
+  for (std::size_t r = 1; r < all.size(); ++r) {
+    const auto& a = all[0];
+    const auto& b = all[r];
+    if (a == b) continue;
+    if (a[0] != b[0])
+      fail(Errc::mismatch, "rank ", comm.rank(), ": ", who, ": rank 0 has ", a[0],
+           " parameters but rank ", r, " has ", b[0], "; every rank must build the same model");
+    if (a[1] != b[1])
+      fail(Errc::mismatch, "rank ", comm.rank(), ": ", who, ": the gradients are ",
+           to_string(static_cast<DType>(a[1])), " on rank 0 but ",
+           to_string(static_cast<DType>(b[1])), " on rank ", r);
+    for (std::size_t i = 2; i < a.size(); ++i) {
+      if (a[i] != b[i])
+        fail(Errc::mismatch, "rank ", comm.rank(), ": ", who, ": parameter ", i - 2, " has ", a[i],
+             " elements on rank 0 but ", b[i], " on rank ", r,
+             "; every rank must build the same model");
+    }
   }
 }
 
@@ -491,31 +564,15 @@ class TypedAverager final : public AveragerBase {
     std::optional<Work> work;
   };
 
-  // Where the gradients are: all on the host, or all on one CUDA device. A backend that moves
-  // CUDA memory gets buckets on that device; one that moves host memory gets host buckets, which
-  // the gradients are copied into and out of (large gradients go through the communicator's
-  // staging pipeline).
   void check_devices() {
-    const Device first = grads_.empty() ? Device::cpu() : grads_[0].device;
-    for (std::size_t i = 0; i < grads_.size(); ++i) {
-      for (const Device d : {values_[i].device, grads_[i].device}) {
-        if (d != first)
-          detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
-                       ": GradientAverager: parameter ", i, " is on ", to_string(d),
-                       " but parameter 0's gradient is on ", to_string(first),
-                       "; every value and gradient must be on one device");
-      }
-    }
-    cuda_ = first.is_cuda();
-    device_ = first.index;
-    if (cuda_ && !DDP_HAS_CUDA)
-      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
-                   ": GradientAverager: the parameters are on ", to_string(first),
-                   " but ddp was built without CUDA (link the ddp::cuda target)");
-    device_buckets_ = cuda_ && Backend::supports(first);
+    const Placement where =
+        place_parameters<Backend>(comm_->rank(), values_, grads_, "GradientAverager");
+    cuda_ = where.cuda;
+    device_ = where.device;
+    device_buckets_ = where.device_buckets;
     if (device_buckets_ && o_.compression != Compression::none)
       detail::fail(Errc::unsupported, "rank ", comm_->rank(),
-                   ": GradientAverager: compression of gradients on ", to_string(first),
+                   ": GradientAverager: compression of gradients on ", to_string(grads_[0].device),
                    " with backend::", Backend::name,
                    " is not available (ddp's headers carry no GPU kernels to convert them); use "
                    "Compression::none, or compress with backend::Host, which converts on the host");
@@ -575,43 +632,7 @@ class TypedAverager final : public AveragerBase {
   }
 
   void check_same_everywhere() {
-    // (count, element type, sizes...) of this rank against everyone's.
-    std::vector<std::uint64_t> sig{grads_.size(), static_cast<std::uint64_t>(dtype_of<T>)};
-    for (std::size_t i = 0; i < grads_.size(); ++i) {
-      if (grads_[i].size != values_[i].size)
-        detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
-                     ": GradientAverager: parameter ", i, " has ", values_[i].size, " values but ",
-                     grads_[i].size, " gradients");
-      const auto usable = [](const Device& d) {
-        return Backend::supports(d) ||
-               (d.is_cuda() && DDP_HAS_CUDA && Backend::supports(Device::cpu()));
-      };
-      if (!usable(grads_[i].device) || !usable(values_[i].device))
-        detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
-                     ": GradientAverager: parameter ", i, " lives on ", to_string(grads_[i].device),
-                     ", which this backend cannot use");
-      sig.push_back(grads_[i].size);
-    }
-    const auto all = comm_->all_gather_object(sig);
-    for (std::size_t r = 1; r < all.size(); ++r) {
-      const auto& a = all[0];
-      const auto& b = all[r];
-      if (a == b) continue;
-      if (a[0] != b[0])
-        detail::fail(Errc::mismatch, "rank ", comm_->rank(), ": GradientAverager: rank 0 has ",
-                     a[0], " parameters but rank ", r, " has ", b[0],
-                     "; every rank must build the same model");
-      if (a[1] != b[1])
-        detail::fail(Errc::mismatch, "rank ", comm_->rank(),
-                     ": GradientAverager: the gradients are ", to_string(static_cast<DType>(a[1])),
-                     " on rank 0 but ", to_string(static_cast<DType>(b[1])), " on rank ", r);
-      for (std::size_t i = 2; i < a.size(); ++i) {
-        if (a[i] != b[i])
-          detail::fail(Errc::mismatch, "rank ", comm_->rank(), ": GradientAverager: parameter ",
-                       i - 2, " has ", a[i], " elements on rank 0 but ", b[i], " on rank ", r,
-                       "; every rank must build the same model");
-      }
-    }
+    check_same_parameters(*comm_, values_, grads_, "GradientAverager");
   }
 
   void make_buckets() {

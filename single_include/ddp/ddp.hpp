@@ -12125,15 +12125,18 @@ DDP_END_NAMESPACE
 // #include "ddp/objects.hpp" (already included above)
 // #include "ddp/partition.hpp" (already included above)
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <random>
 #include <span>
 #include <string>
 #include <string_view>
@@ -12300,7 +12303,11 @@ class Checkpoint {
     /// Writes the checkpoint to `path` atomically (see the file comment); Errc::system naming the
     /// path and the reason (a full disk, a missing directory, permissions) on failure, leaving any
     /// earlier file at `path` as it was.
-    void save(const std::string& path) const {
+    void save(const std::string& path) const { commit(stage(path), path); }
+
+    /// The first half of save(): writes the checkpoint to a temporary file next to `path` and
+    /// flushes it to disk; returns that file's name (for commit() or discard()).
+    [[nodiscard]] std::string stage(const std::string& path) const {
       const std::string bytes = serialize();
       const std::string tmp = detail::concat(path, ".tmp.", ::getpid());
       const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -12328,6 +12335,12 @@ class Checkpoint {
         io_fail("cannot flush ", tmp, " to disk");
       }
       ::close(fd);
+      return tmp;
+    }
+
+    /// The second half of save(): renames the staged file `tmp` over `path` and flushes the
+    /// directory, so the new checkpoint replaces the old one in one step.
+    static void commit(const std::string& tmp, const std::string& path) {
       if (::rename(tmp.c_str(), path.c_str()) != 0) {
         const int err = errno;
         ::unlink(tmp.c_str());
@@ -12343,6 +12356,9 @@ class Checkpoint {
         ::close(d);
       }
     }
+
+    /// Removes a staged file that will not be committed.
+    static void discard(const std::string& tmp) noexcept { ::unlink(tmp.c_str()); }
 
     /// Reads and verifies `path`; std::nullopt when there is no file there (a run that starts
     /// afresh); Errc::protocol for a file that is not a valid checkpoint, Errc::system when it
@@ -12424,6 +12440,23 @@ class Checkpoint {
     std::vector<std::pair<std::string, std::string>> sections_;
 };
 
+namespace detail {
+/// "<errc number> <message>" of an Error (empty: none), and back: the error, on every rank.
+inline std::string error_text(const Error& e) {
+  return concat(static_cast<int>(e.code()), " ", e.what());
+}
+/// Fails with the first rank's error in `errors` (gathered from every rank), if there is one.
+template <class Comm>
+void fail_with_first(Comm& comm, const std::vector<std::string>& errors, const char* what) {
+  for (std::size_t r = 0; r < errors.size(); ++r) {
+    if (errors[r].empty()) continue;
+    const std::size_t space = errors[r].find(' ');
+    fail(static_cast<Errc>(std::stoi(errors[r].substr(0, space))), "rank ", comm.rank(), ": ", what,
+         ": rank ", r, " failed: ", errors[r].substr(space + 1));
+  }
+}
+}  // namespace detail
+
 /// Collective: rank `root` saves `ck` to `path` (Checkpoint::save); every rank returns once the
 /// file is complete, or fails with root's error.
 template <class Comm>
@@ -12433,7 +12466,7 @@ void save_checkpoint(Comm& comm, const Checkpoint& ck, const std::string& path, 
     try {
       ck.save(path);
     } catch (const Error& e) {
-      error = detail::concat(static_cast<int>(e.code()), " ", e.what());
+      error = detail::error_text(e);
     }
   }
   broadcast_object(comm, error, root);
@@ -12457,7 +12490,7 @@ template <class Comm>
       state = ck ? "ok" : "none";
       if (ck) bytes = ck->serialize();
     } catch (const Error& e) {
-      state = detail::concat(static_cast<int>(e.code()), " ", e.what());
+      state = detail::error_text(e);
     }
   }
   broadcast_object(comm, state, root);
@@ -12469,6 +12502,135 @@ template <class Comm>
   }
   broadcast_object(comm, bytes, root);
   return Checkpoint::parse(bytes, path);
+}
+
+namespace detail {
+/// A shard file of rank 0 of a world size other than `world` next to `path` ("" if none).
+inline std::string other_world_shard(const std::string& path, int world) {
+  const std::size_t slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
+  const std::string prefix =
+      (slash == std::string::npos ? path : path.substr(slash + 1)) + ".rank0-of-";
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return {};
+  std::string found;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.rfind(prefix, 0) != 0) continue;
+    const std::string rest = name.substr(prefix.size());
+    if (rest.empty() || rest.find_first_not_of("0123456789") != std::string::npos) continue;
+    if (rest == std::to_string(world)) continue;
+    found = (slash == std::string::npos ? "" : dir) + name;
+    break;
+  }
+  ::closedir(d);
+  return found;
+}
+}  // namespace detail
+
+/// The file that rank `rank` of `world` saves and loads for sharded state: path.rankR-of-P.
+[[nodiscard]] inline std::string shard_path(const std::string& path, int rank, int world) {
+  return detail::concat(path, ".rank", rank, "-of-", world);
+}
+
+/// Collective: every rank saves its own `ck` (its shard of the optimizer state, e.g. a
+/// ShardedAverager's) to shard_path(path, rank, size). In two phases: every rank writes and
+/// flushes a temporary file; only when all have succeeded does each rename its file into place,
+/// so a failure anywhere (a full disk on one rank) leaves every earlier shard file as it was and
+/// fails on every rank with that rank's error. Each file records the rank, the world size and
+/// a save identifier that load_sharded_checkpoint checks. Returns the identifier.
+template <class Comm>
+std::uint64_t save_sharded_checkpoint(Comm& comm, Checkpoint ck, const std::string& path) {
+  std::uint64_t id = 0;
+  if (comm.rank() == 0) {
+    std::random_device rd;
+    id = (static_cast<std::uint64_t>(rd()) << 32) ^ rd() ^
+         static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  }
+  broadcast_object(comm, id, 0);
+  ck.put_object("ddp.shard",
+                std::vector<std::uint64_t>{static_cast<std::uint64_t>(comm.rank()),
+                                           static_cast<std::uint64_t>(comm.size()), id});
+  const std::string target = shard_path(path, comm.rank(), comm.size());
+  std::string tmp, error;
+  try {
+    tmp = ck.stage(target);
+  } catch (const Error& e) {
+    error = detail::error_text(e);
+  }
+  auto errors = comm.all_gather_object(error);
+  for (const auto& e : errors) {
+    if (!e.empty() && !tmp.empty()) {
+      Checkpoint::discard(tmp);
+      tmp.clear();
+    }
+  }
+  detail::fail_with_first(comm, errors, "save_sharded_checkpoint");
+  try {
+    Checkpoint::commit(tmp, target);
+  } catch (const Error& e) {
+    error = detail::error_text(e);
+  }
+  errors = comm.all_gather_object(error);
+  detail::fail_with_first(comm, errors, "save_sharded_checkpoint");
+  return id;
+}
+
+/// Collective: each rank loads and verifies its own shard_path(path, rank, size); std::nullopt
+/// on every rank when no rank has its file (a run that starts afresh). Fails on every rank when
+/// one rank's file is invalid (Errc::protocol or Errc::system, naming the rank), when some ranks
+/// have their file and others do not, or when the files come from different saves (a save cut
+/// short between the ranks' renames) or a different rank or world size (Errc::mismatch).
+template <class Comm>
+[[nodiscard]] std::optional<Checkpoint> load_sharded_checkpoint(Comm& comm,
+                                                                const std::string& path) {
+  const std::string mine = shard_path(path, comm.rank(), comm.size());
+  std::optional<Checkpoint> ck;
+  std::string error;
+  std::vector<std::uint64_t> stamp;  // rank, world, save id
+  try {
+    ck = Checkpoint::load(mine);
+    if (ck) {
+      if (!ck->contains("ddp.shard"))
+        detail::fail(Errc::mismatch, "Checkpoint: ", mine,
+                     " is not a shard file (it was not written by save_sharded_checkpoint)");
+      stamp = ck->get_object<std::vector<std::uint64_t>>("ddp.shard");
+      if (stamp.size() != 3 || stamp[0] != static_cast<std::uint64_t>(comm.rank()) ||
+          stamp[1] != static_cast<std::uint64_t>(comm.size()))
+        detail::fail(Errc::mismatch, "Checkpoint: ", mine, " was written by rank ",
+                     stamp.empty() ? 0 : stamp[0], " of ", stamp.size() < 2 ? 0 : stamp[1],
+                     " ranks; a shard resumes on its own rank with the same world size");
+    }
+  } catch (const Error& e) {
+    error = detail::error_text(e);
+  }
+  detail::fail_with_first(comm, comm.all_gather_object(error), "load_sharded_checkpoint");
+  const auto ids = comm.all_gather_object(ck ? std::optional<std::uint64_t>(stamp[2])
+                                             : std::optional<std::uint64_t>());
+  std::optional<std::size_t> with, without;
+  for (std::size_t r = 0; r < ids.size(); ++r) (ids[r] ? with : without) = r;
+  if (!with) {  // a fresh start, unless shard files of another world size are there
+    std::string other = comm.rank() == 0 ? detail::other_world_shard(path, comm.size()) : "";
+    broadcast_object(comm, other, 0);
+    if (other.empty()) return std::nullopt;
+    detail::fail(Errc::mismatch, "rank ", comm.rank(),
+                 ": load_sharded_checkpoint: there is no "
+                 "shard file for ",
+                 comm.size(), " ranks (", mine, ") but there is ", other,
+                 ": sharded state resumes on the world size that saved it");
+  }
+  if (without)
+    detail::fail(Errc::mismatch, "rank ", comm.rank(), ": load_sharded_checkpoint: rank ", *with,
+                 " has its shard file but rank ", *without, " has none (",
+                 shard_path(path, static_cast<int>(*without), comm.size()),
+                 "): the checkpoint is incomplete, or was saved with another world size");
+  for (std::size_t r = 1; r < ids.size(); ++r) {
+    if (*ids[r] != *ids[0])
+      detail::fail(Errc::mismatch, "rank ", comm.rank(), ": load_sharded_checkpoint: rank ", r,
+                   "'s shard file comes from a different save than rank 0's (a save was cut "
+                   "short); resume from a complete checkpoint");
+  }
+  return ck;
 }
 
 DDP_END_NAMESPACE
@@ -12936,22 +13098,95 @@ class AveragerNoSync {
 
 /// A parameter's value or gradient as a TensorView<T>: a run-time-typed one is checked here.
 template <class T, class X>
-TensorView<T> typed_view(X& x, int rank, std::size_t i, const char* what) {
+TensorView<T> typed_view(X& x, int rank, std::size_t i, const char* what,
+                         const char* who = "GradientAverager") {
   const auto v = ddp::view(x);
   if constexpr (std::is_same_v<std::remove_cvref_t<decltype(v)>, DynamicView>) {
     if (v.problem != nullptr)
-      fail(Errc::invalid_argument, "rank ", rank, ": GradientAverager: parameter ", i, "'s ", what,
+      fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": parameter ", i, "'s ", what,
            " cannot be used: ", v.problem);
     if (!v.contiguous)
-      fail(Errc::invalid_argument, "rank ", rank, ": GradientAverager: parameter ", i, "'s ", what,
+      fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": parameter ", i, "'s ", what,
            " is not contiguous");
     if (v.dtype != dtype_of<T>)
-      fail(Errc::invalid_argument, "rank ", rank, ": GradientAverager: parameter ", i, "'s ", what,
-           " is ", to_string(v.dtype), " but parameter 0's gradient is ", to_string(dtype_of<T>),
-           "; the averager takes one floating-point dtype per model");
+      fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": parameter ", i, "'s ", what, " is ",
+           to_string(v.dtype), " but parameter 0's gradient is ", to_string(dtype_of<T>), "; the ",
+           who, " takes one floating-point dtype per model");
     return {static_cast<T*>(v.data), v.size, v.device, v.stream};
   } else {
     return {v.data, v.size, v.device, v.stream};
+  }
+}
+
+/// Where a model's parameters are, as an averager needs to know it.
+struct Placement {
+  bool cuda = false;            ///< on a CUDA device
+  int device = 0;               ///< ... this one
+  bool device_buckets = false;  ///< the backend moves CUDA memory: buckets live on the device
+};
+
+/// Every value and gradient must be on one device (all on the host, or all on one CUDA device).
+/// A backend that moves CUDA memory gets buckets on that device; one that moves host memory gets
+/// host buckets, which the gradients are copied into and out of.
+template <class Backend, class T>
+Placement place_parameters(int rank, const std::vector<TensorView<T>>& values,
+                           const std::vector<TensorView<T>>& grads, const char* who) {
+  const Device first = grads.empty() ? Device::cpu() : grads[0].device;
+  for (std::size_t i = 0; i < grads.size(); ++i) {
+    for (const Device d : {values[i].device, grads[i].device}) {
+      if (d != first)
+        fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": parameter ", i, " is on ",
+             to_string(d), " but parameter 0's gradient is on ", to_string(first),
+             "; every value and gradient must be on one device");
+    }
+  }
+  if (first.is_cuda() && !DDP_HAS_CUDA)
+    fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": the parameters are on ",
+         to_string(first), " but ddp was built without CUDA (link the ddp::cuda target)");
+  if (!first.is_cuda() && device_only_backend<Backend>)
+    fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": the parameters are on ",
+         to_string(first), " but backend::", Backend::name, " moves CUDA memory only");
+  return {first.is_cuda(), first.index, first.is_cuda() && Backend::supports(first)};
+}
+
+/// Every rank has the same parameters: count, element type and sizes (Errc::mismatch names the
+/// first difference and the ranks). Collective.
+template <class T, class Backend>
+void check_same_parameters(Communicator<Backend>& comm, const std::vector<TensorView<T>>& values,
+                           const std::vector<TensorView<T>>& grads, const char* who) {
+  // (count, element type, sizes...) of this rank against everyone's.
+  std::vector<std::uint64_t> sig{grads.size(), static_cast<std::uint64_t>(dtype_of<T>)};
+  for (std::size_t i = 0; i < grads.size(); ++i) {
+    if (grads[i].size != values[i].size)
+      fail(Errc::invalid_argument, "rank ", comm.rank(), ": ", who, ": parameter ", i, " has ",
+           values[i].size, " values but ", grads[i].size, " gradients");
+    const auto usable = [](const Device& d) {
+      return Backend::supports(d) ||
+             (d.is_cuda() && DDP_HAS_CUDA && Backend::supports(Device::cpu()));
+    };
+    if (!usable(grads[i].device) || !usable(values[i].device))
+      fail(Errc::invalid_argument, "rank ", comm.rank(), ": ", who, ": parameter ", i, " lives on ",
+           to_string(grads[i].device), ", which this backend cannot use");
+    sig.push_back(grads[i].size);
+  }
+  const auto all = comm.all_gather_object(sig);
+  for (std::size_t r = 1; r < all.size(); ++r) {
+    const auto& a = all[0];
+    const auto& b = all[r];
+    if (a == b) continue;
+    if (a[0] != b[0])
+      fail(Errc::mismatch, "rank ", comm.rank(), ": ", who, ": rank 0 has ", a[0],
+           " parameters but rank ", r, " has ", b[0], "; every rank must build the same model");
+    if (a[1] != b[1])
+      fail(Errc::mismatch, "rank ", comm.rank(), ": ", who, ": the gradients are ",
+           to_string(static_cast<DType>(a[1])), " on rank 0 but ",
+           to_string(static_cast<DType>(b[1])), " on rank ", r);
+    for (std::size_t i = 2; i < a.size(); ++i) {
+      if (a[i] != b[i])
+        fail(Errc::mismatch, "rank ", comm.rank(), ": ", who, ": parameter ", i - 2, " has ", a[i],
+             " elements on rank 0 but ", b[i], " on rank ", r,
+             "; every rank must build the same model");
+    }
   }
 }
 
@@ -13142,31 +13377,15 @@ class TypedAverager final : public AveragerBase {
     std::optional<Work> work;
   };
 
-  // Where the gradients are: all on the host, or all on one CUDA device. A backend that moves
-  // CUDA memory gets buckets on that device; one that moves host memory gets host buckets, which
-  // the gradients are copied into and out of (large gradients go through the communicator's
-  // staging pipeline).
   void check_devices() {
-    const Device first = grads_.empty() ? Device::cpu() : grads_[0].device;
-    for (std::size_t i = 0; i < grads_.size(); ++i) {
-      for (const Device d : {values_[i].device, grads_[i].device}) {
-        if (d != first)
-          detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
-                       ": GradientAverager: parameter ", i, " is on ", to_string(d),
-                       " but parameter 0's gradient is on ", to_string(first),
-                       "; every value and gradient must be on one device");
-      }
-    }
-    cuda_ = first.is_cuda();
-    device_ = first.index;
-    if (cuda_ && !DDP_HAS_CUDA)
-      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
-                   ": GradientAverager: the parameters are on ", to_string(first),
-                   " but ddp was built without CUDA (link the ddp::cuda target)");
-    device_buckets_ = cuda_ && Backend::supports(first);
+    const Placement where =
+        place_parameters<Backend>(comm_->rank(), values_, grads_, "GradientAverager");
+    cuda_ = where.cuda;
+    device_ = where.device;
+    device_buckets_ = where.device_buckets;
     if (device_buckets_ && o_.compression != Compression::none)
       detail::fail(Errc::unsupported, "rank ", comm_->rank(),
-                   ": GradientAverager: compression of gradients on ", to_string(first),
+                   ": GradientAverager: compression of gradients on ", to_string(grads_[0].device),
                    " with backend::", Backend::name,
                    " is not available (ddp's headers carry no GPU kernels to convert them); use "
                    "Compression::none, or compress with backend::Host, which converts on the host");
@@ -13226,43 +13445,7 @@ class TypedAverager final : public AveragerBase {
   }
 
   void check_same_everywhere() {
-    // (count, element type, sizes...) of this rank against everyone's.
-    std::vector<std::uint64_t> sig{grads_.size(), static_cast<std::uint64_t>(dtype_of<T>)};
-    for (std::size_t i = 0; i < grads_.size(); ++i) {
-      if (grads_[i].size != values_[i].size)
-        detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
-                     ": GradientAverager: parameter ", i, " has ", values_[i].size, " values but ",
-                     grads_[i].size, " gradients");
-      const auto usable = [](const Device& d) {
-        return Backend::supports(d) ||
-               (d.is_cuda() && DDP_HAS_CUDA && Backend::supports(Device::cpu()));
-      };
-      if (!usable(grads_[i].device) || !usable(values_[i].device))
-        detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
-                     ": GradientAverager: parameter ", i, " lives on ", to_string(grads_[i].device),
-                     ", which this backend cannot use");
-      sig.push_back(grads_[i].size);
-    }
-    const auto all = comm_->all_gather_object(sig);
-    for (std::size_t r = 1; r < all.size(); ++r) {
-      const auto& a = all[0];
-      const auto& b = all[r];
-      if (a == b) continue;
-      if (a[0] != b[0])
-        detail::fail(Errc::mismatch, "rank ", comm_->rank(), ": GradientAverager: rank 0 has ",
-                     a[0], " parameters but rank ", r, " has ", b[0],
-                     "; every rank must build the same model");
-      if (a[1] != b[1])
-        detail::fail(Errc::mismatch, "rank ", comm_->rank(),
-                     ": GradientAverager: the gradients are ", to_string(static_cast<DType>(a[1])),
-                     " on rank 0 but ", to_string(static_cast<DType>(b[1])), " on rank ", r);
-      for (std::size_t i = 2; i < a.size(); ++i) {
-        if (a[i] != b[i])
-          detail::fail(Errc::mismatch, "rank ", comm_->rank(), ": GradientAverager: parameter ",
-                       i - 2, " has ", a[i], " elements on rank 0 but ", b[i], " on rank ", r,
-                       "; every rank must build the same model");
-      }
-    }
+    check_same_parameters(*comm_, values_, grads_, "GradientAverager");
   }
 
   void make_buckets() {
@@ -14243,6 +14426,609 @@ DDP_END_NAMESPACE
 // end ddp/metrics.hpp
 // #include "ddp/objects.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
+// begin ddp/sharded.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ShardedAverager<Model, Backend>: sharded optimizer state (ZeRO stages 1 and 2), the sibling of
+/// GradientAverager.
+///
+///     ddp::ShardedAverager zero(comm, model);   // broadcasts rank 0's parameters
+///     Adam opt(zero.shard());                   // state for this rank's shard only: ~1/P
+///     for (...) {
+///       forward_backward(model, batch);         // zero.mark_ready(i) as gradients are final
+///       zero.synchronize();                     // this rank's shard holds averaged gradients
+///       opt.step(zero.shard());                 // update the shard only
+///       zero.gather();                          // every rank gets every updated parameter
+///     }
+///
+///  * The gradients are cut into the same buckets as GradientAverager's (parameters in reverse
+///    order, a small first bucket, then up to 25 MiB), and each bucket is cut into P contiguous
+///    blocks of equal size (the bucket padded with zeros to a multiple of P). Rank r owns block r
+///    of every bucket: its shard is balanced to within one element per bucket.
+///  * A bucket whose gradients are all final starts its reduce_scatter at once, in the background,
+///    while backward goes on (the same overlap as the averager's all_reduce); rank r receives the
+///    averaged gradients of its blocks only (ZeRO-2). synchronize() waits and writes them into the
+///    gradients' owned ranges; outside the shard the gradients are unspecified afterwards.
+///  * shard() lists the owned ranges as ShardSlice: a parameter index, an offset, and views of
+///    those values and gradients. A slice has `value` and `grad`, so the shard is itself a Model:
+///    an optimizer written for a model runs unchanged on the shard, and keeps state (momentum,
+///    Adam's moments) for 1/P of the parameters (ZeRO-1).
+///  * gather() all-gathers the updated blocks, so every rank holds every parameter again.
+///    reduce_scatter + all_gather move the bytes of one all_reduce.
+///  * A large gradient (in_place_bytes and up) is a bucket of its own, communicated where it is
+///    (no copy): its first n - n % P elements; the n % P left over join the next small bucket.
+///  * Unused parameters (never marked) count as zero; no_sync() accumulates micro-batches; a
+///    model with buffers() gets rank 0's buffers after each synchronize(), like the averager.
+///  * Not a Joinable: a rank whose inputs ran out would have to go on updating its shard. With
+///    uneven inputs use GradientAverager in a ddp::Join, or give every rank the same step count.
+///
+/// The shard depends on the world size and the bucket options: optimizer state saved from a
+/// shard (save_sharded_checkpoint) resumes on the same world size with the same options.
+
+// #include "ddp/checkpoint.hpp" (already included above)
+// #include "ddp/communicator.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/gradient.hpp" (already included above)
+// #include "ddp/tensor.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// One piece of the shard a rank owns: elements [offset, offset + value.size) of parameter
+/// `param`. It has a value and a gradient, so it is a Parameter and a shard is a Model.
+template <class T>
+struct ShardSlice {
+  std::size_t param = 0;   ///< The parameter's index in the model.
+  std::size_t offset = 0;  ///< The slice's first element within the parameter.
+  TensorView<T> value;     ///< The parameter's values [offset, offset + size).
+  TensorView<T> grad;      ///< Their averaged gradients (after synchronize()).
+};
+
+/// How a ShardedAverager buckets and synchronizes (the GradientAverager options that apply).
+struct ShardedOptions {
+  /// Largest bucket, in bytes of gradient (each rank owns 1/P of every bucket).
+  std::size_t bucket_bytes = std::size_t{25} << 20;
+  /// The first bucket (the last parameters), small so that communication starts early.
+  std::size_t first_bucket_bytes = std::size_t{1} << 20;
+  /// A gradient of at least this many bytes is reduce-scattered and all-gathered where it is,
+  /// as a bucket of its own, instead of being copied into a bucket.
+  std::size_t in_place_bytes = std::size_t{256} << 10;
+  /// Copy rank 0's parameter values to every rank at construction.
+  bool broadcast_parameters = true;
+  /// Models with buffers(): copy rank 0's buffers to every rank at construction and after every
+  /// synchronize().
+  bool broadcast_buffers = true;
+  /// Where the framework can say when a gradient is final (libtorch's autograd hooks), call
+  /// mark_ready from there.
+  bool hooks = true;
+};
+
+namespace detail {
+/// The element type a ShardedAverager of M uses by default: the gradients' type, or float32
+/// where it is known only at run time (then checked at construction).
+template <class M,
+          class P = std::ranges::range_value_t<decltype(model_parameters(std::declval<M&>()))>,
+          bool = dynamic_parameter<P>>
+struct model_element {
+  using type = tensor_value_t<grad_of_t<P>>;
+};
+template <class M, class P>
+struct model_element<M, P, true> {
+  using type = float;
+};
+}  // namespace detail
+
+/// Sharded optimizer state (see the file comment). T: the parameters' element type (deduced for
+/// typed parameters; give it for run-time-typed ones that are not float32).
+template <Model M, class Backend, class T = typename detail::model_element<M>::type>
+class ShardedAverager {
+  using Param = std::ranges::range_value_t<decltype(detail::model_parameters(std::declval<M&>()))>;
+  static_assert(detail::is_floating_scalar_v<T>,
+                "ShardedAverager: T must be float, double, ddp::half or ddp::bfloat16");
+
+ public:
+  /// The parameters' element type.
+  using value_type = T;
+  /// One owned range (see ShardSlice).
+  using Slice = ShardSlice<T>;
+  /// The guard no_sync() returns: restores the previous mode when it is destroyed.
+  using NoSync = detail::AveragerNoSync;
+
+  /// Shards `model`'s gradients and optimizer updates over `comm` (both must outlive it); copies
+  /// rank 0's parameters (and buffers) to every rank unless `options` says not to. Collective.
+  ShardedAverager(Communicator<Backend>& comm, M& model, ShardedOptions options = {})
+      : comm_(&comm), model_(&model), o_(options) {
+    if (o_.bucket_bytes == 0 || o_.first_bucket_bytes == 0) fail("bucket sizes must be positive");
+    for (auto&& p : detail::model_parameters(model)) {
+      const std::size_t i = grads_.size();
+      detail::ensure_grad(p);
+      values_.push_back(
+          detail::typed_view<T>(detail::param_value(p), comm.rank(), i, "value", who));
+      grads_.push_back(
+          detail::typed_view<T>(detail::param_grad(p), comm.rank(), i, "gradient", who));
+    }
+    const detail::Placement where =
+        detail::place_parameters<Backend>(comm.rank(), values_, grads_, who);
+    cuda_ = where.cuda;
+    device_ = where.device;
+    device_buckets_ = where.device_buckets;
+    detail::check_same_parameters(*comm_, values_, grads_, who);
+    if (o_.broadcast_parameters) {
+      for (auto& v : values_) comm.broadcast(v, 0);
+    }
+    if constexpr (detail::has_buffers<M>) {
+      if (o_.broadcast_parameters || o_.broadcast_buffers) broadcast_buffers();
+    }
+    make_buckets();
+    make_shard();
+    ready_.assign(grads_.size(), false);
+    if constexpr (detail::has_ready_hook<Param>) {
+      if (!o_.hooks) return;
+      std::size_t i = 0;
+      for (auto&& p : detail::model_parameters(model)) {
+        hooks_.push_back(parameter_traits<Param>::ready_hook(p, [this, i] { hook_ready(i); }));
+        ++i;
+      }
+    }
+  }
+
+  ShardedAverager(const ShardedAverager&) = delete;
+  ShardedAverager& operator=(const ShardedAverager&) = delete;
+  ~ShardedAverager() {
+    hooks_.clear();             // no hook may call into a destroyed averager
+    for (auto& b : buckets_) {  // never leave a collective writing into freed buffers
+      if (!b.work) continue;
+      try {
+        b.work->wait();
+      } catch (...) {
+      }
+    }
+  }
+
+  /// Number of parameters.
+  [[nodiscard]] std::size_t size() const noexcept { return grads_.size(); }
+  /// The parameter indices of each bucket, in launch order (a large parameter's leftover
+  /// elements appear again in a later bucket).
+  [[nodiscard]] std::vector<std::vector<std::size_t>> buckets() const {
+    std::vector<std::vector<std::size_t>> out;
+    for (const auto& b : buckets_) {
+      out.emplace_back();
+      for (const Piece& p : b.pieces) out.back().push_back(p.param);
+    }
+    return out;
+  }
+
+  /// This rank's shard: the ranges of parameters it updates, by parameter then offset. The
+  /// views follow the model's buffers (looked up again at each step); a Model, for optimizers.
+  [[nodiscard]] std::span<Slice> shard() noexcept { return slices_; }
+  /// Elements in this rank's shard (the padding of buckets not counted).
+  [[nodiscard]] std::size_t shard_size() const noexcept { return shard_size_; }
+  /// Elements in all parameters.
+  [[nodiscard]] std::size_t total_size() const noexcept { return total_size_; }
+
+  /// Gradient i is final for this step: its bucket starts its reduce_scatter once all of its
+  /// gradients (and every earlier bucket) are. Ignored inside no_sync().
+  void mark_ready(std::size_t i) {
+    if (!in_step_) begin_step();
+    if (i >= grads_.size())
+      fail("mark_ready(", i, "): the model has ", grads_.size(), " parameters");
+    if (no_sync_ || ready_[i]) return;
+    ready_[i] = true;
+    for (const std::size_t b : buckets_of_[i]) ++buckets_[b].ready;
+    while (next_ < buckets_.size() && buckets_[next_].ready == buckets_[next_].pieces.size())
+      launch(next_++);
+  }
+
+  /// Waits for every bucket's reduce_scatter (starting those not started: gradients never marked
+  /// count as zero) and writes the averaged gradients into this rank's shard; then, for a model
+  /// with buffers, copies rank 0's buffers to every rank. Ignored inside no_sync().
+  void synchronize() {
+    if (no_sync_) return;
+    if (!in_step_) begin_step();
+    while (next_ < buckets_.size()) launch(next_++);
+    for (auto& b : buckets_) {
+      Work w = std::move(*b.work);
+      b.work.reset();
+      w.wait();
+    }
+    for (auto& b : buckets_) {
+      if (!b.in_place) unpack_shard(b);
+      b.ready = 0;
+    }
+    settle();
+    next_ = 0;
+    in_step_ = false;
+    std::fill(ready_.begin(), ready_.end(), false);
+    if constexpr (detail::has_buffers<M>) {
+      if (o_.broadcast_buffers) broadcast_buffers();
+    }
+  }
+
+  /// Every gradient is final: mark_ready for all (last first) and synchronize().
+  void average() {
+    if (no_sync_) return;
+    for (std::size_t i = grads_.size(); i-- > 0;) mark_ready(i);
+    synchronize();
+  }
+
+  /// Every rank's shard, updated, to every rank: afterwards each rank holds every parameter.
+  /// The bucket all_gathers run in the background while earlier ones are copied out. Collective.
+  void gather() {
+    if (in_step_ && next_ != 0)
+      fail("gather(): this step's gradients are being reduced; call synchronize() first");
+    for (auto& b : buckets_) launch_gather(b);
+    for (auto& b : buckets_) {
+      Work w = std::move(*b.work);
+      b.work.reset();
+      w.wait();
+      if (!b.in_place) unpack_all(b);
+    }
+    settle();
+  }
+
+  /// One optimizer step: average(), then `update(shard())` (the optimizer, on this rank's shard
+  /// only), then gather(). Ignored inside no_sync().
+  template <class F>
+  void step(F&& update) {
+    if (no_sync_) return;
+    average();
+    std::forward<F>(update)(shard());
+    gather();
+  }
+
+  /// While the returned guard lives, mark_ready/synchronize/average/step do nothing, so gradients
+  /// of several micro-batches accumulate locally.
+  [[nodiscard]] NoSync no_sync() {
+    if (next_ != 0)
+      fail(
+          "no_sync(): buckets of this step were already started; enter no_sync before the "
+          "backward pass");
+    return NoSync(no_sync_);
+  }
+
+  /// Whether any rank's shard of averaged gradients holds an inf or a NaN (after synchronize();
+  /// the same answer on every rank). Collective.
+  [[nodiscard]] bool found_nonfinite() {
+    std::vector<std::int32_t> flag{0};
+    for_each_owned_gradient([&](const T* g, std::size_t n) {
+      for (std::size_t k = 0; k < n && flag[0] == 0; ++k)
+        if (!std::isfinite(static_cast<double>(static_cast<typename detail::Accum<T>::type>(g[k]))))
+          flag[0] = 1;
+    });
+    comm_->all_reduce_host(std::span<std::int32_t>(flag), ReduceOp::max);
+    return flag[0] != 0;
+  }
+
+  /// The 2-norm of the whole averaged gradient (after synchronize()), from every rank's shard:
+  /// the same value on every rank, for gradient clipping (scale the shard's gradients by
+  /// max_norm / norm before the update). Collective.
+  [[nodiscard]] double grad_norm() {
+    std::vector<double> sum{0.0};
+    for_each_owned_gradient([&](const T* g, std::size_t n) {
+      for (std::size_t k = 0; k < n; ++k) {
+        const auto x = static_cast<double>(static_cast<typename detail::Accum<T>::type>(g[k]));
+        sum[0] += x * x;
+      }
+    });
+    comm_->all_reduce_host(std::span<double>(sum), ReduceOp::sum);
+    return std::sqrt(sum[0]);
+  }
+
+ private:
+  static constexpr const char* who = "ShardedAverager";
+
+  struct Piece {
+    std::size_t param = 0;   // parameter index
+    std::size_t offset = 0;  // first element within the parameter
+    std::size_t size = 0;    // elements
+    std::size_t at = 0;      // position in the bucket
+  };
+  struct Bucket {
+    std::vector<Piece> pieces;
+    std::size_t elements = 0;  // padded to a multiple of P
+    std::size_t block = 0;     // elements / P: what each rank owns
+    std::size_t ready = 0;     // pieces whose gradients are final
+    bool in_place = false;     // one piece: communicated where it is
+    std::vector<T> host;       // the bucket, on the host
+#if DDP_HAS_CUDA
+    CudaBuffer<T> device;  // ... or on the GPU, for a backend that moves CUDA memory
+#endif
+    TensorView<T> flat;  // whichever of the two (in place: none)
+    std::optional<Work> work;
+  };
+
+  template <class... A>
+  [[noreturn]] void fail(const A&... a) const {
+    detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": ShardedAverager: ", a...);
+  }
+
+  [[nodiscard]] std::size_t rank() const { return static_cast<std::size_t>(comm_->rank()); }
+
+  void make_buckets() {
+    const auto world = static_cast<std::size_t>(comm_->size());
+    // In place on a backend that moves the parameters' memory itself (staging a CUDA parameter
+    // through the host needs a host bucket anyway).
+    const bool in_place_ok = !cuda_ || device_buckets_;
+    buckets_of_.assign(grads_.size(), {});
+    Bucket cur;
+    std::size_t bytes = 0;
+    const auto add = [&](std::size_t i, std::size_t offset, std::size_t n) {
+      buckets_of_[i].push_back(buckets_.size());
+      cur.pieces.push_back({i, offset, n, cur.elements});
+      cur.elements += n;
+      bytes += n * sizeof(T);
+    };
+    const auto close = [&] {
+      if (cur.pieces.empty()) return;
+      cur.elements = (cur.elements + world - 1) / world * world;
+      cur.block = cur.elements / world;
+      buckets_.push_back(std::move(cur));
+      cur = Bucket{};
+      bytes = 0;
+    };
+    for (std::size_t i = grads_.size(); i-- > 0;) {
+      const std::size_t n = grads_[i].size;
+      total_size_ += n;
+      if (n == 0) continue;
+      const std::size_t cap = buckets_.empty() ? o_.first_bucket_bytes : o_.bucket_bytes;
+      if (in_place_ok && n * sizeof(T) >= o_.in_place_bytes && n >= world) {
+        close();
+        const std::size_t m = n - n % world;
+        buckets_of_[i].push_back(buckets_.size());
+        Bucket b;
+        b.pieces.push_back({i, 0, m, 0});
+        b.elements = m;
+        b.block = m / world;
+        b.in_place = true;
+        buckets_.push_back(std::move(b));
+        if (m != n) add(i, m, n - m);  // the leftover, in the next small bucket
+        continue;
+      }
+      if (!cur.pieces.empty() && bytes + n * sizeof(T) > cap) close();
+      add(i, 0, n);
+    }
+    close();
+    for (auto& b : buckets_) {
+      if (b.in_place) continue;
+#if DDP_HAS_CUDA
+      if (device_buckets_) {
+        b.device = CudaBuffer<T>(b.elements, device_, stream_of(b));
+        b.flat = ddp::view(b.device);
+        continue;
+      }
+#endif
+      b.host.assign(b.elements, T{});
+      b.flat = TensorView<T>{b.host.data(), b.host.size(), Device::cpu(), nullptr};
+    }
+  }
+
+  // The CUDA stream a device bucket's work is ordered on: its first gradient's.
+  [[nodiscard]] void* stream_raw(const Bucket& b) const {
+    return grads_[b.pieces.front().param].stream;
+  }
+#if DDP_HAS_CUDA
+  [[nodiscard]] cudaStream_t stream_of(const Bucket& b) const {
+    return static_cast<cudaStream_t>(stream_raw(b));
+  }
+#endif
+
+  // This rank's block of each bucket, as slices of parameters, sorted by parameter and offset.
+  void make_shard() {
+    slices_.clear();
+    shard_size_ = 0;
+    for (const auto& b : buckets_) {
+      const std::size_t lo = rank() * b.block, hi = lo + b.block;
+      for (const Piece& p : b.pieces) {
+        const std::size_t from = std::max(lo, p.at), to = std::min(hi, p.at + p.size);
+        if (from >= to) continue;
+        Slice s;
+        s.param = p.param;
+        s.offset = p.offset + (from - p.at);
+        s.value = values_[p.param].subview(s.offset, to - from);
+        s.grad = grads_[p.param].subview(s.offset, to - from);
+        slices_.push_back(s);
+        shard_size_ += to - from;
+      }
+    }
+    std::sort(slices_.begin(), slices_.end(), [](const Slice& a, const Slice& b) {
+      return a.param != b.param ? a.param < b.param : a.offset < b.offset;
+    });
+  }
+
+  // Looks the buffers up again (the model may have reallocated them since the last step).
+  void begin_step() {
+    std::size_t i = 0;
+    for (auto&& p : detail::model_parameters(*model_)) {
+      if (i < grads_.size()) {
+        detail::ensure_grad(p);
+        const auto v =
+            detail::typed_view<T>(detail::param_value(p), comm_->rank(), i, "value", who);
+        const auto g =
+            detail::typed_view<T>(detail::param_grad(p), comm_->rank(), i, "gradient", who);
+        if (g.size != grads_[i].size || v.size != values_[i].size)
+          fail("parameter ", i, " now has ", v.size, " values and ", g.size, " gradients; it had ",
+               values_[i].size, " and ", grads_[i].size,
+               " when the averager was created (sizes must not change)");
+        values_[i] = v;
+        grads_[i] = g;
+      }
+      ++i;
+    }
+    if (i != grads_.size())
+      fail("the model now has ", i, " parameters; it had ", grads_.size(),
+           " when the averager was created");
+    for (auto& s : slices_) {
+      s.value = values_[s.param].subview(s.offset, s.value.size);
+      s.grad = grads_[s.param].subview(s.offset, s.grad.size);
+    }
+    in_step_ = true;
+  }
+
+  void hook_ready(std::size_t i) {
+    if (!no_sync_ && i < ready_.size() && ready_[i])
+      fail("parameter ", i,
+           "'s gradient was accumulated twice in one step (a second backward before "
+           "synchronize()); call synchronize() after each backward, or run all but the last "
+           "inside no_sync()");
+    mark_ready(i);
+  }
+
+  // Copies n elements between a parameter's memory and a bucket. Device buckets: ordered on the
+  // bucket's stream after the parameter's; host buckets of CUDA parameters: on the parameter's
+  // stream (settle() waits for those).
+  void copy(T* dst, const T* src, std::size_t n, const Bucket& b, void* param_stream) {
+    if (device_buckets_) {
+      detail::join_streams(true, stream_raw(b), param_stream);
+      detail::copy_bytes(dst, src, n * sizeof(T), true, stream_raw(b));
+      return;
+    }
+    detail::copy_bytes(dst, src, n * sizeof(T), cuda_, param_stream);
+    if (cuda_) detail::sync_stream(true, param_stream);
+  }
+  void zero(T* dst, std::size_t n, void* stream) {
+    detail::zero_bytes(dst, n * sizeof(T), cuda_, stream);
+  }
+  // Device buckets: the copies out of them are complete (the optimizer may read the shard, the
+  // forward pass the parameters).
+  void settle() {
+    if (!device_buckets_) return;
+    for (const auto& b : buckets_) detail::sync_stream(true, stream_raw(b));
+  }
+
+  void launch(std::size_t k) {
+    Bucket& b = buckets_[k];
+    const std::size_t mine = rank() * b.block;
+    if (b.in_place) {
+      const Piece& p = b.pieces.front();
+      const TensorView<T> g = grads_[p.param].subview(0, p.size);
+      if (!ready_[p.param]) zero(g.data, g.size, g.stream);  // unused: counts as zero
+      b.work.emplace(comm_->reduce_scatter_async(g, g.subview(mine, b.block), ReduceOp::avg));
+      return;
+    }
+    void* s = device_buckets_ ? stream_raw(b) : nullptr;
+    std::size_t end = 0;
+    for (const Piece& p : b.pieces) {
+      const TensorView<T>& g = grads_[p.param];
+      if (ready_[p.param])
+        copy(b.flat.data + p.at, g.data + p.offset, p.size, b, g.stream);
+      else
+        zero_flat(b, p.at, p.size, s);
+      end = p.at + p.size;
+    }
+    zero_flat(b, end, b.elements - end, s);  // the padding
+    b.work.emplace(
+        comm_->reduce_scatter_async(b.flat, b.flat.subview(mine, b.block), ReduceOp::avg));
+  }
+  void zero_flat(Bucket& b, std::size_t at, std::size_t n, void* s) {
+    detail::zero_bytes(b.flat.data + at, n * sizeof(T), device_buckets_, s);
+  }
+
+  // Calls f(from, to, piece) for each piece's part that lies in this rank's block of b.
+  template <class F>
+  void for_each_owned(const Bucket& b, F&& f) const {
+    const std::size_t lo = rank() * b.block, hi = lo + b.block;
+    for (const Piece& p : b.pieces) {
+      const std::size_t from = std::max(lo, p.at), to = std::min(hi, p.at + p.size);
+      if (from < to) f(from, to, p);
+    }
+  }
+
+  // The averaged gradients of this rank's block into the gradients.
+  void unpack_shard(Bucket& b) {
+    for_each_owned(b, [&](std::size_t from, std::size_t to, const Piece& p) {
+      const TensorView<T>& g = grads_[p.param];
+      copy(g.data + p.offset + (from - p.at), b.flat.data + from, to - from, b, g.stream);
+    });
+  }
+
+  // This rank's updated values into its block, then the all_gather of the bucket.
+  void launch_gather(Bucket& b) {
+    const std::size_t mine = rank() * b.block;
+    if (b.in_place) {
+      const TensorView<T> v = values_[b.pieces.front().param].subview(0, b.elements);
+      b.work.emplace(comm_->all_gather_async(v.subview(mine, b.block), v));
+      return;
+    }
+    for_each_owned(b, [&](std::size_t from, std::size_t to, const Piece& p) {
+      const TensorView<T>& v = values_[p.param];
+      copy(b.flat.data + from, v.data + p.offset + (from - p.at), to - from, b, v.stream);
+    });
+    b.work.emplace(comm_->all_gather_async(b.flat.subview(mine, b.block), b.flat));
+  }
+
+  // Every piece's gathered values back into the parameters.
+  void unpack_all(Bucket& b) {
+    for (const Piece& p : b.pieces) {
+      const TensorView<T>& v = values_[p.param];
+      copy(v.data + p.offset, b.flat.data + p.at, p.size, b, v.stream);
+    }
+  }
+
+  // f(data, n) over this rank's averaged gradients, on the host (CUDA ones copied there).
+  template <class F>
+  void for_each_owned_gradient(F&& f) {
+    std::vector<T> host;
+    for (const Slice& s : slices_) {
+      const T* data = s.grad.data;
+      if (cuda_) {
+        host.resize(s.grad.size);
+        detail::copy_bytes(host.data(), s.grad.data, s.grad.bytes(), true, s.grad.stream);
+        detail::sync_stream(true, s.grad.stream);
+        data = host.data();
+      }
+      f(data, s.grad.size);
+    }
+  }
+
+  void broadcast_buffers() {
+    if constexpr (detail::has_buffers<M>) {
+      for (auto&& b : model_->buffers()) comm_->broadcast(b, 0);
+    }
+  }
+
+  Communicator<Backend>* comm_;
+  M* model_;
+  ShardedOptions o_;
+  std::vector<TensorView<T>> values_, grads_;
+  std::vector<Bucket> buckets_;
+  std::vector<std::vector<std::size_t>> buckets_of_;  // the buckets holding each parameter
+  std::vector<Slice> slices_;
+  std::size_t shard_size_ = 0, total_size_ = 0;
+  std::vector<bool> ready_;
+  std::vector<std::shared_ptr<void>> hooks_;
+  bool cuda_ = false;            // the parameters are on a CUDA device
+  int device_ = 0;               // ... this one
+  bool device_buckets_ = false;  // the backend moves CUDA memory: buckets live on the device
+  std::size_t next_ = 0;         // the next bucket to launch
+  bool no_sync_ = false;
+  bool in_step_ = false;  // buffers looked up for the current step
+};
+
+/// `ShardedAverager zero(comm, model)` deduces the model type and the backend.
+template <class Backend, Model M>
+ShardedAverager(Communicator<Backend>&, M&, ShardedOptions = {}) -> ShardedAverager<M, Backend>;
+
+DDP_END_NAMESPACE
+// end ddp/sharded.hpp
 // begin ddp/spawn.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT

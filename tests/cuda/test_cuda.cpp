@@ -209,6 +209,44 @@ TEST_CASE("GradientAverager on backend::Nccl: device buckets, in place, unused p
   }
 }
 
+TEST_CASE(
+    "ShardedAverager on backend::Nccl: device buckets, in place, the shard updated and gathered") {
+  auto comm = single();
+  ddp::CudaStream stream(0);
+  std::vector<Param> model;
+  for (const std::size_t n : {5UL, 200'000UL, 3UL, 7UL}) {  // 200k floats: in place
+    std::vector<float> g(n);
+    for (std::size_t i = 0; i < n; ++i) g[i] = static_cast<float>(i % 13) + 0.5f;
+    model.push_back({ddp::CudaBuffer<float>(std::span<const float>(g), 0, stream.get()),
+                     ddp::CudaBuffer<float>(std::span<const float>(g), 0, stream.get())});
+  }
+  ddp::ShardedAverager zero(comm, model);
+  CHECK(zero.buckets().size() == 3);
+  CHECK(zero.shard_size() == zero.total_size());  // a world of one owns everything
+  zero.mark_ready(3);
+  zero.mark_ready(1);
+  zero.mark_ready(0);  // parameter 2 unused: its averaged gradient is zero
+  zero.synchronize();
+  // The update, on the host for the test: value -= grad.
+  for (auto& s : zero.shard()) {
+    std::vector<float> v(s.value.size), g(s.grad.size);
+    ddp::detail::copy_bytes(v.data(), s.value.data, s.value.bytes(), true, nullptr);
+    ddp::detail::copy_bytes(g.data(), s.grad.data, s.grad.bytes(), true, nullptr);
+    ddp::detail::sync_stream(true, nullptr);
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] -= g[i];
+    ddp::detail::copy_bytes(s.value.data, v.data(), s.value.bytes(), true, nullptr);
+    ddp::detail::sync_stream(true, nullptr);
+  }
+  zero.gather();
+  for (std::size_t k = 0; k < model.size(); ++k) {
+    const auto v = host(model[k].value);
+    for (std::size_t i = 0; i < v.size(); ++i)
+      REQUIRE(v[i] == (k == 2 ? static_cast<float>(i % 13) + 0.5f : 0.0f));
+  }
+  CHECK_FALSE(zero.found_nonfinite());
+  CHECK(zero.grad_norm() > 0.0);
+}
+
 TEST_CASE("a host buffer seen only at run time, or one on another device, is refused") {
   auto comm = single();
   std::vector<float> h(4);

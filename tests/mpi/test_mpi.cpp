@@ -9,6 +9,7 @@
 #include "../unit/collective_cases.hpp"
 
 #include <ddp/backend/mpi.hpp>
+#include <ddp/sharded.hpp>
 
 #include <mpi.h>
 
@@ -222,6 +223,63 @@ TEST_CASE("GradientAverager works unchanged on backend::Mpi") {
                   "grad " << i << " = " << prm.grad[i] << ", expected " << want);
       }
     }
+  });
+}
+
+TEST_CASE("ShardedAverager on backend::Mpi: momentum SGD equals GradientAverager's, state 1/P") {
+  on_world([](Mpi& comm) {
+    const int r = comm.rank(), p = comm.size();
+    const auto make = [] {
+      std::vector<Param> m;
+      for (std::size_t n :
+           {std::size_t{37}, std::size_t{100003}, std::size_t{5}, std::size_t{1000}})
+        m.push_back({std::vector<float>(n, 0.5f), std::vector<float>(n)});
+      return m;
+    };
+    std::vector<Param> full = make(), net = make();
+    ddp::GradientAverager avg(comm, full);
+    ddp::ShardedOptions o;
+    o.first_bucket_bytes = 256;  // several small buckets and one in place (with a leftover)
+    o.bucket_bytes = 2048;
+    ddp::ShardedAverager zero(comm, net, o);
+    // Momentum buffers: the whole model's, and the shard's.
+    std::vector<std::vector<float>> mom_full, mom;
+    for (auto& prm : full) mom_full.emplace_back(prm.value.size(), 0.0f);
+    for (auto& s : zero.shard()) mom.emplace_back(s.value.size, 0.0f);
+    const auto grads = [&](std::vector<Param>& m, int step) {
+      for (auto& prm : m)
+        for (std::size_t i = 0; i < prm.grad.size(); ++i)
+          prm.grad[i] =
+              prm.value[i] - std::sin(0.01f * static_cast<float>(i) + static_cast<float>(r + step));
+    };
+    for (int step = 0; step < 10; ++step) {
+      grads(full, step);
+      avg.average();
+      for (std::size_t j = 0; j < full.size(); ++j)
+        for (std::size_t i = 0; i < full[j].value.size(); ++i) {
+          mom_full[j][i] = 0.9f * mom_full[j][i] + full[j].grad[i];
+          full[j].value[i] -= 0.1f * mom_full[j][i];
+        }
+      grads(net, step);
+      zero.step([&](std::span<ddp::ShardSlice<float>> shard) {
+        for (std::size_t j = 0; j < shard.size(); ++j)
+          for (std::size_t i = 0; i < shard[j].value.size; ++i) {
+            mom[j][i] = 0.9f * mom[j][i] + shard[j].grad.data[i];
+            shard[j].value.data[i] -= 0.1f * mom[j][i];
+          }
+      });
+    }
+    for (std::size_t j = 0; j < full.size(); ++j)
+      for (std::size_t i = 0; i < full[j].value.size(); ++i) {
+        const float a = net[j].value[i], b = full[j].value[i];
+        MP_EXPECT(std::abs(a - b) <= 1e-6f * std::max(1e-3f, std::abs(b)),
+                  "parameter " << j << "[" << i << "]: " << a << " vs " << b);
+      }
+    std::size_t state = 0;
+    for (const auto& m : mom) state += m.size();
+    MP_EXPECT(state == zero.shard_size() &&
+                  state <= zero.total_size() / static_cast<std::size_t>(p) + zero.buckets().size(),
+              "momentum for " << state << " of " << zero.total_size() << " elements");
   });
 }
 

@@ -411,3 +411,57 @@ TEST_CASE("GradientAverager over a torch::nn::Module: refusals") {
     }
   });
 }
+
+TEST_CASE(
+    "ShardedAverager over a torch::nn::Module: torch's Adam on the shard (TorchShard) equals Adam "
+    "on the whole model, with state for 1/P of it") {
+  mp::run(3, ddp::HostTransport::shm, [](Comm& comm) {
+    torch::set_num_threads(1);
+    const auto adam_state = [](torch::optim::Adam& opt) {
+      std::int64_t n = 0;
+      for (auto& [key, state] : opt.state())
+        n += static_cast<torch::optim::AdamParamState&>(*state).exp_avg().numel();
+      return n;
+    };
+    torch::manual_seed(static_cast<std::uint64_t>(comm.rank()));
+    Net full;
+    ddp::GradientAverager avg(comm, *full);
+    torch::optim::Adam full_opt(full->parameters(), torch::optim::AdamOptions(0.01));
+    torch::manual_seed(static_cast<std::uint64_t>(comm.rank() + 7));  // rank 0's copied anyway
+    Net net;
+    ddp::ShardedAverager zero(
+        comm, *net, {.bucket_bytes = 256, .first_bucket_bytes = 64, .in_place_bytes = 128});
+    ddp::TorchShard shard(zero);
+    torch::optim::Adam opt(shard.parameters(), torch::optim::AdamOptions(0.01));
+    {
+      torch::NoGradGuard no_grad;  // the same start: the reference takes rank 0's sharded values
+      auto src = net->parameters();
+      auto dst = full->parameters();
+      for (std::size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
+      auto bs = net->buffers();
+      auto bd = full->buffers();
+      for (std::size_t i = 0; i < bs.size(); ++i) bd[i].copy_(bs[i]);
+    }
+    for (int k = 0; k < 6; ++k) {
+      const auto [x, y] = batch(comm.rank(), k);
+      full_opt.zero_grad();
+      torch::nn::functional::cross_entropy(full->forward(x), y).backward();
+      avg.synchronize();
+      full_opt.step();
+
+      opt.zero_grad();
+      for (auto& p : net->parameters()) p.mutable_grad() = torch::Tensor();  // set_to_none
+      torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+      shard.step(opt);
+      MP_EXPECT(same_everywhere(comm, state_of(*net)), "replicas differ after step " << k);
+    }
+    const auto a = state_of(*net), b = state_of(*full);
+    const double diff = ((a - b).abs() / b.abs().clamp_min(1e-3)).max().item<double>();
+    MP_EXPECT(diff <= 1e-6, "sharded Adam differs from Adam by " << diff << " (relative)");
+    const auto state = adam_state(opt), whole = adam_state(full_opt);
+    MP_EXPECT(state == static_cast<std::int64_t>(zero.shard_size()) &&
+                  std::abs(static_cast<double>(state) * comm.size() / static_cast<double>(whole) -
+                           1) < 0.05,
+              "Adam holds " << state << " moments on this rank, " << whole << " unsharded");
+  });
+}

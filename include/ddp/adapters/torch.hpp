@@ -26,10 +26,15 @@
 /// (avg.average() without hooks does the same at the end). The hooks are post hooks on the
 /// parameters' AccumulateGrad nodes, which libtorch 1.13 and 2.x both have.
 ///
+/// A ShardedAverager over a module shards torch's optimizers through ddp::TorchShard: its
+/// parameters() are 1-D tensors sharing the shard's slices, so torch::optim keeps its state
+/// (momentum, Adam's moments) for this rank's shard only.
+///
 /// Needs libtorch on the include path and linked (CMake: the ddp::torch target, or
 /// find_package(Torch) and ${TORCH_LIBRARIES}); only this header depends on it.
 
 #include "ddp/gradient.hpp"
+#include "ddp/sharded.hpp"
 #include "ddp/tensor.hpp"
 #include "ddp/types.hpp"
 
@@ -45,7 +50,9 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <utility>
+#include <vector>
 
 DDP_BEGIN_NAMESPACE
 namespace torch_detail {
@@ -210,6 +217,58 @@ struct parameter_traits<at::Tensor> {
         acc->add_post_hook(std::make_unique<torch_detail::ReadyHook>(std::move(on_ready)));
     return {acc.get(), [acc, key](void*) { acc->del_post_hook(key); }};
   }
+};
+
+/// A ShardedAverager's shard as tensors that torch's optimizers take, so that an optimizer keeps
+/// state for this rank's shard only (ZeRO-1 with torch::optim):
+///
+///     ddp::ShardedAverager zero(comm, *net);     // hooks start reduce_scatters during backward
+///     ddp::TorchShard shard(zero);
+///     torch::optim::Adam opt(shard.parameters(), torch::optim::AdamOptions(1e-3));
+///     for (...) { opt.zero_grad(); ...; loss.backward(); shard.step(opt); }
+///
+/// The parameters are detached 1-D tensors sharing the slices' values; step() points their
+/// gradients at the averaged slices before opt.step(). The model's parameters must stay where
+/// they are (a module moved to another device needs a new averager and TorchShard).
+template <class Zero>
+class TorchShard {
+  using T = typename Zero::value_type;
+
+ public:
+  /// Wraps `zero`'s shard (`zero` must outlive this).
+  explicit TorchShard(Zero& zero) : zero_(&zero) {
+    for (const auto& s : zero.shard()) tensors_.push_back(wrap(s.value));
+  }
+  /// One tensor per slice of the shard, sharing its values: give these to the optimizer.
+  [[nodiscard]] const std::vector<at::Tensor>& parameters() const noexcept { return tensors_; }
+  /// One step after backward(): the averaged gradients of the shard (zero.average()), then
+  /// opt.step() on the shard, then zero.gather() (every rank gets every updated parameter).
+  template <class Optimizer>
+  void step(Optimizer& opt) {
+    zero_->step([&](std::span<typename Zero::Slice> shard) {
+      for (std::size_t j = 0; j < shard.size(); ++j) {
+        if (shard[j].value.data != tensors_[j].data_ptr())
+          detail::fail(Errc::invalid_argument, "TorchShard: parameter ", shard[j].param,
+                       " was reallocated since the TorchShard was made; make the ShardedAverager "
+                       "and the TorchShard again after moving the module");
+        tensors_[j].mutable_grad() = wrap(shard[j].grad);
+      }
+      opt.step();
+    });
+  }
+
+ private:
+  static at::Tensor wrap(const TensorView<T>& v) {
+    auto options = at::TensorOptions().dtype(*torch_detail::scalar_type_of(dtype_of<T>));
+    options =
+        v.device.is_cuda()
+            ? options.device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(v.device.index)))
+            : options.device(at::kCPU);
+    return at::from_blob(v.data, {static_cast<std::int64_t>(v.size)}, options);
+  }
+
+  Zero* zero_;
+  std::vector<at::Tensor> tensors_;
 };
 
 DDP_END_NAMESPACE

@@ -1,0 +1,418 @@
+#include <ddp/checkpoint.hpp>
+#include <ddp/gradient.hpp>
+#include <ddp/sharded.hpp>
+
+#include <doctest/doctest.h>
+
+#include <unistd.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "multiprocess.hpp"
+
+namespace {
+
+struct Param {
+  std::vector<float> value, grad;
+};
+
+// Sizes chosen so that shards are uneven for 3 and 4 ranks: parameters in place (with leftovers
+// of 1 to 3 elements), packed buckets whose length is not a multiple of the world size, and a
+// parameter of a single element.
+struct Net {
+  std::vector<Param> params;
+  Net() {
+    for (std::size_t n : {37u, 1001u, 3u, 129u, 1u, 5002u, 64u}) {
+      Param p{std::vector<float>(n), std::vector<float>(n)};
+      for (std::size_t k = 0; k < n; ++k)
+        p.value[k] = 0.5f * std::sin(0.3f * static_cast<float>(k + 7 * n));
+      params.push_back(std::move(p));
+    }
+  }
+  std::vector<Param>& parameters() { return params; }
+};
+
+// Small buckets and a low in-place threshold: every path of the layout in one small model.
+constexpr ddp::ShardedOptions sharded_options{
+    .bucket_bytes = 512, .first_bucket_bytes = 128, .in_place_bytes = 1024};
+
+// A loss whose gradient depends on the parameters: rank r at step s pulls each value toward a
+// target of its own, with a curvature per element.
+void backward(Net& m, int rank, int step) {
+  for (std::size_t i = 0; i < m.params.size(); ++i) {
+    auto& p = m.params[i];
+    for (std::size_t k = 0; k < p.value.size(); ++k) {
+      const float x = static_cast<float>(k) * 0.01f + static_cast<float>(i);
+      const float target =
+          std::cos(x + 0.7f * static_cast<float>(rank) + 0.3f * static_cast<float>(step));
+      p.grad[k] = (1.0f + 0.5f * std::sin(x)) * (p.value[k] - target);
+    }
+  }
+}
+
+// An optimizer over flat (value, gradient, n) ranges, keyed by range: it works on the whole
+// model or on a shard, and counts the state it holds.
+struct Range {
+  float* value;
+  const float* grad;
+  std::size_t n;
+};
+
+std::vector<Range> ranges(Net& m) {
+  std::vector<Range> out;
+  for (auto& p : m.params) out.push_back({p.value.data(), p.grad.data(), p.value.size()});
+  return out;
+}
+template <class Shard>
+std::vector<Range> ranges(Shard&& shard) {
+  std::vector<Range> out;
+  for (auto& s : shard) out.push_back({s.value.data, s.grad.data, s.value.size});
+  return out;
+}
+
+struct Optimizer {
+  explicit Optimizer(bool use_adam) : adam(use_adam) {}
+  bool adam = false;
+  std::vector<std::vector<float>> m, v;  // momentum / Adam's moments, one per range
+  int t = 0;
+  void step(const std::vector<Range>& rs) {
+    if (m.empty()) {
+      for (const Range& r : rs) {
+        m.emplace_back(r.n, 0.0f);
+        if (adam) v.emplace_back(r.n, 0.0f);
+      }
+    }
+    ++t;
+    for (std::size_t j = 0; j < rs.size(); ++j) {
+      const Range& r = rs[j];
+      for (std::size_t k = 0; k < r.n; ++k) {
+        const float g = r.grad[k];
+        if (!adam) {  // SGD with momentum 0.9, lr 0.05
+          m[j][k] = 0.9f * m[j][k] + g;
+          r.value[k] -= 0.05f * m[j][k];
+          continue;
+        }
+        m[j][k] = 0.9f * m[j][k] + 0.1f * g;  // Adam: lr 0.01, betas (0.9, 0.999), eps 1e-8
+        v[j][k] = 0.999f * v[j][k] + 0.001f * g * g;
+        const float mh = m[j][k] / (1.0f - std::pow(0.9f, static_cast<float>(t)));
+        const float vh = v[j][k] / (1.0f - std::pow(0.999f, static_cast<float>(t)));
+        r.value[k] -= 0.01f * mh / (std::sqrt(vh) + 1e-8f);
+      }
+    }
+  }
+  [[nodiscard]] std::size_t state_bytes() const {
+    std::size_t n = 0;
+    for (const auto& x : m) n += x.size() * sizeof(float);
+    for (const auto& x : v) n += x.size() * sizeof(float);
+    return n;
+  }
+};
+
+std::string bytes_of(const Net& m) {
+  std::string s;
+  for (const auto& p : m.params)
+    s.append(reinterpret_cast<const char*>(p.value.data()), p.value.size() * sizeof(float));
+  return s;
+}
+
+constexpr int steps = 20;
+
+}  // namespace
+
+TEST_CASE("sharded: 20 SGD-momentum and Adam steps equal the unsharded run, state 1/P") {
+  for (bool adam : {false, true}) {
+    for (int world : {1, 2, 3, 4}) {
+      CAPTURE(adam);
+      CAPTURE(world);
+      mp::run(
+          world, world == 3 ? ddp::HostTransport::tcp : ddp::HostTransport::shm,
+          [&](mp::Comm& comm) {
+            // The unsharded reference: GradientAverager and the optimizer on every parameter.
+            Net full;
+            Optimizer full_opt(adam);
+            ddp::GradientAverager avg(comm, full);
+            // Sharded: the optimizer sees this rank's shard only.
+            Net net;
+            Optimizer opt(adam);
+            ddp::ShardedAverager zero(comm, net, sharded_options);
+            for (int step = 0; step < steps; ++step) {
+              backward(full, comm.rank(), step);
+              avg.average();
+              full_opt.step(ranges(full));
+
+              backward(net, comm.rank(), step);
+              // Marked in backward's order, so buckets start while "backward" goes on.
+              for (std::size_t i = net.params.size(); i-- > 0;) zero.mark_ready(i);
+              zero.synchronize();
+              opt.step(ranges(zero.shard()));
+              zero.gather();
+            }
+            double worst = 0;
+            for (std::size_t i = 0; i < net.params.size(); ++i) {
+              for (std::size_t k = 0; k < net.params[i].value.size(); ++k) {
+                const double a = net.params[i].value[k], b = full.params[i].value[k];
+                worst = std::max(worst, std::abs(a - b) / std::max(1e-3, std::abs(b)));
+              }
+            }
+            MP_EXPECT(worst <= 1e-6, "largest relative difference " << worst);
+            for (const auto& other : comm.all_gather_object(bytes_of(net)))
+              MP_EXPECT(other == bytes_of(net), "ranks ended with different parameters");
+
+            // The shard: disjoint ranges covering every element once, balanced to within a
+            // few elements (one per bucket), and the optimizer's state in proportion.
+            std::vector<std::uint64_t> sizes{zero.shard_size()};
+            const auto all = comm.all_gather_object(sizes);
+            std::uint64_t sum = 0, lo = ~0ull, hi = 0;
+            for (const auto& s : all) {
+              sum += s[0];
+              lo = std::min(lo, s[0]);
+              hi = std::max(hi, s[0]);
+            }
+            MP_EXPECT(sum == zero.total_size(), sum << " elements owned of " << zero.total_size());
+            MP_EXPECT(hi - lo <= zero.buckets().size(), "shards of " << lo << " to " << hi);
+            const double share = static_cast<double>(opt.state_bytes()) /
+                                 static_cast<double>(full_opt.state_bytes());
+            const double ideal = 1.0 / comm.size();
+            MP_EXPECT(std::abs(share - ideal) <= 0.01, "optimizer state "
+                                                           << opt.state_bytes() << " of "
+                                                           << full_opt.state_bytes() << " bytes");
+            std::vector<int> owned(zero.total_size(), 0);
+            std::vector<std::size_t> start{0};
+            for (const auto& p : net.params) start.push_back(start.back() + p.value.size());
+            for (const auto& s : zero.shard())
+              for (std::size_t k = 0; k < s.value.size; ++k) ++owned[start[s.param] + s.offset + k];
+            std::vector<std::int32_t> count(owned.begin(), owned.end());
+            comm.all_reduce(count);
+            for (std::size_t k = 0; k < count.size(); ++k)
+              MP_EXPECT(count[k] == 1, "element " << k << " is owned by " << count[k] << " ranks");
+          });
+    }
+  }
+}
+
+TEST_CASE("sharded: step(), no_sync, unused parameters, grad_norm, non-finite, mismatches") {
+  mp::run(3, ddp::HostTransport::shm, [](mp::Comm& comm) {
+    Net net;
+    ddp::ShardedAverager zero(comm, net, sharded_options);
+    // Every rank's gradient of parameter i, element k: (rank + 1) * (k + 1) / 100.
+    const auto fill = [&](Net& m, float scale) {
+      for (auto& p : m.params)
+        for (std::size_t k = 0; k < p.grad.size(); ++k)
+          p.grad[k] = scale * static_cast<float>(comm.rank() + 1) * static_cast<float>(k + 1) / 100;
+    };
+    // no_sync: two micro-batches accumulate; the average is over both (mean of rank+1 is 2).
+    {
+      auto guard = zero.no_sync();
+      fill(net, 1.0f);
+      zero.average();  // ignored
+      zero.step([](auto) { MP_EXPECT(false, "step inside no_sync"); });
+    }
+    std::vector<std::vector<float>> first;
+    for (auto& p : net.params) first.push_back(p.grad);
+    fill(net, 1.0f);
+    for (std::size_t i = 0; i < net.params.size(); ++i)
+      for (std::size_t k = 0; k < first[i].size(); ++k) net.params[i].grad[k] += first[i][k];
+    // Parameter 2 is marked on rank 0 only: the others count as zero.
+    if (comm.rank() == 0) zero.mark_ready(2);
+    for (std::size_t i : {6u, 5u, 4u, 3u, 1u, 0u}) zero.mark_ready(i);
+    zero.synchronize();
+    double norm2 = 0;
+    for (const auto& s : zero.shard()) {
+      for (std::size_t k = 0; k < s.grad.size; ++k) {
+        const double kk = static_cast<double>(s.offset + k + 1);
+        const double want = s.param == 2 ? 2.0 * kk / 100 / 3 : 2 * 2.0 * kk / 100;
+        MP_EXPECT(std::abs(s.grad.data[k] - want) <= 1e-5 * want,
+                  "parameter " << s.param << "[" << s.offset + k << "]: " << s.grad.data[k]
+                               << " vs " << want);
+      }
+    }
+    for (std::size_t i = 0; i < net.params.size(); ++i) {
+      for (std::size_t k = 0; k < net.params[i].grad.size(); ++k) {
+        const double kk = static_cast<double>(k + 1);
+        const double want = i == 2 ? 2.0 * kk / 100 / 3 : 4.0 * kk / 100;
+        norm2 += want * want;
+      }
+    }
+    const double norm = zero.grad_norm();
+    MP_EXPECT(std::abs(norm - std::sqrt(norm2)) <= 1e-5 * std::sqrt(norm2),
+              "grad_norm " << norm << " vs " << std::sqrt(norm2));
+    MP_EXPECT(!zero.found_nonfinite(), "finite gradients reported as non-finite");
+    // step(): the update sees the shard; every rank gets every update.
+    fill(net, 1.0f);
+    zero.step([](std::span<ddp::ShardSlice<float>> shard) {
+      for (auto& s : shard)
+        for (std::size_t k = 0; k < s.value.size; ++k)
+          s.value.data[k] = static_cast<float>(s.param) + 1;
+    });
+    for (std::size_t i = 0; i < net.params.size(); ++i)
+      for (float v : net.params[i].value)
+        MP_EXPECT(v == static_cast<float>(i) + 1, "parameter " << i << " holds " << v);
+    // A NaN in one rank's gradient reaches its owner's shard: every rank learns of it.
+    fill(net, 1.0f);
+    if (comm.rank() == 1) net.params[5].grad[4000] = std::nanf("");
+    zero.average();
+    MP_EXPECT(zero.found_nonfinite(), "a NaN on rank 1 not found on rank " << comm.rank());
+    // gather() while a step's reduction is under way is refused; a parameter resized too.
+    zero.mark_ready(6);
+    mp::expect_refused(comm, "gather mid-step", "call synchronize() first", [&] { zero.gather(); });
+    zero.synchronize();
+    net.params[0].grad.resize(36);
+    mp::expect_refused(comm, "a resized gradient", "parameter 0 now has 37 values and 36 gradients",
+                       [&] { zero.average(); });
+    net.params[0].grad.resize(37);
+    zero.average();
+
+    // Different models on different ranks: every rank learns which parameter differs.
+    Net odd;
+    if (comm.rank() == 2) odd.params[3] = {std::vector<float>(5), std::vector<float>(5)};
+    try {
+      ddp::ShardedAverager bad(comm, odd);
+      MP_EXPECT(false, "no error for different models");
+    } catch (const ddp::Error& e) {
+      MP_EXPECT(e.code() == ddp::Errc::mismatch, e.what());
+      MP_EXPECT(std::string(e.what()).find("ShardedAverager: parameter 3 has 129 elements on rank "
+                                           "0 but 5 on rank 2") != std::string::npos,
+                e.what());
+    }
+  });
+}
+
+namespace {
+// Trains `steps` Adam steps with the state saved every 5 steps (parameters by rank 0, the
+// optimizer's shard by each rank); stops after step `stop` (-1: never). Returns the parameters.
+std::string train_resumable(mp::Comm& comm, const std::string& path, int stop) {
+  Net net;
+  Optimizer opt(true);
+  ddp::ShardedAverager zero(comm, net, sharded_options);
+  int first = 0;
+  if (auto ck = ddp::load_checkpoint(comm, path)) {
+    auto shard = ddp::load_sharded_checkpoint(comm, path);
+    MP_EXPECT(shard.has_value(), "no shard files beside the checkpoint");
+    first = ck->get_object<int>("step");
+    for (std::size_t i = 0; i < net.params.size(); ++i)
+      ck->get_values("p" + std::to_string(i), std::span(net.params[i].value));
+    opt.t = shard->get_object<int>("t");
+    opt.m = shard->get_object<std::vector<std::vector<float>>>("m");
+    opt.v = shard->get_object<std::vector<std::vector<float>>>("v");
+  }
+  for (int step = first; step < steps; ++step) {
+    backward(net, comm.rank(), step);
+    zero.step([&](auto shard) { opt.step(ranges(shard)); });
+    if ((step + 1) % 5 == 0) {
+      ddp::Checkpoint mine;
+      mine.put_object("t", opt.t).put_object("m", opt.m).put_object("v", opt.v);
+      ddp::save_sharded_checkpoint(comm, mine, path);
+      ddp::Checkpoint ck;
+      ck.put_object("step", step + 1);
+      for (std::size_t i = 0; i < net.params.size(); ++i)
+        ck.put_values("p" + std::to_string(i), net.params[i].value);
+      ddp::save_checkpoint(comm, ck, path);
+    }
+    if (step == stop) return {};
+  }
+  return bytes_of(net);
+}
+}  // namespace
+
+TEST_CASE("sharded: a run resumed from sharded checkpoints ends bitwise as an uninterrupted one") {
+  for (int world : {2, 3}) {
+    CAPTURE(world);
+    mp::TempDir dir;
+    mp::run(world, ddp::HostTransport::shm, [&](mp::Comm& comm) {
+      const std::string whole = train_resumable(comm, dir.file("none"), -1);
+      if (comm.rank() == 0) mp::TempDir::write(dir.file("whole"), whole);
+    });
+    mp::run(world, ddp::HostTransport::shm, [&](mp::Comm& comm) {
+      MP_EXPECT(train_resumable(comm, dir.file("run"), 12).empty(), "did not stop");
+    });
+    mp::run(world, ddp::HostTransport::shm, [&](mp::Comm& comm) {  // new processes resume at 10
+      const std::string resumed = train_resumable(comm, dir.file("run"), -1);
+      if (comm.rank() == 0) mp::TempDir::write(dir.file("resumed"), resumed);
+    });
+    CHECK(!mp::TempDir::read(dir.file("whole")).empty());
+    CHECK(mp::TempDir::read(dir.file("resumed")) == mp::TempDir::read(dir.file("whole")));
+  }
+}
+
+TEST_CASE("sharded: shard files from another world size, an interrupted save, a damaged file") {
+  mp::TempDir dir;
+  const std::string path = dir.file("s");
+  const auto expect = [](mp::Comm& comm, ddp::Errc code, const std::string& needle, auto&& call) {
+    try {
+      call();
+      MP_EXPECT(false, "accepted: " << needle);
+    } catch (const ddp::Error& e) {
+      const std::string m = e.what();
+      MP_EXPECT(e.code() == code && m.find(needle) != std::string::npos, m);
+      MP_EXPECT(m.find("rank " + std::to_string(comm.rank())) == 0, m);
+    }
+  };
+  mp::run(2, ddp::HostTransport::shm, [&](mp::Comm& comm) {
+    MP_EXPECT(!ddp::load_sharded_checkpoint(comm, path).has_value(), "no files: a fresh start");
+    ddp::Checkpoint ck;
+    ck.put_object("rank", comm.rank());
+    const auto id = ddp::save_sharded_checkpoint(comm, ck, path);
+    const auto back = ddp::load_sharded_checkpoint(comm, path);
+    MP_EXPECT(back && back->get_object<int>("rank") == comm.rank(), "each rank its own shard");
+    // A save that fails on one rank while writing (its temporary file's place is taken) fails
+    // on every rank and leaves every shard file as it was.
+    const std::string blocker = ddp::shard_path(path, 1, 2) + ".tmp." + std::to_string(::getpid());
+    if (comm.rank() == 1) std::filesystem::create_directory(blocker);
+    ck.put_object("rank", 100 + comm.rank());
+    expect(comm, ddp::Errc::system, "save_sharded_checkpoint: rank 1 failed",
+           [&] { (void)ddp::save_sharded_checkpoint(comm, ck, path); });
+    if (comm.rank() == 1) std::filesystem::remove(blocker);
+    const auto same = ddp::load_sharded_checkpoint(comm, path);
+    MP_EXPECT(same && same->get_object<int>("rank") == comm.rank(), "the old shards survive");
+    MP_EXPECT(same->get_object<std::vector<std::uint64_t>>("ddp.shard")[2] == id, "save id");
+    int leftovers = 0;
+    for (const auto& e : std::filesystem::directory_iterator(dir.path))
+      leftovers += e.path().string().find(".tmp.") != std::string::npos;
+    MP_EXPECT(leftovers == 0, leftovers << " temporary files left");
+    // A save cut short between the renames (rank 1's rename fails: its place is a directory):
+    // rank 0's file is new, rank 1's old; loading refuses the mixture on every rank.
+    comm.barrier();
+    if (comm.rank() == 0) {
+      std::filesystem::rename(ddp::shard_path(path, 1, 2), dir.file("keep"));
+      std::filesystem::create_directory(ddp::shard_path(path, 1, 2));
+    }
+    comm.barrier();
+    expect(comm, ddp::Errc::system, "save_sharded_checkpoint: rank 1 failed",
+           [&] { (void)ddp::save_sharded_checkpoint(comm, ck, path); });
+    if (comm.rank() == 0) {
+      std::filesystem::remove(ddp::shard_path(path, 1, 2));
+      std::filesystem::rename(dir.file("keep"), ddp::shard_path(path, 1, 2));
+    }
+    comm.barrier();
+    expect(comm, ddp::Errc::mismatch, "comes from a different save",
+           [&] { (void)ddp::load_sharded_checkpoint(comm, path); });
+    // One rank's file missing.
+    if (comm.rank() == 1) std::filesystem::remove(ddp::shard_path(path, 1, 2));
+    comm.barrier();
+    expect(comm, ddp::Errc::mismatch, "rank 0 has its shard file but rank 1 has none",
+           [&] { (void)ddp::load_sharded_checkpoint(comm, path); });
+    // A damaged file on rank 0.
+    if (comm.rank() == 0) mp::TempDir::write(ddp::shard_path(path, 0, 2), "garbage, not a shard");
+    comm.barrier();
+    expect(comm, ddp::Errc::protocol, "load_sharded_checkpoint: rank 0 failed",
+           [&] { (void)ddp::load_sharded_checkpoint(comm, path); });
+    // Another rank's file in this rank's place.
+    (void)ddp::save_sharded_checkpoint(comm, ck, path);
+    if (comm.rank() == 0)
+      std::filesystem::copy_file(ddp::shard_path(path, 1, 2), ddp::shard_path(path, 0, 2),
+                                 std::filesystem::copy_options::overwrite_existing);
+    comm.barrier();
+    expect(comm, ddp::Errc::mismatch, "was written by rank 1 of 2 ranks",
+           [&] { (void)ddp::load_sharded_checkpoint(comm, path); });
+  });
+  // Three ranks find shard files of two: refused, not a fresh start beside the parameters.
+  mp::run(3, ddp::HostTransport::shm, [&](mp::Comm& comm) {
+    expect(comm, ddp::Errc::mismatch, "no shard file for 3 ranks",
+           [&] { (void)ddp::load_sharded_checkpoint(comm, path); });
+  });
+}
