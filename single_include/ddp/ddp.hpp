@@ -12246,15 +12246,22 @@ class Checkpoint {
     }
 
     /// The checkpoint as the bytes of its file.
-    [[nodiscard]] std::string serialize() const {
+    [[nodiscard]] std::string serialize() const { return serialize_with({}, {}); }
+    /// The bytes of the file this checkpoint would be with one more section, `name` = `bytes`
+    /// (a section of that name already there is left out), without copying the checkpoint.
+    [[nodiscard]] std::string serialize_with(std::string_view name, std::string_view bytes) const {
+      std::vector<std::pair<std::string_view, std::string_view>> all;
+      for (const auto& [n, b] : sections_)
+        if (name.empty() || n != name) all.emplace_back(n, b);
+      if (!name.empty()) all.emplace_back(name, bytes);
       std::string out(magic, sizeof magic);
-      put_u64(out, sections_.size());
-      for (const auto& [n, b] : sections_) {
+      put_u64(out, all.size());
+      for (const auto& [n, b] : all) {
         put_u64(out, n.size());
         out += n;
         put_u64(out, b.size());
       }
-      for (const auto& s : sections_) out += s.second;
+      for (const auto& sec : all) out += sec.second;
       put_u64(out, checksum(out.data(), out.size()));
       return out;
     }
@@ -12308,7 +12315,11 @@ class Checkpoint {
     /// The first half of save(): writes the checkpoint to a temporary file next to `path` and
     /// flushes it to disk; returns that file's name (for commit() or discard()).
     [[nodiscard]] std::string stage(const std::string& path) const {
-      const std::string bytes = serialize();
+      return stage_bytes(path, serialize());
+    }
+    /// stage() of given file bytes (from serialize() or serialize_with()).
+    [[nodiscard]] static std::string stage_bytes(const std::string& path,
+                                                 const std::string& bytes) {
       const std::string tmp = detail::concat(path, ".tmp.", ::getpid());
       const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
       if (fd < 0) io_fail("cannot create ", tmp);
@@ -12540,7 +12551,7 @@ inline std::string other_world_shard(const std::string& path, int world) {
 /// fails on every rank with that rank's error. Each file records the rank, the world size and
 /// a save identifier that load_sharded_checkpoint checks. Returns the identifier.
 template <class Comm>
-std::uint64_t save_sharded_checkpoint(Comm& comm, Checkpoint ck, const std::string& path) {
+std::uint64_t save_sharded_checkpoint(Comm& comm, const Checkpoint& ck, const std::string& path) {
   std::uint64_t id = 0;
   if (comm.rank() == 0) {
     std::random_device rd;
@@ -12548,13 +12559,12 @@ std::uint64_t save_sharded_checkpoint(Comm& comm, Checkpoint ck, const std::stri
          static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
   }
   broadcast_object(comm, id, 0);
-  ck.put_object("ddp.shard",
-                std::vector<std::uint64_t>{static_cast<std::uint64_t>(comm.rank()),
-                                           static_cast<std::uint64_t>(comm.size()), id});
+  const std::string stamp = detail::encode_object(std::vector<std::uint64_t>{
+      static_cast<std::uint64_t>(comm.rank()), static_cast<std::uint64_t>(comm.size()), id});
   const std::string target = shard_path(path, comm.rank(), comm.size());
   std::string tmp, error;
   try {
-    tmp = ck.stage(target);
+    tmp = Checkpoint::stage_bytes(target, ck.serialize_with("ddp.shard", stamp));
   } catch (const Error& e) {
     error = detail::error_text(e);
   }
