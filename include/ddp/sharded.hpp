@@ -144,6 +144,7 @@ class ShardedAverager {
     device_ = where.device;
     device_buckets_ = where.device_buckets;
     detail::check_same_parameters(*comm_, values_, grads_, who);
+    check_same_options();
     if (o_.broadcast_parameters) {
       for (auto& v : values_) comm.broadcast(v, 0);
     }
@@ -334,6 +335,21 @@ class ShardedAverager {
   }
 
   [[nodiscard]] std::size_t rank() const { return static_cast<std::size_t>(comm_->rank()); }
+
+  // The bucket options decide the shards: every rank must have the same.
+  void check_same_options() {
+    const std::vector<std::uint64_t> mine{o_.bucket_bytes, o_.first_bucket_bytes,
+                                          o_.in_place_bytes};
+    const auto all = comm_->all_gather_object(mine);
+    static constexpr const char* names[] = {"bucket_bytes", "first_bucket_bytes", "in_place_bytes"};
+    for (std::size_t r = 1; r < all.size(); ++r)
+      for (std::size_t k = 0; k < mine.size(); ++k)
+        if (all[r][k] != all[0][k])
+          detail::fail(Errc::mismatch, "rank ", comm_->rank(),
+                       ": ShardedAverager: ShardedOptions::", names[k], " is ", all[0][k],
+                       " on rank 0 but ", all[r][k], " on rank ", r,
+                       "; the bucket options decide the shards, so every rank must give the same");
+  }
 
   void make_buckets() {
     const auto world = static_cast<std::size_t>(comm_->size());

@@ -267,6 +267,16 @@ TEST_CASE("sharded: step(), no_sync, unused parameters, grad_norm, non-finite, m
     net.params[0].grad.resize(37);
     zero.average();
 
+    // Different bucket options on different ranks: refused, naming the option.
+    try {
+      ddp::ShardedAverager bad(comm, net, {.bucket_bytes = comm.rank() == 1 ? 256u : 512u});
+      MP_EXPECT(false, "no error for different options");
+    } catch (const ddp::Error& e) {
+      MP_EXPECT(e.code() == ddp::Errc::mismatch, e.what());
+      MP_EXPECT(std::string(e.what()).find("ShardedOptions::bucket_bytes is 512 on rank 0 but 256 "
+                                           "on rank 1") != std::string::npos,
+                e.what());
+    }
     // Different models on different ranks: every rank learns which parameter differs.
     Net odd;
     if (comm.rank() == 2) odd.params[3] = {std::vector<float>(5), std::vector<float>(5)};
