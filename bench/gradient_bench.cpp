@@ -208,8 +208,9 @@ void run(ddp::Environment env, int reps) {
 
 struct ZeroResult {
   double step_us = 0, comm_us = 0;
-  double peak_mb = 0;   // the largest VmHWM of any rank
-  double state_mb = 0;  // Adam's moments on one rank
+  double exposed_us = 0;  // the reduction left after a simulated backward (mark_ready as it goes)
+  double peak_mb = 0;     // the largest VmHWM of any rank
+  double state_mb = 0;    // Adam's moments on one rank
 };
 
 // Adam (lr 1e-3, betas 0.9 / 0.999, eps 1e-8) on n elements.
@@ -234,6 +235,29 @@ double vm_hwm_mb() {
   return kb / 1024;
 }
 
+// The step time of a simulated backward (compute per tensor in reverse order, about `comm_us`
+// in all, with mark(i) after tensor i) and sync(), less the compute alone: what the reduction
+// adds when it overlaps backward.
+template <class Mark, class Sync>
+double exposed(Comm& comm, int reps, const std::vector<Param>& model, double comm_us, Mark&& mark,
+               Sync&& sync) {
+  std::size_t floats = 0;
+  for (const auto& p : model) floats += p.grad.size();
+  const double total = comm_us * 1.1;
+  const auto backward = [&](bool marks) {
+    for (std::size_t i = model.size(); i-- > 0;) {
+      compute_for(total * static_cast<double>(model[i].grad.size()) / static_cast<double>(floats));
+      if (marks) mark(i);
+    }
+  };
+  const double with = measure(comm, reps, [&] {
+    backward(true);
+    sync();
+  });
+  const double alone = measure(comm, reps, [&] { backward(false); });
+  return std::max(0.0, with - alone);
+}
+
 ZeroResult run_zero(ddp::Environment env, int reps, bool sharded) {
   auto comm = Comm::init(env);
   std::vector<Param> model;
@@ -250,6 +274,9 @@ ZeroResult run_zero(ddp::Environment env, int reps, bool sharded) {
       s.emplace_back(p.value.size(), 0.0f);
     }
     r.comm_us = measure(comm, reps, [&] { avg.average(); });
+    r.exposed_us = exposed(
+        comm, reps, model, r.comm_us, [&](std::size_t i) { avg.mark_ready(i); },
+        [&] { avg.synchronize(); });
     r.step_us = measure(comm, reps, [&] {
       avg.average();
       ++t;
@@ -267,6 +294,9 @@ ZeroResult run_zero(ddp::Environment env, int reps, bool sharded) {
       zero.average();
       zero.gather();
     });
+    r.exposed_us = exposed(
+        comm, reps, model, r.comm_us, [&](std::size_t i) { zero.mark_ready(i); },
+        [&] { zero.synchronize(); });
     r.step_us = measure(comm, reps, [&] {
       zero.step([&](std::span<ddp::ShardSlice<float>> shard) {
         ++t;
@@ -315,8 +345,10 @@ int zero_rounds(int nproc, int reps, int rounds) {
       nproc, rounds, reps);
   fmt::print(
       "| round | step ms: averager / sharded | ratio | communication ms: all_reduce / "
-      "reduce_scatter + all_gather | ratio | peak RSS MB: averager / sharded | Adam state MB "
-      "per rank |\n|---|---|---:|---|---:|---|---|\n");
+      "reduce_scatter + all_gather | ratio | reduction exposed after backward ({}), ms: "
+      "all_reduce / reduce_scatter | peak RSS MB: averager / sharded | Adam state MB per rank "
+      "|\n|---|---|---:|---|---:|---|---|---|\n",
+      g_sleep ? "sleep" : "spin");
   std::vector<double> step_ratio, comm_ratio, peak_ratio;
   for (int i = 0; i < rounds; ++i) {
     const auto& a = full[static_cast<std::size_t>(i)];
@@ -325,10 +357,11 @@ int zero_rounds(int nproc, int reps, int rounds) {
     comm_ratio.push_back(a.comm_us / b.comm_us);
     peak_ratio.push_back(b.peak_mb / a.peak_mb);
     fmt::print(
-        "| {} | {:.1f} / {:.1f} | {:.2f}x | {:.1f} / {:.1f} | {:.2f}x | {:.0f} / {:.0f} | "
-        "{:.0f} / {:.0f} |\n",
+        "| {} | {:.1f} / {:.1f} | {:.2f}x | {:.1f} / {:.1f} | {:.2f}x | {:.1f} / {:.1f} | {:.0f} / "
+        "{:.0f} | {:.0f} / {:.0f} |\n",
         i + 1, a.step_us / 1e3, b.step_us / 1e3, step_ratio.back(), a.comm_us / 1e3,
-        b.comm_us / 1e3, comm_ratio.back(), a.peak_mb, b.peak_mb, a.state_mb, b.state_mb);
+        b.comm_us / 1e3, comm_ratio.back(), a.exposed_us / 1e3, b.exposed_us / 1e3, a.peak_mb,
+        b.peak_mb, a.state_mb, b.state_mb);
   }
   const auto median = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
