@@ -25,8 +25,9 @@
 ///    gradients' owned ranges; outside the shard the gradients are unspecified afterwards.
 ///  * shard() lists the owned ranges as ShardSlice: a parameter index, an offset, and views of
 ///    those values and gradients. A slice has `value` and `grad`, so the shard is itself a Model:
-///    an optimizer written for a model runs unchanged on the shard, and keeps state (momentum,
-///    Adam's moments) for 1/P of the parameters (ZeRO-1).
+///    an optimizer written for a model (reading parameters through ddp::view(p.value) and
+///    ddp::view(p.grad)) runs unchanged on the shard, and keeps state (momentum, Adam's moments)
+///    for 1/P of the parameters (ZeRO-1).
 ///  * gather() all-gathers the updated blocks, so every rank holds every parameter again.
 ///    reduce_scatter + all_gather move the bytes of one all_reduce.
 ///  * A large gradient (in_place_bytes and up) is a bucket of its own, communicated where it is
