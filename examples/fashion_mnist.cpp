@@ -219,12 +219,9 @@ void run(ddp::Environment env, const Config& cfg) {
         fashion_mnist::epoch_metrics(comm, correct, part.size(), loss_sum, seen);
     log.print("epoch %d/%d: train loss %.4f, test accuracy %.2f%%", epoch + 1, cfg.epochs,
               train_loss, 100 * accuracy);
-    ddp::Checkpoint ck;  // rank 0's is written (all ranks hold the same parameters)
-    ck.put_object("epoch", epoch + 1);
-    ck.put_object("hidden", cfg.hidden);
-    for (std::size_t i = 0; i < model.params.size(); ++i)
-      ck.put_values("param" + std::to_string(i), model.params[i].value);
-    ddp::save_checkpoint(comm, ck, cfg.checkpoint);
+    std::vector<std::span<const float>> values;  // rank 0's are written (all ranks hold the same)
+    for (const auto& p : model.params) values.emplace_back(p.value);
+    fashion_mnist::save_epoch_checkpoint(comm, cfg.checkpoint, epoch + 1, cfg.hidden, values);
     if (epoch + 1 == cfg_crash_after && rank == 1 &&
         ::access((cfg.checkpoint + ".crashed").c_str(), F_OK) != 0) {
       std::fclose(std::fopen((cfg.checkpoint + ".crashed").c_str(), "w"));

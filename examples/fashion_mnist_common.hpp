@@ -102,20 +102,18 @@ inline std::vector<std::vector<float>> initial_parameters(int hidden) {
   return p;
 }
 
-/// Writes "DDCK", the epoch, the hidden size and the parameters (host float ranges, in order)
-/// under a temporary name, then renames it: a reader never sees half a checkpoint.
-template <class Values>
-void write_checkpoint(const std::string& path, int epoch, int hidden, const Values& values) {
-  std::ofstream ck(path + ".tmp", std::ios::binary);
-  const std::uint32_t header[3] = {0x4B434444u /* "DDCK" */, static_cast<std::uint32_t>(epoch),
-                                   static_cast<std::uint32_t>(hidden)};
-  ck.write(reinterpret_cast<const char*>(header), sizeof header);
-  for (const auto& v : values)
-    ck.write(reinterpret_cast<const char*>(std::data(v)),
-             static_cast<std::streamsize>(std::size(v) * sizeof(float)));
-  ck.close();
-  if (!ck || std::rename((path + ".tmp").c_str(), path.c_str()) != 0)
-    throw std::runtime_error("cannot write the checkpoint " + path);
+/// Collective: rank 0 saves the epoch, the hidden size and the parameters (host float ranges, in
+/// order, as sections param0, param1, ...) with ddp::save_checkpoint: atomically, verified when
+/// loaded. Every rank returns once it is on disk.
+template <class Comm, class Values>
+void save_epoch_checkpoint(Comm& comm, const std::string& path, int epoch, int hidden,
+                           const Values& values) {
+  ddp::Checkpoint ck;
+  ck.put_object("epoch", epoch);
+  ck.put_object("hidden", hidden);
+  std::size_t i = 0;
+  for (const auto& v : values) ck.put_values("param" + std::to_string(i++), v);
+  ddp::save_checkpoint(comm, ck, path);
 }
 
 // ---- IDX files (big-endian header), gzip'd ----------------------------------------------------

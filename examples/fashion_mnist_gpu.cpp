@@ -131,9 +131,11 @@ void train(ddp::Environment env, const Config& cfg) {
     if (rank == 0) {
       std::printf("epoch %d/%d: train loss %.4f, test accuracy %.2f%%\n", epoch + 1, cfg.epochs,
                   train_loss, 100 * accuracy);
-      fashion_mnist::write_checkpoint(cfg.checkpoint, epoch + 1, cfg.hidden, model.host_values());
       std::fflush(stdout);
     }
+    // Collective: rank 0 writes (ddp::save_checkpoint), every rank returns once it is on disk.
+    fashion_mnist::save_epoch_checkpoint(comm, cfg.checkpoint, epoch + 1, cfg.hidden,
+                                         model.host_values());
   }
 }
 
