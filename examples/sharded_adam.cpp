@@ -4,8 +4,9 @@
 // The optimizer here is ordinary code written for a model (a range of parameters with value and
 // grad): it runs unchanged on the shard, which is such a range too.
 //
-// Every 10 steps the run saves a checkpoint: the parameters by rank 0 (save_checkpoint), each
-// rank's optimizer shard by that rank (save_sharded_checkpoint). Run it again and it resumes.
+// Every 10 steps the run saves a sharded checkpoint (ShardedAverager::save): each rank writes its
+// own file, with its shard of the parameters and of Adam's state; the files are replaced all
+// together or not at all. Run it again and it resumes (ShardedAverager::load).
 //
 //   ./sharded_adam                  (forks 3 ranks)    ddprun --nproc-per-node 4 ./sharded_adam
 //   ./sharded_adam --checkpoint /tmp/zero.ckpt --steps 30; ./sharded_adam --checkpoint
@@ -101,16 +102,13 @@ void run(ddp::Environment env, const std::string& checkpoint, int steps) {
   Adam adam;
   int first = 0;
   if (!checkpoint.empty()) {
-    if (auto ck = ddp::load_checkpoint(comm, checkpoint)) {
-      auto shard = ddp::load_sharded_checkpoint(comm, checkpoint);
+    // Every rank reads its own file: its shard of the parameters (put back and gathered) and
+    // of Adam's state. Files of another world size or layout are refused, not half-used.
+    if (auto ck = zero.load(checkpoint)) {
       first = ck->get_object<int>("step");
-      ck->get_values("w", std::span(net[0].value));
-      ck->get_values("b", std::span(net[1].value));
-      if (shard) {
-        adam.t = shard->get_object<int>("t");
-        adam.m = shard->get_object<std::vector<std::vector<float>>>("m");
-        adam.v = shard->get_object<std::vector<std::vector<float>>>("v");
-      }
+      adam.t = ck->get_object<int>("t");
+      adam.m = ck->get_object<std::vector<std::vector<float>>>("m");
+      adam.v = ck->get_object<std::vector<std::vector<float>>>("v");
       if (comm.rank() == 0) std::printf("resumed at step %d\n", first);
     }
   }
@@ -122,12 +120,11 @@ void run(ddp::Environment env, const std::string& checkpoint, int steps) {
     loss = ddp::exact_mean(comm, static_cast<double>(mine), 1);
     if (first_loss < 0) first_loss = loss;
     if (!checkpoint.empty() && (step + 1) % 10 == 0) {
-      ddp::Checkpoint shard;
-      shard.put_object("t", adam.t).put_object("m", adam.m).put_object("v", adam.v);
-      ddp::save_sharded_checkpoint(comm, shard, checkpoint);
-      ddp::Checkpoint ck;
-      ck.put_object("step", step + 1).put_values("w", net[0].value).put_values("b", net[1].value);
-      ddp::save_checkpoint(comm, ck, checkpoint);
+      // Every rank writes its own file (no rank writes the whole model), all or none.
+      ddp::Checkpoint state;
+      state.put_object("step", step + 1).put_object("t", adam.t);
+      state.put_object("m", adam.m).put_object("v", adam.v);
+      zero.save(checkpoint, state);
     }
   }
   // Adam's state on this rank, against what an unsharded Adam holds.

@@ -156,14 +156,22 @@ class Checkpoint {
     }
 
     /// The checkpoint as the bytes of its file.
-    [[nodiscard]] std::string serialize() const { return serialize_with({}, {}); }
-    /// The bytes of the file this checkpoint would be with one more section, `name` = `bytes`
-    /// (a section of that name already there is left out), without copying the checkpoint.
-    [[nodiscard]] std::string serialize_with(std::string_view name, std::string_view bytes) const {
-      std::vector<std::pair<std::string_view, std::string_view>> all;
-      for (const auto& [n, b] : sections_)
-        if (name.empty() || n != name) all.emplace_back(n, b);
-      if (!name.empty()) all.emplace_back(name, bytes);
+    [[nodiscard]] std::string serialize() const { return serialize_with({}); }
+    /// A section given by name and bytes, for serialize_with().
+    using Section = std::pair<std::string_view, std::string_view>;
+    /// The bytes of the file this checkpoint would be with the `extra` sections added (sections
+    /// of those names already there are left out), without copying the checkpoint.
+    [[nodiscard]] std::string serialize_with(std::span<const Section> extra) const {
+      std::vector<Section> all;
+      for (const auto& [n, b] : sections_) {
+        bool replaced = false;
+        for (const auto& e : extra) replaced = replaced || e.first == n;
+        if (!replaced) all.emplace_back(n, b);
+      }
+      for (const auto& e : extra) {
+        check_name(e.first);
+        all.push_back(e);
+      }
       std::string out(magic, sizeof magic);
       put_u64(out, all.size());
       for (const auto& [n, b] : all) {
@@ -378,6 +386,46 @@ void fail_with_first(Comm& comm, const std::vector<std::string>& errors, const c
 }
 }  // namespace detail
 
+namespace detail {
+/// A shard file (of any rank) of a world size other than `world` next to `path` ("" if none).
+inline std::string other_world_shard(const std::string& path, int world) {
+  const std::size_t slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
+  const std::string prefix = (slash == std::string::npos ? path : path.substr(slash + 1)) + ".rank";
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return {};
+  std::string found;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.rfind(prefix, 0) != 0) continue;
+    const std::string rest = name.substr(prefix.size());  // "R-of-N"
+    const std::size_t of = rest.find("-of-");
+    const auto digits = [](const std::string& t) {
+      return !t.empty() && t.find_first_not_of("0123456789") == std::string::npos;
+    };
+    if (of == std::string::npos || !digits(rest.substr(0, of)) || !digits(rest.substr(of + 4)) ||
+        rest.substr(of + 4) == std::to_string(world))
+      continue;
+    found = (slash == std::string::npos ? "" : dir) + name;
+    break;
+  }
+  ::closedir(d);
+  return found;
+}
+
+/// A load from `path` whose directory does not exist is a wrong path, not a fresh start:
+/// Errc::invalid_argument naming it (the save at the end of the first epoch would fail anyway).
+inline void check_directory(const std::string& path, const char* what) {
+  const std::size_t slash = path.rfind('/');
+  if (slash == std::string::npos) return;
+  const std::string dir = slash == 0 ? "/" : path.substr(0, slash);
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+    fail(Errc::invalid_argument, what, ": the directory ", dir, " of ", path,
+         " does not exist; create it, or correct the path");
+}
+}  // namespace detail
+
 /// Collective: rank `root` saves `ck` to `path` (Checkpoint::save); every rank returns once the
 /// file is complete, or fails with root's error.
 template <class Comm>
@@ -407,6 +455,7 @@ template <class Comm>
   std::string bytes;
   if (comm.rank() == root) {
     try {
+      detail::check_directory(path, "Checkpoint");
       const auto ck = Checkpoint::load(path);
       state = ck ? "ok" : "none";
       if (ck) bytes = ck->serialize();
@@ -425,43 +474,18 @@ template <class Comm>
   return Checkpoint::parse(bytes, path);
 }
 
-namespace detail {
-/// A shard file of rank 0 of a world size other than `world` next to `path` ("" if none).
-inline std::string other_world_shard(const std::string& path, int world) {
-  const std::size_t slash = path.rfind('/');
-  const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
-  const std::string prefix =
-      (slash == std::string::npos ? path : path.substr(slash + 1)) + ".rank0-of-";
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) return {};
-  std::string found;
-  while (const dirent* e = ::readdir(d)) {
-    const std::string name = e->d_name;
-    if (name.rfind(prefix, 0) != 0) continue;
-    const std::string rest = name.substr(prefix.size());
-    if (rest.empty() || rest.find_first_not_of("0123456789") != std::string::npos) continue;
-    if (rest == std::to_string(world)) continue;
-    found = (slash == std::string::npos ? "" : dir) + name;
-    break;
-  }
-  ::closedir(d);
-  return found;
-}
-}  // namespace detail
-
 /// The file that rank `rank` of `world` saves and loads for sharded state: path.rankR-of-P.
 [[nodiscard]] inline std::string shard_path(const std::string& path, int rank, int world) {
   return detail::concat(path, ".rank", rank, "-of-", world);
 }
 
-/// Collective: every rank saves its own `ck` (its shard of the optimizer state, e.g. a
-/// ShardedAverager's) to shard_path(path, rank, size). In two phases: every rank writes and
-/// flushes a temporary file; only when all have succeeded does each rename its file into place,
-/// so a failure anywhere (a full disk on one rank) leaves every earlier shard file as it was and
-/// fails on every rank with that rank's error. Each file records the rank, the world size and
-/// a save identifier that load_sharded_checkpoint checks. Returns the identifier.
+namespace detail {
+/// save_sharded_checkpoint, with `stamp` words after the rank, the world size and the save id in
+/// the "ddp.shard" section, and `extra` sections added.
 template <class Comm>
-std::uint64_t save_sharded_checkpoint(Comm& comm, const Checkpoint& ck, const std::string& path) {
+std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::string& path,
+                               const std::vector<std::uint64_t>& stamp_extra,
+                               std::span<const Checkpoint::Section> extra) {
   std::uint64_t id = 0;
   if (comm.rank() == 0) {
     std::random_device rd;
@@ -469,14 +493,18 @@ std::uint64_t save_sharded_checkpoint(Comm& comm, const Checkpoint& ck, const st
          static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
   }
   broadcast_object(comm, id, 0);
-  const std::string stamp = detail::encode_object(std::vector<std::uint64_t>{
-      static_cast<std::uint64_t>(comm.rank()), static_cast<std::uint64_t>(comm.size()), id});
+  std::vector<std::uint64_t> words{static_cast<std::uint64_t>(comm.rank()),
+                                   static_cast<std::uint64_t>(comm.size()), id};
+  words.insert(words.end(), stamp_extra.begin(), stamp_extra.end());
+  const std::string stamp = encode_object(words);
+  std::vector<Checkpoint::Section> sections(extra.begin(), extra.end());
+  sections.emplace_back("ddp.shard", stamp);
   const std::string target = shard_path(path, comm.rank(), comm.size());
   std::string tmp, error;
   try {
-    tmp = Checkpoint::stage_bytes(target, ck.serialize_with("ddp.shard", stamp));
+    tmp = Checkpoint::stage_bytes(target, ck.serialize_with(sections));
   } catch (const Error& e) {
-    error = detail::error_text(e);
+    error = error_text(e);
   }
   auto errors = comm.all_gather_object(error);
   for (const auto& e : errors) {
@@ -485,15 +513,38 @@ std::uint64_t save_sharded_checkpoint(Comm& comm, const Checkpoint& ck, const st
       tmp.clear();
     }
   }
-  detail::fail_with_first(comm, errors, "save_sharded_checkpoint");
+  fail_with_first(comm, errors, "save_sharded_checkpoint");
   try {
     Checkpoint::commit(tmp, target);
   } catch (const Error& e) {
-    error = detail::error_text(e);
+    error = error_text(e);
   }
   errors = comm.all_gather_object(error);
-  detail::fail_with_first(comm, errors, "save_sharded_checkpoint");
+  fail_with_first(comm, errors, "save_sharded_checkpoint");
   return id;
+}
+}  // namespace detail
+
+/// Collective: every rank saves its own `ck` (its shard of the optimizer state) to
+/// shard_path(path, rank, size). In two phases: every rank writes and flushes a temporary file;
+/// only when all have succeeded does each rename its file into place, so a failure anywhere (a
+/// full disk on one rank) leaves every earlier shard file as it was and fails on every rank with
+/// that rank's error. Each file records the rank, the world size and a save identifier (the
+/// same in every rank's file: shard_save_id) that load_sharded_checkpoint checks. Returns the
+/// identifier. (ShardedAverager::save also records the shard's layout and parameter values.)
+template <class Comm>
+std::uint64_t save_sharded_checkpoint(Comm& comm, const Checkpoint& ck, const std::string& path) {
+  return detail::save_shard_files(comm, ck, path, {}, {});
+}
+
+/// The save identifier of a shard file that load_sharded_checkpoint returned (the value
+/// save_sharded_checkpoint returned when it was saved), e.g. to match it to a checkpoint saved
+/// beside it.
+[[nodiscard]] inline std::uint64_t shard_save_id(const Checkpoint& shard) {
+  const auto stamp = shard.get_object<std::vector<std::uint64_t>>("ddp.shard");
+  if (stamp.size() < 3)
+    detail::fail(Errc::protocol, "Checkpoint: the ddp.shard section is damaged");
+  return stamp[2];
 }
 
 /// Collective: each rank loads and verifies its own shard_path(path, rank, size); std::nullopt
@@ -509,13 +560,14 @@ template <class Comm>
   std::string error;
   std::vector<std::uint64_t> stamp;  // rank, world, save id
   try {
+    detail::check_directory(mine, "Checkpoint");
     ck = Checkpoint::load(mine);
     if (ck) {
       if (!ck->contains("ddp.shard"))
         detail::fail(Errc::mismatch, "Checkpoint: ", mine,
                      " is not a shard file (it was not written by save_sharded_checkpoint)");
       stamp = ck->get_object<std::vector<std::uint64_t>>("ddp.shard");
-      if (stamp.size() != 3 || stamp[0] != static_cast<std::uint64_t>(comm.rank()) ||
+      if (stamp.size() < 3 || stamp[0] != static_cast<std::uint64_t>(comm.rank()) ||
           stamp[1] != static_cast<std::uint64_t>(comm.size()))
         detail::fail(Errc::mismatch, "Checkpoint: ", mine, " was written by rank ",
                      stamp.empty() ? 0 : stamp[0], " of ", stamp.size() < 2 ? 0 : stamp[1],

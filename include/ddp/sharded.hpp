@@ -37,8 +37,12 @@
 ///  * Not a Joinable: a rank whose inputs ran out would have to go on updating its shard. With
 ///    uneven inputs use GradientAverager in a ddp::Join, or give every rank the same step count.
 ///
-/// The shard depends on the world size and the bucket options: optimizer state saved from a
-/// shard (save_sharded_checkpoint) resumes on the same world size with the same options.
+/// Checkpoints: save(path, state) has every rank write its own file (its shard of the parameters,
+/// the shard's layout, and `state`: your optimizer's state for the shard, the step), all or none;
+/// load(path) puts every rank's shard back, gathers, and returns `state`. The shard depends on
+/// the world size and the options, so a set saved with others is refused (Errc::mismatch).
+/// With a framework whose backward adds into the gradients, zero_grad() the whole model after a
+/// step (TorchShard::step does): an optimizer on the shard zeroes only the shard's.
 
 #include "ddp/checkpoint.hpp"
 #include "ddp/communicator.hpp"
@@ -218,11 +222,12 @@ class ShardedAverager {
   void synchronize() {
     if (no_sync_) return;
     if (!in_step_) begin_step();
-    while (next_ < buckets_.size()) launch(next_++);
-    for (auto& b : buckets_) {
-      Work w = std::move(*b.work);
-      b.work.reset();
-      w.wait();
+    try {
+      while (next_ < buckets_.size()) launch(next_++);
+      wait_all();
+    } catch (...) {
+      abandon();  // a later call starts afresh (and meets the communicator's error)
+      throw;
     }
     for (auto& b : buckets_) {
       if (!b.in_place) unpack_shard(b);
@@ -231,6 +236,7 @@ class ShardedAverager {
     settle();
     next_ = 0;
     in_step_ = false;
+    synced_ = true;
     std::fill(ready_.begin(), ready_.end(), false);
     if constexpr (detail::has_buffers<M>) {
       if (o_.broadcast_buffers) broadcast_buffers();
@@ -245,18 +251,102 @@ class ShardedAverager {
   }
 
   /// Every rank's shard, updated, to every rank: afterwards each rank holds every parameter.
-  /// The bucket all_gathers run in the background while earlier ones are copied out. Collective.
+  /// The bucket all_gathers run in the background while earlier ones are copied out. Refused
+  /// unless synchronize() has run since the last gather() (the shard's gradients would not be
+  /// averaged). Collective.
   void gather() {
     if (in_step_ && next_ != 0)
       fail("gather(): this step's gradients are being reduced; call synchronize() first");
-    for (auto& b : buckets_) launch_gather(b);
-    for (auto& b : buckets_) {
-      Work w = std::move(*b.work);
-      b.work.reset();
-      w.wait();
-      if (!b.in_place) unpack_all(b);
+    if (!synced_)
+      fail(
+          "gather(): synchronize() has not run since the last gather(), so the shard's "
+          "gradients are not averaged; call synchronize() (or average()) before the update");
+    gather_all();
+    synced_ = false;
+  }
+
+  /// Sets every gradient of the model to zero (gradients a framework has not made yet are left
+  /// alone). For frameworks whose backward adds into the gradients (libtorch): after a step the
+  /// shard's gradients hold averages and the rest hold what this rank sent, and an optimizer on
+  /// the shard zeroes only its own; call this (TorchShard::step does) before the next backward.
+  void zero_grad() {
+    std::size_t i = 0;
+    for (auto&& p : detail::model_parameters(*model_)) {
+      if constexpr (detail::lazy_grad<Param>) {
+        if (!parameter_traits<Param>::has_grad(p)) {
+          ++i;
+          continue;
+        }
+      }
+      const auto g =
+          detail::typed_view<T>(detail::param_grad(p), comm_->rank(), i++, "gradient", who);
+      detail::zero_bytes(g.data, g.bytes(), g.device.is_cuda(), g.stream);
     }
-    settle();
+  }
+
+  /// Collective: saves this rank's part of a sharded checkpoint, next to the others': the
+  /// parameter values of its shard, the shard's layout, and `state` (the optimizer's state for
+  /// the shard, the step, ...), to shard_path(path, rank, size) through the two phases of
+  /// save_sharded_checkpoint (every rank's file, or none). No rank writes the whole model.
+  /// Returns the save identifier.
+  std::uint64_t save(const std::string& path, const Checkpoint& state = Checkpoint{}) {
+    std::string values;
+    for (const Slice& sl : slices_) {
+      const std::size_t at = values.size();
+      values.resize(at + sl.value.bytes());
+      detail::copy_bytes(values.data() + at, sl.value.data, sl.value.bytes(), cuda_,
+                         sl.value.stream);
+      detail::sync_stream(cuda_, sl.value.stream);
+    }
+    const Checkpoint::Section extra[] = {{"ddp.values", values}};
+    return detail::save_shard_files(*comm_, state, path, layout(), extra);
+  }
+
+  /// Collective: loads what save() wrote: every rank's shard of the parameters goes back in place
+  /// and is gathered (every rank then holds every parameter), and the checkpoint is returned
+  /// for the rest (`state`'s sections). std::nullopt on every rank, parameters untouched, when
+  /// there is none. A set saved with another world size or other ShardedOptions (another
+  /// layout), or by save_sharded_checkpoint alone, fails on every rank with Errc::mismatch;
+  /// damaged or mixed files fail as in load_sharded_checkpoint.
+  [[nodiscard]] std::optional<Checkpoint> load(const std::string& path) {
+    std::optional<Checkpoint> ck = load_sharded_checkpoint(*comm_, path);
+    if (!ck) return std::nullopt;
+    std::string problem;
+    const auto stamp = ck->get_object<std::vector<std::uint64_t>>("ddp.shard");
+    const std::vector<std::uint64_t> saved(stamp.begin() + 3, stamp.end()), mine = layout();
+    if (saved.empty() || !ck->contains("ddp.values")) {
+      problem = detail::concat(shard_path(path, comm_->rank(), comm_->size()),
+                               " holds no parameters (it was saved by save_sharded_checkpoint, "
+                               "not ShardedAverager::save)");
+    } else if (saved != mine) {
+      problem = detail::concat(shard_path(path, comm_->rank(), comm_->size()), " holds a shard of ",
+                               (saved.size() - 1) / 3, " slices but this averager's has ",
+                               (mine.size() - 1) / 3,
+                               " (or the same count at other places): it was saved with other "
+                               "ShardedOptions or another model");
+    } else if (ck->get("ddp.values").size() != shard_size_ * sizeof(T)) {
+      problem = detail::concat(shard_path(path, comm_->rank(), comm_->size()), " holds ",
+                               ck->get("ddp.values").size(), " bytes of parameters, not ",
+                               shard_size_ * sizeof(T));
+    }
+    const auto problems = comm_->all_gather_object(problem);
+    for (std::size_t r = 0; r < problems.size(); ++r) {
+      if (!problems[r].empty())
+        detail::fail(Errc::mismatch, "rank ", comm_->rank(), ": ShardedAverager::load: rank ", r,
+                     ": ", problems[r],
+                     "; resume with the model, world size and ShardedOptions "
+                     "that saved it");
+    }
+    const std::span<const std::byte> bytes = ck->get("ddp.values");
+    std::size_t at = 0;
+    for (const Slice& sl : slices_) {
+      detail::copy_bytes(sl.value.data, bytes.data() + at, sl.value.bytes(), cuda_,
+                         sl.value.stream);
+      detail::sync_stream(cuda_, sl.value.stream);
+      at += sl.value.bytes();
+    }
+    gather_all();
+    return ck;
   }
 
   /// One optimizer step: average(), then `update(shard())` (the optimizer, on this rank's shard
@@ -330,6 +420,59 @@ class ShardedAverager {
     std::optional<Work> work;
   };
 
+  // Waits for every bucket's work, in order.
+  void wait_all() {
+    for (auto& b : buckets_) {
+      if (!b.work) continue;
+      Work w = std::move(*b.work);
+      b.work.reset();
+      w.wait();
+    }
+  }
+  // After a failure: no work left in flight, the step forgotten.
+  void abandon() noexcept {
+    for (auto& b : buckets_) {
+      if (b.work) {
+        try {
+          b.work->wait();
+        } catch (...) {
+        }
+        b.work.reset();
+      }
+      b.ready = 0;
+    }
+    next_ = 0;
+    in_step_ = false;
+    synced_ = false;
+    std::fill(ready_.begin(), ready_.end(), false);
+  }
+  void gather_all() {
+    try {
+      for (auto& b : buckets_) launch_gather(b);
+      for (auto& b : buckets_) {
+        Work w = std::move(*b.work);
+        b.work.reset();
+        w.wait();
+        if (!b.in_place) unpack_all(b);
+      }
+    } catch (...) {
+      abandon();
+      throw;
+    }
+    settle();
+  }
+  // The shard's layout, as save() records it: the world size, then (parameter, offset, size) of
+  // each slice.
+  [[nodiscard]] std::vector<std::uint64_t> layout() const {
+    std::vector<std::uint64_t> out{static_cast<std::uint64_t>(comm_->size())};
+    for (const Slice& sl : slices_) {
+      out.push_back(sl.param);
+      out.push_back(sl.offset);
+      out.push_back(sl.value.size);
+    }
+    return out;
+  }
+
   template <class... A>
   [[noreturn]] void fail(const A&... a) const {
     detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": ShardedAverager: ", a...);
@@ -337,19 +480,21 @@ class ShardedAverager {
 
   [[nodiscard]] std::size_t rank() const { return static_cast<std::size_t>(comm_->rank()); }
 
-  // The bucket options decide the shards: every rank must have the same.
+  // The bucket options decide the shards, and broadcast_parameters whether construction
+  // broadcasts: every rank must give the same.
   void check_same_options() {
-    const std::vector<std::uint64_t> mine{o_.bucket_bytes, o_.first_bucket_bytes,
-                                          o_.in_place_bytes};
+    const std::vector<std::uint64_t> mine{o_.bucket_bytes, o_.first_bucket_bytes, o_.in_place_bytes,
+                                          o_.broadcast_parameters ? 1u : 0u};
     const auto all = comm_->all_gather_object(mine);
-    static constexpr const char* names[] = {"bucket_bytes", "first_bucket_bytes", "in_place_bytes"};
+    static constexpr const char* names[] = {"bucket_bytes", "first_bucket_bytes", "in_place_bytes",
+                                            "broadcast_parameters"};
     for (std::size_t r = 1; r < all.size(); ++r)
       for (std::size_t k = 0; k < mine.size(); ++k)
         if (all[r][k] != all[0][k])
           detail::fail(Errc::mismatch, "rank ", comm_->rank(),
                        ": ShardedAverager: ShardedOptions::", names[k], " is ", all[0][k],
                        " on rank 0 but ", all[r][k], " on rank ", r,
-                       "; the bucket options decide the shards, so every rank must give the same");
+                       "; every rank must give the same ShardedOptions");
   }
 
   void make_buckets() {
@@ -610,6 +755,7 @@ class ShardedAverager {
   std::size_t next_ = 0;         // the next bucket to launch
   bool no_sync_ = false;
   bool in_step_ = false;  // buffers looked up for the current step
+  bool synced_ = false;   // synchronize() ran since the last gather()
 };
 
 /// `ShardedAverager zero(comm, model)` deduces the model type and the backend.

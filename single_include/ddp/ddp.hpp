@@ -12246,14 +12246,22 @@ class Checkpoint {
     }
 
     /// The checkpoint as the bytes of its file.
-    [[nodiscard]] std::string serialize() const { return serialize_with({}, {}); }
-    /// The bytes of the file this checkpoint would be with one more section, `name` = `bytes`
-    /// (a section of that name already there is left out), without copying the checkpoint.
-    [[nodiscard]] std::string serialize_with(std::string_view name, std::string_view bytes) const {
-      std::vector<std::pair<std::string_view, std::string_view>> all;
-      for (const auto& [n, b] : sections_)
-        if (name.empty() || n != name) all.emplace_back(n, b);
-      if (!name.empty()) all.emplace_back(name, bytes);
+    [[nodiscard]] std::string serialize() const { return serialize_with({}); }
+    /// A section given by name and bytes, for serialize_with().
+    using Section = std::pair<std::string_view, std::string_view>;
+    /// The bytes of the file this checkpoint would be with the `extra` sections added (sections
+    /// of those names already there are left out), without copying the checkpoint.
+    [[nodiscard]] std::string serialize_with(std::span<const Section> extra) const {
+      std::vector<Section> all;
+      for (const auto& [n, b] : sections_) {
+        bool replaced = false;
+        for (const auto& e : extra) replaced = replaced || e.first == n;
+        if (!replaced) all.emplace_back(n, b);
+      }
+      for (const auto& e : extra) {
+        check_name(e.first);
+        all.push_back(e);
+      }
       std::string out(magic, sizeof magic);
       put_u64(out, all.size());
       for (const auto& [n, b] : all) {
@@ -12468,6 +12476,46 @@ void fail_with_first(Comm& comm, const std::vector<std::string>& errors, const c
 }
 }  // namespace detail
 
+namespace detail {
+/// A shard file (of any rank) of a world size other than `world` next to `path` ("" if none).
+inline std::string other_world_shard(const std::string& path, int world) {
+  const std::size_t slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
+  const std::string prefix = (slash == std::string::npos ? path : path.substr(slash + 1)) + ".rank";
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return {};
+  std::string found;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.rfind(prefix, 0) != 0) continue;
+    const std::string rest = name.substr(prefix.size());  // "R-of-N"
+    const std::size_t of = rest.find("-of-");
+    const auto digits = [](const std::string& t) {
+      return !t.empty() && t.find_first_not_of("0123456789") == std::string::npos;
+    };
+    if (of == std::string::npos || !digits(rest.substr(0, of)) || !digits(rest.substr(of + 4)) ||
+        rest.substr(of + 4) == std::to_string(world))
+      continue;
+    found = (slash == std::string::npos ? "" : dir) + name;
+    break;
+  }
+  ::closedir(d);
+  return found;
+}
+
+/// A load from `path` whose directory does not exist is a wrong path, not a fresh start:
+/// Errc::invalid_argument naming it (the save at the end of the first epoch would fail anyway).
+inline void check_directory(const std::string& path, const char* what) {
+  const std::size_t slash = path.rfind('/');
+  if (slash == std::string::npos) return;
+  const std::string dir = slash == 0 ? "/" : path.substr(0, slash);
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+    fail(Errc::invalid_argument, what, ": the directory ", dir, " of ", path,
+         " does not exist; create it, or correct the path");
+}
+}  // namespace detail
+
 /// Collective: rank `root` saves `ck` to `path` (Checkpoint::save); every rank returns once the
 /// file is complete, or fails with root's error.
 template <class Comm>
@@ -12497,6 +12545,7 @@ template <class Comm>
   std::string bytes;
   if (comm.rank() == root) {
     try {
+      detail::check_directory(path, "Checkpoint");
       const auto ck = Checkpoint::load(path);
       state = ck ? "ok" : "none";
       if (ck) bytes = ck->serialize();
@@ -12515,43 +12564,18 @@ template <class Comm>
   return Checkpoint::parse(bytes, path);
 }
 
-namespace detail {
-/// A shard file of rank 0 of a world size other than `world` next to `path` ("" if none).
-inline std::string other_world_shard(const std::string& path, int world) {
-  const std::size_t slash = path.rfind('/');
-  const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
-  const std::string prefix =
-      (slash == std::string::npos ? path : path.substr(slash + 1)) + ".rank0-of-";
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) return {};
-  std::string found;
-  while (const dirent* e = ::readdir(d)) {
-    const std::string name = e->d_name;
-    if (name.rfind(prefix, 0) != 0) continue;
-    const std::string rest = name.substr(prefix.size());
-    if (rest.empty() || rest.find_first_not_of("0123456789") != std::string::npos) continue;
-    if (rest == std::to_string(world)) continue;
-    found = (slash == std::string::npos ? "" : dir) + name;
-    break;
-  }
-  ::closedir(d);
-  return found;
-}
-}  // namespace detail
-
 /// The file that rank `rank` of `world` saves and loads for sharded state: path.rankR-of-P.
 [[nodiscard]] inline std::string shard_path(const std::string& path, int rank, int world) {
   return detail::concat(path, ".rank", rank, "-of-", world);
 }
 
-/// Collective: every rank saves its own `ck` (its shard of the optimizer state, e.g. a
-/// ShardedAverager's) to shard_path(path, rank, size). In two phases: every rank writes and
-/// flushes a temporary file; only when all have succeeded does each rename its file into place,
-/// so a failure anywhere (a full disk on one rank) leaves every earlier shard file as it was and
-/// fails on every rank with that rank's error. Each file records the rank, the world size and
-/// a save identifier that load_sharded_checkpoint checks. Returns the identifier.
+namespace detail {
+/// save_sharded_checkpoint, with `stamp` words after the rank, the world size and the save id in
+/// the "ddp.shard" section, and `extra` sections added.
 template <class Comm>
-std::uint64_t save_sharded_checkpoint(Comm& comm, const Checkpoint& ck, const std::string& path) {
+std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::string& path,
+                               const std::vector<std::uint64_t>& stamp_extra,
+                               std::span<const Checkpoint::Section> extra) {
   std::uint64_t id = 0;
   if (comm.rank() == 0) {
     std::random_device rd;
@@ -12559,14 +12583,18 @@ std::uint64_t save_sharded_checkpoint(Comm& comm, const Checkpoint& ck, const st
          static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
   }
   broadcast_object(comm, id, 0);
-  const std::string stamp = detail::encode_object(std::vector<std::uint64_t>{
-      static_cast<std::uint64_t>(comm.rank()), static_cast<std::uint64_t>(comm.size()), id});
+  std::vector<std::uint64_t> words{static_cast<std::uint64_t>(comm.rank()),
+                                   static_cast<std::uint64_t>(comm.size()), id};
+  words.insert(words.end(), stamp_extra.begin(), stamp_extra.end());
+  const std::string stamp = encode_object(words);
+  std::vector<Checkpoint::Section> sections(extra.begin(), extra.end());
+  sections.emplace_back("ddp.shard", stamp);
   const std::string target = shard_path(path, comm.rank(), comm.size());
   std::string tmp, error;
   try {
-    tmp = Checkpoint::stage_bytes(target, ck.serialize_with("ddp.shard", stamp));
+    tmp = Checkpoint::stage_bytes(target, ck.serialize_with(sections));
   } catch (const Error& e) {
-    error = detail::error_text(e);
+    error = error_text(e);
   }
   auto errors = comm.all_gather_object(error);
   for (const auto& e : errors) {
@@ -12575,15 +12603,38 @@ std::uint64_t save_sharded_checkpoint(Comm& comm, const Checkpoint& ck, const st
       tmp.clear();
     }
   }
-  detail::fail_with_first(comm, errors, "save_sharded_checkpoint");
+  fail_with_first(comm, errors, "save_sharded_checkpoint");
   try {
     Checkpoint::commit(tmp, target);
   } catch (const Error& e) {
-    error = detail::error_text(e);
+    error = error_text(e);
   }
   errors = comm.all_gather_object(error);
-  detail::fail_with_first(comm, errors, "save_sharded_checkpoint");
+  fail_with_first(comm, errors, "save_sharded_checkpoint");
   return id;
+}
+}  // namespace detail
+
+/// Collective: every rank saves its own `ck` (its shard of the optimizer state) to
+/// shard_path(path, rank, size). In two phases: every rank writes and flushes a temporary file;
+/// only when all have succeeded does each rename its file into place, so a failure anywhere (a
+/// full disk on one rank) leaves every earlier shard file as it was and fails on every rank with
+/// that rank's error. Each file records the rank, the world size and a save identifier (the
+/// same in every rank's file: shard_save_id) that load_sharded_checkpoint checks. Returns the
+/// identifier. (ShardedAverager::save also records the shard's layout and parameter values.)
+template <class Comm>
+std::uint64_t save_sharded_checkpoint(Comm& comm, const Checkpoint& ck, const std::string& path) {
+  return detail::save_shard_files(comm, ck, path, {}, {});
+}
+
+/// The save identifier of a shard file that load_sharded_checkpoint returned (the value
+/// save_sharded_checkpoint returned when it was saved), e.g. to match it to a checkpoint saved
+/// beside it.
+[[nodiscard]] inline std::uint64_t shard_save_id(const Checkpoint& shard) {
+  const auto stamp = shard.get_object<std::vector<std::uint64_t>>("ddp.shard");
+  if (stamp.size() < 3)
+    detail::fail(Errc::protocol, "Checkpoint: the ddp.shard section is damaged");
+  return stamp[2];
 }
 
 /// Collective: each rank loads and verifies its own shard_path(path, rank, size); std::nullopt
@@ -12599,13 +12650,14 @@ template <class Comm>
   std::string error;
   std::vector<std::uint64_t> stamp;  // rank, world, save id
   try {
+    detail::check_directory(mine, "Checkpoint");
     ck = Checkpoint::load(mine);
     if (ck) {
       if (!ck->contains("ddp.shard"))
         detail::fail(Errc::mismatch, "Checkpoint: ", mine,
                      " is not a shard file (it was not written by save_sharded_checkpoint)");
       stamp = ck->get_object<std::vector<std::uint64_t>>("ddp.shard");
-      if (stamp.size() != 3 || stamp[0] != static_cast<std::uint64_t>(comm.rank()) ||
+      if (stamp.size() < 3 || stamp[0] != static_cast<std::uint64_t>(comm.rank()) ||
           stamp[1] != static_cast<std::uint64_t>(comm.size()))
         detail::fail(Errc::mismatch, "Checkpoint: ", mine, " was written by rank ",
                      stamp.empty() ? 0 : stamp[0], " of ", stamp.size() < 2 ? 0 : stamp[1],
@@ -14475,8 +14527,12 @@ DDP_END_NAMESPACE
 ///  * Not a Joinable: a rank whose inputs ran out would have to go on updating its shard. With
 ///    uneven inputs use GradientAverager in a ddp::Join, or give every rank the same step count.
 ///
-/// The shard depends on the world size and the bucket options: optimizer state saved from a
-/// shard (save_sharded_checkpoint) resumes on the same world size with the same options.
+/// Checkpoints: save(path, state) has every rank write its own file (its shard of the parameters,
+/// the shard's layout, and `state`: your optimizer's state for the shard, the step), all or none;
+/// load(path) puts every rank's shard back, gathers, and returns `state`. The shard depends on
+/// the world size and the options, so a set saved with others is refused (Errc::mismatch).
+/// With a framework whose backward adds into the gradients, zero_grad() the whole model after a
+/// step (TorchShard::step does): an optimizer on the shard zeroes only the shard's.
 
 // #include "ddp/checkpoint.hpp" (already included above)
 // #include "ddp/communicator.hpp" (already included above)
@@ -14656,11 +14712,12 @@ class ShardedAverager {
   void synchronize() {
     if (no_sync_) return;
     if (!in_step_) begin_step();
-    while (next_ < buckets_.size()) launch(next_++);
-    for (auto& b : buckets_) {
-      Work w = std::move(*b.work);
-      b.work.reset();
-      w.wait();
+    try {
+      while (next_ < buckets_.size()) launch(next_++);
+      wait_all();
+    } catch (...) {
+      abandon();  // a later call starts afresh (and meets the communicator's error)
+      throw;
     }
     for (auto& b : buckets_) {
       if (!b.in_place) unpack_shard(b);
@@ -14669,6 +14726,7 @@ class ShardedAverager {
     settle();
     next_ = 0;
     in_step_ = false;
+    synced_ = true;
     std::fill(ready_.begin(), ready_.end(), false);
     if constexpr (detail::has_buffers<M>) {
       if (o_.broadcast_buffers) broadcast_buffers();
@@ -14683,18 +14741,102 @@ class ShardedAverager {
   }
 
   /// Every rank's shard, updated, to every rank: afterwards each rank holds every parameter.
-  /// The bucket all_gathers run in the background while earlier ones are copied out. Collective.
+  /// The bucket all_gathers run in the background while earlier ones are copied out. Refused
+  /// unless synchronize() has run since the last gather() (the shard's gradients would not be
+  /// averaged). Collective.
   void gather() {
     if (in_step_ && next_ != 0)
       fail("gather(): this step's gradients are being reduced; call synchronize() first");
-    for (auto& b : buckets_) launch_gather(b);
-    for (auto& b : buckets_) {
-      Work w = std::move(*b.work);
-      b.work.reset();
-      w.wait();
-      if (!b.in_place) unpack_all(b);
+    if (!synced_)
+      fail(
+          "gather(): synchronize() has not run since the last gather(), so the shard's "
+          "gradients are not averaged; call synchronize() (or average()) before the update");
+    gather_all();
+    synced_ = false;
+  }
+
+  /// Sets every gradient of the model to zero (gradients a framework has not made yet are left
+  /// alone). For frameworks whose backward adds into the gradients (libtorch): after a step the
+  /// shard's gradients hold averages and the rest hold what this rank sent, and an optimizer on
+  /// the shard zeroes only its own; call this (TorchShard::step does) before the next backward.
+  void zero_grad() {
+    std::size_t i = 0;
+    for (auto&& p : detail::model_parameters(*model_)) {
+      if constexpr (detail::lazy_grad<Param>) {
+        if (!parameter_traits<Param>::has_grad(p)) {
+          ++i;
+          continue;
+        }
+      }
+      const auto g =
+          detail::typed_view<T>(detail::param_grad(p), comm_->rank(), i++, "gradient", who);
+      detail::zero_bytes(g.data, g.bytes(), g.device.is_cuda(), g.stream);
     }
-    settle();
+  }
+
+  /// Collective: saves this rank's part of a sharded checkpoint, next to the others': the
+  /// parameter values of its shard, the shard's layout, and `state` (the optimizer's state for
+  /// the shard, the step, ...), to shard_path(path, rank, size) through the two phases of
+  /// save_sharded_checkpoint (every rank's file, or none). No rank writes the whole model.
+  /// Returns the save identifier.
+  std::uint64_t save(const std::string& path, const Checkpoint& state = Checkpoint{}) {
+    std::string values;
+    for (const Slice& sl : slices_) {
+      const std::size_t at = values.size();
+      values.resize(at + sl.value.bytes());
+      detail::copy_bytes(values.data() + at, sl.value.data, sl.value.bytes(), cuda_,
+                         sl.value.stream);
+      detail::sync_stream(cuda_, sl.value.stream);
+    }
+    const Checkpoint::Section extra[] = {{"ddp.values", values}};
+    return detail::save_shard_files(*comm_, state, path, layout(), extra);
+  }
+
+  /// Collective: loads what save() wrote: every rank's shard of the parameters goes back in place
+  /// and is gathered (every rank then holds every parameter), and the checkpoint is returned
+  /// for the rest (`state`'s sections). std::nullopt on every rank, parameters untouched, when
+  /// there is none. A set saved with another world size or other ShardedOptions (another
+  /// layout), or by save_sharded_checkpoint alone, fails on every rank with Errc::mismatch;
+  /// damaged or mixed files fail as in load_sharded_checkpoint.
+  [[nodiscard]] std::optional<Checkpoint> load(const std::string& path) {
+    std::optional<Checkpoint> ck = load_sharded_checkpoint(*comm_, path);
+    if (!ck) return std::nullopt;
+    std::string problem;
+    const auto stamp = ck->get_object<std::vector<std::uint64_t>>("ddp.shard");
+    const std::vector<std::uint64_t> saved(stamp.begin() + 3, stamp.end()), mine = layout();
+    if (saved.empty() || !ck->contains("ddp.values")) {
+      problem = detail::concat(shard_path(path, comm_->rank(), comm_->size()),
+                               " holds no parameters (it was saved by save_sharded_checkpoint, "
+                               "not ShardedAverager::save)");
+    } else if (saved != mine) {
+      problem = detail::concat(shard_path(path, comm_->rank(), comm_->size()), " holds a shard of ",
+                               (saved.size() - 1) / 3, " slices but this averager's has ",
+                               (mine.size() - 1) / 3,
+                               " (or the same count at other places): it was saved with other "
+                               "ShardedOptions or another model");
+    } else if (ck->get("ddp.values").size() != shard_size_ * sizeof(T)) {
+      problem = detail::concat(shard_path(path, comm_->rank(), comm_->size()), " holds ",
+                               ck->get("ddp.values").size(), " bytes of parameters, not ",
+                               shard_size_ * sizeof(T));
+    }
+    const auto problems = comm_->all_gather_object(problem);
+    for (std::size_t r = 0; r < problems.size(); ++r) {
+      if (!problems[r].empty())
+        detail::fail(Errc::mismatch, "rank ", comm_->rank(), ": ShardedAverager::load: rank ", r,
+                     ": ", problems[r],
+                     "; resume with the model, world size and ShardedOptions "
+                     "that saved it");
+    }
+    const std::span<const std::byte> bytes = ck->get("ddp.values");
+    std::size_t at = 0;
+    for (const Slice& sl : slices_) {
+      detail::copy_bytes(sl.value.data, bytes.data() + at, sl.value.bytes(), cuda_,
+                         sl.value.stream);
+      detail::sync_stream(cuda_, sl.value.stream);
+      at += sl.value.bytes();
+    }
+    gather_all();
+    return ck;
   }
 
   /// One optimizer step: average(), then `update(shard())` (the optimizer, on this rank's shard
@@ -14768,6 +14910,59 @@ class ShardedAverager {
     std::optional<Work> work;
   };
 
+  // Waits for every bucket's work, in order.
+  void wait_all() {
+    for (auto& b : buckets_) {
+      if (!b.work) continue;
+      Work w = std::move(*b.work);
+      b.work.reset();
+      w.wait();
+    }
+  }
+  // After a failure: no work left in flight, the step forgotten.
+  void abandon() noexcept {
+    for (auto& b : buckets_) {
+      if (b.work) {
+        try {
+          b.work->wait();
+        } catch (...) {
+        }
+        b.work.reset();
+      }
+      b.ready = 0;
+    }
+    next_ = 0;
+    in_step_ = false;
+    synced_ = false;
+    std::fill(ready_.begin(), ready_.end(), false);
+  }
+  void gather_all() {
+    try {
+      for (auto& b : buckets_) launch_gather(b);
+      for (auto& b : buckets_) {
+        Work w = std::move(*b.work);
+        b.work.reset();
+        w.wait();
+        if (!b.in_place) unpack_all(b);
+      }
+    } catch (...) {
+      abandon();
+      throw;
+    }
+    settle();
+  }
+  // The shard's layout, as save() records it: the world size, then (parameter, offset, size) of
+  // each slice.
+  [[nodiscard]] std::vector<std::uint64_t> layout() const {
+    std::vector<std::uint64_t> out{static_cast<std::uint64_t>(comm_->size())};
+    for (const Slice& sl : slices_) {
+      out.push_back(sl.param);
+      out.push_back(sl.offset);
+      out.push_back(sl.value.size);
+    }
+    return out;
+  }
+
   template <class... A>
   [[noreturn]] void fail(const A&... a) const {
     detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": ShardedAverager: ", a...);
@@ -14775,19 +14970,21 @@ class ShardedAverager {
 
   [[nodiscard]] std::size_t rank() const { return static_cast<std::size_t>(comm_->rank()); }
 
-  // The bucket options decide the shards: every rank must have the same.
+  // The bucket options decide the shards, and broadcast_parameters whether construction
+  // broadcasts: every rank must give the same.
   void check_same_options() {
-    const std::vector<std::uint64_t> mine{o_.bucket_bytes, o_.first_bucket_bytes,
-                                          o_.in_place_bytes};
+    const std::vector<std::uint64_t> mine{o_.bucket_bytes, o_.first_bucket_bytes, o_.in_place_bytes,
+                                          o_.broadcast_parameters ? 1u : 0u};
     const auto all = comm_->all_gather_object(mine);
-    static constexpr const char* names[] = {"bucket_bytes", "first_bucket_bytes", "in_place_bytes"};
+    static constexpr const char* names[] = {"bucket_bytes", "first_bucket_bytes", "in_place_bytes",
+                                            "broadcast_parameters"};
     for (std::size_t r = 1; r < all.size(); ++r)
       for (std::size_t k = 0; k < mine.size(); ++k)
         if (all[r][k] != all[0][k])
           detail::fail(Errc::mismatch, "rank ", comm_->rank(),
                        ": ShardedAverager: ShardedOptions::", names[k], " is ", all[0][k],
                        " on rank 0 but ", all[r][k], " on rank ", r,
-                       "; the bucket options decide the shards, so every rank must give the same");
+                       "; every rank must give the same ShardedOptions");
   }
 
   void make_buckets() {
@@ -15048,6 +15245,7 @@ class ShardedAverager {
   std::size_t next_ = 0;         // the next bucket to launch
   bool no_sync_ = false;
   bool in_step_ = false;  // buffers looked up for the current step
+  bool synced_ = false;   // synchronize() ran since the last gather()
 };
 
 /// `ShardedAverager zero(comm, model)` deduces the model type and the backend.

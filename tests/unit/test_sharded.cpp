@@ -300,28 +300,20 @@ std::string train_resumable(mp::Comm& comm, const std::string& path, int stop) {
   Optimizer opt(true);
   ddp::ShardedAverager zero(comm, net, sharded_options);
   int first = 0;
-  if (auto ck = ddp::load_checkpoint(comm, path)) {
-    auto shard = ddp::load_sharded_checkpoint(comm, path);
-    MP_EXPECT(shard.has_value(), "no shard files beside the checkpoint");
+  if (auto ck = zero.load(path)) {  // every rank's shard of the parameters, gathered
     first = ck->get_object<int>("step");
-    for (std::size_t i = 0; i < net.params.size(); ++i)
-      ck->get_values("p" + std::to_string(i), std::span(net.params[i].value));
-    opt.t = shard->get_object<int>("t");
-    opt.m = shard->get_object<std::vector<std::vector<float>>>("m");
-    opt.v = shard->get_object<std::vector<std::vector<float>>>("v");
+    opt.t = ck->get_object<int>("t");
+    opt.m = ck->get_object<std::vector<std::vector<float>>>("m");
+    opt.v = ck->get_object<std::vector<std::vector<float>>>("v");
   }
   for (int step = first; step < steps; ++step) {
     backward(net, comm.rank(), step);
     zero.step([&](auto shard) { opt.step(ranges(shard)); });
     if ((step + 1) % 5 == 0) {
-      ddp::Checkpoint mine;
-      mine.put_object("t", opt.t).put_object("m", opt.m).put_object("v", opt.v);
-      ddp::save_sharded_checkpoint(comm, mine, path);
-      ddp::Checkpoint ck;
-      ck.put_object("step", step + 1);
-      for (std::size_t i = 0; i < net.params.size(); ++i)
-        ck.put_values("p" + std::to_string(i), net.params[i].value);
-      ddp::save_checkpoint(comm, ck, path);
+      ddp::Checkpoint state;  // this rank's: the optimizer's state for its shard, and the step
+      state.put_object("step", step + 1).put_object("t", opt.t).put_object("m", opt.m);
+      state.put_object("v", opt.v);
+      zero.save(path, state);
     }
     if (step == stop) return {};
   }
@@ -420,9 +412,59 @@ TEST_CASE("sharded: shard files from another world size, an interrupted save, a 
     expect(comm, ddp::Errc::mismatch, "was written by rank 1 of 2 ranks",
            [&] { (void)ddp::load_sharded_checkpoint(comm, path); });
   });
+  // ShardedAverager::load refuses a set of another layout (other options), and one saved
+  // without parameters (by save_sharded_checkpoint alone).
+  mp::run(2, ddp::HostTransport::shm, [&](mp::Comm& comm) {
+    Net net;
+    {
+      ddp::ShardedAverager zero(comm, net, sharded_options);
+      zero.save(dir.file("z"));
+      MP_EXPECT(zero.load(dir.file("z")).has_value(), "its own checkpoint");
+    }
+    ddp::ShardedOptions other = sharded_options;
+    other.bucket_bytes = 4096;  // other bucket boundaries, so another shard
+    ddp::ShardedAverager zero(comm, net, other);
+    expect(comm, ddp::Errc::mismatch, "it was saved with other ShardedOptions or another model",
+           [&] { (void)zero.load(dir.file("z")); });
+    ddp::Checkpoint ck;
+    (void)ddp::save_sharded_checkpoint(comm, ck, dir.file("plain"));
+    expect(comm, ddp::Errc::mismatch, "holds no parameters",
+           [&] { (void)zero.load(dir.file("plain")); });
+    // A path whose directory does not exist is a mistake, not a fresh start.
+    expect(comm, ddp::Errc::invalid_argument, "does not exist; create it, or correct the path",
+           [&] { (void)zero.load(dir.file("no/such/dir/z")); });
+    expect(comm, ddp::Errc::invalid_argument, "does not exist; create it, or correct the path",
+           [&] { (void)ddp::load_checkpoint(comm, dir.file("no/such/dir/z")); });
+    // An update without averaging: gather() refuses.
+    backward(net, comm.rank(), 0);
+    mp::expect_refused(comm, "gather without synchronize", "synchronize() has not run",
+                       [&] { zero.gather(); });
+  });
   // Three ranks find shard files of two: refused, not a fresh start beside the parameters.
   mp::run(3, ddp::HostTransport::shm, [&](mp::Comm& comm) {
     expect(comm, ddp::Errc::mismatch, "no shard file for 3 ranks",
            [&] { (void)ddp::load_sharded_checkpoint(comm, path); });
+  });
+}
+
+TEST_CASE("sharded: after a peer is lost mid-step, every later call fails cleanly") {
+  mp::run(3, ddp::HostTransport::shm, [](mp::Comm& comm) {
+    Net net;
+    ddp::ShardedAverager zero(comm, net, sharded_options);
+    backward(net, comm.rank(), 0);
+    if (comm.rank() == 2) std::_Exit(0);  // gone without a word, mid-step
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      try {
+        if (attempt < 2)
+          zero.average();  // the second time: a new step on a communicator that failed
+        else
+          zero.gather();
+        MP_EXPECT(false, "a step without rank 2 succeeded");
+      } catch (const ddp::Error& e) {
+        const bool expected = e.code() == ddp::Errc::peer_lost || e.code() == ddp::Errc::aborted ||
+                              e.code() == ddp::Errc::invalid_argument;  // gather: no average
+        MP_EXPECT(expected, "attempt " << attempt << ": " << e.what());
+      }
+    }
   });
 }

@@ -228,8 +228,9 @@ struct parameter_traits<at::Tensor> {
 ///     for (...) { opt.zero_grad(); ...; loss.backward(); shard.step(opt); }
 ///
 /// The parameters are detached 1-D tensors sharing the slices' values; step() points their
-/// gradients at the averaged slices before opt.step(). The model's parameters must stay where
-/// they are (a module moved to another device needs a new averager and TorchShard).
+/// gradients at the averaged slices before opt.step(), and zeroes the model's gradients after it.
+/// The model's parameters must stay where they are (a module moved to another device needs a new
+/// averager and TorchShard).
 template <class Zero>
 class TorchShard {
   using T = typename Zero::value_type;
@@ -242,7 +243,9 @@ class TorchShard {
   /// One tensor per slice of the shard, sharing its values: give these to the optimizer.
   [[nodiscard]] const std::vector<at::Tensor>& parameters() const noexcept { return tensors_; }
   /// One step after backward(): the averaged gradients of the shard (zero.average()), then
-  /// opt.step() on the shard, then zero.gather() (every rank gets every updated parameter).
+  /// opt.step() on the shard, then zero.gather() (every rank gets every updated parameter), and
+  /// last zero.zero_grad(): the model's gradients are zero afterwards, ready for the next
+  /// backward to add into (opt.zero_grad() reaches only the shard's tensors).
   template <class Optimizer>
   void step(Optimizer& opt) {
     zero_->step([&](std::span<typename Zero::Slice> shard) {
@@ -255,6 +258,7 @@ class TorchShard {
       }
       opt.step();
     });
+    zero_->zero_grad();
   }
 
  private:
