@@ -7,14 +7,17 @@
 // Options: --epochs N (3), --batch N (global batch, 64), --lr X (0.05), --lr-decay X (0.7 per
 // epoch), --data DIR (/usr/share/datasets/fashion-mnist, or $FASHION_MNIST_DIR), --cache DIR
 // (./fashion-mnist-cache), --limit N (the first N training images), --checkpoint FILE
-// (fashion_mnist_torch.pt), --nproc N (ranks to fork without a launcher, 2), --model cnn|mlp
-// (cnn).
+// (fashion_mnist_torch.ckpt), --nproc N (ranks to fork without a launcher, 2), --model cnn|mlp
+// (cnn), --resume (continue after the last epoch's checkpoint).
 //
 // What ddp does here: ZeroFirstGuard (local rank 0 decodes the dataset once), DistributedSampler
 // (a new shuffled shard every epoch; the test set in exact mode, every image once, and
 // ddp::Metrics for the accuracy), GradientAverager over the torch::nn::Module (rank 0's initial
-// parameters everywhere, buckets averaged from autograd hooks while backward runs). Rank 0 alone
-// prints progress and saves the model (torch::save).
+// parameters everywhere, buckets averaged from autograd hooks while backward runs), and after
+// every epoch a ddp::Checkpoint: the module's parameters and buffers by name, the optimizer's
+// state (momentum) as the bytes of torch's own archive, and the epoch, saved atomically by rank 0
+// (save_checkpoint) and given to every rank by --resume (load_checkpoint). Rank 0 alone prints
+// progress.
 #include <ddp/adapters/torch.hpp>
 #include <ddp/ddp.hpp>
 
@@ -25,7 +28,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <functional>
+#include <span>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -40,6 +46,48 @@ using torch_models::Mlp;
 
 using fashion_mnist::Config;
 using fashion_mnist::Split;
+
+bool g_resume = false;  // --resume
+
+/// A module's parameters and buffers, by name, into `ck` (their bytes), and back: copied into
+/// the module's own tensors (which the averager and the optimizer hold).
+void put_module(ddp::Checkpoint& ck, torch::nn::Module& m) {
+  const auto put = [&](const std::string& name, const torch::Tensor& t) {
+    const torch::Tensor c = t.detach().contiguous().cpu();
+    ck.put(name, std::span(static_cast<const std::byte*>(c.data_ptr()), c.nbytes()));
+  };
+  for (const auto& p : m.named_parameters()) put("param." + p.key(), p.value());
+  for (const auto& b : m.named_buffers()) put("buffer." + b.key(), b.value());
+}
+void get_module(const ddp::Checkpoint& ck, torch::nn::Module& m) {
+  torch::NoGradGuard no_grad;
+  const auto get = [&](const std::string& name, torch::Tensor t) {
+    const std::span<const std::byte> bytes = ck.get(name);
+    if (bytes.size() != t.nbytes() || !t.is_contiguous() || !t.device().is_cpu())
+      throw std::invalid_argument("--resume: " + name + " does not fit this model");
+    std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+  };
+  for (const auto& p : m.named_parameters()) get("param." + p.key(), p.value());
+  for (const auto& b : m.named_buffers()) get("buffer." + b.key(), b.value());
+}
+
+/// What torch writes into an archive (the optimizer's state), as bytes.
+template <class T>
+std::string archive_bytes(const T& what) {
+  torch::serialize::OutputArchive archive;
+  what.save(archive);
+  std::ostringstream out;
+  archive.save_to(out);
+  return out.str();
+}
+/// Reads `what` back from such bytes.
+template <class T>
+void from_archive_bytes(T& what, std::span<const std::byte> bytes) {
+  std::istringstream in(std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+  torch::serialize::InputArchive archive;
+  archive.load_from(in);
+  what.load(archive);
+}
 
 /// The images `idx` of `s` as a [n, 1, 28, 28] float tensor, and their labels.
 std::pair<torch::Tensor, torch::Tensor> gather(const Split& s, const std::vector<std::size_t>& idx,
@@ -77,10 +125,21 @@ void run(const ddp::Environment& env, const Config& cfg, const char* name) {
   ddp::DistributedSampler eval(test.size(), world, rank, {.shuffle = false, .exact = true});
   const auto local_batch = static_cast<std::size_t>(cfg.batch / world);
   const ddp::Logger log(rank);  // rank 0 prints
+  int first_epoch = 0;
+  if (g_resume) {
+    if (const auto ck = ddp::load_checkpoint(comm, cfg.checkpoint)) {  // every rank gets it
+      if (ck->get_object<std::string>("model") != name)
+        throw std::invalid_argument("--resume: " + cfg.checkpoint + " holds another --model");
+      get_module(*ck, *net);
+      from_archive_bytes(opt, ck->get("optimizer"));
+      first_epoch = ck->get_object<int>("epoch");
+      log.print("resumed from %s after epoch %d", cfg.checkpoint.c_str(), first_epoch);
+    }
+  }
   log.print("training %s on %zu images with %d rank%s, global batch %d, %zu test images", name,
             n_train, world, world == 1 ? "" : "s", cfg.batch, test.size());
 
-  for (int epoch = 0; epoch < cfg.epochs; ++epoch) {
+  for (int epoch = first_epoch; epoch < cfg.epochs; ++epoch) {
     sampler.set_epoch(static_cast<std::uint64_t>(epoch));
     for (auto& group : opt.param_groups())
       static_cast<torch::optim::SGDOptions&>(group.options())
@@ -121,13 +180,13 @@ void run(const ddp::Environment& env, const Config& cfg, const char* name) {
         fashion_mnist::epoch_metrics(comm, correct, part.size(), loss_sum, seen);
     log.print("epoch %d/%d: train loss %.4f, test accuracy %.2f%%", epoch + 1, cfg.epochs,
               train_loss, 100 * accuracy);
-    if (rank == 0) {
-      const std::string tmp = cfg.checkpoint + ".tmp";
-      torch::save(net, tmp);  // then renamed: a reader never sees half a checkpoint
-      if (std::rename(tmp.c_str(), cfg.checkpoint.c_str()) != 0)
-        throw std::runtime_error("cannot write " + cfg.checkpoint);
-      std::fflush(stdout);
-    }
+    // Collective: rank 0 writes (every rank holds the same module and momentum), atomically.
+    ddp::Checkpoint ck;
+    ck.put_object("epoch", epoch + 1).put_object("model", std::string(name));
+    put_module(ck, *net);
+    const std::string optimizer = archive_bytes(opt);
+    ck.put_values("optimizer", optimizer);
+    ddp::save_checkpoint(comm, ck, cfg.checkpoint);
   }
 }
 
@@ -138,11 +197,15 @@ int main(int argc, char** argv) {
     Config defaults;
     defaults.epochs = 3;
     defaults.lr = 0.05f;
-    defaults.checkpoint = "fashion_mnist_torch.pt";
+    defaults.checkpoint = "fashion_mnist_torch.ckpt";
     std::string model = "cnn";
     const Config cfg = fashion_mnist::parse(
         argc, argv, defaults, "fashion_mnist_torch.cpp",
         [&](const std::string& option, const std::function<std::string()>& next) {
+          if (option == "--resume") {
+            g_resume = true;
+            return true;
+          }
           if (option != "--model") return false;
           model = next();
           if (model != "cnn" && model != "mlp")
