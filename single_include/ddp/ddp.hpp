@@ -14751,6 +14751,7 @@ class ShardedAverager {
       fail(
           "gather(): synchronize() has not run since the last gather(), so the shard's "
           "gradients are not averaged; call synchronize() (or average()) before the update");
+    if (!in_step_) look_up();  // the parameters where they are now
     gather_all();
     synced_ = false;
   }
@@ -14780,6 +14781,7 @@ class ShardedAverager {
   /// save_sharded_checkpoint (every rank's file, or none). No rank writes the whole model.
   /// Returns the save identifier.
   std::uint64_t save(const std::string& path, const Checkpoint& state = Checkpoint{}) {
+    if (!in_step_) look_up();
     std::string values;
     for (const Slice& sl : slices_) {
       const std::size_t at = values.size();
@@ -14801,6 +14803,7 @@ class ShardedAverager {
   [[nodiscard]] std::optional<Checkpoint> load(const std::string& path) {
     std::optional<Checkpoint> ck = load_sharded_checkpoint(*comm_, path);
     if (!ck) return std::nullopt;
+    if (!in_step_) look_up();
     std::string problem;
     const auto stamp = ck->get_object<std::vector<std::uint64_t>>("ddp.shard");
     const std::vector<std::uint64_t> saved(stamp.begin() + 3, stamp.end()), mine = layout();
@@ -15080,6 +15083,13 @@ class ShardedAverager {
 
   // Looks the buffers up again (the model may have reallocated them since the last step).
   void begin_step() {
+    look_up();
+    in_step_ = true;
+  }
+
+  // The model's buffers and the shard's views, looked up again (the model may have reallocated
+  // them: between steps, and before a checkpoint is saved or loaded).
+  void look_up() {
     std::size_t i = 0;
     for (auto&& p : detail::model_parameters(*model_)) {
       if (i < grads_.size()) {
@@ -15104,7 +15114,6 @@ class ShardedAverager {
       s.value = values_[s.param].subview(s.offset, s.value.size);
       s.grad = grads_[s.param].subview(s.offset, s.grad.size);
     }
-    in_step_ = true;
   }
 
   void hook_ready(std::size_t i) {

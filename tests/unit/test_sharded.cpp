@@ -310,6 +310,10 @@ std::string train_resumable(mp::Comm& comm, const std::string& path, int stop) {
     backward(net, comm.rank(), step);
     zero.step([&](auto shard) { opt.step(ranges(shard)); });
     if ((step + 1) % 5 == 0) {
+      // The model may reallocate its buffers between steps: save() finds them where they are
+      // now (ASan would see a read of the old ones).
+      net.params[1].value = std::vector<float>(net.params[1].value);
+      net.params[1].grad = std::vector<float>(net.params[1].grad);
       ddp::Checkpoint state;  // this rank's: the optimizer's state for its shard, and the step
       state.put_object("step", step + 1).put_object("t", opt.t).put_object("m", opt.m);
       state.put_object("v", opt.v);
