@@ -573,10 +573,7 @@ class ShardedAverager {
     slices_.clear();
     shard_size_ = 0;
     for (const auto& b : buckets_) {
-      const std::size_t lo = rank() * b.block, hi = lo + b.block;
-      for (const Piece& p : b.pieces) {
-        const std::size_t from = std::max(lo, p.at), to = std::min(hi, p.at + p.size);
-        if (from >= to) continue;
+      for_each_owned(b, [&](std::size_t from, std::size_t to, const Piece& p) {
         Slice s;
         s.param = p.param;
         s.offset = p.offset + (from - p.at);
@@ -584,7 +581,7 @@ class ShardedAverager {
         s.grad = grads_[p.param].subview(s.offset, to - from);
         slices_.push_back(s);
         shard_size_ += to - from;
-      }
+      });
     }
     std::sort(slices_.begin(), slices_.end(), [](const Slice& a, const Slice& b) {
       return a.param != b.param ? a.param < b.param : a.offset < b.offset;

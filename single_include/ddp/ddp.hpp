@@ -12169,6 +12169,14 @@ struct codec<SamplerState> {
   }
 };
 
+namespace detail {
+/// The directory `path` is in: "." for a bare name, "/" for a file in the root.
+inline std::string parent_dir(const std::string& path) {
+  const std::size_t slash = path.rfind('/');
+  return slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+}
+}  // namespace detail
+
 /// Named sections of bytes (see the file comment).
 class Checkpoint {
  public:
@@ -12366,10 +12374,7 @@ class Checkpoint {
         errno = err;
         io_fail("cannot rename ", tmp, " to ", path);
       }
-      const std::size_t slash = path.rfind('/');
-      const std::string dir = slash == std::string::npos ? "."
-                              : slash == 0               ? "/"
-                                                         : path.substr(0, slash);
+      const std::string dir = detail::parent_dir(path);
       if (const int d = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); d >= 0) {
         (void)::fsync(d);  // the rename itself on disk; best effort where directories cannot sync
         ::close(d);
@@ -12460,28 +12465,31 @@ class Checkpoint {
 };
 
 namespace detail {
-/// "<errc number> <message>" of an Error (empty: none), and back: the error, on every rank.
+/// "<errc number> <message>" of an Error, to send to the other ranks.
 inline std::string error_text(const Error& e) {
   return concat(static_cast<int>(e.code()), " ", e.what());
+}
+/// Fails on this rank with the error `text` (error_text) that rank `from` relayed: its code, and
+/// "rank <this>: <what>: rank <from> <how>: <its message>".
+template <class Comm>
+[[noreturn]] void fail_relayed(Comm& comm, const std::string& text, const char* what,
+                               std::size_t from, const char* how) {
+  const std::size_t space = text.find(' ');
+  fail(static_cast<Errc>(std::stoi(text.substr(0, space))), "rank ", comm.rank(), ": ", what,
+       ": rank ", from, " ", how, ": ", text.substr(space + 1));
 }
 /// Fails with the first rank's error in `errors` (gathered from every rank), if there is one.
 template <class Comm>
 void fail_with_first(Comm& comm, const std::vector<std::string>& errors, const char* what) {
-  for (std::size_t r = 0; r < errors.size(); ++r) {
-    if (errors[r].empty()) continue;
-    const std::size_t space = errors[r].find(' ');
-    fail(static_cast<Errc>(std::stoi(errors[r].substr(0, space))), "rank ", comm.rank(), ": ", what,
-         ": rank ", r, " failed: ", errors[r].substr(space + 1));
-  }
+  for (std::size_t r = 0; r < errors.size(); ++r)
+    if (!errors[r].empty()) fail_relayed(comm, errors[r], what, r, "failed");
 }
-}  // namespace detail
 
-namespace detail {
 /// A shard file (of any rank) of a world size other than `world` next to `path` ("" if none).
 inline std::string other_world_shard(const std::string& path, int world) {
+  const std::string dir = parent_dir(path);
   const std::size_t slash = path.rfind('/');
-  const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
-  const std::string prefix = (slash == std::string::npos ? path : path.substr(slash + 1)) + ".rank";
+  const std::string prefix = path.substr(slash == std::string::npos ? 0 : slash + 1) + ".rank";
   DIR* d = ::opendir(dir.c_str());
   if (d == nullptr) return {};
   std::string found;
@@ -12496,7 +12504,7 @@ inline std::string other_world_shard(const std::string& path, int world) {
     if (of == std::string::npos || !digits(rest.substr(0, of)) || !digits(rest.substr(of + 4)) ||
         rest.substr(of + 4) == std::to_string(world))
       continue;
-    found = (slash == std::string::npos ? "" : dir) + name;
+    found = slash == std::string::npos ? name : concat(dir == "/" ? "" : dir, "/", name);
     break;
   }
   ::closedir(d);
@@ -12506,9 +12514,7 @@ inline std::string other_world_shard(const std::string& path, int world) {
 /// A load from `path` whose directory does not exist is a wrong path, not a fresh start:
 /// Errc::invalid_argument naming it (the save at the end of the first epoch would fail anyway).
 inline void check_directory(const std::string& path, const char* what) {
-  const std::size_t slash = path.rfind('/');
-  if (slash == std::string::npos) return;
-  const std::string dir = slash == 0 ? "/" : path.substr(0, slash);
+  const std::string dir = parent_dir(path);
   struct stat st {};
   if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
     fail(Errc::invalid_argument, what, ": the directory ", dir, " of ", path,
@@ -12529,10 +12535,9 @@ void save_checkpoint(Comm& comm, const Checkpoint& ck, const std::string& path, 
     }
   }
   broadcast_object(comm, error, root);
-  if (error.empty()) return;
-  const std::size_t space = error.find(' ');
-  detail::fail(static_cast<Errc>(std::stoi(error.substr(0, space))), "rank ", comm.rank(),
-               ": save_checkpoint: rank ", root, " could not save: ", error.substr(space + 1));
+  if (!error.empty())
+    detail::fail_relayed(comm, error, "save_checkpoint", static_cast<std::size_t>(root),
+                         "could not save");
 }
 
 /// Collective: rank `root` loads and verifies `path`, and every rank gets the same checkpoint
@@ -12555,11 +12560,9 @@ template <class Comm>
   }
   broadcast_object(comm, state, root);
   if (state == "none") return std::nullopt;
-  if (state != "ok") {
-    const std::size_t space = state.find(' ');
-    detail::fail(static_cast<Errc>(std::stoi(state.substr(0, space))), "rank ", comm.rank(),
-                 ": load_checkpoint: rank ", root, " could not load: ", state.substr(space + 1));
-  }
+  if (state != "ok")
+    detail::fail_relayed(comm, state, "load_checkpoint", static_cast<std::size_t>(root),
+                         "could not load");
   broadcast_object(comm, bytes, root);
   return Checkpoint::parse(bytes, path);
 }
@@ -15063,10 +15066,7 @@ class ShardedAverager {
     slices_.clear();
     shard_size_ = 0;
     for (const auto& b : buckets_) {
-      const std::size_t lo = rank() * b.block, hi = lo + b.block;
-      for (const Piece& p : b.pieces) {
-        const std::size_t from = std::max(lo, p.at), to = std::min(hi, p.at + p.size);
-        if (from >= to) continue;
+      for_each_owned(b, [&](std::size_t from, std::size_t to, const Piece& p) {
         Slice s;
         s.param = p.param;
         s.offset = p.offset + (from - p.at);
@@ -15074,7 +15074,7 @@ class ShardedAverager {
         s.grad = grads_[p.param].subview(s.offset, to - from);
         slices_.push_back(s);
         shard_size_ += to - from;
-      }
+      });
     }
     std::sort(slices_.begin(), slices_.end(), [](const Slice& a, const Slice& b) {
       return a.param != b.param ? a.param < b.param : a.offset < b.offset;
