@@ -124,7 +124,7 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--log-dir,--log_dir", cfg.log_dir,
-                 "also write each worker's output to DIR/attempt_K/rank_R.log");
+                 "also write each worker's output to DIR/attempt_K/rank_R.log, byte for byte");
   app.add_flag("--no-prefix,--no_prefix", cfg.no_prefix, "do not prefix output lines with [rR]");
   app.add_option("--grace", cfg.grace, "seconds between SIGTERM and SIGKILL when stopping workers")
       ->check(CLI::NonNegativeNumber)

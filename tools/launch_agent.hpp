@@ -62,8 +62,8 @@ struct LaunchOptions {
   /// Restart the whole group (every node) up to this many times after a failure.
   int max_restarts = 0;
   /// When not empty, each worker's output is also written to DIR/attempt_K/rank_R.log (both
-  /// streams, unless `redirects` or `tee` say which), and its error file (TORCHELASTIC_ERROR_FILE)
-  /// is DIR/attempt_K/rank_R.error.json.
+  /// streams, unless `redirects` or `tee` say which), byte for byte as the worker wrote it, and
+  /// its error file (TORCHELASTIC_ERROR_FILE) is DIR/attempt_K/rank_R.error.json.
   std::string log_dir;
   /// torchrun's -r/--redirects and -t/--tee: which streams of which local ranks go to the log
   /// file only (redirects) or to the console and the log file (tee): "0" none, "1" stdout, "2"
@@ -316,8 +316,8 @@ class LaunchAgent {
     Fd fd;
     int out = 1;  // where its lines go on the console: 1 (stdout) or 2 (stderr)
     bool console = true;
-    bool log = false;  // also (or only) to the worker's log file
-    std::string pending;
+    bool log = false;     // also (or only) to the worker's log file
+    std::string pending;  // read, not yet forwarded: the start of a line
   };
   struct Worker {
     int rank = 0;
@@ -683,13 +683,17 @@ class LaunchAgent {
       say("cannot run \"", o_.command.front(), "\": ", std::strerror(e));
   }
 
-  static void emit(Worker& w, Stream& s, std::string_view line) {
-    std::string text = w.prefix;
-    text.append(line);
-    text.push_back('\n');
-    if (s.console) write_fully(s.out, text.data(), text.size());  // one write: lines never mix
-    if (s.log && w.log)
-      write_fully(w.log.get(), text.data() + w.prefix.size(), text.size() - w.prefix.size());
+  // Forwards a piece of a stream's output: a line with its newline, a megabyte without one, or
+  // what was left at its end. The log file gets it as it is; the console as a line of its own
+  // with the prefix, in one write, so that lines never mix.
+  static void emit(Worker& w, Stream& s, std::string_view piece) {
+    if (s.log && w.log) write_fully(w.log.get(), piece.data(), piece.size());
+    if (s.console) {
+      std::string text = w.prefix;
+      text.append(piece);
+      if (text.back() != '\n') text.push_back('\n');
+      write_fully(s.out, text.data(), text.size());
+    }
   }
 
   // Forwards what can be read now, as whole lines.
@@ -706,11 +710,22 @@ class LaunchAgent {
     s.pending.append(buf, static_cast<std::size_t>(n));
     std::size_t from = 0;
     for (std::size_t nl; (nl = s.pending.find('\n', from)) != std::string::npos; from = nl + 1)
-      emit(w, s, std::string_view(s.pending).substr(from, nl - from));
+      emit(w, s, std::string_view(s.pending).substr(from, nl + 1 - from));
     s.pending.erase(0, from);
     if (s.pending.size() >= (std::size_t{1} << 20)) {  // a megabyte without a newline
       emit(w, s, s.pending);
       s.pending.clear();
+    }
+  }
+
+  // The end of an attempt: what the workers left unfinished (a last line, or the output of what
+  // they started and that still holds their pipes) is forwarded.
+  void flush_pending() {
+    for (auto& w : workers_) {
+      for (auto& s : w.streams) {
+        if (!s.pending.empty()) emit(w, s, s.pending);
+        s.pending.clear();
+      }
     }
   }
 
@@ -907,6 +922,7 @@ class LaunchAgent {
           pump(*owners[i].first, *owners[i].second);
       }
     }
+    flush_pending();
     return conclude(attempt, remote);
   }
 

@@ -84,6 +84,16 @@ def listening_addresses(pids):
     return found
 
 
+def read_bytes(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def sha256(data):
+    import hashlib
+    return f"{len(data)} bytes, sha256 {hashlib.sha256(data).hexdigest()}"
+
+
 class Base(unittest.TestCase):
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix="ddprun-test-")
@@ -238,6 +248,48 @@ class SingleNode(Base):
         r = ddprun("--standalone", "--nproc-per-node", 3, "--local-ranks-filter", "0,2", *prog)
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertEqual(sorted(r.stdout.splitlines()), ["[r0] out 0", "[r2] out 2"])
+
+    def test_logs_are_the_bytes_the_workers_wrote(self):
+        # 3 MiB without a newline (binary, \r and \0 included), a line, and a last line without
+        # its newline: the log file holds exactly those bytes, whatever sends it there.
+        prog = os.path.join(self.dir, "raw.py")
+        with open(prog, "w") as f:
+            f.write("import os, random, sys\n"
+                    "rank = int(os.environ['RANK'])\n"
+                    "data = random.Random(rank).randbytes(3 << 20).replace(b'\\n', b'\\r')\n"
+                    "data = data.replace(b'E', b'\\0') + b'a line\\n'\n"
+                    "data += b'\\0\\r last, no newline'\n"
+                    "open(os.path.join(sys.argv[1], f'expected.{rank}'), 'wb').write(data)\n"
+                    "both = len(sys.argv) > 2\n"
+                    "for k, at in enumerate(range(0, len(data), 100000)):\n"
+                    "    sys.stdout.buffer.write(data[at:at + 100000]); sys.stdout.flush()\n"
+                    "    if both:\n"
+                    "        sys.stderr.write(f'E-line {k}\\n'); sys.stderr.flush()\n")
+        for n, flags in ((2, ["-r", 1]), (1, ["-t", 1]), (1, [])):
+            logs = os.path.join(self.dir, f"logs{flags}")
+            r = subprocess.run([DDPRUN, "--standalone", "--nproc-per-node", str(n), "--log-dir",
+                                logs, *map(str, flags), prog, self.dir], capture_output=True,
+                               timeout=LIMIT)
+            self.assertEqual(r.returncode, 0, r.stderr[-2000:])
+            for rank in range(n):
+                expected = read_bytes(os.path.join(self.dir, f"expected.{rank}"))
+                got = read_bytes(os.path.join(logs, "attempt_0", f"rank_{rank}.log"))
+                self.assertEqual(sha256(got), sha256(expected), (flags, rank))
+            if flags == ["-t", 1]:  # the console has every byte too, in lines of at most ~1 MiB
+                console = re.sub(rb"(?m)^\[r0\] ", b"", r.stdout)
+                self.assertEqual(sha256(console.replace(b"\n", b"")),
+                                 sha256(expected.replace(b"\n", b"")))
+        # Both streams in one log: each stream's bytes in order, whole lines never split.
+        logs = os.path.join(self.dir, "logs-both")
+        r = subprocess.run([DDPRUN, "--standalone", "--log-dir", logs, "-r", "3", prog, self.dir,
+                            "both"], capture_output=True, timeout=LIMIT)
+        self.assertEqual(r.returncode, 0, r.stderr[-2000:])
+        got = read_bytes(os.path.join(logs, "attempt_0", "rank_0.log"))
+        expected = read_bytes(os.path.join(self.dir, "expected.0"))
+        lines = re.findall(rb"E-line \d+\n", got)
+        self.assertEqual(lines, [b"E-line %d\n" % k for k in range(len(lines))])
+        self.assertEqual(len(lines), (len(expected) + 99999) // 100000)
+        self.assertEqual(sha256(re.sub(rb"E-line \d+\n", b"", got)), sha256(expected))
 
     def test_error_files_as_torchrun_writes_and_reads_them(self):
         # A worker that writes torchrun's error file has its message in the report; ddprun's own
