@@ -24,7 +24,9 @@
 // the other nodes, which stop theirs, prints "rank 2 (local_rank 2, pid N) was killed by SIGKILL
 // (signal 9) after 12.3 s", and exits with that worker's status (128 + the signal for a signal),
 // unless --max-restarts allows another attempt of the whole group. SIGINT, SIGTERM and SIGHUP
-// sent to ddprun are forwarded to every worker; a second one kills them at once.
+// sent to ddprun are forwarded to every worker; a second one kills them at once. Log files get
+// the workers' bytes as they are; one that cannot be written is named, its worker's output goes
+// on to the console, and ddprun exits 1 where it would have exited 0.
 
 #include <ddp/ddp.hpp>
 
@@ -154,7 +156,9 @@ int main(int argc, char** argv) {
   app.prefix_command();  // everything from the program on belongs to it
   app.footer(
       "Output lines are prefixed with [rRANK] and never interleave. Exit status: 0, or the "
-      "status of the first worker that failed (128 + N for signal N).");
+      "status of the first worker that failed (128 + N for signal N); 1 when every worker "
+      "succeeded but a log file could not be written in full (ddprun names it); 2 for bad "
+      "arguments.");
   CLI11_PARSE(app, argc, argv);
   cfg.command = app.remaining();
   if (!cfg.command.empty() && cfg.command.front() == "--") cfg.command.erase(cfg.command.begin());

@@ -63,7 +63,10 @@ struct LaunchOptions {
   int max_restarts = 0;
   /// When not empty, each worker's output is also written to DIR/attempt_K/rank_R.log (both
   /// streams, unless `redirects` or `tee` say which), byte for byte as the worker wrote it, and
-  /// its error file (TORCHELASTIC_ERROR_FILE) is DIR/attempt_K/rank_R.error.json.
+  /// its error file (TORCHELASTIC_ERROR_FILE) is DIR/attempt_K/rank_R.error.json. A log that
+  /// cannot be written (ENOSPC, EIO, ...) is named on stderr once; that worker's output goes on
+  /// to the console (the streams that went to the log only included), and launch() returns 1 at
+  /// the end if it would otherwise return 0.
   std::string log_dir;
   /// torchrun's -r/--redirects and -t/--tee: which streams of which local ranks go to the log
   /// file only (redirects) or to the console and the log file (tee): "0" none, "1" stdout, "2"
@@ -124,15 +127,22 @@ inline std::string signal_name(int sig) {
   return concat("SIG", n != nullptr ? n : "?");
 }
 
-inline void write_fully(int fd, const char* p, std::size_t n) {
+/// Writes all of [p, p + n) to `fd`: 0, or the errno of the write that failed.
+[[nodiscard]] inline int write_all(int fd, const char* p, std::size_t n) {
   while (n > 0) {
     const ssize_t k = ::write(fd, p, n);
     if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) return;  // the output is gone (a closed pipe): nothing left to report it to
+    if (k < 0) return errno;
+    if (k == 0) return EIO;
     p += k;
     n -= static_cast<std::size_t>(k);
   }
+  return 0;
 }
+
+/// write_all() to the console: when that output is gone (a closed pipe), there is nothing left
+/// to report it to.
+inline void write_fully(int fd, const char* p, std::size_t n) { (void)write_all(fd, p, n); }
 
 inline void make_dirs(const std::string& path) {
   std::string at;
@@ -328,7 +338,9 @@ class LaunchAgent {
     Clock::time_point started;
     double seconds = 0;  // how long it ran
     Stream streams[2];
+    bool shown = true;  // on the console (--local-ranks-filter)
     Fd log;
+    std::string log_path;
     std::string prefix;
   };
 
@@ -409,6 +421,20 @@ class LaunchAgent {
       f = run_attempt(attempt);
       if (f.code == 0 || !f.restartable || interrupted_ != 0 || attempt >= o_.max_restarts) break;
       say("restarting the workers (restart ", attempt + 1, " of ", o_.max_restarts, ")");
+    }
+    if (!lost_logs_.empty()) {
+      std::string which;
+      for (const auto& l : lost_logs_) which += concat(which.empty() ? "" : ", ", l);
+      const std::string lost =
+          lost_logs_.size() == 1 ? std::string("a log") : concat(lost_logs_.size(), " logs");
+      if (f.code == 0) {
+        f = LaunchFailure{
+            o_.node_rank, 1, false,
+            concat("every worker succeeded, but ", lost, " could not be written in full: ", which)};
+        say(f.what, "; exit status 1");
+      } else {
+        say("also, ", lost, " could not be written in full: ", which);
+      }
     }
     if (f.code != 0) write_own_error_file(f);
     finish();
@@ -617,6 +643,7 @@ class LaunchAgent {
       w.streams[s].log = custom ? redirected || teed : !log_dir_.empty();
       w.streams[s].console = shown && !redirected;
     }
+    w.shown = shown;
     const bool piped = o_.prefix_output || !log_dir_.empty() || !shown || custom;
     int out[2][2] = {{-1, -1}, {-1, -1}};
     if (piped) {
@@ -675,19 +702,42 @@ class LaunchAgent {
     if (w.streams[0].log || w.streams[1].log) {
       const std::string dir = concat(log_dir_, "/attempt_", attempt);
       make_dirs(dir);
-      const std::string path = concat(dir, "/rank_", w.rank, ".log");
-      w.log.reset(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-      if (!w.log) fail_errno(errno, "cannot write ", path);
+      w.log_path = concat(dir, "/rank_", w.rank, ".log");
+      w.log.reset(::open(w.log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+      if (!w.log) log_failed(w, "opening", errno);
     }
     if (n == static_cast<ssize_t>(sizeof e))
       say("cannot run \"", o_.command.front(), "\": ", std::strerror(e));
   }
 
+  // A worker's log file cannot be written (`doing` it failed with `error`): said once, and from
+  // here on its output goes to the console only, the streams that went to the log only included
+  // (unless --local-ranks-filter keeps it off the console); run() makes the exit status say so.
+  void log_failed(Worker& w, std::string_view doing, int error) {
+    w.log.reset();
+    for (auto& s : w.streams) {
+      s.console = s.console || (s.log && w.shown);
+      s.log = false;
+    }
+    lost_logs_.push_back(
+        concat("rank ", w.rank, "'s log ", w.log_path, " (", std::strerror(error), ")"));
+    std::string_view next = "its output from here on goes to the console only";
+    if (doing == "closing")
+      next = "it may lack the end of the output";
+    else if (!w.shown)
+      next = "its output from here on is not kept (--local-ranks-filter leaves it off the console)";
+    say(doing, " rank ", w.rank, "'s log ", w.log_path, " failed: ", std::strerror(error), "; ",
+        next);
+  }
+
   // Forwards a piece of a stream's output: a line with its newline, a megabyte without one, or
   // what was left at its end. The log file gets it as it is; the console as a line of its own
   // with the prefix, in one write, so that lines never mix.
-  static void emit(Worker& w, Stream& s, std::string_view piece) {
-    if (s.log && w.log) write_fully(w.log.get(), piece.data(), piece.size());
+  void emit(Worker& w, Stream& s, std::string_view piece) {
+    if (s.log && w.log) {
+      if (const int e = write_all(w.log.get(), piece.data(), piece.size()); e != 0)
+        log_failed(w, "writing", e);  // the console gets this piece too
+    }
     if (s.console) {
       std::string text = w.prefix;
       text.append(piece);
@@ -697,7 +747,7 @@ class LaunchAgent {
   }
 
   // Forwards what can be read now, as whole lines.
-  static void pump(Worker& w, Stream& s) {
+  void pump(Worker& w, Stream& s) {
     char buf[65536];
     const ssize_t n = ::read(s.fd.get(), buf, sizeof buf);
     if (n < 0 && (errno == EINTR || errno == EAGAIN)) return;
@@ -719,13 +769,15 @@ class LaunchAgent {
   }
 
   // The end of an attempt: what the workers left unfinished (a last line, or the output of what
-  // they started and that still holds their pipes) is forwarded.
-  void flush_pending() {
+  // they started and that still holds their pipes) is forwarded, and the log files are closed,
+  // where a write the file system deferred can still fail.
+  void close_logs() {
     for (auto& w : workers_) {
       for (auto& s : w.streams) {
         if (!s.pending.empty()) emit(w, s, s.pending);
         s.pending.clear();
       }
+      if (w.log && ::close(w.log.release()) != 0 && errno != EINTR) log_failed(w, "closing", errno);
     }
   }
 
@@ -922,7 +974,7 @@ class LaunchAgent {
           pump(*owners[i].first, *owners[i].second);
       }
     }
-    flush_pending();
+    close_logs();
     return conclude(attempt, remote);
   }
 
@@ -1000,6 +1052,7 @@ class LaunchAgent {
   std::unique_ptr<StoreServer> server_;
   std::unique_ptr<Store> store_;
   std::vector<Worker> workers_;
+  std::vector<std::string> lost_logs_;  // "rank R's log PATH (error)", for the end
   int root_cause_ = -1;
   bool root_by_signal_ = false;  // the root cause died of a signal (nothing can come before it)
   bool stopping_ = false;

@@ -84,6 +84,27 @@ def listening_addresses(pids):
     return found
 
 
+def tmpfs_unavailable(path):
+    """Why a small tmpfs cannot be mounted on `path` in a private mount namespace here (unshare -m
+    needs root, or a kernel and container that allow it), or None when it can."""
+    if shutil.which("unshare") is None:
+        return "needs unshare (util-linux)"
+    r = subprocess.run(["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=64k none "$0"', path],
+                       capture_output=True, text=True, timeout=LIMIT)
+    if r.returncode != 0:
+        return f"cannot mount a tmpfs under unshare -m: {r.stderr.strip() or r.returncode}"
+    return None
+
+
+def ddprun_on_small_tmpfs(mount, saved, *args):
+    """ddprun *args with a 64 KiB tmpfs mounted on `mount` (visible to ddprun and its workers
+    only); what it holds at the end is copied to `saved`."""
+    script = ('m=$1 s=$2; shift 2; mount -t tmpfs -o size=64k none "$m" || exit 99; "$@"; rc=$?; '
+              'cp -R "$m"/. "$s"; exit $rc')
+    return subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", mount, saved, DDPRUN,
+                           *map(str, args)], capture_output=True, text=True, timeout=LIMIT)
+
+
 def read_bytes(path):
     with open(path, "rb") as f:
         return f.read()
@@ -290,6 +311,59 @@ class SingleNode(Base):
         self.assertEqual(lines, [b"E-line %d\n" % k for k in range(len(lines))])
         self.assertEqual(len(lines), (len(expected) + 99999) // 100000)
         self.assertEqual(sha256(re.sub(rb"E-line \d+\n", b"", got)), sha256(expected))
+
+    def test_a_log_that_cannot_be_written_is_reported(self):
+        # The log directory is a 64 KiB tmpfs: rank 1 writes 400 KB, rank 0 one line. ddprun says
+        # once which log failed and why, shows what rank 1 writes from then on on the console (its
+        # stdout went to the log only, -r 1), and exits 1 although every worker succeeded.
+        mount = os.path.join(self.dir, "logs")
+        saved = os.path.join(self.dir, "saved")
+        os.mkdir(mount)
+        os.mkdir(saved)
+        why = tmpfs_unavailable(mount)
+        if why is not None:
+            self.skipTest(why)
+        prog = os.path.join(self.dir, "spill.py")
+        with open(prog, "w") as f:
+            f.write("import os, time\n"
+                    "if os.environ['RANK'] == '1':\n"
+                    "    # rank 0's line first, so that its log is the one that fits\n"
+                    "    logs = os.path.dirname(os.environ['TORCHELASTIC_ERROR_FILE'])\n"
+                    "    first = os.path.join(logs, 'rank_0.log')\n"
+                    "    until = time.monotonic() + 20\n"
+                    "    while time.monotonic() < until and not (os.path.exists(first) and\n"
+                    "                                            os.path.getsize(first)):\n"
+                    "        time.sleep(0.01)\n"
+                    "    for i in range(400):\n"
+                    "        print(f'{i:04d} ' + 'x' * 995)\n"
+                    "print('last line of rank', os.environ['RANK'])\n")
+        expected = "".join(f"{i:04d} {'x' * 995}\n" for i in range(400)) + "last line of rank 1\n"
+        for flags in (["-r", 1], []):
+            shutil.rmtree(saved)
+            os.mkdir(saved)
+            r = ddprun_on_small_tmpfs(mount, saved, "--standalone", "--nproc-per-node", 2,
+                                      "--log-dir", mount, *flags, prog)
+            self.assertNotEqual(r.returncode, 99, r.stderr)  # the mount worked
+            self.assertEqual(r.returncode, 1, (flags, r.stderr[-2000:]))
+            path = f"{mount}/attempt_0/rank_1.log"
+            said = (f"ddprun: writing rank 1's log {path} failed: No space left on device; its "
+                    "output from here on goes to the console only")
+            self.assertEqual(r.stderr.count(said), 1, r.stderr[-2000:])
+            self.assertEqual(r.stderr.count("failed: "), 1, r.stderr[-2000:])  # rank 0's: whole
+            self.assertTrue(r.stderr.endswith(
+                "ddprun: every worker succeeded, but a log could not be written in full: rank 1's "
+                f"log {path} (No space left on device); exit status 1\n"), r.stderr[-2000:])
+            self.assertEqual(read_bytes(f"{saved}/attempt_0/rank_0.log"), b"last line of rank 0\n")
+            log = read_bytes(f"{saved}/attempt_0/rank_1.log").decode()
+            self.assertTrue(expected.startswith(log))
+            self.assertLess(len(log), len(expected))
+            # Nothing lost: the console has the rest of rank 1's output, from where the log ends.
+            console = "".join(line[5:] + "\n" for line in r.stdout.splitlines()
+                              if line.startswith("[r1] "))
+            self.assertTrue(expected.endswith(console), console[:200])
+            self.assertGreaterEqual(len(log) + len(console), len(expected))
+            if not flags:
+                self.assertEqual(console, expected)  # the console had all of it anyway
 
     def test_error_files_as_torchrun_writes_and_reads_them(self):
         # A worker that writes torchrun's error file has its message in the report; ddprun's own
