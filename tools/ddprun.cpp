@@ -23,10 +23,11 @@
 // stops the other workers (SIGTERM to each worker's process group, SIGKILL after --grace), tells
 // the other nodes, which stop theirs, prints "rank 2 (local_rank 2, pid N) was killed by SIGKILL
 // (signal 9) after 12.3 s", and exits with that worker's status (128 + the signal for a signal),
-// unless --max-restarts allows another attempt of the whole group. SIGINT, SIGTERM and SIGHUP
-// sent to ddprun are forwarded to every worker; a second one kills them at once. Log files get
-// the workers' bytes as they are; one that cannot be written is named, its worker's output goes
-// on to the console, and ddprun exits 1 where it would have exited 0.
+// unless --max-restarts allows another attempt of the whole group, after a wait that doubles with
+// each failed attempt in a row (--restart-backoff, --restart-backoff-max). SIGINT, SIGTERM and
+// SIGHUP sent to ddprun are forwarded to every worker; a second one kills them at once. Log files
+// get the workers' bytes as they are; one that cannot be written is named, its worker's output
+// goes on to the console, and ddprun exits 1 where it would have exited 0.
 
 #include <ddp/ddp.hpp>
 
@@ -53,6 +54,8 @@ struct Config {
   int master_port = 29500;
   bool standalone = false;
   int max_restarts = 0;
+  double restart_backoff = 0.1;
+  double restart_backoff_max = 5;
   std::string log_dir;
   bool no_prefix = false;
   double grace = 5;
@@ -123,6 +126,16 @@ int main(int argc, char** argv) {
                "a single node on 127.0.0.1 with a free port (no --master-* needed)");
   app.add_option("--max-restarts,--max_restarts", cfg.max_restarts,
                  "restart the whole group up to this many times after a failure")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--restart-backoff", cfg.restart_backoff,
+                 "seconds to wait before restarting after a failed attempt, doubled after each "
+                 "further failed attempt in a row (an attempt that ran 30 s or more begins a new "
+                 "row); 0 restarts at once")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--restart-backoff-max", cfg.restart_backoff_max,
+                 "the longest wait before a restart, in seconds")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--log-dir,--log_dir", cfg.log_dir,
@@ -200,6 +213,8 @@ int main(int argc, char** argv) {
   o.master_addr = cfg.master_addr;
   o.master_port = cfg.standalone ? 0 : cfg.master_port;
   o.max_restarts = cfg.max_restarts;
+  o.restart_backoff = millis(cfg.restart_backoff);
+  o.restart_backoff_max = millis(cfg.restart_backoff_max);
   // Absolute, as torchrun's: workers that change directory still find their error files.
   o.log_dir = cfg.log_dir.empty() ? cfg.log_dir : std::filesystem::absolute(cfg.log_dir).string();
   o.redirects = cfg.redirects;

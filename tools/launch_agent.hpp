@@ -61,6 +61,13 @@ struct LaunchOptions {
   int master_port = 29500;
   /// Restart the whole group (every node) up to this many times after a failure.
   int max_restarts = 0;
+  /// The wait before a restart: restart_backoff after the first failed attempt, doubled after
+  /// each further one in a row, at most restart_backoff_max. An attempt that ran at least
+  /// restart_backoff_reset begins a new row (its restart waits restart_backoff again). Zero
+  /// restarts at once. SIGINT, SIGTERM and SIGHUP end the wait, and the launch, at once.
+  std::chrono::milliseconds restart_backoff{100};
+  std::chrono::milliseconds restart_backoff_max{std::chrono::seconds(5)};
+  std::chrono::milliseconds restart_backoff_reset{std::chrono::seconds(30)};
   /// When not empty, each worker's output is also written to DIR/attempt_K/rank_R.log (both
   /// streams, unless `redirects` or `tee` say which), byte for byte as the worker wrote it, and
   /// its error file (TORCHELASTIC_ERROR_FILE) is DIR/attempt_K/rank_R.error.json. A log that
@@ -143,6 +150,13 @@ inline std::string signal_name(int sig) {
 /// write_all() to the console: when that output is gone (a closed pipe), there is nothing left
 /// to report it to.
 inline void write_fully(int fd, const char* p, std::size_t n) { (void)write_all(fd, p, n); }
+
+/// Seconds as "0.1", "3.2", "5": the shortest text that reads back as the same value.
+inline std::string seconds_text(std::chrono::milliseconds t) {
+  char buf[64];
+  const auto r = std::to_chars(buf, buf + sizeof buf, static_cast<double>(t.count()) / 1000);
+  return std::string(buf, r.ptr);
+}
 
 inline void make_dirs(const std::string& path) {
   std::string at;
@@ -417,10 +431,18 @@ class LaunchAgent {
     join();
     prepare_dirs();
     LaunchFailure f;
+    int failed_in_a_row = 0;
+    std::chrono::milliseconds delay{0};
     for (int attempt = 0;; ++attempt) {
+      if (delay.count() > 0) wait_before_restart(delay, attempt);
+      const auto began = Clock::now();
       f = run_attempt(attempt);
       if (f.code == 0 || !f.restartable || interrupted_ != 0 || attempt >= o_.max_restarts) break;
-      say("restarting the workers (restart ", attempt + 1, " of ", o_.max_restarts, ")");
+      failed_in_a_row = Clock::now() - began >= o_.restart_backoff_reset ? 1 : failed_in_a_row + 1;
+      delay = restart_delay(failed_in_a_row);
+      say("restarting the workers",
+          delay.count() > 0 ? concat(" in ", seconds_text(delay), " s") : std::string(),
+          " (restart ", attempt + 1, " of ", o_.max_restarts, ")");
     }
     if (!lost_logs_.empty()) {
       std::string which;
@@ -459,6 +481,29 @@ class LaunchAgent {
     }
     error_dir_ = log_dir_;
     if (error_dir_.empty()) error_dir_ = scratch_dir_ = temp_dir("ddprun-errors-");
+  }
+
+  /// The wait before restart `failed_in_a_row` of a row of failed attempts (1, 2, ...).
+  [[nodiscard]] std::chrono::milliseconds restart_delay(int failed_in_a_row) const {
+    auto d = o_.restart_backoff;
+    for (int i = 1; i < failed_in_a_row && d < o_.restart_backoff_max; ++i) d *= 2;
+    return std::min(d, o_.restart_backoff_max);
+  }
+
+  // Waits `delay` before `attempt` starts, or less: a signal ends the wait (run_attempt() then
+  // starts no worker and concludes the attempt as interrupted).
+  void wait_before_restart(std::chrono::milliseconds delay, int attempt) {
+    const auto until = Clock::now() + delay;
+    waiting_to_restart_ = true;
+    for (auto now = Clock::now(); interrupted_ == 0 && now < until; now = Clock::now()) {
+      const auto left = std::chrono::ceil<std::chrono::milliseconds>(until - now).count();
+      pollfd p{launch_signal_pipe[0], POLLIN, 0};
+      if (::poll(&p, 1, static_cast<int>(std::min<long long>(left, 1000))) <= 0) continue;
+      unsigned char sigs[64];
+      const ssize_t n = ::read(launch_signal_pipe[0], sigs, sizeof sigs);
+      for (ssize_t i = 0; i < n; ++i) on_signal(sigs[i], attempt);
+    }
+    waiting_to_restart_ = false;
   }
 
   [[nodiscard]] static std::string temp_dir(const char* prefix) {
@@ -890,7 +935,10 @@ class LaunchAgent {
       return;
     }
     interrupted_ = sig;
-    say("received ", signal_name(sig), ": passing it on to the workers");
+    if (waiting_to_restart_)
+      say("received ", signal_name(sig), " while waiting to restart: not restarting");
+    else
+      say("received ", signal_name(sig), ": passing it on to the workers");
     signal_workers(sig);
     stopping_ = true;
     term_at_ = Clock::time_point::max();
@@ -916,7 +964,7 @@ class LaunchAgent {
       Worker& w = workers_[static_cast<std::size_t>(i)];
       w.rank = base_rank_ + i;
       w.local_rank = i;
-      start(w, attempt);
+      if (interrupted_ == 0) start(w, attempt);  // else interrupted while waiting to restart
     }
     auto next_store_check = Clock::now();
     std::vector<pollfd> fds;
@@ -1057,6 +1105,7 @@ class LaunchAgent {
   bool root_by_signal_ = false;  // the root cause died of a signal (nothing can come before it)
   bool stopping_ = false;
   int interrupted_ = 0;
+  bool waiting_to_restart_ = false;
   Clock::time_point term_at_ = Clock::time_point::max();  // SIGTERM then (a stop was delayed)
   Clock::time_point kill_at_ = Clock::time_point::max();
   std::int64_t attempt_started_ = 0;  // seconds since the epoch

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import unittest
 
@@ -528,7 +529,7 @@ class SingleNode(Base):
         r = ddprun("--standalone", "--nproc-per-node", 3, "--max-restarts", 2, WORKER, "exit", 1, 3,
                    "once")
         self.assertEqual(r.returncode, 0, r.stderr)
-        self.assertIn("restarting the workers (restart 1 of 2)", r.stderr)
+        self.assertIn("restarting the workers in 0.1 s (restart 1 of 2)", r.stderr)
         self.assertEqual(sorted(re.findall(r"rank (\d)/3 .* restart 1 sum ok", r.stdout)),
                          ["0", "1", "2"])
 
@@ -540,6 +541,46 @@ class SingleNode(Base):
         self.assertEqual(len(re.findall(r"exited with status 3", r.stderr)), 6)  # 3 attempts
         self.assertIn("attempt 3 failed", r.stderr)
         self.assertEqual(sorted(os.listdir(logs)), ["attempt_0", "attempt_1", "attempt_2"])
+
+    def test_restarts_back_off(self):
+        # A worker that always fails, --max-restarts 1000: ddprun waits 0.1 s before the first
+        # restart, doubling up to 5 s, and SIGTERM ends it at once while it waits.
+        logs = os.path.join(self.dir, "logs")
+        p = subprocess.Popen([DDPRUN, "--standalone", "--max-restarts", "1000", "--log-dir", logs,
+                              "sh", "-c", "exit 3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+        t0 = time.monotonic()
+        lines = []
+        reader = threading.Thread(target=lambda: lines.extend(p.stderr), daemon=True)
+        reader.start()
+        waits = []
+        try:
+            while time.monotonic() < t0 + LIMIT:
+                waits = [float(w) for w in re.findall(
+                    r"restarting the workers in ([0-9.]+) s \(restart \d+ of 1000\)",
+                    "".join(lines))]
+                restarts = sum("restarting the workers" in line for line in list(lines))
+                self.assertLessEqual(restarts, 6, f"{restarts} restarts in "
+                                     f"{time.monotonic() - t0:.1f} s:\n{''.join(lines[-6:])}")
+                if 3.2 in waits or p.poll() is not None:
+                    break
+                time.sleep(0.05)
+            self.assertEqual(waits, [0.1, 0.2, 0.4, 0.8, 1.6, 3.2], "".join(lines))
+            self.assertGreaterEqual(time.monotonic() - t0, 0.1 + 0.2 + 0.4 + 0.8 + 1.6)
+            signalled = time.monotonic()
+            p.send_signal(signal.SIGTERM)  # during the 3.2 s wait
+            p.wait(timeout=LIMIT)
+            self.assertLess(time.monotonic() - signalled, 2.5)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            reader.join(timeout=LIMIT)
+            p.stdout.close()
+            p.stderr.close()
+        self.assertEqual(p.returncode, 128 + signal.SIGTERM, "".join(lines))
+        self.assertEqual(sorted(os.listdir(logs)), [f"attempt_{k}" for k in range(6)])
+        self.assertIn("ddprun: received SIGTERM while waiting to restart: not restarting\n", lines)
 
     def test_nothing_left_behind(self):
         r = ddprun("--standalone", "--nproc-per-node", 2, WORKER, "grandchild", self.dir)
@@ -756,7 +797,7 @@ class TorchDistributedPrograms(Base):
                    env={**os.environ, "PYTHON": TORCH_PYTHON, "OMP_NUM_THREADS": "1"},
                    timeout=2 * LIMIT)
         self.assertEqual(r.returncode, 0, r.stderr)
-        self.assertIn("restarting the workers (restart 1 of 1)", r.stderr)
+        self.assertIn("restarting the workers in 0.1 s (restart 1 of 1)", r.stderr)
         self.assertEqual(sorted(line for line in r.stdout.splitlines() if "restart 1" in line),
                          ["[r0] sum 3 world 2 restart 1", "[r1] sum 3 world 2 restart 1"])
 
