@@ -19,8 +19,11 @@
 ///
 /// The file: "DDPCKPT1", the section count, each section's name and length, the sections' bytes,
 /// then a 64-bit checksum of everything before it. save() writes a temporary file next to the
-/// target, fsyncs it, renames it over the target and fsyncs the directory, so a crash at any
-/// moment leaves the old checkpoint or the new one, never a mixture. load() refuses a file that is
+/// target (created exclusively under an unpredictable name, never through a link), fsyncs it,
+/// renames it over the target and fsyncs the directory, so a crash at any moment leaves the old
+/// checkpoint or the new one, never a mixture; a temporary file that a killed save left behind is
+/// removed by the next save. Something other than a regular file at the path (a symbolic link, a
+/// FIFO, a directory) is refused, never written through or waited on. load() refuses a file that is
 /// not a checkpoint, is truncated, or whose checksum differs (Errc::protocol, naming the file and
 /// what is wrong). The checksum catches corruption, not tampering: a checkpoint is as trusted as
 /// the directory it lives in.
@@ -30,23 +33,21 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+#include "ddp/detail/files.hpp"
 #include "ddp/detail/string.hpp"
 #include "ddp/error.hpp"
 #include "ddp/objects.hpp"
 #include "ddp/partition.hpp"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <optional>
-#include <random>
 #include <span>
 #include <string>
 #include <string_view>
@@ -78,14 +79,6 @@ struct codec<SamplerState> {
     return s;
   }
 };
-
-namespace detail {
-/// The directory `path` is in: "." for a bare name, "/" for a file in the root.
-inline std::string parent_dir(const std::string& path) {
-  const std::size_t slash = path.rfind('/');
-  return slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
-}
-}  // namespace detail
 
 /// Named sections of bytes (see the file comment).
 class Checkpoint {
@@ -235,60 +228,52 @@ class Checkpoint {
 
     /// Writes the checkpoint to `path` atomically (see the file comment); Errc::system naming the
     /// path and the reason (a full disk, a missing directory, permissions) on failure, leaving any
-    /// earlier file at `path` as it was.
-    void save(const std::string& path) const { commit(stage(path), path); }
+    /// earlier file at `path` as it was. Errc::invalid_argument when something other than a
+    /// regular file is at `path` (a symbolic link, a FIFO, a directory): it is neither replaced
+    /// nor written through. Temporary files that earlier saves to `path` left behind when their
+    /// process was killed are removed.
+    void save(const std::string& path) const {
+      check_target(path);
+      detail::StagedFile f(path, "Checkpoint");
+      f.write(serialize());
+      f.commit(path);
+      detail::remove_abandoned(path);
+    }
 
     /// The first half of save(): writes the checkpoint to a temporary file next to `path` and
     /// flushes it to disk; returns that file's name (for commit() or discard()).
     [[nodiscard]] std::string stage(const std::string& path) const {
       return stage_bytes(path, serialize());
     }
-    /// stage() of given file bytes (from serialize() or serialize_with()).
+    /// stage() of given file bytes (from serialize() or serialize_with()). The temporary file is
+    /// created exclusively under an unpredictable name ("<path>.tmp.<pid>.<random>"), never
+    /// through a link.
     [[nodiscard]] static std::string stage_bytes(const std::string& path,
                                                  const std::string& bytes) {
-      const std::string tmp = detail::concat(path, ".tmp.", ::getpid());
-      const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-      if (fd < 0) io_fail("cannot create ", tmp);
-      const char* p = bytes.data();
-      std::size_t left = bytes.size();
-      while (left > 0) {
-        const ssize_t n = ::write(fd, p, left);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) {
-          const int err = n < 0 ? errno : ENOSPC;
-          ::close(fd);
-          ::unlink(tmp.c_str());
-          errno = err;
-          io_fail("cannot write ", bytes.size(), " bytes to ", tmp);
-        }
-        p += n;
-        left -= static_cast<std::size_t>(n);
-      }
-      if (::fsync(fd) != 0) {
-        const int err = errno;
-        ::close(fd);
-        ::unlink(tmp.c_str());
-        errno = err;
-        io_fail("cannot flush ", tmp, " to disk");
-      }
-      ::close(fd);
-      return tmp;
+      check_target(path);
+      detail::StagedFile f(path, "Checkpoint");
+      f.write(bytes);
+      return f.release();
     }
 
     /// The second half of save(): renames the staged file `tmp` over `path` and flushes the
     /// directory, so the new checkpoint replaces the old one in one step.
     static void commit(const std::string& tmp, const std::string& path) {
+      if (const char* kind = detail::non_regular(path)) {
+        discard(tmp);
+        refuse_target(path, kind);
+      }
       if (::rename(tmp.c_str(), path.c_str()) != 0) {
         const int err = errno;
         ::unlink(tmp.c_str());
         errno = err;
         io_fail("cannot rename ", tmp, " to ", path);
       }
-      const std::string dir = detail::parent_dir(path);
-      if (const int d = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); d >= 0) {
-        (void)::fsync(d);  // the rename itself on disk; best effort where directories cannot sync
-        ::close(d);
+      if (const int err = detail::sync_dir(detail::parent_dir(path)); err != 0) {
+        errno = err;
+        io_fail("cannot flush the directory of ", path, " to disk");
       }
+      detail::remove_abandoned(path);
     }
 
     /// Removes a staged file that will not be committed.
@@ -296,18 +281,30 @@ class Checkpoint {
 
     /// Reads and verifies `path`; std::nullopt when there is no file there (a run that starts
     /// afresh); Errc::protocol for a file that is not a valid checkpoint, Errc::system when it
-    /// cannot be read.
+    /// cannot be read, Errc::invalid_argument when `path` is not a regular file (a FIFO, a
+    /// directory, a device: refused without waiting on it; a symbolic link to a regular file is
+    /// followed).
     [[nodiscard]] static std::optional<Checkpoint> load(const std::string& path) {
-      const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      // O_NONBLOCK: opening a FIFO would otherwise wait for a writer, forever.
+      const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
       if (fd < 0) {
         if (errno == ENOENT) return std::nullopt;
         io_fail("cannot open ", path);
       }
+      struct stat st {};
+      if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        const char* kind = detail::file_kind(st.st_mode);
+        ::close(fd);
+        detail::fail(Errc::invalid_argument, "Checkpoint: ", path, " is ",
+                     kind != nullptr ? kind : "unreadable",
+                     ", not a checkpoint file; remove it, or correct the path");
+      }
       std::string bytes;
+      bytes.reserve(static_cast<std::size_t>(st.st_size));
       char buf[1 << 16];
       for (;;) {
         const ssize_t n = ::read(fd, buf, sizeof buf);
-        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
         if (n < 0) {
           const int err = errno;
           ::close(fd);
@@ -332,6 +329,15 @@ class Checkpoint {
       for (const auto& s : sections_) have += (have.empty() ? "" : ", ") + s.first;
       detail::fail(Errc::invalid_argument, "Checkpoint: no section \"", name, "\" (it has ",
                    have.empty() ? std::string("none") : have, ")");
+    }
+    /// Errc::invalid_argument when something other than a regular file is at `path`.
+    static void check_target(const std::string& path) {
+      if (const char* kind = detail::non_regular(path)) refuse_target(path, kind);
+    }
+    [[noreturn]] static void refuse_target(const std::string& path, const char* kind) {
+      detail::fail(Errc::invalid_argument, "Checkpoint: ", path, " is ", kind,
+                   ", not a regular file: a checkpoint neither replaces it nor writes through "
+                   "it; remove it, or choose another path");
     }
     static void check_name(std::string_view name) {
       if (name.empty() || name.size() > 4096)
@@ -395,32 +401,6 @@ void fail_with_first(Comm& comm, const std::vector<std::string>& errors, const c
     if (!errors[r].empty()) fail_relayed(comm, errors[r], what, r, "failed");
 }
 
-/// A shard file (of any rank) of a world size other than `world` next to `path` ("" if none).
-inline std::string other_world_shard(const std::string& path, int world) {
-  const std::string dir = parent_dir(path);
-  const std::size_t slash = path.rfind('/');
-  const std::string prefix = path.substr(slash == std::string::npos ? 0 : slash + 1) + ".rank";
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) return {};
-  std::string found;
-  while (const dirent* e = ::readdir(d)) {
-    const std::string name = e->d_name;
-    if (name.rfind(prefix, 0) != 0) continue;
-    const std::string rest = name.substr(prefix.size());  // "R-of-N"
-    const std::size_t of = rest.find("-of-");
-    const auto digits = [](const std::string& t) {
-      return !t.empty() && t.find_first_not_of("0123456789") == std::string::npos;
-    };
-    if (of == std::string::npos || !digits(rest.substr(0, of)) || !digits(rest.substr(of + 4)) ||
-        rest.substr(of + 4) == std::to_string(world))
-      continue;
-    found = slash == std::string::npos ? name : concat(dir == "/" ? "" : dir, "/", name);
-    break;
-  }
-  ::closedir(d);
-  return found;
-}
-
 /// A load from `path` whose directory does not exist is a wrong path, not a fresh start:
 /// Errc::invalid_argument naming it (the save at the end of the first epoch would fail anyway).
 inline void check_directory(const std::string& path, const char* what) {
@@ -475,137 +455,6 @@ template <class Comm>
                          "could not load");
   broadcast_object(comm, bytes, root);
   return Checkpoint::parse(bytes, path);
-}
-
-/// The file that rank `rank` of `world` saves and loads for sharded state: path.rankR-of-P.
-[[nodiscard]] inline std::string shard_path(const std::string& path, int rank, int world) {
-  return detail::concat(path, ".rank", rank, "-of-", world);
-}
-
-namespace detail {
-/// save_sharded_checkpoint, with `stamp` words after the rank, the world size and the save id in
-/// the "ddp.shard" section, and `extra` sections added.
-template <class Comm>
-std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::string& path,
-                               const std::vector<std::uint64_t>& stamp_extra,
-                               std::span<const Checkpoint::Section> extra) {
-  std::uint64_t id = 0;
-  if (comm.rank() == 0) {
-    std::random_device rd;
-    id = (static_cast<std::uint64_t>(rd()) << 32) ^ rd() ^
-         static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
-  }
-  broadcast_object(comm, id, 0);
-  std::vector<std::uint64_t> words{static_cast<std::uint64_t>(comm.rank()),
-                                   static_cast<std::uint64_t>(comm.size()), id};
-  words.insert(words.end(), stamp_extra.begin(), stamp_extra.end());
-  const std::string stamp = encode_object(words);
-  std::vector<Checkpoint::Section> sections(extra.begin(), extra.end());
-  sections.emplace_back("ddp.shard", stamp);
-  const std::string target = shard_path(path, comm.rank(), comm.size());
-  std::string tmp, error;
-  try {
-    tmp = Checkpoint::stage_bytes(target, ck.serialize_with(sections));
-  } catch (const Error& e) {
-    error = error_text(e);
-  }
-  auto errors = comm.all_gather_object(error);
-  for (const auto& e : errors) {
-    if (!e.empty() && !tmp.empty()) {
-      Checkpoint::discard(tmp);
-      tmp.clear();
-    }
-  }
-  fail_with_first(comm, errors, "save_sharded_checkpoint");
-  try {
-    Checkpoint::commit(tmp, target);
-  } catch (const Error& e) {
-    error = error_text(e);
-  }
-  errors = comm.all_gather_object(error);
-  fail_with_first(comm, errors, "save_sharded_checkpoint");
-  return id;
-}
-}  // namespace detail
-
-/// Collective: every rank saves its own `ck` (its shard of the optimizer state) to
-/// shard_path(path, rank, size). In two phases: every rank writes and flushes a temporary file;
-/// only when all have succeeded does each rename its file into place, so a failure anywhere (a
-/// full disk on one rank) leaves every earlier shard file as it was and fails on every rank with
-/// that rank's error. Each file records the rank, the world size and a save identifier (the
-/// same in every rank's file: shard_save_id) that load_sharded_checkpoint checks. Returns the
-/// identifier. (ShardedAverager::save also records the shard's layout and parameter values.)
-template <class Comm>
-std::uint64_t save_sharded_checkpoint(Comm& comm, const Checkpoint& ck, const std::string& path) {
-  return detail::save_shard_files(comm, ck, path, {}, {});
-}
-
-/// The save identifier of a shard file that load_sharded_checkpoint returned (the value
-/// save_sharded_checkpoint returned when it was saved), e.g. to match it to a checkpoint saved
-/// beside it.
-[[nodiscard]] inline std::uint64_t shard_save_id(const Checkpoint& shard) {
-  const auto stamp = shard.get_object<std::vector<std::uint64_t>>("ddp.shard");
-  if (stamp.size() < 3)
-    detail::fail(Errc::protocol, "Checkpoint: the ddp.shard section is damaged");
-  return stamp[2];
-}
-
-/// Collective: each rank loads and verifies its own shard_path(path, rank, size); std::nullopt
-/// on every rank when no rank has its file (a run that starts afresh). Fails on every rank when
-/// one rank's file is invalid (Errc::protocol or Errc::system, naming the rank), when some ranks
-/// have their file and others do not, or when the files come from different saves (a save cut
-/// short between the ranks' renames) or a different rank or world size (Errc::mismatch).
-template <class Comm>
-[[nodiscard]] std::optional<Checkpoint> load_sharded_checkpoint(Comm& comm,
-                                                                const std::string& path) {
-  const std::string mine = shard_path(path, comm.rank(), comm.size());
-  std::optional<Checkpoint> ck;
-  std::string error;
-  std::vector<std::uint64_t> stamp;  // rank, world, save id
-  try {
-    detail::check_directory(mine, "Checkpoint");
-    ck = Checkpoint::load(mine);
-    if (ck) {
-      if (!ck->contains("ddp.shard"))
-        detail::fail(Errc::mismatch, "Checkpoint: ", mine,
-                     " is not a shard file (it was not written by save_sharded_checkpoint)");
-      stamp = ck->get_object<std::vector<std::uint64_t>>("ddp.shard");
-      if (stamp.size() < 3 || stamp[0] != static_cast<std::uint64_t>(comm.rank()) ||
-          stamp[1] != static_cast<std::uint64_t>(comm.size()))
-        detail::fail(Errc::mismatch, "Checkpoint: ", mine, " was written by rank ",
-                     stamp.empty() ? 0 : stamp[0], " of ", stamp.size() < 2 ? 0 : stamp[1],
-                     " ranks; a shard resumes on its own rank with the same world size");
-    }
-  } catch (const Error& e) {
-    error = detail::error_text(e);
-  }
-  detail::fail_with_first(comm, comm.all_gather_object(error), "load_sharded_checkpoint");
-  const auto ids = comm.all_gather_object(ck ? std::optional<std::uint64_t>(stamp[2])
-                                             : std::optional<std::uint64_t>());
-  std::optional<std::size_t> with, without;
-  for (std::size_t r = 0; r < ids.size(); ++r) (ids[r] ? with : without) = r;
-  if (!with) {  // a fresh start, unless shard files of another world size are there
-    std::string other = comm.rank() == 0 ? detail::other_world_shard(path, comm.size()) : "";
-    broadcast_object(comm, other, 0);
-    if (other.empty()) return std::nullopt;
-    detail::fail(Errc::mismatch, "rank ", comm.rank(),
-                 ": load_sharded_checkpoint: there is no "
-                 "shard file for ",
-                 comm.size(), " ranks (", mine, ") but there is ", other,
-                 ": sharded state resumes on the world size that saved it");
-  }
-  if (without)
-    detail::fail(Errc::mismatch, "rank ", comm.rank(), ": load_sharded_checkpoint: rank ", *with,
-                 " has its shard file but rank ", *without, " has none (",
-                 shard_path(path, static_cast<int>(*without), comm.size()),
-                 "): the checkpoint is incomplete, or was saved with another world size");
-  for (std::size_t r = 1; r < ids.size(); ++r) {
-    if (*ids[r] != *ids[0])
-      detail::fail(Errc::mismatch, "rank ", comm.rank(), ": load_sharded_checkpoint: rank ", r,
-                   "'s shard file comes from a different save than rank 0's (a save was cut "
-                   "short); resume from a complete checkpoint");
-  }
-  return ck;
 }
 
 DDP_END_NAMESPACE

@@ -43,6 +43,7 @@
 #include "ddp/objects.hpp"
 #include "ddp/options.hpp"
 #include "ddp/sharded.hpp"
+#include "ddp/sharded_checkpoint.hpp"
 #include "ddp/spawn.hpp"
 #include "ddp/store/client.hpp"
 #include "ddp/store/protocol.hpp"

@@ -44,9 +44,9 @@
 /// With a framework whose backward adds into the gradients, zero_grad() the whole model after a
 /// step (TorchShard::step does): an optimizer on the shard zeroes only the shard's.
 
-#include "ddp/checkpoint.hpp"
 #include "ddp/communicator.hpp"
 #include "ddp/config.hpp"
+#include "ddp/sharded_checkpoint.hpp"
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif

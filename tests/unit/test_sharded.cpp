@@ -1,6 +1,6 @@
-#include <ddp/checkpoint.hpp>
 #include <ddp/gradient.hpp>
 #include <ddp/sharded.hpp>
+#include <ddp/sharded_checkpoint.hpp>
 
 #include <doctest/doctest.h>
 
@@ -365,55 +365,57 @@ TEST_CASE("sharded: shard files from another world size, an interrupted save, a 
     const auto id = ddp::save_sharded_checkpoint(comm, ck, path);
     const auto back = ddp::load_sharded_checkpoint(comm, path);
     MP_EXPECT(back && back->get_object<int>("rank") == comm.rank(), "each rank its own shard");
-    // A save that fails on one rank while writing (its temporary file's place is taken) fails
-    // on every rank and leaves every shard file as it was.
-    const std::string blocker = ddp::shard_path(path, 1, 2) + ".tmp." + std::to_string(::getpid());
-    if (comm.rank() == 1) std::filesystem::create_directory(blocker);
+    // A save that fails on one rank (a directory lies where its new file goes) fails on every
+    // rank with that rank's error and leaves every rank's previous file as it was: no new
+    // generation anywhere, no temporary file.
+    const std::string mine = ddp::shard_path(path, comm.rank(), 2);
+    if (comm.rank() == 1) std::filesystem::create_directory(mine + ".2");
     ck.put_object("rank", 100 + comm.rank());
-    expect(comm, ddp::Errc::system, "save_sharded_checkpoint: rank 1 failed",
+    expect(comm, ddp::Errc::invalid_argument, "save_sharded_checkpoint: rank 1 failed",
            [&] { (void)ddp::save_sharded_checkpoint(comm, ck, path); });
-    if (comm.rank() == 1) std::filesystem::remove(blocker);
+    if (comm.rank() == 1) std::filesystem::remove(mine + ".2");
     const auto same = ddp::load_sharded_checkpoint(comm, path);
     MP_EXPECT(same && same->get_object<int>("rank") == comm.rank(), "the old shards survive");
-    MP_EXPECT(same->get_object<std::vector<std::uint64_t>>("ddp.shard")[2] == id, "save id");
+    MP_EXPECT(ddp::shard_save_id(*same) == id, "save id");
     int leftovers = 0;
-    for (const auto& e : std::filesystem::directory_iterator(dir.path))
-      leftovers += e.path().string().find(".tmp.") != std::string::npos;
-    MP_EXPECT(leftovers == 0, leftovers << " temporary files left");
-    // A save cut short between the renames (rank 1's rename fails: its place is a directory):
-    // rank 0's file is new, rank 1's old; loading refuses the mixture on every rank.
-    comm.barrier();
-    if (comm.rank() == 0) {
-      std::filesystem::rename(ddp::shard_path(path, 1, 2), dir.file("keep"));
-      std::filesystem::create_directory(ddp::shard_path(path, 1, 2));
+    for (const auto& e : std::filesystem::directory_iterator(dir.path)) {
+      const std::string name = e.path().filename().string();
+      leftovers +=
+          name.find(".tmp.") != std::string::npos || name.find("of-2.2") != std::string::npos;
     }
+    MP_EXPECT(leftovers == 0, leftovers << " temporary or incomplete files left");
+    // A save cut short after rank 0's new generation was written (rank 1 died): the newest
+    // generation that every rank has is loaded.
     comm.barrier();
-    expect(comm, ddp::Errc::system, "save_sharded_checkpoint: rank 1 failed",
-           [&] { (void)ddp::save_sharded_checkpoint(comm, ck, path); });
-    if (comm.rank() == 0) {
-      std::filesystem::remove(ddp::shard_path(path, 1, 2));
-      std::filesystem::rename(dir.file("keep"), ddp::shard_path(path, 1, 2));
-    }
+    if (comm.rank() == 0) std::filesystem::copy_file(mine + ".1", mine + ".7");
     comm.barrier();
-    expect(comm, ddp::Errc::mismatch, "comes from a different save",
-           [&] { (void)ddp::load_sharded_checkpoint(comm, path); });
-    // One rank's file missing.
-    if (comm.rank() == 1) std::filesystem::remove(ddp::shard_path(path, 1, 2));
+    const auto recovered = ddp::load_sharded_checkpoint(comm, path);
+    MP_EXPECT(recovered && recovered->get_object<int>("rank") == comm.rank(), "generation 1");
     comm.barrier();
-    expect(comm, ddp::Errc::mismatch, "rank 0 has its shard file but rank 1 has none",
-           [&] { (void)ddp::load_sharded_checkpoint(comm, path); });
+    if (comm.rank() == 0) std::filesystem::remove(mine + ".7");
     // A damaged file on rank 0.
-    if (comm.rank() == 0) mp::TempDir::write(ddp::shard_path(path, 0, 2), "garbage, not a shard");
+    if (comm.rank() == 0) mp::TempDir::write(mine + ".1", "garbage, not a shard");
     comm.barrier();
     expect(comm, ddp::Errc::protocol, "load_sharded_checkpoint: rank 0 failed",
            [&] { (void)ddp::load_sharded_checkpoint(comm, path); });
-    // Another rank's file in this rank's place.
+    // Another rank's file in this rank's place (a save makes generation 2 of both).
     (void)ddp::save_sharded_checkpoint(comm, ck, path);
     if (comm.rank() == 0)
-      std::filesystem::copy_file(ddp::shard_path(path, 1, 2), ddp::shard_path(path, 0, 2),
+      std::filesystem::copy_file(ddp::shard_path(path, 1, 2) + ".2", mine + ".2",
                                  std::filesystem::copy_options::overwrite_existing);
     comm.barrier();
     expect(comm, ddp::Errc::mismatch, "was written by rank 1 of 2 ranks",
+           [&] { (void)ddp::load_sharded_checkpoint(comm, path); });
+    // The ranks have no generation in common.
+    (void)ddp::save_sharded_checkpoint(comm, ck, path);  // generation 3
+    if (comm.rank() == 1) std::filesystem::rename(mine + ".3", mine + ".50");
+    comm.barrier();
+    expect(comm, ddp::Errc::mismatch, "the ranks have no save in common (rank 0 has generation 3",
+           [&] { (void)ddp::load_sharded_checkpoint(comm, path); });
+    // One rank's files missing.
+    if (comm.rank() == 1) std::filesystem::remove(mine + ".50");
+    comm.barrier();
+    expect(comm, ddp::Errc::mismatch, "rank 0 has its shard file but rank 1 has none",
            [&] { (void)ddp::load_sharded_checkpoint(comm, path); });
   });
   // ShardedAverager::load refuses a set of another layout (other options), and one saved

@@ -783,7 +783,7 @@ TEST_CASE("training: checkpoints are written atomically and refused when foreign
   refused(good + "x", "checksum does not match");
   // A save that cannot complete leaves the old file as it was and no temporary file behind.
   ::mkdir(dir.file("taken").c_str(), 0755);
-  CHECK_THROWS_WITH_AS(ck.save(dir.file("taken")), doctest::Contains("cannot rename"), ddp::Error);
+  CHECK_THROWS_WITH_AS(ck.save(dir.file("taken")), doctest::Contains("is a directory"), ddp::Error);
   CHECK_THROWS_WITH_AS(ck.save(dir.file("no/such/dir/a.ckpt")), doctest::Contains("cannot create"),
                        ddp::Error);
   ck.put_object("name", std::string("run 8"));

@@ -1,0 +1,252 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// Files that a crash, a full disk or a hostile directory cannot corrupt, for checkpoints:
+///  * StagedFile: a temporary file next to its target, created exclusively under an
+///    unpredictable name (never through a link someone planted), locked while in use, flushed,
+///    then renamed into place; removed when anything fails;
+///  * remove_abandoned(): the temporaries of processes that were killed mid-save, found by their
+///    lock and their process id, removed by the next save;
+///  * non_regular(): what a path is when it is not a regular file (a link, a FIFO, a directory),
+///    without following links and without opening it (opening a FIFO blocks);
+///  * numbered(): the files "<stem>.<number>" of a directory (checkpoint generations).
+
+#include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+#include "ddp/detail/string.hpp"
+#include "ddp/error.hpp"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// The directory `path` is in: "." for a bare name, "/" for a file in the root.
+inline std::string parent_dir(const std::string& path) {
+  const std::size_t slash = path.rfind('/');
+  return slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+}
+
+/// The last component of `path`.
+inline std::string base_name(const std::string& path) {
+  const std::size_t slash = path.rfind('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+/// What a file of mode `m` is, for messages; nullptr for a regular file.
+inline const char* file_kind(mode_t m) noexcept {
+  if (S_ISREG(m)) return nullptr;
+  if (S_ISLNK(m)) return "a symbolic link";
+  if (S_ISDIR(m)) return "a directory";
+  if (S_ISFIFO(m)) return "a FIFO";
+  if (S_ISSOCK(m)) return "a socket";
+  if (S_ISCHR(m) || S_ISBLK(m)) return "a device";
+  return "not a regular file";
+}
+
+/// What `path` is when something other than a regular file is there ("a symbolic link", "a
+/// FIFO", ...), not following a link and not opening it; nullptr for a regular file or nothing.
+inline const char* non_regular(const std::string& path) noexcept {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0)
+    return nullptr;  // nothing there (or unreachable: the
+                     // open or rename that follows says why)
+  return file_kind(st.st_mode);
+}
+
+/// Flushes directory `dir`, so that a rename or an unlink in it is on disk. Returns 0, or the
+/// errno of a failed flush (EIO); where directories cannot be flushed at all (EINVAL, EROFS) it
+/// counts as done.
+inline int sync_dir(const std::string& dir) noexcept {
+  const int d = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NONBLOCK | O_CLOEXEC);
+  if (d < 0) return 0;  // e.g. no read permission on the directory: nothing to flush through
+  const int rc = ::fsync(d);
+  const int err = rc == 0 ? 0 : errno;
+  ::close(d);
+  return err == EINVAL || err == EROFS || err == EBADF ? 0 : err;
+}
+
+/// The numbers N of the regular files "<base_name(stem)>.<N>" in stem's directory (decimal, no
+/// sign, no leading zeros), in no particular order. Fails with Errc::system when the directory
+/// cannot be read.
+inline std::vector<std::uint64_t> numbered(const std::string& stem) {
+  const std::string dir = parent_dir(stem);
+  const std::string prefix = base_name(stem) + ".";
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr)
+    fail(Errc::system, "cannot read the directory ", dir, ": ", std::strerror(errno));
+  std::vector<std::uint64_t> out;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string_view name = e->d_name;
+    if (name.size() <= prefix.size() || name.substr(0, prefix.size()) != prefix) continue;
+    const std::string_view digits = name.substr(prefix.size());
+    if (digits.size() > 18 || digits.find_first_not_of("0123456789") != std::string_view::npos ||
+        (digits.size() > 1 && digits[0] == '0'))
+      continue;
+    struct stat st {};
+    const std::string full = concat(dir, "/", name);
+    if (::lstat(full.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    std::uint64_t n = 0;
+    for (const char c : digits) n = n * 10 + static_cast<std::uint64_t>(c - '0');
+    out.push_back(n);
+  }
+  ::closedir(d);
+  return out;
+}
+
+/// Removes the temporaries "<family>.tmp.<pid>[.<anything>]" (StagedFile's, and the older
+/// "<path>.tmp.<pid>") that a process killed mid-save left behind: those whose process no longer
+/// exists on this host and that nobody holds locked. Best effort; never throws.
+inline void remove_abandoned(const std::string& family) noexcept {
+  const std::string dir = parent_dir(family);
+  const std::string prefix = base_name(family) + ".tmp.";
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return;
+  const int dfd = ::dirfd(d);
+  while (const dirent* e = ::readdir(d)) {
+    const std::string_view name = e->d_name;
+    if (name.size() <= prefix.size() || name.substr(0, prefix.size()) != prefix) continue;
+    std::string_view rest = name.substr(prefix.size());
+    const std::size_t dot = rest.find('.');
+    const std::string_view pid_text = rest.substr(0, dot);
+    if (pid_text.empty() || pid_text.size() > 9 ||
+        pid_text.find_first_not_of("0123456789") != std::string_view::npos)
+      continue;
+    long pid = 0;
+    for (const char c : pid_text) pid = pid * 10 + (c - '0');
+    if (pid <= 0 || ::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH)
+      continue;  // its process still runs here (or runs as another user): not abandoned
+    const int fd = ::openat(dfd, e->d_name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) continue;
+    struct stat st {};
+    const bool ours = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid();
+    if (ours && ::flock(fd, LOCK_EX | LOCK_NB) == 0) (void)::unlinkat(dfd, e->d_name, 0);
+    ::close(fd);
+  }
+  ::closedir(d);
+}
+
+/// A temporary file "<family>.tmp.<pid>.<16 hex digits>" in family's directory, created with
+/// O_EXCL | O_NOFOLLOW (a link or anything else planted under its name is never written through;
+/// a new name is drawn), locked (flock) while this object holds it, written and flushed by
+/// write(), renamed into place by commit(), and removed on destruction unless committed or
+/// released. Errors are Errc::system, "<what>: <action> <file>: <reason>".
+class StagedFile {
+ public:
+  StagedFile(const std::string& family, std::string what) : what_(std::move(what)) {
+    std::random_device rd;
+    for (int attempt = 0;; ++attempt) {
+      const std::uint64_t r = (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
+      char hex[17];
+      for (int i = 0; i < 16; ++i) hex[i] = "0123456789abcdef"[(r >> (4 * i)) & 15];
+      hex[16] = '\0';
+      name_ = concat(family, ".tmp.", ::getpid(), ".", hex);
+      fd_ = ::open(name_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+      if (fd_ >= 0) break;
+      if (errno != EEXIST || attempt == 16) {
+        const int err = errno;
+        name_.clear();
+        errno = err;
+        io_fail("cannot create a file next to ", family);
+      }
+    }
+    (void)::flock(fd_, LOCK_EX | LOCK_NB);  // new and exclusive: nobody else holds it
+  }
+  StagedFile(const StagedFile&) = delete;
+  StagedFile& operator=(const StagedFile&) = delete;
+  StagedFile(StagedFile&& o) noexcept
+      : what_(std::move(o.what_)),
+        name_(std::exchange(o.name_, {})),
+        fd_(std::exchange(o.fd_, -1)) {}
+  StagedFile& operator=(StagedFile&&) = delete;
+  ~StagedFile() { discard(); }
+
+  /// The temporary file's name.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+
+  /// Writes all of `bytes` and flushes them to disk; on failure the file is removed.
+  void write(std::string_view bytes) {
+    const char* p = bytes.data();
+    std::size_t left = bytes.size();
+    while (left > 0) {
+      const ssize_t n = ::write(fd_, p, left);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        failed(n < 0 ? errno : ENOSPC, "cannot write ", bytes.size(), " bytes to ", name_);
+      }
+      p += n;
+      left -= static_cast<std::size_t>(n);
+    }
+    if (::fsync(fd_) != 0) failed(errno, "cannot flush ", name_, " to disk");
+  }
+
+  /// Renames the file to `to` and flushes the directory, so that `to` is the new file in one
+  /// step. `to` must be a regular file or nothing (Errc::invalid_argument otherwise: a link is
+  /// not replaced, nor written through).
+  void commit(const std::string& to) {
+    if (const char* kind = non_regular(to)) {
+      discard();
+      fail(Errc::invalid_argument, what_, ": ", to, " is ", kind,
+           ", not a regular file: refusing to replace it; remove it, or choose another path");
+    }
+    if (::rename(name_.c_str(), to.c_str()) != 0)
+      failed(errno, "cannot rename ", name_, " to ", to);
+    const std::string from = std::exchange(name_, {});
+    ::close(std::exchange(fd_, -1));
+    if (const int err = sync_dir(parent_dir(to)); err != 0) {
+      errno = err;
+      io_fail("cannot flush the directory of ", to, " to disk");
+    }
+  }
+
+  /// Gives the file up without removing it (it is closed and unlocked); returns its name.
+  std::string release() noexcept {
+    if (fd_ >= 0) ::close(std::exchange(fd_, -1));
+    return std::exchange(name_, {});
+  }
+
+  /// Removes the file (when there is one).
+  void discard() noexcept {
+    if (!name_.empty()) ::unlink(name_.c_str());
+    name_.clear();
+    if (fd_ >= 0) ::close(std::exchange(fd_, -1));
+  }
+
+ private:
+  template <class... A>
+  [[noreturn]] void io_fail(const A&... a) const {
+    const int err = errno;
+    fail(Errc::system, what_, ": ", a..., ": ", std::strerror(err));
+  }
+  template <class... A>
+  [[noreturn]] void failed(int err, const A&... a) {
+    const std::string msg = concat(what_, ": ", a..., ": ", std::strerror(err));
+    discard();
+    fail(Errc::system, msg);
+  }
+
+  std::string what_;
+  std::string name_;
+  int fd_ = -1;
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE

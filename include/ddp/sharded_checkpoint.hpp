@@ -1,0 +1,286 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// Sharded checkpoints: every rank saves and loads its own file (its shard of the optimizer
+/// state, ShardedAverager's parameters), collectively, so that no rank writes the whole model.
+///
+///     ddp::save_sharded_checkpoint(comm, ck, "run.ckpt");   // run.ckpt.rank<R>-of-<P>.<G>
+///     if (auto ck = ddp::load_sharded_checkpoint(comm, "run.ckpt")) { ... }
+///
+/// Each save is a new generation G of the files; the older ones are removed only once every rank
+/// has its new file on disk, so a failure or a kill at any moment, on any rank, leaves a complete
+/// set to load: the newest generation that every rank has.
+
+#include "ddp/checkpoint.hpp"
+#include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+#include "ddp/detail/files.hpp"
+#include "ddp/detail/string.hpp"
+#include "ddp/error.hpp"
+#include "ddp/objects.hpp"
+
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+namespace detail {
+/// A shard file (of any rank) of a world size other than `world` next to `path` ("" if none).
+inline std::string other_world_shard(const std::string& path, int world) {
+  const std::string dir = parent_dir(path);
+  const std::size_t slash = path.rfind('/');
+  const std::string prefix = path.substr(slash == std::string::npos ? 0 : slash + 1) + ".rank";
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return {};
+  std::string found;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.rfind(prefix, 0) != 0) continue;
+    std::string rest = name.substr(prefix.size());  // "R-of-N.G" (or "R-of-N": older saves)
+    rest = rest.substr(0, rest.find('.'));
+    const std::size_t of = rest.find("-of-");
+    const auto digits = [](const std::string& t) {
+      return !t.empty() && t.find_first_not_of("0123456789") == std::string::npos;
+    };
+    if (of == std::string::npos || !digits(rest.substr(0, of)) || !digits(rest.substr(of + 4)) ||
+        rest.substr(of + 4) == std::to_string(world))
+      continue;
+    found = slash == std::string::npos ? name : concat(dir == "/" ? "" : dir, "/", name);
+    break;
+  }
+  ::closedir(d);
+  return found;
+}
+
+}  // namespace detail
+
+/// The name that rank `rank` of `world`'s shard files start with: path.rankR-of-P. Each save
+/// writes a new generation of them, path.rankR-of-P.G (G = 1, 2, ...), and removes the older
+/// generations only once the new one is complete on every rank.
+[[nodiscard]] inline std::string shard_path(const std::string& path, int rank, int world) {
+  return detail::concat(path, ".rank", rank, "-of-", world);
+}
+
+namespace detail {
+/// Generation `g` of the shard files that start with `stem` (0: the one file "<stem>" that saves
+/// before generations were numbered wrote).
+inline std::string shard_generation_path(const std::string& stem, std::uint64_t g) {
+  return g == 0 ? stem : concat(stem, ".", g);
+}
+/// The generations of `stem` in its directory, newest first (0 for an unnumbered "<stem>").
+inline std::vector<std::uint64_t> shard_generations(const std::string& stem) {
+  std::vector<std::uint64_t> gens = numbered(stem);
+  struct stat st {};
+  if (::lstat(stem.c_str(), &st) == 0 && S_ISREG(st.st_mode)) gens.push_back(0);
+  std::sort(gens.begin(), gens.end(), std::greater<>());
+  return gens;
+}
+/// The generations as text, for messages: "3 and 4", or "none".
+inline std::string generations_text(const std::vector<std::uint64_t>& gens) {
+  if (gens.empty()) return "none";
+  std::string out;
+  for (std::size_t i = gens.size(); i-- > 0;)
+    out += concat(out.empty() ? "" : i == 0 ? " and " : ", ", gens[i]);
+  return out;
+}
+
+/// save_sharded_checkpoint, with `stamp` words after the rank, the world size and the save id in
+/// the "ddp.shard" section, and `extra` sections added.
+///
+/// The protocol, on every rank: (1) agree on the new generation G, one past the newest any rank
+/// has; (2) write, flush and rename the shard into "<stem>.G" (a new name: nothing is replaced)
+/// and flush the directory; (3) gather every rank's outcome. When all succeeded, generation G is
+/// complete everywhere, and each rank removes its older generations; when a rank reported a
+/// failure, each rank removes its G file, and the previous generation is untouched. When the
+/// outcome cannot be gathered (a rank died), every file stays: load_sharded_checkpoint takes the
+/// newest generation complete on every rank, and the next successful save removes the rest.
+template <class Comm>
+std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::string& path,
+                               const std::vector<std::uint64_t>& stamp_extra,
+                               std::span<const Checkpoint::Section> extra) {
+  const std::string stem = shard_path(path, comm.rank(), comm.size());
+  std::string error;
+  std::uint64_t newest = 0;
+  try {
+    const auto gens = shard_generations(stem);
+    if (!gens.empty()) newest = gens.front();
+  } catch (const Error& e) {
+    error = error_text(e);
+  }
+  fail_with_first(comm, comm.all_gather_object(error), "save_sharded_checkpoint");
+  std::uint64_t generation = 0;
+  for (const std::uint64_t g : comm.all_gather_object(newest)) generation = std::max(generation, g);
+  ++generation;
+  std::uint64_t id = 0;
+  if (comm.rank() == 0) {
+    std::random_device rd;
+    id = (static_cast<std::uint64_t>(rd()) << 32) ^ rd() ^
+         static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  }
+  broadcast_object(comm, id, 0);
+  std::vector<std::uint64_t> words{static_cast<std::uint64_t>(comm.rank()),
+                                   static_cast<std::uint64_t>(comm.size()), id};
+  words.insert(words.end(), stamp_extra.begin(), stamp_extra.end());
+  const std::string stamp = encode_object(words);
+  std::vector<Checkpoint::Section> sections(extra.begin(), extra.end());
+  sections.emplace_back("ddp.shard", stamp);
+  const std::string target = shard_generation_path(stem, generation);
+  bool written = false;
+  try {
+    StagedFile f(stem, "Checkpoint");
+    f.write(ck.serialize_with(sections));
+    f.commit(target);  // a new name: nothing is replaced
+    written = true;
+  } catch (const Error& e) {
+    error = error_text(e);
+    if (::access(target.c_str(), F_OK) == 0) written = true;  // renamed, then the flush failed
+  }
+  const auto errors = comm.all_gather_object(error);  // a rank lost here: every file stays
+  bool complete = true;
+  for (const auto& e : errors) complete = complete && e.empty();
+  if (!complete) {
+    if (written) {  // generation G is incomplete: it goes, the previous one stays
+      ::unlink(target.c_str());
+      (void)sync_dir(parent_dir(target));
+    }
+    fail_with_first(comm, errors, "save_sharded_checkpoint");
+  }
+  // Generation G is on disk on every rank: the older ones are no longer needed.
+  for (const std::uint64_t g : shard_generations(stem)) {
+    if (g != generation) ::unlink(shard_generation_path(stem, g).c_str());
+  }
+  remove_abandoned(stem);
+  (void)sync_dir(parent_dir(stem));
+  return id;
+}
+}  // namespace detail
+
+/// Collective: every rank saves its own `ck` (its shard of the optimizer state) as a new
+/// generation of its shard files (shard_path(path, rank, size) + ".G"). Each rank writes,
+/// flushes and renames its file into a name of its own; only when every rank has succeeded are
+/// the older generations removed. A failure anywhere (a full disk on one rank, a rank killed at
+/// any moment) therefore leaves the previous complete set loadable: a rank that reports a
+/// failure makes every rank remove the new generation and fail with that rank's error; a rank
+/// that dies leaves the files as they are, and load_sharded_checkpoint takes the newest set
+/// that is complete on every rank. Each file records the rank, the world size and a save
+/// identifier (the same in every rank's file: shard_save_id) that load_sharded_checkpoint
+/// checks. Returns the identifier. (ShardedAverager::save also records the shard's layout and
+/// parameter values.) Ranks may save to one shared file system or each to its own disk.
+template <class Comm>
+std::uint64_t save_sharded_checkpoint(Comm& comm, const Checkpoint& ck, const std::string& path) {
+  return detail::save_shard_files(comm, ck, path, {}, {});
+}
+
+/// The save identifier of a shard file that load_sharded_checkpoint returned (the value
+/// save_sharded_checkpoint returned when it was saved), e.g. to match it to a checkpoint saved
+/// beside it.
+[[nodiscard]] inline std::uint64_t shard_save_id(const Checkpoint& shard) {
+  const auto stamp = shard.get_object<std::vector<std::uint64_t>>("ddp.shard");
+  if (stamp.size() < 3)
+    detail::fail(Errc::protocol, "Checkpoint: the ddp.shard section is damaged");
+  return stamp[2];
+}
+
+/// Collective: each rank loads and verifies its own shard file of the newest generation that
+/// every rank has (a save cut short leaves the one before it); std::nullopt on every rank when
+/// no rank has any (a run that starts afresh). Fails on every rank when one rank's file is
+/// invalid (Errc::protocol or Errc::system, naming the rank), when the ranks have no generation
+/// in common, or when the files come from different saves or a different rank or world size
+/// (Errc::mismatch).
+template <class Comm>
+[[nodiscard]] std::optional<Checkpoint> load_sharded_checkpoint(Comm& comm,
+                                                                const std::string& path) {
+  const std::string stem = shard_path(path, comm.rank(), comm.size());
+  std::string error;
+  std::vector<std::uint64_t> gens;
+  try {
+    detail::check_directory(stem, "Checkpoint");
+    gens = detail::shard_generations(stem);
+  } catch (const Error& e) {
+    error = detail::error_text(e);
+  }
+  detail::fail_with_first(comm, comm.all_gather_object(error), "load_sharded_checkpoint");
+  const auto all = comm.all_gather_object(gens);
+  std::optional<std::size_t> with, without;
+  for (std::size_t r = 0; r < all.size(); ++r) (all[r].empty() ? without : with) = r;
+  if (!with) {  // a fresh start, unless shard files of another world size are there
+    std::string other = comm.rank() == 0 ? detail::other_world_shard(path, comm.size()) : "";
+    broadcast_object(comm, other, 0);
+    if (other.empty()) return std::nullopt;
+    detail::fail(Errc::mismatch, "rank ", comm.rank(),
+                 ": load_sharded_checkpoint: there is no "
+                 "shard file for ",
+                 comm.size(), " ranks (", stem, ".*) but there is ", other,
+                 ": sharded state resumes on the world size that saved it");
+  }
+  if (without)
+    detail::fail(Errc::mismatch, "rank ", comm.rank(), ": load_sharded_checkpoint: rank ", *with,
+                 " has its shard file but rank ", *without, " has none (",
+                 shard_path(path, static_cast<int>(*without), comm.size()),
+                 ".*): the checkpoint is incomplete, or was saved with another world size");
+  std::optional<std::uint64_t> chosen;  // the newest generation every rank has
+  for (const std::uint64_t g : all[0]) {
+    bool everywhere = true;
+    for (const auto& r : all)
+      everywhere = everywhere && std::find(r.begin(), r.end(), g) != r.end();
+    if (everywhere) {
+      chosen = g;
+      break;
+    }
+  }
+  if (!chosen) {
+    std::size_t other = 1;
+    while (other + 1 < all.size() && all[other] == all[0]) ++other;
+    detail::fail(Errc::mismatch, "rank ", comm.rank(),
+                 ": load_sharded_checkpoint: the ranks have no save in common (rank 0 has "
+                 "generation ",
+                 detail::generations_text(all[0]), " of ", shard_path(path, 0, comm.size()),
+                 ", rank ", other, " has ", detail::generations_text(all[other]),
+                 "): the files come from different runs; resume from a complete checkpoint");
+  }
+  const std::string mine = detail::shard_generation_path(stem, *chosen);
+  std::optional<Checkpoint> ck;
+  std::vector<std::uint64_t> stamp;  // rank, world, save id[, the caller's words]
+  try {
+    ck = Checkpoint::load(mine);
+    if (!ck)
+      detail::fail(Errc::system, "Checkpoint: ", mine, " disappeared while it was being loaded");
+    if (!ck->contains("ddp.shard"))
+      detail::fail(Errc::mismatch, "Checkpoint: ", mine,
+                   " is not a shard file (it was not written by save_sharded_checkpoint)");
+    stamp = ck->get_object<std::vector<std::uint64_t>>("ddp.shard");
+    if (stamp.size() < 3 || stamp[0] != static_cast<std::uint64_t>(comm.rank()) ||
+        stamp[1] != static_cast<std::uint64_t>(comm.size()))
+      detail::fail(Errc::mismatch, "Checkpoint: ", mine, " was written by rank ",
+                   stamp.empty() ? 0 : stamp[0], " of ", stamp.size() < 2 ? 0 : stamp[1],
+                   " ranks; a shard resumes on its own rank with the same world size");
+  } catch (const Error& e) {
+    error = detail::error_text(e);
+  }
+  detail::fail_with_first(comm, comm.all_gather_object(error), "load_sharded_checkpoint");
+  const auto ids = comm.all_gather_object(stamp[2]);
+  for (std::size_t r = 1; r < ids.size(); ++r) {
+    if (ids[r] != ids[0])
+      detail::fail(Errc::mismatch, "rank ", comm.rank(), ": load_sharded_checkpoint: rank ", r,
+                   "'s shard file comes from a different save than rank 0's (generation ", *chosen,
+                   "); resume from a complete checkpoint");
+  }
+  return ck;
+}
+
+DDP_END_NAMESPACE
