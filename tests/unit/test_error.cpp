@@ -9,6 +9,7 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <unordered_map>
 #include <vector>
 
 TEST_CASE("Error carries its code and message") {
@@ -65,50 +66,51 @@ TEST_CASE("detail::fail_errno names the call and the OS error") {
   }
 }
 
-TEST_CASE("fingerprint_digest: a change in any one field changes the digest, never 0") {
+TEST_CASE("fingerprint_code: exact, never a hash: equal codes only for equal fields, else wide") {
   using ddp::detail::Fingerprint;
+  using ddp::detail::fingerprint_code;
+  using ddp::detail::fingerprint_wide;
   const Fingerprint base{
       7, 1000, -1, ddp::detail::Coll::all_reduce, ddp::DType::float32, ddp::ReduceOp::sum, 1};
-  const std::uint32_t d0 = ddp::detail::fingerprint_digest(base);
-  CHECK(d0 != 0);
-  CHECK(ddp::detail::fingerprint_digest(base) == d0);  // deterministic: every rank agrees
-  std::vector<Fingerprint> variants;
-  for (std::uint64_t k = 1; k <= 64; ++k) {  // neighbouring and far sequence numbers and counts
-    Fingerprint f = base;
-    f.seq = base.seq + k;
-    variants.push_back(f);
-    f = base;
-    f.count = base.count ^ (std::uint64_t{1} << (k - 1));
-    variants.push_back(f);
+  const std::uint64_t c0 = fingerprint_code(base, 6, true);
+  CHECK(c0 != 0);
+  CHECK(c0 != fingerprint_wide);
+  CHECK(c0 < (std::uint64_t{1} << 48));
+  CHECK(fingerprint_code(base, 6, true) == c0);                 // deterministic: every rank agrees
+  CHECK(fingerprint_code(base, 0, false) == fingerprint_wide);  // a first checked round
+  CHECK(fingerprint_code(base, 3, true) == fingerprint_wide);   // 4 collectives since the last
+  CHECK(fingerprint_code(base, 8, true) == fingerprint_wide);   // the last one is ahead of it
+  // Every pair of distinct fingerprints in the packed range gets distinct codes: all
+  // combinations of a few values of each field, with the same previous sequence number.
+  std::vector<Fingerprint> all;
+  for (std::uint64_t seq : {6u, 7u, 8u, 9u})
+    for (std::uint64_t count : {std::uint64_t{0}, std::uint64_t{1}, std::uint64_t{23},
+                                std::uint64_t{1758}, (std::uint64_t{1} << 28) - 1})
+      for (int root : {-1, 0, 1, 30})
+        for (auto c : {ddp::detail::Coll::all_reduce, ddp::detail::Coll::broadcast,
+                       ddp::detail::Coll::barrier, ddp::detail::Coll::recv})
+          for (auto t : {ddp::DType::int8, ddp::DType::float32, ddp::DType::uint16})
+            for (auto o : {ddp::ReduceOp::sum, ddp::ReduceOp::avg})
+              for (std::uint8_t has_op : {std::uint8_t{0}, std::uint8_t{1}})
+                all.push_back({seq, count, root, c, t, o, has_op});
+  std::unordered_map<std::uint64_t, std::size_t> seen;
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    const std::uint64_t code = fingerprint_code(all[i], 6, true);
+    REQUIRE(code != fingerprint_wide);
+    REQUIRE(code != 0);
+    const auto [it, fresh] = seen.emplace(code, i);
+    CAPTURE(ddp::detail::to_string(all[i]));
+    CAPTURE(ddp::detail::to_string(all[it->second]));
+    REQUIRE(fresh);
   }
-  for (int r = 0; r < 8; ++r) {
-    Fingerprint f = base;
-    f.root = r;
-    variants.push_back(f);
-  }
-  for (auto c :
-       {ddp::detail::Coll::broadcast, ddp::detail::Coll::reduce, ddp::detail::Coll::all_gather,
-        ddp::detail::Coll::reduce_scatter, ddp::detail::Coll::barrier}) {
-    Fingerprint f = base;
-    f.coll = c;
-    variants.push_back(f);
-  }
-  for (auto t : {ddp::DType::float64, ddp::DType::int32, ddp::DType::bfloat16}) {
-    Fingerprint f = base;
-    f.dtype = t;
-    variants.push_back(f);
-  }
-  for (auto o : {ddp::ReduceOp::max, ddp::ReduceOp::avg}) {
-    Fingerprint f = base;
-    f.op = o;
-    variants.push_back(f);
-  }
-  Fingerprint no_op = base;
-  no_op.has_op = 0;
-  variants.push_back(no_op);
-  for (const Fingerprint& f : variants) {
+  // What does not fit is wide (compared in full), never folded into a code another call has.
+  std::vector<Fingerprint> wide(4, base);
+  wide[0].count = std::uint64_t{1} << 28;
+  wide[1].root = 31;
+  wide[2].root = -2;
+  wide[3].seq = 10;
+  for (const Fingerprint& f : wide) {
     CAPTURE(ddp::detail::to_string(f));
-    CHECK(ddp::detail::fingerprint_digest(f) != d0);
-    CHECK(ddp::detail::fingerprint_digest(f) != 0);
+    CHECK(fingerprint_code(f, 6, true) == fingerprint_wide);
   }
 }

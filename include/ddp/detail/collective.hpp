@@ -103,20 +103,29 @@ struct Fingerprint {
 };
 static_assert(sizeof(Fingerprint) == 24);
 
-/// A 32-bit digest of a fingerprint, never 0: what the shared-memory transport publishes with the
-/// round number (the full fingerprint is compared only when digests differ). Each field is spread
-/// by its own odd multiplier and the high half of the sum is mixed into the low one, so
-/// fingerprints that differ in any one field differ in the digest except by a 2^-31 chance.
-[[nodiscard]] constexpr std::uint32_t fingerprint_digest(const Fingerprint& f) noexcept {
-  const std::uint64_t small =
-      static_cast<std::uint32_t>(f.root) | std::uint64_t{static_cast<std::uint8_t>(f.coll)} << 32 |
-      std::uint64_t{static_cast<std::uint8_t>(f.dtype)} << 40 |
-      std::uint64_t{static_cast<std::uint8_t>(f.op)} << 48 | std::uint64_t{f.has_op} << 56;
-  std::uint64_t x = f.seq * 0x9e3779b97f4a7c15ull ^ f.count * 0xc2b2ae3d27d4eb4full ^
-                    small * 0x165667b19e3779f9ull;
-  x ^= x >> 29;
-  x *= 0xbf58476d1ce4e5b9ull;
-  return static_cast<std::uint32_t>(x >> 32) | 1u;
+/// The shared-memory transport's short form of a fingerprint, published in 48 bits with the
+/// round number (see ShmTransport::round). It is exact, never a hash:
+///  * 0: the round has no fingerprint;
+///  * fingerprint_wide: a field does not fit; peers compare the full fingerprints;
+///  * otherwise every field packed into a bit range of its own, injectively: coll (4 bits),
+///    dtype (4), op (3), has_op (1), root + 1 (5), count (28), and the sequence number as its
+///    distance (0 to 3) from `prev_seq`, the one of this rank's previous checked round.
+/// Two equal codes therefore mean equal fingerprints whenever the two ranks' previous checked
+/// rounds had equal fingerprints, which the transport makes sure of (a rank's first checked
+/// round is always wide). `has_prev`: whether there was a previous checked round.
+inline constexpr std::uint64_t fingerprint_wide = std::uint64_t{1} << 47;
+[[nodiscard]] constexpr std::uint64_t fingerprint_code(const Fingerprint& f, std::uint64_t prev_seq,
+                                                       bool has_prev) noexcept {
+  const auto coll = static_cast<std::uint64_t>(f.coll);
+  const auto dtype = static_cast<std::uint64_t>(f.dtype);
+  const auto op = static_cast<std::uint64_t>(f.op);
+  const std::uint64_t root1 = static_cast<std::uint64_t>(static_cast<std::int64_t>(f.root) + 1);
+  const std::uint64_t delta = f.seq - prev_seq;
+  if (!has_prev || f.seq < prev_seq || delta > 3 || coll == 0 || coll > 15 || dtype > 15 ||
+      op > 7 || f.has_op > 1 || f.root < -1 || root1 > 31 || f.count >= (std::uint64_t{1} << 28))
+    return fingerprint_wide;
+  return coll | dtype << 4 | op << 8 | std::uint64_t{f.has_op} << 11 | root1 << 12 | delta << 17 |
+         f.count << 19;
 }
 
 [[nodiscard]] inline std::string to_string(const Fingerprint& f) {

@@ -9,16 +9,18 @@
 /// and opened by the others through rank 0's descriptor, so a crash at any moment leaves nothing
 /// in /dev/shm. It holds:
 ///  * a header: the abort word (the first failure, so peers fail fast) and the futex wake word;
-///  * per rank a control block: on its own cache line the round word (the round number and a
-///    32-bit digest of the collective's fingerprint), on another the two full fingerprints
-///    (indexed by round parity), which peers read only when the digests differ;
+///  * per rank a control block: on its own cache line the round word (the round number and the
+///    exact short form of the collective's fingerprint, detail::fingerprint_code), on another the
+///    two full fingerprints (indexed by round parity), which peers read only when the short forms
+///    cannot decide;
 ///  * per rank two data slots (double buffering by tick parity);
 ///  * per ordered pair a ring buffer for send/recv.
 ///
 /// A round: copy the bytes peers want into my slot[tick % 2], publish the round word, wait until
-/// every peer's round reaches mine, compare digests, hand out pointers into peers' slots. Double
-/// buffering needs no extra waits: a peer can only overwrite slot[t % 2] in round t + 2, which it
-/// cannot start before I publish round t + 1, which I do only after I am done reading round t.
+/// every peer's round reaches mine, compare fingerprints, hand out pointers into peers' slots.
+/// Double buffering needs no extra waits: a peer can only overwrite slot[t % 2] in round t + 2,
+/// which it cannot start before I publish round t + 1, which I do only after I am done reading
+/// round t.
 
 #include "ddp/backend/host/transport.hpp"
 #include "ddp/config.hpp"
@@ -52,7 +54,7 @@ DDP_BEGIN_NAMESPACE
 namespace detail {
 
 struct ShmLayout {
-  static constexpr std::uint64_t magic = 0x3230306d68737064ull;  // "dpshm002"
+  static constexpr std::uint64_t magic = 0x3330306d68737064ull;  // "dpshm003"
   static constexpr std::size_t header_bytes = 4096;
   static constexpr std::size_t ctl_bytes = 256;
   static constexpr std::size_t channel_ctl_bytes = 128;
@@ -100,11 +102,13 @@ struct ShmHeader {
 };
 static_assert(sizeof(ShmHeader) <= ShmLayout::header_bytes);
 
-/// One rank's control block. Peers spin on `word`: the low 32 bits are the round number (modulo
-/// 2^32; ranks are never more than one round apart, so wrapping is harmless), the high 32 bits a
-/// digest of the round's fingerprint (0: none). One store publishes both, so checking that all
-/// ranks called the same collective costs no extra cache-line transfer; the full fingerprints lie
-/// on a line of their own, written by the owner only, read by a peer only when digests differ.
+/// One rank's control block. Peers spin on `word`: the low 16 bits are the round number (modulo
+/// 2^16; ranks are never more than one round apart, so wrapping is harmless), the high 48 bits
+/// the round's detail::fingerprint_code (0: no fingerprint). One store publishes both, so checking
+/// that all ranks called the same collective costs no extra cache-line transfer in the common
+/// case; the full fingerprints (or, for a round without one, a marker no fingerprint equals) lie
+/// on a line of their own, written by the owner only, read by a peer only when the codes cannot
+/// decide: a code is wide, the codes differ, or the peer has already moved to the next round.
 struct ShmCtl {
   alignas(64) std::atomic<std::uint64_t> word;
   alignas(64) Fingerprint fp[2];
@@ -315,21 +319,32 @@ class ShmTransport final : public Transport {
       copied_to = std::max(copied_to, to);
     }
     ShmCtl* mine = ctl(rank_);
-    std::uint64_t digest = 0;
-    if (fp != nullptr && verify_fingerprints) {
-      mine->fp[parity] = *fp;
-      digest = fingerprint_digest(*fp);
+    std::uint64_t code = 0;
+    if (verify_fingerprints) {
+      if (fp != nullptr) {
+        mine->fp[parity] = *fp;
+        code = fingerprint_code(*fp, checked_seq_, checked_any_);
+        checked_seq_ = fp->seq;
+        checked_any_ = true;
+      } else {
+        mine->fp[parity] = no_fingerprint();
+      }
     }
-    mine->word.store(digest << 32 | static_cast<std::uint32_t>(t), std::memory_order_seq_cst);
+    mine->word.store(code << 16 | (t & 0xffffu), std::memory_order_seq_cst);
     header_->wake.notify();
 
     wait([&] { return all_reached(t); }, fp, [&] { return behind(t); });
 
-    if (digest != 0) {
+    if (code != 0) {
       for (int j = 0; j < size_; ++j) {
-        if (j == rank_ || seen_[static_cast<std::size_t>(j)] >> 32 == digest) continue;
-        // Digests differ, or the peer was already in round t + 1 (it cannot pass t + 1 before this
-        // rank publishes t + 1): its round-t fingerprint is in fp[parity] either way.
+        const std::uint64_t w = seen_[static_cast<std::size_t>(j)];
+        // Equal codes that are not wide, of this very round, mean equal fingerprints (see
+        // fingerprint_code; a rank with a fingerprint where its peer had none fails below, so
+        // both ranks' previous checked rounds were the same round, with equal fingerprints).
+        if (j == rank_ || (code != fingerprint_wide && w == (code << 16 | (t & 0xffffu)))) continue;
+        // A code is wide, the codes differ, or the peer was already in round t + 1 (it cannot
+        // pass t + 1 before this rank publishes t + 1): its round-t fingerprint, or the marker of
+        // a round without one, is in fp[parity] either way.
         const Fingerprint theirs = ctl(j)->fp[parity];
         if (!(theirs == *fp)) {
           const std::string msg = mismatch_message(*fp, j, theirs);
@@ -438,12 +453,20 @@ class ShmTransport final : public Transport {
     return segment_->base() + layout_.channel_offset(src, dst) + ShmLayout::channel_ctl_bytes;
   }
 
-  [[nodiscard]] static std::uint32_t round_of(std::uint64_t word) noexcept {
-    return static_cast<std::uint32_t>(word);
+  [[nodiscard]] static std::uint16_t round_of(std::uint64_t word) noexcept {
+    return static_cast<std::uint16_t>(word);
   }
-  /// Whether a round word is of round t or later (modulo 2^32: a peer is at most one round ahead).
+  /// Whether a round word is of round t or later (modulo 2^16: a peer is at most one round ahead).
   [[nodiscard]] static bool reached(std::uint64_t word, std::uint64_t t) noexcept {
-    return static_cast<std::int32_t>(round_of(word) - static_cast<std::uint32_t>(t)) >= 0;
+    return static_cast<std::int16_t>(
+               static_cast<std::uint16_t>(round_of(word) - static_cast<std::uint16_t>(t))) >= 0;
+  }
+  /// What fp[parity] holds for a round without a fingerprint: no collective's fingerprint (its
+  /// coll is not a collective), so a peer that has one in that round fails with a mismatch.
+  [[nodiscard]] static Fingerprint no_fingerprint() noexcept {
+    Fingerprint f;
+    f.coll = static_cast<Coll>(0);
+    return f;
   }
   [[nodiscard]] bool reached(int j, std::uint64_t t) const {
     return reached(ctl(j)->word.load(std::memory_order_acquire), t);
@@ -606,6 +629,8 @@ class ShmTransport final : public Transport {
   ProcessWatch watch_;
   bool oversubscribed_ = false;
   std::uint64_t tick_ = 0;
+  std::uint64_t checked_seq_ = 0;  // the sequence number of this rank's last checked round
+  bool checked_any_ = false;       // whether there was one (the first checked round is wide)
   std::vector<Range> wanted_;
   std::vector<const std::byte*> ptrs_;
   std::vector<std::uint64_t> seen_;  // the round words all_reached last saw

@@ -173,10 +173,13 @@ class Transport {
   /// "rank R: <what>: mismatched collectives: this rank called X but rank P called Y; ..."
   [[nodiscard]] std::string mismatch_message(const Fingerprint& mine, int peer,
                                              const Fingerprint& theirs) const {
+    const std::string what = theirs.coll == static_cast<Coll>(0)
+                                 ? std::string("was in a later round of another collective")
+                                 : concat("called ", to_string(theirs));
     return concat(
         "rank ", global(rank_), ": ", to_string(mine.coll),
         ": mismatched collectives: this rank called ", to_string(mine), " but rank ", global(peer),
-        " called ", to_string(theirs),
+        " ", what,
         "; every rank must call the same collectives, in the same order, with the same counts, "
         "dtypes, ops and roots");
   }
