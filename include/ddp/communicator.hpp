@@ -90,6 +90,7 @@ class Communicator {
     options = options.with_env(detail::EnvReader(), bad_setting);
     auto state = std::make_shared<State>();
     state->configure(options);
+    state->rendezvous_deadline = detail::Deadline::after(options.timeout).at;
     state->world_rank = env.rank;
     detail::BackendInit bi;
     bi.rank = env.rank;
@@ -125,6 +126,7 @@ class Communicator {
                              options.timeout, state->world_size);
       }
     });
+    state->end_rendezvous();
     return Communicator(std::move(state));
   }
 
@@ -159,11 +161,14 @@ class Communicator {
   void all_reduce(T&& buf, ReduceOp op = ReduceOp::sum) {
     exec_single(detail::Coll::all_reduce, arg(buf, "all_reduce", "buf"), op, 0);
   }
-  /// all_reduce(), run asynchronously: returns at once; the buffers must outlive the Work.
+  /// all_reduce(), run asynchronously: returns at once. The buffers must outlive the Work,
+  /// unless their type shares its storage (torch::Tensor: see ddp::tensor_traits), which the
+  /// Work keeps alive until the operation has finished.
   template <detail::tensor_output T>
   [[nodiscard]] Work all_reduce_async(T&& buf, ReduceOp op = ReduceOp::sum) {
     return submit(detail::prepare_single(detail::Coll::all_reduce, arg(buf, "all_reduce", "buf"),
-                                         op, 0, caller()));
+                                         op, 0, caller()),
+                  {}, hold(buf));
   }
 
   /// all_reduce of float32 values that travel and are reduced as W (ddp::half or ddp::bfloat16):
@@ -177,11 +182,13 @@ class Communicator {
   void all_reduce_as(T&& buf, ReduceOp op = ReduceOp::sum) {
     exec(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, dtype_of<W>));
   }
-  /// all_reduce_as(), run asynchronously: returns at once; the buffers must outlive the Work.
+  /// all_reduce_as(), run asynchronously: returns at once; the buffers must outlive the Work (see
+  /// all_reduce_async).
   template <class W, detail::tensor_output T>
     requires(std::is_same_v<W, half> || std::is_same_v<W, bfloat16>)
   [[nodiscard]] Work all_reduce_as_async(T&& buf, ReduceOp op = ReduceOp::sum) {
-    return submit(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, dtype_of<W>));
+    return submit(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, dtype_of<W>), {},
+                  hold(buf));
   }
 
   /// all_reduce of several buffers as one operation (torch's all_reduce_coalesced): one NCCL
@@ -198,7 +205,9 @@ class Communicator {
   [[nodiscard]] Work all_reduce_coalesced_async(R&& bufs, ReduceOp op = ReduceOp::sum) {
     auto b = args(bufs);
     const auto call = detail::prepare_all_reduce_coalesced(b, op, caller());
-    return submit(call, std::move(b));
+    Holds held;
+    for (auto&& t : bufs) hold_into(held, t);
+    return submit(call, std::move(b), std::move(held));
   }
 
   /// Copies root's `buf` to every rank.
@@ -206,11 +215,13 @@ class Communicator {
   void broadcast(T&& buf, int root = 0) {
     exec_single(detail::Coll::broadcast, arg(buf, "broadcast", "buf"), ReduceOp::sum, root);
   }
-  /// broadcast(), run asynchronously: returns at once; the buffers must outlive the Work.
+  /// broadcast(), run asynchronously: returns at once; the buffers must outlive the Work (see
+  /// all_reduce_async).
   template <detail::tensor_output T>
   [[nodiscard]] Work broadcast_async(T&& buf, int root = 0) {
     return submit(detail::prepare_single(detail::Coll::broadcast, arg(buf, "broadcast", "buf"),
-                                         ReduceOp::sum, root, caller()));
+                                         ReduceOp::sum, root, caller()),
+                  {}, hold(buf));
   }
 
   /// Reduces `buf` over all ranks into root's `buf`; the other ranks' buffers are unchanged.
@@ -218,11 +229,13 @@ class Communicator {
   void reduce(T&& buf, int root = 0, ReduceOp op = ReduceOp::sum) {
     exec_single(detail::Coll::reduce, arg(buf, "reduce", "buf"), op, root);
   }
-  /// reduce(), run asynchronously: returns at once; the buffers must outlive the Work.
+  /// reduce(), run asynchronously: returns at once; the buffers must outlive the Work (see
+  /// all_reduce_async).
   template <detail::tensor_output T>
   [[nodiscard]] Work reduce_async(T&& buf, int root = 0, ReduceOp op = ReduceOp::sum) {
-    return submit(detail::prepare_single(detail::Coll::reduce, arg(buf, "reduce", "buf"), op, root,
-                                         caller()));
+    return submit(
+        detail::prepare_single(detail::Coll::reduce, arg(buf, "reduce", "buf"), op, root, caller()),
+        {}, hold(buf));
   }
 
   /// out[r*n .. r*n+n) = rank r's `in` (n = in's size); out.size() == in.size() * size().
@@ -231,10 +244,11 @@ class Communicator {
   void all_gather(In&& in, Out&& out) {
     exec(prepare_gather(in, out, -1));
   }
-  /// all_gather(), run asynchronously: returns at once; the buffers must outlive the Work.
+  /// all_gather(), run asynchronously: returns at once; the buffers must outlive the Work (see
+  /// all_reduce_async).
   template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work all_gather_async(In&& in, Out&& out) {
-    return submit(prepare_gather(in, out, -1));
+    return submit(prepare_gather(in, out, -1), {}, hold(in, out));
   }
 
   /// Like all_gather, into root's `out` only (`out` is not used on the other ranks).
@@ -242,10 +256,11 @@ class Communicator {
   void gather(In&& in, Out&& out, int root = 0) {
     exec(prepare_gather(in, out, root));
   }
-  /// gather(), run asynchronously: returns at once; the buffers must outlive the Work.
+  /// gather(), run asynchronously: returns at once; the buffers must outlive the Work (see
+  /// all_reduce_async).
   template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work gather_async(In&& in, Out&& out, int root = 0) {
-    return submit(prepare_gather(in, out, root));
+    return submit(prepare_gather(in, out, root), {}, hold(in, out));
   }
 
   /// Rank r receives root's in[r*n .. r*n+n) into `out` (n = out's size; `in` used on root only).
@@ -253,10 +268,11 @@ class Communicator {
   void scatter(In&& in, Out&& out, int root = 0) {
     exec(prepare_scatter(in, out, root));
   }
-  /// scatter(), run asynchronously: returns at once; the buffers must outlive the Work.
+  /// scatter(), run asynchronously: returns at once; the buffers must outlive the Work (see
+  /// all_reduce_async).
   template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work scatter_async(In&& in, Out&& out, int root = 0) {
-    return submit(prepare_scatter(in, out, root));
+    return submit(prepare_scatter(in, out, root), {}, hold(in, out));
   }
 
   /// out = block r of the reduction of every rank's `in`; in.size() == out.size() * size().
@@ -265,11 +281,13 @@ class Communicator {
     exec(detail::prepare_reduce_scatter(arg(in, "reduce_scatter", "in"),
                                         arg(out, "reduce_scatter", "out"), op, caller()));
   }
-  /// reduce_scatter(), run asynchronously: returns at once; the buffers must outlive the Work.
+  /// reduce_scatter(), run asynchronously: returns at once; the buffers must outlive the Work (see
+  /// all_reduce_async).
   template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work reduce_scatter_async(In&& in, Out&& out, ReduceOp op = ReduceOp::sum) {
     return submit(detail::prepare_reduce_scatter(arg(in, "reduce_scatter", "in"),
-                                                 arg(out, "reduce_scatter", "out"), op, caller()));
+                                                 arg(out, "reduce_scatter", "out"), op, caller()),
+                  {}, hold(in, out));
   }
 
   /// Block j of `in` goes to rank j, which stores it as its block r of `out`.
@@ -278,11 +296,13 @@ class Communicator {
     exec(detail::prepare_all_to_all(arg(in, "all_to_all", "in"), arg(out, "all_to_all", "out"),
                                     caller()));
   }
-  /// all_to_all(), run asynchronously: returns at once; the buffers must outlive the Work.
+  /// all_to_all(), run asynchronously: returns at once; the buffers must outlive the Work (see
+  /// all_reduce_async).
   template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work all_to_all_async(In&& in, Out&& out) {
     return submit(detail::prepare_all_to_all(arg(in, "all_to_all", "in"),
-                                             arg(out, "all_to_all", "out"), caller()));
+                                             arg(out, "all_to_all", "out"), caller()),
+                  {}, hold(in, out));
   }
 
   /// Point-to-point. Between a pair, sends and receives match in issue order; the receiver checks
@@ -291,22 +311,26 @@ class Communicator {
   void send(T&& buf, int peer, int tag = 0) {
     exec(detail::prepare_p2p(detail::Coll::send, arg(buf, "send", "buf"), peer, tag, caller()));
   }
-  /// send(), run asynchronously: returns at once; the buffers must outlive the Work.
+  /// send(), run asynchronously: returns at once; the buffers must outlive the Work (see
+  /// all_reduce_async).
   template <detail::tensor_input T>
   [[nodiscard]] Work send_async(T&& buf, int peer, int tag = 0) {
     return submit(
-        detail::prepare_p2p(detail::Coll::send, arg(buf, "send", "buf"), peer, tag, caller()));
+        detail::prepare_p2p(detail::Coll::send, arg(buf, "send", "buf"), peer, tag, caller()), {},
+        hold(buf));
   }
   /// Receives into `buf` the next send() from `peer`; its tag, dtype and count must match.
   template <detail::tensor_output T>
   void recv(T&& buf, int peer, int tag = 0) {
     exec(detail::prepare_p2p(detail::Coll::recv, arg(buf, "recv", "buf"), peer, tag, caller()));
   }
-  /// recv(), run asynchronously: returns at once; the buffers must outlive the Work.
+  /// recv(), run asynchronously: returns at once; the buffers must outlive the Work (see
+  /// all_reduce_async).
   template <detail::tensor_output T>
   [[nodiscard]] Work recv_async(T&& buf, int peer, int tag = 0) {
     return submit(
-        detail::prepare_p2p(detail::Coll::recv, arg(buf, "recv", "buf"), peer, tag, caller()));
+        detail::prepare_p2p(detail::Coll::recv, arg(buf, "recv", "buf"), peer, tag, caller()), {},
+        hold(buf));
   }
 
   /// Returns once every rank has entered barrier().
@@ -540,9 +564,27 @@ class Communicator {
                  [&](Backend& be, State& st) { run_single(be, st, coll, b, op, root); });
   }
 
-  /// Asynchronous: the call runs on the worker; `many` keeps all_reduce_coalesced's buffers.
-  Work submit(detail::Call c, std::vector<detail::Buf> many = {}) {
-    auto s = state_;
+  /// Copies of the arguments whose type shares its storage (tensor_traits<T>::shares_storage,
+  /// e.g. torch::Tensor), which an asynchronous operation holds until it has finished: dropping
+  /// the last reference to such a tensor before wait() is allowed, as in torch.distributed.
+  using Holds = std::vector<std::shared_ptr<const void>>;
+  template <class T>
+  static void hold_into(Holds& h, const T& t) {
+    using U = std::remove_cvref_t<T>;
+    if constexpr (detail::shares_storage<U>) h.push_back(std::make_shared<const U>(t));
+  }
+  template <class... T>
+  static Holds hold(const T&... t) {
+    Holds h;
+    if constexpr ((detail::shares_storage<std::remove_cvref_t<T>> || ...)) (hold_into(h, t), ...);
+    return h;
+  }
+
+  /// Asynchronous: the call runs on the worker; `many` keeps all_reduce_coalesced's buffers,
+  /// `held` the tensors that share their storage. The operation refers to the communicator's
+  /// state by pointer: the state's destructor drains the queue before anything else goes.
+  Work submit(detail::Call c, std::vector<detail::Buf> many = {}, Holds held = {}) {
+    State* s = state_.get();
     same_process(c.name);
     if (s->poisoned.load(std::memory_order_acquire)) [[unlikely]] {  // fails on wait(), unrecorded
       auto failed = std::make_shared<detail::WorkState>();
@@ -556,11 +598,12 @@ class Communicator {
     return Work(s->executor->submit_recorded(
         [&] { return s->recorder.issue(c.name, c.bytes, TraceRecord::State::queued); },
         [&](std::uint64_t seq) {
-          return std::function<void()>([s, seq, c, many = std::move(many)]() mutable {
-            if (!many.empty()) c.many = many;
-            s->recorder.update(seq, TraceRecord::State::running);
-            run_guarded(*s, seq, c.name, [&](Backend& be, State& st) { dispatch(be, st, c); });
-          });
+          return std::function<void()>(
+              [s, seq, c, many = std::move(many), held = std::move(held)]() mutable {
+                if (!many.empty()) c.many = many;
+                s->recorder.update(seq, TraceRecord::State::running);
+                run_guarded(*s, seq, c.name, [&](Backend& be, State& st) { dispatch(be, st, c); });
+              });
         }));
   }
 

@@ -110,11 +110,18 @@ struct DynamicView {
 ///
 ///   template <> struct ddp::tensor_traits<MyTensor> {
 ///     static constexpr ddp::DeviceKind device_kind = ddp::DeviceKind::cuda;  // optional
+///     static constexpr bool shares_storage = true;                         // optional
 ///     static ddp::TensorView<float> view(MyTensor& t) {
 ///       return {t.ptr(), t.numel(), ddp::Device::cuda(t.device()), t.stream()};
 ///     }
 ///     static ddp::TensorView<const float> view(const MyTensor& t) { ... }  // optional
 ///   };
+///
+/// `shares_storage`: a copy of the tensor refers to the same memory and keeps it alive (a
+/// reference-counted handle, like torch::Tensor). The Work of an _async collective then holds a
+/// copy until the operation has finished, so the caller may drop its own before wait(). Types
+/// without it (std::vector, std::array, spans, ddp::CudaBuffer, TensorView, DynamicView) are used
+/// in place: they must outlive the Work.
 template <class T>
 struct tensor_traits {};
 
@@ -127,6 +134,13 @@ struct tensor_traits<TensorView<T>> {
 };
 
 namespace detail {
+
+/// Whether T's traits say that a copy of a T shares (and keeps alive) its storage.
+template <class T>
+concept shares_storage = requires {
+  requires tensor_traits<T>::shares_storage == true;
+}
+&&std::is_copy_constructible_v<T>;
 
 template <class T>
 inline constexpr bool is_tensor_view_v = false;

@@ -7,7 +7,9 @@
 
 #include "collective_cases.hpp"
 
+#include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -96,6 +98,44 @@ TEST_CASE("torch::Tensor: tensors torch owns, every op, and the result seen by t
     comm.all_reduce_coalesced(many);
     for (const auto& t : many) MP_EXPECT(torch::all(t == p).item<bool>(), t);
   });
+}
+
+TEST_CASE("torch::Tensor: an async collective keeps a tensor alive that its caller dropped") {
+  for (const mp::Path& t : {mp::Path(ddp::HostTransport::shm), mp::Path(ddp::HostTransport::tcp)}) {
+    CAPTURE(mp::name(t));
+    mp::run(2, t, [](Comm& comm) {
+      torch::set_num_threads(1);
+      // 1 KiB (reused by the allocator at once) and 4 MiB (returned to the kernel): the caller
+      // drops its tensors while the operations wait for rank 1, then makes new ones of the same
+      // sizes that must not be touched.
+      for (const std::int64_t n : {std::int64_t{256}, std::int64_t{1} << 20}) {
+        if (comm.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        std::vector<ddp::Work> works;
+        {
+          auto a = torch::full({n}, static_cast<float>(comm.rank() + 1));
+          auto b = torch::full({n}, 5.0f);
+          auto gathered = torch::zeros({2 * n});
+          works.push_back(comm.all_reduce_async(a));
+          works.push_back(comm.broadcast_async(b, 1));
+          works.push_back(comm.all_gather_async(a, gathered));
+          std::vector<torch::Tensor> many{torch::ones({n}), torch::ones({n})};
+          works.push_back(comm.all_reduce_coalesced_async(many));
+        }  // every tensor given to the operations is dropped here
+        std::vector<torch::Tensor> fresh;
+        for (int i = 0; i < 6; ++i) fresh.push_back(torch::full({n}, 7.0f));
+        for (auto& w : works) w.wait();
+        for (const auto& f : fresh) {
+          MP_EXPECT(f.eq(7.0f).all().item<bool>(),
+                    "a live tensor was overwritten (n = " << n << ")");
+        }
+      }
+      // The result reaches whoever still holds the tensor.
+      auto kept = torch::full({1000}, static_cast<float>(comm.rank() + 1));
+      auto w = comm.all_reduce_async(torch::Tensor(kept));  // the argument is a temporary
+      w.wait();
+      MP_EXPECT(kept.eq(3.0f).all().item<bool>(), "the result did not reach the tensor");
+    });
+  }
 }
 
 TEST_CASE("torch::Tensor: what a collective refuses, before anything is sent") {
