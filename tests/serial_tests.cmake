@@ -10,6 +10,10 @@ foreach(_t IN ITEMS
     "a store out of file descriptors does not spin and recovers"
     "idle connections cannot lock ranks out of the store, and refusals are rate-limited"
     "store: a wait that times out names the missing keys and the client keeps working"
-    "store: connecting to nothing times out with a clear message")
+    "store: connecting to nothing times out with a clear message"
+    "a rank killed or stopped during the rendezvous: the others fail within one timeout"
+    "a rank with a wrong or missing token fails the rendezvous at once, on every rank"
+    "a rank out of file descriptors anywhere in init: every rank fails at once, named"
+    "a communicator destroyed with async work outstanding finishes it, then leaves")
   set_tests_properties("unit: ${_t}" PROPERTIES RUN_SERIAL TRUE)
 endforeach()

@@ -5,6 +5,7 @@
 // tests/launch/test_outsider.py.)
 #include "multiprocess.hpp"
 
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -329,4 +330,152 @@ TEST_CASE("rank 0 killed while setting up a large shared-memory segment leaves n
     CHECK(mp::ms_since(t0) < 15000);
   }
   CHECK(ddp_shm_names() == names_before);
+}
+
+namespace {
+/// Lowers this process's descriptor limit (soft and hard: nothing can raise it again) to 64 and
+/// fills the table, then frees `free` descriptors: the next `free` opens succeed, the one after
+/// fails with EMFILE.
+/// Returns the descriptors it opened (closed again to report the outcome).
+std::vector<int> leave_free_descriptors(int free) {
+  rlimit lim{64, 64};
+  ::setrlimit(RLIMIT_NOFILE, &lim);
+  std::vector<int> filled;
+  for (int fd; (fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0;) filled.push_back(fd);
+  for (int i = 0; i < free && !filled.empty(); ++i) {
+    ::close(filled.back());
+    filled.pop_back();
+  }
+  return filled;
+}
+}  // namespace
+
+TEST_CASE("a rank out of file descriptors anywhere in init: every rank fails at once, named") {
+  // The victim has 0, 1, 2, ... descriptors free when init starts, until init succeeds twice:
+  // every point of the rendezvous and the transport's set-up runs out in turn. With none free it
+  // cannot even reach the store: it fails at once, and the others time out naming it as missing.
+  for (const ddp::HostTransport t : {ddp::HostTransport::tcp, ddp::HostTransport::shm}) {
+    for (const int victim : {0, 1, 3}) {
+      int successes = 0;
+      for (int free = 0; free <= 24 && successes < 2; ++free) {
+        CAPTURE(t == ddp::HostTransport::tcp ? "tcp" : "shm");
+        CAPTURE(victim);
+        CAPTURE(free);
+        mp::TempDir dir;
+        ddp::SpawnOptions so;
+        so.stop_on_failure = false;
+        try {
+          ddp::spawn(
+              4,
+              [&](ddp::Environment env) {
+                ddp::Options o;
+                o.transport = t;
+                o.timeout = std::chrono::seconds(3);
+                std::vector<int> filled;
+                if (env.rank == victim) filled = leave_free_descriptors(free);
+                const auto t0 = std::chrono::steady_clock::now();
+                std::string outcome;
+                try {
+                  auto comm = Comm::init(env, o);
+                  std::vector<float> x(1000, 1.0f);
+                  comm.all_reduce(x);
+                  outcome = "ok";
+                } catch (const ddp::Error& e) {
+                  outcome = std::string(ddp::to_string(e.code())) + " " + e.what();
+                }
+                for (const int fd : filled) ::close(fd);
+                mp::TempDir::write(dir.file("rank" + std::to_string(env.rank)),
+                                   std::to_string(mp::ms_since(t0)) + " " + outcome);
+              },
+              so);
+        } catch (const ddp::Error&) {
+        }
+        int ok = 0;
+        for (int r = 0; r < 4; ++r) {
+          std::istringstream in(mp::TempDir::read(dir.file("rank" + std::to_string(r))));
+          long long ms = -1;
+          std::string code, message;
+          in >> ms >> code;
+          std::getline(in, message);
+          CAPTURE(r);
+          CAPTURE(code);
+          CAPTURE(message);
+          if (code == "ok") {
+            ++ok;
+            continue;
+          }
+          CHECK(ms >= 0);
+          if (free == 0 && r != victim) {  // it never joined
+            CHECK(code == "timeout");
+            CHECK(message.find("missing rank " + std::to_string(victim)) != std::string::npos);
+            continue;
+          }
+          CHECK(ms < 1500);  // at once, not at the 3 s timeout
+          CHECK(message.find("EMFILE") != std::string::npos);
+          CHECK(message.find("limit") != std::string::npos);
+          CHECK(message.find("rank " + std::to_string(victim)) != std::string::npos);
+        }
+        CHECK((ok == 0 || ok == 4));
+        if (ok == 4) ++successes;
+      }
+      CHECK(successes > 0);  // enough descriptors: it works
+    }
+  }
+}
+
+TEST_CASE("idle strangers on the store port cannot starve the store's host of descriptors") {
+  const int port = [] {
+    ddp::detail::Fd l = ddp::detail::listen_tcp("127.0.0.1", 0);
+    return ddp::detail::local_port(l.get());
+  }();
+  char tmpl[] = "/tmp/ddp-fds-XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl);
+  std::vector<pid_t> ranks;
+  for (int r = 0; r < 3; ++r) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      if (r == 0) {
+        rlimit lim{40, 40};  // the store's host: soft = hard, nothing can raise it
+        ::setrlimit(RLIMIT_NOFILE, &lim);
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(500));  // after the strangers
+      }
+      ddp::Environment env;
+      env.rank = r;
+      env.world_size = 3;
+      env.master_addr = "127.0.0.1";
+      env.master_port = port;
+      ddp::Options o;
+      o.transport = ddp::HostTransport::tcp;
+      o.timeout = std::chrono::seconds(20);
+      std::string outcome;
+      try {
+        auto comm = Comm::init(env, o);
+        std::vector<float> x(1000, 1.0f);
+        comm.all_reduce(x);
+        outcome = x[0] == 3.0f ? "ok" : "wrong result";
+      } catch (const ddp::Error& e) {
+        outcome = e.what();
+      }
+      mp::TempDir::write(dir + "/rank" + std::to_string(r), outcome);
+      ::_exit(0);
+    }
+    ranks.push_back(pid);
+  }
+  // 100 strangers connect to the store as soon as it listens and say nothing.
+  std::vector<int> idle;
+  for (int attempt = 0; attempt < 400 && idle.size() < 100; ++attempt) {
+    const int fd = raw_connect(port);
+    if (fd >= 0)
+      idle.push_back(fd);
+    else
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  for (const pid_t p : ranks) ::waitpid(p, nullptr, 0);
+  for (const int fd : idle) ::close(fd);
+  for (int r = 0; r < 3; ++r) {
+    CAPTURE(r);
+    CHECK(mp::TempDir::read(dir + "/rank" + std::to_string(r)) == "ok");
+  }
+  std::system(("rm -rf " + dir).c_str());
 }

@@ -30,6 +30,7 @@
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 #include "ddp/detail/collective.hpp"
+#include "ddp/detail/socket.hpp"
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
 #include "ddp/store/client.hpp"
@@ -65,7 +66,8 @@ struct BackendInit {
 };
 
 /// This machine's boot id: the same for every process of the machine, whatever namespaces or
-/// containers they run in ("" where the kernel does not say).
+/// containers they run in ("" where the kernel does not say). Out of file descriptors it fails
+/// (Errc::system, naming the limit) rather than return "", which would pass for another machine.
 [[nodiscard]] inline std::string machine_identity() {
   char boot[64] = {};
   std::size_t len = 0;
@@ -73,6 +75,8 @@ struct BackendInit {
     const ssize_t n = ::read(fd, boot, sizeof boot - 1);
     ::close(fd);
     len = n > 0 ? static_cast<std::size_t>(n) : 0;
+  } else {
+    fail_if_out_of_fds(errno, "cannot read this machine's boot id");
   }
   while (len > 0 && (boot[len - 1] == '\n' || boot[len - 1] == '\r')) --len;
   return std::string(boot, len);

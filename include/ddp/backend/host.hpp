@@ -44,6 +44,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -652,16 +653,35 @@ class Host {
     }
   }
 
-  /// Transport::why_left over the store's records (see record_leaving).
+  /// Transport::why_left over the store's records (see record_leaving), and the rendezvous's
+  /// failure ("failed"): a rank whose connections closed because it failed the rendezvous after
+  /// this rank had finished its own is reported with that failure.
   std::optional<detail::Transport::Left> why_left(const std::vector<int>& ranks,
                                                   std::chrono::milliseconds grace) {
+    if (!store_) return std::nullopt;
     const auto deadline = detail::Clock::now() + grace;
     try {
+      Store plain = store_->unwatched();
       for (;;) {
+        const std::string failed = "failed";
+        if (plain.check(std::span<const std::string>(&failed, 1))) {
+          const std::string rec = plain.get(failed);
+          detail::ByteReader r(rec, "rendezvous failure");
+          detail::Transport::Left left;
+          left.code = static_cast<Errc>(r.get<std::int32_t>());
+          left.message = r.str(rec.size());
+          constexpr std::string_view on = "the rendezvous failed on rank ";
+          if (std::string_view(left.message).starts_with(on)) {
+            left.rank = std::atoi(left.message.c_str() + on.size());
+            const std::size_t colon = left.message.find(": ");
+            if (colon != std::string::npos) left.message.erase(0, colon + 2);
+          }
+          if (left.rank >= 0) return left;
+        }
         for (int j : ranks) {
           const std::string key = detail::concat("left/", j);
-          if (!store_->check(std::span<const std::string>(&key, 1))) continue;
-          const std::string rec = store_->get(key);
+          if (!plain.check(std::span<const std::string>(&key, 1))) continue;
+          const std::string rec = plain.get(key);
           detail::ByteReader r(rec, "leaving record");
           detail::Transport::Left left;
           left.rank = j;
@@ -824,7 +844,9 @@ class Host {
     }
     Store& store = *init.store;
     store_ = init.store;
-    const auto deadline = detail::Deadline::after(o.timeout);
+    // The rendezvous has one timeout in all (the store view ends its calls by then).
+    const auto deadline =
+        detail::Deadline{std::min(detail::Deadline::after(o.timeout).at, store.deadline())};
     const HostTransport requested = requested_transport(o);
     const std::size_t segment_request = segment_bytes(o, 0);  // 0: the transport's default
 
@@ -936,11 +958,11 @@ class Host {
     for (detail::Transport* tr : {t_.get(), lt_.get(), xt_.get()}) {
       if (tr == nullptr) continue;
       tr->verify_fingerprints = o.verify_collectives;
-      if (hier_ != HostHierarchy::flat) {
-        tr->why_left = [this](const std::vector<int>& ranks, std::chrono::milliseconds grace) {
-          return why_left(ranks, grace);
-        };
-      }
+      // A rank that leaves says why in the store (the hierarchical path's record, or the
+      // rendezvous's failure when a rank fails it after others have finished theirs).
+      tr->why_left = [this](const std::vector<int>& ranks, std::chrono::milliseconds grace) {
+        return why_left(ranks, grace);
+      };
     }
   }
 
@@ -1061,7 +1083,7 @@ class Host {
     for (std::size_t j = 0; j < members.size(); ++j) {
       if (members[j] != rank_) watch.add(members[j], pids[j]);
     }
-    const auto deadline = detail::Clock::now() + timeout;
+    const auto deadline = std::min(detail::Clock::now() + timeout, store.deadline());
     for (;;) {
       const auto left =
           std::chrono::duration_cast<std::chrono::milliseconds>(deadline - detail::Clock::now());

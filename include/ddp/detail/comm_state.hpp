@@ -64,6 +64,8 @@ struct CommState {
   std::shared_ptr<Store> store;
   std::string prefix;
   std::unique_ptr<Executor> executor = std::make_unique<Executor>();
+  /// When the rendezvous must be done: Options::timeout after init() began.
+  Clock::time_point rendezvous_deadline = Clock::time_point::max();
   std::uint64_t splits = 0;
   mutable std::mutex poison_mutex;
   std::string poison;
@@ -86,12 +88,16 @@ struct CommState {
 
   /// Joins the rendezvous store of the job `env` describes: rank 0 hosts it (unless a launcher
   /// does: Options::external_store, DDP_STORE_HOSTED=1), every rank connects, works under this
-  /// communicator's prefix, watches the "failed" key and claims its rank. Returns that store.
+  /// communicator's prefix, watches the "failed" key and claims its rank. Returns that store,
+  /// whose calls all end by `rendezvous_deadline` until end_rendezvous().
   std::shared_ptr<Store> join_store(const Environment& env) {
+    const EnvReader launcher;  // what the launcher that hosts the store says
+    prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
     StoreOptions so;
     so.timeout = options.timeout;
     so.token = options.token;
-    const EnvReader launcher;  // what the launcher that hosts the store says
+    so.refusal_key = prefix + "failed";  // a wrong token fails this rendezvous at once
+    so.refusal_rank = env.rank;
     const int store_port = env.store_port != 0 ? env.store_port : env.master_port;
     const bool hosted = options.external_store || launcher.get("DDP_STORE_HOSTED") == "1";
     if (env.rank == 0 && !hosted) {
@@ -103,13 +109,26 @@ struct CommState {
              " (or a second process was started with RANK=0)");
       }
     }
-    prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
     root_store = std::make_shared<Store>(env.master_addr, store_port, so);
-    store = std::make_shared<Store>(root_store->prefixed(prefix).watching("failed"));
+    store = std::make_shared<Store>(
+        root_store->prefixed(prefix).watching("failed").with_deadline(rendezvous_deadline));
     world_size = env.world_size;
     claim_rank(*store, env.rank, options.group);
     joined = true;
+    // Should this process die before the rendezvous is over, the store tells the others at once.
+    store->set_on_close(
+        "failed", Store::stop_value(Errc::peer_lost,
+                                    concat("the rendezvous failed on rank ", env.rank,
+                                           ": its process closed its connection to the store (it "
+                                           "died or was killed) before the rendezvous was over")));
     return store;
+  }
+
+  /// The rendezvous succeeded: later store calls (split, leaving) get their own timeouts.
+  void end_rendezvous() {
+    if (!store) return;
+    *store = store->with_deadline(Clock::time_point::max());
+    store->clear_on_close();
   }
 
   /// Whether this is a fork() child's copy.
@@ -157,7 +176,11 @@ struct CommState {
         for (int r = 0; r < world_size; ++r) keys.push_back(concat("exit/", r));
         (void)plain.missing_after(keys, limit);
       } else if (server && !connected) {
-        linger_after_failed_rendezvous(plain, limit);
+        // Within the rendezvous's one timeout (and a moment for the others to read why).
+        const auto left =
+            std::chrono::ceil<std::chrono::milliseconds>(rendezvous_deadline - Clock::now());
+        linger_after_failed_rendezvous(plain,
+                                       std::clamp(left, std::chrono::milliseconds(250), limit));
       }
     } catch (...) {  // leaving anyway
     }

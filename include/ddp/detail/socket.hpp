@@ -105,6 +105,25 @@ inline void raise_fd_limit() noexcept {
   (void)::setrlimit(RLIMIT_NOFILE, &lim);
 }
 
+/// Fails with Errc::system when `err` says that descriptors ran out (EMFILE: this process's
+/// limit, whose values are named; ENFILE: the system's), saying `doing` and what to do; returns
+/// for any other errno. Out of descriptors nothing gets better by retrying until a timeout.
+inline void fail_if_out_of_fds(int err, std::string_view doing) {
+  if (err != EMFILE && err != ENFILE) return;
+  if (err == ENFILE)
+    fail(Errc::system, doing,
+         ": the system is out of file descriptors (ENFILE: the kernel's fs.file-max is reached); "
+         "close programs or raise fs.file-max");
+  rlimit lim{};
+  (void)::getrlimit(RLIMIT_NOFILE, &lim);
+  const auto text = [](rlim_t v) {
+    return v == RLIM_INFINITY ? std::string("unlimited") : std::to_string(v);
+  };
+  fail(Errc::system, doing, ": out of file descriptors (EMFILE: this process has ",
+       text(lim.rlim_cur), " open, its limit; hard limit ", text(lim.rlim_max),
+       "); raise the limit (ulimit -n, or LimitNOFILE in a service) or open fewer files");
+}
+
 inline void set_nodelay(int fd) {
   int one = 1;
   (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -164,6 +183,7 @@ class AddrInfo {
     Fd fd(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
     if (!fd) {
       last_errno = errno;
+      fail_if_out_of_fds(last_errno, concat("cannot listen on ", host_port(host, port)));
       continue;
     }
     int one = 1;
@@ -239,6 +259,8 @@ class AddrInfo {
       Fd fd(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
       if (!fd) {
         last_errno = errno;
+        fail_if_out_of_fds(last_errno,
+                           concat("cannot connect to ", what, " at ", host_port(host, port)));
         continue;
       }
       set_nonblocking(fd.get(), true);

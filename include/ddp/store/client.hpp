@@ -60,6 +60,17 @@ class Store {
     return s;
   }
 
+  /// A view whose calls all end by `deadline` (their timeouts are shortened to fit; an expired
+  /// deadline makes waits time out at once): the steps of a rendezvous share one timeout.
+  /// Clock::time_point::max() lifts it.
+  [[nodiscard]] Store with_deadline(detail::Clock::time_point deadline) const {
+    Store s(*this);
+    s.deadline_ = deadline;
+    return s;
+  }
+  /// The deadline of this view (see with_deadline()); Clock::time_point::max() when none.
+  [[nodiscard]] detail::Clock::time_point deadline() const noexcept { return deadline_; }
+
   /// The same view without the watched key (see watching()).
   [[nodiscard]] Store unwatched() const {
     Store s(*this);
@@ -113,6 +124,7 @@ class Store {
   [[nodiscard]] std::string get(std::string_view key) { return get(key, conn_->options.timeout); }
   /// The value of key, waiting up to `timeout` for it to appear (then Errc::timeout).
   [[nodiscard]] std::string get(std::string_view key, std::chrono::milliseconds timeout) {
+    timeout = capped(timeout);
     std::string req = header(Op::get);
     detail::ByteWriter w(req);
     w.str(full(key));
@@ -127,6 +139,7 @@ class Store {
   void wait(std::span<const std::string> keys) { wait(keys, conn_->options.timeout); }
   /// Waits up to `timeout` until every key exists; Errc::timeout names the ones still missing.
   void wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) {
+    timeout = capped(timeout);
     std::string req = header(Op::wait);
     detail::ByteWriter w(req);
     w.put(static_cast<std::uint32_t>(keys.size()));
@@ -170,6 +183,26 @@ class Store {
     auto body = call(req, "erase", key, conn_->options.timeout);
     detail::ByteReader r(body, "store reply");
     return r.get<std::uint8_t>() != 0;
+  }
+
+  /// When this process's connection to the store closes before clear_on_close() (it died, was
+  /// killed, or exited), the server sets `key` (under this view's prefix) to `value` unless the key
+  /// exists: a dead man's switch, with which a rendezvous learns at once of a rank that died.
+  /// One per connection; a later call replaces it.
+  void set_on_close(std::string_view key, std::string_view value) {
+    std::string req = header(Op::on_close);
+    detail::ByteWriter w(req);
+    w.str(full(key));
+    w.str(value);
+    (void)call(req, "set_on_close", key, conn_->options.timeout);
+  }
+  /// Cancels set_on_close().
+  void clear_on_close() {
+    std::string req = header(Op::on_close);
+    detail::ByteWriter w(req);
+    w.str(std::string_view{});
+    w.str(std::string_view{});
+    (void)call(req, "clear_on_close", {}, conn_->options.timeout);
   }
 
   /// Whether every key exists, without waiting.
@@ -297,6 +330,8 @@ class Store {
       w.put(sp::version);
       w.raw(client_nonce.data(), client_nonce.size());
       w.raw(mac.data(), mac.size());
+      w.put(static_cast<std::int32_t>(options.refusal_rank));
+      w.str(std::string_view(options.refusal_key).substr(0, sp::refusal_key_limit));
       io(sp::send_frame(fd.get(), auth, deadline), "handshake");
       io(sp::recv_frame(fd.get(), frame, sp::handshake_frame_limit, deadline,
                         "store handshake reply"),
@@ -330,6 +365,14 @@ class Store {
   };
 
   [[nodiscard]] std::string full(std::string_view key) const { return prefix_ + std::string(key); }
+
+  /// `timeout`, shortened to end by this view's deadline.
+  [[nodiscard]] std::chrono::milliseconds capped(std::chrono::milliseconds timeout) const {
+    if (deadline_ == detail::Clock::time_point::max()) return timeout;
+    const auto left =
+        std::chrono::ceil<std::chrono::milliseconds>(deadline_ - detail::Clock::now());
+    return std::clamp(left, std::chrono::milliseconds(0), timeout);
+  }
 
   std::string header(Op op) {
     std::string req;
@@ -409,6 +452,7 @@ class Store {
   std::shared_ptr<Connection> conn_;
   std::string prefix_;
   std::string stop_;  // full key that ends get/wait early (watching())
+  detail::Clock::time_point deadline_ = detail::Clock::time_point::max();  // with_deadline()
 };
 
 DDP_END_NAMESPACE

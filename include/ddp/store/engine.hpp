@@ -59,6 +59,8 @@ class StoreEngine {
     std::size_t out_sent = 0;
     bool close_after_write = false;  // close once `out` is sent
     bool closed = false;             // close now; pending output is discarded
+    std::string on_close_key;        // set to on_close_value (if absent) when the peer closes
+    std::string on_close_value;
   };
 
   /// Output a connection may have pending before the server stops reading its requests (a
@@ -161,6 +163,9 @@ class StoreEngine {
     if (!s->authed && s->in.empty() && !s->close_after_write)
       refuse(s->peer, "connected and closed without a handshake");
     s->closed = true;
+    if (s->authed && !s->on_close_key.empty() && data_.count(s->on_close_key) == 0 &&
+        store_value(s->on_close_key, std::move(s->on_close_value)))
+      wake_waiters();
   }
 
   /// Answers the waits whose deadline passed (Status::timeout with the missing keys) and drops
@@ -264,6 +269,19 @@ class StoreEngine {
     }
   }
 
+  /// A client whose token was wrong said which rendezvous it meant to join: its ranks fail at
+  /// once, told why (the key is set only when absent, to the server's own message).
+  void publish_refusal(const std::string& peer, std::int32_t rank, const std::string& key) {
+    if (key.empty() || data_.count(key) != 0) return;
+    std::string v;
+    ByteWriter w(v);
+    w.put(static_cast<std::int32_t>(Errc::unauthorized));
+    w.str(concat("the rendezvous failed ", rank >= 0 ? concat("on rank ", rank, ": ") : ": ",
+                 "the store refused its connection from ", peer,
+                 ": its token is wrong or missing; every rank must have the same DDP_TOKEN"));
+    if (store_value(key, std::move(v))) wake_waiters();
+  }
+
   void drop(Session& s, std::string_view why) {
     refuse(s.peer, why);
     s.closed = true;
@@ -327,6 +345,12 @@ class StoreEngine {
     r.raw(client_nonce.data(), client_nonce.size());
     Digest mac{};
     r.raw(mac.data(), mac.size());
+    std::int32_t claimed_rank = -1;
+    std::string refusal_key;  // optional: where a refusal of this client is published
+    if (r.left() != 0) {
+      claimed_rank = r.get<std::int32_t>();
+      refusal_key = r.str(sp::refusal_key_limit);
+    }
     r.expect_end();
     std::string reply;
     ByteWriter w(reply);
@@ -345,6 +369,7 @@ class StoreEngine {
         queue_frame(s, reply);
         s.close_after_write = true;
         refuse(s.peer, "wrong or missing token (DDP_TOKEN)");
+        publish_refusal(s.peer, claimed_rank, refusal_key);
         return;
       }
     }
@@ -460,6 +485,15 @@ class StoreEngine {
         }
         w.put(static_cast<std::uint8_t>(existed));
         reply(s, request, Status::ok, body);
+        return;
+      }
+      case Op::on_close: {
+        auto k = key();
+        auto v = r.str(options_.max_value_bytes);
+        r.expect_end();
+        s.on_close_key = std::move(k);
+        s.on_close_value = s.on_close_key.empty() ? std::string() : std::move(v);
+        reply(s, request, Status::ok);
         return;
       }
       case Op::check: {

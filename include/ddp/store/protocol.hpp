@@ -44,6 +44,14 @@ struct StoreOptions {
   /// A connection that has not finished the handshake by then is dropped (slow or stray clients;
   /// a real client sends its handshake as soon as the hello arrives).
   std::chrono::milliseconds handshake_timeout{std::chrono::seconds(3)};
+  /// Client: a key (the full key, prefix included) that the server sets, when it refuses this
+  /// client's token, to a stop value (Store::stop_value, Errc::unauthorized) naming the refusal
+  /// and `refusal_rank`: a rendezvous that watches that key fails at once on every rank instead
+  /// of waiting for a rank that can never join. Empty: none. The server sets it only when absent,
+  /// to a message of its own making.
+  std::string refusal_key;
+  /// Client: the rank this process claims, for the refusal's message (-1: none).
+  int refusal_rank = -1;
   /// Refusals logged per 10 s at most; the rest are counted in one summary line.
   std::size_t log_burst = 20;
   /// Where the server reports refused connections and malformed traffic; default: stderr.
@@ -54,9 +62,11 @@ struct StoreOptions {
 namespace detail::store_proto {
 
 inline constexpr std::uint32_t magic = 0x53504444;  // "DDPS"
-inline constexpr std::uint16_t version = 2;
+inline constexpr std::uint16_t version = 3;
 inline constexpr std::size_t nonce_bytes = 16;
-inline constexpr std::size_t handshake_frame_limit = 256;
+inline constexpr std::size_t handshake_frame_limit = 512;
+/// The longest StoreOptions::refusal_key a handshake carries.
+inline constexpr std::size_t refusal_key_limit = 256;
 inline constexpr std::string_view client_label = "ddp-store-client-v1";
 inline constexpr std::string_view server_label = "ddp-store-server-v1";
 
@@ -67,7 +77,10 @@ enum class Op : std::uint8_t {
   add = 4,
   compare_set = 5,
   erase = 6,
-  check = 7
+  check = 7,
+  /// When this connection closes (the client's process died), set a key that is absent to a
+  /// value; an empty key cancels.
+  on_close = 8
 };
 /// stopped: a get/wait ended because its stop key appeared (the body holds that key's value).
 enum class Status : std::uint8_t { ok = 0, timeout = 1, error = 2, stopped = 3 };

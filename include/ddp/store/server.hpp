@@ -20,6 +20,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -53,8 +54,7 @@ class StoreServer {
   /// Serves on a socket that is already listening (a launcher binds it before it forks, so the
   /// port is known and no thread exists at fork time).
   StoreServer(detail::Fd listener, const std::string& host, StoreOptions options = {})
-      : engine_(with_default_log(std::move(options))), host_(host), listener_(std::move(listener)) {
-    detail::raise_fd_limit();
+      : engine_(prepared(std::move(options))), host_(host), listener_(std::move(listener)) {
     reserve_fd_ = detail::Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
     port_ = detail::local_port(listener_.get());
     detail::set_nonblocking(listener_.get(), true);
@@ -89,7 +89,19 @@ class StoreServer {
   using Clock = detail::Clock;
   using Session = detail::StoreEngine::Session;
 
-  static StoreOptions with_default_log(StoreOptions o) {
+  /// The options as served: the log defaults to stderr, and the connection budgets fit the
+  /// process's descriptor limit (raised to its hard limit first). The server shares that limit
+  /// with the rank that hosts it, which needs descriptors of its own (its sockets to the other
+  /// ranks, shared memory): connections that have not authenticated get at most an eighth of it,
+  /// all connections at most three quarters, so strangers can never starve the rank.
+  static StoreOptions prepared(StoreOptions o) {
+    detail::raise_fd_limit();
+    rlimit lim{};
+    if (::getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY) {
+      const auto n = static_cast<std::size_t>(lim.rlim_cur);
+      o.max_pending_handshakes = std::clamp<std::size_t>(n / 8, 1, o.max_pending_handshakes);
+      o.max_connections = std::clamp<std::size_t>(n * 3 / 4, 2, o.max_connections);
+    }
     if (!o.log) {
       o.log = [](std::string_view m) {
         std::fprintf(stderr, "[ddp store] %.*s\n", static_cast<int>(m.size()), m.data());

@@ -96,7 +96,13 @@ class TcpTransport final : public Transport {
              " to connect (tcp transport)");
       }
       Fd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
-      if (!fd) continue;
+      if (!fd) {
+        // Out of descriptors the listener stays readable: retrying would spin until the timeout.
+        fail_if_out_of_fds(errno, concat("rank ", rank,
+                                         ": cannot accept rank(s) above it (tcp "
+                                         "transport)"));
+        continue;
+      }
       set_nodelay(fd.get());
       std::array<std::byte, 4 + 16 + 4> hello{};
       // A stray connection gets a short window; it must not stall the mesh.
