@@ -1344,11 +1344,18 @@ struct DynamicView {
 ///
 ///   template <> struct ddp::tensor_traits<MyTensor> {
 ///     static constexpr ddp::DeviceKind device_kind = ddp::DeviceKind::cuda;  // optional
+///     static constexpr bool shares_storage = true;                         // optional
 ///     static ddp::TensorView<float> view(MyTensor& t) {
 ///       return {t.ptr(), t.numel(), ddp::Device::cuda(t.device()), t.stream()};
 ///     }
 ///     static ddp::TensorView<const float> view(const MyTensor& t) { ... }  // optional
 ///   };
+///
+/// `shares_storage`: a copy of the tensor refers to the same memory and keeps it alive (a
+/// reference-counted handle, like torch::Tensor). The Work of an _async collective then holds a
+/// copy until the operation has finished, so the caller may drop its own before wait(). Types
+/// without it (std::vector, std::array, spans, ddp::CudaBuffer, TensorView, DynamicView) are used
+/// in place: they must outlive the Work.
 template <class T>
 struct tensor_traits {};
 
@@ -1361,6 +1368,13 @@ struct tensor_traits<TensorView<T>> {
 };
 
 namespace detail {
+
+/// Whether T's traits say that a copy of a T shares (and keeps alive) its storage.
+template <class T>
+concept shares_storage = requires {
+  requires tensor_traits<T>::shares_storage == true;
+}
+&&std::is_copy_constructible_v<T>;
 
 template <class T>
 inline constexpr bool is_tensor_view_v = false;
@@ -1720,20 +1734,29 @@ struct Fingerprint {
 };
 static_assert(sizeof(Fingerprint) == 24);
 
-/// A 32-bit digest of a fingerprint, never 0: what the shared-memory transport publishes with the
-/// round number (the full fingerprint is compared only when digests differ). Each field is spread
-/// by its own odd multiplier and the high half of the sum is mixed into the low one, so
-/// fingerprints that differ in any one field differ in the digest except by a 2^-31 chance.
-[[nodiscard]] constexpr std::uint32_t fingerprint_digest(const Fingerprint& f) noexcept {
-  const std::uint64_t small =
-      static_cast<std::uint32_t>(f.root) | std::uint64_t{static_cast<std::uint8_t>(f.coll)} << 32 |
-      std::uint64_t{static_cast<std::uint8_t>(f.dtype)} << 40 |
-      std::uint64_t{static_cast<std::uint8_t>(f.op)} << 48 | std::uint64_t{f.has_op} << 56;
-  std::uint64_t x = f.seq * 0x9e3779b97f4a7c15ull ^ f.count * 0xc2b2ae3d27d4eb4full ^
-                    small * 0x165667b19e3779f9ull;
-  x ^= x >> 29;
-  x *= 0xbf58476d1ce4e5b9ull;
-  return static_cast<std::uint32_t>(x >> 32) | 1u;
+/// The shared-memory transport's short form of a fingerprint, published in 48 bits with the
+/// round number (see ShmTransport::round). It is exact, never a hash:
+///  * 0: the round has no fingerprint;
+///  * fingerprint_wide: a field does not fit; peers compare the full fingerprints;
+///  * otherwise every field packed into a bit range of its own, injectively: coll (4 bits),
+///    dtype (4), op (3), has_op (1), root + 1 (5), count (28), and the sequence number as its
+///    distance (0 to 3) from `prev_seq`, the one of this rank's previous checked round.
+/// Two equal codes therefore mean equal fingerprints whenever the two ranks' previous checked
+/// rounds had equal fingerprints, which the transport makes sure of (a rank's first checked
+/// round is always wide). `has_prev`: whether there was a previous checked round.
+inline constexpr std::uint64_t fingerprint_wide = std::uint64_t{1} << 47;
+[[nodiscard]] constexpr std::uint64_t fingerprint_code(const Fingerprint& f, std::uint64_t prev_seq,
+                                                       bool has_prev) noexcept {
+  const auto coll = static_cast<std::uint64_t>(f.coll);
+  const auto dtype = static_cast<std::uint64_t>(f.dtype);
+  const auto op = static_cast<std::uint64_t>(f.op);
+  const std::uint64_t root1 = static_cast<std::uint64_t>(static_cast<std::int64_t>(f.root) + 1);
+  const std::uint64_t delta = f.seq - prev_seq;
+  if (!has_prev || f.seq < prev_seq || delta > 3 || coll == 0 || coll > 15 || dtype > 15 ||
+      op > 7 || f.has_op > 1 || f.root < -1 || root1 > 31 || f.count >= (std::uint64_t{1} << 28))
+    return fingerprint_wide;
+  return coll | dtype << 4 | op << 8 | std::uint64_t{f.has_op} << 11 | root1 << 12 | delta << 17 |
+         f.count << 19;
 }
 
 [[nodiscard]] inline std::string to_string(const Fingerprint& f) {
@@ -1753,6 +1776,364 @@ struct Range {
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/detail/collective.hpp
+// begin ddp/detail/socket.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// POSIX sockets with deadlines: RAII descriptors, listen/connect/accept, and send/receive of
+/// whole buffers that never block past a deadline and survive EINTR.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+using Clock = std::chrono::steady_clock;
+
+/// A point in time after which a wait gives up.
+struct Deadline {
+  Clock::time_point at;
+
+  [[nodiscard]] static Deadline after(std::chrono::milliseconds d) {
+    // Saturate: "5 years" must not overflow the clock.
+    const auto now = Clock::now();
+    const auto max_wait = Clock::time_point::max() - now;
+    if (d >= std::chrono::duration_cast<std::chrono::milliseconds>(max_wait)) {
+      return {Clock::time_point::max()};
+    }
+    return {now + d};
+  }
+  [[nodiscard]] bool expired() const { return Clock::now() >= at; }
+  /// Milliseconds left, clamped to [0, cap], rounded up (for poll()).
+  [[nodiscard]] int poll_ms(int cap = 1 << 30) const {
+    const auto left = at - Clock::now();
+    if (left <= Clock::duration::zero()) return 0;
+    const auto ms = std::chrono::ceil<std::chrono::milliseconds>(left).count();
+    return static_cast<int>(std::min<long long>(ms, cap));
+  }
+};
+
+/// An owned file descriptor.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) noexcept : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  Fd& operator=(Fd&& o) noexcept {
+    if (this != &o) reset(std::exchange(o.fd_, -1));
+    return *this;
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() { reset(); }
+
+  [[nodiscard]] int get() const noexcept { return fd_; }
+  [[nodiscard]] bool valid() const noexcept { return fd_ >= 0; }
+  explicit operator bool() const noexcept { return valid(); }
+  int release() noexcept { return std::exchange(fd_, -1); }
+  void reset(int fd = -1) noexcept {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = fd;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+inline void set_nonblocking(int fd, bool on) {
+  const int flags = ::fcntl(fd, F_GETFL, 0);
+  if (flags < 0) fail_errno(errno, "fcntl(F_GETFL)");
+  if (::fcntl(fd, F_SETFL, on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK)) < 0) {
+    fail_errno(errno, "fcntl(F_SETFL)");
+  }
+}
+
+/// Raises the soft limit on open descriptors to the hard limit (a server holding one descriptor
+/// per client runs out at the common default of 1024 long before memory does). Best effort.
+inline void raise_fd_limit() noexcept {
+  rlimit lim{};
+  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur >= lim.rlim_max) return;
+  lim.rlim_cur = lim.rlim_max;
+  (void)::setrlimit(RLIMIT_NOFILE, &lim);
+}
+
+/// Fails with Errc::system when `err` says that descriptors ran out (EMFILE: this process's
+/// limit, whose values are named; ENFILE: the system's), saying `doing` and what to do; returns
+/// for any other errno. Out of descriptors nothing gets better by retrying until a timeout.
+inline void fail_if_out_of_fds(int err, std::string_view doing) {
+  if (err != EMFILE && err != ENFILE) return;
+  if (err == ENFILE)
+    fail(Errc::system, doing,
+         ": the system is out of file descriptors (ENFILE: the kernel's fs.file-max is reached); "
+         "close programs or raise fs.file-max");
+  rlimit lim{};
+  (void)::getrlimit(RLIMIT_NOFILE, &lim);
+  const auto text = [](rlim_t v) {
+    return v == RLIM_INFINITY ? std::string("unlimited") : std::to_string(v);
+  };
+  fail(Errc::system, doing, ": out of file descriptors (EMFILE: this process has ",
+       text(lim.rlim_cur), " open, its limit; hard limit ", text(lim.rlim_max),
+       "); raise the limit (ulimit -n, or LimitNOFILE in a service) or open fewer files");
+}
+
+inline void set_nodelay(int fd) {
+  int one = 1;
+  (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+/// "host:port", with IPv6 literals in brackets.
+[[nodiscard]] inline std::string host_port(std::string_view host, int port) {
+  if (host.find(':') != std::string_view::npos) return concat('[', host, "]:", port);
+  return concat(host, ':', port);
+}
+
+/// The numeric address and port of a socket address.
+[[nodiscard]] inline std::pair<std::string, int> numeric_name(const sockaddr* sa, socklen_t len) {
+  char host[NI_MAXHOST] = {};
+  char serv[NI_MAXSERV] = {};
+  if (::getnameinfo(sa, len, host, sizeof host, serv, sizeof serv,
+                    NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
+    return {"?", 0};
+  }
+  return {host, std::atoi(serv)};
+}
+
+/// Resolves host:port for TCP; throws Errc::invalid_argument when the name does not resolve.
+class AddrInfo {
+ public:
+  AddrInfo(const std::string& host, int port, bool passive) {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_ADDRCONFIG | (passive ? AI_PASSIVE : 0);
+    if (host.empty()) hints.ai_flags |= AI_PASSIVE;
+    const std::string service = std::to_string(port);
+    const int rc =
+        ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &list_);
+    if (rc != 0) {
+      fail(Errc::invalid_argument, "cannot resolve \"", host, "\": ", ::gai_strerror(rc),
+           "; check MASTER_ADDR");
+    }
+  }
+  AddrInfo(const AddrInfo&) = delete;
+  AddrInfo& operator=(const AddrInfo&) = delete;
+  ~AddrInfo() {
+    if (list_ != nullptr) ::freeaddrinfo(list_);
+  }
+  [[nodiscard]] const addrinfo* begin() const { return list_; }
+
+ private:
+  addrinfo* list_ = nullptr;
+};
+
+/// A listening TCP socket bound to exactly `host` (all interfaces only when host is "0.0.0.0" or
+/// "::", which must be asked for). port 0 picks a free port. EADDRINUSE -> Errc::address_in_use.
+[[nodiscard]] inline Fd listen_tcp(const std::string& host, int port, int backlog = 1024) {
+  const AddrInfo ai(host, port, /*passive=*/true);
+  int last_errno = 0;
+  for (const addrinfo* a = ai.begin(); a != nullptr; a = a->ai_next) {
+    Fd fd(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
+    if (!fd) {
+      last_errno = errno;
+      fail_if_out_of_fds(last_errno, concat("cannot listen on ", host_port(host, port)));
+      continue;
+    }
+    int one = 1;
+    (void)::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (::bind(fd.get(), a->ai_addr, a->ai_addrlen) != 0) {
+      last_errno = errno;
+      if (last_errno == EADDRINUSE) {
+        fail(Errc::address_in_use, "address ", host_port(host, port),
+             " is in use: another job (or a previous run that has not exited) holds it; choose "
+             "another MASTER_PORT or use ddprun --standalone");
+      }
+      continue;
+    }
+    if (::listen(fd.get(), backlog) != 0) {
+      last_errno = errno;
+      continue;
+    }
+    return fd;
+  }
+  fail_errno(last_errno, "cannot listen on ", host_port(host, port));
+}
+
+/// The port a bound socket listens on.
+[[nodiscard]] inline int local_port(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0)
+    fail_errno(errno, "getsockname");
+  return numeric_name(reinterpret_cast<sockaddr*>(&ss), len).second;
+}
+
+/// The local address of a connected socket (the interface that reaches its peer).
+[[nodiscard]] inline std::string local_address(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0)
+    fail_errno(errno, "getsockname");
+  return numeric_name(reinterpret_cast<sockaddr*>(&ss), len).first;
+}
+
+/// The peer of a connected socket as "addr:port".
+[[nodiscard]] inline std::string peer_name(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return "?";
+  auto [h, p] = numeric_name(reinterpret_cast<sockaddr*>(&ss), len);
+  return host_port(h, p);
+}
+
+/// Whether a connected TCP socket is connected to itself. Connecting on this host to a port in
+/// the kernel's ephemeral range while nothing listens there can be given that very port as the
+/// source port; TCP's simultaneous open then connects the socket to itself, and a client would
+/// read its own requests back as answers (PyTorch's TCPStore hangs this way, now and then).
+[[nodiscard]] inline bool connected_to_itself(int fd) {
+  sockaddr_storage local{}, peer{};
+  socklen_t local_len = sizeof local, peer_len = sizeof peer;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_len) != 0 ||
+      ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_len) != 0)
+    return false;
+  return local_len == peer_len && std::memcmp(&local, &peer, local_len) == 0;
+}
+
+/// Connects to host:port, retrying refused/unreachable attempts until the deadline (the server
+/// may not be up yet; a socket connected to itself counts as refused). Returns a blocking socket
+/// with TCP_NODELAY.
+[[nodiscard]] inline Fd connect_tcp(const std::string& host, int port, Deadline deadline,
+                                    std::string_view what) {
+  int last_errno = 0;
+  auto backoff = std::chrono::milliseconds(5);
+  for (;;) {
+    const AddrInfo ai(host, port, /*passive=*/false);
+    for (const addrinfo* a = ai.begin(); a != nullptr; a = a->ai_next) {
+      Fd fd(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
+      if (!fd) {
+        last_errno = errno;
+        fail_if_out_of_fds(last_errno,
+                           concat("cannot connect to ", what, " at ", host_port(host, port)));
+        continue;
+      }
+      set_nonblocking(fd.get(), true);
+      int rc = ::connect(fd.get(), a->ai_addr, a->ai_addrlen);
+      if (rc != 0 && errno == EINPROGRESS) {
+        pollfd p{fd.get(), POLLOUT, 0};
+        do {
+          rc = ::poll(&p, 1, deadline.poll_ms(1000));
+        } while ((rc < 0 && errno == EINTR) || (rc == 0 && !deadline.expired()));
+        if (rc == 1) {
+          int err = 0;
+          socklen_t len = sizeof err;
+          (void)::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+          rc = err == 0 ? 0 : -1;
+          errno = err;
+        } else {
+          rc = -1;
+          errno = ETIMEDOUT;
+        }
+      }
+      if (rc == 0 && connected_to_itself(fd.get())) {
+        rc = -1;
+        errno = ECONNREFUSED;
+      }
+      if (rc == 0) {
+        set_nonblocking(fd.get(), false);
+        set_nodelay(fd.get());
+        return fd;
+      }
+      last_errno = errno;
+    }
+    if (deadline.expired()) {
+      fail(Errc::timeout, "cannot connect to ", what, " at ", host_port(host, port), ": ",
+           std::strerror(last_errno),
+           " until the timeout; check that it is running and that MASTER_ADDR/MASTER_PORT are "
+           "right");
+    }
+    std::this_thread::sleep_for(std::min(backoff, std::chrono::milliseconds(deadline.poll_ms())));
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
+  }
+}
+
+enum class IoResult { ok, closed, timeout };
+
+/// Writes all of [data, data+n) before the deadline. Works on blocking and non-blocking sockets.
+[[nodiscard]] inline IoResult send_all(int fd, const void* data, std::size_t n, Deadline deadline) {
+  const auto* p = static_cast<const std::byte*>(data);
+  while (n > 0) {
+    const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w > 0) {
+      p += w;
+      n -= static_cast<std::size_t>(w);
+      continue;
+    }
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      pollfd pfd{fd, POLLOUT, 0};
+      const int rc = ::poll(&pfd, 1, deadline.poll_ms(1000));
+      if (rc == 0 && deadline.expired()) return IoResult::timeout;
+      if (rc > 0 && (pfd.revents & (POLLERR | POLLHUP)) != 0 && (pfd.revents & POLLOUT) == 0) {
+        return IoResult::closed;
+      }
+      continue;
+    }
+    return IoResult::closed;  // EPIPE, ECONNRESET, ...
+  }
+  return IoResult::ok;
+}
+
+/// Reads exactly n bytes before the deadline.
+[[nodiscard]] inline IoResult recv_all(int fd, void* data, std::size_t n, Deadline deadline) {
+  auto* p = static_cast<std::byte*>(data);
+  while (n > 0) {
+    const ssize_t r = ::recv(fd, p, n, MSG_DONTWAIT);
+    if (r > 0) {
+      p += r;
+      n -= static_cast<std::size_t>(r);
+      continue;
+    }
+    if (r == 0) return IoResult::closed;
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      pollfd pfd{fd, POLLIN, 0};
+      const int rc = ::poll(&pfd, 1, deadline.poll_ms(1000));
+      if (rc == 0 && deadline.expired()) return IoResult::timeout;
+      continue;
+    }
+    return IoResult::closed;
+  }
+  return IoResult::ok;
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/socket.hpp
 // #include "ddp/error.hpp" (already included above)
 // begin ddp/options.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -2394,342 +2775,7 @@ template <class T>
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/detail/crypto.hpp
-// begin ddp/detail/socket.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// POSIX sockets with deadlines: RAII descriptors, listen/connect/accept, and send/receive of
-/// whole buffers that never block past a deadline and survive EINTR.
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/error.hpp" (already included above)
-
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <poll.h>
-#include <sys/resource.h>
-#include <sys/socket.h>
-#include <sys/types.h>
-#include <unistd.h>
-
-#include <algorithm>
-#include <cerrno>
-#include <chrono>
-#include <cstddef>
-#include <cstring>
-#include <string>
-#include <string_view>
-#include <thread>
-#include <utility>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-using Clock = std::chrono::steady_clock;
-
-/// A point in time after which a wait gives up.
-struct Deadline {
-  Clock::time_point at;
-
-  [[nodiscard]] static Deadline after(std::chrono::milliseconds d) {
-    // Saturate: "5 years" must not overflow the clock.
-    const auto now = Clock::now();
-    const auto max_wait = Clock::time_point::max() - now;
-    if (d >= std::chrono::duration_cast<std::chrono::milliseconds>(max_wait)) {
-      return {Clock::time_point::max()};
-    }
-    return {now + d};
-  }
-  [[nodiscard]] bool expired() const { return Clock::now() >= at; }
-  /// Milliseconds left, clamped to [0, cap], rounded up (for poll()).
-  [[nodiscard]] int poll_ms(int cap = 1 << 30) const {
-    const auto left = at - Clock::now();
-    if (left <= Clock::duration::zero()) return 0;
-    const auto ms = std::chrono::ceil<std::chrono::milliseconds>(left).count();
-    return static_cast<int>(std::min<long long>(ms, cap));
-  }
-};
-
-/// An owned file descriptor.
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) noexcept : fd_(fd) {}
-  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  Fd& operator=(Fd&& o) noexcept {
-    if (this != &o) reset(std::exchange(o.fd_, -1));
-    return *this;
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() { reset(); }
-
-  [[nodiscard]] int get() const noexcept { return fd_; }
-  [[nodiscard]] bool valid() const noexcept { return fd_ >= 0; }
-  explicit operator bool() const noexcept { return valid(); }
-  int release() noexcept { return std::exchange(fd_, -1); }
-  void reset(int fd = -1) noexcept {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = fd;
-  }
-
- private:
-  int fd_ = -1;
-};
-
-inline void set_nonblocking(int fd, bool on) {
-  const int flags = ::fcntl(fd, F_GETFL, 0);
-  if (flags < 0) fail_errno(errno, "fcntl(F_GETFL)");
-  if (::fcntl(fd, F_SETFL, on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK)) < 0) {
-    fail_errno(errno, "fcntl(F_SETFL)");
-  }
-}
-
-/// Raises the soft limit on open descriptors to the hard limit (a server holding one descriptor
-/// per client runs out at the common default of 1024 long before memory does). Best effort.
-inline void raise_fd_limit() noexcept {
-  rlimit lim{};
-  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur >= lim.rlim_max) return;
-  lim.rlim_cur = lim.rlim_max;
-  (void)::setrlimit(RLIMIT_NOFILE, &lim);
-}
-
-inline void set_nodelay(int fd) {
-  int one = 1;
-  (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-}
-
-/// "host:port", with IPv6 literals in brackets.
-[[nodiscard]] inline std::string host_port(std::string_view host, int port) {
-  if (host.find(':') != std::string_view::npos) return concat('[', host, "]:", port);
-  return concat(host, ':', port);
-}
-
-/// The numeric address and port of a socket address.
-[[nodiscard]] inline std::pair<std::string, int> numeric_name(const sockaddr* sa, socklen_t len) {
-  char host[NI_MAXHOST] = {};
-  char serv[NI_MAXSERV] = {};
-  if (::getnameinfo(sa, len, host, sizeof host, serv, sizeof serv,
-                    NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
-    return {"?", 0};
-  }
-  return {host, std::atoi(serv)};
-}
-
-/// Resolves host:port for TCP; throws Errc::invalid_argument when the name does not resolve.
-class AddrInfo {
- public:
-  AddrInfo(const std::string& host, int port, bool passive) {
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_ADDRCONFIG | (passive ? AI_PASSIVE : 0);
-    if (host.empty()) hints.ai_flags |= AI_PASSIVE;
-    const std::string service = std::to_string(port);
-    const int rc =
-        ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &list_);
-    if (rc != 0) {
-      fail(Errc::invalid_argument, "cannot resolve \"", host, "\": ", ::gai_strerror(rc),
-           "; check MASTER_ADDR");
-    }
-  }
-  AddrInfo(const AddrInfo&) = delete;
-  AddrInfo& operator=(const AddrInfo&) = delete;
-  ~AddrInfo() {
-    if (list_ != nullptr) ::freeaddrinfo(list_);
-  }
-  [[nodiscard]] const addrinfo* begin() const { return list_; }
-
- private:
-  addrinfo* list_ = nullptr;
-};
-
-/// A listening TCP socket bound to exactly `host` (all interfaces only when host is "0.0.0.0" or
-/// "::", which must be asked for). port 0 picks a free port. EADDRINUSE -> Errc::address_in_use.
-[[nodiscard]] inline Fd listen_tcp(const std::string& host, int port, int backlog = 1024) {
-  const AddrInfo ai(host, port, /*passive=*/true);
-  int last_errno = 0;
-  for (const addrinfo* a = ai.begin(); a != nullptr; a = a->ai_next) {
-    Fd fd(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
-    if (!fd) {
-      last_errno = errno;
-      continue;
-    }
-    int one = 1;
-    (void)::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (::bind(fd.get(), a->ai_addr, a->ai_addrlen) != 0) {
-      last_errno = errno;
-      if (last_errno == EADDRINUSE) {
-        fail(Errc::address_in_use, "address ", host_port(host, port),
-             " is in use: another job (or a previous run that has not exited) holds it; choose "
-             "another MASTER_PORT or use ddprun --standalone");
-      }
-      continue;
-    }
-    if (::listen(fd.get(), backlog) != 0) {
-      last_errno = errno;
-      continue;
-    }
-    return fd;
-  }
-  fail_errno(last_errno, "cannot listen on ", host_port(host, port));
-}
-
-/// The port a bound socket listens on.
-[[nodiscard]] inline int local_port(int fd) {
-  sockaddr_storage ss{};
-  socklen_t len = sizeof ss;
-  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0)
-    fail_errno(errno, "getsockname");
-  return numeric_name(reinterpret_cast<sockaddr*>(&ss), len).second;
-}
-
-/// The local address of a connected socket (the interface that reaches its peer).
-[[nodiscard]] inline std::string local_address(int fd) {
-  sockaddr_storage ss{};
-  socklen_t len = sizeof ss;
-  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0)
-    fail_errno(errno, "getsockname");
-  return numeric_name(reinterpret_cast<sockaddr*>(&ss), len).first;
-}
-
-/// The peer of a connected socket as "addr:port".
-[[nodiscard]] inline std::string peer_name(int fd) {
-  sockaddr_storage ss{};
-  socklen_t len = sizeof ss;
-  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return "?";
-  auto [h, p] = numeric_name(reinterpret_cast<sockaddr*>(&ss), len);
-  return host_port(h, p);
-}
-
-/// Whether a connected TCP socket is connected to itself. Connecting on this host to a port in
-/// the kernel's ephemeral range while nothing listens there can be given that very port as the
-/// source port; TCP's simultaneous open then connects the socket to itself, and a client would
-/// read its own requests back as answers (PyTorch's TCPStore hangs this way, now and then).
-[[nodiscard]] inline bool connected_to_itself(int fd) {
-  sockaddr_storage local{}, peer{};
-  socklen_t local_len = sizeof local, peer_len = sizeof peer;
-  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_len) != 0 ||
-      ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_len) != 0)
-    return false;
-  return local_len == peer_len && std::memcmp(&local, &peer, local_len) == 0;
-}
-
-/// Connects to host:port, retrying refused/unreachable attempts until the deadline (the server
-/// may not be up yet; a socket connected to itself counts as refused). Returns a blocking socket
-/// with TCP_NODELAY.
-[[nodiscard]] inline Fd connect_tcp(const std::string& host, int port, Deadline deadline,
-                                    std::string_view what) {
-  int last_errno = 0;
-  auto backoff = std::chrono::milliseconds(5);
-  for (;;) {
-    const AddrInfo ai(host, port, /*passive=*/false);
-    for (const addrinfo* a = ai.begin(); a != nullptr; a = a->ai_next) {
-      Fd fd(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
-      if (!fd) {
-        last_errno = errno;
-        continue;
-      }
-      set_nonblocking(fd.get(), true);
-      int rc = ::connect(fd.get(), a->ai_addr, a->ai_addrlen);
-      if (rc != 0 && errno == EINPROGRESS) {
-        pollfd p{fd.get(), POLLOUT, 0};
-        do {
-          rc = ::poll(&p, 1, deadline.poll_ms(1000));
-        } while ((rc < 0 && errno == EINTR) || (rc == 0 && !deadline.expired()));
-        if (rc == 1) {
-          int err = 0;
-          socklen_t len = sizeof err;
-          (void)::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
-          rc = err == 0 ? 0 : -1;
-          errno = err;
-        } else {
-          rc = -1;
-          errno = ETIMEDOUT;
-        }
-      }
-      if (rc == 0 && connected_to_itself(fd.get())) {
-        rc = -1;
-        errno = ECONNREFUSED;
-      }
-      if (rc == 0) {
-        set_nonblocking(fd.get(), false);
-        set_nodelay(fd.get());
-        return fd;
-      }
-      last_errno = errno;
-    }
-    if (deadline.expired()) {
-      fail(Errc::timeout, "cannot connect to ", what, " at ", host_port(host, port), ": ",
-           std::strerror(last_errno),
-           " until the timeout; check that it is running and that MASTER_ADDR/MASTER_PORT are "
-           "right");
-    }
-    std::this_thread::sleep_for(std::min(backoff, std::chrono::milliseconds(deadline.poll_ms())));
-    backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
-  }
-}
-
-enum class IoResult { ok, closed, timeout };
-
-/// Writes all of [data, data+n) before the deadline. Works on blocking and non-blocking sockets.
-[[nodiscard]] inline IoResult send_all(int fd, const void* data, std::size_t n, Deadline deadline) {
-  const auto* p = static_cast<const std::byte*>(data);
-  while (n > 0) {
-    const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (w > 0) {
-      p += w;
-      n -= static_cast<std::size_t>(w);
-      continue;
-    }
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      pollfd pfd{fd, POLLOUT, 0};
-      const int rc = ::poll(&pfd, 1, deadline.poll_ms(1000));
-      if (rc == 0 && deadline.expired()) return IoResult::timeout;
-      if (rc > 0 && (pfd.revents & (POLLERR | POLLHUP)) != 0 && (pfd.revents & POLLOUT) == 0) {
-        return IoResult::closed;
-      }
-      continue;
-    }
-    return IoResult::closed;  // EPIPE, ECONNRESET, ...
-  }
-  return IoResult::ok;
-}
-
-/// Reads exactly n bytes before the deadline.
-[[nodiscard]] inline IoResult recv_all(int fd, void* data, std::size_t n, Deadline deadline) {
-  auto* p = static_cast<std::byte*>(data);
-  while (n > 0) {
-    const ssize_t r = ::recv(fd, p, n, MSG_DONTWAIT);
-    if (r > 0) {
-      p += r;
-      n -= static_cast<std::size_t>(r);
-      continue;
-    }
-    if (r == 0) return IoResult::closed;
-    if (errno == EINTR) continue;
-    if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      pollfd pfd{fd, POLLIN, 0};
-      const int rc = ::poll(&pfd, 1, deadline.poll_ms(1000));
-      if (rc == 0 && deadline.expired()) return IoResult::timeout;
-      continue;
-    }
-    return IoResult::closed;
-  }
-  return IoResult::ok;
-}
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/detail/socket.hpp
+// #include "ddp/detail/socket.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // begin ddp/store/protocol.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -2777,6 +2823,14 @@ struct StoreOptions {
   /// A connection that has not finished the handshake by then is dropped (slow or stray clients;
   /// a real client sends its handshake as soon as the hello arrives).
   std::chrono::milliseconds handshake_timeout{std::chrono::seconds(3)};
+  /// Client: a key (the full key, prefix included) that the server sets, when it refuses this
+  /// client's token, to a stop value (Store::stop_value, Errc::unauthorized) naming the refusal
+  /// and `refusal_rank`: a rendezvous that watches that key fails at once on every rank instead
+  /// of waiting for a rank that can never join. Empty: none. The server sets it only when absent,
+  /// to a message of its own making.
+  std::string refusal_key;
+  /// Client: the rank this process claims, for the refusal's message (-1: none).
+  int refusal_rank = -1;
   /// Refusals logged per 10 s at most; the rest are counted in one summary line.
   std::size_t log_burst = 20;
   /// Where the server reports refused connections and malformed traffic; default: stderr.
@@ -2787,9 +2841,11 @@ struct StoreOptions {
 namespace detail::store_proto {
 
 inline constexpr std::uint32_t magic = 0x53504444;  // "DDPS"
-inline constexpr std::uint16_t version = 2;
+inline constexpr std::uint16_t version = 3;
 inline constexpr std::size_t nonce_bytes = 16;
-inline constexpr std::size_t handshake_frame_limit = 256;
+inline constexpr std::size_t handshake_frame_limit = 512;
+/// The longest StoreOptions::refusal_key a handshake carries.
+inline constexpr std::size_t refusal_key_limit = 256;
 inline constexpr std::string_view client_label = "ddp-store-client-v1";
 inline constexpr std::string_view server_label = "ddp-store-server-v1";
 
@@ -2800,7 +2856,10 @@ enum class Op : std::uint8_t {
   add = 4,
   compare_set = 5,
   erase = 6,
-  check = 7
+  check = 7,
+  /// When this connection closes (the client's process died), set a key that is absent to a
+  /// value; an empty key cancels.
+  on_close = 8
 };
 /// stopped: a get/wait ended because its stop key appeared (the body holds that key's value).
 enum class Status : std::uint8_t { ok = 0, timeout = 1, error = 2, stopped = 3 };
@@ -2890,6 +2949,17 @@ class Store {
     return s;
   }
 
+  /// A view whose calls all end by `deadline` (their timeouts are shortened to fit; an expired
+  /// deadline makes waits time out at once): the steps of a rendezvous share one timeout.
+  /// Clock::time_point::max() lifts it.
+  [[nodiscard]] Store with_deadline(detail::Clock::time_point deadline) const {
+    Store s(*this);
+    s.deadline_ = deadline;
+    return s;
+  }
+  /// The deadline of this view (see with_deadline()); Clock::time_point::max() when none.
+  [[nodiscard]] detail::Clock::time_point deadline() const noexcept { return deadline_; }
+
   /// The same view without the watched key (see watching()).
   [[nodiscard]] Store unwatched() const {
     Store s(*this);
@@ -2943,6 +3013,7 @@ class Store {
   [[nodiscard]] std::string get(std::string_view key) { return get(key, conn_->options.timeout); }
   /// The value of key, waiting up to `timeout` for it to appear (then Errc::timeout).
   [[nodiscard]] std::string get(std::string_view key, std::chrono::milliseconds timeout) {
+    timeout = capped(timeout);
     std::string req = header(Op::get);
     detail::ByteWriter w(req);
     w.str(full(key));
@@ -2957,6 +3028,7 @@ class Store {
   void wait(std::span<const std::string> keys) { wait(keys, conn_->options.timeout); }
   /// Waits up to `timeout` until every key exists; Errc::timeout names the ones still missing.
   void wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) {
+    timeout = capped(timeout);
     std::string req = header(Op::wait);
     detail::ByteWriter w(req);
     w.put(static_cast<std::uint32_t>(keys.size()));
@@ -3000,6 +3072,26 @@ class Store {
     auto body = call(req, "erase", key, conn_->options.timeout);
     detail::ByteReader r(body, "store reply");
     return r.get<std::uint8_t>() != 0;
+  }
+
+  /// When this process's connection to the store closes before clear_on_close() (it died, was
+  /// killed, or exited), the server sets `key` (under this view's prefix) to `value` unless the key
+  /// exists: a dead man's switch, with which a rendezvous learns at once of a rank that died.
+  /// One per connection; a later call replaces it.
+  void set_on_close(std::string_view key, std::string_view value) {
+    std::string req = header(Op::on_close);
+    detail::ByteWriter w(req);
+    w.str(full(key));
+    w.str(value);
+    (void)call(req, "set_on_close", key, conn_->options.timeout);
+  }
+  /// Cancels set_on_close().
+  void clear_on_close() {
+    std::string req = header(Op::on_close);
+    detail::ByteWriter w(req);
+    w.str(std::string_view{});
+    w.str(std::string_view{});
+    (void)call(req, "clear_on_close", {}, conn_->options.timeout);
   }
 
   /// Whether every key exists, without waiting.
@@ -3127,6 +3219,8 @@ class Store {
       w.put(sp::version);
       w.raw(client_nonce.data(), client_nonce.size());
       w.raw(mac.data(), mac.size());
+      w.put(static_cast<std::int32_t>(options.refusal_rank));
+      w.str(std::string_view(options.refusal_key).substr(0, sp::refusal_key_limit));
       io(sp::send_frame(fd.get(), auth, deadline), "handshake");
       io(sp::recv_frame(fd.get(), frame, sp::handshake_frame_limit, deadline,
                         "store handshake reply"),
@@ -3160,6 +3254,14 @@ class Store {
   };
 
   [[nodiscard]] std::string full(std::string_view key) const { return prefix_ + std::string(key); }
+
+  /// `timeout`, shortened to end by this view's deadline.
+  [[nodiscard]] std::chrono::milliseconds capped(std::chrono::milliseconds timeout) const {
+    if (deadline_ == detail::Clock::time_point::max()) return timeout;
+    const auto left =
+        std::chrono::ceil<std::chrono::milliseconds>(deadline_ - detail::Clock::now());
+    return std::clamp(left, std::chrono::milliseconds(0), timeout);
+  }
 
   std::string header(Op op) {
     std::string req;
@@ -3239,6 +3341,7 @@ class Store {
   std::shared_ptr<Connection> conn_;
   std::string prefix_;
   std::string stop_;  // full key that ends get/wait early (watching())
+  detail::Clock::time_point deadline_ = detail::Clock::time_point::max();  // with_deadline()
 };
 
 DDP_END_NAMESPACE
@@ -3275,7 +3378,8 @@ struct BackendInit {
 };
 
 /// This machine's boot id: the same for every process of the machine, whatever namespaces or
-/// containers they run in ("" where the kernel does not say).
+/// containers they run in ("" where the kernel does not say). Out of file descriptors it fails
+/// (Errc::system, naming the limit) rather than return "", which would pass for another machine.
 [[nodiscard]] inline std::string machine_identity() {
   char boot[64] = {};
   std::size_t len = 0;
@@ -3283,6 +3387,8 @@ struct BackendInit {
     const ssize_t n = ::read(fd, boot, sizeof boot - 1);
     ::close(fd);
     len = n > 0 ? static_cast<std::size_t>(n) : 0;
+  } else {
+    fail_if_out_of_fds(errno, "cannot read this machine's boot id");
   }
   while (len > 0 && (boot[len - 1] == '\n' || boot[len - 1] == '\r')) --len;
   return std::string(boot, len);
@@ -4384,6 +4490,8 @@ class StoreEngine {
     std::size_t out_sent = 0;
     bool close_after_write = false;  // close once `out` is sent
     bool closed = false;             // close now; pending output is discarded
+    std::string on_close_key;        // set to on_close_value (if absent) when the peer closes
+    std::string on_close_value;
   };
 
   /// Output a connection may have pending before the server stops reading its requests (a
@@ -4486,6 +4594,9 @@ class StoreEngine {
     if (!s->authed && s->in.empty() && !s->close_after_write)
       refuse(s->peer, "connected and closed without a handshake");
     s->closed = true;
+    if (s->authed && !s->on_close_key.empty() && data_.count(s->on_close_key) == 0 &&
+        store_value(s->on_close_key, std::move(s->on_close_value)))
+      wake_waiters();
   }
 
   /// Answers the waits whose deadline passed (Status::timeout with the missing keys) and drops
@@ -4589,6 +4700,19 @@ class StoreEngine {
     }
   }
 
+  /// A client whose token was wrong said which rendezvous it meant to join: its ranks fail at
+  /// once, told why (the key is set only when absent, to the server's own message).
+  void publish_refusal(const std::string& peer, std::int32_t rank, const std::string& key) {
+    if (key.empty() || data_.count(key) != 0) return;
+    std::string v;
+    ByteWriter w(v);
+    w.put(static_cast<std::int32_t>(Errc::unauthorized));
+    w.str(concat("the rendezvous failed ", rank >= 0 ? concat("on rank ", rank, ": ") : ": ",
+                 "the store refused its connection from ", peer,
+                 ": its token is wrong or missing; every rank must have the same DDP_TOKEN"));
+    if (store_value(key, std::move(v))) wake_waiters();
+  }
+
   void drop(Session& s, std::string_view why) {
     refuse(s.peer, why);
     s.closed = true;
@@ -4652,6 +4776,12 @@ class StoreEngine {
     r.raw(client_nonce.data(), client_nonce.size());
     Digest mac{};
     r.raw(mac.data(), mac.size());
+    std::int32_t claimed_rank = -1;
+    std::string refusal_key;  // optional: where a refusal of this client is published
+    if (r.left() != 0) {
+      claimed_rank = r.get<std::int32_t>();
+      refusal_key = r.str(sp::refusal_key_limit);
+    }
     r.expect_end();
     std::string reply;
     ByteWriter w(reply);
@@ -4670,6 +4800,7 @@ class StoreEngine {
         queue_frame(s, reply);
         s.close_after_write = true;
         refuse(s.peer, "wrong or missing token (DDP_TOKEN)");
+        publish_refusal(s.peer, claimed_rank, refusal_key);
         return;
       }
     }
@@ -4787,6 +4918,15 @@ class StoreEngine {
         reply(s, request, Status::ok, body);
         return;
       }
+      case Op::on_close: {
+        auto k = key();
+        auto v = r.str(options_.max_value_bytes);
+        r.expect_end();
+        s.on_close_key = std::move(k);
+        s.on_close_value = s.on_close_key.empty() ? std::string() : std::move(v);
+        reply(s, request, Status::ok);
+        return;
+      }
       case Op::check: {
         auto keys = key_list();
         r.expect_end();
@@ -4857,6 +4997,7 @@ DDP_END_NAMESPACE
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -4890,8 +5031,7 @@ class StoreServer {
   /// Serves on a socket that is already listening (a launcher binds it before it forks, so the
   /// port is known and no thread exists at fork time).
   StoreServer(detail::Fd listener, const std::string& host, StoreOptions options = {})
-      : engine_(with_default_log(std::move(options))), host_(host), listener_(std::move(listener)) {
-    detail::raise_fd_limit();
+      : engine_(prepared(std::move(options))), host_(host), listener_(std::move(listener)) {
     reserve_fd_ = detail::Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
     port_ = detail::local_port(listener_.get());
     detail::set_nonblocking(listener_.get(), true);
@@ -4926,7 +5066,19 @@ class StoreServer {
   using Clock = detail::Clock;
   using Session = detail::StoreEngine::Session;
 
-  static StoreOptions with_default_log(StoreOptions o) {
+  /// The options as served: the log defaults to stderr, and the connection budgets fit the
+  /// process's descriptor limit (raised to its hard limit first). The server shares that limit
+  /// with the rank that hosts it, which needs descriptors of its own (its sockets to the other
+  /// ranks, shared memory): connections that have not authenticated get at most an eighth of it,
+  /// all connections at most three quarters, so strangers can never starve the rank.
+  static StoreOptions prepared(StoreOptions o) {
+    detail::raise_fd_limit();
+    rlimit lim{};
+    if (::getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY) {
+      const auto n = static_cast<std::size_t>(lim.rlim_cur);
+      o.max_pending_handshakes = std::clamp<std::size_t>(n / 8, 1, o.max_pending_handshakes);
+      o.max_connections = std::clamp<std::size_t>(n * 3 / 4, 2, o.max_connections);
+    }
     if (!o.log) {
       o.log = [](std::string_view m) {
         std::fprintf(stderr, "[ddp store] %.*s\n", static_cast<int>(m.size()), m.data());
@@ -6065,6 +6217,8 @@ struct CommState {
   std::shared_ptr<Store> store;
   std::string prefix;
   std::unique_ptr<Executor> executor = std::make_unique<Executor>();
+  /// When the rendezvous must be done: Options::timeout after init() began.
+  Clock::time_point rendezvous_deadline = Clock::time_point::max();
   std::uint64_t splits = 0;
   mutable std::mutex poison_mutex;
   std::string poison;
@@ -6087,12 +6241,16 @@ struct CommState {
 
   /// Joins the rendezvous store of the job `env` describes: rank 0 hosts it (unless a launcher
   /// does: Options::external_store, DDP_STORE_HOSTED=1), every rank connects, works under this
-  /// communicator's prefix, watches the "failed" key and claims its rank. Returns that store.
+  /// communicator's prefix, watches the "failed" key and claims its rank. Returns that store,
+  /// whose calls all end by `rendezvous_deadline` until end_rendezvous().
   std::shared_ptr<Store> join_store(const Environment& env) {
+    const EnvReader launcher;  // what the launcher that hosts the store says
+    prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
     StoreOptions so;
     so.timeout = options.timeout;
     so.token = options.token;
-    const EnvReader launcher;  // what the launcher that hosts the store says
+    so.refusal_key = prefix + "failed";  // a wrong token fails this rendezvous at once
+    so.refusal_rank = env.rank;
     const int store_port = env.store_port != 0 ? env.store_port : env.master_port;
     const bool hosted = options.external_store || launcher.get("DDP_STORE_HOSTED") == "1";
     if (env.rank == 0 && !hosted) {
@@ -6104,13 +6262,26 @@ struct CommState {
              " (or a second process was started with RANK=0)");
       }
     }
-    prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
     root_store = std::make_shared<Store>(env.master_addr, store_port, so);
-    store = std::make_shared<Store>(root_store->prefixed(prefix).watching("failed"));
+    store = std::make_shared<Store>(
+        root_store->prefixed(prefix).watching("failed").with_deadline(rendezvous_deadline));
     world_size = env.world_size;
     claim_rank(*store, env.rank, options.group);
     joined = true;
+    // Should this process die before the rendezvous is over, the store tells the others at once.
+    store->set_on_close(
+        "failed", Store::stop_value(Errc::peer_lost,
+                                    concat("the rendezvous failed on rank ", env.rank,
+                                           ": its process closed its connection to the store (it "
+                                           "died or was killed) before the rendezvous was over")));
     return store;
+  }
+
+  /// The rendezvous succeeded: later store calls (split, leaving) get their own timeouts.
+  void end_rendezvous() {
+    if (!store) return;
+    *store = store->with_deadline(Clock::time_point::max());
+    store->clear_on_close();
   }
 
   /// Whether this is a fork() child's copy.
@@ -6158,7 +6329,11 @@ struct CommState {
         for (int r = 0; r < world_size; ++r) keys.push_back(concat("exit/", r));
         (void)plain.missing_after(keys, limit);
       } else if (server && !connected) {
-        linger_after_failed_rendezvous(plain, limit);
+        // Within the rendezvous's one timeout (and a moment for the others to read why).
+        const auto left =
+            std::chrono::ceil<std::chrono::milliseconds>(rendezvous_deadline - Clock::now());
+        linger_after_failed_rendezvous(plain,
+                                       std::clamp(left, std::chrono::milliseconds(250), limit));
       }
     } catch (...) {  // leaving anyway
     }
@@ -7032,6 +7207,7 @@ class Communicator {
     options = options.with_env(detail::EnvReader(), bad_setting);
     auto state = std::make_shared<State>();
     state->configure(options);
+    state->rendezvous_deadline = detail::Deadline::after(options.timeout).at;
     state->world_rank = env.rank;
     detail::BackendInit bi;
     bi.rank = env.rank;
@@ -7067,6 +7243,7 @@ class Communicator {
                              options.timeout, state->world_size);
       }
     });
+    state->end_rendezvous();
     return Communicator(std::move(state));
   }
 
@@ -7101,11 +7278,14 @@ class Communicator {
   void all_reduce(T&& buf, ReduceOp op = ReduceOp::sum) {
     exec_single(detail::Coll::all_reduce, arg(buf, "all_reduce", "buf"), op, 0);
   }
-  /// all_reduce(), run asynchronously: returns at once; the buffers must outlive the Work.
+  /// all_reduce(), run asynchronously: returns at once. The buffers must outlive the Work,
+  /// unless their type shares its storage (torch::Tensor: see ddp::tensor_traits), which the
+  /// Work keeps alive until the operation has finished.
   template <detail::tensor_output T>
   [[nodiscard]] Work all_reduce_async(T&& buf, ReduceOp op = ReduceOp::sum) {
     return submit(detail::prepare_single(detail::Coll::all_reduce, arg(buf, "all_reduce", "buf"),
-                                         op, 0, caller()));
+                                         op, 0, caller()),
+                  {}, hold(buf));
   }
 
   /// all_reduce of float32 values that travel and are reduced as W (ddp::half or ddp::bfloat16):
@@ -7119,11 +7299,13 @@ class Communicator {
   void all_reduce_as(T&& buf, ReduceOp op = ReduceOp::sum) {
     exec(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, dtype_of<W>));
   }
-  /// all_reduce_as(), run asynchronously: returns at once; the buffers must outlive the Work.
+  /// all_reduce_as(), run asynchronously: returns at once; the buffers must outlive the Work (see
+  /// all_reduce_async).
   template <class W, detail::tensor_output T>
     requires(std::is_same_v<W, half> || std::is_same_v<W, bfloat16>)
   [[nodiscard]] Work all_reduce_as_async(T&& buf, ReduceOp op = ReduceOp::sum) {
-    return submit(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, dtype_of<W>));
+    return submit(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, dtype_of<W>), {},
+                  hold(buf));
   }
 
   /// all_reduce of several buffers as one operation (torch's all_reduce_coalesced): one NCCL
@@ -7140,7 +7322,9 @@ class Communicator {
   [[nodiscard]] Work all_reduce_coalesced_async(R&& bufs, ReduceOp op = ReduceOp::sum) {
     auto b = args(bufs);
     const auto call = detail::prepare_all_reduce_coalesced(b, op, caller());
-    return submit(call, std::move(b));
+    Holds held;
+    for (auto&& t : bufs) hold_into(held, t);
+    return submit(call, std::move(b), std::move(held));
   }
 
   /// Copies root's `buf` to every rank.
@@ -7148,11 +7332,13 @@ class Communicator {
   void broadcast(T&& buf, int root = 0) {
     exec_single(detail::Coll::broadcast, arg(buf, "broadcast", "buf"), ReduceOp::sum, root);
   }
-  /// broadcast(), run asynchronously: returns at once; the buffers must outlive the Work.
+  /// broadcast(), run asynchronously: returns at once; the buffers must outlive the Work (see
+  /// all_reduce_async).
   template <detail::tensor_output T>
   [[nodiscard]] Work broadcast_async(T&& buf, int root = 0) {
     return submit(detail::prepare_single(detail::Coll::broadcast, arg(buf, "broadcast", "buf"),
-                                         ReduceOp::sum, root, caller()));
+                                         ReduceOp::sum, root, caller()),
+                  {}, hold(buf));
   }
 
   /// Reduces `buf` over all ranks into root's `buf`; the other ranks' buffers are unchanged.
@@ -7160,11 +7346,13 @@ class Communicator {
   void reduce(T&& buf, int root = 0, ReduceOp op = ReduceOp::sum) {
     exec_single(detail::Coll::reduce, arg(buf, "reduce", "buf"), op, root);
   }
-  /// reduce(), run asynchronously: returns at once; the buffers must outlive the Work.
+  /// reduce(), run asynchronously: returns at once; the buffers must outlive the Work (see
+  /// all_reduce_async).
   template <detail::tensor_output T>
   [[nodiscard]] Work reduce_async(T&& buf, int root = 0, ReduceOp op = ReduceOp::sum) {
-    return submit(detail::prepare_single(detail::Coll::reduce, arg(buf, "reduce", "buf"), op, root,
-                                         caller()));
+    return submit(
+        detail::prepare_single(detail::Coll::reduce, arg(buf, "reduce", "buf"), op, root, caller()),
+        {}, hold(buf));
   }
 
   /// out[r*n .. r*n+n) = rank r's `in` (n = in's size); out.size() == in.size() * size().
@@ -7173,10 +7361,11 @@ class Communicator {
   void all_gather(In&& in, Out&& out) {
     exec(prepare_gather(in, out, -1));
   }
-  /// all_gather(), run asynchronously: returns at once; the buffers must outlive the Work.
+  /// all_gather(), run asynchronously: returns at once; the buffers must outlive the Work (see
+  /// all_reduce_async).
   template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work all_gather_async(In&& in, Out&& out) {
-    return submit(prepare_gather(in, out, -1));
+    return submit(prepare_gather(in, out, -1), {}, hold(in, out));
   }
 
   /// Like all_gather, into root's `out` only (`out` is not used on the other ranks).
@@ -7184,10 +7373,11 @@ class Communicator {
   void gather(In&& in, Out&& out, int root = 0) {
     exec(prepare_gather(in, out, root));
   }
-  /// gather(), run asynchronously: returns at once; the buffers must outlive the Work.
+  /// gather(), run asynchronously: returns at once; the buffers must outlive the Work (see
+  /// all_reduce_async).
   template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work gather_async(In&& in, Out&& out, int root = 0) {
-    return submit(prepare_gather(in, out, root));
+    return submit(prepare_gather(in, out, root), {}, hold(in, out));
   }
 
   /// Rank r receives root's in[r*n .. r*n+n) into `out` (n = out's size; `in` used on root only).
@@ -7195,10 +7385,11 @@ class Communicator {
   void scatter(In&& in, Out&& out, int root = 0) {
     exec(prepare_scatter(in, out, root));
   }
-  /// scatter(), run asynchronously: returns at once; the buffers must outlive the Work.
+  /// scatter(), run asynchronously: returns at once; the buffers must outlive the Work (see
+  /// all_reduce_async).
   template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work scatter_async(In&& in, Out&& out, int root = 0) {
-    return submit(prepare_scatter(in, out, root));
+    return submit(prepare_scatter(in, out, root), {}, hold(in, out));
   }
 
   /// out = block r of the reduction of every rank's `in`; in.size() == out.size() * size().
@@ -7207,11 +7398,13 @@ class Communicator {
     exec(detail::prepare_reduce_scatter(arg(in, "reduce_scatter", "in"),
                                         arg(out, "reduce_scatter", "out"), op, caller()));
   }
-  /// reduce_scatter(), run asynchronously: returns at once; the buffers must outlive the Work.
+  /// reduce_scatter(), run asynchronously: returns at once; the buffers must outlive the Work (see
+  /// all_reduce_async).
   template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work reduce_scatter_async(In&& in, Out&& out, ReduceOp op = ReduceOp::sum) {
     return submit(detail::prepare_reduce_scatter(arg(in, "reduce_scatter", "in"),
-                                                 arg(out, "reduce_scatter", "out"), op, caller()));
+                                                 arg(out, "reduce_scatter", "out"), op, caller()),
+                  {}, hold(in, out));
   }
 
   /// Block j of `in` goes to rank j, which stores it as its block r of `out`.
@@ -7220,11 +7413,13 @@ class Communicator {
     exec(detail::prepare_all_to_all(arg(in, "all_to_all", "in"), arg(out, "all_to_all", "out"),
                                     caller()));
   }
-  /// all_to_all(), run asynchronously: returns at once; the buffers must outlive the Work.
+  /// all_to_all(), run asynchronously: returns at once; the buffers must outlive the Work (see
+  /// all_reduce_async).
   template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work all_to_all_async(In&& in, Out&& out) {
     return submit(detail::prepare_all_to_all(arg(in, "all_to_all", "in"),
-                                             arg(out, "all_to_all", "out"), caller()));
+                                             arg(out, "all_to_all", "out"), caller()),
+                  {}, hold(in, out));
   }
 
   /// Point-to-point. Between a pair, sends and receives match in issue order; the receiver checks
@@ -7233,22 +7428,26 @@ class Communicator {
   void send(T&& buf, int peer, int tag = 0) {
     exec(detail::prepare_p2p(detail::Coll::send, arg(buf, "send", "buf"), peer, tag, caller()));
   }
-  /// send(), run asynchronously: returns at once; the buffers must outlive the Work.
+  /// send(), run asynchronously: returns at once; the buffers must outlive the Work (see
+  /// all_reduce_async).
   template <detail::tensor_input T>
   [[nodiscard]] Work send_async(T&& buf, int peer, int tag = 0) {
     return submit(
-        detail::prepare_p2p(detail::Coll::send, arg(buf, "send", "buf"), peer, tag, caller()));
+        detail::prepare_p2p(detail::Coll::send, arg(buf, "send", "buf"), peer, tag, caller()), {},
+        hold(buf));
   }
   /// Receives into `buf` the next send() from `peer`; its tag, dtype and count must match.
   template <detail::tensor_output T>
   void recv(T&& buf, int peer, int tag = 0) {
     exec(detail::prepare_p2p(detail::Coll::recv, arg(buf, "recv", "buf"), peer, tag, caller()));
   }
-  /// recv(), run asynchronously: returns at once; the buffers must outlive the Work.
+  /// recv(), run asynchronously: returns at once; the buffers must outlive the Work (see
+  /// all_reduce_async).
   template <detail::tensor_output T>
   [[nodiscard]] Work recv_async(T&& buf, int peer, int tag = 0) {
     return submit(
-        detail::prepare_p2p(detail::Coll::recv, arg(buf, "recv", "buf"), peer, tag, caller()));
+        detail::prepare_p2p(detail::Coll::recv, arg(buf, "recv", "buf"), peer, tag, caller()), {},
+        hold(buf));
   }
 
   /// Returns once every rank has entered barrier().
@@ -7482,9 +7681,27 @@ class Communicator {
                  [&](Backend& be, State& st) { run_single(be, st, coll, b, op, root); });
   }
 
-  /// Asynchronous: the call runs on the worker; `many` keeps all_reduce_coalesced's buffers.
-  Work submit(detail::Call c, std::vector<detail::Buf> many = {}) {
-    auto s = state_;
+  /// Copies of the arguments whose type shares its storage (tensor_traits<T>::shares_storage,
+  /// e.g. torch::Tensor), which an asynchronous operation holds until it has finished: dropping
+  /// the last reference to such a tensor before wait() is allowed, as in torch.distributed.
+  using Holds = std::vector<std::shared_ptr<const void>>;
+  template <class T>
+  static void hold_into(Holds& h, const T& t) {
+    using U = std::remove_cvref_t<T>;
+    if constexpr (detail::shares_storage<U>) h.push_back(std::make_shared<const U>(t));
+  }
+  template <class... T>
+  static Holds hold(const T&... t) {
+    Holds h;
+    if constexpr ((detail::shares_storage<std::remove_cvref_t<T>> || ...)) (hold_into(h, t), ...);
+    return h;
+  }
+
+  /// Asynchronous: the call runs on the worker; `many` keeps all_reduce_coalesced's buffers,
+  /// `held` the tensors that share their storage. The operation refers to the communicator's
+  /// state by pointer: the state's destructor drains the queue before anything else goes.
+  Work submit(detail::Call c, std::vector<detail::Buf> many = {}, Holds held = {}) {
+    State* s = state_.get();
     same_process(c.name);
     if (s->poisoned.load(std::memory_order_acquire)) [[unlikely]] {  // fails on wait(), unrecorded
       auto failed = std::make_shared<detail::WorkState>();
@@ -7498,11 +7715,12 @@ class Communicator {
     return Work(s->executor->submit_recorded(
         [&] { return s->recorder.issue(c.name, c.bytes, TraceRecord::State::queued); },
         [&](std::uint64_t seq) {
-          return std::function<void()>([s, seq, c, many = std::move(many)]() mutable {
-            if (!many.empty()) c.many = many;
-            s->recorder.update(seq, TraceRecord::State::running);
-            run_guarded(*s, seq, c.name, [&](Backend& be, State& st) { dispatch(be, st, c); });
-          });
+          return std::function<void()>(
+              [s, seq, c, many = std::move(many), held = std::move(held)]() mutable {
+                if (!many.empty()) c.many = many;
+                s->recorder.update(seq, TraceRecord::State::running);
+                run_guarded(*s, seq, c.name, [&](Backend& be, State& st) { dispatch(be, st, c); });
+              });
         }));
   }
 
@@ -7743,16 +7961,18 @@ DDP_END_NAMESPACE
 /// and opened by the others through rank 0's descriptor, so a crash at any moment leaves nothing
 /// in /dev/shm. It holds:
 ///  * a header: the abort word (the first failure, so peers fail fast) and the futex wake word;
-///  * per rank a control block: on its own cache line the round word (the round number and a
-///    32-bit digest of the collective's fingerprint), on another the two full fingerprints
-///    (indexed by round parity), which peers read only when the digests differ;
+///  * per rank a control block: on its own cache line the round word (the round number and the
+///    exact short form of the collective's fingerprint, detail::fingerprint_code), on another the
+///    two full fingerprints (indexed by round parity), which peers read only when the short forms
+///    cannot decide;
 ///  * per rank two data slots (double buffering by tick parity);
 ///  * per ordered pair a ring buffer for send/recv.
 ///
 /// A round: copy the bytes peers want into my slot[tick % 2], publish the round word, wait until
-/// every peer's round reaches mine, compare digests, hand out pointers into peers' slots. Double
-/// buffering needs no extra waits: a peer can only overwrite slot[t % 2] in round t + 2, which it
-/// cannot start before I publish round t + 1, which I do only after I am done reading round t.
+/// every peer's round reaches mine, compare fingerprints, hand out pointers into peers' slots.
+/// Double buffering needs no extra waits: a peer can only overwrite slot[t % 2] in round t + 2,
+/// which it cannot start before I publish round t + 1, which I do only after I am done reading
+/// round t.
 
 // begin ddp/backend/host/transport.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -7929,10 +8149,13 @@ class Transport {
   /// "rank R: <what>: mismatched collectives: this rank called X but rank P called Y; ..."
   [[nodiscard]] std::string mismatch_message(const Fingerprint& mine, int peer,
                                              const Fingerprint& theirs) const {
+    const std::string what = theirs.coll == static_cast<Coll>(0)
+                                 ? std::string("was in a later round of another collective")
+                                 : concat("called ", to_string(theirs));
     return concat(
         "rank ", global(rank_), ": ", to_string(mine.coll),
         ": mismatched collectives: this rank called ", to_string(mine), " but rank ", global(peer),
-        " called ", to_string(theirs),
+        " ", what,
         "; every rank must call the same collectives, in the same order, with the same counts, "
         "dtypes, ops and roots");
   }
@@ -8190,7 +8413,7 @@ DDP_BEGIN_NAMESPACE
 namespace detail {
 
 struct ShmLayout {
-  static constexpr std::uint64_t magic = 0x3230306d68737064ull;  // "dpshm002"
+  static constexpr std::uint64_t magic = 0x3330306d68737064ull;  // "dpshm003"
   static constexpr std::size_t header_bytes = 4096;
   static constexpr std::size_t ctl_bytes = 256;
   static constexpr std::size_t channel_ctl_bytes = 128;
@@ -8238,11 +8461,13 @@ struct ShmHeader {
 };
 static_assert(sizeof(ShmHeader) <= ShmLayout::header_bytes);
 
-/// One rank's control block. Peers spin on `word`: the low 32 bits are the round number (modulo
-/// 2^32; ranks are never more than one round apart, so wrapping is harmless), the high 32 bits a
-/// digest of the round's fingerprint (0: none). One store publishes both, so checking that all
-/// ranks called the same collective costs no extra cache-line transfer; the full fingerprints lie
-/// on a line of their own, written by the owner only, read by a peer only when digests differ.
+/// One rank's control block. Peers spin on `word`: the low 16 bits are the round number (modulo
+/// 2^16; ranks are never more than one round apart, so wrapping is harmless), the high 48 bits
+/// the round's detail::fingerprint_code (0: no fingerprint). One store publishes both, so checking
+/// that all ranks called the same collective costs no extra cache-line transfer in the common
+/// case; the full fingerprints (or, for a round without one, a marker no fingerprint equals) lie
+/// on a line of their own, written by the owner only, read by a peer only when the codes cannot
+/// decide: a code is wide, the codes differ, or the peer has already moved to the next round.
 struct ShmCtl {
   alignas(64) std::atomic<std::uint64_t> word;
   alignas(64) Fingerprint fp[2];
@@ -8453,21 +8678,32 @@ class ShmTransport final : public Transport {
       copied_to = std::max(copied_to, to);
     }
     ShmCtl* mine = ctl(rank_);
-    std::uint64_t digest = 0;
-    if (fp != nullptr && verify_fingerprints) {
-      mine->fp[parity] = *fp;
-      digest = fingerprint_digest(*fp);
+    std::uint64_t code = 0;
+    if (verify_fingerprints) {
+      if (fp != nullptr) {
+        mine->fp[parity] = *fp;
+        code = fingerprint_code(*fp, checked_seq_, checked_any_);
+        checked_seq_ = fp->seq;
+        checked_any_ = true;
+      } else {
+        mine->fp[parity] = no_fingerprint();
+      }
     }
-    mine->word.store(digest << 32 | static_cast<std::uint32_t>(t), std::memory_order_seq_cst);
+    mine->word.store(code << 16 | (t & 0xffffu), std::memory_order_seq_cst);
     header_->wake.notify();
 
     wait([&] { return all_reached(t); }, fp, [&] { return behind(t); });
 
-    if (digest != 0) {
+    if (code != 0) {
       for (int j = 0; j < size_; ++j) {
-        if (j == rank_ || seen_[static_cast<std::size_t>(j)] >> 32 == digest) continue;
-        // Digests differ, or the peer was already in round t + 1 (it cannot pass t + 1 before this
-        // rank publishes t + 1): its round-t fingerprint is in fp[parity] either way.
+        const std::uint64_t w = seen_[static_cast<std::size_t>(j)];
+        // Equal codes that are not wide, of this very round, mean equal fingerprints (see
+        // fingerprint_code; a rank with a fingerprint where its peer had none fails below, so
+        // both ranks' previous checked rounds were the same round, with equal fingerprints).
+        if (j == rank_ || (code != fingerprint_wide && w == (code << 16 | (t & 0xffffu)))) continue;
+        // A code is wide, the codes differ, or the peer was already in round t + 1 (it cannot
+        // pass t + 1 before this rank publishes t + 1): its round-t fingerprint, or the marker of
+        // a round without one, is in fp[parity] either way.
         const Fingerprint theirs = ctl(j)->fp[parity];
         if (!(theirs == *fp)) {
           const std::string msg = mismatch_message(*fp, j, theirs);
@@ -8576,12 +8812,20 @@ class ShmTransport final : public Transport {
     return segment_->base() + layout_.channel_offset(src, dst) + ShmLayout::channel_ctl_bytes;
   }
 
-  [[nodiscard]] static std::uint32_t round_of(std::uint64_t word) noexcept {
-    return static_cast<std::uint32_t>(word);
+  [[nodiscard]] static std::uint16_t round_of(std::uint64_t word) noexcept {
+    return static_cast<std::uint16_t>(word);
   }
-  /// Whether a round word is of round t or later (modulo 2^32: a peer is at most one round ahead).
+  /// Whether a round word is of round t or later (modulo 2^16: a peer is at most one round ahead).
   [[nodiscard]] static bool reached(std::uint64_t word, std::uint64_t t) noexcept {
-    return static_cast<std::int32_t>(round_of(word) - static_cast<std::uint32_t>(t)) >= 0;
+    return static_cast<std::int16_t>(
+               static_cast<std::uint16_t>(round_of(word) - static_cast<std::uint16_t>(t))) >= 0;
+  }
+  /// What fp[parity] holds for a round without a fingerprint: no collective's fingerprint (its
+  /// coll is not a collective), so a peer that has one in that round fails with a mismatch.
+  [[nodiscard]] static Fingerprint no_fingerprint() noexcept {
+    Fingerprint f;
+    f.coll = static_cast<Coll>(0);
+    return f;
   }
   [[nodiscard]] bool reached(int j, std::uint64_t t) const {
     return reached(ctl(j)->word.load(std::memory_order_acquire), t);
@@ -8744,6 +8988,8 @@ class ShmTransport final : public Transport {
   ProcessWatch watch_;
   bool oversubscribed_ = false;
   std::uint64_t tick_ = 0;
+  std::uint64_t checked_seq_ = 0;  // the sequence number of this rank's last checked round
+  bool checked_any_ = false;       // whether there was one (the first checked round is wide)
   std::vector<Range> wanted_;
   std::vector<const std::byte*> ptrs_;
   std::vector<std::uint64_t> seen_;  // the round words all_reached last saw
@@ -8854,7 +9100,13 @@ class TcpTransport final : public Transport {
              " to connect (tcp transport)");
       }
       Fd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
-      if (!fd) continue;
+      if (!fd) {
+        // Out of descriptors the listener stays readable: retrying would spin until the timeout.
+        fail_if_out_of_fds(errno, concat("rank ", rank,
+                                         ": cannot accept rank(s) above it (tcp "
+                                         "transport)"));
+        continue;
+      }
       set_nodelay(fd.get());
       std::array<std::byte, 4 + 16 + 4> hello{};
       // A stray connection gets a short window; it must not stall the mesh.
@@ -9247,6 +9499,7 @@ DDP_END_NAMESPACE
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -9855,16 +10108,35 @@ class Host {
     }
   }
 
-  /// Transport::why_left over the store's records (see record_leaving).
+  /// Transport::why_left over the store's records (see record_leaving), and the rendezvous's
+  /// failure ("failed"): a rank whose connections closed because it failed the rendezvous after
+  /// this rank had finished its own is reported with that failure.
   std::optional<detail::Transport::Left> why_left(const std::vector<int>& ranks,
                                                   std::chrono::milliseconds grace) {
+    if (!store_) return std::nullopt;
     const auto deadline = detail::Clock::now() + grace;
     try {
+      Store plain = store_->unwatched();
       for (;;) {
+        const std::string failed = "failed";
+        if (plain.check(std::span<const std::string>(&failed, 1))) {
+          const std::string rec = plain.get(failed);
+          detail::ByteReader r(rec, "rendezvous failure");
+          detail::Transport::Left left;
+          left.code = static_cast<Errc>(r.get<std::int32_t>());
+          left.message = r.str(rec.size());
+          constexpr std::string_view on = "the rendezvous failed on rank ";
+          if (std::string_view(left.message).starts_with(on)) {
+            left.rank = std::atoi(left.message.c_str() + on.size());
+            const std::size_t colon = left.message.find(": ");
+            if (colon != std::string::npos) left.message.erase(0, colon + 2);
+          }
+          if (left.rank >= 0) return left;
+        }
         for (int j : ranks) {
           const std::string key = detail::concat("left/", j);
-          if (!store_->check(std::span<const std::string>(&key, 1))) continue;
-          const std::string rec = store_->get(key);
+          if (!plain.check(std::span<const std::string>(&key, 1))) continue;
+          const std::string rec = plain.get(key);
           detail::ByteReader r(rec, "leaving record");
           detail::Transport::Left left;
           left.rank = j;
@@ -10027,7 +10299,9 @@ class Host {
     }
     Store& store = *init.store;
     store_ = init.store;
-    const auto deadline = detail::Deadline::after(o.timeout);
+    // The rendezvous has one timeout in all (the store view ends its calls by then).
+    const auto deadline =
+        detail::Deadline{std::min(detail::Deadline::after(o.timeout).at, store.deadline())};
     const HostTransport requested = requested_transport(o);
     const std::size_t segment_request = segment_bytes(o, 0);  // 0: the transport's default
 
@@ -10139,11 +10413,11 @@ class Host {
     for (detail::Transport* tr : {t_.get(), lt_.get(), xt_.get()}) {
       if (tr == nullptr) continue;
       tr->verify_fingerprints = o.verify_collectives;
-      if (hier_ != HostHierarchy::flat) {
-        tr->why_left = [this](const std::vector<int>& ranks, std::chrono::milliseconds grace) {
-          return why_left(ranks, grace);
-        };
-      }
+      // A rank that leaves says why in the store (the hierarchical path's record, or the
+      // rendezvous's failure when a rank fails it after others have finished theirs).
+      tr->why_left = [this](const std::vector<int>& ranks, std::chrono::milliseconds grace) {
+        return why_left(ranks, grace);
+      };
     }
   }
 
@@ -10264,7 +10538,7 @@ class Host {
     for (std::size_t j = 0; j < members.size(); ++j) {
       if (members[j] != rank_) watch.add(members[j], pids[j]);
     }
-    const auto deadline = detail::Clock::now() + timeout;
+    const auto deadline = std::min(detail::Clock::now() + timeout, store.deadline());
     for (;;) {
       const auto left =
           std::chrono::duration_cast<std::chrono::milliseconds>(deadline - detail::Clock::now());
@@ -12109,8 +12383,11 @@ DDP_END_NAMESPACE
 ///
 /// The file: "DDPCKPT1", the section count, each section's name and length, the sections' bytes,
 /// then a 64-bit checksum of everything before it. save() writes a temporary file next to the
-/// target, fsyncs it, renames it over the target and fsyncs the directory, so a crash at any
-/// moment leaves the old checkpoint or the new one, never a mixture. load() refuses a file that is
+/// target (created exclusively under an unpredictable name, never through a link), fsyncs it,
+/// renames it over the target and fsyncs the directory, so a crash at any moment leaves the old
+/// checkpoint or the new one, never a mixture; a temporary file that a killed save left behind is
+/// removed by the next save. Something other than a regular file at the path (a symbolic link, a
+/// FIFO, a directory) is refused, never written through or waited on. load() refuses a file that is
 /// not a checkpoint, is truncated, or whose checksum differs (Errc::protocol, naming the file and
 /// what is wrong). The checksum catches corruption, not tampering: a checkpoint is as trusted as
 /// the directory it lives in.
@@ -12120,23 +12397,273 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// begin ddp/detail/files.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Files that a crash, a full disk or a hostile directory cannot corrupt, for checkpoints:
+///  * StagedFile: a temporary file next to its target, created exclusively under an
+///    unpredictable name (never through a link someone planted), locked while in use, flushed,
+///    then renamed into place; removed when anything fails;
+///  * remove_abandoned(): the temporaries of processes that were killed mid-save, found by their
+///    lock and their process id, removed by the next save;
+///  * non_regular(): what a path is when it is not a regular file (a link, a FIFO, a directory),
+///    without following links and without opening it (opening a FIFO blocks);
+///  * numbered(): the files "<stem>.<number>" of a directory (checkpoint generations).
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/string.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// The directory `path` is in: "." for a bare name, "/" for a file in the root.
+inline std::string parent_dir(const std::string& path) {
+  const std::size_t slash = path.rfind('/');
+  return slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+}
+
+/// The last component of `path`.
+inline std::string base_name(const std::string& path) {
+  const std::size_t slash = path.rfind('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+/// What a file of mode `m` is, for messages; nullptr for a regular file.
+inline const char* file_kind(mode_t m) noexcept {
+  if (S_ISREG(m)) return nullptr;
+  if (S_ISLNK(m)) return "a symbolic link";
+  if (S_ISDIR(m)) return "a directory";
+  if (S_ISFIFO(m)) return "a FIFO";
+  if (S_ISSOCK(m)) return "a socket";
+  if (S_ISCHR(m) || S_ISBLK(m)) return "a device";
+  return "not a regular file";
+}
+
+/// What `path` is when something other than a regular file is there ("a symbolic link", "a
+/// FIFO", ...), not following a link and not opening it; nullptr for a regular file or nothing.
+inline const char* non_regular(const std::string& path) noexcept {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0)
+    return nullptr;  // nothing there (or unreachable: the
+                     // open or rename that follows says why)
+  return file_kind(st.st_mode);
+}
+
+/// Flushes directory `dir`, so that a rename or an unlink in it is on disk. Returns 0, or the
+/// errno of a failed flush (EIO); where directories cannot be flushed at all (EINVAL, EROFS) it
+/// counts as done.
+inline int sync_dir(const std::string& dir) noexcept {
+  const int d = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NONBLOCK | O_CLOEXEC);
+  if (d < 0) return 0;  // e.g. no read permission on the directory: nothing to flush through
+  const int rc = ::fsync(d);
+  const int err = rc == 0 ? 0 : errno;
+  ::close(d);
+  return err == EINVAL || err == EROFS || err == EBADF ? 0 : err;
+}
+
+/// The numbers N of the regular files "<base_name(stem)>.<N>" in stem's directory (decimal, no
+/// sign, no leading zeros), in no particular order. Fails with Errc::system when the directory
+/// cannot be read.
+inline std::vector<std::uint64_t> numbered(const std::string& stem) {
+  const std::string dir = parent_dir(stem);
+  const std::string prefix = base_name(stem) + ".";
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr)
+    fail(Errc::system, "cannot read the directory ", dir, ": ", std::strerror(errno));
+  std::vector<std::uint64_t> out;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string_view name = e->d_name;
+    if (name.size() <= prefix.size() || name.substr(0, prefix.size()) != prefix) continue;
+    const std::string_view digits = name.substr(prefix.size());
+    if (digits.size() > 18 || digits.find_first_not_of("0123456789") != std::string_view::npos ||
+        (digits.size() > 1 && digits[0] == '0'))
+      continue;
+    struct stat st {};
+    const std::string full = concat(dir, "/", name);
+    if (::lstat(full.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    std::uint64_t n = 0;
+    for (const char c : digits) n = n * 10 + static_cast<std::uint64_t>(c - '0');
+    out.push_back(n);
+  }
+  ::closedir(d);
+  return out;
+}
+
+/// Removes the temporaries "<family>.tmp.<pid>[.<anything>]" (StagedFile's, and the older
+/// "<path>.tmp.<pid>") that a process killed mid-save left behind: those whose process no longer
+/// exists on this host and that nobody holds locked. Best effort; never throws.
+inline void remove_abandoned(const std::string& family) noexcept {
+  const std::string dir = parent_dir(family);
+  const std::string prefix = base_name(family) + ".tmp.";
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return;
+  const int dfd = ::dirfd(d);
+  while (const dirent* e = ::readdir(d)) {
+    const std::string_view name = e->d_name;
+    if (name.size() <= prefix.size() || name.substr(0, prefix.size()) != prefix) continue;
+    std::string_view rest = name.substr(prefix.size());
+    const std::size_t dot = rest.find('.');
+    const std::string_view pid_text = rest.substr(0, dot);
+    if (pid_text.empty() || pid_text.size() > 9 ||
+        pid_text.find_first_not_of("0123456789") != std::string_view::npos)
+      continue;
+    long pid = 0;
+    for (const char c : pid_text) pid = pid * 10 + (c - '0');
+    if (pid <= 0 || ::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH)
+      continue;  // its process still runs here (or runs as another user): not abandoned
+    const int fd = ::openat(dfd, e->d_name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) continue;
+    struct stat st {};
+    const bool ours = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid();
+    if (ours && ::flock(fd, LOCK_EX | LOCK_NB) == 0) (void)::unlinkat(dfd, e->d_name, 0);
+    ::close(fd);
+  }
+  ::closedir(d);
+}
+
+/// A temporary file "<family>.tmp.<pid>.<16 hex digits>" in family's directory, created with
+/// O_EXCL | O_NOFOLLOW (a link or anything else planted under its name is never written through;
+/// a new name is drawn), locked (flock) while this object holds it, written and flushed by
+/// write(), renamed into place by commit(), and removed on destruction unless committed or
+/// released. Errors are Errc::system, "<what>: <action> <file>: <reason>".
+class StagedFile {
+ public:
+  StagedFile(const std::string& family, std::string what) : what_(std::move(what)) {
+    std::random_device rd;
+    for (int attempt = 0;; ++attempt) {
+      const std::uint64_t r = (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
+      char hex[17];
+      for (int i = 0; i < 16; ++i) hex[i] = "0123456789abcdef"[(r >> (4 * i)) & 15];
+      hex[16] = '\0';
+      name_ = concat(family, ".tmp.", ::getpid(), ".", hex);
+      fd_ = ::open(name_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+      if (fd_ >= 0) break;
+      if (errno != EEXIST || attempt == 16) {
+        const int err = errno;
+        name_.clear();
+        errno = err;
+        io_fail("cannot create a file next to ", family);
+      }
+    }
+    (void)::flock(fd_, LOCK_EX | LOCK_NB);  // new and exclusive: nobody else holds it
+  }
+  StagedFile(const StagedFile&) = delete;
+  StagedFile& operator=(const StagedFile&) = delete;
+  StagedFile(StagedFile&& o) noexcept
+      : what_(std::move(o.what_)),
+        name_(std::exchange(o.name_, {})),
+        fd_(std::exchange(o.fd_, -1)) {}
+  StagedFile& operator=(StagedFile&&) = delete;
+  ~StagedFile() { discard(); }
+
+  /// The temporary file's name.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+
+  /// Writes all of `bytes` and flushes them to disk; on failure the file is removed.
+  void write(std::string_view bytes) {
+    const char* p = bytes.data();
+    std::size_t left = bytes.size();
+    while (left > 0) {
+      const ssize_t n = ::write(fd_, p, left);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        failed(n < 0 ? errno : ENOSPC, "cannot write ", bytes.size(), " bytes to ", name_);
+      }
+      p += n;
+      left -= static_cast<std::size_t>(n);
+    }
+    if (::fsync(fd_) != 0) failed(errno, "cannot flush ", name_, " to disk");
+  }
+
+  /// Renames the file to `to` and flushes the directory, so that `to` is the new file in one
+  /// step. `to` must be a regular file or nothing (Errc::invalid_argument otherwise: a link is
+  /// not replaced, nor written through).
+  void commit(const std::string& to) {
+    if (const char* kind = non_regular(to)) {
+      discard();
+      fail(Errc::invalid_argument, what_, ": ", to, " is ", kind,
+           ", not a regular file: refusing to replace it; remove it, or choose another path");
+    }
+    if (::rename(name_.c_str(), to.c_str()) != 0)
+      failed(errno, "cannot rename ", name_, " to ", to);
+    const std::string from = std::exchange(name_, {});
+    ::close(std::exchange(fd_, -1));
+    if (const int err = sync_dir(parent_dir(to)); err != 0) {
+      errno = err;
+      io_fail("cannot flush the directory of ", to, " to disk");
+    }
+  }
+
+  /// Gives the file up without removing it (it is closed and unlocked); returns its name.
+  std::string release() noexcept {
+    if (fd_ >= 0) ::close(std::exchange(fd_, -1));
+    return std::exchange(name_, {});
+  }
+
+  /// Removes the file (when there is one).
+  void discard() noexcept {
+    if (!name_.empty()) ::unlink(name_.c_str());
+    name_.clear();
+    if (fd_ >= 0) ::close(std::exchange(fd_, -1));
+  }
+
+ private:
+  template <class... A>
+  [[noreturn]] void io_fail(const A&... a) const {
+    const int err = errno;
+    fail(Errc::system, what_, ": ", a..., ": ", std::strerror(err));
+  }
+  template <class... A>
+  [[noreturn]] void failed(int err, const A&... a) {
+    const std::string msg = concat(what_, ": ", a..., ": ", std::strerror(err));
+    discard();
+    fail(Errc::system, msg);
+  }
+
+  std::string what_;
+  std::string name_;
+  int fd_ = -1;
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/files.hpp
 // #include "ddp/detail/string.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/objects.hpp" (already included above)
 // #include "ddp/partition.hpp" (already included above)
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <optional>
-#include <random>
 #include <span>
 #include <string>
 #include <string_view>
@@ -12168,14 +12695,6 @@ struct codec<SamplerState> {
     return s;
   }
 };
-
-namespace detail {
-/// The directory `path` is in: "." for a bare name, "/" for a file in the root.
-inline std::string parent_dir(const std::string& path) {
-  const std::size_t slash = path.rfind('/');
-  return slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
-}
-}  // namespace detail
 
 /// Named sections of bytes (see the file comment).
 class Checkpoint {
@@ -12325,60 +12844,52 @@ class Checkpoint {
 
     /// Writes the checkpoint to `path` atomically (see the file comment); Errc::system naming the
     /// path and the reason (a full disk, a missing directory, permissions) on failure, leaving any
-    /// earlier file at `path` as it was.
-    void save(const std::string& path) const { commit(stage(path), path); }
+    /// earlier file at `path` as it was. Errc::invalid_argument when something other than a
+    /// regular file is at `path` (a symbolic link, a FIFO, a directory): it is neither replaced
+    /// nor written through. Temporary files that earlier saves to `path` left behind when their
+    /// process was killed are removed.
+    void save(const std::string& path) const {
+      check_target(path);
+      detail::StagedFile f(path, "Checkpoint");
+      f.write(serialize());
+      f.commit(path);
+      detail::remove_abandoned(path);
+    }
 
     /// The first half of save(): writes the checkpoint to a temporary file next to `path` and
     /// flushes it to disk; returns that file's name (for commit() or discard()).
     [[nodiscard]] std::string stage(const std::string& path) const {
       return stage_bytes(path, serialize());
     }
-    /// stage() of given file bytes (from serialize() or serialize_with()).
+    /// stage() of given file bytes (from serialize() or serialize_with()). The temporary file is
+    /// created exclusively under an unpredictable name ("<path>.tmp.<pid>.<random>"), never
+    /// through a link.
     [[nodiscard]] static std::string stage_bytes(const std::string& path,
                                                  const std::string& bytes) {
-      const std::string tmp = detail::concat(path, ".tmp.", ::getpid());
-      const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-      if (fd < 0) io_fail("cannot create ", tmp);
-      const char* p = bytes.data();
-      std::size_t left = bytes.size();
-      while (left > 0) {
-        const ssize_t n = ::write(fd, p, left);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) {
-          const int err = n < 0 ? errno : ENOSPC;
-          ::close(fd);
-          ::unlink(tmp.c_str());
-          errno = err;
-          io_fail("cannot write ", bytes.size(), " bytes to ", tmp);
-        }
-        p += n;
-        left -= static_cast<std::size_t>(n);
-      }
-      if (::fsync(fd) != 0) {
-        const int err = errno;
-        ::close(fd);
-        ::unlink(tmp.c_str());
-        errno = err;
-        io_fail("cannot flush ", tmp, " to disk");
-      }
-      ::close(fd);
-      return tmp;
+      check_target(path);
+      detail::StagedFile f(path, "Checkpoint");
+      f.write(bytes);
+      return f.release();
     }
 
     /// The second half of save(): renames the staged file `tmp` over `path` and flushes the
     /// directory, so the new checkpoint replaces the old one in one step.
     static void commit(const std::string& tmp, const std::string& path) {
+      if (const char* kind = detail::non_regular(path)) {
+        discard(tmp);
+        refuse_target(path, kind);
+      }
       if (::rename(tmp.c_str(), path.c_str()) != 0) {
         const int err = errno;
         ::unlink(tmp.c_str());
         errno = err;
         io_fail("cannot rename ", tmp, " to ", path);
       }
-      const std::string dir = detail::parent_dir(path);
-      if (const int d = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); d >= 0) {
-        (void)::fsync(d);  // the rename itself on disk; best effort where directories cannot sync
-        ::close(d);
+      if (const int err = detail::sync_dir(detail::parent_dir(path)); err != 0) {
+        errno = err;
+        io_fail("cannot flush the directory of ", path, " to disk");
       }
+      detail::remove_abandoned(path);
     }
 
     /// Removes a staged file that will not be committed.
@@ -12386,18 +12897,30 @@ class Checkpoint {
 
     /// Reads and verifies `path`; std::nullopt when there is no file there (a run that starts
     /// afresh); Errc::protocol for a file that is not a valid checkpoint, Errc::system when it
-    /// cannot be read.
+    /// cannot be read, Errc::invalid_argument when `path` is not a regular file (a FIFO, a
+    /// directory, a device: refused without waiting on it; a symbolic link to a regular file is
+    /// followed).
     [[nodiscard]] static std::optional<Checkpoint> load(const std::string& path) {
-      const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      // O_NONBLOCK: opening a FIFO would otherwise wait for a writer, forever.
+      const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
       if (fd < 0) {
         if (errno == ENOENT) return std::nullopt;
         io_fail("cannot open ", path);
       }
+      struct stat st {};
+      if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        const char* kind = detail::file_kind(st.st_mode);
+        ::close(fd);
+        detail::fail(Errc::invalid_argument, "Checkpoint: ", path, " is ",
+                     kind != nullptr ? kind : "unreadable",
+                     ", not a checkpoint file; remove it, or correct the path");
+      }
       std::string bytes;
+      bytes.reserve(static_cast<std::size_t>(st.st_size));
       char buf[1 << 16];
       for (;;) {
         const ssize_t n = ::read(fd, buf, sizeof buf);
-        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
         if (n < 0) {
           const int err = errno;
           ::close(fd);
@@ -12422,6 +12945,15 @@ class Checkpoint {
       for (const auto& s : sections_) have += (have.empty() ? "" : ", ") + s.first;
       detail::fail(Errc::invalid_argument, "Checkpoint: no section \"", name, "\" (it has ",
                    have.empty() ? std::string("none") : have, ")");
+    }
+    /// Errc::invalid_argument when something other than a regular file is at `path`.
+    static void check_target(const std::string& path) {
+      if (const char* kind = detail::non_regular(path)) refuse_target(path, kind);
+    }
+    [[noreturn]] static void refuse_target(const std::string& path, const char* kind) {
+      detail::fail(Errc::invalid_argument, "Checkpoint: ", path, " is ", kind,
+                   ", not a regular file: a checkpoint neither replaces it nor writes through "
+                   "it; remove it, or choose another path");
     }
     static void check_name(std::string_view name) {
       if (name.empty() || name.size() > 4096)
@@ -12485,32 +13017,6 @@ void fail_with_first(Comm& comm, const std::vector<std::string>& errors, const c
     if (!errors[r].empty()) fail_relayed(comm, errors[r], what, r, "failed");
 }
 
-/// A shard file (of any rank) of a world size other than `world` next to `path` ("" if none).
-inline std::string other_world_shard(const std::string& path, int world) {
-  const std::string dir = parent_dir(path);
-  const std::size_t slash = path.rfind('/');
-  const std::string prefix = path.substr(slash == std::string::npos ? 0 : slash + 1) + ".rank";
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) return {};
-  std::string found;
-  while (const dirent* e = ::readdir(d)) {
-    const std::string name = e->d_name;
-    if (name.rfind(prefix, 0) != 0) continue;
-    const std::string rest = name.substr(prefix.size());  // "R-of-N"
-    const std::size_t of = rest.find("-of-");
-    const auto digits = [](const std::string& t) {
-      return !t.empty() && t.find_first_not_of("0123456789") == std::string::npos;
-    };
-    if (of == std::string::npos || !digits(rest.substr(0, of)) || !digits(rest.substr(of + 4)) ||
-        rest.substr(of + 4) == std::to_string(world))
-      continue;
-    found = slash == std::string::npos ? name : concat(dir == "/" ? "" : dir, "/", name);
-    break;
-  }
-  ::closedir(d);
-  return found;
-}
-
 /// A load from `path` whose directory does not exist is a wrong path, not a fresh start:
 /// Errc::invalid_argument naming it (the save at the end of the first epoch would fail anyway).
 inline void check_directory(const std::string& path, const char* what) {
@@ -12565,137 +13071,6 @@ template <class Comm>
                          "could not load");
   broadcast_object(comm, bytes, root);
   return Checkpoint::parse(bytes, path);
-}
-
-/// The file that rank `rank` of `world` saves and loads for sharded state: path.rankR-of-P.
-[[nodiscard]] inline std::string shard_path(const std::string& path, int rank, int world) {
-  return detail::concat(path, ".rank", rank, "-of-", world);
-}
-
-namespace detail {
-/// save_sharded_checkpoint, with `stamp` words after the rank, the world size and the save id in
-/// the "ddp.shard" section, and `extra` sections added.
-template <class Comm>
-std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::string& path,
-                               const std::vector<std::uint64_t>& stamp_extra,
-                               std::span<const Checkpoint::Section> extra) {
-  std::uint64_t id = 0;
-  if (comm.rank() == 0) {
-    std::random_device rd;
-    id = (static_cast<std::uint64_t>(rd()) << 32) ^ rd() ^
-         static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
-  }
-  broadcast_object(comm, id, 0);
-  std::vector<std::uint64_t> words{static_cast<std::uint64_t>(comm.rank()),
-                                   static_cast<std::uint64_t>(comm.size()), id};
-  words.insert(words.end(), stamp_extra.begin(), stamp_extra.end());
-  const std::string stamp = encode_object(words);
-  std::vector<Checkpoint::Section> sections(extra.begin(), extra.end());
-  sections.emplace_back("ddp.shard", stamp);
-  const std::string target = shard_path(path, comm.rank(), comm.size());
-  std::string tmp, error;
-  try {
-    tmp = Checkpoint::stage_bytes(target, ck.serialize_with(sections));
-  } catch (const Error& e) {
-    error = error_text(e);
-  }
-  auto errors = comm.all_gather_object(error);
-  for (const auto& e : errors) {
-    if (!e.empty() && !tmp.empty()) {
-      Checkpoint::discard(tmp);
-      tmp.clear();
-    }
-  }
-  fail_with_first(comm, errors, "save_sharded_checkpoint");
-  try {
-    Checkpoint::commit(tmp, target);
-  } catch (const Error& e) {
-    error = error_text(e);
-  }
-  errors = comm.all_gather_object(error);
-  fail_with_first(comm, errors, "save_sharded_checkpoint");
-  return id;
-}
-}  // namespace detail
-
-/// Collective: every rank saves its own `ck` (its shard of the optimizer state) to
-/// shard_path(path, rank, size). In two phases: every rank writes and flushes a temporary file;
-/// only when all have succeeded does each rename its file into place, so a failure anywhere (a
-/// full disk on one rank) leaves every earlier shard file as it was and fails on every rank with
-/// that rank's error. Each file records the rank, the world size and a save identifier (the
-/// same in every rank's file: shard_save_id) that load_sharded_checkpoint checks. Returns the
-/// identifier. (ShardedAverager::save also records the shard's layout and parameter values.)
-template <class Comm>
-std::uint64_t save_sharded_checkpoint(Comm& comm, const Checkpoint& ck, const std::string& path) {
-  return detail::save_shard_files(comm, ck, path, {}, {});
-}
-
-/// The save identifier of a shard file that load_sharded_checkpoint returned (the value
-/// save_sharded_checkpoint returned when it was saved), e.g. to match it to a checkpoint saved
-/// beside it.
-[[nodiscard]] inline std::uint64_t shard_save_id(const Checkpoint& shard) {
-  const auto stamp = shard.get_object<std::vector<std::uint64_t>>("ddp.shard");
-  if (stamp.size() < 3)
-    detail::fail(Errc::protocol, "Checkpoint: the ddp.shard section is damaged");
-  return stamp[2];
-}
-
-/// Collective: each rank loads and verifies its own shard_path(path, rank, size); std::nullopt
-/// on every rank when no rank has its file (a run that starts afresh). Fails on every rank when
-/// one rank's file is invalid (Errc::protocol or Errc::system, naming the rank), when some ranks
-/// have their file and others do not, or when the files come from different saves (a save cut
-/// short between the ranks' renames) or a different rank or world size (Errc::mismatch).
-template <class Comm>
-[[nodiscard]] std::optional<Checkpoint> load_sharded_checkpoint(Comm& comm,
-                                                                const std::string& path) {
-  const std::string mine = shard_path(path, comm.rank(), comm.size());
-  std::optional<Checkpoint> ck;
-  std::string error;
-  std::vector<std::uint64_t> stamp;  // rank, world, save id
-  try {
-    detail::check_directory(mine, "Checkpoint");
-    ck = Checkpoint::load(mine);
-    if (ck) {
-      if (!ck->contains("ddp.shard"))
-        detail::fail(Errc::mismatch, "Checkpoint: ", mine,
-                     " is not a shard file (it was not written by save_sharded_checkpoint)");
-      stamp = ck->get_object<std::vector<std::uint64_t>>("ddp.shard");
-      if (stamp.size() < 3 || stamp[0] != static_cast<std::uint64_t>(comm.rank()) ||
-          stamp[1] != static_cast<std::uint64_t>(comm.size()))
-        detail::fail(Errc::mismatch, "Checkpoint: ", mine, " was written by rank ",
-                     stamp.empty() ? 0 : stamp[0], " of ", stamp.size() < 2 ? 0 : stamp[1],
-                     " ranks; a shard resumes on its own rank with the same world size");
-    }
-  } catch (const Error& e) {
-    error = detail::error_text(e);
-  }
-  detail::fail_with_first(comm, comm.all_gather_object(error), "load_sharded_checkpoint");
-  const auto ids = comm.all_gather_object(ck ? std::optional<std::uint64_t>(stamp[2])
-                                             : std::optional<std::uint64_t>());
-  std::optional<std::size_t> with, without;
-  for (std::size_t r = 0; r < ids.size(); ++r) (ids[r] ? with : without) = r;
-  if (!with) {  // a fresh start, unless shard files of another world size are there
-    std::string other = comm.rank() == 0 ? detail::other_world_shard(path, comm.size()) : "";
-    broadcast_object(comm, other, 0);
-    if (other.empty()) return std::nullopt;
-    detail::fail(Errc::mismatch, "rank ", comm.rank(),
-                 ": load_sharded_checkpoint: there is no "
-                 "shard file for ",
-                 comm.size(), " ranks (", mine, ") but there is ", other,
-                 ": sharded state resumes on the world size that saved it");
-  }
-  if (without)
-    detail::fail(Errc::mismatch, "rank ", comm.rank(), ": load_sharded_checkpoint: rank ", *with,
-                 " has its shard file but rank ", *without, " has none (",
-                 shard_path(path, static_cast<int>(*without), comm.size()),
-                 "): the checkpoint is incomplete, or was saved with another world size");
-  for (std::size_t r = 1; r < ids.size(); ++r) {
-    if (*ids[r] != *ids[0])
-      detail::fail(Errc::mismatch, "rank ", comm.rank(), ": load_sharded_checkpoint: rank ", r,
-                   "'s shard file comes from a different save than rank 0's (a save was cut "
-                   "short); resume from a complete checkpoint");
-  }
-  return ck;
 }
 
 DDP_END_NAMESPACE
@@ -14537,9 +14912,295 @@ DDP_END_NAMESPACE
 /// With a framework whose backward adds into the gradients, zero_grad() the whole model after a
 /// step (TorchShard::step does): an optimizer on the shard zeroes only the shard's.
 
-// #include "ddp/checkpoint.hpp" (already included above)
 // #include "ddp/communicator.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
+// begin ddp/sharded_checkpoint.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Sharded checkpoints: every rank saves and loads its own file (its shard of the optimizer
+/// state, ShardedAverager's parameters), collectively, so that no rank writes the whole model.
+///
+///     ddp::save_sharded_checkpoint(comm, ck, "run.ckpt");   // run.ckpt.rank<R>-of-<P>.<G>
+///     if (auto ck = ddp::load_sharded_checkpoint(comm, "run.ckpt")) { ... }
+///
+/// Each save is a new generation G of the files; the older ones are removed only once every rank
+/// has its new file on disk, so a failure or a kill at any moment, on any rank, leaves a complete
+/// set to load: the newest generation that every rank has.
+
+// #include "ddp/checkpoint.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/files.hpp" (already included above)
+// #include "ddp/detail/string.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/objects.hpp" (already included above)
+
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+namespace detail {
+/// A shard file (of any rank) of a world size other than `world` next to `path` ("" if none).
+inline std::string other_world_shard(const std::string& path, int world) {
+  const std::string dir = parent_dir(path);
+  const std::size_t slash = path.rfind('/');
+  const std::string prefix = path.substr(slash == std::string::npos ? 0 : slash + 1) + ".rank";
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return {};
+  std::string found;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.rfind(prefix, 0) != 0) continue;
+    std::string rest = name.substr(prefix.size());  // "R-of-N.G" (or "R-of-N": older saves)
+    rest = rest.substr(0, rest.find('.'));
+    const std::size_t of = rest.find("-of-");
+    const auto digits = [](const std::string& t) {
+      return !t.empty() && t.find_first_not_of("0123456789") == std::string::npos;
+    };
+    if (of == std::string::npos || !digits(rest.substr(0, of)) || !digits(rest.substr(of + 4)) ||
+        rest.substr(of + 4) == std::to_string(world))
+      continue;
+    found = slash == std::string::npos ? name : concat(dir == "/" ? "" : dir, "/", name);
+    break;
+  }
+  ::closedir(d);
+  return found;
+}
+
+}  // namespace detail
+
+/// The name that rank `rank` of `world`'s shard files start with: path.rankR-of-P. Each save
+/// writes a new generation of them, path.rankR-of-P.G (G = 1, 2, ...), and removes the older
+/// generations only once the new one is complete on every rank.
+[[nodiscard]] inline std::string shard_path(const std::string& path, int rank, int world) {
+  return detail::concat(path, ".rank", rank, "-of-", world);
+}
+
+namespace detail {
+/// Generation `g` of the shard files that start with `stem` (0: the one file "<stem>" that saves
+/// before generations were numbered wrote).
+inline std::string shard_generation_path(const std::string& stem, std::uint64_t g) {
+  return g == 0 ? stem : concat(stem, ".", g);
+}
+/// The generations of `stem` in its directory, newest first (0 for an unnumbered "<stem>").
+inline std::vector<std::uint64_t> shard_generations(const std::string& stem) {
+  std::vector<std::uint64_t> gens = numbered(stem);
+  struct stat st {};
+  if (::lstat(stem.c_str(), &st) == 0 && S_ISREG(st.st_mode)) gens.push_back(0);
+  std::sort(gens.begin(), gens.end(), std::greater<>());
+  return gens;
+}
+/// The generations as text, for messages: "3 and 4", or "none".
+inline std::string generations_text(const std::vector<std::uint64_t>& gens) {
+  if (gens.empty()) return "none";
+  std::string out;
+  for (std::size_t i = gens.size(); i-- > 0;)
+    out += concat(out.empty() ? "" : i == 0 ? " and " : ", ", gens[i]);
+  return out;
+}
+
+/// save_sharded_checkpoint, with `stamp` words after the rank, the world size and the save id in
+/// the "ddp.shard" section, and `extra` sections added.
+///
+/// The protocol, on every rank: (1) agree on the new generation G, one past the newest any rank
+/// has; (2) write, flush and rename the shard into "<stem>.G" (a new name: nothing is replaced)
+/// and flush the directory; (3) gather every rank's outcome. When all succeeded, generation G is
+/// complete everywhere, and each rank removes its older generations; when a rank reported a
+/// failure, each rank removes its G file, and the previous generation is untouched. When the
+/// outcome cannot be gathered (a rank died), every file stays: load_sharded_checkpoint takes the
+/// newest generation complete on every rank, and the next successful save removes the rest.
+template <class Comm>
+std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::string& path,
+                               const std::vector<std::uint64_t>& stamp_extra,
+                               std::span<const Checkpoint::Section> extra) {
+  const std::string stem = shard_path(path, comm.rank(), comm.size());
+  std::string error;
+  std::uint64_t newest = 0;
+  try {
+    const auto gens = shard_generations(stem);
+    if (!gens.empty()) newest = gens.front();
+  } catch (const Error& e) {
+    error = error_text(e);
+  }
+  fail_with_first(comm, comm.all_gather_object(error), "save_sharded_checkpoint");
+  std::uint64_t generation = 0;
+  for (const std::uint64_t g : comm.all_gather_object(newest)) generation = std::max(generation, g);
+  ++generation;
+  std::uint64_t id = 0;
+  if (comm.rank() == 0) {
+    std::random_device rd;
+    id = (static_cast<std::uint64_t>(rd()) << 32) ^ rd() ^
+         static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  }
+  broadcast_object(comm, id, 0);
+  std::vector<std::uint64_t> words{static_cast<std::uint64_t>(comm.rank()),
+                                   static_cast<std::uint64_t>(comm.size()), id};
+  words.insert(words.end(), stamp_extra.begin(), stamp_extra.end());
+  const std::string stamp = encode_object(words);
+  std::vector<Checkpoint::Section> sections(extra.begin(), extra.end());
+  sections.emplace_back("ddp.shard", stamp);
+  const std::string target = shard_generation_path(stem, generation);
+  bool written = false;
+  try {
+    StagedFile f(stem, "Checkpoint");
+    f.write(ck.serialize_with(sections));
+    f.commit(target);  // a new name: nothing is replaced
+    written = true;
+  } catch (const Error& e) {
+    error = error_text(e);
+    if (::access(target.c_str(), F_OK) == 0) written = true;  // renamed, then the flush failed
+  }
+  const auto errors = comm.all_gather_object(error);  // a rank lost here: every file stays
+  bool complete = true;
+  for (const auto& e : errors) complete = complete && e.empty();
+  if (!complete) {
+    if (written) {  // generation G is incomplete: it goes, the previous one stays
+      ::unlink(target.c_str());
+      (void)sync_dir(parent_dir(target));
+    }
+    fail_with_first(comm, errors, "save_sharded_checkpoint");
+  }
+  // Generation G is on disk on every rank: the older ones are no longer needed.
+  for (const std::uint64_t g : shard_generations(stem)) {
+    if (g != generation) ::unlink(shard_generation_path(stem, g).c_str());
+  }
+  remove_abandoned(stem);
+  (void)sync_dir(parent_dir(stem));
+  return id;
+}
+}  // namespace detail
+
+/// Collective: every rank saves its own `ck` (its shard of the optimizer state) as a new
+/// generation of its shard files (shard_path(path, rank, size) + ".G"). Each rank writes,
+/// flushes and renames its file into a name of its own; only when every rank has succeeded are
+/// the older generations removed. A failure anywhere (a full disk on one rank, a rank killed at
+/// any moment) therefore leaves the previous complete set loadable: a rank that reports a
+/// failure makes every rank remove the new generation and fail with that rank's error; a rank
+/// that dies leaves the files as they are, and load_sharded_checkpoint takes the newest set
+/// that is complete on every rank. Each file records the rank, the world size and a save
+/// identifier (the same in every rank's file: shard_save_id) that load_sharded_checkpoint
+/// checks. Returns the identifier. (ShardedAverager::save also records the shard's layout and
+/// parameter values.) Ranks may save to one shared file system or each to its own disk.
+template <class Comm>
+std::uint64_t save_sharded_checkpoint(Comm& comm, const Checkpoint& ck, const std::string& path) {
+  return detail::save_shard_files(comm, ck, path, {}, {});
+}
+
+/// The save identifier of a shard file that load_sharded_checkpoint returned (the value
+/// save_sharded_checkpoint returned when it was saved), e.g. to match it to a checkpoint saved
+/// beside it.
+[[nodiscard]] inline std::uint64_t shard_save_id(const Checkpoint& shard) {
+  const auto stamp = shard.get_object<std::vector<std::uint64_t>>("ddp.shard");
+  if (stamp.size() < 3)
+    detail::fail(Errc::protocol, "Checkpoint: the ddp.shard section is damaged");
+  return stamp[2];
+}
+
+/// Collective: each rank loads and verifies its own shard file of the newest generation that
+/// every rank has (a save cut short leaves the one before it); std::nullopt on every rank when
+/// no rank has any (a run that starts afresh). Fails on every rank when one rank's file is
+/// invalid (Errc::protocol or Errc::system, naming the rank), when the ranks have no generation
+/// in common, or when the files come from different saves or a different rank or world size
+/// (Errc::mismatch).
+template <class Comm>
+[[nodiscard]] std::optional<Checkpoint> load_sharded_checkpoint(Comm& comm,
+                                                                const std::string& path) {
+  const std::string stem = shard_path(path, comm.rank(), comm.size());
+  std::string error;
+  std::vector<std::uint64_t> gens;
+  try {
+    detail::check_directory(stem, "Checkpoint");
+    gens = detail::shard_generations(stem);
+  } catch (const Error& e) {
+    error = detail::error_text(e);
+  }
+  detail::fail_with_first(comm, comm.all_gather_object(error), "load_sharded_checkpoint");
+  const auto all = comm.all_gather_object(gens);
+  std::optional<std::size_t> with, without;
+  for (std::size_t r = 0; r < all.size(); ++r) (all[r].empty() ? without : with) = r;
+  if (!with) {  // a fresh start, unless shard files of another world size are there
+    std::string other = comm.rank() == 0 ? detail::other_world_shard(path, comm.size()) : "";
+    broadcast_object(comm, other, 0);
+    if (other.empty()) return std::nullopt;
+    detail::fail(Errc::mismatch, "rank ", comm.rank(),
+                 ": load_sharded_checkpoint: there is no "
+                 "shard file for ",
+                 comm.size(), " ranks (", stem, ".*) but there is ", other,
+                 ": sharded state resumes on the world size that saved it");
+  }
+  if (without)
+    detail::fail(Errc::mismatch, "rank ", comm.rank(), ": load_sharded_checkpoint: rank ", *with,
+                 " has its shard file but rank ", *without, " has none (",
+                 shard_path(path, static_cast<int>(*without), comm.size()),
+                 ".*): the checkpoint is incomplete, or was saved with another world size");
+  std::optional<std::uint64_t> chosen;  // the newest generation every rank has
+  for (const std::uint64_t g : all[0]) {
+    bool everywhere = true;
+    for (const auto& r : all)
+      everywhere = everywhere && std::find(r.begin(), r.end(), g) != r.end();
+    if (everywhere) {
+      chosen = g;
+      break;
+    }
+  }
+  if (!chosen) {
+    std::size_t other = 1;
+    while (other + 1 < all.size() && all[other] == all[0]) ++other;
+    detail::fail(Errc::mismatch, "rank ", comm.rank(),
+                 ": load_sharded_checkpoint: the ranks have no save in common (rank 0 has "
+                 "generation ",
+                 detail::generations_text(all[0]), " of ", shard_path(path, 0, comm.size()),
+                 ", rank ", other, " has ", detail::generations_text(all[other]),
+                 "): the files come from different runs; resume from a complete checkpoint");
+  }
+  const std::string mine = detail::shard_generation_path(stem, *chosen);
+  std::optional<Checkpoint> ck;
+  std::vector<std::uint64_t> stamp;  // rank, world, save id[, the caller's words]
+  try {
+    ck = Checkpoint::load(mine);
+    if (!ck)
+      detail::fail(Errc::system, "Checkpoint: ", mine, " disappeared while it was being loaded");
+    if (!ck->contains("ddp.shard"))
+      detail::fail(Errc::mismatch, "Checkpoint: ", mine,
+                   " is not a shard file (it was not written by save_sharded_checkpoint)");
+    stamp = ck->get_object<std::vector<std::uint64_t>>("ddp.shard");
+    if (stamp.size() < 3 || stamp[0] != static_cast<std::uint64_t>(comm.rank()) ||
+        stamp[1] != static_cast<std::uint64_t>(comm.size()))
+      detail::fail(Errc::mismatch, "Checkpoint: ", mine, " was written by rank ",
+                   stamp.empty() ? 0 : stamp[0], " of ", stamp.size() < 2 ? 0 : stamp[1],
+                   " ranks; a shard resumes on its own rank with the same world size");
+  } catch (const Error& e) {
+    error = detail::error_text(e);
+  }
+  detail::fail_with_first(comm, comm.all_gather_object(error), "load_sharded_checkpoint");
+  const auto ids = comm.all_gather_object(stamp[2]);
+  for (std::size_t r = 1; r < ids.size(); ++r) {
+    if (ids[r] != ids[0])
+      detail::fail(Errc::mismatch, "rank ", comm.rank(), ": load_sharded_checkpoint: rank ", r,
+                   "'s shard file comes from a different save than rank 0's (generation ", *chosen,
+                   "); resume from a complete checkpoint");
+  }
+  return ck;
+}
+
+DDP_END_NAMESPACE
+// end ddp/sharded_checkpoint.hpp
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
@@ -15263,6 +15924,7 @@ ShardedAverager(Communicator<Backend>&, M&, ShardedOptions = {}) -> ShardedAvera
 
 DDP_END_NAMESPACE
 // end ddp/sharded.hpp
+// #include "ddp/sharded_checkpoint.hpp" (already included above)
 // begin ddp/spawn.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT

@@ -167,6 +167,9 @@ template <class S>
 /// torch::Tensor (at::Tensor) as a run-time-typed ddp tensor.
 template <>
 struct tensor_traits<at::Tensor> {
+  /// A copy shares the tensor's storage: the Work of an _async collective holds one until the
+  /// operation has finished, so the caller may drop its tensor before wait() (as in PyTorch).
+  static constexpr bool shares_storage = true;
   /// The tensor's data, dtype, device and layout; `problem` says why it cannot be used, if so.
   static DynamicView view(const at::Tensor& t) { return torch_detail::view(t); }
 };
