@@ -1806,6 +1806,7 @@ DDP_END_NAMESPACE
 #include <chrono>
 #include <cstddef>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -2026,9 +2027,11 @@ class AddrInfo {
 
 /// Connects to host:port, retrying refused/unreachable attempts until the deadline (the server
 /// may not be up yet; a socket connected to itself counts as refused). Returns a blocking socket
-/// with TCP_NODELAY.
+/// with TCP_NODELAY. `check_stop`, when given, runs between attempts and throws to give up (the
+/// peer is known to have failed).
 [[nodiscard]] inline Fd connect_tcp(const std::string& host, int port, Deadline deadline,
-                                    std::string_view what) {
+                                    std::string_view what,
+                                    const std::function<void()>& check_stop = {}) {
   int last_errno = 0;
   auto backoff = std::chrono::milliseconds(5);
   for (;;) {
@@ -2076,6 +2079,7 @@ class AddrInfo {
            " until the timeout; check that it is running and that MASTER_ADDR/MASTER_PORT are "
            "right");
     }
+    if (check_stop) check_stop();
     std::this_thread::sleep_for(std::min(backoff, std::chrono::milliseconds(deadline.poll_ms())));
     backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
   }
@@ -3028,15 +3032,7 @@ class Store {
   void wait(std::span<const std::string> keys) { wait(keys, conn_->options.timeout); }
   /// Waits up to `timeout` until every key exists; Errc::timeout names the ones still missing.
   void wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) {
-    timeout = capped(timeout);
-    std::string req = header(Op::wait);
-    detail::ByteWriter w(req);
-    w.put(static_cast<std::uint32_t>(keys.size()));
-    for (const auto& k : keys) w.str(full(k));
-    w.put(static_cast<std::uint64_t>(timeout.count()));
-    w.str(stop_);
-    (void)call(req, "wait", keys.empty() ? std::string_view{} : std::string_view(keys.front()),
-               timeout);
+    (void)wait_for(keys, timeout, false);
   }
 
   /// Adds delta to the integer at key (absent counts as 0) and returns the new value.
@@ -3107,14 +3103,11 @@ class Store {
 
   /// The keys of `keys` that are missing from the store after waiting up to `timeout`; empty when
   /// all appeared. Unlike wait(), reports instead of throwing.
+  /// A watched key that appears meanwhile throws its error, whatever its code (Errc::timeout
+  /// included: a rank that timed out elsewhere), never mistaken for this wait's own timeout.
   [[nodiscard]] std::vector<std::string> missing_after(std::span<const std::string> keys,
                                                        std::chrono::milliseconds timeout) {
-    try {
-      wait(keys, timeout);
-      return {};
-    } catch (const Error& e) {
-      if (e.code() != Errc::timeout) throw;
-    }
+    if (wait_for(keys, timeout, true)) return {};
     std::vector<std::string> missing;
     for (const auto& k : keys) {
       if (!check(std::span<const std::string>(&k, 1))) missing.push_back(k);
@@ -3255,6 +3248,22 @@ class Store {
 
   [[nodiscard]] std::string full(std::string_view key) const { return prefix_ + std::string(key); }
 
+  /// wait(); with `report_timeout`, returns false at the timeout instead of throwing it.
+  bool wait_for(std::span<const std::string> keys, std::chrono::milliseconds timeout,
+                bool report_timeout) {
+    timeout = capped(timeout);
+    std::string req = header(Op::wait);
+    detail::ByteWriter w(req);
+    w.put(static_cast<std::uint32_t>(keys.size()));
+    for (const auto& k : keys) w.str(full(k));
+    w.put(static_cast<std::uint64_t>(timeout.count()));
+    w.str(stop_);
+    bool timed_out = false;
+    (void)call(req, "wait", keys.empty() ? std::string_view{} : std::string_view(keys.front()),
+               timeout, report_timeout ? &timed_out : nullptr);
+    return !timed_out;
+  }
+
   /// `timeout`, shortened to end by this view's deadline.
   [[nodiscard]] std::chrono::milliseconds capped(std::chrono::milliseconds timeout) const {
     if (deadline_ == detail::Clock::time_point::max()) return timeout;
@@ -3271,8 +3280,10 @@ class Store {
     return req;
   }
 
+  /// Sends a request and returns the reply's body. `timed_out`, when given, is set instead of
+  /// throwing when the server answers that the wait timed out.
   std::string call(std::string& req, std::string_view what, std::string_view key,
-                   std::chrono::milliseconds timeout) {
+                   std::chrono::milliseconds timeout, bool* timed_out = nullptr) {
     namespace sp = detail::store_proto;
     std::lock_guard lock(conn_->mutex);
     conn_->ensure();
@@ -3320,6 +3331,10 @@ class Store {
         }
         detail::fail(Errc::aborted, "store ", what, "(\"", prefix_, key, "\"): stopped by \"",
                      stop_, "\": ", value);
+      }
+      if (status == Status::timeout && timed_out != nullptr) {
+        *timed_out = true;
+        return {};
       }
       if (status == Status::timeout) {
         detail::ByteReader br(body, "store timeout reply");
@@ -9073,7 +9088,7 @@ class TcpTransport final : public Transport {
     std::vector<Fd> peers(static_cast<std::size_t>(size));
     for (int j = 0; j < rank; ++j) {
       const auto& [host, port] = addrs[static_cast<std::size_t>(j)];
-      Fd fd = connect_tcp(host, port, deadline, concat("rank ", j));
+      Fd fd = connect_tcp(host, port, deadline, concat("rank ", j), check_stop);
       std::string hello;
       ByteWriter w(hello);
       w.put(hello_magic);
@@ -10554,9 +10569,13 @@ class Host {
                      "; the job cannot start: restart it (a launcher with --max-restarts does)");
       }
       if (left.count() <= 0) {
+        std::string who;  // the keys end in the rank: "mapped/2"
+        for (const auto& k : missing)
+          who += detail::concat(who.empty() ? "rank " : ", rank ", k.substr(k.rfind('/') + 1));
         detail::fail(Errc::timeout, "rank ", rank_, ": Communicator::init: timed out after ",
-                     timeout.count(), " ms while ", what, " (still missing: ", missing.front(),
-                     missing.size() > 1 ? " and others" : "", "); a rank of this host is stuck");
+                     timeout.count(), " ms while ", what, ": ", who,
+                     missing.size() > 1 ? " have" : " has",
+                     " not answered (stopped, or too slow); the job cannot start");
       }
     }
   }

@@ -981,7 +981,7 @@ TEST_CASE("a rank killed or stopped during the rendezvous: the others fail withi
   // rendezvous, the store's host (rank 0) included.
   for (const ddp::HostTransport t : {ddp::HostTransport::tcp, ddp::HostTransport::shm}) {
     for (const int sig : {SIGKILL, SIGSTOP}) {
-      for (const int delay_ms : {0, 3, 100}) {
+      for (const int delay_ms : {0, 3, 100, 205}) {
         CAPTURE(t == ddp::HostTransport::tcp ? "tcp" : "shm");
         CAPTURE(sig);
         CAPTURE(delay_ms);
@@ -1029,7 +1029,10 @@ TEST_CASE("a rank killed or stopped during the rendezvous: the others fail withi
             MESSAGE((sig == SIGKILL ? "SIGKILL" : "SIGSTOP")
                     << " at " << delay_ms << " ms: rank 0 " << out.code << " after " << out.ms
                     << " ms");
-          CHECK(out.code != "ok");
+          if (out.code == "ok") {  // the victim finished its init before its signal (205 ms)
+            CHECK(delay_ms > 100);
+            continue;
+          }
           CHECK(out.ms < 3000 + 700);  // one timeout (and a moment to read why), at most
           CHECK(out.message.find("rank 2") != std::string::npos);
           if (sig == SIGKILL && delay_ms >= 50) {  // it had joined the store: at once

@@ -1099,9 +1099,13 @@ class Host {
                      "; the job cannot start: restart it (a launcher with --max-restarts does)");
       }
       if (left.count() <= 0) {
+        std::string who;  // the keys end in the rank: "mapped/2"
+        for (const auto& k : missing)
+          who += detail::concat(who.empty() ? "rank " : ", rank ", k.substr(k.rfind('/') + 1));
         detail::fail(Errc::timeout, "rank ", rank_, ": Communicator::init: timed out after ",
-                     timeout.count(), " ms while ", what, " (still missing: ", missing.front(),
-                     missing.size() > 1 ? " and others" : "", "); a rank of this host is stuck");
+                     timeout.count(), " ms while ", what, ": ", who,
+                     missing.size() > 1 ? " have" : " has",
+                     " not answered (stopped, or too slow); the job cannot start");
       }
     }
   }

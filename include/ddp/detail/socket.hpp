@@ -28,6 +28,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -248,9 +249,11 @@ class AddrInfo {
 
 /// Connects to host:port, retrying refused/unreachable attempts until the deadline (the server
 /// may not be up yet; a socket connected to itself counts as refused). Returns a blocking socket
-/// with TCP_NODELAY.
+/// with TCP_NODELAY. `check_stop`, when given, runs between attempts and throws to give up (the
+/// peer is known to have failed).
 [[nodiscard]] inline Fd connect_tcp(const std::string& host, int port, Deadline deadline,
-                                    std::string_view what) {
+                                    std::string_view what,
+                                    const std::function<void()>& check_stop = {}) {
   int last_errno = 0;
   auto backoff = std::chrono::milliseconds(5);
   for (;;) {
@@ -298,6 +301,7 @@ class AddrInfo {
            " until the timeout; check that it is running and that MASTER_ADDR/MASTER_PORT are "
            "right");
     }
+    if (check_stop) check_stop();
     std::this_thread::sleep_for(std::min(backoff, std::chrono::milliseconds(deadline.poll_ms())));
     backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
   }

@@ -139,15 +139,7 @@ class Store {
   void wait(std::span<const std::string> keys) { wait(keys, conn_->options.timeout); }
   /// Waits up to `timeout` until every key exists; Errc::timeout names the ones still missing.
   void wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) {
-    timeout = capped(timeout);
-    std::string req = header(Op::wait);
-    detail::ByteWriter w(req);
-    w.put(static_cast<std::uint32_t>(keys.size()));
-    for (const auto& k : keys) w.str(full(k));
-    w.put(static_cast<std::uint64_t>(timeout.count()));
-    w.str(stop_);
-    (void)call(req, "wait", keys.empty() ? std::string_view{} : std::string_view(keys.front()),
-               timeout);
+    (void)wait_for(keys, timeout, false);
   }
 
   /// Adds delta to the integer at key (absent counts as 0) and returns the new value.
@@ -218,14 +210,11 @@ class Store {
 
   /// The keys of `keys` that are missing from the store after waiting up to `timeout`; empty when
   /// all appeared. Unlike wait(), reports instead of throwing.
+  /// A watched key that appears meanwhile throws its error, whatever its code (Errc::timeout
+  /// included: a rank that timed out elsewhere), never mistaken for this wait's own timeout.
   [[nodiscard]] std::vector<std::string> missing_after(std::span<const std::string> keys,
                                                        std::chrono::milliseconds timeout) {
-    try {
-      wait(keys, timeout);
-      return {};
-    } catch (const Error& e) {
-      if (e.code() != Errc::timeout) throw;
-    }
+    if (wait_for(keys, timeout, true)) return {};
     std::vector<std::string> missing;
     for (const auto& k : keys) {
       if (!check(std::span<const std::string>(&k, 1))) missing.push_back(k);
@@ -366,6 +355,22 @@ class Store {
 
   [[nodiscard]] std::string full(std::string_view key) const { return prefix_ + std::string(key); }
 
+  /// wait(); with `report_timeout`, returns false at the timeout instead of throwing it.
+  bool wait_for(std::span<const std::string> keys, std::chrono::milliseconds timeout,
+                bool report_timeout) {
+    timeout = capped(timeout);
+    std::string req = header(Op::wait);
+    detail::ByteWriter w(req);
+    w.put(static_cast<std::uint32_t>(keys.size()));
+    for (const auto& k : keys) w.str(full(k));
+    w.put(static_cast<std::uint64_t>(timeout.count()));
+    w.str(stop_);
+    bool timed_out = false;
+    (void)call(req, "wait", keys.empty() ? std::string_view{} : std::string_view(keys.front()),
+               timeout, report_timeout ? &timed_out : nullptr);
+    return !timed_out;
+  }
+
   /// `timeout`, shortened to end by this view's deadline.
   [[nodiscard]] std::chrono::milliseconds capped(std::chrono::milliseconds timeout) const {
     if (deadline_ == detail::Clock::time_point::max()) return timeout;
@@ -382,8 +387,10 @@ class Store {
     return req;
   }
 
+  /// Sends a request and returns the reply's body. `timed_out`, when given, is set instead of
+  /// throwing when the server answers that the wait timed out.
   std::string call(std::string& req, std::string_view what, std::string_view key,
-                   std::chrono::milliseconds timeout) {
+                   std::chrono::milliseconds timeout, bool* timed_out = nullptr) {
     namespace sp = detail::store_proto;
     std::lock_guard lock(conn_->mutex);
     conn_->ensure();
@@ -431,6 +438,10 @@ class Store {
         }
         detail::fail(Errc::aborted, "store ", what, "(\"", prefix_, key, "\"): stopped by \"",
                      stop_, "\": ", value);
+      }
+      if (status == Status::timeout && timed_out != nullptr) {
+        *timed_out = true;
+        return {};
       }
       if (status == Status::timeout) {
         detail::ByteReader br(body, "store timeout reply");

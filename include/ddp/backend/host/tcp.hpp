@@ -69,7 +69,7 @@ class TcpTransport final : public Transport {
     std::vector<Fd> peers(static_cast<std::size_t>(size));
     for (int j = 0; j < rank; ++j) {
       const auto& [host, port] = addrs[static_cast<std::size_t>(j)];
-      Fd fd = connect_tcp(host, port, deadline, concat("rank ", j));
+      Fd fd = connect_tcp(host, port, deadline, concat("rank ", j), check_stop);
       std::string hello;
       ByteWriter w(hello);
       w.put(hello_magic);
