@@ -282,8 +282,10 @@ inline std::string json_string(std::string_view text) {
   return out;
 }
 
+/// Up to `limit` bytes of a file ("" when it cannot be read). O_NONBLOCK: a FIFO put where a
+/// file was expected is read as empty, never waited on.
 inline std::string read_small_file(const std::string& path, std::size_t limit = 1 << 20) {
-  const Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  const Fd fd(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
   if (!fd) return {};
   std::string text(limit, '\0');
   std::size_t n = 0;
@@ -546,7 +548,9 @@ class LaunchAgent {
         "{\"message\": {\"message\": ", json_string(concat(o_.name, ": ", f.what)),
         ", \"errorCode\": ", f.code, ", \"extraInfo\": {\"py_callstack\": \"\", \"timestamp\": \"",
         static_cast<long long>(std::time(nullptr)), "\"}}}\n");
-    const Fd fd(::open(own_error_file_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    // Never through a link, never waiting on a FIFO (one without a reader fails at once).
+    const Fd fd(::open(own_error_file_.c_str(),
+                       O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644));
     if (!fd) {
       say("cannot write TORCHELASTIC_ERROR_FILE ", own_error_file_, ": ", std::strerror(errno));
       return;
@@ -748,7 +752,10 @@ class LaunchAgent {
       const std::string dir = concat(log_dir_, "/attempt_", attempt);
       make_dirs(dir);
       w.log_path = concat(dir, "/rank_", w.rank, ".log");
-      w.log.reset(::open(w.log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+      // Never through a link, never waiting on a FIFO (one without a reader fails at once).
+      w.log.reset(::open(w.log_path.c_str(),
+                         O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644));
+      if (w.log) set_nonblocking(w.log.get(), false);
       if (!w.log) log_failed(w, "opening", errno);
     }
     if (n == static_cast<ssize_t>(sizeof e))

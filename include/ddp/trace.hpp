@@ -16,8 +16,10 @@
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -205,16 +207,27 @@ inline void dump_trace(const std::string& where, const std::string& text, std::s
       (void)::mkdir(where.substr(0, at).c_str(), 0777);
     (void)::mkdir(where.c_str(), 0777);
     const std::string path = concat(where, "/ddp-trace-", name, "-rank", rank, ".txt");
-    if (std::FILE* f = std::fopen(path.c_str(), "w")) {
+    // Never through a link, never waiting on a FIFO someone put there (O_NONBLOCK: opening one
+    // without a reader fails at once), never anything but a regular file.
+    const int fd = ::open(path.c_str(),
+                          O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
+    const char* why = fd < 0 ? std::strerror(errno) : nullptr;
+    struct stat st {};
+    std::FILE* f = nullptr;
+    if (fd >= 0 && ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) f = ::fdopen(fd, "w");
+    if (f == nullptr && fd >= 0) {
+      ::close(fd);
+      why = "something other than a regular file is there";
+    }
+    if (f != nullptr) {
       std::fwrite(text.data(), 1, text.size(), f);
       std::fclose(f);
       std::fprintf(stderr, "[ddp] rank %d: flight recorder written to %s\n", rank, path.c_str());
     } else {
       // Not lost: the dump goes to stderr instead, after the reason.
-      const int err = errno;
       std::fprintf(stderr,
                    "[ddp] rank %d: cannot write the flight recorder to %s: %s; here it is\n", rank,
-                   path.c_str(), std::strerror(err));
+                   path.c_str(), why);
       std::fwrite(text.data(), 1, text.size(), stderr);
     }
   } catch (...) {

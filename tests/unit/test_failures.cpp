@@ -592,6 +592,20 @@ TEST_CASE("spawn with DDP_TRACE_DUMP: failing ranks all write their dumps before
   CHECK(report.find("lagging: rank 2\n") != std::string::npos);
 }
 
+TEST_CASE("a FIFO or a link where the flight recorder goes: never waited on, never followed") {
+  mp::TempDir dir;
+  const std::string fifo = dir.file("ddp-trace-g-rank0.txt"),
+                    link = dir.file("ddp-trace-g-rank1.txt");
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  mp::TempDir::write(dir.file("victim"), "precious");
+  REQUIRE(::symlink(dir.file("victim").c_str(), link.c_str()) == 0);
+  const auto t0 = Clock::now();
+  ddp::detail::dump_trace(dir.path, "the trace\n", "g", 0);  // to stderr instead
+  ddp::detail::dump_trace(dir.path, "the trace\n", "g", 1);
+  CHECK(mp::ms_since(t0) < 2000);
+  CHECK(mp::TempDir::read(dir.file("victim")) == "precious");
+}
+
 TEST_CASE("parse_trace reads format_trace back, refuses other text, diagnose_traces compares") {
   using State = ddp::TraceRecord::State;
   const auto dump = [](int rank, std::vector<ddp::TraceRecord> records, std::uint64_t issued,
