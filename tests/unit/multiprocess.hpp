@@ -82,6 +82,19 @@ inline std::vector<Path> paths() {
 /// Segment size used by the tests: small, so that "larger than any internal chunk" is cheap.
 inline constexpr std::size_t test_segment = 64 * 1024;
 
+/// Runs body(env) on `world` forked ranks; a rank that fails or dies does not stop the others.
+/// Returns spawn's error ("" when every rank succeeded).
+inline std::string spawn_all(int world, const std::function<void(ddp::Environment)>& body) {
+  ddp::SpawnOptions so;
+  so.stop_on_failure = false;
+  try {
+    ddp::spawn(world, body, so);
+  } catch (const ddp::Error& e) {
+    return e.what();
+  }
+  return {};
+}
+
 /// Runs body(comm) on `world` forked ranks over `transport`; fails the doctest case on error.
 inline void run(int world, const Path& transport, const std::function<void(Comm&)>& body,
                 ddp::Options options = {}) {

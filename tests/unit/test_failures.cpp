@@ -887,34 +887,24 @@ TEST_CASE("a communicator destroyed with async work outstanding finishes it, the
     CHECK(mp::TempDir::read(dir.file("rank1")) == "done");
     // Work that the other rank never matches fails by name, within the timeout, and the
     // destructor returns then; the other rank leaves without an error.
-    std::string spawn_error;
-    ddp::SpawnOptions so;
-    so.stop_on_failure = false;
-    try {
-      ddp::spawn(
-          2,
-          [&](ddp::Environment env) {
-            std::vector<float> v(1000, 1.0f);
-            ddp::Work w;
-            const auto t0 = Clock::now();
-            {
-              auto comm = Comm::init(env, o);
-              if (env.rank == 0) w = comm.all_reduce_async(v);
-            }
-            const long long ms = mp::ms_since(t0);
-            std::string outcome = "ok";
-            try {
-              w.wait();
-            } catch (const ddp::Error& e) {
-              outcome = std::string(ddp::to_string(e.code())) + " " + e.what();
-            }
-            mp::TempDir::write(dir.file("unmatched" + std::to_string(env.rank)),
-                               std::to_string(ms) + " " + outcome);
-          },
-          so);
-    } catch (const ddp::Error& e) {
-      spawn_error = e.what();
-    }
+    const std::string spawn_error = mp::spawn_all(2, [&](ddp::Environment env) {
+      std::vector<float> v(1000, 1.0f);
+      ddp::Work w;
+      const auto t0 = Clock::now();
+      {
+        auto comm = Comm::init(env, o);
+        if (env.rank == 0) w = comm.all_reduce_async(v);
+      }
+      const long long ms = mp::ms_since(t0);
+      std::string outcome = "ok";
+      try {
+        w.wait();
+      } catch (const ddp::Error& e) {
+        outcome = std::string(ddp::to_string(e.code())) + " " + e.what();
+      }
+      mp::TempDir::write(dir.file("unmatched" + std::to_string(env.rank)),
+                         std::to_string(ms) + " " + outcome);
+    });
     CHECK(spawn_error.empty());
     const std::string r0 = mp::TempDir::read(dir.file("unmatched0"));
     CAPTURE(r0);
@@ -1000,40 +990,32 @@ TEST_CASE("a rank killed or stopped during the rendezvous: the others fail withi
         CAPTURE(sig);
         CAPTURE(delay_ms);
         mp::TempDir dir;
-        ddp::SpawnOptions so;
-        so.stop_on_failure = false;
         ddp::Options o;
         o.transport = t;
         o.timeout = std::chrono::seconds(3);
         const auto t0 = Clock::now();
-        try {
-          ddp::spawn(
-              3,
-              [&](ddp::Environment env) {
-                if (env.rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
-                if (env.rank == 2) {
-                  mp::TempDir::write(dir.file("victim"), std::to_string(::getpid()));
-                  std::thread([sig, delay_ms] {
-                    std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
-                    ::raise(sig);
-                  }).detach();
-                }
-                const auto start = Clock::now();
-                try {
-                  auto comm = Comm::init(env, o);
-                  mp::TempDir::write(dir.file("rank" + std::to_string(env.rank)), "ok 0");
-                } catch (const ddp::Error& e) {
-                  report(dir, env.rank, e, mp::ms_since(start));
-                }
-                if (env.rank == 2) std::this_thread::sleep_for(std::chrono::seconds(10));
-                if (env.rank == 0) {  // a stopped victim is killed once rank 0 is done
-                  const std::string pid = mp::TempDir::read(dir.file("victim"));
-                  if (!pid.empty()) ::kill(std::stoi(pid), SIGKILL);
-                }
-              },
-              so);
-        } catch (const ddp::Error&) {
-        }
+        (void)mp::spawn_all(3, [&](ddp::Environment env) {
+          if (env.rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+          if (env.rank == 2) {
+            mp::TempDir::write(dir.file("victim"), std::to_string(::getpid()));
+            std::thread([sig, delay_ms] {
+              std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+              ::raise(sig);
+            }).detach();
+          }
+          const auto start = Clock::now();
+          try {
+            auto comm = Comm::init(env, o);
+            mp::TempDir::write(dir.file("rank" + std::to_string(env.rank)), "ok 0");
+          } catch (const ddp::Error& e) {
+            report(dir, env.rank, e, mp::ms_since(start));
+          }
+          if (env.rank == 2) std::this_thread::sleep_for(std::chrono::seconds(10));
+          if (env.rank == 0) {  // a stopped victim is killed once rank 0 is done
+            const std::string pid = mp::TempDir::read(dir.file("victim"));
+            if (!pid.empty()) ::kill(std::stoi(pid), SIGKILL);
+          }
+        });
         CHECK(mp::ms_since(t0) < 8000);
         for (int r : {0, 1}) {
           const Outcome out = read_outcome(dir, r);

@@ -363,34 +363,26 @@ TEST_CASE("a rank out of file descriptors anywhere in init: every rank fails at 
         CAPTURE(victim);
         CAPTURE(free);
         mp::TempDir dir;
-        ddp::SpawnOptions so;
-        so.stop_on_failure = false;
-        try {
-          ddp::spawn(
-              4,
-              [&](ddp::Environment env) {
-                ddp::Options o;
-                o.transport = t;
-                o.timeout = std::chrono::seconds(3);
-                std::vector<int> filled;
-                if (env.rank == victim) filled = leave_free_descriptors(free);
-                const auto t0 = std::chrono::steady_clock::now();
-                std::string outcome;
-                try {
-                  auto comm = Comm::init(env, o);
-                  std::vector<float> x(1000, 1.0f);
-                  comm.all_reduce(x);
-                  outcome = "ok";
-                } catch (const ddp::Error& e) {
-                  outcome = std::string(ddp::to_string(e.code())) + " " + e.what();
-                }
-                for (const int fd : filled) ::close(fd);
-                mp::TempDir::write(dir.file("rank" + std::to_string(env.rank)),
-                                   std::to_string(mp::ms_since(t0)) + " " + outcome);
-              },
-              so);
-        } catch (const ddp::Error&) {
-        }
+        (void)mp::spawn_all(4, [&](ddp::Environment env) {
+          ddp::Options o;
+          o.transport = t;
+          o.timeout = std::chrono::seconds(3);
+          std::vector<int> filled;
+          if (env.rank == victim) filled = leave_free_descriptors(free);
+          const auto t0 = std::chrono::steady_clock::now();
+          std::string outcome;
+          try {
+            auto comm = Comm::init(env, o);
+            std::vector<float> x(1000, 1.0f);
+            comm.all_reduce(x);
+            outcome = "ok";
+          } catch (const ddp::Error& e) {
+            outcome = std::string(ddp::to_string(e.code())) + " " + e.what();
+          }
+          for (const int fd : filled) ::close(fd);
+          mp::TempDir::write(dir.file("rank" + std::to_string(env.rank)),
+                             std::to_string(mp::ms_since(t0)) + " " + outcome);
+        });
         int ok = 0;
         for (int r = 0; r < 4; ++r) {
           std::istringstream in(mp::TempDir::read(dir.file("rank" + std::to_string(r))));
