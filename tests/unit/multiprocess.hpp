@@ -82,6 +82,22 @@ inline std::vector<Path> paths() {
 /// Segment size used by the tests: small, so that "larger than any internal chunk" is cheap.
 inline constexpr std::size_t test_segment = 64 * 1024;
 
+/// A TCP port of 127.0.0.1 that was free a moment ago.
+inline int free_port() {
+  const ddp::detail::Fd l = ddp::detail::listen_tcp("127.0.0.1", 0);
+  return ddp::detail::local_port(l.get());
+}
+
+/// Rank `rank` of `world` of a job whose store is at 127.0.0.1:`port`, for ranks forked by hand.
+inline ddp::Environment local_env(int rank, int world, int port) {
+  ddp::Environment env;
+  env.rank = rank;
+  env.world_size = world;
+  env.master_addr = "127.0.0.1";
+  env.master_port = port;
+  return env;
+}
+
 /// Runs body(env) on `world` forked ranks; a rank that fails or dies does not stop the others.
 /// Returns spawn's error ("" when every rank succeeded).
 inline std::string spawn_all(int world, const std::function<void(ddp::Environment)>& body) {

@@ -1084,21 +1084,14 @@ TEST_CASE(
 TEST_CASE("a rank with a wrong or missing token fails the rendezvous at once, on every rank") {
   for (const char* bad : {"wrong", ""}) {
     CAPTURE(bad);
-    const int port = [] {
-      ddp::detail::Fd l = ddp::detail::listen_tcp("127.0.0.1", 0);
-      return ddp::detail::local_port(l.get());
-    }();
+    const int port = mp::free_port();
     std::vector<pid_t> ranks;
     char tmpl[] = "/tmp/ddp-token-XXXXXX";
     const std::string dir = ::mkdtemp(tmpl);
     for (int r = 0; r < 3; ++r) {
       const pid_t pid = ::fork();
       if (pid == 0) {
-        ddp::Environment env;
-        env.rank = r;
-        env.world_size = 3;
-        env.master_addr = "127.0.0.1";
-        env.master_port = port;
+        const ddp::Environment env = mp::local_env(r, 3, port);
         ddp::Options o;
         o.token = r == 2 ? bad : "the-job-secret";
         o.timeout = std::chrono::seconds(20);

@@ -249,10 +249,7 @@ TEST_CASE("idle connections cannot lock ranks out of the store, and refusals are
 }
 
 TEST_CASE("a store out of file descriptors does not spin and recovers") {
-  const int port = [] {
-    ddp::detail::Fd l = ddp::detail::listen_tcp("127.0.0.1", 0);
-    return ddp::detail::local_port(l.get());
-  }();
+  const int port = mp::free_port();
   const pid_t server = ::fork();
   if (server == 0) {
     rlimit lim{48, 48};  // soft = hard: the server cannot raise it
@@ -297,18 +294,12 @@ TEST_CASE("rank 0 killed while setting up a large shared-memory segment leaves n
   std::mt19937 rng(7);
   for (int run = 0; run < 3; ++run) {
     CAPTURE(run);
-    const int port = [] {
-      ddp::detail::Fd l = ddp::detail::listen_tcp("127.0.0.1", 0);
-      return ddp::detail::local_port(l.get());
-    }();
+    const int port = mp::free_port();
     std::vector<pid_t> ranks;
     for (int r = 0; r < 4; ++r) {
       const pid_t pid = ::fork();
       if (pid == 0) {
-        ddp::Environment env;
-        env.rank = r;
-        env.world_size = 4;
-        env.master_port = port;
+        const ddp::Environment env = mp::local_env(r, 4, port);
         ddp::Options o;
         o.transport = ddp::HostTransport::shm;
         o.segment_bytes = std::size_t{256} << 20;
@@ -417,10 +408,7 @@ TEST_CASE("a rank out of file descriptors anywhere in init: every rank fails at 
 }
 
 TEST_CASE("idle strangers on the store port cannot starve the store's host of descriptors") {
-  const int port = [] {
-    ddp::detail::Fd l = ddp::detail::listen_tcp("127.0.0.1", 0);
-    return ddp::detail::local_port(l.get());
-  }();
+  const int port = mp::free_port();
   char tmpl[] = "/tmp/ddp-fds-XXXXXX";
   const std::string dir = ::mkdtemp(tmpl);
   std::vector<pid_t> ranks;
@@ -433,11 +421,7 @@ TEST_CASE("idle strangers on the store port cannot starve the store's host of de
       } else {
         std::this_thread::sleep_for(std::chrono::milliseconds(800));  // after the strangers
       }
-      ddp::Environment env;
-      env.rank = r;
-      env.world_size = 3;
-      env.master_addr = "127.0.0.1";
-      env.master_port = port;
+      const ddp::Environment env = mp::local_env(r, 3, port);
       ddp::Options o;
       o.transport = ddp::HostTransport::tcp;
       o.timeout = std::chrono::seconds(20);
