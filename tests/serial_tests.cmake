@@ -13,6 +13,7 @@ foreach(_t IN ITEMS
     "store: connecting to nothing times out with a clear message"
     "a rank killed or stopped during the rendezvous: the others fail within one timeout"
     "a rank with a wrong or missing token fails the rendezvous at once, on every rank"
+    "rank 0 hosts the store: a rank killed in the rendezvous, or rank 0 itself stopped"
     "a rank out of file descriptors anywhere in init: every rank fails at once, named"
     "a communicator destroyed with async work outstanding finishes it, then leaves")
   set_tests_properties("unit: ${_t}" PROPERTIES RUN_SERIAL TRUE)

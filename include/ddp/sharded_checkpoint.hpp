@@ -6,7 +6,7 @@
 /// Sharded checkpoints: every rank saves and loads its own file (its shard of the optimizer
 /// state, ShardedAverager's parameters), collectively, so that no rank writes the whole model.
 ///
-///     ddp::save_sharded_checkpoint(comm, ck, "run.ckpt");   // run.ckpt.rank<R>-of-<P>.<G>
+///     ddp::save_sharded_checkpoint(comm, ck, "run.ckpt");   // run.ckpt.rank<R>-of-<P>.<G>.<id>
 ///     if (auto ck = ddp::load_sharded_checkpoint(comm, "run.ckpt")) { ... }
 ///
 /// Each save is a new generation G of the files; the older ones are removed only once every rank
@@ -51,7 +51,7 @@ inline std::string other_world_shard(const std::string& path, int world) {
   while (const dirent* e = ::readdir(d)) {
     const std::string name = e->d_name;
     if (name.rfind(prefix, 0) != 0) continue;
-    std::string rest = name.substr(prefix.size());  // "R-of-N.G" (or "R-of-N": older saves)
+    std::string rest = name.substr(prefix.size());  // "R-of-N.G.ID" (or "R-of-N": older saves)
     rest = rest.substr(0, rest.find('.'));
     const std::size_t of = rest.find("-of-");
     const auto digits = [](const std::string& t) {
@@ -70,32 +70,75 @@ inline std::string other_world_shard(const std::string& path, int world) {
 }  // namespace detail
 
 /// The name that rank `rank` of `world`'s shard files start with: path.rankR-of-P. Each save
-/// writes a new generation of them, path.rankR-of-P.G (G = 1, 2, ...), and removes the older
-/// generations only once the new one is complete on every rank.
+/// writes a new generation of them, path.rankR-of-P.G.ID (G = 1, 2, ...; ID: the save's
+/// identifier, 16 hex digits), and removes the older generations only once the new one is
+/// complete on every rank.
 [[nodiscard]] inline std::string shard_path(const std::string& path, int rank, int world) {
   return detail::concat(path, ".rank", rank, "-of-", world);
 }
 
 namespace detail {
-/// Generation `g` of the shard files that start with `stem` (0: the one file "<stem>" that saves
-/// before generations were numbered wrote).
-inline std::string shard_generation_path(const std::string& stem, std::uint64_t g) {
-  return g == 0 ? stem : concat(stem, ".", g);
+/// One save's shard file of a rank: generation `g` (1, 2, ...) written by the save `id`
+/// ("<stem>.<g>.<id as 16 hex digits>"), or g = 0: the one unnumbered file "<stem>" that saves
+/// before generations wrote (its id is in the file only).
+struct ShardGeneration {
+  std::uint64_t g = 0;
+  std::uint64_t id = 0;
+  friend auto operator<=>(const ShardGeneration&, const ShardGeneration&) = default;
+};
+
+inline std::string shard_generation_path(const std::string& stem, ShardGeneration s) {
+  if (s.g == 0) return stem;
+  char hex[17];
+  for (int i = 0; i < 16; ++i) hex[i] = "0123456789abcdef"[(s.id >> (60 - 4 * i)) & 15];
+  hex[16] = '\0';
+  return concat(stem, ".", s.g, ".", hex);
 }
-/// The generations of `stem` in its directory, newest first (0 for an unnumbered "<stem>").
-inline std::vector<std::uint64_t> shard_generations(const std::string& stem) {
-  std::vector<std::uint64_t> gens = numbered(stem);
+
+/// This rank's shard files in stem's directory, newest first.
+inline std::vector<ShardGeneration> shard_generations(const std::string& stem) {
+  std::vector<ShardGeneration> out;
+  for (const std::string& rest : suffixes(stem)) {  // "<g>.<16 hex>"
+    const std::size_t dot = rest.find('.');
+    if (dot == 0 || dot == std::string::npos || dot > 18 || rest.size() != dot + 17) continue;
+    ShardGeneration s;
+    bool ok = rest[0] != '0';
+    for (std::size_t i = 0; i < dot && ok; ++i) {
+      ok = rest[i] >= '0' && rest[i] <= '9';
+      s.g = s.g * 10 + static_cast<std::uint64_t>(rest[i] - '0');
+    }
+    for (std::size_t i = dot + 1; i < rest.size() && ok; ++i) {
+      const char c = rest[i];
+      const int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+      ok = v >= 0;
+      s.id = s.id << 4 | static_cast<std::uint64_t>(v < 0 ? 0 : v);
+    }
+    if (ok) out.push_back(s);
+  }
   struct stat st {};
-  if (::lstat(stem.c_str(), &st) == 0 && S_ISREG(st.st_mode)) gens.push_back(0);
-  std::sort(gens.begin(), gens.end(), std::greater<>());
-  return gens;
+  if (::lstat(stem.c_str(), &st) == 0 && S_ISREG(st.st_mode)) out.push_back({});
+  std::sort(out.begin(), out.end(), std::greater<>());
+  return out;
 }
-/// The generations as text, for messages: "3 and 4", or "none".
-inline std::string generations_text(const std::vector<std::uint64_t>& gens) {
+
+/// The generations as words for all_gather_object: g, id, g, id, ...
+inline std::vector<std::uint64_t> flatten(const std::vector<ShardGeneration>& gens) {
+  std::vector<std::uint64_t> out;
+  for (const auto& s : gens) out.insert(out.end(), {s.g, s.id});
+  return out;
+}
+inline std::vector<ShardGeneration> unflatten(const std::vector<std::uint64_t>& words) {
+  std::vector<ShardGeneration> out;
+  for (std::size_t i = 0; i + 1 < words.size(); i += 2) out.push_back({words[i], words[i + 1]});
+  return out;
+}
+
+/// The generations' numbers as text, for messages: "3 and 4", or "none".
+inline std::string generations_text(const std::vector<ShardGeneration>& gens) {
   if (gens.empty()) return "none";
   std::string out;
   for (std::size_t i = gens.size(); i-- > 0;)
-    out += concat(out.empty() ? "" : i == 0 ? " and " : ", ", gens[i]);
+    out += concat(out.empty() ? "" : i == 0 ? " and " : ", ", gens[i].g);
   return out;
 }
 
@@ -103,7 +146,7 @@ inline std::string generations_text(const std::vector<std::uint64_t>& gens) {
 /// the "ddp.shard" section, and `extra` sections added.
 ///
 /// The protocol, on every rank: (1) agree on the new generation G, one past the newest any rank
-/// has; (2) write, flush and rename the shard into "<stem>.G" (a new name: nothing is replaced)
+/// has; (2) write, flush and rename the shard into "<stem>.G.ID" (a new name: nothing is replaced)
 /// and flush the directory; (3) gather every rank's outcome. When all succeeded, generation G is
 /// complete everywhere, and each rank removes its older generations; when a rank reported a
 /// failure, each rank removes its G file, and the previous generation is untouched. When the
@@ -118,7 +161,7 @@ std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::stri
   std::uint64_t newest = 0;
   try {
     const auto gens = shard_generations(stem);
-    if (!gens.empty()) newest = gens.front();
+    if (!gens.empty()) newest = gens.front().g;
   } catch (const Error& e) {
     error = error_text(e);
   }
@@ -139,7 +182,7 @@ std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::stri
   const std::string stamp = encode_object(words);
   std::vector<Checkpoint::Section> sections(extra.begin(), extra.end());
   sections.emplace_back("ddp.shard", stamp);
-  const std::string target = shard_generation_path(stem, generation);
+  const std::string target = shard_generation_path(stem, {generation, id});
   bool written = false;
   try {
     StagedFile f(stem, "Checkpoint");
@@ -160,9 +203,10 @@ std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::stri
     }
     fail_with_first(comm, errors, "save_sharded_checkpoint");
   }
-  // Generation G is on disk on every rank: the older ones are no longer needed.
-  for (const std::uint64_t g : shard_generations(stem)) {
-    if (g != generation) ::unlink(shard_generation_path(stem, g).c_str());
+  // Generation G is on disk on every rank: the older ones are no longer needed (newer ones, or
+  // other saves of G, are another job's that writes to the same path: they stay).
+  for (const ShardGeneration& s : shard_generations(stem)) {
+    if (s.g < generation) ::unlink(shard_generation_path(stem, s).c_str());
   }
   remove_abandoned(stem);
   (void)sync_dir(parent_dir(stem));
@@ -171,7 +215,7 @@ std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::stri
 }  // namespace detail
 
 /// Collective: every rank saves its own `ck` (its shard of the optimizer state) as a new
-/// generation of its shard files (shard_path(path, rank, size) + ".G"). Each rank writes,
+/// generation of its shard files (shard_path(path, rank, size) + ".G.ID"). Each rank writes,
 /// flushes and renames its file into a name of its own; only when every rank has succeeded are
 /// the older generations removed. A failure anywhere (a full disk on one rank, a rank killed at
 /// any moment) therefore leaves the previous complete set loadable: a rank that reports a
@@ -207,7 +251,7 @@ template <class Comm>
                                                                 const std::string& path) {
   const std::string stem = shard_path(path, comm.rank(), comm.size());
   std::string error;
-  std::vector<std::uint64_t> gens;
+  std::vector<detail::ShardGeneration> gens;
   try {
     detail::check_directory(stem, "Checkpoint");
     gens = detail::shard_generations(stem);
@@ -215,7 +259,9 @@ template <class Comm>
     error = detail::error_text(e);
   }
   detail::fail_with_first(comm, comm.all_gather_object(error), "load_sharded_checkpoint");
-  const auto all = comm.all_gather_object(gens);
+  std::vector<std::vector<detail::ShardGeneration>> all;
+  for (const auto& words : comm.all_gather_object(detail::flatten(gens)))
+    all.push_back(detail::unflatten(words));
   std::optional<std::size_t> with, without;
   for (std::size_t r = 0; r < all.size(); ++r) (all[r].empty() ? without : with) = r;
   if (!with) {  // a fresh start, unless shard files of another world size are there
@@ -233,8 +279,8 @@ template <class Comm>
                  " has its shard file but rank ", *without, " has none (",
                  shard_path(path, static_cast<int>(*without), comm.size()),
                  ".*): the checkpoint is incomplete, or was saved with another world size");
-  std::optional<std::uint64_t> chosen;  // the newest generation every rank has
-  for (const std::uint64_t g : all[0]) {
+  std::optional<detail::ShardGeneration> chosen;  // the newest save every rank has a file of
+  for (const detail::ShardGeneration& g : all[0]) {
     bool everywhere = true;
     for (const auto& r : all)
       everywhere = everywhere && std::find(r.begin(), r.end(), g) != r.end();
@@ -269,6 +315,9 @@ template <class Comm>
       detail::fail(Errc::mismatch, "Checkpoint: ", mine, " was written by rank ",
                    stamp.empty() ? 0 : stamp[0], " of ", stamp.size() < 2 ? 0 : stamp[1],
                    " ranks; a shard resumes on its own rank with the same world size");
+    if (chosen->g != 0 && stamp[2] != chosen->id)
+      detail::fail(Errc::mismatch, "Checkpoint: ", mine,
+                   " holds another save than its name says (it was copied or renamed)");
   } catch (const Error& e) {
     error = detail::error_text(e);
   }
@@ -277,8 +326,8 @@ template <class Comm>
   for (std::size_t r = 1; r < ids.size(); ++r) {
     if (ids[r] != ids[0])
       detail::fail(Errc::mismatch, "rank ", comm.rank(), ": load_sharded_checkpoint: rank ", r,
-                   "'s shard file comes from a different save than rank 0's (generation ", *chosen,
-                   "); resume from a complete checkpoint");
+                   "'s shard file comes from a different save than rank 0's (generation ",
+                   chosen->g, "); resume from a complete checkpoint");
   }
   return ck;
 }

@@ -3071,24 +3071,22 @@ class Store {
   }
 
   /// When this process's connection to the store closes before clear_on_close() (it died, was
-  /// killed, or exited), the server sets `key` (under this view's prefix) to `value` unless the key
-  /// exists: a dead man's switch, with which a rendezvous learns at once of a rank that died.
-  /// One per connection; a later call replaces it.
-  void set_on_close(std::string_view key, std::string_view value) {
+  /// killed, or exited), the server sets each key of `keys` (under this view's prefix) that does
+  /// not exist to its value: a dead man's switch, with which a rendezvous learns at once of a rank
+  /// that died. One set per connection; a later call replaces it.
+  void set_on_close(std::span<const std::pair<std::string, std::string>> keys) {
     std::string req = header(Op::on_close);
     detail::ByteWriter w(req);
-    w.str(full(key));
-    w.str(value);
-    (void)call(req, "set_on_close", key, conn_->options.timeout);
+    w.put(static_cast<std::uint32_t>(keys.size()));
+    for (const auto& [k, v] : keys) {
+      w.str(full(k));
+      w.str(v);
+    }
+    (void)call(req, "set_on_close", keys.empty() ? std::string_view{} : keys.front().first,
+               conn_->options.timeout);
   }
   /// Cancels set_on_close().
-  void clear_on_close() {
-    std::string req = header(Op::on_close);
-    detail::ByteWriter w(req);
-    w.str(std::string_view{});
-    w.str(std::string_view{});
-    (void)call(req, "clear_on_close", {}, conn_->options.timeout);
-  }
+  void clear_on_close() { set_on_close({}); }
 
   /// Whether every key exists, without waiting.
   [[nodiscard]] bool check(std::span<const std::string> keys) {
@@ -3163,8 +3161,9 @@ class Store {
         fd.reset();
         if (r == detail::IoResult::timeout) {
           detail::fail(Errc::timeout, "rendezvous store at ", where, ": no ", step,
-                       " before the timeout; is something other than a ddp store listening there "
-                       "(check MASTER_ADDR/MASTER_PORT)?");
+                       " before the timeout: the process there accepted the connection but did "
+                       "not answer (a store whose process is stopped or overloaded, or another "
+                       "program: check MASTER_ADDR/MASTER_PORT)");
         }
         detail::fail(Errc::peer_lost, "rendezvous store at ", where,
                      " closed the connection during the ", step,
@@ -3290,8 +3289,10 @@ class Store {
     const std::uint64_t id = conn_->next_request++;
     for (std::size_t i = 0; i < 8; ++i) req[1 + i] = static_cast<char>((id >> (8 * i)) & 0xffu);
     // The server answers waits itself at their deadline; allow it some slack before giving up on
-    // the connection.
-    const auto deadline = detail::Deadline::after(timeout + std::chrono::seconds(5));
+    // the connection (within a view's deadline, half a second: a rendezvous has one timeout).
+    auto deadline = detail::Deadline::after(timeout + std::chrono::seconds(5));
+    if (deadline_ != detail::Clock::time_point::max())
+      deadline.at = std::min(deadline.at, deadline_ + std::chrono::milliseconds(500));
     const std::string where = detail::host_port(conn_->host, conn_->port);
     const auto lost = [&](detail::IoResult r) {
       conn_->fd.reset();
@@ -4505,8 +4506,7 @@ class StoreEngine {
     std::size_t out_sent = 0;
     bool close_after_write = false;  // close once `out` is sent
     bool closed = false;             // close now; pending output is discarded
-    std::string on_close_key;        // set to on_close_value (if absent) when the peer closes
-    std::string on_close_value;
+    std::vector<std::pair<std::string, std::string>> on_close;  // set (if absent) when it closes
   };
 
   /// Output a connection may have pending before the server stops reading its requests (a
@@ -4609,9 +4609,11 @@ class StoreEngine {
     if (!s->authed && s->in.empty() && !s->close_after_write)
       refuse(s->peer, "connected and closed without a handshake");
     s->closed = true;
-    if (s->authed && !s->on_close_key.empty() && data_.count(s->on_close_key) == 0 &&
-        store_value(s->on_close_key, std::move(s->on_close_value)))
-      wake_waiters();
+    if (!s->authed) return;
+    bool changed = false;
+    for (auto& [k, v] : s->on_close)
+      changed = (data_.count(k) == 0 && store_value(k, std::move(v))) || changed;
+    if (changed) wake_waiters();
   }
 
   /// Answers the waits whose deadline passed (Status::timeout with the missing keys) and drops
@@ -4724,7 +4726,8 @@ class StoreEngine {
     w.put(static_cast<std::int32_t>(Errc::unauthorized));
     w.str(concat("the rendezvous failed ", rank >= 0 ? concat("on rank ", rank, ": ") : ": ",
                  "the store refused its connection from ", peer,
-                 ": its token is wrong or missing; every rank must have the same DDP_TOKEN"));
+                 ": its token differs from the store's (rank 0's, or the launcher's) or is "
+                 "missing; every rank must have the same DDP_TOKEN"));
     if (store_value(key, std::move(v))) wake_waiters();
   }
 
@@ -4934,11 +4937,15 @@ class StoreEngine {
         return;
       }
       case Op::on_close: {
-        auto k = key();
-        auto v = r.str(options_.max_value_bytes);
+        const auto n = r.get<std::uint32_t>();
+        if (n > 16) fail(Errc::protocol, "on_close names ", n, " keys (at most 16)");
+        std::vector<std::pair<std::string, std::string>> keys;
+        for (std::uint32_t i = 0; i < n; ++i) {
+          auto k = key();
+          keys.emplace_back(std::move(k), r.str(options_.max_value_bytes));
+        }
         r.expect_end();
-        s.on_close_key = std::move(k);
-        s.on_close_value = s.on_close_key.empty() ? std::string() : std::move(v);
+        s.on_close = std::move(keys);
         reply(s, request, Status::ok);
         return;
       }
@@ -6296,12 +6303,16 @@ struct CommState {
     world_size = env.world_size;
     claim_rank(*store, env.rank, options.group);
     joined = true;
-    // Should this process die before the rendezvous is over, the store tells the others at once.
-    store->set_on_close(
-        "failed", Store::stop_value(Errc::peer_lost,
-                                    concat("the rendezvous failed on rank ", env.rank,
-                                           ": its process closed its connection to the store (it "
-                                           "died or was killed) before the rendezvous was over")));
+    // Should this process die before the rendezvous is over, the store tells the others at once,
+    // and counts it as gone (the store's host does not wait for it to leave).
+    const std::pair<std::string, std::string> on_close[] = {
+        {"failed", Store::stop_value(Errc::peer_lost,
+                                     concat("the rendezvous failed on rank ", env.rank,
+                                            ": its process closed its connection to the store "
+                                            "(it died or was killed) before the rendezvous was "
+                                            "over"))},
+        {concat("exit/", env.rank), ""}};
+    store->set_on_close(on_close);
     return store;
   }
 
@@ -12442,7 +12453,7 @@ DDP_END_NAMESPACE
 ///    lock and their process id, removed by the next save;
 ///  * non_regular(): what a path is when it is not a regular file (a link, a FIFO, a directory),
 ///    without following links and without opening it (opening a FIFO blocks);
-///  * numbered(): the files "<stem>.<number>" of a directory (checkpoint generations).
+///  * suffixes(): the regular files "<stem>.<rest>" of a directory (checkpoint generations).
 
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
@@ -12460,6 +12471,7 @@ DDP_END_NAMESPACE
 
 #include <cerrno>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
@@ -12515,37 +12527,48 @@ inline int sync_dir(const std::string& dir) noexcept {
   return err == EINVAL || err == EROFS || err == EBADF ? 0 : err;
 }
 
-/// The numbers N of the regular files "<base_name(stem)>.<N>" in stem's directory (decimal, no
-/// sign, no leading zeros), in no particular order. Fails with Errc::system when the directory
-/// cannot be read.
-inline std::vector<std::uint64_t> numbered(const std::string& stem) {
+/// The rest of the names of the regular files "<base_name(stem)>.<rest>" in stem's directory, in
+/// no particular order. Fails with Errc::system when the directory cannot be read.
+inline std::vector<std::string> suffixes(const std::string& stem) {
   const std::string dir = parent_dir(stem);
   const std::string prefix = base_name(stem) + ".";
   DIR* d = ::opendir(dir.c_str());
   if (d == nullptr)
     fail(Errc::system, "cannot read the directory ", dir, ": ", std::strerror(errno));
-  std::vector<std::uint64_t> out;
+  std::vector<std::string> out;
   while (const dirent* e = ::readdir(d)) {
     const std::string_view name = e->d_name;
     if (name.size() <= prefix.size() || name.substr(0, prefix.size()) != prefix) continue;
-    const std::string_view digits = name.substr(prefix.size());
-    if (digits.size() > 18 || digits.find_first_not_of("0123456789") != std::string_view::npos ||
-        (digits.size() > 1 && digits[0] == '0'))
-      continue;
     struct stat st {};
     const std::string full = concat(dir, "/", name);
     if (::lstat(full.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
-    std::uint64_t n = 0;
-    for (const char c : digits) n = n * 10 + static_cast<std::uint64_t>(c - '0');
-    out.push_back(n);
+    out.emplace_back(name.substr(prefix.size()));
   }
   ::closedir(d);
   return out;
 }
 
+/// Whether process `pid` has ended on this host: it does not exist, or is a zombie (dead, not yet
+/// reaped by its parent). A process of another user counts as running.
+inline bool process_gone(long pid) noexcept {
+  if (::kill(static_cast<pid_t>(pid), 0) != 0) return errno == ESRCH;
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%ld/stat", pid);
+  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  char buf[512];
+  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+  ::close(fd);
+  if (n <= 0) return false;
+  buf[n] = '\0';
+  const char* paren =
+      std::strrchr(buf, ')');  // "<pid> (<name>) <state> ...": the name may hold ')'
+  return paren != nullptr && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
+}
+
 /// Removes the temporaries "<family>.tmp.<pid>[.<anything>]" (StagedFile's, and the older
-/// "<path>.tmp.<pid>") that a process killed mid-save left behind: those whose process no longer
-/// exists on this host and that nobody holds locked. Best effort; never throws.
+/// "<path>.tmp.<pid>") that a process killed mid-save left behind: those whose process has ended
+/// on this host (a zombie included) and that nobody holds locked. Best effort; never throws.
 inline void remove_abandoned(const std::string& family) noexcept {
   const std::string dir = parent_dir(family);
   const std::string prefix = base_name(family) + ".tmp.";
@@ -12563,8 +12586,7 @@ inline void remove_abandoned(const std::string& family) noexcept {
       continue;
     long pid = 0;
     for (const char c : pid_text) pid = pid * 10 + (c - '0');
-    if (pid <= 0 || ::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH)
-      continue;  // its process still runs here (or runs as another user): not abandoned
+    if (pid <= 0 || !process_gone(pid)) continue;  // its process still runs: not abandoned
     const int fd = ::openat(dfd, e->d_name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) continue;
     struct stat st {};
@@ -12638,10 +12660,12 @@ class StagedFile {
       fail(Errc::invalid_argument, what_, ": ", to, " is ", kind,
            ", not a regular file: refusing to replace it; remove it, or choose another path");
     }
+    // close() reports what the file system could not write back (NFS does so there).
+    if (::close(std::exchange(fd_, -1)) != 0 && errno != EINTR)
+      failed(errno, "cannot write ", name_, " (close)");
     if (::rename(name_.c_str(), to.c_str()) != 0)
       failed(errno, "cannot rename ", name_, " to ", to);
-    const std::string from = std::exchange(name_, {});
-    ::close(std::exchange(fd_, -1));
+    name_.clear();
     if (const int err = sync_dir(parent_dir(to)); err != 0) {
       errno = err;
       io_fail("cannot flush the directory of ", to, " to disk");
@@ -14954,7 +14978,7 @@ DDP_END_NAMESPACE
 /// Sharded checkpoints: every rank saves and loads its own file (its shard of the optimizer
 /// state, ShardedAverager's parameters), collectively, so that no rank writes the whole model.
 ///
-///     ddp::save_sharded_checkpoint(comm, ck, "run.ckpt");   // run.ckpt.rank<R>-of-<P>.<G>
+///     ddp::save_sharded_checkpoint(comm, ck, "run.ckpt");   // run.ckpt.rank<R>-of-<P>.<G>.<id>
 ///     if (auto ck = ddp::load_sharded_checkpoint(comm, "run.ckpt")) { ... }
 ///
 /// Each save is a new generation G of the files; the older ones are removed only once every rank
@@ -14999,7 +15023,7 @@ inline std::string other_world_shard(const std::string& path, int world) {
   while (const dirent* e = ::readdir(d)) {
     const std::string name = e->d_name;
     if (name.rfind(prefix, 0) != 0) continue;
-    std::string rest = name.substr(prefix.size());  // "R-of-N.G" (or "R-of-N": older saves)
+    std::string rest = name.substr(prefix.size());  // "R-of-N.G.ID" (or "R-of-N": older saves)
     rest = rest.substr(0, rest.find('.'));
     const std::size_t of = rest.find("-of-");
     const auto digits = [](const std::string& t) {
@@ -15018,32 +15042,75 @@ inline std::string other_world_shard(const std::string& path, int world) {
 }  // namespace detail
 
 /// The name that rank `rank` of `world`'s shard files start with: path.rankR-of-P. Each save
-/// writes a new generation of them, path.rankR-of-P.G (G = 1, 2, ...), and removes the older
-/// generations only once the new one is complete on every rank.
+/// writes a new generation of them, path.rankR-of-P.G.ID (G = 1, 2, ...; ID: the save's
+/// identifier, 16 hex digits), and removes the older generations only once the new one is
+/// complete on every rank.
 [[nodiscard]] inline std::string shard_path(const std::string& path, int rank, int world) {
   return detail::concat(path, ".rank", rank, "-of-", world);
 }
 
 namespace detail {
-/// Generation `g` of the shard files that start with `stem` (0: the one file "<stem>" that saves
-/// before generations were numbered wrote).
-inline std::string shard_generation_path(const std::string& stem, std::uint64_t g) {
-  return g == 0 ? stem : concat(stem, ".", g);
+/// One save's shard file of a rank: generation `g` (1, 2, ...) written by the save `id`
+/// ("<stem>.<g>.<id as 16 hex digits>"), or g = 0: the one unnumbered file "<stem>" that saves
+/// before generations wrote (its id is in the file only).
+struct ShardGeneration {
+  std::uint64_t g = 0;
+  std::uint64_t id = 0;
+  friend auto operator<=>(const ShardGeneration&, const ShardGeneration&) = default;
+};
+
+inline std::string shard_generation_path(const std::string& stem, ShardGeneration s) {
+  if (s.g == 0) return stem;
+  char hex[17];
+  for (int i = 0; i < 16; ++i) hex[i] = "0123456789abcdef"[(s.id >> (60 - 4 * i)) & 15];
+  hex[16] = '\0';
+  return concat(stem, ".", s.g, ".", hex);
 }
-/// The generations of `stem` in its directory, newest first (0 for an unnumbered "<stem>").
-inline std::vector<std::uint64_t> shard_generations(const std::string& stem) {
-  std::vector<std::uint64_t> gens = numbered(stem);
+
+/// This rank's shard files in stem's directory, newest first.
+inline std::vector<ShardGeneration> shard_generations(const std::string& stem) {
+  std::vector<ShardGeneration> out;
+  for (const std::string& rest : suffixes(stem)) {  // "<g>.<16 hex>"
+    const std::size_t dot = rest.find('.');
+    if (dot == 0 || dot == std::string::npos || dot > 18 || rest.size() != dot + 17) continue;
+    ShardGeneration s;
+    bool ok = rest[0] != '0';
+    for (std::size_t i = 0; i < dot && ok; ++i) {
+      ok = rest[i] >= '0' && rest[i] <= '9';
+      s.g = s.g * 10 + static_cast<std::uint64_t>(rest[i] - '0');
+    }
+    for (std::size_t i = dot + 1; i < rest.size() && ok; ++i) {
+      const char c = rest[i];
+      const int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+      ok = v >= 0;
+      s.id = s.id << 4 | static_cast<std::uint64_t>(v < 0 ? 0 : v);
+    }
+    if (ok) out.push_back(s);
+  }
   struct stat st {};
-  if (::lstat(stem.c_str(), &st) == 0 && S_ISREG(st.st_mode)) gens.push_back(0);
-  std::sort(gens.begin(), gens.end(), std::greater<>());
-  return gens;
+  if (::lstat(stem.c_str(), &st) == 0 && S_ISREG(st.st_mode)) out.push_back({});
+  std::sort(out.begin(), out.end(), std::greater<>());
+  return out;
 }
-/// The generations as text, for messages: "3 and 4", or "none".
-inline std::string generations_text(const std::vector<std::uint64_t>& gens) {
+
+/// The generations as words for all_gather_object: g, id, g, id, ...
+inline std::vector<std::uint64_t> flatten(const std::vector<ShardGeneration>& gens) {
+  std::vector<std::uint64_t> out;
+  for (const auto& s : gens) out.insert(out.end(), {s.g, s.id});
+  return out;
+}
+inline std::vector<ShardGeneration> unflatten(const std::vector<std::uint64_t>& words) {
+  std::vector<ShardGeneration> out;
+  for (std::size_t i = 0; i + 1 < words.size(); i += 2) out.push_back({words[i], words[i + 1]});
+  return out;
+}
+
+/// The generations' numbers as text, for messages: "3 and 4", or "none".
+inline std::string generations_text(const std::vector<ShardGeneration>& gens) {
   if (gens.empty()) return "none";
   std::string out;
   for (std::size_t i = gens.size(); i-- > 0;)
-    out += concat(out.empty() ? "" : i == 0 ? " and " : ", ", gens[i]);
+    out += concat(out.empty() ? "" : i == 0 ? " and " : ", ", gens[i].g);
   return out;
 }
 
@@ -15051,7 +15118,7 @@ inline std::string generations_text(const std::vector<std::uint64_t>& gens) {
 /// the "ddp.shard" section, and `extra` sections added.
 ///
 /// The protocol, on every rank: (1) agree on the new generation G, one past the newest any rank
-/// has; (2) write, flush and rename the shard into "<stem>.G" (a new name: nothing is replaced)
+/// has; (2) write, flush and rename the shard into "<stem>.G.ID" (a new name: nothing is replaced)
 /// and flush the directory; (3) gather every rank's outcome. When all succeeded, generation G is
 /// complete everywhere, and each rank removes its older generations; when a rank reported a
 /// failure, each rank removes its G file, and the previous generation is untouched. When the
@@ -15066,7 +15133,7 @@ std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::stri
   std::uint64_t newest = 0;
   try {
     const auto gens = shard_generations(stem);
-    if (!gens.empty()) newest = gens.front();
+    if (!gens.empty()) newest = gens.front().g;
   } catch (const Error& e) {
     error = error_text(e);
   }
@@ -15087,7 +15154,7 @@ std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::stri
   const std::string stamp = encode_object(words);
   std::vector<Checkpoint::Section> sections(extra.begin(), extra.end());
   sections.emplace_back("ddp.shard", stamp);
-  const std::string target = shard_generation_path(stem, generation);
+  const std::string target = shard_generation_path(stem, {generation, id});
   bool written = false;
   try {
     StagedFile f(stem, "Checkpoint");
@@ -15108,9 +15175,10 @@ std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::stri
     }
     fail_with_first(comm, errors, "save_sharded_checkpoint");
   }
-  // Generation G is on disk on every rank: the older ones are no longer needed.
-  for (const std::uint64_t g : shard_generations(stem)) {
-    if (g != generation) ::unlink(shard_generation_path(stem, g).c_str());
+  // Generation G is on disk on every rank: the older ones are no longer needed (newer ones, or
+  // other saves of G, are another job's that writes to the same path: they stay).
+  for (const ShardGeneration& s : shard_generations(stem)) {
+    if (s.g < generation) ::unlink(shard_generation_path(stem, s).c_str());
   }
   remove_abandoned(stem);
   (void)sync_dir(parent_dir(stem));
@@ -15119,7 +15187,7 @@ std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::stri
 }  // namespace detail
 
 /// Collective: every rank saves its own `ck` (its shard of the optimizer state) as a new
-/// generation of its shard files (shard_path(path, rank, size) + ".G"). Each rank writes,
+/// generation of its shard files (shard_path(path, rank, size) + ".G.ID"). Each rank writes,
 /// flushes and renames its file into a name of its own; only when every rank has succeeded are
 /// the older generations removed. A failure anywhere (a full disk on one rank, a rank killed at
 /// any moment) therefore leaves the previous complete set loadable: a rank that reports a
@@ -15155,7 +15223,7 @@ template <class Comm>
                                                                 const std::string& path) {
   const std::string stem = shard_path(path, comm.rank(), comm.size());
   std::string error;
-  std::vector<std::uint64_t> gens;
+  std::vector<detail::ShardGeneration> gens;
   try {
     detail::check_directory(stem, "Checkpoint");
     gens = detail::shard_generations(stem);
@@ -15163,7 +15231,9 @@ template <class Comm>
     error = detail::error_text(e);
   }
   detail::fail_with_first(comm, comm.all_gather_object(error), "load_sharded_checkpoint");
-  const auto all = comm.all_gather_object(gens);
+  std::vector<std::vector<detail::ShardGeneration>> all;
+  for (const auto& words : comm.all_gather_object(detail::flatten(gens)))
+    all.push_back(detail::unflatten(words));
   std::optional<std::size_t> with, without;
   for (std::size_t r = 0; r < all.size(); ++r) (all[r].empty() ? without : with) = r;
   if (!with) {  // a fresh start, unless shard files of another world size are there
@@ -15181,8 +15251,8 @@ template <class Comm>
                  " has its shard file but rank ", *without, " has none (",
                  shard_path(path, static_cast<int>(*without), comm.size()),
                  ".*): the checkpoint is incomplete, or was saved with another world size");
-  std::optional<std::uint64_t> chosen;  // the newest generation every rank has
-  for (const std::uint64_t g : all[0]) {
+  std::optional<detail::ShardGeneration> chosen;  // the newest save every rank has a file of
+  for (const detail::ShardGeneration& g : all[0]) {
     bool everywhere = true;
     for (const auto& r : all)
       everywhere = everywhere && std::find(r.begin(), r.end(), g) != r.end();
@@ -15217,6 +15287,9 @@ template <class Comm>
       detail::fail(Errc::mismatch, "Checkpoint: ", mine, " was written by rank ",
                    stamp.empty() ? 0 : stamp[0], " of ", stamp.size() < 2 ? 0 : stamp[1],
                    " ranks; a shard resumes on its own rank with the same world size");
+    if (chosen->g != 0 && stamp[2] != chosen->id)
+      detail::fail(Errc::mismatch, "Checkpoint: ", mine,
+                   " holds another save than its name says (it was copied or renamed)");
   } catch (const Error& e) {
     error = detail::error_text(e);
   }
@@ -15225,8 +15298,8 @@ template <class Comm>
   for (std::size_t r = 1; r < ids.size(); ++r) {
     if (ids[r] != ids[0])
       detail::fail(Errc::mismatch, "rank ", comm.rank(), ": load_sharded_checkpoint: rank ", r,
-                   "'s shard file comes from a different save than rank 0's (generation ", *chosen,
-                   "); resume from a complete checkpoint");
+                   "'s shard file comes from a different save than rank 0's (generation ",
+                   chosen->g, "); resume from a complete checkpoint");
   }
   return ck;
 }

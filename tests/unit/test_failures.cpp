@@ -1081,6 +1081,64 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("rank 0 hosts the store: a rank killed in the rendezvous, or rank 0 itself stopped") {
+  // Ranks forked by hand, so that rank 0 hosts the store (ddp::spawn's parent does otherwise).
+  // A killed rank 2 is reported at once by rank 0 too (it does not wait for it to leave); a
+  // stopped rank 0 (the store's host) makes the others fail by one timeout (and half a second
+  // for the store's last answer), not a timeout per step.
+  for (const int victim : {2, 0}) {
+    CAPTURE(victim);
+    for (const int delay_ms : {1, 5, 100}) {
+      CAPTURE(delay_ms);
+      const int port = mp::free_port();
+      mp::TempDir dir;
+      std::vector<pid_t> ranks;
+      for (int r = 0; r < 3; ++r) {
+        const pid_t pid = ::fork();
+        if (pid == 0) {
+          if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+          if (r == victim) {
+            std::thread([victim, delay_ms] {
+              std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+              ::raise(victim == 0 ? SIGSTOP : SIGKILL);
+            }).detach();
+          }
+          ddp::Options o;
+          o.timeout = std::chrono::seconds(3);
+          const auto t0 = Clock::now();
+          try {
+            auto comm = Comm::init(mp::local_env(r, 3, port), o);
+            mp::TempDir::write(dir.file("rank" + std::to_string(r)), "ok 0");
+          } catch (const ddp::Error& e) {
+            report(dir, r, e, mp::ms_since(t0));
+          }
+          ::_exit(0);
+        }
+        ranks.push_back(pid);
+      }
+      for (int r = 0; r < 3; ++r) {
+        if (r != victim) ::waitpid(ranks[static_cast<std::size_t>(r)], nullptr, 0);
+      }
+      ::kill(ranks[static_cast<std::size_t>(victim)], SIGKILL);
+      ::waitpid(ranks[static_cast<std::size_t>(victim)], nullptr, 0);
+      for (int r = 0; r < 3; ++r) {
+        if (r == victim) continue;
+        const Outcome out = read_outcome(dir, r);
+        CAPTURE(r);
+        CAPTURE(out.message);
+        CHECK(out.code != "ok");
+        if (victim == 2) {
+          CHECK(out.code == "peer_lost");
+          CHECK(out.ms < 1500);
+          CHECK(out.message.find("rank 2") != std::string::npos);
+        } else {
+          CHECK(out.ms < 3000 + 1000);
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("a rank with a wrong or missing token fails the rendezvous at once, on every rank") {
   for (const char* bad : {"wrong", ""}) {
     CAPTURE(bad);

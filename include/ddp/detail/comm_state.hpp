@@ -115,12 +115,16 @@ struct CommState {
     world_size = env.world_size;
     claim_rank(*store, env.rank, options.group);
     joined = true;
-    // Should this process die before the rendezvous is over, the store tells the others at once.
-    store->set_on_close(
-        "failed", Store::stop_value(Errc::peer_lost,
-                                    concat("the rendezvous failed on rank ", env.rank,
-                                           ": its process closed its connection to the store (it "
-                                           "died or was killed) before the rendezvous was over")));
+    // Should this process die before the rendezvous is over, the store tells the others at once,
+    // and counts it as gone (the store's host does not wait for it to leave).
+    const std::pair<std::string, std::string> on_close[] = {
+        {"failed", Store::stop_value(Errc::peer_lost,
+                                     concat("the rendezvous failed on rank ", env.rank,
+                                            ": its process closed its connection to the store "
+                                            "(it died or was killed) before the rendezvous was "
+                                            "over"))},
+        {concat("exit/", env.rank), ""}};
+    store->set_on_close(on_close);
     return store;
   }
 

@@ -11,7 +11,7 @@
 ///    lock and their process id, removed by the next save;
 ///  * non_regular(): what a path is when it is not a regular file (a link, a FIFO, a directory),
 ///    without following links and without opening it (opening a FIFO blocks);
-///  * numbered(): the files "<stem>.<number>" of a directory (checkpoint generations).
+///  * suffixes(): the regular files "<stem>.<rest>" of a directory (checkpoint generations).
 
 #include "ddp/config.hpp"
 #if !DDP_HAS_EXCEPTIONS
@@ -29,6 +29,7 @@
 
 #include <cerrno>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
@@ -84,37 +85,48 @@ inline int sync_dir(const std::string& dir) noexcept {
   return err == EINVAL || err == EROFS || err == EBADF ? 0 : err;
 }
 
-/// The numbers N of the regular files "<base_name(stem)>.<N>" in stem's directory (decimal, no
-/// sign, no leading zeros), in no particular order. Fails with Errc::system when the directory
-/// cannot be read.
-inline std::vector<std::uint64_t> numbered(const std::string& stem) {
+/// The rest of the names of the regular files "<base_name(stem)>.<rest>" in stem's directory, in
+/// no particular order. Fails with Errc::system when the directory cannot be read.
+inline std::vector<std::string> suffixes(const std::string& stem) {
   const std::string dir = parent_dir(stem);
   const std::string prefix = base_name(stem) + ".";
   DIR* d = ::opendir(dir.c_str());
   if (d == nullptr)
     fail(Errc::system, "cannot read the directory ", dir, ": ", std::strerror(errno));
-  std::vector<std::uint64_t> out;
+  std::vector<std::string> out;
   while (const dirent* e = ::readdir(d)) {
     const std::string_view name = e->d_name;
     if (name.size() <= prefix.size() || name.substr(0, prefix.size()) != prefix) continue;
-    const std::string_view digits = name.substr(prefix.size());
-    if (digits.size() > 18 || digits.find_first_not_of("0123456789") != std::string_view::npos ||
-        (digits.size() > 1 && digits[0] == '0'))
-      continue;
     struct stat st {};
     const std::string full = concat(dir, "/", name);
     if (::lstat(full.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
-    std::uint64_t n = 0;
-    for (const char c : digits) n = n * 10 + static_cast<std::uint64_t>(c - '0');
-    out.push_back(n);
+    out.emplace_back(name.substr(prefix.size()));
   }
   ::closedir(d);
   return out;
 }
 
+/// Whether process `pid` has ended on this host: it does not exist, or is a zombie (dead, not yet
+/// reaped by its parent). A process of another user counts as running.
+inline bool process_gone(long pid) noexcept {
+  if (::kill(static_cast<pid_t>(pid), 0) != 0) return errno == ESRCH;
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%ld/stat", pid);
+  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  char buf[512];
+  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+  ::close(fd);
+  if (n <= 0) return false;
+  buf[n] = '\0';
+  const char* paren =
+      std::strrchr(buf, ')');  // "<pid> (<name>) <state> ...": the name may hold ')'
+  return paren != nullptr && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
+}
+
 /// Removes the temporaries "<family>.tmp.<pid>[.<anything>]" (StagedFile's, and the older
-/// "<path>.tmp.<pid>") that a process killed mid-save left behind: those whose process no longer
-/// exists on this host and that nobody holds locked. Best effort; never throws.
+/// "<path>.tmp.<pid>") that a process killed mid-save left behind: those whose process has ended
+/// on this host (a zombie included) and that nobody holds locked. Best effort; never throws.
 inline void remove_abandoned(const std::string& family) noexcept {
   const std::string dir = parent_dir(family);
   const std::string prefix = base_name(family) + ".tmp.";
@@ -132,8 +144,7 @@ inline void remove_abandoned(const std::string& family) noexcept {
       continue;
     long pid = 0;
     for (const char c : pid_text) pid = pid * 10 + (c - '0');
-    if (pid <= 0 || ::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH)
-      continue;  // its process still runs here (or runs as another user): not abandoned
+    if (pid <= 0 || !process_gone(pid)) continue;  // its process still runs: not abandoned
     const int fd = ::openat(dfd, e->d_name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) continue;
     struct stat st {};
@@ -207,10 +218,12 @@ class StagedFile {
       fail(Errc::invalid_argument, what_, ": ", to, " is ", kind,
            ", not a regular file: refusing to replace it; remove it, or choose another path");
     }
+    // close() reports what the file system could not write back (NFS does so there).
+    if (::close(std::exchange(fd_, -1)) != 0 && errno != EINTR)
+      failed(errno, "cannot write ", name_, " (close)");
     if (::rename(name_.c_str(), to.c_str()) != 0)
       failed(errno, "cannot rename ", name_, " to ", to);
-    const std::string from = std::exchange(name_, {});
-    ::close(std::exchange(fd_, -1));
+    name_.clear();
     if (const int err = sync_dir(parent_dir(to)); err != 0) {
       errno = err;
       io_fail("cannot flush the directory of ", to, " to disk");

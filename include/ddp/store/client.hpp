@@ -178,24 +178,22 @@ class Store {
   }
 
   /// When this process's connection to the store closes before clear_on_close() (it died, was
-  /// killed, or exited), the server sets `key` (under this view's prefix) to `value` unless the key
-  /// exists: a dead man's switch, with which a rendezvous learns at once of a rank that died.
-  /// One per connection; a later call replaces it.
-  void set_on_close(std::string_view key, std::string_view value) {
+  /// killed, or exited), the server sets each key of `keys` (under this view's prefix) that does
+  /// not exist to its value: a dead man's switch, with which a rendezvous learns at once of a rank
+  /// that died. One set per connection; a later call replaces it.
+  void set_on_close(std::span<const std::pair<std::string, std::string>> keys) {
     std::string req = header(Op::on_close);
     detail::ByteWriter w(req);
-    w.str(full(key));
-    w.str(value);
-    (void)call(req, "set_on_close", key, conn_->options.timeout);
+    w.put(static_cast<std::uint32_t>(keys.size()));
+    for (const auto& [k, v] : keys) {
+      w.str(full(k));
+      w.str(v);
+    }
+    (void)call(req, "set_on_close", keys.empty() ? std::string_view{} : keys.front().first,
+               conn_->options.timeout);
   }
   /// Cancels set_on_close().
-  void clear_on_close() {
-    std::string req = header(Op::on_close);
-    detail::ByteWriter w(req);
-    w.str(std::string_view{});
-    w.str(std::string_view{});
-    (void)call(req, "clear_on_close", {}, conn_->options.timeout);
-  }
+  void clear_on_close() { set_on_close({}); }
 
   /// Whether every key exists, without waiting.
   [[nodiscard]] bool check(std::span<const std::string> keys) {
@@ -270,8 +268,9 @@ class Store {
         fd.reset();
         if (r == detail::IoResult::timeout) {
           detail::fail(Errc::timeout, "rendezvous store at ", where, ": no ", step,
-                       " before the timeout; is something other than a ddp store listening there "
-                       "(check MASTER_ADDR/MASTER_PORT)?");
+                       " before the timeout: the process there accepted the connection but did "
+                       "not answer (a store whose process is stopped or overloaded, or another "
+                       "program: check MASTER_ADDR/MASTER_PORT)");
         }
         detail::fail(Errc::peer_lost, "rendezvous store at ", where,
                      " closed the connection during the ", step,
@@ -397,8 +396,10 @@ class Store {
     const std::uint64_t id = conn_->next_request++;
     for (std::size_t i = 0; i < 8; ++i) req[1 + i] = static_cast<char>((id >> (8 * i)) & 0xffu);
     // The server answers waits itself at their deadline; allow it some slack before giving up on
-    // the connection.
-    const auto deadline = detail::Deadline::after(timeout + std::chrono::seconds(5));
+    // the connection (within a view's deadline, half a second: a rendezvous has one timeout).
+    auto deadline = detail::Deadline::after(timeout + std::chrono::seconds(5));
+    if (deadline_ != detail::Clock::time_point::max())
+      deadline.at = std::min(deadline.at, deadline_ + std::chrono::milliseconds(500));
     const std::string where = detail::host_port(conn_->host, conn_->port);
     const auto lost = [&](detail::IoResult r) {
       conn_->fd.reset();

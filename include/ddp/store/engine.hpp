@@ -59,8 +59,7 @@ class StoreEngine {
     std::size_t out_sent = 0;
     bool close_after_write = false;  // close once `out` is sent
     bool closed = false;             // close now; pending output is discarded
-    std::string on_close_key;        // set to on_close_value (if absent) when the peer closes
-    std::string on_close_value;
+    std::vector<std::pair<std::string, std::string>> on_close;  // set (if absent) when it closes
   };
 
   /// Output a connection may have pending before the server stops reading its requests (a
@@ -163,9 +162,11 @@ class StoreEngine {
     if (!s->authed && s->in.empty() && !s->close_after_write)
       refuse(s->peer, "connected and closed without a handshake");
     s->closed = true;
-    if (s->authed && !s->on_close_key.empty() && data_.count(s->on_close_key) == 0 &&
-        store_value(s->on_close_key, std::move(s->on_close_value)))
-      wake_waiters();
+    if (!s->authed) return;
+    bool changed = false;
+    for (auto& [k, v] : s->on_close)
+      changed = (data_.count(k) == 0 && store_value(k, std::move(v))) || changed;
+    if (changed) wake_waiters();
   }
 
   /// Answers the waits whose deadline passed (Status::timeout with the missing keys) and drops
@@ -278,7 +279,8 @@ class StoreEngine {
     w.put(static_cast<std::int32_t>(Errc::unauthorized));
     w.str(concat("the rendezvous failed ", rank >= 0 ? concat("on rank ", rank, ": ") : ": ",
                  "the store refused its connection from ", peer,
-                 ": its token is wrong or missing; every rank must have the same DDP_TOKEN"));
+                 ": its token differs from the store's (rank 0's, or the launcher's) or is "
+                 "missing; every rank must have the same DDP_TOKEN"));
     if (store_value(key, std::move(v))) wake_waiters();
   }
 
@@ -488,11 +490,15 @@ class StoreEngine {
         return;
       }
       case Op::on_close: {
-        auto k = key();
-        auto v = r.str(options_.max_value_bytes);
+        const auto n = r.get<std::uint32_t>();
+        if (n > 16) fail(Errc::protocol, "on_close names ", n, " keys (at most 16)");
+        std::vector<std::pair<std::string, std::string>> keys;
+        for (std::uint32_t i = 0; i < n; ++i) {
+          auto k = key();
+          keys.emplace_back(std::move(k), r.str(options_.max_value_bytes));
+        }
         r.expect_end();
-        s.on_close_key = std::move(k);
-        s.on_close_value = s.on_close_key.empty() ? std::string() : std::move(v);
+        s.on_close = std::move(keys);
         reply(s, request, Status::ok);
         return;
       }
