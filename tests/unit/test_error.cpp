@@ -98,10 +98,10 @@ TEST_CASE("fingerprint_code: exact, never a hash: equal codes only for equal fie
     const std::uint64_t code = fingerprint_code(all[i], 6, true);
     REQUIRE(code != fingerprint_wide);
     REQUIRE(code != 0);
-    const auto [it, fresh] = seen.emplace(code, i);
+    const auto inserted = seen.emplace(code, i);
     CAPTURE(ddp::detail::to_string(all[i]));
-    CAPTURE(ddp::detail::to_string(all[it->second]));
-    REQUIRE(fresh);
+    CAPTURE(ddp::detail::to_string(all[inserted.first->second]));
+    REQUIRE(inserted.second);
   }
   // What does not fit is wide (compared in full), never folded into a code another call has.
   std::vector<Fingerprint> wide(4, base);
