@@ -89,11 +89,18 @@ class TcpTransport final : public Transport {
       const int rc = ::poll(&p, 1, deadline.poll_ms(200));
       if (rc == 0 && deadline.expired()) {
         std::string who;
+        int count = 0;
         for (int j = rank + 1; j < size; ++j) {
-          if (!peers[static_cast<std::size_t>(j)]) who += concat(who.empty() ? "" : ", ", j);
+          if (!peers[static_cast<std::size_t>(j)]) {
+            who += concat(who.empty() ? "" : ", ", j);
+            ++count;
+          }
         }
-        fail(Errc::timeout, "rank ", rank, ": timed out waiting for rank(s) ", who,
-             " to connect (tcp transport)");
+        fail(Errc::timeout, "rank ", rank, ": timed out waiting for ",
+             count == 1 ? "rank " : "ranks ", who,
+             " to connect (tcp transport): a rank that is stopped, overloaded or cannot reach "
+             "this host (a firewall, a wrong interface) does this; every rank must reach every "
+             "other on the ports the rendezvous published");
       }
       Fd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
       if (!fd) {
