@@ -65,7 +65,21 @@ stage() {  # stage NAME COMMAND...: runs one stage, records the outcome, keeps g
 
 fresh_workflow() {  # configure from scratch so a stale cache can never hide a problem
   rm -rf "build/$1"
-  cmake --workflow --preset "$1"
+  mkdir -p build
+  cmake --workflow --preset "$1" 2>&1 | tee "build/$1.log"
+  local rc=${PIPESTATUS[0]}
+  slowest "build/$1.log"
+  return "$rc"
+}
+
+slowest() {  # the 15 slowest tests of a stage's ctest output, slowest first
+  local lines
+  lines=$(grep -E '^ *[0-9]+/[0-9]+ Test +#[0-9]+: ' "$1" |
+    sed -E 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: (.*[^ .]) *\.+ *[*A-Za-z ]*[A-Za-z] +([0-9.]+) sec.*$/\2 \1/' |
+    sort -rn | head -15)
+  [ -n "$lines" ] || return 0
+  echo "--- the 15 slowest tests of this stage (seconds):"
+  echo "$lines" | awk '{ printf "%8.1f  %s\n", $1, substr($0, index($0, " ") + 1) }'
 }
 
 meson_tests() {
@@ -77,6 +91,7 @@ meson_tests() {
 if [ $fast -eq 0 ]; then
   stage "clang-format (every C++ file)" scripts/format.sh --check
   stage "single_include is regenerated from include/" python3 tools/amalgamate.py --check
+  stage "include/ddp's layout (no circle, <= 10 floors, header lengths)" python3 tools/check_layout.py
   stage "API reference (Doxygen, warnings are errors)" scripts/docs.sh
 fi
 if [ $fast -eq 1 ]; then

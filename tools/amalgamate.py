@@ -11,7 +11,7 @@ Rules (deterministic: the output depends only on the files in include/):
   * `#include MACRO` is refused, and so is a ddp header whose first inclusion is inside a
     conditional block when another inclusion of it is not (it would vanish from the output).
 
-Forwarding headers (FORWARDING below: an old spelling kept working, e.g. ddp/launch.hpp) need
+Forwarding headers (FORWARDING below: an old spelling kept working, e.g. ddp/store.hpp) need
 not be reachable from the umbrella: they may hold only comments and includes of headers that are.
 
 Every other header of include/ddp gets a one-line stub in single_include/ddp/ that includes the
@@ -37,7 +37,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 INCLUDE = ROOT / "include"
 ENTRY = "ddp/ddp.hpp"
 # Headers that only forward to others (an old spelling kept working); see forwarding_errors().
-FORWARDING = ["ddp/launch.hpp", "ddp/store.hpp"]
+FORWARDING = ["ddp/store.hpp"]
 OUTPUT = ROOT / "single_include" / "ddp" / "ddp.hpp"
 
 INCLUDE_RE = re.compile(r'^\s*#\s*include\s*(?P<open>["<])(?P<path>[^">]+)[">]')

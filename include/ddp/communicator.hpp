@@ -8,8 +8,8 @@
 /// each collective (returning ddp::Work, see work.hpp), and split().
 ///
 /// Each typed argument becomes a detail::Buf (the only code compiled per tensor type); the
-/// checks and the call description are plain functions (detail/call.hpp); the backend contract
-/// is backend/backend.hpp; object collectives and *_host helpers are objects.hpp.
+/// checks and the call description are plain functions (runtime/call.hpp); the backend contract
+/// is backend/backend.hpp; object collectives and *_host helpers are runtime/objects.hpp.
 ///
 /// Operations on one communicator run one at a time, in the order they were issued, whichever
 /// thread issued them. A synchronous call with nothing queued runs in the calling thread (no
@@ -21,21 +21,21 @@
 /// new one (with another Options::group) to continue.
 
 #include "ddp/backend/backend.hpp"
+#include "ddp/backend/dispatch.hpp"
 #include "ddp/config.hpp"
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-#include "ddp/detail/call.hpp"
-#include "ddp/detail/collective.hpp"
-#include "ddp/detail/comm_state.hpp"
-#include "ddp/detail/reduce.hpp"
-#include "ddp/detail/rendezvous.hpp"
-#include "ddp/detail/staging.hpp"
 #include "ddp/environment.hpp"
 #include "ddp/error.hpp"
-#include "ddp/objects.hpp"
 #include "ddp/options.hpp"
 #include "ddp/process_group.hpp"
+#include "ddp/runtime/call.hpp"
+#include "ddp/runtime/collective.hpp"
+#include "ddp/runtime/comm_state.hpp"
+#include "ddp/runtime/objects.hpp"
+#include "ddp/runtime/rendezvous.hpp"
+#include "ddp/runtime/staging.hpp"
 #include "ddp/tensor.hpp"
 #include "ddp/trace.hpp"
 #include "ddp/types.hpp"
@@ -66,6 +66,9 @@ template <CommBackend Backend>
 class Communicator {
  public:
   using backend_type = Backend;  ///< The backend that moves the data.
+  /// The backend moves CUDA device memory only (backend::Nccl): host data travels through a
+  /// device copy in the object collectives and *_host helpers.
+  static constexpr bool device_only = backend_traits<Backend>::device_only;
   /// split() color for ranks that join no group (MPI_UNDEFINED).
   static constexpr int no_color = -1;
 
@@ -98,7 +101,7 @@ class Communicator {
     bi.local_rank = env.local_rank;
     state->local_rank_hint = env.local_rank;
     bi.options = options;
-    if (env.world_size > 1 && detail::backend_needs_store<Backend>) {
+    if (env.world_size > 1 && backend_traits<Backend>::needs_store) {
       if (env.master_port == 0) {
         detail::fail(Errc::invalid_argument, "rank ", env.rank,
                      ": Communicator::init: MASTER_PORT is not set (world size ", env.world_size,
@@ -189,6 +192,15 @@ class Communicator {
   [[nodiscard]] Work all_reduce_as_async(T&& buf, ReduceOp op = ReduceOp::sum) {
     return submit(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, dtype_of<W>), {},
                   hold(buf));
+  }
+  /// all_reduce_as_async() with the wire type as a value, DType::float16 or DType::bfloat16 (how
+  /// the compression comm hooks carry it).
+  template <MutableTensor T>
+  [[nodiscard]] Work all_reduce_as_async(T&& buf, DType wire, ReduceOp op = ReduceOp::sum) {
+    if (wire != DType::float16 && wire != DType::bfloat16)
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": all_reduce_as: the wire type is ",
+                   to_string(wire), "; compressed values travel as float16 or bfloat16");
+    return submit(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, wire), {}, hold(buf));
   }
 
   /// all_reduce of several buffers as one operation (torch's all_reduce_coalesced): one NCCL
@@ -338,32 +350,33 @@ class Communicator {
   /// barrier(), run asynchronously: the Work completes once every rank has entered it.
   [[nodiscard]] Work barrier_async() { return submit(detail::prepare_barrier()); }
 
-  // ---- layered on the collectives (objects.hpp has them as free functions) ------------------
+  // ---- layered on the collectives (runtime/objects.hpp) ------------------
 
-  /// all_reduce of a few host values on any backend (see ddp::all_reduce_host).
+  /// all_reduce of a few host values on any backend (through a device copy on a backend that moves
+  /// device memory only).
   template <Scalar E>
   void all_reduce_host(std::span<E> values, ReduceOp op = ReduceOp::sum) {
-    ::ddp::all_reduce_host(*this, values, op);
+    detail::all_reduce_host(*this, values, op);
   }
-  /// broadcast of a few host values on any backend (see ddp::broadcast_host).
+  /// broadcast of a few host values on any backend (see all_reduce_host).
   template <Scalar E>
   void broadcast_host(std::span<E> values, int root) {
-    ::ddp::broadcast_host(*this, values, root);
+    detail::broadcast_host(*this, values, root);
   }
   /// Every rank's value, in rank order.
   template <Encodable T>
   [[nodiscard]] std::vector<T> all_gather_object(const T& value) {
-    return ::ddp::all_gather_object(*this, value);
+    return detail::all_gather_object(*this, value);
   }
   /// Every rank's value on root (in rank order); an empty vector on the other ranks.
   template <Encodable T>
   [[nodiscard]] std::vector<T> gather_object(const T& value, int root = 0) {
-    return ::ddp::gather_object(*this, value, root);
+    return detail::gather_object(*this, value, root);
   }
   /// Replaces `value` on every rank with root's.
   template <Encodable T>
   void broadcast_object(T& value, int root = 0) {
-    ::ddp::broadcast_object(*this, value, root);
+    detail::broadcast_object(*this, value, root);
   }
 
   // ---- groups and failure ------------------------------------------------------------------
@@ -552,7 +565,7 @@ class Communicator {
   /// Synchronous.
   void exec(const detail::Call& c) {
     run_in_order(same_process(c.name), c.name, c.bytes,
-                 [&](Backend& be, State& st) { dispatch(be, st, c); });
+                 [&](Backend& be, State& st) { detail::dispatch(be, st, c); });
   }
 
   /// Synchronous all_reduce, broadcast and reduce, without building a Call: the same checks and
@@ -561,7 +574,7 @@ class Communicator {
   void exec_single(detail::Coll coll, const detail::Buf& b, ReduceOp op, int root) {
     const char* name = detail::check_single(coll, b, op, root, caller());
     run_in_order(same_process(name), name, b.bytes(),
-                 [&](Backend& be, State& st) { run_single(be, st, coll, b, op, root); });
+                 [&](Backend& be, State& st) { detail::run_single(be, st, coll, b, op, root); });
   }
 
   /// Copies of the arguments whose type shares its storage (tensor_traits<T>::shares_storage,
@@ -602,7 +615,8 @@ class Communicator {
               [s, seq, c, many = std::move(many), held = std::move(held)]() mutable {
                 if (!many.empty()) c.many = many;
                 s->recorder.update(seq, TraceRecord::State::running);
-                run_guarded(*s, seq, c.name, [&](Backend& be, State& st) { dispatch(be, st, c); });
+                run_guarded(*s, seq, c.name,
+                            [&](Backend& be, State& st) { detail::dispatch(be, st, c); });
               });
         }));
   }
@@ -616,17 +630,6 @@ class Communicator {
   // ---- arguments -----------------------------------------------------------------------------
 
   [[nodiscard]] detail::Caller caller() const { return {rank(), size()}; }
-
-  /// Whether CUDA buffers given to a backend that moves host memory only are staged through
-  /// pinned host memory (ddp built with CUDA) rather than refused.
-  static bool stages_cuda() noexcept {
-    return DDP_HAS_CUDA != 0 && !backend_traits<Backend>::device_only &&
-           Backend::supports(Device::cpu()) && !Backend::supports(Device::cuda());
-  }
-
-  static bool staged(const detail::Buf& b) noexcept {
-    return b.device.is_cuda() && b.data != nullptr && b.count != 0 && stages_cuda();
-  }
 
   /// A typed argument as a checked type-erased buffer (the only code compiled per tensor type).
   template <class T>
@@ -651,7 +654,8 @@ class Communicator {
     using M = std::remove_const_t<E>;
     const detail::Buf b{reinterpret_cast<std::byte*>(const_cast<M*>(v.data)), v.size, dtype_of<M>,
                         Device{v.device.kind, v.device.index}, v.stream};
-    const bool usable = Backend::supports(v.device) || (v.device.is_cuda() && stages_cuda());
+    const bool usable =
+        Backend::supports(v.device) || (v.device.is_cuda() && detail::stages_cuda<Backend>());
     if (!usable || v.data == nullptr || v.size > detail::max_buffer_bytes / sizeof(M)) [[unlikely]]
       detail::check_buf(b, sizeof(M), usable, Backend::name, rank(), what, name);
     return b;
@@ -663,7 +667,8 @@ class Communicator {
     const detail::Buf b{static_cast<std::byte*>(v.data), v.size, v.dtype,
                         Device{v.device.kind, v.device.index}, v.stream};
     const bool writes = std::string_view(name) != "in" && std::string_view(what) != "send";
-    const bool usable = Backend::supports(v.device) || (v.device.is_cuda() && stages_cuda());
+    const bool usable =
+        Backend::supports(v.device) || (v.device.is_cuda() && detail::stages_cuda<Backend>());
     detail::check_dynamic(v, writes, what, name, rank());
     if (!usable || v.data == nullptr || v.size > detail::max_buffer_bytes / size_of(v.dtype))
       detail::check_buf(b, size_of(v.dtype), usable, Backend::name, rank(), what, name);
@@ -678,8 +683,8 @@ class Communicator {
   }
 
   detail::Call prepare_all_reduce_as(const detail::Buf& b, ReduceOp op, DType wire) const {
-    return detail::prepare_all_reduce_as(b, op, wire, b.device.is_cuda() && !staged(b),
-                                         Backend::name, caller());
+    return detail::prepare_all_reduce_as(
+        b, op, wire, b.device.is_cuda() && !detail::staged<Backend>(b), Backend::name, caller());
   }
 
   template <class In, class Out>
@@ -698,113 +703,6 @@ class Communicator {
     detail::check_root(root, caller(), "scatter");
     return detail::prepare_scatter(rank() == root ? arg(in_t, "scatter", "in") : detail::Buf{}, out,
                                    root, caller());
-  }
-
-  // ---- running a call on the backend ---------------------------------------------------------
-
-  /// Runs f(buffer) for an elementwise collective, through the staging pipeline when `b` is a
-  /// CUDA buffer this backend cannot use (see detail/staging.hpp).
-  template <class F>
-  static void elementwise(State& s, const detail::Buf& b, bool fetch, bool store, const F& f) {
-    if (!staged(b)) return f(b);
-#if DDP_HAS_CUDA
-    s.cuda_staging().elementwise(b, fetch, store, f);
-#else
-    (void)s, (void)fetch, (void)store;
-#endif
-  }
-
-  /// Runs f(buffers...) with every CUDA buffer among `a` staged whole.
-  template <class F, class... A>
-  static void whole(State& s, const char* what, const F& f, A... a) {
-    if (!(staged(a.buf) || ...)) return f(a.buf...);
-#if DDP_HAS_CUDA
-    s.cuda_staging().whole(s.backend->rank(), what, f, &staged, a...);
-#else
-    (void)s, (void)what;
-#endif
-  }
-
-  /// all_reduce of float32 `h` carried as `wire`: by the backend when it can, else converted
-  /// around a plain all_reduce.
-  template <class W>
-  static void all_reduce_as_wire(Backend& be, const detail::Buf& h, ReduceOp op) {
-    if constexpr (backend_traits<Backend>::converts_wire) {
-      be.all_reduce_as(h, op, dtype_of<W>);
-    } else {
-      std::vector<W> wire(h.count);
-      auto* w = reinterpret_cast<std::byte*>(wire.data());
-      detail::encode_kernel<W>(w, h.data, h.count);
-      be.all_reduce(detail::Buf{w, h.count, dtype_of<W>, h.device, nullptr, h.whole}, op);
-      detail::decode_kernel<W>(h.data, w, h.count);
-    }
-  }
-
-  static void run_single(Backend& be, State& s, detail::Coll coll, const detail::Buf& b,
-                         ReduceOp op, int root) {
-    using detail::Buf;
-    switch (coll) {
-      case detail::Coll::all_reduce:
-        return elementwise(s, b, true, true, [&](const Buf& h) { be.all_reduce(h, op); });
-      case detail::Coll::broadcast: {
-        const bool mine = be.rank() == root;
-        return elementwise(s, b, mine, !mine, [&](const Buf& h) { be.broadcast(h, root); });
-      }
-      default:
-        return elementwise(s, b, true, be.rank() == root,
-                           [&](const Buf& h) { be.reduce(h, root, op); });
-    }
-  }
-
-  static void dispatch(Backend& be, State& s, const detail::Call& c) {
-    using detail::Buf;
-    using detail::Coll;
-    using detail::StagedArg;
-    const auto in_out = [&](const auto& f) {
-      whole(s, c.name, f, StagedArg{c.in, true, false}, StagedArg{c.out, false, true});
-    };
-    switch (c.coll) {
-      case Coll::all_reduce:
-        if (c.form == detail::Call::Form::coalesced) {
-          if constexpr (backend_traits<Backend>::reduces_many) {
-            be.all_reduce_many(c.many, c.op);
-          } else {
-            for (const Buf& b : c.many)
-              elementwise(s, b, true, true, [&](const Buf& h) { be.all_reduce(h, c.op); });
-          }
-        } else if (c.form == detail::Call::Form::as_wire) {
-          elementwise(s, c.in, true, true, [&](const Buf& h) {
-            if (c.wire == DType::float16)
-              all_reduce_as_wire<half>(be, h, c.op);
-            else
-              all_reduce_as_wire<bfloat16>(be, h, c.op);
-          });
-        } else {
-          run_single(be, s, c.coll, c.in, c.op, c.root);
-        }
-        return;
-      case Coll::broadcast:
-      case Coll::reduce: return run_single(be, s, c.coll, c.in, c.op, c.root);
-      case Coll::all_gather:
-        return in_out([&](const Buf& i, const Buf& o) { be.all_gather(i, o); });
-      case Coll::gather:
-        return in_out([&](const Buf& i, const Buf& o) { be.gather(i, o, c.root); });
-      case Coll::scatter:
-        return in_out([&](const Buf& i, const Buf& o) { be.scatter(i, o, c.root); });
-      case Coll::reduce_scatter:
-        return in_out([&](const Buf& i, const Buf& o) { be.reduce_scatter(i, o, c.op); });
-      case Coll::all_to_all:
-        return in_out([&](const Buf& i, const Buf& o) { be.all_to_all(i, o); });
-      case Coll::send:
-        return whole(
-            s, c.name, [&](const Buf& h) { be.send(h, c.root, c.tag); },
-            StagedArg{c.in, true, false});
-      case Coll::recv:
-        return whole(
-            s, c.name, [&](const Buf& h) { be.recv(h, c.root, c.tag); },
-            StagedArg{c.in, false, true});
-      case Coll::barrier: be.barrier(); return;
-    }
   }
 
   std::shared_ptr<State> state_;

@@ -8,7 +8,16 @@
 /// never by probing for headers, so a program's meaning does not depend on what happens to be
 /// installed.
 
-#include "ddp/version.hpp"
+// Every symbol is declared in an inline namespace named after the major version, so two
+// incompatible copies of the header in one program do not silently violate the ODR (the same
+// scheme as fmt and nlohmann/json). Users always spell names as ddp::X.
+#define DDP_ABI_NAMESPACE v0  // v<DDP_VERSION_MAJOR> (ddp/version.hpp): change the two together
+#define DDP_BEGIN_NAMESPACE \
+  namespace ddp {           \
+  inline namespace DDP_ABI_NAMESPACE {
+#define DDP_END_NAMESPACE \
+  }                       \
+  }
 
 #ifndef DDP_HAS_CUDA
 #define DDP_HAS_CUDA 0

@@ -10,10 +10,12 @@
 
 #include "ddp/config.hpp"
 #include "ddp/error.hpp"
-#include "ddp/partition.hpp"
 #include "ddp/process_group.hpp"
-#include "ddp/sync_batch_norm.hpp"
 #include "ddp/tensor.hpp"
+#include "ddp/training/partition.hpp"
+#include "ddp/training/sync_batch_norm.hpp"
+#include "ddp/types.hpp"
+#include "ddp/version.hpp"
 
 // The runtime reports failures across threads and layers with exceptions; with -fno-exceptions
 // only the core types above are available.
@@ -32,23 +34,22 @@
 #include "ddp/backend/nccl.hpp"
 #include "ddp/multi_gpu.hpp"
 #endif
-#include "ddp/checkpoint.hpp"
 #include "ddp/codec.hpp"
 #include "ddp/environment.hpp"
-#include "ddp/gradient.hpp"
-#include "ddp/guard.hpp"
-#include "ddp/join.hpp"
-#include "ddp/logging.hpp"
-#include "ddp/metrics.hpp"
-#include "ddp/objects.hpp"
 #include "ddp/options.hpp"
-#include "ddp/sharded.hpp"
-#include "ddp/sharded_checkpoint.hpp"
 #include "ddp/spawn.hpp"
 #include "ddp/store/client.hpp"
 #include "ddp/store/protocol.hpp"
 #include "ddp/store/server.hpp"
 #include "ddp/trace.hpp"
+#include "ddp/training/checkpoint.hpp"
+#include "ddp/training/gradient.hpp"
+#include "ddp/training/guard.hpp"
+#include "ddp/training/join.hpp"
+#include "ddp/training/logging.hpp"
+#include "ddp/training/metrics.hpp"
+#include "ddp/training/sharded.hpp"
+#include "ddp/training/sharded_checkpoint.hpp"
 #include "ddp/work.hpp"
 
 DDP_BEGIN_NAMESPACE
@@ -83,7 +84,5 @@ using Nccl = detail::NcclNotEnabled<>;
 }  // namespace backend
 DDP_END_NAMESPACE
 #endif
-#include "ddp/types.hpp"
-#include "ddp/version.hpp"
 
 #endif  // DDP_DDP_HPP

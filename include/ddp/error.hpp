@@ -4,11 +4,14 @@
 
 /// \file
 /// ddp::Error and ddp::Errc: every failure in ddp is reported as one exception type whose code
-/// says what happened and whose message names the rank, the operation and what to do.
+/// says what happened and whose message names the rank, the operation and what to do; and
+/// detail::concat, which builds those messages without iostreams or {fmt}:
+/// detail::concat("rank ", 3, ": ", what).
 
 #include "ddp/config.hpp"
-#include "ddp/detail/string.hpp"
 
+#include <charconv>
+#include <concepts>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -17,6 +20,38 @@
 #include <type_traits>
 
 DDP_BEGIN_NAMESPACE
+
+namespace detail {
+
+template <class T>
+inline void append_to(std::string& out, const T& value) {
+  if constexpr (std::is_same_v<T, bool>) {
+    out += value ? "true" : "false";
+  } else if constexpr (std::is_same_v<T, char>) {
+    out += value;
+  } else if constexpr (std::is_arithmetic_v<T>) {
+    char buf[64];
+    auto [end, ec] = std::to_chars(buf, buf + sizeof buf, value);
+    if (ec == std::errc{}) out.append(buf, end);
+  } else if constexpr (std::is_enum_v<T>) {
+    append_to(out, static_cast<std::underlying_type_t<T>>(value));
+  } else if constexpr (std::is_convertible_v<const T&, std::string_view>) {
+    out += std::string_view(value);
+  } else {
+    // Types with a to_string(value) found by ADL (ddp's enums, Device, ...).
+    out += to_string(value);
+  }
+}
+
+/// Concatenates strings, characters, numbers and ddp enums into one std::string.
+template <class... Args>
+[[nodiscard]] std::string concat(const Args&... args) {
+  std::string out;
+  (append_to(out, args), ...);
+  return out;
+}
+
+}  // namespace detail
 
 /// What went wrong. The values are stable: they may be logged, compared and sent between ranks.
 enum class Errc : int {

@@ -12,7 +12,6 @@
 /// the `ddp-trace` tool prints it for a directory of dumps).
 
 #include "ddp/config.hpp"
-#include "ddp/detail/string.hpp"
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
 

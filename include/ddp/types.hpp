@@ -7,7 +7,7 @@
 /// ReduceOp, Device.
 
 #include "ddp/config.hpp"
-#include "ddp/detail/string.hpp"
+#include "ddp/error.hpp"
 
 #include <bit>
 #include <concepts>

@@ -3,7 +3,8 @@
 #pragma once
 
 /// \file
-/// Library version and the versioned namespace every ddp symbol lives in.
+/// The library version: DDP_VERSION_* and ddp::version(). The versioned namespace every ddp
+/// symbol lives in is declared by ddp/config.hpp.
 
 #define DDP_VERSION_MAJOR 0
 #define DDP_VERSION_MINOR 1
@@ -18,16 +19,7 @@
 /// A single integer for preprocessor comparisons: 10203 for 1.2.3.
 #define DDP_VERSION (DDP_VERSION_MAJOR * 10000 + DDP_VERSION_MINOR * 100 + DDP_VERSION_PATCH)
 
-// Every symbol is declared in an inline namespace named after the major version, so two
-// incompatible copies of the header in one program do not silently violate the ODR (the same
-// scheme as fmt and nlohmann/json). Users always spell names as ddp::X.
-#define DDP_ABI_NAMESPACE v0
-#define DDP_BEGIN_NAMESPACE \
-  namespace ddp {           \
-  inline namespace DDP_ABI_NAMESPACE {
-#define DDP_END_NAMESPACE \
-  }                       \
-  }
+#include "ddp/config.hpp"
 
 #include <string_view>
 

@@ -9,7 +9,7 @@
 #include "../unit/collective_cases.hpp"
 
 #include <ddp/backend/mpi.hpp>
-#include <ddp/sharded.hpp>
+#include <ddp/training/sharded.hpp>
 
 #include <mpi.h>
 

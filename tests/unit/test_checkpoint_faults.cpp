@@ -7,8 +7,8 @@
 // calls) are injected by this executable's own definitions of open, write, fsync, rename and
 // unlink, which count the calls on files under a test directory and fail or kill at the chosen
 // one; every other call goes straight to the C library.
-#include <ddp/checkpoint.hpp>
-#include <ddp/sharded_checkpoint.hpp>
+#include <ddp/training/checkpoint.hpp>
+#include <ddp/training/sharded_checkpoint.hpp>
 
 #include "multiprocess.hpp"
 

@@ -1,5 +1,5 @@
-#include <ddp/detail/collective.hpp>
 #include <ddp/error.hpp>
+#include <ddp/runtime/collective.hpp>
 
 #include <doctest/doctest.h>
 

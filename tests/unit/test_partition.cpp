@@ -1,4 +1,4 @@
-#include <ddp/partition.hpp>
+#include <ddp/training/partition.hpp>
 
 #include <doctest/doctest.h>
 

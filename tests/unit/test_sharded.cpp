@@ -1,6 +1,6 @@
-#include <ddp/gradient.hpp>
-#include <ddp/sharded.hpp>
-#include <ddp/sharded_checkpoint.hpp>
+#include <ddp/training/gradient.hpp>
+#include <ddp/training/sharded.hpp>
+#include <ddp/training/sharded_checkpoint.hpp>
 
 #include <doctest/doctest.h>
 

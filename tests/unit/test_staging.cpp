@@ -3,7 +3,7 @@
 // real one relies on: no slot resized or refilled while a copy into or out of it is pending,
 // every fetch waited for before its data is used. The CUDA copier itself is tested on a GPU
 // (tests/cuda/test_host_staging.cpp).
-#include <ddp/detail/staging.hpp>
+#include <ddp/runtime/staging.hpp>
 
 #include <doctest/doctest.h>
 

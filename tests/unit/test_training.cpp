@@ -1,9 +1,9 @@
-#include <ddp/checkpoint.hpp>
-#include <ddp/gradient.hpp>
-#include <ddp/guard.hpp>
-#include <ddp/logging.hpp>
-#include <ddp/metrics.hpp>
-#include <ddp/sync_batch_norm.hpp>
+#include <ddp/training/checkpoint.hpp>
+#include <ddp/training/gradient.hpp>
+#include <ddp/training/guard.hpp>
+#include <ddp/training/logging.hpp>
+#include <ddp/training/metrics.hpp>
+#include <ddp/training/sync_batch_norm.hpp>
 
 #include <doctest/doctest.h>
 

@@ -33,9 +33,9 @@
 /// Needs libtorch on the include path and linked (CMake: the ddp::torch target, or
 /// find_package(Torch) and ${TORCH_LIBRARIES}); only this header depends on it.
 
-#include "ddp/gradient.hpp"
-#include "ddp/sharded.hpp"
 #include "ddp/tensor.hpp"
+#include "ddp/training/gradient.hpp"
+#include "ddp/training/sharded.hpp"
 #include "ddp/types.hpp"
 
 #include <ATen/Functions.h>

@@ -29,10 +29,10 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-#include "ddp/detail/collective.hpp"
 #include "ddp/detail/socket.hpp"
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
+#include "ddp/runtime/collective.hpp"
 #include "ddp/store/client.hpp"
 #include "ddp/tensor.hpp"
 #include "ddp/types.hpp"
@@ -181,14 +181,6 @@ struct backend_traits {
 };
 
 namespace detail {
-
-// The names these capabilities had before backend_traits (kept for code that used them).
-template <class B>
-inline constexpr bool backend_needs_store = backend_traits<B>::needs_store;
-template <class B>
-inline constexpr bool device_only_backend = backend_traits<B>::device_only;
-template <class B>
-concept splits_itself = backend_traits<B>::splits;
 
 /// Whether a backend that moves only CUDA memory is given a buffer whose type says it is host
 /// memory: rejected when the program is compiled.

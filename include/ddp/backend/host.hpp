@@ -26,13 +26,13 @@
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 #include "ddp/detail/bytes.hpp"
-#include "ddp/detail/collective.hpp"
 #include "ddp/detail/crypto.hpp"
-#include "ddp/detail/reduce.hpp"
-#include "ddp/detail/rendezvous.hpp"
 #include "ddp/detail/socket.hpp"
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
+#include "ddp/runtime/collective.hpp"
+#include "ddp/runtime/reduce.hpp"
+#include "ddp/runtime/rendezvous.hpp"
 #include "ddp/store/client.hpp"
 
 #include <unistd.h>

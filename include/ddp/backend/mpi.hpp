@@ -32,8 +32,8 @@
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 #include "ddp/backend/backend.hpp"
-#include "ddp/detail/collective.hpp"
 #include "ddp/error.hpp"
+#include "ddp/runtime/collective.hpp"
 #include "ddp/types.hpp"
 
 #include <mpi.h>

@@ -34,8 +34,8 @@
 #endif
 #include "ddp/backend/backend.hpp"
 #include "ddp/cuda.hpp"
-#include "ddp/detail/collective.hpp"
 #include "ddp/error.hpp"
+#include "ddp/runtime/collective.hpp"
 #include "ddp/store/client.hpp"
 #include "ddp/types.hpp"
 

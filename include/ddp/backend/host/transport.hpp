@@ -18,9 +18,8 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-#include "ddp/detail/collective.hpp"
-#include "ddp/detail/string.hpp"
 #include "ddp/error.hpp"
+#include "ddp/runtime/collective.hpp"
 
 #include <atomic>
 #include <chrono>

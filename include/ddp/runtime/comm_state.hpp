@@ -14,17 +14,17 @@
 #endif
 #include "ddp/detail/env.hpp"
 #include "ddp/detail/fork.hpp"
-#include "ddp/detail/rendezvous.hpp"
-#include "ddp/detail/staging.hpp"
 #include "ddp/environment.hpp"
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
+#include "ddp/runtime/rendezvous.hpp"
+#include "ddp/runtime/staging.hpp"
 #include "ddp/store/client.hpp"
 #include "ddp/store/server.hpp"
 #include "ddp/trace.hpp"
 #include "ddp/work.hpp"
 #if DDP_HAS_CUDA
-#include "ddp/cuda.hpp"
+#include "ddp/runtime/cuda_staging.hpp"
 #endif
 
 #include <unistd.h>

@@ -7,7 +7,7 @@
 /// every collective carries so that ranks calling different collectives fail instead of hanging.
 
 #include "ddp/config.hpp"
-#include "ddp/detail/string.hpp"
+#include "ddp/error.hpp"
 #include "ddp/types.hpp"
 
 #include <cstddef>

@@ -46,13 +46,13 @@
 
 #include "ddp/communicator.hpp"
 #include "ddp/config.hpp"
-#include "ddp/sharded_checkpoint.hpp"
+#include "ddp/training/sharded_checkpoint.hpp"
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 #include "ddp/error.hpp"
-#include "ddp/gradient.hpp"
 #include "ddp/tensor.hpp"
+#include "ddp/training/gradient.hpp"
 #include "ddp/types.hpp"
 
 #include <algorithm>

@@ -13,15 +13,13 @@
 /// has its new file on disk, so a failure or a kill at any moment, on any rank, leaves a complete
 /// set to load: the newest generation that every rank has.
 
-#include "ddp/checkpoint.hpp"
 #include "ddp/config.hpp"
+#include "ddp/training/checkpoint.hpp"
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 #include "ddp/detail/files.hpp"
-#include "ddp/detail/string.hpp"
 #include "ddp/error.hpp"
-#include "ddp/objects.hpp"
 
 #include <dirent.h>
 #include <sys/stat.h>
@@ -175,7 +173,7 @@ std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::stri
     id = (static_cast<std::uint64_t>(rd()) << 32) ^ rd() ^
          static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
   }
-  broadcast_object(comm, id, 0);
+  comm.broadcast_object(id, 0);
   std::vector<std::uint64_t> words{static_cast<std::uint64_t>(comm.rank()),
                                    static_cast<std::uint64_t>(comm.size()), id};
   words.insert(words.end(), stamp_extra.begin(), stamp_extra.end());
@@ -266,7 +264,7 @@ template <class Comm>
   for (std::size_t r = 0; r < all.size(); ++r) (all[r].empty() ? without : with) = r;
   if (!with) {  // a fresh start, unless shard files of another world size are there
     std::string other = comm.rank() == 0 ? detail::other_world_shard(path, comm.size()) : "";
-    broadcast_object(comm, other, 0);
+    comm.broadcast_object(other, 0);
     if (other.empty()) return std::nullopt;
     detail::fail(Errc::mismatch, "rank ", comm.rank(),
                  ": load_sharded_checkpoint: there is no "

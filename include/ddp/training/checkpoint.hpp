@@ -34,10 +34,8 @@
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 #include "ddp/detail/files.hpp"
-#include "ddp/detail/string.hpp"
 #include "ddp/error.hpp"
-#include "ddp/objects.hpp"
-#include "ddp/partition.hpp"
+#include "ddp/training/partition.hpp"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -424,7 +422,7 @@ void save_checkpoint(Comm& comm, const Checkpoint& ck, const std::string& path, 
       error = detail::error_text(e);
     }
   }
-  broadcast_object(comm, error, root);
+  comm.broadcast_object(error, root);
   if (!error.empty())
     detail::fail_relayed(comm, error, "save_checkpoint", static_cast<std::size_t>(root),
                          "could not save");
@@ -448,12 +446,12 @@ template <class Comm>
       state = detail::error_text(e);
     }
   }
-  broadcast_object(comm, state, root);
+  comm.broadcast_object(state, root);
   if (state == "none") return std::nullopt;
   if (state != "ok")
     detail::fail_relayed(comm, state, "load_checkpoint", static_cast<std::size_t>(root),
                          "could not load");
-  broadcast_object(comm, bytes, root);
+  comm.broadcast_object(bytes, root);
   return Checkpoint::parse(bytes, path);
 }
 

@@ -35,7 +35,6 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-#include "ddp/detail/string.hpp"
 #include "ddp/error.hpp"
 #include "ddp/process_group.hpp"
 #include "ddp/types.hpp"

@@ -3,21 +3,19 @@
 #pragma once
 
 /// \file
-/// Object collectives (all_gather_object, gather_object, broadcast_object) and small host-value
-/// helpers (all_reduce_host, broadcast_host), written on the public Communicator API the way
-/// torch.distributed layers its object collectives above the ProcessGroup: free functions of any
-/// communicator, `ddp::all_gather_object(comm, value)`. Communicator's members of the same names
-/// call these.
+/// How Communicator's object collectives (all_gather_object, gather_object, broadcast_object)
+/// and small host-value helpers (all_reduce_host, broadcast_host) are made: written on the public
+/// collectives, the way torch.distributed layers its object collectives above the ProcessGroup.
+/// The spelling users call is the member (`comm.all_gather_object(value)`); these are its insides.
 ///
 /// Objects travel as bytes made by ddp::codec (never executed); a rank's object may encode to at
 /// most 1 GiB. On a backend that moves device memory only (backend::Nccl) host data travels
 /// through a device copy, so code above the Communicator works on every backend alike.
 
-#include "ddp/backend/backend.hpp"
 #include "ddp/codec.hpp"
 #include "ddp/config.hpp"
-#include "ddp/detail/call.hpp"
 #include "ddp/error.hpp"
+#include "ddp/runtime/call.hpp"
 #include "ddp/types.hpp"
 #if DDP_HAS_CUDA
 #include "ddp/cuda.hpp"
@@ -48,8 +46,7 @@ inline void check_object_size(std::int64_t n, int rank, const char* what, int fr
 /// them instead, copied back afterwards. For small host data (object collectives, *_host).
 template <class Comm, class E, class F>
 void on_host_data(Comm& comm, std::span<E> a, std::span<E> b, const F& f) {
-  using Backend = typename Comm::backend_type;
-  if constexpr (backend_traits<Backend>::device_only) {
+  if constexpr (Comm::device_only) {
 #if DDP_HAS_CUDA
     const int device = comm.backend().device();
     const CudaDeviceGuard current(device);
@@ -58,7 +55,7 @@ void on_host_data(Comm& comm, std::span<E> a, std::span<E> b, const F& f) {
     if (!a.empty()) da.copy_to(a);
     if (!b.empty()) db.copy_to(b);
 #else
-    static_assert(!backend_traits<Backend>::device_only, "a CUDA backend without DDP_HAS_CUDA");
+    static_assert(!Comm::device_only, "a CUDA backend without DDP_HAS_CUDA");
     (void)comm, (void)a, (void)b, (void)f;
 #endif
   } else {
@@ -103,51 +100,49 @@ std::vector<T> gather_objects(Comm& comm, const T& value, int root) {
   return out;
 }
 
-}  // namespace detail
-
 /// all_reduce of a few host values (counts, flags, metrics) on any backend: on one that moves
 /// device memory only (backend::Nccl) they travel through a device copy, so code above the
 /// Communicator (exact_mean, sync_batch_stats, ZeroFirstGuard) works on every backend alike.
 /// For large data use all_reduce on the backend's own kind of buffer.
 template <class Comm, Scalar E>
 void all_reduce_host(Comm& comm, std::span<E> values, ReduceOp op = ReduceOp::sum) {
-  detail::on_host_data(comm, values, std::span<E>(),
-                       [&](auto& v, auto&) { comm.all_reduce(v, op); });
+  on_host_data(comm, values, std::span<E>(), [&](auto& v, auto&) { comm.all_reduce(v, op); });
 }
 
 /// broadcast of a few host values on any backend (see all_reduce_host).
 template <class Comm, Scalar E>
 void broadcast_host(Comm& comm, std::span<E> values, int root) {
-  detail::on_host_data(comm, values, std::span<E>(),
-                       [&](auto& v, auto&) { comm.broadcast(v, root); });
+  on_host_data(comm, values, std::span<E>(), [&](auto& v, auto&) { comm.broadcast(v, root); });
 }
 
 /// Every rank's value, in rank order.
 template <Encodable T, class Comm>
 [[nodiscard]] std::vector<T> all_gather_object(Comm& comm, const T& value) {
-  return detail::gather_objects<T>(comm, value, -1);
+  return gather_objects<T>(comm, value, -1);
 }
 
 /// Every rank's value on root (in rank order); an empty vector on the other ranks.
 template <Encodable T, class Comm>
 [[nodiscard]] std::vector<T> gather_object(Comm& comm, const T& value, int root = 0) {
-  return detail::gather_objects<T>(comm, value, root);
+  return gather_objects<T>(comm, value, root);
 }
 
 /// Replaces `value` on every rank with root's.
 template <Encodable T, class Comm>
 void broadcast_object(Comm& comm, T& value, int root = 0) {
-  detail::check_root(root, {comm.rank(), comm.size()}, "broadcast_object");
+  check_root(root, {comm.rank(), comm.size()}, "broadcast_object");
   std::string bytes;
-  if (comm.rank() == root) bytes = detail::encode_object(value);
+  if (comm.rank() == root) bytes = encode_object(value);
   std::int64_t n = static_cast<std::int64_t>(bytes.size());
   broadcast_host(comm, std::span<std::int64_t>(&n, 1), root);
-  detail::check_object_size(n, comm.rank(), "broadcast_object", root);
+  check_object_size(n, comm.rank(), "broadcast_object", root);
   bytes.resize(static_cast<std::size_t>(n));
   broadcast_host(
       comm, std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(bytes.data()), bytes.size()),
       root);
-  if (comm.rank() != root) value = detail::decode_object<T>(bytes.data(), bytes.size());
+  if (comm.rank() != root) value = decode_object<T>(bytes.data(), bytes.size());
 }
+
+}  // namespace detail
 
 DDP_END_NAMESPACE

@@ -23,8 +23,8 @@
 ///    transport's own copies, so compression adds no pass over memory).
 ///  * found_nonfinite(): whether any rank has an inf or NaN gradient, the same answer everywhere
 ///    (for dynamic loss scaling).
-///  * It is a Joinable (ddp/join.hpp): with uneven inputs, ranks that finish early shadow its
-///    all_reduces, and the average is over the ranks that trained the step.
+///  * It is a Joinable (ddp/training/join.hpp): with uneven inputs, ranks that finish early
+///    shadow its all_reduces, and the average is over the ranks that trained the step.
 ///
 /// A Model is a range of parameters (or has parameters() returning one); a parameter has a value
 /// and a gradient, both tensors with the same floating-point element type: members `value` and
@@ -38,8 +38,8 @@
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 #include "ddp/error.hpp"
-#include "ddp/join.hpp"
 #include "ddp/tensor.hpp"
+#include "ddp/training/join.hpp"
 #include "ddp/types.hpp"
 
 #include <algorithm>
@@ -330,7 +330,7 @@ Placement place_parameters(int rank, const std::vector<TensorView<T>>& values,
   if (first.is_cuda() && !DDP_HAS_CUDA)
     fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": the parameters are on ",
          to_string(first), " but ddp was built without CUDA (link the ddp::cuda target)");
-  if (!first.is_cuda() && device_only_backend<Backend>)
+  if (!first.is_cuda() && backend_traits<Backend>::device_only)
     fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": the parameters are on ",
          to_string(first), " but backend::", Backend::name, " moves CUDA memory only");
   return {first.is_cuda(), first.index, first.is_cuda() && Backend::supports(first)};
@@ -777,7 +777,7 @@ class TypedAverager final : public AveragerBase {
       return;
     }
 #endif
-    if constexpr (!detail::device_only_backend<Backend>) launch_host(b);
+    if constexpr (!backend_traits<Backend>::device_only) launch_host(b);
   }
 
   void launch_host(Bucket& b) {
@@ -837,7 +837,7 @@ class TypedAverager final : public AveragerBase {
   }
   // A finished rank shadows one step: each bucket's all_reduce, in order, with zeros.
   void join_step(int) override {
-    if constexpr (!detail::device_only_backend<Backend>) {
+    if constexpr (!backend_traits<Backend>::device_only) {
       for (const Bucket& b : buckets_) {
         shadow_.assign(b.elements, T{});
         average_async(shadow_).wait();
@@ -869,7 +869,7 @@ class TypedAverager final : public AveragerBase {
       return;
     }
 #endif
-    if constexpr (!detail::device_only_backend<Backend>) unpack_from(b);
+    if constexpr (!backend_traits<Backend>::device_only) unpack_from(b);
   }
 
   Communicator<Backend>* comm_;

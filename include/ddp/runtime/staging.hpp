@@ -17,7 +17,7 @@
 /// streams; the unit tests use plain memcpy), so this file has no device dependency.
 
 #include "ddp/config.hpp"
-#include "ddp/detail/collective.hpp"
+#include "ddp/runtime/collective.hpp"
 #include "ddp/types.hpp"
 
 #include <algorithm>
