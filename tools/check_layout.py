@@ -22,7 +22,7 @@ MAX_LINES = 650
 STILL_LONG = {
     "ddp/backend/host.hpp": 1267,
     "ddp/backend/nccl.hpp": 658,
-    "ddp/communicator.hpp": 702,
+    "ddp/communicator.hpp": 711,
     "ddp/training/gradient.hpp": 1041,
     "ddp/training/sharded.hpp": 771,
 }

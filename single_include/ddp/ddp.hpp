@@ -23,63 +23,16 @@
 /// never by probing for headers, so a program's meaning does not depend on what happens to be
 /// installed.
 
-// begin ddp/version.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Library version and the versioned namespace every ddp symbol lives in.
-
-#define DDP_VERSION_MAJOR 0
-#define DDP_VERSION_MINOR 1
-#define DDP_VERSION_PATCH 0
-
-#define DDP_DETAIL_STR2(x) #x
-#define DDP_DETAIL_STR(x) DDP_DETAIL_STR2(x)
-#define DDP_VERSION_STRING          \
-  DDP_DETAIL_STR(DDP_VERSION_MAJOR) \
-  "." DDP_DETAIL_STR(DDP_VERSION_MINOR) "." DDP_DETAIL_STR(DDP_VERSION_PATCH)
-
-/// A single integer for preprocessor comparisons: 10203 for 1.2.3.
-#define DDP_VERSION (DDP_VERSION_MAJOR * 10000 + DDP_VERSION_MINOR * 100 + DDP_VERSION_PATCH)
-
 // Every symbol is declared in an inline namespace named after the major version, so two
 // incompatible copies of the header in one program do not silently violate the ODR (the same
 // scheme as fmt and nlohmann/json). Users always spell names as ddp::X.
-#define DDP_ABI_NAMESPACE v0
+#define DDP_ABI_NAMESPACE v0  // v<DDP_VERSION_MAJOR> (ddp/version.hpp): change the two together
 #define DDP_BEGIN_NAMESPACE \
   namespace ddp {           \
   inline namespace DDP_ABI_NAMESPACE {
 #define DDP_END_NAMESPACE \
   }                       \
   }
-
-#include <string_view>
-
-/// \namespace ddp
-/// Everything ddp declares: communicators, backends, launchers, the training helpers and the
-/// tensor customization points. Written ddp::X; declared inside an inline namespace named after
-/// the major version (DDP_ABI_NAMESPACE), so that two incompatible copies cannot be mixed.
-
-DDP_BEGIN_NAMESPACE
-
-/// The version of the headers this translation unit was compiled against, as "MAJOR.MINOR.PATCH".
-[[nodiscard]] constexpr std::string_view version() noexcept { return DDP_VERSION_STRING; }
-
-/// The version as numbers, for comparisons at run time.
-struct VersionInfo {
-  int major;  ///< DDP_VERSION_MAJOR: incompatible API changes.
-  int minor;  ///< DDP_VERSION_MINOR: compatible additions.
-  int patch;  ///< DDP_VERSION_PATCH: fixes.
-};
-
-/// The version of the headers this translation unit was compiled against, as numbers.
-[[nodiscard]] constexpr VersionInfo version_info() noexcept {
-  return {DDP_VERSION_MAJOR, DDP_VERSION_MINOR, DDP_VERSION_PATCH};
-}
-
-DDP_END_NAMESPACE
-// end ddp/version.hpp
 
 #ifndef DDP_HAS_CUDA
 #define DDP_HAS_CUDA 0
@@ -137,25 +90,23 @@ DDP_END_NAMESPACE
 
 /// \file
 /// ddp::Error and ddp::Errc: every failure in ddp is reported as one exception type whose code
-/// says what happened and whose message names the rank, the operation and what to do.
-
-// #include "ddp/config.hpp" (already included above)
-// begin ddp/detail/string.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Message building without iostreams or {fmt}: detail::concat("rank ", 3, ": ", what).
+/// says what happened and whose message names the rank, the operation and what to do; and
+/// detail::concat, which builds those messages without iostreams or {fmt}:
+/// detail::concat("rank ", 3, ": ", what).
 
 // #include "ddp/config.hpp" (already included above)
 
 #include <charconv>
 #include <concepts>
+#include <cstring>
+#include <stdexcept>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <type_traits>
 
 DDP_BEGIN_NAMESPACE
+
 namespace detail {
 
 template <class T>
@@ -187,17 +138,6 @@ template <class... Args>
 }
 
 }  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/detail/string.hpp
-
-#include <cstring>
-#include <stdexcept>
-#include <string>
-#include <string_view>
-#include <system_error>
-#include <type_traits>
-
-DDP_BEGIN_NAMESPACE
 
 /// What went wrong. The values are stable: they may be logged, compared and sent between ranks.
 enum class Errc : int {
@@ -301,29 +241,6 @@ DDP_END_NAMESPACE
 template <>
 struct std::is_error_code_enum<ddp::Errc> : std::true_type {};
 // end ddp/error.hpp
-// begin ddp/partition.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Splitting a dataset between ranks.
-///
-///  * DataPartitioner<Dataset> (the DataPartitioner of PyTorch's distributed tutorial): shuffles
-///  the indices once with a seed
-///    and cuts them into parts of the given fractions; `use(i)` is a view of part i.
-///  * DistributedSampler (torch.utils.data.DistributedSampler): per epoch, a shuffled order of the
-///    whole dataset (seed + epoch), padded by wrapping around to a multiple of the number of ranks
-///    (or cut with drop_last); rank r takes positions r, r + R, r + 2R, ... Beyond torch: an exact
-///    mode for evaluation (every sample exactly once, no padding: shards differ by at most one, and
-///    exact_mean() weighs the per-rank results), and state()/restore() to resume mid-epoch.
-///
-/// Shuffles never use std::shuffle or std::uniform_int_distribution, whose results differ between
-/// standard libraries: the generator (SplitMix64), the bounded draw (Lemire's multiply-shift with
-/// rejection) and the shuffle (Fisher-Yates from the top) are specified here, so every rank, every
-/// compiler and every run computes the same permutation from the same seed.
-
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
 // begin ddp/process_group.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -345,7 +262,7 @@ struct std::is_error_code_enum<ddp::Errc> : std::true_type {};
 /// ReduceOp, Device.
 
 // #include "ddp/config.hpp" (already included above)
-// #include "ddp/detail/string.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
 
 #include <bit>
 #include <concepts>
@@ -784,6 +701,369 @@ concept ProcessGroup = requires(C& c, std::span<double> values, std::span<std::i
 
 DDP_END_NAMESPACE
 // end ddp/process_group.hpp
+// begin ddp/tensor.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// How ddp sees a user's tensor: a TensorView {data, size, device, stream}, obtained through one
+/// customization point, ddp::view(t), which tries in order
+///   1. a specialization of ddp::tensor_traits<T> with `static TensorView<E> view(T&)`,
+///   2. a member function `t.ddp_view()` returning TensorView<E>,
+///   3. any contiguous sized range (std::vector, std::array, std::span, C arrays): host memory.
+/// A traits specialization may also say where the buffer lives at compile time:
+///   static constexpr ddp::DeviceKind device_kind = ddp::DeviceKind::cuda;
+/// so that a CUDA-only backend can reject host buffers when the program is compiled.
+///
+/// A framework tensor (torch::Tensor, an ONNX Runtime value, a TensorFlow or ggml tensor, an
+/// Arrow array) knows its element type, device and layout only at run time: its adapter returns
+/// a ddp::DynamicView instead of a TensorView, through the same two customization points, and
+/// the communicator checks at run time what the compiler checks for a TensorView (the dtype and
+/// the op, contiguity, the device, writability).
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <concepts>
+#include <cstddef>
+#include <optional>
+#include <ranges>
+#include <span>
+#include <type_traits>
+#include <utility>
+
+DDP_BEGIN_NAMESPACE
+
+/// A non-owning view of a tensor's contiguous elements: where they are (device), how many, and
+/// for CUDA buffers the stream whose work produced them (a cudaStream_t, or nullptr for the
+/// default stream). T may be const for read-only buffers.
+template <class T>
+struct TensorView {
+  using element_type = T;                  ///< The element type, const for a read-only view.
+  using value_type = std::remove_cv_t<T>;  ///< The element type without const.
+
+  T* data = nullptr;       ///< The first element.
+  std::size_t size = 0;    ///< The number of elements.
+  Device device{};         ///< Where the elements are.
+  void* stream = nullptr;  ///< CUDA: the stream whose work produced the data (nullptr: default)
+
+  /// size * sizeof(T).
+  [[nodiscard]] constexpr std::size_t bytes() const noexcept { return size * sizeof(T); }
+  /// Whether size is 0.
+  [[nodiscard]] constexpr bool empty() const noexcept { return size == 0; }
+  /// The DType of the elements (dtype_of<value_type>).
+  [[nodiscard]] static constexpr DType dtype() noexcept requires Scalar<value_type> {
+    return dtype_of<value_type>;
+  }
+
+  /// Elements [offset, offset + count) on the same device and stream; throws
+  /// Errc::invalid_argument when the range does not fit.
+  [[nodiscard]] constexpr TensorView subview(std::size_t offset, std::size_t count) const {
+    if (offset > size || count > size - offset) {
+      detail::fail(Errc::invalid_argument, "TensorView::subview: elements [", offset, ", ", offset,
+                   " + ", count, ") are outside a view of ", size, " elements");
+    }
+    return {data + offset, count, device, stream};
+  }
+
+  /// Host-side iteration (only meaningful when device.is_cpu()).
+  ///@{
+  [[nodiscard]] constexpr T* begin() const noexcept { return data; }
+  [[nodiscard]] constexpr T* end() const noexcept { return data + size; }
+  ///@}
+  /// Element `i`, unchecked (only meaningful when device.is_cpu()).
+  [[nodiscard]] constexpr T& operator[](std::size_t i) const noexcept { return data[i]; }
+
+  /// A read-only view of the same elements.
+  constexpr operator TensorView<const T>() const noexcept requires(!std::is_const_v<T>) {
+    return {data, size, device, stream};
+  }
+};
+
+/// `TensorView{ptr, n, ...}` deduces the element type from the pointer.
+template <class T, class... Rest>
+TensorView(T*, Rest...) -> TensorView<T>;
+
+/// A view whose element type is known only at run time: what an adapter of a framework tensor
+/// returns (see the file comment). Collectives check it when they are called and raise
+/// Errc::invalid_argument naming the rank, the collective and the argument when it cannot be used.
+struct DynamicView {
+  void* data = nullptr;          ///< the first element
+  std::size_t size = 0;          ///< elements
+  DType dtype = DType::float32;  ///< the element type, as the framework reports it
+  Device device{};               ///< where the elements are
+  void* stream = nullptr;  ///< CUDA: the stream whose work produced the data (nullptr: default)
+  /// The elements are dense and in order, so `size` of them from `data` are the tensor. A
+  /// collective refuses a view that is not (it would read or write the wrong elements).
+  bool contiguous = true;
+  /// The tensor may be read, not written: refused as a collective's output.
+  bool read_only = false;
+  /// Why this tensor cannot be used at all, in the framework's words (e.g. "an undefined
+  /// torch::Tensor", "torch dtype ComplexFloat has no ddp::DType"); nullptr when it can. The
+  /// collective's error carries it.
+  const char* problem = nullptr;
+
+  /// Bytes of the elements (0 for an invalid dtype).
+  [[nodiscard]] constexpr std::size_t bytes() const noexcept { return size * size_of(dtype); }
+};
+
+/// The customization point. The primary template is empty; specialize it (fully, or partially
+/// with constraints) for your tensor type:
+///
+///   template <> struct ddp::tensor_traits<MyTensor> {
+///     static constexpr ddp::DeviceKind device_kind = ddp::DeviceKind::cuda;  // optional
+///     static constexpr bool shares_storage = true;                         // optional
+///     static ddp::TensorView<float> view(MyTensor& t) {
+///       return {t.ptr(), t.numel(), ddp::Device::cuda(t.device()), t.stream()};
+///     }
+///     static ddp::TensorView<const float> view(const MyTensor& t) { ... }  // optional
+///   };
+///
+/// `shares_storage`: a copy of the tensor refers to the same memory and keeps it alive (a
+/// reference-counted handle, like torch::Tensor). The Work of an _async collective then holds a
+/// copy until the operation has finished, so the caller may drop its own before wait(). Types
+/// without it (std::vector, std::array, spans, ddp::CudaBuffer, TensorView, DynamicView) are used
+/// in place: they must outlive the Work.
+template <class T>
+struct tensor_traits {};
+
+/// A TensorView passes through unchanged (keeping its device and stream); where it lives is known
+/// only at run time.
+template <class T>
+struct tensor_traits<TensorView<T>> {
+  /// `v` itself.
+  static constexpr TensorView<T> view(const TensorView<T>& v) noexcept { return v; }
+};
+
+namespace detail {
+
+/// Whether T's traits say that a copy of a T shares (and keeps alive) its storage.
+template <class T>
+concept shares_storage = requires {
+  requires tensor_traits<T>::shares_storage == true;
+}
+&&std::is_copy_constructible_v<T>;
+
+template <class T>
+inline constexpr bool is_tensor_view_v = false;
+template <class T>
+inline constexpr bool is_tensor_view_v<TensorView<T>> = true;
+
+template <class V>
+concept dynamic_view_type = std::is_same_v<std::remove_cvref_t<V>, DynamicView>;
+
+/// What a customization point may return: a TensorView<E> or a DynamicView.
+template <class V>
+concept tensor_view_type = is_tensor_view_v<std::remove_cvref_t<V>> || dynamic_view_type<V>;
+
+template <class T>
+concept has_traits_view = requires(T& t) {
+  { tensor_traits<std::remove_cvref_t<T>>::view(t) } -> tensor_view_type;
+};
+
+template <class T>
+concept has_member_view = requires(T& t) {
+  { t.ddp_view() } -> tensor_view_type;
+};
+
+template <class T>
+concept contiguous_sized_range = std::ranges::contiguous_range<T&> && std::ranges::sized_range<T&>;
+
+struct view_fn {
+  template <class T>
+    requires has_traits_view<T>
+  constexpr auto operator()(T& t) const { return tensor_traits<std::remove_cvref_t<T>>::view(t); }
+
+  template <class T>
+    requires(!has_traits_view<T> && has_member_view<T>)
+  constexpr auto operator()(T& t) const { return t.ddp_view(); }
+
+  template <class T>
+    requires(!has_traits_view<T> && !has_member_view<T> && contiguous_sized_range<T>)
+  constexpr auto operator()(T& t) const {
+    using E = std::remove_reference_t<std::ranges::range_reference_t<T&>>;
+    return TensorView<E>{std::ranges::data(t), static_cast<std::size_t>(std::ranges::size(t)),
+                         Device::cpu(), nullptr};
+  }
+};
+
+template <class T>
+constexpr std::optional<DeviceKind> static_device_kind() {
+  using U = std::remove_cvref_t<T>;
+  if constexpr (has_traits_view<T>) {
+    if constexpr (requires { tensor_traits<U>::device_kind; }) {
+      return DeviceKind{tensor_traits<U>::device_kind};
+    } else {
+      return std::nullopt;
+    }
+  } else if constexpr (has_member_view<T>) {
+    if constexpr (requires { U::ddp_device_kind; }) {
+      return DeviceKind{U::ddp_device_kind};
+    } else {
+      return std::nullopt;
+    }
+  } else {
+    return DeviceKind::cpu;
+  }
+}
+
+}  // namespace detail
+
+/// ddp::view(t): the TensorView of any adapted tensor (see the file comment for the order).
+inline constexpr detail::view_fn view{};
+
+/// Anything ddp::view accepts, whatever its element type.
+template <class T>
+concept Viewable = requires(std::remove_reference_t<T>& t) {
+  ddp::view(t);
+};
+
+/// The view type of T: TensorView<float> for std::vector<float>, DynamicView for a tensor whose
+/// adapter returns one.
+template <Viewable T>
+using tensor_view_t = decltype(ddp::view(std::declval<std::remove_reference_t<T>&>()));
+
+/// A tensor whose element type is known only at run time (its view is a ddp::DynamicView).
+template <class T>
+concept DynamicTensor = Viewable<T> && detail::dynamic_view_type<tensor_view_t<T>>;
+
+/// The element type of T's view, without const (types with a compile-time element type).
+template <Viewable T>
+  requires(!DynamicTensor<T>)
+using tensor_value_t = typename tensor_view_t<T>::value_type;
+
+namespace detail {
+/// What stands for the element type of a DynamicTensor (known only at run time).
+struct DynamicElement {};
+template <class T, bool Dynamic = DynamicTensor<T>>
+struct element_type_of {
+  using type = typename tensor_view_t<T>::element_type;
+};
+template <class T>
+struct element_type_of<T, true> {
+  using type = DynamicElement;
+};
+}  // namespace detail
+
+/// The element type of T's view, const where the view is read-only (detail::DynamicElement for
+/// a DynamicTensor: its writability is checked at run time).
+template <Viewable T>
+using tensor_element_type_t = typename detail::element_type_of<T>::type;
+
+/// A buffer collectives accept: viewable, with a Scalar element type (see ddp::Scalar), or a
+/// DynamicTensor (its element type is checked when the collective is called).
+template <class T>
+concept TensorLike = Viewable<T> &&(DynamicTensor<T> || Scalar<tensor_value_t<T>>);
+
+/// A TensorLike whose elements may be written (the output of a collective); a DynamicTensor's
+/// writability is checked when the collective is called.
+template <class T>
+concept MutableTensor = TensorLike<T> && !std::is_const_v<tensor_element_type_t<T>>;
+
+namespace detail {
+template <class>
+inline constexpr bool always_false = false;
+
+/// A range whose elements are not objects in memory (std::vector<bool>, a transforming view).
+template <class U>
+concept proxy_range =
+    std::ranges::range<U&> && !std::is_lvalue_reference_v<std::ranges::range_reference_t<U&>>;
+
+/// True when T can be a collective's argument (written to when Output); otherwise the first
+/// error the compiler prints says why, instead of "no matching function" and 20 lines of
+/// unsatisfied constraints. The collectives' template parameters use it (tensor_input /
+/// tensor_output below), so a wrong type is a hard error there, not a silent non-match.
+template <class T, bool Output>
+consteval bool explain_tensor_argument() {
+  using U = std::remove_reference_t<T>;
+  if constexpr (Output ? MutableTensor<T> : TensorLike<T>) {
+    return true;
+  } else if constexpr (!Viewable<T> && proxy_range<U>) {
+    static_assert(always_false<T>,
+                  "ddp: this range has no elements in memory to send (std::vector<bool> packs "
+                  "bits; a view computes its values): use std::vector<std::uint8_t> for flags, "
+                  "or copy the values into a std::vector");
+  } else if constexpr (!Viewable<T> && std::ranges::range<U&> &&
+                       !std::ranges::contiguous_range<U&>) {
+    static_assert(always_false<T>,
+                  "ddp: this range is not contiguous (std::list, std::deque, std::set, std::map, "
+                  "...): a collective moves one block of memory; copy the values into a "
+                  "std::vector, or give ddp::tensor_traits<T> a view() of the memory");
+  } else if constexpr (!Viewable<T>) {
+    static_assert(always_false<T>,
+                  "ddp: this type is not a tensor ddp knows: specialize ddp::tensor_traits<T> "
+                  "(in namespace ddp, visible where the collective is called) with static "
+                  "ddp::TensorView<E> view(T&), or give T a member ddp_view(); see ddp/tensor.hpp "
+                  "and the README's 'Adapting your tensor type'");
+  } else if constexpr (!DynamicTensor<T> && !Scalar<tensor_value_t<T>>) {
+    static_assert(always_false<T>,
+                  "ddp: the element type is not one a collective carries; ddp carries int8, "
+                  "int16, int32, int64, uint8, uint16, uint32, uint64, ddp::half, "
+                  "ddp::bfloat16, float and double (not bool, char, long double or "
+                  "std::complex: a std::complex<float> buffer travels as a std::span<float> of "
+                  "twice the size)");
+  } else {
+    static_assert(always_false<T>,
+                  "ddp: this argument is written to, but its elements are const: pass a "
+                  "non-const buffer");
+  }
+  return false;
+}
+
+/// A collective's input: TensorLike, else a compile error that says why.
+template <class T>
+concept tensor_input = explain_tensor_argument<T, false>();
+/// A collective's output: MutableTensor, else a compile error that says why.
+template <class T>
+concept tensor_output = explain_tensor_argument<T, true>();
+}  // namespace detail
+
+/// Where T's buffer lives if its type says so: DeviceKind::cpu for ranges, the traits'
+/// device_kind for adapted types, std::nullopt when only the TensorView knows (at run time).
+template <Viewable T>
+inline constexpr std::optional<DeviceKind> static_device_kind_v = detail::static_device_kind<T>();
+
+/// A TensorLike whose type says its buffer is on a CUDA device.
+template <class T>
+concept CudaTensor = TensorLike<T> &&(static_device_kind_v<T> == DeviceKind::cuda);
+
+/// A TensorLike whose type says its buffer is host memory (every std container and range).
+template <class T>
+concept HostTensor = TensorLike<T> &&(static_device_kind_v<T> == DeviceKind::cpu);
+
+/// The DType of T's elements: tensor_dtype_v<std::vector<float>> == DType::float32 (types with
+/// a compile-time element type).
+template <TensorLike T>
+  requires(!DynamicTensor<T>)
+inline constexpr DType tensor_dtype_v = dtype_of<tensor_value_t<T>>;
+
+DDP_END_NAMESPACE
+// end ddp/tensor.hpp
+// begin ddp/training/partition.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Splitting a dataset between ranks.
+///
+///  * DataPartitioner<Dataset> (the DataPartitioner of PyTorch's distributed tutorial): shuffles
+///  the indices once with a seed
+///    and cuts them into parts of the given fractions; `use(i)` is a view of part i.
+///  * DistributedSampler (torch.utils.data.DistributedSampler): per epoch, a shuffled order of the
+///    whole dataset (seed + epoch), padded by wrapping around to a multiple of the number of ranks
+///    (or cut with drop_last); rank r takes positions r, r + R, r + 2R, ... Beyond torch: an exact
+///    mode for evaluation (every sample exactly once, no padding: shards differ by at most one, and
+///    exact_mean() weighs the per-rank results), and state()/restore() to resume mid-epoch.
+///
+/// Shuffles never use std::shuffle or std::uniform_int_distribution, whose results differ between
+/// standard libraries: the generator (SplitMix64), the bounded draw (Lemire's multiply-shift with
+/// rejection) and the shuffle (Fisher-Yates from the top) are specified here, so every rank, every
+/// compiler and every run computes the same permutation from the same seed.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/process_group.hpp" (already included above)
 
 #include <cmath>
 #include <concepts>
@@ -1144,9 +1424,8 @@ template <ProcessGroup Comm>
 }
 
 DDP_END_NAMESPACE
-// end ddp/partition.hpp
-// #include "ddp/process_group.hpp" (already included above)
-// begin ddp/sync_batch_norm.hpp
+// end ddp/training/partition.hpp
+// begin ddp/training/sync_batch_norm.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -1231,346 +1510,57 @@ template <class Comm, class R>
 }
 
 DDP_END_NAMESPACE
-// end ddp/sync_batch_norm.hpp
-// begin ddp/tensor.hpp
+// end ddp/training/sync_batch_norm.hpp
+// #include "ddp/types.hpp" (already included above)
+// begin ddp/version.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// How ddp sees a user's tensor: a TensorView {data, size, device, stream}, obtained through one
-/// customization point, ddp::view(t), which tries in order
-///   1. a specialization of ddp::tensor_traits<T> with `static TensorView<E> view(T&)`,
-///   2. a member function `t.ddp_view()` returning TensorView<E>,
-///   3. any contiguous sized range (std::vector, std::array, std::span, C arrays): host memory.
-/// A traits specialization may also say where the buffer lives at compile time:
-///   static constexpr ddp::DeviceKind device_kind = ddp::DeviceKind::cuda;
-/// so that a CUDA-only backend can reject host buffers when the program is compiled.
-///
-/// A framework tensor (torch::Tensor, an ONNX Runtime value, a TensorFlow or ggml tensor, an
-/// Arrow array) knows its element type, device and layout only at run time: its adapter returns
-/// a ddp::DynamicView instead of a TensorView, through the same two customization points, and
-/// the communicator checks at run time what the compiler checks for a TensorView (the dtype and
-/// the op, contiguity, the device, writability).
+/// The library version: DDP_VERSION_* and ddp::version(). The versioned namespace every ddp
+/// symbol lives in is declared by ddp/config.hpp.
+
+#define DDP_VERSION_MAJOR 0
+#define DDP_VERSION_MINOR 1
+#define DDP_VERSION_PATCH 0
+
+#define DDP_DETAIL_STR2(x) #x
+#define DDP_DETAIL_STR(x) DDP_DETAIL_STR2(x)
+#define DDP_VERSION_STRING          \
+  DDP_DETAIL_STR(DDP_VERSION_MAJOR) \
+  "." DDP_DETAIL_STR(DDP_VERSION_MINOR) "." DDP_DETAIL_STR(DDP_VERSION_PATCH)
+
+/// A single integer for preprocessor comparisons: 10203 for 1.2.3.
+#define DDP_VERSION (DDP_VERSION_MAJOR * 10000 + DDP_VERSION_MINOR * 100 + DDP_VERSION_PATCH)
 
 // #include "ddp/config.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
 
-#include <concepts>
-#include <cstddef>
-#include <optional>
-#include <ranges>
-#include <span>
-#include <type_traits>
-#include <utility>
+#include <string_view>
+
+/// \namespace ddp
+/// Everything ddp declares: communicators, backends, launchers, the training helpers and the
+/// tensor customization points. Written ddp::X; declared inside an inline namespace named after
+/// the major version (DDP_ABI_NAMESPACE), so that two incompatible copies cannot be mixed.
 
 DDP_BEGIN_NAMESPACE
 
-/// A non-owning view of a tensor's contiguous elements: where they are (device), how many, and
-/// for CUDA buffers the stream whose work produced them (a cudaStream_t, or nullptr for the
-/// default stream). T may be const for read-only buffers.
-template <class T>
-struct TensorView {
-  using element_type = T;                  ///< The element type, const for a read-only view.
-  using value_type = std::remove_cv_t<T>;  ///< The element type without const.
+/// The version of the headers this translation unit was compiled against, as "MAJOR.MINOR.PATCH".
+[[nodiscard]] constexpr std::string_view version() noexcept { return DDP_VERSION_STRING; }
 
-  T* data = nullptr;       ///< The first element.
-  std::size_t size = 0;    ///< The number of elements.
-  Device device{};         ///< Where the elements are.
-  void* stream = nullptr;  ///< CUDA: the stream whose work produced the data (nullptr: default)
-
-  /// size * sizeof(T).
-  [[nodiscard]] constexpr std::size_t bytes() const noexcept { return size * sizeof(T); }
-  /// Whether size is 0.
-  [[nodiscard]] constexpr bool empty() const noexcept { return size == 0; }
-  /// The DType of the elements (dtype_of<value_type>).
-  [[nodiscard]] static constexpr DType dtype() noexcept requires Scalar<value_type> {
-    return dtype_of<value_type>;
-  }
-
-  /// Elements [offset, offset + count) on the same device and stream; throws
-  /// Errc::invalid_argument when the range does not fit.
-  [[nodiscard]] constexpr TensorView subview(std::size_t offset, std::size_t count) const {
-    if (offset > size || count > size - offset) {
-      detail::fail(Errc::invalid_argument, "TensorView::subview: elements [", offset, ", ", offset,
-                   " + ", count, ") are outside a view of ", size, " elements");
-    }
-    return {data + offset, count, device, stream};
-  }
-
-  /// Host-side iteration (only meaningful when device.is_cpu()).
-  ///@{
-  [[nodiscard]] constexpr T* begin() const noexcept { return data; }
-  [[nodiscard]] constexpr T* end() const noexcept { return data + size; }
-  ///@}
-  /// Element `i`, unchecked (only meaningful when device.is_cpu()).
-  [[nodiscard]] constexpr T& operator[](std::size_t i) const noexcept { return data[i]; }
-
-  /// A read-only view of the same elements.
-  constexpr operator TensorView<const T>() const noexcept requires(!std::is_const_v<T>) {
-    return {data, size, device, stream};
-  }
+/// The version as numbers, for comparisons at run time.
+struct VersionInfo {
+  int major;  ///< DDP_VERSION_MAJOR: incompatible API changes.
+  int minor;  ///< DDP_VERSION_MINOR: compatible additions.
+  int patch;  ///< DDP_VERSION_PATCH: fixes.
 };
 
-/// `TensorView{ptr, n, ...}` deduces the element type from the pointer.
-template <class T, class... Rest>
-TensorView(T*, Rest...) -> TensorView<T>;
-
-/// A view whose element type is known only at run time: what an adapter of a framework tensor
-/// returns (see the file comment). Collectives check it when they are called and raise
-/// Errc::invalid_argument naming the rank, the collective and the argument when it cannot be used.
-struct DynamicView {
-  void* data = nullptr;          ///< the first element
-  std::size_t size = 0;          ///< elements
-  DType dtype = DType::float32;  ///< the element type, as the framework reports it
-  Device device{};               ///< where the elements are
-  void* stream = nullptr;  ///< CUDA: the stream whose work produced the data (nullptr: default)
-  /// The elements are dense and in order, so `size` of them from `data` are the tensor. A
-  /// collective refuses a view that is not (it would read or write the wrong elements).
-  bool contiguous = true;
-  /// The tensor may be read, not written: refused as a collective's output.
-  bool read_only = false;
-  /// Why this tensor cannot be used at all, in the framework's words (e.g. "an undefined
-  /// torch::Tensor", "torch dtype ComplexFloat has no ddp::DType"); nullptr when it can. The
-  /// collective's error carries it.
-  const char* problem = nullptr;
-
-  /// Bytes of the elements (0 for an invalid dtype).
-  [[nodiscard]] constexpr std::size_t bytes() const noexcept { return size * size_of(dtype); }
-};
-
-/// The customization point. The primary template is empty; specialize it (fully, or partially
-/// with constraints) for your tensor type:
-///
-///   template <> struct ddp::tensor_traits<MyTensor> {
-///     static constexpr ddp::DeviceKind device_kind = ddp::DeviceKind::cuda;  // optional
-///     static constexpr bool shares_storage = true;                         // optional
-///     static ddp::TensorView<float> view(MyTensor& t) {
-///       return {t.ptr(), t.numel(), ddp::Device::cuda(t.device()), t.stream()};
-///     }
-///     static ddp::TensorView<const float> view(const MyTensor& t) { ... }  // optional
-///   };
-///
-/// `shares_storage`: a copy of the tensor refers to the same memory and keeps it alive (a
-/// reference-counted handle, like torch::Tensor). The Work of an _async collective then holds a
-/// copy until the operation has finished, so the caller may drop its own before wait(). Types
-/// without it (std::vector, std::array, spans, ddp::CudaBuffer, TensorView, DynamicView) are used
-/// in place: they must outlive the Work.
-template <class T>
-struct tensor_traits {};
-
-/// A TensorView passes through unchanged (keeping its device and stream); where it lives is known
-/// only at run time.
-template <class T>
-struct tensor_traits<TensorView<T>> {
-  /// `v` itself.
-  static constexpr TensorView<T> view(const TensorView<T>& v) noexcept { return v; }
-};
-
-namespace detail {
-
-/// Whether T's traits say that a copy of a T shares (and keeps alive) its storage.
-template <class T>
-concept shares_storage = requires {
-  requires tensor_traits<T>::shares_storage == true;
+/// The version of the headers this translation unit was compiled against, as numbers.
+[[nodiscard]] constexpr VersionInfo version_info() noexcept {
+  return {DDP_VERSION_MAJOR, DDP_VERSION_MINOR, DDP_VERSION_PATCH};
 }
-&&std::is_copy_constructible_v<T>;
-
-template <class T>
-inline constexpr bool is_tensor_view_v = false;
-template <class T>
-inline constexpr bool is_tensor_view_v<TensorView<T>> = true;
-
-template <class V>
-concept dynamic_view_type = std::is_same_v<std::remove_cvref_t<V>, DynamicView>;
-
-/// What a customization point may return: a TensorView<E> or a DynamicView.
-template <class V>
-concept tensor_view_type = is_tensor_view_v<std::remove_cvref_t<V>> || dynamic_view_type<V>;
-
-template <class T>
-concept has_traits_view = requires(T& t) {
-  { tensor_traits<std::remove_cvref_t<T>>::view(t) } -> tensor_view_type;
-};
-
-template <class T>
-concept has_member_view = requires(T& t) {
-  { t.ddp_view() } -> tensor_view_type;
-};
-
-template <class T>
-concept contiguous_sized_range = std::ranges::contiguous_range<T&> && std::ranges::sized_range<T&>;
-
-struct view_fn {
-  template <class T>
-    requires has_traits_view<T>
-  constexpr auto operator()(T& t) const { return tensor_traits<std::remove_cvref_t<T>>::view(t); }
-
-  template <class T>
-    requires(!has_traits_view<T> && has_member_view<T>)
-  constexpr auto operator()(T& t) const { return t.ddp_view(); }
-
-  template <class T>
-    requires(!has_traits_view<T> && !has_member_view<T> && contiguous_sized_range<T>)
-  constexpr auto operator()(T& t) const {
-    using E = std::remove_reference_t<std::ranges::range_reference_t<T&>>;
-    return TensorView<E>{std::ranges::data(t), static_cast<std::size_t>(std::ranges::size(t)),
-                         Device::cpu(), nullptr};
-  }
-};
-
-template <class T>
-constexpr std::optional<DeviceKind> static_device_kind() {
-  using U = std::remove_cvref_t<T>;
-  if constexpr (has_traits_view<T>) {
-    if constexpr (requires { tensor_traits<U>::device_kind; }) {
-      return DeviceKind{tensor_traits<U>::device_kind};
-    } else {
-      return std::nullopt;
-    }
-  } else if constexpr (has_member_view<T>) {
-    if constexpr (requires { U::ddp_device_kind; }) {
-      return DeviceKind{U::ddp_device_kind};
-    } else {
-      return std::nullopt;
-    }
-  } else {
-    return DeviceKind::cpu;
-  }
-}
-
-}  // namespace detail
-
-/// ddp::view(t): the TensorView of any adapted tensor (see the file comment for the order).
-inline constexpr detail::view_fn view{};
-
-/// Anything ddp::view accepts, whatever its element type.
-template <class T>
-concept Viewable = requires(std::remove_reference_t<T>& t) {
-  ddp::view(t);
-};
-
-/// The view type of T: TensorView<float> for std::vector<float>, DynamicView for a tensor whose
-/// adapter returns one.
-template <Viewable T>
-using tensor_view_t = decltype(ddp::view(std::declval<std::remove_reference_t<T>&>()));
-
-/// A tensor whose element type is known only at run time (its view is a ddp::DynamicView).
-template <class T>
-concept DynamicTensor = Viewable<T> && detail::dynamic_view_type<tensor_view_t<T>>;
-
-/// The element type of T's view, without const (types with a compile-time element type).
-template <Viewable T>
-  requires(!DynamicTensor<T>)
-using tensor_value_t = typename tensor_view_t<T>::value_type;
-
-namespace detail {
-/// What stands for the element type of a DynamicTensor (known only at run time).
-struct DynamicElement {};
-template <class T, bool Dynamic = DynamicTensor<T>>
-struct element_type_of {
-  using type = typename tensor_view_t<T>::element_type;
-};
-template <class T>
-struct element_type_of<T, true> {
-  using type = DynamicElement;
-};
-}  // namespace detail
-
-/// The element type of T's view, const where the view is read-only (detail::DynamicElement for
-/// a DynamicTensor: its writability is checked at run time).
-template <Viewable T>
-using tensor_element_type_t = typename detail::element_type_of<T>::type;
-
-/// A buffer collectives accept: viewable, with a Scalar element type (see ddp::Scalar), or a
-/// DynamicTensor (its element type is checked when the collective is called).
-template <class T>
-concept TensorLike = Viewable<T> &&(DynamicTensor<T> || Scalar<tensor_value_t<T>>);
-
-/// A TensorLike whose elements may be written (the output of a collective); a DynamicTensor's
-/// writability is checked when the collective is called.
-template <class T>
-concept MutableTensor = TensorLike<T> && !std::is_const_v<tensor_element_type_t<T>>;
-
-namespace detail {
-template <class>
-inline constexpr bool always_false = false;
-
-/// A range whose elements are not objects in memory (std::vector<bool>, a transforming view).
-template <class U>
-concept proxy_range =
-    std::ranges::range<U&> && !std::is_lvalue_reference_v<std::ranges::range_reference_t<U&>>;
-
-/// True when T can be a collective's argument (written to when Output); otherwise the first
-/// error the compiler prints says why, instead of "no matching function" and 20 lines of
-/// unsatisfied constraints. The collectives' template parameters use it (tensor_input /
-/// tensor_output below), so a wrong type is a hard error there, not a silent non-match.
-template <class T, bool Output>
-consteval bool explain_tensor_argument() {
-  using U = std::remove_reference_t<T>;
-  if constexpr (Output ? MutableTensor<T> : TensorLike<T>) {
-    return true;
-  } else if constexpr (!Viewable<T> && proxy_range<U>) {
-    static_assert(always_false<T>,
-                  "ddp: this range has no elements in memory to send (std::vector<bool> packs "
-                  "bits; a view computes its values): use std::vector<std::uint8_t> for flags, "
-                  "or copy the values into a std::vector");
-  } else if constexpr (!Viewable<T> && std::ranges::range<U&> &&
-                       !std::ranges::contiguous_range<U&>) {
-    static_assert(always_false<T>,
-                  "ddp: this range is not contiguous (std::list, std::deque, std::set, std::map, "
-                  "...): a collective moves one block of memory; copy the values into a "
-                  "std::vector, or give ddp::tensor_traits<T> a view() of the memory");
-  } else if constexpr (!Viewable<T>) {
-    static_assert(always_false<T>,
-                  "ddp: this type is not a tensor ddp knows: specialize ddp::tensor_traits<T> "
-                  "(in namespace ddp, visible where the collective is called) with static "
-                  "ddp::TensorView<E> view(T&), or give T a member ddp_view(); see ddp/tensor.hpp "
-                  "and the README's 'Adapting your tensor type'");
-  } else if constexpr (!DynamicTensor<T> && !Scalar<tensor_value_t<T>>) {
-    static_assert(always_false<T>,
-                  "ddp: the element type is not one a collective carries; ddp carries int8, "
-                  "int16, int32, int64, uint8, uint16, uint32, uint64, ddp::half, "
-                  "ddp::bfloat16, float and double (not bool, char, long double or "
-                  "std::complex: a std::complex<float> buffer travels as a std::span<float> of "
-                  "twice the size)");
-  } else {
-    static_assert(always_false<T>,
-                  "ddp: this argument is written to, but its elements are const: pass a "
-                  "non-const buffer");
-  }
-  return false;
-}
-
-/// A collective's input: TensorLike, else a compile error that says why.
-template <class T>
-concept tensor_input = explain_tensor_argument<T, false>();
-/// A collective's output: MutableTensor, else a compile error that says why.
-template <class T>
-concept tensor_output = explain_tensor_argument<T, true>();
-}  // namespace detail
-
-/// Where T's buffer lives if its type says so: DeviceKind::cpu for ranges, the traits'
-/// device_kind for adapted types, std::nullopt when only the TensorView knows (at run time).
-template <Viewable T>
-inline constexpr std::optional<DeviceKind> static_device_kind_v = detail::static_device_kind<T>();
-
-/// A TensorLike whose type says its buffer is on a CUDA device.
-template <class T>
-concept CudaTensor = TensorLike<T> &&(static_device_kind_v<T> == DeviceKind::cuda);
-
-/// A TensorLike whose type says its buffer is host memory (every std container and range).
-template <class T>
-concept HostTensor = TensorLike<T> &&(static_device_kind_v<T> == DeviceKind::cpu);
-
-/// The DType of T's elements: tensor_dtype_v<std::vector<float>> == DType::float32 (types with
-/// a compile-time element type).
-template <TensorLike T>
-  requires(!DynamicTensor<T>)
-inline constexpr DType tensor_dtype_v = dtype_of<tensor_value_t<T>>;
 
 DDP_END_NAMESPACE
-// end ddp/tensor.hpp
+// end ddp/version.hpp
 
 // The runtime reports failures across threads and layers with exceptions; with -fno-exceptions
 // only the core types above are available.
@@ -1586,8 +1576,8 @@ DDP_END_NAMESPACE
 /// each collective (returning ddp::Work, see work.hpp), and split().
 ///
 /// Each typed argument becomes a detail::Buf (the only code compiled per tensor type); the
-/// checks and the call description are plain functions (detail/call.hpp); the backend contract
-/// is backend/backend.hpp; object collectives and *_host helpers are objects.hpp.
+/// checks and the call description are plain functions (runtime/call.hpp); the backend contract
+/// is backend/backend.hpp; object collectives and *_host helpers are runtime/objects.hpp.
 ///
 /// Operations on one communicator run one at a time, in the order they were issued, whichever
 /// thread issued them. A synchronous call with nothing queued runs in the calling thread (no
@@ -1629,153 +1619,6 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-// begin ddp/detail/collective.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// What the typed Communicator hands to a backend: type-erased buffers, and the fingerprint
-/// every collective carries so that ranks calling different collectives fail instead of hanging.
-
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/detail/string.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
-
-#include <cstddef>
-#include <cstdint>
-#include <limits>
-#include <string>
-#include <string_view>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-/// The largest buffer, in bytes, a collective accepts (what a pointer difference can express):
-/// element counts are checked against it, so no byte size computed from them can wrap.
-inline constexpr std::size_t max_buffer_bytes =
-    static_cast<std::size_t>(std::numeric_limits<std::ptrdiff_t>::max());
-
-/// Whether total == part * p exactly, with no overflow in the product.
-[[nodiscard]] constexpr bool is_product(std::size_t total, std::size_t part,
-                                        std::size_t p) noexcept {
-  return p != 0 && total % p == 0 && total / p == part;
-}
-
-/// "part x p = product", or that the product overflows.
-[[nodiscard]] inline std::string product_text(std::size_t part, std::size_t p) {
-  if (p != 0 && part > max_buffer_bytes / p) return concat(part, " x ", p, " (which overflows)");
-  return concat(part, " x ", p, " = ", part * p);
-}
-
-/// A type-erased buffer: `count` elements of `dtype`.
-struct Buf {
-  std::byte* data = nullptr;
-  std::size_t count = 0;
-  DType dtype = DType::float32;
-  Device device{};
-  void* stream = nullptr;
-  /// For a piece of a larger elementwise collective (a CUDA buffer staged through host memory
-  /// chunk by chunk): the whole buffer's element count, which the fingerprint carries so that
-  /// ranks with different sizes fail on the first piece. 0: the buffer is whole.
-  std::size_t whole = 0;
-
-  [[nodiscard]] std::size_t elem() const noexcept { return size_of(dtype); }
-  [[nodiscard]] std::size_t fingerprint_count() const noexcept {
-    return whole != 0 ? whole : count;
-  }
-  [[nodiscard]] std::size_t bytes() const noexcept { return count * size_of(dtype); }
-  [[nodiscard]] std::byte* at(std::size_t element) const noexcept {
-    return data + element * elem();
-  }
-};
-
-enum class Coll : std::uint8_t {
-  all_reduce = 1,
-  broadcast = 2,
-  reduce = 3,
-  all_gather = 4,
-  gather = 5,
-  scatter = 6,
-  reduce_scatter = 7,
-  all_to_all = 8,
-  barrier = 9,
-  send = 10,
-  recv = 11,
-};
-
-[[nodiscard]] constexpr std::string_view to_string(Coll c) noexcept {
-  switch (c) {
-    case Coll::all_reduce: return "all_reduce";
-    case Coll::broadcast: return "broadcast";
-    case Coll::reduce: return "reduce";
-    case Coll::all_gather: return "all_gather";
-    case Coll::gather: return "gather";
-    case Coll::scatter: return "scatter";
-    case Coll::reduce_scatter: return "reduce_scatter";
-    case Coll::all_to_all: return "all_to_all";
-    case Coll::barrier: return "barrier";
-    case Coll::send: return "send";
-    case Coll::recv: return "recv";
-  }
-  return "unknown collective";
-}
-
-/// What a rank says it is doing: compared across ranks at the start of every collective.
-struct Fingerprint {
-  std::uint64_t seq = 0;    ///< collectives issued on this communicator before this one
-  std::uint64_t count = 0;  ///< elements per rank (the size of `in` for all_gather, ...)
-  std::int32_t root = -1;   ///< root, or -1
-  Coll coll = Coll::barrier;
-  DType dtype = DType::uint8;
-  ReduceOp op = ReduceOp::sum;
-  std::uint8_t has_op = 0;
-
-  friend bool operator==(const Fingerprint&, const Fingerprint&) = default;
-};
-static_assert(sizeof(Fingerprint) == 24);
-
-/// The shared-memory transport's short form of a fingerprint, published in 48 bits with the
-/// round number (see ShmTransport::round). It is exact, never a hash:
-///  * 0: the round has no fingerprint;
-///  * fingerprint_wide: a field does not fit; peers compare the full fingerprints;
-///  * otherwise every field packed into a bit range of its own, injectively: coll (4 bits),
-///    dtype (4), op (3), has_op (1), root + 1 (5), count (28), and the sequence number as its
-///    distance (0 to 3) from `prev_seq`, the one of this rank's previous checked round.
-/// Two equal codes therefore mean equal fingerprints whenever the two ranks' previous checked
-/// rounds had equal fingerprints, which the transport makes sure of (a rank's first checked
-/// round is always wide). `has_prev`: whether there was a previous checked round.
-inline constexpr std::uint64_t fingerprint_wide = std::uint64_t{1} << 47;
-[[nodiscard]] constexpr std::uint64_t fingerprint_code(const Fingerprint& f, std::uint64_t prev_seq,
-                                                       bool has_prev) noexcept {
-  const auto coll = static_cast<std::uint64_t>(f.coll);
-  const auto dtype = static_cast<std::uint64_t>(f.dtype);
-  const auto op = static_cast<std::uint64_t>(f.op);
-  const std::uint64_t root1 = static_cast<std::uint64_t>(static_cast<std::int64_t>(f.root) + 1);
-  const std::uint64_t delta = f.seq - prev_seq;
-  if (!has_prev || f.seq < prev_seq || delta > 3 || coll == 0 || coll > 15 || dtype > 15 ||
-      op > 7 || f.has_op > 1 || f.root < -1 || root1 > 31 || f.count >= (std::uint64_t{1} << 28))
-    return fingerprint_wide;
-  return coll | dtype << 4 | op << 8 | std::uint64_t{f.has_op} << 11 | root1 << 12 | delta << 17 |
-         f.count << 19;
-}
-
-[[nodiscard]] inline std::string to_string(const Fingerprint& f) {
-  std::string s = concat(to_string(f.coll), '(');
-  if (f.coll != Coll::barrier) s += concat(to_string(f.dtype), ", count=", f.count);
-  if (f.has_op != 0) s += concat(", op=", to_string(f.op));
-  if (f.root >= 0) s += concat(", root=", f.root);
-  return s + concat(") #", f.seq);
-}
-
-/// A byte range of a rank's offer.
-struct Range {
-  std::size_t off = 0;
-  std::size_t len = 0;
-};
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/detail/collective.hpp
 // begin ddp/detail/socket.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -2462,6 +2305,153 @@ struct Options {
 
 DDP_END_NAMESPACE
 // end ddp/options.hpp
+// begin ddp/runtime/collective.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// What the typed Communicator hands to a backend: type-erased buffers, and the fingerprint
+/// every collective carries so that ranks calling different collectives fail instead of hanging.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <string_view>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// The largest buffer, in bytes, a collective accepts (what a pointer difference can express):
+/// element counts are checked against it, so no byte size computed from them can wrap.
+inline constexpr std::size_t max_buffer_bytes =
+    static_cast<std::size_t>(std::numeric_limits<std::ptrdiff_t>::max());
+
+/// Whether total == part * p exactly, with no overflow in the product.
+[[nodiscard]] constexpr bool is_product(std::size_t total, std::size_t part,
+                                        std::size_t p) noexcept {
+  return p != 0 && total % p == 0 && total / p == part;
+}
+
+/// "part x p = product", or that the product overflows.
+[[nodiscard]] inline std::string product_text(std::size_t part, std::size_t p) {
+  if (p != 0 && part > max_buffer_bytes / p) return concat(part, " x ", p, " (which overflows)");
+  return concat(part, " x ", p, " = ", part * p);
+}
+
+/// A type-erased buffer: `count` elements of `dtype`.
+struct Buf {
+  std::byte* data = nullptr;
+  std::size_t count = 0;
+  DType dtype = DType::float32;
+  Device device{};
+  void* stream = nullptr;
+  /// For a piece of a larger elementwise collective (a CUDA buffer staged through host memory
+  /// chunk by chunk): the whole buffer's element count, which the fingerprint carries so that
+  /// ranks with different sizes fail on the first piece. 0: the buffer is whole.
+  std::size_t whole = 0;
+
+  [[nodiscard]] std::size_t elem() const noexcept { return size_of(dtype); }
+  [[nodiscard]] std::size_t fingerprint_count() const noexcept {
+    return whole != 0 ? whole : count;
+  }
+  [[nodiscard]] std::size_t bytes() const noexcept { return count * size_of(dtype); }
+  [[nodiscard]] std::byte* at(std::size_t element) const noexcept {
+    return data + element * elem();
+  }
+};
+
+enum class Coll : std::uint8_t {
+  all_reduce = 1,
+  broadcast = 2,
+  reduce = 3,
+  all_gather = 4,
+  gather = 5,
+  scatter = 6,
+  reduce_scatter = 7,
+  all_to_all = 8,
+  barrier = 9,
+  send = 10,
+  recv = 11,
+};
+
+[[nodiscard]] constexpr std::string_view to_string(Coll c) noexcept {
+  switch (c) {
+    case Coll::all_reduce: return "all_reduce";
+    case Coll::broadcast: return "broadcast";
+    case Coll::reduce: return "reduce";
+    case Coll::all_gather: return "all_gather";
+    case Coll::gather: return "gather";
+    case Coll::scatter: return "scatter";
+    case Coll::reduce_scatter: return "reduce_scatter";
+    case Coll::all_to_all: return "all_to_all";
+    case Coll::barrier: return "barrier";
+    case Coll::send: return "send";
+    case Coll::recv: return "recv";
+  }
+  return "unknown collective";
+}
+
+/// What a rank says it is doing: compared across ranks at the start of every collective.
+struct Fingerprint {
+  std::uint64_t seq = 0;    ///< collectives issued on this communicator before this one
+  std::uint64_t count = 0;  ///< elements per rank (the size of `in` for all_gather, ...)
+  std::int32_t root = -1;   ///< root, or -1
+  Coll coll = Coll::barrier;
+  DType dtype = DType::uint8;
+  ReduceOp op = ReduceOp::sum;
+  std::uint8_t has_op = 0;
+
+  friend bool operator==(const Fingerprint&, const Fingerprint&) = default;
+};
+static_assert(sizeof(Fingerprint) == 24);
+
+/// The shared-memory transport's short form of a fingerprint, published in 48 bits with the
+/// round number (see ShmTransport::round). It is exact, never a hash:
+///  * 0: the round has no fingerprint;
+///  * fingerprint_wide: a field does not fit; peers compare the full fingerprints;
+///  * otherwise every field packed into a bit range of its own, injectively: coll (4 bits),
+///    dtype (4), op (3), has_op (1), root + 1 (5), count (28), and the sequence number as its
+///    distance (0 to 3) from `prev_seq`, the one of this rank's previous checked round.
+/// Two equal codes therefore mean equal fingerprints whenever the two ranks' previous checked
+/// rounds had equal fingerprints, which the transport makes sure of (a rank's first checked
+/// round is always wide). `has_prev`: whether there was a previous checked round.
+inline constexpr std::uint64_t fingerprint_wide = std::uint64_t{1} << 47;
+[[nodiscard]] constexpr std::uint64_t fingerprint_code(const Fingerprint& f, std::uint64_t prev_seq,
+                                                       bool has_prev) noexcept {
+  const auto coll = static_cast<std::uint64_t>(f.coll);
+  const auto dtype = static_cast<std::uint64_t>(f.dtype);
+  const auto op = static_cast<std::uint64_t>(f.op);
+  const std::uint64_t root1 = static_cast<std::uint64_t>(static_cast<std::int64_t>(f.root) + 1);
+  const std::uint64_t delta = f.seq - prev_seq;
+  if (!has_prev || f.seq < prev_seq || delta > 3 || coll == 0 || coll > 15 || dtype > 15 ||
+      op > 7 || f.has_op > 1 || f.root < -1 || root1 > 31 || f.count >= (std::uint64_t{1} << 28))
+    return fingerprint_wide;
+  return coll | dtype << 4 | op << 8 | std::uint64_t{f.has_op} << 11 | root1 << 12 | delta << 17 |
+         f.count << 19;
+}
+
+[[nodiscard]] inline std::string to_string(const Fingerprint& f) {
+  std::string s = concat(to_string(f.coll), '(');
+  if (f.coll != Coll::barrier) s += concat(to_string(f.dtype), ", count=", f.count);
+  if (f.has_op != 0) s += concat(", op=", to_string(f.op));
+  if (f.root >= 0) s += concat(", root=", f.root);
+  return s + concat(") #", f.seq);
+}
+
+/// A byte range of a rank's offer.
+struct Range {
+  std::size_t off = 0;
+  std::size_t len = 0;
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/runtime/collective.hpp
 // begin ddp/store/client.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -3510,14 +3500,6 @@ struct backend_traits {
 
 namespace detail {
 
-// The names these capabilities had before backend_traits (kept for code that used them).
-template <class B>
-inline constexpr bool backend_needs_store = backend_traits<B>::needs_store;
-template <class B>
-inline constexpr bool device_only_backend = backend_traits<B>::device_only;
-template <class B>
-concept splits_itself = backend_traits<B>::splits;
-
 /// Whether a backend that moves only CUDA memory is given a buffer whose type says it is host
 /// memory: rejected when the program is compiled.
 template <class B, class T>
@@ -3528,11 +3510,23 @@ inline constexpr bool host_type_for_device_backend =
 
 DDP_END_NAMESPACE
 // end ddp/backend/backend.hpp
+// begin ddp/backend/dispatch.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// How Communicator runs a call on its backend: detail::dispatch maps a detail::Call to the
+/// backend's member of the collective (all_reduce_many where the backend reduces several buffers
+/// at once, all_reduce_as where it converts the wire type itself, else the conversion around a
+/// plain all_reduce), staging CUDA buffers through pinned host memory when the backend moves
+/// host memory only (runtime/staging.hpp).
+
+// #include "ddp/backend/backend.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-// begin ddp/detail/call.hpp
+// begin ddp/runtime/call.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -3548,8 +3542,8 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-// #include "ddp/detail/collective.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
+// #include "ddp/runtime/collective.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
@@ -3830,9 +3824,9 @@ inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, 
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/detail/call.hpp
-// #include "ddp/detail/collective.hpp" (already included above)
-// begin ddp/detail/comm_state.hpp
+// end ddp/runtime/call.hpp
+// #include "ddp/runtime/collective.hpp" (already included above)
+// begin ddp/runtime/comm_state.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -3885,277 +3879,6 @@ inline std::atomic<std::uint64_t>& fork_counter() noexcept {
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/detail/fork.hpp
-// begin ddp/detail/rendezvous.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// The first steps of every communicator's rendezvous, before the backend connects:
-///  * each rank claims its rank number in the store (compare-and-set), so a second process
-///    started with the same RANK is refused at once and told who holds it;
-///  * each rank publishes the job as it sees it (world size, backend, library version,
-///    fingerprint check) and checks every other rank's record against its own, so ranks that
-///    were started differently fail together with Errc::mismatch instead of running with
-///    different views of the job (and different results).
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/detail/bytes.hpp" (already included above)
-// #include "ddp/detail/crypto.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/store/client.hpp" (already included above)
-// #include "ddp/version.hpp" (already included above)
-
-#include <unistd.h>
-
-#include <algorithm>
-#include <chrono>
-#include <cstdint>
-#include <string>
-#include <string_view>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-/// Fails with Errc::mismatch unless every rank's `values[j]` equals this rank's, naming the ranks
-/// that differ and their values: "rank 0: the ranks disagree on WHAT: this rank has A, rank 1 has
-/// B; FIX".
-inline void require_agreement(int rank, std::string_view what, std::string_view fix,
-                              const std::vector<std::string>& values) {
-  const std::string& mine = values.at(static_cast<std::size_t>(rank));
-  std::string others;
-  int n = 0;
-  for (std::size_t j = 0; j < values.size(); ++j) {
-    if (values[j] == mine) continue;
-    if (n < 4) others += concat(", rank ", j, " has ", values[j]);
-    ++n;
-  }
-  if (n == 0) return;
-  if (n > 4) others += concat(" (and ", n - 4, " more ranks differ)");
-  fail(Errc::mismatch, "rank ", rank, ": the ranks disagree on ", what, ": this rank has ", mine,
-       others, "; ", fix);
-}
-
-/// The rendezvous timeout, naming the ranks whose `prefix<j>` key never appeared.
-[[noreturn]] inline void fail_missing_ranks(int rank, int size, std::chrono::milliseconds timeout,
-                                            const std::vector<std::string>& missing,
-                                            std::size_t prefix_len) {
-  std::string who;
-  for (const auto& k : missing) who += concat(who.empty() ? "" : ", ", k.substr(prefix_len));
-  fail(Errc::timeout, "rank ", rank, ": rendezvous timed out after ", timeout.count(),
-       " ms: ", size - static_cast<int>(missing.size()), "/", size, " ranks joined; missing rank",
-       missing.size() == 1 ? " " : "s ", who,
-       ". Check that every rank was started with the same MASTER_ADDR, MASTER_PORT and "
-       "WORLD_SIZE");
-}
-
-/// Waits up to `timeout` for `prefix<j>` of every rank j and returns their values; a timeout
-/// names the ranks that are missing.
-[[nodiscard]] inline std::vector<std::string> gather_records(Store& store, std::string_view prefix,
-                                                             int rank, int size,
-                                                             std::chrono::milliseconds timeout) {
-  std::vector<std::string> keys;
-  for (int j = 0; j < size; ++j) keys.push_back(concat(prefix, j));
-  if (auto missing = store.missing_after(keys, timeout); !missing.empty())
-    fail_missing_ranks(rank, size, timeout, missing, prefix.size());
-  std::vector<std::string> values;
-  for (const auto& k : keys) values.push_back(store.get(k));
-  return values;
-}
-
-/// What a rank believes about its job; every rank must believe the same.
-struct JobView {
-  int world_size = 1;
-  std::string backend;
-  bool verify_collectives = true;
-};
-
-/// Who this process is, as another process would be told ("pid 123 on host node7").
-[[nodiscard]] inline std::string process_label() {
-  char name[256] = {};
-  (void)::gethostname(name, sizeof name - 1);
-  return concat("pid ", ::getpid(), " on host ", name);
-}
-
-/// Claims `rank` in the store: fails with Errc::invalid_argument, naming the process that holds
-/// it, when another process claimed it first. Returns normally once the rank is this process's.
-inline void claim_rank(Store& store, int rank, std::string_view group) {
-  const std::string me =
-      concat(process_label(), " [", random_value<std::uint64_t>(), "]");  // unique per claim
-  const std::string held = store.compare_set(concat("claim/", rank), "", me);
-  if (held == me) return;
-  const std::string who = held.substr(0, held.find(" ["));
-  fail(Errc::invalid_argument, "rank ", rank, ": rank ", rank, " of group \"", group,
-       "\" is already taken by ", who, "; this process (", process_label(),
-       ") was started with the same RANK. Give every process its own RANK (0..WORLD_SIZE-1)");
-}
-
-/// Publishes this rank's view of the job and checks it against every rank's (see the file
-/// comment). Errc::mismatch names the ranks that differ and both values. `widest` is set to the
-/// largest world size any rank claimed (before a mismatch is thrown): the store's host waits for
-/// that many ranks to read the failure before it stops serving.
-inline void agree_on_job(Store& store, int rank, const JobView& job,
-                         std::chrono::milliseconds timeout, int& widest) {
-  std::string rec;
-  ByteWriter w(rec);
-  w.str(DDP_VERSION_STRING);
-  w.put(static_cast<std::uint32_t>(job.world_size));
-  w.str(job.backend);
-  w.put(static_cast<std::uint8_t>(job.verify_collectives ? 1 : 0));
-  store.set(concat("job/", rank), rec);
-  std::vector<std::string> versions, worlds, backends, verify;
-  for (const auto& r : gather_records(store, "job/", rank, job.world_size, timeout)) {
-    ByteReader rd(r, "job record");
-    versions.push_back(rd.str(64));
-    const auto ws = rd.get<std::uint32_t>();
-    worlds.push_back(std::to_string(ws));
-    if (ws <= 1u << 20) widest = std::max(widest, static_cast<int>(ws));
-    backends.push_back(rd.str(64));
-    verify.push_back(rd.get<std::uint8_t>() != 0 ? "on" : "off");
-  }
-  require_agreement(rank, "the world size",
-                    "start every rank with the same WORLD_SIZE (if the others are another job's "
-                    "processes, give each job its own MASTER_PORT)",
-                    worlds);
-  require_agreement(rank, "the ddp version", "build every rank against the same ddp", versions);
-  require_agreement(rank, "the backend", "every rank must create the same Communicator<Backend>",
-                    backends);
-  require_agreement(rank, "Options::verify_collectives (DDP_VERIFY_COLLECTIVES)",
-                    "every rank must use the same setting", verify);
-}
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/detail/rendezvous.hpp
-// begin ddp/detail/staging.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Staging: how a backend that moves host memory only (backend::Host, a non-CUDA-aware
-/// backend::Mpi) runs a collective on device buffers. Each device buffer is copied into host
-/// staging memory, the backend works there, and results are copied back.
-///
-/// Elementwise collectives (all_reduce, broadcast, reduce) give the same result piece by piece,
-/// so they run as a pipeline over fixed-size pieces in three rotating staging slots: while the
-/// backend works on piece k, piece k+1 is copied in and piece k-1 copied out. Every piece carries
-/// the whole buffer's count in its fingerprint (Buf::whole), so ranks that disagree on the size
-/// fail on the first piece. Other collectives stage each buffer whole.
-///
-/// The copies are a `StagingCopier` (ddp::detail::CudaStager with pinned memory and CUDA
-/// streams; the unit tests use plain memcpy), so this file has no device dependency.
-
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/detail/collective.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
-
-#include <algorithm>
-#include <array>
-#include <concepts>
-#include <cstddef>
-#include <tuple>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-/// The copies staging needs. Slots are independent staging areas; a slot is only resized or
-/// reused after its copies were waited for.
-template <class C>
-concept StagingCopier = requires(C& c, int slot, std::byte* p, const std::byte* q, std::size_t n,
-                                 void* stream) {
-  { c.slot(slot, n) } -> std::same_as<std::byte*>;  // host memory of at least n bytes
-  c.after(stream);         // later copies (both ways) start after the work queued on `stream`
-  c.fetch(slot, p, q, n);  // device q -> host p, asynchronously
-  c.wait_fetch(slot);      // the slot's last fetch has landed
-  c.store(slot, p, q, n);  // host q -> device p, asynchronously
-  c.wait_store(slot);      // the slot's last store has landed (no-op when none is pending)
-};
-
-/// Staging slots 0..2 rotate through the pieces of an elementwise collective; whole-buffer
-/// staging uses slots 3 and 4.
-inline constexpr int staging_pipeline_slots = 3;
-inline constexpr int staging_whole_slot = 3;
-
-/// Runs op(host piece) over `dev` in pieces of at most `piece_bytes`, copying each piece in first
-/// when `fetch` and back afterwards when `store`; returns when every store has landed. Always
-/// calls op at least once (an empty collective still synchronizes the ranks). Every store has
-/// landed when this returns, so later work on any stream sees the results.
-template <StagingCopier C, class Op>
-void stage_elementwise(C& c, const Buf& dev, bool fetch, bool store, std::size_t piece_bytes,
-                       Op&& op) {
-  const std::size_t elem = dev.elem();
-  const std::size_t per = std::max<std::size_t>(1, piece_bytes / elem);
-  const std::size_t pieces = std::max<std::size_t>(1, (dev.count + per - 1) / per);
-  const auto length = [&](std::size_t k) { return std::min(per, dev.count - k * per); };
-  const std::size_t slot_bytes = std::min(per, dev.count) * elem;  // piece 0 is the longest
-  const auto host = [&](std::size_t k) {
-    return c.slot(static_cast<int>(k % staging_pipeline_slots), slot_bytes);
-  };
-  c.after(dev.stream);
-  if (fetch && dev.count != 0) {
-    c.fetch(0, host(0), dev.at(0), length(0) * elem);
-  }
-  for (std::size_t k = 0; k < pieces; ++k) {
-    const int slot = static_cast<int>(k % staging_pipeline_slots);
-    if (fetch && k + 1 < pieces) {  // bring the next piece in while this one is worked on
-      const int next = static_cast<int>((k + 1) % staging_pipeline_slots);
-      c.wait_store(next);
-      c.fetch(next, host(k + 1), dev.at((k + 1) * per), length(k + 1) * elem);
-    }
-    const std::size_t n = dev.count == 0 ? 0 : length(k);
-    std::byte* h = n == 0 ? nullptr : host(k);
-    if (fetch && n != 0) c.wait_fetch(slot);
-    if (!fetch && n != 0) c.wait_store(slot);  // store-only: the slot's previous store is done
-    op(Buf{h, n, dev.dtype, Device::cpu(), nullptr, dev.count});
-    if (store && n != 0) c.store(slot, dev.at(k * per), h, n * elem);
-  }
-  for (int s = 0; s < staging_pipeline_slots; ++s) c.wait_store(s);
-}
-
-/// A buffer of a non-elementwise collective and what the collective does with it.
-struct StagedArg {
-  Buf buf;
-  bool fetch = false;  // the collective reads it
-  bool store = false;  // the collective writes it
-};
-
-/// Runs op(host buffers...) with every device buffer among `args` staged whole: copied in when
-/// read, copied back when written. Host buffers and empty ones pass through.
-template <StagingCopier C, class Op, std::size_t N>
-void stage_whole(C& c, std::array<StagedArg, N> args, Op&& op) {
-  std::array<Buf, N> host{};
-  std::array<bool, N> moved{};
-  for (std::size_t i = 0; i < N; ++i) {
-    const Buf& b = args[i].buf;
-    host[i] = b;
-    if (b.device.is_cpu() || b.data == nullptr || b.count == 0) continue;
-    const int slot = staging_whole_slot + static_cast<int>(i);
-    host[i] = Buf{c.slot(slot, b.bytes()), b.count, b.dtype, Device::cpu(), nullptr};
-    moved[i] = true;
-    c.after(b.stream);  // read or overwritten: after the work that uses it now
-    if (args[i].fetch) c.fetch(slot, host[i].data, b.data, b.bytes());
-  }
-  for (std::size_t i = 0; i < N; ++i) {
-    if (moved[i] && args[i].fetch) c.wait_fetch(staging_whole_slot + static_cast<int>(i));
-  }
-  std::apply([&](const auto&... h) { op(h...); }, host);
-  for (std::size_t i = 0; i < N; ++i) {
-    if (moved[i] && args[i].store) {
-      const int slot = staging_whole_slot + static_cast<int>(i);
-      c.store(slot, args[i].buf.data, host[i].data, args[i].buf.bytes());
-    }
-  }
-  for (std::size_t i = 0; i < N; ++i) {
-    if (moved[i] && args[i].store) c.wait_store(staging_whole_slot + static_cast<int>(i));
-  }
-}
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/detail/staging.hpp
 // begin ddp/environment.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -4427,6 +4150,277 @@ DDP_END_NAMESPACE
 // end ddp/environment.hpp
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
+// begin ddp/runtime/rendezvous.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The first steps of every communicator's rendezvous, before the backend connects:
+///  * each rank claims its rank number in the store (compare-and-set), so a second process
+///    started with the same RANK is refused at once and told who holds it;
+///  * each rank publishes the job as it sees it (world size, backend, library version,
+///    fingerprint check) and checks every other rank's record against its own, so ranks that
+///    were started differently fail together with Errc::mismatch instead of running with
+///    different views of the job (and different results).
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/bytes.hpp" (already included above)
+// #include "ddp/detail/crypto.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/store/client.hpp" (already included above)
+// #include "ddp/version.hpp" (already included above)
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// Fails with Errc::mismatch unless every rank's `values[j]` equals this rank's, naming the ranks
+/// that differ and their values: "rank 0: the ranks disagree on WHAT: this rank has A, rank 1 has
+/// B; FIX".
+inline void require_agreement(int rank, std::string_view what, std::string_view fix,
+                              const std::vector<std::string>& values) {
+  const std::string& mine = values.at(static_cast<std::size_t>(rank));
+  std::string others;
+  int n = 0;
+  for (std::size_t j = 0; j < values.size(); ++j) {
+    if (values[j] == mine) continue;
+    if (n < 4) others += concat(", rank ", j, " has ", values[j]);
+    ++n;
+  }
+  if (n == 0) return;
+  if (n > 4) others += concat(" (and ", n - 4, " more ranks differ)");
+  fail(Errc::mismatch, "rank ", rank, ": the ranks disagree on ", what, ": this rank has ", mine,
+       others, "; ", fix);
+}
+
+/// The rendezvous timeout, naming the ranks whose `prefix<j>` key never appeared.
+[[noreturn]] inline void fail_missing_ranks(int rank, int size, std::chrono::milliseconds timeout,
+                                            const std::vector<std::string>& missing,
+                                            std::size_t prefix_len) {
+  std::string who;
+  for (const auto& k : missing) who += concat(who.empty() ? "" : ", ", k.substr(prefix_len));
+  fail(Errc::timeout, "rank ", rank, ": rendezvous timed out after ", timeout.count(),
+       " ms: ", size - static_cast<int>(missing.size()), "/", size, " ranks joined; missing rank",
+       missing.size() == 1 ? " " : "s ", who,
+       ". Check that every rank was started with the same MASTER_ADDR, MASTER_PORT and "
+       "WORLD_SIZE");
+}
+
+/// Waits up to `timeout` for `prefix<j>` of every rank j and returns their values; a timeout
+/// names the ranks that are missing.
+[[nodiscard]] inline std::vector<std::string> gather_records(Store& store, std::string_view prefix,
+                                                             int rank, int size,
+                                                             std::chrono::milliseconds timeout) {
+  std::vector<std::string> keys;
+  for (int j = 0; j < size; ++j) keys.push_back(concat(prefix, j));
+  if (auto missing = store.missing_after(keys, timeout); !missing.empty())
+    fail_missing_ranks(rank, size, timeout, missing, prefix.size());
+  std::vector<std::string> values;
+  for (const auto& k : keys) values.push_back(store.get(k));
+  return values;
+}
+
+/// What a rank believes about its job; every rank must believe the same.
+struct JobView {
+  int world_size = 1;
+  std::string backend;
+  bool verify_collectives = true;
+};
+
+/// Who this process is, as another process would be told ("pid 123 on host node7").
+[[nodiscard]] inline std::string process_label() {
+  char name[256] = {};
+  (void)::gethostname(name, sizeof name - 1);
+  return concat("pid ", ::getpid(), " on host ", name);
+}
+
+/// Claims `rank` in the store: fails with Errc::invalid_argument, naming the process that holds
+/// it, when another process claimed it first. Returns normally once the rank is this process's.
+inline void claim_rank(Store& store, int rank, std::string_view group) {
+  const std::string me =
+      concat(process_label(), " [", random_value<std::uint64_t>(), "]");  // unique per claim
+  const std::string held = store.compare_set(concat("claim/", rank), "", me);
+  if (held == me) return;
+  const std::string who = held.substr(0, held.find(" ["));
+  fail(Errc::invalid_argument, "rank ", rank, ": rank ", rank, " of group \"", group,
+       "\" is already taken by ", who, "; this process (", process_label(),
+       ") was started with the same RANK. Give every process its own RANK (0..WORLD_SIZE-1)");
+}
+
+/// Publishes this rank's view of the job and checks it against every rank's (see the file
+/// comment). Errc::mismatch names the ranks that differ and both values. `widest` is set to the
+/// largest world size any rank claimed (before a mismatch is thrown): the store's host waits for
+/// that many ranks to read the failure before it stops serving.
+inline void agree_on_job(Store& store, int rank, const JobView& job,
+                         std::chrono::milliseconds timeout, int& widest) {
+  std::string rec;
+  ByteWriter w(rec);
+  w.str(DDP_VERSION_STRING);
+  w.put(static_cast<std::uint32_t>(job.world_size));
+  w.str(job.backend);
+  w.put(static_cast<std::uint8_t>(job.verify_collectives ? 1 : 0));
+  store.set(concat("job/", rank), rec);
+  std::vector<std::string> versions, worlds, backends, verify;
+  for (const auto& r : gather_records(store, "job/", rank, job.world_size, timeout)) {
+    ByteReader rd(r, "job record");
+    versions.push_back(rd.str(64));
+    const auto ws = rd.get<std::uint32_t>();
+    worlds.push_back(std::to_string(ws));
+    if (ws <= 1u << 20) widest = std::max(widest, static_cast<int>(ws));
+    backends.push_back(rd.str(64));
+    verify.push_back(rd.get<std::uint8_t>() != 0 ? "on" : "off");
+  }
+  require_agreement(rank, "the world size",
+                    "start every rank with the same WORLD_SIZE (if the others are another job's "
+                    "processes, give each job its own MASTER_PORT)",
+                    worlds);
+  require_agreement(rank, "the ddp version", "build every rank against the same ddp", versions);
+  require_agreement(rank, "the backend", "every rank must create the same Communicator<Backend>",
+                    backends);
+  require_agreement(rank, "Options::verify_collectives (DDP_VERIFY_COLLECTIVES)",
+                    "every rank must use the same setting", verify);
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/runtime/rendezvous.hpp
+// begin ddp/runtime/staging.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Staging: how a backend that moves host memory only (backend::Host, a non-CUDA-aware
+/// backend::Mpi) runs a collective on device buffers. Each device buffer is copied into host
+/// staging memory, the backend works there, and results are copied back.
+///
+/// Elementwise collectives (all_reduce, broadcast, reduce) give the same result piece by piece,
+/// so they run as a pipeline over fixed-size pieces in three rotating staging slots: while the
+/// backend works on piece k, piece k+1 is copied in and piece k-1 copied out. Every piece carries
+/// the whole buffer's count in its fingerprint (Buf::whole), so ranks that disagree on the size
+/// fail on the first piece. Other collectives stage each buffer whole.
+///
+/// The copies are a `StagingCopier` (ddp::detail::CudaStager with pinned memory and CUDA
+/// streams; the unit tests use plain memcpy), so this file has no device dependency.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/runtime/collective.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <algorithm>
+#include <array>
+#include <concepts>
+#include <cstddef>
+#include <tuple>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// The copies staging needs. Slots are independent staging areas; a slot is only resized or
+/// reused after its copies were waited for.
+template <class C>
+concept StagingCopier = requires(C& c, int slot, std::byte* p, const std::byte* q, std::size_t n,
+                                 void* stream) {
+  { c.slot(slot, n) } -> std::same_as<std::byte*>;  // host memory of at least n bytes
+  c.after(stream);         // later copies (both ways) start after the work queued on `stream`
+  c.fetch(slot, p, q, n);  // device q -> host p, asynchronously
+  c.wait_fetch(slot);      // the slot's last fetch has landed
+  c.store(slot, p, q, n);  // host q -> device p, asynchronously
+  c.wait_store(slot);      // the slot's last store has landed (no-op when none is pending)
+};
+
+/// Staging slots 0..2 rotate through the pieces of an elementwise collective; whole-buffer
+/// staging uses slots 3 and 4.
+inline constexpr int staging_pipeline_slots = 3;
+inline constexpr int staging_whole_slot = 3;
+
+/// Runs op(host piece) over `dev` in pieces of at most `piece_bytes`, copying each piece in first
+/// when `fetch` and back afterwards when `store`; returns when every store has landed. Always
+/// calls op at least once (an empty collective still synchronizes the ranks). Every store has
+/// landed when this returns, so later work on any stream sees the results.
+template <StagingCopier C, class Op>
+void stage_elementwise(C& c, const Buf& dev, bool fetch, bool store, std::size_t piece_bytes,
+                       Op&& op) {
+  const std::size_t elem = dev.elem();
+  const std::size_t per = std::max<std::size_t>(1, piece_bytes / elem);
+  const std::size_t pieces = std::max<std::size_t>(1, (dev.count + per - 1) / per);
+  const auto length = [&](std::size_t k) { return std::min(per, dev.count - k * per); };
+  const std::size_t slot_bytes = std::min(per, dev.count) * elem;  // piece 0 is the longest
+  const auto host = [&](std::size_t k) {
+    return c.slot(static_cast<int>(k % staging_pipeline_slots), slot_bytes);
+  };
+  c.after(dev.stream);
+  if (fetch && dev.count != 0) {
+    c.fetch(0, host(0), dev.at(0), length(0) * elem);
+  }
+  for (std::size_t k = 0; k < pieces; ++k) {
+    const int slot = static_cast<int>(k % staging_pipeline_slots);
+    if (fetch && k + 1 < pieces) {  // bring the next piece in while this one is worked on
+      const int next = static_cast<int>((k + 1) % staging_pipeline_slots);
+      c.wait_store(next);
+      c.fetch(next, host(k + 1), dev.at((k + 1) * per), length(k + 1) * elem);
+    }
+    const std::size_t n = dev.count == 0 ? 0 : length(k);
+    std::byte* h = n == 0 ? nullptr : host(k);
+    if (fetch && n != 0) c.wait_fetch(slot);
+    if (!fetch && n != 0) c.wait_store(slot);  // store-only: the slot's previous store is done
+    op(Buf{h, n, dev.dtype, Device::cpu(), nullptr, dev.count});
+    if (store && n != 0) c.store(slot, dev.at(k * per), h, n * elem);
+  }
+  for (int s = 0; s < staging_pipeline_slots; ++s) c.wait_store(s);
+}
+
+/// A buffer of a non-elementwise collective and what the collective does with it.
+struct StagedArg {
+  Buf buf;
+  bool fetch = false;  // the collective reads it
+  bool store = false;  // the collective writes it
+};
+
+/// Runs op(host buffers...) with every device buffer among `args` staged whole: copied in when
+/// read, copied back when written. Host buffers and empty ones pass through.
+template <StagingCopier C, class Op, std::size_t N>
+void stage_whole(C& c, std::array<StagedArg, N> args, Op&& op) {
+  std::array<Buf, N> host{};
+  std::array<bool, N> moved{};
+  for (std::size_t i = 0; i < N; ++i) {
+    const Buf& b = args[i].buf;
+    host[i] = b;
+    if (b.device.is_cpu() || b.data == nullptr || b.count == 0) continue;
+    const int slot = staging_whole_slot + static_cast<int>(i);
+    host[i] = Buf{c.slot(slot, b.bytes()), b.count, b.dtype, Device::cpu(), nullptr};
+    moved[i] = true;
+    c.after(b.stream);  // read or overwritten: after the work that uses it now
+    if (args[i].fetch) c.fetch(slot, host[i].data, b.data, b.bytes());
+  }
+  for (std::size_t i = 0; i < N; ++i) {
+    if (moved[i] && args[i].fetch) c.wait_fetch(staging_whole_slot + static_cast<int>(i));
+  }
+  std::apply([&](const auto&... h) { op(h...); }, host);
+  for (std::size_t i = 0; i < N; ++i) {
+    if (moved[i] && args[i].store) {
+      const int slot = staging_whole_slot + static_cast<int>(i);
+      c.store(slot, args[i].buf.data, host[i].data, args[i].buf.bytes());
+    }
+  }
+  for (std::size_t i = 0; i < N; ++i) {
+    if (moved[i] && args[i].store) c.wait_store(staging_whole_slot + static_cast<int>(i));
+  }
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/runtime/staging.hpp
 // #include "ddp/store/client.hpp" (already included above)
 // begin ddp/store/server.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -5259,7 +5253,6 @@ DDP_END_NAMESPACE
 /// the `ddp-trace` tool prints it for a directory of dumps).
 
 // #include "ddp/config.hpp" (already included above)
-// #include "ddp/detail/string.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
 
@@ -5677,6 +5670,20 @@ class Work {
 DDP_END_NAMESPACE
 // end ddp/work.hpp
 #if DDP_HAS_CUDA
+// begin ddp/runtime/cuda_staging.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// How a communicator runs a collective on CUDA buffers its backend cannot use (backend::Host, a
+/// backend::Mpi that is not CUDA-aware): detail::CudaStager (slots of pinned memory, copies in
+/// both directions on their own streams) and detail::CudaStaging (one stager per communicator,
+/// made on first use for the buffers' device). The pipeline itself is runtime/staging.hpp.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_CUDA
+#error "ddp/runtime/cuda_staging.hpp needs DDP_HAS_CUDA=1 (the ddp::cuda target)"
+#endif
 // begin ddp/cuda.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -5694,9 +5701,6 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-// #include "ddp/detail/collective.hpp" (already included above)
-// #include "ddp/detail/staging.hpp" (already included above)
-// #include "ddp/detail/string.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
@@ -6089,7 +6093,23 @@ inline void cuda_join_streams(void* waiter, void* producer) {
   done.block(static_cast<cudaStream_t>(waiter));
 }
 
-/// The copies of a host-memory backend staging CUDA buffers (see detail/staging.hpp): slots of
+}  // namespace detail
+
+DDP_END_NAMESPACE
+// end ddp/cuda.hpp
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/runtime/collective.hpp" (already included above)
+// #include "ddp/runtime/staging.hpp" (already included above)
+
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <memory>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// The copies of a host-memory backend staging CUDA buffers (see runtime/staging.hpp): slots of
 /// pinned memory, kept between collectives; device-to-host copies on one stream and
 /// host-to-device copies on another, so the two directions overlap; copies ordered after the
 /// tensor's stream with an event. One per communicator and device; used with its device current.
@@ -6164,7 +6184,7 @@ class CudaStager {
 
 /// How a communicator runs a collective on CUDA buffers its backend cannot use (backend::Host, a
 /// backend::Mpi that is not CUDA-aware): through pinned host memory, with a CudaStager made on
-/// first use for the buffers' device (see detail/staging.hpp for the pipeline).
+/// first use for the buffers' device (see runtime/staging.hpp for the pipeline).
 class CudaStaging {
  public:
   CudaStaging(std::chrono::milliseconds timeout, std::size_t piece_bytes)
@@ -6210,9 +6230,8 @@ class CudaStaging {
 };
 
 }  // namespace detail
-
 DDP_END_NAMESPACE
-// end ddp/cuda.hpp
+// end ddp/runtime/cuda_staging.hpp
 #endif
 
 #include <unistd.h>
@@ -6461,8 +6480,8 @@ struct CommState {
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/detail/comm_state.hpp
-// begin ddp/detail/reduce.hpp
+// end ddp/runtime/comm_state.hpp
+// begin ddp/runtime/reduce.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -6730,27 +6749,156 @@ WireKernels wire_kernels_for(ReduceOp op) {
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/detail/reduce.hpp
-// #include "ddp/detail/rendezvous.hpp" (already included above)
-// #include "ddp/detail/staging.hpp" (already included above)
+// end ddp/runtime/reduce.hpp
+// #include "ddp/types.hpp" (already included above)
+
+#include <cstddef>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// Whether CUDA buffers given to a backend that moves host memory only are staged through
+/// pinned host memory (ddp built with CUDA) rather than refused.
+template <class Backend>
+bool stages_cuda() noexcept {
+  return DDP_HAS_CUDA != 0 && !backend_traits<Backend>::device_only &&
+         Backend::supports(Device::cpu()) && !Backend::supports(Device::cuda());
+}
+
+template <class Backend>
+bool staged(const Buf& b) noexcept {
+  return b.device.is_cuda() && b.data != nullptr && b.count != 0 && stages_cuda<Backend>();
+}
+
+/// Runs f(buffer) for an elementwise collective, through the staging pipeline when `b` is a
+/// CUDA buffer this backend cannot use (see runtime/staging.hpp).
+template <class Backend, class F>
+void elementwise(CommState& s, const Buf& b, bool fetch, bool store, const F& f) {
+  if (!staged<Backend>(b)) return f(b);
+#if DDP_HAS_CUDA
+  s.cuda_staging().elementwise(b, fetch, store, f);
+#else
+  (void)s, (void)fetch, (void)store;
+#endif
+}
+
+/// Runs f(buffers...) with every CUDA buffer among `a` staged whole.
+template <class Backend, class F, class... A>
+void whole(CommState& s, int rank, const char* what, const F& f, A... a) {
+  if (!(staged<Backend>(a.buf) || ...)) return f(a.buf...);
+#if DDP_HAS_CUDA
+  s.cuda_staging().whole(rank, what, f, &staged<Backend>, a...);
+#else
+  (void)s, (void)rank, (void)what;
+#endif
+}
+
+/// all_reduce of float32 `h` carried as `wire`: by the backend when it can, else converted
+/// around a plain all_reduce.
+template <class W, class Backend>
+void all_reduce_as_wire(Backend& be, const Buf& h, ReduceOp op) {
+  if constexpr (backend_traits<Backend>::converts_wire) {
+    be.all_reduce_as(h, op, dtype_of<W>);
+  } else {
+    std::vector<W> wire(h.count);
+    auto* w = reinterpret_cast<std::byte*>(wire.data());
+    encode_kernel<W>(w, h.data, h.count);
+    be.all_reduce(Buf{w, h.count, dtype_of<W>, h.device, nullptr, h.whole}, op);
+    decode_kernel<W>(h.data, w, h.count);
+  }
+}
+
+template <class Backend>
+void run_single(Backend& be, CommState& s, Coll coll, const Buf& b, ReduceOp op, int root) {
+  switch (coll) {
+    case Coll::all_reduce:
+      return elementwise<Backend>(s, b, true, true, [&](const Buf& h) { be.all_reduce(h, op); });
+    case Coll::broadcast: {
+      const bool mine = be.rank() == root;
+      return elementwise<Backend>(s, b, mine, !mine, [&](const Buf& h) { be.broadcast(h, root); });
+    }
+    default:
+      return elementwise<Backend>(s, b, true, be.rank() == root,
+                                  [&](const Buf& h) { be.reduce(h, root, op); });
+  }
+}
+
+template <class Backend>
+void dispatch(Backend& be, CommState& s, const Call& c) {
+  const auto in_out = [&](const auto& f) {
+    whole<Backend>(s, be.rank(), c.name, f, StagedArg{c.in, true, false},
+                   StagedArg{c.out, false, true});
+  };
+  switch (c.coll) {
+    case Coll::all_reduce:
+      if (c.form == Call::Form::coalesced) {
+        if constexpr (backend_traits<Backend>::reduces_many) {
+          be.all_reduce_many(c.many, c.op);
+        } else {
+          for (const Buf& b : c.many)
+            elementwise<Backend>(s, b, true, true, [&](const Buf& h) { be.all_reduce(h, c.op); });
+        }
+      } else if (c.form == Call::Form::as_wire) {
+        elementwise<Backend>(s, c.in, true, true, [&](const Buf& h) {
+          if (c.wire == DType::float16)
+            all_reduce_as_wire<half>(be, h, c.op);
+          else
+            all_reduce_as_wire<bfloat16>(be, h, c.op);
+        });
+      } else {
+        run_single(be, s, c.coll, c.in, c.op, c.root);
+      }
+      return;
+    case Coll::broadcast:
+    case Coll::reduce: return run_single(be, s, c.coll, c.in, c.op, c.root);
+    case Coll::all_gather: return in_out([&](const Buf& i, const Buf& o) { be.all_gather(i, o); });
+    case Coll::gather: return in_out([&](const Buf& i, const Buf& o) { be.gather(i, o, c.root); });
+    case Coll::scatter:
+      return in_out([&](const Buf& i, const Buf& o) { be.scatter(i, o, c.root); });
+    case Coll::reduce_scatter:
+      return in_out([&](const Buf& i, const Buf& o) { be.reduce_scatter(i, o, c.op); });
+    case Coll::all_to_all: return in_out([&](const Buf& i, const Buf& o) { be.all_to_all(i, o); });
+    case Coll::send:
+      return whole<Backend>(
+          s, be.rank(), c.name, [&](const Buf& h) { be.send(h, c.root, c.tag); },
+          StagedArg{c.in, true, false});
+    case Coll::recv:
+      return whole<Backend>(
+          s, be.rank(), c.name, [&](const Buf& h) { be.recv(h, c.root, c.tag); },
+          StagedArg{c.in, false, true});
+    case Coll::barrier: be.barrier(); return;
+  }
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/backend/dispatch.hpp
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
 // #include "ddp/environment.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
-// begin ddp/objects.hpp
+// #include "ddp/options.hpp" (already included above)
+// #include "ddp/process_group.hpp" (already included above)
+// #include "ddp/runtime/call.hpp" (already included above)
+// #include "ddp/runtime/collective.hpp" (already included above)
+// #include "ddp/runtime/comm_state.hpp" (already included above)
+// begin ddp/runtime/objects.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// Object collectives (all_gather_object, gather_object, broadcast_object) and small host-value
-/// helpers (all_reduce_host, broadcast_host), written on the public Communicator API the way
-/// torch.distributed layers its object collectives above the ProcessGroup: free functions of any
-/// communicator, `ddp::all_gather_object(comm, value)`. Communicator's members of the same names
-/// call these.
+/// How Communicator's object collectives (all_gather_object, gather_object, broadcast_object)
+/// and small host-value helpers (all_reduce_host, broadcast_host) are made: written on the public
+/// collectives, the way torch.distributed layers its object collectives above the ProcessGroup.
+/// The spelling users call is the member (`comm.all_gather_object(value)`); these are its insides.
 ///
 /// Objects travel as bytes made by ddp::codec (never executed); a rank's object may encode to at
 /// most 1 GiB. On a backend that moves device memory only (backend::Nccl) host data travels
 /// through a device copy, so code above the Communicator works on every backend alike.
 
-// #include "ddp/backend/backend.hpp" (already included above)
 // begin ddp/codec.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -7054,8 +7202,8 @@ T decode_object(const void* data, std::size_t n) {
 DDP_END_NAMESPACE
 // end ddp/codec.hpp
 // #include "ddp/config.hpp" (already included above)
-// #include "ddp/detail/call.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
+// #include "ddp/runtime/call.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 #if DDP_HAS_CUDA
 // #include "ddp/cuda.hpp" (already included above)
@@ -7086,8 +7234,7 @@ inline void check_object_size(std::int64_t n, int rank, const char* what, int fr
 /// them instead, copied back afterwards. For small host data (object collectives, *_host).
 template <class Comm, class E, class F>
 void on_host_data(Comm& comm, std::span<E> a, std::span<E> b, const F& f) {
-  using Backend = typename Comm::backend_type;
-  if constexpr (backend_traits<Backend>::device_only) {
+  if constexpr (Comm::device_only) {
 #if DDP_HAS_CUDA
     const int device = comm.backend().device();
     const CudaDeviceGuard current(device);
@@ -7096,7 +7243,7 @@ void on_host_data(Comm& comm, std::span<E> a, std::span<E> b, const F& f) {
     if (!a.empty()) da.copy_to(a);
     if (!b.empty()) db.copy_to(b);
 #else
-    static_assert(!backend_traits<Backend>::device_only, "a CUDA backend without DDP_HAS_CUDA");
+    static_assert(!Comm::device_only, "a CUDA backend without DDP_HAS_CUDA");
     (void)comm, (void)a, (void)b, (void)f;
 #endif
   } else {
@@ -7141,57 +7288,55 @@ std::vector<T> gather_objects(Comm& comm, const T& value, int root) {
   return out;
 }
 
-}  // namespace detail
-
 /// all_reduce of a few host values (counts, flags, metrics) on any backend: on one that moves
 /// device memory only (backend::Nccl) they travel through a device copy, so code above the
 /// Communicator (exact_mean, sync_batch_stats, ZeroFirstGuard) works on every backend alike.
 /// For large data use all_reduce on the backend's own kind of buffer.
 template <class Comm, Scalar E>
 void all_reduce_host(Comm& comm, std::span<E> values, ReduceOp op = ReduceOp::sum) {
-  detail::on_host_data(comm, values, std::span<E>(),
-                       [&](auto& v, auto&) { comm.all_reduce(v, op); });
+  on_host_data(comm, values, std::span<E>(), [&](auto& v, auto&) { comm.all_reduce(v, op); });
 }
 
 /// broadcast of a few host values on any backend (see all_reduce_host).
 template <class Comm, Scalar E>
 void broadcast_host(Comm& comm, std::span<E> values, int root) {
-  detail::on_host_data(comm, values, std::span<E>(),
-                       [&](auto& v, auto&) { comm.broadcast(v, root); });
+  on_host_data(comm, values, std::span<E>(), [&](auto& v, auto&) { comm.broadcast(v, root); });
 }
 
 /// Every rank's value, in rank order.
 template <Encodable T, class Comm>
 [[nodiscard]] std::vector<T> all_gather_object(Comm& comm, const T& value) {
-  return detail::gather_objects<T>(comm, value, -1);
+  return gather_objects<T>(comm, value, -1);
 }
 
 /// Every rank's value on root (in rank order); an empty vector on the other ranks.
 template <Encodable T, class Comm>
 [[nodiscard]] std::vector<T> gather_object(Comm& comm, const T& value, int root = 0) {
-  return detail::gather_objects<T>(comm, value, root);
+  return gather_objects<T>(comm, value, root);
 }
 
 /// Replaces `value` on every rank with root's.
 template <Encodable T, class Comm>
 void broadcast_object(Comm& comm, T& value, int root = 0) {
-  detail::check_root(root, {comm.rank(), comm.size()}, "broadcast_object");
+  check_root(root, {comm.rank(), comm.size()}, "broadcast_object");
   std::string bytes;
-  if (comm.rank() == root) bytes = detail::encode_object(value);
+  if (comm.rank() == root) bytes = encode_object(value);
   std::int64_t n = static_cast<std::int64_t>(bytes.size());
   broadcast_host(comm, std::span<std::int64_t>(&n, 1), root);
-  detail::check_object_size(n, comm.rank(), "broadcast_object", root);
+  check_object_size(n, comm.rank(), "broadcast_object", root);
   bytes.resize(static_cast<std::size_t>(n));
   broadcast_host(
       comm, std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(bytes.data()), bytes.size()),
       root);
-  if (comm.rank() != root) value = detail::decode_object<T>(bytes.data(), bytes.size());
+  if (comm.rank() != root) value = decode_object<T>(bytes.data(), bytes.size());
 }
 
+}  // namespace detail
+
 DDP_END_NAMESPACE
-// end ddp/objects.hpp
-// #include "ddp/options.hpp" (already included above)
-// #include "ddp/process_group.hpp" (already included above)
+// end ddp/runtime/objects.hpp
+// #include "ddp/runtime/rendezvous.hpp" (already included above)
+// #include "ddp/runtime/staging.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/trace.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
@@ -7222,6 +7367,9 @@ template <CommBackend Backend>
 class Communicator {
  public:
   using backend_type = Backend;  ///< The backend that moves the data.
+  /// The backend moves CUDA device memory only (backend::Nccl): host data travels through a
+  /// device copy in the object collectives and *_host helpers.
+  static constexpr bool device_only = backend_traits<Backend>::device_only;
   /// split() color for ranks that join no group (MPI_UNDEFINED).
   static constexpr int no_color = -1;
 
@@ -7254,7 +7402,7 @@ class Communicator {
     bi.local_rank = env.local_rank;
     state->local_rank_hint = env.local_rank;
     bi.options = options;
-    if (env.world_size > 1 && detail::backend_needs_store<Backend>) {
+    if (env.world_size > 1 && backend_traits<Backend>::needs_store) {
       if (env.master_port == 0) {
         detail::fail(Errc::invalid_argument, "rank ", env.rank,
                      ": Communicator::init: MASTER_PORT is not set (world size ", env.world_size,
@@ -7345,6 +7493,15 @@ class Communicator {
   [[nodiscard]] Work all_reduce_as_async(T&& buf, ReduceOp op = ReduceOp::sum) {
     return submit(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, dtype_of<W>), {},
                   hold(buf));
+  }
+  /// all_reduce_as_async() with the wire type as a value, DType::float16 or DType::bfloat16 (how
+  /// the compression comm hooks carry it).
+  template <MutableTensor T>
+  [[nodiscard]] Work all_reduce_as_async(T&& buf, DType wire, ReduceOp op = ReduceOp::sum) {
+    if (wire != DType::float16 && wire != DType::bfloat16)
+      detail::fail(Errc::invalid_argument, "rank ", rank(), ": all_reduce_as: the wire type is ",
+                   to_string(wire), "; compressed values travel as float16 or bfloat16");
+    return submit(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, wire), {}, hold(buf));
   }
 
   /// all_reduce of several buffers as one operation (torch's all_reduce_coalesced): one NCCL
@@ -7494,32 +7651,33 @@ class Communicator {
   /// barrier(), run asynchronously: the Work completes once every rank has entered it.
   [[nodiscard]] Work barrier_async() { return submit(detail::prepare_barrier()); }
 
-  // ---- layered on the collectives (objects.hpp has them as free functions) ------------------
+  // ---- layered on the collectives (runtime/objects.hpp) ------------------
 
-  /// all_reduce of a few host values on any backend (see ddp::all_reduce_host).
+  /// all_reduce of a few host values on any backend (through a device copy on a backend that moves
+  /// device memory only).
   template <Scalar E>
   void all_reduce_host(std::span<E> values, ReduceOp op = ReduceOp::sum) {
-    ::ddp::all_reduce_host(*this, values, op);
+    detail::all_reduce_host(*this, values, op);
   }
-  /// broadcast of a few host values on any backend (see ddp::broadcast_host).
+  /// broadcast of a few host values on any backend (see all_reduce_host).
   template <Scalar E>
   void broadcast_host(std::span<E> values, int root) {
-    ::ddp::broadcast_host(*this, values, root);
+    detail::broadcast_host(*this, values, root);
   }
   /// Every rank's value, in rank order.
   template <Encodable T>
   [[nodiscard]] std::vector<T> all_gather_object(const T& value) {
-    return ::ddp::all_gather_object(*this, value);
+    return detail::all_gather_object(*this, value);
   }
   /// Every rank's value on root (in rank order); an empty vector on the other ranks.
   template <Encodable T>
   [[nodiscard]] std::vector<T> gather_object(const T& value, int root = 0) {
-    return ::ddp::gather_object(*this, value, root);
+    return detail::gather_object(*this, value, root);
   }
   /// Replaces `value` on every rank with root's.
   template <Encodable T>
   void broadcast_object(T& value, int root = 0) {
-    ::ddp::broadcast_object(*this, value, root);
+    detail::broadcast_object(*this, value, root);
   }
 
   // ---- groups and failure ------------------------------------------------------------------
@@ -7708,7 +7866,7 @@ class Communicator {
   /// Synchronous.
   void exec(const detail::Call& c) {
     run_in_order(same_process(c.name), c.name, c.bytes,
-                 [&](Backend& be, State& st) { dispatch(be, st, c); });
+                 [&](Backend& be, State& st) { detail::dispatch(be, st, c); });
   }
 
   /// Synchronous all_reduce, broadcast and reduce, without building a Call: the same checks and
@@ -7717,7 +7875,7 @@ class Communicator {
   void exec_single(detail::Coll coll, const detail::Buf& b, ReduceOp op, int root) {
     const char* name = detail::check_single(coll, b, op, root, caller());
     run_in_order(same_process(name), name, b.bytes(),
-                 [&](Backend& be, State& st) { run_single(be, st, coll, b, op, root); });
+                 [&](Backend& be, State& st) { detail::run_single(be, st, coll, b, op, root); });
   }
 
   /// Copies of the arguments whose type shares its storage (tensor_traits<T>::shares_storage,
@@ -7758,7 +7916,8 @@ class Communicator {
               [s, seq, c, many = std::move(many), held = std::move(held)]() mutable {
                 if (!many.empty()) c.many = many;
                 s->recorder.update(seq, TraceRecord::State::running);
-                run_guarded(*s, seq, c.name, [&](Backend& be, State& st) { dispatch(be, st, c); });
+                run_guarded(*s, seq, c.name,
+                            [&](Backend& be, State& st) { detail::dispatch(be, st, c); });
               });
         }));
   }
@@ -7772,17 +7931,6 @@ class Communicator {
   // ---- arguments -----------------------------------------------------------------------------
 
   [[nodiscard]] detail::Caller caller() const { return {rank(), size()}; }
-
-  /// Whether CUDA buffers given to a backend that moves host memory only are staged through
-  /// pinned host memory (ddp built with CUDA) rather than refused.
-  static bool stages_cuda() noexcept {
-    return DDP_HAS_CUDA != 0 && !backend_traits<Backend>::device_only &&
-           Backend::supports(Device::cpu()) && !Backend::supports(Device::cuda());
-  }
-
-  static bool staged(const detail::Buf& b) noexcept {
-    return b.device.is_cuda() && b.data != nullptr && b.count != 0 && stages_cuda();
-  }
 
   /// A typed argument as a checked type-erased buffer (the only code compiled per tensor type).
   template <class T>
@@ -7807,7 +7955,8 @@ class Communicator {
     using M = std::remove_const_t<E>;
     const detail::Buf b{reinterpret_cast<std::byte*>(const_cast<M*>(v.data)), v.size, dtype_of<M>,
                         Device{v.device.kind, v.device.index}, v.stream};
-    const bool usable = Backend::supports(v.device) || (v.device.is_cuda() && stages_cuda());
+    const bool usable =
+        Backend::supports(v.device) || (v.device.is_cuda() && detail::stages_cuda<Backend>());
     if (!usable || v.data == nullptr || v.size > detail::max_buffer_bytes / sizeof(M)) [[unlikely]]
       detail::check_buf(b, sizeof(M), usable, Backend::name, rank(), what, name);
     return b;
@@ -7819,7 +7968,8 @@ class Communicator {
     const detail::Buf b{static_cast<std::byte*>(v.data), v.size, v.dtype,
                         Device{v.device.kind, v.device.index}, v.stream};
     const bool writes = std::string_view(name) != "in" && std::string_view(what) != "send";
-    const bool usable = Backend::supports(v.device) || (v.device.is_cuda() && stages_cuda());
+    const bool usable =
+        Backend::supports(v.device) || (v.device.is_cuda() && detail::stages_cuda<Backend>());
     detail::check_dynamic(v, writes, what, name, rank());
     if (!usable || v.data == nullptr || v.size > detail::max_buffer_bytes / size_of(v.dtype))
       detail::check_buf(b, size_of(v.dtype), usable, Backend::name, rank(), what, name);
@@ -7834,8 +7984,8 @@ class Communicator {
   }
 
   detail::Call prepare_all_reduce_as(const detail::Buf& b, ReduceOp op, DType wire) const {
-    return detail::prepare_all_reduce_as(b, op, wire, b.device.is_cuda() && !staged(b),
-                                         Backend::name, caller());
+    return detail::prepare_all_reduce_as(
+        b, op, wire, b.device.is_cuda() && !detail::staged<Backend>(b), Backend::name, caller());
   }
 
   template <class In, class Out>
@@ -7854,113 +8004,6 @@ class Communicator {
     detail::check_root(root, caller(), "scatter");
     return detail::prepare_scatter(rank() == root ? arg(in_t, "scatter", "in") : detail::Buf{}, out,
                                    root, caller());
-  }
-
-  // ---- running a call on the backend ---------------------------------------------------------
-
-  /// Runs f(buffer) for an elementwise collective, through the staging pipeline when `b` is a
-  /// CUDA buffer this backend cannot use (see detail/staging.hpp).
-  template <class F>
-  static void elementwise(State& s, const detail::Buf& b, bool fetch, bool store, const F& f) {
-    if (!staged(b)) return f(b);
-#if DDP_HAS_CUDA
-    s.cuda_staging().elementwise(b, fetch, store, f);
-#else
-    (void)s, (void)fetch, (void)store;
-#endif
-  }
-
-  /// Runs f(buffers...) with every CUDA buffer among `a` staged whole.
-  template <class F, class... A>
-  static void whole(State& s, const char* what, const F& f, A... a) {
-    if (!(staged(a.buf) || ...)) return f(a.buf...);
-#if DDP_HAS_CUDA
-    s.cuda_staging().whole(s.backend->rank(), what, f, &staged, a...);
-#else
-    (void)s, (void)what;
-#endif
-  }
-
-  /// all_reduce of float32 `h` carried as `wire`: by the backend when it can, else converted
-  /// around a plain all_reduce.
-  template <class W>
-  static void all_reduce_as_wire(Backend& be, const detail::Buf& h, ReduceOp op) {
-    if constexpr (backend_traits<Backend>::converts_wire) {
-      be.all_reduce_as(h, op, dtype_of<W>);
-    } else {
-      std::vector<W> wire(h.count);
-      auto* w = reinterpret_cast<std::byte*>(wire.data());
-      detail::encode_kernel<W>(w, h.data, h.count);
-      be.all_reduce(detail::Buf{w, h.count, dtype_of<W>, h.device, nullptr, h.whole}, op);
-      detail::decode_kernel<W>(h.data, w, h.count);
-    }
-  }
-
-  static void run_single(Backend& be, State& s, detail::Coll coll, const detail::Buf& b,
-                         ReduceOp op, int root) {
-    using detail::Buf;
-    switch (coll) {
-      case detail::Coll::all_reduce:
-        return elementwise(s, b, true, true, [&](const Buf& h) { be.all_reduce(h, op); });
-      case detail::Coll::broadcast: {
-        const bool mine = be.rank() == root;
-        return elementwise(s, b, mine, !mine, [&](const Buf& h) { be.broadcast(h, root); });
-      }
-      default:
-        return elementwise(s, b, true, be.rank() == root,
-                           [&](const Buf& h) { be.reduce(h, root, op); });
-    }
-  }
-
-  static void dispatch(Backend& be, State& s, const detail::Call& c) {
-    using detail::Buf;
-    using detail::Coll;
-    using detail::StagedArg;
-    const auto in_out = [&](const auto& f) {
-      whole(s, c.name, f, StagedArg{c.in, true, false}, StagedArg{c.out, false, true});
-    };
-    switch (c.coll) {
-      case Coll::all_reduce:
-        if (c.form == detail::Call::Form::coalesced) {
-          if constexpr (backend_traits<Backend>::reduces_many) {
-            be.all_reduce_many(c.many, c.op);
-          } else {
-            for (const Buf& b : c.many)
-              elementwise(s, b, true, true, [&](const Buf& h) { be.all_reduce(h, c.op); });
-          }
-        } else if (c.form == detail::Call::Form::as_wire) {
-          elementwise(s, c.in, true, true, [&](const Buf& h) {
-            if (c.wire == DType::float16)
-              all_reduce_as_wire<half>(be, h, c.op);
-            else
-              all_reduce_as_wire<bfloat16>(be, h, c.op);
-          });
-        } else {
-          run_single(be, s, c.coll, c.in, c.op, c.root);
-        }
-        return;
-      case Coll::broadcast:
-      case Coll::reduce: return run_single(be, s, c.coll, c.in, c.op, c.root);
-      case Coll::all_gather:
-        return in_out([&](const Buf& i, const Buf& o) { be.all_gather(i, o); });
-      case Coll::gather:
-        return in_out([&](const Buf& i, const Buf& o) { be.gather(i, o, c.root); });
-      case Coll::scatter:
-        return in_out([&](const Buf& i, const Buf& o) { be.scatter(i, o, c.root); });
-      case Coll::reduce_scatter:
-        return in_out([&](const Buf& i, const Buf& o) { be.reduce_scatter(i, o, c.op); });
-      case Coll::all_to_all:
-        return in_out([&](const Buf& i, const Buf& o) { be.all_to_all(i, o); });
-      case Coll::send:
-        return whole(
-            s, c.name, [&](const Buf& h) { be.send(h, c.root, c.tag); },
-            StagedArg{c.in, true, false});
-      case Coll::recv:
-        return whole(
-            s, c.name, [&](const Buf& h) { be.recv(h, c.root, c.tag); },
-            StagedArg{c.in, false, true});
-      case Coll::barrier: be.barrier(); return;
-    }
   }
 
   std::shared_ptr<State> state_;
@@ -8033,9 +8076,8 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-// #include "ddp/detail/collective.hpp" (already included above)
-// #include "ddp/detail/string.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
+// #include "ddp/runtime/collective.hpp" (already included above)
 
 #include <atomic>
 #include <chrono>
@@ -9527,13 +9569,13 @@ DDP_END_NAMESPACE
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 // #include "ddp/detail/bytes.hpp" (already included above)
-// #include "ddp/detail/collective.hpp" (already included above)
 // #include "ddp/detail/crypto.hpp" (already included above)
-// #include "ddp/detail/reduce.hpp" (already included above)
-// #include "ddp/detail/rendezvous.hpp" (already included above)
 // #include "ddp/detail/socket.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
+// #include "ddp/runtime/collective.hpp" (already included above)
+// #include "ddp/runtime/reduce.hpp" (already included above)
+// #include "ddp/runtime/rendezvous.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 
 #include <unistd.h>
@@ -10802,8 +10844,8 @@ DDP_END_NAMESPACE
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 // #include "ddp/backend/backend.hpp" (already included above)
-// #include "ddp/detail/collective.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
+// #include "ddp/runtime/collective.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
 #include <mpi.h>
@@ -11447,8 +11489,8 @@ DDP_END_NAMESPACE
 #endif
 // #include "ddp/backend/backend.hpp" (already included above)
 // #include "ddp/cuda.hpp" (already included above)
-// #include "ddp/detail/collective.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
+// #include "ddp/runtime/collective.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
@@ -12412,7 +12454,241 @@ class NcclClique {
 DDP_END_NAMESPACE
 // end ddp/multi_gpu.hpp
 #endif
-// begin ddp/checkpoint.hpp
+// #include "ddp/codec.hpp" (already included above)
+// #include "ddp/environment.hpp" (already included above)
+// #include "ddp/options.hpp" (already included above)
+// begin ddp/spawn.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ddp::spawn: like torch.multiprocessing.spawn. Forks `nprocs` processes on this host, each
+/// running fn(env) with its Environment (also exported as RANK, WORLD_SIZE, ... so that
+/// Environment::detect() and Communicator::init() work inside), and waits for them. The parent
+/// hosts the rendezvous store. If a child throws or dies, the parent stops the others (SIGTERM,
+/// then SIGKILL) and throws a ddp::Error naming the rank and carrying the child's message.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/socket.hpp" (already included above)
+// #include "ddp/environment.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/options.hpp" (already included above)
+// #include "ddp/store/protocol.hpp" (already included above)
+// #include "ddp/store/server.hpp" (already included above)
+// #include "ddp/trace.hpp" (already included above)
+
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// How spawn() starts, hosts and stops its workers.
+struct SpawnOptions {
+  /// Address the store listens on and workers connect to.
+  std::string master_addr = "127.0.0.1";
+  /// Port of the store; 0 picks a free one.
+  int master_port = 0;
+  /// Grace period between SIGTERM and SIGKILL when stopping the others after a failure.
+  std::chrono::milliseconds grace{std::chrono::seconds(3)};
+  /// Extra environment variables for the workers ("NAME=value").
+  std::vector<std::string> env;
+  /// Stop the other workers as soon as one fails (torchrun's behaviour; with $DDP_TRACE_DUMP set,
+  /// a second later, so that they can write their flight recorders). Fault-injection tests turn
+  /// it off to watch how the survivors react.
+  bool stop_on_failure = true;
+};
+
+namespace detail {
+
+inline std::string describe_status(int status) {
+  if (WIFEXITED(status)) return concat("exited with status ", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    const char* name = ::sigabbrev_np(sig);
+    return concat("was killed by SIG", name != nullptr ? name : "?", " (signal ", sig, ")");
+  }
+  return "stopped";
+}
+
+}  // namespace detail
+
+/// Runs fn(env) in nprocs forked processes and waits for all of them (see the file comment).
+inline void spawn(int nprocs, const std::function<void(Environment)>& fn,
+                  const SpawnOptions& options = {}) {
+  if (nprocs < 1)
+    detail::fail(Errc::invalid_argument, "spawn: nprocs must be at least 1, got ", nprocs);
+  std::fflush(nullptr);
+  // Bind before forking: the port is known to every child, and no thread exists yet.
+  detail::Fd listener = detail::listen_tcp(options.master_addr, options.master_port);
+  const int port = detail::local_port(listener.get());
+
+  struct Child {
+    pid_t pid = -1;
+    detail::Fd error_pipe;
+    std::string error;
+    int status = 0;
+    bool done = false;
+  };
+  std::vector<Child> children(static_cast<std::size_t>(nprocs));
+  const pid_t parent = ::getpid();
+  for (int r = 0; r < nprocs; ++r) {
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC) != 0) detail::fail_errno(errno, "spawn: pipe2");
+    // Signals are blocked across fork() so that none reaches the child before it has reset the
+    // parent's handlers: a worker starts with default dispositions (the parent's handlers, a
+    // test framework's crash reporter say, are not the worker's).
+    sigset_t all, previous;
+    ::sigfillset(&all);
+    ::pthread_sigmask(SIG_SETMASK, &all, &previous);
+    const pid_t pid = ::fork();
+    if (pid != 0) ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+    if (pid < 0) detail::fail_errno(errno, "spawn: fork");
+    if (pid == 0) {
+      // A worker never outlives the parent (killed, say): no orphans spinning in a collective.
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(1);
+      for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGSEGV, SIGABRT, SIGFPE, SIGILL, SIGBUS, SIGPIPE}) {
+        ::signal(sig, SIG_DFL);
+      }
+      ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+      ::close(fds[0]);
+      listener.reset();
+      for (int k = 0; k < r; ++k) children[static_cast<std::size_t>(k)].error_pipe.reset();
+      Environment env;
+      env.rank = r;
+      env.world_size = nprocs;
+      env.local_rank = r;
+      env.local_world_size = nprocs;
+      env.node_rank = 0;
+      env.master_addr = options.master_addr;
+      env.master_port = port;
+      env.launcher = "spawn";
+      ::setenv("RANK", std::to_string(r).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(nprocs).c_str(), 1);
+      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+      ::setenv("LOCAL_WORLD_SIZE", std::to_string(nprocs).c_str(), 1);
+      ::setenv("NODE_RANK", "0", 1);
+      ::setenv("MASTER_ADDR", options.master_addr.c_str(), 1);
+      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      ::setenv("DDP_STORE_HOSTED", "1", 1);
+      for (const auto& kv : options.env) ::putenv(const_cast<char*>(kv.c_str()));
+      int code = 0;
+      std::string message;
+      try {
+        fn(env);
+      } catch (const std::exception& e) {
+        message = e.what();
+        code = 1;
+      } catch (...) {
+        message = "a non-standard exception";
+        code = 1;
+      }
+      // Less than a pipe's capacity: the parent reads it only after this process has exited.
+      if (message.size() > 16384) message.resize(16384);
+      if (code != 0) (void)!::write(fds[1], message.data(), message.size());
+      std::fflush(nullptr);
+      ::_exit(code);  // no atexit handlers or static destructors of the parent's copy
+    }
+    ::close(fds[1]);
+    children[static_cast<std::size_t>(r)].pid = pid;
+    children[static_cast<std::size_t>(r)].error_pipe.reset(fds[0]);
+  }
+
+  StoreOptions so;
+  so.token = detail::EnvReader().get("DDP_TOKEN");
+  StoreServer server(std::move(listener), options.master_addr, so);
+
+  const auto read_error = [](Child& c) {
+    char buf[4096];
+    for (;;) {
+      const ssize_t n = ::read(c.error_pipe.get(), buf, sizeof buf);
+      if (n > 0 && c.error.size() < 65536)
+        c.error.append(buf, static_cast<std::size_t>(n));
+      else if (n < 0 && errno == EINTR)
+        continue;
+      else
+        break;
+    }
+  };
+  int first_failed = -1;
+  int remaining = nprocs;
+  auto term_at = detail::Clock::time_point::max();
+  auto kill_deadline = detail::Clock::time_point::max();
+  const auto dump_delay = detail::trace_dump_grace();  // time to write flight recorders
+  while (remaining > 0) {
+    bool reaped = false;
+    for (int r = 0; r < nprocs; ++r) {  // only our own children: never reap someone else's
+      Child& c = children[static_cast<std::size_t>(r)];
+      if (c.done) continue;
+      int status = 0;
+      const pid_t pid = ::waitpid(c.pid, &status, WNOHANG);
+      if (pid == 0 || (pid < 0 && errno == EINTR)) continue;
+      c.done = true;
+      c.status = pid < 0 ? 0 : status;
+      --remaining;
+      reaped = true;
+      read_error(c);
+      const bool ok = pid > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+      if (!ok && first_failed < 0) {
+        first_failed = r;
+        if (options.stop_on_failure) {
+          term_at = detail::Clock::now() + dump_delay;
+          kill_deadline = term_at + options.grace;
+        }
+      }
+    }
+    if (detail::Clock::now() >= term_at) {
+      for (auto& other : children) {
+        if (!other.done) ::kill(other.pid, SIGTERM);
+      }
+      term_at = detail::Clock::time_point::max();
+    }
+    if (detail::Clock::now() >= kill_deadline) {  // the grace period is over
+      for (auto& c : children) {
+        if (!c.done) ::kill(c.pid, SIGKILL);
+      }
+      kill_deadline = detail::Clock::time_point::max();
+    }
+    if (!reaped && remaining > 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  if (first_failed >= 0) {
+    const Child& c = children[static_cast<std::size_t>(first_failed)];
+    if (!c.error.empty()) {
+      detail::fail(Errc::aborted, "spawn: rank ", first_failed, " (pid ", c.pid,
+                   ") failed: ", c.error);
+    }
+    detail::fail(Errc::aborted, "spawn: rank ", first_failed, " (pid ", c.pid, ") ",
+                 detail::describe_status(c.status));
+  }
+}
+
+DDP_END_NAMESPACE
+// end ddp/spawn.hpp
+// #include "ddp/store/client.hpp" (already included above)
+// #include "ddp/store/protocol.hpp" (already included above)
+// #include "ddp/store/server.hpp" (already included above)
+// #include "ddp/trace.hpp" (already included above)
+// begin ddp/training/checkpoint.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -12466,7 +12742,6 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-// #include "ddp/detail/string.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 
 #include <dirent.h>
@@ -12713,10 +12988,8 @@ class StagedFile {
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/detail/files.hpp
-// #include "ddp/detail/string.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
-// #include "ddp/objects.hpp" (already included above)
-// #include "ddp/partition.hpp" (already included above)
+// #include "ddp/training/partition.hpp" (already included above)
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -13103,7 +13376,7 @@ void save_checkpoint(Comm& comm, const Checkpoint& ck, const std::string& path, 
       error = detail::error_text(e);
     }
   }
-  broadcast_object(comm, error, root);
+  comm.broadcast_object(error, root);
   if (!error.empty())
     detail::fail_relayed(comm, error, "save_checkpoint", static_cast<std::size_t>(root),
                          "could not save");
@@ -13127,20 +13400,18 @@ template <class Comm>
       state = detail::error_text(e);
     }
   }
-  broadcast_object(comm, state, root);
+  comm.broadcast_object(state, root);
   if (state == "none") return std::nullopt;
   if (state != "ok")
     detail::fail_relayed(comm, state, "load_checkpoint", static_cast<std::size_t>(root),
                          "could not load");
-  broadcast_object(comm, bytes, root);
+  comm.broadcast_object(bytes, root);
   return Checkpoint::parse(bytes, path);
 }
 
 DDP_END_NAMESPACE
-// end ddp/checkpoint.hpp
-// #include "ddp/codec.hpp" (already included above)
-// #include "ddp/environment.hpp" (already included above)
-// begin ddp/gradient.hpp
+// end ddp/training/checkpoint.hpp
+// begin ddp/training/gradient.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -13165,8 +13436,8 @@ DDP_END_NAMESPACE
 ///    transport's own copies, so compression adds no pass over memory).
 ///  * found_nonfinite(): whether any rank has an inf or NaN gradient, the same answer everywhere
 ///    (for dynamic loss scaling).
-///  * It is a Joinable (ddp/join.hpp): with uneven inputs, ranks that finish early shadow its
-///    all_reduces, and the average is over the ranks that trained the step.
+///  * It is a Joinable (ddp/training/join.hpp): with uneven inputs, ranks that finish early
+///    shadow its all_reduces, and the average is over the ranks that trained the step.
 ///
 /// A Model is a range of parameters (or has parameters() returning one); a parameter has a value
 /// and a gradient, both tensors with the same floating-point element type: members `value` and
@@ -13180,7 +13451,8 @@ DDP_END_NAMESPACE
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 // #include "ddp/error.hpp" (already included above)
-// begin ddp/join.hpp
+// #include "ddp/tensor.hpp" (already included above)
+// begin ddp/training/join.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -13217,7 +13489,6 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-// #include "ddp/detail/string.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/process_group.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
@@ -13354,8 +13625,7 @@ class Join {
 };
 
 DDP_END_NAMESPACE
-// end ddp/join.hpp
-// #include "ddp/tensor.hpp" (already included above)
+// end ddp/training/join.hpp
 // #include "ddp/types.hpp" (already included above)
 
 #include <algorithm>
@@ -13646,7 +13916,7 @@ Placement place_parameters(int rank, const std::vector<TensorView<T>>& values,
   if (first.is_cuda() && !DDP_HAS_CUDA)
     fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": the parameters are on ",
          to_string(first), " but ddp was built without CUDA (link the ddp::cuda target)");
-  if (!first.is_cuda() && device_only_backend<Backend>)
+  if (!first.is_cuda() && backend_traits<Backend>::device_only)
     fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": the parameters are on ",
          to_string(first), " but backend::", Backend::name, " moves CUDA memory only");
   return {first.is_cuda(), first.index, first.is_cuda() && Backend::supports(first)};
@@ -14093,7 +14363,7 @@ class TypedAverager final : public AveragerBase {
       return;
     }
 #endif
-    if constexpr (!detail::device_only_backend<Backend>) launch_host(b);
+    if constexpr (!backend_traits<Backend>::device_only) launch_host(b);
   }
 
   void launch_host(Bucket& b) {
@@ -14153,7 +14423,7 @@ class TypedAverager final : public AveragerBase {
   }
   // A finished rank shadows one step: each bucket's all_reduce, in order, with zeros.
   void join_step(int) override {
-    if constexpr (!detail::device_only_backend<Backend>) {
+    if constexpr (!backend_traits<Backend>::device_only) {
       for (const Bucket& b : buckets_) {
         shadow_.assign(b.elements, T{});
         average_async(shadow_).wait();
@@ -14185,7 +14455,7 @@ class TypedAverager final : public AveragerBase {
       return;
     }
 #endif
-    if constexpr (!detail::device_only_backend<Backend>) unpack_from(b);
+    if constexpr (!backend_traits<Backend>::device_only) unpack_from(b);
   }
 
   Communicator<Backend>* comm_;
@@ -14354,8 +14624,8 @@ template <class Backend, Model M>
 GradientAverager(Communicator<Backend>&, M&, AveragerOptions = {}) -> GradientAverager<M, Backend>;
 
 DDP_END_NAMESPACE
-// end ddp/gradient.hpp
-// begin ddp/guard.hpp
+// end ddp/training/gradient.hpp
+// begin ddp/training/guard.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -14434,9 +14704,9 @@ class ZeroFirstGuard {
 };
 
 DDP_END_NAMESPACE
-// end ddp/guard.hpp
-// #include "ddp/join.hpp" (already included above)
-// begin ddp/logging.hpp
+// end ddp/training/guard.hpp
+// #include "ddp/training/join.hpp" (already included above)
+// begin ddp/training/logging.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -14639,8 +14909,8 @@ class Progress {
 };
 
 DDP_END_NAMESPACE
-// end ddp/logging.hpp
-// begin ddp/metrics.hpp
+// end ddp/training/logging.hpp
+// begin ddp/training/metrics.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -14669,7 +14939,6 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-// #include "ddp/detail/string.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/process_group.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
@@ -14926,10 +15195,8 @@ class Metrics {
 };
 
 DDP_END_NAMESPACE
-// end ddp/metrics.hpp
-// #include "ddp/objects.hpp" (already included above)
-// #include "ddp/options.hpp" (already included above)
-// begin ddp/sharded.hpp
+// end ddp/training/metrics.hpp
+// begin ddp/training/sharded.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -14977,7 +15244,7 @@ DDP_END_NAMESPACE
 
 // #include "ddp/communicator.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
-// begin ddp/sharded_checkpoint.hpp
+// begin ddp/training/sharded_checkpoint.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -14992,15 +15259,13 @@ DDP_END_NAMESPACE
 /// has its new file on disk, so a failure or a kill at any moment, on any rank, leaves a complete
 /// set to load: the newest generation that every rank has.
 
-// #include "ddp/checkpoint.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
+// #include "ddp/training/checkpoint.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 // #include "ddp/detail/files.hpp" (already included above)
-// #include "ddp/detail/string.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
-// #include "ddp/objects.hpp" (already included above)
 
 #include <dirent.h>
 #include <sys/stat.h>
@@ -15154,7 +15419,7 @@ std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::stri
     id = (static_cast<std::uint64_t>(rd()) << 32) ^ rd() ^
          static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
   }
-  broadcast_object(comm, id, 0);
+  comm.broadcast_object(id, 0);
   std::vector<std::uint64_t> words{static_cast<std::uint64_t>(comm.rank()),
                                    static_cast<std::uint64_t>(comm.size()), id};
   words.insert(words.end(), stamp_extra.begin(), stamp_extra.end());
@@ -15245,7 +15510,7 @@ template <class Comm>
   for (std::size_t r = 0; r < all.size(); ++r) (all[r].empty() ? without : with) = r;
   if (!with) {  // a fresh start, unless shard files of another world size are there
     std::string other = comm.rank() == 0 ? detail::other_world_shard(path, comm.size()) : "";
-    broadcast_object(comm, other, 0);
+    comm.broadcast_object(other, 0);
     if (other.empty()) return std::nullopt;
     detail::fail(Errc::mismatch, "rank ", comm.rank(),
                  ": load_sharded_checkpoint: there is no "
@@ -15312,13 +15577,13 @@ template <class Comm>
 }
 
 DDP_END_NAMESPACE
-// end ddp/sharded_checkpoint.hpp
+// end ddp/training/sharded_checkpoint.hpp
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 // #include "ddp/error.hpp" (already included above)
-// #include "ddp/gradient.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
+// #include "ddp/training/gradient.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
 #include <algorithm>
@@ -16035,239 +16300,8 @@ template <class Backend, Model M>
 ShardedAverager(Communicator<Backend>&, M&, ShardedOptions = {}) -> ShardedAverager<M, Backend>;
 
 DDP_END_NAMESPACE
-// end ddp/sharded.hpp
-// #include "ddp/sharded_checkpoint.hpp" (already included above)
-// begin ddp/spawn.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// ddp::spawn: like torch.multiprocessing.spawn. Forks `nprocs` processes on this host, each
-/// running fn(env) with its Environment (also exported as RANK, WORLD_SIZE, ... so that
-/// Environment::detect() and Communicator::init() work inside), and waits for them. The parent
-/// hosts the rendezvous store. If a child throws or dies, the parent stops the others (SIGTERM,
-/// then SIGKILL) and throws a ddp::Error naming the rank and carrying the child's message.
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/detail/socket.hpp" (already included above)
-// #include "ddp/environment.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/options.hpp" (already included above)
-// #include "ddp/store/protocol.hpp" (already included above)
-// #include "ddp/store/server.hpp" (already included above)
-// #include "ddp/trace.hpp" (already included above)
-
-#include <fcntl.h>
-#include <pthread.h>
-#include <signal.h>
-#include <sys/prctl.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
-#include <cerrno>
-#include <chrono>
-#include <cstddef>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <exception>
-#include <functional>
-#include <string>
-#include <thread>
-#include <utility>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-/// How spawn() starts, hosts and stops its workers.
-struct SpawnOptions {
-  /// Address the store listens on and workers connect to.
-  std::string master_addr = "127.0.0.1";
-  /// Port of the store; 0 picks a free one.
-  int master_port = 0;
-  /// Grace period between SIGTERM and SIGKILL when stopping the others after a failure.
-  std::chrono::milliseconds grace{std::chrono::seconds(3)};
-  /// Extra environment variables for the workers ("NAME=value").
-  std::vector<std::string> env;
-  /// Stop the other workers as soon as one fails (torchrun's behaviour; with $DDP_TRACE_DUMP set,
-  /// a second later, so that they can write their flight recorders). Fault-injection tests turn
-  /// it off to watch how the survivors react.
-  bool stop_on_failure = true;
-};
-
-namespace detail {
-
-inline std::string describe_status(int status) {
-  if (WIFEXITED(status)) return concat("exited with status ", WEXITSTATUS(status));
-  if (WIFSIGNALED(status)) {
-    const int sig = WTERMSIG(status);
-    const char* name = ::sigabbrev_np(sig);
-    return concat("was killed by SIG", name != nullptr ? name : "?", " (signal ", sig, ")");
-  }
-  return "stopped";
-}
-
-}  // namespace detail
-
-/// Runs fn(env) in nprocs forked processes and waits for all of them (see the file comment).
-inline void spawn(int nprocs, const std::function<void(Environment)>& fn,
-                  const SpawnOptions& options = {}) {
-  if (nprocs < 1)
-    detail::fail(Errc::invalid_argument, "spawn: nprocs must be at least 1, got ", nprocs);
-  std::fflush(nullptr);
-  // Bind before forking: the port is known to every child, and no thread exists yet.
-  detail::Fd listener = detail::listen_tcp(options.master_addr, options.master_port);
-  const int port = detail::local_port(listener.get());
-
-  struct Child {
-    pid_t pid = -1;
-    detail::Fd error_pipe;
-    std::string error;
-    int status = 0;
-    bool done = false;
-  };
-  std::vector<Child> children(static_cast<std::size_t>(nprocs));
-  const pid_t parent = ::getpid();
-  for (int r = 0; r < nprocs; ++r) {
-    int fds[2];
-    if (::pipe2(fds, O_CLOEXEC) != 0) detail::fail_errno(errno, "spawn: pipe2");
-    // Signals are blocked across fork() so that none reaches the child before it has reset the
-    // parent's handlers: a worker starts with default dispositions (the parent's handlers, a
-    // test framework's crash reporter say, are not the worker's).
-    sigset_t all, previous;
-    ::sigfillset(&all);
-    ::pthread_sigmask(SIG_SETMASK, &all, &previous);
-    const pid_t pid = ::fork();
-    if (pid != 0) ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
-    if (pid < 0) detail::fail_errno(errno, "spawn: fork");
-    if (pid == 0) {
-      // A worker never outlives the parent (killed, say): no orphans spinning in a collective.
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != parent) ::_exit(1);
-      for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGSEGV, SIGABRT, SIGFPE, SIGILL, SIGBUS, SIGPIPE}) {
-        ::signal(sig, SIG_DFL);
-      }
-      ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
-      ::close(fds[0]);
-      listener.reset();
-      for (int k = 0; k < r; ++k) children[static_cast<std::size_t>(k)].error_pipe.reset();
-      Environment env;
-      env.rank = r;
-      env.world_size = nprocs;
-      env.local_rank = r;
-      env.local_world_size = nprocs;
-      env.node_rank = 0;
-      env.master_addr = options.master_addr;
-      env.master_port = port;
-      env.launcher = "spawn";
-      ::setenv("RANK", std::to_string(r).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(nprocs).c_str(), 1);
-      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      ::setenv("LOCAL_WORLD_SIZE", std::to_string(nprocs).c_str(), 1);
-      ::setenv("NODE_RANK", "0", 1);
-      ::setenv("MASTER_ADDR", options.master_addr.c_str(), 1);
-      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      ::setenv("DDP_STORE_HOSTED", "1", 1);
-      for (const auto& kv : options.env) ::putenv(const_cast<char*>(kv.c_str()));
-      int code = 0;
-      std::string message;
-      try {
-        fn(env);
-      } catch (const std::exception& e) {
-        message = e.what();
-        code = 1;
-      } catch (...) {
-        message = "a non-standard exception";
-        code = 1;
-      }
-      // Less than a pipe's capacity: the parent reads it only after this process has exited.
-      if (message.size() > 16384) message.resize(16384);
-      if (code != 0) (void)!::write(fds[1], message.data(), message.size());
-      std::fflush(nullptr);
-      ::_exit(code);  // no atexit handlers or static destructors of the parent's copy
-    }
-    ::close(fds[1]);
-    children[static_cast<std::size_t>(r)].pid = pid;
-    children[static_cast<std::size_t>(r)].error_pipe.reset(fds[0]);
-  }
-
-  StoreOptions so;
-  so.token = detail::EnvReader().get("DDP_TOKEN");
-  StoreServer server(std::move(listener), options.master_addr, so);
-
-  const auto read_error = [](Child& c) {
-    char buf[4096];
-    for (;;) {
-      const ssize_t n = ::read(c.error_pipe.get(), buf, sizeof buf);
-      if (n > 0 && c.error.size() < 65536)
-        c.error.append(buf, static_cast<std::size_t>(n));
-      else if (n < 0 && errno == EINTR)
-        continue;
-      else
-        break;
-    }
-  };
-  int first_failed = -1;
-  int remaining = nprocs;
-  auto term_at = detail::Clock::time_point::max();
-  auto kill_deadline = detail::Clock::time_point::max();
-  const auto dump_delay = detail::trace_dump_grace();  // time to write flight recorders
-  while (remaining > 0) {
-    bool reaped = false;
-    for (int r = 0; r < nprocs; ++r) {  // only our own children: never reap someone else's
-      Child& c = children[static_cast<std::size_t>(r)];
-      if (c.done) continue;
-      int status = 0;
-      const pid_t pid = ::waitpid(c.pid, &status, WNOHANG);
-      if (pid == 0 || (pid < 0 && errno == EINTR)) continue;
-      c.done = true;
-      c.status = pid < 0 ? 0 : status;
-      --remaining;
-      reaped = true;
-      read_error(c);
-      const bool ok = pid > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0;
-      if (!ok && first_failed < 0) {
-        first_failed = r;
-        if (options.stop_on_failure) {
-          term_at = detail::Clock::now() + dump_delay;
-          kill_deadline = term_at + options.grace;
-        }
-      }
-    }
-    if (detail::Clock::now() >= term_at) {
-      for (auto& other : children) {
-        if (!other.done) ::kill(other.pid, SIGTERM);
-      }
-      term_at = detail::Clock::time_point::max();
-    }
-    if (detail::Clock::now() >= kill_deadline) {  // the grace period is over
-      for (auto& c : children) {
-        if (!c.done) ::kill(c.pid, SIGKILL);
-      }
-      kill_deadline = detail::Clock::time_point::max();
-    }
-    if (!reaped && remaining > 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  if (first_failed >= 0) {
-    const Child& c = children[static_cast<std::size_t>(first_failed)];
-    if (!c.error.empty()) {
-      detail::fail(Errc::aborted, "spawn: rank ", first_failed, " (pid ", c.pid,
-                   ") failed: ", c.error);
-    }
-    detail::fail(Errc::aborted, "spawn: rank ", first_failed, " (pid ", c.pid, ") ",
-                 detail::describe_status(c.status));
-  }
-}
-
-DDP_END_NAMESPACE
-// end ddp/spawn.hpp
-// #include "ddp/store/client.hpp" (already included above)
-// #include "ddp/store/protocol.hpp" (already included above)
-// #include "ddp/store/server.hpp" (already included above)
-// #include "ddp/trace.hpp" (already included above)
+// end ddp/training/sharded.hpp
+// #include "ddp/training/sharded_checkpoint.hpp" (already included above)
 // #include "ddp/work.hpp" (already included above)
 
 DDP_BEGIN_NAMESPACE
@@ -16302,7 +16336,5 @@ using Nccl = detail::NcclNotEnabled<>;
 }  // namespace backend
 DDP_END_NAMESPACE
 #endif
-// #include "ddp/types.hpp" (already included above)
-// #include "ddp/version.hpp" (already included above)
 
 #endif  // DDP_DDP_HPP
