@@ -1,0 +1,200 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// The Host backend across hosts: the hierarchical all_reduce (shared memory inside a host, TCP
+/// between hosts, slices or leaders, see HostHierarchy) and how a failure in one of its phases
+/// reaches every rank at once (the other ranks of the host through the local transport, the
+/// other hosts through a record in the store and the connections closing).
+
+#include "ddp/backend/host/flat.hpp"
+#include "ddp/backend/host/rounds.hpp"
+#include "ddp/backend/host/single_copy.hpp"
+#include "ddp/backend/host/transport.hpp"
+#include "ddp/config.hpp"
+#include "ddp/detail/bytes.hpp"
+#include "ddp/error.hpp"
+#include "ddp/options.hpp"
+#include "ddp/runtime/collective.hpp"
+#include "ddp/runtime/reduce.hpp"
+#include "ddp/store/client.hpp"
+
+#include <chrono>
+#include <cstdlib>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// Transport::why_left over the store's records: a rank that left the hierarchical path says
+/// why under "left/<rank>" (Hierarchy::record_leaving), and a rank that failed the rendezvous
+/// after this rank had finished its own left its failure under "failed". Waits up to `grace`
+/// for one; nothing when the store is gone or holds none.
+inline std::optional<Transport::Left> left_record(const Store& store, const std::vector<int>& ranks,
+                                                  std::chrono::milliseconds grace) {
+  const auto deadline = std::chrono::steady_clock::now() + grace;
+  try {
+    Store plain = store.unwatched();
+    for (;;) {
+      const std::string failed = "failed";
+      if (plain.check(std::span<const std::string>(&failed, 1))) {
+        const std::string rec = plain.get(failed);
+        ByteReader r(rec, "rendezvous failure");
+        Transport::Left left;
+        left.code = static_cast<Errc>(r.get<std::int32_t>());
+        left.message = r.str(rec.size());
+        constexpr std::string_view on = "the rendezvous failed on rank ";
+        if (std::string_view(left.message).starts_with(on)) {
+          left.rank = std::atoi(left.message.c_str() + on.size());
+          const std::size_t colon = left.message.find(": ");
+          if (colon != std::string::npos) left.message.erase(0, colon + 2);
+        }
+        if (left.rank >= 0) return left;
+      }
+      for (int j : ranks) {
+        const std::string key = concat("left/", j);
+        if (!plain.check(std::span<const std::string>(&key, 1))) continue;
+        const std::string rec = plain.get(key);
+        ByteReader r(rec, "leaving record");
+        Transport::Left left;
+        left.rank = j;
+        left.code = static_cast<Errc>(r.get<std::int32_t>());
+        left.message = r.str(rec.size());
+        return left;
+      }
+      if (std::chrono::steady_clock::now() >= deadline) return std::nullopt;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  } catch (const Error&) {  // the store is gone or the record unreadable: nothing to add
+    return std::nullopt;
+  }
+}
+
+/// The hierarchical path of one communicator: its kind (flat when the ranks share one host, or
+/// each runs alone on its host), the transport among this host's ranks (`local`) and the one that
+/// carries this rank's part across hosts (`across`; leaders: only a host's lowest rank has it).
+class Hierarchy {
+ public:
+  HostHierarchy kind = HostHierarchy::flat;
+  /// Below this many bytes per local rank, slices send all_reduce through the leaders.
+  std::size_t slices_from = 0;
+  std::unique_ptr<Transport> local;
+  std::unique_ptr<Transport> across;
+  std::shared_ptr<Store> store;  ///< where record_leaving writes (may be null)
+  int rank = 0;                  ///< this rank in the communicator
+
+  [[nodiscard]] bool active() const noexcept { return kind != HostHierarchy::flat; }
+
+  /// Before a collective other than the hierarchical all_reduce: compares its fingerprint among
+  /// this host's ranks (one local round), so that a rank in a hierarchical all_reduce, which
+  /// talks to its host and to one rank per host, and a rank in any other collective meet in a
+  /// round that compares their fingerprints, and fail with Errc::mismatch instead of a timeout.
+  void check_locally(const Fingerprint& f, Transport* remote) {
+    if (!active() || local->size() <= 1 || !local->verify_fingerprints) return;
+    local->slack = std::chrono::milliseconds(0);
+    guarded([&](Transport*&) { empty_round(*local, &f); }, remote);
+  }
+
+  /// all_reduce when the ranks span several hosts: every element is combined as host 0's sum,
+  /// op host 1's sum, ..., where hosts are ordered by their lowest rank and each host's sum
+  /// combines its ranks in rank order; avg divides that sum by `size` at the end. The order
+  /// depends on the hosts only, not on the message size or on slices/leaders, so the result is
+  /// bitwise the same on every rank and in every run (it may differ in the last bits from a
+  /// single host's order 0..P-1).
+  ///  * slices: a reduce-scatter inside the host (local rank i gets the host's sum of slice i of
+  ///    the buffer), an all_reduce of slice i with local rank i of every other host over TCP, an
+  ///    all-gather inside the host. Every rank carries 1/local_size() of the bytes across.
+  ///  * leaders: a reduce to the host's lowest rank, an all_reduce among those over TCP, a
+  ///    broadcast inside the host.
+  void all_reduce(RoundScratch& s, SingleCopy& single, const Buf& b, ReduceOp op,
+                  const Fingerprint& fp, int size) {
+    const bool avg = op == ReduceOp::avg;
+    const auto fn = reduce_fn(b.dtype, avg ? ReduceOp::sum : op);
+    const auto divide = [&](const Buf& x) {
+      if (avg && x.count != 0) divide_fn(b.dtype)(x.data, x.count, size);
+    };
+    Transport& host = *local;
+    const bool by_slices = kind == HostHierarchy::slices &&
+                           b.bytes() > slices_from * static_cast<std::size_t>(host.size());
+    // Each phase waits a little longer than the one before it (Transport::slack), so that a rank
+    // waiting on one that waits on the culprit hears the culprit named before its own timeout.
+    host.slack = std::chrono::milliseconds(0);
+    if (across) across->slack = std::chrono::milliseconds(250);
+    const auto last_phase = [&] { host.slack = std::chrono::milliseconds(500); };
+    guarded(
+        [&](Transport*& crossing) {
+          if (!by_slices) {
+            if (host.size() > 1) reduce_on(host, s, b, fn, 0, &fp);
+            if (host.rank() == 0) {
+              crossing = across.get();
+              all_reduce_on(*across, s, b, fn, &fp, &single);
+              crossing = nullptr;
+              divide(b);
+            }
+            last_phase();
+            if (host.size() > 1) broadcast_on(host, b, 0, nullptr);
+            return;
+          }
+          const int q = host.size();
+          const auto part = [&](int j) {  // in elements
+            const auto [lo, hi] = split_range(b.count, q, j, b.elem());
+            return Range{lo, hi - lo};
+          };
+          reduce_scatter_parts(host, s, b, fn, part, &fp);
+          const Range mine = part(host.rank());
+          Buf slice = b;
+          slice.data = b.at(mine.off);
+          slice.count = mine.len;
+          crossing = across.get();
+          all_reduce_on(*across, s, slice, fn, &fp, &single);
+          crossing = nullptr;
+          divide(slice);
+          last_phase();
+          all_gather_parts(host, b, part);
+        },
+        across.get());
+  }
+
+  /// Runs body(crossing); if it fails, fails this host's other ranks too (through the local
+  /// transport) and shuts down the connections of `remote` (when not null), before rethrowing,
+  /// so that no rank waits for the timeout on one that left the hierarchical path: a rank of
+  /// this host in a later phase (its all-gather or broadcast) fails with this error, a rank of
+  /// another host sees the connection close (Errc::peer_lost). A failure in a round of `remote`
+  /// itself (body sets `crossing` to it meanwhile) keeps its connections (that transport's peers
+  /// learn of it as it says, e.g. both fingerprints).
+  template <class F>
+  void guarded(F&& body, Transport* remote) {
+    Transport* crossing = nullptr;
+    try {
+      body(crossing);
+    } catch (const Error& e) {
+      local->abort(e.code(), e.what());
+      if (remote != nullptr && remote != crossing) {
+        record_leaving(e);
+        remote->abort(e.code(), e.what());
+      }
+      throw;
+    }
+  }
+
+  /// Says in the store why this rank leaves the hierarchical path, before it closes its
+  /// connections, so that a rank of another host that sees them close reports this error (with
+  /// its code) rather than a lost peer (Transport::why_left). Best effort.
+  void record_leaving(const Error& e) noexcept {
+    if (!store) return;
+    try {
+      store->set(concat("left/", rank), Store::stop_value(e.code(), e.what()));
+    } catch (...) {  // the store is gone: the peers report a lost connection instead
+    }
+  }
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
