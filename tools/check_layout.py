@@ -22,6 +22,8 @@ MAX_LINES = 650
 STILL_LONG = {
     "ddp/backend/nccl.hpp": 658,
     "ddp/communicator.hpp": 711,
+    "ddp/training/gradient.hpp": 1041,
+    "ddp/training/sharded.hpp": 771,
 }
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "include")
