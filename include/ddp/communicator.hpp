@@ -7,9 +7,9 @@
 /// typed (any ddp::TensorLike buffer), checked before anything is sent, with an _async twin for
 /// each collective (returning ddp::Work, see work.hpp), and split().
 ///
-/// Each typed argument becomes a detail::Buf (the only code compiled per tensor type); the
-/// checks and the call description are plain functions (runtime/call.hpp); the backend contract
-/// is backend/backend.hpp; object collectives and *_host helpers are runtime/objects.hpp.
+/// Each typed argument becomes a detail::Buf (the only code compiled per tensor type), checked
+/// and described by runtime/call.hpp, run by backend/dispatch.hpp; init and split start the
+/// backend through backend/init.hpp; the object collectives are made in runtime/objects.hpp.
 ///
 /// Operations on one communicator run one at a time, in the order they were issued, whichever
 /// thread issued them. A synchronous call with nothing queued runs in the calling thread (no
@@ -22,6 +22,7 @@
 
 #include "ddp/backend/backend.hpp"
 #include "ddp/backend/dispatch.hpp"
+#include "ddp/backend/init.hpp"
 #include "ddp/config.hpp"
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
@@ -35,16 +36,11 @@
 #include "ddp/runtime/comm_state.hpp"
 #include "ddp/runtime/objects.hpp"
 #include "ddp/runtime/rendezvous.hpp"
-#include "ddp/runtime/staging.hpp"
 #include "ddp/tensor.hpp"
 #include "ddp/trace.hpp"
 #include "ddp/types.hpp"
 #include "ddp/work.hpp"
-#if DDP_HAS_CUDA
-#include "ddp/cuda.hpp"
-#endif
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -87,40 +83,10 @@ class Communicator {
 
  private:
   static Communicator init_unnamed(const Environment& env, Options options) {
-    // A malformed DDP_* variable fails this rank once it has joined the rendezvous (below), so
-    // that the others learn why at once instead of at their timeout.
-    std::exception_ptr bad_setting;
-    options = options.with_env(detail::EnvReader(), bad_setting);
     auto state = std::make_shared<State>();
-    state->configure(options);
-    state->rendezvous_deadline = detail::Deadline::after(options.timeout).at;
-    state->world_rank = env.rank;
-    detail::BackendInit bi;
-    bi.rank = env.rank;
-    bi.size = env.world_size;
-    bi.local_rank = env.local_rank;
-    state->local_rank_hint = env.local_rank;
-    bi.options = options;
-    if (env.world_size > 1 && backend_traits<Backend>::needs_store) {
-      if (env.master_port == 0) {
-        detail::fail(Errc::invalid_argument, "rank ", env.rank,
-                     ": Communicator::init: MASTER_PORT is not set (world size ", env.world_size,
-                     "); export MASTER_ADDR and MASTER_PORT, or launch with ddprun");
-      }
-      if (env.master_addr.empty()) {
-        const int hosts = (env.world_size + env.local_world_size - 1) / env.local_world_size;
-        detail::fail(Errc::invalid_argument, "rank ", env.rank,
-                     ": Communicator::init: the job spans ", hosts,
-                     " hosts but MASTER_ADDR is not "
-                     "set, and ",
-                     env.launcher,
-                     " does not say which host rank 0 runs on; export "
-                     "MASTER_ADDR=<rank 0's host> to every rank (mpirun -x MASTER_ADDR=<host> -x "
-                     "MASTER_PORT=<port>)");
-      }
-      bi.store = state->join_store(env);
-    }
-    if (bad_setting && !bi.store) std::rethrow_exception(bad_setting);
+    std::exception_ptr bad_setting;
+    const detail::BackendInit bi =
+        detail::begin_init(*state, env, options, backend_traits<Backend>::needs_store, bad_setting);
     state->create_backend(bi, [&] {
       if (bad_setting) std::rethrow_exception(bad_setting);
       if (bi.store) {
@@ -393,41 +359,15 @@ class Communicator {
       exec_fn("split", [&](Backend& b, State&) { made = b.split(color, key); });
       if (!made) return Communicator(nullptr);
       auto sub = std::make_shared<State>();
-      sub->configure(state_->options);
-      sub->world_rank = state_->world_rank;
-      sub->local_rank_hint = state_->local_rank_hint;
+      detail::inherit_settings(*sub, *state_);
       sub->backend = std::move(made);
       return Communicator(std::move(sub));
     }
     const auto all = all_gather_object(std::pair<int, int>{color, key});
     const std::uint64_t n = checked().splits++;
     if (color == no_color) return Communicator(nullptr);
-    std::vector<std::pair<int, int>> members;  // (key, old rank)
-    for (int r = 0; r < static_cast<int>(all.size()); ++r) {
-      if (all[static_cast<std::size_t>(r)].first == color)
-        members.emplace_back(all[static_cast<std::size_t>(r)].second, r);
-    }
-    std::sort(members.begin(), members.end());
     auto sub = std::make_shared<State>();
-    sub->configure(state_->options);
-    sub->world_rank = state_->world_rank;
-    sub->root_store = state_->root_store;
-    sub->prefix = detail::concat(state_->prefix, "split", n, "/", color, "/");
-    detail::BackendInit bi;
-    bi.size = static_cast<int>(members.size());
-    for (int i = 0; i < bi.size; ++i) {
-      if (members[static_cast<std::size_t>(i)].second == rank()) bi.rank = i;
-    }
-    bi.options = state_->options;
-    bi.local_rank = state_->local_rank_hint;
-    sub->local_rank_hint = state_->local_rank_hint;
-    if (state_->root_store) {
-      bi.store =
-          std::make_shared<Store>(state_->root_store->prefixed(sub->prefix).watching("failed"));
-      sub->store = bi.store;
-      sub->world_size = bi.size;
-      sub->joined = true;
-    }
+    const detail::BackendInit bi = detail::begin_split(*sub, *state_, all, color, rank(), n);
     exec_fn("split", [&](Backend&, State&) { sub->create_backend(bi, [] {}); });
     return Communicator(std::move(sub));
   }
@@ -654,8 +594,7 @@ class Communicator {
     using M = std::remove_const_t<E>;
     const detail::Buf b{reinterpret_cast<std::byte*>(const_cast<M*>(v.data)), v.size, dtype_of<M>,
                         Device{v.device.kind, v.device.index}, v.stream};
-    const bool usable =
-        Backend::supports(v.device) || (v.device.is_cuda() && detail::stages_cuda<Backend>());
+    const bool usable = detail::usable_device<Backend>(v.device);
     if (!usable || v.data == nullptr || v.size > detail::max_buffer_bytes / sizeof(M)) [[unlikely]]
       detail::check_buf(b, sizeof(M), usable, Backend::name, rank(), what, name);
     return b;
@@ -667,8 +606,7 @@ class Communicator {
     const detail::Buf b{static_cast<std::byte*>(v.data), v.size, v.dtype,
                         Device{v.device.kind, v.device.index}, v.stream};
     const bool writes = std::string_view(name) != "in" && std::string_view(what) != "send";
-    const bool usable =
-        Backend::supports(v.device) || (v.device.is_cuda() && detail::stages_cuda<Backend>());
+    const bool usable = detail::usable_device<Backend>(v.device);
     detail::check_dynamic(v, writes, what, name, rank());
     if (!usable || v.data == nullptr || v.size > detail::max_buffer_bytes / size_of(v.dtype))
       detail::check_buf(b, size_of(v.dtype), usable, Backend::name, rank(), what, name);

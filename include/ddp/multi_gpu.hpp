@@ -26,9 +26,10 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-#include "ddp/backend/nccl.hpp"  // detail::nccl_type, nccl_op, nccl_errc
+#include "ddp/backend/nccl_support.hpp"
 #include "ddp/cuda.hpp"
 #include "ddp/error.hpp"
+#include "ddp/runtime/collective.hpp"
 #include "ddp/tensor.hpp"
 #include "ddp/types.hpp"
 

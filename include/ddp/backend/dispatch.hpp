@@ -34,6 +34,13 @@ bool stages_cuda() noexcept {
          Backend::supports(Device::cpu()) && !Backend::supports(Device::cuda());
 }
 
+/// Whether the backend can take a buffer on `device`: its own kind of memory, or a CUDA buffer
+/// staged through pinned host memory.
+template <class Backend>
+bool usable_device(const Device& device) noexcept {
+  return Backend::supports(device) || (device.is_cuda() && stages_cuda<Backend>());
+}
+
 template <class Backend>
 bool staged(const Buf& b) noexcept {
   return b.device.is_cuda() && b.data != nullptr && b.count != 0 && stages_cuda<Backend>();

@@ -33,6 +33,7 @@
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 #include "ddp/backend/backend.hpp"
+#include "ddp/backend/nccl_support.hpp"
 #include "ddp/cuda.hpp"
 #include "ddp/error.hpp"
 #include "ddp/runtime/collective.hpp"
@@ -59,77 +60,6 @@
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
-
-namespace detail {
-
-/// The NCCL type a buffer travels as. NCCL has no 16-bit integers: they move as float16, whose
-/// copies are bitwise (broadcast, gathers, all_to_all, send/recv); reductions of them are refused
-/// before this is asked (Nccl::reducible).
-[[nodiscard]] inline ncclDataType_t nccl_type(DType t) noexcept {
-  switch (t) {
-    case DType::int16:
-    case DType::uint16: return ncclFloat16;
-    case DType::int8: return ncclInt8;
-    case DType::uint8: return ncclUint8;
-    case DType::int32: return ncclInt32;
-    case DType::uint32: return ncclUint32;
-    case DType::int64: return ncclInt64;
-    case DType::uint64: return ncclUint64;
-    case DType::float16: return ncclFloat16;
-    case DType::float32: return ncclFloat32;
-    case DType::float64: return ncclFloat64;
-    case DType::bfloat16: return ncclBfloat16;
-  }
-  return ncclNumTypes;
-}
-
-[[nodiscard]] inline ncclRedOp_t nccl_op(ReduceOp op) noexcept {
-  switch (op) {
-    case ReduceOp::sum: return ncclSum;
-    case ReduceOp::prod: return ncclProd;
-    case ReduceOp::max: return ncclMax;
-    case ReduceOp::min: return ncclMin;
-    case ReduceOp::avg: return ncclAvg;
-  }
-  return ncclSum;
-}
-
-/// The Errc for an NCCL failure: a remote process or the network -> peer_lost, else backend.
-[[nodiscard]] inline Errc nccl_errc(ncclResult_t rc) noexcept {
-  return rc == ncclRemoteError ? Errc::peer_lost : Errc::backend;
-}
-
-/// ncclCommAbort on a thread of its own. The abort returns only once the communicator's kernels
-/// have stopped, and a kernel queued before them on a tensor's stream (the stuck producer that
-/// made the collective time out) delays that for as long as it runs; the error that asked for the
-/// abort is raised at once instead, and the owner's destructor waits for the abort to finish.
-class NcclAborter {
- public:
-  NcclAborter() = default;
-  NcclAborter(const NcclAborter&) = delete;
-  NcclAborter& operator=(const NcclAborter&) = delete;
-  ~NcclAborter() { join(); }
-
-  /// Aborts every non-null communicator (comms[i] on devices[i]).
-  void abort(std::vector<ncclComm_t> comms, std::vector<int> devices) {
-    join();
-    thread_ = std::thread([comms = std::move(comms), devices = std::move(devices)] {
-      for (std::size_t i = 0; i < comms.size(); ++i) {
-        if (comms[i] == nullptr) continue;
-        (void)cudaSetDevice(devices[i]);
-        (void)ncclCommAbort(comms[i]);
-      }
-    });
-  }
-  void join() noexcept {
-    if (thread_.joinable()) thread_.join();
-  }
-
- private:
-  std::thread thread_;
-};
-
-}  // namespace detail
 
 namespace backend {
 

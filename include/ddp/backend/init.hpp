@@ -1,0 +1,108 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// How Communicator::init and split prepare a backend's start (detail::BackendInit): init reads
+/// the DDP_* settings, checks the launcher's environment and joins the rendezvous store (rank 0,
+/// or the launcher, hosts it); split orders the ranks of one color by (key, rank) and gives the
+/// group a store prefix of its own. The backend then connects (Backend::create).
+
+#include "ddp/backend/backend.hpp"
+#include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+#include "ddp/detail/env.hpp"
+#include "ddp/environment.hpp"
+#include "ddp/error.hpp"
+#include "ddp/options.hpp"
+#include "ddp/runtime/comm_state.hpp"
+#include "ddp/store/client.hpp"
+
+#include <algorithm>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// The first half of Communicator::init: `options` with the DDP_* settings applied, `state`
+/// configured, the launcher's environment checked and, when the backend needs one, the
+/// rendezvous store joined. A malformed DDP_* variable is left in `bad_setting` when the store
+/// was joined (the rank fails once it has joined the rendezvous, so that the others learn why
+/// at once instead of at their timeout), and thrown here otherwise.
+inline BackendInit begin_init(CommState& state, const Environment& env, Options& options,
+                              bool needs_store, std::exception_ptr& bad_setting) {
+  options = options.with_env(EnvReader(), bad_setting);
+  state.configure(options);
+  state.rendezvous_deadline = Deadline::after(options.timeout).at;
+  state.world_rank = env.rank;
+  BackendInit bi;
+  bi.rank = env.rank;
+  bi.size = env.world_size;
+  bi.local_rank = env.local_rank;
+  state.local_rank_hint = env.local_rank;
+  bi.options = options;
+  if (env.world_size > 1 && needs_store) {
+    if (env.master_port == 0) {
+      fail(Errc::invalid_argument, "rank ", env.rank,
+           ": Communicator::init: MASTER_PORT is not set (world size ", env.world_size,
+           "); export MASTER_ADDR and MASTER_PORT, or launch with ddprun");
+    }
+    if (env.master_addr.empty()) {
+      const int hosts = (env.world_size + env.local_world_size - 1) / env.local_world_size;
+      fail(Errc::invalid_argument, "rank ", env.rank, ": Communicator::init: the job spans ", hosts,
+           " hosts but MASTER_ADDR is not set, and ", env.launcher,
+           " does not say which host rank 0 runs on; export MASTER_ADDR=<rank 0's host> to every "
+           "rank (mpirun -x MASTER_ADDR=<host> -x MASTER_PORT=<port>)");
+    }
+    bi.store = state.join_store(env);
+  }
+  if (bad_setting && !bi.store) std::rethrow_exception(bad_setting);
+  return bi;
+}
+
+/// A communicator made by split(): `sub` takes `parent`'s settings.
+inline void inherit_settings(CommState& sub, const CommState& parent) {
+  sub.configure(parent.options);
+  sub.world_rank = parent.world_rank;
+  sub.local_rank_hint = parent.local_rank_hint;
+}
+
+/// split() on a backend that does not split itself: the group of `color` among every rank's
+/// (color, key) `all`, ordered by (key, rank); `sub` configured as `parent` is, with a store
+/// prefix of its own (the n-th split of `parent`). `rank`: this rank in `parent`.
+inline BackendInit begin_split(CommState& sub, const CommState& parent,
+                               const std::vector<std::pair<int, int>>& all, int color, int rank,
+                               std::uint64_t n) {
+  std::vector<std::pair<int, int>> members;  // (key, old rank)
+  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+    if (all[static_cast<std::size_t>(r)].first == color)
+      members.emplace_back(all[static_cast<std::size_t>(r)].second, r);
+  }
+  std::sort(members.begin(), members.end());
+  inherit_settings(sub, parent);
+  sub.root_store = parent.root_store;
+  sub.prefix = concat(parent.prefix, "split", n, "/", color, "/");
+  BackendInit bi;
+  bi.size = static_cast<int>(members.size());
+  for (int i = 0; i < bi.size; ++i) {
+    if (members[static_cast<std::size_t>(i)].second == rank) bi.rank = i;
+  }
+  bi.options = parent.options;
+  bi.local_rank = parent.local_rank_hint;
+  if (parent.root_store) {
+    bi.store = std::make_shared<Store>(parent.root_store->prefixed(sub.prefix).watching("failed"));
+    sub.store = bi.store;
+    sub.world_size = bi.size;
+    sub.joined = true;
+  }
+  return bi;
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
