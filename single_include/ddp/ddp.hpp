@@ -1575,9 +1575,9 @@ DDP_END_NAMESPACE
 /// typed (any ddp::TensorLike buffer), checked before anything is sent, with an _async twin for
 /// each collective (returning ddp::Work, see work.hpp), and split().
 ///
-/// Each typed argument becomes a detail::Buf (the only code compiled per tensor type); the
-/// checks and the call description are plain functions (runtime/call.hpp); the backend contract
-/// is backend/backend.hpp; object collectives and *_host helpers are runtime/objects.hpp.
+/// Each typed argument becomes a detail::Buf (the only code compiled per tensor type), checked
+/// and described by runtime/call.hpp, run by backend/dispatch.hpp; init and split start the
+/// backend through backend/init.hpp; the object collectives are made in runtime/objects.hpp.
 ///
 /// Operations on one communicator run one at a time, in the order they were issued, whichever
 /// thread issued them. A synchronous call with nothing queued runs in the calling thread (no
@@ -6766,6 +6766,13 @@ bool stages_cuda() noexcept {
          Backend::supports(Device::cpu()) && !Backend::supports(Device::cuda());
 }
 
+/// Whether the backend can take a buffer on `device`: its own kind of memory, or a CUDA buffer
+/// staged through pinned host memory.
+template <class Backend>
+bool usable_device(const Device& device) noexcept {
+  return Backend::supports(device) || (device.is_cuda() && stages_cuda<Backend>());
+}
+
 template <class Backend>
 bool staged(const Buf& b) noexcept {
   return b.device.is_cuda() && b.data != nullptr && b.count != 0 && stages_cuda<Backend>();
@@ -6874,6 +6881,115 @@ void dispatch(Backend& be, CommState& s, const Call& c) {
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/backend/dispatch.hpp
+// begin ddp/backend/init.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// How Communicator::init and split prepare a backend's start (detail::BackendInit): init reads
+/// the DDP_* settings, checks the launcher's environment and joins the rendezvous store (rank 0,
+/// or the launcher, hosts it); split orders the ranks of one color by (key, rank) and gives the
+/// group a store prefix of its own. The backend then connects (Backend::create).
+
+// #include "ddp/backend/backend.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/env.hpp" (already included above)
+// #include "ddp/environment.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/options.hpp" (already included above)
+// #include "ddp/runtime/comm_state.hpp" (already included above)
+// #include "ddp/store/client.hpp" (already included above)
+
+#include <algorithm>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// The first half of Communicator::init: `options` with the DDP_* settings applied, `state`
+/// configured, the launcher's environment checked and, when the backend needs one, the
+/// rendezvous store joined. A malformed DDP_* variable is left in `bad_setting` when the store
+/// was joined (the rank fails once it has joined the rendezvous, so that the others learn why
+/// at once instead of at their timeout), and thrown here otherwise.
+inline BackendInit begin_init(CommState& state, const Environment& env, Options& options,
+                              bool needs_store, std::exception_ptr& bad_setting) {
+  options = options.with_env(EnvReader(), bad_setting);
+  state.configure(options);
+  state.rendezvous_deadline = Deadline::after(options.timeout).at;
+  state.world_rank = env.rank;
+  BackendInit bi;
+  bi.rank = env.rank;
+  bi.size = env.world_size;
+  bi.local_rank = env.local_rank;
+  state.local_rank_hint = env.local_rank;
+  bi.options = options;
+  if (env.world_size > 1 && needs_store) {
+    if (env.master_port == 0) {
+      fail(Errc::invalid_argument, "rank ", env.rank,
+           ": Communicator::init: MASTER_PORT is not set (world size ", env.world_size,
+           "); export MASTER_ADDR and MASTER_PORT, or launch with ddprun");
+    }
+    if (env.master_addr.empty()) {
+      const int hosts = (env.world_size + env.local_world_size - 1) / env.local_world_size;
+      fail(Errc::invalid_argument, "rank ", env.rank, ": Communicator::init: the job spans ", hosts,
+           " hosts but MASTER_ADDR is not set, and ", env.launcher,
+           " does not say which host rank 0 runs on; export MASTER_ADDR=<rank 0's host> to every "
+           "rank (mpirun -x MASTER_ADDR=<host> -x MASTER_PORT=<port>)");
+    }
+    bi.store = state.join_store(env);
+  }
+  if (bad_setting && !bi.store) std::rethrow_exception(bad_setting);
+  return bi;
+}
+
+/// A communicator made by split(): `sub` takes `parent`'s settings.
+inline void inherit_settings(CommState& sub, const CommState& parent) {
+  sub.configure(parent.options);
+  sub.world_rank = parent.world_rank;
+  sub.local_rank_hint = parent.local_rank_hint;
+}
+
+/// split() on a backend that does not split itself: the group of `color` among every rank's
+/// (color, key) `all`, ordered by (key, rank); `sub` configured as `parent` is, with a store
+/// prefix of its own (the n-th split of `parent`). `rank`: this rank in `parent`.
+inline BackendInit begin_split(CommState& sub, const CommState& parent,
+                               const std::vector<std::pair<int, int>>& all, int color, int rank,
+                               std::uint64_t n) {
+  std::vector<std::pair<int, int>> members;  // (key, old rank)
+  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+    if (all[static_cast<std::size_t>(r)].first == color)
+      members.emplace_back(all[static_cast<std::size_t>(r)].second, r);
+  }
+  std::sort(members.begin(), members.end());
+  inherit_settings(sub, parent);
+  sub.root_store = parent.root_store;
+  sub.prefix = concat(parent.prefix, "split", n, "/", color, "/");
+  BackendInit bi;
+  bi.size = static_cast<int>(members.size());
+  for (int i = 0; i < bi.size; ++i) {
+    if (members[static_cast<std::size_t>(i)].second == rank) bi.rank = i;
+  }
+  bi.options = parent.options;
+  bi.local_rank = parent.local_rank_hint;
+  if (parent.root_store) {
+    bi.store = std::make_shared<Store>(parent.root_store->prefixed(sub.prefix).watching("failed"));
+    sub.store = bi.store;
+    sub.world_size = bi.size;
+    sub.joined = true;
+  }
+  return bi;
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/backend/init.hpp
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
@@ -7336,16 +7452,11 @@ void broadcast_object(Comm& comm, T& value, int root = 0) {
 DDP_END_NAMESPACE
 // end ddp/runtime/objects.hpp
 // #include "ddp/runtime/rendezvous.hpp" (already included above)
-// #include "ddp/runtime/staging.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/trace.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 // #include "ddp/work.hpp" (already included above)
-#if DDP_HAS_CUDA
-// #include "ddp/cuda.hpp" (already included above)
-#endif
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -7388,40 +7499,10 @@ class Communicator {
 
  private:
   static Communicator init_unnamed(const Environment& env, Options options) {
-    // A malformed DDP_* variable fails this rank once it has joined the rendezvous (below), so
-    // that the others learn why at once instead of at their timeout.
-    std::exception_ptr bad_setting;
-    options = options.with_env(detail::EnvReader(), bad_setting);
     auto state = std::make_shared<State>();
-    state->configure(options);
-    state->rendezvous_deadline = detail::Deadline::after(options.timeout).at;
-    state->world_rank = env.rank;
-    detail::BackendInit bi;
-    bi.rank = env.rank;
-    bi.size = env.world_size;
-    bi.local_rank = env.local_rank;
-    state->local_rank_hint = env.local_rank;
-    bi.options = options;
-    if (env.world_size > 1 && backend_traits<Backend>::needs_store) {
-      if (env.master_port == 0) {
-        detail::fail(Errc::invalid_argument, "rank ", env.rank,
-                     ": Communicator::init: MASTER_PORT is not set (world size ", env.world_size,
-                     "); export MASTER_ADDR and MASTER_PORT, or launch with ddprun");
-      }
-      if (env.master_addr.empty()) {
-        const int hosts = (env.world_size + env.local_world_size - 1) / env.local_world_size;
-        detail::fail(Errc::invalid_argument, "rank ", env.rank,
-                     ": Communicator::init: the job spans ", hosts,
-                     " hosts but MASTER_ADDR is not "
-                     "set, and ",
-                     env.launcher,
-                     " does not say which host rank 0 runs on; export "
-                     "MASTER_ADDR=<rank 0's host> to every rank (mpirun -x MASTER_ADDR=<host> -x "
-                     "MASTER_PORT=<port>)");
-      }
-      bi.store = state->join_store(env);
-    }
-    if (bad_setting && !bi.store) std::rethrow_exception(bad_setting);
+    std::exception_ptr bad_setting;
+    const detail::BackendInit bi =
+        detail::begin_init(*state, env, options, backend_traits<Backend>::needs_store, bad_setting);
     state->create_backend(bi, [&] {
       if (bad_setting) std::rethrow_exception(bad_setting);
       if (bi.store) {
@@ -7694,41 +7775,15 @@ class Communicator {
       exec_fn("split", [&](Backend& b, State&) { made = b.split(color, key); });
       if (!made) return Communicator(nullptr);
       auto sub = std::make_shared<State>();
-      sub->configure(state_->options);
-      sub->world_rank = state_->world_rank;
-      sub->local_rank_hint = state_->local_rank_hint;
+      detail::inherit_settings(*sub, *state_);
       sub->backend = std::move(made);
       return Communicator(std::move(sub));
     }
     const auto all = all_gather_object(std::pair<int, int>{color, key});
     const std::uint64_t n = checked().splits++;
     if (color == no_color) return Communicator(nullptr);
-    std::vector<std::pair<int, int>> members;  // (key, old rank)
-    for (int r = 0; r < static_cast<int>(all.size()); ++r) {
-      if (all[static_cast<std::size_t>(r)].first == color)
-        members.emplace_back(all[static_cast<std::size_t>(r)].second, r);
-    }
-    std::sort(members.begin(), members.end());
     auto sub = std::make_shared<State>();
-    sub->configure(state_->options);
-    sub->world_rank = state_->world_rank;
-    sub->root_store = state_->root_store;
-    sub->prefix = detail::concat(state_->prefix, "split", n, "/", color, "/");
-    detail::BackendInit bi;
-    bi.size = static_cast<int>(members.size());
-    for (int i = 0; i < bi.size; ++i) {
-      if (members[static_cast<std::size_t>(i)].second == rank()) bi.rank = i;
-    }
-    bi.options = state_->options;
-    bi.local_rank = state_->local_rank_hint;
-    sub->local_rank_hint = state_->local_rank_hint;
-    if (state_->root_store) {
-      bi.store =
-          std::make_shared<Store>(state_->root_store->prefixed(sub->prefix).watching("failed"));
-      sub->store = bi.store;
-      sub->world_size = bi.size;
-      sub->joined = true;
-    }
+    const detail::BackendInit bi = detail::begin_split(*sub, *state_, all, color, rank(), n);
     exec_fn("split", [&](Backend&, State&) { sub->create_backend(bi, [] {}); });
     return Communicator(std::move(sub));
   }
@@ -7955,8 +8010,7 @@ class Communicator {
     using M = std::remove_const_t<E>;
     const detail::Buf b{reinterpret_cast<std::byte*>(const_cast<M*>(v.data)), v.size, dtype_of<M>,
                         Device{v.device.kind, v.device.index}, v.stream};
-    const bool usable =
-        Backend::supports(v.device) || (v.device.is_cuda() && detail::stages_cuda<Backend>());
+    const bool usable = detail::usable_device<Backend>(v.device);
     if (!usable || v.data == nullptr || v.size > detail::max_buffer_bytes / sizeof(M)) [[unlikely]]
       detail::check_buf(b, sizeof(M), usable, Backend::name, rank(), what, name);
     return b;
@@ -7968,8 +8022,7 @@ class Communicator {
     const detail::Buf b{static_cast<std::byte*>(v.data), v.size, v.dtype,
                         Device{v.device.kind, v.device.index}, v.stream};
     const bool writes = std::string_view(name) != "in" && std::string_view(what) != "send";
-    const bool usable =
-        Backend::supports(v.device) || (v.device.is_cuda() && detail::stages_cuda<Backend>());
+    const bool usable = detail::usable_device<Backend>(v.device);
     detail::check_dynamic(v, writes, what, name, rank());
     if (!usable || v.data == nullptr || v.size > detail::max_buffer_bytes / size_of(v.dtype))
       detail::check_buf(b, size_of(v.dtype), usable, Backend::name, rank(), what, name);
@@ -11722,33 +11775,27 @@ DDP_END_NAMESPACE
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 // #include "ddp/backend/backend.hpp" (already included above)
-// #include "ddp/cuda.hpp" (already included above)
+// begin ddp/backend/nccl_support.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// What backend::Nccl and NcclClique share: how ddp's types and ops map to NCCL's, which Errc an
+/// NCCL failure is, and detail::NcclAborter (ncclCommAbort on a thread of its own). Needs
+/// DDP_HAS_NCCL=1 (the ddp::nccl target).
+
+// #include "ddp/config.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
-// #include "ddp/runtime/collective.hpp" (already included above)
-// #include "ddp/store/client.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
-#include <algorithm>
-#include <atomic>
-#include <chrono>
-#include <cstdint>
-#include <cstring>
-#include <initializer_list>
-#include <memory>
-#include <mutex>
-#include <optional>
-#include <span>
-#include <string>
-#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
-
 namespace detail {
 
 /// The NCCL type a buffer travels as. NCCL has no 16-bit integers: they move as float16, whose
@@ -11819,6 +11866,35 @@ class NcclAborter {
 };
 
 }  // namespace detail
+
+DDP_END_NAMESPACE
+// end ddp/backend/nccl_support.hpp
+// #include "ddp/cuda.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/runtime/collective.hpp" (already included above)
+// #include "ddp/store/client.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
 
 namespace backend {
 
@@ -12374,9 +12450,10 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-// #include "ddp/backend/nccl.hpp" (already included above)
+// #include "ddp/backend/nccl_support.hpp" (already included above)
 // #include "ddp/cuda.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
+// #include "ddp/runtime/collective.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
