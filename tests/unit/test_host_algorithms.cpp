@@ -147,7 +147,7 @@ TEST_CASE("host algorithms in one process: broadcast, gather, all_gather, scatte
               std::vector<std::int32_t> out(n * static_cast<std::size_t>(p), 7);
               gather_on(t, buf(in), buf(out), to, fingerprint(Coll::all_gather, n, to));
               if (to >= 0 && r != to) {
-                if (out != std::vector<std::int32_t>(out.size(), 7))
+                if (!std::all_of(out.begin(), out.end(), [](std::int32_t x) { return x == 7; }))
                   fail(ddp::Errc::backend, "gather wrote on a rank other than root");
                 continue;
               }
