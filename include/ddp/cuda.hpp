@@ -28,6 +28,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstddef>
+#include <cstring>
 #include <memory>
 #include <span>
 #include <thread>
@@ -405,6 +406,39 @@ inline void cuda_join_streams(void* waiter, void* producer) {
   CudaEvent done;
   done.record(static_cast<cudaStream_t>(producer));
   done.block(static_cast<cudaStream_t>(waiter));
+}
+
+// The copies between a model's parameters and the averagers' buckets (ddp/training/), host or
+// CUDA memory alike; ddp/training/parameters.hpp has their host-only twins for builds without
+// CUDA.
+
+/// Copies `n` bytes between host memory and CUDA devices (`cuda`: either side is on a device),
+/// ordered on `stream`.
+inline void copy_bytes(void* dst, const void* src, std::size_t n, bool cuda, void* stream) {
+  if (n == 0) return;
+  if (cuda)
+    cuda_copy_async(dst, src, n, stream);
+  else
+    std::memcpy(dst, src, n);
+}
+
+/// Sets `n` bytes to zero, on a CUDA device (ordered on `stream`) or on the host.
+inline void zero_bytes(void* dst, std::size_t n, bool cuda, void* stream) {
+  if (n == 0) return;
+  if (cuda)
+    cuda_zero_async(dst, n, stream);
+  else
+    std::memset(dst, 0, n);
+}
+
+/// Blocks until the work queued on a CUDA stream is done (nothing for host memory).
+inline void sync_stream(bool cuda, void* stream) {
+  if (cuda) cuda_sync(stream);
+}
+
+/// Later work on `waiter` starts after the work queued on `producer` so far (CUDA streams).
+inline void join_streams(bool cuda, void* waiter, void* producer) {
+  if (cuda) cuda_join_streams(waiter, producer);
 }
 
 }  // namespace detail

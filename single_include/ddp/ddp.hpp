@@ -5714,6 +5714,7 @@ DDP_END_NAMESPACE
 #include <cerrno>
 #include <chrono>
 #include <cstddef>
+#include <cstring>
 #include <memory>
 #include <span>
 #include <thread>
@@ -6091,6 +6092,39 @@ inline void cuda_join_streams(void* waiter, void* producer) {
   CudaEvent done;
   done.record(static_cast<cudaStream_t>(producer));
   done.block(static_cast<cudaStream_t>(waiter));
+}
+
+// The copies between a model's parameters and the averagers' buckets (ddp/training/), host or
+// CUDA memory alike; ddp/training/parameters.hpp has their host-only twins for builds without
+// CUDA.
+
+/// Copies `n` bytes between host memory and CUDA devices (`cuda`: either side is on a device),
+/// ordered on `stream`.
+inline void copy_bytes(void* dst, const void* src, std::size_t n, bool cuda, void* stream) {
+  if (n == 0) return;
+  if (cuda)
+    cuda_copy_async(dst, src, n, stream);
+  else
+    std::memcpy(dst, src, n);
+}
+
+/// Sets `n` bytes to zero, on a CUDA device (ordered on `stream`) or on the host.
+inline void zero_bytes(void* dst, std::size_t n, bool cuda, void* stream) {
+  if (n == 0) return;
+  if (cuda)
+    cuda_zero_async(dst, n, stream);
+  else
+    std::memset(dst, 0, n);
+}
+
+/// Blocks until the work queued on a CUDA stream is done (nothing for host memory).
+inline void sync_stream(bool cuda, void* stream) {
+  if (cuda) cuda_sync(stream);
+}
+
+/// Later work on `waiter` starts after the work queued on `producer` so far (CUDA streams).
+inline void join_streams(bool cuda, void* waiter, void* producer) {
+  if (cuda) cuda_join_streams(waiter, producer);
 }
 
 }  // namespace detail
@@ -13730,39 +13764,161 @@ DDP_END_NAMESPACE
 /// GradientAverager<Model, Backend>: what DistributedDataParallel does to gradients.
 ///
 ///  * At construction it checks that every rank has the same parameters (count, sizes, element
-///    type; Errc::mismatch names the first difference and the ranks) and copies rank 0's values
-///    to every rank.
-///  * Gradients are averaged in buckets: parameters in reverse order (the order backward produces
-///    their gradients), a small first bucket (1 MiB) so communication starts early, then buckets
-///    of up to 25 MiB. mark_ready(i) says gradient i is final; a bucket whose gradients are all
-///    final starts its all_reduce at once, in the background, while backward goes on — always in
-///    the same bucket order on every rank. synchronize() waits and writes the averages back.
-///    Large gradients (256 KiB and up) are averaged in place, each as its own bucket, small ones
-///    are copied into a bucket (one call for many tensors).
-///  * A gradient not marked by synchronize() counts as zero (an unused parameter) instead of
-///    hanging; every rank's gradient then holds the average.
-///  * no_sync() (a guard) skips averaging while micro-batches accumulate gradients.
-///  * Optional compression: float32 gradients travel as float16 or bfloat16 (half the bytes),
-///    through Communicator::all_reduce_as (on backend::Host the conversions ride along the
-///    transport's own copies, so compression adds no pass over memory).
-///  * found_nonfinite(): whether any rank has an inf or NaN gradient, the same answer everywhere
-///    (for dynamic loss scaling).
-///  * It is a Joinable (ddp/training/join.hpp): with uneven inputs, ranks that finish early
-///    shadow its all_reduces, and the average is over the ranks that trained the step.
+///    type) and options (Errc::mismatch names the first difference and the ranks), and copies
+///    rank 0's values (and buffers) to every rank.
+///  * Gradients are averaged in buckets (ddp/training/buckets.hpp): parameters in reverse order,
+///    a small first bucket (1 MiB) so that communication starts early, then up to 25 MiB; 256 KiB
+///    and larger in place. mark_ready(i) says gradient i is final; a bucket whose gradients are
+///    all final starts in the background while backward goes on, in the same order on every
+///    rank. synchronize() waits and writes the averages back; a gradient never marked counts as
+///    zero (an unused parameter). no_sync() skips averaging while micro-batches accumulate.
+///  * What is done to a full bucket is its comm hook (ddp/training/comm_hooks.hpp):
+///    ddp::allreduce_hook; with AveragerOptions::compression the fp16 or bf16 hook (float32
+///    gradients travel as float16 or bfloat16: half the bytes); or register_comm_hook's.
+///  * found_nonfinite() agrees across ranks (dynamic loss scaling). It is a Joinable
+///    (ddp/training/join.hpp): with uneven inputs, the average is over the ranks that trained.
 ///
-/// A Model is a range of parameters (or has parameters() returning one); a parameter has a value
-/// and a gradient, both tensors with the same floating-point element type: members `value` and
-/// `grad` (data members or member functions), or a ddp::parameter_traits<P> specialization.
-/// Buffers may be reallocated between steps (the averager looks them up again at the start of each
-/// step), but their sizes must stay as they were.
+/// Models, parameters and their adaptation: ddp/training/parameters.hpp.
 
 // #include "ddp/communicator.hpp" (already included above)
+// begin ddp/training/buckets.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The bucket engine of GradientAverager and ShardedAverager, and the options they share. It
+/// plans the buckets (parameters in reverse order; large gradients in place; ShardedAverager: each
+/// bucket padded to P blocks, rank r owning block r), looks the buffers up again each step (the
+/// model may reallocate them), counts the gradients marked ready (mark_ready, or the framework's
+/// hooks), starts each full bucket in bucket order on every rank (its gradients packed into its
+/// host or device buffer, then its comm hook called: ddp/training/comm_hooks.hpp), waits for them
+/// in synchronize() and copies the results back.
+
+// #include "ddp/communicator.hpp" (already included above)
+// begin ddp/training/comm_hooks.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Comm hooks: what is done to a full bucket of gradients (torch's DDP register_comm_hook). The
+/// bucket engine (ddp/training/buckets.hpp) packs each bucket and calls its averager's hook;
+/// GradientAverager::register_comm_hook and ShardedAverager::register_comm_hook set one.
+///
+/// A comm hook is any callable
+///
+///     ddp::Work hook(ddp::Communicator<Backend>& comm, ddp::GradBucket<T>& bucket);
+///
+/// that leaves in bucket.output, on every rank, the reduction bucket.op over every rank's
+/// bucket.buffer, and returns the Work that finishes it (the bucket's buffers live until then).
+/// Every rank registers the same hook. Built in:
+///
+///     ddp::allreduce_hook       all_reduce (GradientAverager's default)
+///     ddp::fp16_compress_hook   float32 gradients travel and are reduced as float16 (half the
+///     ddp::bf16_compress_hook   bytes) or bfloat16; compress_hook(DType) takes the wire type
+///     ddp::reduce_scatter_hook  this rank's block only (ShardedAverager's default: ZeRO)
+///
+///     avg.register_comm_hook([&](auto& comm, auto& bucket) {   // counts, then the default
+///       ++calls;
+///       return ddp::allreduce_hook(comm, bucket);
+///     });
+///
+/// A hook runs in the thread that completes its bucket (with autograd's hooks, backward's). If it
+/// throws, or its Work fails with an exception that is not a ddp::Error, synchronize() throws a
+/// ddp::Error naming the bucket and its parameters (the code of a ddp::Error it threw,
+/// Errc::invalid_argument otherwise), once the buckets already started have finished; no later
+/// bucket of the step starts, so ranks whose hook fails alike stay in step, and the step is
+/// dropped. A collective's own failure (a lost peer, a timeout) passes as it is.
+///
+/// In a ddp::Join (uneven inputs), bucket.op is ReduceOp::sum and the averager divides the result
+/// by the number of ranks that trained the step; a rank that has finished calls the hook for each
+/// bucket of each step the others still train, with bucket.shadow set and a buffer of zeros, and
+/// drops the result. So a hook reduces with bucket.op and issues the same collectives whatever the
+/// buffer holds; one with state of its own (error feedback) leaves it alone when bucket.shadow.
+
 // #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/error.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+// #include "ddp/work.hpp" (already included above)
+
+#include <cstddef>
+#include <functional>
+#include <span>
+#include <type_traits>
+
+DDP_BEGIN_NAMESPACE
+
+/// A gradient's part of a bucket: elements [offset, offset + size) of parameter `param`, at
+/// position `at` of the bucket's buffer.
+struct BucketPiece {
+  std::size_t param = 0;   ///< The parameter's index in the model.
+  std::size_t offset = 0;  ///< Its first element here (0 unless ShardedAverager split it).
+  std::size_t size = 0;    ///< Elements.
+  std::size_t at = 0;      ///< Where they are in the bucket's buffer.
+};
+
+/// What a comm hook receives (torch's GradBucket). Valid until the step's synchronize().
+template <class T>
+struct GradBucket {
+  std::size_t index = 0;  ///< The bucket's place in launch order (0: the last parameters').
+  bool last = false;      ///< The last bucket of a step.
+  /// This rank's gradients, packed in `pieces` order (zero padding after them in a
+  /// ShardedAverager's bucket); host or device memory, as the backend moves it.
+  TensorView<T> buffer;
+  /// Where the result must be: `buffer` itself (GradientAverager), or this rank's block of it
+  /// (ShardedAverager: elements [r * n / P, (r + 1) * n / P) on rank r of P).
+  TensorView<T> output;
+  ReduceOp op = ReduceOp::avg;  ///< The reduction to leave there: avg; sum inside a ddp::Join.
+  bool shadow = false;  ///< A finished rank in a Join: `buffer` holds zeros, the result is dropped.
+  std::span<const BucketPiece> pieces;  ///< The gradients in `buffer`, in order.
+  /// Piece k's elements of `buffer`.
+  [[nodiscard]] TensorView<T> gradient(std::size_t k) const {
+    return buffer.subview(pieces[k].at, pieces[k].size);
+  }
+};
+
+/// Whether F is a comm hook for gradients of element type T on communicator type Comm.
+template <class F, class Comm, class T>
+concept CommHookFor = (std::is_invocable_r_v<Work, F&, Comm&, GradBucket<T>&>);
+/// A comm hook as an averager keeps it.
+template <class Comm, class T>
+using CommHook = std::function<Work(Comm&, GradBucket<T>&)>;
+
+/// The built-in hook all_reduce: bucket.buffer reduced with bucket.op (torch's allreduce_hook).
+struct AllReduceHook {
+  template <class Comm, class T>
+  Work operator()(Comm& comm, GradBucket<T>& b) const {
+    return comm.all_reduce_async(b.buffer, b.op);
+  }
+};
+/// The built-in compression hooks: float32 values travel and are reduced as `wire`
+/// (DType::float16 or DType::bfloat16), the result rounded to it (Communicator::all_reduce_as).
+struct CompressHook {
+  DType wire = DType::bfloat16;  ///< The type on the wire.
+  template <class Comm, class T>
+  Work operator()(Comm& comm, GradBucket<T>& b) const {
+    return comm.all_reduce_as_async(b.buffer, wire, b.op);
+  }
+};
+/// The built-in hook of ZeRO: the reduce_scatter of bucket.buffer into bucket.output.
+struct ReduceScatterHook {
+  template <class Comm, class T>
+  Work operator()(Comm& comm, GradBucket<T>& b) const {
+    return comm.reduce_scatter_async(b.buffer, b.output, b.op);
+  }
+};
+/// all_reduce of the bucket (GradientAverager's default; torch's allreduce_hook).
+inline constexpr AllReduceHook allreduce_hook{};
+/// float32 gradients as float16 on the wire (torch's fp16_compress_hook).
+inline constexpr CompressHook fp16_compress_hook{DType::float16};
+/// float32 gradients as bfloat16 on the wire (torch's bf16_compress_hook).
+inline constexpr CompressHook bf16_compress_hook{DType::bfloat16};
+/// float32 gradients as `wire` (DType::float16 or DType::bfloat16) on the wire.
+[[nodiscard]] constexpr CompressHook compress_hook(DType wire) noexcept { return {wire}; }
+/// reduce_scatter of the bucket: each rank gets its block (ShardedAverager's default).
+inline constexpr ReduceScatterHook reduce_scatter_hook{};
+
+DDP_END_NAMESPACE
+// end ddp/training/comm_hooks.hpp
 // begin ddp/training/join.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -13937,18 +14093,36 @@ class Join {
 
 DDP_END_NAMESPACE
 // end ddp/training/join.hpp
-// #include "ddp/types.hpp" (already included above)
+// begin ddp/training/parameters.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
 
-#include <algorithm>
-#include <cmath>
+/// \file
+/// What a model is to the averagers: the Parameter and Model concepts, and how a parameter type
+/// is adapted. A Model is a sized range of parameters, or has parameters() returning one (and
+/// may have buffers(): state such as BatchNorm's running statistics). A parameter has a value and
+/// a gradient, mutable tensors of one floating-point type: members `value` and `grad` (data or
+/// functions), or a ddp::parameter_traits<P> specialization, by which a framework's adapter also
+/// says how its gradients are made and when they are final (ddp/adapters/torch_training.hpp).
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/tensor.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+#if DDP_HAS_CUDA
+// #include "ddp/cuda.hpp" (already included above)
+#endif
+
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <optional>
 #include <ranges>
-#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -13964,17 +14138,13 @@ struct parameter_traits {};
 namespace detail {
 
 template <class P>
-concept has_value = requires(P& p) {
-  parameter_traits<P>::value(p);
-}
-|| requires(P& p) { p.value(); }
-|| requires(P& p) { p.value; };
+concept has_value = (
+    requires(P & p) { parameter_traits<P>::value(p); } || requires(P & p) { p.value(); } ||
+    requires(P & p) { p.value; });
 template <class P>
-concept has_grad = requires(P& p) {
-  parameter_traits<P>::grad(p);
-}
-|| requires(P& p) { p.grad(); }
-|| requires(P& p) { p.grad; };
+concept has_grad = (
+    requires(P & p) { parameter_traits<P>::grad(p); } || requires(P & p) { p.grad(); } ||
+    requires(P & p) { p.grad; });
 
 template <has_value P>
 decltype(auto) param_value(P& p) {
@@ -14004,28 +14174,31 @@ decltype(auto) model_parameters(M& m) {
     return (m);
 }
 
-/// A framework that creates gradients lazily (libtorch: before the first backward, or after
-/// zero_grad() set them to None) creates parameter p's gradient here, as zeros, before the
-/// averager reads it: parameter_traits<P>::ensure_grad(p), where defined.
+/// The parameter type of model M.
+template <class M>
+using param_of_t = std::ranges::range_value_t<decltype(model_parameters(std::declval<M&>()))>;
+
+/// Creates parameter p's gradient as zeros where the framework makes them lazily (libtorch:
+/// before the first backward, or after zero_grad() set them to None), before the averager reads
+/// it: parameter_traits<P>::ensure_grad(p), where defined.
 template <class P>
 void ensure_grad(P& p) {
   if constexpr (requires { parameter_traits<P>::ensure_grad(p); })
     parameter_traits<P>::ensure_grad(p);
 }
 
-/// Whether parameter p has no gradient yet (libtorch: p.grad() undefined):
-/// parameter_traits<P>::has_grad(p), where defined. The averager then looks the gradient up when
-/// its bucket starts (the framework made it by then, or the parameter was unused this step and
-/// gets zeros), instead of creating zeros that the backward pass would add into.
+/// Gradients a framework makes lazily: parameter_traits<P>::has_grad(p) says whether p has one
+/// yet. The averager then looks it up when its bucket starts (made by then, or the parameter was
+/// unused this step and gets zeros) instead of making zeros for backward to add into.
 template <class P>
 concept lazy_grad = requires(P& p) {
   parameter_traits<P>::ensure_grad(p);
   { parameter_traits<P>::has_grad(p) } -> std::convertible_to<bool>;
 };
 
-/// Whether the framework can call back when a parameter's gradient is final for this backward
-/// pass: parameter_traits<P>::ready_hook(p, std::function<void()>) returns a handle whose
-/// destruction removes the hook (libtorch: a post hook on the gradient's accumulator).
+/// The framework calls back when p's gradient is final for this backward pass:
+/// parameter_traits<P>::ready_hook(p, std::function<void()>) returns a handle whose destruction
+/// removes the hook (libtorch: a post hook on the gradient's accumulator).
 template <class P>
 concept has_ready_hook = requires(P& p, std::function<void()> f) {
   {
@@ -14033,69 +14206,18 @@ concept has_ready_hook = requires(P& p, std::function<void()> f) {
     } -> std::convertible_to<std::shared_ptr<void>>;
 };
 
-/// The model's buffers (tensors that are state but not parameters, e.g. BatchNorm's running
-/// statistics), where it has buffers(): copied from rank 0 like the parameters.
+/// The model has buffers() (state that is not parameters): copied from rank 0 like them.
 template <class M>
 concept has_buffers = requires(M& m) {
   requires std::ranges::range<decltype(m.buffers())>;
   requires MutableTensor<std::ranges::range_reference_t<decltype(m.buffers())>>;
 };
 
-/// Copies `n` bytes between host memory and CUDA devices (`cuda`: either side is on a device),
-/// ordered on `stream`.
-inline void copy_bytes(void* dst, const void* src, std::size_t n, bool cuda, void* stream) {
-  if (n == 0) return;
-  if (!cuda) {
-    std::memcpy(dst, src, n);
-    return;
-  }
-#if DDP_HAS_CUDA
-  cuda_copy_async(dst, src, n, stream);
-#else
-  (void)stream;
-#endif
-}
-
-/// Sets `n` bytes to zero, on a CUDA device (ordered on `stream`) or on the host.
-inline void zero_bytes(void* dst, std::size_t n, bool cuda, void* stream) {
-  if (n == 0) return;
-  if (!cuda) {
-    std::memset(dst, 0, n);
-    return;
-  }
-#if DDP_HAS_CUDA
-  cuda_zero_async(dst, n, stream);
-#else
-  (void)stream;
-#endif
-}
-
-/// Blocks until the work queued on a CUDA stream is done (nothing for host memory).
-inline void sync_stream(bool cuda, void* stream) {
-#if DDP_HAS_CUDA
-  if (cuda) cuda_sync(stream);
-#else
-  (void)cuda, (void)stream;
-#endif
-}
-
-/// Later work on `waiter` starts after the work queued on `producer` so far (CUDA streams).
-inline void join_streams(bool cuda, void* waiter, void* producer) {
-#if DDP_HAS_CUDA
-  if (cuda) cuda_join_streams(waiter, producer);
-#else
-  (void)cuda, (void)waiter, (void)producer;
-#endif
-}
-
 template <class T>
 inline constexpr bool is_floating_scalar_v =
     std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, half> ||
     std::is_same_v<T, bfloat16>;
 
-}  // namespace detail
-
-namespace detail {
 template <class P>
 using value_of_t = decltype(param_value(std::declval<P&>()));
 template <class P>
@@ -14111,6 +14233,7 @@ concept typed_parameter =
 /// Value and gradient typed at run time (a framework's tensors): checked at construction.
 template <class P>
 concept dynamic_parameter = DynamicTensor<value_of_t<P>> && DynamicTensor<grad_of_t<P>>;
+
 }  // namespace detail
 
 /// A parameter: a value and a gradient, mutable tensors of the same floating-point type (checked
@@ -14129,69 +14252,27 @@ concept Model = requires(M& m) {
   requires Parameter<std::ranges::range_value_t<decltype(detail::model_parameters(m))>>;
 };
 
-/// How gradients travel.
-enum class Compression {
-  none,     ///< as they are
-  float16,  ///< float32 gradients sent as float16 (half the bytes; ~3 decimal digits)
-  bfloat16  ///< float32 gradients sent as bfloat16 (half the bytes; float32's range)
-};
-
-/// How a GradientAverager buckets, compresses and synchronizes (torch DDP's constructor options).
-struct AveragerOptions {
-  /// Largest bucket, in bytes of gradient (torch's bucket_cap_mb = 25).
-  std::size_t bucket_bytes = std::size_t{25} << 20;
-  /// The first bucket (the last parameters), small so that communication starts early.
-  std::size_t first_bucket_bytes = std::size_t{1} << 20;
-  /// How the gradients travel (torch's fp16/bf16 compression hooks); the averages are rounded
-  /// to that type.
-  Compression compression = Compression::none;
-  /// A gradient of at least this many bytes is averaged in place, as a bucket of its own:
-  /// copying it into a bucket and back would cost more than the call it saves.
-  std::size_t in_place_bytes = std::size_t{256} << 10;
-  /// Copy rank 0's parameter values to every rank at construction (torch does).
-  bool broadcast_parameters = true;
-  /// Models with buffers() (e.g. a torch::nn::Module's BatchNorm statistics): copy rank 0's
-  /// buffers to every rank at construction and after every synchronize(), so every rank's next
-  /// forward pass uses the same ones (torch DDP's broadcast_buffers).
-  bool broadcast_buffers = true;
-  /// Where the framework can say when a gradient is final (libtorch's autograd hooks), call
-  /// mark_ready from there, so buckets start during backward. Off: mark_ready yourself, or
-  /// average() after backward.
-  bool hooks = true;
-};
-
 namespace detail {
 
-/// While it lives, the averager's mark_ready/synchronize/average do nothing (no_sync()).
-class AveragerNoSync {
- public:
-  explicit AveragerNoSync(bool& flag) : flag_(&flag), previous_(std::exchange(flag, true)) {}
-  AveragerNoSync(AveragerNoSync&& o) noexcept
-      : flag_(std::exchange(o.flag_, nullptr)), previous_(o.previous_) {}
-  AveragerNoSync(const AveragerNoSync&) = delete;
-  AveragerNoSync& operator=(const AveragerNoSync&) = delete;
-  AveragerNoSync& operator=(AveragerNoSync&&) = delete;
-  ~AveragerNoSync() {
-    if (flag_ != nullptr) *flag_ = previous_;
-  }
-
- private:
-  bool* flag_;
-  bool previous_;
+/// The element type an averager of M uses by default: the gradients' type, or float32 where it
+/// is known only at run time (then checked at construction).
+template <class M, class P = param_of_t<M>, bool = dynamic_parameter<P>>
+struct model_element {
+  using type = tensor_value_t<grad_of_t<P>>;
+};
+template <class M, class P>
+struct model_element<M, P, true> {
+  using type = float;
 };
 
 /// A parameter's value or gradient as a TensorView<T>: a run-time-typed one is checked here.
 template <class T, class X>
-TensorView<T> typed_view(X& x, int rank, std::size_t i, const char* what,
-                         const char* who = "GradientAverager") {
+TensorView<T> typed_view(X& x, int rank, std::size_t i, const char* what, const char* who) {
   const auto v = ddp::view(x);
   if constexpr (std::is_same_v<std::remove_cvref_t<decltype(v)>, DynamicView>) {
-    if (v.problem != nullptr)
+    if (v.problem != nullptr || !v.contiguous)
       fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": parameter ", i, "'s ", what,
-           " cannot be used: ", v.problem);
-    if (!v.contiguous)
-      fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": parameter ", i, "'s ", what,
-           " is not contiguous");
+           " cannot be used: ", v.problem != nullptr ? v.problem : "it is not contiguous");
     if (v.dtype != dtype_of<T>)
       fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": parameter ", i, "'s ", what, " is ",
            to_string(v.dtype), " but parameter 0's gradient is ", to_string(dtype_of<T>), "; the ",
@@ -14202,316 +14283,489 @@ TensorView<T> typed_view(X& x, int rank, std::size_t i, const char* what,
   }
 }
 
-/// Where a model's parameters are, as an averager needs to know it.
-struct Placement {
-  bool cuda = false;            ///< on a CUDA device
-  int device = 0;               ///< ... this one
-  bool device_buckets = false;  ///< the backend moves CUDA memory: buckets live on the device
-};
-
-/// Every value and gradient must be on one device (all on the host, or all on one CUDA device).
-/// A backend that moves CUDA memory gets buckets on that device; one that moves host memory gets
-/// host buckets, which the gradients are copied into and out of.
-template <class Backend, class T>
-Placement place_parameters(int rank, const std::vector<TensorView<T>>& values,
-                           const std::vector<TensorView<T>>& grads, const char* who) {
-  const Device first = grads.empty() ? Device::cpu() : grads[0].device;
-  for (std::size_t i = 0; i < grads.size(); ++i) {
-    for (const Device d : {values[i].device, grads[i].device}) {
-      if (d != first)
-        fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": parameter ", i, " is on ",
-             to_string(d), " but parameter 0's gradient is on ", to_string(first),
-             "; every value and gradient must be on one device");
-    }
-  }
-  if (first.is_cuda() && !DDP_HAS_CUDA)
-    fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": the parameters are on ",
-         to_string(first), " but ddp was built without CUDA (link the ddp::cuda target)");
-  if (!first.is_cuda() && backend_traits<Backend>::device_only)
-    fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": the parameters are on ",
-         to_string(first), " but backend::", Backend::name, " moves CUDA memory only");
-  return {first.is_cuda(), first.index, first.is_cuda() && Backend::supports(first)};
-}
-
-/// Every rank has the same parameters: count, element type and sizes (Errc::mismatch names the
-/// first difference and the ranks). Collective.
-template <class T, class Backend>
-void check_same_parameters(Communicator<Backend>& comm, const std::vector<TensorView<T>>& values,
-                           const std::vector<TensorView<T>>& grads, const char* who) {
-  // (count, element type, sizes...) of this rank against everyone's.
+/// Every rank has the same parameters (count, element type T, sizes) and the same `options`
+/// (bucket_bytes, first_bucket_bytes, in_place_bytes, broadcast_parameters, compression, the
+/// fields of `options_name`): Errc::mismatch names the first difference and the ranks.
+/// Collective.
+template <class T, class Comm>
+void check_same_parameters(Comm& comm, const std::vector<TensorView<T>>& values,
+                           const std::vector<TensorView<T>>& grads, const char* who,
+                           const char* options_name, std::array<std::uint64_t, 5> options) {
   std::vector<std::uint64_t> sig{grads.size(), static_cast<std::uint64_t>(dtype_of<T>)};
+  sig.insert(sig.end(), options.begin(), options.end());
   for (std::size_t i = 0; i < grads.size(); ++i) {
     if (grads[i].size != values[i].size)
       fail(Errc::invalid_argument, "rank ", comm.rank(), ": ", who, ": parameter ", i, " has ",
            values[i].size, " values but ", grads[i].size, " gradients");
-    const auto usable = [](const Device& d) {
-      return Backend::supports(d) ||
-             (d.is_cuda() && DDP_HAS_CUDA && Backend::supports(Device::cpu()));
-    };
-    if (!usable(grads[i].device) || !usable(values[i].device))
-      fail(Errc::invalid_argument, "rank ", comm.rank(), ": ", who, ": parameter ", i, " lives on ",
-           to_string(grads[i].device), ", which this backend cannot use");
     sig.push_back(grads[i].size);
   }
+  static constexpr const char* names[] = {"bucket_bytes", "first_bucket_bytes", "in_place_bytes",
+                                          "broadcast_parameters", "compression"};
   const auto all = comm.all_gather_object(sig);
   for (std::size_t r = 1; r < all.size(); ++r) {
-    const auto& a = all[0];
-    const auto& b = all[r];
-    if (a == b) continue;
-    if (a[0] != b[0])
-      fail(Errc::mismatch, "rank ", comm.rank(), ": ", who, ": rank 0 has ", a[0],
-           " parameters but rank ", r, " has ", b[0], "; every rank must build the same model");
+    const auto &a = all[0], &b = all[r];
+    const auto differ = [&](const auto&... what) {
+      fail(Errc::mismatch, "rank ", comm.rank(), ": ", who, ": ", what..., " on rank ", r,
+           "; every rank must build the same model and give the same ", options_name);
+    };
+    if (a[0] != b[0]) differ("rank 0 has ", a[0], " parameters but ", b[0]);
     if (a[1] != b[1])
-      fail(Errc::mismatch, "rank ", comm.rank(), ": ", who, ": the gradients are ",
-           to_string(static_cast<DType>(a[1])), " on rank 0 but ",
-           to_string(static_cast<DType>(b[1])), " on rank ", r);
-    for (std::size_t i = 2; i < a.size(); ++i) {
-      if (a[i] != b[i])
-        fail(Errc::mismatch, "rank ", comm.rank(), ": ", who, ": parameter ", i - 2, " has ", a[i],
-             " elements on rank 0 but ", b[i], " on rank ", r,
-             "; every rank must build the same model");
-    }
+      differ("the gradients are ", to_string(static_cast<DType>(a[1])), " on rank 0 but ",
+             to_string(static_cast<DType>(b[1])));
+    for (std::size_t k = 7; k < a.size(); ++k)
+      if (a[k] != b[k])
+        differ("parameter ", k - 7, " has ", a[k], " elements on rank 0 but ", b[k]);
+    for (std::size_t k = 2; k < 7; ++k)
+      if (a[k] != b[k])
+        differ(options_name, "::", names[k - 2], " is ", a[k], " on rank 0 but ", b[k]);
   }
 }
 
-/// What GradientAverager forwards to: the averager for one element type.
-class AveragerBase {
+#if !DDP_HAS_CUDA  // host memory only: the copies of ddp/cuda.hpp without their CUDA half
+inline void copy_bytes(void* dst, const void* src, std::size_t n, bool, void*) {
+  if (n != 0) std::memcpy(dst, src, n);
+}
+inline void zero_bytes(void* dst, std::size_t n, bool, void*) {
+  if (n != 0) std::memset(dst, 0, n);
+}
+inline void sync_stream(bool, void*) {}
+inline void join_streams(bool, void*, void*) {}
+#endif
+
+}  // namespace detail
+
+DDP_END_NAMESPACE
+// end ddp/training/parameters.hpp
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// How GradientAverager's gradients travel (BucketOptions::compression).
+enum class Compression {
+  none,     ///< as they are
+  float16,  ///< float32 gradients sent as float16 (half the bytes; ~3 decimal digits)
+  bfloat16  ///< float32 gradients sent as bfloat16 (half the bytes; float32's range)
+};
+
+/// How the averagers bucket and synchronize (torch DDP's constructor options). AveragerOptions
+/// and ShardedOptions are this type; ShardedAverager refuses compression.
+struct BucketOptions {
+  /// Largest bucket, in bytes of gradient (torch's bucket_cap_mb = 25).
+  std::size_t bucket_bytes = std::size_t{25} << 20;
+  /// The first bucket (the last parameters), small so that communication starts early.
+  std::size_t first_bucket_bytes = std::size_t{1} << 20;
+  /// GradientAverager: how float32 gradients travel (the built-in fp16/bf16 compression hooks;
+  /// the averages are rounded to that type). register_comm_hook replaces it.
+  Compression compression = Compression::none;
+  /// A gradient of this many bytes or more is communicated in place, as a bucket of its own.
+  std::size_t in_place_bytes = std::size_t{256} << 10;
+  /// Copy rank 0's parameter values to every rank at construction (torch does).
+  bool broadcast_parameters = true;
+  /// Models with buffers() (BatchNorm's statistics): copy rank 0's to every rank at construction
+  /// and after every synchronize() (torch DDP's broadcast_buffers).
+  bool broadcast_buffers = true;
+  /// Where the framework can say when a gradient is final (libtorch's autograd hooks), call
+  /// mark_ready from there, so buckets start during backward.
+  bool hooks = true;
+};
+/// GradientAverager's options.
+using AveragerOptions = BucketOptions;
+/// ShardedAverager's options (compression must be none).
+using ShardedOptions = BucketOptions;
+
+namespace detail {
+
+/// While it lives, the averager's mark_ready/synchronize/average do nothing (no_sync()).
+class AveragerNoSync {
  public:
-  AveragerBase() = default;
-  AveragerBase(const AveragerBase&) = delete;
-  AveragerBase& operator=(const AveragerBase&) = delete;
-  virtual ~AveragerBase() = default;
+  explicit AveragerNoSync(bool& flag) : flag_(&flag), previous_(std::exchange(flag, true)) {}
+  AveragerNoSync(AveragerNoSync&& o) noexcept
+      : flag_(std::exchange(o.flag_, nullptr)), previous_(o.previous_) {}
+  AveragerNoSync& operator=(AveragerNoSync&&) = delete;
+  ~AveragerNoSync() {
+    if (flag_ != nullptr) *flag_ = previous_;
+  }
+
+ private:
+  bool* flag_;
+  bool previous_;
+};
+
+/// What GradientAverager forwards to: the engine for one element type.
+class AveragerBase : public Joinable {
+ public:
   [[nodiscard]] virtual std::size_t size() const noexcept = 0;
   [[nodiscard]] virtual std::vector<std::vector<std::size_t>> buckets() const = 0;
   virtual void mark_ready(std::size_t i) = 0;
-  virtual void hook_ready(std::size_t i) = 0;
   virtual void mark_all_ready() = 0;
   virtual void synchronize() = 0;
   [[nodiscard]] virtual bool in_no_sync() const noexcept = 0;
   [[nodiscard]] virtual AveragerNoSync no_sync() = 0;
   [[nodiscard]] virtual bool found_nonfinite() = 0;
-  virtual void join_attach(bool on) = 0;
-  virtual void join_active(int active) = 0;
-  virtual void join_step(int active) = 0;
-  virtual void join_done(int last) = 0;
 };
 
-/// GradientAverager's work, for gradients of element type T (see the file comment).
+/// The engine (see the file comment) for gradients of element type T: GradientAverager's, or
+/// ShardedAverager's (`sharded`: P blocks per bucket, reduce_scatter_hook).
 template <class T, class M, class Backend>
-class TypedAverager final : public AveragerBase {
-  using Param = std::ranges::range_value_t<decltype(detail::model_parameters(std::declval<M&>()))>;
+class BucketEngine final : public AveragerBase {
+  using Param = param_of_t<M>;
+  using Comm = Communicator<Backend>;
+  using View = TensorView<T>;
 
  public:
-  TypedAverager(Communicator<Backend>& comm, M& model, AveragerOptions options)
-      : comm_(&comm), model_(&model), o_(options) {
-    if constexpr (!std::is_same_v<T, float>) {
-      if (o_.compression != Compression::none)
-        detail::fail(Errc::invalid_argument, "rank ", comm.rank(),
-                     ": GradientAverager: compression applies to float32 gradients; these are ",
-                     to_string(dtype_of<T>));
+  BucketEngine(Comm& comm, M& model, const BucketOptions& o, bool sharded)
+      : comm_(&comm), model_(&model), o_(o), sharded_(sharded) {
+    who_ = sharded ? "ShardedAverager" : "GradientAverager";
+    if (o_.bucket_bytes == 0 || o_.first_bucket_bytes == 0) fail("bucket sizes must be positive");
+    if (o_.compression != Compression::none && (sharded || !std::is_same_v<T, float>))
+      fail("compression applies to GradientAverager's float32 gradients (these are ",
+           to_string(dtype_of<T>), sharded ? ", sharded" : "", "); use Compression::none");
+    for (auto&& p : model_parameters(model)) {
+      ensure_grad(p);
+      values_.push_back(typed_view<T>(param_value(p), comm.rank(), size(), "value", who_));
+      grads_.push_back(typed_view<T>(param_grad(p), comm.rank(), size(), "gradient", who_));
     }
-    if (o_.bucket_bytes == 0 || o_.first_bucket_bytes == 0)
-      detail::fail(Errc::invalid_argument, "rank ", comm.rank(),
-                   ": GradientAverager: bucket sizes must be positive");
-    for (auto&& p : detail::model_parameters(model)) {
-      const std::size_t i = grads_.size();
-      detail::ensure_grad(p);
-      values_.push_back(typed_view<T>(detail::param_value(p), comm.rank(), i, "value"));
-      grads_.push_back(typed_view<T>(detail::param_grad(p), comm.rank(), i, "gradient"));
-    }
-    check_devices();
-    check_same_everywhere();
-    if (o_.broadcast_parameters) {
+    place();
+    check_same_parameters(*comm_, values_, grads_, who_,
+                          sharded ? "ShardedOptions" : "AveragerOptions",
+                          {o_.bucket_bytes, o_.first_bucket_bytes, o_.in_place_bytes,
+                           o_.broadcast_parameters, static_cast<std::uint64_t>(o_.compression)});
+    if (o_.broadcast_parameters)
       for (auto& v : values_) comm.broadcast(v, 0);
-    }
-    make_buckets();
-    ready_.assign(grads_.size(), false);
-    if constexpr (detail::lazy_grad<Param>) {
-      lazy_.resize(grads_.size());
-      missing_.assign(grads_.size(), false);
-    }
-  }
-
-  TypedAverager(const TypedAverager&) = delete;
-  TypedAverager& operator=(const TypedAverager&) = delete;
-  ~TypedAverager() override {
-    for (auto& b : buckets_) {  // never leave a collective writing into freed buffers
-      if (b.work) {
-        try {
-          b.work->wait();
-        } catch (...) {
-        }
-      }
+    if (sharded) shards_ = static_cast<std::size_t>(comm.size()), owner_ = rank();
+    plan();
+    ready_.assign(size(), false);
+    if constexpr (lazy_grad<Param>) lazy_.resize(size()), missing_.assign(size(), false);
+    const DType wire = o_.compression == Compression::float16 ? DType::float16 : DType::bfloat16;
+    coalesce_ = !sharded && o_.compression == Compression::none;  // the default: all_reduce
+    hook_ = sharded     ? CommHook<Comm, T>(reduce_scatter_hook)
+            : coalesce_ ? CommHook<Comm, T>(allreduce_hook)
+                        : CommHook<Comm, T>(compress_hook(wire));
+    if constexpr (has_ready_hook<Param>) {
+      std::size_t i = 0;
+      for (auto&& p : model_parameters(model))
+        if (o_.hooks)
+          hooks_.push_back(parameter_traits<Param>::ready_hook(p, [this, k = i++] { ready(k); }));
     }
   }
+  BucketEngine(const BucketEngine&) = delete;
+  BucketEngine& operator=(const BucketEngine&) = delete;
+  ~BucketEngine() override {
+    hooks_.clear();  // no hook may call into a destroyed engine
+    abandon();       // nor a collective write into freed buckets
+  }
 
-  /// Number of parameters.
   [[nodiscard]] std::size_t size() const noexcept override { return grads_.size(); }
-  /// The parameter indices of each bucket, in launch order.
   [[nodiscard]] std::vector<std::vector<std::size_t>> buckets() const override {
-    std::vector<std::vector<std::size_t>> out;
-    for (const auto& b : buckets_) out.push_back(b.params);
+    std::vector<std::vector<std::size_t>> out(buckets_.size());
+    for (std::size_t k = 0; k < buckets_.size(); ++k)
+      for (const BucketPiece& p : buckets_[k].pieces) out[k].push_back(p.param);
     return out;
   }
 
-  /// Gradient i is final for this step: its bucket starts averaging once all of its gradients
-  /// (and every earlier bucket) are. Ignored inside no_sync().
   void mark_ready(std::size_t i) override {
-    if (!in_step_) begin_step();
-    if (i >= grads_.size())
-      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
-                   ": GradientAverager::mark_ready(", i, "): the model has ", grads_.size(),
-                   " parameters");
+    if (!in_step_) look_up_all(), in_step_ = true;
+    if (i >= size()) fail("mark_ready(", i, "): the model has ", size(), " parameters");
     if (no_sync_ || ready_[i]) return;
     ready_[i] = true;
-    Bucket& b = buckets_[bucket_of_[i]];
-    ++b.ready;
-    while (next_ < buckets_.size() && buckets_[next_].ready == buckets_[next_].params.size())
+    for (const std::size_t b : buckets_of_[i]) ++buckets_[b].ready;
+    while (next_ < buckets_.size() && buckets_[next_].ready == buckets_[next_].pieces.size())
       launch(next_++);
   }
-
-  /// Gradient i was accumulated by the framework's backward (its ready hook fired). A second
-  /// time in one step is a second backward before synchronize(), whose accumulation races the
-  /// averaging already under way in that gradient: refused, as torch's DDP does.
-  void hook_ready(std::size_t i) override {
-    if (!no_sync_ && i < ready_.size() && ready_[i])
-      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": GradientAverager: parameter ",
-                   i,
-                   "'s gradient was accumulated twice in one step (a second backward before "
-                   "synchronize()); call synchronize() after each backward, or run all but the "
-                   "last inside no_sync()");
-    mark_ready(i);
+  void mark_all_ready() override {
+    for (std::size_t i = size(); i-- > 0 && !no_sync_;) mark_ready(i);
   }
 
-  /// Waits for every bucket (starting those not started: gradients never marked count as zero)
-  /// and writes the averages into the gradients. Ignored inside no_sync().
   void synchronize() override {
     if (no_sync_) return;
-    if (!in_step_) begin_step();
+    if (!in_step_) look_up_all(), in_step_ = true;
     check_joined_step();
-    launch_rest();
-    for (auto& b : buckets_) {
-      if (!b.work) continue;  // part of a coalesced launch
-      Work w = std::move(*b.work);
-      b.work.reset();
-      w.wait();
-    }
-    for (auto& b : buckets_) {
+    guarded([&] {
+      launch_rest();
+      wait_all();
+    });
+    for (Bucket& b : buckets_) {
       if (join_) divide(b);
-      unpack(b);
-      b.ready = 0;
+      if (!b.in_place)
+        transfer(b, grads_, owner_ * b.block, (owner_ + 1) * b.block, false);
+      else if (cuda_)
+        sync_stream(true, grads_[b.pieces[0].param].stream);
     }
-    next_ = 0;
-    in_step_ = false;
-    stepped_ = false;
-    std::fill(ready_.begin(), ready_.end(), false);
-  }
-
-  /// Every gradient is final: mark_ready for all, last first.
-  void mark_all_ready() override {
-    if (no_sync_) return;
-    for (std::size_t i = grads_.size(); i-- > 0;) mark_ready(i);
+    settle();
+    abandon();  // the step is over
+    synced_ = true;
   }
 
   [[nodiscard]] bool in_no_sync() const noexcept override { return no_sync_; }
-
   [[nodiscard]] AveragerNoSync no_sync() override {
-    if (next_ != 0)
-      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
-                   ": GradientAverager::no_sync(): buckets of this step were already started; "
-                   "enter no_sync before the backward pass");
+    if (started()) fail("no_sync(): buckets of this step were already started; enter it earlier");
     return AveragerNoSync(no_sync_);
   }
+  /// Whether buckets of the current step were started.
+  [[nodiscard]] bool started() const noexcept { return in_step_ && next_ != 0; }
+  /// Whether synchronize() has completed since the last gather_values().
+  [[nodiscard]] bool synced() const noexcept { return synced_; }
 
-  /// Whether any rank's gradients hold an inf or a NaN (after synchronize(): every rank holds the
-  /// same averages, so every rank also gets the same answer). Collective.
+  /// Whether any rank's results (ShardedAverager: shard) hold an inf or a NaN. Collective.
   [[nodiscard]] bool found_nonfinite() override {
     std::vector<std::int32_t> flag{0};
-    std::vector<T> copy;  // CUDA gradients are checked in a host copy
-    for (const auto& g : grads_) {
-      const T* data = g.data;
-      if (cuda_) {
-        copy.resize(g.size);
-        detail::copy_bytes(copy.data(), g.data, g.size * sizeof(T), true, g.stream);
-        detail::sync_stream(true, g.stream);
-        data = copy.data();
-      }
-      for (std::size_t k = 0; k < g.size && flag[0] == 0; ++k) {
-        if constexpr (std::is_same_v<T, double>) {
-          if (!std::isfinite(data[k])) flag[0] = 1;
-        } else if (!std::isfinite(static_cast<float>(data[k]))) {
-          flag[0] = 1;
-        }
-      }
-    }
+    for_each_result([&](const T* g, std::size_t n) {
+      for (std::size_t k = 0; k < n && flag[0] == 0; ++k)
+        flag[0] = !std::isfinite(static_cast<double>(static_cast<typename Accum<T>::type>(g[k])));
+    });
     comm_->all_reduce_host(std::span<std::int32_t>(flag), ReduceOp::max);
     return flag[0] != 0;
   }
 
+  /// What is done to each full bucket from now on (between steps).
+  void set_hook(CommHook<Comm, T> h) {
+    if (!h) fail("register_comm_hook: the hook is empty");
+    if (started())
+      fail(
+          "register_comm_hook: buckets of this step were already started; register it between "
+          "steps");
+    hook_ = std::move(h);
+    coalesce_ = false;
+  }
+
+  void join_attach(bool on) override {
+    if (on && cuda_)
+      fail_as(Errc::unsupported,
+              "ddp::Join: gradients in CUDA memory cannot join yet (host "
+              "gradients on backend::Host and backend::Mpi can)");
+    if (next_ != 0)
+      fail("ddp::Join: buckets of this step were already started; make the Join between steps");
+    join_ = on;
+    stepped_ = false;
+  }
+  void join_active(int active) override { active_ = active, stepped_ = true; }
+  // A finished rank shadows a step: each bucket's hook, in order, on zeros.
+  void join_step(int) override {
+    guarded([&] {
+      for (std::size_t k = 0; k < buckets_.size(); ++k) {
+        shadow_.assign(buckets_[k].elements, T{});
+        run_hook(k, View{shadow_.data(), shadow_.size(), Device::cpu(), nullptr}, true);
+        wait_all();
+      }
+    });
+  }
+  // Every rank has finished: the parameters of the rank that trained longest, everywhere.
+  void join_done(int last) override {
+    look_up_all();
+    for (auto& v : values_) comm_->broadcast(v, last);
+  }
+
+  [[nodiscard]] const std::vector<View>& values() const noexcept { return values_; }
+  [[nodiscard]] const std::vector<View>& grads() const noexcept { return grads_; }
+  [[nodiscard]] bool cuda() const noexcept { return cuda_; }
+
+  /// f(param, offset, n) for each range of a parameter in this rank's block of a bucket.
+  template <class F>
+  void for_each_owned(F&& f) const {
+    for (const Bucket& b : buckets_)
+      overlap(b, owner_ * b.block, (owner_ + 1) * b.block,
+              [&](const BucketPiece& p, std::size_t at, std::size_t n) {
+                f(p.param, p.offset + (at - p.at), n);
+              });
+  }
+  /// f(data, n) over this rank's results in host memory (CUDA ones copied there).
+  template <class F>
+  void for_each_result(F&& f) {
+    std::vector<T> host;
+    for_each_owned([&](std::size_t i, std::size_t offset, std::size_t n) {
+      const T* data = grads_[i].data + offset;
+      if (cuda_) {
+        host.resize(n);
+        copy_bytes(host.data(), data, n * sizeof(T), true, grads_[i].stream);
+        sync_stream(true, grads_[i].stream);
+        data = host.data();
+      }
+      f(data, n);
+    });
+  }
+
+  /// Looks the buffers up again (the model may have reallocated them since the last step).
+  /// Gradients the framework has not made yet (lazy_grad) are looked up when their bucket starts.
+  void look_up_all() {
+    std::size_t i = 0;
+    for (auto&& p : model_parameters(*model_)) {
+      if constexpr (lazy_grad<Param>)
+        if (i < size()) lazy_[i] = p, missing_[i] = !parameter_traits<Param>::has_grad(p);
+      if (i < size()) look_up(i, p);
+      ++i;
+    }
+    if (i != size())
+      fail("the model now has ", i, " parameters; it had ", size(), " when the averager was made");
+  }
+
+  /// Sets every gradient the model has made (lazy_grad) to zero.
+  void zero_grads() {
+    look_up_all();
+    for (std::size_t i = 0; i < size(); ++i)
+      if (!lazy_grad<Param> || !missing_[i])
+        zero_bytes(grads_[i].data, grads_[i].bytes(), cuda_, grads_[i].stream);
+  }
+
+  /// ZeRO's second action: every rank's block of the values to every rank, one all_gather per
+  /// bucket, each copied out while the later ones run.
+  void gather_values() {
+    synced_ = false;
+    guarded([&] {
+      for (Bucket& b : buckets_) {
+        const std::size_t mine = owner_ * b.block;
+        View all = b.in_place ? values_[b.pieces[0].param].subview(0, b.elements) : b.flat;
+        if (!b.in_place) transfer(b, values_, mine, mine + b.block, true);
+        b.work.emplace(comm_->all_gather_async(all.subview(mine, b.block), all));
+      }
+      for (Bucket& b : buckets_) {
+        std::exchange(b.work, std::nullopt)->wait();
+        if (!b.in_place) transfer(b, values_, 0, b.elements, false);
+      }
+    });
+    settle();
+  }
+
  private:
   struct Bucket {
-    std::vector<std::size_t> params;  // parameter indices, in packing order
-    std::size_t elements = 0;
-    std::size_t ready = 0;
-    bool in_place = false;  // one gradient, averaged where it is
-    std::vector<T> flat;    // host bucket (compression converts as it communicates)
+    std::vector<BucketPiece> pieces;
+    std::size_t elements = 0;  // padded to a multiple of shards_
+    std::size_t block = 0;     // elements / shards_: what each rank owns
+    std::size_t ready = 0;     // pieces whose gradients are final
+    bool in_place = false;     // one piece, communicated where it is
+    std::vector<T> host;       // the buffer on the host
 #if DDP_HAS_CUDA
-    CudaBuffer<T> device;  // on a backend that moves CUDA memory: the bucket on the GPU
+    CudaBuffer<T> device;  // ... or on the GPU, for a backend that moves CUDA memory
 #endif
+    View flat;           // whichever of the two (in place: none)
+    GradBucket<T> grad;  // what the hook was given
     std::optional<Work> work;
   };
 
-  void check_devices() {
-    const Placement where =
-        place_parameters<Backend>(comm_->rank(), values_, grads_, "GradientAverager");
-    cuda_ = where.cuda;
-    device_ = where.device;
-    device_buckets_ = where.device_buckets;
-    if (device_buckets_ && o_.compression != Compression::none)
-      detail::fail(Errc::unsupported, "rank ", comm_->rank(),
-                   ": GradientAverager: compression of gradients on ", to_string(grads_[0].device),
-                   " with backend::", Backend::name,
-                   " is not available (ddp's headers carry no GPU kernels to convert them); use "
-                   "Compression::none, or compress with backend::Host, which converts on the host");
+  template <class... A>
+  [[noreturn]] void fail_as(Errc code, const A&... a) const {
+    detail::fail(code, "rank ", comm_->rank(), ": ", who_, ": ", a...);
+  }
+  template <class... A>
+  [[noreturn]] void fail(const A&... a) const {
+    fail_as(Errc::invalid_argument, a...);
+  }
+  [[nodiscard]] std::size_t rank() const { return static_cast<std::size_t>(comm_->rank()); }
+
+  // f(), and after a failure, nothing left in flight and the step forgotten.
+  template <class F>
+  void guarded(F&& f) {
+    try {
+      f();
+    } catch (...) {
+      abandon();
+      throw;
+    }
   }
 
-  // Looks the buffers up again (the model may have reallocated them since the last step).
-  // Gradients the framework has not made yet (lazy_grad) are looked up when their bucket starts.
-  void begin_step() {
-    std::size_t i = 0;
-    for (auto&& p : detail::model_parameters(*model_)) {
-      if (i >= grads_.size()) {
-        ++i;
+  // Every value and gradient on one device (all on the host, or all on one CUDA device). A
+  // backend that moves CUDA memory gets buckets there; one that moves host memory gets host
+  // buckets, which CUDA gradients are copied into and out of.
+  void place() {
+    const Device first = grads_.empty() ? Device::cpu() : grads_[0].device;
+    for (std::size_t i = 0; i < size(); ++i)
+      for (const Device d : {values_[i].device, grads_[i].device})
+        if (d != first)
+          fail("parameter ", i, " is on ", to_string(d), " but parameter 0's gradient is on ",
+               to_string(first), "; every value and gradient must be on one device");
+    cuda_ = first.is_cuda();
+    device_ = first.index;
+    device_buckets_ = cuda_ && Backend::supports(first);
+    if (cuda_ && !DDP_HAS_CUDA)
+      fail("the parameters are on ", to_string(first),
+           " but ddp was built without CUDA (link the ddp::cuda target)");
+    if (!cuda_ && backend_traits<Backend>::device_only)
+      fail("the parameters are on ", to_string(first), " but backend::", Backend::name,
+           " moves CUDA memory only");
+    if (!device_buckets_ && !Backend::supports(Device::cpu()))
+      fail("the parameters live on ", to_string(first), ", which this backend cannot use");
+    if (device_buckets_ && o_.compression != Compression::none)
+      fail_as(Errc::unsupported, "compression of gradients on ", to_string(first),
+              " with backend::", Backend::name,
+              " is not available (no GPU kernels here to convert them); use Compression::none, "
+              "or compress with backend::Host, which converts on the host");
+  }
+
+  void plan() {
+    // In place where the backend moves the gradient's memory itself, or stages a whole one (a
+    // block of a CUDA gradient staged through the host needs a host bucket).
+    const bool in_place_ok = !sharded_ || !cuda_ || device_buckets_;
+    buckets_of_.assign(size(), {});
+    Bucket cur;
+    std::size_t bytes = 0;
+    const auto add = [&](std::size_t i, std::size_t offset, std::size_t n) {
+      buckets_of_[i].push_back(buckets_.size());
+      cur.pieces.push_back({i, offset, n, cur.elements});
+      cur.elements += n;
+      bytes += n * sizeof(T);
+    };
+    const auto close = [&] {
+      if (cur.pieces.empty()) return;
+      cur.elements = (cur.elements + shards_ - 1) / shards_ * shards_;
+      cur.block = cur.elements / shards_;
+      buckets_.push_back(std::exchange(cur, Bucket{}));
+      bytes = 0;
+    };
+    for (std::size_t i = size(); i-- > 0;) {
+      const std::size_t n = grads_[i].size, left = n % shards_;
+      if (n == 0) continue;  // nothing to communicate
+      if (in_place_ok && n * sizeof(T) >= o_.in_place_bytes && n >= shards_) {
+        close();
+        add(i, 0, n - left);
+        cur.in_place = true;
+        close();
+        if (left != 0) add(i, n - left, left);  // the leftover: in the next bucket
         continue;
       }
-      if constexpr (detail::lazy_grad<Param>) {
-        lazy_[i] = p;  // a handle: the same parameter
-        missing_[i] = !parameter_traits<Param>::has_grad(p);
-        if (missing_[i]) {
-          ++i;
-          continue;
-        }
-      }
-      look_up(i, p);
-      ++i;
+      const std::size_t cap = buckets_.empty() ? o_.first_bucket_bytes : o_.bucket_bytes;
+      if (!cur.pieces.empty() && bytes + n * sizeof(T) > cap) close();
+      add(i, 0, n);
     }
-    if (i != grads_.size())
-      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
-                   ": GradientAverager: the model now has ", i, " parameters; it had ",
-                   grads_.size(), " when the averager was created");
-    in_step_ = true;
+    close();
+    for (Bucket& b : buckets_) {
+      if (b.in_place) continue;
+#if DDP_HAS_CUDA
+      if (device_buckets_) {
+        b.device = CudaBuffer<T>(b.elements, device_,
+                                 static_cast<cudaStream_t>(grads_[b.pieces[0].param].stream));
+        b.flat = ddp::view(b.device);
+        continue;
+      }
+#endif
+      b.host.assign(b.elements, T{});
+      b.flat = View{b.host.data(), b.host.size(), Device::cpu(), nullptr};
+    }
   }
 
+  // Parameter i's buffers as the model has them now (not a gradient the framework has yet to
+  // make: see look_up_missing).
   template <class P>
   void look_up(std::size_t i, P& p) {
-    detail::ensure_grad(p);
-    const auto v = typed_view<T>(detail::param_value(p), comm_->rank(), i, "value");
-    const auto g = typed_view<T>(detail::param_grad(p), comm_->rank(), i, "gradient");
+    const View v = typed_view<T>(param_value(p), comm_->rank(), i, "value", who_);
+    View g = grads_[i];
+    if (!lazy_grad<Param> || !missing_[i]) {
+      ensure_grad(p);
+      g = typed_view<T>(param_grad(p), comm_->rank(), i, "gradient", who_);
+    }
     if (g.size != grads_[i].size || v.size != values_[i].size)
-      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": GradientAverager: parameter ",
-                   i, " now has ", v.size, " values and ", g.size, " gradients; it had ",
-                   values_[i].size, " and ", grads_[i].size,
-                   " when the averager was created (sizes must not change)");
+      fail("parameter ", i, " now has ", v.size, " values and ", g.size, " gradients; it had ",
+           values_[i].size, " and ", grads_[i].size,
+           " when the averager was created (sizes must not change)");
     values_[i] = v;
     grads_[i] = g;
   }
@@ -14519,348 +14773,270 @@ class TypedAverager final : public AveragerBase {
   // The gradients of bucket b, which starts now: those looked up lazily are made by now (or are
   // created as zeros: the parameter was unused this step).
   void look_up_missing(const Bucket& b) {
-    if constexpr (detail::lazy_grad<Param>) {
-      for (const std::size_t i : b.params) {
-        if (!missing_[i]) continue;
-        look_up(i, lazy_[i]);
-        missing_[i] = false;
-      }
+    if constexpr (lazy_grad<Param>) {
+      for (const BucketPiece& p : b.pieces)
+        if (missing_[p.param]) missing_[p.param] = false, look_up(p.param, lazy_[p.param]);
     }
   }
 
-  void check_same_everywhere() {
-    check_same_parameters(*comm_, values_, grads_, "GradientAverager");
-  }
-
-  void make_buckets() {
-    std::vector<std::size_t> bucket_of(grads_.size());
-    Bucket cur;
-    std::size_t bytes = 0;
-    const auto close = [&] {
-      if (cur.params.empty()) return;
-      buckets_.push_back(std::move(cur));
-      cur = Bucket{};
-      bytes = 0;
-    };
-    for (std::size_t i = grads_.size(); i-- > 0;) {
-      const std::size_t cap = buckets_.empty() ? o_.first_bucket_bytes : o_.bucket_bytes;
-      const std::size_t b = grads_[i].size * sizeof(T);
-      if (b >= o_.in_place_bytes) {
-        close();
-        bucket_of[i] = buckets_.size();
-        buckets_.push_back(Bucket{});
-        buckets_.back().params.push_back(i);
-        buckets_.back().elements = grads_[i].size;
-        buckets_.back().in_place = true;
-        continue;
-      }
-      if (!cur.params.empty() && bytes + b > cap) close();
-      bucket_of[i] = buckets_.size();
-      cur.params.push_back(i);
-      cur.elements += grads_[i].size;
-      bytes += b;
-    }
-    close();
-    bucket_of_ = std::move(bucket_of);
-    for (auto& b : buckets_) {
-      if (b.in_place) continue;
-#if DDP_HAS_CUDA
-      if (device_buckets_) {
-        b.device = CudaBuffer<T>(b.elements, device_,
-                                 static_cast<cudaStream_t>(grads_[b.params.front()].stream));
-        continue;
-      }
-#endif
-      b.flat.resize(b.elements);
-    }
-  }
-
-  // Host buckets: the gradients are copied in (from the device, for CUDA gradients) and out.
-  void pack(Bucket& b) {
-    std::size_t at = 0;
-    for (const std::size_t i : b.params) {
-      const auto& g = grads_[i];
-      T* dst = b.flat.data() + at;
-      if (!ready_[i]) {  // never marked: an unused parameter contributes zero
-        std::fill_n(dst, g.size, T{});
-      } else {
-        detail::copy_bytes(dst, g.data, g.size * sizeof(T), cuda_, g.stream);
-        if (cuda_) detail::sync_stream(true, g.stream);
-      }
-      at += g.size;
-    }
-  }
-
-  void unpack_from(const Bucket& b) {
-    std::size_t at = 0;
-    for (const std::size_t i : b.params) {
-      auto& g = grads_[i];
-      detail::copy_bytes(g.data, b.flat.data() + at, g.size * sizeof(T), cuda_, g.stream);
-      if (cuda_) detail::sync_stream(true, g.stream);  // the bucket is reused
-      at += g.size;
-    }
-  }
-
-#if DDP_HAS_CUDA
-  // Device buckets: packed and unpacked on the bucket's stream, which first waits for the
-  // gradients' streams.
-  void pack_device(Bucket& b) {
-    void* s = b.device.stream();
-    std::size_t at = 0;
-    for (const std::size_t i : b.params) {
-      const auto& g = grads_[i];
-      if (ready_[i]) {
-        detail::join_streams(true, s, g.stream);
-        detail::copy_bytes(b.device.data() + at, g.data, g.size * sizeof(T), true, s);
-      } else {
-        detail::zero_bytes(b.device.data() + at, g.size * sizeof(T), true, s);
-      }
-      at += g.size;
-    }
-  }
-
-  void unpack_device(Bucket& b) {
-    void* s = b.device.stream();
-    std::size_t at = 0;
-    for (const std::size_t i : b.params) {
-      detail::copy_bytes(grads_[i].data, b.device.data() + at, grads_[i].size * sizeof(T), true, s);
-      at += grads_[i].size;
-    }
-    detail::sync_stream(true, s);  // the gradients are final for every stream when this returns
-  }
-#endif
-
-  // The buckets not started yet. On a backend that moves CUDA memory they go as one coalesced
-  // operation (one NCCL group); elsewhere one after another.
-  void launch_rest() {
-#if DDP_HAS_CUDA
-    if (device_buckets_ && buckets_.size() - next_ > 1) {
-      std::vector<TensorView<T>> group;
-      for (; next_ < buckets_.size(); ++next_) {
-        Bucket& b = buckets_[next_];
-        look_up_missing(b);
-        if (b.in_place) {
-          auto& g = grads_[b.params.front()];
-          if (!ready_[b.params.front()])
-            detail::zero_bytes(g.data, g.size * sizeof(T), true, g.stream);
-          group.push_back(g);
-        } else {
-          pack_device(b);
-          group.push_back(ddp::view(b.device));
-        }
-      }
-      buckets_.back().work.emplace(comm_->all_reduce_coalesced_async(group, ReduceOp::avg));
-      return;
-    }
-#endif
-    while (next_ < buckets_.size()) launch(next_++);
-  }
-
-  void launch(std::size_t k) {
-    check_joined_step();
-    Bucket& b = buckets_[k];
-    look_up_missing(b);
-    if (b.in_place) {
-      const std::size_t i = b.params.front();
-      auto& g = grads_[i];
-      if (!ready_[i]) detail::zero_bytes(g.data, g.size * sizeof(T), cuda_, g.stream);  // unused
-      b.work.emplace(average_async(g));
-      return;
-    }
-#if DDP_HAS_CUDA
-    if (device_buckets_) {
-      pack_device(b);
-      b.work.emplace(comm_->all_reduce_async(b.device, ReduceOp::avg));
-      return;
-    }
-#endif
-    if constexpr (!backend_traits<Backend>::device_only) launch_host(b);
-  }
-
-  void launch_host(Bucket& b) {
-    pack(b);
-    b.work.emplace(average_async(b.flat));
-  }
-
-  // The asynchronous average of one bucket's buffer, compressed as the options say. In a Join,
-  // the sum (divided by the ranks that trained the step in synchronize()).
-  template <class Buffer>
-  Work average_async(Buffer& buf) {
-    const ReduceOp op = join_ ? ReduceOp::sum : ReduceOp::avg;
-    switch (o_.compression) {
-      case Compression::float16: return comm_->template all_reduce_as_async<half>(buf, op);
-      case Compression::bfloat16: return comm_->template all_reduce_as_async<bfloat16>(buf, op);
-      case Compression::none: break;
-    }
-    return comm_->all_reduce_async(buf, op);
-  }
-
-  // In a Join: the sums of bucket b become averages over the ranks that trained this step.
-  void divide(Bucket& b) {
-    const auto by = static_cast<typename detail::Accum<T>::type>(active_);
-    const auto apply = [&](T* d, std::size_t n) {
-      for (std::size_t k = 0; k < n; ++k)
-        d[k] = static_cast<T>(static_cast<typename detail::Accum<T>::type>(d[k]) / by);
-    };
-    if (b.in_place)
-      apply(grads_[b.params.front()].data, b.elements);
-    else
-      apply(b.flat.data(), b.elements);
+  // The framework's hook: gradient i was accumulated by backward. A second time in one step is
+  // a second backward before synchronize(), whose accumulation races the communication under
+  // way in that gradient: refused, as torch's DDP does.
+  void ready(std::size_t i) {
+    if (!no_sync_ && ready_[i])
+      fail("parameter ", i,
+           "'s gradient was accumulated twice in one step (a second backward before "
+           "synchronize()); call synchronize() after each backward, or run all but the last "
+           "inside no_sync()");
+    mark_ready(i);
   }
 
   void check_joined_step() {
     if (join_ && !stepped_)
-      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
-                   ": GradientAverager: inside a ddp::Join, call join.step() once per optimizer "
-                   "step, before its backward pass (the finished ranks count on it)");
+      fail(
+          "inside a ddp::Join, call join.step() once per optimizer step, before its backward "
+          "pass (the finished ranks count on it)");
   }
 
- public:
-  void join_attach(bool on) override {
-    if (on && (device_buckets_ || cuda_))
-      detail::fail(Errc::unsupported, "rank ", comm_->rank(),
-                   ": ddp::Join: GradientAverager with gradients in CUDA memory cannot join yet "
-                   "(host gradients on backend::Host and backend::Mpi can)");
-    if (next_ != 0)
-      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
-                   ": ddp::Join: buckets of this step were already started; make the Join "
-                   "between steps");
-    join_ = on;
-    stepped_ = false;
-  }
-  void join_active(int active) override {
-    active_ = active;
-    stepped_ = true;
-  }
-  // A finished rank shadows one step: each bucket's all_reduce, in order, with zeros.
-  void join_step(int) override {
-    if constexpr (!backend_traits<Backend>::device_only) {
-      for (const Bucket& b : buckets_) {
-        shadow_.assign(b.elements, T{});
-        average_async(shadow_).wait();
-      }
-    } else {  // join_attach refused it already
-      detail::fail(Errc::unsupported, "rank ", comm_->rank(),
-                   ": ddp::Join: GradientAverager on a backend that moves CUDA memory only");
-    }
-  }
-  // Every rank has finished: the parameters of the rank that trained longest, everywhere (the
-  // others stopped updating theirs when their inputs ran out).
-  void join_done(int last) override {
-    std::size_t i = 0;
-    for (auto&& p : detail::model_parameters(*model_)) {
-      auto v = typed_view<T>(detail::param_value(p), comm_->rank(), i++, "value");
-      comm_->broadcast(v, last);
-    }
-  }
-
- private:
-  void unpack(Bucket& b) {
+  // Bucket b ready to go: its gradients packed into its buffer (an in-place gradient never
+  // marked set to zero). Returns the buffer.
+  View prepare(Bucket& b) {
+    look_up_missing(b);
     if (b.in_place) {
-      if (cuda_) detail::sync_stream(true, grads_[b.params.front()].stream);
-      return;
+      const BucketPiece& p = b.pieces[0];
+      const View g = grads_[p.param].subview(0, p.size);
+      if (!ready_[p.param]) zero_bytes(g.data, g.bytes(), cuda_, g.stream);  // unused
+      return g;
     }
-#if DDP_HAS_CUDA
-    if (device_buckets_) {
-      unpack_device(b);
-      return;
+    std::size_t end = 0;
+    for (const BucketPiece& p : b.pieces) {
+      const View& g = grads_[p.param];
+      if (ready_[p.param])
+        copy(b, b.flat.data + p.at, g.data + p.offset, p.size, g.stream);
+      else
+        zero_bytes(b.flat.data + p.at, p.size * sizeof(T), device_buckets_, b.flat.stream);
+      end = p.at + p.size;
     }
-#endif
-    if constexpr (!backend_traits<Backend>::device_only) unpack_from(b);
+    zero_bytes(b.flat.data + end, (b.elements - end) * sizeof(T), device_buckets_, b.flat.stream);
+    return b.flat;
   }
 
-  Communicator<Backend>* comm_;
+  void launch(std::size_t k) {
+    check_joined_step();
+    if (!failure_) run_hook(k, prepare(buckets_[k]), false);
+  }
+
+  // The buckets not started yet. With the default all_reduce on a backend that moves CUDA
+  // memory they go as one coalesced operation (one NCCL group); else one after another.
+  void launch_rest() {
+    if (coalesce_ && device_buckets_ && buckets_.size() - next_ > 1) {
+      std::vector<View> group;
+      for (; next_ < buckets_.size(); ++next_) group.push_back(prepare(buckets_[next_]));
+      buckets_.back().work.emplace(comm_->all_reduce_coalesced_async(group, ReduceOp::avg));
+    }
+    while (next_ < buckets_.size()) launch(next_++);
+  }
+
+  // Bucket k's hook on `buffer`. A failure is kept for synchronize(), and no later bucket starts.
+  void run_hook(std::size_t k, View buf, bool shadow) {
+    Bucket& b = buckets_[k];
+    const bool last = k + 1 == buckets_.size();
+    const ReduceOp op = join_ ? ReduceOp::sum : ReduceOp::avg;
+    b.grad = {k, last, buf, buf.subview(owner_ * b.block, b.block), op, shadow, b.pieces};
+    try {
+      b.work.emplace(hook_(*comm_, b.grad));
+    } catch (...) {
+      failure_ = hook_error(k);
+    }
+  }
+
+  // The exception in flight, out of bucket k's hook, as the ddp::Error that names the bucket (a
+  // ddp::Error keeps its code; anything else is the hook's own fault: Errc::invalid_argument).
+  std::exception_ptr hook_error(std::size_t k) {
+    Errc code = Errc::invalid_argument;
+    std::string what = "an exception that is not a std::exception", params;
+    const char* hint = "; a hook returns the Work of the collectives it started, on every rank";
+    try {
+      throw;
+    } catch (const Error& e) {
+      code = e.code(), what = e.what(), hint = "";
+    } catch (const std::exception& e) {
+      what = e.what();
+    } catch (...) {
+    }
+    for (const BucketPiece& p : buckets_[k].pieces)
+      params += (params.empty() ? "" : ", ") + std::to_string(p.param);
+    return std::make_exception_ptr(
+        Error(code, concat("rank ", rank(), ": ", who_, ": the comm hook failed on bucket ", k,
+                           " (parameters ", params, "): ", what, "; the step was dropped", hint)));
+  }
+
+  // Waits for every bucket's work, in order; then throws a hook's failure (a collective's own
+  // ddp::Error passes as it is).
+  void wait_all() {
+    for (std::size_t k = 0; k < buckets_.size(); ++k) {
+      try {
+        if (buckets_[k].work) std::exchange(buckets_[k].work, std::nullopt)->wait();
+      } catch (const Error&) {
+        throw;
+      } catch (...) {
+        if (!failure_) failure_ = hook_error(k);
+      }
+    }
+    if (failure_) std::rethrow_exception(std::exchange(failure_, nullptr));
+  }
+
+  // The step is over, or failed: no work left in flight, nothing marked.
+  void abandon() noexcept {
+    for (Bucket& b : buckets_) {
+      try {
+        if (b.work) std::exchange(b.work, std::nullopt)->wait();
+      } catch (...) {
+      }
+      b.ready = 0;
+    }
+    next_ = 0;
+    in_step_ = stepped_ = synced_ = false;
+    failure_ = nullptr;
+    std::fill(ready_.begin(), ready_.end(), false);
+  }
+
+  // In a Join: the sums of bucket b become averages over the ranks that trained this step.
+  void divide(Bucket& b) {
+    using A = typename Accum<T>::type;
+    T* d = b.in_place ? grads_[b.pieces[0].param].data : b.flat.data;
+    for (std::size_t k = 0; k < b.elements; ++k)
+      d[k] = static_cast<T>(static_cast<A>(d[k]) / static_cast<A>(active_));
+  }
+
+  // f(piece, at, n) for the parts [at, at + n) of b's pieces that lie in [lo, hi).
+  template <class F>
+  static void overlap(const Bucket& b, std::size_t lo, std::size_t hi, F&& f) {
+    for (const BucketPiece& p : b.pieces) {
+      const std::size_t from = std::max(lo, p.at), to = std::min(hi, p.at + p.size);
+      if (from < to) f(p, from, to - from);
+    }
+  }
+
+  // Elements [lo, hi) of bucket b copied from the parameters' `views` into it (`in`) or back.
+  void transfer(Bucket& b, const std::vector<View>& views, std::size_t lo, std::size_t hi,
+                bool in) {
+    overlap(b, lo, hi, [&](const BucketPiece& p, std::size_t at, std::size_t n) {
+      T* param = views[p.param].data + p.offset + (at - p.at);
+      copy(b, in ? b.flat.data + at : param, in ? param : b.flat.data + at, n,
+           views[p.param].stream);
+    });
+  }
+
+  // Copies n elements between a parameter and bucket b: on a device bucket's stream after the
+  // parameter's; else on the parameter's stream, waited for here.
+  void copy(const Bucket& b, T* dst, const T* src, std::size_t n, void* param_stream) {
+    if (device_buckets_) join_streams(true, b.flat.stream, param_stream);
+    copy_bytes(dst, src, n * sizeof(T), cuda_, device_buckets_ ? b.flat.stream : param_stream);
+    if (cuda_ && !device_buckets_) sync_stream(true, param_stream);
+  }
+  // The copies out of device buckets are complete (the optimizer or forward pass may read them).
+  void settle() {
+    for (const Bucket& b : buckets_)
+      if (device_buckets_ && !b.in_place) sync_stream(true, b.flat.stream);
+  }
+
+  Comm* comm_;
   M* model_;
-  AveragerOptions o_;
-  std::vector<TensorView<T>> values_, grads_;
+  BucketOptions o_;
+  bool sharded_;
+  const char* who_;
+  std::vector<View> values_, grads_;
   std::vector<Bucket> buckets_;
-  std::vector<std::size_t> bucket_of_;
+  std::vector<std::vector<std::size_t>> buckets_of_;  // the buckets holding each parameter
   std::vector<bool> ready_;
-  // lazy_grad parameters: their handles for this step, and whose gradients are not looked up yet.
-  std::vector<Param> lazy_;
-  std::vector<bool> missing_;
-  bool cuda_ = false;            // the parameters are on a CUDA device
-  int device_ = 0;               // ... this one
-  bool device_buckets_ = false;  // the backend moves CUDA memory: buckets live on the device
-  bool join_ = false;            // inside a ddp::Join: sums, divided by active_
-  bool stepped_ = false;         // join.step() was called for the current step
-  int active_ = 0;               // ranks that train the current step (join.step())
-  std::vector<T> shadow_;        // zeros a finished rank contributes
-  std::size_t next_ = 0;         // the next bucket to launch
-  bool no_sync_ = false;
-  bool in_step_ = false;  // buffers looked up for the current step
+  std::vector<Param> lazy_;    // lazy_grad: the parameters' handles for this step, and
+  std::vector<bool> missing_;  // whose gradients are not looked up yet
+  std::vector<std::shared_ptr<void>> hooks_;  // the framework's ready hooks
+  CommHook<Comm, T> hook_;                    // what is done to a full bucket
+  std::exception_ptr failure_;                // a hook's, kept for synchronize()
+  std::vector<T> shadow_;                     // the zeros a finished rank contributes
+  std::size_t shards_ = 1, owner_ = 0;        // blocks per bucket; this rank's
+  std::size_t next_ = 0;                      // the next bucket to launch
+  int device_ = 0, active_ = 0;  // the parameters' CUDA device; ranks training this step (Join)
+  bool cuda_ = false, device_buckets_ = false;  // the parameters on a GPU; the buckets too
+  bool coalesce_ = false;                // the default all_reduce: the last buckets may go as one
+  bool join_ = false, stepped_ = false;  // in a ddp::Join; join.step() called for this step
+  bool no_sync_ = false, in_step_ = false;  // in no_sync(); buffers looked up for this step
+  bool synced_ = false;                     // synchronize() ran since the last gather_values()
 };
 
 }  // namespace detail
 
-/// What DistributedDataParallel does to gradients (see the file comment), for a Model whose
-/// gradients are typed at compile time or at run time (a framework's tensors: the element type
-/// is read from the first gradient when the averager is made).
-template <Model M, class Backend>
-class GradientAverager : public Joinable {
-  using Param = std::ranges::range_value_t<decltype(detail::model_parameters(std::declval<M&>()))>;
-  template <class T>
-  using Typed = detail::TypedAverager<T, M, Backend>;
+DDP_END_NAMESPACE
+// end ddp/training/buckets.hpp
+// #include "ddp/training/comm_hooks.hpp" (already included above)
+// #include "ddp/training/join.hpp" (already included above)
+// #include "ddp/training/parameters.hpp" (already included above)
+
+#include <cstddef>
+#include <memory>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+namespace detail {
+
+/// What GradientAverager and ShardedAverager both offer, over their bucket engine.
+template <class M, class Backend>
+class Averager {
+  using Comm = Communicator<Backend>;
 
  public:
   /// The guard no_sync() returns: restores the previous mode when it is destroyed.
-  using NoSync = detail::AveragerNoSync;
-
-  /// Averages `model`'s gradients over `comm` (both must outlive the averager); copies rank 0's
-  /// parameters (and buffers) to every rank unless `options` says not to. Collective.
-  GradientAverager(Communicator<Backend>& comm, M& model, AveragerOptions options = {})
-      : comm_(&comm), model_(&model), o_(options) {
-    if constexpr (detail::dynamic_parameter<Param>) {
-      switch (first_dtype()) {
-        case DType::float64: impl_ = std::make_unique<Typed<double>>(comm, model, options); break;
-        case DType::float16: impl_ = std::make_unique<Typed<half>>(comm, model, options); break;
-        case DType::bfloat16:
-          impl_ = std::make_unique<Typed<bfloat16>>(comm, model, options);
-          break;
-        default: impl_ = std::make_unique<Typed<float>>(comm, model, options); break;
-      }
-    } else {
-      impl_ =
-          std::make_unique<Typed<tensor_value_t<detail::grad_of_t<Param>>>>(comm, model, options);
-    }
-    if constexpr (detail::has_buffers<M>) {
-      if (o_.broadcast_parameters || o_.broadcast_buffers) broadcast_buffers();
-    }
-    if constexpr (detail::has_ready_hook<Param>) {
-      if (!o_.hooks) return;
-      std::size_t i = 0;
-      for (auto&& p : detail::model_parameters(model)) {
-        hooks_.push_back(
-            parameter_traits<Param>::ready_hook(p, [this, i] { impl_->hook_ready(i); }));
-        ++i;
-      }
-    }
-  }
-
-  GradientAverager(const GradientAverager&) = delete;
-  GradientAverager& operator=(const GradientAverager&) = delete;
-  ~GradientAverager() { hooks_.clear(); }  // no hook may call into a destroyed averager
+  using NoSync = AveragerNoSync;
+  Averager(const Averager&) = delete;
+  Averager& operator=(const Averager&) = delete;
 
   /// Number of parameters.
   [[nodiscard]] std::size_t size() const noexcept { return impl_->size(); }
-  /// The parameter indices of each bucket, in launch order.
+  /// The parameter indices of each bucket, in launch order (ShardedAverager: a large parameter's
+  /// leftover elements appear again in a later bucket).
   [[nodiscard]] std::vector<std::vector<std::size_t>> buckets() const { return impl_->buckets(); }
 
-  /// Gradient i is final for this step: its bucket starts averaging once all of its gradients
-  /// (and every earlier bucket) are. Ignored inside no_sync(). Where the framework can say when
-  /// a gradient is final (libtorch: hooks on the gradients' accumulation, which the averager
-  /// sets up), it is called during backward by itself.
+  /// What is done to every full bucket from now on (torch's register_comm_hook): `hook(comm,
+  /// bucket)` leaves in bucket.output the reduction bucket.op of every rank's bucket.buffer and
+  /// returns the Work that finishes it; see ddp/training/comm_hooks.hpp for the contract, the
+  /// built-in hooks, errors and ddp::Join. It replaces AveragerOptions::compression. Every rank
+  /// registers the same hook, between steps. Gradients typed at run time: take `auto&`.
+  template <class F>
+  void register_comm_hook(F hook) {
+    typed([&](auto t) {
+      using T = decltype(t);
+      if constexpr (CommHookFor<F, Comm, T>)
+        static_cast<BucketEngine<T, M, Backend>&>(*impl_).set_hook(std::move(hook));
+      else if constexpr (!dynamic_parameter<param_of_t<M>>)
+        static_assert(CommHookFor<F, Comm, T>,
+                      "ddp: register_comm_hook: the hook must be callable as ddp::Work(ddp::"
+                      "Communicator<Backend>&, ddp::GradBucket<T>&), T the gradients' type");
+      else
+        fail(Errc::invalid_argument, "rank ", comm_->rank(),
+             ": register_comm_hook: the hook does not take GradBucket<", to_string(dtype_of<T>),
+             ">, the gradients' type; take it as `auto&`");
+    });
+  }
+
+  /// Gradient i is final for this step: its bucket starts once all of its gradients (and every
+  /// earlier bucket) are. Ignored inside no_sync(). Where the framework can say when a gradient
+  /// is final (libtorch: hooks on the gradients' accumulation, which the averager sets up), it
+  /// is called during backward by itself.
   void mark_ready(std::size_t i) { impl_->mark_ready(i); }
 
   /// Waits for every bucket (starting those not started: gradients never marked count as zero)
-  /// and writes the averages into the gradients; then, for a model with buffers, copies rank 0's
-  /// buffers to every rank (AveragerOptions::broadcast_buffers). Ignored inside no_sync().
+  /// and writes the averages into the gradients (ShardedAverager: this rank's shard of them);
+  /// then, for a model with buffers, copies rank 0's buffers to every rank
+  /// (broadcast_buffers). Ignored inside no_sync(). Safe with hooks on: it starts only the
+  /// buckets the hooks have not.
   void synchronize() {
-    const bool skipped = impl_->in_no_sync();
+    if (impl_->in_no_sync()) return;
     impl_->synchronize();
-    if constexpr (detail::has_buffers<M>) {
-      if (!skipped && o_.broadcast_buffers) broadcast_buffers();
-    }
+    if (o_.broadcast_buffers) broadcast_buffers(0);
   }
 
   /// Every gradient is final: mark_ready for all (last first) and synchronize().
@@ -14873,61 +15049,99 @@ class GradientAverager : public Joinable {
   /// several micro-batches accumulate locally; the next synchronize() after it averages them.
   [[nodiscard]] NoSync no_sync() { return impl_->no_sync(); }
 
-  /// Whether any rank's gradients hold an inf or a NaN (after synchronize(): every rank holds the
-  /// same averages, so every rank also gets the same answer). Collective.
+  /// Whether any rank's averaged gradients (ShardedAverager: shard) hold an inf or a NaN, after
+  /// synchronize(): the same answer on every rank (for dynamic loss scaling). Collective.
   [[nodiscard]] bool found_nonfinite() { return impl_->found_nonfinite(); }
 
-  /// Joinable (ddp::Join, uneven inputs): in a Join, gradients are summed and divided by the
-  /// number of ranks that trained the step; a finished rank shadows each bucket's all_reduce
-  /// with zeros and, for a model with buffers, their broadcast from rank 0; when every rank has
-  /// finished, every rank gets the parameters of the rank that trained longest.
-  void join_attach(bool on) override { impl_->join_attach(on); }
-  void join_active(int active) override { impl_->join_active(active); }
-  void join_step(int active) override {
-    impl_->join_step(active);
-    if constexpr (detail::has_buffers<M>) {
-      if (o_.broadcast_buffers) broadcast_buffers();
+ protected:
+  Averager(Comm& comm, M& model, const BucketOptions& o, DType dtype)
+      : comm_(&comm), model_(&model), o_(o), dtype_(dtype) {}
+  ~Averager() = default;
+
+  // The gradients' element type, when typed at compile time.
+  using Typed = typename model_element<M>::type;
+
+  // f(T{}) for the gradients' element type T.
+  template <class F>
+  void typed(F&& f) {
+    if constexpr (!dynamic_parameter<param_of_t<M>>) {
+      f(Typed{});
+    } else {
+      switch (dtype_) {
+        case DType::float64: return f(double{});
+        case DType::float16: return f(half{});
+        case DType::bfloat16: return f(bfloat16{});
+        default: return f(float{});
+      }
     }
   }
-  /// Every rank has finished: the parameters (and buffers) of `last`, the rank that trained
-  /// longest, are copied to every rank (torch's DDP join hook does the same).
-  void join_done(int last) override {
-    impl_->join_done(last);
-    if constexpr (detail::has_buffers<M>) {
-      for (auto&& b : model_->buffers()) comm_->broadcast(b, last);
+  void broadcast_buffers(int root) {
+    if constexpr (has_buffers<M>) {
+      for (auto&& b : model_->buffers()) comm_->broadcast(b, root);
     }
+  }
+
+  Comm* comm_;
+  M* model_;
+  BucketOptions o_;
+  DType dtype_;  // the gradients' element type
+  std::unique_ptr<AveragerBase> impl_;
+};
+
+}  // namespace detail
+
+/// What DistributedDataParallel does to gradients (see the file comment), for a Model whose
+/// gradients are typed at compile time or at run time (a framework's tensors: the element type
+/// is read from the first gradient when the averager is made).
+template <Model M, class Backend>
+class GradientAverager : public detail::Averager<M, Backend>, public Joinable {
+  using Base = detail::Averager<M, Backend>;
+
+ public:
+  /// Averages `model`'s gradients over `comm` (both must outlive the averager); copies rank 0's
+  /// parameters (and buffers) to every rank unless `options` says not to. Collective.
+  GradientAverager(Communicator<Backend>& comm, M& model, AveragerOptions options = {})
+      : Base(comm, model, options, first_dtype(comm, model)) {
+    this->typed([&](auto t) {
+      this->impl_ = std::make_unique<detail::BucketEngine<decltype(t), M, Backend>>(comm, model,
+                                                                                    options, false);
+    });
+    if (options.broadcast_parameters || options.broadcast_buffers) this->broadcast_buffers(0);
+  }
+
+  /// Joinable (ddp::Join, uneven inputs): in a Join, gradients are summed and divided by the
+  /// number of ranks that trained the step; a finished rank runs each bucket's comm hook on
+  /// zeros and, for a model with buffers, their broadcast from rank 0; when every rank has
+  /// finished, every rank gets the parameters (and buffers) of the rank that trained longest.
+  void join_attach(bool on) override { this->impl_->join_attach(on); }
+  void join_active(int active) override { this->impl_->join_active(active); }
+  void join_step(int active) override {
+    this->impl_->join_step(active);
+    if (this->o_.broadcast_buffers) this->broadcast_buffers(0);
+  }
+  void join_done(int last) override {
+    this->impl_->join_done(last);
+    this->broadcast_buffers(last);
   }
 
  private:
   // The element type of run-time-typed gradients: the first gradient's (a model without
   // parameters: float32).
-  DType first_dtype() {
-    for (auto&& p : detail::model_parameters(*model_)) {
-      detail::ensure_grad(p);
-      const DynamicView g = ddp::view(detail::param_grad(p));
-      if (g.problem != nullptr)
-        detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
-                     ": GradientAverager: parameter 0's gradient cannot be used: ", g.problem);
-      if (!is_valid(g.dtype) || !is_floating_point(g.dtype))
-        detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
-                     ": GradientAverager: parameter 0's gradient is ", to_string(g.dtype),
-                     "; gradients must be float32, float64, float16 or bfloat16");
-      return g.dtype;
+  static DType first_dtype(Communicator<Backend>& comm, M& model) {
+    if constexpr (detail::dynamic_parameter<detail::param_of_t<M>>) {
+      for (auto&& p : detail::model_parameters(model)) {
+        detail::ensure_grad(p);
+        const DynamicView g = ddp::view(detail::param_grad(p));
+        if (g.problem != nullptr || !is_valid(g.dtype) || !is_floating_point(g.dtype))
+          detail::fail(Errc::invalid_argument, "rank ", comm.rank(),
+                       ": GradientAverager: parameter 0's gradient is ",
+                       g.problem != nullptr ? g.problem : to_string(g.dtype),
+                       "; gradients must be float32, float64, float16 or bfloat16");
+        return g.dtype;
+      }
     }
     return DType::float32;
   }
-
-  void broadcast_buffers() {
-    if constexpr (detail::has_buffers<M>) {
-      for (auto&& b : model_->buffers()) comm_->broadcast(b, 0);
-    }
-  }
-
-  Communicator<Backend>* comm_;
-  M* model_;
-  AveragerOptions o_;
-  std::unique_ptr<detail::AveragerBase> impl_;
-  std::vector<std::shared_ptr<void>> hooks_;
 };
 
 /// `GradientAverager avg(comm, model)` deduces the model type and the backend.
@@ -15524,37 +15738,35 @@ DDP_END_NAMESPACE
 ///       zero.gather();                          // every rank gets every updated parameter
 ///     }
 ///
-///  * The gradients are cut into the same buckets as GradientAverager's (parameters in reverse
-///    order, a small first bucket, then up to 25 MiB), and each bucket is cut into P contiguous
-///    blocks of equal size (the bucket padded with zeros to a multiple of P). Rank r owns block r
-///    of every bucket: its shard is balanced to within one element per bucket.
-///  * A bucket whose gradients are all final starts its reduce_scatter at once, in the background,
-///    while backward goes on (the same overlap as the averager's all_reduce); rank r receives the
-///    averaged gradients of its blocks only (ZeRO-2). synchronize() waits and writes them into the
-///    gradients' owned ranges; outside the shard the gradients are unspecified afterwards.
-///  * shard() lists the owned ranges as ShardSlice: a parameter index, an offset, and views of
-///    those values and gradients. A slice has `value` and `grad`, so the shard is itself a Model:
-///    an optimizer written for a model (reading parameters through ddp::view(p.value) and
-///    ddp::view(p.grad)) runs unchanged on the shard, and keeps state (momentum, Adam's moments)
-///    for 1/P of the parameters (ZeRO-1).
-///  * gather() all-gathers the updated blocks, so every rank holds every parameter again.
+///  * The same bucket engine as GradientAverager's (ddp/training/buckets.hpp, the same options),
+///    with each bucket cut into P contiguous blocks of equal size (padded with zeros to a
+///    multiple of P); rank r owns block r of every bucket, so its shard is balanced to within one
+///    element per bucket. A large gradient (in_place_bytes and up) is communicated where it is:
+///    its first n - n % P elements; the n % P left over join the next small bucket.
+///  * A bucket whose gradients are all final starts its reduce_scatter (ddp::reduce_scatter_hook;
+///    register_comm_hook replaces it) in the background while backward goes on: rank r receives
+///    the averaged gradients of its blocks only (ZeRO-2). synchronize() waits and writes them
+///    into the gradients' owned ranges (the rest is unspecified afterwards).
+///  * shard() lists the owned ranges as ShardSlice: a parameter index, an offset, views of those
+///    values and gradients. A slice has `value` and `grad`, so the shard is itself a Model: an
+///    optimizer written for a model runs unchanged on it and keeps state (momentum, Adam's
+///    moments) for 1/P of the parameters (ZeRO-1). gather() all-gathers the updated blocks;
 ///    reduce_scatter + all_gather move the bytes of one all_reduce.
-///  * A large gradient (in_place_bytes and up) is a bucket of its own, communicated where it is
-///    (no copy): its first n - n % P elements; the n % P left over join the next small bucket.
-///  * Unused parameters (never marked) count as zero; no_sync() accumulates micro-batches; a
-///    model with buffers() gets rank 0's buffers after each synchronize(), like the averager.
-///  * Not a Joinable: a rank whose inputs ran out would have to go on updating its shard. With
-///    uneven inputs use GradientAverager in a ddp::Join, or give every rank the same step count.
+///  * Unused parameters count as zero; no_sync() accumulates micro-batches; buffers() are copied
+///    from rank 0 after each synchronize(). Not a Joinable: with uneven inputs use
+///    GradientAverager in a ddp::Join, or give every rank the same step count.
 ///
 /// Checkpoints: save(path, state) has every rank write its own file (its shard of the parameters,
 /// the shard's layout, and `state`: your optimizer's state for the shard, the step), all or none;
-/// load(path) puts every rank's shard back, gathers, and returns `state`. The shard depends on
-/// the world size and the options, so a set saved with others is refused (Errc::mismatch).
-/// With a framework whose backward adds into the gradients, zero_grad() the whole model after a
-/// step (TorchShard::step does): an optimizer on the shard zeroes only the shard's.
+/// load(path) puts every rank's shard back, gathers, and returns `state`. A set saved with
+/// another world size or other options is refused (Errc::mismatch). With a framework whose
+/// backward adds into the gradients, zero_grad() the whole model after a step (TorchShard::step
+/// does): an optimizer on the shard zeroes only the shard's.
 
 // #include "ddp/communicator.hpp" (already included above)
-// #include "ddp/config.hpp" (already included above)
+// #include "ddp/training/buckets.hpp" (already included above)
+// #include "ddp/training/gradient.hpp" (already included above)
+// #include "ddp/training/parameters.hpp" (already included above)
 // begin ddp/training/sharded_checkpoint.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -15572,6 +15784,7 @@ DDP_END_NAMESPACE
 
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/training/checkpoint.hpp" (already included above)
+// #include "ddp/training/parameters.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
@@ -15767,6 +15980,71 @@ std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::stri
   (void)sync_dir(parent_dir(stem));
   return id;
 }
+
+/// A shard's layout as ShardedAverager::save records it: the world size, then each slice's
+/// parameter, offset and size.
+template <class Slices>
+std::vector<std::uint64_t> shard_layout(int world, const Slices& slices) {
+  std::vector<std::uint64_t> out{static_cast<std::uint64_t>(world)};
+  for (const auto& sl : slices) out.insert(out.end(), {sl.param, sl.offset, sl.value.size});
+  return out;
+}
+
+/// ShardedAverager::save: the values of this rank's `slices` (ShardSlice; in CUDA memory when
+/// `cuda`) and their layout, with `state`, through save_shard_files. Collective.
+template <class Comm, class Slices>
+std::uint64_t save_shard(Comm& comm, const Checkpoint& state, const std::string& path,
+                         const Slices& slices, bool cuda) {
+  std::string values;
+  for (const auto& sl : slices) {
+    values.resize(values.size() + sl.value.bytes());
+    copy_bytes(values.data() + values.size() - sl.value.bytes(), sl.value.data, sl.value.bytes(),
+               cuda, sl.value.stream);
+    sync_stream(cuda, sl.value.stream);
+  }
+  const Checkpoint::Section extra[] = {{"ddp.values", values}};
+  return save_shard_files(comm, state, path, shard_layout(comm.size(), slices), extra);
+}
+
+/// ShardedAverager::load: checks that `ck` (this rank's file of `path`, loaded) holds parameter
+/// values in the layout of this rank's `slices`, then copies them back into the slices.
+/// Collective: a rank's problem fails every rank (Errc::mismatch), naming it.
+template <class Comm, class Slices>
+void restore_shard(Comm& comm, const Checkpoint& ck, const std::string& path, const Slices& slices,
+                   bool cuda) {
+  std::string problem;
+  std::size_t bytes = 0;
+  for (const auto& sl : slices) bytes += sl.value.bytes();
+  const std::string file = shard_path(path, comm.rank(), comm.size());
+  const std::vector<std::uint64_t> layout = shard_layout(comm.size(), slices);
+  const auto stamp = ck.get_object<std::vector<std::uint64_t>>("ddp.shard");
+  const std::vector<std::uint64_t> saved(stamp.begin() + 3, stamp.end());
+  if (saved.empty() || !ck.contains("ddp.values")) {
+    problem = concat(file,
+                     " holds no parameters (it was saved by save_sharded_checkpoint, not "
+                     "ShardedAverager::save)");
+  } else if (saved != layout) {
+    problem = concat(file, " holds a shard of ", (saved.size() - 1) / 3,
+                     " slices but this averager's has ", (layout.size() - 1) / 3,
+                     " (or the same count at other places): it was saved with other "
+                     "ShardedOptions or another model");
+  } else if (ck.get("ddp.values").size() != bytes) {
+    problem =
+        concat(file, " holds ", ck.get("ddp.values").size(), " bytes of parameters, not ", bytes);
+  }
+  const auto problems = comm.all_gather_object(problem);
+  for (std::size_t r = 0; r < problems.size(); ++r) {
+    if (!problems[r].empty())
+      fail(Errc::mismatch, "rank ", comm.rank(), ": ShardedAverager::load: rank ", r, ": ",
+           problems[r], "; resume with the model, world size and ShardedOptions that saved it");
+  }
+  const std::byte* values = ck.get("ddp.values").data();
+  for (const auto& sl : slices) {
+    copy_bytes(sl.value.data, values, sl.value.bytes(), cuda, sl.value.stream);
+    sync_stream(cuda, sl.value.stream);
+    values += sl.value.bytes();
+  }
+}
 }  // namespace detail
 
 /// Collective: every rank saves its own `ck` (its shard of the optimizer state) as a new
@@ -15889,24 +16167,14 @@ template <class Comm>
 
 DDP_END_NAMESPACE
 // end ddp/training/sharded_checkpoint.hpp
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/tensor.hpp" (already included above)
-// #include "ddp/training/gradient.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <functional>
-#include <memory>
 #include <optional>
 #include <span>
 #include <string>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -15922,45 +16190,13 @@ struct ShardSlice {
   TensorView<T> grad;      ///< Their averaged gradients (after synchronize()).
 };
 
-/// How a ShardedAverager buckets and synchronizes (the GradientAverager options that apply).
-struct ShardedOptions {
-  /// Largest bucket, in bytes of gradient (each rank owns 1/P of every bucket).
-  std::size_t bucket_bytes = std::size_t{25} << 20;
-  /// The first bucket (the last parameters), small so that communication starts early.
-  std::size_t first_bucket_bytes = std::size_t{1} << 20;
-  /// A gradient of at least this many bytes is reduce-scattered and all-gathered where it is,
-  /// as a bucket of its own, instead of being copied into a bucket.
-  std::size_t in_place_bytes = std::size_t{256} << 10;
-  /// Copy rank 0's parameter values to every rank at construction.
-  bool broadcast_parameters = true;
-  /// Models with buffers(): copy rank 0's buffers to every rank at construction and after every
-  /// synchronize().
-  bool broadcast_buffers = true;
-  /// Where the framework can say when a gradient is final (libtorch's autograd hooks), call
-  /// mark_ready from there.
-  bool hooks = true;
-};
-
-namespace detail {
-/// The element type a ShardedAverager of M uses by default: the gradients' type, or float32
-/// where it is known only at run time (then checked at construction).
-template <class M,
-          class P = std::ranges::range_value_t<decltype(model_parameters(std::declval<M&>()))>,
-          bool = dynamic_parameter<P>>
-struct model_element {
-  using type = tensor_value_t<grad_of_t<P>>;
-};
-template <class M, class P>
-struct model_element<M, P, true> {
-  using type = float;
-};
-}  // namespace detail
-
 /// Sharded optimizer state (see the file comment). T: the parameters' element type (deduced for
-/// typed parameters; give it for run-time-typed ones that are not float32).
+/// typed parameters; give it for run-time-typed ones that are not float32). mark_ready,
+/// synchronize, average, no_sync, found_nonfinite and register_comm_hook are GradientAverager's.
 template <Model M, class Backend, class T = typename detail::model_element<M>::type>
-class ShardedAverager {
-  using Param = std::ranges::range_value_t<decltype(detail::model_parameters(std::declval<M&>()))>;
+class ShardedAverager : public detail::Averager<M, Backend> {
+  using Base = detail::Averager<M, Backend>;
+  using Engine = detail::BucketEngine<T, M, Backend>;
   static_assert(detail::is_floating_scalar_v<T>,
                 "ShardedAverager: T must be float, double, ddp::half or ddp::bfloat16");
 
@@ -15969,163 +16205,59 @@ class ShardedAverager {
   using value_type = T;
   /// One owned range (see ShardSlice).
   using Slice = ShardSlice<T>;
-  /// The guard no_sync() returns: restores the previous mode when it is destroyed.
-  using NoSync = detail::AveragerNoSync;
 
   /// Shards `model`'s gradients and optimizer updates over `comm` (both must outlive it); copies
   /// rank 0's parameters (and buffers) to every rank unless `options` says not to. Collective.
   ShardedAverager(Communicator<Backend>& comm, M& model, ShardedOptions options = {})
-      : comm_(&comm), model_(&model), o_(options) {
-    if (o_.bucket_bytes == 0 || o_.first_bucket_bytes == 0) fail("bucket sizes must be positive");
-    for (auto&& p : detail::model_parameters(model)) {
-      const std::size_t i = grads_.size();
-      detail::ensure_grad(p);
-      values_.push_back(
-          detail::typed_view<T>(detail::param_value(p), comm.rank(), i, "value", who));
-      grads_.push_back(
-          detail::typed_view<T>(detail::param_grad(p), comm.rank(), i, "gradient", who));
-    }
-    const detail::Placement where =
-        detail::place_parameters<Backend>(comm.rank(), values_, grads_, who);
-    cuda_ = where.cuda;
-    device_ = where.device;
-    device_buckets_ = where.device_buckets;
-    detail::check_same_parameters(*comm_, values_, grads_, who);
-    check_same_options();
-    if (o_.broadcast_parameters) {
-      for (auto& v : values_) comm.broadcast(v, 0);
-    }
-    if constexpr (detail::has_buffers<M>) {
-      if (o_.broadcast_parameters || o_.broadcast_buffers) broadcast_buffers();
-    }
-    make_buckets();
-    make_shard();
-    ready_.assign(grads_.size(), false);
-    if constexpr (detail::has_ready_hook<Param>) {
-      if (!o_.hooks) return;
-      std::size_t i = 0;
-      for (auto&& p : detail::model_parameters(model)) {
-        hooks_.push_back(parameter_traits<Param>::ready_hook(p, [this, i] { hook_ready(i); }));
-        ++i;
-      }
-    }
-  }
-
-  ShardedAverager(const ShardedAverager&) = delete;
-  ShardedAverager& operator=(const ShardedAverager&) = delete;
-  ~ShardedAverager() {
-    hooks_.clear();             // no hook may call into a destroyed averager
-    for (auto& b : buckets_) {  // never leave a collective writing into freed buffers
-      if (!b.work) continue;
-      try {
-        b.work->wait();
-      } catch (...) {
-      }
-    }
-  }
-
-  /// Number of parameters.
-  [[nodiscard]] std::size_t size() const noexcept { return grads_.size(); }
-  /// The parameter indices of each bucket, in launch order (a large parameter's leftover
-  /// elements appear again in a later bucket).
-  [[nodiscard]] std::vector<std::vector<std::size_t>> buckets() const {
-    std::vector<std::vector<std::size_t>> out;
-    for (const auto& b : buckets_) {
-      out.emplace_back();
-      for (const Piece& p : b.pieces) out.back().push_back(p.param);
-    }
-    return out;
+      : Base(comm, model, options, dtype_of<T>) {
+    this->impl_ = std::make_unique<Engine>(comm, model, options, true);
+    if (options.broadcast_parameters || options.broadcast_buffers) this->broadcast_buffers(0);
+    engine().for_each_owned([&](std::size_t param, std::size_t offset, std::size_t n) {
+      slices_.push_back({param, offset, {nullptr, n, {}, nullptr}, {nullptr, n, {}, nullptr}});
+      shard_size_ += n;
+    });
+    std::sort(slices_.begin(), slices_.end(), [](const Slice& a, const Slice& b) {
+      return a.param != b.param ? a.param < b.param : a.offset < b.offset;
+    });
+    for (const auto& v : engine().values()) total_size_ += v.size;
   }
 
   /// This rank's shard: the ranges of parameters it updates, by parameter then offset. The
   /// views follow the model's buffers (looked up again at each step); a Model, for optimizers.
-  [[nodiscard]] std::span<Slice> shard() noexcept { return slices_; }
+  [[nodiscard]] std::span<Slice> shard() noexcept {
+    const auto &values = engine().values(), &grads = engine().grads();
+    for (Slice& s : slices_) {
+      const TensorView<T>&v = values[s.param], &g = grads[s.param];
+      s.value = {v.data + s.offset, s.value.size, v.device, v.stream};
+      s.grad = {g.data + s.offset, s.grad.size, g.device, g.stream};
+    }
+    return slices_;
+  }
   /// Elements in this rank's shard (the padding of buckets not counted).
   [[nodiscard]] std::size_t shard_size() const noexcept { return shard_size_; }
   /// Elements in all parameters.
   [[nodiscard]] std::size_t total_size() const noexcept { return total_size_; }
-
-  /// Gradient i is final for this step: its bucket starts its reduce_scatter once all of its
-  /// gradients (and every earlier bucket) are. Ignored inside no_sync().
-  void mark_ready(std::size_t i) {
-    if (!in_step_) begin_step();
-    if (i >= grads_.size())
-      fail("mark_ready(", i, "): the model has ", grads_.size(), " parameters");
-    if (no_sync_ || ready_[i]) return;
-    ready_[i] = true;
-    for (const std::size_t b : buckets_of_[i]) ++buckets_[b].ready;
-    while (next_ < buckets_.size() && buckets_[next_].ready == buckets_[next_].pieces.size())
-      launch(next_++);
-  }
-
-  /// Waits for every bucket's reduce_scatter (starting those not started: gradients never marked
-  /// count as zero) and writes the averaged gradients into this rank's shard; then, for a model
-  /// with buffers, copies rank 0's buffers to every rank. Ignored inside no_sync().
-  void synchronize() {
-    if (no_sync_) return;
-    if (!in_step_) begin_step();
-    try {
-      while (next_ < buckets_.size()) launch(next_++);
-      wait_all();
-    } catch (...) {
-      abandon();  // a later call starts afresh (and meets the communicator's error)
-      throw;
-    }
-    for (auto& b : buckets_) {
-      if (!b.in_place) unpack_shard(b);
-      b.ready = 0;
-    }
-    settle();
-    next_ = 0;
-    in_step_ = false;
-    synced_ = true;
-    std::fill(ready_.begin(), ready_.end(), false);
-    if constexpr (detail::has_buffers<M>) {
-      if (o_.broadcast_buffers) broadcast_buffers();
-    }
-  }
-
-  /// Every gradient is final: mark_ready for all (last first) and synchronize().
-  void average() {
-    if (no_sync_) return;
-    for (std::size_t i = grads_.size(); i-- > 0;) mark_ready(i);
-    synchronize();
-  }
 
   /// Every rank's shard, updated, to every rank: afterwards each rank holds every parameter.
   /// The bucket all_gathers run in the background while earlier ones are copied out. Refused
   /// unless synchronize() has run since the last gather() (the shard's gradients would not be
   /// averaged). Collective.
   void gather() {
-    if (in_step_ && next_ != 0)
+    if (engine().started())
       fail("gather(): this step's gradients are being reduced; call synchronize() first");
-    if (!synced_)
+    if (!engine().synced())
       fail(
-          "gather(): synchronize() has not run since the last gather(), so the shard's "
-          "gradients are not averaged; call synchronize() (or average()) before the update");
-    if (!in_step_) look_up();  // the parameters where they are now
-    gather_all();
-    synced_ = false;
+          "gather(): synchronize() has not run since the last gather(), so the shard's gradients "
+          "are not averaged; call synchronize() (or average()) before the update");
+    engine().look_up_all();  // the parameters where they are now
+    engine().gather_values();
   }
 
   /// Sets every gradient of the model to zero (gradients a framework has not made yet are left
   /// alone). For frameworks whose backward adds into the gradients (libtorch): after a step the
   /// shard's gradients hold averages and the rest hold what this rank sent, and an optimizer on
   /// the shard zeroes only its own; call this (TorchShard::step does) before the next backward.
-  void zero_grad() {
-    std::size_t i = 0;
-    for (auto&& p : detail::model_parameters(*model_)) {
-      if constexpr (detail::lazy_grad<Param>) {
-        if (!parameter_traits<Param>::has_grad(p)) {
-          ++i;
-          continue;
-        }
-      }
-      const auto g =
-          detail::typed_view<T>(detail::param_grad(p), comm_->rank(), i++, "gradient", who);
-      detail::zero_bytes(g.data, g.bytes(), g.device.is_cuda(), g.stream);
-    }
-  }
+  void zero_grad() { engine().zero_grads(); }
 
   /// Collective: saves this rank's part of a sharded checkpoint, next to the others': the
   /// parameter values of its shard, the shard's layout, and `state` (the optimizer's state for
@@ -16133,17 +16265,8 @@ class ShardedAverager {
   /// save_sharded_checkpoint (every rank's file, or none). No rank writes the whole model.
   /// Returns the save identifier.
   std::uint64_t save(const std::string& path, const Checkpoint& state = Checkpoint{}) {
-    if (!in_step_) look_up();
-    std::string values;
-    for (const Slice& sl : slices_) {
-      const std::size_t at = values.size();
-      values.resize(at + sl.value.bytes());
-      detail::copy_bytes(values.data() + at, sl.value.data, sl.value.bytes(), cuda_,
-                         sl.value.stream);
-      detail::sync_stream(cuda_, sl.value.stream);
-    }
-    const Checkpoint::Section extra[] = {{"ddp.values", values}};
-    return detail::save_shard_files(*comm_, state, path, layout(), extra);
+    engine().look_up_all();
+    return detail::save_shard(*this->comm_, state, path, shard(), engine().cuda());
   }
 
   /// Collective: loads what save() wrote: every rank's shard of the parameters goes back in place
@@ -16153,44 +16276,11 @@ class ShardedAverager {
   /// layout), or by save_sharded_checkpoint alone, fails on every rank with Errc::mismatch;
   /// damaged or mixed files fail as in load_sharded_checkpoint.
   [[nodiscard]] std::optional<Checkpoint> load(const std::string& path) {
-    std::optional<Checkpoint> ck = load_sharded_checkpoint(*comm_, path);
+    std::optional<Checkpoint> ck = load_sharded_checkpoint(*this->comm_, path);
     if (!ck) return std::nullopt;
-    if (!in_step_) look_up();
-    std::string problem;
-    const auto stamp = ck->get_object<std::vector<std::uint64_t>>("ddp.shard");
-    const std::vector<std::uint64_t> saved(stamp.begin() + 3, stamp.end()), mine = layout();
-    if (saved.empty() || !ck->contains("ddp.values")) {
-      problem = detail::concat(shard_path(path, comm_->rank(), comm_->size()),
-                               " holds no parameters (it was saved by save_sharded_checkpoint, "
-                               "not ShardedAverager::save)");
-    } else if (saved != mine) {
-      problem = detail::concat(shard_path(path, comm_->rank(), comm_->size()), " holds a shard of ",
-                               (saved.size() - 1) / 3, " slices but this averager's has ",
-                               (mine.size() - 1) / 3,
-                               " (or the same count at other places): it was saved with other "
-                               "ShardedOptions or another model");
-    } else if (ck->get("ddp.values").size() != shard_size_ * sizeof(T)) {
-      problem = detail::concat(shard_path(path, comm_->rank(), comm_->size()), " holds ",
-                               ck->get("ddp.values").size(), " bytes of parameters, not ",
-                               shard_size_ * sizeof(T));
-    }
-    const auto problems = comm_->all_gather_object(problem);
-    for (std::size_t r = 0; r < problems.size(); ++r) {
-      if (!problems[r].empty())
-        detail::fail(Errc::mismatch, "rank ", comm_->rank(), ": ShardedAverager::load: rank ", r,
-                     ": ", problems[r],
-                     "; resume with the model, world size and ShardedOptions "
-                     "that saved it");
-    }
-    const std::span<const std::byte> bytes = ck->get("ddp.values");
-    std::size_t at = 0;
-    for (const Slice& sl : slices_) {
-      detail::copy_bytes(sl.value.data, bytes.data() + at, sl.value.bytes(), cuda_,
-                         sl.value.stream);
-      detail::sync_stream(cuda_, sl.value.stream);
-      at += sl.value.bytes();
-    }
-    gather_all();
+    engine().look_up_all();
+    detail::restore_shard(*this->comm_, *ck, path, shard(), engine().cuda());
+    engine().gather_values();
     return ck;
   }
 
@@ -16198,33 +16288,10 @@ class ShardedAverager {
   /// only), then gather(). Ignored inside no_sync().
   template <class F>
   void step(F&& update) {
-    if (no_sync_) return;
-    average();
+    if (this->impl_->in_no_sync()) return;
+    this->average();
     std::forward<F>(update)(shard());
     gather();
-  }
-
-  /// While the returned guard lives, mark_ready/synchronize/average/step do nothing, so gradients
-  /// of several micro-batches accumulate locally.
-  [[nodiscard]] NoSync no_sync() {
-    if (next_ != 0)
-      fail(
-          "no_sync(): buckets of this step were already started; enter no_sync before the "
-          "backward pass");
-    return NoSync(no_sync_);
-  }
-
-  /// Whether any rank's shard of averaged gradients holds an inf or a NaN (after synchronize();
-  /// the same answer on every rank). Collective.
-  [[nodiscard]] bool found_nonfinite() {
-    std::vector<std::int32_t> flag{0};
-    for_each_owned_gradient([&](const T* g, std::size_t n) {
-      for (std::size_t k = 0; k < n && flag[0] == 0; ++k)
-        if (!std::isfinite(static_cast<double>(static_cast<typename detail::Accum<T>::type>(g[k]))))
-          flag[0] = 1;
-    });
-    comm_->all_reduce_host(std::span<std::int32_t>(flag), ReduceOp::max);
-    return flag[0] != 0;
   }
 
   /// The 2-norm of the whole averaged gradient (after synchronize()), from every rank's shard:
@@ -16232,378 +16299,25 @@ class ShardedAverager {
   /// max_norm / norm before the update). Collective.
   [[nodiscard]] double grad_norm() {
     std::vector<double> sum{0.0};
-    for_each_owned_gradient([&](const T* g, std::size_t n) {
-      for (std::size_t k = 0; k < n; ++k) {
-        const auto x = static_cast<double>(static_cast<typename detail::Accum<T>::type>(g[k]));
-        sum[0] += x * x;
-      }
+    engine().for_each_result([&](const T* g, std::size_t n) {
+      for (std::size_t k = 0; k < n; ++k)
+        sum[0] +=
+            std::pow(static_cast<double>(static_cast<typename detail::Accum<T>::type>(g[k])), 2);
     });
-    comm_->all_reduce_host(std::span<double>(sum), ReduceOp::sum);
+    this->comm_->all_reduce_host(std::span<double>(sum), ReduceOp::sum);
     return std::sqrt(sum[0]);
   }
 
  private:
-  static constexpr const char* who = "ShardedAverager";
-
-  struct Piece {
-    std::size_t param = 0;   // parameter index
-    std::size_t offset = 0;  // first element within the parameter
-    std::size_t size = 0;    // elements
-    std::size_t at = 0;      // position in the bucket
-  };
-  struct Bucket {
-    std::vector<Piece> pieces;
-    std::size_t elements = 0;  // padded to a multiple of P
-    std::size_t block = 0;     // elements / P: what each rank owns
-    std::size_t ready = 0;     // pieces whose gradients are final
-    bool in_place = false;     // one piece: communicated where it is
-    std::vector<T> host;       // the bucket, on the host
-#if DDP_HAS_CUDA
-    CudaBuffer<T> device;  // ... or on the GPU, for a backend that moves CUDA memory
-#endif
-    TensorView<T> flat;  // whichever of the two (in place: none)
-    std::optional<Work> work;
-  };
-
-  // Waits for every bucket's work, in order.
-  void wait_all() {
-    for (auto& b : buckets_) {
-      if (!b.work) continue;
-      Work w = std::move(*b.work);
-      b.work.reset();
-      w.wait();
-    }
-  }
-  // After a failure: no work left in flight, the step forgotten.
-  void abandon() noexcept {
-    for (auto& b : buckets_) {
-      if (b.work) {
-        try {
-          b.work->wait();
-        } catch (...) {
-        }
-        b.work.reset();
-      }
-      b.ready = 0;
-    }
-    next_ = 0;
-    in_step_ = false;
-    synced_ = false;
-    std::fill(ready_.begin(), ready_.end(), false);
-  }
-  void gather_all() {
-    try {
-      for (auto& b : buckets_) launch_gather(b);
-      for (auto& b : buckets_) {
-        Work w = std::move(*b.work);
-        b.work.reset();
-        w.wait();
-        if (!b.in_place) unpack_all(b);
-      }
-    } catch (...) {
-      abandon();
-      throw;
-    }
-    settle();
-  }
-  // The shard's layout, as save() records it: the world size, then (parameter, offset, size) of
-  // each slice.
-  [[nodiscard]] std::vector<std::uint64_t> layout() const {
-    std::vector<std::uint64_t> out{static_cast<std::uint64_t>(comm_->size())};
-    for (const Slice& sl : slices_) {
-      out.push_back(sl.param);
-      out.push_back(sl.offset);
-      out.push_back(sl.value.size);
-    }
-    return out;
-  }
+  Engine& engine() { return static_cast<Engine&>(*this->impl_); }
 
   template <class... A>
   [[noreturn]] void fail(const A&... a) const {
-    detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": ShardedAverager: ", a...);
+    detail::fail(Errc::invalid_argument, "rank ", this->comm_->rank(), ": ShardedAverager: ", a...);
   }
 
-  [[nodiscard]] std::size_t rank() const { return static_cast<std::size_t>(comm_->rank()); }
-
-  // The bucket options decide the shards, and broadcast_parameters whether construction
-  // broadcasts: every rank must give the same.
-  void check_same_options() {
-    const std::vector<std::uint64_t> mine{o_.bucket_bytes, o_.first_bucket_bytes, o_.in_place_bytes,
-                                          o_.broadcast_parameters ? 1u : 0u};
-    const auto all = comm_->all_gather_object(mine);
-    static constexpr const char* names[] = {"bucket_bytes", "first_bucket_bytes", "in_place_bytes",
-                                            "broadcast_parameters"};
-    for (std::size_t r = 1; r < all.size(); ++r)
-      for (std::size_t k = 0; k < mine.size(); ++k)
-        if (all[r][k] != all[0][k])
-          detail::fail(Errc::mismatch, "rank ", comm_->rank(),
-                       ": ShardedAverager: ShardedOptions::", names[k], " is ", all[0][k],
-                       " on rank 0 but ", all[r][k], " on rank ", r,
-                       "; every rank must give the same ShardedOptions");
-  }
-
-  void make_buckets() {
-    const auto world = static_cast<std::size_t>(comm_->size());
-    // In place on a backend that moves the parameters' memory itself (staging a CUDA parameter
-    // through the host needs a host bucket anyway).
-    const bool in_place_ok = !cuda_ || device_buckets_;
-    buckets_of_.assign(grads_.size(), {});
-    Bucket cur;
-    std::size_t bytes = 0;
-    const auto add = [&](std::size_t i, std::size_t offset, std::size_t n) {
-      buckets_of_[i].push_back(buckets_.size());
-      cur.pieces.push_back({i, offset, n, cur.elements});
-      cur.elements += n;
-      bytes += n * sizeof(T);
-    };
-    const auto close = [&] {
-      if (cur.pieces.empty()) return;
-      cur.elements = (cur.elements + world - 1) / world * world;
-      cur.block = cur.elements / world;
-      buckets_.push_back(std::move(cur));
-      cur = Bucket{};
-      bytes = 0;
-    };
-    for (std::size_t i = grads_.size(); i-- > 0;) {
-      const std::size_t n = grads_[i].size;
-      total_size_ += n;
-      if (n == 0) continue;
-      const std::size_t cap = buckets_.empty() ? o_.first_bucket_bytes : o_.bucket_bytes;
-      if (in_place_ok && n * sizeof(T) >= o_.in_place_bytes && n >= world) {
-        close();
-        const std::size_t m = n - n % world;
-        buckets_of_[i].push_back(buckets_.size());
-        Bucket b;
-        b.pieces.push_back({i, 0, m, 0});
-        b.elements = m;
-        b.block = m / world;
-        b.in_place = true;
-        buckets_.push_back(std::move(b));
-        if (m != n) add(i, m, n - m);  // the leftover, in the next small bucket
-        continue;
-      }
-      if (!cur.pieces.empty() && bytes + n * sizeof(T) > cap) close();
-      add(i, 0, n);
-    }
-    close();
-    for (auto& b : buckets_) {
-      if (b.in_place) continue;
-#if DDP_HAS_CUDA
-      if (device_buckets_) {
-        b.device = CudaBuffer<T>(b.elements, device_, stream_of(b));
-        b.flat = ddp::view(b.device);
-        continue;
-      }
-#endif
-      b.host.assign(b.elements, T{});
-      b.flat = TensorView<T>{b.host.data(), b.host.size(), Device::cpu(), nullptr};
-    }
-  }
-
-  // The CUDA stream a device bucket's work is ordered on: its first gradient's.
-  [[nodiscard]] void* stream_raw(const Bucket& b) const {
-    return grads_[b.pieces.front().param].stream;
-  }
-#if DDP_HAS_CUDA
-  [[nodiscard]] cudaStream_t stream_of(const Bucket& b) const {
-    return static_cast<cudaStream_t>(stream_raw(b));
-  }
-#endif
-
-  // This rank's block of each bucket, as slices of parameters, sorted by parameter and offset.
-  void make_shard() {
-    slices_.clear();
-    shard_size_ = 0;
-    for (const auto& b : buckets_) {
-      for_each_owned(b, [&](std::size_t from, std::size_t to, const Piece& p) {
-        Slice s;
-        s.param = p.param;
-        s.offset = p.offset + (from - p.at);
-        s.value = values_[p.param].subview(s.offset, to - from);
-        s.grad = grads_[p.param].subview(s.offset, to - from);
-        slices_.push_back(s);
-        shard_size_ += to - from;
-      });
-    }
-    std::sort(slices_.begin(), slices_.end(), [](const Slice& a, const Slice& b) {
-      return a.param != b.param ? a.param < b.param : a.offset < b.offset;
-    });
-  }
-
-  // Looks the buffers up again (the model may have reallocated them since the last step).
-  void begin_step() {
-    look_up();
-    in_step_ = true;
-  }
-
-  // The model's buffers and the shard's views, looked up again (the model may have reallocated
-  // them: between steps, and before a checkpoint is saved or loaded).
-  void look_up() {
-    std::size_t i = 0;
-    for (auto&& p : detail::model_parameters(*model_)) {
-      if (i < grads_.size()) {
-        detail::ensure_grad(p);
-        const auto v =
-            detail::typed_view<T>(detail::param_value(p), comm_->rank(), i, "value", who);
-        const auto g =
-            detail::typed_view<T>(detail::param_grad(p), comm_->rank(), i, "gradient", who);
-        if (g.size != grads_[i].size || v.size != values_[i].size)
-          fail("parameter ", i, " now has ", v.size, " values and ", g.size, " gradients; it had ",
-               values_[i].size, " and ", grads_[i].size,
-               " when the averager was created (sizes must not change)");
-        values_[i] = v;
-        grads_[i] = g;
-      }
-      ++i;
-    }
-    if (i != grads_.size())
-      fail("the model now has ", i, " parameters; it had ", grads_.size(),
-           " when the averager was created");
-    for (auto& s : slices_) {
-      s.value = values_[s.param].subview(s.offset, s.value.size);
-      s.grad = grads_[s.param].subview(s.offset, s.grad.size);
-    }
-  }
-
-  void hook_ready(std::size_t i) {
-    if (!no_sync_ && i < ready_.size() && ready_[i])
-      fail("parameter ", i,
-           "'s gradient was accumulated twice in one step (a second backward before "
-           "synchronize()); call synchronize() after each backward, or run all but the last "
-           "inside no_sync()");
-    mark_ready(i);
-  }
-
-  // Copies n elements between a parameter's memory and a bucket. Device buckets: ordered on the
-  // bucket's stream after the parameter's; host buckets of CUDA parameters: on the parameter's
-  // stream (settle() waits for those).
-  void copy(T* dst, const T* src, std::size_t n, const Bucket& b, void* param_stream) {
-    if (device_buckets_) {
-      detail::join_streams(true, stream_raw(b), param_stream);
-      detail::copy_bytes(dst, src, n * sizeof(T), true, stream_raw(b));
-      return;
-    }
-    detail::copy_bytes(dst, src, n * sizeof(T), cuda_, param_stream);
-    if (cuda_) detail::sync_stream(true, param_stream);
-  }
-  void zero(T* dst, std::size_t n, void* stream) {
-    detail::zero_bytes(dst, n * sizeof(T), cuda_, stream);
-  }
-  // Device buckets: the copies out of them are complete (the optimizer may read the shard, the
-  // forward pass the parameters).
-  void settle() {
-    if (!device_buckets_) return;
-    for (const auto& b : buckets_) detail::sync_stream(true, stream_raw(b));
-  }
-
-  void launch(std::size_t k) {
-    Bucket& b = buckets_[k];
-    const std::size_t mine = rank() * b.block;
-    if (b.in_place) {
-      const Piece& p = b.pieces.front();
-      const TensorView<T> g = grads_[p.param].subview(0, p.size);
-      if (!ready_[p.param]) zero(g.data, g.size, g.stream);  // unused: counts as zero
-      b.work.emplace(comm_->reduce_scatter_async(g, g.subview(mine, b.block), ReduceOp::avg));
-      return;
-    }
-    void* s = device_buckets_ ? stream_raw(b) : nullptr;
-    std::size_t end = 0;
-    for (const Piece& p : b.pieces) {
-      const TensorView<T>& g = grads_[p.param];
-      if (ready_[p.param])
-        copy(b.flat.data + p.at, g.data + p.offset, p.size, b, g.stream);
-      else
-        zero_flat(b, p.at, p.size, s);
-      end = p.at + p.size;
-    }
-    zero_flat(b, end, b.elements - end, s);  // the padding
-    b.work.emplace(
-        comm_->reduce_scatter_async(b.flat, b.flat.subview(mine, b.block), ReduceOp::avg));
-  }
-  void zero_flat(Bucket& b, std::size_t at, std::size_t n, void* s) {
-    detail::zero_bytes(b.flat.data + at, n * sizeof(T), device_buckets_, s);
-  }
-
-  // Calls f(from, to, piece) for each piece's part that lies in this rank's block of b.
-  template <class F>
-  void for_each_owned(const Bucket& b, F&& f) const {
-    const std::size_t lo = rank() * b.block, hi = lo + b.block;
-    for (const Piece& p : b.pieces) {
-      const std::size_t from = std::max(lo, p.at), to = std::min(hi, p.at + p.size);
-      if (from < to) f(from, to, p);
-    }
-  }
-
-  // The averaged gradients of this rank's block into the gradients.
-  void unpack_shard(Bucket& b) {
-    for_each_owned(b, [&](std::size_t from, std::size_t to, const Piece& p) {
-      const TensorView<T>& g = grads_[p.param];
-      copy(g.data + p.offset + (from - p.at), b.flat.data + from, to - from, b, g.stream);
-    });
-  }
-
-  // This rank's updated values into its block, then the all_gather of the bucket.
-  void launch_gather(Bucket& b) {
-    const std::size_t mine = rank() * b.block;
-    if (b.in_place) {
-      const TensorView<T> v = values_[b.pieces.front().param].subview(0, b.elements);
-      b.work.emplace(comm_->all_gather_async(v.subview(mine, b.block), v));
-      return;
-    }
-    for_each_owned(b, [&](std::size_t from, std::size_t to, const Piece& p) {
-      const TensorView<T>& v = values_[p.param];
-      copy(b.flat.data + from, v.data + p.offset + (from - p.at), to - from, b, v.stream);
-    });
-    b.work.emplace(comm_->all_gather_async(b.flat.subview(mine, b.block), b.flat));
-  }
-
-  // Every piece's gathered values back into the parameters.
-  void unpack_all(Bucket& b) {
-    for (const Piece& p : b.pieces) {
-      const TensorView<T>& v = values_[p.param];
-      copy(v.data + p.offset, b.flat.data + p.at, p.size, b, v.stream);
-    }
-  }
-
-  // f(data, n) over this rank's averaged gradients, on the host (CUDA ones copied there).
-  template <class F>
-  void for_each_owned_gradient(F&& f) {
-    std::vector<T> host;
-    for (const Slice& s : slices_) {
-      const T* data = s.grad.data;
-      if (cuda_) {
-        host.resize(s.grad.size);
-        detail::copy_bytes(host.data(), s.grad.data, s.grad.bytes(), true, s.grad.stream);
-        detail::sync_stream(true, s.grad.stream);
-        data = host.data();
-      }
-      f(data, s.grad.size);
-    }
-  }
-
-  void broadcast_buffers() {
-    if constexpr (detail::has_buffers<M>) {
-      for (auto&& b : model_->buffers()) comm_->broadcast(b, 0);
-    }
-  }
-
-  Communicator<Backend>* comm_;
-  M* model_;
-  ShardedOptions o_;
-  std::vector<TensorView<T>> values_, grads_;
-  std::vector<Bucket> buckets_;
-  std::vector<std::vector<std::size_t>> buckets_of_;  // the buckets holding each parameter
   std::vector<Slice> slices_;
   std::size_t shard_size_ = 0, total_size_ = 0;
-  std::vector<bool> ready_;
-  std::vector<std::shared_ptr<void>> hooks_;
-  bool cuda_ = false;            // the parameters are on a CUDA device
-  int device_ = 0;               // ... this one
-  bool device_buckets_ = false;  // the backend moves CUDA memory: buckets live on the device
-  std::size_t next_ = 0;         // the next bucket to launch
-  bool no_sync_ = false;
-  bool in_step_ = false;  // buffers looked up for the current step
-  bool synced_ = false;   // synchronize() ran since the last gather()
 };
 
 /// `ShardedAverager zero(comm, model)` deduces the model type and the backend.

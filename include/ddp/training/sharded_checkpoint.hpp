@@ -15,6 +15,7 @@
 
 #include "ddp/config.hpp"
 #include "ddp/training/checkpoint.hpp"
+#include "ddp/training/parameters.hpp"
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
@@ -209,6 +210,71 @@ std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::stri
   remove_abandoned(stem);
   (void)sync_dir(parent_dir(stem));
   return id;
+}
+
+/// A shard's layout as ShardedAverager::save records it: the world size, then each slice's
+/// parameter, offset and size.
+template <class Slices>
+std::vector<std::uint64_t> shard_layout(int world, const Slices& slices) {
+  std::vector<std::uint64_t> out{static_cast<std::uint64_t>(world)};
+  for (const auto& sl : slices) out.insert(out.end(), {sl.param, sl.offset, sl.value.size});
+  return out;
+}
+
+/// ShardedAverager::save: the values of this rank's `slices` (ShardSlice; in CUDA memory when
+/// `cuda`) and their layout, with `state`, through save_shard_files. Collective.
+template <class Comm, class Slices>
+std::uint64_t save_shard(Comm& comm, const Checkpoint& state, const std::string& path,
+                         const Slices& slices, bool cuda) {
+  std::string values;
+  for (const auto& sl : slices) {
+    values.resize(values.size() + sl.value.bytes());
+    copy_bytes(values.data() + values.size() - sl.value.bytes(), sl.value.data, sl.value.bytes(),
+               cuda, sl.value.stream);
+    sync_stream(cuda, sl.value.stream);
+  }
+  const Checkpoint::Section extra[] = {{"ddp.values", values}};
+  return save_shard_files(comm, state, path, shard_layout(comm.size(), slices), extra);
+}
+
+/// ShardedAverager::load: checks that `ck` (this rank's file of `path`, loaded) holds parameter
+/// values in the layout of this rank's `slices`, then copies them back into the slices.
+/// Collective: a rank's problem fails every rank (Errc::mismatch), naming it.
+template <class Comm, class Slices>
+void restore_shard(Comm& comm, const Checkpoint& ck, const std::string& path, const Slices& slices,
+                   bool cuda) {
+  std::string problem;
+  std::size_t bytes = 0;
+  for (const auto& sl : slices) bytes += sl.value.bytes();
+  const std::string file = shard_path(path, comm.rank(), comm.size());
+  const std::vector<std::uint64_t> layout = shard_layout(comm.size(), slices);
+  const auto stamp = ck.get_object<std::vector<std::uint64_t>>("ddp.shard");
+  const std::vector<std::uint64_t> saved(stamp.begin() + 3, stamp.end());
+  if (saved.empty() || !ck.contains("ddp.values")) {
+    problem = concat(file,
+                     " holds no parameters (it was saved by save_sharded_checkpoint, not "
+                     "ShardedAverager::save)");
+  } else if (saved != layout) {
+    problem = concat(file, " holds a shard of ", (saved.size() - 1) / 3,
+                     " slices but this averager's has ", (layout.size() - 1) / 3,
+                     " (or the same count at other places): it was saved with other "
+                     "ShardedOptions or another model");
+  } else if (ck.get("ddp.values").size() != bytes) {
+    problem =
+        concat(file, " holds ", ck.get("ddp.values").size(), " bytes of parameters, not ", bytes);
+  }
+  const auto problems = comm.all_gather_object(problem);
+  for (std::size_t r = 0; r < problems.size(); ++r) {
+    if (!problems[r].empty())
+      fail(Errc::mismatch, "rank ", comm.rank(), ": ShardedAverager::load: rank ", r, ": ",
+           problems[r], "; resume with the model, world size and ShardedOptions that saved it");
+  }
+  const std::byte* values = ck.get("ddp.values").data();
+  for (const auto& sl : slices) {
+    copy_bytes(sl.value.data, values, sl.value.bytes(), cuda, sl.value.stream);
+    sync_stream(cuda, sl.value.stream);
+    values += sl.value.bytes();
+  }
 }
 }  // namespace detail
 
