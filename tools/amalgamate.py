@@ -20,7 +20,8 @@ single-header tree as well.
 
 Adapters (include/ddp/adapters/*.hpp) depend on third-party headers, so they stay out of the
 umbrella: each is copied to single_include/ddp/adapters/ with its ddp includes replaced by one
-`#include "../ddp.hpp"`, so the single-header tree keeps working when copied as a whole.
+`#include "../ddp.hpp"` (an include of another adapter becomes `#include "X.hpp"`, its sibling there),
+so the single-header tree keeps working when copied as a whole.
 
 Usage: tools/amalgamate.py            write single_include/ddp/ddp.hpp and the adapters
        tools/amalgamate.py --check    exit 1 if a checked-in file is stale
@@ -176,6 +177,9 @@ def adapter_outputs() -> dict[pathlib.Path, str]:
         umbrella_included = False
         for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
             m = INCLUDE_RE.match(line)
+            if m and m.group("path").startswith("ddp/adapters/"):  # a sibling: kept, relative
+                out.append(f'#include "{pathlib.PurePosixPath(m.group("path")).name}"\n')
+                continue
             if m and m.group("path").startswith("ddp/"):
                 if not umbrella_included:
                     out.append('#include "../ddp.hpp"\n')

@@ -312,6 +312,38 @@ TEST_CASE(
   });
 }
 
+TEST_CASE(
+    "GradientAverager over a torch::nn::Module: a comm hook for run-time-typed gradients, called "
+    "from autograd's hooks, equals the default") {
+  mp::run(2, ddp::HostTransport::shm, [](Comm& comm) {
+    torch::set_num_threads(1);
+    const auto run = [&](bool hooked, torch::Dtype dtype) {
+      torch::manual_seed(3);
+      Net net;
+      net->to(dtype);
+      ddp::GradientAverager avg(comm, *net, {.bucket_bytes = 256, .first_bucket_bytes = 64});
+      int calls = 0;
+      if (hooked)
+        avg.register_comm_hook([&](auto& c, auto& bucket) {  // one hook for every dtype
+          ++calls;
+          return ddp::allreduce_hook(c, bucket);
+        });
+      const auto [x, y] = batch(comm.rank(), 0);
+      torch::nn::functional::cross_entropy(net->forward(x.to(dtype)), y).backward();
+      MP_EXPECT(!hooked || calls > 0, "no bucket started during backward");
+      avg.synchronize();
+      MP_EXPECT(!hooked || calls == static_cast<int>(avg.buckets().size()), calls << " calls");
+      std::vector<torch::Tensor> grads;
+      for (const auto& p : net->parameters()) grads.push_back(p.grad().flatten().clone());
+      return torch::cat(grads);
+    };
+    for (const auto dtype : {torch::kFloat, torch::kDouble}) {
+      const auto a = run(false, dtype), b = run(true, dtype);
+      MP_EXPECT(torch::equal(a, b), "the hook differs by " << (a - b).abs().max());
+    }
+  });
+}
+
 TEST_CASE("GradientAverager over a torch::nn::Module: no_sync accumulation equals one big batch") {
   mp::run(2, ddp::HostTransport::tcp, [](Comm& comm) {
     torch::set_num_threads(1);
