@@ -88,6 +88,7 @@ using CommHook = std::function<Work(Comm&, GradBucket<T>&)>;
 
 /// The built-in hook all_reduce: bucket.buffer reduced with bucket.op (torch's allreduce_hook).
 struct AllReduceHook {
+  /// Starts the all_reduce of `b`'s buffer; the Work finishes it.
   template <class Comm, class T>
   Work operator()(Comm& comm, GradBucket<T>& b) const {
     return comm.all_reduce_async(b.buffer, b.op);
@@ -97,6 +98,7 @@ struct AllReduceHook {
 /// (DType::float16 or DType::bfloat16), the result rounded to it (Communicator::all_reduce_as).
 struct CompressHook {
   DType wire = DType::bfloat16;  ///< The type on the wire.
+  /// Starts the all_reduce of `b`'s buffer carried as `wire`; the Work finishes it.
   template <class Comm, class T>
   Work operator()(Comm& comm, GradBucket<T>& b) const {
     return comm.all_reduce_as_async(b.buffer, wire, b.op);
@@ -104,6 +106,7 @@ struct CompressHook {
 };
 /// The built-in hook of ZeRO: the reduce_scatter of bucket.buffer into bucket.output.
 struct ReduceScatterHook {
+  /// Starts the reduce_scatter of `b`'s buffer into its output; the Work finishes it.
   template <class Comm, class T>
   Work operator()(Comm& comm, GradBucket<T>& b) const {
     return comm.reduce_scatter_async(b.buffer, b.output, b.op);
