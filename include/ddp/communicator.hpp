@@ -27,6 +27,7 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+#include "ddp/detail/lean_std.hpp"
 #include "ddp/environment.hpp"
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
@@ -45,7 +46,6 @@
 #include <cstdint>
 #include <exception>
 #include <memory>
-#include <ranges>
 #include <span>
 #include <string>
 #include <string_view>

@@ -15,6 +15,7 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+#include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
 #include "ddp/tensor.hpp"
 #include "ddp/types.hpp"
@@ -26,7 +27,6 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
-#include <chrono>
 #include <cstddef>
 #include <cstring>
 #include <memory>

@@ -28,6 +28,7 @@
 #endif
 #include "ddp/backend/nccl_support.hpp"
 #include "ddp/cuda.hpp"
+#include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
 #include "ddp/runtime/collective.hpp"
 #include "ddp/tensor.hpp"
@@ -37,11 +38,9 @@
 #include <nccl.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstddef>
 #include <initializer_list>
 #include <memory>
-#include <ranges>
 #include <string>
 #include <thread>
 #include <utility>

@@ -22,9 +22,9 @@
 
 #include "ddp/config.hpp"
 #include "ddp/detail/env.hpp"
+#include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
 
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <exception>

@@ -19,13 +19,13 @@
 /// the op, contiguity, the device, writability).
 
 #include "ddp/config.hpp"
+#include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
 #include "ddp/types.hpp"
 
 #include <concepts>
 #include <cstddef>
 #include <optional>
-#include <ranges>
 #include <span>
 #include <type_traits>
 #include <utility>

@@ -12,6 +12,7 @@
 /// the `ddp-trace` tool prints it for a directory of dumps).
 
 #include "ddp/config.hpp"
+#include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
 
@@ -23,7 +24,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>

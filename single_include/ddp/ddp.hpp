@@ -722,13 +722,33 @@ DDP_END_NAMESPACE
 /// the op, contiguity, the device, writability).
 
 // #include "ddp/config.hpp" (already included above)
+// begin ddp/detail/lean_std.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// What ddp uses of <chrono> (durations, time points, clocks, the literals) and of <ranges> (the
+/// range concepts, data, size), without the rest of those headers: in C++20, libstdc++'s
+/// <chrono> also pulls in <sstream> for its stream operators and calendar types, and <ranges>
+/// every view; every user's translation unit would pay for them (about a quarter of the standard
+/// headers' cost of <ddp/ddp.hpp>). With libstdc++ the sub-headers that hold exactly those parts
+/// are included; with any other standard library, <chrono> and <ranges>. A program that uses
+/// more of either includes it itself, as it should anyway.
+
+#if defined(__GLIBCXX__) && __has_include(<bits/chrono.h>) && __has_include(<bits/ranges_base.h>)
+#include <bits/chrono.h>       // IWYU pragma: export
+#include <bits/ranges_base.h>  // IWYU pragma: export
+#else
+#include <chrono>  // IWYU pragma: export
+#include <ranges>  // IWYU pragma: export
+#endif
+// end ddp/detail/lean_std.hpp
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
 #include <concepts>
 #include <cstddef>
 #include <optional>
-#include <ranges>
 #include <span>
 #include <type_traits>
 #include <utility>
@@ -1631,6 +1651,7 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 
 #include <arpa/inet.h>
@@ -1646,7 +1667,6 @@ DDP_END_NAMESPACE
 
 #include <algorithm>
 #include <cerrno>
-#include <chrono>
 #include <cstddef>
 #include <cstring>
 #include <functional>
@@ -2021,10 +2041,10 @@ DDP_END_NAMESPACE
 /// by launchers that host the store), ddp::spawn and ddprun (what they pass to their workers).
 
 // #include "ddp/config.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 
 #include <charconv>
-#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
@@ -2129,9 +2149,9 @@ class EnvReader {
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/detail/env.hpp
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -2769,6 +2789,7 @@ template <class T>
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/detail/crypto.hpp
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/detail/socket.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // begin ddp/store/protocol.hpp
@@ -2787,11 +2808,11 @@ DDP_END_NAMESPACE
 #endif
 // #include "ddp/detail/bytes.hpp" (already included above)
 // #include "ddp/detail/crypto.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/detail/socket.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 
 #include <array>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -2901,7 +2922,6 @@ DDP_END_NAMESPACE
 // end ddp/store/protocol.hpp
 
 #include <algorithm>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -3879,6 +3899,7 @@ inline std::atomic<std::uint64_t>& fork_counter() noexcept {
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/detail/fork.hpp
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // begin ddp/environment.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -4169,6 +4190,7 @@ DDP_END_NAMESPACE
 #endif
 // #include "ddp/detail/bytes.hpp" (already included above)
 // #include "ddp/detail/crypto.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 // #include "ddp/version.hpp" (already included above)
@@ -4176,7 +4198,6 @@ DDP_END_NAMESPACE
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -4437,6 +4458,7 @@ DDP_END_NAMESPACE
 #endif
 // #include "ddp/detail/bytes.hpp" (already included above)
 // #include "ddp/detail/crypto.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/detail/socket.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // begin ddp/store/engine.hpp
@@ -4455,6 +4477,7 @@ DDP_END_NAMESPACE
 #endif
 // #include "ddp/detail/bytes.hpp" (already included above)
 // #include "ddp/detail/crypto.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/detail/socket.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/store/protocol.hpp" (already included above)
@@ -4467,7 +4490,6 @@ DDP_END_NAMESPACE
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -5020,7 +5042,6 @@ DDP_END_NAMESPACE
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -5253,6 +5274,7 @@ DDP_END_NAMESPACE
 /// the `ddp-trace` tool prints it for a directory of dumps).
 
 // #include "ddp/config.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
 
@@ -5264,7 +5286,6 @@ DDP_END_NAMESPACE
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -5701,6 +5722,7 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
@@ -5712,7 +5734,6 @@ DDP_END_NAMESPACE
 #include <algorithm>
 #include <array>
 #include <cerrno>
-#include <chrono>
 #include <cstddef>
 #include <cstring>
 #include <memory>
@@ -6131,12 +6152,12 @@ inline void join_streams(bool cuda, void* waiter, void* producer) {
 
 DDP_END_NAMESPACE
 // end ddp/cuda.hpp
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/runtime/collective.hpp" (already included above)
 // #include "ddp/runtime/staging.hpp" (already included above)
 
 #include <array>
-#include <chrono>
 #include <cstddef>
 #include <memory>
 
@@ -6272,7 +6293,6 @@ DDP_END_NAMESPACE
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -7028,6 +7048,7 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/environment.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
@@ -7495,7 +7516,6 @@ DDP_END_NAMESPACE
 #include <cstdint>
 #include <exception>
 #include <memory>
-#include <ranges>
 #include <span>
 #include <string>
 #include <string_view>
@@ -8190,11 +8210,11 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/runtime/collective.hpp" (already included above)
 
 #include <atomic>
-#include <chrono>
 #include <cstddef>
 #include <functional>
 #include <optional>
@@ -8849,13 +8869,13 @@ DDP_END_NAMESPACE
 // #include "ddp/backend/host/rounds.hpp" (already included above)
 // #include "ddp/backend/host/transport.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/runtime/collective.hpp" (already included above)
 // #include "ddp/runtime/reduce.hpp" (already included above)
 
 #include <array>
 #include <bit>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -9020,13 +9040,13 @@ DDP_END_NAMESPACE
 // #include "ddp/backend/host/transport.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/detail/bytes.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/runtime/collective.hpp" (already included above)
 // #include "ddp/runtime/reduce.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 
-#include <chrono>
 #include <cstdlib>
 #include <memory>
 #include <optional>
@@ -10471,6 +10491,7 @@ DDP_END_NAMESPACE
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/detail/bytes.hpp" (already included above)
 // #include "ddp/detail/crypto.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/detail/socket.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
@@ -10481,7 +10502,6 @@ DDP_END_NAMESPACE
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -11165,6 +11185,7 @@ DDP_END_NAMESPACE
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 // #include "ddp/backend/backend.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/runtime/collective.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
@@ -11176,7 +11197,6 @@ DDP_END_NAMESPACE
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <climits>
 #include <condition_variable>
 #include <cstddef>
@@ -11904,6 +11924,7 @@ class NcclAborter {
 DDP_END_NAMESPACE
 // end ddp/backend/nccl_support.hpp
 // #include "ddp/cuda.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/runtime/collective.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
@@ -11914,7 +11935,6 @@ DDP_END_NAMESPACE
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
@@ -12486,6 +12506,7 @@ DDP_END_NAMESPACE
 #endif
 // #include "ddp/backend/nccl_support.hpp" (already included above)
 // #include "ddp/cuda.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/runtime/collective.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
@@ -12495,11 +12516,9 @@ DDP_END_NAMESPACE
 #include <nccl.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstddef>
 #include <initializer_list>
 #include <memory>
-#include <ranges>
 #include <string>
 #include <thread>
 #include <utility>
@@ -12817,6 +12836,7 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/detail/socket.hpp" (already included above)
 // #include "ddp/environment.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
@@ -12833,7 +12853,6 @@ DDP_END_NAMESPACE
 #include <unistd.h>
 
 #include <cerrno>
-#include <chrono>
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
@@ -13087,6 +13106,7 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// #include "ddp/detail/crypto.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 
 #include <dirent.h>
@@ -13100,7 +13120,6 @@ DDP_END_NAMESPACE
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <random>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -13232,9 +13251,8 @@ inline void remove_abandoned(const std::string& family) noexcept {
 class StagedFile {
  public:
   StagedFile(const std::string& family, std::string what) : what_(std::move(what)) {
-    std::random_device rd;
     for (int attempt = 0;; ++attempt) {
-      const std::uint64_t r = (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
+      const auto r = random_value<std::uint64_t>();
       char hex[17];
       for (int i = 0; i < 16; ++i) hex[i] = "0123456789abcdef"[(r >> (4 * i)) & 15];
       hex[16] = '\0';
@@ -14112,6 +14130,7 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
@@ -14125,7 +14144,6 @@ DDP_END_NAMESPACE
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <ranges>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -15256,12 +15274,12 @@ DDP_END_NAMESPACE
 /// (a bar redrawn into a log file, ranks' half lines mixed); what is drawn stays a few lines here.
 
 // #include "ddp/config.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
 
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
-#include <chrono>
 #include <cstdarg>
 #include <cstddef>
 #include <cstdio>
@@ -15791,6 +15809,7 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// #include "ddp/detail/crypto.hpp" (already included above)
 // #include "ddp/detail/files.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 
@@ -15799,11 +15818,9 @@ DDP_END_NAMESPACE
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <optional>
-#include <random>
 #include <span>
 #include <string>
 #include <vector>
@@ -15942,9 +15959,7 @@ std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::stri
   ++generation;
   std::uint64_t id = 0;
   if (comm.rank() == 0) {
-    std::random_device rd;
-    id = (static_cast<std::uint64_t>(rd()) << 32) ^ rd() ^
-         static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+    id = detail::random_value<std::uint64_t>();
   }
   comm.broadcast_object(id, 0);
   std::vector<std::uint64_t> words{static_cast<std::uint64_t>(comm.rank()),

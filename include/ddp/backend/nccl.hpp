@@ -35,6 +35,7 @@
 #include "ddp/backend/backend.hpp"
 #include "ddp/backend/nccl_support.hpp"
 #include "ddp/cuda.hpp"
+#include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
 #include "ddp/runtime/collective.hpp"
 #include "ddp/store/client.hpp"
@@ -45,7 +46,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>

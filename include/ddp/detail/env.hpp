@@ -14,10 +14,10 @@
 /// by launchers that host the store), ddp::spawn and ddprun (what they pass to their workers).
 
 #include "ddp/config.hpp"
+#include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
 
 #include <charconv>
-#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <functional>

@@ -17,6 +17,7 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+#include "ddp/detail/crypto.hpp"
 #include "ddp/error.hpp"
 
 #include <dirent.h>
@@ -30,7 +31,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <random>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -162,9 +162,8 @@ inline void remove_abandoned(const std::string& family) noexcept {
 class StagedFile {
  public:
   StagedFile(const std::string& family, std::string what) : what_(std::move(what)) {
-    std::random_device rd;
     for (int attempt = 0;; ++attempt) {
-      const std::uint64_t r = (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
+      const auto r = random_value<std::uint64_t>();
       char hex[17];
       for (int i = 0; i < 16; ++i) hex[i] = "0123456789abcdef"[(r >> (4 * i)) & 15];
       hex[16] = '\0';

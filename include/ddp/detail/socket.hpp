@@ -10,6 +10,7 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+#include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
 
 #include <arpa/inet.h>
@@ -25,7 +26,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <chrono>
 #include <cstddef>
 #include <cstring>
 #include <functional>

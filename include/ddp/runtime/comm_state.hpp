@@ -14,6 +14,7 @@
 #endif
 #include "ddp/detail/env.hpp"
 #include "ddp/detail/fork.hpp"
+#include "ddp/detail/lean_std.hpp"
 #include "ddp/environment.hpp"
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
@@ -31,7 +32,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>

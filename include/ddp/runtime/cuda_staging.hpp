@@ -13,12 +13,12 @@
 #error "ddp/runtime/cuda_staging.hpp needs DDP_HAS_CUDA=1 (the ddp::cuda target)"
 #endif
 #include "ddp/cuda.hpp"
+#include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
 #include "ddp/runtime/collective.hpp"
 #include "ddp/runtime/staging.hpp"
 
 #include <array>
-#include <chrono>
 #include <cstddef>
 #include <memory>
 

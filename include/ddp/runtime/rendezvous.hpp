@@ -17,6 +17,7 @@
 #endif
 #include "ddp/detail/bytes.hpp"
 #include "ddp/detail/crypto.hpp"
+#include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
 #include "ddp/store/client.hpp"
 #include "ddp/version.hpp"
@@ -24,7 +25,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <string>
 #include <string_view>

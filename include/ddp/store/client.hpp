@@ -13,12 +13,12 @@
 #endif
 #include "ddp/detail/bytes.hpp"
 #include "ddp/detail/crypto.hpp"
+#include "ddp/detail/lean_std.hpp"
 #include "ddp/detail/socket.hpp"
 #include "ddp/error.hpp"
 #include "ddp/store/protocol.hpp"
 
 #include <algorithm>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>

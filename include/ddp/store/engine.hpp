@@ -14,6 +14,7 @@
 #endif
 #include "ddp/detail/bytes.hpp"
 #include "ddp/detail/crypto.hpp"
+#include "ddp/detail/lean_std.hpp"
 #include "ddp/detail/socket.hpp"
 #include "ddp/error.hpp"
 #include "ddp/store/protocol.hpp"
@@ -26,7 +27,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>

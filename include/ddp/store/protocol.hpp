@@ -14,11 +14,11 @@
 #endif
 #include "ddp/detail/bytes.hpp"
 #include "ddp/detail/crypto.hpp"
+#include "ddp/detail/lean_std.hpp"
 #include "ddp/detail/socket.hpp"
 #include "ddp/error.hpp"
 
 #include <array>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>

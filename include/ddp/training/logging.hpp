@@ -20,12 +20,12 @@
 /// (a bar redrawn into a log file, ranks' half lines mixed); what is drawn stays a few lines here.
 
 #include "ddp/config.hpp"
+#include "ddp/detail/lean_std.hpp"
 
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
-#include <chrono>
 #include <cstdarg>
 #include <cstddef>
 #include <cstdio>

@@ -14,6 +14,7 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+#include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
 #include "ddp/tensor.hpp"
 #include "ddp/types.hpp"
@@ -27,7 +28,6 @@
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <ranges>
 #include <type_traits>
 #include <utility>
 #include <vector>

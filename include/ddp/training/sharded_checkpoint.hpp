@@ -19,6 +19,7 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+#include "ddp/detail/crypto.hpp"
 #include "ddp/detail/files.hpp"
 #include "ddp/error.hpp"
 
@@ -27,11 +28,9 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <optional>
-#include <random>
 #include <span>
 #include <string>
 #include <vector>
@@ -170,9 +169,7 @@ std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::stri
   ++generation;
   std::uint64_t id = 0;
   if (comm.rank() == 0) {
-    std::random_device rd;
-    id = (static_cast<std::uint64_t>(rd()) << 32) ^ rd() ^
-         static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+    id = detail::random_value<std::uint64_t>();
   }
   comm.broadcast_object(id, 0);
   std::vector<std::uint64_t> words{static_cast<std::uint64_t>(comm.rank()),

@@ -14,13 +14,13 @@
 #include "ddp/backend/host/transport.hpp"
 #include "ddp/config.hpp"
 #include "ddp/detail/bytes.hpp"
+#include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
 #include "ddp/runtime/collective.hpp"
 #include "ddp/runtime/reduce.hpp"
 #include "ddp/store/client.hpp"
 
-#include <chrono>
 #include <cstdlib>
 #include <memory>
 #include <optional>

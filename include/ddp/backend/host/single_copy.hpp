@@ -11,13 +11,13 @@
 #include "ddp/backend/host/rounds.hpp"
 #include "ddp/backend/host/transport.hpp"
 #include "ddp/config.hpp"
+#include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
 #include "ddp/runtime/collective.hpp"
 #include "ddp/runtime/reduce.hpp"
 
 #include <array>
 #include <bit>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>

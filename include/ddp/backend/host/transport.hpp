@@ -18,11 +18,11 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+#include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
 #include "ddp/runtime/collective.hpp"
 
 #include <atomic>
-#include <chrono>
 #include <cstddef>
 #include <functional>
 #include <optional>
