@@ -24,7 +24,7 @@ core = re.search(r"ddp_unit_test\(ddp-test-core \w+([^)]*)\)", cmake).group(1).s
 for source in ["unit/main.cpp"] + core:
     if f"'tests/{source}'" not in meson:
         bad[f"meson.build (unit_sources lacks tests/{source}, a source of ddp-test-core)"] = "missing"
-listed = re.findall(r"'tests/unit/([a-z_]+\.cpp)'", meson)
+listed = re.findall(r"'tests/unit/([a-z_/]+\.cpp)'", meson)
 for name in listed:
     if f"unit/{name}" not in core + ["unit/main.cpp"]:
         bad[f"meson.build (tests/unit/{name} is not a source of ddp-test-core)"] = "extra"

@@ -1,5 +1,5 @@
 // The collective test cases, written once for any Communicator<Backend> and run by the
-// backend::Host tests (test_collectives.cpp, forked ranks) and the backend::Mpi tests
+// backend::Host tests (test_communicator.cpp, forked ranks) and the backend::Mpi tests
 // (tests/mpi, under mpirun), against references computed here.
 #pragma once
 

@@ -2,22 +2,31 @@
 // connections, 16 clients dribbling a byte a second and one that pipelines requests without
 // reading the replies, while four real ranks rendezvous through it and a client does 1,000
 // set/get. The server must not crash, must refuse oversized frames before allocating them (its
-// peak RSS grows < 16 MiB), and must keep the token out of its log.
+// peak RSS grows < 16 MiB), and must keep the token out of its log. Then idle strangers: idle
+// connections must not lock ranks out of the store (and its refusals are rate-limited), a store
+// out of file descriptors must not spin, and strangers must not starve the store's host of them.
 #include "multiprocess.hpp"
 
 #include <doctest/doctest.h>
 
+#include <dirent.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <fstream>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <sstream>
 #include <string>
@@ -215,7 +224,7 @@ TEST_CASE(
       o.timeout = 30s;
       // Every refusal logged: the checks below look for each kind, and in a fast build the whole
       // attack fits in one 10 s window, where the default burst of 20 lines may miss a kind
-      // (the rate limit itself is tested in test_outsider.cpp).
+      // (the rate limit itself is tested below, with idle connections).
       o.log_burst = 1'000'000;
       auto log = std::make_shared<std::ofstream>(log_file);
       o.log = [log](std::string_view m) { *log << m << '\n'; };
@@ -305,4 +314,203 @@ TEST_CASE(
        {port_pipe[0], port_pipe[1], stop_pipe[0], stop_pipe[1], ready_pipe[0], ready_pipe[1]}) {
     ::close(fd);
   }
+}
+
+namespace {
+
+using mp::Comm;
+
+/// Socket connected to 127.0.0.1:port (no handshake: a stranger).
+int raw_connect(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<std::uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+/// CPU seconds (user + system) a process has used, from /proc/<pid>/stat.
+double cpu_seconds(pid_t pid) {
+  std::istringstream in(mp::TempDir::read("/proc/" + std::to_string(pid) + "/stat"));
+  std::string s((std::istreambuf_iterator<char>(in)), {});
+  std::istringstream rest(s.substr(s.rfind(')') + 2));
+  std::string field;
+  double ticks = 0;
+  for (int i = 3; i <= 15 && rest >> field; ++i) {
+    if (i == 14 || i == 15) ticks += std::stod(field);
+  }
+  return ticks / static_cast<double>(::sysconf(_SC_CLK_TCK));
+}
+
+}  // namespace
+
+TEST_CASE("idle connections cannot lock ranks out of the store, and refusals are rate-limited") {
+  rlimit lim{};
+  ::getrlimit(RLIMIT_NOFILE, &lim);
+  lim.rlim_cur = lim.rlim_max;
+  ::setrlimit(RLIMIT_NOFILE, &lim);
+  const std::size_t strangers =
+      std::min<std::size_t>(4200, lim.rlim_cur > 300 ? lim.rlim_cur - 200 : 0);
+  if (strangers < 1000) {
+    MESSAGE("skipped: RLIMIT_NOFILE " << lim.rlim_cur << " is too low for this test");
+    return;
+  }
+  ddp::StoreOptions so;
+  so.token = "secret";
+  so.max_connections = 4096;
+  std::atomic<int> lines{0};
+  so.log = [&](std::string_view) { lines.fetch_add(1); };
+  ddp::StoreServer server("127.0.0.1", 0, so);
+  std::vector<int> idle;
+  for (std::size_t i = 0; i < strangers; ++i) {
+    const int fd = raw_connect(server.port());
+    if (fd >= 0) idle.push_back(fd);
+  }
+  // Three ranks with the token connect while the strangers hold their connections.
+  ddp::StoreOptions co;
+  co.token = "secret";
+  co.timeout = std::chrono::seconds(20);
+  std::vector<std::thread> ranks;
+  std::atomic<int> ok{0};
+  std::string error;
+  std::mutex error_mutex;
+  for (int r = 0; r < 3; ++r) {
+    ranks.emplace_back([&, r] {
+      try {
+        ddp::Store s("127.0.0.1", server.port(), co);
+        s.set("rank" + std::to_string(r), "here");
+        (void)s.get("rank" + std::to_string((r + 1) % 3));
+        ok.fetch_add(1);
+      } catch (const ddp::Error& e) {
+        std::lock_guard lock(error_mutex);
+        error = e.what();
+      }
+    });
+  }
+  for (auto& th : ranks) th.join();
+  CAPTURE(error);
+  CHECK(ok.load() == 3);
+  for (int fd : idle) ::close(fd);
+  MESSAGE(idle.size() << " idle connections, " << server.refused() << " refused, " << lines.load()
+                      << " log lines");
+  CHECK(server.refused() >= idle.size() - so.max_pending_handshakes);
+  CHECK(lines.load() <= static_cast<int>(so.log_burst) + 2);
+}
+
+TEST_CASE("a store out of file descriptors does not spin and recovers") {
+  const int port = mp::free_port();
+  const pid_t server = ::fork();
+  if (server == 0) {
+    rlimit lim{48, 48};  // soft = hard: the server cannot raise it
+    ::setrlimit(RLIMIT_NOFILE, &lim);
+    ddp::StoreOptions so;
+    so.log = [](std::string_view) {};
+    ddp::StoreServer s("127.0.0.1", port, so);
+    for (;;) ::pause();
+  }
+  std::vector<int> held;
+  for (int attempt = 0; attempt < 200 && held.empty(); ++attempt) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (const int fd = raw_connect(port); fd >= 0) held.push_back(fd);
+  }
+  for (int i = 0; i < 150; ++i) {
+    if (const int fd = raw_connect(port); fd >= 0) held.push_back(fd);
+  }
+  const double before = cpu_seconds(server);
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  const double used = cpu_seconds(server) - before;
+  MESSAGE("store server CPU with " << held.size() << " held connections over 2 s: " << used
+                                   << " s");
+  CHECK(used < 0.5);
+  for (int fd : held) ::close(fd);
+  ddp::StoreOptions co;
+  co.timeout = std::chrono::seconds(10);
+  std::string got;
+  try {
+    ddp::Store s("127.0.0.1", port, co);
+    s.set("k", "v");
+    got = s.get("k");
+  } catch (const ddp::Error& e) {
+    got = e.what();
+  }
+  CHECK(got == "v");
+  ::kill(server, SIGKILL);
+  ::waitpid(server, nullptr, 0);
+}
+
+TEST_CASE("idle strangers on the store port cannot starve the store's host of descriptors") {
+  const int port = mp::free_port();
+  char tmpl[] = "/tmp/ddp-fds-XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl);
+  std::vector<pid_t> ranks;
+  for (int r = 0; r < 3; ++r) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      if (r == 0) {
+        rlimit lim{40, 40};  // the store's host: soft = hard, nothing can raise it
+        ::setrlimit(RLIMIT_NOFILE, &lim);
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(800));  // after the strangers
+      }
+      const ddp::Environment env = mp::local_env(r, 3, port);
+      ddp::Options o;
+      o.transport = ddp::HostTransport::tcp;
+      o.timeout = std::chrono::seconds(20);
+      std::string outcome;
+      try {
+        auto comm = Comm::init(env, o);
+        std::vector<float> x(1000, 1.0f);
+        comm.all_reduce(x);
+        outcome = x[0] == 3.0f ? "ok" : "wrong result";
+      } catch (const ddp::Error& e) {
+        outcome = e.what();
+      }
+      mp::TempDir::write(dir + "/rank" + std::to_string(r), outcome);
+      ::_exit(0);
+    }
+    ranks.push_back(pid);
+  }
+  // Strangers connect to the store without a word, a new one every 2 ms for as long as the job
+  // starts (the 200 newest held open): the store closes the oldest to make room, and must
+  // never let them take the descriptors its own rank needs.
+  std::atomic<bool> done{false};
+  std::thread flood([&] {
+    std::deque<int> idle;
+    while (!done.load()) {
+      if (const int fd = raw_connect(port); fd >= 0) idle.push_back(fd);
+      while (idle.size() > 200) {
+        ::close(idle.front());
+        idle.pop_front();
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    for (const int fd : idle) ::close(fd);
+  });
+  // While ranks 1 and 2 are away, the store's host holds no more than an eighth of its 40
+  // descriptors for strangers (5) beside its own dozen or so; before, they took all 40.
+  std::size_t most = 0;
+  for (int i = 0; i < 70; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    std::size_t n = 0;
+    if (DIR* d = ::opendir(("/proc/" + std::to_string(ranks[0]) + "/fd").c_str())) {
+      while (const dirent* e = ::readdir(d)) n += e->d_name[0] != '.';
+      ::closedir(d);
+    }
+    most = std::max(most, n);
+  }
+  for (const pid_t p : ranks) ::waitpid(p, nullptr, 0);
+  done = true;
+  flood.join();
+  MESSAGE("the store's host held at most " << most << " descriptors during the flood");
+  CHECK(most <= 24);
+  for (int r = 0; r < 3; ++r) {
+    CAPTURE(r);
+    CHECK(mp::TempDir::read(dir + "/rank" + std::to_string(r)) == "ok");
+  }
+  std::system(("rm -rf " + dir).c_str());
 }

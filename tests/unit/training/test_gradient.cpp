@@ -1,0 +1,249 @@
+// GradientAverager across real processes: data-parallel SGD equals one process with the whole
+// batch, buckets and no_sync, compressed gradients, gradient buffers reallocated between steps.
+#include <ddp/training/gradient.hpp>
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "multiprocess.hpp"
+
+static_assert(ddp::ProcessGroup<ddp::Communicator<ddp::backend::Host>>,
+              "exact_mean and sync_batch_stats take any communicator");
+
+namespace {
+
+// A linear model y = W x + b (4 outputs, 8 inputs) plus a parameter the loss never uses.
+struct Param {
+  std::vector<float> value, grad;
+};
+struct Linear {
+  static constexpr int in = 8, out = 4;
+  std::vector<Param> params;
+  Linear() {
+    params.push_back({std::vector<float>(in * out), std::vector<float>(in * out)});
+    params.push_back({std::vector<float>(out), std::vector<float>(out)});
+    params.push_back({std::vector<float>(16), std::vector<float>(16)});
+    for (std::size_t k = 0; k < params[0].value.size(); ++k)
+      params[0].value[k] = 0.1f * std::sin(static_cast<float>(k));
+  }
+  std::vector<Param>& parameters() { return params; }
+};
+
+float feature(int sample, int i) {
+  return std::sin(0.37f * static_cast<float>(sample) + static_cast<float>(i));
+}
+float target(int sample, int o) {
+  return std::cos(0.11f * static_cast<float>(sample * (o + 1))) + 0.5f * static_cast<float>(o);
+}
+
+// Mean-squared-error gradients over samples [first, first + count), written into the grads.
+void backward(Linear& m, int first, int count) {
+  auto& w = m.params[0];
+  auto& b = m.params[1];
+  std::fill(w.grad.begin(), w.grad.end(), 0.0f);
+  std::fill(b.grad.begin(), b.grad.end(), 0.0f);
+  for (int s = first; s < first + count; ++s) {
+    for (int o = 0; o < Linear::out; ++o) {
+      float pred = b.value[static_cast<std::size_t>(o)];
+      for (int i = 0; i < Linear::in; ++i)
+        pred += w.value[static_cast<std::size_t>(o * Linear::in + i)] * feature(s, i);
+      const float err = (pred - target(s, o)) / static_cast<float>(count);
+      b.grad[static_cast<std::size_t>(o)] += err;
+      for (int i = 0; i < Linear::in; ++i)
+        w.grad[static_cast<std::size_t>(o * Linear::in + i)] += err * feature(s, i);
+    }
+  }
+}
+
+void sgd(Linear& m, float lr) {
+  for (auto& p : m.params)
+    for (std::size_t k = 0; k < p.value.size(); ++k) p.value[k] -= lr * p.grad[k];
+}
+
+constexpr int batch = 16, steps = 20;
+
+// Data-parallel training: each rank takes its slice of every global batch.
+Linear train(mp::Comm& comm, ddp::AveragerOptions options = {}) {
+  Linear m;
+  if (comm.rank() != 0) m.params[0].value.assign(m.params[0].value.size(), 9.0f);  // overwritten
+  ddp::GradientAverager avg(comm, m, options);
+  const int local = batch / comm.size();
+  for (int step = 0; step < steps; ++step) {
+    backward(m, step * batch + comm.rank() * local, local);
+    avg.mark_ready(1);  // backward produces the last parameters' gradients first
+    avg.mark_ready(0);
+    avg.synchronize();
+    sgd(m, 0.1f);
+  }
+  return m;
+}
+
+std::string bytes_of(const Linear& m) {
+  std::string s;
+  for (const auto& p : m.params)
+    s.append(reinterpret_cast<const char*>(p.value.data()), p.value.size() * sizeof(float));
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("training: data-parallel SGD equals one process with the whole batch") {
+  Linear ref;
+  for (int step = 0; step < steps; ++step) {
+    backward(ref, step * batch, batch);
+    sgd(ref, 0.1f);
+  }
+  mp::TempDir dir;
+  for (int world : {1, 2, 4}) {
+    for (int run = 0; run < 2; ++run) {
+      CAPTURE(world);
+      mp::run(world, ddp::HostTransport::shm, [&](mp::Comm& comm) {
+        // Tiny buckets: several of them, launched as the gradients become ready.
+        const Linear m = train(comm, {.bucket_bytes = 64, .first_bucket_bytes = 16});
+        for (std::size_t p = 0; p < 2; ++p) {
+          for (std::size_t k = 0; k < m.params[p].value.size(); ++k) {
+            const double a = m.params[p].value[k], b = ref.params[p].value[k];
+            MP_EXPECT(std::abs(a - b) <= 1e-6 * std::max(1.0, std::abs(b)),
+                      "parameter " << p << "[" << k << "]: " << a << " vs " << b);
+          }
+        }
+        const auto all = comm.all_gather_object(bytes_of(m));
+        for (const auto& other : all)
+          MP_EXPECT(other == all[0], "ranks ended with different models");
+        if (comm.rank() == 0)
+          mp::TempDir::write(dir.file("w" + std::to_string(world) + "r" + std::to_string(run)),
+                             all[0]);
+      });
+    }
+    // Two runs are bitwise identical.
+    CHECK(mp::TempDir::read(dir.file("w" + std::to_string(world) + "r0")) ==
+          mp::TempDir::read(dir.file("w" + std::to_string(world) + "r1")));
+    CHECK(mp::TempDir::read(dir.file("w" + std::to_string(world) + "r0")).size() ==
+          (32 + 4 + 16) * sizeof(float));
+  }
+}
+
+TEST_CASE("training: buckets, no_sync accumulation, unused parameters, mismatches") {
+  mp::run(2, ddp::HostTransport::shm, [](mp::Comm& comm) {
+    Linear m;
+    ddp::GradientAverager avg(comm, m, {.bucket_bytes = 64, .first_bucket_bytes = 16});
+    // Reverse order; a first bucket of 16 bytes holds only the unused parameter (64 bytes).
+    const auto buckets = avg.buckets();
+    MP_EXPECT(buckets.size() == 3 && buckets[0] == std::vector<std::size_t>{2} &&
+                  buckets[1] == std::vector<std::size_t>{1} &&
+                  buckets[2] == std::vector<std::size_t>{0},
+              "bucket layout");
+
+    // no_sync: two micro-batches accumulate locally, then one average equals the sum of the two
+    // global micro-batch gradients.
+    {
+      auto guard = avg.no_sync();
+      backward(m, comm.rank() * 4, 4);
+      avg.mark_ready(1);
+      avg.average();  // ignored inside no_sync
+    }
+    auto first = m.params[0].grad;
+    backward(m, 8 + comm.rank() * 4, 4);
+    for (std::size_t k = 0; k < first.size(); ++k) m.params[0].grad[k] += first[k];
+    avg.mark_ready(0);
+    avg.mark_ready(1);
+    // Parameter 2 is never marked on rank 1; rank 0 marks it with gradient 2: the average is 1.
+    if (comm.rank() == 0) {
+      m.params[2].grad.assign(16, 2.0f);
+      avg.mark_ready(2);
+    } else {
+      m.params[2].grad.assign(16, 123.0f);  // not marked: counts as zero, and gets the average
+    }
+    avg.synchronize();
+    Linear ref;
+    backward(ref, 0, 8);
+    auto g1 = ref.params[0].grad;
+    backward(ref, 8, 8);
+    for (std::size_t k = 0; k < g1.size(); ++k) {
+      const double want = static_cast<double>(g1[k]) + ref.params[0].grad[k];
+      MP_EXPECT(std::abs(m.params[0].grad[k] - want) <= 1e-6 * std::max(1.0, std::abs(want)),
+                "accumulated gradient " << k);
+    }
+    for (float g : m.params[2].grad) MP_EXPECT(g == 1.0f, "unused parameter's average " << g);
+    MP_EXPECT(!avg.found_nonfinite(), "finite gradients reported as non-finite");
+    if (comm.rank() == 1) m.params[1].grad[2] = std::nanf("");
+    avg.average();
+    MP_EXPECT(avg.found_nonfinite(), "a NaN on rank 1 not found on rank " << comm.rank());
+
+    // A rank with a different model: every rank learns which parameter differs.
+    Linear odd;
+    if (comm.rank() == 1) odd.params[1] = {std::vector<float>(5), std::vector<float>(5)};
+    try {
+      ddp::GradientAverager bad(comm, odd);
+      MP_EXPECT(false, "no error for different models");
+    } catch (const ddp::Error& e) {
+      MP_EXPECT(e.code() == ddp::Errc::mismatch, e.what());
+      MP_EXPECT(std::string(e.what()).find(
+                    "parameter 1 has 4 elements on rank 0 but 5 on rank 1") != std::string::npos,
+                e.what());
+    }
+  });
+}
+
+TEST_CASE("training: compressed gradients stay within float16 and bfloat16 rounding") {
+  // Linear's small gradients share a bucket; the extra large one is averaged in place.
+  for (auto c : {ddp::Compression::float16, ddp::Compression::bfloat16}) {
+    for (auto transport : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
+      mp::run(3, transport, [c](mp::Comm& comm) {
+        Linear m;
+        m.params.push_back({std::vector<float>(70000), std::vector<float>(70000)});
+        ddp::GradientAverager avg(comm, m, {.compression = c});
+        const auto value = [](int rank, std::size_t k) {
+          return 0.5f + 0.499f * std::sin(static_cast<float>(k) * 1.7f + static_cast<float>(rank));
+        };
+        const std::size_t params = m.params.size();
+        for (std::size_t p = 0; p < params; ++p)
+          for (std::size_t k = 0; k < m.params[p].grad.size(); ++k)
+            m.params[p].grad[k] = value(comm.rank(), k + p * 100);
+        avg.average();
+        // Each value is rounded once going out and the average once coming back.
+        const double ulp =
+            c == ddp::Compression::float16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+        for (std::size_t p = 0; p < params; ++p) {
+          double worst = 0;
+          for (std::size_t k = 0; k < m.params[p].grad.size(); ++k) {
+            double exact = 0;
+            for (int r = 0; r < comm.size(); ++r) exact += value(r, k + p * 100);
+            exact /= comm.size();
+            const double err = std::abs(m.params[p].grad[k] - exact) / exact;
+            MP_EXPECT(err <= 2 * ulp, "relative error " << err << " at " << p << "[" << k << "]");
+            worst = std::max(worst, err);
+          }
+          MP_EXPECT(worst > 0, "parameter " << p << " was not compressed (no rounding at all)");
+        }
+      });
+    }
+  }
+}
+
+TEST_CASE("training: buffers reallocated between steps are found again, resizing is refused") {
+  mp::run(2, ddp::HostTransport::shm, [](mp::Comm& comm) {
+    Linear m;
+    ddp::GradientAverager avg(comm, m);
+    for (int step = 0; step < 3; ++step) {
+      m.params[1].grad =
+          std::vector<float>(4, static_cast<float>(comm.rank() + step));  // new buffer
+      avg.average();
+      for (float g : m.params[1].grad)
+        MP_EXPECT(g == 0.5f + static_cast<float>(step), "step " << step << ": " << g);
+    }
+    m.params[1].grad.resize(5);
+    try {
+      avg.average();
+      MP_EXPECT(false, "a resized gradient was accepted");
+    } catch (const ddp::Error& e) {
+      MP_EXPECT(std::string(e.what()).find("parameter 1 now has 4 values and 5 gradients") !=
+                    std::string::npos,
+                e.what());
+    }
+  });
+}
