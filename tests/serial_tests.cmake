@@ -16,5 +16,5 @@ foreach(_t IN ITEMS
     "rank 0 hosts the store: a rank killed in the rendezvous, or rank 0 itself stopped"
     "a rank out of file descriptors anywhere in init: every rank fails at once, named"
     "a communicator destroyed with async work outstanding finishes it, then leaves")
-  set_tests_properties("unit: ${_t}" PROPERTIES RUN_SERIAL TRUE)
+  set_tests_properties("unit:${_t}" PROPERTIES RUN_SERIAL TRUE)  # doctest_discover_tests drops the prefix's space
 endforeach()

@@ -138,10 +138,10 @@ inline bool world_selected(int w) {
   return list.find("," + std::to_string(w) + ",") != std::string::npos;
 }
 
-/// Runs body over every world size and both transports, and over two hosts for 3 and 4 ranks.
-inline void each_world(const std::function<void(Comm&)>& body,
-                       std::vector<int> worlds = {1, 2, 3, 4}) {
-  for (const Path& t : paths()) {
+/// Runs body over every world size on each of `on` (two hosts: 3 and 4 ranks only).
+inline void each_world_on(const std::vector<Path>& on, const std::function<void(Comm&)>& body,
+                          const std::vector<int>& worlds = {1, 2, 3, 4}) {
+  for (const Path& t : on) {
     for (int w : worlds) {
       if (t.hosts > 1 && w < 3) continue;
       if (!world_selected(w)) continue;
@@ -149,6 +149,12 @@ inline void each_world(const std::function<void(Comm&)>& body,
       run(w, t, body);
     }
   }
+}
+
+/// Runs body over every world size and both transports, and over two hosts for 3 and 4 ranks.
+inline void each_world(const std::function<void(Comm&)>& body,
+                       const std::vector<int>& worlds = {1, 2, 3, 4}) {
+  each_world_on(paths(), body, worlds);
 }
 
 /// A scratch directory for results that children report to the parent.
