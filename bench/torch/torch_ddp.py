@@ -70,7 +70,7 @@ def store_port():
     """A free port below the kernel's ephemeral range. A port from bind(0) lies inside it, and a
     rank that connects before rank 0's TCPStore listens can then be given that very port as its
     own source port: the socket connects to itself (TCP simultaneous open), and the rank hangs at
-    100% CPU talking to itself -- the intermittent hang this benchmark used to meet."""
+    100% CPU talking to itself (an intermittent hang)."""
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         low = int(f.read().split()[0])
     rng = random.Random()

@@ -15,9 +15,11 @@
 ///  * every call has a timeout, and waits are enforced by the server, so a client is never left
 ///    reading a late reply.
 ///
-/// The parts: ddp/store/protocol.hpp (StoreOptions, frames), ddp/store/server.hpp
-/// (detail::StoreEngine, StoreServer) and ddp/store/client.hpp (Store); this header includes all
-/// three.
+/// The parts: ddp/store/protocol.hpp (StoreOptions, frames), ddp/store/engine.hpp
+/// (detail::StoreEngine: the server's logic without I/O, fuzzed), ddp/store/server.hpp
+/// (StoreServer) and ddp/store/client.hpp (Store). This header includes them all, for programs
+/// that use the store on its own; this comment is the store's security design, which the parts
+/// refer to.
 
 #include "ddp/store/client.hpp"
 #include "ddp/store/protocol.hpp"

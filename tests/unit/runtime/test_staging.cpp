@@ -1,5 +1,5 @@
 // The staging pipeline that runs collectives on CUDA buffers over host-memory backends
-// (detail/staging.hpp), driven here by a copier that copies with memcpy and checks the rules a
+// (runtime/staging.hpp), driven here by a copier that copies with memcpy and checks the rules a
 // real one relies on: no slot resized or refilled while a copy into or out of it is pending,
 // every fetch waited for before its data is used. The CUDA copier itself is tested on a GPU
 // (tests/cuda/test_host_staging.cpp).
