@@ -42,13 +42,14 @@
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace {
 
 struct Config {
   std::string nproc = "1";
-  int nnodes = 1;
+  std::string nnodes = "1";
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
@@ -66,6 +67,15 @@ struct Config {
   std::string redirects;
   std::string tee;
   std::string local_ranks_filter;
+  // torchrun's other flags: honoured where they mean something for ddprun, else noted.
+  std::string rdzv_backend = "static";
+  std::string rdzv_id;
+  std::string rdzv_conf;
+  std::string role = "default";
+  std::string prefix_template;
+  double shutdown_timeout = -1;
+  bool run_path = false;
+  std::vector<std::string> notes;  // "--flag value: why it changes nothing here"
   std::vector<std::string> command;
 };
 
@@ -93,6 +103,57 @@ int resolve_nproc(const std::string& spec) {
   return n;
 }
 
+/// --nnodes N, or torchrun's MIN:MAX range (the same number twice: a fixed count).
+int parse_nnodes(const std::string& spec) {
+  const auto number = [&](std::string_view t) {
+    int n = 0;
+    const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), n);
+    if (ec != std::errc{} || end != t.data() + t.size() || n < 1 || n > 65536)
+      die(2, fmt::format("--nnodes: expected a number of nodes from 1 to 65536, or MIN:MAX; got "
+                         "\"{}\"",
+                         spec));
+    return n;
+  };
+  const auto colon = spec.find(':');
+  if (colon == std::string::npos) return number(spec);
+  const int lo = number(std::string_view(spec).substr(0, colon));
+  const int hi = number(std::string_view(spec).substr(colon + 1));
+  if (lo != hi)
+    die(2, fmt::format("--nnodes {}: a range of node counts (torchrun's elastic membership) is not "
+                       "supported: ddprun starts a fixed number of nodes; give one number, e.g. "
+                       "--nnodes {}",
+                       spec, hi));
+  return lo;
+}
+
+/// --rdzv-conf key=value,...: join_timeout is honoured (seconds); torchrun's other keys are
+/// noted; anything that is not key=value is refused.
+void apply_rdzv_conf(Config& cfg) {
+  std::string_view rest = cfg.rdzv_conf;
+  while (!rest.empty()) {
+    const auto comma = std::min(rest.find(','), rest.size());
+    const std::string_view item = rest.substr(0, comma);
+    rest = comma < rest.size() ? rest.substr(comma + 1) : std::string_view{};
+    const auto eq = item.find('=');
+    if (eq == std::string_view::npos || eq == 0)
+      die(2, fmt::format("--rdzv-conf: expected key=value,...; got \"{}\"", cfg.rdzv_conf));
+    const std::string key(item.substr(0, eq));
+    const std::string value(item.substr(eq + 1));
+    if (key == "join_timeout" || key == "timeout") {
+      double t = 0;
+      const auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), t);
+      if (ec != std::errc{} || end != value.data() + value.size() || t <= 0)
+        die(2, fmt::format("--rdzv-conf {}: expected seconds, got \"{}\"", key, value));
+      cfg.join_timeout = t;
+    } else {
+      cfg.notes.push_back(
+          fmt::format("--rdzv-conf {}={}: ddprun's rendezvous has no such setting "
+                      "(join_timeout is the one it takes)",
+                      key, value));
+    }
+  }
+}
+
 std::chrono::milliseconds millis(double seconds) {
   return std::chrono::milliseconds(static_cast<long long>(seconds * 1000));
 }
@@ -110,8 +171,8 @@ int main(int argc, char** argv) {
                  "workers on this node: a number, gpu (visible CUDA devices), cpu (usable CPUs) "
                  "or auto (gpu when there are GPUs, else cpu)")
       ->capture_default_str();
-  app.add_option("--nnodes", cfg.nnodes, "number of nodes")
-      ->check(CLI::Range(1, 65536))
+  app.add_option("--nnodes", cfg.nnodes,
+                 "number of nodes (torchrun's MIN:MAX is taken when MIN and MAX are equal)")
       ->capture_default_str();
   app.add_option("--node-rank,--node_rank", cfg.node_rank, "this node's rank, 0 to nnodes-1")
       ->check(CLI::NonNegativeNumber)
@@ -166,6 +227,61 @@ int main(int argc, char** argv) {
   app.add_option("--local-ranks-filter,--local_ranks_filter", cfg.local_ranks_filter,
                  "show only these local ranks' output on the console, e.g. 0 or 0,2 (the log "
                  "files still get everything)");
+  // The rest of torchrun 2.x's command line, so that launch scripts run unchanged.
+  app.add_option("--rdzv-backend,--rdzv_backend", cfg.rdzv_backend,
+                 "static or c10d (the same here: node 0's ddprun hosts the rendezvous store at "
+                 "--rdzv-endpoint or --master-addr:--master-port); etcd is not supported")
+      ->capture_default_str();
+  app.add_option("--rdzv-id,--rdzv_id", cfg.rdzv_id,
+                 "the job's name: the workers' TORCHELASTIC_RUN_ID");
+  app.add_option("--rdzv-conf,--rdzv_conf", cfg.rdzv_conf,
+                 "key=value,...: join_timeout (seconds, as --join-timeout); other keys are noted");
+  app.add_option("--role", cfg.role, "the workers' ROLE_NAME")->capture_default_str();
+  app.add_option("--log-line-prefix-template,--log_line_prefix_template", cfg.prefix_template,
+                 "prefix of each output line instead of [rRANK]: ${role_name}, ${local_rank}, "
+                 "${rank} and ${hostname} are replaced");
+  app.add_option("--shutdown-timeout,--shutdown_timeout", cfg.shutdown_timeout,
+                 "as --grace: seconds between SIGTERM and SIGKILL when stopping workers")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--run-path,--run_path", cfg.run_path,
+               "torchrun runs the script in its own interpreter; ddprun runs it with python3");
+  // Accepted, and noted once on stderr: they describe how torchrun's Python agent works.
+  const auto noted = [&](const std::string& names, const std::string& why, bool flag = false) {
+    const std::string first = names.substr(0, names.find(','));
+    if (flag) {
+      app.add_flag_callback(
+             names, [&cfg, first, why] { cfg.notes.push_back(first + ": " + why); },
+             "accepted for torchrun's command lines: " + why)
+          ->group("torchrun's flags that change nothing here");
+    } else {
+      app.add_option_function<std::string>(
+             names,
+             [&cfg, first, why](const std::string& v) {
+               cfg.notes.push_back(first + " " + v + ": " + why);
+             },
+             "accepted for torchrun's command lines: " + why)
+          ->group("torchrun's flags that change nothing here");
+    }
+  };
+  noted("--monitor-interval,--monitor_interval",
+        "ddprun learns of a worker's exit at once (it waits on its workers; nothing is polled)");
+  noted("--start-method,--start_method",
+        "workers are programs of their own, started with fork and exec");
+  noted("--event-log-handler,--event_log_handler", "ddprun logs no elastic events");
+  noted("--local-addr,--local_addr",
+        "the workers reach node 0 at --master-addr; the kernel picks the local address");
+  noted("--logs-specs,--logs_specs",
+        "a Python entry point; ddprun's logs go to --log-dir/attempt_K/rank_R.log");
+  noted("--duplicate-stdout-filters,--duplicate_stdout_filters",
+        "use --log-dir and grep the log files");
+  noted("--duplicate-stderr-filters,--duplicate_stderr_filters",
+        "use --log-dir and grep the log files");
+  noted("--numa-binding,--numa_binding", "ddprun does not bind workers to CPUs (use numactl)");
+  noted("--signals-to-handle,--signals_to_handle",
+        "ddprun forwards SIGINT, SIGTERM and SIGHUP to every worker");
+  noted("--virtual-local-rank,--virtual_local_rank",
+        "each worker gets its own LOCAL_RANK; CUDA_VISIBLE_DEVICES is left as it is", true);
+  app.set_version_flag("--version", fmt::format("ddprun (ddp {})", DDP_VERSION_STRING));
   app.prefix_command();  // everything from the program on belongs to it
   app.footer(
       "Output lines are prefixed with [rRANK] and never interleave. Exit status: 0, or the "
@@ -178,6 +294,20 @@ int main(int argc, char** argv) {
   if (cfg.command.empty()) die(2, "no program given: ddprun [OPTIONS] program [args...]");
   if (cfg.command.front().starts_with("-"))
     die(2, fmt::format("unknown option {} (see ddprun --help)", cfg.command.front()));
+  const int nnodes = parse_nnodes(cfg.nnodes);
+  if (cfg.rdzv_backend != "static" && cfg.rdzv_backend != "c10d")
+    die(2, fmt::format("--rdzv-backend {}: {}; ddprun's rendezvous is its own store on node 0 "
+                       "(like c10d's): use c10d or static, with --rdzv-endpoint HOST:PORT",
+                       cfg.rdzv_backend,
+                       cfg.rdzv_backend.starts_with("etcd") ? "etcd is not supported"
+                                                            : "unknown rendezvous backend"));
+  apply_rdzv_conf(cfg);
+  if (cfg.shutdown_timeout >= 0) cfg.grace = cfg.shutdown_timeout;
+  if (cfg.run_path)
+    cfg.notes.emplace_back(
+        "--run-path: the script runs with python3 (or $PYTHON), not in "
+        "ddprun's own interpreter");
+  for (const std::string& note : cfg.notes) fmt::print(stderr, "ddprun: note: {}\n", note);
 
   if (!cfg.rdzv_endpoint.empty()) {  // HOST:PORT, or [IPv6]:PORT
     const auto colon = cfg.rdzv_endpoint.rfind(':');
@@ -199,17 +329,19 @@ int main(int argc, char** argv) {
     if (cfg.module) run.emplace_back("-m");
     cfg.command.insert(cfg.command.begin(), run.begin(), run.end());
   }
-  if (cfg.node_rank >= cfg.nnodes)
-    die(2,
-        fmt::format("--node-rank {} is out of range: --nnodes is {}", cfg.node_rank, cfg.nnodes));
+  if (cfg.node_rank >= nnodes)
+    die(2, fmt::format("--node-rank {} is out of range: --nnodes is {}", cfg.node_rank, nnodes));
   if (cfg.standalone) {
-    if (cfg.nnodes != 1) die(2, "--standalone runs a single node; drop --nnodes");
+    if (nnodes != 1) die(2, "--standalone runs a single node; drop --nnodes");
     cfg.master_addr = "127.0.0.1";
   }
   ddp::LaunchOptions o;
   o.nproc_per_node = resolve_nproc(cfg.nproc);
-  o.nnodes = cfg.nnodes;
-  o.node_rank = cfg.node_rank;
+  o.nnodes = nnodes;
+  // c10d without --node-rank: numbered on arrival, node 0 being the one at the endpoint.
+  o.node_rank = cfg.rdzv_backend == "c10d" && nnodes > 1 && app.count("--node-rank") == 0
+                    ? -1
+                    : cfg.node_rank;
   o.master_addr = cfg.master_addr;
   o.master_port = cfg.standalone ? 0 : cfg.master_port;
   o.max_restarts = cfg.max_restarts;
@@ -233,6 +365,9 @@ int main(int argc, char** argv) {
     at = comma + 1;
   }
   o.prefix_output = !cfg.no_prefix;
+  o.prefix_template = cfg.prefix_template;
+  o.role = cfg.role;
+  if (!cfg.rdzv_id.empty()) o.run_id = cfg.rdzv_id;
   o.grace = millis(cfg.grace);
   o.join_timeout = millis(cfg.join_timeout);
   o.command = cfg.command;
@@ -240,6 +375,7 @@ int main(int argc, char** argv) {
     return ddp::launch(o);
   } catch (const ddp::Error& e) {
     die(e.code() == ddp::Errc::invalid_argument ? 2 : 1,
-        fmt::format("node {}: {}", cfg.node_rank, e.what()));
+        o.node_rank < 0 ? std::string(e.what())
+                        : fmt::format("node {}: {}", o.node_rank, e.what()));
   }
 }

@@ -53,7 +53,9 @@ struct LaunchOptions {
   /// Workers on this node.
   int nproc_per_node = 1;
   int nnodes = 1;
-  /// This node's index; node 0 hosts the rendezvous store.
+  /// This node's index; node 0 hosts the rendezvous store. -1: given on arrival, as torchrun's
+  /// c10d rendezvous does: the launcher that can listen at master_addr:master_port hosts the
+  /// store and is node 0, the others are numbered 1, 2, ... in the order they join.
   int node_rank = 0;
   /// Where node 0's store listens (it binds this address only) and the workers connect.
   std::string master_addr = "127.0.0.1";
@@ -86,8 +88,14 @@ struct LaunchOptions {
   /// When not empty, only these local ranks' output is shown on the console (all of it is still
   /// written to the log files): torchrun's --local-ranks-filter.
   std::vector<int> local_ranks_filter;
-  /// Prefix each output line with "[rR] ".
+  /// Prefix each output line with "[rR] ", or with `prefix_template` when it is not empty.
   bool prefix_output = true;
+  /// torchrun's --log-line-prefix-template: ${role_name}, ${local_rank}, ${rank} and
+  /// ${hostname} are replaced; anything else is kept as written.
+  std::string prefix_template;
+  /// The workers' ROLE_NAME (torchrun's --role) and TORCHELASTIC_RUN_ID (--rdzv-id).
+  std::string role = "default";
+  std::string run_id = "none";
   /// Between SIGTERM and SIGKILL when stopping workers.
   std::chrono::milliseconds grace{std::chrono::seconds(5)};
   /// How long to wait for every node to join (and, after a failure, for the others to stop).
@@ -365,7 +373,8 @@ class LaunchAgent {
     if (o_.nproc_per_node < 1)
       fail(Errc::invalid_argument, "launch: nproc_per_node must be at least 1, got ",
            o_.nproc_per_node);
-    if (o_.nnodes < 1 || o_.node_rank < 0 || o_.node_rank >= o_.nnodes)
+    if (o_.node_rank == -1 && o_.nnodes == 1) o_.node_rank = 0;
+    if (o_.nnodes < 1 || o_.node_rank < -1 || o_.node_rank >= o_.nnodes)
       fail(Errc::invalid_argument, "launch: node rank ", o_.node_rank, " is out of range (",
            o_.nnodes, " node", o_.nnodes == 1 ? "" : "s", ")");
     if (o_.master_port == 0 && o_.nnodes > 1)
@@ -416,7 +425,15 @@ class LaunchAgent {
     so.token = EnvReader().get("DDP_TOKEN");
     so.timeout = o_.join_timeout;
     port_ = o_.master_port;
-    if (o_.node_rank == 0) {
+    if (o_.node_rank ==
+        -1) {  // the launcher that can listen there is node 0; the others are clients
+      try {
+        server_ = std::make_unique<StoreServer>(o_.master_addr, port_, so);
+        o_.node_rank = 0;
+      } catch (const Error& e) {  // in use (node 0 is there) or not an address of this machine
+        if (e.code() != Errc::address_in_use && e.code() != Errc::system) throw;
+      }
+    } else if (o_.node_rank == 0) {
       try {
         server_ = std::make_unique<StoreServer>(o_.master_addr, port_, so);
       } catch (const Error& e) {
@@ -430,6 +447,14 @@ class LaunchAgent {
       port_ = server_->port();
     }
     store_ = std::make_unique<Store>(Store(o_.master_addr, port_, so).prefixed("ddprun/"));
+    if (o_.node_rank == -1) {
+      const std::int64_t n = store_->add("arrived", 1);
+      if (n >= o_.nnodes)
+        fail(Errc::invalid_argument, "more launchers than --nnodes ", o_.nnodes,
+             " joined the rendezvous at ", host_port(o_.master_addr, port_),
+             " (is another job using it?)");
+      o_.node_rank = static_cast<int>(n);
+    }
     join();
     prepare_dirs();
     LaunchFailure f;
@@ -620,6 +645,31 @@ class LaunchAgent {
     }
   }
 
+  /// prefix_template with its macros replaced for worker `w`.
+  [[nodiscard]] std::string line_prefix(const Worker& w) const {
+    char host[256] = {};
+    (void)::gethostname(host, sizeof host - 1);
+    const std::pair<std::string_view, std::string> macros[] = {
+        {"${role_name}", o_.role},
+        {"${local_rank}", std::to_string(w.local_rank)},
+        {"${rank}", std::to_string(w.rank)},
+        {"${hostname}", host}};
+    std::string out;
+    for (std::size_t i = 0; i < o_.prefix_template.size();) {
+      bool replaced = false;
+      for (const auto& [name, value] : macros) {
+        if (std::string_view(o_.prefix_template).substr(i).starts_with(name)) {
+          out += value;
+          i += name.size();
+          replaced = true;
+          break;
+        }
+      }
+      if (!replaced) out += o_.prefix_template[i++];
+    }
+    return out;
+  }
+
   [[nodiscard]] std::vector<std::string> worker_env(const Worker& w, int attempt) const {
     static constexpr const char* ours[] = {"RANK",
                                            "WORLD_SIZE",
@@ -655,9 +705,9 @@ class LaunchAgent {
     env.push_back(concat("LOCAL_WORLD_SIZE=", o_.nproc_per_node));
     env.push_back(concat("NODE_RANK=", o_.node_rank));
     env.push_back(concat("GROUP_RANK=", o_.node_rank));
-    // What torchrun also sets, for programs that read it: one role ("default") spanning the job.
+    // What torchrun also sets, for programs that read it: one role spanning the job.
     env.push_back(concat("GROUP_WORLD_SIZE=", o_.nnodes));
-    env.push_back("ROLE_NAME=default");
+    env.push_back("ROLE_NAME=" + o_.role);
     env.push_back(concat("ROLE_RANK=", w.rank));
     env.push_back(concat("ROLE_WORLD_SIZE=", world_));
     env.push_back(concat("MASTER_ADDR=", o_.master_addr));
@@ -671,7 +721,7 @@ class LaunchAgent {
     env.push_back(concat("DDP_RESTART_COUNT=", attempt));
     env.push_back(concat("TORCHELASTIC_RESTART_COUNT=", attempt));
     env.push_back(concat("TORCHELASTIC_MAX_RESTARTS=", o_.max_restarts));
-    env.push_back("TORCHELASTIC_RUN_ID=none");  // torchrun's default --rdzv-id
+    env.push_back("TORCHELASTIC_RUN_ID=" + o_.run_id);
     if (guardian_) env.push_back(guardian_->tag());
     if (std::getenv("OMP_NUM_THREADS") == nullptr && o_.nproc_per_node > 1)
       env.emplace_back("OMP_NUM_THREADS=1");
@@ -740,7 +790,9 @@ class LaunchAgent {
     w.pid = pid;
     w.running = true;
     w.started = Clock::now();
-    w.prefix = o_.prefix_output ? concat("[r", w.rank, "] ") : std::string();
+    w.prefix = !o_.prefix_output            ? std::string()
+               : o_.prefix_template.empty() ? concat("[r", w.rank, "] ")
+                                            : line_prefix(w);
     if (piped) {
       for (int s = 0; s < 2; ++s) {
         ::close(out[s][1]);

@@ -632,6 +632,13 @@ class SingleNode(Base):
              "--local-ranks-filter: local rank 3 does not exist"),
             (["--standalone", "--local_ranks_filter", "0,a", "true"],
              'expected local ranks like 0 or 0,2; got "0,a"'),
+            (["--nnodes", "1:2", "true"], "--nnodes 1:2: a range of node counts (torchrun's "
+             "elastic membership) is not supported"),
+            (["--nnodes", "0", "true"], 'expected a number of nodes from 1 to 65536, or MIN:MAX'),
+            (["--rdzv_backend=etcd", "true"], "--rdzv-backend etcd: etcd is not supported"),
+            (["--rdzv-backend", "zk", "true"], "--rdzv-backend zk: unknown rendezvous backend"),
+            (["--rdzv-conf", "join_timeout", "true"], 'expected key=value,...; got "join_timeout"'),
+            (["--rdzv-conf", "join_timeout=-1", "true"], 'expected seconds, got "-1"'),
         ]
         for args, message in cases:
             r = ddprun(*args)
@@ -657,6 +664,94 @@ class SingleNode(Base):
                    1, "true")
         self.assertEqual(r.returncode, 1)
         self.assertIn("1/2 nodes joined within 1.0 s; missing node 1 (start ddprun on every node", r.stderr)
+
+
+class TorchrunCommandLines(Base):
+    """Launch lines written for torchrun 2.x, run unchanged but for the program: torchrun's every
+    flag is taken, honoured where it means something here and noted on stderr where not."""
+
+    LINES = [
+        "--standalone --nnodes=1 --nproc-per-node=2",
+        "--nnodes=1 --nproc_per_node=2 --rdzv_id=job42 --rdzv_backend=c10d "
+        "--rdzv_endpoint=127.0.0.1:{port}",
+        "--nnodes 1:1 --nproc-per-node 2 --rdzv-backend static --master-addr 127.0.0.1 "
+        "--master-port {port} --node-rank 0",
+        "--nnodes=1 --node_rank=0 --master_addr=127.0.0.1 --master_port={port} "
+        "--nproc_per_node=2 --max_restarts=0 --monitor_interval=5 --start_method=spawn",
+        "--standalone --nproc-per-node 2 --role trainer --rdzv-conf join_timeout=60,read_timeout=120 "
+        "--local-addr 127.0.0.1 --logs-specs default --shutdown-timeout 5 "
+        "--signals-to-handle SIGTERM,SIGINT,SIGUSR1 --virtual-local-rank "
+        "--event-log-handler null --numa-binding node --run-path",
+        "--standalone --nproc_per_node=2 --log_dir={dir}/logs --tee=3 --local_ranks_filter=0,1 "
+        "--duplicate-stdout-filters=x --duplicate_stderr_filters=y",
+    ]
+
+    def check_two_ranks(self, r, line):
+        self.assertEqual(r.returncode, 0, (line, r.stderr))
+        lines = sorted(r.stdout.splitlines())
+        self.assertEqual(len(lines), 2, (line, r.stdout))
+        for rank, out in enumerate(lines):
+            self.assertRegex(out, rf"^\[r{rank}\] rank {rank}/2 local {rank}/2 node 0 launcher "
+                                  r"ddprun transport shm restart 0 sum ok$")
+
+    def test_real_world_lines_run_unchanged(self):
+        for line in self.LINES:
+            args = line.format(port=free_port(), dir=self.dir).split()
+            r = ddprun(*args, WORKER, "allreduce")
+            self.check_two_ranks(r, line)
+            for flag in ("--monitor-interval", "--start-method", "--local-addr", "--logs-specs",
+                         "--signals-to-handle", "--virtual-local-rank", "--event-log-handler",
+                         "--numa-binding", "--run-path", "--duplicate-stdout-filters",
+                         "--duplicate-stderr-filters"):
+                if flag in line or flag.replace("-", "_")[2:] in line:
+                    self.assertIn(f"ddprun: note: {flag}", r.stderr, (line, flag))
+            if "read_timeout" in line:
+                self.assertIn("ddprun: note: --rdzv-conf read_timeout=120", r.stderr)
+
+    def test_role_run_id_and_line_prefix_reach_the_workers(self):
+        r = ddprun("--standalone", "--nproc-per-node", 2, "--role", "trainer", "--rdzv-id", "job7",
+                   "--log-line-prefix-template", "${role_name}/${local_rank}/${rank}@${hostname}: ",
+                   "sh", "-c", 'echo "$ROLE_NAME $TORCHELASTIC_RUN_ID"')
+        self.assertEqual(r.returncode, 0, r.stderr)
+        host = socket.gethostname()
+        self.assertEqual(sorted(r.stdout.splitlines()),
+                         [f"trainer/0/0@{host}: trainer job7", f"trainer/1/1@{host}: trainer job7"])
+
+    def test_version(self):
+        r = ddprun("--version")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertRegex(r.stdout, r"^ddprun \(ddp \d+\.\d+\.\d+\)")
+
+    def test_c10d_nodes_numbered_on_arrival(self):
+        # torchrun's multi-node line has no --node-rank: the launcher that can listen at the
+        # endpoint is node 0, the others are numbered as they join (here node 1 starts first).
+        port = free_port()
+        line = ["--nnodes=2", "--nproc_per_node=2", "--rdzv_id=100", "--rdzv_backend=c10d",
+                f"--rdzv_endpoint=127.0.0.1:{port}", WORKER, "allreduce"]
+        first = subprocess.Popen([DDPRUN, *line], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True)
+        time.sleep(0.3)
+        second = ddprun(*line)
+        out, err = first.communicate(timeout=LIMIT)
+        self.assertEqual((first.returncode, second.returncode), (0, 0), err + second.stderr)
+        lines = sorted((out + second.stdout).splitlines())
+        self.assertEqual(len(lines), 4, lines)
+        for rank, text in enumerate(lines):
+            # "local" is the communicator's: one machine, so 4 ranks share it.
+            self.assertRegex(text, rf"^\[r{rank}\] rank {rank}/4 local {rank}/4 "
+                                   rf"node {rank // 2} launcher ddprun transport shm .*sum ok$")
+
+    def test_a_third_launcher_is_refused(self):
+        port = free_port()
+        line = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", "--join-timeout", "5",
+                f"--rdzv_endpoint=127.0.0.1:{port}", WORKER, "allreduce"]
+        procs = [subprocess.Popen([DDPRUN, *line], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(3)]
+        results = [p.communicate(timeout=LIMIT) for p in procs]
+        codes = sorted(p.returncode for p in procs)
+        self.assertEqual(codes, [0, 0, 2], results)
+        self.assertTrue(any("more launchers than --nnodes 2 joined the rendezvous" in e
+                            for _, e in results), results)
 
 
 class OtherLaunchers(Base):
@@ -941,6 +1036,13 @@ class Namespaces:
         for ns in self.names:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
+    def start_c10d(self, node, port, *args):
+        """torchrun's multi-node line: no --node-rank, the c10d endpoint on node 0's address."""
+        return subprocess.Popen(
+            ["ip", "netns", "exec", self.names[node], DDPRUN, "--nnodes=2", "--nproc_per_node=2",
+             "--rdzv_id=7", "--rdzv_backend=c10d", f"--rdzv_endpoint={self.addrs[0]}:{port}",
+             *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
     def start(self, node, port, *args):
         return subprocess.Popen(
             ["ip", "netns", "exec", self.names[node], DDPRUN, "--nnodes", "2", "--node-rank",
@@ -1038,6 +1140,24 @@ class MultiNode(Base):
             self.assertRegex(line, rf"^\[r{rank}\] rank {rank}/4 local {rank % 2}/2 node {rank // 2} "
                                    r"launcher ddprun transport tcp hierarchy slices restart 0 "
                                    r"sum ok$")
+
+    def test_torchrun_c10d_line_without_node_ranks(self):
+        # Node 1 starts first: it cannot listen at node 0's address, so it joins as a client
+        # and waits; node 0's launcher hosts the store and is node 0.
+        with Namespaces() as ns:
+            port = 29615
+            p1 = ns.start_c10d(1, port, WORKER, "allreduce")
+            time.sleep(0.5)
+            p0 = ns.start_c10d(0, port, WORKER, "allreduce")
+            out0, err0 = p0.communicate(timeout=LIMIT)
+            out1, err1 = p1.communicate(timeout=LIMIT)
+        self.assertEqual((p0.returncode, p1.returncode), (0, 0), err0 + err1)
+        lines = sorted((out0 + out1).splitlines())
+        self.assertEqual(len(lines), 4, lines)
+        for rank, line in enumerate(lines):
+            self.assertRegex(line, rf"^\[r{rank}\] rank {rank}/4 local {rank % 2}/2 node {rank // 2} "
+                                   r"launcher ddprun transport tcp ")
+        self.assertEqual([l for l in out0.splitlines() if "node 1" in l], [])
 
     def test_failure_on_one_node_stops_the_other(self):
         with Namespaces() as ns:
