@@ -5,7 +5,6 @@
 #include "failure_helpers.hpp"
 #include "multiprocess.hpp"
 
-#include <dirent.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
 #include <signal.h>
@@ -159,19 +158,8 @@ TEST_CASE("shm single copy: ranks that disagree fail at init, or on counts with 
   }
 }
 
-namespace {
-std::size_t ddp_shm_names() {
-  std::size_t n = 0;
-  if (DIR* d = ::opendir("/dev/shm")) {
-    while (const dirent* e = ::readdir(d)) n += std::string(e->d_name).rfind("ddp-", 0) == 0;
-    ::closedir(d);
-  }
-  return n;
-}
-}  // namespace
-
 TEST_CASE("rank 0 killed while setting up a large shared-memory segment leaves nothing behind") {
-  const std::size_t names_before = ddp_shm_names();
+  const std::size_t names_before = our_shm_entries().size();
   std::mt19937 rng(7);
   for (int run = 0; run < 3; ++run) {
     CAPTURE(run);
@@ -202,7 +190,7 @@ TEST_CASE("rank 0 killed while setting up a large shared-memory segment leaves n
     for (pid_t p : ranks) ::waitpid(p, nullptr, 0);
     CHECK(mp::ms_since(t0) < 15000);
   }
-  CHECK(ddp_shm_names() == names_before);
+  CHECK(our_shm_entries().size() == names_before);
 }
 
 TEST_CASE("100 runs with a random rank SIGKILLed leave no /dev/shm entry and no process") {
