@@ -87,6 +87,32 @@ class ByHand(Base):
         self.assertIn("rank 1: rendezvous store at", err)
         self.assertIn("is not a ddp store", err)
 
+    def test_a_taken_store_port_names_ddps_store_and_the_variable(self):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            port = s.getsockname()[1]
+            cases = [
+                ({}, port, [f"takes MASTER_PORT = {port};", "or choose another MASTER_PORT"]),
+                # torchrun's agent serves its store on MASTER_PORT: ddp's takes the next port.
+                ({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "none"},
+                 port - 1, [f"takes MASTER_PORT + 1 = {port} under torchrun (torchrun's agent "
+                            f"serves its own store on MASTER_PORT {port - 1})"]),
+                ({"DDP_STORE_PORT": str(port)}, port - 2, [f"takes DDP_STORE_PORT = {port};"]),
+            ]
+            for env, master_port, needles in cases:
+                with self.subTest(env=env):
+                    p = start_rank(0, 2, master_port, "allreduce", env=env, timeout_s=10)
+                    _, err = p.communicate(timeout=LIMIT)
+                    self.assertNotEqual(p.returncode, 0, err)
+                    self.assertIn(f"rank 0: cannot host ddp's rendezvous store at 127.0.0.1:{port}: "
+                                  "the port is in use", err)
+                    self.assertIn("Set DDP_STORE_PORT to a free port (the same on every rank)", err)
+                    for needle in needles:
+                        self.assertIn(needle, err)
+                    if env:
+                        self.assertNotIn("choose another MASTER_PORT", err)
+
     def test_a_rank_started_twice_is_named_and_the_job_is_unharmed(self):
         for world, ranks in ((2, [0, 1, 1]), (3, [0, 1, 1, 2])):
             with self.subTest(ranks=ranks):

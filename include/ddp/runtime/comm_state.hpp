@@ -44,6 +44,16 @@
 DDP_BEGIN_NAMESPACE
 namespace detail {
 
+/// Where a job's store port `port` comes from, for the message when it is taken.
+[[nodiscard]] inline std::string store_port_source(const Environment& env, int port) {
+  if (port == env.master_port) return concat("takes MASTER_PORT = ", port);
+  if (env.launcher == "torchrun" && port == env.master_port + 1)
+    return concat("takes MASTER_PORT + 1 = ", port,
+                  " under torchrun (torchrun's agent serves its own store on MASTER_PORT ",
+                  env.master_port, ")");
+  return concat("takes DDP_STORE_PORT = ", port);
+}
+
 struct CommState {
   CommState() = default;
   CommState(const CommState&) = delete;
@@ -105,8 +115,12 @@ struct CommState {
         server = std::make_unique<StoreServer>(env.master_addr, store_port, so);
       } catch (const Error& e) {
         if (e.code() != Errc::address_in_use) throw;
-        fail(Errc::address_in_use, "rank 0: cannot host the rendezvous store: ", e.what(),
-             " (or a second process was started with RANK=0)");
+        fail(Errc::address_in_use, "rank 0: cannot host ddp's rendezvous store at ",
+             detail::host_port(env.master_addr, store_port), ": the port is in use. ddp's store ",
+             store_port_source(env, store_port),
+             "; another job, a run that has not exited or a second process started with RANK=0 "
+             "holds it. Set DDP_STORE_PORT to a free port (the same on every rank)",
+             store_port == env.master_port ? ", or choose another MASTER_PORT" : "");
       }
     }
     root_store = std::make_shared<Store>(env.master_addr, store_port, so);
