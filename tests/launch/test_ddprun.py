@@ -614,6 +614,24 @@ class SingleNode(Base):
         p.communicate(timeout=LIMIT)
         self.assertGone(pids)
 
+    def test_an_uncaught_exception_reaches_the_summary_and_the_error_file(self):
+        # As torch's @record: the message is in ddprun's root cause line even with -r 3 (nothing
+        # of the workers on the console) and in the worker's TORCHELASTIC_ERROR_FILE.
+        logs = os.path.join(self.dir, "logs")
+        for kind, message in (
+                ("ddp", "ddp::Error (invalid_argument): rank 1: the model has no parameters "
+                        "(on purpose)"),
+                ("std", "std::runtime_error: bad batch shape (on purpose)")):
+            with self.subTest(kind=kind):
+                r = ddprun("--standalone", "--nproc-per-node", 2, "-r", 3, "--log-dir", logs,
+                           WORKER, "uncaught", 1, kind)
+                self.assertEqual(r.returncode, 128 + signal.SIGABRT, r.stderr)
+                self.assertRegex(r.stderr, r"root cause: rank 1 \(local_rank 1, pid \d+\) was "
+                                           r"killed by SIGABRT \(signal 6\)[^\n]*: " +
+                                 re.escape(message))
+                with open(os.path.join(logs, "attempt_0", "rank_1.error.json")) as f:
+                    self.assertEqual(json.load(f)["message"]["message"], message)
+
     def test_bad_arguments(self):
         cases = [
             (["--nnodes", 2, "--node-rank", 2, "true"], "--node-rank 2 is out of range"),
@@ -953,6 +971,15 @@ class RealTorchrun(Base):
         self.assertNotEqual(code, 0, out)
         self.assertIn("rank 1 fails on purpose", err)
         self.assertRegex(err, r"exitcode\s*:\s*7")
+
+    def test_an_uncaught_exception_reaches_torchruns_summary(self):
+        # torchrun reads the worker's TORCHELASTIC_ERROR_FILE, which ddp's terminate handler
+        # wrote, into its failure summary, as for a Python worker under @record.
+        [(code, out, err)] = self.finish(self.torchrun(
+            "--standalone", "--nproc_per_node", 2, "--no-python", WORKER, "uncaught", 1, "ddp"))
+        self.assertNotEqual(code, 0, out)
+        self.assertRegex(err, r"traceback\s*:\s*ddp::Error \(invalid_argument\): rank 1: the "
+                              r"model has no parameters \(on purpose\)")
 
     def test_max_restarts(self):
         # Rank 0 fails in the first attempt only: torchrun restarts the group and the second

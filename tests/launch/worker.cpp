@@ -34,6 +34,7 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -180,6 +181,21 @@ int main(int argc, char** argv) try {
   if (mode == "init-exit" && args.size() >= 3) {
     auto comm = ddp::Communicator<ddp::backend::Host>::init();
     if (comm.rank() == std::stoi(args[1])) ::_exit(std::stoi(args[2]));
+    std::vector<float> v(1000, 1.0f);
+    comm.all_reduce(v);
+    return 0;
+  }
+  if (mode == "uncaught" && args.size() >= 3) {  // uncaught RANK ddp|std
+    auto comm = ddp::Communicator<ddp::backend::Host>::init();
+    if (comm.rank() == std::stoi(args[1])) {
+      // As a program whose main lets an exception escape: std::terminate (this main catches).
+      std::thread([kind = args[2], r = comm.rank()] {
+        if (kind == "ddp")
+          ddp::detail::fail(ddp::Errc::invalid_argument, "rank ", r,
+                            ": the model has no parameters (on purpose)");
+        throw std::runtime_error("bad batch shape (on purpose)");
+      }).join();
+    }
     std::vector<float> v(1000, 1.0f);
     comm.all_reduce(v);
     return 0;

@@ -18,6 +18,7 @@
 #include "ddp/environment.hpp"
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
+#include "ddp/runtime/error_file.hpp"
 #include "ddp/runtime/rendezvous.hpp"
 #include "ddp/runtime/staging.hpp"
 #include "ddp/store/client.hpp"
@@ -94,6 +95,7 @@ struct CommState {
   void configure(const Options& o) {
     options = o;
     recorder.resize(o.trace_entries);
+    install_error_file_handler();  // an uncaught exception reaches the launcher's error file
   }
 
   /// Joins the rendezvous store of the job `env` describes: rank 0 hosts it (unless a launcher
