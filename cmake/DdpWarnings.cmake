@@ -22,3 +22,14 @@ function(ddp_strict target)
     endif()
   endif()
 endfunction()
+
+# ddp_test_optimization(target): DDP_TEST_OPTIMIZATION (the ci preset: -O1) for what the test
+# suite builds only to run once and check results, not speed: the unit tests, the benchmarks
+# (their figures come from bench/run.sh's own Release build) and the launch tests' worker. Most
+# of their compile time goes to optimizing the collectives' many instantiations.
+function(ddp_test_optimization target)
+  if(DDP_TEST_OPTIMIZATION)
+    separate_arguments(_opt UNIX_COMMAND "${DDP_TEST_OPTIMIZATION}")
+    target_compile_options(${target} PRIVATE ${_opt})
+  endif()
+endfunction()
