@@ -267,6 +267,23 @@ template <class U>
 concept proxy_range =
     std::ranges::range<U&> && !std::is_lvalue_reference_v<std::ranges::range_reference_t<U&>>;
 
+/// A framework tensor whose adapter is not included (libtorch's at::Tensor: data_ptr, numel,
+/// scalar_type, is_contiguous), to name the adapter in the error.
+template <class U>
+concept unadapted_torch_tensor = requires(const U& t) {
+  t.data_ptr();
+  t.numel();
+  t.scalar_type();
+  t.is_contiguous();
+};
+
+/// A range whose elements are tensors themselves (std::vector<torch::Tensor>, a vector of
+/// vectors): a list of buffers where a collective takes one.
+template <class U>
+concept range_of_tensors = std::ranges::range<U&> &&
+    (Viewable<std::ranges::range_value_t<U&>> ||
+     unadapted_torch_tensor<std::ranges::range_value_t<U&>>);
+
 /// True when T can be a collective's argument (written to when Output); otherwise the first
 /// error the compiler prints says why, instead of "no matching function" and 20 lines of
 /// unsatisfied constraints. The collectives' template parameters use it (tensor_input /
@@ -287,6 +304,15 @@ consteval bool explain_tensor_argument() {
                   "ddp: this range is not contiguous (std::list, std::deque, std::set, std::map, "
                   "...): a collective moves one block of memory; copy the values into a "
                   "std::vector, or give ddp::tensor_traits<T> a view() of the memory");
+  } else if constexpr (range_of_tensors<U>) {
+    static_assert(always_false<T>,
+                  "ddp: this is a list of tensors, and a collective takes one buffer: "
+                  "all_reduce_coalesced(tensors) (and all_reduce_coalesced_async) reduces several "
+                  "in one operation; otherwise call the collective once per tensor");
+  } else if constexpr (!Viewable<T> && unadapted_torch_tensor<U>) {
+    static_assert(always_false<T>,
+                  "ddp: a torch::Tensor needs the libtorch adapter: #include "
+                  "<ddp/adapters/torch.hpp> (and link ddp::torch)");
   } else if constexpr (!Viewable<T>) {
     static_assert(always_false<T>,
                   "ddp: this type is not a tensor ddp knows: specialize ddp::tensor_traits<T> "

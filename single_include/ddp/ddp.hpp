@@ -990,6 +990,23 @@ template <class U>
 concept proxy_range =
     std::ranges::range<U&> && !std::is_lvalue_reference_v<std::ranges::range_reference_t<U&>>;
 
+/// A framework tensor whose adapter is not included (libtorch's at::Tensor: data_ptr, numel,
+/// scalar_type, is_contiguous), to name the adapter in the error.
+template <class U>
+concept unadapted_torch_tensor = requires(const U& t) {
+  t.data_ptr();
+  t.numel();
+  t.scalar_type();
+  t.is_contiguous();
+};
+
+/// A range whose elements are tensors themselves (std::vector<torch::Tensor>, a vector of
+/// vectors): a list of buffers where a collective takes one.
+template <class U>
+concept range_of_tensors = std::ranges::range<U&> &&
+    (Viewable<std::ranges::range_value_t<U&>> ||
+     unadapted_torch_tensor<std::ranges::range_value_t<U&>>);
+
 /// True when T can be a collective's argument (written to when Output); otherwise the first
 /// error the compiler prints says why, instead of "no matching function" and 20 lines of
 /// unsatisfied constraints. The collectives' template parameters use it (tensor_input /
@@ -1010,6 +1027,15 @@ consteval bool explain_tensor_argument() {
                   "ddp: this range is not contiguous (std::list, std::deque, std::set, std::map, "
                   "...): a collective moves one block of memory; copy the values into a "
                   "std::vector, or give ddp::tensor_traits<T> a view() of the memory");
+  } else if constexpr (range_of_tensors<U>) {
+    static_assert(always_false<T>,
+                  "ddp: this is a list of tensors, and a collective takes one buffer: "
+                  "all_reduce_coalesced(tensors) (and all_reduce_coalesced_async) reduces several "
+                  "in one operation; otherwise call the collective once per tensor");
+  } else if constexpr (!Viewable<T> && unadapted_torch_tensor<U>) {
+    static_assert(always_false<T>,
+                  "ddp: a torch::Tensor needs the libtorch adapter: #include "
+                  "<ddp/adapters/torch.hpp> (and link ddp::torch)");
   } else if constexpr (!Viewable<T>) {
     static_assert(always_false<T>,
                   "ddp: this type is not a tensor ddp knows: specialize ddp::tensor_traits<T> "
@@ -14460,6 +14486,44 @@ concept Model = requires(M& m) {
 
 namespace detail {
 
+/// True when M is a Model; otherwise the first error the compiler prints says what to change
+/// (the averagers' deduction guides use it), instead of 50 lines of unsatisfied constraints.
+template <class M>
+consteval bool explain_model() {
+  if constexpr (Model<M>) {
+    return true;
+  } else if constexpr (requires(M & m) {
+                         m.get();
+                         *m;
+                         requires Model<std::remove_reference_t<decltype(*m)>>;
+                       }) {
+    static_assert(
+        always_false<M>,
+        "ddp: pass the model itself, *model: this is a pointer to it (a std::shared_ptr, "
+        "or libtorch's TORCH_MODULE holder); the averager keeps a reference to the model");
+  } else if constexpr (!requires(M & m) {
+                         requires std::ranges::sized_range<decltype(model_parameters(m))>;
+                       }) {
+    static_assert(always_false<M>,
+                  "ddp: this is not a model ddp knows: give the averager a sized range of "
+                  "parameters (e.g. std::vector<P>), or an object whose parameters() returns "
+                  "one (a torch::nn::Module with ddp/adapters/torch.hpp)");
+  } else {
+    static_assert(always_false<M>,
+                  "ddp: the model's parameters are not ddp::Parameters: each needs a value and a "
+                  "grad, mutable tensors of one floating-point type, as members (.value, .grad "
+                  "or value(), grad()) or through a specialization of ddp::parameter_traits<P> "
+                  "with static value(P&) and grad(P&) (ddp/training/parameters.hpp)");
+  }
+  return false;
+}
+
+/// An averager's model type: M when it is a Model, else a compile error that says why (the
+/// averagers' deduction guides return Averager<model_t<M>, ...>, so both g++ and clang++ print
+/// the reason first).
+template <class M>
+using model_t = std::conditional_t<explain_model<M>(), M, M>;
+
 /// The element type an averager of M uses by default: the gradients' type, or float32 where it
 /// is known only at run time (then checked at construction).
 template <class M, class P = param_of_t<M>, bool = dynamic_parameter<P>>
@@ -15351,8 +15415,9 @@ class GradientAverager : public detail::Averager<M, Backend>, public Joinable {
 };
 
 /// `GradientAverager avg(comm, model)` deduces the model type and the backend.
-template <class Backend, Model M>
-GradientAverager(Communicator<Backend>&, M&, AveragerOptions = {}) -> GradientAverager<M, Backend>;
+template <class Backend, class M>
+GradientAverager(Communicator<Backend>&, M&, AveragerOptions = {})
+    -> GradientAverager<detail::model_t<M>, Backend>;
 
 DDP_END_NAMESPACE
 // end ddp/training/gradient.hpp
@@ -16524,8 +16589,9 @@ class ShardedAverager : public detail::Averager<M, Backend> {
 };
 
 /// `ShardedAverager zero(comm, model)` deduces the model type and the backend.
-template <class Backend, Model M>
-ShardedAverager(Communicator<Backend>&, M&, ShardedOptions = {}) -> ShardedAverager<M, Backend>;
+template <class Backend, class M>
+ShardedAverager(Communicator<Backend>&, M&, ShardedOptions = {})
+    -> ShardedAverager<detail::model_t<M>, Backend>;
 
 DDP_END_NAMESPACE
 // end ddp/training/sharded.hpp

@@ -38,6 +38,9 @@ void step(ddp::Communicator<ddp::backend::Host>& comm) {
 #elif CASE == 7
   const std::vector<float> weights(4);
   comm.broadcast(weights, 0);
+#elif CASE == 8
+  std::vector<std::vector<float> > layers(3, std::vector<float>(4));
+  comm.all_reduce(layers);
 #endif
 #else
   // What each case should have written.
@@ -51,6 +54,8 @@ void step(ddp::Communicator<ddp::backend::Host>& comm) {
   std::vector<std::uint16_t> all(4 * static_cast<std::size_t>(comm.size()));
   comm.all_reduce(counts);
   comm.all_gather(std::span<std::uint16_t>(all).first(4), all);
+  std::vector<std::vector<float> > layers(3, std::vector<float>(4));
+  comm.all_reduce_coalesced(layers);
 #endif
 }
 

@@ -199,7 +199,8 @@ class GradientAverager : public detail::Averager<M, Backend>, public Joinable {
 };
 
 /// `GradientAverager avg(comm, model)` deduces the model type and the backend.
-template <class Backend, Model M>
-GradientAverager(Communicator<Backend>&, M&, AveragerOptions = {}) -> GradientAverager<M, Backend>;
+template <class Backend, class M>
+GradientAverager(Communicator<Backend>&, M&, AveragerOptions = {})
+    -> GradientAverager<detail::model_t<M>, Backend>;
 
 DDP_END_NAMESPACE

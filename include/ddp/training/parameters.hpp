@@ -159,6 +159,44 @@ concept Model = requires(M& m) {
 
 namespace detail {
 
+/// True when M is a Model; otherwise the first error the compiler prints says what to change
+/// (the averagers' deduction guides use it), instead of 50 lines of unsatisfied constraints.
+template <class M>
+consteval bool explain_model() {
+  if constexpr (Model<M>) {
+    return true;
+  } else if constexpr (requires(M & m) {
+                         m.get();
+                         *m;
+                         requires Model<std::remove_reference_t<decltype(*m)>>;
+                       }) {
+    static_assert(
+        always_false<M>,
+        "ddp: pass the model itself, *model: this is a pointer to it (a std::shared_ptr, "
+        "or libtorch's TORCH_MODULE holder); the averager keeps a reference to the model");
+  } else if constexpr (!requires(M & m) {
+                         requires std::ranges::sized_range<decltype(model_parameters(m))>;
+                       }) {
+    static_assert(always_false<M>,
+                  "ddp: this is not a model ddp knows: give the averager a sized range of "
+                  "parameters (e.g. std::vector<P>), or an object whose parameters() returns "
+                  "one (a torch::nn::Module with ddp/adapters/torch.hpp)");
+  } else {
+    static_assert(always_false<M>,
+                  "ddp: the model's parameters are not ddp::Parameters: each needs a value and a "
+                  "grad, mutable tensors of one floating-point type, as members (.value, .grad "
+                  "or value(), grad()) or through a specialization of ddp::parameter_traits<P> "
+                  "with static value(P&) and grad(P&) (ddp/training/parameters.hpp)");
+  }
+  return false;
+}
+
+/// An averager's model type: M when it is a Model, else a compile error that says why (the
+/// averagers' deduction guides return Averager<model_t<M>, ...>, so both g++ and clang++ print
+/// the reason first).
+template <class M>
+using model_t = std::conditional_t<explain_model<M>(), M, M>;
+
 /// The element type an averager of M uses by default: the gradients' type, or float32 where it
 /// is known only at run time (then checked at construction).
 template <class M, class P = param_of_t<M>, bool = dynamic_parameter<P>>

@@ -199,7 +199,8 @@ class ShardedAverager : public detail::Averager<M, Backend> {
 };
 
 /// `ShardedAverager zero(comm, model)` deduces the model type and the backend.
-template <class Backend, Model M>
-ShardedAverager(Communicator<Backend>&, M&, ShardedOptions = {}) -> ShardedAverager<M, Backend>;
+template <class Backend, class M>
+ShardedAverager(Communicator<Backend>&, M&, ShardedOptions = {})
+    -> ShardedAverager<detail::model_t<M>, Backend>;
 
 DDP_END_NAMESPACE
