@@ -17,6 +17,9 @@
 
 #include "multiprocess.hpp"
 
+// Named, so that the executable can be built as one unity translation unit.
+namespace buckets_tests {
+
 namespace {
 
 struct Param {
@@ -327,3 +330,5 @@ TEST_CASE("buckets: ShardedAverager with its own hook equals reduce_scatter_hook
       },
       {1, 2, 3, 4});
 }
+
+}  // namespace buckets_tests

@@ -19,6 +19,9 @@
 
 #include "multiprocess.hpp"
 
+// Named, so that the executable can be built as one unity translation unit.
+namespace checkpoint_tests {
+
 namespace {
 /// A parameter: its values and its gradient.
 struct Param {
@@ -211,3 +214,5 @@ TEST_CASE("training: load_checkpoint gives every rank the same checkpoint, or th
     }
   });
 }
+
+}  // namespace checkpoint_tests

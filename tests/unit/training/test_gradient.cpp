@@ -11,6 +11,9 @@
 
 #include "multiprocess.hpp"
 
+// Named, so that the executable can be built as one unity translation unit.
+namespace gradient_tests {
+
 static_assert(ddp::ProcessGroup<ddp::Communicator<ddp::backend::Host>>,
               "exact_mean and sync_batch_stats take any communicator");
 
@@ -247,3 +250,5 @@ TEST_CASE("training: buffers reallocated between steps are found again, resizing
     }
   });
 }
+
+}  // namespace gradient_tests

@@ -15,6 +15,9 @@
 
 #include "multiprocess.hpp"
 
+// Named, so that the executable can be built as one unity translation unit.
+namespace join_tests {
+
 namespace {
 /// A parameter: its values and its gradient.
 struct Param {
@@ -156,3 +159,5 @@ TEST_CASE("training: Join: a step without join.step() is refused, the destructor
     }
   });
 }
+
+}  // namespace join_tests

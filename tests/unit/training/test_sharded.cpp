@@ -15,6 +15,9 @@
 
 #include "multiprocess.hpp"
 
+// Named, so that the executable can be built as one unity translation unit.
+namespace sharded_tests {
+
 namespace {
 
 struct Param {
@@ -483,3 +486,5 @@ TEST_CASE("sharded: after a peer is lost mid-step, every later call fails cleanl
     }
   });
 }
+
+}  // namespace sharded_tests
