@@ -7,6 +7,9 @@
 #                                  waits until the node is idle; prints "export SLURM_CONF=..."
 #   scripts/slurm.sh stop [DIR]    stops the daemons this script started
 #
+# The daemons take Slurm's ports (6817, 6818) when they are free, else free ones; both are printed
+# on stderr, and DDP_SLURMCTLD_PORT / DDP_SLURMD_PORT choose them.
+#
 # Then: SLURM_CONF=DIR/slurm.conf srun -N1 -n4 ./program
 # The node (named as this host, so that SLURM_JOB_NODELIST resolves) claims 8 CPUs (whatever the machine has), so that 4-task steps fit on 2 cores.
 set -euo pipefail
@@ -14,6 +17,24 @@ cd "$(dirname "$0")/.."
 cmd=${1:-}
 dir=$(realpath -m "${2:-build/slurm}")
 conf="$dir/slurm.conf"
+
+# A port for a daemon: $1 when set (DDP_SLURMCTLD_PORT, DDP_SLURMD_PORT), else Slurm's default
+# $2 when nothing listens there, else one the kernel says is free (a cluster already running here
+# keeps its ports).
+pick_port() {
+  if [ -n "$1" ]; then echo "$1"; return; fi
+  python3 - "$2" <<'PY'
+import socket, sys
+for port in (int(sys.argv[1]), 0):
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            continue
+        print(s.getsockname()[1])
+        break
+PY
+}
 
 stop() {
   for d in slurmd slurmctld; do
@@ -44,6 +65,10 @@ case "$cmd" in
     socket="$dir/munge/munge.socket"
     munged --force --key-file="$dir/munge/munge.key" --socket="$socket" \
       --pid-file="$dir/munged.pid" --log-file="$dir/munged.log" --seed-file="$dir/munge/seed"
+    ctld_port=$(pick_port "${DDP_SLURMCTLD_PORT:-}" 6817)
+    slurmd_port=$(pick_port "${DDP_SLURMD_PORT:-}" 6818)
+    if [ "$slurmd_port" = "$ctld_port" ]; then slurmd_port=$(pick_port "" 0); fi
+    echo "scripts/slurm.sh: slurmctld on port $ctld_port, slurmd on port $slurmd_port (DDP_SLURMCTLD_PORT, DDP_SLURMD_PORT choose them)" >&2
     cat >"$conf" <<CONF
 # written by scripts/slurm.sh: a one-node cluster for ddp's tests
 ClusterName=ddptest
@@ -58,8 +83,8 @@ SwitchType=switch/none
 ReturnToService=2
 SlurmUser=root
 SlurmdUser=root
-SlurmctldPort=${DDP_SLURMCTLD_PORT:-6817}
-SlurmdPort=${DDP_SLURMD_PORT:-6818}
+SlurmctldPort=$ctld_port
+SlurmdPort=$slurmd_port
 SlurmctldPidFile=$dir/slurmctld.pid
 SlurmdPidFile=$dir/slurmd.pid
 SlurmdSpoolDir=$dir/slurmd
