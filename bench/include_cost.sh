@@ -3,13 +3,20 @@
 # the umbrella header against one that includes only <vector>, compiled with -O2 (best of
 # $ROUNDS, default 3, alternating the two), for g++ and clang++; prints seconds, peak memory and
 # the ratio; then, for g++, the floor: the standard and POSIX headers that ddp's headers include
-# themselves (found with g++ -H), compiled alone. Usage: bench/include_cost.sh [header ...]
-# (default: ddp/ddp.hpp)
+# themselves (found with g++ -H), compiled alone, and where the first translation unit's time
+# goes (g++ -ftime-report: parsing, template instantiation, code generation). Usage:
+# bench/include_cost.sh [header[+header...] ...] (default: ddp/ddp.hpp, and the communicator
+# with the Host backend alone: ddp/communicator.hpp+ddp/backend/host.hpp)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${ROUNDS:-3}
 headers=("$@")
-[ ${#headers[@]} -eq 0 ] && headers=(ddp/ddp.hpp)
+[ ${#headers[@]} -eq 0 ] && headers=(ddp/ddp.hpp ddp/communicator.hpp+ddp/backend/host.hpp)
+source_of() {  # source_of HEADER[+HEADER...]: a program that includes them
+  local IFS=+ one
+  for one in $1; do printf '#include <%s>\n' "$one"; done
+  printf 'int main() { return 0; }\n'
+}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 printf '#include <vector>\nint main() { return 0; }\n' >"$work/vector.cpp"
@@ -19,11 +26,12 @@ once() {  # once CXX SOURCE: "seconds peak_kb"
 }
 lower() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a < b) }'; }
 
-printf '%-10s %-28s %9s %9s %9s %8s\n' compiler header "time (s)" "<vector>" ratio "MB"
+printf '%-10s %-44s %9s %9s %9s %8s %8s\n' compiler header "time (s)" "<vector>" ratio "MB" lines
 for cxx in g++ clang++; do
   command -v "$cxx" >/dev/null || continue
   for h in "${headers[@]}"; do
-    printf '#include <%s>\nint main() { return 0; }\n' "$h" >"$work/ddp.cpp"
+    source_of "$h" >"$work/ddp.cpp"
+    lines=$("$cxx" -std=c++20 -Iinclude -E "$work/ddp.cpp" | wc -l)
     t=999 m=0 v=999
     for _ in $(seq "$rounds"); do  # alternate, keep the best of each
       read -r s k < <(once "$cxx" "$work/ddp.cpp")
@@ -32,12 +40,12 @@ for cxx in g++ clang++; do
       if lower "$s" "$v"; then v=$s; fi
     done
     ratio=$(awk -v a="$t" -v b="$v" 'BEGIN { printf "%.1f", a / b }')
-    printf '%-10s %-28s %9s %9s %9s %8d\n' "$cxx" "$h" "$t" "$v" "${ratio}x" $((m / 1024))
+    printf '%-10s %-44s %9s %9s %9s %8d %8d\n' "$cxx" "$h" "$t" "$v" "${ratio}x" $((m / 1024)) "$lines"
   done
 done
 
 # The floor (g++): what the system headers ddp's headers include directly cost by themselves.
-printf '#include <%s>\nint main() { return 0; }\n' "${headers[0]}" >"$work/ddp.cpp"
+source_of "${headers[0]}" >"$work/ddp.cpp"
 g++ -std=c++20 -Iinclude -H -fsyntax-only "$work/ddp.cpp" 2>&1 | grep -E '^\.+ ' |
   awk '{ print length($1), $2 }' | python3 -c '
 import sys
@@ -58,3 +66,8 @@ for _ in $(seq "$rounds"); do
   if lower "$s" "$f"; then f=$s; fi
 done
 echo "floor (g++): the $(grep -c '#include' "$work/floor.cpp") system headers ddp's headers include: $f s"
+# Where the time of the first one goes.
+g++ -std=c++20 -O2 -Iinclude -c "$work/ddp.cpp" -o "$work/o.o" -ftime-report 2>&1 |
+  grep -E '^ (phase parsing|phase lang. deferred|phase opt and generate|template instantiation) ' |
+  awk -F: '{ split($2, a, " "); printf "g++ -ftime-report, %s: %s s (user)\n", $1, a[1] }' |
+  sed 's/  */ /g'
