@@ -5,7 +5,7 @@
 /// \file
 /// A worker's uncaught exception reaches its launcher: when TORCHELASTIC_ERROR_FILE is set (ddprun
 /// and torchrun set it for each worker), Communicator::init installs a terminate handler that
-/// writes the exception's message to that file in torchrun's JSON (what Python's @record
+/// writes the exception's message to that file in torchrun's JSON (what Python's `record` decorator
 /// writes), then hands over to the handler that was there before (the standard library's prints
 /// the exception and aborts). The launcher puts the message in its summary line ("rank 1 ... was
 /// killed by SIGABRT: ddp::Error (peer_lost): rank 1: ...") and in its own error file.
@@ -146,9 +146,9 @@ inline void install_error_file_handler() {
 }  // namespace detail
 
 /// Runs `fn` (a main without arguments, returning int or void); an exception that escapes it is
-/// written to TORCHELASTIC_ERROR_FILE, as torch's @record does, and thrown on. For exceptions
-/// thrown before Communicator::init, which installs the same report for everything after it:
-/// `int main() { return ddp::record([] { ...; return 0; }); }`.
+/// written to TORCHELASTIC_ERROR_FILE, as torch's `record` decorator does, and thrown on. For
+/// exceptions thrown before Communicator::init, which installs the same report for everything after
+/// it: `int main() { return ddp::record([] { ...; return 0; }); }`.
 template <class F>
 int record(F&& fn) {
   try {
