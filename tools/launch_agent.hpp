@@ -455,7 +455,11 @@ class LaunchAgent {
              " (is another job using it?)");
       o_.node_rank = static_cast<int>(n);
     }
-    join();
+    try {
+      join();
+    } catch (const JoinInterrupted& i) {
+      return 128 + i.sig;
+    }
     prepare_dirs();
     LaunchFailure f;
     int failed_in_a_row = 0;
@@ -602,6 +606,10 @@ class LaunchAgent {
     return local_port(fd.get());
   }
 
+  struct JoinInterrupted {
+    int sig;
+  };
+
   // Registers this node and learns where its ranks start.
   void join() {
     if (server_) {
@@ -616,7 +624,21 @@ class LaunchAgent {
            o_.nnodes - 1, ")");
     std::vector<std::string> keys;
     for (int i = 0; i < o_.nnodes; ++i) keys.push_back(concat("node/", i));
-    if (auto missing = store_->missing_after(keys, o_.join_timeout); !missing.empty()) {
+    // In slices, so that SIGINT, SIGTERM or SIGHUP ends the wait at once (128 + N).
+    const auto join_until = Clock::now() + o_.join_timeout;
+    std::vector<std::string> missing = keys;
+    while (!missing.empty() && Clock::now() < join_until) {
+      const auto left = std::chrono::ceil<std::chrono::milliseconds>(join_until - Clock::now());
+      missing = store_->missing_after(keys, std::min(left, std::chrono::milliseconds(200)));
+      unsigned char sigs[64];
+      const ssize_t n = ::read(launch_signal_pipe[0], sigs, sizeof sigs);  // non-blocking
+      for (ssize_t i = 0; i < n; ++i) {
+        if (sigs[i] == SIGCHLD) continue;
+        say("received ", signal_name(sigs[i]), " while waiting for the nodes to join: stopping");
+        throw JoinInterrupted{sigs[i]};
+      }
+    }
+    if (!missing.empty()) {
       std::string who;
       for (const auto& k : missing) who += concat(who.empty() ? "" : ", ", k.substr(5));
       fail(Errc::timeout, o_.nnodes - static_cast<int>(missing.size()), "/", o_.nnodes,

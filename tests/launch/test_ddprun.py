@@ -677,6 +677,25 @@ class SingleNode(Base):
         self.assertIn("in use", r.stderr)
         self.assertIn("--standalone", r.stderr)
 
+    def test_a_signal_ends_the_wait_for_the_other_nodes(self):
+        # Node 0 (static) and a c10d agent wait for a node that never comes: SIGINT and SIGTERM
+        # end the wait at once with 128 + N, not at --join-timeout.
+        for extra, sig in ((["--node-rank", 0], signal.SIGINT),
+                           (["--rdzv-backend", "c10d"], signal.SIGTERM)):
+            with self.subTest(extra=extra):
+                p = subprocess.Popen([DDPRUN, *map(str, ["--nnodes", 2, "--master-port",
+                                                         free_port(), "--join-timeout", 30,
+                                                         *extra, "true"])],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                time.sleep(1)
+                t0 = time.monotonic()
+                p.send_signal(sig)
+                _, err = p.communicate(timeout=LIMIT)
+                self.assertLess(time.monotonic() - t0, 5, err)
+                self.assertEqual(p.returncode, 128 + sig, err)
+                self.assertIn(f"received {signal.Signals(sig).name} while waiting for the nodes "
+                              "to join: stopping", err)
+
     def test_missing_node_times_out(self):
         r = ddprun("--nnodes", 2, "--node-rank", 0, "--master-port", free_port(), "--join-timeout",
                    1, "true")
