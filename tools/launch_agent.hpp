@@ -266,30 +266,6 @@ inline std::string error_file_message(std::string_view json) {
   return {};  // unterminated: not a message
 }
 
-/// `text` as a JSON string literal.
-inline std::string json_string(std::string_view text) {
-  std::string out = "\"";
-  for (const char c : text) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      case '\r': out += "\\r"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(c));
-          out += buf;
-        } else {
-          out.push_back(c);
-        }
-    }
-  }
-  out.push_back('"');
-  return out;
-}
-
 /// Up to `limit` bytes of a file ("" when it cannot be read). O_NONBLOCK: a FIFO put where a
 /// file was expected is read as empty, never waited on.
 inline std::string read_small_file(const std::string& path, std::size_t limit = 1 << 20) {
@@ -574,7 +550,7 @@ class LaunchAgent {
   void write_own_error_file(const LaunchFailure& f) const {
     if (own_error_file_.empty()) return;
     const std::string json = concat(
-        "{\"message\": {\"message\": ", json_string(concat(o_.name, ": ", f.what)),
+        "{\"message\": {\"message\": ", json_quoted(concat(o_.name, ": ", f.what)),
         ", \"errorCode\": ", f.code, ", \"extraInfo\": {\"py_callstack\": \"\", \"timestamp\": \"",
         static_cast<long long>(std::time(nullptr)), "\"}}}\n");
     // Never through a link, never waiting on a FIFO (one without a reader fails at once).
