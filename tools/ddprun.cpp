@@ -36,6 +36,7 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
+#include <cctype>
 #include <charconv>
 #include <chrono>
 #include <cstdio>
@@ -62,6 +63,7 @@ struct Config {
   double grace = 5;
   double join_timeout = 300;
   std::string rdzv_endpoint;
+  bool endpoint_given = false;
   bool no_python = false;
   bool module = false;
   std::string redirects;
@@ -288,6 +290,16 @@ int main(int argc, char** argv) {
       "status of the first worker that failed (128 + N for signal N); 1 when every worker "
       "succeeded but a log file could not be written in full (ddprun names it); 2 for bad "
       "arguments.");
+  // torchrun reads every option left off the command line from PET_<NAME> (PET_NNODES,
+  // PET_NPROC_PER_NODE, PET_RDZV_ENDPOINT, ...): so does ddprun.
+  for (CLI::Option* opt : app.get_options()) {
+    const auto& names = opt->get_lnames();
+    if (names.empty() || names.front() == "help" || names.front() == "version") continue;
+    std::string env = "PET_";
+    for (const char c : names.front())
+      env += c == '-' ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    opt->envname(env);
+  }
   CLI11_PARSE(app, argc, argv);
   cfg.command = app.remaining();
   if (!cfg.command.empty() && cfg.command.front() == "--") cfg.command.erase(cfg.command.begin());
@@ -309,18 +321,24 @@ int main(int argc, char** argv) {
         "ddprun's own interpreter");
   for (const std::string& note : cfg.notes) fmt::print(stderr, "ddprun: note: {}\n", note);
 
-  if (!cfg.rdzv_endpoint.empty()) {  // HOST:PORT, or [IPv6]:PORT
-    const auto colon = cfg.rdzv_endpoint.rfind(':');
-    std::string host = colon == std::string::npos ? "" : cfg.rdzv_endpoint.substr(0, colon);
+  if (!cfg.rdzv_endpoint.empty()) {  // HOST[:PORT], or [IPv6][:PORT]; torchrun's port: 29400
+    const std::string& e = cfg.rdzv_endpoint;
+    const auto colon = e.rfind(':');
+    const bool has_port = colon != std::string::npos && (e.front() != '[' || colon > e.find(']'));
+    std::string host = has_port ? e.substr(0, colon) : e;
     if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
       host = host.substr(1, host.size() - 2);
-    int port = 0;
-    const std::string p = colon == std::string::npos ? "" : cfg.rdzv_endpoint.substr(colon + 1);
-    const auto [end, ec] = std::from_chars(p.data(), p.data() + p.size(), port);
-    if (host.empty() || ec != std::errc{} || end != p.data() + p.size() || port < 1 || port > 65535)
-      die(2, fmt::format("--rdzv-endpoint: expected HOST:PORT, got \"{}\"", cfg.rdzv_endpoint));
+    int port = 29400;
+    if (has_port) {
+      const std::string p = e.substr(colon + 1);
+      const auto [end, ec] = std::from_chars(p.data(), p.data() + p.size(), port);
+      if (ec != std::errc{} || end != p.data() + p.size() || port < 1 || port > 65535) port = 0;
+    }
+    if (host.empty() || port == 0)
+      die(2, fmt::format("--rdzv-endpoint: expected HOST[:PORT], got \"{}\"", e));
     cfg.master_addr = host;
     cfg.master_port = port;
+    cfg.endpoint_given = true;
   }
   if (cfg.module && cfg.no_python) die(2, "--module runs python3 -m: drop --no-python");
   if (cfg.module || (!cfg.no_python && cfg.command.front().ends_with(".py"))) {
@@ -343,6 +361,10 @@ int main(int argc, char** argv) {
                     ? -1
                     : cfg.node_rank;
   o.master_addr = cfg.master_addr;
+  if (cfg.endpoint_given) {
+    o.endpoint_flags = "--rdzv-endpoint";
+    o.port_flag = "port in --rdzv-endpoint";
+  }
   o.master_port = cfg.standalone ? 0 : cfg.master_port;
   o.max_restarts = cfg.max_restarts;
   o.restart_backoff = millis(cfg.restart_backoff);

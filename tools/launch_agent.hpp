@@ -61,6 +61,9 @@ struct LaunchOptions {
   std::string master_addr = "127.0.0.1";
   /// 0 picks a free port (a single node only: the other nodes could not know it).
   int master_port = 29500;
+  /// How the command line named the store's address and port, for messages.
+  std::string endpoint_flags = "--master-addr and --master-port";
+  std::string port_flag = "--master-port";
   /// Restart the whole group (every node) up to this many times after a failure.
   int max_restarts = 0;
   /// The wait before a restart: restart_backoff after the first failed attempt, doubled after
@@ -418,7 +421,13 @@ class LaunchAgent {
         if (const auto k = why.find("; choose another MASTER_PORT"); k != std::string::npos)
           why.resize(k);
         fail(Errc::address_in_use, "cannot host the rendezvous store: ", why,
-             "; pick another --master-port, or --standalone for a free one");
+             o_.nnodes > 1
+                 ? concat("; if another node's launcher runs here with the same node rank (0 "
+                          "unless --node-rank says otherwise), give each node its own "
+                          "--node-rank or use --rdzv-backend c10d (nodes numbered as they "
+                          "join); else pick another ",
+                          o_.port_flag)
+                 : concat("; pick another ", o_.port_flag, ", or --standalone for a free one"));
       }
       port_ = server_->port();
     }
@@ -620,7 +629,7 @@ class LaunchAgent {
       fail(Errc::timeout, o_.nnodes - static_cast<int>(missing.size()), "/", o_.nnodes,
            " nodes joined within ", fixed1(static_cast<double>(o_.join_timeout.count()) / 1000),
            " s; missing node", missing.size() == 1 ? " " : "s ", who, " (start ", o_.name,
-           " on every node with the same --nnodes, --master-addr and --master-port)");
+           " on every node with the same --nnodes, ", o_.endpoint_flags, ")");
     }
     for (int i = 0; i < o_.nnodes; ++i) {
       const int n = std::atoi(store_->get(keys[static_cast<std::size_t>(i)]).c_str());

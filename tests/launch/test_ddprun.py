@@ -639,8 +639,8 @@ class SingleNode(Base):
             (["--nproc-per-nod", 2, "true"], "unknown option --nproc-per-nod"),
             (["--standalone", "--nnodes", 2, "true"], "--standalone runs a single node"),
             (["--nproc-per-node", 2], "no program given"),
-            (["--rdzv-endpoint", "nohost", "true"], 'expected HOST:PORT, got "nohost"'),
-            (["--rdzv_endpoint", "h:99999", "true"], "expected HOST:PORT"),
+            (["--rdzv-endpoint", ":29500", "true"], 'expected HOST[:PORT], got ":29500"'),
+            (["--rdzv_endpoint", "h:99999", "true"], "expected HOST[:PORT]"),
             (["--no-python", "-m", "mod"], "--module runs python3 -m: drop --no-python"),
             (["--standalone", "-r", "4", "true"], '--redirects: expected 0 (none), 1 (stdout)'),
             (["--standalone", "--nproc-per-node", 2, "--tee", "2:1", "true"],
@@ -753,6 +753,44 @@ class TorchrunCommandLines(Base):
         host = socket.gethostname()
         self.assertEqual(sorted(r.stdout.splitlines()),
                          [f"trainer/0/0@{host}: trainer job7", f"trainer/1/1@{host}: trainer job7"])
+
+    def test_options_from_pet_environment_variables(self):
+        # torchrun takes every option left off the command line from PET_<NAME>.
+        env = {**os.environ, "PET_NPROC_PER_NODE": "2", "PET_STANDALONE": "1",
+               "PET_RDZV_ID": "fromenv"}
+        r = ddprun(WORKER, "allreduce", env=env)
+        self.check_two_ranks(r, "PET_*")
+        r = ddprun("sh", "-c", 'echo "$TORCHELASTIC_RUN_ID"', env=env)
+        self.assertEqual(r.stdout.splitlines(), ["[r0] fromenv", "[r1] fromenv"], r.stderr)
+        # The command line wins over the environment.
+        r = ddprun("--nproc-per-node", 1, WORKER, "allreduce", env=env)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(len(r.stdout.splitlines()), 1, r.stdout)
+
+    def test_rdzv_endpoint_without_a_port_is_torchruns_29400(self):
+        r = ddprun("--nproc-per-node", 1, "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                   "127.0.0.1", "sh", "-c", 'echo "$MASTER_ADDR $DDP_STORE_PORT"')
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout.strip(), "[r0] 127.0.0.1 29400", r.stdout)
+        r = ddprun("--nproc-per-node", 1, "--rdzv-endpoint", "127.0.0.1:x", WORKER, "allreduce")
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("--rdzv-endpoint: expected HOST[:PORT]", r.stderr)
+
+    def test_two_launchers_that_both_say_node_0_are_told_of_node_ranks(self):
+        port = free_port()
+        line = ["--nnodes=2", "--nproc_per_node=1", "--join-timeout", "20",
+                f"--rdzv-endpoint=127.0.0.1:{port}", WORKER, "allreduce"]
+        first = subprocess.Popen([DDPRUN, *line], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True)
+        time.sleep(0.3)
+        second = ddprun(*line)
+        first.kill()
+        first.communicate(timeout=LIMIT)
+        self.assertNotEqual(second.returncode, 0)
+        self.assertIn("give each node its own --node-rank or use --rdzv-backend c10d",
+                      second.stderr)
+        self.assertIn("port in --rdzv-endpoint", second.stderr)
+        self.assertNotIn("--master-port", second.stderr)
 
     def test_version(self):
         r = ddprun("--version")
