@@ -20,7 +20,9 @@
 /// unusable: every later call fails at once with Errc::aborted naming the first failure. Build a
 /// new one (with another Options::group) to continue.
 
+#include "ddp/backend/arguments.hpp"
 #include "ddp/backend/backend.hpp"
+#include "ddp/backend/comm_runner.hpp"
 #include "ddp/backend/dispatch.hpp"
 #include "ddp/backend/init.hpp"
 #include "ddp/config.hpp"
@@ -137,7 +139,7 @@ class Communicator {
   [[nodiscard]] Work all_reduce_async(T&& buf, ReduceOp op = ReduceOp::sum) {
     return submit(detail::prepare_single(detail::Coll::all_reduce, arg(buf, "all_reduce", "buf"),
                                          op, 0, caller()),
-                  {}, hold(buf));
+                  {}, detail::hold(buf));
   }
 
   /// all_reduce of float32 values that travel and are reduced as W (ddp::half or ddp::bfloat16):
@@ -157,7 +159,7 @@ class Communicator {
     requires(std::is_same_v<W, half> || std::is_same_v<W, bfloat16>)
   [[nodiscard]] Work all_reduce_as_async(T&& buf, ReduceOp op = ReduceOp::sum) {
     return submit(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, dtype_of<W>), {},
-                  hold(buf));
+                  detail::hold(buf));
   }
   /// all_reduce_as_async() with the wire type as a value, DType::float16 or DType::bfloat16 (how
   /// the compression comm hooks carry it).
@@ -166,7 +168,8 @@ class Communicator {
     if (wire != DType::float16 && wire != DType::bfloat16)
       detail::fail(Errc::invalid_argument, "rank ", rank(), ": all_reduce_as: the wire type is ",
                    to_string(wire), "; compressed values travel as float16 or bfloat16");
-    return submit(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, wire), {}, hold(buf));
+    return submit(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, wire), {},
+                  detail::hold(buf));
   }
 
   /// all_reduce of several buffers as one operation (torch's all_reduce_coalesced): one NCCL
@@ -183,8 +186,8 @@ class Communicator {
   [[nodiscard]] Work all_reduce_coalesced_async(R&& bufs, ReduceOp op = ReduceOp::sum) {
     auto b = args(bufs);
     const auto call = detail::prepare_all_reduce_coalesced(b, op, caller());
-    Holds held;
-    for (auto&& t : bufs) hold_into(held, t);
+    detail::Holds held;
+    for (auto&& t : bufs) detail::hold_into(held, t);
     return submit(call, std::move(b), std::move(held));
   }
 
@@ -199,7 +202,7 @@ class Communicator {
   [[nodiscard]] Work broadcast_async(T&& buf, int root = 0) {
     return submit(detail::prepare_single(detail::Coll::broadcast, arg(buf, "broadcast", "buf"),
                                          ReduceOp::sum, root, caller()),
-                  {}, hold(buf));
+                  {}, detail::hold(buf));
   }
 
   /// Reduces `buf` over all ranks into root's `buf`; the other ranks' buffers are unchanged.
@@ -213,7 +216,7 @@ class Communicator {
   [[nodiscard]] Work reduce_async(T&& buf, int root = 0, ReduceOp op = ReduceOp::sum) {
     return submit(
         detail::prepare_single(detail::Coll::reduce, arg(buf, "reduce", "buf"), op, root, caller()),
-        {}, hold(buf));
+        {}, detail::hold(buf));
   }
 
   /// out[r*n .. r*n+n) = rank r's `in` (n = in's size); out.size() == in.size() * size().
@@ -226,7 +229,7 @@ class Communicator {
   /// all_reduce_async).
   template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work all_gather_async(In&& in, Out&& out) {
-    return submit(prepare_gather(in, out, -1), {}, hold(in, out));
+    return submit(prepare_gather(in, out, -1), {}, detail::hold(in, out));
   }
 
   /// Like all_gather, into root's `out` only (`out` is not used on the other ranks).
@@ -238,7 +241,7 @@ class Communicator {
   /// all_reduce_async).
   template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work gather_async(In&& in, Out&& out, int root = 0) {
-    return submit(prepare_gather(in, out, root), {}, hold(in, out));
+    return submit(prepare_gather(in, out, root), {}, detail::hold(in, out));
   }
 
   /// Rank r receives root's in[r*n .. r*n+n) into `out` (n = out's size; `in` used on root only).
@@ -250,7 +253,7 @@ class Communicator {
   /// all_reduce_async).
   template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work scatter_async(In&& in, Out&& out, int root = 0) {
-    return submit(prepare_scatter(in, out, root), {}, hold(in, out));
+    return submit(prepare_scatter(in, out, root), {}, detail::hold(in, out));
   }
 
   /// out = block r of the reduction of every rank's `in`; in.size() == out.size() * size().
@@ -265,7 +268,7 @@ class Communicator {
   [[nodiscard]] Work reduce_scatter_async(In&& in, Out&& out, ReduceOp op = ReduceOp::sum) {
     return submit(detail::prepare_reduce_scatter(arg(in, "reduce_scatter", "in"),
                                                  arg(out, "reduce_scatter", "out"), op, caller()),
-                  {}, hold(in, out));
+                  {}, detail::hold(in, out));
   }
 
   /// Block j of `in` goes to rank j, which stores it as its block r of `out`.
@@ -280,7 +283,61 @@ class Communicator {
   [[nodiscard]] Work all_to_all_async(In&& in, Out&& out) {
     return submit(detail::prepare_all_to_all(arg(in, "all_to_all", "in"),
                                              arg(out, "all_to_all", "out"), caller()),
-                  {}, hold(in, out));
+                  {}, detail::hold(in, out));
+  }
+
+  // ---- uneven sizes: a count per rank (runtime/uneven.hpp) ------------------------------------
+  // Every rank's counts must match the others' (what rank i sends to rank j is what rank j
+  // expects from rank i): checked on every rank before any data moves, failing with
+  // Errc::mismatch naming the pair. Blocks lie in rank order, each right after the one before.
+
+  /// all_to_all with split sizes (torch's all_to_all_single with split sizes, MPI_Alltoallv):
+  /// in_counts[j] elements of `in` go to rank j; out_counts[j] elements from rank j land in `out`.
+  template <detail::tensor_input In, detail::tensor_output Out>
+  void all_to_all(In&& in, Out&& out, std::span<const std::size_t> in_counts,
+                  std::span<const std::size_t> out_counts) {
+    const auto counts = joined(in_counts, out_counts);
+    exec(prepare_uneven(detail::Coll::all_to_all_v, in, out, counts, -1));
+  }
+  /// all_to_all() with split sizes, run asynchronously (the counts are copied).
+  template <detail::tensor_input In, detail::tensor_output Out>
+  [[nodiscard]] Work all_to_all_async(In&& in, Out&& out, std::span<const std::size_t> in_counts,
+                                      std::span<const std::size_t> out_counts) {
+    return uneven_async(detail::Coll::all_to_all_v, in, out, joined(in_counts, out_counts), -1);
+  }
+  /// all_gather with a count per rank (MPI_Allgatherv): rank j's `in` (counts[j] elements) into
+  /// every rank's `out`.
+  template <detail::tensor_input In, detail::tensor_output Out>
+  void all_gather(In&& in, Out&& out, std::span<const std::size_t> counts) {
+    exec(prepare_uneven(detail::Coll::all_gather_v, in, out, counts, -1));
+  }
+  /// The same, run asynchronously (the counts are copied).
+  template <detail::tensor_input In, detail::tensor_output Out>
+  [[nodiscard]] Work all_gather_async(In&& in, Out&& out, std::span<const std::size_t> counts) {
+    return uneven_async(detail::Coll::all_gather_v, in, out, {counts.begin(), counts.end()}, -1);
+  }
+  /// gather with a count per rank (MPI_Gatherv): `out` and `counts` are read on the root only.
+  template <detail::tensor_input In, detail::tensor_output Out>
+  void gather(In&& in, Out&& out, std::span<const std::size_t> counts, int root = 0) {
+    exec(prepare_uneven(detail::Coll::gather_v, in, out, counts, root));
+  }
+  /// The same, run asynchronously (the counts are copied).
+  template <detail::tensor_input In, detail::tensor_output Out>
+  [[nodiscard]] Work gather_async(In&& in, Out&& out, std::span<const std::size_t> counts,
+                                  int root = 0) {
+    return uneven_async(detail::Coll::gather_v, in, out, {counts.begin(), counts.end()}, root);
+  }
+  /// scatter with a count per rank (MPI_Scatterv): counts[j] elements of root's `in` into rank
+  /// j's `out`; `in` and `counts` are read on the root only.
+  template <detail::tensor_input In, detail::tensor_output Out>
+  void scatter(In&& in, Out&& out, std::span<const std::size_t> counts, int root = 0) {
+    exec(prepare_uneven(detail::Coll::scatter_v, in, out, counts, root));
+  }
+  /// The same, run asynchronously (the counts are copied).
+  template <detail::tensor_input In, detail::tensor_output Out>
+  [[nodiscard]] Work scatter_async(In&& in, Out&& out, std::span<const std::size_t> counts,
+                                   int root = 0) {
+    return uneven_async(detail::Coll::scatter_v, in, out, {counts.begin(), counts.end()}, root);
   }
 
   /// Point-to-point. Between a pair, sends and receives match in issue order; the receiver checks
@@ -295,7 +352,7 @@ class Communicator {
   [[nodiscard]] Work send_async(T&& buf, int peer, int tag = 0) {
     return submit(
         detail::prepare_p2p(detail::Coll::send, arg(buf, "send", "buf"), peer, tag, caller()), {},
-        hold(buf));
+        detail::hold(buf));
   }
   /// Receives into `buf` the next send() from `peer`; its tag, dtype and count must match.
   template <detail::tensor_output T>
@@ -308,13 +365,50 @@ class Communicator {
   [[nodiscard]] Work recv_async(T&& buf, int peer, int tag = 0) {
     return submit(
         detail::prepare_p2p(detail::Coll::recv, arg(buf, "recv", "buf"), peer, tag, caller()), {},
-        hold(buf));
+        detail::hold(buf));
+  }
+
+  /// torch's batch_isend_irecv: the sends and receives of `ops` as one operation, run
+  /// asynchronously (the Work completes when all have). They run pair by pair in an order that
+  /// cannot deadlock whatever the peers' batches hold (each op needs its match on the peer, in
+  /// a batch or a plain send/recv); they are not overlapped. Each op is checked as send and
+  /// recv are, before anything is sent.
+  [[nodiscard]] Work batch_isend_irecv(std::span<const P2POp> ops) {
+    std::vector<detail::Buf> bufs;
+    std::vector<std::size_t> specs;
+    for (const P2POp& o : ops) {
+      bufs.push_back(detail::dynamic_buf<Backend>(o.buf, rank(), "batch_isend_irecv",
+                                                  o.is_send ? "in" : "buf"));
+      specs.insert(specs.end(), {o.is_send ? 1u : 0u, static_cast<std::size_t>(o.peer),
+                                 static_cast<std::size_t>(o.tag)});
+    }
+    const detail::Call c = detail::prepare_batch_p2p(bufs, specs, caller());
+    return submit(c, std::move(bufs), {}, std::move(specs));
   }
 
   /// Returns once every rank has entered barrier().
   void barrier() { exec(detail::prepare_barrier()); }
   /// barrier(), run asynchronously: the Work completes once every rank has entered it.
   [[nodiscard]] Work barrier_async() { return submit(detail::prepare_barrier()); }
+
+  /// A barrier that names the ranks that did not reach it within `timeout` (default:
+  /// Options::timeout): torch's monitored_barrier. Rank 0 waits for every rank and fails with
+  /// Errc::timeout naming the first missing rank (every one with `wait_all_ranks`); the others
+  /// fail quoting it. Goes through the rendezvous store (backend::Host and backend::Nccl); on
+  /// backend::Mpi, through MPI point-to-point messages.
+  void monitored_barrier(std::chrono::milliseconds timeout = {}, bool wait_all_ranks = false) {
+    if (timeout.count() <= 0) timeout = options().timeout;
+    exec_fn("monitored_barrier", [&](Backend& be, State& st) {
+      if (st.store)
+        st.monitored_barrier(rank(), size(), timeout, wait_all_ranks);
+      else if constexpr (requires { be.monitored_barrier(timeout, wait_all_ranks); })
+        be.monitored_barrier(timeout, wait_all_ranks);
+      else if (size() > 1)
+        detail::fail(Errc::unsupported, "rank ", rank(),
+                     ": monitored_barrier: backend::", Backend::name,
+                     " has no store here; use barrier()");
+    });
+  }
 
   // ---- layered on the collectives (runtime/objects.hpp) ------------------
 
@@ -344,22 +438,36 @@ class Communicator {
   void broadcast_object(T& value, int root = 0) {
     detail::broadcast_object(*this, value, root);
   }
+  /// Rank j gets objects[j] of root's `objects` (one per rank; read on the root only): torch's
+  /// scatter_object_list.
+  template <Encodable T>
+  [[nodiscard]] T scatter_object(const std::vector<T>& objects, int root = 0) {
+    return detail::scatter_object(*this, objects, root);
+  }
 
   // ---- groups and failure ------------------------------------------------------------------
 
   /// MPI_Comm_split: ranks passing the same color form a communicator, ordered by (key, rank).
-  /// Ranks passing no_color get an invalid communicator. Collective over this communicator.
-  [[nodiscard]] Communicator split(int color, int key = 0) {
+  /// Ranks passing no_color get an invalid communicator. Collective over this communicator. The
+  /// new communicator has this one's Options.
+  [[nodiscard]] Communicator split(int color, int key = 0) { return split(color, key, options()); }
+
+  /// split() with the new communicator's own `options` (torch's new_group(timeout=...)): its
+  /// timeout, verify_collectives, flight recorder (trace_entries, trace_dump) and, on
+  /// backend::Host, its transport settings (transport, segment_bytes, ...). It stays in this
+  /// communicator's job: group, token and the store are this one's. Every member should pass
+  /// the same options (verify_collectives must agree: it is checked).
+  [[nodiscard]] Communicator split(int color, int key, const Options& options) {
     if (color < no_color) {
       detail::fail(Errc::invalid_argument, "rank ", rank(), ": split: color ", color,
                    " is negative (use no_color)");
     }
     if constexpr (backend_traits<Backend>::splits) {
       std::unique_ptr<Backend> made;
-      exec_fn("split", [&](Backend& b, State&) { made = b.split(color, key); });
+      exec_fn("split", [&](Backend& b, State&) { made = b.split(color, key, options); });
       if (!made) return Communicator(nullptr);
       auto sub = std::make_shared<State>();
-      detail::inherit_settings(*sub, *state_);
+      detail::inherit_settings(*sub, *state_, options);
       sub->backend = std::move(made);
       return Communicator(std::move(sub));
     }
@@ -367,8 +475,17 @@ class Communicator {
     const std::uint64_t n = checked().splits++;
     if (color == no_color) return Communicator(nullptr);
     auto sub = std::make_shared<State>();
-    const detail::BackendInit bi = detail::begin_split(*sub, *state_, all, color, rank(), n);
-    exec_fn("split", [&](Backend&, State&) { sub->create_backend(bi, [] {}); });
+    const detail::BackendInit bi =
+        detail::begin_split(*sub, *state_, all, color, rank(), n, options);
+    exec_fn("split", [&](Backend&, State&) {
+      sub->create_backend(bi, [&] {
+        if (bi.store) {  // the members agree (verify_collectives) as at init
+          detail::agree_on_job(*bi.store, bi.rank,
+                               {bi.size, std::string(Backend::name), options.verify_collectives},
+                               options.timeout, sub->world_size);
+        }
+      });
+    });
     return Communicator(std::move(sub));
   }
 
@@ -400,46 +517,8 @@ class Communicator {
   }
 
  private:
-  /// The communicator's state: detail::CommState (everything that does not depend on the
-  /// backend) and the backend.
-  struct State : detail::CommState {
-    State() = default;
-    State(const State&) = delete;
-    State& operator=(const State&) = delete;
-    ~State() {
-      if (inherited()) {  // a fork() child's copy: see CommState::abandon
-        abandon();
-        (void)backend.release();
-        (void)local_group.release();
-        return;
-      }
-      local_group.reset();
-      executor.reset();  // drain the queue first
-      leave(backend != nullptr);
-      backend.reset();
-    }
-
-    /// Creates the backend after `before()` (checks that need the store), telling the other
-    /// ranks when this rank fails (CommState::relay_failure).
-    template <class Check>
-    void create_backend(const detail::BackendInit& bi, const Check& before) {
-      world_rank_in_group = bi.rank;
-      try {
-        before();
-        backend = Backend::create(bi);
-      } catch (const Error& e) {
-        relay_failure(bi.rank, e);
-        throw;
-      }
-    }
-    [[nodiscard]] std::string trace(std::string_view why) const {
-      return detail::format_trace(recorder.recent(), recorder.issued(), backend->rank(),
-                                  backend->size(), options.group, why);
-    }
-
-    std::unique_ptr<Backend> backend;
-    std::unique_ptr<Communicator> local_group;
-  };
+  /// The communicator's state (backend/comm_runner.hpp).
+  using State = detail::CommRunner<Backend, Communicator>;
 
   explicit Communicator(std::shared_ptr<State> s) : state_(std::move(s)) {}
 
@@ -460,52 +539,10 @@ class Communicator {
     return *state_;
   }
 
-  /// Runs an operation unless the communicator is poisoned (then fails at once), and poisons it
-  /// when the operation fails; keeps the flight recorder's entry `seq` up to date and dumps the
-  /// recorder when the operation times out.
-  template <class F>
-  static void run_guarded(State& s, std::uint64_t seq, const char* name, const F& body) {
-    using St = TraceRecord::State;
-    try {
-      s.run_poisoning(s.backend->rank(), name, [&] { body(*s.backend, s); });
-    } catch (const Error& e) {
-      s.recorder.update(seq, St::failed);
-      if (e.code() == Errc::timeout && !s.options.trace_dump.empty()) {
-        detail::dump_trace(s.options.trace_dump, s.trace(e.what()), s.options.group,
-                           s.backend->rank());
-      }
-      throw;
-    } catch (...) {
-      s.recorder.update(seq, St::failed);
-      throw;
-    }
-    s.recorder.update(seq, St::done);
-  }
-
-  /// Runs `body` in issue order: inline when the communicator is idle (recorded as running at
-  /// once: no allocation, no lock, one record written), else queued behind what runs.
-  template <class F>
-  static void run_in_order(State& s, const char* name, std::size_t bytes, const F& body) {
-    using St = TraceRecord::State;
-    // A poisoned communicator fails at once and records nothing: its recorder keeps the
-    // operation that failed, not thousands of refused calls after it.
-    s.check_poisoned(s.backend->rank(), name);
-    std::uint64_t seq = 0;
-    s.executor->run(
-        [&](bool now) {
-          if (now)
-            seq = s.recorder.issue(name, bytes, St::running);
-          else
-            s.recorder.update(seq, St::running);
-          run_guarded(s, seq, name, body);
-        },
-        [&] { return seq = s.recorder.issue(name, bytes, St::queued); });
-  }
-
   /// Synchronous.
   void exec(const detail::Call& c) {
-    run_in_order(same_process(c.name), c.name, c.bytes,
-                 [&](Backend& be, State& st) { detail::dispatch(be, st, c); });
+    same_process(c.name).run_in_order(c.name, c.bytes,
+                                      [&](Backend& be, State& st) { detail::dispatch(be, st, c); });
   }
 
   /// Synchronous all_reduce, broadcast and reduce, without building a Call: the same checks and
@@ -513,104 +550,31 @@ class Communicator {
   /// the library's own cost shows most (small messages).
   void exec_single(detail::Coll coll, const detail::Buf& b, ReduceOp op, int root) {
     const char* name = detail::check_single(coll, b, op, root, caller());
-    run_in_order(same_process(name), name, b.bytes(),
-                 [&](Backend& be, State& st) { detail::run_single(be, st, coll, b, op, root); });
+    same_process(name).run_in_order(name, b.bytes(), [&](Backend& be, State& st) {
+      detail::run_single(be, st, coll, b, op, root);
+    });
   }
 
-  /// Copies of the arguments whose type shares its storage (tensor_traits<T>::shares_storage,
-  /// e.g. torch::Tensor), which an asynchronous operation holds until it has finished: dropping
-  /// the last reference to such a tensor before wait() is allowed, as in torch.distributed.
-  using Holds = std::vector<std::shared_ptr<const void>>;
-  template <class T>
-  static void hold_into(Holds& h, const T& t) {
-    using U = std::remove_cvref_t<T>;
-    if constexpr (detail::shares_storage<U>) h.push_back(std::make_shared<const U>(t));
-  }
-  template <class... T>
-  static Holds hold(const T&... t) {
-    Holds h;
-    if constexpr ((detail::shares_storage<std::remove_cvref_t<T>> || ...)) (hold_into(h, t), ...);
-    return h;
-  }
-
-  /// Asynchronous: the call runs on the worker; `many` keeps all_reduce_coalesced's buffers,
-  /// `held` the tensors that share their storage. The operation refers to the communicator's
-  /// state by pointer: the state's destructor drains the queue before anything else goes.
-  Work submit(detail::Call c, std::vector<detail::Buf> many = {}, Holds held = {}) {
-    State* s = state_.get();
-    same_process(c.name);
-    if (s->poisoned.load(std::memory_order_acquire)) [[unlikely]] {  // fails on wait(), unrecorded
-      auto failed = std::make_shared<detail::WorkState>();
-      try {
-        s->check_poisoned(s->backend->rank(), c.name);
-      } catch (...) {
-        failed->finish(std::current_exception());
-      }
-      return Work(std::move(failed));
-    }
-    return Work(s->executor->submit_recorded(
-        [&] { return s->recorder.issue(c.name, c.bytes, TraceRecord::State::queued); },
-        [&](std::uint64_t seq) {
-          return std::function<void()>(
-              [s, seq, c, many = std::move(many), held = std::move(held)]() mutable {
-                if (!many.empty()) c.many = many;
-                s->recorder.update(seq, TraceRecord::State::running);
-                run_guarded(*s, seq, c.name,
-                            [&](Backend& be, State& st) { detail::dispatch(be, st, c); });
-              });
-        }));
+  /// Asynchronous (CommRunner::submit).
+  Work submit(const detail::Call& c, std::vector<detail::Buf> many = {}, detail::Holds held = {},
+              std::vector<std::size_t> counts = {}) {
+    return same_process(c.name).submit(c, std::move(many), std::move(held), std::move(counts));
   }
 
   /// An operation that is not a collective call (split).
   template <class F>
   void exec_fn(const char* name, const F& body) {
-    run_in_order(same_process(name), name, 0, body);
+    same_process(name).run_in_order(name, 0, body);
   }
 
   // ---- arguments -----------------------------------------------------------------------------
 
   [[nodiscard]] detail::Caller caller() const { return {rank(), size()}; }
 
-  /// A typed argument as a checked type-erased buffer (the only code compiled per tensor type).
+  /// A typed argument as a checked type-erased buffer (backend/arguments.hpp).
   template <class T>
   detail::Buf arg(T& t, const char* what, const char* name) const {
-    static_assert(!detail::host_type_for_device_backend<Backend, T>,
-                  "ddp: this backend (backend::Nccl) moves CUDA device memory only, and this "
-                  "buffer's type is host memory (std::vector, std::array, a span, ...): use "
-                  "ddp::CudaBuffer<T> or a CUDA tensor type adapted with ddp::tensor_traits, or "
-                  "Communicator<backend::Host> for host buffers");
-    if constexpr (DynamicTensor<T>) {
-      return dynamic_arg(ddp::view(t), what, name);
-    } else {
-      return typed_arg(ddp::view(t), what, name);
-    }
-  }
-
-  template <class E>
-  detail::Buf typed_arg(const TensorView<E>& v, const char* what, const char* name) const {
-    // The device field by field: copying it whole after view() wrote it piecewise makes g++
-    // reload it as one 8-byte word, a store-forwarding stall that cost ~5 ns per call.
-    // E is const for a read-only input (a const vector, a span<const T>): Buf is untyped.
-    using M = std::remove_const_t<E>;
-    const detail::Buf b{reinterpret_cast<std::byte*>(const_cast<M*>(v.data)), v.size, dtype_of<M>,
-                        Device{v.device.kind, v.device.index}, v.stream};
-    const bool usable = detail::usable_device<Backend>(v.device);
-    if (!usable || v.data == nullptr || v.size > detail::max_buffer_bytes / sizeof(M)) [[unlikely]]
-      detail::check_buf(b, sizeof(M), usable, Backend::name, rank(), what, name);
-    return b;
-  }
-
-  /// A run-time-typed argument: everything the compiler checks for a TensorView, checked here.
-  /// Arguments named `in`, and send's buffer, are read; the others are written.
-  detail::Buf dynamic_arg(const DynamicView& v, const char* what, const char* name) const {
-    const detail::Buf b{static_cast<std::byte*>(v.data), v.size, v.dtype,
-                        Device{v.device.kind, v.device.index}, v.stream};
-    const bool writes = std::string_view(name) != "in" && std::string_view(what) != "send";
-    const bool usable = detail::usable_device<Backend>(v.device);
-    detail::check_dynamic(v, writes, what, name, rank());
-    if (!usable || v.data == nullptr || v.size > detail::max_buffer_bytes / size_of(v.dtype))
-      detail::check_buf(b, size_of(v.dtype), usable, Backend::name, rank(), what, name);
-    return b;
+    return detail::to_buf<Backend>(t, rank(), what, name);
   }
 
   template <class R>
@@ -623,6 +587,43 @@ class Communicator {
   detail::Call prepare_all_reduce_as(const detail::Buf& b, ReduceOp op, DType wire) const {
     return detail::prepare_all_reduce_as(
         b, op, wire, b.device.is_cuda() && !detail::staged<Backend>(b), Backend::name, caller());
+  }
+
+  /// all_to_all's in_counts then out_counts, one per rank each.
+  std::vector<std::size_t> joined(std::span<const std::size_t> a,
+                                  std::span<const std::size_t> b) const {
+    detail::check_entries(a, caller(), "all_to_all", "in_counts");
+    detail::check_entries(b, caller(), "all_to_all", "out_counts");
+    std::vector<std::size_t> v(a.begin(), a.end());
+    v.insert(v.end(), b.begin(), b.end());
+    return v;
+  }
+
+  /// An uneven collective's call; `in`, `out` and `counts` read only where the collective reads
+  /// them (see runtime/call.hpp).
+  template <class In, class Out>
+  detail::Call prepare_uneven(detail::Coll coll, In& in_t, Out& out_t,
+                              std::span<const std::size_t> counts, int root) const {
+    const char* what = detail::to_string(coll).data();
+    if (coll == detail::Coll::all_to_all_v)
+      return detail::prepare_all_to_all_v(arg(in_t, what, "in"), arg(out_t, what, "out"), counts,
+                                          caller());
+    if (coll == detail::Coll::scatter_v) {
+      const detail::Buf out = arg(out_t, what, "out");
+      return detail::prepare_scatter_v(rank() == root ? arg(in_t, what, "in") : detail::Buf{}, out,
+                                       counts, root, caller());
+    }
+    const detail::Buf in = arg(in_t, what, "in");
+    const bool receives = root < 0 || root == rank();
+    return detail::prepare_gather_v(in, receives ? arg(out_t, what, "out") : detail::Buf{}, counts,
+                                    root, caller());
+  }
+
+  template <class In, class Out>
+  Work uneven_async(detail::Coll coll, In& in, Out& out, std::vector<std::size_t> counts,
+                    int root) {
+    const detail::Call c = prepare_uneven(coll, in, out, counts, root);
+    return submit(c, {}, detail::hold(in, out), std::move(counts));
   }
 
   template <class In, class Out>

@@ -361,4 +361,39 @@ template <TensorLike T>
   requires(!DynamicTensor<T>)
 inline constexpr DType tensor_dtype_v = dtype_of<tensor_value_t<T>>;
 
+/// One operation of Communicator::batch_isend_irecv (torch's dist.P2POp): P2POp::send(t, peer)
+/// or P2POp::recv(t, peer), with a tag. It refers to the tensor's memory, which must stay alive
+/// and untouched until the batch's Work completes.
+struct P2POp {
+  bool is_send = true;  ///< a send (else a receive)
+  DynamicView buf{};    ///< the tensor's memory
+  int peer = 0;         ///< the other rank
+  int tag = 0;          ///< matched with the peer's, as send/recv's
+
+  /// Sends `t` to `peer`.
+  template <detail::tensor_input T>
+  [[nodiscard]] static P2POp send(T&& t, int peer, int tag = 0) {
+    return {true, erased(t), peer, tag};
+  }
+  /// Receives into `t` from `peer`.
+  template <detail::tensor_output T>
+  [[nodiscard]] static P2POp recv(T&& t, int peer, int tag = 0) {
+    return {false, erased(t), peer, tag};
+  }
+
+ private:
+  template <class T>
+  static DynamicView erased(T& t) {
+    if constexpr (DynamicTensor<T>) {
+      return ddp::view(t);
+    } else {
+      const auto v = ddp::view(t);
+      using E = typename decltype(v)::element_type;
+      using M = std::remove_const_t<E>;
+      return DynamicView{const_cast<M*>(v.data), v.size, dtype_of<M>, v.device, v.stream, true,
+                         std::is_const_v<E>};
+    }
+  }
+};
+
 DDP_END_NAMESPACE

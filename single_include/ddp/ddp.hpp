@@ -1084,6 +1084,39 @@ template <TensorLike T>
   requires(!DynamicTensor<T>)
 inline constexpr DType tensor_dtype_v = dtype_of<tensor_value_t<T>>;
 
+/// One operation of Communicator::batch_isend_irecv (torch's dist.P2POp): P2POp::send(t, peer)
+/// or P2POp::recv(t, peer), with a tag. It refers to the tensor's memory, which must stay alive
+/// and untouched until the batch's Work completes.
+struct P2POp {
+  bool is_send = true;
+  DynamicView buf{};
+  int peer = 0;
+  int tag = 0;
+
+  template <detail::tensor_input T>
+  [[nodiscard]] static P2POp send(T&& t, int peer, int tag = 0) {
+    return {true, erased(t), peer, tag};
+  }
+  template <detail::tensor_output T>
+  [[nodiscard]] static P2POp recv(T&& t, int peer, int tag = 0) {
+    return {false, erased(t), peer, tag};
+  }
+
+ private:
+  template <class T>
+  static DynamicView erased(T& t) {
+    if constexpr (DynamicTensor<T>) {
+      return ddp::view(t);
+    } else {
+      const auto v = ddp::view(t);
+      using E = typename decltype(v)::element_type;
+      using M = std::remove_const_t<E>;
+      return DynamicView{const_cast<M*>(v.data), v.size, dtype_of<M>, v.device, v.stream, true,
+                         std::is_const_v<E>};
+    }
+  }
+};
+
 DDP_END_NAMESPACE
 // end ddp/tensor.hpp
 // begin ddp/training/partition.hpp
@@ -1634,6 +1667,16 @@ DDP_END_NAMESPACE
 /// unusable: every later call fails at once with Errc::aborted naming the first failure. Build a
 /// new one (with another Options::group) to continue.
 
+// begin ddp/backend/arguments.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// How Communicator turns a typed argument into a checked detail::Buf for its backend: the only
+/// code compiled per tensor type. A TensorView's type already says what the compiler can check
+/// (element type, read-only); a DynamicView (run-time typed) is checked here; the device must be
+/// one the backend can use (backend/dispatch.hpp: its own, or CUDA staged through the host).
+
 // begin ddp/backend/backend.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -1653,9 +1696,10 @@ DDP_END_NAMESPACE
 ///    |---|---|---|
 ///    | needs_store | `static constexpr bool needs_store` | true: init() rendezvous first |
 ///    | device_kind | `static constexpr DeviceKind device_kind` | cpu (host memory) |
-///    | splits | `std::unique_ptr<B> split(color, key)` | split() over the store |
+///    | splits | `std::unique_ptr<B> split(color, key, options)` | split() over the store |
 ///    | converts_wire | `all_reduce_as(Buf, ReduceOp, DType wire)` | convert around all_reduce |
 ///    | reduces_many | `all_reduce_many(std::span<const Buf>, ReduceOp)` | one all_reduce each |
+///    | uneven | `all_to_all_v`, `gather_v`, `scatter_v` (counts per rank) | send/recv pairs |
 ///    | has_device | `int device()` (the CUDA device it uses) | — |
 ///
 /// backend::Host (backend/host.hpp), backend::Nccl (backend/nccl.hpp) and backend::Mpi
@@ -2424,7 +2468,19 @@ enum class Coll : std::uint8_t {
   barrier = 9,
   send = 10,
   recv = 11,
+  // The uneven forms (a count per rank; runtime/uneven.hpp), named as their even twins.
+  all_gather_v = 12,
+  gather_v = 13,
+  scatter_v = 14,
+  all_to_all_v = 15,
+  batch_p2p = 16,  ///< batch_isend_irecv: sends and receives, no fingerprint
 };
+
+/// Whether `c` is an uneven form (its fingerprint's count is 0: the sizes are checked apart).
+[[nodiscard]] constexpr bool is_uneven(Coll c) noexcept {
+  return c == Coll::all_gather_v || c == Coll::gather_v || c == Coll::scatter_v ||
+         c == Coll::all_to_all_v;
+}
 
 [[nodiscard]] constexpr std::string_view to_string(Coll c) noexcept {
   switch (c) {
@@ -2439,6 +2495,11 @@ enum class Coll : std::uint8_t {
     case Coll::barrier: return "barrier";
     case Coll::send: return "send";
     case Coll::recv: return "recv";
+    case Coll::all_gather_v: return "all_gather";
+    case Coll::gather_v: return "gather";
+    case Coll::scatter_v: return "scatter";
+    case Coll::all_to_all_v: return "all_to_all";
+    case Coll::batch_p2p: return "batch_isend_irecv";
   }
   return "unknown collective";
 }
@@ -2484,7 +2545,10 @@ inline constexpr std::uint64_t fingerprint_wide = std::uint64_t{1} << 47;
 
 [[nodiscard]] inline std::string to_string(const Fingerprint& f) {
   std::string s = concat(to_string(f.coll), '(');
-  if (f.coll != Coll::barrier) s += concat(to_string(f.dtype), ", count=", f.count);
+  if (is_uneven(f.coll))
+    s += concat(to_string(f.dtype), ", counts per rank");
+  else if (f.coll != Coll::barrier)
+    s += concat(to_string(f.dtype), ", count=", f.count);
   if (f.has_op != 0) s += concat(", op=", to_string(f.op));
   if (f.root >= 0) s += concat(", root=", f.root);
   return s + concat(") #", f.seq);
@@ -3527,8 +3591,15 @@ struct backend_traits {
   /// The backend moves CUDA device memory only (device_kind is DeviceKind::cuda).
   static constexpr bool device_only = device_kind == DeviceKind::cuda;
   /// The backend makes sub-groups itself (MPI_Comm_split, ncclCommSplit).
-  static constexpr bool splits = requires(B & b, int i) {
-    { b.split(i, i) } -> std::same_as<std::unique_ptr<B>>;
+  static constexpr bool splits = requires(B & b, int i, const Options& o) {
+    { b.split(i, i, o) } -> std::same_as<std::unique_ptr<B>>;
+  };
+  /// The backend runs the collectives with a count per rank itself (runtime/uneven.hpp).
+  static constexpr bool uneven =
+      requires(B & b, const detail::Buf& x, int i, std::span<const std::size_t> c) {
+    b.all_to_all_v(x, x, c, c);
+    b.gather_v(x, x, c, i);
+    b.scatter_v(x, x, c, i);
   };
   /// The backend carries float32 values as half/bfloat16 itself (fused conversions).
   static constexpr bool converts_wire = requires(B & b, const detail::Buf& x, ReduceOp op) {
@@ -3594,8 +3665,10 @@ DDP_END_NAMESPACE
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
+#include <algorithm>
 #include <cstddef>
 #include <span>
+#include <string>
 #include <string_view>
 #include <type_traits>
 
@@ -3623,6 +3696,9 @@ struct Call {
   /// The buffers of all_reduce_coalesced, owned by the caller (Communicator keeps them alive
   /// until the call has run). A Call is trivially copyable: cheap to build on every call.
   std::span<const Buf> many{};
+  /// The counts per rank of an uneven collective, owned like `many`: all_to_all's in_counts
+  /// then out_counts; the others' counts (read where the collective reads them).
+  std::span<const std::size_t> counts{};
   ReduceOp op = ReduceOp::sum;
   int root = -1;  ///< root, or the peer of send/recv
   int tag = 0;
@@ -3865,8 +3941,121 @@ inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, 
   return call;
 }
 
+/// batch_isend_irecv: bufs[i] is op i's buffer; `specs` (3 per op: 1 for a send, the peer,
+/// the tag) must outlive the call. Each op is checked as send or recv is.
+[[nodiscard]] inline Call prepare_batch_p2p(std::span<const Buf> bufs,
+                                            std::span<const std::size_t> specs, Caller c) {
+  std::size_t bytes = 0;
+  for (std::size_t i = 0; i < bufs.size(); ++i) {
+    (void)prepare_p2p(specs[3 * i] != 0 ? Coll::send : Coll::recv, bufs[i],
+                      static_cast<int>(specs[3 * i + 1]), static_cast<int>(specs[3 * i + 2]), c);
+    bytes += bufs[i].bytes();
+  }
+  return Call{.name = "batch_isend_irecv",
+              .coll = Coll::batch_p2p,
+              .many = bufs,
+              .counts = specs,
+              .bytes = bytes};
+}
+
 [[nodiscard]] inline Call prepare_barrier() {
   return Call{.name = "barrier", .coll = Coll::barrier};
+}
+
+/// An uneven collective's counts: one per rank.
+inline void check_entries(std::span<const std::size_t> counts, Caller c, const char* what,
+                          const char* counts_name) {
+  if (counts.size() != static_cast<std::size_t>(c.size)) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `", counts_name, "` has ",
+         counts.size(), " entries but must have one per rank (", c.size, ")");
+  }
+}
+
+/// The counts of an uneven collective: one per rank, and `buf` holding their sum.
+inline void check_counts(std::span<const std::size_t> counts, const Buf& buf, Caller c,
+                         const char* what, const char* counts_name, const char* buf_name) {
+  check_entries(counts, c, what, counts_name);
+  std::size_t total = 0;
+  bool overflow = false;
+  for (const std::size_t n : counts) {
+    overflow = overflow || n > ~std::size_t{0} - total;
+    if (!overflow) total += n;
+  }
+  if (overflow || total != buf.count) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `", buf_name, "` has ", buf.count,
+         " elements but the `", counts_name, "` add up to ",
+         overflow ? std::string("more than any buffer holds") : std::to_string(total),
+         "; they must be equal");
+  }
+}
+
+/// all_to_all with split sizes; `counts` holds in_counts then out_counts (size() each).
+[[nodiscard]] inline Call prepare_all_to_all_v(const Buf& in, const Buf& out,
+                                               std::span<const std::size_t> counts, Caller c) {
+  check_same_dtype(in, out, c, "all_to_all");
+  const auto p = static_cast<std::size_t>(c.size);
+  check_counts(counts.first(std::min(p, counts.size())), in, c, "all_to_all", "in_counts", "in");
+  check_counts(counts.subspan(std::min(p, counts.size())), out, c, "all_to_all", "out_counts",
+               "out");
+  if (overlaps(in.data, in.bytes(), out.data, out.bytes()))
+    fail(Errc::invalid_argument, "rank ", c.rank, ": all_to_all: `in` and `out` must not overlap");
+  return Call{.name = "all_to_all",
+              .coll = Coll::all_to_all_v,
+              .in = in,
+              .out = out,
+              .counts = counts,
+              .bytes = in.bytes() + out.bytes()};
+}
+
+/// all_gather (root < 0) or gather with a count per rank; `out` and `counts` are used (and
+/// checked) only where they receive.
+[[nodiscard]] inline Call prepare_gather_v(const Buf& in, const Buf& out,
+                                           std::span<const std::size_t> counts, int root,
+                                           Caller c) {
+  const char* what = root < 0 ? "all_gather" : "gather";
+  if (root >= 0) check_root(root, c, what);
+  if (root < 0 || root == c.rank) {
+    check_same_dtype(in, out, c, what);
+    check_counts(counts, out, c, what, "counts", "out");
+    if (counts[static_cast<std::size_t>(c.rank)] != in.count)
+      fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `in` has ", in.count,
+           " elements but counts[", c.rank, "] (this rank's) is ",
+           counts[static_cast<std::size_t>(c.rank)], "; they must be equal");
+    if (overlaps(in.data, in.bytes(), out.data, out.bytes()))
+      fail(Errc::invalid_argument, "rank ", c.rank, ": ", what,
+           ": `in` and `out` must not overlap");
+  }
+  return Call{.name = what,
+              .coll = root < 0 ? Coll::all_gather_v : Coll::gather_v,
+              .in = in,
+              .out = out,
+              .counts = counts,
+              .root = root,
+              .bytes = in.bytes() + out.bytes()};
+}
+
+/// scatter with a count per rank; `in` and `counts` are used (and checked) on the root only.
+[[nodiscard]] inline Call prepare_scatter_v(const Buf& in, const Buf& out,
+                                            std::span<const std::size_t> counts, int root,
+                                            Caller c) {
+  check_root(root, c, "scatter");
+  if (root == c.rank) {
+    check_same_dtype(in, out, c, "scatter");
+    check_counts(counts, in, c, "scatter", "counts", "in");
+    if (counts[static_cast<std::size_t>(c.rank)] != out.count)
+      fail(Errc::invalid_argument, "rank ", c.rank, ": scatter: `out` has ", out.count,
+           " elements but counts[", c.rank, "] (this rank's) is ",
+           counts[static_cast<std::size_t>(c.rank)], "; they must be equal");
+    if (overlaps(in.data, in.bytes(), out.data, out.bytes()))
+      fail(Errc::invalid_argument, "rank ", c.rank, ": scatter: `in` and `out` must not overlap");
+  }
+  return Call{.name = "scatter",
+              .coll = Coll::scatter_v,
+              .in = in,
+              .out = out,
+              .counts = counts,
+              .root = root,
+              .bytes = in.bytes() + out.bytes()};
 }
 
 }  // namespace detail
@@ -6534,6 +6723,7 @@ struct CommState {
   /// When the rendezvous must be done: Options::timeout after init() began.
   Clock::time_point rendezvous_deadline = Clock::time_point::max();
   std::uint64_t splits = 0;
+  std::uint64_t monitored_barriers = 0;
   mutable std::mutex poison_mutex;
   std::string poison;
   Errc poison_code = Errc::aborted;
@@ -6600,11 +6790,15 @@ struct CommState {
     return store;
   }
 
-  /// The rendezvous succeeded: later store calls (split, leaving) get their own timeouts.
+  /// The rendezvous succeeded: later store calls (split, leaving) get their own timeouts, and
+  /// should this process die, the store counts it as left (the store's host does not wait for
+  /// it in wait_for_the_others).
   void end_rendezvous() {
     if (!store) return;
     *store = store->with_deadline(Clock::time_point::max());
-    store->clear_on_close();
+    const std::pair<std::string, std::string> on_close[] = {
+        {concat("exit/", world_rank_in_group), ""}};
+    store->set_on_close(on_close);
   }
 
   /// Whether this is a fork() child's copy.
@@ -6637,21 +6831,46 @@ struct CommState {
     }
   }
 
-  /// Leaving (the communicator is destroyed, its executor drained): this rank says so in the
-  /// store; rank 0 keeps the store up until every rank has left, so none loses it mid-call, and
-  /// after a failed rendezvous too, so the others can read why it failed.
-  void leave(bool connected) {
+  /// Leaving, first step (the communicator is destroyed, its executor drained, its backend not
+  /// yet): this rank says in the store that it left ("exit/<rank>") and how, before its
+  /// connections close, so that a peer still waiting for it reports why at once: "done/<rank>"
+  /// with the number of operations it ran when it finished without a failure (the ranks ran
+  /// different numbers of collectives), "left/<rank>" with its failure otherwise.
+  void announce_leaving() {
     if (!store || !joined || store->lost()) return;
     try {
+      Store plain = store->unwatched();
+      const int r = world_rank_in_group;
+      std::string why;
+      Errc code{};
+      {
+        std::lock_guard lock(poison_mutex);
+        why = poison;
+        code = poison_code;
+      }
+      if (why.empty())
+        plain.set(concat("done/", r), std::to_string(recorder.issued()));
+      else
+        (void)plain.compare_set(concat("left/", r), "", Store::stop_value(code, why));
+      plain.set(concat("exit/", r), "");
+    } catch (...) {  // leaving anyway
+    }
+  }
+
+  /// Leaving, last step (the backend is gone): rank 0 keeps the store up until every rank has
+  /// left, so none loses it mid-call, and after a failed rendezvous too, so the others can read
+  /// why it failed. A rank whose process died counts as left (its connection's on-close record).
+  void wait_for_the_others(bool connected) {
+    if (!store || !joined || store->lost() || !server) return;
+    try {
       Store plain = store->unwatched();  // the waits below must not end at "failed"
-      plain.set(concat("exit/", world_rank_in_group), "");
       const auto limit =
           std::min<std::chrono::milliseconds>(options.timeout, std::chrono::seconds(10));
-      if (server && connected && poison.empty()) {
+      if (connected && poison.empty()) {
         std::vector<std::string> keys;
         for (int r = 0; r < world_size; ++r) keys.push_back(concat("exit/", r));
         (void)plain.missing_after(keys, limit);
-      } else if (server && !connected) {
+      } else if (!connected) {
         // Within the rendezvous's one timeout (and a moment for the others to read why).
         const auto left =
             std::chrono::ceil<std::chrono::milliseconds>(rendezvous_deadline - Clock::now());
@@ -6701,6 +6920,51 @@ struct CommState {
       } catch (...) {  // the store is gone too: the peers learn from it
       }
     }
+  }
+
+  /// Communicator::monitored_barrier over the store: every rank says it arrived; rank 0 waits
+  /// up to `timeout` for the others and gives its verdict, naming the ranks that did not arrive
+  /// (all of them with `wait_all_ranks`, else the first); the others wait up to `timeout` for
+  /// rank 0 to arrive, then for its verdict. Fails with Errc::timeout on every rank that waits.
+  void monitored_barrier(int rank, int size, std::chrono::milliseconds timeout,
+                         bool wait_all_ranks) {
+    const std::string at = concat("monitored/", monitored_barriers++, "/");
+    const std::string what = concat("monitored_barrier #", monitored_barriers - 1);
+    const std::string verdict = at + "verdict";
+    store->set(concat(at, rank), "");
+    if (rank == 0) {
+      std::vector<std::string> keys;
+      for (int r = 1; r < size; ++r) keys.push_back(concat(at, r));
+      const auto missing = store->missing_after(keys, timeout);
+      if (missing.empty()) {
+        store->set(verdict, "");
+        return;
+      }
+      std::string who;
+      const std::size_t named = wait_all_ranks ? missing.size() : 1;
+      for (std::size_t i = 0; i < named; ++i)
+        who += concat(i == 0 ? "" : ", ", missing[i].substr(at.size()));
+      const std::string why =
+          concat(named == 1 ? "rank " : "ranks ", who, " did not arrive within ", timeout.count(),
+                 " ms (stopped, slow, or not calling it)",
+                 wait_all_ranks || missing.size() == 1
+                     ? ""
+                     : concat("; ", missing.size() - 1,
+                              " more did not either (wait_all_ranks names every one)"));
+      store->set(verdict, why);
+      fail(Errc::timeout, "rank 0: ", what, ": ", why);
+    }
+    const std::string zero = at + "0";
+    if (!store->missing_after(std::span<const std::string>(&zero, 1), timeout).empty())
+      fail(Errc::timeout, "rank ", rank, ": ", what, ": rank 0 did not arrive within ",
+           timeout.count(), " ms (stopped, slow, or not calling it)");
+    // Rank 0 gives it within `timeout` of its own arrival (and a moment to write it).
+    const auto grace = timeout + std::chrono::seconds(2);
+    if (!store->missing_after(std::span<const std::string>(&verdict, 1), grace).empty())
+      fail(Errc::timeout, "rank ", rank, ": ", what, ": rank 0 gave no verdict within ",
+           grace.count(), " ms of arriving");
+    if (std::string why = store->get(verdict); !why.empty())
+      fail(Errc::timeout, "rank ", rank, ": ", what, ": failed because rank 0 reported: ", why);
   }
 
   /// Marks the communicator failed with `why` (the first failure wins).
@@ -7017,7 +7281,11 @@ DDP_END_NAMESPACE
 // end ddp/runtime/reduce.hpp
 // #include "ddp/types.hpp" (already included above)
 
+#include <algorithm>
 #include <cstddef>
+#include <cstring>
+#include <span>
+#include <utility>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
@@ -7096,6 +7364,96 @@ void run_single(Backend& be, CommState& s, Coll coll, const Buf& b, ReduceOp op,
   }
 }
 
+/// batch_isend_irecv's operations, one pair at a time in an order that cannot deadlock whatever
+/// the batches of the other ranks hold (as long as each op has its match): with each peer in
+/// increasing order, the lower rank of the pair sends first, then receives; the higher rank
+/// receives first. Ops of one direction with one peer keep their order (they match in order).
+template <class Backend>
+void run_batch_p2p(Backend& be, CommState& s, const Call& c) {
+  const auto op = [&](std::size_t i) {
+    return std::pair{c.counts[3 * i] != 0, static_cast<int>(c.counts[3 * i + 1])};
+  };
+  std::vector<std::size_t> order(c.many.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  const int me = be.rank();
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    const auto [sa, pa] = op(a);
+    const auto [sb, pb] = op(b);
+    const auto phase = [&](bool send, int peer) { return (me < peer) == send ? 0 : 1; };
+    return pa != pb ? pa < pb : phase(sa, pa) < phase(sb, pb);
+  });
+  for (const std::size_t i : order) {
+    const auto [send, peer] = op(i);
+    const int tag = static_cast<int>(c.counts[3 * i + 2]);
+    whole<Backend>(
+        s, me, c.name,
+        [&](const Buf& h) {
+          if (send)
+            be.send(h, peer, tag);
+          else
+            be.recv(h, peer, tag);
+        },
+        StagedArg{c.many[i], send, !send});
+  }
+}
+
+/// An uneven collective on a backend without its own (backend_traits::uneven): one message per
+/// pair that exchanges elements, in batch_isend_irecv's order; each receive checks the count
+/// the sender sent (Errc::mismatch where they disagree).
+template <class Backend>
+void run_uneven_by_pairs(Backend& be, CommState& s, const Call& c, const Buf& in, const Buf& out) {
+  const int p = be.size(), me = be.rank(), root = c.root;
+  const auto at = [](const Buf& b, std::span<const std::size_t> counts, int j) {
+    std::size_t off = 0;
+    for (int k = 0; k < j; ++k) off += counts[static_cast<std::size_t>(k)];
+    return Buf{b.data == nullptr ? nullptr : b.at(off), counts[static_cast<std::size_t>(j)],
+               b.dtype, b.device, b.stream};
+  };
+  const std::size_t half = c.counts.size() / 2;
+  const auto piece = [&](bool sending, int j) -> Buf {  // what goes to / comes from rank j
+    const Buf& b = sending ? in : out;
+    switch (c.coll) {
+      case Coll::all_to_all_v:
+        return at(b, sending ? c.counts.first(half) : c.counts.subspan(half), j);
+      case Coll::scatter_v:
+        if (sending) return me == root ? at(in, c.counts, j) : Buf{};
+        return j == root ? out : Buf{};
+      default:  // all_gather_v (root < 0), gather_v
+        if (sending) return root < 0 || j == root ? in : Buf{};
+        return root < 0 || me == root ? at(out, c.counts, j) : Buf{};
+    }
+  };
+  const auto involved = [&](bool sending, int j) {
+    switch (c.coll) {
+      case Coll::gather_v: return sending ? j == root : me == root;
+      case Coll::scatter_v: return sending ? me == root : j == root;
+      default: return true;  // all_to_all_v, all_gather_v
+    }
+  };
+  if (involved(true, me)) {  // this rank's own block
+    if constexpr (backend_traits<Backend>::device_only) {
+      fail(Errc::unsupported, "rank ", me, ": ", c.name, ": backend::", Backend::name,
+           " has no collectives with a count per rank (all_to_all_v, gather_v, scatter_v)");
+    } else {
+      const Buf mine = piece(true, me), back = piece(false, me);
+      if (mine.count != 0) std::memcpy(back.data, mine.data, mine.bytes());
+    }
+  }
+  std::vector<Buf> bufs;
+  std::vector<std::size_t> specs;
+  for (int j = 0; j < p; ++j) {
+    for (const bool sending : {true, false}) {
+      if (j == me || !involved(sending, j)) continue;
+      bufs.push_back(piece(sending, j));
+      specs.insert(specs.end(), {sending ? 1u : 0u, static_cast<std::size_t>(j), 0u});
+    }
+  }
+  Call batch = c;
+  batch.many = bufs;
+  batch.counts = specs;
+  run_batch_p2p(be, s, batch);
+}
+
 template <class Backend>
 void dispatch(Backend& be, CommState& s, const Call& c) {
   const auto in_out = [&](const auto& f) {
@@ -7131,6 +7489,23 @@ void dispatch(Backend& be, CommState& s, const Call& c) {
     case Coll::reduce_scatter:
       return in_out([&](const Buf& i, const Buf& o) { be.reduce_scatter(i, o, c.op); });
     case Coll::all_to_all: return in_out([&](const Buf& i, const Buf& o) { be.all_to_all(i, o); });
+    case Coll::all_to_all_v:
+    case Coll::all_gather_v:
+    case Coll::gather_v:
+    case Coll::scatter_v:
+      return in_out([&](const Buf& i, const Buf& o) {
+        if constexpr (backend_traits<Backend>::uneven) {
+          const std::size_t p = c.counts.size() / 2;
+          if (c.coll == Coll::all_to_all_v)
+            be.all_to_all_v(i, o, c.counts.first(p), c.counts.subspan(p));
+          else if (c.coll == Coll::scatter_v)
+            be.scatter_v(i, o, c.counts, c.root);
+          else
+            be.gather_v(i, o, c.counts, c.root);
+        } else {
+          run_uneven_by_pairs(be, s, c, i, o);
+        }
+      });
     case Coll::send:
       return whole<Backend>(
           s, be.rank(), c.name, [&](const Buf& h) { be.send(h, c.root, c.tag); },
@@ -7140,12 +7515,85 @@ void dispatch(Backend& be, CommState& s, const Call& c) {
           s, be.rank(), c.name, [&](const Buf& h) { be.recv(h, c.root, c.tag); },
           StagedArg{c.in, false, true});
     case Coll::barrier: be.barrier(); return;
+    case Coll::batch_p2p: return run_batch_p2p(be, s, c);
   }
 }
 
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/backend/dispatch.hpp
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/runtime/call.hpp" (already included above)
+// #include "ddp/runtime/collective.hpp" (already included above)
+// #include "ddp/tensor.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <cstddef>
+#include <string_view>
+#include <type_traits>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+template <class Backend, class E>
+Buf typed_buf(const TensorView<E>& v, int rank, const char* what, const char* name) {
+  // The device field by field: copying it whole after view() wrote it piecewise makes g++
+  // reload it as one 8-byte word, a store-forwarding stall that cost ~5 ns per call.
+  // E is const for a read-only input (a const vector, a span<const T>): Buf is untyped.
+  using M = std::remove_const_t<E>;
+  const Buf b{reinterpret_cast<std::byte*>(const_cast<M*>(v.data)), v.size, dtype_of<M>,
+              Device{v.device.kind, v.device.index}, v.stream};
+  const bool usable = usable_device<Backend>(v.device);
+  if (!usable || v.data == nullptr || v.size > max_buffer_bytes / sizeof(M)) [[unlikely]]
+    check_buf(b, sizeof(M), usable, Backend::name, rank, what, name);
+  return b;
+}
+
+/// A run-time-typed argument: everything the compiler checks for a TensorView, checked here.
+/// Arguments named `in`, and send's buffer, are read; the others are written.
+template <class Backend>
+Buf dynamic_buf(const DynamicView& v, int rank, const char* what, const char* name) {
+  const Buf b{static_cast<std::byte*>(v.data), v.size, v.dtype,
+              Device{v.device.kind, v.device.index}, v.stream};
+  const bool writes = std::string_view(name) != "in" && std::string_view(what) != "send";
+  const bool usable = usable_device<Backend>(v.device);
+  check_dynamic(v, writes, what, name, rank);
+  if (!usable || v.data == nullptr || v.size > max_buffer_bytes / size_of(v.dtype))
+    check_buf(b, size_of(v.dtype), usable, Backend::name, rank, what, name);
+  return b;
+}
+
+/// Argument `name` of collective `what` on `rank`, as a checked type-erased buffer.
+template <class Backend, class T>
+Buf to_buf(T& t, int rank, const char* what, const char* name) {
+  static_assert(!host_type_for_device_backend<Backend, T>,
+                "ddp: this backend (backend::Nccl) moves CUDA device memory only, and this "
+                "buffer's type is host memory (std::vector, std::array, a span, ...): use "
+                "ddp::CudaBuffer<T> or a CUDA tensor type adapted with ddp::tensor_traits, or "
+                "Communicator<backend::Host> for host buffers");
+  if constexpr (DynamicTensor<T>) {
+    return dynamic_buf<Backend>(ddp::view(t), rank, what, name);
+  } else {
+    return typed_buf<Backend>(ddp::view(t), rank, what, name);
+  }
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/backend/arguments.hpp
+// #include "ddp/backend/backend.hpp" (already included above)
+// begin ddp/backend/comm_runner.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// What runs a Communicator's operations: detail::CommRunner, the communicator's state
+/// (detail::CommState, everything that does not depend on the backend, plus the backend) and
+/// how each operation runs on it: in issue order, inline when the communicator is idle, else on
+/// its worker (submit), recorded in the flight recorder, poisoning the communicator when it
+/// fails. And detail::hold: the tensors that share their storage an async operation keeps alive.
+
+// #include "ddp/backend/dispatch.hpp" (already included above)
 // begin ddp/backend/init.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -7214,26 +7662,27 @@ inline BackendInit begin_init(CommState& state, const Environment& env, Options&
   return bi;
 }
 
-/// A communicator made by split(): `sub` takes `parent`'s settings.
-inline void inherit_settings(CommState& sub, const CommState& parent) {
-  sub.configure(parent.options);
+/// A communicator made by split(): `sub` takes `options` (the parent's, or the split's own) and
+/// its place in `parent`'s job.
+inline void inherit_settings(CommState& sub, const CommState& parent, const Options& options) {
+  sub.configure(options);
   sub.world_rank = parent.world_rank;
   sub.local_rank_hint = parent.local_rank_hint;
 }
 
 /// split() on a backend that does not split itself: the group of `color` among every rank's
-/// (color, key) `all`, ordered by (key, rank); `sub` configured as `parent` is, with a store
+/// (color, key) `all`, ordered by (key, rank); `sub` configured with `options`, with a store
 /// prefix of its own (the n-th split of `parent`). `rank`: this rank in `parent`.
 inline BackendInit begin_split(CommState& sub, const CommState& parent,
                                const std::vector<std::pair<int, int>>& all, int color, int rank,
-                               std::uint64_t n) {
+                               std::uint64_t n, const Options& options) {
   std::vector<std::pair<int, int>> members;  // (key, old rank)
   for (int r = 0; r < static_cast<int>(all.size()); ++r) {
     if (all[static_cast<std::size_t>(r)].first == color)
       members.emplace_back(all[static_cast<std::size_t>(r)].second, r);
   }
   std::sort(members.begin(), members.end());
-  inherit_settings(sub, parent);
+  inherit_settings(sub, parent, options);
   sub.root_store = parent.root_store;
   sub.prefix = concat(parent.prefix, "split", n, "/", color, "/");
   BackendInit bi;
@@ -7241,7 +7690,7 @@ inline BackendInit begin_split(CommState& sub, const CommState& parent,
   for (int i = 0; i < bi.size; ++i) {
     if (members[static_cast<std::size_t>(i)].second == rank) bi.rank = i;
   }
-  bi.options = parent.options;
+  bi.options = options;
   bi.local_rank = parent.local_rank_hint;
   if (parent.root_store) {
     bi.store = std::make_shared<Store>(parent.root_store->prefixed(sub.prefix).watching("failed"));
@@ -7259,6 +7708,163 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/runtime/call.hpp" (already included above)
+// #include "ddp/runtime/comm_state.hpp" (already included above)
+// #include "ddp/tensor.hpp" (already included above)
+// #include "ddp/trace.hpp" (already included above)
+// #include "ddp/work.hpp" (already included above)
+
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// Copies of the arguments whose type shares its storage (tensor_traits<T>::shares_storage,
+/// e.g. torch::Tensor), which an asynchronous operation holds until it has finished: dropping
+/// the last reference to such a tensor before wait() is allowed, as in torch.distributed.
+using Holds = std::vector<std::shared_ptr<const void>>;
+template <class T>
+void hold_into(Holds& h, const T& t) {
+  using U = std::remove_cvref_t<T>;
+  if constexpr (shares_storage<U>) h.push_back(std::make_shared<const U>(t));
+}
+template <class... T>
+Holds hold(const T&... t) {
+  Holds h;
+  if constexpr ((shares_storage<std::remove_cvref_t<T>> || ...)) (hold_into(h, t), ...);
+  return h;
+}
+
+/// A communicator's state, and how its operations run. `Comm`: the Communicator (its local
+/// group is one).
+template <class Backend, class Comm>
+struct CommRunner : CommState {
+  CommRunner() = default;
+  CommRunner(const CommRunner&) = delete;
+  CommRunner& operator=(const CommRunner&) = delete;
+  ~CommRunner() {
+    if (inherited()) {  // a fork() child's copy: see CommState::abandon
+      abandon();
+      (void)backend.release();
+      (void)local_group.release();
+      return;
+    }
+    local_group.reset();
+    executor.reset();  // drain the queue first
+    const bool connected = backend != nullptr;
+    announce_leaving();  // before the backend's connections close: peers read why
+    backend.reset();
+    wait_for_the_others(connected);
+  }
+
+  /// Creates the backend after `before()` (checks that need the store), telling the other
+  /// ranks when this rank fails (CommState::relay_failure).
+  template <class Check>
+  void create_backend(const BackendInit& bi, const Check& before) {
+    world_rank_in_group = bi.rank;
+    try {
+      before();
+      backend = Backend::create(bi);
+    } catch (const Error& e) {
+      relay_failure(bi.rank, e);
+      throw;
+    }
+  }
+  [[nodiscard]] std::string trace(std::string_view why) const {
+    return format_trace(recorder.recent(), recorder.issued(), backend->rank(), backend->size(),
+                        options.group, why);
+  }
+
+  /// Runs an operation unless the communicator is poisoned (then fails at once), and poisons it
+  /// when the operation fails; keeps the flight recorder's entry `seq` up to date and dumps the
+  /// recorder when the operation times out. body(backend, state).
+  template <class F>
+  void run_guarded(std::uint64_t seq, const char* name, const F& body) {
+    using St = TraceRecord::State;
+    try {
+      run_poisoning(backend->rank(), name, [&] { body(*backend, *this); });
+    } catch (const Error& e) {
+      recorder.update(seq, St::failed);
+      if (e.code() == Errc::timeout && !options.trace_dump.empty())
+        dump_trace(options.trace_dump, trace(e.what()), options.group, backend->rank());
+      throw;
+    } catch (...) {
+      recorder.update(seq, St::failed);
+      throw;
+    }
+    recorder.update(seq, St::done);
+  }
+
+  /// Runs `body` in issue order: inline when the communicator is idle (recorded as running at
+  /// once: no allocation, no lock, one record written), else queued behind what runs.
+  template <class F>
+  void run_in_order(const char* name, std::size_t bytes, const F& body) {
+    using St = TraceRecord::State;
+    // A poisoned communicator fails at once and records nothing: its recorder keeps the
+    // operation that failed, not thousands of refused calls after it.
+    check_poisoned(backend->rank(), name);
+    std::uint64_t seq = 0;
+    executor->run(
+        [&](bool now) {
+          if (now)
+            seq = recorder.issue(name, bytes, St::running);
+          else
+            recorder.update(seq, St::running);
+          run_guarded(seq, name, body);
+        },
+        [&] { return seq = recorder.issue(name, bytes, St::queued); });
+  }
+
+  /// Asynchronous: the call runs on the worker; `many` keeps all_reduce_coalesced's buffers,
+  /// `counts` an uneven collective's counts, `held` the tensors that share their storage. The
+  /// operation refers to this state by pointer: the destructor drains the queue first.
+  Work submit(Call c, std::vector<Buf> many, Holds held, std::vector<std::size_t> counts) {
+    if (poisoned.load(std::memory_order_acquire)) [[unlikely]] {  // fails on wait(), unrecorded
+      auto failed = std::make_shared<WorkState>();
+      try {
+        check_poisoned(backend->rank(), c.name);
+      } catch (...) {
+        failed->finish(std::current_exception());
+      }
+      return Work(std::move(failed));
+    }
+    return Work(executor->submit_recorded(
+        [&] { return recorder.issue(c.name, c.bytes, TraceRecord::State::queued); },
+        [&](std::uint64_t seq) {
+          return std::function<void()>([this, seq, c, many = std::move(many),
+                                        held = std::move(held),
+                                        counts = std::move(counts)]() mutable {
+            if (!many.empty()) c.many = many;
+            if (!counts.empty()) c.counts = counts;
+            recorder.update(seq, TraceRecord::State::running);
+            run_guarded(seq, c.name, [&](Backend& be, CommRunner& st) { dispatch(be, st, c); });
+          });
+        }));
+  }
+
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<Comm> local_group;
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/backend/comm_runner.hpp
+// #include "ddp/backend/dispatch.hpp" (already included above)
+// #include "ddp/backend/init.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/environment.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
@@ -7272,7 +7878,8 @@ DDP_END_NAMESPACE
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// How Communicator's object collectives (all_gather_object, gather_object, broadcast_object)
+/// How Communicator's object collectives (all_gather_object, gather_object, broadcast_object,
+/// scatter_object)
 /// and small host-value helpers (all_reduce_host, broadcast_host) are made: written on the public
 /// collectives, the way torch.distributed layers its object collectives above the ProcessGroup.
 /// The spelling users call is the member (`comm.all_gather_object(value)`); these are its insides.
@@ -7713,6 +8320,44 @@ void broadcast_object(Comm& comm, T& value, int root = 0) {
   if (comm.rank() != root) value = decode_object<T>(bytes.data(), bytes.size());
 }
 
+/// Rank j's entry of root's `objects` (one per rank) on rank j. A root with the wrong number of
+/// objects fails, and so does every other rank, saying so (never a hang).
+template <Encodable T, class Comm>
+[[nodiscard]] T scatter_object(Comm& comm, const std::vector<T>& objects, int root = 0) {
+  const auto p = static_cast<std::size_t>(comm.size());
+  check_root(root, {comm.rank(), comm.size()}, "scatter_object");
+  constexpr std::int64_t wrong_count = -2;  // what every rank receives when root's list is wrong
+  std::vector<std::int64_t> sizes(comm.rank() == root ? p : 0);
+  std::vector<std::uint8_t> bytes;
+  if (comm.rank() == root) {
+    if (objects.size() != p) {
+      std::fill(sizes.begin(), sizes.end(), wrong_count);
+    } else {
+      for (std::size_t j = 0; j < p; ++j) {
+        const std::string e = encode_object(objects[j]);
+        sizes[j] = static_cast<std::int64_t>(e.size());
+        check_object_size(sizes[j], comm.rank(), "scatter_object", root);
+        bytes.insert(bytes.end(), e.begin(), e.end());
+      }
+    }
+  }
+  std::int64_t n = 0;
+  on_host_data(comm, std::span<std::int64_t>(sizes), std::span<std::int64_t>(&n, 1),
+               [&](auto& in, auto& out) { comm.scatter(in, out, root); });
+  if (n == wrong_count) {
+    fail(Errc::invalid_argument, "rank ", comm.rank(), ": scatter_object: the root (rank ", root,
+         ") passed ",
+         comm.rank() == root ? std::to_string(objects.size()) : std::string("a wrong number of"),
+         " objects, but it must pass one per rank (", p, ")");
+  }
+  check_object_size(n, comm.rank(), "scatter_object", root);
+  std::vector<std::size_t> counts(sizes.begin(), sizes.end());
+  std::vector<std::uint8_t> mine(static_cast<std::size_t>(n));
+  on_host_data(comm, std::span<std::uint8_t>(bytes), std::span<std::uint8_t>(mine),
+               [&](auto& in, auto& out) { comm.scatter(in, out, counts, root); });
+  return decode_object<T>(mine.data(), mine.size());
+}
+
 }  // namespace detail
 
 DDP_END_NAMESPACE
@@ -7818,7 +8463,7 @@ class Communicator {
   [[nodiscard]] Work all_reduce_async(T&& buf, ReduceOp op = ReduceOp::sum) {
     return submit(detail::prepare_single(detail::Coll::all_reduce, arg(buf, "all_reduce", "buf"),
                                          op, 0, caller()),
-                  {}, hold(buf));
+                  {}, detail::hold(buf));
   }
 
   /// all_reduce of float32 values that travel and are reduced as W (ddp::half or ddp::bfloat16):
@@ -7838,7 +8483,7 @@ class Communicator {
     requires(std::is_same_v<W, half> || std::is_same_v<W, bfloat16>)
   [[nodiscard]] Work all_reduce_as_async(T&& buf, ReduceOp op = ReduceOp::sum) {
     return submit(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, dtype_of<W>), {},
-                  hold(buf));
+                  detail::hold(buf));
   }
   /// all_reduce_as_async() with the wire type as a value, DType::float16 or DType::bfloat16 (how
   /// the compression comm hooks carry it).
@@ -7847,7 +8492,8 @@ class Communicator {
     if (wire != DType::float16 && wire != DType::bfloat16)
       detail::fail(Errc::invalid_argument, "rank ", rank(), ": all_reduce_as: the wire type is ",
                    to_string(wire), "; compressed values travel as float16 or bfloat16");
-    return submit(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, wire), {}, hold(buf));
+    return submit(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, wire), {},
+                  detail::hold(buf));
   }
 
   /// all_reduce of several buffers as one operation (torch's all_reduce_coalesced): one NCCL
@@ -7864,8 +8510,8 @@ class Communicator {
   [[nodiscard]] Work all_reduce_coalesced_async(R&& bufs, ReduceOp op = ReduceOp::sum) {
     auto b = args(bufs);
     const auto call = detail::prepare_all_reduce_coalesced(b, op, caller());
-    Holds held;
-    for (auto&& t : bufs) hold_into(held, t);
+    detail::Holds held;
+    for (auto&& t : bufs) detail::hold_into(held, t);
     return submit(call, std::move(b), std::move(held));
   }
 
@@ -7880,7 +8526,7 @@ class Communicator {
   [[nodiscard]] Work broadcast_async(T&& buf, int root = 0) {
     return submit(detail::prepare_single(detail::Coll::broadcast, arg(buf, "broadcast", "buf"),
                                          ReduceOp::sum, root, caller()),
-                  {}, hold(buf));
+                  {}, detail::hold(buf));
   }
 
   /// Reduces `buf` over all ranks into root's `buf`; the other ranks' buffers are unchanged.
@@ -7894,7 +8540,7 @@ class Communicator {
   [[nodiscard]] Work reduce_async(T&& buf, int root = 0, ReduceOp op = ReduceOp::sum) {
     return submit(
         detail::prepare_single(detail::Coll::reduce, arg(buf, "reduce", "buf"), op, root, caller()),
-        {}, hold(buf));
+        {}, detail::hold(buf));
   }
 
   /// out[r*n .. r*n+n) = rank r's `in` (n = in's size); out.size() == in.size() * size().
@@ -7907,7 +8553,7 @@ class Communicator {
   /// all_reduce_async).
   template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work all_gather_async(In&& in, Out&& out) {
-    return submit(prepare_gather(in, out, -1), {}, hold(in, out));
+    return submit(prepare_gather(in, out, -1), {}, detail::hold(in, out));
   }
 
   /// Like all_gather, into root's `out` only (`out` is not used on the other ranks).
@@ -7919,7 +8565,7 @@ class Communicator {
   /// all_reduce_async).
   template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work gather_async(In&& in, Out&& out, int root = 0) {
-    return submit(prepare_gather(in, out, root), {}, hold(in, out));
+    return submit(prepare_gather(in, out, root), {}, detail::hold(in, out));
   }
 
   /// Rank r receives root's in[r*n .. r*n+n) into `out` (n = out's size; `in` used on root only).
@@ -7931,7 +8577,7 @@ class Communicator {
   /// all_reduce_async).
   template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work scatter_async(In&& in, Out&& out, int root = 0) {
-    return submit(prepare_scatter(in, out, root), {}, hold(in, out));
+    return submit(prepare_scatter(in, out, root), {}, detail::hold(in, out));
   }
 
   /// out = block r of the reduction of every rank's `in`; in.size() == out.size() * size().
@@ -7946,7 +8592,7 @@ class Communicator {
   [[nodiscard]] Work reduce_scatter_async(In&& in, Out&& out, ReduceOp op = ReduceOp::sum) {
     return submit(detail::prepare_reduce_scatter(arg(in, "reduce_scatter", "in"),
                                                  arg(out, "reduce_scatter", "out"), op, caller()),
-                  {}, hold(in, out));
+                  {}, detail::hold(in, out));
   }
 
   /// Block j of `in` goes to rank j, which stores it as its block r of `out`.
@@ -7961,7 +8607,58 @@ class Communicator {
   [[nodiscard]] Work all_to_all_async(In&& in, Out&& out) {
     return submit(detail::prepare_all_to_all(arg(in, "all_to_all", "in"),
                                              arg(out, "all_to_all", "out"), caller()),
-                  {}, hold(in, out));
+                  {}, detail::hold(in, out));
+  }
+
+  // ---- uneven sizes: a count per rank (runtime/uneven.hpp) ------------------------------------
+  // Every rank's counts must match the others' (what rank i sends to rank j is what rank j
+  // expects from rank i): checked on every rank before any data moves, failing with
+  // Errc::mismatch naming the pair. Blocks lie in rank order, each right after the one before.
+
+  /// all_to_all with split sizes (torch's all_to_all_single with split sizes, MPI_Alltoallv):
+  /// in_counts[j] elements of `in` go to rank j; out_counts[j] elements from rank j land in `out`.
+  template <detail::tensor_input In, detail::tensor_output Out>
+  void all_to_all(In&& in, Out&& out, std::span<const std::size_t> in_counts,
+                  std::span<const std::size_t> out_counts) {
+    const auto counts = joined(in_counts, out_counts);
+    exec(prepare_uneven(detail::Coll::all_to_all_v, in, out, counts, -1));
+  }
+  /// all_to_all() with split sizes, run asynchronously (the counts are copied).
+  template <detail::tensor_input In, detail::tensor_output Out>
+  [[nodiscard]] Work all_to_all_async(In&& in, Out&& out, std::span<const std::size_t> in_counts,
+                                      std::span<const std::size_t> out_counts) {
+    return uneven_async(detail::Coll::all_to_all_v, in, out, joined(in_counts, out_counts), -1);
+  }
+  /// all_gather with a count per rank (MPI_Allgatherv): rank j's `in` (counts[j] elements) into
+  /// every rank's `out`.
+  template <detail::tensor_input In, detail::tensor_output Out>
+  void all_gather(In&& in, Out&& out, std::span<const std::size_t> counts) {
+    exec(prepare_uneven(detail::Coll::all_gather_v, in, out, counts, -1));
+  }
+  template <detail::tensor_input In, detail::tensor_output Out>
+  [[nodiscard]] Work all_gather_async(In&& in, Out&& out, std::span<const std::size_t> counts) {
+    return uneven_async(detail::Coll::all_gather_v, in, out, {counts.begin(), counts.end()}, -1);
+  }
+  /// gather with a count per rank (MPI_Gatherv): `out` and `counts` are read on the root only.
+  template <detail::tensor_input In, detail::tensor_output Out>
+  void gather(In&& in, Out&& out, std::span<const std::size_t> counts, int root = 0) {
+    exec(prepare_uneven(detail::Coll::gather_v, in, out, counts, root));
+  }
+  template <detail::tensor_input In, detail::tensor_output Out>
+  [[nodiscard]] Work gather_async(In&& in, Out&& out, std::span<const std::size_t> counts,
+                                  int root = 0) {
+    return uneven_async(detail::Coll::gather_v, in, out, {counts.begin(), counts.end()}, root);
+  }
+  /// scatter with a count per rank (MPI_Scatterv): counts[j] elements of root's `in` into rank
+  /// j's `out`; `in` and `counts` are read on the root only.
+  template <detail::tensor_input In, detail::tensor_output Out>
+  void scatter(In&& in, Out&& out, std::span<const std::size_t> counts, int root = 0) {
+    exec(prepare_uneven(detail::Coll::scatter_v, in, out, counts, root));
+  }
+  template <detail::tensor_input In, detail::tensor_output Out>
+  [[nodiscard]] Work scatter_async(In&& in, Out&& out, std::span<const std::size_t> counts,
+                                   int root = 0) {
+    return uneven_async(detail::Coll::scatter_v, in, out, {counts.begin(), counts.end()}, root);
   }
 
   /// Point-to-point. Between a pair, sends and receives match in issue order; the receiver checks
@@ -7976,7 +8673,7 @@ class Communicator {
   [[nodiscard]] Work send_async(T&& buf, int peer, int tag = 0) {
     return submit(
         detail::prepare_p2p(detail::Coll::send, arg(buf, "send", "buf"), peer, tag, caller()), {},
-        hold(buf));
+        detail::hold(buf));
   }
   /// Receives into `buf` the next send() from `peer`; its tag, dtype and count must match.
   template <detail::tensor_output T>
@@ -7989,13 +8686,50 @@ class Communicator {
   [[nodiscard]] Work recv_async(T&& buf, int peer, int tag = 0) {
     return submit(
         detail::prepare_p2p(detail::Coll::recv, arg(buf, "recv", "buf"), peer, tag, caller()), {},
-        hold(buf));
+        detail::hold(buf));
+  }
+
+  /// torch's batch_isend_irecv: the sends and receives of `ops` as one operation, run
+  /// asynchronously (the Work completes when all have). They run pair by pair in an order that
+  /// cannot deadlock whatever the peers' batches hold (each op needs its match on the peer, in
+  /// a batch or a plain send/recv); they are not overlapped. Each op is checked as send and
+  /// recv are, before anything is sent.
+  [[nodiscard]] Work batch_isend_irecv(std::span<const P2POp> ops) {
+    std::vector<detail::Buf> bufs;
+    std::vector<std::size_t> specs;
+    for (const P2POp& o : ops) {
+      bufs.push_back(detail::dynamic_buf<Backend>(o.buf, rank(), "batch_isend_irecv",
+                                                  o.is_send ? "in" : "buf"));
+      specs.insert(specs.end(), {o.is_send ? 1u : 0u, static_cast<std::size_t>(o.peer),
+                                 static_cast<std::size_t>(o.tag)});
+    }
+    const detail::Call c = detail::prepare_batch_p2p(bufs, specs, caller());
+    return submit(c, std::move(bufs), {}, std::move(specs));
   }
 
   /// Returns once every rank has entered barrier().
   void barrier() { exec(detail::prepare_barrier()); }
   /// barrier(), run asynchronously: the Work completes once every rank has entered it.
   [[nodiscard]] Work barrier_async() { return submit(detail::prepare_barrier()); }
+
+  /// A barrier that names the ranks that did not reach it within `timeout` (default:
+  /// Options::timeout): torch's monitored_barrier. Rank 0 waits for every rank and fails with
+  /// Errc::timeout naming the first missing rank (every one with `wait_all_ranks`); the others
+  /// fail quoting it. Goes through the rendezvous store (backend::Host and backend::Nccl); on
+  /// backend::Mpi, through MPI point-to-point messages.
+  void monitored_barrier(std::chrono::milliseconds timeout = {}, bool wait_all_ranks = false) {
+    if (timeout.count() <= 0) timeout = options().timeout;
+    exec_fn("monitored_barrier", [&](Backend& be, State& st) {
+      if (st.store)
+        st.monitored_barrier(rank(), size(), timeout, wait_all_ranks);
+      else if constexpr (requires { be.monitored_barrier(timeout, wait_all_ranks); })
+        be.monitored_barrier(timeout, wait_all_ranks);
+      else if (size() > 1)
+        detail::fail(Errc::unsupported, "rank ", rank(),
+                     ": monitored_barrier: backend::", Backend::name,
+                     " has no store here; use barrier()");
+    });
+  }
 
   // ---- layered on the collectives (runtime/objects.hpp) ------------------
 
@@ -8025,22 +8759,36 @@ class Communicator {
   void broadcast_object(T& value, int root = 0) {
     detail::broadcast_object(*this, value, root);
   }
+  /// Rank j gets objects[j] of root's `objects` (one per rank; read on the root only): torch's
+  /// scatter_object_list.
+  template <Encodable T>
+  [[nodiscard]] T scatter_object(const std::vector<T>& objects, int root = 0) {
+    return detail::scatter_object(*this, objects, root);
+  }
 
   // ---- groups and failure ------------------------------------------------------------------
 
   /// MPI_Comm_split: ranks passing the same color form a communicator, ordered by (key, rank).
-  /// Ranks passing no_color get an invalid communicator. Collective over this communicator.
-  [[nodiscard]] Communicator split(int color, int key = 0) {
+  /// Ranks passing no_color get an invalid communicator. Collective over this communicator. The
+  /// new communicator has this one's Options.
+  [[nodiscard]] Communicator split(int color, int key = 0) { return split(color, key, options()); }
+
+  /// split() with the new communicator's own `options` (torch's new_group(timeout=...)): its
+  /// timeout, verify_collectives, flight recorder (trace_entries, trace_dump) and, on
+  /// backend::Host, its transport settings (transport, segment_bytes, ...). It stays in this
+  /// communicator's job: group, token and the store are this one's. Every member should pass
+  /// the same options (verify_collectives must agree: it is checked).
+  [[nodiscard]] Communicator split(int color, int key, const Options& options) {
     if (color < no_color) {
       detail::fail(Errc::invalid_argument, "rank ", rank(), ": split: color ", color,
                    " is negative (use no_color)");
     }
     if constexpr (backend_traits<Backend>::splits) {
       std::unique_ptr<Backend> made;
-      exec_fn("split", [&](Backend& b, State&) { made = b.split(color, key); });
+      exec_fn("split", [&](Backend& b, State&) { made = b.split(color, key, options); });
       if (!made) return Communicator(nullptr);
       auto sub = std::make_shared<State>();
-      detail::inherit_settings(*sub, *state_);
+      detail::inherit_settings(*sub, *state_, options);
       sub->backend = std::move(made);
       return Communicator(std::move(sub));
     }
@@ -8048,8 +8796,17 @@ class Communicator {
     const std::uint64_t n = checked().splits++;
     if (color == no_color) return Communicator(nullptr);
     auto sub = std::make_shared<State>();
-    const detail::BackendInit bi = detail::begin_split(*sub, *state_, all, color, rank(), n);
-    exec_fn("split", [&](Backend&, State&) { sub->create_backend(bi, [] {}); });
+    const detail::BackendInit bi =
+        detail::begin_split(*sub, *state_, all, color, rank(), n, options);
+    exec_fn("split", [&](Backend&, State&) {
+      sub->create_backend(bi, [&] {
+        if (bi.store) {  // the members agree (verify_collectives) as at init
+          detail::agree_on_job(*bi.store, bi.rank,
+                               {bi.size, std::string(Backend::name), options.verify_collectives},
+                               options.timeout, sub->world_size);
+        }
+      });
+    });
     return Communicator(std::move(sub));
   }
 
@@ -8081,46 +8838,8 @@ class Communicator {
   }
 
  private:
-  /// The communicator's state: detail::CommState (everything that does not depend on the
-  /// backend) and the backend.
-  struct State : detail::CommState {
-    State() = default;
-    State(const State&) = delete;
-    State& operator=(const State&) = delete;
-    ~State() {
-      if (inherited()) {  // a fork() child's copy: see CommState::abandon
-        abandon();
-        (void)backend.release();
-        (void)local_group.release();
-        return;
-      }
-      local_group.reset();
-      executor.reset();  // drain the queue first
-      leave(backend != nullptr);
-      backend.reset();
-    }
-
-    /// Creates the backend after `before()` (checks that need the store), telling the other
-    /// ranks when this rank fails (CommState::relay_failure).
-    template <class Check>
-    void create_backend(const detail::BackendInit& bi, const Check& before) {
-      world_rank_in_group = bi.rank;
-      try {
-        before();
-        backend = Backend::create(bi);
-      } catch (const Error& e) {
-        relay_failure(bi.rank, e);
-        throw;
-      }
-    }
-    [[nodiscard]] std::string trace(std::string_view why) const {
-      return detail::format_trace(recorder.recent(), recorder.issued(), backend->rank(),
-                                  backend->size(), options.group, why);
-    }
-
-    std::unique_ptr<Backend> backend;
-    std::unique_ptr<Communicator> local_group;
-  };
+  /// The communicator's state (backend/comm_runner.hpp).
+  using State = detail::CommRunner<Backend, Communicator>;
 
   explicit Communicator(std::shared_ptr<State> s) : state_(std::move(s)) {}
 
@@ -8141,52 +8860,10 @@ class Communicator {
     return *state_;
   }
 
-  /// Runs an operation unless the communicator is poisoned (then fails at once), and poisons it
-  /// when the operation fails; keeps the flight recorder's entry `seq` up to date and dumps the
-  /// recorder when the operation times out.
-  template <class F>
-  static void run_guarded(State& s, std::uint64_t seq, const char* name, const F& body) {
-    using St = TraceRecord::State;
-    try {
-      s.run_poisoning(s.backend->rank(), name, [&] { body(*s.backend, s); });
-    } catch (const Error& e) {
-      s.recorder.update(seq, St::failed);
-      if (e.code() == Errc::timeout && !s.options.trace_dump.empty()) {
-        detail::dump_trace(s.options.trace_dump, s.trace(e.what()), s.options.group,
-                           s.backend->rank());
-      }
-      throw;
-    } catch (...) {
-      s.recorder.update(seq, St::failed);
-      throw;
-    }
-    s.recorder.update(seq, St::done);
-  }
-
-  /// Runs `body` in issue order: inline when the communicator is idle (recorded as running at
-  /// once: no allocation, no lock, one record written), else queued behind what runs.
-  template <class F>
-  static void run_in_order(State& s, const char* name, std::size_t bytes, const F& body) {
-    using St = TraceRecord::State;
-    // A poisoned communicator fails at once and records nothing: its recorder keeps the
-    // operation that failed, not thousands of refused calls after it.
-    s.check_poisoned(s.backend->rank(), name);
-    std::uint64_t seq = 0;
-    s.executor->run(
-        [&](bool now) {
-          if (now)
-            seq = s.recorder.issue(name, bytes, St::running);
-          else
-            s.recorder.update(seq, St::running);
-          run_guarded(s, seq, name, body);
-        },
-        [&] { return seq = s.recorder.issue(name, bytes, St::queued); });
-  }
-
   /// Synchronous.
   void exec(const detail::Call& c) {
-    run_in_order(same_process(c.name), c.name, c.bytes,
-                 [&](Backend& be, State& st) { detail::dispatch(be, st, c); });
+    same_process(c.name).run_in_order(c.name, c.bytes,
+                                      [&](Backend& be, State& st) { detail::dispatch(be, st, c); });
   }
 
   /// Synchronous all_reduce, broadcast and reduce, without building a Call: the same checks and
@@ -8194,104 +8871,31 @@ class Communicator {
   /// the library's own cost shows most (small messages).
   void exec_single(detail::Coll coll, const detail::Buf& b, ReduceOp op, int root) {
     const char* name = detail::check_single(coll, b, op, root, caller());
-    run_in_order(same_process(name), name, b.bytes(),
-                 [&](Backend& be, State& st) { detail::run_single(be, st, coll, b, op, root); });
+    same_process(name).run_in_order(name, b.bytes(), [&](Backend& be, State& st) {
+      detail::run_single(be, st, coll, b, op, root);
+    });
   }
 
-  /// Copies of the arguments whose type shares its storage (tensor_traits<T>::shares_storage,
-  /// e.g. torch::Tensor), which an asynchronous operation holds until it has finished: dropping
-  /// the last reference to such a tensor before wait() is allowed, as in torch.distributed.
-  using Holds = std::vector<std::shared_ptr<const void>>;
-  template <class T>
-  static void hold_into(Holds& h, const T& t) {
-    using U = std::remove_cvref_t<T>;
-    if constexpr (detail::shares_storage<U>) h.push_back(std::make_shared<const U>(t));
-  }
-  template <class... T>
-  static Holds hold(const T&... t) {
-    Holds h;
-    if constexpr ((detail::shares_storage<std::remove_cvref_t<T>> || ...)) (hold_into(h, t), ...);
-    return h;
-  }
-
-  /// Asynchronous: the call runs on the worker; `many` keeps all_reduce_coalesced's buffers,
-  /// `held` the tensors that share their storage. The operation refers to the communicator's
-  /// state by pointer: the state's destructor drains the queue before anything else goes.
-  Work submit(detail::Call c, std::vector<detail::Buf> many = {}, Holds held = {}) {
-    State* s = state_.get();
-    same_process(c.name);
-    if (s->poisoned.load(std::memory_order_acquire)) [[unlikely]] {  // fails on wait(), unrecorded
-      auto failed = std::make_shared<detail::WorkState>();
-      try {
-        s->check_poisoned(s->backend->rank(), c.name);
-      } catch (...) {
-        failed->finish(std::current_exception());
-      }
-      return Work(std::move(failed));
-    }
-    return Work(s->executor->submit_recorded(
-        [&] { return s->recorder.issue(c.name, c.bytes, TraceRecord::State::queued); },
-        [&](std::uint64_t seq) {
-          return std::function<void()>(
-              [s, seq, c, many = std::move(many), held = std::move(held)]() mutable {
-                if (!many.empty()) c.many = many;
-                s->recorder.update(seq, TraceRecord::State::running);
-                run_guarded(*s, seq, c.name,
-                            [&](Backend& be, State& st) { detail::dispatch(be, st, c); });
-              });
-        }));
+  /// Asynchronous (CommRunner::submit).
+  Work submit(const detail::Call& c, std::vector<detail::Buf> many = {}, detail::Holds held = {},
+              std::vector<std::size_t> counts = {}) {
+    return same_process(c.name).submit(c, std::move(many), std::move(held), std::move(counts));
   }
 
   /// An operation that is not a collective call (split).
   template <class F>
   void exec_fn(const char* name, const F& body) {
-    run_in_order(same_process(name), name, 0, body);
+    same_process(name).run_in_order(name, 0, body);
   }
 
   // ---- arguments -----------------------------------------------------------------------------
 
   [[nodiscard]] detail::Caller caller() const { return {rank(), size()}; }
 
-  /// A typed argument as a checked type-erased buffer (the only code compiled per tensor type).
+  /// A typed argument as a checked type-erased buffer (backend/arguments.hpp).
   template <class T>
   detail::Buf arg(T& t, const char* what, const char* name) const {
-    static_assert(!detail::host_type_for_device_backend<Backend, T>,
-                  "ddp: this backend (backend::Nccl) moves CUDA device memory only, and this "
-                  "buffer's type is host memory (std::vector, std::array, a span, ...): use "
-                  "ddp::CudaBuffer<T> or a CUDA tensor type adapted with ddp::tensor_traits, or "
-                  "Communicator<backend::Host> for host buffers");
-    if constexpr (DynamicTensor<T>) {
-      return dynamic_arg(ddp::view(t), what, name);
-    } else {
-      return typed_arg(ddp::view(t), what, name);
-    }
-  }
-
-  template <class E>
-  detail::Buf typed_arg(const TensorView<E>& v, const char* what, const char* name) const {
-    // The device field by field: copying it whole after view() wrote it piecewise makes g++
-    // reload it as one 8-byte word, a store-forwarding stall that cost ~5 ns per call.
-    // E is const for a read-only input (a const vector, a span<const T>): Buf is untyped.
-    using M = std::remove_const_t<E>;
-    const detail::Buf b{reinterpret_cast<std::byte*>(const_cast<M*>(v.data)), v.size, dtype_of<M>,
-                        Device{v.device.kind, v.device.index}, v.stream};
-    const bool usable = detail::usable_device<Backend>(v.device);
-    if (!usable || v.data == nullptr || v.size > detail::max_buffer_bytes / sizeof(M)) [[unlikely]]
-      detail::check_buf(b, sizeof(M), usable, Backend::name, rank(), what, name);
-    return b;
-  }
-
-  /// A run-time-typed argument: everything the compiler checks for a TensorView, checked here.
-  /// Arguments named `in`, and send's buffer, are read; the others are written.
-  detail::Buf dynamic_arg(const DynamicView& v, const char* what, const char* name) const {
-    const detail::Buf b{static_cast<std::byte*>(v.data), v.size, v.dtype,
-                        Device{v.device.kind, v.device.index}, v.stream};
-    const bool writes = std::string_view(name) != "in" && std::string_view(what) != "send";
-    const bool usable = detail::usable_device<Backend>(v.device);
-    detail::check_dynamic(v, writes, what, name, rank());
-    if (!usable || v.data == nullptr || v.size > detail::max_buffer_bytes / size_of(v.dtype))
-      detail::check_buf(b, size_of(v.dtype), usable, Backend::name, rank(), what, name);
-    return b;
+    return detail::to_buf<Backend>(t, rank(), what, name);
   }
 
   template <class R>
@@ -8304,6 +8908,43 @@ class Communicator {
   detail::Call prepare_all_reduce_as(const detail::Buf& b, ReduceOp op, DType wire) const {
     return detail::prepare_all_reduce_as(
         b, op, wire, b.device.is_cuda() && !detail::staged<Backend>(b), Backend::name, caller());
+  }
+
+  /// all_to_all's in_counts then out_counts, one per rank each.
+  std::vector<std::size_t> joined(std::span<const std::size_t> a,
+                                  std::span<const std::size_t> b) const {
+    detail::check_entries(a, caller(), "all_to_all", "in_counts");
+    detail::check_entries(b, caller(), "all_to_all", "out_counts");
+    std::vector<std::size_t> v(a.begin(), a.end());
+    v.insert(v.end(), b.begin(), b.end());
+    return v;
+  }
+
+  /// An uneven collective's call; `in`, `out` and `counts` read only where the collective reads
+  /// them (see runtime/call.hpp).
+  template <class In, class Out>
+  detail::Call prepare_uneven(detail::Coll coll, In& in_t, Out& out_t,
+                              std::span<const std::size_t> counts, int root) const {
+    const char* what = detail::to_string(coll).data();
+    if (coll == detail::Coll::all_to_all_v)
+      return detail::prepare_all_to_all_v(arg(in_t, what, "in"), arg(out_t, what, "out"), counts,
+                                          caller());
+    if (coll == detail::Coll::scatter_v) {
+      const detail::Buf out = arg(out_t, what, "out");
+      return detail::prepare_scatter_v(rank() == root ? arg(in_t, what, "in") : detail::Buf{}, out,
+                                       counts, root, caller());
+    }
+    const detail::Buf in = arg(in_t, what, "in");
+    const bool receives = root < 0 || root == rank();
+    return detail::prepare_gather_v(in, receives ? arg(out_t, what, "out") : detail::Buf{}, counts,
+                                    root, caller());
+  }
+
+  template <class In, class Out>
+  Work uneven_async(detail::Coll coll, In& in, Out& out, std::vector<std::size_t> counts,
+                    int root) {
+    const detail::Call c = prepare_uneven(coll, in, out, counts, root);
+    return submit(c, {}, detail::hold(in, out), std::move(counts));
   }
 
   template <class In, class Out>
@@ -8427,6 +9068,8 @@ DDP_END_NAMESPACE
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <optional>
 #include <span>
@@ -8515,6 +9158,9 @@ class Transport {
     int rank = -1;
     Errc code{};
     std::string message;
+    /// It finished: destroyed its communicator without a failure, after `operations` calls.
+    bool finished = false;
+    std::uint64_t operations = 0;
   };
   std::function<std::optional<Left>(const std::vector<int>&, std::chrono::milliseconds)> why_left;
 
@@ -8609,9 +9255,31 @@ class Transport {
     std::vector<int> globals;
     for (int j : ranks) globals.push_back(global(j));
     if (const auto left = why_left(globals, grace)) {
-      fail(left->code, "rank ", global(rank_), ": ", describe(fp, what), ": failed because rank ",
-           left->rank, " reported: ", left->message);
+      if (left->finished) {
+        fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what), ": rank ",
+             left->rank, " finished (it destroyed its communicator after ", left->operations,
+             " operations, without a failure) while this rank waited for it: the ranks ran "
+             "different numbers of collectives (steps). For uneven inputs see ddp::Join; "
+             "otherwise make every rank call the same collectives");
+      }
+      fail_reported(left->code, fp, what, left->rank, left->message);
     }
+  }
+
+  /// Fails with `code`, quoting the failure rank `from` reported; where that was itself a report
+  /// of another rank's ("failed because rank N reported: ..."), the first one in the chain.
+  [[noreturn]] void fail_reported(Errc code, const Fingerprint* fp, const char* what, int from,
+                                  std::string_view message) const {
+    constexpr std::string_view relay = "failed because rank ";
+    for (std::size_t at; (at = message.find(relay)) != std::string_view::npos;) {
+      const std::string_view rest = message.substr(at + relay.size());
+      const std::size_t said = rest.find(" reported: ");
+      if (said == std::string_view::npos) break;
+      from = std::atoi(std::string(rest.substr(0, said)).c_str());
+      message = rest.substr(said + 11);
+    }
+    fail(code, "rank ", global(rank_), ": ", describe(fp, what), ": failed because rank ", from,
+         " reported: ", message);
   }
 
   /// Records abort() on this rank.
@@ -9271,7 +9939,9 @@ DDP_BEGIN_NAMESPACE
 namespace detail {
 
 /// Transport::why_left over the store's records: a rank that left the hierarchical path says
-/// why under "left/<rank>" (Hierarchy::record_leaving), and a rank that failed the rendezvous
+/// why under "left/<rank>" (Hierarchy::record_leaving; a failed communicator's rank too, when
+/// it is destroyed), a rank that finished says so under "done/<rank>" with the number of
+/// operations it ran (CommState::announce_leaving), and a rank that failed the rendezvous
 /// after this rank had finished its own left its failure under "failed". Waits up to `grace`
 /// for one; nothing when the store is gone or holds none.
 inline std::optional<Transport::Left> left_record(const Store& store, const std::vector<int>& ranks,
@@ -9304,6 +9974,16 @@ inline std::optional<Transport::Left> left_record(const Store& store, const std:
         left.rank = j;
         left.code = static_cast<Errc>(r.get<std::int32_t>());
         left.message = r.str(rec.size());
+        return left;
+      }
+      for (int j : ranks) {  // one that finished (CommState::announce_leaving)
+        const std::string key = concat("done/", j);
+        if (!plain.check(std::span<const std::string>(&key, 1))) continue;
+        Transport::Left left;
+        left.rank = j;
+        left.code = Errc::peer_lost;
+        left.finished = true;
+        left.operations = std::strtoull(plain.get(key).c_str(), nullptr, 10);
         return left;
       }
       if (std::chrono::steady_clock::now() >= deadline) return std::nullopt;
@@ -9460,11 +10140,16 @@ DDP_END_NAMESPACE
 /// which it cannot start before I publish round t + 1, which I do only after I am done reading
 /// round t.
 
-// #include "ddp/backend/host/transport.hpp" (already included above)
+// begin ddp/backend/host/shm_segment.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The shared-memory segment of the shm transport (ShmTransport, backend/host/shm.hpp): how it
+/// is laid out (ShmLayout), the header and the per-rank control blocks in it, and how it is
+/// created without a name and mapped by every rank (ShmSegment).
+
 // #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
 // #include "ddp/detail/socket.hpp" (already included above)
 // begin ddp/detail/wait.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -9578,6 +10263,17 @@ class ProcessWatch {
     watched_.push_back({rank, pid, fd});
   }
 
+  /// Stops watching `rank` (it left: its exit is expected).
+  void forget(int rank) {
+    for (auto& w : watched_) {
+      if (w.rank != rank) continue;
+      if (w.fd >= 0) ::close(w.fd);
+      w = watched_.back();
+      watched_.pop_back();
+      return;
+    }
+  }
+
   /// The rank of an exited process, or -1.
   [[nodiscard]] int first_dead() const {
     for (const auto& w : watched_) {
@@ -9604,31 +10300,28 @@ class ProcessWatch {
 DDP_END_NAMESPACE
 // end ddp/detail/wait.hpp
 // #include "ddp/error.hpp" (already included above)
+// #include "ddp/runtime/collective.hpp" (already included above)
 
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <sys/syscall.h>
-#include <sys/uio.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <new>
 #include <string>
-#include <vector>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
 
 struct ShmLayout {
-  static constexpr std::uint64_t magic = 0x3330306d68737064ull;  // "dpshm003"
+  static constexpr std::uint64_t magic = 0x3430306d68737064ull;  // "dpshm004"
   static constexpr std::size_t header_bytes = 4096;
   static constexpr std::size_t ctl_bytes = 256;
   static constexpr std::size_t channel_ctl_bytes = 128;
@@ -9683,11 +10376,16 @@ static_assert(sizeof(ShmHeader) <= ShmLayout::header_bytes);
 /// case; the full fingerprints (or, for a round without one, a marker no fingerprint equals) lie
 /// on a line of their own, written by the owner only, read by a peer only when the codes cannot
 /// decide: a code is wide, the codes differ, or the peer has already moved to the next round.
+///
+/// `left` is set (never cleared) when the rank's transport is destroyed (its communicator was,
+/// or its process is leaving): a peer that still waits for it fails at once instead of waiting
+/// for its process to exit.
 struct ShmCtl {
   alignas(64) std::atomic<std::uint64_t> word;
   alignas(64) Fingerprint fp[2];
+  alignas(64) std::atomic<std::uint32_t> left;
 };
-static_assert(sizeof(ShmCtl) == 128);
+static_assert(sizeof(ShmCtl) == 192);
 static_assert(sizeof(ShmCtl) <= ShmLayout::ctl_bytes);
 
 struct ShmChannelCtl {
@@ -9804,6 +10502,34 @@ class ShmSegment {
   Fd fd_;  // the creator's, until every rank has mapped the segment
 };
 
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/backend/host/shm_segment.hpp
+// #include "ddp/backend/host/transport.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/socket.hpp" (already included above)
+// #include "ddp/detail/wait.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
 class ShmTransport final : public Transport {
  public:
   /// `segment` is mapped and initialized; `pids[j]` is rank j's process id; `machine_ranks`: the
@@ -9823,6 +10549,16 @@ class ShmTransport final : public Transport {
     }
     oversubscribed_ = std::max(size, machine_ranks) > usable_cpus();
     tick_ = round_of(ctl(rank)->word.load());
+  }
+  ShmTransport(const ShmTransport&) = delete;
+  ShmTransport& operator=(const ShmTransport&) = delete;
+
+  /// Marks this rank gone (ShmCtl::left) and wakes the peers: one still waiting for it fails at
+  /// once, with the reason its communicator recorded (CommState::announce_leaving).
+  ~ShmTransport() override {
+    ctl(rank_)->left.store(1, std::memory_order_seq_cst);
+    header_->wake.epoch.fetch_add(1);
+    futex_wake_all(&header_->wake.epoch);
   }
 
   /// Initializes a freshly created segment (rank 0 only, before anyone else maps it).
@@ -9907,7 +10643,7 @@ class ShmTransport final : public Transport {
     mine->word.store(code << 16 | (t & 0xffffu), std::memory_order_seq_cst);
     header_->wake.notify();
 
-    wait([&] { return all_reached(t); }, fp, [&] { return behind(t); });
+    wait([&] { return all_reached(t); }, fp, [&] { return behind(t); }, "");
 
     if (code != 0) {
       for (int j = 0; j < size_; ++j) {
@@ -10055,13 +10791,41 @@ class ShmTransport final : public Transport {
     return true;
   }
 
-  [[nodiscard]] std::string behind(std::uint64_t t) const {
-    std::string who;
-    int n = 0;
+  /// The ranks that have not published round t.
+  [[nodiscard]] std::vector<int> behind(std::uint64_t t) const {
+    std::vector<int> who;
     for (int j = 0; j < size_; ++j) {
-      if (!reached(j, t)) who += concat(n++ ? ", " : "", global(j));
+      if (!reached(j, t)) who.push_back(j);
     }
-    return concat(n == 1 ? "rank " : "ranks ", who);
+    return who;
+  }
+
+  /// "rank 2" or "ranks 1, 3" (the communicator's numbers).
+  [[nodiscard]] std::string ranks_text(const std::vector<int>& ranks) const {
+    std::string who;
+    for (int j : ranks) who += concat(who.empty() ? "" : ", ", global(j));
+    return concat(ranks.size() == 1 ? "rank " : "ranks ", who);
+  }
+
+  [[nodiscard]] bool has_left(int j) const {
+    return ctl(j)->left.load(std::memory_order_acquire) != 0;
+  }
+
+  /// Rank j's transport is gone (ShmCtl::left) while this rank waits for it: fails with why it
+  /// left, from its record in the store (it finished, or failed), and tells the other ranks.
+  [[noreturn]] void departed(int j, const Fingerprint* fp, const char* what) {
+    try {
+      fail_if_left({j}, std::chrono::milliseconds(300), fp, what);
+    } catch (const Error& e) {
+      publish_abort(e.code(), e.what());
+      throw;
+    }
+    const std::string msg =
+        concat("rank ", global(rank_), ": ", describe(fp, what), ": rank ", global(j),
+               " left this communicator (destroyed it) while this rank waited for it; the ranks "
+               "ran different numbers of collectives (for uneven inputs see ddp::Join)");
+    publish_abort(Errc::peer_lost, msg);
+    fail(Errc::peer_lost, msg);
   }
 
   /// First failure wins; later ones keep the first message.
@@ -10083,15 +10847,16 @@ class ShmTransport final : public Transport {
   void check_abort(const Fingerprint* fp) const {
     check_local_abort(fp);
     if (header_->abort_state.load(std::memory_order_acquire) == 2) {
-      fail(static_cast<Errc>(header_->abort_code), "rank ", global(rank_), ": ",
-           describe(fp, nullptr), ": failed because rank ", header_->abort_rank,
-           " reported: ", header_->abort_message);
+      fail_reported(static_cast<Errc>(header_->abort_code), fp, nullptr, header_->abort_rank,
+                    header_->abort_message);
     }
   }
 
   /// Spins, then sleeps, until ready(); fails on abort, on a dead peer and at the timeout.
-  template <class Ready, class Behind>
-  void wait(Ready&& ready, const Fingerprint* fp, Behind&& behind_desc,
+  /// `awaited()`: the ranks this wait depends on (this transport's numbers); `doing` what they
+  /// are awaited for, after their names in messages (" to send").
+  template <class Ready, class Awaited>
+  void wait(Ready&& ready, const Fingerprint* fp, Awaited&& awaited, const char* doing,
             const char* what = nullptr) {
     if (ready()) return;
     // Spin first, unless there are more ranks than cores: then the awaited rank may be waiting
@@ -10119,7 +10884,13 @@ class ShmTransport final : public Transport {
       if (ready()) return;
       const auto now = Clock::now();
       if (now >= next_check) {
-        if (const int dead = watch_.first_dead(); dead >= 0) {
+        const std::vector<int> waited_for = awaited();
+        for (int j : waited_for) {
+          if (has_left(j)) departed(j, fp, what);
+        }
+        if (const int dead = watch_.first_dead(); dead >= 0 && has_left(dead)) {
+          watch_.forget(dead);  // it left first: its exit is no failure of waits without it
+        } else if (dead >= 0) {
           const std::string msg =
               concat("rank ", global(rank_), ": ", describe(fp, what), ": rank ", global(dead),
                      " died (its process exited); the job cannot continue with this communicator");
@@ -10128,7 +10899,7 @@ class ShmTransport final : public Transport {
           fail(Errc::peer_lost, msg);
         }
         if (now >= deadline.at) {
-          const std::string who = behind_desc();
+          const std::string who = concat(ranks_text(waited_for), doing);
           const std::string msg = concat(
               "rank ", global(rank_), ": ", describe(fp, what), ": timed out after ",
               (timeout_ + slack).count(), " ms waiting for ", who,
@@ -10153,12 +10924,12 @@ class ShmTransport final : public Transport {
     const std::size_t cap = layout_.channel_bytes;
     const auto* p = static_cast<const std::byte*>(data);
     std::uint64_t head = ch->head.load(std::memory_order_relaxed);
-    const auto desc = [&] { return concat("rank ", peer, " to receive"); };
+    const auto awaited = [peer] { return std::vector<int>{peer}; };
     const std::string op = concat(what, "(to rank ", peer, ", tag ", tag, ", ",
                                   to_string(buf.dtype), ", count=", buf.count, ")");
     while (n > 0) {
-      wait([&] { return head - ch->tail.load(std::memory_order_acquire) < cap; }, nullptr, desc,
-           op.c_str());
+      wait([&] { return head - ch->tail.load(std::memory_order_acquire) < cap; }, nullptr, awaited,
+           " to receive", op.c_str());
       const std::uint64_t free_bytes = cap - (head - ch->tail.load(std::memory_order_acquire));
       const std::size_t at = static_cast<std::size_t>(head % cap);
       const std::size_t k =
@@ -10179,12 +10950,12 @@ class ShmTransport final : public Transport {
     const std::size_t cap = layout_.channel_bytes;
     auto* p = static_cast<std::byte*>(data);
     std::uint64_t tail = ch->tail.load(std::memory_order_relaxed);
-    const auto desc = [&] { return concat("rank ", peer, " to send"); };
+    const auto awaited = [peer] { return std::vector<int>{peer}; };
     const std::string op = concat(what, "(from rank ", peer, ", tag ", tag, ", ",
                                   to_string(buf.dtype), ", count=", buf.count, ")");
     while (n > 0) {
-      wait([&] { return ch->head.load(std::memory_order_acquire) > tail; }, nullptr, desc,
-           op.c_str());
+      wait([&] { return ch->head.load(std::memory_order_acquire) > tail; }, nullptr, awaited,
+           " to send", op.c_str());
       const std::uint64_t avail = ch->head.load(std::memory_order_acquire) - tail;
       const std::size_t at = static_cast<std::size_t>(tail % cap);
       const std::size_t k = std::min<std::size_t>({n, static_cast<std::size_t>(avail), cap - at});
@@ -11152,6 +11923,266 @@ DDP_END_NAMESPACE
 // #include "ddp/backend/host/rounds.hpp" (already included above)
 // #include "ddp/backend/host/single_copy.hpp" (already included above)
 // #include "ddp/backend/host/transport.hpp" (already included above)
+// begin ddp/backend/host/uneven.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The Host backend's collectives of uneven sizes over rounds (all_to_all with split sizes,
+/// all_gather, gather and scatter with a count per rank), on any transport.
+///
+/// Each starts with a sizes round: every rank offers its plan (runtime/uneven.hpp), so that
+/// every rank holds the whole matrix and checks it the same way before any data moves. The data
+/// then moves in rounds of at most a slot, each rank's offer holding the next chunk of each of its
+/// blocks; every rank computes the same number of rounds from the same matrix.
+
+// #include "ddp/backend/host/flat.hpp" (already included above)
+// #include "ddp/backend/host/rounds.hpp" (already included above)
+// #include "ddp/backend/host/transport.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/runtime/collective.hpp" (already included above)
+// begin ddp/runtime/uneven.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The collectives of uneven sizes (all_to_all with split sizes; all_gather, gather and scatter
+/// with a count per rank), as every backend checks them: each rank says what it believes of the
+/// exchange (an UnevenPlan: the elements it sends to each rank and expects from each), the
+/// ranks share their plans, and every rank checks every pair the same way, so that counts that
+/// disagree fail on every rank with Errc::mismatch naming the pair, before any data moves.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// What one rank believes of an uneven exchange among p ranks: sends[j], the elements it sends
+/// to rank j, and recvs[j], those it expects from rank j. row() is what it shares.
+struct UnevenPlan {
+  std::vector<std::uint64_t> sends, recvs;
+
+  [[nodiscard]] std::vector<std::uint64_t> row() const {
+    std::vector<std::uint64_t> r(sends);
+    r.insert(r.end(), recvs.begin(), recvs.end());
+    return r;
+  }
+
+  /// all_to_all: in_counts[j] to rank j, out_counts[j] from it.
+  static UnevenPlan all_to_all(std::span<const std::size_t> in_counts,
+                               std::span<const std::size_t> out_counts) {
+    return {{in_counts.begin(), in_counts.end()}, {out_counts.begin(), out_counts.end()}};
+  }
+  /// all_gather (root < 0) or gather: `in_count` elements to every rank (the root); the root
+  /// (every rank) expects counts[j] from rank j.
+  static UnevenPlan gather(int p, int rank, std::size_t in_count,
+                           std::span<const std::size_t> counts, int root) {
+    UnevenPlan plan{std::vector<std::uint64_t>(static_cast<std::size_t>(p)),
+                    std::vector<std::uint64_t>(static_cast<std::size_t>(p))};
+    for (int j = 0; j < p; ++j) {
+      if (root < 0 || j == root) plan.sends[static_cast<std::size_t>(j)] = in_count;
+      if (root < 0 || rank == root)
+        plan.recvs[static_cast<std::size_t>(j)] = counts[static_cast<std::size_t>(j)];
+    }
+    return plan;
+  }
+  /// scatter: the root sends counts[j] to rank j; every rank expects `out_count` from the root.
+  static UnevenPlan scatter(int p, int rank, std::size_t out_count,
+                            std::span<const std::size_t> counts, int root) {
+    UnevenPlan plan{std::vector<std::uint64_t>(static_cast<std::size_t>(p)),
+                    std::vector<std::uint64_t>(static_cast<std::size_t>(p))};
+    plan.recvs[static_cast<std::size_t>(root)] = out_count;
+    if (rank == root) plan.sends.assign(counts.begin(), counts.end());
+    return plan;
+  }
+};
+
+/// Every rank's row (rows[r * 2p ...], as UnevenPlan::row) checked pair by pair: returns
+/// sends[src * p + dst]; fails with Errc::mismatch naming the first pair that disagrees.
+/// `global(j)`: the communicator's number of rank j; `what`: the call, for the message.
+template <class Global>
+[[nodiscard]] std::vector<std::uint64_t> agreed_sizes(std::span<const std::uint64_t> rows,
+                                                      std::size_t p, int rank,
+                                                      std::string_view what, const Global& global) {
+  std::vector<std::uint64_t> sends(p * p);
+  for (std::size_t src = 0; src < p; ++src) {
+    for (std::size_t dst = 0; dst < p; ++dst) {
+      const std::uint64_t s = rows[src * 2 * p + dst], r = rows[dst * 2 * p + p + src];
+      if (s != r) {
+        fail(Errc::mismatch, "rank ", global(rank), ": ", what,
+             ": the ranks disagree on the sizes: rank ", global(static_cast<int>(src)), " sends ",
+             s, " elements to rank ", global(static_cast<int>(dst)), ", which expects ", r,
+             " from it; the counts every rank passes must match the other ranks' (each rank "
+             "fails with this message)");
+      }
+      sends[src * p + dst] = s;
+    }
+  }
+  return sends;
+}
+
+/// Offsets of consecutive blocks of the given sizes.
+[[nodiscard]] inline std::vector<std::size_t> block_offsets(std::span<const std::size_t> counts) {
+  std::vector<std::size_t> at(counts.size());
+  std::size_t sum = 0;
+  for (std::size_t j = 0; j < counts.size(); ++j) {
+    at[j] = sum;
+    sum += counts[j];
+  }
+  return at;
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/runtime/uneven.hpp
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// The sizes round: every rank's plan to every rank (the collective's first round, checked
+/// against `fp`); returns the agreed matrix sends[src * p + dst] (agreed_sizes).
+[[nodiscard]] inline std::vector<std::uint64_t> agree_on_sizes(Transport& t, const UnevenPlan& mine,
+                                                               const Fingerprint& fp) {
+  const auto p = static_cast<std::size_t>(t.size());
+  std::vector<std::uint64_t> row = mine.row(), all(2 * p * p);
+  const Buf in{reinterpret_cast<std::byte*>(row.data()), row.size(), DType::uint64};
+  const Buf out{reinterpret_cast<std::byte*>(all.data()), all.size(), DType::uint64};
+  gather_on(t, in, out, -1, fp);
+  return agreed_sizes(all, p, t.rank(), to_string(fp), [&](int j) { return t.global(j); });
+}
+
+/// Moves an agreed uneven exchange: rank src sends C[src][dst] elements of its `in`, from
+/// element send_at(dst), to rank dst, which stores them in its `out` from element recv_at(src).
+/// `shared`: every rank sends the same elements to every rank (all_gather), offered once.
+template <class SendAt, class RecvAt>
+void move_uneven(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
+                 const std::vector<std::uint64_t>& c, bool shared, const SendAt& send_at,
+                 const RecvAt& recv_at) {
+  const int q = t.size(), me = t.rank();
+  const auto p = static_cast<std::size_t>(q);
+  const std::size_t es = (in.count != 0 ? in : out).elem();
+  const auto count = [&](int src, int dst) {
+    return static_cast<std::size_t>(
+        c[static_cast<std::size_t>(src) * p + static_cast<std::size_t>(dst)]);
+  };
+  const std::size_t self = count(me, me);
+  if (self != 0) copy_if_distinct(out.at(recv_at(me)), in.at(send_at(me)), self * es);
+  // Elements per block and round for each sender: a slot's worth, shared among its blocks.
+  std::vector<std::size_t> seg(p);
+  std::size_t rounds = 0;
+  for (int src = 0; src < q; ++src) {
+    std::size_t blocks = 0;
+    for (int dst = 0; dst < q; ++dst) {
+      if (dst != src && count(src, dst) != 0) ++blocks;
+    }
+    if (shared) blocks = std::min<std::size_t>(blocks, 1);
+    seg[static_cast<std::size_t>(src)] =
+        std::max<std::size_t>(1, t.max_offer() / (es * std::max<std::size_t>(1, blocks)));
+    for (int dst = 0; dst < q; ++dst) {
+      if (dst == src) continue;
+      const std::size_t sg = seg[static_cast<std::size_t>(src)];
+      rounds = std::max(rounds, (count(src, dst) + sg - 1) / sg);
+    }
+  }
+  std::vector<Range>& at = s.ranges;  // at[src * p + dst]: dst's range of src's offer, in bytes
+  at.resize(p * p);
+  for (std::size_t k = 0; k < rounds; ++k) {
+    const auto len = [&](int src, int dst) -> std::size_t {
+      if (src == dst) return 0;
+      const std::size_t sg = seg[static_cast<std::size_t>(src)], from = k * sg;
+      const std::size_t n = count(src, dst);
+      return n > from ? std::min(sg, n - from) : 0;
+    };
+    for (int src = 0; src < q; ++src) {
+      std::size_t off = 0;
+      for (int dst = 0; dst < q; ++dst) {
+        const std::size_t l = len(src, dst) * es;
+        at[static_cast<std::size_t>(src) * p + static_cast<std::size_t>(dst)] = Range{off, l};
+        if (!shared) off += l;
+      }
+    }
+    s.pieces.clear();
+    for (int dst = 0; dst < q; ++dst) {
+      const std::size_t l = len(me, dst);
+      if (l == 0) continue;
+      s.pieces.push_back({in.at(send_at(dst) + k * seg[static_cast<std::size_t>(me)]), l * es});
+      if (shared) break;
+    }
+    auto ptrs = t.round(
+        s.pieces,
+        [&](int src, int dst) {
+          return at[static_cast<std::size_t>(src) * p + static_cast<std::size_t>(dst)];
+        },
+        nullptr);
+    for (int src = 0; src < q; ++src) {
+      const std::size_t l = len(src, me);
+      if (l != 0)
+        std::memcpy(out.at(recv_at(src) + k * seg[static_cast<std::size_t>(src)]),
+                    ptrs[static_cast<std::size_t>(src)], l * es);
+    }
+  }
+}
+
+/// all_to_all with split sizes: in_counts[j] elements of `in` (consecutive blocks) to rank j;
+/// out_counts[j] elements from rank j into `out`.
+inline void all_to_all_v_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
+                            std::span<const std::size_t> in_counts,
+                            std::span<const std::size_t> out_counts, const Fingerprint& fp) {
+  const auto c = agree_on_sizes(t, UnevenPlan::all_to_all(in_counts, out_counts), fp);
+  const auto send_at = block_offsets(in_counts), recv_at = block_offsets(out_counts);
+  move_uneven(
+      t, s, in, out, c, false, [&](int j) { return send_at[static_cast<std::size_t>(j)]; },
+      [&](int j) { return recv_at[static_cast<std::size_t>(j)]; });
+}
+
+/// all_gather (root < 0) or gather to `root` with a count per rank: rank j's `in` (counts[j]
+/// elements) into `out` at the sum of the counts before j. `counts` is read where `out` is.
+inline void gather_v_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
+                        std::span<const std::size_t> counts, int root, const Fingerprint& fp) {
+  const auto p = static_cast<std::size_t>(t.size());
+  const bool receives = root < 0 || root == t.rank();
+  const auto c =
+      agree_on_sizes(t, UnevenPlan::gather(t.size(), t.rank(), in.count, counts, root), fp);
+  std::vector<std::size_t> recv_at(p, 0);
+  if (receives) recv_at = block_offsets(counts);
+  move_uneven(
+      t, s, in, out, c, root < 0, [](int) { return std::size_t{0}; },
+      [&](int j) { return recv_at[static_cast<std::size_t>(j)]; });
+}
+
+/// scatter with a count per rank: counts[j] elements of root's `in` (consecutive blocks) into
+/// rank j's `out`. `counts` is read on the root.
+inline void scatter_v_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
+                         std::span<const std::size_t> counts, int root, const Fingerprint& fp) {
+  const auto p = static_cast<std::size_t>(t.size());
+  const auto c =
+      agree_on_sizes(t, UnevenPlan::scatter(t.size(), t.rank(), out.count, counts, root), fp);
+  std::vector<std::size_t> send_at(p, 0);
+  if (t.rank() == root) send_at = block_offsets(counts);
+  move_uneven(
+      t, s, in, out, c, false, [&](int j) { return send_at[static_cast<std::size_t>(j)]; },
+      [](int) { return std::size_t{0}; });
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/backend/host/uneven.hpp
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
@@ -11164,6 +12195,7 @@ DDP_END_NAMESPACE
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -11293,6 +12325,27 @@ class Host {
     detail::all_to_all_on(t(), scratch_, in, out, fp);
   }
 
+  /// Communicator::all_to_all with split sizes (runtime/uneven.hpp).
+  void all_to_all_v(const detail::Buf& in, const detail::Buf& out,
+                    std::span<const std::size_t> in_counts,
+                    std::span<const std::size_t> out_counts) {
+    const auto fp = next(detail::Coll::all_to_all_v, in.dtype, 0, -1, ReduceOp::sum, false);
+    detail::all_to_all_v_on(t(), scratch_, in, out, in_counts, out_counts, fp);
+  }
+  /// Communicator::all_gather (root < 0) and gather with a count per rank.
+  void gather_v(const detail::Buf& in, const detail::Buf& out, std::span<const std::size_t> counts,
+                int root) {
+    const auto c = root < 0 ? detail::Coll::all_gather_v : detail::Coll::gather_v;
+    const auto fp = next(c, in.dtype, 0, root, ReduceOp::sum, false);
+    detail::gather_v_on(t(), scratch_, in, out, counts, root, fp);
+  }
+  /// Communicator::scatter with a count per rank.
+  void scatter_v(const detail::Buf& in, const detail::Buf& out, std::span<const std::size_t> counts,
+                 int root) {
+    const auto fp = next(detail::Coll::scatter_v, out.dtype, 0, root, ReduceOp::sum, false);
+    detail::scatter_v_on(t(), scratch_, in, out, counts, root, fp);
+  }
+
   /// Communicator::barrier: returns once every rank has entered it.
   void barrier() {
     const auto fp = next(detail::Coll::barrier, DType::uint8, 0, -1, ReduceOp::sum, false);
@@ -11396,35 +12449,34 @@ DDP_END_NAMESPACE
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 // #include "ddp/backend/backend.hpp" (already included above)
+// begin ddp/backend/mpi_support.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// What backend::Mpi (backend/mpi.hpp) is built on: MPI's error strings, the MPI datatypes and
+/// operations ddp defines for float16 and bfloat16 (MpiTypes), and the watchdog that ends a job
+/// whose blocking MPI collective outlives Options::timeout (MpiWatchdog).
+
+// #include "ddp/config.hpp" (already included above)
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/runtime/collective.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
 #include <mpi.h>
-#if defined(OPEN_MPI) && OPEN_MPI && __has_include(<mpi-ext.h>)
-#include <mpi-ext.h>
-#endif
 
-#include <algorithm>
 #include <atomic>
-#include <climits>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
-#include <memory>
 #include <mutex>
-#include <optional>
 #include <string>
-#include <string_view>
 #include <thread>
-#include <vector>
 
 DDP_BEGIN_NAMESPACE
-
 namespace detail {
 
 [[nodiscard]] inline std::string mpi_error_string(int code) {
@@ -11595,6 +12647,39 @@ class MpiWatchdog {
 
 }  // namespace detail
 
+DDP_END_NAMESPACE
+// end ddp/backend/mpi_support.hpp
+// #include "ddp/detail/lean_std.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/runtime/collective.hpp" (already included above)
+// #include "ddp/runtime/uneven.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <mpi.h>
+#if defined(OPEN_MPI) && OPEN_MPI && __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
 namespace backend {
 
 /// The backend on an MPI library: each collective is the matching blocking MPI call on a
@@ -11761,6 +12846,125 @@ class Mpi {
         "all_to_all", "MPI_Alltoall", block, std::nullopt, -1);
   }
 
+  /// Communicator::all_to_all with split sizes: the ranks' plans agreed (MPI_Allgather, see
+  /// runtime/uneven.hpp), then MPI_Alltoallv.
+  void all_to_all_v(const detail::Buf& in, const detail::Buf& out,
+                    std::span<const std::size_t> in_counts,
+                    std::span<const std::size_t> out_counts) {
+    (void)agree(detail::UnevenPlan::all_to_all(in_counts, out_counts), "all_to_all", in.dtype);
+    const auto sc = ints(in_counts, "all_to_all"), rc = ints(out_counts, "all_to_all");
+    const auto sd = offsets(sc), rd = offsets(rc);
+    call(
+        [&] {
+          return MPI_Alltoallv(in.data, sc.data(), sd.data(), type(in.dtype), out.data, rc.data(),
+                               rd.data(), type(in.dtype), comm_);
+        },
+        "all_to_all", "MPI_Alltoallv", in, std::nullopt, -1);
+  }
+  /// Communicator::all_gather (root < 0) and gather with a count per rank: MPI_Allgatherv and
+  /// MPI_Gatherv, after the plans agreed.
+  void gather_v(const detail::Buf& in, const detail::Buf& out, std::span<const std::size_t> counts,
+                int root) {
+    const char* what = root < 0 ? "all_gather" : "gather";
+    const auto agreed =
+        agree(detail::UnevenPlan::gather(size_, rank_, in.count, counts, root), what, in.dtype);
+    const auto p = static_cast<std::size_t>(size_),
+               to = static_cast<std::size_t>(std::max(root, 0));
+    std::vector<std::size_t> all(p);  // what each rank sends (to the root)
+    for (std::size_t j = 0; j < p; ++j) all[j] = agreed[j * p + to];
+    const auto rc = ints(all, what);
+    const auto rd = offsets(rc);
+    const int n = count(in, what);
+    call(
+        [&] {
+          return root < 0 ? MPI_Allgatherv(in.data, n, type(in.dtype), out.data, rc.data(),
+                                           rd.data(), type(in.dtype), comm_)
+                          : MPI_Gatherv(in.data, n, type(in.dtype), out.data, rc.data(), rd.data(),
+                                        type(in.dtype), root, comm_);
+        },
+        what, root < 0 ? "MPI_Allgatherv" : "MPI_Gatherv", in, std::nullopt, root);
+  }
+  /// Communicator::scatter with a count per rank: MPI_Scatterv, after the plans agreed.
+  void scatter_v(const detail::Buf& in, const detail::Buf& out, std::span<const std::size_t> counts,
+                 int root) {
+    const auto agreed = agree(detail::UnevenPlan::scatter(size_, rank_, out.count, counts, root),
+                              "scatter", out.dtype);
+    const auto p = static_cast<std::size_t>(size_);
+    const auto sc =
+        ints(std::span(agreed).subspan(static_cast<std::size_t>(root) * p, p), "scatter");
+    const auto sd = offsets(sc);
+    const int n = count(out, "scatter");
+    call(
+        [&] {
+          return MPI_Scatterv(in.data, sc.data(), sd.data(), type(out.dtype), out.data, n,
+                              type(out.dtype), root, comm_);
+        },
+        "scatter", "MPI_Scatterv", out, std::nullopt, root);
+  }
+
+  /// Communicator::monitored_barrier: every rank sends rank 0 a token; rank 0 waits up to
+  /// `timeout` for them, then tells every rank which did not arrive (a tag per call, so that a
+  /// token that comes too late never counts for a later call).
+  void monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks) {
+    const char* what = "monitored_barrier";
+    before(what);
+    const int tag = 1000 + static_cast<int>(monitored_++ % 30000);
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    std::vector<int> missing(static_cast<std::size_t>(size_), 0);
+    std::vector<MPI_Request> reqs;
+    if (rank_ == 0) {
+      std::vector<int> tokens(static_cast<std::size_t>(size_));
+      for (int r = 1; r < size_; ++r) {
+        reqs.push_back(MPI_REQUEST_NULL);
+        check(MPI_Irecv(&tokens[static_cast<std::size_t>(r)], 1, MPI_INT, r, tag, comm_,
+                        &reqs.back()),
+              "MPI_Irecv", rank_);
+      }
+      for (bool all = reqs.empty(); !all;) {
+        int done = 0;
+        check(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE),
+              "MPI_Testall", rank_);
+        all = done != 0;
+        if (!all && std::chrono::steady_clock::now() > deadline) break;
+        if (!all) std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
+      for (int r = 1; r < size_; ++r) {
+        MPI_Request& q = reqs[static_cast<std::size_t>(r - 1)];
+        if (q == MPI_REQUEST_NULL) continue;
+        missing[static_cast<std::size_t>(r)] = 1;
+        MPI_Cancel(&q);
+        MPI_Request_free(&q);
+      }
+      for (int r = 1; r < size_; ++r)  // small: sent eagerly, also to the late ones
+        check(MPI_Send(missing.data(), size_, MPI_INT, r, tag, comm_), "MPI_Send", rank_);
+    } else {
+      int token = 1;
+      check(MPI_Send(&token, 1, MPI_INT, 0, tag, comm_), "MPI_Send", rank_);
+      MPI_Request req = MPI_REQUEST_NULL;
+      check(MPI_Irecv(missing.data(), size_, MPI_INT, 0, tag, comm_, &req), "MPI_Irecv", rank_);
+      const auto saved = options_.timeout;
+      options_.timeout = 2 * timeout;  // rank 0 waits `timeout` from its own arrival
+      try {
+        wait(req, what, 0);
+      } catch (...) {
+        options_.timeout = saved;
+        throw;
+      }
+      options_.timeout = saved;
+    }
+    std::string who;
+    int n = 0;
+    for (int r = 0; r < size_; ++r) {
+      if (missing[static_cast<std::size_t>(r)] == 0 || (n > 0 && !wait_all_ranks)) continue;
+      who += detail::concat(n++ == 0 ? "" : ", ", r);
+    }
+    if (n == 0) return;
+    detail::fail(Errc::timeout, "rank ", rank_, ": ", what, ": ",
+                 rank_ == 0 ? "" : "failed because rank 0 reported: ", n == 1 ? "rank " : "ranks ",
+                 who, " did not arrive within ", timeout.count(),
+                 " ms (stopped, slow, or not calling it)");
+  }
+
   /// Communicator::barrier with MPI_Ibarrier, waited on up to Options::timeout.
   void barrier() {
     MPI_Request req = MPI_REQUEST_NULL;
@@ -11813,12 +13017,12 @@ class Mpi {
   }
 
   /// MPI_Comm_split; nullptr for color < 0 (no group).
-  [[nodiscard]] std::unique_ptr<Mpi> split(int color, int key) {
+  [[nodiscard]] std::unique_ptr<Mpi> split(int color, int key, const Options& options) {
     MPI_Comm sub = MPI_COMM_NULL;
     check(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &sub), "MPI_Comm_split",
           rank_);
     if (sub == MPI_COMM_NULL) return nullptr;
-    return std::unique_ptr<Mpi>(new Mpi(sub, options_));
+    return std::unique_ptr<Mpi>(new Mpi(sub, options));
   }
 
  private:
@@ -11826,6 +13030,7 @@ class Mpi {
     std::int64_t tag, dtype, count;
   };
   static constexpr int p2p_tag = 7;
+  std::uint64_t monitored_ = 0;                                   // monitored_barrier calls so far
   static constexpr std::size_t max_chunk = std::size_t{1} << 30;  // elements per MPI call
 
   Mpi(MPI_Comm comm, const Options& options) : comm_(comm), options_(options) {
@@ -11891,6 +13096,44 @@ class Mpi {
                    "); split the buffer");
     }
     return static_cast<int>(b.count);
+  }
+
+  /// Every rank's plan of an uneven collective, shared with MPI_Allgather and checked pair by
+  /// pair (detail::agreed_sizes): the agreed sends[src * size() + dst].
+  std::vector<std::uint64_t> agree(const detail::UnevenPlan& plan, const char* what, DType t) {
+    std::vector<std::uint64_t> row = plan.row();
+    std::vector<std::uint64_t> rows(row.size() * static_cast<std::size_t>(size_));
+    const detail::Buf b{reinterpret_cast<std::byte*>(row.data()), row.size(), DType::uint64};
+    call(
+        [&] {
+          return MPI_Allgather(row.data(), static_cast<int>(row.size()), MPI_UINT64_T, rows.data(),
+                               static_cast<int>(row.size()), MPI_UINT64_T, comm_);
+        },
+        what, "MPI_Allgather", b, std::nullopt, -1);
+    return detail::agreed_sizes(rows, static_cast<std::size_t>(size_), rank_,
+                                detail::concat(what, "(", to_string(t), ", counts per rank)"),
+                                [](int j) { return j; });
+  }
+  /// Counts as MPI's ints (each, and their sum, within INT_MAX), or Errc::invalid_argument.
+  template <class C>
+  [[nodiscard]] std::vector<int> ints(const C& counts, const char* what) const {
+    std::vector<int> v;
+    std::size_t total = 0;
+    for (const auto n : counts) {
+      total += static_cast<std::size_t>(n);
+      if (total > static_cast<std::size_t>(INT_MAX)) {
+        detail::fail(Errc::invalid_argument, "rank ", rank_, ": ", what, ": ", total,
+                     " elements exceed what one MPI call can carry (", INT_MAX,
+                     "); split the buffer");
+      }
+      v.push_back(static_cast<int>(n));
+    }
+    return v;
+  }
+  [[nodiscard]] static std::vector<int> offsets(const std::vector<int>& counts) {
+    std::vector<int> at(counts.size());
+    for (std::size_t j = 1; j < counts.size(); ++j) at[j] = at[j - 1] + counts[j - 1];
+    return at;
   }
 
   /// Element-wise collectives in calls of at most max_chunk elements (at least one call).
@@ -12050,12 +13293,18 @@ DDP_END_NAMESPACE
 /// DDP_HAS_NCCL=1 (the ddp::nccl target).
 
 // #include "ddp/config.hpp" (already included above)
+// #include "ddp/cuda.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
+// #include "ddp/runtime/collective.hpp" (already included above)
+// #include "ddp/runtime/uneven.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <cstddef>
+#include <cstdint>
+#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -12130,6 +13379,39 @@ class NcclAborter {
   std::thread thread_;
 };
 
+/// The one stream `bufs` (pointers to detail::Buf) share, if they share one.
+template <class Bufs>
+std::optional<cudaStream_t> common_stream(const Bufs& bufs) {
+  std::optional<cudaStream_t> common;
+  for (const auto* b : bufs) {
+    const auto s = static_cast<cudaStream_t>(b->stream);
+    if (common && *common != s) return std::nullopt;
+    common = s;
+  }
+  return common;
+}
+
+/// Every rank's plan of an uneven collective (runtime/uneven.hpp), shared with an all_gather on
+/// `be` (backend::Nccl) through device memory and checked pair by pair: the agreed
+/// sends[src * size + dst].
+template <class Be>
+std::vector<std::uint64_t> nccl_agree(Be& be, const UnevenPlan& plan, const char* what, DType t) {
+  const std::vector<std::uint64_t> row = plan.row();
+  const std::size_t n = row.size(), at = n * static_cast<std::size_t>(be.rank());
+  CudaBuffer<std::uint64_t> all(n * static_cast<std::size_t>(be.size()), be.device(), be.stream());
+  DDP_CUDA_CHECK(cudaMemcpyAsync(all.data() + at, row.data(), n * sizeof(std::uint64_t),
+                                 cudaMemcpyHostToDevice, be.stream()));
+  be.all_gather({reinterpret_cast<std::byte*>(all.data() + at), n, DType::uint64,
+                 Device::cuda(be.device()), be.stream()},
+                {reinterpret_cast<std::byte*>(all.data()), all.size(), DType::uint64,
+                 Device::cuda(be.device()), be.stream()});
+  std::vector<std::uint64_t> rows(all.size());
+  all.copy_to(rows);
+  return agreed_sizes(rows, static_cast<std::size_t>(be.size()), be.rank(),
+                      concat(what, "(", to_string(t), ", counts per rank)"),
+                      [](int j) { return j; });
+}
+
 }  // namespace detail
 
 DDP_END_NAMESPACE
@@ -12138,6 +13420,7 @@ DDP_END_NAMESPACE
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/runtime/collective.hpp" (already included above)
+// #include "ddp/runtime/uneven.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
@@ -12277,44 +13560,30 @@ class Nccl {
     });
   }
 
-  /// Communicator::gather: grouped ncclSend to root, ncclRecv on root.
+  /// Communicator::gather: grouped ncclSend to root, ncclRecv on root (exchange).
   void gather(const detail::Buf& in, const detail::Buf& out, int root) {
     const std::size_t n = in.count;
-    run("gather", {&in, &out}, [&] {
-      return grouped([&]() -> ncclResult_t {
-        if (rank_ != root) return ncclSend(in.data, n, type(in), root, comm_, on());
-        for (int r = 0; r < size_; ++r) {
-          std::byte* dst = out.at(n * static_cast<std::size_t>(r));
-          if (r == rank_) {
-            copy(dst, in.data, n * in.elem());
-          } else if (const auto rc = ncclRecv(dst, n, type(in), r, comm_, on());
-                     rc != ncclSuccess && rc != ncclInProgress) {
-            return rc;
-          }
-        }
-        return ncclSuccess;
-      });
-    });
+    exchange(
+        "gather", in, out,
+        [&](int r) {
+          return r == root ? Part{in.data, n} : Part{};
+        },
+        [&](int r) {
+          return rank_ == root ? Part{out.at(n * static_cast<std::size_t>(r)), n} : Part{};
+        });
   }
 
-  /// Communicator::scatter: grouped ncclSend from root, ncclRecv elsewhere.
+  /// Communicator::scatter: grouped ncclSend from root, ncclRecv elsewhere (exchange).
   void scatter(const detail::Buf& in, const detail::Buf& out, int root) {
     const std::size_t n = out.count;
-    run("scatter", {&in, &out}, [&] {
-      return grouped([&]() -> ncclResult_t {
-        if (rank_ != root) return ncclRecv(out.data, n, type(out), root, comm_, on());
-        for (int r = 0; r < size_; ++r) {
-          const std::byte* src = in.at(n * static_cast<std::size_t>(r));
-          if (r == rank_) {
-            copy(out.data, src, n * out.elem());
-          } else if (const auto rc = ncclSend(src, n, type(out), r, comm_, on());
-                     rc != ncclSuccess && rc != ncclInProgress) {
-            return rc;
-          }
-        }
-        return ncclSuccess;
-      });
-    });
+    exchange(
+        "scatter", in, out,
+        [&](int r) {
+          return rank_ == root ? Part{in.at(n * static_cast<std::size_t>(r)), n} : Part{};
+        },
+        [&](int r) {
+          return r == root ? Part{out.data, n} : Part{};
+        });
   }
 
   /// Communicator::reduce_scatter with ncclReduceScatter.
@@ -12326,25 +13595,71 @@ class Nccl {
     });
   }
 
-  /// Communicator::all_to_all: a grouped ncclSend and ncclRecv with every rank.
+  /// Communicator::all_to_all: a grouped ncclSend and ncclRecv with every rank (exchange).
   void all_to_all(const detail::Buf& in, const detail::Buf& out) {
     const std::size_t n = in.count / static_cast<std::size_t>(size_);
-    run("all_to_all", {&in, &out}, [&] {
-      return grouped([&]() -> ncclResult_t {
-        for (int r = 0; r < size_; ++r) {
-          const std::size_t at = n * static_cast<std::size_t>(r);
-          if (r == rank_) {
-            copy(out.at(at), in.at(at), n * in.elem());
-            continue;
-          }
-          auto rc = ncclSend(in.at(at), n, type(in), r, comm_, on());
-          if (rc == ncclSuccess || rc == ncclInProgress)
-            rc = ncclRecv(out.at(at), n, type(in), r, comm_, on());
-          if (rc != ncclSuccess && rc != ncclInProgress) return rc;
-        }
-        return ncclSuccess;
-      });
-    });
+    exchange(
+        "all_to_all", in, out,
+        [&](int r) {
+          return Part{in.at(n * static_cast<std::size_t>(r)), n};
+        },
+        [&](int r) {
+          return Part{out.at(n * static_cast<std::size_t>(r)), n};
+        });
+  }
+
+  /// Communicator::all_to_all with split sizes: the plans agreed (agree), then exchange.
+  void all_to_all_v(const detail::Buf& in, const detail::Buf& out,
+                    std::span<const std::size_t> in_counts,
+                    std::span<const std::size_t> out_counts) {
+    (void)detail::nccl_agree(*this, detail::UnevenPlan::all_to_all(in_counts, out_counts),
+                             "all_to_all", in.dtype);
+    const auto sd = detail::block_offsets(in_counts), rd = detail::block_offsets(out_counts);
+    const auto u = [](int r) { return static_cast<std::size_t>(r); };
+    exchange(
+        "all_to_all", in, out,
+        [&](int r) {
+          return Part{in.at(sd[u(r)]), in_counts[u(r)]};
+        },
+        [&](int r) {
+          return Part{out.at(rd[u(r)]), out_counts[u(r)]};
+        });
+  }
+  /// Communicator::all_gather (root < 0) and gather with a count per rank: exchange (all_gather
+  /// sends this rank's block to every rank).
+  void gather_v(const detail::Buf& in, const detail::Buf& out, std::span<const std::size_t> counts,
+                int root) {
+    const char* what = root < 0 ? "all_gather" : "gather";
+    (void)detail::nccl_agree(
+        *this, detail::UnevenPlan::gather(size_, rank_, in.count, counts, root), what, in.dtype);
+    const bool receives = root < 0 || rank_ == root;
+    const auto rd = receives ? detail::block_offsets(counts) : std::vector<std::size_t>{};
+    const auto u = [](int r) { return static_cast<std::size_t>(r); };
+    exchange(
+        what, in, out,
+        [&](int r) {
+          return root < 0 || r == root ? Part{in.data, in.count} : Part{};
+        },
+        [&](int r) {
+          return receives ? Part{out.at(rd[u(r)]), counts[u(r)]} : Part{};
+        });
+  }
+  /// Communicator::scatter with a count per rank: exchange, after the plans agreed.
+  void scatter_v(const detail::Buf& in, const detail::Buf& out, std::span<const std::size_t> counts,
+                 int root) {
+    (void)detail::nccl_agree(*this,
+                             detail::UnevenPlan::scatter(size_, rank_, out.count, counts, root),
+                             "scatter", out.dtype);
+    const auto sd = rank_ == root ? detail::block_offsets(counts) : std::vector<std::size_t>{};
+    const auto u = [](int r) { return static_cast<std::size_t>(r); };
+    exchange(
+        "scatter", in, out,
+        [&](int r) {
+          return rank_ == root ? Part{in.at(sd[u(r)]), counts[u(r)]} : Part{};
+        },
+        [&](int r) {
+          return r == root ? Part{out.data, out.count} : Part{};
+        });
   }
 
   /// Communicator::barrier: an ncclAllReduce of one value, waited on.
@@ -12390,7 +13705,7 @@ class Nccl {
 
   /// ncclCommSplit: ranks passing the same color form a communicator, ordered by (key, rank);
   /// nullptr for color < 0. Collective over this communicator.
-  [[nodiscard]] std::unique_ptr<Nccl> split(int color, int key) {
+  [[nodiscard]] std::unique_ptr<Nccl> split(int color, int key, const Options& options) {
     // Every rank's (color, key), to know the members of each group and which share a host.
     CudaBuffer<std::int64_t> all(2 * static_cast<std::size_t>(size_), device_, stream());
     const std::int64_t mine[2] = {color, key};
@@ -12431,7 +13746,7 @@ class Nccl {
       detail::fail(Errc::backend, "rank ", rank_, ": backend::Nccl: split: ncclCommSplit gave no ",
                    "communicator for color ", color, last_error());
     }
-    auto sub = std::unique_ptr<Nccl>(new Nccl(rank_, size_, device_, timeout_));
+    auto sub = std::unique_ptr<Nccl>(new Nccl(rank_, size_, device_, options.timeout));
     sub->comm_ = made;
     sub->size_ = static_cast<int>(members.size());
     sub->rank_ =
@@ -12550,6 +13865,36 @@ class Nccl {
       DDP_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, on()));
   }
 
+  /// Where one block of an exchange lies, and its elements (0: none).
+  struct Part {
+    std::byte* data = nullptr;
+    std::size_t count = 0;
+  };
+  /// One NCCL group: ncclSend of send(r) to each rank r, ncclRecv of recv(r) from it; this
+  /// rank's own block copied on the device.
+  template <class Send, class Recv>
+  void exchange(const char* what, const detail::Buf& in, const detail::Buf& out, const Send& send,
+                const Recv& recv) {
+    const detail::Buf& typed = out.data != nullptr ? out : in;  // the one that is set
+    run(what, {&in, &out}, [&] {
+      return grouped([&]() -> ncclResult_t {
+        for (int r = 0; r < size_; ++r) {
+          const Part s = send(r), d = recv(r);
+          if (r == rank_) {
+            copy(d.data, s.data, s.count * typed.elem());
+            continue;
+          }
+          ncclResult_t rc = ncclSuccess;
+          if (s.count != 0) rc = ncclSend(s.data, s.count, type(typed), r, comm_, on());
+          if ((rc == ncclSuccess || rc == ncclInProgress) && d.count != 0)
+            rc = ncclRecv(d.data, d.count, type(typed), r, comm_, on());
+          if (rc != ncclSuccess && rc != ncclInProgress) return rc;
+        }
+        return ncclSuccess;
+      });
+    });
+  }
+
   template <class F>
   ncclResult_t grouped(F&& body) {
     check(ncclGroupStart(), "ncclGroupStart");
@@ -12629,15 +13974,7 @@ class Nccl {
     // the work there and before later work by the stream itself (each call finishes before the
     // next is enqueued, so NCCL's kernels never run concurrently on two streams). Otherwise the
     // communicator's stream, ordered by events both ways.
-    const auto shared = [&]() -> std::optional<cudaStream_t> {
-      std::optional<cudaStream_t> common;
-      for (const auto* b : bufs) {
-        const auto s = static_cast<cudaStream_t>(b->stream);
-        if (common && *common != s) return std::nullopt;
-        common = s;
-      }
-      return common;
-    }();
+    const std::optional<cudaStream_t> shared = detail::common_stream(bufs);
     on_ = shared.value_or(stream());
     if (!shared) {
       for (const auto* b : bufs) {

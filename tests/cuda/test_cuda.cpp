@@ -95,6 +95,15 @@ TEST_CASE("Communicator<backend::Nccl>, world of one: every collective") {
   CHECK(host(b) == h);
   comm.all_to_all(a, b);
   CHECK(host(b) == h);
+  const std::vector<std::size_t> four{4};  // the uneven forms: one rank's count
+  comm.all_to_all(a, b, four, four);
+  CHECK(host(b) == h);
+  comm.all_gather(a, b, four);
+  CHECK(host(b) == h);
+  comm.gather(a, b, four, 0);
+  CHECK(host(b) == h);
+  comm.scatter_async(a, b, four, 0).wait();
+  CHECK(host(b) == h);
   comm.barrier();
   auto w = comm.all_reduce_async(a);
   w.wait();

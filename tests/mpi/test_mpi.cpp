@@ -81,6 +81,13 @@ TEST_CASE("all_gather and gather, including in place") {
 TEST_CASE("scatter, reduce_scatter and all_to_all") {
   on_world([](Mpi& c) { cases::scatter_reduce_scatter_all_to_all(c); });
 }
+
+TEST_CASE("uneven sizes: all_to_all with split sizes, all_gather, gather and scatter with counts") {
+  on_world([](Mpi& c) { cases::uneven_collectives(c); });
+}
+TEST_CASE("batch_isend_irecv: every pair at once, beyond a channel, against plain send/recv") {
+  on_world([](Mpi& c) { cases::batch_p2p(c); });
+}
 TEST_CASE("send and recv around a ring, and barrier") {
   on_world([](Mpi& c) {
     if (c.size() > 1) cases::send_recv_ring(c);
@@ -98,6 +105,7 @@ TEST_CASE("run-time-typed tensors (ddp::DynamicView): every dtype through every 
     cases::broadcast_every_root(c, wrap);
     cases::all_gather_and_gather(c, wrap);
     cases::scatter_reduce_scatter_all_to_all(c, wrap);
+    cases::uneven_collectives(c, wrap);
     cases::all_reduce_coalesced(c, wrap);
     if (c.size() > 1) cases::send_recv_ring(c, wrap);
     cases::async_in_issue_order(c, wrap);

@@ -398,6 +398,102 @@ void scatter_reduce_scatter_all_to_all(C& comm, Wrap wrap = {}) {
   });
 }
 
+/// The collectives with a count per rank (all_to_all with split sizes, all_gather, gather and
+/// scatter with counts), sync and async: counts of 0, 1 and 2 elements and one block larger
+/// than a round (test_segment), every dtype, both roots.
+template <class C, class Wrap = AsIs>
+void uneven_collectives(C& comm, Wrap wrap = {}) {
+  const int p = comm.size(), r = comm.rank();
+  const auto up = static_cast<std::size_t>(p);
+  const auto sum = [](const std::vector<std::size_t>& v) {
+    std::size_t s = 0;
+    for (std::size_t x : v) s += x;
+    return s;
+  };
+  for_each_dtype([&]<class T>() {
+    const std::size_t big = mp::test_segment / sizeof(T) + 3, stride = big + 10;
+    // Elements rank i sends to rank j.
+    const auto f = [&](int i, int j) -> std::size_t {
+      return i == 0 && j == p - 1 ? big : static_cast<std::size_t>((i + 2 * j) % 3);
+    };
+    for (const bool async : {false, true}) {
+      const std::string how = async ? " (async)" : "";
+      // all_to_all: block j of `in` to rank j.
+      std::vector<std::size_t> inc(up), outc(up);
+      for (int j = 0; j < p; ++j) {
+        inc[static_cast<std::size_t>(j)] = f(r, j);
+        outc[static_cast<std::size_t>(j)] = f(j, r);
+      }
+      std::vector<T> in, out(sum(outc));
+      for (int j = 0; j < p; ++j) {
+        for (std::size_t k = 0; k < f(r, j); ++k)
+          in.push_back(value<T>(r, static_cast<std::size_t>(j) * stride + k, 5));
+      }
+      if (async)
+        comm.all_to_all_async(wrap(in), wrap(out), inc, outc).wait();
+      else
+        comm.all_to_all(wrap(in), wrap(out), inc, outc);
+      std::vector<T> want;
+      for (int j = 0; j < p; ++j) {
+        for (std::size_t k = 0; k < f(j, r); ++k)
+          want.push_back(value<T>(j, static_cast<std::size_t>(r) * stride + k, 5));
+      }
+      check_values<T>(
+          out, [&](std::size_t i) { return want[i]; }, "all_to_all uneven" + how);
+      // all_gather and gather: rank j offers f(j, p - 1) elements.
+      std::vector<std::size_t> counts(up);
+      for (int j = 0; j < p; ++j) counts[static_cast<std::size_t>(j)] = f(j, p - 1);
+      std::vector<T> mine(counts[static_cast<std::size_t>(r)]);
+      for (std::size_t k = 0; k < mine.size(); ++k) mine[k] = value<T>(r, k, 6);
+      std::vector<T> every;
+      for (int j = 0; j < p; ++j) {
+        for (std::size_t k = 0; k < counts[static_cast<std::size_t>(j)]; ++k)
+          every.push_back(value<T>(j, k, 6));
+      }
+      std::vector<T> all(every.size());
+      if (async)
+        comm.all_gather_async(wrap(mine), wrap(all), counts).wait();
+      else
+        comm.all_gather(wrap(mine), wrap(all), counts);
+      check_values<T>(
+          all, [&](std::size_t i) { return every[i]; }, "all_gather uneven" + how);
+      for (int root : {0, p - 1}) {
+        const std::string at = " (root " + std::to_string(root) + ")" + how;
+        std::vector<T> g(r == root ? every.size() : 0);
+        const std::vector<std::size_t> none;  // counts are read on the root only
+        const std::vector<std::size_t>& cs = r == root ? counts : none;
+        if (async)
+          comm.gather_async(wrap(mine), wrap(g), cs, root).wait();
+        else
+          comm.gather(wrap(mine), wrap(g), cs, root);
+        if (r == root)
+          check_values<T>(
+              g, [&](std::size_t i) { return every[i]; }, "gather" + at);
+        // scatter: block j of root's `in` (f(root, j) elements) to rank j.
+        std::vector<std::size_t> sc(up);
+        std::vector<T> src;
+        for (int j = 0; j < p; ++j) {
+          sc[static_cast<std::size_t>(j)] = f(root, j);
+          for (std::size_t k = 0; k < f(root, j); ++k)
+            src.push_back(value<T>(root, static_cast<std::size_t>(j) * stride + k, 7));
+        }
+        std::vector<T> part(f(root, r));
+        if (r != root) src.clear();
+        if (async)
+          comm.scatter_async(wrap(src), wrap(part), r == root ? sc : none, root).wait();
+        else
+          comm.scatter(wrap(src), wrap(part), r == root ? sc : none, root);
+        check_values<T>(
+            part,
+            [&](std::size_t i) {
+              return value<T>(root, static_cast<std::size_t>(r) * stride + i, 7);
+            },
+            "scatter uneven" + at);
+      }
+    }
+  });
+}
+
 /// all_reduce_coalesced: several buffers of one type as one operation, sync and async.
 template <class C, class Wrap = AsIs>
 void all_reduce_coalesced(C& comm, Wrap wrap = {}) {
@@ -529,6 +625,57 @@ void send_recv_ring(C& comm, Wrap wrap = {}) {
   MP_EXPECT(w.test() && !w.failed(), "barrier_async");
 }
 
+/// batch_isend_irecv: every rank sends to and receives from every other rank at once, sends
+/// listed first (a naive order deadlocks once a message exceeds a channel), two messages per
+/// pair and direction (they match in order), sizes up to beyond a channel; then a batch on one
+/// side matched by plain send/recv on the other.
+template <class C, class Wrap = AsIs>
+void batch_p2p(C& comm, Wrap wrap = {}) {
+  const int p = comm.size(), r = comm.rank();
+  const auto n_of = [](int from, int to, int k) {
+    return static_cast<std::size_t>(from == 0 && k == 1 ? 300000 : 10 * (from + 1) + to + k);
+  };
+  std::vector<std::vector<double>> out, in;
+  std::vector<ddp::P2POp> ops;
+  out.reserve(2 * static_cast<std::size_t>(p));
+  in.reserve(2 * static_cast<std::size_t>(p));
+  for (int j = 0; j < p; ++j) {
+    for (int k = 0; k < 2 && j != r; ++k) {
+      out.emplace_back(n_of(r, j, k));
+      for (std::size_t i = 0; i < out.back().size(); ++i)
+        out.back()[i] = r * 1e7 + j * 1e5 + k * 1e4 + static_cast<double>(i % 1000);
+      ops.push_back(ddp::P2POp::send(wrap(out.back()), j, k));
+    }
+  }
+  for (int j = 0; j < p; ++j) {
+    for (int k = 0; k < 2 && j != r; ++k) {
+      in.emplace_back(n_of(j, r, k));
+      ops.push_back(ddp::P2POp::recv(wrap(in.back()), j, k));
+    }
+  }
+  comm.batch_isend_irecv(ops).wait();
+  std::size_t at = 0;
+  for (int j = 0; j < p; ++j) {
+    for (int k = 0; k < 2 && j != r; ++k, ++at) {
+      for (std::size_t i = 0; i < in[at].size(); ++i)
+        MP_EXPECT(in[at][i] == j * 1e7 + r * 1e5 + k * 1e4 + static_cast<double>(i % 1000),
+                  "batch from rank " << j << " message " << k << " element " << i);
+    }
+  }
+  if (p > 1) {  // rank 0's batch against plain send/recv on rank 1
+    std::vector<float> a(1000, static_cast<float>(r)), b(1000);
+    if (r == 0) {
+      const ddp::P2POp pair[] = {ddp::P2POp::recv(wrap(b), 1, 3), ddp::P2POp::send(wrap(a), 1, 3)};
+      comm.batch_isend_irecv(pair).wait();
+    } else if (r == 1) {
+      comm.recv(wrap(b), 0, 3);
+      comm.send(wrap(a), 0, 3);
+    }
+    if (r <= 1) MP_EXPECT(b[999] == static_cast<float>(1 - r), "batch against plain");
+  }
+  comm.barrier();
+}
+
 template <class C, class Wrap = AsIs>
 void async_in_issue_order(C& comm, Wrap wrap = {}) {
   const int p = comm.size();
@@ -577,6 +724,18 @@ void split_by_color(C& comm) {
   MP_EXPECT(local.size() == comm.local_size(), "local group size");
   MP_EXPECT(local.rank() == comm.local_rank(), "local group rank");
   local.barrier();
+  // A group with its own options: its timeout, not the parent's.
+  ddp::Options own = comm.options();
+  own.timeout = std::chrono::milliseconds(4321);
+  auto timed = comm.split(0, r, own);
+  MP_EXPECT(timed.options().timeout == own.timeout, "split's own timeout");
+  MP_EXPECT(comm.options().timeout != own.timeout, "the parent keeps its timeout");
+  std::vector<int> one{1};
+  timed.all_reduce(one);
+  MP_EXPECT(one[0] == p, "split with options works");
+  // monitored_barrier: every rank arrives, on the parent and on the group.
+  comm.monitored_barrier(std::chrono::seconds(30), true);
+  timed.monitored_barrier();
   comm.barrier();  // the parent still works
 }
 
@@ -611,6 +770,19 @@ void object_collectives(C& comm) {
   comm.broadcast_object(config, 0);
   MP_EXPECT(config.first == "lr=0.1" && config.second == std::vector<int>({1, 2, 3}),
             "broadcast_object");
+  // scatter_object: rank k gets entry k of the root's list (sizes differ: 0 to 2k words).
+  for (int root : {0, p - 1}) {
+    std::vector<std::vector<std::string>> lists;
+    if (r == root) {
+      for (int k = 0; k < p; ++k)
+        lists.emplace_back(static_cast<std::size_t>(2 * k),
+                           std::string(static_cast<std::size_t>(k) * 300, 'x'));
+    }
+    const auto got = comm.scatter_object(lists, root);
+    MP_EXPECT(got.size() == static_cast<std::size_t>(2 * r) &&
+                  (got.empty() || got[0].size() == static_cast<std::size_t>(r) * 300),
+              "scatter_object from root " << root);
+  }
 }
 
 }  // namespace cases

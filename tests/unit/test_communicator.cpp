@@ -50,6 +50,76 @@ TEST_CASE("scatter, reduce_scatter and all_to_all") {
   mp::each_world([](Comm& comm) { cases::scatter_reduce_scatter_all_to_all(comm); });
 }
 
+TEST_CASE("uneven sizes: all_to_all with split sizes, all_gather, gather and scatter with counts") {
+  mp::each_world([](Comm& comm) { cases::uneven_collectives(comm); });
+}
+
+namespace {
+/// A backend with the required members only (backend.hpp's CommBackend), over backend::Host:
+/// what a third-party backend gets for the optional capabilities it lacks (the uneven
+/// collectives by send/recv pairs, split over the store).
+struct MinimalBackend {
+  using Buf = ddp::detail::Buf;
+  static constexpr std::string_view name = "minimal";
+  std::unique_ptr<ddp::backend::Host> h;
+  static std::unique_ptr<MinimalBackend> create(const ddp::detail::BackendInit& init) {
+    auto m = std::make_unique<MinimalBackend>();
+    m->h = ddp::backend::Host::create(init);
+    return m;
+  }
+  static bool supports(const ddp::Device& d) { return ddp::backend::Host::supports(d); }
+  [[nodiscard]] int rank() const { return h->rank(); }
+  [[nodiscard]] int size() const { return h->size(); }
+  [[nodiscard]] int local_rank() const { return h->local_rank(); }
+  [[nodiscard]] int local_size() const { return h->local_size(); }
+  [[nodiscard]] int local_leader() const { return h->local_leader(); }
+  void all_reduce(const Buf& b, ddp::ReduceOp op) { h->all_reduce(b, op); }
+  void broadcast(const Buf& b, int root) { h->broadcast(b, root); }
+  void reduce(const Buf& b, int root, ddp::ReduceOp op) { h->reduce(b, root, op); }
+  void all_gather(const Buf& i, const Buf& o) { h->all_gather(i, o); }
+  void gather(const Buf& i, const Buf& o, int root) { h->gather(i, o, root); }
+  void scatter(const Buf& i, const Buf& o, int root) { h->scatter(i, o, root); }
+  void reduce_scatter(const Buf& i, const Buf& o, ddp::ReduceOp op) { h->reduce_scatter(i, o, op); }
+  void all_to_all(const Buf& i, const Buf& o) { h->all_to_all(i, o); }
+  void send(const Buf& b, int peer, int tag) { h->send(b, peer, tag); }
+  void recv(const Buf& b, int peer, int tag) { h->recv(b, peer, tag); }
+  void barrier() { h->barrier(); }
+  void abort(ddp::Errc code, const std::string& why) { h->abort(code, why); }
+};
+static_assert(ddp::CommBackend<MinimalBackend>);
+static_assert(!ddp::backend_traits<MinimalBackend>::uneven);
+static_assert(ddp::backend_traits<ddp::backend::Host>::uneven);
+}  // namespace
+
+TEST_CASE("a backend without its own uneven collectives runs them by send/recv pairs") {
+  for (int w : {1, 3, 4}) {
+    if (!mp::world_selected(w)) continue;
+    CAPTURE(w);
+    ddp::spawn(w, [](ddp::Environment env) {
+      ddp::Options o;
+      o.segment_bytes = mp::test_segment;
+      auto comm = ddp::Communicator<MinimalBackend>::init(env, o);
+      cases::uneven_collectives(comm);
+      // Counts that disagree: the receive that expects 2 elements gets a message of 1.
+      if (comm.size() > 1) {
+        std::vector<std::size_t> ins(static_cast<std::size_t>(comm.size()), 1), outs = ins;
+        if (comm.rank() == 1) outs[0] = 2;
+        std::vector<float> in(ins.size()), out(ins.size() + (comm.rank() == 1 ? 1 : 0));
+        try {
+          comm.all_to_all(in, out, ins, outs);
+          MP_EXPECT(comm.rank() != 1, "rank 1 expected 2 elements from rank 0 and got 1");
+        } catch (const ddp::Error& e) {  // the others fail too, quoting it or at its leaving
+          if (comm.rank() == 1) MP_EXPECT(e.code() == ddp::Errc::mismatch, e.what());
+        }
+      }
+    });
+  }
+}
+
+TEST_CASE("batch_isend_irecv: every pair at once, beyond a channel, against plain send/recv") {
+  mp::each_world([](Comm& comm) { cases::batch_p2p(comm); });
+}
+
 TEST_CASE("send and recv around a ring, and barrier") {
   mp::each_world([](Comm& comm) { cases::send_recv_ring(comm); }, {2, 3, 4});
 }
@@ -117,6 +187,8 @@ TEST_CASE("run-time-typed tensors (ddp::DynamicView): every dtype through every 
       cases::broadcast_every_root(comm, wrap);
       cases::all_gather_and_gather(comm, wrap);
       cases::scatter_reduce_scatter_all_to_all(comm, wrap);
+      cases::uneven_collectives(comm, wrap);
+      cases::batch_p2p(comm, wrap);
       cases::all_reduce_coalesced(comm, wrap);
       if (comm.size() > 1) cases::send_recv_ring(comm, wrap);
       cases::async_in_issue_order(comm, wrap);
@@ -284,6 +356,27 @@ TEST_CASE("argument checks fail before anything is sent, naming the rank and the
     ddp::TensorView<float> gpu{a.data(), a.size(), ddp::Device::cuda(0)};
     expect_invalid([&] { comm.all_reduce(gpu); },
                    "is on cuda:0, but backend::host cannot use that memory");
+    // Uneven sizes: a count per rank, adding up to the buffer.
+    const std::vector<std::size_t> one{4}, two{2, 2}, wrong{3, 3}, huge{~std::size_t{0}, 2};
+    expect_invalid([&] { comm.all_to_all(a, c, one, two); },
+                   "all_to_all: `in_counts` has 1 entries but must have one per rank (2)");
+    expect_invalid([&] { comm.all_to_all(a, c, two, wrong); },
+                   "`out` has 8 elements but the `out_counts` add up to 6");
+    expect_invalid([&] { comm.all_to_all(a, c, huge, two); }, "add up to more than any buffer");
+    expect_invalid(
+        [&] {
+          comm.all_to_all(c, c, std::vector<std::size_t>{4, 4}, std::vector<std::size_t>{4, 4});
+        },
+        "must not overlap");
+    expect_invalid([&] { comm.all_gather(a, b, wrong); },
+                   "all_gather: `out` has 7 elements but the `counts` add up to 6");
+    const std::vector<std::size_t> skewed{1, 3};
+    expect_invalid(
+        [&] { comm.all_gather(std::span<float>(a).first(comm.rank() == 0 ? 3 : 1), a, skewed); },
+        "elements but counts[" + std::to_string(comm.rank()) + "] (this rank's) is");
+    expect_invalid([&] { comm.gather(a, c, two, 3); }, "gather: root 3");
+    expect_invalid([&] { comm.scatter(c, a, wrong, comm.rank()); },
+                   "scatter: `in` has 8 elements but the `counts` add up to 6");
     comm.all_reduce(a);  // nothing was sent: the communicator still works
   });
 }

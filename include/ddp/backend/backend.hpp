@@ -17,9 +17,10 @@
 ///    |---|---|---|
 ///    | needs_store | `static constexpr bool needs_store` | true: init() rendezvous first |
 ///    | device_kind | `static constexpr DeviceKind device_kind` | cpu (host memory) |
-///    | splits | `std::unique_ptr<B> split(color, key)` | split() over the store |
+///    | splits | `std::unique_ptr<B> split(color, key, options)` | split() over the store |
 ///    | converts_wire | `all_reduce_as(Buf, ReduceOp, DType wire)` | convert around all_reduce |
 ///    | reduces_many | `all_reduce_many(std::span<const Buf>, ReduceOp)` | one all_reduce each |
+///    | uneven | `all_to_all_v`, `gather_v`, `scatter_v` (counts per rank) | send/recv pairs |
 ///    | has_device | `int device()` (the CUDA device it uses) | — |
 ///
 /// backend::Host (backend/host.hpp), backend::Nccl (backend/nccl.hpp) and backend::Mpi
@@ -162,8 +163,15 @@ struct backend_traits {
   /// The backend moves CUDA device memory only (device_kind is DeviceKind::cuda).
   static constexpr bool device_only = device_kind == DeviceKind::cuda;
   /// The backend makes sub-groups itself (MPI_Comm_split, ncclCommSplit).
-  static constexpr bool splits = requires(B & b, int i) {
-    { b.split(i, i) } -> std::same_as<std::unique_ptr<B>>;
+  static constexpr bool splits = requires(B & b, int i, const Options& o) {
+    { b.split(i, i, o) } -> std::same_as<std::unique_ptr<B>>;
+  };
+  /// The backend runs the collectives with a count per rank itself (runtime/uneven.hpp).
+  static constexpr bool uneven =
+      requires(B & b, const detail::Buf& x, int i, std::span<const std::size_t> c) {
+    b.all_to_all_v(x, x, c, c);
+    b.gather_v(x, x, c, i);
+    b.scatter_v(x, x, c, i);
   };
   /// The backend carries float32 values as half/bfloat16 itself (fused conversions).
   static constexpr bool converts_wire = requires(B & b, const detail::Buf& x, ReduceOp op) {

@@ -20,7 +20,11 @@
 #include "ddp/runtime/reduce.hpp"
 #include "ddp/types.hpp"
 
+#include <algorithm>
 #include <cstddef>
+#include <cstring>
+#include <span>
+#include <utility>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
@@ -99,6 +103,96 @@ void run_single(Backend& be, CommState& s, Coll coll, const Buf& b, ReduceOp op,
   }
 }
 
+/// batch_isend_irecv's operations, one pair at a time in an order that cannot deadlock whatever
+/// the batches of the other ranks hold (as long as each op has its match): with each peer in
+/// increasing order, the lower rank of the pair sends first, then receives; the higher rank
+/// receives first. Ops of one direction with one peer keep their order (they match in order).
+template <class Backend>
+void run_batch_p2p(Backend& be, CommState& s, const Call& c) {
+  const auto op = [&](std::size_t i) {
+    return std::pair{c.counts[3 * i] != 0, static_cast<int>(c.counts[3 * i + 1])};
+  };
+  std::vector<std::size_t> order(c.many.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  const int me = be.rank();
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    const auto [sa, pa] = op(a);
+    const auto [sb, pb] = op(b);
+    const auto phase = [&](bool send, int peer) { return (me < peer) == send ? 0 : 1; };
+    return pa != pb ? pa < pb : phase(sa, pa) < phase(sb, pb);
+  });
+  for (const std::size_t i : order) {
+    const auto [send, peer] = op(i);
+    const int tag = static_cast<int>(c.counts[3 * i + 2]);
+    whole<Backend>(
+        s, me, c.name,
+        [&](const Buf& h) {
+          if (send)
+            be.send(h, peer, tag);
+          else
+            be.recv(h, peer, tag);
+        },
+        StagedArg{c.many[i], send, !send});
+  }
+}
+
+/// An uneven collective on a backend without its own (backend_traits::uneven): one message per
+/// pair that exchanges elements, in batch_isend_irecv's order; each receive checks the count
+/// the sender sent (Errc::mismatch where they disagree).
+template <class Backend>
+void run_uneven_by_pairs(Backend& be, CommState& s, const Call& c, const Buf& in, const Buf& out) {
+  const int p = be.size(), me = be.rank(), root = c.root;
+  const auto at = [](const Buf& b, std::span<const std::size_t> counts, int j) {
+    std::size_t off = 0;
+    for (int k = 0; k < j; ++k) off += counts[static_cast<std::size_t>(k)];
+    return Buf{b.data == nullptr ? nullptr : b.at(off), counts[static_cast<std::size_t>(j)],
+               b.dtype, b.device, b.stream};
+  };
+  const std::size_t half = c.counts.size() / 2;
+  const auto piece = [&](bool sending, int j) -> Buf {  // what goes to / comes from rank j
+    const Buf& b = sending ? in : out;
+    switch (c.coll) {
+      case Coll::all_to_all_v:
+        return at(b, sending ? c.counts.first(half) : c.counts.subspan(half), j);
+      case Coll::scatter_v:
+        if (sending) return me == root ? at(in, c.counts, j) : Buf{};
+        return j == root ? out : Buf{};
+      default:  // all_gather_v (root < 0), gather_v
+        if (sending) return root < 0 || j == root ? in : Buf{};
+        return root < 0 || me == root ? at(out, c.counts, j) : Buf{};
+    }
+  };
+  const auto involved = [&](bool sending, int j) {
+    switch (c.coll) {
+      case Coll::gather_v: return sending ? j == root : me == root;
+      case Coll::scatter_v: return sending ? me == root : j == root;
+      default: return true;  // all_to_all_v, all_gather_v
+    }
+  };
+  if (involved(true, me)) {  // this rank's own block
+    if constexpr (backend_traits<Backend>::device_only) {
+      fail(Errc::unsupported, "rank ", me, ": ", c.name, ": backend::", Backend::name,
+           " has no collectives with a count per rank (all_to_all_v, gather_v, scatter_v)");
+    } else {
+      const Buf mine = piece(true, me), back = piece(false, me);
+      if (mine.count != 0) std::memcpy(back.data, mine.data, mine.bytes());
+    }
+  }
+  std::vector<Buf> bufs;
+  std::vector<std::size_t> specs;
+  for (int j = 0; j < p; ++j) {
+    for (const bool sending : {true, false}) {
+      if (j == me || !involved(sending, j)) continue;
+      bufs.push_back(piece(sending, j));
+      specs.insert(specs.end(), {sending ? 1u : 0u, static_cast<std::size_t>(j), 0u});
+    }
+  }
+  Call batch = c;
+  batch.many = bufs;
+  batch.counts = specs;
+  run_batch_p2p(be, s, batch);
+}
+
 template <class Backend>
 void dispatch(Backend& be, CommState& s, const Call& c) {
   const auto in_out = [&](const auto& f) {
@@ -134,6 +228,23 @@ void dispatch(Backend& be, CommState& s, const Call& c) {
     case Coll::reduce_scatter:
       return in_out([&](const Buf& i, const Buf& o) { be.reduce_scatter(i, o, c.op); });
     case Coll::all_to_all: return in_out([&](const Buf& i, const Buf& o) { be.all_to_all(i, o); });
+    case Coll::all_to_all_v:
+    case Coll::all_gather_v:
+    case Coll::gather_v:
+    case Coll::scatter_v:
+      return in_out([&](const Buf& i, const Buf& o) {
+        if constexpr (backend_traits<Backend>::uneven) {
+          const std::size_t p = c.counts.size() / 2;
+          if (c.coll == Coll::all_to_all_v)
+            be.all_to_all_v(i, o, c.counts.first(p), c.counts.subspan(p));
+          else if (c.coll == Coll::scatter_v)
+            be.scatter_v(i, o, c.counts, c.root);
+          else
+            be.gather_v(i, o, c.counts, c.root);
+        } else {
+          run_uneven_by_pairs(be, s, c, i, o);
+        }
+      });
     case Coll::send:
       return whole<Backend>(
           s, be.rank(), c.name, [&](const Buf& h) { be.send(h, c.root, c.tag); },
@@ -143,6 +254,7 @@ void dispatch(Backend& be, CommState& s, const Call& c) {
           s, be.rank(), c.name, [&](const Buf& h) { be.recv(h, c.root, c.tag); },
           StagedArg{c.in, false, true});
     case Coll::barrier: be.barrier(); return;
+    case Coll::batch_p2p: return run_batch_p2p(be, s, c);
   }
 }
 

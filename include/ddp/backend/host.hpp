@@ -26,6 +26,7 @@
 #include "ddp/backend/host/rounds.hpp"
 #include "ddp/backend/host/single_copy.hpp"
 #include "ddp/backend/host/transport.hpp"
+#include "ddp/backend/host/uneven.hpp"
 #include "ddp/config.hpp"
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
@@ -38,6 +39,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -165,6 +167,27 @@ class Host {
     const std::size_t n = in.count / static_cast<std::size_t>(size_);
     const auto fp = next(detail::Coll::all_to_all, in.dtype, n, -1, ReduceOp::sum, false);
     detail::all_to_all_on(t(), scratch_, in, out, fp);
+  }
+
+  /// Communicator::all_to_all with split sizes (runtime/uneven.hpp).
+  void all_to_all_v(const detail::Buf& in, const detail::Buf& out,
+                    std::span<const std::size_t> in_counts,
+                    std::span<const std::size_t> out_counts) {
+    const auto fp = next(detail::Coll::all_to_all_v, in.dtype, 0, -1, ReduceOp::sum, false);
+    detail::all_to_all_v_on(t(), scratch_, in, out, in_counts, out_counts, fp);
+  }
+  /// Communicator::all_gather (root < 0) and gather with a count per rank.
+  void gather_v(const detail::Buf& in, const detail::Buf& out, std::span<const std::size_t> counts,
+                int root) {
+    const auto c = root < 0 ? detail::Coll::all_gather_v : detail::Coll::gather_v;
+    const auto fp = next(c, in.dtype, 0, root, ReduceOp::sum, false);
+    detail::gather_v_on(t(), scratch_, in, out, counts, root, fp);
+  }
+  /// Communicator::scatter with a count per rank.
+  void scatter_v(const detail::Buf& in, const detail::Buf& out, std::span<const std::size_t> counts,
+                 int root) {
+    const auto fp = next(detail::Coll::scatter_v, out.dtype, 0, root, ReduceOp::sum, false);
+    detail::scatter_v_on(t(), scratch_, in, out, counts, root, fp);
   }
 
   /// Communicator::barrier: returns once every rank has entered it.

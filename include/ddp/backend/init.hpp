@@ -66,26 +66,27 @@ inline BackendInit begin_init(CommState& state, const Environment& env, Options&
   return bi;
 }
 
-/// A communicator made by split(): `sub` takes `parent`'s settings.
-inline void inherit_settings(CommState& sub, const CommState& parent) {
-  sub.configure(parent.options);
+/// A communicator made by split(): `sub` takes `options` (the parent's, or the split's own) and
+/// its place in `parent`'s job.
+inline void inherit_settings(CommState& sub, const CommState& parent, const Options& options) {
+  sub.configure(options);
   sub.world_rank = parent.world_rank;
   sub.local_rank_hint = parent.local_rank_hint;
 }
 
 /// split() on a backend that does not split itself: the group of `color` among every rank's
-/// (color, key) `all`, ordered by (key, rank); `sub` configured as `parent` is, with a store
+/// (color, key) `all`, ordered by (key, rank); `sub` configured with `options`, with a store
 /// prefix of its own (the n-th split of `parent`). `rank`: this rank in `parent`.
 inline BackendInit begin_split(CommState& sub, const CommState& parent,
                                const std::vector<std::pair<int, int>>& all, int color, int rank,
-                               std::uint64_t n) {
+                               std::uint64_t n, const Options& options) {
   std::vector<std::pair<int, int>> members;  // (key, old rank)
   for (int r = 0; r < static_cast<int>(all.size()); ++r) {
     if (all[static_cast<std::size_t>(r)].first == color)
       members.emplace_back(all[static_cast<std::size_t>(r)].second, r);
   }
   std::sort(members.begin(), members.end());
-  inherit_settings(sub, parent);
+  inherit_settings(sub, parent, options);
   sub.root_store = parent.root_store;
   sub.prefix = concat(parent.prefix, "split", n, "/", color, "/");
   BackendInit bi;
@@ -93,7 +94,7 @@ inline BackendInit begin_split(CommState& sub, const CommState& parent,
   for (int i = 0; i < bi.size; ++i) {
     if (members[static_cast<std::size_t>(i)].second == rank) bi.rank = i;
   }
-  bi.options = parent.options;
+  bi.options = options;
   bi.local_rank = parent.local_rank_hint;
   if (parent.root_store) {
     bi.store = std::make_shared<Store>(parent.root_store->prefixed(sub.prefix).watching("failed"));

@@ -32,9 +32,11 @@
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 #include "ddp/backend/backend.hpp"
+#include "ddp/backend/mpi_support.hpp"
 #include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
 #include "ddp/runtime/collective.hpp"
+#include "ddp/runtime/uneven.hpp"
 #include "ddp/types.hpp"
 
 #include <mpi.h>
@@ -54,182 +56,13 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
-
-namespace detail {
-
-[[nodiscard]] inline std::string mpi_error_string(int code) {
-  char text[MPI_MAX_ERROR_STRING] = {};
-  int len = 0;
-  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) return concat("MPI error ", code);
-  return std::string(text, static_cast<std::size_t>(len));
-}
-
-/// float16 and bfloat16 reductions for MPI, computed in float and rounded per step.
-template <class T, ReduceOp Op>
-void mpi_small_float_op(void* in, void* inout, int* len, MPI_Datatype*) {
-  const auto* a = static_cast<const T*>(in);
-  auto* b = static_cast<T*>(inout);
-  for (int i = 0; i < *len; ++i) {
-    const float x = static_cast<float>(a[i]), y = static_cast<float>(b[i]);
-    float r = 0;
-    if constexpr (Op == ReduceOp::prod)
-      r = x * y;
-    else if constexpr (Op == ReduceOp::min)
-      r = x < y ? x : y;
-    else if constexpr (Op == ReduceOp::max)
-      r = y < x ? x : y;
-    else
-      r = x + y;
-    b[i] = T(r);
-  }
-}
-
-/// The MPI datatypes and operations ddp needs beyond the predefined ones; made once per process.
-class MpiTypes {
- public:
-  static MpiTypes& get() {
-    static MpiTypes types;
-    return types;
-  }
-
-  [[nodiscard]] MPI_Datatype type(DType t) const noexcept {
-    switch (t) {
-      case DType::int8: return MPI_INT8_T;
-      case DType::uint8: return MPI_UINT8_T;
-      case DType::int16: return MPI_INT16_T;
-      case DType::uint16: return MPI_UINT16_T;
-      case DType::int32: return MPI_INT32_T;
-      case DType::uint32: return MPI_UINT32_T;
-      case DType::int64: return MPI_INT64_T;
-      case DType::uint64: return MPI_UINT64_T;
-      case DType::float16: return half_;
-      case DType::bfloat16: return bfloat16_;
-      case DType::float32: return MPI_FLOAT;
-      case DType::float64: return MPI_DOUBLE;
-    }
-    return MPI_DATATYPE_NULL;
-  }
-
-  /// avg maps to sum (the backend divides afterwards).
-  [[nodiscard]] MPI_Op op(ReduceOp op, DType t) const noexcept {
-    const int k = op == ReduceOp::prod ? 1 : op == ReduceOp::min ? 2 : op == ReduceOp::max ? 3 : 0;
-    if (t == DType::float16) return half_ops_[k];
-    if (t == DType::bfloat16) return bfloat16_ops_[k];
-    static const MPI_Op builtin[] = {MPI_SUM, MPI_PROD, MPI_MIN, MPI_MAX};
-    return builtin[k];
-  }
-
- private:
-  MpiTypes() {
-    MPI_Type_contiguous(2, MPI_BYTE, &half_);
-    MPI_Type_commit(&half_);
-    MPI_Type_contiguous(2, MPI_BYTE, &bfloat16_);
-    MPI_Type_commit(&bfloat16_);
-    make_ops<half>(half_ops_);
-    make_ops<bfloat16>(bfloat16_ops_);
-  }
-  template <class T>
-  static void make_ops(MPI_Op (&ops)[4]) {
-    MPI_Op_create(&mpi_small_float_op<T, ReduceOp::sum>, 1, &ops[0]);
-    MPI_Op_create(&mpi_small_float_op<T, ReduceOp::prod>, 1, &ops[1]);
-    MPI_Op_create(&mpi_small_float_op<T, ReduceOp::min>, 1, &ops[2]);
-    MPI_Op_create(&mpi_small_float_op<T, ReduceOp::max>, 1, &ops[3]);
-  }
-
-  MPI_Datatype half_ = MPI_DATATYPE_NULL;
-  MPI_Datatype bfloat16_ = MPI_DATATYPE_NULL;
-  MPI_Op half_ops_[4] = {};
-  MPI_Op bfloat16_ops_[4] = {};
-};
-
-/// What a blocking MPI call is doing, for the watchdog's message.
-struct MpiCall {
-  const char* what = "";
-  DType dtype = DType::uint8;
-  std::size_t count = 0;
-  int root = -1;
-  bool has_op = false;
-  ReduceOp op = ReduceOp::sum;
-};
-
-/// Ends the job when a blocking MPI call outlives the timeout (it cannot be interrupted). Arming
-/// costs a plain atomic store (no lock, no clock read, no wake-up): the thread looks every
-/// timeout/10 (10 ms to 1 s) and fires when the same call has been running for the timeout
-/// (between timeout and timeout + one period after it started).
-class MpiWatchdog {
- public:
-  MpiWatchdog(int rank, std::chrono::milliseconds timeout)
-      : rank_(rank),
-        timeout_(timeout),
-        period_(std::clamp<std::chrono::milliseconds>(timeout / 10, std::chrono::milliseconds(10),
-                                                      std::chrono::seconds(1))),
-        thread_([this] { loop(); }) {}
-  MpiWatchdog(const MpiWatchdog&) = delete;
-  MpiWatchdog& operator=(const MpiWatchdog&) = delete;
-  ~MpiWatchdog() {
-    {
-      std::lock_guard lock(mutex_);
-      stopping_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-
-  // Called only by the thread running the operation (operations are serialized): plain stores.
-  void arm(const MpiCall& call) noexcept {
-    call_ = call;
-    serial_.store(serial_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
-  }
-  void disarm() noexcept {
-    serial_.store(serial_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
-  }
-
- private:
-  void loop() {
-    std::unique_lock lock(mutex_);
-    std::uint64_t seen = 0;  // the running call (odd serial) seen at `since`
-    auto since = std::chrono::steady_clock::now();
-    while (!cv_.wait_for(lock, period_, [&] { return stopping_; })) {
-      const std::uint64_t s = serial_.load(std::memory_order_acquire);
-      const auto now = std::chrono::steady_clock::now();
-      if ((s & 1U) == 0 || s != seen) {  // idle, or another call than last time
-        seen = s;
-        since = now;
-        continue;
-      }
-      if (now - since + period_ < timeout_) continue;  // it started at most a period before
-      std::string d = concat("rank ", rank_, ": backend::Mpi: ", call_.what, "(",
-                             to_string(call_.dtype), ", count=", call_.count);
-      if (call_.has_op) d += concat(", op=", to_string(call_.op));
-      if (call_.root >= 0) d += concat(", root=", call_.root);
-      std::fprintf(stderr,
-                   "ddp: %s) did not complete within %lld ms (Errc::timeout): a peer stopped, "
-                   "died or called another collective; MPI collectives cannot be interrupted, "
-                   "so the job is ended with MPI_Abort\n",
-                   d.c_str(), static_cast<long long>(timeout_.count()));
-      std::fflush(stderr);
-      MPI_Abort(MPI_COMM_WORLD, 124);
-      std::_Exit(124);
-    }
-  }
-
-  int rank_;
-  std::chrono::milliseconds timeout_, period_;
-  MpiCall call_;
-  std::atomic<std::uint64_t> serial_{0};
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  bool stopping_ = false;
-  std::thread thread_;
-};
-
-}  // namespace detail
 
 namespace backend {
 
@@ -397,6 +230,125 @@ class Mpi {
         "all_to_all", "MPI_Alltoall", block, std::nullopt, -1);
   }
 
+  /// Communicator::all_to_all with split sizes: the ranks' plans agreed (MPI_Allgather, see
+  /// runtime/uneven.hpp), then MPI_Alltoallv.
+  void all_to_all_v(const detail::Buf& in, const detail::Buf& out,
+                    std::span<const std::size_t> in_counts,
+                    std::span<const std::size_t> out_counts) {
+    (void)agree(detail::UnevenPlan::all_to_all(in_counts, out_counts), "all_to_all", in.dtype);
+    const auto sc = ints(in_counts, "all_to_all"), rc = ints(out_counts, "all_to_all");
+    const auto sd = offsets(sc), rd = offsets(rc);
+    call(
+        [&] {
+          return MPI_Alltoallv(in.data, sc.data(), sd.data(), type(in.dtype), out.data, rc.data(),
+                               rd.data(), type(in.dtype), comm_);
+        },
+        "all_to_all", "MPI_Alltoallv", in, std::nullopt, -1);
+  }
+  /// Communicator::all_gather (root < 0) and gather with a count per rank: MPI_Allgatherv and
+  /// MPI_Gatherv, after the plans agreed.
+  void gather_v(const detail::Buf& in, const detail::Buf& out, std::span<const std::size_t> counts,
+                int root) {
+    const char* what = root < 0 ? "all_gather" : "gather";
+    const auto agreed =
+        agree(detail::UnevenPlan::gather(size_, rank_, in.count, counts, root), what, in.dtype);
+    const auto p = static_cast<std::size_t>(size_),
+               to = static_cast<std::size_t>(std::max(root, 0));
+    std::vector<std::size_t> all(p);  // what each rank sends (to the root)
+    for (std::size_t j = 0; j < p; ++j) all[j] = agreed[j * p + to];
+    const auto rc = ints(all, what);
+    const auto rd = offsets(rc);
+    const int n = count(in, what);
+    call(
+        [&] {
+          return root < 0 ? MPI_Allgatherv(in.data, n, type(in.dtype), out.data, rc.data(),
+                                           rd.data(), type(in.dtype), comm_)
+                          : MPI_Gatherv(in.data, n, type(in.dtype), out.data, rc.data(), rd.data(),
+                                        type(in.dtype), root, comm_);
+        },
+        what, root < 0 ? "MPI_Allgatherv" : "MPI_Gatherv", in, std::nullopt, root);
+  }
+  /// Communicator::scatter with a count per rank: MPI_Scatterv, after the plans agreed.
+  void scatter_v(const detail::Buf& in, const detail::Buf& out, std::span<const std::size_t> counts,
+                 int root) {
+    const auto agreed = agree(detail::UnevenPlan::scatter(size_, rank_, out.count, counts, root),
+                              "scatter", out.dtype);
+    const auto p = static_cast<std::size_t>(size_);
+    const auto sc =
+        ints(std::span(agreed).subspan(static_cast<std::size_t>(root) * p, p), "scatter");
+    const auto sd = offsets(sc);
+    const int n = count(out, "scatter");
+    call(
+        [&] {
+          return MPI_Scatterv(in.data, sc.data(), sd.data(), type(out.dtype), out.data, n,
+                              type(out.dtype), root, comm_);
+        },
+        "scatter", "MPI_Scatterv", out, std::nullopt, root);
+  }
+
+  /// Communicator::monitored_barrier: every rank sends rank 0 a token; rank 0 waits up to
+  /// `timeout` for them, then tells every rank which did not arrive (a tag per call, so that a
+  /// token that comes too late never counts for a later call).
+  void monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks) {
+    const char* what = "monitored_barrier";
+    before(what);
+    const int tag = 1000 + static_cast<int>(monitored_++ % 30000);
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    std::vector<int> missing(static_cast<std::size_t>(size_), 0);
+    std::vector<MPI_Request> reqs;
+    if (rank_ == 0) {
+      std::vector<int> tokens(static_cast<std::size_t>(size_));
+      for (int r = 1; r < size_; ++r) {
+        reqs.push_back(MPI_REQUEST_NULL);
+        check(MPI_Irecv(&tokens[static_cast<std::size_t>(r)], 1, MPI_INT, r, tag, comm_,
+                        &reqs.back()),
+              "MPI_Irecv", rank_);
+      }
+      for (bool all = reqs.empty(); !all;) {
+        int done = 0;
+        check(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE),
+              "MPI_Testall", rank_);
+        all = done != 0;
+        if (!all && std::chrono::steady_clock::now() > deadline) break;
+        if (!all) std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
+      for (int r = 1; r < size_; ++r) {
+        MPI_Request& q = reqs[static_cast<std::size_t>(r - 1)];
+        if (q == MPI_REQUEST_NULL) continue;
+        missing[static_cast<std::size_t>(r)] = 1;
+        MPI_Cancel(&q);
+        MPI_Request_free(&q);
+      }
+      for (int r = 1; r < size_; ++r)  // small: sent eagerly, also to the late ones
+        check(MPI_Send(missing.data(), size_, MPI_INT, r, tag, comm_), "MPI_Send", rank_);
+    } else {
+      int token = 1;
+      check(MPI_Send(&token, 1, MPI_INT, 0, tag, comm_), "MPI_Send", rank_);
+      MPI_Request req = MPI_REQUEST_NULL;
+      check(MPI_Irecv(missing.data(), size_, MPI_INT, 0, tag, comm_, &req), "MPI_Irecv", rank_);
+      const auto saved = options_.timeout;
+      options_.timeout = 2 * timeout;  // rank 0 waits `timeout` from its own arrival
+      try {
+        wait(req, what, 0);
+      } catch (...) {
+        options_.timeout = saved;
+        throw;
+      }
+      options_.timeout = saved;
+    }
+    std::string who;
+    int n = 0;
+    for (int r = 0; r < size_; ++r) {
+      if (missing[static_cast<std::size_t>(r)] == 0 || (n > 0 && !wait_all_ranks)) continue;
+      who += detail::concat(n++ == 0 ? "" : ", ", r);
+    }
+    if (n == 0) return;
+    detail::fail(Errc::timeout, "rank ", rank_, ": ", what, ": ",
+                 rank_ == 0 ? "" : "failed because rank 0 reported: ", n == 1 ? "rank " : "ranks ",
+                 who, " did not arrive within ", timeout.count(),
+                 " ms (stopped, slow, or not calling it)");
+  }
+
   /// Communicator::barrier with MPI_Ibarrier, waited on up to Options::timeout.
   void barrier() {
     MPI_Request req = MPI_REQUEST_NULL;
@@ -449,12 +401,12 @@ class Mpi {
   }
 
   /// MPI_Comm_split; nullptr for color < 0 (no group).
-  [[nodiscard]] std::unique_ptr<Mpi> split(int color, int key) {
+  [[nodiscard]] std::unique_ptr<Mpi> split(int color, int key, const Options& options) {
     MPI_Comm sub = MPI_COMM_NULL;
     check(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &sub), "MPI_Comm_split",
           rank_);
     if (sub == MPI_COMM_NULL) return nullptr;
-    return std::unique_ptr<Mpi>(new Mpi(sub, options_));
+    return std::unique_ptr<Mpi>(new Mpi(sub, options));
   }
 
  private:
@@ -462,6 +414,7 @@ class Mpi {
     std::int64_t tag, dtype, count;
   };
   static constexpr int p2p_tag = 7;
+  std::uint64_t monitored_ = 0;                                   // monitored_barrier calls so far
   static constexpr std::size_t max_chunk = std::size_t{1} << 30;  // elements per MPI call
 
   Mpi(MPI_Comm comm, const Options& options) : comm_(comm), options_(options) {
@@ -527,6 +480,44 @@ class Mpi {
                    "); split the buffer");
     }
     return static_cast<int>(b.count);
+  }
+
+  /// Every rank's plan of an uneven collective, shared with MPI_Allgather and checked pair by
+  /// pair (detail::agreed_sizes): the agreed sends[src * size() + dst].
+  std::vector<std::uint64_t> agree(const detail::UnevenPlan& plan, const char* what, DType t) {
+    std::vector<std::uint64_t> row = plan.row();
+    std::vector<std::uint64_t> rows(row.size() * static_cast<std::size_t>(size_));
+    const detail::Buf b{reinterpret_cast<std::byte*>(row.data()), row.size(), DType::uint64};
+    call(
+        [&] {
+          return MPI_Allgather(row.data(), static_cast<int>(row.size()), MPI_UINT64_T, rows.data(),
+                               static_cast<int>(row.size()), MPI_UINT64_T, comm_);
+        },
+        what, "MPI_Allgather", b, std::nullopt, -1);
+    return detail::agreed_sizes(rows, static_cast<std::size_t>(size_), rank_,
+                                detail::concat(what, "(", to_string(t), ", counts per rank)"),
+                                [](int j) { return j; });
+  }
+  /// Counts as MPI's ints (each, and their sum, within INT_MAX), or Errc::invalid_argument.
+  template <class C>
+  [[nodiscard]] std::vector<int> ints(const C& counts, const char* what) const {
+    std::vector<int> v;
+    std::size_t total = 0;
+    for (const auto n : counts) {
+      total += static_cast<std::size_t>(n);
+      if (total > static_cast<std::size_t>(INT_MAX)) {
+        detail::fail(Errc::invalid_argument, "rank ", rank_, ": ", what, ": ", total,
+                     " elements exceed what one MPI call can carry (", INT_MAX,
+                     "); split the buffer");
+      }
+      v.push_back(static_cast<int>(n));
+    }
+    return v;
+  }
+  [[nodiscard]] static std::vector<int> offsets(const std::vector<int>& counts) {
+    std::vector<int> at(counts.size());
+    for (std::size_t j = 1; j < counts.size(); ++j) at[j] = at[j - 1] + counts[j - 1];
+    return at;
   }
 
   /// Element-wise collectives in calls of at most max_chunk elements (at least one call).

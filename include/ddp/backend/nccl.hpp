@@ -38,6 +38,7 @@
 #include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
 #include "ddp/runtime/collective.hpp"
+#include "ddp/runtime/uneven.hpp"
 #include "ddp/store/client.hpp"
 #include "ddp/types.hpp"
 
@@ -177,44 +178,30 @@ class Nccl {
     });
   }
 
-  /// Communicator::gather: grouped ncclSend to root, ncclRecv on root.
+  /// Communicator::gather: grouped ncclSend to root, ncclRecv on root (exchange).
   void gather(const detail::Buf& in, const detail::Buf& out, int root) {
     const std::size_t n = in.count;
-    run("gather", {&in, &out}, [&] {
-      return grouped([&]() -> ncclResult_t {
-        if (rank_ != root) return ncclSend(in.data, n, type(in), root, comm_, on());
-        for (int r = 0; r < size_; ++r) {
-          std::byte* dst = out.at(n * static_cast<std::size_t>(r));
-          if (r == rank_) {
-            copy(dst, in.data, n * in.elem());
-          } else if (const auto rc = ncclRecv(dst, n, type(in), r, comm_, on());
-                     rc != ncclSuccess && rc != ncclInProgress) {
-            return rc;
-          }
-        }
-        return ncclSuccess;
-      });
-    });
+    exchange(
+        "gather", in, out,
+        [&](int r) {
+          return r == root ? Part{in.data, n} : Part{};
+        },
+        [&](int r) {
+          return rank_ == root ? Part{out.at(n * static_cast<std::size_t>(r)), n} : Part{};
+        });
   }
 
-  /// Communicator::scatter: grouped ncclSend from root, ncclRecv elsewhere.
+  /// Communicator::scatter: grouped ncclSend from root, ncclRecv elsewhere (exchange).
   void scatter(const detail::Buf& in, const detail::Buf& out, int root) {
     const std::size_t n = out.count;
-    run("scatter", {&in, &out}, [&] {
-      return grouped([&]() -> ncclResult_t {
-        if (rank_ != root) return ncclRecv(out.data, n, type(out), root, comm_, on());
-        for (int r = 0; r < size_; ++r) {
-          const std::byte* src = in.at(n * static_cast<std::size_t>(r));
-          if (r == rank_) {
-            copy(out.data, src, n * out.elem());
-          } else if (const auto rc = ncclSend(src, n, type(out), r, comm_, on());
-                     rc != ncclSuccess && rc != ncclInProgress) {
-            return rc;
-          }
-        }
-        return ncclSuccess;
-      });
-    });
+    exchange(
+        "scatter", in, out,
+        [&](int r) {
+          return rank_ == root ? Part{in.at(n * static_cast<std::size_t>(r)), n} : Part{};
+        },
+        [&](int r) {
+          return r == root ? Part{out.data, n} : Part{};
+        });
   }
 
   /// Communicator::reduce_scatter with ncclReduceScatter.
@@ -226,25 +213,71 @@ class Nccl {
     });
   }
 
-  /// Communicator::all_to_all: a grouped ncclSend and ncclRecv with every rank.
+  /// Communicator::all_to_all: a grouped ncclSend and ncclRecv with every rank (exchange).
   void all_to_all(const detail::Buf& in, const detail::Buf& out) {
     const std::size_t n = in.count / static_cast<std::size_t>(size_);
-    run("all_to_all", {&in, &out}, [&] {
-      return grouped([&]() -> ncclResult_t {
-        for (int r = 0; r < size_; ++r) {
-          const std::size_t at = n * static_cast<std::size_t>(r);
-          if (r == rank_) {
-            copy(out.at(at), in.at(at), n * in.elem());
-            continue;
-          }
-          auto rc = ncclSend(in.at(at), n, type(in), r, comm_, on());
-          if (rc == ncclSuccess || rc == ncclInProgress)
-            rc = ncclRecv(out.at(at), n, type(in), r, comm_, on());
-          if (rc != ncclSuccess && rc != ncclInProgress) return rc;
-        }
-        return ncclSuccess;
-      });
-    });
+    exchange(
+        "all_to_all", in, out,
+        [&](int r) {
+          return Part{in.at(n * static_cast<std::size_t>(r)), n};
+        },
+        [&](int r) {
+          return Part{out.at(n * static_cast<std::size_t>(r)), n};
+        });
+  }
+
+  /// Communicator::all_to_all with split sizes: the plans agreed (agree), then exchange.
+  void all_to_all_v(const detail::Buf& in, const detail::Buf& out,
+                    std::span<const std::size_t> in_counts,
+                    std::span<const std::size_t> out_counts) {
+    (void)detail::nccl_agree(*this, detail::UnevenPlan::all_to_all(in_counts, out_counts),
+                             "all_to_all", in.dtype);
+    const auto sd = detail::block_offsets(in_counts), rd = detail::block_offsets(out_counts);
+    const auto u = [](int r) { return static_cast<std::size_t>(r); };
+    exchange(
+        "all_to_all", in, out,
+        [&](int r) {
+          return Part{in.at(sd[u(r)]), in_counts[u(r)]};
+        },
+        [&](int r) {
+          return Part{out.at(rd[u(r)]), out_counts[u(r)]};
+        });
+  }
+  /// Communicator::all_gather (root < 0) and gather with a count per rank: exchange (all_gather
+  /// sends this rank's block to every rank).
+  void gather_v(const detail::Buf& in, const detail::Buf& out, std::span<const std::size_t> counts,
+                int root) {
+    const char* what = root < 0 ? "all_gather" : "gather";
+    (void)detail::nccl_agree(
+        *this, detail::UnevenPlan::gather(size_, rank_, in.count, counts, root), what, in.dtype);
+    const bool receives = root < 0 || rank_ == root;
+    const auto rd = receives ? detail::block_offsets(counts) : std::vector<std::size_t>{};
+    const auto u = [](int r) { return static_cast<std::size_t>(r); };
+    exchange(
+        what, in, out,
+        [&](int r) {
+          return root < 0 || r == root ? Part{in.data, in.count} : Part{};
+        },
+        [&](int r) {
+          return receives ? Part{out.at(rd[u(r)]), counts[u(r)]} : Part{};
+        });
+  }
+  /// Communicator::scatter with a count per rank: exchange, after the plans agreed.
+  void scatter_v(const detail::Buf& in, const detail::Buf& out, std::span<const std::size_t> counts,
+                 int root) {
+    (void)detail::nccl_agree(*this,
+                             detail::UnevenPlan::scatter(size_, rank_, out.count, counts, root),
+                             "scatter", out.dtype);
+    const auto sd = rank_ == root ? detail::block_offsets(counts) : std::vector<std::size_t>{};
+    const auto u = [](int r) { return static_cast<std::size_t>(r); };
+    exchange(
+        "scatter", in, out,
+        [&](int r) {
+          return rank_ == root ? Part{in.at(sd[u(r)]), counts[u(r)]} : Part{};
+        },
+        [&](int r) {
+          return r == root ? Part{out.data, out.count} : Part{};
+        });
   }
 
   /// Communicator::barrier: an ncclAllReduce of one value, waited on.
@@ -290,7 +323,7 @@ class Nccl {
 
   /// ncclCommSplit: ranks passing the same color form a communicator, ordered by (key, rank);
   /// nullptr for color < 0. Collective over this communicator.
-  [[nodiscard]] std::unique_ptr<Nccl> split(int color, int key) {
+  [[nodiscard]] std::unique_ptr<Nccl> split(int color, int key, const Options& options) {
     // Every rank's (color, key), to know the members of each group and which share a host.
     CudaBuffer<std::int64_t> all(2 * static_cast<std::size_t>(size_), device_, stream());
     const std::int64_t mine[2] = {color, key};
@@ -331,7 +364,7 @@ class Nccl {
       detail::fail(Errc::backend, "rank ", rank_, ": backend::Nccl: split: ncclCommSplit gave no ",
                    "communicator for color ", color, last_error());
     }
-    auto sub = std::unique_ptr<Nccl>(new Nccl(rank_, size_, device_, timeout_));
+    auto sub = std::unique_ptr<Nccl>(new Nccl(rank_, size_, device_, options.timeout));
     sub->comm_ = made;
     sub->size_ = static_cast<int>(members.size());
     sub->rank_ =
@@ -450,6 +483,36 @@ class Nccl {
       DDP_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, on()));
   }
 
+  /// Where one block of an exchange lies, and its elements (0: none).
+  struct Part {
+    std::byte* data = nullptr;
+    std::size_t count = 0;
+  };
+  /// One NCCL group: ncclSend of send(r) to each rank r, ncclRecv of recv(r) from it; this
+  /// rank's own block copied on the device.
+  template <class Send, class Recv>
+  void exchange(const char* what, const detail::Buf& in, const detail::Buf& out, const Send& send,
+                const Recv& recv) {
+    const detail::Buf& typed = out.data != nullptr ? out : in;  // the one that is set
+    run(what, {&in, &out}, [&] {
+      return grouped([&]() -> ncclResult_t {
+        for (int r = 0; r < size_; ++r) {
+          const Part s = send(r), d = recv(r);
+          if (r == rank_) {
+            copy(d.data, s.data, s.count * typed.elem());
+            continue;
+          }
+          ncclResult_t rc = ncclSuccess;
+          if (s.count != 0) rc = ncclSend(s.data, s.count, type(typed), r, comm_, on());
+          if ((rc == ncclSuccess || rc == ncclInProgress) && d.count != 0)
+            rc = ncclRecv(d.data, d.count, type(typed), r, comm_, on());
+          if (rc != ncclSuccess && rc != ncclInProgress) return rc;
+        }
+        return ncclSuccess;
+      });
+    });
+  }
+
   template <class F>
   ncclResult_t grouped(F&& body) {
     check(ncclGroupStart(), "ncclGroupStart");
@@ -529,15 +592,7 @@ class Nccl {
     // the work there and before later work by the stream itself (each call finishes before the
     // next is enqueued, so NCCL's kernels never run concurrently on two streams). Otherwise the
     // communicator's stream, ordered by events both ways.
-    const auto shared = [&]() -> std::optional<cudaStream_t> {
-      std::optional<cudaStream_t> common;
-      for (const auto* b : bufs) {
-        const auto s = static_cast<cudaStream_t>(b->stream);
-        if (common && *common != s) return std::nullopt;
-        common = s;
-      }
-      return common;
-    }();
+    const std::optional<cudaStream_t> shared = detail::common_stream(bufs);
     on_ = shared.value_or(stream());
     if (!shared) {
       for (const auto* b : bufs) {

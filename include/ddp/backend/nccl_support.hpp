@@ -8,12 +8,18 @@
 /// DDP_HAS_NCCL=1 (the ddp::nccl target).
 
 #include "ddp/config.hpp"
+#include "ddp/cuda.hpp"
 #include "ddp/error.hpp"
+#include "ddp/runtime/collective.hpp"
+#include "ddp/runtime/uneven.hpp"
 #include "ddp/types.hpp"
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <cstddef>
+#include <cstdint>
+#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -87,6 +93,39 @@ class NcclAborter {
  private:
   std::thread thread_;
 };
+
+/// The one stream `bufs` (pointers to detail::Buf) share, if they share one.
+template <class Bufs>
+std::optional<cudaStream_t> common_stream(const Bufs& bufs) {
+  std::optional<cudaStream_t> common;
+  for (const auto* b : bufs) {
+    const auto s = static_cast<cudaStream_t>(b->stream);
+    if (common && *common != s) return std::nullopt;
+    common = s;
+  }
+  return common;
+}
+
+/// Every rank's plan of an uneven collective (runtime/uneven.hpp), shared with an all_gather on
+/// `be` (backend::Nccl) through device memory and checked pair by pair: the agreed
+/// sends[src * size + dst].
+template <class Be>
+std::vector<std::uint64_t> nccl_agree(Be& be, const UnevenPlan& plan, const char* what, DType t) {
+  const std::vector<std::uint64_t> row = plan.row();
+  const std::size_t n = row.size(), at = n * static_cast<std::size_t>(be.rank());
+  CudaBuffer<std::uint64_t> all(n * static_cast<std::size_t>(be.size()), be.device(), be.stream());
+  DDP_CUDA_CHECK(cudaMemcpyAsync(all.data() + at, row.data(), n * sizeof(std::uint64_t),
+                                 cudaMemcpyHostToDevice, be.stream()));
+  be.all_gather({reinterpret_cast<std::byte*>(all.data() + at), n, DType::uint64,
+                 Device::cuda(be.device()), be.stream()},
+                {reinterpret_cast<std::byte*>(all.data()), all.size(), DType::uint64,
+                 Device::cuda(be.device()), be.stream()});
+  std::vector<std::uint64_t> rows(all.size());
+  all.copy_to(rows);
+  return agreed_sizes(rows, static_cast<std::size_t>(be.size()), be.rank(),
+                      concat(what, "(", to_string(t), ", counts per rank)"),
+                      [](int j) { return j; });
+}
 
 }  // namespace detail
 

@@ -110,6 +110,17 @@ class ProcessWatch {
     watched_.push_back({rank, pid, fd});
   }
 
+  /// Stops watching `rank` (it left: its exit is expected).
+  void forget(int rank) {
+    for (auto& w : watched_) {
+      if (w.rank != rank) continue;
+      if (w.fd >= 0) ::close(w.fd);
+      w = watched_.back();
+      watched_.pop_back();
+      return;
+    }
+  }
+
   /// The rank of an exited process, or -1.
   [[nodiscard]] int first_dead() const {
     for (const auto& w : watched_) {

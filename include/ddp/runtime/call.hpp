@@ -19,8 +19,10 @@
 #include "ddp/tensor.hpp"
 #include "ddp/types.hpp"
 
+#include <algorithm>
 #include <cstddef>
 #include <span>
+#include <string>
 #include <string_view>
 #include <type_traits>
 
@@ -48,6 +50,9 @@ struct Call {
   /// The buffers of all_reduce_coalesced, owned by the caller (Communicator keeps them alive
   /// until the call has run). A Call is trivially copyable: cheap to build on every call.
   std::span<const Buf> many{};
+  /// The counts per rank of an uneven collective, owned like `many`: all_to_all's in_counts
+  /// then out_counts; the others' counts (read where the collective reads them).
+  std::span<const std::size_t> counts{};
   ReduceOp op = ReduceOp::sum;
   int root = -1;  ///< root, or the peer of send/recv
   int tag = 0;
@@ -290,8 +295,121 @@ inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, 
   return call;
 }
 
+/// batch_isend_irecv: bufs[i] is op i's buffer; `specs` (3 per op: 1 for a send, the peer,
+/// the tag) must outlive the call. Each op is checked as send or recv is.
+[[nodiscard]] inline Call prepare_batch_p2p(std::span<const Buf> bufs,
+                                            std::span<const std::size_t> specs, Caller c) {
+  std::size_t bytes = 0;
+  for (std::size_t i = 0; i < bufs.size(); ++i) {
+    (void)prepare_p2p(specs[3 * i] != 0 ? Coll::send : Coll::recv, bufs[i],
+                      static_cast<int>(specs[3 * i + 1]), static_cast<int>(specs[3 * i + 2]), c);
+    bytes += bufs[i].bytes();
+  }
+  return Call{.name = "batch_isend_irecv",
+              .coll = Coll::batch_p2p,
+              .many = bufs,
+              .counts = specs,
+              .bytes = bytes};
+}
+
 [[nodiscard]] inline Call prepare_barrier() {
   return Call{.name = "barrier", .coll = Coll::barrier};
+}
+
+/// An uneven collective's counts: one per rank.
+inline void check_entries(std::span<const std::size_t> counts, Caller c, const char* what,
+                          const char* counts_name) {
+  if (counts.size() != static_cast<std::size_t>(c.size)) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `", counts_name, "` has ",
+         counts.size(), " entries but must have one per rank (", c.size, ")");
+  }
+}
+
+/// The counts of an uneven collective: one per rank, and `buf` holding their sum.
+inline void check_counts(std::span<const std::size_t> counts, const Buf& buf, Caller c,
+                         const char* what, const char* counts_name, const char* buf_name) {
+  check_entries(counts, c, what, counts_name);
+  std::size_t total = 0;
+  bool overflow = false;
+  for (const std::size_t n : counts) {
+    overflow = overflow || n > ~std::size_t{0} - total;
+    if (!overflow) total += n;
+  }
+  if (overflow || total != buf.count) {
+    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `", buf_name, "` has ", buf.count,
+         " elements but the `", counts_name, "` add up to ",
+         overflow ? std::string("more than any buffer holds") : std::to_string(total),
+         "; they must be equal");
+  }
+}
+
+/// all_to_all with split sizes; `counts` holds in_counts then out_counts (size() each).
+[[nodiscard]] inline Call prepare_all_to_all_v(const Buf& in, const Buf& out,
+                                               std::span<const std::size_t> counts, Caller c) {
+  check_same_dtype(in, out, c, "all_to_all");
+  const auto p = static_cast<std::size_t>(c.size);
+  check_counts(counts.first(std::min(p, counts.size())), in, c, "all_to_all", "in_counts", "in");
+  check_counts(counts.subspan(std::min(p, counts.size())), out, c, "all_to_all", "out_counts",
+               "out");
+  if (overlaps(in.data, in.bytes(), out.data, out.bytes()))
+    fail(Errc::invalid_argument, "rank ", c.rank, ": all_to_all: `in` and `out` must not overlap");
+  return Call{.name = "all_to_all",
+              .coll = Coll::all_to_all_v,
+              .in = in,
+              .out = out,
+              .counts = counts,
+              .bytes = in.bytes() + out.bytes()};
+}
+
+/// all_gather (root < 0) or gather with a count per rank; `out` and `counts` are used (and
+/// checked) only where they receive.
+[[nodiscard]] inline Call prepare_gather_v(const Buf& in, const Buf& out,
+                                           std::span<const std::size_t> counts, int root,
+                                           Caller c) {
+  const char* what = root < 0 ? "all_gather" : "gather";
+  if (root >= 0) check_root(root, c, what);
+  if (root < 0 || root == c.rank) {
+    check_same_dtype(in, out, c, what);
+    check_counts(counts, out, c, what, "counts", "out");
+    if (counts[static_cast<std::size_t>(c.rank)] != in.count)
+      fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `in` has ", in.count,
+           " elements but counts[", c.rank, "] (this rank's) is ",
+           counts[static_cast<std::size_t>(c.rank)], "; they must be equal");
+    if (overlaps(in.data, in.bytes(), out.data, out.bytes()))
+      fail(Errc::invalid_argument, "rank ", c.rank, ": ", what,
+           ": `in` and `out` must not overlap");
+  }
+  return Call{.name = what,
+              .coll = root < 0 ? Coll::all_gather_v : Coll::gather_v,
+              .in = in,
+              .out = out,
+              .counts = counts,
+              .root = root,
+              .bytes = in.bytes() + out.bytes()};
+}
+
+/// scatter with a count per rank; `in` and `counts` are used (and checked) on the root only.
+[[nodiscard]] inline Call prepare_scatter_v(const Buf& in, const Buf& out,
+                                            std::span<const std::size_t> counts, int root,
+                                            Caller c) {
+  check_root(root, c, "scatter");
+  if (root == c.rank) {
+    check_same_dtype(in, out, c, "scatter");
+    check_counts(counts, in, c, "scatter", "counts", "in");
+    if (counts[static_cast<std::size_t>(c.rank)] != out.count)
+      fail(Errc::invalid_argument, "rank ", c.rank, ": scatter: `out` has ", out.count,
+           " elements but counts[", c.rank, "] (this rank's) is ",
+           counts[static_cast<std::size_t>(c.rank)], "; they must be equal");
+    if (overlaps(in.data, in.bytes(), out.data, out.bytes()))
+      fail(Errc::invalid_argument, "rank ", c.rank, ": scatter: `in` and `out` must not overlap");
+  }
+  return Call{.name = "scatter",
+              .coll = Coll::scatter_v,
+              .in = in,
+              .out = out,
+              .counts = counts,
+              .root = root,
+              .bytes = in.bytes() + out.bytes()};
 }
 
 }  // namespace detail

@@ -70,7 +70,19 @@ enum class Coll : std::uint8_t {
   barrier = 9,
   send = 10,
   recv = 11,
+  // The uneven forms (a count per rank; runtime/uneven.hpp), named as their even twins.
+  all_gather_v = 12,
+  gather_v = 13,
+  scatter_v = 14,
+  all_to_all_v = 15,
+  batch_p2p = 16,  ///< batch_isend_irecv: sends and receives, no fingerprint
 };
+
+/// Whether `c` is an uneven form (its fingerprint's count is 0: the sizes are checked apart).
+[[nodiscard]] constexpr bool is_uneven(Coll c) noexcept {
+  return c == Coll::all_gather_v || c == Coll::gather_v || c == Coll::scatter_v ||
+         c == Coll::all_to_all_v;
+}
 
 [[nodiscard]] constexpr std::string_view to_string(Coll c) noexcept {
   switch (c) {
@@ -85,6 +97,11 @@ enum class Coll : std::uint8_t {
     case Coll::barrier: return "barrier";
     case Coll::send: return "send";
     case Coll::recv: return "recv";
+    case Coll::all_gather_v: return "all_gather";
+    case Coll::gather_v: return "gather";
+    case Coll::scatter_v: return "scatter";
+    case Coll::all_to_all_v: return "all_to_all";
+    case Coll::batch_p2p: return "batch_isend_irecv";
   }
   return "unknown collective";
 }
@@ -130,7 +147,10 @@ inline constexpr std::uint64_t fingerprint_wide = std::uint64_t{1} << 47;
 
 [[nodiscard]] inline std::string to_string(const Fingerprint& f) {
   std::string s = concat(to_string(f.coll), '(');
-  if (f.coll != Coll::barrier) s += concat(to_string(f.dtype), ", count=", f.count);
+  if (is_uneven(f.coll))
+    s += concat(to_string(f.dtype), ", counts per rank");
+  else if (f.coll != Coll::barrier)
+    s += concat(to_string(f.dtype), ", count=", f.count);
   if (f.has_op != 0) s += concat(", op=", to_string(f.op));
   if (f.root >= 0) s += concat(", root=", f.root);
   return s + concat(") #", f.seq);

@@ -78,6 +78,7 @@ struct CommState {
   /// When the rendezvous must be done: Options::timeout after init() began.
   Clock::time_point rendezvous_deadline = Clock::time_point::max();
   std::uint64_t splits = 0;
+  std::uint64_t monitored_barriers = 0;
   mutable std::mutex poison_mutex;
   std::string poison;
   Errc poison_code = Errc::aborted;
@@ -144,11 +145,15 @@ struct CommState {
     return store;
   }
 
-  /// The rendezvous succeeded: later store calls (split, leaving) get their own timeouts.
+  /// The rendezvous succeeded: later store calls (split, leaving) get their own timeouts, and
+  /// should this process die, the store counts it as left (the store's host does not wait for
+  /// it in wait_for_the_others).
   void end_rendezvous() {
     if (!store) return;
     *store = store->with_deadline(Clock::time_point::max());
-    store->clear_on_close();
+    const std::pair<std::string, std::string> on_close[] = {
+        {concat("exit/", world_rank_in_group), ""}};
+    store->set_on_close(on_close);
   }
 
   /// Whether this is a fork() child's copy.
@@ -181,21 +186,46 @@ struct CommState {
     }
   }
 
-  /// Leaving (the communicator is destroyed, its executor drained): this rank says so in the
-  /// store; rank 0 keeps the store up until every rank has left, so none loses it mid-call, and
-  /// after a failed rendezvous too, so the others can read why it failed.
-  void leave(bool connected) {
+  /// Leaving, first step (the communicator is destroyed, its executor drained, its backend not
+  /// yet): this rank says in the store that it left ("exit/<rank>") and how, before its
+  /// connections close, so that a peer still waiting for it reports why at once: "done/<rank>"
+  /// with the number of operations it ran when it finished without a failure (the ranks ran
+  /// different numbers of collectives), "left/<rank>" with its failure otherwise.
+  void announce_leaving() {
     if (!store || !joined || store->lost()) return;
     try {
+      Store plain = store->unwatched();
+      const int r = world_rank_in_group;
+      std::string why;
+      Errc code{};
+      {
+        std::lock_guard lock(poison_mutex);
+        why = poison;
+        code = poison_code;
+      }
+      if (why.empty())
+        plain.set(concat("done/", r), std::to_string(recorder.issued()));
+      else
+        (void)plain.compare_set(concat("left/", r), "", Store::stop_value(code, why));
+      plain.set(concat("exit/", r), "");
+    } catch (...) {  // leaving anyway
+    }
+  }
+
+  /// Leaving, last step (the backend is gone): rank 0 keeps the store up until every rank has
+  /// left, so none loses it mid-call, and after a failed rendezvous too, so the others can read
+  /// why it failed. A rank whose process died counts as left (its connection's on-close record).
+  void wait_for_the_others(bool connected) {
+    if (!store || !joined || store->lost() || !server) return;
+    try {
       Store plain = store->unwatched();  // the waits below must not end at "failed"
-      plain.set(concat("exit/", world_rank_in_group), "");
       const auto limit =
           std::min<std::chrono::milliseconds>(options.timeout, std::chrono::seconds(10));
-      if (server && connected && poison.empty()) {
+      if (connected && poison.empty()) {
         std::vector<std::string> keys;
         for (int r = 0; r < world_size; ++r) keys.push_back(concat("exit/", r));
         (void)plain.missing_after(keys, limit);
-      } else if (server && !connected) {
+      } else if (!connected) {
         // Within the rendezvous's one timeout (and a moment for the others to read why).
         const auto left =
             std::chrono::ceil<std::chrono::milliseconds>(rendezvous_deadline - Clock::now());
@@ -245,6 +275,51 @@ struct CommState {
       } catch (...) {  // the store is gone too: the peers learn from it
       }
     }
+  }
+
+  /// Communicator::monitored_barrier over the store: every rank says it arrived; rank 0 waits
+  /// up to `timeout` for the others and gives its verdict, naming the ranks that did not arrive
+  /// (all of them with `wait_all_ranks`, else the first); the others wait up to `timeout` for
+  /// rank 0 to arrive, then for its verdict. Fails with Errc::timeout on every rank that waits.
+  void monitored_barrier(int rank, int size, std::chrono::milliseconds timeout,
+                         bool wait_all_ranks) {
+    const std::string at = concat("monitored/", monitored_barriers++, "/");
+    const std::string what = concat("monitored_barrier #", monitored_barriers - 1);
+    const std::string verdict = at + "verdict";
+    store->set(concat(at, rank), "");
+    if (rank == 0) {
+      std::vector<std::string> keys;
+      for (int r = 1; r < size; ++r) keys.push_back(concat(at, r));
+      const auto missing = store->missing_after(keys, timeout);
+      if (missing.empty()) {
+        store->set(verdict, "");
+        return;
+      }
+      std::string who;
+      const std::size_t named = wait_all_ranks ? missing.size() : 1;
+      for (std::size_t i = 0; i < named; ++i)
+        who += concat(i == 0 ? "" : ", ", missing[i].substr(at.size()));
+      const std::string why =
+          concat(named == 1 ? "rank " : "ranks ", who, " did not arrive within ", timeout.count(),
+                 " ms (stopped, slow, or not calling it)",
+                 wait_all_ranks || missing.size() == 1
+                     ? ""
+                     : concat("; ", missing.size() - 1,
+                              " more did not either (wait_all_ranks names every one)"));
+      store->set(verdict, why);
+      fail(Errc::timeout, "rank 0: ", what, ": ", why);
+    }
+    const std::string zero = at + "0";
+    if (!store->missing_after(std::span<const std::string>(&zero, 1), timeout).empty())
+      fail(Errc::timeout, "rank ", rank, ": ", what, ": rank 0 did not arrive within ",
+           timeout.count(), " ms (stopped, slow, or not calling it)");
+    // Rank 0 gives it within `timeout` of its own arrival (and a moment to write it).
+    const auto grace = timeout + std::chrono::seconds(2);
+    if (!store->missing_after(std::span<const std::string>(&verdict, 1), grace).empty())
+      fail(Errc::timeout, "rank ", rank, ": ", what, ": rank 0 gave no verdict within ",
+           grace.count(), " ms of arriving");
+    if (std::string why = store->get(verdict); !why.empty())
+      fail(Errc::timeout, "rank ", rank, ": ", what, ": failed because rank 0 reported: ", why);
   }
 
   /// Marks the communicator failed with `why` (the first failure wins).

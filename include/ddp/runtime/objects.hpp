@@ -3,7 +3,8 @@
 #pragma once
 
 /// \file
-/// How Communicator's object collectives (all_gather_object, gather_object, broadcast_object)
+/// How Communicator's object collectives (all_gather_object, gather_object, broadcast_object,
+/// scatter_object)
 /// and small host-value helpers (all_reduce_host, broadcast_host) are made: written on the public
 /// collectives, the way torch.distributed layers its object collectives above the ProcessGroup.
 /// The spelling users call is the member (`comm.all_gather_object(value)`); these are its insides.
@@ -141,6 +142,44 @@ void broadcast_object(Comm& comm, T& value, int root = 0) {
       comm, std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(bytes.data()), bytes.size()),
       root);
   if (comm.rank() != root) value = decode_object<T>(bytes.data(), bytes.size());
+}
+
+/// Rank j's entry of root's `objects` (one per rank) on rank j. A root with the wrong number of
+/// objects fails, and so does every other rank, saying so (never a hang).
+template <Encodable T, class Comm>
+[[nodiscard]] T scatter_object(Comm& comm, const std::vector<T>& objects, int root = 0) {
+  const auto p = static_cast<std::size_t>(comm.size());
+  check_root(root, {comm.rank(), comm.size()}, "scatter_object");
+  constexpr std::int64_t wrong_count = -2;  // what every rank receives when root's list is wrong
+  std::vector<std::int64_t> sizes(comm.rank() == root ? p : 0);
+  std::vector<std::uint8_t> bytes;
+  if (comm.rank() == root) {
+    if (objects.size() != p) {
+      std::fill(sizes.begin(), sizes.end(), wrong_count);
+    } else {
+      for (std::size_t j = 0; j < p; ++j) {
+        const std::string e = encode_object(objects[j]);
+        sizes[j] = static_cast<std::int64_t>(e.size());
+        check_object_size(sizes[j], comm.rank(), "scatter_object", root);
+        bytes.insert(bytes.end(), e.begin(), e.end());
+      }
+    }
+  }
+  std::int64_t n = 0;
+  on_host_data(comm, std::span<std::int64_t>(sizes), std::span<std::int64_t>(&n, 1),
+               [&](auto& in, auto& out) { comm.scatter(in, out, root); });
+  if (n == wrong_count) {
+    fail(Errc::invalid_argument, "rank ", comm.rank(), ": scatter_object: the root (rank ", root,
+         ") passed ",
+         comm.rank() == root ? std::to_string(objects.size()) : std::string("a wrong number of"),
+         " objects, but it must pass one per rank (", p, ")");
+  }
+  check_object_size(n, comm.rank(), "scatter_object", root);
+  std::vector<std::size_t> counts(sizes.begin(), sizes.end());
+  std::vector<std::uint8_t> mine(static_cast<std::size_t>(n));
+  on_host_data(comm, std::span<std::uint8_t>(bytes), std::span<std::uint8_t>(mine),
+               [&](auto& in, auto& out) { comm.scatter(in, out, counts, root); });
+  return decode_object<T>(mine.data(), mine.size());
 }
 
 }  // namespace detail

@@ -8,6 +8,7 @@
 #include <ddp/backend/host/flat.hpp>
 #include <ddp/backend/host/hierarchy.hpp>
 #include <ddp/backend/host/single_copy.hpp>
+#include <ddp/backend/host/uneven.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -204,6 +205,74 @@ TEST_CASE("host algorithms in one process: reduce_scatter and all_to_all") {
                     value(j, static_cast<std::size_t>(r) * n + i))
                   fail(ddp::Errc::backend, "all_to_all differs on rank ", r);
               }
+            }
+          },
+          {&g}));
+    }
+  }
+}
+
+TEST_CASE("host algorithms in one process: the collectives with a count per rank, many rounds") {
+  for (int p : worlds) {
+    for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{300}}) {
+      CAPTURE(p);
+      CAPTURE(n);
+      // Elements rank i sends rank j: zeros, small counts and, from rank 0, n more.
+      const auto c = [&](int i, int j) {
+        return static_cast<std::size_t>((i * 3 + j * 5) % 4) + (i == 0 ? n : 0);
+      };
+      const auto up = static_cast<std::size_t>(p);
+      Group g(p);
+      check_all(inproc::run_ranks(
+          p,
+          [&](int r) {
+            inproc::Transport t(g, r, tiny_offer, tiny_small);
+            RoundScratch s;
+            std::vector<std::size_t> ins(up), outs(up);
+            std::vector<std::int32_t> in, want;
+            for (int j = 0; j < p; ++j) {
+              ins[static_cast<std::size_t>(j)] = c(r, j);
+              outs[static_cast<std::size_t>(j)] = c(j, r);
+              for (std::size_t i = 0; i < c(r, j); ++i)
+                in.push_back(value(r, static_cast<std::size_t>(j) * 1000 + i));
+              for (std::size_t i = 0; i < c(j, r); ++i)
+                want.push_back(value(j, static_cast<std::size_t>(r) * 1000 + i));
+            }
+            std::vector<std::int32_t> out(want.size());
+            all_to_all_v_on(t, s, buf(in), buf(out), ins, outs, fingerprint(Coll::all_to_all_v, 0));
+            if (out != want) fail(ddp::Errc::backend, "all_to_all (uneven) differs on rank ", r);
+            // all_gather and gather: rank j offers c(j, 0) elements.
+            std::vector<std::size_t> counts(up);
+            std::vector<std::int32_t> every;
+            for (int j = 0; j < p; ++j) {
+              counts[static_cast<std::size_t>(j)] = c(j, 0);
+              for (std::size_t i = 0; i < c(j, 0); ++i) every.push_back(value(j, i));
+            }
+            auto mine = input(r, c(r, 0));
+            std::vector<std::int32_t> all(every.size());
+            gather_v_on(t, s, buf(mine), buf(all), counts, -1, fingerprint(Coll::all_gather_v, 0));
+            if (all != every) fail(ddp::Errc::backend, "all_gather (uneven) differs on rank ", r);
+            const int root = p - 1;
+            std::vector<std::int32_t> g2(r == root ? every.size() : 0);
+            gather_v_on(t, s, buf(mine), buf(g2), counts, root,
+                        fingerprint(Coll::gather_v, 0, root, 1));
+            if (r == root && g2 != every)
+              fail(ddp::Errc::backend, "gather (uneven) differs on rank ", r);
+            // scatter: root's block j (c(root, j) elements) to rank j.
+            std::vector<std::size_t> sc(up);
+            std::vector<std::int32_t> src;
+            for (int j = 0; j < p; ++j) {
+              sc[static_cast<std::size_t>(j)] = c(root, j);
+              for (std::size_t i = 0; i < c(root, j); ++i)
+                src.push_back(value(root, static_cast<std::size_t>(j) * 1000 + i));
+            }
+            if (r != root) src.clear();
+            std::vector<std::int32_t> part(c(root, r));
+            scatter_v_on(t, s, buf(src), buf(part), sc, root,
+                         fingerprint(Coll::scatter_v, 0, root, 2));
+            for (std::size_t i = 0; i < part.size(); ++i) {
+              if (part[i] != value(root, static_cast<std::size_t>(r) * 1000 + i))
+                fail(ddp::Errc::backend, "scatter (uneven) differs on rank ", r);
             }
           },
           {&g}));

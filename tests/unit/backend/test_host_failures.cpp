@@ -353,3 +353,135 @@ TEST_CASE("ranks that skip a collective are all named") {
     }
   }
 }
+
+TEST_CASE("a rank that finishes early is reported as finished within a second, and nobody stalls") {
+  for (const mp::Path& t : mp::paths()) {
+    for (const int early : {0, 2}) {  // the store's host, and another
+      CAPTURE(mp::name(t));
+      CAPTURE(early);
+      mp::TempDir dir;
+      ddp::Options o;
+      o.timeout = std::chrono::seconds(20);  // a wait for the early rank would take this long
+      const auto start = Clock::now();
+      run_faulty(
+          3, t,
+          [&](Comm& comm) {
+            std::vector<float> v(1000, 1.0f);
+            const int steps = comm.rank() == early ? 2 : 3;
+            const auto t0 = Clock::now();
+            try {
+              for (int i = 0; i < steps; ++i) {
+                comm.all_reduce(v);
+              }
+              mp::TempDir::write(dir.file("rank" + std::to_string(comm.rank())), "ok 0");
+            } catch (const ddp::Error& e) {
+              report(dir, comm.rank(), e, mp::ms_since(t0));
+            }
+          },
+          o);
+      // The store's host no longer waits for ranks that had to fail after it left.
+      CHECK(mp::ms_since(start) < 8000);
+      CHECK(read_outcome(dir, early).code == "ok");
+      for (int r = 0; r < 3; ++r) {
+        if (r == early) continue;
+        const Outcome out = read_outcome(dir, r);
+        CAPTURE(out.message);
+        CHECK(out.code == "peer_lost");
+        CHECK(out.ms < 1000);
+        CHECK(out.message.find("all_reduce(float32, count=1000, op=sum) #2") != std::string::npos);
+        CHECK(out.message.find("rank " + std::to_string(early) + " finished") != std::string::npos);
+        CHECK(out.message.find("after 2 operations") != std::string::npos);
+        CHECK(out.message.find("ddp::Join") != std::string::npos);
+        CHECK(out.message.find("died") == std::string::npos);
+      }
+    }
+  }
+}
+
+TEST_CASE("a rank that leaves does not disturb the others' sends and receives") {
+  for (const mp::Path& t : mp::paths()) {
+    CAPTURE(mp::name(t));
+    mp::TempDir dir;
+    run_faulty(3, t, [&](Comm& comm) {
+      std::vector<float> v(100000, 1.0f);
+      comm.all_reduce(v);
+      if (comm.rank() == 2) return;  // leaves (its process exits) while 0 and 1 go on
+      try {
+        for (int i = 0; i < 4; ++i) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(60));  // past the exit checks
+          if (comm.rank() == 0)
+            comm.send(v, 1);
+          else
+            comm.recv(v, 0);
+        }
+        mp::TempDir::write(dir.file("rank" + std::to_string(comm.rank())), "ok 0");
+      } catch (const ddp::Error& e) {
+        report(dir, comm.rank(), e, 0);
+      }
+    });
+    for (int r : {0, 1}) {
+      const Outcome out = read_outcome(dir, r);
+      CAPTURE(out.message);
+      CHECK(out.code == "ok");
+    }
+  }
+}
+
+TEST_CASE("uneven sizes that disagree fail on every rank, naming the pair, before data moves") {
+  for (const mp::Path& t : mp::paths()) {
+    CAPTURE(mp::name(t));
+    mp::TempDir dir;
+    run_faulty(3, t, [&](Comm& comm) {
+      // Rank 2 expects 2 elements from rank 1, which sends it 1.
+      const int r = comm.rank();
+      std::vector<std::size_t> in_counts{1, 1, 1}, out_counts{1, 1, 1};
+      if (r == 2) out_counts = {1, 2, 1};
+      std::vector<float> in(3, 1.0f), out(r == 2 ? 4 : 3);
+      try {
+        comm.all_to_all(in, out, in_counts, out_counts);
+        mp::TempDir::write(dir.file("rank" + std::to_string(r)), "ok 0");
+      } catch (const ddp::Error& e) {
+        report(dir, r, e, 0);
+      }
+    });
+    for (int r = 0; r < 3; ++r) {
+      const Outcome out = read_outcome(dir, r);
+      CAPTURE(out.message);
+      CHECK(out.code == "mismatch");
+      CHECK(out.message.find("rank " + std::to_string(r) +
+                             ": all_to_all(float32, counts per rank)") != std::string::npos);
+      CHECK(out.message.find("rank 1 sends 1 elements to rank 2, which expects 2 from it") !=
+            std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("monitored_barrier names the ranks that did not arrive, on every rank") {
+  for (const bool all : {true, false}) {
+    CAPTURE(all);
+    mp::TempDir dir;
+    run_faulty(4, ddp::HostTransport::shm, [&](Comm& comm) {
+      const int r = comm.rank();
+      comm.monitored_barrier(std::chrono::seconds(20), all);  // all arrive: passes
+      if (r >= 2) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      try {
+        comm.monitored_barrier(std::chrono::milliseconds(500), all);
+        mp::TempDir::write(dir.file("rank" + std::to_string(r)), "ok 0");
+      } catch (const ddp::Error& e) {
+        report(dir, r, e, 0);
+      }
+    });
+    const std::string who =
+        all ? "ranks 2, 3 did not arrive within 500 ms" : "rank 2 did not arrive within 500 ms";
+    for (int r = 0; r < 4; ++r) {
+      const Outcome out = read_outcome(dir, r);
+      CAPTURE(out.message);
+      CHECK(out.code == "timeout");
+      CHECK(out.message.find("rank " + std::to_string(r) + ": monitored_barrier #1: ") !=
+            std::string::npos);
+      CHECK(out.message.find(who) != std::string::npos);
+      if (!all) CHECK(out.message.find("1 more did not either") != std::string::npos);
+      if (r != 0) CHECK(out.message.find("failed because rank 0 reported") != std::string::npos);
+    }
+  }
+}

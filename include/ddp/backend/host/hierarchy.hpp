@@ -34,7 +34,9 @@ DDP_BEGIN_NAMESPACE
 namespace detail {
 
 /// Transport::why_left over the store's records: a rank that left the hierarchical path says
-/// why under "left/<rank>" (Hierarchy::record_leaving), and a rank that failed the rendezvous
+/// why under "left/<rank>" (Hierarchy::record_leaving; a failed communicator's rank too, when
+/// it is destroyed), a rank that finished says so under "done/<rank>" with the number of
+/// operations it ran (CommState::announce_leaving), and a rank that failed the rendezvous
 /// after this rank had finished its own left its failure under "failed". Waits up to `grace`
 /// for one; nothing when the store is gone or holds none.
 inline std::optional<Transport::Left> left_record(const Store& store, const std::vector<int>& ranks,
@@ -67,6 +69,16 @@ inline std::optional<Transport::Left> left_record(const Store& store, const std:
         left.rank = j;
         left.code = static_cast<Errc>(r.get<std::int32_t>());
         left.message = r.str(rec.size());
+        return left;
+      }
+      for (int j : ranks) {  // one that finished (CommState::announce_leaving)
+        const std::string key = concat("done/", j);
+        if (!plain.check(std::span<const std::string>(&key, 1))) continue;
+        Transport::Left left;
+        left.rank = j;
+        left.code = Errc::peer_lost;
+        left.finished = true;
+        left.operations = std::strtoull(plain.get(key).c_str(), nullptr, 10);
         return left;
       }
       if (std::chrono::steady_clock::now() >= deadline) return std::nullopt;

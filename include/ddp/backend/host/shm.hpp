@@ -22,6 +22,7 @@
 /// which it cannot start before I publish round t + 1, which I do only after I am done reading
 /// round t.
 
+#include "ddp/backend/host/shm_segment.hpp"
 #include "ddp/backend/host/transport.hpp"
 #include "ddp/config.hpp"
 #if !DDP_HAS_EXCEPTIONS
@@ -31,11 +32,6 @@
 #include "ddp/detail/wait.hpp"
 #include "ddp/error.hpp"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <sys/statvfs.h>
-#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -46,189 +42,11 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <new>
 #include <string>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
-
-struct ShmLayout {
-  static constexpr std::uint64_t magic = 0x3330306d68737064ull;  // "dpshm003"
-  static constexpr std::size_t header_bytes = 4096;
-  static constexpr std::size_t ctl_bytes = 256;
-  static constexpr std::size_t channel_ctl_bytes = 128;
-
-  int world = 1;
-  std::size_t slot_bytes = 0;
-  std::size_t channel_bytes = 0;
-
-  [[nodiscard]] static std::size_t align_up(std::size_t v, std::size_t a) {
-    return (v + a - 1) / a * a;
-  }
-  [[nodiscard]] std::size_t ctl_offset() const { return header_bytes; }
-  [[nodiscard]] std::size_t slots_offset() const {
-    return align_up(header_bytes + static_cast<std::size_t>(world) * ctl_bytes, 4096);
-  }
-  [[nodiscard]] std::size_t slot_offset(int rank, unsigned parity) const {
-    return slots_offset() + (static_cast<std::size_t>(rank) * 2 + parity) * slot_bytes;
-  }
-  [[nodiscard]] std::size_t channels_offset() const {
-    return slots_offset() + static_cast<std::size_t>(world) * 2 * slot_bytes;
-  }
-  [[nodiscard]] std::size_t channel_offset(int src, int dst) const {
-    return channels_offset() + (static_cast<std::size_t>(src) * static_cast<std::size_t>(world) +
-                                static_cast<std::size_t>(dst)) *
-                                   (channel_ctl_bytes + channel_bytes);
-  }
-  [[nodiscard]] std::size_t total() const {
-    return align_up(channel_offset(world - 1, world - 1) + channel_ctl_bytes + channel_bytes, 4096);
-  }
-};
-
-struct ShmHeader {
-  std::uint64_t magic;
-  std::uint64_t cookie;
-  std::uint32_t world;
-  std::uint32_t reserved;
-  std::uint64_t slot_bytes;
-  std::uint64_t channel_bytes;
-  std::uint64_t total;
-  alignas(64) WakeWord wake;
-  alignas(64) std::atomic<std::uint32_t> abort_state;  // 0 none, 1 being written, 2 set
-  std::int32_t abort_rank;
-  std::int32_t abort_code;
-  char abort_message[2048];
-};
-static_assert(sizeof(ShmHeader) <= ShmLayout::header_bytes);
-
-/// One rank's control block. Peers spin on `word`: the low 16 bits are the round number (modulo
-/// 2^16; ranks are never more than one round apart, so wrapping is harmless), the high 48 bits
-/// the round's detail::fingerprint_code (0: no fingerprint). One store publishes both, so checking
-/// that all ranks called the same collective costs no extra cache-line transfer in the common
-/// case; the full fingerprints (or, for a round without one, a marker no fingerprint equals) lie
-/// on a line of their own, written by the owner only, read by a peer only when the codes cannot
-/// decide: a code is wide, the codes differ, or the peer has already moved to the next round.
-struct ShmCtl {
-  alignas(64) std::atomic<std::uint64_t> word;
-  alignas(64) Fingerprint fp[2];
-};
-static_assert(sizeof(ShmCtl) == 128);
-static_assert(sizeof(ShmCtl) <= ShmLayout::ctl_bytes);
-
-struct ShmChannelCtl {
-  alignas(64) std::atomic<std::uint64_t> head;  // bytes written so far
-  alignas(64) std::atomic<std::uint64_t> tail;  // bytes consumed so far
-};
-static_assert(sizeof(ShmChannelCtl) <= ShmLayout::channel_ctl_bytes);
-
-/// A mapped shared-memory segment that never has a name: rank 0 creates it as an unnamed file
-/// in /dev/shm (O_TMPFILE; memfd_create where /dev/shm cannot), the other ranks open it through
-/// rank 0's descriptor (/proc/<pid>/fd/<n>) while rank 0 holds it. No kill at any moment can
-/// leave anything behind in /dev/shm; the memory goes when the last rank unmaps it.
-class ShmSegment {
- public:
-  ShmSegment() = default;
-  ShmSegment(const ShmSegment&) = delete;
-  ShmSegment& operator=(const ShmSegment&) = delete;
-  ~ShmSegment() {
-    if (base_ != nullptr) ::munmap(base_, size_);
-  }
-
-  /// Bytes of the segment that are touched once at creation, so the first collectives do not
-  /// pay first-touch page faults; beyond this pages are faulted in lazily, where they are used.
-  static constexpr std::size_t prefault_bytes = std::size_t{64} << 20;
-
-  /// Creates a segment of `size` bytes and reserves its memory up front, so that a /dev/shm too
-  /// small for it is an error here rather than a SIGBUS at first use. Returns false, with the
-  /// reason in `why` (naming /dev/shm, its free space and the bytes needed), when the space is
-  /// not there; throws for other failures.
-  [[nodiscard]] bool create(std::size_t size, std::string& why) {
-    fd_ = Fd(::open("/dev/shm", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600));
-    std::string where = "/dev/shm";
-    if (!fd_) {
-      fd_ = Fd(static_cast<int>(::syscall(SYS_memfd_create, "ddp-shm", 1u /* MFD_CLOEXEC */)));
-      if (!fd_) fail_errno(errno, "creating shared memory: /dev/shm (O_TMPFILE) and memfd_create");
-      where = "shared memory (memfd)";
-    }
-    const std::size_t avail = free_bytes(where == "/dev/shm");
-    if (avail < size) {
-      why = concat(where, " has ", mib(avail), " free but the shm transport needs ", mib(size),
-                   " for this communicator");
-      fd_.reset();
-      return false;
-    }
-    if (const int rc = ::posix_fallocate(fd_.get(), 0, static_cast<off_t>(size)); rc != 0) {
-      why = concat("reserving ", mib(size), " in ", where, " failed: ", std::strerror(rc), " (",
-                   mib(free_bytes(where == "/dev/shm")), " free)");
-      fd_.reset();
-      return false;
-    }
-    map(fd_.get(), size);
-    // The file reads as zeros; touch the head (header, control blocks, the first slots) once.
-    const std::size_t head = std::min(size, prefault_bytes);
-#ifdef MADV_POPULATE_WRITE
-    if (::madvise(base_, head, MADV_POPULATE_WRITE) == 0) return true;
-#endif
-    for (std::size_t i = 0; i < head; i += 4096) reinterpret_cast<volatile char*>(base_)[i] = 0;
-    return true;
-  }
-
-  /// Where another process of the same host opens this segment while the creator holds it.
-  [[nodiscard]] std::string path() const { return concat("/proc/", ::getpid(), "/fd/", fd_.get()); }
-
-  /// Maps the segment of exactly `size` bytes that another process published at `path`.
-  void open(const std::string& path, std::size_t size) {
-    Fd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
-    if (!fd) {
-      fail_errno(errno, "opening rank 0's shared memory at ", path,
-                 " (rank 0 must be alive, of the same user, and dumpable; or use "
-                 "DDP_HOST_TRANSPORT=tcp)");
-    }
-    struct stat st {};
-    if (::fstat(fd.get(), &st) != 0) fail_errno(errno, "fstat(", path, ")");
-    if (static_cast<std::size_t>(st.st_size) != size) {
-      fail(Errc::protocol, "shared memory segment ", path, " has ", st.st_size, " bytes, expected ",
-           size);
-    }
-    map(fd.get(), size);
-  }
-
-  /// The creator lets go of its descriptor once every rank has mapped the segment.
-  void close_descriptor() noexcept { fd_.reset(); }
-
-  [[nodiscard]] std::byte* base() const noexcept { return static_cast<std::byte*>(base_); }
-
- private:
-  static std::string mib(std::size_t bytes) {
-    if (bytes < (std::size_t{1} << 20)) return concat(bytes / 1024, " KiB (", bytes, " bytes)");
-    return concat(bytes / (std::size_t{1} << 20), " MiB (", bytes, " bytes)");
-  }
-
-  /// Free bytes for a new segment: in /dev/shm, or of memory (MemAvailable) for a memfd.
-  static std::size_t free_bytes(bool dev_shm) {
-    if (dev_shm) {
-      struct statvfs v {};
-      if (::statvfs("/dev/shm", &v) != 0) return SIZE_MAX;
-      return static_cast<std::size_t>(v.f_bavail) * static_cast<std::size_t>(v.f_frsize);
-    }
-    const long pages = ::sysconf(_SC_AVPHYS_PAGES);
-    const long page = ::sysconf(_SC_PAGESIZE);
-    if (pages <= 0 || page <= 0) return SIZE_MAX;
-    return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page);
-  }
-
-  void map(int fd, std::size_t size) {
-    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) fail_errno(errno, "mmap of ", size, " bytes of shared memory");
-    base_ = p;
-    size_ = size;
-  }
-
-  void* base_ = nullptr;
-  std::size_t size_ = 0;
-  Fd fd_;  // the creator's, until every rank has mapped the segment
-};
 
 class ShmTransport final : public Transport {
  public:
@@ -249,6 +67,16 @@ class ShmTransport final : public Transport {
     }
     oversubscribed_ = std::max(size, machine_ranks) > usable_cpus();
     tick_ = round_of(ctl(rank)->word.load());
+  }
+  ShmTransport(const ShmTransport&) = delete;
+  ShmTransport& operator=(const ShmTransport&) = delete;
+
+  /// Marks this rank gone (ShmCtl::left) and wakes the peers: one still waiting for it fails at
+  /// once, with the reason its communicator recorded (CommState::announce_leaving).
+  ~ShmTransport() override {
+    ctl(rank_)->left.store(1, std::memory_order_seq_cst);
+    header_->wake.epoch.fetch_add(1);
+    futex_wake_all(&header_->wake.epoch);
   }
 
   /// Initializes a freshly created segment (rank 0 only, before anyone else maps it).
@@ -333,7 +161,7 @@ class ShmTransport final : public Transport {
     mine->word.store(code << 16 | (t & 0xffffu), std::memory_order_seq_cst);
     header_->wake.notify();
 
-    wait([&] { return all_reached(t); }, fp, [&] { return behind(t); });
+    wait([&] { return all_reached(t); }, fp, [&] { return behind(t); }, "");
 
     if (code != 0) {
       for (int j = 0; j < size_; ++j) {
@@ -481,13 +309,41 @@ class ShmTransport final : public Transport {
     return true;
   }
 
-  [[nodiscard]] std::string behind(std::uint64_t t) const {
-    std::string who;
-    int n = 0;
+  /// The ranks that have not published round t.
+  [[nodiscard]] std::vector<int> behind(std::uint64_t t) const {
+    std::vector<int> who;
     for (int j = 0; j < size_; ++j) {
-      if (!reached(j, t)) who += concat(n++ ? ", " : "", global(j));
+      if (!reached(j, t)) who.push_back(j);
     }
-    return concat(n == 1 ? "rank " : "ranks ", who);
+    return who;
+  }
+
+  /// "rank 2" or "ranks 1, 3" (the communicator's numbers).
+  [[nodiscard]] std::string ranks_text(const std::vector<int>& ranks) const {
+    std::string who;
+    for (int j : ranks) who += concat(who.empty() ? "" : ", ", global(j));
+    return concat(ranks.size() == 1 ? "rank " : "ranks ", who);
+  }
+
+  [[nodiscard]] bool has_left(int j) const {
+    return ctl(j)->left.load(std::memory_order_acquire) != 0;
+  }
+
+  /// Rank j's transport is gone (ShmCtl::left) while this rank waits for it: fails with why it
+  /// left, from its record in the store (it finished, or failed), and tells the other ranks.
+  [[noreturn]] void departed(int j, const Fingerprint* fp, const char* what) {
+    try {
+      fail_if_left({j}, std::chrono::milliseconds(300), fp, what);
+    } catch (const Error& e) {
+      publish_abort(e.code(), e.what());
+      throw;
+    }
+    const std::string msg =
+        concat("rank ", global(rank_), ": ", describe(fp, what), ": rank ", global(j),
+               " left this communicator (destroyed it) while this rank waited for it; the ranks "
+               "ran different numbers of collectives (for uneven inputs see ddp::Join)");
+    publish_abort(Errc::peer_lost, msg);
+    fail(Errc::peer_lost, msg);
   }
 
   /// First failure wins; later ones keep the first message.
@@ -509,15 +365,16 @@ class ShmTransport final : public Transport {
   void check_abort(const Fingerprint* fp) const {
     check_local_abort(fp);
     if (header_->abort_state.load(std::memory_order_acquire) == 2) {
-      fail(static_cast<Errc>(header_->abort_code), "rank ", global(rank_), ": ",
-           describe(fp, nullptr), ": failed because rank ", header_->abort_rank,
-           " reported: ", header_->abort_message);
+      fail_reported(static_cast<Errc>(header_->abort_code), fp, nullptr, header_->abort_rank,
+                    header_->abort_message);
     }
   }
 
   /// Spins, then sleeps, until ready(); fails on abort, on a dead peer and at the timeout.
-  template <class Ready, class Behind>
-  void wait(Ready&& ready, const Fingerprint* fp, Behind&& behind_desc,
+  /// `awaited()`: the ranks this wait depends on (this transport's numbers); `doing` what they
+  /// are awaited for, after their names in messages (" to send").
+  template <class Ready, class Awaited>
+  void wait(Ready&& ready, const Fingerprint* fp, Awaited&& awaited, const char* doing,
             const char* what = nullptr) {
     if (ready()) return;
     // Spin first, unless there are more ranks than cores: then the awaited rank may be waiting
@@ -545,7 +402,13 @@ class ShmTransport final : public Transport {
       if (ready()) return;
       const auto now = Clock::now();
       if (now >= next_check) {
-        if (const int dead = watch_.first_dead(); dead >= 0) {
+        const std::vector<int> waited_for = awaited();
+        for (int j : waited_for) {
+          if (has_left(j)) departed(j, fp, what);
+        }
+        if (const int dead = watch_.first_dead(); dead >= 0 && has_left(dead)) {
+          watch_.forget(dead);  // it left first: its exit is no failure of waits without it
+        } else if (dead >= 0) {
           const std::string msg =
               concat("rank ", global(rank_), ": ", describe(fp, what), ": rank ", global(dead),
                      " died (its process exited); the job cannot continue with this communicator");
@@ -554,7 +417,7 @@ class ShmTransport final : public Transport {
           fail(Errc::peer_lost, msg);
         }
         if (now >= deadline.at) {
-          const std::string who = behind_desc();
+          const std::string who = concat(ranks_text(waited_for), doing);
           const std::string msg = concat(
               "rank ", global(rank_), ": ", describe(fp, what), ": timed out after ",
               (timeout_ + slack).count(), " ms waiting for ", who,
@@ -579,12 +442,12 @@ class ShmTransport final : public Transport {
     const std::size_t cap = layout_.channel_bytes;
     const auto* p = static_cast<const std::byte*>(data);
     std::uint64_t head = ch->head.load(std::memory_order_relaxed);
-    const auto desc = [&] { return concat("rank ", peer, " to receive"); };
+    const auto awaited = [peer] { return std::vector<int>{peer}; };
     const std::string op = concat(what, "(to rank ", peer, ", tag ", tag, ", ",
                                   to_string(buf.dtype), ", count=", buf.count, ")");
     while (n > 0) {
-      wait([&] { return head - ch->tail.load(std::memory_order_acquire) < cap; }, nullptr, desc,
-           op.c_str());
+      wait([&] { return head - ch->tail.load(std::memory_order_acquire) < cap; }, nullptr, awaited,
+           " to receive", op.c_str());
       const std::uint64_t free_bytes = cap - (head - ch->tail.load(std::memory_order_acquire));
       const std::size_t at = static_cast<std::size_t>(head % cap);
       const std::size_t k =
@@ -605,12 +468,12 @@ class ShmTransport final : public Transport {
     const std::size_t cap = layout_.channel_bytes;
     auto* p = static_cast<std::byte*>(data);
     std::uint64_t tail = ch->tail.load(std::memory_order_relaxed);
-    const auto desc = [&] { return concat("rank ", peer, " to send"); };
+    const auto awaited = [peer] { return std::vector<int>{peer}; };
     const std::string op = concat(what, "(from rank ", peer, ", tag ", tag, ", ",
                                   to_string(buf.dtype), ", count=", buf.count, ")");
     while (n > 0) {
-      wait([&] { return ch->head.load(std::memory_order_acquire) > tail; }, nullptr, desc,
-           op.c_str());
+      wait([&] { return ch->head.load(std::memory_order_acquire) > tail; }, nullptr, awaited,
+           " to send", op.c_str());
       const std::uint64_t avail = ch->head.load(std::memory_order_acquire) - tail;
       const std::size_t at = static_cast<std::size_t>(tail % cap);
       const std::size_t k = std::min<std::size_t>({n, static_cast<std::size_t>(avail), cap - at});

@@ -24,6 +24,8 @@
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <optional>
 #include <span>
@@ -112,6 +114,9 @@ class Transport {
     int rank = -1;
     Errc code{};
     std::string message;
+    /// It finished: destroyed its communicator without a failure, after `operations` calls.
+    bool finished = false;
+    std::uint64_t operations = 0;
   };
   std::function<std::optional<Left>(const std::vector<int>&, std::chrono::milliseconds)> why_left;
 
@@ -206,9 +211,31 @@ class Transport {
     std::vector<int> globals;
     for (int j : ranks) globals.push_back(global(j));
     if (const auto left = why_left(globals, grace)) {
-      fail(left->code, "rank ", global(rank_), ": ", describe(fp, what), ": failed because rank ",
-           left->rank, " reported: ", left->message);
+      if (left->finished) {
+        fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what), ": rank ",
+             left->rank, " finished (it destroyed its communicator after ", left->operations,
+             " operations, without a failure) while this rank waited for it: the ranks ran "
+             "different numbers of collectives (steps). For uneven inputs see ddp::Join; "
+             "otherwise make every rank call the same collectives");
+      }
+      fail_reported(left->code, fp, what, left->rank, left->message);
     }
+  }
+
+  /// Fails with `code`, quoting the failure rank `from` reported; where that was itself a report
+  /// of another rank's ("failed because rank N reported: ..."), the first one in the chain.
+  [[noreturn]] void fail_reported(Errc code, const Fingerprint* fp, const char* what, int from,
+                                  std::string_view message) const {
+    constexpr std::string_view relay = "failed because rank ";
+    for (std::size_t at; (at = message.find(relay)) != std::string_view::npos;) {
+      const std::string_view rest = message.substr(at + relay.size());
+      const std::size_t said = rest.find(" reported: ");
+      if (said == std::string_view::npos) break;
+      from = std::atoi(std::string(rest.substr(0, said)).c_str());
+      message = rest.substr(said + 11);
+    }
+    fail(code, "rank ", global(rank_), ": ", describe(fp, what), ": failed because rank ", from,
+         " reported: ", message);
   }
 
   /// Records abort() on this rank.
