@@ -27,17 +27,9 @@ rounds=${ROUNDS:-8}
 sizes=(-b "${MIN_BYTES:-4}" -e "${MAX_BYTES:-64M}" -f 4)
 
 a=ddpbench$$a b=ddpbench$$b addr_a=10.232.0.1 addr_b=10.232.0.2
-cleanup() { ip netns del "$a" 2>/dev/null || true; ip netns del "$b" 2>/dev/null || true; }
-trap cleanup EXIT
-ip netns add "$a"
-ip netns add "$b"
-ip link add "${a}v" netns "$a" type veth peer name "${b}v" netns "$b"
-ip -n "$a" addr add "$addr_a/24" dev "${a}v"
-ip -n "$b" addr add "$addr_b/24" dev "${b}v"
-for ns in "$a" "$b"; do
-  ip -n "$ns" link set lo up
-  ip -n "$ns" link set "${ns}v" up
-done
+# shellcheck source=bench/netns_pair.sh
+. bench/netns_pair.sh
+netns_pair "$a" "$b" "$addr_a" "$addr_b"
 
 export DDP_NETNS_HOSTS="$addr_a=$a,$addr_b=$b"
 port=29700

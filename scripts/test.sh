@@ -30,8 +30,9 @@ mkdir -p build
 [ $fast -eq 0 ] && ensure_conan "$root/build"  # the conan consumer test: not in --fast
 # libtorch (CPU) for the torch adapter's tests and examples, PyTorch for the benchmark's peer and
 # OpenBLAS under both (Debian's libtorch uses whatever libblas.so.3 points at; the reference BLAS
-# is ~10x slower): the g++ stage only (the --fast, clang and sanitizer presets build without them).
-[ $fast -eq 0 ] && ensure_debs libtorch-dev python3-torch libopenblas0-pthread
+# is ~10x slower), Gloo's headers for bench/torch/reducer-bench (c10d::Reducer): the g++ stage only
+# (the --fast, clang and sanitizer presets build without them).
+[ $fast -eq 0 ] && ensure_debs libtorch-dev python3-torch libopenblas0-pthread libgloo-dev
 # The real launchers the launch tests run programs under: PyPI's torchrun (Debian's 1.13 torchrun
 # does not start on Python 3.11) and a one-node Slurm cluster (slurm-wlm, munge) started here.
 if [ $fast -eq 0 ]; then

@@ -453,6 +453,8 @@ class LaunchAgent {
       if (delay.count() > 0) wait_before_restart(delay, attempt);
       const auto began = Clock::now();
       f = run_attempt(attempt);
+      if (f.code == 0 && attempt > 0)
+        say("every worker succeeded after ", attempt, attempt == 1 ? " restart" : " restarts");
       if (f.code == 0 || !f.restartable || interrupted_ != 0 || attempt >= o_.max_restarts) break;
       failed_in_a_row = Clock::now() - began >= o_.restart_backoff_reset ? 1 : failed_in_a_row + 1;
       delay = restart_delay(failed_in_a_row);
@@ -817,8 +819,10 @@ class LaunchAgent {
       if (w.log) set_nonblocking(w.log.get(), false);
       if (!w.log) log_failed(w, "opening", errno);
     }
-    if (n == static_cast<ssize_t>(sizeof e))
+    if (n == static_cast<ssize_t>(sizeof e) && !said_cannot_run_) {  // once, not per worker
+      said_cannot_run_ = true;
       say("cannot run \"", o_.command.front(), "\": ", std::strerror(e));
+    }
   }
 
   // A worker's log file cannot be written (`doing` it failed with `error`): said once, and from
@@ -1167,6 +1171,7 @@ class LaunchAgent {
   std::unique_ptr<Store> store_;
   std::vector<Worker> workers_;
   std::vector<std::string> lost_logs_;  // "rank R's log PATH (error)", for the end
+  bool said_cannot_run_ = false;        // "cannot run PROGRAM" is said once, not per worker
   int root_cause_ = -1;
   bool root_by_signal_ = false;  // the root cause died of a signal (nothing can come before it)
   bool stopping_ = false;

@@ -25,14 +25,14 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def ms_per_step(cmd, env, tries=3):
+def ms_per_step(cmd, env, tries=3, timeout=180):
     """One run's ms/step. A run that hangs (PyTorch's gloo rendezvous does, now and then, on this
-    VM) is killed with its whole process group after 180 s and retried."""
+    VM) is killed with its whole process group after `timeout` s and retried."""
     for attempt in range(tries):
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              start_new_session=True)
         try:
-            out, err = p.communicate(timeout=180)
+            out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             p.communicate()

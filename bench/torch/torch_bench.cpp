@@ -44,8 +44,8 @@ using torch_models::Mlp;
 using clock_type = std::chrono::steady_clock;
 
 struct Args {
-  std::string model = "mlp", mode = "hooks";
-  int ranks = 2, steps = 30, warmup = 5;
+  std::string model = "mlp", mode = "hooks", hook = "fp32";
+  int ranks = 2, steps = 30, warmup = 5, psgd_rank = 4, hidden = 2048;
   bool phases = false;
 };
 
@@ -159,6 +159,10 @@ double run(const Args& a, Net net, ddp::Communicator<ddp::backend::Host>* comm) 
   std::unique_ptr<Averager> avg;
   if (comm != nullptr && a.mode != "local" && a.mode != "barrier")
     avg = std::make_unique<Averager>(*comm, *net, ddp::AveragerOptions{.hooks = a.mode == "hooks"});
+  // --hook powersgd: compressed from the first step (its steady state is what is timed).
+  ddp::PowerSGDHook powersgd({.rank = static_cast<std::size_t>(a.psgd_rank), .start_iter = 0});
+  if (avg && a.hook == "powersgd") avg->register_comm_hook(powersgd);
+  if (avg && a.hook == "bf16") avg->register_comm_hook(ddp::bf16_compress_hook);
   std::array<double, 4> phase{};  // forward, backward, average/synchronize, optimizer (ms, summed)
   bool timing = false;
   const auto lap = [&](clock_type::time_point& t, std::size_t i) {
@@ -210,6 +214,16 @@ double run(const Args& a, Net net, ddp::Communicator<ddp::backend::Host>* comm) 
     comm->all_reduce(v, ddp::ReduceOp::max);
     ms = v[0];
   }
+  if (comm != nullptr && comm->rank() == 0 && avg) {  // bytes each rank all_reduces per step
+    const auto st = powersgd.stats();
+    double full = 0;
+    for (const auto& p : net->parameters()) full += static_cast<double>(p.numel());
+    const double sent = a.hook == "powersgd"
+                            ? static_cast<double>(st.sent) / static_cast<double>(st.steps)
+                            : full * (a.hook == "bf16" ? 0.5 : 1.0);
+    std::printf("wire: %.3f MB per step all_reduced by each rank (fp32 %.3f MB, 1/%.1f)\n",
+                sent * 4e-6, full * 4e-6, full / sent);
+  }
   return ms;
 }
 
@@ -219,7 +233,7 @@ double run_model(const Args& a, const std::array<std::array<double, 2>, 3>& laye
   torch::manual_seed(1);
   if (a.model == "cnn") return run(a, Cnn(), comm);
   if (a.model == "device-mlp") return run(a, DeviceMlp(layer_ms), comm);
-  return run(a, Mlp(), comm);
+  return run(a, Mlp(a.hidden), comm);
 }
 
 bool one_of(const std::string& s, std::initializer_list<const char*> options) {
@@ -248,16 +262,24 @@ int main(int argc, char** argv) {
       a.steps = std::atoi(v.c_str());
     else if (k == "--warmup")
       a.warmup = std::atoi(v.c_str());
+    else if (k == "--hook")
+      a.hook = v;
+    else if (k == "--psgd-rank")
+      a.psgd_rank = std::atoi(v.c_str());
+    else if (k == "--hidden")
+      a.hidden = std::atoi(v.c_str());
     else
       a.ranks = 0;  // unknown: the usage below
   }
   if (!one_of(a.model, {"mlp", "cnn", "device-mlp"}) ||
       !one_of(a.mode, {"hooks", "average", "local", "barrier", "comm", "none"}) || a.ranks < 1 ||
+      !one_of(a.hook, {"fp32", "bf16", "powersgd"}) || a.psgd_rank < 1 || a.hidden < 1 ||
       a.steps < 1 || a.warmup < 0) {
     std::fprintf(
         stderr,
         "usage: torch-bench --model mlp|cnn|device-mlp --ranks N "
-        "--mode hooks|average|local|barrier|comm|none [--steps S] [--warmup W] [--phases]\n");
+        "--mode hooks|average|local|barrier|comm|none [--steps S] [--warmup W] [--phases]\n"
+        "  [--hook fp32|bf16|powersgd] [--psgd-rank R] [--hidden H (the MLP's width)]\n");
     return 2;
   }
   const auto layer_ms =
@@ -273,13 +295,19 @@ int main(int argc, char** argv) {
                   run_model(a, layer_ms, nullptr));
       return 0;
     }
-    ddp::spawn(a.ranks, [&](ddp::Environment env) {
+    const auto rank_main = [&](const ddp::Environment& env) {
       auto comm = ddp::Communicator<ddp::backend::Host>::init(env);
       const double ms = run_model(a, layer_ms, &comm);
       if (comm.rank() == 0)
         std::printf("%s %s %d ranks: ms/step %.3f\n", a.model.c_str(), a.mode.c_str(), comm.size(),
                     ms);
-    });
+    };
+    // Under a launcher (ddprun, torchrun, or ranks started by hand in two network namespaces):
+    // this process is one rank; otherwise it forks --ranks of them.
+    if (const auto launched = ddp::Environment::detect(); launched.launcher != "none")
+      rank_main(launched);
+    else
+      ddp::spawn(a.ranks, [&](ddp::Environment env) { rank_main(env); });
   } catch (const ddp::Error& e) {
     std::fprintf(stderr, "torch-bench: %s\n", e.what());
     return 1;

@@ -3,6 +3,7 @@
 batch (64 synthetic samples per rank), optimizer and thread settings. Run with Debian's
 interpreter (python3-torch):
     /usr/bin/python3 bench/torch/torch_ddp.py --model mlp|cnn --ranks N [--steps S] [--warmup W]
+        [--hook fp32|powersgd] [--psgd-rank R] [--hidden H]
 Prints "ms/step X" (the slowest rank's mean over the timed steps)."""
 import argparse
 import os
@@ -15,12 +16,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 
 
 class Mlp(nn.Module):
-    def __init__(self):
+    def __init__(self, hidden=2048):
         super().__init__()
-        self.fc1, self.fc2, self.fc3 = nn.Linear(784, 2048), nn.Linear(2048, 2048), nn.Linear(2048, 10)
+        self.fc1, self.fc2 = nn.Linear(784, hidden), nn.Linear(hidden, hidden)
+        self.fc3 = nn.Linear(hidden, 10)
 
     def forward(self, x):
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x.view(x.size(0), 784))))))
@@ -43,7 +46,17 @@ def worker(rank, args, port):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
     torch.manual_seed(1)
-    net = nn.parallel.DistributedDataParallel(Mlp() if args.model == "mlp" else Cnn())
+    # torch's PowerSGD hook on gloo issues collectives from its futures' callbacks: with several
+    # buckets in flight they reach the ranks in different orders (a size mismatch in gloo, or a
+    # hang); with one bucket they cannot.
+    one_bucket = {"bucket_cap_mb": 4096} if args.hook == "powersgd" else {}
+    net = nn.parallel.DistributedDataParallel(Mlp(args.hidden) if args.model == "mlp" else Cnn(),
+                                              **one_bucket)
+    state = None
+    if args.hook == "powersgd":  # compressed once the warm-up steps are over
+        state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=args.psgd_rank,
+                                       start_powerSGD_iter=args.warmup)
+        net.register_comm_hook(state, powerSGD.powerSGD_hook)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     torch.manual_seed(100 + rank)
     x, y = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
@@ -63,6 +76,9 @@ def worker(rank, args, port):
     dist.all_reduce(ms, op=dist.ReduceOp.MAX)
     if rank == 0:
         print(f"{args.model} torch-ddp {args.ranks} ranks: ms/step {ms.item():.3f}", flush=True)
+        if state is not None:
+            rate, before, after = state.compression_stats()
+            print(f"wire: powerSGD 1/{rate:.1f} ({after} of {before} elements)", flush=True)
     dist.destroy_process_group()
 
 
@@ -91,6 +107,9 @@ def main():
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--hook", choices=["fp32", "powersgd"], default="fp32")
+    p.add_argument("--psgd-rank", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=2048, help="the MLP's width")
     args = p.parse_args()
     port = store_port()
     mp.spawn(worker, args=(args, port), nprocs=args.ranks)

@@ -8,7 +8,10 @@
 // epoch), --data DIR (/usr/share/datasets/fashion-mnist, or $FASHION_MNIST_DIR), --cache DIR
 // (./fashion-mnist-cache), --limit N (the first N training images), --checkpoint FILE
 // (fashion_mnist_torch.ckpt), --nproc N (ranks to fork without a launcher, 2), --model cnn|mlp
-// (cnn), --resume (continue after the last epoch's checkpoint).
+// (cnn), --hidden N (the MLP's width, 2048), --hook fp32|bf16|powersgd (fp32: the averages as
+// they are; bf16: bfloat16 on the wire; powersgd: ddp::PowerSGDHook), --psgd-rank R (4),
+// --psgd-start N (100: steps before PowerSGD starts), --resume (continue after the last epoch's
+// checkpoint).
 //
 // What ddp does here: ZeroFirstGuard (local rank 0 decodes the dataset once), DistributedSampler
 // (a new shuffled shard every epoch; the test set in exact mode, every image once, and
@@ -34,6 +37,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../fashion_mnist_common.hpp"
@@ -104,8 +108,13 @@ std::pair<torch::Tensor, torch::Tensor> gather(const Split& s, const std::vector
   return {x, y};
 }
 
+struct HookChoice {
+  std::string hook = "fp32";
+  std::size_t rank = 4, start = 100;
+};
+
 template <class Net>
-void run(const ddp::Environment& env, const Config& cfg, const char* name) {
+void run(const ddp::Environment& env, const Config& cfg, const char* name, const HookChoice& h) {
   torch::set_num_threads(1);
   auto comm = ddp::Communicator<ddp::backend::Host>::init(env);
   const int world = comm.size(), rank = comm.rank();
@@ -118,8 +127,16 @@ void run(const ddp::Environment& env, const Config& cfg, const char* name) {
   const std::size_t n_train = cfg.limit > 0 ? std::min(cfg.limit, train.size()) : train.size();
 
   torch::manual_seed(static_cast<std::uint64_t>(rank));  // different on every rank ...
-  Net net;
+  Net net = [&] {
+    if constexpr (std::is_same_v<Net, Mlp>)
+      return Mlp(cfg.hidden);
+    else
+      return Net();
+  }();
   ddp::GradientAverager avg(comm, *net);  // ... until the averager copies rank 0's
+  ddp::PowerSGDHook powersgd({.rank = h.rank, .start_iter = h.start});
+  if (h.hook == "powersgd") avg.register_comm_hook(powersgd);
+  if (h.hook == "bf16") avg.register_comm_hook(ddp::bf16_compress_hook);
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(cfg.lr).momentum(0.9));
   ddp::DistributedSampler sampler(n_train, world, rank, {.shuffle = true, .seed = 7});
   ddp::DistributedSampler eval(test.size(), world, rank, {.shuffle = false, .exact = true});
@@ -188,6 +205,19 @@ void run(const ddp::Environment& env, const Config& cfg, const char* name) {
     ck.put_values("optimizer", optimizer);
     ddp::save_checkpoint(comm, ck, cfg.checkpoint);
   }
+  if (h.hook == "powersgd") {
+    const ddp::PowerSGDStats st = powersgd.stats();
+    log.print(
+        "PowerSGD rank %zu from step %zu: %.0f of %.0f elements per compressed step "
+        "(1/%.1f of fp32's bytes)",
+        h.rank, h.start,
+        static_cast<double>(st.compressed_sent) /
+            static_cast<double>(std::max<std::uint64_t>(1, st.steps - h.start)),
+        static_cast<double>(st.compressed_full) /
+            static_cast<double>(std::max<std::uint64_t>(1, st.steps - h.start)),
+        static_cast<double>(st.compressed_full) /
+            static_cast<double>(std::max<std::uint64_t>(1, st.compressed_sent)));
+  }
 }
 
 }  // namespace
@@ -198,12 +228,27 @@ int main(int argc, char** argv) {
     defaults.epochs = 3;
     defaults.lr = 0.05f;
     defaults.checkpoint = "fashion_mnist_torch.ckpt";
+    defaults.hidden = 2048;
     std::string model = "cnn";
+    HookChoice hook;
     const Config cfg = fashion_mnist::parse(
         argc, argv, defaults, "fashion_mnist_torch.cpp",
         [&](const std::string& option, const std::function<std::string()>& next) {
           if (option == "--resume") {
             g_resume = true;
+            return true;
+          }
+          if (option == "--hook") {
+            hook.hook = next();
+            if (hook.hook != "fp32" && hook.hook != "bf16" && hook.hook != "powersgd")
+              throw std::invalid_argument("--hook must be fp32, bf16 or powersgd");
+            return true;
+          }
+          if (option == "--psgd-rank" || option == "--psgd-start") {
+            const long v = std::stol(next());
+            if (v < (option == "--psgd-rank" ? 1 : 0))
+              throw std::invalid_argument(option + " is out of range");
+            (option == "--psgd-rank" ? hook.rank : hook.start) = static_cast<std::size_t>(v);
             return true;
           }
           if (option != "--model") return false;
@@ -213,10 +258,12 @@ int main(int argc, char** argv) {
           return true;
         });
     const auto train = [&](const ddp::Environment& e) {
+      const std::string mlp =
+          "the MLP 784-" + std::to_string(cfg.hidden) + "-" + std::to_string(cfg.hidden) + "-10";
       if (model == "mlp")
-        run<Mlp>(e, cfg, "the MLP 784-2048-2048-10");
+        run<Mlp>(e, cfg, mlp.c_str(), hook);
       else
-        run<Cnn>(e, cfg, "a CNN");
+        run<Cnn>(e, cfg, "a CNN", hook);
     };
     const auto env = ddp::Environment::detect();
     if (env.launcher == "none")

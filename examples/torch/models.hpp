@@ -4,6 +4,8 @@
 
 #include <torch/torch.h>
 
+#include <cstdint>
+
 namespace torch_models {
 
 /// A small CNN for 28x28 images: conv 3x3 (32) - max pool - conv 3x3 (64) - max pool - 128 - 10.
@@ -23,12 +25,12 @@ struct CnnImpl : torch::nn::Module {
 };
 TORCH_MODULE(Cnn);
 
-/// The MLP 784-2048-2048-10.
+/// The MLP 784-H-H-10 (H = 2048 unless given).
 struct MlpImpl : torch::nn::Module {
-  MlpImpl()
-      : fc1(register_module("fc1", torch::nn::Linear(784, 2048))),
-        fc2(register_module("fc2", torch::nn::Linear(2048, 2048))),
-        fc3(register_module("fc3", torch::nn::Linear(2048, 10))) {}
+  explicit MlpImpl(std::int64_t hidden = 2048)
+      : fc1(register_module("fc1", torch::nn::Linear(784, hidden))),
+        fc2(register_module("fc2", torch::nn::Linear(hidden, hidden))),
+        fc3(register_module("fc3", torch::nn::Linear(hidden, 10))) {}
   torch::Tensor forward(const torch::Tensor& x) {
     return fc3(torch::relu(fc2(torch::relu(fc1(x.view({x.size(0), 784}))))));
   }

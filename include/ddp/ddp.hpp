@@ -48,6 +48,7 @@
 #include "ddp/training/join.hpp"
 #include "ddp/training/logging.hpp"
 #include "ddp/training/metrics.hpp"
+#include "ddp/training/powersgd.hpp"
 #include "ddp/training/sharded.hpp"
 #include "ddp/training/sharded_checkpoint.hpp"
 #include "ddp/work.hpp"

@@ -530,6 +530,7 @@ class SingleNode(Base):
                    "once")
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn("restarting the workers in 0.1 s (restart 1 of 2)", r.stderr)
+        self.assertIn("every worker succeeded after 1 restart", r.stderr)
         self.assertEqual(sorted(re.findall(r"rank (\d)/3 .* restart 1 sum ok", r.stdout)),
                          ["0", "1", "2"])
 
@@ -665,6 +666,7 @@ class SingleNode(Base):
         r = ddprun("--standalone", "--nproc-per-node", 2, "/nonexistent/program")
         self.assertEqual(r.returncode, 127)
         self.assertIn('cannot run "/nonexistent/program": No such file or directory', r.stderr)
+        self.assertEqual(r.stderr.count("cannot run"), 1, r.stderr)  # once, not per worker
 
     def test_port_in_use(self):
         with socket.socket() as s:

@@ -114,6 +114,7 @@ class BucketEngine final : public AveragerBase {
       ensure_grad(p);
       values_.push_back(typed_view<T>(param_value(p), comm.rank(), size(), "value", who_));
       grads_.push_back(typed_view<T>(param_grad(p), comm.rank(), size(), "gradient", who_));
+      rows_.push_back(param_rows(p));
     }
     place();
     check_same_parameters(*comm_, values_, grads_, who_,
@@ -352,9 +353,8 @@ class BucketEngine final : public AveragerBase {
     }
   }
 
-  // Every value and gradient on one device (all on the host, or all on one CUDA device). A
-  // backend that moves CUDA memory gets buckets there; one that moves host memory gets host
-  // buckets, which CUDA gradients are copied into and out of.
+  // Every value and gradient on one device (host, or one CUDA device). A backend that moves
+  // CUDA memory gets buckets there; else host buckets, which CUDA gradients are copied through.
   void place() {
     const Device first = grads_.empty() ? Device::cpu() : grads_[0].device;
     for (std::size_t i = 0; i < size(); ++i)
@@ -389,7 +389,7 @@ class BucketEngine final : public AveragerBase {
     std::size_t bytes = 0;
     const auto add = [&](std::size_t i, std::size_t offset, std::size_t n) {
       buckets_of_[i].push_back(buckets_.size());
-      cur.pieces.push_back({i, offset, n, cur.elements});
+      cur.pieces.push_back({i, offset, n, cur.elements, rows_[i]});
       cur.elements += n;
       bytes += n * sizeof(T);
     };
@@ -431,8 +431,7 @@ class BucketEngine final : public AveragerBase {
     }
   }
 
-  // Parameter i's buffers as the model has them now (not a gradient the framework has yet to
-  // make: see look_up_missing).
+  // Parameter i's buffers as the model has them now (not a gradient yet to be made).
   template <class P>
   void look_up(std::size_t i, P& p) {
     const View v = typed_view<T>(param_value(p), comm_->rank(), i, "value", who_);
@@ -622,6 +621,7 @@ class BucketEngine final : public AveragerBase {
 
   Comm* comm_;
   M* model_;
+  std::vector<std::size_t> rows_;  // each parameter's rows as a matrix (param_rows)
   BucketOptions o_;
   bool sharded_;
   const char* who_;

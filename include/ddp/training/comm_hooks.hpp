@@ -57,6 +57,9 @@ struct BucketPiece {
   std::size_t offset = 0;  ///< Its first element here (0 unless ShardedAverager split it).
   std::size_t size = 0;    ///< Elements.
   std::size_t at = 0;      ///< Where they are in the bucket's buffer.
+  /// The parameter's rows seen as a matrix, row-major (0: a vector, or the framework does not
+  /// say; see detail::param_rows). Meaningful when the piece is the whole parameter.
+  std::size_t rows = 0;
 };
 
 /// What a comm hook receives (torch's GradBucket). Valid until the step's synchronize().

@@ -92,6 +92,20 @@ void ensure_grad(P& p) {
     parameter_traits<P>::ensure_grad(p);
 }
 
+/// Parameter p's rows when its values are seen as a matrix, row-major (torch: p.size(0) of a
+/// tensor of 2 or more dimensions, the rest making the columns): parameter_traits<P>::rows(p) or
+/// p.rows(), where defined; 0 (a vector) otherwise. Comm hooks that work on matrices (PowerSGD)
+/// read it from BucketPiece::rows.
+template <class P>
+std::size_t param_rows(P& p) {
+  if constexpr (requires { parameter_traits<P>::rows(p); })
+    return static_cast<std::size_t>(parameter_traits<P>::rows(p));
+  else if constexpr (requires { p.rows(); })
+    return static_cast<std::size_t>(p.rows());
+  else
+    return 0;
+}
+
 /// Gradients a framework makes lazily: parameter_traits<P>::has_grad(p) says whether p has one
 /// yet. The averager then looks it up when its bucket starts (made by then, or the parameter was
 /// unused this step and gets zeros) instead of making zeros for backward to add into.

@@ -65,6 +65,10 @@ struct parameter_traits<at::Tensor> {
   static at::Tensor& value(at::Tensor& p) { return p; }
   /// p.grad(), writable.
   static at::Tensor& grad(at::Tensor& p) { return p.mutable_grad(); }
+  /// Rows of p seen as a matrix (torch's view(p.size(0), -1)): 0 for a scalar or a vector.
+  static std::size_t rows(const at::Tensor& p) {
+    return p.dim() >= 2 ? static_cast<std::size_t>(p.size(0)) : 0;
+  }
   /// Whether autograd has made p.grad() yet.
   static bool has_grad(const at::Tensor& p) { return p.grad().defined(); }
   /// Creates p.grad() as contiguous zeros if it is undefined.
