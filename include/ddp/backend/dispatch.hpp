@@ -122,7 +122,8 @@ void run_batch_p2p(Backend& be, CommState& s, const Call& c) {
     return pa != pb ? pa < pb : phase(sa, pa) < phase(sb, pb);
   });
   for (const std::size_t i : order) {
-    const auto [send, peer] = op(i);
+    const bool send = c.counts[3 * i] != 0;  // not a structured binding: lambdas capture these
+    const int peer = static_cast<int>(c.counts[3 * i + 1]);
     const int tag = static_cast<int>(c.counts[3 * i + 2]);
     whole<Backend>(
         s, me, c.name,

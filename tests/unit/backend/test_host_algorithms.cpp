@@ -242,19 +242,19 @@ TEST_CASE("host algorithms in one process: the collectives with a count per rank
             all_to_all_v_on(t, s, buf(in), buf(out), ins, outs, fingerprint(Coll::all_to_all_v, 0));
             if (out != want) fail(ddp::Errc::backend, "all_to_all (uneven) differs on rank ", r);
             // all_gather and gather: rank j offers c(j, 0) elements.
-            std::vector<std::size_t> counts(up);
+            std::vector<std::size_t> sizes(up);
             std::vector<std::int32_t> every;
             for (int j = 0; j < p; ++j) {
-              counts[static_cast<std::size_t>(j)] = c(j, 0);
+              sizes[static_cast<std::size_t>(j)] = c(j, 0);
               for (std::size_t i = 0; i < c(j, 0); ++i) every.push_back(value(j, i));
             }
             auto mine = input(r, c(r, 0));
             std::vector<std::int32_t> all(every.size());
-            gather_v_on(t, s, buf(mine), buf(all), counts, -1, fingerprint(Coll::all_gather_v, 0));
+            gather_v_on(t, s, buf(mine), buf(all), sizes, -1, fingerprint(Coll::all_gather_v, 0));
             if (all != every) fail(ddp::Errc::backend, "all_gather (uneven) differs on rank ", r);
             const int root = p - 1;
             std::vector<std::int32_t> g2(r == root ? every.size() : 0);
-            gather_v_on(t, s, buf(mine), buf(g2), counts, root,
+            gather_v_on(t, s, buf(mine), buf(g2), sizes, root,
                         fingerprint(Coll::gather_v, 0, root, 1));
             if (r == root && g2 != every)
               fail(ddp::Errc::backend, "gather (uneven) differs on rank ", r);
