@@ -96,7 +96,7 @@ TEST_CASE("PowerSGD: low-rank gradients exact, vectors and small matrices as the
 }
 
 TEST_CASE(
-    "PowerSGD: plain all_reduce before start_iter; with error feedback the updates track "
+    "PowerSGD: plain all_reduce before start_iter, and with error feedback the updates track "
     "the averages") {
   mp::each_world(
       [](mp::Comm& comm) {
