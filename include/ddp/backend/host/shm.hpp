@@ -398,8 +398,10 @@ class ShmTransport final : public Transport {
     // only then sleep.
     const auto yield_until = Clock::now() + std::chrono::milliseconds(2);
     for (;;) {
-      check_abort(fp);
+      // Ready first: a round every rank completed is not undone by a failure a peer published
+      // afterwards, in its next collective (this rank meets that failure in its own next one).
       if (ready()) return;
+      check_abort(fp);
       const auto now = Clock::now();
       if (now >= next_check) {
         const std::vector<int> waited_for = awaited();
