@@ -14,6 +14,7 @@
 #include "ddp/detail/env.hpp"
 #include "ddp/error.hpp"
 
+#include <algorithm>
 #include <charconv>
 #include <cstdint>
 #include <cstdio>
@@ -42,6 +43,11 @@ struct Environment {
   /// whose agent already serves its own (c10d) store on MASTER_PORT, MASTER_PORT + 1; otherwise
   /// master_port.
   int store_port = 0;
+  /// How many consecutive ports from store_port rank 0 may host the store on, the first free one
+  /// (every other rank probes them for the job's store). 1, except under torchrun when the port is
+  /// MASTER_PORT + 1: torchrun's agent picked MASTER_PORT as a free ephemeral port, and its
+  /// neighbour may be held by any connection on the host; then 8.
+  int store_ports = 1;
   /// Which launcher the values came from: "ddprun", "torchrun", "slurm", "openmpi", "pmi"
   /// (MPICH, Intel MPI), "mvapich", "none"; "unknown" when variables of a launcher ddp cannot read
   /// fully were seen (then `warning` says which, and the values are those of a world of 1).
@@ -255,6 +261,7 @@ inline Environment Environment::detect(const std::function<const char*(const cha
                    "environment: under torchrun ddp's store listens on MASTER_PORT + 1, but "
                    "MASTER_PORT is 65535; pick another port or set DDP_STORE_PORT");
     e.store_port = e.master_port + 1;
+    e.store_ports = std::min(8, 65536 - e.store_port);
   }
   return e;
 }

@@ -4134,6 +4134,7 @@ DDP_END_NAMESPACE
 // #include "ddp/detail/env.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 
+#include <algorithm>
 #include <charconv>
 #include <cstdint>
 #include <cstdio>
@@ -4162,6 +4163,11 @@ struct Environment {
   /// whose agent already serves its own (c10d) store on MASTER_PORT, MASTER_PORT + 1; otherwise
   /// master_port.
   int store_port = 0;
+  /// How many consecutive ports from store_port rank 0 may host the store on, the first free one
+  /// (every other rank probes them for the job's store). 1, except under torchrun when the port is
+  /// MASTER_PORT + 1: torchrun's agent picked MASTER_PORT as a free ephemeral port, and its
+  /// neighbour may be held by any connection on the host; then 8.
+  int store_ports = 1;
   /// Which launcher the values came from: "ddprun", "torchrun", "slurm", "openmpi", "pmi"
   /// (MPICH, Intel MPI), "mvapich", "none"; "unknown" when variables of a launcher ddp cannot read
   /// fully were seen (then `warning` says which, and the values are those of a world of 1).
@@ -4375,6 +4381,7 @@ inline Environment Environment::detect(const std::function<const char*(const cha
                    "environment: under torchrun ddp's store listens on MASTER_PORT + 1, but "
                    "MASTER_PORT is 65535; pick another port or set DDP_STORE_PORT");
     e.store_port = e.master_port + 1;
+    e.store_ports = std::min(8, 65536 - e.store_port);
   }
   return e;
 }
@@ -6758,22 +6765,21 @@ struct CommState {
     so.token = options.token;
     so.refusal_key = prefix + "failed";  // a wrong token fails this rendezvous at once
     so.refusal_rank = env.rank;
-    const int store_port = env.store_port != 0 ? env.store_port : env.master_port;
+    int store_port = env.store_port != 0 ? env.store_port : env.master_port;
+    const int ports = env.store_port != 0 ? std::max(1, env.store_ports) : 1;
+    // With several candidate ports, the store says whose it is: a probing rank must not join
+    // another job's store that took one of them.
+    const std::string job = concat(env.master_addr, ":", env.master_port, "/",
+                                   launcher.get("TORCHELASTIC_RUN_ID", ""), "/",
+                                   launcher.get("TORCHELASTIC_RESTART_COUNT", "0"));
     const bool hosted = options.external_store || launcher.get("DDP_STORE_HOSTED") == "1";
     if (env.rank == 0 && !hosted) {
-      try {
-        server = std::make_unique<StoreServer>(env.master_addr, store_port, so);
-      } catch (const Error& e) {
-        if (e.code() != Errc::address_in_use) throw;
-        fail(Errc::address_in_use, "rank 0: cannot host ddp's rendezvous store at ",
-             detail::host_port(env.master_addr, store_port), ": the port is in use. ddp's store ",
-             store_port_source(env, store_port),
-             "; another job, a run that has not exited or a second process started with RANK=0 "
-             "holds it. Set DDP_STORE_PORT to a free port (the same on every rank)",
-             store_port == env.master_port ? ", or choose another MASTER_PORT" : "");
-      }
+      store_port = host_store(env, store_port, ports, so);
+    } else if (ports > 1) {
+      store_port = find_store(env, store_port, ports, so, job);
     }
     root_store = std::make_shared<Store>(env.master_addr, store_port, so);
+    if (server && ports > 1) root_store->set(job_key, job);
     store = std::make_shared<Store>(
         root_store->prefixed(prefix).watching("failed").with_deadline(rendezvous_deadline));
     world_size = env.world_size;
@@ -6790,6 +6796,57 @@ struct CommState {
         {concat("exit/", env.rank), ""}};
     store->set_on_close(on_close);
     return store;
+  }
+
+  /// The key under which a store on one of several candidate ports names its job.
+  static constexpr std::string_view job_key = "ddp/job";
+
+  /// Rank 0: hosts the store on the first free port of [port, port + ports); returns it.
+  int host_store(const Environment& env, int port, int ports, const StoreOptions& so) {
+    for (int p = port; p < port + ports; ++p) {
+      try {
+        server = std::make_unique<StoreServer>(env.master_addr, p, so);
+        return p;
+      } catch (const Error& e) {
+        if (e.code() != Errc::address_in_use) throw;
+      }
+    }
+    fail(Errc::address_in_use, "rank 0: cannot host ddp's rendezvous store at ",
+         detail::host_port(env.master_addr, port),
+         ports > 1 ? concat(" (nor on the ", ports - 1, " ports after it)") : std::string(),
+         ": the port is in use. ddp's store ", store_port_source(env, port),
+         "; another job, a run that has not exited or a second process started with RANK=0 "
+         "holds it. Set DDP_STORE_PORT to a free port (the same on every rank)",
+         port == env.master_port ? ", or choose another MASTER_PORT" : "");
+  }
+
+  /// Every other rank, when rank 0 may have taken any of [port, port + ports): probes them in
+  /// turn, with a window that grows each round, until one serves a store that names `job`.
+  int find_store(const Environment& env, int port, int ports, StoreOptions so,
+                 const std::string& job) {
+    so.refusal_key.clear();  // a probe never marks a store it turns out not to belong to
+    auto window = std::chrono::milliseconds(100);
+    for (;;) {
+      for (int p = port; p < port + ports; ++p) {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+            rendezvous_deadline - Clock::now());
+        if (left <= std::chrono::milliseconds(0)) {
+          fail(Errc::timeout, "rank ", env.rank, ": no rendezvous store of this job answered on ",
+               detail::host_port(env.master_addr, port), " or the ", ports - 1,
+               " ports after it within the timeout (", options.timeout.count(),
+               " ms): is rank 0 running? ddp's store ", store_port_source(env, port),
+               "; set DDP_STORE_PORT to a free port (the same on every rank) to name it");
+        }
+        so.timeout = std::min(window, left);
+        try {
+          Store probe(env.master_addr, p, so);
+          if (probe.get(job_key) == job) return p;
+        } catch (const Error&) {
+          // nothing there yet, another program, or another job's store: the next port
+        }
+      }
+      window = std::min(window * 2, std::chrono::milliseconds(2000));
+    }
   }
 
   /// The rendezvous succeeded: later store calls (split, leaving) get their own timeouts, and

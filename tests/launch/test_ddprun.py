@@ -1024,6 +1024,26 @@ class RealTorchrun(Base):
         self.assertEqual(sorted(rank for rank, _ in found), ["0", "1", "2", "3"], out)
         self.assertEqual(sorted({node for _, node in found}), ["0", "1"], out)
 
+    def test_master_port_plus_one_taken_the_store_moves_to_the_next_port(self):
+        # torchrun's agent serves its store on MASTER_PORT; ddp's goes on MASTER_PORT + 1, which
+        # another program may hold (torchrun picks MASTER_PORT as any free port): rank 0 hosts
+        # on the next free port and the others find it.
+        port = free_port()
+        holder = socket.socket()
+        try:
+            holder.bind(("127.0.0.1", port + 1))
+            holder.listen()
+        except OSError:
+            self.skipTest(f"port {port + 1} is not free")
+        with holder:
+            [(code, out, err)] = self.finish(self.torchrun(
+                "--nnodes", 1, "--nproc_per_node", 2, "--master-addr", "127.0.0.1",
+                "--master-port", port, "--no-python", WORKER, "allreduce"))
+        self.assertEqual(code, 0, err)
+        self.assertEqual(sorted(re.findall(r"rank (\d)/2 local \d/2 node 0 launcher torchrun "
+                                           r"transport shm restart 0 sum ok", out)),
+                         ["0", "1"], out + err)
+
     def test_a_failing_worker_fails_the_job(self):
         [(code, out, err)] = self.finish(self.torchrun(
             "--standalone", "--nproc_per_node", 2, "--no-python", WORKER, "exit", 1, 7))

@@ -77,12 +77,18 @@ TEST_CASE("environment: the store port (torchrun's agent holds MASTER_PORT)") {
   torchrun["TORCHELASTIC_USE_AGENT_STORE"] = "True";
   CHECK(detect(torchrun).master_port == 29500);
   CHECK(detect(torchrun).store_port == 29501);
+  CHECK(detect(torchrun).store_ports == 8);  // the agent's port's neighbours may be taken
+  CHECK(detect(base).store_ports == 1);
   auto ddprun = torchrun;
   ddprun["DDP_LAUNCHER"] = "ddprun";  // ddprun's agent hosts ddp's own store on MASTER_PORT
   CHECK(detect(ddprun).store_port == 29500);
   auto explicit_port = torchrun;
   explicit_port["DDP_STORE_PORT"] = "31000";
   CHECK(detect(explicit_port).store_port == 31000);
+  CHECK(detect(explicit_port).store_ports == 1);
+  auto near_top = torchrun;
+  near_top["MASTER_PORT"] = "65530";
+  CHECK(detect(near_top).store_ports == 5);
   torchrun["MASTER_PORT"] = "65535";
   CHECK(error_of(torchrun).find("DDP_STORE_PORT") != std::string::npos);
   explicit_port["DDP_STORE_PORT"] = "0";

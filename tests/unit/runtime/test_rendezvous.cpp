@@ -212,3 +212,75 @@ TEST_CASE("a rank with a wrong or missing token fails the rendezvous at once, on
     std::filesystem::remove_all(dir);
   }
 }
+
+TEST_CASE(
+    "under torchrun, MASTER_PORT + 1 taken: rank 0 hosts on the next free port, all find it") {
+  // torchrun's agent picks MASTER_PORT as a free ephemeral port; its neighbour, where ddp's store
+  // goes, may be held by anything. Here: a listener that never answers on P + 1, another job's
+  // ddp store on P + 2. Rank 0 hosts on P + 3; the others probe and join it, not the other job.
+  int base = 0;
+  ddp::detail::Fd silent;
+  std::unique_ptr<ddp::StoreServer> other;
+  for (int tries = 0; tries < 200 && base == 0; ++tries) {
+    const int p = 20000 + static_cast<int>(::getpid() * 7 + tries * 131) % 30000;
+    try {
+      ddp::detail::Fd a = ddp::detail::listen_tcp("127.0.0.1", p + 1);
+      auto b = std::make_unique<ddp::StoreServer>("127.0.0.1", p + 2);
+      { ddp::detail::Fd c = ddp::detail::listen_tcp("127.0.0.1", p + 3); }
+      silent = std::move(a);
+      other = std::move(b);
+      base = p;
+    } catch (const ddp::Error&) {
+    }
+  }
+  REQUIRE(base != 0);
+  ddp::Store("127.0.0.1", base + 2).set("ddp/job", "127.0.0.1:1/another-job/0");
+
+  mp::TempDir dir;
+  ddp::spawn(3, [&](ddp::Environment env) {
+    ::setenv("DDP_STORE_HOSTED", "0", 1);  // rank 0 hosts, as under torchrun (not spawn's store)
+    env.launcher = "torchrun";
+    env.master_port = base;
+    env.store_port = base + 1;
+    env.store_ports = 8;
+    ddp::Options o;
+    o.timeout = std::chrono::seconds(20);
+    auto comm = Comm::init(env, o);
+    std::vector<int> v{comm.rank() + 1};
+    comm.all_reduce(v);
+    MP_EXPECT(v[0] == 6, "all_reduce gave " << v[0]);
+  });
+  // The other job's store was probed, never joined.
+  ddp::Store other_client("127.0.0.1", base + 2);
+  const std::string claims[] = {"ddp/0/default/claim/0"};
+  CHECK_FALSE(other_client.check(claims));
+
+  // With rank 0 absent the others give up at the timeout, naming the ports and DDP_STORE_PORT.
+  ddp::SpawnOptions so;
+  so.stop_on_failure = false;
+  ddp::spawn(
+      2,
+      [&](ddp::Environment env) {
+        if (env.rank == 0) return;
+        ::setenv("DDP_STORE_HOSTED", "0", 1);
+        env.launcher = "torchrun";
+        env.master_port = base;
+        env.store_port = base + 1;
+        env.store_ports = 8;
+        ddp::Options o;
+        o.timeout = std::chrono::milliseconds(1500);
+        const long long start = now_ms();
+        try {
+          auto comm = Comm::init(env, o);
+        } catch (const ddp::Error& e) {
+          report(dir, env.rank, e, now_ms() - start);
+        }
+      },
+      so);
+  const Outcome out = read_outcome(dir, 1);
+  CAPTURE(out.message);
+  CHECK(out.code == "timeout");
+  CHECK(out.message.find("or the 7 ports after it") != std::string::npos);
+  CHECK(out.message.find("DDP_STORE_PORT") != std::string::npos);
+  CHECK(out.ms < 5000);
+}
