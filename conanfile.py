@@ -22,10 +22,12 @@ class DdpConan(ConanFile):
     # (ddp::mpi / ddp::nccl) with its define and the system library it links. The libraries come
     # from the system, not from Conan packages: MPI through pkg-config's mpi-cxx (Open MPI, MPICH),
     # CUDA and NCCL from the conf user.ddp:cuda_root (else $CUDA_HOME, else /usr/local/cuda) and
-    # user.ddp:nccl_root (else $NCCL_ROOT, else the CUDA root).
-    options = {"with_mpi": [True, False], "with_nccl": [True, False]}
-    default_options = {"with_mpi": False, "with_nccl": False}
-    exports_sources = "include/*", "LICENSE"
+    # user.ddp:nccl_root (else $NCCL_ROOT, else the CUDA root). with_torch adds ddp::torch, the
+    # libtorch adapter, linked to the consumer's own libtorch: find_package(ddp) then runs
+    # find_package(Torch) (libtorch's CMake directory on CMAKE_PREFIX_PATH, as for CMake users).
+    options = {"with_mpi": [True, False], "with_nccl": [True, False], "with_torch": [True, False]}
+    default_options = {"with_mpi": False, "with_nccl": False, "with_torch": False}
+    exports_sources = "include/*", "LICENSE", "cmake/ddp-conan-torch.cmake"
     no_copy_source = True
 
     def layout(self):
@@ -38,6 +40,8 @@ class DdpConan(ConanFile):
         copy(self, "LICENSE", self.source_folder, os.path.join(self.package_folder, "licenses"))
         copy(self, "*.hpp", os.path.join(self.source_folder, "include"),
              os.path.join(self.package_folder, "include"))
+        copy(self, "ddp-conan-torch.cmake", os.path.join(self.source_folder, "cmake"),
+             os.path.join(self.package_folder, "lib", "cmake"))
 
     def _cuda_roots(self):
         cuda = self.conf.get("user.ddp:cuda_root", default=os.environ.get("CUDA_HOME", "/usr/local/cuda"))
@@ -83,3 +87,13 @@ class DdpConan(ConanFile):
             nccl_component.libdirs = sorted({os.path.join(cuda, "lib64"), os.path.join(nccl, "lib64"),
                                              os.path.join(nccl, "lib")})
             nccl_component.system_libs = ["nccl", "cudart"]
+        if self.options.with_torch:
+            torch = self.cpp_info.components["torch"]
+            torch.set_property("cmake_target_name", "ddp::torch")
+            torch.requires = ["core"]
+            torch.defines = ["DDP_HAS_TORCH=1"]
+            torch.bindirs = []
+            torch.libdirs = []
+            # libtorch is not a Conan package: this module finds the consumer's and links it.
+            self.cpp_info.set_property("cmake_build_modules",
+                                       [os.path.join("lib", "cmake", "ddp-conan-torch.cmake")])

@@ -21,6 +21,7 @@ class DdpTestPackage(ConanFile):
         toolchain = CMakeToolchain(self)
         toolchain.variables["DDP_TEST_MPI"] = bool(options.with_mpi)
         toolchain.variables["DDP_TEST_NCCL"] = bool(options.with_nccl)
+        toolchain.variables["DDP_TEST_TORCH"] = bool(options.with_torch)
         toolchain.generate()
 
     def build(self):
@@ -31,5 +32,8 @@ class DdpTestPackage(ConanFile):
     def test(self):
         if can_run(self):
             self.run(os.path.join(self.cpp.build.bindir, "test_package"), env="conanrun")
-            if self.dependencies["ddp"].options.with_mpi or self.dependencies["ddp"].options.with_nccl:
+            options = self.dependencies["ddp"].options
+            if options.with_mpi or options.with_nccl:
                 self.run(os.path.join(self.cpp.build.bindir, "test_components"), env="conanrun")
+            if options.with_torch:
+                self.run(os.path.join(self.cpp.build.bindir, "test_torch"), env="conanrun")

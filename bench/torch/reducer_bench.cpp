@@ -1,7 +1,7 @@
 // reducer-bench: libtorch's own C++ DDP engine, c10d::Reducer over c10d::ProcessGroupGloo, on the
 // training step torch-bench measures with ddp (the same models, batch, optimizer and threads):
 // what a libtorch user who writes DDP in C++ today would run.
-//   reducer-bench --model cnn|mlp --ranks N [--steps S] [--warmup W] [--hidden H]
+//   reducer-bench --model cnn|mnist-net|mlp --ranks N [--steps S] [--warmup W] [--hidden H]
 // The call sequence is Python DistributedDataParallel's (torch 1.13): the parameters broadcast
 // from rank 0 (broadcast_coalesced), buckets assigned by compute_bucket_assignment_by_size
 // (1 MiB first bucket, 25 MiB the others) and given to the Reducer in reverse, then each step
@@ -113,17 +113,18 @@ int main(int argc, char** argv) {
     else
       a.ranks = 0;
   }
-  if ((a.model != "cnn" && a.model != "mlp") || a.ranks < 1 || a.steps < 1 || a.warmup < 0 ||
+  if ((a.model != "cnn" && a.model != "mnist-net" && a.model != "mlp") || a.ranks < 1 || a.steps < 1 || a.warmup < 0 ||
       a.hidden < 1 || argc % 2 == 0) {
     std::fprintf(stderr,
-                 "usage: reducer-bench --model cnn|mlp --ranks N [--steps S] [--warmup W] "
+                 "usage: reducer-bench --model cnn|mnist-net|mlp --ranks N [--steps S] [--warmup W] "
                  "[--hidden H]\n");
     return 2;
   }
   try {
     ddp::spawn(a.ranks, [&](ddp::Environment env) {
-      const double ms = a.model == "mlp" ? run(a, torch_models::Mlp(a.hidden), env)
-                                         : run(a, torch_models::Cnn(), env);
+      const double ms = a.model == "mlp"         ? run(a, torch_models::Mlp(a.hidden), env)
+                        : a.model == "mnist-net" ? run(a, torch_models::MnistNet(), env)
+                                                 : run(a, torch_models::Cnn(), env);
       if (env.rank == 0)
         std::printf("%s reducer %d ranks: ms/step %.3f\n", a.model.c_str(), env.world_size, ms);
     });

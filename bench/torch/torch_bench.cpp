@@ -1,5 +1,5 @@
 // torch-bench: a libtorch training step with ddp, against the same step in one process.
-//   torch-bench --model mlp|cnn|device-mlp --ranks N --mode hooks|average|local|barrier|comm|none
+//   torch-bench --model mlp|cnn|mnist-net|device-mlp --ranks N --mode hooks|average|local|barrier|comm|none
 //               [--steps S] [--warmup W] [--phases]
 // Modes:
 //   hooks    GradientAverager with autograd hooks: buckets start during backward
@@ -12,7 +12,8 @@
 //            this model's gradients at this minute)
 //   none     one process, no communication (--ranks ignored)
 // Models: mlp (784-2048-2048-10, 25 MB of gradients) and cnn (examples/torch/models.hpp, the
-// models of bench/torch/torch_ddp.py, PyTorch DDP's side); device-mlp: the MLP's parameters, with
+// models of bench/torch/torch_ddp.py, PyTorch DDP's side); mnist-net: pytorch/examples' C++
+// MNIST network (22 k parameters, a short step); device-mlp: the MLP's parameters, with
 // each layer's forward and backward a wait as long as that layer's matrix products take on this
 // CPU (measured at start) -- an accelerator as its host thread sees it, leaving the CPU free while
 // it "computes" -- and gradients that stay allocated across steps, as device memory would. It has
@@ -232,6 +233,7 @@ double run_model(const Args& a, const std::array<std::array<double, 2>, 3>& laye
   torch::set_num_threads(1);
   torch::manual_seed(1);
   if (a.model == "cnn") return run(a, Cnn(), comm);
+  if (a.model == "mnist-net") return run(a, torch_models::MnistNet(), comm);
   if (a.model == "device-mlp") return run(a, DeviceMlp(layer_ms), comm);
   return run(a, Mlp(a.hidden), comm);
 }
@@ -271,13 +273,13 @@ int main(int argc, char** argv) {
     else
       a.ranks = 0;  // unknown: the usage below
   }
-  if (!one_of(a.model, {"mlp", "cnn", "device-mlp"}) ||
+  if (!one_of(a.model, {"mlp", "cnn", "mnist-net", "device-mlp"}) ||
       !one_of(a.mode, {"hooks", "average", "local", "barrier", "comm", "none"}) || a.ranks < 1 ||
       !one_of(a.hook, {"fp32", "bf16", "powersgd"}) || a.psgd_rank < 1 || a.hidden < 1 ||
       a.steps < 1 || a.warmup < 0) {
     std::fprintf(
         stderr,
-        "usage: torch-bench --model mlp|cnn|device-mlp --ranks N "
+        "usage: torch-bench --model mlp|cnn|mnist-net|device-mlp --ranks N "
         "--mode hooks|average|local|barrier|comm|none [--steps S] [--warmup W] [--phases]\n"
         "  [--hook fp32|bf16|powersgd] [--psgd-rank R] [--hidden H (the MLP's width)]\n");
     return 2;

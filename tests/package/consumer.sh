@@ -68,8 +68,11 @@ case $kind in
     # The profile's default is the compiler's default standard; ddp needs C++20.
     # Work on a copy, so the test package's build folder never lands in the source tree.
     mkdir -p "$work/src/tests/package"
+    mkdir -p "$work/src/cmake"
     cp -r "$src/conanfile.py" "$src/LICENSE" "$src/include" "$src/test_package" "$work/src/"
-    cp -r "$src/tests/package/common" "$src/tests/package/cmake_components" "$work/src/tests/package/"
+    cp "$src/cmake/ddp-conan-torch.cmake" "$work/src/cmake/"
+    cp -r "$src/tests/package/common" "$src/tests/package/cmake_components" \
+      "$src/tests/package/torch_pip" "$work/src/tests/package/"
     CXX=$cxx CC=${cxx/++/cc} conan create "$work/src" --no-remote --build=missing -s compiler.cppstd=20 \
       >"$work/conan.log" 2>&1 || { tail -60 "$work/conan.log"; exit 1; }
     out=$(grep -E '^ddp [0-9]' "$work/conan.log" | tail -1)
@@ -78,12 +81,23 @@ case $kind in
     options=()
     command -v mpicxx >/dev/null 2>&1 && options+=(-o "ddp/*:with_mpi=True")
     [ -e "${CUDA_HOME:-/usr/local/cuda}/include/nccl.h" ] && options+=(-o "ddp/*:with_nccl=True")
+    # with_torch where a libtorch CMake finds by default is installed (Debian's libtorch-dev)
+    compgen -G "/usr/lib/*/cmake/Torch/TorchConfig.cmake" >/dev/null \
+      || compgen -G "/usr/share/cmake/Torch/TorchConfig.cmake" >/dev/null \
+      && options+=(-o "ddp/*:with_torch=True")
     if [ ${#options[@]} -gt 0 ]; then
       CXX=$cxx CC=${cxx/++/cc} conan create "$work/src" --no-remote --build=missing -s compiler.cppstd=20 \
         "${options[@]}" >"$work/conan-options.log" 2>&1 || { tail -60 "$work/conan-options.log"; exit 1; }
-      grep -q "^components ok: ddp $version" "$work/conan-options.log" \
-        || { tail -40 "$work/conan-options.log"; echo "the components consumer did not run" >&2; exit 1; }
-      echo "conan create ${options[*]}: $(grep -E '^(mpi|nccl) linked' "$work/conan-options.log" | tr '\n' ' ')"
+      if [[ " ${options[*]} " == *with_mpi=True* || " ${options[*]} " == *with_nccl=True* ]]; then
+        grep -q "^components ok: ddp $version" "$work/conan-options.log" \
+          || { tail -40 "$work/conan-options.log"; echo "the components consumer did not run" >&2; exit 1; }
+      fi
+      if [[ " ${options[*]} " == *with_torch=True* ]]; then
+        grep -q "^libtorch [0-9.]* with ddp $version: all_reduce and GradientAverager ok" \
+          "$work/conan-options.log" \
+          || { tail -40 "$work/conan-options.log"; echo "the ddp::torch consumer did not run" >&2; exit 1; }
+      fi
+      echo "conan create ${options[*]}: $(grep -E '^(mpi|nccl) linked|^libtorch' "$work/conan-options.log" | tr '\n' ' ')"
     fi
     check_output "$out"
     ;;
