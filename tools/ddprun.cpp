@@ -160,14 +160,21 @@ std::chrono::milliseconds millis(double seconds) {
   return std::chrono::milliseconds(static_cast<long long>(seconds * 1000));
 }
 
+/// --help's usage line names the program and its arguments (CLI11's own says only [OPTIONS]).
+struct Usage : CLI::Formatter {
+  std::string make_usage(const CLI::App*, std::string) const override {
+    return "Usage: ddprun [OPTIONS] PROGRAM [ARGS...]\n";
+  }
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
   Config cfg;
   CLI::App app{
-      "ddprun [OPTIONS] PROGRAM [ARGS...]\n"
       "Launches the worker processes of a ddp (or torch.distributed) program. A PROGRAM ending in "
       ".py runs with $PYTHON (default: python3 on PATH)."};
+  app.formatter(std::make_shared<Usage>());
   // Both spellings: --nproc-per-node and torchrun's --nproc_per_node.
   app.add_option("--nproc-per-node,--nproc_per_node", cfg.nproc,
                  "workers on this node: a number, gpu (visible CUDA devices), cpu (usable CPUs) "

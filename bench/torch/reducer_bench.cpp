@@ -113,11 +113,12 @@ int main(int argc, char** argv) {
     else
       a.ranks = 0;
   }
-  if ((a.model != "cnn" && a.model != "mnist-net" && a.model != "mlp") || a.ranks < 1 || a.steps < 1 || a.warmup < 0 ||
-      a.hidden < 1 || argc % 2 == 0) {
-    std::fprintf(stderr,
-                 "usage: reducer-bench --model cnn|mnist-net|mlp --ranks N [--steps S] [--warmup W] "
-                 "[--hidden H]\n");
+  if ((a.model != "cnn" && a.model != "mnist-net" && a.model != "mlp") || a.ranks < 1 ||
+      a.steps < 1 || a.warmup < 0 || a.hidden < 1 || argc % 2 == 0) {
+    std::fprintf(
+        stderr,
+        "usage: reducer-bench --model cnn|mnist-net|mlp --ranks N [--steps S] [--warmup W] "
+        "[--hidden H]\n");
     return 2;
   }
   try {

@@ -1,5 +1,6 @@
 // torch-bench: a libtorch training step with ddp, against the same step in one process.
-//   torch-bench --model mlp|cnn|mnist-net|device-mlp --ranks N --mode hooks|average|local|barrier|comm|none
+//   torch-bench --model mlp|cnn|mnist-net|device-mlp --ranks N --mode
+//   hooks|average|local|barrier|comm|none
 //               [--steps S] [--warmup W] [--phases]
 // Modes:
 //   hooks    GradientAverager with autograd hooks: buckets start during backward

@@ -663,6 +663,10 @@ class SingleNode(Base):
             r = ddprun(*args)
             self.assertEqual(r.returncode, 2, (args, r.stderr))
             self.assertIn(message, r.stderr)
+        r = ddprun("--help")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout.count("Usage:"), 1, r.stdout)  # one usage line, naming PROGRAM
+        self.assertIn("Usage: ddprun [OPTIONS] PROGRAM [ARGS...]\n", r.stdout)
         r = ddprun("--standalone", "--nproc-per-node", 2, "/nonexistent/program")
         self.assertEqual(r.returncode, 127)
         self.assertIn('cannot run "/nonexistent/program": No such file or directory', r.stderr)
