@@ -294,50 +294,49 @@ class Communicator {
   /// all_to_all with split sizes (torch's all_to_all_single with split sizes, MPI_Alltoallv):
   /// in_counts[j] elements of `in` go to rank j; out_counts[j] elements from rank j land in `out`.
   template <detail::tensor_input In, detail::tensor_output Out>
-  void all_to_all(In&& in, Out&& out, std::span<const std::size_t> in_counts,
-                  std::span<const std::size_t> out_counts) {
+  void all_to_all(In&& in, Out&& out, Counts in_counts, Counts out_counts) {
     const auto counts = joined(in_counts, out_counts);
     exec(prepare_uneven(detail::Coll::all_to_all_v, in, out, counts, -1));
   }
   /// all_to_all() with split sizes, run asynchronously (the counts are copied).
   template <detail::tensor_input In, detail::tensor_output Out>
-  [[nodiscard]] Work all_to_all_async(In&& in, Out&& out, std::span<const std::size_t> in_counts,
-                                      std::span<const std::size_t> out_counts) {
+  [[nodiscard]] Work all_to_all_async(In&& in, Out&& out, Counts in_counts, Counts out_counts) {
     return uneven_async(detail::Coll::all_to_all_v, in, out, joined(in_counts, out_counts), -1);
   }
   /// all_gather with a count per rank (MPI_Allgatherv): rank j's `in` (counts[j] elements) into
   /// every rank's `out`.
   template <detail::tensor_input In, detail::tensor_output Out>
-  void all_gather(In&& in, Out&& out, std::span<const std::size_t> counts) {
+  void all_gather(In&& in, Out&& out, Counts counts) {
     exec(prepare_uneven(detail::Coll::all_gather_v, in, out, counts, -1));
   }
   /// The same, run asynchronously (the counts are copied).
   template <detail::tensor_input In, detail::tensor_output Out>
-  [[nodiscard]] Work all_gather_async(In&& in, Out&& out, std::span<const std::size_t> counts) {
-    return uneven_async(detail::Coll::all_gather_v, in, out, {counts.begin(), counts.end()}, -1);
+  [[nodiscard]] Work all_gather_async(In&& in, Out&& out, Counts counts) {
+    return uneven_async(detail::Coll::all_gather_v, in, out,
+                        {counts.span().begin(), counts.span().end()}, -1);
   }
   /// gather with a count per rank (MPI_Gatherv): `out` and `counts` are read on the root only.
   template <detail::tensor_input In, detail::tensor_output Out>
-  void gather(In&& in, Out&& out, std::span<const std::size_t> counts, int root = 0) {
+  void gather(In&& in, Out&& out, Counts counts, int root = 0) {
     exec(prepare_uneven(detail::Coll::gather_v, in, out, counts, root));
   }
   /// The same, run asynchronously (the counts are copied).
   template <detail::tensor_input In, detail::tensor_output Out>
-  [[nodiscard]] Work gather_async(In&& in, Out&& out, std::span<const std::size_t> counts,
-                                  int root = 0) {
-    return uneven_async(detail::Coll::gather_v, in, out, {counts.begin(), counts.end()}, root);
+  [[nodiscard]] Work gather_async(In&& in, Out&& out, Counts counts, int root = 0) {
+    return uneven_async(detail::Coll::gather_v, in, out,
+                        {counts.span().begin(), counts.span().end()}, root);
   }
   /// scatter with a count per rank (MPI_Scatterv): counts[j] elements of root's `in` into rank
   /// j's `out`; `in` and `counts` are read on the root only.
   template <detail::tensor_input In, detail::tensor_output Out>
-  void scatter(In&& in, Out&& out, std::span<const std::size_t> counts, int root = 0) {
+  void scatter(In&& in, Out&& out, Counts counts, int root = 0) {
     exec(prepare_uneven(detail::Coll::scatter_v, in, out, counts, root));
   }
   /// The same, run asynchronously (the counts are copied).
   template <detail::tensor_input In, detail::tensor_output Out>
-  [[nodiscard]] Work scatter_async(In&& in, Out&& out, std::span<const std::size_t> counts,
-                                   int root = 0) {
-    return uneven_async(detail::Coll::scatter_v, in, out, {counts.begin(), counts.end()}, root);
+  [[nodiscard]] Work scatter_async(In&& in, Out&& out, Counts counts, int root = 0) {
+    return uneven_async(detail::Coll::scatter_v, in, out,
+                        {counts.span().begin(), counts.span().end()}, root);
   }
 
   /// Point-to-point. Between a pair, sends and receives match in issue order; the receiver checks

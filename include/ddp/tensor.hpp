@@ -25,10 +25,12 @@
 
 #include <concepts>
 #include <cstddef>
+#include <initializer_list>
 #include <optional>
 #include <span>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 DDP_BEGIN_NAMESPACE
 
@@ -360,6 +362,53 @@ concept HostTensor = TensorLike<T> &&(static_device_kind_v<T> == DeviceKind::cpu
 template <TensorLike T>
   requires(!DynamicTensor<T>)
 inline constexpr DType tensor_dtype_v = dtype_of<tensor_value_t<T>>;
+
+namespace detail {
+/// A contiguous range of integers (not bool): element counts, one per rank.
+template <class R>
+concept count_range = std::ranges::contiguous_range<const R&> &&
+    std::integral<std::remove_cv_t<std::ranges::range_value_t<const R&>>> &&
+    !std::same_as<std::remove_cv_t<std::ranges::range_value_t<const R&>>, bool>;
+}  // namespace detail
+
+/// The element counts of a collective of uneven sizes, one per rank: any contiguous range of
+/// integers (std::vector<std::size_t>, torch's split sizes as std::vector<std::int64_t> or
+/// std::vector<int>, a std::span, a braced list). The collective refuses a negative count
+/// (Errc::invalid_argument). Other types than std::size_t are copied.
+class Counts {
+ public:
+  /// The counts in `r`: viewed when they are std::size_t (`r` must outlive the call), copied
+  /// from any other integer type.
+  template <detail::count_range R>
+  Counts(const R& r) {  // NOLINT(google-explicit-constructor): converts as a span would
+    using V = std::remove_cv_t<std::ranges::range_value_t<const R&>>;
+    if constexpr (std::same_as<V, std::size_t>) {
+      view_ = std::span<const std::size_t>(std::ranges::data(r), std::ranges::size(r));
+    } else {
+      // A negative count wraps to a value above any buffer's size, which the collective's
+      // checks name (with the rank and the collective) as negative.
+      own_.reserve(static_cast<std::size_t>(std::ranges::size(r)));
+      for (const V v : r) own_.push_back(static_cast<std::size_t>(v));
+      view_ = own_;
+    }
+  }
+  /// The counts of a braced list, copied.
+  Counts(std::initializer_list<std::size_t> c) : own_(c), view_(own_) {}
+  /// A copy (it views what `o` views, or owns a copy of what `o` owns).
+  Counts(const Counts& o) : own_(o.own_), view_(o.owns() ? own_ : o.view_) {}
+  Counts& operator=(const Counts&) = delete;
+  ~Counts() = default;
+
+  /// The counts.
+  [[nodiscard]] std::span<const std::size_t> span() const noexcept { return view_; }
+  /// The counts, where a std::span is taken.
+  operator std::span<const std::size_t>() const noexcept { return view_; }  // NOLINT
+
+ private:
+  [[nodiscard]] bool owns() const noexcept { return view_.data() == own_.data(); }
+  std::vector<std::size_t> own_;
+  std::span<const std::size_t> view_;
+};
 
 /// One operation of Communicator::batch_isend_irecv (torch's dist.P2POp): P2POp::send(t, peer)
 /// or P2POp::recv(t, peer), with a tag. It refers to the tensor's memory, which must stay alive

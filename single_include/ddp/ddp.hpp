@@ -748,10 +748,12 @@ DDP_END_NAMESPACE
 
 #include <concepts>
 #include <cstddef>
+#include <initializer_list>
 #include <optional>
 #include <span>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 DDP_BEGIN_NAMESPACE
 
@@ -1083,6 +1085,53 @@ concept HostTensor = TensorLike<T> &&(static_device_kind_v<T> == DeviceKind::cpu
 template <TensorLike T>
   requires(!DynamicTensor<T>)
 inline constexpr DType tensor_dtype_v = dtype_of<tensor_value_t<T>>;
+
+namespace detail {
+/// A contiguous range of integers (not bool): element counts, one per rank.
+template <class R>
+concept count_range = std::ranges::contiguous_range<const R&> &&
+    std::integral<std::remove_cv_t<std::ranges::range_value_t<const R&>>> &&
+    !std::same_as<std::remove_cv_t<std::ranges::range_value_t<const R&>>, bool>;
+}  // namespace detail
+
+/// The element counts of a collective of uneven sizes, one per rank: any contiguous range of
+/// integers (std::vector<std::size_t>, torch's split sizes as std::vector<std::int64_t> or
+/// std::vector<int>, a std::span, a braced list). The collective refuses a negative count
+/// (Errc::invalid_argument). Other types than std::size_t are copied.
+class Counts {
+ public:
+  /// The counts in `r`: viewed when they are std::size_t (`r` must outlive the call), copied
+  /// from any other integer type.
+  template <detail::count_range R>
+  Counts(const R& r) {  // NOLINT(google-explicit-constructor): converts as a span would
+    using V = std::remove_cv_t<std::ranges::range_value_t<const R&>>;
+    if constexpr (std::same_as<V, std::size_t>) {
+      view_ = std::span<const std::size_t>(std::ranges::data(r), std::ranges::size(r));
+    } else {
+      // A negative count wraps to a value above any buffer's size, which the collective's
+      // checks name (with the rank and the collective) as negative.
+      own_.reserve(static_cast<std::size_t>(std::ranges::size(r)));
+      for (const V v : r) own_.push_back(static_cast<std::size_t>(v));
+      view_ = own_;
+    }
+  }
+  /// The counts of a braced list, copied.
+  Counts(std::initializer_list<std::size_t> c) : own_(c), view_(own_) {}
+  /// A copy (it views what `o` views, or owns a copy of what `o` owns).
+  Counts(const Counts& o) : own_(o.own_), view_(o.owns() ? own_ : o.view_) {}
+  Counts& operator=(const Counts&) = delete;
+  ~Counts() = default;
+
+  /// The counts.
+  [[nodiscard]] std::span<const std::size_t> span() const noexcept { return view_; }
+  /// The counts, where a std::span is taken.
+  operator std::span<const std::size_t>() const noexcept { return view_; }  // NOLINT
+
+ private:
+  [[nodiscard]] bool owns() const noexcept { return view_.data() == own_.data(); }
+  std::vector<std::size_t> own_;
+  std::span<const std::size_t> view_;
+};
 
 /// One operation of Communicator::batch_isend_irecv (torch's dist.P2POp): P2POp::send(t, peer)
 /// or P2POp::recv(t, peer), with a tag. It refers to the tensor's memory, which must stay alive
@@ -3669,6 +3718,7 @@ DDP_END_NAMESPACE
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <string>
 #include <string_view>
@@ -3970,6 +4020,13 @@ inline void check_entries(std::span<const std::size_t> counts, Caller c, const c
   if (counts.size() != static_cast<std::size_t>(c.size)) {
     fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `", counts_name, "` has ",
          counts.size(), " entries but must have one per rank (", c.size, ")");
+  }
+  for (std::size_t j = 0; j < counts.size(); ++j) {
+    if (counts[j] > static_cast<std::size_t>(PTRDIFF_MAX)) {  // a negative count, converted
+      fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `", counts_name, "`[", j,
+           "] is ", static_cast<long long>(counts[j]),
+           ": a count is a number of elements, 0 or more");
+    }
   }
 }
 
@@ -6769,9 +6826,9 @@ struct CommState {
     const int ports = env.store_port != 0 ? std::max(1, env.store_ports) : 1;
     // With several candidate ports, the store says whose it is: a probing rank must not join
     // another job's store that took one of them.
-    const std::string job = concat(env.master_addr, ":", env.master_port, "/",
-                                   launcher.get("TORCHELASTIC_RUN_ID", ""), "/",
-                                   launcher.get("TORCHELASTIC_RESTART_COUNT", "0"));
+    const std::string job =
+        concat(env.master_addr, ":", env.master_port, "/", launcher.get("TORCHELASTIC_RUN_ID", ""),
+               "/", launcher.get("TORCHELASTIC_RESTART_COUNT", "0"));
     const bool hosted = options.external_store || launcher.get("DDP_STORE_HOSTED") == "1";
     if (env.rank == 0 && !hosted) {
       store_port = host_store(env, store_port, ports, so);
@@ -8678,50 +8735,49 @@ class Communicator {
   /// all_to_all with split sizes (torch's all_to_all_single with split sizes, MPI_Alltoallv):
   /// in_counts[j] elements of `in` go to rank j; out_counts[j] elements from rank j land in `out`.
   template <detail::tensor_input In, detail::tensor_output Out>
-  void all_to_all(In&& in, Out&& out, std::span<const std::size_t> in_counts,
-                  std::span<const std::size_t> out_counts) {
+  void all_to_all(In&& in, Out&& out, Counts in_counts, Counts out_counts) {
     const auto counts = joined(in_counts, out_counts);
     exec(prepare_uneven(detail::Coll::all_to_all_v, in, out, counts, -1));
   }
   /// all_to_all() with split sizes, run asynchronously (the counts are copied).
   template <detail::tensor_input In, detail::tensor_output Out>
-  [[nodiscard]] Work all_to_all_async(In&& in, Out&& out, std::span<const std::size_t> in_counts,
-                                      std::span<const std::size_t> out_counts) {
+  [[nodiscard]] Work all_to_all_async(In&& in, Out&& out, Counts in_counts, Counts out_counts) {
     return uneven_async(detail::Coll::all_to_all_v, in, out, joined(in_counts, out_counts), -1);
   }
   /// all_gather with a count per rank (MPI_Allgatherv): rank j's `in` (counts[j] elements) into
   /// every rank's `out`.
   template <detail::tensor_input In, detail::tensor_output Out>
-  void all_gather(In&& in, Out&& out, std::span<const std::size_t> counts) {
+  void all_gather(In&& in, Out&& out, Counts counts) {
     exec(prepare_uneven(detail::Coll::all_gather_v, in, out, counts, -1));
   }
   /// The same, run asynchronously (the counts are copied).
   template <detail::tensor_input In, detail::tensor_output Out>
-  [[nodiscard]] Work all_gather_async(In&& in, Out&& out, std::span<const std::size_t> counts) {
-    return uneven_async(detail::Coll::all_gather_v, in, out, {counts.begin(), counts.end()}, -1);
+  [[nodiscard]] Work all_gather_async(In&& in, Out&& out, Counts counts) {
+    return uneven_async(detail::Coll::all_gather_v, in, out,
+                        {counts.span().begin(), counts.span().end()}, -1);
   }
   /// gather with a count per rank (MPI_Gatherv): `out` and `counts` are read on the root only.
   template <detail::tensor_input In, detail::tensor_output Out>
-  void gather(In&& in, Out&& out, std::span<const std::size_t> counts, int root = 0) {
+  void gather(In&& in, Out&& out, Counts counts, int root = 0) {
     exec(prepare_uneven(detail::Coll::gather_v, in, out, counts, root));
   }
   /// The same, run asynchronously (the counts are copied).
   template <detail::tensor_input In, detail::tensor_output Out>
-  [[nodiscard]] Work gather_async(In&& in, Out&& out, std::span<const std::size_t> counts,
-                                  int root = 0) {
-    return uneven_async(detail::Coll::gather_v, in, out, {counts.begin(), counts.end()}, root);
+  [[nodiscard]] Work gather_async(In&& in, Out&& out, Counts counts, int root = 0) {
+    return uneven_async(detail::Coll::gather_v, in, out,
+                        {counts.span().begin(), counts.span().end()}, root);
   }
   /// scatter with a count per rank (MPI_Scatterv): counts[j] elements of root's `in` into rank
   /// j's `out`; `in` and `counts` are read on the root only.
   template <detail::tensor_input In, detail::tensor_output Out>
-  void scatter(In&& in, Out&& out, std::span<const std::size_t> counts, int root = 0) {
+  void scatter(In&& in, Out&& out, Counts counts, int root = 0) {
     exec(prepare_uneven(detail::Coll::scatter_v, in, out, counts, root));
   }
   /// The same, run asynchronously (the counts are copied).
   template <detail::tensor_input In, detail::tensor_output Out>
-  [[nodiscard]] Work scatter_async(In&& in, Out&& out, std::span<const std::size_t> counts,
-                                   int root = 0) {
-    return uneven_async(detail::Coll::scatter_v, in, out, {counts.begin(), counts.end()}, root);
+  [[nodiscard]] Work scatter_async(In&& in, Out&& out, Counts counts, int root = 0) {
+    return uneven_async(detail::Coll::scatter_v, in, out,
+                        {counts.span().begin(), counts.span().end()}, root);
   }
 
   /// Point-to-point. Between a pair, sends and receives match in issue order; the receiver checks

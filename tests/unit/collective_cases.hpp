@@ -492,6 +492,31 @@ void uneven_collectives(C& comm, Wrap wrap = {}) {
       }
     }
   });
+  // Counts of other integer types, as torch's split sizes are (copied): rank i sends i + j + 1
+  // floats to rank j.
+  {
+    std::vector<int> ins(up);
+    std::vector<std::int64_t> outs(up);
+    for (int j = 0; j < p; ++j) {
+      ins[static_cast<std::size_t>(j)] = r + j + 1;
+      outs[static_cast<std::size_t>(j)] = j + r + 1;
+    }
+    std::vector<float> in, out(static_cast<std::size_t>(p * (p + 1) / 2 + p * r)), out2(out.size());
+    for (int j = 0; j < p; ++j)
+      for (int k = 0; k < r + j + 1; ++k) in.push_back(static_cast<float>(100 * r + j));
+    comm.all_to_all(wrap(in), wrap(out), ins, outs);
+    comm.all_to_all_async(wrap(in), wrap(out2), std::vector<int>(ins),
+                          std::vector<std::int64_t>(outs))
+        .wait();
+    std::size_t at = 0;
+    for (int j = 0; j < p; ++j) {
+      for (int k = 0; k < j + r + 1; ++k, ++at) {
+        MP_EXPECT(
+            out[at] == static_cast<float>(100 * j + r) && out2[at] == out[at],
+            "all_to_all with int counts: element " << at << " is " << out[at] << " / " << out2[at]);
+      }
+    }
+  }
 }
 
 /// all_reduce_coalesced: several buffers of one type as one operation, sync and async.

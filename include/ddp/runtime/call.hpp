@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <string>
 #include <string_view>
@@ -322,6 +323,13 @@ inline void check_entries(std::span<const std::size_t> counts, Caller c, const c
   if (counts.size() != static_cast<std::size_t>(c.size)) {
     fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `", counts_name, "` has ",
          counts.size(), " entries but must have one per rank (", c.size, ")");
+  }
+  for (std::size_t j = 0; j < counts.size(); ++j) {
+    if (counts[j] > static_cast<std::size_t>(PTRDIFF_MAX)) {  // a negative count, converted
+      fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `", counts_name, "`[", j,
+           "] is ", static_cast<long long>(counts[j]),
+           ": a count is a number of elements, 0 or more");
+    }
   }
 }
 
