@@ -1,6 +1,7 @@
 # cmake -P CompileFail.cmake: one compile-fail test.
 #   COMPILER, STD, INCLUDE, SOURCE, REGEX (the pinned diagnostic), FLAGS (;-list, optional),
-#   FIRST_ERROR (optional: REGEX must match the first line that says "error", not any line)
+#   FIRST_ERROR (optional: REGEX must match the first line that says "error", not any line),
+#   MAX_LINES (optional: the compiler's whole output may have at most this many lines)
 # The source holds a valid program; with -DDDP_COMPILE_FAIL it holds one misuse instead. The
 # test passes only when the valid variant compiles (so the file itself is sound) and the misuse
 # fails with a diagnostic matching REGEX (so it fails for the reason we pin).
@@ -25,5 +26,13 @@ endif()
 if(NOT "${_searched}" MATCHES "${REGEX}")
   message(FATAL_ERROR "${SOURCE} failed to compile, but not with the pinned diagnostic\n"
                       "  expected to match: ${REGEX}\n  got:\n${_out}${_err}")
+endif()
+if(MAX_LINES)
+  string(REGEX MATCHALL "\n" _newlines "${_out}${_err}")
+  list(LENGTH _newlines _lines)
+  if(_lines GREATER MAX_LINES)
+    message(FATAL_ERROR "${SOURCE} was rejected with the pinned diagnostic, but in ${_lines} lines "
+                        "(at most ${MAX_LINES}):\n${_out}${_err}")
+  endif()
 endif()
 message(STATUS "${SOURCE}: rejected with the pinned diagnostic")

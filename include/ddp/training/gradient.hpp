@@ -162,6 +162,11 @@ class GradientAverager : public detail::Averager<M, Backend>, public Joinable {
     });
     if (options.broadcast_parameters || options.broadcast_buffers) this->broadcast_buffers(0);
   }
+  /// A model ddp cannot take, after the compile error that says why (detail::rejected_model).
+  template <class Other>
+    requires std::same_as<M, detail::rejected_model> GradientAverager(Communicator<Backend>& comm,
+                                                                      Other& model,
+                                                                      AveragerOptions options = {});
 
   /// Joinable (ddp::Join, uneven inputs): in a Join, gradients are summed and divided by the
   /// number of ranks that trained the step; a finished rank runs each bucket's comm hook on

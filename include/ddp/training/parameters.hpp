@@ -205,15 +205,25 @@ consteval bool explain_model() {
   return false;
 }
 
+/// What an averager of a type that is not a Model is deduced to, after the error that says why:
+/// a valid model, whose averager takes any argument (a constructor declared, never defined), so
+/// that the compiler stops at that one error instead of listing every constructor it tried.
+struct rejected_parameter {
+  std::vector<float> value, grad;  ///< a Parameter's members
+};
+/// See rejected_parameter.
+struct rejected_model : std::vector<rejected_parameter> {};
+
 /// An averager's model type: M when it is a Model, else a compile error that says why (the
 /// averagers' deduction guides return Averager<model_t<M>, ...>, so both g++ and clang++ print
-/// the reason first).
+/// the reason first, and nothing after it).
 template <class M>
-using model_t = std::conditional_t<explain_model<M>(), M, M>;
+using model_t = std::conditional_t<explain_model<M>(), M, rejected_model>;
 
 /// The element type an averager of M uses by default: the gradients' type, or float32 where it
-/// is known only at run time (then checked at construction).
-template <class M, class P = param_of_t<M>, bool = dynamic_parameter<P>>
+/// is known only at run time (then checked at construction) or where P is no Parameter (the
+/// deduction guide has then said why).
+template <class M, class P = param_of_t<M>, bool = dynamic_parameter<P> || !Parameter<P>>
 struct model_element {
   using type = tensor_value_t<grad_of_t<P>>;
 };

@@ -99,6 +99,11 @@ class ShardedAverager : public detail::Averager<M, Backend> {
     });
     for (const auto& v : engine().values()) total_size_ += v.size;
   }
+  /// A model ddp cannot take, after the compile error that says why (detail::rejected_model).
+  template <class Other>
+    requires std::same_as<M, detail::rejected_model> ShardedAverager(Communicator<Backend>& comm,
+                                                                     Other& model,
+                                                                     ShardedOptions options = {});
 
   /// This rank's shard: the ranges of parameters it updates, by parameter then offset. The
   /// views follow the model's buffers (looked up again at each step); a Model, for optimizers.
