@@ -45,6 +45,23 @@ def shm_entries():
     return set(glob.glob("/dev/shm/ddp-*"))
 
 
+def hold_ports(first, count):
+    """Listening sockets on first .. first + count - 1, or None when one of them is taken."""
+    held = []
+    for port in range(first, first + count):
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        except OSError:
+            s.close()
+            for h in held:
+                h.close()
+            return None
+        held.append(s)
+    return held
+
+
 class ByHand(Base):
     def test_world_size_disagreement_fails_every_rank(self):
         # Rank 0 believes in 3 ranks, the others in 4: before, rank 0 finished "successfully"
@@ -102,11 +119,22 @@ class ByHand(Base):
             ]
             for env, master_port, needles in cases:
                 with self.subTest(env=env):
-                    p = start_rank(0, 2, master_port, "allreduce", env=env, timeout_s=10)
-                    _, err = p.communicate(timeout=LIMIT)
+                    # Under torchrun rank 0 moves on to the 7 ports after MASTER_PORT + 1: all
+                    # eight taken, it fails.
+                    torchrun = "TORCHELASTIC_USE_AGENT_STORE" in env
+                    held = hold_ports(port + 1, 7) if torchrun else []
+                    if torchrun and held is None:
+                        continue  # a neighbour of the port is someone else's: nothing to test
+                    try:
+                        p = start_rank(0, 2, master_port, "allreduce", env=env, timeout_s=10)
+                        _, err = p.communicate(timeout=LIMIT)
+                    finally:
+                        for h in held or []:
+                            h.close()
                     self.assertNotEqual(p.returncode, 0, err)
-                    self.assertIn(f"rank 0: cannot host ddp's rendezvous store at 127.0.0.1:{port}: "
-                                  "the port is in use", err)
+                    self.assertIn(f"rank 0: cannot host ddp's rendezvous store at 127.0.0.1:{port}"
+                                  + (" (nor on the 7 ports after it)" if torchrun else "")
+                                  + ": the port is in use", err)
                     self.assertIn("Set DDP_STORE_PORT to a free port (the same on every rank)", err)
                     for needle in needles:
                         self.assertIn(needle, err)
