@@ -4003,6 +4003,18 @@ inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, 
                       static_cast<int>(specs[3 * i + 1]), static_cast<int>(specs[3 * i + 2]), c);
     bytes += bufs[i].bytes();
   }
+  // A receive writes its buffer while the batch runs: no other op may use that memory (the
+  // result would depend on the order of the pairs).
+  for (std::size_t i = 0; i < bufs.size(); ++i) {
+    for (std::size_t j = 0; j < bufs.size(); ++j) {
+      if (i != j && specs[3 * i] == 0 && (specs[3 * j] != 0 || j > i) &&
+          overlaps(bufs[i].data, bufs[i].bytes(), bufs[j].data, bufs[j].bytes())) {
+        fail(Errc::invalid_argument, "rank ", c.rank, ": batch_isend_irecv: op ", i,
+             " (a recv) and op ", j, specs[3 * j] != 0 ? " (a send)" : " (a recv)",
+             " use overlapping memory; give each receive a buffer of its own");
+      }
+    }
+  }
   return Call{.name = "batch_isend_irecv",
               .coll = Coll::batch_p2p,
               .many = bufs,
@@ -4024,8 +4036,8 @@ inline void check_entries(std::span<const std::size_t> counts, Caller c, const c
   for (std::size_t j = 0; j < counts.size(); ++j) {
     if (counts[j] > static_cast<std::size_t>(PTRDIFF_MAX)) {  // a negative count, converted
       fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `", counts_name, "`[", j,
-           "] is ", static_cast<long long>(counts[j]),
-           ": a count is a number of elements, 0 or more");
+           "] is ", counts[j], " (", static_cast<long long>(counts[j]),
+           " converted to std::size_t): a count is a number of elements, 0 or more");
     }
   }
 }
@@ -7047,11 +7059,36 @@ struct CommState {
     const std::string at = concat("monitored/", monitored_barriers++, "/");
     const std::string what = concat("monitored_barrier #", monitored_barriers - 1);
     const std::string verdict = at + "verdict";
+    // Waits up to `limit` for `keys` (each ends in the rank it waits for; the verdict is rank
+    // 0's); returns those still missing. A rank among them whose process left (its store connection
+    // closed: "exit/<r>") is not waited for: that fails at once with Errc::peer_lost.
+    const auto await = [&](std::vector<std::string> keys, std::chrono::milliseconds limit,
+                           const char* doing) {
+      const auto deadline = Clock::now() + limit;
+      for (;;) {
+        const auto left =
+            std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+        keys = store->missing_after(
+            keys, std::clamp(left, std::chrono::milliseconds(0), std::chrono::milliseconds(100)));
+        if (keys.empty() || left.count() <= 0) return keys;
+        for (const std::string& k : keys) {
+          const std::string r = k == verdict ? "0" : k.substr(k.rfind('/') + 1),
+                            exited[] = {concat("exit/", r)};
+          if (!store->check(exited)) continue;
+          const std::string why = concat("rank ", r,
+                                         " left (its process exited, or it destroyed "
+                                         "its communicator) before ",
+                                         doing);
+          if (rank == 0) store->set(verdict, why);
+          fail(Errc::peer_lost, "rank ", rank, ": ", what, ": ", why);
+        }
+      }
+    };
     store->set(concat(at, rank), "");
     if (rank == 0) {
       std::vector<std::string> keys;
       for (int r = 1; r < size; ++r) keys.push_back(concat(at, r));
-      const auto missing = store->missing_after(keys, timeout);
+      const auto missing = await(keys, timeout, "arriving");
       if (missing.empty()) {
         store->set(verdict, "");
         return;
@@ -7070,17 +7107,17 @@ struct CommState {
       store->set(verdict, why);
       fail(Errc::timeout, "rank 0: ", what, ": ", why);
     }
-    const std::string zero = at + "0";
-    if (!store->missing_after(std::span<const std::string>(&zero, 1), timeout).empty())
+    if (!await({at + "0"}, timeout, "arriving").empty())
       fail(Errc::timeout, "rank ", rank, ": ", what, ": rank 0 did not arrive within ",
            timeout.count(), " ms (stopped, slow, or not calling it)");
     // Rank 0 gives it within `timeout` of its own arrival (and a moment to write it).
     const auto grace = timeout + std::chrono::seconds(2);
-    if (!store->missing_after(std::span<const std::string>(&verdict, 1), grace).empty())
+    if (!await({verdict}, grace, "giving its verdict").empty())
       fail(Errc::timeout, "rank ", rank, ": ", what, ": rank 0 gave no verdict within ",
            grace.count(), " ms of arriving");
     if (std::string why = store->get(verdict); !why.empty())
-      fail(Errc::timeout, "rank ", rank, ": ", what, ": failed because rank 0 reported: ", why);
+      fail(why.find(" left (") != std::string::npos ? Errc::peer_lost : Errc::timeout, "rank ",
+           rank, ": ", what, ": failed because rank 0 reported: ", why);
   }
 
   /// Marks the communicator failed with `why` (the first failure wins).
@@ -9186,9 +9223,11 @@ DDP_END_NAMESPACE
 // #include "ddp/runtime/collective.hpp" (already included above)
 
 #include <atomic>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <optional>
 #include <span>
@@ -9229,14 +9268,21 @@ struct Piece {
 
 using Want = FunctionRef<Range(int src, int dst)>;
 
-/// The header that precedes every point-to-point message (both transports).
+/// The header that precedes every point-to-point message (both transports). `kind` sits where a
+/// collective's Fingerprint has its `coll`, and holds a value no Coll has: over TCP, where a
+/// pair's collectives and messages share one stream, a send that no receive took is named as
+/// such by the next collective's fingerprint check, and a collective met by a receive too.
 struct P2PHeader {
+  static constexpr std::uint8_t p2p = 0xEE;  ///< `kind` of a point-to-point message
   std::uint64_t seq;
   std::uint64_t count;
   std::int32_t tag;
+  std::uint8_t kind;  ///< p2p
   DType dtype;
-  std::uint8_t pad[3];
+  std::uint8_t pad[2];
 };
+static_assert(sizeof(P2PHeader) == sizeof(Fingerprint) &&
+              offsetof(P2PHeader, kind) == offsetof(Fingerprint, coll));
 
 /// The first failure of a transport, kept so that every later call fails the same way.
 struct Poison {
@@ -9340,6 +9386,14 @@ class Transport {
   /// "rank R: <what>: mismatched collectives: this rank called X but rank P called Y; ..."
   [[nodiscard]] std::string mismatch_message(const Fingerprint& mine, int peer,
                                              const Fingerprint& theirs) const {
+    if (static_cast<std::uint8_t>(theirs.coll) == P2PHeader::p2p) {
+      const auto h = std::bit_cast<P2PHeader>(theirs);
+      return concat("rank ", global(rank_), ": ", to_string(mine), ": rank ", global(peer),
+                    " sent this rank a message that no recv took (send(tag ", h.tag, ", ",
+                    to_string(h.dtype), ", count=", h.count, ") #", h.seq,
+                    ") before this collective; every send needs its recv on the peer before "
+                    "the next collective");
+    }
     const std::string what = theirs.coll == static_cast<Coll>(0)
                                  ? std::string("was in a later round of another collective")
                                  : concat("called ", to_string(theirs));
@@ -9360,6 +9414,16 @@ class Transport {
   /// Empty when the header is the send that matches this recv, else the error message.
   [[nodiscard]] std::string p2p_mismatch(const Buf& buf, int peer, int tag, std::uint64_t seq,
                                          const P2PHeader& h) const {
+    if (h.kind != P2PHeader::p2p) {
+      const auto theirs = std::bit_cast<Fingerprint>(h);
+      return concat("rank ", rank_, ": ", recv_description(buf, peer, tag), " #", seq,
+                    " got no message from rank ", peer, " but ",
+                    theirs.coll == static_cast<Coll>(0) || !verify_fingerprints
+                        ? std::string("other data (a collective's)")
+                        : concat("the start of a collective, ", to_string(theirs)),
+                    ": that rank called a collective where this rank receives; every recv needs "
+                    "its send on the peer before the next collective");
+    }
     if (h.seq == seq && h.tag == tag && h.dtype == buf.dtype && h.count == buf.count) return {};
     return concat("rank ", rank_, ": ", recv_description(buf, peer, tag), " #", seq,
                   " got send(tag ", h.tag, ", ", to_string(h.dtype), ", count=", h.count, ") #",
@@ -10846,7 +10910,7 @@ class ShmTransport final : public Transport {
 
   void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
     check_abort(nullptr);
-    const P2PHeader h{seq, buf.count, tag, buf.dtype, {}};
+    const P2PHeader h{seq, buf.count, tag, P2PHeader::p2p, buf.dtype, {}};
     channel_write(peer, &h, sizeof h, "send", buf, tag);
     channel_write(peer, buf.data, buf.bytes(), "send", buf, tag);
   }
@@ -11292,7 +11356,7 @@ class TcpTransport final : public Transport {
 
   void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
     check_abort(nullptr);
-    p2p_header_ = {seq, buf.count, tag, buf.dtype, {}};
+    p2p_header_ = {seq, buf.count, tag, P2PHeader::p2p, buf.dtype, {}};
     for (auto& x : xfers_) x.clear();
     auto& x = xfers_[static_cast<std::size_t>(peer)];
     x.out.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});
@@ -16865,8 +16929,9 @@ class GradientAverager : public detail::Averager<M, Backend>, public Joinable {
   }
   /// A model ddp cannot take, after the compile error that says why (detail::rejected_model).
   template <class Other>
-    requires std::same_as<M, detail::rejected_model>
-  GradientAverager(Communicator<Backend>& comm, Other& model, AveragerOptions options = {});
+    requires std::same_as<M, detail::rejected_model> GradientAverager(Communicator<Backend>& comm,
+                                                                      Other& model,
+                                                                      AveragerOptions options = {});
 
   /// Joinable (ddp::Join, uneven inputs): in a Join, gradients are summed and divided by the
   /// number of ranks that trained the step; a finished rank runs each bucket's comm hook on
@@ -18317,8 +18382,9 @@ class ShardedAverager : public detail::Averager<M, Backend> {
   }
   /// A model ddp cannot take, after the compile error that says why (detail::rejected_model).
   template <class Other>
-    requires std::same_as<M, detail::rejected_model>
-  ShardedAverager(Communicator<Backend>& comm, Other& model, ShardedOptions options = {});
+    requires std::same_as<M, detail::rejected_model> ShardedAverager(Communicator<Backend>& comm,
+                                                                     Other& model,
+                                                                     ShardedOptions options = {});
 
   /// This rank's shard: the ranges of parameters it updates, by parameter then offset. The
   /// views follow the model's buffers (looked up again at each step); a Model, for optimizers.

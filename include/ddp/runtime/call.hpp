@@ -306,6 +306,18 @@ inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, 
                       static_cast<int>(specs[3 * i + 1]), static_cast<int>(specs[3 * i + 2]), c);
     bytes += bufs[i].bytes();
   }
+  // A receive writes its buffer while the batch runs: no other op may use that memory (the
+  // result would depend on the order of the pairs).
+  for (std::size_t i = 0; i < bufs.size(); ++i) {
+    for (std::size_t j = 0; j < bufs.size(); ++j) {
+      if (i != j && specs[3 * i] == 0 && (specs[3 * j] != 0 || j > i) &&
+          overlaps(bufs[i].data, bufs[i].bytes(), bufs[j].data, bufs[j].bytes())) {
+        fail(Errc::invalid_argument, "rank ", c.rank, ": batch_isend_irecv: op ", i,
+             " (a recv) and op ", j, specs[3 * j] != 0 ? " (a send)" : " (a recv)",
+             " use overlapping memory; give each receive a buffer of its own");
+      }
+    }
+  }
   return Call{.name = "batch_isend_irecv",
               .coll = Coll::batch_p2p,
               .many = bufs,
@@ -327,8 +339,8 @@ inline void check_entries(std::span<const std::size_t> counts, Caller c, const c
   for (std::size_t j = 0; j < counts.size(); ++j) {
     if (counts[j] > static_cast<std::size_t>(PTRDIFF_MAX)) {  // a negative count, converted
       fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `", counts_name, "`[", j,
-           "] is ", static_cast<long long>(counts[j]),
-           ": a count is a number of elements, 0 or more");
+           "] is ", counts[j], " (", static_cast<long long>(counts[j]),
+           " converted to std::size_t): a count is a number of elements, 0 or more");
     }
   }
 }

@@ -336,11 +336,36 @@ struct CommState {
     const std::string at = concat("monitored/", monitored_barriers++, "/");
     const std::string what = concat("monitored_barrier #", monitored_barriers - 1);
     const std::string verdict = at + "verdict";
+    // Waits up to `limit` for `keys` (each ends in the rank it waits for; the verdict is rank
+    // 0's); returns those still missing. A rank among them whose process left (its store connection
+    // closed: "exit/<r>") is not waited for: that fails at once with Errc::peer_lost.
+    const auto await = [&](std::vector<std::string> keys, std::chrono::milliseconds limit,
+                           const char* doing) {
+      const auto deadline = Clock::now() + limit;
+      for (;;) {
+        const auto left =
+            std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+        keys = store->missing_after(
+            keys, std::clamp(left, std::chrono::milliseconds(0), std::chrono::milliseconds(100)));
+        if (keys.empty() || left.count() <= 0) return keys;
+        for (const std::string& k : keys) {
+          const std::string r = k == verdict ? "0" : k.substr(k.rfind('/') + 1),
+                            exited[] = {concat("exit/", r)};
+          if (!store->check(exited)) continue;
+          const std::string why = concat("rank ", r,
+                                         " left (its process exited, or it destroyed "
+                                         "its communicator) before ",
+                                         doing);
+          if (rank == 0) store->set(verdict, why);
+          fail(Errc::peer_lost, "rank ", rank, ": ", what, ": ", why);
+        }
+      }
+    };
     store->set(concat(at, rank), "");
     if (rank == 0) {
       std::vector<std::string> keys;
       for (int r = 1; r < size; ++r) keys.push_back(concat(at, r));
-      const auto missing = store->missing_after(keys, timeout);
+      const auto missing = await(keys, timeout, "arriving");
       if (missing.empty()) {
         store->set(verdict, "");
         return;
@@ -359,17 +384,17 @@ struct CommState {
       store->set(verdict, why);
       fail(Errc::timeout, "rank 0: ", what, ": ", why);
     }
-    const std::string zero = at + "0";
-    if (!store->missing_after(std::span<const std::string>(&zero, 1), timeout).empty())
+    if (!await({at + "0"}, timeout, "arriving").empty())
       fail(Errc::timeout, "rank ", rank, ": ", what, ": rank 0 did not arrive within ",
            timeout.count(), " ms (stopped, slow, or not calling it)");
     // Rank 0 gives it within `timeout` of its own arrival (and a moment to write it).
     const auto grace = timeout + std::chrono::seconds(2);
-    if (!store->missing_after(std::span<const std::string>(&verdict, 1), grace).empty())
+    if (!await({verdict}, grace, "giving its verdict").empty())
       fail(Errc::timeout, "rank ", rank, ": ", what, ": rank 0 gave no verdict within ",
            grace.count(), " ms of arriving");
     if (std::string why = store->get(verdict); !why.empty())
-      fail(Errc::timeout, "rank ", rank, ": ", what, ": failed because rank 0 reported: ", why);
+      fail(why.find(" left (") != std::string::npos ? Errc::peer_lost : Errc::timeout, "rank ",
+           rank, ": ", what, ": failed because rank 0 reported: ", why);
   }
 
   /// Marks the communicator failed with `why` (the first failure wins).

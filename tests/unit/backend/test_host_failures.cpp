@@ -427,6 +427,41 @@ TEST_CASE("a rank that leaves does not disturb the others' sends and receives") 
   }
 }
 
+TEST_CASE("over tcp, a send no rank received is named by the next collective, and vice versa") {
+  // A pair's messages and collectives share one stream: the headers say which is which.
+  for (const bool sender_first : {true, false}) {
+    CAPTURE(sender_first);
+    mp::TempDir dir;
+    run_faulty(2, ddp::HostTransport::tcp, [&](Comm& comm) {
+      const int r = comm.rank();
+      std::vector<float> v(16, 1001.0f), g(16, static_cast<float>(r + 1));
+      try {
+        if (sender_first) {
+          if (r == 1) comm.send(v, 0);  // nobody receives it
+          comm.all_reduce(g);
+        } else if (r == 0) {
+          comm.recv(v, 1);  // rank 1 sends nothing: it calls a collective
+        } else {
+          comm.all_reduce(g);
+        }
+        mp::TempDir::write(dir.file("rank" + std::to_string(r)), "ok 0");
+      } catch (const ddp::Error& e) {
+        report(dir, r, e, 0);
+      }
+    });
+    const Outcome out = read_outcome(dir, 0);
+    CAPTURE(out.message);
+    CHECK(out.code == "mismatch");
+    CHECK(out.message.find(sender_first
+                               ? "rank 1 sent this rank a message that no recv took (send(tag 0, "
+                                 "float32, count=16) #0) before this collective"
+                               : "got no message from rank 1 but the start of a collective, "
+                                 "all_reduce(float32, count=16") != std::string::npos);
+    // (The sender's all_reduce may complete: rank 0's data reached it before rank 0 failed.)
+    if (!sender_first) CHECK(read_outcome(dir, 1).code != "ok");
+  }
+}
+
 TEST_CASE("uneven sizes that disagree fail on every rank, naming the pair, before data moves") {
   for (const mp::Path& t : mp::paths()) {
     CAPTURE(mp::name(t));
@@ -452,6 +487,34 @@ TEST_CASE("uneven sizes that disagree fail on every rank, naming the pair, befor
                              ": all_to_all(float32, counts per rank)") != std::string::npos);
       CHECK(out.message.find("rank 1 sends 1 elements to rank 2, which expects 2 from it") !=
             std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("monitored_barrier: a rank that died is named at once, not at the timeout") {
+  for (const int dead : {1, 0}) {
+    CAPTURE(dead);
+    mp::TempDir dir;
+    run_faulty(3, ddp::HostTransport::shm, [&](Comm& comm) {
+      const int r = comm.rank();
+      comm.monitored_barrier(std::chrono::seconds(20), true);
+      if (r == dead) ::_exit(0);  // dies without a word
+      const long long start = now_ms();
+      try {
+        comm.monitored_barrier(std::chrono::seconds(20), true);
+        mp::TempDir::write(dir.file("rank" + std::to_string(r)), "ok 0");
+      } catch (const ddp::Error& e) {
+        report(dir, r, e, now_ms() - start);
+      }
+    });
+    for (int r = 0; r < 3; ++r) {
+      if (r == dead) continue;
+      const Outcome out = read_outcome(dir, r);
+      CAPTURE(out.message);
+      CHECK(out.code == "peer_lost");
+      CHECK(out.message.find("rank " + std::to_string(dead) + " left (its process exited") !=
+            std::string::npos);
+      CHECK(out.ms < 5000);
     }
   }
 }

@@ -245,7 +245,7 @@ class ShmTransport final : public Transport {
 
   void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
     check_abort(nullptr);
-    const P2PHeader h{seq, buf.count, tag, buf.dtype, {}};
+    const P2PHeader h{seq, buf.count, tag, P2PHeader::p2p, buf.dtype, {}};
     channel_write(peer, &h, sizeof h, "send", buf, tag);
     channel_write(peer, buf.data, buf.bytes(), "send", buf, tag);
   }

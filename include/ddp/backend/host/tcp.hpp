@@ -180,7 +180,7 @@ class TcpTransport final : public Transport {
 
   void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
     check_abort(nullptr);
-    p2p_header_ = {seq, buf.count, tag, buf.dtype, {}};
+    p2p_header_ = {seq, buf.count, tag, P2PHeader::p2p, buf.dtype, {}};
     for (auto& x : xfers_) x.clear();
     auto& x = xfers_[static_cast<std::size_t>(peer)];
     x.out.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});

@@ -23,9 +23,11 @@
 #include "ddp/runtime/collective.hpp"
 
 #include <atomic>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <optional>
 #include <span>
@@ -66,14 +68,21 @@ struct Piece {
 
 using Want = FunctionRef<Range(int src, int dst)>;
 
-/// The header that precedes every point-to-point message (both transports).
+/// The header that precedes every point-to-point message (both transports). `kind` sits where a
+/// collective's Fingerprint has its `coll`, and holds a value no Coll has: over TCP, where a
+/// pair's collectives and messages share one stream, a send that no receive took is named as
+/// such by the next collective's fingerprint check, and a collective met by a receive too.
 struct P2PHeader {
+  static constexpr std::uint8_t p2p = 0xEE;  ///< `kind` of a point-to-point message
   std::uint64_t seq;
   std::uint64_t count;
   std::int32_t tag;
+  std::uint8_t kind;  ///< p2p
   DType dtype;
-  std::uint8_t pad[3];
+  std::uint8_t pad[2];
 };
+static_assert(sizeof(P2PHeader) == sizeof(Fingerprint) &&
+              offsetof(P2PHeader, kind) == offsetof(Fingerprint, coll));
 
 /// The first failure of a transport, kept so that every later call fails the same way.
 struct Poison {
@@ -177,6 +186,14 @@ class Transport {
   /// "rank R: <what>: mismatched collectives: this rank called X but rank P called Y; ..."
   [[nodiscard]] std::string mismatch_message(const Fingerprint& mine, int peer,
                                              const Fingerprint& theirs) const {
+    if (static_cast<std::uint8_t>(theirs.coll) == P2PHeader::p2p) {
+      const auto h = std::bit_cast<P2PHeader>(theirs);
+      return concat("rank ", global(rank_), ": ", to_string(mine), ": rank ", global(peer),
+                    " sent this rank a message that no recv took (send(tag ", h.tag, ", ",
+                    to_string(h.dtype), ", count=", h.count, ") #", h.seq,
+                    ") before this collective; every send needs its recv on the peer before "
+                    "the next collective");
+    }
     const std::string what = theirs.coll == static_cast<Coll>(0)
                                  ? std::string("was in a later round of another collective")
                                  : concat("called ", to_string(theirs));
@@ -197,6 +214,16 @@ class Transport {
   /// Empty when the header is the send that matches this recv, else the error message.
   [[nodiscard]] std::string p2p_mismatch(const Buf& buf, int peer, int tag, std::uint64_t seq,
                                          const P2PHeader& h) const {
+    if (h.kind != P2PHeader::p2p) {
+      const auto theirs = std::bit_cast<Fingerprint>(h);
+      return concat("rank ", rank_, ": ", recv_description(buf, peer, tag), " #", seq,
+                    " got no message from rank ", peer, " but ",
+                    theirs.coll == static_cast<Coll>(0) || !verify_fingerprints
+                        ? std::string("other data (a collective's)")
+                        : concat("the start of a collective, ", to_string(theirs)),
+                    ": that rank called a collective where this rank receives; every recv needs "
+                    "its send on the peer before the next collective");
+    }
     if (h.seq == seq && h.tag == tag && h.dtype == buf.dtype && h.count == buf.count) return {};
     return concat("rank ", rank_, ": ", recv_description(buf, peer, tag), " #", seq,
                   " got send(tag ", h.tag, ", ", to_string(h.dtype), ", count=", h.count, ") #",
