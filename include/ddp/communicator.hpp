@@ -452,11 +452,12 @@ class Communicator {
   [[nodiscard]] Communicator split(int color, int key = 0) { return split(color, key, options()); }
 
   /// split() with the new communicator's own `options` (torch's new_group(timeout=...)): its
-  /// timeout, verify_collectives, flight recorder (trace_entries, trace_dump) and, on
-  /// backend::Host, its transport settings (transport, segment_bytes, ...). It stays in this
-  /// communicator's job: group, token and the store are this one's. Every member should pass
-  /// the same options (verify_collectives must agree: it is checked).
-  [[nodiscard]] Communicator split(int color, int key, const Options& options) {
+  /// timeout, verify_collectives, flight recorder and, on backend::Host, its transport settings;
+  /// DDP_* settings apply to the fields left at their defaults, as at init(). Group, token and
+  /// store are this communicator's. Every member should pass the same options
+  /// (verify_collectives must agree: it is checked).
+  [[nodiscard]] Communicator split(int color, int key, const Options& given) {
+    const Options options = given.with_env();
     if (color < no_color) {
       detail::fail(Errc::invalid_argument, "rank ", rank(), ": split: color ", color,
                    " is negative (use no_color)");

@@ -409,6 +409,12 @@ TEST_CASE("DDP_HOST_TRANSPORT picks the transport, a bad value is refused") {
             std::vector<int> v{1};
             comm.all_reduce(v);
             MP_EXPECT(v[0] == 2, "sum");
+            // A group split with options of its own takes the setting too.
+            ddp::Options o;
+            o.timeout = std::chrono::seconds(30);
+            auto sub = comm.split(0, 0, o);
+            MP_EXPECT(sub.backend().transport() == t,
+                      "split: transport " << sub.backend().transport());
           },
           so);
     } catch (const ddp::Error& e) {
