@@ -6,18 +6,20 @@
 //
 // Every 10 steps the run saves a sharded checkpoint (ShardedAverager::save): each rank writes its
 // own file, with its shard of the parameters and of Adam's state; the files are replaced all
-// together or not at all. Run it again and it resumes (ShardedAverager::load).
+// together or not at all. Run it again, with as many ranks or another number, and it resumes
+// (ShardedAverager::load cuts the shards again for the new world size).
 //
-//   ./sharded_adam                  (forks 3 ranks)    ddprun --nproc-per-node 4 ./sharded_adam
-//   ./sharded_adam --checkpoint /tmp/zero.ckpt --steps 30; ./sharded_adam --checkpoint
-//   /tmp/zero.ckpt
-//                                    (the second run resumes at step 30 and trains to 60)
+//   ./sharded_adam                  (forks 3 ranks; --ranks N for N)
+//   ddprun --nproc-per-node 4 ./sharded_adam
+//   ./sharded_adam --checkpoint /tmp/zero.ckpt --steps 30
+//   ./sharded_adam --checkpoint /tmp/zero.ckpt --ranks 2   (resumes at step 30 on 2 ranks)
 #include <ddp/ddp.hpp>
 
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -29,36 +31,34 @@ constexpr int n_in = 32, n_out = 16, batch = 48;
 
 // Adam over any model: a range of parameters with `value` and `grad` (the model's Param with
 // std::vectors, or the shard's ddp::ShardSlice<float> with ddp::TensorViews; ddp::view sees both).
+// Its state is one value per element of the model, in the model's order: on the shard, in
+// shard() order, which is how a sharded checkpoint records it (ShardedAverager::layout()).
 struct Adam {
-  std::vector<std::vector<float>> m, v;
+  std::vector<float> m, v;
   int t = 0;
   template <class Model>
   void step(Model&& model) {
-    if (m.empty())
-      for (auto& p : model) {
-        m.emplace_back(ddp::view(p.value).size, 0.0f);
-        v.emplace_back(ddp::view(p.value).size, 0.0f);
-      }
+    if (m.empty()) {
+      std::size_t n = 0;
+      for (auto& p : model) n += ddp::view(p.value).size;
+      m.assign(n, 0.0f);
+      v.assign(n, 0.0f);
+    }
     ++t;
     const float c1 = 1 - std::pow(0.9f, static_cast<float>(t));
     const float c2 = 1 - std::pow(0.999f, static_cast<float>(t));
-    std::size_t j = 0;
+    std::size_t j = 0;  // the element's place in m and v
     for (auto& p : model) {
       float* w = ddp::view(p.value).data;
       const float* g = ddp::view(p.grad).data;
-      for (std::size_t k = 0; k < m[j].size(); ++k) {
-        m[j][k] = 0.9f * m[j][k] + 0.1f * g[k];
-        v[j][k] = 0.999f * v[j][k] + 0.001f * g[k] * g[k];
-        w[k] -= 0.05f * (m[j][k] / c1) / (std::sqrt(v[j][k] / c2) + 1e-8f);
+      for (std::size_t k = 0; k < ddp::view(p.value).size; ++k, ++j) {
+        m[j] = 0.9f * m[j] + 0.1f * g[k];
+        v[j] = 0.999f * v[j] + 0.001f * g[k] * g[k];
+        w[k] -= 0.05f * (m[j] / c1) / (std::sqrt(v[j] / c2) + 1e-8f);
       }
-      ++j;
     }
   }
-  [[nodiscard]] std::size_t values() const {
-    std::size_t n = 0;
-    for (const auto& x : m) n += x.size();
-    return n;
-  }
+  [[nodiscard]] std::size_t values() const { return m.size(); }
 };
 
 float feature(int s, int i) {
@@ -102,13 +102,15 @@ void run(ddp::Environment env, const std::string& checkpoint, int steps) {
   Adam adam;
   int first = 0;
   if (!checkpoint.empty()) {
-    // Every rank reads its own file: its shard of the parameters (put back and gathered) and
-    // of Adam's state. Files of another world size or layout are refused, not half-used.
+    // Every rank gets its shard of the parameters (put back and gathered) and of Adam's state,
+    // from files saved at this world size or any other (the state is cut again for this one).
     if (auto ck = zero.load(checkpoint)) {
       first = ck->get_object<int>("step");
       adam.t = ck->get_object<int>("t");
-      adam.m = ck->get_object<std::vector<std::vector<float>>>("m");
-      adam.v = ck->get_object<std::vector<std::vector<float>>>("v");
+      adam.m.resize(zero.shard_size());
+      adam.v.resize(zero.shard_size());
+      ck->get_values("m", std::span(adam.m));
+      ck->get_values("v", std::span(adam.v));
       if (comm.rank() == 0) std::printf("resumed at step %d\n", first);
     }
   }
@@ -123,7 +125,7 @@ void run(ddp::Environment env, const std::string& checkpoint, int steps) {
       // Every rank writes its own file (no rank writes the whole model), all or none.
       ddp::Checkpoint state;
       state.put_object("step", step + 1).put_object("t", adam.t);
-      state.put_object("m", adam.m).put_object("v", adam.v);
+      state.put_sharded("m", adam.m, zero.layout()).put_sharded("v", adam.v, zero.layout());
       zero.save(checkpoint, state);
     }
   }
@@ -145,15 +147,16 @@ void run(ddp::Environment env, const std::string& checkpoint, int steps) {
 
 int main(int argc, char** argv) {
   std::string checkpoint;
-  int steps = 60;
+  int steps = 60, ranks = 3;
   for (int i = 1; i + 1 < argc; ++i) {
     if (std::strcmp(argv[i], "--checkpoint") == 0) checkpoint = argv[i + 1];
     if (std::strcmp(argv[i], "--steps") == 0) steps = std::atoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--ranks") == 0) ranks = std::atoi(argv[i + 1]);
   }
   try {
     const auto env = ddp::Environment::detect();
     if (env.launcher == "none")
-      ddp::spawn(3, [&](ddp::Environment e) { run(e, checkpoint, steps); });
+      ddp::spawn(ranks, [&](ddp::Environment e) { run(e, checkpoint, steps); });
     else
       run(env, checkpoint, steps);
   } catch (const ddp::Error& e) {

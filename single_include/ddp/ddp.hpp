@@ -15092,6 +15092,7 @@ DDP_END_NAMESPACE
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
@@ -15129,6 +15130,89 @@ struct codec<SamplerState> {
   }
 };
 
+/// Elements [offset, offset + size) of array number `array`: one piece of a rank's shard.
+struct ShardRange {
+  std::size_t array = 0;   ///< Which array (a parameter's index, for ShardedAverager).
+  std::size_t offset = 0;  ///< The piece's first element within the array.
+  std::size_t size = 0;    ///< Its element count.
+  friend bool operator==(const ShardRange&, const ShardRange&) = default;
+};
+
+/// How one rank's shard of some arrays is laid out: every array's element count, and the pieces
+/// this rank holds, in the order its values are stored. A sharded section of a checkpoint records
+/// it (Checkpoint::put_sharded), so that load_sharded_checkpoint can cut the arrays again for
+/// another world size. ShardedAverager::layout() is its shard's.
+struct ShardLayout {
+  std::vector<std::size_t> sizes;  ///< Element count of array 0, 1, ...
+  std::vector<ShardRange> ranges;  ///< This rank's pieces, in the order of its values.
+
+  /// Elements held: the pieces' sizes added up.
+  [[nodiscard]] std::size_t elements() const noexcept {
+    std::size_t n = 0;
+    for (const ShardRange& r : ranges) n += r.size;
+    return n;
+  }
+  /// Rank `rank` of `world`'s share when each array is cut into `world` contiguous blocks, the
+  /// first size % world of them one element longer (a block may be empty): the layout
+  /// load_sharded_checkpoint gives a section on a world size other than the one that saved it.
+  [[nodiscard]] static ShardLayout even(std::vector<std::size_t> sizes, int rank, int world) {
+    if (world < 1 || rank < 0 || rank >= world)
+      detail::fail(Errc::invalid_argument, "ShardLayout::even: rank ", rank, " of ", world,
+                   " ranks");
+    ShardLayout out;
+    const auto p = static_cast<std::size_t>(world), r = static_cast<std::size_t>(rank);
+    for (std::size_t a = 0; a < sizes.size(); ++a) {
+      const std::size_t n = sizes[a], base = n / p, extra = n % p;
+      const std::size_t size = base + (r < extra ? 1 : 0);
+      if (size != 0) out.ranges.push_back({a, r * base + std::min(r, extra), size});
+    }
+    out.sizes = std::move(sizes);
+    return out;
+  }
+  friend bool operator==(const ShardLayout&, const ShardLayout&) = default;
+};
+
+namespace detail {
+/// The companion section of sharded section `name`: its element size and layout.
+inline std::string layout_section(std::string_view name) { return concat("ddp.sharded.", name); }
+/// A layout and its element size as words: bytes, array count, sizes, then (array, offset, size)
+/// per piece.
+inline std::vector<std::uint64_t> layout_words(std::size_t element_bytes, const ShardLayout& l) {
+  std::vector<std::uint64_t> w{element_bytes, l.sizes.size()};
+  w.insert(w.end(), l.sizes.begin(), l.sizes.end());
+  for (const ShardRange& r : l.ranges) w.insert(w.end(), {r.array, r.offset, r.size});
+  return w;
+}
+/// Errc::invalid_argument (`what`: where it came from) unless `l`'s pieces lie within its arrays.
+inline void check_layout(const ShardLayout& l, std::string_view what) {
+  for (const ShardRange& r : l.ranges) {
+    if (r.array >= l.sizes.size() || r.offset > l.sizes[r.array] ||
+        r.size > l.sizes[r.array] - r.offset)
+      fail(Errc::invalid_argument, what, ": the piece [", r.offset, ", ", r.offset + r.size,
+           ") of array ", r.array, " lies outside the ", l.sizes.size(), " arrays' sizes");
+  }
+}
+/// layout_words back: the element size and the layout; Errc::protocol when malformed.
+inline std::pair<std::size_t, ShardLayout> layout_of_words(const std::vector<std::uint64_t>& w,
+                                                           std::string_view what) {
+  const auto bad = [&] {
+    fail(Errc::protocol, what, ": the layout of a sharded section is damaged");
+  };
+  if (w.size() < 2 || w[0] == 0 || w[1] > w.size() - 2 || (w.size() - 2 - w[1]) % 3 != 0) bad();
+  ShardLayout l;
+  const auto arrays = static_cast<std::size_t>(w[1]);
+  l.sizes.assign(w.begin() + 2, w.begin() + 2 + static_cast<std::ptrdiff_t>(arrays));
+  for (std::size_t i = 2 + arrays; i < w.size(); i += 3)
+    l.ranges.push_back({w[i], w[i + 1], w[i + 2]});
+  try {
+    check_layout(l, what);
+  } catch (const Error&) {
+    bad();
+  }
+  return {static_cast<std::size_t>(w[0]), std::move(l)};
+}
+}  // namespace detail
+
 /// Named sections of bytes (see the file comment).
 class Checkpoint {
  public:
@@ -15160,6 +15244,36 @@ class Checkpoint {
   Checkpoint& put_object(std::string_view name, const T& value) {
     const std::string bytes = detail::encode_object(value);
     return put(name, std::as_bytes(std::span(bytes.data(), bytes.size())));
+  }
+
+  /// Section `name` holds `values`, this rank's shard of some arrays laid out as `layout` says
+  /// (its pieces in the order of the values; ShardedAverager::layout() for state kept per element
+  /// of its shard, such as an optimizer's moments), and records the layout beside it (in section
+  /// "ddp.sharded.<name>"). get_values reads it back; loaded on another world size by
+  /// load_sharded_checkpoint, it holds the values of the new rank's pieces instead.
+  /// Errc::invalid_argument when the layout holds another number of values or lies outside its
+  /// arrays.
+  template <class R>
+  requires std::ranges::contiguous_range<R> &&
+      std::is_trivially_copyable_v<std::ranges::range_value_t<R>>
+          Checkpoint& put_sharded(std::string_view name, const R& values,
+                                  const ShardLayout& layout) {
+    check_name(name);
+    detail::check_layout(layout, detail::concat("Checkpoint::put_sharded(\"", name, "\")"));
+    if (layout.elements() != std::ranges::size(values))
+      detail::fail(Errc::invalid_argument, "Checkpoint::put_sharded(\"", name,
+                   "\"): the layout has ", layout.elements(), " elements but ",
+                   std::ranges::size(values), " values were given");
+    put_values(name, values);
+    return put_object(detail::layout_section(name),
+                      detail::layout_words(sizeof(std::ranges::range_value_t<R>), layout));
+  }
+  /// The layout of sharded section `name` (put_sharded), or std::nullopt for a section that is
+  /// not sharded.
+  [[nodiscard]] std::optional<ShardLayout> sharded_layout(std::string_view name) const {
+    const std::string companion = detail::layout_section(name);
+    if (!contains(companion)) return std::nullopt;
+    return detail::layout_of_words(get_object<std::vector<std::uint64_t>>(companion), name).second;
   }
 
   /// Whether there is a section named `name`.
@@ -17921,8 +18035,10 @@ DDP_END_NAMESPACE
 ///
 /// Checkpoints: save(path, state) has every rank write its own file (its shard of the parameters,
 /// the shard's layout, and `state`: your optimizer's state for the shard, the step), all or none;
-/// load(path) puts every rank's shard back, gathers, and returns `state`. A set saved with
-/// another world size or other options is refused (Errc::mismatch). With a framework whose
+/// load(path) puts every rank's shard back, gathers, and returns `state`, from a set saved at any
+/// world size and with any ShardedOptions: state put with Checkpoint::put_sharded(name, values,
+/// layout()) is cut again for the new shard (ZeRO resharding). A set saved with another model is
+/// refused (Errc::mismatch). With a framework whose
 /// backward adds into the gradients, zero_grad() the whole model after a step (TorchShard::step
 /// does): an optimizer on the shard zeroes only the shard's.
 
@@ -17944,10 +18060,473 @@ DDP_END_NAMESPACE
 /// Each save is a new generation G of the files; the older ones are removed only once every rank
 /// has its new file on disk, so a failure or a kill at any moment, on any rank, leaves a complete
 /// set to load: the newest generation that every rank has.
+///
+/// A set loads on any world size: sections put with Checkpoint::put_sharded (state per element
+/// of a rank's shard, such as an optimizer's moments; ShardedAverager's parameters) are cut again
+/// for the new ranks, other sections must be the same in every file (ddp/training/reshard.hpp).
 
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/training/checkpoint.hpp" (already included above)
 // #include "ddp/training/parameters.hpp" (already included above)
+// begin ddp/training/reshard.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The insides of load_sharded_checkpoint: finding the newest complete set of shard files (of
+/// any world size) among the files every rank sees, and handing each rank its state, cut again
+/// for the world size that loads it.
+///
+///  * Each rank lists the shard files it sees ("<path>.rankK-of-N.G.ID"); the lists are gathered,
+///    and the newest save G with a file of every one of its N ranks somewhere is chosen. Ranks
+///    may share one file system or each have a disk of its own.
+///  * Old rank K's file is read by rank K % M when that rank sees it (K itself when the world
+///    size is unchanged), else by the lowest rank that does: each file is read once.
+///  * Unchanged world size and layouts: each rank keeps its own file, nothing moves. Otherwise
+///    each reader cuts its files' sharded sections (Checkpoint::put_sharded) into the pieces each
+///    new rank's layout needs and scatters them; every rank can compute every piece's size from
+///    the gathered layouts, so bytes are all that travel. A section that is not sharded must be
+///    the same in every file (it goes to every rank) unless the world size is unchanged (each
+///    rank keeps its own).
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/detail/files.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/training/checkpoint.hpp" (already included above)
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// The name that rank `rank` of `world`'s shard files start with: path.rankR-of-P. Each save
+/// writes a new generation of them, path.rankR-of-P.G.ID (G = 1, 2, ...; ID: the save's
+/// identifier, 16 hex digits), and removes the older generations only once the new one is
+/// complete on every rank.
+[[nodiscard]] inline std::string shard_path(const std::string& path, int rank, int world) {
+  return detail::concat(path, ".rank", rank, "-of-", world);
+}
+
+/// The layout a rank wants a sharded section in (load_sharded_checkpoint): given the section's
+/// name and its arrays' sizes.
+using ShardLayoutFor =
+    std::function<ShardLayout(std::string_view section, const std::vector<std::size_t>& sizes)>;
+
+namespace detail {
+
+/// One shard file: old rank `rank` of `world`, generation `g` of save `id` (g = 0: the one
+/// unnumbered file "<path>.rankR-of-N" that saves before generations wrote).
+struct ShardFile {
+  std::uint64_t g = 0, id = 0, world = 0, rank = 0;
+  friend auto operator<=>(const ShardFile&, const ShardFile&) = default;
+};
+
+inline std::string shard_file_path(const std::string& path, const ShardFile& f) {
+  std::string out = concat(path, ".rank", f.rank, "-of-", f.world);
+  if (f.g == 0) return out;
+  char hex[17];
+  for (int i = 0; i < 16; ++i) hex[i] = "0123456789abcdef"[(f.id >> (60 - 4 * i)) & 15];
+  hex[16] = '\0';
+  return concat(out, ".", f.g, ".", hex);
+}
+
+/// Digits without a leading zero ("0" itself allowed) as a number.
+inline bool parse_decimal(std::string_view t, std::uint64_t& v) {
+  if (t.empty() || t.size() > 18 || (t[0] == '0' && t.size() > 1)) return false;
+  v = 0;
+  for (const char c : t) {
+    if (c < '0' || c > '9') return false;
+    v = v * 10 + static_cast<std::uint64_t>(c - '0');
+  }
+  return true;
+}
+
+/// Every shard file of `path` (any rank, any world size) in its directory, newest first.
+inline std::vector<ShardFile> shard_files(const std::string& path) {
+  std::vector<ShardFile> out;
+  for (const std::string& rest : suffixes(path)) {  // "rankK-of-N[.G.<16 hex>]"
+    const std::string_view r = rest;
+    const std::size_t of = r.find("-of-");
+    if (r.substr(0, 4) != "rank" || of == std::string_view::npos) continue;
+    const std::size_t dot = r.find('.', of);
+    ShardFile f;
+    if (!parse_decimal(r.substr(4, of - 4), f.rank) ||
+        !parse_decimal(r.substr(of + 4, dot == std::string_view::npos ? dot : dot - of - 4),
+                       f.world) ||
+        f.world == 0 || f.rank >= f.world)
+      continue;
+    if (dot != std::string_view::npos) {
+      const std::string_view gen = r.substr(dot + 1);
+      const std::size_t d = gen.find('.');
+      if (d == std::string_view::npos || gen.size() != d + 17 ||
+          !parse_decimal(gen.substr(0, d), f.g) || f.g == 0)
+        continue;
+      bool ok = true;
+      for (const char c : gen.substr(d + 1)) {
+        const int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+        ok = ok && v >= 0;
+        f.id = f.id << 4 | static_cast<std::uint64_t>(v < 0 ? 0 : v);
+      }
+      if (!ok) continue;
+    }
+    out.push_back(f);
+  }
+  std::sort(out.begin(), out.end(), std::greater<>());
+  return out;
+}
+
+/// The save load_sharded_checkpoint takes: its world size N, generation, id, and which rank
+/// reads each old rank's file.
+struct ShardSet {
+  std::uint64_t world = 0, g = 0, id = 0;
+  std::vector<int> reader;  ///< reader[K]: the rank that reads old rank K's file
+};
+
+/// Collective: the newest save with a file of every one of its ranks seen by some rank
+/// (std::nullopt when no rank sees any shard file; Errc::mismatch, saying what is missing, when
+/// there are files but no complete save). `mine`: this rank's shard_files.
+template <class Comm>
+std::optional<ShardSet> choose_shard_set(Comm& comm, const std::string& path,
+                                         const std::vector<ShardFile>& mine) {
+  std::vector<std::uint64_t> words;
+  for (const ShardFile& f : mine) words.insert(words.end(), {f.g, f.id, f.world, f.rank});
+  // (g, id, world) -> the ranks that see each old rank's file
+  std::map<std::vector<std::uint64_t>, std::map<std::uint64_t, std::vector<int>>, std::greater<>>
+      saves;
+  const auto all = comm.all_gather_object(words);
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    for (std::size_t i = 0; i + 3 < all[r].size(); i += 4)
+      saves[{all[r][i], all[r][i + 1], all[r][i + 2]}][all[r][i + 3]].push_back(
+          static_cast<int>(r));
+  }
+  if (saves.empty()) return std::nullopt;
+  const auto m = static_cast<std::uint64_t>(comm.size());
+  // The newest complete save; among saves of one generation (another job's, under the same
+  // path), the one of this world size first.
+  const std::map<std::uint64_t, std::vector<int>>* best = nullptr;
+  ShardSet set;
+  for (const auto& [key, files] : saves) {
+    if (files.size() != key[2]) continue;  // old ranks 0..N-1 each seen (rank < world)
+    if (best != nullptr && (key[0] < set.g || set.world == m || key[2] != m)) continue;
+    best = &files;
+    set.g = key[0];
+    set.id = key[1];
+    set.world = key[2];
+  }
+  if (best == nullptr) {
+    const auto& [key, files] = *saves.begin();  // the newest, incomplete
+    std::string have, missing;
+    std::uint64_t first_missing = 0;
+    for (std::uint64_t k = key[2]; k-- > 0;) {
+      const bool seen = files.count(k) != 0;
+      if (!seen) first_missing = k;
+      std::string& to = seen ? have : missing;
+      to = concat(k, to.empty() ? "" : ", ", to);
+    }
+    const auto shorten = [](std::string t) { return t.size() > 40 ? t.substr(0, 37) + "..." : t; };
+    fail(Errc::mismatch, "rank ", comm.rank(),
+         ": load_sharded_checkpoint: no save has a file of every rank: the newest, generation ",
+         key[0], " of ", key[2], " ranks, has the files of rank ", shorten(have),
+         " but none of rank ", shorten(missing), " (",
+         shard_file_path(path, {key[0], key[1], key[2], first_missing}),
+         "): the checkpoint is incomplete, its files come from different runs, or a rank's "
+         "disk cannot be reached; resume from a complete checkpoint");
+  }
+  for (std::uint64_t k = 0; k < set.world; ++k) {
+    const std::vector<int>& seen = best->at(k);
+    const int preferred = static_cast<int>(k % m);
+    set.reader.push_back(
+        std::find(seen.begin(), seen.end(), preferred) != seen.end() ? preferred : seen.front());
+  }
+  return set;
+}
+
+/// What a shard file holds, as every rank needs to know it: its sections in order, each with
+/// words: {0, checksum, bytes} for a plain section; layout_words (element size first, never 0)
+/// for a sharded one.
+using FileInfo = std::vector<std::pair<std::string, std::vector<std::uint64_t>>>;
+
+inline std::uint64_t section_checksum(std::span<const std::byte> b) {
+  std::uint64_t h = 0xcbf29ce484222325ull ^ b.size();
+  for (const std::byte c : b) h = (h ^ static_cast<std::uint64_t>(c)) * 0x100000001b3ull;
+  return h;
+}
+
+inline FileInfo describe(const Checkpoint& ck, const std::string& file) {
+  FileInfo info;
+  for (const std::string& name : ck.names()) {
+    if (name == "ddp.shard" || name.rfind("ddp.sharded.", 0) == 0) continue;
+    if (const auto layout = ck.sharded_layout(name)) {
+      const auto words = ck.get_object<std::vector<std::uint64_t>>(layout_section(name));
+      if (ck.get(name).size() != layout->elements() * words[0])
+        fail(Errc::protocol, "Checkpoint: ", file, ": sharded section \"", name, "\" holds ",
+             ck.get(name).size(), " bytes, not the ", layout->elements(), " elements of ", words[0],
+             " bytes its layout says");
+      info.emplace_back(name, words);
+    } else if (name == "ddp.values") {
+      fail(Errc::mismatch, "Checkpoint: ", file,
+           " was saved by an older ddp, without the layout a new world size or other "
+           "ShardedOptions need; load it with those that saved it, save again, then resume");
+    } else {
+      info.emplace_back(
+          name, std::vector<std::uint64_t>{0, section_checksum(ck.get(name)), ck.get(name).size()});
+    }
+  }
+  return info;
+}
+
+/// Calls f(destination element, source element, count) for each run of elements that old
+/// layout `from` and new layout `to` share, in `to`'s order, then `from`'s.
+template <class F>
+void for_each_overlap(const ShardLayout& to, const ShardLayout& from, F&& f) {
+  std::size_t wp = 0;
+  for (const ShardRange& w : to.ranges) {
+    std::size_t sp = 0;
+    for (const ShardRange& o : from.ranges) {
+      if (o.array == w.array) {
+        const std::size_t lo = std::max(o.offset, w.offset);
+        const std::size_t hi = std::min(o.offset + o.size, w.offset + w.size);
+        if (lo < hi) f(wp + lo - w.offset, sp + lo - o.offset, hi - lo);
+      }
+      sp += o.size;
+    }
+    wp += w.size;
+  }
+}
+
+/// Collective: each rank's checkpoint of save `set` of `path`, in the layouts `want` gives
+/// (null: each rank's own at the same world size, ShardLayout::even at another).
+template <class Comm>
+Checkpoint load_shard_set(Comm& comm, const std::string& path, const ShardSet& set,
+                          const ShardLayoutFor& want) {
+  const int me = comm.rank();
+  const auto m = static_cast<std::uint64_t>(comm.size());
+  const bool same_world = set.world == m;
+  const auto failed = [&](const std::string& error) {
+    fail_with_first(comm, comm.all_gather_object(error), "load_sharded_checkpoint");
+  };
+  // 1. Each reader loads and checks its files.
+  std::map<std::uint64_t, Checkpoint> files;  // old rank -> its file, on its reader
+  std::vector<std::pair<std::uint64_t, FileInfo>> infos;
+  std::string error;
+  try {
+    for (std::uint64_t k = 0; k < set.world; ++k) {
+      if (set.reader[k] != me) continue;
+      const std::string file = shard_file_path(path, {set.g, set.id, set.world, k});
+      std::optional<Checkpoint> ck = Checkpoint::load(file);
+      if (!ck) fail(Errc::system, "Checkpoint: ", file, " disappeared while it was being loaded");
+      if (!ck->contains("ddp.shard"))
+        fail(Errc::mismatch, "Checkpoint: ", file,
+             " is not a shard file (it was not written by save_sharded_checkpoint)");
+      const auto stamp = ck->get_object<std::vector<std::uint64_t>>("ddp.shard");
+      if (stamp.size() < 3 || stamp[0] != k || stamp[1] != set.world)
+        fail(Errc::mismatch, "Checkpoint: ", file, " was written by rank ",
+             stamp.empty() ? 0 : stamp[0], " of ", stamp.size() < 2 ? 0 : stamp[1],
+             " ranks; a shard file is read under the name its rank and world size gave it");
+      if (set.g != 0 && stamp[2] != set.id)
+        fail(Errc::mismatch, "Checkpoint: ", file,
+             " holds another save than its name says (it was copied or renamed)");
+      infos.emplace_back(k, describe(*ck, file));
+      files.emplace(k, std::move(*ck));
+    }
+  } catch (const Error& e) {
+    error = error_text(e);
+  }
+  failed(error);
+  // 2. What every file holds, on every rank; the files must agree on their sections.
+  std::vector<FileInfo> info(set.world);
+  for (auto& from_rank : comm.all_gather_object(infos))
+    for (auto& [k, i] : from_rank) info[k] = std::move(i);
+  const auto refuse = [&](const auto&... why) {
+    fail(Errc::mismatch, "rank ", me, ": load_sharded_checkpoint: ", why...,
+         "; resume from a complete checkpoint");
+  };
+  const auto file_name = [&](std::uint64_t k) {
+    return shard_file_path(path, {set.g, set.id, set.world, k});
+  };
+  std::vector<std::string> sharded;  // the sharded sections' names, in file 0's order
+  std::vector<std::size_t> element;  // their element sizes
+  for (const auto& [name, words] : info[0]) {
+    if (words[0] != 0) {
+      sharded.push_back(name);
+      element.push_back(static_cast<std::size_t>(words[0]));
+    }
+  }
+  for (std::uint64_t k = 1; k < set.world; ++k) {
+    if (info[k].size() != info[0].size())
+      refuse(file_name(k), " has ", info[k].size(), " sections but ", file_name(0), " has ",
+             info[0].size());
+    for (std::size_t i = 0; i < info[0].size(); ++i) {
+      const auto& [name, words] = info[k][i];
+      const auto& first = info[0][i].second;
+      if (name != info[0][i].first)
+        refuse(file_name(k), "'s section ", i, " is \"", name, "\" but ", file_name(0), "'s is \"",
+               info[0][i].first, "\"");
+      if ((words[0] == 0) != (first[0] == 0))
+        refuse("section \"", name, "\" is sharded in one rank's file and not in another's");
+      if (words[0] == 0 && !same_world && words != first)
+        refuse("section \"", name, "\" differs between ", file_name(0), " and ", file_name(k),
+               ", and it is not sharded: on another world size than the one that saved it, a "
+               "section must be the same on every rank (it goes to every rank) or be put with "
+               "Checkpoint::put_sharded (its values are cut again)");
+    }
+  }
+  std::vector<std::vector<ShardLayout>> old(sharded.size());  // [section][old rank]
+  for (std::size_t s = 0; s < sharded.size(); ++s) {
+    std::vector<std::vector<std::pair<std::size_t, std::size_t>>> cover;
+    for (std::uint64_t k = 0; k < set.world; ++k) {
+      std::vector<std::uint64_t> words;
+      for (const auto& [name, w] : info[k])
+        if (name == sharded[s]) words = w;
+      auto [bytes, layout] = layout_of_words(words, file_name(k));
+      if (bytes != element[s] || (k != 0 && layout.sizes != old[s][0].sizes))
+        refuse("sharded section \"", sharded[s], "\" has other element sizes or arrays in ",
+               file_name(k), " than in ", file_name(0));
+      cover.resize(layout.sizes.size());
+      for (const ShardRange& r : layout.ranges) cover[r.array].emplace_back(r.offset, r.size);
+      old[s].push_back(std::move(layout));
+    }
+    for (std::size_t a = 0; a < cover.size(); ++a) {  // the files hold each element once
+      std::sort(cover[a].begin(), cover[a].end());
+      std::size_t next = 0;
+      for (const auto& [offset, size] : cover[a]) {
+        if (offset != next) break;
+        next += size;
+      }
+      if (next != old[s][0].sizes[a])
+        refuse("the shard files' pieces of sharded section \"", sharded[s], "\" do not hold array ",
+               a, " (", old[s][0].sizes[a], " elements) exactly once");
+    }
+  }
+  // 3. The layout each rank wants each sharded section in.
+  std::vector<std::vector<std::uint64_t>> wanted_words;
+  try {
+    for (std::size_t s = 0; s < sharded.size(); ++s) {
+      const std::vector<std::size_t>& sizes = old[s][0].sizes;
+      ShardLayout l = want         ? want(sharded[s], sizes)
+                      : same_world ? old[s][static_cast<std::size_t>(me)]
+                                   : ShardLayout::even(sizes, me, comm.size());
+      if (l.sizes != sizes)
+        fail(Errc::mismatch, "the layout asked for sharded section \"", sharded[s], "\" has ",
+             l.sizes.size(), " arrays of other sizes than the ", sizes.size(),
+             " it was saved with");
+      check_layout(l, concat("the layout asked for sharded section \"", sharded[s], "\""));
+      wanted_words.push_back(layout_words(element[s], l));
+    }
+    error.clear();
+  } catch (const Error& e) {
+    error = error_text(e);
+  }
+  failed(error);
+  const auto all_wanted = comm.all_gather_object(wanted_words);
+  std::vector<std::vector<ShardLayout>> wanted(m);  // [new rank][section]
+  bool moves = !same_world;
+  for (std::uint64_t d = 0; d < m; ++d) {
+    for (std::size_t s = 0; s < sharded.size(); ++s) {
+      wanted[d].push_back(layout_of_words(all_wanted[d][s], "load_sharded_checkpoint").second);
+      moves = moves || !(wanted[d][s] == old[s][d]);
+    }
+  }
+  for (std::uint64_t k = 0; k < set.world; ++k)
+    moves = moves || set.reader[k] != static_cast<int>(k);
+  if (!moves) return std::move(files.at(static_cast<std::uint64_t>(me)));  // its own file
+  // 4. The plain sections come from old rank d's file (same world size) or rank 0's; the sharded
+  // ones from every file holding a piece of d's layout. Bytes s sends d, in the order d reads.
+  const auto plain_from = [&](std::uint64_t d) { return same_world ? d : 0; };
+  const auto for_each_piece = [&](int s, std::uint64_t d, auto&& f) {  // f(section, k, from, to, n)
+    for (std::uint64_t k = 0; k < set.world; ++k) {
+      if (set.reader[k] != s || k != plain_from(d)) continue;
+      for (const auto& [name, words] : info[k])
+        if (words[0] == 0)
+          f(name, k, std::size_t{0}, std::size_t{0}, static_cast<std::size_t>(words[2]));
+    }
+    for (std::size_t sec = 0; sec < sharded.size(); ++sec) {
+      for (std::uint64_t k = 0; k < set.world; ++k) {
+        if (set.reader[k] != s) continue;
+        for_each_overlap(
+            wanted[d][sec], old[sec][k], [&](std::size_t to, std::size_t from, std::size_t n) {
+              f(sharded[sec], k, from * element[sec], to * element[sec], n * element[sec]);
+            });
+      }
+    }
+  };
+  Checkpoint out;
+  std::map<std::string, std::string> values;  // the sharded sections' new bytes
+  for (std::size_t s = 0; s < sharded.size(); ++s)
+    values[sharded[s]].resize(wanted[static_cast<std::size_t>(me)][s].elements() * element[s]);
+  std::map<std::string, std::string> plain;
+  constexpr std::size_t chunk = std::size_t{256} << 20;  // an object collective carries < 1 GiB
+  for (int s = 0; s < comm.size(); ++s) {
+    std::vector<std::size_t> total(m, 0);
+    for (std::uint64_t d = 0; d < m; ++d)
+      for_each_piece(
+          s, d, [&](const std::string&, std::uint64_t, std::size_t, std::size_t, std::size_t n) {
+            total[d] += n;
+          });
+    const std::size_t most = *std::max_element(total.begin(), total.end());
+    if (most == 0) continue;
+    std::vector<std::string> pieces;
+    if (me == s) {
+      for (std::uint64_t d = 0; d < m; ++d) {
+        std::string& p = pieces.emplace_back();
+        p.reserve(total[d]);
+        for_each_piece(s, d,
+                       [&](const std::string& name, std::uint64_t k, std::size_t from, std::size_t,
+                           std::size_t n) {
+                         const auto b = files.at(k).get(name);
+                         p.append(reinterpret_cast<const char*>(b.data()) + from, n);
+                       });
+      }
+    }
+    std::string got;
+    for (std::size_t at = 0; at < most; at += chunk) {
+      std::vector<std::string> round;
+      for (const std::string& p : pieces) round.push_back(at < p.size() ? p.substr(at, chunk) : "");
+      got += comm.scatter_object(round, s);
+    }
+    std::size_t at = 0;
+    for_each_piece(
+        s, static_cast<std::uint64_t>(me),
+        [&](const std::string& name, std::uint64_t k, std::size_t, std::size_t to, std::size_t n) {
+          const bool is_plain = [&] {
+            for (const auto& [nm, words] : info[k])
+              if (nm == name) return words[0] == 0;
+            return false;
+          }();
+          if (is_plain)
+            plain[name] = got.substr(at, n);
+          else
+            got.copy(values[name].data() + to, n, at);
+          at += n;
+        });
+  }
+  // 5. This rank's checkpoint: the plain sections in their order, the sharded ones, the stamp.
+  for (const auto& [name, words] : info[plain_from(static_cast<std::uint64_t>(me))]) {
+    const std::string& b = words[0] == 0 ? plain[name] : values[name];
+    out.put(name, std::as_bytes(std::span(b.data(), b.size())));
+    if (words[0] != 0) {
+      const auto s = static_cast<std::size_t>(std::find(sharded.begin(), sharded.end(), name) -
+                                              sharded.begin());
+      out.put_object(layout_section(name), all_wanted[static_cast<std::size_t>(me)][s]);
+    }
+  }
+  out.put_object("ddp.shard",
+                 std::vector<std::uint64_t>{static_cast<std::uint64_t>(me), m, set.id});
+  return out;
+}
+
+}  // namespace detail
+
+DDP_END_NAMESPACE
+// end ddp/training/reshard.hpp
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
@@ -17970,128 +18549,26 @@ DDP_END_NAMESPACE
 DDP_BEGIN_NAMESPACE
 
 namespace detail {
-/// A shard file (of any rank) of a world size other than `world` next to `path` ("" if none).
-inline std::string other_world_shard(const std::string& path, int world) {
-  const std::string dir = parent_dir(path);
-  const std::size_t slash = path.rfind('/');
-  const std::string prefix = path.substr(slash == std::string::npos ? 0 : slash + 1) + ".rank";
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) return {};
-  std::string found;
-  while (const dirent* e = ::readdir(d)) {
-    const std::string name = e->d_name;
-    if (name.rfind(prefix, 0) != 0) continue;
-    std::string rest = name.substr(prefix.size());  // "R-of-N.G.ID" (or "R-of-N": older saves)
-    rest = rest.substr(0, rest.find('.'));
-    const std::size_t of = rest.find("-of-");
-    const auto digits = [](const std::string& t) {
-      return !t.empty() && t.find_first_not_of("0123456789") == std::string::npos;
-    };
-    if (of == std::string::npos || !digits(rest.substr(0, of)) || !digits(rest.substr(of + 4)) ||
-        rest.substr(of + 4) == std::to_string(world))
-      continue;
-    found = slash == std::string::npos ? name : concat(dir == "/" ? "" : dir, "/", name);
-    break;
-  }
-  ::closedir(d);
-  return found;
-}
-
-}  // namespace detail
-
-/// The name that rank `rank` of `world`'s shard files start with: path.rankR-of-P. Each save
-/// writes a new generation of them, path.rankR-of-P.G.ID (G = 1, 2, ...; ID: the save's
-/// identifier, 16 hex digits), and removes the older generations only once the new one is
-/// complete on every rank.
-[[nodiscard]] inline std::string shard_path(const std::string& path, int rank, int world) {
-  return detail::concat(path, ".rank", rank, "-of-", world);
-}
-
-namespace detail {
-/// One save's shard file of a rank: generation `g` (1, 2, ...) written by the save `id`
-/// ("<stem>.<g>.<id as 16 hex digits>"), or g = 0: the one unnumbered file "<stem>" that saves
-/// before generations wrote (its id is in the file only).
-struct ShardGeneration {
-  std::uint64_t g = 0;
-  std::uint64_t id = 0;
-  friend auto operator<=>(const ShardGeneration&, const ShardGeneration&) = default;
-};
-
-inline std::string shard_generation_path(const std::string& stem, ShardGeneration s) {
-  if (s.g == 0) return stem;
-  char hex[17];
-  for (int i = 0; i < 16; ++i) hex[i] = "0123456789abcdef"[(s.id >> (60 - 4 * i)) & 15];
-  hex[16] = '\0';
-  return concat(stem, ".", s.g, ".", hex);
-}
-
-/// This rank's shard files in stem's directory, newest first.
-inline std::vector<ShardGeneration> shard_generations(const std::string& stem) {
-  std::vector<ShardGeneration> out;
-  for (const std::string& rest : suffixes(stem)) {  // "<g>.<16 hex>"
-    const std::size_t dot = rest.find('.');
-    if (dot == 0 || dot == std::string::npos || dot > 18 || rest.size() != dot + 17) continue;
-    ShardGeneration s;
-    bool ok = rest[0] != '0';
-    for (std::size_t i = 0; i < dot && ok; ++i) {
-      ok = rest[i] >= '0' && rest[i] <= '9';
-      s.g = s.g * 10 + static_cast<std::uint64_t>(rest[i] - '0');
-    }
-    for (std::size_t i = dot + 1; i < rest.size() && ok; ++i) {
-      const char c = rest[i];
-      const int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-      ok = v >= 0;
-      s.id = s.id << 4 | static_cast<std::uint64_t>(v < 0 ? 0 : v);
-    }
-    if (ok) out.push_back(s);
-  }
-  struct stat st {};
-  if (::lstat(stem.c_str(), &st) == 0 && S_ISREG(st.st_mode)) out.push_back({});
-  std::sort(out.begin(), out.end(), std::greater<>());
-  return out;
-}
-
-/// The generations as words for all_gather_object: g, id, g, id, ...
-inline std::vector<std::uint64_t> flatten(const std::vector<ShardGeneration>& gens) {
-  std::vector<std::uint64_t> out;
-  for (const auto& s : gens) out.insert(out.end(), {s.g, s.id});
-  return out;
-}
-inline std::vector<ShardGeneration> unflatten(const std::vector<std::uint64_t>& words) {
-  std::vector<ShardGeneration> out;
-  for (std::size_t i = 0; i + 1 < words.size(); i += 2) out.push_back({words[i], words[i + 1]});
-  return out;
-}
-
-/// The generations' numbers as text, for messages: "3 and 4", or "none".
-inline std::string generations_text(const std::vector<ShardGeneration>& gens) {
-  if (gens.empty()) return "none";
-  std::string out;
-  for (std::size_t i = gens.size(); i-- > 0;)
-    out += concat(out.empty() ? "" : i == 0 ? " and " : ", ", gens[i].g);
-  return out;
-}
-
-/// save_sharded_checkpoint, with `stamp` words after the rank, the world size and the save id in
-/// the "ddp.shard" section, and `extra` sections added.
+/// save_sharded_checkpoint, with `extra` sections added.
 ///
-/// The protocol, on every rank: (1) agree on the new generation G, one past the newest any rank
-/// has; (2) write, flush and rename the shard into "<stem>.G.ID" (a new name: nothing is replaced)
-/// and flush the directory; (3) gather every rank's outcome. When all succeeded, generation G is
-/// complete everywhere, and each rank removes its older generations; when a rank reported a
-/// failure, each rank removes its G file, and the previous generation is untouched. When the
-/// outcome cannot be gathered (a rank died), every file stays: load_sharded_checkpoint takes the
-/// newest generation complete on every rank, and the next successful save removes the rest.
+/// The protocol, on every rank: (1) agree on the new generation G, one past the newest of any
+/// rank and world size that any rank sees; (2) write, flush and rename the shard into
+/// "<stem>.G.ID" (a new name: nothing is replaced) and flush the directory; (3) gather every
+/// rank's outcome. When all succeeded, generation G is complete everywhere, and each rank removes
+/// its older generations (and those of other world sizes' rank K with K % size == rank); when a
+/// rank reported a failure, each rank removes its G file, and the previous generation is
+/// untouched. When the outcome cannot be gathered (a rank died), every file stays:
+/// load_sharded_checkpoint takes the newest generation complete on every rank, and the next
+/// successful save removes the rest.
 template <class Comm>
 std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::string& path,
-                               const std::vector<std::uint64_t>& stamp_extra,
                                std::span<const Checkpoint::Section> extra) {
   const std::string stem = shard_path(path, comm.rank(), comm.size());
   std::string error;
   std::uint64_t newest = 0;
   try {
-    const auto gens = shard_generations(stem);
-    if (!gens.empty()) newest = gens.front().g;
+    const auto files = shard_files(path);
+    if (!files.empty()) newest = files.front().g;
   } catch (const Error& e) {
     error = error_text(e);
   }
@@ -18104,13 +18581,13 @@ std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::stri
     id = detail::random_value<std::uint64_t>();
   }
   comm.broadcast_object(id, 0);
-  std::vector<std::uint64_t> words{static_cast<std::uint64_t>(comm.rank()),
-                                   static_cast<std::uint64_t>(comm.size()), id};
-  words.insert(words.end(), stamp_extra.begin(), stamp_extra.end());
-  const std::string stamp = encode_object(words);
+  const std::string stamp = encode_object(std::vector<std::uint64_t>{
+      static_cast<std::uint64_t>(comm.rank()), static_cast<std::uint64_t>(comm.size()), id});
   std::vector<Checkpoint::Section> sections(extra.begin(), extra.end());
   sections.emplace_back("ddp.shard", stamp);
-  const std::string target = shard_generation_path(stem, {generation, id});
+  const auto me = static_cast<std::uint64_t>(comm.rank()),
+             world = static_cast<std::uint64_t>(comm.size());
+  const std::string target = shard_file_path(path, {generation, id, world, me});
   bool written = false;
   try {
     StagedFile f(stem, "Checkpoint");
@@ -18131,72 +18608,70 @@ std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::stri
     }
     fail_with_first(comm, errors, "save_sharded_checkpoint");
   }
-  // Generation G is on disk on every rank: the older ones are no longer needed (newer ones, or
-  // other saves of G, are another job's that writes to the same path: they stay).
-  for (const ShardGeneration& s : shard_generations(stem)) {
-    if (s.g < generation) ::unlink(shard_generation_path(stem, s).c_str());
+  // Generation G is on disk on every rank: the older ones are no longer needed, of this world
+  // size and of others (each file by one rank; newer ones, or other saves of G, are another
+  // job's that writes to the same path: they stay).
+  for (const ShardFile& f : shard_files(path)) {
+    if (f.g < generation && (f.world == world ? f.rank == me : f.rank % world == me))
+      ::unlink(shard_file_path(path, f).c_str());
   }
   remove_abandoned(stem);
   (void)sync_dir(parent_dir(stem));
   return id;
 }
 
-/// A shard's layout as ShardedAverager::save records it: the world size, then each slice's
-/// parameter, offset and size.
-template <class Slices>
-std::vector<std::uint64_t> shard_layout(int world, const Slices& slices) {
-  std::vector<std::uint64_t> out{static_cast<std::uint64_t>(world)};
-  for (const auto& sl : slices) out.insert(out.end(), {sl.param, sl.offset, sl.value.size});
-  return out;
-}
-
 /// ShardedAverager::save: the values of this rank's `slices` (ShardSlice; in CUDA memory when
-/// `cuda`) and their layout, with `state`, through save_shard_files. Collective.
+/// `cuda`) as sharded section "ddp.values" laid out as `layout`, with `state`, through
+/// save_shard_files. Collective.
 template <class Comm, class Slices>
 std::uint64_t save_shard(Comm& comm, const Checkpoint& state, const std::string& path,
-                         const Slices& slices, bool cuda) {
+                         const Slices& slices, const ShardLayout& layout, bool cuda) {
   std::string values;
+  std::size_t element = 1;
   for (const auto& sl : slices) {
+    element = sizeof(*sl.value.data);
     values.resize(values.size() + sl.value.bytes());
     copy_bytes(values.data() + values.size() - sl.value.bytes(), sl.value.data, sl.value.bytes(),
                cuda, sl.value.stream);
     sync_stream(cuda, sl.value.stream);
   }
-  const Checkpoint::Section extra[] = {{"ddp.values", values}};
-  return save_shard_files(comm, state, path, shard_layout(comm.size(), slices), extra);
+  const std::string words = encode_object(layout_words(element, layout));
+  const std::string companion = layout_section("ddp.values");
+  const Checkpoint::Section extra[] = {{"ddp.values", values}, {companion, words}};
+  return save_shard_files(comm, state, path, extra);
 }
 
-/// ShardedAverager::load: checks that `ck` (this rank's file of `path`, loaded) holds parameter
-/// values in the layout of this rank's `slices`, then copies them back into the slices.
-/// Collective: a rank's problem fails every rank (Errc::mismatch), naming it.
+/// ShardedAverager::load: checks that `ck` (this rank's, from load_sharded_checkpoint in the
+/// averager's layout) holds parameter values in the layout of this rank's `slices`, then copies
+/// them back into the slices. Collective: a rank's problem fails every rank (Errc::mismatch).
 template <class Comm, class Slices>
 void restore_shard(Comm& comm, const Checkpoint& ck, const std::string& path, const Slices& slices,
-                   bool cuda) {
+                   const ShardLayout& layout, bool cuda) {
   std::string problem;
   std::size_t bytes = 0;
   for (const auto& sl : slices) bytes += sl.value.bytes();
   const std::string file = shard_path(path, comm.rank(), comm.size());
-  const std::vector<std::uint64_t> layout = shard_layout(comm.size(), slices);
   const auto stamp = ck.get_object<std::vector<std::uint64_t>>("ddp.shard");
-  const std::vector<std::uint64_t> saved(stamp.begin() + 3, stamp.end());
-  if (saved.empty() || !ck.contains("ddp.values")) {
+  std::vector<std::uint64_t> legacy{static_cast<std::uint64_t>(comm.size())};  // older saves
+  for (const ShardRange& r : layout.ranges)
+    legacy.insert(legacy.end(), {r.array, r.offset, r.size});
+  if (!ck.contains("ddp.values")) {
     problem = concat(file,
                      " holds no parameters (it was saved by save_sharded_checkpoint, not "
                      "ShardedAverager::save)");
-  } else if (saved != layout) {
-    problem = concat(file, " holds a shard of ", (saved.size() - 1) / 3,
-                     " slices but this averager's has ", (layout.size() - 1) / 3,
-                     " (or the same count at other places): it was saved with other "
-                     "ShardedOptions or another model");
+  } else if (ck.sharded_layout("ddp.values")
+                 ? *ck.sharded_layout("ddp.values") != layout
+                 : std::vector<std::uint64_t>(stamp.begin() + 3, stamp.end()) != legacy) {
+    problem = concat(file, " holds its parameters in another layout than this averager's");
   } else if (ck.get("ddp.values").size() != bytes) {
-    problem =
-        concat(file, " holds ", ck.get("ddp.values").size(), " bytes of parameters, not ", bytes);
+    problem = concat(file, " holds ", ck.get("ddp.values").size(), " bytes of parameters, not ",
+                     bytes, ": it was saved with another element type");
   }
   const auto problems = comm.all_gather_object(problem);
   for (std::size_t r = 0; r < problems.size(); ++r) {
     if (!problems[r].empty())
       fail(Errc::mismatch, "rank ", comm.rank(), ": ShardedAverager::load: rank ", r, ": ",
-           problems[r], "; resume with the model, world size and ShardedOptions that saved it");
+           problems[r], "; resume with the model that saved it");
   }
   const std::byte* values = ck.get("ddp.values").data();
   for (const auto& sl : slices) {
@@ -18220,7 +18695,7 @@ void restore_shard(Comm& comm, const Checkpoint& ck, const std::string& path, co
 /// parameter values.) Ranks may save to one shared file system or each to its own disk.
 template <class Comm>
 std::uint64_t save_sharded_checkpoint(Comm& comm, const Checkpoint& ck, const std::string& path) {
-  return detail::save_shard_files(comm, ck, path, {}, {});
+  return detail::save_shard_files(comm, ck, path, {});
 }
 
 /// The save identifier of a shard file that load_sharded_checkpoint returned (the value
@@ -18233,96 +18708,36 @@ std::uint64_t save_sharded_checkpoint(Comm& comm, const Checkpoint& ck, const st
   return stamp[2];
 }
 
-/// Collective: each rank loads and verifies its own shard file of the newest generation that
-/// every rank has (a save cut short leaves the one before it); std::nullopt on every rank when
-/// no rank has any (a run that starts afresh). Fails on every rank when one rank's file is
-/// invalid (Errc::protocol or Errc::system, naming the rank), when the ranks have no generation
-/// in common, or when the files come from different saves or a different rank or world size
-/// (Errc::mismatch).
+/// Collective: loads the newest save of `path` that has a file of every rank that saved it
+/// (a save cut short leaves the one before it), saved at this world size or any other;
+/// std::nullopt on every rank when no rank sees any shard file (a run that starts afresh).
+///
+///  * At the world size that saved it, each rank gets its own file's checkpoint as it was saved.
+///  * At another world size (or with `layout` asking for other layouts), each rank gets the
+///    sections that are not sharded (which must then be the same in every file) and each
+///    sharded section (Checkpoint::put_sharded) holding the values of the pieces its layout
+///    names: `layout(section, sizes)`, or by default, at another world size,
+///    ShardLayout::even(sizes, rank, size). Old files are read once each, by any rank that sees
+///    them (shared storage or each rank's own disk), and pieces travel between ranks.
+///
+/// Fails on every rank when a file is invalid (Errc::protocol or Errc::system, naming the rank),
+/// when there are files but no complete save, when the files come from different saves, or
+/// when they disagree (Errc::mismatch).
 template <class Comm>
-[[nodiscard]] std::optional<Checkpoint> load_sharded_checkpoint(Comm& comm,
-                                                                const std::string& path) {
-  const std::string stem = shard_path(path, comm.rank(), comm.size());
+[[nodiscard]] std::optional<Checkpoint> load_sharded_checkpoint(Comm& comm, const std::string& path,
+                                                                const ShardLayoutFor& layout = {}) {
   std::string error;
-  std::vector<detail::ShardGeneration> gens;
+  std::vector<detail::ShardFile> files;
   try {
-    detail::check_directory(stem, "Checkpoint");
-    gens = detail::shard_generations(stem);
+    detail::check_directory(shard_path(path, comm.rank(), comm.size()), "Checkpoint");
+    files = detail::shard_files(path);
   } catch (const Error& e) {
     error = detail::error_text(e);
   }
   detail::fail_with_first(comm, comm.all_gather_object(error), "load_sharded_checkpoint");
-  std::vector<std::vector<detail::ShardGeneration>> all;
-  for (const auto& words : comm.all_gather_object(detail::flatten(gens)))
-    all.push_back(detail::unflatten(words));
-  std::optional<std::size_t> with, without;
-  for (std::size_t r = 0; r < all.size(); ++r) (all[r].empty() ? without : with) = r;
-  if (!with) {  // a fresh start, unless shard files of another world size are there
-    std::string other = comm.rank() == 0 ? detail::other_world_shard(path, comm.size()) : "";
-    comm.broadcast_object(other, 0);
-    if (other.empty()) return std::nullopt;
-    detail::fail(Errc::mismatch, "rank ", comm.rank(),
-                 ": load_sharded_checkpoint: there is no "
-                 "shard file for ",
-                 comm.size(), " ranks (", stem, ".*) but there is ", other,
-                 ": sharded state resumes on the world size that saved it");
-  }
-  if (without)
-    detail::fail(Errc::mismatch, "rank ", comm.rank(), ": load_sharded_checkpoint: rank ", *with,
-                 " has its shard file but rank ", *without, " has none (",
-                 shard_path(path, static_cast<int>(*without), comm.size()),
-                 ".*): the checkpoint is incomplete, or was saved with another world size");
-  std::optional<detail::ShardGeneration> chosen;  // the newest save every rank has a file of
-  for (const detail::ShardGeneration& g : all[0]) {
-    bool everywhere = true;
-    for (const auto& r : all)
-      everywhere = everywhere && std::find(r.begin(), r.end(), g) != r.end();
-    if (everywhere) {
-      chosen = g;
-      break;
-    }
-  }
-  if (!chosen) {
-    std::size_t other = 1;
-    while (other + 1 < all.size() && all[other] == all[0]) ++other;
-    detail::fail(Errc::mismatch, "rank ", comm.rank(),
-                 ": load_sharded_checkpoint: the ranks have no save in common (rank 0 has "
-                 "generation ",
-                 detail::generations_text(all[0]), " of ", shard_path(path, 0, comm.size()),
-                 ", rank ", other, " has ", detail::generations_text(all[other]),
-                 "): the files come from different runs; resume from a complete checkpoint");
-  }
-  const std::string mine = detail::shard_generation_path(stem, *chosen);
-  std::optional<Checkpoint> ck;
-  std::vector<std::uint64_t> stamp;  // rank, world, save id[, the caller's words]
-  try {
-    ck = Checkpoint::load(mine);
-    if (!ck)
-      detail::fail(Errc::system, "Checkpoint: ", mine, " disappeared while it was being loaded");
-    if (!ck->contains("ddp.shard"))
-      detail::fail(Errc::mismatch, "Checkpoint: ", mine,
-                   " is not a shard file (it was not written by save_sharded_checkpoint)");
-    stamp = ck->get_object<std::vector<std::uint64_t>>("ddp.shard");
-    if (stamp.size() < 3 || stamp[0] != static_cast<std::uint64_t>(comm.rank()) ||
-        stamp[1] != static_cast<std::uint64_t>(comm.size()))
-      detail::fail(Errc::mismatch, "Checkpoint: ", mine, " was written by rank ",
-                   stamp.empty() ? 0 : stamp[0], " of ", stamp.size() < 2 ? 0 : stamp[1],
-                   " ranks; a shard resumes on its own rank with the same world size");
-    if (chosen->g != 0 && stamp[2] != chosen->id)
-      detail::fail(Errc::mismatch, "Checkpoint: ", mine,
-                   " holds another save than its name says (it was copied or renamed)");
-  } catch (const Error& e) {
-    error = detail::error_text(e);
-  }
-  detail::fail_with_first(comm, comm.all_gather_object(error), "load_sharded_checkpoint");
-  const auto ids = comm.all_gather_object(stamp[2]);
-  for (std::size_t r = 1; r < ids.size(); ++r) {
-    if (ids[r] != ids[0])
-      detail::fail(Errc::mismatch, "rank ", comm.rank(), ": load_sharded_checkpoint: rank ", r,
-                   "'s shard file comes from a different save than rank 0's (generation ",
-                   chosen->g, "); resume from a complete checkpoint");
-  }
-  return ck;
+  const std::optional<detail::ShardSet> set = detail::choose_shard_set(comm, path, files);
+  if (!set) return std::nullopt;
+  return detail::load_shard_set(comm, path, *set, layout);
 }
 
 DDP_END_NAMESPACE
@@ -18424,27 +18839,60 @@ class ShardedAverager : public detail::Averager<M, Backend> {
   /// the shard zeroes only its own; call this (TorchShard::step does) before the next backward.
   void zero_grad() { engine().zero_grads(); }
 
+  /// This rank's shard as a ShardLayout: the arrays are the parameters (their element counts),
+  /// the pieces are shard()'s slices in order. Give it to Checkpoint::put_sharded with state
+  /// kept per element of the shard (an optimizer's moments, in shard() order), so that load()
+  /// can cut that state again for another world size or other ShardedOptions.
+  [[nodiscard]] ShardLayout layout() const {
+    ShardLayout out;
+    for (const auto& v : engine().values()) out.sizes.push_back(v.size);
+    for (const Slice& s : slices_) out.ranges.push_back({s.param, s.offset, s.value.size});
+    return out;
+  }
+
   /// Collective: saves this rank's part of a sharded checkpoint, next to the others': the
-  /// parameter values of its shard, the shard's layout, and `state` (the optimizer's state for
-  /// the shard, the step, ...), to shard_path(path, rank, size) through the two phases of
+  /// parameter values of its shard (a sharded section laid out as layout()) and `state` (the
+  /// optimizer's state for the shard, put with Checkpoint::put_sharded(name, values, layout());
+  /// the step, ...), to shard_path(path, rank, size) through the two phases of
   /// save_sharded_checkpoint (every rank's file, or none). No rank writes the whole model.
   /// Returns the save identifier.
   std::uint64_t save(const std::string& path, const Checkpoint& state = Checkpoint{}) {
     engine().look_up_all();
-    return detail::save_shard(*this->comm_, state, path, shard(), engine().cuda());
+    return detail::save_shard(*this->comm_, state, path, shard(), layout(), engine().cuda());
   }
 
-  /// Collective: loads what save() wrote: every rank's shard of the parameters goes back in place
-  /// and is gathered (every rank then holds every parameter), and the checkpoint is returned
-  /// for the rest (`state`'s sections). std::nullopt on every rank, parameters untouched, when
-  /// there is none. A set saved with another world size or other ShardedOptions (another
-  /// layout), or by save_sharded_checkpoint alone, fails on every rank with Errc::mismatch;
-  /// damaged or mixed files fail as in load_sharded_checkpoint.
+  /// Collective: loads what save() wrote, saved at this world size or any other, with these
+  /// ShardedOptions or others: every rank's shard of the parameters goes back in place and is
+  /// gathered (every rank then holds every parameter), and the checkpoint is returned for the
+  /// rest (`state`'s sections), its sharded sections over this model's parameters in layout()
+  /// (other sharded sections evenly: see load_sharded_checkpoint). std::nullopt on every rank,
+  /// parameters untouched, when there is none. A set saved with another model, or by
+  /// save_sharded_checkpoint alone, fails on every rank with Errc::mismatch; damaged or mixed
+  /// files fail as in load_sharded_checkpoint.
   [[nodiscard]] std::optional<Checkpoint> load(const std::string& path) {
-    std::optional<Checkpoint> ck = load_sharded_checkpoint(*this->comm_, path);
+    const ShardLayout mine = layout();
+    const int rank = this->comm_->rank(), world = this->comm_->size();
+    std::optional<Checkpoint> ck = load_sharded_checkpoint(
+        *this->comm_, path,
+        [&](std::string_view section, const std::vector<std::size_t>& sizes) -> ShardLayout {
+          if (sizes == mine.sizes) return mine;
+          if (section == "ddp.values") {
+            std::size_t i = 0;
+            while (i < sizes.size() && i < mine.sizes.size() && sizes[i] == mine.sizes[i]) ++i;
+            detail::fail(
+                Errc::mismatch, "ShardedAverager::load: the checkpoint holds ", sizes.size(),
+                " parameters and this model ", mine.sizes.size(),
+                i < sizes.size() && i < mine.sizes.size()
+                    ? detail::concat("; parameter ", i, " has ", sizes[i],
+                                     " elements in the checkpoint but ", mine.sizes[i], " here")
+                    : std::string(),
+                ": it was saved with another model");
+          }
+          return ShardLayout::even(sizes, rank, world);
+        });
     if (!ck) return std::nullopt;
     engine().look_up_all();
-    detail::restore_shard(*this->comm_, *ck, path, shard(), engine().cuda());
+    detail::restore_shard(*this->comm_, *ck, path, shard(), mine, engine().cuda());
     engine().gather_values();
     return ck;
   }
@@ -18475,6 +18923,7 @@ class ShardedAverager : public detail::Averager<M, Backend> {
 
  private:
   Engine& engine() { return static_cast<Engine&>(*this->impl_); }
+  const Engine& engine() const { return static_cast<const Engine&>(*this->impl_); }
 
   template <class... A>
   [[noreturn]] void fail(const A&... a) const {

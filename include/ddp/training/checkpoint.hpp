@@ -41,6 +41,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
@@ -78,6 +79,91 @@ struct codec<SamplerState> {
   }
 };
 
+/// Elements [offset, offset + size) of array number `array`: one piece of a rank's shard.
+struct ShardRange {
+  std::size_t array = 0;   ///< Which array (a parameter's index, for ShardedAverager).
+  std::size_t offset = 0;  ///< The piece's first element within the array.
+  std::size_t size = 0;    ///< Its element count.
+  /// Equal when all three are.
+  friend bool operator==(const ShardRange&, const ShardRange&) = default;
+};
+
+/// How one rank's shard of some arrays is laid out: every array's element count, and the pieces
+/// this rank holds, in the order its values are stored. A sharded section of a checkpoint records
+/// it (Checkpoint::put_sharded), so that load_sharded_checkpoint can cut the arrays again for
+/// another world size. ShardedAverager::layout() is its shard's.
+struct ShardLayout {
+  std::vector<std::size_t> sizes;  ///< Element count of array 0, 1, ...
+  std::vector<ShardRange> ranges;  ///< This rank's pieces, in the order of its values.
+
+  /// Elements held: the pieces' sizes added up.
+  [[nodiscard]] std::size_t elements() const noexcept {
+    std::size_t n = 0;
+    for (const ShardRange& r : ranges) n += r.size;
+    return n;
+  }
+  /// Rank `rank` of `world`'s share when each array is cut into `world` contiguous blocks, the
+  /// first size % world of them one element longer (a block may be empty): the layout
+  /// load_sharded_checkpoint gives a section on a world size other than the one that saved it.
+  [[nodiscard]] static ShardLayout even(std::vector<std::size_t> sizes, int rank, int world) {
+    if (world < 1 || rank < 0 || rank >= world)
+      detail::fail(Errc::invalid_argument, "ShardLayout::even: rank ", rank, " of ", world,
+                   " ranks");
+    ShardLayout out;
+    const auto p = static_cast<std::size_t>(world), r = static_cast<std::size_t>(rank);
+    for (std::size_t a = 0; a < sizes.size(); ++a) {
+      const std::size_t n = sizes[a], base = n / p, extra = n % p;
+      const std::size_t size = base + (r < extra ? 1 : 0);
+      if (size != 0) out.ranges.push_back({a, r * base + std::min(r, extra), size});
+    }
+    out.sizes = std::move(sizes);
+    return out;
+  }
+  /// Equal when the sizes and the pieces (in order) are.
+  friend bool operator==(const ShardLayout&, const ShardLayout&) = default;
+};
+
+namespace detail {
+/// The companion section of sharded section `name`: its element size and layout.
+inline std::string layout_section(std::string_view name) { return concat("ddp.sharded.", name); }
+/// A layout and its element size as words: bytes, array count, sizes, then (array, offset, size)
+/// per piece.
+inline std::vector<std::uint64_t> layout_words(std::size_t element_bytes, const ShardLayout& l) {
+  std::vector<std::uint64_t> w{element_bytes, l.sizes.size()};
+  w.insert(w.end(), l.sizes.begin(), l.sizes.end());
+  for (const ShardRange& r : l.ranges) w.insert(w.end(), {r.array, r.offset, r.size});
+  return w;
+}
+/// Errc::invalid_argument (`what`: where it came from) unless `l`'s pieces lie within its arrays.
+inline void check_layout(const ShardLayout& l, std::string_view what) {
+  for (const ShardRange& r : l.ranges) {
+    if (r.array >= l.sizes.size() || r.offset > l.sizes[r.array] ||
+        r.size > l.sizes[r.array] - r.offset)
+      fail(Errc::invalid_argument, what, ": the piece [", r.offset, ", ", r.offset + r.size,
+           ") of array ", r.array, " lies outside the ", l.sizes.size(), " arrays' sizes");
+  }
+}
+/// layout_words back: the element size and the layout; Errc::protocol when malformed.
+inline std::pair<std::size_t, ShardLayout> layout_of_words(const std::vector<std::uint64_t>& w,
+                                                           std::string_view what) {
+  const auto bad = [&] {
+    fail(Errc::protocol, what, ": the layout of a sharded section is damaged");
+  };
+  if (w.size() < 2 || w[0] == 0 || w[1] > w.size() - 2 || (w.size() - 2 - w[1]) % 3 != 0) bad();
+  ShardLayout l;
+  const auto arrays = static_cast<std::size_t>(w[1]);
+  l.sizes.assign(w.begin() + 2, w.begin() + 2 + static_cast<std::ptrdiff_t>(arrays));
+  for (std::size_t i = 2 + arrays; i < w.size(); i += 3)
+    l.ranges.push_back({w[i], w[i + 1], w[i + 2]});
+  try {
+    check_layout(l, what);
+  } catch (const Error&) {
+    bad();
+  }
+  return {static_cast<std::size_t>(w[0]), std::move(l)};
+}
+}  // namespace detail
+
 /// Named sections of bytes (see the file comment).
 class Checkpoint {
  public:
@@ -109,6 +195,36 @@ class Checkpoint {
   Checkpoint& put_object(std::string_view name, const T& value) {
     const std::string bytes = detail::encode_object(value);
     return put(name, std::as_bytes(std::span(bytes.data(), bytes.size())));
+  }
+
+  /// Section `name` holds `values`, this rank's shard of some arrays laid out as `layout` says
+  /// (its pieces in the order of the values; ShardedAverager::layout() for state kept per element
+  /// of its shard, such as an optimizer's moments), and records the layout beside it (in section
+  /// "ddp.sharded.<name>"). get_values reads it back; loaded on another world size by
+  /// load_sharded_checkpoint, it holds the values of the new rank's pieces instead.
+  /// Errc::invalid_argument when the layout holds another number of values or lies outside its
+  /// arrays.
+  template <class R>
+  requires std::ranges::contiguous_range<R> &&
+      std::is_trivially_copyable_v<std::ranges::range_value_t<R>>
+          Checkpoint& put_sharded(std::string_view name, const R& values,
+                                  const ShardLayout& layout) {
+    check_name(name);
+    detail::check_layout(layout, detail::concat("Checkpoint::put_sharded(\"", name, "\")"));
+    if (layout.elements() != std::ranges::size(values))
+      detail::fail(Errc::invalid_argument, "Checkpoint::put_sharded(\"", name,
+                   "\"): the layout has ", layout.elements(), " elements but ",
+                   std::ranges::size(values), " values were given");
+    put_values(name, values);
+    return put_object(detail::layout_section(name),
+                      detail::layout_words(sizeof(std::ranges::range_value_t<R>), layout));
+  }
+  /// The layout of sharded section `name` (put_sharded), or std::nullopt for a section that is
+  /// not sharded.
+  [[nodiscard]] std::optional<ShardLayout> sharded_layout(std::string_view name) const {
+    const std::string companion = detail::layout_section(name);
+    if (!contains(companion)) return std::nullopt;
+    return detail::layout_of_words(get_object<std::vector<std::uint64_t>>(companion), name).second;
   }
 
   /// Whether there is a section named `name`.

@@ -35,8 +35,10 @@
 ///
 /// Checkpoints: save(path, state) has every rank write its own file (its shard of the parameters,
 /// the shard's layout, and `state`: your optimizer's state for the shard, the step), all or none;
-/// load(path) puts every rank's shard back, gathers, and returns `state`. A set saved with
-/// another world size or other options is refused (Errc::mismatch). With a framework whose
+/// load(path) puts every rank's shard back, gathers, and returns `state`, from a set saved at any
+/// world size and with any ShardedOptions: state put with Checkpoint::put_sharded(name, values,
+/// layout()) is cut again for the new shard (ZeRO resharding). A set saved with another model is
+/// refused (Errc::mismatch). With a framework whose
 /// backward adds into the gradients, zero_grad() the whole model after a step (TorchShard::step
 /// does): an optimizer on the shard zeroes only the shard's.
 
@@ -142,27 +144,60 @@ class ShardedAverager : public detail::Averager<M, Backend> {
   /// the shard zeroes only its own; call this (TorchShard::step does) before the next backward.
   void zero_grad() { engine().zero_grads(); }
 
+  /// This rank's shard as a ShardLayout: the arrays are the parameters (their element counts),
+  /// the pieces are shard()'s slices in order. Give it to Checkpoint::put_sharded with state
+  /// kept per element of the shard (an optimizer's moments, in shard() order), so that load()
+  /// can cut that state again for another world size or other ShardedOptions.
+  [[nodiscard]] ShardLayout layout() const {
+    ShardLayout out;
+    for (const auto& v : engine().values()) out.sizes.push_back(v.size);
+    for (const Slice& s : slices_) out.ranges.push_back({s.param, s.offset, s.value.size});
+    return out;
+  }
+
   /// Collective: saves this rank's part of a sharded checkpoint, next to the others': the
-  /// parameter values of its shard, the shard's layout, and `state` (the optimizer's state for
-  /// the shard, the step, ...), to shard_path(path, rank, size) through the two phases of
+  /// parameter values of its shard (a sharded section laid out as layout()) and `state` (the
+  /// optimizer's state for the shard, put with Checkpoint::put_sharded(name, values, layout());
+  /// the step, ...), to shard_path(path, rank, size) through the two phases of
   /// save_sharded_checkpoint (every rank's file, or none). No rank writes the whole model.
   /// Returns the save identifier.
   std::uint64_t save(const std::string& path, const Checkpoint& state = Checkpoint{}) {
     engine().look_up_all();
-    return detail::save_shard(*this->comm_, state, path, shard(), engine().cuda());
+    return detail::save_shard(*this->comm_, state, path, shard(), layout(), engine().cuda());
   }
 
-  /// Collective: loads what save() wrote: every rank's shard of the parameters goes back in place
-  /// and is gathered (every rank then holds every parameter), and the checkpoint is returned
-  /// for the rest (`state`'s sections). std::nullopt on every rank, parameters untouched, when
-  /// there is none. A set saved with another world size or other ShardedOptions (another
-  /// layout), or by save_sharded_checkpoint alone, fails on every rank with Errc::mismatch;
-  /// damaged or mixed files fail as in load_sharded_checkpoint.
+  /// Collective: loads what save() wrote, saved at this world size or any other, with these
+  /// ShardedOptions or others: every rank's shard of the parameters goes back in place and is
+  /// gathered (every rank then holds every parameter), and the checkpoint is returned for the
+  /// rest (`state`'s sections), its sharded sections over this model's parameters in layout()
+  /// (other sharded sections evenly: see load_sharded_checkpoint). std::nullopt on every rank,
+  /// parameters untouched, when there is none. A set saved with another model, or by
+  /// save_sharded_checkpoint alone, fails on every rank with Errc::mismatch; damaged or mixed
+  /// files fail as in load_sharded_checkpoint.
   [[nodiscard]] std::optional<Checkpoint> load(const std::string& path) {
-    std::optional<Checkpoint> ck = load_sharded_checkpoint(*this->comm_, path);
+    const ShardLayout mine = layout();
+    const int rank = this->comm_->rank(), world = this->comm_->size();
+    std::optional<Checkpoint> ck = load_sharded_checkpoint(
+        *this->comm_, path,
+        [&](std::string_view section, const std::vector<std::size_t>& sizes) -> ShardLayout {
+          if (sizes == mine.sizes) return mine;
+          if (section == "ddp.values") {
+            std::size_t i = 0;
+            while (i < sizes.size() && i < mine.sizes.size() && sizes[i] == mine.sizes[i]) ++i;
+            detail::fail(
+                Errc::mismatch, "ShardedAverager::load: the checkpoint holds ", sizes.size(),
+                " parameters and this model ", mine.sizes.size(),
+                i < sizes.size() && i < mine.sizes.size()
+                    ? detail::concat("; parameter ", i, " has ", sizes[i],
+                                     " elements in the checkpoint but ", mine.sizes[i], " here")
+                    : std::string(),
+                ": it was saved with another model");
+          }
+          return ShardLayout::even(sizes, rank, world);
+        });
     if (!ck) return std::nullopt;
     engine().look_up_all();
-    detail::restore_shard(*this->comm_, *ck, path, shard(), engine().cuda());
+    detail::restore_shard(*this->comm_, *ck, path, shard(), mine, engine().cuda());
     engine().gather_values();
     return ck;
   }
@@ -193,6 +228,7 @@ class ShardedAverager : public detail::Averager<M, Backend> {
 
  private:
   Engine& engine() { return static_cast<Engine&>(*this->impl_); }
+  const Engine& engine() const { return static_cast<const Engine&>(*this->impl_); }
 
   template <class... A>
   [[noreturn]] void fail(const A&... a) const {

@@ -348,7 +348,7 @@ TEST_CASE("sharded: a run resumed from sharded checkpoints ends bitwise as an un
   }
 }
 
-TEST_CASE("sharded: shard files from another world size, an interrupted save, a damaged file") {
+TEST_CASE("sharded: an interrupted save, files of different saves, a damaged file") {
   mp::TempDir dir;
   const std::string path = dir.file("s");
   const auto expect = [](mp::Comm& comm, ddp::Errc code, const std::string& needle, auto&& call) {
@@ -422,16 +422,19 @@ TEST_CASE("sharded: shard files from another world size, an interrupted save, a 
       std::filesystem::rename(third, mine + ".50" + third.substr(third.rfind('.')));
     }
     comm.barrier();
-    expect(comm, ddp::Errc::mismatch, "the ranks have no save in common (rank 0 has generation 3",
+    expect(comm, ddp::Errc::mismatch,
+           "no save has a file of every rank: the newest, generation 50 of 2 ranks, has the files "
+           "of rank 1 but none of rank 0",
            [&] { (void)ddp::load_sharded_checkpoint(comm, path); });
     // One rank's files missing.
     if (comm.rank() == 1) std::filesystem::remove(file_of(mine, 50));
     comm.barrier();
-    expect(comm, ddp::Errc::mismatch, "rank 0 has its shard file but rank 1 has none",
+    expect(comm, ddp::Errc::mismatch,
+           "generation 3 of 2 ranks, has the files of rank 0 but none of rank 1",
            [&] { (void)ddp::load_sharded_checkpoint(comm, path); });
   });
-  // ShardedAverager::load refuses a set of another layout (other options), and one saved
-  // without parameters (by save_sharded_checkpoint alone).
+  // ShardedAverager::load refuses a set of another model, and one saved without parameters (by
+  // save_sharded_checkpoint alone).
   mp::run(2, ddp::HostTransport::shm, [&](mp::Comm& comm) {
     Net net;
     {
@@ -439,11 +442,14 @@ TEST_CASE("sharded: shard files from another world size, an interrupted save, a 
       zero.save(dir.file("z"));
       MP_EXPECT(zero.load(dir.file("z")).has_value(), "its own checkpoint");
     }
-    ddp::ShardedOptions other = sharded_options;
-    other.bucket_bytes = 4096;  // other bucket boundaries, so another shard
-    ddp::ShardedAverager zero(comm, net, other);
-    expect(comm, ddp::Errc::mismatch, "it was saved with other ShardedOptions or another model",
-           [&] { (void)zero.load(dir.file("z")); });
+    Net odd;
+    odd.params[3] = {std::vector<float>(5), std::vector<float>(5)};
+    ddp::ShardedAverager other(comm, odd, sharded_options);
+    expect(comm, ddp::Errc::mismatch,
+           "the checkpoint holds 7 parameters and this model 7; parameter 3 has 129 elements in "
+           "the checkpoint but 5 here: it was saved with another model",
+           [&] { (void)other.load(dir.file("z")); });
+    ddp::ShardedAverager zero(comm, net, sharded_options);
     ddp::Checkpoint ck;
     (void)ddp::save_sharded_checkpoint(comm, ck, dir.file("plain"));
     expect(comm, ddp::Errc::mismatch, "holds no parameters",
@@ -458,9 +464,9 @@ TEST_CASE("sharded: shard files from another world size, an interrupted save, a 
     mp::expect_refused(comm, "gather without synchronize", "synchronize() has not run",
                        [&] { zero.gather(); });
   });
-  // Three ranks find shard files of two: refused, not a fresh start beside the parameters.
+  // Three ranks find an incomplete set of two: refused, not a fresh start.
   mp::run(3, ddp::HostTransport::shm, [&](mp::Comm& comm) {
-    expect(comm, ddp::Errc::mismatch, "no shard file for 3 ranks",
+    expect(comm, ddp::Errc::mismatch, "generation 3 of 2 ranks, has the files of rank 0 but none",
            [&] { (void)ddp::load_sharded_checkpoint(comm, path); });
   });
 }
@@ -484,6 +490,222 @@ TEST_CASE("sharded: after a peer is lost mid-step, every later call fails cleanl
         MP_EXPECT(expected, "attempt " << attempt << ": " << e.what());
       }
     }
+  });
+}
+
+namespace {
+std::vector<float> flat(const std::vector<std::vector<float>>& per_range) {
+  std::vector<float> out;
+  for (const auto& r : per_range) out.insert(out.end(), r.begin(), r.end());
+  return out;
+}
+// The whole state (parameters, Adam's m and v) per parameter element, as bytes: what every rank
+// of any world size must find at its pieces after a load.
+struct Whole {
+  std::vector<std::vector<float>> value, m, v;
+};
+template <class Zero>
+void check_against(mp::Comm& comm, Zero& zero, const Net& net, const ddp::Checkpoint& ck,
+                   const Whole& whole) {
+  for (std::size_t i = 0; i < net.params.size(); ++i)
+    MP_EXPECT(net.params[i].value == whole.value[i], "parameter " << i << " differs after load");
+  std::vector<float> m(zero.shard_size()), v(zero.shard_size());
+  ck.get_values("m", std::span(m));
+  ck.get_values("v", std::span(v));
+  MP_EXPECT(ck.sharded_layout("m") == zero.layout(), "m is not in the averager's layout");
+  std::size_t at = 0;
+  for (const auto& s : zero.shard()) {
+    for (std::size_t k = 0; k < s.value.size; ++k, ++at) {
+      MP_EXPECT(m[at] == whole.m[s.param][s.offset + k] && v[at] == whole.v[s.param][s.offset + k],
+                "rank " << comm.rank() << " of " << comm.size() << ": state of parameter "
+                        << s.param << "[" << s.offset + k << "] differs");
+    }
+  }
+  MP_EXPECT(ck.get_object<int>("t") == 7, "the step count");
+}
+}  // namespace
+
+TEST_CASE("sharded: checkpoints saved at 1, 2, 3, 4 ranks load at every other, Adam state too") {
+  for (int saved : {1, 2, 3, 4}) {
+    CAPTURE(saved);
+    mp::TempDir dir;
+    const std::string path = dir.file("z"), whole_path = dir.file("whole");
+    mp::run(saved, ddp::HostTransport::shm, [&](mp::Comm& comm) {
+      Net net;
+      Optimizer opt(true);
+      ddp::ShardedAverager zero(comm, net, sharded_options);
+      for (int step = 0; step < 7; ++step) {
+        backward(net, comm.rank(), step);
+        zero.step([&](auto shard) { opt.step(ranges(shard)); });
+      }
+      ddp::Checkpoint state;
+      state.put_sharded("m", flat(opt.m), zero.layout())
+          .put_sharded("v", flat(opt.v), zero.layout());
+      state.put_object("t", opt.t);
+      zero.save(path, state);
+      // The unsharded truth, from every rank's pieces.
+      Whole whole;
+      for (const auto& p : net.params) {
+        whole.value.push_back(p.value);
+        whole.m.emplace_back(p.value.size(), -1.0f);
+        whole.v.emplace_back(p.value.size(), -1.0f);
+      }
+      using Pieces = std::vector<std::pair<std::vector<std::uint64_t>, std::vector<float>>>;
+      Pieces mine;
+      std::size_t j = 0;
+      for (const auto& s : zero.shard()) {
+        mine.push_back({{s.param, s.offset, 0}, opt.m[j]});
+        mine.push_back({{s.param, s.offset, 1}, opt.v[j++]});
+      }
+      for (const Pieces& pieces : comm.all_gather_object(mine))
+        for (const auto& [where, values] : pieces)
+          std::copy(values.begin(), values.end(),
+                    (where[2] == 0 ? whole.m : whole.v)[where[0]].begin() +
+                        static_cast<std::ptrdiff_t>(where[1]));
+      if (comm.rank() == 0) {
+        ddp::Checkpoint w;
+        w.put_object("value", whole.value).put_object("m", whole.m).put_object("v", whole.v);
+        w.save(whole_path);
+      }
+    });
+    const auto truth = ddp::Checkpoint::load(whole_path);
+    REQUIRE(truth.has_value());
+    const Whole whole{truth->get_object<std::vector<std::vector<float>>>("value"),
+                      truth->get_object<std::vector<std::vector<float>>>("m"),
+                      truth->get_object<std::vector<std::vector<float>>>("v")};
+    for (int loaded : {1, 2, 3, 4}) {
+      CAPTURE(loaded);
+      mp::run(loaded, loaded == 3 ? ddp::HostTransport::tcp : ddp::HostTransport::shm,
+              [&](mp::Comm& comm) {
+                Net net;  // other values than the saved ones, so the load must put them back
+                for (auto& p : net.params) std::fill(p.value.begin(), p.value.end(), 9.0f);
+                ddp::ShardedAverager zero(comm, net, sharded_options);
+                const auto ck = zero.load(path);
+                MP_EXPECT(ck.has_value(), "nothing loaded");
+                if (ck) check_against(comm, zero, net, *ck, whole);
+                // Other ShardedOptions: another shard, the same state.
+                ddp::ShardedOptions other = sharded_options;
+                other.bucket_bytes = 4096;
+                Net again;
+                ddp::ShardedAverager zero2(comm, again, other);
+                const auto ck2 = zero2.load(path);
+                if (ck2) check_against(comm, zero2, again, *ck2, whole);
+                MP_EXPECT(ck2.has_value(), "nothing loaded with other options");
+              });
+    }
+  }
+}
+
+TEST_CASE(
+    "sharded checkpoint: sections cut again for another world size, what cannot be is refused") {
+  mp::TempDir dir;
+  const std::string path = dir.file("c");
+  constexpr std::size_t n = 1003, rows = 17;
+  const auto value = [](std::size_t array, std::size_t k) {
+    return static_cast<double>(array * 100000 + k) + 0.25;
+  };
+  // Saved at 3 ranks: array 0 (n elements) evenly, array 1 (rows) all on rank 2; a step count the
+  // same everywhere, a note per rank.
+  const auto save = [&](mp::Comm& comm, bool per_rank_note) {
+    ddp::ShardLayout l = ddp::ShardLayout::even({n, rows}, comm.rank(), comm.size());
+    l.ranges.erase(std::remove_if(l.ranges.begin(), l.ranges.end(),
+                                  [](const ddp::ShardRange& r) { return r.array == 1; }),
+                   l.ranges.end());
+    if (comm.rank() == 2) l.ranges.push_back({1, 0, rows});
+    std::vector<double> values;
+    for (const auto& r : l.ranges)
+      for (std::size_t k = 0; k < r.size; ++k) values.push_back(value(r.array, r.offset + k));
+    ddp::Checkpoint ck;
+    ck.put_object("step", 41).put_sharded("table", values, l);
+    if (per_rank_note) ck.put_object("note", comm.rank());
+    return ddp::save_sharded_checkpoint(comm, ck, path);
+  };
+  mp::run(3, ddp::HostTransport::shm, [&](mp::Comm& comm) { (void)save(comm, false); });
+  for (int world : {1, 2, 3, 4, 5}) {
+    CAPTURE(world);
+    mp::run(world, ddp::HostTransport::shm, [&](mp::Comm& comm) {
+      const auto ck = ddp::load_sharded_checkpoint(comm, path);
+      MP_EXPECT(ck && ck->get_object<int>("step") == 41, "the plain section");
+      if (!ck) return;
+      const auto l = ck->sharded_layout("table");
+      MP_EXPECT(l.has_value(), "no layout");
+      if (!l) return;
+      if (world != 3)
+        MP_EXPECT(*l == ddp::ShardLayout::even({n, rows}, comm.rank(), world), "not even");
+      std::vector<double> got(l->elements());
+      ck->get_values("table", std::span(got));
+      std::size_t at = 0, held = 0;
+      for (const auto& r : l->ranges)
+        for (std::size_t k = 0; k < r.size; ++k, ++at)
+          MP_EXPECT(got[at] == value(r.array, r.offset + k),
+                    "array " << r.array << "[" << r.offset + k << "]");
+      held = l->elements();
+      std::vector<std::uint64_t> total{held};
+      comm.all_reduce(total);
+      MP_EXPECT(total[0] == n + rows, total[0] << " elements held");
+      // A layout of the caller's: everything on the last rank.
+      const auto last = ddp::load_sharded_checkpoint(
+          comm, path, [&](std::string_view, const std::vector<std::size_t>& sizes) {
+            ddp::ShardLayout all{sizes, {}};
+            if (comm.rank() == comm.size() - 1)
+              for (std::size_t a = 0; a < sizes.size(); ++a) all.ranges.push_back({a, 0, sizes[a]});
+            return all;
+          });
+      MP_EXPECT(last && last->get("table").size() ==
+                            (comm.rank() == world - 1 ? (n + rows) * sizeof(double) : 0),
+                "the caller's layout");
+      // A layout that names arrays the section does not have: refused on every rank.
+      try {
+        (void)ddp::load_sharded_checkpoint(comm, path, [&](std::string_view, const auto&) {
+          return ddp::ShardLayout{{n}, {}};
+        });
+        MP_EXPECT(false, "a layout of other arrays was accepted");
+      } catch (const ddp::Error& e) {
+        MP_EXPECT(e.code() == ddp::Errc::mismatch &&
+                      std::string(e.what()).find("has 1 arrays of other sizes than the 2") !=
+                          std::string::npos,
+                  e.what());
+      }
+    });
+  }
+  // A section that differs between the ranks' files can go back only to the ranks that saved it.
+  mp::run(3, ddp::HostTransport::shm, [&](mp::Comm& comm) {
+    (void)save(comm, true);
+    const auto ck = ddp::load_sharded_checkpoint(comm, path);
+    MP_EXPECT(ck && ck->get_object<int>("note") == comm.rank(), "each rank its own note");
+  });
+  mp::run(2, ddp::HostTransport::shm, [&](mp::Comm& comm) {
+    try {
+      (void)ddp::load_sharded_checkpoint(comm, path);
+      MP_EXPECT(false, "a per-rank section was given to another world size");
+    } catch (const ddp::Error& e) {
+      const std::string m = e.what();
+      MP_EXPECT(e.code() == ddp::Errc::mismatch &&
+                    m.find("section \"note\" differs between") != std::string::npos,
+                m);
+      MP_EXPECT(m.find("rank " + std::to_string(comm.rank())) == 0, m);
+    }
+    // A save at 2 ranks supersedes the set of 3: its files go, and 4 ranks load the new one.
+    ddp::Checkpoint ck;
+    ck.put_sharded("table", std::vector<double>(3, 1.5 + comm.rank()),
+                   ddp::ShardLayout{{6}, {{0, 3 * static_cast<std::size_t>(comm.rank()), 3}}});
+    (void)ddp::save_sharded_checkpoint(comm, ck, path);
+  });
+  std::size_t files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path)) {
+    const std::string name = e.path().filename().string();
+    files += name.rfind("c.rank", 0) == 0 ? 1u : 0u;
+    CHECK_MESSAGE(name.find("-of-3") == std::string::npos, name << " was not removed");
+  }
+  CHECK(files == 2);
+  mp::run(4, ddp::HostTransport::shm, [&](mp::Comm& comm) {
+    const auto ck = ddp::load_sharded_checkpoint(comm, path);
+    std::vector<double> got(2 - (comm.rank() >= 2 ? 1 : 0));
+    if (ck) ck->get_values("table", std::span(got));
+    const double want[] = {1.5, 1.5, 1.5, 2.5, 2.5, 2.5};
+    const std::size_t first = comm.rank() < 2 ? 2 * static_cast<std::size_t>(comm.rank())
+                                              : 4 + static_cast<std::size_t>(comm.rank()) - 2;
+    for (std::size_t k = 0; k < got.size(); ++k) MP_EXPECT(got[k] == want[first + k], k);
   });
 }
 
