@@ -15,6 +15,8 @@ foreach(_t IN ITEMS
     "a rank with a wrong or missing token fails the rendezvous at once, on every rank"
     "rank 0 hosts the store: a rank killed in the rendezvous, or rank 0 itself stopped"
     "a rank out of file descriptors anywhere in init: every rank fails at once, named"
-    "a communicator destroyed with async work outstanding finishes it, then leaves")
+    "a communicator destroyed with async work outstanding finishes it, then leaves"
+    "shrink: a stopped rank is left out, and fenced when it wakes"
+    "shrink: with the store in rank 0's process, losing rank 0 is named, not waited out")
   set_tests_properties("unit:${_t}" PROPERTIES RUN_SERIAL TRUE)  # doctest_discover_tests drops the prefix's space
 endforeach()

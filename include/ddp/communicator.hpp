@@ -17,8 +17,8 @@
 /// async call must stay alive and untouched until its Work completes.
 ///
 /// After a collective fails (timeout, a lost peer, a mismatch, abort()), the communicator is
-/// unusable: every later call fails at once with Errc::aborted naming the first failure. Build a
-/// new one (with another Options::group) to continue.
+/// unusable: every later call fails at once with Errc::aborted naming the first failure; the
+/// ranks still alive go on together with shrink(), a communicator of the survivors.
 
 #include "ddp/backend/arguments.hpp"
 #include "ddp/backend/backend.hpp"
@@ -489,6 +489,30 @@ class Communicator {
     return Communicator(std::move(sub));
   }
 
+  /// Fault tolerance (MPIX_Comm_shrink, ncclCommShrink): after a failure (Errc::peer_lost, or
+  /// a timeout the caller treats as a loss), the surviving ranks each call shrink() and get a
+  /// communicator of themselves, ranked 0..n-1 in the order of their old ranks, at the next
+  /// membership epoch; its previous_ranks() maps them back. The survivors agree through the
+  /// rendezvous store (runtime/membership.hpp): a rank that died is left out at once, one that
+  /// neither arrives nor dies within ShrinkOptions::wait_for_ranks is left out and fenced (on
+  /// waking, each of its calls fails with Errc::aborted naming the epoch), and a member that
+  /// fails while they connect costs one more round. This communicator fails every call
+  /// afterwards. Needs a store that outlives the lost rank (ddprun's, spawn's; not rank 0's when
+  /// rank 0 is lost). backend::Host; Errc::unsupported on the others.
+  [[nodiscard]] Communicator shrink(const ShrinkOptions& options = {}) {
+    State& s = same_process("shrink");
+    if constexpr (backend_traits<Backend>::splits) {
+      detail::fail(Errc::unsupported, "rank ", rank(),
+                   ": shrink: not available on backend::", Backend::name,
+                   " yet; use backend::Host");
+    }
+    return Communicator(detail::shrink_state(s, rank(), size(), options));
+  }
+  /// Membership epoch: 0 for a communicator from init() or split(), one more for each shrink().
+  [[nodiscard]] std::uint64_t epoch() const { return checked().epoch; }
+  /// After shrink(): each rank's number in the communicator it was shrunk from (empty before).
+  [[nodiscard]] const std::vector<int>& previous_ranks() const { return checked().previous; }
+
   /// The ranks of this communicator on this host, as a communicator (made by split() on first
   /// use, then cached). Collective on first use.
   [[nodiscard]] Communicator& local_group() {
@@ -592,56 +616,26 @@ class Communicator {
   /// all_to_all's in_counts then out_counts, one per rank each.
   std::vector<std::size_t> joined(std::span<const std::size_t> a,
                                   std::span<const std::size_t> b) const {
-    detail::check_entries(a, caller(), "all_to_all", "in_counts");
-    detail::check_entries(b, caller(), "all_to_all", "out_counts");
-    std::vector<std::size_t> v(a.begin(), a.end());
-    v.insert(v.end(), b.begin(), b.end());
-    return v;
+    return detail::joined_counts(a, b, caller());
   }
-
-  /// An uneven collective's call; `in`, `out` and `counts` read only where the collective reads
-  /// them (see runtime/call.hpp).
   template <class In, class Out>
-  detail::Call prepare_uneven(detail::Coll coll, In& in_t, Out& out_t,
+  detail::Call prepare_uneven(detail::Coll coll, In& in, Out& out,
                               std::span<const std::size_t> counts, int root) const {
-    const char* what = detail::to_string(coll).data();
-    if (coll == detail::Coll::all_to_all_v)
-      return detail::prepare_all_to_all_v(arg(in_t, what, "in"), arg(out_t, what, "out"), counts,
-                                          caller());
-    if (coll == detail::Coll::scatter_v) {
-      const detail::Buf out = arg(out_t, what, "out");
-      return detail::prepare_scatter_v(rank() == root ? arg(in_t, what, "in") : detail::Buf{}, out,
-                                       counts, root, caller());
-    }
-    const detail::Buf in = arg(in_t, what, "in");
-    const bool receives = root < 0 || root == rank();
-    return detail::prepare_gather_v(in, receives ? arg(out_t, what, "out") : detail::Buf{}, counts,
-                                    root, caller());
+    return detail::prepare_uneven_args<Backend>(coll, in, out, counts, root, caller());
   }
-
   template <class In, class Out>
   Work uneven_async(detail::Coll coll, In& in, Out& out, std::vector<std::size_t> counts,
                     int root) {
     const detail::Call c = prepare_uneven(coll, in, out, counts, root);
     return submit(c, {}, detail::hold(in, out), std::move(counts));
   }
-
   template <class In, class Out>
-  detail::Call prepare_gather(In& in_t, Out& out_t, int root) const {
-    const char* what = root < 0 ? "all_gather" : "gather";
-    const detail::Buf in = arg(in_t, what, "in");
-    if (root >= 0) detail::check_root(root, caller(), what);
-    const bool receives = root < 0 || root == rank();
-    return detail::prepare_gather(in, receives ? arg(out_t, what, "out") : detail::Buf{}, root,
-                                  caller());
+  detail::Call prepare_gather(In& in, Out& out, int root) const {
+    return detail::prepare_gather_args<Backend>(in, out, root, caller());
   }
-
   template <class In, class Out>
-  detail::Call prepare_scatter(In& in_t, Out& out_t, int root) const {
-    const detail::Buf out = arg(out_t, "scatter", "out");
-    detail::check_root(root, caller(), "scatter");
-    return detail::prepare_scatter(rank() == root ? arg(in_t, "scatter", "in") : detail::Buf{}, out,
-                                   root, caller());
+  detail::Call prepare_scatter(In& in, Out& out, int root) const {
+    return detail::prepare_scatter_args<Backend>(in, out, root, caller());
   }
 
   std::shared_ptr<State> state_;

@@ -51,6 +51,7 @@
 #include "ddp/training/powersgd.hpp"
 #include "ddp/training/sharded.hpp"
 #include "ddp/training/sharded_checkpoint.hpp"
+#include "ddp/training/state.hpp"
 #include "ddp/work.hpp"
 
 DDP_BEGIN_NAMESPACE

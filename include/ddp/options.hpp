@@ -30,6 +30,7 @@
 #include <exception>
 #include <string>
 #include <utility>
+#include <vector>
 
 DDP_BEGIN_NAMESPACE
 
@@ -49,6 +50,16 @@ enum class HostHierarchy : std::uint8_t {
   flat,       ///< every rank on the TCP mesh (the order of a single host: ranks 0..P-1)
   slices,     ///< local rank i of every host carries slice i across (equal ranks per host)
   leaders,    ///< the lowest rank of each host carries the host's whole sum across
+};
+
+/// How Communicator::shrink forms a communicator of the ranks that survived a failure.
+struct ShrinkOptions {
+  /// How long the survivors wait for a rank that has neither said it is alive nor died (stopped,
+  /// or slow to notice the failure) before leaving it out; 0: the communicator's timeout. Make
+  /// it longer than the longest stretch between two collectives (a step).
+  std::chrono::milliseconds wait_for_ranks{0};
+  /// Ranks (of the communicator being shrunk) known to be lost: not waited for, left out.
+  std::vector<int> exclude{};
 };
 
 /// How a communicator is made and behaves: timeouts, the rendezvous secret, transports,

@@ -1184,7 +1184,8 @@ DDP_END_NAMESPACE
 ///    whole dataset (seed + epoch), padded by wrapping around to a multiple of the number of ranks
 ///    (or cut with drop_last); rank r takes positions r, r + R, r + 2R, ... Beyond torch: an exact
 ///    mode for evaluation (every sample exactly once, no padding: shards differ by at most one, and
-///    exact_mean() weighs the per-rank results), and state()/restore() to resume mid-epoch.
+///    exact_mean() weighs the per-rank results), state()/restore() to resume mid-epoch, and
+///    repartition() to go on over another number of ranks mid-epoch (after shrink()).
 ///
 /// Shuffles never use std::shuffle or std::uniform_int_distribution, whose results differ between
 /// standard libraries: the generator (SplitMix64), the bounded draw (Lemire's multiply-shift with
@@ -1438,6 +1439,9 @@ struct SamplerState {
   std::uint64_t dataset_size = 0;
   /// The number of ranks, checked on restore.
   std::uint64_t num_replicas = 0;
+  /// When the epoch changed world size (DistributedSampler::repartition): each earlier part's
+  /// number of ranks and the samples per rank it took, oldest first (ranks, taken, ranks, ...).
+  std::vector<std::uint64_t> earlier{};
 };
 
 /// torch.utils.data.DistributedSampler's semantics (see the file comment).
@@ -1459,21 +1463,21 @@ class DistributedSampler {
                    "DistributedSampler: exact and drop_last exclude each other");
   }
 
-  /// Starts an epoch: its order is shuffled with seed + epoch. Resets a restored offset.
+  /// Starts an epoch: its order is shuffled with seed + epoch. Resets a restored offset (and
+  /// the earlier world sizes of repartition()).
   void set_epoch(std::uint64_t epoch) noexcept {
     epoch_ = epoch;
     offset_ = 0;
+    earlier_.clear();
   }
   /// The current epoch (0 until set_epoch).
   [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_; }
 
-  /// Samples per rank in an epoch (for this rank: in exact mode, ranks differ by at most one).
-  [[nodiscard]] std::size_t size() const noexcept { return shard_size(rank_); }
-  /// Samples over all ranks in an epoch (padded or cut).
-  [[nodiscard]] std::size_t total_size() const noexcept {
-    if (o_.exact) return n_;
-    return per_rank() * static_cast<std::size_t>(replicas_);
-  }
+  /// Samples per rank in an epoch (for this rank: in exact mode, ranks differ by at most one;
+  /// after repartition(), in what is left of the epoch).
+  [[nodiscard]] std::size_t size() const noexcept { return shard_size(rank_, order_length()); }
+  /// Samples over all ranks in an epoch (padded or cut; after repartition(), of what is left).
+  [[nodiscard]] std::size_t total_size() const noexcept { return order_length(); }
 
   /// This rank's dataset indices for the current epoch, from the restored offset on.
   [[nodiscard]] std::vector<std::size_t> indices() const {
@@ -1484,12 +1488,16 @@ class DistributedSampler {
       order.resize(n_);
       std::iota(order.begin(), order.end(), std::size_t{0});
     }
-    const std::size_t total = total_size();
-    if (!o_.exact && total > n_ && n_ > 0) {  // pad by wrapping around (torch's padding)
-      const std::size_t base = order.size();
-      for (std::size_t i = 0; order.size() < total; ++i) order.push_back(order[i % base]);
+    fit(order, first_replicas());
+    for (std::size_t i = 0; i + 1 < earlier_.size(); i += 2) {
+      // Every rank took `taken` of its positions r, r + R, ...: together, the first taken * R
+      // (a rank whose exact-mode shard was shorter took all of it). The rest goes on.
+      const std::size_t gone = std::min<std::size_t>(
+          order.size(), static_cast<std::size_t>(earlier_[i] * earlier_[i + 1]));
+      order.erase(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(gone));
+      fit(order, i + 2 < earlier_.size() ? static_cast<std::size_t>(earlier_[i + 2])
+                                         : static_cast<std::size_t>(replicas_));
     }
-    order.resize(std::min(order.size(), total));
     std::vector<std::size_t> mine;
     mine.reserve(size());
     for (std::size_t i = static_cast<std::size_t>(rank_); i < order.size();
@@ -1502,37 +1510,91 @@ class DistributedSampler {
   }
 
   /// The state to resume from after `consumed` more samples of this epoch's indices().
-  [[nodiscard]] SamplerState state(std::size_t consumed = 0) const noexcept {
-    return SamplerState{epoch_, offset_ + consumed, o_.seed, n_,
-                        static_cast<std::uint64_t>(replicas_)};
+  [[nodiscard]] SamplerState state(std::size_t consumed = 0) const {
+    return SamplerState{
+        epoch_, offset_ + consumed, o_.seed, n_, static_cast<std::uint64_t>(replicas_), earlier_};
   }
 
   /// Continues where state() left off: the same epoch, minus what was consumed. The dataset size,
-  /// seed and number of ranks must be those of the saved run (Errc::invalid_argument otherwise).
+  /// seed and number of ranks must be those of the saved run (Errc::invalid_argument otherwise);
+  /// a state saved after repartition() carries the epoch's earlier world sizes.
   void restore(const SamplerState& s) {
     if (s.dataset_size != n_ || s.seed != o_.seed ||
         s.num_replicas != static_cast<std::uint64_t>(replicas_)) {
       detail::fail(Errc::invalid_argument,
                    "DistributedSampler::restore: the state is of a run with ", s.dataset_size,
                    " samples, seed ", s.seed, " and ", s.num_replicas, " ranks; this sampler has ",
-                   n_, ", ", o_.seed, " and ", replicas_);
+                   n_, ", ", o_.seed, " and ", replicas_,
+                   s.num_replicas != static_cast<std::uint64_t>(replicas_)
+                       ? " (to go on over another number of ranks mid-epoch, restore with the "
+                         "old number and call repartition())"
+                       : "");
     }
-    if (s.offset > size())
+    if (s.earlier.size() % 2 != 0)
+      detail::fail(Errc::invalid_argument, "DistributedSampler::restore: a damaged state");
+    const std::vector<std::uint64_t> saved = earlier_;
+    earlier_ = s.earlier;
+    if (s.offset > size()) {
+      earlier_ = saved;
       detail::fail(Errc::invalid_argument, "DistributedSampler::restore: offset ", s.offset,
                    " is past the ", size(), " samples of the shard");
+    }
     epoch_ = s.epoch;
     offset_ = s.offset;
   }
 
- private:
-  [[nodiscard]] std::size_t per_rank() const noexcept {
-    const auto r = static_cast<std::size_t>(replicas_);
-    return o_.drop_last ? n_ / r : (n_ + r - 1) / r;
+  /// Goes on with the current epoch over `num_replicas` ranks, this sampler being rank `rank`'s,
+  /// after every rank of the old world consumed `consumed` more samples of indices() (the same
+  /// number: the ranks step together; a rank whose exact-mode shard was shorter consumed all of
+  /// it). The samples no rank of the old world has taken are dealt out over the new ranks as
+  /// set_epoch deals an epoch (padded by wrapping around, cut with drop_last, exact: not at all),
+  /// so that with `exact` every sample of the epoch is seen exactly once however often the world
+  /// changes. Every new rank calls it with the same arguments but its rank (a rank that joins
+  /// restores the state a member had before the call, then calls it). Local: no communication.
+  void repartition(int num_replicas, int rank, std::size_t consumed = 0) {
+    if (num_replicas < 1 || rank < 0 || rank >= num_replicas)
+      detail::fail(Errc::invalid_argument, "DistributedSampler::repartition: rank ", rank, " of ",
+                   num_replicas, " ranks");
+    if (offset_ + consumed > size())
+      detail::fail(Errc::invalid_argument, "DistributedSampler::repartition: ", offset_ + consumed,
+                   " samples consumed of a shard of ", size());
+    earlier_.insert(earlier_.end(), {static_cast<std::uint64_t>(replicas_), offset_ + consumed});
+    replicas_ = num_replicas;
+    rank_ = rank;
+    offset_ = 0;
   }
-  [[nodiscard]] std::size_t shard_size(int rank) const noexcept {
-    if (!o_.exact) return per_rank();
+
+ private:
+  [[nodiscard]] std::size_t first_replicas() const noexcept {
+    return static_cast<std::size_t>(earlier_.empty() ? static_cast<std::uint64_t>(replicas_)
+                                                     : earlier_[0]);
+  }
+  /// An order of `order.size()` samples made ready for `r` ranks: padded by wrapping around to a
+  /// multiple of r, or cut to one (drop_last), or left (exact).
+  void fit(std::vector<std::size_t>& order, std::size_t r) const {
+    if (o_.exact || order.empty()) return;
+    const std::size_t base = order.size();
+    const std::size_t total = o_.drop_last ? base / r * r : (base + r - 1) / r * r;
+    for (std::size_t i = 0; order.size() < total; ++i) order.push_back(order[i % base]);
+    order.resize(total);
+  }
+  /// The length of the current part's order (fit() of what earlier parts left), computed.
+  [[nodiscard]] std::size_t order_length() const noexcept {
+    const auto fitted = [&](std::size_t len, std::size_t r) {
+      if (o_.exact || len == 0) return len;
+      return o_.drop_last ? len / r * r : (len + r - 1) / r * r;
+    };
+    std::size_t len = fitted(n_, first_replicas());
+    for (std::size_t i = 0; i + 1 < earlier_.size(); i += 2) {
+      len -= std::min<std::size_t>(len, static_cast<std::size_t>(earlier_[i] * earlier_[i + 1]));
+      len = fitted(len, i + 2 < earlier_.size() ? static_cast<std::size_t>(earlier_[i + 2])
+                                                : static_cast<std::size_t>(replicas_));
+    }
+    return len;
+  }
+  [[nodiscard]] std::size_t shard_size(int rank, std::size_t len) const noexcept {
     const auto r = static_cast<std::size_t>(replicas_);
-    return n_ / r + (static_cast<std::size_t>(rank) < n_ % r ? 1 : 0);
+    return len / r + (static_cast<std::size_t>(rank) < len % r ? 1 : 0);
   }
 
   std::size_t n_;
@@ -1541,6 +1603,7 @@ class DistributedSampler {
   SamplerOptions o_;
   std::uint64_t epoch_ = 0;
   std::uint64_t offset_ = 0;
+  std::vector<std::uint64_t> earlier_;
 };
 
 /// The mean over all ranks of a per-sample quantity, each rank contributing the sum over its
@@ -1715,8 +1778,8 @@ DDP_END_NAMESPACE
 /// async call must stay alive and untouched until its Work completes.
 ///
 /// After a collective fails (timeout, a lost peer, a mismatch, abort()), the communicator is
-/// unusable: every later call fails at once with Errc::aborted naming the first failure. Build a
-/// new one (with another Options::group) to continue.
+/// unusable: every later call fails at once with Errc::aborted naming the first failure; the
+/// ranks still alive go on together with shrink(), a communicator of the survivors.
 
 // begin ddp/backend/arguments.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -2279,6 +2342,7 @@ DDP_END_NAMESPACE
 #include <exception>
 #include <string>
 #include <utility>
+#include <vector>
 
 DDP_BEGIN_NAMESPACE
 
@@ -2298,6 +2362,16 @@ enum class HostHierarchy : std::uint8_t {
   flat,       ///< every rank on the TCP mesh (the order of a single host: ranks 0..P-1)
   slices,     ///< local rank i of every host carries slice i across (equal ranks per host)
   leaders,    ///< the lowest rank of each host carries the host's whole sum across
+};
+
+/// How Communicator::shrink forms a communicator of the ranks that survived a failure.
+struct ShrinkOptions {
+  /// How long the survivors wait for a rank that has neither said it is alive nor died (stopped,
+  /// or slow to notice the failure) before leaving it out; 0: the communicator's timeout. Make
+  /// it longer than the longest stretch between two collectives (a step).
+  std::chrono::milliseconds wait_for_ranks{0};
+  /// Ranks (of the communicator being shrunk) known to be lost: not waited for, left out.
+  std::vector<int> exclude{};
 };
 
 /// How a communicator is made and behaves: timeouts, the rendezvous secret, transports,
@@ -6752,6 +6826,7 @@ DDP_END_NAMESPACE
 // end ddp/runtime/cuda_staging.hpp
 #endif
 
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -6797,6 +6872,13 @@ struct CommState {
   std::shared_ptr<Store> root_store;
   std::shared_ptr<Store> store;
   std::string prefix;
+  /// The prefix of the communicator that init() or split() made, which every communicator
+  /// shrink() makes from it shares (their keys are "<base_prefix>e<epoch>/...").
+  std::string base_prefix;
+  /// Membership epoch: 0 from init() or split(), one more at each shrink().
+  std::uint64_t epoch = 0;
+  /// After shrink(): each rank's number in the communicator it was made from.
+  std::vector<int> previous;
   std::unique_ptr<Executor> executor = std::make_unique<Executor>();
   /// When the rendezvous must be done: Options::timeout after init() began.
   Clock::time_point rendezvous_deadline = Clock::time_point::max();
@@ -6829,6 +6911,7 @@ struct CommState {
   std::shared_ptr<Store> join_store(const Environment& env) {
     const EnvReader launcher;  // what the launcher that hosts the store says
     prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
+    base_prefix = prefix;
     StoreOptions so;
     so.timeout = options.timeout;
     so.token = options.token;
@@ -7140,17 +7223,23 @@ struct CommState {
     std::lock_guard lock(poison_mutex);
     fail(Errc::aborted, "rank ", rank, ": ", name,
          ": this communicator failed earlier and cannot be used (", poison,
-         "); create a new communicator (with another Options::group) to continue");
+         "); the ranks still alive can go on together with shrink(), or make a new "
+         "communicator with Communicator::init");
   }
 
-  /// Runs body() unless the communicator is poisoned (then fails at once), and poisons it when
-  /// body fails.
+  /// Runs body() unless the communicator is poisoned (then fails at once), and poisons it
+  /// when body fails. A failure on a communicator that the other ranks replaced without this
+  /// one (shrink) says so instead: this rank is fenced.
   template <class F>
   void run_poisoning(int rank, const char* name, const F& body) {
     check_poisoned(rank, name);
     try {
       body();
     } catch (const Error& e) {
+      if (std::string why = excluded(rank, name); !why.empty()) {
+        poison_with(why, Errc::aborted);
+        fail(Errc::aborted, why);
+      }
       poison_with(e.what(), e.code());
       throw;
     } catch (...) {
@@ -7158,6 +7247,77 @@ struct CommState {
       throw;
     }
   }
+
+  /// When the last call on this communicator began (CLOCK_MONOTONIC_COARSE, ns; 0: none yet).
+  std::atomic<std::int64_t> last_call_ns{0};
+
+  /// Before each call: a rank that was stopped or away for half the timeout or more may have
+  /// been left out by the others' shrink() meanwhile (they waited a timeout for it first). Then
+  /// its next call asks the store before acting, and fails (Errc::aborted) when the others
+  /// formed a communicator without it or are forming one: so a fenced rank never completes a
+  /// collective, even one whose peers' data still sits in its sockets. One clock read per call.
+  void check_membership_after_gap(int rank, const char* name) {
+    timespec ts{};
+    (void)::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+    const std::int64_t now = std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+    const std::int64_t last = last_call_ns.exchange(now, std::memory_order_relaxed);
+    const std::int64_t half = std::chrono::nanoseconds(options.timeout).count() / 2;
+    if (last == 0 || now - last < half || !root_store) [[likely]]
+      return;
+    std::string why = excluded(rank, name);
+    if (why.empty()) why = shrinking(rank, name);
+    if (!why.empty()) {
+      poison_with(why, Errc::aborted);
+      fail(Errc::aborted, why);
+    }
+  }
+
+  /// After a failure: when the other ranks formed a communicator without this rank (shrink()
+  /// wrote "superseded": the epoch and the members), the message that says so; else "".
+  [[nodiscard]] std::string excluded(int rank, const char* name) const {
+    const std::string v = peek_membership("superseded");
+    if (v.empty()) return {};
+    const std::size_t colon = v.find(':');
+    const std::string members = v.substr(colon + 1);
+    for (std::size_t at = 0; at < members.size();) {
+      const std::size_t end = std::min(members.find(',', at), members.size());
+      if (std::atoi(members.c_str() + at) == rank) return {};
+      at = end + 1;
+    }
+    return concat("rank ", rank, ": ", name,
+                  ": this rank was excluded from the communicator: the other ranks formed "
+                  "membership epoch ",
+                  v.substr(0, colon), " of ranks ", members,
+                  " without it (it was stopped or too slow to take part); it can never act on "
+                  "this communicator again: restart the process (it may rejoin the job as a new "
+                  "rank)");
+  }
+
+  /// When the other ranks are forming a new membership from this communicator (shrink() wrote
+  /// "shrinking"), the message that says so; else "".
+  [[nodiscard]] std::string shrinking(int rank, const char* name) const {
+    const std::string next = peek_membership("shrinking");
+    if (next.empty()) return {};
+    return concat("rank ", rank, ": ", name,
+                  ": the other ranks are replacing this communicator after a failure (forming "
+                  "membership epoch ",
+                  next, "): call shrink() to take part");
+  }
+
+ private:
+  /// This communicator's store key `key`, "" when absent or the store is unreachable.
+  [[nodiscard]] std::string peek_membership(const char* key) const {
+    if (!root_store || root_store->lost()) return {};
+    try {
+      Store plain = root_store->prefixed(prefix).unwatched();
+      const std::string k[] = {key};
+      return plain.check(k) ? plain.get(key) : std::string();
+    } catch (...) {
+      return {};
+    }
+  }
+
+ public:
 };
 
 }  // namespace detail
@@ -7683,8 +7843,10 @@ DDP_END_NAMESPACE
 // #include "ddp/types.hpp" (already included above)
 
 #include <cstddef>
+#include <span>
 #include <string_view>
 #include <type_traits>
+#include <vector>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -7732,6 +7894,58 @@ Buf to_buf(T& t, int rank, const char* what, const char* name) {
   }
 }
 
+/// all_to_all's in_counts then out_counts, one per rank each, checked.
+inline std::vector<std::size_t> joined_counts(std::span<const std::size_t> a,
+                                              std::span<const std::size_t> b, Caller caller) {
+  check_entries(a, caller, "all_to_all", "in_counts");
+  check_entries(b, caller, "all_to_all", "out_counts");
+  std::vector<std::size_t> v(a.begin(), a.end());
+  v.insert(v.end(), b.begin(), b.end());
+  return v;
+}
+
+/// An uneven collective's call; `in`, `out` and `counts` read only where the collective reads
+/// them (see runtime/call.hpp).
+template <class Backend, class In, class Out>
+Call prepare_uneven_args(Coll coll, In& in_t, Out& out_t, std::span<const std::size_t> counts,
+                         int root, Caller caller) {
+  const char* what = to_string(coll).data();
+  const int rank = caller.rank;
+  if (coll == Coll::all_to_all_v)
+    return prepare_all_to_all_v(to_buf<Backend>(in_t, rank, what, "in"),
+                                to_buf<Backend>(out_t, rank, what, "out"), counts, caller);
+  if (coll == Coll::scatter_v) {
+    const Buf out = to_buf<Backend>(out_t, rank, what, "out");
+    return prepare_scatter_v(rank == root ? to_buf<Backend>(in_t, rank, what, "in") : Buf{}, out,
+                             counts, root, caller);
+  }
+  const Buf in = to_buf<Backend>(in_t, rank, what, "in");
+  const bool receives = root < 0 || root == rank;
+  return prepare_gather_v(in, receives ? to_buf<Backend>(out_t, rank, what, "out") : Buf{}, counts,
+                          root, caller);
+}
+
+/// all_gather's (root < 0) or gather's call.
+template <class Backend, class In, class Out>
+Call prepare_gather_args(In& in_t, Out& out_t, int root, Caller caller) {
+  const char* what = root < 0 ? "all_gather" : "gather";
+  const Buf in = to_buf<Backend>(in_t, caller.rank, what, "in");
+  if (root >= 0) check_root(root, caller, what);
+  const bool receives = root < 0 || root == caller.rank;
+  return prepare_gather(in, receives ? to_buf<Backend>(out_t, caller.rank, what, "out") : Buf{},
+                        root, caller);
+}
+
+/// scatter's call.
+template <class Backend, class In, class Out>
+Call prepare_scatter_args(In& in_t, Out& out_t, int root, Caller caller) {
+  const Buf out = to_buf<Backend>(out_t, caller.rank, "scatter", "out");
+  check_root(root, caller, "scatter");
+  return prepare_scatter(
+      root == caller.rank ? to_buf<Backend>(in_t, caller.rank, "scatter", "in") : Buf{}, out, root,
+      caller);
+}
+
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/backend/arguments.hpp
@@ -7768,12 +7982,300 @@ DDP_END_NAMESPACE
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/runtime/comm_state.hpp" (already included above)
+// begin ddp/runtime/membership.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// How the survivors of a failure agree on who is alive and form a communicator of themselves
+/// (Communicator::shrink), over the rendezvous store. The store is the one place every rank
+/// reads alike, so each decision is one compare-and-set there: the first proposal wins and every
+/// rank follows it, whoever made it.
+///
+/// Round k of forming membership epoch E (keys under the communicator's base prefix,
+/// "e<E>/r<k>/"):
+///  1. each survivor says it is alive ("alive/<old rank>"), then waits until every candidate
+///     (round 0: every rank; later rounds: the previous round's members) has either said so or
+///     is known dead ("exit/<old rank>" of the old communicator, which the store writes when a
+///     process's connection closes), or until ShrinkOptions::wait_for_ranks has passed;
+///  2. it proposes the candidates that said they are alive; "members" takes the first proposal;
+///     a rank left out fails with Errc::aborted (it is fenced: a stopped rank that wakes up);
+///  3. the members connect a new backend under "e<E>/r<k>/comm/", ranks renumbered densely in
+///     the order of their old ranks; a member that dies meanwhile fails the others at once (its
+///     connection's on-close record sets that communicator's "failed" key);
+///  4. each member says whether it connected ("ready/<old rank>"); "outcome" takes the first
+///     verdict: "ok" once every member is ready, "retry" once one has failed or died. On
+///     "retry" the survivors go to round k + 1, so a second failure during the agreement costs
+///     one more round, never a split.
+/// Once formed, "superseded" of the old communicator names the new epoch and its members: a
+/// fenced rank that later calls the old communicator reads it and fails naming the epoch.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/options.hpp" (already included above)
+// #include "ddp/runtime/comm_state.hpp" (already included above)
+// #include "ddp/store/client.hpp" (already included above)
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// Test hook for fault injection: called with the phase of shrink() reached ("alive",
+/// "decided", "connected", "ready"); tests kill the process there. Null outside tests.
+inline void (*&shrink_phase_hook() noexcept)(const char*) {
+  static void (*hook)(const char*) = nullptr;
+  return hook;
+}
+
+/// "0, 2, 3" of ranks, and back.
+inline std::string ranks_text(const std::vector<int>& ranks) {
+  std::string out;
+  for (int r : ranks) out += concat(out.empty() ? "" : ", ", r);
+  return out;
+}
+inline std::vector<int> parse_ranks(std::string_view text) {
+  std::vector<int> out;
+  int v = -1;
+  for (const char c : text) {
+    if (c >= '0' && c <= '9') {
+      v = (v < 0 ? 0 : v * 10) + (c - '0');
+    } else if (v >= 0) {
+      out.push_back(v);
+      v = -1;
+    }
+  }
+  if (v >= 0) out.push_back(v);
+  return out;
+}
+
+/// One membership change of communicator `old` (see the file comment).
+class MembershipChange {
+ public:
+  MembershipChange(CommState& old, int old_rank, int old_size, const ShrinkOptions& o)
+      : old_(old), me_(old_rank), size_(old_size), epoch_(old.epoch + 1) {
+    if (!old.root_store)
+      fail(Errc::unsupported, "rank ", me_,
+           ": shrink: this communicator has no rendezvous store (a world of one) to agree in");
+    wait_ = o.wait_for_ranks.count() > 0 ? o.wait_for_ranks : old.options.timeout;
+    deadline_ = Clock::now() + old.options.timeout + wait_;
+    base_ = std::make_shared<Store>(old.root_store->prefixed(old.base_prefix).unwatched());
+    for (int r = 0; r < size_; ++r) {
+      if (std::find(o.exclude.begin(), o.exclude.end(), r) == o.exclude.end())
+        candidates_.push_back(r);
+    }
+    if (std::find(candidates_.begin(), candidates_.end(), me_) == candidates_.end())
+      fail(Errc::invalid_argument, "rank ", me_,
+           ": shrink: ShrinkOptions::exclude names this rank");
+  }
+
+  [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_; }
+
+  /// Says in the old communicator's store space that it is being replaced ("shrinking": the
+  /// epoch), so that a rank coming back to it after a long absence learns so before acting.
+  void announce() {
+    guarded([&] {
+      (void)old_.root_store->prefixed(old_.prefix)
+          .unwatched()
+          .compare_set("shrinking", "", std::to_string(epoch_));
+      return 0;
+    });
+  }
+  [[nodiscard]] int round() const noexcept { return round_; }
+
+  /// Steps 1 and 2 of the current round: the members (old ranks, ascending). Fails with
+  /// Errc::aborted when this rank is left out.
+  std::vector<int> decide() {
+    return guarded([&] {
+      const std::string at = tag();
+      watch_connecting();
+      base_->set(concat(at, "alive/", me_), std::to_string(::getpid()));
+      hook("alive");
+      std::string decided = peek(concat(at, "members"));
+      if (decided.empty()) {
+        const std::vector<int> alive = await_candidates(at);
+        decided = base_->compare_set(concat(at, "members"), "", ranks_text(alive));
+      }
+      members_ = parse_ranks(decided);
+      if (std::find(members_.begin(), members_.end(), me_) == members_.end())
+        excluded(concat(
+            "the other ranks formed membership epoch ", epoch_, " of ranks ", ranks_text(members_),
+            " (old numbers) without it: it did not say it was alive within ", wait_.count(),
+            " ms of the first of them (stopped, or slow to notice the "
+            "failure)"));
+      hook("decided");
+      return members_;
+    });
+  }
+
+  /// The new communicator's store prefix (under the job's), and this rank's place in it.
+  [[nodiscard]] std::string prefix() const { return concat(old_.base_prefix, tag(), "comm/"); }
+  [[nodiscard]] int new_rank() const {
+    return static_cast<int>(std::find(members_.begin(), members_.end(), me_) - members_.begin());
+  }
+
+  /// Before saying it is alive: should this process die from then on, the store fails the
+  /// round's connecting at once, and marks it gone in the old communicator (a later round does
+  /// not wait for it).
+  void watch_connecting() {
+    guarded([&] {
+      const std::pair<std::string, std::string> on_close[] = {
+          {concat(prefix(), "failed"),
+           Store::stop_value(Errc::peer_lost,
+                             concat("rank ", me_,
+                                    " (of the communicator being shrunk) died while the "
+                                    "survivors were forming membership epoch ",
+                                    epoch_))},
+          {concat(old_.prefix, "exit/", me_), ""}};
+      old_.root_store->set_on_close(on_close);
+      return 0;
+    });
+  }
+
+  /// Steps 3-4: whether the round formed the communicator (every member connected); false:
+  /// another round, without the members that failed or died.
+  bool settle(bool connected) {
+    return guarded([&] {
+      const std::string at = tag();
+      if (connected) hook("connected");
+      base_->set(concat(at, connected ? "ready/" : "broken/", me_), "");
+      if (connected) hook("ready");
+      std::string verdict = peek(concat(at, "outcome"));
+      while (verdict.empty()) {
+        std::vector<std::string> ready;
+        bool broken = !connected;
+        for (int r : members_) {
+          ready.push_back(concat(at, "ready/", r));
+          const std::string gone[] = {concat(at, "broken/", r), concat(old_.prefix, "exit/", r)};
+          broken = broken || base_->check(std::span(gone, 1)) || old_check(gone[1]);
+        }
+        if (broken) {
+          verdict = base_->compare_set(concat(at, "outcome"), "", "retry");
+          break;
+        }
+        if (base_->missing_after(ready, std::chrono::milliseconds(20)).empty()) {
+          verdict = base_->compare_set(concat(at, "outcome"), "", "ok");
+          break;
+        }
+        verdict = peek(concat(at, "outcome"));
+        if (verdict.empty() && Clock::now() > deadline_)
+          verdict = base_->compare_set(concat(at, "outcome"), "", "retry");
+      }
+      if (verdict == "ok") {
+        (void)old_.root_store->prefixed(old_.prefix)
+            .unwatched()
+            .compare_set("superseded", "", concat(epoch_, ":", ranks_text(members_)));
+        return true;
+      }
+      candidates_ = members_;
+      ++round_;
+      if (Clock::now() > deadline_)
+        fail(Errc::timeout, "rank ", me_, ": shrink: membership epoch ", epoch_,
+             " could not be formed within the timeout (", round_,
+             " rounds: ranks kept failing while connecting)");
+      return false;
+    });
+  }
+
+ private:
+  [[nodiscard]] std::string tag() const { return concat("e", epoch_, "/r", round_, "/"); }
+
+  /// The value at `key` (under the base prefix), "" when absent, without waiting.
+  std::string peek(const std::string& key) {
+    const std::string k[] = {key};
+    return base_->check(k) ? base_->get(key) : std::string();
+  }
+
+  void hook(const char* phase) const {
+    if (shrink_phase_hook() != nullptr) shrink_phase_hook()(phase);
+  }
+
+  bool old_check(const std::string& full_key) const {
+    const std::string k[] = {full_key};
+    return old_.root_store->check(k);
+  }
+
+  /// Waits until every candidate has said it is alive or is known dead, or wait_ has passed, or
+  /// another rank has decided; returns the candidates alive.
+  std::vector<int> await_candidates(const std::string& at) {
+    const auto until = std::min(deadline_, Clock::now() + wait_);
+    for (;;) {
+      std::vector<int> alive;
+      std::vector<std::string> pending;
+      for (int r : candidates_) {
+        const std::string said[] = {concat(at, "alive/", r)};
+        if (base_->check(said)) {
+          alive.push_back(r);
+        } else if (!old_check(concat(old_.prefix, "exit/", r))) {
+          pending.push_back(said[0]);
+        }
+      }
+      const std::string members[] = {concat(at, "members")};
+      if (pending.empty() || Clock::now() >= until || base_->check(members)) return alive;
+      (void)base_->missing_after(pending, std::chrono::milliseconds(20));
+    }
+  }
+
+  [[noreturn]] void excluded(const std::string& why) {
+    const std::string msg =
+        concat("rank ", me_, ": shrink: this rank was excluded: ", why,
+               "; it can never act on this communicator again: restart the process (it may "
+               "rejoin the job as a new rank)");
+    old_.poison_with(msg, Errc::aborted);
+    fail(Errc::aborted, msg);
+  }
+
+  /// Runs body, turning the loss of the store into an error that says what it means here.
+  template <class F>
+  auto guarded(const F& body) -> decltype(body()) {
+    try {
+      return body();
+    } catch (const Error& e) {
+      if (e.code() != Errc::peer_lost || old_.root_store->lost() == false ||
+          std::string_view(e.what()).find("store") == std::string_view::npos)
+        throw;
+      fail(Errc::peer_lost, "rank ", me_, ": shrink: the rendezvous store at ",
+           old_.root_store->host(), ":", old_.root_store->port(),
+           " is gone (its process ended: when rank 0 hosts it, losing rank 0 loses it), so the "
+           "survivors cannot agree. Run the job under ddprun or ddp::spawn, whose store outlives "
+           "every worker (",
+           e.what(), ")");
+    }
+  }
+
+  CommState& old_;
+  int me_;
+  int size_;
+  std::uint64_t epoch_;
+  int round_ = 0;
+  std::chrono::milliseconds wait_{};
+  Clock::time_point deadline_;
+  std::shared_ptr<Store> base_;
+  std::vector<int> candidates_, members_;
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/runtime/membership.hpp
 // #include "ddp/store/client.hpp" (already included above)
 
 #include <algorithm>
 #include <cstdint>
 #include <exception>
 #include <memory>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -7839,6 +8341,7 @@ inline BackendInit begin_split(CommState& sub, const CommState& parent,
   inherit_settings(sub, parent, options);
   sub.root_store = parent.root_store;
   sub.prefix = concat(parent.prefix, "split", n, "/", color, "/");
+  sub.base_prefix = sub.prefix;
   BackendInit bi;
   bi.size = static_cast<int>(members.size());
   for (int i = 0; i < bi.size; ++i) {
@@ -7853,6 +8356,65 @@ inline BackendInit begin_split(CommState& sub, const CommState& parent,
     sub.joined = true;
   }
   return bi;
+}
+
+/// Communicator::shrink on a backend that does not shrink itself: agree with the other
+/// survivors of `old` (this rank `rank` of `size`) on the members of the next membership epoch
+/// (runtime/membership.hpp), connect them, and return the new communicator's state; another
+/// round when a member fails or dies meanwhile. Fails with Errc::aborted when this rank is left
+/// out.
+template <class State>
+std::shared_ptr<State> shrink_state(State& old, int rank, int size, const ShrinkOptions& o) {
+  MembershipChange change(old, rank, size, o);
+  change.announce();
+  // Every call on the old communicator fails from now on, and ranks still waiting in it are
+  // woken (shared memory), so that they come to agree sooner.
+  old.poison_with(concat("rank ", rank, ": the communicator was replaced by shrink()"),
+                  Errc::aborted);
+  old.backend->abort(Errc::aborted,
+                     concat("rank ", rank, " left this communicator to form membership epoch ",
+                            change.epoch(), " with the other survivors (shrink)"));
+  for (;;) {
+    const std::vector<int> members = change.decide();
+    auto sub = std::make_shared<State>();
+    inherit_settings(*sub, old, old.options);
+    sub->root_store = old.root_store;
+    sub->prefix = change.prefix();
+    sub->base_prefix = old.base_prefix;
+    sub->epoch = change.epoch();
+    sub->previous = members;
+    sub->rendezvous_deadline = Deadline::after(old.options.timeout).at;
+    BackendInit bi;
+    bi.rank = change.new_rank();
+    bi.size = static_cast<int>(members.size());
+    bi.local_rank = old.local_rank_hint;
+    bi.options = old.options;
+    bi.store = std::make_shared<Store>(old.root_store->prefixed(sub->prefix)
+                                           .watching("failed")
+                                           .with_deadline(sub->rendezvous_deadline));
+    sub->store = bi.store;
+    sub->world_size = bi.size;
+    sub->joined = true;
+    bool connected = false;
+    try {
+      sub->create_backend(bi, [&] {
+        agree_on_job(*bi.store, bi.rank,
+                     {bi.size, std::string(std::remove_cvref_t<decltype(*old.backend)>::name),
+                      bi.options.verify_collectives},
+                     bi.options.timeout, sub->world_size);
+      });
+      connected = true;
+    } catch (const Error& e) {
+      if (e.code() != Errc::peer_lost && e.code() != Errc::timeout && e.code() != Errc::aborted) {
+        (void)change.settle(false);
+        throw;
+      }
+    }
+    if (change.settle(connected)) {
+      sub->end_rendezvous();
+      return sub;
+    }
+  }
 }
 
 }  // namespace detail
@@ -7967,6 +8529,7 @@ struct CommRunner : CommState {
     // A poisoned communicator fails at once and records nothing: its recorder keeps the
     // operation that failed, not thousands of refused calls after it.
     check_poisoned(backend->rank(), name);
+    check_membership_after_gap(backend->rank(), name);
     std::uint64_t seq = 0;
     executor->run(
         [&](bool now) {
@@ -7990,6 +8553,13 @@ struct CommRunner : CommState {
       } catch (...) {
         failed->finish(std::current_exception());
       }
+      return Work(std::move(failed));
+    }
+    try {
+      check_membership_after_gap(backend->rank(), c.name);
+    } catch (...) {
+      auto failed = std::make_shared<WorkState>();
+      failed->finish(std::current_exception());
       return Work(std::move(failed));
     }
     return Work(executor->submit_recorded(
@@ -8967,6 +9537,30 @@ class Communicator {
     return Communicator(std::move(sub));
   }
 
+  /// Fault tolerance (MPIX_Comm_shrink, ncclCommShrink): after a failure (Errc::peer_lost, or
+  /// a timeout the caller treats as a loss), the surviving ranks each call shrink() and get a
+  /// communicator of themselves, ranked 0..n-1 in the order of their old ranks, at the next
+  /// membership epoch; its previous_ranks() maps them back. The survivors agree through the
+  /// rendezvous store (runtime/membership.hpp): a rank that died is left out at once, one that
+  /// neither arrives nor dies within ShrinkOptions::wait_for_ranks is left out and fenced (on
+  /// waking, each of its calls fails with Errc::aborted naming the epoch), and a member that
+  /// fails while they connect costs one more round. This communicator fails every call
+  /// afterwards. Needs a store that outlives the lost rank (ddprun's, spawn's; not rank 0's when
+  /// rank 0 is lost). backend::Host; Errc::unsupported on the others.
+  [[nodiscard]] Communicator shrink(const ShrinkOptions& options = {}) {
+    State& s = same_process("shrink");
+    if constexpr (backend_traits<Backend>::splits) {
+      detail::fail(Errc::unsupported, "rank ", rank(),
+                   ": shrink: not available on backend::", Backend::name,
+                   " yet; use backend::Host");
+    }
+    return Communicator(detail::shrink_state(s, rank(), size(), options));
+  }
+  /// Membership epoch: 0 for a communicator from init() or split(), one more for each shrink().
+  [[nodiscard]] std::uint64_t epoch() const { return checked().epoch; }
+  /// After shrink(): each rank's number in the communicator it was shrunk from (empty before).
+  [[nodiscard]] const std::vector<int>& previous_ranks() const { return checked().previous; }
+
   /// The ranks of this communicator on this host, as a communicator (made by split() on first
   /// use, then cached). Collective on first use.
   [[nodiscard]] Communicator& local_group() {
@@ -9070,56 +9664,26 @@ class Communicator {
   /// all_to_all's in_counts then out_counts, one per rank each.
   std::vector<std::size_t> joined(std::span<const std::size_t> a,
                                   std::span<const std::size_t> b) const {
-    detail::check_entries(a, caller(), "all_to_all", "in_counts");
-    detail::check_entries(b, caller(), "all_to_all", "out_counts");
-    std::vector<std::size_t> v(a.begin(), a.end());
-    v.insert(v.end(), b.begin(), b.end());
-    return v;
+    return detail::joined_counts(a, b, caller());
   }
-
-  /// An uneven collective's call; `in`, `out` and `counts` read only where the collective reads
-  /// them (see runtime/call.hpp).
   template <class In, class Out>
-  detail::Call prepare_uneven(detail::Coll coll, In& in_t, Out& out_t,
+  detail::Call prepare_uneven(detail::Coll coll, In& in, Out& out,
                               std::span<const std::size_t> counts, int root) const {
-    const char* what = detail::to_string(coll).data();
-    if (coll == detail::Coll::all_to_all_v)
-      return detail::prepare_all_to_all_v(arg(in_t, what, "in"), arg(out_t, what, "out"), counts,
-                                          caller());
-    if (coll == detail::Coll::scatter_v) {
-      const detail::Buf out = arg(out_t, what, "out");
-      return detail::prepare_scatter_v(rank() == root ? arg(in_t, what, "in") : detail::Buf{}, out,
-                                       counts, root, caller());
-    }
-    const detail::Buf in = arg(in_t, what, "in");
-    const bool receives = root < 0 || root == rank();
-    return detail::prepare_gather_v(in, receives ? arg(out_t, what, "out") : detail::Buf{}, counts,
-                                    root, caller());
+    return detail::prepare_uneven_args<Backend>(coll, in, out, counts, root, caller());
   }
-
   template <class In, class Out>
   Work uneven_async(detail::Coll coll, In& in, Out& out, std::vector<std::size_t> counts,
                     int root) {
     const detail::Call c = prepare_uneven(coll, in, out, counts, root);
     return submit(c, {}, detail::hold(in, out), std::move(counts));
   }
-
   template <class In, class Out>
-  detail::Call prepare_gather(In& in_t, Out& out_t, int root) const {
-    const char* what = root < 0 ? "all_gather" : "gather";
-    const detail::Buf in = arg(in_t, what, "in");
-    if (root >= 0) detail::check_root(root, caller(), what);
-    const bool receives = root < 0 || root == rank();
-    return detail::prepare_gather(in, receives ? arg(out_t, what, "out") : detail::Buf{}, root,
-                                  caller());
+  detail::Call prepare_gather(In& in, Out& out, int root) const {
+    return detail::prepare_gather_args<Backend>(in, out, root, caller());
   }
-
   template <class In, class Out>
-  detail::Call prepare_scatter(In& in_t, Out& out_t, int root) const {
-    const detail::Buf out = arg(out_t, "scatter", "out");
-    detail::check_root(root, caller(), "scatter");
-    return detail::prepare_scatter(rank() == root ? arg(in_t, "scatter", "in") : detail::Buf{}, out,
-                                   root, caller());
+  detail::Call prepare_scatter(In& in, Out& out, int root) const {
+    return detail::prepare_scatter_args<Backend>(in, out, root, caller());
   }
 
   std::shared_ptr<State> state_;
@@ -10127,7 +10691,8 @@ namespace detail {
 /// it is destroyed), a rank that finished says so under "done/<rank>" with the number of
 /// operations it ran (CommState::announce_leaving), and a rank that failed the rendezvous
 /// after this rank had finished its own left its failure under "failed". Waits up to `grace`
-/// for one; nothing when the store is gone or holds none.
+/// for one; nothing when the store is gone or holds none, or at once when every rank of `ranks`
+/// died (its "exit/<rank>" is there without a record).
 inline std::optional<Transport::Left> left_record(const Store& store, const std::vector<int>& ranks,
                                                   std::chrono::milliseconds grace) {
   const auto deadline = std::chrono::steady_clock::now() + grace;
@@ -10170,7 +10735,14 @@ inline std::optional<Transport::Left> left_record(const Store& store, const std:
         left.operations = std::strtoull(plain.get(key).c_str(), nullptr, 10);
         return left;
       }
-      if (std::chrono::steady_clock::now() >= deadline) return std::nullopt;
+      // "exit/<rank>" without a record before it: its process died (the store wrote it as the
+      // connection closed), and no record will come.
+      bool all_exited = true;
+      for (int j : ranks) {
+        const std::string key = concat("exit/", j);
+        all_exited = all_exited && plain.check(std::span<const std::string>(&key, 1));
+      }
+      if (all_exited || std::chrono::steady_clock::now() >= deadline) return std::nullopt;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   } catch (const Error&) {  // the store is gone or the record unreadable: nothing to add
@@ -15110,15 +15682,17 @@ DDP_BEGIN_NAMESPACE
 /// SamplerState travels in checkpoints (put_object / get_object).
 template <>
 struct codec<SamplerState> {
-  /// Its five numbers, in declaration order.
+  /// Its five numbers in declaration order; when the epoch changed world size, num_replicas
+  /// has its top bit set and the earlier parts follow (a state without them reads as before).
   static void encode(Encoder& e, const SamplerState& s) {
     e.put(s.epoch);
     e.put(s.offset);
     e.put(s.seed);
     e.put(s.dataset_size);
-    e.put(s.num_replicas);
+    e.put(s.num_replicas | (s.earlier.empty() ? 0 : more));
+    if (!s.earlier.empty()) e.put(s.earlier);
   }
-  /// The five numbers back.
+  /// The numbers back.
   static SamplerState decode(Decoder& d) {
     SamplerState s;
     s.epoch = d.get<std::uint64_t>();
@@ -15126,8 +15700,15 @@ struct codec<SamplerState> {
     s.seed = d.get<std::uint64_t>();
     s.dataset_size = d.get<std::uint64_t>();
     s.num_replicas = d.get<std::uint64_t>();
+    if ((s.num_replicas & more) != 0) {
+      s.num_replicas &= ~more;
+      s.earlier = d.get<std::vector<std::uint64_t>>();
+    }
     return s;
   }
+
+ private:
+  static constexpr std::uint64_t more = std::uint64_t{1} << 63;
 };
 
 /// Elements [offset, offset + size) of array number `array`: one piece of a rank's shard.
@@ -15135,6 +15716,7 @@ struct ShardRange {
   std::size_t array = 0;   ///< Which array (a parameter's index, for ShardedAverager).
   std::size_t offset = 0;  ///< The piece's first element within the array.
   std::size_t size = 0;    ///< Its element count.
+  /// Equal when all three are.
   friend bool operator==(const ShardRange&, const ShardRange&) = default;
 };
 
@@ -15169,6 +15751,7 @@ struct ShardLayout {
     out.sizes = std::move(sizes);
     return out;
   }
+  /// Equal when the sizes and the pieces (in order) are.
   friend bool operator==(const ShardLayout&, const ShardLayout&) = default;
 };
 
@@ -18942,6 +19525,256 @@ ShardedAverager(Communicator<Backend>&, M&, ShardedOptions = {})
 DDP_END_NAMESPACE
 // end ddp/training/sharded.hpp
 // #include "ddp/training/sharded_checkpoint.hpp" (already included above)
+// begin ddp/training/state.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ddp::TrainingState: the state a fault-tolerant training loop keeps, committed step by step, so
+/// that after a membership change (Communicator::shrink) every member goes on from the same last
+/// committed step: no step lost, none applied twice or half. In the spirit of Horovod Elastic's
+/// State (commit, restore, sync) and torchft's per-step commit, without a separate coordinator.
+///
+///     ddp::TrainingState state;
+///     state.track_model("model", net).track("adam.m", adam.m).track_object("step", step);
+///     state.start(comm);                        // rank 0's state everywhere: committed step 0
+///     for (;;) {
+///       try {
+///         for (; step < steps; ++step) { ...; avg.average(); adam.step(net); state.commit(comm); }
+///         break;
+///       } catch (const ddp::Error& e) {
+///         comm = comm.shrink();                 // the survivors
+///         state.restore(comm);                  // every member: the newest committed step
+///       }
+///     }
+///
+/// commit() first confirms, in one small all_reduce, that every member finished this step (and
+/// is at the same commit), then copies the tracked state aside (host memory). A failure in the
+/// step (before commit) leaves the previous commit; a failure inside the confirmation can leave
+/// it complete on some members and not on others, but only after every member had finished the
+/// step: restore() then takes the newest commit any member holds, and a member that was still
+/// confirming it holds that state live. restore() sends it from the lowest member that holds it
+/// to every other (broadcast), so the members end bitwise equal, and writes it back into the
+/// tracked buffers and objects.
+
+// #include "ddp/codec.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/process_group.hpp" (already included above)
+// #include "ddp/tensor.hpp" (already included above)
+// #include "ddp/training/checkpoint.hpp" (already included above)
+// #include "ddp/training/parameters.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// Named training state, committed per step (see the file comment).
+class TrainingState {
+ public:
+  /// Tracks a tensor's values (anything ddp::view sees: a std::vector, a span, a torch::Tensor;
+  /// host or CUDA memory), looked up again at every commit and restore (it may be reallocated
+  /// between steps, not resized). `tensor` must outlive this object.
+  template <class T>
+    requires requires(T& t) { ddp::view(t); }
+  TrainingState& track(std::string name, T& tensor) {
+    add(std::move(name), [&tensor] { return raw(ddp::view(tensor)); });
+    return *this;
+  }
+
+  /// Tracks every parameter's value of `model` (what GradientAverager averages), as one piece
+  /// per parameter.
+  template <class M>
+  TrainingState& track_model(const std::string& name, M& model) {
+    std::size_t i = 0;
+    for (auto& p : detail::model_parameters(model)) {
+      add(detail::concat(name, ".", i++), [&p] { return raw(ddp::view(detail::param_value(p))); });
+    }
+    return *this;
+  }
+
+  /// Tracks an object ddp::codec encodes (the step, an epoch, a SamplerState, a seed).
+  template <Encodable T>
+  TrainingState& track_object(std::string name, T& object) {
+    Piece piece;
+    piece.name = std::move(name);
+    piece.save = [&object] { return detail::encode_object(object); };
+    piece.load = [&object](const std::string& bytes) {
+      object = detail::decode_object<T>(bytes.data(), bytes.size());
+    };
+    pieces_.push_back(std::move(piece));
+    return *this;
+  }
+
+  /// Collective, before the first step: rank 0's tracked state goes to every rank and is
+  /// committed there as step 0.
+  template <ProcessGroup Comm>
+  void start(Comm& comm) {
+    confirming_ = 0;
+    steps_ = 0;
+    snapshot();
+    send_from(comm, 0);
+  }
+
+  /// Collective, at the end of each step: every member confirms it finished this step (Errc::
+  /// mismatch when the members are at different commits), then this rank's state is copied
+  /// aside as the new commit. Returns the commits made since start(). A lost member makes it
+  /// fail as any collective does: then shrink() and restore().
+  template <ProcessGroup Comm>
+  std::uint64_t commit(Comm& comm) {
+    confirming_ = steps_ + 1;
+    // max of the commit and of its complement: the largest and the smallest over the members.
+    std::vector<double> at{static_cast<double>(confirming_), -static_cast<double>(confirming_)};
+    comm.all_reduce_host(std::span<double>(at), ReduceOp::max);
+    if (at[0] != -at[1])
+      detail::fail(Errc::mismatch, "rank ", comm.rank(),
+                   ": TrainingState::commit: this rank commits step ", confirming_,
+                   " but the members are at ", static_cast<std::uint64_t>(-at[1]), " to ",
+                   static_cast<std::uint64_t>(at[0]),
+                   ": every member must call commit() once per step (and restore() after a "
+                   "membership change)");
+    snapshot();
+    steps_ = confirming_;
+    confirming_ = 0;
+    return steps_;
+  }
+
+  /// Collective over a new membership (after shrink()): every member ends with the newest
+  /// commit any member holds, written back into the tracked buffers and objects; a member that
+  /// has none of its own (a newcomer, or one further behind) receives it. Returns its number.
+  template <ProcessGroup Comm>
+  std::uint64_t restore(Comm& comm) {
+    const auto all = comm.all_gather_object(std::vector<std::uint64_t>{steps_, confirming_});
+    // A member still confirming commit k had finished step k (every member had: the commit's
+    // collective had begun): its live state is step k, newer than its last commit.
+    std::uint64_t newest = 0;
+    for (const auto& m : all) newest = std::max({newest, m[0], m[1]});
+    int source = 0;
+    while (all[static_cast<std::size_t>(source)][0] != newest &&
+           all[static_cast<std::size_t>(source)][1] != newest)
+      ++source;
+    if (comm.rank() == source && steps_ != newest) snapshot();
+    send_from(comm, source);
+    steps_ = newest;
+    confirming_ = 0;
+    return newest;
+  }
+
+  /// Commits made since start() (after restore(): the commit restored).
+  [[nodiscard]] std::uint64_t steps() const noexcept { return steps_; }
+  /// Bytes of the copy kept aside (the last commit).
+  [[nodiscard]] std::size_t bytes() const noexcept {
+    std::size_t n = 0;
+    for (const Piece& p : pieces_) n += p.saved.size();
+    return n;
+  }
+
+ private:
+  struct Raw {
+    void* data = nullptr;
+    std::size_t bytes = 0;
+    bool cuda = false;
+    void* stream = nullptr;
+  };
+  struct Piece {
+    std::string name;
+    std::function<Raw()> where;                    // a tensor: its memory now
+    std::function<std::string()> save;             // an object: encoded
+    std::function<void(const std::string&)> load;  // an object: decoded back
+    std::string saved;                             // the last commit
+  };
+
+  template <class V>
+  static Raw raw(const V& v) {
+    if constexpr (std::is_same_v<V, DynamicView>) {
+      return {v.data, v.size * size_of(v.dtype), v.device.is_cuda(), v.stream};
+    } else {
+      return {const_cast<void*>(static_cast<const void*>(v.data)), v.bytes(), v.device.is_cuda(),
+              v.stream};
+    }
+  }
+
+  void add(std::string name, std::function<Raw()> where) {
+    for (const Piece& p : pieces_)
+      if (p.name == name)
+        detail::fail(Errc::invalid_argument, "TrainingState: \"", name, "\" is tracked twice");
+    Piece piece;
+    piece.name = std::move(name);
+    piece.where = std::move(where);
+    pieces_.push_back(std::move(piece));
+  }
+
+  /// The tracked state now, copied aside.
+  void snapshot() {
+    for (Piece& p : pieces_) {
+      if (p.save) {
+        p.saved = p.save();
+        continue;
+      }
+      const Raw r = p.where();
+      p.saved.resize(r.bytes);
+      detail::copy_bytes(p.saved.data(), r.data, r.bytes, r.cuda, r.stream);
+      detail::sync_stream(r.cuda, r.stream);
+    }
+  }
+
+  /// Rank `root`'s copy aside to every member, then written back into the tracked state on
+  /// every member. The members first compare the sizes of their tensors (every member fails
+  /// alike, naming the first that differs, when they do not track the same state).
+  template <ProcessGroup Comm>
+  void send_from(Comm& comm, int root) {
+    std::vector<std::uint64_t> sizes;
+    for (const Piece& p : pieces_) sizes.push_back(p.save ? ~std::uint64_t{0} : p.where().bytes);
+    const auto all = comm.all_gather_object(sizes);
+    const auto& theirs = all[static_cast<std::size_t>(root)];
+    for (std::size_t r = 0; r < all.size(); ++r) {
+      if (all[r].size() != theirs.size())
+        detail::fail(Errc::mismatch, "rank ", comm.rank(), ": TrainingState: rank ", r, " tracks ",
+                     all[r].size(), " pieces but rank ", root, " tracks ", theirs.size(),
+                     ": every member must track the same state");
+      for (std::size_t i = 0; i < theirs.size(); ++i) {
+        if (all[r][i] != theirs[i])
+          detail::fail(Errc::mismatch, "rank ", comm.rank(), ": TrainingState: \"", pieces_[i].name,
+                       "\" is another size (or kind) on rank ", r, " than on rank ", root,
+                       ": every member must track the same state (the same model and "
+                       "optimizer)");
+      }
+    }
+    for (Piece& p : pieces_) {
+      std::vector<std::int64_t> size{static_cast<std::int64_t>(p.saved.size())};
+      comm.broadcast_host(std::span<std::int64_t>(size), root);
+      p.saved.resize(static_cast<std::size_t>(size[0]));
+      if (!p.saved.empty()) {
+        comm.broadcast_host(std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(p.saved.data()),
+                                                    p.saved.size()),
+                            root);
+      }
+      if (p.load) {
+        p.load(p.saved);
+      } else {
+        const Raw r = p.where();
+        detail::copy_bytes(r.data, p.saved.data(), r.bytes, r.cuda, r.stream);
+        detail::sync_stream(r.cuda, r.stream);
+      }
+    }
+  }
+
+  std::vector<Piece> pieces_;
+  std::uint64_t steps_ = 0;       // commits made (since start)
+  std::uint64_t confirming_ = 0;  // the commit being confirmed (0: none)
+};
+
+DDP_END_NAMESPACE
+// end ddp/training/state.hpp
 // #include "ddp/work.hpp" (already included above)
 
 DDP_BEGIN_NAMESPACE

@@ -17,8 +17,10 @@
 #include "ddp/types.hpp"
 
 #include <cstddef>
+#include <span>
 #include <string_view>
 #include <type_traits>
+#include <vector>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -64,6 +66,58 @@ Buf to_buf(T& t, int rank, const char* what, const char* name) {
   } else {
     return typed_buf<Backend>(ddp::view(t), rank, what, name);
   }
+}
+
+/// all_to_all's in_counts then out_counts, one per rank each, checked.
+inline std::vector<std::size_t> joined_counts(std::span<const std::size_t> a,
+                                              std::span<const std::size_t> b, Caller caller) {
+  check_entries(a, caller, "all_to_all", "in_counts");
+  check_entries(b, caller, "all_to_all", "out_counts");
+  std::vector<std::size_t> v(a.begin(), a.end());
+  v.insert(v.end(), b.begin(), b.end());
+  return v;
+}
+
+/// An uneven collective's call; `in`, `out` and `counts` read only where the collective reads
+/// them (see runtime/call.hpp).
+template <class Backend, class In, class Out>
+Call prepare_uneven_args(Coll coll, In& in_t, Out& out_t, std::span<const std::size_t> counts,
+                         int root, Caller caller) {
+  const char* what = to_string(coll).data();
+  const int rank = caller.rank;
+  if (coll == Coll::all_to_all_v)
+    return prepare_all_to_all_v(to_buf<Backend>(in_t, rank, what, "in"),
+                                to_buf<Backend>(out_t, rank, what, "out"), counts, caller);
+  if (coll == Coll::scatter_v) {
+    const Buf out = to_buf<Backend>(out_t, rank, what, "out");
+    return prepare_scatter_v(rank == root ? to_buf<Backend>(in_t, rank, what, "in") : Buf{}, out,
+                             counts, root, caller);
+  }
+  const Buf in = to_buf<Backend>(in_t, rank, what, "in");
+  const bool receives = root < 0 || root == rank;
+  return prepare_gather_v(in, receives ? to_buf<Backend>(out_t, rank, what, "out") : Buf{}, counts,
+                          root, caller);
+}
+
+/// all_gather's (root < 0) or gather's call.
+template <class Backend, class In, class Out>
+Call prepare_gather_args(In& in_t, Out& out_t, int root, Caller caller) {
+  const char* what = root < 0 ? "all_gather" : "gather";
+  const Buf in = to_buf<Backend>(in_t, caller.rank, what, "in");
+  if (root >= 0) check_root(root, caller, what);
+  const bool receives = root < 0 || root == caller.rank;
+  return prepare_gather(in, receives ? to_buf<Backend>(out_t, caller.rank, what, "out") : Buf{},
+                        root, caller);
+}
+
+/// scatter's call.
+template <class Backend, class In, class Out>
+Call prepare_scatter_args(In& in_t, Out& out_t, int root, Caller caller) {
+  const Buf out = to_buf<Backend>(out_t, caller.rank, "scatter", "out");
+  check_root(root, caller, "scatter");
+  return prepare_scatter(
+      root == caller.rank ? to_buf<Backend>(in_t, caller.rank, "scatter", "in") : Buf{}, out, root,
+      caller);
 }
 
 }  // namespace detail

@@ -120,6 +120,7 @@ struct CommRunner : CommState {
     // A poisoned communicator fails at once and records nothing: its recorder keeps the
     // operation that failed, not thousands of refused calls after it.
     check_poisoned(backend->rank(), name);
+    check_membership_after_gap(backend->rank(), name);
     std::uint64_t seq = 0;
     executor->run(
         [&](bool now) {
@@ -143,6 +144,13 @@ struct CommRunner : CommState {
       } catch (...) {
         failed->finish(std::current_exception());
       }
+      return Work(std::move(failed));
+    }
+    try {
+      check_membership_after_gap(backend->rank(), c.name);
+    } catch (...) {
+      auto failed = std::make_shared<WorkState>();
+      failed->finish(std::current_exception());
       return Work(std::move(failed));
     }
     return Work(executor->submit_recorded(

@@ -18,12 +18,14 @@
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
 #include "ddp/runtime/comm_state.hpp"
+#include "ddp/runtime/membership.hpp"
 #include "ddp/store/client.hpp"
 
 #include <algorithm>
 #include <cstdint>
 #include <exception>
 #include <memory>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -89,6 +91,7 @@ inline BackendInit begin_split(CommState& sub, const CommState& parent,
   inherit_settings(sub, parent, options);
   sub.root_store = parent.root_store;
   sub.prefix = concat(parent.prefix, "split", n, "/", color, "/");
+  sub.base_prefix = sub.prefix;
   BackendInit bi;
   bi.size = static_cast<int>(members.size());
   for (int i = 0; i < bi.size; ++i) {
@@ -103,6 +106,65 @@ inline BackendInit begin_split(CommState& sub, const CommState& parent,
     sub.joined = true;
   }
   return bi;
+}
+
+/// Communicator::shrink on a backend that does not shrink itself: agree with the other
+/// survivors of `old` (this rank `rank` of `size`) on the members of the next membership epoch
+/// (runtime/membership.hpp), connect them, and return the new communicator's state; another
+/// round when a member fails or dies meanwhile. Fails with Errc::aborted when this rank is left
+/// out.
+template <class State>
+std::shared_ptr<State> shrink_state(State& old, int rank, int size, const ShrinkOptions& o) {
+  MembershipChange change(old, rank, size, o);
+  change.announce();
+  // Every call on the old communicator fails from now on, and ranks still waiting in it are
+  // woken (shared memory), so that they come to agree sooner.
+  old.poison_with(concat("rank ", rank, ": the communicator was replaced by shrink()"),
+                  Errc::aborted);
+  old.backend->abort(Errc::aborted,
+                     concat("rank ", rank, " left this communicator to form membership epoch ",
+                            change.epoch(), " with the other survivors (shrink)"));
+  for (;;) {
+    const std::vector<int> members = change.decide();
+    auto sub = std::make_shared<State>();
+    inherit_settings(*sub, old, old.options);
+    sub->root_store = old.root_store;
+    sub->prefix = change.prefix();
+    sub->base_prefix = old.base_prefix;
+    sub->epoch = change.epoch();
+    sub->previous = members;
+    sub->rendezvous_deadline = Deadline::after(old.options.timeout).at;
+    BackendInit bi;
+    bi.rank = change.new_rank();
+    bi.size = static_cast<int>(members.size());
+    bi.local_rank = old.local_rank_hint;
+    bi.options = old.options;
+    bi.store = std::make_shared<Store>(old.root_store->prefixed(sub->prefix)
+                                           .watching("failed")
+                                           .with_deadline(sub->rendezvous_deadline));
+    sub->store = bi.store;
+    sub->world_size = bi.size;
+    sub->joined = true;
+    bool connected = false;
+    try {
+      sub->create_backend(bi, [&] {
+        agree_on_job(*bi.store, bi.rank,
+                     {bi.size, std::string(std::remove_cvref_t<decltype(*old.backend)>::name),
+                      bi.options.verify_collectives},
+                     bi.options.timeout, sub->world_size);
+      });
+      connected = true;
+    } catch (const Error& e) {
+      if (e.code() != Errc::peer_lost && e.code() != Errc::timeout && e.code() != Errc::aborted) {
+        (void)change.settle(false);
+        throw;
+      }
+    }
+    if (change.settle(connected)) {
+      sub->end_rendezvous();
+      return sub;
+    }
+  }
 }
 
 }  // namespace detail

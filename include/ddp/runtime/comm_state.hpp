@@ -29,6 +29,7 @@
 #include "ddp/runtime/cuda_staging.hpp"
 #endif
 
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -74,6 +75,13 @@ struct CommState {
   std::shared_ptr<Store> root_store;
   std::shared_ptr<Store> store;
   std::string prefix;
+  /// The prefix of the communicator that init() or split() made, which every communicator
+  /// shrink() makes from it shares (their keys are "<base_prefix>e<epoch>/...").
+  std::string base_prefix;
+  /// Membership epoch: 0 from init() or split(), one more at each shrink().
+  std::uint64_t epoch = 0;
+  /// After shrink(): each rank's number in the communicator it was made from.
+  std::vector<int> previous;
   std::unique_ptr<Executor> executor = std::make_unique<Executor>();
   /// When the rendezvous must be done: Options::timeout after init() began.
   Clock::time_point rendezvous_deadline = Clock::time_point::max();
@@ -106,6 +114,7 @@ struct CommState {
   std::shared_ptr<Store> join_store(const Environment& env) {
     const EnvReader launcher;  // what the launcher that hosts the store says
     prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
+    base_prefix = prefix;
     StoreOptions so;
     so.timeout = options.timeout;
     so.token = options.token;
@@ -417,17 +426,23 @@ struct CommState {
     std::lock_guard lock(poison_mutex);
     fail(Errc::aborted, "rank ", rank, ": ", name,
          ": this communicator failed earlier and cannot be used (", poison,
-         "); create a new communicator (with another Options::group) to continue");
+         "); the ranks still alive can go on together with shrink(), or make a new "
+         "communicator with Communicator::init");
   }
 
-  /// Runs body() unless the communicator is poisoned (then fails at once), and poisons it when
-  /// body fails.
+  /// Runs body() unless the communicator is poisoned (then fails at once), and poisons it
+  /// when body fails. A failure on a communicator that the other ranks replaced without this
+  /// one (shrink) says so instead: this rank is fenced.
   template <class F>
   void run_poisoning(int rank, const char* name, const F& body) {
     check_poisoned(rank, name);
     try {
       body();
     } catch (const Error& e) {
+      if (std::string why = excluded(rank, name); !why.empty()) {
+        poison_with(why, Errc::aborted);
+        fail(Errc::aborted, why);
+      }
       poison_with(e.what(), e.code());
       throw;
     } catch (...) {
@@ -435,6 +450,77 @@ struct CommState {
       throw;
     }
   }
+
+  /// When the last call on this communicator began (CLOCK_MONOTONIC_COARSE, ns; 0: none yet).
+  std::atomic<std::int64_t> last_call_ns{0};
+
+  /// Before each call: a rank that was stopped or away for half the timeout or more may have
+  /// been left out by the others' shrink() meanwhile (they waited a timeout for it first). Then
+  /// its next call asks the store before acting, and fails (Errc::aborted) when the others
+  /// formed a communicator without it or are forming one: so a fenced rank never completes a
+  /// collective, even one whose peers' data still sits in its sockets. One clock read per call.
+  void check_membership_after_gap(int rank, const char* name) {
+    timespec ts{};
+    (void)::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+    const std::int64_t now = std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+    const std::int64_t last = last_call_ns.exchange(now, std::memory_order_relaxed);
+    const std::int64_t half = std::chrono::nanoseconds(options.timeout).count() / 2;
+    if (last == 0 || now - last < half || !root_store) [[likely]]
+      return;
+    std::string why = excluded(rank, name);
+    if (why.empty()) why = shrinking(rank, name);
+    if (!why.empty()) {
+      poison_with(why, Errc::aborted);
+      fail(Errc::aborted, why);
+    }
+  }
+
+  /// After a failure: when the other ranks formed a communicator without this rank (shrink()
+  /// wrote "superseded": the epoch and the members), the message that says so; else "".
+  [[nodiscard]] std::string excluded(int rank, const char* name) const {
+    const std::string v = peek_membership("superseded");
+    if (v.empty()) return {};
+    const std::size_t colon = v.find(':');
+    const std::string members = v.substr(colon + 1);
+    for (std::size_t at = 0; at < members.size();) {
+      const std::size_t end = std::min(members.find(',', at), members.size());
+      if (std::atoi(members.c_str() + at) == rank) return {};
+      at = end + 1;
+    }
+    return concat("rank ", rank, ": ", name,
+                  ": this rank was excluded from the communicator: the other ranks formed "
+                  "membership epoch ",
+                  v.substr(0, colon), " of ranks ", members,
+                  " without it (it was stopped or too slow to take part); it can never act on "
+                  "this communicator again: restart the process (it may rejoin the job as a new "
+                  "rank)");
+  }
+
+  /// When the other ranks are forming a new membership from this communicator (shrink() wrote
+  /// "shrinking"), the message that says so; else "".
+  [[nodiscard]] std::string shrinking(int rank, const char* name) const {
+    const std::string next = peek_membership("shrinking");
+    if (next.empty()) return {};
+    return concat("rank ", rank, ": ", name,
+                  ": the other ranks are replacing this communicator after a failure (forming "
+                  "membership epoch ",
+                  next, "): call shrink() to take part");
+  }
+
+ private:
+  /// This communicator's store key `key`, "" when absent or the store is unreachable.
+  [[nodiscard]] std::string peek_membership(const char* key) const {
+    if (!root_store || root_store->lost()) return {};
+    try {
+      Store plain = root_store->prefixed(prefix).unwatched();
+      const std::string k[] = {key};
+      return plain.check(k) ? plain.get(key) : std::string();
+    } catch (...) {
+      return {};
+    }
+  }
+
+ public:
 };
 
 }  // namespace detail

@@ -59,15 +59,17 @@ DDP_BEGIN_NAMESPACE
 /// SamplerState travels in checkpoints (put_object / get_object).
 template <>
 struct codec<SamplerState> {
-  /// Its five numbers, in declaration order.
+  /// Its five numbers in declaration order; when the epoch changed world size, num_replicas
+  /// has its top bit set and the earlier parts follow (a state without them reads as before).
   static void encode(Encoder& e, const SamplerState& s) {
     e.put(s.epoch);
     e.put(s.offset);
     e.put(s.seed);
     e.put(s.dataset_size);
-    e.put(s.num_replicas);
+    e.put(s.num_replicas | (s.earlier.empty() ? 0 : more));
+    if (!s.earlier.empty()) e.put(s.earlier);
   }
-  /// The five numbers back.
+  /// The numbers back.
   static SamplerState decode(Decoder& d) {
     SamplerState s;
     s.epoch = d.get<std::uint64_t>();
@@ -75,8 +77,15 @@ struct codec<SamplerState> {
     s.seed = d.get<std::uint64_t>();
     s.dataset_size = d.get<std::uint64_t>();
     s.num_replicas = d.get<std::uint64_t>();
+    if ((s.num_replicas & more) != 0) {
+      s.num_replicas &= ~more;
+      s.earlier = d.get<std::vector<std::uint64_t>>();
+    }
     return s;
   }
+
+ private:
+  static constexpr std::uint64_t more = std::uint64_t{1} << 63;
 };
 
 /// Elements [offset, offset + size) of array number `array`: one piece of a rank's shard.

@@ -12,7 +12,8 @@
 ///    whole dataset (seed + epoch), padded by wrapping around to a multiple of the number of ranks
 ///    (or cut with drop_last); rank r takes positions r, r + R, r + 2R, ... Beyond torch: an exact
 ///    mode for evaluation (every sample exactly once, no padding: shards differ by at most one, and
-///    exact_mean() weighs the per-rank results), and state()/restore() to resume mid-epoch.
+///    exact_mean() weighs the per-rank results), state()/restore() to resume mid-epoch, and
+///    repartition() to go on over another number of ranks mid-epoch (after shrink()).
 ///
 /// Shuffles never use std::shuffle or std::uniform_int_distribution, whose results differ between
 /// standard libraries: the generator (SplitMix64), the bounded draw (Lemire's multiply-shift with
@@ -266,6 +267,9 @@ struct SamplerState {
   std::uint64_t dataset_size = 0;
   /// The number of ranks, checked on restore.
   std::uint64_t num_replicas = 0;
+  /// When the epoch changed world size (DistributedSampler::repartition): each earlier part's
+  /// number of ranks and the samples per rank it took, oldest first (ranks, taken, ranks, ...).
+  std::vector<std::uint64_t> earlier{};
 };
 
 /// torch.utils.data.DistributedSampler's semantics (see the file comment).
@@ -287,21 +291,21 @@ class DistributedSampler {
                    "DistributedSampler: exact and drop_last exclude each other");
   }
 
-  /// Starts an epoch: its order is shuffled with seed + epoch. Resets a restored offset.
+  /// Starts an epoch: its order is shuffled with seed + epoch. Resets a restored offset (and
+  /// the earlier world sizes of repartition()).
   void set_epoch(std::uint64_t epoch) noexcept {
     epoch_ = epoch;
     offset_ = 0;
+    earlier_.clear();
   }
   /// The current epoch (0 until set_epoch).
   [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_; }
 
-  /// Samples per rank in an epoch (for this rank: in exact mode, ranks differ by at most one).
-  [[nodiscard]] std::size_t size() const noexcept { return shard_size(rank_); }
-  /// Samples over all ranks in an epoch (padded or cut).
-  [[nodiscard]] std::size_t total_size() const noexcept {
-    if (o_.exact) return n_;
-    return per_rank() * static_cast<std::size_t>(replicas_);
-  }
+  /// Samples per rank in an epoch (for this rank: in exact mode, ranks differ by at most one;
+  /// after repartition(), in what is left of the epoch).
+  [[nodiscard]] std::size_t size() const noexcept { return shard_size(rank_, order_length()); }
+  /// Samples over all ranks in an epoch (padded or cut; after repartition(), of what is left).
+  [[nodiscard]] std::size_t total_size() const noexcept { return order_length(); }
 
   /// This rank's dataset indices for the current epoch, from the restored offset on.
   [[nodiscard]] std::vector<std::size_t> indices() const {
@@ -312,12 +316,16 @@ class DistributedSampler {
       order.resize(n_);
       std::iota(order.begin(), order.end(), std::size_t{0});
     }
-    const std::size_t total = total_size();
-    if (!o_.exact && total > n_ && n_ > 0) {  // pad by wrapping around (torch's padding)
-      const std::size_t base = order.size();
-      for (std::size_t i = 0; order.size() < total; ++i) order.push_back(order[i % base]);
+    fit(order, first_replicas());
+    for (std::size_t i = 0; i + 1 < earlier_.size(); i += 2) {
+      // Every rank took `taken` of its positions r, r + R, ...: together, the first taken * R
+      // (a rank whose exact-mode shard was shorter took all of it). The rest goes on.
+      const std::size_t gone = std::min<std::size_t>(
+          order.size(), static_cast<std::size_t>(earlier_[i] * earlier_[i + 1]));
+      order.erase(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(gone));
+      fit(order, i + 2 < earlier_.size() ? static_cast<std::size_t>(earlier_[i + 2])
+                                         : static_cast<std::size_t>(replicas_));
     }
-    order.resize(std::min(order.size(), total));
     std::vector<std::size_t> mine;
     mine.reserve(size());
     for (std::size_t i = static_cast<std::size_t>(rank_); i < order.size();
@@ -330,37 +338,91 @@ class DistributedSampler {
   }
 
   /// The state to resume from after `consumed` more samples of this epoch's indices().
-  [[nodiscard]] SamplerState state(std::size_t consumed = 0) const noexcept {
-    return SamplerState{epoch_, offset_ + consumed, o_.seed, n_,
-                        static_cast<std::uint64_t>(replicas_)};
+  [[nodiscard]] SamplerState state(std::size_t consumed = 0) const {
+    return SamplerState{
+        epoch_, offset_ + consumed, o_.seed, n_, static_cast<std::uint64_t>(replicas_), earlier_};
   }
 
   /// Continues where state() left off: the same epoch, minus what was consumed. The dataset size,
-  /// seed and number of ranks must be those of the saved run (Errc::invalid_argument otherwise).
+  /// seed and number of ranks must be those of the saved run (Errc::invalid_argument otherwise);
+  /// a state saved after repartition() carries the epoch's earlier world sizes.
   void restore(const SamplerState& s) {
     if (s.dataset_size != n_ || s.seed != o_.seed ||
         s.num_replicas != static_cast<std::uint64_t>(replicas_)) {
       detail::fail(Errc::invalid_argument,
                    "DistributedSampler::restore: the state is of a run with ", s.dataset_size,
                    " samples, seed ", s.seed, " and ", s.num_replicas, " ranks; this sampler has ",
-                   n_, ", ", o_.seed, " and ", replicas_);
+                   n_, ", ", o_.seed, " and ", replicas_,
+                   s.num_replicas != static_cast<std::uint64_t>(replicas_)
+                       ? " (to go on over another number of ranks mid-epoch, restore with the "
+                         "old number and call repartition())"
+                       : "");
     }
-    if (s.offset > size())
+    if (s.earlier.size() % 2 != 0)
+      detail::fail(Errc::invalid_argument, "DistributedSampler::restore: a damaged state");
+    const std::vector<std::uint64_t> saved = earlier_;
+    earlier_ = s.earlier;
+    if (s.offset > size()) {
+      earlier_ = saved;
       detail::fail(Errc::invalid_argument, "DistributedSampler::restore: offset ", s.offset,
                    " is past the ", size(), " samples of the shard");
+    }
     epoch_ = s.epoch;
     offset_ = s.offset;
   }
 
- private:
-  [[nodiscard]] std::size_t per_rank() const noexcept {
-    const auto r = static_cast<std::size_t>(replicas_);
-    return o_.drop_last ? n_ / r : (n_ + r - 1) / r;
+  /// Goes on with the current epoch over `num_replicas` ranks, this sampler being rank `rank`'s,
+  /// after every rank of the old world consumed `consumed` more samples of indices() (the same
+  /// number: the ranks step together; a rank whose exact-mode shard was shorter consumed all of
+  /// it). The samples no rank of the old world has taken are dealt out over the new ranks as
+  /// set_epoch deals an epoch (padded by wrapping around, cut with drop_last, exact: not at all),
+  /// so that with `exact` every sample of the epoch is seen exactly once however often the world
+  /// changes. Every new rank calls it with the same arguments but its rank (a rank that joins
+  /// restores the state a member had before the call, then calls it). Local: no communication.
+  void repartition(int num_replicas, int rank, std::size_t consumed = 0) {
+    if (num_replicas < 1 || rank < 0 || rank >= num_replicas)
+      detail::fail(Errc::invalid_argument, "DistributedSampler::repartition: rank ", rank, " of ",
+                   num_replicas, " ranks");
+    if (offset_ + consumed > size())
+      detail::fail(Errc::invalid_argument, "DistributedSampler::repartition: ", offset_ + consumed,
+                   " samples consumed of a shard of ", size());
+    earlier_.insert(earlier_.end(), {static_cast<std::uint64_t>(replicas_), offset_ + consumed});
+    replicas_ = num_replicas;
+    rank_ = rank;
+    offset_ = 0;
   }
-  [[nodiscard]] std::size_t shard_size(int rank) const noexcept {
-    if (!o_.exact) return per_rank();
+
+ private:
+  [[nodiscard]] std::size_t first_replicas() const noexcept {
+    return static_cast<std::size_t>(earlier_.empty() ? static_cast<std::uint64_t>(replicas_)
+                                                     : earlier_[0]);
+  }
+  /// An order of `order.size()` samples made ready for `r` ranks: padded by wrapping around to a
+  /// multiple of r, or cut to one (drop_last), or left (exact).
+  void fit(std::vector<std::size_t>& order, std::size_t r) const {
+    if (o_.exact || order.empty()) return;
+    const std::size_t base = order.size();
+    const std::size_t total = o_.drop_last ? base / r * r : (base + r - 1) / r * r;
+    for (std::size_t i = 0; order.size() < total; ++i) order.push_back(order[i % base]);
+    order.resize(total);
+  }
+  /// The length of the current part's order (fit() of what earlier parts left), computed.
+  [[nodiscard]] std::size_t order_length() const noexcept {
+    const auto fitted = [&](std::size_t len, std::size_t r) {
+      if (o_.exact || len == 0) return len;
+      return o_.drop_last ? len / r * r : (len + r - 1) / r * r;
+    };
+    std::size_t len = fitted(n_, first_replicas());
+    for (std::size_t i = 0; i + 1 < earlier_.size(); i += 2) {
+      len -= std::min<std::size_t>(len, static_cast<std::size_t>(earlier_[i] * earlier_[i + 1]));
+      len = fitted(len, i + 2 < earlier_.size() ? static_cast<std::size_t>(earlier_[i + 2])
+                                                : static_cast<std::size_t>(replicas_));
+    }
+    return len;
+  }
+  [[nodiscard]] std::size_t shard_size(int rank, std::size_t len) const noexcept {
     const auto r = static_cast<std::size_t>(replicas_);
-    return n_ / r + (static_cast<std::size_t>(rank) < n_ % r ? 1 : 0);
+    return len / r + (static_cast<std::size_t>(rank) < len % r ? 1 : 0);
   }
 
   std::size_t n_;
@@ -369,6 +431,7 @@ class DistributedSampler {
   SamplerOptions o_;
   std::uint64_t epoch_ = 0;
   std::uint64_t offset_ = 0;
+  std::vector<std::uint64_t> earlier_;
 };
 
 /// The mean over all ranks of a per-sample quantity, each rank contributing the sum over its

@@ -1,3 +1,4 @@
+#include <ddp/training/checkpoint.hpp>
 #include <ddp/training/partition.hpp>
 
 #include <doctest/doctest.h>
@@ -213,4 +214,105 @@ TEST_CASE("partition: every rank computes the same order, exact_mean weighs unev
     const double mean = ddp::exact_mean(comm, sum, eval.size());
     MP_EXPECT(mean == 4.5, "exact mean " << mean);
   });
+}
+
+namespace {
+// Every rank of a world of `ranks` samplers takes `steps` of its indices (all it has when its
+// shard is shorter); returns them, all ranks together.
+std::vector<std::size_t> take(std::vector<ddp::DistributedSampler>& world, std::size_t steps) {
+  std::vector<std::size_t> out;
+  for (auto& s : world) {
+    const auto mine = s.indices();
+    out.insert(out.begin(), mine.begin(),
+               mine.begin() + static_cast<std::ptrdiff_t>(std::min(steps, mine.size())));
+  }
+  return out;
+}
+std::vector<ddp::DistributedSampler> repartitioned(const ddp::DistributedSampler& survivor,
+                                                   int ranks, std::size_t consumed) {
+  std::vector<ddp::DistributedSampler> out;
+  for (int r = 0; r < ranks; ++r) {
+    ddp::DistributedSampler s = survivor;
+    s.repartition(ranks, r, consumed);
+    out.push_back(s);
+  }
+  return out;
+}
+}  // namespace
+
+TEST_CASE("partition: an epoch dealt again over fewer or more ranks sees every sample once") {
+  for (const bool shuffle : {false, true}) {
+    CAPTURE(shuffle);
+    const std::size_t n = 1003;
+    const ddp::SamplerOptions exact{.shuffle = shuffle, .seed = 5, .exact = true};
+    std::vector<ddp::DistributedSampler> world;
+    for (int r = 0; r < 4; ++r) world.emplace_back(n, 4, r, exact);
+    for (auto& s : world) s.set_epoch(2);
+    // 4 ranks take 37 steps; rank 3 is lost; 3 ranks take 50; 5 ranks (two joined) the rest.
+    std::vector<std::size_t> seen = take(world, 37);
+    world = repartitioned(world[1], 3, 37);
+    auto more = take(world, 50);
+    seen.insert(seen.end(), more.begin(), more.end());
+    // A joining rank restores a member's state from before repartition, then repartitions.
+    ddp::DistributedSampler joiner(n, 3, 0, exact);
+    joiner.restore(world[2].state());
+    world = repartitioned(joiner, 5, 50);
+    more = take(world, n);
+    seen.insert(seen.end(), more.begin(), more.end());
+    std::sort(seen.begin(), seen.end());
+    std::vector<std::size_t> all(n);
+    std::iota(all.begin(), all.end(), std::size_t{0});
+    CHECK(seen == all);  // every sample exactly once
+    std::size_t sizes = 0;
+    for (const auto& s : world) sizes += s.size();
+    CHECK(sizes == n - 37 * 4 - 50 * 3);
+    // The state after a repartition goes through a checkpoint and restores the same order.
+    ddp::Checkpoint ck;
+    ck.put_object("sampler", world[4].state(7));
+    ddp::DistributedSampler back(n, 5, 4, exact);
+    back.restore(ck.get_object<ddp::SamplerState>("sampler"));
+    auto want = world[4].indices();
+    want.erase(want.begin(), want.begin() + 7);
+    CHECK(back.indices() == want);
+    // A new epoch deals over the new world from the start.
+    back.set_epoch(3);
+    CHECK(back.size() == n / 5 + (4 < n % 5 ? 1 : 0));
+  }
+  // Padded (torch's default): every sample at least once; beyond the padding of an
+  // uninterrupted run, at most one extra per rank of each new world. drop_last: none twice.
+  for (const bool drop_last : {false, true}) {
+    CAPTURE(drop_last);
+    const std::size_t n = 1001;
+    std::vector<ddp::DistributedSampler> world;
+    for (int r = 0; r < 4; ++r)
+      world.emplace_back(n, 4, r, ddp::SamplerOptions{.seed = 1, .drop_last = drop_last});
+    auto seen = take(world, 100);
+    world = repartitioned(world[0], 3, 100);
+    auto rest = take(world, n);
+    seen.insert(seen.end(), rest.begin(), rest.end());
+    std::set<std::size_t> distinct(seen.begin(), seen.end());
+    if (drop_last) {
+      CHECK(distinct.size() == seen.size());
+      CHECK(seen.size() >= n - 3 - 2);
+    } else {
+      CHECK(distinct.size() == n);
+      CHECK(seen.size() - n <= 3 + 2);
+    }
+  }
+  // What cannot be dealt again is refused.
+  ddp::DistributedSampler s(100, 4, 1);
+  CHECK(error_of([&] { s.repartition(0, 0); }).find("rank 0 of 0 ranks") != std::string::npos);
+  CHECK(error_of([&] { s.repartition(3, 3); }).find("rank 3 of 3 ranks") != std::string::npos);
+  CHECK(error_of([&] { s.repartition(3, 0, 26); }).find("26 samples consumed of a shard of 25") !=
+        std::string::npos);
+  ddp::DistributedSampler three(100, 3, 0);
+  CHECK(error_of([&] { three.restore(s.state()); }).find("restore with the old number") !=
+        std::string::npos);
+  // A state without earlier parts is the five numbers it always was (older checkpoints read).
+  const ddp::SamplerState plain{3, 4, 5, 100, 4, {}};
+  const std::string bytes = ddp::detail::encode_object(plain);
+  CHECK(bytes.size() == 8 + 5 * 8);
+  const auto again = ddp::detail::decode_object<ddp::SamplerState>(bytes.data(), bytes.size());
+  CHECK(
+      (again.epoch == 3 && again.offset == 4 && again.num_replicas == 4 && again.earlier.empty()));
 }

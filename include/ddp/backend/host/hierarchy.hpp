@@ -38,7 +38,8 @@ namespace detail {
 /// it is destroyed), a rank that finished says so under "done/<rank>" with the number of
 /// operations it ran (CommState::announce_leaving), and a rank that failed the rendezvous
 /// after this rank had finished its own left its failure under "failed". Waits up to `grace`
-/// for one; nothing when the store is gone or holds none.
+/// for one; nothing when the store is gone or holds none, or at once when every rank of `ranks`
+/// died (its "exit/<rank>" is there without a record).
 inline std::optional<Transport::Left> left_record(const Store& store, const std::vector<int>& ranks,
                                                   std::chrono::milliseconds grace) {
   const auto deadline = std::chrono::steady_clock::now() + grace;
@@ -81,7 +82,14 @@ inline std::optional<Transport::Left> left_record(const Store& store, const std:
         left.operations = std::strtoull(plain.get(key).c_str(), nullptr, 10);
         return left;
       }
-      if (std::chrono::steady_clock::now() >= deadline) return std::nullopt;
+      // "exit/<rank>" without a record before it: its process died (the store wrote it as the
+      // connection closed), and no record will come.
+      bool all_exited = true;
+      for (int j : ranks) {
+        const std::string key = concat("exit/", j);
+        all_exited = all_exited && plain.check(std::span<const std::string>(&key, 1));
+      }
+      if (all_exited || std::chrono::steady_clock::now() >= deadline) return std::nullopt;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   } catch (const Error&) {  // the store is gone or the record unreadable: nothing to add

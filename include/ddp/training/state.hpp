@@ -1,0 +1,249 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// ddp::TrainingState: the state a fault-tolerant training loop keeps, committed step by step, so
+/// that after a membership change (Communicator::shrink) every member goes on from the same last
+/// committed step: no step lost, none applied twice or half. In the spirit of Horovod Elastic's
+/// State (commit, restore, sync) and torchft's per-step commit, without a separate coordinator.
+///
+///     ddp::TrainingState state;
+///     state.track_model("model", net).track("adam.m", adam.m).track_object("step", step);
+///     state.start(comm);                        // rank 0's state everywhere: committed step 0
+///     for (;;) {
+///       try {
+///         for (; step < steps; ++step) { ...; avg.average(); adam.step(net); state.commit(comm); }
+///         break;
+///       } catch (const ddp::Error& e) {
+///         comm = comm.shrink();                 // the survivors
+///         state.restore(comm);                  // every member: the newest committed step
+///       }
+///     }
+///
+/// commit() first confirms, in one small all_reduce, that every member finished this step (and
+/// is at the same commit), then copies the tracked state aside (host memory). A failure in the
+/// step (before commit) leaves the previous commit; a failure inside the confirmation can leave
+/// it complete on some members and not on others, but only after every member had finished the
+/// step: restore() then takes the newest commit any member holds, and a member that was still
+/// confirming it holds that state live. restore() sends it from the lowest member that holds it
+/// to every other (broadcast), so the members end bitwise equal, and writes it back into the
+/// tracked buffers and objects.
+
+#include "ddp/codec.hpp"
+#include "ddp/config.hpp"
+#include "ddp/error.hpp"
+#include "ddp/process_group.hpp"
+#include "ddp/tensor.hpp"
+#include "ddp/training/checkpoint.hpp"
+#include "ddp/training/parameters.hpp"
+#include "ddp/types.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// Named training state, committed per step (see the file comment).
+class TrainingState {
+ public:
+  /// Tracks a tensor's values (anything ddp::view sees: a std::vector, a span, a torch::Tensor;
+  /// host or CUDA memory), looked up again at every commit and restore (it may be reallocated
+  /// between steps, not resized). `tensor` must outlive this object.
+  template <class T>
+    requires requires(T& t) { ddp::view(t); }
+  TrainingState& track(std::string name, T& tensor) {
+    add(std::move(name), [&tensor] { return raw(ddp::view(tensor)); });
+    return *this;
+  }
+
+  /// Tracks every parameter's value of `model` (what GradientAverager averages), as one piece
+  /// per parameter.
+  template <class M>
+  TrainingState& track_model(const std::string& name, M& model) {
+    std::size_t i = 0;
+    for (auto& p : detail::model_parameters(model)) {
+      add(detail::concat(name, ".", i++), [&p] { return raw(ddp::view(detail::param_value(p))); });
+    }
+    return *this;
+  }
+
+  /// Tracks an object ddp::codec encodes (the step, an epoch, a SamplerState, a seed).
+  template <Encodable T>
+  TrainingState& track_object(std::string name, T& object) {
+    Piece piece;
+    piece.name = std::move(name);
+    piece.save = [&object] { return detail::encode_object(object); };
+    piece.load = [&object](const std::string& bytes) {
+      object = detail::decode_object<T>(bytes.data(), bytes.size());
+    };
+    pieces_.push_back(std::move(piece));
+    return *this;
+  }
+
+  /// Collective, before the first step: rank 0's tracked state goes to every rank and is
+  /// committed there as step 0.
+  template <ProcessGroup Comm>
+  void start(Comm& comm) {
+    confirming_ = 0;
+    steps_ = 0;
+    snapshot();
+    send_from(comm, 0);
+  }
+
+  /// Collective, at the end of each step: every member confirms it finished this step (Errc::
+  /// mismatch when the members are at different commits), then this rank's state is copied
+  /// aside as the new commit. Returns the commits made since start(). A lost member makes it
+  /// fail as any collective does: then shrink() and restore().
+  template <ProcessGroup Comm>
+  std::uint64_t commit(Comm& comm) {
+    confirming_ = steps_ + 1;
+    // max of the commit and of its complement: the largest and the smallest over the members.
+    std::vector<double> at{static_cast<double>(confirming_), -static_cast<double>(confirming_)};
+    comm.all_reduce_host(std::span<double>(at), ReduceOp::max);
+    if (at[0] != -at[1])
+      detail::fail(Errc::mismatch, "rank ", comm.rank(),
+                   ": TrainingState::commit: this rank commits step ", confirming_,
+                   " but the members are at ", static_cast<std::uint64_t>(-at[1]), " to ",
+                   static_cast<std::uint64_t>(at[0]),
+                   ": every member must call commit() once per step (and restore() after a "
+                   "membership change)");
+    snapshot();
+    steps_ = confirming_;
+    confirming_ = 0;
+    return steps_;
+  }
+
+  /// Collective over a new membership (after shrink()): every member ends with the newest
+  /// commit any member holds, written back into the tracked buffers and objects; a member that
+  /// has none of its own (a newcomer, or one further behind) receives it. Returns its number.
+  template <ProcessGroup Comm>
+  std::uint64_t restore(Comm& comm) {
+    const auto all = comm.all_gather_object(std::vector<std::uint64_t>{steps_, confirming_});
+    // A member still confirming commit k had finished step k (every member had: the commit's
+    // collective had begun): its live state is step k, newer than its last commit.
+    std::uint64_t newest = 0;
+    for (const auto& m : all) newest = std::max({newest, m[0], m[1]});
+    int source = 0;
+    while (all[static_cast<std::size_t>(source)][0] != newest &&
+           all[static_cast<std::size_t>(source)][1] != newest)
+      ++source;
+    if (comm.rank() == source && steps_ != newest) snapshot();
+    send_from(comm, source);
+    steps_ = newest;
+    confirming_ = 0;
+    return newest;
+  }
+
+  /// Commits made since start() (after restore(): the commit restored).
+  [[nodiscard]] std::uint64_t steps() const noexcept { return steps_; }
+  /// Bytes of the copy kept aside (the last commit).
+  [[nodiscard]] std::size_t bytes() const noexcept {
+    std::size_t n = 0;
+    for (const Piece& p : pieces_) n += p.saved.size();
+    return n;
+  }
+
+ private:
+  struct Raw {
+    void* data = nullptr;
+    std::size_t bytes = 0;
+    bool cuda = false;
+    void* stream = nullptr;
+  };
+  struct Piece {
+    std::string name;
+    std::function<Raw()> where;                    // a tensor: its memory now
+    std::function<std::string()> save;             // an object: encoded
+    std::function<void(const std::string&)> load;  // an object: decoded back
+    std::string saved;                             // the last commit
+  };
+
+  template <class V>
+  static Raw raw(const V& v) {
+    if constexpr (std::is_same_v<V, DynamicView>) {
+      return {v.data, v.size * size_of(v.dtype), v.device.is_cuda(), v.stream};
+    } else {
+      return {const_cast<void*>(static_cast<const void*>(v.data)), v.bytes(), v.device.is_cuda(),
+              v.stream};
+    }
+  }
+
+  void add(std::string name, std::function<Raw()> where) {
+    for (const Piece& p : pieces_)
+      if (p.name == name)
+        detail::fail(Errc::invalid_argument, "TrainingState: \"", name, "\" is tracked twice");
+    Piece piece;
+    piece.name = std::move(name);
+    piece.where = std::move(where);
+    pieces_.push_back(std::move(piece));
+  }
+
+  /// The tracked state now, copied aside.
+  void snapshot() {
+    for (Piece& p : pieces_) {
+      if (p.save) {
+        p.saved = p.save();
+        continue;
+      }
+      const Raw r = p.where();
+      p.saved.resize(r.bytes);
+      detail::copy_bytes(p.saved.data(), r.data, r.bytes, r.cuda, r.stream);
+      detail::sync_stream(r.cuda, r.stream);
+    }
+  }
+
+  /// Rank `root`'s copy aside to every member, then written back into the tracked state on
+  /// every member. The members first compare the sizes of their tensors (every member fails
+  /// alike, naming the first that differs, when they do not track the same state).
+  template <ProcessGroup Comm>
+  void send_from(Comm& comm, int root) {
+    std::vector<std::uint64_t> sizes;
+    for (const Piece& p : pieces_) sizes.push_back(p.save ? ~std::uint64_t{0} : p.where().bytes);
+    const auto all = comm.all_gather_object(sizes);
+    const auto& theirs = all[static_cast<std::size_t>(root)];
+    for (std::size_t r = 0; r < all.size(); ++r) {
+      if (all[r].size() != theirs.size())
+        detail::fail(Errc::mismatch, "rank ", comm.rank(), ": TrainingState: rank ", r, " tracks ",
+                     all[r].size(), " pieces but rank ", root, " tracks ", theirs.size(),
+                     ": every member must track the same state");
+      for (std::size_t i = 0; i < theirs.size(); ++i) {
+        if (all[r][i] != theirs[i])
+          detail::fail(Errc::mismatch, "rank ", comm.rank(), ": TrainingState: \"", pieces_[i].name,
+                       "\" is another size (or kind) on rank ", r, " than on rank ", root,
+                       ": every member must track the same state (the same model and "
+                       "optimizer)");
+      }
+    }
+    for (Piece& p : pieces_) {
+      std::vector<std::int64_t> size{static_cast<std::int64_t>(p.saved.size())};
+      comm.broadcast_host(std::span<std::int64_t>(size), root);
+      p.saved.resize(static_cast<std::size_t>(size[0]));
+      if (!p.saved.empty()) {
+        comm.broadcast_host(std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(p.saved.data()),
+                                                    p.saved.size()),
+                            root);
+      }
+      if (p.load) {
+        p.load(p.saved);
+      } else {
+        const Raw r = p.where();
+        detail::copy_bytes(r.data, p.saved.data(), r.bytes, r.cuda, r.stream);
+        detail::sync_stream(r.cuda, r.stream);
+      }
+    }
+  }
+
+  std::vector<Piece> pieces_;
+  std::uint64_t steps_ = 0;       // commits made (since start)
+  std::uint64_t confirming_ = 0;  // the commit being confirmed (0: none)
+};
+
+DDP_END_NAMESPACE

@@ -1,0 +1,255 @@
+// Communicator::shrink across real processes: the survivors of a killed rank (any rank, rank 0
+// included) form a communicator of themselves on shm, tcp and two hosts; a second rank dying at
+// each phase of the agreement; a stopped rank left out and fenced when it wakes; the store lost
+// with rank 0's process. Survivors report to files; the parent checks.
+#include "failure_helpers.hpp"
+#include "multiprocess.hpp"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <numeric>
+#include <string>
+#include <vector>
+
+namespace membership_tests {
+using namespace std::chrono_literals;
+namespace {
+
+// Each survivor writes "<epoch> <size> <previous ranks...> | <sum>" after a working all_reduce.
+void report_members(const mp::TempDir& dir, int old_rank, Comm& next) {
+  std::vector<double> v{
+      static_cast<double>(next.previous_ranks()[static_cast<std::size_t>(next.rank())])};
+  next.all_reduce(v);
+  std::string line = std::to_string(next.epoch()) + " " + std::to_string(next.size());
+  for (int r : next.previous_ranks()) line += " " + std::to_string(r);
+  line += " | " + std::to_string(static_cast<long long>(v[0]));
+  mp::TempDir::write(dir.file("rank" + std::to_string(old_rank)), line);
+}
+
+std::string expected_line(std::uint64_t epoch, const std::vector<int>& members) {
+  std::string line = std::to_string(epoch) + " " + std::to_string(members.size());
+  for (int r : members) line += " " + std::to_string(r);
+  return line + " | " + std::to_string(std::accumulate(members.begin(), members.end(), 0));
+}
+
+}  // namespace
+
+TEST_CASE("shrink: the survivors of any killed rank go on, ranks renumbered, on every path") {
+  for (const mp::Path& path : mp::paths()) {
+    for (int dead = 0; dead < 4; ++dead) {
+      CAPTURE(mp::name(path));
+      CAPTURE(dead);
+      mp::TempDir dir;
+      std::string spawn_error;
+      ddp::Options o;
+      o.timeout = 20s;
+      run_faulty(
+          4, path,
+          [&](Comm& comm) {
+            std::vector<float> v(1000, 1.0f);
+            comm.all_reduce(v);
+            if (comm.rank() == dead) std::_Exit(3);
+            const long long t0 = now_ms();
+            try {
+              for (int i = 0; i < 100; ++i) comm.all_reduce(v);
+              MP_EXPECT(false, "all_reduce went on without rank " << dead);
+            } catch (const ddp::Error& e) {
+              MP_EXPECT(e.code() == ddp::Errc::peer_lost || e.code() == ddp::Errc::aborted,
+                        e.what());
+            }
+            Comm next = comm.shrink({.wait_for_ranks = 10s});
+            MP_EXPECT(next.size() == 3 && next.epoch() == 1, next.size() << " " << next.epoch());
+            report_members(dir, comm.rank(), next);
+            mp::TempDir::write(dir.file("ms" + std::to_string(comm.rank())),
+                               std::to_string(now_ms() - t0));
+            // The old communicator fails every call now, naming why.
+            try {
+              comm.all_reduce(v);
+              MP_EXPECT(false, "the old communicator still works");
+            } catch (const ddp::Error& e) {
+              MP_EXPECT(e.code() == ddp::Errc::aborted, e.what());
+            }
+          },
+          o, &spawn_error);
+      CHECK_MESSAGE(spawn_error.find("rank " + std::to_string(dead)) != std::string::npos,
+                    spawn_error);
+      std::vector<int> members;
+      for (int r = 0; r < 4; ++r)
+        if (r != dead) members.push_back(r);
+      for (int r : members) {
+        CHECK(mp::TempDir::read(dir.file("rank" + std::to_string(r))) == expected_line(1, members));
+        MESSAGE("rank " << r << ": failure seen to shrunk communicator's first all_reduce in "
+                        << mp::TempDir::read(dir.file("ms" + std::to_string(r))) << " ms");
+      }
+    }
+  }
+}
+
+TEST_CASE("shrink: a second rank dying at each phase of the agreement costs a round, no split") {
+  for (const char* phase : {"alive", "decided", "connected", "ready"}) {
+    for (const mp::Path& path :
+         {mp::Path(ddp::HostTransport::shm), mp::Path(ddp::HostTransport::tcp)}) {
+      CAPTURE(phase);
+      CAPTURE(mp::name(path));
+      mp::TempDir dir;
+      std::string spawn_error;
+      ddp::Options o;
+      o.timeout = 20s;
+      run_faulty(
+          4, path,
+          [&](Comm& comm) {
+            std::vector<float> v(10, 1.0f);
+            comm.all_reduce(v);
+            if (comm.rank() == 3) std::_Exit(3);
+            if (comm.rank() == 2) {
+              static const char* at = nullptr;
+              at = phase;
+              ddp::detail::shrink_phase_hook() = [](const char* p) {
+                if (std::string(p) == at) std::_Exit(4);
+              };
+            }
+            try {
+              comm.all_reduce(v);
+            } catch (const ddp::Error&) {
+            }
+            // A member that died after saying it was ready joins a formed communicator, whose
+            // first collective then fails: one more shrink.
+            Comm next = comm.shrink({.wait_for_ranks = 10s});
+            for (int attempt = 0; attempt < 2; ++attempt) {
+              try {
+                std::vector<float> w(10, 1.0f);
+                next.all_reduce(w);
+                break;
+              } catch (const ddp::Error& e) {
+                MP_EXPECT(attempt == 0 && std::string(phase) == "ready", e.what());
+                next = next.shrink({.wait_for_ranks = 10s});
+              }
+            }
+            report_members(dir, comm.rank(), next);
+          },
+          o, &spawn_error);
+      for (int r : {0, 1}) {
+        const std::string line = mp::TempDir::read(dir.file("rank" + std::to_string(r)));
+        CHECK_MESSAGE((line == expected_line(1, {0, 1}) || line == expected_line(2, {0, 1})), line);
+      }
+    }
+  }
+}
+
+TEST_CASE("shrink: a stopped rank is left out, and fenced when it wakes") {
+  for (const mp::Path& path :
+       {mp::Path(ddp::HostTransport::shm), mp::Path(ddp::HostTransport::tcp)}) {
+    CAPTURE(mp::name(path));
+    mp::TempDir dir;
+    std::string spawn_error;
+    ddp::Options o;
+    o.timeout = 2s;
+    run_faulty(
+        3, path,
+        [&](Comm& comm) {
+          const auto pids = comm.all_gather_object(static_cast<long>(::getpid()));
+          std::vector<float> v(100, 1.0f);
+          comm.all_reduce(v);
+          if (comm.rank() == 2) {
+            ::raise(SIGSTOP);  // continued by rank 0 once the others have gone on without it
+            std::vector<float> mine(100, 5.0f);
+            try {
+              comm.all_reduce(mine);
+              MP_EXPECT(false, "a fenced rank's all_reduce succeeded");
+            } catch (const ddp::Error& e) {
+              const std::string m = e.what();
+              MP_EXPECT(e.code() == ddp::Errc::aborted, m);
+              MP_EXPECT(m.find("rank 2: all_reduce") == 0 &&
+                            m.find("this rank was excluded") != std::string::npos &&
+                            m.find("membership epoch 1 of ranks 0, 1") != std::string::npos,
+                        m);
+            }
+            for (float x : mine) MP_EXPECT(x == 5.0f, "the fenced rank's buffer changed");
+            try {
+              (void)comm.shrink({.wait_for_ranks = 1s});
+              MP_EXPECT(false, "a fenced rank shrank");
+            } catch (const ddp::Error& e) {
+              MP_EXPECT(e.code() == ddp::Errc::aborted &&
+                            std::string(e.what()).find("excluded") != std::string::npos,
+                        e.what());
+            }
+            mp::TempDir::write(dir.file("rank2"), "fenced");
+            return;
+          }
+          try {
+            comm.all_reduce(v);
+            MP_EXPECT(false, "all_reduce went on without rank 2");
+          } catch (const ddp::Error& e) {
+            MP_EXPECT(e.code() == ddp::Errc::timeout || e.code() == ddp::Errc::aborted, e.what());
+          }
+          Comm next = comm.shrink({.wait_for_ranks = 2s});
+          if (next.rank() == 0) ::kill(static_cast<pid_t>(pids[2]), SIGCONT);
+          // The survivors go on while the fenced rank wakes and tries its old communicator.
+          for (int i = 0; i < 20; ++i) {
+            std::vector<float> w(100, static_cast<float>(next.rank() + 1));
+            next.all_reduce(w);
+            MP_EXPECT(w[0] == 3.0f, "survivors' all_reduce " << w[0]);
+            std::this_thread::sleep_for(50ms);
+          }
+          report_members(dir, comm.rank(), next);
+        },
+        o, &spawn_error);
+    CHECK_MESSAGE(spawn_error.empty(), spawn_error);
+    CHECK(mp::TempDir::read(dir.file("rank0")) == expected_line(1, {0, 1}));
+    CHECK(mp::TempDir::read(dir.file("rank1")) == expected_line(1, {0, 1}));
+    CHECK(mp::TempDir::read(dir.file("rank2")) == "fenced");
+  }
+}
+
+TEST_CASE("shrink: with the store in rank 0's process, losing rank 0 is named, not waited out") {
+  mp::TempDir dir;
+  const int port = mp::free_port();
+  (void)mp::spawn_all(3, [&](ddp::Environment launched) {
+    ::unsetenv("DDP_STORE_HOSTED");  // rank 0 hosts the store, as under a plain launcher
+    ddp::Options o;
+    o.timeout = 10s;
+    auto comm = Comm::init(mp::local_env(launched.rank, 3, port), o);
+    std::vector<float> v(10, 1.0f);
+    comm.all_reduce(v);
+    if (comm.rank() == 0) std::_Exit(3);
+    const long long t0 = now_ms();
+    try {
+      comm.all_reduce(v);
+    } catch (const ddp::Error&) {
+    }
+    try {
+      (void)comm.shrink({.wait_for_ranks = 5s});
+      MP_EXPECT(false, "shrank without a store");
+    } catch (const ddp::Error& e) {
+      report(dir, comm.rank(), e, now_ms() - t0);
+    }
+  });
+  for (int r : {1, 2}) {
+    const Outcome o = read_outcome(dir, r);
+    CHECK_MESSAGE(o.code == "peer_lost", o.code << o.message);
+    CHECK_MESSAGE(o.message.find("shrink: the rendezvous store at 127.0.0.1:" +
+                                 std::to_string(port) + " is gone") != std::string::npos,
+                  o.message);
+    CHECK_MESSAGE(o.message.find("ddprun or ddp::spawn") != std::string::npos, o.message);
+    CHECK(o.ms < 5000);
+  }
+}
+
+TEST_CASE("shrink: bad requests are refused") {
+  mp::run(2, ddp::HostTransport::shm, [](Comm& comm) {
+    mp::expect_refused(comm, "excluding itself", "ShrinkOptions::exclude names this rank",
+                       [&] { (void)comm.shrink({.exclude = {comm.rank()}}); });
+  });
+  mp::run(1, ddp::HostTransport::shm, [](Comm& comm) {
+    try {
+      (void)comm.shrink();
+      MP_EXPECT(false, "a world of one shrank");
+    } catch (const ddp::Error& e) {
+      MP_EXPECT(e.code() == ddp::Errc::unsupported, e.what());
+    }
+  });
+}
+
+}  // namespace membership_tests

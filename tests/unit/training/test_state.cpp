@@ -1,0 +1,220 @@
+// ddp::TrainingState across real processes: a rank killed at each phase of a step (before
+// averaging, inside a bucket's all_reduce, between the all_reduce and the update, before the
+// commit; and with another survivor ahead of the rest), rank 0 included, on shm, tcp and two
+// hosts: the survivors shrink, restore the newest commit and train on; their parameters end
+// bitwise equal to each other's, and equal to a run that changed world size at the restored step.
+#include <ddp/training/gradient.hpp>
+#include <ddp/training/partition.hpp>
+#include <ddp/training/state.hpp>
+
+#include <doctest/doctest.h>
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "failure_helpers.hpp"
+#include "multiprocess.hpp"
+
+namespace state_tests {
+using namespace std::chrono_literals;
+namespace {
+
+struct Param {
+  std::vector<float> value, grad;
+};
+struct Net {
+  std::vector<Param> params;
+  Net() {
+    for (std::size_t n : {300u, 7u, 2000u}) {
+      Param p{std::vector<float>(n), std::vector<float>(n)};
+      for (std::size_t k = 0; k < n; ++k) p.value[k] = 0.01f * static_cast<float>(k % 17);
+      params.push_back(std::move(p));
+    }
+  }
+  std::vector<Param>& parameters() { return params; }
+};
+
+// The gradient of sample s: depends on the parameters and the sample only (not on the rank).
+void backward(Net& m, const std::vector<std::size_t>& samples) {
+  for (auto& p : m.params) std::fill(p.grad.begin(), p.grad.end(), 0.0f);
+  for (std::size_t s : samples) {
+    for (std::size_t i = 0; i < m.params.size(); ++i) {
+      auto& p = m.params[i];
+      for (std::size_t k = 0; k < p.value.size(); ++k) {
+        const float target = std::sin(0.01f * static_cast<float>(k + 31 * s + 7 * i));
+        p.grad[k] += (p.value[k] - target) / static_cast<float>(samples.size());
+      }
+    }
+  }
+}
+
+std::string bytes_of(const Net& m) {
+  std::string s;
+  for (const auto& p : m.params)
+    s.append(reinterpret_cast<const char*>(p.value.data()), p.value.size() * sizeof(float));
+  return s;
+}
+
+constexpr int steps = 12, batch = 2;  // per rank
+constexpr std::size_t samples = 120;
+
+// Trains `steps` steps with a TrainingState; rank `victim` dies at `phase` of step `at`. The
+// survivors shrink, restore and go on. Each survivor writes its parameters and the samples it
+// trained on (the sampler repartitioned after the change).
+int current_step = 0;  // the victim's step, for its comm hook
+
+void train(Comm& comm, const mp::TempDir& dir, int victim, const std::string& phase, int at) {
+  Net net;
+  ddp::GradientAverager avg(comm, net, {.bucket_bytes = 1024});
+  const int old_rank = comm.rank();
+  const bool dies = old_rank == victim;
+  if (phase == "all_reduce" && dies) {
+    avg.register_comm_hook([at](auto& c, auto& bucket) {
+      ddp::Work w = ddp::allreduce_hook(c, bucket);
+      if (current_step == at && bucket.index == 0) std::_Exit(5);  // a bucket under way
+      return w;
+    });
+  }
+  ddp::DistributedSampler sampler(samples, comm.size(), comm.rank(),
+                                  {.seed = 3, .drop_last = true});
+  ddp::SamplerState position = sampler.state();
+  int step = 0, done = 0;  // done: the steps completed, as committed
+  ddp::TrainingState state;
+  state.track_model("net", net).track_object("done", done).track_object("sampler", position);
+  state.start(comm);
+  std::string seen;
+  for (;;) {
+    try {
+      for (; step < steps; ++step) {
+        current_step = step;
+        if (dies && step == at && (phase == "forward" || phase == "torn")) std::_Exit(5);
+        // A survivor that got ahead of the others before the failure (it applied part of an
+        // update, as a rank does whose all_reduce completed where another's did not):
+        // restore() must bring it back to the commit.
+        if (phase == "torn" && step == at && old_rank == (victim + 1) % 4 && comm.epoch() == 0)
+          for (auto& p : net.params) p.value[0] += 1.0f;
+        const auto mine = sampler.indices();
+        const std::vector<std::size_t> b(mine.begin(), mine.begin() + batch);
+        backward(net, b);
+        avg.average();
+        if (dies && step == at && phase == "update") std::_Exit(5);
+        for (auto& p : net.params)
+          for (std::size_t k = 0; k < p.value.size(); ++k) p.value[k] -= 0.1f * p.grad[k];
+        position = sampler.state(batch);
+        done = step + 1;
+        if (dies && step == at && phase == "commit") std::_Exit(5);
+        state.commit(comm);
+        sampler.restore(position);
+        for (std::size_t s : b) seen += std::to_string(s) + " ";
+      }
+      break;
+    } catch (const ddp::Error& e) {
+      MP_EXPECT(e.code() == ddp::Errc::peer_lost || e.code() == ddp::Errc::aborted, e.what());
+      comm = comm.shrink({.wait_for_ranks = 10s});
+      const std::uint64_t restored = state.restore(comm);  // net, done, position: newest commit
+      MP_EXPECT(restored == static_cast<std::uint64_t>(done), restored << " vs done " << done);
+      step = done;
+      mp::TempDir::write(dir.file("restored" + std::to_string(old_rank)), std::to_string(step));
+      sampler = ddp::DistributedSampler(samples, static_cast<int>(position.num_replicas), 0,
+                                        {.seed = 3, .drop_last = true});
+      sampler.restore(position);
+      sampler.repartition(comm.size(), comm.rank());
+      position = sampler.state();
+    }
+  }
+  mp::TempDir::write(dir.file("net" + std::to_string(old_rank)), bytes_of(net));
+  mp::TempDir::write(dir.file("step" + std::to_string(old_rank)), std::to_string(step));
+  (void)seen;
+}
+
+// The same training in one process: steps [0, at) over 4 ranks, the rest over the 3 others
+// (the epoch dealt again), each step's gradient the mean of the ranks' batch gradients.
+std::string reference(int at) {
+  Net net;
+  const ddp::SamplerOptions o{.seed = 3, .drop_last = true};
+  std::vector<ddp::DistributedSampler> world;
+  for (int r = 0; r < 4; ++r) world.emplace_back(samples, 4, r, o);
+  for (int step = 0; step < steps; ++step) {
+    if (step == at) {
+      const ddp::DistributedSampler any = world[0];
+      world.clear();
+      for (int r = 0; r < 3; ++r) {
+        world.push_back(any);
+        world.back().repartition(3, r);
+      }
+    }
+    std::vector<std::vector<float>> sum;
+    for (auto& s : world) {
+      const auto mine = s.indices();
+      backward(net, std::vector<std::size_t>(mine.begin(), mine.begin() + batch));
+      s.restore(s.state(batch));
+      if (sum.empty())
+        for (auto& p : net.params) sum.emplace_back(p.grad.size(), 0.0f);
+      for (std::size_t i = 0; i < sum.size(); ++i)
+        for (std::size_t k = 0; k < sum[i].size(); ++k) sum[i][k] += net.params[i].grad[k];
+    }
+    for (std::size_t i = 0; i < sum.size(); ++i)
+      for (std::size_t k = 0; k < sum[i].size(); ++k)
+        net.params[i].value[k] -= 0.1f * sum[i][k] / static_cast<float>(world.size());
+  }
+  return bytes_of(net);
+}
+
+double worst_difference(const std::string& a, const std::string& b) {
+  double worst = a.size() == b.size() ? 0 : 1e9;
+  for (std::size_t k = 0; k + 4 <= std::min(a.size(), b.size()); k += 4) {
+    float x, y;
+    std::memcpy(&x, a.data() + k, 4);
+    std::memcpy(&y, b.data() + k, 4);
+    worst = std::max(worst, std::abs(static_cast<double>(x) - y) /
+                                std::max(1e-3, std::abs(static_cast<double>(y))));
+  }
+  return worst;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "training state: a rank lost at any phase of a step, the survivors go on from one commit") {
+  for (const mp::Path& path : mp::paths()) {
+    for (const char* phase : {"forward", "all_reduce", "update", "commit", "torn"}) {
+      for (int victim : {0, 2}) {
+        CAPTURE(mp::name(path));
+        CAPTURE(phase);
+        CAPTURE(victim);
+        mp::TempDir dir;
+        std::string spawn_error;
+        ddp::Options o;
+        o.timeout = 20s;
+        run_faulty(
+            4, path, [&](Comm& comm) { train(comm, dir, victim, phase, 5); }, o, &spawn_error);
+        CHECK_MESSAGE(spawn_error.find("rank " + std::to_string(victim)) != std::string::npos,
+                      spawn_error);
+        std::string first;
+        for (int r = 0; r < 4; ++r) {
+          if (r == victim) continue;
+          const std::string net = mp::TempDir::read(dir.file("net" + std::to_string(r)));
+          CHECK(mp::TempDir::read(dir.file("step" + std::to_string(r))) == std::to_string(steps));
+          if (first.empty()) first = net;
+          CHECK_MESSAGE(net == first, "rank " << r << "'s parameters differ from the others'");
+        }
+        CHECK(first.size() == (300 + 7 + 2000) * sizeof(float));
+        // No step lost, applied twice or half: the run equals one that changed world size at
+        // the restored step.
+        const int restored = std::stoi(
+            "0" + mp::TempDir::read(dir.file(std::string("restored") + (victim == 0 ? "1" : "0"))));
+        MESSAGE("restored at step " << restored);
+        const double worst = worst_difference(first, reference(restored));
+        CHECK_MESSAGE(worst < 1e-4, "largest relative difference from the reference " << worst);
+      }
+    }
+  }
+}
+
+}  // namespace state_tests
