@@ -27,7 +27,9 @@
 // each failed attempt in a row (--restart-backoff, --restart-backoff-max). SIGINT, SIGTERM and
 // SIGHUP sent to ddprun are forwarded to every worker; a second one kills them at once. Log files
 // get the workers' bytes as they are; one that cannot be written is named, its worker's output
-// goes on to the console, and ddprun exits 1 where it would have exited 0.
+// goes on to the console, and ddprun exits 1 where it would have exited 0. With --on-failure
+// shrink a worker's failure stops nobody: the others go on without it (Communicator::shrink), and
+// the attempt succeeds when the workers that remain finish successfully.
 
 #include <ddp/ddp.hpp>
 
@@ -56,6 +58,7 @@ struct Config {
   int master_port = 29500;
   bool standalone = false;
   int max_restarts = 0;
+  std::string on_failure = "restart";
   double restart_backoff = 0.1;
   double restart_backoff_max = 5;
   std::string log_dir;
@@ -197,6 +200,12 @@ int main(int argc, char** argv) {
   app.add_option("--max-restarts,--max_restarts", cfg.max_restarts,
                  "restart the whole group up to this many times after a failure")
       ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--on-failure,--on_failure", cfg.on_failure,
+                 "what a worker's failure does: restart (stop every worker; --max-restarts may "
+                 "start the group again) or shrink (the others go on without it, forming a "
+                 "smaller communicator with Communicator::shrink)")
+      ->check(CLI::IsMember({"restart", "shrink"}))
       ->capture_default_str();
   app.add_option("--restart-backoff", cfg.restart_backoff,
                  "seconds to wait before restarting after a failed attempt, doubled after each "
@@ -374,6 +383,7 @@ int main(int argc, char** argv) {
   }
   o.master_port = cfg.standalone ? 0 : cfg.master_port;
   o.max_restarts = cfg.max_restarts;
+  o.shrink_on_failure = cfg.on_failure == "shrink";
   o.restart_backoff = millis(cfg.restart_backoff);
   o.restart_backoff_max = millis(cfg.restart_backoff_max);
   // Absolute, as torchrun's: workers that change directory still find their error files.

@@ -66,6 +66,10 @@ struct LaunchOptions {
   std::string port_flag = "--master-port";
   /// Restart the whole group (every node) up to this many times after a failure.
   int max_restarts = 0;
+  /// What a worker's failure does to the others: false (torchrun's way) stops them all, and the
+  /// attempt fails; true lets them go on without it (they form a smaller communicator with
+  /// Communicator::shrink), and the attempt succeeds when the workers that remain do.
+  bool shrink_on_failure = false;
   /// The wait before a restart: restart_backoff after the first failed attempt, doubled after
   /// each further one in a row, at most restart_backoff_max. An attempt that ran at least
   /// restart_backoff_reset begins a new row (its restart waits restart_backoff again). Zero
@@ -976,6 +980,14 @@ class LaunchAgent {
       }
     }
     if (!first) return;
+    if (o_.shrink_on_failure && root_cause_ < 0 && !stopping_) {
+      // The others go on without it (Communicator::shrink); only when none is left is the
+      // attempt a failure, with the first loss as its root cause.
+      say(first->what, "; the other workers go on without it (--on-failure shrink)");
+      lost_.push_back(*first);
+      lost_ranks_.push_back(workers_[static_cast<std::size_t>(first_worker)].rank);
+      return;
+    }
     if (root_cause_ >= 0) {
       // A worker killed or crashed just after a peer of it exited with an error (the peer saw
       // the connection close before this one was reaped): the kill is the root cause.
@@ -1103,7 +1115,20 @@ class LaunchAgent {
     if (root_cause_ >= 0) {
       const Worker& w = workers_[static_cast<std::size_t>(root_cause_)];
       local = LaunchFailure{o_.node_rank, exit_code_of(w.status), true, failure_text(w, attempt)};
+    } else if (!lost_.empty()) {
+      std::string ranks;
+      for (int r : lost_ranks_) ranks += concat(ranks.empty() ? "" : ", ", r);
+      const bool some_finished = std::any_of(workers_.begin(), workers_.end(), [](const Worker& w) {
+        return WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0;
+      });
+      if (some_finished)
+        say("the workers that remained finished; lost during the run: rank",
+            lost_ranks_.size() == 1 ? " " : "s ", ranks);
+      else
+        local = lost_.front();
     }
+    lost_.clear();
+    lost_ranks_.clear();
     if (interrupted_ != 0)
       local = LaunchFailure{o_.node_rank, 128 + interrupted_, false,
                             concat("interrupted by ", signal_name(interrupted_))};
@@ -1171,7 +1196,9 @@ class LaunchAgent {
   std::unique_ptr<Store> store_;
   std::vector<Worker> workers_;
   std::vector<std::string> lost_logs_;  // "rank R's log PATH (error)", for the end
-  bool said_cannot_run_ = false;        // "cannot run PROGRAM" is said once, not per worker
+  std::vector<LaunchFailure> lost_;     // --on-failure shrink: the workers lost this attempt
+  std::vector<int> lost_ranks_;
+  bool said_cannot_run_ = false;  // "cannot run PROGRAM" is said once, not per worker
   int root_cause_ = -1;
   bool root_by_signal_ = false;  // the root cause died of a signal (nothing can come before it)
   bool stopping_ = false;

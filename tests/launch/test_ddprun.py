@@ -442,6 +442,31 @@ class SingleNode(Base):
         self.assertRegex(r.stderr, r"root cause: rank 1 \(local_rank 1")
         self.assertLess(time.monotonic() - t0, 30)
 
+    def test_on_failure_shrink_lets_the_others_go_on(self):
+        # Rank 0 or 2 dies after three all_reduces; the other three shrink and finish, rank 0's
+        # loss included (ddprun's store outlives every worker): the job succeeds.
+        for dead in (0, 2):
+            r = ddprun("--standalone", "--nproc-per-node", 4, "--on-failure", "shrink", WORKER,
+                       "shrink", dead)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertRegex(r.stderr, rf"ddprun: rank {dead} \(local_rank {dead}, pid \d+\) exited "
+                                       rf"with status 7 after \d+\.\d s; the other workers go on "
+                                       rf"without it \(--on-failure shrink\)")
+            self.assertIn(f"lost during the run: rank {dead}", r.stderr)
+            survivors = [x for x in range(4) if x != dead]
+            for new, old in enumerate(survivors):
+                self.assertIn(f"rank {old} is rank {new} of 3 (epoch 1), sum of old ranks "
+                              f"{sum(survivors)}", r.stdout)
+        # Without it, the same failure stops every worker and fails the job.
+        r = ddprun("--standalone", "--nproc-per-node", 4, WORKER, "shrink", 2)
+        self.assertEqual(r.returncode, 7, r.stderr)
+        self.assertIn("stopping the other workers", r.stderr)
+        # Every worker lost: the job fails, naming the first.
+        r = ddprun("--standalone", "--nproc-per-node", 2, "--on-failure", "shrink", WORKER,
+                   "shrink", "all")
+        self.assertEqual(r.returncode, 7, r.stderr)
+        self.assertIn("root cause: rank", r.stderr)
+
     def test_killed_worker_is_named(self):
         for sig, name in ((signal.SIGKILL, "SIGKILL"), (signal.SIGSEGV, "SIGSEGV")):
             r = ddprun("--standalone", "--nproc-per-node", 3, WORKER, "signal", 2, int(sig))

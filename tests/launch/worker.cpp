@@ -223,6 +223,25 @@ int main(int argc, char** argv) try {
     comm.all_reduce(v);
     return 0;
   }
+  if (mode == "shrink" && args.size() >= 2) {  // shrink RANK|all: RANK dies; the others go on
+    ddp::Options o;
+    o.timeout = std::chrono::seconds(20);
+    auto comm = ddp::Communicator<ddp::backend::Host>::init(ddp::Environment::detect(), o);
+    const int old_rank = comm.rank();
+    std::vector<float> v(1000, 1.0f);
+    for (int i = 0; i < 3; ++i) comm.all_reduce(v);
+    if (args[1] == "all" || old_rank == std::stoi(args[1])) std::_Exit(7);
+    try {
+      for (;;) comm.all_reduce(v);
+    } catch (const ddp::Error& e) {
+      comm = comm.shrink({.wait_for_ranks = std::chrono::seconds(10)});
+    }
+    std::vector<float> w(10, static_cast<float>(old_rank));
+    comm.all_reduce(w);
+    std::cout << "rank " << old_rank << " is rank " << comm.rank() << " of " << comm.size()
+              << " (epoch " << comm.epoch() << "), sum of old ranks " << w[0] << std::endl;
+    return 0;
+  }
   std::cerr << "worker: unknown arguments\n";
   return 2;
 } catch (const std::exception& e) {
