@@ -337,6 +337,19 @@ class DistributedSampler {
     return mine;
   }
 
+  /// Moves this rank's place in the epoch `consumed` samples on (indices() then starts there):
+  /// what a training loop calls after each batch, so that state() is where it is.
+  void advance(std::size_t consumed) {
+    if (offset_ + consumed > size())
+      detail::fail(Errc::invalid_argument, "DistributedSampler::advance: ", offset_ + consumed,
+                   " samples of a shard of ", size());
+    offset_ += consumed;
+  }
+  /// How it orders and splits (the constructor's options).
+  [[nodiscard]] const SamplerOptions& options() const noexcept { return o_; }
+  /// The dataset size it was made for.
+  [[nodiscard]] std::size_t dataset_size() const noexcept { return n_; }
+
   /// The state to resume from after `consumed` more samples of this epoch's indices().
   [[nodiscard]] SamplerState state(std::size_t consumed = 0) const {
     return SamplerState{

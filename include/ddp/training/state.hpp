@@ -36,6 +36,7 @@
 #include "ddp/process_group.hpp"
 #include "ddp/tensor.hpp"
 #include "ddp/training/checkpoint.hpp"
+#include "ddp/training/partition.hpp"
 #include "ddp/training/parameters.hpp"
 #include "ddp/types.hpp"
 
@@ -88,6 +89,33 @@ class TrainingState {
     return *this;
   }
 
+  /// Tracks a DistributedSampler's place in its epoch (advance() it after each batch): restored
+  /// with the rest, then, over a new number of ranks, dealt over them
+  /// (DistributedSampler::repartition), so that the samples no rank has taken in this epoch go
+  /// to the ranks that remain; over as many, each rank goes on from the same place.
+  TrainingState& track_sampler(std::string name, DistributedSampler& sampler) {
+    Piece piece;
+    piece.name = std::move(name);
+    piece.save = [&sampler] { return detail::encode_object(sampler.state()); };
+    piece.load = [&sampler](const std::string& bytes) {
+      const auto s = detail::decode_object<SamplerState>(bytes.data(), bytes.size());
+      sampler = DistributedSampler(static_cast<std::size_t>(s.dataset_size),
+                                   static_cast<int>(s.num_replicas), 0, sampler.options());
+      sampler.restore(s);
+    };
+    piece.regroup = [&sampler](int size, int rank) {
+      const SamplerState s = sampler.state();
+      if (s.num_replicas != static_cast<std::uint64_t>(size)) {
+        sampler.repartition(size, rank);
+      } else {  // as many ranks: each takes its positions from the same place on
+        sampler = DistributedSampler(sampler.dataset_size(), size, rank, sampler.options());
+        sampler.restore(s);
+      }
+    };
+    pieces_.push_back(std::move(piece));
+    return *this;
+  }
+
   /// Collective, before the first step: rank 0's tracked state goes to every rank and is
   /// committed there as step 0.
   template <ProcessGroup Comm>
@@ -96,6 +124,8 @@ class TrainingState {
     steps_ = 0;
     snapshot();
     send_from(comm, 0);
+    for (Piece& p : pieces_)
+      if (p.regroup) p.regroup(comm.size(), comm.rank());
   }
 
   /// Collective, at the end of each step: every member confirms it finished this step (Errc::
@@ -137,6 +167,8 @@ class TrainingState {
       ++source;
     if (comm.rank() == source && steps_ != newest) snapshot();
     send_from(comm, source);
+    for (Piece& p : pieces_)
+      if (p.regroup) p.regroup(comm.size(), comm.rank());
     steps_ = newest;
     confirming_ = 0;
     return newest;
@@ -163,6 +195,7 @@ class TrainingState {
     std::function<Raw()> where;                    // a tensor: its memory now
     std::function<std::string()> save;             // an object: encoded
     std::function<void(const std::string&)> load;  // an object: decoded back
+    std::function<void(int, int)> regroup;  // a sampler: dealt over (size, rank)
     std::string saved;                             // the last commit
   };
 

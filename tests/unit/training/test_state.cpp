@@ -83,12 +83,10 @@ void train(Comm& comm, const mp::TempDir& dir, int victim, const std::string& ph
   }
   ddp::DistributedSampler sampler(samples, comm.size(), comm.rank(),
                                   {.seed = 3, .drop_last = true});
-  ddp::SamplerState position = sampler.state();
   int step = 0, done = 0;  // done: the steps completed, as committed
   ddp::TrainingState state;
-  state.track_model("net", net).track_object("done", done).track_object("sampler", position);
+  state.track_model("net", net).track_object("done", done).track_sampler("sampler", sampler);
   state.start(comm);
-  std::string seen;
   for (;;) {
     try {
       for (; step < steps; ++step) {
@@ -106,31 +104,23 @@ void train(Comm& comm, const mp::TempDir& dir, int victim, const std::string& ph
         if (dies && step == at && phase == "update") std::_Exit(5);
         for (auto& p : net.params)
           for (std::size_t k = 0; k < p.value.size(); ++k) p.value[k] -= 0.1f * p.grad[k];
-        position = sampler.state(batch);
+        sampler.advance(batch);
         done = step + 1;
         if (dies && step == at && phase == "commit") std::_Exit(5);
         state.commit(comm);
-        sampler.restore(position);
-        for (std::size_t s : b) seen += std::to_string(s) + " ";
       }
       break;
     } catch (const ddp::Error& e) {
       MP_EXPECT(e.code() == ddp::Errc::peer_lost || e.code() == ddp::Errc::aborted, e.what());
       comm = comm.shrink({.wait_for_ranks = 10s});
-      const std::uint64_t restored = state.restore(comm);  // net, done, position: newest commit
+      const std::uint64_t restored = state.restore(comm);  // net, done, sampler: newest commit
       MP_EXPECT(restored == static_cast<std::uint64_t>(done), restored << " vs done " << done);
       step = done;
       mp::TempDir::write(dir.file("restored" + std::to_string(old_rank)), std::to_string(step));
-      sampler = ddp::DistributedSampler(samples, static_cast<int>(position.num_replicas), 0,
-                                        {.seed = 3, .drop_last = true});
-      sampler.restore(position);
-      sampler.repartition(comm.size(), comm.rank());
-      position = sampler.state();
     }
   }
   mp::TempDir::write(dir.file("net" + std::to_string(old_rank)), bytes_of(net));
   mp::TempDir::write(dir.file("step" + std::to_string(old_rank)), std::to_string(step));
-  (void)seen;
 }
 
 // The same training in one process: steps [0, at) over 4 ranks, the rest over the 3 others
