@@ -54,57 +54,6 @@ int cfg_crash_after = 0;  // --crash-once-after-epoch
 
 using fashion_mnist::Config;
 
-// ---- the model ------------------------------------------------------------------------------
-
-struct Param {
-  std::vector<float> value, grad;
-};
-
-// 784 -> hidden (ReLU) -> 10 (softmax). W1 is stored input-major (784 x hidden) so that the inner
-// loops run over contiguous hidden units (they vectorize without reassociating sums).
-struct Mlp {
-  int hidden;
-  std::vector<Param> params;  // W1 (784 x H), b1 (H), W2 (H x 10), b2 (10)
-  explicit Mlp(int h) : hidden(h) {
-    for (auto& v : fashion_mnist::initial_parameters(h)) {
-      std::vector<float> grad(v.size());
-      params.push_back({std::move(v), std::move(grad)});
-    }
-  }
-  std::vector<Param>& parameters() { return params; }
-
-  // Logits of one image; keeps the hidden activations in h.
-  void forward(const float* x, std::vector<float>& h, float* logits) const {
-    const auto H = static_cast<std::size_t>(hidden);
-    std::copy(params[1].value.begin(), params[1].value.end(), h.begin());
-    const float* w1 = params[0].value.data();
-    for (std::size_t i = 0; i < 784; ++i) {
-      if (x[i] == 0.0f) continue;  // about half the pixels are background
-      const float xi = x[i];
-      const float* row = w1 + i * H;
-      for (std::size_t j = 0; j < H; ++j) h[j] += xi * row[j];
-    }
-    for (auto& v : h) v = std::max(v, 0.0f);
-    for (std::size_t c = 0; c < 10; ++c) logits[c] = params[3].value[c];
-    const float* w2 = params[2].value.data();
-    for (std::size_t j = 0; j < H; ++j) {
-      if (h[j] == 0.0f) continue;
-      for (std::size_t c = 0; c < 10; ++c) logits[c] += h[j] * w2[j * 10 + c];
-    }
-  }
-};
-
-// Softmax cross-entropy: returns the loss and turns logits into d(loss)/d(logits).
-float softmax_xent(float* z, int label) {
-  const float m = *std::max_element(z, z + 10);
-  float sum = 0;
-  for (int c = 0; c < 10; ++c) sum += (z[c] = std::exp(z[c] - m));
-  for (int c = 0; c < 10; ++c) z[c] /= sum;
-  const float loss = -std::log(std::max(z[label], 1e-30f));
-  z[label] -= 1.0f;
-  return loss;
-}
-
 // ---- training -------------------------------------------------------------------------------
 
 void run(ddp::Environment env, const Config& cfg) {
@@ -121,7 +70,7 @@ void run(ddp::Environment env, const Config& cfg) {
                                          "t10k-labels-idx1-ubyte");
   const std::size_t n_train = cfg.limit > 0 ? std::min(cfg.limit, train.size()) : train.size();
 
-  Mlp model(cfg.hidden);
+  fashion_mnist::Mlp model(cfg.hidden);
   ddp::GradientAverager avg(comm, model);  // every rank now holds rank 0's initial parameters
   ddp::DistributedSampler sampler(n_train, world, rank, {.shuffle = true, .seed = 7});
   ddp::DistributedSampler eval(test.size(), world, rank, {.shuffle = false, .exact = true});
@@ -154,52 +103,7 @@ void run(ddp::Environment env, const Config& cfg) {
     std::size_t seen = 0;
     for (std::size_t first = 0; first < mine.size(); first += local_batch) {
       const std::size_t count = std::min(local_batch, mine.size() - first);
-      for (auto& p : model.params) std::fill(p.grad.begin(), p.grad.end(), 0.0f);
-      auto& g1 = model.params[0].grad;
-      auto& gb1 = model.params[1].grad;
-      auto& g2 = model.params[2].grad;
-      auto& gb2 = model.params[3].grad;
-      const float scale = 1.0f / static_cast<float>(count);
-      // Backward of the last layer for the whole local batch first, so that its gradients can be
-      // averaged while the first layer's are computed.
-      std::vector<float> hs(count * H), dzs(count * 10);
-      for (std::size_t b = 0; b < count; ++b) {
-        const std::size_t s = mine[first + b];
-        model.forward(&train.images[s * 784], h, z.data());
-        loss_sum += softmax_xent(z.data(), train.labels[s]);
-        std::copy(h.begin(), h.end(), hs.begin() + static_cast<std::ptrdiff_t>(b * H));
-        for (std::size_t c = 0; c < 10; ++c) {
-          dzs[b * 10 + c] = z[c] * scale;
-          gb2[c] += z[c] * scale;
-        }
-        for (std::size_t j = 0; j < H; ++j) {
-          if (h[j] == 0.0f) continue;
-          for (std::size_t c = 0; c < 10; ++c) g2[j * 10 + c] += h[j] * z[c] * scale;
-        }
-      }
-      avg.mark_ready(3);
-      avg.mark_ready(2);
-      const float* w2 = model.params[2].value.data();
-      for (std::size_t b = 0; b < count; ++b) {
-        const float* hb = &hs[b * H];
-        const float* dz = &dzs[b * 10];
-        for (std::size_t j = 0; j < H; ++j) {
-          float d = 0;
-          if (hb[j] > 0.0f)
-            for (std::size_t c = 0; c < 10; ++c) d += w2[j * 10 + c] * dz[c];
-          dh[j] = d;
-          gb1[j] += d;
-        }
-        const float* x = &train.images[mine[first + b] * 784];
-        for (std::size_t i = 0; i < 784; ++i) {
-          if (x[i] == 0.0f) continue;
-          const float xi = x[i];
-          float* row = &g1[i * H];
-          for (std::size_t j = 0; j < H; ++j) row[j] += xi * dh[j];
-        }
-      }
-      avg.mark_ready(1);
-      avg.mark_ready(0);
+      loss_sum += fashion_mnist::backward_batch(model, avg, train, &mine[first], count, h, dh, z);
       avg.synchronize();  // gradients now hold the average over the global batch
       for (auto& p : model.params)
         for (std::size_t k = 0; k < p.value.size(); ++k) p.value[k] -= lr * p.grad[k];
@@ -208,15 +112,8 @@ void run(ddp::Environment env, const Config& cfg) {
     }
     bar.finish();
     // Test accuracy: every test image exactly once over the ranks.
-    std::size_t correct = 0;
-    const auto part = eval.indices();
-    for (const std::size_t s : part) {
-      model.forward(&test.images[s * 784], h, z.data());
-      correct += static_cast<std::size_t>(std::max_element(z.begin(), z.end()) - z.begin()) ==
-                 test.labels[s];
-    }
     const auto [accuracy, train_loss] =
-        fashion_mnist::epoch_metrics(comm, correct, part.size(), loss_sum, seen);
+        fashion_mnist::evaluate(comm, model, test, eval, loss_sum, seen);
     log.print("epoch %d/%d: train loss %.4f, test accuracy %.2f%%", epoch + 1, cfg.epochs,
               train_loss, 100 * accuracy);
     std::vector<std::span<const float>> values;  // rank 0's are written (all ranks hold the same)

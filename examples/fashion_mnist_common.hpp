@@ -1,6 +1,7 @@
 // What the Fashion-MNIST examples share: the dataset (Debian's dataset-fashion-mnist, IDX files
 // gzip'd, read with zlib, decoded once into a cache directory that later runs and other ranks
-// read directly), the command-line options, the MLP's initial parameters and the checkpoint.
+// read directly), the command-line options, the MLP (its initial parameters, forward, a local
+// batch's backward), the evaluation and the checkpoint.
 #pragma once
 
 #include <sys/stat.h>
@@ -212,6 +213,134 @@ std::pair<double, double> epoch_metrics(Comm& comm, std::size_t correct, std::si
   metrics.mean("train_loss", trained == 0 ? 0.0 : loss_sum / trained, trained);
   const ddp::MetricValues reduced = metrics.reduce(comm);
   return {reduced["accuracy"], reduced["train_loss"]};
+}
+
+// ---- the model ------------------------------------------------------------------------------
+
+struct Param {
+  std::vector<float> value, grad;
+};
+
+// 784 -> hidden (ReLU) -> 10 (softmax). W1 is stored input-major (784 x hidden) so that the inner
+// loops run over contiguous hidden units (they vectorize without reassociating sums).
+struct Mlp {
+  int hidden;
+  std::vector<Param> params;  // W1 (784 x H), b1 (H), W2 (H x 10), b2 (10)
+  explicit Mlp(int h) : hidden(h) {
+    for (auto& v : fashion_mnist::initial_parameters(h)) {
+      std::vector<float> grad(v.size());
+      params.push_back({std::move(v), std::move(grad)});
+    }
+  }
+  std::vector<Param>& parameters() { return params; }
+
+  // Logits of one image; keeps the hidden activations in h.
+  void forward(const float* x, std::vector<float>& h, float* logits) const {
+    const auto H = static_cast<std::size_t>(hidden);
+    std::copy(params[1].value.begin(), params[1].value.end(), h.begin());
+    const float* w1 = params[0].value.data();
+    for (std::size_t i = 0; i < 784; ++i) {
+      if (x[i] == 0.0f) continue;  // about half the pixels are background
+      const float xi = x[i];
+      const float* row = w1 + i * H;
+      for (std::size_t j = 0; j < H; ++j) h[j] += xi * row[j];
+    }
+    for (auto& v : h) v = std::max(v, 0.0f);
+    for (std::size_t c = 0; c < 10; ++c) logits[c] = params[3].value[c];
+    const float* w2 = params[2].value.data();
+    for (std::size_t j = 0; j < H; ++j) {
+      if (h[j] == 0.0f) continue;
+      for (std::size_t c = 0; c < 10; ++c) logits[c] += h[j] * w2[j * 10 + c];
+    }
+  }
+};
+
+// Softmax cross-entropy: returns the loss and turns logits into d(loss)/d(logits).
+inline float softmax_xent(float* z, int label) {
+  const float m = *std::max_element(z, z + 10);
+  float sum = 0;
+  for (int c = 0; c < 10; ++c) sum += (z[c] = std::exp(z[c] - m));
+  for (int c = 0; c < 10; ++c) z[c] /= sum;
+  const float loss = -std::log(std::max(z[label], 1e-30f));
+  z[label] -= 1.0f;
+  return loss;
+}
+
+/// One local batch's forward and backward: the gradients of `count` images (`samples`) into the
+/// model's (zeroed first), the last layer's marked ready to `avg` as soon as they are final, so
+/// that they are averaged while the first layer's are computed. Returns the batch's summed loss.
+/// h, dh: hidden-size scratch; z: 10 floats.
+template <class Averager, class Data>
+double backward_batch(Mlp& model, Averager& avg, const Data& train, const std::size_t* samples,
+                      std::size_t count, std::vector<float>& h, std::vector<float>& dh,
+                      std::vector<float>& z) {
+  const auto H = static_cast<std::size_t>(model.hidden);
+  for (auto& p : model.params) std::fill(p.grad.begin(), p.grad.end(), 0.0f);
+  auto& g1 = model.params[0].grad;
+  auto& gb1 = model.params[1].grad;
+  auto& g2 = model.params[2].grad;
+  auto& gb2 = model.params[3].grad;
+  double loss = 0;
+  const float scale = count == 0 ? 0.0f : 1.0f / static_cast<float>(count);
+  // Backward of the last layer for the whole local batch first, so that its gradients can be
+  // averaged while the first layer's are computed.
+  std::vector<float> hs(count * H), dzs(count * 10);
+  for (std::size_t b = 0; b < count; ++b) {
+    const std::size_t s = samples[b];
+    model.forward(&train.images[s * 784], h, z.data());
+    loss += softmax_xent(z.data(), train.labels[s]);
+    std::copy(h.begin(), h.end(), hs.begin() + static_cast<std::ptrdiff_t>(b * H));
+    for (std::size_t c = 0; c < 10; ++c) {
+      dzs[b * 10 + c] = z[c] * scale;
+      gb2[c] += z[c] * scale;
+    }
+    for (std::size_t j = 0; j < H; ++j) {
+      if (h[j] == 0.0f) continue;
+      for (std::size_t c = 0; c < 10; ++c) g2[j * 10 + c] += h[j] * z[c] * scale;
+    }
+  }
+  avg.mark_ready(3);
+  avg.mark_ready(2);
+  const float* w2 = model.params[2].value.data();
+  for (std::size_t b = 0; b < count; ++b) {
+    const float* hb = &hs[b * H];
+    const float* dz = &dzs[b * 10];
+    for (std::size_t j = 0; j < H; ++j) {
+      float d = 0;
+      if (hb[j] > 0.0f)
+        for (std::size_t c = 0; c < 10; ++c) d += w2[j * 10 + c] * dz[c];
+      dh[j] = d;
+      gb1[j] += d;
+    }
+    const float* x = &train.images[samples[b] * 784];
+    for (std::size_t i = 0; i < 784; ++i) {
+      if (x[i] == 0.0f) continue;
+      const float xi = x[i];
+      float* row = &g1[i * H];
+      for (std::size_t j = 0; j < H; ++j) row[j] += xi * dh[j];
+    }
+  }
+  avg.mark_ready(1);
+  avg.mark_ready(0);
+  return loss;
+}
+
+/// The model's accuracy on the test set, every image once over the ranks (`eval`: an exact
+/// DistributedSampler over `comm`), and the mean training loss of the epoch from each rank's
+/// summed loss over `seen` images.
+template <class Comm, class Data>
+std::pair<double, double> evaluate(Comm& comm, const Mlp& model, const Data& test,
+                                   const ddp::DistributedSampler& eval, double loss_sum,
+                                   std::size_t seen) {
+  std::vector<float> h(static_cast<std::size_t>(model.hidden)), z(10);
+  std::size_t correct = 0;
+  const auto part = eval.indices();
+  for (const std::size_t s : part) {
+    model.forward(&test.images[s * 784], h, z.data());
+    correct += static_cast<std::size_t>(std::max_element(z.begin(), z.end()) - z.begin()) ==
+               test.labels[s];
+  }
+  return epoch_metrics(comm, correct, part.size(), loss_sum, seen);
 }
 
 }  // namespace fashion_mnist

@@ -36,8 +36,8 @@
 #include "ddp/process_group.hpp"
 #include "ddp/tensor.hpp"
 #include "ddp/training/checkpoint.hpp"
-#include "ddp/training/partition.hpp"
 #include "ddp/training/parameters.hpp"
+#include "ddp/training/partition.hpp"
 #include "ddp/types.hpp"
 
 #include <algorithm>
@@ -195,7 +195,7 @@ class TrainingState {
     std::function<Raw()> where;                    // a tensor: its memory now
     std::function<std::string()> save;             // an object: encoded
     std::function<void(const std::string&)> load;  // an object: decoded back
-    std::function<void(int, int)> regroup;  // a sampler: dealt over (size, rank)
+    std::function<void(int, int)> regroup;         // a sampler: dealt over (size, rank)
     std::string saved;                             // the last commit
   };
 
