@@ -502,9 +502,9 @@ class Communicator {
   [[nodiscard]] Communicator shrink(const ShrinkOptions& options = {}) {
     State& s = same_process("shrink");
     if constexpr (backend_traits<Backend>::splits) {
-      detail::fail(Errc::unsupported, "rank ", rank(),
-                   ": shrink: not available on backend::", Backend::name,
-                   " yet; use backend::Host");
+      detail::fail(
+          Errc::unsupported, "rank ", rank(), ": shrink: not available on backend::", Backend::name,
+          " (", detail::shrink_refusal(Backend::name), "); for fault tolerance use backend::Host");
     }
     return Communicator(detail::shrink_state(s, rank(), size(), options));
   }

@@ -1509,6 +1509,19 @@ class DistributedSampler {
     return mine;
   }
 
+  /// Moves this rank's place in the epoch `consumed` samples on (indices() then starts there):
+  /// what a training loop calls after each batch, so that state() is where it is.
+  void advance(std::size_t consumed) {
+    if (offset_ + consumed > size())
+      detail::fail(Errc::invalid_argument, "DistributedSampler::advance: ", offset_ + consumed,
+                   " samples of a shard of ", size());
+    offset_ += consumed;
+  }
+  /// How it orders and splits (the constructor's options).
+  [[nodiscard]] const SamplerOptions& options() const noexcept { return o_; }
+  /// The dataset size it was made for.
+  [[nodiscard]] std::size_t dataset_size() const noexcept { return n_; }
+
   /// The state to resume from after `consumed` more samples of this epoch's indices().
   [[nodiscard]] SamplerState state(std::size_t consumed = 0) const {
     return SamplerState{
@@ -8275,6 +8288,7 @@ DDP_END_NAMESPACE
 #include <cstdint>
 #include <exception>
 #include <memory>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -8356,6 +8370,17 @@ inline BackendInit begin_split(CommState& sub, const CommState& parent,
     sub.joined = true;
   }
   return bi;
+}
+
+/// Why a backend that splits itself cannot shrink, for Communicator::shrink's refusal.
+inline const char* shrink_refusal(std::string_view backend) {
+  if (backend == "mpi")
+    return "it would need an MPI library with ULFM fault tolerance (MPIX_Comm_shrink, as in Open "
+           "MPI 5 built with it); backend::Mpi does not use it";
+  if (backend == "nccl")
+    return "it would need ncclCommShrink (NCCL 2.27 and later) over non-blocking communicators; "
+           "backend::Nccl does not use it";
+  return "this backend cannot agree on a new membership";
 }
 
 /// Communicator::shrink on a backend that does not shrink itself: agree with the other
@@ -9550,9 +9575,9 @@ class Communicator {
   [[nodiscard]] Communicator shrink(const ShrinkOptions& options = {}) {
     State& s = same_process("shrink");
     if constexpr (backend_traits<Backend>::splits) {
-      detail::fail(Errc::unsupported, "rank ", rank(),
-                   ": shrink: not available on backend::", Backend::name,
-                   " yet; use backend::Host");
+      detail::fail(
+          Errc::unsupported, "rank ", rank(), ": shrink: not available on backend::", Backend::name,
+          " (", detail::shrink_refusal(Backend::name), "); for fault tolerance use backend::Host");
     }
     return Communicator(detail::shrink_state(s, rank(), size(), options));
   }
@@ -19564,6 +19589,7 @@ DDP_END_NAMESPACE
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/training/checkpoint.hpp" (already included above)
 // #include "ddp/training/parameters.hpp" (already included above)
+// #include "ddp/training/partition.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
 #include <algorithm>
@@ -19615,6 +19641,33 @@ class TrainingState {
     return *this;
   }
 
+  /// Tracks a DistributedSampler's place in its epoch (advance() it after each batch): restored
+  /// with the rest, then, over a new number of ranks, dealt over them
+  /// (DistributedSampler::repartition), so that the samples no rank has taken in this epoch go
+  /// to the ranks that remain; over as many, each rank goes on from the same place.
+  TrainingState& track_sampler(std::string name, DistributedSampler& sampler) {
+    Piece piece;
+    piece.name = std::move(name);
+    piece.save = [&sampler] { return detail::encode_object(sampler.state()); };
+    piece.load = [&sampler](const std::string& bytes) {
+      const auto s = detail::decode_object<SamplerState>(bytes.data(), bytes.size());
+      sampler = DistributedSampler(static_cast<std::size_t>(s.dataset_size),
+                                   static_cast<int>(s.num_replicas), 0, sampler.options());
+      sampler.restore(s);
+    };
+    piece.regroup = [&sampler](int size, int rank) {
+      const SamplerState s = sampler.state();
+      if (s.num_replicas != static_cast<std::uint64_t>(size)) {
+        sampler.repartition(size, rank);
+      } else {  // as many ranks: each takes its positions from the same place on
+        sampler = DistributedSampler(sampler.dataset_size(), size, rank, sampler.options());
+        sampler.restore(s);
+      }
+    };
+    pieces_.push_back(std::move(piece));
+    return *this;
+  }
+
   /// Collective, before the first step: rank 0's tracked state goes to every rank and is
   /// committed there as step 0.
   template <ProcessGroup Comm>
@@ -19623,6 +19676,8 @@ class TrainingState {
     steps_ = 0;
     snapshot();
     send_from(comm, 0);
+    for (Piece& p : pieces_)
+      if (p.regroup) p.regroup(comm.size(), comm.rank());
   }
 
   /// Collective, at the end of each step: every member confirms it finished this step (Errc::
@@ -19664,6 +19719,8 @@ class TrainingState {
       ++source;
     if (comm.rank() == source && steps_ != newest) snapshot();
     send_from(comm, source);
+    for (Piece& p : pieces_)
+      if (p.regroup) p.regroup(comm.size(), comm.rank());
     steps_ = newest;
     confirming_ = 0;
     return newest;
@@ -19690,6 +19747,7 @@ class TrainingState {
     std::function<Raw()> where;                    // a tensor: its memory now
     std::function<std::string()> save;             // an object: encoded
     std::function<void(const std::string&)> load;  // an object: decoded back
+    std::function<void(int, int)> regroup;         // a sampler: dealt over (size, rank)
     std::string saved;                             // the last commit
   };
 

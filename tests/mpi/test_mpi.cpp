@@ -66,6 +66,20 @@ TEST_CASE("ddp initializes MPI itself, rank and size are MPI's") {
   CHECK(cmp == MPI_CONGRUENT);  // a duplicate: ddp's traffic never matches the program's
 }
 
+TEST_CASE("shrink is refused on backend::Mpi, naming what it would need") {
+  try {
+    (void)world().shrink();
+    FAIL_CHECK("shrink accepted");
+  } catch (const ddp::Error& e) {
+    CHECK(e.code() == ddp::Errc::unsupported);
+    CHECK(std::string(e.what()).find("ULFM fault tolerance (MPIX_Comm_shrink") !=
+          std::string::npos);
+  }
+  std::vector<float> v{1.0f};
+  world().all_reduce(v);  // the communicator still works
+  CHECK(v[0] == static_cast<float>(world().size()));
+}
+
 TEST_CASE("all_reduce: every dtype, op and count, sync and async") {
   on_world([](Mpi& c) { cases::all_reduce_every_dtype(c); });
 }

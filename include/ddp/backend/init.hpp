@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <exception>
 #include <memory>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -106,6 +107,17 @@ inline BackendInit begin_split(CommState& sub, const CommState& parent,
     sub.joined = true;
   }
   return bi;
+}
+
+/// Why a backend that splits itself cannot shrink, for Communicator::shrink's refusal.
+inline const char* shrink_refusal(std::string_view backend) {
+  if (backend == "mpi")
+    return "it would need an MPI library with ULFM fault tolerance (MPIX_Comm_shrink, as in Open "
+           "MPI 5 built with it); backend::Mpi does not use it";
+  if (backend == "nccl")
+    return "it would need ncclCommShrink (NCCL 2.27 and later) over non-blocking communicators; "
+           "backend::Nccl does not use it";
+  return "this backend cannot agree on a new membership";
 }
 
 /// Communicator::shrink on a backend that does not shrink itself: agree with the other
