@@ -10,8 +10,9 @@
 // Options: those of fashion_mnist (--epochs, --batch: the global batch, kept when ranks are lost
 // by giving each survivor a larger share, --lr, --lr-decay, --hidden, --data, --cache, --limit,
 // --nproc), plus --kill R:E:S (the rank that started as rank R dies at step S of epoch E;
-// repeatable) and --record DIR (each rank writes the images of its committed steps to
-// DIR/rank<R>.txt, "epoch image" per line, for counting).
+// repeatable), --record DIR (each rank writes the images of its committed steps to
+// DIR/rank<R>.txt, "epoch image" per line, for counting) and --timing (wall-clock times of a
+// kill and of the first step completed after it, for bench/recovery).
 //
 // What ddp does here, beyond fashion_mnist.cpp:
 //  * TrainingState: the model, the epoch and the sampler's place, committed after every step
@@ -44,6 +45,14 @@ struct Kill {
 };
 std::vector<Kill> cfg_kills;  // --kill
 std::string cfg_record;       // --record
+bool cfg_timing = false;      // --timing
+
+/// Wall-clock nanoseconds (comparable across processes), for --timing.
+long long wall_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
 
 void run(ddp::Environment env, const fashion_mnist::Config& cfg) {
   auto comm = ddp::Communicator<ddp::backend::Host>::init(env);
@@ -78,6 +87,7 @@ void run(ddp::Environment env, const fashion_mnist::Config& cfg) {
   std::vector<float> h(H), dh(H), z(10);
   double loss_sum = 0;
   std::size_t seen = 0;
+  bool first_after_loss = false;  // --timing: report the first step after a loss
   for (;;) {
     try {
       while (epoch < cfg.epochs) {
@@ -95,6 +105,7 @@ void run(ddp::Environment env, const fashion_mnist::Config& cfg) {
             if (k.rank == first_rank && k.epoch == epoch && (at + done) / local_batch >= k.step) {
               std::fprintf(stderr, "rank %d (first rank %d) dies on purpose at epoch %d step %zu\n",
                            comm.rank(), first_rank, epoch, (at + done) / local_batch);
+              if (cfg_timing) std::fprintf(stderr, "timing: killed at %lld\n", wall_ns());
               std::_Exit(9);
             }
           }
@@ -114,6 +125,12 @@ void run(ddp::Environment env, const fashion_mnist::Config& cfg) {
           state.commit(comm);  // every rank finished this step
           record << pending << std::flush;
           pending.clear();
+          if (first_after_loss && comm.rank() == 0) {
+            std::printf("timing: first step on the new membership done at %lld (commit %llu)\n",
+                        wall_ns(), static_cast<unsigned long long>(state.steps()));
+            std::fflush(stdout);
+          }
+          first_after_loss = false;
         }
         ddp::DistributedSampler eval(test.size(), comm.size(), comm.rank(),
                                      {.shuffle = false, .exact = true});
@@ -137,6 +154,7 @@ void run(ddp::Environment env, const fashion_mnist::Config& cfg) {
       const std::uint64_t restored = state.restore(comm);
       if (restored == pending_commit) record << pending << std::flush;  // rolled forward
       pending.clear();
+      first_after_loss = cfg_timing;
       const double ms =
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
       ddp::Logger(comm.rank())
@@ -163,6 +181,8 @@ int main(int argc, char** argv) {
             cfg_kills.push_back(k);
           } else if (a == "--record") {
             cfg_record = next();
+          } else if (a == "--timing") {
+            cfg_timing = true;
           } else {
             return false;
           }
