@@ -316,7 +316,17 @@ int main(int argc, char** argv) {
       env += c == '-' ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
     opt->envname(env);
   }
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {  // every other mistake on the command line: status 2
+    die(2, fmt::format("{} (see ddprun --help)", e.what()));
+  }
   cfg.command = app.remaining();
   if (!cfg.command.empty() && cfg.command.front() == "--") cfg.command.erase(cfg.command.begin());
   if (cfg.command.empty()) die(2, "no program given: ddprun [OPTIONS] program [args...]");

@@ -983,7 +983,10 @@ class LaunchAgent {
     if (o_.shrink_on_failure && root_cause_ < 0 && !stopping_) {
       // The others go on without it (Communicator::shrink); only when none is left is the
       // attempt a failure, with the first loss as its root cause.
-      say(first->what, "; the other workers go on without it (--on-failure shrink)");
+      const bool others =
+          std::any_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.running; });
+      say(first->what, others ? "; the other workers go on without it (--on-failure shrink)"
+                              : "; no worker of this node is left");
       lost_.push_back(*first);
       lost_ranks_.push_back(workers_[static_cast<std::size_t>(first_worker)].rank);
       return;

@@ -1512,9 +1512,9 @@ class DistributedSampler {
   /// Moves this rank's place in the epoch `consumed` samples on (indices() then starts there):
   /// what a training loop calls after each batch, so that state() is where it is.
   void advance(std::size_t consumed) {
-    if (offset_ + consumed > size())
-      detail::fail(Errc::invalid_argument, "DistributedSampler::advance: ", offset_ + consumed,
-                   " samples of a shard of ", size());
+    if (consumed > size() - std::min<std::size_t>(size(), offset_))
+      detail::fail(Errc::invalid_argument, "DistributedSampler::advance: ", offset_, " + ",
+                   consumed, " samples of a shard of ", size());
     offset_ += consumed;
   }
   /// How it orders and splits (the constructor's options).
@@ -1543,8 +1543,15 @@ class DistributedSampler {
                          "old number and call repartition())"
                        : "");
     }
-    if (s.earlier.size() % 2 != 0)
-      detail::fail(Errc::invalid_argument, "DistributedSampler::restore: a damaged state");
+    // Each earlier part: 1 to 2^31 - 1 ranks, each having taken at most the dataset.
+    bool damaged = s.earlier.size() % 2 != 0;
+    for (std::size_t i = 0; i + 1 < s.earlier.size() && !damaged; i += 2)
+      damaged = s.earlier[i] == 0 || s.earlier[i] > 0x7fffffffu || s.earlier[i + 1] > n_;
+    if (damaged)
+      detail::fail(Errc::invalid_argument,
+                   "DistributedSampler::restore: a damaged state (its earlier world sizes "
+                   "cannot be those of an epoch of ",
+                   n_, " samples)");
     const std::vector<std::uint64_t> saved = earlier_;
     earlier_ = s.earlier;
     if (s.offset > size()) {
@@ -1568,9 +1575,9 @@ class DistributedSampler {
     if (num_replicas < 1 || rank < 0 || rank >= num_replicas)
       detail::fail(Errc::invalid_argument, "DistributedSampler::repartition: rank ", rank, " of ",
                    num_replicas, " ranks");
-    if (offset_ + consumed > size())
-      detail::fail(Errc::invalid_argument, "DistributedSampler::repartition: ", offset_ + consumed,
-                   " samples consumed of a shard of ", size());
+    if (consumed > size() - std::min<std::size_t>(size(), offset_))
+      detail::fail(Errc::invalid_argument, "DistributedSampler::repartition: ", offset_, " + ",
+                   consumed, " samples consumed of a shard of ", size());
     earlier_.insert(earlier_.end(), {static_cast<std::uint64_t>(replicas_), offset_ + consumed});
     replicas_ = num_replicas;
     rank_ = rank;
@@ -6892,6 +6899,13 @@ struct CommState {
   std::uint64_t epoch = 0;
   /// After shrink(): each rank's number in the communicator it was made from.
   std::vector<int> previous;
+  /// Each rank's number in the communicator init() made (its process), and where the store
+  /// marks that process gone ("<init prefix>exit/<rank>", written when its connection closes):
+  /// how shrink() knows a member of any communicator of the job died.
+  std::vector<int> world_ranks;
+  std::string job_prefix;
+  /// The membership epoch a shrink() of this communicator formed (0: none): it is replaced.
+  std::uint64_t replaced_by = 0;
   std::unique_ptr<Executor> executor = std::make_unique<Executor>();
   /// When the rendezvous must be done: Options::timeout after init() began.
   Clock::time_point rendezvous_deadline = Clock::time_point::max();
@@ -6925,6 +6939,8 @@ struct CommState {
     const EnvReader launcher;  // what the launcher that hosts the store says
     prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
     base_prefix = prefix;
+    job_prefix = prefix;
+    for (int r = 0; r < env.world_size; ++r) world_ranks.push_back(r);
     StoreOptions so;
     so.timeout = options.timeout;
     so.token = options.token;
@@ -7020,9 +7036,24 @@ struct CommState {
   void end_rendezvous() {
     if (!store) return;
     *store = store->with_deadline(Clock::time_point::max());
-    const std::pair<std::string, std::string> on_close[] = {
-        {concat("exit/", world_rank_in_group), ""}};
-    store->set_on_close(on_close);
+    // This communicator's mark, and (for one made by shrink()) the process's mark in init()'s.
+    std::vector<std::pair<std::string, std::string>> on_close{
+        {concat(store->prefix(), "exit/", world_rank_in_group), ""}};
+    if (const std::string mine = process_exit_key(); !mine.empty() && mine != on_close[0].first)
+      on_close.emplace_back(mine, "");
+    Store root = root_store ? root_store->unwatched() : store->prefixed("");
+    if (root_store) {
+      root.set_on_close(on_close);
+    } else {
+      const std::pair<std::string, std::string> own[] = {
+          {concat("exit/", world_rank_in_group), ""}};
+      store->set_on_close(own);
+    }
+  }
+
+  /// The store key that marks this process gone ("" before init() joined a store).
+  [[nodiscard]] std::string process_exit_key() const {
+    return job_prefix.empty() ? std::string() : concat(job_prefix, "exit/", world_rank);
   }
 
   /// Whether this is a fork() child's copy.
@@ -8038,6 +8069,7 @@ DDP_END_NAMESPACE
 #include <chrono>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <utility>
@@ -8082,6 +8114,14 @@ class MembershipChange {
     if (!old.root_store)
       fail(Errc::unsupported, "rank ", me_,
            ": shrink: this communicator has no rendezvous store (a world of one) to agree in");
+    if (o.wait_for_ranks.count() < 0)
+      fail(Errc::invalid_argument, "rank ", me_, ": shrink: ShrinkOptions::wait_for_ranks is ",
+           o.wait_for_ranks.count(), " ms; give 0 (the communicator's timeout) or more");
+    for (int r : o.exclude) {
+      if (r < 0 || r >= size_)
+        fail(Errc::invalid_argument, "rank ", me_, ": shrink: ShrinkOptions::exclude names rank ",
+             r, ", not a rank of this communicator of ", size_);
+    }
     wait_ = o.wait_for_ranks.count() > 0 ? o.wait_for_ranks : old.options.timeout;
     deadline_ = Clock::now() + old.options.timeout + wait_;
     base_ = std::make_shared<Store>(old.root_store->prefixed(old.base_prefix).unwatched());
@@ -8123,11 +8163,14 @@ class MembershipChange {
       }
       members_ = parse_ranks(decided);
       if (std::find(members_.begin(), members_.end(), me_) == members_.end())
-        excluded(concat(
-            "the other ranks formed membership epoch ", epoch_, " of ranks ", ranks_text(members_),
-            " (old numbers) without it: it did not say it was alive within ", wait_.count(),
-            " ms of the first of them (stopped, or slow to notice the "
-            "failure)"));
+        excluded(concat("the other ranks formed membership epoch ", epoch_, " of ranks ",
+                        ranks_text(members_),
+                        " (old numbers) without it: it did not say it was "
+                        "alive within ",
+                        wait_.count(),
+                        " ms of the first of them (stopped, or "
+                        "slow to notice the failure), or another rank's ShrinkOptions::exclude "
+                        "named it"));
       hook("decided");
       return members_;
     });
@@ -8151,8 +8194,9 @@ class MembershipChange {
                                     " (of the communicator being shrunk) died while the "
                                     "survivors were forming membership epoch ",
                                     epoch_))},
-          {concat(old_.prefix, "exit/", me_), ""}};
-      old_.root_store->set_on_close(on_close);
+          {concat(old_.prefix, "exit/", me_), ""},
+          {old_.process_exit_key(), ""}};
+      old_.root_store->set_on_close(std::span(on_close, old_.process_exit_key().empty() ? 2 : 3));
       return 0;
     });
   }
@@ -8171,8 +8215,8 @@ class MembershipChange {
         bool broken = !connected;
         for (int r : members_) {
           ready.push_back(concat(at, "ready/", r));
-          const std::string gone[] = {concat(at, "broken/", r), concat(old_.prefix, "exit/", r)};
-          broken = broken || base_->check(std::span(gone, 1)) || old_check(gone[1]);
+          const std::string failed[] = {concat(at, "broken/", r)};
+          broken = broken || base_->check(failed) || gone(r);
         }
         if (broken) {
           verdict = base_->compare_set(concat(at, "outcome"), "", "retry");
@@ -8220,6 +8264,15 @@ class MembershipChange {
     return old_.root_store->check(k);
   }
 
+  /// Whether old rank r is known gone: it left the old communicator, or its process did (the
+  /// store's mark of it in init()'s communicator: how a member of a split() is known dead).
+  bool gone(int r) const {
+    if (old_check(concat(old_.prefix, "exit/", r))) return true;
+    const auto i = static_cast<std::size_t>(r);
+    return i < old_.world_ranks.size() && !old_.job_prefix.empty() &&
+           old_check(concat(old_.job_prefix, "exit/", old_.world_ranks[i]));
+  }
+
   /// Waits until every candidate has said it is alive or is known dead, or wait_ has passed, or
   /// another rank has decided; returns the candidates alive.
   std::vector<int> await_candidates(const std::string& at) {
@@ -8231,7 +8284,7 @@ class MembershipChange {
         const std::string said[] = {concat(at, "alive/", r)};
         if (base_->check(said)) {
           alive.push_back(r);
-        } else if (!old_check(concat(old_.prefix, "exit/", r))) {
+        } else if (!gone(r)) {
           pending.push_back(said[0]);
         }
       }
@@ -8356,10 +8409,14 @@ inline BackendInit begin_split(CommState& sub, const CommState& parent,
   sub.root_store = parent.root_store;
   sub.prefix = concat(parent.prefix, "split", n, "/", color, "/");
   sub.base_prefix = sub.prefix;
+  sub.job_prefix = parent.job_prefix;
   BackendInit bi;
   bi.size = static_cast<int>(members.size());
   for (int i = 0; i < bi.size; ++i) {
-    if (members[static_cast<std::size_t>(i)].second == rank) bi.rank = i;
+    const int old = members[static_cast<std::size_t>(i)].second;
+    if (old == rank) bi.rank = i;
+    if (static_cast<std::size_t>(old) < parent.world_ranks.size())
+      sub.world_ranks.push_back(parent.world_ranks[static_cast<std::size_t>(old)]);
   }
   bi.options = options;
   bi.local_rank = parent.local_rank_hint;
@@ -8390,6 +8447,10 @@ inline const char* shrink_refusal(std::string_view backend) {
 /// out.
 template <class State>
 std::shared_ptr<State> shrink_state(State& old, int rank, int size, const ShrinkOptions& o) {
+  if (old.replaced_by != 0)
+    fail(Errc::aborted, "rank ", rank,
+         ": shrink: this communicator was already replaced by membership epoch ", old.replaced_by,
+         " (an earlier shrink() returned it); use that communicator");
   MembershipChange change(old, rank, size, o);
   change.announce();
   // Every call on the old communicator fails from now on, and ranks still waiting in it are
@@ -8408,6 +8469,10 @@ std::shared_ptr<State> shrink_state(State& old, int rank, int size, const Shrink
     sub->base_prefix = old.base_prefix;
     sub->epoch = change.epoch();
     sub->previous = members;
+    sub->job_prefix = old.job_prefix;
+    for (int m : members)
+      if (static_cast<std::size_t>(m) < old.world_ranks.size())
+        sub->world_ranks.push_back(old.world_ranks[static_cast<std::size_t>(m)]);
     sub->rendezvous_deadline = Deadline::after(old.options.timeout).at;
     BackendInit bi;
     bi.rank = change.new_rank();
@@ -8437,6 +8502,7 @@ std::shared_ptr<State> shrink_state(State& old, int rank, int size, const Shrink
     }
     if (change.settle(connected)) {
       sub->end_rendezvous();
+      old.replaced_by = change.epoch();
       return sub;
     }
   }
@@ -11500,7 +11566,8 @@ class ShmTransport final : public Transport {
         concat("rank ", global(rank_), ": ", describe(fp, nullptr), ": copying ", len,
                " bytes out of rank ", global(j), "'s memory failed (",
                err != 0 ? std::strerror(err) : "short copy", "): ", why,
-               "; the job cannot continue with this communicator");
+               "; the job cannot continue with this communicator (the ranks still alive can go on "
+               "with shrink())");
     const Errc code = err == EPERM ? Errc::system : Errc::peer_lost;
     publish_abort(code, concat("copying out of rank ", global(j), "'s memory failed: ", why));
     fail(code, msg);
@@ -11676,7 +11743,8 @@ class ShmTransport final : public Transport {
         } else if (dead >= 0) {
           const std::string msg =
               concat("rank ", global(rank_), ": ", describe(fp, what), ": rank ", global(dead),
-                     " died (its process exited); the job cannot continue with this communicator");
+                     " died (its process exited); the job cannot continue with this communicator "
+                     "(the ranks still alive can go on with shrink())");
           publish_abort(Errc::peer_lost,
                         concat("rank ", global(dead), " died (its process exited)"));
           fail(Errc::peer_lost, msg);
@@ -12056,7 +12124,7 @@ class TcpTransport final : public Transport {
       fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what),
            ": the connection to rank ", global(peer),
            " closed (that process died or failed) (tcp transport); the job cannot continue with "
-           "this communicator");
+           "this communicator (the ranks still alive can go on with shrink())");
     }
     std::sort(closed.begin(), closed.end());
     std::string list;
@@ -12064,7 +12132,8 @@ class TcpTransport final : public Transport {
     fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what), ": the connections to ",
          list,
          " closed (one of those processes died, and the others left because of it) (tcp "
-         "transport); the job cannot continue with this communicator");
+         "transport); the job cannot continue with this communicator (the ranks still alive can go "
+         "on with shrink())");
   }
 
   /// Moves what the socket takes (out) or has (in) of peer j's outstanding bytes, without
@@ -19005,11 +19074,12 @@ Checkpoint load_shard_set(Comm& comm, const std::string& path, const ShardSet& s
     for (std::size_t a = 0; a < cover.size(); ++a) {  // the files hold each element once
       std::sort(cover[a].begin(), cover[a].end());
       std::size_t next = 0;
+      bool once = true;
       for (const auto& [offset, size] : cover[a]) {
-        if (offset != next) break;
-        next += size;
+        once = once && offset == next;  // a gap (offset > next) or an overlap (offset < next)
+        next = offset + size;
       }
-      if (next != old[s][0].sizes[a])
+      if (!once || next != old[s][0].sizes[a])
         refuse("the shard files' pieces of sharded section \"", sharded[s], "\" do not hold array ",
                a, " (", old[s][0].sizes[a], " elements) exactly once");
     }
@@ -19632,7 +19702,9 @@ class TrainingState {
   template <Encodable T>
   TrainingState& track_object(std::string name, T& object) {
     Piece piece;
-    piece.name = std::move(name);
+    piece.name = new_name(std::move(name));
+    piece.kind = 1;
+    piece.describe = [] { return detail::type_tag<T>(); };
     piece.save = [&object] { return detail::encode_object(object); };
     piece.load = [&object](const std::string& bytes) {
       object = detail::decode_object<T>(bytes.data(), bytes.size());
@@ -19647,7 +19719,9 @@ class TrainingState {
   /// to the ranks that remain; over as many, each rank goes on from the same place.
   TrainingState& track_sampler(std::string name, DistributedSampler& sampler) {
     Piece piece;
-    piece.name = std::move(name);
+    piece.name = new_name(std::move(name));
+    piece.kind = 2;
+    piece.describe = [&sampler] { return static_cast<std::uint64_t>(sampler.dataset_size()); };
     piece.save = [&sampler] { return detail::encode_object(sampler.state()); };
     piece.load = [&sampler](const std::string& bytes) {
       const auto s = detail::decode_object<SamplerState>(bytes.data(), bytes.size());
@@ -19687,14 +19761,16 @@ class TrainingState {
   template <ProcessGroup Comm>
   std::uint64_t commit(Comm& comm) {
     confirming_ = steps_ + 1;
-    // max of the commit and of its complement: the largest and the smallest over the members.
-    std::vector<double> at{static_cast<double>(confirming_), -static_cast<double>(confirming_)};
+    // max of the commit and of its complement: the largest and the smallest over the members
+    // (three values: a commit on some ranks never pairs with a program's own all_reduce of two).
+    std::vector<double> at{static_cast<double>(confirming_), -static_cast<double>(confirming_),
+                           0.0};
     comm.all_reduce_host(std::span<double>(at), ReduceOp::max);
     if (at[0] != -at[1])
       detail::fail(Errc::mismatch, "rank ", comm.rank(),
                    ": TrainingState::commit: this rank commits step ", confirming_,
-                   " but the members are at ", static_cast<std::uint64_t>(-at[1]), " to ",
-                   static_cast<std::uint64_t>(at[0]),
+                   " but the members are at ", static_cast<long long>(-at[1]), " to ",
+                   static_cast<long long>(at[0]),
                    ": every member must call commit() once per step (and restore() after a "
                    "membership change)");
     snapshot();
@@ -19744,6 +19820,8 @@ class TrainingState {
   };
   struct Piece {
     std::string name;
+    std::uint8_t kind = 0;                         // 0 a tensor, 1 an object, 2 a sampler
+    std::function<std::uint64_t()> describe;       // what must agree: object type, dataset size
     std::function<Raw()> where;                    // a tensor: its memory now
     std::function<std::string()> save;             // an object: encoded
     std::function<void(const std::string&)> load;  // an object: decoded back
@@ -19761,12 +19839,16 @@ class TrainingState {
     }
   }
 
-  void add(std::string name, std::function<Raw()> where) {
+  std::string new_name(std::string name) const {
     for (const Piece& p : pieces_)
       if (p.name == name)
         detail::fail(Errc::invalid_argument, "TrainingState: \"", name, "\" is tracked twice");
+    return name;
+  }
+
+  void add(std::string name, std::function<Raw()> where) {
     Piece piece;
-    piece.name = std::move(name);
+    piece.name = new_name(std::move(name));
     piece.where = std::move(where);
     pieces_.push_back(std::move(piece));
   }
@@ -19790,21 +19872,39 @@ class TrainingState {
   /// alike, naming the first that differs, when they do not track the same state).
   template <ProcessGroup Comm>
   void send_from(Comm& comm, int root) {
-    std::vector<std::uint64_t> sizes;
-    for (const Piece& p : pieces_) sizes.push_back(p.save ? ~std::uint64_t{0} : p.where().bytes);
-    const auto all = comm.all_gather_object(sizes);
+    // Every member's pieces: name, kind, what must agree, and (tensors) bytes now and at the
+    // commit; every member checks them alike, so all fail together, naming the first that
+    // differs.
+    using Desc = std::pair<std::string, std::vector<std::uint64_t>>;
+    std::vector<Desc> mine;
+    for (const Piece& p : pieces_) {
+      const std::uint64_t now = p.where ? p.where().bytes : p.describe();
+      mine.push_back({p.name, {p.kind, now, p.saved.size()}});
+    }
+    const auto all = comm.all_gather_object(mine);
     const auto& theirs = all[static_cast<std::size_t>(root)];
     for (std::size_t r = 0; r < all.size(); ++r) {
+      const auto differ = [&](const auto&... why) {
+        detail::fail(Errc::mismatch, "rank ", comm.rank(), ": TrainingState: ", why...,
+                     ": every member must track the same state (the same names, model, optimizer "
+                     "and types, in the same order), and a tracked tensor must keep its size");
+      };
       if (all[r].size() != theirs.size())
-        detail::fail(Errc::mismatch, "rank ", comm.rank(), ": TrainingState: rank ", r, " tracks ",
-                     all[r].size(), " pieces but rank ", root, " tracks ", theirs.size(),
-                     ": every member must track the same state");
+        differ("rank ", r, " tracks ", all[r].size(), " pieces but rank ", root, " tracks ",
+               theirs.size());
       for (std::size_t i = 0; i < theirs.size(); ++i) {
-        if (all[r][i] != theirs[i])
-          detail::fail(Errc::mismatch, "rank ", comm.rank(), ": TrainingState: \"", pieces_[i].name,
-                       "\" is another size (or kind) on rank ", r, " than on rank ", root,
-                       ": every member must track the same state (the same model and "
-                       "optimizer)");
+        const auto& [name, d] = all[r][i];
+        const auto& [root_name, rd] = theirs[i];
+        if (name != root_name || d[0] != rd[0])
+          differ("piece ", i, " is \"", name, "\" on rank ", r, " but \"", root_name, "\" on rank ",
+                 root, " (or of another kind)");
+        if (d[0] == 0 && d[1] != rd[2])
+          differ("\"", name, "\" holds ", d[1], " bytes on rank ", r, " but ", rd[2],
+                 " were committed on rank ", root);
+        if (d[0] != 0 && d[1] != rd[1])
+          differ("\"", name, "\" is ",
+                 d[0] == 1 ? "an object of another type" : "a sampler of another dataset size",
+                 " on rank ", r, " than on rank ", root);
       }
     }
     for (Piece& p : pieces_) {

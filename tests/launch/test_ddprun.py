@@ -683,6 +683,9 @@ class SingleNode(Base):
             (["--rdzv-backend", "zk", "true"], "--rdzv-backend zk: unknown rendezvous backend"),
             (["--rdzv-conf", "join_timeout", "true"], 'expected key=value,...; got "join_timeout"'),
             (["--rdzv-conf", "join_timeout=-1", "true"], 'expected seconds, got "-1"'),
+            (["--on-failure", "bogus", "true"], "--on-failure: bogus not in {restart,shrink}"),
+            (["--on-failure", "shrink", "--on-failure", "restart", "true"], "--on-failure"),
+            (["--max-restarts", "-1", "true"], "--max-restarts"),
         ]
         for args, message in cases:
             r = ddprun(*args)

@@ -93,10 +93,14 @@ inline BackendInit begin_split(CommState& sub, const CommState& parent,
   sub.root_store = parent.root_store;
   sub.prefix = concat(parent.prefix, "split", n, "/", color, "/");
   sub.base_prefix = sub.prefix;
+  sub.job_prefix = parent.job_prefix;
   BackendInit bi;
   bi.size = static_cast<int>(members.size());
   for (int i = 0; i < bi.size; ++i) {
-    if (members[static_cast<std::size_t>(i)].second == rank) bi.rank = i;
+    const int old = members[static_cast<std::size_t>(i)].second;
+    if (old == rank) bi.rank = i;
+    if (static_cast<std::size_t>(old) < parent.world_ranks.size())
+      sub.world_ranks.push_back(parent.world_ranks[static_cast<std::size_t>(old)]);
   }
   bi.options = options;
   bi.local_rank = parent.local_rank_hint;
@@ -127,6 +131,10 @@ inline const char* shrink_refusal(std::string_view backend) {
 /// out.
 template <class State>
 std::shared_ptr<State> shrink_state(State& old, int rank, int size, const ShrinkOptions& o) {
+  if (old.replaced_by != 0)
+    fail(Errc::aborted, "rank ", rank,
+         ": shrink: this communicator was already replaced by membership epoch ", old.replaced_by,
+         " (an earlier shrink() returned it); use that communicator");
   MembershipChange change(old, rank, size, o);
   change.announce();
   // Every call on the old communicator fails from now on, and ranks still waiting in it are
@@ -145,6 +153,10 @@ std::shared_ptr<State> shrink_state(State& old, int rank, int size, const Shrink
     sub->base_prefix = old.base_prefix;
     sub->epoch = change.epoch();
     sub->previous = members;
+    sub->job_prefix = old.job_prefix;
+    for (int m : members)
+      if (static_cast<std::size_t>(m) < old.world_ranks.size())
+        sub->world_ranks.push_back(old.world_ranks[static_cast<std::size_t>(m)]);
     sub->rendezvous_deadline = Deadline::after(old.options.timeout).at;
     BackendInit bi;
     bi.rank = change.new_rank();
@@ -174,6 +186,7 @@ std::shared_ptr<State> shrink_state(State& old, int rank, int size, const Shrink
     }
     if (change.settle(connected)) {
       sub->end_rendezvous();
+      old.replaced_by = change.epoch();
       return sub;
     }
   }

@@ -82,6 +82,13 @@ struct CommState {
   std::uint64_t epoch = 0;
   /// After shrink(): each rank's number in the communicator it was made from.
   std::vector<int> previous;
+  /// Each rank's number in the communicator init() made (its process), and where the store
+  /// marks that process gone ("<init prefix>exit/<rank>", written when its connection closes):
+  /// how shrink() knows a member of any communicator of the job died.
+  std::vector<int> world_ranks;
+  std::string job_prefix;
+  /// The membership epoch a shrink() of this communicator formed (0: none): it is replaced.
+  std::uint64_t replaced_by = 0;
   std::unique_ptr<Executor> executor = std::make_unique<Executor>();
   /// When the rendezvous must be done: Options::timeout after init() began.
   Clock::time_point rendezvous_deadline = Clock::time_point::max();
@@ -115,6 +122,8 @@ struct CommState {
     const EnvReader launcher;  // what the launcher that hosts the store says
     prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
     base_prefix = prefix;
+    job_prefix = prefix;
+    for (int r = 0; r < env.world_size; ++r) world_ranks.push_back(r);
     StoreOptions so;
     so.timeout = options.timeout;
     so.token = options.token;
@@ -210,9 +219,24 @@ struct CommState {
   void end_rendezvous() {
     if (!store) return;
     *store = store->with_deadline(Clock::time_point::max());
-    const std::pair<std::string, std::string> on_close[] = {
-        {concat("exit/", world_rank_in_group), ""}};
-    store->set_on_close(on_close);
+    // This communicator's mark, and (for one made by shrink()) the process's mark in init()'s.
+    std::vector<std::pair<std::string, std::string>> on_close{
+        {concat(store->prefix(), "exit/", world_rank_in_group), ""}};
+    if (const std::string mine = process_exit_key(); !mine.empty() && mine != on_close[0].first)
+      on_close.emplace_back(mine, "");
+    Store root = root_store ? root_store->unwatched() : store->prefixed("");
+    if (root_store) {
+      root.set_on_close(on_close);
+    } else {
+      const std::pair<std::string, std::string> own[] = {
+          {concat("exit/", world_rank_in_group), ""}};
+      store->set_on_close(own);
+    }
+  }
+
+  /// The store key that marks this process gone ("" before init() joined a store).
+  [[nodiscard]] std::string process_exit_key() const {
+    return job_prefix.empty() ? std::string() : concat(job_prefix, "exit/", world_rank);
   }
 
   /// Whether this is a fork() child's copy.

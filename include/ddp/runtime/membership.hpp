@@ -41,6 +41,7 @@
 #include <chrono>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <utility>
@@ -85,6 +86,14 @@ class MembershipChange {
     if (!old.root_store)
       fail(Errc::unsupported, "rank ", me_,
            ": shrink: this communicator has no rendezvous store (a world of one) to agree in");
+    if (o.wait_for_ranks.count() < 0)
+      fail(Errc::invalid_argument, "rank ", me_, ": shrink: ShrinkOptions::wait_for_ranks is ",
+           o.wait_for_ranks.count(), " ms; give 0 (the communicator's timeout) or more");
+    for (int r : o.exclude) {
+      if (r < 0 || r >= size_)
+        fail(Errc::invalid_argument, "rank ", me_, ": shrink: ShrinkOptions::exclude names rank ",
+             r, ", not a rank of this communicator of ", size_);
+    }
     wait_ = o.wait_for_ranks.count() > 0 ? o.wait_for_ranks : old.options.timeout;
     deadline_ = Clock::now() + old.options.timeout + wait_;
     base_ = std::make_shared<Store>(old.root_store->prefixed(old.base_prefix).unwatched());
@@ -126,11 +135,14 @@ class MembershipChange {
       }
       members_ = parse_ranks(decided);
       if (std::find(members_.begin(), members_.end(), me_) == members_.end())
-        excluded(concat(
-            "the other ranks formed membership epoch ", epoch_, " of ranks ", ranks_text(members_),
-            " (old numbers) without it: it did not say it was alive within ", wait_.count(),
-            " ms of the first of them (stopped, or slow to notice the "
-            "failure)"));
+        excluded(concat("the other ranks formed membership epoch ", epoch_, " of ranks ",
+                        ranks_text(members_),
+                        " (old numbers) without it: it did not say it was "
+                        "alive within ",
+                        wait_.count(),
+                        " ms of the first of them (stopped, or "
+                        "slow to notice the failure), or another rank's ShrinkOptions::exclude "
+                        "named it"));
       hook("decided");
       return members_;
     });
@@ -154,8 +166,9 @@ class MembershipChange {
                                     " (of the communicator being shrunk) died while the "
                                     "survivors were forming membership epoch ",
                                     epoch_))},
-          {concat(old_.prefix, "exit/", me_), ""}};
-      old_.root_store->set_on_close(on_close);
+          {concat(old_.prefix, "exit/", me_), ""},
+          {old_.process_exit_key(), ""}};
+      old_.root_store->set_on_close(std::span(on_close, old_.process_exit_key().empty() ? 2 : 3));
       return 0;
     });
   }
@@ -174,8 +187,8 @@ class MembershipChange {
         bool broken = !connected;
         for (int r : members_) {
           ready.push_back(concat(at, "ready/", r));
-          const std::string gone[] = {concat(at, "broken/", r), concat(old_.prefix, "exit/", r)};
-          broken = broken || base_->check(std::span(gone, 1)) || old_check(gone[1]);
+          const std::string failed[] = {concat(at, "broken/", r)};
+          broken = broken || base_->check(failed) || gone(r);
         }
         if (broken) {
           verdict = base_->compare_set(concat(at, "outcome"), "", "retry");
@@ -223,6 +236,15 @@ class MembershipChange {
     return old_.root_store->check(k);
   }
 
+  /// Whether old rank r is known gone: it left the old communicator, or its process did (the
+  /// store's mark of it in init()'s communicator: how a member of a split() is known dead).
+  bool gone(int r) const {
+    if (old_check(concat(old_.prefix, "exit/", r))) return true;
+    const auto i = static_cast<std::size_t>(r);
+    return i < old_.world_ranks.size() && !old_.job_prefix.empty() &&
+           old_check(concat(old_.job_prefix, "exit/", old_.world_ranks[i]));
+  }
+
   /// Waits until every candidate has said it is alive or is known dead, or wait_ has passed, or
   /// another rank has decided; returns the candidates alive.
   std::vector<int> await_candidates(const std::string& at) {
@@ -234,7 +256,7 @@ class MembershipChange {
         const std::string said[] = {concat(at, "alive/", r)};
         if (base_->check(said)) {
           alive.push_back(r);
-        } else if (!old_check(concat(old_.prefix, "exit/", r))) {
+        } else if (!gone(r)) {
           pending.push_back(said[0]);
         }
       }

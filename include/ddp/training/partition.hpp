@@ -340,9 +340,9 @@ class DistributedSampler {
   /// Moves this rank's place in the epoch `consumed` samples on (indices() then starts there):
   /// what a training loop calls after each batch, so that state() is where it is.
   void advance(std::size_t consumed) {
-    if (offset_ + consumed > size())
-      detail::fail(Errc::invalid_argument, "DistributedSampler::advance: ", offset_ + consumed,
-                   " samples of a shard of ", size());
+    if (consumed > size() - std::min<std::size_t>(size(), offset_))
+      detail::fail(Errc::invalid_argument, "DistributedSampler::advance: ", offset_, " + ",
+                   consumed, " samples of a shard of ", size());
     offset_ += consumed;
   }
   /// How it orders and splits (the constructor's options).
@@ -371,8 +371,15 @@ class DistributedSampler {
                          "old number and call repartition())"
                        : "");
     }
-    if (s.earlier.size() % 2 != 0)
-      detail::fail(Errc::invalid_argument, "DistributedSampler::restore: a damaged state");
+    // Each earlier part: 1 to 2^31 - 1 ranks, each having taken at most the dataset.
+    bool damaged = s.earlier.size() % 2 != 0;
+    for (std::size_t i = 0; i + 1 < s.earlier.size() && !damaged; i += 2)
+      damaged = s.earlier[i] == 0 || s.earlier[i] > 0x7fffffffu || s.earlier[i + 1] > n_;
+    if (damaged)
+      detail::fail(Errc::invalid_argument,
+                   "DistributedSampler::restore: a damaged state (its earlier world sizes "
+                   "cannot be those of an epoch of ",
+                   n_, " samples)");
     const std::vector<std::uint64_t> saved = earlier_;
     earlier_ = s.earlier;
     if (s.offset > size()) {
@@ -396,9 +403,9 @@ class DistributedSampler {
     if (num_replicas < 1 || rank < 0 || rank >= num_replicas)
       detail::fail(Errc::invalid_argument, "DistributedSampler::repartition: rank ", rank, " of ",
                    num_replicas, " ranks");
-    if (offset_ + consumed > size())
-      detail::fail(Errc::invalid_argument, "DistributedSampler::repartition: ", offset_ + consumed,
-                   " samples consumed of a shard of ", size());
+    if (consumed > size() - std::min<std::size_t>(size(), offset_))
+      detail::fail(Errc::invalid_argument, "DistributedSampler::repartition: ", offset_, " + ",
+                   consumed, " samples consumed of a shard of ", size());
     earlier_.insert(earlier_.end(), {static_cast<std::uint64_t>(replicas_), offset_ + consumed});
     replicas_ = num_replicas;
     rank_ = rank;

@@ -327,11 +327,12 @@ Checkpoint load_shard_set(Comm& comm, const std::string& path, const ShardSet& s
     for (std::size_t a = 0; a < cover.size(); ++a) {  // the files hold each element once
       std::sort(cover[a].begin(), cover[a].end());
       std::size_t next = 0;
+      bool once = true;
       for (const auto& [offset, size] : cover[a]) {
-        if (offset != next) break;
-        next += size;
+        once = once && offset == next;  // a gap (offset > next) or an overlap (offset < next)
+        next = offset + size;
       }
-      if (next != old[s][0].sizes[a])
+      if (!once || next != old[s][0].sizes[a])
         refuse("the shard files' pieces of sharded section \"", sharded[s], "\" do not hold array ",
                a, " (", old[s][0].sizes[a], " elements) exactly once");
     }

@@ -80,7 +80,9 @@ class TrainingState {
   template <Encodable T>
   TrainingState& track_object(std::string name, T& object) {
     Piece piece;
-    piece.name = std::move(name);
+    piece.name = new_name(std::move(name));
+    piece.kind = 1;
+    piece.describe = [] { return detail::type_tag<T>(); };
     piece.save = [&object] { return detail::encode_object(object); };
     piece.load = [&object](const std::string& bytes) {
       object = detail::decode_object<T>(bytes.data(), bytes.size());
@@ -95,7 +97,9 @@ class TrainingState {
   /// to the ranks that remain; over as many, each rank goes on from the same place.
   TrainingState& track_sampler(std::string name, DistributedSampler& sampler) {
     Piece piece;
-    piece.name = std::move(name);
+    piece.name = new_name(std::move(name));
+    piece.kind = 2;
+    piece.describe = [&sampler] { return static_cast<std::uint64_t>(sampler.dataset_size()); };
     piece.save = [&sampler] { return detail::encode_object(sampler.state()); };
     piece.load = [&sampler](const std::string& bytes) {
       const auto s = detail::decode_object<SamplerState>(bytes.data(), bytes.size());
@@ -135,14 +139,16 @@ class TrainingState {
   template <ProcessGroup Comm>
   std::uint64_t commit(Comm& comm) {
     confirming_ = steps_ + 1;
-    // max of the commit and of its complement: the largest and the smallest over the members.
-    std::vector<double> at{static_cast<double>(confirming_), -static_cast<double>(confirming_)};
+    // max of the commit and of its complement: the largest and the smallest over the members
+    // (three values: a commit on some ranks never pairs with a program's own all_reduce of two).
+    std::vector<double> at{static_cast<double>(confirming_), -static_cast<double>(confirming_),
+                           0.0};
     comm.all_reduce_host(std::span<double>(at), ReduceOp::max);
     if (at[0] != -at[1])
       detail::fail(Errc::mismatch, "rank ", comm.rank(),
                    ": TrainingState::commit: this rank commits step ", confirming_,
-                   " but the members are at ", static_cast<std::uint64_t>(-at[1]), " to ",
-                   static_cast<std::uint64_t>(at[0]),
+                   " but the members are at ", static_cast<long long>(-at[1]), " to ",
+                   static_cast<long long>(at[0]),
                    ": every member must call commit() once per step (and restore() after a "
                    "membership change)");
     snapshot();
@@ -192,6 +198,8 @@ class TrainingState {
   };
   struct Piece {
     std::string name;
+    std::uint8_t kind = 0;                         // 0 a tensor, 1 an object, 2 a sampler
+    std::function<std::uint64_t()> describe;       // what must agree: object type, dataset size
     std::function<Raw()> where;                    // a tensor: its memory now
     std::function<std::string()> save;             // an object: encoded
     std::function<void(const std::string&)> load;  // an object: decoded back
@@ -209,12 +217,16 @@ class TrainingState {
     }
   }
 
-  void add(std::string name, std::function<Raw()> where) {
+  std::string new_name(std::string name) const {
     for (const Piece& p : pieces_)
       if (p.name == name)
         detail::fail(Errc::invalid_argument, "TrainingState: \"", name, "\" is tracked twice");
+    return name;
+  }
+
+  void add(std::string name, std::function<Raw()> where) {
     Piece piece;
-    piece.name = std::move(name);
+    piece.name = new_name(std::move(name));
     piece.where = std::move(where);
     pieces_.push_back(std::move(piece));
   }
@@ -238,21 +250,39 @@ class TrainingState {
   /// alike, naming the first that differs, when they do not track the same state).
   template <ProcessGroup Comm>
   void send_from(Comm& comm, int root) {
-    std::vector<std::uint64_t> sizes;
-    for (const Piece& p : pieces_) sizes.push_back(p.save ? ~std::uint64_t{0} : p.where().bytes);
-    const auto all = comm.all_gather_object(sizes);
+    // Every member's pieces: name, kind, what must agree, and (tensors) bytes now and at the
+    // commit; every member checks them alike, so all fail together, naming the first that
+    // differs.
+    using Desc = std::pair<std::string, std::vector<std::uint64_t>>;
+    std::vector<Desc> mine;
+    for (const Piece& p : pieces_) {
+      const std::uint64_t now = p.where ? p.where().bytes : p.describe();
+      mine.push_back({p.name, {p.kind, now, p.saved.size()}});
+    }
+    const auto all = comm.all_gather_object(mine);
     const auto& theirs = all[static_cast<std::size_t>(root)];
     for (std::size_t r = 0; r < all.size(); ++r) {
+      const auto differ = [&](const auto&... why) {
+        detail::fail(Errc::mismatch, "rank ", comm.rank(), ": TrainingState: ", why...,
+                     ": every member must track the same state (the same names, model, optimizer "
+                     "and types, in the same order), and a tracked tensor must keep its size");
+      };
       if (all[r].size() != theirs.size())
-        detail::fail(Errc::mismatch, "rank ", comm.rank(), ": TrainingState: rank ", r, " tracks ",
-                     all[r].size(), " pieces but rank ", root, " tracks ", theirs.size(),
-                     ": every member must track the same state");
+        differ("rank ", r, " tracks ", all[r].size(), " pieces but rank ", root, " tracks ",
+               theirs.size());
       for (std::size_t i = 0; i < theirs.size(); ++i) {
-        if (all[r][i] != theirs[i])
-          detail::fail(Errc::mismatch, "rank ", comm.rank(), ": TrainingState: \"", pieces_[i].name,
-                       "\" is another size (or kind) on rank ", r, " than on rank ", root,
-                       ": every member must track the same state (the same model and "
-                       "optimizer)");
+        const auto& [name, d] = all[r][i];
+        const auto& [root_name, rd] = theirs[i];
+        if (name != root_name || d[0] != rd[0])
+          differ("piece ", i, " is \"", name, "\" on rank ", r, " but \"", root_name, "\" on rank ",
+                 root, " (or of another kind)");
+        if (d[0] == 0 && d[1] != rd[2])
+          differ("\"", name, "\" holds ", d[1], " bytes on rank ", r, " but ", rd[2],
+                 " were committed on rank ", root);
+        if (d[0] != 0 && d[1] != rd[1])
+          differ("\"", name, "\" is ",
+                 d[0] == 1 ? "an object of another type" : "a sampler of another dataset size",
+                 " on rank ", r, " than on rank ", root);
       }
     }
     for (Piece& p : pieces_) {

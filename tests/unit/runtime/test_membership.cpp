@@ -237,10 +237,57 @@ TEST_CASE("shrink: with the store in rank 0's process, losing rank 0 is named, n
   }
 }
 
+TEST_CASE("shrink: a split() communicator whose member died shrinks at once") {
+  mp::TempDir dir;
+  std::string spawn_error;
+  ddp::Options o;
+  o.timeout = 20s;
+  run_faulty(
+      4, ddp::HostTransport::shm,
+      [&](Comm& comm) {
+        Comm half = comm.split(comm.rank() % 2, comm.rank());  // {0, 2} and {1, 3}
+        std::vector<float> v(10, 1.0f);
+        half.all_reduce(v);
+        if (comm.rank() == 2) std::_Exit(3);
+        if (comm.rank() != 0) return;
+        try {
+          for (;;) half.all_reduce(v);
+        } catch (const ddp::Error&) {
+        }
+        const long long t0 = now_ms();
+        Comm alone = half.shrink({.wait_for_ranks = 10s});
+        MP_EXPECT(alone.size() == 1, alone.size());
+        mp::TempDir::write(dir.file("ms"), std::to_string(now_ms() - t0));
+      },
+      o, &spawn_error);
+  const std::string ms = mp::TempDir::read(dir.file("ms"));
+  CHECK_MESSAGE(!ms.empty(), spawn_error);
+  if (!ms.empty()) CHECK(std::stoll(ms) < 5000);  // not the 10 s wait for a rank that died
+}
+
 TEST_CASE("shrink: bad requests are refused") {
   mp::run(2, ddp::HostTransport::shm, [](Comm& comm) {
     mp::expect_refused(comm, "excluding itself", "ShrinkOptions::exclude names this rank",
                        [&] { (void)comm.shrink({.exclude = {comm.rank()}}); });
+    mp::expect_refused(comm, "excluding no rank", "exclude names rank 7, not a rank",
+                       [&] { (void)comm.shrink({.exclude = {7}}); });
+    mp::expect_refused(comm, "a negative wait", "wait_for_ranks is -5000 ms",
+                       [&] { (void)comm.shrink({.wait_for_ranks = -5s}); });
+    // Nobody lost: the members form epoch 1 of the same ranks; the old one is replaced, and a
+    // second shrink() of it is refused (the new one shrinks instead).
+    Comm next = comm.shrink({.wait_for_ranks = 5s});
+    MP_EXPECT(next.size() == 2 && next.epoch() == 1, next.size());
+    try {
+      (void)comm.shrink();
+      MP_EXPECT(false, "a replaced communicator shrank again");
+    } catch (const ddp::Error& e) {
+      MP_EXPECT(e.code() == ddp::Errc::aborted &&
+                    std::string(e.what()).find("already replaced by membership epoch 1") !=
+                        std::string::npos,
+                e.what());
+    }
+    Comm third = next.shrink({.wait_for_ranks = 5s});
+    MP_EXPECT(third.epoch() == 2, third.epoch());
   });
   mp::run(1, ddp::HostTransport::shm, [](Comm& comm) {
     try {

@@ -303,8 +303,18 @@ TEST_CASE("partition: an epoch dealt again over fewer or more ranks sees every s
   ddp::DistributedSampler s(100, 4, 1);
   CHECK(error_of([&] { s.repartition(0, 0); }).find("rank 0 of 0 ranks") != std::string::npos);
   CHECK(error_of([&] { s.repartition(3, 3); }).find("rank 3 of 3 ranks") != std::string::npos);
-  CHECK(error_of([&] { s.repartition(3, 0, 26); }).find("26 samples consumed of a shard of 25") !=
+  CHECK(error_of([&] {
+          s.repartition(3, 0, 26);
+        }).find("0 + 26 samples consumed of a shard of 25") != std::string::npos);
+  CHECK(error_of([&] { s.repartition(3, 0, ~std::size_t{0}); }).find("samples consumed") !=
         std::string::npos);
+  // Damaged states (from a file or a peer) are refused, not divided by zero or run for hours.
+  for (const std::vector<std::uint64_t>& earlier :
+       {std::vector<std::uint64_t>{0, 0}, {std::uint64_t{1} << 40, std::uint64_t{1} << 40}, {4}}) {
+    auto bad = s.state();
+    bad.earlier = earlier;
+    CHECK(error_of([&] { s.restore(bad); }).find("a damaged state") != std::string::npos);
+  }
   ddp::DistributedSampler three(100, 3, 0);
   CHECK(error_of([&] { three.restore(s.state()); }).find("restore with the old number") !=
         std::string::npos);

@@ -691,6 +691,29 @@ TEST_CASE(
                    ddp::ShardLayout{{6}, {{0, 3 * static_cast<std::size_t>(comm.rank()), 3}}});
     (void)ddp::save_sharded_checkpoint(comm, ck, path);
   });
+  // Pieces that overlap (each rank claims the whole array) or leave a gap cannot be cut again.
+  for (const bool overlap : {true, false}) {
+    mp::TempDir other;
+    const std::string bad = other.file("bad");
+    mp::run(2, ddp::HostTransport::shm, [&](mp::Comm& comm) {
+      const std::size_t first = overlap ? 0 : 6 * static_cast<std::size_t>(comm.rank());
+      ddp::Checkpoint ck;
+      ck.put_sharded("t", std::vector<float>(5, 1.0f),
+                     ddp::ShardLayout{{overlap ? 5u : 11u}, {{0, first, 5}}});
+      (void)ddp::save_sharded_checkpoint(comm, ck, bad);
+    });
+    mp::run(3, ddp::HostTransport::shm, [&](mp::Comm& comm) {
+      try {
+        (void)ddp::load_sharded_checkpoint(comm, bad);
+        MP_EXPECT(false,
+                  "pieces that " << (overlap ? "overlap" : "leave a gap") << " were cut again");
+      } catch (const ddp::Error& e) {
+        MP_EXPECT(e.code() == ddp::Errc::mismatch &&
+                      std::string(e.what()).find("exactly once") != std::string::npos,
+                  e.what());
+      }
+    });
+  }
   std::size_t files = 0;
   for (const auto& e : std::filesystem::directory_iterator(dir.path)) {
     const std::string name = e.path().filename().string();

@@ -207,4 +207,71 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("training state: what the members track must agree, checked on every member") {
+  const auto refused = [](mp::Comm& comm, const std::string& needle, auto&& call) {
+    try {
+      call();
+      MP_EXPECT(false, "accepted: " << needle);
+    } catch (const ddp::Error& e) {
+      const std::string m = e.what();
+      MP_EXPECT(m.find(needle) != std::string::npos, m);
+      MP_EXPECT(m.find("rank " + std::to_string(comm.rank())) == 0, m);
+    }
+  };
+  mp::run(2, ddp::HostTransport::shm, [&](mp::Comm& comm) {
+    // Another name, another object type, another dataset size: every member refuses.
+    std::vector<float> w(8, 1.0f);
+    ddp::TrainingState names;
+    names.track(comm.rank() == 0 ? "weights" : "bias", w);
+    refused(comm, "piece 0 is \"bias\" on rank 1 but \"weights\" on rank 0",
+            [&] { names.start(comm); });
+    long number = 3;
+    std::string text = "x";
+    ddp::TrainingState types;
+    if (comm.rank() == 0)
+      types.track_object("x", number);
+    else
+      types.track_object("x", text);
+    refused(comm, "\"x\" is an object of another type on rank 1", [&] { types.start(comm); });
+    ddp::DistributedSampler sampler(comm.rank() == 0 ? 100 : 50, 2, comm.rank());
+    ddp::TrainingState samplers;
+    samplers.track_sampler("s", sampler);
+    refused(comm, "a sampler of another dataset size", [&] { samplers.start(comm); });
+    // A name tracked twice, whatever the kind.
+    ddp::TrainingState twice;
+    twice.track_object("n", number);
+    try {
+      twice.track("n", w);
+      MP_EXPECT(false, "tracked twice");
+    } catch (const ddp::Error& e) {
+      MP_EXPECT(std::string(e.what()).find("\"n\" is tracked twice") != std::string::npos,
+                e.what());
+    }
+    // A tensor that grew since the commit: refused before anything is copied.
+    ddp::TrainingState grown;
+    grown.track("w", w);
+    grown.start(comm);
+    (void)grown.commit(comm);
+    w.assign(100000, 3.0f);
+    refused(comm, "\"w\" holds 400000 bytes on rank 0 but 32 were committed",
+            [&] { (void)grown.restore(comm); });
+    // A commit on one rank only does not pair with the other's own all_reduce of two values.
+    w.assign(8, 1.0f);
+    ddp::TrainingState one;
+    one.track("w", w);
+    one.start(comm);
+    try {
+      if (comm.rank() == 0) {
+        (void)one.commit(comm);
+      } else {
+        std::vector<double> two{1.0, 2.0};
+        comm.all_reduce_host(std::span<double>(two), ddp::ReduceOp::max);
+      }
+      MP_EXPECT(false, "a commit paired with another collective");
+    } catch (const ddp::Error& e) {
+      MP_EXPECT(e.code() == ddp::Errc::mismatch, e.what());
+    }
+  });
+}
+
 }  // namespace state_tests

@@ -237,7 +237,8 @@ class ShmTransport final : public Transport {
         concat("rank ", global(rank_), ": ", describe(fp, nullptr), ": copying ", len,
                " bytes out of rank ", global(j), "'s memory failed (",
                err != 0 ? std::strerror(err) : "short copy", "): ", why,
-               "; the job cannot continue with this communicator");
+               "; the job cannot continue with this communicator (the ranks still alive can go on "
+               "with shrink())");
     const Errc code = err == EPERM ? Errc::system : Errc::peer_lost;
     publish_abort(code, concat("copying out of rank ", global(j), "'s memory failed: ", why));
     fail(code, msg);
@@ -413,7 +414,8 @@ class ShmTransport final : public Transport {
         } else if (dead >= 0) {
           const std::string msg =
               concat("rank ", global(rank_), ": ", describe(fp, what), ": rank ", global(dead),
-                     " died (its process exited); the job cannot continue with this communicator");
+                     " died (its process exited); the job cannot continue with this communicator "
+                     "(the ranks still alive can go on with shrink())");
           publish_abort(Errc::peer_lost,
                         concat("rank ", global(dead), " died (its process exited)"));
           fail(Errc::peer_lost, msg);

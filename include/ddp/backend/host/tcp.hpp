@@ -282,7 +282,7 @@ class TcpTransport final : public Transport {
       fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what),
            ": the connection to rank ", global(peer),
            " closed (that process died or failed) (tcp transport); the job cannot continue with "
-           "this communicator");
+           "this communicator (the ranks still alive can go on with shrink())");
     }
     std::sort(closed.begin(), closed.end());
     std::string list;
@@ -290,7 +290,8 @@ class TcpTransport final : public Transport {
     fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what), ": the connections to ",
          list,
          " closed (one of those processes died, and the others left because of it) (tcp "
-         "transport); the job cannot continue with this communicator");
+         "transport); the job cannot continue with this communicator (the ranks still alive can go "
+         "on with shrink())");
   }
 
   /// Moves what the socket takes (out) or has (in) of peer j's outstanding bytes, without
