@@ -6899,9 +6899,9 @@ struct CommState {
   std::uint64_t epoch = 0;
   /// After shrink(): each rank's number in the communicator it was made from.
   std::vector<int> previous;
-  /// Each rank's number in the communicator init() made (its process), and where the store
-  /// marks that process gone ("<init prefix>exit/<rank>", written when its connection closes):
-  /// how shrink() knows a member of any communicator of the job died.
+  /// Each rank's number in the communicator init() made (its process), and that communicator's
+  /// prefix, under which the store marks a process gone (process_exit_key()): how shrink()
+  /// knows that a member of any communicator of the job died.
   std::vector<int> world_ranks;
   std::string job_prefix;
   /// The membership epoch a shrink() of this communicator formed (0: none): it is replaced.
@@ -7039,8 +7039,7 @@ struct CommState {
     // This communicator's mark, and (for one made by shrink()) the process's mark in init()'s.
     std::vector<std::pair<std::string, std::string>> on_close{
         {concat(store->prefix(), "exit/", world_rank_in_group), ""}};
-    if (const std::string mine = process_exit_key(); !mine.empty() && mine != on_close[0].first)
-      on_close.emplace_back(mine, "");
+    if (const std::string mine = process_exit_key(); !mine.empty()) on_close.emplace_back(mine, "");
     Store root = root_store ? root_store->unwatched() : store->prefixed("");
     if (root_store) {
       root.set_on_close(on_close);
@@ -7051,9 +7050,11 @@ struct CommState {
     }
   }
 
-  /// The store key that marks this process gone ("" before init() joined a store).
+  /// The store key that marks this process gone: "<init prefix>gone/<rank in init()'s
+  /// communicator>", written only by the store as the process's connection closes (never by a
+  /// communicator that is destroyed: its process may live on in another); "" before init().
   [[nodiscard]] std::string process_exit_key() const {
-    return job_prefix.empty() ? std::string() : concat(job_prefix, "exit/", world_rank);
+    return job_prefix.empty() ? std::string() : concat(job_prefix, "gone/", world_rank);
   }
 
   /// Whether this is a fork() child's copy.
@@ -8270,7 +8271,7 @@ class MembershipChange {
     if (old_check(concat(old_.prefix, "exit/", r))) return true;
     const auto i = static_cast<std::size_t>(r);
     return i < old_.world_ranks.size() && !old_.job_prefix.empty() &&
-           old_check(concat(old_.job_prefix, "exit/", old_.world_ranks[i]));
+           old_check(concat(old_.job_prefix, "gone/", old_.world_ranks[i]));
   }
 
   /// Waits until every candidate has said it is alive or is known dead, or wait_ has passed, or

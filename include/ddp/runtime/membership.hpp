@@ -242,7 +242,7 @@ class MembershipChange {
     if (old_check(concat(old_.prefix, "exit/", r))) return true;
     const auto i = static_cast<std::size_t>(r);
     return i < old_.world_ranks.size() && !old_.job_prefix.empty() &&
-           old_check(concat(old_.job_prefix, "exit/", old_.world_ranks[i]));
+           old_check(concat(old_.job_prefix, "gone/", old_.world_ranks[i]));
   }
 
   /// Waits until every candidate has said it is alive or is known dead, or wait_ has passed, or
