@@ -46,6 +46,27 @@
 DDP_BEGIN_NAMESPACE
 namespace detail {
 
+/// "0, 2, 3" of ranks, and back.
+inline std::string ranks_text(const std::vector<int>& ranks) {
+  std::string out;
+  for (int r : ranks) out += concat(out.empty() ? "" : ", ", r);
+  return out;
+}
+inline std::vector<int> parse_ranks(std::string_view text) {
+  std::vector<int> out;
+  int v = -1;
+  for (const char c : text) {
+    if (c >= '0' && c <= '9') {
+      v = (v < 0 ? 0 : v * 10) + (c - '0');
+    } else if (v >= 0) {
+      out.push_back(v);
+      v = -1;
+    }
+  }
+  if (v >= 0) out.push_back(v);
+  return out;
+}
+
 /// Where a job's store port `port` comes from, for the message when it is taken.
 [[nodiscard]] inline std::string store_port_source(const Environment& env, int port) {
   if (port == env.master_port) return concat("takes MASTER_PORT = ", port);
@@ -507,11 +528,8 @@ struct CommState {
     if (v.empty()) return {};
     const std::size_t colon = v.find(':');
     const std::string members = v.substr(colon + 1);
-    for (std::size_t at = 0; at < members.size();) {
-      const std::size_t end = std::min(members.find(',', at), members.size());
-      if (std::atoi(members.c_str() + at) == rank) return {};
-      at = end + 1;
-    }
+    const std::vector<int> ranks = parse_ranks(members);
+    if (std::find(ranks.begin(), ranks.end(), rank) != ranks.end()) return {};
     return concat("rank ", rank, ": ", name,
                   ": this rank was excluded from the communicator: the other ranks formed "
                   "membership epoch ",

@@ -57,27 +57,6 @@ inline void (*&shrink_phase_hook() noexcept)(const char*) {
   return hook;
 }
 
-/// "0, 2, 3" of ranks, and back.
-inline std::string ranks_text(const std::vector<int>& ranks) {
-  std::string out;
-  for (int r : ranks) out += concat(out.empty() ? "" : ", ", r);
-  return out;
-}
-inline std::vector<int> parse_ranks(std::string_view text) {
-  std::vector<int> out;
-  int v = -1;
-  for (const char c : text) {
-    if (c >= '0' && c <= '9') {
-      v = (v < 0 ? 0 : v * 10) + (c - '0');
-    } else if (v >= 0) {
-      out.push_back(v);
-      v = -1;
-    }
-  }
-  if (v >= 0) out.push_back(v);
-  return out;
-}
-
 /// One membership change of communicator `old` (see the file comment).
 class MembershipChange {
  public:
