@@ -165,6 +165,20 @@ namespace {
 struct Param {
   ddp::CudaBuffer<float> value, grad;
 };
+
+// Four parameters of 5, 200k, 3 and 7 floats on `stream`, value and gradient both i % 13 + 0.5.
+std::vector<Param> cuda_model(ddp::CudaStream& stream) {
+  std::vector<Param> model;
+  for (const std::size_t n : {5UL, 200'000UL, 3UL, 7UL}) {
+    std::vector<float> g(n);
+    for (std::size_t i = 0; i < n; ++i) g[i] = static_cast<float>(i % 13) + 0.5f;
+    model.push_back({ddp::CudaBuffer<float>(std::span<const float>(g), 0, stream.get()),
+                     ddp::CudaBuffer<float>(std::span<const float>(g), 0, stream.get())});
+  }
+  return model;
+}
+
+float expected(std::size_t i) { return static_cast<float>(i % 13) + 0.5f; }
 }  // namespace
 
 TEST_CASE(
@@ -188,13 +202,7 @@ TEST_CASE(
 TEST_CASE("GradientAverager on backend::Nccl: device buckets, in place, unused parameters") {
   auto comm = single();
   ddp::CudaStream stream(0);
-  std::vector<Param> model;
-  for (const std::size_t n : {5UL, 200'000UL, 3UL, 7UL}) {  // 200k floats: averaged in place
-    std::vector<float> g(n);
-    for (std::size_t i = 0; i < n; ++i) g[i] = static_cast<float>(i % 13) + 0.5f;
-    model.push_back({ddp::CudaBuffer<float>(std::span<const float>(g), 0, stream.get()),
-                     ddp::CudaBuffer<float>(std::span<const float>(g), 0, stream.get())});
-  }
+  auto model = cuda_model(stream);  // parameter 1 (200k floats) is averaged in place
   ddp::GradientAverager avg(comm, model);
   CHECK(avg.buckets().size() == 3);  // {3, 2} packed, {1} in place, {0} packed
   avg.mark_ready(3);
@@ -222,13 +230,7 @@ TEST_CASE(
     "ShardedAverager on backend::Nccl: device buckets, in place, the shard updated and gathered") {
   auto comm = single();
   ddp::CudaStream stream(0);
-  std::vector<Param> model;
-  for (const std::size_t n : {5UL, 200'000UL, 3UL, 7UL}) {  // 200k floats: in place
-    std::vector<float> g(n);
-    for (std::size_t i = 0; i < n; ++i) g[i] = static_cast<float>(i % 13) + 0.5f;
-    model.push_back({ddp::CudaBuffer<float>(std::span<const float>(g), 0, stream.get()),
-                     ddp::CudaBuffer<float>(std::span<const float>(g), 0, stream.get())});
-  }
+  auto model = cuda_model(stream);
   ddp::ShardedAverager zero(comm, model);
   CHECK(zero.buckets().size() == 3);
   CHECK(zero.shard_size() == zero.total_size());  // a world of one owns everything
@@ -254,6 +256,103 @@ TEST_CASE(
   }
   CHECK_FALSE(zero.found_nonfinite());
   CHECK(zero.grad_norm() > 0.0);
+}
+
+TEST_CASE(
+    "comm hooks on backend::Nccl: a hook of the user's on device buckets; compression refused "
+    "naming the bucket") {
+  auto comm = single();
+  ddp::CudaStream stream(0);
+  auto model = cuda_model(stream);
+  ddp::GradientAverager avg(comm, model);
+  std::vector<std::size_t> seen;
+  avg.register_comm_hook([&](auto& c, ddp::GradBucket<float>& b) {
+    CHECK(b.buffer.device == ddp::Device::cuda(0));
+    seen.push_back(b.index);
+    return ddp::allreduce_hook(c, b);
+  });
+  for (std::size_t k = 0; k < model.size(); ++k) avg.mark_ready(k);
+  avg.synchronize();
+  CHECK(seen.size() == avg.buckets().size());
+  for (std::size_t k = 0; k < model.size(); ++k) {
+    const auto g = host(model[k].grad);
+    for (std::size_t i = 0; i < g.size(); ++i) REQUIRE(g[i] == expected(i));
+  }
+  // (PowerSGDHook does not compile for a Communicator<Nccl>: its matrices are host memory.)
+  for (const auto wire : {ddp::fp16_compress_hook, ddp::bf16_compress_hook}) {
+    avg.register_comm_hook(wire);
+    for (std::size_t k = 0; k < model.size(); ++k) avg.mark_ready(k);
+    try {
+      avg.synchronize();
+      FAIL("a hook that needs host memory ran on a device bucket");
+    } catch (const ddp::Error& e) {
+      CHECK(e.code() == ddp::Errc::unsupported);
+      CHECK(std::string(e.what()).find("bucket") != std::string::npos);
+      CHECK(std::string(e.what()).find("cuda:0") != std::string::npos);
+    }
+  }
+  avg.register_comm_hook(ddp::allreduce_hook);  // usable again: the failed steps were dropped
+  for (std::size_t k = 0; k < model.size(); ++k) avg.mark_ready(k);
+  avg.synchronize();
+  CHECK(host(model[0].grad)[1] == expected(1));
+}
+
+TEST_CASE("Join on backend::Nccl: a GradientAverager of device buckets in a Join") {
+  auto comm = single();
+  ddp::CudaStream stream(0);
+  auto model = cuda_model(stream);
+  ddp::GradientAverager avg(comm, model);
+  {
+    ddp::Join join(comm, {&avg});
+    for (int step = 0; step < 3; ++step) {
+      CHECK(join.step() == 1);
+      for (std::size_t k = 0; k < model.size(); ++k) avg.mark_ready(k);
+      avg.synchronize();  // the sum over the ranks that trained, divided by their number (1)
+    }
+    join.finish();
+    CHECK(join.active() == 1);
+  }
+  for (std::size_t k = 0; k < model.size(); ++k) {
+    const auto g = host(model[k].grad);
+    for (std::size_t i = 0; i < g.size(); ++i) REQUIRE(g[i] == expected(i));
+  }
+  // A finished rank's shadow buckets: zeros in device memory, the same collectives.
+  ddp::Join again(comm, {&avg});
+  avg.join_step(1);
+  again.finish();
+}
+
+TEST_CASE("TrainingState on backend::Nccl: device parameters committed and restored") {
+  auto comm = single();
+  ddp::CudaStream stream(0);
+  auto model = cuda_model(stream);
+  std::uint64_t step = 0;
+  ddp::TrainingState state;
+  state.track_model("model", model).track_object("step", step);
+  state.start(comm);
+  step = 1;
+  CHECK(state.commit(comm) == 1);
+  CHECK(state.bytes() >= (5 + 200'000 + 3 + 7) * sizeof(float));
+  std::vector<float> zeros(200'000, 0.0f);
+  model[1].value.copy_from(zeros);  // a half-applied step, then a failure
+  step = 2;
+  CHECK(state.restore(comm) == 1);
+  CHECK(step == 1);
+  const auto v = host(model[1].value);
+  for (std::size_t i = 0; i < v.size(); ++i) REQUIRE(v[i] == expected(i));
+}
+
+TEST_CASE("shrink() on backend::Nccl is refused with Errc::unsupported naming ncclCommShrink") {
+  auto comm = single();
+  try {
+    auto smaller = comm.shrink();
+    FAIL("backend::Nccl shrank");
+  } catch (const ddp::Error& e) {
+    CHECK(e.code() == ddp::Errc::unsupported);
+    CHECK(std::string(e.what()).find("ncclCommShrink") != std::string::npos);
+  }
+  ddp::CudaBuffer<float> a(4);
+  comm.all_reduce(a);  // the communicator is still usable
 }
 
 TEST_CASE("a host buffer seen only at run time, or one on another device, is refused") {

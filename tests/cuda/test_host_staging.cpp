@@ -14,6 +14,8 @@
 #include <doctest/doctest.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -42,6 +44,10 @@ void run(int world, const std::function<void(Host&, ddp::CudaStream&)>& body,
     FAIL_CHECK("world " << world << ": " << std::string(e.what()));
   }
 }
+
+struct Param {
+  ddp::CudaBuffer<float> value, grad;
+};
 
 template <class T>
 ddp::CudaBuffer<T> device(const std::vector<T>& h, cudaStream_t s) {
@@ -273,6 +279,130 @@ TEST_CASE("GradientAverager on CUDA gradients over backend::Host") {
     }
     MP_EXPECT(!avg.found_nonfinite(), "finite gradients");
   });
+}
+
+TEST_CASE(
+    "Join with CUDA gradients over backend::Host: uneven inputs average over the ranks left") {
+  // Rank 0 trains 3 steps, rank 1 one: step 0 averages both, steps 1-2 rank 0's alone (a sum
+  // over the ranks, divided by those that trained it: a device bucket divided on the host).
+  run(2, [](Host& comm, ddp::CudaStream& stream) {
+    const int r = comm.rank();
+    std::vector<Param> model;
+    for (const std::size_t n : {5UL, 300'000UL})  // packed in a host bucket; in place
+      model.push_back({device(inputs<float>(0, n, 1), stream.get()),
+                       device(std::vector<float>(n, 0.0f), stream.get())});
+    ddp::GradientAverager avg(comm, model);
+    {
+      ddp::Join join(comm, {&avg});
+      for (int step = 0; step < (r == 0 ? 3 : 1); ++step) {
+        const int active = join.step();
+        MP_EXPECT(active == (step == 0 ? 2 : 1), "ranks training step " << step);
+        for (auto& p : model) p.grad.copy_from(inputs<float>(r, p.grad.size(), 30 + step));
+        for (std::size_t k = 0; k < model.size(); ++k) avg.mark_ready(k);
+        avg.synchronize();
+        for (auto& p : model) {
+          const auto g = host(p.grad);
+          for (std::size_t i = 0; i < g.size(); i += 997) {
+            const float mine = cases::value<float>(r, i, 30 + step);
+            const float want =
+                step == 0 ? (cases::value<float>(0, i, 30) + cases::value<float>(1, i, 30)) / 2
+                          : mine;
+            MP_EXPECT(std::abs(g[i] - want) <= 1e-5f * std::abs(want),
+                      "step " << step << " element " << i << ": " << g[i] << " vs " << want);
+          }
+        }
+      }
+      join.finish();
+    }
+  });
+}
+
+TEST_CASE("a rank lost mid-step: the others shrink and go on from the last commit, on CUDA") {
+  // 3 ranks train CUDA parameters; rank 1 dies in step 2, before its average. The survivors
+  // shrink(), restore() the commit of step 2 (the parameters on the device) and train steps 2-4
+  // on their own: bitwise equal, step 2 applied once, over the two of them.
+  mp::TempDir dir;
+  ddp::SpawnOptions so;
+  so.stop_on_failure = false;
+  ddp::Options o;
+  o.timeout = 60s;
+  std::string spawn_error;
+  try {
+    ddp::spawn(
+        3,
+        [&](ddp::Environment env) {
+          DDP_CUDA_CHECK(cudaSetDevice(0));
+          ddp::CudaStream stream(0);
+          auto comm = Host::init(env, o);
+          const int me = comm.rank();
+          std::vector<Param> model;
+          for (const std::size_t n : {7UL, 50'000UL}) {
+            model.push_back({device(inputs<float>(0, n, 3), stream.get()),
+                             device(std::vector<float>(n, 0.0f), stream.get())});
+          }
+          ddp::GradientAverager avg(comm, model);
+          int step = 0, done = 0;
+          ddp::TrainingState state;
+          state.track_model("model", model).track_object("done", done);
+          state.start(comm);
+          for (;;) {
+            try {
+              for (; step < 5; ++step) {
+                for (auto& p : model) {  // this rank's gradient for this step
+                  auto g = inputs<float>(comm.rank(), p.grad.size(), 20 + step);
+                  p.grad.copy_from(g);
+                }
+                if (me == 1 && step == 2) std::_Exit(5);
+                avg.average();
+                for (auto& p : model) {
+                  auto v = host(p.value);
+                  const auto g = host(p.grad);
+                  for (std::size_t i = 0; i < v.size(); ++i) v[i] -= 0.5f * g[i];
+                  p.value.copy_from(v);
+                }
+                done = step + 1;
+                state.commit(comm);
+              }
+              break;
+            } catch (const ddp::Error& e) {
+              MP_EXPECT(e.code() == ddp::Errc::peer_lost || e.code() == ddp::Errc::aborted,
+                        e.what());
+              comm = comm.shrink({.wait_for_ranks = 20s});
+              MP_EXPECT(state.restore(comm) == 2U, "the commit of step 2");
+              step = done;
+            }
+          }
+          std::string bytes;
+          for (auto& p : model) {
+            const auto v = host(p.value);
+            bytes.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+          }
+          mp::TempDir::write(dir.file("net" + std::to_string(me)), bytes);
+          mp::TempDir::write(dir.file("size" + std::to_string(me)), std::to_string(comm.size()));
+        },
+        so);
+  } catch (const ddp::Error& e) {
+    spawn_error = e.what();
+  }
+  CHECK_MESSAGE(spawn_error.find("rank 1") != std::string::npos, spawn_error);
+  const std::string a = mp::TempDir::read(dir.file("net0")),
+                    b = mp::TempDir::read(dir.file("net2"));
+  CHECK(a.size() == (7 + 50'000) * sizeof(float));
+  CHECK_MESSAGE(a == b, "the survivors' parameters differ");
+  CHECK(mp::TempDir::read(dir.file("size0")) == "2");
+  CHECK(mp::TempDir::read(dir.file("size2")) == "2");
+  // Step 2 applied once: rank 0's value of element 0 against the same arithmetic on the host
+  // (steps 0-1 averaged over 3 ranks, steps 2-4 over the 2 survivors).
+  float v = cases::value<float>(0, 0, 3);
+  for (int step = 0; step < 5; ++step) {  // after shrink(), rank 2 is rank 1
+    const std::vector<int> ranks = step < 2 ? std::vector<int>{0, 1, 2} : std::vector<int>{0, 1};
+    float sum = 0;
+    for (const int q : ranks) sum += cases::value<float>(q, 0, 20 + step);
+    v -= 0.5f * (sum / static_cast<float>(ranks.size()));
+  }
+  float got = 0;
+  std::memcpy(&got, a.data(), sizeof(float));
+  CHECK(got == doctest::Approx(v).epsilon(1e-5));
 }
 
 int main(int argc, char** argv) {

@@ -61,11 +61,18 @@ Buf to_buf(T& t, int rank, const char* what, const char* name) {
                 "buffer's type is host memory (std::vector, std::array, a span, ...): use "
                 "ddp::CudaBuffer<T> or a CUDA tensor type adapted with ddp::tensor_traits, or "
                 "Communicator<backend::Host> for host buffers");
+  Buf b;
   if constexpr (DynamicTensor<T>) {
-    return dynamic_buf<Backend>(ddp::view(t), rank, what, name);
+    b = dynamic_buf<Backend>(ddp::view(t), rank, what, name);
   } else {
-    return typed_buf<Backend>(ddp::view(t), rank, what, name);
+    b = typed_buf<Backend>(ddp::view(t), rank, what, name);
   }
+  if constexpr (backend_traits<Backend>::refuses_some) {
+    if (const char* why = Backend::refuses(what, b.dtype)) [[unlikely]]
+      fail(Errc::invalid_argument, "rank ", rank, ": backend::", Backend::name, ": ", what, "(",
+           to_string(b.dtype), "): ", why);
+  }
+  return b;
 }
 
 /// all_to_all's in_counts then out_counts, one per rank each, checked.

@@ -22,6 +22,7 @@
 ///    | reduces_many | `all_reduce_many(std::span<const Buf>, ReduceOp)` | one all_reduce each |
 ///    | uneven | `all_to_all_v`, `gather_v`, `scatter_v` (counts per rank) | send/recv pairs |
 ///    | has_device | `int device()` (the CUDA device it uses) | — |
+///    | refuses_some | `static const char* refuses(std::string_view collective, DType)` | none |
 ///
 /// backend::Host (backend/host.hpp), backend::Nccl (backend/nccl.hpp) and backend::Mpi
 /// (backend/mpi.hpp) implement it; a new backend needs only this header.
@@ -162,6 +163,12 @@ struct backend_traits {
   }();
   /// The backend moves CUDA device memory only (device_kind is DeviceKind::cuda).
   static constexpr bool device_only = device_kind == DeviceKind::cuda;
+  /// The backend refuses some element types in some collectives (backend::Nccl: 16-bit integer
+  /// reductions): refuses() gives the reason, or nullptr. Asked as each argument is checked,
+  /// before any rank sends, so a refused call leaves the communicator usable.
+  static constexpr bool refuses_some = requires(std::string_view w, DType t) {
+    { B::refuses(w, t) } -> std::convertible_to<const char*>;
+  };
   /// The backend makes sub-groups itself (MPI_Comm_split, ncclCommSplit).
   static constexpr bool splits = requires(B & b, int i, const Options& o) {
     { b.split(i, i, o) } -> std::same_as<std::unique_ptr<B>>;

@@ -386,6 +386,17 @@ class Nccl {
     }
   }
 
+  /// NCCL reduces no 16-bit integers: the Communicator refuses them as it checks the arguments
+  /// (backend_traits::refuses_some), so every rank refuses alike and nothing is sent.
+  static const char* refuses(std::string_view what, DType t) noexcept {
+    if (t != DType::int16 && t != DType::uint16) return nullptr;
+    if (what != "all_reduce" && what != "reduce" && what != "reduce_scatter" &&
+        what != "all_reduce_coalesced")
+      return nullptr;
+    return "NCCL cannot reduce 16-bit integers; reduce them as int32 (or float16 where the "
+           "values fit), or use backend::Host";
+  }
+
  private:
   Nccl(const detail::BackendInit& init, int device)
       : Nccl(init.rank, init.size, device, init.options.timeout) {}
@@ -460,14 +471,10 @@ class Nccl {
     return text != nullptr && *text != '\0' ? detail::concat(" (", text, ")") : std::string();
   }
 
-  /// NCCL reduces no 16-bit integers; every rank refuses alike (the dtype is in the fingerprint).
   void reducible(const detail::Buf& b, const char* what) const {
-    if (b.dtype == DType::int16 || b.dtype == DType::uint16) {
+    if (const char* why = refuses(what, b.dtype))
       detail::fail(Errc::invalid_argument, "rank ", rank_, ": backend::Nccl: ", what, "(",
-                   to_string(b.dtype),
-                   "): NCCL cannot reduce 16-bit integers; reduce them as "
-                   "int32 (or float16 where the values fit), or use backend::Host");
-    }
+                   to_string(b.dtype), "): ", why);
   }
 
   [[nodiscard]] static ncclDataType_t type(const detail::Buf& b) noexcept {

@@ -220,10 +220,6 @@ class BucketEngine final : public AveragerBase {
   }
 
   void join_attach(bool on) override {
-    if (on && cuda_)
-      fail_as(Errc::unsupported,
-              "ddp::Join: gradients in CUDA memory cannot join yet (host "
-              "gradients on backend::Host and backend::Mpi can)");
     if (next_ != 0)
       fail("ddp::Join: buckets of this step were already started; make the Join between steps");
     join_ = on;
@@ -234,8 +230,7 @@ class BucketEngine final : public AveragerBase {
   void join_step(int) override {
     guarded([&] {
       for (std::size_t k = 0; k < buckets_.size(); ++k) {
-        shadow_.assign(buckets_[k].elements, T{});
-        run_hook(k, View{shadow_.data(), shadow_.size(), Device::cpu(), nullptr}, true);
+        run_hook(k, zeros(buckets_[k].elements), true);
         wait_all();
       }
     });
@@ -524,29 +519,8 @@ class BucketEngine final : public AveragerBase {
     try {
       b.work.emplace(hook_(*comm_, b.grad));
     } catch (...) {
-      failure_ = hook_error(k);
+      failure_ = hook_error(comm_->rank(), who_, k, buckets_[k].pieces);
     }
-  }
-
-  // The exception in flight, out of bucket k's hook, as the ddp::Error that names the bucket (a
-  // ddp::Error keeps its code; anything else is the hook's own fault: Errc::invalid_argument).
-  std::exception_ptr hook_error(std::size_t k) {
-    Errc code = Errc::invalid_argument;
-    std::string what = "an exception that is not a std::exception", params;
-    const char* hint = "; a hook returns the Work of the collectives it started, on every rank";
-    try {
-      throw;
-    } catch (const Error& e) {
-      code = e.code(), what = e.what(), hint = "";
-    } catch (const std::exception& e) {
-      what = e.what();
-    } catch (...) {
-    }
-    for (const BucketPiece& p : buckets_[k].pieces)
-      params += (params.empty() ? "" : ", ") + std::to_string(p.param);
-    return std::make_exception_ptr(
-        Error(code, concat("rank ", rank(), ": ", who_, ": the comm hook failed on bucket ", k,
-                           " (parameters ", params, "): ", what, "; the step was dropped", hint)));
   }
 
   // Waits for every bucket's work, in order; then throws a hook's failure (a collective's own
@@ -558,7 +532,7 @@ class BucketEngine final : public AveragerBase {
       } catch (const Error&) {
         throw;
       } catch (...) {
-        if (!failure_) failure_ = hook_error(k);
+        if (!failure_) failure_ = hook_error(comm_->rank(), who_, k, buckets_[k].pieces);
       }
     }
     if (failure_) std::rethrow_exception(std::exchange(failure_, nullptr));
@@ -579,12 +553,33 @@ class BucketEngine final : public AveragerBase {
     std::fill(ready_.begin(), ready_.end(), false);
   }
 
-  // In a Join: the sums of bucket b become averages over the ranks that trained this step.
+  // `n` zeros where the buckets live, the contribution of a rank that finished (Join).
+  View zeros(std::size_t n) {
+#if DDP_HAS_CUDA
+    if (device_buckets_) {
+      if (shadow_device_.size() < n)
+        shadow_device_ = CudaBuffer<T>(n, device_, static_cast<cudaStream_t>(grads_[0].stream));
+      zero_bytes(shadow_device_.data(), n * sizeof(T), true, shadow_device_.stream());
+      return ddp::view(shadow_device_).subview(0, n);
+    }
+#endif
+    shadow_.assign(n, T{});
+    return View{shadow_.data(), n, Device::cpu(), nullptr};
+  }
+
+  // In a Join: the sums of bucket b become averages over the ranks that trained this step. No
+  // GPU kernels here: a bucket in CUDA memory is divided on the host, a copy each way.
   void divide(Bucket& b) {
     using A = typename Accum<T>::type;
     T* d = b.in_place ? grads_[b.pieces[0].param].data : b.flat.data;
+    void* stream = b.in_place ? grads_[b.pieces[0].param].stream : b.flat.stream;
+    const bool dev = b.in_place ? cuda_ : device_buckets_;
+    if (dev) shadow_.resize(b.elements);
+    T* h = dev ? shadow_.data() : d;
+    copy_bytes(h, d, dev ? b.elements * sizeof(T) : 0, true, stream), sync_stream(dev, stream);
     for (std::size_t k = 0; k < b.elements; ++k)
-      d[k] = static_cast<T>(static_cast<A>(d[k]) / static_cast<A>(active_));
+      h[k] = static_cast<T>(static_cast<A>(h[k]) / static_cast<A>(active_));
+    copy_bytes(d, h, dev ? b.elements * sizeof(T) : 0, true, stream), sync_stream(dev, stream);
   }
 
   // f(piece, at, n) for the parts [at, at + n) of b's pieces that lie in [lo, hi).
@@ -634,9 +629,12 @@ class BucketEngine final : public AveragerBase {
   std::vector<std::shared_ptr<void>> hooks_;  // the framework's ready hooks
   CommHook<Comm, T> hook_;                    // what is done to a full bucket
   std::exception_ptr failure_;                // a hook's, kept for synchronize()
-  std::vector<T> shadow_;                     // the zeros a finished rank contributes
-  std::size_t shards_ = 1, owner_ = 0;        // blocks per bucket; this rank's
-  std::size_t next_ = 0;                      // the next bucket to launch
+  std::vector<T> shadow_;  // the zeros a finished rank contributes; a device bucket divided
+#if DDP_HAS_CUDA
+  CudaBuffer<T> shadow_device_;  // the zeros in CUDA memory, for a backend that moves it
+#endif
+  std::size_t shards_ = 1, owner_ = 0;  // blocks per bucket; this rank's
+  std::size_t next_ = 0;                // the next bucket to launch
   int device_ = 0, active_ = 0;  // the parameters' CUDA device; ranks training this step (Join)
   bool cuda_ = false, device_buckets_ = false;  // the parameters on a GPU; the buckets too
   bool coalesce_ = false;                // the default all_reduce: the last buckets may go as one

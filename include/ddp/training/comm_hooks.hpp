@@ -39,13 +39,16 @@
 /// buffer holds; one with state of its own (error feedback) leaves it alone when bucket.shadow.
 
 #include "ddp/config.hpp"
+#include "ddp/error.hpp"
 #include "ddp/tensor.hpp"
 #include "ddp/types.hpp"
 #include "ddp/work.hpp"
 
 #include <cstddef>
+#include <exception>
 #include <functional>
 #include <span>
+#include <string>
 #include <type_traits>
 
 DDP_BEGIN_NAMESPACE
@@ -88,6 +91,33 @@ concept CommHookFor = (std::is_invocable_r_v<Work, F&, Comm&, GradBucket<T>&>);
 /// A comm hook as an averager keeps it.
 template <class Comm, class T>
 using CommHook = std::function<Work(Comm&, GradBucket<T>&)>;
+
+namespace detail {
+
+/// The exception in flight, out of bucket k's hook (its gradients: `pieces`), as the ddp::Error
+/// that names the bucket: a ddp::Error keeps its code; anything else is the hook's own fault
+/// (Errc::invalid_argument).
+inline std::exception_ptr hook_error(int rank, const char* who, std::size_t k,
+                                     std::span<const BucketPiece> pieces) {
+  Errc code = Errc::invalid_argument;
+  std::string what = "an exception that is not a std::exception", params;
+  const char* hint = "; a hook returns the Work of the collectives it started, on every rank";
+  try {
+    throw;
+  } catch (const Error& e) {
+    code = e.code(), what = e.what(), hint = "";
+  } catch (const std::exception& e) {
+    what = e.what();
+  } catch (...) {
+  }
+  for (const BucketPiece& p : pieces)
+    params += (params.empty() ? "" : ", ") + std::to_string(p.param);
+  return std::make_exception_ptr(
+      Error(code, concat("rank ", rank, ": ", who, ": the comm hook failed on bucket ", k,
+                         " (parameters ", params, "): ", what, "; the step was dropped", hint)));
+}
+
+}  // namespace detail
 
 /// The built-in hook all_reduce: bucket.buffer reduced with bucket.op (torch's allreduce_hook).
 struct AllReduceHook {
