@@ -75,33 +75,9 @@ class Communicator {
   /// connects the ranks. A world of one needs no store.
   [[nodiscard]] static Communicator init(const Environment& env = Environment::detect(),
                                          Options options = {}) {
-    try {
-      return init_unnamed(env, std::move(options));
-    } catch (const Error& e) {  // every message names the rank
-      if (std::string_view(e.what()).starts_with("rank ")) throw;
-      detail::fail(e.code(), "rank ", env.rank, ": ", e.what());
-    }
+    return Communicator(detail::init_state<State>(env, std::move(options)));
   }
 
- private:
-  static Communicator init_unnamed(const Environment& env, Options options) {
-    auto state = std::make_shared<State>();
-    std::exception_ptr bad_setting;
-    const detail::BackendInit bi =
-        detail::begin_init(*state, env, options, backend_traits<Backend>::needs_store, bad_setting);
-    state->create_backend(bi, [&] {
-      if (bad_setting) std::rethrow_exception(bad_setting);
-      if (bi.store) {
-        detail::agree_on_job(*bi.store, bi.rank,
-                             {bi.size, std::string(Backend::name), options.verify_collectives},
-                             options.timeout, state->world_size);
-      }
-    });
-    state->end_rendezvous();
-    return Communicator(std::move(state));
-  }
-
- public:
   /// Takes over `other`'s process group; `other` is left invalid.
   Communicator(Communicator&&) noexcept = default;
   /// Takes over `other`'s process group, releasing the one this communicator held.
@@ -474,17 +450,9 @@ class Communicator {
     const auto all = all_gather_object(std::pair<int, int>{color, key});
     const std::uint64_t n = checked().splits++;
     if (color == no_color) return Communicator(nullptr);
-    auto sub = std::make_shared<State>();
-    const detail::BackendInit bi =
-        detail::begin_split(*sub, *state_, all, color, rank(), n, options);
-    exec_fn("split", [&](Backend&, State&) {
-      sub->create_backend(bi, [&] {
-        if (bi.store) {  // the members agree (verify_collectives) as at init
-          detail::agree_on_job(*bi.store, bi.rank,
-                               {bi.size, std::string(Backend::name), options.verify_collectives},
-                               options.timeout, sub->world_size);
-        }
-      });
+    std::shared_ptr<State> sub;
+    exec_fn("split", [&](Backend&, State& s) {
+      sub = detail::split_state(s, all, color, rank(), n, options);
     });
     return Communicator(std::move(sub));
   }
@@ -501,16 +469,39 @@ class Communicator {
   /// rank 0 is lost). backend::Host; Errc::unsupported on the others.
   [[nodiscard]] Communicator shrink(const ShrinkOptions& options = {}) {
     State& s = same_process("shrink");
-    if constexpr (backend_traits<Backend>::splits) {
-      detail::fail(
-          Errc::unsupported, "rank ", rank(), ": shrink: not available on backend::", Backend::name,
-          " (", detail::shrink_refusal(Backend::name), "); for fault tolerance use backend::Host");
-    }
+    refuse_membership(rank(), "shrink");
     return Communicator(detail::shrink_state(s, rank(), size(), options));
   }
-  /// Membership epoch: 0 for a communicator from init() or split(), one more for each shrink().
+  /// Admits the processes waiting to join (join()), at a step boundary: every member calls it,
+  /// and gets the communicator of the members (ranks 0..n-1, in their order) and the newcomers
+  /// (n.., in the order they asked), at the next membership epoch; or, when none was admitted,
+  /// this one. Rank 0 answers each request: refused when its ticket differs from
+  /// `options.ticket` (Errc::mismatch) or it claims a live rank's place (Errc::invalid_argument),
+  /// the refusal reaching the newcomer alone. A failure meanwhile (a newcomer or member died)
+  /// leaves this communicator as it was: shrink() it. backend::Host; Errc::unsupported else.
+  [[nodiscard]] Communicator grow(const GrowOptions& options = {}) {
+    State& s = same_process("grow");
+    refuse_membership(rank(), "grow");
+    auto grown = detail::grow_state(s, rank(), options);
+    return grown ? Communicator(std::move(grown)) : Communicator(state_);
+  }
+  /// A process joins a running job (a restarted worker, or an added one): asks to be admitted as
+  /// world rank env.rank (its own, after a restart: refused while that rank's process lives),
+  /// waits until the members' next grow() admits it (JoinOptions::wait), and returns its
+  /// communicator with them. Then it receives their state (TrainingState::restore). Refusals
+  /// and a wrong token fail this process alone.
+  [[nodiscard]] static Communicator join(const Environment& env = Environment::detect(),
+                                         const Options& options = {}, const JoinOptions& j = {}) {
+    refuse_membership(env.rank, "join");
+    return Communicator(detail::join_state<State>(env, options, j));
+  }
+  /// How many processes wait to join (one store read; not collective: for an agreed decision
+  /// use TrainingState::joining()). 0 without a store.
+  [[nodiscard]] int waiting_to_join() const { return checked().waiting_to_join(); }
+  /// Membership epoch: 0 for a communicator from init() or split(), one more for each change.
   [[nodiscard]] std::uint64_t epoch() const { return checked().epoch; }
-  /// After shrink(): each rank's number in the communicator it was shrunk from (empty before).
+  /// After shrink() or grow(): each rank's number in the communicator it was made from (-1: a
+  /// newcomer); empty before.
   [[nodiscard]] const std::vector<int>& previous_ranks() const { return checked().previous; }
 
   /// The ranks of this communicator on this host, as a communicator (made by split() on first
@@ -545,6 +536,14 @@ class Communicator {
   using State = detail::CommRunner<Backend, Communicator>;
 
   explicit Communicator(std::shared_ptr<State> s) : state_(std::move(s)) {}
+
+  static void refuse_membership(int rank, const char* what) {
+    if constexpr (backend_traits<Backend>::splits)
+      detail::fail(Errc::unsupported, "rank ", rank, ": ", what,
+                   ": not available on backend::", Backend::name, " (",
+                   detail::shrink_refusal(Backend::name),
+                   "); for fault tolerance use backend::Host");
+  }
 
   /// checked(), and that this is the process that created the communicator: a fork() child
   /// shares its peers' shared memory and sockets, and using them would corrupt the parent's job.

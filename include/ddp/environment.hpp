@@ -48,6 +48,9 @@ struct Environment {
   /// MASTER_PORT + 1: torchrun's agent picked MASTER_PORT as a free ephemeral port, and its
   /// neighbour may be held by any connection on the host; then 8.
   int store_ports = 1;
+  /// The launcher restarted this process to join the running job (DDP_REJOIN=N, its N-th
+  /// restart: ddprun --on-failure rejoin): make the communicator with Communicator::join.
+  bool rejoin = false;
   /// Which launcher the values came from: "ddprun", "torchrun", "slurm", "openmpi", "pmi"
   /// (MPICH, Intel MPI), "mvapich", "none"; "unknown" when variables of a launcher ddp cannot read
   /// fully were seen (then `warning` says which, and the values are those of a world of 1).
@@ -252,6 +255,7 @@ inline Environment Environment::detect(const std::function<const char*(const cha
         "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.");
   }
   e.store_port = e.master_port;
+  e.rejoin = env.integer("DDP_REJOIN", 0, 1 << 30).value_or(0) > 0;
   if (auto port = env.integer("DDP_STORE_PORT", 1, 65535)) {
     e.store_port = *port;
   } else if (e.launcher == "torchrun" && e.master_port != 0 &&

@@ -62,6 +62,22 @@ struct ShrinkOptions {
   std::vector<int> exclude{};
 };
 
+/// How Communicator::grow admits the processes waiting to join the job.
+struct GrowOptions {
+  /// What a newcomer must bring to be admitted: its JoinOptions::ticket must be equal
+  /// (TrainingState::ticket() describes the state the program tracks). Others are refused.
+  std::string ticket{};
+};
+
+/// How Communicator::join asks to join a running job.
+struct JoinOptions {
+  /// Compared with the members' GrowOptions::ticket (see there).
+  std::string ticket{};
+  /// How long to wait to be admitted (the members admit newcomers at their next grow()); 0: the
+  /// communicator's timeout. The request is withdrawn when it passes.
+  std::chrono::milliseconds wait{0};
+};
+
 /// How a communicator is made and behaves: timeouts, the rendezvous secret, transports,
 /// verification and the flight recorder (see the file comment for which backend reads what).
 struct Options {

@@ -1835,6 +1835,7 @@ DDP_END_NAMESPACE
 ///    | reduces_many | `all_reduce_many(std::span<const Buf>, ReduceOp)` | one all_reduce each |
 ///    | uneven | `all_to_all_v`, `gather_v`, `scatter_v` (counts per rank) | send/recv pairs |
 ///    | has_device | `int device()` (the CUDA device it uses) | — |
+///    | refuses_some | `static const char* refuses(std::string_view collective, DType)` | none |
 ///
 /// backend::Host (backend/host.hpp), backend::Nccl (backend/nccl.hpp) and backend::Mpi
 /// (backend/mpi.hpp) implement it; a new backend needs only this header.
@@ -2392,6 +2393,22 @@ struct ShrinkOptions {
   std::chrono::milliseconds wait_for_ranks{0};
   /// Ranks (of the communicator being shrunk) known to be lost: not waited for, left out.
   std::vector<int> exclude{};
+};
+
+/// How Communicator::grow admits the processes waiting to join the job.
+struct GrowOptions {
+  /// What a newcomer must bring to be admitted: its JoinOptions::ticket must be equal
+  /// (TrainingState::ticket() describes the state the program tracks). Others are refused.
+  std::string ticket{};
+};
+
+/// How Communicator::join asks to join a running job.
+struct JoinOptions {
+  /// Compared with the members' GrowOptions::ticket (see there).
+  std::string ticket{};
+  /// How long to wait to be admitted (the members admit newcomers at their next grow()); 0: the
+  /// communicator's timeout. The request is withdrawn when it passes.
+  std::chrono::milliseconds wait{0};
 };
 
 /// How a communicator is made and behaves: timeouts, the rendezvous secret, transports,
@@ -3735,6 +3752,12 @@ struct backend_traits {
   }();
   /// The backend moves CUDA device memory only (device_kind is DeviceKind::cuda).
   static constexpr bool device_only = device_kind == DeviceKind::cuda;
+  /// The backend refuses some element types in some collectives (backend::Nccl: 16-bit integer
+  /// reductions): refuses() gives the reason, or nullptr. Asked as each argument is checked,
+  /// before any rank sends, so a refused call leaves the communicator usable.
+  static constexpr bool refuses_some = requires(std::string_view w, DType t) {
+    { B::refuses(w, t) } -> std::convertible_to<const char*>;
+  };
   /// The backend makes sub-groups itself (MPI_Comm_split, ncclCommSplit).
   static constexpr bool splits = requires(B & b, int i, const Options& o) {
     { b.split(i, i, o) } -> std::same_as<std::unique_ptr<B>>;
@@ -4331,6 +4354,9 @@ struct Environment {
   /// MASTER_PORT + 1: torchrun's agent picked MASTER_PORT as a free ephemeral port, and its
   /// neighbour may be held by any connection on the host; then 8.
   int store_ports = 1;
+  /// The launcher restarted this process to join the running job (DDP_REJOIN=N, its N-th
+  /// restart: ddprun --on-failure rejoin): make the communicator with Communicator::join.
+  bool rejoin = false;
   /// Which launcher the values came from: "ddprun", "torchrun", "slurm", "openmpi", "pmi"
   /// (MPICH, Intel MPI), "mvapich", "none"; "unknown" when variables of a launcher ddp cannot read
   /// fully were seen (then `warning` says which, and the values are those of a world of 1).
@@ -4535,6 +4561,7 @@ inline Environment Environment::detect(const std::function<const char*(const cha
         "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.");
   }
   e.store_port = e.master_port;
+  e.rejoin = env.integer("DDP_REJOIN", 0, 1 << 30).value_or(0) > 0;
   if (auto port = env.integer("DDP_STORE_PORT", 1, 65535)) {
     e.store_port = *port;
   } else if (e.launcher == "torchrun" && e.master_port != 0 &&
@@ -6925,8 +6952,11 @@ struct CommState {
   /// knows that a member of any communicator of the job died.
   std::vector<int> world_ranks;
   std::string job_prefix;
-  /// The membership epoch a shrink() of this communicator formed (0: none): it is replaced.
+  /// The membership epoch a shrink() or grow() of this communicator formed (0: none): it is
+  /// replaced.
   std::uint64_t replaced_by = 0;
+  /// The join requests (Communicator::join) answered so far: every id up to this one.
+  std::int64_t joins_seen = 0;
   std::unique_ptr<Executor> executor = std::make_unique<Executor>();
   /// When the rendezvous must be done: Options::timeout after init() began.
   Clock::time_point rendezvous_deadline = Clock::time_point::max();
@@ -6971,9 +7001,7 @@ struct CommState {
     const int ports = env.store_port != 0 ? std::max(1, env.store_ports) : 1;
     // With several candidate ports, the store says whose it is: a probing rank must not join
     // another job's store that took one of them.
-    const std::string job =
-        concat(env.master_addr, ":", env.master_port, "/", launcher.get("TORCHELASTIC_RUN_ID", ""),
-               "/", launcher.get("TORCHELASTIC_RESTART_COUNT", "0"));
+    const std::string job = job_name(env);
     const bool hosted = options.external_store || launcher.get("DDP_STORE_HOSTED") == "1";
     if (env.rank == 0 && !hosted) {
       store_port = host_store(env, store_port, ports, so);
@@ -6998,6 +7026,36 @@ struct CommState {
         {concat("exit/", env.rank), ""}};
     store->set_on_close(on_close);
     return store;
+  }
+
+  /// A newcomer (Communicator::join): connects to the running job's store, which the launcher or
+  /// a member hosts (never this process), without a refusal key: a wrong token fails this
+  /// process alone, not the job. Sets the job's prefixes, as init() does.
+  void connect_to_job(const Environment& env) {
+    if (env.master_port == 0)
+      fail(Errc::invalid_argument, "rank ", env.rank,
+           ": Communicator::join: MASTER_PORT is not set; export MASTER_ADDR and MASTER_PORT "
+           "of the running job, or launch with ddprun");
+    const EnvReader launcher;
+    prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
+    base_prefix = prefix;
+    job_prefix = prefix;
+    StoreOptions so;
+    so.timeout = options.timeout;
+    so.token = options.token;
+    int store_port = env.store_port != 0 ? env.store_port : env.master_port;
+    const int ports = env.store_port != 0 ? std::max(1, env.store_ports) : 1;
+    if (ports > 1) store_port = find_store(env, store_port, ports, so, job_name(env));
+    root_store = std::make_shared<Store>(
+        env.master_addr.empty() ? std::string("127.0.0.1") : env.master_addr, store_port, so);
+  }
+
+  /// What a store on one of several candidate ports says it serves: the job of `env`.
+  static std::string job_name(const Environment& env) {
+    const EnvReader launcher;
+    return concat(env.master_addr, ":", env.master_port, "/",
+                  launcher.get("TORCHELASTIC_RUN_ID", ""), "/",
+                  launcher.get("TORCHELASTIC_RESTART_COUNT", "0"));
   }
 
   /// The key under which a store on one of several candidate ports names its job.
@@ -7069,6 +7127,28 @@ struct CommState {
           {concat("exit/", world_rank_in_group), ""}};
       store->set_on_close(own);
     }
+  }
+
+  /// Whether rank r of this communicator is known gone: it left this communicator, or its
+  /// process did (the store's mark of it under init()'s prefix: how a member of a split() or a
+  /// newcomer is known dead).
+  [[nodiscard]] bool rank_gone(int r) const {
+    const auto seen = [&](const std::string& key) {
+      const std::string k[] = {key};
+      return root_store->check(k);
+    };
+    if (seen(concat(prefix, "exit/", r))) return true;
+    const auto i = static_cast<std::size_t>(r);
+    return i < world_ranks.size() && !job_prefix.empty() &&
+           seen(concat(job_prefix, "gone/", world_ranks[i]));
+  }
+
+  /// How many processes asked to join the job (Communicator::join) since its last growth: one
+  /// store read. 0 without a store, or for a communicator that split() made.
+  [[nodiscard]] int waiting_to_join() const {
+    if (!root_store || base_prefix != job_prefix) return 0;
+    Store base = root_store->prefixed(base_prefix).unwatched();
+    return static_cast<int>(std::max<std::int64_t>(0, base.add("join/next", 0) - joins_seen));
   }
 
   /// The store key that marks this process gone: "<init prefix>gone/<rank in init()'s
@@ -7950,11 +8030,18 @@ Buf to_buf(T& t, int rank, const char* what, const char* name) {
                 "buffer's type is host memory (std::vector, std::array, a span, ...): use "
                 "ddp::CudaBuffer<T> or a CUDA tensor type adapted with ddp::tensor_traits, or "
                 "Communicator<backend::Host> for host buffers");
+  Buf b;
   if constexpr (DynamicTensor<T>) {
-    return dynamic_buf<Backend>(ddp::view(t), rank, what, name);
+    b = dynamic_buf<Backend>(ddp::view(t), rank, what, name);
   } else {
-    return typed_buf<Backend>(ddp::view(t), rank, what, name);
+    b = typed_buf<Backend>(ddp::view(t), rank, what, name);
   }
+  if constexpr (backend_traits<Backend>::refuses_some) {
+    if (const char* why = Backend::refuses(what, b.dtype)) [[unlikely]]
+      fail(Errc::invalid_argument, "rank ", rank, ": backend::", Backend::name, ": ", what, "(",
+           to_string(b.dtype), "): ", why);
+  }
+  return b;
 }
 
 /// all_to_all's in_counts then out_counts, one per rank each, checked.
@@ -8045,6 +8132,241 @@ DDP_END_NAMESPACE
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/runtime/comm_state.hpp" (already included above)
+// begin ddp/runtime/growth.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// How a process joins a running job (Communicator::join) and how the job's members admit it
+/// (Communicator::grow), over the rendezvous store, under the prefix of the communicator that
+/// init() made (its "join/" keys):
+///  1. a newcomer takes a number ("join/next"), writes its request ("join/<id>": the world rank
+///     it claims, its process id, then its ticket) and waits for the reply ("join/<id>/reply");
+///  2. at a step boundary every member calls grow(); rank 0 reads the requests that arrived
+///     since the last growth and answers each with one compare-and-set: refused (written as
+///     "refuse <errc> <why>": a ticket unlike the members', the place of a live rank claimed)
+///     or admitted ("admit <epoch>"); a newcomer that gave up meanwhile has written "withdrawn"
+///     first and is passed over. Rank 0 then writes the decision ("e<E>/g/decision": the
+///     requests handled, the members' world ranks, the admitted requests in order); the other
+///     members wait for it (failing at once should rank 0 die);
+///  3. members and newcomers connect a new backend under "e<E>/g/comm/": the members keep their
+///     order (ranks 0..n-1), the newcomers follow in the order of their requests.
+/// A process that dies meanwhile fails the others' connecting at once (its connection's
+/// on-close record sets that communicator's "failed" key); the members then still hold the
+/// communicator they had, and shrink() it.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/options.hpp" (already included above)
+// #include "ddp/runtime/comm_state.hpp" (already included above)
+// #include "ddp/store/client.hpp" (already included above)
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// Test hook for fault injection: called with the phase of join() reached ("asked": its request
+/// written; "admitted": admitted, not yet connecting). Null outside tests.
+inline void (*&join_phase_hook() noexcept)(const char*) {
+  static void (*hook)(const char*) = nullptr;
+  return hook;
+}
+
+/// One growth of the job (step 2's decision).
+struct Growth {
+  std::int64_t upto = 0;          ///< the requests handled: every id up to this one
+  std::vector<int> members;       ///< the members' world ranks, in rank order
+  std::vector<std::int64_t> ids;  ///< the admitted requests, in order
+  std::vector<int> claims;        ///< their world ranks
+
+  [[nodiscard]] std::string text() const {
+    std::string s = concat(upto, "|", ranks_text(members), "|");
+    for (std::size_t i = 0; i < ids.size(); ++i)
+      s += concat(i == 0 ? "" : ",", ids[i], ":", claims[i]);
+    return s;
+  }
+  static Growth parse(std::string_view t) {
+    Growth g;
+    const std::size_t a = t.find('|'), b = t.find('|', a + 1);
+    if (a == std::string_view::npos || b == std::string_view::npos)
+      fail(Errc::protocol, "join: a damaged growth decision in the store: \"", t, "\"");
+    g.upto = std::stoll(std::string(t.substr(0, a)));
+    g.members = parse_ranks(t.substr(a + 1, b - a - 1));
+    const std::vector<int> rest = parse_ranks(t.substr(b + 1));  // id, claim, id, claim, ...
+    for (std::size_t i = 0; i + 1 < rest.size(); i += 2) {
+      g.ids.push_back(rest[i]);
+      g.claims.push_back(rest[i + 1]);
+    }
+    return g;
+  }
+};
+
+[[nodiscard]] inline std::string join_key(std::int64_t id, std::string_view what = {}) {
+  return what.empty() ? concat("join/", id) : concat("join/", id, "/", what);
+}
+[[nodiscard]] inline std::string growth_key(std::uint64_t epoch, std::string_view what) {
+  return concat("e", epoch, "/g/", what);
+}
+
+/// The value at `key`, "" when absent, without waiting.
+inline std::string peek_key(Store& s, const std::string& key) {
+  const std::string k[] = {key};
+  return s.check(k) ? s.get(key) : std::string();
+}
+
+/// Where two tickets (pieces separated by ';') first differ, for a refusal.
+[[nodiscard]] inline std::string ticket_difference(std::string_view theirs, std::string_view ours) {
+  const auto piece = [](std::string_view t, std::size_t k) {
+    for (std::size_t i = 0; i < k && !t.empty(); ++i) {
+      const std::size_t at = t.find(';');
+      t = at == std::string_view::npos ? std::string_view{} : t.substr(at + 1);
+    }
+    const std::string_view p = t.substr(0, t.find(';'));
+    return std::string(p.substr(0, 120));
+  };
+  for (std::size_t k = 0;; ++k) {
+    const std::string a = piece(theirs, k), b = piece(ours, k);
+    if (a != b)
+      return concat("its ticket has \"", a.empty() ? "(nothing)" : a,
+                    "\" where the members' has \"", b.empty() ? "(nothing)" : b, "\" (piece ", k,
+                    ")");
+    if (a.empty()) return "its ticket differs from the members'";
+  }
+}
+
+/// Rank 0 of the members: answers the requests that arrived since the last growth of `old`
+/// (this process's communicator, of `size` ranks) and writes the decision of epoch `epoch`.
+inline Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
+                            const std::string& ticket) {
+  Growth g;
+  g.upto = base.add("join/next", 0);
+  g.members = old.world_ranks;
+  std::vector<int> taken = old.world_ranks;
+  for (std::int64_t id = old.joins_seen + 1; id <= g.upto; ++id) {
+    const std::string reply = join_key(id, "reply");
+    // A newcomer writes its request just after taking its number: wait a moment for it.
+    const std::string req_key[] = {join_key(id)};
+    (void)base.missing_after(req_key, std::chrono::milliseconds(500));
+    const std::string request = peek_key(base, req_key[0]);
+    const std::string gone[] = {join_key(id, "gone")};
+    if (request.empty() || base.check(gone)) {
+      (void)base.compare_set(reply, "", "withdrawn");
+      continue;
+    }
+    const std::size_t line = request.find('\n');
+    const std::vector<int> head = parse_ranks(std::string_view(request).substr(0, line));
+    const std::string theirs = line == std::string::npos ? std::string() : request.substr(line + 1);
+    const int claim = head.empty() ? -1 : head[0];
+    std::string refusal;
+    if (theirs != ticket) {
+      refusal = concat(static_cast<int>(Errc::mismatch), " ", ticket_difference(theirs, ticket),
+                       ": a newcomer must run the same program (the same TrainingState: model, "
+                       "optimizer and objects, tracked in the same order) with the same "
+                       "JoinOptions::ticket as the members' GrowOptions::ticket");
+    } else if (claim < 0) {
+      refusal = concat(static_cast<int>(Errc::invalid_argument),
+                       " it claims no rank (Environment::rank is negative)");
+    } else if (std::find(taken.begin(), taken.end(), claim) != taken.end()) {
+      refusal = concat(static_cast<int>(Errc::invalid_argument), " it claims rank ", claim,
+                       "'s place, which a live process holds (a member of the job, or a newcomer "
+                       "admitted before it): a process rejoins as the rank it had only once that "
+                       "rank's process is gone; give an added process a rank of its own");
+    }
+    if (!refusal.empty()) {
+      (void)base.compare_set(reply, "", concat("refuse ", refusal));
+      continue;
+    }
+    const std::string admitted = concat("admit ", epoch);
+    if (base.compare_set(reply, "", admitted) != admitted) continue;  // it gave up meanwhile
+    g.ids.push_back(id);
+    g.claims.push_back(claim);
+    taken.push_back(claim);
+  }
+  base.set(growth_key(epoch, "decision"), g.text());
+  return g;
+}
+
+/// The other members: rank 0's decision of epoch `epoch` (rank 0 dying fails it at once).
+inline Growth await_growth(const CommState& old, Store& base, std::uint64_t epoch, int rank,
+                           Clock::time_point deadline) {
+  const std::string key[] = {growth_key(epoch, "decision")};
+  while (!base.check(key)) {
+    if (old.rank_gone(0))
+      fail(Errc::peer_lost, "rank ", rank,
+           ": grow: rank 0, which admits the newcomers, died before it decided; shrink() the "
+           "communicator and go on without it");
+    if (Clock::now() > deadline)
+      fail(Errc::timeout, "rank ", rank, ": grow: rank 0 did not decide within the timeout (",
+           old.options.timeout.count(), " ms): every member must call grow() at the same step");
+    (void)base.missing_after(key, std::chrono::milliseconds(20));
+  }
+  return Growth::parse(base.get(key[0]));
+}
+
+/// The members, before connecting: every admitted newcomer is connecting too (it wrote
+/// "join/<id>/connecting" once the store would mark its death), or one died first: then
+/// Errc::peer_lost, on every member alike, and the communicator they had goes on.
+inline void await_newcomers(Store& base, const Growth& g, int rank, Clock::time_point deadline) {
+  for (std::size_t i = 0; i < g.ids.size();) {
+    const std::string ready[] = {join_key(g.ids[i], "connecting")};
+    const std::string gone[] = {join_key(g.ids[i], "gone")};
+    if (base.check(ready)) {
+      ++i;
+      continue;
+    }
+    if (base.check(gone))
+      fail(Errc::peer_lost, "rank ", rank, ": grow: the newcomer claiming rank ", g.claims[i],
+           " died after it was admitted; this communicator is unchanged: shrink() it to go on");
+    if (Clock::now() > deadline)
+      fail(Errc::timeout, "rank ", rank, ": grow: the newcomer claiming rank ", g.claims[i],
+           " was admitted but did not connect within the timeout");
+    (void)base.missing_after(ready, std::chrono::milliseconds(20));
+  }
+}
+
+/// The newcomer's side of step 1: its request's id once written, and its reply once there.
+class JoinRequest {
+ public:
+  JoinRequest(Store& base, int claim, const std::string& ticket) : base_(base) {
+    id_ = base_.add("join/next", 1);
+    // Should this process die while it waits, rank 0 passes its request over.
+    const std::pair<std::string, std::string> on_close[] = {{join_key(id_, "gone"), ""}};
+    base_.set_on_close(on_close);
+    base_.set(join_key(id_), concat(claim, " ", ::getpid(), "\n", ticket));
+    if (join_phase_hook() != nullptr) join_phase_hook()("asked");
+  }
+  [[nodiscard]] std::int64_t id() const noexcept { return id_; }
+
+  /// The reply ("admit <E>" or "refuse <errc> <why>"), or "withdrawn" when none came by
+  /// `deadline` (the request is then withdrawn, unless a reply won the race).
+  std::string await(Clock::time_point deadline) {
+    const std::string key[] = {join_key(id_, "reply")};
+    for (;;) {
+      if (base_.check(key)) return base_.get(key[0]);
+      if (Clock::now() > deadline) return base_.compare_set(key[0], "", "withdrawn");
+      (void)base_.missing_after(key, std::chrono::milliseconds(20));
+    }
+  }
+
+ private:
+  Store& base_;
+  std::int64_t id_ = 0;
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/runtime/growth.hpp
 // begin ddp/runtime/membership.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -8257,19 +8579,7 @@ class MembershipChange {
     if (shrink_phase_hook() != nullptr) shrink_phase_hook()(phase);
   }
 
-  bool old_check(const std::string& full_key) const {
-    const std::string k[] = {full_key};
-    return old_.root_store->check(k);
-  }
-
-  /// Whether old rank r is known gone: it left the old communicator, or its process did (the
-  /// store's mark of it in init()'s communicator: how a member of a split() is known dead).
-  bool gone(int r) const {
-    if (old_check(concat(old_.prefix, "exit/", r))) return true;
-    const auto i = static_cast<std::size_t>(r);
-    return i < old_.world_ranks.size() && !old_.job_prefix.empty() &&
-           old_check(concat(old_.job_prefix, "gone/", old_.world_ranks[i]));
-  }
+  bool gone(int r) const { return old_.rank_gone(r); }
 
   /// Waits until every candidate has said it is alive or is known dead, or wait_ has passed, or
   /// another rank has decided; returns the candidates alive.
@@ -8381,6 +8691,30 @@ inline BackendInit begin_init(CommState& state, const Environment& env, Options&
   }
   if (bad_setting && !bi.store) std::rethrow_exception(bad_setting);
   return bi;
+}
+
+/// Communicator::init: the state of a new communicator, connected; every message names the rank.
+template <class State>
+std::shared_ptr<State> init_state(const Environment& env, Options options) {
+  try {
+    auto state = std::make_shared<State>();
+    std::exception_ptr bad_setting;
+    using Backend = std::remove_cvref_t<decltype(*state->backend)>;
+    const BackendInit bi =
+        begin_init(*state, env, options, backend_traits<Backend>::needs_store, bad_setting);
+    state->create_backend(bi, [&] {
+      if (bad_setting) std::rethrow_exception(bad_setting);
+      if (bi.store)
+        agree_on_job(*bi.store, bi.rank,
+                     {bi.size, std::string(Backend::name), options.verify_collectives},
+                     options.timeout, state->world_size);
+    });
+    state->end_rendezvous();
+    return state;
+  } catch (const Error& e) {
+    if (std::string_view(e.what()).starts_with("rank ")) throw;
+    fail(e.code(), "rank ", env.rank, ": ", e.what());
+  }
 }
 
 /// A communicator made by split(): `sub` takes `options` (the parent's, or the split's own) and
@@ -8504,6 +8838,165 @@ std::shared_ptr<State> shrink_state(State& old, int rank, int size, const Shrink
       return sub;
     }
   }
+}
+
+/// split() on a backend that does not split itself: the group of `color` (see begin_split),
+/// connected, its members agreeing on the job as at init.
+template <class State>
+std::shared_ptr<State> split_state(State& parent, const std::vector<std::pair<int, int>>& all,
+                                   int color, int rank, std::uint64_t n, const Options& options) {
+  auto sub = std::make_shared<State>();
+  const BackendInit bi = begin_split(*sub, parent, all, color, rank, n, options);
+  sub->create_backend(bi, [&] {
+    if (bi.store)
+      agree_on_job(*bi.store, bi.rank,
+                   {bi.size, std::string(std::remove_cvref_t<decltype(*parent.backend)>::name),
+                    options.verify_collectives},
+                   options.timeout, sub->world_size);
+  });
+  return sub;
+}
+
+/// The communicator of epoch `epoch` under `root`'s job prefix `base`: `sub` connected as `rank`
+/// of `size` (members, then newcomers). `mine`: what the store sets should this process die
+/// while connecting (besides the new communicator's "failed" key).
+template <class State>
+void connect_grown(State& sub, const std::string& base, std::uint64_t epoch, int rank, int size,
+                   std::vector<std::pair<std::string, std::string>> mine,
+                   const std::string& announce = {}) {
+  sub.prefix = concat(base, growth_key(epoch, "comm/"));
+  sub.base_prefix = base;
+  sub.job_prefix = base;
+  sub.epoch = epoch;
+  sub.rendezvous_deadline = Deadline::after(sub.options.timeout).at;
+  mine.emplace_back(
+      concat(sub.prefix, "failed"),
+      Store::stop_value(Errc::peer_lost, concat("rank ", rank, " of membership epoch ", epoch,
+                                                " died while the job was admitting newcomers")));
+  sub.root_store->set_on_close(mine);
+  if (!announce.empty()) sub.root_store->set(announce, "");  // a newcomer: now connecting
+  BackendInit bi;
+  bi.rank = rank;
+  bi.size = size;
+  bi.local_rank = sub.local_rank_hint;
+  bi.options = sub.options;
+  bi.store = std::make_shared<Store>(sub.root_store->prefixed(sub.prefix)
+                                         .watching("failed")
+                                         .with_deadline(sub.rendezvous_deadline));
+  sub.store = bi.store;
+  sub.world_size = size;
+  sub.joined = true;
+  sub.create_backend(bi, [&] {
+    agree_on_job(*bi.store, rank,
+                 {size, std::string(std::remove_cvref_t<decltype(*sub.backend)>::name),
+                  bi.options.verify_collectives},
+                 bi.options.timeout, sub.world_size);
+  });
+  sub.end_rendezvous();
+}
+
+/// Communicator::grow: the members of `old` (this rank `rank` of `size`) admit the processes
+/// waiting to join (runtime/growth.hpp) and connect with them; nullptr when none was admitted
+/// (`old` goes on). A failure leaves `old` usable: shrink() it.
+template <class State>
+std::shared_ptr<State> grow_state(State& old, int rank, const GrowOptions& o) {
+  if (old.replaced_by != 0)
+    fail(Errc::aborted, "rank ", rank,
+         ": grow: this communicator was already replaced by "
+         "membership epoch ",
+         old.replaced_by, "; use that communicator");
+  if (!old.root_store)
+    fail(Errc::unsupported, "rank ", rank,
+         ": grow: this communicator has no rendezvous store (a world of one made without one); "
+         "start the job under ddprun or ddp::spawn");
+  if (old.base_prefix != old.job_prefix)
+    fail(Errc::unsupported, "rank ", rank,
+         ": grow: newcomers join the communicator that init() made (and those that shrink() and "
+         "grow() made from it), not one that split() made");
+  const std::uint64_t epoch = old.epoch + 1;
+  Store base = old.root_store->prefixed(old.base_prefix).unwatched();
+  const Growth g =
+      rank == 0 ? decide_growth(old, base, epoch, o.ticket)
+                : await_growth(old, base, epoch, rank, Deadline::after(old.options.timeout).at);
+  old.joins_seen = g.upto;
+  if (g.ids.empty()) return nullptr;
+  auto sub = std::make_shared<State>();
+  inherit_settings(*sub, old, old.options);
+  sub->root_store = old.root_store;
+  sub->world_ranks = g.members;
+  sub->world_ranks.insert(sub->world_ranks.end(), g.claims.begin(), g.claims.end());
+  sub->joins_seen = g.upto;
+  const int size = static_cast<int>(g.members.size());
+  for (int r = 0; r < size + static_cast<int>(g.ids.size()); ++r)
+    sub->previous.push_back(r < size ? r : -1);
+  await_newcomers(base, g, rank, Deadline::after(old.options.timeout).at);
+  std::vector<std::pair<std::string, std::string>> mine{{concat(old.prefix, "exit/", rank), ""}};
+  if (const std::string p = old.process_exit_key(); !p.empty()) mine.emplace_back(p, "");
+  connect_grown(*sub, old.base_prefix, epoch, rank, size + static_cast<int>(g.ids.size()),
+                std::move(mine));
+  old.replaced_by = epoch;
+  old.poison_with(concat("rank ", rank,
+                         ": the communicator was replaced by grow() (membership "
+                         "epoch ",
+                         epoch, ")"),
+                  Errc::aborted);
+  return sub;
+}
+
+/// Communicator::join: this process asks the running job of `env` to admit it, as the world rank
+/// `env.rank` (its own again, after a restart, or one of its own for an added process), and,
+/// once admitted at the members' next grow(), connects with them.
+template <class State>
+std::shared_ptr<State> join_state(const Environment& env, Options options, const JoinOptions& j) {
+  std::exception_ptr bad_setting;
+  options = options.with_env(EnvReader(), bad_setting);
+  if (bad_setting) std::rethrow_exception(bad_setting);
+  if (j.wait.count() < 0)
+    fail(Errc::invalid_argument, "rank ", env.rank, ": join: JoinOptions::wait is ", j.wait.count(),
+         " ms; give 0 (the communicator's timeout) or more");
+  auto s = std::make_shared<State>();
+  s->configure(options);
+  s->world_rank = env.rank;
+  s->local_rank_hint = env.local_rank;
+  s->connect_to_job(env);
+  Store base = s->root_store->prefixed(s->base_prefix).unwatched();
+  JoinRequest request(base, env.rank, j.ticket);
+  const auto wait = j.wait.count() > 0 ? j.wait : options.timeout;
+  const std::string reply = request.await(Clock::now() + wait);
+  if (reply.starts_with("refuse ")) {
+    const std::size_t sp = reply.find(' ', 7);
+    const int code = std::stoi(reply.substr(7, sp - 7));
+    fail(static_cast<Errc>(code), "rank ", env.rank,
+         ": join: the job refused this process: ", reply.substr(sp + 1));
+  }
+  if (!reply.starts_with("admit "))
+    fail(Errc::timeout, "rank ", env.rank, ": join: no member admitted this process within ",
+         wait.count(),
+         " ms (the request was withdrawn): the members admit newcomers when they call grow(), "
+         "which a TrainingState loop does when TrainingState::joining() says so after a commit; "
+         "is the job running, with the same DDP_GROUP, token and MASTER_ADDR:MASTER_PORT?");
+  const std::uint64_t epoch = std::stoull(reply.substr(6));
+  const std::string key[] = {growth_key(epoch, "decision")};
+  base.wait(key);
+  const Growth g = Growth::parse(base.get(key[0]));
+  const auto at = std::find(g.ids.begin(), g.ids.end(), request.id());
+  if (at == g.ids.end())
+    fail(Errc::protocol, "rank ", env.rank, ": join: admitted to membership epoch ", epoch,
+         " but not in its decision");
+  const int members = static_cast<int>(g.members.size());
+  s->world_ranks = g.members;
+  s->world_ranks.insert(s->world_ranks.end(), g.claims.begin(), g.claims.end());
+  s->joins_seen = g.upto;
+  for (int r = 0; r < members + static_cast<int>(g.ids.size()); ++r)
+    s->previous.push_back(r < members ? r : -1);
+  const std::string base_prefix = s->base_prefix;
+  if (join_phase_hook() != nullptr) join_phase_hook()("admitted");
+  connect_grown(*s, base_prefix, epoch, members + static_cast<int>(at - g.ids.begin()),
+                members + static_cast<int>(g.ids.size()),
+                {{concat(base_prefix, join_key(request.id(), "gone")), ""},
+                 {concat(base_prefix, "gone/", env.rank), ""}},
+                concat(base_prefix, join_key(request.id(), "connecting")));
+  return s;
 }
 
 }  // namespace detail
@@ -9212,33 +9705,9 @@ class Communicator {
   /// connects the ranks. A world of one needs no store.
   [[nodiscard]] static Communicator init(const Environment& env = Environment::detect(),
                                          Options options = {}) {
-    try {
-      return init_unnamed(env, std::move(options));
-    } catch (const Error& e) {  // every message names the rank
-      if (std::string_view(e.what()).starts_with("rank ")) throw;
-      detail::fail(e.code(), "rank ", env.rank, ": ", e.what());
-    }
+    return Communicator(detail::init_state<State>(env, std::move(options)));
   }
 
- private:
-  static Communicator init_unnamed(const Environment& env, Options options) {
-    auto state = std::make_shared<State>();
-    std::exception_ptr bad_setting;
-    const detail::BackendInit bi =
-        detail::begin_init(*state, env, options, backend_traits<Backend>::needs_store, bad_setting);
-    state->create_backend(bi, [&] {
-      if (bad_setting) std::rethrow_exception(bad_setting);
-      if (bi.store) {
-        detail::agree_on_job(*bi.store, bi.rank,
-                             {bi.size, std::string(Backend::name), options.verify_collectives},
-                             options.timeout, state->world_size);
-      }
-    });
-    state->end_rendezvous();
-    return Communicator(std::move(state));
-  }
-
- public:
   /// Takes over `other`'s process group; `other` is left invalid.
   Communicator(Communicator&&) noexcept = default;
   /// Takes over `other`'s process group, releasing the one this communicator held.
@@ -9611,17 +10080,9 @@ class Communicator {
     const auto all = all_gather_object(std::pair<int, int>{color, key});
     const std::uint64_t n = checked().splits++;
     if (color == no_color) return Communicator(nullptr);
-    auto sub = std::make_shared<State>();
-    const detail::BackendInit bi =
-        detail::begin_split(*sub, *state_, all, color, rank(), n, options);
-    exec_fn("split", [&](Backend&, State&) {
-      sub->create_backend(bi, [&] {
-        if (bi.store) {  // the members agree (verify_collectives) as at init
-          detail::agree_on_job(*bi.store, bi.rank,
-                               {bi.size, std::string(Backend::name), options.verify_collectives},
-                               options.timeout, sub->world_size);
-        }
-      });
+    std::shared_ptr<State> sub;
+    exec_fn("split", [&](Backend&, State& s) {
+      sub = detail::split_state(s, all, color, rank(), n, options);
     });
     return Communicator(std::move(sub));
   }
@@ -9638,16 +10099,39 @@ class Communicator {
   /// rank 0 is lost). backend::Host; Errc::unsupported on the others.
   [[nodiscard]] Communicator shrink(const ShrinkOptions& options = {}) {
     State& s = same_process("shrink");
-    if constexpr (backend_traits<Backend>::splits) {
-      detail::fail(
-          Errc::unsupported, "rank ", rank(), ": shrink: not available on backend::", Backend::name,
-          " (", detail::shrink_refusal(Backend::name), "); for fault tolerance use backend::Host");
-    }
+    refuse_membership(rank(), "shrink");
     return Communicator(detail::shrink_state(s, rank(), size(), options));
   }
-  /// Membership epoch: 0 for a communicator from init() or split(), one more for each shrink().
+  /// Admits the processes waiting to join (join()), at a step boundary: every member calls it,
+  /// and gets the communicator of the members (ranks 0..n-1, in their order) and the newcomers
+  /// (n.., in the order they asked), at the next membership epoch; or, when none was admitted,
+  /// this one. Rank 0 answers each request: refused when its ticket differs from
+  /// `options.ticket` (Errc::mismatch) or it claims a live rank's place (Errc::invalid_argument),
+  /// the refusal reaching the newcomer alone. A failure meanwhile (a newcomer or member died)
+  /// leaves this communicator as it was: shrink() it. backend::Host; Errc::unsupported else.
+  [[nodiscard]] Communicator grow(const GrowOptions& options = {}) {
+    State& s = same_process("grow");
+    refuse_membership(rank(), "grow");
+    auto grown = detail::grow_state(s, rank(), options);
+    return grown ? Communicator(std::move(grown)) : Communicator(state_);
+  }
+  /// A process joins a running job (a restarted worker, or an added one): asks to be admitted as
+  /// world rank env.rank (its own, after a restart: refused while that rank's process lives),
+  /// waits until the members' next grow() admits it (JoinOptions::wait), and returns its
+  /// communicator with them. Then it receives their state (TrainingState::restore). Refusals
+  /// and a wrong token fail this process alone.
+  [[nodiscard]] static Communicator join(const Environment& env = Environment::detect(),
+                                         const Options& options = {}, const JoinOptions& j = {}) {
+    refuse_membership(env.rank, "join");
+    return Communicator(detail::join_state<State>(env, options, j));
+  }
+  /// How many processes wait to join (one store read; not collective: for an agreed decision
+  /// use TrainingState::joining()). 0 without a store.
+  [[nodiscard]] int waiting_to_join() const { return checked().waiting_to_join(); }
+  /// Membership epoch: 0 for a communicator from init() or split(), one more for each change.
   [[nodiscard]] std::uint64_t epoch() const { return checked().epoch; }
-  /// After shrink(): each rank's number in the communicator it was shrunk from (empty before).
+  /// After shrink() or grow(): each rank's number in the communicator it was made from (-1: a
+  /// newcomer); empty before.
   [[nodiscard]] const std::vector<int>& previous_ranks() const { return checked().previous; }
 
   /// The ranks of this communicator on this host, as a communicator (made by split() on first
@@ -9682,6 +10166,14 @@ class Communicator {
   using State = detail::CommRunner<Backend, Communicator>;
 
   explicit Communicator(std::shared_ptr<State> s) : state_(std::move(s)) {}
+
+  static void refuse_membership(int rank, const char* what) {
+    if constexpr (backend_traits<Backend>::splits)
+      detail::fail(Errc::unsupported, "rank ", rank, ": ", what,
+                   ": not available on backend::", Backend::name, " (",
+                   detail::shrink_refusal(Backend::name),
+                   "); for fault tolerance use backend::Host");
+  }
 
   /// checked(), and that this is the process that created the communicator: a fork() child
   /// shares its peers' shared memory and sockets, and using them would corrupt the parent's job.
@@ -14618,6 +15110,17 @@ class Nccl {
     }
   }
 
+  /// NCCL reduces no 16-bit integers: the Communicator refuses them as it checks the arguments
+  /// (backend_traits::refuses_some), so every rank refuses alike and nothing is sent.
+  static const char* refuses(std::string_view what, DType t) noexcept {
+    if (t != DType::int16 && t != DType::uint16) return nullptr;
+    if (what != "all_reduce" && what != "reduce" && what != "reduce_scatter" &&
+        what != "all_reduce_coalesced")
+      return nullptr;
+    return "NCCL cannot reduce 16-bit integers; reduce them as int32 (or float16 where the "
+           "values fit), or use backend::Host";
+  }
+
  private:
   Nccl(const detail::BackendInit& init, int device)
       : Nccl(init.rank, init.size, device, init.options.timeout) {}
@@ -14692,14 +15195,10 @@ class Nccl {
     return text != nullptr && *text != '\0' ? detail::concat(" (", text, ")") : std::string();
   }
 
-  /// NCCL reduces no 16-bit integers; every rank refuses alike (the dtype is in the fingerprint).
   void reducible(const detail::Buf& b, const char* what) const {
-    if (b.dtype == DType::int16 || b.dtype == DType::uint16) {
+    if (const char* why = refuses(what, b.dtype))
       detail::fail(Errc::invalid_argument, "rank ", rank_, ": backend::Nccl: ", what, "(",
-                   to_string(b.dtype),
-                   "): NCCL cannot reduce 16-bit integers; reduce them as "
-                   "int32 (or float16 where the values fit), or use backend::Host");
-    }
+                   to_string(b.dtype), "): ", why);
   }
 
   [[nodiscard]] static ncclDataType_t type(const detail::Buf& b) noexcept {
@@ -16377,13 +16876,16 @@ DDP_END_NAMESPACE
 /// buffer holds; one with state of its own (error feedback) leaves it alone when bucket.shadow.
 
 // #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 // #include "ddp/work.hpp" (already included above)
 
 #include <cstddef>
+#include <exception>
 #include <functional>
 #include <span>
+#include <string>
 #include <type_traits>
 
 DDP_BEGIN_NAMESPACE
@@ -16426,6 +16928,33 @@ concept CommHookFor = (std::is_invocable_r_v<Work, F&, Comm&, GradBucket<T>&>);
 /// A comm hook as an averager keeps it.
 template <class Comm, class T>
 using CommHook = std::function<Work(Comm&, GradBucket<T>&)>;
+
+namespace detail {
+
+/// The exception in flight, out of bucket k's hook (its gradients: `pieces`), as the ddp::Error
+/// that names the bucket: a ddp::Error keeps its code; anything else is the hook's own fault
+/// (Errc::invalid_argument).
+inline std::exception_ptr hook_error(int rank, const char* who, std::size_t k,
+                                     std::span<const BucketPiece> pieces) {
+  Errc code = Errc::invalid_argument;
+  std::string what = "an exception that is not a std::exception", params;
+  const char* hint = "; a hook returns the Work of the collectives it started, on every rank";
+  try {
+    throw;
+  } catch (const Error& e) {
+    code = e.code(), what = e.what(), hint = "";
+  } catch (const std::exception& e) {
+    what = e.what();
+  } catch (...) {
+  }
+  for (const BucketPiece& p : pieces)
+    params += (params.empty() ? "" : ", ") + std::to_string(p.param);
+  return std::make_exception_ptr(
+      Error(code, concat("rank ", rank, ": ", who, ": the comm hook failed on bucket ", k,
+                         " (parameters ", params, "): ", what, "; the step was dropped", hint)));
+}
+
+}  // namespace detail
 
 /// The built-in hook all_reduce: bucket.buffer reduced with bucket.op (torch's allreduce_hook).
 struct AllReduceHook {
@@ -17150,10 +17679,6 @@ class BucketEngine final : public AveragerBase {
   }
 
   void join_attach(bool on) override {
-    if (on && cuda_)
-      fail_as(Errc::unsupported,
-              "ddp::Join: gradients in CUDA memory cannot join yet (host "
-              "gradients on backend::Host and backend::Mpi can)");
     if (next_ != 0)
       fail("ddp::Join: buckets of this step were already started; make the Join between steps");
     join_ = on;
@@ -17164,8 +17689,7 @@ class BucketEngine final : public AveragerBase {
   void join_step(int) override {
     guarded([&] {
       for (std::size_t k = 0; k < buckets_.size(); ++k) {
-        shadow_.assign(buckets_[k].elements, T{});
-        run_hook(k, View{shadow_.data(), shadow_.size(), Device::cpu(), nullptr}, true);
+        run_hook(k, zeros(buckets_[k].elements), true);
         wait_all();
       }
     });
@@ -17454,29 +17978,8 @@ class BucketEngine final : public AveragerBase {
     try {
       b.work.emplace(hook_(*comm_, b.grad));
     } catch (...) {
-      failure_ = hook_error(k);
+      failure_ = hook_error(comm_->rank(), who_, k, buckets_[k].pieces);
     }
-  }
-
-  // The exception in flight, out of bucket k's hook, as the ddp::Error that names the bucket (a
-  // ddp::Error keeps its code; anything else is the hook's own fault: Errc::invalid_argument).
-  std::exception_ptr hook_error(std::size_t k) {
-    Errc code = Errc::invalid_argument;
-    std::string what = "an exception that is not a std::exception", params;
-    const char* hint = "; a hook returns the Work of the collectives it started, on every rank";
-    try {
-      throw;
-    } catch (const Error& e) {
-      code = e.code(), what = e.what(), hint = "";
-    } catch (const std::exception& e) {
-      what = e.what();
-    } catch (...) {
-    }
-    for (const BucketPiece& p : buckets_[k].pieces)
-      params += (params.empty() ? "" : ", ") + std::to_string(p.param);
-    return std::make_exception_ptr(
-        Error(code, concat("rank ", rank(), ": ", who_, ": the comm hook failed on bucket ", k,
-                           " (parameters ", params, "): ", what, "; the step was dropped", hint)));
   }
 
   // Waits for every bucket's work, in order; then throws a hook's failure (a collective's own
@@ -17488,7 +17991,7 @@ class BucketEngine final : public AveragerBase {
       } catch (const Error&) {
         throw;
       } catch (...) {
-        if (!failure_) failure_ = hook_error(k);
+        if (!failure_) failure_ = hook_error(comm_->rank(), who_, k, buckets_[k].pieces);
       }
     }
     if (failure_) std::rethrow_exception(std::exchange(failure_, nullptr));
@@ -17509,12 +18012,33 @@ class BucketEngine final : public AveragerBase {
     std::fill(ready_.begin(), ready_.end(), false);
   }
 
-  // In a Join: the sums of bucket b become averages over the ranks that trained this step.
+  // `n` zeros where the buckets live, the contribution of a rank that finished (Join).
+  View zeros(std::size_t n) {
+#if DDP_HAS_CUDA
+    if (device_buckets_) {
+      if (shadow_device_.size() < n)
+        shadow_device_ = CudaBuffer<T>(n, device_, static_cast<cudaStream_t>(grads_[0].stream));
+      zero_bytes(shadow_device_.data(), n * sizeof(T), true, shadow_device_.stream());
+      return ddp::view(shadow_device_).subview(0, n);
+    }
+#endif
+    shadow_.assign(n, T{});
+    return View{shadow_.data(), n, Device::cpu(), nullptr};
+  }
+
+  // In a Join: the sums of bucket b become averages over the ranks that trained this step. No
+  // GPU kernels here: a bucket in CUDA memory is divided on the host, a copy each way.
   void divide(Bucket& b) {
     using A = typename Accum<T>::type;
     T* d = b.in_place ? grads_[b.pieces[0].param].data : b.flat.data;
+    void* stream = b.in_place ? grads_[b.pieces[0].param].stream : b.flat.stream;
+    const bool dev = b.in_place ? cuda_ : device_buckets_;
+    if (dev) shadow_.resize(b.elements);
+    T* h = dev ? shadow_.data() : d;
+    copy_bytes(h, d, dev ? b.elements * sizeof(T) : 0, true, stream), sync_stream(dev, stream);
     for (std::size_t k = 0; k < b.elements; ++k)
-      d[k] = static_cast<T>(static_cast<A>(d[k]) / static_cast<A>(active_));
+      h[k] = static_cast<T>(static_cast<A>(h[k]) / static_cast<A>(active_));
+    copy_bytes(d, h, dev ? b.elements * sizeof(T) : 0, true, stream), sync_stream(dev, stream);
   }
 
   // f(piece, at, n) for the parts [at, at + n) of b's pieces that lie in [lo, hi).
@@ -17564,9 +18088,12 @@ class BucketEngine final : public AveragerBase {
   std::vector<std::shared_ptr<void>> hooks_;  // the framework's ready hooks
   CommHook<Comm, T> hook_;                    // what is done to a full bucket
   std::exception_ptr failure_;                // a hook's, kept for synchronize()
-  std::vector<T> shadow_;                     // the zeros a finished rank contributes
-  std::size_t shards_ = 1, owner_ = 0;        // blocks per bucket; this rank's
-  std::size_t next_ = 0;                      // the next bucket to launch
+  std::vector<T> shadow_;  // the zeros a finished rank contributes; a device bucket divided
+#if DDP_HAS_CUDA
+  CudaBuffer<T> shadow_device_;  // the zeros in CUDA memory, for a backend that moves it
+#endif
+  std::size_t shards_ = 1, owner_ = 0;  // blocks per bucket; this rank's
+  std::size_t next_ = 0;                // the next bucket to launch
   int device_ = 0, active_ = 0;  // the parameters' CUDA device; ranks training this step (Join)
   bool cuda_ = false, device_buckets_ = false;  // the parameters on a GPU; the buckets too
   bool coalesce_ = false;                // the default all_reduce: the last buckets may go as one
@@ -19653,6 +20180,7 @@ DDP_END_NAMESPACE
 // #include "ddp/codec.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
+// #include "ddp/options.hpp" (already included above)
 // #include "ddp/process_group.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/training/checkpoint.hpp" (already included above)
@@ -19661,6 +20189,7 @@ DDP_END_NAMESPACE
 // #include "ddp/types.hpp" (already included above)
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -19761,9 +20290,11 @@ class TrainingState {
     confirming_ = steps_ + 1;
     // max of the commit and of its complement: the largest and the smallest over the members
     // (three values: a commit on some ranks never pairs with a program's own all_reduce of two).
+    // The third: how many processes wait to join, as rank 0 sees them (Communicator::join).
     std::vector<double> at{static_cast<double>(confirming_), -static_cast<double>(confirming_),
-                           0.0};
+                           comm.rank() == 0 ? static_cast<double>(poll_joining(comm)) : 0.0};
     comm.all_reduce_host(std::span<double>(at), ReduceOp::max);
+    joining_ = static_cast<int>(at[2]);
     if (at[0] != -at[1])
       detail::fail(Errc::mismatch, "rank ", comm.rank(),
                    ": TrainingState::commit: this rank commits step ", confirming_,
@@ -19798,6 +20329,44 @@ class TrainingState {
     steps_ = newest;
     confirming_ = 0;
     return newest;
+  }
+
+  /// How many processes waited to join the job at the last commit(), the same on every member
+  /// (rank 0 looks at most every 50 ms). When it is not 0, every member calls grow(comm).
+  [[nodiscard]] int joining() const noexcept { return joining_; }
+
+  /// Collective over the members, after a commit() whose joining() is not 0: admits the
+  /// processes waiting to join (Communicator::grow with ticket()), replaces `comm` with the
+  /// grown communicator, and sends every member the last commit (restore()), the newcomers
+  /// included (they call restore() after Communicator::join). Returns whether the membership
+  /// changed: then re-create the averagers over `comm` (their constructors are collective, and
+  /// the newcomers make theirs now). A failure meanwhile throws as a collective does, `comm`
+  /// already the grown one: shrink() it and restore(), as after any failure.
+  template <class Comm>
+  bool grow(Comm& comm) {
+    GrowOptions o;
+    o.ticket = ticket();
+    joining_ = last_waiting_ = 0;
+    Comm grown = comm.grow(o);
+    if (grown.epoch() == comm.epoch()) return false;
+    comm = std::move(grown);
+    restore(comm);
+    return true;
+  }
+
+  /// What a process must track alike to be admitted to the job (GrowOptions::ticket,
+  /// JoinOptions::ticket): each piece's name, kind and size (tensors: bytes; objects: a tag of
+  /// their type; samplers: the dataset size), in order.
+  [[nodiscard]] std::string ticket() const {
+    std::string t;
+    for (const Piece& p : pieces_) {
+      const char* kind = p.kind == 0   ? " tensor of bytes "
+                         : p.kind == 1 ? " object "
+                                       : " sampler of ";
+      t += detail::concat(t.empty() ? "" : ";", p.name, kind,
+                          p.where ? p.where().bytes : p.describe());
+    }
+    return t;
   }
 
   /// Commits made since start() (after restore(): the commit restored).
@@ -19924,7 +20493,22 @@ class TrainingState {
     }
   }
 
+  // Rank 0's look at the processes waiting to join, at most every 50 ms.
+  template <class Comm>
+  int poll_joining(Comm& comm) {
+    if constexpr (requires { comm.waiting_to_join(); }) {
+      const auto now = std::chrono::steady_clock::now();
+      if (now - polled_ < std::chrono::milliseconds(50)) return last_waiting_;
+      polled_ = now;
+      last_waiting_ = comm.waiting_to_join();
+      return last_waiting_;
+    }
+    return 0;
+  }
+
   std::vector<Piece> pieces_;
+  int joining_ = 0, last_waiting_ = 0;
+  std::chrono::steady_clock::time_point polled_{};
   std::uint64_t steps_ = 0;       // commits made (since start)
   std::uint64_t confirming_ = 0;  // the commit being confirmed (0: none)
 };

@@ -259,7 +259,7 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "comm hooks on backend::Nccl: a hook of the user's on device buckets; compression refused "
+    "comm hooks on backend::Nccl: a hook of the user's on device buckets, compression refused "
     "naming the bucket") {
   auto comm = single();
   ddp::CudaStream stream(0);

@@ -164,11 +164,12 @@ struct TempDir {
     char tmpl[] = "/tmp/ddp-test-XXXXXX";
     path = ::mkdtemp(tmpl);
   }
-  ~TempDir() { std::system(("rm -rf " + path).c_str()); }
+  ~TempDir() { [[maybe_unused]] const int rc = std::system(("rm -rf " + path).c_str()); }
   [[nodiscard]] std::string file(const std::string& name) const { return path + "/" + name; }
   static void write(const std::string& file, const std::string& text) {
     std::ofstream(file) << text;
   }
+  [[nodiscard]] static bool exists(const std::string& file) { return std::ifstream(file).good(); }
   [[nodiscard]] static std::string read(const std::string& file) {
     std::ifstream in(file);
     std::stringstream ss;

@@ -18,6 +18,7 @@
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
 #include "ddp/runtime/comm_state.hpp"
+#include "ddp/runtime/growth.hpp"
 #include "ddp/runtime/membership.hpp"
 #include "ddp/store/client.hpp"
 
@@ -67,6 +68,30 @@ inline BackendInit begin_init(CommState& state, const Environment& env, Options&
   }
   if (bad_setting && !bi.store) std::rethrow_exception(bad_setting);
   return bi;
+}
+
+/// Communicator::init: the state of a new communicator, connected; every message names the rank.
+template <class State>
+std::shared_ptr<State> init_state(const Environment& env, Options options) {
+  try {
+    auto state = std::make_shared<State>();
+    std::exception_ptr bad_setting;
+    using Backend = std::remove_cvref_t<decltype(*state->backend)>;
+    const BackendInit bi =
+        begin_init(*state, env, options, backend_traits<Backend>::needs_store, bad_setting);
+    state->create_backend(bi, [&] {
+      if (bad_setting) std::rethrow_exception(bad_setting);
+      if (bi.store)
+        agree_on_job(*bi.store, bi.rank,
+                     {bi.size, std::string(Backend::name), options.verify_collectives},
+                     options.timeout, state->world_size);
+    });
+    state->end_rendezvous();
+    return state;
+  } catch (const Error& e) {
+    if (std::string_view(e.what()).starts_with("rank ")) throw;
+    fail(e.code(), "rank ", env.rank, ": ", e.what());
+  }
 }
 
 /// A communicator made by split(): `sub` takes `options` (the parent's, or the split's own) and
@@ -190,6 +215,165 @@ std::shared_ptr<State> shrink_state(State& old, int rank, int size, const Shrink
       return sub;
     }
   }
+}
+
+/// split() on a backend that does not split itself: the group of `color` (see begin_split),
+/// connected, its members agreeing on the job as at init.
+template <class State>
+std::shared_ptr<State> split_state(State& parent, const std::vector<std::pair<int, int>>& all,
+                                   int color, int rank, std::uint64_t n, const Options& options) {
+  auto sub = std::make_shared<State>();
+  const BackendInit bi = begin_split(*sub, parent, all, color, rank, n, options);
+  sub->create_backend(bi, [&] {
+    if (bi.store)
+      agree_on_job(*bi.store, bi.rank,
+                   {bi.size, std::string(std::remove_cvref_t<decltype(*parent.backend)>::name),
+                    options.verify_collectives},
+                   options.timeout, sub->world_size);
+  });
+  return sub;
+}
+
+/// The communicator of epoch `epoch` under `root`'s job prefix `base`: `sub` connected as `rank`
+/// of `size` (members, then newcomers). `mine`: what the store sets should this process die
+/// while connecting (besides the new communicator's "failed" key).
+template <class State>
+void connect_grown(State& sub, const std::string& base, std::uint64_t epoch, int rank, int size,
+                   std::vector<std::pair<std::string, std::string>> mine,
+                   const std::string& announce = {}) {
+  sub.prefix = concat(base, growth_key(epoch, "comm/"));
+  sub.base_prefix = base;
+  sub.job_prefix = base;
+  sub.epoch = epoch;
+  sub.rendezvous_deadline = Deadline::after(sub.options.timeout).at;
+  mine.emplace_back(
+      concat(sub.prefix, "failed"),
+      Store::stop_value(Errc::peer_lost, concat("rank ", rank, " of membership epoch ", epoch,
+                                                " died while the job was admitting newcomers")));
+  sub.root_store->set_on_close(mine);
+  if (!announce.empty()) sub.root_store->set(announce, "");  // a newcomer: now connecting
+  BackendInit bi;
+  bi.rank = rank;
+  bi.size = size;
+  bi.local_rank = sub.local_rank_hint;
+  bi.options = sub.options;
+  bi.store = std::make_shared<Store>(sub.root_store->prefixed(sub.prefix)
+                                         .watching("failed")
+                                         .with_deadline(sub.rendezvous_deadline));
+  sub.store = bi.store;
+  sub.world_size = size;
+  sub.joined = true;
+  sub.create_backend(bi, [&] {
+    agree_on_job(*bi.store, rank,
+                 {size, std::string(std::remove_cvref_t<decltype(*sub.backend)>::name),
+                  bi.options.verify_collectives},
+                 bi.options.timeout, sub.world_size);
+  });
+  sub.end_rendezvous();
+}
+
+/// Communicator::grow: the members of `old` (this rank `rank` of `size`) admit the processes
+/// waiting to join (runtime/growth.hpp) and connect with them; nullptr when none was admitted
+/// (`old` goes on). A failure leaves `old` usable: shrink() it.
+template <class State>
+std::shared_ptr<State> grow_state(State& old, int rank, const GrowOptions& o) {
+  if (old.replaced_by != 0)
+    fail(Errc::aborted, "rank ", rank,
+         ": grow: this communicator was already replaced by "
+         "membership epoch ",
+         old.replaced_by, "; use that communicator");
+  if (!old.root_store)
+    fail(Errc::unsupported, "rank ", rank,
+         ": grow: this communicator has no rendezvous store (a world of one made without one); "
+         "start the job under ddprun or ddp::spawn");
+  if (old.base_prefix != old.job_prefix)
+    fail(Errc::unsupported, "rank ", rank,
+         ": grow: newcomers join the communicator that init() made (and those that shrink() and "
+         "grow() made from it), not one that split() made");
+  const std::uint64_t epoch = old.epoch + 1;
+  Store base = old.root_store->prefixed(old.base_prefix).unwatched();
+  const Growth g =
+      rank == 0 ? decide_growth(old, base, epoch, o.ticket)
+                : await_growth(old, base, epoch, rank, Deadline::after(old.options.timeout).at);
+  old.joins_seen = g.upto;
+  if (g.ids.empty()) return nullptr;
+  auto sub = std::make_shared<State>();
+  inherit_settings(*sub, old, old.options);
+  sub->root_store = old.root_store;
+  sub->world_ranks = g.members;
+  sub->world_ranks.insert(sub->world_ranks.end(), g.claims.begin(), g.claims.end());
+  sub->joins_seen = g.upto;
+  const int size = static_cast<int>(g.members.size());
+  for (int r = 0; r < size + static_cast<int>(g.ids.size()); ++r)
+    sub->previous.push_back(r < size ? r : -1);
+  await_newcomers(base, g, rank, Deadline::after(old.options.timeout).at);
+  std::vector<std::pair<std::string, std::string>> mine{{concat(old.prefix, "exit/", rank), ""}};
+  if (const std::string p = old.process_exit_key(); !p.empty()) mine.emplace_back(p, "");
+  connect_grown(*sub, old.base_prefix, epoch, rank, size + static_cast<int>(g.ids.size()),
+                std::move(mine));
+  old.replaced_by = epoch;
+  old.poison_with(concat("rank ", rank,
+                         ": the communicator was replaced by grow() (membership "
+                         "epoch ",
+                         epoch, ")"),
+                  Errc::aborted);
+  return sub;
+}
+
+/// Communicator::join: this process asks the running job of `env` to admit it, as the world rank
+/// `env.rank` (its own again, after a restart, or one of its own for an added process), and,
+/// once admitted at the members' next grow(), connects with them.
+template <class State>
+std::shared_ptr<State> join_state(const Environment& env, Options options, const JoinOptions& j) {
+  std::exception_ptr bad_setting;
+  options = options.with_env(EnvReader(), bad_setting);
+  if (bad_setting) std::rethrow_exception(bad_setting);
+  if (j.wait.count() < 0)
+    fail(Errc::invalid_argument, "rank ", env.rank, ": join: JoinOptions::wait is ", j.wait.count(),
+         " ms; give 0 (the communicator's timeout) or more");
+  auto s = std::make_shared<State>();
+  s->configure(options);
+  s->world_rank = env.rank;
+  s->local_rank_hint = env.local_rank;
+  s->connect_to_job(env);
+  Store base = s->root_store->prefixed(s->base_prefix).unwatched();
+  JoinRequest request(base, env.rank, j.ticket);
+  const auto wait = j.wait.count() > 0 ? j.wait : options.timeout;
+  const std::string reply = request.await(Clock::now() + wait);
+  if (reply.starts_with("refuse ")) {
+    const std::size_t sp = reply.find(' ', 7);
+    const int code = std::stoi(reply.substr(7, sp - 7));
+    fail(static_cast<Errc>(code), "rank ", env.rank,
+         ": join: the job refused this process: ", reply.substr(sp + 1));
+  }
+  if (!reply.starts_with("admit "))
+    fail(Errc::timeout, "rank ", env.rank, ": join: no member admitted this process within ",
+         wait.count(),
+         " ms (the request was withdrawn): the members admit newcomers when they call grow(), "
+         "which a TrainingState loop does when TrainingState::joining() says so after a commit; "
+         "is the job running, with the same DDP_GROUP, token and MASTER_ADDR:MASTER_PORT?");
+  const std::uint64_t epoch = std::stoull(reply.substr(6));
+  const std::string key[] = {growth_key(epoch, "decision")};
+  base.wait(key);
+  const Growth g = Growth::parse(base.get(key[0]));
+  const auto at = std::find(g.ids.begin(), g.ids.end(), request.id());
+  if (at == g.ids.end())
+    fail(Errc::protocol, "rank ", env.rank, ": join: admitted to membership epoch ", epoch,
+         " but not in its decision");
+  const int members = static_cast<int>(g.members.size());
+  s->world_ranks = g.members;
+  s->world_ranks.insert(s->world_ranks.end(), g.claims.begin(), g.claims.end());
+  s->joins_seen = g.upto;
+  for (int r = 0; r < members + static_cast<int>(g.ids.size()); ++r)
+    s->previous.push_back(r < members ? r : -1);
+  const std::string base_prefix = s->base_prefix;
+  if (join_phase_hook() != nullptr) join_phase_hook()("admitted");
+  connect_grown(*s, base_prefix, epoch, members + static_cast<int>(at - g.ids.begin()),
+                members + static_cast<int>(g.ids.size()),
+                {{concat(base_prefix, join_key(request.id(), "gone")), ""},
+                 {concat(base_prefix, "gone/", env.rank), ""}},
+                concat(base_prefix, join_key(request.id(), "connecting")));
+  return s;
 }
 
 }  // namespace detail

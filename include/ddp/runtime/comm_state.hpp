@@ -108,8 +108,11 @@ struct CommState {
   /// knows that a member of any communicator of the job died.
   std::vector<int> world_ranks;
   std::string job_prefix;
-  /// The membership epoch a shrink() of this communicator formed (0: none): it is replaced.
+  /// The membership epoch a shrink() or grow() of this communicator formed (0: none): it is
+  /// replaced.
   std::uint64_t replaced_by = 0;
+  /// The join requests (Communicator::join) answered so far: every id up to this one.
+  std::int64_t joins_seen = 0;
   std::unique_ptr<Executor> executor = std::make_unique<Executor>();
   /// When the rendezvous must be done: Options::timeout after init() began.
   Clock::time_point rendezvous_deadline = Clock::time_point::max();
@@ -154,9 +157,7 @@ struct CommState {
     const int ports = env.store_port != 0 ? std::max(1, env.store_ports) : 1;
     // With several candidate ports, the store says whose it is: a probing rank must not join
     // another job's store that took one of them.
-    const std::string job =
-        concat(env.master_addr, ":", env.master_port, "/", launcher.get("TORCHELASTIC_RUN_ID", ""),
-               "/", launcher.get("TORCHELASTIC_RESTART_COUNT", "0"));
+    const std::string job = job_name(env);
     const bool hosted = options.external_store || launcher.get("DDP_STORE_HOSTED") == "1";
     if (env.rank == 0 && !hosted) {
       store_port = host_store(env, store_port, ports, so);
@@ -181,6 +182,36 @@ struct CommState {
         {concat("exit/", env.rank), ""}};
     store->set_on_close(on_close);
     return store;
+  }
+
+  /// A newcomer (Communicator::join): connects to the running job's store, which the launcher or
+  /// a member hosts (never this process), without a refusal key: a wrong token fails this
+  /// process alone, not the job. Sets the job's prefixes, as init() does.
+  void connect_to_job(const Environment& env) {
+    if (env.master_port == 0)
+      fail(Errc::invalid_argument, "rank ", env.rank,
+           ": Communicator::join: MASTER_PORT is not set; export MASTER_ADDR and MASTER_PORT "
+           "of the running job, or launch with ddprun");
+    const EnvReader launcher;
+    prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
+    base_prefix = prefix;
+    job_prefix = prefix;
+    StoreOptions so;
+    so.timeout = options.timeout;
+    so.token = options.token;
+    int store_port = env.store_port != 0 ? env.store_port : env.master_port;
+    const int ports = env.store_port != 0 ? std::max(1, env.store_ports) : 1;
+    if (ports > 1) store_port = find_store(env, store_port, ports, so, job_name(env));
+    root_store = std::make_shared<Store>(
+        env.master_addr.empty() ? std::string("127.0.0.1") : env.master_addr, store_port, so);
+  }
+
+  /// What a store on one of several candidate ports says it serves: the job of `env`.
+  static std::string job_name(const Environment& env) {
+    const EnvReader launcher;
+    return concat(env.master_addr, ":", env.master_port, "/",
+                  launcher.get("TORCHELASTIC_RUN_ID", ""), "/",
+                  launcher.get("TORCHELASTIC_RESTART_COUNT", "0"));
   }
 
   /// The key under which a store on one of several candidate ports names its job.
@@ -252,6 +283,28 @@ struct CommState {
           {concat("exit/", world_rank_in_group), ""}};
       store->set_on_close(own);
     }
+  }
+
+  /// Whether rank r of this communicator is known gone: it left this communicator, or its
+  /// process did (the store's mark of it under init()'s prefix: how a member of a split() or a
+  /// newcomer is known dead).
+  [[nodiscard]] bool rank_gone(int r) const {
+    const auto seen = [&](const std::string& key) {
+      const std::string k[] = {key};
+      return root_store->check(k);
+    };
+    if (seen(concat(prefix, "exit/", r))) return true;
+    const auto i = static_cast<std::size_t>(r);
+    return i < world_ranks.size() && !job_prefix.empty() &&
+           seen(concat(job_prefix, "gone/", world_ranks[i]));
+  }
+
+  /// How many processes asked to join the job (Communicator::join) since its last growth: one
+  /// store read. 0 without a store, or for a communicator that split() made.
+  [[nodiscard]] int waiting_to_join() const {
+    if (!root_store || base_prefix != job_prefix) return 0;
+    Store base = root_store->prefixed(base_prefix).unwatched();
+    return static_cast<int>(std::max<std::int64_t>(0, base.add("join/next", 0) - joins_seen));
   }
 
   /// The store key that marks this process gone: "<init prefix>gone/<rank in init()'s

@@ -210,19 +210,7 @@ class MembershipChange {
     if (shrink_phase_hook() != nullptr) shrink_phase_hook()(phase);
   }
 
-  bool old_check(const std::string& full_key) const {
-    const std::string k[] = {full_key};
-    return old_.root_store->check(k);
-  }
-
-  /// Whether old rank r is known gone: it left the old communicator, or its process did (the
-  /// store's mark of it in init()'s communicator: how a member of a split() is known dead).
-  bool gone(int r) const {
-    if (old_check(concat(old_.prefix, "exit/", r))) return true;
-    const auto i = static_cast<std::size_t>(r);
-    return i < old_.world_ranks.size() && !old_.job_prefix.empty() &&
-           old_check(concat(old_.job_prefix, "gone/", old_.world_ranks[i]));
-  }
+  bool gone(int r) const { return old_.rank_gone(r); }
 
   /// Waits until every candidate has said it is alive or is known dead, or wait_ has passed, or
   /// another rank has decided; returns the candidates alive.

@@ -15,7 +15,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "failure_helpers.hpp"
@@ -123,20 +125,21 @@ void train(Comm& comm, const mp::TempDir& dir, int victim, const std::string& ph
   mp::TempDir::write(dir.file("step" + std::to_string(old_rank)), std::to_string(step));
 }
 
-// The same training in one process: steps [0, at) over 4 ranks, the rest over the 3 others
-// (the epoch dealt again), each step's gradient the mean of the ranks' batch gradients.
-std::string reference(int at) {
+// The same training in one process: steps [0, at) over `before` ranks, the rest over `after`
+// (the rest of the epoch dealt again), each step's gradient the mean of the ranks' batch
+// gradients.
+std::string reference(int at, int before = 4, int after = 3) {
   Net net;
   const ddp::SamplerOptions o{.seed = 3, .drop_last = true};
   std::vector<ddp::DistributedSampler> world;
-  for (int r = 0; r < 4; ++r) world.emplace_back(samples, 4, r, o);
+  for (int r = 0; r < before; ++r) world.emplace_back(samples, before, r, o);
   for (int step = 0; step < steps; ++step) {
-    if (step == at) {
+    if (step == at && after != before) {
       const ddp::DistributedSampler any = world[0];
       world.clear();
-      for (int r = 0; r < 3; ++r) {
+      for (int r = 0; r < after; ++r) {
         world.push_back(any);
-        world.back().repartition(3, r);
+        world.back().repartition(after, r);
       }
     }
     std::vector<std::vector<float>> sum;
@@ -272,6 +275,140 @@ TEST_CASE("training state: what the members track must agree, checked on every m
       MP_EXPECT(e.code() == ddp::Errc::mismatch, e.what());
     }
   });
+}
+
+namespace {
+
+// 3 members train with a TrainingState; a newcomer (world rank 3) joins after step 4 (rank 0
+// waits for its request there) and receives the state. `scenario`: "join" (all 4 go on),
+// "newcomer_dies" (it dies before receiving the state), "source_dies" (rank 0, which sends
+// the state, dies once the grown communicator is formed). Every process that ends writes its
+// parameters and where the membership changed.
+void grow_training(Comm& comm, bool newcomer, const mp::TempDir& dir, const std::string& scenario,
+                   int world_rank) {
+  Net net;
+  ddp::DistributedSampler sampler(samples, comm.size(), comm.rank(),
+                                  {.seed = 3, .drop_last = true});
+  int step = 0, done = 0;
+  ddp::TrainingState state;
+  state.track_model("net", net).track_object("done", done).track_sampler("sampler", sampler);
+  std::optional<ddp::GradientAverager<Net, ddp::backend::Host>> avg;
+  const ddp::AveragerOptions ao{.bucket_bytes = 1024};
+  bool fresh = true;
+  if (!newcomer) state.start(comm);
+  for (;;) {
+    try {
+      if (fresh) {
+        if (newcomer && scenario == "newcomer_dies") std::_Exit(6);
+        if (newcomer) state.restore(comm);
+        avg.emplace(comm, net, ao);
+        step = done;
+        fresh = false;
+      }
+      for (; step < steps; ++step) {
+        if (!newcomer && comm.epoch() == 0 && step == 4 && comm.rank() == 0) {
+          mp::TempDir::write(dir.file("step4"), "");
+          while (comm.waiting_to_join() == 0) std::this_thread::sleep_for(5ms);
+          std::this_thread::sleep_for(60ms);  // past the commit's look-up interval
+        }
+        const auto mine = sampler.indices();
+        backward(net, std::vector<std::size_t>(mine.begin(), mine.begin() + batch));
+        avg->average();
+        for (auto& p : net.params)
+          for (std::size_t k = 0; k < p.value.size(); ++k) p.value[k] -= 0.1f * p.grad[k];
+        sampler.advance(batch);
+        done = step + 1;
+        state.commit(comm);
+        if (state.joining() == 0) continue;
+        if (scenario == "source_dies" && comm.rank() == 0 && comm.epoch() == 0) {
+          ddp::GrowOptions g;
+          g.ticket = state.ticket();
+          Comm grown = comm.grow(g);
+          std::_Exit(7);  // before it sends the state
+        }
+        if (state.grow(comm)) {
+          mp::TempDir::write(dir.file("grew_at"), std::to_string(done));
+          avg.emplace(comm, net, ao);
+        }
+      }
+      break;
+    } catch (const ddp::Error& e) {
+      MP_EXPECT(e.code() == ddp::Errc::peer_lost || e.code() == ddp::Errc::aborted, e.what());
+      comm = comm.shrink({.wait_for_ranks = 10s});
+      state.restore(comm);
+      avg.emplace(comm, net, ao);
+      step = done;
+      fresh = false;
+    }
+  }
+  mp::TempDir::write(dir.file("net" + std::to_string(world_rank)), bytes_of(net));
+  mp::TempDir::write(dir.file("size" + std::to_string(world_rank)), std::to_string(comm.size()));
+}
+
+}  // namespace
+
+TEST_CASE(
+    "training state: a newcomer joins at a step boundary and receives the live state, killed "
+    "during the transfer, or its sender killed, the others go on") {
+  for (const char* scenario : {"join", "newcomer_dies", "source_dies"}) {
+    for (const mp::Path& path : mp::paths()) {
+      CAPTURE(scenario);
+      CAPTURE(mp::name(path));
+      mp::TempDir dir;
+      ddp::Options o;
+      o.timeout = 20s;
+      o.transport = path.transport;
+      o.segment_bytes = mp::test_segment;
+      ddp::SpawnOptions so;
+      so.stop_on_failure = false;
+      std::string spawn_error;
+      try {
+        ddp::spawn(
+            4,
+            [&](ddp::Environment env) {
+              path.enter(env.rank, 4);
+              if (env.rank == 3) {
+                while (!mp::TempDir::exists(dir.file("step4"))) std::this_thread::sleep_for(5ms);
+                Net net;  // the same tracked state as the members', for the ticket
+                ddp::DistributedSampler sampler(samples, 1, 0);
+                int done = 0;
+                ddp::TrainingState t;
+                t.track_model("net", net)
+                    .track_object("done", done)
+                    .track_sampler("sampler", sampler);
+                auto comm = Comm::join(env, o, {.ticket = t.ticket()});
+                grow_training(comm, true, dir, scenario, 3);
+                return;
+              }
+              env.world_size = 3;
+              env.local_world_size = std::min(env.local_world_size, 3);
+              auto comm = Comm::init(env, o);
+              grow_training(comm, false, dir, scenario, env.rank);
+            },
+            so);
+      } catch (const ddp::Error& e) {
+        spawn_error = e.what();
+      }
+      const std::string s(scenario);
+      const std::vector<int> ends = s == "join"            ? std::vector<int>{0, 1, 2, 3}
+                                    : s == "newcomer_dies" ? std::vector<int>{0, 1, 2}
+                                                           : std::vector<int>{1, 2, 3};
+      CHECK_MESSAGE(spawn_error.empty() == (s == "join"), spawn_error);
+      std::string first;
+      for (int r : ends) {
+        const std::string net = mp::TempDir::read(dir.file("net" + std::to_string(r)));
+        CHECK(mp::TempDir::read(dir.file("size" + std::to_string(r))) ==
+              std::to_string(ends.size()));
+        if (first.empty()) first = net;
+        CHECK_MESSAGE(net == first, "process " << r << "'s parameters differ from the others'");
+      }
+      // As a run that had 3 ranks up to the growth and 4 after it (or 3 throughout).
+      const int at = s == "join" ? std::stoi("0" + mp::TempDir::read(dir.file("grew_at"))) : 0;
+      if (s == "join") CHECK(at == 5);
+      const double worst = worst_difference(first, reference(at, 3, s == "join" ? 4 : 3));
+      CHECK_MESSAGE(worst < 1e-4, "largest relative difference from the reference " << worst);
+    }
+  }
 }
 
 }  // namespace state_tests

@@ -1,0 +1,275 @@
+// Communicator::join and grow across real processes: a newcomer joins a running job of 3 ranks
+// at a step boundary on shm, tcp and two hosts; newcomers with another ticket, claiming a live
+// rank's place, with a wrong token, or that nobody admits are refused with errors that name it
+// and the job goes on; a newcomer dying before and after its admission; a restarted rank
+// rejoining after shrink(). Processes report to files; the parent checks.
+#include "failure_helpers.hpp"
+#include "multiprocess.hpp"
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace growth_tests {
+using namespace std::chrono_literals;
+namespace {
+
+// `members` ranks init() a job of their own size; the `newcomers` processes after them (world
+// ranks members, members + 1, ...) run newcomer(env) instead, which may join() it.
+void run_job(int members, int newcomers, const mp::Path& path,
+             const std::function<void(Comm&)>& member,
+             const std::function<void(ddp::Environment&, const ddp::Options&)>& newcomer,
+             ddp::Options o = {}, std::string* spawn_error = nullptr) {
+  o.transport = path.transport;
+  o.segment_bytes = mp::test_segment;
+  ddp::SpawnOptions so;
+  so.stop_on_failure = false;
+  try {
+    ddp::spawn(
+        members + newcomers,
+        [&](ddp::Environment env) {
+          path.enter(env.rank, members + newcomers);
+          if (env.rank >= members) {
+            newcomer(env, o);
+            return;
+          }
+          env.world_size = members;
+          env.local_world_size = std::min(env.local_world_size, members);
+          auto comm = Comm::init(env, o);
+          member(comm);
+        },
+        so);
+    if (spawn_error != nullptr) *spawn_error = "";
+  } catch (const ddp::Error& e) {
+    if (spawn_error == nullptr) throw;
+    *spawn_error = e.what();
+  }
+}
+
+// Members: collectives until rank 0 sees `n` processes waiting to join (agreed by an
+// all_reduce), then grow(). Returns the grown communicator.
+Comm grow_when_waiting(Comm& comm, int n, const std::string& ticket = "t") {
+  for (int i = 0;; ++i) {
+    std::vector<double> waiting{comm.rank() == 0 ? static_cast<double>(comm.waiting_to_join())
+                                                 : 0.0};
+    comm.all_reduce(waiting, ddp::ReduceOp::max);
+    if (waiting[0] >= n) break;
+    MP_EXPECT(i < 2000, "nobody asked to join within 20 s");
+    std::this_thread::sleep_for(10ms);
+  }
+  return comm.grow({.ticket = ticket});
+}
+
+// "<epoch> <size> <rank> <previous ranks...> | <sum of world ranks>" after a working all_reduce.
+void report(const mp::TempDir& dir, const std::string& who, Comm& comm, int world_rank) {
+  std::vector<double> v{static_cast<double>(world_rank)};
+  comm.all_reduce(v);
+  std::string line = std::to_string(comm.epoch()) + " " + std::to_string(comm.size()) + " " +
+                     std::to_string(comm.rank());
+  for (int r : comm.previous_ranks()) line += " " + std::to_string(r);
+  line += " | " + std::to_string(static_cast<long long>(v[0]));
+  mp::TempDir::write(dir.file(who), line);
+}
+
+// What a refused or failed process saw: "<errc> <message>".
+void report_error(const mp::TempDir& dir, const std::string& who, const ddp::Error& e) {
+  mp::TempDir::write(dir.file(who), std::string(ddp::to_string(e.code())) + " " + e.what());
+}
+
+}  // namespace
+
+TEST_CASE("grow: a newcomer joins a running job at a step boundary, on every path") {
+  for (const mp::Path& path : mp::paths()) {
+    CAPTURE(mp::name(path));
+    mp::TempDir dir;
+    ddp::Options o;
+    o.timeout = 20s;
+    run_job(
+        3, 1, path,
+        [&](Comm& comm) {
+          const int world_rank = comm.rank();
+          Comm grown = grow_when_waiting(comm, 1);
+          MP_EXPECT(grown.size() == 4, "grown to " << grown.size());
+          MP_EXPECT(grown.rank() == world_rank, "a member keeps its rank");
+          try {
+            comm.barrier();
+            MP_EXPECT(false, "the communicator grow() replaced still works");
+          } catch (const ddp::Error& e) {
+            MP_EXPECT(e.code() == ddp::Errc::aborted, e.what());
+          }
+          std::vector<float> big(100'000, 1.0f);  // larger than the test segment
+          grown.all_reduce(big);
+          MP_EXPECT(big[99'999] == 4.0f, "all_reduce over 4: " << big[99'999]);
+          report(dir, "rank" + std::to_string(world_rank), grown, world_rank);
+        },
+        [&](ddp::Environment& env, const ddp::Options& opts) {
+          auto comm = Comm::join(env, opts, {.ticket = "t"});
+          std::vector<float> big(100'000, 1.0f);
+          comm.all_reduce(big);
+          report(dir, "rank3", comm, env.rank);
+        },
+        o);
+    for (int r = 0; r < 4; ++r)
+      CHECK(mp::TempDir::read(dir.file("rank" + std::to_string(r))) ==
+            "1 4 " + std::to_string(r) + " 0 1 2 -1 | 6");
+  }
+}
+
+TEST_CASE(
+    "join: bad newcomers are refused, each with an error that names it, and the job goes on") {
+  // Process 3: another ticket; 4: claims live rank 1's place; 5: a wrong token; 6: asks with a
+  // short wait before the members look (timeout, withdrawn). The members grow once all four have
+  // asked: nobody is admitted, and they go on as they were.
+  mp::TempDir dir;
+  ddp::Options o;
+  o.timeout = 20s;
+  ::setenv("DDP_TOKEN", "secret", 1);  // spawn's store and the members take it
+  run_job(
+      3, 4, ddp::HostTransport::shm,
+      [&](Comm& comm) {
+        // Wait for the withdrawn one (6) to give up before growing.
+        for (int i = 0; i < 2000; ++i) {
+          std::vector<double> n{comm.rank() == 0 ? static_cast<double>(comm.waiting_to_join())
+                                                 : 0.0};
+          comm.all_reduce(n, ddp::ReduceOp::max);
+          if (n[0] >= 3 && mp::TempDir::exists(dir.file("p6"))) break;
+          std::this_thread::sleep_for(10ms);
+        }
+        Comm same = comm.grow({.ticket = "model 10 floats;step int"});
+        MP_EXPECT(same.epoch() == 0 && same.size() == 3, "nobody was admitted");
+        same.barrier();
+        report(dir, "rank" + std::to_string(same.rank()), same, same.rank());
+      },
+      [&](ddp::Environment& env, const ddp::Options& opts) {
+        ddp::Options mine = opts;
+        ddp::JoinOptions j{.ticket = "model 10 floats;step int"};
+        if (env.rank == 3) j.ticket = "model 12 floats;step int";
+        if (env.rank == 4) env.rank = 1;
+        if (env.rank == 5) mine.token = "guess";
+        if (env.rank == 6) j.wait = 300ms;
+        const std::string who = "p" + std::to_string(env.rank == 1 ? 4 : env.rank);
+        try {
+          auto comm = Comm::join(env, mine, j);
+          mp::TempDir::write(dir.file(who), "admitted");
+        } catch (const ddp::Error& e) {
+          report_error(dir, who, e);
+        }
+      },
+      o);
+  ::unsetenv("DDP_TOKEN");
+  for (int r = 0; r < 3; ++r)
+    CHECK(mp::TempDir::read(dir.file("rank" + std::to_string(r))) ==
+          "0 3 " + std::to_string(r) + " | 3");
+  const std::string p3 = mp::TempDir::read(dir.file("p3"));
+  CHECK_MESSAGE(p3.starts_with("mismatch "), p3);
+  CHECK_MESSAGE(p3.find("\"model 12 floats\" where the members' has \"model 10 floats\"") !=
+                    std::string::npos,
+                p3);
+  const std::string p4 = mp::TempDir::read(dir.file("p4"));
+  CHECK_MESSAGE(p4.starts_with("invalid_argument "), p4);
+  CHECK_MESSAGE(p4.find("claims rank 1's place, which a live process holds") != std::string::npos,
+                p4);
+  const std::string p5 = mp::TempDir::read(dir.file("p5"));
+  CHECK_MESSAGE(p5.starts_with("unauthorized "), p5);
+  const std::string p6 = mp::TempDir::read(dir.file("p6"));
+  CHECK_MESSAGE(p6.starts_with("timeout "), p6);
+  CHECK_MESSAGE(p6.find("no member admitted this process within 300 ms") != std::string::npos, p6);
+}
+
+namespace {
+const mp::TempDir* hook_dir = nullptr;
+void die_when_asked(const char* phase) {
+  if (std::string(phase) != "asked") return;
+  mp::TempDir::write(hook_dir->file("asked"), "");
+  std::_Exit(4);
+}
+void die_when_admitted(const char* phase) {
+  if (std::string(phase) == "admitted") std::_Exit(4);
+}
+}  // namespace
+
+TEST_CASE("grow: a newcomer that dies before or after its admission, and the members go on") {
+  for (const char* when : {"before", "after"}) {
+    CAPTURE(when);
+    mp::TempDir dir;
+    hook_dir = &dir;
+    ddp::Options o;
+    o.timeout = 20s;
+    std::string spawn_error;
+    const bool before = std::string(when) == "before";
+    const long long t0 = now_ms();
+    run_job(
+        3, 1, ddp::HostTransport::tcp,
+        [&](Comm& comm) {
+          const int me = comm.rank();
+          if (before) {  // it asked and died: passed over, nobody admitted
+            while (!mp::TempDir::exists(dir.file("asked"))) std::this_thread::sleep_for(10ms);
+            std::this_thread::sleep_for(300ms);
+            Comm same = comm.grow({.ticket = "t"});
+            report(dir, "rank" + std::to_string(me), same, me);
+            return;
+          }
+          try {
+            Comm grown = grow_when_waiting(comm, 1);
+            grown.barrier();
+            MP_EXPECT(false, "grew with a newcomer that died");
+          } catch (const ddp::Error& e) {
+            MP_EXPECT(e.code() == ddp::Errc::peer_lost, e.what());
+            MP_EXPECT(std::string(e.what()).find("newcomer") != std::string::npos, e.what());
+          }
+          Comm again = comm.shrink({.wait_for_ranks = 10s});  // the old one still agrees
+          report(dir, "rank" + std::to_string(me), again, me);
+        },
+        [&](ddp::Environment& env, const ddp::Options& opts) {
+          ddp::detail::join_phase_hook() = before ? die_when_asked : die_when_admitted;
+          auto comm = Comm::join(env, opts, {.ticket = "t", .wait = 20s});
+          MP_EXPECT(false, "the newcomer lived on");
+        },
+        o, &spawn_error);
+    CHECK_MESSAGE(spawn_error.find("rank 3") != std::string::npos, spawn_error);
+    const std::string epoch = before ? "0" : "1";
+    for (int r = 0; r < 3; ++r)
+      CHECK(mp::TempDir::read(dir.file("rank" + std::to_string(r))) ==
+            epoch + " 3 " + std::to_string(r) + (before ? "" : " 0 1 2") + " | 3");
+    CHECK(now_ms() - t0 < 15'000);  // nobody waited out the 20 s timeout
+  }
+}
+
+TEST_CASE("grow: a killed rank's restarted process rejoins as its rank after shrink()") {
+  mp::TempDir dir;
+  ddp::Options o;
+  o.timeout = 20s;
+  std::string spawn_error;
+  run_job(
+      3, 1, ddp::HostTransport::shm,
+      [&](Comm& comm) {
+        const int me = comm.rank();
+        comm.barrier();
+        if (me == 1) std::_Exit(5);
+        try {
+          for (int i = 0; i < 1000; ++i) comm.barrier();
+        } catch (const ddp::Error&) {
+        }
+        Comm smaller = comm.shrink({.wait_for_ranks = 10s});
+        mp::TempDir::write(dir.file("shrunk" + std::to_string(me)), "");
+        Comm grown = grow_when_waiting(smaller, 1);
+        report(dir, "rank" + std::to_string(me), grown, me);
+      },
+      [&](ddp::Environment& env, const ddp::Options& opts) {
+        while (!mp::TempDir::exists(dir.file("shrunk0")) ||
+               !mp::TempDir::exists(dir.file("shrunk2")))
+          std::this_thread::sleep_for(10ms);
+        env.rank = 1;  // the restarted rank 1
+        auto comm = Comm::join(env, opts, {.ticket = "t"});
+        report(dir, "newcomer", comm, 1);
+      },
+      o, &spawn_error);
+  CHECK(mp::TempDir::read(dir.file("rank0")) == "2 3 0 0 1 -1 | 3");
+  CHECK(mp::TempDir::read(dir.file("rank2")) == "2 3 1 0 1 -1 | 3");
+  CHECK(mp::TempDir::read(dir.file("newcomer")) == "2 3 2 0 1 -1 | 3");
+}
+
+}  // namespace growth_tests
