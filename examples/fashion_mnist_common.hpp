@@ -269,11 +269,13 @@ inline float softmax_xent(float* z, int label) {
 /// One local batch's forward and backward: the gradients of `count` images (`samples`) into the
 /// model's (zeroed first), the last layer's marked ready to `avg` as soon as they are final, so
 /// that they are averaged while the first layer's are computed. Returns the batch's summed loss.
-/// h, dh: hidden-size scratch; z: 10 floats.
+/// h, dh: hidden-size scratch; z: 10 floats. The gradients are the sum over the images divided
+/// by `per` (0: by `count`, their mean): with the nominal batch size, a short last batch makes a
+/// proportionally short step.
 template <class Averager, class Data>
 double backward_batch(Mlp& model, Averager& avg, const Data& train, const std::size_t* samples,
                       std::size_t count, std::vector<float>& h, std::vector<float>& dh,
-                      std::vector<float>& z) {
+                      std::vector<float>& z, std::size_t per = 0) {
   const auto H = static_cast<std::size_t>(model.hidden);
   for (auto& p : model.params) std::fill(p.grad.begin(), p.grad.end(), 0.0f);
   auto& g1 = model.params[0].grad;
@@ -281,7 +283,8 @@ double backward_batch(Mlp& model, Averager& avg, const Data& train, const std::s
   auto& g2 = model.params[2].grad;
   auto& gb2 = model.params[3].grad;
   double loss = 0;
-  const float scale = count == 0 ? 0.0f : 1.0f / static_cast<float>(count);
+  if (per == 0) per = count;
+  const float scale = count == 0 ? 0.0f : 1.0f / static_cast<float>(per);
   // Backward of the last layer for the whole local batch first, so that its gradients can be
   // averaged while the first layer's are computed.
   std::vector<float> hs(count * H), dzs(count * 10);

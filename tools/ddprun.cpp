@@ -29,7 +29,10 @@
 // get the workers' bytes as they are; one that cannot be written is named, its worker's output
 // goes on to the console, and ddprun exits 1 where it would have exited 0. With --on-failure
 // shrink a worker's failure stops nobody: the others go on without it (Communicator::shrink), and
-// the attempt succeeds when the workers that remain finish successfully.
+// the attempt succeeds when the workers that remain finish successfully. With --on-failure
+// rejoin the failed worker is also restarted alone (same RANK and WORLD_SIZE, DDP_REJOIN=N; its
+// log appended), up to --max-restarts times per worker, and joins the running job
+// (Communicator::join).
 
 #include <ddp/ddp.hpp>
 
@@ -65,6 +68,7 @@ struct Config {
   bool no_prefix = false;
   double grace = 5;
   double join_timeout = 300;
+  double last_call = 1;  // --nnodes MIN:MAX: seconds to wait for more nodes once MIN are there
   std::string rdzv_endpoint;
   bool endpoint_given = false;
   bool no_python = false;
@@ -108,8 +112,8 @@ int resolve_nproc(const std::string& spec) {
   return n;
 }
 
-/// --nnodes N, or torchrun's MIN:MAX range (the same number twice: a fixed count).
-int parse_nnodes(const std::string& spec) {
+/// --nnodes N, or torchrun's MIN:MAX range: {min, max} (the same number twice: a fixed count).
+std::pair<int, int> parse_nnodes(const std::string& spec) {
   const auto number = [&](std::string_view t) {
     int n = 0;
     const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), n);
@@ -120,15 +124,11 @@ int parse_nnodes(const std::string& spec) {
     return n;
   };
   const auto colon = spec.find(':');
-  if (colon == std::string::npos) return number(spec);
+  if (colon == std::string::npos) return {number(spec), number(spec)};
   const int lo = number(std::string_view(spec).substr(0, colon));
   const int hi = number(std::string_view(spec).substr(colon + 1));
-  if (lo != hi)
-    die(2, fmt::format("--nnodes {}: a range of node counts (torchrun's elastic membership) is not "
-                       "supported: ddprun starts a fixed number of nodes; give one number, e.g. "
-                       "--nnodes {}",
-                       spec, hi));
-  return lo;
+  if (lo > hi) die(2, fmt::format("--nnodes {}: MIN is larger than MAX", spec));
+  return {lo, hi};
 }
 
 /// --rdzv-conf key=value,...: join_timeout is honoured (seconds); torchrun's other keys are
@@ -144,7 +144,13 @@ void apply_rdzv_conf(Config& cfg) {
       die(2, fmt::format("--rdzv-conf: expected key=value,...; got \"{}\"", cfg.rdzv_conf));
     const std::string key(item.substr(0, eq));
     const std::string value(item.substr(eq + 1));
-    if (key == "join_timeout" || key == "timeout") {
+    if (key == "last_call_timeout") {
+      double t = 0;
+      const auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), t);
+      if (ec != std::errc{} || end != value.data() + value.size() || t < 0)
+        die(2, fmt::format("--rdzv-conf {}: expected seconds, got \"{}\"", key, value));
+      cfg.last_call = t;
+    } else if (key == "join_timeout" || key == "timeout") {
       double t = 0;
       const auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), t);
       if (ec != std::errc{} || end != value.data() + value.size() || t <= 0)
@@ -153,7 +159,7 @@ void apply_rdzv_conf(Config& cfg) {
     } else {
       cfg.notes.push_back(
           fmt::format("--rdzv-conf {}={}: ddprun's rendezvous has no such setting "
-                      "(join_timeout is the one it takes)",
+                      "(join_timeout and last_call_timeout are the ones it takes)",
                       key, value));
     }
   }
@@ -203,9 +209,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--on-failure,--on_failure", cfg.on_failure,
                  "what a worker's failure does: restart (stop every worker; --max-restarts may "
-                 "start the group again) or shrink (the others go on without it, forming a "
-                 "smaller communicator with Communicator::shrink)")
-      ->check(CLI::IsMember({"restart", "shrink"}))
+                 "start the group again), shrink (the others go on without it, forming a "
+                 "smaller communicator with Communicator::shrink) or rejoin (as shrink, and the "
+                 "failed worker is restarted alone with DDP_REJOIN=N to join the running job, "
+                 "up to --max-restarts times each)")
+      ->check(CLI::IsMember({"restart", "shrink", "rejoin"}))
       ->capture_default_str();
   app.add_option("--restart-backoff", cfg.restart_backoff,
                  "seconds to wait before restarting after a failed attempt, doubled after each "
@@ -253,7 +261,9 @@ int main(int argc, char** argv) {
   app.add_option("--rdzv-id,--rdzv_id", cfg.rdzv_id,
                  "the job's name: the workers' TORCHELASTIC_RUN_ID");
   app.add_option("--rdzv-conf,--rdzv_conf", cfg.rdzv_conf,
-                 "key=value,...: join_timeout (seconds, as --join-timeout); other keys are noted");
+                 "key=value,...: join_timeout (seconds, as --join-timeout), last_call_timeout "
+                 "(seconds to wait for more nodes once MIN of --nnodes MIN:MAX are there, "
+                 "default 1); other keys are noted");
   app.add_option("--role", cfg.role, "the workers' ROLE_NAME")->capture_default_str();
   app.add_option("--log-line-prefix-template,--log_line_prefix_template", cfg.prefix_template,
                  "prefix of each output line instead of [rRANK]: ${role_name}, ${local_rank}, "
@@ -332,7 +342,12 @@ int main(int argc, char** argv) {
   if (cfg.command.empty()) die(2, "no program given: ddprun [OPTIONS] program [args...]");
   if (cfg.command.front().starts_with("-"))
     die(2, fmt::format("unknown option {} (see ddprun --help)", cfg.command.front()));
-  const int nnodes = parse_nnodes(cfg.nnodes);
+  const auto [min_nodes, nnodes] = parse_nnodes(cfg.nnodes);
+  if (min_nodes != nnodes && cfg.on_failure == "restart")
+    die(2, fmt::format("--nnodes {}: a range of node counts needs --on-failure shrink or rejoin: "
+                       "the nodes that come after the start join the running job "
+                       "(Communicator::join), and ddprun never restarts the whole group for them",
+                       cfg.nnodes));
   if (cfg.rdzv_backend != "static" && cfg.rdzv_backend != "c10d")
     die(2, fmt::format("--rdzv-backend {}: {}; ddprun's rendezvous is its own store on node 0 "
                        "(like c10d's): use c10d or static, with --rdzv-endpoint HOST:PORT",
@@ -382,6 +397,8 @@ int main(int argc, char** argv) {
   ddp::LaunchOptions o;
   o.nproc_per_node = resolve_nproc(cfg.nproc);
   o.nnodes = nnodes;
+  o.min_nodes = min_nodes != nnodes ? min_nodes : 0;
+  o.last_call = millis(cfg.last_call);
   // c10d without --node-rank: numbered on arrival, node 0 being the one at the endpoint.
   o.node_rank = cfg.rdzv_backend == "c10d" && nnodes > 1 && app.count("--node-rank") == 0
                     ? -1
@@ -394,6 +411,7 @@ int main(int argc, char** argv) {
   o.master_port = cfg.standalone ? 0 : cfg.master_port;
   o.max_restarts = cfg.max_restarts;
   o.shrink_on_failure = cfg.on_failure == "shrink";
+  o.rejoin_on_failure = cfg.on_failure == "rejoin";
   o.restart_backoff = millis(cfg.restart_backoff);
   o.restart_backoff_max = millis(cfg.restart_backoff_max);
   // Absolute, as torchrun's: workers that change directory still find their error files.

@@ -53,6 +53,11 @@ struct LaunchOptions {
   /// Workers on this node.
   int nproc_per_node = 1;
   int nnodes = 1;
+  /// --nnodes MIN:MAX: the job starts once min_nodes nodes (and every other node that arrives
+  /// within last_call) are there; a node that comes later, up to nnodes, adds its workers to the
+  /// running job (DDP_REJOIN=1: Communicator::join). 0: a fixed count (nnodes).
+  int min_nodes = 0;
+  std::chrono::milliseconds last_call{1000};
   /// This node's index; node 0 hosts the rendezvous store. -1: given on arrival, as torchrun's
   /// c10d rendezvous does: the launcher that can listen at master_addr:master_port hosts the
   /// store and is node 0, the others are numbered 1, 2, ... in the order they join.
@@ -70,6 +75,10 @@ struct LaunchOptions {
   /// attempt fails; true lets them go on without it (they form a smaller communicator with
   /// Communicator::shrink), and the attempt succeeds when the workers that remain do.
   bool shrink_on_failure = false;
+  /// --on-failure rejoin: a failed worker is restarted alone, as its rank with DDP_REJOIN=N, to
+  /// join the running job (Communicator::join); each worker at most max_restarts times, then as
+  /// shrink.
+  bool rejoin_on_failure = false;
   /// The wait before a restart: restart_backoff after the first failed attempt, doubled after
   /// each further one in a row, at most restart_backoff_max. An attempt that ran at least
   /// restart_backoff_reset begins a new row (its restart waits restart_backoff again). Zero
@@ -349,6 +358,7 @@ class LaunchAgent {
     Fd log;
     std::string log_path;
     std::string prefix;
+    int rejoins = 0;  // --on-failure rejoin: restarts of this worker alone
   };
 
  public:
@@ -613,6 +623,11 @@ class LaunchAgent {
            " is already taken by another launcher (each node needs its own --node-rank from 0 "
            "to ",
            o_.nnodes - 1, ")");
+    (void)store_->add("agents", 1);
+    if (o_.min_nodes > 0) {
+      join_elastic();
+      return;
+    }
     std::vector<std::string> keys;
     for (int i = 0; i < o_.nnodes; ++i) keys.push_back(concat("node/", i));
     // In slices, so that SIGINT, SIGTERM or SIGHUP ends the wait at once (128 + N).
@@ -621,13 +636,7 @@ class LaunchAgent {
     while (!missing.empty() && Clock::now() < join_until) {
       const auto left = std::chrono::ceil<std::chrono::milliseconds>(join_until - Clock::now());
       missing = store_->missing_after(keys, std::min(left, std::chrono::milliseconds(200)));
-      unsigned char sigs[64];
-      const ssize_t n = ::read(launch_signal_pipe[0], sigs, sizeof sigs);  // non-blocking
-      for (ssize_t i = 0; i < n; ++i) {
-        if (sigs[i] == SIGCHLD) continue;
-        say("received ", signal_name(sigs[i]), " while waiting for the nodes to join: stopping");
-        throw JoinInterrupted{sigs[i]};
-      }
+      check_join_signals();
     }
     if (!missing.empty()) {
       std::string who;
@@ -645,13 +654,82 @@ class LaunchAgent {
     if (!server_) worker_port_ = std::atoi(store_->get("worker_port").c_str());
   }
 
+  // Ends the wait for the nodes on a signal (SIGINT, SIGTERM, SIGHUP): 128 + N.
+  void check_join_signals() {
+    unsigned char sigs[64];
+    const ssize_t n = ::read(launch_signal_pipe[0], sigs, sizeof sigs);  // non-blocking
+    for (ssize_t i = 0; i < n; ++i) {
+      if (sigs[i] == SIGCHLD) continue;
+      say("received ", signal_name(sigs[i]), " while waiting for the nodes to join: stopping");
+      throw JoinInterrupted{sigs[i]};
+    }
+  }
+
+  // --nnodes MIN:MAX. Node 0 (the store's host) starts the job with the nodes there once MIN
+  // are and no other came within last_call (or MAX are): "members". A node not among them is
+  // late: its workers take the ranks after the job's and join it (DDP_REJOIN=1).
+  void join_elastic() {
+    const auto join_until = Clock::now() + o_.join_timeout;
+    const std::string members_key[] = {"members"};
+    if (server_) {
+      std::vector<int> there;
+      auto settled = Clock::time_point::max();
+      for (;;) {
+        check_join_signals();
+        std::vector<int> now;
+        for (int i = 0; i < o_.nnodes; ++i) {
+          const std::string k[] = {concat("node/", i)};
+          if (store_->check(k)) now.push_back(i);
+        }
+        if (now.size() != there.size()) settled = Clock::now() + o_.last_call;
+        there = now;
+        const int n = static_cast<int>(there.size());
+        if (n >= o_.nnodes || (n >= o_.min_nodes && Clock::now() >= settled)) break;
+        if (Clock::now() >= join_until)
+          fail(Errc::timeout, n, "/", o_.min_nodes, " nodes (at least) joined within ",
+               fixed1(static_cast<double>(o_.join_timeout.count()) / 1000), " s (start ", o_.name,
+               " on every node with the same --nnodes, ", o_.endpoint_flags, ")");
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      std::string list;
+      for (int i : there) list += concat(list.empty() ? "" : ",", i);
+      (void)store_->compare_set("members", "", list);
+    }
+    while (!store_->check(members_key)) {
+      check_join_signals();
+      if (Clock::now() >= join_until)
+        fail(Errc::timeout, "node 0 did not start the job within ",
+             fixed1(static_cast<double>(o_.join_timeout.count()) / 1000), " s (start ", o_.name,
+             " on node 0 with the same --nnodes, ", o_.endpoint_flags, ")");
+      (void)store_->missing_after(std::vector<std::string>{"members"},
+                                  std::chrono::milliseconds(200));
+    }
+    const std::vector<int> members = detail::parse_ranks(store_->get("members"));
+    bool in = false;
+    for (int i : members) {
+      const int n = std::atoi(store_->get(concat("node/", i)).c_str());
+      if (i < o_.node_rank) base_rank_ += n;
+      if (i == o_.node_rank) in = true;
+      world_ += n;
+    }
+    if (!in) {  // late: ranks after every rank given so far
+      late_ = true;
+      base_rank_ = world_ + static_cast<int>(store_->add("late_ranks", o_.nproc_per_node)) -
+                   o_.nproc_per_node;
+      world_ = base_rank_ + o_.nproc_per_node;
+      say("node ", o_.node_rank, " came after the job started: its workers (ranks ", base_rank_,
+          " to ", world_ - 1, ") join the running job");
+    }
+    if (!server_) worker_port_ = std::atoi(store_->get("worker_port").c_str());
+  }
+
   // Tells node 0 this agent is done with the store; node 0 waits for all of them.
   void finish() {
     try {
       store_->add("exited", 1);
       if (server_) {
         const auto until = Clock::now() + std::chrono::seconds(10);
-        while (store_->add("exited", 0) < o_.nnodes && Clock::now() < until)
+        while (store_->add("exited", 0) < store_->add("agents", 0) && Clock::now() < until)
           std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
     } catch (const Error&) {  // node 0 is gone already: nothing left to coordinate
@@ -698,6 +776,7 @@ class LaunchAgent {
                                            "MASTER_PORT",
                                            "DDP_LAUNCHER",
                                            "DDP_RESTART_COUNT",
+                                           "DDP_REJOIN",
                                            "DDP_STORE_HOSTED",
                                            "DDP_STORE_PORT",
                                            "TORCHELASTIC_ERROR_FILE",
@@ -732,6 +811,7 @@ class LaunchAgent {
     env.push_back("DDP_STORE_HOSTED=1");
     env.push_back(concat("TORCHELASTIC_ERROR_FILE=", error_file(w, attempt)));
     env.push_back(concat("DDP_RESTART_COUNT=", attempt));
+    if (w.rejoins > 0 || late_) env.push_back(concat("DDP_REJOIN=", std::max(w.rejoins, 1)));
     env.push_back(concat("TORCHELASTIC_RESTART_COUNT=", attempt));
     env.push_back(concat("TORCHELASTIC_MAX_RESTARTS=", o_.max_restarts));
     env.push_back("TORCHELASTIC_RUN_ID=" + o_.run_id);
@@ -818,8 +898,9 @@ class LaunchAgent {
       make_dirs(dir);
       w.log_path = concat(dir, "/rank_", w.rank, ".log");
       // Never through a link, never waiting on a FIFO (one without a reader fails at once).
+      const int keep = w.rejoins > 0 ? O_APPEND : O_TRUNC;  // a restarted worker's log goes on
       w.log.reset(::open(w.log_path.c_str(),
-                         O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644));
+                         O_WRONLY | O_CREAT | keep | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644));
       if (w.log) set_nonblocking(w.log.get(), false);
       if (!w.log) log_failed(w, "opening", errno);
     }
@@ -885,6 +966,21 @@ class LaunchAgent {
       emit(w, s, s.pending);
       s.pending.clear();
     }
+  }
+
+  // A worker about to be restarted: what its pipes still hold is forwarded, then they close.
+  void drain(Worker& w) {
+    for (auto& s : w.streams) {
+      for (int i = 0; s.fd && i < 4096; ++i) {
+        pollfd p{s.fd.get(), POLLIN, 0};
+        if (::poll(&p, 1, 0) <= 0) break;
+        pump(w, s);
+      }
+      if (!s.pending.empty()) emit(w, s, s.pending);
+      s.pending.clear();
+      s.fd.reset();
+    }
+    if (w.log) w.log.reset();
   }
 
   // The end of an attempt: what the workers left unfinished (a last line, or the output of what
@@ -956,6 +1052,7 @@ class LaunchAgent {
   void reap(Clock::time_point now, int attempt) {
     std::optional<LaunchFailure> first;  // the root cause among the workers reaped now
     int first_worker = -1;
+    std::vector<std::pair<LaunchFailure, int>> failed;  // all of them, for shrink and rejoin
     for (auto& w : workers_) {
       if (!w.running) continue;
       int status = 0;
@@ -973,6 +1070,7 @@ class LaunchAgent {
                               failure_text(w, attempt),
                               WIFSIGNALED(w.status),
                               wall_ns()};
+        failed.emplace_back(f, w.local_rank);
         if (!first || f.before(*first)) {
           first = f;
           first_worker = w.local_rank;
@@ -980,15 +1078,28 @@ class LaunchAgent {
       }
     }
     if (!first) return;
-    if (o_.shrink_on_failure && root_cause_ < 0 && !stopping_) {
-      // The others go on without it (Communicator::shrink); only when none is left is the
-      // attempt a failure, with the first loss as its root cause.
-      const bool others =
-          std::any_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.running; });
-      say(first->what, others ? "; the other workers go on without it (--on-failure shrink)"
-                              : "; no worker of this node is left");
-      lost_.push_back(*first);
-      lost_ranks_.push_back(workers_[static_cast<std::size_t>(first_worker)].rank);
+    if ((o_.shrink_on_failure || o_.rejoin_on_failure) && root_cause_ < 0 && !stopping_) {
+      // The others go on without it (Communicator::shrink), or it is restarted alone to rejoin
+      // them; only when none is left is the attempt a failure, the first loss its root cause.
+      for (const auto& [f, local] : failed) {
+        Worker& w = workers_[static_cast<std::size_t>(local)];
+        if (o_.rejoin_on_failure && w.rejoins < o_.max_restarts) {
+          ++w.rejoins;
+          say(f.what, "; restarting it alone to rejoin the job (--on-failure rejoin, restart ",
+              w.rejoins, " of ", o_.max_restarts, ")");
+          drain(w);
+          start(w, attempt);
+          continue;
+        }
+        const bool others = std::any_of(workers_.begin(), workers_.end(),
+                                        [](const Worker& o) { return o.running; });
+        say(f.what,
+            others ? "; the other workers go on without it (--on-failure "
+                   : "; no worker of this node is left (--on-failure ",
+            o_.rejoin_on_failure ? "rejoin: no restart left)" : "shrink)");
+        lost_.push_back(f);
+        lost_ranks_.push_back(w.rank);
+      }
       return;
     }
     if (root_cause_ >= 0) {
@@ -1198,6 +1309,7 @@ class LaunchAgent {
   std::unique_ptr<StoreServer> server_;
   std::unique_ptr<Store> store_;
   std::vector<Worker> workers_;
+  bool late_ = false;                   // --nnodes MIN:MAX: this node came after the start
   std::vector<std::string> lost_logs_;  // "rank R's log PATH (error)", for the end
   std::vector<LaunchFailure> lost_;     // --on-failure shrink: the workers lost this attempt
   std::vector<int> lost_ranks_;

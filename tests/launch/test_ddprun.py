@@ -467,6 +467,48 @@ class SingleNode(Base):
         self.assertEqual(r.returncode, 7, r.stderr)
         self.assertIn("root cause: rank", r.stderr)
 
+    def test_on_failure_rejoin_restarts_the_worker_alone(self):
+        # Rank 2 dies after three all_reduces; ddprun restarts it alone with DDP_REJOIN=1; the
+        # other three shrink, then grow() admits it back (Communicator::join): 4 ranks again.
+        r = ddprun("--standalone", "--nproc-per-node", 4, "--on-failure", "rejoin",
+                   "--max-restarts", 1, WORKER, "rejoin", 2)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertRegex(r.stderr, r"ddprun: rank 2 \(local_rank 2, pid \d+\) exited with status 7 "
+                                   r"after \d+\.\d s; restarting it alone to rejoin the job "
+                                   r"\(--on-failure rejoin, restart 1 of 1\)")
+        self.assertIn("rank 2 rejoined as rank 3 of 4 (epoch 2), sum of world ranks 6", r.stdout)
+        for old, new in ((0, 0), (1, 1), (3, 2)):
+            self.assertIn(f"rank {old} is rank {new} of 4 (epoch 2), sum of world ranks 6",
+                          r.stdout)
+        self.assertNotIn("lost during the run", r.stderr)
+        # No restart left: as shrink, and the job fails only if nobody is left.
+        r = ddprun("--standalone", "--nproc-per-node", 2, "--on-failure", "rejoin", WORKER,
+                   "shrink", "all")
+        self.assertEqual(r.returncode, 7, r.stderr)
+        self.assertIn("(--on-failure rejoin: no restart left)", r.stderr)
+
+    def test_nnodes_range_adds_a_late_node_to_the_running_job(self):
+        # --nnodes 1:2: node 0 starts the job alone (2 workers) after the last call; node 1
+        # comes later and its worker joins the running job as rank 2 (DDP_REJOIN=1).
+        port = free_port()
+        common = ["--nnodes", "1:2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                  "--on-failure", "shrink", "--rdzv-conf", "last_call_timeout=0.2"]
+        p0 = subprocess.Popen([DDPRUN, *common, "--node-rank", "0", "--nproc-per-node", "2",
+                               WORKER, "grow", "1"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+        time.sleep(1.0)
+        p1 = subprocess.Popen([DDPRUN, *common, "--node-rank", "1", "--nproc-per-node", "1",
+                               WORKER, "grow", "1"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+        out0, err0 = p0.communicate(timeout=LIMIT)
+        out1, err1 = p1.communicate(timeout=LIMIT)
+        self.assertEqual((p0.returncode, p1.returncode), (0, 0), err0 + err1)
+        self.assertIn("node 1 came after the job started: its workers (ranks 2 to 2) join the "
+                      "running job", err1)
+        self.assertIn("rank 2 joined as rank 2 of 3 (epoch 1), sum of world ranks 3", out1)
+        for r in (0, 1):
+            self.assertIn(f"rank {r} is rank {r} of 3 (epoch 1), sum of world ranks 3", out0)
+
     def test_killed_worker_is_named(self):
         for sig, name in ((signal.SIGKILL, "SIGKILL"), (signal.SIGSEGV, "SIGSEGV")):
             r = ddprun("--standalone", "--nproc-per-node", 3, WORKER, "signal", 2, int(sig))
@@ -676,14 +718,17 @@ class SingleNode(Base):
              "--local-ranks-filter: local rank 3 does not exist"),
             (["--standalone", "--local_ranks_filter", "0,a", "true"],
              'expected local ranks like 0 or 0,2; got "0,a"'),
-            (["--nnodes", "1:2", "true"], "--nnodes 1:2: a range of node counts (torchrun's "
-             "elastic membership) is not supported"),
+            (["--nnodes", "1:2", "true"], "--nnodes 1:2: a range of node counts needs "
+             "--on-failure shrink or rejoin"),
+            (["--nnodes", "3:2", "--on-failure", "shrink", "true"],
+             "--nnodes 3:2: MIN is larger than MAX"),
+            (["--rdzv-conf", "last_call_timeout=x", "true"], 'expected seconds, got "x"'),
             (["--nnodes", "0", "true"], 'expected a number of nodes from 1 to 65536, or MIN:MAX'),
             (["--rdzv_backend=etcd", "true"], "--rdzv-backend etcd: etcd is not supported"),
             (["--rdzv-backend", "zk", "true"], "--rdzv-backend zk: unknown rendezvous backend"),
             (["--rdzv-conf", "join_timeout", "true"], 'expected key=value,...; got "join_timeout"'),
             (["--rdzv-conf", "join_timeout=-1", "true"], 'expected seconds, got "-1"'),
-            (["--on-failure", "bogus", "true"], "--on-failure: bogus not in {restart,shrink}"),
+            (["--on-failure", "bogus", "true"], "--on-failure: bogus not in {restart,shrink,rejoin}"),
             (["--on-failure", "shrink", "--on-failure", "restart", "true"], "--on-failure"),
             (["--max-restarts", "-1", "true"], "--max-restarts"),
         ]

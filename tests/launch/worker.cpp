@@ -242,6 +242,67 @@ int main(int argc, char** argv) try {
               << " (epoch " << comm.epoch() << "), sum of old ranks " << w[0] << std::endl;
     return 0;
   }
+  if (mode == "grow" && args.size() >= 2) {  // grow N: the job admits N processes that come late
+    using Host = ddp::Communicator<ddp::backend::Host>;
+    ddp::Options o;
+    o.timeout = std::chrono::seconds(20);
+    std::vector<float> w(10, static_cast<float>(env.rank));
+    if (env.rejoin) {  // a node that came late (ddprun --nnodes MIN:MAX)
+      auto comm = Host::join(env, o, {.ticket = "worker"});
+      comm.all_reduce(w);
+      std::cout << "rank " << env.rank << " joined as rank " << comm.rank() << " of " << comm.size()
+                << " (epoch " << comm.epoch() << "), sum of world ranks " << w[0] << std::endl;
+      return 0;
+    }
+    auto comm = Host::init(env, o);
+    const int n = std::stoi(args[1]);
+    for (;;) {
+      std::vector<double> waiting{comm.rank() == 0 ? static_cast<double>(comm.waiting_to_join())
+                                                   : 0.0};
+      comm.all_reduce(waiting, ddp::ReduceOp::max);
+      if (waiting[0] >= n) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    comm = comm.grow({.ticket = "worker"});
+    comm.all_reduce(w);
+    std::cout << "rank " << env.rank << " is rank " << comm.rank() << " of " << comm.size()
+              << " (epoch " << comm.epoch() << "), sum of world ranks " << w[0] << std::endl;
+    return 0;
+  }
+  if (mode == "rejoin" && args.size() >= 2) {  // rejoin RANK: RANK dies once and rejoins
+    using Host = ddp::Communicator<ddp::backend::Host>;
+    ddp::Options o;
+    o.timeout = std::chrono::seconds(20);
+    std::vector<float> w(10, static_cast<float>(env.rank));
+    if (env.rejoin) {  // restarted by ddprun --on-failure rejoin
+      auto comm = Host::join(env, o, {.ticket = "worker"});
+      comm.all_reduce(w);
+      std::cout << "rank " << env.rank << " rejoined as rank " << comm.rank() << " of "
+                << comm.size() << " (epoch " << comm.epoch() << "), sum of world ranks " << w[0]
+                << std::endl;
+      return 0;
+    }
+    auto comm = Host::init(env, o);
+    std::vector<float> v(1000, 1.0f);
+    for (int i = 0; i < 3; ++i) comm.all_reduce(v);
+    if (env.rank == std::stoi(args[1])) std::_Exit(7);
+    try {
+      for (;;) comm.all_reduce(v);
+    } catch (const ddp::Error&) {
+      comm = comm.shrink({.wait_for_ranks = std::chrono::seconds(10)});
+    }
+    for (;;) {  // until the restarted one asks to join
+      std::vector<double> n{comm.rank() == 0 ? static_cast<double>(comm.waiting_to_join()) : 0.0};
+      comm.all_reduce(n, ddp::ReduceOp::max);
+      if (n[0] > 0) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    comm = comm.grow({.ticket = "worker"});
+    comm.all_reduce(w);
+    std::cout << "rank " << env.rank << " is rank " << comm.rank() << " of " << comm.size()
+              << " (epoch " << comm.epoch() << "), sum of world ranks " << w[0] << std::endl;
+    return 0;
+  }
   std::cerr << "worker: unknown arguments\n";
   return 2;
 } catch (const std::exception& e) {
