@@ -147,13 +147,13 @@ void apply_rdzv_conf(Config& cfg) {
     if (key == "last_call_timeout") {
       double t = 0;
       const auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), t);
-      if (ec != std::errc{} || end != value.data() + value.size() || t < 0)
+      if (ec != std::errc{} || end != value.data() + value.size() || !(t >= 0 && t <= 86400))
         die(2, fmt::format("--rdzv-conf {}: expected seconds, got \"{}\"", key, value));
       cfg.last_call = t;
     } else if (key == "join_timeout" || key == "timeout") {
       double t = 0;
       const auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), t);
-      if (ec != std::errc{} || end != value.data() + value.size() || t <= 0)
+      if (ec != std::errc{} || end != value.data() + value.size() || !(t > 0 && t <= 1e7))
         die(2, fmt::format("--rdzv-conf {}: expected seconds, got \"{}\"", key, value));
       cfg.join_timeout = t;
     } else {

@@ -1253,11 +1253,19 @@ class LaunchAgent {
         store_->add(key, 1);
         if (interrupted_ != 0) return *local;
         const auto until = Clock::now() + o_.join_timeout;
-        while (store_->add(key, 0) < o_.nnodes) {
+        // Every agent that joined (with --nnodes MIN:MAX, as many as came, not MAX).
+        while (store_->add(key, 0) < store_->add("agents", 0)) {
           if (Clock::now() >= until)
             return LaunchFailure{o_.node_rank, 1, false,
                                  "the other nodes' workers did not end in time (is a launcher "
                                  "gone?)"};
+          unsigned char sigs[64];
+          const ssize_t n = ::read(launch_signal_pipe[0], sigs, sizeof sigs);  // non-blocking
+          for (ssize_t i = 0; i < n; ++i)
+            if (sigs[i] != SIGCHLD)
+              return LaunchFailure{o_.node_rank, 128 + sigs[i], false,
+                                   concat("interrupted by ", signal_name(sigs[i]),
+                                          " while waiting for the other nodes' workers to end")};
           std::this_thread::sleep_for(std::chrono::milliseconds(50));
         }
         remote = published_failure(attempt);

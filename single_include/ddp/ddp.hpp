@@ -7367,6 +7367,10 @@ struct CommState {
 
   [[noreturn, gnu::noinline, gnu::cold]] void fail_poisoned(int rank, const char* name) const {
     std::lock_guard lock(poison_mutex);
+    if (replaced_by != 0)
+      fail(Errc::aborted, "rank ", rank, ": ", name,
+           ": this communicator was replaced by membership epoch ", replaced_by, " (", poison,
+           "): use the communicator that shrink() or grow() returned");
     fail(Errc::aborted, "rank ", rank, ": ", name,
          ": this communicator failed earlier and cannot be used (", poison,
          "); the ranks still alive can go on together with shrink(), or make a new "
@@ -8145,11 +8149,12 @@ DDP_END_NAMESPACE
 ///  2. at a step boundary every member calls grow(); rank 0 reads the requests that arrived
 ///     since the last growth and answers each with one compare-and-set: refused (written as
 ///     "refuse <errc> <why>": a ticket unlike the members', the place of a live rank claimed)
-///     or admitted ("admit <epoch>"); a newcomer that gave up meanwhile has written "withdrawn"
-///     first and is passed over. Rank 0 then writes the decision ("e<E>/g/decision": the
-///     requests handled, the members' world ranks, the admitted requests in order); the other
-///     members wait for it (failing at once should rank 0 die);
-///  3. members and newcomers connect a new backend under "e<E>/g/comm/": the members keep their
+///     or admitted ("admit <epoch> <tag>"); a newcomer that gave up meanwhile has written
+///     "withdrawn" first and is passed over. Rank 0 then writes the decision
+///     ("e<E>/g<tag>/decision": the requests handled, the members' world ranks, the admitted
+///     requests in order); the other members wait for it (failing at once should rank 0 die);
+///  3. members and newcomers connect a new backend under "e<E>/g<tag>/comm/": the members keep
+///  their
 ///     order (ranks 0..n-1), the newcomers follow in the order of their requests.
 /// A process that dies meanwhile fails the others' connecting at once (its connection's
 /// on-close record sets that communicator's "failed" key); the members then still hold the
@@ -8167,6 +8172,7 @@ DDP_END_NAMESPACE
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstdint>
 #include <string>
@@ -8189,6 +8195,7 @@ struct Growth {
   std::vector<int> members;       ///< the members' world ranks, in rank order
   std::vector<std::int64_t> ids;  ///< the admitted requests, in order
   std::vector<int> claims;        ///< their world ranks
+  std::int64_t from = 0;          ///< the requests answered before it (its keys' tag)
 
   [[nodiscard]] std::string text() const {
     std::string s = concat(upto, "|", ranks_text(members), "|");
@@ -8196,27 +8203,64 @@ struct Growth {
       s += concat(i == 0 ? "" : ",", ids[i], ":", claims[i]);
     return s;
   }
-  static Growth parse(std::string_view t) {
+  /// The decision `t` as rank 0 wrote it; Errc::protocol when it is damaged.
+  static Growth parse(std::string_view t, int rank) {
     Growth g;
-    const std::size_t a = t.find('|'), b = t.find('|', a + 1);
-    if (a == std::string_view::npos || b == std::string_view::npos)
-      fail(Errc::protocol, "join: a damaged growth decision in the store: \"", t, "\"");
-    g.upto = std::stoll(std::string(t.substr(0, a)));
-    g.members = parse_ranks(t.substr(a + 1, b - a - 1));
-    const std::vector<int> rest = parse_ranks(t.substr(b + 1));  // id, claim, id, claim, ...
-    for (std::size_t i = 0; i + 1 < rest.size(); i += 2) {
+    const std::size_t a = t.find('|'), b = a == std::string_view::npos ? a : t.find('|', a + 1);
+    const auto bad = [&] {
+      fail(Errc::protocol, "rank ", rank, ": grow: the growth decision in the store is damaged (\"",
+           t.substr(0, 200), "\"): is another program writing into this job's store?");
+    };
+    if (b == std::string_view::npos) bad();
+    const auto numbers = [&](std::string_view list) {
+      std::vector<std::int64_t> out;
+      while (!list.empty()) {
+        const std::size_t at = list.find_first_of(",:");
+        std::string_view item = list.substr(0, at);
+        while (!item.empty() && item.front() == ' ') item.remove_prefix(1);
+        std::int64_t v = -1;
+        const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+        if (ec != std::errc{} || end != item.data() + item.size() || v < 0 || v > (1LL << 40))
+          bad();
+        out.push_back(v);
+        list = at == std::string_view::npos ? std::string_view{} : list.substr(at + 1);
+      }
+      return out;
+    };
+    const std::vector<std::int64_t> head = numbers(t.substr(0, a));
+    if (head.size() != 1) bad();
+    g.upto = head[0];
+    for (const std::int64_t m : numbers(t.substr(a + 1, b - a - 1)))
+      g.members.push_back(static_cast<int>(std::min<std::int64_t>(m, 1 << 30)));
+    const std::vector<std::int64_t> rest = numbers(t.substr(b + 1));  // id:claim,id:claim,...
+    if (rest.size() % 2 != 0 || g.members.empty()) bad();
+    for (std::size_t i = 0; i < rest.size(); i += 2) {
       g.ids.push_back(rest[i]);
-      g.claims.push_back(rest[i + 1]);
+      g.claims.push_back(static_cast<int>(std::min<std::int64_t>(rest[i + 1], 1 << 30)));
     }
     return g;
   }
 };
 
+/// A join request's claimed world rank ("<claim> <pid>" on its first line): -1 when it is not a
+/// number from 0 to 2^30.
+[[nodiscard]] inline int parse_claim(std::string_view line) {
+  long long v = -1;
+  const std::string_view first = line.substr(0, line.find(' '));
+  const auto [end, ec] = std::from_chars(first.data(), first.data() + first.size(), v);
+  if (ec != std::errc{} || end != first.data() + first.size() || v < 0 || v > (1LL << 30))
+    return -1;
+  return static_cast<int>(v);
+}
+
 [[nodiscard]] inline std::string join_key(std::int64_t id, std::string_view what = {}) {
   return what.empty() ? concat("join/", id) : concat("join/", id, "/", what);
 }
-[[nodiscard]] inline std::string growth_key(std::uint64_t epoch, std::string_view what) {
-  return concat("e", epoch, "/g/", what);
+/// A growth's keys: "e<epoch>/g<from>/<what>", `from` the requests answered before it (one
+/// epoch may be tried more than once: a growth that admitted nobody leaves the epoch as it was).
+[[nodiscard]] inline std::string growth_key(std::uint64_t epoch, std::int64_t from,
+                                            std::string_view what) {
+  return concat("e", epoch, "/g", from, "/", what);
 }
 
 /// The value at `key`, "" when absent, without waiting.
@@ -8251,13 +8295,21 @@ inline Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
                             const std::string& ticket) {
   Growth g;
   g.upto = base.add("join/next", 0);
+  g.from = old.joins_seen;
   g.members = old.world_ranks;
   std::vector<int> taken = old.world_ranks;
-  for (std::int64_t id = old.joins_seen + 1; id <= g.upto; ++id) {
+  // At most the last max_requests numbers taken (a newcomer waits on its own; numbers taken
+  // without a request, by a broken or hostile client, are passed over), and a request written
+  // just after its number is waited for, all of them within one short budget.
+  constexpr std::int64_t max_requests = 1024;
+  const auto budget = Clock::now() + std::chrono::milliseconds(500);
+  for (std::int64_t id = std::max(old.joins_seen + 1, g.upto - max_requests + 1); id <= g.upto;
+       ++id) {
     const std::string reply = join_key(id, "reply");
-    // A newcomer writes its request just after taking its number: wait a moment for it.
     const std::string req_key[] = {join_key(id)};
-    (void)base.missing_after(req_key, std::chrono::milliseconds(500));
+    if (Clock::now() < budget)
+      (void)base.missing_after(
+          req_key, std::chrono::duration_cast<std::chrono::milliseconds>(budget - Clock::now()));
     const std::string request = peek_key(base, req_key[0]);
     const std::string gone[] = {join_key(id, "gone")};
     if (request.empty() || base.check(gone)) {
@@ -8265,9 +8317,8 @@ inline Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
       continue;
     }
     const std::size_t line = request.find('\n');
-    const std::vector<int> head = parse_ranks(std::string_view(request).substr(0, line));
     const std::string theirs = line == std::string::npos ? std::string() : request.substr(line + 1);
-    const int claim = head.empty() ? -1 : head[0];
+    const int claim = parse_claim(std::string_view(request).substr(0, line));
     std::string refusal;
     if (theirs != ticket) {
       refusal = concat(static_cast<int>(Errc::mismatch), " ", ticket_difference(theirs, ticket),
@@ -8276,7 +8327,7 @@ inline Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
                        "JoinOptions::ticket as the members' GrowOptions::ticket");
     } else if (claim < 0) {
       refusal = concat(static_cast<int>(Errc::invalid_argument),
-                       " it claims no rank (Environment::rank is negative)");
+                       " it claims no valid rank (Environment::rank must be 0 to 2^30)");
     } else if (std::find(taken.begin(), taken.end(), claim) != taken.end()) {
       refusal = concat(static_cast<int>(Errc::invalid_argument), " it claims rank ", claim,
                        "'s place, which a live process holds (a member of the job, or a newcomer "
@@ -8287,20 +8338,20 @@ inline Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
       (void)base.compare_set(reply, "", concat("refuse ", refusal));
       continue;
     }
-    const std::string admitted = concat("admit ", epoch);
+    const std::string admitted = concat("admit ", epoch, " ", g.from);
     if (base.compare_set(reply, "", admitted) != admitted) continue;  // it gave up meanwhile
     g.ids.push_back(id);
     g.claims.push_back(claim);
     taken.push_back(claim);
   }
-  base.set(growth_key(epoch, "decision"), g.text());
+  base.set(growth_key(epoch, g.from, "decision"), g.text());
   return g;
 }
 
 /// The other members: rank 0's decision of epoch `epoch` (rank 0 dying fails it at once).
 inline Growth await_growth(const CommState& old, Store& base, std::uint64_t epoch, int rank,
                            Clock::time_point deadline) {
-  const std::string key[] = {growth_key(epoch, "decision")};
+  const std::string key[] = {growth_key(epoch, old.joins_seen, "decision")};
   while (!base.check(key)) {
     if (old.rank_gone(0))
       fail(Errc::peer_lost, "rank ", rank,
@@ -8311,27 +8362,53 @@ inline Growth await_growth(const CommState& old, Store& base, std::uint64_t epoc
            old.options.timeout.count(), " ms): every member must call grow() at the same step");
     (void)base.missing_after(key, std::chrono::milliseconds(20));
   }
-  return Growth::parse(base.get(key[0]));
+  Growth g = Growth::parse(base.get(key[0]), rank);
+  g.from = old.joins_seen;
+  if (g.members != old.world_ranks)
+    fail(Errc::protocol, "rank ", rank, ": grow: the growth decision in the store names members ",
+         ranks_text(g.members), ", not this communicator's (", ranks_text(old.world_ranks),
+         "): is another program writing into this job's store?");
+  return g;
 }
 
-/// The members, before connecting: every admitted newcomer is connecting too (it wrote
-/// "join/<id>/connecting" once the store would mark its death), or one died first: then
-/// Errc::peer_lost, on every member alike, and the communicator they had goes on.
-inline void await_newcomers(Store& base, const Growth& g, int rank, Clock::time_point deadline) {
-  for (std::size_t i = 0; i < g.ids.size();) {
-    const std::string ready[] = {join_key(g.ids[i], "connecting")};
-    const std::string gone[] = {join_key(g.ids[i], "gone")};
-    if (base.check(ready)) {
-      ++i;
+/// Before connecting (step 3), every process of the grown communicator: says it is connecting
+/// ("e<E>/g<tag>/ready/<new rank>", the store marking its death from then on), then waits until
+/// every other has too. One known gone (its process's mark under the job prefix `job`) fails it at
+/// once with Errc::peer_lost; one that never comes (a member that did not call grow(), a stopped
+/// newcomer) with Errc::timeout; either way naming it. `root`: the store without prefix; `g`:
+/// the growth decision.
+inline void await_participants(Store& root, const std::string& job, std::uint64_t epoch, int rank,
+                               const std::vector<int>& world_ranks, const Growth& g,
+                               Clock::time_point deadline) {
+  const int members = static_cast<int>(g.members.size());
+  const auto ready = [&](int r) { return concat(job, growth_key(epoch, g.from, "ready/"), r); };
+  root.set(ready(rank), "");
+  const auto who = [&](int r) {
+    return concat("rank ", r, " of membership epoch ", epoch, " (world rank ",
+                  world_ranks[static_cast<std::size_t>(r)],
+                  r < members ? ", a member" : ", a newcomer", ")");
+  };
+  const char* unchanged = "; the members' communicator is unchanged: shrink() it to go on";
+  for (int r = 0; r < static_cast<int>(world_ranks.size());) {
+    const std::string here[] = {ready(r)};
+    if (root.check(here)) {
+      ++r;
       continue;
     }
-    if (base.check(gone))
-      fail(Errc::peer_lost, "rank ", rank, ": grow: the newcomer claiming rank ", g.claims[i],
-           " died after it was admitted; this communicator is unchanged: shrink() it to go on");
+    // A process's mark; a newcomer not yet connecting has only its request's.
+    const std::string gone[] = {concat(job, "gone/", world_ranks[static_cast<std::size_t>(r)])};
+    const std::string left[] = {
+        r < members ? gone[0]
+                    : concat(job, join_key(g.ids[static_cast<std::size_t>(r - members)], "gone"))};
+    if (root.check(gone) || root.check(left))
+      fail(Errc::peer_lost, "rank ", rank, ": grow: ", who(r), " died before it connected",
+           unchanged);
     if (Clock::now() > deadline)
-      fail(Errc::timeout, "rank ", rank, ": grow: the newcomer claiming rank ", g.claims[i],
-           " was admitted but did not connect within the timeout");
-    (void)base.missing_after(ready, std::chrono::milliseconds(20));
+      fail(Errc::timeout, "rank ", rank, ": grow: ", who(r),
+           " did not connect within the timeout: every member must call grow() at the same step, "
+           "and a newcomer must not be stopped",
+           unchanged);
+    (void)root.missing_after(here, std::chrono::milliseconds(20));
   }
 }
 
@@ -8348,7 +8425,7 @@ class JoinRequest {
   }
   [[nodiscard]] std::int64_t id() const noexcept { return id_; }
 
-  /// The reply ("admit <E>" or "refuse <errc> <why>"), or "withdrawn" when none came by
+  /// The reply ("admit <E> <tag>" or "refuse <errc> <why>"), or "withdrawn" when none came by
   /// `deadline` (the request is then withdrawn, unless a reply won the race).
   std::string await(Clock::time_point deadline) {
     const std::string key[] = {join_key(id_, "reply")};
@@ -8646,6 +8723,7 @@ DDP_END_NAMESPACE
 // #include "ddp/store/client.hpp" (already included above)
 
 #include <algorithm>
+#include <charconv>
 #include <cstdint>
 #include <exception>
 #include <memory>
@@ -8664,6 +8742,11 @@ namespace detail {
 /// at once instead of at their timeout), and thrown here otherwise.
 inline BackendInit begin_init(CommState& state, const Environment& env, Options& options,
                               bool needs_store, std::exception_ptr& bad_setting) {
+  if (env.rejoin && needs_store)
+    fail(Errc::invalid_argument, "rank ", env.rank,
+         ": Communicator::init: the launcher restarted this process to join the running job "
+         "(DDP_REJOIN is set): make its communicator with Communicator::join (README, \"Fault "
+         "tolerance\"), or launch with --on-failure shrink, which restarts nobody");
   options = options.with_env(EnvReader(), bad_setting);
   state.configure(options);
   state.rendezvous_deadline = Deadline::after(options.timeout).at;
@@ -8861,10 +8944,9 @@ std::shared_ptr<State> split_state(State& parent, const std::vector<std::pair<in
 /// of `size` (members, then newcomers). `mine`: what the store sets should this process die
 /// while connecting (besides the new communicator's "failed" key).
 template <class State>
-void connect_grown(State& sub, const std::string& base, std::uint64_t epoch, int rank, int size,
-                   std::vector<std::pair<std::string, std::string>> mine,
-                   const std::string& announce = {}) {
-  sub.prefix = concat(base, growth_key(epoch, "comm/"));
+void connect_grown(State& sub, const std::string& base, std::uint64_t epoch, const Growth& g,
+                   int rank, int size, std::vector<std::pair<std::string, std::string>> mine) {
+  sub.prefix = concat(base, growth_key(epoch, g.from, "comm/"));
   sub.base_prefix = base;
   sub.job_prefix = base;
   sub.epoch = epoch;
@@ -8874,7 +8956,8 @@ void connect_grown(State& sub, const std::string& base, std::uint64_t epoch, int
       Store::stop_value(Errc::peer_lost, concat("rank ", rank, " of membership epoch ", epoch,
                                                 " died while the job was admitting newcomers")));
   sub.root_store->set_on_close(mine);
-  if (!announce.empty()) sub.root_store->set(announce, "");  // a newcomer: now connecting
+  await_participants(*sub.root_store, base, epoch, rank, sub.world_ranks, g,
+                     Deadline::after(sub.options.timeout).at);
   BackendInit bi;
   bi.rank = rank;
   bi.size = size;
@@ -8929,10 +9012,9 @@ std::shared_ptr<State> grow_state(State& old, int rank, const GrowOptions& o) {
   const int size = static_cast<int>(g.members.size());
   for (int r = 0; r < size + static_cast<int>(g.ids.size()); ++r)
     sub->previous.push_back(r < size ? r : -1);
-  await_newcomers(base, g, rank, Deadline::after(old.options.timeout).at);
   std::vector<std::pair<std::string, std::string>> mine{{concat(old.prefix, "exit/", rank), ""}};
   if (const std::string p = old.process_exit_key(); !p.empty()) mine.emplace_back(p, "");
-  connect_grown(*sub, old.base_prefix, epoch, rank, size + static_cast<int>(g.ids.size()),
+  connect_grown(*sub, old.base_prefix, epoch, g, rank, size + static_cast<int>(g.ids.size()),
                 std::move(mine));
   old.replaced_by = epoch;
   old.poison_with(concat("rank ", rank,
@@ -8958,16 +9040,30 @@ std::shared_ptr<State> join_state(const Environment& env, Options options, const
   s->configure(options);
   s->world_rank = env.rank;
   s->local_rank_hint = env.local_rank;
-  s->connect_to_job(env);
+  try {
+    s->connect_to_job(env);
+  } catch (const Error& e) {  // the message names the rank and the operation
+    fail(e.code(), "rank ", env.rank, ": join: ", e.what());
+  }
   Store base = s->root_store->prefixed(s->base_prefix).unwatched();
   JoinRequest request(base, env.rank, j.ticket);
   const auto wait = j.wait.count() > 0 ? j.wait : options.timeout;
   const std::string reply = request.await(Clock::now() + wait);
+  const auto number_at = [&](std::size_t from, std::int64_t most) {
+    std::int64_t v = -1;
+    const char* end = reply.data() + reply.size();
+    const auto [stop, ec] = std::from_chars(reply.data() + std::min(from, reply.size()), end, v);
+    if (ec != std::errc{} || v < 0 || v > most || (stop != end && *stop != ' '))
+      fail(Errc::protocol, "rank ", env.rank,
+           ": join: the reply to this process's request is damaged (\"", reply.substr(0, 200),
+           "\"): is another program writing into this job's store?");
+    return v;
+  };
   if (reply.starts_with("refuse ")) {
+    const auto code = number_at(7, 255);
     const std::size_t sp = reply.find(' ', 7);
-    const int code = std::stoi(reply.substr(7, sp - 7));
-    fail(static_cast<Errc>(code), "rank ", env.rank,
-         ": join: the job refused this process: ", reply.substr(sp + 1));
+    fail(static_cast<Errc>(code), "rank ", env.rank, ": join: the job refused this process: ",
+         sp == std::string::npos ? std::string() : reply.substr(sp + 1));
   }
   if (!reply.starts_with("admit "))
     fail(Errc::timeout, "rank ", env.rank, ": join: no member admitted this process within ",
@@ -8975,10 +9071,14 @@ std::shared_ptr<State> join_state(const Environment& env, Options options, const
          " ms (the request was withdrawn): the members admit newcomers when they call grow(), "
          "which a TrainingState loop does when TrainingState::joining() says so after a commit; "
          "is the job running, with the same DDP_GROUP, token and MASTER_ADDR:MASTER_PORT?");
-  const std::uint64_t epoch = std::stoull(reply.substr(6));
-  const std::string key[] = {growth_key(epoch, "decision")};
+  const auto epoch = static_cast<std::uint64_t>(number_at(6, std::int64_t{1} << 40));
+  const std::size_t tag_at = reply.find(' ', 6);
+  const std::int64_t from =
+      number_at(tag_at == std::string::npos ? reply.size() : tag_at + 1, std::int64_t{1} << 62);
+  const std::string key[] = {growth_key(epoch, from, "decision")};
   base.wait(key);
-  const Growth g = Growth::parse(base.get(key[0]));
+  Growth g = Growth::parse(base.get(key[0]), env.rank);
+  g.from = from;
   const auto at = std::find(g.ids.begin(), g.ids.end(), request.id());
   if (at == g.ids.end())
     fail(Errc::protocol, "rank ", env.rank, ": join: admitted to membership epoch ", epoch,
@@ -8991,11 +9091,10 @@ std::shared_ptr<State> join_state(const Environment& env, Options options, const
     s->previous.push_back(r < members ? r : -1);
   const std::string base_prefix = s->base_prefix;
   if (join_phase_hook() != nullptr) join_phase_hook()("admitted");
-  connect_grown(*s, base_prefix, epoch, members + static_cast<int>(at - g.ids.begin()),
+  connect_grown(*s, base_prefix, epoch, g, members + static_cast<int>(at - g.ids.begin()),
                 members + static_cast<int>(g.ids.size()),
                 {{concat(base_prefix, join_key(request.id(), "gone")), ""},
-                 {concat(base_prefix, "gone/", env.rank), ""}},
-                concat(base_prefix, join_key(request.id(), "connecting")));
+                 {concat(base_prefix, "gone/", env.rank), ""}});
   return s;
 }
 

@@ -508,6 +508,13 @@ class SingleNode(Base):
         self.assertIn("rank 2 joined as rank 2 of 3 (epoch 1), sum of world ranks 3", out1)
         for r in (0, 1):
             self.assertIn(f"rank {r} is rank {r} of 3 (epoch 1), sum of world ranks 3", out0)
+        # No second node: the job starts after the last call, and ddprun ends with it.
+        start = time.monotonic()
+        r = ddprun(*common[:5], str(free_port()), *common[6:], "--node-rank", 0,
+                   "--nproc-per-node", 2, WORKER, "allreduce")
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertEqual(len(r.stdout.splitlines()), 2, r.stdout)
+        self.assertLess(time.monotonic() - start, 10)
 
     def test_killed_worker_is_named(self):
         for sig, name in ((signal.SIGKILL, "SIGKILL"), (signal.SIGSEGV, "SIGSEGV")):

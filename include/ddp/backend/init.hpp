@@ -23,6 +23,7 @@
 #include "ddp/store/client.hpp"
 
 #include <algorithm>
+#include <charconv>
 #include <cstdint>
 #include <exception>
 #include <memory>
@@ -41,6 +42,11 @@ namespace detail {
 /// at once instead of at their timeout), and thrown here otherwise.
 inline BackendInit begin_init(CommState& state, const Environment& env, Options& options,
                               bool needs_store, std::exception_ptr& bad_setting) {
+  if (env.rejoin && needs_store)
+    fail(Errc::invalid_argument, "rank ", env.rank,
+         ": Communicator::init: the launcher restarted this process to join the running job "
+         "(DDP_REJOIN is set): make its communicator with Communicator::join (README, \"Fault "
+         "tolerance\"), or launch with --on-failure shrink, which restarts nobody");
   options = options.with_env(EnvReader(), bad_setting);
   state.configure(options);
   state.rendezvous_deadline = Deadline::after(options.timeout).at;
@@ -238,10 +244,9 @@ std::shared_ptr<State> split_state(State& parent, const std::vector<std::pair<in
 /// of `size` (members, then newcomers). `mine`: what the store sets should this process die
 /// while connecting (besides the new communicator's "failed" key).
 template <class State>
-void connect_grown(State& sub, const std::string& base, std::uint64_t epoch, int rank, int size,
-                   std::vector<std::pair<std::string, std::string>> mine,
-                   const std::string& announce = {}) {
-  sub.prefix = concat(base, growth_key(epoch, "comm/"));
+void connect_grown(State& sub, const std::string& base, std::uint64_t epoch, const Growth& g,
+                   int rank, int size, std::vector<std::pair<std::string, std::string>> mine) {
+  sub.prefix = concat(base, growth_key(epoch, g.from, "comm/"));
   sub.base_prefix = base;
   sub.job_prefix = base;
   sub.epoch = epoch;
@@ -251,7 +256,8 @@ void connect_grown(State& sub, const std::string& base, std::uint64_t epoch, int
       Store::stop_value(Errc::peer_lost, concat("rank ", rank, " of membership epoch ", epoch,
                                                 " died while the job was admitting newcomers")));
   sub.root_store->set_on_close(mine);
-  if (!announce.empty()) sub.root_store->set(announce, "");  // a newcomer: now connecting
+  await_participants(*sub.root_store, base, epoch, rank, sub.world_ranks, g,
+                     Deadline::after(sub.options.timeout).at);
   BackendInit bi;
   bi.rank = rank;
   bi.size = size;
@@ -306,10 +312,9 @@ std::shared_ptr<State> grow_state(State& old, int rank, const GrowOptions& o) {
   const int size = static_cast<int>(g.members.size());
   for (int r = 0; r < size + static_cast<int>(g.ids.size()); ++r)
     sub->previous.push_back(r < size ? r : -1);
-  await_newcomers(base, g, rank, Deadline::after(old.options.timeout).at);
   std::vector<std::pair<std::string, std::string>> mine{{concat(old.prefix, "exit/", rank), ""}};
   if (const std::string p = old.process_exit_key(); !p.empty()) mine.emplace_back(p, "");
-  connect_grown(*sub, old.base_prefix, epoch, rank, size + static_cast<int>(g.ids.size()),
+  connect_grown(*sub, old.base_prefix, epoch, g, rank, size + static_cast<int>(g.ids.size()),
                 std::move(mine));
   old.replaced_by = epoch;
   old.poison_with(concat("rank ", rank,
@@ -335,16 +340,30 @@ std::shared_ptr<State> join_state(const Environment& env, Options options, const
   s->configure(options);
   s->world_rank = env.rank;
   s->local_rank_hint = env.local_rank;
-  s->connect_to_job(env);
+  try {
+    s->connect_to_job(env);
+  } catch (const Error& e) {  // the message names the rank and the operation
+    fail(e.code(), "rank ", env.rank, ": join: ", e.what());
+  }
   Store base = s->root_store->prefixed(s->base_prefix).unwatched();
   JoinRequest request(base, env.rank, j.ticket);
   const auto wait = j.wait.count() > 0 ? j.wait : options.timeout;
   const std::string reply = request.await(Clock::now() + wait);
+  const auto number_at = [&](std::size_t from, std::int64_t most) {
+    std::int64_t v = -1;
+    const char* end = reply.data() + reply.size();
+    const auto [stop, ec] = std::from_chars(reply.data() + std::min(from, reply.size()), end, v);
+    if (ec != std::errc{} || v < 0 || v > most || (stop != end && *stop != ' '))
+      fail(Errc::protocol, "rank ", env.rank,
+           ": join: the reply to this process's request is damaged (\"", reply.substr(0, 200),
+           "\"): is another program writing into this job's store?");
+    return v;
+  };
   if (reply.starts_with("refuse ")) {
+    const auto code = number_at(7, 255);
     const std::size_t sp = reply.find(' ', 7);
-    const int code = std::stoi(reply.substr(7, sp - 7));
-    fail(static_cast<Errc>(code), "rank ", env.rank,
-         ": join: the job refused this process: ", reply.substr(sp + 1));
+    fail(static_cast<Errc>(code), "rank ", env.rank, ": join: the job refused this process: ",
+         sp == std::string::npos ? std::string() : reply.substr(sp + 1));
   }
   if (!reply.starts_with("admit "))
     fail(Errc::timeout, "rank ", env.rank, ": join: no member admitted this process within ",
@@ -352,10 +371,14 @@ std::shared_ptr<State> join_state(const Environment& env, Options options, const
          " ms (the request was withdrawn): the members admit newcomers when they call grow(), "
          "which a TrainingState loop does when TrainingState::joining() says so after a commit; "
          "is the job running, with the same DDP_GROUP, token and MASTER_ADDR:MASTER_PORT?");
-  const std::uint64_t epoch = std::stoull(reply.substr(6));
-  const std::string key[] = {growth_key(epoch, "decision")};
+  const auto epoch = static_cast<std::uint64_t>(number_at(6, std::int64_t{1} << 40));
+  const std::size_t tag_at = reply.find(' ', 6);
+  const std::int64_t from =
+      number_at(tag_at == std::string::npos ? reply.size() : tag_at + 1, std::int64_t{1} << 62);
+  const std::string key[] = {growth_key(epoch, from, "decision")};
   base.wait(key);
-  const Growth g = Growth::parse(base.get(key[0]));
+  Growth g = Growth::parse(base.get(key[0]), env.rank);
+  g.from = from;
   const auto at = std::find(g.ids.begin(), g.ids.end(), request.id());
   if (at == g.ids.end())
     fail(Errc::protocol, "rank ", env.rank, ": join: admitted to membership epoch ", epoch,
@@ -368,11 +391,10 @@ std::shared_ptr<State> join_state(const Environment& env, Options options, const
     s->previous.push_back(r < members ? r : -1);
   const std::string base_prefix = s->base_prefix;
   if (join_phase_hook() != nullptr) join_phase_hook()("admitted");
-  connect_grown(*s, base_prefix, epoch, members + static_cast<int>(at - g.ids.begin()),
+  connect_grown(*s, base_prefix, epoch, g, members + static_cast<int>(at - g.ids.begin()),
                 members + static_cast<int>(g.ids.size()),
                 {{concat(base_prefix, join_key(request.id(), "gone")), ""},
-                 {concat(base_prefix, "gone/", env.rank), ""}},
-                concat(base_prefix, join_key(request.id(), "connecting")));
+                 {concat(base_prefix, "gone/", env.rank), ""}});
   return s;
 }
 

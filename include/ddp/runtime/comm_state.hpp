@@ -523,6 +523,10 @@ struct CommState {
 
   [[noreturn, gnu::noinline, gnu::cold]] void fail_poisoned(int rank, const char* name) const {
     std::lock_guard lock(poison_mutex);
+    if (replaced_by != 0)
+      fail(Errc::aborted, "rank ", rank, ": ", name,
+           ": this communicator was replaced by membership epoch ", replaced_by, " (", poison,
+           "): use the communicator that shrink() or grow() returned");
     fail(Errc::aborted, "rank ", rank, ": ", name,
          ": this communicator failed earlier and cannot be used (", poison,
          "); the ranks still alive can go on together with shrink(), or make a new "

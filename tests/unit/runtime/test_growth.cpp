@@ -272,4 +272,157 @@ TEST_CASE("grow: a killed rank's restarted process rejoins as its rank after shr
   CHECK(mp::TempDir::read(dir.file("newcomer")) == "2 3 2 0 1 -1 | 3");
 }
 
+TEST_CASE("grow: damaged store values are refused as protocol errors, never crash") {
+  using ddp::detail::Growth;
+  CHECK(Growth::parse("5|0,1,2|7:3", 0).claims == std::vector<int>{3});
+  for (const char* bad : {"zz|0,1,2|", "5|0,1|7", "5||", "5|0,x|", "|0|", "5|0,1,2|7:-3"}) {
+    CAPTURE(bad);
+    try {
+      (void)Growth::parse(bad, 1);
+      FAIL("accepted");
+    } catch (const ddp::Error& e) {
+      CHECK(e.code() == ddp::Errc::protocol);
+      CHECK(std::string(e.what()).starts_with("rank 1: grow: the growth decision"));
+    }
+  }
+  CHECK(ddp::detail::parse_claim("3 1234") == 3);
+  CHECK(ddp::detail::parse_claim("-1 1234") == -1);
+  CHECK(ddp::detail::parse_claim("99999999999 1") == -1);
+  CHECK(ddp::detail::parse_claim("x") == -1);
+}
+
+TEST_CASE(
+    "grow: numbers taken without requests, bad claims and a damaged reply, and the job goes on") {
+  // Process 3 first plays a hostile client of the job's store: 100,000 numbers taken without a
+  // request, requests claiming ranks -1 and 99999999999, and a damaged reply waiting for the
+  // next number; then it joins (and gets the damaged reply: a protocol error). Process 4 joins
+  // properly afterwards and is admitted within a few steps.
+  mp::TempDir dir;
+  ddp::Options o;
+  o.timeout = 20s;
+  const long long t0 = now_ms();
+  run_job(
+      3, 2, ddp::HostTransport::shm,
+      [&](Comm& comm) {
+        for (int i = 0; i < 2000 && comm.size() < 4; ++i) {
+          const bool look = comm.rank() == 0 && mp::TempDir::exists(dir.file("hostile"));
+          std::vector<double> n{look ? static_cast<double>(comm.waiting_to_join()) : 0.0};
+          comm.all_reduce(n, ddp::ReduceOp::max);  // every member decides alike
+          if (n[0] > 0) comm = comm.grow({.ticket = "t"});
+          std::this_thread::sleep_for(10ms);
+        }
+        report(dir, "rank" + std::to_string(comm.rank()), comm, comm.rank());
+      },
+      [&](ddp::Environment& env, const ddp::Options& opts) {
+        if (env.rank == 4) {
+          while (!mp::TempDir::exists(dir.file("p3"))) std::this_thread::sleep_for(10ms);
+          auto comm = Comm::join(env, opts, {.ticket = "t"});
+          report(dir, "rank3", comm, 4);
+          return;
+        }
+        ddp::Store raw(env.master_addr, env.store_port != 0 ? env.store_port : env.master_port);
+        ddp::Store job = raw.prefixed("ddp/0/default/");
+        const std::int64_t first = job.add("join/next", 100'000);
+        for (const char* claim : {"-1 1\nt", "99999999999 1\nt"}) {
+          const std::int64_t id = job.add("join/next", 1);
+          job.set("join/" + std::to_string(id), claim);
+        }
+        job.set("join/" + std::to_string(first + 3) + "/reply", "admit zz");
+        mp::TempDir::write(dir.file("hostile"), "");
+        try {
+          auto comm = Comm::join(env, opts, {.ticket = "t"});
+          mp::TempDir::write(dir.file("p3"), "admitted");
+        } catch (const ddp::Error& e) {
+          report_error(dir, "p3", e);
+        }
+        for (const std::int64_t id : {first + 1, first + 2}) {  // the bad claims: refused
+          const std::string reply = job.get("join/" + std::to_string(id) + "/reply");
+          MP_EXPECT(reply.starts_with("refuse 1 it claims no valid rank"), reply);
+        }
+      },
+      o);
+  const std::string p3 = mp::TempDir::read(dir.file("p3"));
+  CHECK_MESSAGE(p3.starts_with("protocol rank 3: join: the reply to this process's request is "
+                               "damaged"),
+                p3);
+  for (int r = 0; r < 4; ++r)
+    CHECK(mp::TempDir::read(dir.file("rank" + std::to_string(r))) ==
+          "1 4 " + std::to_string(r) + " 0 1 2 -1 | 7");
+  CHECK(now_ms() - t0 < 15'000);
+}
+
+TEST_CASE("grow: a member that dies before grow() or does not call it is named") {
+  for (const char* what : {"dies", "absent"}) {
+    CAPTURE(what);
+    mp::TempDir dir;
+    ddp::Options o;
+    o.timeout = std::string(what) == "dies" ? 20s : 3s;
+    std::string spawn_error;
+    const long long t0 = now_ms();
+    run_job(
+        3, 1, ddp::HostTransport::tcp,
+        [&](Comm& comm) {
+          const int me = comm.rank();
+          for (;;) {
+            std::vector<double> n{me == 0 ? static_cast<double>(comm.waiting_to_join()) : 0.0};
+            comm.all_reduce(n, ddp::ReduceOp::max);
+            if (n[0] > 0) break;
+            std::this_thread::sleep_for(10ms);
+          }
+          if (me == 2 && std::string(what) == "dies") std::_Exit(5);
+          if (me == 2) {  // absent: does not call grow()
+            std::this_thread::sleep_for(5s);
+            return;
+          }
+          try {
+            Comm grown = comm.grow({.ticket = "t"});
+            MP_EXPECT(false, "grew without rank 2");
+          } catch (const ddp::Error& e) {
+            report_error(dir, "rank" + std::to_string(me), e);
+          }
+        },
+        [&](ddp::Environment& env, const ddp::Options& opts) {
+          try {
+            auto comm = Comm::join(env, opts, {.ticket = "t"});
+          } catch (const ddp::Error& e) {
+            report_error(dir, "newcomer", e);
+          }
+        },
+        o, &spawn_error);
+    for (const char* who : {"rank0", "rank1", "newcomer"}) {
+      const std::string m = mp::TempDir::read(dir.file(who));
+      CAPTURE(who);
+      if (std::string(what) == "dies") {
+        CHECK_MESSAGE(m.starts_with("peer_lost "), m);
+        CHECK_MESSAGE(m.find("rank 2 of membership epoch 1 (world rank 2, a member) died before "
+                             "it connected") != std::string::npos,
+                      m);
+      } else {
+        CHECK_MESSAGE(m.starts_with("timeout "), m);
+        CHECK_MESSAGE(m.find("rank 2 of membership epoch 1 (world rank 2, a member) did not "
+                             "connect within the timeout: every member must call grow() at the "
+                             "same step") != std::string::npos,
+                      m);
+      }
+    }
+    if (std::string(what) == "dies") CHECK(now_ms() - t0 < 10'000);  // not the 20 s timeout
+  }
+}
+
+TEST_CASE("init: a process restarted to rejoin (DDP_REJOIN) is told to call join()") {
+  ddp::Environment env;
+  env.rank = 1;
+  env.world_size = 2;
+  env.master_port = 1;
+  env.rejoin = true;
+  try {
+    auto comm = Comm::init(env);
+    FAIL("init() accepted a rejoining process");
+  } catch (const ddp::Error& e) {
+    CHECK(e.code() == ddp::Errc::invalid_argument);
+    CHECK(std::string(e.what()).find("make its communicator with Communicator::join") !=
+          std::string::npos);
+  }
+}
+
 }  // namespace growth_tests
