@@ -202,6 +202,9 @@ inline Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
     }
     const std::string admitted = concat("admit ", epoch, " ", g.from);
     if (base.compare_set(reply, "", admitted) != admitted) continue;  // it gave up meanwhile
+    // A restarted process claims the rank of one that is gone: that one's mark would make the
+    // newcomer look dead from the start (its own death marks it again).
+    (void)base.erase(concat("gone/", claim));
     g.ids.push_back(id);
     g.claims.push_back(claim);
     taken.push_back(claim);
@@ -257,12 +260,12 @@ inline void await_participants(Store& root, const std::string& job, std::uint64_
       ++r;
       continue;
     }
-    // A process's mark; a newcomer not yet connecting has only its request's.
-    const std::string gone[] = {concat(job, "gone/", world_ranks[static_cast<std::size_t>(r)])};
-    const std::string left[] = {
-        r < members ? gone[0]
+    // A member's process mark; a newcomer's request's (its rank's mark may be its earlier
+    // life's, until rank 0 erased it).
+    const std::string gone[] = {
+        r < members ? concat(job, "gone/", world_ranks[static_cast<std::size_t>(r)])
                     : concat(job, join_key(g.ids[static_cast<std::size_t>(r - members)], "gone"))};
-    if (root.check(gone) || root.check(left))
+    if (root.check(gone))
       fail(Errc::peer_lost, "rank ", rank, ": grow: ", who(r), " died before it connected",
            unchanged);
     if (Clock::now() > deadline)

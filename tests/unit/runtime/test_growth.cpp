@@ -257,6 +257,14 @@ TEST_CASE("grow: a killed rank's restarted process rejoins as its rank after shr
         mp::TempDir::write(dir.file("shrunk" + std::to_string(me)), "");
         Comm grown = grow_when_waiting(smaller, 1);
         report(dir, "rank" + std::to_string(me), grown, me);
+        // Then world rank 2 dies too: the rejoined process is not taken for its dead first life.
+        if (me == 2) std::_Exit(6);
+        try {
+          for (int i = 0; i < 1000; ++i) grown.barrier();
+        } catch (const ddp::Error&) {
+        }
+        Comm last = grown.shrink({.wait_for_ranks = 10s});
+        report(dir, "last" + std::to_string(me), last, me);
       },
       [&](ddp::Environment& env, const ddp::Options& opts) {
         while (!mp::TempDir::exists(dir.file("shrunk0")) ||
@@ -265,11 +273,19 @@ TEST_CASE("grow: a killed rank's restarted process rejoins as its rank after shr
         env.rank = 1;  // the restarted rank 1
         auto comm = Comm::join(env, opts, {.ticket = "t"});
         report(dir, "newcomer", comm, 1);
+        try {
+          for (int i = 0; i < 1000; ++i) comm.barrier();
+        } catch (const ddp::Error&) {
+        }
+        Comm last = comm.shrink({.wait_for_ranks = 10s});
+        report(dir, "newcomer_last", last, 1);
       },
       o, &spawn_error);
   CHECK(mp::TempDir::read(dir.file("rank0")) == "2 3 0 0 1 -1 | 3");
   CHECK(mp::TempDir::read(dir.file("rank2")) == "2 3 1 0 1 -1 | 3");
   CHECK(mp::TempDir::read(dir.file("newcomer")) == "2 3 2 0 1 -1 | 3");
+  CHECK(mp::TempDir::read(dir.file("last0")) == "3 2 0 0 2 | 1");
+  CHECK(mp::TempDir::read(dir.file("newcomer_last")) == "3 2 1 0 2 | 1");
 }
 
 TEST_CASE("grow: damaged store values are refused as protocol errors, never crash") {
