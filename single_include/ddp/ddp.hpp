@@ -6921,6 +6921,12 @@ inline std::vector<int> parse_ranks(std::string_view text) {
   return concat("takes DDP_STORE_PORT = ", port);
 }
 
+/// The value at `key` in `s`, "" when absent, without waiting.
+inline std::string peek_key(Store& s, const std::string& key) {
+  const std::string k[] = {key};
+  return s.check(k) ? s.get(key) : std::string();
+}
+
 struct CommState {
   CommState() = default;
   CommState(const CommState&) = delete;
@@ -7457,8 +7463,7 @@ struct CommState {
     if (!root_store || root_store->lost()) return {};
     try {
       Store plain = root_store->prefixed(prefix).unwatched();
-      const std::string k[] = {key};
-      return plain.check(k) ? plain.get(key) : std::string();
+      return peek_key(plain, key);
     } catch (...) {
       return {};
     }
@@ -8263,12 +8268,6 @@ struct Growth {
   return concat("e", epoch, "/g", from, "/", what);
 }
 
-/// The value at `key`, "" when absent, without waiting.
-inline std::string peek_key(Store& s, const std::string& key) {
-  const std::string k[] = {key};
-  return s.check(k) ? s.get(key) : std::string();
-}
-
 /// Where two tickets (pieces separated by ';') first differ, for a refusal.
 [[nodiscard]] inline std::string ticket_difference(std::string_view theirs, std::string_view ours) {
   const auto piece = [](std::string_view t, std::size_t k) {
@@ -8650,10 +8649,7 @@ class MembershipChange {
   [[nodiscard]] std::string tag() const { return concat("e", epoch_, "/r", round_, "/"); }
 
   /// The value at `key` (under the base prefix), "" when absent, without waiting.
-  std::string peek(const std::string& key) {
-    const std::string k[] = {key};
-    return base_->check(k) ? base_->get(key) : std::string();
-  }
+  std::string peek(const std::string& key) { return peek_key(*base_, key); }
 
   void hook(const char* phase) const {
     if (shrink_phase_hook() != nullptr) shrink_phase_hook()(phase);

@@ -77,6 +77,12 @@ inline std::vector<int> parse_ranks(std::string_view text) {
   return concat("takes DDP_STORE_PORT = ", port);
 }
 
+/// The value at `key` in `s`, "" when absent, without waiting.
+inline std::string peek_key(Store& s, const std::string& key) {
+  const std::string k[] = {key};
+  return s.check(k) ? s.get(key) : std::string();
+}
+
 struct CommState {
   CommState() = default;
   CommState(const CommState&) = delete;
@@ -613,8 +619,7 @@ struct CommState {
     if (!root_store || root_store->lost()) return {};
     try {
       Store plain = root_store->prefixed(prefix).unwatched();
-      const std::string k[] = {key};
-      return plain.check(k) ? plain.get(key) : std::string();
+      return peek_key(plain, key);
     } catch (...) {
       return {};
     }

@@ -125,12 +125,6 @@ struct Growth {
   return concat("e", epoch, "/g", from, "/", what);
 }
 
-/// The value at `key`, "" when absent, without waiting.
-inline std::string peek_key(Store& s, const std::string& key) {
-  const std::string k[] = {key};
-  return s.check(k) ? s.get(key) : std::string();
-}
-
 /// Where two tickets (pieces separated by ';') first differ, for a refusal.
 [[nodiscard]] inline std::string ticket_difference(std::string_view theirs, std::string_view ours) {
   const auto piece = [](std::string_view t, std::size_t k) {

@@ -201,10 +201,7 @@ class MembershipChange {
   [[nodiscard]] std::string tag() const { return concat("e", epoch_, "/r", round_, "/"); }
 
   /// The value at `key` (under the base prefix), "" when absent, without waiting.
-  std::string peek(const std::string& key) {
-    const std::string k[] = {key};
-    return base_->check(k) ? base_->get(key) : std::string();
-  }
+  std::string peek(const std::string& key) { return peek_key(*base_, key); }
 
   void hook(const char* phase) const {
     if (shrink_phase_hook() != nullptr) shrink_phase_hook()(phase);
