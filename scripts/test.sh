@@ -38,6 +38,7 @@ mkdir -p build
 if [ $fast -eq 0 ]; then
   ensure_debs slurm-wlm munge
   ensure_torch_venv || exit 1
+  ensure_ulfm_mpi || exit 1  # Open MPI 5 with ULFM: backend::Mpi's shrink() on a real library
   if [ "$(id -u)" -eq 0 ]; then
     slurm_env=$(scripts/slurm.sh start build/slurm) || exit 1
     eval "$slurm_env"  # export SLURM_CONF=...

