@@ -14,6 +14,8 @@
 // against the communication time without overlap.
 //
 //   gradient-bench -n 2 --zero 5   ShardedAverager (ZeRO) against GradientAverager, 5 rounds
+//   gradient-bench -n 4 --mirror 5 ShardedAverager steps without and with ShardMirror saves,
+//                                  the memory it holds, and the recovery after a rank leaves
 //
 // Each round runs both in fresh processes, alternating which goes first: a training step with
 // Adam (average, update, and for the sharded one gather), the communication alone, each rank's
@@ -30,7 +32,10 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <functional>
+#include <optional>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -313,32 +318,45 @@ ZeroResult run_zero(ddp::Environment env, int reps, bool sharded) {
   return r;
 }
 
-// Rounds of both, each in fresh processes (so that each peak is its own), alternating order.
-int zero_rounds(int nproc, int reps, int rounds) {
-  const std::string file = "/tmp/gradient-bench-zero." + std::to_string(::getpid());
-  std::vector<ZeroResult> full, zero;
+// Rounds of `run(env, second)` for second = false and true, each in fresh processes (so that
+// each peak is its own), alternating which goes first; rank 0's results, or false when a round
+// gave none.
+template <class Result, class Run>
+bool alternating_rounds(int nproc, int rounds, const char* name, Run&& run,
+                        std::vector<Result>& first, std::vector<Result>& second) {
+  const std::string file =
+      std::string("/tmp/gradient-bench-") + name + "." + std::to_string(::getpid());
   for (int round = 0; round < rounds; ++round) {
     for (int k = 0; k < 2; ++k) {
-      const bool sharded = (k == 1) != (round % 2 == 1);
+      const bool which = (k == 1) != (round % 2 == 1);
       ddp::spawn(nproc, [&](ddp::Environment e) {
-        const ZeroResult r = run_zero(e, reps, sharded);
+        const Result r = run(e, which);
         if (e.rank != 0) return;
         std::FILE* f = std::fopen(file.c_str(), "wb");
         if (f == nullptr) return;
         std::fwrite(&r, sizeof r, 1, f);
         std::fclose(f);
       });
-      ZeroResult r;
+      Result r;
       std::FILE* f = std::fopen(file.c_str(), "rb");
       if (f == nullptr || std::fread(&r, sizeof r, 1, f) != 1) {
         std::fprintf(stderr, "gradient-bench: no result from round %d\n", round);
-        return 1;
+        return false;
       }
       std::fclose(f);
       std::remove(file.c_str());
-      (sharded ? zero : full).push_back(r);
+      (which ? second : first).push_back(r);
     }
   }
+  return true;
+}
+
+int zero_rounds(int nproc, int reps, int rounds) {
+  std::vector<ZeroResult> full, zero;
+  if (!alternating_rounds(
+          nproc, rounds, "zero",
+          [&](ddp::Environment e, bool sharded) { return run_zero(e, reps, sharded); }, full, zero))
+    return 1;
   fmt::print(
       "# ResNet-50 (25.6 M floats) with Adam, {} ranks: GradientAverager against ShardedAverager, "
       "{} rounds (median of {} steps each)\n",
@@ -374,6 +392,118 @@ int zero_rounds(int nproc, int reps, int rounds) {
   return 0;
 }
 
+// ---- --mirror: ShardedAverager's steps with and without an in-memory copy of each shard ----
+
+struct MirrorResult {
+  double step_us = 0;  // a step (average, Adam on the shard, gather; and the mirror's save)
+  double save_us = 0;  // the mirror's save alone
+  double file_us =
+      0;  // a sharded checkpoint's save to disk (ShardedAverager::save(path)), for scale
+  double state_mb = 0;   // Adam's moments and the shard's values on one rank
+  double mirror_mb = 0;  // what the mirror holds on one rank
+  double load_ms = 0;    // after the last rank leaves: the survivors' shrink, averager, load
+};
+
+MirrorResult run_mirror(ddp::Environment env, int reps, bool mirrored) {
+  auto comm = Comm::init(env);
+  std::vector<Param> model;
+  for (std::size_t n : resnet50_sizes())
+    model.push_back({std::vector<float>(n, 0.01f),
+                     std::vector<float>(n, 1.0f + static_cast<float>(comm.rank()))});
+  ddp::ShardMirror mirror;
+  std::optional<ddp::ShardedAverager<std::vector<Param>, ddp::backend::Host>> zero;
+  zero.emplace(comm, model);
+  std::vector<float> m, s;  // Adam's moments over the shard, in shard() order
+  m.assign(zero->shard_size(), 0.0f);
+  s.assign(zero->shard_size(), 0.0f);
+  int t = 0;
+  const auto save = [&] {
+    ddp::Checkpoint state;
+    state.put_sharded("m", m, zero->layout()).put_sharded("v", s, zero->layout());
+    state.put_object("t", t);
+    zero->save(mirror, static_cast<std::uint64_t>(t), state);
+  };
+  MirrorResult r;
+  r.step_us = measure(comm, reps, [&] {
+    zero->step([&](std::span<ddp::ShardSlice<float>> shard) {
+      ++t;
+      std::size_t at = 0;
+      for (auto& sl : shard) {
+        adam(sl.value.data, sl.grad.data, m.data() + at, s.data() + at, sl.value.size, t);
+        at += sl.value.size;
+      }
+    });
+    if (mirrored) save();
+  });
+  r.save_us = measure(comm, reps, save);
+  if (mirrored) {  // the same state to a sharded checkpoint on disk, each rank its file
+    const std::string path = "/tmp/gradient-bench-ckpt." + std::to_string(::getppid());
+    r.file_us = measure(comm, std::max(1, reps / 2), [&] {
+      ddp::Checkpoint state;
+      state.put_sharded("m", m, zero->layout()).put_sharded("v", s, zero->layout());
+      (void)zero->save(path, state);
+    });
+    for (const auto& f : std::filesystem::directory_iterator("/tmp"))
+      if (f.path().string().rfind(path, 0) == 0) std::filesystem::remove(f.path());
+  }
+  r.state_mb = 3.0 * static_cast<double>(zero->shard_size()) * 4 / 1e6;
+  r.mirror_mb = static_cast<double>(mirror.bytes()) / 1e6;
+  if (mirrored && comm.size() > 1) {
+    const int last = comm.size() - 1;
+    if (comm.rank() == last) {
+      comm.barrier();
+      return r;  // leaves the job; the others go on without it
+    }
+    comm.barrier();
+    const auto start = Clock::now();
+    comm = comm.shrink({.exclude = {last}});
+    zero.emplace(comm, model);
+    const auto ck = zero->load(mirror);
+
+    if (!ck) throw std::runtime_error("no save in the mirror");
+    r.load_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  }
+  return r;
+}
+
+int mirror_rounds(int nproc, int reps, int rounds) {
+  std::vector<MirrorResult> plain, mirrored;
+  if (!alternating_rounds(
+          nproc, rounds, "mirror",
+          [&](ddp::Environment e, bool with) { return run_mirror(e, reps, with); }, plain,
+          mirrored))
+    return 1;
+  fmt::print(
+      "# ResNet-50 (25.6 M floats) with Adam on ShardedAverager, {} ranks: steps without and "
+      "with ShardedAverager::save(mirror) after each, {} rounds (median of {} steps each)\n",
+      nproc, rounds, reps);
+  fmt::print(
+      "| round | step ms: plain / mirrored | ratio | mirror save ms | sharded checkpoint to disk "
+      "ms | shard state MB per rank (values + Adam) | mirror MB per rank | recovery ms (shrink + "
+      "averager + load) |\n|---|---|---:|---:|---:|---:|---:|---:|\n");
+  std::vector<double> ratio, save_ms, load_ms;
+  for (int i = 0; i < rounds; ++i) {
+    const auto& a = plain[static_cast<std::size_t>(i)];
+    const auto& b = mirrored[static_cast<std::size_t>(i)];
+    ratio.push_back(b.step_us / a.step_us);
+    save_ms.push_back(b.save_us / 1e3);
+    load_ms.push_back(b.load_ms);
+    fmt::print("| {} | {:.1f} / {:.1f} | {:.2f}x | {:.1f} | {:.1f} | {:.0f} | {:.0f} | {:.1f} |\n",
+               i + 1, a.step_us / 1e3, b.step_us / 1e3, ratio.back(), save_ms.back(),
+               b.file_us / 1e3, b.state_mb, b.mirror_mb, b.load_ms);
+  }
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  fmt::print(
+      "\n# medians: step time mirrored / plain {:.2f}x, save {:.1f} ms, recovery {:.1f} ms; "
+      "mirror memory {:.1f}x the shard state\n",
+      median(ratio), median(save_ms), median(load_ms),
+      mirrored.front().mirror_mb / mirrored.front().state_mb);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -388,8 +518,20 @@ int main(int argc, char** argv) {
   int zero = 0;
   app.add_option("--zero", zero,
                  "ShardedAverager against GradientAverager with Adam: this many rounds");
+  int mirror = 0;
+  app.add_option("--mirror", mirror,
+                 "ShardedAverager steps without and with an in-memory copy of each shard "
+                 "(ShardMirror): this many rounds");
   CLI11_PARSE(app, argc, argv);
   g_sleep = compute == "sleep";
+  if (mirror > 0) {
+    try {
+      return mirror_rounds(nproc, reps, mirror);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "gradient-bench: %s\n", e.what());
+      return 1;
+    }
+  }
   if (zero > 0) {
     try {
       return zero_rounds(nproc, reps, zero);

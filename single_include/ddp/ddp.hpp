@@ -16761,6 +16761,12 @@ class Checkpoint {
     /// The bytes of the file this checkpoint would be with the `extra` sections added (sections
     /// of those names already there are left out), without copying the checkpoint.
     [[nodiscard]] std::string serialize_with(std::span<const Section> extra) const {
+      std::string out;
+      serialize_into(out, extra);
+      return out;
+    }
+    /// serialize_with() into `out` (its memory reused: no allocation when it is large enough).
+    void serialize_into(std::string& out, std::span<const Section> extra) const {
       std::vector<Section> all;
       for (const auto& [n, b] : sections_) {
         bool replaced = false;
@@ -16771,7 +16777,11 @@ class Checkpoint {
         check_name(e.first);
         all.push_back(e);
       }
-      std::string out(magic, sizeof magic);
+      std::size_t size = sizeof magic + 16;
+      for (const auto& [n, b] : all) size += 16 + n.size() + b.size();
+      out.clear();
+      out.reserve(size);
+      out.append(magic, sizeof magic);
       put_u64(out, all.size());
       for (const auto& [n, b] : all) {
         put_u64(out, n.size());
@@ -16780,7 +16790,6 @@ class Checkpoint {
       }
       for (const auto& sec : all) out += sec.second;
       put_u64(out, checksum(out.data(), out.size()));
-      return out;
     }
     /// Parses and verifies the bytes of a checkpoint file; Errc::protocol saying what is wrong,
     /// with `what` (e.g. the path) in the message.
@@ -19509,28 +19518,34 @@ DDP_END_NAMESPACE
 // #include "ddp/training/buckets.hpp" (already included above)
 // #include "ddp/training/gradient.hpp" (already included above)
 // #include "ddp/training/parameters.hpp" (already included above)
-// begin ddp/training/sharded_checkpoint.hpp
+// begin ddp/training/shard_mirror.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// Sharded checkpoints: every rank saves and loads its own file (its shard of the optimizer
-/// state, ShardedAverager's parameters), collectively, so that no rank writes the whole model.
+/// ddp::ShardMirror: a ShardedAverager's sharded state kept in memory, each rank's shard also on
+/// the rank before it (rank 0's on the last), so that a job that loses a rank recovers that
+/// rank's shard of the optimizer state from its neighbour, without a disk and without losing a
+/// step (ShardedAverager::save(mirror, tag, state), load(mirror, tag)).
 ///
-///     ddp::save_sharded_checkpoint(comm, ck, "run.ckpt");   // run.ckpt.rank<R>-of-<P>.<G>.<id>
-///     if (auto ck = ddp::load_sharded_checkpoint(comm, "run.ckpt")) { ... }
-///
-/// Each save is a new generation G of the files; the older ones are removed only once every rank
-/// has its new file on disk, so a failure or a kill at any moment, on any rank, leaves a complete
-/// set to load: the newest generation that every rank has.
-///
-/// A set loads on any world size: sections put with Checkpoint::put_sharded (state per element
-/// of a rank's shard, such as an optimizer's moments; ShardedAverager's parameters) are cut again
-/// for the new ranks, other sections must be the same in every file (ddp/training/reshard.hpp).
+///  * save(mirror, ...): two small all_gathers (the save's number, the sizes), then an
+///    all_to_all in which each rank sends its shard (what save(path) would write: the shard's
+///    parameter values, its layout, `state`) to the rank before it. Each rank keeps the two
+///    newest saves: its own shard and its neighbour's of each (4 shards' worth of memory, reused
+///    from save to save).
+///  * load(mirror, tag) takes the newest save (with that tag) of which the survivors hold every
+///    old rank's shard, and cuts it again for the new world as a sharded checkpoint is cut
+///    (training/reshard.hpp). One loss, or losses of ranks no two of which are neighbours, lose
+///    nothing; two neighbours lost together take a shard with them (Errc::mismatch, naming it:
+///    resume from a sharded checkpoint on disk).
+///  * A save that a failure interrupted is complete on some ranks and not on others; the older
+///    save is kept for that case. With TrainingState, save before commit() and load the tag of
+///    the restored commit: a commit completes only after every rank finished its save.
 
 // #include "ddp/config.hpp" (already included above)
+// #include "ddp/detail/crypto.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
 // #include "ddp/training/checkpoint.hpp" (already included above)
-// #include "ddp/training/parameters.hpp" (already included above)
 // begin ddp/training/reshard.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -19563,6 +19578,7 @@ DDP_END_NAMESPACE
 #include <functional>
 #include <map>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -19653,12 +19669,12 @@ struct ShardSet {
   std::vector<int> reader;  ///< reader[K]: the rank that reads old rank K's file
 };
 
-/// Collective: the newest save with a file of every one of its ranks seen by some rank
-/// (std::nullopt when no rank sees any shard file; Errc::mismatch, saying what is missing, when
-/// there are files but no complete save). `mine`: this rank's shard_files.
-template <class Comm>
-std::optional<ShardSet> choose_shard_set(Comm& comm, const std::string& path,
-                                         const std::vector<ShardFile>& mine) {
+/// Collective: the newest save of which some rank holds every old rank's shard, `mine` being
+/// what this rank holds (std::nullopt when no rank holds any; Errc::mismatch when none is
+/// complete: `incomplete(key, have, missing, first_missing)` says what is missing).
+template <class Comm, class Incomplete>
+std::optional<ShardSet> choose_held(Comm& comm, const std::vector<ShardFile>& mine,
+                                    Incomplete&& incomplete) {
   std::vector<std::uint64_t> words;
   for (const ShardFile& f : mine) words.insert(words.end(), {f.g, f.id, f.world, f.rank});
   // (g, id, world) -> the ranks that see each old rank's file
@@ -19695,13 +19711,7 @@ std::optional<ShardSet> choose_shard_set(Comm& comm, const std::string& path,
       to = concat(k, to.empty() ? "" : ", ", to);
     }
     const auto shorten = [](std::string t) { return t.size() > 40 ? t.substr(0, 37) + "..." : t; };
-    fail(Errc::mismatch, "rank ", comm.rank(),
-         ": load_sharded_checkpoint: no save has a file of every rank: the newest, generation ",
-         key[0], " of ", key[2], " ranks, has the files of rank ", shorten(have),
-         " but none of rank ", shorten(missing), " (",
-         shard_file_path(path, {key[0], key[1], key[2], first_missing}),
-         "): the checkpoint is incomplete, its files come from different runs, or a rank's "
-         "disk cannot be reached; resume from a complete checkpoint");
+    incomplete(ShardFile{key[0], key[1], key[2], first_missing}, shorten(have), shorten(missing));
   }
   for (std::uint64_t k = 0; k < set.world; ++k) {
     const std::vector<int>& seen = best->at(k);
@@ -19710,6 +19720,23 @@ std::optional<ShardSet> choose_shard_set(Comm& comm, const std::string& path,
         std::find(seen.begin(), seen.end(), preferred) != seen.end() ? preferred : seen.front());
   }
   return set;
+}
+
+/// Collective: the newest save with a file of every one of its ranks seen by some rank
+/// (std::nullopt when no rank sees any shard file; Errc::mismatch, saying what is missing, when
+/// there are files but no complete save). `mine`: this rank's shard_files.
+template <class Comm>
+std::optional<ShardSet> choose_shard_set(Comm& comm, const std::string& path,
+                                         const std::vector<ShardFile>& mine) {
+  return choose_held(
+      comm, mine, [&](const ShardFile& f, const std::string& have, const std::string& missing) {
+        fail(Errc::mismatch, "rank ", comm.rank(),
+             ": load_sharded_checkpoint: no save has a file of every rank: the newest, generation ",
+             f.g, " of ", f.world, " ranks, has the files of rank ", have, " but none of rank ",
+             missing, " (", shard_file_path(path, f),
+             "): the checkpoint is incomplete, its files come from different runs, or a rank's "
+             "disk cannot be reached; resume from a complete checkpoint");
+      });
 }
 
 /// What a shard file holds, as every rank needs to know it: its sections in order, each with
@@ -19765,41 +19792,22 @@ void for_each_overlap(const ShardLayout& to, const ShardLayout& from, F&& f) {
   }
 }
 
-/// Collective: each rank's checkpoint of save `set` of `path`, in the layouts `want` gives
-/// (null: each rank's own at the same world size, ShardLayout::even at another).
-template <class Comm>
-Checkpoint load_shard_set(Comm& comm, const std::string& path, const ShardSet& set,
-                          const ShardLayoutFor& want) {
+/// Collective: each rank's checkpoint, in the layouts `want` gives (null: each rank's own at
+/// the same world size, ShardLayout::even at another), of save `set`, whose old rank K's
+/// checkpoint `files` holds on rank set.reader[K]. `what` and `file_name(K)` name them in errors.
+template <class Comm, class Name>
+Checkpoint reshard_held(Comm& comm, const ShardSet& set, std::map<std::uint64_t, Checkpoint>& files,
+                        const ShardLayoutFor& want, const char* what, Name&& file_name) {
   const int me = comm.rank();
   const auto m = static_cast<std::uint64_t>(comm.size());
   const bool same_world = set.world == m;
   const auto failed = [&](const std::string& error) {
-    fail_with_first(comm, comm.all_gather_object(error), "load_sharded_checkpoint");
+    fail_with_first(comm, comm.all_gather_object(error), what);
   };
-  // 1. Each reader loads and checks its files.
-  std::map<std::uint64_t, Checkpoint> files;  // old rank -> its file, on its reader
   std::vector<std::pair<std::uint64_t, FileInfo>> infos;
   std::string error;
   try {
-    for (std::uint64_t k = 0; k < set.world; ++k) {
-      if (set.reader[k] != me) continue;
-      const std::string file = shard_file_path(path, {set.g, set.id, set.world, k});
-      std::optional<Checkpoint> ck = Checkpoint::load(file);
-      if (!ck) fail(Errc::system, "Checkpoint: ", file, " disappeared while it was being loaded");
-      if (!ck->contains("ddp.shard"))
-        fail(Errc::mismatch, "Checkpoint: ", file,
-             " is not a shard file (it was not written by save_sharded_checkpoint)");
-      const auto stamp = ck->get_object<std::vector<std::uint64_t>>("ddp.shard");
-      if (stamp.size() < 3 || stamp[0] != k || stamp[1] != set.world)
-        fail(Errc::mismatch, "Checkpoint: ", file, " was written by rank ",
-             stamp.empty() ? 0 : stamp[0], " of ", stamp.size() < 2 ? 0 : stamp[1],
-             " ranks; a shard file is read under the name its rank and world size gave it");
-      if (set.g != 0 && stamp[2] != set.id)
-        fail(Errc::mismatch, "Checkpoint: ", file,
-             " holds another save than its name says (it was copied or renamed)");
-      infos.emplace_back(k, describe(*ck, file));
-      files.emplace(k, std::move(*ck));
-    }
+    for (const auto& [k, ck] : files) infos.emplace_back(k, describe(ck, file_name(k)));
   } catch (const Error& e) {
     error = error_text(e);
   }
@@ -19809,11 +19817,8 @@ Checkpoint load_shard_set(Comm& comm, const std::string& path, const ShardSet& s
   for (auto& from_rank : comm.all_gather_object(infos))
     for (auto& [k, i] : from_rank) info[k] = std::move(i);
   const auto refuse = [&](const auto&... why) {
-    fail(Errc::mismatch, "rank ", me, ": load_sharded_checkpoint: ", why...,
+    fail(Errc::mismatch, "rank ", me, ": ", what, ": ", why...,
          "; resume from a complete checkpoint");
-  };
-  const auto file_name = [&](std::uint64_t k) {
-    return shard_file_path(path, {set.g, set.id, set.world, k});
   };
   std::vector<std::string> sharded;  // the sharded sections' names, in file 0's order
   std::vector<std::size_t> element;  // their element sizes
@@ -19895,7 +19900,7 @@ Checkpoint load_shard_set(Comm& comm, const std::string& path, const ShardSet& s
   bool moves = !same_world;
   for (std::uint64_t d = 0; d < m; ++d) {
     for (std::size_t s = 0; s < sharded.size(); ++s) {
-      wanted[d].push_back(layout_of_words(all_wanted[d][s], "load_sharded_checkpoint").second);
+      wanted[d].push_back(layout_of_words(all_wanted[d][s], what).second);
       moves = moves || !(wanted[d][s] == old[s][d]);
     }
   }
@@ -19927,38 +19932,38 @@ Checkpoint load_shard_set(Comm& comm, const std::string& path, const ShardSet& s
   for (std::size_t s = 0; s < sharded.size(); ++s)
     values[sharded[s]].resize(wanted[static_cast<std::size_t>(me)][s].elements() * element[s]);
   std::map<std::string, std::string> plain;
-  constexpr std::size_t chunk = std::size_t{256} << 20;  // an object collective carries < 1 GiB
-  for (int s = 0; s < comm.size(); ++s) {
-    std::vector<std::size_t> total(m, 0);
-    for (std::uint64_t d = 0; d < m; ++d)
-      for_each_piece(
-          s, d, [&](const std::string&, std::uint64_t, std::size_t, std::size_t, std::size_t n) {
-            total[d] += n;
-          });
-    const std::size_t most = *std::max_element(total.begin(), total.end());
-    if (most == 0) continue;
-    std::vector<std::string> pieces;
-    if (me == s) {
-      for (std::uint64_t d = 0; d < m; ++d) {
-        std::string& p = pieces.emplace_back();
-        p.reserve(total[d]);
-        for_each_piece(s, d,
-                       [&](const std::string& name, std::uint64_t k, std::size_t from, std::size_t,
-                           std::size_t n) {
-                         const auto b = files.at(k).get(name);
-                         p.append(reinterpret_cast<const char*>(b.data()) + from, n);
-                       });
-      }
-    }
-    std::string got;
-    for (std::size_t at = 0; at < most; at += chunk) {
-      std::vector<std::string> round;
-      for (const std::string& p : pieces) round.push_back(at < p.size() ? p.substr(at, chunk) : "");
-      got += comm.scatter_object(round, s);
-    }
-    std::size_t at = 0;
+  // One all_to_all of bytes: what this rank sends each rank, and receives from each, in rank
+  // order (every rank computes every size from what it gathered).
+  const auto me64 = static_cast<std::uint64_t>(me);
+  std::vector<std::size_t> send(m, 0), recv(m, 0);
+  for (std::uint64_t d = 0; d < m; ++d) {
+    for_each_piece(me, d,
+                   [&](const std::string&, std::uint64_t, std::size_t, std::size_t, std::size_t n) {
+                     send[d] += n;
+                   });
+    for_each_piece(static_cast<int>(d), me64,
+                   [&](const std::string&, std::uint64_t, std::size_t, std::size_t, std::size_t n) {
+                     recv[d] += n;
+                   });
+  }
+  std::string out_bytes, got;
+  std::size_t total_send = 0, total_recv = 0;
+  for (std::uint64_t d = 0; d < m; ++d) total_send += send[d], total_recv += recv[d];
+  out_bytes.reserve(total_send);
+  for (std::uint64_t d = 0; d < m; ++d)
+    for_each_piece(me, d,
+                   [&](const std::string& name, std::uint64_t k, std::size_t from, std::size_t,
+                       std::size_t n) {
+                     const auto b = files.at(k).get(name);
+                     out_bytes.append(reinterpret_cast<const char*>(b.data()) + from, n);
+                   });
+  got.resize(total_recv);
+  comm.all_to_all(std::span(reinterpret_cast<std::uint8_t*>(out_bytes.data()), out_bytes.size()),
+                  std::span(reinterpret_cast<std::uint8_t*>(got.data()), got.size()), send, recv);
+  std::size_t at = 0;
+  for (std::uint64_t s = 0; s < m; ++s) {
     for_each_piece(
-        s, static_cast<std::uint64_t>(me),
+        static_cast<int>(s), me64,
         [&](const std::string& name, std::uint64_t k, std::size_t, std::size_t to, std::size_t n) {
           const bool is_plain = [&] {
             for (const auto& [nm, words] : info[k])
@@ -19987,10 +19992,214 @@ Checkpoint load_shard_set(Comm& comm, const std::string& path, const ShardSet& s
   return out;
 }
 
+/// Collective: each rank's checkpoint of save `set` of `path`, in the layouts `want` gives
+/// (null: each rank's own at the same world size, ShardLayout::even at another).
+template <class Comm>
+Checkpoint load_shard_set(Comm& comm, const std::string& path, const ShardSet& set,
+                          const ShardLayoutFor& want) {
+  const int me = comm.rank();
+  // 1. Each reader loads and checks its files.
+  std::map<std::uint64_t, Checkpoint> files;  // old rank -> its file, on its reader
+  std::string error;
+  try {
+    for (std::uint64_t k = 0; k < set.world; ++k) {
+      if (set.reader[k] != me) continue;
+      const std::string file = shard_file_path(path, {set.g, set.id, set.world, k});
+      std::optional<Checkpoint> ck = Checkpoint::load(file);
+      if (!ck) fail(Errc::system, "Checkpoint: ", file, " disappeared while it was being loaded");
+      if (!ck->contains("ddp.shard"))
+        fail(Errc::mismatch, "Checkpoint: ", file,
+             " is not a shard file (it was not written by save_sharded_checkpoint)");
+      const auto stamp = ck->get_object<std::vector<std::uint64_t>>("ddp.shard");
+      if (stamp.size() < 3 || stamp[0] != k || stamp[1] != set.world)
+        fail(Errc::mismatch, "Checkpoint: ", file, " was written by rank ",
+             stamp.empty() ? 0 : stamp[0], " of ", stamp.size() < 2 ? 0 : stamp[1],
+             " ranks; a shard file is read under the name its rank and world size gave it");
+      if (set.g != 0 && stamp[2] != set.id)
+        fail(Errc::mismatch, "Checkpoint: ", file,
+             " holds another save than its name says (it was copied or renamed)");
+      files.emplace(k, std::move(*ck));
+    }
+  } catch (const Error& e) {
+    error = error_text(e);
+  }
+  fail_with_first(comm, comm.all_gather_object(error), "load_sharded_checkpoint");
+  return reshard_held(comm, set, files, want, "load_sharded_checkpoint", [&](std::uint64_t k) {
+    return shard_file_path(path, {set.g, set.id, set.world, k});
+  });
+}
+
 }  // namespace detail
 
 DDP_END_NAMESPACE
 // end ddp/training/reshard.hpp
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+namespace detail {
+struct MirrorAccess;
+}
+
+/// The in-memory sharded state of a ShardedAverager (see the file comment). Make it once, before
+/// the averager, and keep it across membership changes (the averager is made again after
+/// each; the mirror is not).
+class ShardMirror {
+ public:
+  /// Bytes held on this rank (its own shards and its neighbour's, of the saves kept).
+  [[nodiscard]] std::size_t bytes() const noexcept {
+    std::size_t n = 0;
+    for (const Save& s : saves_) n += s.own.size() + s.next.size();
+    return n;
+  }
+  /// The tags of the saves kept on this rank, oldest first.
+  [[nodiscard]] std::vector<std::uint64_t> tags() const {
+    std::vector<std::uint64_t> t;
+    for (const Save& s : saves_) t.push_back(s.tag);
+    return t;
+  }
+  /// Forgets every save.
+  void clear() noexcept { saves_.clear(); }
+
+ private:
+  friend struct detail::MirrorAccess;
+  struct Save {
+    std::uint64_t tag = 0, g = 0, id = 0, world = 0, rank = 0;
+    std::string own, next;  // this rank's shard, and rank (rank + 1) % world's
+  };
+  static constexpr std::size_t kept = 2;
+  std::vector<Save> saves_;  // oldest first
+};
+
+namespace detail {
+
+/// ShardedAverager's access to a ShardMirror.
+struct MirrorAccess {
+  /// Collective: this rank's shard checkpoint (`state` with `extra` sections) kept in `m` and on
+  /// the rank before, as save `tag`.
+  template <class Comm>
+  static void save(Comm& comm, ShardMirror& m, std::uint64_t tag, const Checkpoint& state,
+                   std::span<const Checkpoint::Section> extra) {
+    const auto n = static_cast<std::uint64_t>(comm.size()),
+               me = static_cast<std::uint64_t>(comm.rank());
+    // 1. Every rank is here, so every rank finished the newest save: the one before it is
+    // needed no more, and its memory takes this one.
+    const std::uint64_t newest = m.saves_.empty() ? 0 : m.saves_.back().g;
+    const auto ids = comm.all_gather_object(
+        std::vector<std::uint64_t>{newest, me == 0 ? random_value<std::uint64_t>() : 0});
+    ShardMirror::Save s{tag, 0, ids[0][1], n, me, {}, {}};
+    for (const auto& r : ids) s.g = std::max(s.g, r[0]);
+    ++s.g;
+    if (m.saves_.size() >= ShardMirror::kept) {
+      s.own = std::move(m.saves_.front().own);
+      s.next = std::move(m.saves_.front().next);
+      m.saves_.erase(m.saves_.begin());
+    }
+    // 2. This rank's shard, then to the rank before it (sizes first).
+    std::vector<Checkpoint::Section> sections(extra.begin(), extra.end());
+    const std::string stamp = encode_object(std::vector<std::uint64_t>{me, n, tag});
+    sections.emplace_back("ddp.shard", stamp);
+    state.serialize_into(s.own, sections);
+    if (n > 1) {
+      const auto sizes = comm.all_gather_object(static_cast<std::uint64_t>(s.own.size()));
+      const std::uint64_t before = (me + n - 1) % n, after = (me + 1) % n;
+      std::vector<std::size_t> out_counts(n, 0), in_counts(n, 0);
+      out_counts[before] = s.own.size();
+      in_counts[after] = static_cast<std::size_t>(sizes[after]);
+      s.next.resize(in_counts[after]);
+      comm.all_to_all(bytes(s.own), bytes(s.next), out_counts, in_counts);
+    } else {
+      s.next.clear();
+    }
+    m.saves_.push_back(std::move(s));
+  }
+
+  /// Collective: each rank's checkpoint of the newest save (with tag `tag`, when given) of which
+  /// the ranks hold every old rank's shard, cut for this world in the layouts `want` gives;
+  /// std::nullopt when no rank holds such a save.
+  template <class Comm>
+  static std::optional<Checkpoint> load(Comm& comm, const ShardMirror& m,
+                                        std::optional<std::uint64_t> tag,
+                                        const ShardLayoutFor& want) {
+    const char* what = "ShardedAverager::load (in-memory copies)";
+    std::vector<ShardFile> held;
+    for (const auto& s : m.saves_) {
+      if (tag && s.tag != *tag) continue;
+      held.push_back({s.g, s.id, s.world, s.rank});
+      if (s.world > 1) held.push_back({s.g, s.id, s.world, (s.rank + 1) % s.world});
+    }
+    const auto set = choose_held(
+        comm, held, [&](const ShardFile& f, const std::string& have, const std::string& missing) {
+          fail(Errc::mismatch, "rank ", comm.rank(), ": ", what, ": no rank holds a copy of rank ",
+               f.rank, "'s shard of save ", f.g, " (", f.world,
+               " ranks), neither its own nor the one "
+               "on the rank before it: both were lost (held: ranks ",
+               have, "; missing: ranks ", missing, "); resume from a sharded checkpoint on disk");
+        });
+    if (!set) return std::nullopt;
+    std::map<std::uint64_t, Checkpoint> shards;  // old rank -> its checkpoint, on its reader
+    std::string error;
+    try {
+      for (std::uint64_t k = 0; k < set->world; ++k) {
+        if (set->reader[k] != comm.rank()) continue;
+        for (const auto& s : m.saves_) {
+          if (s.g != set->g || s.id != set->id || s.world != set->world) continue;
+          const std::string& b = s.rank == k ? s.own : s.next;
+          shards.emplace(k, Checkpoint::parse(b, name(k, *set)));
+        }
+      }
+    } catch (const Error& e) {
+      error = error_text(e);
+    }
+    fail_with_first(comm, comm.all_gather_object(error), what);
+    return reshard_held(comm, *set, shards, want, what,
+                        [&](std::uint64_t k) { return name(k, *set); });
+  }
+
+ private:
+  static std::span<std::uint8_t> bytes(std::string& s) {
+    return {reinterpret_cast<std::uint8_t*>(s.data()), s.size()};
+  }
+  static std::string name(std::uint64_t k, const ShardSet& set) {
+    return concat("the in-memory copy of rank ", k, "'s shard (save ", set.g, " of ", set.world,
+                  " ranks)");
+  }
+};
+
+}  // namespace detail
+
+DDP_END_NAMESPACE
+// end ddp/training/shard_mirror.hpp
+// begin ddp/training/sharded_checkpoint.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Sharded checkpoints: every rank saves and loads its own file (its shard of the optimizer
+/// state, ShardedAverager's parameters), collectively, so that no rank writes the whole model.
+///
+///     ddp::save_sharded_checkpoint(comm, ck, "run.ckpt");   // run.ckpt.rank<R>-of-<P>.<G>.<id>
+///     if (auto ck = ddp::load_sharded_checkpoint(comm, "run.ckpt")) { ... }
+///
+/// Each save is a new generation G of the files; the older ones are removed only once every rank
+/// has its new file on disk, so a failure or a kill at any moment, on any rank, leaves a complete
+/// set to load: the newest generation that every rank has.
+///
+/// A set loads on any world size: sections put with Checkpoint::put_sharded (state per element
+/// of a rank's shard, such as an optimizer's moments; ShardedAverager's parameters) are cut again
+/// for the new ranks, other sections must be the same in every file (ddp/training/reshard.hpp).
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/training/checkpoint.hpp" (already included above)
+// #include "ddp/training/parameters.hpp" (already included above)
+// #include "ddp/training/reshard.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
@@ -20008,6 +20217,7 @@ DDP_END_NAMESPACE
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
@@ -20084,37 +20294,48 @@ std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::stri
   return id;
 }
 
+/// The values of `slices` (in CUDA memory when `cuda`), as the bytes of section "ddp.values",
+/// and its layout `layout` as the bytes of that section's companion.
+template <class Slices>
+std::pair<std::string, std::string> shard_values(const Slices& slices, const ShardLayout& layout,
+                                                 bool cuda) {
+  std::size_t element = 1, total = 0;
+  for (const auto& sl : slices) {
+    element = sizeof(*sl.value.data);
+    total += sl.value.bytes();
+  }
+  std::string values(total, '\0');
+  std::size_t at = 0;
+  for (const auto& sl : slices) {
+    copy_bytes(values.data() + at, sl.value.data, sl.value.bytes(), cuda, sl.value.stream);
+    sync_stream(cuda, sl.value.stream);
+    at += sl.value.bytes();
+  }
+  return {std::move(values), encode_object(layout_words(element, layout))};
+}
+
 /// ShardedAverager::save: the values of this rank's `slices` (ShardSlice; in CUDA memory when
 /// `cuda`) as sharded section "ddp.values" laid out as `layout`, with `state`, through
 /// save_shard_files. Collective.
 template <class Comm, class Slices>
 std::uint64_t save_shard(Comm& comm, const Checkpoint& state, const std::string& path,
                          const Slices& slices, const ShardLayout& layout, bool cuda) {
-  std::string values;
-  std::size_t element = 1;
-  for (const auto& sl : slices) {
-    element = sizeof(*sl.value.data);
-    values.resize(values.size() + sl.value.bytes());
-    copy_bytes(values.data() + values.size() - sl.value.bytes(), sl.value.data, sl.value.bytes(),
-               cuda, sl.value.stream);
-    sync_stream(cuda, sl.value.stream);
-  }
-  const std::string words = encode_object(layout_words(element, layout));
+  const auto [values, words] = shard_values(slices, layout, cuda);
   const std::string companion = layout_section("ddp.values");
   const Checkpoint::Section extra[] = {{"ddp.values", values}, {companion, words}};
   return save_shard_files(comm, state, path, extra);
 }
 
 /// ShardedAverager::load: checks that `ck` (this rank's, from load_sharded_checkpoint in the
-/// averager's layout) holds parameter values in the layout of this rank's `slices`, then copies
-/// them back into the slices. Collective: a rank's problem fails every rank (Errc::mismatch).
+/// averager's layout; `file` names it) holds parameter values in the layout of this rank's
+/// `slices`, then copies them back into the slices. Collective: a rank's problem fails every
+/// rank (Errc::mismatch).
 template <class Comm, class Slices>
-void restore_shard(Comm& comm, const Checkpoint& ck, const std::string& path, const Slices& slices,
+void restore_shard(Comm& comm, const Checkpoint& ck, const std::string& file, const Slices& slices,
                    const ShardLayout& layout, bool cuda) {
   std::string problem;
   std::size_t bytes = 0;
   for (const auto& sl : slices) bytes += sl.value.bytes();
-  const std::string file = shard_path(path, comm.rank(), comm.size());
   const auto stamp = ck.get_object<std::vector<std::uint64_t>>("ddp.shard");
   std::vector<std::uint64_t> legacy{static_cast<std::uint64_t>(comm.size())};  // older saves
   for (const ShardRange& r : layout.ranges)
@@ -20214,6 +20435,7 @@ DDP_END_NAMESPACE
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -20334,31 +20556,30 @@ class ShardedAverager : public detail::Averager<M, Backend> {
   /// save_sharded_checkpoint alone, fails on every rank with Errc::mismatch; damaged or mixed
   /// files fail as in load_sharded_checkpoint.
   [[nodiscard]] std::optional<Checkpoint> load(const std::string& path) {
-    const ShardLayout mine = layout();
-    const int rank = this->comm_->rank(), world = this->comm_->size();
-    std::optional<Checkpoint> ck = load_sharded_checkpoint(
-        *this->comm_, path,
-        [&](std::string_view section, const std::vector<std::size_t>& sizes) -> ShardLayout {
-          if (sizes == mine.sizes) return mine;
-          if (section == "ddp.values") {
-            std::size_t i = 0;
-            while (i < sizes.size() && i < mine.sizes.size() && sizes[i] == mine.sizes[i]) ++i;
-            detail::fail(
-                Errc::mismatch, "ShardedAverager::load: the checkpoint holds ", sizes.size(),
-                " parameters and this model ", mine.sizes.size(),
-                i < sizes.size() && i < mine.sizes.size()
-                    ? detail::concat("; parameter ", i, " has ", sizes[i],
-                                     " elements in the checkpoint but ", mine.sizes[i], " here")
-                    : std::string(),
-                ": it was saved with another model");
-          }
-          return ShardLayout::even(sizes, rank, world);
-        });
-    if (!ck) return std::nullopt;
+    return restore(load_sharded_checkpoint(*this->comm_, path, wanted()),
+                   shard_path(path, this->comm_->rank(), this->comm_->size()));
+  }
+
+  /// Collective: keeps this rank's shard (what save(path, state) writes) in `mirror`, and a
+  /// copy on the rank before it, as save `tag` (the steps done, say); the two newest are kept
+  /// (ShardMirror). Costs one all_to_all of a shard per step and four shards of memory.
+  void save(ShardMirror& mirror, std::uint64_t tag, const Checkpoint& state = Checkpoint{}) {
     engine().look_up_all();
-    detail::restore_shard(*this->comm_, *ck, path, shard(), mine, engine().cuda());
-    engine().gather_values();
-    return ck;
+    const auto [values, words] = detail::shard_values(shard(), layout(), engine().cuda());
+    const std::string companion = detail::layout_section("ddp.values");
+    const Checkpoint::Section extra[] = {{"ddp.values", values}, {companion, words}};
+    detail::MirrorAccess::save(*this->comm_, mirror, tag, state, extra);
+  }
+
+  /// Collective, after a membership change (an averager made again over the survivors): loads
+  /// the newest save in `mirror` (with tag `tag`, when given) of which the ranks hold every old
+  /// rank's shard, as load(path) loads a sharded checkpoint (cut again for this world size).
+  /// std::nullopt when no rank holds one; Errc::mismatch when a shard was lost with both of the
+  /// ranks holding it.
+  [[nodiscard]] std::optional<Checkpoint> load(const ShardMirror& mirror,
+                                               std::optional<std::uint64_t> tag = std::nullopt) {
+    return restore(detail::MirrorAccess::load(*this->comm_, mirror, tag, wanted()),
+                   detail::concat("the in-memory copy of rank ", this->comm_->rank(), "'s shard"));
   }
 
   /// One optimizer step: average(), then `update(shard())` (the optimizer, on this rank's shard
@@ -20388,6 +20609,38 @@ class ShardedAverager : public detail::Averager<M, Backend> {
  private:
   Engine& engine() { return static_cast<Engine&>(*this->impl_); }
   const Engine& engine() const { return static_cast<const Engine&>(*this->impl_); }
+
+  /// The layout load() asks for: this averager's for its parameters (a checkpoint of another
+  /// model refused), even for other sharded sections.
+  [[nodiscard]] ShardLayoutFor wanted() const {
+    const ShardLayout mine = layout();
+    const int rank = this->comm_->rank(), world = this->comm_->size();
+    return [mine, rank, world](std::string_view section,
+                               const std::vector<std::size_t>& sizes) -> ShardLayout {
+      if (sizes == mine.sizes) return mine;
+      if (section == "ddp.values") {
+        std::size_t i = 0;
+        while (i < sizes.size() && i < mine.sizes.size() && sizes[i] == mine.sizes[i]) ++i;
+        detail::fail(
+            Errc::mismatch, "ShardedAverager::load: the checkpoint holds ", sizes.size(),
+            " parameters and this model ", mine.sizes.size(),
+            i < sizes.size() && i < mine.sizes.size()
+                ? detail::concat("; parameter ", i, " has ", sizes[i],
+                                 " elements in the checkpoint but ", mine.sizes[i], " here")
+                : std::string(),
+            ": it was saved with another model");
+      }
+      return ShardLayout::even(sizes, rank, world);
+    };
+  }
+  /// The shard of `ck` (named `where` in errors) back in place, gathered.
+  std::optional<Checkpoint> restore(std::optional<Checkpoint> ck, const std::string& where) {
+    if (!ck) return std::nullopt;
+    engine().look_up_all();
+    detail::restore_shard(*this->comm_, *ck, where, shard(), layout(), engine().cuda());
+    engine().gather_values();
+    return ck;
+  }
 
   template <class... A>
   [[noreturn]] void fail(const A&... a) const {

@@ -286,6 +286,12 @@ class Checkpoint {
     /// The bytes of the file this checkpoint would be with the `extra` sections added (sections
     /// of those names already there are left out), without copying the checkpoint.
     [[nodiscard]] std::string serialize_with(std::span<const Section> extra) const {
+      std::string out;
+      serialize_into(out, extra);
+      return out;
+    }
+    /// serialize_with() into `out` (its memory reused: no allocation when it is large enough).
+    void serialize_into(std::string& out, std::span<const Section> extra) const {
       std::vector<Section> all;
       for (const auto& [n, b] : sections_) {
         bool replaced = false;
@@ -296,7 +302,11 @@ class Checkpoint {
         check_name(e.first);
         all.push_back(e);
       }
-      std::string out(magic, sizeof magic);
+      std::size_t size = sizeof magic + 16;
+      for (const auto& [n, b] : all) size += 16 + n.size() + b.size();
+      out.clear();
+      out.reserve(size);
+      out.append(magic, sizeof magic);
       put_u64(out, all.size());
       for (const auto& [n, b] : all) {
         put_u64(out, n.size());
@@ -305,7 +315,6 @@ class Checkpoint {
       }
       for (const auto& sec : all) out += sec.second;
       put_u64(out, checksum(out.data(), out.size()));
-      return out;
     }
     /// Parses and verifies the bytes of a checkpoint file; Errc::protocol saying what is wrong,
     /// with `what` (e.g. the path) in the message.

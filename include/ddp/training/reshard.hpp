@@ -30,6 +30,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -120,12 +121,12 @@ struct ShardSet {
   std::vector<int> reader;  ///< reader[K]: the rank that reads old rank K's file
 };
 
-/// Collective: the newest save with a file of every one of its ranks seen by some rank
-/// (std::nullopt when no rank sees any shard file; Errc::mismatch, saying what is missing, when
-/// there are files but no complete save). `mine`: this rank's shard_files.
-template <class Comm>
-std::optional<ShardSet> choose_shard_set(Comm& comm, const std::string& path,
-                                         const std::vector<ShardFile>& mine) {
+/// Collective: the newest save of which some rank holds every old rank's shard, `mine` being
+/// what this rank holds (std::nullopt when no rank holds any; Errc::mismatch when none is
+/// complete: `incomplete(key, have, missing, first_missing)` says what is missing).
+template <class Comm, class Incomplete>
+std::optional<ShardSet> choose_held(Comm& comm, const std::vector<ShardFile>& mine,
+                                    Incomplete&& incomplete) {
   std::vector<std::uint64_t> words;
   for (const ShardFile& f : mine) words.insert(words.end(), {f.g, f.id, f.world, f.rank});
   // (g, id, world) -> the ranks that see each old rank's file
@@ -162,13 +163,7 @@ std::optional<ShardSet> choose_shard_set(Comm& comm, const std::string& path,
       to = concat(k, to.empty() ? "" : ", ", to);
     }
     const auto shorten = [](std::string t) { return t.size() > 40 ? t.substr(0, 37) + "..." : t; };
-    fail(Errc::mismatch, "rank ", comm.rank(),
-         ": load_sharded_checkpoint: no save has a file of every rank: the newest, generation ",
-         key[0], " of ", key[2], " ranks, has the files of rank ", shorten(have),
-         " but none of rank ", shorten(missing), " (",
-         shard_file_path(path, {key[0], key[1], key[2], first_missing}),
-         "): the checkpoint is incomplete, its files come from different runs, or a rank's "
-         "disk cannot be reached; resume from a complete checkpoint");
+    incomplete(ShardFile{key[0], key[1], key[2], first_missing}, shorten(have), shorten(missing));
   }
   for (std::uint64_t k = 0; k < set.world; ++k) {
     const std::vector<int>& seen = best->at(k);
@@ -177,6 +172,23 @@ std::optional<ShardSet> choose_shard_set(Comm& comm, const std::string& path,
         std::find(seen.begin(), seen.end(), preferred) != seen.end() ? preferred : seen.front());
   }
   return set;
+}
+
+/// Collective: the newest save with a file of every one of its ranks seen by some rank
+/// (std::nullopt when no rank sees any shard file; Errc::mismatch, saying what is missing, when
+/// there are files but no complete save). `mine`: this rank's shard_files.
+template <class Comm>
+std::optional<ShardSet> choose_shard_set(Comm& comm, const std::string& path,
+                                         const std::vector<ShardFile>& mine) {
+  return choose_held(
+      comm, mine, [&](const ShardFile& f, const std::string& have, const std::string& missing) {
+        fail(Errc::mismatch, "rank ", comm.rank(),
+             ": load_sharded_checkpoint: no save has a file of every rank: the newest, generation ",
+             f.g, " of ", f.world, " ranks, has the files of rank ", have, " but none of rank ",
+             missing, " (", shard_file_path(path, f),
+             "): the checkpoint is incomplete, its files come from different runs, or a rank's "
+             "disk cannot be reached; resume from a complete checkpoint");
+      });
 }
 
 /// What a shard file holds, as every rank needs to know it: its sections in order, each with
@@ -232,41 +244,22 @@ void for_each_overlap(const ShardLayout& to, const ShardLayout& from, F&& f) {
   }
 }
 
-/// Collective: each rank's checkpoint of save `set` of `path`, in the layouts `want` gives
-/// (null: each rank's own at the same world size, ShardLayout::even at another).
-template <class Comm>
-Checkpoint load_shard_set(Comm& comm, const std::string& path, const ShardSet& set,
-                          const ShardLayoutFor& want) {
+/// Collective: each rank's checkpoint, in the layouts `want` gives (null: each rank's own at
+/// the same world size, ShardLayout::even at another), of save `set`, whose old rank K's
+/// checkpoint `files` holds on rank set.reader[K]. `what` and `file_name(K)` name them in errors.
+template <class Comm, class Name>
+Checkpoint reshard_held(Comm& comm, const ShardSet& set, std::map<std::uint64_t, Checkpoint>& files,
+                        const ShardLayoutFor& want, const char* what, Name&& file_name) {
   const int me = comm.rank();
   const auto m = static_cast<std::uint64_t>(comm.size());
   const bool same_world = set.world == m;
   const auto failed = [&](const std::string& error) {
-    fail_with_first(comm, comm.all_gather_object(error), "load_sharded_checkpoint");
+    fail_with_first(comm, comm.all_gather_object(error), what);
   };
-  // 1. Each reader loads and checks its files.
-  std::map<std::uint64_t, Checkpoint> files;  // old rank -> its file, on its reader
   std::vector<std::pair<std::uint64_t, FileInfo>> infos;
   std::string error;
   try {
-    for (std::uint64_t k = 0; k < set.world; ++k) {
-      if (set.reader[k] != me) continue;
-      const std::string file = shard_file_path(path, {set.g, set.id, set.world, k});
-      std::optional<Checkpoint> ck = Checkpoint::load(file);
-      if (!ck) fail(Errc::system, "Checkpoint: ", file, " disappeared while it was being loaded");
-      if (!ck->contains("ddp.shard"))
-        fail(Errc::mismatch, "Checkpoint: ", file,
-             " is not a shard file (it was not written by save_sharded_checkpoint)");
-      const auto stamp = ck->get_object<std::vector<std::uint64_t>>("ddp.shard");
-      if (stamp.size() < 3 || stamp[0] != k || stamp[1] != set.world)
-        fail(Errc::mismatch, "Checkpoint: ", file, " was written by rank ",
-             stamp.empty() ? 0 : stamp[0], " of ", stamp.size() < 2 ? 0 : stamp[1],
-             " ranks; a shard file is read under the name its rank and world size gave it");
-      if (set.g != 0 && stamp[2] != set.id)
-        fail(Errc::mismatch, "Checkpoint: ", file,
-             " holds another save than its name says (it was copied or renamed)");
-      infos.emplace_back(k, describe(*ck, file));
-      files.emplace(k, std::move(*ck));
-    }
+    for (const auto& [k, ck] : files) infos.emplace_back(k, describe(ck, file_name(k)));
   } catch (const Error& e) {
     error = error_text(e);
   }
@@ -276,11 +269,8 @@ Checkpoint load_shard_set(Comm& comm, const std::string& path, const ShardSet& s
   for (auto& from_rank : comm.all_gather_object(infos))
     for (auto& [k, i] : from_rank) info[k] = std::move(i);
   const auto refuse = [&](const auto&... why) {
-    fail(Errc::mismatch, "rank ", me, ": load_sharded_checkpoint: ", why...,
+    fail(Errc::mismatch, "rank ", me, ": ", what, ": ", why...,
          "; resume from a complete checkpoint");
-  };
-  const auto file_name = [&](std::uint64_t k) {
-    return shard_file_path(path, {set.g, set.id, set.world, k});
   };
   std::vector<std::string> sharded;  // the sharded sections' names, in file 0's order
   std::vector<std::size_t> element;  // their element sizes
@@ -362,7 +352,7 @@ Checkpoint load_shard_set(Comm& comm, const std::string& path, const ShardSet& s
   bool moves = !same_world;
   for (std::uint64_t d = 0; d < m; ++d) {
     for (std::size_t s = 0; s < sharded.size(); ++s) {
-      wanted[d].push_back(layout_of_words(all_wanted[d][s], "load_sharded_checkpoint").second);
+      wanted[d].push_back(layout_of_words(all_wanted[d][s], what).second);
       moves = moves || !(wanted[d][s] == old[s][d]);
     }
   }
@@ -394,38 +384,38 @@ Checkpoint load_shard_set(Comm& comm, const std::string& path, const ShardSet& s
   for (std::size_t s = 0; s < sharded.size(); ++s)
     values[sharded[s]].resize(wanted[static_cast<std::size_t>(me)][s].elements() * element[s]);
   std::map<std::string, std::string> plain;
-  constexpr std::size_t chunk = std::size_t{256} << 20;  // an object collective carries < 1 GiB
-  for (int s = 0; s < comm.size(); ++s) {
-    std::vector<std::size_t> total(m, 0);
-    for (std::uint64_t d = 0; d < m; ++d)
-      for_each_piece(
-          s, d, [&](const std::string&, std::uint64_t, std::size_t, std::size_t, std::size_t n) {
-            total[d] += n;
-          });
-    const std::size_t most = *std::max_element(total.begin(), total.end());
-    if (most == 0) continue;
-    std::vector<std::string> pieces;
-    if (me == s) {
-      for (std::uint64_t d = 0; d < m; ++d) {
-        std::string& p = pieces.emplace_back();
-        p.reserve(total[d]);
-        for_each_piece(s, d,
-                       [&](const std::string& name, std::uint64_t k, std::size_t from, std::size_t,
-                           std::size_t n) {
-                         const auto b = files.at(k).get(name);
-                         p.append(reinterpret_cast<const char*>(b.data()) + from, n);
-                       });
-      }
-    }
-    std::string got;
-    for (std::size_t at = 0; at < most; at += chunk) {
-      std::vector<std::string> round;
-      for (const std::string& p : pieces) round.push_back(at < p.size() ? p.substr(at, chunk) : "");
-      got += comm.scatter_object(round, s);
-    }
-    std::size_t at = 0;
+  // One all_to_all of bytes: what this rank sends each rank, and receives from each, in rank
+  // order (every rank computes every size from what it gathered).
+  const auto me64 = static_cast<std::uint64_t>(me);
+  std::vector<std::size_t> send(m, 0), recv(m, 0);
+  for (std::uint64_t d = 0; d < m; ++d) {
+    for_each_piece(me, d,
+                   [&](const std::string&, std::uint64_t, std::size_t, std::size_t, std::size_t n) {
+                     send[d] += n;
+                   });
+    for_each_piece(static_cast<int>(d), me64,
+                   [&](const std::string&, std::uint64_t, std::size_t, std::size_t, std::size_t n) {
+                     recv[d] += n;
+                   });
+  }
+  std::string out_bytes, got;
+  std::size_t total_send = 0, total_recv = 0;
+  for (std::uint64_t d = 0; d < m; ++d) total_send += send[d], total_recv += recv[d];
+  out_bytes.reserve(total_send);
+  for (std::uint64_t d = 0; d < m; ++d)
+    for_each_piece(me, d,
+                   [&](const std::string& name, std::uint64_t k, std::size_t from, std::size_t,
+                       std::size_t n) {
+                     const auto b = files.at(k).get(name);
+                     out_bytes.append(reinterpret_cast<const char*>(b.data()) + from, n);
+                   });
+  got.resize(total_recv);
+  comm.all_to_all(std::span(reinterpret_cast<std::uint8_t*>(out_bytes.data()), out_bytes.size()),
+                  std::span(reinterpret_cast<std::uint8_t*>(got.data()), got.size()), send, recv);
+  std::size_t at = 0;
+  for (std::uint64_t s = 0; s < m; ++s) {
     for_each_piece(
-        s, static_cast<std::uint64_t>(me),
+        static_cast<int>(s), me64,
         [&](const std::string& name, std::uint64_t k, std::size_t, std::size_t to, std::size_t n) {
           const bool is_plain = [&] {
             for (const auto& [nm, words] : info[k])
@@ -452,6 +442,43 @@ Checkpoint load_shard_set(Comm& comm, const std::string& path, const ShardSet& s
   out.put_object("ddp.shard",
                  std::vector<std::uint64_t>{static_cast<std::uint64_t>(me), m, set.id});
   return out;
+}
+
+/// Collective: each rank's checkpoint of save `set` of `path`, in the layouts `want` gives
+/// (null: each rank's own at the same world size, ShardLayout::even at another).
+template <class Comm>
+Checkpoint load_shard_set(Comm& comm, const std::string& path, const ShardSet& set,
+                          const ShardLayoutFor& want) {
+  const int me = comm.rank();
+  // 1. Each reader loads and checks its files.
+  std::map<std::uint64_t, Checkpoint> files;  // old rank -> its file, on its reader
+  std::string error;
+  try {
+    for (std::uint64_t k = 0; k < set.world; ++k) {
+      if (set.reader[k] != me) continue;
+      const std::string file = shard_file_path(path, {set.g, set.id, set.world, k});
+      std::optional<Checkpoint> ck = Checkpoint::load(file);
+      if (!ck) fail(Errc::system, "Checkpoint: ", file, " disappeared while it was being loaded");
+      if (!ck->contains("ddp.shard"))
+        fail(Errc::mismatch, "Checkpoint: ", file,
+             " is not a shard file (it was not written by save_sharded_checkpoint)");
+      const auto stamp = ck->get_object<std::vector<std::uint64_t>>("ddp.shard");
+      if (stamp.size() < 3 || stamp[0] != k || stamp[1] != set.world)
+        fail(Errc::mismatch, "Checkpoint: ", file, " was written by rank ",
+             stamp.empty() ? 0 : stamp[0], " of ", stamp.size() < 2 ? 0 : stamp[1],
+             " ranks; a shard file is read under the name its rank and world size gave it");
+      if (set.g != 0 && stamp[2] != set.id)
+        fail(Errc::mismatch, "Checkpoint: ", file,
+             " holds another save than its name says (it was copied or renamed)");
+      files.emplace(k, std::move(*ck));
+    }
+  } catch (const Error& e) {
+    error = error_text(e);
+  }
+  fail_with_first(comm, comm.all_gather_object(error), "load_sharded_checkpoint");
+  return reshard_held(comm, set, files, want, "load_sharded_checkpoint", [&](std::uint64_t k) {
+    return shard_file_path(path, {set.g, set.id, set.world, k});
+  });
 }
 
 }  // namespace detail

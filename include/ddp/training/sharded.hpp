@@ -46,6 +46,7 @@
 #include "ddp/training/buckets.hpp"
 #include "ddp/training/gradient.hpp"
 #include "ddp/training/parameters.hpp"
+#include "ddp/training/shard_mirror.hpp"
 #include "ddp/training/sharded_checkpoint.hpp"
 
 #include <algorithm>
@@ -55,6 +56,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -175,31 +177,30 @@ class ShardedAverager : public detail::Averager<M, Backend> {
   /// save_sharded_checkpoint alone, fails on every rank with Errc::mismatch; damaged or mixed
   /// files fail as in load_sharded_checkpoint.
   [[nodiscard]] std::optional<Checkpoint> load(const std::string& path) {
-    const ShardLayout mine = layout();
-    const int rank = this->comm_->rank(), world = this->comm_->size();
-    std::optional<Checkpoint> ck = load_sharded_checkpoint(
-        *this->comm_, path,
-        [&](std::string_view section, const std::vector<std::size_t>& sizes) -> ShardLayout {
-          if (sizes == mine.sizes) return mine;
-          if (section == "ddp.values") {
-            std::size_t i = 0;
-            while (i < sizes.size() && i < mine.sizes.size() && sizes[i] == mine.sizes[i]) ++i;
-            detail::fail(
-                Errc::mismatch, "ShardedAverager::load: the checkpoint holds ", sizes.size(),
-                " parameters and this model ", mine.sizes.size(),
-                i < sizes.size() && i < mine.sizes.size()
-                    ? detail::concat("; parameter ", i, " has ", sizes[i],
-                                     " elements in the checkpoint but ", mine.sizes[i], " here")
-                    : std::string(),
-                ": it was saved with another model");
-          }
-          return ShardLayout::even(sizes, rank, world);
-        });
-    if (!ck) return std::nullopt;
+    return restore(load_sharded_checkpoint(*this->comm_, path, wanted()),
+                   shard_path(path, this->comm_->rank(), this->comm_->size()));
+  }
+
+  /// Collective: keeps this rank's shard (what save(path, state) writes) in `mirror`, and a
+  /// copy on the rank before it, as save `tag` (the steps done, say); the two newest are kept
+  /// (ShardMirror). Costs one all_to_all of a shard per step and four shards of memory.
+  void save(ShardMirror& mirror, std::uint64_t tag, const Checkpoint& state = Checkpoint{}) {
     engine().look_up_all();
-    detail::restore_shard(*this->comm_, *ck, path, shard(), mine, engine().cuda());
-    engine().gather_values();
-    return ck;
+    const auto [values, words] = detail::shard_values(shard(), layout(), engine().cuda());
+    const std::string companion = detail::layout_section("ddp.values");
+    const Checkpoint::Section extra[] = {{"ddp.values", values}, {companion, words}};
+    detail::MirrorAccess::save(*this->comm_, mirror, tag, state, extra);
+  }
+
+  /// Collective, after a membership change (an averager made again over the survivors): loads
+  /// the newest save in `mirror` (with tag `tag`, when given) of which the ranks hold every old
+  /// rank's shard, as load(path) loads a sharded checkpoint (cut again for this world size).
+  /// std::nullopt when no rank holds one; Errc::mismatch when a shard was lost with both of the
+  /// ranks holding it.
+  [[nodiscard]] std::optional<Checkpoint> load(const ShardMirror& mirror,
+                                               std::optional<std::uint64_t> tag = std::nullopt) {
+    return restore(detail::MirrorAccess::load(*this->comm_, mirror, tag, wanted()),
+                   detail::concat("the in-memory copy of rank ", this->comm_->rank(), "'s shard"));
   }
 
   /// One optimizer step: average(), then `update(shard())` (the optimizer, on this rank's shard
@@ -229,6 +230,38 @@ class ShardedAverager : public detail::Averager<M, Backend> {
  private:
   Engine& engine() { return static_cast<Engine&>(*this->impl_); }
   const Engine& engine() const { return static_cast<const Engine&>(*this->impl_); }
+
+  /// The layout load() asks for: this averager's for its parameters (a checkpoint of another
+  /// model refused), even for other sharded sections.
+  [[nodiscard]] ShardLayoutFor wanted() const {
+    const ShardLayout mine = layout();
+    const int rank = this->comm_->rank(), world = this->comm_->size();
+    return [mine, rank, world](std::string_view section,
+                               const std::vector<std::size_t>& sizes) -> ShardLayout {
+      if (sizes == mine.sizes) return mine;
+      if (section == "ddp.values") {
+        std::size_t i = 0;
+        while (i < sizes.size() && i < mine.sizes.size() && sizes[i] == mine.sizes[i]) ++i;
+        detail::fail(
+            Errc::mismatch, "ShardedAverager::load: the checkpoint holds ", sizes.size(),
+            " parameters and this model ", mine.sizes.size(),
+            i < sizes.size() && i < mine.sizes.size()
+                ? detail::concat("; parameter ", i, " has ", sizes[i],
+                                 " elements in the checkpoint but ", mine.sizes[i], " here")
+                : std::string(),
+            ": it was saved with another model");
+      }
+      return ShardLayout::even(sizes, rank, world);
+    };
+  }
+  /// The shard of `ck` (named `where` in errors) back in place, gathered.
+  std::optional<Checkpoint> restore(std::optional<Checkpoint> ck, const std::string& where) {
+    if (!ck) return std::nullopt;
+    engine().look_up_all();
+    detail::restore_shard(*this->comm_, *ck, where, shard(), layout(), engine().cuda());
+    engine().gather_values();
+    return ck;
+  }
 
   template <class... A>
   [[noreturn]] void fail(const A&... a) const {

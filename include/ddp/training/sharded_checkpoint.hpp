@@ -38,6 +38,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
@@ -114,37 +115,48 @@ std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::stri
   return id;
 }
 
+/// The values of `slices` (in CUDA memory when `cuda`), as the bytes of section "ddp.values",
+/// and its layout `layout` as the bytes of that section's companion.
+template <class Slices>
+std::pair<std::string, std::string> shard_values(const Slices& slices, const ShardLayout& layout,
+                                                 bool cuda) {
+  std::size_t element = 1, total = 0;
+  for (const auto& sl : slices) {
+    element = sizeof(*sl.value.data);
+    total += sl.value.bytes();
+  }
+  std::string values(total, '\0');
+  std::size_t at = 0;
+  for (const auto& sl : slices) {
+    copy_bytes(values.data() + at, sl.value.data, sl.value.bytes(), cuda, sl.value.stream);
+    sync_stream(cuda, sl.value.stream);
+    at += sl.value.bytes();
+  }
+  return {std::move(values), encode_object(layout_words(element, layout))};
+}
+
 /// ShardedAverager::save: the values of this rank's `slices` (ShardSlice; in CUDA memory when
 /// `cuda`) as sharded section "ddp.values" laid out as `layout`, with `state`, through
 /// save_shard_files. Collective.
 template <class Comm, class Slices>
 std::uint64_t save_shard(Comm& comm, const Checkpoint& state, const std::string& path,
                          const Slices& slices, const ShardLayout& layout, bool cuda) {
-  std::string values;
-  std::size_t element = 1;
-  for (const auto& sl : slices) {
-    element = sizeof(*sl.value.data);
-    values.resize(values.size() + sl.value.bytes());
-    copy_bytes(values.data() + values.size() - sl.value.bytes(), sl.value.data, sl.value.bytes(),
-               cuda, sl.value.stream);
-    sync_stream(cuda, sl.value.stream);
-  }
-  const std::string words = encode_object(layout_words(element, layout));
+  const auto [values, words] = shard_values(slices, layout, cuda);
   const std::string companion = layout_section("ddp.values");
   const Checkpoint::Section extra[] = {{"ddp.values", values}, {companion, words}};
   return save_shard_files(comm, state, path, extra);
 }
 
 /// ShardedAverager::load: checks that `ck` (this rank's, from load_sharded_checkpoint in the
-/// averager's layout) holds parameter values in the layout of this rank's `slices`, then copies
-/// them back into the slices. Collective: a rank's problem fails every rank (Errc::mismatch).
+/// averager's layout; `file` names it) holds parameter values in the layout of this rank's
+/// `slices`, then copies them back into the slices. Collective: a rank's problem fails every
+/// rank (Errc::mismatch).
 template <class Comm, class Slices>
-void restore_shard(Comm& comm, const Checkpoint& ck, const std::string& path, const Slices& slices,
+void restore_shard(Comm& comm, const Checkpoint& ck, const std::string& file, const Slices& slices,
                    const ShardLayout& layout, bool cuda) {
   std::string problem;
   std::size_t bytes = 0;
   for (const auto& sl : slices) bytes += sl.value.bytes();
-  const std::string file = shard_path(path, comm.rank(), comm.size());
   const auto stamp = ck.get_object<std::vector<std::uint64_t>>("ddp.shard");
   std::vector<std::uint64_t> legacy{static_cast<std::uint64_t>(comm.size())};  // older saves
   for (const ShardRange& r : layout.ranges)

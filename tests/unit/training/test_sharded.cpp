@@ -618,6 +618,27 @@ Optimizer optimizer_from(const ddp::Checkpoint& ck, Zero& zero) {
   return opt;
 }
 
+/// Runs `body(comm, first rank)` in 4 processes, some of which die on purpose: the survivors
+/// go on (a 20 s timeout); what the launcher reports at the end is left to the caller's checks.
+template <class Body>
+void run_with_losses(Body&& body) {
+  ddp::SpawnOptions so;
+  so.stop_on_failure = false;
+  try {
+    ddp::spawn(
+        4,
+        [&](ddp::Environment env) {
+          ddp::Options o;
+          o.timeout = std::chrono::seconds(20);
+          auto comm = mp::Comm::init(env, o);
+          const int first = comm.rank();
+          body(comm, first);
+        },
+        so);
+  } catch (const ddp::Error&) {
+  }
+}
+
 // Adam steps [from, 12) with a sharded save after every third; `die`: this rank exits at the
 // start of step 8. After a loss: shrink(), a new averager over the survivors, the last save
 // loaded at their size (resharded), and on.
@@ -667,24 +688,12 @@ TEST_CASE(
   // 3 fresh processes loading that save. Every survivor ends bitwise equal to the reference.
   mp::TempDir dir;
   const std::string path = dir.file("z");
-  ddp::SpawnOptions so;
-  so.stop_on_failure = false;
-  try {
-    ddp::spawn(
-        4,
-        [&](ddp::Environment env) {
-          ddp::Options o;
-          o.timeout = std::chrono::seconds(20);
-          auto comm = mp::Comm::init(env, o);
-          const int first = comm.rank();
-          Net net;
-          sharded_run(comm, net, path, 2);
-          MP_EXPECT(comm.size() == 3, "the survivors");
-          mp::TempDir::write(dir.file("net" + std::to_string(first)), bytes_of(net));
-        },
-        so);
-  } catch (const ddp::Error&) {
-  }
+  run_with_losses([&](mp::Comm& comm, int first) {
+    Net net;
+    sharded_run(comm, net, path, 2);
+    MP_EXPECT(comm.size() == 3, "the survivors");
+    mp::TempDir::write(dir.file("net" + std::to_string(first)), bytes_of(net));
+  });
   mp::TempDir again;  // the reference: 4 ranks to step 6 and a save, then 3 from it
   const std::string ref6 = again.file("z");
   mp::run(4, ddp::HostTransport::shm, [&](mp::Comm& comm) {
@@ -710,6 +719,135 @@ TEST_CASE(
   for (int r : {0, 1, 3})
     CHECK_MESSAGE(mp::TempDir::read(dir.file("net" + std::to_string(r))) == want,
                   "survivor " << r << " differs from the reference");
+}
+
+namespace {
+
+/// The optimizer's state for the shard, as save() takes it.
+template <class Zero>
+ddp::Checkpoint optimizer_state(const Optimizer& opt, Zero& zero) {
+  ddp::Checkpoint state;
+  state.put_sharded("m", flat(opt.m), zero.layout()).put_sharded("v", flat(opt.v), zero.layout());
+  state.put_object("t", opt.t);
+  return state;
+}
+
+/// 12 steps, each saved to an in-memory mirror (tag: the steps done); the ranks in `die` (of
+/// the first communicator) end at the start of step 8, or after its update, before its save,
+/// when `in_save`. After a loss: shrink(), a new averager, the newest save the survivors hold
+/// (its refusal, when a shard has no copy left, in `refused`).
+void mirrored_run(mp::Comm& comm, Net& net, const std::vector<int>& die, bool in_save,
+                  std::uint64_t& resumed_at, std::string& refused) {
+  Optimizer opt(true);
+  ddp::ShardMirror mirror;
+  std::optional<ddp::ShardedAverager<Net, ddp::backend::Host>> zero;
+  zero.emplace(comm, net, sharded_options);
+  const bool victim =
+      comm.epoch() == 0 && std::find(die.begin(), die.end(), comm.rank()) != die.end();
+  int step = 0;
+  for (;;) {
+    try {
+      for (; step < 12; ++step) {
+        if (victim && step == 8 && !in_save && comm.epoch() == 0) std::_Exit(5);
+        backward(net, comm.rank(), step);
+        zero->step([&](auto shard) { opt.step(ranges(shard)); });
+        if (victim && step == 8 && in_save && comm.epoch() == 0) {
+          // Killed while the others exchange this step's copies: its own never leaves.
+          std::_Exit(5);
+        }
+        zero->save(mirror, static_cast<std::uint64_t>(step + 1), optimizer_state(opt, *zero));
+      }
+      return;
+    } catch (const ddp::Error& e) {
+      MP_EXPECT(e.code() == ddp::Errc::peer_lost || e.code() == ddp::Errc::aborted, e.what());
+      comm = comm.shrink({.wait_for_ranks = std::chrono::seconds(10)});
+      zero.emplace(comm, net, sharded_options);  // shards for the survivors
+      std::optional<ddp::Checkpoint> ck;
+      try {
+        ck = zero->load(mirror);  // the newest save of which every shard is held
+      } catch (const ddp::Error& lost) {
+        if (lost.code() != ddp::Errc::mismatch) throw;
+        refused = lost.what();
+        return;
+      }
+      MP_EXPECT(ck.has_value(), "no save in memory to resume from");
+      if (!ck) return;
+      opt = optimizer_from(*ck, *zero);
+      step = opt.t;
+      resumed_at = static_cast<std::uint64_t>(step);
+    }
+  }
+}
+
+/// The reference: 4 ranks to `done` steps and a save to a file, then `survivors` fresh processes
+/// from it to step 12; returns rank 0's parameters.
+std::string reference_from(int done, int survivors) {
+  mp::TempDir dir;
+  const std::string path = dir.file("z");
+  mp::run(4, ddp::HostTransport::shm, [&](mp::Comm& comm) {
+    Net net;
+    Optimizer opt(true);
+    ddp::ShardedAverager zero(comm, net, sharded_options);
+    for (int step = 0; step < done; ++step) {
+      backward(net, comm.rank(), step);
+      zero.step([&](auto shard) { opt.step(ranges(shard)); });
+    }
+    zero.save(path, optimizer_state(opt, zero));
+  });
+  mp::run(survivors, ddp::HostTransport::shm, [&](mp::Comm& comm) {
+    Net net;
+    sharded_run(comm, net, path, 99);
+    mp::TempDir::write(dir.file("ref" + std::to_string(comm.rank())), bytes_of(net));
+  });
+  return mp::TempDir::read(dir.file("ref0"));
+}
+
+}  // namespace
+
+TEST_CASE(
+    "sharded: with each shard copied in memory to the rank before it, a lost rank loses no "
+    "step, and two lost neighbours are refused naming the shard") {
+  // Rank D of 4 dies at the start of step 8 (the mirror holds the save after 8 steps) or inside
+  // step 8's save (its copy never arrives: the survivors take the save after 8 steps too, the
+  // older one kept). The reference: 4 ranks to step 8, a file, 3 fresh processes from it.
+  const std::string want = reference_from(8, 3);
+  REQUIRE(!want.empty());
+  struct Case {
+    std::vector<int> die;
+    bool in_save;
+  };
+  for (const Case& c : {Case{{2}, false}, Case{{0}, false}, Case{{3}, true}, Case{{1, 3}, false},
+                        Case{{1, 2}, false}}) {
+    CAPTURE(c.die.front());
+    CAPTURE(c.die.back());
+    CAPTURE(c.in_save);
+    mp::TempDir dir;
+    run_with_losses([&](mp::Comm& comm, int first) {
+      Net net;
+      std::uint64_t resumed = 0;
+      std::string refused;
+      mirrored_run(comm, net, c.die, c.in_save, resumed, refused);
+      if (!refused.empty()) {
+        mp::TempDir::write(dir.file("refused" + std::to_string(first)), refused);
+        return;
+      }
+      MP_EXPECT(resumed == 8, "resumed after " << resumed << " steps, not 8");
+      mp::TempDir::write(dir.file("net" + std::to_string(first)), bytes_of(net));
+    });
+    const bool neighbours = c.die.size() == 2 && c.die[1] == c.die[0] + 1;
+    for (int r = 0; r < 4; ++r) {
+      if (std::find(c.die.begin(), c.die.end(), r) != c.die.end()) continue;
+      if (neighbours) {  // rank 2's shard was on rank 2 and, copied, on rank 1: both lost
+        const std::string why = mp::TempDir::read(dir.file("refused" + std::to_string(r)));
+        CHECK_MESSAGE(why.find("no rank holds a copy of rank 2's shard") != std::string::npos,
+                      "survivor " << r << ": " << why);
+        continue;
+      }
+      const std::string expected = c.die.size() == 1 ? want : reference_from(8, 2);
+      CHECK_MESSAGE(mp::TempDir::read(dir.file("net" + std::to_string(r))) == expected,
+                    "survivor " << r << " differs from the reference");
+    }
+  }
 }
 
 TEST_CASE(

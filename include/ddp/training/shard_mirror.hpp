@@ -1,0 +1,172 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// ddp::ShardMirror: a ShardedAverager's sharded state kept in memory, each rank's shard also on
+/// the rank before it (rank 0's on the last), so that a job that loses a rank recovers that
+/// rank's shard of the optimizer state from its neighbour, without a disk and without losing a
+/// step (ShardedAverager::save(mirror, tag, state), load(mirror, tag)).
+///
+///  * save(mirror, ...): two small all_gathers (the save's number, the sizes), then an
+///    all_to_all in which each rank sends its shard (what save(path) would write: the shard's
+///    parameter values, its layout, `state`) to the rank before it. Each rank keeps the two
+///    newest saves: its own shard and its neighbour's of each (4 shards' worth of memory, reused
+///    from save to save).
+///  * load(mirror, tag) takes the newest save (with that tag) of which the survivors hold every
+///    old rank's shard, and cuts it again for the new world as a sharded checkpoint is cut
+///    (training/reshard.hpp). One loss, or losses of ranks no two of which are neighbours, lose
+///    nothing; two neighbours lost together take a shard with them (Errc::mismatch, naming it:
+///    resume from a sharded checkpoint on disk).
+///  * A save that a failure interrupted is complete on some ranks and not on others; the older
+///    save is kept for that case. With TrainingState, save before commit() and load the tag of
+///    the restored commit: a commit completes only after every rank finished its save.
+
+#include "ddp/config.hpp"
+#include "ddp/detail/crypto.hpp"
+#include "ddp/error.hpp"
+#include "ddp/training/checkpoint.hpp"
+#include "ddp/training/reshard.hpp"
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+namespace detail {
+struct MirrorAccess;
+}
+
+/// The in-memory sharded state of a ShardedAverager (see the file comment). Make it once, before
+/// the averager, and keep it across membership changes (the averager is made again after
+/// each; the mirror is not).
+class ShardMirror {
+ public:
+  /// Bytes held on this rank (its own shards and its neighbour's, of the saves kept).
+  [[nodiscard]] std::size_t bytes() const noexcept {
+    std::size_t n = 0;
+    for (const Save& s : saves_) n += s.own.size() + s.next.size();
+    return n;
+  }
+  /// The tags of the saves kept on this rank, oldest first.
+  [[nodiscard]] std::vector<std::uint64_t> tags() const {
+    std::vector<std::uint64_t> t;
+    for (const Save& s : saves_) t.push_back(s.tag);
+    return t;
+  }
+  /// Forgets every save.
+  void clear() noexcept { saves_.clear(); }
+
+ private:
+  friend struct detail::MirrorAccess;
+  struct Save {
+    std::uint64_t tag = 0, g = 0, id = 0, world = 0, rank = 0;
+    std::string own, next;  // this rank's shard, and rank (rank + 1) % world's
+  };
+  static constexpr std::size_t kept = 2;
+  std::vector<Save> saves_;  // oldest first
+};
+
+namespace detail {
+
+/// ShardedAverager's access to a ShardMirror.
+struct MirrorAccess {
+  /// Collective: this rank's shard checkpoint (`state` with `extra` sections) kept in `m` and on
+  /// the rank before, as save `tag`.
+  template <class Comm>
+  static void save(Comm& comm, ShardMirror& m, std::uint64_t tag, const Checkpoint& state,
+                   std::span<const Checkpoint::Section> extra) {
+    const auto n = static_cast<std::uint64_t>(comm.size()),
+               me = static_cast<std::uint64_t>(comm.rank());
+    // 1. Every rank is here, so every rank finished the newest save: the one before it is
+    // needed no more, and its memory takes this one.
+    const std::uint64_t newest = m.saves_.empty() ? 0 : m.saves_.back().g;
+    const auto ids = comm.all_gather_object(
+        std::vector<std::uint64_t>{newest, me == 0 ? random_value<std::uint64_t>() : 0});
+    ShardMirror::Save s{tag, 0, ids[0][1], n, me, {}, {}};
+    for (const auto& r : ids) s.g = std::max(s.g, r[0]);
+    ++s.g;
+    if (m.saves_.size() >= ShardMirror::kept) {
+      s.own = std::move(m.saves_.front().own);
+      s.next = std::move(m.saves_.front().next);
+      m.saves_.erase(m.saves_.begin());
+    }
+    // 2. This rank's shard, then to the rank before it (sizes first).
+    std::vector<Checkpoint::Section> sections(extra.begin(), extra.end());
+    const std::string stamp = encode_object(std::vector<std::uint64_t>{me, n, tag});
+    sections.emplace_back("ddp.shard", stamp);
+    state.serialize_into(s.own, sections);
+    if (n > 1) {
+      const auto sizes = comm.all_gather_object(static_cast<std::uint64_t>(s.own.size()));
+      const std::uint64_t before = (me + n - 1) % n, after = (me + 1) % n;
+      std::vector<std::size_t> out_counts(n, 0), in_counts(n, 0);
+      out_counts[before] = s.own.size();
+      in_counts[after] = static_cast<std::size_t>(sizes[after]);
+      s.next.resize(in_counts[after]);
+      comm.all_to_all(bytes(s.own), bytes(s.next), out_counts, in_counts);
+    } else {
+      s.next.clear();
+    }
+    m.saves_.push_back(std::move(s));
+  }
+
+  /// Collective: each rank's checkpoint of the newest save (with tag `tag`, when given) of which
+  /// the ranks hold every old rank's shard, cut for this world in the layouts `want` gives;
+  /// std::nullopt when no rank holds such a save.
+  template <class Comm>
+  static std::optional<Checkpoint> load(Comm& comm, const ShardMirror& m,
+                                        std::optional<std::uint64_t> tag,
+                                        const ShardLayoutFor& want) {
+    const char* what = "ShardedAverager::load (in-memory copies)";
+    std::vector<ShardFile> held;
+    for (const auto& s : m.saves_) {
+      if (tag && s.tag != *tag) continue;
+      held.push_back({s.g, s.id, s.world, s.rank});
+      if (s.world > 1) held.push_back({s.g, s.id, s.world, (s.rank + 1) % s.world});
+    }
+    const auto set = choose_held(
+        comm, held, [&](const ShardFile& f, const std::string& have, const std::string& missing) {
+          fail(Errc::mismatch, "rank ", comm.rank(), ": ", what, ": no rank holds a copy of rank ",
+               f.rank, "'s shard of save ", f.g, " (", f.world,
+               " ranks), neither its own nor the one "
+               "on the rank before it: both were lost (held: ranks ",
+               have, "; missing: ranks ", missing, "); resume from a sharded checkpoint on disk");
+        });
+    if (!set) return std::nullopt;
+    std::map<std::uint64_t, Checkpoint> shards;  // old rank -> its checkpoint, on its reader
+    std::string error;
+    try {
+      for (std::uint64_t k = 0; k < set->world; ++k) {
+        if (set->reader[k] != comm.rank()) continue;
+        for (const auto& s : m.saves_) {
+          if (s.g != set->g || s.id != set->id || s.world != set->world) continue;
+          const std::string& b = s.rank == k ? s.own : s.next;
+          shards.emplace(k, Checkpoint::parse(b, name(k, *set)));
+        }
+      }
+    } catch (const Error& e) {
+      error = error_text(e);
+    }
+    fail_with_first(comm, comm.all_gather_object(error), what);
+    return reshard_held(comm, *set, shards, want, what,
+                        [&](std::uint64_t k) { return name(k, *set); });
+  }
+
+ private:
+  static std::span<std::uint8_t> bytes(std::string& s) {
+    return {reinterpret_cast<std::uint8_t*>(s.data()), s.size()};
+  }
+  static std::string name(std::uint64_t k, const ShardSet& set) {
+    return concat("the in-memory copy of rank ", k, "'s shard (save ", set.g, " of ", set.world,
+                  " ranks)");
+  }
+};
+
+}  // namespace detail
+
+DDP_END_NAMESPACE
