@@ -544,7 +544,7 @@ class Communicator {
   explicit Communicator(std::shared_ptr<State> s) : state_(std::move(s)) {}
 
   static void refuse_membership(int rank, const char* what) {
-    if constexpr (backend_traits<Backend>::splits)
+    if constexpr (!backend_traits<Backend>::needs_store)
       detail::fail(Errc::unsupported, "rank ", rank, ": ", what,
                    ": not available on backend::", Backend::name, " (",
                    detail::membership_refusal(Backend::name, what),

@@ -7275,6 +7275,9 @@ struct CommState {
   /// A failure relayed from another rank gets this rank's name in front instead.
   void relay_failure(int rank, const Error& e) {
     constexpr std::string_view relayed = "the rendezvous failed on rank ";
+    // Leaving, this rank then records this failure ("left/<rank>"), not a finish: ranks already
+    // past the rendezvous, waiting for it in a collective, read that record.
+    poison_with(std::string(e.what()), e.code());
     if (std::string_view(e.what()).starts_with(relayed)) {  // another rank's, via the store
       fail(e.code(), "rank ", rank, ": ", e.what());
     }
@@ -8517,7 +8520,9 @@ class MembershipChange {
       : old_(old), me_(old_rank), size_(old_size), epoch_(old.epoch + 1) {
     if (!old.root_store)
       fail(Errc::unsupported, "rank ", me_,
-           ": shrink: this communicator has no rendezvous store (a world of one) to agree in");
+           ": shrink: this communicator has no rendezvous store to agree in (a world of one "
+           "started without a launcher, or a group that backend::Nccl's split() made: shrink the "
+           "communicator init() made, then split it again)");
     if (o.wait_for_ranks.count() < 0)
       fail(Errc::invalid_argument, "rank ", me_, ": shrink: ShrinkOptions::wait_for_ranks is ",
            o.wait_for_ranks.count(), " ms; give 0 (the communicator's timeout) or more");
@@ -8761,7 +8766,10 @@ inline BackendInit begin_init(CommState& state, const Environment& env, Options&
   bi.local_rank = env.local_rank;
   state.local_rank_hint = env.local_rank;
   bi.options = options;
-  if (env.world_size > 1 && needs_store) {
+  // A world of one joins a store too when a launcher hosts it (ddprun, ddp::spawn): it can then
+  // admit newcomers (grow()).
+  const bool hosted = options.external_store || EnvReader().get("DDP_STORE_HOSTED") == "1";
+  if ((env.world_size > 1 || (hosted && env.master_port != 0)) && needs_store) {
     if (env.master_port == 0) {
       fail(Errc::invalid_argument, "rank ", env.rank,
            ": Communicator::init: MASTER_PORT is not set (world size ", env.world_size,
@@ -8848,18 +8856,15 @@ inline BackendInit begin_split(CommState& sub, const CommState& parent,
   return bi;
 }
 
-/// Why a backend that splits itself cannot `what` (shrink, grow, join), for the refusal.
+/// Why a backend without a rendezvous store (backend::Mpi) cannot `what` (shrink, grow, join),
+/// for the refusal.
 inline const char* membership_refusal(std::string_view backend, std::string_view what) {
   if (backend == "mpi")
     return what == "shrink"
                ? "it would need an MPI library with ULFM fault tolerance (MPIX_Comm_shrink, as in "
                  "Open MPI 5 built with it)"
                : "MPI cannot add processes to a running job's communicator that way";
-  if (backend == "nccl")
-    return what == "shrink" ? "it would need ncclCommShrink (NCCL 2.27 and later) over "
-                              "non-blocking communicators; backend::Nccl does not use it"
-                            : "backend::Nccl does not admit processes into a running job";
-  return "this backend cannot agree on a new membership";
+  return "this backend has no rendezvous store to agree on a new membership in";
 }
 
 /// Errc::aborted when `old` was already replaced by an earlier shrink() or grow().
@@ -9016,8 +9021,9 @@ std::shared_ptr<State> grow_state(State& old, int rank, const GrowOptions& o) {
   refuse_replaced(old, rank, "grow");
   if (!old.root_store)
     fail(Errc::unsupported, "rank ", rank,
-         ": grow: this communicator has no rendezvous store (a world of one made without one); "
-         "start the job under ddprun or ddp::spawn");
+         ": grow: this communicator has no rendezvous store (a world of one started without a "
+         "launcher, or a group that backend::Nccl's split() made); start the job under ddprun "
+         "or ddp::spawn, and grow the communicator that init() made");
   if (old.base_prefix != old.job_prefix)
     fail(Errc::unsupported, "rank ", rank,
          ": grow: newcomers join the communicator that init() made (and those that shrink() and "
@@ -10299,7 +10305,7 @@ class Communicator {
   explicit Communicator(std::shared_ptr<State> s) : state_(std::move(s)) {}
 
   static void refuse_membership(int rank, const char* what) {
-    if constexpr (backend_traits<Backend>::splits)
+    if constexpr (!backend_traits<Backend>::needs_store)
       detail::fail(Errc::unsupported, "rank ", rank, ": ", what,
                    ": not available on backend::", Backend::name, " (",
                    detail::membership_refusal(Backend::name, what),
@@ -14876,10 +14882,12 @@ DDP_END_NAMESPACE
 ///    or Errc::backend.
 ///  * gather, scatter and all_to_all are grouped ncclSend/ncclRecv; send/recv carry a small
 ///    header, so the receiver checks the tag, dtype and count as on every backend.
-///  * Types: half -> ncclFloat16, bfloat16 -> ncclBfloat16, ReduceOp::avg -> ncclAvg.
-///  * Host buffers: a buffer whose type says it is host memory (std::vector, ...) does not
-///    compile with Communicator<backend::Nccl>; a run-time-typed view on the host, or on another
-///    device than the communicator's, is refused with Errc::invalid_argument.
+///  * Types: half -> ncclFloat16, bfloat16 -> ncclBfloat16, ReduceOp::avg -> ncclAvg. Host
+///    buffers: a host-typed one (std::vector, ...) does not compile with this backend; a view on
+///    the host, or on another device, is refused with Errc::invalid_argument.
+///  * Membership changes (shrink, grow, join) as on backend::Host: agreed through the store,
+///    then a new NCCL communicator, the old one aborted (not ncclCommShrink, which needs the
+///    failed communicator intact: this backend aborts one at its first error).
 
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
@@ -14908,6 +14916,7 @@ DDP_END_NAMESPACE
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -15015,6 +15024,16 @@ std::vector<std::uint64_t> nccl_agree(Be& be, const UnevenPlan& plan, const char
                       [](int j) { return j; });
 }
 
+/// backend::Nccl::refuses: NCCL reduces no 16-bit integers (nullptr: accepted).
+inline const char* nccl_refuses(std::string_view what, DType t) noexcept {
+  if (t != DType::int16 && t != DType::uint16) return nullptr;
+  if (what != "all_reduce" && what != "reduce" && what != "reduce_scatter" &&
+      what != "all_reduce_coalesced")
+    return nullptr;
+  return "NCCL cannot reduce 16-bit integers; reduce them as int32 (or float16 where the values "
+         "fit), or use backend::Host";
+}
+
 }  // namespace detail
 
 DDP_END_NAMESPACE
@@ -15077,6 +15096,10 @@ class Nccl {
   Nccl& operator=(const Nccl&) = delete;
   ~Nccl() {
     if (comm_ == nullptr) return;
+    if (aborted_.load()) {  // replaced (shrink, grow) or failed: nothing to flush
+      abort_comm();
+      return;
+    }
     const detail::CudaDeviceScope scope(device_);
     // Flush and free; a communicator that cannot finish in time is aborted instead.
     ncclResult_t st = ncclCommFinalize(comm_);
@@ -15371,15 +15394,9 @@ class Nccl {
     }
   }
 
-  /// NCCL reduces no 16-bit integers: the Communicator refuses them as it checks the arguments
-  /// (backend_traits::refuses_some), so every rank refuses alike and nothing is sent.
+  /// backend_traits::refuses_some: NCCL reduces no 16-bit integers (detail::nccl_refuses).
   static const char* refuses(std::string_view what, DType t) noexcept {
-    if (t != DType::int16 && t != DType::uint16) return nullptr;
-    if (what != "all_reduce" && what != "reduce" && what != "reduce_scatter" &&
-        what != "all_reduce_coalesced")
-      return nullptr;
-    return "NCCL cannot reduce 16-bit integers; reduce them as int32 (or float16 where the "
-           "values fit), or use backend::Host";
+    return detail::nccl_refuses(what, t);
   }
 
  private:

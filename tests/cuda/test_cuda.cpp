@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <thread>
@@ -342,17 +343,53 @@ TEST_CASE("TrainingState on backend::Nccl: device parameters committed and resto
   for (std::size_t i = 0; i < v.size(); ++i) REQUIRE(v[i] == expected(i));
 }
 
-TEST_CASE("shrink() on backend::Nccl is refused with Errc::unsupported naming ncclCommShrink") {
-  auto comm = single();
+TEST_CASE("shrink() and grow() on backend::Nccl: a new NCCL communicator agreed in the store") {
+  // A world of one under a launcher's store (hosted here, as ddprun's is): grow() with nobody
+  // waiting keeps the communicator; shrink() makes a new NCCL communicator at epoch 1, the old
+  // one fails every call, and TrainingState restores the last commit over the new one.
+  ddp::StoreServer server("127.0.0.1", 0);
+  ::setenv("DDP_STORE_HOSTED", "1", 1);
+  ddp::Environment env;
+  env.master_addr = "127.0.0.1";
+  env.master_port = server.port();
+  ddp::Options o;
+  o.timeout = 60s;
+  o.device = 0;
+  auto comm = Nccl::init(env, o);
+  ::unsetenv("DDP_STORE_HOSTED");
+  ddp::CudaStream stream(0);
+  auto model = cuda_model(stream);
+  std::uint64_t done = 0;
+  ddp::TrainingState state;
+  state.track_model("model", model).track_object("done", done);
+  state.start(comm);
+  done = 1;
+  CHECK(state.commit(comm) == 1);
+  CHECK(comm.waiting_to_join() == 0);
+  auto same = comm.grow({.ticket = state.ticket()});
+  CHECK(same.epoch() == 0);
+  auto next = comm.shrink();
+  CHECK(next.epoch() == 1);
+  CHECK(next.size() == 1);
+  CHECK(next.previous_ranks() == std::vector<int>{0});
   try {
-    auto smaller = comm.shrink();
-    FAIL("backend::Nccl shrank");
+    ddp::CudaBuffer<float> x(4);
+    comm.all_reduce(x);
+    FAIL("the replaced communicator still works");
   } catch (const ddp::Error& e) {
-    CHECK(e.code() == ddp::Errc::unsupported);
-    CHECK(std::string(e.what()).find("ncclCommShrink") != std::string::npos);
+    CHECK(e.code() == ddp::Errc::aborted);
   }
-  ddp::CudaBuffer<float> a(4);
-  comm.all_reduce(a);  // the communicator is still usable
+  std::vector<float> zeros(200'000, 0.0f);
+  model[1].value.copy_from(zeros);  // a half-applied step, then the failure
+  done = 2;
+  CHECK(state.restore(next) == 1);
+  CHECK(done == 1);
+  const auto v = host(model[1].value);
+  for (std::size_t i = 0; i < v.size(); ++i) REQUIRE(v[i] == expected(i));
+  std::vector<float> h{1, 2, 3, 4};
+  ddp::CudaBuffer<float> a{std::span<const float>(h)};
+  next.all_reduce(a);
+  CHECK(host(a) == h);
 }
 
 TEST_CASE("a host buffer seen only at run time, or one on another device, is refused") {

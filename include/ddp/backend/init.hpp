@@ -57,7 +57,10 @@ inline BackendInit begin_init(CommState& state, const Environment& env, Options&
   bi.local_rank = env.local_rank;
   state.local_rank_hint = env.local_rank;
   bi.options = options;
-  if (env.world_size > 1 && needs_store) {
+  // A world of one joins a store too when a launcher hosts it (ddprun, ddp::spawn): it can then
+  // admit newcomers (grow()).
+  const bool hosted = options.external_store || EnvReader().get("DDP_STORE_HOSTED") == "1";
+  if ((env.world_size > 1 || (hosted && env.master_port != 0)) && needs_store) {
     if (env.master_port == 0) {
       fail(Errc::invalid_argument, "rank ", env.rank,
            ": Communicator::init: MASTER_PORT is not set (world size ", env.world_size,
@@ -144,18 +147,15 @@ inline BackendInit begin_split(CommState& sub, const CommState& parent,
   return bi;
 }
 
-/// Why a backend that splits itself cannot `what` (shrink, grow, join), for the refusal.
+/// Why a backend without a rendezvous store (backend::Mpi) cannot `what` (shrink, grow, join),
+/// for the refusal.
 inline const char* membership_refusal(std::string_view backend, std::string_view what) {
   if (backend == "mpi")
     return what == "shrink"
                ? "it would need an MPI library with ULFM fault tolerance (MPIX_Comm_shrink, as in "
                  "Open MPI 5 built with it)"
                : "MPI cannot add processes to a running job's communicator that way";
-  if (backend == "nccl")
-    return what == "shrink" ? "it would need ncclCommShrink (NCCL 2.27 and later) over "
-                              "non-blocking communicators; backend::Nccl does not use it"
-                            : "backend::Nccl does not admit processes into a running job";
-  return "this backend cannot agree on a new membership";
+  return "this backend has no rendezvous store to agree on a new membership in";
 }
 
 /// Errc::aborted when `old` was already replaced by an earlier shrink() or grow().
@@ -312,8 +312,9 @@ std::shared_ptr<State> grow_state(State& old, int rank, const GrowOptions& o) {
   refuse_replaced(old, rank, "grow");
   if (!old.root_store)
     fail(Errc::unsupported, "rank ", rank,
-         ": grow: this communicator has no rendezvous store (a world of one made without one); "
-         "start the job under ddprun or ddp::spawn");
+         ": grow: this communicator has no rendezvous store (a world of one started without a "
+         "launcher, or a group that backend::Nccl's split() made); start the job under ddprun "
+         "or ddp::spawn, and grow the communicator that init() made");
   if (old.base_prefix != old.job_prefix)
     fail(Errc::unsupported, "rank ", rank,
          ": grow: newcomers join the communicator that init() made (and those that shrink() and "

@@ -23,10 +23,12 @@
 ///    or Errc::backend.
 ///  * gather, scatter and all_to_all are grouped ncclSend/ncclRecv; send/recv carry a small
 ///    header, so the receiver checks the tag, dtype and count as on every backend.
-///  * Types: half -> ncclFloat16, bfloat16 -> ncclBfloat16, ReduceOp::avg -> ncclAvg.
-///  * Host buffers: a buffer whose type says it is host memory (std::vector, ...) does not
-///    compile with Communicator<backend::Nccl>; a run-time-typed view on the host, or on another
-///    device than the communicator's, is refused with Errc::invalid_argument.
+///  * Types: half -> ncclFloat16, bfloat16 -> ncclBfloat16, ReduceOp::avg -> ncclAvg. Host
+///    buffers: a host-typed one (std::vector, ...) does not compile with this backend; a view on
+///    the host, or on another device, is refused with Errc::invalid_argument.
+///  * Membership changes (shrink, grow, join) as on backend::Host: agreed through the store,
+///    then a new NCCL communicator, the old one aborted (not ncclCommShrink, which needs the
+///    failed communicator intact: this backend aborts one at its first error).
 
 #include "ddp/config.hpp"
 #if !DDP_HAS_EXCEPTIONS
@@ -92,6 +94,10 @@ class Nccl {
   Nccl& operator=(const Nccl&) = delete;
   ~Nccl() {
     if (comm_ == nullptr) return;
+    if (aborted_.load()) {  // replaced (shrink, grow) or failed: nothing to flush
+      abort_comm();
+      return;
+    }
     const detail::CudaDeviceScope scope(device_);
     // Flush and free; a communicator that cannot finish in time is aborted instead.
     ncclResult_t st = ncclCommFinalize(comm_);
@@ -386,15 +392,9 @@ class Nccl {
     }
   }
 
-  /// NCCL reduces no 16-bit integers: the Communicator refuses them as it checks the arguments
-  /// (backend_traits::refuses_some), so every rank refuses alike and nothing is sent.
+  /// backend_traits::refuses_some: NCCL reduces no 16-bit integers (detail::nccl_refuses).
   static const char* refuses(std::string_view what, DType t) noexcept {
-    if (t != DType::int16 && t != DType::uint16) return nullptr;
-    if (what != "all_reduce" && what != "reduce" && what != "reduce_scatter" &&
-        what != "all_reduce_coalesced")
-      return nullptr;
-    return "NCCL cannot reduce 16-bit integers; reduce them as int32 (or float16 where the "
-           "values fit), or use backend::Host";
+    return detail::nccl_refuses(what, t);
   }
 
  private:

@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -125,6 +126,16 @@ std::vector<std::uint64_t> nccl_agree(Be& be, const UnevenPlan& plan, const char
   return agreed_sizes(rows, static_cast<std::size_t>(be.size()), be.rank(),
                       concat(what, "(", to_string(t), ", counts per rank)"),
                       [](int j) { return j; });
+}
+
+/// backend::Nccl::refuses: NCCL reduces no 16-bit integers (nullptr: accepted).
+inline const char* nccl_refuses(std::string_view what, DType t) noexcept {
+  if (t != DType::int16 && t != DType::uint16) return nullptr;
+  if (what != "all_reduce" && what != "reduce" && what != "reduce_scatter" &&
+      what != "all_reduce_coalesced")
+    return nullptr;
+  return "NCCL cannot reduce 16-bit integers; reduce them as int32 (or float16 where the values "
+         "fit), or use backend::Host";
 }
 
 }  // namespace detail

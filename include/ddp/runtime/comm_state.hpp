@@ -426,6 +426,9 @@ struct CommState {
   /// A failure relayed from another rank gets this rank's name in front instead.
   void relay_failure(int rank, const Error& e) {
     constexpr std::string_view relayed = "the rendezvous failed on rank ";
+    // Leaving, this rank then records this failure ("left/<rank>"), not a finish: ranks already
+    // past the rendezvous, waiting for it in a collective, read that record.
+    poison_with(std::string(e.what()), e.code());
     if (std::string_view(e.what()).starts_with(relayed)) {  // another rank's, via the store
       fail(e.code(), "rank ", rank, ": ", e.what());
     }

@@ -64,7 +64,9 @@ class MembershipChange {
       : old_(old), me_(old_rank), size_(old_size), epoch_(old.epoch + 1) {
     if (!old.root_store)
       fail(Errc::unsupported, "rank ", me_,
-           ": shrink: this communicator has no rendezvous store (a world of one) to agree in");
+           ": shrink: this communicator has no rendezvous store to agree in (a world of one "
+           "started without a launcher, or a group that backend::Nccl's split() made: shrink the "
+           "communicator init() made, then split it again)");
     if (o.wait_for_ranks.count() < 0)
       fail(Errc::invalid_argument, "rank ", me_, ": shrink: ShrinkOptions::wait_for_ranks is ",
            o.wait_for_ranks.count(), " ms; give 0 (the communicator's timeout) or more");

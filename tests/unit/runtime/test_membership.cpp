@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -289,12 +290,20 @@ TEST_CASE("shrink: bad requests are refused") {
     Comm third = next.shrink({.wait_for_ranks = 5s});
     MP_EXPECT(third.epoch() == 2, third.epoch());
   });
-  mp::run(1, ddp::HostTransport::shm, [](Comm& comm) {
+  mp::run(1, ddp::HostTransport::shm, [](Comm& comm) {  // under a launcher: its store
+    Comm same = comm.shrink();
+    MP_EXPECT(same.size() == 1 && same.epoch() == 1, "a world of one shrinks to itself");
+  });
+  mp::run(1, ddp::HostTransport::shm, [](Comm&) {  // without a launcher: no store to agree in
+    ::unsetenv("DDP_STORE_HOSTED");
+    Comm alone = Comm::init(ddp::Environment{});
     try {
-      (void)comm.shrink();
-      MP_EXPECT(false, "a world of one shrank");
+      (void)alone.shrink();
+      MP_EXPECT(false, "a world of one without a store shrank");
     } catch (const ddp::Error& e) {
-      MP_EXPECT(e.code() == ddp::Errc::unsupported, e.what());
+      MP_EXPECT(e.code() == ddp::Errc::unsupported &&
+                    std::string(e.what()).find("no rendezvous store") != std::string::npos,
+                e.what());
     }
   });
 }
