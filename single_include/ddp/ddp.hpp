@@ -16049,7 +16049,8 @@ struct SpawnOptions {
   int master_port = 0;
   /// Grace period between SIGTERM and SIGKILL when stopping the others after a failure.
   std::chrono::milliseconds grace{std::chrono::seconds(3)};
-  /// Extra environment variables for the workers ("NAME=value").
+  /// Extra environment variables for the workers ("NAME=value"). A DDP_TOKEN here is also the
+  /// token of the store spawn() hosts.
   std::vector<std::string> env;
   /// Stop the other workers as soon as one fails (torchrun's behaviour; with $DDP_TRACE_DUMP set,
   /// a second later, so that they can write their flight recorders). Fault-injection tests turn
@@ -16155,6 +16156,8 @@ inline void spawn(int nprocs, const std::function<void(Environment)>& fn,
 
   StoreOptions so;
   so.token = detail::EnvReader().get("DDP_TOKEN");
+  for (const auto& kv : options.env)  // the workers' token, when the options give them one
+    if (kv.rfind("DDP_TOKEN=", 0) == 0) so.token = kv.substr(10);
   StoreServer server(std::move(listener), options.master_addr, so);
 
   const auto read_error = [](Child& c) {

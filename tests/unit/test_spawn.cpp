@@ -92,3 +92,19 @@ TEST_CASE("spawn: a long message comes back whole, and workers never outlive the
   CHECK(gone(workers[0]));
   CHECK(gone(workers[1]));
 }
+
+TEST_CASE("spawn: a DDP_TOKEN given in SpawnOptions::env is the token of spawn's store too") {
+  ::unsetenv("DDP_TOKEN");
+  ddp::SpawnOptions so;
+  so.env = {"DDP_TOKEN=from-the-options"};
+  ddp::spawn(
+      2,
+      [](ddp::Environment env) {
+        auto comm = ddp::Communicator<ddp::backend::Host>::init(env);
+        std::vector<float> x{1.0f};
+        comm.all_reduce(x);
+        if (x[0] != 2.0f)
+          throw std::runtime_error("all_reduce over 2 gave " + std::to_string(x[0]));
+      },
+      so);
+}
