@@ -158,6 +158,29 @@ inline const char* membership_refusal(std::string_view backend, std::string_view
   return "this backend has no rendezvous store to agree on a new membership in";
 }
 
+/// Connects `sub` (its root store, prefix, options and rendezvous deadline set) as `rank` of
+/// `size` under its prefix: the backend made, and the job agreed on as at init().
+template <class State>
+void connect_members(State& sub, int rank, int size) {
+  BackendInit bi;
+  bi.rank = rank;
+  bi.size = size;
+  bi.local_rank = sub.local_rank_hint;
+  bi.options = sub.options;
+  bi.store = std::make_shared<Store>(sub.root_store->prefixed(sub.prefix)
+                                         .watching("failed")
+                                         .with_deadline(sub.rendezvous_deadline));
+  sub.store = bi.store;
+  sub.world_size = size;
+  sub.joined = true;
+  sub.create_backend(bi, [&] {
+    agree_on_job(*bi.store, rank,
+                 {size, std::string(std::remove_cvref_t<decltype(*sub.backend)>::name),
+                  bi.options.verify_collectives},
+                 bi.options.timeout, sub.world_size);
+  });
+}
+
 /// Errc::aborted when `old` was already replaced by an earlier shrink() or grow().
 template <class State>
 void refuse_replaced(const State& old, int rank, const char* what) {
@@ -215,25 +238,9 @@ std::shared_ptr<State> shrink_state(State& old, int rank, int size, const Shrink
       if (static_cast<std::size_t>(m) < old.world_ranks.size())
         sub->world_ranks.push_back(old.world_ranks[static_cast<std::size_t>(m)]);
     sub->rendezvous_deadline = Deadline::after(old.options.timeout).at;
-    BackendInit bi;
-    bi.rank = change.new_rank();
-    bi.size = static_cast<int>(members.size());
-    bi.local_rank = old.local_rank_hint;
-    bi.options = old.options;
-    bi.store = std::make_shared<Store>(old.root_store->prefixed(sub->prefix)
-                                           .watching("failed")
-                                           .with_deadline(sub->rendezvous_deadline));
-    sub->store = bi.store;
-    sub->world_size = bi.size;
-    sub->joined = true;
     bool connected = false;
     try {
-      sub->create_backend(bi, [&] {
-        agree_on_job(*bi.store, bi.rank,
-                     {bi.size, std::string(std::remove_cvref_t<decltype(*old.backend)>::name),
-                      bi.options.verify_collectives},
-                     bi.options.timeout, sub->world_size);
-      });
+      connect_members(*sub, change.new_rank(), static_cast<int>(members.size()));
       connected = true;
     } catch (const Error& e) {
       if (e.code() != Errc::peer_lost && e.code() != Errc::timeout && e.code() != Errc::aborted) {
@@ -284,23 +291,7 @@ void connect_grown(State& sub, const std::string& base, std::uint64_t epoch, con
   sub.root_store->set_on_close(mine);
   await_participants(*sub.root_store, base, epoch, rank, sub.world_ranks, g,
                      Deadline::after(sub.options.timeout).at);
-  BackendInit bi;
-  bi.rank = rank;
-  bi.size = size;
-  bi.local_rank = sub.local_rank_hint;
-  bi.options = sub.options;
-  bi.store = std::make_shared<Store>(sub.root_store->prefixed(sub.prefix)
-                                         .watching("failed")
-                                         .with_deadline(sub.rendezvous_deadline));
-  sub.store = bi.store;
-  sub.world_size = size;
-  sub.joined = true;
-  sub.create_backend(bi, [&] {
-    agree_on_job(*bi.store, rank,
-                 {size, std::string(std::remove_cvref_t<decltype(*sub.backend)>::name),
-                  bi.options.verify_collectives},
-                 bi.options.timeout, sub.world_size);
-  });
+  connect_members(sub, rank, size);
   sub.end_rendezvous();
 }
 
