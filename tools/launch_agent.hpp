@@ -446,7 +446,17 @@ class LaunchAgent {
       port_ = server_->port();
     }
     store_ = std::make_unique<Store>(Store(o_.master_addr, port_, so).prefixed("ddprun/"));
-    if (o_.node_rank == -1) {
+    if (o_.node_rank == -1 && o_.min_nodes > 0) {
+      // --nnodes MIN:MAX: the lowest node rank free, also one a node that lost its workers left.
+      const std::string me = concat(o_.nproc_per_node, '|', ::getpid());
+      for (int k = 1; k < o_.nnodes && o_.node_rank == -1; ++k)
+        if (store_->compare_set(concat("node/", k), "", me) == me) o_.node_rank = k;
+      if (o_.node_rank == -1)
+        fail(Errc::invalid_argument, "the job at ", host_port(o_.master_addr, port_),
+             " already has its maximum of ", o_.nnodes, " nodes (--nnodes ", o_.min_nodes, ":",
+             o_.nnodes, "); a node rank is freed when a node's workers are all lost");
+      claimed_ = true;
+    } else if (o_.node_rank == -1) {
       const std::int64_t n = store_->add("arrived", 1);
       if (n >= o_.nnodes)
         fail(Errc::invalid_argument, "more launchers than --nnodes ", o_.nnodes,
@@ -618,11 +628,18 @@ class LaunchAgent {
       store_->set("worker_port", std::to_string(worker_port_));
     }
     const std::string me = concat(o_.nproc_per_node, '|', ::getpid());
-    if (store_->compare_set(concat("node/", o_.node_rank), "", me) != me)
+    // --nnodes MIN:MAX: a node that claims its rank once the job started is late (a node that
+    // left freed that rank: its workers join as newcomers).
+    const std::string started[] = {"members"};
+    replacing_ = o_.min_nodes > 0 && store_->check(started);
+    if (!claimed_ && store_->compare_set(concat("node/", o_.node_rank), "", me) != me)
       fail(Errc::invalid_argument, "node rank ", o_.node_rank,
            " is already taken by another launcher (each node needs its own --node-rank from 0 "
            "to ",
-           o_.nnodes - 1, ")");
+           o_.nnodes - 1,
+           o_.min_nodes > 0 ? "; with --nnodes MIN:MAX a node frees its rank when its workers "
+                              "are all lost, and --rdzv-backend c10d takes a free one)"
+                            : ")");
     (void)store_->add("agents", 1);
     if (o_.min_nodes > 0) {
       join_elastic();
@@ -712,7 +729,7 @@ class LaunchAgent {
       if (i == o_.node_rank) in = true;
       world_ += n;
     }
-    if (!in) {  // late: ranks after every rank given so far
+    if (!in || replacing_) {  // late: ranks after every rank given so far
       late_ = true;
       base_rank_ = world_ + static_cast<int>(store_->add("late_ranks", o_.nproc_per_node)) -
                    o_.nproc_per_node;
@@ -1240,6 +1257,22 @@ class LaunchAgent {
             lost_ranks_.size() == 1 ? " " : "s ", ranks);
       else
         local = lost_.front();
+      if (!some_finished && o_.min_nodes > 0 && interrupted_ == 0 && o_.node_rank != 0) {
+        // --nnodes MIN:MAX: the job goes on without this node; it leaves now and frees its
+        // node rank for a replacement (node 0 hosts the store: it stays).
+        try {
+          store_->add(concat("attempt/", attempt, "/ended"), 1);
+          (void)store_->erase(concat("node/", o_.node_rank));
+          say("node ", o_.node_rank, " lost all its workers (rank",
+              lost_ranks_.size() == 1 ? " " : "s ", ranks,
+              "); the job goes on without it, and its node rank is free for another node");
+        } catch (const Error&) {  // the store is gone: the job is over anyway
+        }
+        lost_.clear();
+        lost_ranks_.clear();
+        local->restartable = false;  // the others go on: no group restart from here
+        return *local;
+      }
     }
     lost_.clear();
     lost_ranks_.clear();
@@ -1318,6 +1351,8 @@ class LaunchAgent {
   std::unique_ptr<Store> store_;
   std::vector<Worker> workers_;
   bool late_ = false;                   // --nnodes MIN:MAX: this node came after the start
+  bool claimed_ = false;                // --nnodes MIN:MAX, c10d: the node rank was claimed
+  bool replacing_ = false;              // --nnodes MIN:MAX: it claimed a rank after the start
   std::vector<std::string> lost_logs_;  // "rank R's log PATH (error)", for the end
   std::vector<LaunchFailure> lost_;     // --on-failure shrink: the workers lost this attempt
   std::vector<int> lost_ranks_;

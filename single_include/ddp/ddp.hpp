@@ -13970,105 +13970,6 @@ namespace detail {
   return std::string(text, static_cast<std::size_t>(len));
 }
 
-/// Whether the library has ULFM and the job was started with it enabled (Open MPI 5:
-/// `mpirun --with-ft ulfm`, seen in the MPI_FT attribute).
-[[nodiscard]] inline bool mpi_fault_tolerant() noexcept {
-#if DDP_MPI_ULFM && defined(MPIX_FT)
-  int* on = nullptr;
-  int flag = 0;
-  if (MPI_Comm_get_attr(MPI_COMM_WORLD, MPIX_FT, &on, &flag) != MPI_SUCCESS || flag == 0)
-    return false;
-  return on != nullptr && *on != 0;
-#else
-  return DDP_MPI_ULFM != 0;
-#endif
-}
-
-/// The ranks in `comm` of `group`'s members, in the group's order.
-[[nodiscard]] inline std::vector<int> mpi_ranks_in(MPI_Group group, MPI_Comm comm) {
-  MPI_Group all = MPI_GROUP_NULL;
-  MPI_Comm_group(comm, &all);
-  int n = 0;
-  MPI_Group_size(group, &n);
-  std::vector<int> in(static_cast<std::size_t>(n)), out(static_cast<std::size_t>(n));
-  for (int i = 0; i < n; ++i) in[static_cast<std::size_t>(i)] = i;
-  MPI_Group_translate_ranks(group, n, in.data(), all, out.data());
-  MPI_Group_free(&all);
-  return out;
-}
-
-/// Each rank of `sub`'s rank in `parent`.
-[[nodiscard]] inline std::vector<int> mpi_translate(MPI_Comm sub, MPI_Comm parent) {
-  MPI_Group g = MPI_GROUP_NULL;
-  MPI_Comm_group(sub, &g);
-  std::vector<int> out = mpi_ranks_in(g, parent);
-  MPI_Group_free(&g);
-  return out;
-}
-
-/// A failed call `call` (of collective `what`) on `comm`: with ULFM, when a rank died (or
-/// another survivor revoked `comm` after one), Errc::peer_lost naming the dead ranks, after
-/// revoking `comm` so that every survivor learns it. Returns otherwise.
-inline void mpi_check_lost(int rc, MPI_Comm comm, int rank, const char* what, const char* call) {
-#if DDP_MPI_ULFM
-  int cls = rc;
-  MPI_Error_class(rc, &cls);
-  if (cls != MPIX_ERR_PROC_FAILED && cls != MPIX_ERR_PROC_FAILED_PENDING && cls != MPIX_ERR_REVOKED)
-    return;
-  std::string dead;
-  MPI_Group failed = MPI_GROUP_NULL;
-  if (MPIX_Comm_get_failed(comm, &failed) == MPI_SUCCESS) {
-    const std::vector<int> here = mpi_ranks_in(failed, comm);
-    for (std::size_t i = 0; i < here.size(); ++i)
-      dead += concat(i == 0 ? (here.size() == 1 ? "rank " : "ranks ") : ", ", here[i]);
-    MPI_Group_free(&failed);
-  }
-  (void)MPIX_Comm_revoke(comm);
-  fail(Errc::peer_lost, "rank ", rank, ": ", what, ": ",
-       dead.empty() ? std::string("a rank died (another rank revoked the communicator)")
-                    : concat(dead, " died"),
-       " (", call, ": ", mpi_error_string(rc),
-       "); the survivors call shrink() to go on without it, or restart the job");
-#else
-  (void)rc, (void)comm, (void)rank, (void)what, (void)call;
-#endif
-}
-
-/// The survivors' communicator of `comm` (this process's rank `rank`): MPIX_Comm_shrink, then
-/// MPIX_Comm_agree, again while a member dies meanwhile; ranked in their order in `comm`.
-/// Errc::unsupported without ULFM, saying what is missing.
-[[nodiscard]] inline MPI_Comm mpi_shrink(MPI_Comm comm, int rank) {
-#if DDP_MPI_ULFM
-  if (!mpi_fault_tolerant())
-    fail(Errc::unsupported, "rank ", rank,
-         ": shrink: the MPI library has ULFM but this job was started without it; start it with "
-         "`mpirun --with-ft ulfm` (Open MPI 5), without which a rank's death ends the job");
-  MPI_Comm from = comm;
-  for (int round = 0;; ++round) {
-    (void)MPIX_Comm_revoke(from);  // every survivor leaves its pending calls on it
-    MPI_Comm next = MPI_COMM_NULL;
-    const int rc = MPIX_Comm_shrink(from, &next);
-    if (from != comm) MPI_Comm_free(&from);
-    if (rc != MPI_SUCCESS || next == MPI_COMM_NULL)
-      fail(Errc::backend, "rank ", rank,
-           ": shrink: MPIX_Comm_shrink failed: ", mpi_error_string(rc));
-    MPI_Comm_set_errhandler(next, MPI_ERRORS_RETURN);
-    int all_there = 1;
-    if (MPIX_Comm_agree(next, &all_there) == MPI_SUCCESS) return next;
-    if (round >= 64)  // each round needs another death: a bound only a broken library meets
-      fail(Errc::backend, "rank ", rank,
-           ": shrink: the survivors did not agree after 64 rounds of MPIX_Comm_shrink");
-    from = next;  // a member died while agreeing: shrink again without it
-  }
-#else
-  (void)comm;
-  fail(Errc::unsupported, "rank ", rank,
-       ": shrink: not available on backend::Mpi (it would need an MPI library with ULFM fault "
-       "tolerance (MPIX_Comm_shrink), as Open MPI 5 and MPICH have; this program was compiled "
-       "against one without it); for fault tolerance use backend::Host");
-#endif
-}
-
 /// float16 and bfloat16 reductions for MPI, computed in float and rounded per step.
 template <class T, ReduceOp Op>
 void mpi_small_float_op(void* in, void* inout, int* len, MPI_Datatype*) {
@@ -14227,6 +14128,117 @@ class MpiWatchdog {
   bool stopping_ = false;
   std::thread thread_;
 };
+
+/// Whether the library has ULFM and the job was started with it enabled (Open MPI 5:
+/// `mpirun --with-ft ulfm`, seen in the MPI_FT attribute).
+[[nodiscard]] inline bool mpi_fault_tolerant() noexcept {
+#if DDP_MPI_ULFM && defined(MPIX_FT)
+  int* on = nullptr;
+  int flag = 0;
+  if (MPI_Comm_get_attr(MPI_COMM_WORLD, MPIX_FT, &on, &flag) != MPI_SUCCESS || flag == 0)
+    return false;
+  return on != nullptr && *on != 0;
+#else
+  return DDP_MPI_ULFM != 0;
+#endif
+}
+
+/// The ranks in `comm` of `group`'s members, in the group's order.
+[[nodiscard]] inline std::vector<int> mpi_ranks_in(MPI_Group group, MPI_Comm comm) {
+  MPI_Group all = MPI_GROUP_NULL;
+  MPI_Comm_group(comm, &all);
+  int n = 0;
+  MPI_Group_size(group, &n);
+  std::vector<int> in(static_cast<std::size_t>(n)), out(static_cast<std::size_t>(n));
+  for (int i = 0; i < n; ++i) in[static_cast<std::size_t>(i)] = i;
+  MPI_Group_translate_ranks(group, n, in.data(), all, out.data());
+  MPI_Group_free(&all);
+  return out;
+}
+
+/// Each rank of `sub`'s rank in `parent`.
+[[nodiscard]] inline std::vector<int> mpi_translate(MPI_Comm sub, MPI_Comm parent) {
+  MPI_Group g = MPI_GROUP_NULL;
+  MPI_Comm_group(sub, &g);
+  std::vector<int> out = mpi_ranks_in(g, parent);
+  MPI_Group_free(&g);
+  return out;
+}
+
+/// A failed call `call` (of collective `what`) on `comm`: with ULFM, when a rank died (or
+/// another survivor revoked `comm` after one), Errc::peer_lost naming the dead ranks, after
+/// revoking `comm` so that every survivor learns it. Returns otherwise.
+inline void mpi_check_lost(int rc, MPI_Comm comm, int rank, const char* what, const char* call) {
+#if DDP_MPI_ULFM
+  int cls = rc;
+  MPI_Error_class(rc, &cls);
+  if (cls != MPIX_ERR_PROC_FAILED && cls != MPIX_ERR_PROC_FAILED_PENDING && cls != MPIX_ERR_REVOKED)
+    return;
+  std::string dead;
+  MPI_Group failed = MPI_GROUP_NULL;
+  if (MPIX_Comm_get_failed(comm, &failed) == MPI_SUCCESS) {
+    const std::vector<int> here = mpi_ranks_in(failed, comm);
+    for (std::size_t i = 0; i < here.size(); ++i)
+      dead += concat(i == 0 ? (here.size() == 1 ? "rank " : "ranks ") : ", ", here[i]);
+    MPI_Group_free(&failed);
+  }
+  (void)MPIX_Comm_revoke(comm);
+  if (dead.empty())
+    fail(Errc::peer_lost, "rank ", rank, ": ", what,
+         ": another rank revoked the communicator (it saw a rank die, or called shrink()) (", call,
+         ": ", mpi_error_string(rc),
+         "); every live rank calls shrink() to go on together, or restart the job");
+  fail(Errc::peer_lost, "rank ", rank, ": ", what, ": ", dead, " died (", call, ": ",
+       mpi_error_string(rc),
+       "); the survivors call shrink() to go on without it, or restart "
+       "the job");
+#else
+  (void)rc, (void)comm, (void)rank, (void)what, (void)call;
+#endif
+}
+
+/// The survivors' communicator of `comm` (this process's rank `rank`): MPIX_Comm_shrink, then
+/// MPIX_Comm_agree, again while a member dies meanwhile; ranked in their order in `comm`.
+/// Armed under `watchdog` (when given): every live rank must call it.
+/// Errc::unsupported without ULFM, saying what is missing.
+[[nodiscard]] inline MPI_Comm mpi_shrink(MPI_Comm comm, int rank, MpiWatchdog* watchdog) {
+#if DDP_MPI_ULFM
+  struct Armed {  // the job ends past the timeout when a live rank does not call shrink()
+    MpiWatchdog* w;
+    ~Armed() {
+      if (w != nullptr) w->disarm();
+    }
+  } armed{watchdog};
+  if (watchdog != nullptr) watchdog->arm({"shrink"});
+  if (!mpi_fault_tolerant())
+    fail(Errc::unsupported, "rank ", rank,
+         ": shrink: the MPI library has ULFM but this job was started without it; start it with "
+         "`mpirun --with-ft ulfm` (Open MPI 5), without which a rank's death ends the job");
+  MPI_Comm from = comm;
+  for (int round = 0;; ++round) {
+    (void)MPIX_Comm_revoke(from);  // every survivor leaves its pending calls on it
+    MPI_Comm next = MPI_COMM_NULL;
+    const int rc = MPIX_Comm_shrink(from, &next);
+    if (from != comm) MPI_Comm_free(&from);
+    if (rc != MPI_SUCCESS || next == MPI_COMM_NULL)
+      fail(Errc::backend, "rank ", rank,
+           ": shrink: MPIX_Comm_shrink failed: ", mpi_error_string(rc));
+    MPI_Comm_set_errhandler(next, MPI_ERRORS_RETURN);
+    int all_there = 1;
+    if (MPIX_Comm_agree(next, &all_there) == MPI_SUCCESS) return next;
+    if (round >= 64)  // each round needs another death: a bound only a broken library meets
+      fail(Errc::backend, "rank ", rank,
+           ": shrink: the survivors did not agree after 64 rounds of MPIX_Comm_shrink");
+    from = next;  // a member died while agreeing: shrink again without it
+  }
+#else
+  (void)comm, (void)watchdog;
+  fail(Errc::unsupported, "rank ", rank,
+       ": shrink: not available on backend::Mpi (it would need an MPI library with ULFM fault "
+       "tolerance (MPIX_Comm_shrink), as Open MPI 5 and MPICH have; this program was compiled "
+       "against one without it); for fault tolerance use backend::Host");
+#endif
+}
 
 }  // namespace detail
 
@@ -14610,9 +14622,10 @@ class Mpi {
 
   /// Communicator::shrink: the survivors' communicator (MPIX_Comm_shrink, then MPIX_Comm_agree,
   /// again while a rank dies meanwhile), ranked in the order of their ranks here; `previous`
-  /// gets each new rank's rank here. Errc::unsupported without ULFM.
+  /// gets each new rank's rank here. Every live rank must call it: it runs under the watchdog
+  /// (the job ends past Options::timeout). Errc::unsupported without ULFM.
   [[nodiscard]] std::unique_ptr<Mpi> shrink(std::vector<int>& previous) {
-    MPI_Comm sub = detail::mpi_shrink(comm_, rank_);
+    MPI_Comm sub = detail::mpi_shrink(comm_, rank_, watchdog_.get());
     previous = detail::mpi_translate(sub, comm_);
     return std::unique_ptr<Mpi>(new Mpi(sub, options_));
   }
@@ -20049,8 +20062,10 @@ DDP_END_NAMESPACE
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
@@ -20102,9 +20117,18 @@ struct MirrorAccess {
                me = static_cast<std::uint64_t>(comm.rank());
     // 1. Every rank is here, so every rank finished the newest save: the one before it is
     // needed no more, and its memory takes this one.
+    // The ranks must save the same tag and the same unsharded sections (after a loss they go
+    // to every survivor), checked here rather than found out after a loss.
     const std::uint64_t newest = m.saves_.empty() ? 0 : m.saves_.back().g;
-    const auto ids = comm.all_gather_object(
-        std::vector<std::uint64_t>{newest, me == 0 ? random_value<std::uint64_t>() : 0});
+    const auto ids = comm.all_gather_object(std::vector<std::uint64_t>{
+        newest, me == 0 ? random_value<std::uint64_t>() : 0, tag, plain_checksum(state)});
+    for (std::uint64_t r = 1; r < n; ++r) {
+      if (ids[r][2] != ids[0][2])
+        fail(Errc::mismatch, "rank ", me, ": ShardedAverager::save (in-memory copies): rank ", r,
+             " saves tag ", ids[r][2], " but rank 0 tag ", ids[0][2],
+             "; every rank saves the same tag (the steps done, say)");
+      if (ids[r][3] != ids[0][3]) refuse_plain(comm, state, r);
+    }
     ShardMirror::Save s{tag, 0, ids[0][1], n, me, {}, {}};
     for (const auto& r : ids) s.g = std::max(s.g, r[0]);
     ++s.g;
@@ -20140,6 +20164,18 @@ struct MirrorAccess {
                                         std::optional<std::uint64_t> tag,
                                         const ShardLayoutFor& want) {
     const char* what = "ShardedAverager::load (in-memory copies)";
+    if (tag) {  // a tag no rank holds, while saves are held: say which are
+      std::vector<std::uint64_t> mine;
+      for (const auto& s : m.saves_) mine.push_back(s.tag);
+      std::set<std::uint64_t> tags;
+      for (const auto& r : comm.all_gather_object(mine)) tags.insert(r.begin(), r.end());
+      if (!tags.empty() && tags.count(*tag) == 0) {
+        std::string list;
+        for (const auto t : tags) list += concat(list.empty() ? "" : ", ", t);
+        fail(Errc::mismatch, "rank ", comm.rank(), ": ", what, ": no rank holds a save tagged ",
+             *tag, " (the ranks hold tags ", list, "; each keeps its two newest saves)");
+      }
+    }
     std::vector<ShardFile> held;
     for (const auto& s : m.saves_) {
       if (tag && s.tag != *tag) continue;
@@ -20175,6 +20211,43 @@ struct MirrorAccess {
   }
 
  private:
+  /// The unsharded sections of `state` (not put with put_sharded), named with their checksums.
+  static std::vector<std::pair<std::string, std::uint64_t>> plain_sections(const Checkpoint& c) {
+    std::vector<std::pair<std::string, std::uint64_t>> out;
+    for (const std::string& name : c.names())
+      if (!c.sharded_layout(name) && name.rfind("ddp.sharded.", 0) != 0)
+        out.emplace_back(name, section_checksum(c.get(name)));
+    return out;
+  }
+  static std::uint64_t plain_checksum(const Checkpoint& c) {
+    std::uint64_t h = 0;
+    for (const auto& [name, sum] : plain_sections(c))
+      h = (h ^ section_checksum(std::as_bytes(std::span(name.data(), name.size())))) * 31 + sum;
+    return h;
+  }
+  /// Collective (every rank found that rank `r`'s unsharded sections differ from rank 0's):
+  /// Errc::mismatch naming the first section that differs.
+  template <class Comm>
+  [[noreturn]] static void refuse_plain(Comm& comm, const Checkpoint& state, std::uint64_t r) {
+    const auto all = comm.all_gather_object(plain_sections(state));
+    const auto& a = all[0];
+    const auto& b = all[r];
+    std::string which;
+    for (std::size_t i = 0; i < std::max(a.size(), b.size()) && which.empty(); ++i) {
+      if (i >= a.size() || i >= b.size() || a[i].first != b[i].first)
+        which = concat("section \"", i < b.size() ? b[i].first : a[i].first,
+                       "\" is on one of them only");
+      else if (a[i].second != b[i].second)
+        which = concat("section \"", a[i].first, "\" differs");
+    }
+    fail(Errc::mismatch, "rank ", comm.rank(), ": ShardedAverager::save (in-memory copies): rank ",
+         r,
+         "'s state and rank 0's have "
+         "other unsharded sections (",
+         which,
+         "): after a loss they go to every survivor, so they "
+         "must be the same on every rank; put per-rank state with Checkpoint::put_sharded");
+  }
   static std::span<std::uint8_t> bytes(std::string& s) {
     return {reinterpret_cast<std::uint8_t*>(s.data()), s.size()};
   }
@@ -20573,7 +20646,8 @@ class ShardedAverager : public detail::Averager<M, Backend> {
 
   /// Collective: keeps this rank's shard (what save(path, state) writes) in `mirror`, and a
   /// copy on the rank before it, as save `tag` (the steps done, say); the two newest are kept
-  /// (ShardMirror). Costs one all_to_all of a shard per step and four shards of memory.
+  /// (ShardMirror). Costs one all_to_all of a shard per step and four shards of memory. Every
+  /// rank must save the same tag and the same unsharded sections of `state` (Errc::mismatch).
   void save(ShardMirror& mirror, std::uint64_t tag, const Checkpoint& state = Checkpoint{}) {
     engine().look_up_all();
     const auto [values, words] = detail::shard_values(shard(), layout(), engine().cuda());
@@ -20585,8 +20659,8 @@ class ShardedAverager : public detail::Averager<M, Backend> {
   /// Collective, after a membership change (an averager made again over the survivors): loads
   /// the newest save in `mirror` (with tag `tag`, when given) of which the ranks hold every old
   /// rank's shard, as load(path) loads a sharded checkpoint (cut again for this world size).
-  /// std::nullopt when no rank holds one; Errc::mismatch when a shard was lost with both of the
-  /// ranks holding it.
+  /// std::nullopt when no rank holds any save; Errc::mismatch when no rank holds `tag` (naming
+  /// the tags held), or when a shard was lost with both of the ranks holding it.
   [[nodiscard]] std::optional<Checkpoint> load(const ShardMirror& mirror,
                                                std::optional<std::uint64_t> tag = std::nullopt) {
     return restore(detail::MirrorAccess::load(*this->comm_, mirror, tag, wanted()),

@@ -516,6 +516,45 @@ class SingleNode(Base):
         self.assertEqual(len(r.stdout.splitlines()), 2, r.stdout)
         self.assertLess(time.monotonic() - start, 10)
 
+    def test_nnodes_range_a_node_that_lost_its_workers_leaves_and_another_takes_its_place(self):
+        # --nnodes 1:2, one worker per node: node 1 comes late, its worker dies; its ddprun
+        # leaves at once, freeing node rank 1; a c10d launcher (no --node-rank) takes it and its
+        # worker joins the running job as a newcomer; a further node is refused, the job full.
+        port = free_port()
+        common = ["--nnodes", "1:2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                  "--on-failure", "shrink", "--rdzv-conf", "last_call_timeout=0.2",
+                  "--nproc-per-node", "1"]
+        p0 = subprocess.Popen([DDPRUN, *common, "--node-rank", "0", WORKER, "replace"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.0)
+        start = time.monotonic()
+        r1 = ddprun(*common, "--node-rank", 1, WORKER, "replace")
+        self.assertEqual(r1.returncode, 9, r1.stderr)
+        self.assertLess(time.monotonic() - start, 15)  # it left; it did not wait for the job
+        self.assertIn("node 1 lost all its workers (rank 1); the job goes on without it", r1.stderr)
+        p2 = subprocess.Popen([DDPRUN, *common, "--rdzv-backend", "c10d", WORKER, "replace"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out2, err2 = p2.communicate(timeout=LIMIT)
+        out0, err0 = p0.communicate(timeout=LIMIT)
+        self.assertEqual((p0.returncode, p2.returncode), (0, 0), err0 + err2)
+        self.assertIn("node 1 came after the job started: its workers (ranks 2 to 2) join the "
+                      "running job", err2)
+        self.assertIn("rank 2 joined as rank 1 of 2 (epoch 3), sum of world ranks 2", out2)
+        self.assertIn("rank 0 is rank 0 of 2 (epoch 3), sum of world ranks 2", out0)
+        # A node for a job that is full is refused, saying so.
+        full = [*common[:5], str(free_port()), *common[6:]]
+        p0 = subprocess.Popen([DDPRUN, *full, "--node-rank", "0", "sleep", "4"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.0)
+        p1 = subprocess.Popen([DDPRUN, *full, "--node-rank", "1", "sleep", "4"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.0)
+        r = ddprun(*full, "--rdzv-backend", "c10d", WORKER, "allreduce")
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("already has its maximum of 2 nodes (--nnodes 1:2)", r.stderr)
+        p1.communicate(timeout=LIMIT)
+        p0.communicate(timeout=LIMIT)
+
     def test_killed_worker_is_named(self):
         for sig, name in ((signal.SIGKILL, "SIGKILL"), (signal.SIGSEGV, "SIGSEGV")):
             r = ddprun("--standalone", "--nproc-per-node", 3, WORKER, "signal", 2, int(sig))

@@ -269,6 +269,43 @@ int main(int argc, char** argv) try {
               << " (epoch " << comm.epoch() << "), sum of world ranks " << w[0] << std::endl;
     return 0;
   }
+  if (mode == "replace") {  // node 0's one worker admits rank 1 (which dies), then rank 2
+    using Host = ddp::Communicator<ddp::backend::Host>;
+    ddp::Options o;
+    o.timeout = std::chrono::seconds(20);
+    std::vector<float> w(10, static_cast<float>(env.rank));
+    if (env.rejoin) {  // a node that came late, or its replacement
+      auto comm = Host::join(env, o, {.ticket = "worker"});
+      comm.all_reduce(w);
+      if (env.rank == 1) std::_Exit(9);  // the first late node's worker is lost
+      std::cout << "rank " << env.rank << " joined as rank " << comm.rank() << " of " << comm.size()
+                << " (epoch " << comm.epoch() << "), sum of world ranks " << w[0] << std::endl;
+      return 0;
+    }
+    auto comm = Host::init(env, o);
+    const auto admit_one = [&] {
+      for (;;) {
+        std::vector<double> n{static_cast<double>(comm.waiting_to_join())};
+        comm.all_reduce(n, ddp::ReduceOp::max);
+        if (n[0] > 0) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      comm = comm.grow({.ticket = "worker"});
+    };
+    admit_one();
+    std::vector<float> v(10, 0.0f);
+    try {
+      comm.all_reduce(v);  // with rank 1, which then dies
+      for (;;) comm.all_reduce(v);
+    } catch (const ddp::Error&) {
+      comm = comm.shrink({.wait_for_ranks = std::chrono::seconds(10)});
+    }
+    admit_one();
+    comm.all_reduce(w);
+    std::cout << "rank " << env.rank << " is rank " << comm.rank() << " of " << comm.size()
+              << " (epoch " << comm.epoch() << "), sum of world ranks " << w[0] << std::endl;
+    return 0;
+  }
   if (mode == "rejoin" && args.size() >= 2) {  // rejoin RANK: RANK dies once and rejoins
     using Host = ddp::Communicator<ddp::backend::Host>;
     ddp::Options o;

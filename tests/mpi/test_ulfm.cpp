@@ -11,6 +11,8 @@
 //                                  end every survivor's parameters equal a reference bitwise
 //   test_ulfm refused              started without --with-ft: shrink() refused, the communicator
 //                                  still works
+//   test_ulfm lone                 rank 1 alone calls shrink() (the others sleep 30 s): the
+//                                  watchdog ends the job at the 3 s timeout, naming shrink
 // Each survivor prints "ok rank R" at the end; a failed check prints "FAIL ..." and exits 1.
 
 #include "ddp/backend/mpi.hpp"
@@ -20,11 +22,13 @@
 
 #include <csignal>
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -183,11 +187,25 @@ int refused() {
   return 0;
 }
 
+int lone() {
+  ddp::Options o;
+  o.timeout = std::chrono::seconds(3);
+  Mpi comm = Mpi::init(ddp::Environment::detect(), o);
+  world_rank = comm.rank();
+  if (comm.rank() == 1) {
+    (void)comm.shrink();  // the others never come: ended by the watchdog
+    expect(false, "a lone shrink() returned");
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(30));
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc >= 3 && std::strcmp(argv[1], "train") == 0) return train(argv[2]);
   if (argc >= 2 && std::strcmp(argv[1], "refused") == 0) return refused();
-  std::fprintf(stderr, "usage: test_ulfm train V:S[,V:S] | refused\n");
+  if (argc >= 2 && std::strcmp(argv[1], "lone") == 0) return lone();
+  std::fprintf(stderr, "usage: test_ulfm train V:S[,V:S] | refused | lone\n");
   return 2;
 }

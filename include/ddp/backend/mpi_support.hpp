@@ -45,105 +45,6 @@ namespace detail {
   return std::string(text, static_cast<std::size_t>(len));
 }
 
-/// Whether the library has ULFM and the job was started with it enabled (Open MPI 5:
-/// `mpirun --with-ft ulfm`, seen in the MPI_FT attribute).
-[[nodiscard]] inline bool mpi_fault_tolerant() noexcept {
-#if DDP_MPI_ULFM && defined(MPIX_FT)
-  int* on = nullptr;
-  int flag = 0;
-  if (MPI_Comm_get_attr(MPI_COMM_WORLD, MPIX_FT, &on, &flag) != MPI_SUCCESS || flag == 0)
-    return false;
-  return on != nullptr && *on != 0;
-#else
-  return DDP_MPI_ULFM != 0;
-#endif
-}
-
-/// The ranks in `comm` of `group`'s members, in the group's order.
-[[nodiscard]] inline std::vector<int> mpi_ranks_in(MPI_Group group, MPI_Comm comm) {
-  MPI_Group all = MPI_GROUP_NULL;
-  MPI_Comm_group(comm, &all);
-  int n = 0;
-  MPI_Group_size(group, &n);
-  std::vector<int> in(static_cast<std::size_t>(n)), out(static_cast<std::size_t>(n));
-  for (int i = 0; i < n; ++i) in[static_cast<std::size_t>(i)] = i;
-  MPI_Group_translate_ranks(group, n, in.data(), all, out.data());
-  MPI_Group_free(&all);
-  return out;
-}
-
-/// Each rank of `sub`'s rank in `parent`.
-[[nodiscard]] inline std::vector<int> mpi_translate(MPI_Comm sub, MPI_Comm parent) {
-  MPI_Group g = MPI_GROUP_NULL;
-  MPI_Comm_group(sub, &g);
-  std::vector<int> out = mpi_ranks_in(g, parent);
-  MPI_Group_free(&g);
-  return out;
-}
-
-/// A failed call `call` (of collective `what`) on `comm`: with ULFM, when a rank died (or
-/// another survivor revoked `comm` after one), Errc::peer_lost naming the dead ranks, after
-/// revoking `comm` so that every survivor learns it. Returns otherwise.
-inline void mpi_check_lost(int rc, MPI_Comm comm, int rank, const char* what, const char* call) {
-#if DDP_MPI_ULFM
-  int cls = rc;
-  MPI_Error_class(rc, &cls);
-  if (cls != MPIX_ERR_PROC_FAILED && cls != MPIX_ERR_PROC_FAILED_PENDING && cls != MPIX_ERR_REVOKED)
-    return;
-  std::string dead;
-  MPI_Group failed = MPI_GROUP_NULL;
-  if (MPIX_Comm_get_failed(comm, &failed) == MPI_SUCCESS) {
-    const std::vector<int> here = mpi_ranks_in(failed, comm);
-    for (std::size_t i = 0; i < here.size(); ++i)
-      dead += concat(i == 0 ? (here.size() == 1 ? "rank " : "ranks ") : ", ", here[i]);
-    MPI_Group_free(&failed);
-  }
-  (void)MPIX_Comm_revoke(comm);
-  fail(Errc::peer_lost, "rank ", rank, ": ", what, ": ",
-       dead.empty() ? std::string("a rank died (another rank revoked the communicator)")
-                    : concat(dead, " died"),
-       " (", call, ": ", mpi_error_string(rc),
-       "); the survivors call shrink() to go on without it, or restart the job");
-#else
-  (void)rc, (void)comm, (void)rank, (void)what, (void)call;
-#endif
-}
-
-/// The survivors' communicator of `comm` (this process's rank `rank`): MPIX_Comm_shrink, then
-/// MPIX_Comm_agree, again while a member dies meanwhile; ranked in their order in `comm`.
-/// Errc::unsupported without ULFM, saying what is missing.
-[[nodiscard]] inline MPI_Comm mpi_shrink(MPI_Comm comm, int rank) {
-#if DDP_MPI_ULFM
-  if (!mpi_fault_tolerant())
-    fail(Errc::unsupported, "rank ", rank,
-         ": shrink: the MPI library has ULFM but this job was started without it; start it with "
-         "`mpirun --with-ft ulfm` (Open MPI 5), without which a rank's death ends the job");
-  MPI_Comm from = comm;
-  for (int round = 0;; ++round) {
-    (void)MPIX_Comm_revoke(from);  // every survivor leaves its pending calls on it
-    MPI_Comm next = MPI_COMM_NULL;
-    const int rc = MPIX_Comm_shrink(from, &next);
-    if (from != comm) MPI_Comm_free(&from);
-    if (rc != MPI_SUCCESS || next == MPI_COMM_NULL)
-      fail(Errc::backend, "rank ", rank,
-           ": shrink: MPIX_Comm_shrink failed: ", mpi_error_string(rc));
-    MPI_Comm_set_errhandler(next, MPI_ERRORS_RETURN);
-    int all_there = 1;
-    if (MPIX_Comm_agree(next, &all_there) == MPI_SUCCESS) return next;
-    if (round >= 64)  // each round needs another death: a bound only a broken library meets
-      fail(Errc::backend, "rank ", rank,
-           ": shrink: the survivors did not agree after 64 rounds of MPIX_Comm_shrink");
-    from = next;  // a member died while agreeing: shrink again without it
-  }
-#else
-  (void)comm;
-  fail(Errc::unsupported, "rank ", rank,
-       ": shrink: not available on backend::Mpi (it would need an MPI library with ULFM fault "
-       "tolerance (MPIX_Comm_shrink), as Open MPI 5 and MPICH have; this program was compiled "
-       "against one without it); for fault tolerance use backend::Host");
-#endif
-}
-
 /// float16 and bfloat16 reductions for MPI, computed in float and rounded per step.
 template <class T, ReduceOp Op>
 void mpi_small_float_op(void* in, void* inout, int* len, MPI_Datatype*) {
@@ -302,6 +203,117 @@ class MpiWatchdog {
   bool stopping_ = false;
   std::thread thread_;
 };
+
+/// Whether the library has ULFM and the job was started with it enabled (Open MPI 5:
+/// `mpirun --with-ft ulfm`, seen in the MPI_FT attribute).
+[[nodiscard]] inline bool mpi_fault_tolerant() noexcept {
+#if DDP_MPI_ULFM && defined(MPIX_FT)
+  int* on = nullptr;
+  int flag = 0;
+  if (MPI_Comm_get_attr(MPI_COMM_WORLD, MPIX_FT, &on, &flag) != MPI_SUCCESS || flag == 0)
+    return false;
+  return on != nullptr && *on != 0;
+#else
+  return DDP_MPI_ULFM != 0;
+#endif
+}
+
+/// The ranks in `comm` of `group`'s members, in the group's order.
+[[nodiscard]] inline std::vector<int> mpi_ranks_in(MPI_Group group, MPI_Comm comm) {
+  MPI_Group all = MPI_GROUP_NULL;
+  MPI_Comm_group(comm, &all);
+  int n = 0;
+  MPI_Group_size(group, &n);
+  std::vector<int> in(static_cast<std::size_t>(n)), out(static_cast<std::size_t>(n));
+  for (int i = 0; i < n; ++i) in[static_cast<std::size_t>(i)] = i;
+  MPI_Group_translate_ranks(group, n, in.data(), all, out.data());
+  MPI_Group_free(&all);
+  return out;
+}
+
+/// Each rank of `sub`'s rank in `parent`.
+[[nodiscard]] inline std::vector<int> mpi_translate(MPI_Comm sub, MPI_Comm parent) {
+  MPI_Group g = MPI_GROUP_NULL;
+  MPI_Comm_group(sub, &g);
+  std::vector<int> out = mpi_ranks_in(g, parent);
+  MPI_Group_free(&g);
+  return out;
+}
+
+/// A failed call `call` (of collective `what`) on `comm`: with ULFM, when a rank died (or
+/// another survivor revoked `comm` after one), Errc::peer_lost naming the dead ranks, after
+/// revoking `comm` so that every survivor learns it. Returns otherwise.
+inline void mpi_check_lost(int rc, MPI_Comm comm, int rank, const char* what, const char* call) {
+#if DDP_MPI_ULFM
+  int cls = rc;
+  MPI_Error_class(rc, &cls);
+  if (cls != MPIX_ERR_PROC_FAILED && cls != MPIX_ERR_PROC_FAILED_PENDING && cls != MPIX_ERR_REVOKED)
+    return;
+  std::string dead;
+  MPI_Group failed = MPI_GROUP_NULL;
+  if (MPIX_Comm_get_failed(comm, &failed) == MPI_SUCCESS) {
+    const std::vector<int> here = mpi_ranks_in(failed, comm);
+    for (std::size_t i = 0; i < here.size(); ++i)
+      dead += concat(i == 0 ? (here.size() == 1 ? "rank " : "ranks ") : ", ", here[i]);
+    MPI_Group_free(&failed);
+  }
+  (void)MPIX_Comm_revoke(comm);
+  if (dead.empty())
+    fail(Errc::peer_lost, "rank ", rank, ": ", what,
+         ": another rank revoked the communicator (it saw a rank die, or called shrink()) (", call,
+         ": ", mpi_error_string(rc),
+         "); every live rank calls shrink() to go on together, or restart the job");
+  fail(Errc::peer_lost, "rank ", rank, ": ", what, ": ", dead, " died (", call, ": ",
+       mpi_error_string(rc),
+       "); the survivors call shrink() to go on without it, or restart "
+       "the job");
+#else
+  (void)rc, (void)comm, (void)rank, (void)what, (void)call;
+#endif
+}
+
+/// The survivors' communicator of `comm` (this process's rank `rank`): MPIX_Comm_shrink, then
+/// MPIX_Comm_agree, again while a member dies meanwhile; ranked in their order in `comm`.
+/// Armed under `watchdog` (when given): every live rank must call it.
+/// Errc::unsupported without ULFM, saying what is missing.
+[[nodiscard]] inline MPI_Comm mpi_shrink(MPI_Comm comm, int rank, MpiWatchdog* watchdog) {
+#if DDP_MPI_ULFM
+  struct Armed {  // the job ends past the timeout when a live rank does not call shrink()
+    MpiWatchdog* w;
+    ~Armed() {
+      if (w != nullptr) w->disarm();
+    }
+  } armed{watchdog};
+  if (watchdog != nullptr) watchdog->arm({"shrink"});
+  if (!mpi_fault_tolerant())
+    fail(Errc::unsupported, "rank ", rank,
+         ": shrink: the MPI library has ULFM but this job was started without it; start it with "
+         "`mpirun --with-ft ulfm` (Open MPI 5), without which a rank's death ends the job");
+  MPI_Comm from = comm;
+  for (int round = 0;; ++round) {
+    (void)MPIX_Comm_revoke(from);  // every survivor leaves its pending calls on it
+    MPI_Comm next = MPI_COMM_NULL;
+    const int rc = MPIX_Comm_shrink(from, &next);
+    if (from != comm) MPI_Comm_free(&from);
+    if (rc != MPI_SUCCESS || next == MPI_COMM_NULL)
+      fail(Errc::backend, "rank ", rank,
+           ": shrink: MPIX_Comm_shrink failed: ", mpi_error_string(rc));
+    MPI_Comm_set_errhandler(next, MPI_ERRORS_RETURN);
+    int all_there = 1;
+    if (MPIX_Comm_agree(next, &all_there) == MPI_SUCCESS) return next;
+    if (round >= 64)  // each round needs another death: a bound only a broken library meets
+      fail(Errc::backend, "rank ", rank,
+           ": shrink: the survivors did not agree after 64 rounds of MPIX_Comm_shrink");
+    from = next;  // a member died while agreeing: shrink again without it
+  }
+#else
+  (void)comm, (void)watchdog;
+  fail(Errc::unsupported, "rank ", rank,
+       ": shrink: not available on backend::Mpi (it would need an MPI library with ULFM fault "
+       "tolerance (MPIX_Comm_shrink), as Open MPI 5 and MPICH have; this program was compiled "
+       "against one without it); for fault tolerance use backend::Host");
+#endif
+}
 
 }  // namespace detail
 

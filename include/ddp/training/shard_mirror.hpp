@@ -32,8 +32,10 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
@@ -85,9 +87,18 @@ struct MirrorAccess {
                me = static_cast<std::uint64_t>(comm.rank());
     // 1. Every rank is here, so every rank finished the newest save: the one before it is
     // needed no more, and its memory takes this one.
+    // The ranks must save the same tag and the same unsharded sections (after a loss they go
+    // to every survivor), checked here rather than found out after a loss.
     const std::uint64_t newest = m.saves_.empty() ? 0 : m.saves_.back().g;
-    const auto ids = comm.all_gather_object(
-        std::vector<std::uint64_t>{newest, me == 0 ? random_value<std::uint64_t>() : 0});
+    const auto ids = comm.all_gather_object(std::vector<std::uint64_t>{
+        newest, me == 0 ? random_value<std::uint64_t>() : 0, tag, plain_checksum(state)});
+    for (std::uint64_t r = 1; r < n; ++r) {
+      if (ids[r][2] != ids[0][2])
+        fail(Errc::mismatch, "rank ", me, ": ShardedAverager::save (in-memory copies): rank ", r,
+             " saves tag ", ids[r][2], " but rank 0 tag ", ids[0][2],
+             "; every rank saves the same tag (the steps done, say)");
+      if (ids[r][3] != ids[0][3]) refuse_plain(comm, state, r);
+    }
     ShardMirror::Save s{tag, 0, ids[0][1], n, me, {}, {}};
     for (const auto& r : ids) s.g = std::max(s.g, r[0]);
     ++s.g;
@@ -123,6 +134,18 @@ struct MirrorAccess {
                                         std::optional<std::uint64_t> tag,
                                         const ShardLayoutFor& want) {
     const char* what = "ShardedAverager::load (in-memory copies)";
+    if (tag) {  // a tag no rank holds, while saves are held: say which are
+      std::vector<std::uint64_t> mine;
+      for (const auto& s : m.saves_) mine.push_back(s.tag);
+      std::set<std::uint64_t> tags;
+      for (const auto& r : comm.all_gather_object(mine)) tags.insert(r.begin(), r.end());
+      if (!tags.empty() && tags.count(*tag) == 0) {
+        std::string list;
+        for (const auto t : tags) list += concat(list.empty() ? "" : ", ", t);
+        fail(Errc::mismatch, "rank ", comm.rank(), ": ", what, ": no rank holds a save tagged ",
+             *tag, " (the ranks hold tags ", list, "; each keeps its two newest saves)");
+      }
+    }
     std::vector<ShardFile> held;
     for (const auto& s : m.saves_) {
       if (tag && s.tag != *tag) continue;
@@ -158,6 +181,43 @@ struct MirrorAccess {
   }
 
  private:
+  /// The unsharded sections of `state` (not put with put_sharded), named with their checksums.
+  static std::vector<std::pair<std::string, std::uint64_t>> plain_sections(const Checkpoint& c) {
+    std::vector<std::pair<std::string, std::uint64_t>> out;
+    for (const std::string& name : c.names())
+      if (!c.sharded_layout(name) && name.rfind("ddp.sharded.", 0) != 0)
+        out.emplace_back(name, section_checksum(c.get(name)));
+    return out;
+  }
+  static std::uint64_t plain_checksum(const Checkpoint& c) {
+    std::uint64_t h = 0;
+    for (const auto& [name, sum] : plain_sections(c))
+      h = (h ^ section_checksum(std::as_bytes(std::span(name.data(), name.size())))) * 31 + sum;
+    return h;
+  }
+  /// Collective (every rank found that rank `r`'s unsharded sections differ from rank 0's):
+  /// Errc::mismatch naming the first section that differs.
+  template <class Comm>
+  [[noreturn]] static void refuse_plain(Comm& comm, const Checkpoint& state, std::uint64_t r) {
+    const auto all = comm.all_gather_object(plain_sections(state));
+    const auto& a = all[0];
+    const auto& b = all[r];
+    std::string which;
+    for (std::size_t i = 0; i < std::max(a.size(), b.size()) && which.empty(); ++i) {
+      if (i >= a.size() || i >= b.size() || a[i].first != b[i].first)
+        which = concat("section \"", i < b.size() ? b[i].first : a[i].first,
+                       "\" is on one of them only");
+      else if (a[i].second != b[i].second)
+        which = concat("section \"", a[i].first, "\" differs");
+    }
+    fail(Errc::mismatch, "rank ", comm.rank(), ": ShardedAverager::save (in-memory copies): rank ",
+         r,
+         "'s state and rank 0's have "
+         "other unsharded sections (",
+         which,
+         "): after a loss they go to every survivor, so they "
+         "must be the same on every rank; put per-rank state with Checkpoint::put_sharded");
+  }
   static std::span<std::uint8_t> bytes(std::string& s) {
     return {reinterpret_cast<std::uint8_t*>(s.data()), s.size()};
   }

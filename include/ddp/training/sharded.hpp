@@ -183,7 +183,8 @@ class ShardedAverager : public detail::Averager<M, Backend> {
 
   /// Collective: keeps this rank's shard (what save(path, state) writes) in `mirror`, and a
   /// copy on the rank before it, as save `tag` (the steps done, say); the two newest are kept
-  /// (ShardMirror). Costs one all_to_all of a shard per step and four shards of memory.
+  /// (ShardMirror). Costs one all_to_all of a shard per step and four shards of memory. Every
+  /// rank must save the same tag and the same unsharded sections of `state` (Errc::mismatch).
   void save(ShardMirror& mirror, std::uint64_t tag, const Checkpoint& state = Checkpoint{}) {
     engine().look_up_all();
     const auto [values, words] = detail::shard_values(shard(), layout(), engine().cuda());
@@ -195,8 +196,8 @@ class ShardedAverager : public detail::Averager<M, Backend> {
   /// Collective, after a membership change (an averager made again over the survivors): loads
   /// the newest save in `mirror` (with tag `tag`, when given) of which the ranks hold every old
   /// rank's shard, as load(path) loads a sharded checkpoint (cut again for this world size).
-  /// std::nullopt when no rank holds one; Errc::mismatch when a shard was lost with both of the
-  /// ranks holding it.
+  /// std::nullopt when no rank holds any save; Errc::mismatch when no rank holds `tag` (naming
+  /// the tags held), or when a shard was lost with both of the ranks holding it.
   [[nodiscard]] std::optional<Checkpoint> load(const ShardMirror& mirror,
                                                std::optional<std::uint64_t> tag = std::nullopt) {
     return restore(detail::MirrorAccess::load(*this->comm_, mirror, tag, wanted()),

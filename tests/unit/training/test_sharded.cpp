@@ -850,6 +850,38 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("sharded: in-memory copies refuse tags or unsharded state that differ between ranks") {
+  mp::run(3, ddp::HostTransport::shm, [](mp::Comm& comm) {
+    Net net;
+    ddp::ShardMirror mirror;
+    ddp::ShardedAverager zero(comm, net, sharded_options);
+    MP_EXPECT(!zero.load(mirror).has_value(), "an empty mirror loads nothing");
+    const auto refused = [&](auto&& save, const std::string& says) {
+      try {
+        save();
+        MP_EXPECT(false, "saved: " << says);
+      } catch (const ddp::Error& e) {
+        MP_EXPECT(e.code() == ddp::Errc::mismatch &&
+                      std::string(e.what()).find(says) != std::string::npos,
+                  e.what());
+      }
+    };
+    refused([&] { zero.save(mirror, 5 + static_cast<std::uint64_t>(comm.rank() == 2)); },
+            "rank 2 saves tag 6 but rank 0 tag 5");
+    ddp::Checkpoint state;
+    state.put_object("step", comm.rank() == 1 ? 8 : 7);
+    refused([&] { zero.save(mirror, 7, state); }, "section \"step\" differs");
+    MP_EXPECT(mirror.tags().empty(), "a refused save kept nothing");
+    state.put_object("step", 7);
+    zero.save(mirror, 7, state);
+    zero.save(mirror, 8, state);
+    refused([&] { (void)zero.load(mirror, 99); },
+            "no rank holds a save tagged 99 (the ranks hold tags 7, 8");
+    const auto ck = zero.load(mirror, 7);
+    MP_EXPECT(ck && ck->get_object<int>("step") == 7, "the save tagged 7");
+  });
+}
+
 TEST_CASE(
     "sharded checkpoint: sections cut again for another world size, what cannot be is refused") {
   mp::TempDir dir;
