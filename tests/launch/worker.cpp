@@ -255,15 +255,14 @@ int main(int argc, char** argv) try {
       return 0;
     }
     auto comm = Host::init(env, o);
-    const int n = std::stoi(args[1]);
-    for (;;) {
+    const int n = std::stoi(args[1]), start = comm.size();
+    while (comm.size() < start + n) {  // a request not written yet is admitted at a later grow()
       std::vector<double> waiting{comm.rank() == 0 ? static_cast<double>(comm.waiting_to_join())
                                                    : 0.0};
       comm.all_reduce(waiting, ddp::ReduceOp::max);
-      if (waiting[0] >= n) break;
+      if (waiting[0] > 0) comm = comm.grow({.ticket = "worker"});
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
-    comm = comm.grow({.ticket = "worker"});
     comm.all_reduce(w);
     std::cout << "rank " << env.rank << " is rank " << comm.rank() << " of " << comm.size()
               << " (epoch " << comm.epoch() << "), sum of world ranks " << w[0] << std::endl;
@@ -283,14 +282,13 @@ int main(int argc, char** argv) try {
       return 0;
     }
     auto comm = Host::init(env, o);
-    const auto admit_one = [&] {
-      for (;;) {
+    const auto admit_one = [&] {  // a request not written yet is admitted at a later grow()
+      for (const int before = comm.size(); comm.size() == before;) {
         std::vector<double> n{static_cast<double>(comm.waiting_to_join())};
         comm.all_reduce(n, ddp::ReduceOp::max);
-        if (n[0] > 0) break;
+        if (n[0] > 0) comm = comm.grow({.ticket = "worker"});
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
       }
-      comm = comm.grow({.ticket = "worker"});
     };
     admit_one();
     std::vector<float> v(10, 0.0f);
@@ -328,13 +326,12 @@ int main(int argc, char** argv) try {
     } catch (const ddp::Error&) {
       comm = comm.shrink({.wait_for_ranks = std::chrono::seconds(10)});
     }
-    for (;;) {  // until the restarted one asks to join
+    for (const int before = comm.size(); comm.size() == before;) {  // the restarted one joins
       std::vector<double> n{comm.rank() == 0 ? static_cast<double>(comm.waiting_to_join()) : 0.0};
       comm.all_reduce(n, ddp::ReduceOp::max);
-      if (n[0] > 0) break;
+      if (n[0] > 0) comm = comm.grow({.ticket = "worker"});
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
-    comm = comm.grow({.ticket = "worker"});
     comm.all_reduce(w);
     std::cout << "rank " << env.rank << " is rank " << comm.rank() << " of " << comm.size()
               << " (epoch " << comm.epoch() << "), sum of world ranks " << w[0] << std::endl;

@@ -316,6 +316,7 @@ std::shared_ptr<State> grow_state(State& old, int rank, const GrowOptions& o) {
       rank == 0 ? decide_growth(old, base, epoch, o.ticket)
                 : await_growth(old, base, epoch, rank, Deadline::after(old.options.timeout).at);
   old.joins_seen = g.upto;
+  ++old.grow_calls;
   if (g.ids.empty()) return nullptr;
   auto sub = std::make_shared<State>();
   inherit_settings(*sub, old, old.options);
@@ -389,7 +390,7 @@ std::shared_ptr<State> join_state(const Environment& env, Options options, const
   const std::size_t tag_at = reply.find(' ', 6);
   const std::int64_t from =
       number_at(tag_at == std::string::npos ? reply.size() : tag_at + 1, std::int64_t{1} << 62);
-  const std::string key[] = {growth_key(epoch, from, "decision")};
+  const std::string key[] = {join_key(request.id(), "decision")};
   base.wait(key);
   Growth g = Growth::parse(base.get(key[0]), env.rank);
   g.from = from;

@@ -119,6 +119,9 @@ struct CommState {
   std::uint64_t replaced_by = 0;
   /// The join requests (Communicator::join) answered so far: every id up to this one.
   std::int64_t joins_seen = 0;
+  /// grow() calls on this communicator (every member's the same): tags each decision, since a
+  /// grow() that admits nobody leaves the epoch and joins_seen as they were.
+  std::uint64_t grow_calls = 0;
   std::unique_ptr<Executor> executor = std::make_unique<Executor>();
   /// When the rendezvous must be done: Options::timeout after init() began.
   Clock::time_point rendezvous_deadline = Clock::time_point::max();

@@ -12,12 +12,15 @@
 ///     since the last growth and answers each with one compare-and-set: refused (written as
 ///     "refuse <errc> <why>": a ticket unlike the members', the place of a live rank claimed)
 ///     or admitted ("admit <epoch> <tag>"); a newcomer that gave up meanwhile has written
-///     "withdrawn" first and is passed over. Rank 0 then writes the decision
-///     ("e<E>/g<tag>/decision": the requests handled, the members' world ranks, the admitted
-///     requests in order); the other members wait for it (failing at once should rank 0 die);
+///     "withdrawn" first and is passed over; a number whose request is not written yet ends the
+///     answers there (it and those after it wait for a later grow(), for 5 s, then a number
+///     still without a request is passed over). Rank 0 then writes the decision (the requests
+///     handled, the members' world ranks, the admitted requests in order) for the members
+///     ("e<E>/g<tag>/decision.<call>", the call tagging each grow() of one communicator) and
+///     each admitted newcomer ("join/<id>/decision"); the other members wait for it (failing at
+///     once should rank 0 die);
 ///  3. members and newcomers connect a new backend under "e<E>/g<tag>/comm/": the members keep
-///  their
-///     order (ranks 0..n-1), the newcomers follow in the order of their requests.
+///     their order (ranks 0..n-1), the newcomers follow in the order of their requests.
 /// A process that dies meanwhile fails the others' connecting at once (its connection's
 /// on-close record sets that communicator's "failed" key); the members then still hold the
 /// communicator they had, and shrink() it.
@@ -44,8 +47,9 @@
 DDP_BEGIN_NAMESPACE
 namespace detail {
 
-/// Test hook for fault injection: called with the phase of join() reached ("asked": its request
-/// written; "admitted": admitted, not yet connecting). Null outside tests.
+/// Test hook for fault injection: called with the phase of join() reached ("numbered": its
+/// number taken, its request not written; "asked": its request written; "admitted": admitted,
+/// not yet connecting). Null outside tests.
 inline void (*&join_phase_hook() noexcept)(const char*) {
   static void (*hook)(const char*) = nullptr;
   return hook;
@@ -145,6 +149,19 @@ struct Growth {
   }
 }
 
+/// Whether number `id`'s missing request is still awaited: for 5 s after a grow() first saw it
+/// missing (the time kept in the store, so a later rank 0 keeps it), then it is passed over (a
+/// number taken without a request, by a broken or hostile client, or a newcomer that died).
+inline bool late_request(Store& base, std::int64_t id) {
+  const auto now = std::chrono::duration_cast<std::chrono::milliseconds>(
+                       std::chrono::system_clock::now().time_since_epoch())
+                       .count();
+  const std::string first = base.compare_set(join_key(id, "missing"), "", std::to_string(now));
+  long long since = now;
+  (void)std::from_chars(first.data(), first.data() + first.size(), since);
+  return now - since < 5000;
+}
+
 /// Rank 0 of the members: answers the requests that arrived since the last growth of `old`
 /// (this process's communicator, of `size` ranks) and writes the decision of epoch `epoch`.
 inline Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
@@ -155,10 +172,11 @@ inline Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
   g.members = old.world_ranks;
   std::vector<int> taken = old.world_ranks;
   // At most the last max_requests numbers taken (a newcomer waits on its own; numbers taken
-  // without a request, by a broken or hostile client, are passed over), and a request written
-  // just after its number is waited for, all of them within one short budget.
+  // without a request, by a broken or hostile client, are passed over once late_request says
+  // so), and a request written just after its number is waited for, all within one budget.
   constexpr std::int64_t max_requests = 1024;
   const auto budget = Clock::now() + std::chrono::milliseconds(500);
+  std::int64_t stop = 0;  // the first number whose request is late: the decision ends before it
   for (std::int64_t id = std::max(old.joins_seen + 1, g.upto - max_requests + 1); id <= g.upto;
        ++id) {
     const std::string reply = join_key(id, "reply");
@@ -168,6 +186,13 @@ inline Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
           req_key, std::chrono::duration_cast<std::chrono::milliseconds>(budget - Clock::now()));
     const std::string request = peek_key(base, req_key[0]);
     const std::string gone[] = {join_key(id, "gone")};
+    if (request.empty() && !base.check(gone) && late_request(base, id)) {
+      // Its number is taken, its request not written yet (a slow newcomer on a loaded machine):
+      // it and those after it are answered at a later grow().
+      if (stop == 0) stop = id;
+      continue;
+    }
+    if (stop != 0) continue;
     if (request.empty() || base.check(gone)) {
       (void)base.compare_set(reply, "", "withdrawn");
       continue;
@@ -203,14 +228,18 @@ inline Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
     g.claims.push_back(claim);
     taken.push_back(claim);
   }
-  base.set(growth_key(epoch, g.from, "decision"), g.text());
+  if (stop != 0) g.upto = stop - 1;
+  const std::string text = g.text();
+  for (const std::int64_t id : g.ids) base.set(join_key(id, "decision"), text);    // newcomers'
+  base.set(growth_key(epoch, g.from, concat("decision.", old.grow_calls)), text);  // members'
   return g;
 }
 
 /// The other members: rank 0's decision of epoch `epoch` (rank 0 dying fails it at once).
 inline Growth await_growth(const CommState& old, Store& base, std::uint64_t epoch, int rank,
                            Clock::time_point deadline) {
-  const std::string key[] = {growth_key(epoch, old.joins_seen, "decision")};
+  const std::string key[] = {
+      growth_key(epoch, old.joins_seen, concat("decision.", old.grow_calls))};
   while (!base.check(key)) {
     if (old.rank_gone(0))
       fail(Errc::peer_lost, "rank ", rank,
@@ -276,6 +305,7 @@ class JoinRequest {
  public:
   JoinRequest(Store& base, int claim, const std::string& ticket) : base_(base) {
     id_ = base_.add("join/next", 1);
+    if (join_phase_hook() != nullptr) join_phase_hook()("numbered");
     // Should this process die while it waits, rank 0 passes its request over.
     const std::pair<std::string, std::string> on_close[] = {{join_key(id_, "gone"), ""}};
     base_.set_on_close(on_close);

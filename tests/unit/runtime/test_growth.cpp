@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -50,17 +51,23 @@ void run_job(int members, int newcomers, const mp::Path& path,
 }
 
 // Members: collectives until rank 0 sees `n` processes waiting to join (agreed by an
-// all_reduce), then grow(). Returns the grown communicator.
+// all_reduce), then grow(), again until all n are admitted (one whose request is not written
+// yet is admitted at a later grow()). Returns the grown communicator.
 Comm grow_when_waiting(Comm& comm, int n, const std::string& ticket = "t") {
-  for (int i = 0;; ++i) {
-    std::vector<double> waiting{comm.rank() == 0 ? static_cast<double>(comm.waiting_to_join())
+  std::optional<Comm> grown;
+  Comm* now = &comm;
+  for (int i = 0; now->size() < comm.size() + n; ++i) {
+    std::vector<double> waiting{now->rank() == 0 ? static_cast<double>(now->waiting_to_join())
                                                  : 0.0};
-    comm.all_reduce(waiting, ddp::ReduceOp::max);
-    if (waiting[0] >= n) break;
+    now->all_reduce(waiting, ddp::ReduceOp::max);
+    if (waiting[0] >= (grown ? 1 : n)) {
+      grown.emplace(now->grow({.ticket = ticket}));
+      now = &*grown;
+    }
     MP_EXPECT(i < 2000, "nobody asked to join within 20 s");
     std::this_thread::sleep_for(10ms);
   }
-  return comm.grow({.ticket = ticket});
+  return std::move(*grown);
 }
 
 // "<epoch> <size> <rank> <previous ranks...> | <sum of world ranks>" after a working all_reduce.
@@ -144,6 +151,31 @@ TEST_CASE("grow: a job of one under a launcher admits a newcomer (the launcher's
     CHECK(mp::TempDir::read(dir.file("rank0")) == "1 2 0 0 -1 | 1");
     CHECK(mp::TempDir::read(dir.file("rank1")) == "1 2 1 0 -1 | 1");
   }
+}
+
+TEST_CASE("grow: a newcomer slow to write its request after taking its number is admitted later") {
+  // The newcomer stalls 1.5 s between its number and its request (a loaded machine): the grow()
+  // that sees the number first does not pass it over; a later one admits it.
+  mp::TempDir dir;
+  ddp::Options o;
+  o.timeout = 20s;
+  run_job(
+      2, 1, ddp::HostTransport::shm,
+      [&](Comm& comm) {
+        Comm grown = grow_when_waiting(comm, 1);
+        report(dir, "rank" + std::to_string(grown.rank()), grown, grown.rank());
+      },
+      [&](ddp::Environment& env, const ddp::Options& opts) {
+        ddp::detail::join_phase_hook() = [](const char* phase) {
+          if (std::string_view(phase) == "numbered") std::this_thread::sleep_for(1500ms);
+        };
+        auto comm = Comm::join(env, opts, {.ticket = "t"});
+        report(dir, "rank2", comm, env.rank);
+      },
+      o);
+  for (int r = 0; r < 3; ++r)
+    CHECK(mp::TempDir::read(dir.file("rank" + std::to_string(r))) ==
+          "1 3 " + std::to_string(r) + " 0 1 -1 | 3");
 }
 
 TEST_CASE(
