@@ -21,6 +21,12 @@
 /// all_reduce(Q), M ~ P Q^T. The error, what this rank's gradient lost, is kept for the next
 /// step. So per matrix (n + m) r elements travel instead of n m.
 ///
+/// A step whose result holds an inf or a NaN (a loss-scaling step that overflowed) would leave
+/// them in the error and the warm-start Q, and every later step would be non-finite too: the
+/// bucket's error and Q are reset instead (the next step starts afresh, as the first compressed
+/// step does), counted in PowerSGDStats::resets. The result is the same on every rank, so every
+/// rank resets alike.
+///
 /// Host memory only (there are no GPU kernels in ddp's headers): a bucket on a CUDA device is
 /// refused with Errc::unsupported. The hook computes and communicates when its bucket is ready,
 /// in the thread that completes it (its two all_reduces are small). In a ddp::Join, a finished
@@ -71,6 +77,8 @@ struct PowerSGDStats {
   std::uint64_t uncompressed = 0;     ///< Elements of the buckets, every step.
   std::uint64_t compressed_sent = 0;  ///< Of `sent`, in the compressed steps only.
   std::uint64_t compressed_full = 0;  ///< Of `uncompressed`, in the compressed steps only.
+  /// Buckets whose error feedback and warm-start Q were reset after a non-finite result.
+  std::uint64_t resets = 0;
 };
 
 namespace detail {
@@ -315,6 +323,15 @@ class PowerSGDHook {
         detail::outer(p.data() + m.p_at, q.data() + m.q_at, m.m,
                       feedback ? mem.error.data() + (m.m - g) : nullptr, m.n, m.c, m.r);
       if (!b.shadow) mem.q = std::move(q);
+    }
+    // An inf or NaN in the result (the same on every rank) would stay in the error and in Q
+    // and poison every later step: start this bucket afresh instead.
+    if (!std::all_of(g, g + n_all, [](float x) { return std::isfinite(x); })) {
+      if (!b.shadow) {
+        std::fill(mem.error.begin(), mem.error.end(), 0.0f);
+        mem.q.clear();
+      }
+      ++s.stats.resets;
     }
     return {};
   }

@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstddef>
+#include <limits>
 #include <vector>
 
 #include "multiprocess.hpp"
@@ -139,6 +140,35 @@ TEST_CASE(
         MP_EXPECT(tracked < 0.25 * approx_error_first, "accumulated relative error "
                                                            << tracked << " vs one step's "
                                                            << approx_error_first);
+      },
+      {1, 2, 3});
+}
+
+TEST_CASE(
+    "PowerSGD: one non-finite gradient resets the bucket's error and warm start; the next steps "
+    "are finite again") {
+  mp::each_world(
+      [](mp::Comm& comm) {
+        Net net;
+        ddp::GradientAverager avg(comm, net);
+        ddp::PowerSGDHook psgd({.rank = 2, .start_iter = 1});
+        avg.register_comm_hook(psgd);
+        for (int s = 0; s < 8; ++s) {
+          for (std::size_t i = 0; i < 40; ++i)
+            for (std::size_t j = 0; j < 30; ++j)
+              net.params[0].grad[i * 30 + j] = full(comm.rank(), i, j);
+          for (std::size_t k = 0; k < 30; ++k) net.params[1].grad[k] = w(comm.rank(), k);
+          for (std::size_t k = 0; k < 9; ++k) net.params[2].grad[k] = w(comm.rank(), k + 3);
+          // Step 3: an overflow on the last rank (a loss-scaling step skips it).
+          if (s == 3 && comm.rank() == comm.size() - 1) {
+            net.params[0].grad[17] = std::numeric_limits<float>::infinity();
+            net.params[1].grad[2] = std::numeric_limits<float>::quiet_NaN();
+          }
+          avg.average();
+          const bool nonfinite = avg.found_nonfinite();
+          MP_EXPECT(nonfinite == (s == 3), "step " << s << ": non-finite " << nonfinite);
+        }
+        MP_EXPECT(psgd.stats().resets == 1, "resets " << psgd.stats().resets);
       },
       {1, 2, 3});
 }
