@@ -19,8 +19,10 @@
 ///    nothing; two neighbours lost together take a shard with them (Errc::mismatch, naming it:
 ///    resume from a sharded checkpoint on disk).
 ///  * A save that a failure interrupted is complete on some ranks and not on others; the older
-///    save is kept for that case. With TrainingState, save before commit() and load the tag of
-///    the restored commit: a commit completes only after every rank finished its save.
+///    save is kept for that case. load() mirrors the save it loaded again on the new world
+///    before it returns, so a second loss right after a recovery loses nothing either. With
+///    TrainingState, save before commit() and load the tag of the restored commit: a commit
+///    completes only after every rank finished its save.
 
 #include "ddp/config.hpp"
 #include "ddp/detail/crypto.hpp"
@@ -128,9 +130,11 @@ struct MirrorAccess {
 
   /// Collective: each rank's checkpoint of the newest save (with tag `tag`, when given) of which
   /// the ranks hold every old rank's shard, cut for this world in the layouts `want` gives;
-  /// std::nullopt when no rank holds such a save.
+  /// std::nullopt when no rank holds such a save. Before it returns, that save is mirrored again
+  /// on this world (each new shard on its own rank and the rank before it, under the same tag),
+  /// and every other save is dropped: the next loss, however soon, finds every shard twice.
   template <class Comm>
-  static std::optional<Checkpoint> load(Comm& comm, const ShardMirror& m,
+  static std::optional<Checkpoint> load(Comm& comm, ShardMirror& m,
                                         std::optional<std::uint64_t> tag,
                                         const ShardLayoutFor& want) {
     const char* what = "ShardedAverager::load (in-memory copies)";
@@ -176,8 +180,24 @@ struct MirrorAccess {
       error = error_text(e);
     }
     fail_with_first(comm, comm.all_gather_object(error), what);
-    return reshard_held(comm, *set, shards, want, what,
-                        [&](std::uint64_t k) { return name(k, *set); });
+    Checkpoint mine = reshard_held(comm, *set, shards, want, what,
+                                   [&](std::uint64_t k) { return name(k, *set); });
+    // Redundancy again before training goes on: the loaded save, mirrored on this world. The
+    // saves it came from are dropped (the loaded one is kept until its copy is whole).
+    const auto chosen = [&](const ShardMirror::Save& s) {
+      return s.g == set->g && s.id == set->id && s.world == set->world;
+    };
+    std::uint64_t loaded_tag = 0;
+    for (const auto& s : m.saves_)
+      if (chosen(s)) loaded_tag = s.tag;
+    for (const std::uint64_t t : comm.all_gather_object(loaded_tag))
+      loaded_tag = std::max(loaded_tag, t);
+    std::erase_if(m.saves_, [&](const ShardMirror::Save& s) { return !chosen(s); });
+    Checkpoint again;
+    for (const std::string& section : mine.names())
+      if (section != "ddp.shard") again.put(section, mine.get(section));
+    save(comm, m, loaded_tag, again, {});
+    return mine;
   }
 
  private:

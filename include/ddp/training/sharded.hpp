@@ -195,10 +195,11 @@ class ShardedAverager : public detail::Averager<M, Backend> {
 
   /// Collective, after a membership change (an averager made again over the survivors): loads
   /// the newest save in `mirror` (with tag `tag`, when given) of which the ranks hold every old
-  /// rank's shard, as load(path) loads a sharded checkpoint (cut again for this world size).
+  /// rank's shard, as load(path) loads a sharded checkpoint (cut again for this world size), and
+  /// mirrors it again over this world before returning (every shard on two ranks again).
   /// std::nullopt when no rank holds any save; Errc::mismatch when no rank holds `tag` (naming
   /// the tags held), or when a shard was lost with both of the ranks holding it.
-  [[nodiscard]] std::optional<Checkpoint> load(const ShardMirror& mirror,
+  [[nodiscard]] std::optional<Checkpoint> load(ShardMirror& mirror,
                                                std::optional<std::uint64_t> tag = std::nullopt) {
     return restore(detail::MirrorAccess::load(*this->comm_, mirror, tag, wanted()),
                    detail::concat("the in-memory copy of rank ", this->comm_->rank(), "'s shard"));

@@ -737,18 +737,21 @@ ddp::Checkpoint optimizer_state(const Optimizer& opt, Zero& zero) {
 /// when `in_save`. After a loss: shrink(), a new averager, the newest save the survivors hold
 /// (its refusal, when a shard has no copy left, in `refused`).
 void mirrored_run(mp::Comm& comm, Net& net, const std::vector<int>& die, bool in_save,
-                  std::uint64_t& resumed_at, std::string& refused) {
+                  std::uint64_t& resumed_at, std::string& refused, int then = -1) {
   Optimizer opt(true);
   ddp::ShardMirror mirror;
   std::optional<ddp::ShardedAverager<Net, ddp::backend::Host>> zero;
   zero.emplace(comm, net, sharded_options);
   const bool victim =
       comm.epoch() == 0 && std::find(die.begin(), die.end(), comm.rank()) != die.end();
+  const int first = comm.rank();
   int step = 0;
   for (;;) {
     try {
       for (; step < 12; ++step) {
         if (victim && step == 8 && !in_save && comm.epoch() == 0) std::_Exit(5);
+        // `then` (a first rank) dies in the first step after the recovery, before its save.
+        if (first == then && step == 8 && comm.epoch() == 1) std::_Exit(5);
         backward(net, comm.rank(), step);
         zero->step([&](auto shard) { opt.step(ranges(shard)); });
         if (victim && step == 8 && in_save && comm.epoch() == 0) {
@@ -848,6 +851,31 @@ TEST_CASE(
                     "survivor " << r << " differs from the reference");
     }
   }
+}
+
+TEST_CASE(
+    "sharded: a second loss in the first step after a recovery loses no step: the loaded state "
+    "is mirrored again on the new world before training goes on") {
+  // Rank 2 of 4 dies at the start of step 8; the survivors load the save after 8 steps (rank 2's
+  // shard from rank 1's copy) and, in that same step 8 on 3 ranks, rank 1 dies before its save:
+  // rank 2's old shard had its only copy on rank 1, so only the copies made on the new world
+  // hold it now.
+  const std::string want = reference_from(8, 2);
+  REQUIRE(!want.empty());
+  mp::TempDir dir;
+  run_with_losses([&](mp::Comm& comm, int first) {
+    Net net;
+    std::uint64_t resumed = 0;
+    std::string refused;
+    mirrored_run(comm, net, {2}, false, resumed, refused, 1);
+    MP_EXPECT(refused.empty(), refused);
+    MP_EXPECT(resumed == 8, "resumed after " << resumed << " steps, not 8");
+    MP_EXPECT(comm.size() == 2, "the survivors");
+    mp::TempDir::write(dir.file("net" + std::to_string(first)), bytes_of(net));
+  });
+  for (int r : {0, 3})
+    CHECK_MESSAGE(mp::TempDir::read(dir.file("net" + std::to_string(r))) == want,
+                  "survivor " << r << " differs from the reference");
 }
 
 TEST_CASE("sharded: in-memory copies refuse tags or unsharded state that differ between ranks") {
