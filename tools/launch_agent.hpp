@@ -1080,6 +1080,7 @@ class LaunchAgent {
       w.seconds = std::chrono::duration<double>(now - w.started).count();
       ::kill(-w.pid, SIGKILL);  // whatever it left behind in its process group
       const bool ok = WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0;
+      if (ok) count_ended(attempt);
       if (!ok && (root_cause_ < 0 ? !stopping_ : crashed_while_stopping(w))) {
         const LaunchFailure f{o_.node_rank,
                               exit_code_of(w.status),
@@ -1098,9 +1099,16 @@ class LaunchAgent {
     if ((o_.shrink_on_failure || o_.rejoin_on_failure) && root_cause_ < 0 && !stopping_) {
       // The others go on without it (Communicator::shrink), or it is restarted alone to rejoin
       // them; only when none is left is the attempt a failure, the first loss its root cause.
+      int pending = static_cast<int>(failed.size());  // failed now, not yet restarted
       for (const auto& [f, local] : failed) {
         Worker& w = workers_[static_cast<std::size_t>(local)];
-        if (o_.rejoin_on_failure && w.rejoins < o_.max_restarts) {
+        const bool job_left = o_.rejoin_on_failure && others_running(attempt, pending) > 0;
+        if (o_.rejoin_on_failure && w.rejoins < o_.max_restarts && !job_left) {
+          say(f.what,
+              "; not restarting it: every other worker of the job has ended, so there is "
+              "no running job to rejoin");
+        } else if (o_.rejoin_on_failure && w.rejoins < o_.max_restarts) {
+          --pending;
           ++w.rejoins;
           say(f.what, "; restarting it alone to rejoin the job (--on-failure rejoin, restart ",
               w.rejoins, " of ", o_.max_restarts, ")");
@@ -1110,12 +1118,15 @@ class LaunchAgent {
         }
         const bool others = std::any_of(workers_.begin(), workers_.end(),
                                         [](const Worker& o) { return o.running; });
-        say(f.what,
-            others ? "; the other workers go on without it (--on-failure "
-                   : "; no worker of this node is left (--on-failure ",
-            o_.rejoin_on_failure ? "rejoin: no restart left)" : "shrink)");
+        if (!o_.rejoin_on_failure || w.rejoins >= o_.max_restarts)
+          say(f.what,
+              others ? "; the other workers go on without it (--on-failure "
+                     : "; no worker of this node is left (--on-failure ",
+              o_.rejoin_on_failure ? "rejoin: no restart left)" : "shrink)");
         lost_.push_back(f);
         lost_ranks_.push_back(w.rank);
+        --pending;
+        count_ended(attempt);
       }
       return;
     }
@@ -1131,6 +1142,30 @@ class LaunchAgent {
     root_by_signal_ = first->by_signal;
     publish_failure(attempt, *first);
     stop_workers(now);
+  }
+
+  /// --on-failure rejoin: the job's workers (every node's) that ended for good this attempt,
+  /// finished or lost, are counted in the store, so that a failed worker is restarted to rejoin
+  /// only while some other worker still runs.
+  void count_ended(int attempt) {
+    if (!o_.rejoin_on_failure) return;
+    try {
+      (void)store_->add(concat("attempt/", attempt, "/workers_ended"), 1);
+    } catch (const Error&) {  // the store is gone: others_running() falls back to this node
+    }
+  }
+  /// How many workers of the job, other than the `pending` ones that failed just now, still run
+  /// (every node's, from the store; this node's alone when the store is gone).
+  [[nodiscard]] int others_running(int attempt, int pending) {
+    const int here = static_cast<int>(
+        std::count_if(workers_.begin(), workers_.end(), [](const Worker& o) { return o.running; }));
+    try {
+      const auto all = store_->add(concat("attempt/", attempt, "/workers"), 0);
+      const auto ended = store_->add(concat("attempt/", attempt, "/workers_ended"), 0);
+      return std::max(here, static_cast<int>(all - ended) - pending);
+    } catch (const Error&) {
+      return here;
+    }
   }
 
   /// Whether a worker reaped while its group is being stopped for an error exit died of a signal
@@ -1173,6 +1208,12 @@ class LaunchAgent {
     kill_at_ = Clock::time_point::max();
     auto drain_until = Clock::time_point::max();
     std::optional<LaunchFailure> remote;
+    if (o_.rejoin_on_failure) {
+      try {
+        (void)store_->add(concat("attempt/", attempt, "/workers"), o_.nproc_per_node);
+      } catch (const Error&) {  // the store is gone: the attempt fails on its own
+      }
+    }
     for (int i = 0; i < o_.nproc_per_node; ++i) {
       Worker& w = workers_[static_cast<std::size_t>(i)];
       w.rank = base_rank_ + i;

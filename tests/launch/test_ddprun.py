@@ -487,6 +487,21 @@ class SingleNode(Base):
         self.assertEqual(r.returncode, 7, r.stderr)
         self.assertIn("(--on-failure rejoin: no restart left)", r.stderr)
 
+    def test_on_failure_rejoin_never_restarts_into_a_finished_job(self):
+        # The last rank fails after every other worker has finished: there is no running job to
+        # rejoin, so it is not restarted (it would wait for an admission that cannot come).
+        start = time.monotonic()
+        r = ddprun("--standalone", "--nproc-per-node", 3, "--on-failure", "rejoin",
+                   "--max-restarts", 3, WORKER, "fail_last")
+        self.assertLess(time.monotonic() - start, 20)
+        self.assertRegex(r.stderr, r"ddprun: rank 2 \(local_rank 2, pid \d+\) exited with status 5 "
+                                   r"after \d+\.\d s; not restarting it: every other worker of the "
+                                   r"job has ended, so there is no running job to rejoin")
+        self.assertNotIn("restarting it alone", r.stderr)
+        self.assertNotIn("rejoined", r.stdout)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)  # the others finished
+        self.assertIn("lost during the run: rank 2", r.stderr)
+
     def test_nnodes_range_adds_a_late_node_to_the_running_job(self):
         # --nnodes 1:2: node 0 starts the job alone (2 workers) after the last call; node 1
         # comes later and its worker joins the running job as rank 2 (DDP_REJOIN=1).

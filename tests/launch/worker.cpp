@@ -337,6 +337,25 @@ int main(int argc, char** argv) try {
               << " (epoch " << comm.epoch() << "), sum of world ranks " << w[0] << std::endl;
     return 0;
   }
+  if (mode == "fail_last") {  // every rank but the last finishes; then the last one fails
+    using Host = ddp::Communicator<ddp::backend::Host>;
+    ddp::Options o;
+    o.timeout = std::chrono::seconds(60);
+    if (env.rejoin) {  // restarted to rejoin a job whose members all finished: must not happen
+      auto comm = Host::join(env, o, {.ticket = "worker"});
+      std::cout << "rank " << env.rank << " rejoined" << std::endl;
+      return 0;
+    }
+    {
+      auto comm = Host::init(env, o);
+      std::vector<float> v(10, 1.0f);
+      comm.all_reduce(v);
+      if (comm.rank() != comm.size() - 1) return 0;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // the others have exited
+    std::cerr << "rank " << env.rank << " fails after the others finished" << std::endl;
+    std::_Exit(5);
+  }
   std::cerr << "worker: unknown arguments\n";
   return 2;
 } catch (const std::exception& e) {

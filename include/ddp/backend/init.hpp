@@ -125,6 +125,7 @@ inline BackendInit begin_split(CommState& sub, const CommState& parent,
   std::sort(members.begin(), members.end());
   inherit_settings(sub, parent, options);
   sub.root_store = parent.root_store;
+  sub.server = parent.server;
   sub.prefix = concat(parent.prefix, "split", n, "/", color, "/");
   sub.base_prefix = sub.prefix;
   sub.job_prefix = parent.job_prefix;
@@ -229,6 +230,7 @@ std::shared_ptr<State> shrink_state(State& old, int rank, int size, const Shrink
     auto sub = std::make_shared<State>();
     inherit_settings(*sub, old, old.options);
     sub->root_store = old.root_store;
+    sub->server = old.server;  // the store this process hosts outlives `old`
     sub->prefix = change.prefix();
     sub->base_prefix = old.base_prefix;
     sub->epoch = change.epoch();
@@ -321,6 +323,7 @@ std::shared_ptr<State> grow_state(State& old, int rank, const GrowOptions& o) {
   auto sub = std::make_shared<State>();
   inherit_settings(*sub, old, old.options);
   sub->root_store = old.root_store;
+  sub->server = old.server;
   sub->world_ranks = g.members;
   sub->world_ranks.insert(sub->world_ranks.end(), g.claims.begin(), g.claims.end());
   sub->joins_seen = g.upto;
@@ -361,9 +364,13 @@ std::shared_ptr<State> join_state(const Environment& env, Options options, const
     fail(e.code(), "rank ", env.rank, ": join: ", e.what());
   }
   Store base = s->root_store->prefixed(s->base_prefix).unwatched();
-  JoinRequest request(base, env.rank, j.ticket);
+  JoinRequest request(base, env.rank, j.ticket, env.world_size);
   const auto wait = j.wait.count() > 0 ? j.wait : options.timeout;
   const std::string reply = request.await(Clock::now() + wait);
+  if (reply == "ended")
+    fail(Errc::peer_lost, "rank ", env.rank,
+         ": join: every member of the running job has ended (their processes are gone), so "
+         "nobody is left to admit this process; the request was withdrawn");
   const auto number_at = [&](std::size_t from, std::int64_t most) {
     std::int64_t v = -1;
     const char* end = reply.data() + reply.size();

@@ -98,7 +98,10 @@ struct CommState {
   int world_rank_in_group = 0;  // this rank in this communicator
   int world_rank = 0;
   int local_rank_hint = 0;  // the launcher's local rank: the default CUDA device
-  std::unique_ptr<StoreServer> server;
+  /// The rendezvous store this process hosts (rank 0 without a launcher's store), shared by
+  /// every communicator made from the one that started it (shrink(), grow(), split()): the store
+  /// lives while any of them does, not only while the first one does.
+  std::shared_ptr<StoreServer> server;
   std::shared_ptr<Store> root_store;
   std::shared_ptr<Store> store;
   std::string prefix;
@@ -230,7 +233,7 @@ struct CommState {
   int host_store(const Environment& env, int port, int ports, const StoreOptions& so) {
     for (int p = port; p < port + ports; ++p) {
       try {
-        server = std::make_unique<StoreServer>(env.master_addr, p, so);
+        server = std::make_shared<StoreServer>(env.master_addr, p, so);
         return p;
       } catch (const Error& e) {
         if (e.code() != Errc::address_in_use) throw;
@@ -332,7 +335,7 @@ struct CommState {
   /// this process has none of the threads. Touch nothing; keep it reachable (never destroyed).
   void abandon() noexcept {
     (void)executor.release();
-    (void)server.release();
+    (void)new std::shared_ptr<StoreServer>(std::move(server));
     (void)new std::shared_ptr<Store>(std::move(root_store));
     (void)new std::shared_ptr<Store>(std::move(store));
 #if DDP_HAS_CUDA
@@ -382,8 +385,10 @@ struct CommState {
   /// Leaving, last step (the backend is gone): rank 0 keeps the store up until every rank has
   /// left, so none loses it mid-call, and after a failed rendezvous too, so the others can read
   /// why it failed. A rank whose process died counts as left (its connection's on-close record).
+  /// Only the last communicator holding the store waits (another, made from this one by
+  /// shrink() or grow(), goes on using it).
   void wait_for_the_others(bool connected) {
-    if (!store || !joined || store->lost() || !server) return;
+    if (!store || !joined || store->lost() || !server || server.use_count() > 1) return;
     try {
       Store plain = store->unwatched();  // the waits below must not end at "failed"
       const auto limit =

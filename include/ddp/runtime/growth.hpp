@@ -162,6 +162,40 @@ inline bool late_request(Store& base, std::int64_t id) {
   return now - since < 5000;
 }
 
+/// Records in the job's store space (`job`: under init()'s prefix) the members of membership
+/// epoch `epoch` by world rank ("members": "<epoch>:<ranks>"), unless a later epoch's are there:
+/// a newcomer waiting to be admitted reads it to learn whether anyone is left to admit it.
+inline void record_members(Store& job, std::uint64_t epoch, const std::vector<int>& world_ranks) {
+  const std::string mine = concat(epoch, ":", ranks_text(world_ranks));
+  for (std::string held = peek_key(job, "members");;) {
+    std::uint64_t theirs = 0;
+    const bool ok =
+        !held.empty() &&
+        std::from_chars(held.data(), held.data() + held.size(), theirs).ec == std::errc{};
+    if (ok && theirs >= epoch) return;
+    const std::string now = job.compare_set("members", held, mine);
+    if (now == mine || now == held) return;
+    held = now;
+  }
+}
+
+/// Whether every member of the running job (its last recorded membership, else the world ranks
+/// below `world_size`) other than `claim` is gone (its process ended): nobody is left to admit a
+/// newcomer.
+[[nodiscard]] inline bool job_ended(Store& job, int claim, int world_size) {
+  std::vector<int> ranks;
+  const std::string held = peek_key(job, "members");
+  if (const std::size_t colon = held.find(':'); colon != std::string::npos)
+    ranks = parse_ranks(std::string_view(held).substr(colon + 1));
+  else
+    for (int r = 0; r < world_size; ++r) ranks.push_back(r);
+  for (const int r : ranks) {
+    const std::string gone[] = {concat("gone/", r)};
+    if (r != claim && !job.check(gone)) return false;
+  }
+  return true;
+}
+
 /// Rank 0 of the members: answers the requests that arrived since the last growth of `old`
 /// (this process's communicator, of `size` ranks) and writes the decision of epoch `epoch`.
 inline Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
@@ -232,6 +266,11 @@ inline Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
   const std::string text = g.text();
   for (const std::int64_t id : g.ids) base.set(join_key(id, "decision"), text);    // newcomers'
   base.set(growth_key(epoch, g.from, concat("decision.", old.grow_calls)), text);  // members'
+  if (!g.ids.empty()) {
+    std::vector<int> all = g.members;
+    all.insert(all.end(), g.claims.begin(), g.claims.end());
+    record_members(base, epoch, all);
+  }
   return g;
 }
 
@@ -303,7 +342,8 @@ inline void await_participants(Store& root, const std::string& job, std::uint64_
 /// The newcomer's side of step 1: its request's id once written, and its reply once there.
 class JoinRequest {
  public:
-  JoinRequest(Store& base, int claim, const std::string& ticket) : base_(base) {
+  JoinRequest(Store& base, int claim, const std::string& ticket, int world_size = 1)
+      : base_(base), claim_(claim), world_size_(world_size) {
     id_ = base_.add("join/next", 1);
     if (join_phase_hook() != nullptr) join_phase_hook()("numbered");
     // Should this process die while it waits, rank 0 passes its request over.
@@ -315,18 +355,28 @@ class JoinRequest {
   [[nodiscard]] std::int64_t id() const noexcept { return id_; }
 
   /// The reply ("admit <E> <tag>" or "refuse <errc> <why>"), or "withdrawn" when none came by
-  /// `deadline` (the request is then withdrawn, unless a reply won the race).
+  /// `deadline` (the request is then withdrawn, unless a reply won the race), or "ended" (also
+  /// withdrawn) when every member of the job has ended meanwhile: nobody is left to admit it.
   std::string await(Clock::time_point deadline) {
     const std::string key[] = {join_key(id_, "reply")};
+    auto look = Clock::now() + std::chrono::milliseconds(250);
     for (;;) {
       if (base_.check(key)) return base_.get(key[0]);
       if (Clock::now() > deadline) return base_.compare_set(key[0], "", "withdrawn");
+      if (Clock::now() > look) {
+        look = Clock::now() + std::chrono::milliseconds(250);
+        if (job_ended(base_, claim_, world_size_)) {
+          const std::string r = base_.compare_set(key[0], "", "withdrawn");
+          return r == "withdrawn" ? std::string("ended") : r;
+        }
+      }
       (void)base_.missing_after(key, std::chrono::milliseconds(20));
     }
   }
 
  private:
   Store& base_;
+  int claim_ = 0, world_size_ = 1;
   std::int64_t id_ = 0;
 };
 

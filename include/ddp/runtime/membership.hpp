@@ -33,6 +33,7 @@
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
 #include "ddp/runtime/comm_state.hpp"
+#include "ddp/runtime/growth.hpp"
 #include "ddp/store/client.hpp"
 
 #include <unistd.h>
@@ -187,6 +188,14 @@ class MembershipChange {
         (void)old_.root_store->prefixed(old_.prefix)
             .unwatched()
             .compare_set("superseded", "", concat(epoch_, ":", ranks_text(members_)));
+        if (old_.base_prefix == old_.job_prefix && new_rank() == 0) {  // for newcomers
+          std::vector<int> world;
+          for (const int m : members_)
+            if (static_cast<std::size_t>(m) < old_.world_ranks.size())
+              world.push_back(old_.world_ranks[static_cast<std::size_t>(m)]);
+          Store job = old_.root_store->prefixed(old_.job_prefix).unwatched();
+          record_members(job, epoch_, world);
+        }
         return true;
       }
       candidates_ = members_;

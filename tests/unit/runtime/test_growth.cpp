@@ -239,6 +239,41 @@ TEST_CASE(
   CHECK_MESSAGE(p6.find("no member admitted this process within 300 ms") != std::string::npos, p6);
 }
 
+TEST_CASE("join: a newcomer whose job ends before admitting it fails at once, not at its wait") {
+  mp::TempDir dir;
+  ddp::Options o;
+  o.timeout = 30s;
+  run_job(
+      2, 1, ddp::HostTransport::shm,
+      [&](Comm& comm) {
+        // The members see the newcomer waiting, and end without admitting it.
+        for (int i = 0; i < 2000; ++i) {
+          std::vector<double> n{comm.rank() == 0 ? static_cast<double>(comm.waiting_to_join())
+                                                 : 0.0};
+          comm.all_reduce(n, ddp::ReduceOp::max);
+          if (n[0] >= 1) break;
+          std::this_thread::sleep_for(10ms);
+        }
+      },
+      [&](ddp::Environment& env, const ddp::Options& opts) {
+        const long long t0 = now_ms();
+        try {
+          auto comm = Comm::join(env, opts, {.ticket = "t", .wait = 30s});
+          mp::TempDir::write(dir.file("p2"), "admitted");
+        } catch (const ddp::Error& e) {
+          report_error(dir, "p2", e);
+          mp::TempDir::write(dir.file("ms"), std::to_string(now_ms() - t0));
+        }
+      },
+      o);
+  const std::string p2 = mp::TempDir::read(dir.file("p2"));
+  CHECK_MESSAGE(p2.starts_with("peer_lost "), p2);
+  CHECK_MESSAGE(p2.find("every member of the running job has ended") != std::string::npos, p2);
+  const std::string ms = mp::TempDir::read(dir.file("ms"));
+  REQUIRE(!ms.empty());
+  CHECK(std::stoll(ms) < 15000);  // not the 30 s wait
+}
+
 namespace {
 const mp::TempDir* hook_dir = nullptr;
 void die_when_asked(const char* phase) {

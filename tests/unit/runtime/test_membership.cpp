@@ -238,6 +238,50 @@ TEST_CASE("shrink: with the store in rank 0's process, losing rank 0 is named, n
   }
 }
 
+TEST_CASE(
+    "shrink: with the store in rank 0's process, the survivors of rank 1, then of the last rank, "
+    "go on: the store outlives the communicator that started it") {
+  // A job started by hand (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; no launcher's store):
+  // `comm = comm.shrink()` destroys the communicator whose rank 0 started the store, while the
+  // new one still uses it.
+  for (const mp::Path& path :
+       {mp::Path(ddp::HostTransport::shm), mp::Path(ddp::HostTransport::tcp)}) {
+    CAPTURE(mp::name(path));
+    mp::TempDir dir;
+    const int port = mp::free_port();
+    (void)mp::spawn_all(4, [&](ddp::Environment launched) {
+      ::unsetenv("DDP_STORE_HOSTED");  // rank 0 hosts the store, as in a job started by hand
+      path.enter(launched.rank, 4);
+      ddp::Options o;
+      o.timeout = 20s;
+      o.transport = path.transport;
+      auto comm = Comm::init(mp::local_env(launched.rank, 4, port), o);
+      const int first = comm.rank();
+      std::vector<float> v(1000, 1.0f);
+      comm.all_reduce(v);
+      if (first == 1) std::_Exit(3);
+      for (int loss = 0; loss < 2; ++loss) {
+        try {
+          for (;;) comm.all_reduce(v);
+        } catch (const ddp::Error& e) {
+          MP_EXPECT(e.code() == ddp::Errc::peer_lost || e.code() == ddp::Errc::aborted, e.what());
+          comm = comm.shrink({.wait_for_ranks = 10s});  // the old communicator is destroyed
+        }
+        for (int i = 0; i < 10; ++i) {
+          std::vector<float> w(100, 1.0f);
+          comm.all_reduce(w);
+          MP_EXPECT(w[0] == static_cast<float>(comm.size()), w[0]);
+        }
+        if (loss == 0 && comm.rank() == comm.size() - 1) std::_Exit(3);  // the last rank
+      }
+      mp::TempDir::write(dir.file("rank" + std::to_string(first)),
+                         std::to_string(comm.epoch()) + " " + std::to_string(comm.size()));
+    });
+    CHECK(mp::TempDir::read(dir.file("rank0")) == "2 2");
+    CHECK(mp::TempDir::read(dir.file("rank2")) == "2 2");
+  }
+}
+
 TEST_CASE("shrink: a split() communicator whose member died shrinks at once") {
   mp::TempDir dir;
   std::string spawn_error;
