@@ -10,6 +10,7 @@
 ///
 /// Which backend reads which field (a backend ignores the others):
 ///   every backend        timeout, token, group, external_store, trace_entries, trace_dump
+///   with a store         heartbeat (backend::Host, backend::Nccl)
 ///   backend::Host        transport, segment_bytes, shm_single_copy_bytes, verify_collectives,
 ///                        hierarchy
 ///   CUDA                 device (backend::Nccl), cuda_staging_bytes (CUDA buffers on a
@@ -131,6 +132,13 @@ struct Options {
   /// backend::Host: the all_reduce across hosts (see HostHierarchy; $DDP_HIERARCHY: auto, flat,
   /// slices or leaders). Every rank must use the same value.
   HostHierarchy hierarchy = HostHierarchy::automatic;
+  /// Heartbeat: a process that sends no sign of life to the rendezvous store for this long
+  /// (stopped, hung, or cut off from the store) counts as lost, as if it had died: its peers'
+  /// collectives fail with Errc::peer_lost naming it within about 1.2 heartbeats, whatever the
+  /// timeout, shrink() does not wait for it, and it is fenced when it wakes. A thread of each
+  /// process signs every heartbeat / 5. 0: none (a stopped rank is noticed at the timeout). Every
+  /// rank should use the same value ($DDP_HEARTBEAT: seconds, or 0).
+  std::chrono::milliseconds heartbeat = std::chrono::seconds(5);
 
   /// These options with the environment's settings (the $ names above) applied to every field
   /// still at its default. A malformed value is Errc::invalid_argument naming the variable.
@@ -201,6 +209,13 @@ struct Options {
               .value_or(o.trace_entries));
     });
     if (o.trace_dump.empty()) o.trace_dump = env.get("DDP_TRACE_DUMP");
+    apply([&] {
+      if (o.heartbeat != defaults.heartbeat) return;
+      if (const std::string v = env.get("DDP_HEARTBEAT"); v == "0" || v == "off")
+        o.heartbeat = std::chrono::milliseconds(0);
+      else
+        o.heartbeat = env.seconds("DDP_HEARTBEAT").value_or(o.heartbeat);
+    });
     apply([&] {
       if (o.hierarchy != HostHierarchy::automatic) return;
       const std::string h = env.get("DDP_HIERARCHY");

@@ -66,6 +66,7 @@ struct CommRunner : CommState {
       (void)local_group.release();
       return;
     }
+    unwatch_peers();  // the heartbeat's watch touches the backend: it ends first
     local_group.reset();
     executor.reset();  // drain the queue first
     const bool connected = backend != nullptr;
@@ -87,6 +88,16 @@ struct CommRunner : CommState {
       throw;
     }
   }
+  /// The heartbeat's watch of the members (CommState::watch_peers): a member that stopped
+  /// answering poisons this communicator and aborts its backend, so that a collective waiting
+  /// for it fails at once with Errc::peer_lost naming it.
+  void watch_peers() {
+    CommState::watch_peers([this](const std::string& why) {
+      poison_with(why, Errc::peer_lost);
+      if (backend) backend->abort(Errc::peer_lost, why);
+    });
+  }
+
   [[nodiscard]] std::string trace(std::string_view why) const {
     return format_trace(recorder.recent(), recorder.issued(), backend->rank(), backend->size(),
                         options.group, why);

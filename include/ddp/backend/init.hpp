@@ -96,6 +96,7 @@ std::shared_ptr<State> init_state(const Environment& env, Options options) {
                      options.timeout, state->world_size);
     });
     state->end_rendezvous();
+    state->watch_peers();
     return state;
   } catch (const Error& e) {
     if (std::string_view(e.what()).starts_with("rank ")) throw;
@@ -252,6 +253,7 @@ std::shared_ptr<State> shrink_state(State& old, int rank, int size, const Shrink
     }
     if (change.settle(connected)) {
       sub->end_rendezvous();
+      sub->watch_peers();
       old.replaced_by = change.epoch();
       return sub;
     }
@@ -272,6 +274,7 @@ std::shared_ptr<State> split_state(State& parent, const std::vector<std::pair<in
                     options.verify_collectives},
                    options.timeout, sub->world_size);
   });
+  sub->watch_peers();
   return sub;
 }
 
@@ -295,6 +298,7 @@ void connect_grown(State& sub, const std::string& base, std::uint64_t epoch, con
                      Deadline::after(sub.options.timeout).at);
   connect_members(sub, rank, size);
   sub.end_rendezvous();
+  sub.watch_peers();
 }
 
 /// Communicator::grow: the members of `old` (this rank `rank` of `size`) admit the processes

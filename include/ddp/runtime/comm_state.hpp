@@ -19,8 +19,10 @@
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
 #include "ddp/runtime/error_file.hpp"
+#include "ddp/runtime/monitored_barrier.hpp"
 #include "ddp/runtime/rendezvous.hpp"
 #include "ddp/runtime/staging.hpp"
+#include "ddp/runtime/store_location.hpp"
 #include "ddp/store/client.hpp"
 #include "ddp/store/server.hpp"
 #include "ddp/trace.hpp"
@@ -35,6 +37,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -65,16 +68,6 @@ inline std::vector<int> parse_ranks(std::string_view text) {
   }
   if (v >= 0) out.push_back(v);
   return out;
-}
-
-/// Where a job's store port `port` comes from, for the message when it is taken.
-[[nodiscard]] inline std::string store_port_source(const Environment& env, int port) {
-  if (port == env.master_port) return concat("takes MASTER_PORT = ", port);
-  if (env.launcher == "torchrun" && port == env.master_port + 1)
-    return concat("takes MASTER_PORT + 1 = ", port,
-                  " under torchrun (torchrun's agent serves its own store on MASTER_PORT ",
-                  env.master_port, ")");
-  return concat("takes DDP_STORE_PORT = ", port);
 }
 
 /// The value at `key` in `s`, "" when absent, without waiting.
@@ -169,15 +162,15 @@ struct CommState {
     const int ports = env.store_port != 0 ? std::max(1, env.store_ports) : 1;
     // With several candidate ports, the store says whose it is: a probing rank must not join
     // another job's store that took one of them.
-    const std::string job = job_name(env);
+    const std::string job = store_job_name(env);
     const bool hosted = options.external_store || launcher.get("DDP_STORE_HOSTED") == "1";
     if (env.rank == 0 && !hosted) {
-      store_port = host_store(env, store_port, ports, so);
+      store_port = host_store(server, env, store_port, ports, so);
     } else if (ports > 1) {
-      store_port = find_store(env, store_port, ports, so, job);
+      store_port = find_store(env, store_port, ports, so, job, rendezvous_deadline);
     }
     root_store = std::make_shared<Store>(env.master_addr, store_port, so);
-    if (server && ports > 1) root_store->set(job_key, job);
+    if (server && ports > 1) root_store->set(store_job_key, job);
     store = std::make_shared<Store>(
         root_store->prefixed(prefix).watching("failed").with_deadline(rendezvous_deadline));
     world_size = env.world_size;
@@ -213,68 +206,11 @@ struct CommState {
     so.token = options.token;
     int store_port = env.store_port != 0 ? env.store_port : env.master_port;
     const int ports = env.store_port != 0 ? std::max(1, env.store_ports) : 1;
-    if (ports > 1) store_port = find_store(env, store_port, ports, so, job_name(env));
+    if (ports > 1)
+      store_port = find_store(env, store_port, ports, so, store_job_name(env),
+                              Deadline::after(options.timeout).at);
     root_store = std::make_shared<Store>(
         env.master_addr.empty() ? std::string("127.0.0.1") : env.master_addr, store_port, so);
-  }
-
-  /// What a store on one of several candidate ports says it serves: the job of `env`.
-  static std::string job_name(const Environment& env) {
-    const EnvReader launcher;
-    return concat(env.master_addr, ":", env.master_port, "/",
-                  launcher.get("TORCHELASTIC_RUN_ID", ""), "/",
-                  launcher.get("TORCHELASTIC_RESTART_COUNT", "0"));
-  }
-
-  /// The key under which a store on one of several candidate ports names its job.
-  static constexpr std::string_view job_key = "ddp/job";
-
-  /// Rank 0: hosts the store on the first free port of [port, port + ports); returns it.
-  int host_store(const Environment& env, int port, int ports, const StoreOptions& so) {
-    for (int p = port; p < port + ports; ++p) {
-      try {
-        server = std::make_shared<StoreServer>(env.master_addr, p, so);
-        return p;
-      } catch (const Error& e) {
-        if (e.code() != Errc::address_in_use) throw;
-      }
-    }
-    fail(Errc::address_in_use, "rank 0: cannot host ddp's rendezvous store at ",
-         detail::host_port(env.master_addr, port),
-         ports > 1 ? concat(" (nor on the ", ports - 1, " ports after it)") : std::string(),
-         ": the port is in use. ddp's store ", store_port_source(env, port),
-         "; another job, a run that has not exited or a second process started with RANK=0 "
-         "holds it. Set DDP_STORE_PORT to a free port (the same on every rank)",
-         port == env.master_port ? ", or choose another MASTER_PORT" : "");
-  }
-
-  /// Every other rank, when rank 0 may have taken any of [port, port + ports): probes them in
-  /// turn, with a window that grows each round, until one serves a store that names `job`.
-  int find_store(const Environment& env, int port, int ports, StoreOptions so,
-                 const std::string& job) {
-    so.refusal_key.clear();  // a probe never marks a store it turns out not to belong to
-    auto window = std::chrono::milliseconds(100);
-    for (;;) {
-      for (int p = port; p < port + ports; ++p) {
-        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-            rendezvous_deadline - Clock::now());
-        if (left <= std::chrono::milliseconds(0)) {
-          fail(Errc::timeout, "rank ", env.rank, ": no rendezvous store of this job answered on ",
-               detail::host_port(env.master_addr, port), " or the ", ports - 1,
-               " ports after it within the timeout (", options.timeout.count(),
-               " ms): is rank 0 running? ddp's store ", store_port_source(env, port),
-               "; set DDP_STORE_PORT to a free port (the same on every rank) to name it");
-        }
-        so.timeout = std::min(window, left);
-        try {
-          Store probe(env.master_addr, p, so);
-          if (probe.get(job_key) == job) return p;
-        } catch (const Error&) {
-          // nothing there yet, another program, or another job's store: the next port
-        }
-      }
-      window = std::min(window * 2, std::chrono::milliseconds(2000));
-    }
   }
 
   /// The rendezvous succeeded: later store calls (split, leaving) get their own timeouts, and
@@ -290,6 +226,13 @@ struct CommState {
     Store root = root_store ? root_store->unwatched() : store->prefixed("");
     if (root_store) {
       root.set_on_close(on_close);
+      // Heartbeat: should this process stop signing (stopped, hung, cut off), the store counts
+      // it gone (the records above), marks it stalled and counts the stall for the watchers.
+      if (options.heartbeat.count() > 0 && !job_prefix.empty()) {
+        const LeaseRecord on_expire[] = {{concat(job_prefix, "stalled/", world_rank), "", 0, false},
+                                         {concat(job_prefix, "stalls"), "", 1, true}};
+        root.lease(options.heartbeat, on_expire);
+      }
     } else {
       const std::pair<std::string, std::string> own[] = {
           {concat("exit/", world_rank_in_group), ""}};
@@ -452,74 +395,10 @@ struct CommState {
     }
   }
 
-  /// Communicator::monitored_barrier over the store: every rank says it arrived; rank 0 waits
-  /// up to `timeout` for the others and gives its verdict, naming the ranks that did not arrive
-  /// (all of them with `wait_all_ranks`, else the first); the others wait up to `timeout` for
-  /// rank 0 to arrive, then for its verdict. Fails with Errc::timeout on every rank that waits.
+  /// Communicator::monitored_barrier over the store (runtime/monitored_barrier.hpp).
   void monitored_barrier(int rank, int size, std::chrono::milliseconds timeout,
                          bool wait_all_ranks) {
-    const std::string at = concat("monitored/", monitored_barriers++, "/");
-    const std::string what = concat("monitored_barrier #", monitored_barriers - 1);
-    const std::string verdict = at + "verdict";
-    // Waits up to `limit` for `keys` (each ends in the rank it waits for; the verdict is rank
-    // 0's); returns those still missing. A rank among them whose process left (its store connection
-    // closed: "exit/<r>") is not waited for: that fails at once with Errc::peer_lost.
-    const auto await = [&](std::vector<std::string> keys, std::chrono::milliseconds limit,
-                           const char* doing) {
-      const auto deadline = Clock::now() + limit;
-      for (;;) {
-        const auto left =
-            std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-        keys = store->missing_after(
-            keys, std::clamp(left, std::chrono::milliseconds(0), std::chrono::milliseconds(100)));
-        if (keys.empty() || left.count() <= 0) return keys;
-        for (const std::string& k : keys) {
-          const std::string r = k == verdict ? "0" : k.substr(k.rfind('/') + 1),
-                            exited[] = {concat("exit/", r)};
-          if (!store->check(exited)) continue;
-          const std::string why = concat("rank ", r,
-                                         " left (its process exited, or it destroyed "
-                                         "its communicator) before ",
-                                         doing);
-          if (rank == 0) store->set(verdict, why);
-          fail(Errc::peer_lost, "rank ", rank, ": ", what, ": ", why);
-        }
-      }
-    };
-    store->set(concat(at, rank), "");
-    if (rank == 0) {
-      std::vector<std::string> keys;
-      for (int r = 1; r < size; ++r) keys.push_back(concat(at, r));
-      const auto missing = await(keys, timeout, "arriving");
-      if (missing.empty()) {
-        store->set(verdict, "");
-        return;
-      }
-      std::string who;
-      const std::size_t named = wait_all_ranks ? missing.size() : 1;
-      for (std::size_t i = 0; i < named; ++i)
-        who += concat(i == 0 ? "" : ", ", missing[i].substr(at.size()));
-      const std::string why =
-          concat(named == 1 ? "rank " : "ranks ", who, " did not arrive within ", timeout.count(),
-                 " ms (stopped, slow, or not calling it)",
-                 wait_all_ranks || missing.size() == 1
-                     ? ""
-                     : concat("; ", missing.size() - 1,
-                              " more did not either (wait_all_ranks names every one)"));
-      store->set(verdict, why);
-      fail(Errc::timeout, "rank 0: ", what, ": ", why);
-    }
-    if (!await({at + "0"}, timeout, "arriving").empty())
-      fail(Errc::timeout, "rank ", rank, ": ", what, ": rank 0 did not arrive within ",
-           timeout.count(), " ms (stopped, slow, or not calling it)");
-    // Rank 0 gives it within `timeout` of its own arrival (and a moment to write it).
-    const auto grace = timeout + std::chrono::seconds(2);
-    if (!await({verdict}, grace, "giving its verdict").empty())
-      fail(Errc::timeout, "rank ", rank, ": ", what, ": rank 0 gave no verdict within ",
-           grace.count(), " ms of arriving");
-    if (std::string why = store->get(verdict); !why.empty())
-      fail(why.find(" left (") != std::string::npos ? Errc::peer_lost : Errc::timeout, "rank ",
-           rank, ": ", what, ": failed because rank 0 reported: ", why);
+    detail::monitored_barrier(*store, monitored_barriers++, rank, size, timeout, wait_all_ranks);
   }
 
   /// Marks the communicator failed with `why` (the first failure wins).
@@ -563,6 +442,15 @@ struct CommState {
         poison_with(why, Errc::aborted);
         fail(Errc::aborted, why);
       }
+      if (poisoned.load(std::memory_order_acquire)) {
+        // Another thread aborted the communicator meanwhile (abort(), a peer that stopped
+        // answering): its reason is the failure's.
+        std::lock_guard lock(poison_mutex);
+        std::string_view why = poison;
+        if (const std::string own = concat("rank ", rank, ": "); why.starts_with(own))
+          why.remove_prefix(own.size());
+        fail(poison_code, "rank ", rank, ": ", name, ": ", why);
+      }
       poison_with(e.what(), e.code());
       throw;
     } catch (...) {
@@ -584,7 +472,10 @@ struct CommState {
     (void)::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
     const std::int64_t now = std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
     const std::int64_t last = last_call_ns.exchange(now, std::memory_order_relaxed);
-    const std::int64_t half = std::chrono::nanoseconds(options.timeout).count() / 2;
+    // Half the time after which the others may have left it out: the timeout, or the heartbeat.
+    const auto limit = options.heartbeat.count() > 0 ? std::min(options.timeout, options.heartbeat)
+                                                     : options.timeout;
+    const std::int64_t half = std::chrono::nanoseconds(limit).count() / 2;
     if (last == 0 || now - last < half || !root_store) [[likely]]
       return;
     std::string why = excluded(rank, name);
@@ -598,6 +489,14 @@ struct CommState {
   /// After a failure: when the other ranks formed a communicator without this rank (shrink()
   /// wrote "superseded": the epoch and the members), the message that says so; else "".
   [[nodiscard]] std::string excluded(int rank, const char* name) const {
+    if (stalled())
+      return concat("rank ", rank, ": ", name,
+                    ": this process sent no sign of life to the rendezvous store for longer than "
+                    "the heartbeat (",
+                    options.heartbeat.count(),
+                    " ms: it was stopped, hung or cut off), so the job counts it as lost and "
+                    "goes on without it; it can never act on this communicator again: restart "
+                    "the process (it may rejoin the job as a new rank)");
     const std::string v = peek_membership("superseded");
     if (v.empty()) return {};
     const std::size_t colon = v.find(':');
@@ -624,7 +523,53 @@ struct CommState {
                   next, "): call shrink() to take part");
   }
 
+  /// Whether the store marked this process stalled (its heartbeat lease ran out).
+  [[nodiscard]] bool stalled() const {
+    if (!root_store || root_store->lost() || job_prefix.empty() || options.heartbeat.count() <= 0)
+      return false;
+    try {
+      Store plain = root_store->unwatched();
+      const std::string k[] = {concat(job_prefix, "stalled/", world_rank)};
+      return plain.check(k);
+    } catch (...) {
+      return false;
+    }
+  }
+
+  /// The heartbeat's watch: after each sign of life, when the store counted a new stall, checks
+  /// whether a member of this communicator stalled, and then calls `lost` (once) with why.
+  void watch_peers(std::function<void(const std::string&)> lost) {
+    if (!root_store || options.heartbeat.count() <= 0 || job_prefix.empty() ||
+        world_ranks.size() < 2 || stall_tick != 0)
+      return;
+    stall_tick = root_store->add_tick([this, lost = std::move(lost)](Store& s) {
+      const std::int64_t n = s.add(concat(job_prefix, "stalls"), 0);
+      if (n == stalls_seen || stall_reported) return;
+      for (std::size_t r = 0; r < world_ranks.size(); ++r) {
+        const std::string k[] = {concat(job_prefix, "stalled/", world_ranks[r])};
+        if (static_cast<int>(r) == world_rank_in_group || !s.check(k)) continue;
+        stall_reported = true;
+        lost(concat("rank ", world_rank_in_group, ": rank ", r, " (world rank ", world_ranks[r],
+                    ") stopped answering: no sign of life reached the rendezvous store for ",
+                    options.heartbeat.count(),
+                    " ms (the heartbeat; its process is stopped, hung or cut off), so the job "
+                    "counts it as lost; shrink() to go on without it"));
+        return;
+      }
+      stalls_seen = n;
+    });
+  }
+  /// Ends the watch (before the backend goes); a tick running now finishes first.
+  void unwatch_peers() {
+    if (stall_tick != 0 && root_store) root_store->remove_tick(stall_tick);
+    stall_tick = 0;
+  }
+
  private:
+  std::uint64_t stall_tick = 0;   // the watch's tick on root_store (0: none)
+  std::int64_t stalls_seen = -1;  // the stall count the watch last checked (its thread only)
+  bool stall_reported = false;    // (its thread only)
+
   /// This communicator's store key `key`, "" when absent or the store is unreachable.
   [[nodiscard]] std::string peek_membership(const char* key) const {
     if (!root_store || root_store->lost()) return {};

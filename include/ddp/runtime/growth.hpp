@@ -258,6 +258,7 @@ inline Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
     // A restarted process claims the rank of one that is gone: that one's mark would make the
     // newcomer look dead from the start (its own death marks it again).
     (void)base.erase(concat("gone/", claim));
+    (void)base.erase(concat("stalled/", claim));  // and its heartbeat's, had it stalled
     g.ids.push_back(id);
     g.claims.push_back(claim);
     taken.push_back(claim);

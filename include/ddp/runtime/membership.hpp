@@ -107,6 +107,12 @@ class MembershipChange {
   std::vector<int> decide() {
     return guarded([&] {
       const std::string at = tag();
+      if (old_.stalled())
+        excluded(
+            concat("this process sent no sign of life to the store for longer than the "
+                   "heartbeat (",
+                   old_.options.heartbeat.count(),
+                   " ms: stopped, hung or cut off), so the job counts it as lost"));
       watch_connecting();
       base_->set(concat(at, "alive/", me_), std::to_string(::getpid()));
       hook("alive");
@@ -219,6 +225,13 @@ class MembershipChange {
   }
 
   bool gone(int r) const { return old_.rank_gone(r); }
+  /// Whether rank r's process ran out of heartbeat (the store's mark).
+  bool stalled(int r) const {
+    const auto i = static_cast<std::size_t>(r);
+    if (i >= old_.world_ranks.size() || old_.job_prefix.empty()) return false;
+    const std::string k[] = {concat(old_.job_prefix, "stalled/", old_.world_ranks[i])};
+    return old_.root_store->check(k);
+  }
 
   /// Waits until every candidate has said it is alive or is known dead, or wait_ has passed, or
   /// another rank has decided; returns the candidates alive.
@@ -229,6 +242,7 @@ class MembershipChange {
       std::vector<std::string> pending;
       for (int r : candidates_) {
         const std::string said[] = {concat(at, "alive/", r)};
+        if (stalled(r)) continue;  // counted lost by its heartbeat, even should it wake
         if (base_->check(said)) {
           alive.push_back(r);
         } else if (!gone(r)) {

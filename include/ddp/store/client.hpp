@@ -13,14 +13,20 @@
 #endif
 #include "ddp/detail/bytes.hpp"
 #include "ddp/detail/crypto.hpp"
+#include "ddp/detail/fork.hpp"
 #include "ddp/detail/lean_std.hpp"
 #include "ddp/detail/socket.hpp"
 #include "ddp/error.hpp"
 #include "ddp/store/protocol.hpp"
 
+#include <sys/socket.h>
+
 #include <algorithm>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -39,6 +45,7 @@ class Store {
   /// Connects to host:port, retrying until options.timeout (the server may start later).
   Store(std::string host, int port, StoreOptions options = {})
       : conn_(std::make_shared<Connection>(std::move(host), port, std::move(options))) {
+    conn_->self = conn_;
     std::lock_guard lock(conn_->mutex);
     conn_->connect();
   }
@@ -195,6 +202,49 @@ class Store {
   /// Cancels set_on_close().
   void clear_on_close() { set_on_close({}); }
 
+  /// A lease on this connection (shared by every view of it): a thread of this process sends a
+  /// sign of life every ttl / 5; when none reaches the server for `ttl` (the process is stopped,
+  /// hung or cut off), the server acts as if the connection closed (the set_on_close() records)
+  /// and applies `on_expire`, and the connection stays open, so that a process that wakes can
+  /// still read why it was left out. A later call replaces it (and re-arms an expired one); a
+  /// `ttl` of 0 ends it.
+  void lease(std::chrono::milliseconds ttl, std::span<const LeaseRecord> on_expire = {}) {
+    std::string req = header(Op::lease);
+    detail::ByteWriter w(req);
+    w.put(static_cast<std::uint64_t>(std::max<std::int64_t>(0, ttl.count())));
+    w.put(static_cast<std::uint32_t>(on_expire.size()));
+    for (const LeaseRecord& r : on_expire) {
+      w.put(static_cast<std::uint8_t>(r.is_add ? 1 : 0));
+      w.str(full(r.key));
+      w.str(r.value);
+      w.put(r.add);
+    }
+    (void)call(req, "lease", on_expire.empty() ? std::string_view{} : on_expire.front().key,
+               conn_->options.timeout);
+    conn_->start_heartbeat(ttl);
+  }
+
+  /// Runs `tick` on the lease's thread after each sign of life (every ttl / 5), with a view of
+  /// this store whose calls never wait for another thread's call (soft()); returns a number for
+  /// remove_tick(). A tick must not remove itself.
+  std::uint64_t add_tick(std::function<void(Store&)> tick) {
+    std::lock_guard lock(conn_->tick_mutex);
+    conn_->ticks.emplace(++conn_->next_tick, std::move(tick));
+    return conn_->next_tick;
+  }
+  /// Removes a tick; once it returns, that tick does not run (any more).
+  void remove_tick(std::uint64_t id) {
+    std::lock_guard lock(conn_->tick_mutex);
+    conn_->ticks.erase(id);
+  }
+  /// A view whose calls fail at once (Errc::timeout) instead of waiting while another thread's
+  /// call holds the connection.
+  [[nodiscard]] Store soft() const {
+    Store s(*this);
+    s.soft_ = true;
+    return s;
+  }
+
   /// Whether every key exists, without waiting.
   [[nodiscard]] bool check(std::span<const std::string> keys) {
     std::string req = header(Op::check);
@@ -224,16 +274,105 @@ class Store {
   using Op = detail::store_proto::Op;
   using Status = detail::store_proto::Status;
 
+  /// The lease's thread and what it shares with it (Store::lease). The thread holds this and a
+  /// weak reference to its connection: it never keeps the connection alive between beats.
+  struct Beat {
+    std::mutex mutex;
+    std::condition_variable wake;
+    std::chrono::milliseconds period{0};
+    bool stop = false;
+  };
+
   struct Connection {
     Connection(std::string h, int p, StoreOptions o)
         : host(std::move(h)), port(p), options(std::move(o)) {}
+    Connection(const Connection&) = delete;
+    Connection& operator=(const Connection&) = delete;
+    ~Connection() {
+      if (!heartbeat.joinable()) return;
+      {
+        std::lock_guard lock(beat->mutex);
+        beat->stop = true;
+      }
+      beat->wake.notify_all();
+      // A fork() child's copy has no such thread; the thread itself may drop the last view.
+      if (detail::fork_generation() != made_in || heartbeat.get_id() == std::this_thread::get_id())
+        heartbeat.detach();
+      else
+        heartbeat.join();
+    }
     std::string host;
     int port;
     StoreOptions options;
-    std::mutex mutex;
+    std::mutex mutex;        // one call at a time
+    std::mutex write_mutex;  // one frame written at a time (a call's, or a sign of life), and fd
     detail::Fd fd;
     std::uint64_t next_request = 1;
     std::string dead;  // why the store is known gone: no call waits on it again
+    std::weak_ptr<Connection> self;
+    // The lease: its thread, and the ticks it runs after each sign of life.
+    std::shared_ptr<Beat> beat = std::make_shared<Beat>();
+    std::thread heartbeat;
+    std::uint64_t made_in = detail::fork_generation();
+    std::mutex tick_mutex;
+    std::map<std::uint64_t, std::function<void(Store&)>> ticks;
+    std::uint64_t next_tick = 0;
+
+    void start_heartbeat(std::chrono::milliseconds ttl) {
+      {
+        std::lock_guard lock(beat->mutex);
+        beat->period = ttl / 5;
+      }
+      beat->wake.notify_all();
+      if (heartbeat.joinable() || ttl.count() <= 0) return;
+      heartbeat = std::thread([b = beat, w = self] { beating(b, w); });
+    }
+
+    /// The lease's thread: a sign of life, then the ticks, every period, while the connection
+    /// lives (reached through `w` only while it works).
+    static void beating(const std::shared_ptr<Beat>& b, const std::weak_ptr<Connection>& w) {
+      for (;;) {
+        {
+          std::unique_lock lock(b->mutex);
+          if (b->period.count() <= 0)
+            b->wake.wait(lock, [&] { return b->stop || b->period.count() > 0; });
+          if (b->stop || b->wake.wait_for(lock, b->period, [&] { return b->stop; })) return;
+        }
+        std::shared_ptr<Connection> me = w.lock();
+        if (!me) return;
+        me->keepalive();
+        me->run_ticks(me);
+      }  // `me` dropped last: should it hold the last reference, ~Connection detaches this thread
+    }
+
+    /// One sign of life, whole or not at all: it never blocks behind a full socket buffer (the
+    /// server is then not reading: a sign of life changes nothing), and a frame begun is ended,
+    /// so the stream stays whole.
+    void keepalive() {
+      std::lock_guard lock(write_mutex);
+      if (!fd) return;
+      char frame[13] = {9, 0, 0, 0, static_cast<char>(detail::store_proto::Op::keepalive)};
+      std::size_t sent = 0;
+      while (sent < sizeof frame) {
+        const ssize_t n = ::send(fd.get(), frame + sent, sizeof frame - sent,
+                                 MSG_NOSIGNAL | (sent == 0 ? MSG_DONTWAIT : 0));
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) return;  // full (nothing sent), or broken: the next call finds out
+        sent += static_cast<std::size_t>(n);
+      }
+    }
+
+    void run_ticks(const std::shared_ptr<Connection>& me) {
+      Store soft_view(me);
+      soft_view.soft_ = true;
+      std::lock_guard lock(tick_mutex);
+      for (auto& [id, tick] : ticks) {
+        try {
+          tick(soft_view);
+        } catch (...) {  // a tick's failure is its own business; the next tick tries again
+        }
+      }
+    }
 
     void ensure() {
       if (!dead.empty()) {
@@ -352,6 +491,8 @@ class Store {
     }
   };
 
+  explicit Store(std::shared_ptr<Connection> c) : conn_(std::move(c)) {}
+
   [[nodiscard]] std::string full(std::string_view key) const { return prefix_ + std::string(key); }
 
   /// wait(); with `report_timeout`, returns false at the timeout instead of throwing it.
@@ -391,7 +532,11 @@ class Store {
   std::string call(std::string& req, std::string_view what, std::string_view key,
                    std::chrono::milliseconds timeout, bool* timed_out = nullptr) {
     namespace sp = detail::store_proto;
-    std::lock_guard lock(conn_->mutex);
+    std::unique_lock lock(conn_->mutex, std::defer_lock);
+    if (!soft_)
+      lock.lock();
+    else if (!lock.try_lock())
+      detail::fail(Errc::timeout, "store ", what, ": the connection is busy with another call");
     conn_->ensure();
     const std::uint64_t id = conn_->next_request++;
     for (std::size_t i = 0; i < 8; ++i) req[1 + i] = static_cast<char>((id >> (8 * i)) & 0xffu);
@@ -402,7 +547,10 @@ class Store {
       deadline.at = std::min(deadline.at, deadline_ + std::chrono::milliseconds(500));
     const std::string where = detail::host_port(conn_->host, conn_->port);
     const auto lost = [&](detail::IoResult r) {
-      conn_->fd.reset();
+      {
+        std::lock_guard w(conn_->write_mutex);
+        conn_->fd.reset();
+      }
       if (r == detail::IoResult::timeout) {
         conn_->dead = "it did not answer a call before the timeout";
         detail::fail(Errc::timeout, "store ", what, "(\"", prefix_, key, "\"): the store at ",
@@ -412,7 +560,12 @@ class Store {
       detail::fail(Errc::peer_lost, "store ", what, "(\"", prefix_, key, "\"): the store at ",
                    where, " closed the connection (did rank 0 or the launcher exit?)");
     };
-    if (auto r = sp::send_frame(conn_->fd.get(), req, deadline); r != detail::IoResult::ok) lost(r);
+    detail::IoResult sent;
+    {
+      std::lock_guard w(conn_->write_mutex);
+      sent = sp::send_frame(conn_->fd.get(), req, deadline);
+    }
+    if (sent != detail::IoResult::ok) lost(sent);
     std::string frame;
     for (;;) {
       if (auto r = sp::recv_frame(conn_->fd.get(), frame, sp::frame_limit(conn_->options), deadline,
@@ -463,7 +616,8 @@ class Store {
 
   std::shared_ptr<Connection> conn_;
   std::string prefix_;
-  std::string stop_;  // full key that ends get/wait early (watching())
+  std::string stop_;   // full key that ends get/wait early (watching())
+  bool soft_ = false;  // soft(): a call never waits for another thread's
   detail::Clock::time_point deadline_ = detail::Clock::time_point::max();  // with_deadline()
 };
 

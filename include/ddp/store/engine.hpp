@@ -60,6 +60,11 @@ class StoreEngine {
     bool close_after_write = false;  // close once `out` is sent
     bool closed = false;             // close now; pending output is discarded
     std::vector<std::pair<std::string, std::string>> on_close;  // set (if absent) when it closes
+    // A lease (Op::lease): when nothing arrives for `lease`, on_close and on_expire apply.
+    std::chrono::milliseconds lease{0};
+    Clock::time_point heard{};  // when the last bytes arrived
+    bool expired = false;
+    std::vector<LeaseRecord> on_expire;
   };
 
   /// Output a connection may have pending before the server stops reading its requests (a
@@ -132,6 +137,7 @@ class StoreEngine {
   /// a length someone claims. A malformed frame closes the session (logged).
   void receive(std::uint64_t id, std::string_view bytes, Clock::time_point now) {
     Session* s = session(id);
+    if (s != nullptr) s->heard = now;
     while (s != nullptr && !s->closed && !bytes.empty()) {
       const std::size_t take = std::min(wanted(*s), bytes.size());
       s->in.append(bytes.substr(0, take));
@@ -163,10 +169,7 @@ class StoreEngine {
       refuse(s->peer, "connected and closed without a handshake");
     s->closed = true;
     if (!s->authed) return;
-    bool changed = false;
-    for (auto& [k, v] : s->on_close)
-      changed = (data_.count(k) == 0 && store_value(k, std::move(v))) || changed;
-    if (changed) wake_waiters();
+    if (apply_on_close(*s)) wake_waiters();
   }
 
   /// Answers the waits whose deadline passed (Status::timeout with the missing keys) and drops
@@ -188,10 +191,20 @@ class StoreEngine {
       reply(*s, wt.request, Status::timeout, body);
       return true;
     });
+    bool changed = false;
     for (auto& [id, s] : sessions_) {
       if (!s.closed && !s.authed && now - s.accepted > options_.handshake_timeout)
         drop(s, "no handshake before the timeout");
+      // A lease that ran out: the process is stopped, hung or cut off. It counts as gone (its
+      // on_close records, once), and its lease's own records apply; the connection stays open,
+      // so a process that wakes still reads why it was left out.
+      if (!s.closed && s.authed && s.lease.count() > 0 && !s.expired && now - s.heard > s.lease) {
+        s.expired = true;
+        changed = apply_on_close(s) || changed;
+        for (const LeaseRecord& r : s.on_expire) changed = apply(r) || changed;
+      }
     }
+    if (changed) wake_waiters();
   }
 
   /// The earliest of `limit`, the waits' deadlines and the handshake deadlines.
@@ -199,6 +212,8 @@ class StoreEngine {
     for (const auto& w : waiters_) limit = std::min(limit, w.deadline);
     for (const auto& [id, s] : sessions_) {
       if (!s.authed && !s.closed) limit = std::min(limit, s.accepted + options_.handshake_timeout);
+      if (!s.closed && s.lease.count() > 0 && !s.expired)
+        limit = std::min(limit, s.heard + s.lease + std::chrono::milliseconds(1));
     }
     return limit;
   }
@@ -502,6 +517,30 @@ class StoreEngine {
         reply(s, request, Status::ok);
         return;
       }
+      case Op::lease: {
+        const auto ms = std::min<std::uint64_t>(r.get<std::uint64_t>(), 1ull << 40);
+        const auto n = r.get<std::uint32_t>();
+        if (n > 16) fail(Errc::protocol, "lease names ", n, " keys (at most 16)");
+        std::vector<LeaseRecord> records;
+        for (std::uint32_t i = 0; i < n; ++i) {
+          LeaseRecord rec;
+          rec.is_add = r.get<std::uint8_t>() != 0;
+          rec.key = key();
+          rec.value = r.str(options_.max_value_bytes);
+          rec.add = r.get<std::int64_t>();
+          records.push_back(std::move(rec));
+        }
+        r.expect_end();
+        s.lease = std::chrono::milliseconds(static_cast<std::int64_t>(ms));
+        s.heard = now;
+        s.expired = false;
+        s.on_expire = std::move(records);
+        reply(s, request, Status::ok);
+        return;
+      }
+      case Op::keepalive:
+        r.expect_end();
+        return;  // its arrival is the point (receive() noted it); no reply
       case Op::check: {
         auto keys = key_list();
         r.expect_end();
@@ -513,6 +552,32 @@ class StoreEngine {
       }
     }
     fail(Errc::protocol, "unknown store operation ", static_cast<int>(op));
+  }
+
+  /// A session's on_close records, once (then forgotten: a key erased since must not come back
+  /// when a connection that expired closes later). Returns whether a key was set.
+  bool apply_on_close(Session& s) {
+    bool changed = false;
+    for (auto& [k, v] : s.on_close)
+      changed = (data_.count(k) == 0 && store_value(k, std::move(v))) || changed;
+    s.on_close.clear();
+    return changed;
+  }
+
+  /// One lease record: set the key when absent, or add to its counter.
+  bool apply(const LeaseRecord& r) {
+    if (!r.is_add) return data_.count(r.key) == 0 && store_value(r.key, r.value);
+    std::int64_t value = 0;
+    if (auto it = data_.find(r.key); it != data_.end()) {
+      if (it->second.size() != 8) return false;
+      ByteReader vr(it->second, "counter");
+      value = vr.get<std::int64_t>();
+    }
+    value = static_cast<std::int64_t>(static_cast<std::uint64_t>(value) +
+                                      static_cast<std::uint64_t>(r.add));
+    std::string enc;
+    ByteWriter(enc).put(value);
+    return store_value(r.key, std::move(enc));
   }
 
   bool store_value(const std::string& k, std::string v) {

@@ -59,10 +59,19 @@ struct StoreOptions {
   std::function<void(std::string_view)> log;
 };
 
+/// What the server does to a key when a lease expires (Store::lease): sets it when absent, or
+/// adds to the integer it holds.
+struct LeaseRecord {
+  std::string key;
+  std::string value;     ///< set: the value to set
+  std::int64_t add = 0;  ///< add: the delta (used when `is_add`)
+  bool is_add = false;
+};
+
 namespace detail::store_proto {
 
 inline constexpr std::uint32_t magic = 0x53504444;  // "DDPS"
-inline constexpr std::uint16_t version = 3;
+inline constexpr std::uint16_t version = 4;
 inline constexpr std::size_t nonce_bytes = 16;
 inline constexpr std::size_t handshake_frame_limit = 512;
 /// The longest StoreOptions::refusal_key a handshake carries.
@@ -80,7 +89,13 @@ enum class Op : std::uint8_t {
   check = 7,
   /// When this connection closes (the client's process died), set a key that is absent to a
   /// value; an empty key cancels.
-  on_close = 8
+  on_close = 8,
+  /// A lease on this connection: when nothing arrives on it for that long (the process stopped,
+  /// hung or was cut off), the server acts as if it closed (its on_close records) and also
+  /// applies the lease's own records (LeaseRecord). 0 ms: no lease.
+  lease = 9,
+  /// A sign of life for the lease; no reply.
+  keepalive = 10
 };
 /// stopped: a get/wait ended because its stop key appeared (the body holds that key's value).
 enum class Status : std::uint8_t { ok = 0, timeout = 1, error = 2, stopped = 3 };

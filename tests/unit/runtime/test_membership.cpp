@@ -204,6 +204,78 @@ TEST_CASE("shrink: a stopped rank is left out, and fenced when it wakes") {
   }
 }
 
+TEST_CASE(
+    "heartbeat: a stopped rank is noticed within the heartbeat, not the timeout; shrink() does not "
+    "wait for it; it is fenced when it wakes") {
+  for (const mp::Path& path :
+       {mp::Path(ddp::HostTransport::shm), mp::Path(ddp::HostTransport::tcp)}) {
+    CAPTURE(mp::name(path));
+    mp::TempDir dir;
+    std::string spawn_error;
+    ddp::Options o;
+    o.timeout = 60s;  // a stopped rank would cost two of these without the heartbeat
+    o.heartbeat = 1s;
+    run_faulty(
+        3, path,
+        [&](Comm& comm) {
+          const auto pids = comm.all_gather_object(static_cast<long>(::getpid()));
+          std::vector<float> v(100, 1.0f);
+          comm.all_reduce(v);
+          if (comm.rank() == 2) {
+            ::raise(SIGSTOP);  // continued by rank 0 once the others have gone on without it
+            std::vector<float> mine(100, 5.0f);
+            try {
+              comm.all_reduce(mine);
+              MP_EXPECT(false, "a stalled rank's all_reduce succeeded");
+            } catch (const ddp::Error& e) {
+              const std::string m = e.what();
+              MP_EXPECT(e.code() == ddp::Errc::aborted, m);
+              MP_EXPECT(m.find("rank 2: all_reduce") == 0 &&
+                            m.find("no sign of life") != std::string::npos,
+                        m);
+            }
+            for (float x : mine) MP_EXPECT(x == 5.0f, "the fenced rank's buffer changed");
+            try {
+              (void)comm.shrink();
+              MP_EXPECT(false, "a stalled rank shrank");
+            } catch (const ddp::Error& e) {
+              MP_EXPECT(e.code() == ddp::Errc::aborted, e.what());
+            }
+            mp::TempDir::write(dir.file("rank2"), "fenced");
+            return;
+          }
+          const long long t0 = now_ms();
+          try {
+            comm.all_reduce(v);  // rank 2 is stopped: noticed through the heartbeat
+            MP_EXPECT(false, "all_reduce went on without rank 2");
+          } catch (const ddp::Error& e) {
+            MP_EXPECT(e.code() == ddp::Errc::peer_lost, e.what());
+            MP_EXPECT(std::string(e.what()).find("rank 2 (world rank 2) stopped answering") !=
+                          std::string::npos,
+                      e.what());
+          }
+          Comm next = comm.shrink();  // the default wait: the timeout, not spent on rank 2
+          const long long paused = now_ms() - t0;
+          MP_EXPECT(paused < 20000, "the survivors paused " << paused << " ms");
+          mp::TempDir::write(dir.file("ms" + std::to_string(comm.rank())), std::to_string(paused));
+          if (next.rank() == 0) ::kill(static_cast<pid_t>(pids[2]), SIGCONT);
+          for (int i = 0; i < 20; ++i) {
+            std::vector<float> w(100, static_cast<float>(next.rank() + 1));
+            next.all_reduce(w);
+            MP_EXPECT(w[0] == 3.0f, "survivors' all_reduce " << w[0]);
+            std::this_thread::sleep_for(50ms);
+          }
+          report_members(dir, comm.rank(), next);
+        },
+        o, &spawn_error);
+    CHECK_MESSAGE(spawn_error.empty(), spawn_error);
+    CHECK(mp::TempDir::read(dir.file("rank0")) == expected_line(1, {0, 1}));
+    CHECK(mp::TempDir::read(dir.file("rank1")) == expected_line(1, {0, 1}));
+    CHECK(mp::TempDir::read(dir.file("rank2")) == "fenced");
+    MESSAGE("pause with a 1 s heartbeat: " << mp::TempDir::read(dir.file("ms0")) << " ms");
+  }
+}
+
 TEST_CASE("shrink: with the store in rank 0's process, losing rank 0 is named, not waited out") {
   mp::TempDir dir;
   const int port = mp::free_port();

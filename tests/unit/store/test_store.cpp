@@ -1,5 +1,8 @@
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <ddp/store.hpp>
 
 #include <doctest/doctest.h>
@@ -325,4 +328,50 @@ TEST_CASE("store: a client whose server goes away gets peer_lost") {
   });
   CHECK(error_code_of([&] { (void)store.get("never", 3s); }) == ddp::Errc::peer_lost);
   stopper.join();
+}
+
+TEST_CASE(
+    "store: a lease that runs out (the process stopped) applies its records and the on-close "
+    "ones, once; the connection stays open and a new lease re-arms it") {
+  ddp::StoreServer server("127.0.0.1", 0, quiet());
+  ddp::Store watcher("127.0.0.1", server.port(), quiet());
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ddp::Store s("127.0.0.1", server.port(), quiet());
+    const std::pair<std::string, std::string> on_close[] = {{"gone/1", ""}};
+    s.set_on_close(on_close);
+    const ddp::LeaseRecord on_expire[] = {{"stalled/1", "", 0, false}, {"stalls", "", 1, true}};
+    s.lease(300ms, on_expire);
+    s.set("leased", "");
+    ::raise(SIGSTOP);  // no sign of life from here on
+    // Continued: the connection still works, and a new lease re-arms.
+    s.set("woke", s.check(std::vector<std::string>{"stalled/1"}) ? "stalled" : "not stalled");
+    s.lease(300ms, on_expire);
+    std::this_thread::sleep_for(1s);  // signing all along: nothing applies
+    s.set("alive after", "");
+    (void)s.get("may exit");
+    std::_Exit(0);
+  }
+  REQUIRE(child > 0);
+  (void)watcher.get("leased");
+  std::this_thread::sleep_for(100ms);
+  CHECK(!watcher.check(std::vector<std::string>{"stalled/1"}));  // within the lease: nothing
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::vector<std::string> marks{"stalled/1", "gone/1"};
+  watcher.wait(marks, 5s);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  CHECK(took < 3s);
+  CHECK(watcher.add("stalls", 0) == 1);
+  ::kill(child, SIGCONT);
+  CHECK(watcher.get("woke") == "stalled");
+  (void)watcher.get("alive after", 5s);
+  CHECK(watcher.add("stalls", 0) == 1);  // the re-armed lease did not run out
+  // Its on-close records were used up when the lease ran out: closing sets nothing again.
+  CHECK(watcher.erase("gone/1"));
+  watcher.set("may exit", "");
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  CHECK(WIFEXITED(status));
+  std::this_thread::sleep_for(200ms);
+  CHECK(!watcher.check(std::vector<std::string>{"gone/1"}));
 }

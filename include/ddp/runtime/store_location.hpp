@@ -1,0 +1,103 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// Where a job's rendezvous store is: rank 0 hosts it on the first free port of its candidates
+/// (host_store), the other ranks find the one that names their job (find_store), and the
+/// messages say which variable chose the port.
+
+#include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+#include "ddp/detail/env.hpp"
+#include "ddp/detail/socket.hpp"
+#include "ddp/environment.hpp"
+#include "ddp/error.hpp"
+#include "ddp/store/client.hpp"
+#include "ddp/store/server.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <string_view>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// Where a job's store port `port` comes from, for the message when it is taken.
+[[nodiscard]] inline std::string store_port_source(const Environment& env, int port) {
+  if (port == env.master_port) return concat("takes MASTER_PORT = ", port);
+  if (env.launcher == "torchrun" && port == env.master_port + 1)
+    return concat("takes MASTER_PORT + 1 = ", port,
+                  " under torchrun (torchrun's agent serves its own store on MASTER_PORT ",
+                  env.master_port, ")");
+  return concat("takes DDP_STORE_PORT = ", port);
+}
+
+/// What a store on one of several candidate ports says it serves: the job of `env`.
+[[nodiscard]] inline std::string store_job_name(const Environment& env) {
+  const EnvReader launcher;
+  return concat(env.master_addr, ":", env.master_port, "/", launcher.get("TORCHELASTIC_RUN_ID", ""),
+                "/", launcher.get("TORCHELASTIC_RESTART_COUNT", "0"));
+}
+
+/// The key under which a store on one of several candidate ports names its job.
+inline constexpr std::string_view store_job_key = "ddp/job";
+
+/// Rank 0: hosts the store in `server` on the first free port of [port, port + ports); returns
+/// that port.
+inline int host_store(std::shared_ptr<StoreServer>& server, const Environment& env, int port,
+                      int ports, const StoreOptions& so) {
+  for (int p = port; p < port + ports; ++p) {
+    try {
+      server = std::make_shared<StoreServer>(env.master_addr, p, so);
+      return p;
+    } catch (const Error& e) {
+      if (e.code() != Errc::address_in_use) throw;
+    }
+  }
+  fail(Errc::address_in_use, "rank 0: cannot host ddp's rendezvous store at ",
+       host_port(env.master_addr, port),
+       ports > 1 ? concat(" (nor on the ", ports - 1, " ports after it)") : std::string(),
+       ": the port is in use. ddp's store ", store_port_source(env, port),
+       "; another job, a run that has not exited or a second process started with RANK=0 "
+       "holds it. Set DDP_STORE_PORT to a free port (the same on every rank)",
+       port == env.master_port ? ", or choose another MASTER_PORT" : "");
+}
+
+/// Every other rank, when rank 0 may have taken any of [port, port + ports): probes them in turn,
+/// with a window that grows each round, until one serves a store that names `job`, or until
+/// `deadline` (Errc::timeout).
+inline int find_store(const Environment& env, int port, int ports, StoreOptions so,
+                      const std::string& job, Clock::time_point deadline) {
+  const auto timeout = so.timeout;
+  so.refusal_key.clear();  // a probe never marks a store it turns out not to belong to
+  auto window = std::chrono::milliseconds(100);
+  for (;;) {
+    for (int p = port; p < port + ports; ++p) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      if (left <= std::chrono::milliseconds(0)) {
+        fail(Errc::timeout, "rank ", env.rank, ": no rendezvous store of this job answered on ",
+             host_port(env.master_addr, port), " or the ", ports - 1,
+             " ports after it within the timeout (", timeout.count(),
+             " ms): is rank 0 running? ddp's store ", store_port_source(env, port),
+             "; set DDP_STORE_PORT to a free port (the same on every rank) to name it");
+      }
+      so.timeout = std::min(window, left);
+      try {
+        Store probe(env.master_addr, p, so);
+        if (probe.get(store_job_key) == job) return p;
+      } catch (const Error&) {
+        // nothing there yet, another program, or another job's store: the next port
+      }
+    }
+    window = std::min(window * 2, std::chrono::milliseconds(2000));
+  }
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
