@@ -13,25 +13,24 @@
 // ranks changes by giving each rank an equal share, --lr, --lr-decay, --hidden, --data, --cache,
 // --limit, --nproc), plus --kill R:E:S[:L] (the process of world rank R dies at step S of epoch
 // E, in its life L: 0 as first started, 1 after its first restart to rejoin; repeatable),
-// --record DIR (each process writes the images of its committed steps to DIR/rank<R>.txt,
+// --stop R:E:S[:L] (the same, stopping with SIGSTOP instead: the others go on after a heartbeat,
+// and the process, continued, finds itself fenced), --record DIR (each process writes the images of its committed steps to DIR/rank<R>.txt,
 // "epoch image" per line, for counting) and --timing (wall-clock times of a kill and of the
 // first step completed after it, for bench/recovery).
 //
-// What ddp does here, beyond fashion_mnist.cpp:
-//  * TrainingState: the model, the epoch and the sampler's place, committed after every step
-//    (commit: every rank finished the step); after a loss, restore() gives every survivor the
-//    newest commit, bitwise, and deals the epoch's remaining images over the survivors.
-//  * Communicator::shrink: the survivors agree on who is alive and form a smaller communicator
-//    (ranks renumbered).
-//  * Communicator::join and TrainingState::grow: a process that ddprun restarted (DDP_REJOIN)
-//    asks to join; after the next commit the members admit it and send it the live state (no
-//    checkpoint read); the epoch's remaining images are dealt over the grown world.
-//  * After each change of membership, the GradientAverager is made again over the new
-//    communicator (its constructor is collective, and a newcomer makes its own then).
+// What ddp does here, beyond fashion_mnist.cpp, all through one ddp::Elastic:
+//  * the model and the sampler's place are tracked and committed after every step (every rank
+//    finished it); after a loss the survivors shrink the communicator, every one gets the newest
+//    commit, bitwise, and the epoch's remaining images are dealt over them;
+//  * a process that ddprun restarted (DDP_REJOIN) joins the running job: the members admit it
+//    after their next commit and send it the live state (no checkpoint read);
+//  * after each change the GradientAverager is made again (on_reset), and every rank takes as
+//    many steps as the longest shard needs, so the ranks stay in step;
 //  * DistributedSampler in exact mode: every image once per epoch, however the world changes.
 
 #include <ddp/ddp.hpp>
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -55,6 +54,7 @@ struct Kill {
   int life;
 };
 std::vector<Kill> cfg_kills;  // --kill
+std::vector<Kill> cfg_stops;  // --stop
 std::string cfg_record;       // --record
 bool cfg_timing = false;      // --timing
 
@@ -66,143 +66,112 @@ long long wall_ns() {
 }
 
 void run(ddp::Environment env, const fashion_mnist::Config& cfg) {
-  using Comm = ddp::Communicator<ddp::backend::Host>;
+  using Host = ddp::backend::Host;
   const char* rejoins = std::getenv("DDP_REJOIN");
   const int life = env.rejoin && rejoins != nullptr ? std::atoi(rejoins) : 0;
-  // A restarted process reads the images from the cache the job made (no collective: the
-  // others are training); the others fill it together.
-  std::optional<Comm> comm;
-  if (!env.rejoin) comm.emplace(Comm::init(env));
-  const auto load = [&](const char* images, const char* labels) {
+  fashion_mnist::Mlp model(cfg.hidden);
+  const auto load = [&](ddp::Communicator<Host>* comm, const char* images, const char* labels) {
     return comm ? fashion_mnist::load(*comm, cfg.data, cfg.cache, images, labels)
                 : fashion_mnist::load(cfg.data, cfg.cache, images, labels);
   };
-  const fashion_mnist::Split train = load("train-images-idx3-ubyte", "train-labels-idx1-ubyte");
-  const fashion_mnist::Split test = load("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte");
-  const std::size_t n_train = cfg.limit > 0 ? std::min(cfg.limit, train.size()) : train.size();
-  // The global batch stays about --batch however many ranks there are: each takes an equal
-  // share, rounded up (64 over 3 ranks: 22 each).
-  const auto local_batch_of = [&](int ranks) {
-    return (static_cast<std::size_t>(cfg.batch) + static_cast<std::size_t>(ranks) - 1) /
-           static_cast<std::size_t>(ranks);
-  };
-
-  fashion_mnist::Mlp model(cfg.hidden);
-  ddp::DistributedSampler sampler(n_train, env.world_size, env.rank,
+  // The state that survives a loss, and what is made again after each change.
+  ddp::Elastic<Host> job(env);
+  constexpr std::size_t train_images = 60000;  // Fashion-MNIST's training set
+  ddp::DistributedSampler sampler(cfg.limit > 0 ? std::min(cfg.limit, train_images) : train_images,
+                                  env.world_size, env.rank,
                                   {.shuffle = true, .seed = 7, .exact = true});
-  int epoch = 0;
-  ddp::TrainingState state;
-  state.track_model("model", model).track_object("epoch", epoch).track_sampler("sampler", sampler);
-  std::optional<ddp::GradientAverager<fashion_mnist::Mlp, ddp::backend::Host>> avg;
-  if (env.rejoin) {
-    comm.emplace(Comm::join(env, {}, {.ticket = state.ticket()}));
-    state.restore(*comm);  // the members' last commit, from one of them
-    std::printf("world rank %d rejoined the job as rank %d of %d at commit %llu, epoch %d\n",
-                env.rank, comm->rank(), comm->size(),
-                static_cast<unsigned long long>(state.steps()), epoch + 1);
-    std::fflush(stdout);
-  } else {
-    if (cfg.batch % comm->size() != 0)
-      throw std::invalid_argument("--batch must be a multiple of the number of ranks");
-    state.start(*comm);
-  }
-  avg.emplace(*comm, model);
+  job.track_model("model", model).track_sampler("sampler", sampler);
+  std::optional<ddp::GradientAverager<fashion_mnist::Mlp, Host>> avg;
+  job.on_reset([&](ddp::Communicator<Host>& comm) { avg.emplace(comm, model); });
+  // A restarted process reads the images from the cache the job made (no collective: the others
+  // are training) before it joins; the others fill it together.
+  ddp::Communicator<Host>* first = env.rejoin ? nullptr : &job.comm();
+  const fashion_mnist::Split train =
+      load(first, "train-images-idx3-ubyte", "train-labels-idx1-ubyte");
+  const fashion_mnist::Split test = load(first, "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte");
+  if (train.size() != train_images) throw std::runtime_error("not Fashion-MNIST's training set");
+  if (!env.rejoin && cfg.batch % job.comm().size() != 0)
+    throw std::invalid_argument("--batch must be a multiple of the number of ranks");
+
+  // Logging, --record and --timing: what the job does, not how it recovers.
   std::ofstream record;
   if (!cfg_record.empty())
     record.open(cfg_record + "/rank" + std::to_string(env.rank) + ".txt", std::ios::app);
   std::string pending;  // this step's images, recorded once the step is committed
-  std::uint64_t pending_commit = 0;
+  bool after_loss = false;
+  job.on_commit([&](ddp::Communicator<Host>& comm, std::uint64_t) {
+    record << pending << std::flush;
+    pending.clear();
+    if (after_loss && comm.rank() == 0)
+      std::printf("timing: first step on the new membership done at %lld\n", wall_ns());
+    std::fflush(stdout);
+    after_loss = false;
+  });
+  job.on_change([&](const ddp::ElasticChange& c) {
+    using K = ddp::ElasticChange::Kind;
+    const ddp::Logger log(job.comm().rank());
+    if (c.kind == K::joined)
+      std::printf("world rank %d rejoined the job as rank %d of %d at commit %llu, epoch %d\n",
+                  env.rank, job.comm().rank(), c.size, static_cast<unsigned long long>(c.commit),
+                  job.epoch() + 1);
+    else if (c.kind == K::grew)
+      log.print("admitted newcomers: %d ranks go on from commit %llu", c.size,
+                static_cast<unsigned long long>(c.commit));
+    else if (c.kind == K::lost)
+      log.print("lost a rank; %d ranks go on from commit %llu, epoch %d, after %.1f ms", c.size,
+                static_cast<unsigned long long>(c.commit), job.epoch() + 1, c.ms);
+    std::fflush(stdout);
+    after_loss = cfg_timing && c.kind == K::lost;
+    pending.clear();  // a step that did not commit is trained again
+  });
+
   const auto H = static_cast<std::size_t>(cfg.hidden);
   std::vector<float> h(H), dh(H), z(10);
   double loss_sum = 0;
   std::size_t seen = 0;
-  bool first_after_loss = false;  // --timing: report the first step after a loss
-  for (;;) {
-    try {
-      while (epoch < cfg.epochs) {
-        const ddp::Logger log(comm->rank());
-        const float lr = cfg.lr * std::pow(cfg.decay, static_cast<float>(epoch));
-        // The ranks step together: as many steps as the longest shard needs (exact-mode shards
-        // differ by at most one image; a rank out of images adds a zero gradient).
-        const auto mine = sampler.indices();
-        const std::size_t ranks = static_cast<std::size_t>(comm->size());
-        const std::size_t longest = (sampler.total_size() + ranks - 1) / ranks;
-        const std::size_t at = sampler.state().offset;
-        const std::size_t local_batch = local_batch_of(comm->size());
-        bool regrouped = false;  // new members joined: the epoch's rest is dealt again
-        for (std::size_t done = 0; at + done < longest && !regrouped; done += local_batch) {
-          for (const Kill& k : cfg_kills) {
-            if (k.rank == env.rank && k.life == life && k.epoch == epoch &&
-                (at + done) / local_batch >= k.step) {
-              std::fprintf(stderr, "rank %d (world rank %d) dies on purpose at epoch %d step %zu\n",
-                           comm->rank(), env.rank, epoch, (at + done) / local_batch);
-              if (cfg_timing) std::fprintf(stderr, "timing: killed at %lld\n", wall_ns());
-              std::_Exit(9);
-            }
+  job.run_epochs(
+      sampler, cfg.epochs, static_cast<std::size_t>(cfg.batch),
+      [&](ddp::Communicator<Host>& comm, const ddp::ElasticBatch& b) {
+        for (const Kill& k : cfg_kills) {
+          if (k.rank == env.rank && k.life == life && k.epoch == b.epoch && b.step >= k.step) {
+            std::fprintf(stderr, "rank %d (world rank %d) dies on purpose at epoch %d step %zu\n",
+                         comm.rank(), env.rank, b.epoch, b.step);
+            if (cfg_timing) std::fprintf(stderr, "timing: killed at %lld\n", wall_ns());
+            std::_Exit(9);
           }
-          const std::size_t count =
-              done < mine.size() ? std::min(local_batch, mine.size() - done) : 0;
-          loss_sum += fashion_mnist::backward_batch(model, *avg, train, mine.data() + done, count,
-                                                    h, dh, z, local_batch);
-          avg->synchronize();  // the average over every rank's batch
-          for (auto& p : model.params)
-            for (std::size_t k = 0; k < p.value.size(); ++k) p.value[k] -= lr * p.grad[k];
-          seen += count;
-          sampler.advance(count);
-          pending.clear();
-          for (std::size_t b = 0; b < count; ++b)
-            pending += std::to_string(epoch) + " " + std::to_string(mine[done + b]) + "\n";
-          pending_commit = state.steps() + 1;
-          state.commit(*comm);  // every rank finished this step
-          record << pending << std::flush;
-          pending.clear();
-          if (state.joining() > 0 && state.grow(*comm)) {  // newcomers admitted, state sent
-            avg.emplace(*comm, model);
-            regrouped = true;
-            ddp::Logger(comm->rank())
-                .print("admitted newcomers: %d ranks go on from commit %llu", comm->size(),
-                       static_cast<unsigned long long>(state.steps()));
-          }
-          if (first_after_loss && comm->rank() == 0) {
-            std::printf("timing: first step on the new membership done at %lld (commit %llu)\n",
-                        wall_ns(), static_cast<unsigned long long>(state.steps()));
-            std::fflush(stdout);
-          }
-          first_after_loss = false;
         }
-        if (regrouped) continue;
-        ddp::DistributedSampler eval(test.size(), comm->size(), comm->rank(),
+        for (Kill& k : cfg_stops) {
+          if (k.rank == env.rank && k.life == life && k.epoch == b.epoch && b.step >= k.step) {
+            std::fprintf(stderr,
+                         "rank %d (world rank %d) stops itself (SIGSTOP) at epoch %d step %zu, "
+                         "pid %d\n",
+                         comm.rank(), env.rank, b.epoch, b.step, static_cast<int>(::getpid()));
+            if (cfg_timing) std::fprintf(stderr, "timing: stopped at %lld\n", wall_ns());
+            k.rank = -1;  // once
+            ::raise(SIGSTOP);  // continued: its next call finds it fenced
+          }
+        }
+        const float lr = cfg.lr * std::pow(cfg.decay, static_cast<float>(b.epoch));
+        loss_sum += fashion_mnist::backward_batch(model, *avg, train, b.indices.data(),
+                                                  b.indices.size(), h, dh, z, b.local_batch);
+        avg->synchronize();  // the average over every rank's batch
+        for (auto& p : model.params)
+          for (std::size_t k = 0; k < p.value.size(); ++k) p.value[k] -= lr * p.grad[k];
+        seen += b.indices.size();
+        for (const std::size_t i : b.indices)
+          pending += std::to_string(b.epoch) + " " + std::to_string(i) + "\n";
+      },
+      [&](ddp::Communicator<Host>& comm, int epoch) {
+        ddp::DistributedSampler eval(test.size(), comm.size(), comm.rank(),
                                      {.shuffle = false, .exact = true});
         const auto [accuracy, train_loss] =
-            fashion_mnist::evaluate(*comm, model, test, eval, loss_sum, seen);
-        log.print("epoch %d/%d: train loss %.4f, test accuracy %.2f%% (%d ranks)", epoch + 1,
-                  cfg.epochs, train_loss, 100 * accuracy, comm->size());
+            fashion_mnist::evaluate(comm, model, test, eval, loss_sum, seen);
+        ddp::Logger(comm.rank())
+            .print("epoch %d/%d: train loss %.4f, test accuracy %.2f%% (%d ranks)", epoch + 1,
+                   cfg.epochs, train_loss, 100 * accuracy, comm.size());
         loss_sum = 0;
         seen = 0;
-        ++epoch;
-        sampler.set_epoch(static_cast<std::uint64_t>(epoch));
-        state.commit(*comm);
-      }
-      break;
-    } catch (const ddp::Error& e) {
-      if (e.code() != ddp::Errc::peer_lost && e.code() != ddp::Errc::aborted &&
-          e.code() != ddp::Errc::timeout)
-        throw;
-      const auto t0 = std::chrono::steady_clock::now();
-      *comm = comm->shrink();  // the survivors, ranks renumbered
-      const std::uint64_t restored = state.restore(*comm);
-      avg.emplace(*comm, model);
-      if (restored == pending_commit) record << pending << std::flush;  // rolled forward
-      pending.clear();
-      first_after_loss = cfg_timing;
-      const double ms =
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-      ddp::Logger(comm->rank())
-          .print("lost a rank (%s); %d ranks go on from commit %llu, epoch %d, after %.1f ms",
-                 ddp::to_string(e.code()).data(), comm->size(),
-                 static_cast<unsigned long long>(restored), epoch + 1, ms);
-    }
-  }
+      });
 }
 
 }  // namespace
@@ -214,12 +183,12 @@ int main(int argc, char** argv) {
     const fashion_mnist::Config cfg = fashion_mnist::parse(
         argc, argv, defaults, "fashion_mnist_elastic.cpp",
         [](const std::string& a, const std::function<std::string()>& next) {
-          if (a == "--kill") {
+          if (a == "--kill" || a == "--stop") {
             Kill k{};
             if (std::sscanf(next().c_str(), "%d:%d:%zu:%d", &k.rank, &k.epoch, &k.step, &k.life) <
                 3)
-              throw std::invalid_argument("--kill takes RANK:EPOCH:STEP[:LIFE]");
-            cfg_kills.push_back(k);
+              throw std::invalid_argument(a + " takes RANK:EPOCH:STEP[:LIFE]");
+            (a == "--kill" ? cfg_kills : cfg_stops).push_back(k);
           } else if (a == "--record") {
             cfg_record = next();
           } else if (a == "--timing") {

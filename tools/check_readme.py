@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Checks that the README's example is, character for character, examples/quickstart.cpp
-(which the build compiles with -Werror and the tests run), so the README never shows code that
-does not compile."""
+"""Checks that the README's example is, character for character, examples/quickstart.cpp, and that
+its fault-tolerant loop is the part of examples/elastic_loop.cpp between "// README begin" and
+"// README end" (less its two spaces of indentation); the build compiles both with -Werror and
+the tests run them, so the README never shows code that does not compile."""
 import pathlib
 import re
 import sys
@@ -14,4 +15,14 @@ if not m:
 example = (root / "examples/quickstart.cpp").read_text()
 if m.group(1) != example:
     sys.exit("README.md's example differs from examples/quickstart.cpp: update one from the other")
-print("README example == examples/quickstart.cpp")
+loop = re.search(r"<!-- the block below is the loop of examples/elastic_loop.cpp[^>]*-->\n```cpp\n(.*?)```",
+                 readme, re.S)
+src = re.search(r"  // README begin\n(.*?)  // README end\n",
+                (root / "examples/elastic_loop.cpp").read_text(), re.S)
+if not loop or not src:
+    sys.exit("README.md or examples/elastic_loop.cpp: the marked loop was not found")
+lines = [l[2:] if l.startswith("  ") else l for l in src.group(1).splitlines()]
+if loop.group(1) != "".join(l + "\n" for l in lines):
+    sys.exit("README.md's fault-tolerant loop differs from examples/elastic_loop.cpp: update one "
+             "from the other")
+print("README example == examples/quickstart.cpp, README loop == examples/elastic_loop.cpp")

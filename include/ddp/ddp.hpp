@@ -43,6 +43,7 @@
 #include "ddp/store/server.hpp"
 #include "ddp/trace.hpp"
 #include "ddp/training/checkpoint.hpp"
+#include "ddp/training/elastic.hpp"
 #include "ddp/training/gradient.hpp"
 #include "ddp/training/guard.hpp"
 #include "ddp/training/join.hpp"

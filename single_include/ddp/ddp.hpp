@@ -2219,6 +2219,7 @@ DDP_END_NAMESPACE
 ///
 /// Which backend reads which field (a backend ignores the others):
 ///   every backend        timeout, token, group, external_store, trace_entries, trace_dump
+///   with a store         heartbeat (backend::Host, backend::Nccl)
 ///   backend::Host        transport, segment_bytes, shm_single_copy_bytes, verify_collectives,
 ///                        hierarchy
 ///   CUDA                 device (backend::Nccl), cuda_staging_bytes (CUDA buffers on a
@@ -2464,6 +2465,13 @@ struct Options {
   /// backend::Host: the all_reduce across hosts (see HostHierarchy; $DDP_HIERARCHY: auto, flat,
   /// slices or leaders). Every rank must use the same value.
   HostHierarchy hierarchy = HostHierarchy::automatic;
+  /// Heartbeat: a process that sends no sign of life to the rendezvous store for this long
+  /// (stopped, hung, or cut off from the store) counts as lost, as if it had died: its peers'
+  /// collectives fail with Errc::peer_lost naming it within about 1.2 heartbeats, whatever the
+  /// timeout, shrink() does not wait for it, and it is fenced when it wakes. A thread of each
+  /// process signs every heartbeat / 5. 0: none (a stopped rank is noticed at the timeout). Every
+  /// rank should use the same value ($DDP_HEARTBEAT: seconds, or 0).
+  std::chrono::milliseconds heartbeat = std::chrono::seconds(5);
 
   /// These options with the environment's settings (the $ names above) applied to every field
   /// still at its default. A malformed value is Errc::invalid_argument naming the variable.
@@ -2534,6 +2542,13 @@ struct Options {
               .value_or(o.trace_entries));
     });
     if (o.trace_dump.empty()) o.trace_dump = env.get("DDP_TRACE_DUMP");
+    apply([&] {
+      if (o.heartbeat != defaults.heartbeat) return;
+      if (const std::string v = env.get("DDP_HEARTBEAT"); v == "0" || v == "off")
+        o.heartbeat = std::chrono::milliseconds(0);
+      else
+        o.heartbeat = env.seconds("DDP_HEARTBEAT").value_or(o.heartbeat);
+    });
     apply([&] {
       if (o.hierarchy != HostHierarchy::automatic) return;
       const std::string h = env.get("DDP_HIERARCHY");
@@ -3042,6 +3057,44 @@ template <class T>
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/detail/crypto.hpp
+// begin ddp/detail/fork.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Fork detection: a counter that pthread_atfork bumps in every child, so an object can tell in
+/// one relaxed load whether it is still in the process that made it (getpid() is a system call).
+
+// #include "ddp/config.hpp" (already included above)
+
+#include <pthread.h>
+
+#include <atomic>
+#include <cstdint>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+inline std::atomic<std::uint64_t>& fork_counter() noexcept {
+  static std::atomic<std::uint64_t> n{0};
+  return n;
+}
+
+/// How many fork()s separate this process from the first process that called this function:
+/// equal values mean "the same process". The first call registers the fork handler.
+[[nodiscard]] inline std::uint64_t fork_generation() noexcept {
+  static const bool registered = [] {
+    (void)::pthread_atfork(nullptr, nullptr,
+                           [] { fork_counter().fetch_add(1, std::memory_order_relaxed); });
+    return true;
+  }();
+  (void)registered;
+  return fork_counter().load(std::memory_order_relaxed);
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/fork.hpp
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/detail/socket.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
@@ -3106,10 +3159,19 @@ struct StoreOptions {
   std::function<void(std::string_view)> log;
 };
 
+/// What the server does to a key when a lease expires (Store::lease): sets it when absent, or
+/// adds to the integer it holds.
+struct LeaseRecord {
+  std::string key;
+  std::string value;     ///< set: the value to set
+  std::int64_t add = 0;  ///< add: the delta (used when `is_add`)
+  bool is_add = false;
+};
+
 namespace detail::store_proto {
 
 inline constexpr std::uint32_t magic = 0x53504444;  // "DDPS"
-inline constexpr std::uint16_t version = 3;
+inline constexpr std::uint16_t version = 4;
 inline constexpr std::size_t nonce_bytes = 16;
 inline constexpr std::size_t handshake_frame_limit = 512;
 /// The longest StoreOptions::refusal_key a handshake carries.
@@ -3127,7 +3189,13 @@ enum class Op : std::uint8_t {
   check = 7,
   /// When this connection closes (the client's process died), set a key that is absent to a
   /// value; an empty key cancels.
-  on_close = 8
+  on_close = 8,
+  /// A lease on this connection: when nothing arrives on it for that long (the process stopped,
+  /// hung or was cut off), the server acts as if it closed (its on_close records) and also
+  /// applies the lease's own records (LeaseRecord). 0 ms: no lease.
+  lease = 9,
+  /// A sign of life for the lease; no reply.
+  keepalive = 10
 };
 /// stopped: a get/wait ended because its stop key appeared (the body holds that key's value).
 enum class Status : std::uint8_t { ok = 0, timeout = 1, error = 2, stopped = 3 };
@@ -3174,9 +3242,14 @@ inline IoResult recv_frame(int fd, std::string& out, std::size_t limit, Deadline
 DDP_END_NAMESPACE
 // end ddp/store/protocol.hpp
 
+#include <sys/socket.h>
+
 #include <algorithm>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -3195,6 +3268,7 @@ class Store {
   /// Connects to host:port, retrying until options.timeout (the server may start later).
   Store(std::string host, int port, StoreOptions options = {})
       : conn_(std::make_shared<Connection>(std::move(host), port, std::move(options))) {
+    conn_->self = conn_;
     std::lock_guard lock(conn_->mutex);
     conn_->connect();
   }
@@ -3351,6 +3425,49 @@ class Store {
   /// Cancels set_on_close().
   void clear_on_close() { set_on_close({}); }
 
+  /// A lease on this connection (shared by every view of it): a thread of this process sends a
+  /// sign of life every ttl / 5; when none reaches the server for `ttl` (the process is stopped,
+  /// hung or cut off), the server acts as if the connection closed (the set_on_close() records)
+  /// and applies `on_expire`, and the connection stays open, so that a process that wakes can
+  /// still read why it was left out. A later call replaces it (and re-arms an expired one); a
+  /// `ttl` of 0 ends it.
+  void lease(std::chrono::milliseconds ttl, std::span<const LeaseRecord> on_expire = {}) {
+    std::string req = header(Op::lease);
+    detail::ByteWriter w(req);
+    w.put(static_cast<std::uint64_t>(std::max<std::int64_t>(0, ttl.count())));
+    w.put(static_cast<std::uint32_t>(on_expire.size()));
+    for (const LeaseRecord& r : on_expire) {
+      w.put(static_cast<std::uint8_t>(r.is_add ? 1 : 0));
+      w.str(full(r.key));
+      w.str(r.value);
+      w.put(r.add);
+    }
+    (void)call(req, "lease", on_expire.empty() ? std::string_view{} : on_expire.front().key,
+               conn_->options.timeout);
+    conn_->start_heartbeat(ttl);
+  }
+
+  /// Runs `tick` on the lease's thread after each sign of life (every ttl / 5), with a view of
+  /// this store whose calls never wait for another thread's call (soft()); returns a number for
+  /// remove_tick(). A tick must not remove itself.
+  std::uint64_t add_tick(std::function<void(Store&)> tick) {
+    std::lock_guard lock(conn_->tick_mutex);
+    conn_->ticks.emplace(++conn_->next_tick, std::move(tick));
+    return conn_->next_tick;
+  }
+  /// Removes a tick; once it returns, that tick does not run (any more).
+  void remove_tick(std::uint64_t id) {
+    std::lock_guard lock(conn_->tick_mutex);
+    conn_->ticks.erase(id);
+  }
+  /// A view whose calls fail at once (Errc::timeout) instead of waiting while another thread's
+  /// call holds the connection.
+  [[nodiscard]] Store soft() const {
+    Store s(*this);
+    s.soft_ = true;
+    return s;
+  }
+
   /// Whether every key exists, without waiting.
   [[nodiscard]] bool check(std::span<const std::string> keys) {
     std::string req = header(Op::check);
@@ -3380,16 +3497,105 @@ class Store {
   using Op = detail::store_proto::Op;
   using Status = detail::store_proto::Status;
 
+  /// The lease's thread and what it shares with it (Store::lease). The thread holds this and a
+  /// weak reference to its connection: it never keeps the connection alive between beats.
+  struct Beat {
+    std::mutex mutex;
+    std::condition_variable wake;
+    std::chrono::milliseconds period{0};
+    bool stop = false;
+  };
+
   struct Connection {
     Connection(std::string h, int p, StoreOptions o)
         : host(std::move(h)), port(p), options(std::move(o)) {}
+    Connection(const Connection&) = delete;
+    Connection& operator=(const Connection&) = delete;
+    ~Connection() {
+      if (!heartbeat.joinable()) return;
+      {
+        std::lock_guard lock(beat->mutex);
+        beat->stop = true;
+      }
+      beat->wake.notify_all();
+      // A fork() child's copy has no such thread; the thread itself may drop the last view.
+      if (detail::fork_generation() != made_in || heartbeat.get_id() == std::this_thread::get_id())
+        heartbeat.detach();
+      else
+        heartbeat.join();
+    }
     std::string host;
     int port;
     StoreOptions options;
-    std::mutex mutex;
+    std::mutex mutex;        // one call at a time
+    std::mutex write_mutex;  // one frame written at a time (a call's, or a sign of life), and fd
     detail::Fd fd;
     std::uint64_t next_request = 1;
     std::string dead;  // why the store is known gone: no call waits on it again
+    std::weak_ptr<Connection> self;
+    // The lease: its thread, and the ticks it runs after each sign of life.
+    std::shared_ptr<Beat> beat = std::make_shared<Beat>();
+    std::thread heartbeat;
+    std::uint64_t made_in = detail::fork_generation();
+    std::mutex tick_mutex;
+    std::map<std::uint64_t, std::function<void(Store&)>> ticks;
+    std::uint64_t next_tick = 0;
+
+    void start_heartbeat(std::chrono::milliseconds ttl) {
+      {
+        std::lock_guard lock(beat->mutex);
+        beat->period = ttl / 5;
+      }
+      beat->wake.notify_all();
+      if (heartbeat.joinable() || ttl.count() <= 0) return;
+      heartbeat = std::thread([b = beat, w = self] { beating(b, w); });
+    }
+
+    /// The lease's thread: a sign of life, then the ticks, every period, while the connection
+    /// lives (reached through `w` only while it works).
+    static void beating(const std::shared_ptr<Beat>& b, const std::weak_ptr<Connection>& w) {
+      for (;;) {
+        {
+          std::unique_lock lock(b->mutex);
+          if (b->period.count() <= 0)
+            b->wake.wait(lock, [&] { return b->stop || b->period.count() > 0; });
+          if (b->stop || b->wake.wait_for(lock, b->period, [&] { return b->stop; })) return;
+        }
+        std::shared_ptr<Connection> me = w.lock();
+        if (!me) return;
+        me->keepalive();
+        me->run_ticks(me);
+      }  // `me` dropped last: should it hold the last reference, ~Connection detaches this thread
+    }
+
+    /// One sign of life, whole or not at all: it never blocks behind a full socket buffer (the
+    /// server is then not reading: a sign of life changes nothing), and a frame begun is ended,
+    /// so the stream stays whole.
+    void keepalive() {
+      std::lock_guard lock(write_mutex);
+      if (!fd) return;
+      char frame[13] = {9, 0, 0, 0, static_cast<char>(detail::store_proto::Op::keepalive)};
+      std::size_t sent = 0;
+      while (sent < sizeof frame) {
+        const ssize_t n = ::send(fd.get(), frame + sent, sizeof frame - sent,
+                                 MSG_NOSIGNAL | (sent == 0 ? MSG_DONTWAIT : 0));
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) return;  // full (nothing sent), or broken: the next call finds out
+        sent += static_cast<std::size_t>(n);
+      }
+    }
+
+    void run_ticks(const std::shared_ptr<Connection>& me) {
+      Store soft_view(me);
+      soft_view.soft_ = true;
+      std::lock_guard lock(tick_mutex);
+      for (auto& [id, tick] : ticks) {
+        try {
+          tick(soft_view);
+        } catch (...) {  // a tick's failure is its own business; the next tick tries again
+        }
+      }
+    }
 
     void ensure() {
       if (!dead.empty()) {
@@ -3508,6 +3714,8 @@ class Store {
     }
   };
 
+  explicit Store(std::shared_ptr<Connection> c) : conn_(std::move(c)) {}
+
   [[nodiscard]] std::string full(std::string_view key) const { return prefix_ + std::string(key); }
 
   /// wait(); with `report_timeout`, returns false at the timeout instead of throwing it.
@@ -3547,7 +3755,11 @@ class Store {
   std::string call(std::string& req, std::string_view what, std::string_view key,
                    std::chrono::milliseconds timeout, bool* timed_out = nullptr) {
     namespace sp = detail::store_proto;
-    std::lock_guard lock(conn_->mutex);
+    std::unique_lock lock(conn_->mutex, std::defer_lock);
+    if (!soft_)
+      lock.lock();
+    else if (!lock.try_lock())
+      detail::fail(Errc::timeout, "store ", what, ": the connection is busy with another call");
     conn_->ensure();
     const std::uint64_t id = conn_->next_request++;
     for (std::size_t i = 0; i < 8; ++i) req[1 + i] = static_cast<char>((id >> (8 * i)) & 0xffu);
@@ -3558,7 +3770,10 @@ class Store {
       deadline.at = std::min(deadline.at, deadline_ + std::chrono::milliseconds(500));
     const std::string where = detail::host_port(conn_->host, conn_->port);
     const auto lost = [&](detail::IoResult r) {
-      conn_->fd.reset();
+      {
+        std::lock_guard w(conn_->write_mutex);
+        conn_->fd.reset();
+      }
       if (r == detail::IoResult::timeout) {
         conn_->dead = "it did not answer a call before the timeout";
         detail::fail(Errc::timeout, "store ", what, "(\"", prefix_, key, "\"): the store at ",
@@ -3568,7 +3783,12 @@ class Store {
       detail::fail(Errc::peer_lost, "store ", what, "(\"", prefix_, key, "\"): the store at ",
                    where, " closed the connection (did rank 0 or the launcher exit?)");
     };
-    if (auto r = sp::send_frame(conn_->fd.get(), req, deadline); r != detail::IoResult::ok) lost(r);
+    detail::IoResult sent;
+    {
+      std::lock_guard w(conn_->write_mutex);
+      sent = sp::send_frame(conn_->fd.get(), req, deadline);
+    }
+    if (sent != detail::IoResult::ok) lost(sent);
     std::string frame;
     for (;;) {
       if (auto r = sp::recv_frame(conn_->fd.get(), frame, sp::frame_limit(conn_->options), deadline,
@@ -3619,7 +3839,8 @@ class Store {
 
   std::shared_ptr<Connection> conn_;
   std::string prefix_;
-  std::string stop_;  // full key that ends get/wait early (watching())
+  std::string stop_;   // full key that ends get/wait early (watching())
+  bool soft_ = false;  // soft(): a call never waits for another thread's
   detail::Clock::time_point deadline_ = detail::Clock::time_point::max();  // with_deadline()
 };
 
@@ -4270,44 +4491,7 @@ DDP_END_NAMESPACE
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 // #include "ddp/detail/env.hpp" (already included above)
-// begin ddp/detail/fork.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Fork detection: a counter that pthread_atfork bumps in every child, so an object can tell in
-/// one relaxed load whether it is still in the process that made it (getpid() is a system call).
-
-// #include "ddp/config.hpp" (already included above)
-
-#include <pthread.h>
-
-#include <atomic>
-#include <cstdint>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-inline std::atomic<std::uint64_t>& fork_counter() noexcept {
-  static std::atomic<std::uint64_t> n{0};
-  return n;
-}
-
-/// How many fork()s separate this process from the first process that called this function:
-/// equal values mean "the same process". The first call registers the fork handler.
-[[nodiscard]] inline std::uint64_t fork_generation() noexcept {
-  static const bool registered = [] {
-    (void)::pthread_atfork(nullptr, nullptr,
-                           [] { fork_counter().fetch_add(1, std::memory_order_relaxed); });
-    return true;
-  }();
-  (void)registered;
-  return fork_counter().load(std::memory_order_relaxed);
-}
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/detail/fork.hpp
+// #include "ddp/detail/fork.hpp" (already included above)
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // begin ddp/environment.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -4760,6 +4944,106 @@ int record(F&& fn) {
 
 DDP_END_NAMESPACE
 // end ddp/runtime/error_file.hpp
+// begin ddp/runtime/monitored_barrier.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Communicator::monitored_barrier over a rendezvous store (torch's monitored_barrier): every
+/// rank says it arrived; rank 0 waits for the others and gives its verdict, naming the ranks that
+/// did not arrive.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/store/client.hpp" (already included above)
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// Monitored barrier number `n` of a communicator whose keys `store` holds (this rank `rank` of
+/// `size`): every rank says it arrived; rank 0 waits up to `timeout` for the others and gives
+/// its verdict, naming the ranks that did not arrive (all of them with `wait_all_ranks`, else
+/// the first); the others wait up to `timeout` for rank 0 to arrive, then for its verdict. Fails
+/// with Errc::timeout on every rank that waits; a rank whose process left ("exit/<r>") fails it
+/// at once with Errc::peer_lost.
+inline void monitored_barrier(Store& store, std::uint64_t n, int rank, int size,
+                              std::chrono::milliseconds timeout, bool wait_all_ranks) {
+  const std::string at = concat("monitored/", n, "/");
+  const std::string what = concat("monitored_barrier #", n);
+  const std::string verdict = at + "verdict";
+  // Waits up to `limit` for `keys` (each ends in the rank it waits for; the verdict is rank
+  // 0's); returns those still missing. A rank among them whose process left (its store
+  // connection closed: "exit/<r>") is not waited for: that fails at once with Errc::peer_lost.
+  const auto await = [&](std::vector<std::string> keys, std::chrono::milliseconds limit,
+                         const char* doing) {
+    const auto deadline = Clock::now() + limit;
+    for (;;) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      keys = store.missing_after(
+          keys, std::clamp(left, std::chrono::milliseconds(0), std::chrono::milliseconds(100)));
+      if (keys.empty() || left.count() <= 0) return keys;
+      for (const std::string& k : keys) {
+        const std::string r = k == verdict ? "0" : k.substr(k.rfind('/') + 1),
+                          exited[] = {concat("exit/", r)};
+        if (!store.check(exited)) continue;
+        const std::string why = concat("rank ", r,
+                                       " left (its process exited, or it destroyed "
+                                       "its communicator) before ",
+                                       doing);
+        if (rank == 0) store.set(verdict, why);
+        fail(Errc::peer_lost, "rank ", rank, ": ", what, ": ", why);
+      }
+    }
+  };
+  store.set(concat(at, rank), "");
+  if (rank == 0) {
+    std::vector<std::string> keys;
+    for (int r = 1; r < size; ++r) keys.push_back(concat(at, r));
+    const auto missing = await(keys, timeout, "arriving");
+    if (missing.empty()) {
+      store.set(verdict, "");
+      return;
+    }
+    std::string who;
+    const std::size_t named = wait_all_ranks ? missing.size() : 1;
+    for (std::size_t i = 0; i < named; ++i)
+      who += concat(i == 0 ? "" : ", ", missing[i].substr(at.size()));
+    const std::string why =
+        concat(named == 1 ? "rank " : "ranks ", who, " did not arrive within ", timeout.count(),
+               " ms (stopped, slow, or not calling it)",
+               wait_all_ranks || missing.size() == 1
+                   ? ""
+                   : concat("; ", missing.size() - 1,
+                            " more did not either (wait_all_ranks names every one)"));
+    store.set(verdict, why);
+    fail(Errc::timeout, "rank 0: ", what, ": ", why);
+  }
+  if (!await({at + "0"}, timeout, "arriving").empty())
+    fail(Errc::timeout, "rank ", rank, ": ", what, ": rank 0 did not arrive within ",
+         timeout.count(), " ms (stopped, slow, or not calling it)");
+  // Rank 0 gives it within `timeout` of its own arrival (and a moment to write it).
+  const auto grace = timeout + std::chrono::seconds(2);
+  if (!await({verdict}, grace, "giving its verdict").empty())
+    fail(Errc::timeout, "rank ", rank, ": ", what, ": rank 0 gave no verdict within ",
+         grace.count(), " ms of arriving");
+  if (std::string why = store.get(verdict); !why.empty())
+    fail(why.find(" left (") != std::string::npos ? Errc::peer_lost : Errc::timeout, "rank ", rank,
+         ": ", what, ": failed because rank 0 reported: ", why);
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/runtime/monitored_barrier.hpp
 // begin ddp/runtime/rendezvous.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -5031,6 +5315,23 @@ void stage_whole(C& c, std::array<StagedArg, N> args, Op&& op) {
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/runtime/staging.hpp
+// begin ddp/runtime/store_location.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Where a job's rendezvous store is: rank 0 hosts it on the first free port of its candidates
+/// (host_store), the other ranks find the one that names their job (find_store), and the
+/// messages say which variable chose the port.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/env.hpp" (already included above)
+// #include "ddp/detail/socket.hpp" (already included above)
+// #include "ddp/environment.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 // begin ddp/store/server.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -5112,6 +5413,11 @@ class StoreEngine {
     bool close_after_write = false;  // close once `out` is sent
     bool closed = false;             // close now; pending output is discarded
     std::vector<std::pair<std::string, std::string>> on_close;  // set (if absent) when it closes
+    // A lease (Op::lease): when nothing arrives for `lease`, on_close and on_expire apply.
+    std::chrono::milliseconds lease{0};
+    Clock::time_point heard{};  // when the last bytes arrived
+    bool expired = false;
+    std::vector<LeaseRecord> on_expire;
   };
 
   /// Output a connection may have pending before the server stops reading its requests (a
@@ -5184,6 +5490,7 @@ class StoreEngine {
   /// a length someone claims. A malformed frame closes the session (logged).
   void receive(std::uint64_t id, std::string_view bytes, Clock::time_point now) {
     Session* s = session(id);
+    if (s != nullptr) s->heard = now;
     while (s != nullptr && !s->closed && !bytes.empty()) {
       const std::size_t take = std::min(wanted(*s), bytes.size());
       s->in.append(bytes.substr(0, take));
@@ -5215,10 +5522,7 @@ class StoreEngine {
       refuse(s->peer, "connected and closed without a handshake");
     s->closed = true;
     if (!s->authed) return;
-    bool changed = false;
-    for (auto& [k, v] : s->on_close)
-      changed = (data_.count(k) == 0 && store_value(k, std::move(v))) || changed;
-    if (changed) wake_waiters();
+    if (apply_on_close(*s)) wake_waiters();
   }
 
   /// Answers the waits whose deadline passed (Status::timeout with the missing keys) and drops
@@ -5240,10 +5544,20 @@ class StoreEngine {
       reply(*s, wt.request, Status::timeout, body);
       return true;
     });
+    bool changed = false;
     for (auto& [id, s] : sessions_) {
       if (!s.closed && !s.authed && now - s.accepted > options_.handshake_timeout)
         drop(s, "no handshake before the timeout");
+      // A lease that ran out: the process is stopped, hung or cut off. It counts as gone (its
+      // on_close records, once), and its lease's own records apply; the connection stays open,
+      // so a process that wakes still reads why it was left out.
+      if (!s.closed && s.authed && s.lease.count() > 0 && !s.expired && now - s.heard > s.lease) {
+        s.expired = true;
+        changed = apply_on_close(s) || changed;
+        for (const LeaseRecord& r : s.on_expire) changed = apply(r) || changed;
+      }
     }
+    if (changed) wake_waiters();
   }
 
   /// The earliest of `limit`, the waits' deadlines and the handshake deadlines.
@@ -5251,6 +5565,8 @@ class StoreEngine {
     for (const auto& w : waiters_) limit = std::min(limit, w.deadline);
     for (const auto& [id, s] : sessions_) {
       if (!s.authed && !s.closed) limit = std::min(limit, s.accepted + options_.handshake_timeout);
+      if (!s.closed && s.lease.count() > 0 && !s.expired)
+        limit = std::min(limit, s.heard + s.lease + std::chrono::milliseconds(1));
     }
     return limit;
   }
@@ -5554,6 +5870,30 @@ class StoreEngine {
         reply(s, request, Status::ok);
         return;
       }
+      case Op::lease: {
+        const auto ms = std::min<std::uint64_t>(r.get<std::uint64_t>(), 1ull << 40);
+        const auto n = r.get<std::uint32_t>();
+        if (n > 16) fail(Errc::protocol, "lease names ", n, " keys (at most 16)");
+        std::vector<LeaseRecord> records;
+        for (std::uint32_t i = 0; i < n; ++i) {
+          LeaseRecord rec;
+          rec.is_add = r.get<std::uint8_t>() != 0;
+          rec.key = key();
+          rec.value = r.str(options_.max_value_bytes);
+          rec.add = r.get<std::int64_t>();
+          records.push_back(std::move(rec));
+        }
+        r.expect_end();
+        s.lease = std::chrono::milliseconds(static_cast<std::int64_t>(ms));
+        s.heard = now;
+        s.expired = false;
+        s.on_expire = std::move(records);
+        reply(s, request, Status::ok);
+        return;
+      }
+      case Op::keepalive:
+        r.expect_end();
+        return;  // its arrival is the point (receive() noted it); no reply
       case Op::check: {
         auto keys = key_list();
         r.expect_end();
@@ -5565,6 +5905,32 @@ class StoreEngine {
       }
     }
     fail(Errc::protocol, "unknown store operation ", static_cast<int>(op));
+  }
+
+  /// A session's on_close records, once (then forgotten: a key erased since must not come back
+  /// when a connection that expired closes later). Returns whether a key was set.
+  bool apply_on_close(Session& s) {
+    bool changed = false;
+    for (auto& [k, v] : s.on_close)
+      changed = (data_.count(k) == 0 && store_value(k, std::move(v))) || changed;
+    s.on_close.clear();
+    return changed;
+  }
+
+  /// One lease record: set the key when absent, or add to its counter.
+  bool apply(const LeaseRecord& r) {
+    if (!r.is_add) return data_.count(r.key) == 0 && store_value(r.key, r.value);
+    std::int64_t value = 0;
+    if (auto it = data_.find(r.key); it != data_.end()) {
+      if (it->second.size() != 8) return false;
+      ByteReader vr(it->second, "counter");
+      value = vr.get<std::int64_t>();
+    }
+    value = static_cast<std::int64_t>(static_cast<std::uint64_t>(value) +
+                                      static_cast<std::uint64_t>(r.add));
+    std::string enc;
+    ByteWriter(enc).put(value);
+    return store_value(r.key, std::move(enc));
   }
 
   bool store_value(const std::string& k, std::string v) {
@@ -5849,6 +6215,93 @@ class StoreServer {
 
 DDP_END_NAMESPACE
 // end ddp/store/server.hpp
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <string_view>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// Where a job's store port `port` comes from, for the message when it is taken.
+[[nodiscard]] inline std::string store_port_source(const Environment& env, int port) {
+  if (port == env.master_port) return concat("takes MASTER_PORT = ", port);
+  if (env.launcher == "torchrun" && port == env.master_port + 1)
+    return concat("takes MASTER_PORT + 1 = ", port,
+                  " under torchrun (torchrun's agent serves its own store on MASTER_PORT ",
+                  env.master_port, ")");
+  return concat("takes DDP_STORE_PORT = ", port);
+}
+
+/// What a store on one of several candidate ports says it serves: the job of `env`.
+[[nodiscard]] inline std::string store_job_name(const Environment& env) {
+  const EnvReader launcher;
+  return concat(env.master_addr, ":", env.master_port, "/", launcher.get("TORCHELASTIC_RUN_ID", ""),
+                "/", launcher.get("TORCHELASTIC_RESTART_COUNT", "0"));
+}
+
+/// The key under which a store on one of several candidate ports names its job.
+inline constexpr std::string_view store_job_key = "ddp/job";
+
+/// Rank 0: hosts the store in `server` on the first free port of [port, port + ports); returns
+/// that port.
+inline int host_store(std::shared_ptr<StoreServer>& server, const Environment& env, int port,
+                      int ports, const StoreOptions& so) {
+  for (int p = port; p < port + ports; ++p) {
+    try {
+      server = std::make_shared<StoreServer>(env.master_addr, p, so);
+      return p;
+    } catch (const Error& e) {
+      if (e.code() != Errc::address_in_use) throw;
+    }
+  }
+  fail(Errc::address_in_use, "rank 0: cannot host ddp's rendezvous store at ",
+       host_port(env.master_addr, port),
+       ports > 1 ? concat(" (nor on the ", ports - 1, " ports after it)") : std::string(),
+       ": the port is in use. ddp's store ", store_port_source(env, port),
+       "; another job, a run that has not exited or a second process started with RANK=0 "
+       "holds it. Set DDP_STORE_PORT to a free port (the same on every rank)",
+       port == env.master_port ? ", or choose another MASTER_PORT" : "");
+}
+
+/// Every other rank, when rank 0 may have taken any of [port, port + ports): probes them in turn,
+/// with a window that grows each round, until one serves a store that names `job`, or until
+/// `deadline` (Errc::timeout).
+inline int find_store(const Environment& env, int port, int ports, StoreOptions so,
+                      const std::string& job, Clock::time_point deadline) {
+  const auto timeout = so.timeout;
+  so.refusal_key.clear();  // a probe never marks a store it turns out not to belong to
+  auto window = std::chrono::milliseconds(100);
+  for (;;) {
+    for (int p = port; p < port + ports; ++p) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      if (left <= std::chrono::milliseconds(0)) {
+        fail(Errc::timeout, "rank ", env.rank, ": no rendezvous store of this job answered on ",
+             host_port(env.master_addr, port), " or the ", ports - 1,
+             " ports after it within the timeout (", timeout.count(),
+             " ms): is rank 0 running? ddp's store ", store_port_source(env, port),
+             "; set DDP_STORE_PORT to a free port (the same on every rank) to name it");
+      }
+      so.timeout = std::min(window, left);
+      try {
+        Store probe(env.master_addr, p, so);
+        if (probe.get(store_job_key) == job) return p;
+      } catch (const Error&) {
+        // nothing there yet, another program, or another job's store: the next port
+      }
+    }
+    window = std::min(window * 2, std::chrono::milliseconds(2000));
+  }
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/runtime/store_location.hpp
+// #include "ddp/store/client.hpp" (already included above)
+// #include "ddp/store/server.hpp" (already included above)
 // begin ddp/trace.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -6884,6 +7337,7 @@ DDP_END_NAMESPACE
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -6916,16 +7370,6 @@ inline std::vector<int> parse_ranks(std::string_view text) {
   return out;
 }
 
-/// Where a job's store port `port` comes from, for the message when it is taken.
-[[nodiscard]] inline std::string store_port_source(const Environment& env, int port) {
-  if (port == env.master_port) return concat("takes MASTER_PORT = ", port);
-  if (env.launcher == "torchrun" && port == env.master_port + 1)
-    return concat("takes MASTER_PORT + 1 = ", port,
-                  " under torchrun (torchrun's agent serves its own store on MASTER_PORT ",
-                  env.master_port, ")");
-  return concat("takes DDP_STORE_PORT = ", port);
-}
-
 /// The value at `key` in `s`, "" when absent, without waiting.
 inline std::string peek_key(Store& s, const std::string& key) {
   const std::string k[] = {key};
@@ -6947,7 +7391,10 @@ struct CommState {
   int world_rank_in_group = 0;  // this rank in this communicator
   int world_rank = 0;
   int local_rank_hint = 0;  // the launcher's local rank: the default CUDA device
-  std::unique_ptr<StoreServer> server;
+  /// The rendezvous store this process hosts (rank 0 without a launcher's store), shared by
+  /// every communicator made from the one that started it (shrink(), grow(), split()): the store
+  /// lives while any of them does, not only while the first one does.
+  std::shared_ptr<StoreServer> server;
   std::shared_ptr<Store> root_store;
   std::shared_ptr<Store> store;
   std::string prefix;
@@ -7015,15 +7462,15 @@ struct CommState {
     const int ports = env.store_port != 0 ? std::max(1, env.store_ports) : 1;
     // With several candidate ports, the store says whose it is: a probing rank must not join
     // another job's store that took one of them.
-    const std::string job = job_name(env);
+    const std::string job = store_job_name(env);
     const bool hosted = options.external_store || launcher.get("DDP_STORE_HOSTED") == "1";
     if (env.rank == 0 && !hosted) {
-      store_port = host_store(env, store_port, ports, so);
+      store_port = host_store(server, env, store_port, ports, so);
     } else if (ports > 1) {
-      store_port = find_store(env, store_port, ports, so, job);
+      store_port = find_store(env, store_port, ports, so, job, rendezvous_deadline);
     }
     root_store = std::make_shared<Store>(env.master_addr, store_port, so);
-    if (server && ports > 1) root_store->set(job_key, job);
+    if (server && ports > 1) root_store->set(store_job_key, job);
     store = std::make_shared<Store>(
         root_store->prefixed(prefix).watching("failed").with_deadline(rendezvous_deadline));
     world_size = env.world_size;
@@ -7059,68 +7506,11 @@ struct CommState {
     so.token = options.token;
     int store_port = env.store_port != 0 ? env.store_port : env.master_port;
     const int ports = env.store_port != 0 ? std::max(1, env.store_ports) : 1;
-    if (ports > 1) store_port = find_store(env, store_port, ports, so, job_name(env));
+    if (ports > 1)
+      store_port = find_store(env, store_port, ports, so, store_job_name(env),
+                              Deadline::after(options.timeout).at);
     root_store = std::make_shared<Store>(
         env.master_addr.empty() ? std::string("127.0.0.1") : env.master_addr, store_port, so);
-  }
-
-  /// What a store on one of several candidate ports says it serves: the job of `env`.
-  static std::string job_name(const Environment& env) {
-    const EnvReader launcher;
-    return concat(env.master_addr, ":", env.master_port, "/",
-                  launcher.get("TORCHELASTIC_RUN_ID", ""), "/",
-                  launcher.get("TORCHELASTIC_RESTART_COUNT", "0"));
-  }
-
-  /// The key under which a store on one of several candidate ports names its job.
-  static constexpr std::string_view job_key = "ddp/job";
-
-  /// Rank 0: hosts the store on the first free port of [port, port + ports); returns it.
-  int host_store(const Environment& env, int port, int ports, const StoreOptions& so) {
-    for (int p = port; p < port + ports; ++p) {
-      try {
-        server = std::make_unique<StoreServer>(env.master_addr, p, so);
-        return p;
-      } catch (const Error& e) {
-        if (e.code() != Errc::address_in_use) throw;
-      }
-    }
-    fail(Errc::address_in_use, "rank 0: cannot host ddp's rendezvous store at ",
-         detail::host_port(env.master_addr, port),
-         ports > 1 ? concat(" (nor on the ", ports - 1, " ports after it)") : std::string(),
-         ": the port is in use. ddp's store ", store_port_source(env, port),
-         "; another job, a run that has not exited or a second process started with RANK=0 "
-         "holds it. Set DDP_STORE_PORT to a free port (the same on every rank)",
-         port == env.master_port ? ", or choose another MASTER_PORT" : "");
-  }
-
-  /// Every other rank, when rank 0 may have taken any of [port, port + ports): probes them in
-  /// turn, with a window that grows each round, until one serves a store that names `job`.
-  int find_store(const Environment& env, int port, int ports, StoreOptions so,
-                 const std::string& job) {
-    so.refusal_key.clear();  // a probe never marks a store it turns out not to belong to
-    auto window = std::chrono::milliseconds(100);
-    for (;;) {
-      for (int p = port; p < port + ports; ++p) {
-        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-            rendezvous_deadline - Clock::now());
-        if (left <= std::chrono::milliseconds(0)) {
-          fail(Errc::timeout, "rank ", env.rank, ": no rendezvous store of this job answered on ",
-               detail::host_port(env.master_addr, port), " or the ", ports - 1,
-               " ports after it within the timeout (", options.timeout.count(),
-               " ms): is rank 0 running? ddp's store ", store_port_source(env, port),
-               "; set DDP_STORE_PORT to a free port (the same on every rank) to name it");
-        }
-        so.timeout = std::min(window, left);
-        try {
-          Store probe(env.master_addr, p, so);
-          if (probe.get(job_key) == job) return p;
-        } catch (const Error&) {
-          // nothing there yet, another program, or another job's store: the next port
-        }
-      }
-      window = std::min(window * 2, std::chrono::milliseconds(2000));
-    }
   }
 
   /// The rendezvous succeeded: later store calls (split, leaving) get their own timeouts, and
@@ -7136,6 +7526,13 @@ struct CommState {
     Store root = root_store ? root_store->unwatched() : store->prefixed("");
     if (root_store) {
       root.set_on_close(on_close);
+      // Heartbeat: should this process stop signing (stopped, hung, cut off), the store counts
+      // it gone (the records above), marks it stalled and counts the stall for the watchers.
+      if (options.heartbeat.count() > 0 && !job_prefix.empty()) {
+        const LeaseRecord on_expire[] = {{concat(job_prefix, "stalled/", world_rank), "", 0, false},
+                                         {concat(job_prefix, "stalls"), "", 1, true}};
+        root.lease(options.heartbeat, on_expire);
+      }
     } else {
       const std::pair<std::string, std::string> own[] = {
           {concat("exit/", world_rank_in_group), ""}};
@@ -7181,7 +7578,7 @@ struct CommState {
   /// this process has none of the threads. Touch nothing; keep it reachable (never destroyed).
   void abandon() noexcept {
     (void)executor.release();
-    (void)server.release();
+    (void)new std::shared_ptr<StoreServer>(std::move(server));
     (void)new std::shared_ptr<Store>(std::move(root_store));
     (void)new std::shared_ptr<Store>(std::move(store));
 #if DDP_HAS_CUDA
@@ -7231,8 +7628,10 @@ struct CommState {
   /// Leaving, last step (the backend is gone): rank 0 keeps the store up until every rank has
   /// left, so none loses it mid-call, and after a failed rendezvous too, so the others can read
   /// why it failed. A rank whose process died counts as left (its connection's on-close record).
+  /// Only the last communicator holding the store waits (another, made from this one by
+  /// shrink() or grow(), goes on using it).
   void wait_for_the_others(bool connected) {
-    if (!store || !joined || store->lost() || !server) return;
+    if (!store || !joined || store->lost() || !server || server.use_count() > 1) return;
     try {
       Store plain = store->unwatched();  // the waits below must not end at "failed"
       const auto limit =
@@ -7296,74 +7695,10 @@ struct CommState {
     }
   }
 
-  /// Communicator::monitored_barrier over the store: every rank says it arrived; rank 0 waits
-  /// up to `timeout` for the others and gives its verdict, naming the ranks that did not arrive
-  /// (all of them with `wait_all_ranks`, else the first); the others wait up to `timeout` for
-  /// rank 0 to arrive, then for its verdict. Fails with Errc::timeout on every rank that waits.
+  /// Communicator::monitored_barrier over the store (runtime/monitored_barrier.hpp).
   void monitored_barrier(int rank, int size, std::chrono::milliseconds timeout,
                          bool wait_all_ranks) {
-    const std::string at = concat("monitored/", monitored_barriers++, "/");
-    const std::string what = concat("monitored_barrier #", monitored_barriers - 1);
-    const std::string verdict = at + "verdict";
-    // Waits up to `limit` for `keys` (each ends in the rank it waits for; the verdict is rank
-    // 0's); returns those still missing. A rank among them whose process left (its store connection
-    // closed: "exit/<r>") is not waited for: that fails at once with Errc::peer_lost.
-    const auto await = [&](std::vector<std::string> keys, std::chrono::milliseconds limit,
-                           const char* doing) {
-      const auto deadline = Clock::now() + limit;
-      for (;;) {
-        const auto left =
-            std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-        keys = store->missing_after(
-            keys, std::clamp(left, std::chrono::milliseconds(0), std::chrono::milliseconds(100)));
-        if (keys.empty() || left.count() <= 0) return keys;
-        for (const std::string& k : keys) {
-          const std::string r = k == verdict ? "0" : k.substr(k.rfind('/') + 1),
-                            exited[] = {concat("exit/", r)};
-          if (!store->check(exited)) continue;
-          const std::string why = concat("rank ", r,
-                                         " left (its process exited, or it destroyed "
-                                         "its communicator) before ",
-                                         doing);
-          if (rank == 0) store->set(verdict, why);
-          fail(Errc::peer_lost, "rank ", rank, ": ", what, ": ", why);
-        }
-      }
-    };
-    store->set(concat(at, rank), "");
-    if (rank == 0) {
-      std::vector<std::string> keys;
-      for (int r = 1; r < size; ++r) keys.push_back(concat(at, r));
-      const auto missing = await(keys, timeout, "arriving");
-      if (missing.empty()) {
-        store->set(verdict, "");
-        return;
-      }
-      std::string who;
-      const std::size_t named = wait_all_ranks ? missing.size() : 1;
-      for (std::size_t i = 0; i < named; ++i)
-        who += concat(i == 0 ? "" : ", ", missing[i].substr(at.size()));
-      const std::string why =
-          concat(named == 1 ? "rank " : "ranks ", who, " did not arrive within ", timeout.count(),
-                 " ms (stopped, slow, or not calling it)",
-                 wait_all_ranks || missing.size() == 1
-                     ? ""
-                     : concat("; ", missing.size() - 1,
-                              " more did not either (wait_all_ranks names every one)"));
-      store->set(verdict, why);
-      fail(Errc::timeout, "rank 0: ", what, ": ", why);
-    }
-    if (!await({at + "0"}, timeout, "arriving").empty())
-      fail(Errc::timeout, "rank ", rank, ": ", what, ": rank 0 did not arrive within ",
-           timeout.count(), " ms (stopped, slow, or not calling it)");
-    // Rank 0 gives it within `timeout` of its own arrival (and a moment to write it).
-    const auto grace = timeout + std::chrono::seconds(2);
-    if (!await({verdict}, grace, "giving its verdict").empty())
-      fail(Errc::timeout, "rank ", rank, ": ", what, ": rank 0 gave no verdict within ",
-           grace.count(), " ms of arriving");
-    if (std::string why = store->get(verdict); !why.empty())
-      fail(why.find(" left (") != std::string::npos ? Errc::peer_lost : Errc::timeout, "rank ",
-           rank, ": ", what, ": failed because rank 0 reported: ", why);
+    detail::monitored_barrier(*store, monitored_barriers++, rank, size, timeout, wait_all_ranks);
   }
 
   /// Marks the communicator failed with `why` (the first failure wins).
@@ -7407,6 +7742,15 @@ struct CommState {
         poison_with(why, Errc::aborted);
         fail(Errc::aborted, why);
       }
+      if (poisoned.load(std::memory_order_acquire)) {
+        // Another thread aborted the communicator meanwhile (abort(), a peer that stopped
+        // answering): its reason is the failure's.
+        std::lock_guard lock(poison_mutex);
+        std::string_view why = poison;
+        if (const std::string own = concat("rank ", rank, ": "); why.starts_with(own))
+          why.remove_prefix(own.size());
+        fail(poison_code, "rank ", rank, ": ", name, ": ", why);
+      }
       poison_with(e.what(), e.code());
       throw;
     } catch (...) {
@@ -7428,7 +7772,10 @@ struct CommState {
     (void)::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
     const std::int64_t now = std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
     const std::int64_t last = last_call_ns.exchange(now, std::memory_order_relaxed);
-    const std::int64_t half = std::chrono::nanoseconds(options.timeout).count() / 2;
+    // Half the time after which the others may have left it out: the timeout, or the heartbeat.
+    const auto limit = options.heartbeat.count() > 0 ? std::min(options.timeout, options.heartbeat)
+                                                     : options.timeout;
+    const std::int64_t half = std::chrono::nanoseconds(limit).count() / 2;
     if (last == 0 || now - last < half || !root_store) [[likely]]
       return;
     std::string why = excluded(rank, name);
@@ -7442,6 +7789,14 @@ struct CommState {
   /// After a failure: when the other ranks formed a communicator without this rank (shrink()
   /// wrote "superseded": the epoch and the members), the message that says so; else "".
   [[nodiscard]] std::string excluded(int rank, const char* name) const {
+    if (stalled())
+      return concat("rank ", rank, ": ", name,
+                    ": this process sent no sign of life to the rendezvous store for longer than "
+                    "the heartbeat (",
+                    options.heartbeat.count(),
+                    " ms: it was stopped, hung or cut off), so the job counts it as lost and "
+                    "goes on without it; it can never act on this communicator again: restart "
+                    "the process (it may rejoin the job as a new rank)");
     const std::string v = peek_membership("superseded");
     if (v.empty()) return {};
     const std::size_t colon = v.find(':');
@@ -7468,7 +7823,53 @@ struct CommState {
                   next, "): call shrink() to take part");
   }
 
+  /// Whether the store marked this process stalled (its heartbeat lease ran out).
+  [[nodiscard]] bool stalled() const {
+    if (!root_store || root_store->lost() || job_prefix.empty() || options.heartbeat.count() <= 0)
+      return false;
+    try {
+      Store plain = root_store->unwatched();
+      const std::string k[] = {concat(job_prefix, "stalled/", world_rank)};
+      return plain.check(k);
+    } catch (...) {
+      return false;
+    }
+  }
+
+  /// The heartbeat's watch: after each sign of life, when the store counted a new stall, checks
+  /// whether a member of this communicator stalled, and then calls `lost` (once) with why.
+  void watch_peers(std::function<void(const std::string&)> lost) {
+    if (!root_store || options.heartbeat.count() <= 0 || job_prefix.empty() ||
+        world_ranks.size() < 2 || stall_tick != 0)
+      return;
+    stall_tick = root_store->add_tick([this, lost = std::move(lost)](Store& s) {
+      const std::int64_t n = s.add(concat(job_prefix, "stalls"), 0);
+      if (n == stalls_seen || stall_reported) return;
+      for (std::size_t r = 0; r < world_ranks.size(); ++r) {
+        const std::string k[] = {concat(job_prefix, "stalled/", world_ranks[r])};
+        if (static_cast<int>(r) == world_rank_in_group || !s.check(k)) continue;
+        stall_reported = true;
+        lost(concat("rank ", world_rank_in_group, ": rank ", r, " (world rank ", world_ranks[r],
+                    ") stopped answering: no sign of life reached the rendezvous store for ",
+                    options.heartbeat.count(),
+                    " ms (the heartbeat; its process is stopped, hung or cut off), so the job "
+                    "counts it as lost; shrink() to go on without it"));
+        return;
+      }
+      stalls_seen = n;
+    });
+  }
+  /// Ends the watch (before the backend goes); a tick running now finishes first.
+  void unwatch_peers() {
+    if (stall_tick != 0 && root_store) root_store->remove_tick(stall_tick);
+    stall_tick = 0;
+  }
+
  private:
+  std::uint64_t stall_tick = 0;   // the watch's tick on root_store (0: none)
+  std::int64_t stalls_seen = -1;  // the stall count the watch last checked (its thread only)
+  bool stall_reported = false;    // (its thread only)
+
   /// This communicator's store key `key`, "" when absent or the store is unreachable.
   [[nodiscard]] std::string peek_membership(const char* key) const {
     if (!root_store || root_store->lost()) return {};
@@ -8316,6 +8717,40 @@ inline bool late_request(Store& base, std::int64_t id) {
   return now - since < 5000;
 }
 
+/// Records in the job's store space (`job`: under init()'s prefix) the members of membership
+/// epoch `epoch` by world rank ("members": "<epoch>:<ranks>"), unless a later epoch's are there:
+/// a newcomer waiting to be admitted reads it to learn whether anyone is left to admit it.
+inline void record_members(Store& job, std::uint64_t epoch, const std::vector<int>& world_ranks) {
+  const std::string mine = concat(epoch, ":", ranks_text(world_ranks));
+  for (std::string held = peek_key(job, "members");;) {
+    std::uint64_t theirs = 0;
+    const bool ok =
+        !held.empty() &&
+        std::from_chars(held.data(), held.data() + held.size(), theirs).ec == std::errc{};
+    if (ok && theirs >= epoch) return;
+    const std::string now = job.compare_set("members", held, mine);
+    if (now == mine || now == held) return;
+    held = now;
+  }
+}
+
+/// Whether every member of the running job (its last recorded membership, else the world ranks
+/// below `world_size`) other than `claim` is gone (its process ended): nobody is left to admit a
+/// newcomer.
+[[nodiscard]] inline bool job_ended(Store& job, int claim, int world_size) {
+  std::vector<int> ranks;
+  const std::string held = peek_key(job, "members");
+  if (const std::size_t colon = held.find(':'); colon != std::string::npos)
+    ranks = parse_ranks(std::string_view(held).substr(colon + 1));
+  else
+    for (int r = 0; r < world_size; ++r) ranks.push_back(r);
+  for (const int r : ranks) {
+    const std::string gone[] = {concat("gone/", r)};
+    if (r != claim && !job.check(gone)) return false;
+  }
+  return true;
+}
+
 /// Rank 0 of the members: answers the requests that arrived since the last growth of `old`
 /// (this process's communicator, of `size` ranks) and writes the decision of epoch `epoch`.
 inline Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
@@ -8378,6 +8813,7 @@ inline Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
     // A restarted process claims the rank of one that is gone: that one's mark would make the
     // newcomer look dead from the start (its own death marks it again).
     (void)base.erase(concat("gone/", claim));
+    (void)base.erase(concat("stalled/", claim));  // and its heartbeat's, had it stalled
     g.ids.push_back(id);
     g.claims.push_back(claim);
     taken.push_back(claim);
@@ -8386,6 +8822,11 @@ inline Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
   const std::string text = g.text();
   for (const std::int64_t id : g.ids) base.set(join_key(id, "decision"), text);    // newcomers'
   base.set(growth_key(epoch, g.from, concat("decision.", old.grow_calls)), text);  // members'
+  if (!g.ids.empty()) {
+    std::vector<int> all = g.members;
+    all.insert(all.end(), g.claims.begin(), g.claims.end());
+    record_members(base, epoch, all);
+  }
   return g;
 }
 
@@ -8457,7 +8898,8 @@ inline void await_participants(Store& root, const std::string& job, std::uint64_
 /// The newcomer's side of step 1: its request's id once written, and its reply once there.
 class JoinRequest {
  public:
-  JoinRequest(Store& base, int claim, const std::string& ticket) : base_(base) {
+  JoinRequest(Store& base, int claim, const std::string& ticket, int world_size = 1)
+      : base_(base), claim_(claim), world_size_(world_size) {
     id_ = base_.add("join/next", 1);
     if (join_phase_hook() != nullptr) join_phase_hook()("numbered");
     // Should this process die while it waits, rank 0 passes its request over.
@@ -8469,18 +8911,28 @@ class JoinRequest {
   [[nodiscard]] std::int64_t id() const noexcept { return id_; }
 
   /// The reply ("admit <E> <tag>" or "refuse <errc> <why>"), or "withdrawn" when none came by
-  /// `deadline` (the request is then withdrawn, unless a reply won the race).
+  /// `deadline` (the request is then withdrawn, unless a reply won the race), or "ended" (also
+  /// withdrawn) when every member of the job has ended meanwhile: nobody is left to admit it.
   std::string await(Clock::time_point deadline) {
     const std::string key[] = {join_key(id_, "reply")};
+    auto look = Clock::now() + std::chrono::milliseconds(250);
     for (;;) {
       if (base_.check(key)) return base_.get(key[0]);
       if (Clock::now() > deadline) return base_.compare_set(key[0], "", "withdrawn");
+      if (Clock::now() > look) {
+        look = Clock::now() + std::chrono::milliseconds(250);
+        if (job_ended(base_, claim_, world_size_)) {
+          const std::string r = base_.compare_set(key[0], "", "withdrawn");
+          return r == "withdrawn" ? std::string("ended") : r;
+        }
+      }
       (void)base_.missing_after(key, std::chrono::milliseconds(20));
     }
   }
 
  private:
   Store& base_;
+  int claim_ = 0, world_size_ = 1;
   std::int64_t id_ = 0;
 };
 
@@ -8522,6 +8974,7 @@ DDP_END_NAMESPACE
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/runtime/comm_state.hpp" (already included above)
+// #include "ddp/runtime/growth.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 
 #include <unistd.h>
@@ -8595,6 +9048,12 @@ class MembershipChange {
   std::vector<int> decide() {
     return guarded([&] {
       const std::string at = tag();
+      if (old_.stalled())
+        excluded(
+            concat("this process sent no sign of life to the store for longer than the "
+                   "heartbeat (",
+                   old_.options.heartbeat.count(),
+                   " ms: stopped, hung or cut off), so the job counts it as lost"));
       watch_connecting();
       base_->set(concat(at, "alive/", me_), std::to_string(::getpid()));
       hook("alive");
@@ -8676,6 +9135,14 @@ class MembershipChange {
         (void)old_.root_store->prefixed(old_.prefix)
             .unwatched()
             .compare_set("superseded", "", concat(epoch_, ":", ranks_text(members_)));
+        if (old_.base_prefix == old_.job_prefix && new_rank() == 0) {  // for newcomers
+          std::vector<int> world;
+          for (const int m : members_)
+            if (static_cast<std::size_t>(m) < old_.world_ranks.size())
+              world.push_back(old_.world_ranks[static_cast<std::size_t>(m)]);
+          Store job = old_.root_store->prefixed(old_.job_prefix).unwatched();
+          record_members(job, epoch_, world);
+        }
         return true;
       }
       candidates_ = members_;
@@ -8699,6 +9166,13 @@ class MembershipChange {
   }
 
   bool gone(int r) const { return old_.rank_gone(r); }
+  /// Whether rank r's process ran out of heartbeat (the store's mark).
+  bool stalled(int r) const {
+    const auto i = static_cast<std::size_t>(r);
+    if (i >= old_.world_ranks.size() || old_.job_prefix.empty()) return false;
+    const std::string k[] = {concat(old_.job_prefix, "stalled/", old_.world_ranks[i])};
+    return old_.root_store->check(k);
+  }
 
   /// Waits until every candidate has said it is alive or is known dead, or wait_ has passed, or
   /// another rank has decided; returns the candidates alive.
@@ -8709,6 +9183,7 @@ class MembershipChange {
       std::vector<std::string> pending;
       for (int r : candidates_) {
         const std::string said[] = {concat(at, "alive/", r)};
+        if (stalled(r)) continue;  // counted lost by its heartbeat, even should it wake
         if (base_->check(said)) {
           alive.push_back(r);
         } else if (!gone(r)) {
@@ -8838,6 +9313,7 @@ std::shared_ptr<State> init_state(const Environment& env, Options options) {
                      options.timeout, state->world_size);
     });
     state->end_rendezvous();
+    state->watch_peers();
     return state;
   } catch (const Error& e) {
     if (std::string_view(e.what()).starts_with("rank ")) throw;
@@ -8867,6 +9343,7 @@ inline BackendInit begin_split(CommState& sub, const CommState& parent,
   std::sort(members.begin(), members.end());
   inherit_settings(sub, parent, options);
   sub.root_store = parent.root_store;
+  sub.server = parent.server;
   sub.prefix = concat(parent.prefix, "split", n, "/", color, "/");
   sub.base_prefix = sub.prefix;
   sub.job_prefix = parent.job_prefix;
@@ -8971,6 +9448,7 @@ std::shared_ptr<State> shrink_state(State& old, int rank, int size, const Shrink
     auto sub = std::make_shared<State>();
     inherit_settings(*sub, old, old.options);
     sub->root_store = old.root_store;
+    sub->server = old.server;  // the store this process hosts outlives `old`
     sub->prefix = change.prefix();
     sub->base_prefix = old.base_prefix;
     sub->epoch = change.epoch();
@@ -8992,6 +9470,7 @@ std::shared_ptr<State> shrink_state(State& old, int rank, int size, const Shrink
     }
     if (change.settle(connected)) {
       sub->end_rendezvous();
+      sub->watch_peers();
       old.replaced_by = change.epoch();
       return sub;
     }
@@ -9012,6 +9491,7 @@ std::shared_ptr<State> split_state(State& parent, const std::vector<std::pair<in
                     options.verify_collectives},
                    options.timeout, sub->world_size);
   });
+  sub->watch_peers();
   return sub;
 }
 
@@ -9035,6 +9515,7 @@ void connect_grown(State& sub, const std::string& base, std::uint64_t epoch, con
                      Deadline::after(sub.options.timeout).at);
   connect_members(sub, rank, size);
   sub.end_rendezvous();
+  sub.watch_peers();
 }
 
 /// Communicator::grow: the members of `old` (this rank `rank` of `size`) admit the processes
@@ -9063,6 +9544,7 @@ std::shared_ptr<State> grow_state(State& old, int rank, const GrowOptions& o) {
   auto sub = std::make_shared<State>();
   inherit_settings(*sub, old, old.options);
   sub->root_store = old.root_store;
+  sub->server = old.server;
   sub->world_ranks = g.members;
   sub->world_ranks.insert(sub->world_ranks.end(), g.claims.begin(), g.claims.end());
   sub->joins_seen = g.upto;
@@ -9103,9 +9585,13 @@ std::shared_ptr<State> join_state(const Environment& env, Options options, const
     fail(e.code(), "rank ", env.rank, ": join: ", e.what());
   }
   Store base = s->root_store->prefixed(s->base_prefix).unwatched();
-  JoinRequest request(base, env.rank, j.ticket);
+  JoinRequest request(base, env.rank, j.ticket, env.world_size);
   const auto wait = j.wait.count() > 0 ? j.wait : options.timeout;
   const std::string reply = request.await(Clock::now() + wait);
+  if (reply == "ended")
+    fail(Errc::peer_lost, "rank ", env.rank,
+         ": join: every member of the running job has ended (their processes are gone), so "
+         "nobody is left to admit this process; the request was withdrawn");
   const auto number_at = [&](std::size_t from, std::int64_t most) {
     std::int64_t v = -1;
     const char* end = reply.data() + reply.size();
@@ -9213,6 +9699,7 @@ struct CommRunner : CommState {
       (void)local_group.release();
       return;
     }
+    unwatch_peers();  // the heartbeat's watch touches the backend: it ends first
     local_group.reset();
     executor.reset();  // drain the queue first
     const bool connected = backend != nullptr;
@@ -9234,6 +9721,16 @@ struct CommRunner : CommState {
       throw;
     }
   }
+  /// The heartbeat's watch of the members (CommState::watch_peers): a member that stopped
+  /// answering poisons this communicator and aborts its backend, so that a collective waiting
+  /// for it fails at once with Errc::peer_lost naming it.
+  void watch_peers() {
+    CommState::watch_peers([this](const std::string& why) {
+      poison_with(why, Errc::peer_lost);
+      if (backend) backend->abort(Errc::peer_lost, why);
+    });
+  }
+
   [[nodiscard]] std::string trace(std::string_view why) const {
     return format_trace(recorder.recent(), recorder.issued(), backend->rank(), backend->size(),
                         options.group, why);
@@ -17124,6 +17621,1034 @@ template <class Comm>
 
 DDP_END_NAMESPACE
 // end ddp/training/checkpoint.hpp
+// begin ddp/training/elastic.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ddp::Elastic: a fault-tolerant training loop in one object, in the spirit of Horovod's
+/// `hvd.elastic.run` and torchft's Manager. It owns the communicator and a TrainingState, runs
+/// the program's step function, commits after every step, and on a lost rank catches the
+/// failure, shrinks, restores the newest commit on every survivor, makes the program's
+/// averagers again (on_reset) and goes on; it admits the processes waiting to join at a step
+/// boundary, and deals the rest of the epoch over every new membership, the ranks stepping
+/// together (as many steps as the longest shard needs).
+///
+///     ddp::Elastic<ddp::backend::Host> job;                    // init(), or join() if restarted
+///     job.track_model("net", net).track_sampler("sampler", sampler);
+///     std::optional<ddp::GradientAverager<Net, ddp::backend::Host>> avg;
+///     job.on_reset([&](auto& comm) { avg.emplace(comm, net); });
+///     job.run_epochs(sampler, epochs, 64, [&](auto& comm, const ddp::ElasticBatch& b) {
+///       forward_backward(net, b.indices); avg->average(); update(net);
+///     });
+///
+/// The lower-level pieces stay available: Communicator::shrink / join / grow, TrainingState.
+
+// #include "ddp/communicator.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/environment.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/options.hpp" (already included above)
+// #include "ddp/training/partition.hpp" (already included above)
+// begin ddp/training/state.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ddp::TrainingState: the state a fault-tolerant training loop keeps, committed step by step, so
+/// that after a membership change (Communicator::shrink) every member goes on from the same last
+/// committed step: no step lost, none applied twice or half. In the spirit of Horovod Elastic's
+/// State (commit, restore, sync) and torchft's per-step commit, without a separate coordinator.
+///
+///     ddp::TrainingState state;
+///     state.track_model("model", net).track("adam.m", adam.m).track_object("done", done);
+///     state.start(comm);                        // rank 0's state everywhere: committed step 0
+///     for (;;) {
+///       try {
+///         for (; step < steps; ++step) {
+///           ...; avg.average(); adam.step(net);
+///           done = step + 1;                    // the steps this commit holds
+///           state.commit(comm);
+///         }
+///         break;
+///       } catch (const ddp::Error& e) {
+///         comm = comm.shrink();                 // the survivors
+///         state.restore(comm);                  // every member: the newest committed step
+///         step = done;                          // go on after it
+///       }
+///     }
+///
+/// commit() first confirms, in one small all_reduce, that every member finished this step (and
+/// is at the same commit), then copies the tracked state aside (host memory). A failure in the
+/// step (before commit) leaves the previous commit; a failure inside the confirmation can leave
+/// it complete on some members and not on others, but only after every member had finished the
+/// step: restore() then takes the newest commit any member holds, and a member that was still
+/// confirming it holds that state live. restore() sends it from the lowest member that holds it
+/// to every other (broadcast), so the members end bitwise equal, and writes it back into the
+/// tracked buffers and objects.
+
+// #include "ddp/codec.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/options.hpp" (already included above)
+// #include "ddp/process_group.hpp" (already included above)
+// #include "ddp/tensor.hpp" (already included above)
+// #include "ddp/training/checkpoint.hpp" (already included above)
+// begin ddp/training/parameters.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// What a model is to the averagers: the Parameter and Model concepts, and how a parameter type
+/// is adapted. A Model is a sized range of parameters, or has parameters() returning one (and
+/// may have buffers(): state such as BatchNorm's running statistics). A parameter has a value and
+/// a gradient, mutable tensors of one floating-point type: members `value` and `grad` (data or
+/// functions), or a ddp::parameter_traits<P> specialization, by which a framework's adapter also
+/// says how its gradients are made and when they are final (ddp/adapters/torch_training.hpp).
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/lean_std.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/tensor.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+#if DDP_HAS_CUDA
+// #include "ddp/cuda.hpp" (already included above)
+#endif
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// Adapts a parameter type: specialize with static value(P&) and grad(P&) returning tensors.
+/// Optional, for frameworks: ensure_grad(P&) and has_grad(P&) (gradients made lazily: see
+/// detail::lazy_grad) and ready_hook(P&, std::function<void()>) (see detail::has_ready_hook).
+template <class P>
+struct parameter_traits {};
+
+namespace detail {
+
+template <class P>
+concept has_value = (
+    requires(P & p) { parameter_traits<P>::value(p); } || requires(P & p) { p.value(); } ||
+    requires(P & p) { p.value; });
+template <class P>
+concept has_grad = (
+    requires(P & p) { parameter_traits<P>::grad(p); } || requires(P & p) { p.grad(); } ||
+    requires(P & p) { p.grad; });
+
+template <has_value P>
+decltype(auto) param_value(P& p) {
+  if constexpr (requires { parameter_traits<P>::value(p); })
+    return parameter_traits<P>::value(p);
+  else if constexpr (requires { p.value(); })
+    return p.value();
+  else
+    return (p.value);
+}
+
+template <has_grad P>
+decltype(auto) param_grad(P& p) {
+  if constexpr (requires { parameter_traits<P>::grad(p); })
+    return parameter_traits<P>::grad(p);
+  else if constexpr (requires { p.grad(); })
+    return p.grad();
+  else
+    return (p.grad);
+}
+
+template <class M>
+decltype(auto) model_parameters(M& m) {
+  if constexpr (requires { m.parameters(); })
+    return m.parameters();
+  else
+    return (m);
+}
+
+/// The parameter type of model M.
+template <class M>
+using param_of_t = std::ranges::range_value_t<decltype(model_parameters(std::declval<M&>()))>;
+
+/// Creates parameter p's gradient as zeros where the framework makes them lazily (libtorch:
+/// before the first backward, or after zero_grad() set them to None), before the averager reads
+/// it: parameter_traits<P>::ensure_grad(p), where defined.
+template <class P>
+void ensure_grad(P& p) {
+  if constexpr (requires { parameter_traits<P>::ensure_grad(p); })
+    parameter_traits<P>::ensure_grad(p);
+}
+
+/// Parameter p's rows when its values are seen as a matrix, row-major (torch: p.size(0) of a
+/// tensor of 2 or more dimensions, the rest making the columns): parameter_traits<P>::rows(p) or
+/// p.rows(), where defined; 0 (a vector) otherwise. Comm hooks that work on matrices (PowerSGD)
+/// read it from BucketPiece::rows.
+template <class P>
+std::size_t param_rows(P& p) {
+  if constexpr (requires { parameter_traits<P>::rows(p); })
+    return static_cast<std::size_t>(parameter_traits<P>::rows(p));
+  else if constexpr (requires { p.rows(); })
+    return static_cast<std::size_t>(p.rows());
+  else
+    return 0;
+}
+
+/// Gradients a framework makes lazily: parameter_traits<P>::has_grad(p) says whether p has one
+/// yet. The averager then looks it up when its bucket starts (made by then, or the parameter was
+/// unused this step and gets zeros) instead of making zeros for backward to add into.
+template <class P>
+concept lazy_grad = requires(P& p) {
+  parameter_traits<P>::ensure_grad(p);
+  { parameter_traits<P>::has_grad(p) } -> std::convertible_to<bool>;
+};
+
+/// The framework calls back when p's gradient is final for this backward pass:
+/// parameter_traits<P>::ready_hook(p, std::function<void()>) returns a handle whose destruction
+/// removes the hook (libtorch: a post hook on the gradient's accumulator).
+template <class P>
+concept has_ready_hook = requires(P& p, std::function<void()> f) {
+  {
+    parameter_traits<P>::ready_hook(p, std::move(f))
+    } -> std::convertible_to<std::shared_ptr<void>>;
+};
+
+/// The model has buffers() (state that is not parameters): copied from rank 0 like them.
+template <class M>
+concept has_buffers = requires(M& m) {
+  requires std::ranges::range<decltype(m.buffers())>;
+  requires MutableTensor<std::ranges::range_reference_t<decltype(m.buffers())>>;
+};
+
+template <class T>
+inline constexpr bool is_floating_scalar_v =
+    std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, half> ||
+    std::is_same_v<T, bfloat16>;
+
+template <class P>
+using value_of_t = decltype(param_value(std::declval<P&>()));
+template <class P>
+using grad_of_t = decltype(param_grad(std::declval<P&>()));
+
+/// Value and gradient typed at compile time: the same floating-point element type.
+template <class P>
+concept typed_parameter =
+    !DynamicTensor<value_of_t<P>> && !DynamicTensor<grad_of_t<P>> &&
+    std::is_same_v<tensor_value_t<value_of_t<P>>, tensor_value_t<grad_of_t<P>>> &&
+    is_floating_scalar_v<tensor_value_t<grad_of_t<P>>>;
+
+/// Value and gradient typed at run time (a framework's tensors): checked at construction.
+template <class P>
+concept dynamic_parameter = DynamicTensor<value_of_t<P>> && DynamicTensor<grad_of_t<P>>;
+
+}  // namespace detail
+
+/// A parameter: a value and a gradient, mutable tensors of the same floating-point type (checked
+/// when the averager is made, for tensors typed at run time).
+template <class P>
+concept Parameter = requires(P& p) {
+  { detail::param_value(p) } -> MutableTensor;
+  { detail::param_grad(p) } -> MutableTensor;
+}
+&&(detail::typed_parameter<P> || detail::dynamic_parameter<P>);
+
+/// A model: a sized range of Parameters, or something whose parameters() returns one.
+template <class M>
+concept Model = requires(M& m) {
+  requires std::ranges::sized_range<decltype(detail::model_parameters(m))>;
+  requires Parameter<std::ranges::range_value_t<decltype(detail::model_parameters(m))>>;
+};
+
+namespace detail {
+
+/// True when M is a Model; otherwise the first error the compiler prints says what to change
+/// (the averagers' deduction guides use it), instead of 50 lines of unsatisfied constraints.
+template <class M>
+consteval bool explain_model() {
+  if constexpr (Model<M>) {
+    return true;
+  } else if constexpr (requires(M & m) {
+                         m.get();
+                         *m;
+                         requires Model<std::remove_reference_t<decltype(*m)>>;
+                       }) {
+    static_assert(
+        always_false<M>,
+        "ddp: pass the model itself, *model: this is a pointer to it (a std::shared_ptr, "
+        "or libtorch's TORCH_MODULE holder); the averager keeps a reference to the model");
+  } else if constexpr (!requires(M & m) {
+                         requires std::ranges::sized_range<decltype(model_parameters(m))>;
+                       }) {
+    static_assert(always_false<M>,
+                  "ddp: this is not a model ddp knows: give the averager a sized range of "
+                  "parameters (e.g. std::vector<P>), or an object whose parameters() returns "
+                  "one (a torch::nn::Module with ddp/adapters/torch.hpp)");
+  } else {
+    static_assert(always_false<M>,
+                  "ddp: the model's parameters are not ddp::Parameters: each needs a value and a "
+                  "grad, mutable tensors of one floating-point type, as members (.value, .grad "
+                  "or value(), grad()) or through a specialization of ddp::parameter_traits<P> "
+                  "with static value(P&) and grad(P&) (ddp/training/parameters.hpp)");
+  }
+  return false;
+}
+
+/// What an averager of a type that is not a Model is deduced to, after the error that says why:
+/// a valid model, whose averager takes any argument (a constructor declared, never defined), so
+/// that the compiler stops at that one error instead of listing every constructor it tried.
+struct rejected_parameter {
+  std::vector<float> value, grad;  ///< a Parameter's members
+};
+/// See rejected_parameter.
+struct rejected_model : std::vector<rejected_parameter> {};
+
+/// An averager's model type: M when it is a Model, else a compile error that says why (the
+/// averagers' deduction guides return Averager<model_t<M>, ...>, so both g++ and clang++ print
+/// the reason first, and nothing after it).
+template <class M>
+using model_t = std::conditional_t<explain_model<M>(), M, rejected_model>;
+
+/// The element type an averager of M uses by default: the gradients' type, or float32 where it
+/// is known only at run time (then checked at construction) or where P is no Parameter (the
+/// deduction guide has then said why).
+template <class M, class P = param_of_t<M>, bool = dynamic_parameter<P> || !Parameter<P>>
+struct model_element {
+  using type = tensor_value_t<grad_of_t<P>>;
+};
+template <class M, class P>
+struct model_element<M, P, true> {
+  using type = float;
+};
+
+/// A parameter's value or gradient as a TensorView<T>: a run-time-typed one is checked here.
+template <class T, class X>
+TensorView<T> typed_view(X& x, int rank, std::size_t i, const char* what, const char* who) {
+  const auto v = ddp::view(x);
+  if constexpr (std::is_same_v<std::remove_cvref_t<decltype(v)>, DynamicView>) {
+    if (v.problem != nullptr || !v.contiguous)
+      fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": parameter ", i, "'s ", what,
+           " cannot be used: ", v.problem != nullptr ? v.problem : "it is not contiguous");
+    if (v.dtype != dtype_of<T>)
+      fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": parameter ", i, "'s ", what, " is ",
+           to_string(v.dtype), " but parameter 0's gradient is ", to_string(dtype_of<T>), "; the ",
+           who, " takes one floating-point dtype per model");
+    return {static_cast<T*>(v.data), v.size, v.device, v.stream};
+  } else {
+    return {v.data, v.size, v.device, v.stream};
+  }
+}
+
+/// Every rank has the same parameters (count, element type T, sizes) and the same `options`
+/// (bucket_bytes, first_bucket_bytes, in_place_bytes, broadcast_parameters, compression, the
+/// fields of `options_name`): Errc::mismatch names the first difference and the ranks.
+/// Collective.
+template <class T, class Comm>
+void check_same_parameters(Comm& comm, const std::vector<TensorView<T>>& values,
+                           const std::vector<TensorView<T>>& grads, const char* who,
+                           const char* options_name, std::array<std::uint64_t, 5> options) {
+  std::vector<std::uint64_t> sig{grads.size(), static_cast<std::uint64_t>(dtype_of<T>)};
+  sig.insert(sig.end(), options.begin(), options.end());
+  for (std::size_t i = 0; i < grads.size(); ++i) {
+    if (grads[i].size != values[i].size)
+      fail(Errc::invalid_argument, "rank ", comm.rank(), ": ", who, ": parameter ", i, " has ",
+           values[i].size, " values but ", grads[i].size, " gradients");
+    sig.push_back(grads[i].size);
+  }
+  static constexpr const char* names[] = {"bucket_bytes", "first_bucket_bytes", "in_place_bytes",
+                                          "broadcast_parameters", "compression"};
+  const auto all = comm.all_gather_object(sig);
+  for (std::size_t r = 1; r < all.size(); ++r) {
+    const auto &a = all[0], &b = all[r];
+    const auto differ = [&](const auto&... what) {
+      fail(Errc::mismatch, "rank ", comm.rank(), ": ", who, ": ", what..., " on rank ", r,
+           "; every rank must build the same model and give the same ", options_name);
+    };
+    if (a[0] != b[0]) differ("rank 0 has ", a[0], " parameters but ", b[0]);
+    if (a[1] != b[1])
+      differ("the gradients are ", to_string(static_cast<DType>(a[1])), " on rank 0 but ",
+             to_string(static_cast<DType>(b[1])));
+    for (std::size_t k = 7; k < a.size(); ++k)
+      if (a[k] != b[k])
+        differ("parameter ", k - 7, " has ", a[k], " elements on rank 0 but ", b[k]);
+    for (std::size_t k = 2; k < 7; ++k)
+      if (a[k] != b[k])
+        differ(options_name, "::", names[k - 2], " is ", a[k], " on rank 0 but ", b[k]);
+  }
+}
+
+#if !DDP_HAS_CUDA  // host memory only: the copies of ddp/cuda.hpp without their CUDA half
+inline void copy_bytes(void* dst, const void* src, std::size_t n, bool, void*) {
+  if (n != 0) std::memcpy(dst, src, n);
+}
+inline void zero_bytes(void* dst, std::size_t n, bool, void*) {
+  if (n != 0) std::memset(dst, 0, n);
+}
+inline void sync_stream(bool, void*) {}
+inline void join_streams(bool, void*, void*) {}
+#endif
+
+}  // namespace detail
+
+DDP_END_NAMESPACE
+// end ddp/training/parameters.hpp
+// #include "ddp/training/partition.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// Named training state, committed per step (see the file comment).
+class TrainingState {
+ public:
+  /// Tracks a tensor's values (anything ddp::view sees: a std::vector, a span, a torch::Tensor;
+  /// host or CUDA memory), looked up again at every commit and restore (it may be reallocated
+  /// between steps, not resized). `tensor` must outlive this object.
+  template <class T>
+    requires requires(T& t) { ddp::view(t); }
+  TrainingState& track(std::string name, T& tensor) {
+    add(std::move(name), [&tensor] { return raw(ddp::view(tensor)); });
+    return *this;
+  }
+
+  /// Tracks every parameter's value of `model` (what GradientAverager averages), as one piece
+  /// per parameter.
+  template <class M>
+  TrainingState& track_model(const std::string& name, M& model) {
+    std::size_t i = 0;
+    for (auto& p : detail::model_parameters(model)) {
+      add(detail::concat(name, ".", i++), [&p] { return raw(ddp::view(detail::param_value(p))); });
+    }
+    return *this;
+  }
+
+  /// Tracks an object ddp::codec encodes (the step, an epoch, a SamplerState, a seed).
+  template <Encodable T>
+  TrainingState& track_object(std::string name, T& object) {
+    Piece piece;
+    piece.name = new_name(std::move(name));
+    piece.kind = 1;
+    piece.describe = [] { return detail::type_tag<T>(); };
+    piece.save = [&object] { return detail::encode_object(object); };
+    piece.load = [&object](const std::string& bytes) {
+      object = detail::decode_object<T>(bytes.data(), bytes.size());
+    };
+    pieces_.push_back(std::move(piece));
+    return *this;
+  }
+
+  /// Tracks a DistributedSampler's place in its epoch (advance() it after each batch): restored
+  /// with the rest, then, over a new number of ranks, dealt over them
+  /// (DistributedSampler::repartition), so that the samples no rank has taken in this epoch go
+  /// to the ranks that remain; over as many, each rank goes on from the same place.
+  TrainingState& track_sampler(std::string name, DistributedSampler& sampler) {
+    Piece piece;
+    piece.name = new_name(std::move(name));
+    piece.kind = 2;
+    piece.describe = [&sampler] { return static_cast<std::uint64_t>(sampler.dataset_size()); };
+    piece.save = [&sampler] { return detail::encode_object(sampler.state()); };
+    piece.load = [&sampler](const std::string& bytes) {
+      const auto s = detail::decode_object<SamplerState>(bytes.data(), bytes.size());
+      sampler = DistributedSampler(static_cast<std::size_t>(s.dataset_size),
+                                   static_cast<int>(s.num_replicas), 0, sampler.options());
+      sampler.restore(s);
+    };
+    piece.regroup = [&sampler](int size, int rank) {
+      const SamplerState s = sampler.state();
+      if (s.num_replicas != static_cast<std::uint64_t>(size)) {
+        sampler.repartition(size, rank);
+      } else {  // as many ranks: each takes its positions from the same place on
+        sampler = DistributedSampler(sampler.dataset_size(), size, rank, sampler.options());
+        sampler.restore(s);
+      }
+    };
+    pieces_.push_back(std::move(piece));
+    return *this;
+  }
+
+  /// Collective, before the first step: rank 0's tracked state goes to every rank and is
+  /// committed there as step 0.
+  template <ProcessGroup Comm>
+  void start(Comm& comm) {
+    confirming_ = 0;
+    steps_ = 0;
+    snapshot();
+    send_from(comm, 0);
+    for (Piece& p : pieces_)
+      if (p.regroup) p.regroup(comm.size(), comm.rank());
+  }
+
+  /// Collective, at the end of each step: every member confirms it finished this step (Errc::
+  /// mismatch when the members are at different commits), then this rank's state is copied
+  /// aside as the new commit. Returns the commits made since start(). A lost member makes it
+  /// fail as any collective does: then shrink() and restore().
+  template <ProcessGroup Comm>
+  std::uint64_t commit(Comm& comm) {
+    confirming_ = steps_ + 1;
+    // max of the commit and of its complement: the largest and the smallest over the members
+    // (three values: a commit on some ranks never pairs with a program's own all_reduce of two).
+    // The third: how many processes wait to join, as rank 0 sees them (Communicator::join).
+    std::vector<double> at{static_cast<double>(confirming_), -static_cast<double>(confirming_),
+                           comm.rank() == 0 ? static_cast<double>(poll_joining(comm)) : 0.0};
+    comm.all_reduce_host(std::span<double>(at), ReduceOp::max);
+    joining_ = static_cast<int>(at[2]);
+    if (at[0] != -at[1])
+      detail::fail(Errc::mismatch, "rank ", comm.rank(),
+                   ": TrainingState::commit: this rank commits step ", confirming_,
+                   " but the members are at ", static_cast<long long>(-at[1]), " to ",
+                   static_cast<long long>(at[0]),
+                   ": every member must call commit() once per step (and restore() after a "
+                   "membership change)");
+    snapshot();
+    steps_ = confirming_;
+    confirming_ = 0;
+    return steps_;
+  }
+
+  /// Collective over a new membership (after shrink()): every member ends with the newest
+  /// commit any member holds, written back into the tracked buffers and objects; a member that
+  /// has none of its own (a newcomer, or one further behind) receives it. Returns its number.
+  template <ProcessGroup Comm>
+  std::uint64_t restore(Comm& comm) {
+    const auto all = comm.all_gather_object(std::vector<std::uint64_t>{steps_, confirming_});
+    // A member still confirming commit k had finished step k (every member had: the commit's
+    // collective had begun): its live state is step k, newer than its last commit.
+    std::uint64_t newest = 0;
+    for (const auto& m : all) newest = std::max({newest, m[0], m[1]});
+    int source = 0;
+    while (all[static_cast<std::size_t>(source)][0] != newest &&
+           all[static_cast<std::size_t>(source)][1] != newest)
+      ++source;
+    if (comm.rank() == source && steps_ != newest) snapshot();
+    send_from(comm, source);
+    for (Piece& p : pieces_)
+      if (p.regroup) p.regroup(comm.size(), comm.rank());
+    steps_ = newest;
+    confirming_ = 0;
+    return newest;
+  }
+
+  /// How many processes waited to join the job at the last commit(), the same on every member
+  /// (rank 0 looks at most every 50 ms). When it is not 0, every member calls grow(comm).
+  [[nodiscard]] int joining() const noexcept { return joining_; }
+
+  /// Collective over the members, after a commit() whose joining() is not 0: admits the
+  /// processes waiting to join (Communicator::grow with ticket()), replaces `comm` with the
+  /// grown communicator, and sends every member the last commit (restore()), the newcomers
+  /// included (they call restore() after Communicator::join). Returns whether the membership
+  /// changed: then re-create the averagers over `comm` (their constructors are collective, and
+  /// the newcomers make theirs now). A failure meanwhile throws as a collective does, `comm`
+  /// already the grown one: shrink() it and restore(), as after any failure.
+  template <class Comm>
+  bool grow(Comm& comm) {
+    GrowOptions o;
+    o.ticket = ticket();
+    joining_ = last_waiting_ = 0;
+    Comm grown = comm.grow(o);
+    if (grown.epoch() == comm.epoch()) return false;
+    comm = std::move(grown);
+    restore(comm);
+    return true;
+  }
+
+  /// What a process must track alike to be admitted to the job (GrowOptions::ticket,
+  /// JoinOptions::ticket): each piece's name, kind and size (tensors: bytes; objects: a tag of
+  /// their type; samplers: the dataset size), in order.
+  [[nodiscard]] std::string ticket() const {
+    std::string t;
+    for (const Piece& p : pieces_) {
+      const char* kind = p.kind == 0   ? " tensor of bytes "
+                         : p.kind == 1 ? " object "
+                                       : " sampler of ";
+      t += detail::concat(t.empty() ? "" : ";", p.name, kind,
+                          p.where ? p.where().bytes : p.describe());
+    }
+    return t;
+  }
+
+  /// Commits made since start() (after restore(): the commit restored).
+  [[nodiscard]] std::uint64_t steps() const noexcept { return steps_; }
+  /// Bytes of the copy kept aside (the last commit).
+  [[nodiscard]] std::size_t bytes() const noexcept {
+    std::size_t n = 0;
+    for (const Piece& p : pieces_) n += p.saved.size();
+    return n;
+  }
+
+ private:
+  struct Raw {
+    void* data = nullptr;
+    std::size_t bytes = 0;
+    bool cuda = false;
+    void* stream = nullptr;
+  };
+  struct Piece {
+    std::string name;
+    std::uint8_t kind = 0;                         // 0 a tensor, 1 an object, 2 a sampler
+    std::function<std::uint64_t()> describe;       // what must agree: object type, dataset size
+    std::function<Raw()> where;                    // a tensor: its memory now
+    std::function<std::string()> save;             // an object: encoded
+    std::function<void(const std::string&)> load;  // an object: decoded back
+    std::function<void(int, int)> regroup;         // a sampler: dealt over (size, rank)
+    std::string saved;                             // the last commit
+  };
+
+  template <class V>
+  static Raw raw(const V& v) {
+    if constexpr (std::is_same_v<V, DynamicView>) {
+      return {v.data, v.size * size_of(v.dtype), v.device.is_cuda(), v.stream};
+    } else {
+      return {const_cast<void*>(static_cast<const void*>(v.data)), v.bytes(), v.device.is_cuda(),
+              v.stream};
+    }
+  }
+
+  std::string new_name(std::string name) const {
+    for (const Piece& p : pieces_)
+      if (p.name == name)
+        detail::fail(Errc::invalid_argument, "TrainingState: \"", name, "\" is tracked twice");
+    return name;
+  }
+
+  void add(std::string name, std::function<Raw()> where) {
+    Piece piece;
+    piece.name = new_name(std::move(name));
+    piece.where = std::move(where);
+    pieces_.push_back(std::move(piece));
+  }
+
+  /// The tracked state now, copied aside.
+  void snapshot() {
+    for (Piece& p : pieces_) {
+      if (p.save) {
+        p.saved = p.save();
+        continue;
+      }
+      const Raw r = p.where();
+      p.saved.resize(r.bytes);
+      detail::copy_bytes(p.saved.data(), r.data, r.bytes, r.cuda, r.stream);
+      detail::sync_stream(r.cuda, r.stream);
+    }
+  }
+
+  /// Rank `root`'s copy aside to every member, then written back into the tracked state on
+  /// every member. The members first compare the sizes of their tensors (every member fails
+  /// alike, naming the first that differs, when they do not track the same state).
+  template <ProcessGroup Comm>
+  void send_from(Comm& comm, int root) {
+    // Every member's pieces: name, kind, what must agree, and (tensors) bytes now and at the
+    // commit; every member checks them alike, so all fail together, naming the first that
+    // differs.
+    using Desc = std::pair<std::string, std::vector<std::uint64_t>>;
+    std::vector<Desc> mine;
+    for (const Piece& p : pieces_) {
+      const std::uint64_t now = p.where ? p.where().bytes : p.describe();
+      mine.push_back({p.name, {p.kind, now, p.saved.size()}});
+    }
+    const auto all = comm.all_gather_object(mine);
+    const auto& theirs = all[static_cast<std::size_t>(root)];
+    for (std::size_t r = 0; r < all.size(); ++r) {
+      const auto differ = [&](const auto&... why) {
+        detail::fail(Errc::mismatch, "rank ", comm.rank(), ": TrainingState: ", why...,
+                     ": every member must track the same state (the same names, model, optimizer "
+                     "and types, in the same order), and a tracked tensor must keep its size");
+      };
+      if (all[r].size() != theirs.size())
+        differ("rank ", r, " tracks ", all[r].size(), " pieces but rank ", root, " tracks ",
+               theirs.size());
+      for (std::size_t i = 0; i < theirs.size(); ++i) {
+        const auto& [name, d] = all[r][i];
+        const auto& [root_name, rd] = theirs[i];
+        if (name != root_name || d[0] != rd[0])
+          differ("piece ", i, " is \"", name, "\" on rank ", r, " but \"", root_name, "\" on rank ",
+                 root, " (or of another kind)");
+        if (d[0] == 0 && d[1] != rd[2])
+          differ("\"", name, "\" holds ", d[1], " bytes on rank ", r, " but ", rd[2],
+                 " were committed on rank ", root);
+        if (d[0] != 0 && d[1] != rd[1])
+          differ("\"", name, "\" is ",
+                 d[0] == 1 ? "an object of another type" : "a sampler of another dataset size",
+                 " on rank ", r, " than on rank ", root);
+      }
+    }
+    for (Piece& p : pieces_) {
+      std::vector<std::int64_t> size{static_cast<std::int64_t>(p.saved.size())};
+      comm.broadcast_host(std::span<std::int64_t>(size), root);
+      p.saved.resize(static_cast<std::size_t>(size[0]));
+      if (!p.saved.empty()) {
+        comm.broadcast_host(std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(p.saved.data()),
+                                                    p.saved.size()),
+                            root);
+      }
+      if (p.load) {
+        p.load(p.saved);
+      } else {
+        const Raw r = p.where();
+        detail::copy_bytes(r.data, p.saved.data(), r.bytes, r.cuda, r.stream);
+        detail::sync_stream(r.cuda, r.stream);
+      }
+    }
+  }
+
+  // Rank 0's look at the processes waiting to join, at most every 50 ms.
+  template <class Comm>
+  int poll_joining(Comm& comm) {
+    if constexpr (requires { comm.waiting_to_join(); }) {
+      const auto now = std::chrono::steady_clock::now();
+      if (now - polled_ < std::chrono::milliseconds(50)) return last_waiting_;
+      polled_ = now;
+      last_waiting_ = comm.waiting_to_join();
+      return last_waiting_;
+    }
+    return 0;
+  }
+
+  std::vector<Piece> pieces_;
+  int joining_ = 0, last_waiting_ = 0;
+  std::chrono::steady_clock::time_point polled_{};
+  std::uint64_t steps_ = 0;       // commits made (since start)
+  std::uint64_t confirming_ = 0;  // the commit being confirmed (0: none)
+};
+
+DDP_END_NAMESPACE
+// end ddp/training/state.hpp
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// One step of Elastic::run_epochs on this rank.
+struct ElasticBatch {
+  /// This rank's dataset indices for the step: local_batch of them, fewer at the end of its
+  /// shard, none when its shard ran out before the longest (it steps with the others).
+  std::span<const std::size_t> indices;
+  /// The epoch (0-based).
+  int epoch = 0;
+  /// The step in the epoch, counted from where its samples were last dealt (0 at its start, and
+  /// again after a change of membership).
+  std::size_t step = 0;
+  /// This rank's full share of the global batch (the global batch over the ranks, rounded up):
+  /// divide sums by it, not by indices.size(), and a short batch makes a proportionally short
+  /// step.
+  std::size_t local_batch = 0;
+};
+
+/// A change of membership, as Elastic::on_change reports it.
+struct ElasticChange {
+  enum class Kind {
+    started,  ///< the job began (this process made the communicator with init())
+    joined,   ///< this process joined a running job (restarted by the launcher, or added)
+    lost,     ///< ranks were lost: the survivors go on (shrink, restore)
+    grew,     ///< newcomers were admitted
+  };
+  Kind kind = Kind::started;
+  int size = 0;              ///< ranks now
+  int previous_size = 0;     ///< ranks before (0 when this process was not in the job)
+  std::uint64_t commit = 0;  ///< the commit every member goes on from
+  double ms = 0;             ///< how long the change took here, from the failure (lost) or call
+  std::string why;           ///< lost: the failure that started it
+};
+
+/// Settings of an Elastic loop.
+struct ElasticOptions {
+  /// How the survivors agree (ShrinkOptions::wait_for_ranks, exclude).
+  ShrinkOptions shrink{};
+  /// How long a newcomer waits to be admitted (JoinOptions::wait; 0: the timeout).
+  std::chrono::milliseconds join_wait{0};
+  /// The fewest ranks the job goes on with: a loss that leaves fewer is rethrown.
+  int min_size = 1;
+  /// Losses recovered from at most (-1: no limit); the next one is rethrown.
+  int max_recoveries = -1;
+};
+
+/// A fault-tolerant training loop (see the file comment). Track the state first (before comm()
+/// or run), then run.
+template <class Backend>
+class Elastic {
+ public:
+  using Comm = Communicator<Backend>;
+
+  /// Nothing is connected yet: the communicator is made (init(), or join() when the launcher
+  /// restarted this process to rejoin, Environment::rejoin) on the first comm() or run.
+  explicit Elastic(Environment env = Environment::detect(), Options options = {},
+                   ElasticOptions elastic = {})
+      : env_(std::move(env)), options_(std::move(options)), eo_(std::move(elastic)) {
+    state_.track_object("ddp.elastic.epoch", epoch_);
+  }
+  Elastic(const Elastic&) = delete;
+  Elastic& operator=(const Elastic&) = delete;
+
+  /// What survives a loss, as TrainingState tracks it (track, track_model, track_object,
+  /// track_sampler); every process of the job tracks the same, in the same order, before the
+  /// communicator is made.
+  template <class T>
+    requires requires(T& t) { ddp::view(t); }
+  Elastic& track(std::string name, T& tensor) {
+    before_connect("track");
+    state_.track(std::move(name), tensor);
+    return *this;
+  }
+  template <class M>
+  Elastic& track_model(const std::string& name, M& model) {
+    before_connect("track_model");
+    state_.track_model(name, model);
+    return *this;
+  }
+  template <Encodable T>
+  Elastic& track_object(std::string name, T& object) {
+    before_connect("track_object");
+    state_.track_object(std::move(name), object);
+    return *this;
+  }
+  Elastic& track_sampler(std::string name, DistributedSampler& sampler) {
+    before_connect("track_sampler");
+    state_.track_sampler(std::move(name), sampler);
+    samplers_.push_back(&sampler);
+    return *this;
+  }
+
+  /// Called with the communicator once it is made and after every change of membership, the
+  /// tracked state restored: make what depends on the communicator again (GradientAverager,
+  /// ShardedAverager: their constructors are collective, and a newcomer makes its own then).
+  Elastic& on_reset(std::function<void(Comm&)> f) {
+    reset_ = std::move(f);
+    return *this;
+  }
+  /// Called after every change of membership (to log it, say).
+  Elastic& on_change(std::function<void(const ElasticChange&)> f) {
+    change_ = std::move(f);
+    return *this;
+  }
+  /// Called with each commit's number once it is made: every member finished that step, which
+  /// no loss can undo (record what the step did, write a checkpoint every N commits). A commit
+  /// that this rank was still confirming when a member was lost, and to which the survivors
+  /// rolled forward, is reported after the recovery.
+  Elastic& on_commit(std::function<void(Comm&, std::uint64_t)> f) {
+    commit_ = std::move(f);
+    return *this;
+  }
+
+  /// The communicator (made on first use; the one of the current membership after a change).
+  [[nodiscard]] Comm& comm() {
+    connect();
+    return *comm_;
+  }
+  /// The tracked state.
+  [[nodiscard]] TrainingState& state() noexcept { return state_; }
+  /// The epoch run_epochs is in (restored with the rest).
+  [[nodiscard]] int epoch() const noexcept { return epoch_; }
+  /// Commits made: steps, and ends of epochs (the same on every member).
+  [[nodiscard]] std::uint64_t steps() const noexcept { return state_.steps(); }
+  /// Losses recovered from so far on this process.
+  [[nodiscard]] int recoveries() const noexcept { return recoveries_; }
+
+  /// Runs `step(comm, n)` for n = steps() until `total` steps are committed, committing after
+  /// each; a loss makes the survivors go on from the newest commit (steps() restored with it).
+  void run(std::uint64_t total, const std::function<void(Comm&, std::uint64_t)>& step) {
+    connect();
+    for (;;) {
+      try {
+        while (state_.steps() < total) {
+          step(*comm_, state_.steps());
+          (void)commit();
+        }
+        return;
+      } catch (const Error& e) {
+        if (!recoverable(e)) throw;
+        recover(e);
+      }
+    }
+  }
+
+  /// Runs epochs over `sampler` (tracked with track_sampler) until `epochs` are done, `step`
+  /// once per batch of `global_batch` samples over all ranks (each rank an equal share), a
+  /// commit after each, and `end_of_epoch(comm, epoch)` at the end of each (evaluation; it may
+  /// use collectives). Every member takes as many steps as the longest shard needs; the
+  /// samples the ranks have not taken are dealt again over every new membership, so that with
+  /// SamplerOptions::exact every sample of an epoch is trained on exactly once, whatever is lost.
+  void run_epochs(DistributedSampler& sampler, int epochs, std::size_t global_batch,
+                  const std::function<void(Comm&, const ElasticBatch&)>& step,
+                  const std::function<void(Comm&, int)>& end_of_epoch = {}) {
+    if (std::find(samplers_.begin(), samplers_.end(), &sampler) == samplers_.end())
+      detail::fail(Errc::invalid_argument, "rank ", env_.rank,
+                   ": Elastic::run_epochs: the sampler is not tracked; track it with "
+                   "track_sampler() before the communicator is made, so that its place in the "
+                   "epoch survives a loss");
+    if (global_batch == 0)
+      detail::fail(Errc::invalid_argument, "rank ", env_.rank,
+                   ": Elastic::run_epochs: the global batch must be at least 1 sample");
+    connect();
+    for (;;) {
+      try {
+        while (epoch_ < epochs) {
+          if (!run_epoch_steps(sampler, global_batch, step)) continue;  // dealt again: go on
+          if (end_of_epoch) end_of_epoch(*comm_, epoch_);
+          ++epoch_;
+          sampler.set_epoch(static_cast<std::uint64_t>(epoch_));
+          (void)commit();
+        }
+        return;
+      } catch (const Error& e) {
+        if (!recoverable(e)) throw;
+        recover(e);
+      }
+    }
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  void before_connect(const char* what) const {
+    if (comm_)
+      detail::fail(Errc::invalid_argument, "rank ", env_.rank, ": Elastic::", what,
+                   ": the communicator is made already; track the state before the first comm() "
+                   "or run (every process must track the same, and a newcomer's ticket is "
+                   "checked against it)");
+  }
+
+  static bool recoverable(const Error& e) noexcept {
+    return e.code() == Errc::peer_lost || e.code() == Errc::aborted || e.code() == Errc::timeout;
+  }
+
+  void connect() {
+    if (comm_) return;
+    const auto t0 = Clock::now();
+    if (env_.rejoin) {
+      comm_.emplace(Comm::join(env_, options_, {.ticket = state_.ticket(), .wait = eo_.join_wait}));
+      state_.restore(*comm_);
+      reset(ElasticChange::Kind::joined, 0, t0, {});
+    } else {
+      comm_.emplace(Comm::init(env_, options_));
+      state_.start(*comm_);
+      reset(ElasticChange::Kind::started, 0, t0, {});
+    }
+  }
+
+  void reset(ElasticChange::Kind kind, int before, Clock::time_point t0, std::string why) {
+    if (reset_) reset_(*comm_);
+    if (change_) {
+      ElasticChange c;
+      c.kind = kind;
+      c.size = comm_->size();
+      c.previous_size = before;
+      c.commit = state_.steps();
+      c.ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+      c.why = std::move(why);
+      change_(c);
+    }
+  }
+
+  /// The commit after a step; admits the processes waiting to join, when there are. Returns
+  /// whether the membership grew (the epoch's rest is then dealt again).
+  bool commit() {
+    confirming_ = state_.steps() + 1;
+    state_.commit(*comm_);
+    confirming_ = 0;
+    if (commit_) commit_(*comm_, state_.steps());
+    if (state_.joining() <= 0) return false;
+    const auto t0 = Clock::now();
+    const int before = comm_->size();
+    if (!state_.grow(*comm_)) return false;
+    reset(ElasticChange::Kind::grew, before, t0, {});
+    return true;
+  }
+
+  /// The rest of the current epoch's steps over this membership; false when the membership grew
+  /// meanwhile (the rest is then dealt again over the new one).
+  bool run_epoch_steps(DistributedSampler& sampler, std::size_t global_batch,
+                       const std::function<void(Comm&, const ElasticBatch&)>& step) {
+    const std::vector<std::size_t> mine = sampler.indices();
+    const auto ranks = static_cast<std::size_t>(comm_->size());
+    const std::size_t longest = (sampler.total_size() + ranks - 1) / ranks;
+    const std::size_t at = sampler.state().offset;
+    const std::size_t local = (global_batch + ranks - 1) / ranks;
+    for (std::size_t done = 0; at + done < longest; done += local) {
+      const std::size_t count = done < mine.size() ? std::min(local, mine.size() - done) : 0;
+      ElasticBatch b;
+      b.indices = std::span<const std::size_t>(mine.data() + done, count);
+      b.epoch = epoch_;
+      b.step = (at + done) / local;
+      b.local_batch = local;
+      step(*comm_, b);
+      sampler.advance(count);
+      if (commit()) return false;
+    }
+    return true;
+  }
+
+  /// After a loss: shrink, restore, reset; again when a member is lost meanwhile. Rethrows
+  /// when this rank was left out (fenced), too few remain, or no recovery is left.
+  void recover(const Error& first) {
+    const auto t0 = Clock::now();
+    const int before = comm_->size();
+    for (;;) {
+      ++recoveries_;
+      if (eo_.max_recoveries >= 0 && recoveries_ > eo_.max_recoveries)
+        detail::fail(first.code(), first.what(), " (Elastic: ", eo_.max_recoveries,
+                     " losses recovered from already: ElasticOptions::max_recoveries)");
+      Comm next = comm_->shrink(eo_.shrink);  // left out: Errc::aborted, rethrown
+      *comm_ = std::move(next);
+      if (comm_->size() < eo_.min_size)
+        detail::fail(Errc::peer_lost, "rank ", comm_->rank(), ": Elastic: ", comm_->size(),
+                     " ranks are left, fewer than ElasticOptions::min_size ", eo_.min_size, " (",
+                     first.what(), ")");
+      try {
+        const std::uint64_t restored = state_.restore(*comm_);
+        if (confirming_ != 0 && restored == confirming_ && commit_) commit_(*comm_, restored);
+        confirming_ = 0;
+        reset(ElasticChange::Kind::lost, before, t0, first.what());
+        return;
+      } catch (const Error& again) {
+        if (!recoverable(again)) throw;  // another loss while restoring: shrink again
+      }
+    }
+  }
+
+  Environment env_;
+  Options options_;
+  ElasticOptions eo_;
+  TrainingState state_;
+  int epoch_ = 0;
+  std::vector<const DistributedSampler*> samplers_;
+  std::function<void(Comm&)> reset_;
+  std::function<void(const ElasticChange&)> change_;
+  std::function<void(Comm&, std::uint64_t)> commit_;
+  std::uint64_t confirming_ = 0;  // the commit being confirmed (0: none)
+  std::optional<Comm> comm_;
+  int recoveries_ = 0;
+};
+
+DDP_END_NAMESPACE
+// end ddp/training/elastic.hpp
 // begin ddp/training/gradient.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -17497,311 +19022,7 @@ class Join {
 
 DDP_END_NAMESPACE
 // end ddp/training/join.hpp
-// begin ddp/training/parameters.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// What a model is to the averagers: the Parameter and Model concepts, and how a parameter type
-/// is adapted. A Model is a sized range of parameters, or has parameters() returning one (and
-/// may have buffers(): state such as BatchNorm's running statistics). A parameter has a value and
-/// a gradient, mutable tensors of one floating-point type: members `value` and `grad` (data or
-/// functions), or a ddp::parameter_traits<P> specialization, by which a framework's adapter also
-/// says how its gradients are made and when they are final (ddp/adapters/torch_training.hpp).
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/detail/lean_std.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/tensor.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
-#if DDP_HAS_CUDA
-// #include "ddp/cuda.hpp" (already included above)
-#endif
-
-#include <array>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <functional>
-#include <memory>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-/// Adapts a parameter type: specialize with static value(P&) and grad(P&) returning tensors.
-/// Optional, for frameworks: ensure_grad(P&) and has_grad(P&) (gradients made lazily: see
-/// detail::lazy_grad) and ready_hook(P&, std::function<void()>) (see detail::has_ready_hook).
-template <class P>
-struct parameter_traits {};
-
-namespace detail {
-
-template <class P>
-concept has_value = (
-    requires(P & p) { parameter_traits<P>::value(p); } || requires(P & p) { p.value(); } ||
-    requires(P & p) { p.value; });
-template <class P>
-concept has_grad = (
-    requires(P & p) { parameter_traits<P>::grad(p); } || requires(P & p) { p.grad(); } ||
-    requires(P & p) { p.grad; });
-
-template <has_value P>
-decltype(auto) param_value(P& p) {
-  if constexpr (requires { parameter_traits<P>::value(p); })
-    return parameter_traits<P>::value(p);
-  else if constexpr (requires { p.value(); })
-    return p.value();
-  else
-    return (p.value);
-}
-
-template <has_grad P>
-decltype(auto) param_grad(P& p) {
-  if constexpr (requires { parameter_traits<P>::grad(p); })
-    return parameter_traits<P>::grad(p);
-  else if constexpr (requires { p.grad(); })
-    return p.grad();
-  else
-    return (p.grad);
-}
-
-template <class M>
-decltype(auto) model_parameters(M& m) {
-  if constexpr (requires { m.parameters(); })
-    return m.parameters();
-  else
-    return (m);
-}
-
-/// The parameter type of model M.
-template <class M>
-using param_of_t = std::ranges::range_value_t<decltype(model_parameters(std::declval<M&>()))>;
-
-/// Creates parameter p's gradient as zeros where the framework makes them lazily (libtorch:
-/// before the first backward, or after zero_grad() set them to None), before the averager reads
-/// it: parameter_traits<P>::ensure_grad(p), where defined.
-template <class P>
-void ensure_grad(P& p) {
-  if constexpr (requires { parameter_traits<P>::ensure_grad(p); })
-    parameter_traits<P>::ensure_grad(p);
-}
-
-/// Parameter p's rows when its values are seen as a matrix, row-major (torch: p.size(0) of a
-/// tensor of 2 or more dimensions, the rest making the columns): parameter_traits<P>::rows(p) or
-/// p.rows(), where defined; 0 (a vector) otherwise. Comm hooks that work on matrices (PowerSGD)
-/// read it from BucketPiece::rows.
-template <class P>
-std::size_t param_rows(P& p) {
-  if constexpr (requires { parameter_traits<P>::rows(p); })
-    return static_cast<std::size_t>(parameter_traits<P>::rows(p));
-  else if constexpr (requires { p.rows(); })
-    return static_cast<std::size_t>(p.rows());
-  else
-    return 0;
-}
-
-/// Gradients a framework makes lazily: parameter_traits<P>::has_grad(p) says whether p has one
-/// yet. The averager then looks it up when its bucket starts (made by then, or the parameter was
-/// unused this step and gets zeros) instead of making zeros for backward to add into.
-template <class P>
-concept lazy_grad = requires(P& p) {
-  parameter_traits<P>::ensure_grad(p);
-  { parameter_traits<P>::has_grad(p) } -> std::convertible_to<bool>;
-};
-
-/// The framework calls back when p's gradient is final for this backward pass:
-/// parameter_traits<P>::ready_hook(p, std::function<void()>) returns a handle whose destruction
-/// removes the hook (libtorch: a post hook on the gradient's accumulator).
-template <class P>
-concept has_ready_hook = requires(P& p, std::function<void()> f) {
-  {
-    parameter_traits<P>::ready_hook(p, std::move(f))
-    } -> std::convertible_to<std::shared_ptr<void>>;
-};
-
-/// The model has buffers() (state that is not parameters): copied from rank 0 like them.
-template <class M>
-concept has_buffers = requires(M& m) {
-  requires std::ranges::range<decltype(m.buffers())>;
-  requires MutableTensor<std::ranges::range_reference_t<decltype(m.buffers())>>;
-};
-
-template <class T>
-inline constexpr bool is_floating_scalar_v =
-    std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, half> ||
-    std::is_same_v<T, bfloat16>;
-
-template <class P>
-using value_of_t = decltype(param_value(std::declval<P&>()));
-template <class P>
-using grad_of_t = decltype(param_grad(std::declval<P&>()));
-
-/// Value and gradient typed at compile time: the same floating-point element type.
-template <class P>
-concept typed_parameter =
-    !DynamicTensor<value_of_t<P>> && !DynamicTensor<grad_of_t<P>> &&
-    std::is_same_v<tensor_value_t<value_of_t<P>>, tensor_value_t<grad_of_t<P>>> &&
-    is_floating_scalar_v<tensor_value_t<grad_of_t<P>>>;
-
-/// Value and gradient typed at run time (a framework's tensors): checked at construction.
-template <class P>
-concept dynamic_parameter = DynamicTensor<value_of_t<P>> && DynamicTensor<grad_of_t<P>>;
-
-}  // namespace detail
-
-/// A parameter: a value and a gradient, mutable tensors of the same floating-point type (checked
-/// when the averager is made, for tensors typed at run time).
-template <class P>
-concept Parameter = requires(P& p) {
-  { detail::param_value(p) } -> MutableTensor;
-  { detail::param_grad(p) } -> MutableTensor;
-}
-&&(detail::typed_parameter<P> || detail::dynamic_parameter<P>);
-
-/// A model: a sized range of Parameters, or something whose parameters() returns one.
-template <class M>
-concept Model = requires(M& m) {
-  requires std::ranges::sized_range<decltype(detail::model_parameters(m))>;
-  requires Parameter<std::ranges::range_value_t<decltype(detail::model_parameters(m))>>;
-};
-
-namespace detail {
-
-/// True when M is a Model; otherwise the first error the compiler prints says what to change
-/// (the averagers' deduction guides use it), instead of 50 lines of unsatisfied constraints.
-template <class M>
-consteval bool explain_model() {
-  if constexpr (Model<M>) {
-    return true;
-  } else if constexpr (requires(M & m) {
-                         m.get();
-                         *m;
-                         requires Model<std::remove_reference_t<decltype(*m)>>;
-                       }) {
-    static_assert(
-        always_false<M>,
-        "ddp: pass the model itself, *model: this is a pointer to it (a std::shared_ptr, "
-        "or libtorch's TORCH_MODULE holder); the averager keeps a reference to the model");
-  } else if constexpr (!requires(M & m) {
-                         requires std::ranges::sized_range<decltype(model_parameters(m))>;
-                       }) {
-    static_assert(always_false<M>,
-                  "ddp: this is not a model ddp knows: give the averager a sized range of "
-                  "parameters (e.g. std::vector<P>), or an object whose parameters() returns "
-                  "one (a torch::nn::Module with ddp/adapters/torch.hpp)");
-  } else {
-    static_assert(always_false<M>,
-                  "ddp: the model's parameters are not ddp::Parameters: each needs a value and a "
-                  "grad, mutable tensors of one floating-point type, as members (.value, .grad "
-                  "or value(), grad()) or through a specialization of ddp::parameter_traits<P> "
-                  "with static value(P&) and grad(P&) (ddp/training/parameters.hpp)");
-  }
-  return false;
-}
-
-/// What an averager of a type that is not a Model is deduced to, after the error that says why:
-/// a valid model, whose averager takes any argument (a constructor declared, never defined), so
-/// that the compiler stops at that one error instead of listing every constructor it tried.
-struct rejected_parameter {
-  std::vector<float> value, grad;  ///< a Parameter's members
-};
-/// See rejected_parameter.
-struct rejected_model : std::vector<rejected_parameter> {};
-
-/// An averager's model type: M when it is a Model, else a compile error that says why (the
-/// averagers' deduction guides return Averager<model_t<M>, ...>, so both g++ and clang++ print
-/// the reason first, and nothing after it).
-template <class M>
-using model_t = std::conditional_t<explain_model<M>(), M, rejected_model>;
-
-/// The element type an averager of M uses by default: the gradients' type, or float32 where it
-/// is known only at run time (then checked at construction) or where P is no Parameter (the
-/// deduction guide has then said why).
-template <class M, class P = param_of_t<M>, bool = dynamic_parameter<P> || !Parameter<P>>
-struct model_element {
-  using type = tensor_value_t<grad_of_t<P>>;
-};
-template <class M, class P>
-struct model_element<M, P, true> {
-  using type = float;
-};
-
-/// A parameter's value or gradient as a TensorView<T>: a run-time-typed one is checked here.
-template <class T, class X>
-TensorView<T> typed_view(X& x, int rank, std::size_t i, const char* what, const char* who) {
-  const auto v = ddp::view(x);
-  if constexpr (std::is_same_v<std::remove_cvref_t<decltype(v)>, DynamicView>) {
-    if (v.problem != nullptr || !v.contiguous)
-      fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": parameter ", i, "'s ", what,
-           " cannot be used: ", v.problem != nullptr ? v.problem : "it is not contiguous");
-    if (v.dtype != dtype_of<T>)
-      fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": parameter ", i, "'s ", what, " is ",
-           to_string(v.dtype), " but parameter 0's gradient is ", to_string(dtype_of<T>), "; the ",
-           who, " takes one floating-point dtype per model");
-    return {static_cast<T*>(v.data), v.size, v.device, v.stream};
-  } else {
-    return {v.data, v.size, v.device, v.stream};
-  }
-}
-
-/// Every rank has the same parameters (count, element type T, sizes) and the same `options`
-/// (bucket_bytes, first_bucket_bytes, in_place_bytes, broadcast_parameters, compression, the
-/// fields of `options_name`): Errc::mismatch names the first difference and the ranks.
-/// Collective.
-template <class T, class Comm>
-void check_same_parameters(Comm& comm, const std::vector<TensorView<T>>& values,
-                           const std::vector<TensorView<T>>& grads, const char* who,
-                           const char* options_name, std::array<std::uint64_t, 5> options) {
-  std::vector<std::uint64_t> sig{grads.size(), static_cast<std::uint64_t>(dtype_of<T>)};
-  sig.insert(sig.end(), options.begin(), options.end());
-  for (std::size_t i = 0; i < grads.size(); ++i) {
-    if (grads[i].size != values[i].size)
-      fail(Errc::invalid_argument, "rank ", comm.rank(), ": ", who, ": parameter ", i, " has ",
-           values[i].size, " values but ", grads[i].size, " gradients");
-    sig.push_back(grads[i].size);
-  }
-  static constexpr const char* names[] = {"bucket_bytes", "first_bucket_bytes", "in_place_bytes",
-                                          "broadcast_parameters", "compression"};
-  const auto all = comm.all_gather_object(sig);
-  for (std::size_t r = 1; r < all.size(); ++r) {
-    const auto &a = all[0], &b = all[r];
-    const auto differ = [&](const auto&... what) {
-      fail(Errc::mismatch, "rank ", comm.rank(), ": ", who, ": ", what..., " on rank ", r,
-           "; every rank must build the same model and give the same ", options_name);
-    };
-    if (a[0] != b[0]) differ("rank 0 has ", a[0], " parameters but ", b[0]);
-    if (a[1] != b[1])
-      differ("the gradients are ", to_string(static_cast<DType>(a[1])), " on rank 0 but ",
-             to_string(static_cast<DType>(b[1])));
-    for (std::size_t k = 7; k < a.size(); ++k)
-      if (a[k] != b[k])
-        differ("parameter ", k - 7, " has ", a[k], " elements on rank 0 but ", b[k]);
-    for (std::size_t k = 2; k < 7; ++k)
-      if (a[k] != b[k])
-        differ(options_name, "::", names[k - 2], " is ", a[k], " on rank 0 but ", b[k]);
-  }
-}
-
-#if !DDP_HAS_CUDA  // host memory only: the copies of ddp/cuda.hpp without their CUDA half
-inline void copy_bytes(void* dst, const void* src, std::size_t n, bool, void*) {
-  if (n != 0) std::memcpy(dst, src, n);
-}
-inline void zero_bytes(void* dst, std::size_t n, bool, void*) {
-  if (n != 0) std::memset(dst, 0, n);
-}
-inline void sync_stream(bool, void*) {}
-inline void join_streams(bool, void*, void*) {}
-#endif
-
-}  // namespace detail
-
-DDP_END_NAMESPACE
-// end ddp/training/parameters.hpp
+// #include "ddp/training/parameters.hpp" (already included above)
 
 #include <algorithm>
 #include <cmath>
@@ -19214,6 +20435,12 @@ DDP_END_NAMESPACE
 /// all_reduce(Q), M ~ P Q^T. The error, what this rank's gradient lost, is kept for the next
 /// step. So per matrix (n + m) r elements travel instead of n m.
 ///
+/// A step whose result holds an inf or a NaN (a loss-scaling step that overflowed) would leave
+/// them in the error and the warm-start Q, and every later step would be non-finite too: the
+/// bucket's error and Q are reset instead (the next step starts afresh, as the first compressed
+/// step does), counted in PowerSGDStats::resets. The result is the same on every rank, so every
+/// rank resets alike.
+///
 /// Host memory only (there are no GPU kernels in ddp's headers): a bucket on a CUDA device is
 /// refused with Errc::unsupported. The hook computes and communicates when its bucket is ready,
 /// in the thread that completes it (its two all_reduces are small). In a ddp::Join, a finished
@@ -19264,6 +20491,8 @@ struct PowerSGDStats {
   std::uint64_t uncompressed = 0;     ///< Elements of the buckets, every step.
   std::uint64_t compressed_sent = 0;  ///< Of `sent`, in the compressed steps only.
   std::uint64_t compressed_full = 0;  ///< Of `uncompressed`, in the compressed steps only.
+  /// Buckets whose error feedback and warm-start Q were reset after a non-finite result.
+  std::uint64_t resets = 0;
 };
 
 namespace detail {
@@ -19509,6 +20738,15 @@ class PowerSGDHook {
                       feedback ? mem.error.data() + (m.m - g) : nullptr, m.n, m.c, m.r);
       if (!b.shadow) mem.q = std::move(q);
     }
+    // An inf or NaN in the result (the same on every rank) would stay in the error and in Q
+    // and poison every later step: start this bucket afresh instead.
+    if (!std::all_of(g, g + n_all, [](float x) { return std::isfinite(x); })) {
+      if (!b.shadow) {
+        std::fill(mem.error.begin(), mem.error.end(), 0.0f);
+        mem.q.clear();
+      }
+      ++s.stats.resets;
+    }
     return {};
   }
 
@@ -19597,8 +20835,10 @@ DDP_END_NAMESPACE
 ///    nothing; two neighbours lost together take a shard with them (Errc::mismatch, naming it:
 ///    resume from a sharded checkpoint on disk).
 ///  * A save that a failure interrupted is complete on some ranks and not on others; the older
-///    save is kept for that case. With TrainingState, save before commit() and load the tag of
-///    the restored commit: a commit completes only after every rank finished its save.
+///    save is kept for that case. load() mirrors the save it loaded again on the new world
+///    before it returns, so a second loss right after a recovery loses nothing either. With
+///    TrainingState, save before commit() and load the tag of the restored commit: a commit
+///    completes only after every rank finished its save.
 
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/detail/crypto.hpp" (already included above)
@@ -20192,9 +21432,11 @@ struct MirrorAccess {
 
   /// Collective: each rank's checkpoint of the newest save (with tag `tag`, when given) of which
   /// the ranks hold every old rank's shard, cut for this world in the layouts `want` gives;
-  /// std::nullopt when no rank holds such a save.
+  /// std::nullopt when no rank holds such a save. Before it returns, that save is mirrored again
+  /// on this world (each new shard on its own rank and the rank before it, under the same tag),
+  /// and every other save is dropped: the next loss, however soon, finds every shard twice.
   template <class Comm>
-  static std::optional<Checkpoint> load(Comm& comm, const ShardMirror& m,
+  static std::optional<Checkpoint> load(Comm& comm, ShardMirror& m,
                                         std::optional<std::uint64_t> tag,
                                         const ShardLayoutFor& want) {
     const char* what = "ShardedAverager::load (in-memory copies)";
@@ -20240,8 +21482,24 @@ struct MirrorAccess {
       error = error_text(e);
     }
     fail_with_first(comm, comm.all_gather_object(error), what);
-    return reshard_held(comm, *set, shards, want, what,
-                        [&](std::uint64_t k) { return name(k, *set); });
+    Checkpoint mine = reshard_held(comm, *set, shards, want, what,
+                                   [&](std::uint64_t k) { return name(k, *set); });
+    // Redundancy again before training goes on: the loaded save, mirrored on this world. The
+    // saves it came from are dropped (the loaded one is kept until its copy is whole).
+    const auto chosen = [&](const ShardMirror::Save& s) {
+      return s.g == set->g && s.id == set->id && s.world == set->world;
+    };
+    std::uint64_t loaded_tag = 0;
+    for (const auto& s : m.saves_)
+      if (chosen(s)) loaded_tag = s.tag;
+    for (const std::uint64_t t : comm.all_gather_object(loaded_tag))
+      loaded_tag = std::max(loaded_tag, t);
+    std::erase_if(m.saves_, [&](const ShardMirror::Save& s) { return !chosen(s); });
+    Checkpoint again;
+    for (const std::string& section : mine.names())
+      if (section != "ddp.shard") again.put(section, mine.get(section));
+    save(comm, m, loaded_tag, again, {});
+    return mine;
   }
 
  private:
@@ -20692,10 +21950,11 @@ class ShardedAverager : public detail::Averager<M, Backend> {
 
   /// Collective, after a membership change (an averager made again over the survivors): loads
   /// the newest save in `mirror` (with tag `tag`, when given) of which the ranks hold every old
-  /// rank's shard, as load(path) loads a sharded checkpoint (cut again for this world size).
+  /// rank's shard, as load(path) loads a sharded checkpoint (cut again for this world size), and
+  /// mirrors it again over this world before returning (every shard on two ranks again).
   /// std::nullopt when no rank holds any save; Errc::mismatch when no rank holds `tag` (naming
   /// the tags held), or when a shard was lost with both of the ranks holding it.
-  [[nodiscard]] std::optional<Checkpoint> load(const ShardMirror& mirror,
+  [[nodiscard]] std::optional<Checkpoint> load(ShardMirror& mirror,
                                                std::optional<std::uint64_t> tag = std::nullopt) {
     return restore(detail::MirrorAccess::load(*this->comm_, mirror, tag, wanted()),
                    detail::concat("the in-memory copy of rank ", this->comm_->rank(), "'s shard"));
@@ -20778,381 +22037,7 @@ ShardedAverager(Communicator<Backend>&, M&, ShardedOptions = {})
 DDP_END_NAMESPACE
 // end ddp/training/sharded.hpp
 // #include "ddp/training/sharded_checkpoint.hpp" (already included above)
-// begin ddp/training/state.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// ddp::TrainingState: the state a fault-tolerant training loop keeps, committed step by step, so
-/// that after a membership change (Communicator::shrink) every member goes on from the same last
-/// committed step: no step lost, none applied twice or half. In the spirit of Horovod Elastic's
-/// State (commit, restore, sync) and torchft's per-step commit, without a separate coordinator.
-///
-///     ddp::TrainingState state;
-///     state.track_model("model", net).track("adam.m", adam.m).track_object("done", done);
-///     state.start(comm);                        // rank 0's state everywhere: committed step 0
-///     for (;;) {
-///       try {
-///         for (; step < steps; ++step) {
-///           ...; avg.average(); adam.step(net);
-///           done = step + 1;                    // the steps this commit holds
-///           state.commit(comm);
-///         }
-///         break;
-///       } catch (const ddp::Error& e) {
-///         comm = comm.shrink();                 // the survivors
-///         state.restore(comm);                  // every member: the newest committed step
-///         step = done;                          // go on after it
-///       }
-///     }
-///
-/// commit() first confirms, in one small all_reduce, that every member finished this step (and
-/// is at the same commit), then copies the tracked state aside (host memory). A failure in the
-/// step (before commit) leaves the previous commit; a failure inside the confirmation can leave
-/// it complete on some members and not on others, but only after every member had finished the
-/// step: restore() then takes the newest commit any member holds, and a member that was still
-/// confirming it holds that state live. restore() sends it from the lowest member that holds it
-/// to every other (broadcast), so the members end bitwise equal, and writes it back into the
-/// tracked buffers and objects.
-
-// #include "ddp/codec.hpp" (already included above)
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/options.hpp" (already included above)
-// #include "ddp/process_group.hpp" (already included above)
-// #include "ddp/tensor.hpp" (already included above)
-// #include "ddp/training/checkpoint.hpp" (already included above)
-// #include "ddp/training/parameters.hpp" (already included above)
-// #include "ddp/training/partition.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
-
-#include <algorithm>
-#include <chrono>
-#include <cstddef>
-#include <cstdint>
-#include <functional>
-#include <span>
-#include <string>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-/// Named training state, committed per step (see the file comment).
-class TrainingState {
- public:
-  /// Tracks a tensor's values (anything ddp::view sees: a std::vector, a span, a torch::Tensor;
-  /// host or CUDA memory), looked up again at every commit and restore (it may be reallocated
-  /// between steps, not resized). `tensor` must outlive this object.
-  template <class T>
-    requires requires(T& t) { ddp::view(t); }
-  TrainingState& track(std::string name, T& tensor) {
-    add(std::move(name), [&tensor] { return raw(ddp::view(tensor)); });
-    return *this;
-  }
-
-  /// Tracks every parameter's value of `model` (what GradientAverager averages), as one piece
-  /// per parameter.
-  template <class M>
-  TrainingState& track_model(const std::string& name, M& model) {
-    std::size_t i = 0;
-    for (auto& p : detail::model_parameters(model)) {
-      add(detail::concat(name, ".", i++), [&p] { return raw(ddp::view(detail::param_value(p))); });
-    }
-    return *this;
-  }
-
-  /// Tracks an object ddp::codec encodes (the step, an epoch, a SamplerState, a seed).
-  template <Encodable T>
-  TrainingState& track_object(std::string name, T& object) {
-    Piece piece;
-    piece.name = new_name(std::move(name));
-    piece.kind = 1;
-    piece.describe = [] { return detail::type_tag<T>(); };
-    piece.save = [&object] { return detail::encode_object(object); };
-    piece.load = [&object](const std::string& bytes) {
-      object = detail::decode_object<T>(bytes.data(), bytes.size());
-    };
-    pieces_.push_back(std::move(piece));
-    return *this;
-  }
-
-  /// Tracks a DistributedSampler's place in its epoch (advance() it after each batch): restored
-  /// with the rest, then, over a new number of ranks, dealt over them
-  /// (DistributedSampler::repartition), so that the samples no rank has taken in this epoch go
-  /// to the ranks that remain; over as many, each rank goes on from the same place.
-  TrainingState& track_sampler(std::string name, DistributedSampler& sampler) {
-    Piece piece;
-    piece.name = new_name(std::move(name));
-    piece.kind = 2;
-    piece.describe = [&sampler] { return static_cast<std::uint64_t>(sampler.dataset_size()); };
-    piece.save = [&sampler] { return detail::encode_object(sampler.state()); };
-    piece.load = [&sampler](const std::string& bytes) {
-      const auto s = detail::decode_object<SamplerState>(bytes.data(), bytes.size());
-      sampler = DistributedSampler(static_cast<std::size_t>(s.dataset_size),
-                                   static_cast<int>(s.num_replicas), 0, sampler.options());
-      sampler.restore(s);
-    };
-    piece.regroup = [&sampler](int size, int rank) {
-      const SamplerState s = sampler.state();
-      if (s.num_replicas != static_cast<std::uint64_t>(size)) {
-        sampler.repartition(size, rank);
-      } else {  // as many ranks: each takes its positions from the same place on
-        sampler = DistributedSampler(sampler.dataset_size(), size, rank, sampler.options());
-        sampler.restore(s);
-      }
-    };
-    pieces_.push_back(std::move(piece));
-    return *this;
-  }
-
-  /// Collective, before the first step: rank 0's tracked state goes to every rank and is
-  /// committed there as step 0.
-  template <ProcessGroup Comm>
-  void start(Comm& comm) {
-    confirming_ = 0;
-    steps_ = 0;
-    snapshot();
-    send_from(comm, 0);
-    for (Piece& p : pieces_)
-      if (p.regroup) p.regroup(comm.size(), comm.rank());
-  }
-
-  /// Collective, at the end of each step: every member confirms it finished this step (Errc::
-  /// mismatch when the members are at different commits), then this rank's state is copied
-  /// aside as the new commit. Returns the commits made since start(). A lost member makes it
-  /// fail as any collective does: then shrink() and restore().
-  template <ProcessGroup Comm>
-  std::uint64_t commit(Comm& comm) {
-    confirming_ = steps_ + 1;
-    // max of the commit and of its complement: the largest and the smallest over the members
-    // (three values: a commit on some ranks never pairs with a program's own all_reduce of two).
-    // The third: how many processes wait to join, as rank 0 sees them (Communicator::join).
-    std::vector<double> at{static_cast<double>(confirming_), -static_cast<double>(confirming_),
-                           comm.rank() == 0 ? static_cast<double>(poll_joining(comm)) : 0.0};
-    comm.all_reduce_host(std::span<double>(at), ReduceOp::max);
-    joining_ = static_cast<int>(at[2]);
-    if (at[0] != -at[1])
-      detail::fail(Errc::mismatch, "rank ", comm.rank(),
-                   ": TrainingState::commit: this rank commits step ", confirming_,
-                   " but the members are at ", static_cast<long long>(-at[1]), " to ",
-                   static_cast<long long>(at[0]),
-                   ": every member must call commit() once per step (and restore() after a "
-                   "membership change)");
-    snapshot();
-    steps_ = confirming_;
-    confirming_ = 0;
-    return steps_;
-  }
-
-  /// Collective over a new membership (after shrink()): every member ends with the newest
-  /// commit any member holds, written back into the tracked buffers and objects; a member that
-  /// has none of its own (a newcomer, or one further behind) receives it. Returns its number.
-  template <ProcessGroup Comm>
-  std::uint64_t restore(Comm& comm) {
-    const auto all = comm.all_gather_object(std::vector<std::uint64_t>{steps_, confirming_});
-    // A member still confirming commit k had finished step k (every member had: the commit's
-    // collective had begun): its live state is step k, newer than its last commit.
-    std::uint64_t newest = 0;
-    for (const auto& m : all) newest = std::max({newest, m[0], m[1]});
-    int source = 0;
-    while (all[static_cast<std::size_t>(source)][0] != newest &&
-           all[static_cast<std::size_t>(source)][1] != newest)
-      ++source;
-    if (comm.rank() == source && steps_ != newest) snapshot();
-    send_from(comm, source);
-    for (Piece& p : pieces_)
-      if (p.regroup) p.regroup(comm.size(), comm.rank());
-    steps_ = newest;
-    confirming_ = 0;
-    return newest;
-  }
-
-  /// How many processes waited to join the job at the last commit(), the same on every member
-  /// (rank 0 looks at most every 50 ms). When it is not 0, every member calls grow(comm).
-  [[nodiscard]] int joining() const noexcept { return joining_; }
-
-  /// Collective over the members, after a commit() whose joining() is not 0: admits the
-  /// processes waiting to join (Communicator::grow with ticket()), replaces `comm` with the
-  /// grown communicator, and sends every member the last commit (restore()), the newcomers
-  /// included (they call restore() after Communicator::join). Returns whether the membership
-  /// changed: then re-create the averagers over `comm` (their constructors are collective, and
-  /// the newcomers make theirs now). A failure meanwhile throws as a collective does, `comm`
-  /// already the grown one: shrink() it and restore(), as after any failure.
-  template <class Comm>
-  bool grow(Comm& comm) {
-    GrowOptions o;
-    o.ticket = ticket();
-    joining_ = last_waiting_ = 0;
-    Comm grown = comm.grow(o);
-    if (grown.epoch() == comm.epoch()) return false;
-    comm = std::move(grown);
-    restore(comm);
-    return true;
-  }
-
-  /// What a process must track alike to be admitted to the job (GrowOptions::ticket,
-  /// JoinOptions::ticket): each piece's name, kind and size (tensors: bytes; objects: a tag of
-  /// their type; samplers: the dataset size), in order.
-  [[nodiscard]] std::string ticket() const {
-    std::string t;
-    for (const Piece& p : pieces_) {
-      const char* kind = p.kind == 0   ? " tensor of bytes "
-                         : p.kind == 1 ? " object "
-                                       : " sampler of ";
-      t += detail::concat(t.empty() ? "" : ";", p.name, kind,
-                          p.where ? p.where().bytes : p.describe());
-    }
-    return t;
-  }
-
-  /// Commits made since start() (after restore(): the commit restored).
-  [[nodiscard]] std::uint64_t steps() const noexcept { return steps_; }
-  /// Bytes of the copy kept aside (the last commit).
-  [[nodiscard]] std::size_t bytes() const noexcept {
-    std::size_t n = 0;
-    for (const Piece& p : pieces_) n += p.saved.size();
-    return n;
-  }
-
- private:
-  struct Raw {
-    void* data = nullptr;
-    std::size_t bytes = 0;
-    bool cuda = false;
-    void* stream = nullptr;
-  };
-  struct Piece {
-    std::string name;
-    std::uint8_t kind = 0;                         // 0 a tensor, 1 an object, 2 a sampler
-    std::function<std::uint64_t()> describe;       // what must agree: object type, dataset size
-    std::function<Raw()> where;                    // a tensor: its memory now
-    std::function<std::string()> save;             // an object: encoded
-    std::function<void(const std::string&)> load;  // an object: decoded back
-    std::function<void(int, int)> regroup;         // a sampler: dealt over (size, rank)
-    std::string saved;                             // the last commit
-  };
-
-  template <class V>
-  static Raw raw(const V& v) {
-    if constexpr (std::is_same_v<V, DynamicView>) {
-      return {v.data, v.size * size_of(v.dtype), v.device.is_cuda(), v.stream};
-    } else {
-      return {const_cast<void*>(static_cast<const void*>(v.data)), v.bytes(), v.device.is_cuda(),
-              v.stream};
-    }
-  }
-
-  std::string new_name(std::string name) const {
-    for (const Piece& p : pieces_)
-      if (p.name == name)
-        detail::fail(Errc::invalid_argument, "TrainingState: \"", name, "\" is tracked twice");
-    return name;
-  }
-
-  void add(std::string name, std::function<Raw()> where) {
-    Piece piece;
-    piece.name = new_name(std::move(name));
-    piece.where = std::move(where);
-    pieces_.push_back(std::move(piece));
-  }
-
-  /// The tracked state now, copied aside.
-  void snapshot() {
-    for (Piece& p : pieces_) {
-      if (p.save) {
-        p.saved = p.save();
-        continue;
-      }
-      const Raw r = p.where();
-      p.saved.resize(r.bytes);
-      detail::copy_bytes(p.saved.data(), r.data, r.bytes, r.cuda, r.stream);
-      detail::sync_stream(r.cuda, r.stream);
-    }
-  }
-
-  /// Rank `root`'s copy aside to every member, then written back into the tracked state on
-  /// every member. The members first compare the sizes of their tensors (every member fails
-  /// alike, naming the first that differs, when they do not track the same state).
-  template <ProcessGroup Comm>
-  void send_from(Comm& comm, int root) {
-    // Every member's pieces: name, kind, what must agree, and (tensors) bytes now and at the
-    // commit; every member checks them alike, so all fail together, naming the first that
-    // differs.
-    using Desc = std::pair<std::string, std::vector<std::uint64_t>>;
-    std::vector<Desc> mine;
-    for (const Piece& p : pieces_) {
-      const std::uint64_t now = p.where ? p.where().bytes : p.describe();
-      mine.push_back({p.name, {p.kind, now, p.saved.size()}});
-    }
-    const auto all = comm.all_gather_object(mine);
-    const auto& theirs = all[static_cast<std::size_t>(root)];
-    for (std::size_t r = 0; r < all.size(); ++r) {
-      const auto differ = [&](const auto&... why) {
-        detail::fail(Errc::mismatch, "rank ", comm.rank(), ": TrainingState: ", why...,
-                     ": every member must track the same state (the same names, model, optimizer "
-                     "and types, in the same order), and a tracked tensor must keep its size");
-      };
-      if (all[r].size() != theirs.size())
-        differ("rank ", r, " tracks ", all[r].size(), " pieces but rank ", root, " tracks ",
-               theirs.size());
-      for (std::size_t i = 0; i < theirs.size(); ++i) {
-        const auto& [name, d] = all[r][i];
-        const auto& [root_name, rd] = theirs[i];
-        if (name != root_name || d[0] != rd[0])
-          differ("piece ", i, " is \"", name, "\" on rank ", r, " but \"", root_name, "\" on rank ",
-                 root, " (or of another kind)");
-        if (d[0] == 0 && d[1] != rd[2])
-          differ("\"", name, "\" holds ", d[1], " bytes on rank ", r, " but ", rd[2],
-                 " were committed on rank ", root);
-        if (d[0] != 0 && d[1] != rd[1])
-          differ("\"", name, "\" is ",
-                 d[0] == 1 ? "an object of another type" : "a sampler of another dataset size",
-                 " on rank ", r, " than on rank ", root);
-      }
-    }
-    for (Piece& p : pieces_) {
-      std::vector<std::int64_t> size{static_cast<std::int64_t>(p.saved.size())};
-      comm.broadcast_host(std::span<std::int64_t>(size), root);
-      p.saved.resize(static_cast<std::size_t>(size[0]));
-      if (!p.saved.empty()) {
-        comm.broadcast_host(std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(p.saved.data()),
-                                                    p.saved.size()),
-                            root);
-      }
-      if (p.load) {
-        p.load(p.saved);
-      } else {
-        const Raw r = p.where();
-        detail::copy_bytes(r.data, p.saved.data(), r.bytes, r.cuda, r.stream);
-        detail::sync_stream(r.cuda, r.stream);
-      }
-    }
-  }
-
-  // Rank 0's look at the processes waiting to join, at most every 50 ms.
-  template <class Comm>
-  int poll_joining(Comm& comm) {
-    if constexpr (requires { comm.waiting_to_join(); }) {
-      const auto now = std::chrono::steady_clock::now();
-      if (now - polled_ < std::chrono::milliseconds(50)) return last_waiting_;
-      polled_ = now;
-      last_waiting_ = comm.waiting_to_join();
-      return last_waiting_;
-    }
-    return 0;
-  }
-
-  std::vector<Piece> pieces_;
-  int joining_ = 0, last_waiting_ = 0;
-  std::chrono::steady_clock::time_point polled_{};
-  std::uint64_t steps_ = 0;       // commits made (since start)
-  std::uint64_t confirming_ = 0;  // the commit being confirmed (0: none)
-};
-
-DDP_END_NAMESPACE
-// end ddp/training/state.hpp
+// #include "ddp/training/state.hpp" (already included above)
 // #include "ddp/work.hpp" (already included above)
 
 DDP_BEGIN_NAMESPACE

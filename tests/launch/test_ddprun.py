@@ -1211,6 +1211,47 @@ class RealTorchrun(Base):
                          ["0", "1"], out + err)
 
 
+def elastic_results(out):
+    """(world rank, final size, model hash, every sample once) of each `worker elastic` line."""
+    return sorted(re.findall(r"rank (\d+) finished: (\d+) ranks, model ([0-9a-f]+), every sample "
+                             r"once: (\w+)", out))
+
+
+class HandStarted(Base):
+    """A job started by hand, one process per rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
+    as a pod per rank is): rank 0's process hosts the store."""
+
+    def start(self, world, *args):
+        port = free_port()
+        procs = [subprocess.Popen([WORKER, *map(str, args)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world),
+                                       "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world),
+                                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                 for r in range(world)]
+        outs = [p.communicate(timeout=LIMIT) for p in procs]
+        return [p.returncode for p in procs], "".join(o for o, _ in outs), "".join(e for _, e in outs)
+
+    def test_the_readme_loop_loses_rank_1_then_in_another_run_the_last_rank(self):
+        # ddp::Elastic over 3 ranks; rank 1 (then, in another run, rank 2) dies mid-epoch: the
+        # store lives in rank 0's process, which the loss leaves alone, so the two others finish
+        # the 3 epochs, bitwise equal, every sample once per epoch.
+        for dead, kill in ((1, "1:0:5"), (2, "2:1:3")):
+            codes, out, err = self.start(3, "elastic", kill)
+            self.assertEqual(codes[dead], 9, err)
+            found = elastic_results(out)
+            self.assertEqual([(r, n, once) for r, n, _, once in found],
+                             [(str(r), "2", "yes") for r in range(3) if r != dead], out + err)
+            self.assertEqual(len({h for _, _, h, _ in found}), 1, out)
+
+    def test_losing_rank_0_loses_its_store_and_says_so(self):
+        codes, out, err = self.start(3, "elastic", "0:1:3")
+        self.assertEqual(codes, [9, 1, 1], err)
+        self.assertIn("the rendezvous store at 127.0.0.1:", err)
+        self.assertIn("is gone (its process ended: when rank 0 hosts it, losing rank 0 loses it)",
+                      err)
+
+
 def slurm_cluster():
     """Whether srun can reach a Slurm cluster (scripts/slurm.sh start makes one here)."""
     if shutil.which("srun") is None or shutil.which("sinfo") is None:
@@ -1247,6 +1288,19 @@ class RealSlurm(Base):
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertEqual(sorted(re.findall(r"rank (\d)/2 local \d/2 node 0 launcher slurm",
                                            r.stdout)), ["0", "0", "1", "1"], r.stdout + r.stderr)
+
+    def test_the_readme_loop_loses_a_task_and_the_others_finish(self):
+        # srun keeps the other tasks of a step running when one exits with an error (unless
+        # --kill-on-bad-exit): the README's ddp::Elastic loop goes on with the two others, rank
+        # 1 lost, then in another run the last rank; the same model as a job started by hand.
+        for dead, kill in ((1, "1:0:5"), (2, "2:1:3")):
+            r = self.launch("srun", "-N1", "-n3", WORKER, "elastic", kill)
+            self.assertNotEqual(r.returncode, 0, r.stdout)  # srun reports the lost task
+            found = elastic_results(r.stdout)
+            self.assertEqual([(x, n, once) for x, n, _, once in found],
+                             [(str(x), "2", "yes") for x in range(3) if x != dead],
+                             r.stdout + r.stderr)
+            self.assertEqual(len({h for _, _, h, _ in found}), 1, r.stdout)
 
     def test_a_failing_task_fails_the_step(self):
         r = self.launch("srun", "-N1", "-n2", "--kill-on-bad-exit=1", WORKER, "exit", 1, 4)

@@ -19,8 +19,9 @@
 //   worker init-exit RANK CODE        init a communicator, then RANK exits with CODE at once; the
 //                                     others all_reduce (and fail)
 //   worker lag RANK                   three all_reduces, then RANK sleeps 30 s while the others
-//   call
-//                                     a fourth (which times out: run with DDP_TIMEOUT)
+//                                     call a fourth (which times out: run with DDP_TIMEOUT)
+//   worker elastic R:E:S,...          the README's ddp::Elastic loop; world rank R dies at step
+//                                     S of epoch E; the others print the model's hash
 
 #include <ddp/ddp.hpp>
 
@@ -28,12 +29,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -335,6 +339,73 @@ int main(int argc, char** argv) try {
     comm.all_reduce(w);
     std::cout << "rank " << env.rank << " is rank " << comm.rank() << " of " << comm.size()
               << " (epoch " << comm.epoch() << "), sum of world ranks " << w[0] << std::endl;
+    return 0;
+  }
+  if (mode == "elastic" && args.size() >= 2) {  // elastic KILLS: the README's Elastic loop
+    // KILLS: "R:E:S,..." world rank R dies at step S of epoch E (of its first life). The
+    // processes that finish print the bytes of the model as a hash, the world size at the end
+    // and whether every sample of every epoch was trained on exactly once.
+    std::vector<std::array<int, 3>> kills;
+    for (std::size_t at = 0; at < args[1].size();) {
+      std::array<int, 3> k{};
+      if (std::sscanf(args[1].c_str() + at, "%d:%d:%d", &k[0], &k[1], &k[2]) == 3)
+        kills.push_back(k);
+      const auto comma = args[1].find(',', at);
+      at = comma == std::string::npos ? args[1].size() : comma + 1;
+    }
+    using Host = ddp::backend::Host;
+    struct Param {
+      std::vector<float> value, grad;
+    };
+    struct Net {
+      std::vector<Param> params{{std::vector<float>(64, 0.5f), std::vector<float>(64)}};
+      std::vector<Param>& parameters() { return params; }
+    } net;
+    constexpr std::size_t samples = 500;
+    ddp::DistributedSampler sampler(samples, env.world_size, env.rank,
+                                    {.shuffle = true, .seed = 1, .exact = true});
+    std::vector<float> count(samples, 0.0f);
+    bool once = true;
+    ddp::Elastic<Host> job(env);
+    job.track_model("net", net).track("count", count).track_sampler("sampler", sampler);
+    std::optional<ddp::GradientAverager<Net, Host>> avg;
+    job.on_reset([&](ddp::Communicator<Host>& comm) { avg.emplace(comm, net); });
+    job.run_epochs(
+        sampler, 3, 16,
+        [&](ddp::Communicator<Host>& comm, const ddp::ElasticBatch& b) {
+          for (const auto& k : kills)
+            if (!env.rejoin && k[0] == env.rank && k[1] == b.epoch &&
+                k[2] == static_cast<int>(b.step))
+              std::_Exit(9);
+          std::vector<float> seen(samples, 0.0f);
+          for (const std::size_t i : b.indices) {
+            seen[i] = 1.0f;
+            for (std::size_t j = 0; j < 64; ++j)
+              net.params[0].grad[j] += std::sin(0.01f * static_cast<float>(i * 7 + j)) /
+                                       static_cast<float>(b.local_batch);
+          }
+          comm.all_reduce(seen);
+          for (std::size_t i = 0; i < samples; ++i) count[i] += seen[i];
+          avg->average();
+          for (std::size_t j = 0; j < 64; ++j) {
+            net.params[0].value[j] -= 0.1f * net.params[0].grad[j];
+            net.params[0].grad[j] = 0;
+          }
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        },
+        [&](ddp::Communicator<Host>&, int) {
+          for (const float c : count) once = once && c == 1.0f;
+          std::fill(count.begin(), count.end(), 0.0f);
+        });
+    std::uint64_t h = 1469598103934665603ull;
+    for (const float v : net.params[0].value) {
+      std::uint32_t bits = 0;
+      std::memcpy(&bits, &v, sizeof bits);
+      h = (h ^ bits) * 1099511628211ull;
+    }
+    std::cout << "rank " << env.rank << " finished: " << job.comm().size() << " ranks, model "
+              << std::hex << h << std::dec << ", every sample once: " << (once ? "yes" : "no")
+              << std::endl;
     return 0;
   }
   if (mode == "fail_last") {  // every rank but the last finishes; then the last one fails

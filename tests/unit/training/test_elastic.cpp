@@ -1,0 +1,186 @@
+// ddp::Elastic across real processes: the README's loop on one object. Ranks are killed mid-epoch
+// (rank 0 included, two in a run), a restarted process rejoins; every sample of every epoch is
+// trained on exactly once (a count tracked with the model, so a step rolled back is counted
+// once), and the processes that finish end bitwise equal.
+#include <ddp/training/elastic.hpp>
+#include <ddp/training/gradient.hpp>
+
+#include <doctest/doctest.h>
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "failure_helpers.hpp"
+#include "multiprocess.hpp"
+
+namespace elastic_tests {
+using namespace std::chrono_literals;
+namespace {
+
+struct Param {
+  std::vector<float> value, grad;
+};
+struct Net {
+  std::vector<Param> params;
+  Net() {
+    params.push_back({std::vector<float>(40, 0.5f), std::vector<float>(40)});
+    params.push_back({std::vector<float>(7, -0.25f), std::vector<float>(7)});
+  }
+  std::vector<Param>& parameters() { return params; }
+};
+
+constexpr std::size_t samples = 103;
+constexpr int epochs = 3;
+
+/// Where a process dies: world rank `rank` at step `step` of epoch `epoch` of its first life.
+struct Kill {
+  int rank, epoch;
+  std::size_t step;
+};
+
+/// One process of the job: the README's loop. `rejoin`: restarted by its launcher.
+void train(ddp::Environment env, const std::vector<Kill>& kills, const mp::TempDir& dir,
+           const ddp::Options& o, std::chrono::milliseconds step_time) {
+  using Host = ddp::backend::Host;
+  Net net;
+  ddp::DistributedSampler sampler(samples, env.world_size, env.rank,
+                                  {.shuffle = true, .seed = 3, .exact = true});
+  std::vector<float> count(samples, 0.0f);  // times each sample was trained on this epoch
+  ddp::Elastic<Host> job(env, o, {.shrink = {.wait_for_ranks = 20s}});
+  job.track_model("net", net).track("count", count).track_sampler("sampler", sampler);
+  std::optional<ddp::GradientAverager<Net, Host>> avg;
+  job.on_reset([&](ddp::Communicator<Host>& comm) { avg.emplace(comm, net); });
+  job.run_epochs(
+      sampler, epochs, 8,
+      [&](ddp::Communicator<Host>& comm, const ddp::ElasticBatch& b) {
+        for (const Kill& k : kills)
+          if (!env.rejoin && k.rank == env.rank && k.epoch == b.epoch && k.step == b.step) {
+            mp::TempDir::write(dir.file("died" + std::to_string(env.rank)), "");
+            std::_Exit(9);
+          }
+        std::this_thread::sleep_for(step_time);
+        std::vector<float> seen(samples, 0.0f);
+        for (const std::size_t i : b.indices) {
+          seen[i] += 1.0f;
+          for (auto& p : net.params)
+            for (std::size_t j = 0; j < p.grad.size(); ++j)
+              p.grad[j] += std::sin(0.01f * static_cast<float>(i * 31 + j)) /
+                           static_cast<float>(b.local_batch);
+        }
+        comm.all_reduce(seen);
+        for (std::size_t i = 0; i < samples; ++i) count[i] += seen[i];
+        avg->average();
+        for (auto& p : net.params)
+          for (std::size_t j = 0; j < p.value.size(); ++j) {
+            p.value[j] -= 0.1f * p.grad[j];
+            p.grad[j] = 0;
+          }
+      },
+      [&](ddp::Communicator<Host>&, int epoch) {
+        for (std::size_t i = 0; i < samples; ++i)
+          MP_EXPECT(count[i] == 1.0f, "epoch " << epoch << ": sample " << i << " trained on "
+                                               << count[i] << " times");
+        std::fill(count.begin(), count.end(), 0.0f);
+      });
+  std::string bytes;
+  for (const auto& p : net.params)
+    bytes.append(reinterpret_cast<const char*>(p.value.data()), p.value.size() * sizeof(float));
+  mp::TempDir::write(dir.file("net" + std::to_string(env.rank)), bytes);
+  mp::TempDir::write(dir.file("end" + std::to_string(env.rank)),
+                     std::to_string(job.comm().size()) + " " + std::to_string(job.epoch()) + " " +
+                         std::to_string(job.recoveries()));
+}
+
+/// `members` processes start the job; `late` more start later as restarted ones (DDP_REJOIN),
+/// claiming the world ranks given.
+void run_job(int members, const std::vector<int>& late, const std::vector<Kill>& kills,
+             const mp::TempDir& dir, ddp::HostTransport transport,
+             std::chrono::milliseconds step_time = 0ms) {
+  ddp::Options o;
+  o.timeout = 30s;
+  o.transport = transport;
+  o.segment_bytes = mp::test_segment;
+  ddp::SpawnOptions so;
+  so.stop_on_failure = false;
+  try {
+    ddp::spawn(
+        members + static_cast<int>(late.size()),
+        [&](ddp::Environment env) {
+          if (env.rank >= members) {  // restarted once the process of its rank died
+            env.rank = late[static_cast<std::size_t>(env.rank - members)];
+            env.rejoin = true;
+            while (!mp::TempDir::exists(dir.file("died" + std::to_string(env.rank))))
+              std::this_thread::sleep_for(10ms);
+          }
+          env.world_size = members;
+          env.local_world_size = std::min(env.local_world_size, members);
+          train(env, kills, dir, o, step_time);
+        },
+        so);
+  } catch (const ddp::Error&) {  // the killed ones
+  }
+}
+
+}  // namespace
+
+TEST_CASE(
+    "Elastic: ranks killed mid-epoch (rank 0 among them), the others go on; every sample once per "
+    "epoch, survivors bitwise equal") {
+  for (const auto transport : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
+    CAPTURE(static_cast<int>(transport));
+    mp::TempDir dir;
+    run_job(4, {}, {{2, 0, 3}, {0, 1, 2}}, dir, transport);
+    const std::string want = mp::TempDir::read(dir.file("net1"));
+    REQUIRE(!want.empty());
+    CHECK(mp::TempDir::read(dir.file("net3")) == want);
+    CHECK(mp::TempDir::read(dir.file("end1")) == "2 3 2");
+    CHECK(mp::TempDir::read(dir.file("end3")) == "2 3 2");
+    CHECK(!mp::TempDir::exists(dir.file("net0")));
+    CHECK(!mp::TempDir::exists(dir.file("net2")));
+  }
+}
+
+TEST_CASE(
+    "Elastic: a killed rank's restarted process rejoins the running job with the live state; "
+    "every sample once per epoch, all bitwise equal") {
+  mp::TempDir dir;
+  run_job(3, {1}, {{1, 0, 2}}, dir, ddp::HostTransport::shm, 30ms);
+  const std::string want = mp::TempDir::read(dir.file("net0"));
+  REQUIRE(!want.empty());
+  // World rank 1 wrote once: its restarted process (the first was killed).
+  CHECK(mp::TempDir::read(dir.file("net1")) == want);
+  CHECK(mp::TempDir::read(dir.file("net2")) == want);
+  CHECK(mp::TempDir::read(dir.file("end0")) == "3 3 1");
+  CHECK(mp::TempDir::read(dir.file("end1")) == "3 3 0");
+}
+
+TEST_CASE("Elastic: what cannot work is refused, saying what to do") {
+  mp::run(2, ddp::HostTransport::shm, [](mp::Comm& comm) {
+    (void)comm;
+    ddp::Environment env = ddp::Environment::detect();
+    ddp::Elastic<ddp::backend::Host> job(env, {.group = "elastic"});
+    ddp::DistributedSampler untracked(10, 2, env.rank);
+    const auto says = [](auto&& f, const char* what) {
+      try {
+        f();
+        MP_EXPECT(false, "accepted: " << what);
+      } catch (const ddp::Error& e) {
+        MP_EXPECT(e.code() == ddp::Errc::invalid_argument &&
+                      std::string(e.what()).find(what) != std::string::npos,
+                  e.what());
+      }
+    };
+    says([&] { job.run_epochs(untracked, 1, 4, [](auto&, const ddp::ElasticBatch&) {}); },
+         "the sampler is not tracked");
+    int x = 0;
+    (void)job.comm();
+    says([&] { job.track_object("x", x); }, "the communicator is made already");
+  });
+}
+
+}  // namespace elastic_tests
