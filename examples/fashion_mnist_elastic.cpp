@@ -14,9 +14,9 @@
 // --limit, --nproc), plus --kill R:E:S[:L] (the process of world rank R dies at step S of epoch
 // E, in its life L: 0 as first started, 1 after its first restart to rejoin; repeatable),
 // --stop R:E:S[:L] (the same, stopping with SIGSTOP instead: the others go on after a heartbeat,
-// and the process, continued, finds itself fenced), --record DIR (each process writes the images of its committed steps to DIR/rank<R>.txt,
-// "epoch image" per line, for counting) and --timing (wall-clock times of a kill and of the
-// first step completed after it, for bench/recovery).
+// and the process, continued, finds itself fenced), --record DIR (each process writes the images of
+// its committed steps to DIR/rank<R>.txt, "epoch image" per line, for counting) and --timing
+// (wall-clock times of a kill and of the first step completed after it, for bench/recovery).
 //
 // What ddp does here, beyond fashion_mnist.cpp, all through one ddp::Elastic:
 //  * the model and the sampler's place are tracked and committed after every step (every rank
@@ -147,7 +147,7 @@ void run(ddp::Environment env, const fashion_mnist::Config& cfg) {
                          "pid %d\n",
                          comm.rank(), env.rank, b.epoch, b.step, static_cast<int>(::getpid()));
             if (cfg_timing) std::fprintf(stderr, "timing: stopped at %lld\n", wall_ns());
-            k.rank = -1;  // once
+            k.rank = -1;       // once
             ::raise(SIGSTOP);  // continued: its next call finds it fenced
           }
         }
@@ -180,24 +180,24 @@ int main(int argc, char** argv) {
   try {
     fashion_mnist::Config defaults;
     defaults.nproc = 4;
-    const fashion_mnist::Config cfg = fashion_mnist::parse(
-        argc, argv, defaults, "fashion_mnist_elastic.cpp",
-        [](const std::string& a, const std::function<std::string()>& next) {
-          if (a == "--kill" || a == "--stop") {
-            Kill k{};
-            if (std::sscanf(next().c_str(), "%d:%d:%zu:%d", &k.rank, &k.epoch, &k.step, &k.life) <
-                3)
-              throw std::invalid_argument(a + " takes RANK:EPOCH:STEP[:LIFE]");
-            (a == "--kill" ? cfg_kills : cfg_stops).push_back(k);
-          } else if (a == "--record") {
-            cfg_record = next();
-          } else if (a == "--timing") {
-            cfg_timing = true;
-          } else {
-            return false;
-          }
-          return true;
-        });
+    const fashion_mnist::Config cfg =
+        fashion_mnist::parse(argc, argv, defaults, "fashion_mnist_elastic.cpp",
+                             [](const std::string& a, const std::function<std::string()>& next) {
+                               if (a == "--kill" || a == "--stop") {
+                                 Kill k{};
+                                 if (std::sscanf(next().c_str(), "%d:%d:%zu:%d", &k.rank, &k.epoch,
+                                                 &k.step, &k.life) < 3)
+                                   throw std::invalid_argument(a + " takes RANK:EPOCH:STEP[:LIFE]");
+                                 (a == "--kill" ? cfg_kills : cfg_stops).push_back(k);
+                               } else if (a == "--record") {
+                                 cfg_record = next();
+                               } else if (a == "--timing") {
+                                 cfg_timing = true;
+                               } else {
+                                 return false;
+                               }
+                               return true;
+                             });
     const auto env = ddp::Environment::detect();
     if (env.launcher == "none") {
       ddp::SpawnOptions so;

@@ -256,7 +256,9 @@ int main(int argc, char** argv) {
   // The rest of torchrun 2.x's command line, so that launch scripts run unchanged.
   app.add_option("--rdzv-backend,--rdzv_backend", cfg.rdzv_backend,
                  "static or c10d (the same here: node 0's ddprun hosts the rendezvous store at "
-                 "--rdzv-endpoint or --master-addr:--master-port); etcd is not supported")
+                 "--rdzv-endpoint or --master-addr:--master-port), or etcd (the store in the etcd "
+                 "cluster at --rdzv-endpoint HOST:PORT[,HOST:PORT...], no node hosting it: "
+                 "needs --rdzv-id, new for each job)")
       ->capture_default_str();
   app.add_option("--rdzv-id,--rdzv_id", cfg.rdzv_id,
                  "the job's name: the workers' TORCHELASTIC_RUN_ID");
@@ -348,12 +350,38 @@ int main(int argc, char** argv) {
                        "the nodes that come after the start join the running job "
                        "(Communicator::join), and ddprun never restarts the whole group for them",
                        cfg.nnodes));
-  if (cfg.rdzv_backend != "static" && cfg.rdzv_backend != "c10d")
-    die(2, fmt::format("--rdzv-backend {}: {}; ddprun's rendezvous is its own store on node 0 "
-                       "(like c10d's): use c10d or static, with --rdzv-endpoint HOST:PORT",
-                       cfg.rdzv_backend,
-                       cfg.rdzv_backend.starts_with("etcd") ? "etcd is not supported"
-                                                            : "unknown rendezvous backend"));
+  const bool etcd = cfg.rdzv_backend == "etcd" || cfg.rdzv_backend == "etcd-v2";
+  if (cfg.rdzv_backend != "static" && cfg.rdzv_backend != "c10d" && !etcd)
+    die(2, fmt::format("--rdzv-backend {}: unknown rendezvous backend; use c10d or static (node "
+                       "0's ddprun hosts the store), or etcd, with --rdzv-endpoint",
+                       cfg.rdzv_backend));
+  std::string store_url;
+  if (etcd) {  // HOST[:PORT][,HOST[:PORT]...], etcd's port 2379 by default
+    if (cfg.rdzv_endpoint.empty())
+      die(2,
+          "--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT...] (the etcd "
+          "cluster's client URLs)");
+    if (cfg.rdzv_id.empty() || cfg.rdzv_id == "none")
+      die(2,
+          "--rdzv-backend etcd needs --rdzv-id NAME, new for each job (the job's keys in "
+          "etcd live under it)");
+    if (cfg.standalone) die(2, "--standalone hosts its own store: drop --rdzv-backend etcd");
+    store_url = "etcd://";
+    for (std::size_t at = 0; at <= cfg.rdzv_endpoint.size();) {
+      const std::size_t comma = std::min(cfg.rdzv_endpoint.find(',', at), cfg.rdzv_endpoint.size());
+      std::string ep = cfg.rdzv_endpoint.substr(at, comma - at);
+      const auto colon = ep.rfind(':');
+      if (colon == std::string::npos || (ep.front() == '[' && colon < ep.find(']'))) ep += ":2379";
+      store_url += (at == 0 ? "" : ",") + ep;
+      at = comma + 1;
+    }
+    try {
+      (void)ddp::detail::EtcdAddress::parse(store_url, "--rdzv-endpoint");
+    } catch (const ddp::Error& e) {
+      die(2, e.what());
+    }
+    cfg.rdzv_endpoint.clear();  // not a store of ddprun's own
+  }
   apply_rdzv_conf(cfg);
   if (cfg.shutdown_timeout >= 0) cfg.grace = cfg.shutdown_timeout;
   if (cfg.run_path)
@@ -400,9 +428,10 @@ int main(int argc, char** argv) {
   o.min_nodes = min_nodes != nnodes ? min_nodes : 0;
   o.last_call = millis(cfg.last_call);
   // c10d without --node-rank: numbered on arrival, node 0 being the one at the endpoint.
-  o.node_rank = cfg.rdzv_backend == "c10d" && nnodes > 1 && app.count("--node-rank") == 0
+  o.node_rank = (cfg.rdzv_backend == "c10d" || etcd) && nnodes > 1 && app.count("--node-rank") == 0
                     ? -1
                     : cfg.node_rank;
+  o.store_url = store_url;
   o.master_addr = cfg.master_addr;
   if (cfg.endpoint_given) {
     o.endpoint_flags = "--rdzv-endpoint";

@@ -64,6 +64,10 @@ struct LaunchOptions {
   int node_rank = 0;
   /// Where node 0's store listens (it binds this address only) and the workers connect.
   std::string master_addr = "127.0.0.1";
+  /// --rdzv-backend etcd: the etcd cluster ("etcd://HOST:PORT,...") in which the agents meet and
+  /// the workers keep their store (DDP_STORE), so that no node hosts it: losing any node, node 0
+  /// included, is like losing any other. "": node 0's own store.
+  std::string store_url;
   /// 0 picks a free port (a single node only: the other nodes could not know it).
   int master_port = 29500;
   /// How the command line named the store's address and port, for messages.
@@ -418,8 +422,13 @@ class LaunchAgent {
     so.token = EnvReader().get("DDP_TOKEN");
     so.timeout = o_.join_timeout;
     port_ = o_.master_port;
-    if (o_.node_rank ==
-        -1) {  // the launcher that can listen there is node 0; the others are clients
+    if (!o_.store_url.empty()) {  // etcd: nobody hosts; nodes are numbered as they come
+      so.lease_ttl = std::chrono::seconds(5);
+      store_ = std::make_unique<Store>(
+          Store(connect_etcd(o_.store_url, "--rdzv-endpoint", etcd_namespace(), so))
+              .prefixed("ddprun/"));
+    } else if (o_.node_rank ==
+               -1) {  // the launcher that can listen there is node 0; the others are clients
       try {
         server_ = std::make_unique<StoreServer>(o_.master_addr, port_, so);
         o_.node_rank = 0;
@@ -445,11 +454,12 @@ class LaunchAgent {
       }
       port_ = server_->port();
     }
-    store_ = std::make_unique<Store>(Store(o_.master_addr, port_, so).prefixed("ddprun/"));
+    if (!store_)
+      store_ = std::make_unique<Store>(Store(o_.master_addr, port_, so).prefixed("ddprun/"));
     if (o_.node_rank == -1 && o_.min_nodes > 0) {
       // --nnodes MIN:MAX: the lowest node rank free, also one a node that lost its workers left.
       const std::string me = concat(o_.nproc_per_node, '|', ::getpid());
-      for (int k = 1; k < o_.nnodes && o_.node_rank == -1; ++k)
+      for (int k = o_.store_url.empty() ? 1 : 0; k < o_.nnodes && o_.node_rank == -1; ++k)
         if (store_->compare_set(concat("node/", k), "", me) == me) o_.node_rank = k;
       if (o_.node_rank == -1)
         fail(Errc::invalid_argument, "the job at ", host_port(o_.master_addr, port_),
@@ -457,11 +467,14 @@ class LaunchAgent {
              o_.nnodes, "); a node rank is freed when a node's workers are all lost");
       claimed_ = true;
     } else if (o_.node_rank == -1) {
-      const std::int64_t n = store_->add("arrived", 1);
+      // Node 0 hosts the store and does not count itself; with etcd every node counts.
+      const std::int64_t n = store_->add("arrived", 1) - (o_.store_url.empty() ? 0 : 1);
       if (n >= o_.nnodes)
         fail(Errc::invalid_argument, "more launchers than --nnodes ", o_.nnodes,
-             " joined the rendezvous at ", host_port(o_.master_addr, port_),
-             " (is another job using it?)");
+             " joined the rendezvous at ", store_->where(),
+             o_.store_url.empty() ? " (is another job using it?)"
+                                  : " (is another job using this --rdzv-id? give each job a new "
+                                    "one)");
       o_.node_rank = static_cast<int>(n);
     }
     try {
@@ -608,12 +621,12 @@ class LaunchAgent {
       x = x * 6364136223846793005ULL + 1442695040888963407ULL;
       const int port = 15000 + static_cast<int>((x >> 33) % 17000);
       try {
-        const Fd fd = listen_tcp(o_.master_addr, port, 1);
+        const Fd fd = listen_tcp(worker_addr_.empty() ? o_.master_addr : worker_addr_, port, 1);
         return port;
       } catch (const Error&) {
       }
     }
-    const Fd fd = listen_tcp(o_.master_addr, 0, 1);
+    const Fd fd = listen_tcp(worker_addr_.empty() ? o_.master_addr : worker_addr_, 0, 1);
     return local_port(fd.get());
   }
 
@@ -621,11 +634,27 @@ class LaunchAgent {
     int sig;
   };
 
+  /// Whether this agent decides for the job (hosts the store; with etcd: node 0).
+  [[nodiscard]] bool leader() const {
+    return server_ != nullptr || (!o_.store_url.empty() && o_.node_rank == 0);
+  }
+
+  /// The etcd namespace of this job's run (--rdzv-id).
+  [[nodiscard]] std::string etcd_namespace() const { return concat("ddprun-", o_.run_id); }
+
   // Registers this node and learns where its ranks start.
   void join() {
-    if (server_) {
+    if (!o_.store_url.empty()) {
+      // Should this agent die, the others stop waiting for it (the store applies this record).
+      const std::pair<std::string, std::string> gone[] = {
+          {concat("agent_gone/", o_.node_rank), ""}};
+      store_->set_on_close(gone);
+      worker_addr_ = store_->local_address();  // the interface that reaches the cluster
+    }
+    if (leader()) {
       worker_port_ = pick_worker_port();
       store_->set("worker_port", std::to_string(worker_port_));
+      store_->set("worker_addr", worker_addr_);
     }
     const std::string me = concat(o_.nproc_per_node, '|', ::getpid());
     // --nnodes MIN:MAX: a node that claims its rank once the job started is late (a node that
@@ -668,7 +697,13 @@ class LaunchAgent {
       if (i < o_.node_rank) base_rank_ += n;
       world_ += n;
     }
-    if (!server_) worker_port_ = std::atoi(store_->get("worker_port").c_str());
+    read_worker_address();
+  }
+
+  void read_worker_address() {
+    if (leader()) return;
+    worker_port_ = std::atoi(store_->get("worker_port").c_str());
+    if (!o_.store_url.empty()) worker_addr_ = store_->get("worker_addr");
   }
 
   // Ends the wait for the nodes on a signal (SIGINT, SIGTERM, SIGHUP): 128 + N.
@@ -688,7 +723,7 @@ class LaunchAgent {
   void join_elastic() {
     const auto join_until = Clock::now() + o_.join_timeout;
     const std::string members_key[] = {"members"};
-    if (server_) {
+    if (leader()) {
       std::vector<int> there;
       auto settled = Clock::time_point::max();
       for (;;) {
@@ -737,7 +772,7 @@ class LaunchAgent {
       say("node ", o_.node_rank, " came after the job started: its workers (ranks ", base_rank_,
           " to ", world_ - 1, ") join the running job");
     }
-    if (!server_) worker_port_ = std::atoi(store_->get("worker_port").c_str());
+    read_worker_address();
   }
 
   // Tells node 0 this agent is done with the store; node 0 waits for all of them.
@@ -796,6 +831,7 @@ class LaunchAgent {
                                            "DDP_REJOIN",
                                            "DDP_STORE_HOSTED",
                                            "DDP_STORE_PORT",
+                                           "DDP_STORE",
                                            "TORCHELASTIC_ERROR_FILE",
                                            "TORCHELASTIC_USE_AGENT_STORE",
                                            "TORCHELASTIC_RESTART_COUNT",
@@ -819,11 +855,16 @@ class LaunchAgent {
     env.push_back("ROLE_NAME=" + o_.role);
     env.push_back(concat("ROLE_RANK=", w.rank));
     env.push_back(concat("ROLE_WORLD_SIZE=", world_));
-    env.push_back(concat("MASTER_ADDR=", o_.master_addr));
     // MASTER_PORT is the program's (torch.distributed's rank 0 hosts its store there); ddp's
-    // workers use ddprun's own store, on DDP_STORE_PORT.
+    // workers use ddprun's own store, on DDP_STORE_PORT, or the etcd cluster (DDP_STORE).
+    if (o_.store_url.empty()) {
+      env.push_back(concat("MASTER_ADDR=", o_.master_addr));
+      env.push_back(concat("DDP_STORE_PORT=", port_));
+    } else {
+      env.push_back(concat("MASTER_ADDR=", worker_addr_));  // node 0's
+      env.push_back(concat("DDP_STORE=", o_.store_url, "/", etcd_namespace()));
+    }
     env.push_back(concat("MASTER_PORT=", worker_port_));
-    env.push_back(concat("DDP_STORE_PORT=", port_));
     env.push_back("DDP_LAUNCHER=" + o_.name);
     env.push_back("DDP_STORE_HOSTED=1");
     env.push_back(concat("TORCHELASTIC_ERROR_FILE=", error_file(w, attempt)));
@@ -1325,10 +1366,12 @@ class LaunchAgent {
       try {
         const std::string key = concat("attempt/", attempt, "/ended");
         store_->add(key, 1);
+        store_->set(concat(key, "/", o_.node_rank), "");
         if (interrupted_ != 0) return *local;
         const auto until = Clock::now() + o_.join_timeout;
-        // Every agent that joined (with --nnodes MIN:MAX, as many as came, not MAX).
-        while (store_->add(key, 0) < store_->add("agents", 0)) {
+        // Every agent that joined (with --nnodes MIN:MAX, as many as came, not MAX); with
+        // etcd, an agent that died is not waited for.
+        while (store_->add(key, 0) < store_->add("agents", 0) && !others_ended_or_gone(key)) {
           if (Clock::now() >= until)
             return LaunchFailure{o_.node_rank, 1, false,
                                  "the other nodes' workers did not end in time (is a launcher "
@@ -1365,6 +1408,17 @@ class LaunchAgent {
     return verdict;
   }
 
+  /// etcd: whether every node that joined has ended `attempt_key` or is gone (its agent died).
+  [[nodiscard]] bool others_ended_or_gone(const std::string& attempt_key) {
+    if (o_.store_url.empty()) return false;
+    for (int i = 0; i < o_.nnodes; ++i) {
+      const std::string joined[] = {concat("node/", i)}, ended[] = {concat(attempt_key, "/", i)},
+                        gone[] = {concat("agent_gone/", i)};
+      if (store_->check(joined) && !store_->check(ended) && !store_->check(gone)) return false;
+    }
+    return true;
+  }
+
   /// With DDP_TRACE_DUMP set to a directory, the flight recorders the workers of this attempt
   /// wrote there (on a timeout), compared: who fell behind, and where.
   void report_traces(std::int64_t since) const {
@@ -1386,6 +1440,7 @@ class LaunchAgent {
   std::string own_error_file_;       // ddprun's own TORCHELASTIC_ERROR_FILE
   int port_ = 0;                     // ddprun's store
   int worker_port_ = 0;              // the workers' MASTER_PORT
+  std::string worker_addr_;          // etcd: the workers' MASTER_ADDR (node 0's address)
   int base_rank_ = 0;
   int world_ = 0;
   std::unique_ptr<StoreServer> server_;

@@ -135,7 +135,7 @@ inline Environment Environment::detect(const std::function<const char*(const cha
     }
     if (auto port = env.integer("MASTER_PORT", 1, 65535)) {
       e.master_port = *port;
-    } else if (required && e.world_size > 1) {
+    } else if (required && e.world_size > 1 && !env.str("DDP_STORE")) {  // etcd: none needed
       detail::fail(Errc::invalid_argument, "environment: WORLD_SIZE=", e.world_size,
                    " but MASTER_PORT is not set; export MASTER_ADDR and MASTER_PORT (ddprun and "
                    "torchrun do this for you)");

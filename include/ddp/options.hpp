@@ -10,7 +10,7 @@
 ///
 /// Which backend reads which field (a backend ignores the others):
 ///   every backend        timeout, token, group, external_store, trace_entries, trace_dump
-///   with a store         heartbeat (backend::Host, backend::Nccl)
+///   with a store         heartbeat, store (backend::Host, backend::Nccl)
 ///   backend::Host        transport, segment_bytes, shm_single_copy_bytes, verify_collectives,
 ///                        hierarchy
 ///   CUDA                 device (backend::Nccl), cuda_staging_bytes (CUDA buffers on a
@@ -139,6 +139,13 @@ struct Options {
   /// process signs every heartbeat / 5. 0: none (a stopped rank is noticed at the timeout). Every
   /// rank should use the same value ($DDP_HEARTBEAT: seconds, or 0).
   std::chrono::milliseconds heartbeat = std::chrono::seconds(5);
+  /// Where the rendezvous store is: "" for ddp's own (rank 0 hosts it at MASTER_ADDR:
+  /// MASTER_PORT, or the launcher does), or an etcd cluster, "etcd://HOST:PORT[,HOST:PORT...]
+  /// [/NAMESPACE]" (no process of the job is then a single point of failure: losing rank 0 is
+  /// recovered from like any other loss). The namespace defaults to the launcher's run id
+  /// (ddprun's, TORCHELASTIC_RUN_ID, Slurm's job and step); it must be new for each run. Every
+  /// rank must give the same ($DDP_STORE).
+  std::string store{};
 
   /// These options with the environment's settings (the $ names above) applied to every field
   /// still at its default. A malformed value is Errc::invalid_argument naming the variable.
@@ -209,6 +216,7 @@ struct Options {
               .value_or(o.trace_entries));
     });
     if (o.trace_dump.empty()) o.trace_dump = env.get("DDP_TRACE_DUMP");
+    if (o.store.empty()) o.store = env.get("DDP_STORE");
     apply([&] {
       if (o.heartbeat != defaults.heartbeat) return;
       if (const std::string v = env.get("DDP_HEARTBEAT"); v == "0" || v == "off")

@@ -2219,7 +2219,7 @@ DDP_END_NAMESPACE
 ///
 /// Which backend reads which field (a backend ignores the others):
 ///   every backend        timeout, token, group, external_store, trace_entries, trace_dump
-///   with a store         heartbeat (backend::Host, backend::Nccl)
+///   with a store         heartbeat, store (backend::Host, backend::Nccl)
 ///   backend::Host        transport, segment_bytes, shm_single_copy_bytes, verify_collectives,
 ///                        hierarchy
 ///   CUDA                 device (backend::Nccl), cuda_staging_bytes (CUDA buffers on a
@@ -2472,6 +2472,13 @@ struct Options {
   /// process signs every heartbeat / 5. 0: none (a stopped rank is noticed at the timeout). Every
   /// rank should use the same value ($DDP_HEARTBEAT: seconds, or 0).
   std::chrono::milliseconds heartbeat = std::chrono::seconds(5);
+  /// Where the rendezvous store is: "" for ddp's own (rank 0 hosts it at MASTER_ADDR:
+  /// MASTER_PORT, or the launcher does), or an etcd cluster, "etcd://HOST:PORT[,HOST:PORT...]
+  /// [/NAMESPACE]" (no process of the job is then a single point of failure: losing rank 0 is
+  /// recovered from like any other loss). The namespace defaults to the launcher's run id
+  /// (ddprun's, TORCHELASTIC_RUN_ID, Slurm's job and step); it must be new for each run. Every
+  /// rank must give the same ($DDP_STORE).
+  std::string store{};
 
   /// These options with the environment's settings (the $ names above) applied to every field
   /// still at its default. A malformed value is Errc::invalid_argument naming the variable.
@@ -2542,6 +2549,7 @@ struct Options {
               .value_or(o.trace_entries));
     });
     if (o.trace_dump.empty()) o.trace_dump = env.get("DDP_TRACE_DUMP");
+    if (o.store.empty()) o.store = env.get("DDP_STORE");
     apply([&] {
       if (o.heartbeat != defaults.heartbeat) return;
       if (const std::string v = env.get("DDP_HEARTBEAT"); v == "0" || v == "off")
@@ -2745,9 +2753,10 @@ DDP_END_NAMESPACE
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// The rendezvous store's client: ddp::Store, a connection to a StoreServer shared by its copies
-/// (calls serialized), with prefixed views, watched stop keys and a timeout on every call. It
-/// authenticates the server as the server authenticates it (ddp/store.hpp).
+/// The rendezvous store's client: ddp::Store, a connection shared by its copies (calls
+/// serialized), with prefixed views, watched stop keys and a timeout on every call. It talks to
+/// ddp's own StoreServer (store/tcp_client.hpp: it authenticates the server as the server
+/// authenticates it, ddp/store.hpp) or to an etcd cluster (store/etcd.hpp).
 
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
@@ -2866,6 +2875,79 @@ class ByteReader {
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/detail/bytes.hpp
+// #include "ddp/detail/lean_std.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// begin ddp/store/connection.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// detail::StoreConnection: what a ddp::Store talks to, one per connection and shared by the
+/// Store's views. Two kinds: ddp's own store server (store/tcp_client.hpp) and an etcd cluster
+/// (store/etcd.hpp). The operations take full keys; what every kind shares lives here: one call
+/// at a time (soft calls never wait for another thread's), the lease's thread (a sign of life
+/// every ttl / 5, then the ticks), and the errors a stop key and a timeout raise.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/bytes.hpp" (already included above)
+// begin ddp/detail/fork.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Fork detection: a counter that pthread_atfork bumps in every child, so an object can tell in
+/// one relaxed load whether it is still in the process that made it (getpid() is a system call).
+
+// #include "ddp/config.hpp" (already included above)
+
+#include <pthread.h>
+
+#include <atomic>
+#include <cstdint>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+inline std::atomic<std::uint64_t>& fork_counter() noexcept {
+  static std::atomic<std::uint64_t> n{0};
+  return n;
+}
+
+/// How many fork()s separate this process from the first process that called this function:
+/// equal values mean "the same process". The first call registers the fork handler.
+[[nodiscard]] inline std::uint64_t fork_generation() noexcept {
+  static const bool registered = [] {
+    (void)::pthread_atfork(nullptr, nullptr,
+                           [] { fork_counter().fetch_add(1, std::memory_order_relaxed); });
+    return true;
+  }();
+  (void)registered;
+  return fork_counter().load(std::memory_order_relaxed);
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/fork.hpp
+// #include "ddp/detail/lean_std.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// begin ddp/store/protocol.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The rendezvous store's wire protocol, shared by its server (ddp/store/server.hpp) and its
+/// client (ddp/store/client.hpp): StoreOptions (limits, timeout, token), and in
+/// detail::store_proto the hello/handshake constants, the operations and reply statuses, and
+/// length-prefixed frames (send_frame, recv_frame) capped at a limit the receiver sets.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/bytes.hpp" (already included above)
 // begin ddp/detail/crypto.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -3057,63 +3139,6 @@ template <class T>
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/detail/crypto.hpp
-// begin ddp/detail/fork.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Fork detection: a counter that pthread_atfork bumps in every child, so an object can tell in
-/// one relaxed load whether it is still in the process that made it (getpid() is a system call).
-
-// #include "ddp/config.hpp" (already included above)
-
-#include <pthread.h>
-
-#include <atomic>
-#include <cstdint>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-inline std::atomic<std::uint64_t>& fork_counter() noexcept {
-  static std::atomic<std::uint64_t> n{0};
-  return n;
-}
-
-/// How many fork()s separate this process from the first process that called this function:
-/// equal values mean "the same process". The first call registers the fork handler.
-[[nodiscard]] inline std::uint64_t fork_generation() noexcept {
-  static const bool registered = [] {
-    (void)::pthread_atfork(nullptr, nullptr,
-                           [] { fork_counter().fetch_add(1, std::memory_order_relaxed); });
-    return true;
-  }();
-  (void)registered;
-  return fork_counter().load(std::memory_order_relaxed);
-}
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/detail/fork.hpp
-// #include "ddp/detail/lean_std.hpp" (already included above)
-// #include "ddp/detail/socket.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// begin ddp/store/protocol.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// The rendezvous store's wire protocol, shared by its server (ddp/store/server.hpp) and its
-/// client (ddp/store/client.hpp): StoreOptions (limits, timeout, token), and in
-/// detail::store_proto the hello/handshake constants, the operations and reply statuses, and
-/// length-prefixed frames (send_frame, recv_frame) capped at a limit the receiver sets.
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/detail/bytes.hpp" (already included above)
-// #include "ddp/detail/crypto.hpp" (already included above)
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/detail/socket.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
@@ -3152,6 +3177,8 @@ struct StoreOptions {
   std::string refusal_key;
   /// Client: the rank this process claims, for the refusal's message (-1: none).
   int refusal_rank = -1;
+  /// Client of an etcd store: the lease of this process (its heartbeat), made when it connects.
+  std::chrono::milliseconds lease_ttl{std::chrono::seconds(5)};
   /// Refusals logged per 10 s at most; the rest are counted in one summary line.
   std::size_t log_burst = 20;
   /// Where the server reports refused connections and malformed traffic; default: stderr.
@@ -3242,11 +3269,8 @@ inline IoResult recv_frame(int fd, std::string& out, std::size_t limit, Deadline
 DDP_END_NAMESPACE
 // end ddp/store/protocol.hpp
 
-#include <sys/socket.h>
-
-#include <algorithm>
+#include <chrono>
 #include <condition_variable>
-#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -3260,17 +3284,612 @@ DDP_END_NAMESPACE
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
+namespace detail {
 
-/// A client of a StoreServer. Copies share one connection (calls are serialized); prefixed()
-/// gives a view whose keys live under a prefix. Thread-safe.
-class Store {
+/// What a Store call is, for its messages and its limits.
+struct StoreCall {
+  std::string_view what;    ///< "set", "get", ...
+  std::string_view prefix;  ///< the view's prefix
+  std::string_view key;     ///< the first key as the caller gave it ("" for none)
+  Clock::time_point deadline = Clock::time_point::max();  ///< the view's (with_deadline)
+  bool soft = false;  ///< never wait for another thread's call (Errc::timeout instead)
+};
+
+/// The error a watched key's value holds (Store::stop_value): its code and message; otherwise
+/// Errc::aborted quoting it.
+[[noreturn]] inline void fail_stopped(const StoreCall& c, std::string_view stop,
+                                      const std::string& value) {
+  if (value.size() >= 8) {
+    ByteReader vr(value, "stop value");
+    const auto code = vr.get<std::int32_t>();
+    if (code >= 1 && code <= static_cast<std::int32_t>(Errc::unsupported)) {
+      const std::string message = vr.str(value.size());
+      fail(static_cast<Errc>(code), message);
+    }
+  }
+  fail(Errc::aborted, "store ", c.what, "(\"", c.prefix, c.key, "\"): stopped by \"", stop,
+       "\": ", value);
+}
+
+/// A wait's timeout, naming the keys still missing (at most 16).
+[[noreturn]] inline void fail_missing(const StoreCall& c, std::chrono::milliseconds timeout,
+                                      const std::vector<std::string>& missing) {
+  std::string names;
+  for (std::size_t i = 0; i < missing.size() && i < 16; ++i)
+    names += concat(i ? ", \"" : "\"", missing[i], "\"");
+  if (missing.size() > 16) names += concat(" and ", missing.size() - 16, " more");
+  fail(Errc::timeout, "store ", c.what, ": timed out after ", timeout.count(), " ms waiting for ",
+       names);
+}
+
+/// One connection to a store (see the file comment). Thread-safe.
+class StoreConnection {
+ public:
+  explicit StoreConnection(StoreOptions o) : options(std::move(o)) {}
+  StoreConnection(const StoreConnection&) = delete;
+  StoreConnection& operator=(const StoreConnection&) = delete;
+  virtual ~StoreConnection() { stop_heartbeat(); }
+
+  StoreOptions options;
+  /// Set by the Store that made it: the lease's thread reaches the connection only through it.
+  std::weak_ptr<StoreConnection> self;
+
+  // ---- the operations (full keys); each throws ddp::Error naming the call ----
+  virtual void set(const StoreCall& c, const std::string& key, std::string_view value) = 0;
+  /// The value of `key`, waiting up to `timeout`; a `stop` key that appears first throws its
+  /// error (fail_stopped), the timeout Errc::timeout.
+  virtual std::string get(const StoreCall& c, const std::string& key,
+                          std::chrono::milliseconds timeout, const std::string& stop) = 0;
+  /// Waits up to `timeout` for every key (`stop` as in get); false at the timeout when
+  /// `report_timeout`, else Errc::timeout naming the keys missing.
+  virtual bool wait(const StoreCall& c, std::span<const std::string> keys,
+                    std::chrono::milliseconds timeout, const std::string& stop,
+                    bool report_timeout) = 0;
+  virtual std::int64_t add(const StoreCall& c, const std::string& key, std::int64_t delta) = 0;
+  virtual std::string compare_set(const StoreCall& c, const std::string& key,
+                                  std::string_view expected, std::string_view desired) = 0;
+  virtual bool erase(const StoreCall& c, const std::string& key) = 0;
+  virtual bool check(const StoreCall& c, std::span<const std::string> keys) = 0;
+  virtual void set_on_close(const StoreCall& c,
+                            std::span<const std::pair<std::string, std::string>> keys) = 0;
+  /// The lease (Store::lease); the caller starts the heartbeat after it.
+  virtual void lease(const StoreCall& c, std::chrono::milliseconds ttl,
+                     std::span<const LeaseRecord> on_expire) = 0;
+  /// Whether a call found the store gone: every later call fails at once.
+  [[nodiscard]] virtual bool lost() = 0;
+  /// Where the store is, for messages ("host:port", or the etcd endpoints).
+  [[nodiscard]] virtual std::string where() const = 0;
+  [[nodiscard]] virtual const std::string& host() const noexcept = 0;
+  [[nodiscard]] virtual int port() const noexcept = 0;
+  /// The local address of the connection (the interface that reaches the store).
+  [[nodiscard]] virtual std::string local_address() = 0;
+  /// Called once a Store holds it (`self` set).
+  virtual void adopted() {}
+
+  // ---- the lease's thread ----
+  /// Starts (or re-times) the thread that signs every ttl / 5 and then runs the ticks.
+  void start_heartbeat(std::chrono::milliseconds ttl) {
+    {
+      std::lock_guard lock(beat_->mutex);
+      beat_->period = ttl / 5;
+    }
+    beat_->wake.notify_all();
+    if (heartbeat_.joinable() || ttl.count() <= 0) return;
+    heartbeat_ = std::thread([b = beat_, w = self] { beating(b, w); });
+  }
+  /// `tick` runs on the lease's thread after each sign of life; returns its number.
+  std::uint64_t add_tick(std::function<void()> tick) {
+    std::lock_guard lock(tick_mutex_);
+    ticks_.emplace(++next_tick_, std::move(tick));
+    return next_tick_;
+  }
+  /// Once it returns, tick `id` does not run (any more).
+  void remove_tick(std::uint64_t id) {
+    std::lock_guard lock(tick_mutex_);
+    ticks_.erase(id);
+  }
+
+ protected:
+  std::mutex mutex_;  // one call at a time
+
+  /// The call mutex, taken (or, for a soft call, tried: Errc::timeout when another thread's
+  /// call holds it).
+  std::unique_lock<std::mutex> lock_for(const StoreCall& c) {
+    std::unique_lock lock(mutex_, std::defer_lock);
+    if (!c.soft)
+      lock.lock();
+    else if (!lock.try_lock())
+      fail(Errc::timeout, "store ", c.what, ": the connection is busy with another call");
+    return lock;
+  }
+
+  /// One sign of life (from the lease's thread; it must never wait for a call).
+  virtual void keepalive() = 0;
+  /// Work of the lease's thread after each sign of life, before the ticks.
+  virtual void on_beat() {}
+
+  /// Ends the lease's thread (a derived class calls it first in its destructor: the thread may
+  /// be signing through it).
+  void stop_heartbeat() noexcept {
+    if (!heartbeat_.joinable()) return;
+    {
+      std::lock_guard lock(beat_->mutex);
+      beat_->stop = true;
+    }
+    beat_->wake.notify_all();
+    // A fork() child's copy has no such thread; the thread itself may drop the last reference.
+    if (fork_generation() != made_in_ || heartbeat_.get_id() == std::this_thread::get_id())
+      heartbeat_.detach();
+    else
+      heartbeat_.join();
+  }
+
+ private:
+  /// What the lease's thread shares with its connection: it holds this and a weak reference,
+  /// never keeping the connection alive between beats.
+  struct Beat {
+    std::mutex mutex;
+    std::condition_variable wake;
+    std::chrono::milliseconds period{0};
+    bool stop = false;
+  };
+
+  static void beating(const std::shared_ptr<Beat>& b, const std::weak_ptr<StoreConnection>& w) {
+    for (;;) {
+      {
+        std::unique_lock lock(b->mutex);
+        if (b->period.count() <= 0)
+          b->wake.wait(lock, [&] { return b->stop || b->period.count() > 0; });
+        if (b->stop || b->wake.wait_for(lock, b->period, [&] { return b->stop; })) return;
+      }
+      std::shared_ptr<StoreConnection> me = w.lock();
+      if (!me) return;
+      try {
+        me->keepalive();
+        me->on_beat();
+      } catch (...) {  // the next call finds out what is wrong
+      }
+      std::lock_guard lock(me->tick_mutex_);
+      for (auto& [id, tick] : me->ticks_) {
+        try {
+          tick();
+        } catch (...) {  // a tick's failure is its own business; the next beat tries again
+        }
+      }
+    }  // `me` dropped last: should it hold the last reference, the destructor detaches this thread
+  }
+
+  std::shared_ptr<Beat> beat_ = std::make_shared<Beat>();
+  std::thread heartbeat_;
+  std::uint64_t made_in_ = fork_generation();
+  std::mutex tick_mutex_;
+  std::map<std::uint64_t, std::function<void()>> ticks_;
+  std::uint64_t next_tick_ = 0;
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/store/connection.hpp
+// #include "ddp/store/protocol.hpp" (already included above)
+// begin ddp/store/tcp_client.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// detail::TcpStoreConnection: a connection to ddp's own store server (store/server.hpp) over
+/// TCP, speaking the protocol of store/protocol.hpp: the mutual HMAC handshake when a token is
+/// set, then one request frame and one reply frame per call (a wait's reply comes when it is
+/// answered or timed out by the server), and the lease's signs of life between them.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/bytes.hpp" (already included above)
+// #include "ddp/detail/crypto.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
+// #include "ddp/detail/socket.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/store/connection.hpp" (already included above)
+// #include "ddp/store/protocol.hpp" (already included above)
+
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// A connection to a StoreServer (see the file comment).
+class TcpStoreConnection final : public StoreConnection {
  public:
   /// Connects to host:port, retrying until options.timeout (the server may start later).
+  TcpStoreConnection(std::string host, int port, StoreOptions o)
+      : StoreConnection(std::move(o)), host_(std::move(host)), port_(port) {
+    std::lock_guard lock(mutex_);
+    connect();
+  }
+  ~TcpStoreConnection() override { stop_heartbeat(); }
+
+  void set(const StoreCall& c, const std::string& key, std::string_view value) override {
+    std::string req = header(Op::set);
+    ByteWriter w(req);
+    w.str(key);
+    w.str(value);
+    (void)call(c, req, options.timeout);
+  }
+
+  std::string get(const StoreCall& c, const std::string& key, std::chrono::milliseconds timeout,
+                  const std::string& stop) override {
+    std::string req = header(Op::get);
+    ByteWriter w(req);
+    w.str(key);
+    w.put(static_cast<std::uint64_t>(timeout.count()));
+    w.str(stop);
+    auto body = call(c, req, timeout, nullptr, stop);
+    ByteReader r(body, "store reply");
+    return r.str(body.size());
+  }
+
+  bool wait(const StoreCall& c, std::span<const std::string> keys,
+            std::chrono::milliseconds timeout, const std::string& stop,
+            bool report_timeout) override {
+    std::string req = header(Op::wait);
+    ByteWriter w(req);
+    w.put(static_cast<std::uint32_t>(keys.size()));
+    for (const auto& k : keys) w.str(k);
+    w.put(static_cast<std::uint64_t>(timeout.count()));
+    w.str(stop);
+    bool timed_out = false;
+    (void)call(c, req, timeout, report_timeout ? &timed_out : nullptr, stop);
+    return !timed_out;
+  }
+
+  std::int64_t add(const StoreCall& c, const std::string& key, std::int64_t delta) override {
+    std::string req = header(Op::add);
+    ByteWriter w(req);
+    w.str(key);
+    w.put(delta);
+    auto body = call(c, req, options.timeout);
+    ByteReader r(body, "store reply");
+    return r.get<std::int64_t>();
+  }
+
+  std::string compare_set(const StoreCall& c, const std::string& key, std::string_view expected,
+                          std::string_view desired) override {
+    std::string req = header(Op::compare_set);
+    ByteWriter w(req);
+    w.str(key);
+    w.str(expected);
+    w.str(desired);
+    auto body = call(c, req, options.timeout);
+    ByteReader r(body, "store reply");
+    return r.str(body.size());
+  }
+
+  bool erase(const StoreCall& c, const std::string& key) override {
+    std::string req = header(Op::erase);
+    ByteWriter w(req);
+    w.str(key);
+    auto body = call(c, req, options.timeout);
+    ByteReader r(body, "store reply");
+    return r.get<std::uint8_t>() != 0;
+  }
+
+  bool check(const StoreCall& c, std::span<const std::string> keys) override {
+    std::string req = header(Op::check);
+    ByteWriter w(req);
+    w.put(static_cast<std::uint32_t>(keys.size()));
+    for (const auto& k : keys) w.str(k);
+    auto body = call(c, req, options.timeout);
+    ByteReader r(body, "store reply");
+    return r.get<std::uint8_t>() != 0;
+  }
+
+  void set_on_close(const StoreCall& c,
+                    std::span<const std::pair<std::string, std::string>> keys) override {
+    std::string req = header(Op::on_close);
+    ByteWriter w(req);
+    w.put(static_cast<std::uint32_t>(keys.size()));
+    for (const auto& [k, v] : keys) {
+      w.str(k);
+      w.str(v);
+    }
+    (void)call(c, req, options.timeout);
+  }
+
+  void lease(const StoreCall& c, std::chrono::milliseconds ttl,
+             std::span<const LeaseRecord> on_expire) override {
+    std::string req = header(Op::lease);
+    ByteWriter w(req);
+    w.put(static_cast<std::uint64_t>(std::max<std::int64_t>(0, ttl.count())));
+    w.put(static_cast<std::uint32_t>(on_expire.size()));
+    for (const LeaseRecord& r : on_expire) {
+      w.put(static_cast<std::uint8_t>(r.is_add ? 1 : 0));
+      w.str(r.key);
+      w.str(r.value);
+      w.put(r.add);
+    }
+    (void)call(c, req, options.timeout);
+  }
+
+  [[nodiscard]] bool lost() override {
+    std::lock_guard lock(mutex_);
+    return !dead_.empty();
+  }
+  [[nodiscard]] std::string where() const override { return host_port(host_, port_); }
+  [[nodiscard]] const std::string& host() const noexcept override { return host_; }
+  [[nodiscard]] int port() const noexcept override { return port_; }
+  [[nodiscard]] std::string local_address() override {
+    std::lock_guard lock(mutex_);
+    ensure();
+    return detail::local_address(fd_.get());
+  }
+
+ protected:
+  /// One sign of life, whole or not at all: it never blocks behind a full socket buffer (the
+  /// server is then not reading: a sign of life changes nothing), and a frame begun is ended,
+  /// so the stream stays whole.
+  void keepalive() override {
+    std::lock_guard lock(write_mutex_);
+    if (!fd_) return;
+    char frame[13] = {9, 0, 0, 0, static_cast<char>(store_proto::Op::keepalive)};
+    std::size_t sent = 0;
+    while (sent < sizeof frame) {
+      const ssize_t n = ::send(fd_.get(), frame + sent, sizeof frame - sent,
+                               MSG_NOSIGNAL | (sent == 0 ? MSG_DONTWAIT : 0));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return;  // full (nothing sent), or broken: the next call finds out
+      sent += static_cast<std::size_t>(n);
+    }
+  }
+
+ private:
+  using Op = store_proto::Op;
+  using Status = store_proto::Status;
+
+  void ensure() {
+    if (!dead_.empty()) {
+      fail(Errc::peer_lost, "the rendezvous store at ", host_port(host_, port_), " is gone (",
+           dead_, "); not waiting for it again");
+    }
+    if (!fd_) connect();
+  }
+
+  /// Connects, and retries a few times when the server closes the connection during the
+  /// handshake (it closes the oldest unauthenticated connections when strangers flood it).
+  void connect() {
+    for (int attempt = 1;; ++attempt) {
+      try {
+        connect_once();
+        return;
+      } catch (const Error& e) {
+        if (e.code() != Errc::peer_lost || attempt >= 8) throw;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10 << std::min(attempt, 6)));
+    }
+  }
+
+  void connect_once() {
+    std::lock_guard w_lock(write_mutex_);  // the lease's thread may sign on fd_
+    namespace sp = store_proto;
+    const auto deadline = Deadline::after(options.timeout);
+    const std::string where = host_port(host_, port_);
+    fd_ = connect_tcp(host_, port_, deadline, "the rendezvous store");
+    std::string frame;
+    const auto io = [&](IoResult r, std::string_view step) {
+      if (r == IoResult::ok) return;
+      fd_.reset();
+      if (r == IoResult::timeout) {
+        fail(Errc::timeout, "rendezvous store at ", where, ": no ", step,
+             " before the timeout: the process there accepted the connection but did "
+             "not answer (a store whose process is stopped or overloaded, or another "
+             "program: check MASTER_ADDR/MASTER_PORT)");
+      }
+      fail(Errc::peer_lost, "rendezvous store at ", where, " closed the connection during the ",
+           step, "; is something else listening on that port?");
+    };
+    try {
+      io(sp::recv_frame(fd_.get(), frame, sp::handshake_frame_limit, deadline, "store hello"),
+         "hello");
+    } catch (const Error& e) {
+      if (e.code() != Errc::protocol) throw;
+      fd_.reset();
+      fail(Errc::protocol, "rendezvous store at ", where, " is not a ddp store (", e.what(),
+           "); check MASTER_ADDR/MASTER_PORT: another program listens there");
+    }
+    ByteReader r(frame, "store hello");
+    if (r.get<std::uint32_t>() != sp::magic) {
+      fd_.reset();
+      fail(Errc::protocol, where, " is not a ddp rendezvous store (bad magic)");
+    }
+    const auto v = r.get<std::uint16_t>();
+    const bool auth_required = r.get<std::uint8_t>() != 0;
+    sp::Nonce server_nonce{};
+    r.raw(server_nonce.data(), server_nonce.size());
+    if (v != sp::version) {
+      fd_.reset();
+      fail(Errc::protocol, "rendezvous store at ", where, " speaks protocol ", v, ", this client ",
+           sp::version);
+    }
+    if (!options.token.empty() && !auth_required) {
+      fd_.reset();
+      fail(Errc::unauthorized, "rendezvous store at ", where,
+           " does not require a token but this process has one (DDP_TOKEN): refusing to talk "
+           "to a store that cannot prove it knows the token");
+    }
+    sp::Nonce client_nonce{};
+    random_bytes(client_nonce.data(), client_nonce.size());
+    const auto mac = options.token.empty()
+                         ? Digest{}
+                         : hmac_sha256(options.token, sp::client_label, sp::as_view(server_nonce),
+                                       sp::as_view(client_nonce));
+    std::string auth;
+    ByteWriter w(auth);
+    w.put(sp::magic);
+    w.put(sp::version);
+    w.raw(client_nonce.data(), client_nonce.size());
+    w.raw(mac.data(), mac.size());
+    w.put(static_cast<std::int32_t>(options.refusal_rank));
+    w.str(std::string_view(options.refusal_key).substr(0, sp::refusal_key_limit));
+    io(sp::send_frame(fd_.get(), auth, deadline), "handshake");
+    io(sp::recv_frame(fd_.get(), frame, sp::handshake_frame_limit, deadline,
+                      "store handshake reply"),
+       "handshake reply");
+    ByteReader rr(frame, "store handshake reply");
+    const auto status = rr.get<sp::HandshakeStatus>();
+    if (status == sp::HandshakeStatus::unauthorized) {
+      fd_.reset();
+      fail(Errc::unauthorized, "rendezvous store at ", where, " refused this process: ",
+           options.token.empty() ? "it requires a token; set DDP_TOKEN to the job's secret"
+                                 : "wrong token; every rank must have the same DDP_TOKEN");
+    }
+    if (status != sp::HandshakeStatus::ok) {
+      fd_.reset();
+      fail(Errc::protocol, "rendezvous store at ", where, " refused the handshake (version)");
+    }
+    Digest proof{};
+    rr.raw(proof.data(), proof.size());
+    if (!options.token.empty()) {
+      const auto expected = hmac_sha256(options.token, sp::server_label, sp::as_view(client_nonce),
+                                        sp::as_view(server_nonce));
+      if (!constant_time_equal(expected, proof)) {
+        fd_.reset();
+        fail(Errc::unauthorized, "rendezvous store at ", where,
+             " could not prove it knows DDP_TOKEN: refusing to use it");
+      }
+    }
+  }
+
+  static std::string header(Op op) {
+    std::string req;
+    ByteWriter w(req);
+    w.put(op);
+    w.put(std::uint64_t{0});  // request id, filled in by call()
+    return req;
+  }
+
+  /// Sends a request and returns the reply's body. `timed_out`, when given, is set instead of
+  /// throwing when the server answers that the wait timed out; `stop` names the watched key.
+  std::string call(const StoreCall& c, std::string& req, std::chrono::milliseconds timeout,
+                   bool* timed_out = nullptr, std::string_view stop = {}) {
+    namespace sp = store_proto;
+    auto lock = lock_for(c);
+    ensure();
+    const std::uint64_t id = next_request_++;
+    for (std::size_t i = 0; i < 8; ++i) req[1 + i] = static_cast<char>((id >> (8 * i)) & 0xffu);
+    // The server answers waits itself at their deadline; allow it some slack before giving up on
+    // the connection (within a view's deadline, half a second: a rendezvous has one timeout).
+    auto deadline = Deadline::after(timeout + std::chrono::seconds(5));
+    if (c.deadline != Clock::time_point::max())
+      deadline.at = std::min(deadline.at, c.deadline + std::chrono::milliseconds(500));
+    const std::string where = host_port(host_, port_);
+    const auto lost = [&](IoResult r) {
+      {
+        std::lock_guard w(write_mutex_);
+        fd_.reset();
+      }
+      if (r == IoResult::timeout) {
+        dead_ = "it did not answer a call before the timeout";
+        fail(Errc::timeout, "store ", c.what, "(\"", c.prefix, c.key, "\"): the store at ", where,
+             " did not answer before the timeout");
+      }
+      dead_ = "it closed the connection";
+      fail(Errc::peer_lost, "store ", c.what, "(\"", c.prefix, c.key, "\"): the store at ", where,
+           " closed the connection (did rank 0 or the launcher exit?)");
+    };
+    IoResult sent;
+    {
+      std::lock_guard w(write_mutex_);
+      sent = sp::send_frame(fd_.get(), req, deadline);
+    }
+    if (sent != IoResult::ok) lost(sent);
+    std::string frame;
+    for (;;) {
+      if (auto r =
+              sp::recv_frame(fd_.get(), frame, sp::frame_limit(options), deadline, "store reply");
+          r != IoResult::ok) {
+        lost(r);
+      }
+      ByteReader r(frame, "store reply");
+      const auto status = r.get<Status>();
+      const auto reply_id = r.get<std::uint64_t>();
+      if (reply_id != id) continue;  // a reply to a request abandoned earlier
+      std::string body(r.view(r.left()));
+      if (status == Status::ok) return body;
+      if (status == Status::stopped) {
+        ByteReader br(body, "store stop reply");
+        fail_stopped(c, stop, br.str(body.size()));
+      }
+      if (status == Status::timeout && timed_out != nullptr) {
+        *timed_out = true;
+        return {};
+      }
+      if (status == Status::timeout) {
+        ByteReader br(body, "store timeout reply");
+        const auto n = br.get<std::uint32_t>();
+        std::vector<std::string> missing;
+        for (std::uint32_t i = 0; i < n && i < 17; ++i) missing.push_back(br.str(body.size()));
+        if (n > missing.size()) missing.resize(n);  // the count, for "and N more"
+        fail_missing(c, timeout, missing);
+      }
+      ByteReader br(body, "store error reply");
+      fail(Errc::protocol, "store ", c.what, "(\"", c.prefix, c.key,
+           "\") failed: ", br.view(br.left()));
+    }
+  }
+
+  std::string host_;
+  int port_;
+  std::mutex write_mutex_;  // one frame written at a time (a call's, or a sign of life), and fd_
+  Fd fd_;
+  std::uint64_t next_request_ = 1;
+  std::string dead_;  // why the store is known gone: no call waits on it again
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/store/tcp_client.hpp
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// A client of a rendezvous store. Copies share one connection (calls are serialized);
+/// prefixed() gives a view whose keys live under a prefix. Thread-safe.
+class Store {
+ public:
+  /// Connects to ddp's store server at host:port, retrying until options.timeout (the server may
+  /// start later).
   Store(std::string host, int port, StoreOptions options = {})
-      : conn_(std::make_shared<Connection>(std::move(host), port, std::move(options))) {
-    conn_->self = conn_;
-    std::lock_guard lock(conn_->mutex);
-    conn_->connect();
+      : Store(std::make_shared<detail::TcpStoreConnection>(std::move(host), port,
+                                                           std::move(options))) {}
+  /// A store over a connection made elsewhere (an etcd cluster: detail::connect_etcd).
+  explicit Store(std::shared_ptr<detail::StoreConnection> c) : conn_(std::move(c)) {
+    if (conn_->self.expired()) {
+      conn_->self = conn_;
+      conn_->adopted();
+    }
   }
 
   /// A view of the same store whose keys are prefixed with `prefix`.
@@ -3308,6 +3927,14 @@ class Store {
     return s;
   }
 
+  /// A view whose calls fail at once (Errc::timeout) instead of waiting while another thread's
+  /// call holds the connection.
+  [[nodiscard]] Store soft() const {
+    Store s(*this);
+    s.soft_ = true;
+    return s;
+  }
+
   /// The value for a watched key (see watching()) that makes the waiters throw `code` with
   /// `message`.
   [[nodiscard]] static std::string stop_value(Errc code, std::string_view message) {
@@ -3320,49 +3947,32 @@ class Store {
 
   /// Whether a call has found the store gone (closed or unresponsive): every later call fails at
   /// once instead of reconnecting.
-  [[nodiscard]] bool lost() const {
-    std::lock_guard lock(conn_->mutex);
-    return !conn_->dead.empty();
-  }
+  [[nodiscard]] bool lost() const { return conn_->lost(); }
   /// The prefix this view puts before every key ("" for the root view).
   [[nodiscard]] const std::string& prefix() const noexcept { return prefix_; }
   /// The default timeout of every call (StoreOptions::timeout).
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept {
     return conn_->options.timeout;
   }
-  /// The server's host, as given to the constructor.
-  [[nodiscard]] const std::string& host() const noexcept { return conn_->host; }
-  /// The server's port.
-  [[nodiscard]] int port() const noexcept { return conn_->port; }
+  /// The server's host, as given to the constructor (etcd: the first endpoint's).
+  [[nodiscard]] const std::string& host() const noexcept { return conn_->host(); }
+  /// The server's port (etcd: the first endpoint's).
+  [[nodiscard]] int port() const noexcept { return conn_->port(); }
+  /// Where the store is, for messages: "host:port", or the etcd cluster's endpoints.
+  [[nodiscard]] std::string where() const { return conn_->where(); }
   /// The local address of the connection to the store (the interface that reaches it).
-  [[nodiscard]] std::string local_address() const {
-    std::lock_guard lock(conn_->mutex);
-    conn_->ensure();
-    return detail::local_address(conn_->fd.get());
-  }
+  [[nodiscard]] std::string local_address() const { return conn_->local_address(); }
 
   /// Sets `key` (under this view's prefix) to `value`, waking those waiting for it.
   void set(std::string_view key, std::string_view value) {
-    std::string req = header(Op::set);
-    detail::ByteWriter w(req);
-    w.str(full(key));
-    w.str(value);
-    (void)call(req, "set", key, conn_->options.timeout);
+    conn_->set(call("set", key), full(key), value);
   }
 
   /// The value of key, waiting up to the store's timeout for it to appear.
   [[nodiscard]] std::string get(std::string_view key) { return get(key, conn_->options.timeout); }
   /// The value of key, waiting up to `timeout` for it to appear (then Errc::timeout).
   [[nodiscard]] std::string get(std::string_view key, std::chrono::milliseconds timeout) {
-    timeout = capped(timeout);
-    std::string req = header(Op::get);
-    detail::ByteWriter w(req);
-    w.str(full(key));
-    w.put(static_cast<std::uint64_t>(timeout.count()));
-    w.str(stop_);
-    auto body = call(req, "get", key, timeout);
-    detail::ByteReader r(body, "store reply");
-    return r.str(body.size());
+    return conn_->get(call("get", key), full(key), capped(timeout), stop_);
   }
 
   /// Waits until every key exists; Errc::timeout names the ones still missing.
@@ -3374,76 +3984,44 @@ class Store {
 
   /// Adds delta to the integer at key (absent counts as 0) and returns the new value.
   std::int64_t add(std::string_view key, std::int64_t delta) {
-    std::string req = header(Op::add);
-    detail::ByteWriter w(req);
-    w.str(full(key));
-    w.put(delta);
-    auto body = call(req, "add", key, conn_->options.timeout);
-    detail::ByteReader r(body, "store reply");
-    return r.get<std::int64_t>();
+    return conn_->add(call("add", key), full(key), delta);
   }
 
   /// torch semantics: sets key to desired if it holds expected (or is absent and expected is
   /// empty); returns the value it holds afterwards.
   std::string compare_set(std::string_view key, std::string_view expected,
                           std::string_view desired) {
-    std::string req = header(Op::compare_set);
-    detail::ByteWriter w(req);
-    w.str(full(key));
-    w.str(expected);
-    w.str(desired);
-    auto body = call(req, "compare_set", key, conn_->options.timeout);
-    detail::ByteReader r(body, "store reply");
-    return r.str(body.size());
+    return conn_->compare_set(call("compare_set", key), full(key), expected, desired);
   }
 
   /// Removes key; returns whether it existed.
-  bool erase(std::string_view key) {
-    std::string req = header(Op::erase);
-    detail::ByteWriter w(req);
-    w.str(full(key));
-    auto body = call(req, "erase", key, conn_->options.timeout);
-    detail::ByteReader r(body, "store reply");
-    return r.get<std::uint8_t>() != 0;
-  }
+  bool erase(std::string_view key) { return conn_->erase(call("erase", key), full(key)); }
 
   /// When this process's connection to the store closes before clear_on_close() (it died, was
-  /// killed, or exited), the server sets each key of `keys` (under this view's prefix) that does
+  /// killed, or exited), the store sets each key of `keys` (under this view's prefix) that does
   /// not exist to its value: a dead man's switch, with which a rendezvous learns at once of a rank
-  /// that died. One set per connection; a later call replaces it.
+  /// that died. One set per connection; a later call replaces it. (etcd: when the connection's
+  /// lease runs out, applied by another process of the job.)
   void set_on_close(std::span<const std::pair<std::string, std::string>> keys) {
-    std::string req = header(Op::on_close);
-    detail::ByteWriter w(req);
-    w.put(static_cast<std::uint32_t>(keys.size()));
-    for (const auto& [k, v] : keys) {
-      w.str(full(k));
-      w.str(v);
-    }
-    (void)call(req, "set_on_close", keys.empty() ? std::string_view{} : keys.front().first,
-               conn_->options.timeout);
+    std::vector<std::pair<std::string, std::string>> all;
+    for (const auto& [k, v] : keys) all.emplace_back(full(k), v);
+    conn_->set_on_close(
+        call("set_on_close", keys.empty() ? std::string_view{} : keys.front().first), all);
   }
   /// Cancels set_on_close().
   void clear_on_close() { set_on_close({}); }
 
   /// A lease on this connection (shared by every view of it): a thread of this process sends a
-  /// sign of life every ttl / 5; when none reaches the server for `ttl` (the process is stopped,
-  /// hung or cut off), the server acts as if the connection closed (the set_on_close() records)
-  /// and applies `on_expire`, and the connection stays open, so that a process that wakes can
-  /// still read why it was left out. A later call replaces it (and re-arms an expired one); a
-  /// `ttl` of 0 ends it.
+  /// sign of life every ttl / 5; when none reaches the store for `ttl` (the process is stopped,
+  /// hung or cut off), the store acts as if the connection closed (the set_on_close() records)
+  /// and applies `on_expire` (keys under this view's prefix), and the connection stays open, so
+  /// that a process that wakes can still read why it was left out. A later call replaces it (and
+  /// re-arms an expired one); a `ttl` of 0 ends it.
   void lease(std::chrono::milliseconds ttl, std::span<const LeaseRecord> on_expire = {}) {
-    std::string req = header(Op::lease);
-    detail::ByteWriter w(req);
-    w.put(static_cast<std::uint64_t>(std::max<std::int64_t>(0, ttl.count())));
-    w.put(static_cast<std::uint32_t>(on_expire.size()));
-    for (const LeaseRecord& r : on_expire) {
-      w.put(static_cast<std::uint8_t>(r.is_add ? 1 : 0));
-      w.str(full(r.key));
-      w.str(r.value);
-      w.put(r.add);
-    }
-    (void)call(req, "lease", on_expire.empty() ? std::string_view{} : on_expire.front().key,
-               conn_->options.timeout);
+    std::vector<LeaseRecord> all(on_expire.begin(), on_expire.end());
+    for (LeaseRecord& r : all) r.key = full(r.key);
+    conn_->lease(call("lease", on_expire.empty() ? std::string_view{} : on_expire.front().key), ttl,
+                 all);
     conn_->start_heartbeat(ttl);
   }
 
@@ -3451,32 +4029,23 @@ class Store {
   /// this store whose calls never wait for another thread's call (soft()); returns a number for
   /// remove_tick(). A tick must not remove itself.
   std::uint64_t add_tick(std::function<void(Store&)> tick) {
-    std::lock_guard lock(conn_->tick_mutex);
-    conn_->ticks.emplace(++conn_->next_tick, std::move(tick));
-    return conn_->next_tick;
+    std::weak_ptr<detail::StoreConnection> w = conn_;
+    return conn_->add_tick([w, tick = std::move(tick)] {
+      if (const auto c = w.lock()) {
+        Store soft_view(c);
+        soft_view.soft_ = true;
+        tick(soft_view);
+      }
+    });
   }
   /// Removes a tick; once it returns, that tick does not run (any more).
-  void remove_tick(std::uint64_t id) {
-    std::lock_guard lock(conn_->tick_mutex);
-    conn_->ticks.erase(id);
-  }
-  /// A view whose calls fail at once (Errc::timeout) instead of waiting while another thread's
-  /// call holds the connection.
-  [[nodiscard]] Store soft() const {
-    Store s(*this);
-    s.soft_ = true;
-    return s;
-  }
+  void remove_tick(std::uint64_t id) { conn_->remove_tick(id); }
 
   /// Whether every key exists, without waiting.
   [[nodiscard]] bool check(std::span<const std::string> keys) {
-    std::string req = header(Op::check);
-    detail::ByteWriter w(req);
-    w.put(static_cast<std::uint32_t>(keys.size()));
-    for (const auto& k : keys) w.str(full(k));
-    auto body = call(req, "check", {}, conn_->options.timeout);
-    detail::ByteReader r(body, "store reply");
-    return r.get<std::uint8_t>() != 0;
+    std::vector<std::string> all;
+    for (const auto& k : keys) all.push_back(full(k));
+    return conn_->check(call("check", {}), all);
   }
 
   /// The keys of `keys` that are missing from the store after waiting up to `timeout`; empty when
@@ -3494,244 +4063,19 @@ class Store {
   }
 
  private:
-  using Op = detail::store_proto::Op;
-  using Status = detail::store_proto::Status;
-
-  /// The lease's thread and what it shares with it (Store::lease). The thread holds this and a
-  /// weak reference to its connection: it never keeps the connection alive between beats.
-  struct Beat {
-    std::mutex mutex;
-    std::condition_variable wake;
-    std::chrono::milliseconds period{0};
-    bool stop = false;
-  };
-
-  struct Connection {
-    Connection(std::string h, int p, StoreOptions o)
-        : host(std::move(h)), port(p), options(std::move(o)) {}
-    Connection(const Connection&) = delete;
-    Connection& operator=(const Connection&) = delete;
-    ~Connection() {
-      if (!heartbeat.joinable()) return;
-      {
-        std::lock_guard lock(beat->mutex);
-        beat->stop = true;
-      }
-      beat->wake.notify_all();
-      // A fork() child's copy has no such thread; the thread itself may drop the last view.
-      if (detail::fork_generation() != made_in || heartbeat.get_id() == std::this_thread::get_id())
-        heartbeat.detach();
-      else
-        heartbeat.join();
-    }
-    std::string host;
-    int port;
-    StoreOptions options;
-    std::mutex mutex;        // one call at a time
-    std::mutex write_mutex;  // one frame written at a time (a call's, or a sign of life), and fd
-    detail::Fd fd;
-    std::uint64_t next_request = 1;
-    std::string dead;  // why the store is known gone: no call waits on it again
-    std::weak_ptr<Connection> self;
-    // The lease: its thread, and the ticks it runs after each sign of life.
-    std::shared_ptr<Beat> beat = std::make_shared<Beat>();
-    std::thread heartbeat;
-    std::uint64_t made_in = detail::fork_generation();
-    std::mutex tick_mutex;
-    std::map<std::uint64_t, std::function<void(Store&)>> ticks;
-    std::uint64_t next_tick = 0;
-
-    void start_heartbeat(std::chrono::milliseconds ttl) {
-      {
-        std::lock_guard lock(beat->mutex);
-        beat->period = ttl / 5;
-      }
-      beat->wake.notify_all();
-      if (heartbeat.joinable() || ttl.count() <= 0) return;
-      heartbeat = std::thread([b = beat, w = self] { beating(b, w); });
-    }
-
-    /// The lease's thread: a sign of life, then the ticks, every period, while the connection
-    /// lives (reached through `w` only while it works).
-    static void beating(const std::shared_ptr<Beat>& b, const std::weak_ptr<Connection>& w) {
-      for (;;) {
-        {
-          std::unique_lock lock(b->mutex);
-          if (b->period.count() <= 0)
-            b->wake.wait(lock, [&] { return b->stop || b->period.count() > 0; });
-          if (b->stop || b->wake.wait_for(lock, b->period, [&] { return b->stop; })) return;
-        }
-        std::shared_ptr<Connection> me = w.lock();
-        if (!me) return;
-        me->keepalive();
-        me->run_ticks(me);
-      }  // `me` dropped last: should it hold the last reference, ~Connection detaches this thread
-    }
-
-    /// One sign of life, whole or not at all: it never blocks behind a full socket buffer (the
-    /// server is then not reading: a sign of life changes nothing), and a frame begun is ended,
-    /// so the stream stays whole.
-    void keepalive() {
-      std::lock_guard lock(write_mutex);
-      if (!fd) return;
-      char frame[13] = {9, 0, 0, 0, static_cast<char>(detail::store_proto::Op::keepalive)};
-      std::size_t sent = 0;
-      while (sent < sizeof frame) {
-        const ssize_t n = ::send(fd.get(), frame + sent, sizeof frame - sent,
-                                 MSG_NOSIGNAL | (sent == 0 ? MSG_DONTWAIT : 0));
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) return;  // full (nothing sent), or broken: the next call finds out
-        sent += static_cast<std::size_t>(n);
-      }
-    }
-
-    void run_ticks(const std::shared_ptr<Connection>& me) {
-      Store soft_view(me);
-      soft_view.soft_ = true;
-      std::lock_guard lock(tick_mutex);
-      for (auto& [id, tick] : ticks) {
-        try {
-          tick(soft_view);
-        } catch (...) {  // a tick's failure is its own business; the next tick tries again
-        }
-      }
-    }
-
-    void ensure() {
-      if (!dead.empty()) {
-        detail::fail(Errc::peer_lost, "the rendezvous store at ", detail::host_port(host, port),
-                     " is gone (", dead, "); not waiting for it again");
-      }
-      if (!fd) connect();
-    }
-
-    /// Connects, and retries a few times when the server closes the connection during the
-    /// handshake (it closes the oldest unauthenticated connections when strangers flood it).
-    void connect() {
-      for (int attempt = 1;; ++attempt) {
-        try {
-          connect_once();
-          return;
-        } catch (const Error& e) {
-          if (e.code() != Errc::peer_lost || attempt >= 8) throw;
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(10 << std::min(attempt, 6)));
-      }
-    }
-
-    void connect_once() {
-      namespace sp = detail::store_proto;
-      const auto deadline = detail::Deadline::after(options.timeout);
-      const std::string where = detail::host_port(host, port);
-      fd = detail::connect_tcp(host, port, deadline, "the rendezvous store");
-      std::string frame;
-      const auto io = [&](detail::IoResult r, std::string_view step) {
-        if (r == detail::IoResult::ok) return;
-        fd.reset();
-        if (r == detail::IoResult::timeout) {
-          detail::fail(Errc::timeout, "rendezvous store at ", where, ": no ", step,
-                       " before the timeout: the process there accepted the connection but did "
-                       "not answer (a store whose process is stopped or overloaded, or another "
-                       "program: check MASTER_ADDR/MASTER_PORT)");
-        }
-        detail::fail(Errc::peer_lost, "rendezvous store at ", where,
-                     " closed the connection during the ", step,
-                     "; is something else listening on that port?");
-      };
-      try {
-        io(sp::recv_frame(fd.get(), frame, sp::handshake_frame_limit, deadline, "store hello"),
-           "hello");
-      } catch (const Error& e) {
-        if (e.code() != Errc::protocol) throw;
-        fd.reset();
-        detail::fail(Errc::protocol, "rendezvous store at ", where, " is not a ddp store (",
-                     e.what(), "); check MASTER_ADDR/MASTER_PORT: another program listens there");
-      }
-      detail::ByteReader r(frame, "store hello");
-      if (r.get<std::uint32_t>() != sp::magic) {
-        fd.reset();
-        detail::fail(Errc::protocol, where, " is not a ddp rendezvous store (bad magic)");
-      }
-      const auto v = r.get<std::uint16_t>();
-      const bool auth_required = r.get<std::uint8_t>() != 0;
-      sp::Nonce server_nonce{};
-      r.raw(server_nonce.data(), server_nonce.size());
-      if (v != sp::version) {
-        fd.reset();
-        detail::fail(Errc::protocol, "rendezvous store at ", where, " speaks protocol ", v,
-                     ", this client ", sp::version);
-      }
-      if (!options.token.empty() && !auth_required) {
-        fd.reset();
-        detail::fail(
-            Errc::unauthorized, "rendezvous store at ", where,
-            " does not require a token but this process has one (DDP_TOKEN): refusing to talk "
-            "to a store that cannot prove it knows the token");
-      }
-      sp::Nonce client_nonce{};
-      detail::random_bytes(client_nonce.data(), client_nonce.size());
-      const auto mac = options.token.empty() ? detail::Digest{}
-                                             : detail::hmac_sha256(options.token, sp::client_label,
-                                                                   sp::as_view(server_nonce),
-                                                                   sp::as_view(client_nonce));
-      std::string auth;
-      detail::ByteWriter w(auth);
-      w.put(sp::magic);
-      w.put(sp::version);
-      w.raw(client_nonce.data(), client_nonce.size());
-      w.raw(mac.data(), mac.size());
-      w.put(static_cast<std::int32_t>(options.refusal_rank));
-      w.str(std::string_view(options.refusal_key).substr(0, sp::refusal_key_limit));
-      io(sp::send_frame(fd.get(), auth, deadline), "handshake");
-      io(sp::recv_frame(fd.get(), frame, sp::handshake_frame_limit, deadline,
-                        "store handshake reply"),
-         "handshake reply");
-      detail::ByteReader rr(frame, "store handshake reply");
-      const auto status = rr.get<sp::HandshakeStatus>();
-      if (status == sp::HandshakeStatus::unauthorized) {
-        fd.reset();
-        detail::fail(Errc::unauthorized, "rendezvous store at ", where, " refused this process: ",
-                     options.token.empty()
-                         ? "it requires a token; set DDP_TOKEN to the job's secret"
-                         : "wrong token; every rank must have the same DDP_TOKEN");
-      }
-      if (status != sp::HandshakeStatus::ok) {
-        fd.reset();
-        detail::fail(Errc::protocol, "rendezvous store at ", where,
-                     " refused the handshake (version)");
-      }
-      detail::Digest proof{};
-      rr.raw(proof.data(), proof.size());
-      if (!options.token.empty()) {
-        const auto expected = detail::hmac_sha256(
-            options.token, sp::server_label, sp::as_view(client_nonce), sp::as_view(server_nonce));
-        if (!detail::constant_time_equal(expected, proof)) {
-          fd.reset();
-          detail::fail(Errc::unauthorized, "rendezvous store at ", where,
-                       " could not prove it knows DDP_TOKEN: refusing to use it");
-        }
-      }
-    }
-  };
-
-  explicit Store(std::shared_ptr<Connection> c) : conn_(std::move(c)) {}
-
   [[nodiscard]] std::string full(std::string_view key) const { return prefix_ + std::string(key); }
+
+  [[nodiscard]] detail::StoreCall call(std::string_view what, std::string_view key) const {
+    return {what, prefix_, key, deadline_, soft_};
+  }
 
   /// wait(); with `report_timeout`, returns false at the timeout instead of throwing it.
   bool wait_for(std::span<const std::string> keys, std::chrono::milliseconds timeout,
                 bool report_timeout) {
-    timeout = capped(timeout);
-    std::string req = header(Op::wait);
-    detail::ByteWriter w(req);
-    w.put(static_cast<std::uint32_t>(keys.size()));
-    for (const auto& k : keys) w.str(full(k));
-    w.put(static_cast<std::uint64_t>(timeout.count()));
-    w.str(stop_);
-    bool timed_out = false;
-    (void)call(req, "wait", keys.empty() ? std::string_view{} : std::string_view(keys.front()),
-               timeout, report_timeout ? &timed_out : nullptr);
-    return !timed_out;
+    std::vector<std::string> all;
+    for (const auto& k : keys) all.push_back(full(k));
+    return conn_->wait(call("wait", keys.empty() ? std::string_view{} : std::string_view(keys[0])),
+                       all, capped(timeout), stop_, report_timeout);
   }
 
   /// `timeout`, shortened to end by this view's deadline.
@@ -3742,102 +4086,7 @@ class Store {
     return std::clamp(left, std::chrono::milliseconds(0), timeout);
   }
 
-  std::string header(Op op) {
-    std::string req;
-    detail::ByteWriter w(req);
-    w.put(op);
-    w.put(std::uint64_t{0});  // request id, filled in by call()
-    return req;
-  }
-
-  /// Sends a request and returns the reply's body. `timed_out`, when given, is set instead of
-  /// throwing when the server answers that the wait timed out.
-  std::string call(std::string& req, std::string_view what, std::string_view key,
-                   std::chrono::milliseconds timeout, bool* timed_out = nullptr) {
-    namespace sp = detail::store_proto;
-    std::unique_lock lock(conn_->mutex, std::defer_lock);
-    if (!soft_)
-      lock.lock();
-    else if (!lock.try_lock())
-      detail::fail(Errc::timeout, "store ", what, ": the connection is busy with another call");
-    conn_->ensure();
-    const std::uint64_t id = conn_->next_request++;
-    for (std::size_t i = 0; i < 8; ++i) req[1 + i] = static_cast<char>((id >> (8 * i)) & 0xffu);
-    // The server answers waits itself at their deadline; allow it some slack before giving up on
-    // the connection (within a view's deadline, half a second: a rendezvous has one timeout).
-    auto deadline = detail::Deadline::after(timeout + std::chrono::seconds(5));
-    if (deadline_ != detail::Clock::time_point::max())
-      deadline.at = std::min(deadline.at, deadline_ + std::chrono::milliseconds(500));
-    const std::string where = detail::host_port(conn_->host, conn_->port);
-    const auto lost = [&](detail::IoResult r) {
-      {
-        std::lock_guard w(conn_->write_mutex);
-        conn_->fd.reset();
-      }
-      if (r == detail::IoResult::timeout) {
-        conn_->dead = "it did not answer a call before the timeout";
-        detail::fail(Errc::timeout, "store ", what, "(\"", prefix_, key, "\"): the store at ",
-                     where, " did not answer before the timeout");
-      }
-      conn_->dead = "it closed the connection";
-      detail::fail(Errc::peer_lost, "store ", what, "(\"", prefix_, key, "\"): the store at ",
-                   where, " closed the connection (did rank 0 or the launcher exit?)");
-    };
-    detail::IoResult sent;
-    {
-      std::lock_guard w(conn_->write_mutex);
-      sent = sp::send_frame(conn_->fd.get(), req, deadline);
-    }
-    if (sent != detail::IoResult::ok) lost(sent);
-    std::string frame;
-    for (;;) {
-      if (auto r = sp::recv_frame(conn_->fd.get(), frame, sp::frame_limit(conn_->options), deadline,
-                                  "store reply");
-          r != detail::IoResult::ok) {
-        lost(r);
-      }
-      detail::ByteReader r(frame, "store reply");
-      const auto status = r.get<Status>();
-      const auto reply_id = r.get<std::uint64_t>();
-      if (reply_id != id) continue;  // a reply to a request abandoned earlier
-      std::string body(r.view(r.left()));
-      if (status == Status::ok) return body;
-      if (status == Status::stopped) {
-        detail::ByteReader br(body, "store stop reply");
-        const std::string value = br.str(body.size());
-        detail::ByteReader vr(value, "stop value");
-        if (value.size() >= 8) {
-          const auto code = vr.get<std::int32_t>();
-          if (code >= 1 && code <= static_cast<std::int32_t>(Errc::unsupported)) {
-            const std::string message = vr.str(value.size());
-            detail::fail(static_cast<Errc>(code), message);
-          }
-        }
-        detail::fail(Errc::aborted, "store ", what, "(\"", prefix_, key, "\"): stopped by \"",
-                     stop_, "\": ", value);
-      }
-      if (status == Status::timeout && timed_out != nullptr) {
-        *timed_out = true;
-        return {};
-      }
-      if (status == Status::timeout) {
-        detail::ByteReader br(body, "store timeout reply");
-        const auto n = br.get<std::uint32_t>();
-        std::string missing;
-        for (std::uint32_t i = 0; i < n && i < 16; ++i) {
-          missing += (i ? ", \"" : "\"") + br.str(body.size()) + "\"";
-        }
-        if (n > 16) missing += detail::concat(" and ", n - 16, " more");
-        detail::fail(Errc::timeout, "store ", what, ": timed out after ", timeout.count(),
-                     " ms waiting for ", missing);
-      }
-      detail::ByteReader br(body, "store error reply");
-      detail::fail(Errc::protocol, "store ", what, "(\"", prefix_, key,
-                   "\") failed: ", br.view(br.left()));
-    }
-  }
-
-  std::shared_ptr<Connection> conn_;
+  std::shared_ptr<detail::StoreConnection> conn_;
   std::string prefix_;
   std::string stop_;   // full key that ends get/wait early (watching())
   bool soft_ = false;  // soft(): a call never waits for another thread's
@@ -4630,7 +4879,7 @@ inline Environment Environment::detect(const std::function<const char*(const cha
     }
     if (auto port = env.integer("MASTER_PORT", 1, 65535)) {
       e.master_port = *port;
-    } else if (required && e.world_size > 1) {
+    } else if (required && e.world_size > 1 && !env.str("DDP_STORE")) {  // etcd: none needed
       detail::fail(Errc::invalid_argument, "environment: WORLD_SIZE=", e.world_size,
                    " but MASTER_PORT is not set; export MASTER_ADDR and MASTER_PORT (ddprun and "
                    "torchrun do this for you)");
@@ -4796,26 +5045,243 @@ DDP_END_NAMESPACE
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 // #include "ddp/detail/env.hpp" (already included above)
+// begin ddp/detail/json.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// A small JSON reader (what etcd's HTTP gateway answers: objects, arrays, strings, numbers,
+/// booleans, null; depth and size bounded, every malformed input an Errc::protocol) and base64,
+/// in which that gateway carries keys and values.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 
-#include <fcntl.h>
-#include <unistd.h>
-
-#include <atomic>
+#include <cstddef>
+#include <cstdint>
 #include <cstdio>
-#include <cstdlib>
-#include <ctime>
-#include <exception>
 #include <string>
 #include <string_view>
-#include <type_traits>
-#include <typeinfo>
-#if __has_include(<cxxabi.h>)
-#include <cxxabi.h>
-#endif
+#include <utility>
+#include <vector>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
+
+/// `bytes` in standard base64 (with padding).
+[[nodiscard]] inline std::string base64_encode(std::string_view bytes) {
+  static constexpr char table[] =
+      "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  std::string out;
+  out.reserve((bytes.size() + 2) / 3 * 4);
+  for (std::size_t i = 0; i < bytes.size(); i += 3) {
+    const std::size_t n = std::min<std::size_t>(3, bytes.size() - i);
+    std::uint32_t v = 0;
+    for (std::size_t k = 0; k < 3; ++k)
+      v = v << 8 | (k < n ? static_cast<unsigned char>(bytes[i + k]) : 0u);
+    for (std::size_t k = 0; k < 4; ++k)
+      out.push_back(k <= n ? table[(v >> (18 - 6 * k)) & 63u] : '=');
+  }
+  return out;
+}
+
+/// The bytes of base64 `text` (padding optional); Errc::protocol when it is not base64.
+[[nodiscard]] inline std::string base64_decode(std::string_view text) {
+  const auto value = [&](char c) -> std::uint32_t {
+    if (c >= 'A' && c <= 'Z') return static_cast<std::uint32_t>(c - 'A');
+    if (c >= 'a' && c <= 'z') return static_cast<std::uint32_t>(c - 'a' + 26);
+    if (c >= '0' && c <= '9') return static_cast<std::uint32_t>(c - '0' + 52);
+    if (c == '+' || c == '-') return 62;
+    if (c == '/' || c == '_') return 63;
+    fail(Errc::protocol, "not base64: a '", c, "' in \"", text.substr(0, 40), "\"");
+  };
+  while (!text.empty() && text.back() == '=') text.remove_suffix(1);
+  if (text.size() % 4 == 1) fail(Errc::protocol, "not base64: ", text.size(), " characters");
+  std::string out;
+  out.reserve(text.size() * 3 / 4);
+  std::uint32_t v = 0;
+  int bits = 0;
+  for (const char c : text) {
+    v = v << 6 | value(c);
+    bits += 6;
+    if (bits >= 8) {
+      bits -= 8;
+      out.push_back(static_cast<char>((v >> bits) & 0xffu));
+    }
+  }
+  return out;
+}
+
+/// A JSON value. Numbers are kept as their text (etcd writes 64-bit integers as strings and as
+/// numbers).
+struct Json {
+  enum class Type { null, boolean, number, string, array, object };
+  Type type = Type::null;
+  bool boolean = false;
+  std::string text;  ///< a string's value, or a number's text
+  std::vector<Json> items;
+  std::vector<std::pair<std::string, Json>> members;
+
+  /// The member `key` of an object, or nullptr.
+  [[nodiscard]] const Json* find(std::string_view key) const {
+    if (type != Type::object) return nullptr;
+    for (const auto& [k, v] : members)
+      if (k == key) return &v;
+    return nullptr;
+  }
+  /// The string or number member `key` ("" when absent).
+  [[nodiscard]] std::string get(std::string_view key) const {
+    const Json* v = find(key);
+    return v != nullptr && (v->type == Type::string || v->type == Type::number) ? v->text
+                                                                                : std::string();
+  }
+  /// The integer (a number or a string of digits) member `key`; `otherwise` when absent.
+  [[nodiscard]] std::int64_t integer(std::string_view key, std::int64_t otherwise = 0) const {
+    const std::string t = get(key);
+    if (t.empty()) return otherwise;
+    std::int64_t v = 0;
+    bool negative = false;
+    std::size_t i = 0;
+    if (t[0] == '-') {
+      negative = true;
+      i = 1;
+    }
+    for (; i < t.size(); ++i) {
+      if (t[i] < '0' || t[i] > '9') fail(Errc::protocol, "not an integer: \"", t, "\"");
+      v = v * 10 + (t[i] - '0');
+    }
+    return negative ? -v : v;
+  }
+};
+
+/// Parses one JSON document (at most `max_depth` deep); Errc::protocol when malformed.
+[[nodiscard]] inline Json parse_json(std::string_view s, int max_depth = 64) {
+  std::size_t at = 0;
+  const auto bad = [&](std::string_view why) -> void {
+    fail(Errc::protocol, "malformed JSON (", why, " at byte ", at, "): \"", s.substr(0, 200), "\"");
+  };
+  const auto skip = [&] {
+    while (at < s.size() && (s[at] == ' ' || s[at] == '\t' || s[at] == '\n' || s[at] == '\r')) ++at;
+  };
+  const auto string = [&]() -> std::string {
+    std::string out;
+    ++at;  // the quote
+    while (at < s.size() && s[at] != '"') {
+      char c = s[at++];
+      if (c != '\\') {
+        out.push_back(c);
+        continue;
+      }
+      if (at >= s.size()) break;
+      c = s[at++];
+      switch (c) {
+        case 'n': out.push_back('\n'); break;
+        case 't': out.push_back('\t'); break;
+        case 'r': out.push_back('\r'); break;
+        case 'b': out.push_back('\b'); break;
+        case 'f': out.push_back('\f'); break;
+        case 'u': {
+          if (at + 4 > s.size()) bad("short \\u escape");
+          std::uint32_t cp = 0;
+          for (int k = 0; k < 4; ++k) {
+            const char h = s[at++];
+            cp = cp << 4 | static_cast<std::uint32_t>(h >= '0' && h <= '9'   ? h - '0'
+                                                      : h >= 'a' && h <= 'f' ? h - 'a' + 10
+                                                      : h >= 'A' && h <= 'F' ? h - 'A' + 10
+                                                                             : 99);
+          }
+          if (cp > 0xffff) bad("bad \\u escape");
+          if (cp < 0x80) {
+            out.push_back(static_cast<char>(cp));
+          } else if (cp < 0x800) {
+            out.push_back(static_cast<char>(0xc0 | (cp >> 6)));
+            out.push_back(static_cast<char>(0x80 | (cp & 0x3f)));
+          } else {
+            out.push_back(static_cast<char>(0xe0 | (cp >> 12)));
+            out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3f)));
+            out.push_back(static_cast<char>(0x80 | (cp & 0x3f)));
+          }
+          break;
+        }
+        default: out.push_back(c); break;  // \" \\ \/
+      }
+    }
+    if (at >= s.size()) bad("unterminated string");
+    ++at;
+    return out;
+  };
+  const auto value = [&](const auto& self, int depth) -> Json {
+    if (depth > max_depth) bad("nested too deep");
+    skip();
+    Json v;
+    if (at >= s.size()) bad("unexpected end");
+    const char c = s[at];
+    if (c == '{') {
+      v.type = Json::Type::object;
+      ++at;
+      skip();
+      if (at < s.size() && s[at] == '}') return ++at, v;
+      for (;;) {
+        skip();
+        if (at >= s.size() || s[at] != '"') bad("expected a key");
+        std::string key = string();
+        skip();
+        if (at >= s.size() || s[at] != ':') bad("expected ':'");
+        ++at;
+        v.members.emplace_back(std::move(key), self(self, depth + 1));
+        skip();
+        if (at < s.size() && s[at] == ',') {
+          ++at;
+          continue;
+        }
+        if (at < s.size() && s[at] == '}') return ++at, v;
+        bad("expected ',' or '}'");
+      }
+    }
+    if (c == '[') {
+      v.type = Json::Type::array;
+      ++at;
+      skip();
+      if (at < s.size() && s[at] == ']') return ++at, v;
+      for (;;) {
+        v.items.push_back(self(self, depth + 1));
+        skip();
+        if (at < s.size() && s[at] == ',') {
+          ++at;
+          continue;
+        }
+        if (at < s.size() && s[at] == ']') return ++at, v;
+        bad("expected ',' or ']'");
+      }
+    }
+    if (c == '"') {
+      v.type = Json::Type::string;
+      v.text = string();
+      return v;
+    }
+    const auto word = [&](std::string_view w) { return s.substr(at, w.size()) == w; };
+    if (word("true") || word("false")) {
+      v.type = Json::Type::boolean;
+      v.boolean = c == 't';
+      at += v.boolean ? 4 : 5;
+      return v;
+    }
+    if (word("null")) return at += 4, v;
+    const std::size_t start = at;
+    while (at < s.size() && ((s[at] >= '0' && s[at] <= '9') || s[at] == '-' || s[at] == '+' ||
+                             s[at] == '.' || s[at] == 'e' || s[at] == 'E'))
+      ++at;
+    if (at == start) bad("unexpected character");
+    v.type = Json::Type::number;
+    v.text = std::string(s.substr(start, at - start));
+    return v;
+  };
+  Json out = value(value, 0);
+  skip();
+  if (at != s.size()) bad("trailing bytes");
+  return out;
+}
 
 /// `text` as a JSON string literal.
 [[nodiscard]] inline std::string json_quoted(std::string_view text) {
@@ -4839,6 +5305,30 @@ namespace detail {
   }
   return out + "\"";
 }
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/json.hpp
+// #include "ddp/error.hpp" (already included above)
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <exception>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <typeinfo>
+#if __has_include(<cxxabi.h>)
+#include <cxxabi.h>
+#endif
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
 
 /// The name of the type `t`, demangled where the ABI allows ("std::runtime_error").
 [[nodiscard]] inline std::string type_name(const std::type_info& t) {
@@ -5068,9 +5558,11 @@ DDP_END_NAMESPACE
 // #include "ddp/store/client.hpp" (already included above)
 // #include "ddp/version.hpp" (already included above)
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -5137,6 +5629,60 @@ struct JobView {
   char name[256] = {};
   (void)::gethostname(name, sizeof name - 1);
   return concat("pid ", ::getpid(), " on host ", name);
+}
+
+/// Process `pid`'s start time (clock ticks after boot, /proc/PID/stat field 22); "" when it is
+/// gone or has ended (a zombie its parent has not reaped yet).
+[[nodiscard]] inline std::string process_start(int pid) {
+  const std::string path = concat("/proc/", pid, "/stat");
+  std::string stat(1024, '\0');
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const ssize_t n = fd < 0 ? 0 : ::read(fd, stat.data(), stat.size());
+  if (fd >= 0) ::close(fd);
+  if (n <= 0) return {};
+  stat.resize(static_cast<std::size_t>(n));
+  std::size_t at = stat.rfind(')');  // the name may hold spaces
+  if (at == std::string::npos || at + 2 >= stat.size() || stat[at + 2] == 'Z' ||
+      stat[at + 2] == 'X')
+    return {};
+  for (int field = 2; field < 22 && at != std::string::npos; ++field) at = stat.find(' ', at + 1);
+  if (at == std::string::npos) return {};
+  return stat.substr(at + 1, stat.find(' ', at + 1) - at - 1);
+}
+
+/// This process as another process on the same machine can find it: host name, boot id and pid
+/// namespace, then pid and start time ("host|boot|pidns pid start").
+[[nodiscard]] inline std::string process_identity() {
+  char name[256] = {};
+  (void)::gethostname(name, sizeof name - 1);
+  const auto first_line = [](const char* path) {
+    std::string text(256, '\0');
+    const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+    const ssize_t n = fd < 0 ? 0 : ::read(fd, text.data(), text.size());
+    if (fd >= 0) ::close(fd);
+    text.resize(n > 0 ? static_cast<std::size_t>(n) : 0);
+    return text.substr(0, text.find('\n'));
+  };
+  char ns[128] = {};
+  (void)!::readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
+  return concat(name, "|", first_line("/proc/sys/kernel/random/boot_id"), "|", ns, " ", ::getpid(),
+                " ", process_start(::getpid()));
+}
+
+/// Whether the process `identity` (process_identity()) ran on this machine, in this pid
+/// namespace, and has ended: certain evidence of a death, without waiting for a lease.
+[[nodiscard]] inline bool ended_here(std::string_view identity) {
+  const std::string mine = process_identity();
+  const std::size_t a = identity.find(' '), b = mine.find(' ');
+  if (a == std::string_view::npos || identity.substr(0, a) != std::string_view(mine).substr(0, b))
+    return false;
+  const std::string_view rest = identity.substr(a + 1);
+  const std::size_t sp = rest.find(' ');
+  int pid = 0;
+  if (sp == std::string_view::npos ||
+      std::from_chars(rest.data(), rest.data() + sp, pid).ec != std::errc{} || pid <= 0)
+    return false;
+  return process_start(pid) != rest.substr(sp + 1);
 }
 
 /// Claims `rank` in the store: fails with Errc::invalid_argument, naming the process that holds
@@ -5320,9 +5866,10 @@ DDP_END_NAMESPACE
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// Where a job's rendezvous store is: rank 0 hosts it on the first free port of its candidates
-/// (host_store), the other ranks find the one that names their job (find_store), and the
-/// messages say which variable chose the port.
+/// Where a job's rendezvous store is: in an etcd cluster (Options::store, DDP_STORE:
+/// open_etcd_store), or rank 0 hosts it on the first free port of its candidates (host_store)
+/// and the other ranks find the one that names their job (find_store); the messages say which
+/// variable chose the port.
 
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
@@ -5333,6 +5880,752 @@ DDP_END_NAMESPACE
 // #include "ddp/environment.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
+// begin ddp/store/etcd.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// detail::EtcdStoreConnection: the rendezvous store in an etcd cluster (v3 API through its
+/// HTTP/JSON gateway, etcd 3.4+), so that no process of the job is a single point of failure:
+/// etcd replicates every write on a majority of its members (Raft), and a call that finds one
+/// member dead, stopped or cut off goes on with the next. Selected with DDP_STORE or
+/// Options::store = "etcd://HOST:PORT[,HOST:PORT...][/NAMESPACE]".
+///
+/// Under the namespace root R = "/ddp/<namespace>/":
+///  * the job's keys are R "k/" key; every key is attached to the namespace's lease (R "ns"),
+///    which each process keeps alive: the keys of a job that has ended (every process gone)
+///    vanish a minute later, so a namespace can be used again;
+///  * each process holds a lease of its own (its heartbeat: StoreOptions::lease_ttl), with
+///    R "proc/<lease>" attached to it. What ddp's own store does when a connection closes or
+///    falls silent (Store::set_on_close, Store::lease) is kept as records in R "close/<lease>"
+///    and R "expire/<lease>"; every process sweeps them after each sign of life, and applies
+///    those of a lease that ran out (the process died, or stopped signing), then removes them.
+///    A process that ends normally applies its own close records and revokes its lease.
+/// Counters (add) are compare-and-swapped, each marked with the request's number, so that a
+/// request retried after a lost answer is not applied twice. Waits poll (1 ms, doubling to
+/// 32 ms). Plain HTTP; etcd's authentication and TLS are not used.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/bytes.hpp" (already included above)
+// #include "ddp/detail/crypto.hpp" (already included above)
+// begin ddp/detail/http.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// A minimal HTTP/1.1 client for JSON requests to one server (etcd's gateway): POST on a kept
+/// connection, the reply's status and body (Content-Length or chunked), every step bounded by a
+/// deadline, replies capped in size. Plain HTTP only.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
+// #include "ddp/detail/socket.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <chrono>
+#include <cstddef>
+#include <string>
+#include <string_view>
+#include <utility>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// An HTTP reply.
+struct HttpReply {
+  int status = 0;
+  std::string body;
+};
+
+/// One server's kept connection (not thread-safe: the caller serializes).
+class HttpClient {
+ public:
+  HttpClient(std::string host, int port) : host_(std::move(host)), port_(port) {}
+
+  [[nodiscard]] const std::string& host() const noexcept { return host_; }
+  [[nodiscard]] int port() const noexcept { return port_; }
+  [[nodiscard]] int fd() const noexcept { return fd_.get(); }
+  void close() noexcept { fd_.reset(); }
+
+  /// POSTs `body` (JSON) to `path`; the reply, or Errc::peer_lost / Errc::timeout (the
+  /// connection then closed) when the server cannot be reached or does not answer by
+  /// `deadline`. A kept connection the server closed meanwhile is opened again once.
+  HttpReply post(std::string_view path, std::string_view body, Deadline deadline,
+                 std::size_t limit = std::size_t{64} << 20) {
+    const std::string request = concat(
+        "POST ", path, " HTTP/1.1\r\nHost: ", host_port(host_, port_),
+        "\r\nContent-Type: application/json\r\nContent-Length: ", body.size(), "\r\n\r\n", body);
+    for (int attempt = 0;; ++attempt) {
+      const bool reused = static_cast<bool>(fd_);
+      if (!fd_) {  // a member that refuses is tried again later, after the others
+        Deadline connect = Deadline::after(std::chrono::milliseconds(300));
+        connect.at = std::min(connect.at, deadline.at);
+        fd_ = connect_tcp(host_, port_, connect, "the etcd server");
+      }
+      in_.clear();
+      if (send_all(fd_.get(), request.data(), request.size(), deadline) == IoResult::ok) {
+        HttpReply r;
+        const IoResult got = read_reply(r, deadline, limit);
+        if (got == IoResult::ok) return r;
+        fd_.reset();
+        if (got == IoResult::timeout)
+          fail(Errc::timeout, "the etcd server at ", host_port(host_, port_),
+               " did not answer before the timeout");
+        if (reused && attempt == 0 && in_.empty()) continue;  // closed while idle: once more
+      } else {
+        fd_.reset();
+        if (reused && attempt == 0) continue;
+      }
+      fail(Errc::peer_lost, "the etcd server at ", host_port(host_, port_),
+           " closed the connection");
+    }
+  }
+
+ private:
+  /// The number `text` (base 10 or 16, spaces around); Errc::protocol when it is none.
+  [[nodiscard]] std::size_t number(std::string_view text, int base) const {
+    while (!text.empty() && text.front() == ' ') text.remove_prefix(1);
+    while (!text.empty() && (text.back() == ' ' || text.back() == '\r')) text.remove_suffix(1);
+    std::size_t v = 0;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v, base);
+    if (ec != std::errc{} || text.empty() || (end != text.data() + text.size() && *end != ';'))
+      fail(Errc::protocol, "the etcd server at ", host_port(host_, port_), " sent a bad length \"",
+           text.substr(0, 40), "\"");
+    return v;
+  }
+
+  /// Reads at least one more byte into in_.
+  IoResult more(Deadline deadline) {
+    char buf[16384];
+    for (;;) {
+      const ssize_t n = ::recv(fd_.get(), buf, sizeof buf, MSG_DONTWAIT);
+      if (n > 0) {
+        in_.append(buf, static_cast<std::size_t>(n));
+        return IoResult::ok;
+      }
+      if (n == 0) return IoResult::closed;
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) return IoResult::closed;
+      pollfd p{fd_.get(), POLLIN, 0};
+      const int rc = ::poll(&p, 1, deadline.poll_ms(1000));
+      if (rc == 0 && deadline.expired()) return IoResult::timeout;
+    }
+  }
+
+  /// Reads until in_ holds `n` bytes from `at`.
+  IoResult need(std::size_t at, std::size_t n, Deadline deadline) {
+    while (in_.size() < at + n)
+      if (const IoResult r = more(deadline); r != IoResult::ok) return r;
+    return IoResult::ok;
+  }
+
+  /// Reads until in_ holds "\r\n" at or after `at`; its position in `end`.
+  IoResult line(std::size_t at, std::size_t& end, Deadline deadline, std::size_t limit) {
+    for (;;) {
+      end = in_.find("\r\n", at);
+      if (end != std::string::npos) return IoResult::ok;
+      if (in_.size() > at + limit)
+        fail(Errc::protocol, "the etcd server at ", host_port(host_, port_),
+             " sent a line longer than ", limit, " bytes");
+      if (const IoResult r = more(deadline); r != IoResult::ok) return r;
+    }
+  }
+
+  IoResult read_reply(HttpReply& r, Deadline deadline, std::size_t limit) {
+    std::size_t end = 0;
+    if (const IoResult x = line(0, end, deadline, 8192); x != IoResult::ok) return x;
+    const std::string_view status(in_.data(), end);
+    if (!status.starts_with("HTTP/1.") || status.size() < 12)
+      fail(Errc::protocol, host_port(host_, port_), " is not an HTTP server (it answered \"",
+           status.substr(0, 80), "\"): is it etcd's client URL?");
+    r.status = (status[9] - '0') * 100 + (status[10] - '0') * 10 + (status[11] - '0');
+    std::size_t length = std::string::npos;
+    bool chunked = false, close_after = false;
+    std::size_t at = end + 2;
+    for (;;) {  // the headers
+      if (const IoResult x = line(at, end, deadline, 8192); x != IoResult::ok) return x;
+      if (end == at) break;
+      std::string h(in_.data() + at, end - at);
+      for (char& c : h) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+      if (h.starts_with("content-length:")) length = number(h.substr(15), 10);
+      if (h.starts_with("transfer-encoding:") && h.find("chunked") != std::string::npos)
+        chunked = true;
+      if (h.starts_with("connection:") && h.find("close") != std::string::npos) close_after = true;
+      at = end + 2;
+    }
+    at = end + 2;
+    if (!chunked) {
+      if (length == std::string::npos || length > limit)
+        fail(Errc::protocol, "the etcd server at ", host_port(host_, port_),
+             " sent a reply without a usable length");
+      if (const IoResult x = need(at, length, deadline); x != IoResult::ok) return x;
+      r.body.assign(in_, at, length);
+    } else {
+      for (;;) {
+        if (const IoResult x = line(at, end, deadline, 64); x != IoResult::ok) return x;
+        const std::size_t n = number(in_.substr(at, end - at), 16);
+        at = end + 2;
+        if (r.body.size() + n > limit)
+          fail(Errc::protocol, "the etcd server at ", host_port(host_, port_),
+               " sent a reply over ", limit, " bytes");
+        if (const IoResult x = need(at, n + 2, deadline); x != IoResult::ok) return x;
+        r.body.append(in_, at, n);
+        at += n + 2;
+        if (n == 0) break;
+      }
+    }
+    if (close_after) fd_.reset();
+    return IoResult::ok;
+  }
+
+  std::string host_;
+  int port_;
+  Fd fd_;
+  std::string in_;
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/http.hpp
+// #include "ddp/detail/json.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/store/connection.hpp" (already included above)
+
+#include <algorithm>
+#include <charconv>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// The endpoints and namespace of "etcd://HOST:PORT[,HOST:PORT...][/NAMESPACE]".
+struct EtcdAddress {
+  std::vector<std::pair<std::string, int>> endpoints;
+  std::string ns;  ///< "" when the URL names none
+
+  /// Errc::invalid_argument naming `from` (the variable or option) when `url` is malformed.
+  static EtcdAddress parse(std::string_view url, std::string_view from) {
+    const auto bad = [&](std::string_view why) -> void {
+      fail(Errc::invalid_argument, from, "=\"", url, "\": ", why,
+           "; give etcd://HOST:PORT[,HOST:PORT...][/NAMESPACE]");
+    };
+    EtcdAddress a;
+    if (!url.starts_with("etcd://")) bad("not an etcd:// address");
+    std::string_view rest = url.substr(7);
+    if (const std::size_t slash = rest.find('/'); slash != std::string_view::npos) {
+      a.ns = std::string(rest.substr(slash + 1));
+      rest = rest.substr(0, slash);
+      for (const char c : a.ns)
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+              c == '-' || c == '_' || c == '.'))
+          bad("the namespace may hold letters, digits, '-', '_' and '.' only");
+    }
+    while (!rest.empty()) {
+      const std::size_t comma = std::min(rest.find(','), rest.size());
+      const std::string_view ep = rest.substr(0, comma);
+      const std::size_t colon = ep.rfind(':');
+      int port = 0;
+      if (colon == std::string_view::npos || colon == 0 ||
+          std::from_chars(ep.data() + colon + 1, ep.data() + ep.size(), port).ec != std::errc{} ||
+          port <= 0 || port > 65535)
+        bad("every endpoint needs a host and a port (HOST:PORT)");
+      std::string host(ep.substr(0, colon));
+      if (host.size() > 2 && host.front() == '[' && host.back() == ']')
+        host = host.substr(1, host.size() - 2);
+      a.endpoints.emplace_back(std::move(host), port);
+      rest = comma < rest.size() ? rest.substr(comma + 1) : std::string_view{};
+    }
+    if (a.endpoints.empty()) bad("no endpoint");
+    return a;
+  }
+};
+
+/// A rendezvous store in etcd (see the file comment).
+class EtcdStoreConnection final : public StoreConnection {
+ public:
+  /// Connects to the cluster and joins namespace `ns` (its lease made, or kept alive), within
+  /// options.timeout.
+  EtcdStoreConnection(EtcdAddress address, StoreOptions o)
+      : StoreConnection(std::move(o)),
+        address_(std::move(address)),
+        root_(concat("/ddp/", address_.ns, "/")) {
+    for (const auto& [h, p] : address_.endpoints) {
+      calls_.emplace_back(h, p);
+      beats_.emplace_back(h, p);
+    }
+    std::lock_guard lock(mutex_);
+    const auto deadline = Deadline::after(options.timeout);
+    join_namespace(deadline);
+    const auto ttl = std::max<std::int64_t>(
+        2, std::chrono::ceil<std::chrono::seconds>(options.lease_ttl).count());
+    lease_ = grant(ttl, deadline, calls_, at_);
+    put_raw(concat(root_, "proc/", lease_), "", lease_, deadline, calls_, at_);
+  }
+  ~EtcdStoreConnection() override {
+    stop_heartbeat();
+    // Ending normally: its close records apply now (as ddp's store applies them when a
+    // connection closes), and its lease goes.
+    try {
+      std::lock_guard lock(mutex_);
+      const auto deadline = Deadline::after(std::chrono::seconds(2));
+      if (!closing_.empty()) apply(closing_, false, deadline, calls_, at_);
+      (void)request("/v3/kv/deleterange",
+                    concat("{\"key\":", k64(concat(root_, "close/", lease_)), "}"), deadline,
+                    calls_, at_);
+      (void)request("/v3/kv/deleterange",
+                    concat("{\"key\":", k64(concat(root_, "expire/", lease_)), "}"), deadline,
+                    calls_, at_);
+      (void)request("/v3/lease/revoke", concat("{\"ID\":\"", lease_, "\"}"), deadline, calls_, at_);
+    } catch (...) {  // the cluster is gone: the lease runs out by itself
+    }
+  }
+
+  void set(const StoreCall& c, const std::string& key, std::string_view value) override {
+    auto lock = lock_for(c);
+    put_raw(user(key), value, ns_lease_, deadline_of(c, options.timeout), calls_, at_);
+  }
+
+  std::string get(const StoreCall& c, const std::string& key, std::chrono::milliseconds timeout,
+                  const std::string& stop) override {
+    const std::string one[] = {key};
+    std::string value;
+    if (!poll(c, one, timeout, stop, &value))
+      fail_missing(c, timeout, std::vector<std::string>{key});
+    return value;
+  }
+
+  bool wait(const StoreCall& c, std::span<const std::string> keys,
+            std::chrono::milliseconds timeout, const std::string& stop,
+            bool report_timeout) override {
+    if (poll(c, keys, timeout, stop, nullptr)) return true;
+    if (report_timeout) return false;
+    std::vector<std::string> missing;
+    for (const auto& k : keys)
+      if (!check(c, std::span<const std::string>(&k, 1))) missing.push_back(k);
+    fail_missing(c, timeout, missing);
+  }
+
+  std::int64_t add(const StoreCall& c, const std::string& key, std::int64_t delta) override {
+    auto lock = lock_for(c);
+    const auto deadline = deadline_of(c, options.timeout);
+    const std::string marker = concat(root_, "op/", lease_, "/", ++ops_);
+    for (;;) {
+      const auto [held, revision] = range_one(user(key), deadline);
+      std::int64_t value = 0;
+      if (held) {
+        if (held->size() != 8)
+          fail(Errc::protocol, "store add(\"", c.prefix, c.key,
+               "\") failed: key does not hold a counter");
+        ByteReader r(*held, "counter");
+        value = r.get<std::int64_t>();
+      }
+      value = static_cast<std::int64_t>(static_cast<std::uint64_t>(value) +
+                                        static_cast<std::uint64_t>(delta));
+      std::string enc;
+      ByteWriter(enc).put(value);
+      const std::string compare =
+          held ? concat("{\"key\":", k64(user(key)), ",\"target\":\"MOD\",\"mod_revision\":\"",
+                        revision, "\"}")
+               : concat("{\"key\":", k64(user(key)),
+                        ",\"target\":\"CREATE\",\"create_revision\":\"0\"}");
+      const Json r = json(request(
+          "/v3/kv/txn",
+          concat("{\"compare\":[", compare, "],\"success\":[", put_op(user(key), enc, ns_lease_),
+                 ",", put_op(marker, enc, ns_lease_), "]}"),
+          deadline, calls_, at_));
+      if (r.find("succeeded") != nullptr) return value;
+      if (!committed_) {  // an answer was lost on the way: was that attempt applied?
+        if (const auto done = range_one(marker, deadline).first; done && done->size() == 8) {
+          ByteReader br(*done, "counter");
+          return br.get<std::int64_t>();
+        }
+      }
+    }
+  }
+
+  std::string compare_set(const StoreCall& c, const std::string& key, std::string_view expected,
+                          std::string_view desired) override {
+    auto lock = lock_for(c);
+    const auto deadline = deadline_of(c, options.timeout);
+    const std::string compare =
+        expected.empty() ? concat("{\"key\":", k64(user(key)),
+                                  ",\"target\":\"CREATE\",\"create_revision\":\"0\"}")
+                         : concat("{\"key\":", k64(user(key)), ",\"target\":\"VALUE\",\"value\":\"",
+                                  base64_encode(expected), "\"}");
+    const Json r = json(request(
+        "/v3/kv/txn",
+        concat("{\"compare\":[", compare, "],\"success\":[", put_op(user(key), desired, ns_lease_),
+               "],\"failure\":[", range_op(user(key)), "]}"),
+        deadline, calls_, at_));
+    if (r.find("succeeded") != nullptr) return std::string(desired);
+    const Json* responses = r.find("responses");
+    if (responses != nullptr && !responses->items.empty())
+      if (const Json* rr = responses->items[0].find("response_range"))
+        if (const Json* kvs = rr->find("kvs"); kvs != nullptr && !kvs->items.empty())
+          return base64_decode(kvs->items[0].get("value"));
+    return {};
+  }
+
+  bool erase(const StoreCall& c, const std::string& key) override {
+    auto lock = lock_for(c);
+    const Json r = json(request("/v3/kv/deleterange", concat("{\"key\":", k64(user(key)), "}"),
+                                deadline_of(c, options.timeout), calls_, at_));
+    return r.integer("deleted") > 0;
+  }
+
+  bool check(const StoreCall& c, std::span<const std::string> keys) override {
+    auto lock = lock_for(c);
+    return present(keys, "", deadline_of(c, options.timeout), nullptr) == keys.size();
+  }
+
+  void set_on_close(const StoreCall& c,
+                    std::span<const std::pair<std::string, std::string>> keys) override {
+    auto lock = lock_for(c);
+    std::vector<LeaseRecord> records;
+    for (const auto& [k, v] : keys) records.push_back({k, v, 0, false});
+    put_raw(concat(root_, "close/", lease_), encode(records), ns_lease_,
+            deadline_of(c, options.timeout), calls_, at_);
+    closing_ = std::move(records);
+  }
+
+  void lease(const StoreCall& c, std::chrono::milliseconds,
+             std::span<const LeaseRecord> on_expire) override {
+    // The process's lease was made with StoreOptions::lease_ttl; its expiry records go here.
+    auto lock = lock_for(c);
+    put_raw(concat(root_, "expire/", lease_),
+            encode(std::vector<LeaseRecord>(on_expire.begin(), on_expire.end())), ns_lease_,
+            deadline_of(c, options.timeout), calls_, at_);
+  }
+
+  [[nodiscard]] bool lost() override { return false; }  // every call tries every member
+  /// The process's lease is signed from the start (the rendezvous may outlast it).
+  void adopted() override { start_heartbeat(options.lease_ttl); }
+  [[nodiscard]] std::string where() const override {
+    std::string w = "etcd ";
+    for (std::size_t i = 0; i < address_.endpoints.size(); ++i)
+      w += concat(i ? "," : "",
+                  host_port(address_.endpoints[i].first, address_.endpoints[i].second));
+    return concat(w, " (namespace ", address_.ns, ")");
+  }
+  [[nodiscard]] const std::string& host() const noexcept override {
+    return address_.endpoints.front().first;
+  }
+  [[nodiscard]] int port() const noexcept override { return address_.endpoints.front().second; }
+  [[nodiscard]] std::string local_address() override {
+    std::lock_guard lock(mutex_);
+    (void)request("/v3/maintenance/status", "{}", Deadline::after(options.timeout), calls_, at_);
+    return detail::local_address(calls_[at_].fd());
+  }
+
+ protected:
+  /// The process's lease and the namespace's, on the heartbeat's own connections.
+  void keepalive() override {
+    const auto deadline = Deadline::after(std::chrono::seconds(2));
+    for (const std::int64_t id : {lease_, ns_lease_}) {
+      const Json r = json(request("/v3/lease/keepalive", concat("{\"ID\":\"", id, "\"}"), deadline,
+                                  beats_, beat_at_));
+      (void)r;  // a lease that ran out stays out: its process was counted lost
+    }
+  }
+
+  /// Applies the records of the leases that ran out (the processes that died or stopped).
+  void on_beat() override {
+    const auto deadline = Deadline::after(std::chrono::seconds(2));
+    std::set<std::string> live;
+    for (const Json& kv : prefix_range(concat(root_, "proc/"), true, deadline))
+      live.insert(base64_decode(kv.get("key")).substr(root_.size() + 5));
+    for (const bool expiry : {false, true}) {
+      const std::string at = concat(root_, expiry ? "expire/" : "close/");
+      for (const Json& kv : prefix_range(at, false, deadline)) {
+        const std::string id = base64_decode(kv.get("key")).substr(at.size());
+        if (live.count(id) != 0) continue;
+        const std::string value = base64_decode(kv.get("value"));
+        apply(decode(value), expiry, deadline, beats_, beat_at_);
+        (void)request(
+            "/v3/kv/txn",
+            concat("{\"compare\":[{\"key\":", k64(at + id),
+                   ",\"target\":\"MOD\",\"mod_revision\":\"", kv.get("mod_revision"),
+                   "\"}],\"success\":[{\"request_delete_range\":{\"key\":", k64(at + id), "}}]}"),
+            deadline, beats_, beat_at_);
+      }
+    }
+  }
+
+ private:
+  using Clients = std::vector<HttpClient>;
+
+  [[nodiscard]] std::string user(const std::string& key) const { return concat(root_, "k/", key); }
+  static std::string k64(std::string_view key) { return concat("\"", base64_encode(key), "\""); }
+  static std::string put_op(const std::string& key, std::string_view value, std::int64_t lease) {
+    return concat("{\"request_put\":{\"key\":", k64(key), ",\"value\":\"", base64_encode(value),
+                  "\",\"lease\":\"", lease, "\"}}");
+  }
+  static std::string range_op(const std::string& key) {
+    return concat("{\"request_range\":{\"key\":", k64(key), "}}");
+  }
+  static Json json(const std::string& text) { return parse_json(text); }
+
+  static Deadline deadline_of(const StoreCall& c, std::chrono::milliseconds timeout) {
+    Deadline d = Deadline::after(timeout);
+    d.at = std::min(d.at, c.deadline);
+    return d;
+  }
+
+  /// POSTs to one member after another (from the last that answered) until one answers, each
+  /// given a few seconds, all of them until `deadline`; etcd's own errors (no leader yet, a
+  /// member that lost the majority) count as no answer. The reply's body.
+  std::string request(std::string_view path, const std::string& body, Deadline deadline,
+                      Clients& clients, std::size_t& at) {
+    committed_ = true;
+    std::string last = "no member answered";
+    for (std::size_t tried = 0;; ++tried) {
+      HttpClient& h = clients[at];
+      Deadline one = Deadline::after(std::chrono::seconds(3));
+      one.at = std::min(one.at, deadline.at);
+      try {
+        const HttpReply r = h.post(path, body, one);
+        if (r.status == 200) return r.body;
+        last = concat("member ", host_port(h.host(), h.port()), " answered ", r.status, ": ",
+                      r.body.substr(0, 200));
+        if (r.status < 500) fail(Errc::protocol, "etcd ", path, ": ", last);
+      } catch (const Error& e) {
+        if (e.code() == Errc::protocol) throw;
+        last = e.what();
+        committed_ = false;  // the request may or may not have been applied
+      }
+      at = (at + 1) % clients.size();
+      if (deadline.expired())
+        fail(Errc::timeout, "the rendezvous store in ", where(),
+             " did not answer before the timeout: ", last);
+      if (tried + 1 >= clients.size())
+        std::this_thread::sleep_for(std::chrono::milliseconds(std::min(100, deadline.poll_ms())));
+    }
+  }
+
+  /// The value (and modification revision) of `key`, or none.
+  std::pair<std::optional<std::string>, std::string> range_one(const std::string& key,
+                                                               Deadline deadline) {
+    const Json r =
+        json(request("/v3/kv/range", concat("{\"key\":", k64(key), "}"), deadline, calls_, at_));
+    const Json* kvs = r.find("kvs");
+    if (kvs == nullptr || kvs->items.empty()) return {std::nullopt, ""};
+    return {base64_decode(kvs->items[0].get("value")), kvs->items[0].get("mod_revision")};
+  }
+
+  /// Every key under `prefix` (keys only, or with values), from the heartbeat's connections.
+  std::vector<Json> prefix_range(const std::string& prefix, bool keys_only, Deadline deadline) {
+    std::string end = prefix;
+    end.back() = static_cast<char>(end.back() + 1);
+    Json r = json(request("/v3/kv/range",
+                          concat("{\"key\":", k64(prefix), ",\"range_end\":", k64(end),
+                                 keys_only ? ",\"keys_only\":true}" : "}"),
+                          deadline, beats_, beat_at_));
+    if (Json* kvs = const_cast<Json*>(r.find("kvs"))) return std::move(kvs->items);
+    return {};
+  }
+
+  /// How many of `keys` exist (user keys), and whether `stop` does (its value in `stopped`);
+  /// the first key's value in `value`, when asked. One transaction.
+  std::size_t present(std::span<const std::string> keys, const std::string& stop, Deadline deadline,
+                      std::string* value, std::optional<std::string>* stopped = nullptr) {
+    std::string ops;
+    for (const auto& k : keys) ops += concat(ops.empty() ? "" : ",", range_op(user(k)));
+    if (!stop.empty()) ops += concat(ops.empty() ? "" : ",", range_op(user(stop)));
+    const Json r =
+        json(request("/v3/kv/txn", concat("{\"success\":[", ops, "]}"), deadline, calls_, at_));
+    const Json* responses = r.find("responses");
+    std::size_t found = 0;
+    for (std::size_t i = 0; responses != nullptr && i < responses->items.size(); ++i) {
+      const Json* rr = responses->items[i].find("response_range");
+      const Json* kvs = rr != nullptr ? rr->find("kvs") : nullptr;
+      if (kvs == nullptr || kvs->items.empty()) continue;
+      if (i == keys.size() && stopped != nullptr) {
+        *stopped = base64_decode(kvs->items[0].get("value"));
+        continue;
+      }
+      if (i == 0 && value != nullptr) *value = base64_decode(kvs->items[0].get("value"));
+      ++found;
+    }
+    return found;
+  }
+
+  /// Waits (polling) until every key exists; false at the timeout. A stop key throws.
+  bool poll(const StoreCall& c, std::span<const std::string> keys,
+            std::chrono::milliseconds timeout, const std::string& stop, std::string* value) {
+    const auto deadline = deadline_of(c, timeout);
+    auto pause = std::chrono::milliseconds(1);
+    for (;;) {
+      {
+        auto lock = lock_for(c);
+        std::optional<std::string> stopped;
+        // Each look is a request of its own, given the store's timeout (a wait of 0 ms looks
+        // once); the wait's own timeout only decides when to stop looking.
+        const std::size_t n = present(keys, stop, deadline_of(c, options.timeout), value, &stopped);
+        if (stopped) fail_stopped(c, stop, *stopped);
+        if (n == keys.size()) return true;
+      }
+      if (deadline.expired()) return false;
+      std::this_thread::sleep_for(std::min(pause, std::chrono::milliseconds(deadline.poll_ms())));
+      pause = std::min(pause * 2, std::chrono::milliseconds(32));
+    }
+  }
+
+  void put_raw(const std::string& key, std::string_view value, std::int64_t lease,
+               Deadline deadline, Clients& clients, std::size_t& at) {
+    (void)request("/v3/kv/put",
+                  concat("{\"key\":", k64(key), ",\"value\":\"", base64_encode(value), "\"",
+                         lease != 0 ? concat(",\"lease\":\"", lease, "\"") : std::string(), "}"),
+                  deadline, clients, at);
+  }
+
+  std::int64_t grant(std::int64_t ttl, Deadline deadline, Clients& clients, std::size_t& at) {
+    const Json r =
+        json(request("/v3/lease/grant", concat("{\"TTL\":\"", ttl, "\"}"), deadline, clients, at));
+    const std::int64_t id = r.integer("ID");
+    if (id == 0) fail(Errc::protocol, "etcd granted no lease: ", r.get("error"));
+    return id;
+  }
+
+  /// The namespace's lease: made by the first process to come, kept alive by every process.
+  void join_namespace(Deadline deadline) {
+    const std::int64_t mine = grant(60, deadline, calls_, at_);
+    const std::string key = root_ + "ns";
+    const Json r = json(request(
+        "/v3/kv/txn",
+        concat("{\"compare\":[{\"key\":", k64(key),
+               ",\"target\":\"CREATE\",\"create_revision\":\"0\"}],\"success\":[",
+               put_op(key, std::to_string(mine), mine), "],\"failure\":[", range_op(key), "]}"),
+        deadline, calls_, at_));
+    ns_lease_ = mine;
+    if (r.find("succeeded") != nullptr) return;
+    const Json* responses = r.find("responses");
+    const Json* kvs = responses != nullptr && !responses->items.empty() &&
+                              responses->items[0].find("response_range") != nullptr
+                          ? responses->items[0].find("response_range")->find("kvs")
+                          : nullptr;
+    if (kvs != nullptr && !kvs->items.empty()) {
+      const std::string held = base64_decode(kvs->items[0].get("value"));
+      (void)std::from_chars(held.data(), held.data() + held.size(), ns_lease_);
+      (void)request("/v3/lease/revoke", concat("{\"ID\":\"", mine, "\"}"), deadline, calls_, at_);
+    }
+  }
+
+  static std::string encode(const std::vector<LeaseRecord>& records) {
+    std::string out;
+    ByteWriter w(out);
+    w.put(static_cast<std::uint32_t>(records.size()));
+    for (const LeaseRecord& r : records) {
+      w.put(static_cast<std::uint8_t>(r.is_add ? 1 : 0));
+      w.str(r.key);
+      w.str(r.value);
+      w.put(r.add);
+    }
+    return out;
+  }
+  static std::vector<LeaseRecord> decode(const std::string& bytes) {
+    std::vector<LeaseRecord> out;
+    ByteReader r(bytes, "store records");
+    const auto n = std::min<std::uint32_t>(r.get<std::uint32_t>(), 64);
+    for (std::uint32_t i = 0; i < n; ++i) {
+      LeaseRecord rec;
+      rec.is_add = r.get<std::uint8_t>() != 0;
+      rec.key = r.str(4096);
+      rec.value = r.str(bytes.size());
+      rec.add = r.get<std::int64_t>();
+      out.push_back(std::move(rec));
+    }
+    return out;
+  }
+
+  /// Applies records (user keys): set when absent; add (expiry records only) to a counter.
+  void apply(const std::vector<LeaseRecord>& records, bool adds, Deadline deadline,
+             Clients& clients, std::size_t& at) {
+    for (const LeaseRecord& rec : records) {
+      const std::string key = user(rec.key);
+      if (!rec.is_add) {
+        (void)request("/v3/kv/txn",
+                      concat("{\"compare\":[{\"key\":", k64(key),
+                             ",\"target\":\"CREATE\",\"create_revision\":\"0\"}],\"success\":[",
+                             put_op(key, rec.value, ns_lease_), "]}"),
+                      deadline, clients, at);
+        continue;
+      }
+      if (!adds) continue;
+      for (int tries = 0; tries < 16; ++tries) {  // a counter others may move meanwhile
+        const Json r = json(
+            request("/v3/kv/range", concat("{\"key\":", k64(key), "}"), deadline, clients, at));
+        const Json* kvs = r.find("kvs");
+        std::int64_t value = 0;
+        std::string compare =
+            concat("{\"key\":", k64(key), ",\"target\":\"CREATE\",\"create_revision\":\"0\"}");
+        if (kvs != nullptr && !kvs->items.empty()) {
+          const std::string held = base64_decode(kvs->items[0].get("value"));
+          if (held.size() == 8) {
+            ByteReader br(held, "counter");
+            value = br.get<std::int64_t>();
+          }
+          compare = concat("{\"key\":", k64(key), ",\"target\":\"MOD\",\"mod_revision\":\"",
+                           kvs->items[0].get("mod_revision"), "\"}");
+        }
+        std::string enc;
+        ByteWriter(enc).put(value + rec.add);
+        if (json(request("/v3/kv/txn",
+                         concat("{\"compare\":[", compare, "],\"success\":[",
+                                put_op(key, enc, ns_lease_), "]}"),
+                         deadline, clients, at))
+                .find("succeeded") != nullptr)
+          break;
+      }
+    }
+  }
+
+  EtcdAddress address_;
+  std::string root_;
+  Clients calls_, beats_;             // the calls' connections, and the heartbeat's
+  std::size_t at_ = 0, beat_at_ = 0;  // the member each last reached
+  std::int64_t lease_ = 0, ns_lease_ = 0;
+  std::uint64_t ops_ = 0;
+  bool committed_ = true;             // the last request's answer arrived
+  std::vector<LeaseRecord> closing_;  // this process's close records
+};
+
+/// A Store connection to the etcd cluster of `url` ("etcd://..."; `from` names where it came
+/// from, for errors), in namespace `ns` when the URL names none.
+inline std::shared_ptr<StoreConnection> connect_etcd(std::string_view url, std::string_view from,
+                                                     const std::string& ns, StoreOptions so) {
+  EtcdAddress a = EtcdAddress::parse(url, from);
+  if (a.ns.empty()) a.ns = ns;
+  if (a.ns.empty())
+    fail(Errc::invalid_argument, from, "=\"", url,
+         "\" names no namespace and no launcher gives a run id: give one for this run "
+         "(etcd://HOST:PORT/NAME), the same on every rank and new for each run");
+  return std::make_shared<EtcdStoreConnection>(std::move(a), std::move(so));
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/store/etcd.hpp
 // begin ddp/store/server.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -6295,6 +7588,32 @@ inline int find_store(const Environment& env, int port, int ports, StoreOptions 
     }
     window = std::min(window * 2, std::chrono::milliseconds(2000));
   }
+}
+
+/// The etcd namespace a launcher gives the job: ddprun's run (DDP_RUN_ID), torchrun's run id
+/// (unless "none"), Slurm's job and step; "" when none does.
+[[nodiscard]] inline std::string store_namespace() {
+  const EnvReader e;
+  if (std::string id = e.get("DDP_RUN_ID"); !id.empty()) return id;
+  if (std::string id = e.get("TORCHELASTIC_RUN_ID"); !id.empty() && id != "none")
+    return concat("torchrun-", id, "-", e.get("TORCHELASTIC_RESTART_COUNT", "0"));
+  if (std::string job = e.get("SLURM_JOB_ID"); !job.empty())
+    return concat("slurm-", job, ".", e.get("SLURM_STEP_ID", "0"));
+  return {};
+}
+
+/// The job's store in the etcd cluster `url` (Options::store), for rank `rank`: its lease as
+/// long as the heartbeat (10 s without one). ddp's token authenticates nothing there: a token
+/// given is refused rather than ignored.
+[[nodiscard]] inline std::shared_ptr<Store> open_etcd_store(const std::string& url, int rank,
+                                                            std::chrono::milliseconds heartbeat,
+                                                            StoreOptions so) {
+  if (!so.token.empty())
+    fail(Errc::invalid_argument, "rank ", rank, ": DDP_STORE=\"", url,
+         "\": DDP_TOKEN is set, but an etcd store does not check ddp's token (secure the etcd "
+         "cluster itself, and keep it on a private network); unset DDP_TOKEN to use it");
+  so.lease_ttl = heartbeat.count() > 0 ? heartbeat : std::chrono::milliseconds(10000);
+  return std::make_shared<Store>(connect_etcd(url, "DDP_STORE", store_namespace(), std::move(so)));
 }
 
 }  // namespace detail
@@ -7464,13 +8783,17 @@ struct CommState {
     // another job's store that took one of them.
     const std::string job = store_job_name(env);
     const bool hosted = options.external_store || launcher.get("DDP_STORE_HOSTED") == "1";
-    if (env.rank == 0 && !hosted) {
-      store_port = host_store(server, env, store_port, ports, so);
-    } else if (ports > 1) {
-      store_port = find_store(env, store_port, ports, so, job, rendezvous_deadline);
+    if (!options.store.empty()) {  // an etcd cluster: nobody hosts it
+      root_store = open_etcd_store(options.store, env.rank, options.heartbeat, so);
+    } else {
+      if (env.rank == 0 && !hosted) {
+        store_port = host_store(server, env, store_port, ports, so);
+      } else if (ports > 1) {
+        store_port = find_store(env, store_port, ports, so, job, rendezvous_deadline);
+      }
+      root_store = std::make_shared<Store>(env.master_addr, store_port, so);
+      if (server && ports > 1) root_store->set(store_job_key, job);
     }
-    root_store = std::make_shared<Store>(env.master_addr, store_port, so);
-    if (server && ports > 1) root_store->set(store_job_key, job);
     store = std::make_shared<Store>(
         root_store->prefixed(prefix).watching("failed").with_deadline(rendezvous_deadline));
     world_size = env.world_size;
@@ -7493,7 +8816,7 @@ struct CommState {
   /// a member hosts (never this process), without a refusal key: a wrong token fails this
   /// process alone, not the job. Sets the job's prefixes, as init() does.
   void connect_to_job(const Environment& env) {
-    if (env.master_port == 0)
+    if (env.master_port == 0 && options.store.empty())
       fail(Errc::invalid_argument, "rank ", env.rank,
            ": Communicator::join: MASTER_PORT is not set; export MASTER_ADDR and MASTER_PORT "
            "of the running job, or launch with ddprun");
@@ -7506,6 +8829,10 @@ struct CommState {
     so.token = options.token;
     int store_port = env.store_port != 0 ? env.store_port : env.master_port;
     const int ports = env.store_port != 0 ? std::max(1, env.store_ports) : 1;
+    if (!options.store.empty()) {
+      root_store = open_etcd_store(options.store, env.rank, options.heartbeat, so);
+      return;
+    }
     if (ports > 1)
       store_port = find_store(env, store_port, ports, so, store_job_name(env),
                               Deadline::after(options.timeout).at);
@@ -7526,6 +8853,10 @@ struct CommState {
     Store root = root_store ? root_store->unwatched() : store->prefixed("");
     if (root_store) {
       root.set_on_close(on_close);
+      // Where this process runs: a survivor on the same machine can tell that it died without
+      // waiting for the store to notice (MembershipChange).
+      if (!job_prefix.empty())
+        root.set(concat(job_prefix, "proc/", world_rank), process_identity());
       // Heartbeat: should this process stop signing (stopped, hung, cut off), the store counts
       // it gone (the records above), marks it stalled and counts the stall for the watchers.
       if (options.heartbeat.count() > 0 && !job_prefix.empty()) {
@@ -9165,7 +10496,18 @@ class MembershipChange {
     if (shrink_phase_hook() != nullptr) shrink_phase_hook()(phase);
   }
 
-  bool gone(int r) const { return old_.rank_gone(r); }
+  /// Whether rank r is known gone: the store's mark, or (a process on this machine) its pid
+  /// found ended, which this rank then marks for the others (no lease to wait out).
+  bool gone(int r) {
+    if (old_.rank_gone(r)) return true;
+    const auto i = static_cast<std::size_t>(r);
+    if (i >= old_.world_ranks.size() || old_.job_prefix.empty()) return false;
+    Store job = old_.root_store->prefixed(old_.job_prefix).unwatched();
+    const std::string who = peek_key(job, concat("proc/", old_.world_ranks[i]));
+    if (who.empty() || !ended_here(who)) return false;
+    (void)job.compare_set(concat("gone/", old_.world_ranks[i]), "", "");
+    return true;
+  }
   /// Whether rank r's process ran out of heartbeat (the store's mark).
   bool stalled(int r) const {
     const auto i = static_cast<std::size_t>(r);
@@ -9276,14 +10618,16 @@ inline BackendInit begin_init(CommState& state, const Environment& env, Options&
   bi.options = options;
   // A world of one joins a store too when a launcher hosts it (ddprun, ddp::spawn): it can then
   // admit newcomers (grow()).
-  const bool hosted = options.external_store || EnvReader().get("DDP_STORE_HOSTED") == "1";
-  if ((env.world_size > 1 || (hosted && env.master_port != 0)) && needs_store) {
-    if (env.master_port == 0) {
+  const bool hosted = options.external_store || EnvReader().get("DDP_STORE_HOSTED") == "1" ||
+                      !options.store.empty();
+  if ((env.world_size > 1 || (hosted && (env.master_port != 0 || !options.store.empty()))) &&
+      needs_store) {
+    if (env.master_port == 0 && options.store.empty()) {
       fail(Errc::invalid_argument, "rank ", env.rank,
            ": Communicator::init: MASTER_PORT is not set (world size ", env.world_size,
            "); export MASTER_ADDR and MASTER_PORT, or launch with ddprun");
     }
-    if (env.master_addr.empty()) {
+    if (env.master_addr.empty() && options.store.empty()) {
       const int hosts = (env.world_size + env.local_world_size - 1) / env.local_world_size;
       fail(Errc::invalid_argument, "rank ", env.rank, ": Communicator::init: the job spans ", hosts,
            " hosts but MASTER_ADDR is not set, and ", env.launcher,

@@ -785,7 +785,13 @@ class SingleNode(Base):
              "--nnodes 3:2: MIN is larger than MAX"),
             (["--rdzv-conf", "last_call_timeout=x", "true"], 'expected seconds, got "x"'),
             (["--nnodes", "0", "true"], 'expected a number of nodes from 1 to 65536, or MIN:MAX'),
-            (["--rdzv_backend=etcd", "true"], "--rdzv-backend etcd: etcd is not supported"),
+            (["--rdzv_backend=etcd", "true"], "--rdzv-backend etcd needs --rdzv-endpoint"),
+            (["--rdzv_backend=etcd", "--rdzv_endpoint=h:2379", "true"],
+             "--rdzv-backend etcd needs --rdzv-id NAME, new for each job"),
+            (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:2379,:5", "--rdzv-id", "x", "true"],
+             "every endpoint needs a host and a port"),
+            (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h", "--rdzv-id", "j", "--standalone",
+              "true"], "--standalone hosts its own store: drop --rdzv-backend etcd"),
             (["--rdzv-backend", "zk", "true"], "--rdzv-backend zk: unknown rendezvous backend"),
             (["--rdzv-conf", "join_timeout", "true"], 'expected key=value,...; got "join_timeout"'),
             (["--rdzv-conf", "join_timeout=-1", "true"], 'expected seconds, got "-1"'),
@@ -1252,6 +1258,89 @@ class HandStarted(Base):
                       err)
 
 
+import etcd_cluster  # noqa: E402  (tests/launch/etcd_cluster.py)
+
+
+@unittest.skipIf(not etcd_cluster.available(),
+                 "needs etcd (apt-get install etcd-server; scripts/test.sh installs it)")
+class EtcdStore(Base):
+    """The rendezvous store in a real 3-member etcd cluster on loopback (DDP_STORE): no process
+    of the job is a single point of failure."""
+
+    def start(self, etcd, world, *args, namespace=None, extra_env=None):
+        namespace = namespace or f"job{os.getpid()}-{time.monotonic_ns()}"
+        return [subprocess.Popen([WORKER, *map(str, args)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True,
+                                 env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world),
+                                      "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world),
+                                      "DDP_STORE": etcd.url(namespace), "DDP_HEARTBEAT": "2",
+                                      **(extra_env or {})})
+                for r in range(world)]
+
+    @staticmethod
+    def finish(procs):
+        outs = [p.communicate(timeout=3 * LIMIT) for p in procs]
+        return [p.returncode for p in procs], "".join(o for o, _ in outs), "".join(e for _, e in outs)
+
+    def test_the_readme_loop_loses_rank_0_or_another_and_goes_on(self):
+        # No MASTER_ADDR, no MASTER_PORT: the etcd cluster is the store. Rank 0's loss is like
+        # any other's; the survivors end as in a job whose store lives elsewhere (the same model
+        # as by hand with rank 1 lost).
+        with etcd_cluster.EtcdCluster(3) as etcd:
+            models = {}
+            for dead, kill in ((0, "0:1:3"), (1, "1:0:5"), (2, "2:1:3")):
+                codes, out, err = self.finish(self.start(etcd, 3, "elastic", kill))
+                self.assertEqual(codes[dead], 9, err)
+                found = elastic_results(out)
+                self.assertEqual([(r, n, once) for r, n, _, once in found],
+                                 [(str(r), "2", "yes") for r in range(3) if r != dead], out + err)
+                self.assertEqual(len({h for _, _, h, _ in found}), 1, out)
+                models[dead] = found[0][2]
+        # The same run with ddp's own store (rank 0 hosting it) gives the same bits.
+        port = free_port()
+        procs = [subprocess.Popen([WORKER, "elastic", "1:0:5"], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, "RANK": str(r), "WORLD_SIZE": "3",
+                                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                 for r in range(3)]
+        _, out, err = self.finish(procs)
+        self.assertEqual({h for _, _, h, _ in elastic_results(out)}, {models[1]}, out + err)
+
+    def test_losing_an_etcd_member_the_job_goes_on(self):
+        # A member of the cluster is killed while the job trains (and, in another run, while it
+        # loses rank 0 too): the calls go on with the other two; the job finishes.
+        for kill in ("", "0:2:3"):
+            with etcd_cluster.EtcdCluster(3) as etcd:
+                procs = self.start(etcd, 3, "elastic", kill or "9:9:9",
+                                   extra_env={"WORKER_STEP_MS": "20"})
+                time.sleep(1.0)
+                etcd.kill(0)
+                codes, out, err = self.finish(procs)
+                survivors = [r for r in range(3) if not kill or r != 0]
+                self.assertEqual([(r, n, once) for r, n, _, once in elastic_results(out)],
+                                 [(str(r), str(len(survivors)), "yes") for r in survivors],
+                                 out + err + etcd.logs())
+                self.assertEqual(len({h for _, _, h, _ in elastic_results(out)}), 1, out)
+
+    def test_bad_addresses_and_a_token_are_refused_saying_why(self):
+        with etcd_cluster.EtcdCluster(1) as etcd:
+            for url, says in (("etcd://127.0.0.1", "every endpoint needs a host and a port"),
+                              ("etcd://127.0.0.1:1/a b", "the namespace may hold"),
+                              (etcd.url("x").rsplit("/", 1)[0],
+                               "names no namespace and no launcher gives a run id")):
+                r = subprocess.run([WORKER, "allreduce"], capture_output=True, text=True,
+                                   timeout=LIMIT, env={**os.environ, "RANK": "0",
+                                                       "WORLD_SIZE": "2", "DDP_STORE": url})
+                self.assertNotEqual(r.returncode, 0)
+                self.assertIn(says, r.stderr)
+            r = subprocess.run([WORKER, "allreduce"], capture_output=True, text=True,
+                               timeout=LIMIT, env={**os.environ, "RANK": "0", "WORLD_SIZE": "2",
+                                                   "DDP_STORE": etcd.url("t"),
+                                                   "DDP_TOKEN": "secret"})
+            self.assertNotEqual(r.returncode, 0)
+            self.assertIn("an etcd store does not check ddp's token", r.stderr)
+
+
 def slurm_cluster():
     """Whether srun can reach a Slurm cluster (scripts/slurm.sh start makes one here)."""
     if shutil.which("srun") is None or shutil.which("sinfo") is None:
@@ -1423,6 +1512,36 @@ class MpirunTwoNodes(Base):
 
 
 @unittest.skipIf(netns_unavailable(), netns_unavailable() or "")
+@unittest.skipIf(netns_unavailable() or not etcd_cluster.available(),
+                 netns_unavailable() or "needs etcd (apt-get install etcd-server)")
+class EtcdTwoNodes(Base):
+    """Two ddprun nodes in two network namespaces with --rdzv-backend etcd: a 3-member etcd
+    cluster (one member on node 0's address, two on node 1's), no node hosting the store."""
+
+    def test_losing_node_0s_ddprun_and_its_workers_the_other_node_finishes(self):
+        with Namespaces() as ns:
+            wrap = lambda i: ["ip", "netns", "exec", ns.names[0 if i == 0 else 1]]  # noqa: E731
+            with etcd_cluster.EtcdCluster(3, addrs=[ns.addrs[0], ns.addrs[1], ns.addrs[1]],
+                                          wrap=wrap) as etcd:
+                rid = f"twonodes{os.getpid()}"
+                env = {**os.environ, "WORKER_STEP_MS": "30", "DDP_HEARTBEAT": "2"}
+                nodes = [subprocess.Popen(
+                    ["ip", "netns", "exec", ns.names[n], DDPRUN, "--nnodes", "2", "--node-rank",
+                     str(n), "--nproc-per-node", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint",
+                     etcd.endpoints(), "--rdzv-id", rid, "--on-failure", "shrink", WORKER,
+                     "elastic", "9:9:9"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    text=True, env=env) for n in (0, 1)]
+                time.sleep(3.0)  # training
+                nodes[0].send_signal(signal.SIGKILL)  # ddprun itself (ip netns exec execs it)
+                out1, err1 = nodes[1].communicate(timeout=3 * LIMIT)
+                nodes[0].communicate(timeout=LIMIT)
+                self.assertEqual(nodes[1].returncode, 0, out1 + err1 + etcd.logs())
+                found = elastic_results(out1)
+                self.assertEqual([(r, n, once) for r, n, _, once in found],
+                                 [("2", "2", "yes"), ("3", "2", "yes")], out1 + err1)
+                self.assertEqual(len({h for _, _, h, _ in found}), 1, out1)
+
+
 class MultiNode(Base):
     def test_all_reduce_across_two_nodes_over_tcp(self):
         with Namespaces() as ns:

@@ -391,7 +391,8 @@ int main(int argc, char** argv) try {
             net.params[0].value[j] -= 0.1f * net.params[0].grad[j];
             net.params[0].grad[j] = 0;
           }
-          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          const char* ms = std::getenv("WORKER_STEP_MS");
+          std::this_thread::sleep_for(std::chrono::milliseconds(ms != nullptr ? std::atoi(ms) : 5));
         },
         [&](ddp::Communicator<Host>&, int) {
           for (const float c : count) once = once && c == 1.0f;

@@ -59,14 +59,16 @@ inline BackendInit begin_init(CommState& state, const Environment& env, Options&
   bi.options = options;
   // A world of one joins a store too when a launcher hosts it (ddprun, ddp::spawn): it can then
   // admit newcomers (grow()).
-  const bool hosted = options.external_store || EnvReader().get("DDP_STORE_HOSTED") == "1";
-  if ((env.world_size > 1 || (hosted && env.master_port != 0)) && needs_store) {
-    if (env.master_port == 0) {
+  const bool hosted = options.external_store || EnvReader().get("DDP_STORE_HOSTED") == "1" ||
+                      !options.store.empty();
+  if ((env.world_size > 1 || (hosted && (env.master_port != 0 || !options.store.empty()))) &&
+      needs_store) {
+    if (env.master_port == 0 && options.store.empty()) {
       fail(Errc::invalid_argument, "rank ", env.rank,
            ": Communicator::init: MASTER_PORT is not set (world size ", env.world_size,
            "); export MASTER_ADDR and MASTER_PORT, or launch with ddprun");
     }
-    if (env.master_addr.empty()) {
+    if (env.master_addr.empty() && options.store.empty()) {
       const int hosts = (env.world_size + env.local_world_size - 1) / env.local_world_size;
       fail(Errc::invalid_argument, "rank ", env.rank, ": Communicator::init: the job spans ", hosts,
            " hosts but MASTER_ADDR is not set, and ", env.launcher,

@@ -164,13 +164,17 @@ struct CommState {
     // another job's store that took one of them.
     const std::string job = store_job_name(env);
     const bool hosted = options.external_store || launcher.get("DDP_STORE_HOSTED") == "1";
-    if (env.rank == 0 && !hosted) {
-      store_port = host_store(server, env, store_port, ports, so);
-    } else if (ports > 1) {
-      store_port = find_store(env, store_port, ports, so, job, rendezvous_deadline);
+    if (!options.store.empty()) {  // an etcd cluster: nobody hosts it
+      root_store = open_etcd_store(options.store, env.rank, options.heartbeat, so);
+    } else {
+      if (env.rank == 0 && !hosted) {
+        store_port = host_store(server, env, store_port, ports, so);
+      } else if (ports > 1) {
+        store_port = find_store(env, store_port, ports, so, job, rendezvous_deadline);
+      }
+      root_store = std::make_shared<Store>(env.master_addr, store_port, so);
+      if (server && ports > 1) root_store->set(store_job_key, job);
     }
-    root_store = std::make_shared<Store>(env.master_addr, store_port, so);
-    if (server && ports > 1) root_store->set(store_job_key, job);
     store = std::make_shared<Store>(
         root_store->prefixed(prefix).watching("failed").with_deadline(rendezvous_deadline));
     world_size = env.world_size;
@@ -193,7 +197,7 @@ struct CommState {
   /// a member hosts (never this process), without a refusal key: a wrong token fails this
   /// process alone, not the job. Sets the job's prefixes, as init() does.
   void connect_to_job(const Environment& env) {
-    if (env.master_port == 0)
+    if (env.master_port == 0 && options.store.empty())
       fail(Errc::invalid_argument, "rank ", env.rank,
            ": Communicator::join: MASTER_PORT is not set; export MASTER_ADDR and MASTER_PORT "
            "of the running job, or launch with ddprun");
@@ -206,6 +210,10 @@ struct CommState {
     so.token = options.token;
     int store_port = env.store_port != 0 ? env.store_port : env.master_port;
     const int ports = env.store_port != 0 ? std::max(1, env.store_ports) : 1;
+    if (!options.store.empty()) {
+      root_store = open_etcd_store(options.store, env.rank, options.heartbeat, so);
+      return;
+    }
     if (ports > 1)
       store_port = find_store(env, store_port, ports, so, store_job_name(env),
                               Deadline::after(options.timeout).at);
@@ -226,6 +234,10 @@ struct CommState {
     Store root = root_store ? root_store->unwatched() : store->prefixed("");
     if (root_store) {
       root.set_on_close(on_close);
+      // Where this process runs: a survivor on the same machine can tell that it died without
+      // waiting for the store to notice (MembershipChange).
+      if (!job_prefix.empty())
+        root.set(concat(job_prefix, "proc/", world_rank), process_identity());
       // Heartbeat: should this process stop signing (stopped, hung, cut off), the store counts
       // it gone (the records above), marks it stalled and counts the stall for the watchers.
       if (options.heartbeat.count() > 0 && !job_prefix.empty()) {

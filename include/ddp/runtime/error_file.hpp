@@ -19,6 +19,7 @@
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 #include "ddp/detail/env.hpp"
+#include "ddp/detail/json.hpp"
 #include "ddp/error.hpp"
 
 #include <fcntl.h>
@@ -39,29 +40,6 @@
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
-
-/// `text` as a JSON string literal.
-[[nodiscard]] inline std::string json_quoted(std::string_view text) {
-  std::string out = "\"";
-  for (const char c : text) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          char u[8];
-          std::snprintf(u, sizeof u, "\\u%04x", static_cast<unsigned>(c));
-          out += u;
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out + "\"";
-}
 
 /// The name of the type `t`, demangled where the ABI allows ("std::runtime_error").
 [[nodiscard]] inline std::string type_name(const std::type_info& t) {

@@ -224,7 +224,18 @@ class MembershipChange {
     if (shrink_phase_hook() != nullptr) shrink_phase_hook()(phase);
   }
 
-  bool gone(int r) const { return old_.rank_gone(r); }
+  /// Whether rank r is known gone: the store's mark, or (a process on this machine) its pid
+  /// found ended, which this rank then marks for the others (no lease to wait out).
+  bool gone(int r) {
+    if (old_.rank_gone(r)) return true;
+    const auto i = static_cast<std::size_t>(r);
+    if (i >= old_.world_ranks.size() || old_.job_prefix.empty()) return false;
+    Store job = old_.root_store->prefixed(old_.job_prefix).unwatched();
+    const std::string who = peek_key(job, concat("proc/", old_.world_ranks[i]));
+    if (who.empty() || !ended_here(who)) return false;
+    (void)job.compare_set(concat("gone/", old_.world_ranks[i]), "", "");
+    return true;
+  }
   /// Whether rank r's process ran out of heartbeat (the store's mark).
   bool stalled(int r) const {
     const auto i = static_cast<std::size_t>(r);

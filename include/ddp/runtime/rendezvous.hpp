@@ -22,9 +22,11 @@
 #include "ddp/store/client.hpp"
 #include "ddp/version.hpp"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -91,6 +93,60 @@ struct JobView {
   char name[256] = {};
   (void)::gethostname(name, sizeof name - 1);
   return concat("pid ", ::getpid(), " on host ", name);
+}
+
+/// Process `pid`'s start time (clock ticks after boot, /proc/PID/stat field 22); "" when it is
+/// gone or has ended (a zombie its parent has not reaped yet).
+[[nodiscard]] inline std::string process_start(int pid) {
+  const std::string path = concat("/proc/", pid, "/stat");
+  std::string stat(1024, '\0');
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const ssize_t n = fd < 0 ? 0 : ::read(fd, stat.data(), stat.size());
+  if (fd >= 0) ::close(fd);
+  if (n <= 0) return {};
+  stat.resize(static_cast<std::size_t>(n));
+  std::size_t at = stat.rfind(')');  // the name may hold spaces
+  if (at == std::string::npos || at + 2 >= stat.size() || stat[at + 2] == 'Z' ||
+      stat[at + 2] == 'X')
+    return {};
+  for (int field = 2; field < 22 && at != std::string::npos; ++field) at = stat.find(' ', at + 1);
+  if (at == std::string::npos) return {};
+  return stat.substr(at + 1, stat.find(' ', at + 1) - at - 1);
+}
+
+/// This process as another process on the same machine can find it: host name, boot id and pid
+/// namespace, then pid and start time ("host|boot|pidns pid start").
+[[nodiscard]] inline std::string process_identity() {
+  char name[256] = {};
+  (void)::gethostname(name, sizeof name - 1);
+  const auto first_line = [](const char* path) {
+    std::string text(256, '\0');
+    const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+    const ssize_t n = fd < 0 ? 0 : ::read(fd, text.data(), text.size());
+    if (fd >= 0) ::close(fd);
+    text.resize(n > 0 ? static_cast<std::size_t>(n) : 0);
+    return text.substr(0, text.find('\n'));
+  };
+  char ns[128] = {};
+  (void)!::readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
+  return concat(name, "|", first_line("/proc/sys/kernel/random/boot_id"), "|", ns, " ", ::getpid(),
+                " ", process_start(::getpid()));
+}
+
+/// Whether the process `identity` (process_identity()) ran on this machine, in this pid
+/// namespace, and has ended: certain evidence of a death, without waiting for a lease.
+[[nodiscard]] inline bool ended_here(std::string_view identity) {
+  const std::string mine = process_identity();
+  const std::size_t a = identity.find(' '), b = mine.find(' ');
+  if (a == std::string_view::npos || identity.substr(0, a) != std::string_view(mine).substr(0, b))
+    return false;
+  const std::string_view rest = identity.substr(a + 1);
+  const std::size_t sp = rest.find(' ');
+  int pid = 0;
+  if (sp == std::string_view::npos ||
+      std::from_chars(rest.data(), rest.data() + sp, pid).ec != std::errc{} || pid <= 0)
+    return false;
+  return process_start(pid) != rest.substr(sp + 1);
 }
 
 /// Claims `rank` in the store: fails with Errc::invalid_argument, naming the process that holds

@@ -3,9 +3,10 @@
 #pragma once
 
 /// \file
-/// Where a job's rendezvous store is: rank 0 hosts it on the first free port of its candidates
-/// (host_store), the other ranks find the one that names their job (find_store), and the
-/// messages say which variable chose the port.
+/// Where a job's rendezvous store is: in an etcd cluster (Options::store, DDP_STORE:
+/// open_etcd_store), or rank 0 hosts it on the first free port of its candidates (host_store)
+/// and the other ranks find the one that names their job (find_store); the messages say which
+/// variable chose the port.
 
 #include "ddp/config.hpp"
 #if !DDP_HAS_EXCEPTIONS
@@ -16,6 +17,7 @@
 #include "ddp/environment.hpp"
 #include "ddp/error.hpp"
 #include "ddp/store/client.hpp"
+#include "ddp/store/etcd.hpp"
 #include "ddp/store/server.hpp"
 
 #include <algorithm>
@@ -97,6 +99,32 @@ inline int find_store(const Environment& env, int port, int ports, StoreOptions 
     }
     window = std::min(window * 2, std::chrono::milliseconds(2000));
   }
+}
+
+/// The etcd namespace a launcher gives the job: ddprun's run (DDP_RUN_ID), torchrun's run id
+/// (unless "none"), Slurm's job and step; "" when none does.
+[[nodiscard]] inline std::string store_namespace() {
+  const EnvReader e;
+  if (std::string id = e.get("DDP_RUN_ID"); !id.empty()) return id;
+  if (std::string id = e.get("TORCHELASTIC_RUN_ID"); !id.empty() && id != "none")
+    return concat("torchrun-", id, "-", e.get("TORCHELASTIC_RESTART_COUNT", "0"));
+  if (std::string job = e.get("SLURM_JOB_ID"); !job.empty())
+    return concat("slurm-", job, ".", e.get("SLURM_STEP_ID", "0"));
+  return {};
+}
+
+/// The job's store in the etcd cluster `url` (Options::store), for rank `rank`: its lease as
+/// long as the heartbeat (10 s without one). ddp's token authenticates nothing there: a token
+/// given is refused rather than ignored.
+[[nodiscard]] inline std::shared_ptr<Store> open_etcd_store(const std::string& url, int rank,
+                                                            std::chrono::milliseconds heartbeat,
+                                                            StoreOptions so) {
+  if (!so.token.empty())
+    fail(Errc::invalid_argument, "rank ", rank, ": DDP_STORE=\"", url,
+         "\": DDP_TOKEN is set, but an etcd store does not check ddp's token (secure the etcd "
+         "cluster itself, and keep it on a private network); unset DDP_TOKEN to use it");
+  so.lease_ttl = heartbeat.count() > 0 ? heartbeat : std::chrono::milliseconds(10000);
+  return std::make_shared<Store>(connect_etcd(url, "DDP_STORE", store_namespace(), std::move(so)));
 }
 
 }  // namespace detail

@@ -52,6 +52,8 @@ struct StoreOptions {
   std::string refusal_key;
   /// Client: the rank this process claims, for the refusal's message (-1: none).
   int refusal_rank = -1;
+  /// Client of an etcd store: the lease of this process (its heartbeat), made when it connects.
+  std::chrono::milliseconds lease_ttl{std::chrono::seconds(5)};
   /// Refusals logged per 10 s at most; the rest are counted in one summary line.
   std::size_t log_burst = 20;
   /// Where the server reports refused connections and malformed traffic; default: stderr.
