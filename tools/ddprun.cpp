@@ -345,11 +345,6 @@ int main(int argc, char** argv) {
   if (cfg.command.front().starts_with("-"))
     die(2, fmt::format("unknown option {} (see ddprun --help)", cfg.command.front()));
   const auto [min_nodes, nnodes] = parse_nnodes(cfg.nnodes);
-  if (min_nodes != nnodes && cfg.on_failure == "restart")
-    die(2, fmt::format("--nnodes {}: a range of node counts needs --on-failure shrink or rejoin: "
-                       "the nodes that come after the start join the running job "
-                       "(Communicator::join), and ddprun never restarts the whole group for them",
-                       cfg.nnodes));
   const bool etcd = cfg.rdzv_backend == "etcd" || cfg.rdzv_backend == "etcd-v2";
   if (cfg.rdzv_backend != "static" && cfg.rdzv_backend != "c10d" && !etcd)
     die(2, fmt::format("--rdzv-backend {}: unknown rendezvous backend; use c10d or static (node "

@@ -486,18 +486,33 @@ class LaunchAgent {
     LaunchFailure f;
     int failed_in_a_row = 0;
     std::chrono::milliseconds delay{0};
-    for (int attempt = 0;; ++attempt) {
+    for (int attempt = first_attempt_;; ++attempt) {
       if (delay.count() > 0) wait_before_restart(delay, attempt);
+      if (elastic_restart() && attempt > first_attempt_ && interrupted_ == 0) {
+        try {
+          next_round(attempt);
+        } catch (const JoinInterrupted& i) {
+          return 128 + i.sig;
+        }
+      }
       const auto began = Clock::now();
       f = run_attempt(attempt);
-      if (f.code == 0 && attempt > 0)
-        say("every worker succeeded after ", attempt, attempt == 1 ? " restart" : " restarts");
-      if (f.code == 0 || !f.restartable || interrupted_ != 0 || attempt >= o_.max_restarts) break;
+      if (membership_changed_ && interrupted_ == 0 && f.code == 0) {  // torchrun's way
+        membership_changed_ = false;
+        say("a node is waiting to join: restarting every worker with it (a membership change, "
+            "not counted in --max-restarts)");
+        delay = std::chrono::milliseconds(0);
+        continue;
+      }
+      if (f.code == 0 && restarts_ > 0)
+        say("every worker succeeded after ", restarts_, restarts_ == 1 ? " restart" : " restarts");
+      if (f.code == 0 || !f.restartable || interrupted_ != 0 || restarts_ >= o_.max_restarts) break;
+      ++restarts_;
       failed_in_a_row = Clock::now() - began >= o_.restart_backoff_reset ? 1 : failed_in_a_row + 1;
       delay = restart_delay(failed_in_a_row);
       say("restarting the workers",
           delay.count() > 0 ? concat(" in ", seconds_text(delay), " s") : std::string(),
-          " (restart ", attempt + 1, " of ", o_.max_restarts, ")");
+          " (restart ", restarts_, " of ", o_.max_restarts, ")");
     }
     if (!lost_logs_.empty()) {
       std::string which;
@@ -644,13 +659,13 @@ class LaunchAgent {
 
   // Registers this node and learns where its ranks start.
   void join() {
-    if (!o_.store_url.empty()) {
+    if (!server_) {
       // Should this agent die, the others stop waiting for it (the store applies this record).
       const std::pair<std::string, std::string> gone[] = {
           {concat("agent_gone/", o_.node_rank), ""}};
       store_->set_on_close(gone);
-      worker_addr_ = store_->local_address();  // the interface that reaches the cluster
     }
+    if (!o_.store_url.empty()) worker_addr_ = store_->local_address();  // reaches the cluster
     if (leader()) {
       worker_port_ = pick_worker_port();
       store_->set("worker_port", std::to_string(worker_port_));
@@ -698,6 +713,90 @@ class LaunchAgent {
       world_ += n;
     }
     read_worker_address();
+  }
+
+  /// --nnodes MIN:MAX without --on-failure shrink or rejoin: torchrun's elastic way, where any
+  /// change of membership restarts every worker.
+  [[nodiscard]] bool elastic_restart() const {
+    return o_.min_nodes > 0 && !o_.shrink_on_failure && !o_.rejoin_on_failure;
+  }
+
+  /// Sets this node's place from a round's members (node ranks); whether it is among them.
+  bool take_members(const std::vector<int>& members) {
+    base_rank_ = world_ = 0;
+    round_members_ = members;
+    bool in = false;
+    for (int i : members) {
+      const int n = std::atoi(store_->get(concat("node/", i)).c_str());
+      if (i < o_.node_rank) base_rank_ += n;
+      if (i == o_.node_rank) in = true;
+      world_ += n;
+    }
+    return in;
+  }
+
+  /// The nodes here now: claimed, their agents alive.
+  [[nodiscard]] std::vector<int> nodes_present() {
+    std::vector<int> out;
+    for (int i = 0; i < o_.nnodes; ++i) {
+      const std::string claim[] = {concat("node/", i)}, gone[] = {concat("agent_gone/", i)};
+      if (store_->check(claim) && !store_->check(gone)) out.push_back(i);
+    }
+    return out;
+  }
+
+  /// The members of round `attempt` (torchrun's re-rendezvous): decided by the lowest node
+  /// present (one compare-and-set: every agent reads the same), at least MIN of them.
+  void next_round(int attempt) {
+    const std::string key = concat("members/", attempt);
+    const auto until = Clock::now() + o_.join_timeout;
+    for (;;) {
+      check_join_signals();
+      const std::string k[] = {key};
+      if (store_->check(k)) break;
+      const std::vector<int> here = nodes_present();
+      if (!here.empty() && here.front() == o_.node_rank &&
+          static_cast<int>(here.size()) >= o_.min_nodes) {
+        std::string list;
+        for (int i : here) list += concat(list.empty() ? "" : ",", i);
+        (void)store_->compare_set(key, "", list);
+        store_->set("round", std::to_string(attempt));
+        break;
+      }
+      if (Clock::now() >= until)
+        fail(Errc::timeout, "fewer than ", o_.min_nodes, " nodes (--nnodes ", o_.min_nodes, ":",
+             o_.nnodes, ") were there to restart the workers within ",
+             fixed1(static_cast<double>(o_.join_timeout.count()) / 1000), " s");
+      (void)store_->missing_after(std::vector<std::string>{key}, std::chrono::milliseconds(100));
+    }
+    waiting_seen_ = store_->add("waiting", 0);
+    if (!take_members(detail::parse_ranks(store_->get(key))))
+      fail(Errc::invalid_argument, "node ", o_.node_rank, " was left out of the job's round ",
+           attempt, " (more than --nnodes ", o_.nnodes, " nodes?)");
+  }
+
+  /// A node that came after the start (torchrun's way): asks for a round, and joins the first
+  /// one that has it.
+  void await_round_with_me() {
+    (void)store_->add("waiting", 1);
+    const auto until = Clock::now() + o_.join_timeout;
+    for (int seen = std::atoi(detail::peek_key(*store_, "round").c_str());;) {
+      check_join_signals();
+      for (int a = seen + 1;; ++a) {
+        const std::string k[] = {concat("members/", a)};
+        if (!store_->check(k)) break;
+        seen = a;
+        if (take_members(detail::parse_ranks(store_->get(k[0])))) {
+          first_attempt_ = a;
+          waiting_seen_ = store_->add("waiting", 0);
+          return;
+        }
+      }
+      if (Clock::now() >= until)
+        fail(Errc::timeout, "node ", o_.node_rank, " was not taken into the running job within ",
+             fixed1(static_cast<double>(o_.join_timeout.count()) / 1000), " s");
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
   }
 
   void read_worker_address() {
@@ -757,12 +856,16 @@ class LaunchAgent {
                                   std::chrono::milliseconds(200));
     }
     const std::vector<int> members = detail::parse_ranks(store_->get("members"));
-    bool in = false;
-    for (int i : members) {
-      const int n = std::atoi(store_->get(concat("node/", i)).c_str());
-      if (i < o_.node_rank) base_rank_ += n;
-      if (i == o_.node_rank) in = true;
-      world_ += n;
+    const bool in = take_members(members);
+    waiting_seen_ = store_->add("waiting", 0);
+    if ((!in || replacing_) && elastic_restart()) {
+      // torchrun's way: every worker restarts with the new node at the next round.
+      say("node ", o_.node_rank,
+          " came after the job started: the running workers are restarted with this node's (a "
+          "membership change)");
+      await_round_with_me();
+      read_worker_address();
+      return;
     }
     if (!in || replacing_) {  // late: ranks after every rank given so far
       late_ = true;
@@ -870,7 +973,7 @@ class LaunchAgent {
     env.push_back(concat("TORCHELASTIC_ERROR_FILE=", error_file(w, attempt)));
     env.push_back(concat("DDP_RESTART_COUNT=", attempt));
     if (w.rejoins > 0 || late_) env.push_back(concat("DDP_REJOIN=", std::max(w.rejoins, 1)));
-    env.push_back(concat("TORCHELASTIC_RESTART_COUNT=", attempt));
+    env.push_back(concat("TORCHELASTIC_RESTART_COUNT=", restarts_));  // as torchrun counts
     env.push_back(concat("TORCHELASTIC_MAX_RESTARTS=", o_.max_restarts));
     env.push_back("TORCHELASTIC_RUN_ID=" + o_.run_id);
     if (guardian_) env.push_back(guardian_->tag());
@@ -1137,6 +1240,18 @@ class LaunchAgent {
       }
     }
     if (!first) return;
+    if (elastic_restart() && root_cause_ < 0 && !stopping_) {
+      // A worker that failed because another node stopped its own for a waiting node: that is
+      // the membership change, not a failure.
+      try {
+        if (store_->add("waiting", 0) > waiting_seen_) {
+          membership_changed_ = true;
+          stop_workers(now);
+          return;
+        }
+      } catch (const Error&) {  // the store is gone: a failure as any other
+      }
+    }
     if ((o_.shrink_on_failure || o_.rejoin_on_failure) && root_cause_ < 0 && !stopping_) {
       // The others go on without it (Communicator::shrink), or it is restarted alone to rejoin
       // them; only when none is left is the attempt a failure, the first loss its root cause.
@@ -1286,6 +1401,11 @@ class LaunchAgent {
       if (o_.nnodes > 1 && !remote && root_cause_ < 0 && now >= next_store_check) {
         next_store_check = now + std::chrono::milliseconds(100);
         try {
+          if (elastic_restart() && !membership_changed_ && running &&
+              store_->add("waiting", 0) > waiting_seen_) {
+            membership_changed_ = true;  // a node waits: stop here, restart with it
+            stop_workers(now);
+          }
           if (any_failure(attempt)) remote = published_failure(attempt);
         } catch (const Error& e) {
           remote =
@@ -1369,9 +1489,10 @@ class LaunchAgent {
         store_->set(concat(key, "/", o_.node_rank), "");
         if (interrupted_ != 0) return *local;
         const auto until = Clock::now() + o_.join_timeout;
-        // Every agent that joined (with --nnodes MIN:MAX, as many as came, not MAX); with
-        // etcd, an agent that died is not waited for.
-        while (store_->add(key, 0) < store_->add("agents", 0) && !others_ended_or_gone(key)) {
+        // Every agent that joined (with --nnodes MIN:MAX, as many as came, not MAX; torchrun's
+        // way: the round's members), an agent that died not waited for.
+        while ((elastic_restart() || store_->add(key, 0) < store_->add("agents", 0)) &&
+               !others_ended_or_gone(key)) {
           if (Clock::now() >= until)
             return LaunchFailure{o_.node_rank, 1, false,
                                  "the other nodes' workers did not end in time (is a launcher "
@@ -1391,6 +1512,7 @@ class LaunchAgent {
           remote = LaunchFailure{-1, 1, false, concat("lost the rendezvous store: ", e.what())};
       }
     }
+    if (membership_changed_ && !remote && !local) return LaunchFailure{};
     // With several nodes the published root cause, the same for every agent, decides.
     LaunchFailure verdict{};
     if (remote) {
@@ -1408,10 +1530,14 @@ class LaunchAgent {
     return verdict;
   }
 
-  /// etcd: whether every node that joined has ended `attempt_key` or is gone (its agent died).
+  /// Whether every node of the attempt (torchrun's way: the round's members; with etcd: every
+  /// node that joined) has ended `attempt_key` or is gone (its agent died).
   [[nodiscard]] bool others_ended_or_gone(const std::string& attempt_key) {
-    if (o_.store_url.empty()) return false;
+    if (o_.store_url.empty() && !elastic_restart()) return false;
     for (int i = 0; i < o_.nnodes; ++i) {
+      if (elastic_restart() &&
+          std::find(round_members_.begin(), round_members_.end(), i) == round_members_.end())
+        continue;
       const std::string joined[] = {concat("node/", i)}, ended[] = {concat(attempt_key, "/", i)},
                         gone[] = {concat("agent_gone/", i)};
       if (store_->check(joined) && !store_->check(ended) && !store_->check(gone)) return false;
@@ -1447,6 +1573,11 @@ class LaunchAgent {
   std::unique_ptr<Store> store_;
   std::vector<Worker> workers_;
   bool late_ = false;                   // --nnodes MIN:MAX: this node came after the start
+  int first_attempt_ = 0;               // torchrun's way: the round a late node came in at
+  int restarts_ = 0;                    // restarts after failures (--max-restarts)
+  bool membership_changed_ = false;     // torchrun's way: a node waits to join this round
+  std::int64_t waiting_seen_ = 0;       // the nodes that had asked to join when it began
+  std::vector<int> round_members_;      // the node ranks of this round
   bool claimed_ = false;                // --nnodes MIN:MAX, c10d: the node rank was claimed
   bool replacing_ = false;              // --nnodes MIN:MAX: it claimed a rank after the start
   std::vector<std::string> lost_logs_;  // "rank R's log PATH (error)", for the end

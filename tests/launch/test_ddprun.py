@@ -531,6 +531,35 @@ class SingleNode(Base):
         self.assertEqual(len(r.stdout.splitlines()), 2, r.stdout)
         self.assertLess(time.monotonic() - start, 10)
 
+    def test_nnodes_range_without_on_failure_restarts_every_worker_as_torchrun_does(self):
+        # torchrun's elastic line as it is: --nnodes 1:2, no --on-failure. Node 0 starts alone
+        # (2 workers); node 1 comes later: every worker is restarted with it, 3 ranks (a
+        # membership change: not counted in --max-restarts, which is 0 here).
+        port = free_port()
+        common = ["--nnodes", "1:2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                  "--rdzv-conf", "last_call_timeout=0.2"]
+        env = {**os.environ, "WORKER_HOLD_MS": "4000"}
+        p0 = subprocess.Popen([DDPRUN, *common, "--node-rank", "0", "--nproc-per-node", "2",
+                               WORKER, "allreduce"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env)
+        wait_for_output = time.monotonic() + LIMIT
+        time.sleep(1.5)
+        p1 = subprocess.Popen([DDPRUN, *common, "--node-rank", "1", "--nproc-per-node", "1",
+                               WORKER, "allreduce"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ})
+        out0, err0 = p0.communicate(timeout=max(1, wait_for_output - time.monotonic()))
+        out1, err1 = p1.communicate(timeout=LIMIT)
+        self.assertEqual((p0.returncode, p1.returncode), (0, 0), err0 + err1)
+        self.assertIn("a node is waiting to join: restarting every worker with it (a membership "
+                      "change, not counted in --max-restarts)", err0)
+        self.assertIn("node 1 came after the job started: the running workers are restarted "
+                      "with this node's", err1)
+        for r in (0, 1):
+            self.assertRegex(out0, rf"rank {r}/2 local {r}/2 node 0 launcher ddprun transport shm "
+                                   r"restart 0 sum ok")
+            self.assertRegex(out0, rf"rank {r}/3 .* node 0 launcher ddprun .*restart 1 sum ok")
+        self.assertRegex(out1, r"rank 2/3 .* node 1 launcher ddprun .*restart 1 sum ok")
+
     def test_nnodes_range_a_node_that_lost_its_workers_leaves_and_another_takes_its_place(self):
         # --nnodes 1:2, one worker per node: node 1 comes late, its worker dies; its ddprun
         # leaves at once, freeing node rank 1; a c10d launcher (no --node-rank) takes it and its
@@ -779,8 +808,6 @@ class SingleNode(Base):
              "--local-ranks-filter: local rank 3 does not exist"),
             (["--standalone", "--local_ranks_filter", "0,a", "true"],
              'expected local ranks like 0 or 0,2; got "0,a"'),
-            (["--nnodes", "1:2", "true"], "--nnodes 1:2: a range of node counts needs "
-             "--on-failure shrink or rejoin"),
             (["--nnodes", "3:2", "--on-failure", "shrink", "true"],
              "--nnodes 3:2: MIN is larger than MAX"),
             (["--rdzv-conf", "last_call_timeout=x", "true"], 'expected seconds, got "x"'),
