@@ -67,6 +67,7 @@ long long wall_ns() {
 
 void run(ddp::Environment env, const fashion_mnist::Config& cfg) {
   using Host = ddp::backend::Host;
+  if (cfg_timing && env.rejoin) std::printf("timing: started at %lld\n", wall_ns());
   const char* rejoins = std::getenv("DDP_REJOIN");
   const int life = env.rejoin && rejoins != nullptr ? std::atoi(rejoins) : 0;
   fashion_mnist::Mlp model(cfg.hidden);
@@ -99,9 +100,12 @@ void run(ddp::Environment env, const fashion_mnist::Config& cfg) {
     record.open(cfg_record + "/rank" + std::to_string(env.rank) + ".txt", std::ios::app);
   std::string pending;  // this step's images, recorded once the step is committed
   bool after_loss = false;
+  bool newcomer = cfg_timing && env.rejoin;
   job.on_commit([&](ddp::Communicator<Host>& comm, std::uint64_t) {
     record << pending << std::flush;
     pending.clear();
+    if (newcomer) std::printf("timing: newcomer's first step done at %lld\n", wall_ns());
+    newcomer = false;
     if (after_loss && comm.rank() == 0)
       std::printf("timing: first step on the new membership done at %lld\n", wall_ns());
     std::fflush(stdout);

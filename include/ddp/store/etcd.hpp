@@ -163,6 +163,12 @@ class EtcdStoreConnection final : public StoreConnection {
   std::int64_t add(const StoreCall& c, const std::string& key, std::int64_t delta) override {
     auto lock = lock_for(c);
     const auto deadline = deadline_of(c, options.timeout);
+    if (delta == 0) {  // a read (how counters are polled): no write to replicate
+      const auto held = range_one(user(key), deadline).first;
+      if (!held || held->size() != 8) return 0;
+      ByteReader r(*held, "counter");
+      return r.get<std::int64_t>();
+    }
     const std::string marker = concat(root_, "op/", lease_, "/", ++ops_);
     for (;;) {
       const auto [held, revision] = range_one(user(key), deadline);
@@ -331,7 +337,8 @@ class EtcdStoreConnection final : public StoreConnection {
   /// member that lost the majority) count as no answer. The reply's body.
   std::string request(std::string_view path, const std::string& body, Deadline deadline,
                       Clients& clients, std::size_t& at) {
-    committed_ = true;
+    const bool calls = &clients == &calls_;  // the heartbeat's requests leave committed_ alone
+    if (calls) committed_ = true;
     std::string last = "no member answered";
     for (std::size_t tried = 0;; ++tried) {
       HttpClient& h = clients[at];
@@ -346,7 +353,7 @@ class EtcdStoreConnection final : public StoreConnection {
       } catch (const Error& e) {
         if (e.code() == Errc::protocol) throw;
         last = e.what();
-        committed_ = false;  // the request may or may not have been applied
+        if (calls) committed_ = false;  // the request may or may not have been applied
       }
       at = (at + 1) % clients.size();
       if (deadline.expired())
