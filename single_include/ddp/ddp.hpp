@@ -6229,6 +6229,12 @@ class EtcdStoreConnection final : public StoreConnection {
   std::int64_t add(const StoreCall& c, const std::string& key, std::int64_t delta) override {
     auto lock = lock_for(c);
     const auto deadline = deadline_of(c, options.timeout);
+    if (delta == 0) {  // a read (how counters are polled): no write to replicate
+      const auto held = range_one(user(key), deadline).first;
+      if (!held || held->size() != 8) return 0;
+      ByteReader r(*held, "counter");
+      return r.get<std::int64_t>();
+    }
     const std::string marker = concat(root_, "op/", lease_, "/", ++ops_);
     for (;;) {
       const auto [held, revision] = range_one(user(key), deadline);
@@ -6397,7 +6403,8 @@ class EtcdStoreConnection final : public StoreConnection {
   /// member that lost the majority) count as no answer. The reply's body.
   std::string request(std::string_view path, const std::string& body, Deadline deadline,
                       Clients& clients, std::size_t& at) {
-    committed_ = true;
+    const bool calls = &clients == &calls_;  // the heartbeat's requests leave committed_ alone
+    if (calls) committed_ = true;
     std::string last = "no member answered";
     for (std::size_t tried = 0;; ++tried) {
       HttpClient& h = clients[at];
@@ -6412,7 +6419,7 @@ class EtcdStoreConnection final : public StoreConnection {
       } catch (const Error& e) {
         if (e.code() == Errc::protocol) throw;
         last = e.what();
-        committed_ = false;  // the request may or may not have been applied
+        if (calls) committed_ = false;  // the request may or may not have been applied
       }
       at = (at + 1) % clients.size();
       if (deadline.expired())
@@ -19708,12 +19715,14 @@ struct ElasticBatch {
 
 /// A change of membership, as Elastic::on_change reports it.
 struct ElasticChange {
+  /// What changed.
   enum class Kind {
     started,  ///< the job began (this process made the communicator with init())
     joined,   ///< this process joined a running job (restarted by the launcher, or added)
     lost,     ///< ranks were lost: the survivors go on (shrink, restore)
     grew,     ///< newcomers were admitted
   };
+  /// What changed.
   Kind kind = Kind::started;
   int size = 0;              ///< ranks now
   int previous_size = 0;     ///< ranks before (0 when this process was not in the job)
@@ -19739,6 +19748,7 @@ struct ElasticOptions {
 template <class Backend>
 class Elastic {
  public:
+  /// The communicator it owns.
   using Comm = Communicator<Backend>;
 
   /// Nothing is connected yet: the communicator is made (init(), or join() when the launcher
@@ -19761,18 +19771,22 @@ class Elastic {
     state_.track(std::move(name), tensor);
     return *this;
   }
+  /// Tracks every parameter of `model` (TrainingState::track_model).
   template <class M>
   Elastic& track_model(const std::string& name, M& model) {
     before_connect("track_model");
     state_.track_model(name, model);
     return *this;
   }
+  /// Tracks an object ddp::codec encodes (TrainingState::track_object).
   template <Encodable T>
   Elastic& track_object(std::string name, T& object) {
     before_connect("track_object");
     state_.track_object(std::move(name), object);
     return *this;
   }
+  /// Tracks a sampler's place in its epoch (TrainingState::track_sampler); run_epochs runs
+  /// over it.
   Elastic& track_sampler(std::string name, DistributedSampler& sampler) {
     before_connect("track_sampler");
     state_.track_sampler(std::move(name), sampler);

@@ -63,12 +63,14 @@ struct ElasticBatch {
 
 /// A change of membership, as Elastic::on_change reports it.
 struct ElasticChange {
+  /// What changed.
   enum class Kind {
     started,  ///< the job began (this process made the communicator with init())
     joined,   ///< this process joined a running job (restarted by the launcher, or added)
     lost,     ///< ranks were lost: the survivors go on (shrink, restore)
     grew,     ///< newcomers were admitted
   };
+  /// What changed.
   Kind kind = Kind::started;
   int size = 0;              ///< ranks now
   int previous_size = 0;     ///< ranks before (0 when this process was not in the job)
@@ -94,6 +96,7 @@ struct ElasticOptions {
 template <class Backend>
 class Elastic {
  public:
+  /// The communicator it owns.
   using Comm = Communicator<Backend>;
 
   /// Nothing is connected yet: the communicator is made (init(), or join() when the launcher
@@ -116,18 +119,22 @@ class Elastic {
     state_.track(std::move(name), tensor);
     return *this;
   }
+  /// Tracks every parameter of `model` (TrainingState::track_model).
   template <class M>
   Elastic& track_model(const std::string& name, M& model) {
     before_connect("track_model");
     state_.track_model(name, model);
     return *this;
   }
+  /// Tracks an object ddp::codec encodes (TrainingState::track_object).
   template <Encodable T>
   Elastic& track_object(std::string name, T& object) {
     before_connect("track_object");
     state_.track_object(std::move(name), object);
     return *this;
   }
+  /// Tracks a sampler's place in its epoch (TrainingState::track_sampler); run_epochs runs
+  /// over it.
   Elastic& track_sampler(std::string name, DistributedSampler& sampler) {
     before_connect("track_sampler");
     state_.track_sampler(std::move(name), sampler);
