@@ -361,6 +361,7 @@ int main(int argc, char** argv) {
           "--rdzv-backend etcd needs --rdzv-id NAME, new for each job (the job's keys in "
           "etcd live under it)");
     if (cfg.standalone) die(2, "--standalone hosts its own store: drop --rdzv-backend etcd");
+    if (cfg.rdzv_endpoint.starts_with("etcd://")) cfg.rdzv_endpoint.erase(0, 7);
     store_url = "etcd://";
     for (std::size_t at = 0; at <= cfg.rdzv_endpoint.size();) {
       const std::size_t comma = std::min(cfg.rdzv_endpoint.find(',', at), cfg.rdzv_endpoint.size());

@@ -424,9 +424,11 @@ class LaunchAgent {
     port_ = o_.master_port;
     if (!o_.store_url.empty()) {  // etcd: nobody hosts; nodes are numbered as they come
       so.lease_ttl = std::chrono::seconds(5);
-      store_ = std::make_unique<Store>(
-          Store(connect_etcd(o_.store_url, "--rdzv-endpoint", etcd_namespace(), so))
-              .prefixed("ddprun/"));
+      try {
+        store_ = std::make_unique<Store>(connect_etcd_interruptibly(so).prefixed("ddprun/"));
+      } catch (const JoinInterrupted& i) {
+        return 128 + i.sig;
+      }
     } else if (o_.node_rank ==
                -1) {  // the launcher that can listen there is node 0; the others are clients
       try {
@@ -654,6 +656,31 @@ class LaunchAgent {
     return server_ != nullptr || (!o_.store_url.empty() && o_.node_rank == 0);
   }
 
+  /// The etcd cluster, reached within join_timeout: tried for a second at a time, so that
+  /// SIGINT, SIGTERM or SIGHUP ends the wait at once (JoinInterrupted).
+  Store connect_etcd_interruptibly(StoreOptions so) {
+    const auto until = Clock::now() + o_.join_timeout;
+    for (;;) {
+      check_join_signals();
+      StoreOptions probe = so;
+      probe.timeout = std::min<std::chrono::milliseconds>(
+          std::chrono::seconds(1),
+          std::max(std::chrono::ceil<std::chrono::milliseconds>(until - Clock::now()),
+                   std::chrono::milliseconds(1)));
+      try {
+        (void)Store(connect_etcd(o_.store_url, "--rdzv-endpoint", etcd_namespace(), probe));
+        return Store(connect_etcd(o_.store_url, "--rdzv-endpoint", etcd_namespace(), so));
+      } catch (const Error& e) {
+        if (e.code() != Errc::timeout && e.code() != Errc::peer_lost) throw;
+        if (Clock::now() >= until)
+          fail(Errc::timeout, "the etcd cluster at ", o_.store_url.substr(7),
+               " did not answer within ",
+               fixed1(static_cast<double>(o_.join_timeout.count()) / 1000), " s (", e.what(),
+               "); is a majority of its members up, and --rdzv-endpoint right?");
+      }
+    }
+  }
+
   /// The etcd namespace of this job's run (--rdzv-id).
   [[nodiscard]] std::string etcd_namespace() const { return concat("ddprun-", o_.run_id); }
 
@@ -676,7 +703,15 @@ class LaunchAgent {
     // left freed that rank: its workers join as newcomers).
     const std::string started[] = {"members"};
     replacing_ = o_.min_nodes > 0 && store_->check(started);
-    if (!claimed_ && store_->compare_set(concat("node/", o_.node_rank), "", me) != me)
+    const bool taken =
+        !claimed_ && store_->compare_set(concat("node/", o_.node_rank), "", me) != me;
+    if (taken && !o_.store_url.empty())
+      fail(Errc::invalid_argument, "node rank ", o_.node_rank, " is already taken in ",
+           store_->where(),
+           ": another launcher of this job has it, or a run that used this --rdzv-id before (its "
+           "keys vanish a minute after it ended): give each node its own --node-rank (or none), "
+           "and each job a new --rdzv-id");
+    if (taken)
       fail(Errc::invalid_argument, "node rank ", o_.node_rank,
            " is already taken by another launcher (each node needs its own --node-rank from 0 "
            "to ",
@@ -954,7 +989,9 @@ class LaunchAgent {
     env.push_back(concat("NODE_RANK=", o_.node_rank));
     env.push_back(concat("GROUP_RANK=", o_.node_rank));
     // What torchrun also sets, for programs that read it: one role spanning the job.
-    env.push_back(concat("GROUP_WORLD_SIZE=", o_.nnodes));
+    env.push_back(concat("GROUP_WORLD_SIZE=", round_members_.empty()
+                                                  ? o_.nnodes
+                                                  : static_cast<int>(round_members_.size())));
     env.push_back("ROLE_NAME=" + o_.role);
     env.push_back(concat("ROLE_RANK=", w.rank));
     env.push_back(concat("ROLE_WORLD_SIZE=", world_));

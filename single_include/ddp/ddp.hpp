@@ -2143,9 +2143,10 @@ class AddrInfo {
     }
     if (deadline.expired()) {
       fail(Errc::timeout, "cannot connect to ", what, " at ", host_port(host, port), ": ",
-           std::strerror(last_errno),
-           " until the timeout; check that it is running and that MASTER_ADDR/MASTER_PORT are "
-           "right");
+           std::strerror(last_errno), " until the timeout; check that it is running and that ",
+           what.find("etcd") != std::string_view::npos
+               ? "DDP_STORE (or ddprun's --rdzv-endpoint) names its client URLs"
+               : "MASTER_ADDR/MASTER_PORT are right");
     }
     if (check_stop) check_stop();
     std::this_thread::sleep_for(std::min(backoff, std::chrono::milliseconds(deadline.poll_ms())));
@@ -2342,7 +2343,8 @@ class EnvReader {
     if (!v) return std::nullopt;
     char* end = nullptr;
     const double s = std::strtod(v->c_str(), &end);
-    if (end == v->c_str() || *end != '\0' || !(s >= 0.001) || s > 2147483.0) {
+    const bool decimal = v->find_first_not_of("0123456789.eE+-") == std::string::npos;
+    if (!decimal || end == v->c_str() || *end != '\0' || !(s >= 0.001) || s > 2147483.0) {
       fail(Errc::invalid_argument, name, "=\"", *v,
            "\" is not a timeout: give seconds, at least 0.001 and at most 2147483 (e.g. 300)");
     }
@@ -5622,6 +5624,7 @@ struct JobView {
   int world_size = 1;
   std::string backend;
   bool verify_collectives = true;
+  std::int64_t heartbeat_ms = 0;  ///< Options::heartbeat (0: none)
 };
 
 /// Who this process is, as another process would be told ("pid 123 on host node7").
@@ -5693,6 +5696,15 @@ inline void claim_rank(Store& store, int rank, std::string_view group) {
   const std::string held = store.compare_set(concat("claim/", rank), "", me);
   if (held == me) return;
   const std::string who = held.substr(0, held.find(" ["));
+  int pid = 0;
+  const bool here = who.ends_with(process_label().substr(process_label().find(" on host")));
+  if (here && std::from_chars(who.data() + 4, who.data() + who.size(), pid).ec == std::errc{} &&
+      pid > 0 && process_start(pid).empty())
+    fail(Errc::invalid_argument, "rank ", rank, ": rank ", rank, " of group \"", group,
+         "\" was claimed by ", who,
+         ", which has ended: the store holds an earlier run's keys (with an etcd store, give "
+         "each run its own namespace, DDP_STORE=etcd://.../NAME, or --rdzv-id; an ended run's "
+         "keys vanish a minute after its last process)");
   fail(Errc::invalid_argument, "rank ", rank, ": rank ", rank, " of group \"", group,
        "\" is already taken by ", who, "; this process (", process_label(),
        ") was started with the same RANK. Give every process its own RANK (0..WORLD_SIZE-1)");
@@ -5710,8 +5722,9 @@ inline void agree_on_job(Store& store, int rank, const JobView& job,
   w.put(static_cast<std::uint32_t>(job.world_size));
   w.str(job.backend);
   w.put(static_cast<std::uint8_t>(job.verify_collectives ? 1 : 0));
+  w.put(job.heartbeat_ms);
   store.set(concat("job/", rank), rec);
-  std::vector<std::string> versions, worlds, backends, verify;
+  std::vector<std::string> versions, worlds, backends, verify, heartbeats;
   for (const auto& r : gather_records(store, "job/", rank, job.world_size, timeout)) {
     ByteReader rd(r, "job record");
     versions.push_back(rd.str(64));
@@ -5720,6 +5733,8 @@ inline void agree_on_job(Store& store, int rank, const JobView& job,
     if (ws <= 1u << 20) widest = std::max(widest, static_cast<int>(ws));
     backends.push_back(rd.str(64));
     verify.push_back(rd.get<std::uint8_t>() != 0 ? "on" : "off");
+    const auto hb = rd.get<std::int64_t>();
+    heartbeats.push_back(hb > 0 ? concat(hb, " ms") : std::string("none"));
   }
   require_agreement(rank, "the world size",
                     "start every rank with the same WORLD_SIZE (if the others are another job's "
@@ -5730,6 +5745,10 @@ inline void agree_on_job(Store& store, int rank, const JobView& job,
                     backends);
   require_agreement(rank, "Options::verify_collectives (DDP_VERIFY_COLLECTIVES)",
                     "every rank must use the same setting", verify);
+  require_agreement(rank, "Options::heartbeat (DDP_HEARTBEAT)",
+                    "every rank must use the same heartbeat (a rank that waits longer than the "
+                    "others sign would count them lost, or they it)",
+                    heartbeats);
 }
 
 }  // namespace detail
@@ -6044,9 +6063,14 @@ class HttpClient {
     std::size_t end = 0;
     if (const IoResult x = line(0, end, deadline, 8192); x != IoResult::ok) return x;
     const std::string_view status(in_.data(), end);
-    if (!status.starts_with("HTTP/1.") || status.size() < 12)
-      fail(Errc::protocol, host_port(host_, port_), " is not an HTTP server (it answered \"",
-           status.substr(0, 80), "\"): is it etcd's client URL?");
+    if (!status.starts_with("HTTP/1.") || status.size() < 12 || status[9] < '1' ||
+        status[9] > '5' || status[10] < '0' || status[10] > '9' || status[11] < '0' ||
+        status[11] > '9') {
+      std::string shown;
+      for (const char c : status.substr(0, 80)) shown += c >= 32 && c < 127 ? c : '?';
+      fail(Errc::protocol, host_port(host_, port_), " is not an HTTP server (it answered \"", shown,
+           "\"): is it etcd's client URL?");
+    }
     r.status = (status[9] - '0') * 100 + (status[10] - '0') * 10 + (status[11] - '0');
     std::size_t length = std::string::npos;
     bool chunked = false, close_after = false;
@@ -6146,14 +6170,18 @@ struct EtcdAddress {
       const std::string_view ep = rest.substr(0, comma);
       const std::size_t colon = ep.rfind(':');
       int port = 0;
-      if (colon == std::string_view::npos || colon == 0 ||
-          std::from_chars(ep.data() + colon + 1, ep.data() + ep.size(), port).ec != std::errc{} ||
-          port <= 0 || port > 65535)
+      const char* end = ep.data() + ep.size();
+      const auto parsed = colon == std::string_view::npos
+                              ? std::from_chars_result{end, std::errc::invalid_argument}
+                              : std::from_chars(ep.data() + colon + 1, end, port);
+      if (colon == std::string_view::npos || colon == 0 || parsed.ec != std::errc{} ||
+          parsed.ptr != end || port <= 0 || port > 65535)
         bad("every endpoint needs a host and a port (HOST:PORT)");
       std::string host(ep.substr(0, colon));
       if (host.size() > 2 && host.front() == '[' && host.back() == ']')
         host = host.substr(1, host.size() - 2);
       a.endpoints.emplace_back(std::move(host), port);
+      if (comma < rest.size() && comma + 1 == rest.size()) bad("an empty endpoint after a ','");
       rest = comma < rest.size() ? rest.substr(comma + 1) : std::string_view{};
     }
     if (a.endpoints.empty()) bad("no endpoint");
@@ -6177,8 +6205,10 @@ class EtcdStoreConnection final : public StoreConnection {
     std::lock_guard lock(mutex_);
     const auto deadline = Deadline::after(options.timeout);
     join_namespace(deadline);
+    // etcd counts leases in whole seconds (and grants at least its own minimum: 1.5 times its
+    // election timeout, rounded up).
     const auto ttl = std::max<std::int64_t>(
-        2, std::chrono::ceil<std::chrono::seconds>(options.lease_ttl).count());
+        1, std::chrono::ceil<std::chrono::seconds>(options.lease_ttl).count());
     lease_ = grant(ttl, deadline, calls_, at_);
     put_raw(concat(root_, "proc/", lease_), "", lease_, deadline, calls_, at_);
   }
@@ -6392,9 +6422,12 @@ class EtcdStoreConnection final : public StoreConnection {
   }
   static Json json(const std::string& text) { return parse_json(text); }
 
+  /// A request's deadline: `timeout`, within the view's deadline and a moment after it (a
+  /// request begun just before it ends is given its chance to answer, as ddp's own store's).
   static Deadline deadline_of(const StoreCall& c, std::chrono::milliseconds timeout) {
     Deadline d = Deadline::after(timeout);
-    d.at = std::min(d.at, c.deadline);
+    if (c.deadline != Clock::time_point::max())
+      d.at = std::min(d.at, std::max(c.deadline, Clock::now()) + std::chrono::seconds(2));
     return d;
   }
 
@@ -6402,10 +6435,10 @@ class EtcdStoreConnection final : public StoreConnection {
   /// given a few seconds, all of them until `deadline`; etcd's own errors (no leader yet, a
   /// member that lost the majority) count as no answer. The reply's body.
   std::string request(std::string_view path, const std::string& body, Deadline deadline,
-                      Clients& clients, std::size_t& at) {
+                      Clients& clients, std::size_t& at, const StoreCall* c = nullptr) {
     const bool calls = &clients == &calls_;  // the heartbeat's requests leave committed_ alone
     if (calls) committed_ = true;
-    std::string last = "no member answered";
+    std::string last = "no member answered", answer;
     for (std::size_t tried = 0;; ++tried) {
       HttpClient& h = clients[at];
       Deadline one = Deadline::after(std::chrono::seconds(3));
@@ -6413,8 +6446,8 @@ class EtcdStoreConnection final : public StoreConnection {
       try {
         const HttpReply r = h.post(path, body, one);
         if (r.status == 200) return r.body;
-        last = concat("member ", host_port(h.host(), h.port()), " answered ", r.status, ": ",
-                      r.body.substr(0, 200));
+        last = answer = concat("member ", host_port(h.host(), h.port()), " answered ", r.status,
+                               ": ", r.body.substr(0, 200));
         if (r.status < 500) fail(Errc::protocol, "etcd ", path, ": ", last);
       } catch (const Error& e) {
         if (e.code() == Errc::protocol) throw;
@@ -6423,8 +6456,14 @@ class EtcdStoreConnection final : public StoreConnection {
       }
       at = (at + 1) % clients.size();
       if (deadline.expired())
-        fail(Errc::timeout, "the rendezvous store in ", where(),
-             " did not answer before the timeout: ", last);
+        fail(Errc::timeout,
+             c != nullptr && !c->what.empty()
+                 ? concat("store ", c->what, "(\"", c->prefix, c->key, "\"): ")
+                 : std::string(),
+             "the rendezvous store in ", where(),
+             " gave no usable answer before the timeout (is a majority of its members up and "
+             "reachable?): ",
+             last, answer.empty() || answer == last ? "" : concat("; the last answer: ", answer));
       if (tried + 1 >= clients.size())
         std::this_thread::sleep_for(std::chrono::milliseconds(std::min(100, deadline.poll_ms())));
     }
@@ -6455,12 +6494,13 @@ class EtcdStoreConnection final : public StoreConnection {
   /// How many of `keys` exist (user keys), and whether `stop` does (its value in `stopped`);
   /// the first key's value in `value`, when asked. One transaction.
   std::size_t present(std::span<const std::string> keys, const std::string& stop, Deadline deadline,
-                      std::string* value, std::optional<std::string>* stopped = nullptr) {
+                      std::string* value, std::optional<std::string>* stopped = nullptr,
+                      const StoreCall* c = nullptr) {
     std::string ops;
     for (const auto& k : keys) ops += concat(ops.empty() ? "" : ",", range_op(user(k)));
     if (!stop.empty()) ops += concat(ops.empty() ? "" : ",", range_op(user(stop)));
     const Json r =
-        json(request("/v3/kv/txn", concat("{\"success\":[", ops, "]}"), deadline, calls_, at_));
+        json(request("/v3/kv/txn", concat("{\"success\":[", ops, "]}"), deadline, calls_, at_, c));
     const Json* responses = r.find("responses");
     std::size_t found = 0;
     for (std::size_t i = 0; responses != nullptr && i < responses->items.size(); ++i) {
@@ -6480,7 +6520,8 @@ class EtcdStoreConnection final : public StoreConnection {
   /// Waits (polling) until every key exists; false at the timeout. A stop key throws.
   bool poll(const StoreCall& c, std::span<const std::string> keys,
             std::chrono::milliseconds timeout, const std::string& stop, std::string* value) {
-    const auto deadline = deadline_of(c, timeout);
+    Deadline deadline = Deadline::after(timeout);
+    deadline.at = std::min(deadline.at, c.deadline);
     auto pause = std::chrono::milliseconds(1);
     for (;;) {
       {
@@ -6488,7 +6529,8 @@ class EtcdStoreConnection final : public StoreConnection {
         std::optional<std::string> stopped;
         // Each look is a request of its own, given the store's timeout (a wait of 0 ms looks
         // once); the wait's own timeout only decides when to stop looking.
-        const std::size_t n = present(keys, stop, deadline_of(c, options.timeout), value, &stopped);
+        const std::size_t n =
+            present(keys, stop, deadline_of(c, options.timeout), value, &stopped, &c);
         if (stopped) fail_stopped(c, stop, *stopped);
         if (n == keys.size()) return true;
       }
@@ -10565,9 +10607,9 @@ class MembershipChange {
         throw;
       fail(Errc::peer_lost, "rank ", me_, ": shrink: the rendezvous store at ",
            old_.root_store->host(), ":", old_.root_store->port(),
-           " is gone (its process ended: when rank 0 hosts it, losing rank 0 loses it), so the "
-           "survivors cannot agree. Run the job under ddprun or ddp::spawn, whose store outlives "
-           "every worker (",
+           " is gone (its process ended or stopped answering: when rank 0 hosts it, losing rank "
+           "0 loses it), so the survivors cannot agree. Run the job under ddprun or ddp::spawn, "
+           "whose store outlives every worker, or keep the store in etcd (DDP_STORE) (",
            e.what(), ")");
     }
   }
@@ -10614,6 +10656,18 @@ inline BackendInit begin_init(CommState& state, const Environment& env, Options&
          "(DDP_REJOIN is set): make its communicator with Communicator::join (README, \"Fault "
          "tolerance\"), or launch with --on-failure shrink, which restarts nobody");
   options = options.with_env(EnvReader(), bad_setting);
+  if (!bad_setting &&
+      (options.heartbeat.count() < 0 ||
+       (options.heartbeat.count() > 0 && options.heartbeat < std::chrono::milliseconds(100)))) {
+    try {
+      fail(Errc::invalid_argument, "rank ", env.rank, ": Options::heartbeat is ",
+           options.heartbeat.count(),
+           " ms; give 0 (no heartbeat) or at least 100 ms (shorter, a process merely waiting for "
+           "a core would count as lost)");
+    } catch (const Error&) {
+      bad_setting = std::current_exception();
+    }
+  }
   state.configure(options);
   state.rendezvous_deadline = Deadline::after(options.timeout).at;
   state.world_rank = env.rank;
@@ -10660,7 +10714,8 @@ std::shared_ptr<State> init_state(const Environment& env, Options options) {
       if (bad_setting) std::rethrow_exception(bad_setting);
       if (bi.store)
         agree_on_job(*bi.store, bi.rank,
-                     {bi.size, std::string(Backend::name), options.verify_collectives},
+                     {bi.size, std::string(Backend::name), options.verify_collectives,
+                      options.heartbeat.count()},
                      options.timeout, state->world_size);
     });
     state->end_rendezvous();
@@ -10746,7 +10801,7 @@ void connect_members(State& sub, int rank, int size) {
   sub.create_backend(bi, [&] {
     agree_on_job(*bi.store, rank,
                  {size, std::string(std::remove_cvref_t<decltype(*sub.backend)>::name),
-                  bi.options.verify_collectives},
+                  bi.options.verify_collectives, bi.options.heartbeat.count()},
                  bi.options.timeout, sub.world_size);
   });
 }
@@ -10839,7 +10894,7 @@ std::shared_ptr<State> split_state(State& parent, const std::vector<std::pair<in
     if (bi.store)
       agree_on_job(*bi.store, bi.rank,
                    {bi.size, std::string(std::remove_cvref_t<decltype(*parent.backend)>::name),
-                    options.verify_collectives},
+                    options.verify_collectives, options.heartbeat.count()},
                    options.timeout, sub->world_size);
   });
   sub->watch_peers();
@@ -19976,18 +20031,29 @@ class Elastic {
       Comm next = comm_->shrink(eo_.shrink);  // left out: Errc::aborted, rethrown
       *comm_ = std::move(next);
       if (comm_->size() < eo_.min_size)
-        detail::fail(Errc::peer_lost, "rank ", comm_->rank(), ": Elastic: ", comm_->size(),
+        detail::fail(Errc::peer_lost, "world rank ", env_.rank, ": Elastic: ", comm_->size(),
                      " ranks are left, fewer than ElasticOptions::min_size ", eo_.min_size, " (",
                      first.what(), ")");
+      std::uint64_t restored = 0;
       try {
-        const std::uint64_t restored = state_.restore(*comm_);
-        if (confirming_ != 0 && restored == confirming_ && commit_) commit_(*comm_, restored);
-        confirming_ = 0;
-        reset(ElasticChange::Kind::lost, before, t0, first.what());
-        return;
+        restored = state_.restore(*comm_);
       } catch (const Error& again) {
         if (!recoverable(again)) throw;  // another loss while restoring: shrink again
+        continue;
       }
+      if (confirming_ != 0 && restored == confirming_ && commit_) commit_(*comm_, restored);
+      confirming_ = 0;
+      // A failure that comes back at the same commit after a recovery that lost no rank is not
+      // a lost rank (a step that throws Errc::timeout every time, say): recovering again would
+      // repeat it forever. Every member sees the same sizes and commit, and rethrows alike.
+      if (comm_->size() == before && restored == no_loss_commit_)
+        detail::fail(first.code(), first.what(), " (Elastic: the same failure came back at commit ",
+                     restored,
+                     " after a recovery that lost no rank: it is not a lost rank, so it is "
+                     "rethrown instead of recovered from again)");
+      no_loss_commit_ = comm_->size() == before ? restored : ~std::uint64_t{0};
+      reset(ElasticChange::Kind::lost, before, t0, first.what());
+      return;
     }
   }
 
@@ -20000,7 +20066,8 @@ class Elastic {
   std::function<void(Comm&)> reset_;
   std::function<void(const ElasticChange&)> change_;
   std::function<void(Comm&, std::uint64_t)> commit_;
-  std::uint64_t confirming_ = 0;  // the commit being confirmed (0: none)
+  std::uint64_t confirming_ = 0;                      // the commit being confirmed (0: none)
+  std::uint64_t no_loss_commit_ = ~std::uint64_t{0};  // restored by the last loss-free recovery
   std::optional<Comm> comm_;
   int recoveries_ = 0;
 };

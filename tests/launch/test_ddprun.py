@@ -1281,7 +1281,8 @@ class HandStarted(Base):
         codes, out, err = self.start(3, "elastic", "0:1:3")
         self.assertEqual(codes, [9, 1, 1], err)
         self.assertIn("the rendezvous store at 127.0.0.1:", err)
-        self.assertIn("is gone (its process ended: when rank 0 hosts it, losing rank 0 loses it)",
+        self.assertIn("is gone (its process ended or stopped answering: when rank 0 hosts it, "
+                      "losing rank 0 loses it)",
                       err)
 
 

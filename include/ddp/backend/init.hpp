@@ -48,6 +48,18 @@ inline BackendInit begin_init(CommState& state, const Environment& env, Options&
          "(DDP_REJOIN is set): make its communicator with Communicator::join (README, \"Fault "
          "tolerance\"), or launch with --on-failure shrink, which restarts nobody");
   options = options.with_env(EnvReader(), bad_setting);
+  if (!bad_setting &&
+      (options.heartbeat.count() < 0 ||
+       (options.heartbeat.count() > 0 && options.heartbeat < std::chrono::milliseconds(100)))) {
+    try {
+      fail(Errc::invalid_argument, "rank ", env.rank, ": Options::heartbeat is ",
+           options.heartbeat.count(),
+           " ms; give 0 (no heartbeat) or at least 100 ms (shorter, a process merely waiting for "
+           "a core would count as lost)");
+    } catch (const Error&) {
+      bad_setting = std::current_exception();
+    }
+  }
   state.configure(options);
   state.rendezvous_deadline = Deadline::after(options.timeout).at;
   state.world_rank = env.rank;
@@ -94,7 +106,8 @@ std::shared_ptr<State> init_state(const Environment& env, Options options) {
       if (bad_setting) std::rethrow_exception(bad_setting);
       if (bi.store)
         agree_on_job(*bi.store, bi.rank,
-                     {bi.size, std::string(Backend::name), options.verify_collectives},
+                     {bi.size, std::string(Backend::name), options.verify_collectives,
+                      options.heartbeat.count()},
                      options.timeout, state->world_size);
     });
     state->end_rendezvous();
@@ -180,7 +193,7 @@ void connect_members(State& sub, int rank, int size) {
   sub.create_backend(bi, [&] {
     agree_on_job(*bi.store, rank,
                  {size, std::string(std::remove_cvref_t<decltype(*sub.backend)>::name),
-                  bi.options.verify_collectives},
+                  bi.options.verify_collectives, bi.options.heartbeat.count()},
                  bi.options.timeout, sub.world_size);
   });
 }
@@ -273,7 +286,7 @@ std::shared_ptr<State> split_state(State& parent, const std::vector<std::pair<in
     if (bi.store)
       agree_on_job(*bi.store, bi.rank,
                    {bi.size, std::string(std::remove_cvref_t<decltype(*parent.backend)>::name),
-                    options.verify_collectives},
+                    options.verify_collectives, options.heartbeat.count()},
                    options.timeout, sub->world_size);
   });
   sub->watch_peers();

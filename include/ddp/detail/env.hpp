@@ -109,7 +109,8 @@ class EnvReader {
     if (!v) return std::nullopt;
     char* end = nullptr;
     const double s = std::strtod(v->c_str(), &end);
-    if (end == v->c_str() || *end != '\0' || !(s >= 0.001) || s > 2147483.0) {
+    const bool decimal = v->find_first_not_of("0123456789.eE+-") == std::string::npos;
+    if (!decimal || end == v->c_str() || *end != '\0' || !(s >= 0.001) || s > 2147483.0) {
       fail(Errc::invalid_argument, name, "=\"", *v,
            "\" is not a timeout: give seconds, at least 0.001 and at most 2147483 (e.g. 300)");
     }

@@ -131,9 +131,14 @@ class HttpClient {
     std::size_t end = 0;
     if (const IoResult x = line(0, end, deadline, 8192); x != IoResult::ok) return x;
     const std::string_view status(in_.data(), end);
-    if (!status.starts_with("HTTP/1.") || status.size() < 12)
-      fail(Errc::protocol, host_port(host_, port_), " is not an HTTP server (it answered \"",
-           status.substr(0, 80), "\"): is it etcd's client URL?");
+    if (!status.starts_with("HTTP/1.") || status.size() < 12 || status[9] < '1' ||
+        status[9] > '5' || status[10] < '0' || status[10] > '9' || status[11] < '0' ||
+        status[11] > '9') {
+      std::string shown;
+      for (const char c : status.substr(0, 80)) shown += c >= 32 && c < 127 ? c : '?';
+      fail(Errc::protocol, host_port(host_, port_), " is not an HTTP server (it answered \"", shown,
+           "\"): is it etcd's client URL?");
+    }
     r.status = (status[9] - '0') * 100 + (status[10] - '0') * 10 + (status[11] - '0');
     std::size_t length = std::string::npos;
     bool chunked = false, close_after = false;

@@ -297,9 +297,10 @@ class AddrInfo {
     }
     if (deadline.expired()) {
       fail(Errc::timeout, "cannot connect to ", what, " at ", host_port(host, port), ": ",
-           std::strerror(last_errno),
-           " until the timeout; check that it is running and that MASTER_ADDR/MASTER_PORT are "
-           "right");
+           std::strerror(last_errno), " until the timeout; check that it is running and that ",
+           what.find("etcd") != std::string_view::npos
+               ? "DDP_STORE (or ddprun's --rdzv-endpoint) names its client URLs"
+               : "MASTER_ADDR/MASTER_PORT are right");
     }
     if (check_stop) check_stop();
     std::this_thread::sleep_for(std::min(backoff, std::chrono::milliseconds(deadline.poll_ms())));

@@ -286,9 +286,9 @@ class MembershipChange {
         throw;
       fail(Errc::peer_lost, "rank ", me_, ": shrink: the rendezvous store at ",
            old_.root_store->host(), ":", old_.root_store->port(),
-           " is gone (its process ended: when rank 0 hosts it, losing rank 0 loses it), so the "
-           "survivors cannot agree. Run the job under ddprun or ddp::spawn, whose store outlives "
-           "every worker (",
+           " is gone (its process ended or stopped answering: when rank 0 hosts it, losing rank "
+           "0 loses it), so the survivors cannot agree. Run the job under ddprun or ddp::spawn, "
+           "whose store outlives every worker, or keep the store in etcd (DDP_STORE) (",
            e.what(), ")");
     }
   }

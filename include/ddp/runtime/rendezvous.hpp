@@ -86,6 +86,7 @@ struct JobView {
   int world_size = 1;
   std::string backend;
   bool verify_collectives = true;
+  std::int64_t heartbeat_ms = 0;  ///< Options::heartbeat (0: none)
 };
 
 /// Who this process is, as another process would be told ("pid 123 on host node7").
@@ -157,6 +158,15 @@ inline void claim_rank(Store& store, int rank, std::string_view group) {
   const std::string held = store.compare_set(concat("claim/", rank), "", me);
   if (held == me) return;
   const std::string who = held.substr(0, held.find(" ["));
+  int pid = 0;
+  const bool here = who.ends_with(process_label().substr(process_label().find(" on host")));
+  if (here && std::from_chars(who.data() + 4, who.data() + who.size(), pid).ec == std::errc{} &&
+      pid > 0 && process_start(pid).empty())
+    fail(Errc::invalid_argument, "rank ", rank, ": rank ", rank, " of group \"", group,
+         "\" was claimed by ", who,
+         ", which has ended: the store holds an earlier run's keys (with an etcd store, give "
+         "each run its own namespace, DDP_STORE=etcd://.../NAME, or --rdzv-id; an ended run's "
+         "keys vanish a minute after its last process)");
   fail(Errc::invalid_argument, "rank ", rank, ": rank ", rank, " of group \"", group,
        "\" is already taken by ", who, "; this process (", process_label(),
        ") was started with the same RANK. Give every process its own RANK (0..WORLD_SIZE-1)");
@@ -174,8 +184,9 @@ inline void agree_on_job(Store& store, int rank, const JobView& job,
   w.put(static_cast<std::uint32_t>(job.world_size));
   w.str(job.backend);
   w.put(static_cast<std::uint8_t>(job.verify_collectives ? 1 : 0));
+  w.put(job.heartbeat_ms);
   store.set(concat("job/", rank), rec);
-  std::vector<std::string> versions, worlds, backends, verify;
+  std::vector<std::string> versions, worlds, backends, verify, heartbeats;
   for (const auto& r : gather_records(store, "job/", rank, job.world_size, timeout)) {
     ByteReader rd(r, "job record");
     versions.push_back(rd.str(64));
@@ -184,6 +195,8 @@ inline void agree_on_job(Store& store, int rank, const JobView& job,
     if (ws <= 1u << 20) widest = std::max(widest, static_cast<int>(ws));
     backends.push_back(rd.str(64));
     verify.push_back(rd.get<std::uint8_t>() != 0 ? "on" : "off");
+    const auto hb = rd.get<std::int64_t>();
+    heartbeats.push_back(hb > 0 ? concat(hb, " ms") : std::string("none"));
   }
   require_agreement(rank, "the world size",
                     "start every rank with the same WORLD_SIZE (if the others are another job's "
@@ -194,6 +207,10 @@ inline void agree_on_job(Store& store, int rank, const JobView& job,
                     backends);
   require_agreement(rank, "Options::verify_collectives (DDP_VERIFY_COLLECTIVES)",
                     "every rank must use the same setting", verify);
+  require_agreement(rank, "Options::heartbeat (DDP_HEARTBEAT)",
+                    "every rank must use the same heartbeat (a rank that waits longer than the "
+                    "others sign would count them lost, or they it)",
+                    heartbeats);
 }
 
 }  // namespace detail

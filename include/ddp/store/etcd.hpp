@@ -80,14 +80,18 @@ struct EtcdAddress {
       const std::string_view ep = rest.substr(0, comma);
       const std::size_t colon = ep.rfind(':');
       int port = 0;
-      if (colon == std::string_view::npos || colon == 0 ||
-          std::from_chars(ep.data() + colon + 1, ep.data() + ep.size(), port).ec != std::errc{} ||
-          port <= 0 || port > 65535)
+      const char* end = ep.data() + ep.size();
+      const auto parsed = colon == std::string_view::npos
+                              ? std::from_chars_result{end, std::errc::invalid_argument}
+                              : std::from_chars(ep.data() + colon + 1, end, port);
+      if (colon == std::string_view::npos || colon == 0 || parsed.ec != std::errc{} ||
+          parsed.ptr != end || port <= 0 || port > 65535)
         bad("every endpoint needs a host and a port (HOST:PORT)");
       std::string host(ep.substr(0, colon));
       if (host.size() > 2 && host.front() == '[' && host.back() == ']')
         host = host.substr(1, host.size() - 2);
       a.endpoints.emplace_back(std::move(host), port);
+      if (comma < rest.size() && comma + 1 == rest.size()) bad("an empty endpoint after a ','");
       rest = comma < rest.size() ? rest.substr(comma + 1) : std::string_view{};
     }
     if (a.endpoints.empty()) bad("no endpoint");
@@ -111,8 +115,10 @@ class EtcdStoreConnection final : public StoreConnection {
     std::lock_guard lock(mutex_);
     const auto deadline = Deadline::after(options.timeout);
     join_namespace(deadline);
+    // etcd counts leases in whole seconds (and grants at least its own minimum: 1.5 times its
+    // election timeout, rounded up).
     const auto ttl = std::max<std::int64_t>(
-        2, std::chrono::ceil<std::chrono::seconds>(options.lease_ttl).count());
+        1, std::chrono::ceil<std::chrono::seconds>(options.lease_ttl).count());
     lease_ = grant(ttl, deadline, calls_, at_);
     put_raw(concat(root_, "proc/", lease_), "", lease_, deadline, calls_, at_);
   }
@@ -326,9 +332,12 @@ class EtcdStoreConnection final : public StoreConnection {
   }
   static Json json(const std::string& text) { return parse_json(text); }
 
+  /// A request's deadline: `timeout`, within the view's deadline and a moment after it (a
+  /// request begun just before it ends is given its chance to answer, as ddp's own store's).
   static Deadline deadline_of(const StoreCall& c, std::chrono::milliseconds timeout) {
     Deadline d = Deadline::after(timeout);
-    d.at = std::min(d.at, c.deadline);
+    if (c.deadline != Clock::time_point::max())
+      d.at = std::min(d.at, std::max(c.deadline, Clock::now()) + std::chrono::seconds(2));
     return d;
   }
 
@@ -336,10 +345,10 @@ class EtcdStoreConnection final : public StoreConnection {
   /// given a few seconds, all of them until `deadline`; etcd's own errors (no leader yet, a
   /// member that lost the majority) count as no answer. The reply's body.
   std::string request(std::string_view path, const std::string& body, Deadline deadline,
-                      Clients& clients, std::size_t& at) {
+                      Clients& clients, std::size_t& at, const StoreCall* c = nullptr) {
     const bool calls = &clients == &calls_;  // the heartbeat's requests leave committed_ alone
     if (calls) committed_ = true;
-    std::string last = "no member answered";
+    std::string last = "no member answered", answer;
     for (std::size_t tried = 0;; ++tried) {
       HttpClient& h = clients[at];
       Deadline one = Deadline::after(std::chrono::seconds(3));
@@ -347,8 +356,8 @@ class EtcdStoreConnection final : public StoreConnection {
       try {
         const HttpReply r = h.post(path, body, one);
         if (r.status == 200) return r.body;
-        last = concat("member ", host_port(h.host(), h.port()), " answered ", r.status, ": ",
-                      r.body.substr(0, 200));
+        last = answer = concat("member ", host_port(h.host(), h.port()), " answered ", r.status,
+                               ": ", r.body.substr(0, 200));
         if (r.status < 500) fail(Errc::protocol, "etcd ", path, ": ", last);
       } catch (const Error& e) {
         if (e.code() == Errc::protocol) throw;
@@ -357,8 +366,14 @@ class EtcdStoreConnection final : public StoreConnection {
       }
       at = (at + 1) % clients.size();
       if (deadline.expired())
-        fail(Errc::timeout, "the rendezvous store in ", where(),
-             " did not answer before the timeout: ", last);
+        fail(Errc::timeout,
+             c != nullptr && !c->what.empty()
+                 ? concat("store ", c->what, "(\"", c->prefix, c->key, "\"): ")
+                 : std::string(),
+             "the rendezvous store in ", where(),
+             " gave no usable answer before the timeout (is a majority of its members up and "
+             "reachable?): ",
+             last, answer.empty() || answer == last ? "" : concat("; the last answer: ", answer));
       if (tried + 1 >= clients.size())
         std::this_thread::sleep_for(std::chrono::milliseconds(std::min(100, deadline.poll_ms())));
     }
@@ -389,12 +404,13 @@ class EtcdStoreConnection final : public StoreConnection {
   /// How many of `keys` exist (user keys), and whether `stop` does (its value in `stopped`);
   /// the first key's value in `value`, when asked. One transaction.
   std::size_t present(std::span<const std::string> keys, const std::string& stop, Deadline deadline,
-                      std::string* value, std::optional<std::string>* stopped = nullptr) {
+                      std::string* value, std::optional<std::string>* stopped = nullptr,
+                      const StoreCall* c = nullptr) {
     std::string ops;
     for (const auto& k : keys) ops += concat(ops.empty() ? "" : ",", range_op(user(k)));
     if (!stop.empty()) ops += concat(ops.empty() ? "" : ",", range_op(user(stop)));
     const Json r =
-        json(request("/v3/kv/txn", concat("{\"success\":[", ops, "]}"), deadline, calls_, at_));
+        json(request("/v3/kv/txn", concat("{\"success\":[", ops, "]}"), deadline, calls_, at_, c));
     const Json* responses = r.find("responses");
     std::size_t found = 0;
     for (std::size_t i = 0; responses != nullptr && i < responses->items.size(); ++i) {
@@ -414,7 +430,8 @@ class EtcdStoreConnection final : public StoreConnection {
   /// Waits (polling) until every key exists; false at the timeout. A stop key throws.
   bool poll(const StoreCall& c, std::span<const std::string> keys,
             std::chrono::milliseconds timeout, const std::string& stop, std::string* value) {
-    const auto deadline = deadline_of(c, timeout);
+    Deadline deadline = Deadline::after(timeout);
+    deadline.at = std::min(deadline.at, c.deadline);
     auto pause = std::chrono::milliseconds(1);
     for (;;) {
       {
@@ -422,7 +439,8 @@ class EtcdStoreConnection final : public StoreConnection {
         std::optional<std::string> stopped;
         // Each look is a request of its own, given the store's timeout (a wait of 0 ms looks
         // once); the wait's own timeout only decides when to stop looking.
-        const std::size_t n = present(keys, stop, deadline_of(c, options.timeout), value, &stopped);
+        const std::size_t n =
+            present(keys, stop, deadline_of(c, options.timeout), value, &stopped, &c);
         if (stopped) fail_stopped(c, stop, *stopped);
         if (n == keys.size()) return true;
       }

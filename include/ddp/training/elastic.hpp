@@ -324,18 +324,29 @@ class Elastic {
       Comm next = comm_->shrink(eo_.shrink);  // left out: Errc::aborted, rethrown
       *comm_ = std::move(next);
       if (comm_->size() < eo_.min_size)
-        detail::fail(Errc::peer_lost, "rank ", comm_->rank(), ": Elastic: ", comm_->size(),
+        detail::fail(Errc::peer_lost, "world rank ", env_.rank, ": Elastic: ", comm_->size(),
                      " ranks are left, fewer than ElasticOptions::min_size ", eo_.min_size, " (",
                      first.what(), ")");
+      std::uint64_t restored = 0;
       try {
-        const std::uint64_t restored = state_.restore(*comm_);
-        if (confirming_ != 0 && restored == confirming_ && commit_) commit_(*comm_, restored);
-        confirming_ = 0;
-        reset(ElasticChange::Kind::lost, before, t0, first.what());
-        return;
+        restored = state_.restore(*comm_);
       } catch (const Error& again) {
         if (!recoverable(again)) throw;  // another loss while restoring: shrink again
+        continue;
       }
+      if (confirming_ != 0 && restored == confirming_ && commit_) commit_(*comm_, restored);
+      confirming_ = 0;
+      // A failure that comes back at the same commit after a recovery that lost no rank is not
+      // a lost rank (a step that throws Errc::timeout every time, say): recovering again would
+      // repeat it forever. Every member sees the same sizes and commit, and rethrows alike.
+      if (comm_->size() == before && restored == no_loss_commit_)
+        detail::fail(first.code(), first.what(), " (Elastic: the same failure came back at commit ",
+                     restored,
+                     " after a recovery that lost no rank: it is not a lost rank, so it is "
+                     "rethrown instead of recovered from again)");
+      no_loss_commit_ = comm_->size() == before ? restored : ~std::uint64_t{0};
+      reset(ElasticChange::Kind::lost, before, t0, first.what());
+      return;
     }
   }
 
@@ -348,7 +359,8 @@ class Elastic {
   std::function<void(Comm&)> reset_;
   std::function<void(const ElasticChange&)> change_;
   std::function<void(Comm&, std::uint64_t)> commit_;
-  std::uint64_t confirming_ = 0;  // the commit being confirmed (0: none)
+  std::uint64_t confirming_ = 0;                      // the commit being confirmed (0: none)
+  std::uint64_t no_loss_commit_ = ~std::uint64_t{0};  // restored by the last loss-free recovery
   std::optional<Comm> comm_;
   int recoveries_ = 0;
 };

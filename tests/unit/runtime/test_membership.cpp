@@ -276,6 +276,37 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("heartbeat: ranks that disagree on it, or one too short, are refused at init, named") {
+  mp::TempDir dir;
+  init_outcomes(2, dir, [&](ddp::Environment& env) {
+    ddp::Options o;
+    o.timeout = 5s;
+    o.heartbeat = env.rank == 0 ? 2s : 3s;
+    return o;
+  });
+  for (int r : {0, 1}) {
+    const Outcome out = read_outcome(dir, r);
+    CAPTURE(out.message);
+    CHECK(out.code == "mismatch");
+    CHECK(out.message.find("disagree on Options::heartbeat (DDP_HEARTBEAT)") != std::string::npos);
+    CHECK(out.message.find("2000 ms") != std::string::npos);
+    CHECK(out.message.find("3000 ms") != std::string::npos);
+  }
+  mp::TempDir too_short;
+  init_outcomes(2, too_short, [&](ddp::Environment& env) {
+    ddp::Options o;
+    o.timeout = 5s;
+    o.heartbeat = env.rank == 1 ? std::chrono::milliseconds(-1) : std::chrono::milliseconds(3);
+    return o;
+  });
+  for (int r : {0, 1}) {  // each refuses its own (or learns of the other's first)
+    const Outcome out = read_outcome(too_short, r);
+    CAPTURE(out.message);
+    CHECK(out.code == "invalid_argument");
+    CHECK(out.message.find(" ms; give 0 (no heartbeat) or at least 100 ms") != std::string::npos);
+  }
+}
+
 TEST_CASE("shrink: with the store in rank 0's process, losing rank 0 is named, not waited out") {
   mp::TempDir dir;
   const int port = mp::free_port();

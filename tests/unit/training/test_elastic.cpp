@@ -159,6 +159,43 @@ TEST_CASE(
   CHECK(mp::TempDir::read(dir.file("end1")) == "3 3 0");
 }
 
+TEST_CASE(
+    "Elastic: a step that fails with a recoverable code every time, no rank lost, is rethrown, "
+    "not recovered from forever") {
+  mp::TempDir dir;
+  std::string spawn_error;
+  ddp::Options o;
+  o.timeout = 20s;
+  run_faulty(
+      3, ddp::HostTransport::shm,
+      [&](Comm& comm) {
+        const int me = comm.rank();
+        ddp::Elastic<ddp::backend::Host> job(ddp::Environment::detect(), {.group = "again"});
+        std::uint64_t done = 0;
+        job.track_object("done", done);
+        try {
+          job.run(20, [&](Comm& c, std::uint64_t step) {
+            if (me == 1 && step == 3)
+              ddp::detail::fail(ddp::Errc::timeout, "the step's own timeout");  // every time
+            std::vector<float> v(4, 1.0f);
+            c.all_reduce(v);
+            done = step + 1;
+          });
+          mp::TempDir::write(dir.file("r" + std::to_string(me)), "finished");
+        } catch (const ddp::Error& e) {
+          mp::TempDir::write(dir.file("r" + std::to_string(me)),
+                             std::to_string(job.recoveries()) + " " + e.what());
+        }
+      },
+      o, &spawn_error);
+  for (int r = 0; r < 3; ++r) {
+    const std::string got = mp::TempDir::read(dir.file("r" + std::to_string(r)));
+    CHECK_MESSAGE(got.find("it is not a lost rank, so it is rethrown") != std::string::npos, got);
+    CHECK_MESSAGE(got.rfind("2 ", 0) == 0, got);  // one retry, then rethrown
+  }
+  CHECK(mp::TempDir::read(dir.file("r1")).find("the step's own timeout") != std::string::npos);
+}
+
 TEST_CASE("Elastic: what cannot work is refused, saying what to do") {
   mp::run(2, ddp::HostTransport::shm, [](mp::Comm& comm) {
     (void)comm;
