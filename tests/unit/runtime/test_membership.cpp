@@ -35,6 +35,33 @@ std::string expected_line(std::uint64_t epoch, const std::vector<int>& members) 
   return line + " | " + std::to_string(std::accumulate(members.begin(), members.end(), 0));
 }
 
+// Rank 2 stops itself; continued once the others have gone on without it, its all_reduce and
+// its shrink() must fail with Errc::aborted (its message holding each of `says`), its buffer
+// untouched. Then it reports "fenced".
+void stop_and_expect_fenced(const mp::TempDir& dir, Comm& comm,
+                            const std::vector<std::string>& says) {
+  ::raise(SIGSTOP);
+  std::vector<float> mine(100, 5.0f);
+  try {
+    comm.all_reduce(mine);
+    MP_EXPECT(false, "a fenced rank's all_reduce succeeded");
+  } catch (const ddp::Error& e) {
+    const std::string m = e.what();
+    MP_EXPECT(e.code() == ddp::Errc::aborted && m.find("rank 2: all_reduce") == 0, m);
+    for (const std::string& word : says) MP_EXPECT(m.find(word) != std::string::npos, m);
+  }
+  for (float x : mine) MP_EXPECT(x == 5.0f, "the fenced rank's buffer changed");
+  try {
+    (void)comm.shrink({.wait_for_ranks = 1s});
+    MP_EXPECT(false, "a fenced rank shrank");
+  } catch (const ddp::Error& e) {
+    MP_EXPECT(e.code() == ddp::Errc::aborted &&
+                  std::string(e.what()).find("excluded") != std::string::npos,
+              e.what());
+  }
+  mp::TempDir::write(dir.file("rank2"), "fenced");
+}
+
 }  // namespace
 
 TEST_CASE("shrink: the survivors of any killed rank go on, ranks renumbered, on every path") {
@@ -153,30 +180,9 @@ TEST_CASE("shrink: a stopped rank is left out, and fenced when it wakes") {
           const auto pids = comm.all_gather_object(static_cast<long>(::getpid()));
           std::vector<float> v(100, 1.0f);
           comm.all_reduce(v);
-          if (comm.rank() == 2) {
-            ::raise(SIGSTOP);  // continued by rank 0 once the others have gone on without it
-            std::vector<float> mine(100, 5.0f);
-            try {
-              comm.all_reduce(mine);
-              MP_EXPECT(false, "a fenced rank's all_reduce succeeded");
-            } catch (const ddp::Error& e) {
-              const std::string m = e.what();
-              MP_EXPECT(e.code() == ddp::Errc::aborted, m);
-              MP_EXPECT(m.find("rank 2: all_reduce") == 0 &&
-                            m.find("this rank was excluded") != std::string::npos &&
-                            m.find("membership epoch 1 of ranks 0, 1") != std::string::npos,
-                        m);
-            }
-            for (float x : mine) MP_EXPECT(x == 5.0f, "the fenced rank's buffer changed");
-            try {
-              (void)comm.shrink({.wait_for_ranks = 1s});
-              MP_EXPECT(false, "a fenced rank shrank");
-            } catch (const ddp::Error& e) {
-              MP_EXPECT(e.code() == ddp::Errc::aborted &&
-                            std::string(e.what()).find("excluded") != std::string::npos,
-                        e.what());
-            }
-            mp::TempDir::write(dir.file("rank2"), "fenced");
+          if (comm.rank() == 2) {  // continued by rank 0 once the others went on without it
+            stop_and_expect_fenced(dir, comm,
+                                   {"this rank was excluded", "membership epoch 1 of ranks 0, 1"});
             return;
           }
           try {
@@ -205,8 +211,8 @@ TEST_CASE("shrink: a stopped rank is left out, and fenced when it wakes") {
 }
 
 TEST_CASE(
-    "heartbeat: a stopped rank is noticed within the heartbeat, not the timeout; shrink() does not "
-    "wait for it; it is fenced when it wakes") {
+    "heartbeat: a stopped rank is noticed within the heartbeat, not the timeout: shrink() does not "
+    "wait for it, and it is fenced when it wakes") {
   for (const mp::Path& path :
        {mp::Path(ddp::HostTransport::shm), mp::Path(ddp::HostTransport::tcp)}) {
     CAPTURE(mp::name(path));
@@ -221,27 +227,8 @@ TEST_CASE(
           const auto pids = comm.all_gather_object(static_cast<long>(::getpid()));
           std::vector<float> v(100, 1.0f);
           comm.all_reduce(v);
-          if (comm.rank() == 2) {
-            ::raise(SIGSTOP);  // continued by rank 0 once the others have gone on without it
-            std::vector<float> mine(100, 5.0f);
-            try {
-              comm.all_reduce(mine);
-              MP_EXPECT(false, "a stalled rank's all_reduce succeeded");
-            } catch (const ddp::Error& e) {
-              const std::string m = e.what();
-              MP_EXPECT(e.code() == ddp::Errc::aborted, m);
-              MP_EXPECT(m.find("rank 2: all_reduce") == 0 &&
-                            m.find("no sign of life") != std::string::npos,
-                        m);
-            }
-            for (float x : mine) MP_EXPECT(x == 5.0f, "the fenced rank's buffer changed");
-            try {
-              (void)comm.shrink();
-              MP_EXPECT(false, "a stalled rank shrank");
-            } catch (const ddp::Error& e) {
-              MP_EXPECT(e.code() == ddp::Errc::aborted, e.what());
-            }
-            mp::TempDir::write(dir.file("rank2"), "fenced");
+          if (comm.rank() == 2) {  // continued by rank 0 once the others went on without it
+            stop_and_expect_fenced(dir, comm, {"no sign of life"});
             return;
           }
           const long long t0 = now_ms();

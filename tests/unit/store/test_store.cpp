@@ -332,7 +332,7 @@ TEST_CASE("store: a client whose server goes away gets peer_lost") {
 
 TEST_CASE(
     "store: a lease that runs out (the process stopped) applies its records and the on-close "
-    "ones, once; the connection stays open and a new lease re-arms it") {
+    "ones, once, and the connection stays open: a new lease re-arms it") {
   ddp::StoreServer server("127.0.0.1", 0, quiet());
   ddp::Store watcher("127.0.0.1", server.port(), quiet());
   const pid_t child = ::fork();

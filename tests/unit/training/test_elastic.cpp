@@ -129,7 +129,7 @@ void run_job(int members, const std::vector<int>& late, const std::vector<Kill>&
 }  // namespace
 
 TEST_CASE(
-    "Elastic: ranks killed mid-epoch (rank 0 among them), the others go on; every sample once per "
+    "Elastic: ranks killed mid-epoch (rank 0 among them), the others go on: every sample once per "
     "epoch, survivors bitwise equal") {
   for (const auto transport : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
     CAPTURE(static_cast<int>(transport));
@@ -146,7 +146,7 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "Elastic: a killed rank's restarted process rejoins the running job with the live state; "
+    "Elastic: a killed rank's restarted process rejoins the running job with the live state: "
     "every sample once per epoch, all bitwise equal") {
   mp::TempDir dir;
   run_job(3, {1}, {{1, 0, 2}}, dir, ddp::HostTransport::shm, 30ms);

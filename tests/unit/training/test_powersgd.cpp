@@ -145,8 +145,8 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "PowerSGD: one non-finite gradient resets the bucket's error and warm start; the next steps "
-    "are finite again") {
+    "PowerSGD: one non-finite gradient resets the bucket's error and warm start, and the next "
+    "steps are finite again") {
   mp::each_world(
       [](mp::Comm& comm) {
         Net net;
