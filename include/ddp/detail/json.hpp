@@ -73,14 +73,14 @@ struct Json {
   Type type = Type::null;
   bool boolean = false;
   std::string text;  ///< a string's value, or a number's text
-  std::vector<Json> items;
-  std::vector<std::pair<std::string, Json>> members;
+  std::vector<Json> items;         ///< an array's items, an object's members' values
+  std::vector<std::string> names;  ///< an object's members' names (items[i] is names[i]'s)
 
   /// The member `key` of an object, or nullptr.
   [[nodiscard]] const Json* find(std::string_view key) const {
     if (type != Type::object) return nullptr;
-    for (const auto& [k, v] : members)
-      if (k == key) return &v;
+    for (std::size_t i = 0; i < names.size(); ++i)
+      if (names[i] == key) return &items[i];
     return nullptr;
   }
   /// The string or number member `key` ("" when absent).
@@ -182,7 +182,8 @@ struct Json {
         skip();
         if (at >= s.size() || s[at] != ':') bad("expected ':'");
         ++at;
-        v.members.emplace_back(std::move(key), self(self, depth + 1));
+        v.names.push_back(std::move(key));
+        v.items.push_back(self(self, depth + 1));
         skip();
         if (at < s.size() && s[at] == ',') {
           ++at;
