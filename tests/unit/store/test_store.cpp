@@ -333,11 +333,41 @@ TEST_CASE("store: a client whose server goes away gets peer_lost") {
 TEST_CASE(
     "store: a lease that runs out (the process stopped) applies its records and the on-close "
     "ones, once, and the connection stays open: a new lease re-arms it") {
-  ddp::StoreServer server("127.0.0.1", 0, quiet());
-  ddp::Store watcher("127.0.0.1", server.port(), quiet());
+  // Every process here forks while it has one thread (the server's and the lease's threads are
+  // made after): the server runs in a process of its own, the stopped client in another.
+  int port_pipe[2], stop_pipe[2];
+  REQUIRE(::pipe(port_pipe) == 0);
+  REQUIRE(::pipe(stop_pipe) == 0);
+  std::fflush(nullptr);
+  const pid_t server = ::fork();
+  REQUIRE(server >= 0);
+  if (server == 0) {
+    int code = 1;
+    try {
+      ddp::StoreServer s("127.0.0.1", 0, quiet());
+      const int port = s.port();
+      (void)!::write(port_pipe[1], &port, sizeof port);
+      char c;
+      (void)!::read(stop_pipe[0], &c, 1);  // until the test says stop
+      code = 0;
+    } catch (...) {
+    }
+    std::_Exit(code);
+  }
+  int port = 0;
+  REQUIRE(::read(port_pipe[0], &port, sizeof port) == static_cast<ssize_t>(sizeof port));
+  struct StopServer {
+    int fd;
+    pid_t pid;
+    ~StopServer() {
+      (void)!::write(fd, "x", 1);
+      int status = 0;
+      ::waitpid(pid, &status, 0);
+    }
+  } stop_server{stop_pipe[1], server};
   const pid_t child = ::fork();
   if (child == 0) {
-    ddp::Store s("127.0.0.1", server.port(), quiet());
+    ddp::Store s("127.0.0.1", port, quiet());
     const std::pair<std::string, std::string> on_close[] = {{"gone/1", ""}};
     s.set_on_close(on_close);
     const ddp::LeaseRecord on_expire[] = {{"stalled/1", "", 0, false}, {"stalls", "", 1, true}};
@@ -353,6 +383,7 @@ TEST_CASE(
     std::_Exit(0);
   }
   REQUIRE(child > 0);
+  ddp::Store watcher("127.0.0.1", port, quiet());
   (void)watcher.get("leased");
   std::this_thread::sleep_for(100ms);
   CHECK(!watcher.check(std::vector<std::string>{"stalled/1"}));  // within the lease: nothing
