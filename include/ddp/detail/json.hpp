@@ -72,7 +72,7 @@ struct Json {
   enum class Type { null, boolean, number, string, array, object };
   Type type = Type::null;
   bool boolean = false;
-  std::string text;  ///< a string's value, or a number's text
+  std::string text;                ///< a string's value, or a number's text
   std::vector<Json> items;         ///< an array's items, an object's members' values
   std::vector<std::string> names;  ///< an object's members' names (items[i] is names[i]'s)
 
