@@ -189,8 +189,9 @@ int main(int argc, char** argv) {
                  "workers on this node: a number, gpu (visible CUDA devices), cpu (usable CPUs) "
                  "or auto (gpu when there are GPUs, else cpu)")
       ->capture_default_str();
-  app.add_option("--nnodes", cfg.nnodes,
-                 "number of nodes (torchrun's MIN:MAX is taken when MIN and MAX are equal)")
+  app.add_option(
+         "--nnodes", cfg.nnodes,
+         "number of nodes, or torchrun's MIN:MAX: start with MIN, admit late nodes up to MAX")
       ->capture_default_str();
   app.add_option("--node-rank,--node_rank", cfg.node_rank, "this node's rank, 0 to nnodes-1")
       ->check(CLI::NonNegativeNumber)

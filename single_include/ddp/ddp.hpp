@@ -1838,7 +1838,9 @@ DDP_END_NAMESPACE
 ///    | refuses_some | `static const char* refuses(std::string_view collective, DType)` | none |
 ///
 /// backend::Host (backend/host.hpp), backend::Nccl (backend/nccl.hpp) and backend::Mpi
-/// (backend/mpi.hpp) implement it; a new backend needs only this header.
+/// (backend/mpi.hpp) implement it. A new backend includes this header, and
+/// runtime/uneven.hpp for the uneven collectives' fallbacks, store/client.hpp when it
+/// rendezvouses through the store.
 
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
@@ -12147,7 +12149,7 @@ class Communicator {
     return Communicator(std::move(sub));
   }
 
-  /// Fault tolerance (MPIX_Comm_shrink, ncclCommShrink): after a failure (Errc::peer_lost, or
+  /// Fault tolerance: after a failure (Errc::peer_lost, or
   /// a timeout the caller treats as a loss), the surviving ranks each call shrink() and get a
   /// communicator of themselves, ranked 0..n-1 in the order of their old ranks, at the next
   /// membership epoch; its previous_ranks() maps them back. The survivors agree through the
@@ -12155,9 +12157,10 @@ class Communicator {
   /// neither arrives nor dies within ShrinkOptions::wait_for_ranks is left out and fenced (on
   /// waking, each of its calls fails with Errc::aborted naming the epoch), and a member that
   /// fails while they connect costs one more round. This communicator fails every call
-  /// afterwards. Needs a store that outlives the lost rank (ddprun's, spawn's; not rank 0's when
-  /// rank 0 is lost). backend::Host; backend::Mpi with ULFM (MPIX_Comm_shrink: the library
-  /// decides who is lost, `options` are not used); Errc::unsupported otherwise.
+  /// afterwards. Needs a store that outlives the lost rank (ddprun's, spawn's, etcd (Options::store);
+  /// rank 0's while rank 0 lives). backend::Host and backend::Nccl (the survivors then make a new
+  /// NCCL communicator); backend::Mpi with ULFM (MPIX_Comm_shrink: the library decides who is
+  /// lost, `options` are not used), Errc::unsupported without it.
   [[nodiscard]] Communicator shrink(const ShrinkOptions& options = {}) {
     State& s = same_process("shrink");
     if constexpr (backend_traits<Backend>::shrinks) {
@@ -12174,7 +12177,8 @@ class Communicator {
   /// this one. Rank 0 answers each request: refused when its ticket differs from
   /// `options.ticket` (Errc::mismatch) or it claims a live rank's place (Errc::invalid_argument),
   /// the refusal reaching the newcomer alone. A failure meanwhile (a newcomer or member died)
-  /// leaves this communicator as it was: shrink() it. backend::Host; Errc::unsupported else.
+  /// leaves this communicator as it was: shrink() it. backend::Host and backend::Nccl;
+  /// Errc::unsupported on backend::Mpi (MPI cannot add processes to a running job here).
   [[nodiscard]] Communicator grow(const GrowOptions& options = {}) {
     State& s = same_process("grow");
     refuse_membership(rank(), "grow");

@@ -25,7 +25,9 @@
 ///    | refuses_some | `static const char* refuses(std::string_view collective, DType)` | none |
 ///
 /// backend::Host (backend/host.hpp), backend::Nccl (backend/nccl.hpp) and backend::Mpi
-/// (backend/mpi.hpp) implement it; a new backend needs only this header.
+/// (backend/mpi.hpp) implement it. A new backend includes this header, and
+/// runtime/uneven.hpp for the uneven collectives' fallbacks, store/client.hpp when it
+/// rendezvouses through the store.
 
 #include "ddp/config.hpp"
 #if !DDP_HAS_EXCEPTIONS
