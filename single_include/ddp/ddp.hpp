@@ -12149,18 +12149,17 @@ class Communicator {
     return Communicator(std::move(sub));
   }
 
-  /// Fault tolerance: after a failure (Errc::peer_lost, or
-  /// a timeout the caller treats as a loss), the surviving ranks each call shrink() and get a
-  /// communicator of themselves, ranked 0..n-1 in the order of their old ranks, at the next
-  /// membership epoch; its previous_ranks() maps them back. The survivors agree through the
-  /// rendezvous store (runtime/membership.hpp): a rank that died is left out at once, one that
-  /// neither arrives nor dies within ShrinkOptions::wait_for_ranks is left out and fenced (on
-  /// waking, each of its calls fails with Errc::aborted naming the epoch), and a member that
-  /// fails while they connect costs one more round. This communicator fails every call
-  /// afterwards. Needs a store that outlives the lost rank (ddprun's, spawn's, etcd (Options::store);
-  /// rank 0's while rank 0 lives). backend::Host and backend::Nccl (the survivors then make a new
-  /// NCCL communicator); backend::Mpi with ULFM (MPIX_Comm_shrink: the library decides who is
-  /// lost, `options` are not used), Errc::unsupported without it.
+  /// Fault tolerance: after a failure (Errc::peer_lost, or a timeout the caller treats as a
+  /// loss), the surviving ranks each call shrink() and get a communicator of themselves, ranked
+  /// 0..n-1 in the order of their old ranks, at the next membership epoch; its previous_ranks()
+  /// maps them back. The survivors agree through the rendezvous store (runtime/membership.hpp):
+  /// a rank that died is left out at once, one that neither arrives nor dies within
+  /// ShrinkOptions::wait_for_ranks is left out and fenced (on waking, each of its calls fails
+  /// with Errc::aborted naming the epoch), and a member that fails while they connect costs one
+  /// more round. This communicator fails every call afterwards. Needs a store that outlives the
+  /// lost rank (ddprun's, spawn's, etcd's; rank 0's while rank 0 lives). backend::Host and
+  /// backend::Nccl (a new NCCL communicator); backend::Mpi with ULFM (MPIX_Comm_shrink: the
+  /// library decides who is lost, `options` are not used), Errc::unsupported without it.
   [[nodiscard]] Communicator shrink(const ShrinkOptions& options = {}) {
     State& s = same_process("shrink");
     if constexpr (backend_traits<Backend>::shrinks) {
