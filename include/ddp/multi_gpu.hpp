@@ -30,6 +30,7 @@
 #include "ddp/cuda.hpp"
 #include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
+#include "ddp/runtime/call.hpp"
 #include "ddp/runtime/collective.hpp"
 #include "ddp/tensor.hpp"
 #include "ddp/types.hpp"
@@ -250,17 +251,11 @@ class NcclClique {
   }
 
   void check_op(ReduceOp op, DType t, const char* what) const {
-    if (!is_supported(op, t)) {
-      detail::fail(Errc::invalid_argument, "NcclClique: ", what, ": op ",
-                   is_valid(op) ? to_string(op) : "invalid", " is not defined on ", to_string(t));
-    }
+    detail::check_op(op, t, "NcclClique", -1, what);
   }
 
   void check_root(int root, const char* what) const {
-    if (root < 0 || root >= size()) {
-      detail::fail(Errc::invalid_argument, "NcclClique: ", what, ": root ", root,
-                   " is not a slot of the clique [0, ", size(), ")");
-    }
+    detail::check_root(root, size(), "NcclClique", -1, what, "a slot of the clique");
   }
 
   /// Orders each slot's stream after its tensors' streams, launches enqueue(i, stream) for

@@ -4382,21 +4382,32 @@ inline void check_buf(const Buf& b, std::size_t elem, bool usable, std::string_v
   }
 }
 
-inline void check_op(ReduceOp op, DType t, Caller c, const char* what) {
+/// `op` on dtype `t`, else Errc::invalid_argument. `who` and `rank` open the message ("rank 3",
+/// or "NcclClique" with rank -1); `what` names the call. (Communicators and NcclClique alike.)
+inline void check_op(ReduceOp op, DType t, const char* who, int rank, const char* what) {
   if (!is_supported(op, t)) {
-    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": op ",
+    fail(Errc::invalid_argument, who, rank >= 0 ? concat(rank) : std::string(), ": ", what, ": op ",
          is_valid(op) ? std::string(to_string(op))
                       : concat("code ", static_cast<int>(op), " (not a ddp::ReduceOp)"),
          " is not defined on ", to_string(t),
          op == ReduceOp::avg ? " (avg needs a floating-point type)" : "");
   }
 }
+inline void check_op(ReduceOp op, DType t, Caller c, const char* what) {
+  check_op(op, t, "rank ", c.rank, what);
+}
 
-inline void check_root(int root, Caller c, const char* what) {
-  if (root < 0 || root >= c.size) {
-    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": root ", root,
-         " is not a rank of this communicator [0, ", c.size, ")");
+/// `root` in [0, size), else Errc::invalid_argument naming `who`/`rank` (as check_op), `what`
+/// and what a root is one of (`of`: "a rank of this communicator").
+inline void check_root(int root, int size, const char* who, int rank, const char* what,
+                       const char* of) {
+  if (root < 0 || root >= size) {
+    fail(Errc::invalid_argument, who, rank >= 0 ? concat(rank) : std::string(), ": ", what,
+         ": root ", root, " is not ", of, " [0, ", size, ")");
   }
+}
+inline void check_root(int root, Caller c, const char* what) {
+  check_root(root, c.size, "rank ", c.rank, what, "a rank of this communicator");
 }
 
 inline void check_same_dtype(const Buf& a, const Buf& b, Caller c, const char* what) {
@@ -17628,6 +17639,7 @@ DDP_END_NAMESPACE
 // #include "ddp/cuda.hpp" (already included above)
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
+// #include "ddp/runtime/call.hpp" (already included above)
 // #include "ddp/runtime/collective.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
@@ -17848,17 +17860,11 @@ class NcclClique {
   }
 
   void check_op(ReduceOp op, DType t, const char* what) const {
-    if (!is_supported(op, t)) {
-      detail::fail(Errc::invalid_argument, "NcclClique: ", what, ": op ",
-                   is_valid(op) ? to_string(op) : "invalid", " is not defined on ", to_string(t));
-    }
+    detail::check_op(op, t, "NcclClique", -1, what);
   }
 
   void check_root(int root, const char* what) const {
-    if (root < 0 || root >= size()) {
-      detail::fail(Errc::invalid_argument, "NcclClique: ", what, ": root ", root,
-                   " is not a slot of the clique [0, ", size(), ")");
-    }
+    detail::check_root(root, size(), "NcclClique", -1, what, "a slot of the clique");
   }
 
   /// Orders each slot's stream after its tensors' streams, launches enqueue(i, stream) for

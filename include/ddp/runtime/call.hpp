@@ -89,21 +89,32 @@ inline void check_buf(const Buf& b, std::size_t elem, bool usable, std::string_v
   }
 }
 
-inline void check_op(ReduceOp op, DType t, Caller c, const char* what) {
+/// `op` on dtype `t`, else Errc::invalid_argument. `who` and `rank` open the message ("rank 3",
+/// or "NcclClique" with rank -1); `what` names the call. (Communicators and NcclClique alike.)
+inline void check_op(ReduceOp op, DType t, const char* who, int rank, const char* what) {
   if (!is_supported(op, t)) {
-    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": op ",
+    fail(Errc::invalid_argument, who, rank >= 0 ? concat(rank) : std::string(), ": ", what, ": op ",
          is_valid(op) ? std::string(to_string(op))
                       : concat("code ", static_cast<int>(op), " (not a ddp::ReduceOp)"),
          " is not defined on ", to_string(t),
          op == ReduceOp::avg ? " (avg needs a floating-point type)" : "");
   }
 }
+inline void check_op(ReduceOp op, DType t, Caller c, const char* what) {
+  check_op(op, t, "rank ", c.rank, what);
+}
 
-inline void check_root(int root, Caller c, const char* what) {
-  if (root < 0 || root >= c.size) {
-    fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": root ", root,
-         " is not a rank of this communicator [0, ", c.size, ")");
+/// `root` in [0, size), else Errc::invalid_argument naming `who`/`rank` (as check_op), `what`
+/// and what a root is one of (`of`: "a rank of this communicator").
+inline void check_root(int root, int size, const char* who, int rank, const char* what,
+                       const char* of) {
+  if (root < 0 || root >= size) {
+    fail(Errc::invalid_argument, who, rank >= 0 ? concat(rank) : std::string(), ": ", what,
+         ": root ", root, " is not ", of, " [0, ", size, ")");
   }
+}
+inline void check_root(int root, Caller c, const char* what) {
+  check_root(root, c.size, "rank ", c.rank, what, "a rank of this communicator");
 }
 
 inline void check_same_dtype(const Buf& a, const Buf& b, Caller c, const char* what) {
