@@ -568,6 +568,12 @@ TEST_CASE("NcclClique: wrong inputs are refused with the slot and the rule") {
   ints[0] = ddp::CudaBuffer<std::int32_t>(4);
   std::tie(code, text) = error_of([&] { clique.all_reduce(ints, ddp::ReduceOp::avg); });
   CHECK(code == ddp::Errc::invalid_argument);
+  CHECK(text.find("NcclClique: all_reduce: op avg is not defined on int32 (avg needs a "
+                  "floating-point type)") != std::string::npos);
+  std::tie(code, text) = error_of([&] { clique.broadcast(in, 1); });
+  CHECK(code == ddp::Errc::invalid_argument);
+  CHECK(text.find("NcclClique: broadcast: root 1 is not a slot of the clique [0, 1)") !=
+        std::string::npos);
 }
 
 TEST_CASE("NcclClique: ordered after a slow producer, a stuck one times out and aborts") {
