@@ -426,7 +426,7 @@ class LaunchAgent {
       so.lease_ttl = std::chrono::seconds(5);
       try {
         store_ = std::make_unique<Store>(connect_etcd_interruptibly(so).prefixed("ddprun/"));
-      } catch (const JoinInterrupted& i) {
+      } catch (const RendezvousInterrupted& i) {
         return 128 + i.sig;
       }
     } else if (o_.node_rank ==
@@ -480,8 +480,8 @@ class LaunchAgent {
       o_.node_rank = static_cast<int>(n);
     }
     try {
-      join();
-    } catch (const JoinInterrupted& i) {
+      register_node();
+    } catch (const RendezvousInterrupted& i) {
       return 128 + i.sig;
     }
     prepare_dirs();
@@ -493,7 +493,7 @@ class LaunchAgent {
       if (elastic_restart() && attempt > first_attempt_ && interrupted_ == 0) {
         try {
           next_round(attempt);
-        } catch (const JoinInterrupted& i) {
+        } catch (const RendezvousInterrupted& i) {
           return 128 + i.sig;
         }
       }
@@ -647,7 +647,7 @@ class LaunchAgent {
     return local_port(fd.get());
   }
 
-  struct JoinInterrupted {
+  struct RendezvousInterrupted {
     int sig;
   };
 
@@ -657,7 +657,7 @@ class LaunchAgent {
   }
 
   /// The etcd cluster, reached within join_timeout: tried for a second at a time, so that
-  /// SIGINT, SIGTERM or SIGHUP ends the wait at once (JoinInterrupted).
+  /// SIGINT, SIGTERM or SIGHUP ends the wait at once (RendezvousInterrupted).
   Store connect_etcd_interruptibly(StoreOptions so) {
     const auto until = Clock::now() + o_.join_timeout;
     for (;;) {
@@ -685,7 +685,7 @@ class LaunchAgent {
   [[nodiscard]] std::string etcd_namespace() const { return concat("ddprun-", o_.run_id); }
 
   // Registers this node and learns where its ranks start.
-  void join() {
+  void register_node() {
     if (!server_) {
       // Should this agent die, the others stop waiting for it (the store applies this record).
       const std::pair<std::string, std::string> gone[] = {
@@ -721,7 +721,7 @@ class LaunchAgent {
                             : ")");
     (void)store_->add("agents", 1);
     if (o_.min_nodes > 0) {
-      join_elastic();
+      register_node_elastic();
       return;
     }
     std::vector<std::string> keys;
@@ -847,14 +847,14 @@ class LaunchAgent {
     for (ssize_t i = 0; i < n; ++i) {
       if (sigs[i] == SIGCHLD) continue;
       say("received ", signal_name(sigs[i]), " while waiting for the nodes to join: stopping");
-      throw JoinInterrupted{sigs[i]};
+      throw RendezvousInterrupted{sigs[i]};
     }
   }
 
   // --nnodes MIN:MAX. Node 0 (the store's host) starts the job with the nodes there once MIN
   // are and no other came within last_call (or MAX are): "members". A node not among them is
   // late: its workers take the ranks after the job's and join it (DDP_REJOIN=1).
-  void join_elastic() {
+  void register_node_elastic() {
     const auto join_until = Clock::now() + o_.join_timeout;
     const std::string members_key[] = {"members"};
     if (leader()) {

@@ -8829,7 +8829,7 @@ struct CommState {
   /// does: Options::external_store, DDP_STORE_HOSTED=1), every rank connects, works under this
   /// communicator's prefix, watches the "failed" key and claims its rank. Returns that store,
   /// whose calls all end by `rendezvous_deadline` until end_rendezvous().
-  std::shared_ptr<Store> join_store(const Environment& env) {
+  std::shared_ptr<Store> connect_store(const Environment& env) {
     const EnvReader launcher;  // what the launcher that hosts the store says
     prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
     base_prefix = prefix;
@@ -10709,7 +10709,7 @@ inline BackendInit begin_init(CommState& state, const Environment& env, Options&
            " does not say which host rank 0 runs on; export MASTER_ADDR=<rank 0's host> to every "
            "rank (mpirun -x MASTER_ADDR=<host> -x MASTER_PORT=<port>)");
     }
-    bi.store = state.join_store(env);
+    bi.store = state.connect_store(env);
   }
   if (bad_setting && !bi.store) std::rethrow_exception(bad_setting);
   return bi;

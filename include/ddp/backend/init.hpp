@@ -87,7 +87,7 @@ inline BackendInit begin_init(CommState& state, const Environment& env, Options&
            " does not say which host rank 0 runs on; export MASTER_ADDR=<rank 0's host> to every "
            "rank (mpirun -x MASTER_ADDR=<host> -x MASTER_PORT=<port>)");
     }
-    bi.store = state.join_store(env);
+    bi.store = state.connect_store(env);
   }
   if (bad_setting && !bi.store) std::rethrow_exception(bad_setting);
   return bi;

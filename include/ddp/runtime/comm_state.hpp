@@ -147,7 +147,7 @@ struct CommState {
   /// does: Options::external_store, DDP_STORE_HOSTED=1), every rank connects, works under this
   /// communicator's prefix, watches the "failed" key and claims its rank. Returns that store,
   /// whose calls all end by `rendezvous_deadline` until end_rendezvous().
-  std::shared_ptr<Store> join_store(const Environment& env) {
+  std::shared_ptr<Store> connect_store(const Environment& env) {
     const EnvReader launcher;  // what the launcher that hosts the store says
     prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
     base_prefix = prefix;
