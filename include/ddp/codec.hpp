@@ -58,7 +58,7 @@ concept Encodable = requires(Encoder& e, Decoder& d, const T& v) {
 class Encoder {
  public:
   /// Appends to `out` (which must outlive the encoder).
-  explicit Encoder(std::string& out) : out_(out) {}
+  explicit Encoder(std::string& out);
   /// Appends `value` with codec<T>.
   template <class T>
   void put(const T& value) {
@@ -67,14 +67,20 @@ class Encoder {
   /// Appends `n` raw bytes.
   void bytes(const void* data, std::size_t n) { out_.append(static_cast<const char*>(data), n); }
   /// Appends an element count (8 bytes), read back by Decoder::count.
-  void count(std::size_t n) {
-    const auto v = static_cast<std::uint64_t>(n);
-    bytes(&v, sizeof v);
-  }
+  void count(std::size_t n);
 
  private:
   std::string& out_;
 };
+
+#if DDP_BODIES
+DDP_INLINE Encoder::Encoder(std::string& out) : out_(out) {}
+
+DDP_INLINE void Encoder::count(std::size_t n) {
+  const auto v = static_cast<std::uint64_t>(n);
+  bytes(&v, sizeof v);
+}
+#endif  // DDP_BODIES
 
 /// Reads values back from `n` bytes, checking every length against the input left.
 class Decoder {
@@ -82,7 +88,7 @@ class Decoder {
   static constexpr int max_depth = 64;  ///< Deepest nesting of get() calls accepted.
 
   /// Reads from `data`, `n` bytes (which must outlive the decoder).
-  Decoder(const void* data, std::size_t n) : p_(static_cast<const std::byte*>(data)), left_(n) {}
+  Decoder(const void* data, std::size_t n);
 
   /// The next value, read with codec<T>; Errc::invalid_argument past max_depth nesting.
   template <class T>
@@ -94,26 +100,9 @@ class Decoder {
     return v;
   }
   /// Copies the next `n` bytes to `out`; Errc::invalid_argument if fewer are left.
-  void bytes(void* out, std::size_t n) {
-    if (n > left_) {
-      detail::fail(Errc::invalid_argument, "object decode: input truncated (needs ", n,
-                   " more bytes, has ", left_, ")");
-    }
-    if (n != 0) std::memcpy(out, p_, n);
-    p_ += n;
-    left_ -= n;
-  }
+  void bytes(void* out, std::size_t n);
   /// A count of elements that each take at least `min_bytes` of the remaining input.
-  [[nodiscard]] std::size_t count(std::size_t min_bytes) {
-    std::uint64_t n = 0;
-    bytes(&n, sizeof n);
-    if (min_bytes == 0) min_bytes = 1;
-    if (n > left_ / min_bytes) {
-      detail::fail(Errc::invalid_argument, "object decode: a count of ", n, " cannot fit in the ",
-                   left_, " bytes left (malformed or hostile input)");
-    }
-    return static_cast<std::size_t>(n);
-  }
+  [[nodiscard]] std::size_t count(std::size_t min_bytes);
   /// The number of bytes not yet read.
   [[nodiscard]] std::size_t left() const noexcept { return left_; }
 
@@ -122,6 +111,32 @@ class Decoder {
   std::size_t left_;
   int depth_ = 0;
 };
+
+#if DDP_BODIES
+DDP_INLINE Decoder::Decoder(const void* data, std::size_t n)
+    : p_(static_cast<const std::byte*>(data)), left_(n) {}
+
+DDP_INLINE void Decoder::bytes(void* out, std::size_t n) {
+  if (n > left_) {
+    detail::fail(Errc::invalid_argument, "object decode: input truncated (needs ", n,
+                 " more bytes, has ", left_, ")");
+  }
+  if (n != 0) std::memcpy(out, p_, n);
+  p_ += n;
+  left_ -= n;
+}
+
+DDP_INLINE std::size_t Decoder::count(std::size_t min_bytes) {
+  std::uint64_t n = 0;
+  bytes(&n, sizeof n);
+  if (min_bytes == 0) min_bytes = 1;
+  if (n > left_ / min_bytes) {
+    detail::fail(Errc::invalid_argument, "object decode: a count of ", n, " cannot fit in the ",
+                 left_, " bytes left (malformed or hostile input)");
+  }
+  return static_cast<std::size_t>(n);
+}
+#endif  // DDP_BODIES
 
 namespace detail {
 template <class T>

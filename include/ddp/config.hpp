@@ -61,6 +61,26 @@
   } while (false)
 #endif
 
+/// Separate compilation (README "Compiled once"). Header-only by default: every function is
+/// defined in the headers. With DDP_SEPARATE_COMPILATION defined in every unit of a program, the
+/// headers only declare ddp's non-template functions (and the instantiations every program
+/// uses), and the one unit that includes <ddp/impl/src.hpp> (or defines DDP_IMPLEMENTATION
+/// before the single header) defines them.
+#if defined(DDP_IMPLEMENTATION) && !defined(DDP_SEPARATE_COMPILATION)
+#define DDP_SEPARATE_COMPILATION
+#endif
+#ifdef DDP_SEPARATE_COMPILATION
+#define DDP_INLINE  // one definition, in the implementation unit
+#ifdef DDP_IMPLEMENTATION
+#define DDP_BODIES 1
+#else
+#define DDP_BODIES 0
+#endif
+#else
+#define DDP_INLINE inline
+#define DDP_BODIES 1
+#endif
+
 #if defined(__GNUC__) || defined(__clang__)
 #define DDP_LIKELY(x) __builtin_expect(!!(x), 1)
 #define DDP_UNLIKELY(x) __builtin_expect(!!(x), 0)

@@ -39,24 +39,31 @@ DDP_BEGIN_NAMESPACE
 namespace detail {
 
 /// Throws Errc::backend for a failed CUDA runtime call.
-inline void cuda_check(cudaError_t rc, const char* call) {
+DDP_INLINE void cuda_check(cudaError_t rc, const char* call);
+#if DDP_BODIES
+DDP_INLINE void cuda_check(cudaError_t rc, const char* call) {
   if (rc != cudaSuccess) {
     (void)cudaGetLastError();  // clear a sticky-free error so later calls report their own
     fail(Errc::backend, call, " failed: ", cudaGetErrorString(rc), " (", cudaGetErrorName(rc), ")");
   }
 }
+#endif  // DDP_BODIES
 
 /// Makes `device` current until the end of the scope, never throwing (for destructors).
 struct CudaDeviceScope {
   int previous = 0;
-  explicit CudaDeviceScope(int device) noexcept {
-    (void)cudaGetDevice(&previous);
-    if (device != previous) (void)cudaSetDevice(device);
-  }
+  explicit CudaDeviceScope(int device) noexcept;
   ~CudaDeviceScope() { (void)cudaSetDevice(previous); }
   CudaDeviceScope(const CudaDeviceScope&) = delete;
   CudaDeviceScope& operator=(const CudaDeviceScope&) = delete;
 };
+
+#if DDP_BODIES
+DDP_INLINE CudaDeviceScope::CudaDeviceScope(int device) noexcept {
+  (void)cudaGetDevice(&previous);
+  if (device != previous) (void)cudaSetDevice(device);
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 
@@ -65,7 +72,9 @@ struct CudaDeviceScope {
 
 /// The number of CUDA devices this process can use; 0 when there is no driver or no device
 /// (never throws: this is how tests decide to skip).
-[[nodiscard]] inline int cuda_device_count() noexcept {
+[[nodiscard]] DDP_INLINE int cuda_device_count() noexcept;
+#if DDP_BODIES
+DDP_INLINE int cuda_device_count() noexcept {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -73,11 +82,14 @@ struct CudaDeviceScope {
   }
   return n;
 }
+#endif  // DDP_BODIES
 
 /// cuda_device_count() asked in a forked child, so that this process creates no CUDA context: a
 /// context does not survive fork(), so a program that forks its ranks (ddp::spawn) asks this way
 /// before spawning. 0 when the child cannot be made.
-[[nodiscard]] inline int cuda_device_count_before_fork() noexcept {
+[[nodiscard]] DDP_INLINE int cuda_device_count_before_fork() noexcept;
+#if DDP_BODIES
+DDP_INLINE int cuda_device_count_before_fork() noexcept {
   const pid_t pid = ::fork();
   if (pid == 0) ::_exit(std::min(cuda_device_count(), 250));
   if (pid < 0) return 0;
@@ -89,15 +101,13 @@ struct CudaDeviceScope {
   if (got != pid || !WIFEXITED(status)) return 0;
   return WEXITSTATUS(status);
 }
+#endif  // DDP_BODIES
 
 /// Makes `device` current for the guard's lifetime, then restores the previous one.
 class CudaDeviceGuard {
  public:
   /// Makes `device` current (remembering the current one).
-  explicit CudaDeviceGuard(int device) {
-    DDP_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (device != previous_) DDP_CUDA_CHECK(cudaSetDevice(device));
-  }
+  explicit CudaDeviceGuard(int device);
   CudaDeviceGuard(const CudaDeviceGuard&) = delete;
   CudaDeviceGuard& operator=(const CudaDeviceGuard&) = delete;
   ~CudaDeviceGuard() { (void)cudaSetDevice(previous_); }
@@ -106,26 +116,24 @@ class CudaDeviceGuard {
   int previous_ = 0;
 };
 
+#if DDP_BODIES
+DDP_INLINE CudaDeviceGuard::CudaDeviceGuard(int device) {
+  DDP_CUDA_CHECK(cudaGetDevice(&previous_));
+  if (device != previous_) DDP_CUDA_CHECK(cudaSetDevice(device));
+}
+#endif  // DDP_BODIES
+
 /// An owned, non-blocking CUDA stream (it does not synchronize with the legacy default stream).
 class CudaStream {
  public:
   /// A new stream on the current device.
   CudaStream() { DDP_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
   /// A new stream on `device`.
-  explicit CudaStream(int device) {
-    CudaDeviceGuard g(device);
-    DDP_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking));
-  }
+  explicit CudaStream(int device);
   /// Takes over `o`'s stream; `o` is left empty.
-  CudaStream(CudaStream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
+  CudaStream(CudaStream&& o) noexcept;
   /// Destroys this stream and takes over `o`'s; `o` is left empty.
-  CudaStream& operator=(CudaStream&& o) noexcept {
-    if (this != &o) {
-      reset();
-      s_ = std::exchange(o.s_, nullptr);
-    }
-    return *this;
-  }
+  CudaStream& operator=(CudaStream&& o) noexcept;
   CudaStream(const CudaStream&) = delete;
   CudaStream& operator=(const CudaStream&) = delete;
   ~CudaStream() { reset(); }
@@ -136,12 +144,31 @@ class CudaStream {
   void synchronize() const { DDP_CUDA_CHECK(cudaStreamSynchronize(s_)); }
 
  private:
-  void reset() noexcept {
-    if (s_ != nullptr) (void)cudaStreamDestroy(s_);
-    s_ = nullptr;
-  }
+  void reset() noexcept;
   cudaStream_t s_ = nullptr;
 };
+
+#if DDP_BODIES
+DDP_INLINE CudaStream::CudaStream(int device) {
+  CudaDeviceGuard g(device);
+  DDP_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking));
+}
+
+DDP_INLINE CudaStream::CudaStream(CudaStream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
+
+DDP_INLINE CudaStream& CudaStream::operator=(CudaStream&& o) noexcept {
+  if (this != &o) {
+    reset();
+    s_ = std::exchange(o.s_, nullptr);
+  }
+  return *this;
+}
+
+DDP_INLINE void CudaStream::reset() noexcept {
+  if (s_ != nullptr) (void)cudaStreamDestroy(s_);
+  s_ = nullptr;
+}
+#endif  // DDP_BODIES
 
 /// An owned CUDA event without timing (the cheap kind), for ordering streams and for polling.
 class CudaEvent {
@@ -149,15 +176,9 @@ class CudaEvent {
   /// A new event on the current device.
   CudaEvent() { DDP_CUDA_CHECK(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming)); }
   /// Takes over `o`'s event; `o` is left empty.
-  CudaEvent(CudaEvent&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
+  CudaEvent(CudaEvent&& o) noexcept;
   /// Destroys this event and takes over `o`'s; `o` is left empty.
-  CudaEvent& operator=(CudaEvent&& o) noexcept {
-    if (this != &o) {
-      reset();
-      e_ = std::exchange(o.e_, nullptr);
-    }
-    return *this;
-  }
+  CudaEvent& operator=(CudaEvent&& o) noexcept;
   CudaEvent(const CudaEvent&) = delete;
   CudaEvent& operator=(const CudaEvent&) = delete;
   ~CudaEvent() { reset(); }
@@ -169,22 +190,38 @@ class CudaEvent {
   /// Makes later work on `stream` wait for the captured work (no host blocking).
   void block(cudaStream_t stream) const { DDP_CUDA_CHECK(cudaStreamWaitEvent(stream, e_, 0)); }
   /// Whether the captured work has finished; throws if it failed.
-  [[nodiscard]] bool ready() const {
-    const cudaError_t rc = cudaEventQuery(e_);
-    if (rc == cudaErrorNotReady) return false;
-    detail::cuda_check(rc, "cudaEventQuery");
-    return true;
-  }
+  [[nodiscard]] bool ready() const;
   /// Blocks until the captured work has finished.
   void synchronize() const { DDP_CUDA_CHECK(cudaEventSynchronize(e_)); }
 
  private:
-  void reset() noexcept {
-    if (e_ != nullptr) (void)cudaEventDestroy(e_);
-    e_ = nullptr;
-  }
+  void reset() noexcept;
   cudaEvent_t e_ = nullptr;
 };
+
+#if DDP_BODIES
+DDP_INLINE CudaEvent::CudaEvent(CudaEvent&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
+
+DDP_INLINE CudaEvent& CudaEvent::operator=(CudaEvent&& o) noexcept {
+  if (this != &o) {
+    reset();
+    e_ = std::exchange(o.e_, nullptr);
+  }
+  return *this;
+}
+
+DDP_INLINE bool CudaEvent::ready() const {
+  const cudaError_t rc = cudaEventQuery(e_);
+  if (rc == cudaErrorNotReady) return false;
+  detail::cuda_check(rc, "cudaEventQuery");
+  return true;
+}
+
+DDP_INLINE void CudaEvent::reset() noexcept {
+  if (e_ != nullptr) (void)cudaEventDestroy(e_);
+  e_ = nullptr;
+}
+#endif  // DDP_BODIES
 
 /// `size` elements of T in device memory (cudaMalloc), on `device`, associated with `stream`
 /// (the stream whose work produces its contents; nullptr: the legacy default stream). Moves, never
@@ -368,7 +405,9 @@ class PinnedBuffer {
 namespace detail {
 
 /// Waits for a CUDA event, polling, for at most `timeout`; Errc::timeout names `what`.
-inline void cuda_wait(const CudaEvent& e, std::chrono::milliseconds timeout, const char* what) {
+DDP_INLINE void cuda_wait(const CudaEvent& e, std::chrono::milliseconds timeout, const char* what);
+#if DDP_BODIES
+DDP_INLINE void cuda_wait(const CudaEvent& e, std::chrono::milliseconds timeout, const char* what) {
   const auto start = std::chrono::steady_clock::now();
   for (unsigned spins = 0; !e.ready(); ++spins) {
     const auto waited = std::chrono::steady_clock::now() - start;
@@ -382,13 +421,17 @@ inline void cuda_wait(const CudaEvent& e, std::chrono::milliseconds timeout, con
       std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
 }
+#endif  // DDP_BODIES
 
 /// Copies `n` bytes between host memory and CUDA devices, in either direction, ordered on
 /// `stream` (a cudaStream_t as void*).
-inline void cuda_copy_async(void* dst, const void* src, std::size_t n, void* stream) {
+DDP_INLINE void cuda_copy_async(void* dst, const void* src, std::size_t n, void* stream);
+#if DDP_BODIES
+DDP_INLINE void cuda_copy_async(void* dst, const void* src, std::size_t n, void* stream) {
   DDP_CUDA_CHECK(
       cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)));
 }
+#endif  // DDP_BODIES
 
 /// Sets `n` bytes of device memory to zero, ordered on `stream`.
 inline void cuda_zero_async(void* dst, std::size_t n, void* stream) {
@@ -401,12 +444,15 @@ inline void cuda_sync(void* stream) {
 }
 
 /// Later work on `waiter` starts after the work queued on `producer` so far.
-inline void cuda_join_streams(void* waiter, void* producer) {
+DDP_INLINE void cuda_join_streams(void* waiter, void* producer);
+#if DDP_BODIES
+DDP_INLINE void cuda_join_streams(void* waiter, void* producer) {
   if (waiter == producer) return;
   CudaEvent done;
   done.record(static_cast<cudaStream_t>(producer));
   done.block(static_cast<cudaStream_t>(waiter));
 }
+#endif  // DDP_BODIES
 
 // The copies between a model's parameters and the averagers' buckets (ddp/training/), host or
 // CUDA memory alike; ddp/training/parameters.hpp has their host-only twins for builds without
@@ -414,22 +460,28 @@ inline void cuda_join_streams(void* waiter, void* producer) {
 
 /// Copies `n` bytes between host memory and CUDA devices (`cuda`: either side is on a device),
 /// ordered on `stream`.
-inline void copy_bytes(void* dst, const void* src, std::size_t n, bool cuda, void* stream) {
+DDP_INLINE void copy_bytes(void* dst, const void* src, std::size_t n, bool cuda, void* stream);
+#if DDP_BODIES
+DDP_INLINE void copy_bytes(void* dst, const void* src, std::size_t n, bool cuda, void* stream) {
   if (n == 0) return;
   if (cuda)
     cuda_copy_async(dst, src, n, stream);
   else
     std::memcpy(dst, src, n);
 }
+#endif  // DDP_BODIES
 
 /// Sets `n` bytes to zero, on a CUDA device (ordered on `stream`) or on the host.
-inline void zero_bytes(void* dst, std::size_t n, bool cuda, void* stream) {
+DDP_INLINE void zero_bytes(void* dst, std::size_t n, bool cuda, void* stream);
+#if DDP_BODIES
+DDP_INLINE void zero_bytes(void* dst, std::size_t n, bool cuda, void* stream) {
   if (n == 0) return;
   if (cuda)
     cuda_zero_async(dst, n, stream);
   else
     std::memset(dst, 0, n);
 }
+#endif  // DDP_BODIES
 
 /// Blocks until the work queued on a CUDA stream is done (nothing for host memory).
 inline void sync_stream(bool cuda, void* stream) {

@@ -73,7 +73,9 @@ namespace detail {
 
 /// The number of tasks on node `node` from a Slurm task layout: "2(x3),1" means 2, 2, 2, 1.
 /// nullopt when it does not parse or has no such node.
-[[nodiscard]] inline std::optional<int> slurm_tasks_on_node(std::string_view layout, int node) {
+[[nodiscard]] DDP_INLINE std::optional<int> slurm_tasks_on_node(std::string_view layout, int node);
+#if DDP_BODIES
+DDP_INLINE std::optional<int> slurm_tasks_on_node(std::string_view layout, int node) {
   int index = 0;
   while (!layout.empty()) {
     const std::size_t comma = layout.find(',');
@@ -95,9 +97,12 @@ namespace detail {
   }
   return std::nullopt;
 }
+#endif  // DDP_BODIES
 
 /// The first host name of a Slurm node list: "gpu[07-09,12],cpu3" -> "gpu07".
-[[nodiscard]] inline std::string first_slurm_host(std::string_view list) {
+[[nodiscard]] DDP_INLINE std::string first_slurm_host(std::string_view list);
+#if DDP_BODIES
+DDP_INLINE std::string first_slurm_host(std::string_view list) {
   const auto bracket = list.find('[');
   const auto comma = list.find(',');
   if (bracket == std::string_view::npos || (comma != std::string_view::npos && comma < bracket)) {
@@ -111,14 +116,19 @@ namespace detail {
   range = range.substr(0, range.find_first_of(",-"));
   return std::string(list.substr(0, bracket)) + std::string(range);
 }
+#endif  // DDP_BODIES
 
-inline void check_rank(const EnvReader&, int rank, int world, const char* rank_var,
-                       const char* world_var) {
+DDP_INLINE void check_rank(const EnvReader&, int rank, int world, const char* rank_var,
+                           const char* world_var);
+#if DDP_BODIES
+DDP_INLINE void check_rank(const EnvReader&, int rank, int world, const char* rank_var,
+                           const char* world_var) {
   if (rank >= world) {
     fail(Errc::invalid_argument, "environment: ", rank_var, "=", rank, " must be less than ",
          world_var, "=", world);
   }
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 

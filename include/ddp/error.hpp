@@ -90,17 +90,25 @@ namespace detail {
 class ErrcCategory final : public std::error_category {
  public:
   [[nodiscard]] const char* name() const noexcept override { return "ddp"; }
-  [[nodiscard]] std::string message(int value) const override {
-    return std::string(to_string(static_cast<Errc>(value)));
-  }
+  [[nodiscard]] std::string message(int value) const override;
 };
+
+#if DDP_BODIES
+DDP_INLINE std::string ErrcCategory::message(int value) const {
+  return std::string(to_string(static_cast<Errc>(value)));
+}
+#endif  // DDP_BODIES
+
 }  // namespace detail
 
 /// The std::error_category of ddp::Errc, for code that works with std::error_code.
-[[nodiscard]] inline const std::error_category& error_category() noexcept {
+[[nodiscard]] DDP_INLINE const std::error_category& error_category() noexcept;
+#if DDP_BODIES
+DDP_INLINE const std::error_category& error_category() noexcept {
   static const detail::ErrcCategory category;
   return category;
 }
+#endif  // DDP_BODIES
 
 /// The std::error_code of an Errc in error_category(); found by ADL for `std::error_code ec = e;`.
 [[nodiscard]] inline std::error_code make_error_code(Errc code) noexcept {
@@ -111,9 +119,9 @@ class ErrcCategory final : public std::error_category {
 class Error : public std::runtime_error {
  public:
   /// An error with the given code; `message` becomes what().
-  Error(Errc code, const std::string& message) : std::runtime_error(message), code_(code) {}
+  Error(Errc code, const std::string& message);
   /// An error with the given code; `message` becomes what().
-  Error(Errc code, const char* message) : std::runtime_error(message), code_(code) {}
+  Error(Errc code, const char* message);
 
   /// What went wrong.
   [[nodiscard]] Errc code() const noexcept { return code_; }
@@ -123,6 +131,14 @@ class Error : public std::runtime_error {
  private:
   Errc code_;
 };
+
+#if DDP_BODIES
+DDP_INLINE Error::Error(Errc code, const std::string& message)
+    : std::runtime_error(message), code_(code) {}
+
+DDP_INLINE Error::Error(Errc code, const char* message)
+    : std::runtime_error(message), code_(code) {}
+#endif  // DDP_BODIES
 
 namespace detail {
 

@@ -61,65 +61,22 @@ class NcclClique {
   /// One NCCL communicator per device of `devices` (empty: every device this process sees),
   /// created together by ncclCommInitAll. A device may appear once.
   explicit NcclClique(std::vector<int> devices = {},
-                      std::chrono::milliseconds timeout = std::chrono::minutes(5))
-      : devices_(std::move(devices)), timeout_(timeout) {
-    const int visible = cuda_device_count();
-    if (devices_.empty()) {
-      for (int d = 0; d < visible; ++d) devices_.push_back(d);
-      if (devices_.empty()) {
-        detail::fail(Errc::invalid_argument,
-                     "NcclClique: this process sees no CUDA device; check CUDA_VISIBLE_DEVICES "
-                     "and the driver");
-      }
-    }
-    for (std::size_t i = 0; i < devices_.size(); ++i) {
-      const int d = devices_[i];
-      if (d < 0 || d >= visible) {
-        detail::fail(Errc::invalid_argument, "NcclClique: device ", d,
-                     " does not exist (this process sees ", visible, " device(s))");
-      }
-      if (std::find(devices_.begin(), devices_.begin() + static_cast<std::ptrdiff_t>(i), d) !=
-          devices_.begin() + static_cast<std::ptrdiff_t>(i)) {
-        detail::fail(Errc::invalid_argument, "NcclClique: device ", d,
-                     " is listed twice; NCCL drives each device of a clique once");
-      }
-    }
-    slots_.reserve(devices_.size());
-    for (const int d : devices_) {
-      const CudaDeviceGuard g(d);
-      slots_.push_back(std::make_unique<Slot>(d));
-    }
-    comms_.assign(devices_.size(), nullptr);
-    const auto rc = ncclCommInitAll(comms_.data(), size(), devices_.data());
-    if (rc != ncclSuccess) {
-      comms_.clear();
-      detail::fail(detail::nccl_errc(rc), "NcclClique: ncclCommInitAll over ", size(),
-                   " device(s) failed: ", ncclGetErrorString(rc));
-    }
-  }
+                      std::chrono::milliseconds timeout = std::chrono::minutes(5));
 
   NcclClique(const NcclClique&) = delete;
   NcclClique& operator=(const NcclClique&) = delete;
-  ~NcclClique() {
-    for (std::size_t i = 0; i < comms_.size(); ++i) {
-      if (comms_[i] == nullptr) continue;
-      const CudaDeviceGuard g(devices_[i]);
-      (void)ncclCommDestroy(comms_[i]);
-    }
-  }
+  ~NcclClique();
 
   /// The number of devices.
   [[nodiscard]] int size() const noexcept { return static_cast<int>(devices_.size()); }
   /// The CUDA devices of the clique, slot by slot.
   [[nodiscard]] const std::vector<int>& devices() const noexcept { return devices_; }
   /// The CUDA device of slot i.
-  [[nodiscard]] int device(int i) const { return devices_.at(static_cast<std::size_t>(i)); }
+  [[nodiscard]] int device(int i) const;
   /// The clique's own stream on slot i's device.
-  [[nodiscard]] cudaStream_t stream(int i) const {
-    return slots_.at(static_cast<std::size_t>(i))->stream.get();
-  }
+  [[nodiscard]] cudaStream_t stream(int i) const;
   /// Slot i's NCCL communicator (owned by the clique).
-  [[nodiscard]] ncclComm_t comm(int i) const { return comms_.at(static_cast<std::size_t>(i)); }
+  [[nodiscard]] ncclComm_t comm(int i) const;
 
   /// tensors[i] = op over all tensors, on every device.
   template <TensorRange R>
@@ -189,7 +146,7 @@ class NcclClique {
 
  private:
   struct Slot {
-    explicit Slot(int device) : stream(device) {}
+    explicit Slot(int device);
     CudaStream stream;
     CudaEvent ready, done;  // created with the slot's device current
   };
@@ -228,27 +185,11 @@ class NcclClique {
     return out;
   }
 
-  static void same_shape(const std::vector<detail::Buf>& bs, const char* what) {
-    for (std::size_t i = 1; i < bs.size(); ++i) {
-      if (bs[i].dtype != bs[0].dtype || bs[i].count != bs[0].count) {
-        detail::fail(Errc::mismatch, "NcclClique: ", what, ": tensor ", i, " is ",
-                     to_string(bs[i].dtype), " x ", bs[i].count, " but tensor 0 is ",
-                     to_string(bs[0].dtype), " x ", bs[0].count,
-                     "; every device's tensor must have the same dtype and size");
-      }
-    }
-  }
+  static void same_shape(const std::vector<detail::Buf>& bs, const char* what);
 
   /// `big` must hold size() times `small`'s elements, of the same dtype.
   static void paired(const std::vector<detail::Buf>& small, const std::vector<detail::Buf>& big,
-                     std::size_t want, const char* what, const char* rule) {
-    if (big[0].dtype != small[0].dtype || big[0].count != want) {
-      detail::fail(Errc::invalid_argument, "NcclClique: ", what, ": `in` is ",
-                   to_string(small[0].dtype), " x ", small[0].count, " and `out` ",
-                   to_string(big[0].dtype), " x ", big[0].count, ", but ", rule,
-                   " elements of the same dtype are needed");
-    }
-  }
+                     std::size_t want, const char* what, const char* rule);
 
   void check_op(ReduceOp op, DType t, const char* what) const {
     detail::check_op(op, t, "NcclClique", -1, what);
@@ -309,21 +250,9 @@ class NcclClique {
     }
   }
 
-  void abort_all() { aborter_.abort(std::exchange(comms_, {}), devices_); }
+  void abort_all();
 
-  [[noreturn]] void give_up(const char* what, ncclResult_t rc, const char* where) {
-    std::string last;
-    for (const auto c : comms_) {
-      const char* text = ncclGetLastError(c);
-      if (text != nullptr && *text != '\0') {
-        last = detail::concat(" (", text, ")");
-        break;
-      }
-    }
-    abort_all();
-    detail::fail(detail::nccl_errc(rc), "NcclClique: ", what, ": ", where,
-                 " failed: ", ncclGetErrorString(rc), last, "; the clique was aborted");
-  }
+  [[noreturn]] void give_up(const char* what, ncclResult_t rc, const char* where);
 
   std::vector<int> devices_;
   std::chrono::milliseconds timeout_;
@@ -331,5 +260,102 @@ class NcclClique {
   std::vector<ncclComm_t> comms_;
   detail::NcclAborter aborter_;  // last: joined before the streams are freed
 };
+
+#if DDP_BODIES
+DDP_INLINE NcclClique::NcclClique(std::vector<int> devices, std::chrono::milliseconds timeout)
+    : devices_(std::move(devices)), timeout_(timeout) {
+  const int visible = cuda_device_count();
+  if (devices_.empty()) {
+    for (int d = 0; d < visible; ++d) devices_.push_back(d);
+    if (devices_.empty()) {
+      detail::fail(Errc::invalid_argument,
+                   "NcclClique: this process sees no CUDA device; check CUDA_VISIBLE_DEVICES "
+                   "and the driver");
+    }
+  }
+  for (std::size_t i = 0; i < devices_.size(); ++i) {
+    const int d = devices_[i];
+    if (d < 0 || d >= visible) {
+      detail::fail(Errc::invalid_argument, "NcclClique: device ", d,
+                   " does not exist (this process sees ", visible, " device(s))");
+    }
+    if (std::find(devices_.begin(), devices_.begin() + static_cast<std::ptrdiff_t>(i), d) !=
+        devices_.begin() + static_cast<std::ptrdiff_t>(i)) {
+      detail::fail(Errc::invalid_argument, "NcclClique: device ", d,
+                   " is listed twice; NCCL drives each device of a clique once");
+    }
+  }
+  slots_.reserve(devices_.size());
+  for (const int d : devices_) {
+    const CudaDeviceGuard g(d);
+    slots_.push_back(std::make_unique<Slot>(d));
+  }
+  comms_.assign(devices_.size(), nullptr);
+  const auto rc = ncclCommInitAll(comms_.data(), size(), devices_.data());
+  if (rc != ncclSuccess) {
+    comms_.clear();
+    detail::fail(detail::nccl_errc(rc), "NcclClique: ncclCommInitAll over ", size(),
+                 " device(s) failed: ", ncclGetErrorString(rc));
+  }
+}
+
+DDP_INLINE NcclClique::~NcclClique() {
+  for (std::size_t i = 0; i < comms_.size(); ++i) {
+    if (comms_[i] == nullptr) continue;
+    const CudaDeviceGuard g(devices_[i]);
+    (void)ncclCommDestroy(comms_[i]);
+  }
+}
+
+DDP_INLINE int NcclClique::device(int i) const { return devices_.at(static_cast<std::size_t>(i)); }
+
+DDP_INLINE cudaStream_t NcclClique::stream(int i) const {
+  return slots_.at(static_cast<std::size_t>(i))->stream.get();
+}
+
+DDP_INLINE ncclComm_t NcclClique::comm(int i) const {
+  return comms_.at(static_cast<std::size_t>(i));
+}
+
+DDP_INLINE NcclClique::Slot::Slot(int device) : stream(device) {}
+
+DDP_INLINE void NcclClique::same_shape(const std::vector<detail::Buf>& bs, const char* what) {
+  for (std::size_t i = 1; i < bs.size(); ++i) {
+    if (bs[i].dtype != bs[0].dtype || bs[i].count != bs[0].count) {
+      detail::fail(Errc::mismatch, "NcclClique: ", what, ": tensor ", i, " is ",
+                   to_string(bs[i].dtype), " x ", bs[i].count, " but tensor 0 is ",
+                   to_string(bs[0].dtype), " x ", bs[0].count,
+                   "; every device's tensor must have the same dtype and size");
+    }
+  }
+}
+
+DDP_INLINE void NcclClique::paired(const std::vector<detail::Buf>& small,
+                                   const std::vector<detail::Buf>& big, std::size_t want,
+                                   const char* what, const char* rule) {
+  if (big[0].dtype != small[0].dtype || big[0].count != want) {
+    detail::fail(Errc::invalid_argument, "NcclClique: ", what, ": `in` is ",
+                 to_string(small[0].dtype), " x ", small[0].count, " and `out` ",
+                 to_string(big[0].dtype), " x ", big[0].count, ", but ", rule,
+                 " elements of the same dtype are needed");
+  }
+}
+
+DDP_INLINE void NcclClique::abort_all() { aborter_.abort(std::exchange(comms_, {}), devices_); }
+
+DDP_INLINE void NcclClique::give_up(const char* what, ncclResult_t rc, const char* where) {
+  std::string last;
+  for (const auto c : comms_) {
+    const char* text = ncclGetLastError(c);
+    if (text != nullptr && *text != '\0') {
+      last = detail::concat(" (", text, ")");
+      break;
+    }
+  }
+  abort_all();
+  detail::fail(detail::nccl_errc(rc), "NcclClique: ", what, ": ", where,
+               " failed: ", ncclGetErrorString(rc), last, "; the clique was aborted");
+}
+#endif  // DDP_BODIES
 
 DDP_END_NAMESPACE

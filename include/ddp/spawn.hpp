@@ -62,7 +62,9 @@ struct SpawnOptions {
 
 namespace detail {
 
-inline std::string describe_status(int status) {
+DDP_INLINE std::string describe_status(int status);
+#if DDP_BODIES
+DDP_INLINE std::string describe_status(int status) {
   if (WIFEXITED(status)) return concat("exited with status ", WEXITSTATUS(status));
   if (WIFSIGNALED(status)) {
     const int sig = WTERMSIG(status);
@@ -71,12 +73,16 @@ inline std::string describe_status(int status) {
   }
   return "stopped";
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 
 /// Runs fn(env) in nprocs forked processes and waits for all of them (see the file comment).
-inline void spawn(int nprocs, const std::function<void(Environment)>& fn,
-                  const SpawnOptions& options = {}) {
+DDP_INLINE void spawn(int nprocs, const std::function<void(Environment)>& fn,
+                      const SpawnOptions& options = {});
+#if DDP_BODIES
+DDP_INLINE void spawn(int nprocs, const std::function<void(Environment)>& fn,
+                      const SpawnOptions& options) {
   if (nprocs < 1)
     detail::fail(Errc::invalid_argument, "spawn: nprocs must be at least 1, got ", nprocs);
   std::fflush(nullptr);
@@ -225,5 +231,6 @@ inline void spawn(int nprocs, const std::function<void(Environment)>& fn,
                  detail::describe_status(c.status));
   }
 }
+#endif  // DDP_BODIES
 
 DDP_END_NAMESPACE

@@ -393,9 +393,9 @@ class Counts {
     }
   }
   /// The counts of a braced list, copied.
-  Counts(std::initializer_list<std::size_t> c) : own_(c), view_(own_) {}
+  Counts(std::initializer_list<std::size_t> c);
   /// A copy (it views what `o` views, or owns a copy of what `o` owns).
-  Counts(const Counts& o) : own_(o.own_), view_(o.owns() ? own_ : o.view_) {}
+  Counts(const Counts& o);
   Counts& operator=(const Counts&) = delete;
   ~Counts() = default;
 
@@ -409,6 +409,12 @@ class Counts {
   std::vector<std::size_t> own_;
   std::span<const std::size_t> view_;
 };
+
+#if DDP_BODIES
+DDP_INLINE Counts::Counts(std::initializer_list<std::size_t> c) : own_(c), view_(own_) {}
+
+DDP_INLINE Counts::Counts(const Counts& o) : own_(o.own_), view_(o.owns() ? own_ : o.view_) {}
+#endif  // DDP_BODIES
 
 /// One operation of Communicator::batch_isend_irecv (torch's dist.P2POp): P2POp::send(t, peer)
 /// or P2POp::recv(t, peer), with a tag. It refers to the tensor's memory, which must stay alive

@@ -62,10 +62,13 @@ namespace detail {
 /// How long a launcher (ddprun, spawn) lets the other workers run after one failed before it
 /// stops them: a second when they write flight recorders ($DDP_TRACE_DUMP), in which they fail on
 /// their own (peers of a failed rank do within milliseconds) and write them; else no time.
-[[nodiscard]] inline std::chrono::milliseconds trace_dump_grace() {
+[[nodiscard]] DDP_INLINE std::chrono::milliseconds trace_dump_grace();
+#if DDP_BODIES
+DDP_INLINE std::chrono::milliseconds trace_dump_grace() {
   return !EnvReader().has("DDP_TRACE_DUMP") ? std::chrono::milliseconds(0)
                                             : std::chrono::milliseconds(1000);
 }
+#endif  // DDP_BODIES
 
 /// A fixed ring of TraceRecords that costs no lock: issuing an operation is one atomic
 /// increment and a few plain stores, updating its state one store, so the flight recorder stays
@@ -78,65 +81,19 @@ class FlightRecorder {
   using State = TraceRecord::State;
 
   /// Sets the capacity and forgets every record; not concurrent with the other members.
-  void resize(std::size_t capacity) {
-    // Slots for a power of two at least `capacity`: a slot is found with a mask, not a division
-    // (a 64-bit division costs more than the rest of recording an operation).
-    std::size_t slots = capacity != 0 ? 1 : 0;
-    while (slots < capacity) slots <<= 1;
-    slots_ = slots != 0 ? std::make_unique<Slot[]>(slots) : nullptr;
-    mask_ = slots - 1;
-    capacity_ = capacity;
-    next_.store(0, std::memory_order_relaxed);
-  }
+  void resize(std::size_t capacity);
 
   /// Records a new operation and returns its sequence number.
-  std::uint64_t issue(const char* op, std::size_t bytes, State state) {
-    const std::uint64_t seq = next_.fetch_add(1, std::memory_order_relaxed);
-    if (capacity_ == 0) return seq;
-    Slot& s = slots_[seq & mask_];
-    // A seqlock without fences (ThreadSanitizer does not model them): the fields are release
-    // stores after the odd version, so a reader that sees any of them sees the version change.
-    s.version.store(2 * seq + 1, std::memory_order_relaxed);  // odd: being written
-    s.op.store(op, std::memory_order_release);
-    s.bytes.store(bytes, std::memory_order_release);
-    s.state.store(state, std::memory_order_release);
-    s.issued_ns.store(coarse_now_ns(), std::memory_order_release);
-    s.version.store(2 * seq + 2, std::memory_order_release);
-    return seq;
-  }
+  std::uint64_t issue(const char* op, std::size_t bytes, State state);
 
   /// Moves operation `seq` to `state` (unless the ring has overwritten it since).
-  void update(std::uint64_t seq, State state) {
-    if (capacity_ == 0) return;
-    Slot& s = slots_[seq & mask_];
-    if (s.version.load(std::memory_order_relaxed) == 2 * seq + 2)
-      s.state.store(state, std::memory_order_release);
-  }
+  void update(std::uint64_t seq, State state);
 
   /// The records still held, oldest first.
-  [[nodiscard]] std::vector<TraceRecord> recent() const {
-    std::vector<TraceRecord> out;
-    const std::uint64_t next = next_.load(std::memory_order_acquire);
-    const std::uint64_t n = std::min<std::uint64_t>(next, capacity_);
-    out.reserve(static_cast<std::size_t>(n));
-    for (std::uint64_t seq = next - n; seq < next; ++seq) {
-      const Slot& s = slots_[seq & mask_];
-      const std::uint64_t v = s.version.load(std::memory_order_acquire);
-      if (v != 2 * seq + 2) continue;  // being written, or already overwritten
-      TraceRecord r;
-      r.seq = seq;
-      r.op = s.op.load(std::memory_order_acquire);
-      r.bytes = s.bytes.load(std::memory_order_acquire);
-      r.state = s.state.load(std::memory_order_acquire);
-      r.issued = std::chrono::steady_clock::time_point(
-          std::chrono::nanoseconds(s.issued_ns.load(std::memory_order_acquire)));
-      if (s.version.load(std::memory_order_relaxed) == v) out.push_back(r);
-    }
-    return out;
-  }
+  [[nodiscard]] std::vector<TraceRecord> recent() const;
 
   /// Operations issued so far.
-  [[nodiscard]] std::uint64_t issued() const { return next_.load(std::memory_order_acquire); }
+  [[nodiscard]] std::uint64_t issued() const;
 
  private:
   struct Slot {
@@ -148,15 +105,7 @@ class FlightRecorder {
   };
 
   /// steady_clock's clock (CLOCK_MONOTONIC), read at its coarse resolution.
-  static std::int64_t coarse_now_ns() noexcept {
-    timespec ts{};
-    if (::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts) != 0) {
-      return std::chrono::duration_cast<std::chrono::nanoseconds>(
-                 std::chrono::steady_clock::now().time_since_epoch())
-          .count();
-    }
-    return std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
-  }
+  static std::int64_t coarse_now_ns() noexcept;
 
   std::unique_ptr<Slot[]> slots_;
   std::size_t mask_ = 0;
@@ -164,10 +113,84 @@ class FlightRecorder {
   std::atomic<std::uint64_t> next_{0};
 };
 
+#if DDP_BODIES
+DDP_INLINE void FlightRecorder::resize(std::size_t capacity) {
+  // Slots for a power of two at least `capacity`: a slot is found with a mask, not a division
+  // (a 64-bit division costs more than the rest of recording an operation).
+  std::size_t slots = capacity != 0 ? 1 : 0;
+  while (slots < capacity) slots <<= 1;
+  slots_ = slots != 0 ? std::make_unique<Slot[]>(slots) : nullptr;
+  mask_ = slots - 1;
+  capacity_ = capacity;
+  next_.store(0, std::memory_order_relaxed);
+}
+
+DDP_INLINE std::uint64_t FlightRecorder::issue(const char* op, std::size_t bytes, State state) {
+  const std::uint64_t seq = next_.fetch_add(1, std::memory_order_relaxed);
+  if (capacity_ == 0) return seq;
+  Slot& s = slots_[seq & mask_];
+  // A seqlock without fences (ThreadSanitizer does not model them): the fields are release
+  // stores after the odd version, so a reader that sees any of them sees the version change.
+  s.version.store(2 * seq + 1, std::memory_order_relaxed);  // odd: being written
+  s.op.store(op, std::memory_order_release);
+  s.bytes.store(bytes, std::memory_order_release);
+  s.state.store(state, std::memory_order_release);
+  s.issued_ns.store(coarse_now_ns(), std::memory_order_release);
+  s.version.store(2 * seq + 2, std::memory_order_release);
+  return seq;
+}
+
+DDP_INLINE void FlightRecorder::update(std::uint64_t seq, State state) {
+  if (capacity_ == 0) return;
+  Slot& s = slots_[seq & mask_];
+  if (s.version.load(std::memory_order_relaxed) == 2 * seq + 2)
+    s.state.store(state, std::memory_order_release);
+}
+
+DDP_INLINE std::vector<TraceRecord> FlightRecorder::recent() const {
+  std::vector<TraceRecord> out;
+  const std::uint64_t next = next_.load(std::memory_order_acquire);
+  const std::uint64_t n = std::min<std::uint64_t>(next, capacity_);
+  out.reserve(static_cast<std::size_t>(n));
+  for (std::uint64_t seq = next - n; seq < next; ++seq) {
+    const Slot& s = slots_[seq & mask_];
+    const std::uint64_t v = s.version.load(std::memory_order_acquire);
+    if (v != 2 * seq + 2) continue;  // being written, or already overwritten
+    TraceRecord r;
+    r.seq = seq;
+    r.op = s.op.load(std::memory_order_acquire);
+    r.bytes = s.bytes.load(std::memory_order_acquire);
+    r.state = s.state.load(std::memory_order_acquire);
+    r.issued = std::chrono::steady_clock::time_point(
+        std::chrono::nanoseconds(s.issued_ns.load(std::memory_order_acquire)));
+    if (s.version.load(std::memory_order_relaxed) == v) out.push_back(r);
+  }
+  return out;
+}
+
+DDP_INLINE std::uint64_t FlightRecorder::issued() const {
+  return next_.load(std::memory_order_acquire);
+}
+
+DDP_INLINE std::int64_t FlightRecorder::coarse_now_ns() noexcept {
+  timespec ts{};
+  if (::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts) != 0) {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  return std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
+#endif  // DDP_BODIES
+
 /// The recorder's contents as text: a header line, then one line per record, oldest first.
-[[nodiscard]] inline std::string format_trace(const std::vector<TraceRecord>& records,
-                                              std::uint64_t issued, int rank, int size,
-                                              std::string_view group, std::string_view why) {
+[[nodiscard]] DDP_INLINE std::string format_trace(const std::vector<TraceRecord>& records,
+                                                  std::uint64_t issued, int rank, int size,
+                                                  std::string_view group, std::string_view why);
+#if DDP_BODIES
+DDP_INLINE std::string format_trace(const std::vector<TraceRecord>& records, std::uint64_t issued,
+                                    int rank, int size, std::string_view group,
+                                    std::string_view why) {
   const auto now = std::chrono::steady_clock::now();
   std::string out = concat("ddp flight recorder: rank ", rank, " of ", size, ", group \"", group,
                            "\", the last ", records.size(), " of ", issued, " operations");
@@ -185,11 +208,15 @@ class FlightRecorder {
   }
   return out;
 }
+#endif  // DDP_BODIES
 
 /// Writes a dump where Options::trace_dump (or $DDP_TRACE_DUMP) says: "stderr", or a directory
 /// that receives ddp-trace-<group>-rank<r>.txt. Never throws (it runs while an error propagates).
-inline void dump_trace(const std::string& where, const std::string& text, std::string_view group,
-                       int rank) noexcept {
+DDP_INLINE void dump_trace(const std::string& where, const std::string& text,
+                           std::string_view group, int rank) noexcept;
+#if DDP_BODIES
+DDP_INLINE void dump_trace(const std::string& where, const std::string& text,
+                           std::string_view group, int rank) noexcept {
   try {
     if (where == "stderr" || where == "-") {
       std::fwrite(text.data(), 1, text.size(), stderr);
@@ -232,6 +259,7 @@ inline void dump_trace(const std::string& where, const std::string& text, std::s
   } catch (...) {
   }
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE

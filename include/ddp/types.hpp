@@ -347,10 +347,13 @@ struct Device {
 };
 
 /// "cpu" or "cuda:N", as torch prints devices.
-[[nodiscard]] inline std::string to_string(const Device& d) {
+[[nodiscard]] DDP_INLINE std::string to_string(const Device& d);
+#if DDP_BODIES
+DDP_INLINE std::string to_string(const Device& d) {
   if (d.is_cpu()) return "cpu";
   return detail::concat(to_string(d.kind), ':', d.index);
 }
+#endif  // DDP_BODIES
 
 DDP_END_NAMESPACE
 

@@ -39,21 +39,27 @@ struct WorkState {
   bool done = false;
   std::exception_ptr error;
 
-  void finish(std::exception_ptr e) {
-    {
-      std::lock_guard lock(mutex);
-      done = true;
-      error = std::move(e);
-    }
-    cv.notify_all();
-  }
+  void finish(std::exception_ptr e);
 
-  void wait() {
-    std::unique_lock lock(mutex);
-    cv.wait(lock, [&] { return done; });
-    if (error) std::rethrow_exception(error);
-  }
+  void wait();
 };
+
+#if DDP_BODIES
+DDP_INLINE void WorkState::finish(std::exception_ptr e) {
+  {
+    std::lock_guard lock(mutex);
+    done = true;
+    error = std::move(e);
+  }
+  cv.notify_all();
+}
+
+DDP_INLINE void WorkState::wait() {
+  std::unique_lock lock(mutex);
+  cv.wait(lock, [&] { return done; });
+  if (error) std::rethrow_exception(error);
+}
+#endif  // DDP_BODIES
 
 /// Runs operations one at a time in issue order: inline when idle, else on a worker thread.
 class Executor {
@@ -61,14 +67,7 @@ class Executor {
   Executor() = default;
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
-  ~Executor() {
-    {
-      std::lock_guard lock(queue_mutex_);
-      stopping_ = true;
-    }
-    queue_cv_.notify_all();
-    if (worker_.joinable()) worker_.join();
-  }
+  ~Executor();
 
   /// Runs f(true) now, in this thread, when nothing else runs or waits. Otherwise queues f(false)
   /// behind everything issued before it, calling queued() as it joins the queue (see
@@ -111,41 +110,14 @@ class Executor {
   static constexpr std::uint32_t queued_unit = 2;
 
   struct Release {
-    explicit Release(Executor& owner) noexcept : e(owner) {}
+    explicit Release(Executor& owner) noexcept;
     Executor& e;
     Release(const Release&) = delete;
     Release& operator=(const Release&) = delete;
-    ~Release() {
-      // Someone queued meanwhile: the worker waits for this bit to clear.
-      if (e.state_.fetch_sub(inline_bit, std::memory_order_release) != inline_bit)
-        e.state_.notify_all();
-    }
+    ~Release();
   };
 
-  void loop() {
-    std::unique_lock lock(queue_mutex_);
-    for (;;) {
-      queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, and drained
-      auto [f, state] = std::move(queue_.front());
-      queue_.pop_front();
-      lock.unlock();
-      for (;;) {  // an operation issued before this one may still run inline
-        const std::uint32_t v = state_.load(std::memory_order_acquire);
-        if ((v & inline_bit) == 0) break;
-        state_.wait(v, std::memory_order_acquire);
-      }
-      std::exception_ptr error;
-      try {
-        f();
-      } catch (...) {
-        error = std::current_exception();
-      }
-      state_.fetch_sub(queued_unit, std::memory_order_release);
-      state->finish(error);
-      lock.lock();
-    }
-  }
+  void loop();
 
   std::atomic<std::uint32_t> state_{0};
   std::mutex queue_mutex_;
@@ -155,6 +127,50 @@ class Executor {
   std::thread worker_;
 };
 
+#if DDP_BODIES
+DDP_INLINE Executor::~Executor() {
+  {
+    std::lock_guard lock(queue_mutex_);
+    stopping_ = true;
+  }
+  queue_cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+DDP_INLINE Executor::Release::Release(Executor& owner) noexcept : e(owner) {}
+
+DDP_INLINE Executor::Release::~Release() {
+  // Someone queued meanwhile: the worker waits for this bit to clear.
+  if (e.state_.fetch_sub(inline_bit, std::memory_order_release) != inline_bit)
+    e.state_.notify_all();
+}
+
+DDP_INLINE void Executor::loop() {
+  std::unique_lock lock(queue_mutex_);
+  for (;;) {
+    queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopping, and drained
+    auto [f, state] = std::move(queue_.front());
+    queue_.pop_front();
+    lock.unlock();
+    for (;;) {  // an operation issued before this one may still run inline
+      const std::uint32_t v = state_.load(std::memory_order_acquire);
+      if ((v & inline_bit) == 0) break;
+      state_.wait(v, std::memory_order_acquire);
+    }
+    std::exception_ptr error;
+    try {
+      f();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    state_.fetch_sub(queued_unit, std::memory_order_release);
+    state->finish(error);
+    lock.lock();
+  }
+}
+#endif  // DDP_BODIES
+
 }  // namespace detail
 
 /// The handle of an asynchronous operation.
@@ -163,7 +179,7 @@ class Work {
   /// A Work that is already complete.
   Work() = default;
   /// Wraps the shared state an executor completes; what the _async collectives return.
-  explicit Work(std::shared_ptr<detail::WorkState> s) : state_(std::move(s)) {}
+  explicit Work(std::shared_ptr<detail::WorkState> s);
 
   /// Blocks until the operation has finished; rethrows its ddp::Error if it failed.
   void wait() const {
@@ -171,21 +187,29 @@ class Work {
   }
 
   /// Whether the operation has finished (successfully or not); never blocks, never throws.
-  [[nodiscard]] bool test() const {
-    if (!state_) return true;
-    std::lock_guard lock(state_->mutex);
-    return state_->done;
-  }
+  [[nodiscard]] bool test() const;
 
   /// Whether the operation finished and failed.
-  [[nodiscard]] bool failed() const {
-    if (!state_) return false;
-    std::lock_guard lock(state_->mutex);
-    return state_->done && state_->error != nullptr;
-  }
+  [[nodiscard]] bool failed() const;
 
  private:
   std::shared_ptr<detail::WorkState> state_;
 };
+
+#if DDP_BODIES
+DDP_INLINE Work::Work(std::shared_ptr<detail::WorkState> s) : state_(std::move(s)) {}
+
+DDP_INLINE bool Work::test() const {
+  if (!state_) return true;
+  std::lock_guard lock(state_->mutex);
+  return state_->done;
+}
+
+DDP_INLINE bool Work::failed() const {
+  if (!state_) return false;
+  std::lock_guard lock(state_->mutex);
+  return state_->done && state_->error != nullptr;
+}
+#endif  // DDP_BODIES
 
 DDP_END_NAMESPACE

@@ -72,7 +72,9 @@ struct BackendInit {
 /// This machine's boot id: the same for every process of the machine, whatever namespaces or
 /// containers they run in ("" where the kernel does not say). Out of file descriptors it fails
 /// (Errc::system, naming the limit) rather than return "", which would pass for another machine.
-[[nodiscard]] inline std::string machine_identity() {
+[[nodiscard]] DDP_INLINE std::string machine_identity();
+#if DDP_BODIES
+DDP_INLINE std::string machine_identity() {
   char boot[64] = {};
   std::size_t len = 0;
   if (const int fd = ::open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC); fd >= 0) {
@@ -85,13 +87,16 @@ struct BackendInit {
   while (len > 0 && (boot[len - 1] == '\n' || boot[len - 1] == '\r')) --len;
   return std::string(boot, len);
 }
+#endif  // DDP_BODIES
 
 /// Identifies "the same host" for shared memory and for grouping ranks by host: same machine
 /// (host name and boot id), same /dev/shm (mount namespace), same pids (pid namespace) and same
 /// network namespace. $DDP_HOST_ID, when set, replaces it (as NCCL_HOSTID does NCCL's): ranks
 /// with the same value count as one host (they must share /dev/shm and pids), ranks with
 /// different values as different hosts, whatever machine they run on.
-[[nodiscard]] inline std::string host_identity() {
+[[nodiscard]] DDP_INLINE std::string host_identity();
+#if DDP_BODIES
+DDP_INLINE std::string host_identity() {
   if (const char* forced = std::getenv("DDP_HOST_ID"); forced != nullptr && *forced != '\0') {
     const std::size_t n = std::strlen(forced);
     if (n > 1024)
@@ -112,6 +117,7 @@ struct BackendInit {
   }
   return id;
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 

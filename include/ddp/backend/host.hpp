@@ -55,11 +55,7 @@ class Host {
   static constexpr std::string_view name = "host";  ///< The backend's name, in messages.
 
   /// Rendezvous through init.store, choose a transport and connect (see the file comment).
-  [[nodiscard]] static std::unique_ptr<Host> create(const detail::BackendInit& init) {
-    auto host = std::unique_ptr<Host>(new Host(init.rank, init.size));
-    host->net_.connect(init);
-    return host;
-  }
+  [[nodiscard]] static std::unique_ptr<Host> create(const detail::BackendInit& init);
 
   /// This process's rank, 0 .. size()-1.
   [[nodiscard]] int rank() const noexcept { return rank_; }
@@ -75,10 +71,7 @@ class Host {
   [[nodiscard]] std::string_view transport() const noexcept { return net_.transport->name(); }
   /// How all_reduce runs: "flat" (every rank on the transport above), or across hosts
   /// "slices" or "leaders" (see HostHierarchy and the file comment).
-  [[nodiscard]] std::string_view hierarchy() const noexcept {
-    const HostHierarchy h = net_.hierarchy.kind;
-    return h == HostHierarchy::slices ? "slices" : h == HostHierarchy::leaders ? "leaders" : "flat";
-  }
+  [[nodiscard]] std::string_view hierarchy() const noexcept;
   /// The smallest all_reduce, in bytes, that copies straight out of the peers' memory (single
   /// copy, see Options::shm_single_copy_bytes); Options::never when none does (tcp, across
   /// hosts, or the kernel does not let these ranks read each other's memory).
@@ -89,163 +82,68 @@ class Host {
   [[nodiscard]] static bool supports(const Device& device) noexcept { return device.is_cpu(); }
 
   /// Communicator::all_reduce: in place, each element reduced in rank order.
-  void all_reduce(const detail::Buf& b, ReduceOp op) {
-    const bool across = net_.hierarchy.active();
-    const auto fp =
-        next(detail::Coll::all_reduce, b.dtype, b.fingerprint_count(), -1, op, true, !across);
-    if (across) {
-      net_.hierarchy.all_reduce(scratch_, net_.single, b, op, fp, size_);
-      return;
-    }
-    detail::all_reduce_on(t(), scratch_, b, detail::reduce_fn(b.dtype, op), &fp, &net_.single);
-  }
+  void all_reduce(const detail::Buf& b, ReduceOp op);
 
   /// all_reduce of float32 values that travel and are reduced as `wire` (float16 or bfloat16):
   /// bitwise the result of converting to `wire`, all_reduce on `wire` and converting back, in the
   /// passes over memory of a plain all_reduce, with half its bytes moved (see
   /// detail::all_reduce_as_on).
-  void all_reduce_as(const detail::Buf& b, ReduceOp op, DType wire) {
-    const detail::WireKernels k = detail::wire_kernels(wire, op);
-    if (b.dtype != DType::float32 || k.reduce == nullptr)
-      detail::fail(Errc::invalid_argument, "rank ", rank_, ": all_reduce_as: ", to_string(b.dtype),
-                   " values carried as ", to_string(wire),
-                   " are not supported; compression carries float32 as float16 or bfloat16");
-    const bool across = net_.hierarchy.active();
-    const auto fp =
-        next(detail::Coll::all_reduce, wire, b.fingerprint_count(), -1, op, true, !across);
-    const std::size_t ws = size_of(wire);
-    if (across) {  // converted once each way around the hierarchical all_reduce on `wire`
-      detail::Buf w = b;
-      w.data = detail::RoundScratch::at_least(scratch_.wire, b.count * ws);
-      w.dtype = wire;
-      k.encode(w.data, b.data, b.count);
-      net_.hierarchy.all_reduce(scratch_, net_.single, w, op, fp, size_);
-      k.decode(b.data, w.data, b.count);
-      return;
-    }
-    detail::all_reduce_as_on(t(), scratch_, b, k, ws, fp);
-  }
+  void all_reduce_as(const detail::Buf& b, ReduceOp op, DType wire);
 
   /// Communicator::broadcast: root's `b` copied into every rank's.
-  void broadcast(const detail::Buf& b, int root) {
-    const auto fp =
-        next(detail::Coll::broadcast, b.dtype, b.fingerprint_count(), root, ReduceOp::sum, false);
-    detail::broadcast_on(t(), b, root, &fp);
-  }
+  void broadcast(const detail::Buf& b, int root);
 
   /// Communicator::reduce: the reduction lands in root's `b` only.
-  void reduce(const detail::Buf& b, int root, ReduceOp op) {
-    const auto fp = next(detail::Coll::reduce, b.dtype, b.fingerprint_count(), root, op, true);
-    detail::reduce_on(t(), scratch_, b, detail::reduce_fn(b.dtype, op), root, &fp);
-  }
+  void reduce(const detail::Buf& b, int root, ReduceOp op);
 
   /// Communicator::all_gather: every rank's `in`, in rank order, into every rank's `out`.
-  void all_gather(const detail::Buf& in, const detail::Buf& out) {
-    const auto fp = next(detail::Coll::all_gather, in.dtype, in.count, -1, ReduceOp::sum, false);
-    detail::gather_on(t(), in, out, -1, fp);
-  }
+  void all_gather(const detail::Buf& in, const detail::Buf& out);
   /// Communicator::gather: every rank's `in`, in rank order, into root's `out`.
-  void gather(const detail::Buf& in, const detail::Buf& out, int root) {
-    const auto fp = next(detail::Coll::gather, in.dtype, in.count, root, ReduceOp::sum, false);
-    detail::gather_on(t(), in, out, root, fp);
-  }
+  void gather(const detail::Buf& in, const detail::Buf& out, int root);
 
   /// Communicator::scatter: block r of root's `in` into rank r's `out`.
-  void scatter(const detail::Buf& in, const detail::Buf& out, int root) {
-    const auto fp = next(detail::Coll::scatter, out.dtype, out.count, root, ReduceOp::sum, false);
-    detail::scatter_on(t(), scratch_, in, out, root, fp);
-  }
+  void scatter(const detail::Buf& in, const detail::Buf& out, int root);
 
   /// Communicator::reduce_scatter: block r of the reduction of every rank's `in` into rank r's.
-  void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
-    const auto fp = next(detail::Coll::reduce_scatter, out.dtype, out.count, -1, op, true);
-    detail::reduce_scatter_on(t(), scratch_, in, out, detail::reduce_fn(out.dtype, op), fp);
-  }
+  void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op);
 
   /// Communicator::all_to_all: block j of `in` to rank j, stored as its block r of `out`.
-  void all_to_all(const detail::Buf& in, const detail::Buf& out) {
-    const std::size_t n = in.count / static_cast<std::size_t>(size_);
-    const auto fp = next(detail::Coll::all_to_all, in.dtype, n, -1, ReduceOp::sum, false);
-    detail::all_to_all_on(t(), scratch_, in, out, fp);
-  }
+  void all_to_all(const detail::Buf& in, const detail::Buf& out);
 
   /// Communicator::all_to_all with split sizes (runtime/uneven.hpp).
   void all_to_all_v(const detail::Buf& in, const detail::Buf& out,
                     std::span<const std::size_t> in_counts,
-                    std::span<const std::size_t> out_counts) {
-    const auto fp = next(detail::Coll::all_to_all_v, in.dtype, 0, -1, ReduceOp::sum, false);
-    detail::all_to_all_v_on(t(), scratch_, in, out, in_counts, out_counts, fp);
-  }
+                    std::span<const std::size_t> out_counts);
   /// Communicator::all_gather (root < 0) and gather with a count per rank.
   void gather_v(const detail::Buf& in, const detail::Buf& out, std::span<const std::size_t> counts,
-                int root) {
-    const auto c = root < 0 ? detail::Coll::all_gather_v : detail::Coll::gather_v;
-    const auto fp = next(c, in.dtype, 0, root, ReduceOp::sum, false);
-    detail::gather_v_on(t(), scratch_, in, out, counts, root, fp);
-  }
+                int root);
   /// Communicator::scatter with a count per rank.
   void scatter_v(const detail::Buf& in, const detail::Buf& out, std::span<const std::size_t> counts,
-                 int root) {
-    const auto fp = next(detail::Coll::scatter_v, out.dtype, 0, root, ReduceOp::sum, false);
-    detail::scatter_v_on(t(), scratch_, in, out, counts, root, fp);
-  }
+                 int root);
 
   /// Communicator::barrier: returns once every rank has entered it.
-  void barrier() {
-    const auto fp = next(detail::Coll::barrier, DType::uint8, 0, -1, ReduceOp::sum, false);
-    detail::empty_round(t(), &fp);
-  }
+  void barrier();
 
   /// Communicator::send: `b` to `peer`, matched with its recv() in issue order.
-  void send(const detail::Buf& b, int peer, int tag) {
-    t().send(b, peer, tag, send_seq_[static_cast<std::size_t>(peer)]++);
-  }
+  void send(const detail::Buf& b, int peer, int tag);
   /// Communicator::recv: the next send() from `peer` into `b`, checking its tag, dtype and count.
-  void recv(const detail::Buf& b, int peer, int tag) {
-    t().recv(b, peer, tag, recv_seq_[static_cast<std::size_t>(peer)]++);
-  }
+  void recv(const detail::Buf& b, int peer, int tag);
 
   /// Fails every current and later operation of this communicator with `code`; peers on shared
   /// memory fail too, TCP peers see the connections close. Thread-safe.
-  void abort(Errc code, const std::string& why) {
-    t().abort(code, why);
-    if (net_.hierarchy.local) net_.hierarchy.local->abort(code, why);
-    if (net_.hierarchy.across) net_.hierarchy.across->abort(code, why);
-  }
+  void abort(Errc code, const std::string& why);
 
  private:
   /// The transport of the whole communicator.
   detail::Transport& t() const noexcept { return *net_.transport; }
 
-  Host(int rank, int size)
-      : rank_(rank),
-        size_(size),
-        net_(rank, size),
-        send_seq_(static_cast<std::size_t>(size)),
-        recv_seq_(static_cast<std::size_t>(size)) {}
+  Host(int rank, int size);
 
   /// The next collective's fingerprint, made current on every transport. When all_reduce runs
   /// across hosts, `check_locally`: the other collectives first compare it among the ranks of
   /// this host (Hierarchy::check_locally).
   detail::Fingerprint next(detail::Coll c, DType type, std::size_t count, int root, ReduceOp op,
-                           bool has_op, bool check_locally = true) {
-    detail::Fingerprint f;
-    f.seq = seq_++;
-    f.count = count;
-    f.root = root;
-    f.coll = c;
-    f.dtype = type;
-    f.op = op;
-    f.has_op = has_op ? 1 : 0;
-    for (detail::Transport* tr :
-         {net_.transport.get(), net_.hierarchy.local.get(), net_.hierarchy.across.get()}) {
-      if (tr == nullptr) continue;
-      tr->current = f;
-      tr->has_current = true;
-    }
-    if (check_locally) net_.hierarchy.check_locally(f, net_.transport.get());
-    return f;
-  }
+                           bool has_op, bool check_locally = true);
 
   int rank_;
   int size_;
@@ -254,6 +152,155 @@ class Host {
   std::vector<std::uint64_t> send_seq_, recv_seq_;
   detail::RoundScratch scratch_;
 };
+
+#if DDP_BODIES
+DDP_INLINE std::unique_ptr<Host> Host::create(const detail::BackendInit& init) {
+  auto host = std::unique_ptr<Host>(new Host(init.rank, init.size));
+  host->net_.connect(init);
+  return host;
+}
+
+DDP_INLINE std::string_view Host::hierarchy() const noexcept {
+  const HostHierarchy h = net_.hierarchy.kind;
+  return h == HostHierarchy::slices ? "slices" : h == HostHierarchy::leaders ? "leaders" : "flat";
+}
+
+DDP_INLINE void Host::all_reduce(const detail::Buf& b, ReduceOp op) {
+  const bool across = net_.hierarchy.active();
+  const auto fp =
+      next(detail::Coll::all_reduce, b.dtype, b.fingerprint_count(), -1, op, true, !across);
+  if (across) {
+    net_.hierarchy.all_reduce(scratch_, net_.single, b, op, fp, size_);
+    return;
+  }
+  detail::all_reduce_on(t(), scratch_, b, detail::reduce_fn(b.dtype, op), &fp, &net_.single);
+}
+
+DDP_INLINE void Host::all_reduce_as(const detail::Buf& b, ReduceOp op, DType wire) {
+  const detail::WireKernels k = detail::wire_kernels(wire, op);
+  if (b.dtype != DType::float32 || k.reduce == nullptr)
+    detail::fail(Errc::invalid_argument, "rank ", rank_, ": all_reduce_as: ", to_string(b.dtype),
+                 " values carried as ", to_string(wire),
+                 " are not supported; compression carries float32 as float16 or bfloat16");
+  const bool across = net_.hierarchy.active();
+  const auto fp =
+      next(detail::Coll::all_reduce, wire, b.fingerprint_count(), -1, op, true, !across);
+  const std::size_t ws = size_of(wire);
+  if (across) {  // converted once each way around the hierarchical all_reduce on `wire`
+    detail::Buf w = b;
+    w.data = detail::RoundScratch::at_least(scratch_.wire, b.count * ws);
+    w.dtype = wire;
+    k.encode(w.data, b.data, b.count);
+    net_.hierarchy.all_reduce(scratch_, net_.single, w, op, fp, size_);
+    k.decode(b.data, w.data, b.count);
+    return;
+  }
+  detail::all_reduce_as_on(t(), scratch_, b, k, ws, fp);
+}
+
+DDP_INLINE void Host::broadcast(const detail::Buf& b, int root) {
+  const auto fp =
+      next(detail::Coll::broadcast, b.dtype, b.fingerprint_count(), root, ReduceOp::sum, false);
+  detail::broadcast_on(t(), b, root, &fp);
+}
+
+DDP_INLINE void Host::reduce(const detail::Buf& b, int root, ReduceOp op) {
+  const auto fp = next(detail::Coll::reduce, b.dtype, b.fingerprint_count(), root, op, true);
+  detail::reduce_on(t(), scratch_, b, detail::reduce_fn(b.dtype, op), root, &fp);
+}
+
+DDP_INLINE void Host::all_gather(const detail::Buf& in, const detail::Buf& out) {
+  const auto fp = next(detail::Coll::all_gather, in.dtype, in.count, -1, ReduceOp::sum, false);
+  detail::gather_on(t(), in, out, -1, fp);
+}
+
+DDP_INLINE void Host::gather(const detail::Buf& in, const detail::Buf& out, int root) {
+  const auto fp = next(detail::Coll::gather, in.dtype, in.count, root, ReduceOp::sum, false);
+  detail::gather_on(t(), in, out, root, fp);
+}
+
+DDP_INLINE void Host::scatter(const detail::Buf& in, const detail::Buf& out, int root) {
+  const auto fp = next(detail::Coll::scatter, out.dtype, out.count, root, ReduceOp::sum, false);
+  detail::scatter_on(t(), scratch_, in, out, root, fp);
+}
+
+DDP_INLINE void Host::reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
+  const auto fp = next(detail::Coll::reduce_scatter, out.dtype, out.count, -1, op, true);
+  detail::reduce_scatter_on(t(), scratch_, in, out, detail::reduce_fn(out.dtype, op), fp);
+}
+
+DDP_INLINE void Host::all_to_all(const detail::Buf& in, const detail::Buf& out) {
+  const std::size_t n = in.count / static_cast<std::size_t>(size_);
+  const auto fp = next(detail::Coll::all_to_all, in.dtype, n, -1, ReduceOp::sum, false);
+  detail::all_to_all_on(t(), scratch_, in, out, fp);
+}
+
+DDP_INLINE void Host::all_to_all_v(const detail::Buf& in, const detail::Buf& out,
+                                   std::span<const std::size_t> in_counts,
+                                   std::span<const std::size_t> out_counts) {
+  const auto fp = next(detail::Coll::all_to_all_v, in.dtype, 0, -1, ReduceOp::sum, false);
+  detail::all_to_all_v_on(t(), scratch_, in, out, in_counts, out_counts, fp);
+}
+
+DDP_INLINE void Host::gather_v(const detail::Buf& in, const detail::Buf& out,
+                               std::span<const std::size_t> counts, int root) {
+  const auto c = root < 0 ? detail::Coll::all_gather_v : detail::Coll::gather_v;
+  const auto fp = next(c, in.dtype, 0, root, ReduceOp::sum, false);
+  detail::gather_v_on(t(), scratch_, in, out, counts, root, fp);
+}
+
+DDP_INLINE void Host::scatter_v(const detail::Buf& in, const detail::Buf& out,
+                                std::span<const std::size_t> counts, int root) {
+  const auto fp = next(detail::Coll::scatter_v, out.dtype, 0, root, ReduceOp::sum, false);
+  detail::scatter_v_on(t(), scratch_, in, out, counts, root, fp);
+}
+
+DDP_INLINE void Host::barrier() {
+  const auto fp = next(detail::Coll::barrier, DType::uint8, 0, -1, ReduceOp::sum, false);
+  detail::empty_round(t(), &fp);
+}
+
+DDP_INLINE void Host::send(const detail::Buf& b, int peer, int tag) {
+  t().send(b, peer, tag, send_seq_[static_cast<std::size_t>(peer)]++);
+}
+
+DDP_INLINE void Host::recv(const detail::Buf& b, int peer, int tag) {
+  t().recv(b, peer, tag, recv_seq_[static_cast<std::size_t>(peer)]++);
+}
+
+DDP_INLINE void Host::abort(Errc code, const std::string& why) {
+  t().abort(code, why);
+  if (net_.hierarchy.local) net_.hierarchy.local->abort(code, why);
+  if (net_.hierarchy.across) net_.hierarchy.across->abort(code, why);
+}
+
+DDP_INLINE Host::Host(int rank, int size)
+    : rank_(rank),
+      size_(size),
+      net_(rank, size),
+      send_seq_(static_cast<std::size_t>(size)),
+      recv_seq_(static_cast<std::size_t>(size)) {}
+
+DDP_INLINE detail::Fingerprint Host::next(detail::Coll c, DType type, std::size_t count, int root,
+                                          ReduceOp op, bool has_op, bool check_locally) {
+  detail::Fingerprint f;
+  f.seq = seq_++;
+  f.count = count;
+  f.root = root;
+  f.coll = c;
+  f.dtype = type;
+  f.op = op;
+  f.has_op = has_op ? 1 : 0;
+  for (detail::Transport* tr :
+       {net_.transport.get(), net_.hierarchy.local.get(), net_.hierarchy.across.get()}) {
+    if (tr == nullptr) continue;
+    tr->current = f;
+    tr->has_current = true;
+  }
+  if (check_locally) net_.hierarchy.check_locally(f, net_.transport.get());
+  return f;
+}
+#endif  // DDP_BODIES
 
 }  // namespace backend
 DDP_END_NAMESPACE

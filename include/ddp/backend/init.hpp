@@ -40,8 +40,11 @@ namespace detail {
 /// rendezvous store joined. A malformed DDP_* variable is left in `bad_setting` when the store
 /// was joined (the rank fails once it has joined the rendezvous, so that the others learn why
 /// at once instead of at their timeout), and thrown here otherwise.
-inline BackendInit begin_init(CommState& state, const Environment& env, Options& options,
-                              bool needs_store, std::exception_ptr& bad_setting) {
+DDP_INLINE BackendInit begin_init(CommState& state, const Environment& env, Options& options,
+                                  bool needs_store, std::exception_ptr& bad_setting);
+#if DDP_BODIES
+DDP_INLINE BackendInit begin_init(CommState& state, const Environment& env, Options& options,
+                                  bool needs_store, std::exception_ptr& bad_setting) {
   if (env.rejoin && needs_store)
     fail(Errc::invalid_argument, "rank ", env.rank,
          ": Communicator::init: the launcher restarted this process to join the running job "
@@ -92,6 +95,7 @@ inline BackendInit begin_init(CommState& state, const Environment& env, Options&
   if (bad_setting && !bi.store) std::rethrow_exception(bad_setting);
   return bi;
 }
+#endif  // DDP_BODIES
 
 /// Communicator::init: the state of a new communicator, connected; every message names the rank.
 template <class State>
@@ -121,18 +125,25 @@ std::shared_ptr<State> init_state(const Environment& env, Options options) {
 
 /// A communicator made by split(): `sub` takes `options` (the parent's, or the split's own) and
 /// its place in `parent`'s job.
-inline void inherit_settings(CommState& sub, const CommState& parent, const Options& options) {
+DDP_INLINE void inherit_settings(CommState& sub, const CommState& parent, const Options& options);
+#if DDP_BODIES
+DDP_INLINE void inherit_settings(CommState& sub, const CommState& parent, const Options& options) {
   sub.configure(options);
   sub.world_rank = parent.world_rank;
   sub.local_rank_hint = parent.local_rank_hint;
 }
+#endif  // DDP_BODIES
 
 /// split() on a backend that does not split itself: the group of `color` among every rank's
 /// (color, key) `all`, ordered by (key, rank); `sub` configured with `options`, with a store
 /// prefix of its own (the n-th split of `parent`). `rank`: this rank in `parent`.
-inline BackendInit begin_split(CommState& sub, const CommState& parent,
-                               const std::vector<std::pair<int, int>>& all, int color, int rank,
-                               std::uint64_t n, const Options& options) {
+DDP_INLINE BackendInit begin_split(CommState& sub, const CommState& parent,
+                                   const std::vector<std::pair<int, int>>& all, int color, int rank,
+                                   std::uint64_t n, const Options& options);
+#if DDP_BODIES
+DDP_INLINE BackendInit begin_split(CommState& sub, const CommState& parent,
+                                   const std::vector<std::pair<int, int>>& all, int color, int rank,
+                                   std::uint64_t n, const Options& options) {
   std::vector<std::pair<int, int>> members;  // (key, old rank)
   for (int r = 0; r < static_cast<int>(all.size()); ++r) {
     if (all[static_cast<std::size_t>(r)].first == color)
@@ -163,10 +174,13 @@ inline BackendInit begin_split(CommState& sub, const CommState& parent,
   }
   return bi;
 }
+#endif  // DDP_BODIES
 
 /// Why a backend without a rendezvous store (backend::Mpi) cannot `what` (shrink, grow, join),
 /// for the refusal.
-inline const char* membership_refusal(std::string_view backend, std::string_view what) {
+DDP_INLINE const char* membership_refusal(std::string_view backend, std::string_view what);
+#if DDP_BODIES
+DDP_INLINE const char* membership_refusal(std::string_view backend, std::string_view what) {
   if (backend == "mpi")
     return what == "shrink"
                ? "it would need an MPI library with ULFM fault tolerance (MPIX_Comm_shrink, as in "
@@ -174,6 +188,7 @@ inline const char* membership_refusal(std::string_view backend, std::string_view
                : "MPI cannot add processes to a running job's communicator that way";
   return "this backend has no rendezvous store to agree on a new membership in";
 }
+#endif  // DDP_BODIES
 
 /// Connects `sub` (its root store, prefix, options and rendezvous deadline set) as `rank` of
 /// `size` under its prefix: the backend made, and the job agreed on as at init().

@@ -30,7 +30,7 @@ struct wire_integer<T, true> {
 
 class ByteWriter {
  public:
-  explicit ByteWriter(std::string& out) : out_(out) {}
+  explicit ByteWriter(std::string& out);
 
   template <class T>
     requires std::is_integral_v<T> || std::is_enum_v<T>
@@ -43,21 +43,25 @@ class ByteWriter {
     }
   }
   void raw(const void* data, std::size_t n) { out_.append(static_cast<const char*>(data), n); }
-  void str(std::string_view s) {
-    put(static_cast<std::uint32_t>(s.size()));
-    raw(s.data(), s.size());
-  }
+  void str(std::string_view s);
 
  private:
   std::string& out_;
 };
 
+#if DDP_BODIES
+DDP_INLINE ByteWriter::ByteWriter(std::string& out) : out_(out) {}
+
+DDP_INLINE void ByteWriter::str(std::string_view s) {
+  put(static_cast<std::uint32_t>(s.size()));
+  raw(s.data(), s.size());
+}
+#endif  // DDP_BODIES
+
 class ByteReader {
  public:
-  ByteReader(const void* data, std::size_t n, std::string_view what)
-      : p_(static_cast<const std::uint8_t*>(data)), left_(n), what_(what) {}
-  explicit ByteReader(std::string_view s, std::string_view what = "message")
-      : ByteReader(s.data(), s.size(), what) {}
+  ByteReader(const void* data, std::size_t n, std::string_view what);
+  explicit ByteReader(std::string_view s, std::string_view what = "message");
 
   template <class T>
     requires std::is_integral_v<T> || std::is_enum_v<T>
@@ -71,42 +75,58 @@ class ByteReader {
     left_ -= sizeof(U);
     return static_cast<T>(u);
   }
-  void raw(void* out, std::size_t n) {
-    need(n);
-    if (n != 0) std::memcpy(out, p_, n);
-    p_ += n;
-    left_ -= n;
-  }
-  [[nodiscard]] std::string_view view(std::size_t n) {
-    need(n);
-    std::string_view v(reinterpret_cast<const char*>(p_), n);
-    p_ += n;
-    left_ -= n;
-    return v;
-  }
+  void raw(void* out, std::size_t n);
+  [[nodiscard]] std::string_view view(std::size_t n);
   /// A length-prefixed string no longer than max_len.
-  [[nodiscard]] std::string str(std::size_t max_len) {
-    const auto n = get<std::uint32_t>();
-    if (n > max_len) {
-      fail(Errc::protocol, what_, ": a string of ", n, " bytes exceeds the limit of ", max_len);
-    }
-    return std::string(view(n));
-  }
+  [[nodiscard]] std::string str(std::size_t max_len);
   [[nodiscard]] std::size_t left() const noexcept { return left_; }
   void expect_end() const {
     if (left_ != 0) fail(Errc::protocol, what_, ": ", left_, " unexpected trailing bytes");
   }
 
  private:
-  void need(std::size_t n) const {
-    if (n > left_) {
-      fail(Errc::protocol, what_, " is truncated: needs ", n, " more bytes, has ", left_);
-    }
-  }
+  void need(std::size_t n) const;
   const std::uint8_t* p_;
   std::size_t left_;
   std::string_view what_;
 };
+
+#if DDP_BODIES
+DDP_INLINE ByteReader::ByteReader(const void* data, std::size_t n, std::string_view what)
+    : p_(static_cast<const std::uint8_t*>(data)), left_(n), what_(what) {}
+
+DDP_INLINE ByteReader::ByteReader(std::string_view s, std::string_view what)
+    : ByteReader(s.data(), s.size(), what) {}
+
+DDP_INLINE void ByteReader::raw(void* out, std::size_t n) {
+  need(n);
+  if (n != 0) std::memcpy(out, p_, n);
+  p_ += n;
+  left_ -= n;
+}
+
+DDP_INLINE std::string_view ByteReader::view(std::size_t n) {
+  need(n);
+  std::string_view v(reinterpret_cast<const char*>(p_), n);
+  p_ += n;
+  left_ -= n;
+  return v;
+}
+
+DDP_INLINE std::string ByteReader::str(std::size_t max_len) {
+  const auto n = get<std::uint32_t>();
+  if (n > max_len) {
+    fail(Errc::protocol, what_, ": a string of ", n, " bytes exceeds the limit of ", max_len);
+  }
+  return std::string(view(n));
+}
+
+DDP_INLINE void ByteReader::need(std::size_t n) const {
+  if (n > left_) {
+    fail(Errc::protocol, what_, " is truncated: needs ", n, " more bytes, has ", left_);
+  }
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE

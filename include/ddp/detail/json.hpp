@@ -23,7 +23,9 @@ DDP_BEGIN_NAMESPACE
 namespace detail {
 
 /// `bytes` in standard base64 (with padding).
-[[nodiscard]] inline std::string base64_encode(std::string_view bytes) {
+[[nodiscard]] DDP_INLINE std::string base64_encode(std::string_view bytes);
+#if DDP_BODIES
+DDP_INLINE std::string base64_encode(std::string_view bytes) {
   static constexpr char table[] =
       "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
   std::string out;
@@ -38,9 +40,12 @@ namespace detail {
   }
   return out;
 }
+#endif  // DDP_BODIES
 
 /// The bytes of base64 `text` (padding optional); Errc::protocol when it is not base64.
-[[nodiscard]] inline std::string base64_decode(std::string_view text) {
+[[nodiscard]] DDP_INLINE std::string base64_decode(std::string_view text);
+#if DDP_BODIES
+DDP_INLINE std::string base64_decode(std::string_view text) {
   const auto value = [&](char c) -> std::uint32_t {
     if (c >= 'A' && c <= 'Z') return static_cast<std::uint32_t>(c - 'A');
     if (c >= 'a' && c <= 'z') return static_cast<std::uint32_t>(c - 'a' + 26);
@@ -65,6 +70,7 @@ namespace detail {
   }
   return out;
 }
+#endif  // DDP_BODIES
 
 /// A JSON value. Numbers are kept as their text (etcd writes 64-bit integers as strings and as
 /// numbers).
@@ -77,39 +83,49 @@ struct Json {
   std::vector<std::string> names;  ///< an object's members' names (items[i] is names[i]'s)
 
   /// The member `key` of an object, or nullptr.
-  [[nodiscard]] const Json* find(std::string_view key) const {
-    if (type != Type::object) return nullptr;
-    for (std::size_t i = 0; i < names.size(); ++i)
-      if (names[i] == key) return &items[i];
-    return nullptr;
-  }
+  [[nodiscard]] const Json* find(std::string_view key) const;
   /// The string or number member `key` ("" when absent).
-  [[nodiscard]] std::string get(std::string_view key) const {
-    const Json* v = find(key);
-    return v != nullptr && (v->type == Type::string || v->type == Type::number) ? v->text
-                                                                                : std::string();
-  }
+  [[nodiscard]] std::string get(std::string_view key) const;
   /// The integer (a number or a string of digits) member `key`; `otherwise` when absent.
-  [[nodiscard]] std::int64_t integer(std::string_view key, std::int64_t otherwise = 0) const {
-    const std::string t = get(key);
-    if (t.empty()) return otherwise;
-    std::int64_t v = 0;
-    bool negative = false;
-    std::size_t i = 0;
-    if (t[0] == '-') {
-      negative = true;
-      i = 1;
-    }
-    for (; i < t.size(); ++i) {
-      if (t[i] < '0' || t[i] > '9') fail(Errc::protocol, "not an integer: \"", t, "\"");
-      v = v * 10 + (t[i] - '0');
-    }
-    return negative ? -v : v;
-  }
+  [[nodiscard]] std::int64_t integer(std::string_view key, std::int64_t otherwise = 0) const;
 };
 
+#if DDP_BODIES
+DDP_INLINE const Json* Json::find(std::string_view key) const {
+  if (type != Type::object) return nullptr;
+  for (std::size_t i = 0; i < names.size(); ++i)
+    if (names[i] == key) return &items[i];
+  return nullptr;
+}
+
+DDP_INLINE std::string Json::get(std::string_view key) const {
+  const Json* v = find(key);
+  return v != nullptr && (v->type == Type::string || v->type == Type::number) ? v->text
+                                                                              : std::string();
+}
+
+DDP_INLINE std::int64_t Json::integer(std::string_view key, std::int64_t otherwise) const {
+  const std::string t = get(key);
+  if (t.empty()) return otherwise;
+  std::int64_t v = 0;
+  bool negative = false;
+  std::size_t i = 0;
+  if (t[0] == '-') {
+    negative = true;
+    i = 1;
+  }
+  for (; i < t.size(); ++i) {
+    if (t[i] < '0' || t[i] > '9') fail(Errc::protocol, "not an integer: \"", t, "\"");
+    v = v * 10 + (t[i] - '0');
+  }
+  return negative ? -v : v;
+}
+#endif  // DDP_BODIES
+
 /// Parses one JSON document (at most `max_depth` deep); Errc::protocol when malformed.
-[[nodiscard]] inline Json parse_json(std::string_view s, int max_depth = 64) {
+[[nodiscard]] DDP_INLINE Json parse_json(std::string_view s, int max_depth = 64);
+#if DDP_BODIES
+DDP_INLINE Json parse_json(std::string_view s, int max_depth) {
   std::size_t at = 0;
   const auto bad = [&](std::string_view why) -> void {
     fail(Errc::protocol, "malformed JSON (", why, " at byte ", at, "): \"", s.substr(0, 200), "\"");
@@ -236,9 +252,12 @@ struct Json {
   if (at != s.size()) bad("trailing bytes");
   return out;
 }
+#endif  // DDP_BODIES
 
 /// `text` as a JSON string literal.
-[[nodiscard]] inline std::string json_quoted(std::string_view text) {
+[[nodiscard]] DDP_INLINE std::string json_quoted(std::string_view text);
+#if DDP_BODIES
+DDP_INLINE std::string json_quoted(std::string_view text) {
   std::string out = "\"";
   for (const char c : text) {
     switch (c) {
@@ -259,6 +278,7 @@ struct Json {
   }
   return out + "\"";
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE

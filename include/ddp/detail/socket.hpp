@@ -43,35 +43,38 @@ using Clock = std::chrono::steady_clock;
 struct Deadline {
   Clock::time_point at;
 
-  [[nodiscard]] static Deadline after(std::chrono::milliseconds d) {
-    // Saturate: "5 years" must not overflow the clock.
-    const auto now = Clock::now();
-    const auto max_wait = Clock::time_point::max() - now;
-    if (d >= std::chrono::duration_cast<std::chrono::milliseconds>(max_wait)) {
-      return {Clock::time_point::max()};
-    }
-    return {now + d};
-  }
+  [[nodiscard]] static Deadline after(std::chrono::milliseconds d);
   [[nodiscard]] bool expired() const { return Clock::now() >= at; }
   /// Milliseconds left, clamped to [0, cap], rounded up (for poll()).
-  [[nodiscard]] int poll_ms(int cap = 1 << 30) const {
-    const auto left = at - Clock::now();
-    if (left <= Clock::duration::zero()) return 0;
-    const auto ms = std::chrono::ceil<std::chrono::milliseconds>(left).count();
-    return static_cast<int>(std::min<long long>(ms, cap));
-  }
+  [[nodiscard]] int poll_ms(int cap = 1 << 30) const;
 };
+
+#if DDP_BODIES
+DDP_INLINE Deadline Deadline::after(std::chrono::milliseconds d) {
+  // Saturate: "5 years" must not overflow the clock.
+  const auto now = Clock::now();
+  const auto max_wait = Clock::time_point::max() - now;
+  if (d >= std::chrono::duration_cast<std::chrono::milliseconds>(max_wait)) {
+    return {Clock::time_point::max()};
+  }
+  return {now + d};
+}
+
+DDP_INLINE int Deadline::poll_ms(int cap) const {
+  const auto left = at - Clock::now();
+  if (left <= Clock::duration::zero()) return 0;
+  const auto ms = std::chrono::ceil<std::chrono::milliseconds>(left).count();
+  return static_cast<int>(std::min<long long>(ms, cap));
+}
+#endif  // DDP_BODIES
 
 /// An owned file descriptor.
 class Fd {
  public:
   Fd() = default;
-  explicit Fd(int fd) noexcept : fd_(fd) {}
-  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  Fd& operator=(Fd&& o) noexcept {
-    if (this != &o) reset(std::exchange(o.fd_, -1));
-    return *this;
-  }
+  explicit Fd(int fd) noexcept;
+  Fd(Fd&& o) noexcept;
+  Fd& operator=(Fd&& o) noexcept;
   Fd(const Fd&) = delete;
   Fd& operator=(const Fd&) = delete;
   ~Fd() { reset(); }
@@ -79,37 +82,60 @@ class Fd {
   [[nodiscard]] int get() const noexcept { return fd_; }
   [[nodiscard]] bool valid() const noexcept { return fd_ >= 0; }
   explicit operator bool() const noexcept { return valid(); }
-  int release() noexcept { return std::exchange(fd_, -1); }
-  void reset(int fd = -1) noexcept {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = fd;
-  }
+  int release() noexcept;
+  void reset(int fd = -1) noexcept;
 
  private:
   int fd_ = -1;
 };
 
-inline void set_nonblocking(int fd, bool on) {
+#if DDP_BODIES
+DDP_INLINE Fd::Fd(int fd) noexcept : fd_(fd) {}
+
+DDP_INLINE Fd::Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+
+DDP_INLINE Fd& Fd::operator=(Fd&& o) noexcept {
+  if (this != &o) reset(std::exchange(o.fd_, -1));
+  return *this;
+}
+
+DDP_INLINE int Fd::release() noexcept { return std::exchange(fd_, -1); }
+
+DDP_INLINE void Fd::reset(int fd) noexcept {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = fd;
+}
+#endif  // DDP_BODIES
+
+DDP_INLINE void set_nonblocking(int fd, bool on);
+#if DDP_BODIES
+DDP_INLINE void set_nonblocking(int fd, bool on) {
   const int flags = ::fcntl(fd, F_GETFL, 0);
   if (flags < 0) fail_errno(errno, "fcntl(F_GETFL)");
   if (::fcntl(fd, F_SETFL, on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK)) < 0) {
     fail_errno(errno, "fcntl(F_SETFL)");
   }
 }
+#endif  // DDP_BODIES
 
 /// Raises the soft limit on open descriptors to the hard limit (a server holding one descriptor
 /// per client runs out at the common default of 1024 long before memory does). Best effort.
-inline void raise_fd_limit() noexcept {
+DDP_INLINE void raise_fd_limit() noexcept;
+#if DDP_BODIES
+DDP_INLINE void raise_fd_limit() noexcept {
   rlimit lim{};
   if (::getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur >= lim.rlim_max) return;
   lim.rlim_cur = lim.rlim_max;
   (void)::setrlimit(RLIMIT_NOFILE, &lim);
 }
+#endif  // DDP_BODIES
 
 /// Fails with Errc::system when `err` says that descriptors ran out (EMFILE: this process's
 /// limit, whose values are named; ENFILE: the system's), saying `doing` and what to do; returns
 /// for any other errno. Out of descriptors nothing gets better by retrying until a timeout.
-inline void fail_if_out_of_fds(int err, std::string_view doing) {
+DDP_INLINE void fail_if_out_of_fds(int err, std::string_view doing);
+#if DDP_BODIES
+DDP_INLINE void fail_if_out_of_fds(int err, std::string_view doing) {
   if (err != EMFILE && err != ENFILE) return;
   if (err == ENFILE)
     fail(Errc::system, doing,
@@ -124,20 +150,30 @@ inline void fail_if_out_of_fds(int err, std::string_view doing) {
        text(lim.rlim_cur), " open, its limit; hard limit ", text(lim.rlim_max),
        "); raise the limit (ulimit -n, or LimitNOFILE in a service) or open fewer files");
 }
+#endif  // DDP_BODIES
 
-inline void set_nodelay(int fd) {
+DDP_INLINE void set_nodelay(int fd);
+#if DDP_BODIES
+DDP_INLINE void set_nodelay(int fd) {
   int one = 1;
   (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 }
+#endif  // DDP_BODIES
 
 /// "host:port", with IPv6 literals in brackets.
-[[nodiscard]] inline std::string host_port(std::string_view host, int port) {
+[[nodiscard]] DDP_INLINE std::string host_port(std::string_view host, int port);
+#if DDP_BODIES
+DDP_INLINE std::string host_port(std::string_view host, int port) {
   if (host.find(':') != std::string_view::npos) return concat('[', host, "]:", port);
   return concat(host, ':', port);
 }
+#endif  // DDP_BODIES
 
 /// The numeric address and port of a socket address.
-[[nodiscard]] inline std::pair<std::string, int> numeric_name(const sockaddr* sa, socklen_t len) {
+[[nodiscard]] DDP_INLINE std::pair<std::string, int> numeric_name(const sockaddr* sa,
+                                                                  socklen_t len);
+#if DDP_BODIES
+DDP_INLINE std::pair<std::string, int> numeric_name(const sockaddr* sa, socklen_t len) {
   char host[NI_MAXHOST] = {};
   char serv[NI_MAXSERV] = {};
   if (::getnameinfo(sa, len, host, sizeof host, serv, sizeof serv,
@@ -146,24 +182,12 @@ inline void set_nodelay(int fd) {
   }
   return {host, std::atoi(serv)};
 }
+#endif  // DDP_BODIES
 
 /// Resolves host:port for TCP; throws Errc::invalid_argument when the name does not resolve.
 class AddrInfo {
  public:
-  AddrInfo(const std::string& host, int port, bool passive) {
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_ADDRCONFIG | (passive ? AI_PASSIVE : 0);
-    if (host.empty()) hints.ai_flags |= AI_PASSIVE;
-    const std::string service = std::to_string(port);
-    const int rc =
-        ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &list_);
-    if (rc != 0) {
-      fail(Errc::invalid_argument, "cannot resolve \"", host, "\": ", ::gai_strerror(rc),
-           "; check MASTER_ADDR");
-    }
-  }
+  AddrInfo(const std::string& host, int port, bool passive);
   AddrInfo(const AddrInfo&) = delete;
   AddrInfo& operator=(const AddrInfo&) = delete;
   ~AddrInfo() {
@@ -175,9 +199,28 @@ class AddrInfo {
   addrinfo* list_ = nullptr;
 };
 
+#if DDP_BODIES
+DDP_INLINE AddrInfo::AddrInfo(const std::string& host, int port, bool passive) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_ADDRCONFIG | (passive ? AI_PASSIVE : 0);
+  if (host.empty()) hints.ai_flags |= AI_PASSIVE;
+  const std::string service = std::to_string(port);
+  const int rc =
+      ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &list_);
+  if (rc != 0) {
+    fail(Errc::invalid_argument, "cannot resolve \"", host, "\": ", ::gai_strerror(rc),
+         "; check MASTER_ADDR");
+  }
+}
+#endif  // DDP_BODIES
+
 /// A listening TCP socket bound to exactly `host` (all interfaces only when host is "0.0.0.0" or
 /// "::", which must be asked for). port 0 picks a free port. EADDRINUSE -> Errc::address_in_use.
-[[nodiscard]] inline Fd listen_tcp(const std::string& host, int port, int backlog = 1024) {
+[[nodiscard]] DDP_INLINE Fd listen_tcp(const std::string& host, int port, int backlog = 1024);
+#if DDP_BODIES
+DDP_INLINE Fd listen_tcp(const std::string& host, int port, int backlog) {
   const AddrInfo ai(host, port, /*passive=*/true);
   int last_errno = 0;
   for (const addrinfo* a = ai.begin(); a != nullptr; a = a->ai_next) {
@@ -206,39 +249,51 @@ class AddrInfo {
   }
   fail_errno(last_errno, "cannot listen on ", host_port(host, port));
 }
+#endif  // DDP_BODIES
 
 /// The port a bound socket listens on.
-[[nodiscard]] inline int local_port(int fd) {
+[[nodiscard]] DDP_INLINE int local_port(int fd);
+#if DDP_BODIES
+DDP_INLINE int local_port(int fd) {
   sockaddr_storage ss{};
   socklen_t len = sizeof ss;
   if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0)
     fail_errno(errno, "getsockname");
   return numeric_name(reinterpret_cast<sockaddr*>(&ss), len).second;
 }
+#endif  // DDP_BODIES
 
 /// The local address of a connected socket (the interface that reaches its peer).
-[[nodiscard]] inline std::string local_address(int fd) {
+[[nodiscard]] DDP_INLINE std::string local_address(int fd);
+#if DDP_BODIES
+DDP_INLINE std::string local_address(int fd) {
   sockaddr_storage ss{};
   socklen_t len = sizeof ss;
   if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0)
     fail_errno(errno, "getsockname");
   return numeric_name(reinterpret_cast<sockaddr*>(&ss), len).first;
 }
+#endif  // DDP_BODIES
 
 /// The peer of a connected socket as "addr:port".
-[[nodiscard]] inline std::string peer_name(int fd) {
+[[nodiscard]] DDP_INLINE std::string peer_name(int fd);
+#if DDP_BODIES
+DDP_INLINE std::string peer_name(int fd) {
   sockaddr_storage ss{};
   socklen_t len = sizeof ss;
   if (::getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return "?";
   auto [h, p] = numeric_name(reinterpret_cast<sockaddr*>(&ss), len);
   return host_port(h, p);
 }
+#endif  // DDP_BODIES
 
 /// Whether a connected TCP socket is connected to itself. Connecting on this host to a port in
 /// the kernel's ephemeral range while nothing listens there can be given that very port as the
 /// source port; TCP's simultaneous open then connects the socket to itself, and a client would
 /// read its own requests back as answers (PyTorch's TCPStore hangs this way, now and then).
-[[nodiscard]] inline bool connected_to_itself(int fd) {
+[[nodiscard]] DDP_INLINE bool connected_to_itself(int fd);
+#if DDP_BODIES
+DDP_INLINE bool connected_to_itself(int fd) {
   sockaddr_storage local{}, peer{};
   socklen_t local_len = sizeof local, peer_len = sizeof peer;
   if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_len) != 0 ||
@@ -246,14 +301,18 @@ class AddrInfo {
     return false;
   return local_len == peer_len && std::memcmp(&local, &peer, local_len) == 0;
 }
+#endif  // DDP_BODIES
 
 /// Connects to host:port, retrying refused/unreachable attempts until the deadline (the server
 /// may not be up yet; a socket connected to itself counts as refused). Returns a blocking socket
 /// with TCP_NODELAY. `check_stop`, when given, runs between attempts and throws to give up (the
 /// peer is known to have failed).
-[[nodiscard]] inline Fd connect_tcp(const std::string& host, int port, Deadline deadline,
-                                    std::string_view what,
-                                    const std::function<void()>& check_stop = {}) {
+[[nodiscard]] DDP_INLINE Fd connect_tcp(const std::string& host, int port, Deadline deadline,
+                                        std::string_view what,
+                                        const std::function<void()>& check_stop = {});
+#if DDP_BODIES
+DDP_INLINE Fd connect_tcp(const std::string& host, int port, Deadline deadline,
+                          std::string_view what, const std::function<void()>& check_stop) {
   int last_errno = 0;
   auto backoff = std::chrono::milliseconds(5);
   for (;;) {
@@ -307,11 +366,15 @@ class AddrInfo {
     backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
   }
 }
+#endif  // DDP_BODIES
 
 enum class IoResult { ok, closed, timeout };
 
 /// Writes all of [data, data+n) before the deadline. Works on blocking and non-blocking sockets.
-[[nodiscard]] inline IoResult send_all(int fd, const void* data, std::size_t n, Deadline deadline) {
+[[nodiscard]] DDP_INLINE IoResult send_all(int fd, const void* data, std::size_t n,
+                                           Deadline deadline);
+#if DDP_BODIES
+DDP_INLINE IoResult send_all(int fd, const void* data, std::size_t n, Deadline deadline) {
   const auto* p = static_cast<const std::byte*>(data);
   while (n > 0) {
     const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -334,9 +397,12 @@ enum class IoResult { ok, closed, timeout };
   }
   return IoResult::ok;
 }
+#endif  // DDP_BODIES
 
 /// Reads exactly n bytes before the deadline.
-[[nodiscard]] inline IoResult recv_all(int fd, void* data, std::size_t n, Deadline deadline) {
+[[nodiscard]] DDP_INLINE IoResult recv_all(int fd, void* data, std::size_t n, Deadline deadline);
+#if DDP_BODIES
+DDP_INLINE IoResult recv_all(int fd, void* data, std::size_t n, Deadline deadline) {
   auto* p = static_cast<std::byte*>(data);
   while (n > 0) {
     const ssize_t r = ::recv(fd, p, n, MSG_DONTWAIT);
@@ -357,6 +423,7 @@ enum class IoResult { ok, closed, timeout };
   }
   return IoResult::ok;
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE

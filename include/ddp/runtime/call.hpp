@@ -71,8 +71,11 @@ static_assert(std::is_trivially_copyable_v<Call>);
 
 /// The checks of a typed argument once it is a Buf: `usable` says whether the backend can use
 /// its memory (directly or staged).
-inline void check_buf(const Buf& b, std::size_t elem, bool usable, std::string_view backend,
-                      int rank, const char* what, const char* arg) {
+DDP_INLINE void check_buf(const Buf& b, std::size_t elem, bool usable, std::string_view backend,
+                          int rank, const char* what, const char* arg);
+#if DDP_BODIES
+DDP_INLINE void check_buf(const Buf& b, std::size_t elem, bool usable, std::string_view backend,
+                          int rank, const char* what, const char* arg) {
   if (!usable) {
     fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg, "` is on ",
          to_string(b.device), ", but backend::", backend, " cannot use that memory");
@@ -88,10 +91,13 @@ inline void check_buf(const Buf& b, std::size_t elem, bool usable, std::string_v
          "the tensor's view reports");
   }
 }
+#endif  // DDP_BODIES
 
 /// `op` on dtype `t`, else Errc::invalid_argument. `who` and `rank` open the message ("rank 3",
 /// or "NcclClique" with rank -1); `what` names the call. (Communicators and NcclClique alike.)
-inline void check_op(ReduceOp op, DType t, const char* who, int rank, const char* what) {
+DDP_INLINE void check_op(ReduceOp op, DType t, const char* who, int rank, const char* what);
+#if DDP_BODIES
+DDP_INLINE void check_op(ReduceOp op, DType t, const char* who, int rank, const char* what) {
   if (!is_supported(op, t)) {
     fail(Errc::invalid_argument, who, rank >= 0 ? concat(rank) : std::string(), ": ", what, ": op ",
          is_valid(op) ? std::string(to_string(op))
@@ -100,34 +106,45 @@ inline void check_op(ReduceOp op, DType t, const char* who, int rank, const char
          op == ReduceOp::avg ? " (avg needs a floating-point type)" : "");
   }
 }
+#endif  // DDP_BODIES
 inline void check_op(ReduceOp op, DType t, Caller c, const char* what) {
   check_op(op, t, "rank ", c.rank, what);
 }
 
 /// `root` in [0, size), else Errc::invalid_argument naming `who`/`rank` (as check_op), `what`
 /// and what a root is one of (`of`: "a rank of this communicator").
-inline void check_root(int root, int size, const char* who, int rank, const char* what,
-                       const char* of) {
+DDP_INLINE void check_root(int root, int size, const char* who, int rank, const char* what,
+                           const char* of);
+#if DDP_BODIES
+DDP_INLINE void check_root(int root, int size, const char* who, int rank, const char* what,
+                           const char* of) {
   if (root < 0 || root >= size) {
     fail(Errc::invalid_argument, who, rank >= 0 ? concat(rank) : std::string(), ": ", what,
          ": root ", root, " is not ", of, " [0, ", size, ")");
   }
 }
+#endif  // DDP_BODIES
 inline void check_root(int root, Caller c, const char* what) {
   check_root(root, c.size, "rank ", c.rank, what, "a rank of this communicator");
 }
 
-inline void check_same_dtype(const Buf& a, const Buf& b, Caller c, const char* what) {
+DDP_INLINE void check_same_dtype(const Buf& a, const Buf& b, Caller c, const char* what);
+#if DDP_BODIES
+DDP_INLINE void check_same_dtype(const Buf& a, const Buf& b, Caller c, const char* what) {
   if (a.dtype != b.dtype) {
     fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `in` is ", to_string(a.dtype),
          " but `out` is ", to_string(b.dtype), "; they must have the same element type");
   }
 }
+#endif  // DDP_BODIES
 
 /// The checks of a DynamicView that a TensorView passes at compile time (the device, a null
 /// pointer and the size follow in check_buf, as for a TensorView).
-inline void check_dynamic(const DynamicView& v, bool writes, const char* what, const char* arg,
-                          int rank) {
+DDP_INLINE void check_dynamic(const DynamicView& v, bool writes, const char* what, const char* arg,
+                              int rank);
+#if DDP_BODIES
+DDP_INLINE void check_dynamic(const DynamicView& v, bool writes, const char* what, const char* arg,
+                              int rank) {
   if (v.problem != nullptr)
     fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg,
          "` cannot be used: ", v.problem);
@@ -142,30 +159,41 @@ inline void check_dynamic(const DynamicView& v, bool writes, const char* what, c
     fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg,
          "` is read-only, but this collective writes it");
 }
+#endif  // DDP_BODIES
 
 /// `whole` must be `part` x size() elements; `part_name` is the argument that sets the size.
-inline void check_blocks(const Buf& whole, const Buf& part, Caller c, const char* what,
-                         const char* whole_name, const char* rule) {
+DDP_INLINE void check_blocks(const Buf& whole, const Buf& part, Caller c, const char* what,
+                             const char* whole_name, const char* rule);
+#if DDP_BODIES
+DDP_INLINE void check_blocks(const Buf& whole, const Buf& part, Caller c, const char* what,
+                             const char* whole_name, const char* rule) {
   const auto p = static_cast<std::size_t>(c.size);
   if (!is_product(whole.count, part.count, p)) {
     fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `", whole_name, "` has ",
          whole.count, " elements but must have ", product_text(part.count, p), " (", rule, ")");
   }
 }
+#endif  // DDP_BODIES
 
 /// The only in-place form of a collective with blocks: `part` is exactly this rank's block of
 /// `whole`.
-inline void check_in_place(const Buf& whole, const Buf& part, Caller c, const char* what,
-                           const char* message) {
+DDP_INLINE void check_in_place(const Buf& whole, const Buf& part, Caller c, const char* what,
+                               const char* message);
+#if DDP_BODIES
+DDP_INLINE void check_in_place(const Buf& whole, const Buf& part, Caller c, const char* what,
+                               const char* message) {
   const std::byte* mine = whole.at(part.count * static_cast<std::size_t>(c.rank));
   if (overlaps(part.data, part.bytes(), whole.data, whole.bytes()) && part.data != mine) {
     fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, message);
   }
 }
+#endif  // DDP_BODIES
 
 /// The checks of the single-buffer collectives (all_reduce, broadcast, reduce); returns the
 /// collective's name. Their synchronous form runs without building a Call.
-inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, Caller c) {
+DDP_INLINE const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, Caller c);
+#if DDP_BODIES
+DDP_INLINE const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, Caller c) {
   switch (coll) {
     case Coll::all_reduce: check_op(op, b.dtype, c, "all_reduce"); return "all_reduce";
     case Coll::broadcast: check_root(root, c, "broadcast"); return "broadcast";
@@ -175,17 +203,25 @@ inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, 
       return "reduce";
   }
 }
+#endif  // DDP_BODIES
 
-[[nodiscard]] inline Call prepare_single(Coll coll, const Buf& b, ReduceOp op, int root, Caller c) {
+[[nodiscard]] DDP_INLINE Call prepare_single(Coll coll, const Buf& b, ReduceOp op, int root,
+                                             Caller c);
+#if DDP_BODIES
+DDP_INLINE Call prepare_single(Coll coll, const Buf& b, ReduceOp op, int root, Caller c) {
   const char* name = check_single(coll, b, op, root, c);
   return Call{.name = name, .coll = coll, .in = b, .op = op, .root = root, .bytes = b.bytes()};
 }
+#endif  // DDP_BODIES
 
 /// `moved_on_device`: the backend moves this CUDA buffer itself (no staging), so there is no
 /// host pass in which to convert it.
-[[nodiscard]] inline Call prepare_all_reduce_as(const Buf& b, ReduceOp op, DType wire,
-                                                bool moved_on_device, std::string_view backend,
-                                                Caller c) {
+[[nodiscard]] DDP_INLINE Call prepare_all_reduce_as(const Buf& b, ReduceOp op, DType wire,
+                                                    bool moved_on_device, std::string_view backend,
+                                                    Caller c);
+#if DDP_BODIES
+DDP_INLINE Call prepare_all_reduce_as(const Buf& b, ReduceOp op, DType wire, bool moved_on_device,
+                                      std::string_view backend, Caller c) {
   check_op(op, wire, c, "all_reduce_as");
   if (b.dtype != DType::float32)
     fail(Errc::invalid_argument, "rank ", c.rank, ": all_reduce_as: `buf` is ", to_string(b.dtype),
@@ -203,10 +239,13 @@ inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, 
               .wire = wire,
               .bytes = b.bytes()};
 }
+#endif  // DDP_BODIES
 
 /// `bufs` must outlive the call.
-[[nodiscard]] inline Call prepare_all_reduce_coalesced(std::span<const Buf> bufs, ReduceOp op,
-                                                       Caller c) {
+[[nodiscard]] DDP_INLINE Call prepare_all_reduce_coalesced(std::span<const Buf> bufs, ReduceOp op,
+                                                           Caller c);
+#if DDP_BODIES
+DDP_INLINE Call prepare_all_reduce_coalesced(std::span<const Buf> bufs, ReduceOp op, Caller c) {
   std::size_t bytes = 0;
   for (const Buf& b : bufs) {
     check_op(op, b.dtype, c, "all_reduce_coalesced");
@@ -219,9 +258,12 @@ inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, 
               .op = op,
               .bytes = bytes};
 }
+#endif  // DDP_BODIES
 
 /// all_gather (root < 0) or gather; `out` is used (and checked) only where it receives.
-[[nodiscard]] inline Call prepare_gather(const Buf& in, const Buf& out, int root, Caller c) {
+[[nodiscard]] DDP_INLINE Call prepare_gather(const Buf& in, const Buf& out, int root, Caller c);
+#if DDP_BODIES
+DDP_INLINE Call prepare_gather(const Buf& in, const Buf& out, int root, Caller c) {
   const char* what = root < 0 ? "all_gather" : "gather";
   if (root >= 0) check_root(root, c, what);
   Call call{.name = what, .coll = root < 0 ? Coll::all_gather : Coll::gather};
@@ -238,9 +280,12 @@ inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, 
   call.bytes = call.in.bytes() + call.out.bytes();
   return call;
 }
+#endif  // DDP_BODIES
 
 /// scatter; `in` is used (and checked) on the root only.
-[[nodiscard]] inline Call prepare_scatter(const Buf& in, const Buf& out, int root, Caller c) {
+[[nodiscard]] DDP_INLINE Call prepare_scatter(const Buf& in, const Buf& out, int root, Caller c);
+#if DDP_BODIES
+DDP_INLINE Call prepare_scatter(const Buf& in, const Buf& out, int root, Caller c) {
   check_root(root, c, "scatter");
   Call call{.name = "scatter", .coll = Coll::scatter};
   call.in = Buf{nullptr, 0, out.dtype, out.device, nullptr};
@@ -257,9 +302,12 @@ inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, 
   call.bytes = call.in.bytes() + call.out.bytes();
   return call;
 }
+#endif  // DDP_BODIES
 
-[[nodiscard]] inline Call prepare_reduce_scatter(const Buf& in, const Buf& out, ReduceOp op,
-                                                 Caller c) {
+[[nodiscard]] DDP_INLINE Call prepare_reduce_scatter(const Buf& in, const Buf& out, ReduceOp op,
+                                                     Caller c);
+#if DDP_BODIES
+DDP_INLINE Call prepare_reduce_scatter(const Buf& in, const Buf& out, ReduceOp op, Caller c) {
   check_same_dtype(in, out, c, "reduce_scatter");
   check_op(op, out.dtype, c, "reduce_scatter");
   check_blocks(in, out, c, "reduce_scatter", "in", "out.size() x size()");
@@ -273,8 +321,11 @@ inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, 
   call.bytes = in.bytes() + out.bytes();
   return call;
 }
+#endif  // DDP_BODIES
 
-[[nodiscard]] inline Call prepare_all_to_all(const Buf& in, const Buf& out, Caller c) {
+[[nodiscard]] DDP_INLINE Call prepare_all_to_all(const Buf& in, const Buf& out, Caller c);
+#if DDP_BODIES
+DDP_INLINE Call prepare_all_to_all(const Buf& in, const Buf& out, Caller c) {
   check_same_dtype(in, out, c, "all_to_all");
   const auto p = static_cast<std::size_t>(c.size);
   if (in.count != out.count || in.count % p != 0) {
@@ -290,8 +341,11 @@ inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, 
   call.bytes = in.bytes() + out.bytes();
   return call;
 }
+#endif  // DDP_BODIES
 
-[[nodiscard]] inline Call prepare_p2p(Coll coll, const Buf& b, int peer, int tag, Caller c) {
+[[nodiscard]] DDP_INLINE Call prepare_p2p(Coll coll, const Buf& b, int peer, int tag, Caller c);
+#if DDP_BODIES
+DDP_INLINE Call prepare_p2p(Coll coll, const Buf& b, int peer, int tag, Caller c) {
   const char* what = coll == Coll::send ? "send" : "recv";
   if (peer < 0 || peer >= c.size || peer == c.rank) {
     fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": peer ", peer,
@@ -306,11 +360,15 @@ inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, 
   call.bytes = b.bytes();
   return call;
 }
+#endif  // DDP_BODIES
 
 /// batch_isend_irecv: bufs[i] is op i's buffer; `specs` (3 per op: 1 for a send, the peer,
 /// the tag) must outlive the call. Each op is checked as send or recv is.
-[[nodiscard]] inline Call prepare_batch_p2p(std::span<const Buf> bufs,
-                                            std::span<const std::size_t> specs, Caller c) {
+[[nodiscard]] DDP_INLINE Call prepare_batch_p2p(std::span<const Buf> bufs,
+                                                std::span<const std::size_t> specs, Caller c);
+#if DDP_BODIES
+DDP_INLINE Call prepare_batch_p2p(std::span<const Buf> bufs, std::span<const std::size_t> specs,
+                                  Caller c) {
   std::size_t bytes = 0;
   for (std::size_t i = 0; i < bufs.size(); ++i) {
     (void)prepare_p2p(specs[3 * i] != 0 ? Coll::send : Coll::recv, bufs[i],
@@ -335,14 +393,18 @@ inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, 
               .counts = specs,
               .bytes = bytes};
 }
+#endif  // DDP_BODIES
 
 [[nodiscard]] inline Call prepare_barrier() {
   return Call{.name = "barrier", .coll = Coll::barrier};
 }
 
 /// An uneven collective's counts: one per rank.
-inline void check_entries(std::span<const std::size_t> counts, Caller c, const char* what,
-                          const char* counts_name) {
+DDP_INLINE void check_entries(std::span<const std::size_t> counts, Caller c, const char* what,
+                              const char* counts_name);
+#if DDP_BODIES
+DDP_INLINE void check_entries(std::span<const std::size_t> counts, Caller c, const char* what,
+                              const char* counts_name) {
   if (counts.size() != static_cast<std::size_t>(c.size)) {
     fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `", counts_name, "` has ",
          counts.size(), " entries but must have one per rank (", c.size, ")");
@@ -355,10 +417,14 @@ inline void check_entries(std::span<const std::size_t> counts, Caller c, const c
     }
   }
 }
+#endif  // DDP_BODIES
 
 /// The counts of an uneven collective: one per rank, and `buf` holding their sum.
-inline void check_counts(std::span<const std::size_t> counts, const Buf& buf, Caller c,
-                         const char* what, const char* counts_name, const char* buf_name) {
+DDP_INLINE void check_counts(std::span<const std::size_t> counts, const Buf& buf, Caller c,
+                             const char* what, const char* counts_name, const char* buf_name);
+#if DDP_BODIES
+DDP_INLINE void check_counts(std::span<const std::size_t> counts, const Buf& buf, Caller c,
+                             const char* what, const char* counts_name, const char* buf_name) {
   check_entries(counts, c, what, counts_name);
   std::size_t total = 0;
   bool overflow = false;
@@ -373,10 +439,14 @@ inline void check_counts(std::span<const std::size_t> counts, const Buf& buf, Ca
          "; they must be equal");
   }
 }
+#endif  // DDP_BODIES
 
 /// all_to_all with split sizes; `counts` holds in_counts then out_counts (size() each).
-[[nodiscard]] inline Call prepare_all_to_all_v(const Buf& in, const Buf& out,
-                                               std::span<const std::size_t> counts, Caller c) {
+[[nodiscard]] DDP_INLINE Call prepare_all_to_all_v(const Buf& in, const Buf& out,
+                                                   std::span<const std::size_t> counts, Caller c);
+#if DDP_BODIES
+DDP_INLINE Call prepare_all_to_all_v(const Buf& in, const Buf& out,
+                                     std::span<const std::size_t> counts, Caller c) {
   check_same_dtype(in, out, c, "all_to_all");
   const auto p = static_cast<std::size_t>(c.size);
   check_counts(counts.first(std::min(p, counts.size())), in, c, "all_to_all", "in_counts", "in");
@@ -391,12 +461,16 @@ inline void check_counts(std::span<const std::size_t> counts, const Buf& buf, Ca
               .counts = counts,
               .bytes = in.bytes() + out.bytes()};
 }
+#endif  // DDP_BODIES
 
 /// all_gather (root < 0) or gather with a count per rank; `out` and `counts` are used (and
 /// checked) only where they receive.
-[[nodiscard]] inline Call prepare_gather_v(const Buf& in, const Buf& out,
-                                           std::span<const std::size_t> counts, int root,
-                                           Caller c) {
+[[nodiscard]] DDP_INLINE Call prepare_gather_v(const Buf& in, const Buf& out,
+                                               std::span<const std::size_t> counts, int root,
+                                               Caller c);
+#if DDP_BODIES
+DDP_INLINE Call prepare_gather_v(const Buf& in, const Buf& out, std::span<const std::size_t> counts,
+                                 int root, Caller c) {
   const char* what = root < 0 ? "all_gather" : "gather";
   if (root >= 0) check_root(root, c, what);
   if (root < 0 || root == c.rank) {
@@ -418,11 +492,15 @@ inline void check_counts(std::span<const std::size_t> counts, const Buf& buf, Ca
               .root = root,
               .bytes = in.bytes() + out.bytes()};
 }
+#endif  // DDP_BODIES
 
 /// scatter with a count per rank; `in` and `counts` are used (and checked) on the root only.
-[[nodiscard]] inline Call prepare_scatter_v(const Buf& in, const Buf& out,
-                                            std::span<const std::size_t> counts, int root,
-                                            Caller c) {
+[[nodiscard]] DDP_INLINE Call prepare_scatter_v(const Buf& in, const Buf& out,
+                                                std::span<const std::size_t> counts, int root,
+                                                Caller c);
+#if DDP_BODIES
+DDP_INLINE Call prepare_scatter_v(const Buf& in, const Buf& out,
+                                  std::span<const std::size_t> counts, int root, Caller c) {
   check_root(root, c, "scatter");
   if (root == c.rank) {
     check_same_dtype(in, out, c, "scatter");
@@ -442,6 +520,7 @@ inline void check_counts(std::span<const std::size_t> counts, const Buf& buf, Ca
               .root = root,
               .bytes = in.bytes() + out.bytes()};
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE

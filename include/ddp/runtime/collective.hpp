@@ -31,10 +31,13 @@ inline constexpr std::size_t max_buffer_bytes =
 }
 
 /// "part x p = product", or that the product overflows.
-[[nodiscard]] inline std::string product_text(std::size_t part, std::size_t p) {
+[[nodiscard]] DDP_INLINE std::string product_text(std::size_t part, std::size_t p);
+#if DDP_BODIES
+DDP_INLINE std::string product_text(std::size_t part, std::size_t p) {
   if (p != 0 && part > max_buffer_bytes / p) return concat(part, " x ", p, " (which overflows)");
   return concat(part, " x ", p, " = ", part * p);
 }
+#endif  // DDP_BODIES
 
 /// A type-erased buffer: `count` elements of `dtype`.
 struct Buf {
@@ -145,7 +148,9 @@ inline constexpr std::uint64_t fingerprint_wide = std::uint64_t{1} << 47;
          f.count << 19;
 }
 
-[[nodiscard]] inline std::string to_string(const Fingerprint& f) {
+[[nodiscard]] DDP_INLINE std::string to_string(const Fingerprint& f);
+#if DDP_BODIES
+DDP_INLINE std::string to_string(const Fingerprint& f) {
   std::string s = concat(to_string(f.coll), '(');
   if (is_uneven(f.coll))
     s += concat(to_string(f.dtype), ", counts per rank");
@@ -155,6 +160,7 @@ inline constexpr std::uint64_t fingerprint_wide = std::uint64_t{1} << 47;
   if (f.root >= 0) s += concat(", root=", f.root);
   return s + concat(") #", f.seq);
 }
+#endif  // DDP_BODIES
 
 /// A byte range of a rank's offer.
 struct Range {

@@ -42,7 +42,9 @@ DDP_BEGIN_NAMESPACE
 namespace detail {
 
 /// The name of the type `t`, demangled where the ABI allows ("std::runtime_error").
-[[nodiscard]] inline std::string type_name(const std::type_info& t) {
+[[nodiscard]] DDP_INLINE std::string type_name(const std::type_info& t);
+#if DDP_BODIES
+DDP_INLINE std::string type_name(const std::type_info& t) {
 #if __has_include(<cxxabi.h>)
   int status = 0;
   if (char* name = abi::__cxa_demangle(t.name(), nullptr, nullptr, &status)) {
@@ -53,10 +55,13 @@ namespace detail {
 #endif
   return t.name();
 }
+#endif  // DDP_BODIES
 
 /// What the exception `e` says, as the first line a launcher shows: "ddp::Error (<code>):
 /// <what>", "<type>: <what>" for another std::exception.
-[[nodiscard]] inline std::string exception_text(const std::exception_ptr& e) {
+[[nodiscard]] DDP_INLINE std::string exception_text(const std::exception_ptr& e);
+#if DDP_BODIES
+DDP_INLINE std::string exception_text(const std::exception_ptr& e) {
   try {
     std::rethrow_exception(e);
   } catch (const Error& x) {
@@ -67,10 +72,13 @@ namespace detail {
     return "an exception that is not a std::exception";
   }
 }
+#endif  // DDP_BODIES
 
 /// Writes `message` to the error file `path` in torchrun's format; nothing when `path` is
 /// empty. Never throws (it runs inside std::terminate).
-inline void write_error_file(const std::string& path, const std::string& message) noexcept {
+DDP_INLINE void write_error_file(const std::string& path, const std::string& message) noexcept;
+#if DDP_BODIES
+DDP_INLINE void write_error_file(const std::string& path, const std::string& message) noexcept {
   try {
     if (path.empty()) return;
     // torchrun shows py_callstack (Python's traceback) in its summary: the message again.
@@ -90,6 +98,7 @@ inline void write_error_file(const std::string& path, const std::string& message
   } catch (...) {
   }
 }
+#endif  // DDP_BODIES
 
 /// The error file the launcher asked for (TORCHELASTIC_ERROR_FILE), or "".
 [[nodiscard]] inline std::string error_file_path() {
@@ -103,16 +112,21 @@ struct TerminateReport {
 };
 inline TerminateReport terminate_report;
 
-[[noreturn]] inline void terminate_with_error_file() noexcept {
+[[noreturn]] DDP_INLINE void terminate_with_error_file() noexcept;
+#if DDP_BODIES
+DDP_INLINE void terminate_with_error_file() noexcept {
   if (const std::exception_ptr e = std::current_exception())
     write_error_file(terminate_report.path, exception_text(e));
   if (const std::terminate_handler next = terminate_report.previous.load()) next();
   std::abort();
 }
+#endif  // DDP_BODIES
 
 /// Installs terminate_with_error_file once per process, when the launcher asked for an error
 /// file.
-inline void install_error_file_handler() {
+DDP_INLINE void install_error_file_handler();
+#if DDP_BODIES
+DDP_INLINE void install_error_file_handler() {
   TerminateReport& r = terminate_report;
   if (r.installed.load()) return;
   std::string path = error_file_path();
@@ -120,6 +134,7 @@ inline void install_error_file_handler() {
   r.path = std::move(path);
   r.previous.store(std::set_terminate(&terminate_with_error_file));
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 

@@ -63,54 +63,61 @@ struct Growth {
   std::vector<int> claims;        ///< their world ranks
   std::int64_t from = 0;          ///< the requests answered before it (its keys' tag)
 
-  [[nodiscard]] std::string text() const {
-    std::string s = concat(upto, "|", ranks_text(members), "|");
-    for (std::size_t i = 0; i < ids.size(); ++i)
-      s += concat(i == 0 ? "" : ",", ids[i], ":", claims[i]);
-    return s;
-  }
+  [[nodiscard]] std::string text() const;
   /// The decision `t` as rank 0 wrote it; Errc::protocol when it is damaged.
-  static Growth parse(std::string_view t, int rank) {
-    Growth g;
-    const std::size_t a = t.find('|'), b = a == std::string_view::npos ? a : t.find('|', a + 1);
-    const auto bad = [&] {
-      fail(Errc::protocol, "rank ", rank, ": grow: the growth decision in the store is damaged (\"",
-           t.substr(0, 200), "\"): is another program writing into this job's store?");
-    };
-    if (b == std::string_view::npos) bad();
-    const auto numbers = [&](std::string_view list) {
-      std::vector<std::int64_t> out;
-      while (!list.empty()) {
-        const std::size_t at = list.find_first_of(",:");
-        std::string_view item = list.substr(0, at);
-        while (!item.empty() && item.front() == ' ') item.remove_prefix(1);
-        std::int64_t v = -1;
-        const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
-        if (ec != std::errc{} || end != item.data() + item.size() || v < 0 || v > (1LL << 40))
-          bad();
-        out.push_back(v);
-        list = at == std::string_view::npos ? std::string_view{} : list.substr(at + 1);
-      }
-      return out;
-    };
-    const std::vector<std::int64_t> head = numbers(t.substr(0, a));
-    if (head.size() != 1) bad();
-    g.upto = head[0];
-    for (const std::int64_t m : numbers(t.substr(a + 1, b - a - 1)))
-      g.members.push_back(static_cast<int>(std::min<std::int64_t>(m, 1 << 30)));
-    const std::vector<std::int64_t> rest = numbers(t.substr(b + 1));  // id:claim,id:claim,...
-    if (rest.size() % 2 != 0 || g.members.empty()) bad();
-    for (std::size_t i = 0; i < rest.size(); i += 2) {
-      g.ids.push_back(rest[i]);
-      g.claims.push_back(static_cast<int>(std::min<std::int64_t>(rest[i + 1], 1 << 30)));
-    }
-    return g;
-  }
+  static Growth parse(std::string_view t, int rank);
 };
+
+#if DDP_BODIES
+DDP_INLINE std::string Growth::text() const {
+  std::string s = concat(upto, "|", ranks_text(members), "|");
+  for (std::size_t i = 0; i < ids.size(); ++i)
+    s += concat(i == 0 ? "" : ",", ids[i], ":", claims[i]);
+  return s;
+}
+
+DDP_INLINE Growth Growth::parse(std::string_view t, int rank) {
+  Growth g;
+  const std::size_t a = t.find('|'), b = a == std::string_view::npos ? a : t.find('|', a + 1);
+  const auto bad = [&] {
+    fail(Errc::protocol, "rank ", rank, ": grow: the growth decision in the store is damaged (\"",
+         t.substr(0, 200), "\"): is another program writing into this job's store?");
+  };
+  if (b == std::string_view::npos) bad();
+  const auto numbers = [&](std::string_view list) {
+    std::vector<std::int64_t> out;
+    while (!list.empty()) {
+      const std::size_t at = list.find_first_of(",:");
+      std::string_view item = list.substr(0, at);
+      while (!item.empty() && item.front() == ' ') item.remove_prefix(1);
+      std::int64_t v = -1;
+      const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+      if (ec != std::errc{} || end != item.data() + item.size() || v < 0 || v > (1LL << 40)) bad();
+      out.push_back(v);
+      list = at == std::string_view::npos ? std::string_view{} : list.substr(at + 1);
+    }
+    return out;
+  };
+  const std::vector<std::int64_t> head = numbers(t.substr(0, a));
+  if (head.size() != 1) bad();
+  g.upto = head[0];
+  for (const std::int64_t m : numbers(t.substr(a + 1, b - a - 1)))
+    g.members.push_back(static_cast<int>(std::min<std::int64_t>(m, 1 << 30)));
+  const std::vector<std::int64_t> rest = numbers(t.substr(b + 1));  // id:claim,id:claim,...
+  if (rest.size() % 2 != 0 || g.members.empty()) bad();
+  for (std::size_t i = 0; i < rest.size(); i += 2) {
+    g.ids.push_back(rest[i]);
+    g.claims.push_back(static_cast<int>(std::min<std::int64_t>(rest[i + 1], 1 << 30)));
+  }
+  return g;
+}
+#endif  // DDP_BODIES
 
 /// A join request's claimed world rank ("<claim> <pid>" on its first line): -1 when it is not a
 /// number from 0 to 2^30.
-[[nodiscard]] inline int parse_claim(std::string_view line) {
+[[nodiscard]] DDP_INLINE int parse_claim(std::string_view line);
+#if DDP_BODIES
+DDP_INLINE int parse_claim(std::string_view line) {
   long long v = -1;
   const std::string_view first = line.substr(0, line.find(' '));
   const auto [end, ec] = std::from_chars(first.data(), first.data() + first.size(), v);
@@ -118,6 +125,7 @@ struct Growth {
     return -1;
   return static_cast<int>(v);
 }
+#endif  // DDP_BODIES
 
 [[nodiscard]] inline std::string join_key(std::int64_t id, std::string_view what = {}) {
   return what.empty() ? concat("join/", id) : concat("join/", id, "/", what);
@@ -130,7 +138,10 @@ struct Growth {
 }
 
 /// Where two tickets (pieces separated by ';') first differ, for a refusal.
-[[nodiscard]] inline std::string ticket_difference(std::string_view theirs, std::string_view ours) {
+[[nodiscard]] DDP_INLINE std::string ticket_difference(std::string_view theirs,
+                                                       std::string_view ours);
+#if DDP_BODIES
+DDP_INLINE std::string ticket_difference(std::string_view theirs, std::string_view ours) {
   const auto piece = [](std::string_view t, std::size_t k) {
     for (std::size_t i = 0; i < k && !t.empty(); ++i) {
       const std::size_t at = t.find(';');
@@ -148,11 +159,14 @@ struct Growth {
     if (a.empty()) return "its ticket differs from the members'";
   }
 }
+#endif  // DDP_BODIES
 
 /// Whether number `id`'s missing request is still awaited: for 5 s after a grow() first saw it
 /// missing (the time kept in the store, so a later rank 0 keeps it), then it is passed over (a
 /// number taken without a request, by a broken or hostile client, or a newcomer that died).
-inline bool late_request(Store& base, std::int64_t id) {
+DDP_INLINE bool late_request(Store& base, std::int64_t id);
+#if DDP_BODIES
+DDP_INLINE bool late_request(Store& base, std::int64_t id) {
   const auto now = std::chrono::duration_cast<std::chrono::milliseconds>(
                        std::chrono::system_clock::now().time_since_epoch())
                        .count();
@@ -161,11 +175,16 @@ inline bool late_request(Store& base, std::int64_t id) {
   (void)std::from_chars(first.data(), first.data() + first.size(), since);
   return now - since < 5000;
 }
+#endif  // DDP_BODIES
 
 /// Records in the job's store space (`job`: under init()'s prefix) the members of membership
 /// epoch `epoch` by world rank ("members": "<epoch>:<ranks>"), unless a later epoch's are there:
 /// a newcomer waiting to be admitted reads it to learn whether anyone is left to admit it.
-inline void record_members(Store& job, std::uint64_t epoch, const std::vector<int>& world_ranks) {
+DDP_INLINE void record_members(Store& job, std::uint64_t epoch,
+                               const std::vector<int>& world_ranks);
+#if DDP_BODIES
+DDP_INLINE void record_members(Store& job, std::uint64_t epoch,
+                               const std::vector<int>& world_ranks) {
   const std::string mine = concat(epoch, ":", ranks_text(world_ranks));
   for (std::string held = peek_key(job, "members");;) {
     std::uint64_t theirs = 0;
@@ -178,11 +197,14 @@ inline void record_members(Store& job, std::uint64_t epoch, const std::vector<in
     held = now;
   }
 }
+#endif  // DDP_BODIES
 
 /// Whether every member of the running job (its last recorded membership, else the world ranks
 /// below `world_size`) other than `claim` is gone (its process ended): nobody is left to admit a
 /// newcomer.
-[[nodiscard]] inline bool job_ended(Store& job, int claim, int world_size) {
+[[nodiscard]] DDP_INLINE bool job_ended(Store& job, int claim, int world_size);
+#if DDP_BODIES
+DDP_INLINE bool job_ended(Store& job, int claim, int world_size) {
   std::vector<int> ranks;
   const std::string held = peek_key(job, "members");
   if (const std::size_t colon = held.find(':'); colon != std::string::npos)
@@ -195,11 +217,15 @@ inline void record_members(Store& job, std::uint64_t epoch, const std::vector<in
   }
   return true;
 }
+#endif  // DDP_BODIES
 
 /// Rank 0 of the members: answers the requests that arrived since the last growth of `old`
 /// (this process's communicator, of `size` ranks) and writes the decision of epoch `epoch`.
-inline Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
-                            const std::string& ticket) {
+DDP_INLINE Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
+                                const std::string& ticket);
+#if DDP_BODIES
+DDP_INLINE Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
+                                const std::string& ticket) {
   Growth g;
   g.upto = base.add("join/next", 0);
   g.from = old.joins_seen;
@@ -274,10 +300,14 @@ inline Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
   }
   return g;
 }
+#endif  // DDP_BODIES
 
 /// The other members: rank 0's decision of epoch `epoch` (rank 0 dying fails it at once).
-inline Growth await_growth(const CommState& old, Store& base, std::uint64_t epoch, int rank,
-                           Clock::time_point deadline) {
+DDP_INLINE Growth await_growth(const CommState& old, Store& base, std::uint64_t epoch, int rank,
+                               Clock::time_point deadline);
+#if DDP_BODIES
+DDP_INLINE Growth await_growth(const CommState& old, Store& base, std::uint64_t epoch, int rank,
+                               Clock::time_point deadline) {
   const std::string key[] = {
       growth_key(epoch, old.joins_seen, concat("decision.", old.grow_calls))};
   while (!base.check(key)) {
@@ -298,6 +328,7 @@ inline Growth await_growth(const CommState& old, Store& base, std::uint64_t epoc
          "): is another program writing into this job's store?");
   return g;
 }
+#endif  // DDP_BODIES
 
 /// Before connecting (step 3), every process of the grown communicator: says it is connecting
 /// ("e<E>/g<tag>/ready/<new rank>", the store marking its death from then on), then waits until
@@ -305,9 +336,13 @@ inline Growth await_growth(const CommState& old, Store& base, std::uint64_t epoc
 /// once with Errc::peer_lost; one that never comes (a member that did not call grow(), a stopped
 /// newcomer) with Errc::timeout; either way naming it. `root`: the store without prefix; `g`:
 /// the growth decision.
-inline void await_participants(Store& root, const std::string& job, std::uint64_t epoch, int rank,
-                               const std::vector<int>& world_ranks, const Growth& g,
-                               Clock::time_point deadline) {
+DDP_INLINE void await_participants(Store& root, const std::string& job, std::uint64_t epoch,
+                                   int rank, const std::vector<int>& world_ranks, const Growth& g,
+                                   Clock::time_point deadline);
+#if DDP_BODIES
+DDP_INLINE void await_participants(Store& root, const std::string& job, std::uint64_t epoch,
+                                   int rank, const std::vector<int>& world_ranks, const Growth& g,
+                                   Clock::time_point deadline) {
   const int members = static_cast<int>(g.members.size());
   const auto ready = [&](int r) { return concat(job, growth_key(epoch, g.from, "ready/"), r); };
   root.set(ready(rank), "");
@@ -339,47 +374,55 @@ inline void await_participants(Store& root, const std::string& job, std::uint64_
     (void)root.missing_after(here, std::chrono::milliseconds(20));
   }
 }
+#endif  // DDP_BODIES
 
 /// The newcomer's side of step 1: its request's id once written, and its reply once there.
 class JoinRequest {
  public:
-  JoinRequest(Store& base, int claim, const std::string& ticket, int world_size = 1)
-      : base_(base), claim_(claim), world_size_(world_size) {
-    id_ = base_.add("join/next", 1);
-    if (join_phase_hook() != nullptr) join_phase_hook()("numbered");
-    // Should this process die while it waits, rank 0 passes its request over.
-    const std::pair<std::string, std::string> on_close[] = {{join_key(id_, "gone"), ""}};
-    base_.set_on_close(on_close);
-    base_.set(join_key(id_), concat(claim, " ", ::getpid(), "\n", ticket));
-    if (join_phase_hook() != nullptr) join_phase_hook()("asked");
-  }
+  JoinRequest(Store& base, int claim, const std::string& ticket, int world_size = 1);
   [[nodiscard]] std::int64_t id() const noexcept { return id_; }
 
   /// The reply ("admit <E> <tag>" or "refuse <errc> <why>"), or "withdrawn" when none came by
   /// `deadline` (the request is then withdrawn, unless a reply won the race), or "ended" (also
   /// withdrawn) when every member of the job has ended meanwhile: nobody is left to admit it.
-  std::string await(Clock::time_point deadline) {
-    const std::string key[] = {join_key(id_, "reply")};
-    auto look = Clock::now() + std::chrono::milliseconds(250);
-    for (;;) {
-      if (base_.check(key)) return base_.get(key[0]);
-      if (Clock::now() > deadline) return base_.compare_set(key[0], "", "withdrawn");
-      if (Clock::now() > look) {
-        look = Clock::now() + std::chrono::milliseconds(250);
-        if (job_ended(base_, claim_, world_size_)) {
-          const std::string r = base_.compare_set(key[0], "", "withdrawn");
-          return r == "withdrawn" ? std::string("ended") : r;
-        }
-      }
-      (void)base_.missing_after(key, std::chrono::milliseconds(20));
-    }
-  }
+  std::string await(Clock::time_point deadline);
 
  private:
   Store& base_;
   int claim_ = 0, world_size_ = 1;
   std::int64_t id_ = 0;
 };
+
+#if DDP_BODIES
+DDP_INLINE JoinRequest::JoinRequest(Store& base, int claim, const std::string& ticket,
+                                    int world_size)
+    : base_(base), claim_(claim), world_size_(world_size) {
+  id_ = base_.add("join/next", 1);
+  if (join_phase_hook() != nullptr) join_phase_hook()("numbered");
+  // Should this process die while it waits, rank 0 passes its request over.
+  const std::pair<std::string, std::string> on_close[] = {{join_key(id_, "gone"), ""}};
+  base_.set_on_close(on_close);
+  base_.set(join_key(id_), concat(claim, " ", ::getpid(), "\n", ticket));
+  if (join_phase_hook() != nullptr) join_phase_hook()("asked");
+}
+
+DDP_INLINE std::string JoinRequest::await(Clock::time_point deadline) {
+  const std::string key[] = {join_key(id_, "reply")};
+  auto look = Clock::now() + std::chrono::milliseconds(250);
+  for (;;) {
+    if (base_.check(key)) return base_.get(key[0]);
+    if (Clock::now() > deadline) return base_.compare_set(key[0], "", "withdrawn");
+    if (Clock::now() > look) {
+      look = Clock::now() + std::chrono::milliseconds(250);
+      if (job_ended(base_, claim_, world_size_)) {
+        const std::string r = base_.compare_set(key[0], "", "withdrawn");
+        return r == "withdrawn" ? std::string("ended") : r;
+      }
+    }
+    (void)base_.missing_after(key, std::chrono::milliseconds(20));
+  }
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE

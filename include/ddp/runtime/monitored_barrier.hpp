@@ -29,8 +29,11 @@ namespace detail {
 /// the first); the others wait up to `timeout` for rank 0 to arrive, then for its verdict. Fails
 /// with Errc::timeout on every rank that waits; a rank whose process left ("exit/<r>") fails it
 /// at once with Errc::peer_lost.
-inline void monitored_barrier(Store& store, std::uint64_t n, int rank, int size,
-                              std::chrono::milliseconds timeout, bool wait_all_ranks) {
+DDP_INLINE void monitored_barrier(Store& store, std::uint64_t n, int rank, int size,
+                                  std::chrono::milliseconds timeout, bool wait_all_ranks);
+#if DDP_BODIES
+DDP_INLINE void monitored_barrier(Store& store, std::uint64_t n, int rank, int size,
+                                  std::chrono::milliseconds timeout, bool wait_all_ranks) {
   const std::string at = concat("monitored/", n, "/");
   const std::string what = concat("monitored_barrier #", n);
   const std::string verdict = at + "verdict";
@@ -94,6 +97,7 @@ inline void monitored_barrier(Store& store, std::uint64_t n, int rank, int size,
     fail(why.find(" left (") != std::string::npos ? Errc::peer_lost : Errc::timeout, "rank ", rank,
          ": ", what, ": failed because rank 0 reported: ", why);
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE

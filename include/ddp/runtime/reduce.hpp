@@ -158,7 +158,9 @@ constexpr ReduceFn reduce_fn_for(ReduceOp op) {
 }
 
 /// The kernel for (dtype, op), or nullptr when the pair is not supported.
-[[nodiscard]] inline ReduceFn reduce_fn(DType t, ReduceOp op) {
+[[nodiscard]] DDP_INLINE ReduceFn reduce_fn(DType t, ReduceOp op);
+#if DDP_BODIES
+DDP_INLINE ReduceFn reduce_fn(DType t, ReduceOp op) {
   switch (t) {
     case DType::int8: return reduce_fn_for<std::int8_t>(op);
     case DType::uint8: return reduce_fn_for<std::uint8_t>(op);
@@ -175,6 +177,7 @@ constexpr ReduceFn reduce_fn_for(ReduceOp op) {
   }
   return nullptr;
 }
+#endif  // DDP_BODIES
 
 /// data[i] /= n in place, in the accumulator's precision (as avg does after its sum): the last
 /// step of an avg whose sum was taken in parts (the hierarchical all_reduce).
@@ -189,7 +192,9 @@ void divide_kernel(std::byte* data, std::size_t count, int n) {
 }
 
 /// The divide kernel for a dtype that avg supports (floating point), else nullptr.
-[[nodiscard]] inline DivideFn divide_fn(DType t) {
+[[nodiscard]] DDP_INLINE DivideFn divide_fn(DType t);
+#if DDP_BODIES
+DDP_INLINE DivideFn divide_fn(DType t) {
   switch (t) {
     case DType::float16: return &divide_kernel<half>;
     case DType::float32: return &divide_kernel<float>;
@@ -198,6 +203,7 @@ void divide_kernel(std::byte* data, std::size_t count, int n) {
     default: return nullptr;
   }
 }
+#endif  // DDP_BODIES
 
 // ---- compressed all-reduce: float32 values that travel and are reduced as W (half, bfloat16) --
 
@@ -256,13 +262,16 @@ WireKernels wire_kernels_for(ReduceOp op) {
 }
 
 /// Kernels for float32 values carried as `wire` (float16 or bfloat16); reduce is null otherwise.
-[[nodiscard]] inline WireKernels wire_kernels(DType wire, ReduceOp op) {
+[[nodiscard]] DDP_INLINE WireKernels wire_kernels(DType wire, ReduceOp op);
+#if DDP_BODIES
+DDP_INLINE WireKernels wire_kernels(DType wire, ReduceOp op) {
   switch (wire) {
     case DType::float16: return wire_kernels_for<half>(op);
     case DType::bfloat16: return wire_kernels_for<bfloat16>(op);
     default: return {};
   }
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE

@@ -38,8 +38,11 @@ namespace detail {
 /// Fails with Errc::mismatch unless every rank's `values[j]` equals this rank's, naming the ranks
 /// that differ and their values: "rank 0: the ranks disagree on WHAT: this rank has A, rank 1 has
 /// B; FIX".
-inline void require_agreement(int rank, std::string_view what, std::string_view fix,
-                              const std::vector<std::string>& values) {
+DDP_INLINE void require_agreement(int rank, std::string_view what, std::string_view fix,
+                                  const std::vector<std::string>& values);
+#if DDP_BODIES
+DDP_INLINE void require_agreement(int rank, std::string_view what, std::string_view fix,
+                                  const std::vector<std::string>& values) {
   const std::string& mine = values.at(static_cast<std::size_t>(rank));
   std::string others;
   int n = 0;
@@ -53,11 +56,17 @@ inline void require_agreement(int rank, std::string_view what, std::string_view 
   fail(Errc::mismatch, "rank ", rank, ": the ranks disagree on ", what, ": this rank has ", mine,
        others, "; ", fix);
 }
+#endif  // DDP_BODIES
 
 /// The rendezvous timeout, naming the ranks whose `prefix<j>` key never appeared.
-[[noreturn]] inline void fail_missing_ranks(int rank, int size, std::chrono::milliseconds timeout,
-                                            const std::vector<std::string>& missing,
-                                            std::size_t prefix_len) {
+[[noreturn]] DDP_INLINE void fail_missing_ranks(int rank, int size,
+                                                std::chrono::milliseconds timeout,
+                                                const std::vector<std::string>& missing,
+                                                std::size_t prefix_len);
+#if DDP_BODIES
+DDP_INLINE void fail_missing_ranks(int rank, int size, std::chrono::milliseconds timeout,
+                                   const std::vector<std::string>& missing,
+                                   std::size_t prefix_len) {
   std::string who;
   for (const auto& k : missing) who += concat(who.empty() ? "" : ", ", k.substr(prefix_len));
   fail(Errc::timeout, "rank ", rank, ": rendezvous timed out after ", timeout.count(),
@@ -66,12 +75,17 @@ inline void require_agreement(int rank, std::string_view what, std::string_view 
        ". Check that every rank was started with the same MASTER_ADDR, MASTER_PORT and "
        "WORLD_SIZE");
 }
+#endif  // DDP_BODIES
 
 /// Waits up to `timeout` for `prefix<j>` of every rank j and returns their values; a timeout
 /// names the ranks that are missing.
-[[nodiscard]] inline std::vector<std::string> gather_records(Store& store, std::string_view prefix,
-                                                             int rank, int size,
-                                                             std::chrono::milliseconds timeout) {
+[[nodiscard]] DDP_INLINE std::vector<std::string> gather_records(Store& store,
+                                                                 std::string_view prefix, int rank,
+                                                                 int size,
+                                                                 std::chrono::milliseconds timeout);
+#if DDP_BODIES
+DDP_INLINE std::vector<std::string> gather_records(Store& store, std::string_view prefix, int rank,
+                                                   int size, std::chrono::milliseconds timeout) {
   std::vector<std::string> keys;
   for (int j = 0; j < size; ++j) keys.push_back(concat(prefix, j));
   if (auto missing = store.missing_after(keys, timeout); !missing.empty())
@@ -80,6 +94,7 @@ inline void require_agreement(int rank, std::string_view what, std::string_view 
   for (const auto& k : keys) values.push_back(store.get(k));
   return values;
 }
+#endif  // DDP_BODIES
 
 /// What a rank believes about its job; every rank must believe the same.
 struct JobView {
@@ -90,15 +105,20 @@ struct JobView {
 };
 
 /// Who this process is, as another process would be told ("pid 123 on host node7").
-[[nodiscard]] inline std::string process_label() {
+[[nodiscard]] DDP_INLINE std::string process_label();
+#if DDP_BODIES
+DDP_INLINE std::string process_label() {
   char name[256] = {};
   (void)::gethostname(name, sizeof name - 1);
   return concat("pid ", ::getpid(), " on host ", name);
 }
+#endif  // DDP_BODIES
 
 /// Process `pid`'s start time (clock ticks after boot, /proc/PID/stat field 22); "" when it is
 /// gone or has ended (a zombie its parent has not reaped yet).
-[[nodiscard]] inline std::string process_start(int pid) {
+[[nodiscard]] DDP_INLINE std::string process_start(int pid);
+#if DDP_BODIES
+DDP_INLINE std::string process_start(int pid) {
   const std::string path = concat("/proc/", pid, "/stat");
   std::string stat(1024, '\0');
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -114,10 +134,13 @@ struct JobView {
   if (at == std::string::npos) return {};
   return stat.substr(at + 1, stat.find(' ', at + 1) - at - 1);
 }
+#endif  // DDP_BODIES
 
 /// This process as another process on the same machine can find it: host name, boot id and pid
 /// namespace, then pid and start time ("host|boot|pidns pid start").
-[[nodiscard]] inline std::string process_identity() {
+[[nodiscard]] DDP_INLINE std::string process_identity();
+#if DDP_BODIES
+DDP_INLINE std::string process_identity() {
   char name[256] = {};
   (void)::gethostname(name, sizeof name - 1);
   const auto first_line = [](const char* path) {
@@ -133,10 +156,13 @@ struct JobView {
   return concat(name, "|", first_line("/proc/sys/kernel/random/boot_id"), "|", ns, " ", ::getpid(),
                 " ", process_start(::getpid()));
 }
+#endif  // DDP_BODIES
 
 /// Whether the process `identity` (process_identity()) ran on this machine, in this pid
 /// namespace, and has ended: certain evidence of a death, without waiting for a lease.
-[[nodiscard]] inline bool ended_here(std::string_view identity) {
+[[nodiscard]] DDP_INLINE bool ended_here(std::string_view identity);
+#if DDP_BODIES
+DDP_INLINE bool ended_here(std::string_view identity) {
   const std::string mine = process_identity();
   const std::size_t a = identity.find(' '), b = mine.find(' ');
   if (a == std::string_view::npos || identity.substr(0, a) != std::string_view(mine).substr(0, b))
@@ -149,10 +175,13 @@ struct JobView {
     return false;
   return process_start(pid) != rest.substr(sp + 1);
 }
+#endif  // DDP_BODIES
 
 /// Claims `rank` in the store: fails with Errc::invalid_argument, naming the process that holds
 /// it, when another process claimed it first. Returns normally once the rank is this process's.
-inline void claim_rank(Store& store, int rank, std::string_view group) {
+DDP_INLINE void claim_rank(Store& store, int rank, std::string_view group);
+#if DDP_BODIES
+DDP_INLINE void claim_rank(Store& store, int rank, std::string_view group) {
   const std::string me =
       concat(process_label(), " [", random_value<std::uint64_t>(), "]");  // unique per claim
   const std::string held = store.compare_set(concat("claim/", rank), "", me);
@@ -171,13 +200,17 @@ inline void claim_rank(Store& store, int rank, std::string_view group) {
        "\" is already taken by ", who, "; this process (", process_label(),
        ") was started with the same RANK. Give every process its own RANK (0..WORLD_SIZE-1)");
 }
+#endif  // DDP_BODIES
 
 /// Publishes this rank's view of the job and checks it against every rank's (see the file
 /// comment). Errc::mismatch names the ranks that differ and both values. `widest` is set to the
 /// largest world size any rank claimed (before a mismatch is thrown): the store's host waits for
 /// that many ranks to read the failure before it stops serving.
-inline void agree_on_job(Store& store, int rank, const JobView& job,
-                         std::chrono::milliseconds timeout, int& widest) {
+DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
+                             std::chrono::milliseconds timeout, int& widest);
+#if DDP_BODIES
+DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
+                             std::chrono::milliseconds timeout, int& widest) {
   std::string rec;
   ByteWriter w(rec);
   w.str(DDP_VERSION_STRING);
@@ -212,6 +245,7 @@ inline void agree_on_job(Store& store, int rank, const JobView& job,
                     "others sign would count them lost, or they it)",
                     heartbeats);
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE

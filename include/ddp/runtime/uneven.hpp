@@ -26,11 +26,7 @@ namespace detail {
 struct UnevenPlan {
   std::vector<std::uint64_t> sends, recvs;
 
-  [[nodiscard]] std::vector<std::uint64_t> row() const {
-    std::vector<std::uint64_t> r(sends);
-    r.insert(r.end(), recvs.begin(), recvs.end());
-    return r;
-  }
+  [[nodiscard]] std::vector<std::uint64_t> row() const;
 
   /// all_to_all: in_counts[j] to rank j, out_counts[j] from it.
   static UnevenPlan all_to_all(std::span<const std::size_t> in_counts,
@@ -40,26 +36,40 @@ struct UnevenPlan {
   /// all_gather (root < 0) or gather: `in_count` elements to every rank (the root); the root
   /// (every rank) expects counts[j] from rank j.
   static UnevenPlan gather(int p, int rank, std::size_t in_count,
-                           std::span<const std::size_t> counts, int root) {
-    UnevenPlan plan{std::vector<std::uint64_t>(static_cast<std::size_t>(p)),
-                    std::vector<std::uint64_t>(static_cast<std::size_t>(p))};
-    for (int j = 0; j < p; ++j) {
-      if (root < 0 || j == root) plan.sends[static_cast<std::size_t>(j)] = in_count;
-      if (root < 0 || rank == root)
-        plan.recvs[static_cast<std::size_t>(j)] = counts[static_cast<std::size_t>(j)];
-    }
-    return plan;
-  }
+                           std::span<const std::size_t> counts, int root);
   /// scatter: the root sends counts[j] to rank j; every rank expects `out_count` from the root.
   static UnevenPlan scatter(int p, int rank, std::size_t out_count,
-                            std::span<const std::size_t> counts, int root) {
-    UnevenPlan plan{std::vector<std::uint64_t>(static_cast<std::size_t>(p)),
-                    std::vector<std::uint64_t>(static_cast<std::size_t>(p))};
-    plan.recvs[static_cast<std::size_t>(root)] = out_count;
-    if (rank == root) plan.sends.assign(counts.begin(), counts.end());
-    return plan;
-  }
+                            std::span<const std::size_t> counts, int root);
 };
+
+#if DDP_BODIES
+DDP_INLINE std::vector<std::uint64_t> UnevenPlan::row() const {
+  std::vector<std::uint64_t> r(sends);
+  r.insert(r.end(), recvs.begin(), recvs.end());
+  return r;
+}
+
+DDP_INLINE UnevenPlan UnevenPlan::gather(int p, int rank, std::size_t in_count,
+                                         std::span<const std::size_t> counts, int root) {
+  UnevenPlan plan{std::vector<std::uint64_t>(static_cast<std::size_t>(p)),
+                  std::vector<std::uint64_t>(static_cast<std::size_t>(p))};
+  for (int j = 0; j < p; ++j) {
+    if (root < 0 || j == root) plan.sends[static_cast<std::size_t>(j)] = in_count;
+    if (root < 0 || rank == root)
+      plan.recvs[static_cast<std::size_t>(j)] = counts[static_cast<std::size_t>(j)];
+  }
+  return plan;
+}
+
+DDP_INLINE UnevenPlan UnevenPlan::scatter(int p, int rank, std::size_t out_count,
+                                          std::span<const std::size_t> counts, int root) {
+  UnevenPlan plan{std::vector<std::uint64_t>(static_cast<std::size_t>(p)),
+                  std::vector<std::uint64_t>(static_cast<std::size_t>(p))};
+  plan.recvs[static_cast<std::size_t>(root)] = out_count;
+  if (rank == root) plan.sends.assign(counts.begin(), counts.end());
+  return plan;
+}
+#endif  // DDP_BODIES
 
 /// Every rank's row (rows[r * 2p ...], as UnevenPlan::row) checked pair by pair: returns
 /// sends[src * p + dst]; fails with Errc::mismatch naming the first pair that disagrees.
@@ -86,7 +96,10 @@ template <class Global>
 }
 
 /// Offsets of consecutive blocks of the given sizes.
-[[nodiscard]] inline std::vector<std::size_t> block_offsets(std::span<const std::size_t> counts) {
+[[nodiscard]] DDP_INLINE std::vector<std::size_t> block_offsets(
+    std::span<const std::size_t> counts);
+#if DDP_BODIES
+DDP_INLINE std::vector<std::size_t> block_offsets(std::span<const std::size_t> counts) {
   std::vector<std::size_t> at(counts.size());
   std::size_t sum = 0;
   for (std::size_t j = 0; j < counts.size(); ++j) {
@@ -95,6 +108,7 @@ template <class Global>
   }
   return at;
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE

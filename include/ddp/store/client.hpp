@@ -38,69 +38,36 @@ class Store {
  public:
   /// Connects to ddp's store server at host:port, retrying until options.timeout (the server may
   /// start later).
-  Store(std::string host, int port, StoreOptions options = {})
-      : Store(std::make_shared<detail::TcpStoreConnection>(std::move(host), port,
-                                                           std::move(options))) {}
+  Store(std::string host, int port, StoreOptions options = {});
   /// A store over a connection made elsewhere (an etcd cluster: detail::connect_etcd).
-  explicit Store(std::shared_ptr<detail::StoreConnection> c) : conn_(std::move(c)) {
-    if (conn_->self.expired()) {
-      conn_->self = conn_;
-      conn_->adopted();
-    }
-  }
+  explicit Store(std::shared_ptr<detail::StoreConnection> c);
 
   /// A view of the same store whose keys are prefixed with `prefix`.
-  [[nodiscard]] Store prefixed(std::string_view prefix) const {
-    Store s(*this);
-    s.prefix_ += prefix;
-    return s;
-  }
+  [[nodiscard]] Store prefixed(std::string_view prefix) const;
 
   /// A view whose get() and wait() also end as soon as `key` (under this view's prefix) exists:
   /// they then throw the ddp::Error that `key` holds (see stop_value()), or Errc::aborted with its
   /// text. A rank that fails during a rendezvous sets such a key, so its peers fail at once
   /// with its reason instead of waiting out their timeout.
-  [[nodiscard]] Store watching(std::string_view key) const {
-    Store s(*this);
-    s.stop_ = full(key);
-    return s;
-  }
+  [[nodiscard]] Store watching(std::string_view key) const;
 
   /// A view whose calls all end by `deadline` (their timeouts are shortened to fit; an expired
   /// deadline makes waits time out at once): the steps of a rendezvous share one timeout.
   /// Clock::time_point::max() lifts it.
-  [[nodiscard]] Store with_deadline(detail::Clock::time_point deadline) const {
-    Store s(*this);
-    s.deadline_ = deadline;
-    return s;
-  }
+  [[nodiscard]] Store with_deadline(detail::Clock::time_point deadline) const;
   /// The deadline of this view (see with_deadline()); Clock::time_point::max() when none.
   [[nodiscard]] detail::Clock::time_point deadline() const noexcept { return deadline_; }
 
   /// The same view without the watched key (see watching()).
-  [[nodiscard]] Store unwatched() const {
-    Store s(*this);
-    s.stop_.clear();
-    return s;
-  }
+  [[nodiscard]] Store unwatched() const;
 
   /// A view whose calls fail at once (Errc::timeout) instead of waiting while another thread's
   /// call holds the connection.
-  [[nodiscard]] Store soft() const {
-    Store s(*this);
-    s.soft_ = true;
-    return s;
-  }
+  [[nodiscard]] Store soft() const;
 
   /// The value for a watched key (see watching()) that makes the waiters throw `code` with
   /// `message`.
-  [[nodiscard]] static std::string stop_value(Errc code, std::string_view message) {
-    std::string v;
-    detail::ByteWriter w(v);
-    w.put(static_cast<std::int32_t>(code));
-    w.str(message);
-    return v;
-  }
+  [[nodiscard]] static std::string stop_value(Errc code, std::string_view message);
 
   /// Whether a call has found the store gone (closed or unresponsive): every later call fails at
   /// once instead of reconnecting.
@@ -159,12 +126,7 @@ class Store {
   /// not exist to its value: a dead man's switch, with which a rendezvous learns at once of a rank
   /// that died. One set per connection; a later call replaces it. (etcd: when the connection's
   /// lease runs out, applied by another process of the job.)
-  void set_on_close(std::span<const std::pair<std::string, std::string>> keys) {
-    std::vector<std::pair<std::string, std::string>> all;
-    for (const auto& [k, v] : keys) all.emplace_back(full(k), v);
-    conn_->set_on_close(
-        call("set_on_close", keys.empty() ? std::string_view{} : keys.front().first), all);
-  }
+  void set_on_close(std::span<const std::pair<std::string, std::string>> keys);
   /// Cancels set_on_close().
   void clear_on_close() { set_on_close({}); }
 
@@ -174,53 +136,27 @@ class Store {
   /// and applies `on_expire` (keys under this view's prefix), and the connection stays open, so
   /// that a process that wakes can still read why it was left out. A later call replaces it (and
   /// re-arms an expired one); a `ttl` of 0 ends it.
-  void lease(std::chrono::milliseconds ttl, std::span<const LeaseRecord> on_expire = {}) {
-    std::vector<LeaseRecord> all(on_expire.begin(), on_expire.end());
-    for (LeaseRecord& r : all) r.key = full(r.key);
-    conn_->lease(call("lease", on_expire.empty() ? std::string_view{} : on_expire.front().key), ttl,
-                 all);
-    conn_->start_heartbeat(ttl);
-  }
+  void lease(std::chrono::milliseconds ttl, std::span<const LeaseRecord> on_expire = {});
 
   /// Runs `tick` on the lease's thread after each sign of life (every ttl / 5), with a view of
   /// this store whose calls never wait for another thread's call (soft()); returns a number for
   /// remove_tick(). A tick must not remove itself.
-  std::uint64_t add_tick(std::function<void(Store&)> tick) {
-    std::weak_ptr<detail::StoreConnection> w = conn_;
-    return conn_->add_tick([w, tick = std::move(tick)] {
-      if (const auto c = w.lock()) {
-        Store soft_view(c);
-        soft_view.soft_ = true;
-        tick(soft_view);
-      }
-    });
-  }
+  std::uint64_t add_tick(std::function<void(Store&)> tick);
   /// Removes a tick; once it returns, that tick does not run (any more).
   void remove_tick(std::uint64_t id) { conn_->remove_tick(id); }
 
   /// Whether every key exists, without waiting.
-  [[nodiscard]] bool check(std::span<const std::string> keys) {
-    std::vector<std::string> all;
-    for (const auto& k : keys) all.push_back(full(k));
-    return conn_->check(call("check", {}), all);
-  }
+  [[nodiscard]] bool check(std::span<const std::string> keys);
 
   /// The keys of `keys` that are missing from the store after waiting up to `timeout`; empty when
   /// all appeared. Unlike wait(), reports instead of throwing.
   /// A watched key that appears meanwhile throws its error, whatever its code (Errc::timeout
   /// included: a rank that timed out elsewhere), never mistaken for this wait's own timeout.
   [[nodiscard]] std::vector<std::string> missing_after(std::span<const std::string> keys,
-                                                       std::chrono::milliseconds timeout) {
-    if (wait_for(keys, timeout, true)) return {};
-    std::vector<std::string> missing;
-    for (const auto& k : keys) {
-      if (!check(std::span<const std::string>(&k, 1))) missing.push_back(k);
-    }
-    return missing;
-  }
+                                                       std::chrono::milliseconds timeout);
 
  private:
-  [[nodiscard]] std::string full(std::string_view key) const { return prefix_ + std::string(key); }
+  [[nodiscard]] std::string full(std::string_view key) const;
 
   [[nodiscard]] detail::StoreCall call(std::string_view what, std::string_view key) const {
     return {what, prefix_, key, deadline_, soft_};
@@ -228,20 +164,10 @@ class Store {
 
   /// wait(); with `report_timeout`, returns false at the timeout instead of throwing it.
   bool wait_for(std::span<const std::string> keys, std::chrono::milliseconds timeout,
-                bool report_timeout) {
-    std::vector<std::string> all;
-    for (const auto& k : keys) all.push_back(full(k));
-    return conn_->wait(call("wait", keys.empty() ? std::string_view{} : std::string_view(keys[0])),
-                       all, capped(timeout), stop_, report_timeout);
-  }
+                bool report_timeout);
 
   /// `timeout`, shortened to end by this view's deadline.
-  [[nodiscard]] std::chrono::milliseconds capped(std::chrono::milliseconds timeout) const {
-    if (deadline_ == detail::Clock::time_point::max()) return timeout;
-    const auto left =
-        std::chrono::ceil<std::chrono::milliseconds>(deadline_ - detail::Clock::now());
-    return std::clamp(left, std::chrono::milliseconds(0), timeout);
-  }
+  [[nodiscard]] std::chrono::milliseconds capped(std::chrono::milliseconds timeout) const;
 
   std::shared_ptr<detail::StoreConnection> conn_;
   std::string prefix_;
@@ -249,5 +175,117 @@ class Store {
   bool soft_ = false;  // soft(): a call never waits for another thread's
   detail::Clock::time_point deadline_ = detail::Clock::time_point::max();  // with_deadline()
 };
+
+#if DDP_BODIES
+DDP_INLINE Store::Store(std::string host, int port, StoreOptions options)
+    : Store(std::make_shared<detail::TcpStoreConnection>(std::move(host), port,
+                                                         std::move(options))) {}
+
+DDP_INLINE Store::Store(std::shared_ptr<detail::StoreConnection> c) : conn_(std::move(c)) {
+  if (conn_->self.expired()) {
+    conn_->self = conn_;
+    conn_->adopted();
+  }
+}
+
+DDP_INLINE Store Store::prefixed(std::string_view prefix) const {
+  Store s(*this);
+  s.prefix_ += prefix;
+  return s;
+}
+
+DDP_INLINE Store Store::watching(std::string_view key) const {
+  Store s(*this);
+  s.stop_ = full(key);
+  return s;
+}
+
+DDP_INLINE Store Store::with_deadline(detail::Clock::time_point deadline) const {
+  Store s(*this);
+  s.deadline_ = deadline;
+  return s;
+}
+
+DDP_INLINE Store Store::unwatched() const {
+  Store s(*this);
+  s.stop_.clear();
+  return s;
+}
+
+DDP_INLINE Store Store::soft() const {
+  Store s(*this);
+  s.soft_ = true;
+  return s;
+}
+
+DDP_INLINE std::string Store::stop_value(Errc code, std::string_view message) {
+  std::string v;
+  detail::ByteWriter w(v);
+  w.put(static_cast<std::int32_t>(code));
+  w.str(message);
+  return v;
+}
+
+DDP_INLINE void Store::set_on_close(std::span<const std::pair<std::string, std::string>> keys) {
+  std::vector<std::pair<std::string, std::string>> all;
+  for (const auto& [k, v] : keys) all.emplace_back(full(k), v);
+  conn_->set_on_close(call("set_on_close", keys.empty() ? std::string_view{} : keys.front().first),
+                      all);
+}
+
+DDP_INLINE void Store::lease(std::chrono::milliseconds ttl,
+                             std::span<const LeaseRecord> on_expire) {
+  std::vector<LeaseRecord> all(on_expire.begin(), on_expire.end());
+  for (LeaseRecord& r : all) r.key = full(r.key);
+  conn_->lease(call("lease", on_expire.empty() ? std::string_view{} : on_expire.front().key), ttl,
+               all);
+  conn_->start_heartbeat(ttl);
+}
+
+DDP_INLINE std::uint64_t Store::add_tick(std::function<void(Store&)> tick) {
+  std::weak_ptr<detail::StoreConnection> w = conn_;
+  return conn_->add_tick([w, tick = std::move(tick)] {
+    if (const auto c = w.lock()) {
+      Store soft_view(c);
+      soft_view.soft_ = true;
+      tick(soft_view);
+    }
+  });
+}
+
+DDP_INLINE bool Store::check(std::span<const std::string> keys) {
+  std::vector<std::string> all;
+  for (const auto& k : keys) all.push_back(full(k));
+  return conn_->check(call("check", {}), all);
+}
+
+DDP_INLINE std::vector<std::string> Store::missing_after(std::span<const std::string> keys,
+                                                         std::chrono::milliseconds timeout) {
+  if (wait_for(keys, timeout, true)) return {};
+  std::vector<std::string> missing;
+  for (const auto& k : keys) {
+    if (!check(std::span<const std::string>(&k, 1))) missing.push_back(k);
+  }
+  return missing;
+}
+
+DDP_INLINE std::string Store::full(std::string_view key) const {
+  return prefix_ + std::string(key);
+}
+
+DDP_INLINE bool Store::wait_for(std::span<const std::string> keys,
+                                std::chrono::milliseconds timeout, bool report_timeout) {
+  std::vector<std::string> all;
+  for (const auto& k : keys) all.push_back(full(k));
+  return conn_->wait(call("wait", keys.empty() ? std::string_view{} : std::string_view(keys[0])),
+                     all, capped(timeout), stop_, report_timeout);
+}
+
+DDP_INLINE std::chrono::milliseconds Store::capped(std::chrono::milliseconds timeout) const {
+  if (deadline_ == detail::Clock::time_point::max()) return timeout;
+  const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline_ - detail::Clock::now());
+  return std::clamp(left, std::chrono::milliseconds(0), timeout);
+}
+#endif  // DDP_BODIES
 
 DDP_END_NAMESPACE

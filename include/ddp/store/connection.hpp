@@ -47,8 +47,10 @@ struct StoreCall {
 
 /// The error a watched key's value holds (Store::stop_value): its code and message; otherwise
 /// Errc::aborted quoting it.
-[[noreturn]] inline void fail_stopped(const StoreCall& c, std::string_view stop,
-                                      const std::string& value) {
+[[noreturn]] DDP_INLINE void fail_stopped(const StoreCall& c, std::string_view stop,
+                                          const std::string& value);
+#if DDP_BODIES
+DDP_INLINE void fail_stopped(const StoreCall& c, std::string_view stop, const std::string& value) {
   if (value.size() >= 8) {
     ByteReader vr(value, "stop value");
     const auto code = vr.get<std::int32_t>();
@@ -60,10 +62,14 @@ struct StoreCall {
   fail(Errc::aborted, "store ", c.what, "(\"", c.prefix, c.key, "\"): stopped by \"", stop,
        "\": ", value);
 }
+#endif  // DDP_BODIES
 
 /// A wait's timeout, naming the keys still missing (at most 16).
-[[noreturn]] inline void fail_missing(const StoreCall& c, std::chrono::milliseconds timeout,
-                                      const std::vector<std::string>& missing) {
+[[noreturn]] DDP_INLINE void fail_missing(const StoreCall& c, std::chrono::milliseconds timeout,
+                                          const std::vector<std::string>& missing);
+#if DDP_BODIES
+DDP_INLINE void fail_missing(const StoreCall& c, std::chrono::milliseconds timeout,
+                             const std::vector<std::string>& missing) {
   std::string names;
   for (std::size_t i = 0; i < missing.size() && i < 16; ++i)
     names += concat(i ? ", \"" : "\"", missing[i], "\"");
@@ -71,11 +77,12 @@ struct StoreCall {
   fail(Errc::timeout, "store ", c.what, ": timed out after ", timeout.count(), " ms waiting for ",
        names);
 }
+#endif  // DDP_BODIES
 
 /// One connection to a store (see the file comment). Thread-safe.
 class StoreConnection {
  public:
-  explicit StoreConnection(StoreOptions o) : options(std::move(o)) {}
+  explicit StoreConnection(StoreOptions o);
   StoreConnection(const StoreConnection&) = delete;
   StoreConnection& operator=(const StoreConnection&) = delete;
   virtual ~StoreConnection() { stop_heartbeat(); }
@@ -118,40 +125,18 @@ class StoreConnection {
 
   // ---- the lease's thread ----
   /// Starts (or re-times) the thread that signs every ttl / 5 and then runs the ticks.
-  void start_heartbeat(std::chrono::milliseconds ttl) {
-    {
-      std::lock_guard lock(beat_->mutex);
-      beat_->period = ttl / 5;
-    }
-    beat_->wake.notify_all();
-    if (heartbeat_.joinable() || ttl.count() <= 0) return;
-    heartbeat_ = std::thread([b = beat_, w = self] { beating(b, w); });
-  }
+  void start_heartbeat(std::chrono::milliseconds ttl);
   /// `tick` runs on the lease's thread after each sign of life; returns its number.
-  std::uint64_t add_tick(std::function<void()> tick) {
-    std::lock_guard lock(tick_mutex_);
-    ticks_.emplace(++next_tick_, std::move(tick));
-    return next_tick_;
-  }
+  std::uint64_t add_tick(std::function<void()> tick);
   /// Once it returns, tick `id` does not run (any more).
-  void remove_tick(std::uint64_t id) {
-    std::lock_guard lock(tick_mutex_);
-    ticks_.erase(id);
-  }
+  void remove_tick(std::uint64_t id);
 
  protected:
   std::mutex mutex_;  // one call at a time
 
   /// The call mutex, taken (or, for a soft call, tried: Errc::timeout when another thread's
   /// call holds it).
-  std::unique_lock<std::mutex> lock_for(const StoreCall& c) {
-    std::unique_lock lock(mutex_, std::defer_lock);
-    if (!c.soft)
-      lock.lock();
-    else if (!lock.try_lock())
-      fail(Errc::timeout, "store ", c.what, ": the connection is busy with another call");
-    return lock;
-  }
+  std::unique_lock<std::mutex> lock_for(const StoreCall& c);
 
   /// One sign of life (from the lease's thread; it must never wait for a call).
   virtual void keepalive() = 0;
@@ -160,19 +145,7 @@ class StoreConnection {
 
   /// Ends the lease's thread (a derived class calls it first in its destructor: the thread may
   /// be signing through it).
-  void stop_heartbeat() noexcept {
-    if (!heartbeat_.joinable()) return;
-    {
-      std::lock_guard lock(beat_->mutex);
-      beat_->stop = true;
-    }
-    beat_->wake.notify_all();
-    // A fork() child's copy has no such thread; the thread itself may drop the last reference.
-    if (fork_generation() != made_in_ || heartbeat_.get_id() == std::this_thread::get_id())
-      heartbeat_.detach();
-    else
-      heartbeat_.join();
-  }
+  void stop_heartbeat() noexcept;
 
  private:
   /// What the lease's thread shares with its connection: it holds this and a weak reference,
@@ -184,30 +157,7 @@ class StoreConnection {
     bool stop = false;
   };
 
-  static void beating(const std::shared_ptr<Beat>& b, const std::weak_ptr<StoreConnection>& w) {
-    for (;;) {
-      {
-        std::unique_lock lock(b->mutex);
-        if (b->period.count() <= 0)
-          b->wake.wait(lock, [&] { return b->stop || b->period.count() > 0; });
-        if (b->stop || b->wake.wait_for(lock, b->period, [&] { return b->stop; })) return;
-      }
-      std::shared_ptr<StoreConnection> me = w.lock();
-      if (!me) return;
-      try {
-        me->keepalive();
-        me->on_beat();
-      } catch (...) {  // the next call finds out what is wrong
-      }
-      std::lock_guard lock(me->tick_mutex_);
-      for (auto& [id, tick] : me->ticks_) {
-        try {
-          tick();
-        } catch (...) {  // a tick's failure is its own business; the next beat tries again
-        }
-      }
-    }  // `me` dropped last: should it hold the last reference, the destructor detaches this thread
-  }
+  static void beating(const std::shared_ptr<Beat>& b, const std::weak_ptr<StoreConnection>& w);
 
   std::shared_ptr<Beat> beat_ = std::make_shared<Beat>();
   std::thread heartbeat_;
@@ -216,6 +166,80 @@ class StoreConnection {
   std::map<std::uint64_t, std::function<void()>> ticks_;
   std::uint64_t next_tick_ = 0;
 };
+
+#if DDP_BODIES
+DDP_INLINE StoreConnection::StoreConnection(StoreOptions o) : options(std::move(o)) {}
+
+DDP_INLINE void StoreConnection::start_heartbeat(std::chrono::milliseconds ttl) {
+  {
+    std::lock_guard lock(beat_->mutex);
+    beat_->period = ttl / 5;
+  }
+  beat_->wake.notify_all();
+  if (heartbeat_.joinable() || ttl.count() <= 0) return;
+  heartbeat_ = std::thread([b = beat_, w = self] { beating(b, w); });
+}
+
+DDP_INLINE std::uint64_t StoreConnection::add_tick(std::function<void()> tick) {
+  std::lock_guard lock(tick_mutex_);
+  ticks_.emplace(++next_tick_, std::move(tick));
+  return next_tick_;
+}
+
+DDP_INLINE void StoreConnection::remove_tick(std::uint64_t id) {
+  std::lock_guard lock(tick_mutex_);
+  ticks_.erase(id);
+}
+
+DDP_INLINE std::unique_lock<std::mutex> StoreConnection::lock_for(const StoreCall& c) {
+  std::unique_lock lock(mutex_, std::defer_lock);
+  if (!c.soft)
+    lock.lock();
+  else if (!lock.try_lock())
+    fail(Errc::timeout, "store ", c.what, ": the connection is busy with another call");
+  return lock;
+}
+
+DDP_INLINE void StoreConnection::stop_heartbeat() noexcept {
+  if (!heartbeat_.joinable()) return;
+  {
+    std::lock_guard lock(beat_->mutex);
+    beat_->stop = true;
+  }
+  beat_->wake.notify_all();
+  // A fork() child's copy has no such thread; the thread itself may drop the last reference.
+  if (fork_generation() != made_in_ || heartbeat_.get_id() == std::this_thread::get_id())
+    heartbeat_.detach();
+  else
+    heartbeat_.join();
+}
+
+DDP_INLINE void StoreConnection::beating(const std::shared_ptr<Beat>& b,
+                                         const std::weak_ptr<StoreConnection>& w) {
+  for (;;) {
+    {
+      std::unique_lock lock(b->mutex);
+      if (b->period.count() <= 0)
+        b->wake.wait(lock, [&] { return b->stop || b->period.count() > 0; });
+      if (b->stop || b->wake.wait_for(lock, b->period, [&] { return b->stop; })) return;
+    }
+    std::shared_ptr<StoreConnection> me = w.lock();
+    if (!me) return;
+    try {
+      me->keepalive();
+      me->on_beat();
+    } catch (...) {  // the next call finds out what is wrong
+    }
+    std::lock_guard lock(me->tick_mutex_);
+    for (auto& [id, tick] : me->ticks_) {
+      try {
+        tick();
+      } catch (...) {  // a tick's failure is its own business; the next beat tries again
+      }
+    }
+  }  // `me` dropped last: should it hold the last reference, the destructor detaches this thread
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE

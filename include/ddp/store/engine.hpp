@@ -73,15 +73,12 @@ class StoreEngine {
   static constexpr std::size_t backlog_limit = std::size_t{1} << 20;
 
   /// `options.log` must be set.
-  explicit StoreEngine(StoreOptions options) : options_(std::move(options)) {}
+  explicit StoreEngine(StoreOptions options);
 
   [[nodiscard]] const StoreOptions& options() const noexcept { return options_; }
   [[nodiscard]] std::uint64_t refused() const noexcept { return refused_.load(); }
   [[nodiscard]] std::map<std::uint64_t, Session>& sessions() noexcept { return sessions_; }
-  [[nodiscard]] Session* session(std::uint64_t id) {
-    auto it = sessions_.find(id);
-    return it == sessions_.end() ? nullptr : &it->second;
-  }
+  [[nodiscard]] Session* session(std::uint64_t id);
   [[nodiscard]] std::size_t keys() const noexcept { return data_.size(); }
 
   /// A new connection from `peer`: queues the server's hello and returns the session's id, or
@@ -89,36 +86,7 @@ class StoreEngine {
   /// that have not authenticated share a small budget (max_pending_handshakes): a new one closes
   /// the oldest of them rather than be refused, so a flood of idle connections cannot keep a
   /// real rank from connecting (it authenticates within one round trip).
-  std::uint64_t open(std::string peer, Clock::time_point now) {
-    std::size_t live = 0, pending = 0;
-    for (const auto& [id, s] : sessions_) {
-      live += s.closed ? 0 : 1;
-      pending += !s.authed && !s.closed ? 1 : 0;
-    }
-    if (pending > 0 && (pending >= std::max<std::size_t>(1, options_.max_pending_handshakes) ||
-                        live >= options_.max_connections)) {
-      evict_oldest_pending();
-      --live;
-    }
-    if (live >= options_.max_connections) {
-      refuse(peer, "too many connections");
-      return 0;
-    }
-    Session s;
-    s.peer = std::move(peer);
-    s.accepted = now;
-    random_bytes(s.nonce.data(), s.nonce.size());
-    std::string hello;
-    ByteWriter w(hello);
-    w.put(store_proto::magic);
-    w.put(store_proto::version);
-    w.put(static_cast<std::uint8_t>(options_.token.empty() ? 0 : 1));
-    w.raw(s.nonce.data(), s.nonce.size());
-    queue_frame(s, hello);
-    const auto id = next_id_++;
-    sessions_.emplace(id, std::move(s));
-    return id;
-  }
+  std::uint64_t open(std::string peer, Clock::time_point now);
 
   /// Whether the server should read more from a session: open, not refused, and its pending
   /// output under backlog_limit.
@@ -135,99 +103,24 @@ class StoreEngine {
   /// Consumes bytes a connection sent, any amount, frame by frame. Only the current frame is
   /// buffered and only as far as it has arrived, so memory follows the bytes actually sent, never
   /// a length someone claims. A malformed frame closes the session (logged).
-  void receive(std::uint64_t id, std::string_view bytes, Clock::time_point now) {
-    Session* s = session(id);
-    if (s != nullptr) s->heard = now;
-    while (s != nullptr && !s->closed && !bytes.empty()) {
-      const std::size_t take = std::min(wanted(*s), bytes.size());
-      s->in.append(bytes.substr(0, take));
-      bytes.remove_prefix(take);
-      if (s->frame_len == 0 && s->in.size() == 4 && !read_length(*s)) return;
-      if (s->frame_len != 0 && s->in.size() == s->frame_len + 4) {
-        try {
-          const auto frame = std::string_view(s->in).substr(4);
-          if (!s->authed)
-            handshake(*s, frame);
-          else
-            handle(id, *s, frame, now);
-        } catch (const Error& e) {
-          return drop(*s, e.what());
-        }
-        release(s->in);
-        s->frame_len = 0;
-        if (s->close_after_write) return;  // nothing more is read from a refused client
-      }
-    }
-  }
+  void receive(std::uint64_t id, std::string_view bytes, Clock::time_point now);
 
   /// The peer closed (EOF, reset or broken pipe). A connection that never sent a byte of a
   /// handshake is stray traffic and is logged.
-  void peer_closed(std::uint64_t id) {
-    Session* s = session(id);
-    if (s == nullptr || s->closed) return;
-    if (!s->authed && s->in.empty() && !s->close_after_write)
-      refuse(s->peer, "connected and closed without a handshake");
-    s->closed = true;
-    if (!s->authed) return;
-    if (apply_on_close(*s)) wake_waiters();
-  }
+  void peer_closed(std::uint64_t id);
 
   /// Answers the waits whose deadline passed (Status::timeout with the missing keys) and drops
   /// the connections that did not finish the handshake in time.
-  void expire(Clock::time_point now) {
-    flush_log_summary();
-    std::erase_if(waiters_, [&](const Waiter& wt) {
-      Session* s = session(wt.conn);
-      if (s == nullptr || s->closed) return true;
-      if (wt.deadline > now) return false;
-      std::string body;
-      ByteWriter w(body);
-      std::vector<std::string_view> missing;
-      for (const auto& k : wt.keys) {
-        if (data_.count(k) == 0) missing.push_back(k);
-      }
-      w.put(static_cast<std::uint32_t>(missing.size()));
-      for (auto k : missing) w.str(k);
-      reply(*s, wt.request, Status::timeout, body);
-      return true;
-    });
-    bool changed = false;
-    for (auto& [id, s] : sessions_) {
-      if (!s.closed && !s.authed && now - s.accepted > options_.handshake_timeout)
-        drop(s, "no handshake before the timeout");
-      // A lease that ran out: the process is stopped, hung or cut off. It counts as gone (its
-      // on_close records, once), and its lease's own records apply; the connection stays open,
-      // so a process that wakes still reads why it was left out.
-      if (!s.closed && s.authed && s.lease.count() > 0 && !s.expired && now - s.heard > s.lease) {
-        s.expired = true;
-        changed = apply_on_close(s) || changed;
-        for (const LeaseRecord& r : s.on_expire) changed = apply(r) || changed;
-      }
-    }
-    if (changed) wake_waiters();
-  }
+  void expire(Clock::time_point now);
 
   /// The earliest of `limit`, the waits' deadlines and the handshake deadlines.
-  [[nodiscard]] Clock::time_point next_deadline(Clock::time_point limit) const {
-    for (const auto& w : waiters_) limit = std::min(limit, w.deadline);
-    for (const auto& [id, s] : sessions_) {
-      if (!s.authed && !s.closed) limit = std::min(limit, s.accepted + options_.handshake_timeout);
-      if (!s.closed && s.lease.count() > 0 && !s.expired)
-        limit = std::min(limit, s.heard + s.lease + std::chrono::milliseconds(1));
-    }
-    return limit;
-  }
+  [[nodiscard]] Clock::time_point next_deadline(Clock::time_point limit) const;
 
   /// Forgets the closed sessions and their waits.
-  void reap() {
-    std::erase_if(sessions_, [](const auto& kv) { return kv.second.closed; });
-    std::erase_if(waiters_, [&](const Waiter& wt) { return sessions_.count(wt.conn) == 0; });
-  }
+  void reap();
 
   /// Marks every session closed (the server stops).
-  void close_all() {
-    for (auto& [id, s] : sessions_) s.closed = true;
-  }
+  void close_all();
 
  private:
   using Op = store_proto::Op;
@@ -249,373 +142,55 @@ class StoreEngine {
  private:
   /// Counts and logs a refusal; at most log_burst lines per 10 s, the rest summed up in one line
   /// (a flood of bad connections must not flood the log).
-  void refuse(const std::string& peer, std::string_view why) {
-    refused_.fetch_add(1);
-    flush_log_summary();
-    if (logged_in_window_ < options_.log_burst) {
-      ++logged_in_window_;
-      options_.log(concat("refused ", peer, ": ", why));
-    } else {
-      ++suppressed_;
-    }
-  }
+  void refuse(const std::string& peer, std::string_view why);
 
   /// Starts a new log window when the last one is over, first saying how many lines it held back.
-  void flush_log_summary() {
-    const auto now = Clock::now();
-    if (now - log_window_ < std::chrono::seconds(10)) return;
-    if (suppressed_ != 0) {
-      options_.log(
-          concat(suppressed_, " more connection(s) refused in the last ",
-                 std::chrono::duration_cast<std::chrono::seconds>(now - log_window_).count(),
-                 " s (not logged one by one)"));
-    }
-    log_window_ = now;
-    logged_in_window_ = 0;
-    suppressed_ = 0;
-  }
+  void flush_log_summary();
 
   /// Closes the connection that has waited longest without authenticating.
-  void evict_oldest_pending() {
-    for (auto& [id, s] : sessions_) {  // ids grow with time: the first match is the oldest
-      if (!s.authed && !s.closed) {
-        drop(s, "closed to make room: too many connections that have not authenticated");
-        return;
-      }
-    }
-  }
+  void evict_oldest_pending();
 
   /// A client whose token was wrong said which rendezvous it meant to join: its ranks fail at
   /// once, told why (the key is set only when absent, to the server's own message).
-  void publish_refusal(const std::string& peer, std::int32_t rank, const std::string& key) {
-    if (key.empty() || data_.count(key) != 0) return;
-    std::string v;
-    ByteWriter w(v);
-    w.put(static_cast<std::int32_t>(Errc::unauthorized));
-    w.str(concat("the rendezvous failed ", rank >= 0 ? concat("on rank ", rank, ": ") : ": ",
-                 "the store refused its connection from ", peer,
-                 ": its token differs from the store's (rank 0's, or the launcher's) or is "
-                 "missing; every rank must have the same DDP_TOKEN"));
-    if (store_value(key, std::move(v))) wake_waiters();
-  }
+  void publish_refusal(const std::string& peer, std::int32_t rank, const std::string& key);
 
-  void drop(Session& s, std::string_view why) {
-    refuse(s.peer, why);
-    s.closed = true;
-  }
+  void drop(Session& s, std::string_view why);
 
-  static void queue_frame(Session& s, std::string_view payload) {
-    ByteWriter w(s.out);
-    w.put(static_cast<std::uint32_t>(payload.size()));
-    s.out.append(payload);
-  }
+  static void queue_frame(Session& s, std::string_view payload);
 
  public:
   /// Empties a buffer, giving its memory back when it held a large frame.
-  static void release(std::string& buf) {
-    if (buf.capacity() > 64 * 1024)
-      std::string().swap(buf);
-    else
-      buf.clear();
-  }
+  static void release(std::string& buf);
 
  private:
   /// Checks a complete length prefix before a byte of the frame is buffered.
-  bool read_length(Session& s) {
-    ByteReader r(s.in, "frame length");
-    const auto len = r.get<std::uint32_t>();
-    const std::size_t limit =
-        s.authed ? store_proto::frame_limit(options_) : store_proto::handshake_frame_limit;
-    if (!s.authed && looks_like_text(s.in)) {
-      drop(s, concat("not a ddp store client (stray traffic starting \"", printable(s.in), "\")"));
-      return false;
-    }
-    if (len > limit) {
-      drop(s, concat("frame of ", len, " bytes refused (limit ", limit, ")"));
-      return false;
-    }
-    if (len == 0) {
-      drop(s, "empty frame");
-      return false;
-    }
-    s.frame_len = len;
-    return true;
-  }
+  bool read_length(Session& s);
 
-  static bool looks_like_text(std::string_view first4) {
-    return std::all_of(first4.begin(), first4.end(), [](char ch) {
-      return (ch >= 'A' && ch <= 'Z') || (ch >= 'a' && ch <= 'z') || ch == ' ' || ch == '/';
-    });
-  }
-  static std::string printable(std::string_view s) {
-    std::string out;
-    for (char ch : s) out += (ch >= 32 && ch < 127) ? ch : '?';
-    return out;
-  }
+  static bool looks_like_text(std::string_view first4);
+  static std::string printable(std::string_view s);
 
-  void handshake(Session& s, std::string_view frame) {
-    namespace sp = store_proto;
-    ByteReader r(frame, "store handshake");
-    if (r.get<std::uint32_t>() != sp::magic) fail(Errc::protocol, "bad handshake magic");
-    const auto v = r.get<std::uint16_t>();
-    sp::Nonce client_nonce{};
-    r.raw(client_nonce.data(), client_nonce.size());
-    Digest mac{};
-    r.raw(mac.data(), mac.size());
-    std::int32_t claimed_rank = -1;
-    std::string refusal_key;  // optional: where a refusal of this client is published
-    if (r.left() != 0) {
-      claimed_rank = r.get<std::int32_t>();
-      refusal_key = r.str(sp::refusal_key_limit);
-    }
-    r.expect_end();
-    std::string reply;
-    ByteWriter w(reply);
-    if (v != sp::version) {
-      w.put(sp::HandshakeStatus::bad_version);
-      queue_frame(s, reply);
-      s.close_after_write = true;
-      refuse(s.peer, concat("protocol version ", v, " (server speaks ", sp::version, ")"));
-      return;
-    }
-    if (!options_.token.empty()) {
-      const auto expected = hmac_sha256(options_.token, sp::client_label, sp::as_view(s.nonce),
-                                        sp::as_view(client_nonce));
-      if (!constant_time_equal(expected, mac)) {
-        w.put(sp::HandshakeStatus::unauthorized);
-        queue_frame(s, reply);
-        s.close_after_write = true;
-        refuse(s.peer, "wrong or missing token (DDP_TOKEN)");
-        publish_refusal(s.peer, claimed_rank, refusal_key);
-        return;
-      }
-    }
-    w.put(sp::HandshakeStatus::ok);
-    const auto proof = options_.token.empty()
-                           ? Digest{}
-                           : hmac_sha256(options_.token, sp::server_label,
-                                         sp::as_view(client_nonce), sp::as_view(s.nonce));
-    w.raw(proof.data(), proof.size());
-    queue_frame(s, reply);
-    s.authed = true;
-  }
+  void handshake(Session& s, std::string_view frame);
 
   /// Queues a reply: status, request id, `body`, then `value` as a string when given (written
   /// straight into the output: a large value is not copied twice).
   static void reply(Session& s, std::uint64_t request, Status status, std::string_view body = {},
-                    const std::string* value = nullptr) {
-    const std::size_t n = 1 + 8 + body.size() + (value != nullptr ? 4 + value->size() : 0);
-    ByteWriter w(s.out);
-    w.put(static_cast<std::uint32_t>(n));
-    w.put(status);
-    w.put(request);
-    w.raw(body.data(), body.size());
-    if (value != nullptr) w.str(*value);
-  }
+                    const std::string* value = nullptr);
 
-  void handle(std::uint64_t id, Session& s, std::string_view frame, Clock::time_point now) {
-    ByteReader r(frame, "store request");
-    const auto op = r.get<Op>();
-    const auto request = r.get<std::uint64_t>();
-    const auto key = [&] { return r.str(options_.max_key_bytes); };
-    const auto timeout_at = [&] {
-      const auto ms = std::min<std::uint64_t>(r.get<std::uint64_t>(), 1ull << 40);
-      return now + std::chrono::milliseconds(static_cast<std::int64_t>(ms));
-    };
-    const auto key_list = [&] {
-      const auto n = r.get<std::uint32_t>();
-      if (n > options_.max_keys) fail(Errc::protocol, "request names ", n, " keys");
-      std::vector<std::string> keys;
-      for (std::uint32_t i = 0; i < n; ++i) keys.push_back(key());
-      return keys;
-    };
-    std::string body;
-    ByteWriter w(body);
-    switch (op) {
-      case Op::set: {
-        auto k = key();
-        auto v = r.str(options_.max_value_bytes);
-        r.expect_end();
-        if (!store_value(k, std::move(v))) return reply(s, request, Status::error, "store is full");
-        reply(s, request, Status::ok);
-        wake_waiters();
-        return;
-      }
-      case Op::get:
-      case Op::wait: {
-        const bool is_get = op == Op::get;
-        Waiter wt{id, request, is_get ? std::vector<std::string>{key()} : key_list(),
-                  {}, is_get,  {}};
-        wt.deadline = timeout_at();
-        wt.stop = key();
-        r.expect_end();
-        if (!try_answer(s, wt)) waiters_.push_back(std::move(wt));
-        return;
-      }
-      case Op::add: {
-        auto k = key();
-        const auto delta = r.get<std::int64_t>();
-        r.expect_end();
-        std::int64_t value = 0;
-        if (auto it = data_.find(k); it != data_.end()) {
-          if (it->second.size() != 8)
-            return reply(s, request, Status::error, "key does not hold a counter");
-          ByteReader vr(it->second, "counter");
-          value = vr.get<std::int64_t>();
-        }
-        value = static_cast<std::int64_t>(static_cast<std::uint64_t>(value) +
-                                          static_cast<std::uint64_t>(delta));
-        std::string enc;
-        ByteWriter(enc).put(value);
-        if (!store_value(k, std::move(enc)))
-          return reply(s, request, Status::error, "store is full");
-        w.put(value);
-        reply(s, request, Status::ok, body);
-        wake_waiters();
-        return;
-      }
-      case Op::compare_set: {
-        auto k = key();
-        auto expected = r.str(options_.max_value_bytes);
-        auto desired = r.str(options_.max_value_bytes);
-        r.expect_end();
-        auto it = data_.find(k);
-        const bool swap = (it == data_.end() && expected.empty()) ||
-                          (it != data_.end() && it->second == expected);
-        if (swap) {
-          if (!store_value(k, desired)) return reply(s, request, Status::error, "store is full");
-          it = data_.find(k);
-          wake_waiters();
-        }
-        const std::string none;
-        reply(s, request, Status::ok, {}, it == data_.end() ? &none : &it->second);
-        return;
-      }
-      case Op::erase: {
-        auto k = key();
-        r.expect_end();
-        auto it = data_.find(k);
-        const bool existed = it != data_.end();
-        if (existed) {
-          total_bytes_ -= it->first.size() + it->second.size();
-          data_.erase(it);
-        }
-        w.put(static_cast<std::uint8_t>(existed));
-        reply(s, request, Status::ok, body);
-        return;
-      }
-      case Op::on_close: {
-        const auto n = r.get<std::uint32_t>();
-        if (n > 16) fail(Errc::protocol, "on_close names ", n, " keys (at most 16)");
-        std::vector<std::pair<std::string, std::string>> keys;
-        for (std::uint32_t i = 0; i < n; ++i) {
-          auto k = key();
-          keys.emplace_back(std::move(k), r.str(options_.max_value_bytes));
-        }
-        r.expect_end();
-        s.on_close = std::move(keys);
-        reply(s, request, Status::ok);
-        return;
-      }
-      case Op::lease: {
-        const auto ms = std::min<std::uint64_t>(r.get<std::uint64_t>(), 1ull << 40);
-        const auto n = r.get<std::uint32_t>();
-        if (n > 16) fail(Errc::protocol, "lease names ", n, " keys (at most 16)");
-        std::vector<LeaseRecord> records;
-        for (std::uint32_t i = 0; i < n; ++i) {
-          LeaseRecord rec;
-          rec.is_add = r.get<std::uint8_t>() != 0;
-          rec.key = key();
-          rec.value = r.str(options_.max_value_bytes);
-          rec.add = r.get<std::int64_t>();
-          records.push_back(std::move(rec));
-        }
-        r.expect_end();
-        s.lease = std::chrono::milliseconds(static_cast<std::int64_t>(ms));
-        s.heard = now;
-        s.expired = false;
-        s.on_expire = std::move(records);
-        reply(s, request, Status::ok);
-        return;
-      }
-      case Op::keepalive:
-        r.expect_end();
-        return;  // its arrival is the point (receive() noted it); no reply
-      case Op::check: {
-        auto keys = key_list();
-        r.expect_end();
-        const bool all = std::all_of(keys.begin(), keys.end(),
-                                     [&](const auto& k) { return data_.count(k) != 0; });
-        w.put(static_cast<std::uint8_t>(all));
-        reply(s, request, Status::ok, body);
-        return;
-      }
-    }
-    fail(Errc::protocol, "unknown store operation ", static_cast<int>(op));
-  }
+  void handle(std::uint64_t id, Session& s, std::string_view frame, Clock::time_point now);
 
   /// A session's on_close records, once (then forgotten: a key erased since must not come back
   /// when a connection that expired closes later). Returns whether a key was set.
-  bool apply_on_close(Session& s) {
-    bool changed = false;
-    for (auto& [k, v] : s.on_close)
-      changed = (data_.count(k) == 0 && store_value(k, std::move(v))) || changed;
-    s.on_close.clear();
-    return changed;
-  }
+  bool apply_on_close(Session& s);
 
   /// One lease record: set the key when absent, or add to its counter.
-  bool apply(const LeaseRecord& r) {
-    if (!r.is_add) return data_.count(r.key) == 0 && store_value(r.key, r.value);
-    std::int64_t value = 0;
-    if (auto it = data_.find(r.key); it != data_.end()) {
-      if (it->second.size() != 8) return false;
-      ByteReader vr(it->second, "counter");
-      value = vr.get<std::int64_t>();
-    }
-    value = static_cast<std::int64_t>(static_cast<std::uint64_t>(value) +
-                                      static_cast<std::uint64_t>(r.add));
-    std::string enc;
-    ByteWriter(enc).put(value);
-    return store_value(r.key, std::move(enc));
-  }
+  bool apply(const LeaseRecord& r);
 
-  bool store_value(const std::string& k, std::string v) {
-    auto it = data_.find(k);
-    const std::size_t old = it == data_.end() ? 0 : k.size() + it->second.size();
-    if (it == data_.end() && data_.size() >= options_.max_keys) return false;
-    if (total_bytes_ - old + k.size() + v.size() > options_.max_total_bytes) return false;
-    total_bytes_ = total_bytes_ - old + k.size() + v.size();
-    data_[k] = std::move(v);
-    return true;
-  }
+  bool store_value(const std::string& k, std::string v);
 
   /// Replies to a get/wait if its stop key or all its keys are present; returns whether it did.
-  bool try_answer(Session& s, const Waiter& wt) {
-    if (!wt.stop.empty()) {
-      if (auto it = data_.find(wt.stop); it != data_.end()) {
-        reply(s, wt.request, Status::stopped, {}, &it->second);
-        return true;
-      }
-    }
-    for (const auto& k : wt.keys) {
-      if (data_.count(k) == 0) return false;
-    }
-    if (wt.is_get) {
-      reply(s, wt.request, Status::ok, {}, &data_[wt.keys.front()]);
-    } else {
-      reply(s, wt.request, Status::ok);
-    }
-    return true;
-  }
+  bool try_answer(Session& s, const Waiter& wt);
 
-  void wake_waiters() {
-    std::erase_if(waiters_, [&](const Waiter& wt) {
-      Session* s = session(wt.conn);
-      if (s == nullptr || s->closed) return true;
-      return try_answer(*s, wt);
-    });
-  }
+  void wake_waiters();
 
   StoreOptions options_;
   std::atomic<std::uint64_t> refused_{0};
@@ -628,6 +203,488 @@ class StoreEngine {
   std::unordered_map<std::string, std::string> data_;
   std::size_t total_bytes_ = 0;
 };
+
+#if DDP_BODIES
+DDP_INLINE StoreEngine::StoreEngine(StoreOptions options) : options_(std::move(options)) {}
+
+DDP_INLINE auto StoreEngine::session(std::uint64_t id) -> Session* {
+  auto it = sessions_.find(id);
+  return it == sessions_.end() ? nullptr : &it->second;
+}
+
+DDP_INLINE std::uint64_t StoreEngine::open(std::string peer, Clock::time_point now) {
+  std::size_t live = 0, pending = 0;
+  for (const auto& [id, s] : sessions_) {
+    live += s.closed ? 0 : 1;
+    pending += !s.authed && !s.closed ? 1 : 0;
+  }
+  if (pending > 0 && (pending >= std::max<std::size_t>(1, options_.max_pending_handshakes) ||
+                      live >= options_.max_connections)) {
+    evict_oldest_pending();
+    --live;
+  }
+  if (live >= options_.max_connections) {
+    refuse(peer, "too many connections");
+    return 0;
+  }
+  Session s;
+  s.peer = std::move(peer);
+  s.accepted = now;
+  random_bytes(s.nonce.data(), s.nonce.size());
+  std::string hello;
+  ByteWriter w(hello);
+  w.put(store_proto::magic);
+  w.put(store_proto::version);
+  w.put(static_cast<std::uint8_t>(options_.token.empty() ? 0 : 1));
+  w.raw(s.nonce.data(), s.nonce.size());
+  queue_frame(s, hello);
+  const auto id = next_id_++;
+  sessions_.emplace(id, std::move(s));
+  return id;
+}
+
+DDP_INLINE void StoreEngine::receive(std::uint64_t id, std::string_view bytes,
+                                     Clock::time_point now) {
+  Session* s = session(id);
+  if (s != nullptr) s->heard = now;
+  while (s != nullptr && !s->closed && !bytes.empty()) {
+    const std::size_t take = std::min(wanted(*s), bytes.size());
+    s->in.append(bytes.substr(0, take));
+    bytes.remove_prefix(take);
+    if (s->frame_len == 0 && s->in.size() == 4 && !read_length(*s)) return;
+    if (s->frame_len != 0 && s->in.size() == s->frame_len + 4) {
+      try {
+        const auto frame = std::string_view(s->in).substr(4);
+        if (!s->authed)
+          handshake(*s, frame);
+        else
+          handle(id, *s, frame, now);
+      } catch (const Error& e) {
+        return drop(*s, e.what());
+      }
+      release(s->in);
+      s->frame_len = 0;
+      if (s->close_after_write) return;  // nothing more is read from a refused client
+    }
+  }
+}
+
+DDP_INLINE void StoreEngine::peer_closed(std::uint64_t id) {
+  Session* s = session(id);
+  if (s == nullptr || s->closed) return;
+  if (!s->authed && s->in.empty() && !s->close_after_write)
+    refuse(s->peer, "connected and closed without a handshake");
+  s->closed = true;
+  if (!s->authed) return;
+  if (apply_on_close(*s)) wake_waiters();
+}
+
+DDP_INLINE void StoreEngine::expire(Clock::time_point now) {
+  flush_log_summary();
+  std::erase_if(waiters_, [&](const Waiter& wt) {
+    Session* s = session(wt.conn);
+    if (s == nullptr || s->closed) return true;
+    if (wt.deadline > now) return false;
+    std::string body;
+    ByteWriter w(body);
+    std::vector<std::string_view> missing;
+    for (const auto& k : wt.keys) {
+      if (data_.count(k) == 0) missing.push_back(k);
+    }
+    w.put(static_cast<std::uint32_t>(missing.size()));
+    for (auto k : missing) w.str(k);
+    reply(*s, wt.request, Status::timeout, body);
+    return true;
+  });
+  bool changed = false;
+  for (auto& [id, s] : sessions_) {
+    if (!s.closed && !s.authed && now - s.accepted > options_.handshake_timeout)
+      drop(s, "no handshake before the timeout");
+    // A lease that ran out: the process is stopped, hung or cut off. It counts as gone (its
+    // on_close records, once), and its lease's own records apply; the connection stays open,
+    // so a process that wakes still reads why it was left out.
+    if (!s.closed && s.authed && s.lease.count() > 0 && !s.expired && now - s.heard > s.lease) {
+      s.expired = true;
+      changed = apply_on_close(s) || changed;
+      for (const LeaseRecord& r : s.on_expire) changed = apply(r) || changed;
+    }
+  }
+  if (changed) wake_waiters();
+}
+
+DDP_INLINE Clock::time_point StoreEngine::next_deadline(Clock::time_point limit) const {
+  for (const auto& w : waiters_) limit = std::min(limit, w.deadline);
+  for (const auto& [id, s] : sessions_) {
+    if (!s.authed && !s.closed) limit = std::min(limit, s.accepted + options_.handshake_timeout);
+    if (!s.closed && s.lease.count() > 0 && !s.expired)
+      limit = std::min(limit, s.heard + s.lease + std::chrono::milliseconds(1));
+  }
+  return limit;
+}
+
+DDP_INLINE void StoreEngine::reap() {
+  std::erase_if(sessions_, [](const auto& kv) { return kv.second.closed; });
+  std::erase_if(waiters_, [&](const Waiter& wt) { return sessions_.count(wt.conn) == 0; });
+}
+
+DDP_INLINE void StoreEngine::close_all() {
+  for (auto& [id, s] : sessions_) s.closed = true;
+}
+
+DDP_INLINE void StoreEngine::refuse(const std::string& peer, std::string_view why) {
+  refused_.fetch_add(1);
+  flush_log_summary();
+  if (logged_in_window_ < options_.log_burst) {
+    ++logged_in_window_;
+    options_.log(concat("refused ", peer, ": ", why));
+  } else {
+    ++suppressed_;
+  }
+}
+
+DDP_INLINE void StoreEngine::flush_log_summary() {
+  const auto now = Clock::now();
+  if (now - log_window_ < std::chrono::seconds(10)) return;
+  if (suppressed_ != 0) {
+    options_.log(concat(suppressed_, " more connection(s) refused in the last ",
+                        std::chrono::duration_cast<std::chrono::seconds>(now - log_window_).count(),
+                        " s (not logged one by one)"));
+  }
+  log_window_ = now;
+  logged_in_window_ = 0;
+  suppressed_ = 0;
+}
+
+DDP_INLINE void StoreEngine::evict_oldest_pending() {
+  for (auto& [id, s] : sessions_) {  // ids grow with time: the first match is the oldest
+    if (!s.authed && !s.closed) {
+      drop(s, "closed to make room: too many connections that have not authenticated");
+      return;
+    }
+  }
+}
+
+DDP_INLINE void StoreEngine::publish_refusal(const std::string& peer, std::int32_t rank,
+                                             const std::string& key) {
+  if (key.empty() || data_.count(key) != 0) return;
+  std::string v;
+  ByteWriter w(v);
+  w.put(static_cast<std::int32_t>(Errc::unauthorized));
+  w.str(concat("the rendezvous failed ", rank >= 0 ? concat("on rank ", rank, ": ") : ": ",
+               "the store refused its connection from ", peer,
+               ": its token differs from the store's (rank 0's, or the launcher's) or is "
+               "missing; every rank must have the same DDP_TOKEN"));
+  if (store_value(key, std::move(v))) wake_waiters();
+}
+
+DDP_INLINE void StoreEngine::drop(Session& s, std::string_view why) {
+  refuse(s.peer, why);
+  s.closed = true;
+}
+
+DDP_INLINE void StoreEngine::queue_frame(Session& s, std::string_view payload) {
+  ByteWriter w(s.out);
+  w.put(static_cast<std::uint32_t>(payload.size()));
+  s.out.append(payload);
+}
+
+DDP_INLINE void StoreEngine::release(std::string& buf) {
+  if (buf.capacity() > 64 * 1024)
+    std::string().swap(buf);
+  else
+    buf.clear();
+}
+
+DDP_INLINE bool StoreEngine::read_length(Session& s) {
+  ByteReader r(s.in, "frame length");
+  const auto len = r.get<std::uint32_t>();
+  const std::size_t limit =
+      s.authed ? store_proto::frame_limit(options_) : store_proto::handshake_frame_limit;
+  if (!s.authed && looks_like_text(s.in)) {
+    drop(s, concat("not a ddp store client (stray traffic starting \"", printable(s.in), "\")"));
+    return false;
+  }
+  if (len > limit) {
+    drop(s, concat("frame of ", len, " bytes refused (limit ", limit, ")"));
+    return false;
+  }
+  if (len == 0) {
+    drop(s, "empty frame");
+    return false;
+  }
+  s.frame_len = len;
+  return true;
+}
+
+DDP_INLINE bool StoreEngine::looks_like_text(std::string_view first4) {
+  return std::all_of(first4.begin(), first4.end(), [](char ch) {
+    return (ch >= 'A' && ch <= 'Z') || (ch >= 'a' && ch <= 'z') || ch == ' ' || ch == '/';
+  });
+}
+
+DDP_INLINE std::string StoreEngine::printable(std::string_view s) {
+  std::string out;
+  for (char ch : s) out += (ch >= 32 && ch < 127) ? ch : '?';
+  return out;
+}
+
+DDP_INLINE void StoreEngine::handshake(Session& s, std::string_view frame) {
+  namespace sp = store_proto;
+  ByteReader r(frame, "store handshake");
+  if (r.get<std::uint32_t>() != sp::magic) fail(Errc::protocol, "bad handshake magic");
+  const auto v = r.get<std::uint16_t>();
+  sp::Nonce client_nonce{};
+  r.raw(client_nonce.data(), client_nonce.size());
+  Digest mac{};
+  r.raw(mac.data(), mac.size());
+  std::int32_t claimed_rank = -1;
+  std::string refusal_key;  // optional: where a refusal of this client is published
+  if (r.left() != 0) {
+    claimed_rank = r.get<std::int32_t>();
+    refusal_key = r.str(sp::refusal_key_limit);
+  }
+  r.expect_end();
+  std::string reply;
+  ByteWriter w(reply);
+  if (v != sp::version) {
+    w.put(sp::HandshakeStatus::bad_version);
+    queue_frame(s, reply);
+    s.close_after_write = true;
+    refuse(s.peer, concat("protocol version ", v, " (server speaks ", sp::version, ")"));
+    return;
+  }
+  if (!options_.token.empty()) {
+    const auto expected = hmac_sha256(options_.token, sp::client_label, sp::as_view(s.nonce),
+                                      sp::as_view(client_nonce));
+    if (!constant_time_equal(expected, mac)) {
+      w.put(sp::HandshakeStatus::unauthorized);
+      queue_frame(s, reply);
+      s.close_after_write = true;
+      refuse(s.peer, "wrong or missing token (DDP_TOKEN)");
+      publish_refusal(s.peer, claimed_rank, refusal_key);
+      return;
+    }
+  }
+  w.put(sp::HandshakeStatus::ok);
+  const auto proof = options_.token.empty()
+                         ? Digest{}
+                         : hmac_sha256(options_.token, sp::server_label, sp::as_view(client_nonce),
+                                       sp::as_view(s.nonce));
+  w.raw(proof.data(), proof.size());
+  queue_frame(s, reply);
+  s.authed = true;
+}
+
+DDP_INLINE void StoreEngine::reply(Session& s, std::uint64_t request, Status status,
+                                   std::string_view body, const std::string* value) {
+  const std::size_t n = 1 + 8 + body.size() + (value != nullptr ? 4 + value->size() : 0);
+  ByteWriter w(s.out);
+  w.put(static_cast<std::uint32_t>(n));
+  w.put(status);
+  w.put(request);
+  w.raw(body.data(), body.size());
+  if (value != nullptr) w.str(*value);
+}
+
+DDP_INLINE void StoreEngine::handle(std::uint64_t id, Session& s, std::string_view frame,
+                                    Clock::time_point now) {
+  ByteReader r(frame, "store request");
+  const auto op = r.get<Op>();
+  const auto request = r.get<std::uint64_t>();
+  const auto key = [&] { return r.str(options_.max_key_bytes); };
+  const auto timeout_at = [&] {
+    const auto ms = std::min<std::uint64_t>(r.get<std::uint64_t>(), 1ull << 40);
+    return now + std::chrono::milliseconds(static_cast<std::int64_t>(ms));
+  };
+  const auto key_list = [&] {
+    const auto n = r.get<std::uint32_t>();
+    if (n > options_.max_keys) fail(Errc::protocol, "request names ", n, " keys");
+    std::vector<std::string> keys;
+    for (std::uint32_t i = 0; i < n; ++i) keys.push_back(key());
+    return keys;
+  };
+  std::string body;
+  ByteWriter w(body);
+  switch (op) {
+    case Op::set: {
+      auto k = key();
+      auto v = r.str(options_.max_value_bytes);
+      r.expect_end();
+      if (!store_value(k, std::move(v))) return reply(s, request, Status::error, "store is full");
+      reply(s, request, Status::ok);
+      wake_waiters();
+      return;
+    }
+    case Op::get:
+    case Op::wait: {
+      const bool is_get = op == Op::get;
+      Waiter wt{id, request, is_get ? std::vector<std::string>{key()} : key_list(), {}, is_get, {}};
+      wt.deadline = timeout_at();
+      wt.stop = key();
+      r.expect_end();
+      if (!try_answer(s, wt)) waiters_.push_back(std::move(wt));
+      return;
+    }
+    case Op::add: {
+      auto k = key();
+      const auto delta = r.get<std::int64_t>();
+      r.expect_end();
+      std::int64_t value = 0;
+      if (auto it = data_.find(k); it != data_.end()) {
+        if (it->second.size() != 8)
+          return reply(s, request, Status::error, "key does not hold a counter");
+        ByteReader vr(it->second, "counter");
+        value = vr.get<std::int64_t>();
+      }
+      value = static_cast<std::int64_t>(static_cast<std::uint64_t>(value) +
+                                        static_cast<std::uint64_t>(delta));
+      std::string enc;
+      ByteWriter(enc).put(value);
+      if (!store_value(k, std::move(enc))) return reply(s, request, Status::error, "store is full");
+      w.put(value);
+      reply(s, request, Status::ok, body);
+      wake_waiters();
+      return;
+    }
+    case Op::compare_set: {
+      auto k = key();
+      auto expected = r.str(options_.max_value_bytes);
+      auto desired = r.str(options_.max_value_bytes);
+      r.expect_end();
+      auto it = data_.find(k);
+      const bool swap =
+          (it == data_.end() && expected.empty()) || (it != data_.end() && it->second == expected);
+      if (swap) {
+        if (!store_value(k, desired)) return reply(s, request, Status::error, "store is full");
+        it = data_.find(k);
+        wake_waiters();
+      }
+      const std::string none;
+      reply(s, request, Status::ok, {}, it == data_.end() ? &none : &it->second);
+      return;
+    }
+    case Op::erase: {
+      auto k = key();
+      r.expect_end();
+      auto it = data_.find(k);
+      const bool existed = it != data_.end();
+      if (existed) {
+        total_bytes_ -= it->first.size() + it->second.size();
+        data_.erase(it);
+      }
+      w.put(static_cast<std::uint8_t>(existed));
+      reply(s, request, Status::ok, body);
+      return;
+    }
+    case Op::on_close: {
+      const auto n = r.get<std::uint32_t>();
+      if (n > 16) fail(Errc::protocol, "on_close names ", n, " keys (at most 16)");
+      std::vector<std::pair<std::string, std::string>> keys;
+      for (std::uint32_t i = 0; i < n; ++i) {
+        auto k = key();
+        keys.emplace_back(std::move(k), r.str(options_.max_value_bytes));
+      }
+      r.expect_end();
+      s.on_close = std::move(keys);
+      reply(s, request, Status::ok);
+      return;
+    }
+    case Op::lease: {
+      const auto ms = std::min<std::uint64_t>(r.get<std::uint64_t>(), 1ull << 40);
+      const auto n = r.get<std::uint32_t>();
+      if (n > 16) fail(Errc::protocol, "lease names ", n, " keys (at most 16)");
+      std::vector<LeaseRecord> records;
+      for (std::uint32_t i = 0; i < n; ++i) {
+        LeaseRecord rec;
+        rec.is_add = r.get<std::uint8_t>() != 0;
+        rec.key = key();
+        rec.value = r.str(options_.max_value_bytes);
+        rec.add = r.get<std::int64_t>();
+        records.push_back(std::move(rec));
+      }
+      r.expect_end();
+      s.lease = std::chrono::milliseconds(static_cast<std::int64_t>(ms));
+      s.heard = now;
+      s.expired = false;
+      s.on_expire = std::move(records);
+      reply(s, request, Status::ok);
+      return;
+    }
+    case Op::keepalive:
+      r.expect_end();
+      return;  // its arrival is the point (receive() noted it); no reply
+    case Op::check: {
+      auto keys = key_list();
+      r.expect_end();
+      const bool all =
+          std::all_of(keys.begin(), keys.end(), [&](const auto& k) { return data_.count(k) != 0; });
+      w.put(static_cast<std::uint8_t>(all));
+      reply(s, request, Status::ok, body);
+      return;
+    }
+  }
+  fail(Errc::protocol, "unknown store operation ", static_cast<int>(op));
+}
+
+DDP_INLINE bool StoreEngine::apply_on_close(Session& s) {
+  bool changed = false;
+  for (auto& [k, v] : s.on_close)
+    changed = (data_.count(k) == 0 && store_value(k, std::move(v))) || changed;
+  s.on_close.clear();
+  return changed;
+}
+
+DDP_INLINE bool StoreEngine::apply(const LeaseRecord& r) {
+  if (!r.is_add) return data_.count(r.key) == 0 && store_value(r.key, r.value);
+  std::int64_t value = 0;
+  if (auto it = data_.find(r.key); it != data_.end()) {
+    if (it->second.size() != 8) return false;
+    ByteReader vr(it->second, "counter");
+    value = vr.get<std::int64_t>();
+  }
+  value = static_cast<std::int64_t>(static_cast<std::uint64_t>(value) +
+                                    static_cast<std::uint64_t>(r.add));
+  std::string enc;
+  ByteWriter(enc).put(value);
+  return store_value(r.key, std::move(enc));
+}
+
+DDP_INLINE bool StoreEngine::store_value(const std::string& k, std::string v) {
+  auto it = data_.find(k);
+  const std::size_t old = it == data_.end() ? 0 : k.size() + it->second.size();
+  if (it == data_.end() && data_.size() >= options_.max_keys) return false;
+  if (total_bytes_ - old + k.size() + v.size() > options_.max_total_bytes) return false;
+  total_bytes_ = total_bytes_ - old + k.size() + v.size();
+  data_[k] = std::move(v);
+  return true;
+}
+
+DDP_INLINE bool StoreEngine::try_answer(Session& s, const Waiter& wt) {
+  if (!wt.stop.empty()) {
+    if (auto it = data_.find(wt.stop); it != data_.end()) {
+      reply(s, wt.request, Status::stopped, {}, &it->second);
+      return true;
+    }
+  }
+  for (const auto& k : wt.keys) {
+    if (data_.count(k) == 0) return false;
+  }
+  if (wt.is_get) {
+    reply(s, wt.request, Status::ok, {}, &data_[wt.keys.front()]);
+  } else {
+    reply(s, wt.request, Status::ok);
+  }
+  return true;
+}
+
+DDP_INLINE void StoreEngine::wake_waiters() {
+  std::erase_if(waiters_, [&](const Waiter& wt) {
+    Session* s = session(wt.conn);
+    if (s == nullptr || s->closed) return true;
+    return try_answer(*s, wt);
+  });
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 

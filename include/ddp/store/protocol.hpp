@@ -118,17 +118,23 @@ inline std::size_t frame_limit(const StoreOptions& o) {
 }
 
 /// Sends one length-prefixed frame.
-inline IoResult send_frame(int fd, std::string_view payload, Deadline d) {
+DDP_INLINE IoResult send_frame(int fd, std::string_view payload, Deadline d);
+#if DDP_BODIES
+DDP_INLINE IoResult send_frame(int fd, std::string_view payload, Deadline d) {
   std::string buf;
   ByteWriter w(buf);
   w.put(static_cast<std::uint32_t>(payload.size()));
   buf.append(payload);
   return send_all(fd, buf.data(), buf.size(), d);
 }
+#endif  // DDP_BODIES
 
 /// Receives one frame of at most `limit` bytes.
-inline IoResult recv_frame(int fd, std::string& out, std::size_t limit, Deadline d,
-                           std::string_view what) {
+DDP_INLINE IoResult recv_frame(int fd, std::string& out, std::size_t limit, Deadline d,
+                               std::string_view what);
+#if DDP_BODIES
+DDP_INLINE IoResult recv_frame(int fd, std::string& out, std::size_t limit, Deadline d,
+                               std::string_view what) {
   std::uint8_t len_bytes[4];
   if (auto r = recv_all(fd, len_bytes, 4, d); r != IoResult::ok) return r;
   ByteReader lr(len_bytes, 4, what);
@@ -138,6 +144,7 @@ inline IoResult recv_frame(int fd, std::string& out, std::size_t limit, Deadline
   out.resize(len);
   return recv_all(fd, out.data(), len, d);
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail::store_proto
 

@@ -106,45 +106,56 @@ struct ShardLayout {
   std::vector<ShardRange> ranges;  ///< This rank's pieces, in the order of its values.
 
   /// Elements held: the pieces' sizes added up.
-  [[nodiscard]] std::size_t elements() const noexcept {
-    std::size_t n = 0;
-    for (const ShardRange& r : ranges) n += r.size;
-    return n;
-  }
+  [[nodiscard]] std::size_t elements() const noexcept;
   /// Rank `rank` of `world`'s share when each array is cut into `world` contiguous blocks, the
   /// first size % world of them one element longer (a block may be empty): the layout
   /// load_sharded_checkpoint gives a section on a world size other than the one that saved it.
-  [[nodiscard]] static ShardLayout even(std::vector<std::size_t> sizes, int rank, int world) {
-    if (world < 1 || rank < 0 || rank >= world)
-      detail::fail(Errc::invalid_argument, "ShardLayout::even: rank ", rank, " of ", world,
-                   " ranks");
-    ShardLayout out;
-    const auto p = static_cast<std::size_t>(world), r = static_cast<std::size_t>(rank);
-    for (std::size_t a = 0; a < sizes.size(); ++a) {
-      const std::size_t n = sizes[a], base = n / p, extra = n % p;
-      const std::size_t size = base + (r < extra ? 1 : 0);
-      if (size != 0) out.ranges.push_back({a, r * base + std::min(r, extra), size});
-    }
-    out.sizes = std::move(sizes);
-    return out;
-  }
+  [[nodiscard]] static ShardLayout even(std::vector<std::size_t> sizes, int rank, int world);
   /// Equal when the sizes and the pieces (in order) are.
   friend bool operator==(const ShardLayout&, const ShardLayout&) = default;
 };
+
+#if DDP_BODIES
+DDP_INLINE std::size_t ShardLayout::elements() const noexcept {
+  std::size_t n = 0;
+  for (const ShardRange& r : ranges) n += r.size;
+  return n;
+}
+
+DDP_INLINE ShardLayout ShardLayout::even(std::vector<std::size_t> sizes, int rank, int world) {
+  if (world < 1 || rank < 0 || rank >= world)
+    detail::fail(Errc::invalid_argument, "ShardLayout::even: rank ", rank, " of ", world, " ranks");
+  ShardLayout out;
+  const auto p = static_cast<std::size_t>(world), r = static_cast<std::size_t>(rank);
+  for (std::size_t a = 0; a < sizes.size(); ++a) {
+    const std::size_t n = sizes[a], base = n / p, extra = n % p;
+    const std::size_t size = base + (r < extra ? 1 : 0);
+    if (size != 0) out.ranges.push_back({a, r * base + std::min(r, extra), size});
+  }
+  out.sizes = std::move(sizes);
+  return out;
+}
+#endif  // DDP_BODIES
 
 namespace detail {
 /// The companion section of sharded section `name`: its element size and layout.
 inline std::string layout_section(std::string_view name) { return concat("ddp.sharded.", name); }
 /// A layout and its element size as words: bytes, array count, sizes, then (array, offset, size)
 /// per piece.
-inline std::vector<std::uint64_t> layout_words(std::size_t element_bytes, const ShardLayout& l) {
+DDP_INLINE std::vector<std::uint64_t> layout_words(std::size_t element_bytes, const ShardLayout& l);
+#if DDP_BODIES
+DDP_INLINE std::vector<std::uint64_t> layout_words(std::size_t element_bytes,
+                                                   const ShardLayout& l) {
   std::vector<std::uint64_t> w{element_bytes, l.sizes.size()};
   w.insert(w.end(), l.sizes.begin(), l.sizes.end());
   for (const ShardRange& r : l.ranges) w.insert(w.end(), {r.array, r.offset, r.size});
   return w;
 }
+#endif  // DDP_BODIES
 /// Errc::invalid_argument (`what`: where it came from) unless `l`'s pieces lie within its arrays.
-inline void check_layout(const ShardLayout& l, std::string_view what) {
+DDP_INLINE void check_layout(const ShardLayout& l, std::string_view what);
+#if DDP_BODIES
+DDP_INLINE void check_layout(const ShardLayout& l, std::string_view what) {
   for (const ShardRange& r : l.ranges) {
     if (r.array >= l.sizes.size() || r.offset > l.sizes[r.array] ||
         r.size > l.sizes[r.array] - r.offset)
@@ -152,9 +163,13 @@ inline void check_layout(const ShardLayout& l, std::string_view what) {
            ") of array ", r.array, " lies outside the ", l.sizes.size(), " arrays' sizes");
   }
 }
+#endif  // DDP_BODIES
 /// layout_words back: the element size and the layout; Errc::protocol when malformed.
-inline std::pair<std::size_t, ShardLayout> layout_of_words(const std::vector<std::uint64_t>& w,
-                                                           std::string_view what) {
+DDP_INLINE std::pair<std::size_t, ShardLayout> layout_of_words(const std::vector<std::uint64_t>& w,
+                                                               std::string_view what);
+#if DDP_BODIES
+DDP_INLINE std::pair<std::size_t, ShardLayout> layout_of_words(const std::vector<std::uint64_t>& w,
+                                                               std::string_view what) {
   const auto bad = [&] {
     fail(Errc::protocol, what, ": the layout of a sharded section is damaged");
   };
@@ -171,24 +186,14 @@ inline std::pair<std::size_t, ShardLayout> layout_of_words(const std::vector<std
   }
   return {static_cast<std::size_t>(w[0]), std::move(l)};
 }
+#endif  // DDP_BODIES
 }  // namespace detail
 
 /// Named sections of bytes (see the file comment).
 class Checkpoint {
  public:
   /// Sets section `name` to `bytes` (replacing one of that name).
-  Checkpoint& put(std::string_view name, std::span<const std::byte> bytes) {
-    check_name(name);
-    for (auto& [n, b] : sections_) {
-      if (n == name) {
-        b.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
-        return *this;
-      }
-    }
-    sections_.emplace_back(std::string(name),
-                           std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
-    return *this;
-  }
+  Checkpoint& put(std::string_view name, std::span<const std::byte> bytes);
   /// Section `name` holds the bytes of `values` (a contiguous range of trivially copyable
   /// elements: floats, a std::vector<double>, a std::span).
   template <class R>
@@ -230,31 +235,15 @@ class Checkpoint {
   }
   /// The layout of sharded section `name` (put_sharded), or std::nullopt for a section that is
   /// not sharded.
-  [[nodiscard]] std::optional<ShardLayout> sharded_layout(std::string_view name) const {
-    const std::string companion = detail::layout_section(name);
-    if (!contains(companion)) return std::nullopt;
-    return detail::layout_of_words(get_object<std::vector<std::uint64_t>>(companion), name).second;
-  }
+  [[nodiscard]] std::optional<ShardLayout> sharded_layout(std::string_view name) const;
 
   /// Whether there is a section named `name`.
-  [[nodiscard]] bool contains(std::string_view name) const noexcept {
-    for (const auto& s : sections_) {
-      if (s.first == name) return true;
-    }
-    return false;
-  }
+  [[nodiscard]] bool contains(std::string_view name) const noexcept;
   /// The sections' names, in the order they were first put.
-  [[nodiscard]] std::vector<std::string> names() const {
-    std::vector<std::string> out;
-    for (const auto& s : sections_) out.push_back(s.first);
-    return out;
-  }
+  [[nodiscard]] std::vector<std::string> names() const;
   /// Section `name`'s bytes; Errc::invalid_argument naming it (and the sections there are) when
   /// there is none.
-  [[nodiscard]] std::span<const std::byte> get(std::string_view name) const {
-    const std::string& b = section(name);
-    return std::as_bytes(std::span(b.data(), b.size()));
-  }
+  [[nodiscard]] std::span<const std::byte> get(std::string_view name) const;
   /// Copies section `name` into `out`, which must have exactly its size.
   template <class T>
     requires std::is_trivially_copyable_v<T> &&
@@ -285,78 +274,12 @@ class Checkpoint {
     using Section = std::pair<std::string_view, std::string_view>;
     /// The bytes of the file this checkpoint would be with the `extra` sections added (sections
     /// of those names already there are left out), without copying the checkpoint.
-    [[nodiscard]] std::string serialize_with(std::span<const Section> extra) const {
-      std::string out;
-      serialize_into(out, extra);
-      return out;
-    }
+    [[nodiscard]] std::string serialize_with(std::span<const Section> extra) const;
     /// serialize_with() into `out` (its memory reused: no allocation when it is large enough).
-    void serialize_into(std::string& out, std::span<const Section> extra) const {
-      std::vector<Section> all;
-      for (const auto& [n, b] : sections_) {
-        bool replaced = false;
-        for (const auto& e : extra) replaced = replaced || e.first == n;
-        if (!replaced) all.emplace_back(n, b);
-      }
-      for (const auto& e : extra) {
-        check_name(e.first);
-        all.push_back(e);
-      }
-      std::size_t size = sizeof magic + 16;
-      for (const auto& [n, b] : all) size += 16 + n.size() + b.size();
-      out.clear();
-      out.reserve(size);
-      out.append(magic, sizeof magic);
-      put_u64(out, all.size());
-      for (const auto& [n, b] : all) {
-        put_u64(out, n.size());
-        out += n;
-        put_u64(out, b.size());
-      }
-      for (const auto& sec : all) out += sec.second;
-      put_u64(out, checksum(out.data(), out.size()));
-    }
+    void serialize_into(std::string& out, std::span<const Section> extra) const;
     /// Parses and verifies the bytes of a checkpoint file; Errc::protocol saying what is wrong,
     /// with `what` (e.g. the path) in the message.
-    [[nodiscard]] static Checkpoint parse(std::string_view bytes, std::string_view what) {
-      const auto bad = [&](auto&&... why) {
-        detail::fail(Errc::protocol, "Checkpoint: ", what, ": ", why...);
-      };
-      if (bytes.size() < sizeof magic || std::memcmp(bytes.data(), magic, sizeof magic) != 0)
-        bad("not a ddp checkpoint (it does not start with DDPCKPT1)");
-      if (bytes.size() < sizeof magic + 16) bad("truncated: ", bytes.size(), " bytes");
-      const std::size_t body = bytes.size() - 8;
-      if (get_u64(bytes, body) != checksum(bytes.data(), body))
-        bad("the checksum does not match: the file is truncated or corrupt (", bytes.size(),
-            " bytes)");
-      std::size_t at = sizeof magic;
-      const auto read = [&](std::size_t n) {
-        if (n > body - at) bad("truncated or corrupt: a length runs past the end");
-        const std::size_t from = at;
-        at += n;
-        return from;
-      };
-      const std::uint64_t count = get_u64(bytes, read(8));
-      if (count > (body - at) / 16) bad("corrupt: ", count, " sections cannot fit");
-      Checkpoint ck;
-      std::vector<std::uint64_t> lens;
-      for (std::uint64_t i = 0; i < count; ++i) {
-        const std::uint64_t n = get_u64(bytes, read(8));
-        if (n > body - at) bad("truncated or corrupt: a name runs past the end");
-        std::string name(
-            bytes.substr(read(static_cast<std::size_t>(n)), static_cast<std::size_t>(n)));
-        lens.push_back(get_u64(bytes, read(8)));
-        ck.sections_.emplace_back(std::move(name), std::string());
-      }
-      for (std::uint64_t i = 0; i < count; ++i) {
-        const std::uint64_t n = lens[static_cast<std::size_t>(i)];
-        if (n > body - at) bad("truncated or corrupt: section ", i, " runs past the end");
-        ck.sections_[static_cast<std::size_t>(i)].second = std::string(
-            bytes.substr(read(static_cast<std::size_t>(n)), static_cast<std::size_t>(n)));
-      }
-      if (at != body) bad("corrupt: ", body - at, " bytes after the last section");
-      return ck;
-    }
+    [[nodiscard]] static Checkpoint parse(std::string_view bytes, std::string_view what);
 
     /// Writes the checkpoint to `path` atomically (see the file comment); Errc::system naming the
     /// path and the reason (a full disk, a missing directory, permissions) on failure, leaving any
@@ -364,13 +287,7 @@ class Checkpoint {
     /// regular file is at `path` (a symbolic link, a FIFO, a directory): it is neither replaced
     /// nor written through. Temporary files that earlier saves to `path` left behind when their
     /// process was killed are removed.
-    void save(const std::string& path) const {
-      check_target(path);
-      detail::StagedFile f(path, "Checkpoint");
-      f.write(serialize());
-      f.commit(path);
-      detail::remove_abandoned(path);
-    }
+    void save(const std::string& path) const;
 
     /// The first half of save(): writes the checkpoint to a temporary file next to `path` and
     /// flushes it to disk; returns that file's name (for commit() or discard()).
@@ -380,33 +297,11 @@ class Checkpoint {
     /// stage() of given file bytes (from serialize() or serialize_with()). The temporary file is
     /// created exclusively under an unpredictable name ("<path>.tmp.<pid>.<random>"), never
     /// through a link.
-    [[nodiscard]] static std::string stage_bytes(const std::string& path,
-                                                 const std::string& bytes) {
-      check_target(path);
-      detail::StagedFile f(path, "Checkpoint");
-      f.write(bytes);
-      return f.release();
-    }
+    [[nodiscard]] static std::string stage_bytes(const std::string& path, const std::string& bytes);
 
     /// The second half of save(): renames the staged file `tmp` over `path` and flushes the
     /// directory, so the new checkpoint replaces the old one in one step.
-    static void commit(const std::string& tmp, const std::string& path) {
-      if (const char* kind = detail::non_regular(path)) {
-        discard(tmp);
-        refuse_target(path, kind);
-      }
-      if (::rename(tmp.c_str(), path.c_str()) != 0) {
-        const int err = errno;
-        ::unlink(tmp.c_str());
-        errno = err;
-        io_fail("cannot rename ", tmp, " to ", path);
-      }
-      if (const int err = detail::sync_dir(detail::parent_dir(path)); err != 0) {
-        errno = err;
-        io_fail("cannot flush the directory of ", path, " to disk");
-      }
-      detail::remove_abandoned(path);
-    }
+    static void commit(const std::string& tmp, const std::string& path);
 
     /// Removes a staged file that will not be committed.
     static void discard(const std::string& tmp) noexcept { ::unlink(tmp.c_str()); }
@@ -416,101 +311,256 @@ class Checkpoint {
     /// cannot be read, Errc::invalid_argument when `path` is not a regular file (a FIFO, a
     /// directory, a device: refused without waiting on it; a symbolic link to a regular file is
     /// followed).
-    [[nodiscard]] static std::optional<Checkpoint> load(const std::string& path) {
-      // O_NONBLOCK: opening a FIFO would otherwise wait for a writer, forever.
-      const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-      if (fd < 0) {
-        if (errno == ENOENT) return std::nullopt;
-        io_fail("cannot open ", path);
-      }
-      struct stat st {};
-      if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        const char* kind = detail::file_kind(st.st_mode);
-        ::close(fd);
-        detail::fail(Errc::invalid_argument, "Checkpoint: ", path, " is ",
-                     kind != nullptr ? kind : "unreadable",
-                     ", not a checkpoint file; remove it, or correct the path");
-      }
-      std::string bytes;
-      bytes.reserve(static_cast<std::size_t>(st.st_size));
-      char buf[1 << 16];
-      for (;;) {
-        const ssize_t n = ::read(fd, buf, sizeof buf);
-        if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-        if (n < 0) {
-          const int err = errno;
-          ::close(fd);
-          errno = err;
-          io_fail("cannot read ", path);
-        }
-        if (n == 0) break;
-        bytes.append(buf, static_cast<std::size_t>(n));
-      }
-      ::close(fd);
-      return parse(bytes, path);
-    }
+    [[nodiscard]] static std::optional<Checkpoint> load(const std::string& path);
 
    private:
     static constexpr char magic[8] = {'D', 'D', 'P', 'C', 'K', 'P', 'T', '1'};
 
-    const std::string& section(std::string_view name) const {
-      for (const auto& s : sections_) {
-        if (s.first == name) return s.second;
-      }
-      std::string have;
-      for (const auto& s : sections_) have += (have.empty() ? "" : ", ") + s.first;
-      detail::fail(Errc::invalid_argument, "Checkpoint: no section \"", name, "\" (it has ",
-                   have.empty() ? std::string("none") : have, ")");
-    }
+    const std::string& section(std::string_view name) const;
     /// Errc::invalid_argument when something other than a regular file is at `path`.
     static void check_target(const std::string& path) {
       if (const char* kind = detail::non_regular(path)) refuse_target(path, kind);
     }
-    [[noreturn]] static void refuse_target(const std::string& path, const char* kind) {
-      detail::fail(Errc::invalid_argument, "Checkpoint: ", path, " is ", kind,
-                   ", not a regular file: a checkpoint neither replaces it nor writes through "
-                   "it; remove it, or choose another path");
-    }
-    static void check_name(std::string_view name) {
-      if (name.empty() || name.size() > 4096)
-        detail::fail(Errc::invalid_argument,
-                     "Checkpoint: a section name must have 1 to 4096 bytes");
-    }
+    [[noreturn]] static void refuse_target(const std::string& path, const char* kind);
+    static void check_name(std::string_view name);
     template <class... A>
     [[noreturn]] static void io_fail(const A&... what) {
       const int err = errno;
       detail::fail(Errc::system, "Checkpoint: ", what..., ": ", std::strerror(err));
     }
-    static void put_u64(std::string& out, std::uint64_t v) {
-      for (int i = 0; i < 8; ++i) out += static_cast<char>((v >> (8 * i)) & 0xff);
-    }
-    static std::uint64_t get_u64(std::string_view in, std::size_t at) {
-      std::uint64_t v = 0;
-      for (int i = 0; i < 8; ++i)
-        v |= static_cast<std::uint64_t>(
-                 static_cast<unsigned char>(in[at + static_cast<std::size_t>(i)]))
-             << (8 * i);
-      return v;
-    }
+    static void put_u64(std::string& out, std::uint64_t v);
+    static std::uint64_t get_u64(std::string_view in, std::size_t at);
     /// A 64-bit checksum (multiply-xorshift over 8-byte words, then the tail and the length):
     /// several GB/s, and any change of a byte or of the length changes it with high probability.
-    static std::uint64_t checksum(const char* data, std::size_t n) {
-      std::uint64_t h = 0x9e3779b97f4a7c15ull ^ n;
-      std::size_t i = 0;
-      for (; i + 8 <= n; i += 8) {
-        std::uint64_t w;
-        std::memcpy(&w, data + i, 8);
-        h = (h ^ w) * 0xff51afd7ed558ccdull;
-        h ^= h >> 32;
-      }
-      for (; i < n; ++i) h = (h ^ static_cast<unsigned char>(data[i])) * 0xc4ceb9fe1a85ec53ull;
-      h ^= h >> 29;
-      h *= 0xbf58476d1ce4e5b9ull;
-      return h ^ (h >> 32);
-    }
+    static std::uint64_t checksum(const char* data, std::size_t n);
 
     std::vector<std::pair<std::string, std::string>> sections_;
 };
+
+#if DDP_BODIES
+DDP_INLINE Checkpoint& Checkpoint::put(std::string_view name, std::span<const std::byte> bytes) {
+  check_name(name);
+  for (auto& [n, b] : sections_) {
+    if (n == name) {
+      b.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+      return *this;
+    }
+  }
+  sections_.emplace_back(std::string(name),
+                         std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+  return *this;
+}
+
+DDP_INLINE std::optional<ShardLayout> Checkpoint::sharded_layout(std::string_view name) const {
+  const std::string companion = detail::layout_section(name);
+  if (!contains(companion)) return std::nullopt;
+  return detail::layout_of_words(get_object<std::vector<std::uint64_t>>(companion), name).second;
+}
+
+DDP_INLINE bool Checkpoint::contains(std::string_view name) const noexcept {
+  for (const auto& s : sections_) {
+    if (s.first == name) return true;
+  }
+  return false;
+}
+
+DDP_INLINE std::vector<std::string> Checkpoint::names() const {
+  std::vector<std::string> out;
+  for (const auto& s : sections_) out.push_back(s.first);
+  return out;
+}
+
+DDP_INLINE std::span<const std::byte> Checkpoint::get(std::string_view name) const {
+  const std::string& b = section(name);
+  return std::as_bytes(std::span(b.data(), b.size()));
+}
+
+DDP_INLINE std::string Checkpoint::serialize_with(std::span<const Section> extra) const {
+  std::string out;
+  serialize_into(out, extra);
+  return out;
+}
+
+DDP_INLINE void Checkpoint::serialize_into(std::string& out, std::span<const Section> extra) const {
+  std::vector<Section> all;
+  for (const auto& [n, b] : sections_) {
+    bool replaced = false;
+    for (const auto& e : extra) replaced = replaced || e.first == n;
+    if (!replaced) all.emplace_back(n, b);
+  }
+  for (const auto& e : extra) {
+    check_name(e.first);
+    all.push_back(e);
+  }
+  std::size_t size = sizeof magic + 16;
+  for (const auto& [n, b] : all) size += 16 + n.size() + b.size();
+  out.clear();
+  out.reserve(size);
+  out.append(magic, sizeof magic);
+  put_u64(out, all.size());
+  for (const auto& [n, b] : all) {
+    put_u64(out, n.size());
+    out += n;
+    put_u64(out, b.size());
+  }
+  for (const auto& sec : all) out += sec.second;
+  put_u64(out, checksum(out.data(), out.size()));
+}
+
+DDP_INLINE Checkpoint Checkpoint::parse(std::string_view bytes, std::string_view what) {
+  const auto bad = [&](auto&&... why) {
+    detail::fail(Errc::protocol, "Checkpoint: ", what, ": ", why...);
+  };
+  if (bytes.size() < sizeof magic || std::memcmp(bytes.data(), magic, sizeof magic) != 0)
+    bad("not a ddp checkpoint (it does not start with DDPCKPT1)");
+  if (bytes.size() < sizeof magic + 16) bad("truncated: ", bytes.size(), " bytes");
+  const std::size_t body = bytes.size() - 8;
+  if (get_u64(bytes, body) != checksum(bytes.data(), body))
+    bad("the checksum does not match: the file is truncated or corrupt (", bytes.size(), " bytes)");
+  std::size_t at = sizeof magic;
+  const auto read = [&](std::size_t n) {
+    if (n > body - at) bad("truncated or corrupt: a length runs past the end");
+    const std::size_t from = at;
+    at += n;
+    return from;
+  };
+  const std::uint64_t count = get_u64(bytes, read(8));
+  if (count > (body - at) / 16) bad("corrupt: ", count, " sections cannot fit");
+  Checkpoint ck;
+  std::vector<std::uint64_t> lens;
+  for (std::uint64_t i = 0; i < count; ++i) {
+    const std::uint64_t n = get_u64(bytes, read(8));
+    if (n > body - at) bad("truncated or corrupt: a name runs past the end");
+    std::string name(bytes.substr(read(static_cast<std::size_t>(n)), static_cast<std::size_t>(n)));
+    lens.push_back(get_u64(bytes, read(8)));
+    ck.sections_.emplace_back(std::move(name), std::string());
+  }
+  for (std::uint64_t i = 0; i < count; ++i) {
+    const std::uint64_t n = lens[static_cast<std::size_t>(i)];
+    if (n > body - at) bad("truncated or corrupt: section ", i, " runs past the end");
+    ck.sections_[static_cast<std::size_t>(i)].second =
+        std::string(bytes.substr(read(static_cast<std::size_t>(n)), static_cast<std::size_t>(n)));
+  }
+  if (at != body) bad("corrupt: ", body - at, " bytes after the last section");
+  return ck;
+}
+
+DDP_INLINE void Checkpoint::save(const std::string& path) const {
+  check_target(path);
+  detail::StagedFile f(path, "Checkpoint");
+  f.write(serialize());
+  f.commit(path);
+  detail::remove_abandoned(path);
+}
+
+DDP_INLINE std::string Checkpoint::stage_bytes(const std::string& path, const std::string& bytes) {
+  check_target(path);
+  detail::StagedFile f(path, "Checkpoint");
+  f.write(bytes);
+  return f.release();
+}
+
+DDP_INLINE void Checkpoint::commit(const std::string& tmp, const std::string& path) {
+  if (const char* kind = detail::non_regular(path)) {
+    discard(tmp);
+    refuse_target(path, kind);
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    errno = err;
+    io_fail("cannot rename ", tmp, " to ", path);
+  }
+  if (const int err = detail::sync_dir(detail::parent_dir(path)); err != 0) {
+    errno = err;
+    io_fail("cannot flush the directory of ", path, " to disk");
+  }
+  detail::remove_abandoned(path);
+}
+
+DDP_INLINE std::optional<Checkpoint> Checkpoint::load(const std::string& path) {
+  // O_NONBLOCK: opening a FIFO would otherwise wait for a writer, forever.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return std::nullopt;
+    io_fail("cannot open ", path);
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    const char* kind = detail::file_kind(st.st_mode);
+    ::close(fd);
+    detail::fail(Errc::invalid_argument, "Checkpoint: ", path, " is ",
+                 kind != nullptr ? kind : "unreadable",
+                 ", not a checkpoint file; remove it, or correct the path");
+  }
+  std::string bytes;
+  bytes.reserve(static_cast<std::size_t>(st.st_size));
+  char buf[1 << 16];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (n < 0) {
+      const int err = errno;
+      ::close(fd);
+      errno = err;
+      io_fail("cannot read ", path);
+    }
+    if (n == 0) break;
+    bytes.append(buf, static_cast<std::size_t>(n));
+  }
+  ::close(fd);
+  return parse(bytes, path);
+}
+
+DDP_INLINE const std::string& Checkpoint::section(std::string_view name) const {
+  for (const auto& s : sections_) {
+    if (s.first == name) return s.second;
+  }
+  std::string have;
+  for (const auto& s : sections_) have += (have.empty() ? "" : ", ") + s.first;
+  detail::fail(Errc::invalid_argument, "Checkpoint: no section \"", name, "\" (it has ",
+               have.empty() ? std::string("none") : have, ")");
+}
+
+DDP_INLINE void Checkpoint::refuse_target(const std::string& path, const char* kind) {
+  detail::fail(Errc::invalid_argument, "Checkpoint: ", path, " is ", kind,
+               ", not a regular file: a checkpoint neither replaces it nor writes through "
+               "it; remove it, or choose another path");
+}
+
+DDP_INLINE void Checkpoint::check_name(std::string_view name) {
+  if (name.empty() || name.size() > 4096)
+    detail::fail(Errc::invalid_argument, "Checkpoint: a section name must have 1 to 4096 bytes");
+}
+
+DDP_INLINE void Checkpoint::put_u64(std::string& out, std::uint64_t v) {
+  for (int i = 0; i < 8; ++i) out += static_cast<char>((v >> (8 * i)) & 0xff);
+}
+
+DDP_INLINE std::uint64_t Checkpoint::get_u64(std::string_view in, std::size_t at) {
+  std::uint64_t v = 0;
+  for (int i = 0; i < 8; ++i)
+    v |=
+        static_cast<std::uint64_t>(static_cast<unsigned char>(in[at + static_cast<std::size_t>(i)]))
+        << (8 * i);
+  return v;
+}
+
+DDP_INLINE std::uint64_t Checkpoint::checksum(const char* data, std::size_t n) {
+  std::uint64_t h = 0x9e3779b97f4a7c15ull ^ n;
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    std::uint64_t w;
+    std::memcpy(&w, data + i, 8);
+    h = (h ^ w) * 0xff51afd7ed558ccdull;
+    h ^= h >> 32;
+  }
+  for (; i < n; ++i) h = (h ^ static_cast<unsigned char>(data[i])) * 0xc4ceb9fe1a85ec53ull;
+  h ^= h >> 29;
+  h *= 0xbf58476d1ce4e5b9ull;
+  return h ^ (h >> 32);
+}
+#endif  // DDP_BODIES
 
 namespace detail {
 /// "<errc number> <message>" of an Error, to send to the other ranks.
@@ -535,13 +585,16 @@ void fail_with_first(Comm& comm, const std::vector<std::string>& errors, const c
 
 /// A load from `path` whose directory does not exist is a wrong path, not a fresh start:
 /// Errc::invalid_argument naming it (the save at the end of the first epoch would fail anyway).
-inline void check_directory(const std::string& path, const char* what) {
+DDP_INLINE void check_directory(const std::string& path, const char* what);
+#if DDP_BODIES
+DDP_INLINE void check_directory(const std::string& path, const char* what) {
   const std::string dir = parent_dir(path);
   struct stat st {};
   if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
     fail(Errc::invalid_argument, what, ": the directory ", dir, " of ", path,
          " does not exist; create it, or correct the path");
 }
+#endif  // DDP_BODIES
 }  // namespace detail
 
 /// Collective: rank `root` saves `ck` to `path` (Checkpoint::save); every rank returns once the

@@ -97,8 +97,11 @@ namespace detail {
 /// The exception in flight, out of bucket k's hook (its gradients: `pieces`), as the ddp::Error
 /// that names the bucket: a ddp::Error keeps its code; anything else is the hook's own fault
 /// (Errc::invalid_argument).
-inline std::exception_ptr hook_error(int rank, const char* who, std::size_t k,
-                                     std::span<const BucketPiece> pieces) {
+DDP_INLINE std::exception_ptr hook_error(int rank, const char* who, std::size_t k,
+                                         std::span<const BucketPiece> pieces);
+#if DDP_BODIES
+DDP_INLINE std::exception_ptr hook_error(int rank, const char* who, std::size_t k,
+                                         std::span<const BucketPiece> pieces) {
   Errc code = Errc::invalid_argument;
   std::string what = "an exception that is not a std::exception", params;
   const char* hint = "; a hook returns the Work of the collectives it started, on every rank";
@@ -116,6 +119,7 @@ inline std::exception_ptr hook_error(int rank, const char* who, std::size_t k,
       Error(code, concat("rank ", rank, ": ", who, ": the comm hook failed on bucket ", k,
                          " (parameters ", params, "): ", what, "; the step was dropped", hint)));
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 

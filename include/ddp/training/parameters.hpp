@@ -289,12 +289,18 @@ void check_same_parameters(Comm& comm, const std::vector<TensorView<T>>& values,
 }
 
 #if !DDP_HAS_CUDA  // host memory only: the copies of ddp/cuda.hpp without their CUDA half
-inline void copy_bytes(void* dst, const void* src, std::size_t n, bool, void*) {
+DDP_INLINE void copy_bytes(void* dst, const void* src, std::size_t n, bool, void*);
+#if DDP_BODIES
+DDP_INLINE void copy_bytes(void* dst, const void* src, std::size_t n, bool, void*) {
   if (n != 0) std::memcpy(dst, src, n);
 }
-inline void zero_bytes(void* dst, std::size_t n, bool, void*) {
+#endif  // DDP_BODIES
+DDP_INLINE void zero_bytes(void* dst, std::size_t n, bool, void*);
+#if DDP_BODIES
+DDP_INLINE void zero_bytes(void* dst, std::size_t n, bool, void*) {
   if (n != 0) std::memset(dst, 0, n);
 }
+#endif  // DDP_BODIES
 inline void sync_stream(bool, void*) {}
 inline void join_streams(bool, void*, void*) {}
 #endif

@@ -54,35 +54,45 @@ __extension__ typedef unsigned __int128 u128;  // GCC and Clang; __extension__: 
 /// mixed by two xor-shift-multiply rounds.
 class SplitMix64 {
  public:
-  explicit SplitMix64(std::uint64_t seed) noexcept : state_(seed) {}
+  explicit SplitMix64(std::uint64_t seed) noexcept;
 
-  std::uint64_t next() noexcept {
-    std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
+  std::uint64_t next() noexcept;
 
   /// Uniform in [0, bound), bound > 0: Lemire's multiply-shift with rejection (unbiased).
-  std::uint64_t below(std::uint64_t bound) noexcept {
-    u128 m = static_cast<u128>(next()) * bound;
-    auto low = static_cast<std::uint64_t>(m);
-    if (low < bound) {
-      const std::uint64_t threshold = (0 - bound) % bound;
-      while (low < threshold) {
-        m = static_cast<u128>(next()) * bound;
-        low = static_cast<std::uint64_t>(m);
-      }
-    }
-    return static_cast<std::uint64_t>(m >> 64);
-  }
+  std::uint64_t below(std::uint64_t bound) noexcept;
 
  private:
   std::uint64_t state_;
 };
 
+#if DDP_BODIES
+DDP_INLINE SplitMix64::SplitMix64(std::uint64_t seed) noexcept : state_(seed) {}
+
+DDP_INLINE std::uint64_t SplitMix64::next() noexcept {
+  std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+DDP_INLINE std::uint64_t SplitMix64::below(std::uint64_t bound) noexcept {
+  u128 m = static_cast<u128>(next()) * bound;
+  auto low = static_cast<std::uint64_t>(m);
+  if (low < bound) {
+    const std::uint64_t threshold = (0 - bound) % bound;
+    while (low < threshold) {
+      m = static_cast<u128>(next()) * bound;
+      low = static_cast<std::uint64_t>(m);
+    }
+  }
+  return static_cast<std::uint64_t>(m >> 64);
+}
+#endif  // DDP_BODIES
+
 /// 0, 1, ..., n-1 in the order a Fisher-Yates shuffle (from the top) with SplitMix64(seed) gives.
-[[nodiscard]] inline std::vector<std::size_t> permutation(std::size_t n, std::uint64_t seed) {
+[[nodiscard]] DDP_INLINE std::vector<std::size_t> permutation(std::size_t n, std::uint64_t seed);
+#if DDP_BODIES
+DDP_INLINE std::vector<std::size_t> permutation(std::size_t n, std::uint64_t seed) {
   std::vector<std::size_t> p(n);
   std::iota(p.begin(), p.end(), std::size_t{0});
   SplitMix64 rng(seed);
@@ -92,6 +102,7 @@ class SplitMix64 {
   }
   return p;
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 
@@ -278,26 +289,11 @@ class DistributedSampler {
   /// Rank `rank`'s sampler of `dataset_size` samples over `num_replicas` ranks;
   /// Errc::invalid_argument for a bad rank or count, or for exact together with drop_last.
   DistributedSampler(std::size_t dataset_size, int num_replicas, int rank,
-                     SamplerOptions options = {})
-      : n_(dataset_size), replicas_(num_replicas), rank_(rank), o_(options) {
-    if (num_replicas < 1)
-      detail::fail(Errc::invalid_argument, "DistributedSampler: num_replicas is ", num_replicas,
-                   "; need at least 1");
-    if (rank < 0 || rank >= num_replicas)
-      detail::fail(Errc::invalid_argument, "DistributedSampler: rank ", rank,
-                   " is out of range [0, ", num_replicas, ")");
-    if (o_.exact && o_.drop_last)
-      detail::fail(Errc::invalid_argument,
-                   "DistributedSampler: exact and drop_last exclude each other");
-  }
+                     SamplerOptions options = {});
 
   /// Starts an epoch: its order is shuffled with seed + epoch. Resets a restored offset (and
   /// the earlier world sizes of repartition()).
-  void set_epoch(std::uint64_t epoch) noexcept {
-    epoch_ = epoch;
-    offset_ = 0;
-    earlier_.clear();
-  }
+  void set_epoch(std::uint64_t epoch) noexcept;
   /// The current epoch (0 until set_epoch).
   [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_; }
 
@@ -308,88 +304,23 @@ class DistributedSampler {
   [[nodiscard]] std::size_t total_size() const noexcept { return order_length(); }
 
   /// This rank's dataset indices for the current epoch, from the restored offset on.
-  [[nodiscard]] std::vector<std::size_t> indices() const {
-    std::vector<std::size_t> order;
-    if (o_.shuffle) {
-      order = detail::permutation(n_, o_.seed + epoch_);
-    } else {
-      order.resize(n_);
-      std::iota(order.begin(), order.end(), std::size_t{0});
-    }
-    fit(order, first_replicas());
-    for (std::size_t i = 0; i + 1 < earlier_.size(); i += 2) {
-      // Every rank took `taken` of its positions r, r + R, ...: together, the first taken * R
-      // (a rank whose exact-mode shard was shorter took all of it). The rest goes on.
-      const std::size_t gone = std::min<std::size_t>(
-          order.size(), static_cast<std::size_t>(earlier_[i] * earlier_[i + 1]));
-      order.erase(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(gone));
-      fit(order, i + 2 < earlier_.size() ? static_cast<std::size_t>(earlier_[i + 2])
-                                         : static_cast<std::size_t>(replicas_));
-    }
-    std::vector<std::size_t> mine;
-    mine.reserve(size());
-    for (std::size_t i = static_cast<std::size_t>(rank_); i < order.size();
-         i += static_cast<std::size_t>(replicas_)) {
-      mine.push_back(order[i]);
-    }
-    mine.erase(mine.begin(), mine.begin() + static_cast<std::ptrdiff_t>(
-                                                std::min<std::uint64_t>(offset_, mine.size())));
-    return mine;
-  }
+  [[nodiscard]] std::vector<std::size_t> indices() const;
 
   /// Moves this rank's place in the epoch `consumed` samples on (indices() then starts there):
   /// what a training loop calls after each batch, so that state() is where it is.
-  void advance(std::size_t consumed) {
-    if (consumed > size() - std::min<std::size_t>(size(), offset_))
-      detail::fail(Errc::invalid_argument, "DistributedSampler::advance: ", offset_, " + ",
-                   consumed, " samples of a shard of ", size());
-    offset_ += consumed;
-  }
+  void advance(std::size_t consumed);
   /// How it orders and splits (the constructor's options).
   [[nodiscard]] const SamplerOptions& options() const noexcept { return o_; }
   /// The dataset size it was made for.
   [[nodiscard]] std::size_t dataset_size() const noexcept { return n_; }
 
   /// The state to resume from after `consumed` more samples of this epoch's indices().
-  [[nodiscard]] SamplerState state(std::size_t consumed = 0) const {
-    return SamplerState{
-        epoch_, offset_ + consumed, o_.seed, n_, static_cast<std::uint64_t>(replicas_), earlier_};
-  }
+  [[nodiscard]] SamplerState state(std::size_t consumed = 0) const;
 
   /// Continues where state() left off: the same epoch, minus what was consumed. The dataset size,
   /// seed and number of ranks must be those of the saved run (Errc::invalid_argument otherwise);
   /// a state saved after repartition() carries the epoch's earlier world sizes.
-  void restore(const SamplerState& s) {
-    if (s.dataset_size != n_ || s.seed != o_.seed ||
-        s.num_replicas != static_cast<std::uint64_t>(replicas_)) {
-      detail::fail(Errc::invalid_argument,
-                   "DistributedSampler::restore: the state is of a run with ", s.dataset_size,
-                   " samples, seed ", s.seed, " and ", s.num_replicas, " ranks; this sampler has ",
-                   n_, ", ", o_.seed, " and ", replicas_,
-                   s.num_replicas != static_cast<std::uint64_t>(replicas_)
-                       ? " (to go on over another number of ranks mid-epoch, restore with the "
-                         "old number and call repartition())"
-                       : "");
-    }
-    // Each earlier part: 1 to 2^31 - 1 ranks, each having taken at most the dataset.
-    bool damaged = s.earlier.size() % 2 != 0;
-    for (std::size_t i = 0; i + 1 < s.earlier.size() && !damaged; i += 2)
-      damaged = s.earlier[i] == 0 || s.earlier[i] > 0x7fffffffu || s.earlier[i + 1] > n_;
-    if (damaged)
-      detail::fail(Errc::invalid_argument,
-                   "DistributedSampler::restore: a damaged state (its earlier world sizes "
-                   "cannot be those of an epoch of ",
-                   n_, " samples)");
-    const std::vector<std::uint64_t> saved = earlier_;
-    earlier_ = s.earlier;
-    if (s.offset > size()) {
-      earlier_ = saved;
-      detail::fail(Errc::invalid_argument, "DistributedSampler::restore: offset ", s.offset,
-                   " is past the ", size(), " samples of the shard");
-    }
-    epoch_ = s.epoch;
-    offset_ = s.offset;
-  }
+  void restore(const SamplerState& s);
 
   /// Goes on with the current epoch over `num_replicas` ranks, this sampler being rank `rank`'s,
   /// after every rank of the old world consumed `consumed` more samples of indices() (the same
@@ -399,51 +330,16 @@ class DistributedSampler {
   /// so that with `exact` every sample of the epoch is seen exactly once however often the world
   /// changes. Every new rank calls it with the same arguments but its rank (a rank that joins
   /// restores the state a member had before the call, then calls it). Local: no communication.
-  void repartition(int num_replicas, int rank, std::size_t consumed = 0) {
-    if (num_replicas < 1 || rank < 0 || rank >= num_replicas)
-      detail::fail(Errc::invalid_argument, "DistributedSampler::repartition: rank ", rank, " of ",
-                   num_replicas, " ranks");
-    if (consumed > size() - std::min<std::size_t>(size(), offset_))
-      detail::fail(Errc::invalid_argument, "DistributedSampler::repartition: ", offset_, " + ",
-                   consumed, " samples consumed of a shard of ", size());
-    earlier_.insert(earlier_.end(), {static_cast<std::uint64_t>(replicas_), offset_ + consumed});
-    replicas_ = num_replicas;
-    rank_ = rank;
-    offset_ = 0;
-  }
+  void repartition(int num_replicas, int rank, std::size_t consumed = 0);
 
  private:
-  [[nodiscard]] std::size_t first_replicas() const noexcept {
-    return static_cast<std::size_t>(earlier_.empty() ? static_cast<std::uint64_t>(replicas_)
-                                                     : earlier_[0]);
-  }
+  [[nodiscard]] std::size_t first_replicas() const noexcept;
   /// An order of `order.size()` samples made ready for `r` ranks: padded by wrapping around to a
   /// multiple of r, or cut to one (drop_last), or left (exact).
-  void fit(std::vector<std::size_t>& order, std::size_t r) const {
-    if (o_.exact || order.empty()) return;
-    const std::size_t base = order.size();
-    const std::size_t total = o_.drop_last ? base / r * r : (base + r - 1) / r * r;
-    for (std::size_t i = 0; order.size() < total; ++i) order.push_back(order[i % base]);
-    order.resize(total);
-  }
+  void fit(std::vector<std::size_t>& order, std::size_t r) const;
   /// The length of the current part's order (fit() of what earlier parts left), computed.
-  [[nodiscard]] std::size_t order_length() const noexcept {
-    const auto fitted = [&](std::size_t len, std::size_t r) {
-      if (o_.exact || len == 0) return len;
-      return o_.drop_last ? len / r * r : (len + r - 1) / r * r;
-    };
-    std::size_t len = fitted(n_, first_replicas());
-    for (std::size_t i = 0; i + 1 < earlier_.size(); i += 2) {
-      len -= std::min<std::size_t>(len, static_cast<std::size_t>(earlier_[i] * earlier_[i + 1]));
-      len = fitted(len, i + 2 < earlier_.size() ? static_cast<std::size_t>(earlier_[i + 2])
-                                                : static_cast<std::size_t>(replicas_));
-    }
-    return len;
-  }
-  [[nodiscard]] std::size_t shard_size(int rank, std::size_t len) const noexcept {
-    const auto r = static_cast<std::size_t>(replicas_);
-    return len / r + (static_cast<std::size_t>(rank) < len % r ? 1 : 0);
-  }
+  [[nodiscard]] std::size_t order_length() const noexcept;
+  [[nodiscard]] std::size_t shard_size(int rank, std::size_t len) const noexcept;
 
   std::size_t n_;
   int replicas_;
@@ -453,6 +349,145 @@ class DistributedSampler {
   std::uint64_t offset_ = 0;
   std::vector<std::uint64_t> earlier_;
 };
+
+#if DDP_BODIES
+DDP_INLINE DistributedSampler::DistributedSampler(std::size_t dataset_size, int num_replicas,
+                                                  int rank, SamplerOptions options)
+    : n_(dataset_size), replicas_(num_replicas), rank_(rank), o_(options) {
+  if (num_replicas < 1)
+    detail::fail(Errc::invalid_argument, "DistributedSampler: num_replicas is ", num_replicas,
+                 "; need at least 1");
+  if (rank < 0 || rank >= num_replicas)
+    detail::fail(Errc::invalid_argument, "DistributedSampler: rank ", rank, " is out of range [0, ",
+                 num_replicas, ")");
+  if (o_.exact && o_.drop_last)
+    detail::fail(Errc::invalid_argument,
+                 "DistributedSampler: exact and drop_last exclude each other");
+}
+
+DDP_INLINE void DistributedSampler::set_epoch(std::uint64_t epoch) noexcept {
+  epoch_ = epoch;
+  offset_ = 0;
+  earlier_.clear();
+}
+
+DDP_INLINE std::vector<std::size_t> DistributedSampler::indices() const {
+  std::vector<std::size_t> order;
+  if (o_.shuffle) {
+    order = detail::permutation(n_, o_.seed + epoch_);
+  } else {
+    order.resize(n_);
+    std::iota(order.begin(), order.end(), std::size_t{0});
+  }
+  fit(order, first_replicas());
+  for (std::size_t i = 0; i + 1 < earlier_.size(); i += 2) {
+    // Every rank took `taken` of its positions r, r + R, ...: together, the first taken * R
+    // (a rank whose exact-mode shard was shorter took all of it). The rest goes on.
+    const std::size_t gone = std::min<std::size_t>(
+        order.size(), static_cast<std::size_t>(earlier_[i] * earlier_[i + 1]));
+    order.erase(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(gone));
+    fit(order, i + 2 < earlier_.size() ? static_cast<std::size_t>(earlier_[i + 2])
+                                       : static_cast<std::size_t>(replicas_));
+  }
+  std::vector<std::size_t> mine;
+  mine.reserve(size());
+  for (std::size_t i = static_cast<std::size_t>(rank_); i < order.size();
+       i += static_cast<std::size_t>(replicas_)) {
+    mine.push_back(order[i]);
+  }
+  mine.erase(mine.begin(), mine.begin() + static_cast<std::ptrdiff_t>(
+                                              std::min<std::uint64_t>(offset_, mine.size())));
+  return mine;
+}
+
+DDP_INLINE void DistributedSampler::advance(std::size_t consumed) {
+  if (consumed > size() - std::min<std::size_t>(size(), offset_))
+    detail::fail(Errc::invalid_argument, "DistributedSampler::advance: ", offset_, " + ", consumed,
+                 " samples of a shard of ", size());
+  offset_ += consumed;
+}
+
+DDP_INLINE SamplerState DistributedSampler::state(std::size_t consumed) const {
+  return SamplerState{
+      epoch_, offset_ + consumed, o_.seed, n_, static_cast<std::uint64_t>(replicas_), earlier_};
+}
+
+DDP_INLINE void DistributedSampler::restore(const SamplerState& s) {
+  if (s.dataset_size != n_ || s.seed != o_.seed ||
+      s.num_replicas != static_cast<std::uint64_t>(replicas_)) {
+    detail::fail(Errc::invalid_argument, "DistributedSampler::restore: the state is of a run with ",
+                 s.dataset_size, " samples, seed ", s.seed, " and ", s.num_replicas,
+                 " ranks; this sampler has ", n_, ", ", o_.seed, " and ", replicas_,
+                 s.num_replicas != static_cast<std::uint64_t>(replicas_)
+                     ? " (to go on over another number of ranks mid-epoch, restore with the "
+                       "old number and call repartition())"
+                     : "");
+  }
+  // Each earlier part: 1 to 2^31 - 1 ranks, each having taken at most the dataset.
+  bool damaged = s.earlier.size() % 2 != 0;
+  for (std::size_t i = 0; i + 1 < s.earlier.size() && !damaged; i += 2)
+    damaged = s.earlier[i] == 0 || s.earlier[i] > 0x7fffffffu || s.earlier[i + 1] > n_;
+  if (damaged)
+    detail::fail(Errc::invalid_argument,
+                 "DistributedSampler::restore: a damaged state (its earlier world sizes "
+                 "cannot be those of an epoch of ",
+                 n_, " samples)");
+  const std::vector<std::uint64_t> saved = earlier_;
+  earlier_ = s.earlier;
+  if (s.offset > size()) {
+    earlier_ = saved;
+    detail::fail(Errc::invalid_argument, "DistributedSampler::restore: offset ", s.offset,
+                 " is past the ", size(), " samples of the shard");
+  }
+  epoch_ = s.epoch;
+  offset_ = s.offset;
+}
+
+DDP_INLINE void DistributedSampler::repartition(int num_replicas, int rank, std::size_t consumed) {
+  if (num_replicas < 1 || rank < 0 || rank >= num_replicas)
+    detail::fail(Errc::invalid_argument, "DistributedSampler::repartition: rank ", rank, " of ",
+                 num_replicas, " ranks");
+  if (consumed > size() - std::min<std::size_t>(size(), offset_))
+    detail::fail(Errc::invalid_argument, "DistributedSampler::repartition: ", offset_, " + ",
+                 consumed, " samples consumed of a shard of ", size());
+  earlier_.insert(earlier_.end(), {static_cast<std::uint64_t>(replicas_), offset_ + consumed});
+  replicas_ = num_replicas;
+  rank_ = rank;
+  offset_ = 0;
+}
+
+DDP_INLINE std::size_t DistributedSampler::first_replicas() const noexcept {
+  return static_cast<std::size_t>(earlier_.empty() ? static_cast<std::uint64_t>(replicas_)
+                                                   : earlier_[0]);
+}
+
+DDP_INLINE void DistributedSampler::fit(std::vector<std::size_t>& order, std::size_t r) const {
+  if (o_.exact || order.empty()) return;
+  const std::size_t base = order.size();
+  const std::size_t total = o_.drop_last ? base / r * r : (base + r - 1) / r * r;
+  for (std::size_t i = 0; order.size() < total; ++i) order.push_back(order[i % base]);
+  order.resize(total);
+}
+
+DDP_INLINE std::size_t DistributedSampler::order_length() const noexcept {
+  const auto fitted = [&](std::size_t len, std::size_t r) {
+    if (o_.exact || len == 0) return len;
+    return o_.drop_last ? len / r * r : (len + r - 1) / r * r;
+  };
+  std::size_t len = fitted(n_, first_replicas());
+  for (std::size_t i = 0; i + 1 < earlier_.size(); i += 2) {
+    len -= std::min<std::size_t>(len, static_cast<std::size_t>(earlier_[i] * earlier_[i + 1]));
+    len = fitted(len, i + 2 < earlier_.size() ? static_cast<std::size_t>(earlier_[i + 2])
+                                              : static_cast<std::size_t>(replicas_));
+  }
+  return len;
+}
+
+DDP_INLINE std::size_t DistributedSampler::shard_size(int rank, std::size_t len) const noexcept {
+  const auto r = static_cast<std::size_t>(replicas_);
+  return len / r + (static_cast<std::size_t>(rank) < len % r ? 1 : 0);
+}
+#endif  // DDP_BODIES
 
 /// The mean over all ranks of a per-sample quantity, each rank contributing the sum over its
 /// samples and their count (exact-mode shards differ in size, so averaging the per-rank means

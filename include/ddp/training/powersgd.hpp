@@ -86,31 +86,39 @@ namespace detail {
 /// A reproducible standard normal sequence (splitmix64 and Box-Muller).
 class NormalSequence {
  public:
-  explicit NormalSequence(std::uint64_t seed) : s_(seed) {}
-  float next() {
-    if (has_spare_) {
-      has_spare_ = false;
-      return spare_;
-    }
-    const double u1 = (static_cast<double>(bits() >> 11) + 1.0) * 0x1.0p-53;
-    const double u2 = static_cast<double>(bits() >> 11) * 0x1.0p-53;
-    const double r = std::sqrt(-2.0 * std::log(u1)), t = 6.283185307179586 * u2;
-    spare_ = static_cast<float>(r * std::sin(t));
-    has_spare_ = true;
-    return static_cast<float>(r * std::cos(t));
-  }
+  explicit NormalSequence(std::uint64_t seed);
+  float next();
 
  private:
-  std::uint64_t bits() {
-    std::uint64_t z = (s_ += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
+  std::uint64_t bits();
   std::uint64_t s_;
   float spare_ = 0;
   bool has_spare_ = false;
 };
+
+#if DDP_BODIES
+DDP_INLINE NormalSequence::NormalSequence(std::uint64_t seed) : s_(seed) {}
+
+DDP_INLINE float NormalSequence::next() {
+  if (has_spare_) {
+    has_spare_ = false;
+    return spare_;
+  }
+  const double u1 = (static_cast<double>(bits() >> 11) + 1.0) * 0x1.0p-53;
+  const double u2 = static_cast<double>(bits() >> 11) * 0x1.0p-53;
+  const double r = std::sqrt(-2.0 * std::log(u1)), t = 6.283185307179586 * u2;
+  spare_ = static_cast<float>(r * std::sin(t));
+  has_spare_ = true;
+  return static_cast<float>(r * std::cos(t));
+}
+
+DDP_INLINE std::uint64_t NormalSequence::bits() {
+  std::uint64_t z = (s_ += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+#endif  // DDP_BODIES
 
 // The factors are kept transposed, one row per column of P (r x n) and of Q (r x c), so that
 // every loop below runs over contiguous memory.
@@ -120,7 +128,9 @@ class NormalSequence {
 /// normalized (`epsilon` added to the norm). A row that is (numerically) in the span of the
 /// ones before it becomes zero: normalizing the rounding noise left of it would add a direction
 /// the data does not have.
-inline void orthogonalize(float* a, std::size_t r, std::size_t n, float epsilon) {
+DDP_INLINE void orthogonalize(float* a, std::size_t r, std::size_t n, float epsilon);
+#if DDP_BODIES
+DDP_INLINE void orthogonalize(float* a, std::size_t r, std::size_t n, float epsilon) {
   const auto dot = [n](const float* x, const float* y) {
     double s = 0;
     for (std::size_t k = 0; k < n; ++k) s += double{x[k]} * y[k];
@@ -142,14 +152,18 @@ inline void orthogonalize(float* a, std::size_t r, std::size_t n, float epsilon)
     for (std::size_t k = 0; k < n; ++k) row[k] *= scale;
   }
 }
+#endif  // DDP_BODIES
 
 // Each kernel reads the big matrix m once (it is the gradient: megabytes), in chunks of its
 // rows that stay in the first-level cache while the r factors are applied to them.
 inline constexpr std::size_t powersgd_chunk = 256;
 
 /// pt (r x n) = (m q)^T for m (n x c, row-major) and qt = q^T (r x c).
-inline void times(const float* m, const float* qt, float* pt, std::size_t n, std::size_t c,
-                  std::size_t r) {
+DDP_INLINE void times(const float* m, const float* qt, float* pt, std::size_t n, std::size_t c,
+                      std::size_t r);
+#if DDP_BODIES
+DDP_INLINE void times(const float* m, const float* qt, float* pt, std::size_t n, std::size_t c,
+                      std::size_t r) {
   std::vector<float> acc(r * 8);
   for (std::size_t i = 0; i < n; ++i) {
     const float* row = m + i * c;
@@ -166,10 +180,14 @@ inline void times(const float* m, const float* qt, float* pt, std::size_t n, std
     }
   }
 }
+#endif  // DDP_BODIES
 
 /// qt (r x c) = (m^T p)^T for m (n x c) and pt = p^T (r x n).
-inline void times_transposed(const float* m, const float* pt, float* qt, std::size_t n,
-                             std::size_t c, std::size_t r) {
+DDP_INLINE void times_transposed(const float* m, const float* pt, float* qt, std::size_t n,
+                                 std::size_t c, std::size_t r);
+#if DDP_BODIES
+DDP_INLINE void times_transposed(const float* m, const float* pt, float* qt, std::size_t n,
+                                 std::size_t c, std::size_t r) {
   std::fill(qt, qt + r * c, 0.0f);
   for (std::size_t i = 0; i < n; ++i) {
     const float* row = m + i * c;
@@ -183,11 +201,15 @@ inline void times_transposed(const float* m, const float* pt, float* qt, std::si
     }
   }
 }
+#endif  // DDP_BODIES
 
 /// m (n x c) = p q^T for pt = p^T (r x n) and qt = q^T (r x c); with `err`, err = what m held
 /// minus what it holds now (error feedback), in the same pass.
-inline void outer(const float* pt, const float* qt, float* m, float* err, std::size_t n,
-                  std::size_t c, std::size_t r) {
+DDP_INLINE void outer(const float* pt, const float* qt, float* m, float* err, std::size_t n,
+                      std::size_t c, std::size_t r);
+#if DDP_BODIES
+DDP_INLINE void outer(const float* pt, const float* qt, float* m, float* err, std::size_t n,
+                      std::size_t c, std::size_t r) {
   float out[powersgd_chunk];
   for (std::size_t i = 0; i < n; ++i) {
     float* row = m + i * c;
@@ -205,6 +227,7 @@ inline void outer(const float* pt, const float* qt, float* m, float* err, std::s
     }
   }
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 
@@ -213,19 +236,10 @@ inline void outer(const float* pt, const float* qt, float* m, float* err, std::s
 class PowerSGDHook {
  public:
   /// A hook with its own state (checked: rank >= 1, min_compression_rate >= 0).
-  explicit PowerSGDHook(PowerSGDOptions o = {}) : s_(std::make_shared<State>()) {
-    if (o.rank == 0) detail::fail(Errc::invalid_argument, "PowerSGDHook: rank must be at least 1");
-    if (!(o.min_compression_rate >= 0))
-      detail::fail(Errc::invalid_argument,
-                   "PowerSGDHook: min_compression_rate must not be negative");
-    s_->o = o;
-  }
+  explicit PowerSGDHook(PowerSGDOptions o = {});
 
   /// What has been sent so far.
-  [[nodiscard]] PowerSGDStats stats() const {
-    std::lock_guard lock(s_->mutex);
-    return s_->stats;
-  }
+  [[nodiscard]] PowerSGDStats stats() const;
   /// The settings it was made with.
   [[nodiscard]] const PowerSGDOptions& options() const noexcept { return s_->o; }
 
@@ -349,5 +363,19 @@ class PowerSGDHook {
   };
   std::shared_ptr<State> s_;
 };
+
+#if DDP_BODIES
+DDP_INLINE PowerSGDHook::PowerSGDHook(PowerSGDOptions o) : s_(std::make_shared<State>()) {
+  if (o.rank == 0) detail::fail(Errc::invalid_argument, "PowerSGDHook: rank must be at least 1");
+  if (!(o.min_compression_rate >= 0))
+    detail::fail(Errc::invalid_argument, "PowerSGDHook: min_compression_rate must not be negative");
+  s_->o = o;
+}
+
+DDP_INLINE PowerSGDStats PowerSGDHook::stats() const {
+  std::lock_guard lock(s_->mutex);
+  return s_->stats;
+}
+#endif  // DDP_BODIES
 
 DDP_END_NAMESPACE

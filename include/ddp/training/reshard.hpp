@@ -60,7 +60,9 @@ struct ShardFile {
   friend auto operator<=>(const ShardFile&, const ShardFile&) = default;
 };
 
-inline std::string shard_file_path(const std::string& path, const ShardFile& f) {
+DDP_INLINE std::string shard_file_path(const std::string& path, const ShardFile& f);
+#if DDP_BODIES
+DDP_INLINE std::string shard_file_path(const std::string& path, const ShardFile& f) {
   std::string out = concat(path, ".rank", f.rank, "-of-", f.world);
   if (f.g == 0) return out;
   char hex[17];
@@ -68,9 +70,12 @@ inline std::string shard_file_path(const std::string& path, const ShardFile& f) 
   hex[16] = '\0';
   return concat(out, ".", f.g, ".", hex);
 }
+#endif  // DDP_BODIES
 
 /// Digits without a leading zero ("0" itself allowed) as a number.
-inline bool parse_decimal(std::string_view t, std::uint64_t& v) {
+DDP_INLINE bool parse_decimal(std::string_view t, std::uint64_t& v);
+#if DDP_BODIES
+DDP_INLINE bool parse_decimal(std::string_view t, std::uint64_t& v) {
   if (t.empty() || t.size() > 18 || (t[0] == '0' && t.size() > 1)) return false;
   v = 0;
   for (const char c : t) {
@@ -79,9 +84,12 @@ inline bool parse_decimal(std::string_view t, std::uint64_t& v) {
   }
   return true;
 }
+#endif  // DDP_BODIES
 
 /// Every shard file of `path` (any rank, any world size) in its directory, newest first.
-inline std::vector<ShardFile> shard_files(const std::string& path) {
+DDP_INLINE std::vector<ShardFile> shard_files(const std::string& path);
+#if DDP_BODIES
+DDP_INLINE std::vector<ShardFile> shard_files(const std::string& path) {
   std::vector<ShardFile> out;
   for (const std::string& rest : suffixes(path)) {  // "rankK-of-N[.G.<16 hex>]"
     const std::string_view r = rest;
@@ -113,6 +121,7 @@ inline std::vector<ShardFile> shard_files(const std::string& path) {
   std::sort(out.begin(), out.end(), std::greater<>());
   return out;
 }
+#endif  // DDP_BODIES
 
 /// The save load_sharded_checkpoint takes: its world size N, generation, id, and which rank
 /// reads each old rank's file.
@@ -196,13 +205,18 @@ std::optional<ShardSet> choose_shard_set(Comm& comm, const std::string& path,
 /// for a sharded one.
 using FileInfo = std::vector<std::pair<std::string, std::vector<std::uint64_t>>>;
 
-inline std::uint64_t section_checksum(std::span<const std::byte> b) {
+DDP_INLINE std::uint64_t section_checksum(std::span<const std::byte> b);
+#if DDP_BODIES
+DDP_INLINE std::uint64_t section_checksum(std::span<const std::byte> b) {
   std::uint64_t h = 0xcbf29ce484222325ull ^ b.size();
   for (const std::byte c : b) h = (h ^ static_cast<std::uint64_t>(c)) * 0x100000001b3ull;
   return h;
 }
+#endif  // DDP_BODIES
 
-inline FileInfo describe(const Checkpoint& ck, const std::string& file) {
+DDP_INLINE FileInfo describe(const Checkpoint& ck, const std::string& file);
+#if DDP_BODIES
+DDP_INLINE FileInfo describe(const Checkpoint& ck, const std::string& file) {
   FileInfo info;
   for (const std::string& name : ck.names()) {
     if (name == "ddp.shard" || name.rfind("ddp.sharded.", 0) == 0) continue;
@@ -224,6 +238,7 @@ inline FileInfo describe(const Checkpoint& ck, const std::string& file) {
   }
   return info;
 }
+#endif  // DDP_BODIES
 
 /// Calls f(destination element, source element, count) for each run of elements that old
 /// layout `from` and new layout `to` share, in `to`'s order, then `from`'s.

@@ -52,17 +52,9 @@ struct MirrorAccess;
 class ShardMirror {
  public:
   /// Bytes held on this rank (its own shards and its neighbour's, of the saves kept).
-  [[nodiscard]] std::size_t bytes() const noexcept {
-    std::size_t n = 0;
-    for (const Save& s : saves_) n += s.own.size() + s.next.size();
-    return n;
-  }
+  [[nodiscard]] std::size_t bytes() const noexcept;
   /// The tags of the saves kept on this rank, oldest first.
-  [[nodiscard]] std::vector<std::uint64_t> tags() const {
-    std::vector<std::uint64_t> t;
-    for (const Save& s : saves_) t.push_back(s.tag);
-    return t;
-  }
+  [[nodiscard]] std::vector<std::uint64_t> tags() const;
   /// Forgets every save.
   void clear() noexcept { saves_.clear(); }
 
@@ -75,6 +67,20 @@ class ShardMirror {
   static constexpr std::size_t kept = 2;
   std::vector<Save> saves_;  // oldest first
 };
+
+#if DDP_BODIES
+DDP_INLINE std::size_t ShardMirror::bytes() const noexcept {
+  std::size_t n = 0;
+  for (const Save& s : saves_) n += s.own.size() + s.next.size();
+  return n;
+}
+
+DDP_INLINE std::vector<std::uint64_t> ShardMirror::tags() const {
+  std::vector<std::uint64_t> t;
+  for (const Save& s : saves_) t.push_back(s.tag);
+  return t;
+}
+#endif  // DDP_BODIES
 
 namespace detail {
 
@@ -202,19 +208,8 @@ struct MirrorAccess {
 
  private:
   /// The unsharded sections of `state` (not put with put_sharded), named with their checksums.
-  static std::vector<std::pair<std::string, std::uint64_t>> plain_sections(const Checkpoint& c) {
-    std::vector<std::pair<std::string, std::uint64_t>> out;
-    for (const std::string& name : c.names())
-      if (!c.sharded_layout(name) && name.rfind("ddp.sharded.", 0) != 0)
-        out.emplace_back(name, section_checksum(c.get(name)));
-    return out;
-  }
-  static std::uint64_t plain_checksum(const Checkpoint& c) {
-    std::uint64_t h = 0;
-    for (const auto& [name, sum] : plain_sections(c))
-      h = (h ^ section_checksum(std::as_bytes(std::span(name.data(), name.size())))) * 31 + sum;
-    return h;
-  }
+  static std::vector<std::pair<std::string, std::uint64_t>> plain_sections(const Checkpoint& c);
+  static std::uint64_t plain_checksum(const Checkpoint& c);
   /// Collective (every rank found that rank `r`'s unsharded sections differ from rank 0's):
   /// Errc::mismatch naming the first section that differs.
   template <class Comm>
@@ -238,14 +233,36 @@ struct MirrorAccess {
          "): after a loss they go to every survivor, so they "
          "must be the same on every rank; put per-rank state with Checkpoint::put_sharded");
   }
-  static std::span<std::uint8_t> bytes(std::string& s) {
-    return {reinterpret_cast<std::uint8_t*>(s.data()), s.size()};
-  }
-  static std::string name(std::uint64_t k, const ShardSet& set) {
-    return concat("the in-memory copy of rank ", k, "'s shard (save ", set.g, " of ", set.world,
-                  " ranks)");
-  }
+  static std::span<std::uint8_t> bytes(std::string& s);
+  static std::string name(std::uint64_t k, const ShardSet& set);
 };
+
+#if DDP_BODIES
+DDP_INLINE std::vector<std::pair<std::string, std::uint64_t>> MirrorAccess::plain_sections(
+    const Checkpoint& c) {
+  std::vector<std::pair<std::string, std::uint64_t>> out;
+  for (const std::string& name : c.names())
+    if (!c.sharded_layout(name) && name.rfind("ddp.sharded.", 0) != 0)
+      out.emplace_back(name, section_checksum(c.get(name)));
+  return out;
+}
+
+DDP_INLINE std::uint64_t MirrorAccess::plain_checksum(const Checkpoint& c) {
+  std::uint64_t h = 0;
+  for (const auto& [name, sum] : plain_sections(c))
+    h = (h ^ section_checksum(std::as_bytes(std::span(name.data(), name.size())))) * 31 + sum;
+  return h;
+}
+
+DDP_INLINE std::span<std::uint8_t> MirrorAccess::bytes(std::string& s) {
+  return {reinterpret_cast<std::uint8_t*>(s.data()), s.size()};
+}
+
+DDP_INLINE std::string MirrorAccess::name(std::uint64_t k, const ShardSet& set) {
+  return concat("the in-memory copy of rank ", k, "'s shard (save ", set.g, " of ", set.world,
+                " ranks)");
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 

@@ -207,12 +207,15 @@ std::uint64_t save_sharded_checkpoint(Comm& comm, const Checkpoint& ck, const st
 /// The save identifier of a shard file that load_sharded_checkpoint returned (the value
 /// save_sharded_checkpoint returned when it was saved), e.g. to match it to a checkpoint saved
 /// beside it.
-[[nodiscard]] inline std::uint64_t shard_save_id(const Checkpoint& shard) {
+[[nodiscard]] DDP_INLINE std::uint64_t shard_save_id(const Checkpoint& shard);
+#if DDP_BODIES
+DDP_INLINE std::uint64_t shard_save_id(const Checkpoint& shard) {
   const auto stamp = shard.get_object<std::vector<std::uint64_t>>("ddp.shard");
   if (stamp.size() < 3)
     detail::fail(Errc::protocol, "Checkpoint: the ddp.shard section is damaged");
   return stamp[2];
 }
+#endif  // DDP_BODIES
 
 /// Collective: loads the newest save of `path` that has a file of every rank that saved it
 /// (a save cut short leaves the one before it), saved at this world size or any other;

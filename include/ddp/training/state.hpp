@@ -102,30 +102,7 @@ class TrainingState {
   /// with the rest, then, over a new number of ranks, dealt over them
   /// (DistributedSampler::repartition), so that the samples no rank has taken in this epoch go
   /// to the ranks that remain; over as many, each rank goes on from the same place.
-  TrainingState& track_sampler(std::string name, DistributedSampler& sampler) {
-    Piece piece;
-    piece.name = new_name(std::move(name));
-    piece.kind = 2;
-    piece.describe = [&sampler] { return static_cast<std::uint64_t>(sampler.dataset_size()); };
-    piece.save = [&sampler] { return detail::encode_object(sampler.state()); };
-    piece.load = [&sampler](const std::string& bytes) {
-      const auto s = detail::decode_object<SamplerState>(bytes.data(), bytes.size());
-      sampler = DistributedSampler(static_cast<std::size_t>(s.dataset_size),
-                                   static_cast<int>(s.num_replicas), 0, sampler.options());
-      sampler.restore(s);
-    };
-    piece.regroup = [&sampler](int size, int rank) {
-      const SamplerState s = sampler.state();
-      if (s.num_replicas != static_cast<std::uint64_t>(size)) {
-        sampler.repartition(size, rank);
-      } else {  // as many ranks: each takes its positions from the same place on
-        sampler = DistributedSampler(sampler.dataset_size(), size, rank, sampler.options());
-        sampler.restore(s);
-      }
-    };
-    pieces_.push_back(std::move(piece));
-    return *this;
-  }
+  TrainingState& track_sampler(std::string name, DistributedSampler& sampler);
 
   /// Collective, before the first step: rank 0's tracked state goes to every rank and is
   /// committed there as step 0.
@@ -215,26 +192,12 @@ class TrainingState {
   /// What a process must track alike to be admitted to the job (GrowOptions::ticket,
   /// JoinOptions::ticket): each piece's name, kind and size (tensors: bytes; objects: a tag of
   /// their type; samplers: the dataset size), in order.
-  [[nodiscard]] std::string ticket() const {
-    std::string t;
-    for (const Piece& p : pieces_) {
-      const char* kind = p.kind == 0   ? " tensor of bytes "
-                         : p.kind == 1 ? " object "
-                                       : " sampler of ";
-      t += detail::concat(t.empty() ? "" : ";", p.name, kind,
-                          p.where ? p.where().bytes : p.describe());
-    }
-    return t;
-  }
+  [[nodiscard]] std::string ticket() const;
 
   /// Commits made since start() (after restore(): the commit restored).
   [[nodiscard]] std::uint64_t steps() const noexcept { return steps_; }
   /// Bytes of the copy kept aside (the last commit).
-  [[nodiscard]] std::size_t bytes() const noexcept {
-    std::size_t n = 0;
-    for (const Piece& p : pieces_) n += p.saved.size();
-    return n;
-  }
+  [[nodiscard]] std::size_t bytes() const noexcept;
 
  private:
   struct Raw {
@@ -264,33 +227,12 @@ class TrainingState {
     }
   }
 
-  std::string new_name(std::string name) const {
-    for (const Piece& p : pieces_)
-      if (p.name == name)
-        detail::fail(Errc::invalid_argument, "TrainingState: \"", name, "\" is tracked twice");
-    return name;
-  }
+  std::string new_name(std::string name) const;
 
-  void add(std::string name, std::function<Raw()> where) {
-    Piece piece;
-    piece.name = new_name(std::move(name));
-    piece.where = std::move(where);
-    pieces_.push_back(std::move(piece));
-  }
+  void add(std::string name, std::function<Raw()> where);
 
   /// The tracked state now, copied aside.
-  void snapshot() {
-    for (Piece& p : pieces_) {
-      if (p.save) {
-        p.saved = p.save();
-        continue;
-      }
-      const Raw r = p.where();
-      p.saved.resize(r.bytes);
-      detail::copy_bytes(p.saved.data(), r.data, r.bytes, r.cuda, r.stream);
-      detail::sync_stream(r.cuda, r.stream);
-    }
-  }
+  void snapshot();
 
   /// Rank `root`'s copy aside to every member, then written back into the tracked state on
   /// every member. The members first compare the sizes of their tensors (every member fails
@@ -370,5 +312,78 @@ class TrainingState {
   std::uint64_t steps_ = 0;       // commits made (since start)
   std::uint64_t confirming_ = 0;  // the commit being confirmed (0: none)
 };
+
+#if DDP_BODIES
+DDP_INLINE TrainingState& TrainingState::track_sampler(std::string name,
+                                                       DistributedSampler& sampler) {
+  Piece piece;
+  piece.name = new_name(std::move(name));
+  piece.kind = 2;
+  piece.describe = [&sampler] { return static_cast<std::uint64_t>(sampler.dataset_size()); };
+  piece.save = [&sampler] { return detail::encode_object(sampler.state()); };
+  piece.load = [&sampler](const std::string& bytes) {
+    const auto s = detail::decode_object<SamplerState>(bytes.data(), bytes.size());
+    sampler = DistributedSampler(static_cast<std::size_t>(s.dataset_size),
+                                 static_cast<int>(s.num_replicas), 0, sampler.options());
+    sampler.restore(s);
+  };
+  piece.regroup = [&sampler](int size, int rank) {
+    const SamplerState s = sampler.state();
+    if (s.num_replicas != static_cast<std::uint64_t>(size)) {
+      sampler.repartition(size, rank);
+    } else {  // as many ranks: each takes its positions from the same place on
+      sampler = DistributedSampler(sampler.dataset_size(), size, rank, sampler.options());
+      sampler.restore(s);
+    }
+  };
+  pieces_.push_back(std::move(piece));
+  return *this;
+}
+
+DDP_INLINE std::string TrainingState::ticket() const {
+  std::string t;
+  for (const Piece& p : pieces_) {
+    const char* kind = p.kind == 0   ? " tensor of bytes "
+                       : p.kind == 1 ? " object "
+                                     : " sampler of ";
+    t += detail::concat(t.empty() ? "" : ";", p.name, kind,
+                        p.where ? p.where().bytes : p.describe());
+  }
+  return t;
+}
+
+DDP_INLINE std::size_t TrainingState::bytes() const noexcept {
+  std::size_t n = 0;
+  for (const Piece& p : pieces_) n += p.saved.size();
+  return n;
+}
+
+DDP_INLINE std::string TrainingState::new_name(std::string name) const {
+  for (const Piece& p : pieces_)
+    if (p.name == name)
+      detail::fail(Errc::invalid_argument, "TrainingState: \"", name, "\" is tracked twice");
+  return name;
+}
+
+DDP_INLINE void TrainingState::add(std::string name, std::function<Raw()> where) {
+  Piece piece;
+  piece.name = new_name(std::move(name));
+  piece.where = std::move(where);
+  pieces_.push_back(std::move(piece));
+}
+
+DDP_INLINE void TrainingState::snapshot() {
+  for (Piece& p : pieces_) {
+    if (p.save) {
+      p.saved = p.save();
+      continue;
+    }
+    const Raw r = p.where();
+    p.saved.resize(r.bytes);
+    detail::copy_bytes(p.saved.data(), r.data, r.bytes, r.cuda, r.stream);
+    detail::sync_stream(r.cuda, r.stream);
+  }
+}
+#endif  // DDP_BODIES
 
 DDP_END_NAMESPACE

@@ -34,8 +34,11 @@ namespace detail {
 /// chunks to every rank or to root. The result is written, in the same pass, to the user's
 /// buffer and to the slot of the next round when the transport offers one; ranks other than
 /// the root of a reduce leave their buffers untouched.
-inline void reduce_segments(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn, int root,
-                            const Fingerprint* fp) {
+DDP_INLINE void reduce_segments(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn, int root,
+                                const Fingerprint* fp);
+#if DDP_BODIES
+DDP_INLINE void reduce_segments(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn, int root,
+                                const Fingerprint* fp) {
   const std::size_t es = b.elem();
   const int p = t.size(), me = t.rank();
   const bool keeps = root < 0 || me == root;
@@ -74,10 +77,13 @@ inline void reduce_segments(Transport& t, RoundScratch& s, const Buf& b, ReduceF
     s0 += m;
   }
 }
+#endif  // DDP_BODIES
 
 /// all_reduce of a buffer of at most t.small_bytes(): one round gathers every rank's whole
 /// buffer and every rank reduces all of them.
-inline void all_reduce_small(Transport& t, const Buf& b, ReduceFn fn, const Fingerprint* fp) {
+DDP_INLINE void all_reduce_small(Transport& t, const Buf& b, ReduceFn fn, const Fingerprint* fp);
+#if DDP_BODIES
+DDP_INLINE void all_reduce_small(Transport& t, const Buf& b, ReduceFn fn, const Fingerprint* fp) {
   const Piece pc{b.data, b.bytes()};
   auto ptrs = t.round(
       {&pc, 1},
@@ -87,10 +93,14 @@ inline void all_reduce_small(Transport& t, const Buf& b, ReduceFn fn, const Fing
       fp);
   fn(b.data, nullptr, ptrs.data(), t.size(), b.count);
 }
+#endif  // DDP_BODIES
 
 /// reduce over `t`: the reduction lands in the buffer of t's rank `root` only.
-inline void reduce_on(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn, int root,
-                      const Fingerprint* fp) {
+DDP_INLINE void reduce_on(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn, int root,
+                          const Fingerprint* fp);
+#if DDP_BODIES
+DDP_INLINE void reduce_on(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn, int root,
+                          const Fingerprint* fp) {
   if (b.bytes() <= t.small_bytes()) {
     const Piece pc{b.data, b.bytes()};
     auto ptrs = t.round(
@@ -104,9 +114,12 @@ inline void reduce_on(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn, 
   }
   reduce_segments(t, s, b, fn, root, fp);
 }
+#endif  // DDP_BODIES
 
 /// broadcast over `t` from t's rank `root`.
-inline void broadcast_on(Transport& t, const Buf& b, int root, const Fingerprint* fp) {
+DDP_INLINE void broadcast_on(Transport& t, const Buf& b, int root, const Fingerprint* fp);
+#if DDP_BODIES
+DDP_INLINE void broadcast_on(Transport& t, const Buf& b, int root, const Fingerprint* fp) {
   const std::size_t es = b.elem();
   const bool is_root = t.rank() == root;
   const std::size_t seg = std::max<std::size_t>(1, t.max_offer() / es);
@@ -121,6 +134,7 @@ inline void broadcast_on(Transport& t, const Buf& b, int root, const Fingerprint
     if (!is_root && m != 0) std::memcpy(b.at(s0), ptrs[static_cast<std::size_t>(root)], m * es);
   });
 }
+#endif  // DDP_BODIES
 
 /// all_reduce of float32 values that travel and are reduced as `k`'s wire type (float16 or
 /// bfloat16): each rank rounds its values to the wire type as it offers them (into the
@@ -128,8 +142,11 @@ inline void broadcast_on(Transport& t, const Buf& b, int root, const Fingerprint
 /// and rounds the result once, and every rank writes the rounded result back as float32. The
 /// result is bitwise that of converting, all_reduce on the wire type, and converting back, in
 /// the passes over memory of a plain all_reduce, with half its bytes moved.
-inline void all_reduce_as_on(Transport& t, RoundScratch& s, const Buf& b, const WireKernels& k,
-                             std::size_t ws, const Fingerprint& fp) {
+DDP_INLINE void all_reduce_as_on(Transport& t, RoundScratch& s, const Buf& b, const WireKernels& k,
+                                 std::size_t ws, const Fingerprint& fp);
+#if DDP_BODIES
+DDP_INLINE void all_reduce_as_on(Transport& t, RoundScratch& s, const Buf& b, const WireKernels& k,
+                                 std::size_t ws, const Fingerprint& fp) {
   const int p = t.size(), me = t.rank();
   // Memory for this rank's encoded offer: the next round's slot where the transport has one.
   const auto encoded = [&](std::size_t bytes, std::vector<std::byte>& own) {
@@ -186,10 +203,14 @@ inline void all_reduce_as_on(Transport& t, RoundScratch& s, const Buf& b, const 
     s0 += m;
   }
 }
+#endif  // DDP_BODIES
 
 /// scatter over `t`: block r of root's `in` into rank r's `out`.
-inline void scatter_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out, int root,
-                       const Fingerprint& fp) {
+DDP_INLINE void scatter_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out, int root,
+                           const Fingerprint& fp);
+#if DDP_BODIES
+DDP_INLINE void scatter_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out, int root,
+                           const Fingerprint& fp) {
   const std::size_t es = out.elem(), n = out.count;
   const auto p = static_cast<std::size_t>(t.size());
   const std::size_t seg = std::max<std::size_t>(1, t.max_offer() / (es * p));
@@ -207,29 +228,41 @@ inline void scatter_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& 
     copy_if_distinct(out.at(s0), ptrs[static_cast<std::size_t>(root)], m * es);
   });
 }
+#endif  // DDP_BODIES
 
 /// reduce_scatter over `t`: block r of the reduction of every rank's `in` into rank r's `out`.
-inline void reduce_scatter_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
-                              ReduceFn fn, const Fingerprint& fp) {
+DDP_INLINE void reduce_scatter_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
+                                  ReduceFn fn, const Fingerprint& fp);
+#if DDP_BODIES
+DDP_INLINE void reduce_scatter_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
+                                  ReduceFn fn, const Fingerprint& fp) {
   exchange_blocks(t, s, in, out.count, fp, [&](std::size_t s0, std::size_t m, auto ptrs) {
     fn(out.at(s0), nullptr, ptrs.data(), t.size(), m);
   });
 }
+#endif  // DDP_BODIES
 
 /// all_to_all over `t`: block j of `in` to rank j, stored as its block r of `out`.
-inline void all_to_all_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
-                          const Fingerprint& fp) {
+DDP_INLINE void all_to_all_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
+                              const Fingerprint& fp);
+#if DDP_BODIES
+DDP_INLINE void all_to_all_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
+                              const Fingerprint& fp) {
   const std::size_t n = in.count / static_cast<std::size_t>(t.size());
   exchange_blocks(t, s, in, n, fp, [&](std::size_t s0, std::size_t m, auto ptrs) {
     for (std::size_t j = 0; j < static_cast<std::size_t>(t.size()); ++j)
       copy_if_distinct(out.at(j * n + s0), ptrs[j], m * in.elem());
   });
 }
+#endif  // DDP_BODIES
 
 /// all_gather (root < 0) or gather to t's rank `root` over `t`: every rank's `in`, in rank
 /// order, into `out`.
-inline void gather_on(Transport& t, const Buf& in, const Buf& out, int root,
-                      const Fingerprint& fp) {
+DDP_INLINE void gather_on(Transport& t, const Buf& in, const Buf& out, int root,
+                          const Fingerprint& fp);
+#if DDP_BODIES
+DDP_INLINE void gather_on(Transport& t, const Buf& in, const Buf& out, int root,
+                          const Fingerprint& fp) {
   const std::size_t es = in.elem(), n = in.count;
   const std::size_t seg = std::max<std::size_t>(1, t.max_offer() / es);
   for_each_segment(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
@@ -245,6 +278,7 @@ inline void gather_on(Transport& t, const Buf& in, const Buf& out, int root,
       copy_if_distinct(out.at(j * n + s0), ptrs[j], m * es);
   });
 }
+#endif  // DDP_BODIES
 
 /// Rank j of `t` ends with the reduction, over t's ranks in their order, of part(j) of every
 /// rank's `b` (a Range in elements), in place in its own `b`; the rest of `b` is only read.

@@ -40,8 +40,13 @@ namespace detail {
 /// after this rank had finished its own left its failure under "failed". Waits up to `grace`
 /// for one; nothing when the store is gone or holds none, or at once when every rank of `ranks`
 /// died (its "exit/<rank>" is there without a record).
-inline std::optional<Transport::Left> left_record(const Store& store, const std::vector<int>& ranks,
-                                                  std::chrono::milliseconds grace) {
+DDP_INLINE std::optional<Transport::Left> left_record(const Store& store,
+                                                      const std::vector<int>& ranks,
+                                                      std::chrono::milliseconds grace);
+#if DDP_BODIES
+DDP_INLINE std::optional<Transport::Left> left_record(const Store& store,
+                                                      const std::vector<int>& ranks,
+                                                      std::chrono::milliseconds grace) {
   const auto deadline = std::chrono::steady_clock::now() + grace;
   try {
     Store plain = store.unwatched();
@@ -96,6 +101,7 @@ inline std::optional<Transport::Left> left_record(const Store& store, const std:
     return std::nullopt;
   }
 }
+#endif  // DDP_BODIES
 
 /// The hierarchical path of one communicator: its kind (flat when the ranks share one host, or
 /// each runs alone on its host), the transport among this host's ranks (`local`) and the one that
@@ -116,11 +122,7 @@ class Hierarchy {
   /// this host's ranks (one local round), so that a rank in a hierarchical all_reduce, which
   /// talks to its host and to one rank per host, and a rank in any other collective meet in a
   /// round that compares their fingerprints, and fail with Errc::mismatch instead of a timeout.
-  void check_locally(const Fingerprint& f, Transport* remote) {
-    if (!active() || local->size() <= 1 || !local->verify_fingerprints) return;
-    local->slack = std::chrono::milliseconds(0);
-    guarded([&](Transport*&) { empty_round(*local, &f); }, remote);
-  }
+  void check_locally(const Fingerprint& f, Transport* remote);
 
   /// all_reduce when the ranks span several hosts: every element is combined as host 0's sum,
   /// op host 1's sum, ..., where hosts are ordered by their lowest rank and each host's sum
@@ -134,53 +136,7 @@ class Hierarchy {
   ///  * leaders: a reduce to the host's lowest rank, an all_reduce among those over TCP, a
   ///    broadcast inside the host.
   void all_reduce(RoundScratch& s, SingleCopy& single, const Buf& b, ReduceOp op,
-                  const Fingerprint& fp, int size) {
-    const bool avg = op == ReduceOp::avg;
-    const auto fn = reduce_fn(b.dtype, avg ? ReduceOp::sum : op);
-    const auto divide = [&](const Buf& x) {
-      if (avg && x.count != 0) divide_fn(b.dtype)(x.data, x.count, size);
-    };
-    Transport& host = *local;
-    const bool by_slices = kind == HostHierarchy::slices &&
-                           b.bytes() > slices_from * static_cast<std::size_t>(host.size());
-    // Each phase waits a little longer than the one before it (Transport::slack), so that a rank
-    // waiting on one that waits on the culprit hears the culprit named before its own timeout.
-    host.slack = std::chrono::milliseconds(0);
-    if (across) across->slack = std::chrono::milliseconds(250);
-    const auto last_phase = [&] { host.slack = std::chrono::milliseconds(500); };
-    guarded(
-        [&](Transport*& crossing) {
-          if (!by_slices) {
-            if (host.size() > 1) reduce_on(host, s, b, fn, 0, &fp);
-            if (host.rank() == 0) {
-              crossing = across.get();
-              all_reduce_on(*across, s, b, fn, &fp, &single);
-              crossing = nullptr;
-              divide(b);
-            }
-            last_phase();
-            if (host.size() > 1) broadcast_on(host, b, 0, nullptr);
-            return;
-          }
-          const int q = host.size();
-          const auto part = [&](int j) {  // in elements
-            const auto [lo, hi] = split_range(b.count, q, j, b.elem());
-            return Range{lo, hi - lo};
-          };
-          reduce_scatter_parts(host, s, b, fn, part, &fp);
-          const Range mine = part(host.rank());
-          Buf slice = b;
-          slice.data = b.at(mine.off);
-          slice.count = mine.len;
-          crossing = across.get();
-          all_reduce_on(*across, s, slice, fn, &fp, &single);
-          crossing = nullptr;
-          divide(slice);
-          last_phase();
-          all_gather_parts(host, b, part);
-        },
-        across.get());
-  }
+                  const Fingerprint& fp, int size);
 
   /// Runs body(crossing); if it fails, fails this host's other ranks too (through the local
   /// transport) and shuts down the connections of `remote` (when not null), before rethrowing,
@@ -207,14 +163,73 @@ class Hierarchy {
   /// Says in the store why this rank leaves the hierarchical path, before it closes its
   /// connections, so that a rank of another host that sees them close reports this error (with
   /// its code) rather than a lost peer (Transport::why_left). Best effort.
-  void record_leaving(const Error& e) noexcept {
-    if (!store) return;
-    try {
-      store->set(concat("left/", rank), Store::stop_value(e.code(), e.what()));
-    } catch (...) {  // the store is gone: the peers report a lost connection instead
-    }
-  }
+  void record_leaving(const Error& e) noexcept;
 };
+
+#if DDP_BODIES
+DDP_INLINE void Hierarchy::check_locally(const Fingerprint& f, Transport* remote) {
+  if (!active() || local->size() <= 1 || !local->verify_fingerprints) return;
+  local->slack = std::chrono::milliseconds(0);
+  guarded([&](Transport*&) { empty_round(*local, &f); }, remote);
+}
+
+DDP_INLINE void Hierarchy::all_reduce(RoundScratch& s, SingleCopy& single, const Buf& b,
+                                      ReduceOp op, const Fingerprint& fp, int size) {
+  const bool avg = op == ReduceOp::avg;
+  const auto fn = reduce_fn(b.dtype, avg ? ReduceOp::sum : op);
+  const auto divide = [&](const Buf& x) {
+    if (avg && x.count != 0) divide_fn(b.dtype)(x.data, x.count, size);
+  };
+  Transport& host = *local;
+  const bool by_slices = kind == HostHierarchy::slices &&
+                         b.bytes() > slices_from * static_cast<std::size_t>(host.size());
+  // Each phase waits a little longer than the one before it (Transport::slack), so that a rank
+  // waiting on one that waits on the culprit hears the culprit named before its own timeout.
+  host.slack = std::chrono::milliseconds(0);
+  if (across) across->slack = std::chrono::milliseconds(250);
+  const auto last_phase = [&] { host.slack = std::chrono::milliseconds(500); };
+  guarded(
+      [&](Transport*& crossing) {
+        if (!by_slices) {
+          if (host.size() > 1) reduce_on(host, s, b, fn, 0, &fp);
+          if (host.rank() == 0) {
+            crossing = across.get();
+            all_reduce_on(*across, s, b, fn, &fp, &single);
+            crossing = nullptr;
+            divide(b);
+          }
+          last_phase();
+          if (host.size() > 1) broadcast_on(host, b, 0, nullptr);
+          return;
+        }
+        const int q = host.size();
+        const auto part = [&](int j) {  // in elements
+          const auto [lo, hi] = split_range(b.count, q, j, b.elem());
+          return Range{lo, hi - lo};
+        };
+        reduce_scatter_parts(host, s, b, fn, part, &fp);
+        const Range mine = part(host.rank());
+        Buf slice = b;
+        slice.data = b.at(mine.off);
+        slice.count = mine.len;
+        crossing = across.get();
+        all_reduce_on(*across, s, slice, fn, &fp, &single);
+        crossing = nullptr;
+        divide(slice);
+        last_phase();
+        all_gather_parts(host, b, part);
+      },
+      across.get());
+}
+
+DDP_INLINE void Hierarchy::record_leaving(const Error& e) noexcept {
+  if (!store) return;
+  try {
+    store->set(concat("left/", rank), Store::stop_value(e.code(), e.what()));
+  } catch (...) {  // the store is gone: the peers report a lost connection instead
+  }
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE

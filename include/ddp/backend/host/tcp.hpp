@@ -49,167 +49,25 @@ class TcpTransport final : public Transport {
 
   /// `local_ranks`: how many ranks run on this machine (more than its cores: busy waits yield).
   TcpTransport(int rank, int size, std::chrono::milliseconds timeout, std::vector<Fd> peers,
-               std::size_t segment_bytes, int local_ranks)
-      : Transport(rank, size, timeout),
-        oversubscribed_(local_ranks > usable_cpus()),
-        segment_(segment_bytes),
-        peers_(std::move(peers)),
-        ptrs_(static_cast<std::size_t>(size)),
-        xfers_(static_cast<std::size_t>(size)),
-        headers_in_(static_cast<std::size_t>(size)) {
-    for (auto& fd : peers_) {
-      if (fd) set_nonblocking(fd.get(), true);
-    }
-  }
+               std::size_t segment_bytes, int local_ranks);
 
   /// Builds the mesh: connect to ranks below, accept ranks above (see the file comment).
   [[nodiscard]] static std::vector<Fd> connect_mesh(
       int rank, int size, Fd& listener, const std::vector<std::pair<std::string, int>>& addrs,
-      const SessionKey& key, Deadline deadline, const std::function<void()>& check_stop = {}) {
-    std::vector<Fd> peers(static_cast<std::size_t>(size));
-    for (int j = 0; j < rank; ++j) {
-      const auto& [host, port] = addrs[static_cast<std::size_t>(j)];
-      Fd fd = connect_tcp(host, port, deadline, concat("rank ", j), check_stop);
-      std::string hello;
-      ByteWriter w(hello);
-      w.put(hello_magic);
-      w.raw(key.data(), key.size());
-      w.put(static_cast<std::uint32_t>(rank));
-      if (send_all(fd.get(), hello.data(), hello.size(), deadline) != IoResult::ok) {
-        fail(Errc::peer_lost, "rank ", rank, ": could not introduce itself to rank ", j, " at ",
-             host_port(host, port));
-      }
-      peers[static_cast<std::size_t>(j)] = std::move(fd);
-    }
-    int missing = size - 1 - rank;
-    set_nonblocking(listener.get(), true);
-    while (missing > 0) {
-      if (check_stop) check_stop();  // throws when another rank failed meanwhile
-      pollfd p{listener.get(), POLLIN, 0};
-      const int rc = ::poll(&p, 1, deadline.poll_ms(200));
-      if (rc == 0 && deadline.expired()) {
-        std::string who;
-        int count = 0;
-        for (int j = rank + 1; j < size; ++j) {
-          if (!peers[static_cast<std::size_t>(j)]) {
-            who += concat(who.empty() ? "" : ", ", j);
-            ++count;
-          }
-        }
-        fail(Errc::timeout, "rank ", rank, ": timed out waiting for ",
-             count == 1 ? "rank " : "ranks ", who,
-             " to connect (tcp transport): a rank that is stopped, overloaded or cannot reach "
-             "this host (a firewall, a wrong interface) does this; every rank must reach every "
-             "other on the ports the rendezvous published");
-      }
-      Fd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
-      if (!fd) {
-        // Out of descriptors the listener stays readable: retrying would spin until the timeout.
-        fail_if_out_of_fds(errno, concat("rank ", rank,
-                                         ": cannot accept rank(s) above it (tcp "
-                                         "transport)"));
-        continue;
-      }
-      set_nodelay(fd.get());
-      std::array<std::byte, 4 + 16 + 4> hello{};
-      // A stray connection gets a short window; it must not stall the mesh.
-      const auto short_deadline =
-          Deadline{std::min(deadline.at, Clock::now() + std::chrono::seconds(2))};
-      if (recv_all(fd.get(), hello.data(), hello.size(), short_deadline) != IoResult::ok) continue;
-      ByteReader r(hello.data(), hello.size(), "peer hello");
-      if (r.get<std::uint32_t>() != hello_magic) continue;
-      SessionKey got{};
-      r.raw(got.data(), got.size());
-      const auto peer = static_cast<int>(r.get<std::uint32_t>());
-      if (!constant_time_equal(got, key) || peer <= rank || peer >= size ||
-          peers[static_cast<std::size_t>(peer)]) {
-        continue;  // not ours: drop it
-      }
-      peers[static_cast<std::size_t>(peer)] = std::move(fd);
-      --missing;
-    }
-    return peers;
-  }
+      const SessionKey& key, Deadline deadline, const std::function<void()>& check_stop = {});
 
   [[nodiscard]] std::string_view name() const noexcept override { return "tcp"; }
   [[nodiscard]] std::size_t max_offer() const noexcept override { return segment_; }
-  [[nodiscard]] std::size_t small_bytes() const noexcept override {
-    // Measured (bench/README.md): above these, the two-round path (each rank reduces 1/P of the
-    // buffer) beats gathering whole buffers (each reduces all of it) despite its second round.
-    return std::min(segment_, size_ == 2 ? (std::size_t{128} << 10) : (std::size_t{64} << 10));
-  }
+  [[nodiscard]] std::size_t small_bytes() const noexcept override;
 
   std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
-                                          const Fingerprint* fp) override {
-    check_abort(fp);
-    std::size_t scratch_needed = 0;
-    for (int j = 0; j < size_; ++j) {
-      if (j != rank_) scratch_needed += want(j, rank_).len;
-    }
-    if (scratch_.size() < scratch_needed)
-      scratch_.resize(scratch_needed);  // zero-filled: pre-faulted
-    std::size_t scratch_at = 0;
-    for (int j = 0; j < size_; ++j) {
-      auto& x = xfers_[static_cast<std::size_t>(j)];
-      x.clear();
-      if (j == rank_) continue;
-      if (fp != nullptr && verify_fingerprints) {
-        x.out.push_back(
-            {reinterpret_cast<std::byte*>(const_cast<Fingerprint*>(fp)), sizeof(Fingerprint)});
-        x.in.push_back({reinterpret_cast<std::byte*>(&headers_in_[static_cast<std::size_t>(j)]),
-                        sizeof(Fingerprint)});
-        x.header_in = true;
-      }
-      const Range out = want(rank_, j);
-      std::size_t base = 0;
-      for (const Piece& p : offer) {
-        const std::size_t lo = std::max(out.off, base),
-                          hi = std::min(out.off + out.len, base + p.len);
-        if (lo < hi) x.out.push_back({const_cast<std::byte*>(p.data) + (lo - base), hi - lo});
-        base += p.len;
-      }
-      const Range in = want(j, rank_);
-      if (in.len != 0) x.in.push_back({scratch_.data() + scratch_at, in.len});
-      ptrs_[static_cast<std::size_t>(j)] = in.len != 0 ? scratch_.data() + scratch_at : nullptr;
-      scratch_at += in.len;
-    }
-    progress(fp, nullptr);
-    ptrs_[static_cast<std::size_t>(rank_)] = SelfTransport::locate(offer, want(rank_, rank_));
-    return ptrs_;
-  }
+                                          const Fingerprint* fp) override;
 
-  void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
-    check_abort(nullptr);
-    p2p_header_ = {seq, buf.count, tag, P2PHeader::p2p, buf.dtype, {}};
-    for (auto& x : xfers_) x.clear();
-    auto& x = xfers_[static_cast<std::size_t>(peer)];
-    x.out.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});
-    if (buf.bytes() != 0) x.out.push_back({buf.data, buf.bytes()});
-    const std::string what = concat("send(to rank ", peer, ", tag ", tag, ", ",
-                                    to_string(buf.dtype), ", count=", buf.count, ")");
-    progress(nullptr, what.c_str());
-  }
+  void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override;
 
-  void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
-    check_abort(nullptr);
-    for (auto& x : xfers_) x.clear();
-    auto& x = xfers_[static_cast<std::size_t>(peer)];
-    x.in.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});
-    const std::string what = recv_description(buf, peer, tag);
-    progress(nullptr, what.c_str());
-    if (const std::string msg = p2p_mismatch(buf, peer, tag, seq, p2p_header_); !msg.empty()) {
-      poison();
-      fail(Errc::mismatch, msg);
-    }
-    x.clear();
-    if (buf.bytes() != 0) x.in.push_back({buf.data, buf.bytes()});
-    progress(nullptr, what.c_str());
-  }
+  void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override;
 
-  void abort(Errc code, const std::string&) override {
-    set_local_abort(code);
-    poison();
-  }
+  void abort(Errc code, const std::string&) override;
 
  private:
   struct Seg {
@@ -217,35 +75,17 @@ class TcpTransport final : public Transport {
     std::size_t n;
   };
   /// Points iov_ at the unfinished segments from (i, off) on; returns how many it filled.
-  std::size_t gather(const std::vector<Seg>& segs, std::size_t i, std::size_t off) {
-    std::size_t k = 0;
-    for (; i < segs.size() && k < iov_.size(); ++i, off = 0) {
-      if (segs[i].n > off) iov_[k++] = {segs[i].p + off, segs[i].n - off};
-    }
-    return k;
-  }
+  std::size_t gather(const std::vector<Seg>& segs, std::size_t i, std::size_t off);
 
   /// Moves (i, off) forward by n bytes over segs, past any empty segments.
   static void advance(const std::vector<Seg>& segs, std::size_t& i, std::size_t& off,
-                      std::size_t n) {
-    while (i < segs.size() && segs[i].n - off <= n) {
-      n -= segs[i].n - off;
-      ++i;
-      off = 0;
-    }
-    off += n;
-  }
+                      std::size_t n);
 
   struct Xfer {
     std::vector<Seg> out, in;
     std::size_t out_i = 0, out_off = 0, in_i = 0, in_off = 0;
     bool header_in = false;
-    void clear() {
-      out.clear();
-      in.clear();
-      out_i = out_off = in_i = in_off = 0;
-      header_in = false;
-    }
+    void clear();
     [[nodiscard]] bool out_done() const { return out_i == out.size(); }
     [[nodiscard]] bool in_done() const { return in_i == in.size(); }
   };
@@ -265,205 +105,32 @@ class TcpTransport final : public Transport {
   /// dead peer itself (full mesh), and closing them would make the survivors blame this rank.
   /// A survivor that failed first may have exited already, so every connection found closed is
   /// named: the rank that died is among them.
-  [[noreturn]] void lost(int peer, const Fingerprint* fp, const char* what) {
-    check_abort(fp);  // our own abort() shut the sockets down: report that, not a lost peer
-    if (fp != nullptr && verify_fingerprints)
-      collect_headers(*fp, Deadline::after(std::chrono::milliseconds(500)));
-    std::vector<int> closed{peer};
-    for (int j = 0; j < size_; ++j) {
-      if (j == rank_ || j == peer) continue;
-      pollfd p{peers_[static_cast<std::size_t>(j)].get(), POLLRDHUP, 0};
-      if (::poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0)
-        closed.push_back(j);
-    }
-    // A rank that failed and left may have said why (a rank that died says nothing).
-    fail_if_left(closed, std::chrono::milliseconds(300), fp, what);
-    if (closed.size() == 1) {
-      fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what),
-           ": the connection to rank ", global(peer),
-           " closed (that process died or failed) (tcp transport); the job cannot continue with "
-           "this communicator (the ranks still alive can go on with shrink())");
-    }
-    std::sort(closed.begin(), closed.end());
-    std::string list;
-    for (int j : closed) list += concat(list.empty() ? "" : ", ", "rank ", global(j));
-    fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what), ": the connections to ",
-         list,
-         " closed (one of those processes died, and the others left because of it) (tcp "
-         "transport); the job cannot continue with this communicator (the ranks still alive can go "
-         "on with shrink())");
-  }
+  [[noreturn]] void lost(int peer, const Fingerprint* fp, const char* what);
 
   /// Moves what the socket takes (out) or has (in) of peer j's outstanding bytes, without
   /// waiting; the header and payload go in one system call.
-  void pump(int j, bool out, const Fingerprint* fp, const char* what) {
-    auto& x = xfers_[static_cast<std::size_t>(j)];
-    std::vector<Seg>& segs = out ? x.out : x.in;
-    std::size_t& i = out ? x.out_i : x.in_i;
-    std::size_t& off = out ? x.out_off : x.in_off;
-    const int fd = peers_[static_cast<std::size_t>(j)].get();
-    while (i < segs.size()) {
-      msghdr msg{};
-      msg.msg_iov = iov_.data();
-      msg.msg_iovlen = gather(segs, i, off);
-      if (msg.msg_iovlen == 0) {  // only empty segments are left
-        i = segs.size();
-        break;
-      }
-      // A receive never takes more than this round's bytes: the next round's stay in the socket.
-      const ssize_t n = out ? ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT)
-                            : ::recvmsg(fd, &msg, MSG_DONTWAIT);
-      if (n > 0) {
-        const bool header_pending = !out && x.header_in && i == 0;
-        advance(segs, i, off, static_cast<std::size_t>(n));
-        if (header_pending && i > 0) check_header(j, *fp);
-      } else if (n < 0 && errno == EINTR) {
-        continue;
-      } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        break;
-      } else {
-        lost(j, fp, what);
-      }
-    }
-  }
+  void pump(int j, bool out, const Fingerprint* fp, const char* what);
 
   /// One non-blocking pass over every unfinished transfer; true when all are done.
-  bool pump_all(const Fingerprint* fp, const char* what) {
-    bool done = true;
-    for (int j = 0; j < size_; ++j) {
-      auto& x = xfers_[static_cast<std::size_t>(j)];
-      if (!x.out_done()) pump(j, true, fp, what);
-      if (!x.in_done()) pump(j, false, fp, what);
-      done = done && x.out_done() && x.in_done();
-    }
-    return done;
-  }
+  bool pump_all(const Fingerprint* fp, const char* what);
 
   /// Moves this round's bytes. Sockets are tried at once (they usually take the data without a
   /// wait), then polled without sleeping for a few tens of microseconds (a peer on another core
   /// answers within that: sleeping in poll() and being woken costs more than the whole round),
   /// then waited for with poll() until done, the timeout, or a failure. With more ranks on this
   /// host than cores the awaited rank may need this very core, so the busy phase yields it.
-  void progress(const Fingerprint* fp, const char* what) {
-    if (pump_all(fp, what)) return;
-    const auto busy_until = Clock::now() + (oversubscribed_ ? std::chrono::microseconds(200)
-                                                            : std::chrono::microseconds(50));
-    do {
-      if (oversubscribed_) {
-        ::sched_yield();
-      } else {
-        for (int i = 0; i < 16; ++i) cpu_relax();
-      }
-      check_abort(fp);
-      if (pump_all(fp, what)) return;
-    } while (Clock::now() < busy_until);
-    const auto deadline = Deadline::after(timeout_ + slack);
-    std::vector<pollfd> fds;
-    std::vector<int> who;
-    for (;;) {
-      fds.clear();
-      who.clear();
-      for (int j = 0; j < size_; ++j) {
-        const auto& x = xfers_[static_cast<std::size_t>(j)];
-        short ev = 0;
-        if (!x.out_done()) ev = static_cast<short>(ev | POLLOUT);
-        if (!x.in_done()) ev = static_cast<short>(ev | POLLIN);
-        if (ev != 0) {
-          fds.push_back({peers_[static_cast<std::size_t>(j)].get(), ev, 0});
-          who.push_back(j);
-        }
-      }
-      if (fds.empty()) return;
-      check_abort(fp);
-      const int rc = ::poll(fds.data(), fds.size(), deadline.poll_ms(50));
-      if (rc < 0 && errno != EINTR) fail_errno(errno, "poll");
-      if (rc <= 0) {
-        if (deadline.expired()) {
-          // One of them may have failed at its own timeout, or for another reason, just now.
-          fail_if_left(who, std::chrono::milliseconds(100), fp, what);
-          std::string list;
-          for (int j : who) list += concat(list.empty() ? "" : ", ", global(j));
-          // No poison(): the other ranks time out on their own, with their own message.
-          fail(Errc::timeout, "rank ", global(rank_), ": ", describe(fp, what),
-               ": timed out after ", (timeout_ + slack).count(), " ms waiting for ",
-               who.size() == 1 ? "rank " : "ranks ", list,
-               " (tcp transport); that rank is stopped, slow, or did not call this collective");
-        }
-        continue;
-      }
-      for (std::size_t i = 0; i < fds.size(); ++i) {
-        const int j = who[i];
-        const auto& x = xfers_[static_cast<std::size_t>(j)];
-        const short re = fds[i].revents;
-        if ((re & POLLOUT) != 0 || ((re & (POLLERR | POLLHUP)) != 0 && !x.out_done()))
-          pump(j, true, fp, what);
-        if ((re & (POLLIN | POLLERR | POLLHUP)) != 0) pump(j, false, fp, what);
-      }
-    }
-  }
+  void progress(const Fingerprint* fp, const char* what);
 
   /// Reads the outstanding fingerprints of this round (only those) until all are in or the
   /// deadline passes; throws Errc::mismatch if one differs from ours.
-  void collect_headers(const Fingerprint& mine, Deadline deadline) {
-    for (;;) {
-      std::vector<pollfd> fds;
-      std::vector<int> who;
-      for (int j = 0; j < size_; ++j) {
-        const auto& x = xfers_[static_cast<std::size_t>(j)];
-        if (j != rank_ && x.header_in && x.in_i == 0) {
-          fds.push_back({peers_[static_cast<std::size_t>(j)].get(), POLLIN, 0});
-          who.push_back(j);
-        }
-      }
-      if (fds.empty()) return;
-      const int rc = ::poll(fds.data(), fds.size(), deadline.poll_ms(50));
-      if (rc <= 0) {
-        if (deadline.expired() || (rc < 0 && errno != EINTR)) return;
-        continue;
-      }
-      for (std::size_t i = 0; i < fds.size(); ++i) {
-        if (fds[i].revents == 0) continue;
-        auto& x = xfers_[static_cast<std::size_t>(who[i])];
-        Seg& h = x.in[0];
-        const ssize_t n = ::recv(fds[i].fd, h.p + x.in_off, h.n - x.in_off, MSG_DONTWAIT);
-        if (n > 0) {
-          x.in_off += static_cast<std::size_t>(n);
-          if (x.in_off == h.n) {
-            check_header(who[i], mine);
-            ++x.in_i;
-            x.in_off = 0;
-          }
-        } else if (n == 0 || (errno != EAGAIN && errno != EINTR && errno != EWOULDBLOCK)) {
-          x.header_in = false;  // gone without a fingerprint: nothing more to learn there
-        }
-      }
-    }
-  }
+  void collect_headers(const Fingerprint& mine, Deadline deadline);
 
-  void check_header(int peer, const Fingerprint& mine) {
-    const Fingerprint& theirs = headers_in_[static_cast<std::size_t>(peer)];
-    if (!(theirs == mine)) {
-      const std::string msg = mismatch_message(mine, peer, theirs);
-      flush_headers();
-      fail(Errc::mismatch, msg);
-    }
-  }
+  void check_header(int peer, const Fingerprint& mine);
 
   /// Finishes sending this round's fingerprint to every peer (best effort, briefly), so that each
   /// of them sees the mismatch too instead of waiting for a header that never comes. The
   /// connections stay open: closing them would turn the peers' mismatch into peer_lost.
-  void flush_headers() {
-    const auto deadline = Deadline::after(std::chrono::milliseconds(500));
-    for (int j = 0; j < size_; ++j) {
-      auto& x = xfers_[static_cast<std::size_t>(j)];
-      if (j == rank_ || x.out.empty() || x.out_i > 0) continue;  // header already sent (or none)
-      const Seg& h = x.out[0];
-      (void)send_all(peers_[static_cast<std::size_t>(j)].get(), h.p + x.out_off, h.n - x.out_off,
-                     deadline);
-      ++x.out_i;
-      x.out_off = 0;
-    }
-  }
+  void flush_headers();
 
   bool oversubscribed_;
   std::size_t segment_;
@@ -475,6 +142,381 @@ class TcpTransport final : public Transport {
   std::vector<std::byte> scratch_;
   P2PHeader p2p_header_{};
 };
+
+#if DDP_BODIES
+DDP_INLINE TcpTransport::TcpTransport(int rank, int size, std::chrono::milliseconds timeout,
+                                      std::vector<Fd> peers, std::size_t segment_bytes,
+                                      int local_ranks)
+    : Transport(rank, size, timeout),
+      oversubscribed_(local_ranks > usable_cpus()),
+      segment_(segment_bytes),
+      peers_(std::move(peers)),
+      ptrs_(static_cast<std::size_t>(size)),
+      xfers_(static_cast<std::size_t>(size)),
+      headers_in_(static_cast<std::size_t>(size)) {
+  for (auto& fd : peers_) {
+    if (fd) set_nonblocking(fd.get(), true);
+  }
+}
+
+DDP_INLINE std::vector<Fd> TcpTransport::connect_mesh(
+    int rank, int size, Fd& listener, const std::vector<std::pair<std::string, int>>& addrs,
+    const SessionKey& key, Deadline deadline, const std::function<void()>& check_stop) {
+  std::vector<Fd> peers(static_cast<std::size_t>(size));
+  for (int j = 0; j < rank; ++j) {
+    const auto& [host, port] = addrs[static_cast<std::size_t>(j)];
+    Fd fd = connect_tcp(host, port, deadline, concat("rank ", j), check_stop);
+    std::string hello;
+    ByteWriter w(hello);
+    w.put(hello_magic);
+    w.raw(key.data(), key.size());
+    w.put(static_cast<std::uint32_t>(rank));
+    if (send_all(fd.get(), hello.data(), hello.size(), deadline) != IoResult::ok) {
+      fail(Errc::peer_lost, "rank ", rank, ": could not introduce itself to rank ", j, " at ",
+           host_port(host, port));
+    }
+    peers[static_cast<std::size_t>(j)] = std::move(fd);
+  }
+  int missing = size - 1 - rank;
+  set_nonblocking(listener.get(), true);
+  while (missing > 0) {
+    if (check_stop) check_stop();  // throws when another rank failed meanwhile
+    pollfd p{listener.get(), POLLIN, 0};
+    const int rc = ::poll(&p, 1, deadline.poll_ms(200));
+    if (rc == 0 && deadline.expired()) {
+      std::string who;
+      int count = 0;
+      for (int j = rank + 1; j < size; ++j) {
+        if (!peers[static_cast<std::size_t>(j)]) {
+          who += concat(who.empty() ? "" : ", ", j);
+          ++count;
+        }
+      }
+      fail(Errc::timeout, "rank ", rank, ": timed out waiting for ",
+           count == 1 ? "rank " : "ranks ", who,
+           " to connect (tcp transport): a rank that is stopped, overloaded or cannot reach "
+           "this host (a firewall, a wrong interface) does this; every rank must reach every "
+           "other on the ports the rendezvous published");
+    }
+    Fd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (!fd) {
+      // Out of descriptors the listener stays readable: retrying would spin until the timeout.
+      fail_if_out_of_fds(errno, concat("rank ", rank,
+                                       ": cannot accept rank(s) above it (tcp "
+                                       "transport)"));
+      continue;
+    }
+    set_nodelay(fd.get());
+    std::array<std::byte, 4 + 16 + 4> hello{};
+    // A stray connection gets a short window; it must not stall the mesh.
+    const auto short_deadline =
+        Deadline{std::min(deadline.at, Clock::now() + std::chrono::seconds(2))};
+    if (recv_all(fd.get(), hello.data(), hello.size(), short_deadline) != IoResult::ok) continue;
+    ByteReader r(hello.data(), hello.size(), "peer hello");
+    if (r.get<std::uint32_t>() != hello_magic) continue;
+    SessionKey got{};
+    r.raw(got.data(), got.size());
+    const auto peer = static_cast<int>(r.get<std::uint32_t>());
+    if (!constant_time_equal(got, key) || peer <= rank || peer >= size ||
+        peers[static_cast<std::size_t>(peer)]) {
+      continue;  // not ours: drop it
+    }
+    peers[static_cast<std::size_t>(peer)] = std::move(fd);
+    --missing;
+  }
+  return peers;
+}
+
+DDP_INLINE std::size_t TcpTransport::small_bytes() const noexcept {
+  // Measured (bench/README.md): above these, the two-round path (each rank reduces 1/P of the
+  // buffer) beats gathering whole buffers (each reduces all of it) despite its second round.
+  return std::min(segment_, size_ == 2 ? (std::size_t{128} << 10) : (std::size_t{64} << 10));
+}
+
+DDP_INLINE std::span<const std::byte* const> TcpTransport::round(std::span<const Piece> offer,
+                                                                 Want want, const Fingerprint* fp) {
+  check_abort(fp);
+  std::size_t scratch_needed = 0;
+  for (int j = 0; j < size_; ++j) {
+    if (j != rank_) scratch_needed += want(j, rank_).len;
+  }
+  if (scratch_.size() < scratch_needed)
+    scratch_.resize(scratch_needed);  // zero-filled: pre-faulted
+  std::size_t scratch_at = 0;
+  for (int j = 0; j < size_; ++j) {
+    auto& x = xfers_[static_cast<std::size_t>(j)];
+    x.clear();
+    if (j == rank_) continue;
+    if (fp != nullptr && verify_fingerprints) {
+      x.out.push_back(
+          {reinterpret_cast<std::byte*>(const_cast<Fingerprint*>(fp)), sizeof(Fingerprint)});
+      x.in.push_back({reinterpret_cast<std::byte*>(&headers_in_[static_cast<std::size_t>(j)]),
+                      sizeof(Fingerprint)});
+      x.header_in = true;
+    }
+    const Range out = want(rank_, j);
+    std::size_t base = 0;
+    for (const Piece& p : offer) {
+      const std::size_t lo = std::max(out.off, base),
+                        hi = std::min(out.off + out.len, base + p.len);
+      if (lo < hi) x.out.push_back({const_cast<std::byte*>(p.data) + (lo - base), hi - lo});
+      base += p.len;
+    }
+    const Range in = want(j, rank_);
+    if (in.len != 0) x.in.push_back({scratch_.data() + scratch_at, in.len});
+    ptrs_[static_cast<std::size_t>(j)] = in.len != 0 ? scratch_.data() + scratch_at : nullptr;
+    scratch_at += in.len;
+  }
+  progress(fp, nullptr);
+  ptrs_[static_cast<std::size_t>(rank_)] = SelfTransport::locate(offer, want(rank_, rank_));
+  return ptrs_;
+}
+
+DDP_INLINE void TcpTransport::send(const Buf& buf, int peer, int tag, std::uint64_t seq) {
+  check_abort(nullptr);
+  p2p_header_ = {seq, buf.count, tag, P2PHeader::p2p, buf.dtype, {}};
+  for (auto& x : xfers_) x.clear();
+  auto& x = xfers_[static_cast<std::size_t>(peer)];
+  x.out.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});
+  if (buf.bytes() != 0) x.out.push_back({buf.data, buf.bytes()});
+  const std::string what = concat("send(to rank ", peer, ", tag ", tag, ", ", to_string(buf.dtype),
+                                  ", count=", buf.count, ")");
+  progress(nullptr, what.c_str());
+}
+
+DDP_INLINE void TcpTransport::recv(const Buf& buf, int peer, int tag, std::uint64_t seq) {
+  check_abort(nullptr);
+  for (auto& x : xfers_) x.clear();
+  auto& x = xfers_[static_cast<std::size_t>(peer)];
+  x.in.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});
+  const std::string what = recv_description(buf, peer, tag);
+  progress(nullptr, what.c_str());
+  if (const std::string msg = p2p_mismatch(buf, peer, tag, seq, p2p_header_); !msg.empty()) {
+    poison();
+    fail(Errc::mismatch, msg);
+  }
+  x.clear();
+  if (buf.bytes() != 0) x.in.push_back({buf.data, buf.bytes()});
+  progress(nullptr, what.c_str());
+}
+
+DDP_INLINE void TcpTransport::abort(Errc code, const std::string&) {
+  set_local_abort(code);
+  poison();
+}
+
+DDP_INLINE std::size_t TcpTransport::gather(const std::vector<Seg>& segs, std::size_t i,
+                                            std::size_t off) {
+  std::size_t k = 0;
+  for (; i < segs.size() && k < iov_.size(); ++i, off = 0) {
+    if (segs[i].n > off) iov_[k++] = {segs[i].p + off, segs[i].n - off};
+  }
+  return k;
+}
+
+DDP_INLINE void TcpTransport::advance(const std::vector<Seg>& segs, std::size_t& i,
+                                      std::size_t& off, std::size_t n) {
+  while (i < segs.size() && segs[i].n - off <= n) {
+    n -= segs[i].n - off;
+    ++i;
+    off = 0;
+  }
+  off += n;
+}
+
+DDP_INLINE void TcpTransport::Xfer::clear() {
+  out.clear();
+  in.clear();
+  out_i = out_off = in_i = in_off = 0;
+  header_in = false;
+}
+
+DDP_INLINE void TcpTransport::lost(int peer, const Fingerprint* fp, const char* what) {
+  check_abort(fp);  // our own abort() shut the sockets down: report that, not a lost peer
+  if (fp != nullptr && verify_fingerprints)
+    collect_headers(*fp, Deadline::after(std::chrono::milliseconds(500)));
+  std::vector<int> closed{peer};
+  for (int j = 0; j < size_; ++j) {
+    if (j == rank_ || j == peer) continue;
+    pollfd p{peers_[static_cast<std::size_t>(j)].get(), POLLRDHUP, 0};
+    if (::poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0)
+      closed.push_back(j);
+  }
+  // A rank that failed and left may have said why (a rank that died says nothing).
+  fail_if_left(closed, std::chrono::milliseconds(300), fp, what);
+  if (closed.size() == 1) {
+    fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what),
+         ": the connection to rank ", global(peer),
+         " closed (that process died or failed) (tcp transport); the job cannot continue with "
+         "this communicator (the ranks still alive can go on with shrink())");
+  }
+  std::sort(closed.begin(), closed.end());
+  std::string list;
+  for (int j : closed) list += concat(list.empty() ? "" : ", ", "rank ", global(j));
+  fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what), ": the connections to ",
+       list,
+       " closed (one of those processes died, and the others left because of it) (tcp "
+       "transport); the job cannot continue with this communicator (the ranks still alive can go "
+       "on with shrink())");
+}
+
+DDP_INLINE void TcpTransport::pump(int j, bool out, const Fingerprint* fp, const char* what) {
+  auto& x = xfers_[static_cast<std::size_t>(j)];
+  std::vector<Seg>& segs = out ? x.out : x.in;
+  std::size_t& i = out ? x.out_i : x.in_i;
+  std::size_t& off = out ? x.out_off : x.in_off;
+  const int fd = peers_[static_cast<std::size_t>(j)].get();
+  while (i < segs.size()) {
+    msghdr msg{};
+    msg.msg_iov = iov_.data();
+    msg.msg_iovlen = gather(segs, i, off);
+    if (msg.msg_iovlen == 0) {  // only empty segments are left
+      i = segs.size();
+      break;
+    }
+    // A receive never takes more than this round's bytes: the next round's stay in the socket.
+    const ssize_t n =
+        out ? ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT) : ::recvmsg(fd, &msg, MSG_DONTWAIT);
+    if (n > 0) {
+      const bool header_pending = !out && x.header_in && i == 0;
+      advance(segs, i, off, static_cast<std::size_t>(n));
+      if (header_pending && i > 0) check_header(j, *fp);
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      break;
+    } else {
+      lost(j, fp, what);
+    }
+  }
+}
+
+DDP_INLINE bool TcpTransport::pump_all(const Fingerprint* fp, const char* what) {
+  bool done = true;
+  for (int j = 0; j < size_; ++j) {
+    auto& x = xfers_[static_cast<std::size_t>(j)];
+    if (!x.out_done()) pump(j, true, fp, what);
+    if (!x.in_done()) pump(j, false, fp, what);
+    done = done && x.out_done() && x.in_done();
+  }
+  return done;
+}
+
+DDP_INLINE void TcpTransport::progress(const Fingerprint* fp, const char* what) {
+  if (pump_all(fp, what)) return;
+  const auto busy_until = Clock::now() + (oversubscribed_ ? std::chrono::microseconds(200)
+                                                          : std::chrono::microseconds(50));
+  do {
+    if (oversubscribed_) {
+      ::sched_yield();
+    } else {
+      for (int i = 0; i < 16; ++i) cpu_relax();
+    }
+    check_abort(fp);
+    if (pump_all(fp, what)) return;
+  } while (Clock::now() < busy_until);
+  const auto deadline = Deadline::after(timeout_ + slack);
+  std::vector<pollfd> fds;
+  std::vector<int> who;
+  for (;;) {
+    fds.clear();
+    who.clear();
+    for (int j = 0; j < size_; ++j) {
+      const auto& x = xfers_[static_cast<std::size_t>(j)];
+      short ev = 0;
+      if (!x.out_done()) ev = static_cast<short>(ev | POLLOUT);
+      if (!x.in_done()) ev = static_cast<short>(ev | POLLIN);
+      if (ev != 0) {
+        fds.push_back({peers_[static_cast<std::size_t>(j)].get(), ev, 0});
+        who.push_back(j);
+      }
+    }
+    if (fds.empty()) return;
+    check_abort(fp);
+    const int rc = ::poll(fds.data(), fds.size(), deadline.poll_ms(50));
+    if (rc < 0 && errno != EINTR) fail_errno(errno, "poll");
+    if (rc <= 0) {
+      if (deadline.expired()) {
+        // One of them may have failed at its own timeout, or for another reason, just now.
+        fail_if_left(who, std::chrono::milliseconds(100), fp, what);
+        std::string list;
+        for (int j : who) list += concat(list.empty() ? "" : ", ", global(j));
+        // No poison(): the other ranks time out on their own, with their own message.
+        fail(Errc::timeout, "rank ", global(rank_), ": ", describe(fp, what), ": timed out after ",
+             (timeout_ + slack).count(), " ms waiting for ", who.size() == 1 ? "rank " : "ranks ",
+             list, " (tcp transport); that rank is stopped, slow, or did not call this collective");
+      }
+      continue;
+    }
+    for (std::size_t i = 0; i < fds.size(); ++i) {
+      const int j = who[i];
+      const auto& x = xfers_[static_cast<std::size_t>(j)];
+      const short re = fds[i].revents;
+      if ((re & POLLOUT) != 0 || ((re & (POLLERR | POLLHUP)) != 0 && !x.out_done()))
+        pump(j, true, fp, what);
+      if ((re & (POLLIN | POLLERR | POLLHUP)) != 0) pump(j, false, fp, what);
+    }
+  }
+}
+
+DDP_INLINE void TcpTransport::collect_headers(const Fingerprint& mine, Deadline deadline) {
+  for (;;) {
+    std::vector<pollfd> fds;
+    std::vector<int> who;
+    for (int j = 0; j < size_; ++j) {
+      const auto& x = xfers_[static_cast<std::size_t>(j)];
+      if (j != rank_ && x.header_in && x.in_i == 0) {
+        fds.push_back({peers_[static_cast<std::size_t>(j)].get(), POLLIN, 0});
+        who.push_back(j);
+      }
+    }
+    if (fds.empty()) return;
+    const int rc = ::poll(fds.data(), fds.size(), deadline.poll_ms(50));
+    if (rc <= 0) {
+      if (deadline.expired() || (rc < 0 && errno != EINTR)) return;
+      continue;
+    }
+    for (std::size_t i = 0; i < fds.size(); ++i) {
+      if (fds[i].revents == 0) continue;
+      auto& x = xfers_[static_cast<std::size_t>(who[i])];
+      Seg& h = x.in[0];
+      const ssize_t n = ::recv(fds[i].fd, h.p + x.in_off, h.n - x.in_off, MSG_DONTWAIT);
+      if (n > 0) {
+        x.in_off += static_cast<std::size_t>(n);
+        if (x.in_off == h.n) {
+          check_header(who[i], mine);
+          ++x.in_i;
+          x.in_off = 0;
+        }
+      } else if (n == 0 || (errno != EAGAIN && errno != EINTR && errno != EWOULDBLOCK)) {
+        x.header_in = false;  // gone without a fingerprint: nothing more to learn there
+      }
+    }
+  }
+}
+
+DDP_INLINE void TcpTransport::check_header(int peer, const Fingerprint& mine) {
+  const Fingerprint& theirs = headers_in_[static_cast<std::size_t>(peer)];
+  if (!(theirs == mine)) {
+    const std::string msg = mismatch_message(mine, peer, theirs);
+    flush_headers();
+    fail(Errc::mismatch, msg);
+  }
+}
+
+DDP_INLINE void TcpTransport::flush_headers() {
+  const auto deadline = Deadline::after(std::chrono::milliseconds(500));
+  for (int j = 0; j < size_; ++j) {
+    auto& x = xfers_[static_cast<std::size_t>(j)];
+    if (j == rank_ || x.out.empty() || x.out_i > 0) continue;  // header already sent (or none)
+    const Seg& h = x.out[0];
+    (void)send_all(peers_[static_cast<std::size_t>(j)].get(), h.p + x.out_off, h.n - x.out_off,
+                   deadline);
+    ++x.out_i;
+    x.out_off = 0;
+  }
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE

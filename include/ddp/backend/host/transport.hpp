@@ -92,8 +92,7 @@ struct Poison {
 
 class Transport {
  public:
-  Transport(int rank, int size, std::chrono::milliseconds timeout)
-      : rank_(rank), size_(size), timeout_(timeout) {}
+  Transport(int rank, int size, std::chrono::milliseconds timeout);
   Transport(const Transport&) = delete;
   Transport& operator=(const Transport&) = delete;
   virtual ~Transport() = default;
@@ -106,9 +105,7 @@ class Transport {
   /// a group of the communicator's ranks (the hierarchical all_reduce's, see backend/host.hpp),
   /// numbered 0..size()-1 within the group. Empty: the numbers are the communicator's.
   std::vector<int> global_ranks;
-  [[nodiscard]] int global(int j) const {
-    return global_ranks.empty() ? j : global_ranks[static_cast<std::size_t>(j)];
-  }
+  [[nodiscard]] int global(int j) const;
 
   /// Extra time the waits of the next rounds allow beyond timeout(): the hierarchical
   /// all_reduce's later phases wait for an earlier phase's failure (which comes at the timeout)
@@ -147,12 +144,7 @@ class Transport {
 
   /// What failed, for messages: the round's fingerprint, else `what` (point-to-point), else the
   /// collective in progress.
-  [[nodiscard]] std::string describe(const Fingerprint* fp, const char* what) const {
-    if (fp != nullptr) return to_string(*fp);
-    if (what != nullptr) return what;
-    if (has_current) return to_string(current);
-    return "operation";
-  }
+  [[nodiscard]] std::string describe(const Fingerprint* fp, const char* what) const;
 
   /// One round (see the file comment). `fp` is non-null on a collective's first round.
   virtual std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
@@ -165,14 +157,11 @@ class Transport {
 
   /// Single copy: the smallest all_reduce, in bytes, that copies straight out of the peers'
   /// memory with copy_from instead of through rounds (the same on every rank); none by default.
-  [[nodiscard]] virtual std::size_t single_copy_from() const noexcept { return ~std::size_t{0}; }
+  [[nodiscard]] virtual std::size_t single_copy_from() const noexcept;
   /// Copies `len` bytes at address `addr` of rank j's process into `dst` (single copy). Fails
   /// with Errc::peer_lost (or the error the peer left with) when rank j's memory is gone.
   virtual void copy_from(int j, std::uint64_t /*addr*/, std::byte* /*dst*/, std::size_t /*len*/,
-                         const Fingerprint* fp) {
-    fail(Errc::unsupported, "rank ", global(rank_), ": ", describe(fp, nullptr),
-         ": internal error: single copy from rank ", global(j), " on the ", name(), " transport");
-  }
+                         const Fingerprint* fp);
 
   /// Point-to-point, matched in order per pair; the receiver checks tag, dtype and count.
   virtual void send(const Buf& buf, int peer, int tag, std::uint64_t seq) = 0;
@@ -185,96 +174,30 @@ class Transport {
  protected:
   /// "rank R: <what>: mismatched collectives: this rank called X but rank P called Y; ..."
   [[nodiscard]] std::string mismatch_message(const Fingerprint& mine, int peer,
-                                             const Fingerprint& theirs) const {
-    if (static_cast<std::uint8_t>(theirs.coll) == P2PHeader::p2p) {
-      const auto h = std::bit_cast<P2PHeader>(theirs);
-      return concat("rank ", global(rank_), ": ", to_string(mine), ": rank ", global(peer),
-                    " sent this rank a message that no recv took (send(tag ", h.tag, ", ",
-                    to_string(h.dtype), ", count=", h.count, ") #", h.seq,
-                    ") before this collective; every send needs its recv on the peer before "
-                    "the next collective");
-    }
-    const std::string what = theirs.coll == static_cast<Coll>(0)
-                                 ? std::string("was in a later round of another collective")
-                                 : concat("called ", to_string(theirs));
-    return concat(
-        "rank ", global(rank_), ": ", to_string(mine.coll),
-        ": mismatched collectives: this rank called ", to_string(mine), " but rank ", global(peer),
-        " ", what,
-        "; every rank must call the same collectives, in the same order, with the same counts, "
-        "dtypes, ops and roots");
-  }
+                                             const Fingerprint& theirs) const;
 
   /// What recv expects from `peer`, as in messages: "recv(from rank 1, tag 7, float32, count=3)".
-  [[nodiscard]] static std::string recv_description(const Buf& buf, int peer, int tag) {
-    return concat("recv(from rank ", peer, ", tag ", tag, ", ", to_string(buf.dtype),
-                  ", count=", buf.count, ")");
-  }
+  [[nodiscard]] static std::string recv_description(const Buf& buf, int peer, int tag);
 
   /// Empty when the header is the send that matches this recv, else the error message.
   [[nodiscard]] std::string p2p_mismatch(const Buf& buf, int peer, int tag, std::uint64_t seq,
-                                         const P2PHeader& h) const {
-    if (h.kind != P2PHeader::p2p) {
-      const auto theirs = std::bit_cast<Fingerprint>(h);
-      return concat("rank ", rank_, ": ", recv_description(buf, peer, tag), " #", seq,
-                    " got no message from rank ", peer, " but ",
-                    theirs.coll == static_cast<Coll>(0) || !verify_fingerprints
-                        ? std::string("other data (a collective's)")
-                        : concat("the start of a collective, ", to_string(theirs)),
-                    ": that rank called a collective where this rank receives; every recv needs "
-                    "its send on the peer before the next collective");
-    }
-    if (h.seq == seq && h.tag == tag && h.dtype == buf.dtype && h.count == buf.count) return {};
-    return concat("rank ", rank_, ": ", recv_description(buf, peer, tag), " #", seq,
-                  " got send(tag ", h.tag, ", ", to_string(h.dtype), ", count=", h.count, ") #",
-                  h.seq, "; sends and receives between a pair are matched in order and must agree");
-  }
+                                         const P2PHeader& h) const;
 
   /// Fails with the error a rank among `ranks` (this transport's numbers) recorded when it left
   /// (why_left), waiting up to `grace` for one; returns when none did.
   void fail_if_left(const std::vector<int>& ranks, std::chrono::milliseconds grace,
-                    const Fingerprint* fp, const char* what) const {
-    if (!why_left) return;
-    std::vector<int> globals;
-    for (int j : ranks) globals.push_back(global(j));
-    if (const auto left = why_left(globals, grace)) {
-      if (left->finished) {
-        fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what), ": rank ",
-             left->rank, " finished (it destroyed its communicator after ", left->operations,
-             " operations, without a failure) while this rank waited for it: the ranks ran "
-             "different numbers of collectives (steps). For uneven inputs see ddp::Join; "
-             "otherwise make every rank call the same collectives");
-      }
-      fail_reported(left->code, fp, what, left->rank, left->message);
-    }
-  }
+                    const Fingerprint* fp, const char* what) const;
 
   /// Fails with `code`, quoting the failure rank `from` reported; where that was itself a report
   /// of another rank's ("failed because rank N reported: ..."), the first one in the chain.
   [[noreturn]] void fail_reported(Errc code, const Fingerprint* fp, const char* what, int from,
-                                  std::string_view message) const {
-    constexpr std::string_view relay = "failed because rank ";
-    for (std::size_t at; (at = message.find(relay)) != std::string_view::npos;) {
-      const std::string_view rest = message.substr(at + relay.size());
-      const std::size_t said = rest.find(" reported: ");
-      if (said == std::string_view::npos) break;
-      from = std::atoi(std::string(rest.substr(0, said)).c_str());
-      message = rest.substr(said + 11);
-    }
-    fail(code, "rank ", global(rank_), ": ", describe(fp, what), ": failed because rank ", from,
-         " reported: ", message);
-  }
+                                  std::string_view message) const;
 
   /// Records abort() on this rank.
   void set_local_abort(Errc code) noexcept { local_abort_code_.store(static_cast<int>(code)); }
 
   /// Throws if abort() was called on this rank.
-  void check_local_abort(const Fingerprint* fp) const {
-    if (const int code = local_abort_code_.load(); code != 0) {
-      fail(static_cast<Errc>(code), "rank ", global(rank_), ": ", describe(fp, nullptr),
-           ": the communicator was aborted on this rank; create a new communicator to continue");
-    }
-  }
+  void check_local_abort(const Fingerprint* fp) const;
 
   int rank_;
   int size_;
@@ -284,19 +207,123 @@ class Transport {
   std::atomic<int> local_abort_code_{0};
 };
 
+#if DDP_BODIES
+DDP_INLINE Transport::Transport(int rank, int size, std::chrono::milliseconds timeout)
+    : rank_(rank), size_(size), timeout_(timeout) {}
+
+DDP_INLINE int Transport::global(int j) const {
+  return global_ranks.empty() ? j : global_ranks[static_cast<std::size_t>(j)];
+}
+
+DDP_INLINE std::string Transport::describe(const Fingerprint* fp, const char* what) const {
+  if (fp != nullptr) return to_string(*fp);
+  if (what != nullptr) return what;
+  if (has_current) return to_string(current);
+  return "operation";
+}
+
+DDP_INLINE std::size_t Transport::single_copy_from() const noexcept { return ~std::size_t{0}; }
+
+DDP_INLINE void Transport::copy_from(int j, std::uint64_t /*addr*/, std::byte* /*dst*/,
+                                     std::size_t /*len*/, const Fingerprint* fp) {
+  fail(Errc::unsupported, "rank ", global(rank_), ": ", describe(fp, nullptr),
+       ": internal error: single copy from rank ", global(j), " on the ", name(), " transport");
+}
+
+DDP_INLINE std::string Transport::mismatch_message(const Fingerprint& mine, int peer,
+                                                   const Fingerprint& theirs) const {
+  if (static_cast<std::uint8_t>(theirs.coll) == P2PHeader::p2p) {
+    const auto h = std::bit_cast<P2PHeader>(theirs);
+    return concat("rank ", global(rank_), ": ", to_string(mine), ": rank ", global(peer),
+                  " sent this rank a message that no recv took (send(tag ", h.tag, ", ",
+                  to_string(h.dtype), ", count=", h.count, ") #", h.seq,
+                  ") before this collective; every send needs its recv on the peer before "
+                  "the next collective");
+  }
+  const std::string what = theirs.coll == static_cast<Coll>(0)
+                               ? std::string("was in a later round of another collective")
+                               : concat("called ", to_string(theirs));
+  return concat(
+      "rank ", global(rank_), ": ", to_string(mine.coll),
+      ": mismatched collectives: this rank called ", to_string(mine), " but rank ", global(peer),
+      " ", what,
+      "; every rank must call the same collectives, in the same order, with the same counts, "
+      "dtypes, ops and roots");
+}
+
+DDP_INLINE std::string Transport::recv_description(const Buf& buf, int peer, int tag) {
+  return concat("recv(from rank ", peer, ", tag ", tag, ", ", to_string(buf.dtype),
+                ", count=", buf.count, ")");
+}
+
+DDP_INLINE std::string Transport::p2p_mismatch(const Buf& buf, int peer, int tag, std::uint64_t seq,
+                                               const P2PHeader& h) const {
+  if (h.kind != P2PHeader::p2p) {
+    const auto theirs = std::bit_cast<Fingerprint>(h);
+    return concat("rank ", rank_, ": ", recv_description(buf, peer, tag), " #", seq,
+                  " got no message from rank ", peer, " but ",
+                  theirs.coll == static_cast<Coll>(0) || !verify_fingerprints
+                      ? std::string("other data (a collective's)")
+                      : concat("the start of a collective, ", to_string(theirs)),
+                  ": that rank called a collective where this rank receives; every recv needs "
+                  "its send on the peer before the next collective");
+  }
+  if (h.seq == seq && h.tag == tag && h.dtype == buf.dtype && h.count == buf.count) return {};
+  return concat("rank ", rank_, ": ", recv_description(buf, peer, tag), " #", seq, " got send(tag ",
+                h.tag, ", ", to_string(h.dtype), ", count=", h.count, ") #", h.seq,
+                "; sends and receives between a pair are matched in order and must agree");
+}
+
+DDP_INLINE void Transport::fail_if_left(const std::vector<int>& ranks,
+                                        std::chrono::milliseconds grace, const Fingerprint* fp,
+                                        const char* what) const {
+  if (!why_left) return;
+  std::vector<int> globals;
+  for (int j : ranks) globals.push_back(global(j));
+  if (const auto left = why_left(globals, grace)) {
+    if (left->finished) {
+      fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what), ": rank ", left->rank,
+           " finished (it destroyed its communicator after ", left->operations,
+           " operations, without a failure) while this rank waited for it: the ranks ran "
+           "different numbers of collectives (steps). For uneven inputs see ddp::Join; "
+           "otherwise make every rank call the same collectives");
+    }
+    fail_reported(left->code, fp, what, left->rank, left->message);
+  }
+}
+
+DDP_INLINE void Transport::fail_reported(Errc code, const Fingerprint* fp, const char* what,
+                                         int from, std::string_view message) const {
+  constexpr std::string_view relay = "failed because rank ";
+  for (std::size_t at; (at = message.find(relay)) != std::string_view::npos;) {
+    const std::string_view rest = message.substr(at + relay.size());
+    const std::size_t said = rest.find(" reported: ");
+    if (said == std::string_view::npos) break;
+    from = std::atoi(std::string(rest.substr(0, said)).c_str());
+    message = rest.substr(said + 11);
+  }
+  fail(code, "rank ", global(rank_), ": ", describe(fp, what), ": failed because rank ", from,
+       " reported: ", message);
+}
+
+DDP_INLINE void Transport::check_local_abort(const Fingerprint* fp) const {
+  if (const int code = local_abort_code_.load(); code != 0) {
+    fail(static_cast<Errc>(code), "rank ", global(rank_), ": ", describe(fp, nullptr),
+         ": the communicator was aborted on this rank; create a new communicator to continue");
+  }
+}
+#endif  // DDP_BODIES
+
 /// The transport of a world of one: every round returns the rank's own offer.
 class SelfTransport final : public Transport {
  public:
-  explicit SelfTransport(std::chrono::milliseconds timeout) : Transport(0, 1, timeout) {}
+  explicit SelfTransport(std::chrono::milliseconds timeout);
   [[nodiscard]] std::string_view name() const noexcept override { return "self"; }
-  [[nodiscard]] std::size_t max_offer() const noexcept override { return std::size_t{1} << 40; }
-  [[nodiscard]] std::size_t small_bytes() const noexcept override { return std::size_t{1} << 40; }
+  [[nodiscard]] std::size_t max_offer() const noexcept override;
+  [[nodiscard]] std::size_t small_bytes() const noexcept override;
 
   std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
-                                          const Fingerprint*) override {
-    ptr_ = locate(offer, want(0, 0));
-    return {&ptr_, 1};
-  }
+                                          const Fingerprint*) override;
   void send(const Buf&, int, int, std::uint64_t) override {
     fail(Errc::invalid_argument, "rank 0: send: a world of one has no peer to send to");
   }
@@ -306,19 +333,36 @@ class SelfTransport final : public Transport {
   void abort(Errc, const std::string&) override {}
 
   /// Where byte `r.off` of the concatenated pieces lives (the range must lie in one piece).
-  static const std::byte* locate(std::span<const Piece> offer, Range r) {
-    if (r.len == 0) return nullptr;
-    std::size_t base = 0;
-    for (const auto& p : offer) {
-      if (r.off >= base && r.off + r.len <= base + p.len) return p.data + (r.off - base);
-      base += p.len;
-    }
-    fail(Errc::invalid_argument, "internal error: a wanted range crosses offer pieces");
-  }
+  static const std::byte* locate(std::span<const Piece> offer, Range r);
 
  private:
   const std::byte* ptr_ = nullptr;
 };
+
+#if DDP_BODIES
+DDP_INLINE SelfTransport::SelfTransport(std::chrono::milliseconds timeout)
+    : Transport(0, 1, timeout) {}
+
+DDP_INLINE std::size_t SelfTransport::max_offer() const noexcept { return std::size_t{1} << 40; }
+
+DDP_INLINE std::size_t SelfTransport::small_bytes() const noexcept { return std::size_t{1} << 40; }
+
+DDP_INLINE std::span<const std::byte* const> SelfTransport::round(std::span<const Piece> offer,
+                                                                  Want want, const Fingerprint*) {
+  ptr_ = locate(offer, want(0, 0));
+  return {&ptr_, 1};
+}
+
+DDP_INLINE const std::byte* SelfTransport::locate(std::span<const Piece> offer, Range r) {
+  if (r.len == 0) return nullptr;
+  std::size_t base = 0;
+  for (const auto& p : offer) {
+    if (r.off >= base && r.off + r.len <= base + p.len) return p.data + (r.off - base);
+    base += p.len;
+  }
+  fail(Errc::invalid_argument, "internal error: a wanted range crosses offer pieces");
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
