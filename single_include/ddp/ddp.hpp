@@ -76,6 +76,26 @@
   } while (false)
 #endif
 
+/// Separate compilation (README "Compiled once"). Header-only by default: every function is
+/// defined in the headers. With DDP_SEPARATE_COMPILATION defined in every unit of a program, the
+/// headers only declare ddp's non-template functions (and the instantiations every program
+/// uses), and the one unit that includes <ddp/impl/src.hpp> (or defines DDP_IMPLEMENTATION
+/// before the single header) defines them.
+#if defined(DDP_IMPLEMENTATION) && !defined(DDP_SEPARATE_COMPILATION)
+#define DDP_SEPARATE_COMPILATION
+#endif
+#ifdef DDP_SEPARATE_COMPILATION
+#define DDP_INLINE  // one definition, in the implementation unit
+#ifdef DDP_IMPLEMENTATION
+#define DDP_BODIES 1
+#else
+#define DDP_BODIES 0
+#endif
+#else
+#define DDP_INLINE inline
+#define DDP_BODIES 1
+#endif
+
 #if defined(__GNUC__) || defined(__clang__)
 #define DDP_LIKELY(x) __builtin_expect(!!(x), 1)
 #define DDP_UNLIKELY(x) __builtin_expect(!!(x), 0)
@@ -176,17 +196,25 @@ namespace detail {
 class ErrcCategory final : public std::error_category {
  public:
   [[nodiscard]] const char* name() const noexcept override { return "ddp"; }
-  [[nodiscard]] std::string message(int value) const override {
-    return std::string(to_string(static_cast<Errc>(value)));
-  }
+  [[nodiscard]] std::string message(int value) const override;
 };
+
+#if DDP_BODIES
+DDP_INLINE std::string ErrcCategory::message(int value) const {
+  return std::string(to_string(static_cast<Errc>(value)));
+}
+#endif  // DDP_BODIES
+
 }  // namespace detail
 
 /// The std::error_category of ddp::Errc, for code that works with std::error_code.
-[[nodiscard]] inline const std::error_category& error_category() noexcept {
+[[nodiscard]] DDP_INLINE const std::error_category& error_category() noexcept;
+#if DDP_BODIES
+DDP_INLINE const std::error_category& error_category() noexcept {
   static const detail::ErrcCategory category;
   return category;
 }
+#endif  // DDP_BODIES
 
 /// The std::error_code of an Errc in error_category(); found by ADL for `std::error_code ec = e;`.
 [[nodiscard]] inline std::error_code make_error_code(Errc code) noexcept {
@@ -197,9 +225,9 @@ class ErrcCategory final : public std::error_category {
 class Error : public std::runtime_error {
  public:
   /// An error with the given code; `message` becomes what().
-  Error(Errc code, const std::string& message) : std::runtime_error(message), code_(code) {}
+  Error(Errc code, const std::string& message);
   /// An error with the given code; `message` becomes what().
-  Error(Errc code, const char* message) : std::runtime_error(message), code_(code) {}
+  Error(Errc code, const char* message);
 
   /// What went wrong.
   [[nodiscard]] Errc code() const noexcept { return code_; }
@@ -209,6 +237,14 @@ class Error : public std::runtime_error {
  private:
   Errc code_;
 };
+
+#if DDP_BODIES
+DDP_INLINE Error::Error(Errc code, const std::string& message)
+    : std::runtime_error(message), code_(code) {}
+
+DDP_INLINE Error::Error(Errc code, const char* message)
+    : std::runtime_error(message), code_(code) {}
+#endif  // DDP_BODIES
 
 namespace detail {
 
@@ -602,10 +638,13 @@ struct Device {
 };
 
 /// "cpu" or "cuda:N", as torch prints devices.
-[[nodiscard]] inline std::string to_string(const Device& d) {
+[[nodiscard]] DDP_INLINE std::string to_string(const Device& d);
+#if DDP_BODIES
+DDP_INLINE std::string to_string(const Device& d) {
   if (d.is_cpu()) return "cpu";
   return detail::concat(to_string(d.kind), ':', d.index);
 }
+#endif  // DDP_BODIES
 
 DDP_END_NAMESPACE
 
@@ -1116,9 +1155,9 @@ class Counts {
     }
   }
   /// The counts of a braced list, copied.
-  Counts(std::initializer_list<std::size_t> c) : own_(c), view_(own_) {}
+  Counts(std::initializer_list<std::size_t> c);
   /// A copy (it views what `o` views, or owns a copy of what `o` owns).
-  Counts(const Counts& o) : own_(o.own_), view_(o.owns() ? own_ : o.view_) {}
+  Counts(const Counts& o);
   Counts& operator=(const Counts&) = delete;
   ~Counts() = default;
 
@@ -1132,6 +1171,12 @@ class Counts {
   std::vector<std::size_t> own_;
   std::span<const std::size_t> view_;
 };
+
+#if DDP_BODIES
+DDP_INLINE Counts::Counts(std::initializer_list<std::size_t> c) : own_(c), view_(own_) {}
+
+DDP_INLINE Counts::Counts(const Counts& o) : own_(o.own_), view_(o.owns() ? own_ : o.view_) {}
+#endif  // DDP_BODIES
 
 /// One operation of Communicator::batch_isend_irecv (torch's dist.P2POp): P2POp::send(t, peer)
 /// or P2POp::recv(t, peer), with a tag. It refers to the tensor's memory, which must stay alive
@@ -1226,35 +1271,45 @@ __extension__ typedef unsigned __int128 u128;  // GCC and Clang; __extension__: 
 /// mixed by two xor-shift-multiply rounds.
 class SplitMix64 {
  public:
-  explicit SplitMix64(std::uint64_t seed) noexcept : state_(seed) {}
+  explicit SplitMix64(std::uint64_t seed) noexcept;
 
-  std::uint64_t next() noexcept {
-    std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
+  std::uint64_t next() noexcept;
 
   /// Uniform in [0, bound), bound > 0: Lemire's multiply-shift with rejection (unbiased).
-  std::uint64_t below(std::uint64_t bound) noexcept {
-    u128 m = static_cast<u128>(next()) * bound;
-    auto low = static_cast<std::uint64_t>(m);
-    if (low < bound) {
-      const std::uint64_t threshold = (0 - bound) % bound;
-      while (low < threshold) {
-        m = static_cast<u128>(next()) * bound;
-        low = static_cast<std::uint64_t>(m);
-      }
-    }
-    return static_cast<std::uint64_t>(m >> 64);
-  }
+  std::uint64_t below(std::uint64_t bound) noexcept;
 
  private:
   std::uint64_t state_;
 };
 
+#if DDP_BODIES
+DDP_INLINE SplitMix64::SplitMix64(std::uint64_t seed) noexcept : state_(seed) {}
+
+DDP_INLINE std::uint64_t SplitMix64::next() noexcept {
+  std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+DDP_INLINE std::uint64_t SplitMix64::below(std::uint64_t bound) noexcept {
+  u128 m = static_cast<u128>(next()) * bound;
+  auto low = static_cast<std::uint64_t>(m);
+  if (low < bound) {
+    const std::uint64_t threshold = (0 - bound) % bound;
+    while (low < threshold) {
+      m = static_cast<u128>(next()) * bound;
+      low = static_cast<std::uint64_t>(m);
+    }
+  }
+  return static_cast<std::uint64_t>(m >> 64);
+}
+#endif  // DDP_BODIES
+
 /// 0, 1, ..., n-1 in the order a Fisher-Yates shuffle (from the top) with SplitMix64(seed) gives.
-[[nodiscard]] inline std::vector<std::size_t> permutation(std::size_t n, std::uint64_t seed) {
+[[nodiscard]] DDP_INLINE std::vector<std::size_t> permutation(std::size_t n, std::uint64_t seed);
+#if DDP_BODIES
+DDP_INLINE std::vector<std::size_t> permutation(std::size_t n, std::uint64_t seed) {
   std::vector<std::size_t> p(n);
   std::iota(p.begin(), p.end(), std::size_t{0});
   SplitMix64 rng(seed);
@@ -1264,6 +1319,7 @@ class SplitMix64 {
   }
   return p;
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 
@@ -1450,26 +1506,11 @@ class DistributedSampler {
   /// Rank `rank`'s sampler of `dataset_size` samples over `num_replicas` ranks;
   /// Errc::invalid_argument for a bad rank or count, or for exact together with drop_last.
   DistributedSampler(std::size_t dataset_size, int num_replicas, int rank,
-                     SamplerOptions options = {})
-      : n_(dataset_size), replicas_(num_replicas), rank_(rank), o_(options) {
-    if (num_replicas < 1)
-      detail::fail(Errc::invalid_argument, "DistributedSampler: num_replicas is ", num_replicas,
-                   "; need at least 1");
-    if (rank < 0 || rank >= num_replicas)
-      detail::fail(Errc::invalid_argument, "DistributedSampler: rank ", rank,
-                   " is out of range [0, ", num_replicas, ")");
-    if (o_.exact && o_.drop_last)
-      detail::fail(Errc::invalid_argument,
-                   "DistributedSampler: exact and drop_last exclude each other");
-  }
+                     SamplerOptions options = {});
 
   /// Starts an epoch: its order is shuffled with seed + epoch. Resets a restored offset (and
   /// the earlier world sizes of repartition()).
-  void set_epoch(std::uint64_t epoch) noexcept {
-    epoch_ = epoch;
-    offset_ = 0;
-    earlier_.clear();
-  }
+  void set_epoch(std::uint64_t epoch) noexcept;
   /// The current epoch (0 until set_epoch).
   [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_; }
 
@@ -1480,88 +1521,23 @@ class DistributedSampler {
   [[nodiscard]] std::size_t total_size() const noexcept { return order_length(); }
 
   /// This rank's dataset indices for the current epoch, from the restored offset on.
-  [[nodiscard]] std::vector<std::size_t> indices() const {
-    std::vector<std::size_t> order;
-    if (o_.shuffle) {
-      order = detail::permutation(n_, o_.seed + epoch_);
-    } else {
-      order.resize(n_);
-      std::iota(order.begin(), order.end(), std::size_t{0});
-    }
-    fit(order, first_replicas());
-    for (std::size_t i = 0; i + 1 < earlier_.size(); i += 2) {
-      // Every rank took `taken` of its positions r, r + R, ...: together, the first taken * R
-      // (a rank whose exact-mode shard was shorter took all of it). The rest goes on.
-      const std::size_t gone = std::min<std::size_t>(
-          order.size(), static_cast<std::size_t>(earlier_[i] * earlier_[i + 1]));
-      order.erase(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(gone));
-      fit(order, i + 2 < earlier_.size() ? static_cast<std::size_t>(earlier_[i + 2])
-                                         : static_cast<std::size_t>(replicas_));
-    }
-    std::vector<std::size_t> mine;
-    mine.reserve(size());
-    for (std::size_t i = static_cast<std::size_t>(rank_); i < order.size();
-         i += static_cast<std::size_t>(replicas_)) {
-      mine.push_back(order[i]);
-    }
-    mine.erase(mine.begin(), mine.begin() + static_cast<std::ptrdiff_t>(
-                                                std::min<std::uint64_t>(offset_, mine.size())));
-    return mine;
-  }
+  [[nodiscard]] std::vector<std::size_t> indices() const;
 
   /// Moves this rank's place in the epoch `consumed` samples on (indices() then starts there):
   /// what a training loop calls after each batch, so that state() is where it is.
-  void advance(std::size_t consumed) {
-    if (consumed > size() - std::min<std::size_t>(size(), offset_))
-      detail::fail(Errc::invalid_argument, "DistributedSampler::advance: ", offset_, " + ",
-                   consumed, " samples of a shard of ", size());
-    offset_ += consumed;
-  }
+  void advance(std::size_t consumed);
   /// How it orders and splits (the constructor's options).
   [[nodiscard]] const SamplerOptions& options() const noexcept { return o_; }
   /// The dataset size it was made for.
   [[nodiscard]] std::size_t dataset_size() const noexcept { return n_; }
 
   /// The state to resume from after `consumed` more samples of this epoch's indices().
-  [[nodiscard]] SamplerState state(std::size_t consumed = 0) const {
-    return SamplerState{
-        epoch_, offset_ + consumed, o_.seed, n_, static_cast<std::uint64_t>(replicas_), earlier_};
-  }
+  [[nodiscard]] SamplerState state(std::size_t consumed = 0) const;
 
   /// Continues where state() left off: the same epoch, minus what was consumed. The dataset size,
   /// seed and number of ranks must be those of the saved run (Errc::invalid_argument otherwise);
   /// a state saved after repartition() carries the epoch's earlier world sizes.
-  void restore(const SamplerState& s) {
-    if (s.dataset_size != n_ || s.seed != o_.seed ||
-        s.num_replicas != static_cast<std::uint64_t>(replicas_)) {
-      detail::fail(Errc::invalid_argument,
-                   "DistributedSampler::restore: the state is of a run with ", s.dataset_size,
-                   " samples, seed ", s.seed, " and ", s.num_replicas, " ranks; this sampler has ",
-                   n_, ", ", o_.seed, " and ", replicas_,
-                   s.num_replicas != static_cast<std::uint64_t>(replicas_)
-                       ? " (to go on over another number of ranks mid-epoch, restore with the "
-                         "old number and call repartition())"
-                       : "");
-    }
-    // Each earlier part: 1 to 2^31 - 1 ranks, each having taken at most the dataset.
-    bool damaged = s.earlier.size() % 2 != 0;
-    for (std::size_t i = 0; i + 1 < s.earlier.size() && !damaged; i += 2)
-      damaged = s.earlier[i] == 0 || s.earlier[i] > 0x7fffffffu || s.earlier[i + 1] > n_;
-    if (damaged)
-      detail::fail(Errc::invalid_argument,
-                   "DistributedSampler::restore: a damaged state (its earlier world sizes "
-                   "cannot be those of an epoch of ",
-                   n_, " samples)");
-    const std::vector<std::uint64_t> saved = earlier_;
-    earlier_ = s.earlier;
-    if (s.offset > size()) {
-      earlier_ = saved;
-      detail::fail(Errc::invalid_argument, "DistributedSampler::restore: offset ", s.offset,
-                   " is past the ", size(), " samples of the shard");
-    }
-    epoch_ = s.epoch;
-    offset_ = s.offset;
-  }
+  void restore(const SamplerState& s);
 
   /// Goes on with the current epoch over `num_replicas` ranks, this sampler being rank `rank`'s,
   /// after every rank of the old world consumed `consumed` more samples of indices() (the same
@@ -1571,51 +1547,16 @@ class DistributedSampler {
   /// so that with `exact` every sample of the epoch is seen exactly once however often the world
   /// changes. Every new rank calls it with the same arguments but its rank (a rank that joins
   /// restores the state a member had before the call, then calls it). Local: no communication.
-  void repartition(int num_replicas, int rank, std::size_t consumed = 0) {
-    if (num_replicas < 1 || rank < 0 || rank >= num_replicas)
-      detail::fail(Errc::invalid_argument, "DistributedSampler::repartition: rank ", rank, " of ",
-                   num_replicas, " ranks");
-    if (consumed > size() - std::min<std::size_t>(size(), offset_))
-      detail::fail(Errc::invalid_argument, "DistributedSampler::repartition: ", offset_, " + ",
-                   consumed, " samples consumed of a shard of ", size());
-    earlier_.insert(earlier_.end(), {static_cast<std::uint64_t>(replicas_), offset_ + consumed});
-    replicas_ = num_replicas;
-    rank_ = rank;
-    offset_ = 0;
-  }
+  void repartition(int num_replicas, int rank, std::size_t consumed = 0);
 
  private:
-  [[nodiscard]] std::size_t first_replicas() const noexcept {
-    return static_cast<std::size_t>(earlier_.empty() ? static_cast<std::uint64_t>(replicas_)
-                                                     : earlier_[0]);
-  }
+  [[nodiscard]] std::size_t first_replicas() const noexcept;
   /// An order of `order.size()` samples made ready for `r` ranks: padded by wrapping around to a
   /// multiple of r, or cut to one (drop_last), or left (exact).
-  void fit(std::vector<std::size_t>& order, std::size_t r) const {
-    if (o_.exact || order.empty()) return;
-    const std::size_t base = order.size();
-    const std::size_t total = o_.drop_last ? base / r * r : (base + r - 1) / r * r;
-    for (std::size_t i = 0; order.size() < total; ++i) order.push_back(order[i % base]);
-    order.resize(total);
-  }
+  void fit(std::vector<std::size_t>& order, std::size_t r) const;
   /// The length of the current part's order (fit() of what earlier parts left), computed.
-  [[nodiscard]] std::size_t order_length() const noexcept {
-    const auto fitted = [&](std::size_t len, std::size_t r) {
-      if (o_.exact || len == 0) return len;
-      return o_.drop_last ? len / r * r : (len + r - 1) / r * r;
-    };
-    std::size_t len = fitted(n_, first_replicas());
-    for (std::size_t i = 0; i + 1 < earlier_.size(); i += 2) {
-      len -= std::min<std::size_t>(len, static_cast<std::size_t>(earlier_[i] * earlier_[i + 1]));
-      len = fitted(len, i + 2 < earlier_.size() ? static_cast<std::size_t>(earlier_[i + 2])
-                                                : static_cast<std::size_t>(replicas_));
-    }
-    return len;
-  }
-  [[nodiscard]] std::size_t shard_size(int rank, std::size_t len) const noexcept {
-    const auto r = static_cast<std::size_t>(replicas_);
-    return len / r + (static_cast<std::size_t>(rank) < len % r ? 1 : 0);
-  }
+  [[nodiscard]] std::size_t order_length() const noexcept;
+  [[nodiscard]] std::size_t shard_size(int rank, std::size_t len) const noexcept;
 
   std::size_t n_;
   int replicas_;
@@ -1625,6 +1566,145 @@ class DistributedSampler {
   std::uint64_t offset_ = 0;
   std::vector<std::uint64_t> earlier_;
 };
+
+#if DDP_BODIES
+DDP_INLINE DistributedSampler::DistributedSampler(std::size_t dataset_size, int num_replicas,
+                                                  int rank, SamplerOptions options)
+    : n_(dataset_size), replicas_(num_replicas), rank_(rank), o_(options) {
+  if (num_replicas < 1)
+    detail::fail(Errc::invalid_argument, "DistributedSampler: num_replicas is ", num_replicas,
+                 "; need at least 1");
+  if (rank < 0 || rank >= num_replicas)
+    detail::fail(Errc::invalid_argument, "DistributedSampler: rank ", rank, " is out of range [0, ",
+                 num_replicas, ")");
+  if (o_.exact && o_.drop_last)
+    detail::fail(Errc::invalid_argument,
+                 "DistributedSampler: exact and drop_last exclude each other");
+}
+
+DDP_INLINE void DistributedSampler::set_epoch(std::uint64_t epoch) noexcept {
+  epoch_ = epoch;
+  offset_ = 0;
+  earlier_.clear();
+}
+
+DDP_INLINE std::vector<std::size_t> DistributedSampler::indices() const {
+  std::vector<std::size_t> order;
+  if (o_.shuffle) {
+    order = detail::permutation(n_, o_.seed + epoch_);
+  } else {
+    order.resize(n_);
+    std::iota(order.begin(), order.end(), std::size_t{0});
+  }
+  fit(order, first_replicas());
+  for (std::size_t i = 0; i + 1 < earlier_.size(); i += 2) {
+    // Every rank took `taken` of its positions r, r + R, ...: together, the first taken * R
+    // (a rank whose exact-mode shard was shorter took all of it). The rest goes on.
+    const std::size_t gone = std::min<std::size_t>(
+        order.size(), static_cast<std::size_t>(earlier_[i] * earlier_[i + 1]));
+    order.erase(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(gone));
+    fit(order, i + 2 < earlier_.size() ? static_cast<std::size_t>(earlier_[i + 2])
+                                       : static_cast<std::size_t>(replicas_));
+  }
+  std::vector<std::size_t> mine;
+  mine.reserve(size());
+  for (std::size_t i = static_cast<std::size_t>(rank_); i < order.size();
+       i += static_cast<std::size_t>(replicas_)) {
+    mine.push_back(order[i]);
+  }
+  mine.erase(mine.begin(), mine.begin() + static_cast<std::ptrdiff_t>(
+                                              std::min<std::uint64_t>(offset_, mine.size())));
+  return mine;
+}
+
+DDP_INLINE void DistributedSampler::advance(std::size_t consumed) {
+  if (consumed > size() - std::min<std::size_t>(size(), offset_))
+    detail::fail(Errc::invalid_argument, "DistributedSampler::advance: ", offset_, " + ", consumed,
+                 " samples of a shard of ", size());
+  offset_ += consumed;
+}
+
+DDP_INLINE SamplerState DistributedSampler::state(std::size_t consumed) const {
+  return SamplerState{
+      epoch_, offset_ + consumed, o_.seed, n_, static_cast<std::uint64_t>(replicas_), earlier_};
+}
+
+DDP_INLINE void DistributedSampler::restore(const SamplerState& s) {
+  if (s.dataset_size != n_ || s.seed != o_.seed ||
+      s.num_replicas != static_cast<std::uint64_t>(replicas_)) {
+    detail::fail(Errc::invalid_argument, "DistributedSampler::restore: the state is of a run with ",
+                 s.dataset_size, " samples, seed ", s.seed, " and ", s.num_replicas,
+                 " ranks; this sampler has ", n_, ", ", o_.seed, " and ", replicas_,
+                 s.num_replicas != static_cast<std::uint64_t>(replicas_)
+                     ? " (to go on over another number of ranks mid-epoch, restore with the "
+                       "old number and call repartition())"
+                     : "");
+  }
+  // Each earlier part: 1 to 2^31 - 1 ranks, each having taken at most the dataset.
+  bool damaged = s.earlier.size() % 2 != 0;
+  for (std::size_t i = 0; i + 1 < s.earlier.size() && !damaged; i += 2)
+    damaged = s.earlier[i] == 0 || s.earlier[i] > 0x7fffffffu || s.earlier[i + 1] > n_;
+  if (damaged)
+    detail::fail(Errc::invalid_argument,
+                 "DistributedSampler::restore: a damaged state (its earlier world sizes "
+                 "cannot be those of an epoch of ",
+                 n_, " samples)");
+  const std::vector<std::uint64_t> saved = earlier_;
+  earlier_ = s.earlier;
+  if (s.offset > size()) {
+    earlier_ = saved;
+    detail::fail(Errc::invalid_argument, "DistributedSampler::restore: offset ", s.offset,
+                 " is past the ", size(), " samples of the shard");
+  }
+  epoch_ = s.epoch;
+  offset_ = s.offset;
+}
+
+DDP_INLINE void DistributedSampler::repartition(int num_replicas, int rank, std::size_t consumed) {
+  if (num_replicas < 1 || rank < 0 || rank >= num_replicas)
+    detail::fail(Errc::invalid_argument, "DistributedSampler::repartition: rank ", rank, " of ",
+                 num_replicas, " ranks");
+  if (consumed > size() - std::min<std::size_t>(size(), offset_))
+    detail::fail(Errc::invalid_argument, "DistributedSampler::repartition: ", offset_, " + ",
+                 consumed, " samples consumed of a shard of ", size());
+  earlier_.insert(earlier_.end(), {static_cast<std::uint64_t>(replicas_), offset_ + consumed});
+  replicas_ = num_replicas;
+  rank_ = rank;
+  offset_ = 0;
+}
+
+DDP_INLINE std::size_t DistributedSampler::first_replicas() const noexcept {
+  return static_cast<std::size_t>(earlier_.empty() ? static_cast<std::uint64_t>(replicas_)
+                                                   : earlier_[0]);
+}
+
+DDP_INLINE void DistributedSampler::fit(std::vector<std::size_t>& order, std::size_t r) const {
+  if (o_.exact || order.empty()) return;
+  const std::size_t base = order.size();
+  const std::size_t total = o_.drop_last ? base / r * r : (base + r - 1) / r * r;
+  for (std::size_t i = 0; order.size() < total; ++i) order.push_back(order[i % base]);
+  order.resize(total);
+}
+
+DDP_INLINE std::size_t DistributedSampler::order_length() const noexcept {
+  const auto fitted = [&](std::size_t len, std::size_t r) {
+    if (o_.exact || len == 0) return len;
+    return o_.drop_last ? len / r * r : (len + r - 1) / r * r;
+  };
+  std::size_t len = fitted(n_, first_replicas());
+  for (std::size_t i = 0; i + 1 < earlier_.size(); i += 2) {
+    len -= std::min<std::size_t>(len, static_cast<std::size_t>(earlier_[i] * earlier_[i + 1]));
+    len = fitted(len, i + 2 < earlier_.size() ? static_cast<std::size_t>(earlier_[i + 2])
+                                              : static_cast<std::size_t>(replicas_));
+  }
+  return len;
+}
+
+DDP_INLINE std::size_t DistributedSampler::shard_size(int rank, std::size_t len) const noexcept {
+  const auto r = static_cast<std::size_t>(replicas_);
+  return len / r + (static_cast<std::size_t>(rank) < len % r ? 1 : 0);
+}
+#endif  // DDP_BODIES
 
 /// The mean over all ranks of a per-sample quantity, each rank contributing the sum over its
 /// samples and their count (exact-mode shards differ in size, so averaging the per-rank means
@@ -1891,35 +1971,38 @@ using Clock = std::chrono::steady_clock;
 struct Deadline {
   Clock::time_point at;
 
-  [[nodiscard]] static Deadline after(std::chrono::milliseconds d) {
-    // Saturate: "5 years" must not overflow the clock.
-    const auto now = Clock::now();
-    const auto max_wait = Clock::time_point::max() - now;
-    if (d >= std::chrono::duration_cast<std::chrono::milliseconds>(max_wait)) {
-      return {Clock::time_point::max()};
-    }
-    return {now + d};
-  }
+  [[nodiscard]] static Deadline after(std::chrono::milliseconds d);
   [[nodiscard]] bool expired() const { return Clock::now() >= at; }
   /// Milliseconds left, clamped to [0, cap], rounded up (for poll()).
-  [[nodiscard]] int poll_ms(int cap = 1 << 30) const {
-    const auto left = at - Clock::now();
-    if (left <= Clock::duration::zero()) return 0;
-    const auto ms = std::chrono::ceil<std::chrono::milliseconds>(left).count();
-    return static_cast<int>(std::min<long long>(ms, cap));
-  }
+  [[nodiscard]] int poll_ms(int cap = 1 << 30) const;
 };
+
+#if DDP_BODIES
+DDP_INLINE Deadline Deadline::after(std::chrono::milliseconds d) {
+  // Saturate: "5 years" must not overflow the clock.
+  const auto now = Clock::now();
+  const auto max_wait = Clock::time_point::max() - now;
+  if (d >= std::chrono::duration_cast<std::chrono::milliseconds>(max_wait)) {
+    return {Clock::time_point::max()};
+  }
+  return {now + d};
+}
+
+DDP_INLINE int Deadline::poll_ms(int cap) const {
+  const auto left = at - Clock::now();
+  if (left <= Clock::duration::zero()) return 0;
+  const auto ms = std::chrono::ceil<std::chrono::milliseconds>(left).count();
+  return static_cast<int>(std::min<long long>(ms, cap));
+}
+#endif  // DDP_BODIES
 
 /// An owned file descriptor.
 class Fd {
  public:
   Fd() = default;
-  explicit Fd(int fd) noexcept : fd_(fd) {}
-  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  Fd& operator=(Fd&& o) noexcept {
-    if (this != &o) reset(std::exchange(o.fd_, -1));
-    return *this;
-  }
+  explicit Fd(int fd) noexcept;
+  Fd(Fd&& o) noexcept;
+  Fd& operator=(Fd&& o) noexcept;
   Fd(const Fd&) = delete;
   Fd& operator=(const Fd&) = delete;
   ~Fd() { reset(); }
@@ -1927,37 +2010,60 @@ class Fd {
   [[nodiscard]] int get() const noexcept { return fd_; }
   [[nodiscard]] bool valid() const noexcept { return fd_ >= 0; }
   explicit operator bool() const noexcept { return valid(); }
-  int release() noexcept { return std::exchange(fd_, -1); }
-  void reset(int fd = -1) noexcept {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = fd;
-  }
+  int release() noexcept;
+  void reset(int fd = -1) noexcept;
 
  private:
   int fd_ = -1;
 };
 
-inline void set_nonblocking(int fd, bool on) {
+#if DDP_BODIES
+DDP_INLINE Fd::Fd(int fd) noexcept : fd_(fd) {}
+
+DDP_INLINE Fd::Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+
+DDP_INLINE Fd& Fd::operator=(Fd&& o) noexcept {
+  if (this != &o) reset(std::exchange(o.fd_, -1));
+  return *this;
+}
+
+DDP_INLINE int Fd::release() noexcept { return std::exchange(fd_, -1); }
+
+DDP_INLINE void Fd::reset(int fd) noexcept {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = fd;
+}
+#endif  // DDP_BODIES
+
+DDP_INLINE void set_nonblocking(int fd, bool on);
+#if DDP_BODIES
+DDP_INLINE void set_nonblocking(int fd, bool on) {
   const int flags = ::fcntl(fd, F_GETFL, 0);
   if (flags < 0) fail_errno(errno, "fcntl(F_GETFL)");
   if (::fcntl(fd, F_SETFL, on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK)) < 0) {
     fail_errno(errno, "fcntl(F_SETFL)");
   }
 }
+#endif  // DDP_BODIES
 
 /// Raises the soft limit on open descriptors to the hard limit (a server holding one descriptor
 /// per client runs out at the common default of 1024 long before memory does). Best effort.
-inline void raise_fd_limit() noexcept {
+DDP_INLINE void raise_fd_limit() noexcept;
+#if DDP_BODIES
+DDP_INLINE void raise_fd_limit() noexcept {
   rlimit lim{};
   if (::getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur >= lim.rlim_max) return;
   lim.rlim_cur = lim.rlim_max;
   (void)::setrlimit(RLIMIT_NOFILE, &lim);
 }
+#endif  // DDP_BODIES
 
 /// Fails with Errc::system when `err` says that descriptors ran out (EMFILE: this process's
 /// limit, whose values are named; ENFILE: the system's), saying `doing` and what to do; returns
 /// for any other errno. Out of descriptors nothing gets better by retrying until a timeout.
-inline void fail_if_out_of_fds(int err, std::string_view doing) {
+DDP_INLINE void fail_if_out_of_fds(int err, std::string_view doing);
+#if DDP_BODIES
+DDP_INLINE void fail_if_out_of_fds(int err, std::string_view doing) {
   if (err != EMFILE && err != ENFILE) return;
   if (err == ENFILE)
     fail(Errc::system, doing,
@@ -1972,20 +2078,30 @@ inline void fail_if_out_of_fds(int err, std::string_view doing) {
        text(lim.rlim_cur), " open, its limit; hard limit ", text(lim.rlim_max),
        "); raise the limit (ulimit -n, or LimitNOFILE in a service) or open fewer files");
 }
+#endif  // DDP_BODIES
 
-inline void set_nodelay(int fd) {
+DDP_INLINE void set_nodelay(int fd);
+#if DDP_BODIES
+DDP_INLINE void set_nodelay(int fd) {
   int one = 1;
   (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 }
+#endif  // DDP_BODIES
 
 /// "host:port", with IPv6 literals in brackets.
-[[nodiscard]] inline std::string host_port(std::string_view host, int port) {
+[[nodiscard]] DDP_INLINE std::string host_port(std::string_view host, int port);
+#if DDP_BODIES
+DDP_INLINE std::string host_port(std::string_view host, int port) {
   if (host.find(':') != std::string_view::npos) return concat('[', host, "]:", port);
   return concat(host, ':', port);
 }
+#endif  // DDP_BODIES
 
 /// The numeric address and port of a socket address.
-[[nodiscard]] inline std::pair<std::string, int> numeric_name(const sockaddr* sa, socklen_t len) {
+[[nodiscard]] DDP_INLINE std::pair<std::string, int> numeric_name(const sockaddr* sa,
+                                                                  socklen_t len);
+#if DDP_BODIES
+DDP_INLINE std::pair<std::string, int> numeric_name(const sockaddr* sa, socklen_t len) {
   char host[NI_MAXHOST] = {};
   char serv[NI_MAXSERV] = {};
   if (::getnameinfo(sa, len, host, sizeof host, serv, sizeof serv,
@@ -1994,24 +2110,12 @@ inline void set_nodelay(int fd) {
   }
   return {host, std::atoi(serv)};
 }
+#endif  // DDP_BODIES
 
 /// Resolves host:port for TCP; throws Errc::invalid_argument when the name does not resolve.
 class AddrInfo {
  public:
-  AddrInfo(const std::string& host, int port, bool passive) {
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_ADDRCONFIG | (passive ? AI_PASSIVE : 0);
-    if (host.empty()) hints.ai_flags |= AI_PASSIVE;
-    const std::string service = std::to_string(port);
-    const int rc =
-        ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &list_);
-    if (rc != 0) {
-      fail(Errc::invalid_argument, "cannot resolve \"", host, "\": ", ::gai_strerror(rc),
-           "; check MASTER_ADDR");
-    }
-  }
+  AddrInfo(const std::string& host, int port, bool passive);
   AddrInfo(const AddrInfo&) = delete;
   AddrInfo& operator=(const AddrInfo&) = delete;
   ~AddrInfo() {
@@ -2023,9 +2127,28 @@ class AddrInfo {
   addrinfo* list_ = nullptr;
 };
 
+#if DDP_BODIES
+DDP_INLINE AddrInfo::AddrInfo(const std::string& host, int port, bool passive) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_ADDRCONFIG | (passive ? AI_PASSIVE : 0);
+  if (host.empty()) hints.ai_flags |= AI_PASSIVE;
+  const std::string service = std::to_string(port);
+  const int rc =
+      ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &list_);
+  if (rc != 0) {
+    fail(Errc::invalid_argument, "cannot resolve \"", host, "\": ", ::gai_strerror(rc),
+         "; check MASTER_ADDR");
+  }
+}
+#endif  // DDP_BODIES
+
 /// A listening TCP socket bound to exactly `host` (all interfaces only when host is "0.0.0.0" or
 /// "::", which must be asked for). port 0 picks a free port. EADDRINUSE -> Errc::address_in_use.
-[[nodiscard]] inline Fd listen_tcp(const std::string& host, int port, int backlog = 1024) {
+[[nodiscard]] DDP_INLINE Fd listen_tcp(const std::string& host, int port, int backlog = 1024);
+#if DDP_BODIES
+DDP_INLINE Fd listen_tcp(const std::string& host, int port, int backlog) {
   const AddrInfo ai(host, port, /*passive=*/true);
   int last_errno = 0;
   for (const addrinfo* a = ai.begin(); a != nullptr; a = a->ai_next) {
@@ -2054,39 +2177,51 @@ class AddrInfo {
   }
   fail_errno(last_errno, "cannot listen on ", host_port(host, port));
 }
+#endif  // DDP_BODIES
 
 /// The port a bound socket listens on.
-[[nodiscard]] inline int local_port(int fd) {
+[[nodiscard]] DDP_INLINE int local_port(int fd);
+#if DDP_BODIES
+DDP_INLINE int local_port(int fd) {
   sockaddr_storage ss{};
   socklen_t len = sizeof ss;
   if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0)
     fail_errno(errno, "getsockname");
   return numeric_name(reinterpret_cast<sockaddr*>(&ss), len).second;
 }
+#endif  // DDP_BODIES
 
 /// The local address of a connected socket (the interface that reaches its peer).
-[[nodiscard]] inline std::string local_address(int fd) {
+[[nodiscard]] DDP_INLINE std::string local_address(int fd);
+#if DDP_BODIES
+DDP_INLINE std::string local_address(int fd) {
   sockaddr_storage ss{};
   socklen_t len = sizeof ss;
   if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0)
     fail_errno(errno, "getsockname");
   return numeric_name(reinterpret_cast<sockaddr*>(&ss), len).first;
 }
+#endif  // DDP_BODIES
 
 /// The peer of a connected socket as "addr:port".
-[[nodiscard]] inline std::string peer_name(int fd) {
+[[nodiscard]] DDP_INLINE std::string peer_name(int fd);
+#if DDP_BODIES
+DDP_INLINE std::string peer_name(int fd) {
   sockaddr_storage ss{};
   socklen_t len = sizeof ss;
   if (::getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return "?";
   auto [h, p] = numeric_name(reinterpret_cast<sockaddr*>(&ss), len);
   return host_port(h, p);
 }
+#endif  // DDP_BODIES
 
 /// Whether a connected TCP socket is connected to itself. Connecting on this host to a port in
 /// the kernel's ephemeral range while nothing listens there can be given that very port as the
 /// source port; TCP's simultaneous open then connects the socket to itself, and a client would
 /// read its own requests back as answers (PyTorch's TCPStore hangs this way, now and then).
-[[nodiscard]] inline bool connected_to_itself(int fd) {
+[[nodiscard]] DDP_INLINE bool connected_to_itself(int fd);
+#if DDP_BODIES
+DDP_INLINE bool connected_to_itself(int fd) {
   sockaddr_storage local{}, peer{};
   socklen_t local_len = sizeof local, peer_len = sizeof peer;
   if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_len) != 0 ||
@@ -2094,14 +2229,18 @@ class AddrInfo {
     return false;
   return local_len == peer_len && std::memcmp(&local, &peer, local_len) == 0;
 }
+#endif  // DDP_BODIES
 
 /// Connects to host:port, retrying refused/unreachable attempts until the deadline (the server
 /// may not be up yet; a socket connected to itself counts as refused). Returns a blocking socket
 /// with TCP_NODELAY. `check_stop`, when given, runs between attempts and throws to give up (the
 /// peer is known to have failed).
-[[nodiscard]] inline Fd connect_tcp(const std::string& host, int port, Deadline deadline,
-                                    std::string_view what,
-                                    const std::function<void()>& check_stop = {}) {
+[[nodiscard]] DDP_INLINE Fd connect_tcp(const std::string& host, int port, Deadline deadline,
+                                        std::string_view what,
+                                        const std::function<void()>& check_stop = {});
+#if DDP_BODIES
+DDP_INLINE Fd connect_tcp(const std::string& host, int port, Deadline deadline,
+                          std::string_view what, const std::function<void()>& check_stop) {
   int last_errno = 0;
   auto backoff = std::chrono::milliseconds(5);
   for (;;) {
@@ -2155,11 +2294,15 @@ class AddrInfo {
     backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
   }
 }
+#endif  // DDP_BODIES
 
 enum class IoResult { ok, closed, timeout };
 
 /// Writes all of [data, data+n) before the deadline. Works on blocking and non-blocking sockets.
-[[nodiscard]] inline IoResult send_all(int fd, const void* data, std::size_t n, Deadline deadline) {
+[[nodiscard]] DDP_INLINE IoResult send_all(int fd, const void* data, std::size_t n,
+                                           Deadline deadline);
+#if DDP_BODIES
+DDP_INLINE IoResult send_all(int fd, const void* data, std::size_t n, Deadline deadline) {
   const auto* p = static_cast<const std::byte*>(data);
   while (n > 0) {
     const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -2182,9 +2325,12 @@ enum class IoResult { ok, closed, timeout };
   }
   return IoResult::ok;
 }
+#endif  // DDP_BODIES
 
 /// Reads exactly n bytes before the deadline.
-[[nodiscard]] inline IoResult recv_all(int fd, void* data, std::size_t n, Deadline deadline) {
+[[nodiscard]] DDP_INLINE IoResult recv_all(int fd, void* data, std::size_t n, Deadline deadline);
+#if DDP_BODIES
+DDP_INLINE IoResult recv_all(int fd, void* data, std::size_t n, Deadline deadline) {
   auto* p = static_cast<std::byte*>(data);
   while (n > 0) {
     const ssize_t r = ::recv(fd, p, n, MSG_DONTWAIT);
@@ -2205,6 +2351,7 @@ enum class IoResult { ok, closed, timeout };
   }
   return IoResult::ok;
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -2270,92 +2417,117 @@ namespace detail {
 using EnvLookup = std::function<const char*(const char*)>;
 
 /// The process environment (getenv).
-[[nodiscard]] inline const char* process_env(const char* name) { return std::getenv(name); }
+[[nodiscard]] DDP_INLINE const char* process_env(const char* name);
+#if DDP_BODIES
+DDP_INLINE const char* process_env(const char* name) { return std::getenv(name); }
+#endif  // DDP_BODIES
 
 class EnvReader {
  public:
   /// Reads the process environment.
-  EnvReader() : lookup_(&process_env) {}
-  explicit EnvReader(EnvLookup lookup) : lookup_(std::move(lookup)) {}
+  EnvReader();
+  explicit EnvReader(EnvLookup lookup);
 
   /// Set and not empty.
-  [[nodiscard]] bool has(const char* name) const {
-    const char* v = lookup_(name);
-    return v != nullptr && *v != '\0';
-  }
-  [[nodiscard]] std::optional<std::string> str(const char* name) const {
-    const char* v = lookup_(name);
-    if (v == nullptr || *v == '\0') return std::nullopt;
-    return std::string(v);
-  }
+  [[nodiscard]] bool has(const char* name) const;
+  [[nodiscard]] std::optional<std::string> str(const char* name) const;
   /// The value, or `fallback` when unset (an empty value is returned as it is).
-  [[nodiscard]] std::string get(const char* name, std::string_view fallback = {}) const {
-    const char* v = lookup_(name);
-    return v != nullptr ? std::string(v) : std::string(fallback);
-  }
+  [[nodiscard]] std::string get(const char* name, std::string_view fallback = {}) const;
 
   /// A launcher's integer in [min, max]; anything else is an error that names the variable.
-  [[nodiscard]] std::optional<int> integer(const char* name, int min, int max) const {
-    const auto v = str(name);
-    if (!v) return std::nullopt;
-    const std::string_view text(*v);
-    int value = 0;
-    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-    if (ec != std::errc{} || end != text.data() + text.size()) {
-      fail(Errc::invalid_argument, "environment variable ", name, "=\"", text,
-           "\" is not an integer; check what your launcher exported");
-    }
-    if (value < min || value > max) {
-      fail(Errc::invalid_argument, "environment variable ", name, "=", value, " is out of range [",
-           min, ", ", max, "]");
-    }
-    return value;
-  }
+  [[nodiscard]] std::optional<int> integer(const char* name, int min, int max) const;
 
   /// A whole number in [min, max], or nullopt when unset or empty. Anything else (a sign, a
   /// unit, a number out of range) names the variable and `what` it must be.
   [[nodiscard]] std::optional<std::uint64_t> whole_number(const char* name, std::uint64_t min,
                                                           std::uint64_t max,
-                                                          std::string_view what) const {
-    const auto v = str(name);
-    if (!v) return std::nullopt;
-    std::uint64_t n = 0;
-    const auto [end, ec] = std::from_chars(v->data(), v->data() + v->size(), n);
-    if (ec != std::errc{} || end != v->data() + v->size() || n < min || n > max)
-      fail(Errc::invalid_argument, name, "=\"", *v, "\" must be ", what);
-    return n;
-  }
+                                                          std::string_view what) const;
 
   /// A yes/no setting: 1, true, on, yes or 0, false, off, no (any case); nullopt when unset or
   /// empty. Anything else names the variable.
-  [[nodiscard]] std::optional<bool> flag(const char* name) const {
-    const auto v = str(name);
-    if (!v) return std::nullopt;
-    std::string w = *v;
-    for (char& c : w) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
-    if (w == "1" || w == "true" || w == "on" || w == "yes") return true;
-    if (w == "0" || w == "false" || w == "off" || w == "no") return false;
-    fail(Errc::invalid_argument, name, "=\"", *v,
-         "\" is not a yes/no setting: use 1 or 0 (also true/false, on/off, yes/no)");
-  }
+  [[nodiscard]] std::optional<bool> flag(const char* name) const;
 
   /// Seconds as a decimal number (30, 0.5) in [0.001, 2147483]; nullopt when unset or empty.
-  [[nodiscard]] std::optional<std::chrono::milliseconds> seconds(const char* name) const {
-    const auto v = str(name);
-    if (!v) return std::nullopt;
-    char* end = nullptr;
-    const double s = std::strtod(v->c_str(), &end);
-    const bool decimal = v->find_first_not_of("0123456789.eE+-") == std::string::npos;
-    if (!decimal || end == v->c_str() || *end != '\0' || !(s >= 0.001) || s > 2147483.0) {
-      fail(Errc::invalid_argument, name, "=\"", *v,
-           "\" is not a timeout: give seconds, at least 0.001 and at most 2147483 (e.g. 300)");
-    }
-    return std::chrono::milliseconds(static_cast<std::int64_t>(s * 1000.0 + 0.5));
-  }
+  [[nodiscard]] std::optional<std::chrono::milliseconds> seconds(const char* name) const;
 
  private:
   EnvLookup lookup_;
 };
+
+#if DDP_BODIES
+DDP_INLINE EnvReader::EnvReader() : lookup_(&process_env) {}
+
+DDP_INLINE EnvReader::EnvReader(EnvLookup lookup) : lookup_(std::move(lookup)) {}
+
+DDP_INLINE bool EnvReader::has(const char* name) const {
+  const char* v = lookup_(name);
+  return v != nullptr && *v != '\0';
+}
+
+DDP_INLINE std::optional<std::string> EnvReader::str(const char* name) const {
+  const char* v = lookup_(name);
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  return std::string(v);
+}
+
+DDP_INLINE std::string EnvReader::get(const char* name, std::string_view fallback) const {
+  const char* v = lookup_(name);
+  return v != nullptr ? std::string(v) : std::string(fallback);
+}
+
+DDP_INLINE std::optional<int> EnvReader::integer(const char* name, int min, int max) const {
+  const auto v = str(name);
+  if (!v) return std::nullopt;
+  const std::string_view text(*v);
+  int value = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc{} || end != text.data() + text.size()) {
+    fail(Errc::invalid_argument, "environment variable ", name, "=\"", text,
+         "\" is not an integer; check what your launcher exported");
+  }
+  if (value < min || value > max) {
+    fail(Errc::invalid_argument, "environment variable ", name, "=", value, " is out of range [",
+         min, ", ", max, "]");
+  }
+  return value;
+}
+
+DDP_INLINE std::optional<std::uint64_t> EnvReader::whole_number(const char* name, std::uint64_t min,
+                                                                std::uint64_t max,
+                                                                std::string_view what) const {
+  const auto v = str(name);
+  if (!v) return std::nullopt;
+  std::uint64_t n = 0;
+  const auto [end, ec] = std::from_chars(v->data(), v->data() + v->size(), n);
+  if (ec != std::errc{} || end != v->data() + v->size() || n < min || n > max)
+    fail(Errc::invalid_argument, name, "=\"", *v, "\" must be ", what);
+  return n;
+}
+
+DDP_INLINE std::optional<bool> EnvReader::flag(const char* name) const {
+  const auto v = str(name);
+  if (!v) return std::nullopt;
+  std::string w = *v;
+  for (char& c : w) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+  if (w == "1" || w == "true" || w == "on" || w == "yes") return true;
+  if (w == "0" || w == "false" || w == "off" || w == "no") return false;
+  fail(Errc::invalid_argument, name, "=\"", *v,
+       "\" is not a yes/no setting: use 1 or 0 (also true/false, on/off, yes/no)");
+}
+
+DDP_INLINE std::optional<std::chrono::milliseconds> EnvReader::seconds(const char* name) const {
+  const auto v = str(name);
+  if (!v) return std::nullopt;
+  char* end = nullptr;
+  const double s = std::strtod(v->c_str(), &end);
+  const bool decimal = v->find_first_not_of("0123456789.eE+-") == std::string::npos;
+  if (!decimal || end == v->c_str() || *end != '\0' || !(s >= 0.001) || s > 2147483.0) {
+    fail(Errc::invalid_argument, name, "=\"", *v,
+         "\" is not a timeout: give seconds, at least 0.001 and at most 2147483 (e.g. 300)");
+  }
+  return std::chrono::milliseconds(static_cast<std::int64_t>(s * 1000.0 + 0.5));
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -2487,101 +2659,107 @@ struct Options {
   /// These options with the environment's settings (the $ names above) applied to every field
   /// still at its default. A malformed value is Errc::invalid_argument naming the variable.
   /// Communicator::init applies it to the Options it is given.
-  [[nodiscard]] Options with_env(const detail::EnvReader& env = detail::EnvReader()) const {
-    std::exception_ptr error;
-    Options o = with_env(env, error);
-    if (error) std::rethrow_exception(error);
-    return o;
-  }
+  [[nodiscard]] Options with_env(const detail::EnvReader& env = detail::EnvReader()) const;
 
   /// The same, going on past a malformed variable (its field keeps its value): `error` gets the
   /// first one. What Communicator::init uses, so that a rank can still join the rendezvous and
   /// tell the others why it fails.
-  [[nodiscard]] Options with_env(const detail::EnvReader& env, std::exception_ptr& error) const {
-    Options o = *this;
-    const Options defaults;
-    const auto apply = [&](auto&& f) {
-      try {
-        f();
-      } catch (const Error&) {
-        if (!error) error = std::current_exception();
-      }
-    };
-    apply([&] {
-      if (o.timeout == defaults.timeout) o.timeout = env.seconds("DDP_TIMEOUT").value_or(o.timeout);
-    });
-    if (o.token.empty()) o.token = env.get("DDP_TOKEN");
-    apply([&] {
-      if (o.transport != HostTransport::automatic) return;
-      const std::string t = env.get("DDP_HOST_TRANSPORT");
-      if (t == "tcp")
-        o.transport = HostTransport::tcp;
-      else if (t == "shm")
-        o.transport = HostTransport::shm;
-      else if (!t.empty() && t != "auto")
-        detail::fail(Errc::invalid_argument, "DDP_HOST_TRANSPORT=\"", t,
-                     "\": use shm, tcp or auto");
-    });
-    apply([&] {
-      if (o.segment_bytes != 0) return;
-      o.segment_bytes = static_cast<std::size_t>(
-          env.whole_number("DDP_SEGMENT_BYTES", 4096, std::uint64_t{1} << 40,
-                           "a number of bytes in [4096, 2^40]")
-              .value_or(0));
-    });
-    apply([&] {
-      if (o.shm_single_copy_bytes != 0) return;
-      const std::string v = env.get("DDP_SHM_SINGLE_COPY");
-      if (v == "auto") return;  // 0: the default
-      o.shm_single_copy_bytes =
-          v == "off" ? never
-                     : static_cast<std::size_t>(
-                           env.whole_number("DDP_SHM_SINGLE_COPY", 1, std::uint64_t{1} << 40,
-                                            "a number of bytes in [1, 2^40], auto or off")
-                               .value_or(0));
-    });
-    apply([&] {
-      if (o.verify_collectives == defaults.verify_collectives)
-        o.verify_collectives = env.flag("DDP_VERIFY_COLLECTIVES").value_or(o.verify_collectives);
-    });
-    apply([&] {
-      if (o.trace_entries != defaults.trace_entries) return;
-      o.trace_entries = static_cast<std::size_t>(
-          env.whole_number("DDP_TRACE_ENTRIES", 0, 1000000,
-                           "a number of records in [0, 1000000] (0 turns the flight recorder "
-                           "off)")
-              .value_or(o.trace_entries));
-    });
-    if (o.trace_dump.empty()) o.trace_dump = env.get("DDP_TRACE_DUMP");
-    if (o.store.empty()) o.store = env.get("DDP_STORE");
-    apply([&] {
-      if (o.heartbeat != defaults.heartbeat) return;
-      if (const std::string v = env.get("DDP_HEARTBEAT"); v == "0" || v == "off")
-        o.heartbeat = std::chrono::milliseconds(0);
-      else
-        o.heartbeat = env.seconds("DDP_HEARTBEAT").value_or(o.heartbeat);
-    });
-    apply([&] {
-      if (o.hierarchy != HostHierarchy::automatic) return;
-      const std::string h = env.get("DDP_HIERARCHY");
-      if (h == "flat")
-        o.hierarchy = HostHierarchy::flat;
-      else if (h == "slices")
-        o.hierarchy = HostHierarchy::slices;
-      else if (h == "leaders")
-        o.hierarchy = HostHierarchy::leaders;
-      else if (!h.empty() && h != "auto")
-        detail::fail(Errc::invalid_argument, "DDP_HIERARCHY=\"", h,
-                     "\": use auto, flat, slices or leaders");
-    });
-    return o;
-  }
+  [[nodiscard]] Options with_env(const detail::EnvReader& env, std::exception_ptr& error) const;
 
   /// Default options with the environment's settings (Options{}.with_env(env)).
   [[nodiscard]] static Options from_env(const detail::EnvReader& env = detail::EnvReader()) {
     return Options{}.with_env(env);
   }
 };
+
+#if DDP_BODIES
+DDP_INLINE Options Options::with_env(const detail::EnvReader& env) const {
+  std::exception_ptr error;
+  Options o = with_env(env, error);
+  if (error) std::rethrow_exception(error);
+  return o;
+}
+
+DDP_INLINE Options Options::with_env(const detail::EnvReader& env,
+                                     std::exception_ptr& error) const {
+  Options o = *this;
+  const Options defaults;
+  const auto apply = [&](auto&& f) {
+    try {
+      f();
+    } catch (const Error&) {
+      if (!error) error = std::current_exception();
+    }
+  };
+  apply([&] {
+    if (o.timeout == defaults.timeout) o.timeout = env.seconds("DDP_TIMEOUT").value_or(o.timeout);
+  });
+  if (o.token.empty()) o.token = env.get("DDP_TOKEN");
+  apply([&] {
+    if (o.transport != HostTransport::automatic) return;
+    const std::string t = env.get("DDP_HOST_TRANSPORT");
+    if (t == "tcp")
+      o.transport = HostTransport::tcp;
+    else if (t == "shm")
+      o.transport = HostTransport::shm;
+    else if (!t.empty() && t != "auto")
+      detail::fail(Errc::invalid_argument, "DDP_HOST_TRANSPORT=\"", t, "\": use shm, tcp or auto");
+  });
+  apply([&] {
+    if (o.segment_bytes != 0) return;
+    o.segment_bytes =
+        static_cast<std::size_t>(env.whole_number("DDP_SEGMENT_BYTES", 4096, std::uint64_t{1} << 40,
+                                                  "a number of bytes in [4096, 2^40]")
+                                     .value_or(0));
+  });
+  apply([&] {
+    if (o.shm_single_copy_bytes != 0) return;
+    const std::string v = env.get("DDP_SHM_SINGLE_COPY");
+    if (v == "auto") return;  // 0: the default
+    o.shm_single_copy_bytes =
+        v == "off" ? never
+                   : static_cast<std::size_t>(
+                         env.whole_number("DDP_SHM_SINGLE_COPY", 1, std::uint64_t{1} << 40,
+                                          "a number of bytes in [1, 2^40], auto or off")
+                             .value_or(0));
+  });
+  apply([&] {
+    if (o.verify_collectives == defaults.verify_collectives)
+      o.verify_collectives = env.flag("DDP_VERIFY_COLLECTIVES").value_or(o.verify_collectives);
+  });
+  apply([&] {
+    if (o.trace_entries != defaults.trace_entries) return;
+    o.trace_entries = static_cast<std::size_t>(
+        env.whole_number("DDP_TRACE_ENTRIES", 0, 1000000,
+                         "a number of records in [0, 1000000] (0 turns the flight recorder "
+                         "off)")
+            .value_or(o.trace_entries));
+  });
+  if (o.trace_dump.empty()) o.trace_dump = env.get("DDP_TRACE_DUMP");
+  if (o.store.empty()) o.store = env.get("DDP_STORE");
+  apply([&] {
+    if (o.heartbeat != defaults.heartbeat) return;
+    if (const std::string v = env.get("DDP_HEARTBEAT"); v == "0" || v == "off")
+      o.heartbeat = std::chrono::milliseconds(0);
+    else
+      o.heartbeat = env.seconds("DDP_HEARTBEAT").value_or(o.heartbeat);
+  });
+  apply([&] {
+    if (o.hierarchy != HostHierarchy::automatic) return;
+    const std::string h = env.get("DDP_HIERARCHY");
+    if (h == "flat")
+      o.hierarchy = HostHierarchy::flat;
+    else if (h == "slices")
+      o.hierarchy = HostHierarchy::slices;
+    else if (h == "leaders")
+      o.hierarchy = HostHierarchy::leaders;
+    else if (!h.empty() && h != "auto")
+      detail::fail(Errc::invalid_argument, "DDP_HIERARCHY=\"", h,
+                   "\": use auto, flat, slices or leaders");
+  });
+  return o;
+}
+#endif  // DDP_BODIES
 
 DDP_END_NAMESPACE
 // end ddp/options.hpp
@@ -2618,10 +2796,13 @@ inline constexpr std::size_t max_buffer_bytes =
 }
 
 /// "part x p = product", or that the product overflows.
-[[nodiscard]] inline std::string product_text(std::size_t part, std::size_t p) {
+[[nodiscard]] DDP_INLINE std::string product_text(std::size_t part, std::size_t p);
+#if DDP_BODIES
+DDP_INLINE std::string product_text(std::size_t part, std::size_t p) {
   if (p != 0 && part > max_buffer_bytes / p) return concat(part, " x ", p, " (which overflows)");
   return concat(part, " x ", p, " = ", part * p);
 }
+#endif  // DDP_BODIES
 
 /// A type-erased buffer: `count` elements of `dtype`.
 struct Buf {
@@ -2732,7 +2913,9 @@ inline constexpr std::uint64_t fingerprint_wide = std::uint64_t{1} << 47;
          f.count << 19;
 }
 
-[[nodiscard]] inline std::string to_string(const Fingerprint& f) {
+[[nodiscard]] DDP_INLINE std::string to_string(const Fingerprint& f);
+#if DDP_BODIES
+DDP_INLINE std::string to_string(const Fingerprint& f) {
   std::string s = concat(to_string(f.coll), '(');
   if (is_uneven(f.coll))
     s += concat(to_string(f.dtype), ", counts per rank");
@@ -2742,6 +2925,7 @@ inline constexpr std::uint64_t fingerprint_wide = std::uint64_t{1} << 47;
   if (f.root >= 0) s += concat(", root=", f.root);
   return s + concat(") #", f.seq);
 }
+#endif  // DDP_BODIES
 
 /// A byte range of a rank's offer.
 struct Range {
@@ -2798,7 +2982,7 @@ struct wire_integer<T, true> {
 
 class ByteWriter {
  public:
-  explicit ByteWriter(std::string& out) : out_(out) {}
+  explicit ByteWriter(std::string& out);
 
   template <class T>
     requires std::is_integral_v<T> || std::is_enum_v<T>
@@ -2811,21 +2995,25 @@ class ByteWriter {
     }
   }
   void raw(const void* data, std::size_t n) { out_.append(static_cast<const char*>(data), n); }
-  void str(std::string_view s) {
-    put(static_cast<std::uint32_t>(s.size()));
-    raw(s.data(), s.size());
-  }
+  void str(std::string_view s);
 
  private:
   std::string& out_;
 };
 
+#if DDP_BODIES
+DDP_INLINE ByteWriter::ByteWriter(std::string& out) : out_(out) {}
+
+DDP_INLINE void ByteWriter::str(std::string_view s) {
+  put(static_cast<std::uint32_t>(s.size()));
+  raw(s.data(), s.size());
+}
+#endif  // DDP_BODIES
+
 class ByteReader {
  public:
-  ByteReader(const void* data, std::size_t n, std::string_view what)
-      : p_(static_cast<const std::uint8_t*>(data)), left_(n), what_(what) {}
-  explicit ByteReader(std::string_view s, std::string_view what = "message")
-      : ByteReader(s.data(), s.size(), what) {}
+  ByteReader(const void* data, std::size_t n, std::string_view what);
+  explicit ByteReader(std::string_view s, std::string_view what = "message");
 
   template <class T>
     requires std::is_integral_v<T> || std::is_enum_v<T>
@@ -2839,42 +3027,58 @@ class ByteReader {
     left_ -= sizeof(U);
     return static_cast<T>(u);
   }
-  void raw(void* out, std::size_t n) {
-    need(n);
-    if (n != 0) std::memcpy(out, p_, n);
-    p_ += n;
-    left_ -= n;
-  }
-  [[nodiscard]] std::string_view view(std::size_t n) {
-    need(n);
-    std::string_view v(reinterpret_cast<const char*>(p_), n);
-    p_ += n;
-    left_ -= n;
-    return v;
-  }
+  void raw(void* out, std::size_t n);
+  [[nodiscard]] std::string_view view(std::size_t n);
   /// A length-prefixed string no longer than max_len.
-  [[nodiscard]] std::string str(std::size_t max_len) {
-    const auto n = get<std::uint32_t>();
-    if (n > max_len) {
-      fail(Errc::protocol, what_, ": a string of ", n, " bytes exceeds the limit of ", max_len);
-    }
-    return std::string(view(n));
-  }
+  [[nodiscard]] std::string str(std::size_t max_len);
   [[nodiscard]] std::size_t left() const noexcept { return left_; }
   void expect_end() const {
     if (left_ != 0) fail(Errc::protocol, what_, ": ", left_, " unexpected trailing bytes");
   }
 
  private:
-  void need(std::size_t n) const {
-    if (n > left_) {
-      fail(Errc::protocol, what_, " is truncated: needs ", n, " more bytes, has ", left_);
-    }
-  }
+  void need(std::size_t n) const;
   const std::uint8_t* p_;
   std::size_t left_;
   std::string_view what_;
 };
+
+#if DDP_BODIES
+DDP_INLINE ByteReader::ByteReader(const void* data, std::size_t n, std::string_view what)
+    : p_(static_cast<const std::uint8_t*>(data)), left_(n), what_(what) {}
+
+DDP_INLINE ByteReader::ByteReader(std::string_view s, std::string_view what)
+    : ByteReader(s.data(), s.size(), what) {}
+
+DDP_INLINE void ByteReader::raw(void* out, std::size_t n) {
+  need(n);
+  if (n != 0) std::memcpy(out, p_, n);
+  p_ += n;
+  left_ -= n;
+}
+
+DDP_INLINE std::string_view ByteReader::view(std::size_t n) {
+  need(n);
+  std::string_view v(reinterpret_cast<const char*>(p_), n);
+  p_ += n;
+  left_ -= n;
+  return v;
+}
+
+DDP_INLINE std::string ByteReader::str(std::size_t max_len) {
+  const auto n = get<std::uint32_t>();
+  if (n > max_len) {
+    fail(Errc::protocol, what_, ": a string of ", n, " bytes exceeds the limit of ", max_len);
+  }
+  return std::string(view(n));
+}
+
+DDP_INLINE void ByteReader::need(std::size_t n) const {
+  if (n > left_) {
+    fail(Errc::protocol, what_, " is truncated: needs ", n, " more bytes, has ", left_);
+  }
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -2915,14 +3119,19 @@ DDP_END_NAMESPACE
 DDP_BEGIN_NAMESPACE
 namespace detail {
 
-inline std::atomic<std::uint64_t>& fork_counter() noexcept {
+DDP_INLINE std::atomic<std::uint64_t>& fork_counter() noexcept;
+#if DDP_BODIES
+DDP_INLINE std::atomic<std::uint64_t>& fork_counter() noexcept {
   static std::atomic<std::uint64_t> n{0};
   return n;
 }
+#endif  // DDP_BODIES
 
 /// How many fork()s separate this process from the first process that called this function:
 /// equal values mean "the same process". The first call registers the fork handler.
-[[nodiscard]] inline std::uint64_t fork_generation() noexcept {
+[[nodiscard]] DDP_INLINE std::uint64_t fork_generation() noexcept;
+#if DDP_BODIES
+DDP_INLINE std::uint64_t fork_generation() noexcept {
   static const bool registered = [] {
     (void)::pthread_atfork(nullptr, nullptr,
                            [] { fork_counter().fetch_add(1, std::memory_order_relaxed); });
@@ -2931,6 +3140,7 @@ inline std::atomic<std::uint64_t>& fork_counter() noexcept {
   (void)registered;
   return fork_counter().load(std::memory_order_relaxed);
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -2987,100 +3197,110 @@ class Sha256 {
  public:
   Sha256() { reset(); }
 
-  void reset() {
-    state_ = {0x6a09e667u, 0xbb67ae85u, 0x3c6ef372u, 0xa54ff53au,
-              0x510e527fu, 0x9b05688cu, 0x1f83d9abu, 0x5be0cd19u};
-    length_ = 0;
-    used_ = 0;
-  }
+  void reset();
 
-  void update(const void* data, std::size_t n) {
-    const auto* p = static_cast<const std::uint8_t*>(data);
-    length_ += static_cast<std::uint64_t>(n) * 8u;
-    while (n > 0) {
-      const std::size_t take = std::min<std::size_t>(64 - used_, n);
-      std::memcpy(block_.data() + used_, p, take);
-      used_ += take;
-      p += take;
-      n -= take;
-      if (used_ == 64) {
-        compress();
-        used_ = 0;
-      }
-    }
-  }
+  void update(const void* data, std::size_t n);
   void update(std::string_view s) { update(s.data(), s.size()); }
 
-  [[nodiscard]] Digest finish() {
-    const std::uint64_t bits = length_;
-    const std::uint8_t one = 0x80;
-    update(&one, 1);
-    const std::uint8_t zero = 0;
-    while (used_ != 56) update(&zero, 1);
-    std::uint8_t len[8];
-    for (int i = 0; i < 8; ++i) len[i] = static_cast<std::uint8_t>(bits >> (56 - 8 * i));
-    update(len, 8);
-    Digest out{};
-    for (std::size_t i = 0; i < 8; ++i) {
-      for (std::size_t j = 0; j < 4; ++j) {
-        out[4 * i + j] = static_cast<std::uint8_t>(state_[i] >> (24 - 8 * j));
-      }
-    }
-    reset();
-    return out;
-  }
+  [[nodiscard]] Digest finish();
 
  private:
   static constexpr std::uint32_t rotr(std::uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
 
-  void compress() {
-    static constexpr std::uint32_t k[64] = {
-        0x428a2f98u, 0x71374491u, 0xb5c0fbcfu, 0xe9b5dba5u, 0x3956c25bu, 0x59f111f1u, 0x923f82a4u,
-        0xab1c5ed5u, 0xd807aa98u, 0x12835b01u, 0x243185beu, 0x550c7dc3u, 0x72be5d74u, 0x80deb1feu,
-        0x9bdc06a7u, 0xc19bf174u, 0xe49b69c1u, 0xefbe4786u, 0x0fc19dc6u, 0x240ca1ccu, 0x2de92c6fu,
-        0x4a7484aau, 0x5cb0a9dcu, 0x76f988dau, 0x983e5152u, 0xa831c66du, 0xb00327c8u, 0xbf597fc7u,
-        0xc6e00bf3u, 0xd5a79147u, 0x06ca6351u, 0x14292967u, 0x27b70a85u, 0x2e1b2138u, 0x4d2c6dfcu,
-        0x53380d13u, 0x650a7354u, 0x766a0abbu, 0x81c2c92eu, 0x92722c85u, 0xa2bfe8a1u, 0xa81a664bu,
-        0xc24b8b70u, 0xc76c51a3u, 0xd192e819u, 0xd6990624u, 0xf40e3585u, 0x106aa070u, 0x19a4c116u,
-        0x1e376c08u, 0x2748774cu, 0x34b0bcb5u, 0x391c0cb3u, 0x4ed8aa4au, 0x5b9cca4fu, 0x682e6ff3u,
-        0x748f82eeu, 0x78a5636fu, 0x84c87814u, 0x8cc70208u, 0x90befffau, 0xa4506cebu, 0xbef9a3f7u,
-        0xc67178f2u};
-    std::uint32_t w[64];
-    for (std::size_t i = 0; i < 16; ++i) {
-      w[i] = static_cast<std::uint32_t>(block_[4 * i]) << 24 |
-             static_cast<std::uint32_t>(block_[4 * i + 1]) << 16 |
-             static_cast<std::uint32_t>(block_[4 * i + 2]) << 8 | block_[4 * i + 3];
-    }
-    for (std::size_t i = 16; i < 64; ++i) {
-      const std::uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
-      const std::uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
-      w[i] = w[i - 16] + s0 + w[i - 7] + s1;
-    }
-    auto s = state_;
-    for (std::size_t i = 0; i < 64; ++i) {
-      const std::uint32_t e1 = rotr(s[4], 6) ^ rotr(s[4], 11) ^ rotr(s[4], 25);
-      const std::uint32_t ch = (s[4] & s[5]) ^ (~s[4] & s[6]);
-      const std::uint32_t t1 = s[7] + e1 + ch + k[i] + w[i];
-      const std::uint32_t e0 = rotr(s[0], 2) ^ rotr(s[0], 13) ^ rotr(s[0], 22);
-      const std::uint32_t maj = (s[0] & s[1]) ^ (s[0] & s[2]) ^ (s[1] & s[2]);
-      const std::uint32_t t2 = e0 + maj;
-      s[7] = s[6];
-      s[6] = s[5];
-      s[5] = s[4];
-      s[4] = s[3] + t1;
-      s[3] = s[2];
-      s[2] = s[1];
-      s[1] = s[0];
-      s[0] = t1 + t2;
-    }
-    for (std::size_t i = 0; i < 8; ++i) state_[i] += s[i];
-  }
+  void compress();
 
   std::array<std::uint32_t, 8> state_{};
   std::array<std::uint8_t, 64> block_{};
   std::uint64_t length_ = 0;
   std::size_t used_ = 0;
 };
+
+#if DDP_BODIES
+DDP_INLINE void Sha256::reset() {
+  state_ = {0x6a09e667u, 0xbb67ae85u, 0x3c6ef372u, 0xa54ff53au,
+            0x510e527fu, 0x9b05688cu, 0x1f83d9abu, 0x5be0cd19u};
+  length_ = 0;
+  used_ = 0;
+}
+
+DDP_INLINE void Sha256::update(const void* data, std::size_t n) {
+  const auto* p = static_cast<const std::uint8_t*>(data);
+  length_ += static_cast<std::uint64_t>(n) * 8u;
+  while (n > 0) {
+    const std::size_t take = std::min<std::size_t>(64 - used_, n);
+    std::memcpy(block_.data() + used_, p, take);
+    used_ += take;
+    p += take;
+    n -= take;
+    if (used_ == 64) {
+      compress();
+      used_ = 0;
+    }
+  }
+}
+
+DDP_INLINE Digest Sha256::finish() {
+  const std::uint64_t bits = length_;
+  const std::uint8_t one = 0x80;
+  update(&one, 1);
+  const std::uint8_t zero = 0;
+  while (used_ != 56) update(&zero, 1);
+  std::uint8_t len[8];
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<std::uint8_t>(bits >> (56 - 8 * i));
+  update(len, 8);
+  Digest out{};
+  for (std::size_t i = 0; i < 8; ++i) {
+    for (std::size_t j = 0; j < 4; ++j) {
+      out[4 * i + j] = static_cast<std::uint8_t>(state_[i] >> (24 - 8 * j));
+    }
+  }
+  reset();
+  return out;
+}
+
+DDP_INLINE void Sha256::compress() {
+  static constexpr std::uint32_t k[64] = {
+      0x428a2f98u, 0x71374491u, 0xb5c0fbcfu, 0xe9b5dba5u, 0x3956c25bu, 0x59f111f1u, 0x923f82a4u,
+      0xab1c5ed5u, 0xd807aa98u, 0x12835b01u, 0x243185beu, 0x550c7dc3u, 0x72be5d74u, 0x80deb1feu,
+      0x9bdc06a7u, 0xc19bf174u, 0xe49b69c1u, 0xefbe4786u, 0x0fc19dc6u, 0x240ca1ccu, 0x2de92c6fu,
+      0x4a7484aau, 0x5cb0a9dcu, 0x76f988dau, 0x983e5152u, 0xa831c66du, 0xb00327c8u, 0xbf597fc7u,
+      0xc6e00bf3u, 0xd5a79147u, 0x06ca6351u, 0x14292967u, 0x27b70a85u, 0x2e1b2138u, 0x4d2c6dfcu,
+      0x53380d13u, 0x650a7354u, 0x766a0abbu, 0x81c2c92eu, 0x92722c85u, 0xa2bfe8a1u, 0xa81a664bu,
+      0xc24b8b70u, 0xc76c51a3u, 0xd192e819u, 0xd6990624u, 0xf40e3585u, 0x106aa070u, 0x19a4c116u,
+      0x1e376c08u, 0x2748774cu, 0x34b0bcb5u, 0x391c0cb3u, 0x4ed8aa4au, 0x5b9cca4fu, 0x682e6ff3u,
+      0x748f82eeu, 0x78a5636fu, 0x84c87814u, 0x8cc70208u, 0x90befffau, 0xa4506cebu, 0xbef9a3f7u,
+      0xc67178f2u};
+  std::uint32_t w[64];
+  for (std::size_t i = 0; i < 16; ++i) {
+    w[i] = static_cast<std::uint32_t>(block_[4 * i]) << 24 |
+           static_cast<std::uint32_t>(block_[4 * i + 1]) << 16 |
+           static_cast<std::uint32_t>(block_[4 * i + 2]) << 8 | block_[4 * i + 3];
+  }
+  for (std::size_t i = 16; i < 64; ++i) {
+    const std::uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
+    const std::uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
+    w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+  }
+  auto s = state_;
+  for (std::size_t i = 0; i < 64; ++i) {
+    const std::uint32_t e1 = rotr(s[4], 6) ^ rotr(s[4], 11) ^ rotr(s[4], 25);
+    const std::uint32_t ch = (s[4] & s[5]) ^ (~s[4] & s[6]);
+    const std::uint32_t t1 = s[7] + e1 + ch + k[i] + w[i];
+    const std::uint32_t e0 = rotr(s[0], 2) ^ rotr(s[0], 13) ^ rotr(s[0], 22);
+    const std::uint32_t maj = (s[0] & s[1]) ^ (s[0] & s[2]) ^ (s[1] & s[2]);
+    const std::uint32_t t2 = e0 + maj;
+    s[7] = s[6];
+    s[6] = s[5];
+    s[5] = s[4];
+    s[4] = s[3] + t1;
+    s[3] = s[2];
+    s[2] = s[1];
+    s[1] = s[0];
+    s[0] = t1 + t2;
+  }
+  for (std::size_t i = 0; i < 8; ++i) state_[i] += s[i];
+}
+#endif  // DDP_BODIES
 
 /// HMAC-SHA-256(key, message parts...).
 template <class... Parts>
@@ -3111,16 +3331,22 @@ template <class... Parts>
 
 /// Compares two byte strings without an early exit, so timing reveals nothing about where they
 /// differ.
-[[nodiscard]] inline bool constant_time_equal(std::span<const std::uint8_t> a,
-                                              std::span<const std::uint8_t> b) {
+[[nodiscard]] DDP_INLINE bool constant_time_equal(std::span<const std::uint8_t> a,
+                                                  std::span<const std::uint8_t> b);
+#if DDP_BODIES
+DDP_INLINE bool constant_time_equal(std::span<const std::uint8_t> a,
+                                    std::span<const std::uint8_t> b) {
   if (a.size() != b.size()) return false;
   volatile std::uint8_t diff = 0;
   for (std::size_t i = 0; i < a.size(); ++i) diff = static_cast<std::uint8_t>(diff | (a[i] ^ b[i]));
   return diff == 0;
 }
+#endif  // DDP_BODIES
 
 /// Fills buf with bytes from the kernel's CSPRNG.
-inline void random_bytes(void* buf, std::size_t n) {
+DDP_INLINE void random_bytes(void* buf, std::size_t n);
+#if DDP_BODIES
+DDP_INLINE void random_bytes(void* buf, std::size_t n) {
   auto* p = static_cast<std::uint8_t*>(buf);
   while (n > 0) {
     const ssize_t r = ::getrandom(p, n, 0);
@@ -3132,6 +3358,7 @@ inline void random_bytes(void* buf, std::size_t n) {
     n -= static_cast<std::size_t>(r);
   }
 }
+#endif  // DDP_BODIES
 
 template <class T>
 [[nodiscard]] T random_value() {
@@ -3247,17 +3474,23 @@ inline std::size_t frame_limit(const StoreOptions& o) {
 }
 
 /// Sends one length-prefixed frame.
-inline IoResult send_frame(int fd, std::string_view payload, Deadline d) {
+DDP_INLINE IoResult send_frame(int fd, std::string_view payload, Deadline d);
+#if DDP_BODIES
+DDP_INLINE IoResult send_frame(int fd, std::string_view payload, Deadline d) {
   std::string buf;
   ByteWriter w(buf);
   w.put(static_cast<std::uint32_t>(payload.size()));
   buf.append(payload);
   return send_all(fd, buf.data(), buf.size(), d);
 }
+#endif  // DDP_BODIES
 
 /// Receives one frame of at most `limit` bytes.
-inline IoResult recv_frame(int fd, std::string& out, std::size_t limit, Deadline d,
-                           std::string_view what) {
+DDP_INLINE IoResult recv_frame(int fd, std::string& out, std::size_t limit, Deadline d,
+                               std::string_view what);
+#if DDP_BODIES
+DDP_INLINE IoResult recv_frame(int fd, std::string& out, std::size_t limit, Deadline d,
+                               std::string_view what) {
   std::uint8_t len_bytes[4];
   if (auto r = recv_all(fd, len_bytes, 4, d); r != IoResult::ok) return r;
   ByteReader lr(len_bytes, 4, what);
@@ -3267,6 +3500,7 @@ inline IoResult recv_frame(int fd, std::string& out, std::size_t limit, Deadline
   out.resize(len);
   return recv_all(fd, out.data(), len, d);
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail::store_proto
 
@@ -3301,8 +3535,10 @@ struct StoreCall {
 
 /// The error a watched key's value holds (Store::stop_value): its code and message; otherwise
 /// Errc::aborted quoting it.
-[[noreturn]] inline void fail_stopped(const StoreCall& c, std::string_view stop,
-                                      const std::string& value) {
+[[noreturn]] DDP_INLINE void fail_stopped(const StoreCall& c, std::string_view stop,
+                                          const std::string& value);
+#if DDP_BODIES
+DDP_INLINE void fail_stopped(const StoreCall& c, std::string_view stop, const std::string& value) {
   if (value.size() >= 8) {
     ByteReader vr(value, "stop value");
     const auto code = vr.get<std::int32_t>();
@@ -3314,10 +3550,14 @@ struct StoreCall {
   fail(Errc::aborted, "store ", c.what, "(\"", c.prefix, c.key, "\"): stopped by \"", stop,
        "\": ", value);
 }
+#endif  // DDP_BODIES
 
 /// A wait's timeout, naming the keys still missing (at most 16).
-[[noreturn]] inline void fail_missing(const StoreCall& c, std::chrono::milliseconds timeout,
-                                      const std::vector<std::string>& missing) {
+[[noreturn]] DDP_INLINE void fail_missing(const StoreCall& c, std::chrono::milliseconds timeout,
+                                          const std::vector<std::string>& missing);
+#if DDP_BODIES
+DDP_INLINE void fail_missing(const StoreCall& c, std::chrono::milliseconds timeout,
+                             const std::vector<std::string>& missing) {
   std::string names;
   for (std::size_t i = 0; i < missing.size() && i < 16; ++i)
     names += concat(i ? ", \"" : "\"", missing[i], "\"");
@@ -3325,11 +3565,12 @@ struct StoreCall {
   fail(Errc::timeout, "store ", c.what, ": timed out after ", timeout.count(), " ms waiting for ",
        names);
 }
+#endif  // DDP_BODIES
 
 /// One connection to a store (see the file comment). Thread-safe.
 class StoreConnection {
  public:
-  explicit StoreConnection(StoreOptions o) : options(std::move(o)) {}
+  explicit StoreConnection(StoreOptions o);
   StoreConnection(const StoreConnection&) = delete;
   StoreConnection& operator=(const StoreConnection&) = delete;
   virtual ~StoreConnection() { stop_heartbeat(); }
@@ -3372,40 +3613,18 @@ class StoreConnection {
 
   // ---- the lease's thread ----
   /// Starts (or re-times) the thread that signs every ttl / 5 and then runs the ticks.
-  void start_heartbeat(std::chrono::milliseconds ttl) {
-    {
-      std::lock_guard lock(beat_->mutex);
-      beat_->period = ttl / 5;
-    }
-    beat_->wake.notify_all();
-    if (heartbeat_.joinable() || ttl.count() <= 0) return;
-    heartbeat_ = std::thread([b = beat_, w = self] { beating(b, w); });
-  }
+  void start_heartbeat(std::chrono::milliseconds ttl);
   /// `tick` runs on the lease's thread after each sign of life; returns its number.
-  std::uint64_t add_tick(std::function<void()> tick) {
-    std::lock_guard lock(tick_mutex_);
-    ticks_.emplace(++next_tick_, std::move(tick));
-    return next_tick_;
-  }
+  std::uint64_t add_tick(std::function<void()> tick);
   /// Once it returns, tick `id` does not run (any more).
-  void remove_tick(std::uint64_t id) {
-    std::lock_guard lock(tick_mutex_);
-    ticks_.erase(id);
-  }
+  void remove_tick(std::uint64_t id);
 
  protected:
   std::mutex mutex_;  // one call at a time
 
   /// The call mutex, taken (or, for a soft call, tried: Errc::timeout when another thread's
   /// call holds it).
-  std::unique_lock<std::mutex> lock_for(const StoreCall& c) {
-    std::unique_lock lock(mutex_, std::defer_lock);
-    if (!c.soft)
-      lock.lock();
-    else if (!lock.try_lock())
-      fail(Errc::timeout, "store ", c.what, ": the connection is busy with another call");
-    return lock;
-  }
+  std::unique_lock<std::mutex> lock_for(const StoreCall& c);
 
   /// One sign of life (from the lease's thread; it must never wait for a call).
   virtual void keepalive() = 0;
@@ -3414,19 +3633,7 @@ class StoreConnection {
 
   /// Ends the lease's thread (a derived class calls it first in its destructor: the thread may
   /// be signing through it).
-  void stop_heartbeat() noexcept {
-    if (!heartbeat_.joinable()) return;
-    {
-      std::lock_guard lock(beat_->mutex);
-      beat_->stop = true;
-    }
-    beat_->wake.notify_all();
-    // A fork() child's copy has no such thread; the thread itself may drop the last reference.
-    if (fork_generation() != made_in_ || heartbeat_.get_id() == std::this_thread::get_id())
-      heartbeat_.detach();
-    else
-      heartbeat_.join();
-  }
+  void stop_heartbeat() noexcept;
 
  private:
   /// What the lease's thread shares with its connection: it holds this and a weak reference,
@@ -3438,30 +3645,7 @@ class StoreConnection {
     bool stop = false;
   };
 
-  static void beating(const std::shared_ptr<Beat>& b, const std::weak_ptr<StoreConnection>& w) {
-    for (;;) {
-      {
-        std::unique_lock lock(b->mutex);
-        if (b->period.count() <= 0)
-          b->wake.wait(lock, [&] { return b->stop || b->period.count() > 0; });
-        if (b->stop || b->wake.wait_for(lock, b->period, [&] { return b->stop; })) return;
-      }
-      std::shared_ptr<StoreConnection> me = w.lock();
-      if (!me) return;
-      try {
-        me->keepalive();
-        me->on_beat();
-      } catch (...) {  // the next call finds out what is wrong
-      }
-      std::lock_guard lock(me->tick_mutex_);
-      for (auto& [id, tick] : me->ticks_) {
-        try {
-          tick();
-        } catch (...) {  // a tick's failure is its own business; the next beat tries again
-        }
-      }
-    }  // `me` dropped last: should it hold the last reference, the destructor detaches this thread
-  }
+  static void beating(const std::shared_ptr<Beat>& b, const std::weak_ptr<StoreConnection>& w);
 
   std::shared_ptr<Beat> beat_ = std::make_shared<Beat>();
   std::thread heartbeat_;
@@ -3470,6 +3654,80 @@ class StoreConnection {
   std::map<std::uint64_t, std::function<void()>> ticks_;
   std::uint64_t next_tick_ = 0;
 };
+
+#if DDP_BODIES
+DDP_INLINE StoreConnection::StoreConnection(StoreOptions o) : options(std::move(o)) {}
+
+DDP_INLINE void StoreConnection::start_heartbeat(std::chrono::milliseconds ttl) {
+  {
+    std::lock_guard lock(beat_->mutex);
+    beat_->period = ttl / 5;
+  }
+  beat_->wake.notify_all();
+  if (heartbeat_.joinable() || ttl.count() <= 0) return;
+  heartbeat_ = std::thread([b = beat_, w = self] { beating(b, w); });
+}
+
+DDP_INLINE std::uint64_t StoreConnection::add_tick(std::function<void()> tick) {
+  std::lock_guard lock(tick_mutex_);
+  ticks_.emplace(++next_tick_, std::move(tick));
+  return next_tick_;
+}
+
+DDP_INLINE void StoreConnection::remove_tick(std::uint64_t id) {
+  std::lock_guard lock(tick_mutex_);
+  ticks_.erase(id);
+}
+
+DDP_INLINE std::unique_lock<std::mutex> StoreConnection::lock_for(const StoreCall& c) {
+  std::unique_lock lock(mutex_, std::defer_lock);
+  if (!c.soft)
+    lock.lock();
+  else if (!lock.try_lock())
+    fail(Errc::timeout, "store ", c.what, ": the connection is busy with another call");
+  return lock;
+}
+
+DDP_INLINE void StoreConnection::stop_heartbeat() noexcept {
+  if (!heartbeat_.joinable()) return;
+  {
+    std::lock_guard lock(beat_->mutex);
+    beat_->stop = true;
+  }
+  beat_->wake.notify_all();
+  // A fork() child's copy has no such thread; the thread itself may drop the last reference.
+  if (fork_generation() != made_in_ || heartbeat_.get_id() == std::this_thread::get_id())
+    heartbeat_.detach();
+  else
+    heartbeat_.join();
+}
+
+DDP_INLINE void StoreConnection::beating(const std::shared_ptr<Beat>& b,
+                                         const std::weak_ptr<StoreConnection>& w) {
+  for (;;) {
+    {
+      std::unique_lock lock(b->mutex);
+      if (b->period.count() <= 0)
+        b->wake.wait(lock, [&] { return b->stop || b->period.count() > 0; });
+      if (b->stop || b->wake.wait_for(lock, b->period, [&] { return b->stop; })) return;
+    }
+    std::shared_ptr<StoreConnection> me = w.lock();
+    if (!me) return;
+    try {
+      me->keepalive();
+      me->on_beat();
+    } catch (...) {  // the next call finds out what is wrong
+    }
+    std::lock_guard lock(me->tick_mutex_);
+    for (auto& [id, tick] : me->ticks_) {
+      try {
+        tick();
+      } catch (...) {  // a tick's failure is its own business; the next beat tries again
+      }
+    }
+  }  // `me` dropped last: should it hold the last reference, the destructor detaches this thread
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -3519,340 +3777,63 @@ namespace detail {
 class TcpStoreConnection final : public StoreConnection {
  public:
   /// Connects to host:port, retrying until options.timeout (the server may start later).
-  TcpStoreConnection(std::string host, int port, StoreOptions o)
-      : StoreConnection(std::move(o)), host_(std::move(host)), port_(port) {
-    std::lock_guard lock(mutex_);
-    connect();
-  }
+  TcpStoreConnection(std::string host, int port, StoreOptions o);
   ~TcpStoreConnection() override { stop_heartbeat(); }
 
-  void set(const StoreCall& c, const std::string& key, std::string_view value) override {
-    std::string req = header(Op::set);
-    ByteWriter w(req);
-    w.str(key);
-    w.str(value);
-    (void)call(c, req, options.timeout);
-  }
+  void set(const StoreCall& c, const std::string& key, std::string_view value) override;
 
   std::string get(const StoreCall& c, const std::string& key, std::chrono::milliseconds timeout,
-                  const std::string& stop) override {
-    std::string req = header(Op::get);
-    ByteWriter w(req);
-    w.str(key);
-    w.put(static_cast<std::uint64_t>(timeout.count()));
-    w.str(stop);
-    auto body = call(c, req, timeout, nullptr, stop);
-    ByteReader r(body, "store reply");
-    return r.str(body.size());
-  }
+                  const std::string& stop) override;
 
   bool wait(const StoreCall& c, std::span<const std::string> keys,
             std::chrono::milliseconds timeout, const std::string& stop,
-            bool report_timeout) override {
-    std::string req = header(Op::wait);
-    ByteWriter w(req);
-    w.put(static_cast<std::uint32_t>(keys.size()));
-    for (const auto& k : keys) w.str(k);
-    w.put(static_cast<std::uint64_t>(timeout.count()));
-    w.str(stop);
-    bool timed_out = false;
-    (void)call(c, req, timeout, report_timeout ? &timed_out : nullptr, stop);
-    return !timed_out;
-  }
+            bool report_timeout) override;
 
-  std::int64_t add(const StoreCall& c, const std::string& key, std::int64_t delta) override {
-    std::string req = header(Op::add);
-    ByteWriter w(req);
-    w.str(key);
-    w.put(delta);
-    auto body = call(c, req, options.timeout);
-    ByteReader r(body, "store reply");
-    return r.get<std::int64_t>();
-  }
+  std::int64_t add(const StoreCall& c, const std::string& key, std::int64_t delta) override;
 
   std::string compare_set(const StoreCall& c, const std::string& key, std::string_view expected,
-                          std::string_view desired) override {
-    std::string req = header(Op::compare_set);
-    ByteWriter w(req);
-    w.str(key);
-    w.str(expected);
-    w.str(desired);
-    auto body = call(c, req, options.timeout);
-    ByteReader r(body, "store reply");
-    return r.str(body.size());
-  }
+                          std::string_view desired) override;
 
-  bool erase(const StoreCall& c, const std::string& key) override {
-    std::string req = header(Op::erase);
-    ByteWriter w(req);
-    w.str(key);
-    auto body = call(c, req, options.timeout);
-    ByteReader r(body, "store reply");
-    return r.get<std::uint8_t>() != 0;
-  }
+  bool erase(const StoreCall& c, const std::string& key) override;
 
-  bool check(const StoreCall& c, std::span<const std::string> keys) override {
-    std::string req = header(Op::check);
-    ByteWriter w(req);
-    w.put(static_cast<std::uint32_t>(keys.size()));
-    for (const auto& k : keys) w.str(k);
-    auto body = call(c, req, options.timeout);
-    ByteReader r(body, "store reply");
-    return r.get<std::uint8_t>() != 0;
-  }
+  bool check(const StoreCall& c, std::span<const std::string> keys) override;
 
   void set_on_close(const StoreCall& c,
-                    std::span<const std::pair<std::string, std::string>> keys) override {
-    std::string req = header(Op::on_close);
-    ByteWriter w(req);
-    w.put(static_cast<std::uint32_t>(keys.size()));
-    for (const auto& [k, v] : keys) {
-      w.str(k);
-      w.str(v);
-    }
-    (void)call(c, req, options.timeout);
-  }
+                    std::span<const std::pair<std::string, std::string>> keys) override;
 
   void lease(const StoreCall& c, std::chrono::milliseconds ttl,
-             std::span<const LeaseRecord> on_expire) override {
-    std::string req = header(Op::lease);
-    ByteWriter w(req);
-    w.put(static_cast<std::uint64_t>(std::max<std::int64_t>(0, ttl.count())));
-    w.put(static_cast<std::uint32_t>(on_expire.size()));
-    for (const LeaseRecord& r : on_expire) {
-      w.put(static_cast<std::uint8_t>(r.is_add ? 1 : 0));
-      w.str(r.key);
-      w.str(r.value);
-      w.put(r.add);
-    }
-    (void)call(c, req, options.timeout);
-  }
+             std::span<const LeaseRecord> on_expire) override;
 
-  [[nodiscard]] bool lost() override {
-    std::lock_guard lock(mutex_);
-    return !dead_.empty();
-  }
+  [[nodiscard]] bool lost() override;
   [[nodiscard]] std::string where() const override { return host_port(host_, port_); }
   [[nodiscard]] const std::string& host() const noexcept override { return host_; }
   [[nodiscard]] int port() const noexcept override { return port_; }
-  [[nodiscard]] std::string local_address() override {
-    std::lock_guard lock(mutex_);
-    ensure();
-    return detail::local_address(fd_.get());
-  }
+  [[nodiscard]] std::string local_address() override;
 
  protected:
   /// One sign of life, whole or not at all: it never blocks behind a full socket buffer (the
   /// server is then not reading: a sign of life changes nothing), and a frame begun is ended,
   /// so the stream stays whole.
-  void keepalive() override {
-    std::lock_guard lock(write_mutex_);
-    if (!fd_) return;
-    char frame[13] = {9, 0, 0, 0, static_cast<char>(store_proto::Op::keepalive)};
-    std::size_t sent = 0;
-    while (sent < sizeof frame) {
-      const ssize_t n = ::send(fd_.get(), frame + sent, sizeof frame - sent,
-                               MSG_NOSIGNAL | (sent == 0 ? MSG_DONTWAIT : 0));
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) return;  // full (nothing sent), or broken: the next call finds out
-      sent += static_cast<std::size_t>(n);
-    }
-  }
+  void keepalive() override;
 
  private:
   using Op = store_proto::Op;
   using Status = store_proto::Status;
 
-  void ensure() {
-    if (!dead_.empty()) {
-      fail(Errc::peer_lost, "the rendezvous store at ", host_port(host_, port_), " is gone (",
-           dead_, "); not waiting for it again");
-    }
-    if (!fd_) connect();
-  }
+  void ensure();
 
   /// Connects, and retries a few times when the server closes the connection during the
   /// handshake (it closes the oldest unauthenticated connections when strangers flood it).
-  void connect() {
-    for (int attempt = 1;; ++attempt) {
-      try {
-        connect_once();
-        return;
-      } catch (const Error& e) {
-        if (e.code() != Errc::peer_lost || attempt >= 8) throw;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10 << std::min(attempt, 6)));
-    }
-  }
+  void connect();
 
-  void connect_once() {
-    std::lock_guard w_lock(write_mutex_);  // the lease's thread may sign on fd_
-    namespace sp = store_proto;
-    const auto deadline = Deadline::after(options.timeout);
-    const std::string where = host_port(host_, port_);
-    fd_ = connect_tcp(host_, port_, deadline, "the rendezvous store");
-    std::string frame;
-    const auto io = [&](IoResult r, std::string_view step) {
-      if (r == IoResult::ok) return;
-      fd_.reset();
-      if (r == IoResult::timeout) {
-        fail(Errc::timeout, "rendezvous store at ", where, ": no ", step,
-             " before the timeout: the process there accepted the connection but did "
-             "not answer (a store whose process is stopped or overloaded, or another "
-             "program: check MASTER_ADDR/MASTER_PORT)");
-      }
-      fail(Errc::peer_lost, "rendezvous store at ", where, " closed the connection during the ",
-           step, "; is something else listening on that port?");
-    };
-    try {
-      io(sp::recv_frame(fd_.get(), frame, sp::handshake_frame_limit, deadline, "store hello"),
-         "hello");
-    } catch (const Error& e) {
-      if (e.code() != Errc::protocol) throw;
-      fd_.reset();
-      fail(Errc::protocol, "rendezvous store at ", where, " is not a ddp store (", e.what(),
-           "); check MASTER_ADDR/MASTER_PORT: another program listens there");
-    }
-    ByteReader r(frame, "store hello");
-    if (r.get<std::uint32_t>() != sp::magic) {
-      fd_.reset();
-      fail(Errc::protocol, where, " is not a ddp rendezvous store (bad magic)");
-    }
-    const auto v = r.get<std::uint16_t>();
-    const bool auth_required = r.get<std::uint8_t>() != 0;
-    sp::Nonce server_nonce{};
-    r.raw(server_nonce.data(), server_nonce.size());
-    if (v != sp::version) {
-      fd_.reset();
-      fail(Errc::protocol, "rendezvous store at ", where, " speaks protocol ", v, ", this client ",
-           sp::version);
-    }
-    if (!options.token.empty() && !auth_required) {
-      fd_.reset();
-      fail(Errc::unauthorized, "rendezvous store at ", where,
-           " does not require a token but this process has one (DDP_TOKEN): refusing to talk "
-           "to a store that cannot prove it knows the token");
-    }
-    sp::Nonce client_nonce{};
-    random_bytes(client_nonce.data(), client_nonce.size());
-    const auto mac = options.token.empty()
-                         ? Digest{}
-                         : hmac_sha256(options.token, sp::client_label, sp::as_view(server_nonce),
-                                       sp::as_view(client_nonce));
-    std::string auth;
-    ByteWriter w(auth);
-    w.put(sp::magic);
-    w.put(sp::version);
-    w.raw(client_nonce.data(), client_nonce.size());
-    w.raw(mac.data(), mac.size());
-    w.put(static_cast<std::int32_t>(options.refusal_rank));
-    w.str(std::string_view(options.refusal_key).substr(0, sp::refusal_key_limit));
-    io(sp::send_frame(fd_.get(), auth, deadline), "handshake");
-    io(sp::recv_frame(fd_.get(), frame, sp::handshake_frame_limit, deadline,
-                      "store handshake reply"),
-       "handshake reply");
-    ByteReader rr(frame, "store handshake reply");
-    const auto status = rr.get<sp::HandshakeStatus>();
-    if (status == sp::HandshakeStatus::unauthorized) {
-      fd_.reset();
-      fail(Errc::unauthorized, "rendezvous store at ", where, " refused this process: ",
-           options.token.empty() ? "it requires a token; set DDP_TOKEN to the job's secret"
-                                 : "wrong token; every rank must have the same DDP_TOKEN");
-    }
-    if (status != sp::HandshakeStatus::ok) {
-      fd_.reset();
-      fail(Errc::protocol, "rendezvous store at ", where, " refused the handshake (version)");
-    }
-    Digest proof{};
-    rr.raw(proof.data(), proof.size());
-    if (!options.token.empty()) {
-      const auto expected = hmac_sha256(options.token, sp::server_label, sp::as_view(client_nonce),
-                                        sp::as_view(server_nonce));
-      if (!constant_time_equal(expected, proof)) {
-        fd_.reset();
-        fail(Errc::unauthorized, "rendezvous store at ", where,
-             " could not prove it knows DDP_TOKEN: refusing to use it");
-      }
-    }
-  }
+  void connect_once();
 
-  static std::string header(Op op) {
-    std::string req;
-    ByteWriter w(req);
-    w.put(op);
-    w.put(std::uint64_t{0});  // request id, filled in by call()
-    return req;
-  }
+  static std::string header(Op op);
 
   /// Sends a request and returns the reply's body. `timed_out`, when given, is set instead of
   /// throwing when the server answers that the wait timed out; `stop` names the watched key.
   std::string call(const StoreCall& c, std::string& req, std::chrono::milliseconds timeout,
-                   bool* timed_out = nullptr, std::string_view stop = {}) {
-    namespace sp = store_proto;
-    auto lock = lock_for(c);
-    ensure();
-    const std::uint64_t id = next_request_++;
-    for (std::size_t i = 0; i < 8; ++i) req[1 + i] = static_cast<char>((id >> (8 * i)) & 0xffu);
-    // The server answers waits itself at their deadline; allow it some slack before giving up on
-    // the connection (within a view's deadline, half a second: a rendezvous has one timeout).
-    auto deadline = Deadline::after(timeout + std::chrono::seconds(5));
-    if (c.deadline != Clock::time_point::max())
-      deadline.at = std::min(deadline.at, c.deadline + std::chrono::milliseconds(500));
-    const std::string where = host_port(host_, port_);
-    const auto lost = [&](IoResult r) {
-      {
-        std::lock_guard w(write_mutex_);
-        fd_.reset();
-      }
-      if (r == IoResult::timeout) {
-        dead_ = "it did not answer a call before the timeout";
-        fail(Errc::timeout, "store ", c.what, "(\"", c.prefix, c.key, "\"): the store at ", where,
-             " did not answer before the timeout");
-      }
-      dead_ = "it closed the connection";
-      fail(Errc::peer_lost, "store ", c.what, "(\"", c.prefix, c.key, "\"): the store at ", where,
-           " closed the connection (did rank 0 or the launcher exit?)");
-    };
-    IoResult sent;
-    {
-      std::lock_guard w(write_mutex_);
-      sent = sp::send_frame(fd_.get(), req, deadline);
-    }
-    if (sent != IoResult::ok) lost(sent);
-    std::string frame;
-    for (;;) {
-      if (auto r =
-              sp::recv_frame(fd_.get(), frame, sp::frame_limit(options), deadline, "store reply");
-          r != IoResult::ok) {
-        lost(r);
-      }
-      ByteReader r(frame, "store reply");
-      const auto status = r.get<Status>();
-      const auto reply_id = r.get<std::uint64_t>();
-      if (reply_id != id) continue;  // a reply to a request abandoned earlier
-      std::string body(r.view(r.left()));
-      if (status == Status::ok) return body;
-      if (status == Status::stopped) {
-        ByteReader br(body, "store stop reply");
-        fail_stopped(c, stop, br.str(body.size()));
-      }
-      if (status == Status::timeout && timed_out != nullptr) {
-        *timed_out = true;
-        return {};
-      }
-      if (status == Status::timeout) {
-        ByteReader br(body, "store timeout reply");
-        const auto n = br.get<std::uint32_t>();
-        std::vector<std::string> missing;
-        for (std::uint32_t i = 0; i < n && i < 17; ++i) missing.push_back(br.str(body.size()));
-        if (n > missing.size()) missing.resize(n);  // the count, for "and N more"
-        fail_missing(c, timeout, missing);
-      }
-      ByteReader br(body, "store error reply");
-      fail(Errc::protocol, "store ", c.what, "(\"", c.prefix, c.key,
-           "\") failed: ", br.view(br.left()));
-    }
-  }
+                   bool* timed_out = nullptr, std::string_view stop = {});
 
   std::string host_;
   int port_;
@@ -3861,6 +3842,332 @@ class TcpStoreConnection final : public StoreConnection {
   std::uint64_t next_request_ = 1;
   std::string dead_;  // why the store is known gone: no call waits on it again
 };
+
+#if DDP_BODIES
+DDP_INLINE TcpStoreConnection::TcpStoreConnection(std::string host, int port, StoreOptions o)
+    : StoreConnection(std::move(o)), host_(std::move(host)), port_(port) {
+  std::lock_guard lock(mutex_);
+  connect();
+}
+
+DDP_INLINE void TcpStoreConnection::set(const StoreCall& c, const std::string& key,
+                                        std::string_view value) {
+  std::string req = header(Op::set);
+  ByteWriter w(req);
+  w.str(key);
+  w.str(value);
+  (void)call(c, req, options.timeout);
+}
+
+DDP_INLINE std::string TcpStoreConnection::get(const StoreCall& c, const std::string& key,
+                                               std::chrono::milliseconds timeout,
+                                               const std::string& stop) {
+  std::string req = header(Op::get);
+  ByteWriter w(req);
+  w.str(key);
+  w.put(static_cast<std::uint64_t>(timeout.count()));
+  w.str(stop);
+  auto body = call(c, req, timeout, nullptr, stop);
+  ByteReader r(body, "store reply");
+  return r.str(body.size());
+}
+
+DDP_INLINE bool TcpStoreConnection::wait(const StoreCall& c, std::span<const std::string> keys,
+                                         std::chrono::milliseconds timeout, const std::string& stop,
+                                         bool report_timeout) {
+  std::string req = header(Op::wait);
+  ByteWriter w(req);
+  w.put(static_cast<std::uint32_t>(keys.size()));
+  for (const auto& k : keys) w.str(k);
+  w.put(static_cast<std::uint64_t>(timeout.count()));
+  w.str(stop);
+  bool timed_out = false;
+  (void)call(c, req, timeout, report_timeout ? &timed_out : nullptr, stop);
+  return !timed_out;
+}
+
+DDP_INLINE std::int64_t TcpStoreConnection::add(const StoreCall& c, const std::string& key,
+                                                std::int64_t delta) {
+  std::string req = header(Op::add);
+  ByteWriter w(req);
+  w.str(key);
+  w.put(delta);
+  auto body = call(c, req, options.timeout);
+  ByteReader r(body, "store reply");
+  return r.get<std::int64_t>();
+}
+
+DDP_INLINE std::string TcpStoreConnection::compare_set(const StoreCall& c, const std::string& key,
+                                                       std::string_view expected,
+                                                       std::string_view desired) {
+  std::string req = header(Op::compare_set);
+  ByteWriter w(req);
+  w.str(key);
+  w.str(expected);
+  w.str(desired);
+  auto body = call(c, req, options.timeout);
+  ByteReader r(body, "store reply");
+  return r.str(body.size());
+}
+
+DDP_INLINE bool TcpStoreConnection::erase(const StoreCall& c, const std::string& key) {
+  std::string req = header(Op::erase);
+  ByteWriter w(req);
+  w.str(key);
+  auto body = call(c, req, options.timeout);
+  ByteReader r(body, "store reply");
+  return r.get<std::uint8_t>() != 0;
+}
+
+DDP_INLINE bool TcpStoreConnection::check(const StoreCall& c, std::span<const std::string> keys) {
+  std::string req = header(Op::check);
+  ByteWriter w(req);
+  w.put(static_cast<std::uint32_t>(keys.size()));
+  for (const auto& k : keys) w.str(k);
+  auto body = call(c, req, options.timeout);
+  ByteReader r(body, "store reply");
+  return r.get<std::uint8_t>() != 0;
+}
+
+DDP_INLINE void TcpStoreConnection::set_on_close(
+    const StoreCall& c, std::span<const std::pair<std::string, std::string>> keys) {
+  std::string req = header(Op::on_close);
+  ByteWriter w(req);
+  w.put(static_cast<std::uint32_t>(keys.size()));
+  for (const auto& [k, v] : keys) {
+    w.str(k);
+    w.str(v);
+  }
+  (void)call(c, req, options.timeout);
+}
+
+DDP_INLINE void TcpStoreConnection::lease(const StoreCall& c, std::chrono::milliseconds ttl,
+                                          std::span<const LeaseRecord> on_expire) {
+  std::string req = header(Op::lease);
+  ByteWriter w(req);
+  w.put(static_cast<std::uint64_t>(std::max<std::int64_t>(0, ttl.count())));
+  w.put(static_cast<std::uint32_t>(on_expire.size()));
+  for (const LeaseRecord& r : on_expire) {
+    w.put(static_cast<std::uint8_t>(r.is_add ? 1 : 0));
+    w.str(r.key);
+    w.str(r.value);
+    w.put(r.add);
+  }
+  (void)call(c, req, options.timeout);
+}
+
+DDP_INLINE bool TcpStoreConnection::lost() {
+  std::lock_guard lock(mutex_);
+  return !dead_.empty();
+}
+
+DDP_INLINE std::string TcpStoreConnection::local_address() {
+  std::lock_guard lock(mutex_);
+  ensure();
+  return detail::local_address(fd_.get());
+}
+
+DDP_INLINE void TcpStoreConnection::keepalive() {
+  std::lock_guard lock(write_mutex_);
+  if (!fd_) return;
+  char frame[13] = {9, 0, 0, 0, static_cast<char>(store_proto::Op::keepalive)};
+  std::size_t sent = 0;
+  while (sent < sizeof frame) {
+    const ssize_t n = ::send(fd_.get(), frame + sent, sizeof frame - sent,
+                             MSG_NOSIGNAL | (sent == 0 ? MSG_DONTWAIT : 0));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;  // full (nothing sent), or broken: the next call finds out
+    sent += static_cast<std::size_t>(n);
+  }
+}
+
+DDP_INLINE void TcpStoreConnection::ensure() {
+  if (!dead_.empty()) {
+    fail(Errc::peer_lost, "the rendezvous store at ", host_port(host_, port_), " is gone (", dead_,
+         "); not waiting for it again");
+  }
+  if (!fd_) connect();
+}
+
+DDP_INLINE void TcpStoreConnection::connect() {
+  for (int attempt = 1;; ++attempt) {
+    try {
+      connect_once();
+      return;
+    } catch (const Error& e) {
+      if (e.code() != Errc::peer_lost || attempt >= 8) throw;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10 << std::min(attempt, 6)));
+  }
+}
+
+DDP_INLINE void TcpStoreConnection::connect_once() {
+  std::lock_guard w_lock(write_mutex_);  // the lease's thread may sign on fd_
+  namespace sp = store_proto;
+  const auto deadline = Deadline::after(options.timeout);
+  const std::string where = host_port(host_, port_);
+  fd_ = connect_tcp(host_, port_, deadline, "the rendezvous store");
+  std::string frame;
+  const auto io = [&](IoResult r, std::string_view step) {
+    if (r == IoResult::ok) return;
+    fd_.reset();
+    if (r == IoResult::timeout) {
+      fail(Errc::timeout, "rendezvous store at ", where, ": no ", step,
+           " before the timeout: the process there accepted the connection but did "
+           "not answer (a store whose process is stopped or overloaded, or another "
+           "program: check MASTER_ADDR/MASTER_PORT)");
+    }
+    fail(Errc::peer_lost, "rendezvous store at ", where, " closed the connection during the ", step,
+         "; is something else listening on that port?");
+  };
+  try {
+    io(sp::recv_frame(fd_.get(), frame, sp::handshake_frame_limit, deadline, "store hello"),
+       "hello");
+  } catch (const Error& e) {
+    if (e.code() != Errc::protocol) throw;
+    fd_.reset();
+    fail(Errc::protocol, "rendezvous store at ", where, " is not a ddp store (", e.what(),
+         "); check MASTER_ADDR/MASTER_PORT: another program listens there");
+  }
+  ByteReader r(frame, "store hello");
+  if (r.get<std::uint32_t>() != sp::magic) {
+    fd_.reset();
+    fail(Errc::protocol, where, " is not a ddp rendezvous store (bad magic)");
+  }
+  const auto v = r.get<std::uint16_t>();
+  const bool auth_required = r.get<std::uint8_t>() != 0;
+  sp::Nonce server_nonce{};
+  r.raw(server_nonce.data(), server_nonce.size());
+  if (v != sp::version) {
+    fd_.reset();
+    fail(Errc::protocol, "rendezvous store at ", where, " speaks protocol ", v, ", this client ",
+         sp::version);
+  }
+  if (!options.token.empty() && !auth_required) {
+    fd_.reset();
+    fail(Errc::unauthorized, "rendezvous store at ", where,
+         " does not require a token but this process has one (DDP_TOKEN): refusing to talk "
+         "to a store that cannot prove it knows the token");
+  }
+  sp::Nonce client_nonce{};
+  random_bytes(client_nonce.data(), client_nonce.size());
+  const auto mac = options.token.empty()
+                       ? Digest{}
+                       : hmac_sha256(options.token, sp::client_label, sp::as_view(server_nonce),
+                                     sp::as_view(client_nonce));
+  std::string auth;
+  ByteWriter w(auth);
+  w.put(sp::magic);
+  w.put(sp::version);
+  w.raw(client_nonce.data(), client_nonce.size());
+  w.raw(mac.data(), mac.size());
+  w.put(static_cast<std::int32_t>(options.refusal_rank));
+  w.str(std::string_view(options.refusal_key).substr(0, sp::refusal_key_limit));
+  io(sp::send_frame(fd_.get(), auth, deadline), "handshake");
+  io(sp::recv_frame(fd_.get(), frame, sp::handshake_frame_limit, deadline, "store handshake reply"),
+     "handshake reply");
+  ByteReader rr(frame, "store handshake reply");
+  const auto status = rr.get<sp::HandshakeStatus>();
+  if (status == sp::HandshakeStatus::unauthorized) {
+    fd_.reset();
+    fail(Errc::unauthorized, "rendezvous store at ", where, " refused this process: ",
+         options.token.empty() ? "it requires a token; set DDP_TOKEN to the job's secret"
+                               : "wrong token; every rank must have the same DDP_TOKEN");
+  }
+  if (status != sp::HandshakeStatus::ok) {
+    fd_.reset();
+    fail(Errc::protocol, "rendezvous store at ", where, " refused the handshake (version)");
+  }
+  Digest proof{};
+  rr.raw(proof.data(), proof.size());
+  if (!options.token.empty()) {
+    const auto expected = hmac_sha256(options.token, sp::server_label, sp::as_view(client_nonce),
+                                      sp::as_view(server_nonce));
+    if (!constant_time_equal(expected, proof)) {
+      fd_.reset();
+      fail(Errc::unauthorized, "rendezvous store at ", where,
+           " could not prove it knows DDP_TOKEN: refusing to use it");
+    }
+  }
+}
+
+DDP_INLINE std::string TcpStoreConnection::header(Op op) {
+  std::string req;
+  ByteWriter w(req);
+  w.put(op);
+  w.put(std::uint64_t{0});  // request id, filled in by call()
+  return req;
+}
+
+DDP_INLINE std::string TcpStoreConnection::call(const StoreCall& c, std::string& req,
+                                                std::chrono::milliseconds timeout, bool* timed_out,
+                                                std::string_view stop) {
+  namespace sp = store_proto;
+  auto lock = lock_for(c);
+  ensure();
+  const std::uint64_t id = next_request_++;
+  for (std::size_t i = 0; i < 8; ++i) req[1 + i] = static_cast<char>((id >> (8 * i)) & 0xffu);
+  // The server answers waits itself at their deadline; allow it some slack before giving up on
+  // the connection (within a view's deadline, half a second: a rendezvous has one timeout).
+  auto deadline = Deadline::after(timeout + std::chrono::seconds(5));
+  if (c.deadline != Clock::time_point::max())
+    deadline.at = std::min(deadline.at, c.deadline + std::chrono::milliseconds(500));
+  const std::string where = host_port(host_, port_);
+  const auto lost = [&](IoResult r) {
+    {
+      std::lock_guard w(write_mutex_);
+      fd_.reset();
+    }
+    if (r == IoResult::timeout) {
+      dead_ = "it did not answer a call before the timeout";
+      fail(Errc::timeout, "store ", c.what, "(\"", c.prefix, c.key, "\"): the store at ", where,
+           " did not answer before the timeout");
+    }
+    dead_ = "it closed the connection";
+    fail(Errc::peer_lost, "store ", c.what, "(\"", c.prefix, c.key, "\"): the store at ", where,
+         " closed the connection (did rank 0 or the launcher exit?)");
+  };
+  IoResult sent;
+  {
+    std::lock_guard w(write_mutex_);
+    sent = sp::send_frame(fd_.get(), req, deadline);
+  }
+  if (sent != IoResult::ok) lost(sent);
+  std::string frame;
+  for (;;) {
+    if (auto r =
+            sp::recv_frame(fd_.get(), frame, sp::frame_limit(options), deadline, "store reply");
+        r != IoResult::ok) {
+      lost(r);
+    }
+    ByteReader r(frame, "store reply");
+    const auto status = r.get<Status>();
+    const auto reply_id = r.get<std::uint64_t>();
+    if (reply_id != id) continue;  // a reply to a request abandoned earlier
+    std::string body(r.view(r.left()));
+    if (status == Status::ok) return body;
+    if (status == Status::stopped) {
+      ByteReader br(body, "store stop reply");
+      fail_stopped(c, stop, br.str(body.size()));
+    }
+    if (status == Status::timeout && timed_out != nullptr) {
+      *timed_out = true;
+      return {};
+    }
+    if (status == Status::timeout) {
+      ByteReader br(body, "store timeout reply");
+      const auto n = br.get<std::uint32_t>();
+      std::vector<std::string> missing;
+      for (std::uint32_t i = 0; i < n && i < 17; ++i) missing.push_back(br.str(body.size()));
+      if (n > missing.size()) missing.resize(n);  // the count, for "and N more"
+      fail_missing(c, timeout, missing);
+    }
+    ByteReader br(body, "store error reply");
+    fail(Errc::protocol, "store ", c.what, "(\"", c.prefix, c.key,
+         "\") failed: ", br.view(br.left()));
+  }
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -3885,69 +4192,36 @@ class Store {
  public:
   /// Connects to ddp's store server at host:port, retrying until options.timeout (the server may
   /// start later).
-  Store(std::string host, int port, StoreOptions options = {})
-      : Store(std::make_shared<detail::TcpStoreConnection>(std::move(host), port,
-                                                           std::move(options))) {}
+  Store(std::string host, int port, StoreOptions options = {});
   /// A store over a connection made elsewhere (an etcd cluster: detail::connect_etcd).
-  explicit Store(std::shared_ptr<detail::StoreConnection> c) : conn_(std::move(c)) {
-    if (conn_->self.expired()) {
-      conn_->self = conn_;
-      conn_->adopted();
-    }
-  }
+  explicit Store(std::shared_ptr<detail::StoreConnection> c);
 
   /// A view of the same store whose keys are prefixed with `prefix`.
-  [[nodiscard]] Store prefixed(std::string_view prefix) const {
-    Store s(*this);
-    s.prefix_ += prefix;
-    return s;
-  }
+  [[nodiscard]] Store prefixed(std::string_view prefix) const;
 
   /// A view whose get() and wait() also end as soon as `key` (under this view's prefix) exists:
   /// they then throw the ddp::Error that `key` holds (see stop_value()), or Errc::aborted with its
   /// text. A rank that fails during a rendezvous sets such a key, so its peers fail at once
   /// with its reason instead of waiting out their timeout.
-  [[nodiscard]] Store watching(std::string_view key) const {
-    Store s(*this);
-    s.stop_ = full(key);
-    return s;
-  }
+  [[nodiscard]] Store watching(std::string_view key) const;
 
   /// A view whose calls all end by `deadline` (their timeouts are shortened to fit; an expired
   /// deadline makes waits time out at once): the steps of a rendezvous share one timeout.
   /// Clock::time_point::max() lifts it.
-  [[nodiscard]] Store with_deadline(detail::Clock::time_point deadline) const {
-    Store s(*this);
-    s.deadline_ = deadline;
-    return s;
-  }
+  [[nodiscard]] Store with_deadline(detail::Clock::time_point deadline) const;
   /// The deadline of this view (see with_deadline()); Clock::time_point::max() when none.
   [[nodiscard]] detail::Clock::time_point deadline() const noexcept { return deadline_; }
 
   /// The same view without the watched key (see watching()).
-  [[nodiscard]] Store unwatched() const {
-    Store s(*this);
-    s.stop_.clear();
-    return s;
-  }
+  [[nodiscard]] Store unwatched() const;
 
   /// A view whose calls fail at once (Errc::timeout) instead of waiting while another thread's
   /// call holds the connection.
-  [[nodiscard]] Store soft() const {
-    Store s(*this);
-    s.soft_ = true;
-    return s;
-  }
+  [[nodiscard]] Store soft() const;
 
   /// The value for a watched key (see watching()) that makes the waiters throw `code` with
   /// `message`.
-  [[nodiscard]] static std::string stop_value(Errc code, std::string_view message) {
-    std::string v;
-    detail::ByteWriter w(v);
-    w.put(static_cast<std::int32_t>(code));
-    w.str(message);
-    return v;
-  }
+  [[nodiscard]] static std::string stop_value(Errc code, std::string_view message);
 
   /// Whether a call has found the store gone (closed or unresponsive): every later call fails at
   /// once instead of reconnecting.
@@ -4006,12 +4280,7 @@ class Store {
   /// not exist to its value: a dead man's switch, with which a rendezvous learns at once of a rank
   /// that died. One set per connection; a later call replaces it. (etcd: when the connection's
   /// lease runs out, applied by another process of the job.)
-  void set_on_close(std::span<const std::pair<std::string, std::string>> keys) {
-    std::vector<std::pair<std::string, std::string>> all;
-    for (const auto& [k, v] : keys) all.emplace_back(full(k), v);
-    conn_->set_on_close(
-        call("set_on_close", keys.empty() ? std::string_view{} : keys.front().first), all);
-  }
+  void set_on_close(std::span<const std::pair<std::string, std::string>> keys);
   /// Cancels set_on_close().
   void clear_on_close() { set_on_close({}); }
 
@@ -4021,53 +4290,27 @@ class Store {
   /// and applies `on_expire` (keys under this view's prefix), and the connection stays open, so
   /// that a process that wakes can still read why it was left out. A later call replaces it (and
   /// re-arms an expired one); a `ttl` of 0 ends it.
-  void lease(std::chrono::milliseconds ttl, std::span<const LeaseRecord> on_expire = {}) {
-    std::vector<LeaseRecord> all(on_expire.begin(), on_expire.end());
-    for (LeaseRecord& r : all) r.key = full(r.key);
-    conn_->lease(call("lease", on_expire.empty() ? std::string_view{} : on_expire.front().key), ttl,
-                 all);
-    conn_->start_heartbeat(ttl);
-  }
+  void lease(std::chrono::milliseconds ttl, std::span<const LeaseRecord> on_expire = {});
 
   /// Runs `tick` on the lease's thread after each sign of life (every ttl / 5), with a view of
   /// this store whose calls never wait for another thread's call (soft()); returns a number for
   /// remove_tick(). A tick must not remove itself.
-  std::uint64_t add_tick(std::function<void(Store&)> tick) {
-    std::weak_ptr<detail::StoreConnection> w = conn_;
-    return conn_->add_tick([w, tick = std::move(tick)] {
-      if (const auto c = w.lock()) {
-        Store soft_view(c);
-        soft_view.soft_ = true;
-        tick(soft_view);
-      }
-    });
-  }
+  std::uint64_t add_tick(std::function<void(Store&)> tick);
   /// Removes a tick; once it returns, that tick does not run (any more).
   void remove_tick(std::uint64_t id) { conn_->remove_tick(id); }
 
   /// Whether every key exists, without waiting.
-  [[nodiscard]] bool check(std::span<const std::string> keys) {
-    std::vector<std::string> all;
-    for (const auto& k : keys) all.push_back(full(k));
-    return conn_->check(call("check", {}), all);
-  }
+  [[nodiscard]] bool check(std::span<const std::string> keys);
 
   /// The keys of `keys` that are missing from the store after waiting up to `timeout`; empty when
   /// all appeared. Unlike wait(), reports instead of throwing.
   /// A watched key that appears meanwhile throws its error, whatever its code (Errc::timeout
   /// included: a rank that timed out elsewhere), never mistaken for this wait's own timeout.
   [[nodiscard]] std::vector<std::string> missing_after(std::span<const std::string> keys,
-                                                       std::chrono::milliseconds timeout) {
-    if (wait_for(keys, timeout, true)) return {};
-    std::vector<std::string> missing;
-    for (const auto& k : keys) {
-      if (!check(std::span<const std::string>(&k, 1))) missing.push_back(k);
-    }
-    return missing;
-  }
+                                                       std::chrono::milliseconds timeout);
 
  private:
-  [[nodiscard]] std::string full(std::string_view key) const { return prefix_ + std::string(key); }
+  [[nodiscard]] std::string full(std::string_view key) const;
 
   [[nodiscard]] detail::StoreCall call(std::string_view what, std::string_view key) const {
     return {what, prefix_, key, deadline_, soft_};
@@ -4075,20 +4318,10 @@ class Store {
 
   /// wait(); with `report_timeout`, returns false at the timeout instead of throwing it.
   bool wait_for(std::span<const std::string> keys, std::chrono::milliseconds timeout,
-                bool report_timeout) {
-    std::vector<std::string> all;
-    for (const auto& k : keys) all.push_back(full(k));
-    return conn_->wait(call("wait", keys.empty() ? std::string_view{} : std::string_view(keys[0])),
-                       all, capped(timeout), stop_, report_timeout);
-  }
+                bool report_timeout);
 
   /// `timeout`, shortened to end by this view's deadline.
-  [[nodiscard]] std::chrono::milliseconds capped(std::chrono::milliseconds timeout) const {
-    if (deadline_ == detail::Clock::time_point::max()) return timeout;
-    const auto left =
-        std::chrono::ceil<std::chrono::milliseconds>(deadline_ - detail::Clock::now());
-    return std::clamp(left, std::chrono::milliseconds(0), timeout);
-  }
+  [[nodiscard]] std::chrono::milliseconds capped(std::chrono::milliseconds timeout) const;
 
   std::shared_ptr<detail::StoreConnection> conn_;
   std::string prefix_;
@@ -4096,6 +4329,118 @@ class Store {
   bool soft_ = false;  // soft(): a call never waits for another thread's
   detail::Clock::time_point deadline_ = detail::Clock::time_point::max();  // with_deadline()
 };
+
+#if DDP_BODIES
+DDP_INLINE Store::Store(std::string host, int port, StoreOptions options)
+    : Store(std::make_shared<detail::TcpStoreConnection>(std::move(host), port,
+                                                         std::move(options))) {}
+
+DDP_INLINE Store::Store(std::shared_ptr<detail::StoreConnection> c) : conn_(std::move(c)) {
+  if (conn_->self.expired()) {
+    conn_->self = conn_;
+    conn_->adopted();
+  }
+}
+
+DDP_INLINE Store Store::prefixed(std::string_view prefix) const {
+  Store s(*this);
+  s.prefix_ += prefix;
+  return s;
+}
+
+DDP_INLINE Store Store::watching(std::string_view key) const {
+  Store s(*this);
+  s.stop_ = full(key);
+  return s;
+}
+
+DDP_INLINE Store Store::with_deadline(detail::Clock::time_point deadline) const {
+  Store s(*this);
+  s.deadline_ = deadline;
+  return s;
+}
+
+DDP_INLINE Store Store::unwatched() const {
+  Store s(*this);
+  s.stop_.clear();
+  return s;
+}
+
+DDP_INLINE Store Store::soft() const {
+  Store s(*this);
+  s.soft_ = true;
+  return s;
+}
+
+DDP_INLINE std::string Store::stop_value(Errc code, std::string_view message) {
+  std::string v;
+  detail::ByteWriter w(v);
+  w.put(static_cast<std::int32_t>(code));
+  w.str(message);
+  return v;
+}
+
+DDP_INLINE void Store::set_on_close(std::span<const std::pair<std::string, std::string>> keys) {
+  std::vector<std::pair<std::string, std::string>> all;
+  for (const auto& [k, v] : keys) all.emplace_back(full(k), v);
+  conn_->set_on_close(call("set_on_close", keys.empty() ? std::string_view{} : keys.front().first),
+                      all);
+}
+
+DDP_INLINE void Store::lease(std::chrono::milliseconds ttl,
+                             std::span<const LeaseRecord> on_expire) {
+  std::vector<LeaseRecord> all(on_expire.begin(), on_expire.end());
+  for (LeaseRecord& r : all) r.key = full(r.key);
+  conn_->lease(call("lease", on_expire.empty() ? std::string_view{} : on_expire.front().key), ttl,
+               all);
+  conn_->start_heartbeat(ttl);
+}
+
+DDP_INLINE std::uint64_t Store::add_tick(std::function<void(Store&)> tick) {
+  std::weak_ptr<detail::StoreConnection> w = conn_;
+  return conn_->add_tick([w, tick = std::move(tick)] {
+    if (const auto c = w.lock()) {
+      Store soft_view(c);
+      soft_view.soft_ = true;
+      tick(soft_view);
+    }
+  });
+}
+
+DDP_INLINE bool Store::check(std::span<const std::string> keys) {
+  std::vector<std::string> all;
+  for (const auto& k : keys) all.push_back(full(k));
+  return conn_->check(call("check", {}), all);
+}
+
+DDP_INLINE std::vector<std::string> Store::missing_after(std::span<const std::string> keys,
+                                                         std::chrono::milliseconds timeout) {
+  if (wait_for(keys, timeout, true)) return {};
+  std::vector<std::string> missing;
+  for (const auto& k : keys) {
+    if (!check(std::span<const std::string>(&k, 1))) missing.push_back(k);
+  }
+  return missing;
+}
+
+DDP_INLINE std::string Store::full(std::string_view key) const {
+  return prefix_ + std::string(key);
+}
+
+DDP_INLINE bool Store::wait_for(std::span<const std::string> keys,
+                                std::chrono::milliseconds timeout, bool report_timeout) {
+  std::vector<std::string> all;
+  for (const auto& k : keys) all.push_back(full(k));
+  return conn_->wait(call("wait", keys.empty() ? std::string_view{} : std::string_view(keys[0])),
+                     all, capped(timeout), stop_, report_timeout);
+}
+
+DDP_INLINE std::chrono::milliseconds Store::capped(std::chrono::milliseconds timeout) const {
+  if (deadline_ == detail::Clock::time_point::max()) return timeout;
+  const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline_ - detail::Clock::now());
+  return std::clamp(left, std::chrono::milliseconds(0), timeout);
+}
+#endif  // DDP_BODIES
 
 DDP_END_NAMESPACE
 // end ddp/store/client.hpp
@@ -4133,7 +4478,9 @@ struct BackendInit {
 /// This machine's boot id: the same for every process of the machine, whatever namespaces or
 /// containers they run in ("" where the kernel does not say). Out of file descriptors it fails
 /// (Errc::system, naming the limit) rather than return "", which would pass for another machine.
-[[nodiscard]] inline std::string machine_identity() {
+[[nodiscard]] DDP_INLINE std::string machine_identity();
+#if DDP_BODIES
+DDP_INLINE std::string machine_identity() {
   char boot[64] = {};
   std::size_t len = 0;
   if (const int fd = ::open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC); fd >= 0) {
@@ -4146,13 +4493,16 @@ struct BackendInit {
   while (len > 0 && (boot[len - 1] == '\n' || boot[len - 1] == '\r')) --len;
   return std::string(boot, len);
 }
+#endif  // DDP_BODIES
 
 /// Identifies "the same host" for shared memory and for grouping ranks by host: same machine
 /// (host name and boot id), same /dev/shm (mount namespace), same pids (pid namespace) and same
 /// network namespace. $DDP_HOST_ID, when set, replaces it (as NCCL_HOSTID does NCCL's): ranks
 /// with the same value count as one host (they must share /dev/shm and pids), ranks with
 /// different values as different hosts, whatever machine they run on.
-[[nodiscard]] inline std::string host_identity() {
+[[nodiscard]] DDP_INLINE std::string host_identity();
+#if DDP_BODIES
+DDP_INLINE std::string host_identity() {
   if (const char* forced = std::getenv("DDP_HOST_ID"); forced != nullptr && *forced != '\0') {
     const std::size_t n = std::strlen(forced);
     if (n > 1024)
@@ -4173,6 +4523,7 @@ struct BackendInit {
   }
   return id;
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 
@@ -4364,8 +4715,11 @@ static_assert(std::is_trivially_copyable_v<Call>);
 
 /// The checks of a typed argument once it is a Buf: `usable` says whether the backend can use
 /// its memory (directly or staged).
-inline void check_buf(const Buf& b, std::size_t elem, bool usable, std::string_view backend,
-                      int rank, const char* what, const char* arg) {
+DDP_INLINE void check_buf(const Buf& b, std::size_t elem, bool usable, std::string_view backend,
+                          int rank, const char* what, const char* arg);
+#if DDP_BODIES
+DDP_INLINE void check_buf(const Buf& b, std::size_t elem, bool usable, std::string_view backend,
+                          int rank, const char* what, const char* arg) {
   if (!usable) {
     fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg, "` is on ",
          to_string(b.device), ", but backend::", backend, " cannot use that memory");
@@ -4381,10 +4735,13 @@ inline void check_buf(const Buf& b, std::size_t elem, bool usable, std::string_v
          "the tensor's view reports");
   }
 }
+#endif  // DDP_BODIES
 
 /// `op` on dtype `t`, else Errc::invalid_argument. `who` and `rank` open the message ("rank 3",
 /// or "NcclClique" with rank -1); `what` names the call. (Communicators and NcclClique alike.)
-inline void check_op(ReduceOp op, DType t, const char* who, int rank, const char* what) {
+DDP_INLINE void check_op(ReduceOp op, DType t, const char* who, int rank, const char* what);
+#if DDP_BODIES
+DDP_INLINE void check_op(ReduceOp op, DType t, const char* who, int rank, const char* what) {
   if (!is_supported(op, t)) {
     fail(Errc::invalid_argument, who, rank >= 0 ? concat(rank) : std::string(), ": ", what, ": op ",
          is_valid(op) ? std::string(to_string(op))
@@ -4393,34 +4750,45 @@ inline void check_op(ReduceOp op, DType t, const char* who, int rank, const char
          op == ReduceOp::avg ? " (avg needs a floating-point type)" : "");
   }
 }
+#endif  // DDP_BODIES
 inline void check_op(ReduceOp op, DType t, Caller c, const char* what) {
   check_op(op, t, "rank ", c.rank, what);
 }
 
 /// `root` in [0, size), else Errc::invalid_argument naming `who`/`rank` (as check_op), `what`
 /// and what a root is one of (`of`: "a rank of this communicator").
-inline void check_root(int root, int size, const char* who, int rank, const char* what,
-                       const char* of) {
+DDP_INLINE void check_root(int root, int size, const char* who, int rank, const char* what,
+                           const char* of);
+#if DDP_BODIES
+DDP_INLINE void check_root(int root, int size, const char* who, int rank, const char* what,
+                           const char* of) {
   if (root < 0 || root >= size) {
     fail(Errc::invalid_argument, who, rank >= 0 ? concat(rank) : std::string(), ": ", what,
          ": root ", root, " is not ", of, " [0, ", size, ")");
   }
 }
+#endif  // DDP_BODIES
 inline void check_root(int root, Caller c, const char* what) {
   check_root(root, c.size, "rank ", c.rank, what, "a rank of this communicator");
 }
 
-inline void check_same_dtype(const Buf& a, const Buf& b, Caller c, const char* what) {
+DDP_INLINE void check_same_dtype(const Buf& a, const Buf& b, Caller c, const char* what);
+#if DDP_BODIES
+DDP_INLINE void check_same_dtype(const Buf& a, const Buf& b, Caller c, const char* what) {
   if (a.dtype != b.dtype) {
     fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `in` is ", to_string(a.dtype),
          " but `out` is ", to_string(b.dtype), "; they must have the same element type");
   }
 }
+#endif  // DDP_BODIES
 
 /// The checks of a DynamicView that a TensorView passes at compile time (the device, a null
 /// pointer and the size follow in check_buf, as for a TensorView).
-inline void check_dynamic(const DynamicView& v, bool writes, const char* what, const char* arg,
-                          int rank) {
+DDP_INLINE void check_dynamic(const DynamicView& v, bool writes, const char* what, const char* arg,
+                              int rank);
+#if DDP_BODIES
+DDP_INLINE void check_dynamic(const DynamicView& v, bool writes, const char* what, const char* arg,
+                              int rank) {
   if (v.problem != nullptr)
     fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg,
          "` cannot be used: ", v.problem);
@@ -4435,30 +4803,41 @@ inline void check_dynamic(const DynamicView& v, bool writes, const char* what, c
     fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg,
          "` is read-only, but this collective writes it");
 }
+#endif  // DDP_BODIES
 
 /// `whole` must be `part` x size() elements; `part_name` is the argument that sets the size.
-inline void check_blocks(const Buf& whole, const Buf& part, Caller c, const char* what,
-                         const char* whole_name, const char* rule) {
+DDP_INLINE void check_blocks(const Buf& whole, const Buf& part, Caller c, const char* what,
+                             const char* whole_name, const char* rule);
+#if DDP_BODIES
+DDP_INLINE void check_blocks(const Buf& whole, const Buf& part, Caller c, const char* what,
+                             const char* whole_name, const char* rule) {
   const auto p = static_cast<std::size_t>(c.size);
   if (!is_product(whole.count, part.count, p)) {
     fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `", whole_name, "` has ",
          whole.count, " elements but must have ", product_text(part.count, p), " (", rule, ")");
   }
 }
+#endif  // DDP_BODIES
 
 /// The only in-place form of a collective with blocks: `part` is exactly this rank's block of
 /// `whole`.
-inline void check_in_place(const Buf& whole, const Buf& part, Caller c, const char* what,
-                           const char* message) {
+DDP_INLINE void check_in_place(const Buf& whole, const Buf& part, Caller c, const char* what,
+                               const char* message);
+#if DDP_BODIES
+DDP_INLINE void check_in_place(const Buf& whole, const Buf& part, Caller c, const char* what,
+                               const char* message) {
   const std::byte* mine = whole.at(part.count * static_cast<std::size_t>(c.rank));
   if (overlaps(part.data, part.bytes(), whole.data, whole.bytes()) && part.data != mine) {
     fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, message);
   }
 }
+#endif  // DDP_BODIES
 
 /// The checks of the single-buffer collectives (all_reduce, broadcast, reduce); returns the
 /// collective's name. Their synchronous form runs without building a Call.
-inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, Caller c) {
+DDP_INLINE const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, Caller c);
+#if DDP_BODIES
+DDP_INLINE const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, Caller c) {
   switch (coll) {
     case Coll::all_reduce: check_op(op, b.dtype, c, "all_reduce"); return "all_reduce";
     case Coll::broadcast: check_root(root, c, "broadcast"); return "broadcast";
@@ -4468,17 +4847,25 @@ inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, 
       return "reduce";
   }
 }
+#endif  // DDP_BODIES
 
-[[nodiscard]] inline Call prepare_single(Coll coll, const Buf& b, ReduceOp op, int root, Caller c) {
+[[nodiscard]] DDP_INLINE Call prepare_single(Coll coll, const Buf& b, ReduceOp op, int root,
+                                             Caller c);
+#if DDP_BODIES
+DDP_INLINE Call prepare_single(Coll coll, const Buf& b, ReduceOp op, int root, Caller c) {
   const char* name = check_single(coll, b, op, root, c);
   return Call{.name = name, .coll = coll, .in = b, .op = op, .root = root, .bytes = b.bytes()};
 }
+#endif  // DDP_BODIES
 
 /// `moved_on_device`: the backend moves this CUDA buffer itself (no staging), so there is no
 /// host pass in which to convert it.
-[[nodiscard]] inline Call prepare_all_reduce_as(const Buf& b, ReduceOp op, DType wire,
-                                                bool moved_on_device, std::string_view backend,
-                                                Caller c) {
+[[nodiscard]] DDP_INLINE Call prepare_all_reduce_as(const Buf& b, ReduceOp op, DType wire,
+                                                    bool moved_on_device, std::string_view backend,
+                                                    Caller c);
+#if DDP_BODIES
+DDP_INLINE Call prepare_all_reduce_as(const Buf& b, ReduceOp op, DType wire, bool moved_on_device,
+                                      std::string_view backend, Caller c) {
   check_op(op, wire, c, "all_reduce_as");
   if (b.dtype != DType::float32)
     fail(Errc::invalid_argument, "rank ", c.rank, ": all_reduce_as: `buf` is ", to_string(b.dtype),
@@ -4496,10 +4883,13 @@ inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, 
               .wire = wire,
               .bytes = b.bytes()};
 }
+#endif  // DDP_BODIES
 
 /// `bufs` must outlive the call.
-[[nodiscard]] inline Call prepare_all_reduce_coalesced(std::span<const Buf> bufs, ReduceOp op,
-                                                       Caller c) {
+[[nodiscard]] DDP_INLINE Call prepare_all_reduce_coalesced(std::span<const Buf> bufs, ReduceOp op,
+                                                           Caller c);
+#if DDP_BODIES
+DDP_INLINE Call prepare_all_reduce_coalesced(std::span<const Buf> bufs, ReduceOp op, Caller c) {
   std::size_t bytes = 0;
   for (const Buf& b : bufs) {
     check_op(op, b.dtype, c, "all_reduce_coalesced");
@@ -4512,9 +4902,12 @@ inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, 
               .op = op,
               .bytes = bytes};
 }
+#endif  // DDP_BODIES
 
 /// all_gather (root < 0) or gather; `out` is used (and checked) only where it receives.
-[[nodiscard]] inline Call prepare_gather(const Buf& in, const Buf& out, int root, Caller c) {
+[[nodiscard]] DDP_INLINE Call prepare_gather(const Buf& in, const Buf& out, int root, Caller c);
+#if DDP_BODIES
+DDP_INLINE Call prepare_gather(const Buf& in, const Buf& out, int root, Caller c) {
   const char* what = root < 0 ? "all_gather" : "gather";
   if (root >= 0) check_root(root, c, what);
   Call call{.name = what, .coll = root < 0 ? Coll::all_gather : Coll::gather};
@@ -4531,9 +4924,12 @@ inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, 
   call.bytes = call.in.bytes() + call.out.bytes();
   return call;
 }
+#endif  // DDP_BODIES
 
 /// scatter; `in` is used (and checked) on the root only.
-[[nodiscard]] inline Call prepare_scatter(const Buf& in, const Buf& out, int root, Caller c) {
+[[nodiscard]] DDP_INLINE Call prepare_scatter(const Buf& in, const Buf& out, int root, Caller c);
+#if DDP_BODIES
+DDP_INLINE Call prepare_scatter(const Buf& in, const Buf& out, int root, Caller c) {
   check_root(root, c, "scatter");
   Call call{.name = "scatter", .coll = Coll::scatter};
   call.in = Buf{nullptr, 0, out.dtype, out.device, nullptr};
@@ -4550,9 +4946,12 @@ inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, 
   call.bytes = call.in.bytes() + call.out.bytes();
   return call;
 }
+#endif  // DDP_BODIES
 
-[[nodiscard]] inline Call prepare_reduce_scatter(const Buf& in, const Buf& out, ReduceOp op,
-                                                 Caller c) {
+[[nodiscard]] DDP_INLINE Call prepare_reduce_scatter(const Buf& in, const Buf& out, ReduceOp op,
+                                                     Caller c);
+#if DDP_BODIES
+DDP_INLINE Call prepare_reduce_scatter(const Buf& in, const Buf& out, ReduceOp op, Caller c) {
   check_same_dtype(in, out, c, "reduce_scatter");
   check_op(op, out.dtype, c, "reduce_scatter");
   check_blocks(in, out, c, "reduce_scatter", "in", "out.size() x size()");
@@ -4566,8 +4965,11 @@ inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, 
   call.bytes = in.bytes() + out.bytes();
   return call;
 }
+#endif  // DDP_BODIES
 
-[[nodiscard]] inline Call prepare_all_to_all(const Buf& in, const Buf& out, Caller c) {
+[[nodiscard]] DDP_INLINE Call prepare_all_to_all(const Buf& in, const Buf& out, Caller c);
+#if DDP_BODIES
+DDP_INLINE Call prepare_all_to_all(const Buf& in, const Buf& out, Caller c) {
   check_same_dtype(in, out, c, "all_to_all");
   const auto p = static_cast<std::size_t>(c.size);
   if (in.count != out.count || in.count % p != 0) {
@@ -4583,8 +4985,11 @@ inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, 
   call.bytes = in.bytes() + out.bytes();
   return call;
 }
+#endif  // DDP_BODIES
 
-[[nodiscard]] inline Call prepare_p2p(Coll coll, const Buf& b, int peer, int tag, Caller c) {
+[[nodiscard]] DDP_INLINE Call prepare_p2p(Coll coll, const Buf& b, int peer, int tag, Caller c);
+#if DDP_BODIES
+DDP_INLINE Call prepare_p2p(Coll coll, const Buf& b, int peer, int tag, Caller c) {
   const char* what = coll == Coll::send ? "send" : "recv";
   if (peer < 0 || peer >= c.size || peer == c.rank) {
     fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": peer ", peer,
@@ -4599,11 +5004,15 @@ inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, 
   call.bytes = b.bytes();
   return call;
 }
+#endif  // DDP_BODIES
 
 /// batch_isend_irecv: bufs[i] is op i's buffer; `specs` (3 per op: 1 for a send, the peer,
 /// the tag) must outlive the call. Each op is checked as send or recv is.
-[[nodiscard]] inline Call prepare_batch_p2p(std::span<const Buf> bufs,
-                                            std::span<const std::size_t> specs, Caller c) {
+[[nodiscard]] DDP_INLINE Call prepare_batch_p2p(std::span<const Buf> bufs,
+                                                std::span<const std::size_t> specs, Caller c);
+#if DDP_BODIES
+DDP_INLINE Call prepare_batch_p2p(std::span<const Buf> bufs, std::span<const std::size_t> specs,
+                                  Caller c) {
   std::size_t bytes = 0;
   for (std::size_t i = 0; i < bufs.size(); ++i) {
     (void)prepare_p2p(specs[3 * i] != 0 ? Coll::send : Coll::recv, bufs[i],
@@ -4628,14 +5037,18 @@ inline const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, 
               .counts = specs,
               .bytes = bytes};
 }
+#endif  // DDP_BODIES
 
 [[nodiscard]] inline Call prepare_barrier() {
   return Call{.name = "barrier", .coll = Coll::barrier};
 }
 
 /// An uneven collective's counts: one per rank.
-inline void check_entries(std::span<const std::size_t> counts, Caller c, const char* what,
-                          const char* counts_name) {
+DDP_INLINE void check_entries(std::span<const std::size_t> counts, Caller c, const char* what,
+                              const char* counts_name);
+#if DDP_BODIES
+DDP_INLINE void check_entries(std::span<const std::size_t> counts, Caller c, const char* what,
+                              const char* counts_name) {
   if (counts.size() != static_cast<std::size_t>(c.size)) {
     fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `", counts_name, "` has ",
          counts.size(), " entries but must have one per rank (", c.size, ")");
@@ -4648,10 +5061,14 @@ inline void check_entries(std::span<const std::size_t> counts, Caller c, const c
     }
   }
 }
+#endif  // DDP_BODIES
 
 /// The counts of an uneven collective: one per rank, and `buf` holding their sum.
-inline void check_counts(std::span<const std::size_t> counts, const Buf& buf, Caller c,
-                         const char* what, const char* counts_name, const char* buf_name) {
+DDP_INLINE void check_counts(std::span<const std::size_t> counts, const Buf& buf, Caller c,
+                             const char* what, const char* counts_name, const char* buf_name);
+#if DDP_BODIES
+DDP_INLINE void check_counts(std::span<const std::size_t> counts, const Buf& buf, Caller c,
+                             const char* what, const char* counts_name, const char* buf_name) {
   check_entries(counts, c, what, counts_name);
   std::size_t total = 0;
   bool overflow = false;
@@ -4666,10 +5083,14 @@ inline void check_counts(std::span<const std::size_t> counts, const Buf& buf, Ca
          "; they must be equal");
   }
 }
+#endif  // DDP_BODIES
 
 /// all_to_all with split sizes; `counts` holds in_counts then out_counts (size() each).
-[[nodiscard]] inline Call prepare_all_to_all_v(const Buf& in, const Buf& out,
-                                               std::span<const std::size_t> counts, Caller c) {
+[[nodiscard]] DDP_INLINE Call prepare_all_to_all_v(const Buf& in, const Buf& out,
+                                                   std::span<const std::size_t> counts, Caller c);
+#if DDP_BODIES
+DDP_INLINE Call prepare_all_to_all_v(const Buf& in, const Buf& out,
+                                     std::span<const std::size_t> counts, Caller c) {
   check_same_dtype(in, out, c, "all_to_all");
   const auto p = static_cast<std::size_t>(c.size);
   check_counts(counts.first(std::min(p, counts.size())), in, c, "all_to_all", "in_counts", "in");
@@ -4684,12 +5105,16 @@ inline void check_counts(std::span<const std::size_t> counts, const Buf& buf, Ca
               .counts = counts,
               .bytes = in.bytes() + out.bytes()};
 }
+#endif  // DDP_BODIES
 
 /// all_gather (root < 0) or gather with a count per rank; `out` and `counts` are used (and
 /// checked) only where they receive.
-[[nodiscard]] inline Call prepare_gather_v(const Buf& in, const Buf& out,
-                                           std::span<const std::size_t> counts, int root,
-                                           Caller c) {
+[[nodiscard]] DDP_INLINE Call prepare_gather_v(const Buf& in, const Buf& out,
+                                               std::span<const std::size_t> counts, int root,
+                                               Caller c);
+#if DDP_BODIES
+DDP_INLINE Call prepare_gather_v(const Buf& in, const Buf& out, std::span<const std::size_t> counts,
+                                 int root, Caller c) {
   const char* what = root < 0 ? "all_gather" : "gather";
   if (root >= 0) check_root(root, c, what);
   if (root < 0 || root == c.rank) {
@@ -4711,11 +5136,15 @@ inline void check_counts(std::span<const std::size_t> counts, const Buf& buf, Ca
               .root = root,
               .bytes = in.bytes() + out.bytes()};
 }
+#endif  // DDP_BODIES
 
 /// scatter with a count per rank; `in` and `counts` are used (and checked) on the root only.
-[[nodiscard]] inline Call prepare_scatter_v(const Buf& in, const Buf& out,
-                                            std::span<const std::size_t> counts, int root,
-                                            Caller c) {
+[[nodiscard]] DDP_INLINE Call prepare_scatter_v(const Buf& in, const Buf& out,
+                                                std::span<const std::size_t> counts, int root,
+                                                Caller c);
+#if DDP_BODIES
+DDP_INLINE Call prepare_scatter_v(const Buf& in, const Buf& out,
+                                  std::span<const std::size_t> counts, int root, Caller c) {
   check_root(root, c, "scatter");
   if (root == c.rank) {
     check_same_dtype(in, out, c, "scatter");
@@ -4735,6 +5164,7 @@ inline void check_counts(std::span<const std::size_t> counts, const Buf& buf, Ca
               .root = root,
               .bytes = in.bytes() + out.bytes()};
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -4832,7 +5262,9 @@ namespace detail {
 
 /// The number of tasks on node `node` from a Slurm task layout: "2(x3),1" means 2, 2, 2, 1.
 /// nullopt when it does not parse or has no such node.
-[[nodiscard]] inline std::optional<int> slurm_tasks_on_node(std::string_view layout, int node) {
+[[nodiscard]] DDP_INLINE std::optional<int> slurm_tasks_on_node(std::string_view layout, int node);
+#if DDP_BODIES
+DDP_INLINE std::optional<int> slurm_tasks_on_node(std::string_view layout, int node) {
   int index = 0;
   while (!layout.empty()) {
     const std::size_t comma = layout.find(',');
@@ -4854,9 +5286,12 @@ namespace detail {
   }
   return std::nullopt;
 }
+#endif  // DDP_BODIES
 
 /// The first host name of a Slurm node list: "gpu[07-09,12],cpu3" -> "gpu07".
-[[nodiscard]] inline std::string first_slurm_host(std::string_view list) {
+[[nodiscard]] DDP_INLINE std::string first_slurm_host(std::string_view list);
+#if DDP_BODIES
+DDP_INLINE std::string first_slurm_host(std::string_view list) {
   const auto bracket = list.find('[');
   const auto comma = list.find(',');
   if (bracket == std::string_view::npos || (comma != std::string_view::npos && comma < bracket)) {
@@ -4870,14 +5305,19 @@ namespace detail {
   range = range.substr(0, range.find_first_of(",-"));
   return std::string(list.substr(0, bracket)) + std::string(range);
 }
+#endif  // DDP_BODIES
 
-inline void check_rank(const EnvReader&, int rank, int world, const char* rank_var,
-                       const char* world_var) {
+DDP_INLINE void check_rank(const EnvReader&, int rank, int world, const char* rank_var,
+                           const char* world_var);
+#if DDP_BODIES
+DDP_INLINE void check_rank(const EnvReader&, int rank, int world, const char* rank_var,
+                           const char* world_var) {
   if (rank >= world) {
     fail(Errc::invalid_argument, "environment: ", rank_var, "=", rank, " must be less than ",
          world_var, "=", world);
   }
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 
@@ -5085,7 +5525,9 @@ DDP_BEGIN_NAMESPACE
 namespace detail {
 
 /// `bytes` in standard base64 (with padding).
-[[nodiscard]] inline std::string base64_encode(std::string_view bytes) {
+[[nodiscard]] DDP_INLINE std::string base64_encode(std::string_view bytes);
+#if DDP_BODIES
+DDP_INLINE std::string base64_encode(std::string_view bytes) {
   static constexpr char table[] =
       "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
   std::string out;
@@ -5100,9 +5542,12 @@ namespace detail {
   }
   return out;
 }
+#endif  // DDP_BODIES
 
 /// The bytes of base64 `text` (padding optional); Errc::protocol when it is not base64.
-[[nodiscard]] inline std::string base64_decode(std::string_view text) {
+[[nodiscard]] DDP_INLINE std::string base64_decode(std::string_view text);
+#if DDP_BODIES
+DDP_INLINE std::string base64_decode(std::string_view text) {
   const auto value = [&](char c) -> std::uint32_t {
     if (c >= 'A' && c <= 'Z') return static_cast<std::uint32_t>(c - 'A');
     if (c >= 'a' && c <= 'z') return static_cast<std::uint32_t>(c - 'a' + 26);
@@ -5127,6 +5572,7 @@ namespace detail {
   }
   return out;
 }
+#endif  // DDP_BODIES
 
 /// A JSON value. Numbers are kept as their text (etcd writes 64-bit integers as strings and as
 /// numbers).
@@ -5139,39 +5585,49 @@ struct Json {
   std::vector<std::string> names;  ///< an object's members' names (items[i] is names[i]'s)
 
   /// The member `key` of an object, or nullptr.
-  [[nodiscard]] const Json* find(std::string_view key) const {
-    if (type != Type::object) return nullptr;
-    for (std::size_t i = 0; i < names.size(); ++i)
-      if (names[i] == key) return &items[i];
-    return nullptr;
-  }
+  [[nodiscard]] const Json* find(std::string_view key) const;
   /// The string or number member `key` ("" when absent).
-  [[nodiscard]] std::string get(std::string_view key) const {
-    const Json* v = find(key);
-    return v != nullptr && (v->type == Type::string || v->type == Type::number) ? v->text
-                                                                                : std::string();
-  }
+  [[nodiscard]] std::string get(std::string_view key) const;
   /// The integer (a number or a string of digits) member `key`; `otherwise` when absent.
-  [[nodiscard]] std::int64_t integer(std::string_view key, std::int64_t otherwise = 0) const {
-    const std::string t = get(key);
-    if (t.empty()) return otherwise;
-    std::int64_t v = 0;
-    bool negative = false;
-    std::size_t i = 0;
-    if (t[0] == '-') {
-      negative = true;
-      i = 1;
-    }
-    for (; i < t.size(); ++i) {
-      if (t[i] < '0' || t[i] > '9') fail(Errc::protocol, "not an integer: \"", t, "\"");
-      v = v * 10 + (t[i] - '0');
-    }
-    return negative ? -v : v;
-  }
+  [[nodiscard]] std::int64_t integer(std::string_view key, std::int64_t otherwise = 0) const;
 };
 
+#if DDP_BODIES
+DDP_INLINE const Json* Json::find(std::string_view key) const {
+  if (type != Type::object) return nullptr;
+  for (std::size_t i = 0; i < names.size(); ++i)
+    if (names[i] == key) return &items[i];
+  return nullptr;
+}
+
+DDP_INLINE std::string Json::get(std::string_view key) const {
+  const Json* v = find(key);
+  return v != nullptr && (v->type == Type::string || v->type == Type::number) ? v->text
+                                                                              : std::string();
+}
+
+DDP_INLINE std::int64_t Json::integer(std::string_view key, std::int64_t otherwise) const {
+  const std::string t = get(key);
+  if (t.empty()) return otherwise;
+  std::int64_t v = 0;
+  bool negative = false;
+  std::size_t i = 0;
+  if (t[0] == '-') {
+    negative = true;
+    i = 1;
+  }
+  for (; i < t.size(); ++i) {
+    if (t[i] < '0' || t[i] > '9') fail(Errc::protocol, "not an integer: \"", t, "\"");
+    v = v * 10 + (t[i] - '0');
+  }
+  return negative ? -v : v;
+}
+#endif  // DDP_BODIES
+
 /// Parses one JSON document (at most `max_depth` deep); Errc::protocol when malformed.
-[[nodiscard]] inline Json parse_json(std::string_view s, int max_depth = 64) {
+[[nodiscard]] DDP_INLINE Json parse_json(std::string_view s, int max_depth = 64);
+#if DDP_BODIES
+DDP_INLINE Json parse_json(std::string_view s, int max_depth) {
   std::size_t at = 0;
   const auto bad = [&](std::string_view why) -> void {
     fail(Errc::protocol, "malformed JSON (", why, " at byte ", at, "): \"", s.substr(0, 200), "\"");
@@ -5298,9 +5754,12 @@ struct Json {
   if (at != s.size()) bad("trailing bytes");
   return out;
 }
+#endif  // DDP_BODIES
 
 /// `text` as a JSON string literal.
-[[nodiscard]] inline std::string json_quoted(std::string_view text) {
+[[nodiscard]] DDP_INLINE std::string json_quoted(std::string_view text);
+#if DDP_BODIES
+DDP_INLINE std::string json_quoted(std::string_view text) {
   std::string out = "\"";
   for (const char c : text) {
     switch (c) {
@@ -5321,6 +5780,7 @@ struct Json {
   }
   return out + "\"";
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -5347,7 +5807,9 @@ DDP_BEGIN_NAMESPACE
 namespace detail {
 
 /// The name of the type `t`, demangled where the ABI allows ("std::runtime_error").
-[[nodiscard]] inline std::string type_name(const std::type_info& t) {
+[[nodiscard]] DDP_INLINE std::string type_name(const std::type_info& t);
+#if DDP_BODIES
+DDP_INLINE std::string type_name(const std::type_info& t) {
 #if __has_include(<cxxabi.h>)
   int status = 0;
   if (char* name = abi::__cxa_demangle(t.name(), nullptr, nullptr, &status)) {
@@ -5358,10 +5820,13 @@ namespace detail {
 #endif
   return t.name();
 }
+#endif  // DDP_BODIES
 
 /// What the exception `e` says, as the first line a launcher shows: "ddp::Error (<code>):
 /// <what>", "<type>: <what>" for another std::exception.
-[[nodiscard]] inline std::string exception_text(const std::exception_ptr& e) {
+[[nodiscard]] DDP_INLINE std::string exception_text(const std::exception_ptr& e);
+#if DDP_BODIES
+DDP_INLINE std::string exception_text(const std::exception_ptr& e) {
   try {
     std::rethrow_exception(e);
   } catch (const Error& x) {
@@ -5372,10 +5837,13 @@ namespace detail {
     return "an exception that is not a std::exception";
   }
 }
+#endif  // DDP_BODIES
 
 /// Writes `message` to the error file `path` in torchrun's format; nothing when `path` is
 /// empty. Never throws (it runs inside std::terminate).
-inline void write_error_file(const std::string& path, const std::string& message) noexcept {
+DDP_INLINE void write_error_file(const std::string& path, const std::string& message) noexcept;
+#if DDP_BODIES
+DDP_INLINE void write_error_file(const std::string& path, const std::string& message) noexcept {
   try {
     if (path.empty()) return;
     // torchrun shows py_callstack (Python's traceback) in its summary: the message again.
@@ -5395,6 +5863,7 @@ inline void write_error_file(const std::string& path, const std::string& message
   } catch (...) {
   }
 }
+#endif  // DDP_BODIES
 
 /// The error file the launcher asked for (TORCHELASTIC_ERROR_FILE), or "".
 [[nodiscard]] inline std::string error_file_path() {
@@ -5408,16 +5877,21 @@ struct TerminateReport {
 };
 inline TerminateReport terminate_report;
 
-[[noreturn]] inline void terminate_with_error_file() noexcept {
+[[noreturn]] DDP_INLINE void terminate_with_error_file() noexcept;
+#if DDP_BODIES
+DDP_INLINE void terminate_with_error_file() noexcept {
   if (const std::exception_ptr e = std::current_exception())
     write_error_file(terminate_report.path, exception_text(e));
   if (const std::terminate_handler next = terminate_report.previous.load()) next();
   std::abort();
 }
+#endif  // DDP_BODIES
 
 /// Installs terminate_with_error_file once per process, when the launcher asked for an error
 /// file.
-inline void install_error_file_handler() {
+DDP_INLINE void install_error_file_handler();
+#if DDP_BODIES
+DDP_INLINE void install_error_file_handler() {
   TerminateReport& r = terminate_report;
   if (r.installed.load()) return;
   std::string path = error_file_path();
@@ -5425,6 +5899,7 @@ inline void install_error_file_handler() {
   r.path = std::move(path);
   r.previous.store(std::set_terminate(&terminate_with_error_file));
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 
@@ -5481,8 +5956,11 @@ namespace detail {
 /// the first); the others wait up to `timeout` for rank 0 to arrive, then for its verdict. Fails
 /// with Errc::timeout on every rank that waits; a rank whose process left ("exit/<r>") fails it
 /// at once with Errc::peer_lost.
-inline void monitored_barrier(Store& store, std::uint64_t n, int rank, int size,
-                              std::chrono::milliseconds timeout, bool wait_all_ranks) {
+DDP_INLINE void monitored_barrier(Store& store, std::uint64_t n, int rank, int size,
+                                  std::chrono::milliseconds timeout, bool wait_all_ranks);
+#if DDP_BODIES
+DDP_INLINE void monitored_barrier(Store& store, std::uint64_t n, int rank, int size,
+                                  std::chrono::milliseconds timeout, bool wait_all_ranks) {
   const std::string at = concat("monitored/", n, "/");
   const std::string what = concat("monitored_barrier #", n);
   const std::string verdict = at + "verdict";
@@ -5546,6 +6024,7 @@ inline void monitored_barrier(Store& store, std::uint64_t n, int rank, int size,
     fail(why.find(" left (") != std::string::npos ? Errc::peer_lost : Errc::timeout, "rank ", rank,
          ": ", what, ": failed because rank 0 reported: ", why);
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -5590,8 +6069,11 @@ namespace detail {
 /// Fails with Errc::mismatch unless every rank's `values[j]` equals this rank's, naming the ranks
 /// that differ and their values: "rank 0: the ranks disagree on WHAT: this rank has A, rank 1 has
 /// B; FIX".
-inline void require_agreement(int rank, std::string_view what, std::string_view fix,
-                              const std::vector<std::string>& values) {
+DDP_INLINE void require_agreement(int rank, std::string_view what, std::string_view fix,
+                                  const std::vector<std::string>& values);
+#if DDP_BODIES
+DDP_INLINE void require_agreement(int rank, std::string_view what, std::string_view fix,
+                                  const std::vector<std::string>& values) {
   const std::string& mine = values.at(static_cast<std::size_t>(rank));
   std::string others;
   int n = 0;
@@ -5605,11 +6087,17 @@ inline void require_agreement(int rank, std::string_view what, std::string_view 
   fail(Errc::mismatch, "rank ", rank, ": the ranks disagree on ", what, ": this rank has ", mine,
        others, "; ", fix);
 }
+#endif  // DDP_BODIES
 
 /// The rendezvous timeout, naming the ranks whose `prefix<j>` key never appeared.
-[[noreturn]] inline void fail_missing_ranks(int rank, int size, std::chrono::milliseconds timeout,
-                                            const std::vector<std::string>& missing,
-                                            std::size_t prefix_len) {
+[[noreturn]] DDP_INLINE void fail_missing_ranks(int rank, int size,
+                                                std::chrono::milliseconds timeout,
+                                                const std::vector<std::string>& missing,
+                                                std::size_t prefix_len);
+#if DDP_BODIES
+DDP_INLINE void fail_missing_ranks(int rank, int size, std::chrono::milliseconds timeout,
+                                   const std::vector<std::string>& missing,
+                                   std::size_t prefix_len) {
   std::string who;
   for (const auto& k : missing) who += concat(who.empty() ? "" : ", ", k.substr(prefix_len));
   fail(Errc::timeout, "rank ", rank, ": rendezvous timed out after ", timeout.count(),
@@ -5618,12 +6106,17 @@ inline void require_agreement(int rank, std::string_view what, std::string_view 
        ". Check that every rank was started with the same MASTER_ADDR, MASTER_PORT and "
        "WORLD_SIZE");
 }
+#endif  // DDP_BODIES
 
 /// Waits up to `timeout` for `prefix<j>` of every rank j and returns their values; a timeout
 /// names the ranks that are missing.
-[[nodiscard]] inline std::vector<std::string> gather_records(Store& store, std::string_view prefix,
-                                                             int rank, int size,
-                                                             std::chrono::milliseconds timeout) {
+[[nodiscard]] DDP_INLINE std::vector<std::string> gather_records(Store& store,
+                                                                 std::string_view prefix, int rank,
+                                                                 int size,
+                                                                 std::chrono::milliseconds timeout);
+#if DDP_BODIES
+DDP_INLINE std::vector<std::string> gather_records(Store& store, std::string_view prefix, int rank,
+                                                   int size, std::chrono::milliseconds timeout) {
   std::vector<std::string> keys;
   for (int j = 0; j < size; ++j) keys.push_back(concat(prefix, j));
   if (auto missing = store.missing_after(keys, timeout); !missing.empty())
@@ -5632,6 +6125,7 @@ inline void require_agreement(int rank, std::string_view what, std::string_view 
   for (const auto& k : keys) values.push_back(store.get(k));
   return values;
 }
+#endif  // DDP_BODIES
 
 /// What a rank believes about its job; every rank must believe the same.
 struct JobView {
@@ -5642,15 +6136,20 @@ struct JobView {
 };
 
 /// Who this process is, as another process would be told ("pid 123 on host node7").
-[[nodiscard]] inline std::string process_label() {
+[[nodiscard]] DDP_INLINE std::string process_label();
+#if DDP_BODIES
+DDP_INLINE std::string process_label() {
   char name[256] = {};
   (void)::gethostname(name, sizeof name - 1);
   return concat("pid ", ::getpid(), " on host ", name);
 }
+#endif  // DDP_BODIES
 
 /// Process `pid`'s start time (clock ticks after boot, /proc/PID/stat field 22); "" when it is
 /// gone or has ended (a zombie its parent has not reaped yet).
-[[nodiscard]] inline std::string process_start(int pid) {
+[[nodiscard]] DDP_INLINE std::string process_start(int pid);
+#if DDP_BODIES
+DDP_INLINE std::string process_start(int pid) {
   const std::string path = concat("/proc/", pid, "/stat");
   std::string stat(1024, '\0');
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -5666,10 +6165,13 @@ struct JobView {
   if (at == std::string::npos) return {};
   return stat.substr(at + 1, stat.find(' ', at + 1) - at - 1);
 }
+#endif  // DDP_BODIES
 
 /// This process as another process on the same machine can find it: host name, boot id and pid
 /// namespace, then pid and start time ("host|boot|pidns pid start").
-[[nodiscard]] inline std::string process_identity() {
+[[nodiscard]] DDP_INLINE std::string process_identity();
+#if DDP_BODIES
+DDP_INLINE std::string process_identity() {
   char name[256] = {};
   (void)::gethostname(name, sizeof name - 1);
   const auto first_line = [](const char* path) {
@@ -5685,10 +6187,13 @@ struct JobView {
   return concat(name, "|", first_line("/proc/sys/kernel/random/boot_id"), "|", ns, " ", ::getpid(),
                 " ", process_start(::getpid()));
 }
+#endif  // DDP_BODIES
 
 /// Whether the process `identity` (process_identity()) ran on this machine, in this pid
 /// namespace, and has ended: certain evidence of a death, without waiting for a lease.
-[[nodiscard]] inline bool ended_here(std::string_view identity) {
+[[nodiscard]] DDP_INLINE bool ended_here(std::string_view identity);
+#if DDP_BODIES
+DDP_INLINE bool ended_here(std::string_view identity) {
   const std::string mine = process_identity();
   const std::size_t a = identity.find(' '), b = mine.find(' ');
   if (a == std::string_view::npos || identity.substr(0, a) != std::string_view(mine).substr(0, b))
@@ -5701,10 +6206,13 @@ struct JobView {
     return false;
   return process_start(pid) != rest.substr(sp + 1);
 }
+#endif  // DDP_BODIES
 
 /// Claims `rank` in the store: fails with Errc::invalid_argument, naming the process that holds
 /// it, when another process claimed it first. Returns normally once the rank is this process's.
-inline void claim_rank(Store& store, int rank, std::string_view group) {
+DDP_INLINE void claim_rank(Store& store, int rank, std::string_view group);
+#if DDP_BODIES
+DDP_INLINE void claim_rank(Store& store, int rank, std::string_view group) {
   const std::string me =
       concat(process_label(), " [", random_value<std::uint64_t>(), "]");  // unique per claim
   const std::string held = store.compare_set(concat("claim/", rank), "", me);
@@ -5723,13 +6231,17 @@ inline void claim_rank(Store& store, int rank, std::string_view group) {
        "\" is already taken by ", who, "; this process (", process_label(),
        ") was started with the same RANK. Give every process its own RANK (0..WORLD_SIZE-1)");
 }
+#endif  // DDP_BODIES
 
 /// Publishes this rank's view of the job and checks it against every rank's (see the file
 /// comment). Errc::mismatch names the ranks that differ and both values. `widest` is set to the
 /// largest world size any rank claimed (before a mismatch is thrown): the store's host waits for
 /// that many ranks to read the failure before it stops serving.
-inline void agree_on_job(Store& store, int rank, const JobView& job,
-                         std::chrono::milliseconds timeout, int& widest) {
+DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
+                             std::chrono::milliseconds timeout, int& widest);
+#if DDP_BODIES
+DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
+                             std::chrono::milliseconds timeout, int& widest) {
   std::string rec;
   ByteWriter w(rec);
   w.str(DDP_VERSION_STRING);
@@ -5764,6 +6276,7 @@ inline void agree_on_job(Store& store, int rank, const JobView& job,
                     "others sign would count them lost, or they it)",
                     heartbeats);
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -5982,7 +6495,7 @@ struct HttpReply {
 /// One server's kept connection (not thread-safe: the caller serializes).
 class HttpClient {
  public:
-  HttpClient(std::string host, int port) : host_(std::move(host)), port_(port) {}
+  HttpClient(std::string host, int port);
 
   [[nodiscard]] const std::string& host() const noexcept { return host_; }
   [[nodiscard]] int port() const noexcept { return port_; }
@@ -5993,143 +6506,160 @@ class HttpClient {
   /// connection then closed) when the server cannot be reached or does not answer by
   /// `deadline`. A kept connection the server closed meanwhile is opened again once.
   HttpReply post(std::string_view path, std::string_view body, Deadline deadline,
-                 std::size_t limit = std::size_t{64} << 20) {
-    const std::string request = concat(
-        "POST ", path, " HTTP/1.1\r\nHost: ", host_port(host_, port_),
-        "\r\nContent-Type: application/json\r\nContent-Length: ", body.size(), "\r\n\r\n", body);
-    for (int attempt = 0;; ++attempt) {
-      const bool reused = static_cast<bool>(fd_);
-      if (!fd_) {  // a member that refuses is tried again later, after the others
-        Deadline connect = Deadline::after(std::chrono::milliseconds(300));
-        connect.at = std::min(connect.at, deadline.at);
-        fd_ = connect_tcp(host_, port_, connect, "the etcd server");
-      }
-      in_.clear();
-      if (send_all(fd_.get(), request.data(), request.size(), deadline) == IoResult::ok) {
-        HttpReply r;
-        const IoResult got = read_reply(r, deadline, limit);
-        if (got == IoResult::ok) return r;
-        fd_.reset();
-        if (got == IoResult::timeout)
-          fail(Errc::timeout, "the etcd server at ", host_port(host_, port_),
-               " did not answer before the timeout");
-        if (reused && attempt == 0 && in_.empty()) continue;  // closed while idle: once more
-      } else {
-        fd_.reset();
-        if (reused && attempt == 0) continue;
-      }
-      fail(Errc::peer_lost, "the etcd server at ", host_port(host_, port_),
-           " closed the connection");
-    }
-  }
+                 std::size_t limit = std::size_t{64} << 20);
 
  private:
   /// The number `text` (base 10 or 16, spaces around); Errc::protocol when it is none.
-  [[nodiscard]] std::size_t number(std::string_view text, int base) const {
-    while (!text.empty() && text.front() == ' ') text.remove_prefix(1);
-    while (!text.empty() && (text.back() == ' ' || text.back() == '\r')) text.remove_suffix(1);
-    std::size_t v = 0;
-    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v, base);
-    if (ec != std::errc{} || text.empty() || (end != text.data() + text.size() && *end != ';'))
-      fail(Errc::protocol, "the etcd server at ", host_port(host_, port_), " sent a bad length \"",
-           text.substr(0, 40), "\"");
-    return v;
-  }
+  [[nodiscard]] std::size_t number(std::string_view text, int base) const;
 
   /// Reads at least one more byte into in_.
-  IoResult more(Deadline deadline) {
-    char buf[16384];
-    for (;;) {
-      const ssize_t n = ::recv(fd_.get(), buf, sizeof buf, MSG_DONTWAIT);
-      if (n > 0) {
-        in_.append(buf, static_cast<std::size_t>(n));
-        return IoResult::ok;
-      }
-      if (n == 0) return IoResult::closed;
-      if (errno == EINTR) continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK) return IoResult::closed;
-      pollfd p{fd_.get(), POLLIN, 0};
-      const int rc = ::poll(&p, 1, deadline.poll_ms(1000));
-      if (rc == 0 && deadline.expired()) return IoResult::timeout;
-    }
-  }
+  IoResult more(Deadline deadline);
 
   /// Reads until in_ holds `n` bytes from `at`.
-  IoResult need(std::size_t at, std::size_t n, Deadline deadline) {
-    while (in_.size() < at + n)
-      if (const IoResult r = more(deadline); r != IoResult::ok) return r;
-    return IoResult::ok;
-  }
+  IoResult need(std::size_t at, std::size_t n, Deadline deadline);
 
   /// Reads until in_ holds "\r\n" at or after `at`; its position in `end`.
-  IoResult line(std::size_t at, std::size_t& end, Deadline deadline, std::size_t limit) {
-    for (;;) {
-      end = in_.find("\r\n", at);
-      if (end != std::string::npos) return IoResult::ok;
-      if (in_.size() > at + limit)
-        fail(Errc::protocol, "the etcd server at ", host_port(host_, port_),
-             " sent a line longer than ", limit, " bytes");
-      if (const IoResult r = more(deadline); r != IoResult::ok) return r;
-    }
-  }
+  IoResult line(std::size_t at, std::size_t& end, Deadline deadline, std::size_t limit);
 
-  IoResult read_reply(HttpReply& r, Deadline deadline, std::size_t limit) {
-    std::size_t end = 0;
-    if (const IoResult x = line(0, end, deadline, 8192); x != IoResult::ok) return x;
-    const std::string_view status(in_.data(), end);
-    if (!status.starts_with("HTTP/1.") || status.size() < 12 || status[9] < '1' ||
-        status[9] > '5' || status[10] < '0' || status[10] > '9' || status[11] < '0' ||
-        status[11] > '9') {
-      std::string shown;
-      for (const char c : status.substr(0, 80)) shown += c >= 32 && c < 127 ? c : '?';
-      fail(Errc::protocol, host_port(host_, port_), " is not an HTTP server (it answered \"", shown,
-           "\"): is it etcd's client URL?");
-    }
-    r.status = (status[9] - '0') * 100 + (status[10] - '0') * 10 + (status[11] - '0');
-    std::size_t length = std::string::npos;
-    bool chunked = false, close_after = false;
-    std::size_t at = end + 2;
-    for (;;) {  // the headers
-      if (const IoResult x = line(at, end, deadline, 8192); x != IoResult::ok) return x;
-      if (end == at) break;
-      std::string h(in_.data() + at, end - at);
-      for (char& c : h) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
-      if (h.starts_with("content-length:")) length = number(h.substr(15), 10);
-      if (h.starts_with("transfer-encoding:") && h.find("chunked") != std::string::npos)
-        chunked = true;
-      if (h.starts_with("connection:") && h.find("close") != std::string::npos) close_after = true;
-      at = end + 2;
-    }
-    at = end + 2;
-    if (!chunked) {
-      if (length == std::string::npos || length > limit)
-        fail(Errc::protocol, "the etcd server at ", host_port(host_, port_),
-             " sent a reply without a usable length");
-      if (const IoResult x = need(at, length, deadline); x != IoResult::ok) return x;
-      r.body.assign(in_, at, length);
-    } else {
-      for (;;) {
-        if (const IoResult x = line(at, end, deadline, 64); x != IoResult::ok) return x;
-        const std::size_t n = number(in_.substr(at, end - at), 16);
-        at = end + 2;
-        if (r.body.size() + n > limit)
-          fail(Errc::protocol, "the etcd server at ", host_port(host_, port_),
-               " sent a reply over ", limit, " bytes");
-        if (const IoResult x = need(at, n + 2, deadline); x != IoResult::ok) return x;
-        r.body.append(in_, at, n);
-        at += n + 2;
-        if (n == 0) break;
-      }
-    }
-    if (close_after) fd_.reset();
-    return IoResult::ok;
-  }
+  IoResult read_reply(HttpReply& r, Deadline deadline, std::size_t limit);
 
   std::string host_;
   int port_;
   Fd fd_;
   std::string in_;
 };
+
+#if DDP_BODIES
+DDP_INLINE HttpClient::HttpClient(std::string host, int port)
+    : host_(std::move(host)), port_(port) {}
+
+DDP_INLINE HttpReply HttpClient::post(std::string_view path, std::string_view body,
+                                      Deadline deadline, std::size_t limit) {
+  const std::string request = concat(
+      "POST ", path, " HTTP/1.1\r\nHost: ", host_port(host_, port_),
+      "\r\nContent-Type: application/json\r\nContent-Length: ", body.size(), "\r\n\r\n", body);
+  for (int attempt = 0;; ++attempt) {
+    const bool reused = static_cast<bool>(fd_);
+    if (!fd_) {  // a member that refuses is tried again later, after the others
+      Deadline connect = Deadline::after(std::chrono::milliseconds(300));
+      connect.at = std::min(connect.at, deadline.at);
+      fd_ = connect_tcp(host_, port_, connect, "the etcd server");
+    }
+    in_.clear();
+    if (send_all(fd_.get(), request.data(), request.size(), deadline) == IoResult::ok) {
+      HttpReply r;
+      const IoResult got = read_reply(r, deadline, limit);
+      if (got == IoResult::ok) return r;
+      fd_.reset();
+      if (got == IoResult::timeout)
+        fail(Errc::timeout, "the etcd server at ", host_port(host_, port_),
+             " did not answer before the timeout");
+      if (reused && attempt == 0 && in_.empty()) continue;  // closed while idle: once more
+    } else {
+      fd_.reset();
+      if (reused && attempt == 0) continue;
+    }
+    fail(Errc::peer_lost, "the etcd server at ", host_port(host_, port_), " closed the connection");
+  }
+}
+
+DDP_INLINE std::size_t HttpClient::number(std::string_view text, int base) const {
+  while (!text.empty() && text.front() == ' ') text.remove_prefix(1);
+  while (!text.empty() && (text.back() == ' ' || text.back() == '\r')) text.remove_suffix(1);
+  std::size_t v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v, base);
+  if (ec != std::errc{} || text.empty() || (end != text.data() + text.size() && *end != ';'))
+    fail(Errc::protocol, "the etcd server at ", host_port(host_, port_), " sent a bad length \"",
+         text.substr(0, 40), "\"");
+  return v;
+}
+
+DDP_INLINE IoResult HttpClient::more(Deadline deadline) {
+  char buf[16384];
+  for (;;) {
+    const ssize_t n = ::recv(fd_.get(), buf, sizeof buf, MSG_DONTWAIT);
+    if (n > 0) {
+      in_.append(buf, static_cast<std::size_t>(n));
+      return IoResult::ok;
+    }
+    if (n == 0) return IoResult::closed;
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return IoResult::closed;
+    pollfd p{fd_.get(), POLLIN, 0};
+    const int rc = ::poll(&p, 1, deadline.poll_ms(1000));
+    if (rc == 0 && deadline.expired()) return IoResult::timeout;
+  }
+}
+
+DDP_INLINE IoResult HttpClient::need(std::size_t at, std::size_t n, Deadline deadline) {
+  while (in_.size() < at + n)
+    if (const IoResult r = more(deadline); r != IoResult::ok) return r;
+  return IoResult::ok;
+}
+
+DDP_INLINE IoResult HttpClient::line(std::size_t at, std::size_t& end, Deadline deadline,
+                                     std::size_t limit) {
+  for (;;) {
+    end = in_.find("\r\n", at);
+    if (end != std::string::npos) return IoResult::ok;
+    if (in_.size() > at + limit)
+      fail(Errc::protocol, "the etcd server at ", host_port(host_, port_),
+           " sent a line longer than ", limit, " bytes");
+    if (const IoResult r = more(deadline); r != IoResult::ok) return r;
+  }
+}
+
+DDP_INLINE IoResult HttpClient::read_reply(HttpReply& r, Deadline deadline, std::size_t limit) {
+  std::size_t end = 0;
+  if (const IoResult x = line(0, end, deadline, 8192); x != IoResult::ok) return x;
+  const std::string_view status(in_.data(), end);
+  if (!status.starts_with("HTTP/1.") || status.size() < 12 || status[9] < '1' || status[9] > '5' ||
+      status[10] < '0' || status[10] > '9' || status[11] < '0' || status[11] > '9') {
+    std::string shown;
+    for (const char c : status.substr(0, 80)) shown += c >= 32 && c < 127 ? c : '?';
+    fail(Errc::protocol, host_port(host_, port_), " is not an HTTP server (it answered \"", shown,
+         "\"): is it etcd's client URL?");
+  }
+  r.status = (status[9] - '0') * 100 + (status[10] - '0') * 10 + (status[11] - '0');
+  std::size_t length = std::string::npos;
+  bool chunked = false, close_after = false;
+  std::size_t at = end + 2;
+  for (;;) {  // the headers
+    if (const IoResult x = line(at, end, deadline, 8192); x != IoResult::ok) return x;
+    if (end == at) break;
+    std::string h(in_.data() + at, end - at);
+    for (char& c : h) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+    if (h.starts_with("content-length:")) length = number(h.substr(15), 10);
+    if (h.starts_with("transfer-encoding:") && h.find("chunked") != std::string::npos)
+      chunked = true;
+    if (h.starts_with("connection:") && h.find("close") != std::string::npos) close_after = true;
+    at = end + 2;
+  }
+  at = end + 2;
+  if (!chunked) {
+    if (length == std::string::npos || length > limit)
+      fail(Errc::protocol, "the etcd server at ", host_port(host_, port_),
+           " sent a reply without a usable length");
+    if (const IoResult x = need(at, length, deadline); x != IoResult::ok) return x;
+    r.body.assign(in_, at, length);
+  } else {
+    for (;;) {
+      if (const IoResult x = line(at, end, deadline, 64); x != IoResult::ok) return x;
+      const std::size_t n = number(in_.substr(at, end - at), 16);
+      at = end + 2;
+      if (r.body.size() + n > limit)
+        fail(Errc::protocol, "the etcd server at ", host_port(host_, port_), " sent a reply over ",
+             limit, " bytes");
+      if (const IoResult x = need(at, n + 2, deadline); x != IoResult::ok) return x;
+      r.body.append(in_, at, n);
+      at += n + 2;
+      if (n == 0) break;
+    }
+  }
+  if (close_after) fd_.reset();
+  return IoResult::ok;
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -6163,274 +6693,105 @@ struct EtcdAddress {
   std::string ns;  ///< "" when the URL names none
 
   /// Errc::invalid_argument naming `from` (the variable or option) when `url` is malformed.
-  static EtcdAddress parse(std::string_view url, std::string_view from) {
-    const auto bad = [&](std::string_view why) -> void {
-      fail(Errc::invalid_argument, from, "=\"", url, "\": ", why,
-           "; give etcd://HOST:PORT[,HOST:PORT...][/NAMESPACE]");
-    };
-    EtcdAddress a;
-    if (!url.starts_with("etcd://")) bad("not an etcd:// address");
-    std::string_view rest = url.substr(7);
-    if (const std::size_t slash = rest.find('/'); slash != std::string_view::npos) {
-      a.ns = std::string(rest.substr(slash + 1));
-      rest = rest.substr(0, slash);
-      for (const char c : a.ns)
-        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-              c == '-' || c == '_' || c == '.'))
-          bad("the namespace may hold letters, digits, '-', '_' and '.' only");
-    }
-    while (!rest.empty()) {
-      const std::size_t comma = std::min(rest.find(','), rest.size());
-      const std::string_view ep = rest.substr(0, comma);
-      const std::size_t colon = ep.rfind(':');
-      int port = 0;
-      const char* end = ep.data() + ep.size();
-      const auto parsed = colon == std::string_view::npos
-                              ? std::from_chars_result{end, std::errc::invalid_argument}
-                              : std::from_chars(ep.data() + colon + 1, end, port);
-      if (colon == std::string_view::npos || colon == 0 || parsed.ec != std::errc{} ||
-          parsed.ptr != end || port <= 0 || port > 65535)
-        bad("every endpoint needs a host and a port (HOST:PORT)");
-      std::string host(ep.substr(0, colon));
-      if (host.size() > 2 && host.front() == '[' && host.back() == ']')
-        host = host.substr(1, host.size() - 2);
-      a.endpoints.emplace_back(std::move(host), port);
-      if (comma < rest.size() && comma + 1 == rest.size()) bad("an empty endpoint after a ','");
-      rest = comma < rest.size() ? rest.substr(comma + 1) : std::string_view{};
-    }
-    if (a.endpoints.empty()) bad("no endpoint");
-    return a;
-  }
+  static EtcdAddress parse(std::string_view url, std::string_view from);
 };
+
+#if DDP_BODIES
+DDP_INLINE EtcdAddress EtcdAddress::parse(std::string_view url, std::string_view from) {
+  const auto bad = [&](std::string_view why) -> void {
+    fail(Errc::invalid_argument, from, "=\"", url, "\": ", why,
+         "; give etcd://HOST:PORT[,HOST:PORT...][/NAMESPACE]");
+  };
+  EtcdAddress a;
+  if (!url.starts_with("etcd://")) bad("not an etcd:// address");
+  std::string_view rest = url.substr(7);
+  if (const std::size_t slash = rest.find('/'); slash != std::string_view::npos) {
+    a.ns = std::string(rest.substr(slash + 1));
+    rest = rest.substr(0, slash);
+    for (const char c : a.ns)
+      if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+            c == '-' || c == '_' || c == '.'))
+        bad("the namespace may hold letters, digits, '-', '_' and '.' only");
+  }
+  while (!rest.empty()) {
+    const std::size_t comma = std::min(rest.find(','), rest.size());
+    const std::string_view ep = rest.substr(0, comma);
+    const std::size_t colon = ep.rfind(':');
+    int port = 0;
+    const char* end = ep.data() + ep.size();
+    const auto parsed = colon == std::string_view::npos
+                            ? std::from_chars_result{end, std::errc::invalid_argument}
+                            : std::from_chars(ep.data() + colon + 1, end, port);
+    if (colon == std::string_view::npos || colon == 0 || parsed.ec != std::errc{} ||
+        parsed.ptr != end || port <= 0 || port > 65535)
+      bad("every endpoint needs a host and a port (HOST:PORT)");
+    std::string host(ep.substr(0, colon));
+    if (host.size() > 2 && host.front() == '[' && host.back() == ']')
+      host = host.substr(1, host.size() - 2);
+    a.endpoints.emplace_back(std::move(host), port);
+    if (comma < rest.size() && comma + 1 == rest.size()) bad("an empty endpoint after a ','");
+    rest = comma < rest.size() ? rest.substr(comma + 1) : std::string_view{};
+  }
+  if (a.endpoints.empty()) bad("no endpoint");
+  return a;
+}
+#endif  // DDP_BODIES
 
 /// A rendezvous store in etcd (see the file comment).
 class EtcdStoreConnection final : public StoreConnection {
  public:
   /// Connects to the cluster and joins namespace `ns` (its lease made, or kept alive), within
   /// options.timeout.
-  EtcdStoreConnection(EtcdAddress address, StoreOptions o)
-      : StoreConnection(std::move(o)),
-        address_(std::move(address)),
-        root_(concat("/ddp/", address_.ns, "/")) {
-    for (const auto& [h, p] : address_.endpoints) {
-      calls_.emplace_back(h, p);
-      beats_.emplace_back(h, p);
-    }
-    std::lock_guard lock(mutex_);
-    const auto deadline = Deadline::after(options.timeout);
-    join_namespace(deadline);
-    // etcd counts leases in whole seconds (and grants at least its own minimum: 1.5 times its
-    // election timeout, rounded up).
-    const auto ttl = std::max<std::int64_t>(
-        1, std::chrono::ceil<std::chrono::seconds>(options.lease_ttl).count());
-    lease_ = grant(ttl, deadline, calls_, at_);
-    put_raw(concat(root_, "proc/", lease_), "", lease_, deadline, calls_, at_);
-  }
-  ~EtcdStoreConnection() override {
-    stop_heartbeat();
-    // Ending normally: its close records apply now (as ddp's store applies them when a
-    // connection closes), and its lease goes.
-    try {
-      std::lock_guard lock(mutex_);
-      const auto deadline = Deadline::after(std::chrono::seconds(2));
-      if (!closing_.empty()) apply(closing_, false, deadline, calls_, at_);
-      (void)request("/v3/kv/deleterange",
-                    concat("{\"key\":", k64(concat(root_, "close/", lease_)), "}"), deadline,
-                    calls_, at_);
-      (void)request("/v3/kv/deleterange",
-                    concat("{\"key\":", k64(concat(root_, "expire/", lease_)), "}"), deadline,
-                    calls_, at_);
-      (void)request("/v3/lease/revoke", concat("{\"ID\":\"", lease_, "\"}"), deadline, calls_, at_);
-    } catch (...) {  // the cluster is gone: the lease runs out by itself
-    }
-  }
+  EtcdStoreConnection(EtcdAddress address, StoreOptions o);
+  ~EtcdStoreConnection() override;
 
-  void set(const StoreCall& c, const std::string& key, std::string_view value) override {
-    auto lock = lock_for(c);
-    put_raw(user(key), value, ns_lease_, deadline_of(c, options.timeout), calls_, at_);
-  }
+  void set(const StoreCall& c, const std::string& key, std::string_view value) override;
 
   std::string get(const StoreCall& c, const std::string& key, std::chrono::milliseconds timeout,
-                  const std::string& stop) override {
-    const std::string one[] = {key};
-    std::string value;
-    if (!poll(c, one, timeout, stop, &value))
-      fail_missing(c, timeout, std::vector<std::string>{key});
-    return value;
-  }
+                  const std::string& stop) override;
 
   bool wait(const StoreCall& c, std::span<const std::string> keys,
             std::chrono::milliseconds timeout, const std::string& stop,
-            bool report_timeout) override {
-    if (poll(c, keys, timeout, stop, nullptr)) return true;
-    if (report_timeout) return false;
-    std::vector<std::string> missing;
-    for (const auto& k : keys)
-      if (!check(c, std::span<const std::string>(&k, 1))) missing.push_back(k);
-    fail_missing(c, timeout, missing);
-  }
+            bool report_timeout) override;
 
-  std::int64_t add(const StoreCall& c, const std::string& key, std::int64_t delta) override {
-    auto lock = lock_for(c);
-    const auto deadline = deadline_of(c, options.timeout);
-    if (delta == 0) {  // a read (how counters are polled): no write to replicate
-      const auto held = range_one(user(key), deadline).first;
-      if (!held || held->size() != 8) return 0;
-      ByteReader r(*held, "counter");
-      return r.get<std::int64_t>();
-    }
-    const std::string marker = concat(root_, "op/", lease_, "/", ++ops_);
-    for (;;) {
-      const auto [held, revision] = range_one(user(key), deadline);
-      std::int64_t value = 0;
-      if (held) {
-        if (held->size() != 8)
-          fail(Errc::protocol, "store add(\"", c.prefix, c.key,
-               "\") failed: key does not hold a counter");
-        ByteReader r(*held, "counter");
-        value = r.get<std::int64_t>();
-      }
-      value = static_cast<std::int64_t>(static_cast<std::uint64_t>(value) +
-                                        static_cast<std::uint64_t>(delta));
-      std::string enc;
-      ByteWriter(enc).put(value);
-      const std::string compare =
-          held ? concat("{\"key\":", k64(user(key)), ",\"target\":\"MOD\",\"mod_revision\":\"",
-                        revision, "\"}")
-               : concat("{\"key\":", k64(user(key)),
-                        ",\"target\":\"CREATE\",\"create_revision\":\"0\"}");
-      const Json r = json(request(
-          "/v3/kv/txn",
-          concat("{\"compare\":[", compare, "],\"success\":[", put_op(user(key), enc, ns_lease_),
-                 ",", put_op(marker, enc, ns_lease_), "]}"),
-          deadline, calls_, at_));
-      if (r.find("succeeded") != nullptr) return value;
-      if (!committed_) {  // an answer was lost on the way: was that attempt applied?
-        if (const auto done = range_one(marker, deadline).first; done && done->size() == 8) {
-          ByteReader br(*done, "counter");
-          return br.get<std::int64_t>();
-        }
-      }
-    }
-  }
+  std::int64_t add(const StoreCall& c, const std::string& key, std::int64_t delta) override;
 
   std::string compare_set(const StoreCall& c, const std::string& key, std::string_view expected,
-                          std::string_view desired) override {
-    auto lock = lock_for(c);
-    const auto deadline = deadline_of(c, options.timeout);
-    const std::string compare =
-        expected.empty() ? concat("{\"key\":", k64(user(key)),
-                                  ",\"target\":\"CREATE\",\"create_revision\":\"0\"}")
-                         : concat("{\"key\":", k64(user(key)), ",\"target\":\"VALUE\",\"value\":\"",
-                                  base64_encode(expected), "\"}");
-    const Json r = json(request(
-        "/v3/kv/txn",
-        concat("{\"compare\":[", compare, "],\"success\":[", put_op(user(key), desired, ns_lease_),
-               "],\"failure\":[", range_op(user(key)), "]}"),
-        deadline, calls_, at_));
-    if (r.find("succeeded") != nullptr) return std::string(desired);
-    const Json* responses = r.find("responses");
-    if (responses != nullptr && !responses->items.empty())
-      if (const Json* rr = responses->items[0].find("response_range"))
-        if (const Json* kvs = rr->find("kvs"); kvs != nullptr && !kvs->items.empty())
-          return base64_decode(kvs->items[0].get("value"));
-    return {};
-  }
+                          std::string_view desired) override;
 
-  bool erase(const StoreCall& c, const std::string& key) override {
-    auto lock = lock_for(c);
-    const Json r = json(request("/v3/kv/deleterange", concat("{\"key\":", k64(user(key)), "}"),
-                                deadline_of(c, options.timeout), calls_, at_));
-    return r.integer("deleted") > 0;
-  }
+  bool erase(const StoreCall& c, const std::string& key) override;
 
-  bool check(const StoreCall& c, std::span<const std::string> keys) override {
-    auto lock = lock_for(c);
-    return present(keys, "", deadline_of(c, options.timeout), nullptr) == keys.size();
-  }
+  bool check(const StoreCall& c, std::span<const std::string> keys) override;
 
   void set_on_close(const StoreCall& c,
-                    std::span<const std::pair<std::string, std::string>> keys) override {
-    auto lock = lock_for(c);
-    std::vector<LeaseRecord> records;
-    for (const auto& [k, v] : keys) records.push_back({k, v, 0, false});
-    put_raw(concat(root_, "close/", lease_), encode(records), ns_lease_,
-            deadline_of(c, options.timeout), calls_, at_);
-    closing_ = std::move(records);
-  }
+                    std::span<const std::pair<std::string, std::string>> keys) override;
 
   void lease(const StoreCall& c, std::chrono::milliseconds,
-             std::span<const LeaseRecord> on_expire) override {
-    // The process's lease was made with StoreOptions::lease_ttl; its expiry records go here.
-    auto lock = lock_for(c);
-    put_raw(concat(root_, "expire/", lease_),
-            encode(std::vector<LeaseRecord>(on_expire.begin(), on_expire.end())), ns_lease_,
-            deadline_of(c, options.timeout), calls_, at_);
-  }
+             std::span<const LeaseRecord> on_expire) override;
 
   [[nodiscard]] bool lost() override { return false; }  // every call tries every member
   /// The process's lease is signed from the start (the rendezvous may outlast it).
   void adopted() override { start_heartbeat(options.lease_ttl); }
-  [[nodiscard]] std::string where() const override {
-    std::string w = "etcd ";
-    for (std::size_t i = 0; i < address_.endpoints.size(); ++i)
-      w += concat(i ? "," : "",
-                  host_port(address_.endpoints[i].first, address_.endpoints[i].second));
-    return concat(w, " (namespace ", address_.ns, ")");
-  }
+  [[nodiscard]] std::string where() const override;
   [[nodiscard]] const std::string& host() const noexcept override {
     return address_.endpoints.front().first;
   }
   [[nodiscard]] int port() const noexcept override { return address_.endpoints.front().second; }
-  [[nodiscard]] std::string local_address() override {
-    std::lock_guard lock(mutex_);
-    (void)request("/v3/maintenance/status", "{}", Deadline::after(options.timeout), calls_, at_);
-    return detail::local_address(calls_[at_].fd());
-  }
+  [[nodiscard]] std::string local_address() override;
 
  protected:
   /// The process's lease and the namespace's, on the heartbeat's own connections.
-  void keepalive() override {
-    const auto deadline = Deadline::after(std::chrono::seconds(2));
-    for (const std::int64_t id : {lease_, ns_lease_}) {
-      const Json r = json(request("/v3/lease/keepalive", concat("{\"ID\":\"", id, "\"}"), deadline,
-                                  beats_, beat_at_));
-      (void)r;  // a lease that ran out stays out: its process was counted lost
-    }
-  }
+  void keepalive() override;
 
   /// Applies the records of the leases that ran out (the processes that died or stopped).
-  void on_beat() override {
-    const auto deadline = Deadline::after(std::chrono::seconds(2));
-    std::set<std::string> live;
-    for (const Json& kv : prefix_range(concat(root_, "proc/"), true, deadline))
-      live.insert(base64_decode(kv.get("key")).substr(root_.size() + 5));
-    for (const bool expiry : {false, true}) {
-      const std::string at = concat(root_, expiry ? "expire/" : "close/");
-      for (const Json& kv : prefix_range(at, false, deadline)) {
-        const std::string id = base64_decode(kv.get("key")).substr(at.size());
-        if (live.count(id) != 0) continue;
-        const std::string value = base64_decode(kv.get("value"));
-        apply(decode(value), expiry, deadline, beats_, beat_at_);
-        (void)request(
-            "/v3/kv/txn",
-            concat("{\"compare\":[{\"key\":", k64(at + id),
-                   ",\"target\":\"MOD\",\"mod_revision\":\"", kv.get("mod_revision"),
-                   "\"}],\"success\":[{\"request_delete_range\":{\"key\":", k64(at + id), "}}]}"),
-            deadline, beats_, beat_at_);
-      }
-    }
-  }
+  void on_beat() override;
 
  private:
   using Clients = std::vector<HttpClient>;
 
   [[nodiscard]] std::string user(const std::string& key) const { return concat(root_, "k/", key); }
   static std::string k64(std::string_view key) { return concat("\"", base64_encode(key), "\""); }
-  static std::string put_op(const std::string& key, std::string_view value, std::int64_t lease) {
-    return concat("{\"request_put\":{\"key\":", k64(key), ",\"value\":\"", base64_encode(value),
-                  "\",\"lease\":\"", lease, "\"}}");
-  }
+  static std::string put_op(const std::string& key, std::string_view value, std::int64_t lease);
   static std::string range_op(const std::string& key) {
     return concat("{\"request_range\":{\"key\":", k64(key), "}}");
   }
@@ -6438,230 +6799,45 @@ class EtcdStoreConnection final : public StoreConnection {
 
   /// A request's deadline: `timeout`, within the view's deadline and a moment after it (a
   /// request begun just before it ends is given its chance to answer, as ddp's own store's).
-  static Deadline deadline_of(const StoreCall& c, std::chrono::milliseconds timeout) {
-    Deadline d = Deadline::after(timeout);
-    if (c.deadline != Clock::time_point::max())
-      d.at = std::min(d.at, std::max(c.deadline, Clock::now()) + std::chrono::seconds(2));
-    return d;
-  }
+  static Deadline deadline_of(const StoreCall& c, std::chrono::milliseconds timeout);
 
   /// POSTs to one member after another (from the last that answered) until one answers, each
   /// given a few seconds, all of them until `deadline`; etcd's own errors (no leader yet, a
   /// member that lost the majority) count as no answer. The reply's body.
   std::string request(std::string_view path, const std::string& body, Deadline deadline,
-                      Clients& clients, std::size_t& at, const StoreCall* c = nullptr) {
-    const bool calls = &clients == &calls_;  // the heartbeat's requests leave committed_ alone
-    if (calls) committed_ = true;
-    std::string last = "no member answered", answer;
-    for (std::size_t tried = 0;; ++tried) {
-      HttpClient& h = clients[at];
-      Deadline one = Deadline::after(std::chrono::seconds(3));
-      one.at = std::min(one.at, deadline.at);
-      try {
-        const HttpReply r = h.post(path, body, one);
-        if (r.status == 200) return r.body;
-        last = answer = concat("member ", host_port(h.host(), h.port()), " answered ", r.status,
-                               ": ", r.body.substr(0, 200));
-        if (r.status < 500) fail(Errc::protocol, "etcd ", path, ": ", last);
-      } catch (const Error& e) {
-        if (e.code() == Errc::protocol) throw;
-        last = e.what();
-        if (calls) committed_ = false;  // the request may or may not have been applied
-      }
-      at = (at + 1) % clients.size();
-      if (deadline.expired())
-        fail(Errc::timeout,
-             c != nullptr && !c->what.empty()
-                 ? concat("store ", c->what, "(\"", c->prefix, c->key, "\"): ")
-                 : std::string(),
-             "the rendezvous store in ", where(),
-             " gave no usable answer before the timeout (is a majority of its members up and "
-             "reachable?): ",
-             last, answer.empty() || answer == last ? "" : concat("; the last answer: ", answer));
-      if (tried + 1 >= clients.size())
-        std::this_thread::sleep_for(std::chrono::milliseconds(std::min(100, deadline.poll_ms())));
-    }
-  }
+                      Clients& clients, std::size_t& at, const StoreCall* c = nullptr);
 
   /// The value (and modification revision) of `key`, or none.
   std::pair<std::optional<std::string>, std::string> range_one(const std::string& key,
-                                                               Deadline deadline) {
-    const Json r =
-        json(request("/v3/kv/range", concat("{\"key\":", k64(key), "}"), deadline, calls_, at_));
-    const Json* kvs = r.find("kvs");
-    if (kvs == nullptr || kvs->items.empty()) return {std::nullopt, ""};
-    return {base64_decode(kvs->items[0].get("value")), kvs->items[0].get("mod_revision")};
-  }
+                                                               Deadline deadline);
 
   /// Every key under `prefix` (keys only, or with values), from the heartbeat's connections.
-  std::vector<Json> prefix_range(const std::string& prefix, bool keys_only, Deadline deadline) {
-    std::string end = prefix;
-    end.back() = static_cast<char>(end.back() + 1);
-    Json r = json(request("/v3/kv/range",
-                          concat("{\"key\":", k64(prefix), ",\"range_end\":", k64(end),
-                                 keys_only ? ",\"keys_only\":true}" : "}"),
-                          deadline, beats_, beat_at_));
-    if (Json* kvs = const_cast<Json*>(r.find("kvs"))) return std::move(kvs->items);
-    return {};
-  }
+  std::vector<Json> prefix_range(const std::string& prefix, bool keys_only, Deadline deadline);
 
   /// How many of `keys` exist (user keys), and whether `stop` does (its value in `stopped`);
   /// the first key's value in `value`, when asked. One transaction.
   std::size_t present(std::span<const std::string> keys, const std::string& stop, Deadline deadline,
                       std::string* value, std::optional<std::string>* stopped = nullptr,
-                      const StoreCall* c = nullptr) {
-    std::string ops;
-    for (const auto& k : keys) ops += concat(ops.empty() ? "" : ",", range_op(user(k)));
-    if (!stop.empty()) ops += concat(ops.empty() ? "" : ",", range_op(user(stop)));
-    const Json r =
-        json(request("/v3/kv/txn", concat("{\"success\":[", ops, "]}"), deadline, calls_, at_, c));
-    const Json* responses = r.find("responses");
-    std::size_t found = 0;
-    for (std::size_t i = 0; responses != nullptr && i < responses->items.size(); ++i) {
-      const Json* rr = responses->items[i].find("response_range");
-      const Json* kvs = rr != nullptr ? rr->find("kvs") : nullptr;
-      if (kvs == nullptr || kvs->items.empty()) continue;
-      if (i == keys.size() && stopped != nullptr) {
-        *stopped = base64_decode(kvs->items[0].get("value"));
-        continue;
-      }
-      if (i == 0 && value != nullptr) *value = base64_decode(kvs->items[0].get("value"));
-      ++found;
-    }
-    return found;
-  }
+                      const StoreCall* c = nullptr);
 
   /// Waits (polling) until every key exists; false at the timeout. A stop key throws.
   bool poll(const StoreCall& c, std::span<const std::string> keys,
-            std::chrono::milliseconds timeout, const std::string& stop, std::string* value) {
-    Deadline deadline = Deadline::after(timeout);
-    deadline.at = std::min(deadline.at, c.deadline);
-    auto pause = std::chrono::milliseconds(1);
-    for (;;) {
-      {
-        auto lock = lock_for(c);
-        std::optional<std::string> stopped;
-        // Each look is a request of its own, given the store's timeout (a wait of 0 ms looks
-        // once); the wait's own timeout only decides when to stop looking.
-        const std::size_t n =
-            present(keys, stop, deadline_of(c, options.timeout), value, &stopped, &c);
-        if (stopped) fail_stopped(c, stop, *stopped);
-        if (n == keys.size()) return true;
-      }
-      if (deadline.expired()) return false;
-      std::this_thread::sleep_for(std::min(pause, std::chrono::milliseconds(deadline.poll_ms())));
-      pause = std::min(pause * 2, std::chrono::milliseconds(32));
-    }
-  }
+            std::chrono::milliseconds timeout, const std::string& stop, std::string* value);
 
   void put_raw(const std::string& key, std::string_view value, std::int64_t lease,
-               Deadline deadline, Clients& clients, std::size_t& at) {
-    (void)request("/v3/kv/put",
-                  concat("{\"key\":", k64(key), ",\"value\":\"", base64_encode(value), "\"",
-                         lease != 0 ? concat(",\"lease\":\"", lease, "\"") : std::string(), "}"),
-                  deadline, clients, at);
-  }
+               Deadline deadline, Clients& clients, std::size_t& at);
 
-  std::int64_t grant(std::int64_t ttl, Deadline deadline, Clients& clients, std::size_t& at) {
-    const Json r =
-        json(request("/v3/lease/grant", concat("{\"TTL\":\"", ttl, "\"}"), deadline, clients, at));
-    const std::int64_t id = r.integer("ID");
-    if (id == 0) fail(Errc::protocol, "etcd granted no lease: ", r.get("error"));
-    return id;
-  }
+  std::int64_t grant(std::int64_t ttl, Deadline deadline, Clients& clients, std::size_t& at);
 
   /// The namespace's lease: made by the first process to come, kept alive by every process.
-  void join_namespace(Deadline deadline) {
-    const std::int64_t mine = grant(60, deadline, calls_, at_);
-    const std::string key = root_ + "ns";
-    const Json r = json(request(
-        "/v3/kv/txn",
-        concat("{\"compare\":[{\"key\":", k64(key),
-               ",\"target\":\"CREATE\",\"create_revision\":\"0\"}],\"success\":[",
-               put_op(key, std::to_string(mine), mine), "],\"failure\":[", range_op(key), "]}"),
-        deadline, calls_, at_));
-    ns_lease_ = mine;
-    if (r.find("succeeded") != nullptr) return;
-    const Json* responses = r.find("responses");
-    const Json* kvs = responses != nullptr && !responses->items.empty() &&
-                              responses->items[0].find("response_range") != nullptr
-                          ? responses->items[0].find("response_range")->find("kvs")
-                          : nullptr;
-    if (kvs != nullptr && !kvs->items.empty()) {
-      const std::string held = base64_decode(kvs->items[0].get("value"));
-      (void)std::from_chars(held.data(), held.data() + held.size(), ns_lease_);
-      (void)request("/v3/lease/revoke", concat("{\"ID\":\"", mine, "\"}"), deadline, calls_, at_);
-    }
-  }
+  void join_namespace(Deadline deadline);
 
-  static std::string encode(const std::vector<LeaseRecord>& records) {
-    std::string out;
-    ByteWriter w(out);
-    w.put(static_cast<std::uint32_t>(records.size()));
-    for (const LeaseRecord& r : records) {
-      w.put(static_cast<std::uint8_t>(r.is_add ? 1 : 0));
-      w.str(r.key);
-      w.str(r.value);
-      w.put(r.add);
-    }
-    return out;
-  }
-  static std::vector<LeaseRecord> decode(const std::string& bytes) {
-    std::vector<LeaseRecord> out;
-    ByteReader r(bytes, "store records");
-    const auto n = std::min<std::uint32_t>(r.get<std::uint32_t>(), 64);
-    for (std::uint32_t i = 0; i < n; ++i) {
-      LeaseRecord rec;
-      rec.is_add = r.get<std::uint8_t>() != 0;
-      rec.key = r.str(4096);
-      rec.value = r.str(bytes.size());
-      rec.add = r.get<std::int64_t>();
-      out.push_back(std::move(rec));
-    }
-    return out;
-  }
+  static std::string encode(const std::vector<LeaseRecord>& records);
+  static std::vector<LeaseRecord> decode(const std::string& bytes);
 
   /// Applies records (user keys): set when absent; add (expiry records only) to a counter.
   void apply(const std::vector<LeaseRecord>& records, bool adds, Deadline deadline,
-             Clients& clients, std::size_t& at) {
-    for (const LeaseRecord& rec : records) {
-      const std::string key = user(rec.key);
-      if (!rec.is_add) {
-        (void)request("/v3/kv/txn",
-                      concat("{\"compare\":[{\"key\":", k64(key),
-                             ",\"target\":\"CREATE\",\"create_revision\":\"0\"}],\"success\":[",
-                             put_op(key, rec.value, ns_lease_), "]}"),
-                      deadline, clients, at);
-        continue;
-      }
-      if (!adds) continue;
-      for (int tries = 0; tries < 16; ++tries) {  // a counter others may move meanwhile
-        const Json r = json(
-            request("/v3/kv/range", concat("{\"key\":", k64(key), "}"), deadline, clients, at));
-        const Json* kvs = r.find("kvs");
-        std::int64_t value = 0;
-        std::string compare =
-            concat("{\"key\":", k64(key), ",\"target\":\"CREATE\",\"create_revision\":\"0\"}");
-        if (kvs != nullptr && !kvs->items.empty()) {
-          const std::string held = base64_decode(kvs->items[0].get("value"));
-          if (held.size() == 8) {
-            ByteReader br(held, "counter");
-            value = br.get<std::int64_t>();
-          }
-          compare = concat("{\"key\":", k64(key), ",\"target\":\"MOD\",\"mod_revision\":\"",
-                           kvs->items[0].get("mod_revision"), "\"}");
-        }
-        std::string enc;
-        ByteWriter(enc).put(value + rec.add);
-        if (json(request("/v3/kv/txn",
-                         concat("{\"compare\":[", compare, "],\"success\":[",
-                                put_op(key, enc, ns_lease_), "]}"),
-                         deadline, clients, at))
-                .find("succeeded") != nullptr)
-          break;
-      }
-    }
-  }
+             Clients& clients, std::size_t& at);
 
   EtcdAddress address_;
   std::string root_;
@@ -6673,10 +6849,455 @@ class EtcdStoreConnection final : public StoreConnection {
   std::vector<LeaseRecord> closing_;  // this process's close records
 };
 
+#if DDP_BODIES
+DDP_INLINE EtcdStoreConnection::EtcdStoreConnection(EtcdAddress address, StoreOptions o)
+    : StoreConnection(std::move(o)),
+      address_(std::move(address)),
+      root_(concat("/ddp/", address_.ns, "/")) {
+  for (const auto& [h, p] : address_.endpoints) {
+    calls_.emplace_back(h, p);
+    beats_.emplace_back(h, p);
+  }
+  std::lock_guard lock(mutex_);
+  const auto deadline = Deadline::after(options.timeout);
+  join_namespace(deadline);
+  // etcd counts leases in whole seconds (and grants at least its own minimum: 1.5 times its
+  // election timeout, rounded up).
+  const auto ttl =
+      std::max<std::int64_t>(1, std::chrono::ceil<std::chrono::seconds>(options.lease_ttl).count());
+  lease_ = grant(ttl, deadline, calls_, at_);
+  put_raw(concat(root_, "proc/", lease_), "", lease_, deadline, calls_, at_);
+}
+
+DDP_INLINE EtcdStoreConnection::~EtcdStoreConnection() {
+  stop_heartbeat();
+  // Ending normally: its close records apply now (as ddp's store applies them when a
+  // connection closes), and its lease goes.
+  try {
+    std::lock_guard lock(mutex_);
+    const auto deadline = Deadline::after(std::chrono::seconds(2));
+    if (!closing_.empty()) apply(closing_, false, deadline, calls_, at_);
+    (void)request("/v3/kv/deleterange",
+                  concat("{\"key\":", k64(concat(root_, "close/", lease_)), "}"), deadline, calls_,
+                  at_);
+    (void)request("/v3/kv/deleterange",
+                  concat("{\"key\":", k64(concat(root_, "expire/", lease_)), "}"), deadline, calls_,
+                  at_);
+    (void)request("/v3/lease/revoke", concat("{\"ID\":\"", lease_, "\"}"), deadline, calls_, at_);
+  } catch (...) {  // the cluster is gone: the lease runs out by itself
+  }
+}
+
+DDP_INLINE void EtcdStoreConnection::set(const StoreCall& c, const std::string& key,
+                                         std::string_view value) {
+  auto lock = lock_for(c);
+  put_raw(user(key), value, ns_lease_, deadline_of(c, options.timeout), calls_, at_);
+}
+
+DDP_INLINE std::string EtcdStoreConnection::get(const StoreCall& c, const std::string& key,
+                                                std::chrono::milliseconds timeout,
+                                                const std::string& stop) {
+  const std::string one[] = {key};
+  std::string value;
+  if (!poll(c, one, timeout, stop, &value)) fail_missing(c, timeout, std::vector<std::string>{key});
+  return value;
+}
+
+DDP_INLINE bool EtcdStoreConnection::wait(const StoreCall& c, std::span<const std::string> keys,
+                                          std::chrono::milliseconds timeout,
+                                          const std::string& stop, bool report_timeout) {
+  if (poll(c, keys, timeout, stop, nullptr)) return true;
+  if (report_timeout) return false;
+  std::vector<std::string> missing;
+  for (const auto& k : keys)
+    if (!check(c, std::span<const std::string>(&k, 1))) missing.push_back(k);
+  fail_missing(c, timeout, missing);
+}
+
+DDP_INLINE std::int64_t EtcdStoreConnection::add(const StoreCall& c, const std::string& key,
+                                                 std::int64_t delta) {
+  auto lock = lock_for(c);
+  const auto deadline = deadline_of(c, options.timeout);
+  if (delta == 0) {  // a read (how counters are polled): no write to replicate
+    const auto held = range_one(user(key), deadline).first;
+    if (!held || held->size() != 8) return 0;
+    ByteReader r(*held, "counter");
+    return r.get<std::int64_t>();
+  }
+  const std::string marker = concat(root_, "op/", lease_, "/", ++ops_);
+  for (;;) {
+    const auto [held, revision] = range_one(user(key), deadline);
+    std::int64_t value = 0;
+    if (held) {
+      if (held->size() != 8)
+        fail(Errc::protocol, "store add(\"", c.prefix, c.key,
+             "\") failed: key does not hold a counter");
+      ByteReader r(*held, "counter");
+      value = r.get<std::int64_t>();
+    }
+    value = static_cast<std::int64_t>(static_cast<std::uint64_t>(value) +
+                                      static_cast<std::uint64_t>(delta));
+    std::string enc;
+    ByteWriter(enc).put(value);
+    const std::string compare =
+        held ? concat("{\"key\":", k64(user(key)), ",\"target\":\"MOD\",\"mod_revision\":\"",
+                      revision, "\"}")
+             : concat("{\"key\":", k64(user(key)),
+                      ",\"target\":\"CREATE\",\"create_revision\":\"0\"}");
+    const Json r = json(request(
+        "/v3/kv/txn",
+        concat("{\"compare\":[", compare, "],\"success\":[", put_op(user(key), enc, ns_lease_), ",",
+               put_op(marker, enc, ns_lease_), "]}"),
+        deadline, calls_, at_));
+    if (r.find("succeeded") != nullptr) return value;
+    if (!committed_) {  // an answer was lost on the way: was that attempt applied?
+      if (const auto done = range_one(marker, deadline).first; done && done->size() == 8) {
+        ByteReader br(*done, "counter");
+        return br.get<std::int64_t>();
+      }
+    }
+  }
+}
+
+DDP_INLINE std::string EtcdStoreConnection::compare_set(const StoreCall& c, const std::string& key,
+                                                        std::string_view expected,
+                                                        std::string_view desired) {
+  auto lock = lock_for(c);
+  const auto deadline = deadline_of(c, options.timeout);
+  const std::string compare =
+      expected.empty()
+          ? concat("{\"key\":", k64(user(key)), ",\"target\":\"CREATE\",\"create_revision\":\"0\"}")
+          : concat("{\"key\":", k64(user(key)), ",\"target\":\"VALUE\",\"value\":\"",
+                   base64_encode(expected), "\"}");
+  const Json r = json(request(
+      "/v3/kv/txn",
+      concat("{\"compare\":[", compare, "],\"success\":[", put_op(user(key), desired, ns_lease_),
+             "],\"failure\":[", range_op(user(key)), "]}"),
+      deadline, calls_, at_));
+  if (r.find("succeeded") != nullptr) return std::string(desired);
+  const Json* responses = r.find("responses");
+  if (responses != nullptr && !responses->items.empty())
+    if (const Json* rr = responses->items[0].find("response_range"))
+      if (const Json* kvs = rr->find("kvs"); kvs != nullptr && !kvs->items.empty())
+        return base64_decode(kvs->items[0].get("value"));
+  return {};
+}
+
+DDP_INLINE bool EtcdStoreConnection::erase(const StoreCall& c, const std::string& key) {
+  auto lock = lock_for(c);
+  const Json r = json(request("/v3/kv/deleterange", concat("{\"key\":", k64(user(key)), "}"),
+                              deadline_of(c, options.timeout), calls_, at_));
+  return r.integer("deleted") > 0;
+}
+
+DDP_INLINE bool EtcdStoreConnection::check(const StoreCall& c, std::span<const std::string> keys) {
+  auto lock = lock_for(c);
+  return present(keys, "", deadline_of(c, options.timeout), nullptr) == keys.size();
+}
+
+DDP_INLINE void EtcdStoreConnection::set_on_close(
+    const StoreCall& c, std::span<const std::pair<std::string, std::string>> keys) {
+  auto lock = lock_for(c);
+  std::vector<LeaseRecord> records;
+  for (const auto& [k, v] : keys) records.push_back({k, v, 0, false});
+  put_raw(concat(root_, "close/", lease_), encode(records), ns_lease_,
+          deadline_of(c, options.timeout), calls_, at_);
+  closing_ = std::move(records);
+}
+
+DDP_INLINE void EtcdStoreConnection::lease(const StoreCall& c, std::chrono::milliseconds,
+                                           std::span<const LeaseRecord> on_expire) {
+  // The process's lease was made with StoreOptions::lease_ttl; its expiry records go here.
+  auto lock = lock_for(c);
+  put_raw(concat(root_, "expire/", lease_),
+          encode(std::vector<LeaseRecord>(on_expire.begin(), on_expire.end())), ns_lease_,
+          deadline_of(c, options.timeout), calls_, at_);
+}
+
+DDP_INLINE std::string EtcdStoreConnection::where() const {
+  std::string w = "etcd ";
+  for (std::size_t i = 0; i < address_.endpoints.size(); ++i)
+    w += concat(i ? "," : "", host_port(address_.endpoints[i].first, address_.endpoints[i].second));
+  return concat(w, " (namespace ", address_.ns, ")");
+}
+
+DDP_INLINE std::string EtcdStoreConnection::local_address() {
+  std::lock_guard lock(mutex_);
+  (void)request("/v3/maintenance/status", "{}", Deadline::after(options.timeout), calls_, at_);
+  return detail::local_address(calls_[at_].fd());
+}
+
+DDP_INLINE void EtcdStoreConnection::keepalive() {
+  const auto deadline = Deadline::after(std::chrono::seconds(2));
+  for (const std::int64_t id : {lease_, ns_lease_}) {
+    const Json r = json(request("/v3/lease/keepalive", concat("{\"ID\":\"", id, "\"}"), deadline,
+                                beats_, beat_at_));
+    (void)r;  // a lease that ran out stays out: its process was counted lost
+  }
+}
+
+DDP_INLINE void EtcdStoreConnection::on_beat() {
+  const auto deadline = Deadline::after(std::chrono::seconds(2));
+  std::set<std::string> live;
+  for (const Json& kv : prefix_range(concat(root_, "proc/"), true, deadline))
+    live.insert(base64_decode(kv.get("key")).substr(root_.size() + 5));
+  for (const bool expiry : {false, true}) {
+    const std::string at = concat(root_, expiry ? "expire/" : "close/");
+    for (const Json& kv : prefix_range(at, false, deadline)) {
+      const std::string id = base64_decode(kv.get("key")).substr(at.size());
+      if (live.count(id) != 0) continue;
+      const std::string value = base64_decode(kv.get("value"));
+      apply(decode(value), expiry, deadline, beats_, beat_at_);
+      (void)request(
+          "/v3/kv/txn",
+          concat("{\"compare\":[{\"key\":", k64(at + id), ",\"target\":\"MOD\",\"mod_revision\":\"",
+                 kv.get("mod_revision"),
+                 "\"}],\"success\":[{\"request_delete_range\":{\"key\":", k64(at + id), "}}]}"),
+          deadline, beats_, beat_at_);
+    }
+  }
+}
+
+DDP_INLINE std::string EtcdStoreConnection::put_op(const std::string& key, std::string_view value,
+                                                   std::int64_t lease) {
+  return concat("{\"request_put\":{\"key\":", k64(key), ",\"value\":\"", base64_encode(value),
+                "\",\"lease\":\"", lease, "\"}}");
+}
+
+DDP_INLINE Deadline EtcdStoreConnection::deadline_of(const StoreCall& c,
+                                                     std::chrono::milliseconds timeout) {
+  Deadline d = Deadline::after(timeout);
+  if (c.deadline != Clock::time_point::max())
+    d.at = std::min(d.at, std::max(c.deadline, Clock::now()) + std::chrono::seconds(2));
+  return d;
+}
+
+DDP_INLINE std::string EtcdStoreConnection::request(std::string_view path, const std::string& body,
+                                                    Deadline deadline, Clients& clients,
+                                                    std::size_t& at, const StoreCall* c) {
+  const bool calls = &clients == &calls_;  // the heartbeat's requests leave committed_ alone
+  if (calls) committed_ = true;
+  std::string last = "no member answered", answer;
+  for (std::size_t tried = 0;; ++tried) {
+    HttpClient& h = clients[at];
+    Deadline one = Deadline::after(std::chrono::seconds(3));
+    one.at = std::min(one.at, deadline.at);
+    try {
+      const HttpReply r = h.post(path, body, one);
+      if (r.status == 200) return r.body;
+      last = answer = concat("member ", host_port(h.host(), h.port()), " answered ", r.status, ": ",
+                             r.body.substr(0, 200));
+      if (r.status < 500) fail(Errc::protocol, "etcd ", path, ": ", last);
+    } catch (const Error& e) {
+      if (e.code() == Errc::protocol) throw;
+      last = e.what();
+      if (calls) committed_ = false;  // the request may or may not have been applied
+    }
+    at = (at + 1) % clients.size();
+    if (deadline.expired())
+      fail(Errc::timeout,
+           c != nullptr && !c->what.empty()
+               ? concat("store ", c->what, "(\"", c->prefix, c->key, "\"): ")
+               : std::string(),
+           "the rendezvous store in ", where(),
+           " gave no usable answer before the timeout (is a majority of its members up and "
+           "reachable?): ",
+           last, answer.empty() || answer == last ? "" : concat("; the last answer: ", answer));
+    if (tried + 1 >= clients.size())
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::min(100, deadline.poll_ms())));
+  }
+}
+
+DDP_INLINE std::pair<std::optional<std::string>, std::string> EtcdStoreConnection::range_one(
+    const std::string& key, Deadline deadline) {
+  const Json r =
+      json(request("/v3/kv/range", concat("{\"key\":", k64(key), "}"), deadline, calls_, at_));
+  const Json* kvs = r.find("kvs");
+  if (kvs == nullptr || kvs->items.empty()) return {std::nullopt, ""};
+  return {base64_decode(kvs->items[0].get("value")), kvs->items[0].get("mod_revision")};
+}
+
+DDP_INLINE std::vector<Json> EtcdStoreConnection::prefix_range(const std::string& prefix,
+                                                               bool keys_only, Deadline deadline) {
+  std::string end = prefix;
+  end.back() = static_cast<char>(end.back() + 1);
+  Json r = json(request("/v3/kv/range",
+                        concat("{\"key\":", k64(prefix), ",\"range_end\":", k64(end),
+                               keys_only ? ",\"keys_only\":true}" : "}"),
+                        deadline, beats_, beat_at_));
+  if (Json* kvs = const_cast<Json*>(r.find("kvs"))) return std::move(kvs->items);
+  return {};
+}
+
+DDP_INLINE std::size_t EtcdStoreConnection::present(std::span<const std::string> keys,
+                                                    const std::string& stop, Deadline deadline,
+                                                    std::string* value,
+                                                    std::optional<std::string>* stopped,
+                                                    const StoreCall* c) {
+  std::string ops;
+  for (const auto& k : keys) ops += concat(ops.empty() ? "" : ",", range_op(user(k)));
+  if (!stop.empty()) ops += concat(ops.empty() ? "" : ",", range_op(user(stop)));
+  const Json r =
+      json(request("/v3/kv/txn", concat("{\"success\":[", ops, "]}"), deadline, calls_, at_, c));
+  const Json* responses = r.find("responses");
+  std::size_t found = 0;
+  for (std::size_t i = 0; responses != nullptr && i < responses->items.size(); ++i) {
+    const Json* rr = responses->items[i].find("response_range");
+    const Json* kvs = rr != nullptr ? rr->find("kvs") : nullptr;
+    if (kvs == nullptr || kvs->items.empty()) continue;
+    if (i == keys.size() && stopped != nullptr) {
+      *stopped = base64_decode(kvs->items[0].get("value"));
+      continue;
+    }
+    if (i == 0 && value != nullptr) *value = base64_decode(kvs->items[0].get("value"));
+    ++found;
+  }
+  return found;
+}
+
+DDP_INLINE bool EtcdStoreConnection::poll(const StoreCall& c, std::span<const std::string> keys,
+                                          std::chrono::milliseconds timeout,
+                                          const std::string& stop, std::string* value) {
+  Deadline deadline = Deadline::after(timeout);
+  deadline.at = std::min(deadline.at, c.deadline);
+  auto pause = std::chrono::milliseconds(1);
+  for (;;) {
+    {
+      auto lock = lock_for(c);
+      std::optional<std::string> stopped;
+      // Each look is a request of its own, given the store's timeout (a wait of 0 ms looks
+      // once); the wait's own timeout only decides when to stop looking.
+      const std::size_t n =
+          present(keys, stop, deadline_of(c, options.timeout), value, &stopped, &c);
+      if (stopped) fail_stopped(c, stop, *stopped);
+      if (n == keys.size()) return true;
+    }
+    if (deadline.expired()) return false;
+    std::this_thread::sleep_for(std::min(pause, std::chrono::milliseconds(deadline.poll_ms())));
+    pause = std::min(pause * 2, std::chrono::milliseconds(32));
+  }
+}
+
+DDP_INLINE void EtcdStoreConnection::put_raw(const std::string& key, std::string_view value,
+                                             std::int64_t lease, Deadline deadline,
+                                             Clients& clients, std::size_t& at) {
+  (void)request("/v3/kv/put",
+                concat("{\"key\":", k64(key), ",\"value\":\"", base64_encode(value), "\"",
+                       lease != 0 ? concat(",\"lease\":\"", lease, "\"") : std::string(), "}"),
+                deadline, clients, at);
+}
+
+DDP_INLINE std::int64_t EtcdStoreConnection::grant(std::int64_t ttl, Deadline deadline,
+                                                   Clients& clients, std::size_t& at) {
+  const Json r =
+      json(request("/v3/lease/grant", concat("{\"TTL\":\"", ttl, "\"}"), deadline, clients, at));
+  const std::int64_t id = r.integer("ID");
+  if (id == 0) fail(Errc::protocol, "etcd granted no lease: ", r.get("error"));
+  return id;
+}
+
+DDP_INLINE void EtcdStoreConnection::join_namespace(Deadline deadline) {
+  const std::int64_t mine = grant(60, deadline, calls_, at_);
+  const std::string key = root_ + "ns";
+  const Json r = json(request(
+      "/v3/kv/txn",
+      concat("{\"compare\":[{\"key\":", k64(key),
+             ",\"target\":\"CREATE\",\"create_revision\":\"0\"}],\"success\":[",
+             put_op(key, std::to_string(mine), mine), "],\"failure\":[", range_op(key), "]}"),
+      deadline, calls_, at_));
+  ns_lease_ = mine;
+  if (r.find("succeeded") != nullptr) return;
+  const Json* responses = r.find("responses");
+  const Json* kvs = responses != nullptr && !responses->items.empty() &&
+                            responses->items[0].find("response_range") != nullptr
+                        ? responses->items[0].find("response_range")->find("kvs")
+                        : nullptr;
+  if (kvs != nullptr && !kvs->items.empty()) {
+    const std::string held = base64_decode(kvs->items[0].get("value"));
+    (void)std::from_chars(held.data(), held.data() + held.size(), ns_lease_);
+    (void)request("/v3/lease/revoke", concat("{\"ID\":\"", mine, "\"}"), deadline, calls_, at_);
+  }
+}
+
+DDP_INLINE std::string EtcdStoreConnection::encode(const std::vector<LeaseRecord>& records) {
+  std::string out;
+  ByteWriter w(out);
+  w.put(static_cast<std::uint32_t>(records.size()));
+  for (const LeaseRecord& r : records) {
+    w.put(static_cast<std::uint8_t>(r.is_add ? 1 : 0));
+    w.str(r.key);
+    w.str(r.value);
+    w.put(r.add);
+  }
+  return out;
+}
+
+DDP_INLINE std::vector<LeaseRecord> EtcdStoreConnection::decode(const std::string& bytes) {
+  std::vector<LeaseRecord> out;
+  ByteReader r(bytes, "store records");
+  const auto n = std::min<std::uint32_t>(r.get<std::uint32_t>(), 64);
+  for (std::uint32_t i = 0; i < n; ++i) {
+    LeaseRecord rec;
+    rec.is_add = r.get<std::uint8_t>() != 0;
+    rec.key = r.str(4096);
+    rec.value = r.str(bytes.size());
+    rec.add = r.get<std::int64_t>();
+    out.push_back(std::move(rec));
+  }
+  return out;
+}
+
+DDP_INLINE void EtcdStoreConnection::apply(const std::vector<LeaseRecord>& records, bool adds,
+                                           Deadline deadline, Clients& clients, std::size_t& at) {
+  for (const LeaseRecord& rec : records) {
+    const std::string key = user(rec.key);
+    if (!rec.is_add) {
+      (void)request("/v3/kv/txn",
+                    concat("{\"compare\":[{\"key\":", k64(key),
+                           ",\"target\":\"CREATE\",\"create_revision\":\"0\"}],\"success\":[",
+                           put_op(key, rec.value, ns_lease_), "]}"),
+                    deadline, clients, at);
+      continue;
+    }
+    if (!adds) continue;
+    for (int tries = 0; tries < 16; ++tries) {  // a counter others may move meanwhile
+      const Json r =
+          json(request("/v3/kv/range", concat("{\"key\":", k64(key), "}"), deadline, clients, at));
+      const Json* kvs = r.find("kvs");
+      std::int64_t value = 0;
+      std::string compare =
+          concat("{\"key\":", k64(key), ",\"target\":\"CREATE\",\"create_revision\":\"0\"}");
+      if (kvs != nullptr && !kvs->items.empty()) {
+        const std::string held = base64_decode(kvs->items[0].get("value"));
+        if (held.size() == 8) {
+          ByteReader br(held, "counter");
+          value = br.get<std::int64_t>();
+        }
+        compare = concat("{\"key\":", k64(key), ",\"target\":\"MOD\",\"mod_revision\":\"",
+                         kvs->items[0].get("mod_revision"), "\"}");
+      }
+      std::string enc;
+      ByteWriter(enc).put(value + rec.add);
+      if (json(request("/v3/kv/txn",
+                       concat("{\"compare\":[", compare, "],\"success\":[",
+                              put_op(key, enc, ns_lease_), "]}"),
+                       deadline, clients, at))
+              .find("succeeded") != nullptr)
+        break;
+    }
+  }
+}
+#endif  // DDP_BODIES
+
 /// A Store connection to the etcd cluster of `url` ("etcd://..."; `from` names where it came
 /// from, for errors), in namespace `ns` when the URL names none.
-inline std::shared_ptr<StoreConnection> connect_etcd(std::string_view url, std::string_view from,
-                                                     const std::string& ns, StoreOptions so) {
+DDP_INLINE std::shared_ptr<StoreConnection> connect_etcd(std::string_view url,
+                                                         std::string_view from,
+                                                         const std::string& ns, StoreOptions so);
+#if DDP_BODIES
+DDP_INLINE std::shared_ptr<StoreConnection> connect_etcd(std::string_view url,
+                                                         std::string_view from,
+                                                         const std::string& ns, StoreOptions so) {
   EtcdAddress a = EtcdAddress::parse(url, from);
   if (a.ns.empty()) a.ns = ns;
   if (a.ns.empty())
@@ -6685,6 +7306,7 @@ inline std::shared_ptr<StoreConnection> connect_etcd(std::string_view url, std::
          "(etcd://HOST:PORT/NAME), the same on every rank and new for each run");
   return std::make_shared<EtcdStoreConnection>(std::move(a), std::move(so));
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -6782,15 +7404,12 @@ class StoreEngine {
   static constexpr std::size_t backlog_limit = std::size_t{1} << 20;
 
   /// `options.log` must be set.
-  explicit StoreEngine(StoreOptions options) : options_(std::move(options)) {}
+  explicit StoreEngine(StoreOptions options);
 
   [[nodiscard]] const StoreOptions& options() const noexcept { return options_; }
   [[nodiscard]] std::uint64_t refused() const noexcept { return refused_.load(); }
   [[nodiscard]] std::map<std::uint64_t, Session>& sessions() noexcept { return sessions_; }
-  [[nodiscard]] Session* session(std::uint64_t id) {
-    auto it = sessions_.find(id);
-    return it == sessions_.end() ? nullptr : &it->second;
-  }
+  [[nodiscard]] Session* session(std::uint64_t id);
   [[nodiscard]] std::size_t keys() const noexcept { return data_.size(); }
 
   /// A new connection from `peer`: queues the server's hello and returns the session's id, or
@@ -6798,36 +7417,7 @@ class StoreEngine {
   /// that have not authenticated share a small budget (max_pending_handshakes): a new one closes
   /// the oldest of them rather than be refused, so a flood of idle connections cannot keep a
   /// real rank from connecting (it authenticates within one round trip).
-  std::uint64_t open(std::string peer, Clock::time_point now) {
-    std::size_t live = 0, pending = 0;
-    for (const auto& [id, s] : sessions_) {
-      live += s.closed ? 0 : 1;
-      pending += !s.authed && !s.closed ? 1 : 0;
-    }
-    if (pending > 0 && (pending >= std::max<std::size_t>(1, options_.max_pending_handshakes) ||
-                        live >= options_.max_connections)) {
-      evict_oldest_pending();
-      --live;
-    }
-    if (live >= options_.max_connections) {
-      refuse(peer, "too many connections");
-      return 0;
-    }
-    Session s;
-    s.peer = std::move(peer);
-    s.accepted = now;
-    random_bytes(s.nonce.data(), s.nonce.size());
-    std::string hello;
-    ByteWriter w(hello);
-    w.put(store_proto::magic);
-    w.put(store_proto::version);
-    w.put(static_cast<std::uint8_t>(options_.token.empty() ? 0 : 1));
-    w.raw(s.nonce.data(), s.nonce.size());
-    queue_frame(s, hello);
-    const auto id = next_id_++;
-    sessions_.emplace(id, std::move(s));
-    return id;
-  }
+  std::uint64_t open(std::string peer, Clock::time_point now);
 
   /// Whether the server should read more from a session: open, not refused, and its pending
   /// output under backlog_limit.
@@ -6844,99 +7434,24 @@ class StoreEngine {
   /// Consumes bytes a connection sent, any amount, frame by frame. Only the current frame is
   /// buffered and only as far as it has arrived, so memory follows the bytes actually sent, never
   /// a length someone claims. A malformed frame closes the session (logged).
-  void receive(std::uint64_t id, std::string_view bytes, Clock::time_point now) {
-    Session* s = session(id);
-    if (s != nullptr) s->heard = now;
-    while (s != nullptr && !s->closed && !bytes.empty()) {
-      const std::size_t take = std::min(wanted(*s), bytes.size());
-      s->in.append(bytes.substr(0, take));
-      bytes.remove_prefix(take);
-      if (s->frame_len == 0 && s->in.size() == 4 && !read_length(*s)) return;
-      if (s->frame_len != 0 && s->in.size() == s->frame_len + 4) {
-        try {
-          const auto frame = std::string_view(s->in).substr(4);
-          if (!s->authed)
-            handshake(*s, frame);
-          else
-            handle(id, *s, frame, now);
-        } catch (const Error& e) {
-          return drop(*s, e.what());
-        }
-        release(s->in);
-        s->frame_len = 0;
-        if (s->close_after_write) return;  // nothing more is read from a refused client
-      }
-    }
-  }
+  void receive(std::uint64_t id, std::string_view bytes, Clock::time_point now);
 
   /// The peer closed (EOF, reset or broken pipe). A connection that never sent a byte of a
   /// handshake is stray traffic and is logged.
-  void peer_closed(std::uint64_t id) {
-    Session* s = session(id);
-    if (s == nullptr || s->closed) return;
-    if (!s->authed && s->in.empty() && !s->close_after_write)
-      refuse(s->peer, "connected and closed without a handshake");
-    s->closed = true;
-    if (!s->authed) return;
-    if (apply_on_close(*s)) wake_waiters();
-  }
+  void peer_closed(std::uint64_t id);
 
   /// Answers the waits whose deadline passed (Status::timeout with the missing keys) and drops
   /// the connections that did not finish the handshake in time.
-  void expire(Clock::time_point now) {
-    flush_log_summary();
-    std::erase_if(waiters_, [&](const Waiter& wt) {
-      Session* s = session(wt.conn);
-      if (s == nullptr || s->closed) return true;
-      if (wt.deadline > now) return false;
-      std::string body;
-      ByteWriter w(body);
-      std::vector<std::string_view> missing;
-      for (const auto& k : wt.keys) {
-        if (data_.count(k) == 0) missing.push_back(k);
-      }
-      w.put(static_cast<std::uint32_t>(missing.size()));
-      for (auto k : missing) w.str(k);
-      reply(*s, wt.request, Status::timeout, body);
-      return true;
-    });
-    bool changed = false;
-    for (auto& [id, s] : sessions_) {
-      if (!s.closed && !s.authed && now - s.accepted > options_.handshake_timeout)
-        drop(s, "no handshake before the timeout");
-      // A lease that ran out: the process is stopped, hung or cut off. It counts as gone (its
-      // on_close records, once), and its lease's own records apply; the connection stays open,
-      // so a process that wakes still reads why it was left out.
-      if (!s.closed && s.authed && s.lease.count() > 0 && !s.expired && now - s.heard > s.lease) {
-        s.expired = true;
-        changed = apply_on_close(s) || changed;
-        for (const LeaseRecord& r : s.on_expire) changed = apply(r) || changed;
-      }
-    }
-    if (changed) wake_waiters();
-  }
+  void expire(Clock::time_point now);
 
   /// The earliest of `limit`, the waits' deadlines and the handshake deadlines.
-  [[nodiscard]] Clock::time_point next_deadline(Clock::time_point limit) const {
-    for (const auto& w : waiters_) limit = std::min(limit, w.deadline);
-    for (const auto& [id, s] : sessions_) {
-      if (!s.authed && !s.closed) limit = std::min(limit, s.accepted + options_.handshake_timeout);
-      if (!s.closed && s.lease.count() > 0 && !s.expired)
-        limit = std::min(limit, s.heard + s.lease + std::chrono::milliseconds(1));
-    }
-    return limit;
-  }
+  [[nodiscard]] Clock::time_point next_deadline(Clock::time_point limit) const;
 
   /// Forgets the closed sessions and their waits.
-  void reap() {
-    std::erase_if(sessions_, [](const auto& kv) { return kv.second.closed; });
-    std::erase_if(waiters_, [&](const Waiter& wt) { return sessions_.count(wt.conn) == 0; });
-  }
+  void reap();
 
   /// Marks every session closed (the server stops).
-  void close_all() {
-    for (auto& [id, s] : sessions_) s.closed = true;
-  }
+  void close_all();
 
  private:
   using Op = store_proto::Op;
@@ -6958,373 +7473,55 @@ class StoreEngine {
  private:
   /// Counts and logs a refusal; at most log_burst lines per 10 s, the rest summed up in one line
   /// (a flood of bad connections must not flood the log).
-  void refuse(const std::string& peer, std::string_view why) {
-    refused_.fetch_add(1);
-    flush_log_summary();
-    if (logged_in_window_ < options_.log_burst) {
-      ++logged_in_window_;
-      options_.log(concat("refused ", peer, ": ", why));
-    } else {
-      ++suppressed_;
-    }
-  }
+  void refuse(const std::string& peer, std::string_view why);
 
   /// Starts a new log window when the last one is over, first saying how many lines it held back.
-  void flush_log_summary() {
-    const auto now = Clock::now();
-    if (now - log_window_ < std::chrono::seconds(10)) return;
-    if (suppressed_ != 0) {
-      options_.log(
-          concat(suppressed_, " more connection(s) refused in the last ",
-                 std::chrono::duration_cast<std::chrono::seconds>(now - log_window_).count(),
-                 " s (not logged one by one)"));
-    }
-    log_window_ = now;
-    logged_in_window_ = 0;
-    suppressed_ = 0;
-  }
+  void flush_log_summary();
 
   /// Closes the connection that has waited longest without authenticating.
-  void evict_oldest_pending() {
-    for (auto& [id, s] : sessions_) {  // ids grow with time: the first match is the oldest
-      if (!s.authed && !s.closed) {
-        drop(s, "closed to make room: too many connections that have not authenticated");
-        return;
-      }
-    }
-  }
+  void evict_oldest_pending();
 
   /// A client whose token was wrong said which rendezvous it meant to join: its ranks fail at
   /// once, told why (the key is set only when absent, to the server's own message).
-  void publish_refusal(const std::string& peer, std::int32_t rank, const std::string& key) {
-    if (key.empty() || data_.count(key) != 0) return;
-    std::string v;
-    ByteWriter w(v);
-    w.put(static_cast<std::int32_t>(Errc::unauthorized));
-    w.str(concat("the rendezvous failed ", rank >= 0 ? concat("on rank ", rank, ": ") : ": ",
-                 "the store refused its connection from ", peer,
-                 ": its token differs from the store's (rank 0's, or the launcher's) or is "
-                 "missing; every rank must have the same DDP_TOKEN"));
-    if (store_value(key, std::move(v))) wake_waiters();
-  }
+  void publish_refusal(const std::string& peer, std::int32_t rank, const std::string& key);
 
-  void drop(Session& s, std::string_view why) {
-    refuse(s.peer, why);
-    s.closed = true;
-  }
+  void drop(Session& s, std::string_view why);
 
-  static void queue_frame(Session& s, std::string_view payload) {
-    ByteWriter w(s.out);
-    w.put(static_cast<std::uint32_t>(payload.size()));
-    s.out.append(payload);
-  }
+  static void queue_frame(Session& s, std::string_view payload);
 
  public:
   /// Empties a buffer, giving its memory back when it held a large frame.
-  static void release(std::string& buf) {
-    if (buf.capacity() > 64 * 1024)
-      std::string().swap(buf);
-    else
-      buf.clear();
-  }
+  static void release(std::string& buf);
 
  private:
   /// Checks a complete length prefix before a byte of the frame is buffered.
-  bool read_length(Session& s) {
-    ByteReader r(s.in, "frame length");
-    const auto len = r.get<std::uint32_t>();
-    const std::size_t limit =
-        s.authed ? store_proto::frame_limit(options_) : store_proto::handshake_frame_limit;
-    if (!s.authed && looks_like_text(s.in)) {
-      drop(s, concat("not a ddp store client (stray traffic starting \"", printable(s.in), "\")"));
-      return false;
-    }
-    if (len > limit) {
-      drop(s, concat("frame of ", len, " bytes refused (limit ", limit, ")"));
-      return false;
-    }
-    if (len == 0) {
-      drop(s, "empty frame");
-      return false;
-    }
-    s.frame_len = len;
-    return true;
-  }
+  bool read_length(Session& s);
 
-  static bool looks_like_text(std::string_view first4) {
-    return std::all_of(first4.begin(), first4.end(), [](char ch) {
-      return (ch >= 'A' && ch <= 'Z') || (ch >= 'a' && ch <= 'z') || ch == ' ' || ch == '/';
-    });
-  }
-  static std::string printable(std::string_view s) {
-    std::string out;
-    for (char ch : s) out += (ch >= 32 && ch < 127) ? ch : '?';
-    return out;
-  }
+  static bool looks_like_text(std::string_view first4);
+  static std::string printable(std::string_view s);
 
-  void handshake(Session& s, std::string_view frame) {
-    namespace sp = store_proto;
-    ByteReader r(frame, "store handshake");
-    if (r.get<std::uint32_t>() != sp::magic) fail(Errc::protocol, "bad handshake magic");
-    const auto v = r.get<std::uint16_t>();
-    sp::Nonce client_nonce{};
-    r.raw(client_nonce.data(), client_nonce.size());
-    Digest mac{};
-    r.raw(mac.data(), mac.size());
-    std::int32_t claimed_rank = -1;
-    std::string refusal_key;  // optional: where a refusal of this client is published
-    if (r.left() != 0) {
-      claimed_rank = r.get<std::int32_t>();
-      refusal_key = r.str(sp::refusal_key_limit);
-    }
-    r.expect_end();
-    std::string reply;
-    ByteWriter w(reply);
-    if (v != sp::version) {
-      w.put(sp::HandshakeStatus::bad_version);
-      queue_frame(s, reply);
-      s.close_after_write = true;
-      refuse(s.peer, concat("protocol version ", v, " (server speaks ", sp::version, ")"));
-      return;
-    }
-    if (!options_.token.empty()) {
-      const auto expected = hmac_sha256(options_.token, sp::client_label, sp::as_view(s.nonce),
-                                        sp::as_view(client_nonce));
-      if (!constant_time_equal(expected, mac)) {
-        w.put(sp::HandshakeStatus::unauthorized);
-        queue_frame(s, reply);
-        s.close_after_write = true;
-        refuse(s.peer, "wrong or missing token (DDP_TOKEN)");
-        publish_refusal(s.peer, claimed_rank, refusal_key);
-        return;
-      }
-    }
-    w.put(sp::HandshakeStatus::ok);
-    const auto proof = options_.token.empty()
-                           ? Digest{}
-                           : hmac_sha256(options_.token, sp::server_label,
-                                         sp::as_view(client_nonce), sp::as_view(s.nonce));
-    w.raw(proof.data(), proof.size());
-    queue_frame(s, reply);
-    s.authed = true;
-  }
+  void handshake(Session& s, std::string_view frame);
 
   /// Queues a reply: status, request id, `body`, then `value` as a string when given (written
   /// straight into the output: a large value is not copied twice).
   static void reply(Session& s, std::uint64_t request, Status status, std::string_view body = {},
-                    const std::string* value = nullptr) {
-    const std::size_t n = 1 + 8 + body.size() + (value != nullptr ? 4 + value->size() : 0);
-    ByteWriter w(s.out);
-    w.put(static_cast<std::uint32_t>(n));
-    w.put(status);
-    w.put(request);
-    w.raw(body.data(), body.size());
-    if (value != nullptr) w.str(*value);
-  }
+                    const std::string* value = nullptr);
 
-  void handle(std::uint64_t id, Session& s, std::string_view frame, Clock::time_point now) {
-    ByteReader r(frame, "store request");
-    const auto op = r.get<Op>();
-    const auto request = r.get<std::uint64_t>();
-    const auto key = [&] { return r.str(options_.max_key_bytes); };
-    const auto timeout_at = [&] {
-      const auto ms = std::min<std::uint64_t>(r.get<std::uint64_t>(), 1ull << 40);
-      return now + std::chrono::milliseconds(static_cast<std::int64_t>(ms));
-    };
-    const auto key_list = [&] {
-      const auto n = r.get<std::uint32_t>();
-      if (n > options_.max_keys) fail(Errc::protocol, "request names ", n, " keys");
-      std::vector<std::string> keys;
-      for (std::uint32_t i = 0; i < n; ++i) keys.push_back(key());
-      return keys;
-    };
-    std::string body;
-    ByteWriter w(body);
-    switch (op) {
-      case Op::set: {
-        auto k = key();
-        auto v = r.str(options_.max_value_bytes);
-        r.expect_end();
-        if (!store_value(k, std::move(v))) return reply(s, request, Status::error, "store is full");
-        reply(s, request, Status::ok);
-        wake_waiters();
-        return;
-      }
-      case Op::get:
-      case Op::wait: {
-        const bool is_get = op == Op::get;
-        Waiter wt{id, request, is_get ? std::vector<std::string>{key()} : key_list(),
-                  {}, is_get,  {}};
-        wt.deadline = timeout_at();
-        wt.stop = key();
-        r.expect_end();
-        if (!try_answer(s, wt)) waiters_.push_back(std::move(wt));
-        return;
-      }
-      case Op::add: {
-        auto k = key();
-        const auto delta = r.get<std::int64_t>();
-        r.expect_end();
-        std::int64_t value = 0;
-        if (auto it = data_.find(k); it != data_.end()) {
-          if (it->second.size() != 8)
-            return reply(s, request, Status::error, "key does not hold a counter");
-          ByteReader vr(it->second, "counter");
-          value = vr.get<std::int64_t>();
-        }
-        value = static_cast<std::int64_t>(static_cast<std::uint64_t>(value) +
-                                          static_cast<std::uint64_t>(delta));
-        std::string enc;
-        ByteWriter(enc).put(value);
-        if (!store_value(k, std::move(enc)))
-          return reply(s, request, Status::error, "store is full");
-        w.put(value);
-        reply(s, request, Status::ok, body);
-        wake_waiters();
-        return;
-      }
-      case Op::compare_set: {
-        auto k = key();
-        auto expected = r.str(options_.max_value_bytes);
-        auto desired = r.str(options_.max_value_bytes);
-        r.expect_end();
-        auto it = data_.find(k);
-        const bool swap = (it == data_.end() && expected.empty()) ||
-                          (it != data_.end() && it->second == expected);
-        if (swap) {
-          if (!store_value(k, desired)) return reply(s, request, Status::error, "store is full");
-          it = data_.find(k);
-          wake_waiters();
-        }
-        const std::string none;
-        reply(s, request, Status::ok, {}, it == data_.end() ? &none : &it->second);
-        return;
-      }
-      case Op::erase: {
-        auto k = key();
-        r.expect_end();
-        auto it = data_.find(k);
-        const bool existed = it != data_.end();
-        if (existed) {
-          total_bytes_ -= it->first.size() + it->second.size();
-          data_.erase(it);
-        }
-        w.put(static_cast<std::uint8_t>(existed));
-        reply(s, request, Status::ok, body);
-        return;
-      }
-      case Op::on_close: {
-        const auto n = r.get<std::uint32_t>();
-        if (n > 16) fail(Errc::protocol, "on_close names ", n, " keys (at most 16)");
-        std::vector<std::pair<std::string, std::string>> keys;
-        for (std::uint32_t i = 0; i < n; ++i) {
-          auto k = key();
-          keys.emplace_back(std::move(k), r.str(options_.max_value_bytes));
-        }
-        r.expect_end();
-        s.on_close = std::move(keys);
-        reply(s, request, Status::ok);
-        return;
-      }
-      case Op::lease: {
-        const auto ms = std::min<std::uint64_t>(r.get<std::uint64_t>(), 1ull << 40);
-        const auto n = r.get<std::uint32_t>();
-        if (n > 16) fail(Errc::protocol, "lease names ", n, " keys (at most 16)");
-        std::vector<LeaseRecord> records;
-        for (std::uint32_t i = 0; i < n; ++i) {
-          LeaseRecord rec;
-          rec.is_add = r.get<std::uint8_t>() != 0;
-          rec.key = key();
-          rec.value = r.str(options_.max_value_bytes);
-          rec.add = r.get<std::int64_t>();
-          records.push_back(std::move(rec));
-        }
-        r.expect_end();
-        s.lease = std::chrono::milliseconds(static_cast<std::int64_t>(ms));
-        s.heard = now;
-        s.expired = false;
-        s.on_expire = std::move(records);
-        reply(s, request, Status::ok);
-        return;
-      }
-      case Op::keepalive:
-        r.expect_end();
-        return;  // its arrival is the point (receive() noted it); no reply
-      case Op::check: {
-        auto keys = key_list();
-        r.expect_end();
-        const bool all = std::all_of(keys.begin(), keys.end(),
-                                     [&](const auto& k) { return data_.count(k) != 0; });
-        w.put(static_cast<std::uint8_t>(all));
-        reply(s, request, Status::ok, body);
-        return;
-      }
-    }
-    fail(Errc::protocol, "unknown store operation ", static_cast<int>(op));
-  }
+  void handle(std::uint64_t id, Session& s, std::string_view frame, Clock::time_point now);
 
   /// A session's on_close records, once (then forgotten: a key erased since must not come back
   /// when a connection that expired closes later). Returns whether a key was set.
-  bool apply_on_close(Session& s) {
-    bool changed = false;
-    for (auto& [k, v] : s.on_close)
-      changed = (data_.count(k) == 0 && store_value(k, std::move(v))) || changed;
-    s.on_close.clear();
-    return changed;
-  }
+  bool apply_on_close(Session& s);
 
   /// One lease record: set the key when absent, or add to its counter.
-  bool apply(const LeaseRecord& r) {
-    if (!r.is_add) return data_.count(r.key) == 0 && store_value(r.key, r.value);
-    std::int64_t value = 0;
-    if (auto it = data_.find(r.key); it != data_.end()) {
-      if (it->second.size() != 8) return false;
-      ByteReader vr(it->second, "counter");
-      value = vr.get<std::int64_t>();
-    }
-    value = static_cast<std::int64_t>(static_cast<std::uint64_t>(value) +
-                                      static_cast<std::uint64_t>(r.add));
-    std::string enc;
-    ByteWriter(enc).put(value);
-    return store_value(r.key, std::move(enc));
-  }
+  bool apply(const LeaseRecord& r);
 
-  bool store_value(const std::string& k, std::string v) {
-    auto it = data_.find(k);
-    const std::size_t old = it == data_.end() ? 0 : k.size() + it->second.size();
-    if (it == data_.end() && data_.size() >= options_.max_keys) return false;
-    if (total_bytes_ - old + k.size() + v.size() > options_.max_total_bytes) return false;
-    total_bytes_ = total_bytes_ - old + k.size() + v.size();
-    data_[k] = std::move(v);
-    return true;
-  }
+  bool store_value(const std::string& k, std::string v);
 
   /// Replies to a get/wait if its stop key or all its keys are present; returns whether it did.
-  bool try_answer(Session& s, const Waiter& wt) {
-    if (!wt.stop.empty()) {
-      if (auto it = data_.find(wt.stop); it != data_.end()) {
-        reply(s, wt.request, Status::stopped, {}, &it->second);
-        return true;
-      }
-    }
-    for (const auto& k : wt.keys) {
-      if (data_.count(k) == 0) return false;
-    }
-    if (wt.is_get) {
-      reply(s, wt.request, Status::ok, {}, &data_[wt.keys.front()]);
-    } else {
-      reply(s, wt.request, Status::ok);
-    }
-    return true;
-  }
+  bool try_answer(Session& s, const Waiter& wt);
 
-  void wake_waiters() {
-    std::erase_if(waiters_, [&](const Waiter& wt) {
-      Session* s = session(wt.conn);
-      if (s == nullptr || s->closed) return true;
-      return try_answer(*s, wt);
-    });
-  }
+  void wake_waiters();
 
   StoreOptions options_;
   std::atomic<std::uint64_t> refused_{0};
@@ -7337,6 +7534,488 @@ class StoreEngine {
   std::unordered_map<std::string, std::string> data_;
   std::size_t total_bytes_ = 0;
 };
+
+#if DDP_BODIES
+DDP_INLINE StoreEngine::StoreEngine(StoreOptions options) : options_(std::move(options)) {}
+
+DDP_INLINE auto StoreEngine::session(std::uint64_t id) -> Session* {
+  auto it = sessions_.find(id);
+  return it == sessions_.end() ? nullptr : &it->second;
+}
+
+DDP_INLINE std::uint64_t StoreEngine::open(std::string peer, Clock::time_point now) {
+  std::size_t live = 0, pending = 0;
+  for (const auto& [id, s] : sessions_) {
+    live += s.closed ? 0 : 1;
+    pending += !s.authed && !s.closed ? 1 : 0;
+  }
+  if (pending > 0 && (pending >= std::max<std::size_t>(1, options_.max_pending_handshakes) ||
+                      live >= options_.max_connections)) {
+    evict_oldest_pending();
+    --live;
+  }
+  if (live >= options_.max_connections) {
+    refuse(peer, "too many connections");
+    return 0;
+  }
+  Session s;
+  s.peer = std::move(peer);
+  s.accepted = now;
+  random_bytes(s.nonce.data(), s.nonce.size());
+  std::string hello;
+  ByteWriter w(hello);
+  w.put(store_proto::magic);
+  w.put(store_proto::version);
+  w.put(static_cast<std::uint8_t>(options_.token.empty() ? 0 : 1));
+  w.raw(s.nonce.data(), s.nonce.size());
+  queue_frame(s, hello);
+  const auto id = next_id_++;
+  sessions_.emplace(id, std::move(s));
+  return id;
+}
+
+DDP_INLINE void StoreEngine::receive(std::uint64_t id, std::string_view bytes,
+                                     Clock::time_point now) {
+  Session* s = session(id);
+  if (s != nullptr) s->heard = now;
+  while (s != nullptr && !s->closed && !bytes.empty()) {
+    const std::size_t take = std::min(wanted(*s), bytes.size());
+    s->in.append(bytes.substr(0, take));
+    bytes.remove_prefix(take);
+    if (s->frame_len == 0 && s->in.size() == 4 && !read_length(*s)) return;
+    if (s->frame_len != 0 && s->in.size() == s->frame_len + 4) {
+      try {
+        const auto frame = std::string_view(s->in).substr(4);
+        if (!s->authed)
+          handshake(*s, frame);
+        else
+          handle(id, *s, frame, now);
+      } catch (const Error& e) {
+        return drop(*s, e.what());
+      }
+      release(s->in);
+      s->frame_len = 0;
+      if (s->close_after_write) return;  // nothing more is read from a refused client
+    }
+  }
+}
+
+DDP_INLINE void StoreEngine::peer_closed(std::uint64_t id) {
+  Session* s = session(id);
+  if (s == nullptr || s->closed) return;
+  if (!s->authed && s->in.empty() && !s->close_after_write)
+    refuse(s->peer, "connected and closed without a handshake");
+  s->closed = true;
+  if (!s->authed) return;
+  if (apply_on_close(*s)) wake_waiters();
+}
+
+DDP_INLINE void StoreEngine::expire(Clock::time_point now) {
+  flush_log_summary();
+  std::erase_if(waiters_, [&](const Waiter& wt) {
+    Session* s = session(wt.conn);
+    if (s == nullptr || s->closed) return true;
+    if (wt.deadline > now) return false;
+    std::string body;
+    ByteWriter w(body);
+    std::vector<std::string_view> missing;
+    for (const auto& k : wt.keys) {
+      if (data_.count(k) == 0) missing.push_back(k);
+    }
+    w.put(static_cast<std::uint32_t>(missing.size()));
+    for (auto k : missing) w.str(k);
+    reply(*s, wt.request, Status::timeout, body);
+    return true;
+  });
+  bool changed = false;
+  for (auto& [id, s] : sessions_) {
+    if (!s.closed && !s.authed && now - s.accepted > options_.handshake_timeout)
+      drop(s, "no handshake before the timeout");
+    // A lease that ran out: the process is stopped, hung or cut off. It counts as gone (its
+    // on_close records, once), and its lease's own records apply; the connection stays open,
+    // so a process that wakes still reads why it was left out.
+    if (!s.closed && s.authed && s.lease.count() > 0 && !s.expired && now - s.heard > s.lease) {
+      s.expired = true;
+      changed = apply_on_close(s) || changed;
+      for (const LeaseRecord& r : s.on_expire) changed = apply(r) || changed;
+    }
+  }
+  if (changed) wake_waiters();
+}
+
+DDP_INLINE Clock::time_point StoreEngine::next_deadline(Clock::time_point limit) const {
+  for (const auto& w : waiters_) limit = std::min(limit, w.deadline);
+  for (const auto& [id, s] : sessions_) {
+    if (!s.authed && !s.closed) limit = std::min(limit, s.accepted + options_.handshake_timeout);
+    if (!s.closed && s.lease.count() > 0 && !s.expired)
+      limit = std::min(limit, s.heard + s.lease + std::chrono::milliseconds(1));
+  }
+  return limit;
+}
+
+DDP_INLINE void StoreEngine::reap() {
+  std::erase_if(sessions_, [](const auto& kv) { return kv.second.closed; });
+  std::erase_if(waiters_, [&](const Waiter& wt) { return sessions_.count(wt.conn) == 0; });
+}
+
+DDP_INLINE void StoreEngine::close_all() {
+  for (auto& [id, s] : sessions_) s.closed = true;
+}
+
+DDP_INLINE void StoreEngine::refuse(const std::string& peer, std::string_view why) {
+  refused_.fetch_add(1);
+  flush_log_summary();
+  if (logged_in_window_ < options_.log_burst) {
+    ++logged_in_window_;
+    options_.log(concat("refused ", peer, ": ", why));
+  } else {
+    ++suppressed_;
+  }
+}
+
+DDP_INLINE void StoreEngine::flush_log_summary() {
+  const auto now = Clock::now();
+  if (now - log_window_ < std::chrono::seconds(10)) return;
+  if (suppressed_ != 0) {
+    options_.log(concat(suppressed_, " more connection(s) refused in the last ",
+                        std::chrono::duration_cast<std::chrono::seconds>(now - log_window_).count(),
+                        " s (not logged one by one)"));
+  }
+  log_window_ = now;
+  logged_in_window_ = 0;
+  suppressed_ = 0;
+}
+
+DDP_INLINE void StoreEngine::evict_oldest_pending() {
+  for (auto& [id, s] : sessions_) {  // ids grow with time: the first match is the oldest
+    if (!s.authed && !s.closed) {
+      drop(s, "closed to make room: too many connections that have not authenticated");
+      return;
+    }
+  }
+}
+
+DDP_INLINE void StoreEngine::publish_refusal(const std::string& peer, std::int32_t rank,
+                                             const std::string& key) {
+  if (key.empty() || data_.count(key) != 0) return;
+  std::string v;
+  ByteWriter w(v);
+  w.put(static_cast<std::int32_t>(Errc::unauthorized));
+  w.str(concat("the rendezvous failed ", rank >= 0 ? concat("on rank ", rank, ": ") : ": ",
+               "the store refused its connection from ", peer,
+               ": its token differs from the store's (rank 0's, or the launcher's) or is "
+               "missing; every rank must have the same DDP_TOKEN"));
+  if (store_value(key, std::move(v))) wake_waiters();
+}
+
+DDP_INLINE void StoreEngine::drop(Session& s, std::string_view why) {
+  refuse(s.peer, why);
+  s.closed = true;
+}
+
+DDP_INLINE void StoreEngine::queue_frame(Session& s, std::string_view payload) {
+  ByteWriter w(s.out);
+  w.put(static_cast<std::uint32_t>(payload.size()));
+  s.out.append(payload);
+}
+
+DDP_INLINE void StoreEngine::release(std::string& buf) {
+  if (buf.capacity() > 64 * 1024)
+    std::string().swap(buf);
+  else
+    buf.clear();
+}
+
+DDP_INLINE bool StoreEngine::read_length(Session& s) {
+  ByteReader r(s.in, "frame length");
+  const auto len = r.get<std::uint32_t>();
+  const std::size_t limit =
+      s.authed ? store_proto::frame_limit(options_) : store_proto::handshake_frame_limit;
+  if (!s.authed && looks_like_text(s.in)) {
+    drop(s, concat("not a ddp store client (stray traffic starting \"", printable(s.in), "\")"));
+    return false;
+  }
+  if (len > limit) {
+    drop(s, concat("frame of ", len, " bytes refused (limit ", limit, ")"));
+    return false;
+  }
+  if (len == 0) {
+    drop(s, "empty frame");
+    return false;
+  }
+  s.frame_len = len;
+  return true;
+}
+
+DDP_INLINE bool StoreEngine::looks_like_text(std::string_view first4) {
+  return std::all_of(first4.begin(), first4.end(), [](char ch) {
+    return (ch >= 'A' && ch <= 'Z') || (ch >= 'a' && ch <= 'z') || ch == ' ' || ch == '/';
+  });
+}
+
+DDP_INLINE std::string StoreEngine::printable(std::string_view s) {
+  std::string out;
+  for (char ch : s) out += (ch >= 32 && ch < 127) ? ch : '?';
+  return out;
+}
+
+DDP_INLINE void StoreEngine::handshake(Session& s, std::string_view frame) {
+  namespace sp = store_proto;
+  ByteReader r(frame, "store handshake");
+  if (r.get<std::uint32_t>() != sp::magic) fail(Errc::protocol, "bad handshake magic");
+  const auto v = r.get<std::uint16_t>();
+  sp::Nonce client_nonce{};
+  r.raw(client_nonce.data(), client_nonce.size());
+  Digest mac{};
+  r.raw(mac.data(), mac.size());
+  std::int32_t claimed_rank = -1;
+  std::string refusal_key;  // optional: where a refusal of this client is published
+  if (r.left() != 0) {
+    claimed_rank = r.get<std::int32_t>();
+    refusal_key = r.str(sp::refusal_key_limit);
+  }
+  r.expect_end();
+  std::string reply;
+  ByteWriter w(reply);
+  if (v != sp::version) {
+    w.put(sp::HandshakeStatus::bad_version);
+    queue_frame(s, reply);
+    s.close_after_write = true;
+    refuse(s.peer, concat("protocol version ", v, " (server speaks ", sp::version, ")"));
+    return;
+  }
+  if (!options_.token.empty()) {
+    const auto expected = hmac_sha256(options_.token, sp::client_label, sp::as_view(s.nonce),
+                                      sp::as_view(client_nonce));
+    if (!constant_time_equal(expected, mac)) {
+      w.put(sp::HandshakeStatus::unauthorized);
+      queue_frame(s, reply);
+      s.close_after_write = true;
+      refuse(s.peer, "wrong or missing token (DDP_TOKEN)");
+      publish_refusal(s.peer, claimed_rank, refusal_key);
+      return;
+    }
+  }
+  w.put(sp::HandshakeStatus::ok);
+  const auto proof = options_.token.empty()
+                         ? Digest{}
+                         : hmac_sha256(options_.token, sp::server_label, sp::as_view(client_nonce),
+                                       sp::as_view(s.nonce));
+  w.raw(proof.data(), proof.size());
+  queue_frame(s, reply);
+  s.authed = true;
+}
+
+DDP_INLINE void StoreEngine::reply(Session& s, std::uint64_t request, Status status,
+                                   std::string_view body, const std::string* value) {
+  const std::size_t n = 1 + 8 + body.size() + (value != nullptr ? 4 + value->size() : 0);
+  ByteWriter w(s.out);
+  w.put(static_cast<std::uint32_t>(n));
+  w.put(status);
+  w.put(request);
+  w.raw(body.data(), body.size());
+  if (value != nullptr) w.str(*value);
+}
+
+DDP_INLINE void StoreEngine::handle(std::uint64_t id, Session& s, std::string_view frame,
+                                    Clock::time_point now) {
+  ByteReader r(frame, "store request");
+  const auto op = r.get<Op>();
+  const auto request = r.get<std::uint64_t>();
+  const auto key = [&] { return r.str(options_.max_key_bytes); };
+  const auto timeout_at = [&] {
+    const auto ms = std::min<std::uint64_t>(r.get<std::uint64_t>(), 1ull << 40);
+    return now + std::chrono::milliseconds(static_cast<std::int64_t>(ms));
+  };
+  const auto key_list = [&] {
+    const auto n = r.get<std::uint32_t>();
+    if (n > options_.max_keys) fail(Errc::protocol, "request names ", n, " keys");
+    std::vector<std::string> keys;
+    for (std::uint32_t i = 0; i < n; ++i) keys.push_back(key());
+    return keys;
+  };
+  std::string body;
+  ByteWriter w(body);
+  switch (op) {
+    case Op::set: {
+      auto k = key();
+      auto v = r.str(options_.max_value_bytes);
+      r.expect_end();
+      if (!store_value(k, std::move(v))) return reply(s, request, Status::error, "store is full");
+      reply(s, request, Status::ok);
+      wake_waiters();
+      return;
+    }
+    case Op::get:
+    case Op::wait: {
+      const bool is_get = op == Op::get;
+      Waiter wt{id, request, is_get ? std::vector<std::string>{key()} : key_list(), {}, is_get, {}};
+      wt.deadline = timeout_at();
+      wt.stop = key();
+      r.expect_end();
+      if (!try_answer(s, wt)) waiters_.push_back(std::move(wt));
+      return;
+    }
+    case Op::add: {
+      auto k = key();
+      const auto delta = r.get<std::int64_t>();
+      r.expect_end();
+      std::int64_t value = 0;
+      if (auto it = data_.find(k); it != data_.end()) {
+        if (it->second.size() != 8)
+          return reply(s, request, Status::error, "key does not hold a counter");
+        ByteReader vr(it->second, "counter");
+        value = vr.get<std::int64_t>();
+      }
+      value = static_cast<std::int64_t>(static_cast<std::uint64_t>(value) +
+                                        static_cast<std::uint64_t>(delta));
+      std::string enc;
+      ByteWriter(enc).put(value);
+      if (!store_value(k, std::move(enc))) return reply(s, request, Status::error, "store is full");
+      w.put(value);
+      reply(s, request, Status::ok, body);
+      wake_waiters();
+      return;
+    }
+    case Op::compare_set: {
+      auto k = key();
+      auto expected = r.str(options_.max_value_bytes);
+      auto desired = r.str(options_.max_value_bytes);
+      r.expect_end();
+      auto it = data_.find(k);
+      const bool swap =
+          (it == data_.end() && expected.empty()) || (it != data_.end() && it->second == expected);
+      if (swap) {
+        if (!store_value(k, desired)) return reply(s, request, Status::error, "store is full");
+        it = data_.find(k);
+        wake_waiters();
+      }
+      const std::string none;
+      reply(s, request, Status::ok, {}, it == data_.end() ? &none : &it->second);
+      return;
+    }
+    case Op::erase: {
+      auto k = key();
+      r.expect_end();
+      auto it = data_.find(k);
+      const bool existed = it != data_.end();
+      if (existed) {
+        total_bytes_ -= it->first.size() + it->second.size();
+        data_.erase(it);
+      }
+      w.put(static_cast<std::uint8_t>(existed));
+      reply(s, request, Status::ok, body);
+      return;
+    }
+    case Op::on_close: {
+      const auto n = r.get<std::uint32_t>();
+      if (n > 16) fail(Errc::protocol, "on_close names ", n, " keys (at most 16)");
+      std::vector<std::pair<std::string, std::string>> keys;
+      for (std::uint32_t i = 0; i < n; ++i) {
+        auto k = key();
+        keys.emplace_back(std::move(k), r.str(options_.max_value_bytes));
+      }
+      r.expect_end();
+      s.on_close = std::move(keys);
+      reply(s, request, Status::ok);
+      return;
+    }
+    case Op::lease: {
+      const auto ms = std::min<std::uint64_t>(r.get<std::uint64_t>(), 1ull << 40);
+      const auto n = r.get<std::uint32_t>();
+      if (n > 16) fail(Errc::protocol, "lease names ", n, " keys (at most 16)");
+      std::vector<LeaseRecord> records;
+      for (std::uint32_t i = 0; i < n; ++i) {
+        LeaseRecord rec;
+        rec.is_add = r.get<std::uint8_t>() != 0;
+        rec.key = key();
+        rec.value = r.str(options_.max_value_bytes);
+        rec.add = r.get<std::int64_t>();
+        records.push_back(std::move(rec));
+      }
+      r.expect_end();
+      s.lease = std::chrono::milliseconds(static_cast<std::int64_t>(ms));
+      s.heard = now;
+      s.expired = false;
+      s.on_expire = std::move(records);
+      reply(s, request, Status::ok);
+      return;
+    }
+    case Op::keepalive:
+      r.expect_end();
+      return;  // its arrival is the point (receive() noted it); no reply
+    case Op::check: {
+      auto keys = key_list();
+      r.expect_end();
+      const bool all =
+          std::all_of(keys.begin(), keys.end(), [&](const auto& k) { return data_.count(k) != 0; });
+      w.put(static_cast<std::uint8_t>(all));
+      reply(s, request, Status::ok, body);
+      return;
+    }
+  }
+  fail(Errc::protocol, "unknown store operation ", static_cast<int>(op));
+}
+
+DDP_INLINE bool StoreEngine::apply_on_close(Session& s) {
+  bool changed = false;
+  for (auto& [k, v] : s.on_close)
+    changed = (data_.count(k) == 0 && store_value(k, std::move(v))) || changed;
+  s.on_close.clear();
+  return changed;
+}
+
+DDP_INLINE bool StoreEngine::apply(const LeaseRecord& r) {
+  if (!r.is_add) return data_.count(r.key) == 0 && store_value(r.key, r.value);
+  std::int64_t value = 0;
+  if (auto it = data_.find(r.key); it != data_.end()) {
+    if (it->second.size() != 8) return false;
+    ByteReader vr(it->second, "counter");
+    value = vr.get<std::int64_t>();
+  }
+  value = static_cast<std::int64_t>(static_cast<std::uint64_t>(value) +
+                                    static_cast<std::uint64_t>(r.add));
+  std::string enc;
+  ByteWriter(enc).put(value);
+  return store_value(r.key, std::move(enc));
+}
+
+DDP_INLINE bool StoreEngine::store_value(const std::string& k, std::string v) {
+  auto it = data_.find(k);
+  const std::size_t old = it == data_.end() ? 0 : k.size() + it->second.size();
+  if (it == data_.end() && data_.size() >= options_.max_keys) return false;
+  if (total_bytes_ - old + k.size() + v.size() > options_.max_total_bytes) return false;
+  total_bytes_ = total_bytes_ - old + k.size() + v.size();
+  data_[k] = std::move(v);
+  return true;
+}
+
+DDP_INLINE bool StoreEngine::try_answer(Session& s, const Waiter& wt) {
+  if (!wt.stop.empty()) {
+    if (auto it = data_.find(wt.stop); it != data_.end()) {
+      reply(s, wt.request, Status::stopped, {}, &it->second);
+      return true;
+    }
+  }
+  for (const auto& k : wt.keys) {
+    if (data_.count(k) == 0) return false;
+  }
+  if (wt.is_get) {
+    reply(s, wt.request, Status::ok, {}, &data_[wt.keys.front()]);
+  } else {
+    reply(s, wt.request, Status::ok);
+  }
+  return true;
+}
+
+DDP_INLINE void StoreEngine::wake_waiters() {
+  std::erase_if(waiters_, [&](const Waiter& wt) {
+    Session* s = session(wt.conn);
+    if (s == nullptr || s->closed) return true;
+    return try_answer(*s, wt);
+  });
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 
@@ -7373,22 +8052,11 @@ class StoreServer {
  public:
   /// Listens on host:port (port 0 picks a free one, see port()). Throws Errc::address_in_use
   /// when the port is taken.
-  StoreServer(const std::string& host, int port, StoreOptions options = {})
-      : StoreServer(detail::listen_tcp(host, port), host, std::move(options)) {}
+  StoreServer(const std::string& host, int port, StoreOptions options = {});
 
   /// Serves on a socket that is already listening (a launcher binds it before it forks, so the
   /// port is known and no thread exists at fork time).
-  StoreServer(detail::Fd listener, const std::string& host, StoreOptions options = {})
-      : engine_(prepared(std::move(options))), host_(host), listener_(std::move(listener)) {
-    reserve_fd_ = detail::Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
-    port_ = detail::local_port(listener_.get());
-    detail::set_nonblocking(listener_.get(), true);
-    int pipe_fds[2];
-    if (::pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) != 0) detail::fail_errno(errno, "pipe2");
-    wake_read_.reset(pipe_fds[0]);
-    wake_write_.reset(pipe_fds[1]);
-    thread_ = std::thread([this] { run(); });
-  }
+  StoreServer(detail::Fd listener, const std::string& host, StoreOptions options = {});
 
   StoreServer(const StoreServer&) = delete;
   StoreServer& operator=(const StoreServer&) = delete;
@@ -7400,12 +8068,7 @@ class StoreServer {
   [[nodiscard]] const std::string& host() const noexcept { return host_; }
 
   /// Stops serving (idempotent). Connected clients see the connection close.
-  void stop() {
-    if (stopping_.exchange(true)) return;
-    const char c = 'x';
-    (void)!::write(wake_write_.get(), &c, 1);
-    if (thread_.joinable()) thread_.join();
-  }
+  void stop();
 
   /// Connections refused so far (bad handshake, wrong token, oversized frames, stray traffic).
   [[nodiscard]] std::uint64_t refused() const noexcept { return engine_.refused(); }
@@ -7419,143 +8082,21 @@ class StoreServer {
   /// with the rank that hosts it, which needs descriptors of its own (its sockets to the other
   /// ranks, shared memory): connections that have not authenticated get at most an eighth of it,
   /// all connections at most three quarters, so strangers can never starve the rank.
-  static StoreOptions prepared(StoreOptions o) {
-    detail::raise_fd_limit();
-    rlimit lim{};
-    if (::getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY) {
-      const auto n = static_cast<std::size_t>(lim.rlim_cur);
-      o.max_pending_handshakes = std::clamp<std::size_t>(n / 8, 1, o.max_pending_handshakes);
-      o.max_connections = std::clamp<std::size_t>(n * 3 / 4, 2, o.max_connections);
-    }
-    if (!o.log) {
-      o.log = [](std::string_view m) {
-        std::fprintf(stderr, "[ddp store] %.*s\n", static_cast<int>(m.size()), m.data());
-      };
-    }
-    return o;
-  }
+  static StoreOptions prepared(StoreOptions o);
 
-  void run() {
-    std::vector<pollfd> fds;
-    std::vector<std::uint64_t> ids;
-    while (!stopping_.load()) {
-      fds.clear();
-      ids.clear();
-      fds.push_back({wake_read_.get(), POLLIN, 0});
-      // Out of file descriptors: the listener stays readable, so it is left out of the poll for
-      // a moment instead of being polled in a busy loop.
-      const bool accepting = Clock::now() >= accept_pause_until_;
-      fds.push_back({listener_.get(), accepting ? short{POLLIN} : short{0}, 0});
-      for (auto& [id, s] : engine_.sessions()) {
-        // A refused client is not read any more (its reply is sent, then it is closed), nor is
-        // one whose replies pile up unread.
-        short ev = detail::StoreEngine::readable(s) ? short{POLLIN} : short{0};
-        if (s.out_sent < s.out.size()) ev = static_cast<short>(ev | POLLOUT);
-        fds.push_back({fds_.at(id).get(), ev, 0});
-        ids.push_back(id);
-      }
-      auto next = engine_.next_deadline(Clock::now() + std::chrono::seconds(1));
-      if (!accepting) next = std::min(next, accept_pause_until_);
-      const int rc = ::poll(fds.data(), fds.size(), detail::Deadline{next}.poll_ms(1000));
-      if (rc < 0 && errno != EINTR) {
-        engine_.options().log(
-            detail::concat("poll failed: ", std::strerror(errno), "; the store stops serving"));
-        break;
-      }
-      if (rc > 0) {
-        if ((fds[1].revents & POLLIN) != 0) accept_all();
-        for (std::size_t i = 2; i < fds.size(); ++i) {
-          if ((fds[i].revents & (POLLIN | POLLHUP | POLLERR)) != 0) on_readable(ids[i - 2]);
-        }
-      }
-      engine_.expire(Clock::now());
-      flush_all();
-      engine_.reap();
-      std::erase_if(fds_, [&](const auto& kv) { return engine_.session(kv.first) == nullptr; });
-    }
-    // Stopped: close every connection now, so clients learn at once instead of at their timeout.
-    engine_.close_all();
-    engine_.reap();
-    fds_.clear();
-    listener_.reset();
-  }
+  void run();
 
-  void accept_all() {
-    for (;;) {
-      detail::Fd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-      if (!fd) {
-        if (errno == EINTR || errno == ECONNABORTED) continue;
-        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
-          out_of_descriptors(errno);
-        }
-        return;  // EAGAIN: try again on the next poll
-      }
-      const auto id = engine_.open(detail::peer_name(fd.get()), Clock::now());
-      if (id == 0) continue;  // refused: the socket closes here
-      detail::set_nodelay(fd.get());
-      fds_.emplace(id, std::move(fd));
-    }
-  }
+  void accept_all();
 
   /// accept() failed for lack of descriptors: the reserve descriptor is given up for a moment to
   /// accept and close one waiting connection (its client learns at once instead of hanging), the
   /// listener is left alone for 100 ms, and the condition is logged (rate-limited).
-  void out_of_descriptors(int err) {
-    engine_.note_refusal(detail::concat("out of file descriptors (", std::strerror(err),
-                                        "): a connection was closed unserved; raise ulimit -n"));
-    if (reserve_fd_) {
-      reserve_fd_.reset();
-      detail::Fd drop(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
-      drop.reset();
-      reserve_fd_ = detail::Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
-    }
-    accept_pause_until_ = Clock::now() + std::chrono::milliseconds(100);
-  }
+  void out_of_descriptors(int err);
 
-  void on_readable(std::uint64_t id) {
-    char buf[64 * 1024];
-    // A bounded number of reads per wake-up, so one busy connection cannot starve the others.
-    for (int rounds = 0; rounds < 64; ++rounds) {
-      Session* s = engine_.session(id);
-      if (s == nullptr) return;
-      // Refused or backlogged: flush_all sends (or finds the peer gone) before reading resumes.
-      if (!detail::StoreEngine::readable(*s)) return;
-      const std::size_t want = std::min(sizeof buf, detail::StoreEngine::wanted(*s));
-      const ssize_t n = ::recv(fds_.at(id).get(), buf, want, MSG_DONTWAIT);
-      if (n == 0) return engine_.peer_closed(id);
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        if (errno != EAGAIN && errno != EWOULDBLOCK) engine_.peer_closed(id);
-        return;
-      }
-      engine_.receive(id, {buf, static_cast<std::size_t>(n)}, Clock::now());
-    }
-  }
+  void on_readable(std::uint64_t id);
 
   /// Sends what the engine queued, as far as the sockets take it; closes what should be closed.
-  void flush_all() {
-    for (auto& [id, s] : engine_.sessions()) {
-      const int fd = fds_.at(id).get();
-      while (!s.closed && s.out_sent < s.out.size()) {
-        const ssize_t n = ::send(fd, s.out.data() + s.out_sent, s.out.size() - s.out_sent,
-                                 MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (n > 0) {
-          s.out_sent += static_cast<std::size_t>(n);
-        } else if (n < 0 && errno == EINTR) {
-          continue;
-        } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-          break;
-        } else {
-          engine_.peer_closed(id);
-        }
-      }
-      if (s.out_sent == s.out.size()) {
-        detail::StoreEngine::release(s.out);
-        s.out_sent = 0;
-        if (s.close_after_write) s.closed = true;
-      }
-    }
-  }
+  void flush_all();
 
   detail::StoreEngine engine_;
   std::string host_;
@@ -7568,6 +8109,165 @@ class StoreServer {
   Clock::time_point accept_pause_until_{};
   std::thread thread_;
 };
+
+#if DDP_BODIES
+DDP_INLINE StoreServer::StoreServer(const std::string& host, int port, StoreOptions options)
+    : StoreServer(detail::listen_tcp(host, port), host, std::move(options)) {}
+
+DDP_INLINE StoreServer::StoreServer(detail::Fd listener, const std::string& host,
+                                    StoreOptions options)
+    : engine_(prepared(std::move(options))), host_(host), listener_(std::move(listener)) {
+  reserve_fd_ = detail::Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  port_ = detail::local_port(listener_.get());
+  detail::set_nonblocking(listener_.get(), true);
+  int pipe_fds[2];
+  if (::pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) != 0) detail::fail_errno(errno, "pipe2");
+  wake_read_.reset(pipe_fds[0]);
+  wake_write_.reset(pipe_fds[1]);
+  thread_ = std::thread([this] { run(); });
+}
+
+DDP_INLINE void StoreServer::stop() {
+  if (stopping_.exchange(true)) return;
+  const char c = 'x';
+  (void)!::write(wake_write_.get(), &c, 1);
+  if (thread_.joinable()) thread_.join();
+}
+
+DDP_INLINE StoreOptions StoreServer::prepared(StoreOptions o) {
+  detail::raise_fd_limit();
+  rlimit lim{};
+  if (::getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY) {
+    const auto n = static_cast<std::size_t>(lim.rlim_cur);
+    o.max_pending_handshakes = std::clamp<std::size_t>(n / 8, 1, o.max_pending_handshakes);
+    o.max_connections = std::clamp<std::size_t>(n * 3 / 4, 2, o.max_connections);
+  }
+  if (!o.log) {
+    o.log = [](std::string_view m) {
+      std::fprintf(stderr, "[ddp store] %.*s\n", static_cast<int>(m.size()), m.data());
+    };
+  }
+  return o;
+}
+
+DDP_INLINE void StoreServer::run() {
+  std::vector<pollfd> fds;
+  std::vector<std::uint64_t> ids;
+  while (!stopping_.load()) {
+    fds.clear();
+    ids.clear();
+    fds.push_back({wake_read_.get(), POLLIN, 0});
+    // Out of file descriptors: the listener stays readable, so it is left out of the poll for
+    // a moment instead of being polled in a busy loop.
+    const bool accepting = Clock::now() >= accept_pause_until_;
+    fds.push_back({listener_.get(), accepting ? short{POLLIN} : short{0}, 0});
+    for (auto& [id, s] : engine_.sessions()) {
+      // A refused client is not read any more (its reply is sent, then it is closed), nor is
+      // one whose replies pile up unread.
+      short ev = detail::StoreEngine::readable(s) ? short{POLLIN} : short{0};
+      if (s.out_sent < s.out.size()) ev = static_cast<short>(ev | POLLOUT);
+      fds.push_back({fds_.at(id).get(), ev, 0});
+      ids.push_back(id);
+    }
+    auto next = engine_.next_deadline(Clock::now() + std::chrono::seconds(1));
+    if (!accepting) next = std::min(next, accept_pause_until_);
+    const int rc = ::poll(fds.data(), fds.size(), detail::Deadline{next}.poll_ms(1000));
+    if (rc < 0 && errno != EINTR) {
+      engine_.options().log(
+          detail::concat("poll failed: ", std::strerror(errno), "; the store stops serving"));
+      break;
+    }
+    if (rc > 0) {
+      if ((fds[1].revents & POLLIN) != 0) accept_all();
+      for (std::size_t i = 2; i < fds.size(); ++i) {
+        if ((fds[i].revents & (POLLIN | POLLHUP | POLLERR)) != 0) on_readable(ids[i - 2]);
+      }
+    }
+    engine_.expire(Clock::now());
+    flush_all();
+    engine_.reap();
+    std::erase_if(fds_, [&](const auto& kv) { return engine_.session(kv.first) == nullptr; });
+  }
+  // Stopped: close every connection now, so clients learn at once instead of at their timeout.
+  engine_.close_all();
+  engine_.reap();
+  fds_.clear();
+  listener_.reset();
+}
+
+DDP_INLINE void StoreServer::accept_all() {
+  for (;;) {
+    detail::Fd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+    if (!fd) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        out_of_descriptors(errno);
+      }
+      return;  // EAGAIN: try again on the next poll
+    }
+    const auto id = engine_.open(detail::peer_name(fd.get()), Clock::now());
+    if (id == 0) continue;  // refused: the socket closes here
+    detail::set_nodelay(fd.get());
+    fds_.emplace(id, std::move(fd));
+  }
+}
+
+DDP_INLINE void StoreServer::out_of_descriptors(int err) {
+  engine_.note_refusal(detail::concat("out of file descriptors (", std::strerror(err),
+                                      "): a connection was closed unserved; raise ulimit -n"));
+  if (reserve_fd_) {
+    reserve_fd_.reset();
+    detail::Fd drop(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    drop.reset();
+    reserve_fd_ = detail::Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  }
+  accept_pause_until_ = Clock::now() + std::chrono::milliseconds(100);
+}
+
+DDP_INLINE void StoreServer::on_readable(std::uint64_t id) {
+  char buf[64 * 1024];
+  // A bounded number of reads per wake-up, so one busy connection cannot starve the others.
+  for (int rounds = 0; rounds < 64; ++rounds) {
+    Session* s = engine_.session(id);
+    if (s == nullptr) return;
+    // Refused or backlogged: flush_all sends (or finds the peer gone) before reading resumes.
+    if (!detail::StoreEngine::readable(*s)) return;
+    const std::size_t want = std::min(sizeof buf, detail::StoreEngine::wanted(*s));
+    const ssize_t n = ::recv(fds_.at(id).get(), buf, want, MSG_DONTWAIT);
+    if (n == 0) return engine_.peer_closed(id);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) engine_.peer_closed(id);
+      return;
+    }
+    engine_.receive(id, {buf, static_cast<std::size_t>(n)}, Clock::now());
+  }
+}
+
+DDP_INLINE void StoreServer::flush_all() {
+  for (auto& [id, s] : engine_.sessions()) {
+    const int fd = fds_.at(id).get();
+    while (!s.closed && s.out_sent < s.out.size()) {
+      const ssize_t n = ::send(fd, s.out.data() + s.out_sent, s.out.size() - s.out_sent,
+                               MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n > 0) {
+        s.out_sent += static_cast<std::size_t>(n);
+      } else if (n < 0 && errno == EINTR) {
+        continue;
+      } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        break;
+      } else {
+        engine_.peer_closed(id);
+      }
+    }
+    if (s.out_sent == s.out.size()) {
+      detail::StoreEngine::release(s.out);
+      s.out_sent = 0;
+      if (s.close_after_write) s.closed = true;
+    }
+  }
+}
+#endif  // DDP_BODIES
 
 DDP_END_NAMESPACE
 // end ddp/store/server.hpp
@@ -7582,7 +8282,9 @@ DDP_BEGIN_NAMESPACE
 namespace detail {
 
 /// Where a job's store port `port` comes from, for the message when it is taken.
-[[nodiscard]] inline std::string store_port_source(const Environment& env, int port) {
+[[nodiscard]] DDP_INLINE std::string store_port_source(const Environment& env, int port);
+#if DDP_BODIES
+DDP_INLINE std::string store_port_source(const Environment& env, int port) {
   if (port == env.master_port) return concat("takes MASTER_PORT = ", port);
   if (env.launcher == "torchrun" && port == env.master_port + 1)
     return concat("takes MASTER_PORT + 1 = ", port,
@@ -7590,21 +8292,28 @@ namespace detail {
                   env.master_port, ")");
   return concat("takes DDP_STORE_PORT = ", port);
 }
+#endif  // DDP_BODIES
 
 /// What a store on one of several candidate ports says it serves: the job of `env`.
-[[nodiscard]] inline std::string store_job_name(const Environment& env) {
+[[nodiscard]] DDP_INLINE std::string store_job_name(const Environment& env);
+#if DDP_BODIES
+DDP_INLINE std::string store_job_name(const Environment& env) {
   const EnvReader launcher;
   return concat(env.master_addr, ":", env.master_port, "/", launcher.get("TORCHELASTIC_RUN_ID", ""),
                 "/", launcher.get("TORCHELASTIC_RESTART_COUNT", "0"));
 }
+#endif  // DDP_BODIES
 
 /// The key under which a store on one of several candidate ports names its job.
 inline constexpr std::string_view store_job_key = "ddp/job";
 
 /// Rank 0: hosts the store in `server` on the first free port of [port, port + ports); returns
 /// that port.
-inline int host_store(std::shared_ptr<StoreServer>& server, const Environment& env, int port,
-                      int ports, const StoreOptions& so) {
+DDP_INLINE int host_store(std::shared_ptr<StoreServer>& server, const Environment& env, int port,
+                          int ports, const StoreOptions& so);
+#if DDP_BODIES
+DDP_INLINE int host_store(std::shared_ptr<StoreServer>& server, const Environment& env, int port,
+                          int ports, const StoreOptions& so) {
   for (int p = port; p < port + ports; ++p) {
     try {
       server = std::make_shared<StoreServer>(env.master_addr, p, so);
@@ -7621,12 +8330,16 @@ inline int host_store(std::shared_ptr<StoreServer>& server, const Environment& e
        "holds it. Set DDP_STORE_PORT to a free port (the same on every rank)",
        port == env.master_port ? ", or choose another MASTER_PORT" : "");
 }
+#endif  // DDP_BODIES
 
 /// Every other rank, when rank 0 may have taken any of [port, port + ports): probes them in turn,
 /// with a window that grows each round, until one serves a store that names `job`, or until
 /// `deadline` (Errc::timeout).
-inline int find_store(const Environment& env, int port, int ports, StoreOptions so,
-                      const std::string& job, Clock::time_point deadline) {
+DDP_INLINE int find_store(const Environment& env, int port, int ports, StoreOptions so,
+                          const std::string& job, Clock::time_point deadline);
+#if DDP_BODIES
+DDP_INLINE int find_store(const Environment& env, int port, int ports, StoreOptions so,
+                          const std::string& job, Clock::time_point deadline) {
   const auto timeout = so.timeout;
   so.refusal_key.clear();  // a probe never marks a store it turns out not to belong to
   auto window = std::chrono::milliseconds(100);
@@ -7652,10 +8365,13 @@ inline int find_store(const Environment& env, int port, int ports, StoreOptions 
     window = std::min(window * 2, std::chrono::milliseconds(2000));
   }
 }
+#endif  // DDP_BODIES
 
 /// The etcd namespace a launcher gives the job: ddprun's run (DDP_RUN_ID), torchrun's run id
 /// (unless "none"), Slurm's job and step; "" when none does.
-[[nodiscard]] inline std::string store_namespace() {
+[[nodiscard]] DDP_INLINE std::string store_namespace();
+#if DDP_BODIES
+DDP_INLINE std::string store_namespace() {
   const EnvReader e;
   if (std::string id = e.get("DDP_RUN_ID"); !id.empty()) return id;
   if (std::string id = e.get("TORCHELASTIC_RUN_ID"); !id.empty() && id != "none")
@@ -7664,13 +8380,18 @@ inline int find_store(const Environment& env, int port, int ports, StoreOptions 
     return concat("slurm-", job, ".", e.get("SLURM_STEP_ID", "0"));
   return {};
 }
+#endif  // DDP_BODIES
 
 /// The job's store in the etcd cluster `url` (Options::store), for rank `rank`: its lease as
 /// long as the heartbeat (10 s without one). ddp's token authenticates nothing there: a token
 /// given is refused rather than ignored.
-[[nodiscard]] inline std::shared_ptr<Store> open_etcd_store(const std::string& url, int rank,
-                                                            std::chrono::milliseconds heartbeat,
-                                                            StoreOptions so) {
+[[nodiscard]] DDP_INLINE std::shared_ptr<Store> open_etcd_store(const std::string& url, int rank,
+                                                                std::chrono::milliseconds heartbeat,
+                                                                StoreOptions so);
+#if DDP_BODIES
+DDP_INLINE std::shared_ptr<Store> open_etcd_store(const std::string& url, int rank,
+                                                  std::chrono::milliseconds heartbeat,
+                                                  StoreOptions so) {
   if (!so.token.empty())
     fail(Errc::invalid_argument, "rank ", rank, ": DDP_STORE=\"", url,
          "\": DDP_TOKEN is set, but an etcd store does not check ddp's token (secure the etcd "
@@ -7678,6 +8399,7 @@ inline int find_store(const Environment& env, int port, int ports, StoreOptions 
   so.lease_ttl = heartbeat.count() > 0 ? heartbeat : std::chrono::milliseconds(10000);
   return std::make_shared<Store>(connect_etcd(url, "DDP_STORE", store_namespace(), std::move(so)));
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -7748,10 +8470,13 @@ namespace detail {
 /// How long a launcher (ddprun, spawn) lets the other workers run after one failed before it
 /// stops them: a second when they write flight recorders ($DDP_TRACE_DUMP), in which they fail on
 /// their own (peers of a failed rank do within milliseconds) and write them; else no time.
-[[nodiscard]] inline std::chrono::milliseconds trace_dump_grace() {
+[[nodiscard]] DDP_INLINE std::chrono::milliseconds trace_dump_grace();
+#if DDP_BODIES
+DDP_INLINE std::chrono::milliseconds trace_dump_grace() {
   return !EnvReader().has("DDP_TRACE_DUMP") ? std::chrono::milliseconds(0)
                                             : std::chrono::milliseconds(1000);
 }
+#endif  // DDP_BODIES
 
 /// A fixed ring of TraceRecords that costs no lock: issuing an operation is one atomic
 /// increment and a few plain stores, updating its state one store, so the flight recorder stays
@@ -7764,65 +8489,19 @@ class FlightRecorder {
   using State = TraceRecord::State;
 
   /// Sets the capacity and forgets every record; not concurrent with the other members.
-  void resize(std::size_t capacity) {
-    // Slots for a power of two at least `capacity`: a slot is found with a mask, not a division
-    // (a 64-bit division costs more than the rest of recording an operation).
-    std::size_t slots = capacity != 0 ? 1 : 0;
-    while (slots < capacity) slots <<= 1;
-    slots_ = slots != 0 ? std::make_unique<Slot[]>(slots) : nullptr;
-    mask_ = slots - 1;
-    capacity_ = capacity;
-    next_.store(0, std::memory_order_relaxed);
-  }
+  void resize(std::size_t capacity);
 
   /// Records a new operation and returns its sequence number.
-  std::uint64_t issue(const char* op, std::size_t bytes, State state) {
-    const std::uint64_t seq = next_.fetch_add(1, std::memory_order_relaxed);
-    if (capacity_ == 0) return seq;
-    Slot& s = slots_[seq & mask_];
-    // A seqlock without fences (ThreadSanitizer does not model them): the fields are release
-    // stores after the odd version, so a reader that sees any of them sees the version change.
-    s.version.store(2 * seq + 1, std::memory_order_relaxed);  // odd: being written
-    s.op.store(op, std::memory_order_release);
-    s.bytes.store(bytes, std::memory_order_release);
-    s.state.store(state, std::memory_order_release);
-    s.issued_ns.store(coarse_now_ns(), std::memory_order_release);
-    s.version.store(2 * seq + 2, std::memory_order_release);
-    return seq;
-  }
+  std::uint64_t issue(const char* op, std::size_t bytes, State state);
 
   /// Moves operation `seq` to `state` (unless the ring has overwritten it since).
-  void update(std::uint64_t seq, State state) {
-    if (capacity_ == 0) return;
-    Slot& s = slots_[seq & mask_];
-    if (s.version.load(std::memory_order_relaxed) == 2 * seq + 2)
-      s.state.store(state, std::memory_order_release);
-  }
+  void update(std::uint64_t seq, State state);
 
   /// The records still held, oldest first.
-  [[nodiscard]] std::vector<TraceRecord> recent() const {
-    std::vector<TraceRecord> out;
-    const std::uint64_t next = next_.load(std::memory_order_acquire);
-    const std::uint64_t n = std::min<std::uint64_t>(next, capacity_);
-    out.reserve(static_cast<std::size_t>(n));
-    for (std::uint64_t seq = next - n; seq < next; ++seq) {
-      const Slot& s = slots_[seq & mask_];
-      const std::uint64_t v = s.version.load(std::memory_order_acquire);
-      if (v != 2 * seq + 2) continue;  // being written, or already overwritten
-      TraceRecord r;
-      r.seq = seq;
-      r.op = s.op.load(std::memory_order_acquire);
-      r.bytes = s.bytes.load(std::memory_order_acquire);
-      r.state = s.state.load(std::memory_order_acquire);
-      r.issued = std::chrono::steady_clock::time_point(
-          std::chrono::nanoseconds(s.issued_ns.load(std::memory_order_acquire)));
-      if (s.version.load(std::memory_order_relaxed) == v) out.push_back(r);
-    }
-    return out;
-  }
+  [[nodiscard]] std::vector<TraceRecord> recent() const;
 
   /// Operations issued so far.
-  [[nodiscard]] std::uint64_t issued() const { return next_.load(std::memory_order_acquire); }
+  [[nodiscard]] std::uint64_t issued() const;
 
  private:
   struct Slot {
@@ -7834,15 +8513,7 @@ class FlightRecorder {
   };
 
   /// steady_clock's clock (CLOCK_MONOTONIC), read at its coarse resolution.
-  static std::int64_t coarse_now_ns() noexcept {
-    timespec ts{};
-    if (::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts) != 0) {
-      return std::chrono::duration_cast<std::chrono::nanoseconds>(
-                 std::chrono::steady_clock::now().time_since_epoch())
-          .count();
-    }
-    return std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
-  }
+  static std::int64_t coarse_now_ns() noexcept;
 
   std::unique_ptr<Slot[]> slots_;
   std::size_t mask_ = 0;
@@ -7850,10 +8521,84 @@ class FlightRecorder {
   std::atomic<std::uint64_t> next_{0};
 };
 
+#if DDP_BODIES
+DDP_INLINE void FlightRecorder::resize(std::size_t capacity) {
+  // Slots for a power of two at least `capacity`: a slot is found with a mask, not a division
+  // (a 64-bit division costs more than the rest of recording an operation).
+  std::size_t slots = capacity != 0 ? 1 : 0;
+  while (slots < capacity) slots <<= 1;
+  slots_ = slots != 0 ? std::make_unique<Slot[]>(slots) : nullptr;
+  mask_ = slots - 1;
+  capacity_ = capacity;
+  next_.store(0, std::memory_order_relaxed);
+}
+
+DDP_INLINE std::uint64_t FlightRecorder::issue(const char* op, std::size_t bytes, State state) {
+  const std::uint64_t seq = next_.fetch_add(1, std::memory_order_relaxed);
+  if (capacity_ == 0) return seq;
+  Slot& s = slots_[seq & mask_];
+  // A seqlock without fences (ThreadSanitizer does not model them): the fields are release
+  // stores after the odd version, so a reader that sees any of them sees the version change.
+  s.version.store(2 * seq + 1, std::memory_order_relaxed);  // odd: being written
+  s.op.store(op, std::memory_order_release);
+  s.bytes.store(bytes, std::memory_order_release);
+  s.state.store(state, std::memory_order_release);
+  s.issued_ns.store(coarse_now_ns(), std::memory_order_release);
+  s.version.store(2 * seq + 2, std::memory_order_release);
+  return seq;
+}
+
+DDP_INLINE void FlightRecorder::update(std::uint64_t seq, State state) {
+  if (capacity_ == 0) return;
+  Slot& s = slots_[seq & mask_];
+  if (s.version.load(std::memory_order_relaxed) == 2 * seq + 2)
+    s.state.store(state, std::memory_order_release);
+}
+
+DDP_INLINE std::vector<TraceRecord> FlightRecorder::recent() const {
+  std::vector<TraceRecord> out;
+  const std::uint64_t next = next_.load(std::memory_order_acquire);
+  const std::uint64_t n = std::min<std::uint64_t>(next, capacity_);
+  out.reserve(static_cast<std::size_t>(n));
+  for (std::uint64_t seq = next - n; seq < next; ++seq) {
+    const Slot& s = slots_[seq & mask_];
+    const std::uint64_t v = s.version.load(std::memory_order_acquire);
+    if (v != 2 * seq + 2) continue;  // being written, or already overwritten
+    TraceRecord r;
+    r.seq = seq;
+    r.op = s.op.load(std::memory_order_acquire);
+    r.bytes = s.bytes.load(std::memory_order_acquire);
+    r.state = s.state.load(std::memory_order_acquire);
+    r.issued = std::chrono::steady_clock::time_point(
+        std::chrono::nanoseconds(s.issued_ns.load(std::memory_order_acquire)));
+    if (s.version.load(std::memory_order_relaxed) == v) out.push_back(r);
+  }
+  return out;
+}
+
+DDP_INLINE std::uint64_t FlightRecorder::issued() const {
+  return next_.load(std::memory_order_acquire);
+}
+
+DDP_INLINE std::int64_t FlightRecorder::coarse_now_ns() noexcept {
+  timespec ts{};
+  if (::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts) != 0) {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  return std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
+#endif  // DDP_BODIES
+
 /// The recorder's contents as text: a header line, then one line per record, oldest first.
-[[nodiscard]] inline std::string format_trace(const std::vector<TraceRecord>& records,
-                                              std::uint64_t issued, int rank, int size,
-                                              std::string_view group, std::string_view why) {
+[[nodiscard]] DDP_INLINE std::string format_trace(const std::vector<TraceRecord>& records,
+                                                  std::uint64_t issued, int rank, int size,
+                                                  std::string_view group, std::string_view why);
+#if DDP_BODIES
+DDP_INLINE std::string format_trace(const std::vector<TraceRecord>& records, std::uint64_t issued,
+                                    int rank, int size, std::string_view group,
+                                    std::string_view why) {
   const auto now = std::chrono::steady_clock::now();
   std::string out = concat("ddp flight recorder: rank ", rank, " of ", size, ", group \"", group,
                            "\", the last ", records.size(), " of ", issued, " operations");
@@ -7871,11 +8616,15 @@ class FlightRecorder {
   }
   return out;
 }
+#endif  // DDP_BODIES
 
 /// Writes a dump where Options::trace_dump (or $DDP_TRACE_DUMP) says: "stderr", or a directory
 /// that receives ddp-trace-<group>-rank<r>.txt. Never throws (it runs while an error propagates).
-inline void dump_trace(const std::string& where, const std::string& text, std::string_view group,
-                       int rank) noexcept {
+DDP_INLINE void dump_trace(const std::string& where, const std::string& text,
+                           std::string_view group, int rank) noexcept;
+#if DDP_BODIES
+DDP_INLINE void dump_trace(const std::string& where, const std::string& text,
+                           std::string_view group, int rank) noexcept {
   try {
     if (where == "stderr" || where == "-") {
       std::fwrite(text.data(), 1, text.size(), stderr);
@@ -7918,6 +8667,7 @@ inline void dump_trace(const std::string& where, const std::string& text, std::s
   } catch (...) {
   }
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -7963,21 +8713,27 @@ struct WorkState {
   bool done = false;
   std::exception_ptr error;
 
-  void finish(std::exception_ptr e) {
-    {
-      std::lock_guard lock(mutex);
-      done = true;
-      error = std::move(e);
-    }
-    cv.notify_all();
-  }
+  void finish(std::exception_ptr e);
 
-  void wait() {
-    std::unique_lock lock(mutex);
-    cv.wait(lock, [&] { return done; });
-    if (error) std::rethrow_exception(error);
-  }
+  void wait();
 };
+
+#if DDP_BODIES
+DDP_INLINE void WorkState::finish(std::exception_ptr e) {
+  {
+    std::lock_guard lock(mutex);
+    done = true;
+    error = std::move(e);
+  }
+  cv.notify_all();
+}
+
+DDP_INLINE void WorkState::wait() {
+  std::unique_lock lock(mutex);
+  cv.wait(lock, [&] { return done; });
+  if (error) std::rethrow_exception(error);
+}
+#endif  // DDP_BODIES
 
 /// Runs operations one at a time in issue order: inline when idle, else on a worker thread.
 class Executor {
@@ -7985,14 +8741,7 @@ class Executor {
   Executor() = default;
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
-  ~Executor() {
-    {
-      std::lock_guard lock(queue_mutex_);
-      stopping_ = true;
-    }
-    queue_cv_.notify_all();
-    if (worker_.joinable()) worker_.join();
-  }
+  ~Executor();
 
   /// Runs f(true) now, in this thread, when nothing else runs or waits. Otherwise queues f(false)
   /// behind everything issued before it, calling queued() as it joins the queue (see
@@ -8035,41 +8784,14 @@ class Executor {
   static constexpr std::uint32_t queued_unit = 2;
 
   struct Release {
-    explicit Release(Executor& owner) noexcept : e(owner) {}
+    explicit Release(Executor& owner) noexcept;
     Executor& e;
     Release(const Release&) = delete;
     Release& operator=(const Release&) = delete;
-    ~Release() {
-      // Someone queued meanwhile: the worker waits for this bit to clear.
-      if (e.state_.fetch_sub(inline_bit, std::memory_order_release) != inline_bit)
-        e.state_.notify_all();
-    }
+    ~Release();
   };
 
-  void loop() {
-    std::unique_lock lock(queue_mutex_);
-    for (;;) {
-      queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, and drained
-      auto [f, state] = std::move(queue_.front());
-      queue_.pop_front();
-      lock.unlock();
-      for (;;) {  // an operation issued before this one may still run inline
-        const std::uint32_t v = state_.load(std::memory_order_acquire);
-        if ((v & inline_bit) == 0) break;
-        state_.wait(v, std::memory_order_acquire);
-      }
-      std::exception_ptr error;
-      try {
-        f();
-      } catch (...) {
-        error = std::current_exception();
-      }
-      state_.fetch_sub(queued_unit, std::memory_order_release);
-      state->finish(error);
-      lock.lock();
-    }
-  }
+  void loop();
 
   std::atomic<std::uint32_t> state_{0};
   std::mutex queue_mutex_;
@@ -8079,6 +8801,50 @@ class Executor {
   std::thread worker_;
 };
 
+#if DDP_BODIES
+DDP_INLINE Executor::~Executor() {
+  {
+    std::lock_guard lock(queue_mutex_);
+    stopping_ = true;
+  }
+  queue_cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+DDP_INLINE Executor::Release::Release(Executor& owner) noexcept : e(owner) {}
+
+DDP_INLINE Executor::Release::~Release() {
+  // Someone queued meanwhile: the worker waits for this bit to clear.
+  if (e.state_.fetch_sub(inline_bit, std::memory_order_release) != inline_bit)
+    e.state_.notify_all();
+}
+
+DDP_INLINE void Executor::loop() {
+  std::unique_lock lock(queue_mutex_);
+  for (;;) {
+    queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopping, and drained
+    auto [f, state] = std::move(queue_.front());
+    queue_.pop_front();
+    lock.unlock();
+    for (;;) {  // an operation issued before this one may still run inline
+      const std::uint32_t v = state_.load(std::memory_order_acquire);
+      if ((v & inline_bit) == 0) break;
+      state_.wait(v, std::memory_order_acquire);
+    }
+    std::exception_ptr error;
+    try {
+      f();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    state_.fetch_sub(queued_unit, std::memory_order_release);
+    state->finish(error);
+    lock.lock();
+  }
+}
+#endif  // DDP_BODIES
+
 }  // namespace detail
 
 /// The handle of an asynchronous operation.
@@ -8087,7 +8853,7 @@ class Work {
   /// A Work that is already complete.
   Work() = default;
   /// Wraps the shared state an executor completes; what the _async collectives return.
-  explicit Work(std::shared_ptr<detail::WorkState> s) : state_(std::move(s)) {}
+  explicit Work(std::shared_ptr<detail::WorkState> s);
 
   /// Blocks until the operation has finished; rethrows its ddp::Error if it failed.
   void wait() const {
@@ -8095,22 +8861,30 @@ class Work {
   }
 
   /// Whether the operation has finished (successfully or not); never blocks, never throws.
-  [[nodiscard]] bool test() const {
-    if (!state_) return true;
-    std::lock_guard lock(state_->mutex);
-    return state_->done;
-  }
+  [[nodiscard]] bool test() const;
 
   /// Whether the operation finished and failed.
-  [[nodiscard]] bool failed() const {
-    if (!state_) return false;
-    std::lock_guard lock(state_->mutex);
-    return state_->done && state_->error != nullptr;
-  }
+  [[nodiscard]] bool failed() const;
 
  private:
   std::shared_ptr<detail::WorkState> state_;
 };
+
+#if DDP_BODIES
+DDP_INLINE Work::Work(std::shared_ptr<detail::WorkState> s) : state_(std::move(s)) {}
+
+DDP_INLINE bool Work::test() const {
+  if (!state_) return true;
+  std::lock_guard lock(state_->mutex);
+  return state_->done;
+}
+
+DDP_INLINE bool Work::failed() const {
+  if (!state_) return false;
+  std::lock_guard lock(state_->mutex);
+  return state_->done && state_->error != nullptr;
+}
+#endif  // DDP_BODIES
 
 DDP_END_NAMESPACE
 // end ddp/work.hpp
@@ -8170,24 +8944,31 @@ DDP_BEGIN_NAMESPACE
 namespace detail {
 
 /// Throws Errc::backend for a failed CUDA runtime call.
-inline void cuda_check(cudaError_t rc, const char* call) {
+DDP_INLINE void cuda_check(cudaError_t rc, const char* call);
+#if DDP_BODIES
+DDP_INLINE void cuda_check(cudaError_t rc, const char* call) {
   if (rc != cudaSuccess) {
     (void)cudaGetLastError();  // clear a sticky-free error so later calls report their own
     fail(Errc::backend, call, " failed: ", cudaGetErrorString(rc), " (", cudaGetErrorName(rc), ")");
   }
 }
+#endif  // DDP_BODIES
 
 /// Makes `device` current until the end of the scope, never throwing (for destructors).
 struct CudaDeviceScope {
   int previous = 0;
-  explicit CudaDeviceScope(int device) noexcept {
-    (void)cudaGetDevice(&previous);
-    if (device != previous) (void)cudaSetDevice(device);
-  }
+  explicit CudaDeviceScope(int device) noexcept;
   ~CudaDeviceScope() { (void)cudaSetDevice(previous); }
   CudaDeviceScope(const CudaDeviceScope&) = delete;
   CudaDeviceScope& operator=(const CudaDeviceScope&) = delete;
 };
+
+#if DDP_BODIES
+DDP_INLINE CudaDeviceScope::CudaDeviceScope(int device) noexcept {
+  (void)cudaGetDevice(&previous);
+  if (device != previous) (void)cudaSetDevice(device);
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 
@@ -8196,7 +8977,9 @@ struct CudaDeviceScope {
 
 /// The number of CUDA devices this process can use; 0 when there is no driver or no device
 /// (never throws: this is how tests decide to skip).
-[[nodiscard]] inline int cuda_device_count() noexcept {
+[[nodiscard]] DDP_INLINE int cuda_device_count() noexcept;
+#if DDP_BODIES
+DDP_INLINE int cuda_device_count() noexcept {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -8204,11 +8987,14 @@ struct CudaDeviceScope {
   }
   return n;
 }
+#endif  // DDP_BODIES
 
 /// cuda_device_count() asked in a forked child, so that this process creates no CUDA context: a
 /// context does not survive fork(), so a program that forks its ranks (ddp::spawn) asks this way
 /// before spawning. 0 when the child cannot be made.
-[[nodiscard]] inline int cuda_device_count_before_fork() noexcept {
+[[nodiscard]] DDP_INLINE int cuda_device_count_before_fork() noexcept;
+#if DDP_BODIES
+DDP_INLINE int cuda_device_count_before_fork() noexcept {
   const pid_t pid = ::fork();
   if (pid == 0) ::_exit(std::min(cuda_device_count(), 250));
   if (pid < 0) return 0;
@@ -8220,15 +9006,13 @@ struct CudaDeviceScope {
   if (got != pid || !WIFEXITED(status)) return 0;
   return WEXITSTATUS(status);
 }
+#endif  // DDP_BODIES
 
 /// Makes `device` current for the guard's lifetime, then restores the previous one.
 class CudaDeviceGuard {
  public:
   /// Makes `device` current (remembering the current one).
-  explicit CudaDeviceGuard(int device) {
-    DDP_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (device != previous_) DDP_CUDA_CHECK(cudaSetDevice(device));
-  }
+  explicit CudaDeviceGuard(int device);
   CudaDeviceGuard(const CudaDeviceGuard&) = delete;
   CudaDeviceGuard& operator=(const CudaDeviceGuard&) = delete;
   ~CudaDeviceGuard() { (void)cudaSetDevice(previous_); }
@@ -8237,26 +9021,24 @@ class CudaDeviceGuard {
   int previous_ = 0;
 };
 
+#if DDP_BODIES
+DDP_INLINE CudaDeviceGuard::CudaDeviceGuard(int device) {
+  DDP_CUDA_CHECK(cudaGetDevice(&previous_));
+  if (device != previous_) DDP_CUDA_CHECK(cudaSetDevice(device));
+}
+#endif  // DDP_BODIES
+
 /// An owned, non-blocking CUDA stream (it does not synchronize with the legacy default stream).
 class CudaStream {
  public:
   /// A new stream on the current device.
   CudaStream() { DDP_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
   /// A new stream on `device`.
-  explicit CudaStream(int device) {
-    CudaDeviceGuard g(device);
-    DDP_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking));
-  }
+  explicit CudaStream(int device);
   /// Takes over `o`'s stream; `o` is left empty.
-  CudaStream(CudaStream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
+  CudaStream(CudaStream&& o) noexcept;
   /// Destroys this stream and takes over `o`'s; `o` is left empty.
-  CudaStream& operator=(CudaStream&& o) noexcept {
-    if (this != &o) {
-      reset();
-      s_ = std::exchange(o.s_, nullptr);
-    }
-    return *this;
-  }
+  CudaStream& operator=(CudaStream&& o) noexcept;
   CudaStream(const CudaStream&) = delete;
   CudaStream& operator=(const CudaStream&) = delete;
   ~CudaStream() { reset(); }
@@ -8267,12 +9049,31 @@ class CudaStream {
   void synchronize() const { DDP_CUDA_CHECK(cudaStreamSynchronize(s_)); }
 
  private:
-  void reset() noexcept {
-    if (s_ != nullptr) (void)cudaStreamDestroy(s_);
-    s_ = nullptr;
-  }
+  void reset() noexcept;
   cudaStream_t s_ = nullptr;
 };
+
+#if DDP_BODIES
+DDP_INLINE CudaStream::CudaStream(int device) {
+  CudaDeviceGuard g(device);
+  DDP_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking));
+}
+
+DDP_INLINE CudaStream::CudaStream(CudaStream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
+
+DDP_INLINE CudaStream& CudaStream::operator=(CudaStream&& o) noexcept {
+  if (this != &o) {
+    reset();
+    s_ = std::exchange(o.s_, nullptr);
+  }
+  return *this;
+}
+
+DDP_INLINE void CudaStream::reset() noexcept {
+  if (s_ != nullptr) (void)cudaStreamDestroy(s_);
+  s_ = nullptr;
+}
+#endif  // DDP_BODIES
 
 /// An owned CUDA event without timing (the cheap kind), for ordering streams and for polling.
 class CudaEvent {
@@ -8280,15 +9081,9 @@ class CudaEvent {
   /// A new event on the current device.
   CudaEvent() { DDP_CUDA_CHECK(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming)); }
   /// Takes over `o`'s event; `o` is left empty.
-  CudaEvent(CudaEvent&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
+  CudaEvent(CudaEvent&& o) noexcept;
   /// Destroys this event and takes over `o`'s; `o` is left empty.
-  CudaEvent& operator=(CudaEvent&& o) noexcept {
-    if (this != &o) {
-      reset();
-      e_ = std::exchange(o.e_, nullptr);
-    }
-    return *this;
-  }
+  CudaEvent& operator=(CudaEvent&& o) noexcept;
   CudaEvent(const CudaEvent&) = delete;
   CudaEvent& operator=(const CudaEvent&) = delete;
   ~CudaEvent() { reset(); }
@@ -8300,22 +9095,38 @@ class CudaEvent {
   /// Makes later work on `stream` wait for the captured work (no host blocking).
   void block(cudaStream_t stream) const { DDP_CUDA_CHECK(cudaStreamWaitEvent(stream, e_, 0)); }
   /// Whether the captured work has finished; throws if it failed.
-  [[nodiscard]] bool ready() const {
-    const cudaError_t rc = cudaEventQuery(e_);
-    if (rc == cudaErrorNotReady) return false;
-    detail::cuda_check(rc, "cudaEventQuery");
-    return true;
-  }
+  [[nodiscard]] bool ready() const;
   /// Blocks until the captured work has finished.
   void synchronize() const { DDP_CUDA_CHECK(cudaEventSynchronize(e_)); }
 
  private:
-  void reset() noexcept {
-    if (e_ != nullptr) (void)cudaEventDestroy(e_);
-    e_ = nullptr;
-  }
+  void reset() noexcept;
   cudaEvent_t e_ = nullptr;
 };
+
+#if DDP_BODIES
+DDP_INLINE CudaEvent::CudaEvent(CudaEvent&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
+
+DDP_INLINE CudaEvent& CudaEvent::operator=(CudaEvent&& o) noexcept {
+  if (this != &o) {
+    reset();
+    e_ = std::exchange(o.e_, nullptr);
+  }
+  return *this;
+}
+
+DDP_INLINE bool CudaEvent::ready() const {
+  const cudaError_t rc = cudaEventQuery(e_);
+  if (rc == cudaErrorNotReady) return false;
+  detail::cuda_check(rc, "cudaEventQuery");
+  return true;
+}
+
+DDP_INLINE void CudaEvent::reset() noexcept {
+  if (e_ != nullptr) (void)cudaEventDestroy(e_);
+  e_ = nullptr;
+}
+#endif  // DDP_BODIES
 
 /// `size` elements of T in device memory (cudaMalloc), on `device`, associated with `stream`
 /// (the stream whose work produces its contents; nullptr: the legacy default stream). Moves, never
@@ -8499,7 +9310,9 @@ class PinnedBuffer {
 namespace detail {
 
 /// Waits for a CUDA event, polling, for at most `timeout`; Errc::timeout names `what`.
-inline void cuda_wait(const CudaEvent& e, std::chrono::milliseconds timeout, const char* what) {
+DDP_INLINE void cuda_wait(const CudaEvent& e, std::chrono::milliseconds timeout, const char* what);
+#if DDP_BODIES
+DDP_INLINE void cuda_wait(const CudaEvent& e, std::chrono::milliseconds timeout, const char* what) {
   const auto start = std::chrono::steady_clock::now();
   for (unsigned spins = 0; !e.ready(); ++spins) {
     const auto waited = std::chrono::steady_clock::now() - start;
@@ -8513,13 +9326,17 @@ inline void cuda_wait(const CudaEvent& e, std::chrono::milliseconds timeout, con
       std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
 }
+#endif  // DDP_BODIES
 
 /// Copies `n` bytes between host memory and CUDA devices, in either direction, ordered on
 /// `stream` (a cudaStream_t as void*).
-inline void cuda_copy_async(void* dst, const void* src, std::size_t n, void* stream) {
+DDP_INLINE void cuda_copy_async(void* dst, const void* src, std::size_t n, void* stream);
+#if DDP_BODIES
+DDP_INLINE void cuda_copy_async(void* dst, const void* src, std::size_t n, void* stream) {
   DDP_CUDA_CHECK(
       cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)));
 }
+#endif  // DDP_BODIES
 
 /// Sets `n` bytes of device memory to zero, ordered on `stream`.
 inline void cuda_zero_async(void* dst, std::size_t n, void* stream) {
@@ -8532,12 +9349,15 @@ inline void cuda_sync(void* stream) {
 }
 
 /// Later work on `waiter` starts after the work queued on `producer` so far.
-inline void cuda_join_streams(void* waiter, void* producer) {
+DDP_INLINE void cuda_join_streams(void* waiter, void* producer);
+#if DDP_BODIES
+DDP_INLINE void cuda_join_streams(void* waiter, void* producer) {
   if (waiter == producer) return;
   CudaEvent done;
   done.record(static_cast<cudaStream_t>(producer));
   done.block(static_cast<cudaStream_t>(waiter));
 }
+#endif  // DDP_BODIES
 
 // The copies between a model's parameters and the averagers' buckets (ddp/training/), host or
 // CUDA memory alike; ddp/training/parameters.hpp has their host-only twins for builds without
@@ -8545,22 +9365,28 @@ inline void cuda_join_streams(void* waiter, void* producer) {
 
 /// Copies `n` bytes between host memory and CUDA devices (`cuda`: either side is on a device),
 /// ordered on `stream`.
-inline void copy_bytes(void* dst, const void* src, std::size_t n, bool cuda, void* stream) {
+DDP_INLINE void copy_bytes(void* dst, const void* src, std::size_t n, bool cuda, void* stream);
+#if DDP_BODIES
+DDP_INLINE void copy_bytes(void* dst, const void* src, std::size_t n, bool cuda, void* stream) {
   if (n == 0) return;
   if (cuda)
     cuda_copy_async(dst, src, n, stream);
   else
     std::memcpy(dst, src, n);
 }
+#endif  // DDP_BODIES
 
 /// Sets `n` bytes to zero, on a CUDA device (ordered on `stream`) or on the host.
-inline void zero_bytes(void* dst, std::size_t n, bool cuda, void* stream) {
+DDP_INLINE void zero_bytes(void* dst, std::size_t n, bool cuda, void* stream);
+#if DDP_BODIES
+DDP_INLINE void zero_bytes(void* dst, std::size_t n, bool cuda, void* stream) {
   if (n == 0) return;
   if (cuda)
     cuda_zero_async(dst, n, stream);
   else
     std::memset(dst, 0, n);
 }
+#endif  // DDP_BODIES
 
 /// Blocks until the work queued on a CUDA stream is done (nothing for host memory).
 inline void sync_stream(bool cuda, void* stream) {
@@ -8732,12 +9558,17 @@ DDP_BEGIN_NAMESPACE
 namespace detail {
 
 /// "0, 2, 3" of ranks, and back.
-inline std::string ranks_text(const std::vector<int>& ranks) {
+DDP_INLINE std::string ranks_text(const std::vector<int>& ranks);
+#if DDP_BODIES
+DDP_INLINE std::string ranks_text(const std::vector<int>& ranks) {
   std::string out;
   for (int r : ranks) out += concat(out.empty() ? "" : ", ", r);
   return out;
 }
-inline std::vector<int> parse_ranks(std::string_view text) {
+#endif  // DDP_BODIES
+DDP_INLINE std::vector<int> parse_ranks(std::string_view text);
+#if DDP_BODIES
+DDP_INLINE std::vector<int> parse_ranks(std::string_view text) {
   std::vector<int> out;
   int v = -1;
   for (const char c : text) {
@@ -8751,12 +9582,16 @@ inline std::vector<int> parse_ranks(std::string_view text) {
   if (v >= 0) out.push_back(v);
   return out;
 }
+#endif  // DDP_BODIES
 
 /// The value at `key` in `s`, "" when absent, without waiting.
-inline std::string peek_key(Store& s, const std::string& key) {
+DDP_INLINE std::string peek_key(Store& s, const std::string& key);
+#if DDP_BODIES
+DDP_INLINE std::string peek_key(Store& s, const std::string& key) {
   const std::string k[] = {key};
   return s.check(k) ? s.get(key) : std::string();
 }
+#endif  // DDP_BODIES
 
 struct CommState {
   CommState() = default;
@@ -8819,149 +9654,37 @@ struct CommState {
   }
 #endif
 
-  void configure(const Options& o) {
-    options = o;
-    recorder.resize(o.trace_entries);
-    install_error_file_handler();  // an uncaught exception reaches the launcher's error file
-  }
+  void configure(const Options& o);
 
   /// Joins the rendezvous store of the job `env` describes: rank 0 hosts it (unless a launcher
   /// does: Options::external_store, DDP_STORE_HOSTED=1), every rank connects, works under this
   /// communicator's prefix, watches the "failed" key and claims its rank. Returns that store,
   /// whose calls all end by `rendezvous_deadline` until end_rendezvous().
-  std::shared_ptr<Store> connect_store(const Environment& env) {
-    const EnvReader launcher;  // what the launcher that hosts the store says
-    prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
-    base_prefix = prefix;
-    job_prefix = prefix;
-    for (int r = 0; r < env.world_size; ++r) world_ranks.push_back(r);
-    StoreOptions so;
-    so.timeout = options.timeout;
-    so.token = options.token;
-    so.refusal_key = prefix + "failed";  // a wrong token fails this rendezvous at once
-    so.refusal_rank = env.rank;
-    int store_port = env.store_port != 0 ? env.store_port : env.master_port;
-    const int ports = env.store_port != 0 ? std::max(1, env.store_ports) : 1;
-    // With several candidate ports, the store says whose it is: a probing rank must not join
-    // another job's store that took one of them.
-    const std::string job = store_job_name(env);
-    const bool hosted = options.external_store || launcher.get("DDP_STORE_HOSTED") == "1";
-    if (!options.store.empty()) {  // an etcd cluster: nobody hosts it
-      root_store = open_etcd_store(options.store, env.rank, options.heartbeat, so);
-    } else {
-      if (env.rank == 0 && !hosted) {
-        store_port = host_store(server, env, store_port, ports, so);
-      } else if (ports > 1) {
-        store_port = find_store(env, store_port, ports, so, job, rendezvous_deadline);
-      }
-      root_store = std::make_shared<Store>(env.master_addr, store_port, so);
-      if (server && ports > 1) root_store->set(store_job_key, job);
-    }
-    store = std::make_shared<Store>(
-        root_store->prefixed(prefix).watching("failed").with_deadline(rendezvous_deadline));
-    world_size = env.world_size;
-    claim_rank(*store, env.rank, options.group);
-    joined = true;
-    // Should this process die before the rendezvous is over, the store tells the others at once,
-    // and counts it as gone (the store's host does not wait for it to leave).
-    const std::pair<std::string, std::string> on_close[] = {
-        {"failed", Store::stop_value(Errc::peer_lost,
-                                     concat("the rendezvous failed on rank ", env.rank,
-                                            ": its process closed its connection to the store "
-                                            "(it died or was killed) before the rendezvous was "
-                                            "over"))},
-        {concat("exit/", env.rank), ""}};
-    store->set_on_close(on_close);
-    return store;
-  }
+  std::shared_ptr<Store> connect_store(const Environment& env);
 
   /// A newcomer (Communicator::join): connects to the running job's store, which the launcher or
   /// a member hosts (never this process), without a refusal key: a wrong token fails this
   /// process alone, not the job. Sets the job's prefixes, as init() does.
-  void connect_to_job(const Environment& env) {
-    if (env.master_port == 0 && options.store.empty())
-      fail(Errc::invalid_argument, "rank ", env.rank,
-           ": Communicator::join: MASTER_PORT is not set; export MASTER_ADDR and MASTER_PORT "
-           "of the running job, or launch with ddprun");
-    const EnvReader launcher;
-    prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
-    base_prefix = prefix;
-    job_prefix = prefix;
-    StoreOptions so;
-    so.timeout = options.timeout;
-    so.token = options.token;
-    int store_port = env.store_port != 0 ? env.store_port : env.master_port;
-    const int ports = env.store_port != 0 ? std::max(1, env.store_ports) : 1;
-    if (!options.store.empty()) {
-      root_store = open_etcd_store(options.store, env.rank, options.heartbeat, so);
-      return;
-    }
-    if (ports > 1)
-      store_port = find_store(env, store_port, ports, so, store_job_name(env),
-                              Deadline::after(options.timeout).at);
-    root_store = std::make_shared<Store>(
-        env.master_addr.empty() ? std::string("127.0.0.1") : env.master_addr, store_port, so);
-  }
+  void connect_to_job(const Environment& env);
 
   /// The rendezvous succeeded: later store calls (split, leaving) get their own timeouts, and
   /// should this process die, the store counts it as left (the store's host does not wait for
   /// it in wait_for_the_others).
-  void end_rendezvous() {
-    if (!store) return;
-    *store = store->with_deadline(Clock::time_point::max());
-    // This communicator's mark, and (for one made by shrink()) the process's mark in init()'s.
-    std::vector<std::pair<std::string, std::string>> on_close{
-        {concat(store->prefix(), "exit/", world_rank_in_group), ""}};
-    if (const std::string mine = process_exit_key(); !mine.empty()) on_close.emplace_back(mine, "");
-    Store root = root_store ? root_store->unwatched() : store->prefixed("");
-    if (root_store) {
-      root.set_on_close(on_close);
-      // Where this process runs: a survivor on the same machine can tell that it died without
-      // waiting for the store to notice (MembershipChange).
-      if (!job_prefix.empty())
-        root.set(concat(job_prefix, "proc/", world_rank), process_identity());
-      // Heartbeat: should this process stop signing (stopped, hung, cut off), the store counts
-      // it gone (the records above), marks it stalled and counts the stall for the watchers.
-      if (options.heartbeat.count() > 0 && !job_prefix.empty()) {
-        const LeaseRecord on_expire[] = {{concat(job_prefix, "stalled/", world_rank), "", 0, false},
-                                         {concat(job_prefix, "stalls"), "", 1, true}};
-        root.lease(options.heartbeat, on_expire);
-      }
-    } else {
-      const std::pair<std::string, std::string> own[] = {
-          {concat("exit/", world_rank_in_group), ""}};
-      store->set_on_close(own);
-    }
-  }
+  void end_rendezvous();
 
   /// Whether rank r of this communicator is known gone: it left this communicator, or its
   /// process did (the store's mark of it under init()'s prefix: how a member of a split() or a
   /// newcomer is known dead).
-  [[nodiscard]] bool rank_gone(int r) const {
-    const auto seen = [&](const std::string& key) {
-      const std::string k[] = {key};
-      return root_store->check(k);
-    };
-    if (seen(concat(prefix, "exit/", r))) return true;
-    const auto i = static_cast<std::size_t>(r);
-    return i < world_ranks.size() && !job_prefix.empty() &&
-           seen(concat(job_prefix, "gone/", world_ranks[i]));
-  }
+  [[nodiscard]] bool rank_gone(int r) const;
 
   /// How many processes asked to join the job (Communicator::join) since its last growth: one
   /// store read. 0 without a store, or for a communicator that split() made.
-  [[nodiscard]] int waiting_to_join() const {
-    if (!root_store || base_prefix != job_prefix) return 0;
-    Store base = root_store->prefixed(base_prefix).unwatched();
-    return static_cast<int>(std::max<std::int64_t>(0, base.add("join/next", 0) - joins_seen));
-  }
+  [[nodiscard]] int waiting_to_join() const;
 
   /// The store key that marks this process gone: "<init prefix>gone/<rank in init()'s
   /// communicator>", written only by the store as the process's connection closes (never by a
   /// communicator that is destroyed: its process may live on in another); "" before init().
-  [[nodiscard]] std::string process_exit_key() const {
-    return job_prefix.empty() ? std::string() : concat(job_prefix, "gone/", world_rank);
-  }
+  [[nodiscard]] std::string process_exit_key() const;
 
   /// Whether this is a fork() child's copy.
   [[nodiscard]] bool inherited() const noexcept {
@@ -8970,146 +9693,45 @@ struct CommState {
 
   /// A fork() child's copy: the parent owns the store, the shared memory and the peers, and
   /// this process has none of the threads. Touch nothing; keep it reachable (never destroyed).
-  void abandon() noexcept {
-    (void)executor.release();
-    (void)new std::shared_ptr<StoreServer>(std::move(server));
-    (void)new std::shared_ptr<Store>(std::move(root_store));
-    (void)new std::shared_ptr<Store>(std::move(store));
-#if DDP_HAS_CUDA
-    (void)staging.release();
-#endif
-  }
+  void abandon() noexcept;
 
   /// The fork() check of every call: a child shares its parent's peers' shared memory and
   /// sockets, and using them would corrupt the parent's job.
-  void check_process(int rank, const char* what) const {
-    if (inherited()) [[unlikely]] {
-      fail(Errc::invalid_argument, "rank ", rank, ": ", what,
-           ": this communicator was created by process ", pid,
-           " and cannot be used by a child it fork()ed (this is process ", ::getpid(),
-           "): the child would write into the parent's connections and shared memory. Create a "
-           "new communicator in the child (another MASTER_PORT or Options::group), or fork "
-           "before init()");
-    }
-  }
+  void check_process(int rank, const char* what) const;
 
   /// Leaving, first step (the communicator is destroyed, its executor drained, its backend not
   /// yet): this rank says in the store that it left ("exit/<rank>") and how, before its
   /// connections close, so that a peer still waiting for it reports why at once: "done/<rank>"
   /// with the number of operations it ran when it finished without a failure (the ranks ran
   /// different numbers of collectives), "left/<rank>" with its failure otherwise.
-  void announce_leaving() {
-    if (!store || !joined || store->lost()) return;
-    try {
-      Store plain = store->unwatched();
-      const int r = world_rank_in_group;
-      std::string why;
-      Errc code{};
-      {
-        std::lock_guard lock(poison_mutex);
-        why = poison;
-        code = poison_code;
-      }
-      if (why.empty())
-        plain.set(concat("done/", r), std::to_string(recorder.issued()));
-      else
-        (void)plain.compare_set(concat("left/", r), "", Store::stop_value(code, why));
-      plain.set(concat("exit/", r), "");
-    } catch (...) {  // leaving anyway
-    }
-  }
+  void announce_leaving();
 
   /// Leaving, last step (the backend is gone): rank 0 keeps the store up until every rank has
   /// left, so none loses it mid-call, and after a failed rendezvous too, so the others can read
   /// why it failed. A rank whose process died counts as left (its connection's on-close record).
   /// Only the last communicator holding the store waits (another, made from this one by
   /// shrink() or grow(), goes on using it).
-  void wait_for_the_others(bool connected) {
-    if (!store || !joined || store->lost() || !server || server.use_count() > 1) return;
-    try {
-      Store plain = store->unwatched();  // the waits below must not end at "failed"
-      const auto limit =
-          std::min<std::chrono::milliseconds>(options.timeout, std::chrono::seconds(10));
-      if (connected && poison.empty()) {
-        std::vector<std::string> keys;
-        for (int r = 0; r < world_size; ++r) keys.push_back(concat("exit/", r));
-        (void)plain.missing_after(keys, limit);
-      } else if (!connected) {
-        // Within the rendezvous's one timeout (and a moment for the others to read why).
-        const auto left =
-            std::chrono::ceil<std::chrono::milliseconds>(rendezvous_deadline - Clock::now());
-        linger_after_failed_rendezvous(plain,
-                                       std::clamp(left, std::chrono::milliseconds(250), limit));
-      }
-    } catch (...) {  // leaving anyway
-    }
-  }
+  void wait_for_the_others(bool connected);
 
   /// The rendezvous failed here, and this process hosts the store: keep it up until every rank
   /// that claimed its place has left (and has so read why), for at most `limit`; ranks that
   /// never claimed one get a second to appear. Nobody waits for a rank that was never started.
-  void linger_after_failed_rendezvous(Store& plain, std::chrono::milliseconds limit) const {
-    const auto start = std::chrono::steady_clock::now();
-    for (;;) {
-      bool all_left = true, all_claimed = true;
-      for (int r = 0; r < world_size && all_left; ++r) {
-        const std::string claim = concat("claim/", r);
-        const std::string left = concat("exit/", r);
-        if (!plain.check(std::span<const std::string>(&claim, 1)))
-          all_claimed = false;
-        else if (!plain.check(std::span<const std::string>(&left, 1)))
-          all_left = false;
-      }
-      const auto waited = std::chrono::steady_clock::now() - start;
-      if ((all_left && (all_claimed || waited > std::chrono::seconds(1))) || waited > limit) return;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-  }
+  void linger_after_failed_rendezvous(Store& plain, std::chrono::milliseconds limit) const;
 
   /// Creating the backend failed on `rank` with `e`: tell the other ranks, which are waiting on
   /// the store for it, so that they fail at once with its reason instead of at their timeout.
   /// A failure relayed from another rank gets this rank's name in front instead.
-  void relay_failure(int rank, const Error& e) {
-    constexpr std::string_view relayed = "the rendezvous failed on rank ";
-    // Leaving, this rank then records this failure ("left/<rank>"), not a finish: ranks already
-    // past the rendezvous, waiting for it in a collective, read that record.
-    poison_with(std::string(e.what()), e.code());
-    if (std::string_view(e.what()).starts_with(relayed)) {  // another rank's, via the store
-      fail(e.code(), "rank ", rank, ": ", e.what());
-    }
-    std::string_view why = e.what();
-    if (const std::string own = concat("rank ", rank, ": "); why.starts_with(own))
-      why.remove_prefix(own.size());  // the relayed message names the rank once
-    if (store && !store->lost()) {
-      try {
-        (void)store->compare_set("failed", "",
-                                 Store::stop_value(e.code(), concat(relayed, rank, ": ", why)));
-      } catch (...) {  // the store is gone too: the peers learn from it
-      }
-    }
-  }
+  void relay_failure(int rank, const Error& e);
 
   /// Communicator::monitored_barrier over the store (runtime/monitored_barrier.hpp).
   void monitored_barrier(int rank, int size, std::chrono::milliseconds timeout,
-                         bool wait_all_ranks) {
-    detail::monitored_barrier(*store, monitored_barriers++, rank, size, timeout, wait_all_ranks);
-  }
+                         bool wait_all_ranks);
 
   /// Marks the communicator failed with `why` (the first failure wins).
-  void poison_with(std::string why, Errc code) {
-    std::lock_guard lock(poison_mutex);
-    if (poison.empty()) {
-      poison = std::move(why);
-      poison_code = code;
-      poisoned.store(true, std::memory_order_release);
-    }
-  }
+  void poison_with(std::string why, Errc code);
 
   /// Fails with Errc::aborted, quoting the first failure, when the communicator is poisoned.
-  void check_poisoned(int rank, const char* name) const {
-    if (poisoned.load(std::memory_order_acquire)) [[unlikely]]
-      fail_poisoned(rank, name);
-  }
+  void check_poisoned(int rank, const char* name) const;
 
   [[noreturn, gnu::noinline, gnu::cold]] void fail_poisoned(int rank, const char* name) const {
     std::lock_guard lock(poison_mutex);
@@ -9161,103 +9783,24 @@ struct CommState {
   /// its next call asks the store before acting, and fails (Errc::aborted) when the others
   /// formed a communicator without it or are forming one: so a fenced rank never completes a
   /// collective, even one whose peers' data still sits in its sockets. One clock read per call.
-  void check_membership_after_gap(int rank, const char* name) {
-    timespec ts{};
-    (void)::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
-    const std::int64_t now = std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
-    const std::int64_t last = last_call_ns.exchange(now, std::memory_order_relaxed);
-    // Half the time after which the others may have left it out: the timeout, or the heartbeat.
-    const auto limit = options.heartbeat.count() > 0 ? std::min(options.timeout, options.heartbeat)
-                                                     : options.timeout;
-    const std::int64_t half = std::chrono::nanoseconds(limit).count() / 2;
-    if (last == 0 || now - last < half || !root_store) [[likely]]
-      return;
-    std::string why = excluded(rank, name);
-    if (why.empty()) why = shrinking(rank, name);
-    if (!why.empty()) {
-      poison_with(why, Errc::aborted);
-      fail(Errc::aborted, why);
-    }
-  }
+  void check_membership_after_gap(int rank, const char* name);
 
   /// After a failure: when the other ranks formed a communicator without this rank (shrink()
   /// wrote "superseded": the epoch and the members), the message that says so; else "".
-  [[nodiscard]] std::string excluded(int rank, const char* name) const {
-    if (stalled())
-      return concat("rank ", rank, ": ", name,
-                    ": this process sent no sign of life to the rendezvous store for longer than "
-                    "the heartbeat (",
-                    options.heartbeat.count(),
-                    " ms: it was stopped, hung or cut off), so the job counts it as lost and "
-                    "goes on without it; it can never act on this communicator again: restart "
-                    "the process (it may rejoin the job as a new rank)");
-    const std::string v = peek_membership("superseded");
-    if (v.empty()) return {};
-    const std::size_t colon = v.find(':');
-    const std::string members = v.substr(colon + 1);
-    const std::vector<int> ranks = parse_ranks(members);
-    if (std::find(ranks.begin(), ranks.end(), rank) != ranks.end()) return {};
-    return concat("rank ", rank, ": ", name,
-                  ": this rank was excluded from the communicator: the other ranks formed "
-                  "membership epoch ",
-                  v.substr(0, colon), " of ranks ", members,
-                  " without it (it was stopped or too slow to take part); it can never act on "
-                  "this communicator again: restart the process (it may rejoin the job as a new "
-                  "rank)");
-  }
+  [[nodiscard]] std::string excluded(int rank, const char* name) const;
 
   /// When the other ranks are forming a new membership from this communicator (shrink() wrote
   /// "shrinking"), the message that says so; else "".
-  [[nodiscard]] std::string shrinking(int rank, const char* name) const {
-    const std::string next = peek_membership("shrinking");
-    if (next.empty()) return {};
-    return concat("rank ", rank, ": ", name,
-                  ": the other ranks are replacing this communicator after a failure (forming "
-                  "membership epoch ",
-                  next, "): call shrink() to take part");
-  }
+  [[nodiscard]] std::string shrinking(int rank, const char* name) const;
 
   /// Whether the store marked this process stalled (its heartbeat lease ran out).
-  [[nodiscard]] bool stalled() const {
-    if (!root_store || root_store->lost() || job_prefix.empty() || options.heartbeat.count() <= 0)
-      return false;
-    try {
-      Store plain = root_store->unwatched();
-      const std::string k[] = {concat(job_prefix, "stalled/", world_rank)};
-      return plain.check(k);
-    } catch (...) {
-      return false;
-    }
-  }
+  [[nodiscard]] bool stalled() const;
 
   /// The heartbeat's watch: after each sign of life, when the store counted a new stall, checks
   /// whether a member of this communicator stalled, and then calls `lost` (once) with why.
-  void watch_peers(std::function<void(const std::string&)> lost) {
-    if (!root_store || options.heartbeat.count() <= 0 || job_prefix.empty() ||
-        world_ranks.size() < 2 || stall_tick != 0)
-      return;
-    stall_tick = root_store->add_tick([this, lost = std::move(lost)](Store& s) {
-      const std::int64_t n = s.add(concat(job_prefix, "stalls"), 0);
-      if (n == stalls_seen || stall_reported) return;
-      for (std::size_t r = 0; r < world_ranks.size(); ++r) {
-        const std::string k[] = {concat(job_prefix, "stalled/", world_ranks[r])};
-        if (static_cast<int>(r) == world_rank_in_group || !s.check(k)) continue;
-        stall_reported = true;
-        lost(concat("rank ", world_rank_in_group, ": rank ", r, " (world rank ", world_ranks[r],
-                    ") stopped answering: no sign of life reached the rendezvous store for ",
-                    options.heartbeat.count(),
-                    " ms (the heartbeat; its process is stopped, hung or cut off), so the job "
-                    "counts it as lost; shrink() to go on without it"));
-        return;
-      }
-      stalls_seen = n;
-    });
-  }
+  void watch_peers(std::function<void(const std::string&)> lost);
   /// Ends the watch (before the backend goes); a tick running now finishes first.
-  void unwatch_peers() {
-    if (stall_tick != 0 && root_store) root_store->remove_tick(stall_tick);
-    stall_tick = 0;
-  }
+  void unwatch_peers();
 
  private:
   std::uint64_t stall_tick = 0;   // the watch's tick on root_store (0: none)
@@ -9265,18 +9808,358 @@ struct CommState {
   bool stall_reported = false;    // (its thread only)
 
   /// This communicator's store key `key`, "" when absent or the store is unreachable.
-  [[nodiscard]] std::string peek_membership(const char* key) const {
-    if (!root_store || root_store->lost()) return {};
-    try {
-      Store plain = root_store->prefixed(prefix).unwatched();
-      return peek_key(plain, key);
-    } catch (...) {
-      return {};
-    }
-  }
+  [[nodiscard]] std::string peek_membership(const char* key) const;
 
  public:
 };
+
+#if DDP_BODIES
+DDP_INLINE void CommState::configure(const Options& o) {
+  options = o;
+  recorder.resize(o.trace_entries);
+  install_error_file_handler();  // an uncaught exception reaches the launcher's error file
+}
+
+DDP_INLINE std::shared_ptr<Store> CommState::connect_store(const Environment& env) {
+  const EnvReader launcher;  // what the launcher that hosts the store says
+  prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
+  base_prefix = prefix;
+  job_prefix = prefix;
+  for (int r = 0; r < env.world_size; ++r) world_ranks.push_back(r);
+  StoreOptions so;
+  so.timeout = options.timeout;
+  so.token = options.token;
+  so.refusal_key = prefix + "failed";  // a wrong token fails this rendezvous at once
+  so.refusal_rank = env.rank;
+  int store_port = env.store_port != 0 ? env.store_port : env.master_port;
+  const int ports = env.store_port != 0 ? std::max(1, env.store_ports) : 1;
+  // With several candidate ports, the store says whose it is: a probing rank must not join
+  // another job's store that took one of them.
+  const std::string job = store_job_name(env);
+  const bool hosted = options.external_store || launcher.get("DDP_STORE_HOSTED") == "1";
+  if (!options.store.empty()) {  // an etcd cluster: nobody hosts it
+    root_store = open_etcd_store(options.store, env.rank, options.heartbeat, so);
+  } else {
+    if (env.rank == 0 && !hosted) {
+      store_port = host_store(server, env, store_port, ports, so);
+    } else if (ports > 1) {
+      store_port = find_store(env, store_port, ports, so, job, rendezvous_deadline);
+    }
+    root_store = std::make_shared<Store>(env.master_addr, store_port, so);
+    if (server && ports > 1) root_store->set(store_job_key, job);
+  }
+  store = std::make_shared<Store>(
+      root_store->prefixed(prefix).watching("failed").with_deadline(rendezvous_deadline));
+  world_size = env.world_size;
+  claim_rank(*store, env.rank, options.group);
+  joined = true;
+  // Should this process die before the rendezvous is over, the store tells the others at once,
+  // and counts it as gone (the store's host does not wait for it to leave).
+  const std::pair<std::string, std::string> on_close[] = {
+      {"failed", Store::stop_value(Errc::peer_lost,
+                                   concat("the rendezvous failed on rank ", env.rank,
+                                          ": its process closed its connection to the store "
+                                          "(it died or was killed) before the rendezvous was "
+                                          "over"))},
+      {concat("exit/", env.rank), ""}};
+  store->set_on_close(on_close);
+  return store;
+}
+
+DDP_INLINE void CommState::connect_to_job(const Environment& env) {
+  if (env.master_port == 0 && options.store.empty())
+    fail(Errc::invalid_argument, "rank ", env.rank,
+         ": Communicator::join: MASTER_PORT is not set; export MASTER_ADDR and MASTER_PORT "
+         "of the running job, or launch with ddprun");
+  const EnvReader launcher;
+  prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
+  base_prefix = prefix;
+  job_prefix = prefix;
+  StoreOptions so;
+  so.timeout = options.timeout;
+  so.token = options.token;
+  int store_port = env.store_port != 0 ? env.store_port : env.master_port;
+  const int ports = env.store_port != 0 ? std::max(1, env.store_ports) : 1;
+  if (!options.store.empty()) {
+    root_store = open_etcd_store(options.store, env.rank, options.heartbeat, so);
+    return;
+  }
+  if (ports > 1)
+    store_port = find_store(env, store_port, ports, so, store_job_name(env),
+                            Deadline::after(options.timeout).at);
+  root_store = std::make_shared<Store>(
+      env.master_addr.empty() ? std::string("127.0.0.1") : env.master_addr, store_port, so);
+}
+
+DDP_INLINE void CommState::end_rendezvous() {
+  if (!store) return;
+  *store = store->with_deadline(Clock::time_point::max());
+  // This communicator's mark, and (for one made by shrink()) the process's mark in init()'s.
+  std::vector<std::pair<std::string, std::string>> on_close{
+      {concat(store->prefix(), "exit/", world_rank_in_group), ""}};
+  if (const std::string mine = process_exit_key(); !mine.empty()) on_close.emplace_back(mine, "");
+  Store root = root_store ? root_store->unwatched() : store->prefixed("");
+  if (root_store) {
+    root.set_on_close(on_close);
+    // Where this process runs: a survivor on the same machine can tell that it died without
+    // waiting for the store to notice (MembershipChange).
+    if (!job_prefix.empty()) root.set(concat(job_prefix, "proc/", world_rank), process_identity());
+    // Heartbeat: should this process stop signing (stopped, hung, cut off), the store counts
+    // it gone (the records above), marks it stalled and counts the stall for the watchers.
+    if (options.heartbeat.count() > 0 && !job_prefix.empty()) {
+      const LeaseRecord on_expire[] = {{concat(job_prefix, "stalled/", world_rank), "", 0, false},
+                                       {concat(job_prefix, "stalls"), "", 1, true}};
+      root.lease(options.heartbeat, on_expire);
+    }
+  } else {
+    const std::pair<std::string, std::string> own[] = {{concat("exit/", world_rank_in_group), ""}};
+    store->set_on_close(own);
+  }
+}
+
+DDP_INLINE bool CommState::rank_gone(int r) const {
+  const auto seen = [&](const std::string& key) {
+    const std::string k[] = {key};
+    return root_store->check(k);
+  };
+  if (seen(concat(prefix, "exit/", r))) return true;
+  const auto i = static_cast<std::size_t>(r);
+  return i < world_ranks.size() && !job_prefix.empty() &&
+         seen(concat(job_prefix, "gone/", world_ranks[i]));
+}
+
+DDP_INLINE int CommState::waiting_to_join() const {
+  if (!root_store || base_prefix != job_prefix) return 0;
+  Store base = root_store->prefixed(base_prefix).unwatched();
+  return static_cast<int>(std::max<std::int64_t>(0, base.add("join/next", 0) - joins_seen));
+}
+
+DDP_INLINE std::string CommState::process_exit_key() const {
+  return job_prefix.empty() ? std::string() : concat(job_prefix, "gone/", world_rank);
+}
+
+DDP_INLINE void CommState::abandon() noexcept {
+  (void)executor.release();
+  (void)new std::shared_ptr<StoreServer>(std::move(server));
+  (void)new std::shared_ptr<Store>(std::move(root_store));
+  (void)new std::shared_ptr<Store>(std::move(store));
+#if DDP_HAS_CUDA
+  (void)staging.release();
+#endif
+}
+
+DDP_INLINE void CommState::check_process(int rank, const char* what) const {
+  if (inherited()) [[unlikely]] {
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what,
+         ": this communicator was created by process ", pid,
+         " and cannot be used by a child it fork()ed (this is process ", ::getpid(),
+         "): the child would write into the parent's connections and shared memory. Create a "
+         "new communicator in the child (another MASTER_PORT or Options::group), or fork "
+         "before init()");
+  }
+}
+
+DDP_INLINE void CommState::announce_leaving() {
+  if (!store || !joined || store->lost()) return;
+  try {
+    Store plain = store->unwatched();
+    const int r = world_rank_in_group;
+    std::string why;
+    Errc code{};
+    {
+      std::lock_guard lock(poison_mutex);
+      why = poison;
+      code = poison_code;
+    }
+    if (why.empty())
+      plain.set(concat("done/", r), std::to_string(recorder.issued()));
+    else
+      (void)plain.compare_set(concat("left/", r), "", Store::stop_value(code, why));
+    plain.set(concat("exit/", r), "");
+  } catch (...) {  // leaving anyway
+  }
+}
+
+DDP_INLINE void CommState::wait_for_the_others(bool connected) {
+  if (!store || !joined || store->lost() || !server || server.use_count() > 1) return;
+  try {
+    Store plain = store->unwatched();  // the waits below must not end at "failed"
+    const auto limit =
+        std::min<std::chrono::milliseconds>(options.timeout, std::chrono::seconds(10));
+    if (connected && poison.empty()) {
+      std::vector<std::string> keys;
+      for (int r = 0; r < world_size; ++r) keys.push_back(concat("exit/", r));
+      (void)plain.missing_after(keys, limit);
+    } else if (!connected) {
+      // Within the rendezvous's one timeout (and a moment for the others to read why).
+      const auto left =
+          std::chrono::ceil<std::chrono::milliseconds>(rendezvous_deadline - Clock::now());
+      linger_after_failed_rendezvous(plain,
+                                     std::clamp(left, std::chrono::milliseconds(250), limit));
+    }
+  } catch (...) {  // leaving anyway
+  }
+}
+
+DDP_INLINE void CommState::linger_after_failed_rendezvous(Store& plain,
+                                                          std::chrono::milliseconds limit) const {
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    bool all_left = true, all_claimed = true;
+    for (int r = 0; r < world_size && all_left; ++r) {
+      const std::string claim = concat("claim/", r);
+      const std::string left = concat("exit/", r);
+      if (!plain.check(std::span<const std::string>(&claim, 1)))
+        all_claimed = false;
+      else if (!plain.check(std::span<const std::string>(&left, 1)))
+        all_left = false;
+    }
+    const auto waited = std::chrono::steady_clock::now() - start;
+    if ((all_left && (all_claimed || waited > std::chrono::seconds(1))) || waited > limit) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+DDP_INLINE void CommState::relay_failure(int rank, const Error& e) {
+  constexpr std::string_view relayed = "the rendezvous failed on rank ";
+  // Leaving, this rank then records this failure ("left/<rank>"), not a finish: ranks already
+  // past the rendezvous, waiting for it in a collective, read that record.
+  poison_with(std::string(e.what()), e.code());
+  if (std::string_view(e.what()).starts_with(relayed)) {  // another rank's, via the store
+    fail(e.code(), "rank ", rank, ": ", e.what());
+  }
+  std::string_view why = e.what();
+  if (const std::string own = concat("rank ", rank, ": "); why.starts_with(own))
+    why.remove_prefix(own.size());  // the relayed message names the rank once
+  if (store && !store->lost()) {
+    try {
+      (void)store->compare_set("failed", "",
+                               Store::stop_value(e.code(), concat(relayed, rank, ": ", why)));
+    } catch (...) {  // the store is gone too: the peers learn from it
+    }
+  }
+}
+
+DDP_INLINE void CommState::monitored_barrier(int rank, int size, std::chrono::milliseconds timeout,
+                                             bool wait_all_ranks) {
+  detail::monitored_barrier(*store, monitored_barriers++, rank, size, timeout, wait_all_ranks);
+}
+
+DDP_INLINE void CommState::poison_with(std::string why, Errc code) {
+  std::lock_guard lock(poison_mutex);
+  if (poison.empty()) {
+    poison = std::move(why);
+    poison_code = code;
+    poisoned.store(true, std::memory_order_release);
+  }
+}
+
+DDP_INLINE void CommState::check_poisoned(int rank, const char* name) const {
+  if (poisoned.load(std::memory_order_acquire)) [[unlikely]]
+    fail_poisoned(rank, name);
+}
+
+DDP_INLINE void CommState::check_membership_after_gap(int rank, const char* name) {
+  timespec ts{};
+  (void)::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+  const std::int64_t now = std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+  const std::int64_t last = last_call_ns.exchange(now, std::memory_order_relaxed);
+  // Half the time after which the others may have left it out: the timeout, or the heartbeat.
+  const auto limit = options.heartbeat.count() > 0 ? std::min(options.timeout, options.heartbeat)
+                                                   : options.timeout;
+  const std::int64_t half = std::chrono::nanoseconds(limit).count() / 2;
+  if (last == 0 || now - last < half || !root_store) [[likely]]
+    return;
+  std::string why = excluded(rank, name);
+  if (why.empty()) why = shrinking(rank, name);
+  if (!why.empty()) {
+    poison_with(why, Errc::aborted);
+    fail(Errc::aborted, why);
+  }
+}
+
+DDP_INLINE std::string CommState::excluded(int rank, const char* name) const {
+  if (stalled())
+    return concat("rank ", rank, ": ", name,
+                  ": this process sent no sign of life to the rendezvous store for longer than "
+                  "the heartbeat (",
+                  options.heartbeat.count(),
+                  " ms: it was stopped, hung or cut off), so the job counts it as lost and "
+                  "goes on without it; it can never act on this communicator again: restart "
+                  "the process (it may rejoin the job as a new rank)");
+  const std::string v = peek_membership("superseded");
+  if (v.empty()) return {};
+  const std::size_t colon = v.find(':');
+  const std::string members = v.substr(colon + 1);
+  const std::vector<int> ranks = parse_ranks(members);
+  if (std::find(ranks.begin(), ranks.end(), rank) != ranks.end()) return {};
+  return concat("rank ", rank, ": ", name,
+                ": this rank was excluded from the communicator: the other ranks formed "
+                "membership epoch ",
+                v.substr(0, colon), " of ranks ", members,
+                " without it (it was stopped or too slow to take part); it can never act on "
+                "this communicator again: restart the process (it may rejoin the job as a new "
+                "rank)");
+}
+
+DDP_INLINE std::string CommState::shrinking(int rank, const char* name) const {
+  const std::string next = peek_membership("shrinking");
+  if (next.empty()) return {};
+  return concat("rank ", rank, ": ", name,
+                ": the other ranks are replacing this communicator after a failure (forming "
+                "membership epoch ",
+                next, "): call shrink() to take part");
+}
+
+DDP_INLINE bool CommState::stalled() const {
+  if (!root_store || root_store->lost() || job_prefix.empty() || options.heartbeat.count() <= 0)
+    return false;
+  try {
+    Store plain = root_store->unwatched();
+    const std::string k[] = {concat(job_prefix, "stalled/", world_rank)};
+    return plain.check(k);
+  } catch (...) {
+    return false;
+  }
+}
+
+DDP_INLINE void CommState::watch_peers(std::function<void(const std::string&)> lost) {
+  if (!root_store || options.heartbeat.count() <= 0 || job_prefix.empty() ||
+      world_ranks.size() < 2 || stall_tick != 0)
+    return;
+  stall_tick = root_store->add_tick([this, lost = std::move(lost)](Store& s) {
+    const std::int64_t n = s.add(concat(job_prefix, "stalls"), 0);
+    if (n == stalls_seen || stall_reported) return;
+    for (std::size_t r = 0; r < world_ranks.size(); ++r) {
+      const std::string k[] = {concat(job_prefix, "stalled/", world_ranks[r])};
+      if (static_cast<int>(r) == world_rank_in_group || !s.check(k)) continue;
+      stall_reported = true;
+      lost(concat("rank ", world_rank_in_group, ": rank ", r, " (world rank ", world_ranks[r],
+                  ") stopped answering: no sign of life reached the rendezvous store for ",
+                  options.heartbeat.count(),
+                  " ms (the heartbeat; its process is stopped, hung or cut off), so the job "
+                  "counts it as lost; shrink() to go on without it"));
+      return;
+    }
+    stalls_seen = n;
+  });
+}
+
+DDP_INLINE void CommState::unwatch_peers() {
+  if (stall_tick != 0 && root_store) root_store->remove_tick(stall_tick);
+  stall_tick = 0;
+}
+
+DDP_INLINE std::string CommState::peek_membership(const char* key) const {
+  if (!root_store || root_store->lost()) return {};
+  try {
+    Store plain = root_store->prefixed(prefix).unwatched();
+    return peek_key(plain, key);
+  } catch (...) {
+    return {};
+  }
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -9441,7 +10324,9 @@ constexpr ReduceFn reduce_fn_for(ReduceOp op) {
 }
 
 /// The kernel for (dtype, op), or nullptr when the pair is not supported.
-[[nodiscard]] inline ReduceFn reduce_fn(DType t, ReduceOp op) {
+[[nodiscard]] DDP_INLINE ReduceFn reduce_fn(DType t, ReduceOp op);
+#if DDP_BODIES
+DDP_INLINE ReduceFn reduce_fn(DType t, ReduceOp op) {
   switch (t) {
     case DType::int8: return reduce_fn_for<std::int8_t>(op);
     case DType::uint8: return reduce_fn_for<std::uint8_t>(op);
@@ -9458,6 +10343,7 @@ constexpr ReduceFn reduce_fn_for(ReduceOp op) {
   }
   return nullptr;
 }
+#endif  // DDP_BODIES
 
 /// data[i] /= n in place, in the accumulator's precision (as avg does after its sum): the last
 /// step of an avg whose sum was taken in parts (the hierarchical all_reduce).
@@ -9472,7 +10358,9 @@ void divide_kernel(std::byte* data, std::size_t count, int n) {
 }
 
 /// The divide kernel for a dtype that avg supports (floating point), else nullptr.
-[[nodiscard]] inline DivideFn divide_fn(DType t) {
+[[nodiscard]] DDP_INLINE DivideFn divide_fn(DType t);
+#if DDP_BODIES
+DDP_INLINE DivideFn divide_fn(DType t) {
   switch (t) {
     case DType::float16: return &divide_kernel<half>;
     case DType::float32: return &divide_kernel<float>;
@@ -9481,6 +10369,7 @@ void divide_kernel(std::byte* data, std::size_t count, int n) {
     default: return nullptr;
   }
 }
+#endif  // DDP_BODIES
 
 // ---- compressed all-reduce: float32 values that travel and are reduced as W (half, bfloat16) --
 
@@ -9539,13 +10428,16 @@ WireKernels wire_kernels_for(ReduceOp op) {
 }
 
 /// Kernels for float32 values carried as `wire` (float16 or bfloat16); reduce is null otherwise.
-[[nodiscard]] inline WireKernels wire_kernels(DType wire, ReduceOp op) {
+[[nodiscard]] DDP_INLINE WireKernels wire_kernels(DType wire, ReduceOp op);
+#if DDP_BODIES
+DDP_INLINE WireKernels wire_kernels(DType wire, ReduceOp op) {
   switch (wire) {
     case DType::float16: return wire_kernels_for<half>(op);
     case DType::bfloat16: return wire_kernels_for<bfloat16>(op);
     default: return {};
   }
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -9860,14 +10752,18 @@ Buf to_buf(T& t, int rank, const char* what, const char* name) {
 }
 
 /// all_to_all's in_counts then out_counts, one per rank each, checked.
-inline std::vector<std::size_t> joined_counts(std::span<const std::size_t> a,
-                                              std::span<const std::size_t> b, Caller caller) {
+DDP_INLINE std::vector<std::size_t> joined_counts(std::span<const std::size_t> a,
+                                                  std::span<const std::size_t> b, Caller caller);
+#if DDP_BODIES
+DDP_INLINE std::vector<std::size_t> joined_counts(std::span<const std::size_t> a,
+                                                  std::span<const std::size_t> b, Caller caller) {
   check_entries(a, caller, "all_to_all", "in_counts");
   check_entries(b, caller, "all_to_all", "out_counts");
   std::vector<std::size_t> v(a.begin(), a.end());
   v.insert(v.end(), b.begin(), b.end());
   return v;
 }
+#endif  // DDP_BODIES
 
 /// An uneven collective's call; `in`, `out` and `counts` read only where the collective reads
 /// them (see runtime/call.hpp).
@@ -10012,54 +10908,61 @@ struct Growth {
   std::vector<int> claims;        ///< their world ranks
   std::int64_t from = 0;          ///< the requests answered before it (its keys' tag)
 
-  [[nodiscard]] std::string text() const {
-    std::string s = concat(upto, "|", ranks_text(members), "|");
-    for (std::size_t i = 0; i < ids.size(); ++i)
-      s += concat(i == 0 ? "" : ",", ids[i], ":", claims[i]);
-    return s;
-  }
+  [[nodiscard]] std::string text() const;
   /// The decision `t` as rank 0 wrote it; Errc::protocol when it is damaged.
-  static Growth parse(std::string_view t, int rank) {
-    Growth g;
-    const std::size_t a = t.find('|'), b = a == std::string_view::npos ? a : t.find('|', a + 1);
-    const auto bad = [&] {
-      fail(Errc::protocol, "rank ", rank, ": grow: the growth decision in the store is damaged (\"",
-           t.substr(0, 200), "\"): is another program writing into this job's store?");
-    };
-    if (b == std::string_view::npos) bad();
-    const auto numbers = [&](std::string_view list) {
-      std::vector<std::int64_t> out;
-      while (!list.empty()) {
-        const std::size_t at = list.find_first_of(",:");
-        std::string_view item = list.substr(0, at);
-        while (!item.empty() && item.front() == ' ') item.remove_prefix(1);
-        std::int64_t v = -1;
-        const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
-        if (ec != std::errc{} || end != item.data() + item.size() || v < 0 || v > (1LL << 40))
-          bad();
-        out.push_back(v);
-        list = at == std::string_view::npos ? std::string_view{} : list.substr(at + 1);
-      }
-      return out;
-    };
-    const std::vector<std::int64_t> head = numbers(t.substr(0, a));
-    if (head.size() != 1) bad();
-    g.upto = head[0];
-    for (const std::int64_t m : numbers(t.substr(a + 1, b - a - 1)))
-      g.members.push_back(static_cast<int>(std::min<std::int64_t>(m, 1 << 30)));
-    const std::vector<std::int64_t> rest = numbers(t.substr(b + 1));  // id:claim,id:claim,...
-    if (rest.size() % 2 != 0 || g.members.empty()) bad();
-    for (std::size_t i = 0; i < rest.size(); i += 2) {
-      g.ids.push_back(rest[i]);
-      g.claims.push_back(static_cast<int>(std::min<std::int64_t>(rest[i + 1], 1 << 30)));
-    }
-    return g;
-  }
+  static Growth parse(std::string_view t, int rank);
 };
+
+#if DDP_BODIES
+DDP_INLINE std::string Growth::text() const {
+  std::string s = concat(upto, "|", ranks_text(members), "|");
+  for (std::size_t i = 0; i < ids.size(); ++i)
+    s += concat(i == 0 ? "" : ",", ids[i], ":", claims[i]);
+  return s;
+}
+
+DDP_INLINE Growth Growth::parse(std::string_view t, int rank) {
+  Growth g;
+  const std::size_t a = t.find('|'), b = a == std::string_view::npos ? a : t.find('|', a + 1);
+  const auto bad = [&] {
+    fail(Errc::protocol, "rank ", rank, ": grow: the growth decision in the store is damaged (\"",
+         t.substr(0, 200), "\"): is another program writing into this job's store?");
+  };
+  if (b == std::string_view::npos) bad();
+  const auto numbers = [&](std::string_view list) {
+    std::vector<std::int64_t> out;
+    while (!list.empty()) {
+      const std::size_t at = list.find_first_of(",:");
+      std::string_view item = list.substr(0, at);
+      while (!item.empty() && item.front() == ' ') item.remove_prefix(1);
+      std::int64_t v = -1;
+      const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+      if (ec != std::errc{} || end != item.data() + item.size() || v < 0 || v > (1LL << 40)) bad();
+      out.push_back(v);
+      list = at == std::string_view::npos ? std::string_view{} : list.substr(at + 1);
+    }
+    return out;
+  };
+  const std::vector<std::int64_t> head = numbers(t.substr(0, a));
+  if (head.size() != 1) bad();
+  g.upto = head[0];
+  for (const std::int64_t m : numbers(t.substr(a + 1, b - a - 1)))
+    g.members.push_back(static_cast<int>(std::min<std::int64_t>(m, 1 << 30)));
+  const std::vector<std::int64_t> rest = numbers(t.substr(b + 1));  // id:claim,id:claim,...
+  if (rest.size() % 2 != 0 || g.members.empty()) bad();
+  for (std::size_t i = 0; i < rest.size(); i += 2) {
+    g.ids.push_back(rest[i]);
+    g.claims.push_back(static_cast<int>(std::min<std::int64_t>(rest[i + 1], 1 << 30)));
+  }
+  return g;
+}
+#endif  // DDP_BODIES
 
 /// A join request's claimed world rank ("<claim> <pid>" on its first line): -1 when it is not a
 /// number from 0 to 2^30.
-[[nodiscard]] inline int parse_claim(std::string_view line) {
+[[nodiscard]] DDP_INLINE int parse_claim(std::string_view line);
+#if DDP_BODIES
+DDP_INLINE int parse_claim(std::string_view line) {
   long long v = -1;
   const std::string_view first = line.substr(0, line.find(' '));
   const auto [end, ec] = std::from_chars(first.data(), first.data() + first.size(), v);
@@ -10067,6 +10970,7 @@ struct Growth {
     return -1;
   return static_cast<int>(v);
 }
+#endif  // DDP_BODIES
 
 [[nodiscard]] inline std::string join_key(std::int64_t id, std::string_view what = {}) {
   return what.empty() ? concat("join/", id) : concat("join/", id, "/", what);
@@ -10079,7 +10983,10 @@ struct Growth {
 }
 
 /// Where two tickets (pieces separated by ';') first differ, for a refusal.
-[[nodiscard]] inline std::string ticket_difference(std::string_view theirs, std::string_view ours) {
+[[nodiscard]] DDP_INLINE std::string ticket_difference(std::string_view theirs,
+                                                       std::string_view ours);
+#if DDP_BODIES
+DDP_INLINE std::string ticket_difference(std::string_view theirs, std::string_view ours) {
   const auto piece = [](std::string_view t, std::size_t k) {
     for (std::size_t i = 0; i < k && !t.empty(); ++i) {
       const std::size_t at = t.find(';');
@@ -10097,11 +11004,14 @@ struct Growth {
     if (a.empty()) return "its ticket differs from the members'";
   }
 }
+#endif  // DDP_BODIES
 
 /// Whether number `id`'s missing request is still awaited: for 5 s after a grow() first saw it
 /// missing (the time kept in the store, so a later rank 0 keeps it), then it is passed over (a
 /// number taken without a request, by a broken or hostile client, or a newcomer that died).
-inline bool late_request(Store& base, std::int64_t id) {
+DDP_INLINE bool late_request(Store& base, std::int64_t id);
+#if DDP_BODIES
+DDP_INLINE bool late_request(Store& base, std::int64_t id) {
   const auto now = std::chrono::duration_cast<std::chrono::milliseconds>(
                        std::chrono::system_clock::now().time_since_epoch())
                        .count();
@@ -10110,11 +11020,16 @@ inline bool late_request(Store& base, std::int64_t id) {
   (void)std::from_chars(first.data(), first.data() + first.size(), since);
   return now - since < 5000;
 }
+#endif  // DDP_BODIES
 
 /// Records in the job's store space (`job`: under init()'s prefix) the members of membership
 /// epoch `epoch` by world rank ("members": "<epoch>:<ranks>"), unless a later epoch's are there:
 /// a newcomer waiting to be admitted reads it to learn whether anyone is left to admit it.
-inline void record_members(Store& job, std::uint64_t epoch, const std::vector<int>& world_ranks) {
+DDP_INLINE void record_members(Store& job, std::uint64_t epoch,
+                               const std::vector<int>& world_ranks);
+#if DDP_BODIES
+DDP_INLINE void record_members(Store& job, std::uint64_t epoch,
+                               const std::vector<int>& world_ranks) {
   const std::string mine = concat(epoch, ":", ranks_text(world_ranks));
   for (std::string held = peek_key(job, "members");;) {
     std::uint64_t theirs = 0;
@@ -10127,11 +11042,14 @@ inline void record_members(Store& job, std::uint64_t epoch, const std::vector<in
     held = now;
   }
 }
+#endif  // DDP_BODIES
 
 /// Whether every member of the running job (its last recorded membership, else the world ranks
 /// below `world_size`) other than `claim` is gone (its process ended): nobody is left to admit a
 /// newcomer.
-[[nodiscard]] inline bool job_ended(Store& job, int claim, int world_size) {
+[[nodiscard]] DDP_INLINE bool job_ended(Store& job, int claim, int world_size);
+#if DDP_BODIES
+DDP_INLINE bool job_ended(Store& job, int claim, int world_size) {
   std::vector<int> ranks;
   const std::string held = peek_key(job, "members");
   if (const std::size_t colon = held.find(':'); colon != std::string::npos)
@@ -10144,11 +11062,15 @@ inline void record_members(Store& job, std::uint64_t epoch, const std::vector<in
   }
   return true;
 }
+#endif  // DDP_BODIES
 
 /// Rank 0 of the members: answers the requests that arrived since the last growth of `old`
 /// (this process's communicator, of `size` ranks) and writes the decision of epoch `epoch`.
-inline Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
-                            const std::string& ticket) {
+DDP_INLINE Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
+                                const std::string& ticket);
+#if DDP_BODIES
+DDP_INLINE Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
+                                const std::string& ticket) {
   Growth g;
   g.upto = base.add("join/next", 0);
   g.from = old.joins_seen;
@@ -10223,10 +11145,14 @@ inline Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
   }
   return g;
 }
+#endif  // DDP_BODIES
 
 /// The other members: rank 0's decision of epoch `epoch` (rank 0 dying fails it at once).
-inline Growth await_growth(const CommState& old, Store& base, std::uint64_t epoch, int rank,
-                           Clock::time_point deadline) {
+DDP_INLINE Growth await_growth(const CommState& old, Store& base, std::uint64_t epoch, int rank,
+                               Clock::time_point deadline);
+#if DDP_BODIES
+DDP_INLINE Growth await_growth(const CommState& old, Store& base, std::uint64_t epoch, int rank,
+                               Clock::time_point deadline) {
   const std::string key[] = {
       growth_key(epoch, old.joins_seen, concat("decision.", old.grow_calls))};
   while (!base.check(key)) {
@@ -10247,6 +11173,7 @@ inline Growth await_growth(const CommState& old, Store& base, std::uint64_t epoc
          "): is another program writing into this job's store?");
   return g;
 }
+#endif  // DDP_BODIES
 
 /// Before connecting (step 3), every process of the grown communicator: says it is connecting
 /// ("e<E>/g<tag>/ready/<new rank>", the store marking its death from then on), then waits until
@@ -10254,9 +11181,13 @@ inline Growth await_growth(const CommState& old, Store& base, std::uint64_t epoc
 /// once with Errc::peer_lost; one that never comes (a member that did not call grow(), a stopped
 /// newcomer) with Errc::timeout; either way naming it. `root`: the store without prefix; `g`:
 /// the growth decision.
-inline void await_participants(Store& root, const std::string& job, std::uint64_t epoch, int rank,
-                               const std::vector<int>& world_ranks, const Growth& g,
-                               Clock::time_point deadline) {
+DDP_INLINE void await_participants(Store& root, const std::string& job, std::uint64_t epoch,
+                                   int rank, const std::vector<int>& world_ranks, const Growth& g,
+                                   Clock::time_point deadline);
+#if DDP_BODIES
+DDP_INLINE void await_participants(Store& root, const std::string& job, std::uint64_t epoch,
+                                   int rank, const std::vector<int>& world_ranks, const Growth& g,
+                                   Clock::time_point deadline) {
   const int members = static_cast<int>(g.members.size());
   const auto ready = [&](int r) { return concat(job, growth_key(epoch, g.from, "ready/"), r); };
   root.set(ready(rank), "");
@@ -10288,47 +11219,55 @@ inline void await_participants(Store& root, const std::string& job, std::uint64_
     (void)root.missing_after(here, std::chrono::milliseconds(20));
   }
 }
+#endif  // DDP_BODIES
 
 /// The newcomer's side of step 1: its request's id once written, and its reply once there.
 class JoinRequest {
  public:
-  JoinRequest(Store& base, int claim, const std::string& ticket, int world_size = 1)
-      : base_(base), claim_(claim), world_size_(world_size) {
-    id_ = base_.add("join/next", 1);
-    if (join_phase_hook() != nullptr) join_phase_hook()("numbered");
-    // Should this process die while it waits, rank 0 passes its request over.
-    const std::pair<std::string, std::string> on_close[] = {{join_key(id_, "gone"), ""}};
-    base_.set_on_close(on_close);
-    base_.set(join_key(id_), concat(claim, " ", ::getpid(), "\n", ticket));
-    if (join_phase_hook() != nullptr) join_phase_hook()("asked");
-  }
+  JoinRequest(Store& base, int claim, const std::string& ticket, int world_size = 1);
   [[nodiscard]] std::int64_t id() const noexcept { return id_; }
 
   /// The reply ("admit <E> <tag>" or "refuse <errc> <why>"), or "withdrawn" when none came by
   /// `deadline` (the request is then withdrawn, unless a reply won the race), or "ended" (also
   /// withdrawn) when every member of the job has ended meanwhile: nobody is left to admit it.
-  std::string await(Clock::time_point deadline) {
-    const std::string key[] = {join_key(id_, "reply")};
-    auto look = Clock::now() + std::chrono::milliseconds(250);
-    for (;;) {
-      if (base_.check(key)) return base_.get(key[0]);
-      if (Clock::now() > deadline) return base_.compare_set(key[0], "", "withdrawn");
-      if (Clock::now() > look) {
-        look = Clock::now() + std::chrono::milliseconds(250);
-        if (job_ended(base_, claim_, world_size_)) {
-          const std::string r = base_.compare_set(key[0], "", "withdrawn");
-          return r == "withdrawn" ? std::string("ended") : r;
-        }
-      }
-      (void)base_.missing_after(key, std::chrono::milliseconds(20));
-    }
-  }
+  std::string await(Clock::time_point deadline);
 
  private:
   Store& base_;
   int claim_ = 0, world_size_ = 1;
   std::int64_t id_ = 0;
 };
+
+#if DDP_BODIES
+DDP_INLINE JoinRequest::JoinRequest(Store& base, int claim, const std::string& ticket,
+                                    int world_size)
+    : base_(base), claim_(claim), world_size_(world_size) {
+  id_ = base_.add("join/next", 1);
+  if (join_phase_hook() != nullptr) join_phase_hook()("numbered");
+  // Should this process die while it waits, rank 0 passes its request over.
+  const std::pair<std::string, std::string> on_close[] = {{join_key(id_, "gone"), ""}};
+  base_.set_on_close(on_close);
+  base_.set(join_key(id_), concat(claim, " ", ::getpid(), "\n", ticket));
+  if (join_phase_hook() != nullptr) join_phase_hook()("asked");
+}
+
+DDP_INLINE std::string JoinRequest::await(Clock::time_point deadline) {
+  const std::string key[] = {join_key(id_, "reply")};
+  auto look = Clock::now() + std::chrono::milliseconds(250);
+  for (;;) {
+    if (base_.check(key)) return base_.get(key[0]);
+    if (Clock::now() > deadline) return base_.compare_set(key[0], "", "withdrawn");
+    if (Clock::now() > look) {
+      look = Clock::now() + std::chrono::milliseconds(250);
+      if (job_ended(base_, claim_, world_size_)) {
+        const std::string r = base_.compare_set(key[0], "", "withdrawn");
+        return r == "withdrawn" ? std::string("ended") : r;
+      }
+    }
+    (void)base_.missing_after(key, std::chrono::milliseconds(20));
+  }
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -10396,158 +11335,31 @@ inline void (*&shrink_phase_hook() noexcept)(const char*) {
 /// One membership change of communicator `old` (see the file comment).
 class MembershipChange {
  public:
-  MembershipChange(CommState& old, int old_rank, int old_size, const ShrinkOptions& o)
-      : old_(old), me_(old_rank), size_(old_size), epoch_(old.epoch + 1) {
-    if (!old.root_store)
-      fail(Errc::unsupported, "rank ", me_,
-           ": shrink: this communicator has no rendezvous store to agree in (a world of one "
-           "started without a launcher, or a group that backend::Nccl's split() made: shrink the "
-           "communicator init() made, then split it again)");
-    if (o.wait_for_ranks.count() < 0)
-      fail(Errc::invalid_argument, "rank ", me_, ": shrink: ShrinkOptions::wait_for_ranks is ",
-           o.wait_for_ranks.count(), " ms; give 0 (the communicator's timeout) or more");
-    for (int r : o.exclude) {
-      if (r < 0 || r >= size_)
-        fail(Errc::invalid_argument, "rank ", me_, ": shrink: ShrinkOptions::exclude names rank ",
-             r, ", not a rank of this communicator of ", size_);
-    }
-    wait_ = o.wait_for_ranks.count() > 0 ? o.wait_for_ranks : old.options.timeout;
-    deadline_ = Clock::now() + old.options.timeout + wait_;
-    base_ = std::make_shared<Store>(old.root_store->prefixed(old.base_prefix).unwatched());
-    for (int r = 0; r < size_; ++r) {
-      if (std::find(o.exclude.begin(), o.exclude.end(), r) == o.exclude.end())
-        candidates_.push_back(r);
-    }
-    if (std::find(candidates_.begin(), candidates_.end(), me_) == candidates_.end())
-      fail(Errc::invalid_argument, "rank ", me_,
-           ": shrink: ShrinkOptions::exclude names this rank");
-  }
+  MembershipChange(CommState& old, int old_rank, int old_size, const ShrinkOptions& o);
 
   [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_; }
 
   /// Says in the old communicator's store space that it is being replaced ("shrinking": the
   /// epoch), so that a rank coming back to it after a long absence learns so before acting.
-  void announce() {
-    guarded([&] {
-      (void)old_.root_store->prefixed(old_.prefix)
-          .unwatched()
-          .compare_set("shrinking", "", std::to_string(epoch_));
-      return 0;
-    });
-  }
+  void announce();
   [[nodiscard]] int round() const noexcept { return round_; }
 
   /// Steps 1 and 2 of the current round: the members (old ranks, ascending). Fails with
   /// Errc::aborted when this rank is left out.
-  std::vector<int> decide() {
-    return guarded([&] {
-      const std::string at = tag();
-      if (old_.stalled())
-        excluded(
-            concat("this process sent no sign of life to the store for longer than the "
-                   "heartbeat (",
-                   old_.options.heartbeat.count(),
-                   " ms: stopped, hung or cut off), so the job counts it as lost"));
-      watch_connecting();
-      base_->set(concat(at, "alive/", me_), std::to_string(::getpid()));
-      hook("alive");
-      std::string decided = peek(concat(at, "members"));
-      if (decided.empty()) {
-        const std::vector<int> alive = await_candidates(at);
-        decided = base_->compare_set(concat(at, "members"), "", ranks_text(alive));
-      }
-      members_ = parse_ranks(decided);
-      if (std::find(members_.begin(), members_.end(), me_) == members_.end())
-        excluded(concat("the other ranks formed membership epoch ", epoch_, " of ranks ",
-                        ranks_text(members_),
-                        " (old numbers) without it: it did not say it was "
-                        "alive within ",
-                        wait_.count(),
-                        " ms of the first of them (stopped, or "
-                        "slow to notice the failure), or another rank's ShrinkOptions::exclude "
-                        "named it"));
-      hook("decided");
-      return members_;
-    });
-  }
+  std::vector<int> decide();
 
   /// The new communicator's store prefix (under the job's), and this rank's place in it.
   [[nodiscard]] std::string prefix() const { return concat(old_.base_prefix, tag(), "comm/"); }
-  [[nodiscard]] int new_rank() const {
-    return static_cast<int>(std::find(members_.begin(), members_.end(), me_) - members_.begin());
-  }
+  [[nodiscard]] int new_rank() const;
 
   /// Before saying it is alive: should this process die from then on, the store fails the
   /// round's connecting at once, and marks it gone in the old communicator (a later round does
   /// not wait for it).
-  void watch_connecting() {
-    guarded([&] {
-      const std::pair<std::string, std::string> on_close[] = {
-          {concat(prefix(), "failed"),
-           Store::stop_value(Errc::peer_lost,
-                             concat("rank ", me_,
-                                    " (of the communicator being shrunk) died while the "
-                                    "survivors were forming membership epoch ",
-                                    epoch_))},
-          {concat(old_.prefix, "exit/", me_), ""},
-          {old_.process_exit_key(), ""}};
-      old_.root_store->set_on_close(std::span(on_close, old_.process_exit_key().empty() ? 2 : 3));
-      return 0;
-    });
-  }
+  void watch_connecting();
 
   /// Steps 3-4: whether the round formed the communicator (every member connected); false:
   /// another round, without the members that failed or died.
-  bool settle(bool connected) {
-    return guarded([&] {
-      const std::string at = tag();
-      if (connected) hook("connected");
-      base_->set(concat(at, connected ? "ready/" : "broken/", me_), "");
-      if (connected) hook("ready");
-      std::string verdict = peek(concat(at, "outcome"));
-      while (verdict.empty()) {
-        std::vector<std::string> ready;
-        bool broken = !connected;
-        for (int r : members_) {
-          ready.push_back(concat(at, "ready/", r));
-          const std::string failed[] = {concat(at, "broken/", r)};
-          broken = broken || base_->check(failed) || gone(r);
-        }
-        if (broken) {
-          verdict = base_->compare_set(concat(at, "outcome"), "", "retry");
-          break;
-        }
-        if (base_->missing_after(ready, std::chrono::milliseconds(20)).empty()) {
-          verdict = base_->compare_set(concat(at, "outcome"), "", "ok");
-          break;
-        }
-        verdict = peek(concat(at, "outcome"));
-        if (verdict.empty() && Clock::now() > deadline_)
-          verdict = base_->compare_set(concat(at, "outcome"), "", "retry");
-      }
-      if (verdict == "ok") {
-        (void)old_.root_store->prefixed(old_.prefix)
-            .unwatched()
-            .compare_set("superseded", "", concat(epoch_, ":", ranks_text(members_)));
-        if (old_.base_prefix == old_.job_prefix && new_rank() == 0) {  // for newcomers
-          std::vector<int> world;
-          for (const int m : members_)
-            if (static_cast<std::size_t>(m) < old_.world_ranks.size())
-              world.push_back(old_.world_ranks[static_cast<std::size_t>(m)]);
-          Store job = old_.root_store->prefixed(old_.job_prefix).unwatched();
-          record_members(job, epoch_, world);
-        }
-        return true;
-      }
-      candidates_ = members_;
-      ++round_;
-      if (Clock::now() > deadline_)
-        fail(Errc::timeout, "rank ", me_, ": shrink: membership epoch ", epoch_,
-             " could not be formed within the timeout (", round_,
-             " rounds: ranks kept failing while connecting)");
-      return false;
-    });
-  }
+  bool settle(bool connected);
 
  private:
   [[nodiscard]] std::string tag() const { return concat("e", epoch_, "/r", round_, "/"); }
@@ -10561,54 +11373,15 @@ class MembershipChange {
 
   /// Whether rank r is known gone: the store's mark, or (a process on this machine) its pid
   /// found ended, which this rank then marks for the others (no lease to wait out).
-  bool gone(int r) {
-    if (old_.rank_gone(r)) return true;
-    const auto i = static_cast<std::size_t>(r);
-    if (i >= old_.world_ranks.size() || old_.job_prefix.empty()) return false;
-    Store job = old_.root_store->prefixed(old_.job_prefix).unwatched();
-    const std::string who = peek_key(job, concat("proc/", old_.world_ranks[i]));
-    if (who.empty() || !ended_here(who)) return false;
-    (void)job.compare_set(concat("gone/", old_.world_ranks[i]), "", "");
-    return true;
-  }
+  bool gone(int r);
   /// Whether rank r's process ran out of heartbeat (the store's mark).
-  bool stalled(int r) const {
-    const auto i = static_cast<std::size_t>(r);
-    if (i >= old_.world_ranks.size() || old_.job_prefix.empty()) return false;
-    const std::string k[] = {concat(old_.job_prefix, "stalled/", old_.world_ranks[i])};
-    return old_.root_store->check(k);
-  }
+  bool stalled(int r) const;
 
   /// Waits until every candidate has said it is alive or is known dead, or wait_ has passed, or
   /// another rank has decided; returns the candidates alive.
-  std::vector<int> await_candidates(const std::string& at) {
-    const auto until = std::min(deadline_, Clock::now() + wait_);
-    for (;;) {
-      std::vector<int> alive;
-      std::vector<std::string> pending;
-      for (int r : candidates_) {
-        const std::string said[] = {concat(at, "alive/", r)};
-        if (stalled(r)) continue;  // counted lost by its heartbeat, even should it wake
-        if (base_->check(said)) {
-          alive.push_back(r);
-        } else if (!gone(r)) {
-          pending.push_back(said[0]);
-        }
-      }
-      const std::string members[] = {concat(at, "members")};
-      if (pending.empty() || Clock::now() >= until || base_->check(members)) return alive;
-      (void)base_->missing_after(pending, std::chrono::milliseconds(20));
-    }
-  }
+  std::vector<int> await_candidates(const std::string& at);
 
-  [[noreturn]] void excluded(const std::string& why) {
-    const std::string msg =
-        concat("rank ", me_, ": shrink: this rank was excluded: ", why,
-               "; it can never act on this communicator again: restart the process (it may "
-               "rejoin the job as a new rank)");
-    old_.poison_with(msg, Errc::aborted);
-    fail(Errc::aborted, msg);
-  }
+  [[noreturn]] void excluded(const std::string& why);
 
   /// Runs body, turning the loss of the store into an error that says what it means here.
   template <class F>
@@ -10639,6 +11412,194 @@ class MembershipChange {
   std::vector<int> candidates_, members_;
 };
 
+#if DDP_BODIES
+DDP_INLINE MembershipChange::MembershipChange(CommState& old, int old_rank, int old_size,
+                                              const ShrinkOptions& o)
+    : old_(old), me_(old_rank), size_(old_size), epoch_(old.epoch + 1) {
+  if (!old.root_store)
+    fail(Errc::unsupported, "rank ", me_,
+         ": shrink: this communicator has no rendezvous store to agree in (a world of one "
+         "started without a launcher, or a group that backend::Nccl's split() made: shrink the "
+         "communicator init() made, then split it again)");
+  if (o.wait_for_ranks.count() < 0)
+    fail(Errc::invalid_argument, "rank ", me_, ": shrink: ShrinkOptions::wait_for_ranks is ",
+         o.wait_for_ranks.count(), " ms; give 0 (the communicator's timeout) or more");
+  for (int r : o.exclude) {
+    if (r < 0 || r >= size_)
+      fail(Errc::invalid_argument, "rank ", me_, ": shrink: ShrinkOptions::exclude names rank ", r,
+           ", not a rank of this communicator of ", size_);
+  }
+  wait_ = o.wait_for_ranks.count() > 0 ? o.wait_for_ranks : old.options.timeout;
+  deadline_ = Clock::now() + old.options.timeout + wait_;
+  base_ = std::make_shared<Store>(old.root_store->prefixed(old.base_prefix).unwatched());
+  for (int r = 0; r < size_; ++r) {
+    if (std::find(o.exclude.begin(), o.exclude.end(), r) == o.exclude.end())
+      candidates_.push_back(r);
+  }
+  if (std::find(candidates_.begin(), candidates_.end(), me_) == candidates_.end())
+    fail(Errc::invalid_argument, "rank ", me_, ": shrink: ShrinkOptions::exclude names this rank");
+}
+
+DDP_INLINE void MembershipChange::announce() {
+  guarded([&] {
+    (void)old_.root_store->prefixed(old_.prefix)
+        .unwatched()
+        .compare_set("shrinking", "", std::to_string(epoch_));
+    return 0;
+  });
+}
+
+DDP_INLINE std::vector<int> MembershipChange::decide() {
+  return guarded([&] {
+    const std::string at = tag();
+    if (old_.stalled())
+      excluded(
+          concat("this process sent no sign of life to the store for longer than the "
+                 "heartbeat (",
+                 old_.options.heartbeat.count(),
+                 " ms: stopped, hung or cut off), so the job counts it as lost"));
+    watch_connecting();
+    base_->set(concat(at, "alive/", me_), std::to_string(::getpid()));
+    hook("alive");
+    std::string decided = peek(concat(at, "members"));
+    if (decided.empty()) {
+      const std::vector<int> alive = await_candidates(at);
+      decided = base_->compare_set(concat(at, "members"), "", ranks_text(alive));
+    }
+    members_ = parse_ranks(decided);
+    if (std::find(members_.begin(), members_.end(), me_) == members_.end())
+      excluded(concat("the other ranks formed membership epoch ", epoch_, " of ranks ",
+                      ranks_text(members_),
+                      " (old numbers) without it: it did not say it was "
+                      "alive within ",
+                      wait_.count(),
+                      " ms of the first of them (stopped, or "
+                      "slow to notice the failure), or another rank's ShrinkOptions::exclude "
+                      "named it"));
+    hook("decided");
+    return members_;
+  });
+}
+
+DDP_INLINE int MembershipChange::new_rank() const {
+  return static_cast<int>(std::find(members_.begin(), members_.end(), me_) - members_.begin());
+}
+
+DDP_INLINE void MembershipChange::watch_connecting() {
+  guarded([&] {
+    const std::pair<std::string, std::string> on_close[] = {
+        {concat(prefix(), "failed"),
+         Store::stop_value(Errc::peer_lost,
+                           concat("rank ", me_,
+                                  " (of the communicator being shrunk) died while the "
+                                  "survivors were forming membership epoch ",
+                                  epoch_))},
+        {concat(old_.prefix, "exit/", me_), ""},
+        {old_.process_exit_key(), ""}};
+    old_.root_store->set_on_close(std::span(on_close, old_.process_exit_key().empty() ? 2 : 3));
+    return 0;
+  });
+}
+
+DDP_INLINE bool MembershipChange::settle(bool connected) {
+  return guarded([&] {
+    const std::string at = tag();
+    if (connected) hook("connected");
+    base_->set(concat(at, connected ? "ready/" : "broken/", me_), "");
+    if (connected) hook("ready");
+    std::string verdict = peek(concat(at, "outcome"));
+    while (verdict.empty()) {
+      std::vector<std::string> ready;
+      bool broken = !connected;
+      for (int r : members_) {
+        ready.push_back(concat(at, "ready/", r));
+        const std::string failed[] = {concat(at, "broken/", r)};
+        broken = broken || base_->check(failed) || gone(r);
+      }
+      if (broken) {
+        verdict = base_->compare_set(concat(at, "outcome"), "", "retry");
+        break;
+      }
+      if (base_->missing_after(ready, std::chrono::milliseconds(20)).empty()) {
+        verdict = base_->compare_set(concat(at, "outcome"), "", "ok");
+        break;
+      }
+      verdict = peek(concat(at, "outcome"));
+      if (verdict.empty() && Clock::now() > deadline_)
+        verdict = base_->compare_set(concat(at, "outcome"), "", "retry");
+    }
+    if (verdict == "ok") {
+      (void)old_.root_store->prefixed(old_.prefix)
+          .unwatched()
+          .compare_set("superseded", "", concat(epoch_, ":", ranks_text(members_)));
+      if (old_.base_prefix == old_.job_prefix && new_rank() == 0) {  // for newcomers
+        std::vector<int> world;
+        for (const int m : members_)
+          if (static_cast<std::size_t>(m) < old_.world_ranks.size())
+            world.push_back(old_.world_ranks[static_cast<std::size_t>(m)]);
+        Store job = old_.root_store->prefixed(old_.job_prefix).unwatched();
+        record_members(job, epoch_, world);
+      }
+      return true;
+    }
+    candidates_ = members_;
+    ++round_;
+    if (Clock::now() > deadline_)
+      fail(Errc::timeout, "rank ", me_, ": shrink: membership epoch ", epoch_,
+           " could not be formed within the timeout (", round_,
+           " rounds: ranks kept failing while connecting)");
+    return false;
+  });
+}
+
+DDP_INLINE bool MembershipChange::gone(int r) {
+  if (old_.rank_gone(r)) return true;
+  const auto i = static_cast<std::size_t>(r);
+  if (i >= old_.world_ranks.size() || old_.job_prefix.empty()) return false;
+  Store job = old_.root_store->prefixed(old_.job_prefix).unwatched();
+  const std::string who = peek_key(job, concat("proc/", old_.world_ranks[i]));
+  if (who.empty() || !ended_here(who)) return false;
+  (void)job.compare_set(concat("gone/", old_.world_ranks[i]), "", "");
+  return true;
+}
+
+DDP_INLINE bool MembershipChange::stalled(int r) const {
+  const auto i = static_cast<std::size_t>(r);
+  if (i >= old_.world_ranks.size() || old_.job_prefix.empty()) return false;
+  const std::string k[] = {concat(old_.job_prefix, "stalled/", old_.world_ranks[i])};
+  return old_.root_store->check(k);
+}
+
+DDP_INLINE std::vector<int> MembershipChange::await_candidates(const std::string& at) {
+  const auto until = std::min(deadline_, Clock::now() + wait_);
+  for (;;) {
+    std::vector<int> alive;
+    std::vector<std::string> pending;
+    for (int r : candidates_) {
+      const std::string said[] = {concat(at, "alive/", r)};
+      if (stalled(r)) continue;  // counted lost by its heartbeat, even should it wake
+      if (base_->check(said)) {
+        alive.push_back(r);
+      } else if (!gone(r)) {
+        pending.push_back(said[0]);
+      }
+    }
+    const std::string members[] = {concat(at, "members")};
+    if (pending.empty() || Clock::now() >= until || base_->check(members)) return alive;
+    (void)base_->missing_after(pending, std::chrono::milliseconds(20));
+  }
+}
+
+DDP_INLINE void MembershipChange::excluded(const std::string& why) {
+  const std::string msg =
+      concat("rank ", me_, ": shrink: this rank was excluded: ", why,
+             "; it can never act on this communicator again: restart the process (it may "
+             "rejoin the job as a new rank)");
+  old_.poison_with(msg, Errc::aborted);
+  fail(Errc::aborted, msg);
+}
+#endif  // DDP_BODIES
+
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/runtime/membership.hpp
@@ -10662,8 +11623,11 @@ namespace detail {
 /// rendezvous store joined. A malformed DDP_* variable is left in `bad_setting` when the store
 /// was joined (the rank fails once it has joined the rendezvous, so that the others learn why
 /// at once instead of at their timeout), and thrown here otherwise.
-inline BackendInit begin_init(CommState& state, const Environment& env, Options& options,
-                              bool needs_store, std::exception_ptr& bad_setting) {
+DDP_INLINE BackendInit begin_init(CommState& state, const Environment& env, Options& options,
+                                  bool needs_store, std::exception_ptr& bad_setting);
+#if DDP_BODIES
+DDP_INLINE BackendInit begin_init(CommState& state, const Environment& env, Options& options,
+                                  bool needs_store, std::exception_ptr& bad_setting) {
   if (env.rejoin && needs_store)
     fail(Errc::invalid_argument, "rank ", env.rank,
          ": Communicator::init: the launcher restarted this process to join the running job "
@@ -10714,6 +11678,7 @@ inline BackendInit begin_init(CommState& state, const Environment& env, Options&
   if (bad_setting && !bi.store) std::rethrow_exception(bad_setting);
   return bi;
 }
+#endif  // DDP_BODIES
 
 /// Communicator::init: the state of a new communicator, connected; every message names the rank.
 template <class State>
@@ -10743,18 +11708,25 @@ std::shared_ptr<State> init_state(const Environment& env, Options options) {
 
 /// A communicator made by split(): `sub` takes `options` (the parent's, or the split's own) and
 /// its place in `parent`'s job.
-inline void inherit_settings(CommState& sub, const CommState& parent, const Options& options) {
+DDP_INLINE void inherit_settings(CommState& sub, const CommState& parent, const Options& options);
+#if DDP_BODIES
+DDP_INLINE void inherit_settings(CommState& sub, const CommState& parent, const Options& options) {
   sub.configure(options);
   sub.world_rank = parent.world_rank;
   sub.local_rank_hint = parent.local_rank_hint;
 }
+#endif  // DDP_BODIES
 
 /// split() on a backend that does not split itself: the group of `color` among every rank's
 /// (color, key) `all`, ordered by (key, rank); `sub` configured with `options`, with a store
 /// prefix of its own (the n-th split of `parent`). `rank`: this rank in `parent`.
-inline BackendInit begin_split(CommState& sub, const CommState& parent,
-                               const std::vector<std::pair<int, int>>& all, int color, int rank,
-                               std::uint64_t n, const Options& options) {
+DDP_INLINE BackendInit begin_split(CommState& sub, const CommState& parent,
+                                   const std::vector<std::pair<int, int>>& all, int color, int rank,
+                                   std::uint64_t n, const Options& options);
+#if DDP_BODIES
+DDP_INLINE BackendInit begin_split(CommState& sub, const CommState& parent,
+                                   const std::vector<std::pair<int, int>>& all, int color, int rank,
+                                   std::uint64_t n, const Options& options) {
   std::vector<std::pair<int, int>> members;  // (key, old rank)
   for (int r = 0; r < static_cast<int>(all.size()); ++r) {
     if (all[static_cast<std::size_t>(r)].first == color)
@@ -10785,10 +11757,13 @@ inline BackendInit begin_split(CommState& sub, const CommState& parent,
   }
   return bi;
 }
+#endif  // DDP_BODIES
 
 /// Why a backend without a rendezvous store (backend::Mpi) cannot `what` (shrink, grow, join),
 /// for the refusal.
-inline const char* membership_refusal(std::string_view backend, std::string_view what) {
+DDP_INLINE const char* membership_refusal(std::string_view backend, std::string_view what);
+#if DDP_BODIES
+DDP_INLINE const char* membership_refusal(std::string_view backend, std::string_view what) {
   if (backend == "mpi")
     return what == "shrink"
                ? "it would need an MPI library with ULFM fault tolerance (MPIX_Comm_shrink, as in "
@@ -10796,6 +11771,7 @@ inline const char* membership_refusal(std::string_view backend, std::string_view
                : "MPI cannot add processes to a running job's communicator that way";
   return "this backend has no rendezvous store to agree on a new membership in";
 }
+#endif  // DDP_BODIES
 
 /// Connects `sub` (its root store, prefix, options and rendezvous deadline set) as `rank` of
 /// `size` under its prefix: the backend made, and the job agreed on as at init().
@@ -11327,7 +12303,7 @@ concept Encodable = requires(Encoder& e, Decoder& d, const T& v) {
 class Encoder {
  public:
   /// Appends to `out` (which must outlive the encoder).
-  explicit Encoder(std::string& out) : out_(out) {}
+  explicit Encoder(std::string& out);
   /// Appends `value` with codec<T>.
   template <class T>
   void put(const T& value) {
@@ -11336,14 +12312,20 @@ class Encoder {
   /// Appends `n` raw bytes.
   void bytes(const void* data, std::size_t n) { out_.append(static_cast<const char*>(data), n); }
   /// Appends an element count (8 bytes), read back by Decoder::count.
-  void count(std::size_t n) {
-    const auto v = static_cast<std::uint64_t>(n);
-    bytes(&v, sizeof v);
-  }
+  void count(std::size_t n);
 
  private:
   std::string& out_;
 };
+
+#if DDP_BODIES
+DDP_INLINE Encoder::Encoder(std::string& out) : out_(out) {}
+
+DDP_INLINE void Encoder::count(std::size_t n) {
+  const auto v = static_cast<std::uint64_t>(n);
+  bytes(&v, sizeof v);
+}
+#endif  // DDP_BODIES
 
 /// Reads values back from `n` bytes, checking every length against the input left.
 class Decoder {
@@ -11351,7 +12333,7 @@ class Decoder {
   static constexpr int max_depth = 64;  ///< Deepest nesting of get() calls accepted.
 
   /// Reads from `data`, `n` bytes (which must outlive the decoder).
-  Decoder(const void* data, std::size_t n) : p_(static_cast<const std::byte*>(data)), left_(n) {}
+  Decoder(const void* data, std::size_t n);
 
   /// The next value, read with codec<T>; Errc::invalid_argument past max_depth nesting.
   template <class T>
@@ -11363,26 +12345,9 @@ class Decoder {
     return v;
   }
   /// Copies the next `n` bytes to `out`; Errc::invalid_argument if fewer are left.
-  void bytes(void* out, std::size_t n) {
-    if (n > left_) {
-      detail::fail(Errc::invalid_argument, "object decode: input truncated (needs ", n,
-                   " more bytes, has ", left_, ")");
-    }
-    if (n != 0) std::memcpy(out, p_, n);
-    p_ += n;
-    left_ -= n;
-  }
+  void bytes(void* out, std::size_t n);
   /// A count of elements that each take at least `min_bytes` of the remaining input.
-  [[nodiscard]] std::size_t count(std::size_t min_bytes) {
-    std::uint64_t n = 0;
-    bytes(&n, sizeof n);
-    if (min_bytes == 0) min_bytes = 1;
-    if (n > left_ / min_bytes) {
-      detail::fail(Errc::invalid_argument, "object decode: a count of ", n, " cannot fit in the ",
-                   left_, " bytes left (malformed or hostile input)");
-    }
-    return static_cast<std::size_t>(n);
-  }
+  [[nodiscard]] std::size_t count(std::size_t min_bytes);
   /// The number of bytes not yet read.
   [[nodiscard]] std::size_t left() const noexcept { return left_; }
 
@@ -11391,6 +12356,32 @@ class Decoder {
   std::size_t left_;
   int depth_ = 0;
 };
+
+#if DDP_BODIES
+DDP_INLINE Decoder::Decoder(const void* data, std::size_t n)
+    : p_(static_cast<const std::byte*>(data)), left_(n) {}
+
+DDP_INLINE void Decoder::bytes(void* out, std::size_t n) {
+  if (n > left_) {
+    detail::fail(Errc::invalid_argument, "object decode: input truncated (needs ", n,
+                 " more bytes, has ", left_, ")");
+  }
+  if (n != 0) std::memcpy(out, p_, n);
+  p_ += n;
+  left_ -= n;
+}
+
+DDP_INLINE std::size_t Decoder::count(std::size_t min_bytes) {
+  std::uint64_t n = 0;
+  bytes(&n, sizeof n);
+  if (min_bytes == 0) min_bytes = 1;
+  if (n > left_ / min_bytes) {
+    detail::fail(Errc::invalid_argument, "object decode: a count of ", n, " cannot fit in the ",
+                 left_, " bytes left (malformed or hostile input)");
+  }
+  return static_cast<std::size_t>(n);
+}
+#endif  // DDP_BODIES
 
 namespace detail {
 template <class T>
@@ -11591,12 +12582,15 @@ namespace detail {
 
 inline constexpr std::int64_t max_object_bytes = std::int64_t{1} << 30;
 
-inline void check_object_size(std::int64_t n, int rank, const char* what, int from) {
+DDP_INLINE void check_object_size(std::int64_t n, int rank, const char* what, int from);
+#if DDP_BODIES
+DDP_INLINE void check_object_size(std::int64_t n, int rank, const char* what, int from) {
   if (n < 0 || n > max_object_bytes) {
     fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": rank ", from,
          "'s object encodes to ", n, " bytes, beyond the limit of ", max_object_bytes);
   }
 }
+#endif  // DDP_BODIES
 
 /// Runs f(a, b) on host spans; on a backend that moves device memory only, on device copies of
 /// them instead, copied back afterwards. For small host data (object collectives, *_host).
@@ -12518,8 +13512,7 @@ struct Poison {
 
 class Transport {
  public:
-  Transport(int rank, int size, std::chrono::milliseconds timeout)
-      : rank_(rank), size_(size), timeout_(timeout) {}
+  Transport(int rank, int size, std::chrono::milliseconds timeout);
   Transport(const Transport&) = delete;
   Transport& operator=(const Transport&) = delete;
   virtual ~Transport() = default;
@@ -12532,9 +13525,7 @@ class Transport {
   /// a group of the communicator's ranks (the hierarchical all_reduce's, see backend/host.hpp),
   /// numbered 0..size()-1 within the group. Empty: the numbers are the communicator's.
   std::vector<int> global_ranks;
-  [[nodiscard]] int global(int j) const {
-    return global_ranks.empty() ? j : global_ranks[static_cast<std::size_t>(j)];
-  }
+  [[nodiscard]] int global(int j) const;
 
   /// Extra time the waits of the next rounds allow beyond timeout(): the hierarchical
   /// all_reduce's later phases wait for an earlier phase's failure (which comes at the timeout)
@@ -12573,12 +13564,7 @@ class Transport {
 
   /// What failed, for messages: the round's fingerprint, else `what` (point-to-point), else the
   /// collective in progress.
-  [[nodiscard]] std::string describe(const Fingerprint* fp, const char* what) const {
-    if (fp != nullptr) return to_string(*fp);
-    if (what != nullptr) return what;
-    if (has_current) return to_string(current);
-    return "operation";
-  }
+  [[nodiscard]] std::string describe(const Fingerprint* fp, const char* what) const;
 
   /// One round (see the file comment). `fp` is non-null on a collective's first round.
   virtual std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
@@ -12591,14 +13577,11 @@ class Transport {
 
   /// Single copy: the smallest all_reduce, in bytes, that copies straight out of the peers'
   /// memory with copy_from instead of through rounds (the same on every rank); none by default.
-  [[nodiscard]] virtual std::size_t single_copy_from() const noexcept { return ~std::size_t{0}; }
+  [[nodiscard]] virtual std::size_t single_copy_from() const noexcept;
   /// Copies `len` bytes at address `addr` of rank j's process into `dst` (single copy). Fails
   /// with Errc::peer_lost (or the error the peer left with) when rank j's memory is gone.
   virtual void copy_from(int j, std::uint64_t /*addr*/, std::byte* /*dst*/, std::size_t /*len*/,
-                         const Fingerprint* fp) {
-    fail(Errc::unsupported, "rank ", global(rank_), ": ", describe(fp, nullptr),
-         ": internal error: single copy from rank ", global(j), " on the ", name(), " transport");
-  }
+                         const Fingerprint* fp);
 
   /// Point-to-point, matched in order per pair; the receiver checks tag, dtype and count.
   virtual void send(const Buf& buf, int peer, int tag, std::uint64_t seq) = 0;
@@ -12611,96 +13594,30 @@ class Transport {
  protected:
   /// "rank R: <what>: mismatched collectives: this rank called X but rank P called Y; ..."
   [[nodiscard]] std::string mismatch_message(const Fingerprint& mine, int peer,
-                                             const Fingerprint& theirs) const {
-    if (static_cast<std::uint8_t>(theirs.coll) == P2PHeader::p2p) {
-      const auto h = std::bit_cast<P2PHeader>(theirs);
-      return concat("rank ", global(rank_), ": ", to_string(mine), ": rank ", global(peer),
-                    " sent this rank a message that no recv took (send(tag ", h.tag, ", ",
-                    to_string(h.dtype), ", count=", h.count, ") #", h.seq,
-                    ") before this collective; every send needs its recv on the peer before "
-                    "the next collective");
-    }
-    const std::string what = theirs.coll == static_cast<Coll>(0)
-                                 ? std::string("was in a later round of another collective")
-                                 : concat("called ", to_string(theirs));
-    return concat(
-        "rank ", global(rank_), ": ", to_string(mine.coll),
-        ": mismatched collectives: this rank called ", to_string(mine), " but rank ", global(peer),
-        " ", what,
-        "; every rank must call the same collectives, in the same order, with the same counts, "
-        "dtypes, ops and roots");
-  }
+                                             const Fingerprint& theirs) const;
 
   /// What recv expects from `peer`, as in messages: "recv(from rank 1, tag 7, float32, count=3)".
-  [[nodiscard]] static std::string recv_description(const Buf& buf, int peer, int tag) {
-    return concat("recv(from rank ", peer, ", tag ", tag, ", ", to_string(buf.dtype),
-                  ", count=", buf.count, ")");
-  }
+  [[nodiscard]] static std::string recv_description(const Buf& buf, int peer, int tag);
 
   /// Empty when the header is the send that matches this recv, else the error message.
   [[nodiscard]] std::string p2p_mismatch(const Buf& buf, int peer, int tag, std::uint64_t seq,
-                                         const P2PHeader& h) const {
-    if (h.kind != P2PHeader::p2p) {
-      const auto theirs = std::bit_cast<Fingerprint>(h);
-      return concat("rank ", rank_, ": ", recv_description(buf, peer, tag), " #", seq,
-                    " got no message from rank ", peer, " but ",
-                    theirs.coll == static_cast<Coll>(0) || !verify_fingerprints
-                        ? std::string("other data (a collective's)")
-                        : concat("the start of a collective, ", to_string(theirs)),
-                    ": that rank called a collective where this rank receives; every recv needs "
-                    "its send on the peer before the next collective");
-    }
-    if (h.seq == seq && h.tag == tag && h.dtype == buf.dtype && h.count == buf.count) return {};
-    return concat("rank ", rank_, ": ", recv_description(buf, peer, tag), " #", seq,
-                  " got send(tag ", h.tag, ", ", to_string(h.dtype), ", count=", h.count, ") #",
-                  h.seq, "; sends and receives between a pair are matched in order and must agree");
-  }
+                                         const P2PHeader& h) const;
 
   /// Fails with the error a rank among `ranks` (this transport's numbers) recorded when it left
   /// (why_left), waiting up to `grace` for one; returns when none did.
   void fail_if_left(const std::vector<int>& ranks, std::chrono::milliseconds grace,
-                    const Fingerprint* fp, const char* what) const {
-    if (!why_left) return;
-    std::vector<int> globals;
-    for (int j : ranks) globals.push_back(global(j));
-    if (const auto left = why_left(globals, grace)) {
-      if (left->finished) {
-        fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what), ": rank ",
-             left->rank, " finished (it destroyed its communicator after ", left->operations,
-             " operations, without a failure) while this rank waited for it: the ranks ran "
-             "different numbers of collectives (steps). For uneven inputs see ddp::Join; "
-             "otherwise make every rank call the same collectives");
-      }
-      fail_reported(left->code, fp, what, left->rank, left->message);
-    }
-  }
+                    const Fingerprint* fp, const char* what) const;
 
   /// Fails with `code`, quoting the failure rank `from` reported; where that was itself a report
   /// of another rank's ("failed because rank N reported: ..."), the first one in the chain.
   [[noreturn]] void fail_reported(Errc code, const Fingerprint* fp, const char* what, int from,
-                                  std::string_view message) const {
-    constexpr std::string_view relay = "failed because rank ";
-    for (std::size_t at; (at = message.find(relay)) != std::string_view::npos;) {
-      const std::string_view rest = message.substr(at + relay.size());
-      const std::size_t said = rest.find(" reported: ");
-      if (said == std::string_view::npos) break;
-      from = std::atoi(std::string(rest.substr(0, said)).c_str());
-      message = rest.substr(said + 11);
-    }
-    fail(code, "rank ", global(rank_), ": ", describe(fp, what), ": failed because rank ", from,
-         " reported: ", message);
-  }
+                                  std::string_view message) const;
 
   /// Records abort() on this rank.
   void set_local_abort(Errc code) noexcept { local_abort_code_.store(static_cast<int>(code)); }
 
   /// Throws if abort() was called on this rank.
-  void check_local_abort(const Fingerprint* fp) const {
-    if (const int code = local_abort_code_.load(); code != 0) {
-      fail(static_cast<Errc>(code), "rank ", global(rank_), ": ", describe(fp, nullptr),
-           ": the communicator was aborted on this rank; create a new communicator to continue");
-    }
-  }
+  void check_local_abort(const Fingerprint* fp) const;
 
   int rank_;
   int size_;
@@ -12710,19 +13627,123 @@ class Transport {
   std::atomic<int> local_abort_code_{0};
 };
 
+#if DDP_BODIES
+DDP_INLINE Transport::Transport(int rank, int size, std::chrono::milliseconds timeout)
+    : rank_(rank), size_(size), timeout_(timeout) {}
+
+DDP_INLINE int Transport::global(int j) const {
+  return global_ranks.empty() ? j : global_ranks[static_cast<std::size_t>(j)];
+}
+
+DDP_INLINE std::string Transport::describe(const Fingerprint* fp, const char* what) const {
+  if (fp != nullptr) return to_string(*fp);
+  if (what != nullptr) return what;
+  if (has_current) return to_string(current);
+  return "operation";
+}
+
+DDP_INLINE std::size_t Transport::single_copy_from() const noexcept { return ~std::size_t{0}; }
+
+DDP_INLINE void Transport::copy_from(int j, std::uint64_t /*addr*/, std::byte* /*dst*/,
+                                     std::size_t /*len*/, const Fingerprint* fp) {
+  fail(Errc::unsupported, "rank ", global(rank_), ": ", describe(fp, nullptr),
+       ": internal error: single copy from rank ", global(j), " on the ", name(), " transport");
+}
+
+DDP_INLINE std::string Transport::mismatch_message(const Fingerprint& mine, int peer,
+                                                   const Fingerprint& theirs) const {
+  if (static_cast<std::uint8_t>(theirs.coll) == P2PHeader::p2p) {
+    const auto h = std::bit_cast<P2PHeader>(theirs);
+    return concat("rank ", global(rank_), ": ", to_string(mine), ": rank ", global(peer),
+                  " sent this rank a message that no recv took (send(tag ", h.tag, ", ",
+                  to_string(h.dtype), ", count=", h.count, ") #", h.seq,
+                  ") before this collective; every send needs its recv on the peer before "
+                  "the next collective");
+  }
+  const std::string what = theirs.coll == static_cast<Coll>(0)
+                               ? std::string("was in a later round of another collective")
+                               : concat("called ", to_string(theirs));
+  return concat(
+      "rank ", global(rank_), ": ", to_string(mine.coll),
+      ": mismatched collectives: this rank called ", to_string(mine), " but rank ", global(peer),
+      " ", what,
+      "; every rank must call the same collectives, in the same order, with the same counts, "
+      "dtypes, ops and roots");
+}
+
+DDP_INLINE std::string Transport::recv_description(const Buf& buf, int peer, int tag) {
+  return concat("recv(from rank ", peer, ", tag ", tag, ", ", to_string(buf.dtype),
+                ", count=", buf.count, ")");
+}
+
+DDP_INLINE std::string Transport::p2p_mismatch(const Buf& buf, int peer, int tag, std::uint64_t seq,
+                                               const P2PHeader& h) const {
+  if (h.kind != P2PHeader::p2p) {
+    const auto theirs = std::bit_cast<Fingerprint>(h);
+    return concat("rank ", rank_, ": ", recv_description(buf, peer, tag), " #", seq,
+                  " got no message from rank ", peer, " but ",
+                  theirs.coll == static_cast<Coll>(0) || !verify_fingerprints
+                      ? std::string("other data (a collective's)")
+                      : concat("the start of a collective, ", to_string(theirs)),
+                  ": that rank called a collective where this rank receives; every recv needs "
+                  "its send on the peer before the next collective");
+  }
+  if (h.seq == seq && h.tag == tag && h.dtype == buf.dtype && h.count == buf.count) return {};
+  return concat("rank ", rank_, ": ", recv_description(buf, peer, tag), " #", seq, " got send(tag ",
+                h.tag, ", ", to_string(h.dtype), ", count=", h.count, ") #", h.seq,
+                "; sends and receives between a pair are matched in order and must agree");
+}
+
+DDP_INLINE void Transport::fail_if_left(const std::vector<int>& ranks,
+                                        std::chrono::milliseconds grace, const Fingerprint* fp,
+                                        const char* what) const {
+  if (!why_left) return;
+  std::vector<int> globals;
+  for (int j : ranks) globals.push_back(global(j));
+  if (const auto left = why_left(globals, grace)) {
+    if (left->finished) {
+      fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what), ": rank ", left->rank,
+           " finished (it destroyed its communicator after ", left->operations,
+           " operations, without a failure) while this rank waited for it: the ranks ran "
+           "different numbers of collectives (steps). For uneven inputs see ddp::Join; "
+           "otherwise make every rank call the same collectives");
+    }
+    fail_reported(left->code, fp, what, left->rank, left->message);
+  }
+}
+
+DDP_INLINE void Transport::fail_reported(Errc code, const Fingerprint* fp, const char* what,
+                                         int from, std::string_view message) const {
+  constexpr std::string_view relay = "failed because rank ";
+  for (std::size_t at; (at = message.find(relay)) != std::string_view::npos;) {
+    const std::string_view rest = message.substr(at + relay.size());
+    const std::size_t said = rest.find(" reported: ");
+    if (said == std::string_view::npos) break;
+    from = std::atoi(std::string(rest.substr(0, said)).c_str());
+    message = rest.substr(said + 11);
+  }
+  fail(code, "rank ", global(rank_), ": ", describe(fp, what), ": failed because rank ", from,
+       " reported: ", message);
+}
+
+DDP_INLINE void Transport::check_local_abort(const Fingerprint* fp) const {
+  if (const int code = local_abort_code_.load(); code != 0) {
+    fail(static_cast<Errc>(code), "rank ", global(rank_), ": ", describe(fp, nullptr),
+         ": the communicator was aborted on this rank; create a new communicator to continue");
+  }
+}
+#endif  // DDP_BODIES
+
 /// The transport of a world of one: every round returns the rank's own offer.
 class SelfTransport final : public Transport {
  public:
-  explicit SelfTransport(std::chrono::milliseconds timeout) : Transport(0, 1, timeout) {}
+  explicit SelfTransport(std::chrono::milliseconds timeout);
   [[nodiscard]] std::string_view name() const noexcept override { return "self"; }
-  [[nodiscard]] std::size_t max_offer() const noexcept override { return std::size_t{1} << 40; }
-  [[nodiscard]] std::size_t small_bytes() const noexcept override { return std::size_t{1} << 40; }
+  [[nodiscard]] std::size_t max_offer() const noexcept override;
+  [[nodiscard]] std::size_t small_bytes() const noexcept override;
 
   std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
-                                          const Fingerprint*) override {
-    ptr_ = locate(offer, want(0, 0));
-    return {&ptr_, 1};
-  }
+                                          const Fingerprint*) override;
   void send(const Buf&, int, int, std::uint64_t) override {
     fail(Errc::invalid_argument, "rank 0: send: a world of one has no peer to send to");
   }
@@ -12732,19 +13753,36 @@ class SelfTransport final : public Transport {
   void abort(Errc, const std::string&) override {}
 
   /// Where byte `r.off` of the concatenated pieces lives (the range must lie in one piece).
-  static const std::byte* locate(std::span<const Piece> offer, Range r) {
-    if (r.len == 0) return nullptr;
-    std::size_t base = 0;
-    for (const auto& p : offer) {
-      if (r.off >= base && r.off + r.len <= base + p.len) return p.data + (r.off - base);
-      base += p.len;
-    }
-    fail(Errc::invalid_argument, "internal error: a wanted range crosses offer pieces");
-  }
+  static const std::byte* locate(std::span<const Piece> offer, Range r);
 
  private:
   const std::byte* ptr_ = nullptr;
 };
+
+#if DDP_BODIES
+DDP_INLINE SelfTransport::SelfTransport(std::chrono::milliseconds timeout)
+    : Transport(0, 1, timeout) {}
+
+DDP_INLINE std::size_t SelfTransport::max_offer() const noexcept { return std::size_t{1} << 40; }
+
+DDP_INLINE std::size_t SelfTransport::small_bytes() const noexcept { return std::size_t{1} << 40; }
+
+DDP_INLINE std::span<const std::byte* const> SelfTransport::round(std::span<const Piece> offer,
+                                                                  Want want, const Fingerprint*) {
+  ptr_ = locate(offer, want(0, 0));
+  return {&ptr_, 1};
+}
+
+DDP_INLINE const std::byte* SelfTransport::locate(std::span<const Piece> offer, Range r) {
+  if (r.len == 0) return nullptr;
+  std::size_t base = 0;
+  for (const auto& p : offer) {
+    if (r.off >= base && r.off + r.len <= base + p.len) return p.data + (r.off - base);
+    base += p.len;
+  }
+  fail(Errc::invalid_argument, "internal error: a wanted range crosses offer pieces");
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -12771,16 +13809,23 @@ struct RoundScratch {
   std::vector<const std::byte*> ptrs;
 
   /// At least `n` bytes of `v`.
-  static std::byte* at_least(std::vector<std::byte>& v, std::size_t n) {
-    if (v.size() < n) v.resize(n);
-    return v.data();
-  }
+  static std::byte* at_least(std::vector<std::byte>& v, std::size_t n);
 };
+
+#if DDP_BODIES
+DDP_INLINE std::byte* RoundScratch::at_least(std::vector<std::byte>& v, std::size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+#endif  // DDP_BODIES
 
 /// Element range [lo, hi) of part j when m elements are split into `parts` cache-line-aligned
 /// parts (the last takes the remainder; parts may be empty).
-[[nodiscard]] inline std::pair<std::size_t, std::size_t> split_range(std::size_t m, int parts,
-                                                                     int j, std::size_t elem) {
+[[nodiscard]] DDP_INLINE std::pair<std::size_t, std::size_t> split_range(std::size_t m, int parts,
+                                                                         int j, std::size_t elem);
+#if DDP_BODIES
+DDP_INLINE std::pair<std::size_t, std::size_t> split_range(std::size_t m, int parts, int j,
+                                                           std::size_t elem) {
   const std::size_t align = std::max<std::size_t>(1, 64 / elem);
   const auto bound = [&](int k) -> std::size_t {
     if (k >= parts) return m;
@@ -12789,6 +13834,7 @@ struct RoundScratch {
   };
   return {bound(j), bound(j + 1)};
 }
+#endif  // DDP_BODIES
 
 /// Calls f(start, count, first) for each segment of at most `seg` elements; at least once, so
 /// that an empty collective still synchronizes and checks fingerprints.
@@ -12804,27 +13850,39 @@ void for_each_segment(std::size_t n, std::size_t seg, F&& f) {
   } while (s0 < n);
 }
 
-inline void copy_if_distinct(std::byte* dst, const std::byte* src, std::size_t n) {
+DDP_INLINE void copy_if_distinct(std::byte* dst, const std::byte* src, std::size_t n);
+#if DDP_BODIES
+DDP_INLINE void copy_if_distinct(std::byte* dst, const std::byte* src, std::size_t n) {
   if (n != 0 && dst != src) std::memcpy(dst, src, n);
 }
+#endif  // DDP_BODIES
 
 /// Elements per segment of the large-message paths: a slot's worth (at least one per rank).
-[[nodiscard]] inline std::size_t segment_elements(const Transport& t, std::size_t es) {
+[[nodiscard]] DDP_INLINE std::size_t segment_elements(const Transport& t, std::size_t es);
+#if DDP_BODIES
+DDP_INLINE std::size_t segment_elements(const Transport& t, std::size_t es) {
   return std::max<std::size_t>(static_cast<std::size_t>(t.size()), t.max_offer() / es);
 }
+#endif  // DDP_BODIES
 
 /// Chunk j of a segment of m elements split among p ranks, in bytes from the segment's start.
-[[nodiscard]] inline Range chunk_bytes(std::size_t m, int p, int j, std::size_t es) {
+[[nodiscard]] DDP_INLINE Range chunk_bytes(std::size_t m, int p, int j, std::size_t es);
+#if DDP_BODIES
+DDP_INLINE Range chunk_bytes(std::size_t m, int p, int j, std::size_t es) {
   const auto [lo, hi] = split_range(m, p, j, es);
   return Range{lo * es, (hi - lo) * es};
 }
+#endif  // DDP_BODIES
 
 /// A round in which no rank offers anything: every rank has reached it (and, with `fp`, called
 /// the same collective).
-inline void empty_round(Transport& t, const Fingerprint* fp) {
+DDP_INLINE void empty_round(Transport& t, const Fingerprint* fp);
+#if DDP_BODIES
+DDP_INLINE void empty_round(Transport& t, const Fingerprint* fp) {
   (void)t.round(
       {}, [](int, int) { return Range{}; }, fp);
 }
+#endif  // DDP_BODIES
 
 /// `in` holds one block of n elements per rank; in segments, rank j receives segment part of
 /// block j from every rank, and use(start, count, ptrs) consumes it (ptrs[r]: rank r's part).
@@ -12869,8 +13927,11 @@ namespace detail {
 /// chunks to every rank or to root. The result is written, in the same pass, to the user's
 /// buffer and to the slot of the next round when the transport offers one; ranks other than
 /// the root of a reduce leave their buffers untouched.
-inline void reduce_segments(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn, int root,
-                            const Fingerprint* fp) {
+DDP_INLINE void reduce_segments(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn, int root,
+                                const Fingerprint* fp);
+#if DDP_BODIES
+DDP_INLINE void reduce_segments(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn, int root,
+                                const Fingerprint* fp) {
   const std::size_t es = b.elem();
   const int p = t.size(), me = t.rank();
   const bool keeps = root < 0 || me == root;
@@ -12909,10 +13970,13 @@ inline void reduce_segments(Transport& t, RoundScratch& s, const Buf& b, ReduceF
     s0 += m;
   }
 }
+#endif  // DDP_BODIES
 
 /// all_reduce of a buffer of at most t.small_bytes(): one round gathers every rank's whole
 /// buffer and every rank reduces all of them.
-inline void all_reduce_small(Transport& t, const Buf& b, ReduceFn fn, const Fingerprint* fp) {
+DDP_INLINE void all_reduce_small(Transport& t, const Buf& b, ReduceFn fn, const Fingerprint* fp);
+#if DDP_BODIES
+DDP_INLINE void all_reduce_small(Transport& t, const Buf& b, ReduceFn fn, const Fingerprint* fp) {
   const Piece pc{b.data, b.bytes()};
   auto ptrs = t.round(
       {&pc, 1},
@@ -12922,10 +13986,14 @@ inline void all_reduce_small(Transport& t, const Buf& b, ReduceFn fn, const Fing
       fp);
   fn(b.data, nullptr, ptrs.data(), t.size(), b.count);
 }
+#endif  // DDP_BODIES
 
 /// reduce over `t`: the reduction lands in the buffer of t's rank `root` only.
-inline void reduce_on(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn, int root,
-                      const Fingerprint* fp) {
+DDP_INLINE void reduce_on(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn, int root,
+                          const Fingerprint* fp);
+#if DDP_BODIES
+DDP_INLINE void reduce_on(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn, int root,
+                          const Fingerprint* fp) {
   if (b.bytes() <= t.small_bytes()) {
     const Piece pc{b.data, b.bytes()};
     auto ptrs = t.round(
@@ -12939,9 +14007,12 @@ inline void reduce_on(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn, 
   }
   reduce_segments(t, s, b, fn, root, fp);
 }
+#endif  // DDP_BODIES
 
 /// broadcast over `t` from t's rank `root`.
-inline void broadcast_on(Transport& t, const Buf& b, int root, const Fingerprint* fp) {
+DDP_INLINE void broadcast_on(Transport& t, const Buf& b, int root, const Fingerprint* fp);
+#if DDP_BODIES
+DDP_INLINE void broadcast_on(Transport& t, const Buf& b, int root, const Fingerprint* fp) {
   const std::size_t es = b.elem();
   const bool is_root = t.rank() == root;
   const std::size_t seg = std::max<std::size_t>(1, t.max_offer() / es);
@@ -12956,6 +14027,7 @@ inline void broadcast_on(Transport& t, const Buf& b, int root, const Fingerprint
     if (!is_root && m != 0) std::memcpy(b.at(s0), ptrs[static_cast<std::size_t>(root)], m * es);
   });
 }
+#endif  // DDP_BODIES
 
 /// all_reduce of float32 values that travel and are reduced as `k`'s wire type (float16 or
 /// bfloat16): each rank rounds its values to the wire type as it offers them (into the
@@ -12963,8 +14035,11 @@ inline void broadcast_on(Transport& t, const Buf& b, int root, const Fingerprint
 /// and rounds the result once, and every rank writes the rounded result back as float32. The
 /// result is bitwise that of converting, all_reduce on the wire type, and converting back, in
 /// the passes over memory of a plain all_reduce, with half its bytes moved.
-inline void all_reduce_as_on(Transport& t, RoundScratch& s, const Buf& b, const WireKernels& k,
-                             std::size_t ws, const Fingerprint& fp) {
+DDP_INLINE void all_reduce_as_on(Transport& t, RoundScratch& s, const Buf& b, const WireKernels& k,
+                                 std::size_t ws, const Fingerprint& fp);
+#if DDP_BODIES
+DDP_INLINE void all_reduce_as_on(Transport& t, RoundScratch& s, const Buf& b, const WireKernels& k,
+                                 std::size_t ws, const Fingerprint& fp) {
   const int p = t.size(), me = t.rank();
   // Memory for this rank's encoded offer: the next round's slot where the transport has one.
   const auto encoded = [&](std::size_t bytes, std::vector<std::byte>& own) {
@@ -13021,10 +14096,14 @@ inline void all_reduce_as_on(Transport& t, RoundScratch& s, const Buf& b, const 
     s0 += m;
   }
 }
+#endif  // DDP_BODIES
 
 /// scatter over `t`: block r of root's `in` into rank r's `out`.
-inline void scatter_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out, int root,
-                       const Fingerprint& fp) {
+DDP_INLINE void scatter_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out, int root,
+                           const Fingerprint& fp);
+#if DDP_BODIES
+DDP_INLINE void scatter_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out, int root,
+                           const Fingerprint& fp) {
   const std::size_t es = out.elem(), n = out.count;
   const auto p = static_cast<std::size_t>(t.size());
   const std::size_t seg = std::max<std::size_t>(1, t.max_offer() / (es * p));
@@ -13042,29 +14121,41 @@ inline void scatter_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& 
     copy_if_distinct(out.at(s0), ptrs[static_cast<std::size_t>(root)], m * es);
   });
 }
+#endif  // DDP_BODIES
 
 /// reduce_scatter over `t`: block r of the reduction of every rank's `in` into rank r's `out`.
-inline void reduce_scatter_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
-                              ReduceFn fn, const Fingerprint& fp) {
+DDP_INLINE void reduce_scatter_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
+                                  ReduceFn fn, const Fingerprint& fp);
+#if DDP_BODIES
+DDP_INLINE void reduce_scatter_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
+                                  ReduceFn fn, const Fingerprint& fp) {
   exchange_blocks(t, s, in, out.count, fp, [&](std::size_t s0, std::size_t m, auto ptrs) {
     fn(out.at(s0), nullptr, ptrs.data(), t.size(), m);
   });
 }
+#endif  // DDP_BODIES
 
 /// all_to_all over `t`: block j of `in` to rank j, stored as its block r of `out`.
-inline void all_to_all_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
-                          const Fingerprint& fp) {
+DDP_INLINE void all_to_all_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
+                              const Fingerprint& fp);
+#if DDP_BODIES
+DDP_INLINE void all_to_all_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
+                              const Fingerprint& fp) {
   const std::size_t n = in.count / static_cast<std::size_t>(t.size());
   exchange_blocks(t, s, in, n, fp, [&](std::size_t s0, std::size_t m, auto ptrs) {
     for (std::size_t j = 0; j < static_cast<std::size_t>(t.size()); ++j)
       copy_if_distinct(out.at(j * n + s0), ptrs[j], m * in.elem());
   });
 }
+#endif  // DDP_BODIES
 
 /// all_gather (root < 0) or gather to t's rank `root` over `t`: every rank's `in`, in rank
 /// order, into `out`.
-inline void gather_on(Transport& t, const Buf& in, const Buf& out, int root,
-                      const Fingerprint& fp) {
+DDP_INLINE void gather_on(Transport& t, const Buf& in, const Buf& out, int root,
+                          const Fingerprint& fp);
+#if DDP_BODIES
+DDP_INLINE void gather_on(Transport& t, const Buf& in, const Buf& out, int root,
+                          const Fingerprint& fp) {
   const std::size_t es = in.elem(), n = in.count;
   const std::size_t seg = std::max<std::size_t>(1, t.max_offer() / es);
   for_each_segment(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
@@ -13080,6 +14171,7 @@ inline void gather_on(Transport& t, const Buf& in, const Buf& out, int root,
       copy_if_distinct(out.at(j * n + s0), ptrs[j], m * es);
   });
 }
+#endif  // DDP_BODIES
 
 /// Rank j of `t` ends with the reduction, over t's ranks in their order, of part(j) of every
 /// rank's `b` (a Range in elements), in place in its own `b`; the rest of `b` is only read.
@@ -13182,19 +14274,9 @@ namespace detail {
 class PathChooser {
  public:
   /// Whether the next all_reduce of `bytes` goes by single copy.
-  [[nodiscard]] bool single(std::size_t bytes) {
-    Class& c = at(bytes);
-    ++c.calls;
-    if (c.runs[0] < tries || c.runs[1] < tries) return c.runs[1] < c.runs[0];
-    const bool faster = c.seconds[1] < c.seconds[0];
-    return c.calls % retry_every == 0 ? !faster : faster;
-  }
+  [[nodiscard]] bool single(std::size_t bytes);
   /// How long an all_reduce of `bytes` took by that path.
-  void record(std::size_t bytes, bool single, double seconds) {
-    Class& c = at(bytes);
-    double& avg = c.seconds[single ? 1 : 0];
-    avg = c.runs[single ? 1 : 0]++ == 0 ? seconds : (avg + seconds) / 2;
-  }
+  void record(std::size_t bytes, bool single, double seconds);
 
  private:
   struct Class {
@@ -13202,13 +14284,31 @@ class PathChooser {
     std::uint32_t runs[2] = {0, 0};
     std::uint64_t calls = 0;
   };
-  Class& at(std::size_t bytes) {
-    return classes_[static_cast<std::size_t>(std::bit_width(bytes | 1)) - 1];
-  }
+  Class& at(std::size_t bytes);
   static constexpr std::uint32_t tries = 3;
   static constexpr std::uint64_t retry_every = 64;
   std::array<Class, 64> classes_{};
 };
+
+#if DDP_BODIES
+DDP_INLINE bool PathChooser::single(std::size_t bytes) {
+  Class& c = at(bytes);
+  ++c.calls;
+  if (c.runs[0] < tries || c.runs[1] < tries) return c.runs[1] < c.runs[0];
+  const bool faster = c.seconds[1] < c.seconds[0];
+  return c.calls % retry_every == 0 ? !faster : faster;
+}
+
+DDP_INLINE void PathChooser::record(std::size_t bytes, bool single, double seconds) {
+  Class& c = at(bytes);
+  double& avg = c.seconds[single ? 1 : 0];
+  avg = c.runs[single ? 1 : 0]++ == 0 ? seconds : (avg + seconds) / 2;
+}
+
+DDP_INLINE auto PathChooser::at(std::size_t bytes) -> Class& {
+  return classes_[static_cast<std::size_t>(std::bit_width(bytes | 1)) - 1];
+}
+#endif  // DDP_BODIES
 
 /// The single-copy all_reduce's state: whether rank 0 times the two paths, and what it learnt.
 class SingleCopy {
@@ -13224,77 +14324,7 @@ class SingleCopy {
   /// straight into its buffer; a last round keeps every buffer alive until no peer reads it.
   /// Each rank receives N bytes, written once: no copy through shared memory. The same
   /// combination order as reduce_segments, so the same bits.
-  void all_reduce(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn, const Fingerprint* fp) {
-    const std::size_t es = b.elem();
-    const int p = t.size(), me = t.rank();
-    const bool timed = me == 0 && choose_path;
-    const auto t0 =
-        timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
-    const bool single = me != 0 || !choose_path || chooser_.single(b.bytes());
-    const Where mine{reinterpret_cast<std::uintptr_t>(b.data), b.bytes(), single ? 1u : 0u};
-    const Piece pc{reinterpret_cast<const std::byte*>(&mine), sizeof mine};
-    auto got = t.round(
-        {&pc, 1},
-        [](int, int) {
-          return Range{0, sizeof(Where)};
-        },
-        fp);
-    where_.resize(static_cast<std::size_t>(p));
-    for (int j = 0; j < p; ++j) {
-      Where& w = where_[static_cast<std::size_t>(j)];
-      std::memcpy(&w, got[static_cast<std::size_t>(j)], sizeof(Where));
-      if (w.bytes != mine.bytes) {
-        const std::string msg =
-            concat("rank ", t.global(me), ": ", t.describe(fp, nullptr), ": rank ", t.global(j),
-                   " reduces ", w.bytes, " bytes but this rank ", mine.bytes,
-                   "; every rank must pass the same count and dtype");
-        t.abort(Errc::mismatch, msg);
-        fail(Errc::mismatch, msg);
-      }
-    }
-    const auto done = [&](bool by_single_copy) {
-      if (timed) {
-        chooser_.record(
-            b.bytes(), by_single_copy,
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-      }
-    };
-    if (where_[0].single == 0) {  // rank 0 chose the slot path (fingerprints already compared)
-      reduce_segments(t, s, b, fn, -1, nullptr);
-      done(false);
-      return;
-    }
-    const std::size_t seg = segment_elements(t, es);
-    s.ptrs.resize(static_cast<std::size_t>(p));
-    for (std::size_t s0 = 0; s0 < b.count;) {
-      const std::size_t m = std::min(seg, b.count - s0);
-      std::byte* base = b.at(s0);
-      const auto chunk = [&](int j) { return chunk_bytes(m, p, j, es); };
-      const Range r = chunk(me);
-      std::byte* scratch = RoundScratch::at_least(s.bytes, r.len * static_cast<std::size_t>(p));
-      for (int j = 0; j < p; ++j) {
-        const auto ju = static_cast<std::size_t>(j);
-        if (j == me) {
-          s.ptrs[ju] = base + r.off;
-          continue;
-        }
-        std::byte* dst = scratch + r.len * ju;
-        t.copy_from(j, where_[ju].addr + s0 * es + r.off, dst, r.len, fp);
-        s.ptrs[ju] = dst;
-      }
-      fn(base + r.off, nullptr, s.ptrs.data(), p, r.len / es);
-      empty_round(t, nullptr);
-      for (int j = 0; j < p; ++j) {
-        const Range c = chunk(j);
-        if (j != me)
-          t.copy_from(j, where_[static_cast<std::size_t>(j)].addr + s0 * es + c.off, base + c.off,
-                      c.len, fp);
-      }
-      s0 += m;
-    }
-    empty_round(t, nullptr);
-    done(true);
-  }
+  void all_reduce(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn, const Fingerprint* fp);
 
  private:
   /// Where a rank's buffer lies in its process.
@@ -13306,11 +14336,88 @@ class SingleCopy {
   PathChooser chooser_;
 };
 
+#if DDP_BODIES
+DDP_INLINE void SingleCopy::all_reduce(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn,
+                                       const Fingerprint* fp) {
+  const std::size_t es = b.elem();
+  const int p = t.size(), me = t.rank();
+  const bool timed = me == 0 && choose_path;
+  const auto t0 =
+      timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
+  const bool single = me != 0 || !choose_path || chooser_.single(b.bytes());
+  const Where mine{reinterpret_cast<std::uintptr_t>(b.data), b.bytes(), single ? 1u : 0u};
+  const Piece pc{reinterpret_cast<const std::byte*>(&mine), sizeof mine};
+  auto got = t.round(
+      {&pc, 1},
+      [](int, int) {
+        return Range{0, sizeof(Where)};
+      },
+      fp);
+  where_.resize(static_cast<std::size_t>(p));
+  for (int j = 0; j < p; ++j) {
+    Where& w = where_[static_cast<std::size_t>(j)];
+    std::memcpy(&w, got[static_cast<std::size_t>(j)], sizeof(Where));
+    if (w.bytes != mine.bytes) {
+      const std::string msg =
+          concat("rank ", t.global(me), ": ", t.describe(fp, nullptr), ": rank ", t.global(j),
+                 " reduces ", w.bytes, " bytes but this rank ", mine.bytes,
+                 "; every rank must pass the same count and dtype");
+      t.abort(Errc::mismatch, msg);
+      fail(Errc::mismatch, msg);
+    }
+  }
+  const auto done = [&](bool by_single_copy) {
+    if (timed) {
+      chooser_.record(b.bytes(), by_single_copy,
+                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+  };
+  if (where_[0].single == 0) {  // rank 0 chose the slot path (fingerprints already compared)
+    reduce_segments(t, s, b, fn, -1, nullptr);
+    done(false);
+    return;
+  }
+  const std::size_t seg = segment_elements(t, es);
+  s.ptrs.resize(static_cast<std::size_t>(p));
+  for (std::size_t s0 = 0; s0 < b.count;) {
+    const std::size_t m = std::min(seg, b.count - s0);
+    std::byte* base = b.at(s0);
+    const auto chunk = [&](int j) { return chunk_bytes(m, p, j, es); };
+    const Range r = chunk(me);
+    std::byte* scratch = RoundScratch::at_least(s.bytes, r.len * static_cast<std::size_t>(p));
+    for (int j = 0; j < p; ++j) {
+      const auto ju = static_cast<std::size_t>(j);
+      if (j == me) {
+        s.ptrs[ju] = base + r.off;
+        continue;
+      }
+      std::byte* dst = scratch + r.len * ju;
+      t.copy_from(j, where_[ju].addr + s0 * es + r.off, dst, r.len, fp);
+      s.ptrs[ju] = dst;
+    }
+    fn(base + r.off, nullptr, s.ptrs.data(), p, r.len / es);
+    empty_round(t, nullptr);
+    for (int j = 0; j < p; ++j) {
+      const Range c = chunk(j);
+      if (j != me)
+        t.copy_from(j, where_[static_cast<std::size_t>(j)].addr + s0 * es + c.off, base + c.off,
+                    c.len, fp);
+    }
+    s0 += m;
+  }
+  empty_round(t, nullptr);
+  done(true);
+}
+#endif  // DDP_BODIES
+
 /// all_reduce over transport `t` (the whole communicator, or one of the hierarchical path's
 /// groups): one round that gathers whole buffers when small, single copy where the transport
 /// offers it for this size (`single`, when not null), else reduce_segments.
-inline void all_reduce_on(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn,
-                          const Fingerprint* fp, SingleCopy* single) {
+DDP_INLINE void all_reduce_on(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn,
+                              const Fingerprint* fp, SingleCopy* single);
+#if DDP_BODIES
+DDP_INLINE void all_reduce_on(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn,
+                              const Fingerprint* fp, SingleCopy* single) {
   if (b.bytes() <= t.small_bytes()) {
     all_reduce_small(t, b, fn, fp);
     return;
@@ -13321,6 +14428,7 @@ inline void all_reduce_on(Transport& t, RoundScratch& s, const Buf& b, ReduceFn 
   }
   reduce_segments(t, s, b, fn, -1, fp);
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -13354,8 +14462,13 @@ namespace detail {
 /// after this rank had finished its own left its failure under "failed". Waits up to `grace`
 /// for one; nothing when the store is gone or holds none, or at once when every rank of `ranks`
 /// died (its "exit/<rank>" is there without a record).
-inline std::optional<Transport::Left> left_record(const Store& store, const std::vector<int>& ranks,
-                                                  std::chrono::milliseconds grace) {
+DDP_INLINE std::optional<Transport::Left> left_record(const Store& store,
+                                                      const std::vector<int>& ranks,
+                                                      std::chrono::milliseconds grace);
+#if DDP_BODIES
+DDP_INLINE std::optional<Transport::Left> left_record(const Store& store,
+                                                      const std::vector<int>& ranks,
+                                                      std::chrono::milliseconds grace) {
   const auto deadline = std::chrono::steady_clock::now() + grace;
   try {
     Store plain = store.unwatched();
@@ -13410,6 +14523,7 @@ inline std::optional<Transport::Left> left_record(const Store& store, const std:
     return std::nullopt;
   }
 }
+#endif  // DDP_BODIES
 
 /// The hierarchical path of one communicator: its kind (flat when the ranks share one host, or
 /// each runs alone on its host), the transport among this host's ranks (`local`) and the one that
@@ -13430,11 +14544,7 @@ class Hierarchy {
   /// this host's ranks (one local round), so that a rank in a hierarchical all_reduce, which
   /// talks to its host and to one rank per host, and a rank in any other collective meet in a
   /// round that compares their fingerprints, and fail with Errc::mismatch instead of a timeout.
-  void check_locally(const Fingerprint& f, Transport* remote) {
-    if (!active() || local->size() <= 1 || !local->verify_fingerprints) return;
-    local->slack = std::chrono::milliseconds(0);
-    guarded([&](Transport*&) { empty_round(*local, &f); }, remote);
-  }
+  void check_locally(const Fingerprint& f, Transport* remote);
 
   /// all_reduce when the ranks span several hosts: every element is combined as host 0's sum,
   /// op host 1's sum, ..., where hosts are ordered by their lowest rank and each host's sum
@@ -13448,53 +14558,7 @@ class Hierarchy {
   ///  * leaders: a reduce to the host's lowest rank, an all_reduce among those over TCP, a
   ///    broadcast inside the host.
   void all_reduce(RoundScratch& s, SingleCopy& single, const Buf& b, ReduceOp op,
-                  const Fingerprint& fp, int size) {
-    const bool avg = op == ReduceOp::avg;
-    const auto fn = reduce_fn(b.dtype, avg ? ReduceOp::sum : op);
-    const auto divide = [&](const Buf& x) {
-      if (avg && x.count != 0) divide_fn(b.dtype)(x.data, x.count, size);
-    };
-    Transport& host = *local;
-    const bool by_slices = kind == HostHierarchy::slices &&
-                           b.bytes() > slices_from * static_cast<std::size_t>(host.size());
-    // Each phase waits a little longer than the one before it (Transport::slack), so that a rank
-    // waiting on one that waits on the culprit hears the culprit named before its own timeout.
-    host.slack = std::chrono::milliseconds(0);
-    if (across) across->slack = std::chrono::milliseconds(250);
-    const auto last_phase = [&] { host.slack = std::chrono::milliseconds(500); };
-    guarded(
-        [&](Transport*& crossing) {
-          if (!by_slices) {
-            if (host.size() > 1) reduce_on(host, s, b, fn, 0, &fp);
-            if (host.rank() == 0) {
-              crossing = across.get();
-              all_reduce_on(*across, s, b, fn, &fp, &single);
-              crossing = nullptr;
-              divide(b);
-            }
-            last_phase();
-            if (host.size() > 1) broadcast_on(host, b, 0, nullptr);
-            return;
-          }
-          const int q = host.size();
-          const auto part = [&](int j) {  // in elements
-            const auto [lo, hi] = split_range(b.count, q, j, b.elem());
-            return Range{lo, hi - lo};
-          };
-          reduce_scatter_parts(host, s, b, fn, part, &fp);
-          const Range mine = part(host.rank());
-          Buf slice = b;
-          slice.data = b.at(mine.off);
-          slice.count = mine.len;
-          crossing = across.get();
-          all_reduce_on(*across, s, slice, fn, &fp, &single);
-          crossing = nullptr;
-          divide(slice);
-          last_phase();
-          all_gather_parts(host, b, part);
-        },
-        across.get());
-  }
+                  const Fingerprint& fp, int size);
 
   /// Runs body(crossing); if it fails, fails this host's other ranks too (through the local
   /// transport) and shuts down the connections of `remote` (when not null), before rethrowing,
@@ -13521,14 +14585,73 @@ class Hierarchy {
   /// Says in the store why this rank leaves the hierarchical path, before it closes its
   /// connections, so that a rank of another host that sees them close reports this error (with
   /// its code) rather than a lost peer (Transport::why_left). Best effort.
-  void record_leaving(const Error& e) noexcept {
-    if (!store) return;
-    try {
-      store->set(concat("left/", rank), Store::stop_value(e.code(), e.what()));
-    } catch (...) {  // the store is gone: the peers report a lost connection instead
-    }
-  }
+  void record_leaving(const Error& e) noexcept;
 };
+
+#if DDP_BODIES
+DDP_INLINE void Hierarchy::check_locally(const Fingerprint& f, Transport* remote) {
+  if (!active() || local->size() <= 1 || !local->verify_fingerprints) return;
+  local->slack = std::chrono::milliseconds(0);
+  guarded([&](Transport*&) { empty_round(*local, &f); }, remote);
+}
+
+DDP_INLINE void Hierarchy::all_reduce(RoundScratch& s, SingleCopy& single, const Buf& b,
+                                      ReduceOp op, const Fingerprint& fp, int size) {
+  const bool avg = op == ReduceOp::avg;
+  const auto fn = reduce_fn(b.dtype, avg ? ReduceOp::sum : op);
+  const auto divide = [&](const Buf& x) {
+    if (avg && x.count != 0) divide_fn(b.dtype)(x.data, x.count, size);
+  };
+  Transport& host = *local;
+  const bool by_slices = kind == HostHierarchy::slices &&
+                         b.bytes() > slices_from * static_cast<std::size_t>(host.size());
+  // Each phase waits a little longer than the one before it (Transport::slack), so that a rank
+  // waiting on one that waits on the culprit hears the culprit named before its own timeout.
+  host.slack = std::chrono::milliseconds(0);
+  if (across) across->slack = std::chrono::milliseconds(250);
+  const auto last_phase = [&] { host.slack = std::chrono::milliseconds(500); };
+  guarded(
+      [&](Transport*& crossing) {
+        if (!by_slices) {
+          if (host.size() > 1) reduce_on(host, s, b, fn, 0, &fp);
+          if (host.rank() == 0) {
+            crossing = across.get();
+            all_reduce_on(*across, s, b, fn, &fp, &single);
+            crossing = nullptr;
+            divide(b);
+          }
+          last_phase();
+          if (host.size() > 1) broadcast_on(host, b, 0, nullptr);
+          return;
+        }
+        const int q = host.size();
+        const auto part = [&](int j) {  // in elements
+          const auto [lo, hi] = split_range(b.count, q, j, b.elem());
+          return Range{lo, hi - lo};
+        };
+        reduce_scatter_parts(host, s, b, fn, part, &fp);
+        const Range mine = part(host.rank());
+        Buf slice = b;
+        slice.data = b.at(mine.off);
+        slice.count = mine.len;
+        crossing = across.get();
+        all_reduce_on(*across, s, slice, fn, &fp, &single);
+        crossing = nullptr;
+        divide(slice);
+        last_phase();
+        all_gather_parts(host, b, part);
+      },
+      across.get());
+}
+
+DDP_INLINE void Hierarchy::record_leaving(const Error& e) noexcept {
+  if (!store) return;
+  try {
+    store->set(concat("left/", rank), Store::stop_value(e.code(), e.what()));
+  } catch (...) {  // the store is gone: the peers report a lost connection instead
+  }
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -13604,28 +14727,37 @@ DDP_END_NAMESPACE
 DDP_BEGIN_NAMESPACE
 namespace detail {
 
-inline void cpu_relax() noexcept {
+DDP_INLINE void cpu_relax() noexcept;
+#if DDP_BODIES
+DDP_INLINE void cpu_relax() noexcept {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();  // _mm_pause without <immintrin.h> (0.4 s of every compile)
 #elif defined(__aarch64__)
   asm volatile("yield" ::: "memory");
 #endif
 }
+#endif  // DDP_BODIES
 
 static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
 static_assert(sizeof(std::atomic<std::uint32_t>) == sizeof(std::uint32_t));
 
 /// FUTEX_WAIT on a word in (possibly shared) memory for at most `ns` nanoseconds.
-inline void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected, long ns) {
+DDP_INLINE void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected, long ns);
+#if DDP_BODIES
+DDP_INLINE void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected, long ns) {
   timespec ts{ns / 1000000000L, ns % 1000000000L};
   (void)::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAIT, expected, &ts,
                   nullptr, 0);
 }
+#endif  // DDP_BODIES
 
-inline void futex_wake_all(std::atomic<std::uint32_t>* word) {
+DDP_INLINE void futex_wake_all(std::atomic<std::uint32_t>* word);
+#if DDP_BODIES
+DDP_INLINE void futex_wake_all(std::atomic<std::uint32_t>* word) {
   (void)::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr,
                   nullptr, 0);
 }
+#endif  // DDP_BODIES
 
 /// The sleeping half of the handshake; lives in shared memory.
 struct WakeWord {
@@ -13633,12 +14765,7 @@ struct WakeWord {
   std::atomic<std::uint32_t> sleepers{0};
 
   /// Call after publishing progress (with a seq_cst store).
-  void notify() noexcept {
-    if (sleepers.load(std::memory_order_seq_cst) != 0) {
-      epoch.fetch_add(1, std::memory_order_seq_cst);
-      futex_wake_all(&epoch);
-    }
-  }
+  void notify() noexcept;
 
   /// Sleeps until notified (or for at most `ns`) unless `ready()` holds after registering.
   template <class Ready>
@@ -13650,13 +14777,25 @@ struct WakeWord {
   }
 };
 
+#if DDP_BODIES
+DDP_INLINE void WakeWord::notify() noexcept {
+  if (sleepers.load(std::memory_order_seq_cst) != 0) {
+    epoch.fetch_add(1, std::memory_order_seq_cst);
+    futex_wake_all(&epoch);
+  }
+}
+#endif  // DDP_BODIES
+
 /// Number of CPUs this process may run on.
-[[nodiscard]] inline int usable_cpus() {
+[[nodiscard]] DDP_INLINE int usable_cpus();
+#if DDP_BODIES
+DDP_INLINE int usable_cpus() {
   cpu_set_t set;
   CPU_ZERO(&set);
   if (::sched_getaffinity(0, sizeof set, &set) != 0) return 1;
   return CPU_COUNT(&set);
 }
+#endif  // DDP_BODIES
 
 /// Watches processes for exit. pidfds become readable when a process exits (a zombie counts as
 /// exited); without pidfd_open (Linux < 5.3) falls back to kill(pid, 0).
@@ -13671,38 +14810,13 @@ class ProcessWatch {
     }
   }
 
-  void add(int rank, int pid) {
-#ifdef SYS_pidfd_open
-    const int fd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
-#else
-    const int fd = -1;
-#endif
-    watched_.push_back({rank, pid, fd});
-  }
+  void add(int rank, int pid);
 
   /// Stops watching `rank` (it left: its exit is expected).
-  void forget(int rank) {
-    for (auto& w : watched_) {
-      if (w.rank != rank) continue;
-      if (w.fd >= 0) ::close(w.fd);
-      w = watched_.back();
-      watched_.pop_back();
-      return;
-    }
-  }
+  void forget(int rank);
 
   /// The rank of an exited process, or -1.
-  [[nodiscard]] int first_dead() const {
-    for (const auto& w : watched_) {
-      if (w.fd >= 0) {
-        pollfd p{w.fd, POLLIN, 0};
-        if (::poll(&p, 1, 0) == 1) return w.rank;
-      } else if (::kill(w.pid, 0) != 0 && errno == ESRCH) {
-        return w.rank;
-      }
-    }
-    return -1;
-  }
+  [[nodiscard]] int first_dead() const;
 
  private:
   struct Watched {
@@ -13712,6 +14826,39 @@ class ProcessWatch {
   };
   std::vector<Watched> watched_;
 };
+
+#if DDP_BODIES
+DDP_INLINE void ProcessWatch::add(int rank, int pid) {
+#ifdef SYS_pidfd_open
+  const int fd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+#else
+  const int fd = -1;
+#endif
+  watched_.push_back({rank, pid, fd});
+}
+
+DDP_INLINE void ProcessWatch::forget(int rank) {
+  for (auto& w : watched_) {
+    if (w.rank != rank) continue;
+    if (w.fd >= 0) ::close(w.fd);
+    w = watched_.back();
+    watched_.pop_back();
+    return;
+  }
+}
+
+DDP_INLINE int ProcessWatch::first_dead() const {
+  for (const auto& w : watched_) {
+    if (w.fd >= 0) {
+      pollfd p{w.fd, POLLIN, 0};
+      if (::poll(&p, 1, 0) == 1) return w.rank;
+    } else if (::kill(w.pid, 0) != 0 && errno == ESRCH) {
+      return w.rank;
+    }
+  }
+  return -1;
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -13751,24 +14898,36 @@ struct ShmLayout {
     return (v + a - 1) / a * a;
   }
   [[nodiscard]] std::size_t ctl_offset() const { return header_bytes; }
-  [[nodiscard]] std::size_t slots_offset() const {
-    return align_up(header_bytes + static_cast<std::size_t>(world) * ctl_bytes, 4096);
-  }
-  [[nodiscard]] std::size_t slot_offset(int rank, unsigned parity) const {
-    return slots_offset() + (static_cast<std::size_t>(rank) * 2 + parity) * slot_bytes;
-  }
-  [[nodiscard]] std::size_t channels_offset() const {
-    return slots_offset() + static_cast<std::size_t>(world) * 2 * slot_bytes;
-  }
-  [[nodiscard]] std::size_t channel_offset(int src, int dst) const {
-    return channels_offset() + (static_cast<std::size_t>(src) * static_cast<std::size_t>(world) +
-                                static_cast<std::size_t>(dst)) *
-                                   (channel_ctl_bytes + channel_bytes);
-  }
-  [[nodiscard]] std::size_t total() const {
-    return align_up(channel_offset(world - 1, world - 1) + channel_ctl_bytes + channel_bytes, 4096);
-  }
+  [[nodiscard]] std::size_t slots_offset() const;
+  [[nodiscard]] std::size_t slot_offset(int rank, unsigned parity) const;
+  [[nodiscard]] std::size_t channels_offset() const;
+  [[nodiscard]] std::size_t channel_offset(int src, int dst) const;
+  [[nodiscard]] std::size_t total() const;
 };
+
+#if DDP_BODIES
+DDP_INLINE std::size_t ShmLayout::slots_offset() const {
+  return align_up(header_bytes + static_cast<std::size_t>(world) * ctl_bytes, 4096);
+}
+
+DDP_INLINE std::size_t ShmLayout::slot_offset(int rank, unsigned parity) const {
+  return slots_offset() + (static_cast<std::size_t>(rank) * 2 + parity) * slot_bytes;
+}
+
+DDP_INLINE std::size_t ShmLayout::channels_offset() const {
+  return slots_offset() + static_cast<std::size_t>(world) * 2 * slot_bytes;
+}
+
+DDP_INLINE std::size_t ShmLayout::channel_offset(int src, int dst) const {
+  return channels_offset() + (static_cast<std::size_t>(src) * static_cast<std::size_t>(world) +
+                              static_cast<std::size_t>(dst)) *
+                                 (channel_ctl_bytes + channel_bytes);
+}
+
+DDP_INLINE std::size_t ShmLayout::total() const {
+  return align_up(channel_offset(world - 1, world - 1) + channel_ctl_bytes + channel_bytes, 4096);
+}
+#endif  // DDP_BODIES
 
 struct ShmHeader {
   std::uint64_t magic;
@@ -13832,92 +14991,106 @@ class ShmSegment {
   /// small for it is an error here rather than a SIGBUS at first use. Returns false, with the
   /// reason in `why` (naming /dev/shm, its free space and the bytes needed), when the space is
   /// not there; throws for other failures.
-  [[nodiscard]] bool create(std::size_t size, std::string& why) {
-    fd_ = Fd(::open("/dev/shm", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600));
-    std::string where = "/dev/shm";
-    if (!fd_) {
-      fd_ = Fd(static_cast<int>(::syscall(SYS_memfd_create, "ddp-shm", 1u /* MFD_CLOEXEC */)));
-      if (!fd_) fail_errno(errno, "creating shared memory: /dev/shm (O_TMPFILE) and memfd_create");
-      where = "shared memory (memfd)";
-    }
-    const std::size_t avail = free_bytes(where == "/dev/shm");
-    if (avail < size) {
-      why = concat(where, " has ", mib(avail), " free but the shm transport needs ", mib(size),
-                   " for this communicator");
-      fd_.reset();
-      return false;
-    }
-    if (const int rc = ::posix_fallocate(fd_.get(), 0, static_cast<off_t>(size)); rc != 0) {
-      why = concat("reserving ", mib(size), " in ", where, " failed: ", std::strerror(rc), " (",
-                   mib(free_bytes(where == "/dev/shm")), " free)");
-      fd_.reset();
-      return false;
-    }
-    map(fd_.get(), size);
-    // The file reads as zeros; touch the head (header, control blocks, the first slots) once.
-    const std::size_t head = std::min(size, prefault_bytes);
-#ifdef MADV_POPULATE_WRITE
-    if (::madvise(base_, head, MADV_POPULATE_WRITE) == 0) return true;
-#endif
-    for (std::size_t i = 0; i < head; i += 4096) reinterpret_cast<volatile char*>(base_)[i] = 0;
-    return true;
-  }
+  [[nodiscard]] bool create(std::size_t size, std::string& why);
 
   /// Where another process of the same host opens this segment while the creator holds it.
   [[nodiscard]] std::string path() const { return concat("/proc/", ::getpid(), "/fd/", fd_.get()); }
 
   /// Maps the segment of exactly `size` bytes that another process published at `path`.
-  void open(const std::string& path, std::size_t size) {
-    Fd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
-    if (!fd) {
-      fail_errno(errno, "opening rank 0's shared memory at ", path,
-                 " (rank 0 must be alive, of the same user, and dumpable; or use "
-                 "DDP_HOST_TRANSPORT=tcp)");
-    }
-    struct stat st {};
-    if (::fstat(fd.get(), &st) != 0) fail_errno(errno, "fstat(", path, ")");
-    if (static_cast<std::size_t>(st.st_size) != size) {
-      fail(Errc::protocol, "shared memory segment ", path, " has ", st.st_size, " bytes, expected ",
-           size);
-    }
-    map(fd.get(), size);
-  }
+  void open(const std::string& path, std::size_t size);
 
   /// The creator lets go of its descriptor once every rank has mapped the segment.
   void close_descriptor() noexcept { fd_.reset(); }
 
-  [[nodiscard]] std::byte* base() const noexcept { return static_cast<std::byte*>(base_); }
+  [[nodiscard]] std::byte* base() const noexcept;
 
  private:
-  static std::string mib(std::size_t bytes) {
-    if (bytes < (std::size_t{1} << 20)) return concat(bytes / 1024, " KiB (", bytes, " bytes)");
-    return concat(bytes / (std::size_t{1} << 20), " MiB (", bytes, " bytes)");
-  }
+  static std::string mib(std::size_t bytes);
 
   /// Free bytes for a new segment: in /dev/shm, or of memory (MemAvailable) for a memfd.
-  static std::size_t free_bytes(bool dev_shm) {
-    if (dev_shm) {
-      struct statvfs v {};
-      if (::statvfs("/dev/shm", &v) != 0) return SIZE_MAX;
-      return static_cast<std::size_t>(v.f_bavail) * static_cast<std::size_t>(v.f_frsize);
-    }
-    const long pages = ::sysconf(_SC_AVPHYS_PAGES);
-    const long page = ::sysconf(_SC_PAGESIZE);
-    if (pages <= 0 || page <= 0) return SIZE_MAX;
-    return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page);
-  }
+  static std::size_t free_bytes(bool dev_shm);
 
-  void map(int fd, std::size_t size) {
-    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) fail_errno(errno, "mmap of ", size, " bytes of shared memory");
-    base_ = p;
-    size_ = size;
-  }
+  void map(int fd, std::size_t size);
 
   void* base_ = nullptr;
   std::size_t size_ = 0;
   Fd fd_;  // the creator's, until every rank has mapped the segment
 };
+
+#if DDP_BODIES
+DDP_INLINE bool ShmSegment::create(std::size_t size, std::string& why) {
+  fd_ = Fd(::open("/dev/shm", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600));
+  std::string where = "/dev/shm";
+  if (!fd_) {
+    fd_ = Fd(static_cast<int>(::syscall(SYS_memfd_create, "ddp-shm", 1u /* MFD_CLOEXEC */)));
+    if (!fd_) fail_errno(errno, "creating shared memory: /dev/shm (O_TMPFILE) and memfd_create");
+    where = "shared memory (memfd)";
+  }
+  const std::size_t avail = free_bytes(where == "/dev/shm");
+  if (avail < size) {
+    why = concat(where, " has ", mib(avail), " free but the shm transport needs ", mib(size),
+                 " for this communicator");
+    fd_.reset();
+    return false;
+  }
+  if (const int rc = ::posix_fallocate(fd_.get(), 0, static_cast<off_t>(size)); rc != 0) {
+    why = concat("reserving ", mib(size), " in ", where, " failed: ", std::strerror(rc), " (",
+                 mib(free_bytes(where == "/dev/shm")), " free)");
+    fd_.reset();
+    return false;
+  }
+  map(fd_.get(), size);
+  // The file reads as zeros; touch the head (header, control blocks, the first slots) once.
+  const std::size_t head = std::min(size, prefault_bytes);
+#ifdef MADV_POPULATE_WRITE
+  if (::madvise(base_, head, MADV_POPULATE_WRITE) == 0) return true;
+#endif
+  for (std::size_t i = 0; i < head; i += 4096) reinterpret_cast<volatile char*>(base_)[i] = 0;
+  return true;
+}
+
+DDP_INLINE void ShmSegment::open(const std::string& path, std::size_t size) {
+  Fd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
+  if (!fd) {
+    fail_errno(errno, "opening rank 0's shared memory at ", path,
+               " (rank 0 must be alive, of the same user, and dumpable; or use "
+               "DDP_HOST_TRANSPORT=tcp)");
+  }
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) fail_errno(errno, "fstat(", path, ")");
+  if (static_cast<std::size_t>(st.st_size) != size) {
+    fail(Errc::protocol, "shared memory segment ", path, " has ", st.st_size, " bytes, expected ",
+         size);
+  }
+  map(fd.get(), size);
+}
+
+DDP_INLINE std::byte* ShmSegment::base() const noexcept { return static_cast<std::byte*>(base_); }
+
+DDP_INLINE std::string ShmSegment::mib(std::size_t bytes) {
+  if (bytes < (std::size_t{1} << 20)) return concat(bytes / 1024, " KiB (", bytes, " bytes)");
+  return concat(bytes / (std::size_t{1} << 20), " MiB (", bytes, " bytes)");
+}
+
+DDP_INLINE std::size_t ShmSegment::free_bytes(bool dev_shm) {
+  if (dev_shm) {
+    struct statvfs v {};
+    if (::statvfs("/dev/shm", &v) != 0) return SIZE_MAX;
+    return static_cast<std::size_t>(v.f_bavail) * static_cast<std::size_t>(v.f_frsize);
+  }
+  const long pages = ::sysconf(_SC_AVPHYS_PAGES);
+  const long page = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return SIZE_MAX;
+  return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page);
+}
+
+DDP_INLINE void ShmSegment::map(int fd, std::size_t size) {
+  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) fail_errno(errno, "mmap of ", size, " bytes of shared memory");
+  base_ = p;
+  size_ = size;
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -13953,322 +15126,85 @@ class ShmTransport final : public Transport {
   /// ranks running on this machine, this transport's or not (more than its cores: waits yield).
   ShmTransport(int rank, int size, std::chrono::milliseconds timeout, ShmLayout layout,
                std::unique_ptr<ShmSegment> segment, const std::vector<int>& pids,
-               int machine_ranks = 0)
-      : Transport(rank, size, timeout),
-        layout_(layout),
-        segment_(std::move(segment)),
-        ptrs_(static_cast<std::size_t>(size)),
-        seen_(static_cast<std::size_t>(size)),
-        pids_(pids) {
-    header_ = reinterpret_cast<ShmHeader*>(segment_->base());
-    for (int j = 0; j < size; ++j) {
-      if (j != rank) watch_.add(j, pids[static_cast<std::size_t>(j)]);
-    }
-    oversubscribed_ = std::max(size, machine_ranks) > usable_cpus();
-    tick_ = round_of(ctl(rank)->word.load());
-  }
+               int machine_ranks = 0);
   ShmTransport(const ShmTransport&) = delete;
   ShmTransport& operator=(const ShmTransport&) = delete;
 
   /// Marks this rank gone (ShmCtl::left) and wakes the peers: one still waiting for it fails at
   /// once, with the reason its communicator recorded (CommState::announce_leaving).
-  ~ShmTransport() override {
-    ctl(rank_)->left.store(1, std::memory_order_seq_cst);
-    header_->wake.epoch.fetch_add(1);
-    futex_wake_all(&header_->wake.epoch);
-  }
+  ~ShmTransport() override;
 
   /// Initializes a freshly created segment (rank 0 only, before anyone else maps it).
-  static void format(std::byte* base, const ShmLayout& layout, std::uint64_t cookie) {
-    auto* h = new (base) ShmHeader{};
-    h->magic = ShmLayout::magic;
-    h->cookie = cookie;
-    h->world = static_cast<std::uint32_t>(layout.world);
-    h->slot_bytes = layout.slot_bytes;
-    h->channel_bytes = layout.channel_bytes;
-    h->total = layout.total();
-    for (int j = 0; j < layout.world; ++j)
-      new (base + layout.ctl_offset() + static_cast<std::size_t>(j) * ShmLayout::ctl_bytes)
-          ShmCtl{};
-    for (int s = 0; s < layout.world; ++s) {
-      for (int d = 0; d < layout.world; ++d)
-        new (base + layout.channel_offset(s, d)) ShmChannelCtl{};
-    }
-  }
+  static void format(std::byte* base, const ShmLayout& layout, std::uint64_t cookie);
 
   /// Checks a segment opened by a non-creator.
-  static void verify(const std::byte* base, const ShmLayout& layout, std::uint64_t cookie) {
-    const auto* h = reinterpret_cast<const ShmHeader*>(base);
-    if (h->magic != ShmLayout::magic || h->cookie != cookie ||
-        h->world != static_cast<std::uint32_t>(layout.world) ||
-        h->slot_bytes != layout.slot_bytes || h->total != layout.total()) {
-      fail(Errc::protocol,
-           "the shared memory segment does not belong to this communicator (cookie or layout "
-           "differ)");
-    }
-  }
+  static void verify(const std::byte* base, const ShmLayout& layout, std::uint64_t cookie);
 
   [[nodiscard]] std::string_view name() const noexcept override { return "shm"; }
   [[nodiscard]] std::size_t max_offer() const noexcept override { return layout_.slot_bytes; }
-  [[nodiscard]] std::size_t small_bytes() const noexcept override {
-    return std::min<std::size_t>(layout_.slot_bytes, 16384);
-  }
+  [[nodiscard]] std::size_t small_bytes() const noexcept override;
 
   std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
-                                          const Fingerprint* fp) override {
-    check_abort(fp);
-    const std::uint64_t t = ++tick_;
-    const unsigned parity = static_cast<unsigned>(t & 1u);
-    std::byte* my_slot = slot(rank_, parity);
-    // Copy only what peers want, each byte once.
-    wanted_.clear();
-    for (int j = 0; j < size_; ++j) {
-      if (j == rank_) continue;
-      const Range r = want(rank_, j);
-      if (r.len != 0) wanted_.push_back(r);
-    }
-    std::sort(wanted_.begin(), wanted_.end(),
-              [](const Range& a, const Range& b) { return a.off < b.off; });
-    std::size_t copied_to = 0;
-    for (const Range& r : wanted_) {
-      std::size_t from = std::max(r.off, copied_to);
-      const std::size_t to = r.off + r.len;
-      if (to > layout_.slot_bytes)
-        fail(Errc::invalid_argument, "internal error: offer exceeds the shared memory slot");
-      std::size_t base = 0;
-      for (const Piece& p : offer) {  // copy [from, to) out of the pieces
-        const std::size_t lo = std::max(from, base), hi = std::min(to, base + p.len);
-        // Skip bytes already in place (staged in the slot by the caller).
-        if (lo < hi && my_slot + lo != p.data + (lo - base))
-          std::memcpy(my_slot + lo, p.data + (lo - base), hi - lo);
-        base += p.len;
-      }
-      copied_to = std::max(copied_to, to);
-    }
-    ShmCtl* mine = ctl(rank_);
-    std::uint64_t code = 0;
-    if (verify_fingerprints) {
-      if (fp != nullptr) {
-        mine->fp[parity] = *fp;
-        code = fingerprint_code(*fp, checked_seq_, checked_any_);
-        checked_seq_ = fp->seq;
-        checked_any_ = true;
-      } else {
-        mine->fp[parity] = no_fingerprint();
-      }
-    }
-    mine->word.store(code << 16 | (t & 0xffffu), std::memory_order_seq_cst);
-    header_->wake.notify();
-
-    wait([&] { return all_reached(t); }, fp, [&] { return behind(t); }, "");
-
-    if (code != 0) {
-      for (int j = 0; j < size_; ++j) {
-        const std::uint64_t w = seen_[static_cast<std::size_t>(j)];
-        // Equal codes that are not wide, of this very round, mean equal fingerprints (see
-        // fingerprint_code; a rank with a fingerprint where its peer had none fails below, so
-        // both ranks' previous checked rounds were the same round, with equal fingerprints).
-        if (j == rank_ || (code != fingerprint_wide && w == (code << 16 | (t & 0xffffu)))) continue;
-        // A code is wide, the codes differ, or the peer was already in round t + 1 (it cannot
-        // pass t + 1 before this rank publishes t + 1): its round-t fingerprint, or the marker of
-        // a round without one, is in fp[parity] either way.
-        const Fingerprint theirs = ctl(j)->fp[parity];
-        if (!(theirs == *fp)) {
-          const std::string msg = mismatch_message(*fp, j, theirs);
-          publish_abort(Errc::mismatch, msg);
-          fail(Errc::mismatch, msg);
-        }
-      }
-    }
-    for (int j = 0; j < size_; ++j) {
-      const Range r = want(j, rank_);
-      if (r.len == 0)
-        ptrs_[static_cast<std::size_t>(j)] = nullptr;
-      else if (j == rank_)
-        ptrs_[static_cast<std::size_t>(j)] = SelfTransport::locate(offer, r);
-      else
-        ptrs_[static_cast<std::size_t>(j)] = slot(j, parity) + r.off;
-    }
-    return ptrs_;
-  }
+                                          const Fingerprint* fp) override;
 
   /// My slot for the next round: free, since every peer has finished reading the round that used
   /// it last (they published the current round, which they only do after that).
-  std::byte* stage(std::size_t bytes) override {
-    if (bytes > layout_.slot_bytes) return nullptr;
-    return slot(rank_, static_cast<unsigned>((tick_ + 1) & 1u));
-  }
+  std::byte* stage(std::size_t bytes) override;
 
   /// Single copy. Where this process's probe word lies, for peers' probe_single_copy().
-  [[nodiscard]] std::uint64_t probe_address() const noexcept {
-    return reinterpret_cast<std::uintptr_t>(&probe_);
-  }
+  [[nodiscard]] std::uint64_t probe_address() const noexcept;
   /// Whether this process may read peer j's memory (process_vm_readv: the kernel allows it
   /// between processes of one user unless Yama's ptrace_scope, a seccomp filter or a missing
   /// capability forbids it), tried on the probe word at `addr` in j.
-  [[nodiscard]] bool probe_single_copy(int j, std::uint64_t addr) const {
-    std::uint64_t word = 0;
-    iovec local{&word, sizeof word};
-    iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(addr)), sizeof word};
-    return ::process_vm_readv(pids_[static_cast<std::size_t>(j)], &local, 1, &remote, 1, 0) ==
-               static_cast<ssize_t>(sizeof word) &&
-           word == probe_value;
-  }
+  [[nodiscard]] bool probe_single_copy(int j, std::uint64_t addr) const;
   /// From now on, all_reduce of at least `bytes` goes by single copy (every rank alike).
   void use_single_copy(std::size_t bytes) noexcept { single_copy_from_ = bytes; }
   [[nodiscard]] std::size_t single_copy_from() const noexcept override { return single_copy_from_; }
 
   void copy_from(int j, std::uint64_t addr, std::byte* dst, std::size_t len,
-                 const Fingerprint* fp) override {
-    if (len == 0) return;
-    iovec local{dst, len};
-    iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(addr)), len};
-    const ssize_t got =
-        ::process_vm_readv(pids_[static_cast<std::size_t>(j)], &local, 1, &remote, 1, 0);
-    if (got == static_cast<ssize_t>(len)) return;
-    const int err = got < 0 ? errno : 0;
-    check_abort(fp);  // the peer left with an error (its buffer may be gone): report that
-    const char* why = err == ESRCH    ? "its process is gone"
-                      : err == EFAULT ? "its buffer is gone: it left the collective"
-                      : err == EPERM  ? "the kernel no longer lets this process read it"
-                                      : "it died or left the collective";
-    const std::string msg =
-        concat("rank ", global(rank_), ": ", describe(fp, nullptr), ": copying ", len,
-               " bytes out of rank ", global(j), "'s memory failed (",
-               err != 0 ? std::strerror(err) : "short copy", "): ", why,
-               "; the job cannot continue with this communicator (the ranks still alive can go on "
-               "with shrink())");
-    const Errc code = err == EPERM ? Errc::system : Errc::peer_lost;
-    publish_abort(code, concat("copying out of rank ", global(j), "'s memory failed: ", why));
-    fail(code, msg);
-  }
+                 const Fingerprint* fp) override;
 
-  void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
-    check_abort(nullptr);
-    const P2PHeader h{seq, buf.count, tag, P2PHeader::p2p, buf.dtype, {}};
-    channel_write(peer, &h, sizeof h, "send", buf, tag);
-    channel_write(peer, buf.data, buf.bytes(), "send", buf, tag);
-  }
+  void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override;
 
-  void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
-    check_abort(nullptr);
-    P2PHeader h{};
-    channel_read(peer, &h, sizeof h, "recv", buf, tag);
-    if (const std::string msg = p2p_mismatch(buf, peer, tag, seq, h); !msg.empty()) {
-      publish_abort(Errc::mismatch, msg);
-      fail(Errc::mismatch, msg);
-    }
-    channel_read(peer, buf.data, buf.bytes(), "recv", buf, tag);
-  }
+  void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override;
 
-  void abort(Errc code, const std::string& why) override {
-    set_local_abort(code);
-    publish_abort(code, why);
-  }
+  void abort(Errc code, const std::string& why) override;
 
  private:
-  [[nodiscard]] ShmCtl* ctl(int r) const {
-    return reinterpret_cast<ShmCtl*>(segment_->base() + layout_.ctl_offset() +
-                                     static_cast<std::size_t>(r) * ShmLayout::ctl_bytes);
-  }
+  [[nodiscard]] ShmCtl* ctl(int r) const;
   [[nodiscard]] std::byte* slot(int r, unsigned parity) const {
     return segment_->base() + layout_.slot_offset(r, parity);
   }
-  [[nodiscard]] ShmChannelCtl* channel(int src, int dst) const {
-    return reinterpret_cast<ShmChannelCtl*>(segment_->base() + layout_.channel_offset(src, dst));
-  }
-  [[nodiscard]] std::byte* channel_data(int src, int dst) const {
-    return segment_->base() + layout_.channel_offset(src, dst) + ShmLayout::channel_ctl_bytes;
-  }
+  [[nodiscard]] ShmChannelCtl* channel(int src, int dst) const;
+  [[nodiscard]] std::byte* channel_data(int src, int dst) const;
 
-  [[nodiscard]] static std::uint16_t round_of(std::uint64_t word) noexcept {
-    return static_cast<std::uint16_t>(word);
-  }
+  [[nodiscard]] static std::uint16_t round_of(std::uint64_t word) noexcept;
   /// Whether a round word is of round t or later (modulo 2^16: a peer is at most one round ahead).
-  [[nodiscard]] static bool reached(std::uint64_t word, std::uint64_t t) noexcept {
-    return static_cast<std::int16_t>(
-               static_cast<std::uint16_t>(round_of(word) - static_cast<std::uint16_t>(t))) >= 0;
-  }
+  [[nodiscard]] static bool reached(std::uint64_t word, std::uint64_t t) noexcept;
   /// What fp[parity] holds for a round without a fingerprint: no collective's fingerprint (its
   /// coll is not a collective), so a peer that has one in that round fails with a mismatch.
-  [[nodiscard]] static Fingerprint no_fingerprint() noexcept {
-    Fingerprint f;
-    f.coll = static_cast<Coll>(0);
-    return f;
-  }
-  [[nodiscard]] bool reached(int j, std::uint64_t t) const {
-    return reached(ctl(j)->word.load(std::memory_order_acquire), t);
-  }
+  [[nodiscard]] static Fingerprint no_fingerprint() noexcept;
+  [[nodiscard]] bool reached(int j, std::uint64_t t) const;
   /// Whether every rank has published round t; if so, their words are in seen_.
-  [[nodiscard]] bool all_reached(std::uint64_t t) {
-    for (int j = 0; j < size_; ++j) {
-      const std::uint64_t w = ctl(j)->word.load(std::memory_order_acquire);
-      if (!reached(w, t)) return false;
-      seen_[static_cast<std::size_t>(j)] = w;
-    }
-    return true;
-  }
+  [[nodiscard]] bool all_reached(std::uint64_t t);
 
   /// The ranks that have not published round t.
-  [[nodiscard]] std::vector<int> behind(std::uint64_t t) const {
-    std::vector<int> who;
-    for (int j = 0; j < size_; ++j) {
-      if (!reached(j, t)) who.push_back(j);
-    }
-    return who;
-  }
+  [[nodiscard]] std::vector<int> behind(std::uint64_t t) const;
 
   /// "rank 2" or "ranks 1, 3" (the communicator's numbers).
-  [[nodiscard]] std::string ranks_text(const std::vector<int>& ranks) const {
-    std::string who;
-    for (int j : ranks) who += concat(who.empty() ? "" : ", ", global(j));
-    return concat(ranks.size() == 1 ? "rank " : "ranks ", who);
-  }
+  [[nodiscard]] std::string ranks_text(const std::vector<int>& ranks) const;
 
-  [[nodiscard]] bool has_left(int j) const {
-    return ctl(j)->left.load(std::memory_order_acquire) != 0;
-  }
+  [[nodiscard]] bool has_left(int j) const;
 
   /// Rank j's transport is gone (ShmCtl::left) while this rank waits for it: fails with why it
   /// left, from its record in the store (it finished, or failed), and tells the other ranks.
-  [[noreturn]] void departed(int j, const Fingerprint* fp, const char* what) {
-    try {
-      fail_if_left({j}, std::chrono::milliseconds(300), fp, what);
-    } catch (const Error& e) {
-      publish_abort(e.code(), e.what());
-      throw;
-    }
-    const std::string msg =
-        concat("rank ", global(rank_), ": ", describe(fp, what), ": rank ", global(j),
-               " left this communicator (destroyed it) while this rank waited for it; the ranks "
-               "ran different numbers of collectives (for uneven inputs see ddp::Join)");
-    publish_abort(Errc::peer_lost, msg);
-    fail(Errc::peer_lost, msg);
-  }
+  [[noreturn]] void departed(int j, const Fingerprint* fp, const char* what);
 
   /// First failure wins; later ones keep the first message.
-  void publish_abort(Errc code, const std::string& why) {
-    std::uint32_t expected = 0;
-    if (header_->abort_state.compare_exchange_strong(expected, 1)) {
-      header_->abort_rank = global(rank_);
-      header_->abort_code = static_cast<int>(code);
-      const std::size_t n = std::min(why.size(), sizeof header_->abort_message - 1);
-      std::memcpy(header_->abort_message, why.data(), n);
-      header_->abort_message[n] = '\0';
-      header_->abort_state.store(2, std::memory_order_seq_cst);
-    }
-    header_->wake.epoch.fetch_add(1);
-    futex_wake_all(&header_->wake.epoch);
-  }
+  void publish_abort(Errc code, const std::string& why);
 
   /// Throws if this communicator was aborted here or by a peer.
-  void check_abort(const Fingerprint* fp) const {
-    check_local_abort(fp);
-    if (header_->abort_state.load(std::memory_order_acquire) == 2) {
-      fail_reported(static_cast<Errc>(header_->abort_code), fp, nullptr, header_->abort_rank,
-                    header_->abort_message);
-    }
-  }
+  void check_abort(const Fingerprint* fp) const;
 
   /// Spins, then sleeps, until ready(); fails on abort, on a dead peer and at the timeout.
   /// `awaited()`: the ranks this wait depends on (this transport's numbers); `doing` what they
@@ -14339,55 +15275,9 @@ class ShmTransport final : public Transport {
   }
 
   void channel_write(int peer, const void* data, std::size_t n, const char* what, const Buf& buf,
-                     int tag) {
-    ShmChannelCtl* ch = channel(rank_, peer);
-    std::byte* ring = channel_data(rank_, peer);
-    const std::size_t cap = layout_.channel_bytes;
-    const auto* p = static_cast<const std::byte*>(data);
-    std::uint64_t head = ch->head.load(std::memory_order_relaxed);
-    const auto awaited = [peer] { return std::vector<int>{peer}; };
-    const std::string op = concat(what, "(to rank ", peer, ", tag ", tag, ", ",
-                                  to_string(buf.dtype), ", count=", buf.count, ")");
-    while (n > 0) {
-      wait([&] { return head - ch->tail.load(std::memory_order_acquire) < cap; }, nullptr, awaited,
-           " to receive", op.c_str());
-      const std::uint64_t free_bytes = cap - (head - ch->tail.load(std::memory_order_acquire));
-      const std::size_t at = static_cast<std::size_t>(head % cap);
-      const std::size_t k =
-          std::min<std::size_t>({n, static_cast<std::size_t>(free_bytes), cap - at});
-      std::memcpy(ring + at, p, k);
-      p += k;
-      n -= k;
-      head += k;
-      ch->head.store(head, std::memory_order_seq_cst);
-      header_->wake.notify();
-    }
-  }
+                     int tag);
 
-  void channel_read(int peer, void* data, std::size_t n, const char* what, const Buf& buf,
-                    int tag) {
-    ShmChannelCtl* ch = channel(peer, rank_);
-    const std::byte* ring = channel_data(peer, rank_);
-    const std::size_t cap = layout_.channel_bytes;
-    auto* p = static_cast<std::byte*>(data);
-    std::uint64_t tail = ch->tail.load(std::memory_order_relaxed);
-    const auto awaited = [peer] { return std::vector<int>{peer}; };
-    const std::string op = concat(what, "(from rank ", peer, ", tag ", tag, ", ",
-                                  to_string(buf.dtype), ", count=", buf.count, ")");
-    while (n > 0) {
-      wait([&] { return ch->head.load(std::memory_order_acquire) > tail; }, nullptr, awaited,
-           " to send", op.c_str());
-      const std::uint64_t avail = ch->head.load(std::memory_order_acquire) - tail;
-      const std::size_t at = static_cast<std::size_t>(tail % cap);
-      const std::size_t k = std::min<std::size_t>({n, static_cast<std::size_t>(avail), cap - at});
-      std::memcpy(p, ring + at, k);
-      p += k;
-      n -= k;
-      tail += k;
-      ch->tail.store(tail, std::memory_order_seq_cst);
-      header_->wake.notify();
-    }
-  }
+  void channel_read(int peer, void* data, std::size_t n, const char* what, const Buf& buf, int tag);
 
   ShmLayout layout_;
   std::unique_ptr<ShmSegment> segment_;
@@ -14405,6 +15295,353 @@ class ShmTransport final : public Transport {
   static constexpr std::uint64_t probe_value = 0x65626f7270706464ull;  // "ddpprobe"
   std::uint64_t probe_ = probe_value;
 };
+
+#if DDP_BODIES
+DDP_INLINE ShmTransport::ShmTransport(int rank, int size, std::chrono::milliseconds timeout,
+                                      ShmLayout layout, std::unique_ptr<ShmSegment> segment,
+                                      const std::vector<int>& pids, int machine_ranks)
+    : Transport(rank, size, timeout),
+      layout_(layout),
+      segment_(std::move(segment)),
+      ptrs_(static_cast<std::size_t>(size)),
+      seen_(static_cast<std::size_t>(size)),
+      pids_(pids) {
+  header_ = reinterpret_cast<ShmHeader*>(segment_->base());
+  for (int j = 0; j < size; ++j) {
+    if (j != rank) watch_.add(j, pids[static_cast<std::size_t>(j)]);
+  }
+  oversubscribed_ = std::max(size, machine_ranks) > usable_cpus();
+  tick_ = round_of(ctl(rank)->word.load());
+}
+
+DDP_INLINE ShmTransport::~ShmTransport() {
+  ctl(rank_)->left.store(1, std::memory_order_seq_cst);
+  header_->wake.epoch.fetch_add(1);
+  futex_wake_all(&header_->wake.epoch);
+}
+
+DDP_INLINE void ShmTransport::format(std::byte* base, const ShmLayout& layout,
+                                     std::uint64_t cookie) {
+  auto* h = new (base) ShmHeader{};
+  h->magic = ShmLayout::magic;
+  h->cookie = cookie;
+  h->world = static_cast<std::uint32_t>(layout.world);
+  h->slot_bytes = layout.slot_bytes;
+  h->channel_bytes = layout.channel_bytes;
+  h->total = layout.total();
+  for (int j = 0; j < layout.world; ++j)
+    new (base + layout.ctl_offset() + static_cast<std::size_t>(j) * ShmLayout::ctl_bytes) ShmCtl{};
+  for (int s = 0; s < layout.world; ++s) {
+    for (int d = 0; d < layout.world; ++d) new (base + layout.channel_offset(s, d)) ShmChannelCtl{};
+  }
+}
+
+DDP_INLINE void ShmTransport::verify(const std::byte* base, const ShmLayout& layout,
+                                     std::uint64_t cookie) {
+  const auto* h = reinterpret_cast<const ShmHeader*>(base);
+  if (h->magic != ShmLayout::magic || h->cookie != cookie ||
+      h->world != static_cast<std::uint32_t>(layout.world) || h->slot_bytes != layout.slot_bytes ||
+      h->total != layout.total()) {
+    fail(Errc::protocol,
+         "the shared memory segment does not belong to this communicator (cookie or layout "
+         "differ)");
+  }
+}
+
+DDP_INLINE std::size_t ShmTransport::small_bytes() const noexcept {
+  return std::min<std::size_t>(layout_.slot_bytes, 16384);
+}
+
+DDP_INLINE std::span<const std::byte* const> ShmTransport::round(std::span<const Piece> offer,
+                                                                 Want want, const Fingerprint* fp) {
+  check_abort(fp);
+  const std::uint64_t t = ++tick_;
+  const unsigned parity = static_cast<unsigned>(t & 1u);
+  std::byte* my_slot = slot(rank_, parity);
+  // Copy only what peers want, each byte once.
+  wanted_.clear();
+  for (int j = 0; j < size_; ++j) {
+    if (j == rank_) continue;
+    const Range r = want(rank_, j);
+    if (r.len != 0) wanted_.push_back(r);
+  }
+  std::sort(wanted_.begin(), wanted_.end(),
+            [](const Range& a, const Range& b) { return a.off < b.off; });
+  std::size_t copied_to = 0;
+  for (const Range& r : wanted_) {
+    std::size_t from = std::max(r.off, copied_to);
+    const std::size_t to = r.off + r.len;
+    if (to > layout_.slot_bytes)
+      fail(Errc::invalid_argument, "internal error: offer exceeds the shared memory slot");
+    std::size_t base = 0;
+    for (const Piece& p : offer) {  // copy [from, to) out of the pieces
+      const std::size_t lo = std::max(from, base), hi = std::min(to, base + p.len);
+      // Skip bytes already in place (staged in the slot by the caller).
+      if (lo < hi && my_slot + lo != p.data + (lo - base))
+        std::memcpy(my_slot + lo, p.data + (lo - base), hi - lo);
+      base += p.len;
+    }
+    copied_to = std::max(copied_to, to);
+  }
+  ShmCtl* mine = ctl(rank_);
+  std::uint64_t code = 0;
+  if (verify_fingerprints) {
+    if (fp != nullptr) {
+      mine->fp[parity] = *fp;
+      code = fingerprint_code(*fp, checked_seq_, checked_any_);
+      checked_seq_ = fp->seq;
+      checked_any_ = true;
+    } else {
+      mine->fp[parity] = no_fingerprint();
+    }
+  }
+  mine->word.store(code << 16 | (t & 0xffffu), std::memory_order_seq_cst);
+  header_->wake.notify();
+
+  wait([&] { return all_reached(t); }, fp, [&] { return behind(t); }, "");
+
+  if (code != 0) {
+    for (int j = 0; j < size_; ++j) {
+      const std::uint64_t w = seen_[static_cast<std::size_t>(j)];
+      // Equal codes that are not wide, of this very round, mean equal fingerprints (see
+      // fingerprint_code; a rank with a fingerprint where its peer had none fails below, so
+      // both ranks' previous checked rounds were the same round, with equal fingerprints).
+      if (j == rank_ || (code != fingerprint_wide && w == (code << 16 | (t & 0xffffu)))) continue;
+      // A code is wide, the codes differ, or the peer was already in round t + 1 (it cannot
+      // pass t + 1 before this rank publishes t + 1): its round-t fingerprint, or the marker of
+      // a round without one, is in fp[parity] either way.
+      const Fingerprint theirs = ctl(j)->fp[parity];
+      if (!(theirs == *fp)) {
+        const std::string msg = mismatch_message(*fp, j, theirs);
+        publish_abort(Errc::mismatch, msg);
+        fail(Errc::mismatch, msg);
+      }
+    }
+  }
+  for (int j = 0; j < size_; ++j) {
+    const Range r = want(j, rank_);
+    if (r.len == 0)
+      ptrs_[static_cast<std::size_t>(j)] = nullptr;
+    else if (j == rank_)
+      ptrs_[static_cast<std::size_t>(j)] = SelfTransport::locate(offer, r);
+    else
+      ptrs_[static_cast<std::size_t>(j)] = slot(j, parity) + r.off;
+  }
+  return ptrs_;
+}
+
+DDP_INLINE std::byte* ShmTransport::stage(std::size_t bytes) {
+  if (bytes > layout_.slot_bytes) return nullptr;
+  return slot(rank_, static_cast<unsigned>((tick_ + 1) & 1u));
+}
+
+DDP_INLINE std::uint64_t ShmTransport::probe_address() const noexcept {
+  return reinterpret_cast<std::uintptr_t>(&probe_);
+}
+
+DDP_INLINE bool ShmTransport::probe_single_copy(int j, std::uint64_t addr) const {
+  std::uint64_t word = 0;
+  iovec local{&word, sizeof word};
+  iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(addr)), sizeof word};
+  return ::process_vm_readv(pids_[static_cast<std::size_t>(j)], &local, 1, &remote, 1, 0) ==
+             static_cast<ssize_t>(sizeof word) &&
+         word == probe_value;
+}
+
+DDP_INLINE void ShmTransport::copy_from(int j, std::uint64_t addr, std::byte* dst, std::size_t len,
+                                        const Fingerprint* fp) {
+  if (len == 0) return;
+  iovec local{dst, len};
+  iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(addr)), len};
+  const ssize_t got =
+      ::process_vm_readv(pids_[static_cast<std::size_t>(j)], &local, 1, &remote, 1, 0);
+  if (got == static_cast<ssize_t>(len)) return;
+  const int err = got < 0 ? errno : 0;
+  check_abort(fp);  // the peer left with an error (its buffer may be gone): report that
+  const char* why = err == ESRCH    ? "its process is gone"
+                    : err == EFAULT ? "its buffer is gone: it left the collective"
+                    : err == EPERM  ? "the kernel no longer lets this process read it"
+                                    : "it died or left the collective";
+  const std::string msg = concat(
+      "rank ", global(rank_), ": ", describe(fp, nullptr), ": copying ", len, " bytes out of rank ",
+      global(j), "'s memory failed (", err != 0 ? std::strerror(err) : "short copy", "): ", why,
+      "; the job cannot continue with this communicator (the ranks still alive can go on "
+      "with shrink())");
+  const Errc code = err == EPERM ? Errc::system : Errc::peer_lost;
+  publish_abort(code, concat("copying out of rank ", global(j), "'s memory failed: ", why));
+  fail(code, msg);
+}
+
+DDP_INLINE void ShmTransport::send(const Buf& buf, int peer, int tag, std::uint64_t seq) {
+  check_abort(nullptr);
+  const P2PHeader h{seq, buf.count, tag, P2PHeader::p2p, buf.dtype, {}};
+  channel_write(peer, &h, sizeof h, "send", buf, tag);
+  channel_write(peer, buf.data, buf.bytes(), "send", buf, tag);
+}
+
+DDP_INLINE void ShmTransport::recv(const Buf& buf, int peer, int tag, std::uint64_t seq) {
+  check_abort(nullptr);
+  P2PHeader h{};
+  channel_read(peer, &h, sizeof h, "recv", buf, tag);
+  if (const std::string msg = p2p_mismatch(buf, peer, tag, seq, h); !msg.empty()) {
+    publish_abort(Errc::mismatch, msg);
+    fail(Errc::mismatch, msg);
+  }
+  channel_read(peer, buf.data, buf.bytes(), "recv", buf, tag);
+}
+
+DDP_INLINE void ShmTransport::abort(Errc code, const std::string& why) {
+  set_local_abort(code);
+  publish_abort(code, why);
+}
+
+DDP_INLINE ShmCtl* ShmTransport::ctl(int r) const {
+  return reinterpret_cast<ShmCtl*>(segment_->base() + layout_.ctl_offset() +
+                                   static_cast<std::size_t>(r) * ShmLayout::ctl_bytes);
+}
+
+DDP_INLINE ShmChannelCtl* ShmTransport::channel(int src, int dst) const {
+  return reinterpret_cast<ShmChannelCtl*>(segment_->base() + layout_.channel_offset(src, dst));
+}
+
+DDP_INLINE std::byte* ShmTransport::channel_data(int src, int dst) const {
+  return segment_->base() + layout_.channel_offset(src, dst) + ShmLayout::channel_ctl_bytes;
+}
+
+DDP_INLINE std::uint16_t ShmTransport::round_of(std::uint64_t word) noexcept {
+  return static_cast<std::uint16_t>(word);
+}
+
+DDP_INLINE bool ShmTransport::reached(std::uint64_t word, std::uint64_t t) noexcept {
+  return static_cast<std::int16_t>(
+             static_cast<std::uint16_t>(round_of(word) - static_cast<std::uint16_t>(t))) >= 0;
+}
+
+DDP_INLINE Fingerprint ShmTransport::no_fingerprint() noexcept {
+  Fingerprint f;
+  f.coll = static_cast<Coll>(0);
+  return f;
+}
+
+DDP_INLINE bool ShmTransport::reached(int j, std::uint64_t t) const {
+  return reached(ctl(j)->word.load(std::memory_order_acquire), t);
+}
+
+DDP_INLINE bool ShmTransport::all_reached(std::uint64_t t) {
+  for (int j = 0; j < size_; ++j) {
+    const std::uint64_t w = ctl(j)->word.load(std::memory_order_acquire);
+    if (!reached(w, t)) return false;
+    seen_[static_cast<std::size_t>(j)] = w;
+  }
+  return true;
+}
+
+DDP_INLINE std::vector<int> ShmTransport::behind(std::uint64_t t) const {
+  std::vector<int> who;
+  for (int j = 0; j < size_; ++j) {
+    if (!reached(j, t)) who.push_back(j);
+  }
+  return who;
+}
+
+DDP_INLINE std::string ShmTransport::ranks_text(const std::vector<int>& ranks) const {
+  std::string who;
+  for (int j : ranks) who += concat(who.empty() ? "" : ", ", global(j));
+  return concat(ranks.size() == 1 ? "rank " : "ranks ", who);
+}
+
+DDP_INLINE bool ShmTransport::has_left(int j) const {
+  return ctl(j)->left.load(std::memory_order_acquire) != 0;
+}
+
+DDP_INLINE void ShmTransport::departed(int j, const Fingerprint* fp, const char* what) {
+  try {
+    fail_if_left({j}, std::chrono::milliseconds(300), fp, what);
+  } catch (const Error& e) {
+    publish_abort(e.code(), e.what());
+    throw;
+  }
+  const std::string msg =
+      concat("rank ", global(rank_), ": ", describe(fp, what), ": rank ", global(j),
+             " left this communicator (destroyed it) while this rank waited for it; the ranks "
+             "ran different numbers of collectives (for uneven inputs see ddp::Join)");
+  publish_abort(Errc::peer_lost, msg);
+  fail(Errc::peer_lost, msg);
+}
+
+DDP_INLINE void ShmTransport::publish_abort(Errc code, const std::string& why) {
+  std::uint32_t expected = 0;
+  if (header_->abort_state.compare_exchange_strong(expected, 1)) {
+    header_->abort_rank = global(rank_);
+    header_->abort_code = static_cast<int>(code);
+    const std::size_t n = std::min(why.size(), sizeof header_->abort_message - 1);
+    std::memcpy(header_->abort_message, why.data(), n);
+    header_->abort_message[n] = '\0';
+    header_->abort_state.store(2, std::memory_order_seq_cst);
+  }
+  header_->wake.epoch.fetch_add(1);
+  futex_wake_all(&header_->wake.epoch);
+}
+
+DDP_INLINE void ShmTransport::check_abort(const Fingerprint* fp) const {
+  check_local_abort(fp);
+  if (header_->abort_state.load(std::memory_order_acquire) == 2) {
+    fail_reported(static_cast<Errc>(header_->abort_code), fp, nullptr, header_->abort_rank,
+                  header_->abort_message);
+  }
+}
+
+DDP_INLINE void ShmTransport::channel_write(int peer, const void* data, std::size_t n,
+                                            const char* what, const Buf& buf, int tag) {
+  ShmChannelCtl* ch = channel(rank_, peer);
+  std::byte* ring = channel_data(rank_, peer);
+  const std::size_t cap = layout_.channel_bytes;
+  const auto* p = static_cast<const std::byte*>(data);
+  std::uint64_t head = ch->head.load(std::memory_order_relaxed);
+  const auto awaited = [peer] { return std::vector<int>{peer}; };
+  const std::string op = concat(what, "(to rank ", peer, ", tag ", tag, ", ", to_string(buf.dtype),
+                                ", count=", buf.count, ")");
+  while (n > 0) {
+    wait([&] { return head - ch->tail.load(std::memory_order_acquire) < cap; }, nullptr, awaited,
+         " to receive", op.c_str());
+    const std::uint64_t free_bytes = cap - (head - ch->tail.load(std::memory_order_acquire));
+    const std::size_t at = static_cast<std::size_t>(head % cap);
+    const std::size_t k =
+        std::min<std::size_t>({n, static_cast<std::size_t>(free_bytes), cap - at});
+    std::memcpy(ring + at, p, k);
+    p += k;
+    n -= k;
+    head += k;
+    ch->head.store(head, std::memory_order_seq_cst);
+    header_->wake.notify();
+  }
+}
+
+DDP_INLINE void ShmTransport::channel_read(int peer, void* data, std::size_t n, const char* what,
+                                           const Buf& buf, int tag) {
+  ShmChannelCtl* ch = channel(peer, rank_);
+  const std::byte* ring = channel_data(peer, rank_);
+  const std::size_t cap = layout_.channel_bytes;
+  auto* p = static_cast<std::byte*>(data);
+  std::uint64_t tail = ch->tail.load(std::memory_order_relaxed);
+  const auto awaited = [peer] { return std::vector<int>{peer}; };
+  const std::string op = concat(what, "(from rank ", peer, ", tag ", tag, ", ",
+                                to_string(buf.dtype), ", count=", buf.count, ")");
+  while (n > 0) {
+    wait([&] { return ch->head.load(std::memory_order_acquire) > tail; }, nullptr, awaited,
+         " to send", op.c_str());
+    const std::uint64_t avail = ch->head.load(std::memory_order_acquire) - tail;
+    const std::size_t at = static_cast<std::size_t>(tail % cap);
+    const std::size_t k = std::min<std::size_t>({n, static_cast<std::size_t>(avail), cap - at});
+    std::memcpy(p, ring + at, k);
+    p += k;
+    n -= k;
+    tail += k;
+    ch->tail.store(tail, std::memory_order_seq_cst);
+    header_->wake.notify();
+  }
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -14461,167 +15698,25 @@ class TcpTransport final : public Transport {
 
   /// `local_ranks`: how many ranks run on this machine (more than its cores: busy waits yield).
   TcpTransport(int rank, int size, std::chrono::milliseconds timeout, std::vector<Fd> peers,
-               std::size_t segment_bytes, int local_ranks)
-      : Transport(rank, size, timeout),
-        oversubscribed_(local_ranks > usable_cpus()),
-        segment_(segment_bytes),
-        peers_(std::move(peers)),
-        ptrs_(static_cast<std::size_t>(size)),
-        xfers_(static_cast<std::size_t>(size)),
-        headers_in_(static_cast<std::size_t>(size)) {
-    for (auto& fd : peers_) {
-      if (fd) set_nonblocking(fd.get(), true);
-    }
-  }
+               std::size_t segment_bytes, int local_ranks);
 
   /// Builds the mesh: connect to ranks below, accept ranks above (see the file comment).
   [[nodiscard]] static std::vector<Fd> connect_mesh(
       int rank, int size, Fd& listener, const std::vector<std::pair<std::string, int>>& addrs,
-      const SessionKey& key, Deadline deadline, const std::function<void()>& check_stop = {}) {
-    std::vector<Fd> peers(static_cast<std::size_t>(size));
-    for (int j = 0; j < rank; ++j) {
-      const auto& [host, port] = addrs[static_cast<std::size_t>(j)];
-      Fd fd = connect_tcp(host, port, deadline, concat("rank ", j), check_stop);
-      std::string hello;
-      ByteWriter w(hello);
-      w.put(hello_magic);
-      w.raw(key.data(), key.size());
-      w.put(static_cast<std::uint32_t>(rank));
-      if (send_all(fd.get(), hello.data(), hello.size(), deadline) != IoResult::ok) {
-        fail(Errc::peer_lost, "rank ", rank, ": could not introduce itself to rank ", j, " at ",
-             host_port(host, port));
-      }
-      peers[static_cast<std::size_t>(j)] = std::move(fd);
-    }
-    int missing = size - 1 - rank;
-    set_nonblocking(listener.get(), true);
-    while (missing > 0) {
-      if (check_stop) check_stop();  // throws when another rank failed meanwhile
-      pollfd p{listener.get(), POLLIN, 0};
-      const int rc = ::poll(&p, 1, deadline.poll_ms(200));
-      if (rc == 0 && deadline.expired()) {
-        std::string who;
-        int count = 0;
-        for (int j = rank + 1; j < size; ++j) {
-          if (!peers[static_cast<std::size_t>(j)]) {
-            who += concat(who.empty() ? "" : ", ", j);
-            ++count;
-          }
-        }
-        fail(Errc::timeout, "rank ", rank, ": timed out waiting for ",
-             count == 1 ? "rank " : "ranks ", who,
-             " to connect (tcp transport): a rank that is stopped, overloaded or cannot reach "
-             "this host (a firewall, a wrong interface) does this; every rank must reach every "
-             "other on the ports the rendezvous published");
-      }
-      Fd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
-      if (!fd) {
-        // Out of descriptors the listener stays readable: retrying would spin until the timeout.
-        fail_if_out_of_fds(errno, concat("rank ", rank,
-                                         ": cannot accept rank(s) above it (tcp "
-                                         "transport)"));
-        continue;
-      }
-      set_nodelay(fd.get());
-      std::array<std::byte, 4 + 16 + 4> hello{};
-      // A stray connection gets a short window; it must not stall the mesh.
-      const auto short_deadline =
-          Deadline{std::min(deadline.at, Clock::now() + std::chrono::seconds(2))};
-      if (recv_all(fd.get(), hello.data(), hello.size(), short_deadline) != IoResult::ok) continue;
-      ByteReader r(hello.data(), hello.size(), "peer hello");
-      if (r.get<std::uint32_t>() != hello_magic) continue;
-      SessionKey got{};
-      r.raw(got.data(), got.size());
-      const auto peer = static_cast<int>(r.get<std::uint32_t>());
-      if (!constant_time_equal(got, key) || peer <= rank || peer >= size ||
-          peers[static_cast<std::size_t>(peer)]) {
-        continue;  // not ours: drop it
-      }
-      peers[static_cast<std::size_t>(peer)] = std::move(fd);
-      --missing;
-    }
-    return peers;
-  }
+      const SessionKey& key, Deadline deadline, const std::function<void()>& check_stop = {});
 
   [[nodiscard]] std::string_view name() const noexcept override { return "tcp"; }
   [[nodiscard]] std::size_t max_offer() const noexcept override { return segment_; }
-  [[nodiscard]] std::size_t small_bytes() const noexcept override {
-    // Measured (bench/README.md): above these, the two-round path (each rank reduces 1/P of the
-    // buffer) beats gathering whole buffers (each reduces all of it) despite its second round.
-    return std::min(segment_, size_ == 2 ? (std::size_t{128} << 10) : (std::size_t{64} << 10));
-  }
+  [[nodiscard]] std::size_t small_bytes() const noexcept override;
 
   std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
-                                          const Fingerprint* fp) override {
-    check_abort(fp);
-    std::size_t scratch_needed = 0;
-    for (int j = 0; j < size_; ++j) {
-      if (j != rank_) scratch_needed += want(j, rank_).len;
-    }
-    if (scratch_.size() < scratch_needed)
-      scratch_.resize(scratch_needed);  // zero-filled: pre-faulted
-    std::size_t scratch_at = 0;
-    for (int j = 0; j < size_; ++j) {
-      auto& x = xfers_[static_cast<std::size_t>(j)];
-      x.clear();
-      if (j == rank_) continue;
-      if (fp != nullptr && verify_fingerprints) {
-        x.out.push_back(
-            {reinterpret_cast<std::byte*>(const_cast<Fingerprint*>(fp)), sizeof(Fingerprint)});
-        x.in.push_back({reinterpret_cast<std::byte*>(&headers_in_[static_cast<std::size_t>(j)]),
-                        sizeof(Fingerprint)});
-        x.header_in = true;
-      }
-      const Range out = want(rank_, j);
-      std::size_t base = 0;
-      for (const Piece& p : offer) {
-        const std::size_t lo = std::max(out.off, base),
-                          hi = std::min(out.off + out.len, base + p.len);
-        if (lo < hi) x.out.push_back({const_cast<std::byte*>(p.data) + (lo - base), hi - lo});
-        base += p.len;
-      }
-      const Range in = want(j, rank_);
-      if (in.len != 0) x.in.push_back({scratch_.data() + scratch_at, in.len});
-      ptrs_[static_cast<std::size_t>(j)] = in.len != 0 ? scratch_.data() + scratch_at : nullptr;
-      scratch_at += in.len;
-    }
-    progress(fp, nullptr);
-    ptrs_[static_cast<std::size_t>(rank_)] = SelfTransport::locate(offer, want(rank_, rank_));
-    return ptrs_;
-  }
+                                          const Fingerprint* fp) override;
 
-  void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
-    check_abort(nullptr);
-    p2p_header_ = {seq, buf.count, tag, P2PHeader::p2p, buf.dtype, {}};
-    for (auto& x : xfers_) x.clear();
-    auto& x = xfers_[static_cast<std::size_t>(peer)];
-    x.out.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});
-    if (buf.bytes() != 0) x.out.push_back({buf.data, buf.bytes()});
-    const std::string what = concat("send(to rank ", peer, ", tag ", tag, ", ",
-                                    to_string(buf.dtype), ", count=", buf.count, ")");
-    progress(nullptr, what.c_str());
-  }
+  void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override;
 
-  void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override {
-    check_abort(nullptr);
-    for (auto& x : xfers_) x.clear();
-    auto& x = xfers_[static_cast<std::size_t>(peer)];
-    x.in.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});
-    const std::string what = recv_description(buf, peer, tag);
-    progress(nullptr, what.c_str());
-    if (const std::string msg = p2p_mismatch(buf, peer, tag, seq, p2p_header_); !msg.empty()) {
-      poison();
-      fail(Errc::mismatch, msg);
-    }
-    x.clear();
-    if (buf.bytes() != 0) x.in.push_back({buf.data, buf.bytes()});
-    progress(nullptr, what.c_str());
-  }
+  void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override;
 
-  void abort(Errc code, const std::string&) override {
-    set_local_abort(code);
-    poison();
-  }
+  void abort(Errc code, const std::string&) override;
 
  private:
   struct Seg {
@@ -14629,35 +15724,17 @@ class TcpTransport final : public Transport {
     std::size_t n;
   };
   /// Points iov_ at the unfinished segments from (i, off) on; returns how many it filled.
-  std::size_t gather(const std::vector<Seg>& segs, std::size_t i, std::size_t off) {
-    std::size_t k = 0;
-    for (; i < segs.size() && k < iov_.size(); ++i, off = 0) {
-      if (segs[i].n > off) iov_[k++] = {segs[i].p + off, segs[i].n - off};
-    }
-    return k;
-  }
+  std::size_t gather(const std::vector<Seg>& segs, std::size_t i, std::size_t off);
 
   /// Moves (i, off) forward by n bytes over segs, past any empty segments.
   static void advance(const std::vector<Seg>& segs, std::size_t& i, std::size_t& off,
-                      std::size_t n) {
-    while (i < segs.size() && segs[i].n - off <= n) {
-      n -= segs[i].n - off;
-      ++i;
-      off = 0;
-    }
-    off += n;
-  }
+                      std::size_t n);
 
   struct Xfer {
     std::vector<Seg> out, in;
     std::size_t out_i = 0, out_off = 0, in_i = 0, in_off = 0;
     bool header_in = false;
-    void clear() {
-      out.clear();
-      in.clear();
-      out_i = out_off = in_i = in_off = 0;
-      header_in = false;
-    }
+    void clear();
     [[nodiscard]] bool out_done() const { return out_i == out.size(); }
     [[nodiscard]] bool in_done() const { return in_i == in.size(); }
   };
@@ -14677,205 +15754,32 @@ class TcpTransport final : public Transport {
   /// dead peer itself (full mesh), and closing them would make the survivors blame this rank.
   /// A survivor that failed first may have exited already, so every connection found closed is
   /// named: the rank that died is among them.
-  [[noreturn]] void lost(int peer, const Fingerprint* fp, const char* what) {
-    check_abort(fp);  // our own abort() shut the sockets down: report that, not a lost peer
-    if (fp != nullptr && verify_fingerprints)
-      collect_headers(*fp, Deadline::after(std::chrono::milliseconds(500)));
-    std::vector<int> closed{peer};
-    for (int j = 0; j < size_; ++j) {
-      if (j == rank_ || j == peer) continue;
-      pollfd p{peers_[static_cast<std::size_t>(j)].get(), POLLRDHUP, 0};
-      if (::poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0)
-        closed.push_back(j);
-    }
-    // A rank that failed and left may have said why (a rank that died says nothing).
-    fail_if_left(closed, std::chrono::milliseconds(300), fp, what);
-    if (closed.size() == 1) {
-      fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what),
-           ": the connection to rank ", global(peer),
-           " closed (that process died or failed) (tcp transport); the job cannot continue with "
-           "this communicator (the ranks still alive can go on with shrink())");
-    }
-    std::sort(closed.begin(), closed.end());
-    std::string list;
-    for (int j : closed) list += concat(list.empty() ? "" : ", ", "rank ", global(j));
-    fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what), ": the connections to ",
-         list,
-         " closed (one of those processes died, and the others left because of it) (tcp "
-         "transport); the job cannot continue with this communicator (the ranks still alive can go "
-         "on with shrink())");
-  }
+  [[noreturn]] void lost(int peer, const Fingerprint* fp, const char* what);
 
   /// Moves what the socket takes (out) or has (in) of peer j's outstanding bytes, without
   /// waiting; the header and payload go in one system call.
-  void pump(int j, bool out, const Fingerprint* fp, const char* what) {
-    auto& x = xfers_[static_cast<std::size_t>(j)];
-    std::vector<Seg>& segs = out ? x.out : x.in;
-    std::size_t& i = out ? x.out_i : x.in_i;
-    std::size_t& off = out ? x.out_off : x.in_off;
-    const int fd = peers_[static_cast<std::size_t>(j)].get();
-    while (i < segs.size()) {
-      msghdr msg{};
-      msg.msg_iov = iov_.data();
-      msg.msg_iovlen = gather(segs, i, off);
-      if (msg.msg_iovlen == 0) {  // only empty segments are left
-        i = segs.size();
-        break;
-      }
-      // A receive never takes more than this round's bytes: the next round's stay in the socket.
-      const ssize_t n = out ? ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT)
-                            : ::recvmsg(fd, &msg, MSG_DONTWAIT);
-      if (n > 0) {
-        const bool header_pending = !out && x.header_in && i == 0;
-        advance(segs, i, off, static_cast<std::size_t>(n));
-        if (header_pending && i > 0) check_header(j, *fp);
-      } else if (n < 0 && errno == EINTR) {
-        continue;
-      } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        break;
-      } else {
-        lost(j, fp, what);
-      }
-    }
-  }
+  void pump(int j, bool out, const Fingerprint* fp, const char* what);
 
   /// One non-blocking pass over every unfinished transfer; true when all are done.
-  bool pump_all(const Fingerprint* fp, const char* what) {
-    bool done = true;
-    for (int j = 0; j < size_; ++j) {
-      auto& x = xfers_[static_cast<std::size_t>(j)];
-      if (!x.out_done()) pump(j, true, fp, what);
-      if (!x.in_done()) pump(j, false, fp, what);
-      done = done && x.out_done() && x.in_done();
-    }
-    return done;
-  }
+  bool pump_all(const Fingerprint* fp, const char* what);
 
   /// Moves this round's bytes. Sockets are tried at once (they usually take the data without a
   /// wait), then polled without sleeping for a few tens of microseconds (a peer on another core
   /// answers within that: sleeping in poll() and being woken costs more than the whole round),
   /// then waited for with poll() until done, the timeout, or a failure. With more ranks on this
   /// host than cores the awaited rank may need this very core, so the busy phase yields it.
-  void progress(const Fingerprint* fp, const char* what) {
-    if (pump_all(fp, what)) return;
-    const auto busy_until = Clock::now() + (oversubscribed_ ? std::chrono::microseconds(200)
-                                                            : std::chrono::microseconds(50));
-    do {
-      if (oversubscribed_) {
-        ::sched_yield();
-      } else {
-        for (int i = 0; i < 16; ++i) cpu_relax();
-      }
-      check_abort(fp);
-      if (pump_all(fp, what)) return;
-    } while (Clock::now() < busy_until);
-    const auto deadline = Deadline::after(timeout_ + slack);
-    std::vector<pollfd> fds;
-    std::vector<int> who;
-    for (;;) {
-      fds.clear();
-      who.clear();
-      for (int j = 0; j < size_; ++j) {
-        const auto& x = xfers_[static_cast<std::size_t>(j)];
-        short ev = 0;
-        if (!x.out_done()) ev = static_cast<short>(ev | POLLOUT);
-        if (!x.in_done()) ev = static_cast<short>(ev | POLLIN);
-        if (ev != 0) {
-          fds.push_back({peers_[static_cast<std::size_t>(j)].get(), ev, 0});
-          who.push_back(j);
-        }
-      }
-      if (fds.empty()) return;
-      check_abort(fp);
-      const int rc = ::poll(fds.data(), fds.size(), deadline.poll_ms(50));
-      if (rc < 0 && errno != EINTR) fail_errno(errno, "poll");
-      if (rc <= 0) {
-        if (deadline.expired()) {
-          // One of them may have failed at its own timeout, or for another reason, just now.
-          fail_if_left(who, std::chrono::milliseconds(100), fp, what);
-          std::string list;
-          for (int j : who) list += concat(list.empty() ? "" : ", ", global(j));
-          // No poison(): the other ranks time out on their own, with their own message.
-          fail(Errc::timeout, "rank ", global(rank_), ": ", describe(fp, what),
-               ": timed out after ", (timeout_ + slack).count(), " ms waiting for ",
-               who.size() == 1 ? "rank " : "ranks ", list,
-               " (tcp transport); that rank is stopped, slow, or did not call this collective");
-        }
-        continue;
-      }
-      for (std::size_t i = 0; i < fds.size(); ++i) {
-        const int j = who[i];
-        const auto& x = xfers_[static_cast<std::size_t>(j)];
-        const short re = fds[i].revents;
-        if ((re & POLLOUT) != 0 || ((re & (POLLERR | POLLHUP)) != 0 && !x.out_done()))
-          pump(j, true, fp, what);
-        if ((re & (POLLIN | POLLERR | POLLHUP)) != 0) pump(j, false, fp, what);
-      }
-    }
-  }
+  void progress(const Fingerprint* fp, const char* what);
 
   /// Reads the outstanding fingerprints of this round (only those) until all are in or the
   /// deadline passes; throws Errc::mismatch if one differs from ours.
-  void collect_headers(const Fingerprint& mine, Deadline deadline) {
-    for (;;) {
-      std::vector<pollfd> fds;
-      std::vector<int> who;
-      for (int j = 0; j < size_; ++j) {
-        const auto& x = xfers_[static_cast<std::size_t>(j)];
-        if (j != rank_ && x.header_in && x.in_i == 0) {
-          fds.push_back({peers_[static_cast<std::size_t>(j)].get(), POLLIN, 0});
-          who.push_back(j);
-        }
-      }
-      if (fds.empty()) return;
-      const int rc = ::poll(fds.data(), fds.size(), deadline.poll_ms(50));
-      if (rc <= 0) {
-        if (deadline.expired() || (rc < 0 && errno != EINTR)) return;
-        continue;
-      }
-      for (std::size_t i = 0; i < fds.size(); ++i) {
-        if (fds[i].revents == 0) continue;
-        auto& x = xfers_[static_cast<std::size_t>(who[i])];
-        Seg& h = x.in[0];
-        const ssize_t n = ::recv(fds[i].fd, h.p + x.in_off, h.n - x.in_off, MSG_DONTWAIT);
-        if (n > 0) {
-          x.in_off += static_cast<std::size_t>(n);
-          if (x.in_off == h.n) {
-            check_header(who[i], mine);
-            ++x.in_i;
-            x.in_off = 0;
-          }
-        } else if (n == 0 || (errno != EAGAIN && errno != EINTR && errno != EWOULDBLOCK)) {
-          x.header_in = false;  // gone without a fingerprint: nothing more to learn there
-        }
-      }
-    }
-  }
+  void collect_headers(const Fingerprint& mine, Deadline deadline);
 
-  void check_header(int peer, const Fingerprint& mine) {
-    const Fingerprint& theirs = headers_in_[static_cast<std::size_t>(peer)];
-    if (!(theirs == mine)) {
-      const std::string msg = mismatch_message(mine, peer, theirs);
-      flush_headers();
-      fail(Errc::mismatch, msg);
-    }
-  }
+  void check_header(int peer, const Fingerprint& mine);
 
   /// Finishes sending this round's fingerprint to every peer (best effort, briefly), so that each
   /// of them sees the mismatch too instead of waiting for a header that never comes. The
   /// connections stay open: closing them would turn the peers' mismatch into peer_lost.
-  void flush_headers() {
-    const auto deadline = Deadline::after(std::chrono::milliseconds(500));
-    for (int j = 0; j < size_; ++j) {
-      auto& x = xfers_[static_cast<std::size_t>(j)];
-      if (j == rank_ || x.out.empty() || x.out_i > 0) continue;  // header already sent (or none)
-      const Seg& h = x.out[0];
-      (void)send_all(peers_[static_cast<std::size_t>(j)].get(), h.p + x.out_off, h.n - x.out_off,
-                     deadline);
-      ++x.out_i;
-      x.out_off = 0;
-    }
-  }
+  void flush_headers();
 
   bool oversubscribed_;
   std::size_t segment_;
@@ -14887,6 +15791,381 @@ class TcpTransport final : public Transport {
   std::vector<std::byte> scratch_;
   P2PHeader p2p_header_{};
 };
+
+#if DDP_BODIES
+DDP_INLINE TcpTransport::TcpTransport(int rank, int size, std::chrono::milliseconds timeout,
+                                      std::vector<Fd> peers, std::size_t segment_bytes,
+                                      int local_ranks)
+    : Transport(rank, size, timeout),
+      oversubscribed_(local_ranks > usable_cpus()),
+      segment_(segment_bytes),
+      peers_(std::move(peers)),
+      ptrs_(static_cast<std::size_t>(size)),
+      xfers_(static_cast<std::size_t>(size)),
+      headers_in_(static_cast<std::size_t>(size)) {
+  for (auto& fd : peers_) {
+    if (fd) set_nonblocking(fd.get(), true);
+  }
+}
+
+DDP_INLINE std::vector<Fd> TcpTransport::connect_mesh(
+    int rank, int size, Fd& listener, const std::vector<std::pair<std::string, int>>& addrs,
+    const SessionKey& key, Deadline deadline, const std::function<void()>& check_stop) {
+  std::vector<Fd> peers(static_cast<std::size_t>(size));
+  for (int j = 0; j < rank; ++j) {
+    const auto& [host, port] = addrs[static_cast<std::size_t>(j)];
+    Fd fd = connect_tcp(host, port, deadline, concat("rank ", j), check_stop);
+    std::string hello;
+    ByteWriter w(hello);
+    w.put(hello_magic);
+    w.raw(key.data(), key.size());
+    w.put(static_cast<std::uint32_t>(rank));
+    if (send_all(fd.get(), hello.data(), hello.size(), deadline) != IoResult::ok) {
+      fail(Errc::peer_lost, "rank ", rank, ": could not introduce itself to rank ", j, " at ",
+           host_port(host, port));
+    }
+    peers[static_cast<std::size_t>(j)] = std::move(fd);
+  }
+  int missing = size - 1 - rank;
+  set_nonblocking(listener.get(), true);
+  while (missing > 0) {
+    if (check_stop) check_stop();  // throws when another rank failed meanwhile
+    pollfd p{listener.get(), POLLIN, 0};
+    const int rc = ::poll(&p, 1, deadline.poll_ms(200));
+    if (rc == 0 && deadline.expired()) {
+      std::string who;
+      int count = 0;
+      for (int j = rank + 1; j < size; ++j) {
+        if (!peers[static_cast<std::size_t>(j)]) {
+          who += concat(who.empty() ? "" : ", ", j);
+          ++count;
+        }
+      }
+      fail(Errc::timeout, "rank ", rank, ": timed out waiting for ",
+           count == 1 ? "rank " : "ranks ", who,
+           " to connect (tcp transport): a rank that is stopped, overloaded or cannot reach "
+           "this host (a firewall, a wrong interface) does this; every rank must reach every "
+           "other on the ports the rendezvous published");
+    }
+    Fd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (!fd) {
+      // Out of descriptors the listener stays readable: retrying would spin until the timeout.
+      fail_if_out_of_fds(errno, concat("rank ", rank,
+                                       ": cannot accept rank(s) above it (tcp "
+                                       "transport)"));
+      continue;
+    }
+    set_nodelay(fd.get());
+    std::array<std::byte, 4 + 16 + 4> hello{};
+    // A stray connection gets a short window; it must not stall the mesh.
+    const auto short_deadline =
+        Deadline{std::min(deadline.at, Clock::now() + std::chrono::seconds(2))};
+    if (recv_all(fd.get(), hello.data(), hello.size(), short_deadline) != IoResult::ok) continue;
+    ByteReader r(hello.data(), hello.size(), "peer hello");
+    if (r.get<std::uint32_t>() != hello_magic) continue;
+    SessionKey got{};
+    r.raw(got.data(), got.size());
+    const auto peer = static_cast<int>(r.get<std::uint32_t>());
+    if (!constant_time_equal(got, key) || peer <= rank || peer >= size ||
+        peers[static_cast<std::size_t>(peer)]) {
+      continue;  // not ours: drop it
+    }
+    peers[static_cast<std::size_t>(peer)] = std::move(fd);
+    --missing;
+  }
+  return peers;
+}
+
+DDP_INLINE std::size_t TcpTransport::small_bytes() const noexcept {
+  // Measured (bench/README.md): above these, the two-round path (each rank reduces 1/P of the
+  // buffer) beats gathering whole buffers (each reduces all of it) despite its second round.
+  return std::min(segment_, size_ == 2 ? (std::size_t{128} << 10) : (std::size_t{64} << 10));
+}
+
+DDP_INLINE std::span<const std::byte* const> TcpTransport::round(std::span<const Piece> offer,
+                                                                 Want want, const Fingerprint* fp) {
+  check_abort(fp);
+  std::size_t scratch_needed = 0;
+  for (int j = 0; j < size_; ++j) {
+    if (j != rank_) scratch_needed += want(j, rank_).len;
+  }
+  if (scratch_.size() < scratch_needed)
+    scratch_.resize(scratch_needed);  // zero-filled: pre-faulted
+  std::size_t scratch_at = 0;
+  for (int j = 0; j < size_; ++j) {
+    auto& x = xfers_[static_cast<std::size_t>(j)];
+    x.clear();
+    if (j == rank_) continue;
+    if (fp != nullptr && verify_fingerprints) {
+      x.out.push_back(
+          {reinterpret_cast<std::byte*>(const_cast<Fingerprint*>(fp)), sizeof(Fingerprint)});
+      x.in.push_back({reinterpret_cast<std::byte*>(&headers_in_[static_cast<std::size_t>(j)]),
+                      sizeof(Fingerprint)});
+      x.header_in = true;
+    }
+    const Range out = want(rank_, j);
+    std::size_t base = 0;
+    for (const Piece& p : offer) {
+      const std::size_t lo = std::max(out.off, base),
+                        hi = std::min(out.off + out.len, base + p.len);
+      if (lo < hi) x.out.push_back({const_cast<std::byte*>(p.data) + (lo - base), hi - lo});
+      base += p.len;
+    }
+    const Range in = want(j, rank_);
+    if (in.len != 0) x.in.push_back({scratch_.data() + scratch_at, in.len});
+    ptrs_[static_cast<std::size_t>(j)] = in.len != 0 ? scratch_.data() + scratch_at : nullptr;
+    scratch_at += in.len;
+  }
+  progress(fp, nullptr);
+  ptrs_[static_cast<std::size_t>(rank_)] = SelfTransport::locate(offer, want(rank_, rank_));
+  return ptrs_;
+}
+
+DDP_INLINE void TcpTransport::send(const Buf& buf, int peer, int tag, std::uint64_t seq) {
+  check_abort(nullptr);
+  p2p_header_ = {seq, buf.count, tag, P2PHeader::p2p, buf.dtype, {}};
+  for (auto& x : xfers_) x.clear();
+  auto& x = xfers_[static_cast<std::size_t>(peer)];
+  x.out.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});
+  if (buf.bytes() != 0) x.out.push_back({buf.data, buf.bytes()});
+  const std::string what = concat("send(to rank ", peer, ", tag ", tag, ", ", to_string(buf.dtype),
+                                  ", count=", buf.count, ")");
+  progress(nullptr, what.c_str());
+}
+
+DDP_INLINE void TcpTransport::recv(const Buf& buf, int peer, int tag, std::uint64_t seq) {
+  check_abort(nullptr);
+  for (auto& x : xfers_) x.clear();
+  auto& x = xfers_[static_cast<std::size_t>(peer)];
+  x.in.push_back({reinterpret_cast<std::byte*>(&p2p_header_), sizeof p2p_header_});
+  const std::string what = recv_description(buf, peer, tag);
+  progress(nullptr, what.c_str());
+  if (const std::string msg = p2p_mismatch(buf, peer, tag, seq, p2p_header_); !msg.empty()) {
+    poison();
+    fail(Errc::mismatch, msg);
+  }
+  x.clear();
+  if (buf.bytes() != 0) x.in.push_back({buf.data, buf.bytes()});
+  progress(nullptr, what.c_str());
+}
+
+DDP_INLINE void TcpTransport::abort(Errc code, const std::string&) {
+  set_local_abort(code);
+  poison();
+}
+
+DDP_INLINE std::size_t TcpTransport::gather(const std::vector<Seg>& segs, std::size_t i,
+                                            std::size_t off) {
+  std::size_t k = 0;
+  for (; i < segs.size() && k < iov_.size(); ++i, off = 0) {
+    if (segs[i].n > off) iov_[k++] = {segs[i].p + off, segs[i].n - off};
+  }
+  return k;
+}
+
+DDP_INLINE void TcpTransport::advance(const std::vector<Seg>& segs, std::size_t& i,
+                                      std::size_t& off, std::size_t n) {
+  while (i < segs.size() && segs[i].n - off <= n) {
+    n -= segs[i].n - off;
+    ++i;
+    off = 0;
+  }
+  off += n;
+}
+
+DDP_INLINE void TcpTransport::Xfer::clear() {
+  out.clear();
+  in.clear();
+  out_i = out_off = in_i = in_off = 0;
+  header_in = false;
+}
+
+DDP_INLINE void TcpTransport::lost(int peer, const Fingerprint* fp, const char* what) {
+  check_abort(fp);  // our own abort() shut the sockets down: report that, not a lost peer
+  if (fp != nullptr && verify_fingerprints)
+    collect_headers(*fp, Deadline::after(std::chrono::milliseconds(500)));
+  std::vector<int> closed{peer};
+  for (int j = 0; j < size_; ++j) {
+    if (j == rank_ || j == peer) continue;
+    pollfd p{peers_[static_cast<std::size_t>(j)].get(), POLLRDHUP, 0};
+    if (::poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0)
+      closed.push_back(j);
+  }
+  // A rank that failed and left may have said why (a rank that died says nothing).
+  fail_if_left(closed, std::chrono::milliseconds(300), fp, what);
+  if (closed.size() == 1) {
+    fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what),
+         ": the connection to rank ", global(peer),
+         " closed (that process died or failed) (tcp transport); the job cannot continue with "
+         "this communicator (the ranks still alive can go on with shrink())");
+  }
+  std::sort(closed.begin(), closed.end());
+  std::string list;
+  for (int j : closed) list += concat(list.empty() ? "" : ", ", "rank ", global(j));
+  fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what), ": the connections to ",
+       list,
+       " closed (one of those processes died, and the others left because of it) (tcp "
+       "transport); the job cannot continue with this communicator (the ranks still alive can go "
+       "on with shrink())");
+}
+
+DDP_INLINE void TcpTransport::pump(int j, bool out, const Fingerprint* fp, const char* what) {
+  auto& x = xfers_[static_cast<std::size_t>(j)];
+  std::vector<Seg>& segs = out ? x.out : x.in;
+  std::size_t& i = out ? x.out_i : x.in_i;
+  std::size_t& off = out ? x.out_off : x.in_off;
+  const int fd = peers_[static_cast<std::size_t>(j)].get();
+  while (i < segs.size()) {
+    msghdr msg{};
+    msg.msg_iov = iov_.data();
+    msg.msg_iovlen = gather(segs, i, off);
+    if (msg.msg_iovlen == 0) {  // only empty segments are left
+      i = segs.size();
+      break;
+    }
+    // A receive never takes more than this round's bytes: the next round's stay in the socket.
+    const ssize_t n =
+        out ? ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT) : ::recvmsg(fd, &msg, MSG_DONTWAIT);
+    if (n > 0) {
+      const bool header_pending = !out && x.header_in && i == 0;
+      advance(segs, i, off, static_cast<std::size_t>(n));
+      if (header_pending && i > 0) check_header(j, *fp);
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      break;
+    } else {
+      lost(j, fp, what);
+    }
+  }
+}
+
+DDP_INLINE bool TcpTransport::pump_all(const Fingerprint* fp, const char* what) {
+  bool done = true;
+  for (int j = 0; j < size_; ++j) {
+    auto& x = xfers_[static_cast<std::size_t>(j)];
+    if (!x.out_done()) pump(j, true, fp, what);
+    if (!x.in_done()) pump(j, false, fp, what);
+    done = done && x.out_done() && x.in_done();
+  }
+  return done;
+}
+
+DDP_INLINE void TcpTransport::progress(const Fingerprint* fp, const char* what) {
+  if (pump_all(fp, what)) return;
+  const auto busy_until = Clock::now() + (oversubscribed_ ? std::chrono::microseconds(200)
+                                                          : std::chrono::microseconds(50));
+  do {
+    if (oversubscribed_) {
+      ::sched_yield();
+    } else {
+      for (int i = 0; i < 16; ++i) cpu_relax();
+    }
+    check_abort(fp);
+    if (pump_all(fp, what)) return;
+  } while (Clock::now() < busy_until);
+  const auto deadline = Deadline::after(timeout_ + slack);
+  std::vector<pollfd> fds;
+  std::vector<int> who;
+  for (;;) {
+    fds.clear();
+    who.clear();
+    for (int j = 0; j < size_; ++j) {
+      const auto& x = xfers_[static_cast<std::size_t>(j)];
+      short ev = 0;
+      if (!x.out_done()) ev = static_cast<short>(ev | POLLOUT);
+      if (!x.in_done()) ev = static_cast<short>(ev | POLLIN);
+      if (ev != 0) {
+        fds.push_back({peers_[static_cast<std::size_t>(j)].get(), ev, 0});
+        who.push_back(j);
+      }
+    }
+    if (fds.empty()) return;
+    check_abort(fp);
+    const int rc = ::poll(fds.data(), fds.size(), deadline.poll_ms(50));
+    if (rc < 0 && errno != EINTR) fail_errno(errno, "poll");
+    if (rc <= 0) {
+      if (deadline.expired()) {
+        // One of them may have failed at its own timeout, or for another reason, just now.
+        fail_if_left(who, std::chrono::milliseconds(100), fp, what);
+        std::string list;
+        for (int j : who) list += concat(list.empty() ? "" : ", ", global(j));
+        // No poison(): the other ranks time out on their own, with their own message.
+        fail(Errc::timeout, "rank ", global(rank_), ": ", describe(fp, what), ": timed out after ",
+             (timeout_ + slack).count(), " ms waiting for ", who.size() == 1 ? "rank " : "ranks ",
+             list, " (tcp transport); that rank is stopped, slow, or did not call this collective");
+      }
+      continue;
+    }
+    for (std::size_t i = 0; i < fds.size(); ++i) {
+      const int j = who[i];
+      const auto& x = xfers_[static_cast<std::size_t>(j)];
+      const short re = fds[i].revents;
+      if ((re & POLLOUT) != 0 || ((re & (POLLERR | POLLHUP)) != 0 && !x.out_done()))
+        pump(j, true, fp, what);
+      if ((re & (POLLIN | POLLERR | POLLHUP)) != 0) pump(j, false, fp, what);
+    }
+  }
+}
+
+DDP_INLINE void TcpTransport::collect_headers(const Fingerprint& mine, Deadline deadline) {
+  for (;;) {
+    std::vector<pollfd> fds;
+    std::vector<int> who;
+    for (int j = 0; j < size_; ++j) {
+      const auto& x = xfers_[static_cast<std::size_t>(j)];
+      if (j != rank_ && x.header_in && x.in_i == 0) {
+        fds.push_back({peers_[static_cast<std::size_t>(j)].get(), POLLIN, 0});
+        who.push_back(j);
+      }
+    }
+    if (fds.empty()) return;
+    const int rc = ::poll(fds.data(), fds.size(), deadline.poll_ms(50));
+    if (rc <= 0) {
+      if (deadline.expired() || (rc < 0 && errno != EINTR)) return;
+      continue;
+    }
+    for (std::size_t i = 0; i < fds.size(); ++i) {
+      if (fds[i].revents == 0) continue;
+      auto& x = xfers_[static_cast<std::size_t>(who[i])];
+      Seg& h = x.in[0];
+      const ssize_t n = ::recv(fds[i].fd, h.p + x.in_off, h.n - x.in_off, MSG_DONTWAIT);
+      if (n > 0) {
+        x.in_off += static_cast<std::size_t>(n);
+        if (x.in_off == h.n) {
+          check_header(who[i], mine);
+          ++x.in_i;
+          x.in_off = 0;
+        }
+      } else if (n == 0 || (errno != EAGAIN && errno != EINTR && errno != EWOULDBLOCK)) {
+        x.header_in = false;  // gone without a fingerprint: nothing more to learn there
+      }
+    }
+  }
+}
+
+DDP_INLINE void TcpTransport::check_header(int peer, const Fingerprint& mine) {
+  const Fingerprint& theirs = headers_in_[static_cast<std::size_t>(peer)];
+  if (!(theirs == mine)) {
+    const std::string msg = mismatch_message(mine, peer, theirs);
+    flush_headers();
+    fail(Errc::mismatch, msg);
+  }
+}
+
+DDP_INLINE void TcpTransport::flush_headers() {
+  const auto deadline = Deadline::after(std::chrono::milliseconds(500));
+  for (int j = 0; j < size_; ++j) {
+    auto& x = xfers_[static_cast<std::size_t>(j)];
+    if (j == rank_ || x.out.empty() || x.out_i > 0) continue;  // header already sent (or none)
+    const Seg& h = x.out[0];
+    (void)send_all(peers_[static_cast<std::size_t>(j)].get(), h.p + x.out_off, h.n - x.out_off,
+                   deadline);
+    ++x.out_i;
+    x.out_off = 0;
+  }
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -14922,7 +16201,7 @@ namespace detail {
 /// What a Host backend holds once connected: its place among the ranks of its host, the
 /// transport of the whole communicator, the hierarchy's transports and the single-copy state.
 struct HostLinks {
-  HostLinks(int r, int s) : rank(r), size(s) {}
+  HostLinks(int r, int s);
 
   int rank;
   int size;
@@ -14946,137 +16225,7 @@ struct HostLinks {
   /// rank asked for the same, choose the transport (shm on one host, tcp across hosts or when
   /// asked; rank 0 may fall back from shm to tcp when /dev/shm is too small) and, across hosts,
   /// the hierarchy's transports.
-  void connect(const BackendInit& init) {
-    const Options& o = init.options;
-    if (size == 1) {
-      transport = std::make_unique<SelfTransport>(o.timeout);
-      local_size = 1;
-      return;
-    }
-    Store& store = *init.store;
-    shared_store = init.store;
-    hierarchy.store = init.store;
-    hierarchy.rank = rank;
-    // The rendezvous has one timeout in all (the store view ends its calls by then).
-    const auto deadline = Deadline{std::min(Deadline::after(o.timeout).at, store.deadline())};
-    const HostTransport requested = requested_transport(o);
-    const std::size_t segment_request = segment_bytes(o, 0);  // 0: the transport's default
-
-    // 1. Everyone publishes who and where it is, on the interface that reaches the store, and
-    //    what it was asked for; every rank must have been asked for the same.
-    Fd listener = listen_tcp(store.local_address(), 0);
-    const std::string identity = host_identity();
-    {
-      std::string rec;
-      ByteWriter w(rec);
-      w.str(identity);
-      w.put(static_cast<std::uint32_t>(::getpid()));
-      w.str(store.local_address());
-      w.put(static_cast<std::uint32_t>(local_port(listener.get())));
-      w.put(static_cast<std::uint8_t>(requested));
-      w.put(static_cast<std::uint64_t>(segment_request));
-      w.put(static_cast<std::uint8_t>(o.hierarchy));
-      w.str(machine_identity());
-      w.put(static_cast<std::uint64_t>(o.shm_single_copy_bytes));
-      store.set(concat("peer/", rank), rec);
-    }
-    std::vector<std::string> identities, transports, segments, hierarchies, machines, singles;
-    std::vector<int> pids;
-    std::vector<std::pair<std::string, int>> addrs;
-    for (const auto& rec : gather_records(store, "peer/", rank, size, o.timeout)) {
-      ByteReader r(rec, "peer record");
-      identities.push_back(r.str(4096));
-      pids.push_back(static_cast<int>(r.get<std::uint32_t>()));
-      auto addr = r.str(256);
-      addrs.emplace_back(std::move(addr), static_cast<int>(r.get<std::uint32_t>()));
-      const auto t = r.get<std::uint8_t>();
-      transports.push_back(t == static_cast<std::uint8_t>(HostTransport::shm)   ? "shm"
-                           : t == static_cast<std::uint8_t>(HostTransport::tcp) ? "tcp"
-                                                                                : "automatic");
-      const auto seg = r.get<std::uint64_t>();
-      segments.push_back(seg == 0 ? std::string("the default") : std::to_string(seg));
-      const auto h = r.get<std::uint8_t>();
-      hierarchies.push_back(h == static_cast<std::uint8_t>(HostHierarchy::flat)      ? "flat"
-                            : h == static_cast<std::uint8_t>(HostHierarchy::slices)  ? "slices"
-                            : h == static_cast<std::uint8_t>(HostHierarchy::leaders) ? "leaders"
-                            : h == static_cast<std::uint8_t>(HostHierarchy::automatic)
-                                ? "auto"
-                                : std::to_string(h));
-      machines.push_back(r.str(256));
-      const auto copy_from = r.get<std::uint64_t>();
-      singles.push_back(copy_from == 0                ? std::string("the default")
-                        : copy_from == Options::never ? std::string("off")
-                                                      : std::to_string(copy_from));
-    }
-    require_agreement(rank, "the host transport (Options::transport, DDP_HOST_TRANSPORT)",
-                      "every rank must ask for the same transport", transports);
-    require_agreement(rank, "the segment size (Options::segment_bytes, DDP_SEGMENT_BYTES)",
-                      "every rank must use the same segment size", segments);
-    require_agreement(rank, "the hierarchy (Options::hierarchy, DDP_HIERARCHY)",
-                      "every rank must use the same hierarchy", hierarchies);
-    require_agreement(rank, "single copy (Options::shm_single_copy_bytes, DDP_SHM_SINGLE_COPY)",
-                      "every rank must use the same setting", singles);
-    local_leader = rank;
-    for (int j = 0; j < size; ++j) {
-      if (identities[static_cast<std::size_t>(j)] != identity) continue;
-      if (j < rank) ++local_rank;
-      local_leader = std::min(local_leader, j);
-      ++local_size;
-    }
-    const bool one_host = local_size == size;
-    // Ranks of this machine, in any namespace or container (they share its cores).
-    machine_ranks = static_cast<int>(
-        std::count(machines.begin(), machines.end(), machines[static_cast<std::size_t>(rank)]));
-
-    // 2. Pick the transport: every rank computes the same answer from the same records (rank 0
-    //    may still fall back from shm to tcp when /dev/shm is too small; it says so in its record).
-    HostTransport choice = requested;
-    if (choice == HostTransport::automatic)
-      choice = one_host ? HostTransport::shm : HostTransport::tcp;
-    if (choice == HostTransport::shm && !one_host) {
-      fail(Errc::invalid_argument, "rank ", rank,
-           ": the shm transport was requested but the ranks are on more than one host");
-    }
-    if (choice == HostTransport::shm) {
-      std::vector<int> all(static_cast<std::size_t>(size));
-      for (int j = 0; j < size; ++j) all[static_cast<std::size_t>(j)] = j;
-      transport = connect_shm(store, o, all, pids, requested);
-      if (!transport) choice = HostTransport::tcp;
-    }
-    if (choice == HostTransport::tcp) {
-      TcpTransport::SessionKey key{};
-      if (rank == 0) {
-        random_bytes(key.data(), key.size());
-        store.set("session", std::string(reinterpret_cast<const char*>(key.data()), key.size()));
-      } else {
-        const std::string k = store.get("session");
-        if (k.size() != key.size()) fail(Errc::protocol, "bad session key in the store");
-        std::memcpy(key.data(), k.data(), key.size());
-      }
-      // A rank that fails meanwhile says so in the store ("failed"): stop waiting then.
-      const auto peer_failed = [&store] {
-        const std::string failed = "failed";
-        if (store.check(std::span<const std::string>(&failed, 1))) (void)store.get(failed);
-      };
-      auto peers =
-          TcpTransport::connect_mesh(rank, size, listener, addrs, key, deadline, peer_failed);
-      if (requested == HostTransport::automatic && o.hierarchy != HostHierarchy::flat)
-        connect_hierarchy(store, o, identities, pids, peers);
-      transport =
-          std::make_unique<TcpTransport>(rank, size, o.timeout, std::move(peers),
-                                         segment_bytes(o, std::size_t{1} << 20), machine_ranks);
-    }
-    for (Transport* tr : {transport.get(), hierarchy.local.get(), hierarchy.across.get()}) {
-      if (tr == nullptr) continue;
-      tr->verify_fingerprints = o.verify_collectives;
-      // A rank that leaves says why in the store (the hierarchical path's record, or the
-      // rendezvous's failure when a rank fails it after others have finished theirs).
-      tr->why_left = [st = shared_store](const std::vector<int>& ranks,
-                                         std::chrono::milliseconds grace) {
-        return left_record(*st, ranks, grace);
-      };
-    }
-  }
+  void connect(const BackendInit& init);
 
   /// The hierarchical all_reduce's transports, when the ranks span hosts and some host runs
   /// several (see hierarchical_all_reduce): shared memory among this host's ranks (hierarchy.local;
@@ -15084,98 +16233,14 @@ struct HostLinks {
   /// connections, the group that carries this rank's part across hosts (hierarchy.across). Every
   /// rank decides the same from the same records.
   void connect_hierarchy(Store& store, const Options& o, const std::vector<std::string>& ids,
-                         const std::vector<int>& pids, const std::vector<Fd>& mesh) {
-    std::vector<std::string> hosts;  // in order of their lowest rank
-    std::vector<int> host_of, local_of, per_host;
-    for (const std::string& id : ids) {
-      const auto h =
-          static_cast<std::size_t>(std::find(hosts.begin(), hosts.end(), id) - hosts.begin());
-      if (h == hosts.size()) {
-        hosts.push_back(id);
-        per_host.push_back(0);
-      }
-      host_of.push_back(static_cast<int>(h));
-      local_of.push_back(per_host[h]++);
-    }
-    const bool shared = std::any_of(per_host.begin(), per_host.end(), [](int n) { return n > 1; });
-    const bool equal =
-        std::all_of(per_host.begin(), per_host.end(), [&](int n) { return n == per_host.front(); });
-    if (hosts.size() < 2 || !shared) return;  // one rank per host: the mesh is the hierarchy
-    if (o.hierarchy == HostHierarchy::slices && !equal) {
-      std::string counts;
-      for (std::size_t h = 0; h < hosts.size(); ++h)
-        counts += concat(h != 0 ? ", " : "", per_host[h]);
-      fail(Errc::invalid_argument, "rank ", rank,
-           ": the slices hierarchy (Options::hierarchy, DDP_HIERARCHY) needs as many ranks "
-           "on every host, but the hosts run ",
-           counts, " ranks; use leaders or auto");
-    }
-    hierarchy.kind = o.hierarchy == HostHierarchy::leaders || !equal ? HostHierarchy::leaders
-                                                                     : HostHierarchy::slices;
-    // Below this many bytes per local rank, slices' TCP rounds cost more than they save
-    // (bench/README.md, "Across hosts"): all_reduce goes through the leaders.
-    hierarchy.slices_from = o.hierarchy == HostHierarchy::slices ? 0 : slices_from_bytes;
-    const int me_host = host_of[static_cast<std::size_t>(rank)];
-    const auto group = [&](auto&& member) {
-      std::vector<int> g;
-      for (int j = 0; j < size; ++j) {
-        if (member(j)) g.push_back(j);
-      }
-      return g;
-    };
-    // This rank's host, in rank order.
-    const std::vector<int> local =
-        group([&](int j) { return host_of[static_cast<std::size_t>(j)] == me_host; });
-    if (local.size() > 1) {
-      std::vector<int> local_pids;
-      for (int j : local) local_pids.push_back(pids[static_cast<std::size_t>(j)]);
-      Store sub = store.prefixed(concat("host", local.front(), "/"));
-      hierarchy.local = connect_shm(sub, o, local, local_pids, HostTransport::automatic);
-      if (!hierarchy.local) hierarchy.local = mesh_group(o, local, mesh);
-    } else {
-      hierarchy.local = std::make_unique<SelfTransport>(o.timeout);
-    }
-    // Across: local rank i of every host (slices; local rank 0 is also the leaders' group), in
-    // host order, which is rank order of the hosts' lowest ranks.
-    const int mine = local_of[static_cast<std::size_t>(rank)];
-    if (hierarchy.kind == HostHierarchy::slices || mine == 0) {
-      std::vector<int> across;
-      for (std::size_t h = 0; h < hosts.size(); ++h) {
-        for (int j = 0; j < size; ++j) {
-          if (host_of[static_cast<std::size_t>(j)] == static_cast<int>(h) &&
-              local_of[static_cast<std::size_t>(j)] == mine)
-            across.push_back(j);
-        }
-      }
-      hierarchy.across = mesh_group(o, across, mesh);
-    }
-  }
+                         const std::vector<int>& pids, const std::vector<Fd>& mesh);
 
   /// A TCP transport over the mesh's connections to `members` (communicator ranks, this rank
   /// among them), numbered by their place in `members`. The connections are shared with the
   /// mesh (duplicated descriptors): a failure closes both, and a rank in a round of one meets a
   /// rank in a round of the other on the same stream, where the fingerprints are compared.
   std::unique_ptr<Transport> mesh_group(const Options& o, const std::vector<int>& members,
-                                        const std::vector<Fd>& mesh) {
-    std::vector<Fd> fds;
-    int me = 0;
-    for (std::size_t i = 0; i < members.size(); ++i) {
-      const int j = members[i];
-      if (j == rank) {
-        me = static_cast<int>(i);
-        fds.emplace_back();
-        continue;
-      }
-      Fd fd(::fcntl(mesh[static_cast<std::size_t>(j)].get(), F_DUPFD_CLOEXEC, 0));
-      if (!fd) fail_errno(errno, "rank ", rank, ": duplicating the connection to rank ", j);
-      fds.push_back(std::move(fd));
-    }
-    auto t = std::make_unique<TcpTransport>(me, static_cast<int>(members.size()), o.timeout,
-                                            std::move(fds), segment_bytes(o, std::size_t{1} << 20),
-                                            machine_ranks);
-    t->global_ranks = members;
-    return t;
-  }
+                                        const std::vector<Fd>& mesh);
 
   /// Options::transport and segment_bytes, the environment applied (Options::with_env).
   static HostTransport requested_transport(const Options& o) { return o.transport; }
@@ -15189,36 +16254,7 @@ struct HostLinks {
   /// instead of at the timeout. Errc::timeout naming the missing keys after `timeout`.
   void wait_for_members(Store& store, const std::vector<std::string>& keys,
                         const std::vector<int>& members, const std::vector<int>& pids,
-                        std::chrono::milliseconds timeout, const char* what) {
-    ProcessWatch watch;
-    for (std::size_t j = 0; j < members.size(); ++j) {
-      if (members[j] != rank) watch.add(members[j], pids[j]);
-    }
-    const auto deadline = std::min(Clock::now() + timeout, store.deadline());
-    for (;;) {
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      const auto missing = store.missing_after(
-          keys, std::clamp(left, std::chrono::milliseconds(1), std::chrono::milliseconds(50)));
-      if (missing.empty()) return;
-      if (const int dead = watch.first_dead(); dead >= 0) {
-        // A rank that exited after failing itself (e.g. it saw another die first) relayed its
-        // error through the store: a short wait there reports that root cause instead.
-        if (store.missing_after(keys, std::chrono::milliseconds(300)).empty()) continue;
-        fail(Errc::peer_lost, "rank ", rank, ": Communicator::init: rank ", dead,
-             " died (its process exited) while ", what,
-             "; the job cannot start: restart it (a launcher with --max-restarts does)");
-      }
-      if (left.count() <= 0) {
-        std::string who;  // the keys end in the rank: "mapped/2"
-        for (const auto& k : missing)
-          who += concat(who.empty() ? "rank " : ", rank ", k.substr(k.rfind('/') + 1));
-        fail(Errc::timeout, "rank ", rank, ": Communicator::init: timed out after ",
-             timeout.count(), " ms while ", what, ": ", who, missing.size() > 1 ? " have" : " has",
-             " not answered (stopped, or too slow); the job cannot start");
-      }
-    }
-  }
+                        std::chrono::milliseconds timeout, const char* what);
 
   /// Largest shm slot: a round moves at most one slot, and rounds this large already run at
   /// memory speed, so larger requests are clamped here rather than reserve memory nobody reads.
@@ -15230,112 +16266,380 @@ struct HostLinks {
   /// explicitly).
   std::unique_ptr<Transport> connect_shm(Store& store, const Options& o,
                                          const std::vector<int>& members,
-                                         const std::vector<int>& pids, HostTransport requested) {
-    const int n = static_cast<int>(members.size());
-    const int me =
-        static_cast<int>(std::find(members.begin(), members.end(), rank) - members.begin());
-    const int first = members.front();
-    ShmLayout layout;
-    layout.world = n;
-    auto segment = std::make_unique<ShmSegment>();
-    std::uint64_t cookie = 0;
-    if (me == 0) {
-      const std::size_t slot = segment_bytes(o, std::size_t{1} << 20);
-      layout.slot_bytes =
-          std::clamp<std::size_t>(ShmLayout::align_up(slot, 4096), 4096, max_shm_slot);
-      layout.channel_bytes = std::size_t{256} << 10;
-      cookie = random_value<std::uint64_t>();
-      std::string why;
-      const bool made = segment->create(layout.total(), why);
-      std::string rec;
-      ByteWriter w(rec);
-      if (!made) {
-        if (requested == HostTransport::shm) {
-          fail(Errc::backend, "rank ", first, ": the shm transport cannot start: ", why,
-               ". Give /dev/shm more room (e.g. docker run --shm-size=1g), use a smaller "
-               "DDP_SEGMENT_BYTES, or DDP_HOST_TRANSPORT=tcp");
-        }
-        std::fprintf(stderr,
-                     "ddp: rank %d: %s; using the tcp transport instead (give /dev/shm more "
-                     "room, e.g. docker run --shm-size=1g, or set DDP_HOST_TRANSPORT=tcp)\n",
-                     first, why.c_str());
-        w.put(std::uint8_t{0});
-        store.set("shm", rec);
-        return nullptr;
-      }
-      ShmTransport::format(segment->base(), layout, cookie);
-      w.put(std::uint8_t{1});
-      w.str(segment->path());
-      w.put(cookie);
-      w.put(static_cast<std::uint64_t>(layout.slot_bytes));
-      w.put(static_cast<std::uint64_t>(layout.channel_bytes));
-      store.set("shm", rec);
-      // The others open the segment through this process's descriptor, which is closed once
-      // all have mapped it (the segment never has a name: a crash leaves nothing behind).
-      std::vector<std::string> mapped;
-      for (int j = 1; j < n; ++j) mapped.push_back(concat("mapped/", j));
-      try {
-        wait_for_members(store, mapped, members, pids, o.timeout,
-                         "the ranks of this host map the shared memory segment");
-      } catch (...) {
-        segment->close_descriptor();
-        throw;
-      }
-      segment->close_descriptor();
-    } else {
-      wait_for_members(store, {"shm"}, members, pids, o.timeout,
-                       "waiting for the shared memory segment of this host's first rank");
-      const std::string rec = store.get("shm");
-      ByteReader r(rec, "shm record");
-      if (r.get<std::uint8_t>() == 0) return nullptr;  // the first member fell back to tcp
-      const std::string path = r.str(255);
-      cookie = r.get<std::uint64_t>();
-      layout.slot_bytes = static_cast<std::size_t>(r.get<std::uint64_t>());
-      layout.channel_bytes = static_cast<std::size_t>(r.get<std::uint64_t>());
-      if (layout.slot_bytes == 0 || layout.slot_bytes > max_shm_slot || layout.channel_bytes == 0 ||
-          layout.channel_bytes > max_shm_slot) {
-        fail(Errc::protocol, "rank ", rank, ": bad shm record from rank ", first);
-      }
-      segment->open(path, layout.total());
-      ShmTransport::verify(segment->base(), layout, cookie);
-      store.set(concat("mapped/", me), "");
-    }
-    auto t = std::make_unique<ShmTransport>(me, n, o.timeout, layout, std::move(segment), pids,
-                                            machine_ranks);
-    if (n != size) t->global_ranks = members;
-    // Single copy, when every member can read every other's memory (one that cannot, e.g. under
-    // Yama's ptrace_scope or a seccomp filter, turns it off for all). Every rank asked for the
-    // same threshold (checked at connect).
-    const std::size_t from =
-        o.shm_single_copy_bytes == 0 ? single_copy_from_bytes : o.shm_single_copy_bytes;
-    if (n == size) single.choose_path = o.shm_single_copy_bytes == 0;
-    if (n > 1 && from != Options::never) {
-      store.set(concat("probe/", me), std::to_string(t->probe_address()));
-      std::vector<std::string> probes, answers;
-      for (int j = 0; j < n; ++j) {
-        probes.push_back(concat("probe/", j));
-        answers.push_back(concat("single-copy/", j));
-      }
-      wait_for_members(store, probes, members, pids, o.timeout,
-                       "the ranks of this host check whether they can read each other's memory");
-      bool can = true;
-      for (int j = 0; j < n; ++j) {
-        if (j == me) continue;
-        const std::string addr = store.get(concat("probe/", j));
-        char* end = nullptr;
-        const std::uint64_t a = std::strtoull(addr.c_str(), &end, 10);
-        can = end != addr.c_str() && *end == '\0' && t->probe_single_copy(j, a) && can;
-      }
-      store.set(concat("single-copy/", me), can ? "1" : "0");
-      wait_for_members(store, answers, members, pids, o.timeout,
-                       "the ranks of this host agree on single copy");
-      bool all = true;
-      for (int j = 0; j < n; ++j) all = store.get(concat("single-copy/", j)) == "1" && all;
-      if (all) t->use_single_copy(from);
-    }
-    return t;
-  }
+                                         const std::vector<int>& pids, HostTransport requested);
 };
+
+#if DDP_BODIES
+DDP_INLINE HostLinks::HostLinks(int r, int s) : rank(r), size(s) {}
+
+DDP_INLINE void HostLinks::connect(const BackendInit& init) {
+  const Options& o = init.options;
+  if (size == 1) {
+    transport = std::make_unique<SelfTransport>(o.timeout);
+    local_size = 1;
+    return;
+  }
+  Store& store = *init.store;
+  shared_store = init.store;
+  hierarchy.store = init.store;
+  hierarchy.rank = rank;
+  // The rendezvous has one timeout in all (the store view ends its calls by then).
+  const auto deadline = Deadline{std::min(Deadline::after(o.timeout).at, store.deadline())};
+  const HostTransport requested = requested_transport(o);
+  const std::size_t segment_request = segment_bytes(o, 0);  // 0: the transport's default
+
+  // 1. Everyone publishes who and where it is, on the interface that reaches the store, and
+  //    what it was asked for; every rank must have been asked for the same.
+  Fd listener = listen_tcp(store.local_address(), 0);
+  const std::string identity = host_identity();
+  {
+    std::string rec;
+    ByteWriter w(rec);
+    w.str(identity);
+    w.put(static_cast<std::uint32_t>(::getpid()));
+    w.str(store.local_address());
+    w.put(static_cast<std::uint32_t>(local_port(listener.get())));
+    w.put(static_cast<std::uint8_t>(requested));
+    w.put(static_cast<std::uint64_t>(segment_request));
+    w.put(static_cast<std::uint8_t>(o.hierarchy));
+    w.str(machine_identity());
+    w.put(static_cast<std::uint64_t>(o.shm_single_copy_bytes));
+    store.set(concat("peer/", rank), rec);
+  }
+  std::vector<std::string> identities, transports, segments, hierarchies, machines, singles;
+  std::vector<int> pids;
+  std::vector<std::pair<std::string, int>> addrs;
+  for (const auto& rec : gather_records(store, "peer/", rank, size, o.timeout)) {
+    ByteReader r(rec, "peer record");
+    identities.push_back(r.str(4096));
+    pids.push_back(static_cast<int>(r.get<std::uint32_t>()));
+    auto addr = r.str(256);
+    addrs.emplace_back(std::move(addr), static_cast<int>(r.get<std::uint32_t>()));
+    const auto t = r.get<std::uint8_t>();
+    transports.push_back(t == static_cast<std::uint8_t>(HostTransport::shm)   ? "shm"
+                         : t == static_cast<std::uint8_t>(HostTransport::tcp) ? "tcp"
+                                                                              : "automatic");
+    const auto seg = r.get<std::uint64_t>();
+    segments.push_back(seg == 0 ? std::string("the default") : std::to_string(seg));
+    const auto h = r.get<std::uint8_t>();
+    hierarchies.push_back(h == static_cast<std::uint8_t>(HostHierarchy::flat)      ? "flat"
+                          : h == static_cast<std::uint8_t>(HostHierarchy::slices)  ? "slices"
+                          : h == static_cast<std::uint8_t>(HostHierarchy::leaders) ? "leaders"
+                          : h == static_cast<std::uint8_t>(HostHierarchy::automatic)
+                              ? "auto"
+                              : std::to_string(h));
+    machines.push_back(r.str(256));
+    const auto copy_from = r.get<std::uint64_t>();
+    singles.push_back(copy_from == 0                ? std::string("the default")
+                      : copy_from == Options::never ? std::string("off")
+                                                    : std::to_string(copy_from));
+  }
+  require_agreement(rank, "the host transport (Options::transport, DDP_HOST_TRANSPORT)",
+                    "every rank must ask for the same transport", transports);
+  require_agreement(rank, "the segment size (Options::segment_bytes, DDP_SEGMENT_BYTES)",
+                    "every rank must use the same segment size", segments);
+  require_agreement(rank, "the hierarchy (Options::hierarchy, DDP_HIERARCHY)",
+                    "every rank must use the same hierarchy", hierarchies);
+  require_agreement(rank, "single copy (Options::shm_single_copy_bytes, DDP_SHM_SINGLE_COPY)",
+                    "every rank must use the same setting", singles);
+  local_leader = rank;
+  for (int j = 0; j < size; ++j) {
+    if (identities[static_cast<std::size_t>(j)] != identity) continue;
+    if (j < rank) ++local_rank;
+    local_leader = std::min(local_leader, j);
+    ++local_size;
+  }
+  const bool one_host = local_size == size;
+  // Ranks of this machine, in any namespace or container (they share its cores).
+  machine_ranks = static_cast<int>(
+      std::count(machines.begin(), machines.end(), machines[static_cast<std::size_t>(rank)]));
+
+  // 2. Pick the transport: every rank computes the same answer from the same records (rank 0
+  //    may still fall back from shm to tcp when /dev/shm is too small; it says so in its record).
+  HostTransport choice = requested;
+  if (choice == HostTransport::automatic)
+    choice = one_host ? HostTransport::shm : HostTransport::tcp;
+  if (choice == HostTransport::shm && !one_host) {
+    fail(Errc::invalid_argument, "rank ", rank,
+         ": the shm transport was requested but the ranks are on more than one host");
+  }
+  if (choice == HostTransport::shm) {
+    std::vector<int> all(static_cast<std::size_t>(size));
+    for (int j = 0; j < size; ++j) all[static_cast<std::size_t>(j)] = j;
+    transport = connect_shm(store, o, all, pids, requested);
+    if (!transport) choice = HostTransport::tcp;
+  }
+  if (choice == HostTransport::tcp) {
+    TcpTransport::SessionKey key{};
+    if (rank == 0) {
+      random_bytes(key.data(), key.size());
+      store.set("session", std::string(reinterpret_cast<const char*>(key.data()), key.size()));
+    } else {
+      const std::string k = store.get("session");
+      if (k.size() != key.size()) fail(Errc::protocol, "bad session key in the store");
+      std::memcpy(key.data(), k.data(), key.size());
+    }
+    // A rank that fails meanwhile says so in the store ("failed"): stop waiting then.
+    const auto peer_failed = [&store] {
+      const std::string failed = "failed";
+      if (store.check(std::span<const std::string>(&failed, 1))) (void)store.get(failed);
+    };
+    auto peers =
+        TcpTransport::connect_mesh(rank, size, listener, addrs, key, deadline, peer_failed);
+    if (requested == HostTransport::automatic && o.hierarchy != HostHierarchy::flat)
+      connect_hierarchy(store, o, identities, pids, peers);
+    transport =
+        std::make_unique<TcpTransport>(rank, size, o.timeout, std::move(peers),
+                                       segment_bytes(o, std::size_t{1} << 20), machine_ranks);
+  }
+  for (Transport* tr : {transport.get(), hierarchy.local.get(), hierarchy.across.get()}) {
+    if (tr == nullptr) continue;
+    tr->verify_fingerprints = o.verify_collectives;
+    // A rank that leaves says why in the store (the hierarchical path's record, or the
+    // rendezvous's failure when a rank fails it after others have finished theirs).
+    tr->why_left = [st = shared_store](const std::vector<int>& ranks,
+                                       std::chrono::milliseconds grace) {
+      return left_record(*st, ranks, grace);
+    };
+  }
+}
+
+DDP_INLINE void HostLinks::connect_hierarchy(Store& store, const Options& o,
+                                             const std::vector<std::string>& ids,
+                                             const std::vector<int>& pids,
+                                             const std::vector<Fd>& mesh) {
+  std::vector<std::string> hosts;  // in order of their lowest rank
+  std::vector<int> host_of, local_of, per_host;
+  for (const std::string& id : ids) {
+    const auto h =
+        static_cast<std::size_t>(std::find(hosts.begin(), hosts.end(), id) - hosts.begin());
+    if (h == hosts.size()) {
+      hosts.push_back(id);
+      per_host.push_back(0);
+    }
+    host_of.push_back(static_cast<int>(h));
+    local_of.push_back(per_host[h]++);
+  }
+  const bool shared = std::any_of(per_host.begin(), per_host.end(), [](int n) { return n > 1; });
+  const bool equal =
+      std::all_of(per_host.begin(), per_host.end(), [&](int n) { return n == per_host.front(); });
+  if (hosts.size() < 2 || !shared) return;  // one rank per host: the mesh is the hierarchy
+  if (o.hierarchy == HostHierarchy::slices && !equal) {
+    std::string counts;
+    for (std::size_t h = 0; h < hosts.size(); ++h)
+      counts += concat(h != 0 ? ", " : "", per_host[h]);
+    fail(Errc::invalid_argument, "rank ", rank,
+         ": the slices hierarchy (Options::hierarchy, DDP_HIERARCHY) needs as many ranks "
+         "on every host, but the hosts run ",
+         counts, " ranks; use leaders or auto");
+  }
+  hierarchy.kind = o.hierarchy == HostHierarchy::leaders || !equal ? HostHierarchy::leaders
+                                                                   : HostHierarchy::slices;
+  // Below this many bytes per local rank, slices' TCP rounds cost more than they save
+  // (bench/README.md, "Across hosts"): all_reduce goes through the leaders.
+  hierarchy.slices_from = o.hierarchy == HostHierarchy::slices ? 0 : slices_from_bytes;
+  const int me_host = host_of[static_cast<std::size_t>(rank)];
+  const auto group = [&](auto&& member) {
+    std::vector<int> g;
+    for (int j = 0; j < size; ++j) {
+      if (member(j)) g.push_back(j);
+    }
+    return g;
+  };
+  // This rank's host, in rank order.
+  const std::vector<int> local =
+      group([&](int j) { return host_of[static_cast<std::size_t>(j)] == me_host; });
+  if (local.size() > 1) {
+    std::vector<int> local_pids;
+    for (int j : local) local_pids.push_back(pids[static_cast<std::size_t>(j)]);
+    Store sub = store.prefixed(concat("host", local.front(), "/"));
+    hierarchy.local = connect_shm(sub, o, local, local_pids, HostTransport::automatic);
+    if (!hierarchy.local) hierarchy.local = mesh_group(o, local, mesh);
+  } else {
+    hierarchy.local = std::make_unique<SelfTransport>(o.timeout);
+  }
+  // Across: local rank i of every host (slices; local rank 0 is also the leaders' group), in
+  // host order, which is rank order of the hosts' lowest ranks.
+  const int mine = local_of[static_cast<std::size_t>(rank)];
+  if (hierarchy.kind == HostHierarchy::slices || mine == 0) {
+    std::vector<int> across;
+    for (std::size_t h = 0; h < hosts.size(); ++h) {
+      for (int j = 0; j < size; ++j) {
+        if (host_of[static_cast<std::size_t>(j)] == static_cast<int>(h) &&
+            local_of[static_cast<std::size_t>(j)] == mine)
+          across.push_back(j);
+      }
+    }
+    hierarchy.across = mesh_group(o, across, mesh);
+  }
+}
+
+DDP_INLINE std::unique_ptr<Transport> HostLinks::mesh_group(const Options& o,
+                                                            const std::vector<int>& members,
+                                                            const std::vector<Fd>& mesh) {
+  std::vector<Fd> fds;
+  int me = 0;
+  for (std::size_t i = 0; i < members.size(); ++i) {
+    const int j = members[i];
+    if (j == rank) {
+      me = static_cast<int>(i);
+      fds.emplace_back();
+      continue;
+    }
+    Fd fd(::fcntl(mesh[static_cast<std::size_t>(j)].get(), F_DUPFD_CLOEXEC, 0));
+    if (!fd) fail_errno(errno, "rank ", rank, ": duplicating the connection to rank ", j);
+    fds.push_back(std::move(fd));
+  }
+  auto t = std::make_unique<TcpTransport>(me, static_cast<int>(members.size()), o.timeout,
+                                          std::move(fds), segment_bytes(o, std::size_t{1} << 20),
+                                          machine_ranks);
+  t->global_ranks = members;
+  return t;
+}
+
+DDP_INLINE void HostLinks::wait_for_members(Store& store, const std::vector<std::string>& keys,
+                                            const std::vector<int>& members,
+                                            const std::vector<int>& pids,
+                                            std::chrono::milliseconds timeout, const char* what) {
+  ProcessWatch watch;
+  for (std::size_t j = 0; j < members.size(); ++j) {
+    if (members[j] != rank) watch.add(members[j], pids[j]);
+  }
+  const auto deadline = std::min(Clock::now() + timeout, store.deadline());
+  for (;;) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    const auto missing = store.missing_after(
+        keys, std::clamp(left, std::chrono::milliseconds(1), std::chrono::milliseconds(50)));
+    if (missing.empty()) return;
+    if (const int dead = watch.first_dead(); dead >= 0) {
+      // A rank that exited after failing itself (e.g. it saw another die first) relayed its
+      // error through the store: a short wait there reports that root cause instead.
+      if (store.missing_after(keys, std::chrono::milliseconds(300)).empty()) continue;
+      fail(Errc::peer_lost, "rank ", rank, ": Communicator::init: rank ", dead,
+           " died (its process exited) while ", what,
+           "; the job cannot start: restart it (a launcher with --max-restarts does)");
+    }
+    if (left.count() <= 0) {
+      std::string who;  // the keys end in the rank: "mapped/2"
+      for (const auto& k : missing)
+        who += concat(who.empty() ? "rank " : ", rank ", k.substr(k.rfind('/') + 1));
+      fail(Errc::timeout, "rank ", rank, ": Communicator::init: timed out after ", timeout.count(),
+           " ms while ", what, ": ", who, missing.size() > 1 ? " have" : " has",
+           " not answered (stopped, or too slow); the job cannot start");
+    }
+  }
+}
+
+DDP_INLINE std::unique_ptr<Transport> HostLinks::connect_shm(Store& store, const Options& o,
+                                                             const std::vector<int>& members,
+                                                             const std::vector<int>& pids,
+                                                             HostTransport requested) {
+  const int n = static_cast<int>(members.size());
+  const int me =
+      static_cast<int>(std::find(members.begin(), members.end(), rank) - members.begin());
+  const int first = members.front();
+  ShmLayout layout;
+  layout.world = n;
+  auto segment = std::make_unique<ShmSegment>();
+  std::uint64_t cookie = 0;
+  if (me == 0) {
+    const std::size_t slot = segment_bytes(o, std::size_t{1} << 20);
+    layout.slot_bytes =
+        std::clamp<std::size_t>(ShmLayout::align_up(slot, 4096), 4096, max_shm_slot);
+    layout.channel_bytes = std::size_t{256} << 10;
+    cookie = random_value<std::uint64_t>();
+    std::string why;
+    const bool made = segment->create(layout.total(), why);
+    std::string rec;
+    ByteWriter w(rec);
+    if (!made) {
+      if (requested == HostTransport::shm) {
+        fail(Errc::backend, "rank ", first, ": the shm transport cannot start: ", why,
+             ". Give /dev/shm more room (e.g. docker run --shm-size=1g), use a smaller "
+             "DDP_SEGMENT_BYTES, or DDP_HOST_TRANSPORT=tcp");
+      }
+      std::fprintf(stderr,
+                   "ddp: rank %d: %s; using the tcp transport instead (give /dev/shm more "
+                   "room, e.g. docker run --shm-size=1g, or set DDP_HOST_TRANSPORT=tcp)\n",
+                   first, why.c_str());
+      w.put(std::uint8_t{0});
+      store.set("shm", rec);
+      return nullptr;
+    }
+    ShmTransport::format(segment->base(), layout, cookie);
+    w.put(std::uint8_t{1});
+    w.str(segment->path());
+    w.put(cookie);
+    w.put(static_cast<std::uint64_t>(layout.slot_bytes));
+    w.put(static_cast<std::uint64_t>(layout.channel_bytes));
+    store.set("shm", rec);
+    // The others open the segment through this process's descriptor, which is closed once
+    // all have mapped it (the segment never has a name: a crash leaves nothing behind).
+    std::vector<std::string> mapped;
+    for (int j = 1; j < n; ++j) mapped.push_back(concat("mapped/", j));
+    try {
+      wait_for_members(store, mapped, members, pids, o.timeout,
+                       "the ranks of this host map the shared memory segment");
+    } catch (...) {
+      segment->close_descriptor();
+      throw;
+    }
+    segment->close_descriptor();
+  } else {
+    wait_for_members(store, {"shm"}, members, pids, o.timeout,
+                     "waiting for the shared memory segment of this host's first rank");
+    const std::string rec = store.get("shm");
+    ByteReader r(rec, "shm record");
+    if (r.get<std::uint8_t>() == 0) return nullptr;  // the first member fell back to tcp
+    const std::string path = r.str(255);
+    cookie = r.get<std::uint64_t>();
+    layout.slot_bytes = static_cast<std::size_t>(r.get<std::uint64_t>());
+    layout.channel_bytes = static_cast<std::size_t>(r.get<std::uint64_t>());
+    if (layout.slot_bytes == 0 || layout.slot_bytes > max_shm_slot || layout.channel_bytes == 0 ||
+        layout.channel_bytes > max_shm_slot) {
+      fail(Errc::protocol, "rank ", rank, ": bad shm record from rank ", first);
+    }
+    segment->open(path, layout.total());
+    ShmTransport::verify(segment->base(), layout, cookie);
+    store.set(concat("mapped/", me), "");
+  }
+  auto t = std::make_unique<ShmTransport>(me, n, o.timeout, layout, std::move(segment), pids,
+                                          machine_ranks);
+  if (n != size) t->global_ranks = members;
+  // Single copy, when every member can read every other's memory (one that cannot, e.g. under
+  // Yama's ptrace_scope or a seccomp filter, turns it off for all). Every rank asked for the
+  // same threshold (checked at connect).
+  const std::size_t from =
+      o.shm_single_copy_bytes == 0 ? single_copy_from_bytes : o.shm_single_copy_bytes;
+  if (n == size) single.choose_path = o.shm_single_copy_bytes == 0;
+  if (n > 1 && from != Options::never) {
+    store.set(concat("probe/", me), std::to_string(t->probe_address()));
+    std::vector<std::string> probes, answers;
+    for (int j = 0; j < n; ++j) {
+      probes.push_back(concat("probe/", j));
+      answers.push_back(concat("single-copy/", j));
+    }
+    wait_for_members(store, probes, members, pids, o.timeout,
+                     "the ranks of this host check whether they can read each other's memory");
+    bool can = true;
+    for (int j = 0; j < n; ++j) {
+      if (j == me) continue;
+      const std::string addr = store.get(concat("probe/", j));
+      char* end = nullptr;
+      const std::uint64_t a = std::strtoull(addr.c_str(), &end, 10);
+      can = end != addr.c_str() && *end == '\0' && t->probe_single_copy(j, a) && can;
+    }
+    store.set(concat("single-copy/", me), can ? "1" : "0");
+    wait_for_members(store, answers, members, pids, o.timeout,
+                     "the ranks of this host agree on single copy");
+    bool all = true;
+    for (int j = 0; j < n; ++j) all = store.get(concat("single-copy/", j)) == "1" && all;
+    if (all) t->use_single_copy(from);
+  }
+  return t;
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -15392,11 +16696,7 @@ namespace detail {
 struct UnevenPlan {
   std::vector<std::uint64_t> sends, recvs;
 
-  [[nodiscard]] std::vector<std::uint64_t> row() const {
-    std::vector<std::uint64_t> r(sends);
-    r.insert(r.end(), recvs.begin(), recvs.end());
-    return r;
-  }
+  [[nodiscard]] std::vector<std::uint64_t> row() const;
 
   /// all_to_all: in_counts[j] to rank j, out_counts[j] from it.
   static UnevenPlan all_to_all(std::span<const std::size_t> in_counts,
@@ -15406,26 +16706,40 @@ struct UnevenPlan {
   /// all_gather (root < 0) or gather: `in_count` elements to every rank (the root); the root
   /// (every rank) expects counts[j] from rank j.
   static UnevenPlan gather(int p, int rank, std::size_t in_count,
-                           std::span<const std::size_t> counts, int root) {
-    UnevenPlan plan{std::vector<std::uint64_t>(static_cast<std::size_t>(p)),
-                    std::vector<std::uint64_t>(static_cast<std::size_t>(p))};
-    for (int j = 0; j < p; ++j) {
-      if (root < 0 || j == root) plan.sends[static_cast<std::size_t>(j)] = in_count;
-      if (root < 0 || rank == root)
-        plan.recvs[static_cast<std::size_t>(j)] = counts[static_cast<std::size_t>(j)];
-    }
-    return plan;
-  }
+                           std::span<const std::size_t> counts, int root);
   /// scatter: the root sends counts[j] to rank j; every rank expects `out_count` from the root.
   static UnevenPlan scatter(int p, int rank, std::size_t out_count,
-                            std::span<const std::size_t> counts, int root) {
-    UnevenPlan plan{std::vector<std::uint64_t>(static_cast<std::size_t>(p)),
-                    std::vector<std::uint64_t>(static_cast<std::size_t>(p))};
-    plan.recvs[static_cast<std::size_t>(root)] = out_count;
-    if (rank == root) plan.sends.assign(counts.begin(), counts.end());
-    return plan;
-  }
+                            std::span<const std::size_t> counts, int root);
 };
+
+#if DDP_BODIES
+DDP_INLINE std::vector<std::uint64_t> UnevenPlan::row() const {
+  std::vector<std::uint64_t> r(sends);
+  r.insert(r.end(), recvs.begin(), recvs.end());
+  return r;
+}
+
+DDP_INLINE UnevenPlan UnevenPlan::gather(int p, int rank, std::size_t in_count,
+                                         std::span<const std::size_t> counts, int root) {
+  UnevenPlan plan{std::vector<std::uint64_t>(static_cast<std::size_t>(p)),
+                  std::vector<std::uint64_t>(static_cast<std::size_t>(p))};
+  for (int j = 0; j < p; ++j) {
+    if (root < 0 || j == root) plan.sends[static_cast<std::size_t>(j)] = in_count;
+    if (root < 0 || rank == root)
+      plan.recvs[static_cast<std::size_t>(j)] = counts[static_cast<std::size_t>(j)];
+  }
+  return plan;
+}
+
+DDP_INLINE UnevenPlan UnevenPlan::scatter(int p, int rank, std::size_t out_count,
+                                          std::span<const std::size_t> counts, int root) {
+  UnevenPlan plan{std::vector<std::uint64_t>(static_cast<std::size_t>(p)),
+                  std::vector<std::uint64_t>(static_cast<std::size_t>(p))};
+  plan.recvs[static_cast<std::size_t>(root)] = out_count;
+  if (rank == root) plan.sends.assign(counts.begin(), counts.end());
+  return plan;
+}
+#endif  // DDP_BODIES
 
 /// Every rank's row (rows[r * 2p ...], as UnevenPlan::row) checked pair by pair: returns
 /// sends[src * p + dst]; fails with Errc::mismatch naming the first pair that disagrees.
@@ -15452,7 +16766,10 @@ template <class Global>
 }
 
 /// Offsets of consecutive blocks of the given sizes.
-[[nodiscard]] inline std::vector<std::size_t> block_offsets(std::span<const std::size_t> counts) {
+[[nodiscard]] DDP_INLINE std::vector<std::size_t> block_offsets(
+    std::span<const std::size_t> counts);
+#if DDP_BODIES
+DDP_INLINE std::vector<std::size_t> block_offsets(std::span<const std::size_t> counts) {
   std::vector<std::size_t> at(counts.size());
   std::size_t sum = 0;
   for (std::size_t j = 0; j < counts.size(); ++j) {
@@ -15461,6 +16778,7 @@ template <class Global>
   }
   return at;
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -15479,8 +16797,12 @@ namespace detail {
 
 /// The sizes round: every rank's plan to every rank (the collective's first round, checked
 /// against `fp`); returns the agreed matrix sends[src * p + dst] (agreed_sizes).
-[[nodiscard]] inline std::vector<std::uint64_t> agree_on_sizes(Transport& t, const UnevenPlan& mine,
-                                                               const Fingerprint& fp) {
+[[nodiscard]] DDP_INLINE std::vector<std::uint64_t> agree_on_sizes(Transport& t,
+                                                                   const UnevenPlan& mine,
+                                                                   const Fingerprint& fp);
+#if DDP_BODIES
+DDP_INLINE std::vector<std::uint64_t> agree_on_sizes(Transport& t, const UnevenPlan& mine,
+                                                     const Fingerprint& fp) {
   const auto p = static_cast<std::size_t>(t.size());
   std::vector<std::uint64_t> row = mine.row(), all(2 * p * p);
   const Buf in{reinterpret_cast<std::byte*>(row.data()), row.size(), DType::uint64};
@@ -15488,6 +16810,7 @@ namespace detail {
   gather_on(t, in, out, -1, fp);
   return agreed_sizes(all, p, t.rank(), to_string(fp), [&](int j) { return t.global(j); });
 }
+#endif  // DDP_BODIES
 
 /// Moves an agreed uneven exchange: rank src sends C[src][dst] elements of its `in`, from
 /// element send_at(dst), to rank dst, which stores them in its `out` from element recv_at(src).
@@ -15563,20 +16886,28 @@ void move_uneven(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
 
 /// all_to_all with split sizes: in_counts[j] elements of `in` (consecutive blocks) to rank j;
 /// out_counts[j] elements from rank j into `out`.
-inline void all_to_all_v_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
-                            std::span<const std::size_t> in_counts,
-                            std::span<const std::size_t> out_counts, const Fingerprint& fp) {
+DDP_INLINE void all_to_all_v_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
+                                std::span<const std::size_t> in_counts,
+                                std::span<const std::size_t> out_counts, const Fingerprint& fp);
+#if DDP_BODIES
+DDP_INLINE void all_to_all_v_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
+                                std::span<const std::size_t> in_counts,
+                                std::span<const std::size_t> out_counts, const Fingerprint& fp) {
   const auto c = agree_on_sizes(t, UnevenPlan::all_to_all(in_counts, out_counts), fp);
   const auto send_at = block_offsets(in_counts), recv_at = block_offsets(out_counts);
   move_uneven(
       t, s, in, out, c, false, [&](int j) { return send_at[static_cast<std::size_t>(j)]; },
       [&](int j) { return recv_at[static_cast<std::size_t>(j)]; });
 }
+#endif  // DDP_BODIES
 
 /// all_gather (root < 0) or gather to `root` with a count per rank: rank j's `in` (counts[j]
 /// elements) into `out` at the sum of the counts before j. `counts` is read where `out` is.
-inline void gather_v_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
-                        std::span<const std::size_t> counts, int root, const Fingerprint& fp) {
+DDP_INLINE void gather_v_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
+                            std::span<const std::size_t> counts, int root, const Fingerprint& fp);
+#if DDP_BODIES
+DDP_INLINE void gather_v_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
+                            std::span<const std::size_t> counts, int root, const Fingerprint& fp) {
   const auto p = static_cast<std::size_t>(t.size());
   const bool receives = root < 0 || root == t.rank();
   const auto c =
@@ -15587,11 +16918,15 @@ inline void gather_v_on(Transport& t, RoundScratch& s, const Buf& in, const Buf&
       t, s, in, out, c, root < 0, [](int) { return std::size_t{0}; },
       [&](int j) { return recv_at[static_cast<std::size_t>(j)]; });
 }
+#endif  // DDP_BODIES
 
 /// scatter with a count per rank: counts[j] elements of root's `in` (consecutive blocks) into
 /// rank j's `out`. `counts` is read on the root.
-inline void scatter_v_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
-                         std::span<const std::size_t> counts, int root, const Fingerprint& fp) {
+DDP_INLINE void scatter_v_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
+                             std::span<const std::size_t> counts, int root, const Fingerprint& fp);
+#if DDP_BODIES
+DDP_INLINE void scatter_v_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
+                             std::span<const std::size_t> counts, int root, const Fingerprint& fp) {
   const auto p = static_cast<std::size_t>(t.size());
   const auto c =
       agree_on_sizes(t, UnevenPlan::scatter(t.size(), t.rank(), out.count, counts, root), fp);
@@ -15601,6 +16936,7 @@ inline void scatter_v_on(Transport& t, RoundScratch& s, const Buf& in, const Buf
       t, s, in, out, c, false, [&](int j) { return send_at[static_cast<std::size_t>(j)]; },
       [](int) { return std::size_t{0}; });
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -15633,11 +16969,7 @@ class Host {
   static constexpr std::string_view name = "host";  ///< The backend's name, in messages.
 
   /// Rendezvous through init.store, choose a transport and connect (see the file comment).
-  [[nodiscard]] static std::unique_ptr<Host> create(const detail::BackendInit& init) {
-    auto host = std::unique_ptr<Host>(new Host(init.rank, init.size));
-    host->net_.connect(init);
-    return host;
-  }
+  [[nodiscard]] static std::unique_ptr<Host> create(const detail::BackendInit& init);
 
   /// This process's rank, 0 .. size()-1.
   [[nodiscard]] int rank() const noexcept { return rank_; }
@@ -15653,10 +16985,7 @@ class Host {
   [[nodiscard]] std::string_view transport() const noexcept { return net_.transport->name(); }
   /// How all_reduce runs: "flat" (every rank on the transport above), or across hosts
   /// "slices" or "leaders" (see HostHierarchy and the file comment).
-  [[nodiscard]] std::string_view hierarchy() const noexcept {
-    const HostHierarchy h = net_.hierarchy.kind;
-    return h == HostHierarchy::slices ? "slices" : h == HostHierarchy::leaders ? "leaders" : "flat";
-  }
+  [[nodiscard]] std::string_view hierarchy() const noexcept;
   /// The smallest all_reduce, in bytes, that copies straight out of the peers' memory (single
   /// copy, see Options::shm_single_copy_bytes); Options::never when none does (tcp, across
   /// hosts, or the kernel does not let these ranks read each other's memory).
@@ -15667,163 +16996,68 @@ class Host {
   [[nodiscard]] static bool supports(const Device& device) noexcept { return device.is_cpu(); }
 
   /// Communicator::all_reduce: in place, each element reduced in rank order.
-  void all_reduce(const detail::Buf& b, ReduceOp op) {
-    const bool across = net_.hierarchy.active();
-    const auto fp =
-        next(detail::Coll::all_reduce, b.dtype, b.fingerprint_count(), -1, op, true, !across);
-    if (across) {
-      net_.hierarchy.all_reduce(scratch_, net_.single, b, op, fp, size_);
-      return;
-    }
-    detail::all_reduce_on(t(), scratch_, b, detail::reduce_fn(b.dtype, op), &fp, &net_.single);
-  }
+  void all_reduce(const detail::Buf& b, ReduceOp op);
 
   /// all_reduce of float32 values that travel and are reduced as `wire` (float16 or bfloat16):
   /// bitwise the result of converting to `wire`, all_reduce on `wire` and converting back, in the
   /// passes over memory of a plain all_reduce, with half its bytes moved (see
   /// detail::all_reduce_as_on).
-  void all_reduce_as(const detail::Buf& b, ReduceOp op, DType wire) {
-    const detail::WireKernels k = detail::wire_kernels(wire, op);
-    if (b.dtype != DType::float32 || k.reduce == nullptr)
-      detail::fail(Errc::invalid_argument, "rank ", rank_, ": all_reduce_as: ", to_string(b.dtype),
-                   " values carried as ", to_string(wire),
-                   " are not supported; compression carries float32 as float16 or bfloat16");
-    const bool across = net_.hierarchy.active();
-    const auto fp =
-        next(detail::Coll::all_reduce, wire, b.fingerprint_count(), -1, op, true, !across);
-    const std::size_t ws = size_of(wire);
-    if (across) {  // converted once each way around the hierarchical all_reduce on `wire`
-      detail::Buf w = b;
-      w.data = detail::RoundScratch::at_least(scratch_.wire, b.count * ws);
-      w.dtype = wire;
-      k.encode(w.data, b.data, b.count);
-      net_.hierarchy.all_reduce(scratch_, net_.single, w, op, fp, size_);
-      k.decode(b.data, w.data, b.count);
-      return;
-    }
-    detail::all_reduce_as_on(t(), scratch_, b, k, ws, fp);
-  }
+  void all_reduce_as(const detail::Buf& b, ReduceOp op, DType wire);
 
   /// Communicator::broadcast: root's `b` copied into every rank's.
-  void broadcast(const detail::Buf& b, int root) {
-    const auto fp =
-        next(detail::Coll::broadcast, b.dtype, b.fingerprint_count(), root, ReduceOp::sum, false);
-    detail::broadcast_on(t(), b, root, &fp);
-  }
+  void broadcast(const detail::Buf& b, int root);
 
   /// Communicator::reduce: the reduction lands in root's `b` only.
-  void reduce(const detail::Buf& b, int root, ReduceOp op) {
-    const auto fp = next(detail::Coll::reduce, b.dtype, b.fingerprint_count(), root, op, true);
-    detail::reduce_on(t(), scratch_, b, detail::reduce_fn(b.dtype, op), root, &fp);
-  }
+  void reduce(const detail::Buf& b, int root, ReduceOp op);
 
   /// Communicator::all_gather: every rank's `in`, in rank order, into every rank's `out`.
-  void all_gather(const detail::Buf& in, const detail::Buf& out) {
-    const auto fp = next(detail::Coll::all_gather, in.dtype, in.count, -1, ReduceOp::sum, false);
-    detail::gather_on(t(), in, out, -1, fp);
-  }
+  void all_gather(const detail::Buf& in, const detail::Buf& out);
   /// Communicator::gather: every rank's `in`, in rank order, into root's `out`.
-  void gather(const detail::Buf& in, const detail::Buf& out, int root) {
-    const auto fp = next(detail::Coll::gather, in.dtype, in.count, root, ReduceOp::sum, false);
-    detail::gather_on(t(), in, out, root, fp);
-  }
+  void gather(const detail::Buf& in, const detail::Buf& out, int root);
 
   /// Communicator::scatter: block r of root's `in` into rank r's `out`.
-  void scatter(const detail::Buf& in, const detail::Buf& out, int root) {
-    const auto fp = next(detail::Coll::scatter, out.dtype, out.count, root, ReduceOp::sum, false);
-    detail::scatter_on(t(), scratch_, in, out, root, fp);
-  }
+  void scatter(const detail::Buf& in, const detail::Buf& out, int root);
 
   /// Communicator::reduce_scatter: block r of the reduction of every rank's `in` into rank r's.
-  void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
-    const auto fp = next(detail::Coll::reduce_scatter, out.dtype, out.count, -1, op, true);
-    detail::reduce_scatter_on(t(), scratch_, in, out, detail::reduce_fn(out.dtype, op), fp);
-  }
+  void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op);
 
   /// Communicator::all_to_all: block j of `in` to rank j, stored as its block r of `out`.
-  void all_to_all(const detail::Buf& in, const detail::Buf& out) {
-    const std::size_t n = in.count / static_cast<std::size_t>(size_);
-    const auto fp = next(detail::Coll::all_to_all, in.dtype, n, -1, ReduceOp::sum, false);
-    detail::all_to_all_on(t(), scratch_, in, out, fp);
-  }
+  void all_to_all(const detail::Buf& in, const detail::Buf& out);
 
   /// Communicator::all_to_all with split sizes (runtime/uneven.hpp).
   void all_to_all_v(const detail::Buf& in, const detail::Buf& out,
                     std::span<const std::size_t> in_counts,
-                    std::span<const std::size_t> out_counts) {
-    const auto fp = next(detail::Coll::all_to_all_v, in.dtype, 0, -1, ReduceOp::sum, false);
-    detail::all_to_all_v_on(t(), scratch_, in, out, in_counts, out_counts, fp);
-  }
+                    std::span<const std::size_t> out_counts);
   /// Communicator::all_gather (root < 0) and gather with a count per rank.
   void gather_v(const detail::Buf& in, const detail::Buf& out, std::span<const std::size_t> counts,
-                int root) {
-    const auto c = root < 0 ? detail::Coll::all_gather_v : detail::Coll::gather_v;
-    const auto fp = next(c, in.dtype, 0, root, ReduceOp::sum, false);
-    detail::gather_v_on(t(), scratch_, in, out, counts, root, fp);
-  }
+                int root);
   /// Communicator::scatter with a count per rank.
   void scatter_v(const detail::Buf& in, const detail::Buf& out, std::span<const std::size_t> counts,
-                 int root) {
-    const auto fp = next(detail::Coll::scatter_v, out.dtype, 0, root, ReduceOp::sum, false);
-    detail::scatter_v_on(t(), scratch_, in, out, counts, root, fp);
-  }
+                 int root);
 
   /// Communicator::barrier: returns once every rank has entered it.
-  void barrier() {
-    const auto fp = next(detail::Coll::barrier, DType::uint8, 0, -1, ReduceOp::sum, false);
-    detail::empty_round(t(), &fp);
-  }
+  void barrier();
 
   /// Communicator::send: `b` to `peer`, matched with its recv() in issue order.
-  void send(const detail::Buf& b, int peer, int tag) {
-    t().send(b, peer, tag, send_seq_[static_cast<std::size_t>(peer)]++);
-  }
+  void send(const detail::Buf& b, int peer, int tag);
   /// Communicator::recv: the next send() from `peer` into `b`, checking its tag, dtype and count.
-  void recv(const detail::Buf& b, int peer, int tag) {
-    t().recv(b, peer, tag, recv_seq_[static_cast<std::size_t>(peer)]++);
-  }
+  void recv(const detail::Buf& b, int peer, int tag);
 
   /// Fails every current and later operation of this communicator with `code`; peers on shared
   /// memory fail too, TCP peers see the connections close. Thread-safe.
-  void abort(Errc code, const std::string& why) {
-    t().abort(code, why);
-    if (net_.hierarchy.local) net_.hierarchy.local->abort(code, why);
-    if (net_.hierarchy.across) net_.hierarchy.across->abort(code, why);
-  }
+  void abort(Errc code, const std::string& why);
 
  private:
   /// The transport of the whole communicator.
   detail::Transport& t() const noexcept { return *net_.transport; }
 
-  Host(int rank, int size)
-      : rank_(rank),
-        size_(size),
-        net_(rank, size),
-        send_seq_(static_cast<std::size_t>(size)),
-        recv_seq_(static_cast<std::size_t>(size)) {}
+  Host(int rank, int size);
 
   /// The next collective's fingerprint, made current on every transport. When all_reduce runs
   /// across hosts, `check_locally`: the other collectives first compare it among the ranks of
   /// this host (Hierarchy::check_locally).
   detail::Fingerprint next(detail::Coll c, DType type, std::size_t count, int root, ReduceOp op,
-                           bool has_op, bool check_locally = true) {
-    detail::Fingerprint f;
-    f.seq = seq_++;
-    f.count = count;
-    f.root = root;
-    f.coll = c;
-    f.dtype = type;
-    f.op = op;
-    f.has_op = has_op ? 1 : 0;
-    for (detail::Transport* tr :
-         {net_.transport.get(), net_.hierarchy.local.get(), net_.hierarchy.across.get()}) {
-      if (tr == nullptr) continue;
-      tr->current = f;
-      tr->has_current = true;
-    }
-    if (check_locally) net_.hierarchy.check_locally(f, net_.transport.get());
-    return f;
-  }
+                           bool has_op, bool check_locally = true);
 
   int rank_;
   int size_;
@@ -15832,6 +17066,155 @@ class Host {
   std::vector<std::uint64_t> send_seq_, recv_seq_;
   detail::RoundScratch scratch_;
 };
+
+#if DDP_BODIES
+DDP_INLINE std::unique_ptr<Host> Host::create(const detail::BackendInit& init) {
+  auto host = std::unique_ptr<Host>(new Host(init.rank, init.size));
+  host->net_.connect(init);
+  return host;
+}
+
+DDP_INLINE std::string_view Host::hierarchy() const noexcept {
+  const HostHierarchy h = net_.hierarchy.kind;
+  return h == HostHierarchy::slices ? "slices" : h == HostHierarchy::leaders ? "leaders" : "flat";
+}
+
+DDP_INLINE void Host::all_reduce(const detail::Buf& b, ReduceOp op) {
+  const bool across = net_.hierarchy.active();
+  const auto fp =
+      next(detail::Coll::all_reduce, b.dtype, b.fingerprint_count(), -1, op, true, !across);
+  if (across) {
+    net_.hierarchy.all_reduce(scratch_, net_.single, b, op, fp, size_);
+    return;
+  }
+  detail::all_reduce_on(t(), scratch_, b, detail::reduce_fn(b.dtype, op), &fp, &net_.single);
+}
+
+DDP_INLINE void Host::all_reduce_as(const detail::Buf& b, ReduceOp op, DType wire) {
+  const detail::WireKernels k = detail::wire_kernels(wire, op);
+  if (b.dtype != DType::float32 || k.reduce == nullptr)
+    detail::fail(Errc::invalid_argument, "rank ", rank_, ": all_reduce_as: ", to_string(b.dtype),
+                 " values carried as ", to_string(wire),
+                 " are not supported; compression carries float32 as float16 or bfloat16");
+  const bool across = net_.hierarchy.active();
+  const auto fp =
+      next(detail::Coll::all_reduce, wire, b.fingerprint_count(), -1, op, true, !across);
+  const std::size_t ws = size_of(wire);
+  if (across) {  // converted once each way around the hierarchical all_reduce on `wire`
+    detail::Buf w = b;
+    w.data = detail::RoundScratch::at_least(scratch_.wire, b.count * ws);
+    w.dtype = wire;
+    k.encode(w.data, b.data, b.count);
+    net_.hierarchy.all_reduce(scratch_, net_.single, w, op, fp, size_);
+    k.decode(b.data, w.data, b.count);
+    return;
+  }
+  detail::all_reduce_as_on(t(), scratch_, b, k, ws, fp);
+}
+
+DDP_INLINE void Host::broadcast(const detail::Buf& b, int root) {
+  const auto fp =
+      next(detail::Coll::broadcast, b.dtype, b.fingerprint_count(), root, ReduceOp::sum, false);
+  detail::broadcast_on(t(), b, root, &fp);
+}
+
+DDP_INLINE void Host::reduce(const detail::Buf& b, int root, ReduceOp op) {
+  const auto fp = next(detail::Coll::reduce, b.dtype, b.fingerprint_count(), root, op, true);
+  detail::reduce_on(t(), scratch_, b, detail::reduce_fn(b.dtype, op), root, &fp);
+}
+
+DDP_INLINE void Host::all_gather(const detail::Buf& in, const detail::Buf& out) {
+  const auto fp = next(detail::Coll::all_gather, in.dtype, in.count, -1, ReduceOp::sum, false);
+  detail::gather_on(t(), in, out, -1, fp);
+}
+
+DDP_INLINE void Host::gather(const detail::Buf& in, const detail::Buf& out, int root) {
+  const auto fp = next(detail::Coll::gather, in.dtype, in.count, root, ReduceOp::sum, false);
+  detail::gather_on(t(), in, out, root, fp);
+}
+
+DDP_INLINE void Host::scatter(const detail::Buf& in, const detail::Buf& out, int root) {
+  const auto fp = next(detail::Coll::scatter, out.dtype, out.count, root, ReduceOp::sum, false);
+  detail::scatter_on(t(), scratch_, in, out, root, fp);
+}
+
+DDP_INLINE void Host::reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
+  const auto fp = next(detail::Coll::reduce_scatter, out.dtype, out.count, -1, op, true);
+  detail::reduce_scatter_on(t(), scratch_, in, out, detail::reduce_fn(out.dtype, op), fp);
+}
+
+DDP_INLINE void Host::all_to_all(const detail::Buf& in, const detail::Buf& out) {
+  const std::size_t n = in.count / static_cast<std::size_t>(size_);
+  const auto fp = next(detail::Coll::all_to_all, in.dtype, n, -1, ReduceOp::sum, false);
+  detail::all_to_all_on(t(), scratch_, in, out, fp);
+}
+
+DDP_INLINE void Host::all_to_all_v(const detail::Buf& in, const detail::Buf& out,
+                                   std::span<const std::size_t> in_counts,
+                                   std::span<const std::size_t> out_counts) {
+  const auto fp = next(detail::Coll::all_to_all_v, in.dtype, 0, -1, ReduceOp::sum, false);
+  detail::all_to_all_v_on(t(), scratch_, in, out, in_counts, out_counts, fp);
+}
+
+DDP_INLINE void Host::gather_v(const detail::Buf& in, const detail::Buf& out,
+                               std::span<const std::size_t> counts, int root) {
+  const auto c = root < 0 ? detail::Coll::all_gather_v : detail::Coll::gather_v;
+  const auto fp = next(c, in.dtype, 0, root, ReduceOp::sum, false);
+  detail::gather_v_on(t(), scratch_, in, out, counts, root, fp);
+}
+
+DDP_INLINE void Host::scatter_v(const detail::Buf& in, const detail::Buf& out,
+                                std::span<const std::size_t> counts, int root) {
+  const auto fp = next(detail::Coll::scatter_v, out.dtype, 0, root, ReduceOp::sum, false);
+  detail::scatter_v_on(t(), scratch_, in, out, counts, root, fp);
+}
+
+DDP_INLINE void Host::barrier() {
+  const auto fp = next(detail::Coll::barrier, DType::uint8, 0, -1, ReduceOp::sum, false);
+  detail::empty_round(t(), &fp);
+}
+
+DDP_INLINE void Host::send(const detail::Buf& b, int peer, int tag) {
+  t().send(b, peer, tag, send_seq_[static_cast<std::size_t>(peer)]++);
+}
+
+DDP_INLINE void Host::recv(const detail::Buf& b, int peer, int tag) {
+  t().recv(b, peer, tag, recv_seq_[static_cast<std::size_t>(peer)]++);
+}
+
+DDP_INLINE void Host::abort(Errc code, const std::string& why) {
+  t().abort(code, why);
+  if (net_.hierarchy.local) net_.hierarchy.local->abort(code, why);
+  if (net_.hierarchy.across) net_.hierarchy.across->abort(code, why);
+}
+
+DDP_INLINE Host::Host(int rank, int size)
+    : rank_(rank),
+      size_(size),
+      net_(rank, size),
+      send_seq_(static_cast<std::size_t>(size)),
+      recv_seq_(static_cast<std::size_t>(size)) {}
+
+DDP_INLINE detail::Fingerprint Host::next(detail::Coll c, DType type, std::size_t count, int root,
+                                          ReduceOp op, bool has_op, bool check_locally) {
+  detail::Fingerprint f;
+  f.seq = seq_++;
+  f.count = count;
+  f.root = root;
+  f.coll = c;
+  f.dtype = type;
+  f.op = op;
+  f.has_op = has_op ? 1 : 0;
+  for (detail::Transport* tr :
+       {net_.transport.get(), net_.hierarchy.local.get(), net_.hierarchy.across.get()}) {
+    if (tr == nullptr) continue;
+    tr->current = f;
+    tr->has_current = true;
+  }
+  if (check_locally) net_.hierarchy.check_locally(f, net_.transport.get());
+  return f;
+}
+#endif  // DDP_BODIES
 
 }  // namespace backend
 DDP_END_NAMESPACE
@@ -17670,65 +19053,22 @@ class NcclClique {
   /// One NCCL communicator per device of `devices` (empty: every device this process sees),
   /// created together by ncclCommInitAll. A device may appear once.
   explicit NcclClique(std::vector<int> devices = {},
-                      std::chrono::milliseconds timeout = std::chrono::minutes(5))
-      : devices_(std::move(devices)), timeout_(timeout) {
-    const int visible = cuda_device_count();
-    if (devices_.empty()) {
-      for (int d = 0; d < visible; ++d) devices_.push_back(d);
-      if (devices_.empty()) {
-        detail::fail(Errc::invalid_argument,
-                     "NcclClique: this process sees no CUDA device; check CUDA_VISIBLE_DEVICES "
-                     "and the driver");
-      }
-    }
-    for (std::size_t i = 0; i < devices_.size(); ++i) {
-      const int d = devices_[i];
-      if (d < 0 || d >= visible) {
-        detail::fail(Errc::invalid_argument, "NcclClique: device ", d,
-                     " does not exist (this process sees ", visible, " device(s))");
-      }
-      if (std::find(devices_.begin(), devices_.begin() + static_cast<std::ptrdiff_t>(i), d) !=
-          devices_.begin() + static_cast<std::ptrdiff_t>(i)) {
-        detail::fail(Errc::invalid_argument, "NcclClique: device ", d,
-                     " is listed twice; NCCL drives each device of a clique once");
-      }
-    }
-    slots_.reserve(devices_.size());
-    for (const int d : devices_) {
-      const CudaDeviceGuard g(d);
-      slots_.push_back(std::make_unique<Slot>(d));
-    }
-    comms_.assign(devices_.size(), nullptr);
-    const auto rc = ncclCommInitAll(comms_.data(), size(), devices_.data());
-    if (rc != ncclSuccess) {
-      comms_.clear();
-      detail::fail(detail::nccl_errc(rc), "NcclClique: ncclCommInitAll over ", size(),
-                   " device(s) failed: ", ncclGetErrorString(rc));
-    }
-  }
+                      std::chrono::milliseconds timeout = std::chrono::minutes(5));
 
   NcclClique(const NcclClique&) = delete;
   NcclClique& operator=(const NcclClique&) = delete;
-  ~NcclClique() {
-    for (std::size_t i = 0; i < comms_.size(); ++i) {
-      if (comms_[i] == nullptr) continue;
-      const CudaDeviceGuard g(devices_[i]);
-      (void)ncclCommDestroy(comms_[i]);
-    }
-  }
+  ~NcclClique();
 
   /// The number of devices.
   [[nodiscard]] int size() const noexcept { return static_cast<int>(devices_.size()); }
   /// The CUDA devices of the clique, slot by slot.
   [[nodiscard]] const std::vector<int>& devices() const noexcept { return devices_; }
   /// The CUDA device of slot i.
-  [[nodiscard]] int device(int i) const { return devices_.at(static_cast<std::size_t>(i)); }
+  [[nodiscard]] int device(int i) const;
   /// The clique's own stream on slot i's device.
-  [[nodiscard]] cudaStream_t stream(int i) const {
-    return slots_.at(static_cast<std::size_t>(i))->stream.get();
-  }
+  [[nodiscard]] cudaStream_t stream(int i) const;
   /// Slot i's NCCL communicator (owned by the clique).
-  [[nodiscard]] ncclComm_t comm(int i) const { return comms_.at(static_cast<std::size_t>(i)); }
+  [[nodiscard]] ncclComm_t comm(int i) const;
 
   /// tensors[i] = op over all tensors, on every device.
   template <TensorRange R>
@@ -17798,7 +19138,7 @@ class NcclClique {
 
  private:
   struct Slot {
-    explicit Slot(int device) : stream(device) {}
+    explicit Slot(int device);
     CudaStream stream;
     CudaEvent ready, done;  // created with the slot's device current
   };
@@ -17837,27 +19177,11 @@ class NcclClique {
     return out;
   }
 
-  static void same_shape(const std::vector<detail::Buf>& bs, const char* what) {
-    for (std::size_t i = 1; i < bs.size(); ++i) {
-      if (bs[i].dtype != bs[0].dtype || bs[i].count != bs[0].count) {
-        detail::fail(Errc::mismatch, "NcclClique: ", what, ": tensor ", i, " is ",
-                     to_string(bs[i].dtype), " x ", bs[i].count, " but tensor 0 is ",
-                     to_string(bs[0].dtype), " x ", bs[0].count,
-                     "; every device's tensor must have the same dtype and size");
-      }
-    }
-  }
+  static void same_shape(const std::vector<detail::Buf>& bs, const char* what);
 
   /// `big` must hold size() times `small`'s elements, of the same dtype.
   static void paired(const std::vector<detail::Buf>& small, const std::vector<detail::Buf>& big,
-                     std::size_t want, const char* what, const char* rule) {
-    if (big[0].dtype != small[0].dtype || big[0].count != want) {
-      detail::fail(Errc::invalid_argument, "NcclClique: ", what, ": `in` is ",
-                   to_string(small[0].dtype), " x ", small[0].count, " and `out` ",
-                   to_string(big[0].dtype), " x ", big[0].count, ", but ", rule,
-                   " elements of the same dtype are needed");
-    }
-  }
+                     std::size_t want, const char* what, const char* rule);
 
   void check_op(ReduceOp op, DType t, const char* what) const {
     detail::check_op(op, t, "NcclClique", -1, what);
@@ -17918,21 +19242,9 @@ class NcclClique {
     }
   }
 
-  void abort_all() { aborter_.abort(std::exchange(comms_, {}), devices_); }
+  void abort_all();
 
-  [[noreturn]] void give_up(const char* what, ncclResult_t rc, const char* where) {
-    std::string last;
-    for (const auto c : comms_) {
-      const char* text = ncclGetLastError(c);
-      if (text != nullptr && *text != '\0') {
-        last = detail::concat(" (", text, ")");
-        break;
-      }
-    }
-    abort_all();
-    detail::fail(detail::nccl_errc(rc), "NcclClique: ", what, ": ", where,
-                 " failed: ", ncclGetErrorString(rc), last, "; the clique was aborted");
-  }
+  [[noreturn]] void give_up(const char* what, ncclResult_t rc, const char* where);
 
   std::vector<int> devices_;
   std::chrono::milliseconds timeout_;
@@ -17940,6 +19252,103 @@ class NcclClique {
   std::vector<ncclComm_t> comms_;
   detail::NcclAborter aborter_;  // last: joined before the streams are freed
 };
+
+#if DDP_BODIES
+DDP_INLINE NcclClique::NcclClique(std::vector<int> devices, std::chrono::milliseconds timeout)
+    : devices_(std::move(devices)), timeout_(timeout) {
+  const int visible = cuda_device_count();
+  if (devices_.empty()) {
+    for (int d = 0; d < visible; ++d) devices_.push_back(d);
+    if (devices_.empty()) {
+      detail::fail(Errc::invalid_argument,
+                   "NcclClique: this process sees no CUDA device; check CUDA_VISIBLE_DEVICES "
+                   "and the driver");
+    }
+  }
+  for (std::size_t i = 0; i < devices_.size(); ++i) {
+    const int d = devices_[i];
+    if (d < 0 || d >= visible) {
+      detail::fail(Errc::invalid_argument, "NcclClique: device ", d,
+                   " does not exist (this process sees ", visible, " device(s))");
+    }
+    if (std::find(devices_.begin(), devices_.begin() + static_cast<std::ptrdiff_t>(i), d) !=
+        devices_.begin() + static_cast<std::ptrdiff_t>(i)) {
+      detail::fail(Errc::invalid_argument, "NcclClique: device ", d,
+                   " is listed twice; NCCL drives each device of a clique once");
+    }
+  }
+  slots_.reserve(devices_.size());
+  for (const int d : devices_) {
+    const CudaDeviceGuard g(d);
+    slots_.push_back(std::make_unique<Slot>(d));
+  }
+  comms_.assign(devices_.size(), nullptr);
+  const auto rc = ncclCommInitAll(comms_.data(), size(), devices_.data());
+  if (rc != ncclSuccess) {
+    comms_.clear();
+    detail::fail(detail::nccl_errc(rc), "NcclClique: ncclCommInitAll over ", size(),
+                 " device(s) failed: ", ncclGetErrorString(rc));
+  }
+}
+
+DDP_INLINE NcclClique::~NcclClique() {
+  for (std::size_t i = 0; i < comms_.size(); ++i) {
+    if (comms_[i] == nullptr) continue;
+    const CudaDeviceGuard g(devices_[i]);
+    (void)ncclCommDestroy(comms_[i]);
+  }
+}
+
+DDP_INLINE int NcclClique::device(int i) const { return devices_.at(static_cast<std::size_t>(i)); }
+
+DDP_INLINE cudaStream_t NcclClique::stream(int i) const {
+  return slots_.at(static_cast<std::size_t>(i))->stream.get();
+}
+
+DDP_INLINE ncclComm_t NcclClique::comm(int i) const {
+  return comms_.at(static_cast<std::size_t>(i));
+}
+
+DDP_INLINE NcclClique::Slot::Slot(int device) : stream(device) {}
+
+DDP_INLINE void NcclClique::same_shape(const std::vector<detail::Buf>& bs, const char* what) {
+  for (std::size_t i = 1; i < bs.size(); ++i) {
+    if (bs[i].dtype != bs[0].dtype || bs[i].count != bs[0].count) {
+      detail::fail(Errc::mismatch, "NcclClique: ", what, ": tensor ", i, " is ",
+                   to_string(bs[i].dtype), " x ", bs[i].count, " but tensor 0 is ",
+                   to_string(bs[0].dtype), " x ", bs[0].count,
+                   "; every device's tensor must have the same dtype and size");
+    }
+  }
+}
+
+DDP_INLINE void NcclClique::paired(const std::vector<detail::Buf>& small,
+                                   const std::vector<detail::Buf>& big, std::size_t want,
+                                   const char* what, const char* rule) {
+  if (big[0].dtype != small[0].dtype || big[0].count != want) {
+    detail::fail(Errc::invalid_argument, "NcclClique: ", what, ": `in` is ",
+                 to_string(small[0].dtype), " x ", small[0].count, " and `out` ",
+                 to_string(big[0].dtype), " x ", big[0].count, ", but ", rule,
+                 " elements of the same dtype are needed");
+  }
+}
+
+DDP_INLINE void NcclClique::abort_all() { aborter_.abort(std::exchange(comms_, {}), devices_); }
+
+DDP_INLINE void NcclClique::give_up(const char* what, ncclResult_t rc, const char* where) {
+  std::string last;
+  for (const auto c : comms_) {
+    const char* text = ncclGetLastError(c);
+    if (text != nullptr && *text != '\0') {
+      last = detail::concat(" (", text, ")");
+      break;
+    }
+  }
+  abort_all();
+  detail::fail(detail::nccl_errc(rc), "NcclClique: ", what, ": ", where,
+               " failed: ", ncclGetErrorString(rc), last, "; the clique was aborted");
+}
+#endif  // DDP_BODIES
 
 DDP_END_NAMESPACE
 // end ddp/multi_gpu.hpp
@@ -18011,7 +19420,9 @@ struct SpawnOptions {
 
 namespace detail {
 
-inline std::string describe_status(int status) {
+DDP_INLINE std::string describe_status(int status);
+#if DDP_BODIES
+DDP_INLINE std::string describe_status(int status) {
   if (WIFEXITED(status)) return concat("exited with status ", WEXITSTATUS(status));
   if (WIFSIGNALED(status)) {
     const int sig = WTERMSIG(status);
@@ -18020,12 +19431,16 @@ inline std::string describe_status(int status) {
   }
   return "stopped";
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 
 /// Runs fn(env) in nprocs forked processes and waits for all of them (see the file comment).
-inline void spawn(int nprocs, const std::function<void(Environment)>& fn,
-                  const SpawnOptions& options = {}) {
+DDP_INLINE void spawn(int nprocs, const std::function<void(Environment)>& fn,
+                      const SpawnOptions& options = {});
+#if DDP_BODIES
+DDP_INLINE void spawn(int nprocs, const std::function<void(Environment)>& fn,
+                      const SpawnOptions& options) {
   if (nprocs < 1)
     detail::fail(Errc::invalid_argument, "spawn: nprocs must be at least 1, got ", nprocs);
   std::fflush(nullptr);
@@ -18174,6 +19589,7 @@ inline void spawn(int nprocs, const std::function<void(Environment)>& fn,
                  detail::describe_status(c.status));
   }
 }
+#endif  // DDP_BODIES
 
 DDP_END_NAMESPACE
 // end ddp/spawn.hpp
@@ -18258,19 +19674,27 @@ DDP_BEGIN_NAMESPACE
 namespace detail {
 
 /// The directory `path` is in: "." for a bare name, "/" for a file in the root.
-inline std::string parent_dir(const std::string& path) {
+DDP_INLINE std::string parent_dir(const std::string& path);
+#if DDP_BODIES
+DDP_INLINE std::string parent_dir(const std::string& path) {
   const std::size_t slash = path.rfind('/');
   return slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
 }
+#endif  // DDP_BODIES
 
 /// The last component of `path`.
-inline std::string base_name(const std::string& path) {
+DDP_INLINE std::string base_name(const std::string& path);
+#if DDP_BODIES
+DDP_INLINE std::string base_name(const std::string& path) {
   const std::size_t slash = path.rfind('/');
   return slash == std::string::npos ? path : path.substr(slash + 1);
 }
+#endif  // DDP_BODIES
 
 /// What a file of mode `m` is, for messages; nullptr for a regular file.
-inline const char* file_kind(mode_t m) noexcept {
+DDP_INLINE const char* file_kind(mode_t m) noexcept;
+#if DDP_BODIES
+DDP_INLINE const char* file_kind(mode_t m) noexcept {
   if (S_ISREG(m)) return nullptr;
   if (S_ISLNK(m)) return "a symbolic link";
   if (S_ISDIR(m)) return "a directory";
@@ -18279,21 +19703,27 @@ inline const char* file_kind(mode_t m) noexcept {
   if (S_ISCHR(m) || S_ISBLK(m)) return "a device";
   return "not a regular file";
 }
+#endif  // DDP_BODIES
 
 /// What `path` is when something other than a regular file is there ("a symbolic link", "a
 /// FIFO", ...), not following a link and not opening it; nullptr for a regular file or nothing.
-inline const char* non_regular(const std::string& path) noexcept {
+DDP_INLINE const char* non_regular(const std::string& path) noexcept;
+#if DDP_BODIES
+DDP_INLINE const char* non_regular(const std::string& path) noexcept {
   struct stat st {};
   if (::lstat(path.c_str(), &st) != 0)
     return nullptr;  // nothing there (or unreachable: the
                      // open or rename that follows says why)
   return file_kind(st.st_mode);
 }
+#endif  // DDP_BODIES
 
 /// Flushes directory `dir`, so that a rename or an unlink in it is on disk. Returns 0, or the
 /// errno of a failed flush (EIO); where directories cannot be flushed at all (EINVAL, EROFS) it
 /// counts as done.
-inline int sync_dir(const std::string& dir) noexcept {
+DDP_INLINE int sync_dir(const std::string& dir) noexcept;
+#if DDP_BODIES
+DDP_INLINE int sync_dir(const std::string& dir) noexcept {
   const int d = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NONBLOCK | O_CLOEXEC);
   if (d < 0) return 0;  // e.g. no read permission on the directory: nothing to flush through
   const int rc = ::fsync(d);
@@ -18301,10 +19731,13 @@ inline int sync_dir(const std::string& dir) noexcept {
   ::close(d);
   return err == EINVAL || err == EROFS || err == EBADF ? 0 : err;
 }
+#endif  // DDP_BODIES
 
 /// The rest of the names of the regular files "<base_name(stem)>.<rest>" in stem's directory, in
 /// no particular order. Fails with Errc::system when the directory cannot be read.
-inline std::vector<std::string> suffixes(const std::string& stem) {
+DDP_INLINE std::vector<std::string> suffixes(const std::string& stem);
+#if DDP_BODIES
+DDP_INLINE std::vector<std::string> suffixes(const std::string& stem) {
   const std::string dir = parent_dir(stem);
   const std::string prefix = base_name(stem) + ".";
   DIR* d = ::opendir(dir.c_str());
@@ -18322,10 +19755,13 @@ inline std::vector<std::string> suffixes(const std::string& stem) {
   ::closedir(d);
   return out;
 }
+#endif  // DDP_BODIES
 
 /// Whether process `pid` has ended on this host: it does not exist, or is a zombie (dead, not yet
 /// reaped by its parent). A process of another user counts as running.
-inline bool process_gone(long pid) noexcept {
+DDP_INLINE bool process_gone(long pid) noexcept;
+#if DDP_BODIES
+DDP_INLINE bool process_gone(long pid) noexcept {
   if (::kill(static_cast<pid_t>(pid), 0) != 0) return errno == ESRCH;
   char path[64];
   std::snprintf(path, sizeof path, "/proc/%ld/stat", pid);
@@ -18340,11 +19776,14 @@ inline bool process_gone(long pid) noexcept {
       std::strrchr(buf, ')');  // "<pid> (<name>) <state> ...": the name may hold ')'
   return paren != nullptr && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
 }
+#endif  // DDP_BODIES
 
 /// Removes the temporaries "<family>.tmp.<pid>[.<anything>]" (StagedFile's, and the older
 /// "<path>.tmp.<pid>") that a process killed mid-save left behind: those whose process has ended
 /// on this host (a zombie included) and that nobody holds locked. Best effort; never throws.
-inline void remove_abandoned(const std::string& family) noexcept {
+DDP_INLINE void remove_abandoned(const std::string& family) noexcept;
+#if DDP_BODIES
+DDP_INLINE void remove_abandoned(const std::string& family) noexcept {
   const std::string dir = parent_dir(family);
   const std::string prefix = base_name(family) + ".tmp.";
   DIR* d = ::opendir(dir.c_str());
@@ -18371,6 +19810,7 @@ inline void remove_abandoned(const std::string& family) noexcept {
   }
   ::closedir(d);
 }
+#endif  // DDP_BODIES
 
 /// A temporary file "<family>.tmp.<pid>.<16 hex digits>" in family's directory, created with
 /// O_EXCL | O_NOFOLLOW (a link or anything else planted under its name is never written through;
@@ -18379,30 +19819,10 @@ inline void remove_abandoned(const std::string& family) noexcept {
 /// released. Errors are Errc::system, "<what>: <action> <file>: <reason>".
 class StagedFile {
  public:
-  StagedFile(const std::string& family, std::string what) : what_(std::move(what)) {
-    for (int attempt = 0;; ++attempt) {
-      const auto r = random_value<std::uint64_t>();
-      char hex[17];
-      for (int i = 0; i < 16; ++i) hex[i] = "0123456789abcdef"[(r >> (4 * i)) & 15];
-      hex[16] = '\0';
-      name_ = concat(family, ".tmp.", ::getpid(), ".", hex);
-      fd_ = ::open(name_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
-      if (fd_ >= 0) break;
-      if (errno != EEXIST || attempt == 16) {
-        const int err = errno;
-        name_.clear();
-        errno = err;
-        io_fail("cannot create a file next to ", family);
-      }
-    }
-    (void)::flock(fd_, LOCK_EX | LOCK_NB);  // new and exclusive: nobody else holds it
-  }
+  StagedFile(const std::string& family, std::string what);
   StagedFile(const StagedFile&) = delete;
   StagedFile& operator=(const StagedFile&) = delete;
-  StagedFile(StagedFile&& o) noexcept
-      : what_(std::move(o.what_)),
-        name_(std::exchange(o.name_, {})),
-        fd_(std::exchange(o.fd_, -1)) {}
+  StagedFile(StagedFile&& o) noexcept;
   StagedFile& operator=(StagedFile&&) = delete;
   ~StagedFile() { discard(); }
 
@@ -18410,54 +19830,18 @@ class StagedFile {
   [[nodiscard]] const std::string& name() const noexcept { return name_; }
 
   /// Writes all of `bytes` and flushes them to disk; on failure the file is removed.
-  void write(std::string_view bytes) {
-    const char* p = bytes.data();
-    std::size_t left = bytes.size();
-    while (left > 0) {
-      const ssize_t n = ::write(fd_, p, left);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) {
-        failed(n < 0 ? errno : ENOSPC, "cannot write ", bytes.size(), " bytes to ", name_);
-      }
-      p += n;
-      left -= static_cast<std::size_t>(n);
-    }
-    if (::fsync(fd_) != 0) failed(errno, "cannot flush ", name_, " to disk");
-  }
+  void write(std::string_view bytes);
 
   /// Renames the file to `to` and flushes the directory, so that `to` is the new file in one
   /// step. `to` must be a regular file or nothing (Errc::invalid_argument otherwise: a link is
   /// not replaced, nor written through).
-  void commit(const std::string& to) {
-    if (const char* kind = non_regular(to)) {
-      discard();
-      fail(Errc::invalid_argument, what_, ": ", to, " is ", kind,
-           ", not a regular file: refusing to replace it; remove it, or choose another path");
-    }
-    // close() reports what the file system could not write back (NFS does so there).
-    if (::close(std::exchange(fd_, -1)) != 0 && errno != EINTR)
-      failed(errno, "cannot write ", name_, " (close)");
-    if (::rename(name_.c_str(), to.c_str()) != 0)
-      failed(errno, "cannot rename ", name_, " to ", to);
-    name_.clear();
-    if (const int err = sync_dir(parent_dir(to)); err != 0) {
-      errno = err;
-      io_fail("cannot flush the directory of ", to, " to disk");
-    }
-  }
+  void commit(const std::string& to);
 
   /// Gives the file up without removing it (it is closed and unlocked); returns its name.
-  std::string release() noexcept {
-    if (fd_ >= 0) ::close(std::exchange(fd_, -1));
-    return std::exchange(name_, {});
-  }
+  std::string release() noexcept;
 
   /// Removes the file (when there is one).
-  void discard() noexcept {
-    if (!name_.empty()) ::unlink(name_.c_str());
-    name_.clear();
-    if (fd_ >= 0) ::close(std::exchange(fd_, -1));
-  }
+  void discard() noexcept;
 
  private:
   template <class... A>
@@ -18476,6 +19860,74 @@ class StagedFile {
   std::string name_;
   int fd_ = -1;
 };
+
+#if DDP_BODIES
+DDP_INLINE StagedFile::StagedFile(const std::string& family, std::string what)
+    : what_(std::move(what)) {
+  for (int attempt = 0;; ++attempt) {
+    const auto r = random_value<std::uint64_t>();
+    char hex[17];
+    for (int i = 0; i < 16; ++i) hex[i] = "0123456789abcdef"[(r >> (4 * i)) & 15];
+    hex[16] = '\0';
+    name_ = concat(family, ".tmp.", ::getpid(), ".", hex);
+    fd_ = ::open(name_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd_ >= 0) break;
+    if (errno != EEXIST || attempt == 16) {
+      const int err = errno;
+      name_.clear();
+      errno = err;
+      io_fail("cannot create a file next to ", family);
+    }
+  }
+  (void)::flock(fd_, LOCK_EX | LOCK_NB);  // new and exclusive: nobody else holds it
+}
+
+DDP_INLINE StagedFile::StagedFile(StagedFile&& o) noexcept
+    : what_(std::move(o.what_)), name_(std::exchange(o.name_, {})), fd_(std::exchange(o.fd_, -1)) {}
+
+DDP_INLINE void StagedFile::write(std::string_view bytes) {
+  const char* p = bytes.data();
+  std::size_t left = bytes.size();
+  while (left > 0) {
+    const ssize_t n = ::write(fd_, p, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      failed(n < 0 ? errno : ENOSPC, "cannot write ", bytes.size(), " bytes to ", name_);
+    }
+    p += n;
+    left -= static_cast<std::size_t>(n);
+  }
+  if (::fsync(fd_) != 0) failed(errno, "cannot flush ", name_, " to disk");
+}
+
+DDP_INLINE void StagedFile::commit(const std::string& to) {
+  if (const char* kind = non_regular(to)) {
+    discard();
+    fail(Errc::invalid_argument, what_, ": ", to, " is ", kind,
+         ", not a regular file: refusing to replace it; remove it, or choose another path");
+  }
+  // close() reports what the file system could not write back (NFS does so there).
+  if (::close(std::exchange(fd_, -1)) != 0 && errno != EINTR)
+    failed(errno, "cannot write ", name_, " (close)");
+  if (::rename(name_.c_str(), to.c_str()) != 0) failed(errno, "cannot rename ", name_, " to ", to);
+  name_.clear();
+  if (const int err = sync_dir(parent_dir(to)); err != 0) {
+    errno = err;
+    io_fail("cannot flush the directory of ", to, " to disk");
+  }
+}
+
+DDP_INLINE std::string StagedFile::release() noexcept {
+  if (fd_ >= 0) ::close(std::exchange(fd_, -1));
+  return std::exchange(name_, {});
+}
+
+DDP_INLINE void StagedFile::discard() noexcept {
+  if (!name_.empty()) ::unlink(name_.c_str());
+  name_.clear();
+  if (fd_ >= 0) ::close(std::exchange(fd_, -1));
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
@@ -18552,45 +20004,56 @@ struct ShardLayout {
   std::vector<ShardRange> ranges;  ///< This rank's pieces, in the order of its values.
 
   /// Elements held: the pieces' sizes added up.
-  [[nodiscard]] std::size_t elements() const noexcept {
-    std::size_t n = 0;
-    for (const ShardRange& r : ranges) n += r.size;
-    return n;
-  }
+  [[nodiscard]] std::size_t elements() const noexcept;
   /// Rank `rank` of `world`'s share when each array is cut into `world` contiguous blocks, the
   /// first size % world of them one element longer (a block may be empty): the layout
   /// load_sharded_checkpoint gives a section on a world size other than the one that saved it.
-  [[nodiscard]] static ShardLayout even(std::vector<std::size_t> sizes, int rank, int world) {
-    if (world < 1 || rank < 0 || rank >= world)
-      detail::fail(Errc::invalid_argument, "ShardLayout::even: rank ", rank, " of ", world,
-                   " ranks");
-    ShardLayout out;
-    const auto p = static_cast<std::size_t>(world), r = static_cast<std::size_t>(rank);
-    for (std::size_t a = 0; a < sizes.size(); ++a) {
-      const std::size_t n = sizes[a], base = n / p, extra = n % p;
-      const std::size_t size = base + (r < extra ? 1 : 0);
-      if (size != 0) out.ranges.push_back({a, r * base + std::min(r, extra), size});
-    }
-    out.sizes = std::move(sizes);
-    return out;
-  }
+  [[nodiscard]] static ShardLayout even(std::vector<std::size_t> sizes, int rank, int world);
   /// Equal when the sizes and the pieces (in order) are.
   friend bool operator==(const ShardLayout&, const ShardLayout&) = default;
 };
+
+#if DDP_BODIES
+DDP_INLINE std::size_t ShardLayout::elements() const noexcept {
+  std::size_t n = 0;
+  for (const ShardRange& r : ranges) n += r.size;
+  return n;
+}
+
+DDP_INLINE ShardLayout ShardLayout::even(std::vector<std::size_t> sizes, int rank, int world) {
+  if (world < 1 || rank < 0 || rank >= world)
+    detail::fail(Errc::invalid_argument, "ShardLayout::even: rank ", rank, " of ", world, " ranks");
+  ShardLayout out;
+  const auto p = static_cast<std::size_t>(world), r = static_cast<std::size_t>(rank);
+  for (std::size_t a = 0; a < sizes.size(); ++a) {
+    const std::size_t n = sizes[a], base = n / p, extra = n % p;
+    const std::size_t size = base + (r < extra ? 1 : 0);
+    if (size != 0) out.ranges.push_back({a, r * base + std::min(r, extra), size});
+  }
+  out.sizes = std::move(sizes);
+  return out;
+}
+#endif  // DDP_BODIES
 
 namespace detail {
 /// The companion section of sharded section `name`: its element size and layout.
 inline std::string layout_section(std::string_view name) { return concat("ddp.sharded.", name); }
 /// A layout and its element size as words: bytes, array count, sizes, then (array, offset, size)
 /// per piece.
-inline std::vector<std::uint64_t> layout_words(std::size_t element_bytes, const ShardLayout& l) {
+DDP_INLINE std::vector<std::uint64_t> layout_words(std::size_t element_bytes, const ShardLayout& l);
+#if DDP_BODIES
+DDP_INLINE std::vector<std::uint64_t> layout_words(std::size_t element_bytes,
+                                                   const ShardLayout& l) {
   std::vector<std::uint64_t> w{element_bytes, l.sizes.size()};
   w.insert(w.end(), l.sizes.begin(), l.sizes.end());
   for (const ShardRange& r : l.ranges) w.insert(w.end(), {r.array, r.offset, r.size});
   return w;
 }
+#endif  // DDP_BODIES
 /// Errc::invalid_argument (`what`: where it came from) unless `l`'s pieces lie within its arrays.
-inline void check_layout(const ShardLayout& l, std::string_view what) {
+DDP_INLINE void check_layout(const ShardLayout& l, std::string_view what);
+#if DDP_BODIES
+DDP_INLINE void check_layout(const ShardLayout& l, std::string_view what) {
   for (const ShardRange& r : l.ranges) {
     if (r.array >= l.sizes.size() || r.offset > l.sizes[r.array] ||
         r.size > l.sizes[r.array] - r.offset)
@@ -18598,9 +20061,13 @@ inline void check_layout(const ShardLayout& l, std::string_view what) {
            ") of array ", r.array, " lies outside the ", l.sizes.size(), " arrays' sizes");
   }
 }
+#endif  // DDP_BODIES
 /// layout_words back: the element size and the layout; Errc::protocol when malformed.
-inline std::pair<std::size_t, ShardLayout> layout_of_words(const std::vector<std::uint64_t>& w,
-                                                           std::string_view what) {
+DDP_INLINE std::pair<std::size_t, ShardLayout> layout_of_words(const std::vector<std::uint64_t>& w,
+                                                               std::string_view what);
+#if DDP_BODIES
+DDP_INLINE std::pair<std::size_t, ShardLayout> layout_of_words(const std::vector<std::uint64_t>& w,
+                                                               std::string_view what) {
   const auto bad = [&] {
     fail(Errc::protocol, what, ": the layout of a sharded section is damaged");
   };
@@ -18617,24 +20084,14 @@ inline std::pair<std::size_t, ShardLayout> layout_of_words(const std::vector<std
   }
   return {static_cast<std::size_t>(w[0]), std::move(l)};
 }
+#endif  // DDP_BODIES
 }  // namespace detail
 
 /// Named sections of bytes (see the file comment).
 class Checkpoint {
  public:
   /// Sets section `name` to `bytes` (replacing one of that name).
-  Checkpoint& put(std::string_view name, std::span<const std::byte> bytes) {
-    check_name(name);
-    for (auto& [n, b] : sections_) {
-      if (n == name) {
-        b.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
-        return *this;
-      }
-    }
-    sections_.emplace_back(std::string(name),
-                           std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
-    return *this;
-  }
+  Checkpoint& put(std::string_view name, std::span<const std::byte> bytes);
   /// Section `name` holds the bytes of `values` (a contiguous range of trivially copyable
   /// elements: floats, a std::vector<double>, a std::span).
   template <class R>
@@ -18676,31 +20133,15 @@ class Checkpoint {
   }
   /// The layout of sharded section `name` (put_sharded), or std::nullopt for a section that is
   /// not sharded.
-  [[nodiscard]] std::optional<ShardLayout> sharded_layout(std::string_view name) const {
-    const std::string companion = detail::layout_section(name);
-    if (!contains(companion)) return std::nullopt;
-    return detail::layout_of_words(get_object<std::vector<std::uint64_t>>(companion), name).second;
-  }
+  [[nodiscard]] std::optional<ShardLayout> sharded_layout(std::string_view name) const;
 
   /// Whether there is a section named `name`.
-  [[nodiscard]] bool contains(std::string_view name) const noexcept {
-    for (const auto& s : sections_) {
-      if (s.first == name) return true;
-    }
-    return false;
-  }
+  [[nodiscard]] bool contains(std::string_view name) const noexcept;
   /// The sections' names, in the order they were first put.
-  [[nodiscard]] std::vector<std::string> names() const {
-    std::vector<std::string> out;
-    for (const auto& s : sections_) out.push_back(s.first);
-    return out;
-  }
+  [[nodiscard]] std::vector<std::string> names() const;
   /// Section `name`'s bytes; Errc::invalid_argument naming it (and the sections there are) when
   /// there is none.
-  [[nodiscard]] std::span<const std::byte> get(std::string_view name) const {
-    const std::string& b = section(name);
-    return std::as_bytes(std::span(b.data(), b.size()));
-  }
+  [[nodiscard]] std::span<const std::byte> get(std::string_view name) const;
   /// Copies section `name` into `out`, which must have exactly its size.
   template <class T>
     requires std::is_trivially_copyable_v<T> &&
@@ -18731,78 +20172,12 @@ class Checkpoint {
     using Section = std::pair<std::string_view, std::string_view>;
     /// The bytes of the file this checkpoint would be with the `extra` sections added (sections
     /// of those names already there are left out), without copying the checkpoint.
-    [[nodiscard]] std::string serialize_with(std::span<const Section> extra) const {
-      std::string out;
-      serialize_into(out, extra);
-      return out;
-    }
+    [[nodiscard]] std::string serialize_with(std::span<const Section> extra) const;
     /// serialize_with() into `out` (its memory reused: no allocation when it is large enough).
-    void serialize_into(std::string& out, std::span<const Section> extra) const {
-      std::vector<Section> all;
-      for (const auto& [n, b] : sections_) {
-        bool replaced = false;
-        for (const auto& e : extra) replaced = replaced || e.first == n;
-        if (!replaced) all.emplace_back(n, b);
-      }
-      for (const auto& e : extra) {
-        check_name(e.first);
-        all.push_back(e);
-      }
-      std::size_t size = sizeof magic + 16;
-      for (const auto& [n, b] : all) size += 16 + n.size() + b.size();
-      out.clear();
-      out.reserve(size);
-      out.append(magic, sizeof magic);
-      put_u64(out, all.size());
-      for (const auto& [n, b] : all) {
-        put_u64(out, n.size());
-        out += n;
-        put_u64(out, b.size());
-      }
-      for (const auto& sec : all) out += sec.second;
-      put_u64(out, checksum(out.data(), out.size()));
-    }
+    void serialize_into(std::string& out, std::span<const Section> extra) const;
     /// Parses and verifies the bytes of a checkpoint file; Errc::protocol saying what is wrong,
     /// with `what` (e.g. the path) in the message.
-    [[nodiscard]] static Checkpoint parse(std::string_view bytes, std::string_view what) {
-      const auto bad = [&](auto&&... why) {
-        detail::fail(Errc::protocol, "Checkpoint: ", what, ": ", why...);
-      };
-      if (bytes.size() < sizeof magic || std::memcmp(bytes.data(), magic, sizeof magic) != 0)
-        bad("not a ddp checkpoint (it does not start with DDPCKPT1)");
-      if (bytes.size() < sizeof magic + 16) bad("truncated: ", bytes.size(), " bytes");
-      const std::size_t body = bytes.size() - 8;
-      if (get_u64(bytes, body) != checksum(bytes.data(), body))
-        bad("the checksum does not match: the file is truncated or corrupt (", bytes.size(),
-            " bytes)");
-      std::size_t at = sizeof magic;
-      const auto read = [&](std::size_t n) {
-        if (n > body - at) bad("truncated or corrupt: a length runs past the end");
-        const std::size_t from = at;
-        at += n;
-        return from;
-      };
-      const std::uint64_t count = get_u64(bytes, read(8));
-      if (count > (body - at) / 16) bad("corrupt: ", count, " sections cannot fit");
-      Checkpoint ck;
-      std::vector<std::uint64_t> lens;
-      for (std::uint64_t i = 0; i < count; ++i) {
-        const std::uint64_t n = get_u64(bytes, read(8));
-        if (n > body - at) bad("truncated or corrupt: a name runs past the end");
-        std::string name(
-            bytes.substr(read(static_cast<std::size_t>(n)), static_cast<std::size_t>(n)));
-        lens.push_back(get_u64(bytes, read(8)));
-        ck.sections_.emplace_back(std::move(name), std::string());
-      }
-      for (std::uint64_t i = 0; i < count; ++i) {
-        const std::uint64_t n = lens[static_cast<std::size_t>(i)];
-        if (n > body - at) bad("truncated or corrupt: section ", i, " runs past the end");
-        ck.sections_[static_cast<std::size_t>(i)].second = std::string(
-            bytes.substr(read(static_cast<std::size_t>(n)), static_cast<std::size_t>(n)));
-      }
-      if (at != body) bad("corrupt: ", body - at, " bytes after the last section");
-      return ck;
-    }
+    [[nodiscard]] static Checkpoint parse(std::string_view bytes, std::string_view what);
 
     /// Writes the checkpoint to `path` atomically (see the file comment); Errc::system naming the
     /// path and the reason (a full disk, a missing directory, permissions) on failure, leaving any
@@ -18810,13 +20185,7 @@ class Checkpoint {
     /// regular file is at `path` (a symbolic link, a FIFO, a directory): it is neither replaced
     /// nor written through. Temporary files that earlier saves to `path` left behind when their
     /// process was killed are removed.
-    void save(const std::string& path) const {
-      check_target(path);
-      detail::StagedFile f(path, "Checkpoint");
-      f.write(serialize());
-      f.commit(path);
-      detail::remove_abandoned(path);
-    }
+    void save(const std::string& path) const;
 
     /// The first half of save(): writes the checkpoint to a temporary file next to `path` and
     /// flushes it to disk; returns that file's name (for commit() or discard()).
@@ -18826,33 +20195,11 @@ class Checkpoint {
     /// stage() of given file bytes (from serialize() or serialize_with()). The temporary file is
     /// created exclusively under an unpredictable name ("<path>.tmp.<pid>.<random>"), never
     /// through a link.
-    [[nodiscard]] static std::string stage_bytes(const std::string& path,
-                                                 const std::string& bytes) {
-      check_target(path);
-      detail::StagedFile f(path, "Checkpoint");
-      f.write(bytes);
-      return f.release();
-    }
+    [[nodiscard]] static std::string stage_bytes(const std::string& path, const std::string& bytes);
 
     /// The second half of save(): renames the staged file `tmp` over `path` and flushes the
     /// directory, so the new checkpoint replaces the old one in one step.
-    static void commit(const std::string& tmp, const std::string& path) {
-      if (const char* kind = detail::non_regular(path)) {
-        discard(tmp);
-        refuse_target(path, kind);
-      }
-      if (::rename(tmp.c_str(), path.c_str()) != 0) {
-        const int err = errno;
-        ::unlink(tmp.c_str());
-        errno = err;
-        io_fail("cannot rename ", tmp, " to ", path);
-      }
-      if (const int err = detail::sync_dir(detail::parent_dir(path)); err != 0) {
-        errno = err;
-        io_fail("cannot flush the directory of ", path, " to disk");
-      }
-      detail::remove_abandoned(path);
-    }
+    static void commit(const std::string& tmp, const std::string& path);
 
     /// Removes a staged file that will not be committed.
     static void discard(const std::string& tmp) noexcept { ::unlink(tmp.c_str()); }
@@ -18862,101 +20209,256 @@ class Checkpoint {
     /// cannot be read, Errc::invalid_argument when `path` is not a regular file (a FIFO, a
     /// directory, a device: refused without waiting on it; a symbolic link to a regular file is
     /// followed).
-    [[nodiscard]] static std::optional<Checkpoint> load(const std::string& path) {
-      // O_NONBLOCK: opening a FIFO would otherwise wait for a writer, forever.
-      const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-      if (fd < 0) {
-        if (errno == ENOENT) return std::nullopt;
-        io_fail("cannot open ", path);
-      }
-      struct stat st {};
-      if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        const char* kind = detail::file_kind(st.st_mode);
-        ::close(fd);
-        detail::fail(Errc::invalid_argument, "Checkpoint: ", path, " is ",
-                     kind != nullptr ? kind : "unreadable",
-                     ", not a checkpoint file; remove it, or correct the path");
-      }
-      std::string bytes;
-      bytes.reserve(static_cast<std::size_t>(st.st_size));
-      char buf[1 << 16];
-      for (;;) {
-        const ssize_t n = ::read(fd, buf, sizeof buf);
-        if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-        if (n < 0) {
-          const int err = errno;
-          ::close(fd);
-          errno = err;
-          io_fail("cannot read ", path);
-        }
-        if (n == 0) break;
-        bytes.append(buf, static_cast<std::size_t>(n));
-      }
-      ::close(fd);
-      return parse(bytes, path);
-    }
+    [[nodiscard]] static std::optional<Checkpoint> load(const std::string& path);
 
    private:
     static constexpr char magic[8] = {'D', 'D', 'P', 'C', 'K', 'P', 'T', '1'};
 
-    const std::string& section(std::string_view name) const {
-      for (const auto& s : sections_) {
-        if (s.first == name) return s.second;
-      }
-      std::string have;
-      for (const auto& s : sections_) have += (have.empty() ? "" : ", ") + s.first;
-      detail::fail(Errc::invalid_argument, "Checkpoint: no section \"", name, "\" (it has ",
-                   have.empty() ? std::string("none") : have, ")");
-    }
+    const std::string& section(std::string_view name) const;
     /// Errc::invalid_argument when something other than a regular file is at `path`.
     static void check_target(const std::string& path) {
       if (const char* kind = detail::non_regular(path)) refuse_target(path, kind);
     }
-    [[noreturn]] static void refuse_target(const std::string& path, const char* kind) {
-      detail::fail(Errc::invalid_argument, "Checkpoint: ", path, " is ", kind,
-                   ", not a regular file: a checkpoint neither replaces it nor writes through "
-                   "it; remove it, or choose another path");
-    }
-    static void check_name(std::string_view name) {
-      if (name.empty() || name.size() > 4096)
-        detail::fail(Errc::invalid_argument,
-                     "Checkpoint: a section name must have 1 to 4096 bytes");
-    }
+    [[noreturn]] static void refuse_target(const std::string& path, const char* kind);
+    static void check_name(std::string_view name);
     template <class... A>
     [[noreturn]] static void io_fail(const A&... what) {
       const int err = errno;
       detail::fail(Errc::system, "Checkpoint: ", what..., ": ", std::strerror(err));
     }
-    static void put_u64(std::string& out, std::uint64_t v) {
-      for (int i = 0; i < 8; ++i) out += static_cast<char>((v >> (8 * i)) & 0xff);
-    }
-    static std::uint64_t get_u64(std::string_view in, std::size_t at) {
-      std::uint64_t v = 0;
-      for (int i = 0; i < 8; ++i)
-        v |= static_cast<std::uint64_t>(
-                 static_cast<unsigned char>(in[at + static_cast<std::size_t>(i)]))
-             << (8 * i);
-      return v;
-    }
+    static void put_u64(std::string& out, std::uint64_t v);
+    static std::uint64_t get_u64(std::string_view in, std::size_t at);
     /// A 64-bit checksum (multiply-xorshift over 8-byte words, then the tail and the length):
     /// several GB/s, and any change of a byte or of the length changes it with high probability.
-    static std::uint64_t checksum(const char* data, std::size_t n) {
-      std::uint64_t h = 0x9e3779b97f4a7c15ull ^ n;
-      std::size_t i = 0;
-      for (; i + 8 <= n; i += 8) {
-        std::uint64_t w;
-        std::memcpy(&w, data + i, 8);
-        h = (h ^ w) * 0xff51afd7ed558ccdull;
-        h ^= h >> 32;
-      }
-      for (; i < n; ++i) h = (h ^ static_cast<unsigned char>(data[i])) * 0xc4ceb9fe1a85ec53ull;
-      h ^= h >> 29;
-      h *= 0xbf58476d1ce4e5b9ull;
-      return h ^ (h >> 32);
-    }
+    static std::uint64_t checksum(const char* data, std::size_t n);
 
     std::vector<std::pair<std::string, std::string>> sections_;
 };
+
+#if DDP_BODIES
+DDP_INLINE Checkpoint& Checkpoint::put(std::string_view name, std::span<const std::byte> bytes) {
+  check_name(name);
+  for (auto& [n, b] : sections_) {
+    if (n == name) {
+      b.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+      return *this;
+    }
+  }
+  sections_.emplace_back(std::string(name),
+                         std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+  return *this;
+}
+
+DDP_INLINE std::optional<ShardLayout> Checkpoint::sharded_layout(std::string_view name) const {
+  const std::string companion = detail::layout_section(name);
+  if (!contains(companion)) return std::nullopt;
+  return detail::layout_of_words(get_object<std::vector<std::uint64_t>>(companion), name).second;
+}
+
+DDP_INLINE bool Checkpoint::contains(std::string_view name) const noexcept {
+  for (const auto& s : sections_) {
+    if (s.first == name) return true;
+  }
+  return false;
+}
+
+DDP_INLINE std::vector<std::string> Checkpoint::names() const {
+  std::vector<std::string> out;
+  for (const auto& s : sections_) out.push_back(s.first);
+  return out;
+}
+
+DDP_INLINE std::span<const std::byte> Checkpoint::get(std::string_view name) const {
+  const std::string& b = section(name);
+  return std::as_bytes(std::span(b.data(), b.size()));
+}
+
+DDP_INLINE std::string Checkpoint::serialize_with(std::span<const Section> extra) const {
+  std::string out;
+  serialize_into(out, extra);
+  return out;
+}
+
+DDP_INLINE void Checkpoint::serialize_into(std::string& out, std::span<const Section> extra) const {
+  std::vector<Section> all;
+  for (const auto& [n, b] : sections_) {
+    bool replaced = false;
+    for (const auto& e : extra) replaced = replaced || e.first == n;
+    if (!replaced) all.emplace_back(n, b);
+  }
+  for (const auto& e : extra) {
+    check_name(e.first);
+    all.push_back(e);
+  }
+  std::size_t size = sizeof magic + 16;
+  for (const auto& [n, b] : all) size += 16 + n.size() + b.size();
+  out.clear();
+  out.reserve(size);
+  out.append(magic, sizeof magic);
+  put_u64(out, all.size());
+  for (const auto& [n, b] : all) {
+    put_u64(out, n.size());
+    out += n;
+    put_u64(out, b.size());
+  }
+  for (const auto& sec : all) out += sec.second;
+  put_u64(out, checksum(out.data(), out.size()));
+}
+
+DDP_INLINE Checkpoint Checkpoint::parse(std::string_view bytes, std::string_view what) {
+  const auto bad = [&](auto&&... why) {
+    detail::fail(Errc::protocol, "Checkpoint: ", what, ": ", why...);
+  };
+  if (bytes.size() < sizeof magic || std::memcmp(bytes.data(), magic, sizeof magic) != 0)
+    bad("not a ddp checkpoint (it does not start with DDPCKPT1)");
+  if (bytes.size() < sizeof magic + 16) bad("truncated: ", bytes.size(), " bytes");
+  const std::size_t body = bytes.size() - 8;
+  if (get_u64(bytes, body) != checksum(bytes.data(), body))
+    bad("the checksum does not match: the file is truncated or corrupt (", bytes.size(), " bytes)");
+  std::size_t at = sizeof magic;
+  const auto read = [&](std::size_t n) {
+    if (n > body - at) bad("truncated or corrupt: a length runs past the end");
+    const std::size_t from = at;
+    at += n;
+    return from;
+  };
+  const std::uint64_t count = get_u64(bytes, read(8));
+  if (count > (body - at) / 16) bad("corrupt: ", count, " sections cannot fit");
+  Checkpoint ck;
+  std::vector<std::uint64_t> lens;
+  for (std::uint64_t i = 0; i < count; ++i) {
+    const std::uint64_t n = get_u64(bytes, read(8));
+    if (n > body - at) bad("truncated or corrupt: a name runs past the end");
+    std::string name(bytes.substr(read(static_cast<std::size_t>(n)), static_cast<std::size_t>(n)));
+    lens.push_back(get_u64(bytes, read(8)));
+    ck.sections_.emplace_back(std::move(name), std::string());
+  }
+  for (std::uint64_t i = 0; i < count; ++i) {
+    const std::uint64_t n = lens[static_cast<std::size_t>(i)];
+    if (n > body - at) bad("truncated or corrupt: section ", i, " runs past the end");
+    ck.sections_[static_cast<std::size_t>(i)].second =
+        std::string(bytes.substr(read(static_cast<std::size_t>(n)), static_cast<std::size_t>(n)));
+  }
+  if (at != body) bad("corrupt: ", body - at, " bytes after the last section");
+  return ck;
+}
+
+DDP_INLINE void Checkpoint::save(const std::string& path) const {
+  check_target(path);
+  detail::StagedFile f(path, "Checkpoint");
+  f.write(serialize());
+  f.commit(path);
+  detail::remove_abandoned(path);
+}
+
+DDP_INLINE std::string Checkpoint::stage_bytes(const std::string& path, const std::string& bytes) {
+  check_target(path);
+  detail::StagedFile f(path, "Checkpoint");
+  f.write(bytes);
+  return f.release();
+}
+
+DDP_INLINE void Checkpoint::commit(const std::string& tmp, const std::string& path) {
+  if (const char* kind = detail::non_regular(path)) {
+    discard(tmp);
+    refuse_target(path, kind);
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    errno = err;
+    io_fail("cannot rename ", tmp, " to ", path);
+  }
+  if (const int err = detail::sync_dir(detail::parent_dir(path)); err != 0) {
+    errno = err;
+    io_fail("cannot flush the directory of ", path, " to disk");
+  }
+  detail::remove_abandoned(path);
+}
+
+DDP_INLINE std::optional<Checkpoint> Checkpoint::load(const std::string& path) {
+  // O_NONBLOCK: opening a FIFO would otherwise wait for a writer, forever.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return std::nullopt;
+    io_fail("cannot open ", path);
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    const char* kind = detail::file_kind(st.st_mode);
+    ::close(fd);
+    detail::fail(Errc::invalid_argument, "Checkpoint: ", path, " is ",
+                 kind != nullptr ? kind : "unreadable",
+                 ", not a checkpoint file; remove it, or correct the path");
+  }
+  std::string bytes;
+  bytes.reserve(static_cast<std::size_t>(st.st_size));
+  char buf[1 << 16];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (n < 0) {
+      const int err = errno;
+      ::close(fd);
+      errno = err;
+      io_fail("cannot read ", path);
+    }
+    if (n == 0) break;
+    bytes.append(buf, static_cast<std::size_t>(n));
+  }
+  ::close(fd);
+  return parse(bytes, path);
+}
+
+DDP_INLINE const std::string& Checkpoint::section(std::string_view name) const {
+  for (const auto& s : sections_) {
+    if (s.first == name) return s.second;
+  }
+  std::string have;
+  for (const auto& s : sections_) have += (have.empty() ? "" : ", ") + s.first;
+  detail::fail(Errc::invalid_argument, "Checkpoint: no section \"", name, "\" (it has ",
+               have.empty() ? std::string("none") : have, ")");
+}
+
+DDP_INLINE void Checkpoint::refuse_target(const std::string& path, const char* kind) {
+  detail::fail(Errc::invalid_argument, "Checkpoint: ", path, " is ", kind,
+               ", not a regular file: a checkpoint neither replaces it nor writes through "
+               "it; remove it, or choose another path");
+}
+
+DDP_INLINE void Checkpoint::check_name(std::string_view name) {
+  if (name.empty() || name.size() > 4096)
+    detail::fail(Errc::invalid_argument, "Checkpoint: a section name must have 1 to 4096 bytes");
+}
+
+DDP_INLINE void Checkpoint::put_u64(std::string& out, std::uint64_t v) {
+  for (int i = 0; i < 8; ++i) out += static_cast<char>((v >> (8 * i)) & 0xff);
+}
+
+DDP_INLINE std::uint64_t Checkpoint::get_u64(std::string_view in, std::size_t at) {
+  std::uint64_t v = 0;
+  for (int i = 0; i < 8; ++i)
+    v |=
+        static_cast<std::uint64_t>(static_cast<unsigned char>(in[at + static_cast<std::size_t>(i)]))
+        << (8 * i);
+  return v;
+}
+
+DDP_INLINE std::uint64_t Checkpoint::checksum(const char* data, std::size_t n) {
+  std::uint64_t h = 0x9e3779b97f4a7c15ull ^ n;
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    std::uint64_t w;
+    std::memcpy(&w, data + i, 8);
+    h = (h ^ w) * 0xff51afd7ed558ccdull;
+    h ^= h >> 32;
+  }
+  for (; i < n; ++i) h = (h ^ static_cast<unsigned char>(data[i])) * 0xc4ceb9fe1a85ec53ull;
+  h ^= h >> 29;
+  h *= 0xbf58476d1ce4e5b9ull;
+  return h ^ (h >> 32);
+}
+#endif  // DDP_BODIES
 
 namespace detail {
 /// "<errc number> <message>" of an Error, to send to the other ranks.
@@ -18981,13 +20483,16 @@ void fail_with_first(Comm& comm, const std::vector<std::string>& errors, const c
 
 /// A load from `path` whose directory does not exist is a wrong path, not a fresh start:
 /// Errc::invalid_argument naming it (the save at the end of the first epoch would fail anyway).
-inline void check_directory(const std::string& path, const char* what) {
+DDP_INLINE void check_directory(const std::string& path, const char* what);
+#if DDP_BODIES
+DDP_INLINE void check_directory(const std::string& path, const char* what) {
   const std::string dir = parent_dir(path);
   struct stat st {};
   if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
     fail(Errc::invalid_argument, what, ": the directory ", dir, " of ", path,
          " does not exist; create it, or correct the path");
 }
+#endif  // DDP_BODIES
 }  // namespace detail
 
 /// Collective: rank `root` saves `ck` to `path` (Checkpoint::save); every rank returns once the
@@ -19404,12 +20909,18 @@ void check_same_parameters(Comm& comm, const std::vector<TensorView<T>>& values,
 }
 
 #if !DDP_HAS_CUDA  // host memory only: the copies of ddp/cuda.hpp without their CUDA half
-inline void copy_bytes(void* dst, const void* src, std::size_t n, bool, void*) {
+DDP_INLINE void copy_bytes(void* dst, const void* src, std::size_t n, bool, void*);
+#if DDP_BODIES
+DDP_INLINE void copy_bytes(void* dst, const void* src, std::size_t n, bool, void*) {
   if (n != 0) std::memcpy(dst, src, n);
 }
-inline void zero_bytes(void* dst, std::size_t n, bool, void*) {
+#endif  // DDP_BODIES
+DDP_INLINE void zero_bytes(void* dst, std::size_t n, bool, void*);
+#if DDP_BODIES
+DDP_INLINE void zero_bytes(void* dst, std::size_t n, bool, void*) {
   if (n != 0) std::memset(dst, 0, n);
 }
+#endif  // DDP_BODIES
 inline void sync_stream(bool, void*) {}
 inline void join_streams(bool, void*, void*) {}
 #endif
@@ -19477,30 +20988,7 @@ class TrainingState {
   /// with the rest, then, over a new number of ranks, dealt over them
   /// (DistributedSampler::repartition), so that the samples no rank has taken in this epoch go
   /// to the ranks that remain; over as many, each rank goes on from the same place.
-  TrainingState& track_sampler(std::string name, DistributedSampler& sampler) {
-    Piece piece;
-    piece.name = new_name(std::move(name));
-    piece.kind = 2;
-    piece.describe = [&sampler] { return static_cast<std::uint64_t>(sampler.dataset_size()); };
-    piece.save = [&sampler] { return detail::encode_object(sampler.state()); };
-    piece.load = [&sampler](const std::string& bytes) {
-      const auto s = detail::decode_object<SamplerState>(bytes.data(), bytes.size());
-      sampler = DistributedSampler(static_cast<std::size_t>(s.dataset_size),
-                                   static_cast<int>(s.num_replicas), 0, sampler.options());
-      sampler.restore(s);
-    };
-    piece.regroup = [&sampler](int size, int rank) {
-      const SamplerState s = sampler.state();
-      if (s.num_replicas != static_cast<std::uint64_t>(size)) {
-        sampler.repartition(size, rank);
-      } else {  // as many ranks: each takes its positions from the same place on
-        sampler = DistributedSampler(sampler.dataset_size(), size, rank, sampler.options());
-        sampler.restore(s);
-      }
-    };
-    pieces_.push_back(std::move(piece));
-    return *this;
-  }
+  TrainingState& track_sampler(std::string name, DistributedSampler& sampler);
 
   /// Collective, before the first step: rank 0's tracked state goes to every rank and is
   /// committed there as step 0.
@@ -19590,26 +21078,12 @@ class TrainingState {
   /// What a process must track alike to be admitted to the job (GrowOptions::ticket,
   /// JoinOptions::ticket): each piece's name, kind and size (tensors: bytes; objects: a tag of
   /// their type; samplers: the dataset size), in order.
-  [[nodiscard]] std::string ticket() const {
-    std::string t;
-    for (const Piece& p : pieces_) {
-      const char* kind = p.kind == 0   ? " tensor of bytes "
-                         : p.kind == 1 ? " object "
-                                       : " sampler of ";
-      t += detail::concat(t.empty() ? "" : ";", p.name, kind,
-                          p.where ? p.where().bytes : p.describe());
-    }
-    return t;
-  }
+  [[nodiscard]] std::string ticket() const;
 
   /// Commits made since start() (after restore(): the commit restored).
   [[nodiscard]] std::uint64_t steps() const noexcept { return steps_; }
   /// Bytes of the copy kept aside (the last commit).
-  [[nodiscard]] std::size_t bytes() const noexcept {
-    std::size_t n = 0;
-    for (const Piece& p : pieces_) n += p.saved.size();
-    return n;
-  }
+  [[nodiscard]] std::size_t bytes() const noexcept;
 
  private:
   struct Raw {
@@ -19639,33 +21113,12 @@ class TrainingState {
     }
   }
 
-  std::string new_name(std::string name) const {
-    for (const Piece& p : pieces_)
-      if (p.name == name)
-        detail::fail(Errc::invalid_argument, "TrainingState: \"", name, "\" is tracked twice");
-    return name;
-  }
+  std::string new_name(std::string name) const;
 
-  void add(std::string name, std::function<Raw()> where) {
-    Piece piece;
-    piece.name = new_name(std::move(name));
-    piece.where = std::move(where);
-    pieces_.push_back(std::move(piece));
-  }
+  void add(std::string name, std::function<Raw()> where);
 
   /// The tracked state now, copied aside.
-  void snapshot() {
-    for (Piece& p : pieces_) {
-      if (p.save) {
-        p.saved = p.save();
-        continue;
-      }
-      const Raw r = p.where();
-      p.saved.resize(r.bytes);
-      detail::copy_bytes(p.saved.data(), r.data, r.bytes, r.cuda, r.stream);
-      detail::sync_stream(r.cuda, r.stream);
-    }
-  }
+  void snapshot();
 
   /// Rank `root`'s copy aside to every member, then written back into the tracked state on
   /// every member. The members first compare the sizes of their tensors (every member fails
@@ -19745,6 +21198,79 @@ class TrainingState {
   std::uint64_t steps_ = 0;       // commits made (since start)
   std::uint64_t confirming_ = 0;  // the commit being confirmed (0: none)
 };
+
+#if DDP_BODIES
+DDP_INLINE TrainingState& TrainingState::track_sampler(std::string name,
+                                                       DistributedSampler& sampler) {
+  Piece piece;
+  piece.name = new_name(std::move(name));
+  piece.kind = 2;
+  piece.describe = [&sampler] { return static_cast<std::uint64_t>(sampler.dataset_size()); };
+  piece.save = [&sampler] { return detail::encode_object(sampler.state()); };
+  piece.load = [&sampler](const std::string& bytes) {
+    const auto s = detail::decode_object<SamplerState>(bytes.data(), bytes.size());
+    sampler = DistributedSampler(static_cast<std::size_t>(s.dataset_size),
+                                 static_cast<int>(s.num_replicas), 0, sampler.options());
+    sampler.restore(s);
+  };
+  piece.regroup = [&sampler](int size, int rank) {
+    const SamplerState s = sampler.state();
+    if (s.num_replicas != static_cast<std::uint64_t>(size)) {
+      sampler.repartition(size, rank);
+    } else {  // as many ranks: each takes its positions from the same place on
+      sampler = DistributedSampler(sampler.dataset_size(), size, rank, sampler.options());
+      sampler.restore(s);
+    }
+  };
+  pieces_.push_back(std::move(piece));
+  return *this;
+}
+
+DDP_INLINE std::string TrainingState::ticket() const {
+  std::string t;
+  for (const Piece& p : pieces_) {
+    const char* kind = p.kind == 0   ? " tensor of bytes "
+                       : p.kind == 1 ? " object "
+                                     : " sampler of ";
+    t += detail::concat(t.empty() ? "" : ";", p.name, kind,
+                        p.where ? p.where().bytes : p.describe());
+  }
+  return t;
+}
+
+DDP_INLINE std::size_t TrainingState::bytes() const noexcept {
+  std::size_t n = 0;
+  for (const Piece& p : pieces_) n += p.saved.size();
+  return n;
+}
+
+DDP_INLINE std::string TrainingState::new_name(std::string name) const {
+  for (const Piece& p : pieces_)
+    if (p.name == name)
+      detail::fail(Errc::invalid_argument, "TrainingState: \"", name, "\" is tracked twice");
+  return name;
+}
+
+DDP_INLINE void TrainingState::add(std::string name, std::function<Raw()> where) {
+  Piece piece;
+  piece.name = new_name(std::move(name));
+  piece.where = std::move(where);
+  pieces_.push_back(std::move(piece));
+}
+
+DDP_INLINE void TrainingState::snapshot() {
+  for (Piece& p : pieces_) {
+    if (p.save) {
+      p.saved = p.save();
+      continue;
+    }
+    const Raw r = p.where();
+    p.saved.resize(r.bytes);
+    detail::copy_bytes(p.saved.data(), r.data, r.bytes, r.cuda, r.stream);
+    detail::sync_stream(r.cuda, r.stream);
+  }
+}
+#endif  // DDP_BODIES
 
 DDP_END_NAMESPACE
 // end ddp/training/state.hpp
@@ -20222,8 +21748,11 @@ namespace detail {
 /// The exception in flight, out of bucket k's hook (its gradients: `pieces`), as the ddp::Error
 /// that names the bucket: a ddp::Error keeps its code; anything else is the hook's own fault
 /// (Errc::invalid_argument).
-inline std::exception_ptr hook_error(int rank, const char* who, std::size_t k,
-                                     std::span<const BucketPiece> pieces) {
+DDP_INLINE std::exception_ptr hook_error(int rank, const char* who, std::size_t k,
+                                         std::span<const BucketPiece> pieces);
+#if DDP_BODIES
+DDP_INLINE std::exception_ptr hook_error(int rank, const char* who, std::size_t k,
+                                         std::span<const BucketPiece> pieces) {
   Errc code = Errc::invalid_argument;
   std::string what = "an exception that is not a std::exception", params;
   const char* hint = "; a hook returns the Work of the collectives it started, on every rank";
@@ -20241,6 +21770,7 @@ inline std::exception_ptr hook_error(int rank, const char* who, std::size_t k,
       Error(code, concat("rank ", rank, ": ", who, ": the comm hook failed on bucket ", k,
                          " (parameters ", params, "): ", what, "; the step was dropped", hint)));
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 
@@ -21407,7 +22937,7 @@ struct LoggerOptions {
 class Logger {
  public:
   /// A logger for rank `rank` (rank 0 prints unless `o` says every rank does).
-  explicit Logger(int rank, LoggerOptions o = {}) : rank_(rank), o_(o) {}
+  explicit Logger(int rank, LoggerOptions o = {});
 
   /// Whether this rank prints.
   [[nodiscard]] bool enabled() const noexcept { return o_.every_rank || rank_ == 0; }
@@ -21430,50 +22960,60 @@ class Logger {
   }
 
   /// Writes `text` as it is (with the rank prefix when every rank prints), in one write(2).
-  void write(std::string_view text) const {
-    if (enabled()) write_all(std::string(text));
-  }
+  void write(std::string_view text) const;
 
  private:
-  static std::string vformat(const char* format, va_list args) {
-    va_list again;
-    va_copy(again, args);
-    char small[256];
-    const int n = std::vsnprintf(small, sizeof small, format, args);
-    std::string out;
-    if (n < 0) {
-      out = format;  // a malformed format: print it as it is rather than nothing
-    } else if (static_cast<std::size_t>(n) < sizeof small) {
-      out.assign(small, static_cast<std::size_t>(n));
-    } else {
-      out.resize(static_cast<std::size_t>(n) + 1);
-      std::vsnprintf(out.data(), out.size(), format, again);
-      out.resize(static_cast<std::size_t>(n));
-    }
-    va_end(again);
-    return out;
-  }
+  static std::string vformat(const char* format, va_list args);
 
-  void write_all(std::string text) const {
-    if (o_.every_rank) {
-      // A prefix after the carriage return of a redrawn line, else at the start.
-      const std::string prefix = "[r" + std::to_string(rank_) + "] ";
-      text.insert(!text.empty() && text[0] == '\r' ? 1 : 0, prefix);
-    }
-    const char* p = text.data();
-    std::size_t left = text.size();
-    while (left > 0) {
-      const ssize_t n = ::write(o_.fd, p, left);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) return;  // output closed or full: logging never fails the training
-      p += n;
-      left -= static_cast<std::size_t>(n);
-    }
-  }
+  void write_all(std::string text) const;
 
   int rank_;
   LoggerOptions o_;
 };
+
+#if DDP_BODIES
+DDP_INLINE Logger::Logger(int rank, LoggerOptions o) : rank_(rank), o_(o) {}
+
+DDP_INLINE void Logger::write(std::string_view text) const {
+  if (enabled()) write_all(std::string(text));
+}
+
+DDP_INLINE std::string Logger::vformat(const char* format, va_list args) {
+  va_list again;
+  va_copy(again, args);
+  char small[256];
+  const int n = std::vsnprintf(small, sizeof small, format, args);
+  std::string out;
+  if (n < 0) {
+    out = format;  // a malformed format: print it as it is rather than nothing
+  } else if (static_cast<std::size_t>(n) < sizeof small) {
+    out.assign(small, static_cast<std::size_t>(n));
+  } else {
+    out.resize(static_cast<std::size_t>(n) + 1);
+    std::vsnprintf(out.data(), out.size(), format, again);
+    out.resize(static_cast<std::size_t>(n));
+  }
+  va_end(again);
+  return out;
+}
+
+DDP_INLINE void Logger::write_all(std::string text) const {
+  if (o_.every_rank) {
+    // A prefix after the carriage return of a redrawn line, else at the start.
+    const std::string prefix = "[r" + std::to_string(rank_) + "] ";
+    text.insert(!text.empty() && text[0] == '\r' ? 1 : 0, prefix);
+  }
+  const char* p = text.data();
+  std::size_t left = text.size();
+  while (left > 0) {
+    const ssize_t n = ::write(o_.fd, p, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;  // output closed or full: logging never fails the training
+    p += n;
+    left -= static_cast<std::size_t>(n);
+  }
+}
+#endif  // DDP_BODIES
 
 /// An epoch's progress bar (see the file comment): `total` samples on this rank, `world` ranks
 /// (samples per second are the whole job's: this rank's rate times world, ranks being in step).
@@ -21485,15 +23025,7 @@ class Progress {
   /// A bar labelled `label` (e.g. "epoch 1/5") for `total` samples of this rank, `world` ranks
   /// in step; in a log (not a terminal) a line at each 1/lines_in_logs of the total.
   Progress(const Logger& log, std::string label, std::size_t total, int world = 1,
-           int lines_in_logs = 4)
-      : log_(log),
-        label_(std::move(label)),
-        total_(total),
-        world_(std::max(world, 1)),
-        terminal_(log.enabled() && log.terminal()),
-        lines_(std::max(lines_in_logs, 1)),
-        t0_(std::chrono::steady_clock::now()),
-        last_draw_(t0_) {}
+           int lines_in_logs = 4);
   Progress(const Progress&) = delete;
   Progress& operator=(const Progress&) = delete;
   ~Progress() {
@@ -21502,50 +23034,14 @@ class Progress {
 
   /// `done` of the total samples are processed; redraws when it is time (a terminal: at most 10
   /// times a second; a log: at each 1/lines_in_logs of the total).
-  void update(std::size_t done, std::initializer_list<Value> values = {}) {
-    done_ = std::min(done, total_);
-    if (!log_.enabled()) return;
-    const auto now = std::chrono::steady_clock::now();
-    if (terminal_) {
-      if (now - last_draw_ < std::chrono::milliseconds(100) && done_ < total_) return;
-    } else {
-      const std::size_t next =
-          total_ * static_cast<std::size_t>(logged_ + 1) / static_cast<std::size_t>(lines_);
-      if (done_ < next || logged_ >= lines_) return;
-      while (logged_ < lines_ && done_ >= total_ * static_cast<std::size_t>(logged_ + 1) /
-                                              static_cast<std::size_t>(lines_))
-        ++logged_;
-    }
-    last_draw_ = now;
-    draw(now, values, false);
-  }
+  void update(std::size_t done, std::initializer_list<Value> values = {});
 
   /// The final line (100% or wherever it stopped), ending the redrawn one on a terminal.
-  void finish(std::initializer_list<Value> values = {}) {
-    finished_ = true;
-    if (!log_.enabled()) return;
-    if (!terminal_ && logged_ >= lines_) return;  // the last quarter's line is already out
-    draw(std::chrono::steady_clock::now(), values, true);
-  }
+  void finish(std::initializer_list<Value> values = {});
 
  private:
   void draw(std::chrono::steady_clock::time_point now, std::initializer_list<Value> values,
-            bool last) {
-    const double secs = std::chrono::duration<double>(now - t0_).count();
-    const int pct = total_ == 0 ? 100 : static_cast<int>(100 * done_ / total_);
-    char head[160];
-    std::snprintf(head, sizeof head, "%s%s [%-20s] %3d%%  %.0f samples/s", terminal_ ? "\r" : "",
-                  label_.c_str(), std::string(static_cast<std::size_t>(pct / 5), '#').c_str(), pct,
-                  static_cast<double>(done_) * world_ / std::max(secs, 1e-9));
-    std::string line = head;
-    for (const auto& [name, v] : values) {
-      char buf[64];
-      std::snprintf(buf, sizeof buf, "  %.*s %.4g", static_cast<int>(name.size()), name.data(), v);
-      line += buf;
-    }
-    if (!terminal_ || last) line += '\n';
-    log_.write(line);
-  }
+            bool last);
 
   Logger log_;
   std::string label_;
@@ -21558,6 +23054,62 @@ class Progress {
   bool finished_ = false;
   std::chrono::steady_clock::time_point t0_, last_draw_;
 };
+
+#if DDP_BODIES
+DDP_INLINE Progress::Progress(const Logger& log, std::string label, std::size_t total, int world,
+                              int lines_in_logs)
+    : log_(log),
+      label_(std::move(label)),
+      total_(total),
+      world_(std::max(world, 1)),
+      terminal_(log.enabled() && log.terminal()),
+      lines_(std::max(lines_in_logs, 1)),
+      t0_(std::chrono::steady_clock::now()),
+      last_draw_(t0_) {}
+
+DDP_INLINE void Progress::update(std::size_t done, std::initializer_list<Value> values) {
+  done_ = std::min(done, total_);
+  if (!log_.enabled()) return;
+  const auto now = std::chrono::steady_clock::now();
+  if (terminal_) {
+    if (now - last_draw_ < std::chrono::milliseconds(100) && done_ < total_) return;
+  } else {
+    const std::size_t next =
+        total_ * static_cast<std::size_t>(logged_ + 1) / static_cast<std::size_t>(lines_);
+    if (done_ < next || logged_ >= lines_) return;
+    while (logged_ < lines_ && done_ >= total_ * static_cast<std::size_t>(logged_ + 1) /
+                                            static_cast<std::size_t>(lines_))
+      ++logged_;
+  }
+  last_draw_ = now;
+  draw(now, values, false);
+}
+
+DDP_INLINE void Progress::finish(std::initializer_list<Value> values) {
+  finished_ = true;
+  if (!log_.enabled()) return;
+  if (!terminal_ && logged_ >= lines_) return;  // the last quarter's line is already out
+  draw(std::chrono::steady_clock::now(), values, true);
+}
+
+DDP_INLINE void Progress::draw(std::chrono::steady_clock::time_point now,
+                               std::initializer_list<Value> values, bool last) {
+  const double secs = std::chrono::duration<double>(now - t0_).count();
+  const int pct = total_ == 0 ? 100 : static_cast<int>(100 * done_ / total_);
+  char head[160];
+  std::snprintf(head, sizeof head, "%s%s [%-20s] %3d%%  %.0f samples/s", terminal_ ? "\r" : "",
+                label_.c_str(), std::string(static_cast<std::size_t>(pct / 5), '#').c_str(), pct,
+                static_cast<double>(done_) * world_ / std::max(secs, 1e-9));
+  std::string line = head;
+  for (const auto& [name, v] : values) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "  %.*s %.4g", static_cast<int>(name.size()), name.data(), v);
+    line += buf;
+  }
+  if (!terminal_ || last) line += '\n';
+  log_.write(line);
+}
+#endif  // DDP_BODIES
 
 DDP_END_NAMESPACE
 // end ddp/training/logging.hpp
@@ -21630,18 +23182,9 @@ class MetricValues {
   /// The value named `name`; Errc::invalid_argument naming it when there is none.
   [[nodiscard]] double operator[](std::string_view name) const { return entry(name).value; }
   /// The entry named `name` (value, kind, weight); Errc::invalid_argument when there is none.
-  [[nodiscard]] const Entry& entry(std::string_view name) const {
-    for (const Entry& e : entries_) {
-      if (e.name == name) return e;
-    }
-    detail::fail(Errc::invalid_argument, "MetricValues: no metric named \"", name,
-                 "\" (recorded: ", names(), ")");
-  }
+  [[nodiscard]] const Entry& entry(std::string_view name) const;
   /// Whether a metric named `name` was reduced.
-  [[nodiscard]] bool contains(std::string_view name) const noexcept {
-    return std::any_of(entries_.begin(), entries_.end(),
-                       [&](const Entry& e) { return e.name == name; });
-  }
+  [[nodiscard]] bool contains(std::string_view name) const noexcept;
   /// Every entry, in recording order.
   [[nodiscard]] const std::vector<Entry>& entries() const noexcept { return entries_; }
   /// The number of metrics.
@@ -21651,76 +23194,64 @@ class MetricValues {
 
   /// "loss 0.3412  correct 8923  step_ms 41.2": each value with `digits` significant digits
   /// (%g), in recording order, two spaces apart.
-  [[nodiscard]] std::string format(int digits = 4) const {
-    std::string out;
-    for (const Entry& e : entries_) {
-      char buf[64];
-      std::snprintf(buf, sizeof buf, "%.*g", std::clamp(digits, 1, 17), e.value);
-      if (!out.empty()) out += "  ";
-      out += e.name;
-      out += ' ';
-      out += buf;
-    }
-    return out;
-  }
+  [[nodiscard]] std::string format(int digits = 4) const;
 
  private:
   friend class Metrics;
-  [[nodiscard]] std::string names() const {
-    std::string s;
-    for (const Entry& e : entries_) s += (s.empty() ? "" : ", ") + e.name;
-    return s.empty() ? std::string("none") : s;
-  }
+  [[nodiscard]] std::string names() const;
   std::vector<Entry> entries_;
 };
+
+#if DDP_BODIES
+DDP_INLINE auto MetricValues::entry(std::string_view name) const -> const Entry& {
+  for (const Entry& e : entries_) {
+    if (e.name == name) return e;
+  }
+  detail::fail(Errc::invalid_argument, "MetricValues: no metric named \"", name,
+               "\" (recorded: ", names(), ")");
+}
+
+DDP_INLINE bool MetricValues::contains(std::string_view name) const noexcept {
+  return std::any_of(entries_.begin(), entries_.end(),
+                     [&](const Entry& e) { return e.name == name; });
+}
+
+DDP_INLINE std::string MetricValues::format(int digits) const {
+  std::string out;
+  for (const Entry& e : entries_) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.*g", std::clamp(digits, 1, 17), e.value);
+    if (!out.empty()) out += "  ";
+    out += e.name;
+    out += ' ';
+    out += buf;
+  }
+  return out;
+}
+
+DDP_INLINE std::string MetricValues::names() const {
+  std::string s;
+  for (const Entry& e : entries_) s += (s.empty() ? "" : ", ") + e.name;
+  return s.empty() ? std::string("none") : s;
+}
+#endif  // DDP_BODIES
 
 /// Named scalars recorded on each rank and reduced across ranks in one collective (see the file
 /// comment). Recording is local and cheap; a name keeps the kind it was first recorded with.
 class Metrics {
  public:
   /// Adds `value` to the sum named `name`.
-  Metrics& sum(std::string_view name, double value) {
-    Slot& s = slot(name, MetricKind::sum);
-    s.a += value;
-    s.b += 1;
-    return *this;
-  }
+  Metrics& sum(std::string_view name, double value);
   /// Records `value` as the mean of `weight` samples (a batch's mean loss and its size): the
   /// reduced mean weighs every sample of every rank alike. weight 0 records nothing.
-  Metrics& mean(std::string_view name, double value, double weight = 1.0) {
-    if (!(weight >= 0) || !std::isfinite(weight)) {
-      detail::fail(Errc::invalid_argument, "Metrics::mean(\"", name, "\"): the weight ", weight,
-                   " must be finite and non-negative (a number of samples)");
-    }
-    Slot& s = slot(name, MetricKind::mean);
-    if (weight > 0) {
-      s.a += value * weight;
-      s.b += weight;
-    }
-    return *this;
-  }
+  Metrics& mean(std::string_view name, double value, double weight = 1.0);
   /// Keeps the smallest value recorded as `name`.
-  Metrics& min(std::string_view name, double value) {
-    Slot& s = slot(name, MetricKind::min);
-    s.a = s.b == 0 ? value : std::min(s.a, value);
-    s.b += 1;
-    return *this;
-  }
+  Metrics& min(std::string_view name, double value);
   /// Keeps the largest value recorded as `name`.
-  Metrics& max(std::string_view name, double value) {
-    Slot& s = slot(name, MetricKind::max);
-    s.a = s.b == 0 ? value : std::max(s.a, value);
-    s.b += 1;
-    return *this;
-  }
+  Metrics& max(std::string_view name, double value);
 
   /// This rank's own values (not reduced), for per-rank logs.
-  [[nodiscard]] MetricValues local() const {
-    MetricValues v;
-    for (const Slot& s : slots_)
-      v.entries_.push_back({s.name, s.kind, value_of(s.kind, s.a, s.b), s.b});
-    return v;
-  }
+  [[nodiscard]] MetricValues local() const;
 
   /// Collective: every rank of `comm` calls it, having recorded the same names with the same
   /// kinds in the same order (Errc::mismatch on every rank otherwise). Returns the reduced
@@ -21788,62 +23319,115 @@ class Metrics {
     double b = 0;  // mean: Σ weight; otherwise the number of records
   };
 
-  Slot& slot(std::string_view name, MetricKind kind) {
-    for (Slot& s : slots_) {
-      if (s.name != name) continue;
-      if (s.kind != kind) {
-        detail::fail(Errc::invalid_argument, "Metrics: \"", name, "\" was recorded as a ",
-                     to_string(s.kind), " and now as a ", to_string(kind),
-                     "; a name keeps its kind (clear() forgets it)");
-      }
-      return s;
-    }
-    if (name.empty()) detail::fail(Errc::invalid_argument, "Metrics: a metric needs a name");
-    slots_.push_back({std::string(name), kind});
-    return slots_.back();
-  }
+  Slot& slot(std::string_view name, MetricKind kind);
 
-  static double value_of(MetricKind kind, double a, double b) {
-    if (kind == MetricKind::mean) return b > 0 ? a / b : std::numeric_limits<double>::quiet_NaN();
-    if ((kind == MetricKind::min || kind == MetricKind::max) && b == 0)
-      return std::numeric_limits<double>::quiet_NaN();
-    return a;
-  }
+  static double value_of(MetricKind kind, double a, double b);
 
-  static std::string_view to_string(MetricKind k) noexcept {
-    switch (k) {
-      case MetricKind::sum: return "sum";
-      case MetricKind::mean: return "mean";
-      case MetricKind::min: return "min";
-      case MetricKind::max: return "max";
-    }
-    return "?";
-  }
+  static std::string_view to_string(MetricKind k) noexcept;
 
   /// FNV-1a over the names and kinds, in order.
-  [[nodiscard]] std::uint64_t digest() const noexcept {
-    std::uint64_t h = 0xcbf29ce484222325ull;
-    const auto mix = [&](unsigned char c) {
-      h ^= c;
-      h *= 0x100000001b3ull;
-    };
-    for (const Slot& s : slots_) {
-      for (char c : s.name) mix(static_cast<unsigned char>(c));
-      mix(0);
-      mix(static_cast<unsigned char>(s.kind));
-    }
-    return h;
-  }
+  [[nodiscard]] std::uint64_t digest() const noexcept;
 
-  [[nodiscard]] std::string describe() const {
-    std::string s;
-    for (const Slot& x : slots_)
-      s += detail::concat(s.empty() ? "" : ", ", x.name, " (", to_string(x.kind), ")");
-    return s.empty() ? std::string("no metrics") : "this rank has " + s;
-  }
+  [[nodiscard]] std::string describe() const;
 
   std::vector<Slot> slots_;
 };
+
+#if DDP_BODIES
+DDP_INLINE Metrics& Metrics::sum(std::string_view name, double value) {
+  Slot& s = slot(name, MetricKind::sum);
+  s.a += value;
+  s.b += 1;
+  return *this;
+}
+
+DDP_INLINE Metrics& Metrics::mean(std::string_view name, double value, double weight) {
+  if (!(weight >= 0) || !std::isfinite(weight)) {
+    detail::fail(Errc::invalid_argument, "Metrics::mean(\"", name, "\"): the weight ", weight,
+                 " must be finite and non-negative (a number of samples)");
+  }
+  Slot& s = slot(name, MetricKind::mean);
+  if (weight > 0) {
+    s.a += value * weight;
+    s.b += weight;
+  }
+  return *this;
+}
+
+DDP_INLINE Metrics& Metrics::min(std::string_view name, double value) {
+  Slot& s = slot(name, MetricKind::min);
+  s.a = s.b == 0 ? value : std::min(s.a, value);
+  s.b += 1;
+  return *this;
+}
+
+DDP_INLINE Metrics& Metrics::max(std::string_view name, double value) {
+  Slot& s = slot(name, MetricKind::max);
+  s.a = s.b == 0 ? value : std::max(s.a, value);
+  s.b += 1;
+  return *this;
+}
+
+DDP_INLINE MetricValues Metrics::local() const {
+  MetricValues v;
+  for (const Slot& s : slots_)
+    v.entries_.push_back({s.name, s.kind, value_of(s.kind, s.a, s.b), s.b});
+  return v;
+}
+
+DDP_INLINE auto Metrics::slot(std::string_view name, MetricKind kind) -> Slot& {
+  for (Slot& s : slots_) {
+    if (s.name != name) continue;
+    if (s.kind != kind) {
+      detail::fail(Errc::invalid_argument, "Metrics: \"", name, "\" was recorded as a ",
+                   to_string(s.kind), " and now as a ", to_string(kind),
+                   "; a name keeps its kind (clear() forgets it)");
+    }
+    return s;
+  }
+  if (name.empty()) detail::fail(Errc::invalid_argument, "Metrics: a metric needs a name");
+  slots_.push_back({std::string(name), kind});
+  return slots_.back();
+}
+
+DDP_INLINE double Metrics::value_of(MetricKind kind, double a, double b) {
+  if (kind == MetricKind::mean) return b > 0 ? a / b : std::numeric_limits<double>::quiet_NaN();
+  if ((kind == MetricKind::min || kind == MetricKind::max) && b == 0)
+    return std::numeric_limits<double>::quiet_NaN();
+  return a;
+}
+
+DDP_INLINE std::string_view Metrics::to_string(MetricKind k) noexcept {
+  switch (k) {
+    case MetricKind::sum: return "sum";
+    case MetricKind::mean: return "mean";
+    case MetricKind::min: return "min";
+    case MetricKind::max: return "max";
+  }
+  return "?";
+}
+
+DDP_INLINE std::uint64_t Metrics::digest() const noexcept {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  const auto mix = [&](unsigned char c) {
+    h ^= c;
+    h *= 0x100000001b3ull;
+  };
+  for (const Slot& s : slots_) {
+    for (char c : s.name) mix(static_cast<unsigned char>(c));
+    mix(0);
+    mix(static_cast<unsigned char>(s.kind));
+  }
+  return h;
+}
+
+DDP_INLINE std::string Metrics::describe() const {
+  std::string s;
+  for (const Slot& x : slots_)
+    s += detail::concat(s.empty() ? "" : ", ", x.name, " (", to_string(x.kind), ")");
+  return s.empty() ? std::string("no metrics") : "this rank has " + s;
+}
+#endif  // DDP_BODIES
 
 DDP_END_NAMESPACE
 // end ddp/training/metrics.hpp
@@ -21935,31 +23519,39 @@ namespace detail {
 /// A reproducible standard normal sequence (splitmix64 and Box-Muller).
 class NormalSequence {
  public:
-  explicit NormalSequence(std::uint64_t seed) : s_(seed) {}
-  float next() {
-    if (has_spare_) {
-      has_spare_ = false;
-      return spare_;
-    }
-    const double u1 = (static_cast<double>(bits() >> 11) + 1.0) * 0x1.0p-53;
-    const double u2 = static_cast<double>(bits() >> 11) * 0x1.0p-53;
-    const double r = std::sqrt(-2.0 * std::log(u1)), t = 6.283185307179586 * u2;
-    spare_ = static_cast<float>(r * std::sin(t));
-    has_spare_ = true;
-    return static_cast<float>(r * std::cos(t));
-  }
+  explicit NormalSequence(std::uint64_t seed);
+  float next();
 
  private:
-  std::uint64_t bits() {
-    std::uint64_t z = (s_ += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
+  std::uint64_t bits();
   std::uint64_t s_;
   float spare_ = 0;
   bool has_spare_ = false;
 };
+
+#if DDP_BODIES
+DDP_INLINE NormalSequence::NormalSequence(std::uint64_t seed) : s_(seed) {}
+
+DDP_INLINE float NormalSequence::next() {
+  if (has_spare_) {
+    has_spare_ = false;
+    return spare_;
+  }
+  const double u1 = (static_cast<double>(bits() >> 11) + 1.0) * 0x1.0p-53;
+  const double u2 = static_cast<double>(bits() >> 11) * 0x1.0p-53;
+  const double r = std::sqrt(-2.0 * std::log(u1)), t = 6.283185307179586 * u2;
+  spare_ = static_cast<float>(r * std::sin(t));
+  has_spare_ = true;
+  return static_cast<float>(r * std::cos(t));
+}
+
+DDP_INLINE std::uint64_t NormalSequence::bits() {
+  std::uint64_t z = (s_ += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+#endif  // DDP_BODIES
 
 // The factors are kept transposed, one row per column of P (r x n) and of Q (r x c), so that
 // every loop below runs over contiguous memory.
@@ -21969,7 +23561,9 @@ class NormalSequence {
 /// normalized (`epsilon` added to the norm). A row that is (numerically) in the span of the
 /// ones before it becomes zero: normalizing the rounding noise left of it would add a direction
 /// the data does not have.
-inline void orthogonalize(float* a, std::size_t r, std::size_t n, float epsilon) {
+DDP_INLINE void orthogonalize(float* a, std::size_t r, std::size_t n, float epsilon);
+#if DDP_BODIES
+DDP_INLINE void orthogonalize(float* a, std::size_t r, std::size_t n, float epsilon) {
   const auto dot = [n](const float* x, const float* y) {
     double s = 0;
     for (std::size_t k = 0; k < n; ++k) s += double{x[k]} * y[k];
@@ -21991,14 +23585,18 @@ inline void orthogonalize(float* a, std::size_t r, std::size_t n, float epsilon)
     for (std::size_t k = 0; k < n; ++k) row[k] *= scale;
   }
 }
+#endif  // DDP_BODIES
 
 // Each kernel reads the big matrix m once (it is the gradient: megabytes), in chunks of its
 // rows that stay in the first-level cache while the r factors are applied to them.
 inline constexpr std::size_t powersgd_chunk = 256;
 
 /// pt (r x n) = (m q)^T for m (n x c, row-major) and qt = q^T (r x c).
-inline void times(const float* m, const float* qt, float* pt, std::size_t n, std::size_t c,
-                  std::size_t r) {
+DDP_INLINE void times(const float* m, const float* qt, float* pt, std::size_t n, std::size_t c,
+                      std::size_t r);
+#if DDP_BODIES
+DDP_INLINE void times(const float* m, const float* qt, float* pt, std::size_t n, std::size_t c,
+                      std::size_t r) {
   std::vector<float> acc(r * 8);
   for (std::size_t i = 0; i < n; ++i) {
     const float* row = m + i * c;
@@ -22015,10 +23613,14 @@ inline void times(const float* m, const float* qt, float* pt, std::size_t n, std
     }
   }
 }
+#endif  // DDP_BODIES
 
 /// qt (r x c) = (m^T p)^T for m (n x c) and pt = p^T (r x n).
-inline void times_transposed(const float* m, const float* pt, float* qt, std::size_t n,
-                             std::size_t c, std::size_t r) {
+DDP_INLINE void times_transposed(const float* m, const float* pt, float* qt, std::size_t n,
+                                 std::size_t c, std::size_t r);
+#if DDP_BODIES
+DDP_INLINE void times_transposed(const float* m, const float* pt, float* qt, std::size_t n,
+                                 std::size_t c, std::size_t r) {
   std::fill(qt, qt + r * c, 0.0f);
   for (std::size_t i = 0; i < n; ++i) {
     const float* row = m + i * c;
@@ -22032,11 +23634,15 @@ inline void times_transposed(const float* m, const float* pt, float* qt, std::si
     }
   }
 }
+#endif  // DDP_BODIES
 
 /// m (n x c) = p q^T for pt = p^T (r x n) and qt = q^T (r x c); with `err`, err = what m held
 /// minus what it holds now (error feedback), in the same pass.
-inline void outer(const float* pt, const float* qt, float* m, float* err, std::size_t n,
-                  std::size_t c, std::size_t r) {
+DDP_INLINE void outer(const float* pt, const float* qt, float* m, float* err, std::size_t n,
+                      std::size_t c, std::size_t r);
+#if DDP_BODIES
+DDP_INLINE void outer(const float* pt, const float* qt, float* m, float* err, std::size_t n,
+                      std::size_t c, std::size_t r) {
   float out[powersgd_chunk];
   for (std::size_t i = 0; i < n; ++i) {
     float* row = m + i * c;
@@ -22054,6 +23660,7 @@ inline void outer(const float* pt, const float* qt, float* m, float* err, std::s
     }
   }
 }
+#endif  // DDP_BODIES
 
 }  // namespace detail
 
@@ -22062,19 +23669,10 @@ inline void outer(const float* pt, const float* qt, float* m, float* err, std::s
 class PowerSGDHook {
  public:
   /// A hook with its own state (checked: rank >= 1, min_compression_rate >= 0).
-  explicit PowerSGDHook(PowerSGDOptions o = {}) : s_(std::make_shared<State>()) {
-    if (o.rank == 0) detail::fail(Errc::invalid_argument, "PowerSGDHook: rank must be at least 1");
-    if (!(o.min_compression_rate >= 0))
-      detail::fail(Errc::invalid_argument,
-                   "PowerSGDHook: min_compression_rate must not be negative");
-    s_->o = o;
-  }
+  explicit PowerSGDHook(PowerSGDOptions o = {});
 
   /// What has been sent so far.
-  [[nodiscard]] PowerSGDStats stats() const {
-    std::lock_guard lock(s_->mutex);
-    return s_->stats;
-  }
+  [[nodiscard]] PowerSGDStats stats() const;
   /// The settings it was made with.
   [[nodiscard]] const PowerSGDOptions& options() const noexcept { return s_->o; }
 
@@ -22198,6 +23796,20 @@ class PowerSGDHook {
   };
   std::shared_ptr<State> s_;
 };
+
+#if DDP_BODIES
+DDP_INLINE PowerSGDHook::PowerSGDHook(PowerSGDOptions o) : s_(std::make_shared<State>()) {
+  if (o.rank == 0) detail::fail(Errc::invalid_argument, "PowerSGDHook: rank must be at least 1");
+  if (!(o.min_compression_rate >= 0))
+    detail::fail(Errc::invalid_argument, "PowerSGDHook: min_compression_rate must not be negative");
+  s_->o = o;
+}
+
+DDP_INLINE PowerSGDStats PowerSGDHook::stats() const {
+  std::lock_guard lock(s_->mutex);
+  return s_->stats;
+}
+#endif  // DDP_BODIES
 
 DDP_END_NAMESPACE
 // end ddp/training/powersgd.hpp
@@ -22341,7 +23953,9 @@ struct ShardFile {
   friend auto operator<=>(const ShardFile&, const ShardFile&) = default;
 };
 
-inline std::string shard_file_path(const std::string& path, const ShardFile& f) {
+DDP_INLINE std::string shard_file_path(const std::string& path, const ShardFile& f);
+#if DDP_BODIES
+DDP_INLINE std::string shard_file_path(const std::string& path, const ShardFile& f) {
   std::string out = concat(path, ".rank", f.rank, "-of-", f.world);
   if (f.g == 0) return out;
   char hex[17];
@@ -22349,9 +23963,12 @@ inline std::string shard_file_path(const std::string& path, const ShardFile& f) 
   hex[16] = '\0';
   return concat(out, ".", f.g, ".", hex);
 }
+#endif  // DDP_BODIES
 
 /// Digits without a leading zero ("0" itself allowed) as a number.
-inline bool parse_decimal(std::string_view t, std::uint64_t& v) {
+DDP_INLINE bool parse_decimal(std::string_view t, std::uint64_t& v);
+#if DDP_BODIES
+DDP_INLINE bool parse_decimal(std::string_view t, std::uint64_t& v) {
   if (t.empty() || t.size() > 18 || (t[0] == '0' && t.size() > 1)) return false;
   v = 0;
   for (const char c : t) {
@@ -22360,9 +23977,12 @@ inline bool parse_decimal(std::string_view t, std::uint64_t& v) {
   }
   return true;
 }
+#endif  // DDP_BODIES
 
 /// Every shard file of `path` (any rank, any world size) in its directory, newest first.
-inline std::vector<ShardFile> shard_files(const std::string& path) {
+DDP_INLINE std::vector<ShardFile> shard_files(const std::string& path);
+#if DDP_BODIES
+DDP_INLINE std::vector<ShardFile> shard_files(const std::string& path) {
   std::vector<ShardFile> out;
   for (const std::string& rest : suffixes(path)) {  // "rankK-of-N[.G.<16 hex>]"
     const std::string_view r = rest;
@@ -22394,6 +24014,7 @@ inline std::vector<ShardFile> shard_files(const std::string& path) {
   std::sort(out.begin(), out.end(), std::greater<>());
   return out;
 }
+#endif  // DDP_BODIES
 
 /// The save load_sharded_checkpoint takes: its world size N, generation, id, and which rank
 /// reads each old rank's file.
@@ -22477,13 +24098,18 @@ std::optional<ShardSet> choose_shard_set(Comm& comm, const std::string& path,
 /// for a sharded one.
 using FileInfo = std::vector<std::pair<std::string, std::vector<std::uint64_t>>>;
 
-inline std::uint64_t section_checksum(std::span<const std::byte> b) {
+DDP_INLINE std::uint64_t section_checksum(std::span<const std::byte> b);
+#if DDP_BODIES
+DDP_INLINE std::uint64_t section_checksum(std::span<const std::byte> b) {
   std::uint64_t h = 0xcbf29ce484222325ull ^ b.size();
   for (const std::byte c : b) h = (h ^ static_cast<std::uint64_t>(c)) * 0x100000001b3ull;
   return h;
 }
+#endif  // DDP_BODIES
 
-inline FileInfo describe(const Checkpoint& ck, const std::string& file) {
+DDP_INLINE FileInfo describe(const Checkpoint& ck, const std::string& file);
+#if DDP_BODIES
+DDP_INLINE FileInfo describe(const Checkpoint& ck, const std::string& file) {
   FileInfo info;
   for (const std::string& name : ck.names()) {
     if (name == "ddp.shard" || name.rfind("ddp.sharded.", 0) == 0) continue;
@@ -22505,6 +24131,7 @@ inline FileInfo describe(const Checkpoint& ck, const std::string& file) {
   }
   return info;
 }
+#endif  // DDP_BODIES
 
 /// Calls f(destination element, source element, count) for each run of elements that old
 /// layout `from` and new layout `to` share, in `to`'s order, then `from`'s.
@@ -22789,17 +24416,9 @@ struct MirrorAccess;
 class ShardMirror {
  public:
   /// Bytes held on this rank (its own shards and its neighbour's, of the saves kept).
-  [[nodiscard]] std::size_t bytes() const noexcept {
-    std::size_t n = 0;
-    for (const Save& s : saves_) n += s.own.size() + s.next.size();
-    return n;
-  }
+  [[nodiscard]] std::size_t bytes() const noexcept;
   /// The tags of the saves kept on this rank, oldest first.
-  [[nodiscard]] std::vector<std::uint64_t> tags() const {
-    std::vector<std::uint64_t> t;
-    for (const Save& s : saves_) t.push_back(s.tag);
-    return t;
-  }
+  [[nodiscard]] std::vector<std::uint64_t> tags() const;
   /// Forgets every save.
   void clear() noexcept { saves_.clear(); }
 
@@ -22812,6 +24431,20 @@ class ShardMirror {
   static constexpr std::size_t kept = 2;
   std::vector<Save> saves_;  // oldest first
 };
+
+#if DDP_BODIES
+DDP_INLINE std::size_t ShardMirror::bytes() const noexcept {
+  std::size_t n = 0;
+  for (const Save& s : saves_) n += s.own.size() + s.next.size();
+  return n;
+}
+
+DDP_INLINE std::vector<std::uint64_t> ShardMirror::tags() const {
+  std::vector<std::uint64_t> t;
+  for (const Save& s : saves_) t.push_back(s.tag);
+  return t;
+}
+#endif  // DDP_BODIES
 
 namespace detail {
 
@@ -22939,19 +24572,8 @@ struct MirrorAccess {
 
  private:
   /// The unsharded sections of `state` (not put with put_sharded), named with their checksums.
-  static std::vector<std::pair<std::string, std::uint64_t>> plain_sections(const Checkpoint& c) {
-    std::vector<std::pair<std::string, std::uint64_t>> out;
-    for (const std::string& name : c.names())
-      if (!c.sharded_layout(name) && name.rfind("ddp.sharded.", 0) != 0)
-        out.emplace_back(name, section_checksum(c.get(name)));
-    return out;
-  }
-  static std::uint64_t plain_checksum(const Checkpoint& c) {
-    std::uint64_t h = 0;
-    for (const auto& [name, sum] : plain_sections(c))
-      h = (h ^ section_checksum(std::as_bytes(std::span(name.data(), name.size())))) * 31 + sum;
-    return h;
-  }
+  static std::vector<std::pair<std::string, std::uint64_t>> plain_sections(const Checkpoint& c);
+  static std::uint64_t plain_checksum(const Checkpoint& c);
   /// Collective (every rank found that rank `r`'s unsharded sections differ from rank 0's):
   /// Errc::mismatch naming the first section that differs.
   template <class Comm>
@@ -22975,14 +24597,36 @@ struct MirrorAccess {
          "): after a loss they go to every survivor, so they "
          "must be the same on every rank; put per-rank state with Checkpoint::put_sharded");
   }
-  static std::span<std::uint8_t> bytes(std::string& s) {
-    return {reinterpret_cast<std::uint8_t*>(s.data()), s.size()};
-  }
-  static std::string name(std::uint64_t k, const ShardSet& set) {
-    return concat("the in-memory copy of rank ", k, "'s shard (save ", set.g, " of ", set.world,
-                  " ranks)");
-  }
+  static std::span<std::uint8_t> bytes(std::string& s);
+  static std::string name(std::uint64_t k, const ShardSet& set);
 };
+
+#if DDP_BODIES
+DDP_INLINE std::vector<std::pair<std::string, std::uint64_t>> MirrorAccess::plain_sections(
+    const Checkpoint& c) {
+  std::vector<std::pair<std::string, std::uint64_t>> out;
+  for (const std::string& name : c.names())
+    if (!c.sharded_layout(name) && name.rfind("ddp.sharded.", 0) != 0)
+      out.emplace_back(name, section_checksum(c.get(name)));
+  return out;
+}
+
+DDP_INLINE std::uint64_t MirrorAccess::plain_checksum(const Checkpoint& c) {
+  std::uint64_t h = 0;
+  for (const auto& [name, sum] : plain_sections(c))
+    h = (h ^ section_checksum(std::as_bytes(std::span(name.data(), name.size())))) * 31 + sum;
+  return h;
+}
+
+DDP_INLINE std::span<std::uint8_t> MirrorAccess::bytes(std::string& s) {
+  return {reinterpret_cast<std::uint8_t*>(s.data()), s.size()};
+}
+
+DDP_INLINE std::string MirrorAccess::name(std::uint64_t k, const ShardSet& set) {
+  return concat("the in-memory copy of rank ", k, "'s shard (save ", set.g, " of ", set.world,
+                " ranks)");
+}
+#endif  // DDP_BODIES
 
 }  // namespace detail
 
@@ -23197,12 +24841,15 @@ std::uint64_t save_sharded_checkpoint(Comm& comm, const Checkpoint& ck, const st
 /// The save identifier of a shard file that load_sharded_checkpoint returned (the value
 /// save_sharded_checkpoint returned when it was saved), e.g. to match it to a checkpoint saved
 /// beside it.
-[[nodiscard]] inline std::uint64_t shard_save_id(const Checkpoint& shard) {
+[[nodiscard]] DDP_INLINE std::uint64_t shard_save_id(const Checkpoint& shard);
+#if DDP_BODIES
+DDP_INLINE std::uint64_t shard_save_id(const Checkpoint& shard) {
   const auto stamp = shard.get_object<std::vector<std::uint64_t>>("ddp.shard");
   if (stamp.size() < 3)
     detail::fail(Errc::protocol, "Checkpoint: the ddp.shard section is damaged");
   return stamp[2];
 }
+#endif  // DDP_BODIES
 
 /// Collective: loads the newest save of `path` that has a file of every rank that saved it
 /// (a save cut short leaves the one before it), saved at this world size or any other;

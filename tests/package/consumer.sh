@@ -27,11 +27,12 @@ case $kind in
   meson)
     need meson
     need ninja
-    cp "$src/tests/package/meson_subproject/meson.build" "$src/tests/package/common/main.cpp" "$work/"
+    cp "$src/tests/package/meson_subproject/meson.build" "$src/tests/package/common/main.cpp" \
+      "$src/tests/package/common/compiled_main.cpp" "$src/tests/package/common/compiled_sum.cpp" "$work/"
     cp "$src/tests/package/cmake_components/main.cpp" "$work/components.cpp"
     mkdir -p "$work/subprojects/ddp"
     cp -r "$src/meson.build" "$src/meson_options.txt" "$src/single_include" "$src/include" \
-      "$work/subprojects/ddp/"
+      "$src/cmake" "$work/subprojects/ddp/"
     CXX=$cxx meson setup "$work/build" "$work" >"$work/setup.log" 2>&1 || { cat "$work/setup.log"; exit 1; }
     meson test -C "$work/build" --print-errorlogs
     # dependency('ddp-mpi') / ('ddp-nccl') must exist wherever their libraries are installed.
@@ -43,6 +44,9 @@ case $kind in
       grep -q "components ok" <<<"$("$work/build/consumer-nccl")" || { echo "no ddp-nccl consumer" >&2; exit 1; }
       echo "dependency('ddp-nccl'): $("$work/build/consumer-nccl" | head -1)"
     fi
+    grep -q "compiled mode: all_reduce over 1 rank(s): 2.5" <<<"$("$work/build/consumer-compiled")" ||
+      { echo "the ddp-compiled consumer failed" >&2; exit 1; }
+    echo "dependency('ddp-compiled'): $("$work/build/consumer-compiled")"
     check_output "$("$work/build/consumer")"
     ;;
   pkgconfig)
@@ -59,6 +63,15 @@ case $kind in
       || { echo "cflags do not point into the prefix" >&2; exit 1; }
     # shellcheck disable=SC2086
     "$cxx" -std=c++20 $cflags "$src/tests/package/common/main.cpp" -o "$work/consumer" $libs
+    # ddp-compiled: the separate-compilation mode, the implementation unit compiled by hand.
+    printf '#include <ddp/impl/src.hpp>\n' >"$work/ddp_impl.cpp"
+    # shellcheck disable=SC2046
+    "$cxx" -std=c++20 $(pkg-config --cflags ddp-compiled) "$src/tests/package/common/compiled_main.cpp" \
+      "$src/tests/package/common/compiled_sum.cpp" "$work/ddp_impl.cpp" -o "$work/consumer-compiled" \
+      $(pkg-config --libs ddp-compiled)
+    grep -q "compiled mode: all_reduce over 1 rank(s): 2.5" <<<"$("$work/consumer-compiled")" ||
+      { echo "the ddp-compiled consumer failed" >&2; exit 1; }
+    echo "pkg-config ddp-compiled: $("$work/consumer-compiled")"
     check_output "$("$work/consumer")"
     ;;
   conan)

@@ -10,11 +10,58 @@
 /// other ddp header in that file. With the single header, define DDP_IMPLEMENTATION before
 /// including ddp.hpp instead.
 
-#if defined(DDP_BODIES) && !DDP_BODIES
+#if defined(DDP_BODIES) && !defined(DDP_IMPLEMENTATION)
 #error "include <ddp/impl/src.hpp> before any other ddp header in its file"
 #endif
 #ifndef DDP_IMPLEMENTATION
 #define DDP_IMPLEMENTATION
 #endif
 
-#include "ddp/ddp.hpp"
+// What <ddp/ddp.hpp> includes (tools/check_layout.py checks that the lists agree).
+#include "ddp/config.hpp"
+#include "ddp/error.hpp"
+#include "ddp/process_group.hpp"
+#include "ddp/tensor.hpp"
+#include "ddp/training/partition.hpp"
+#include "ddp/training/sync_batch_norm.hpp"
+#include "ddp/types.hpp"
+#include "ddp/version.hpp"
+
+// The runtime reports failures across threads and layers with exceptions; with -fno-exceptions
+// only the core types above are available.
+#if DDP_HAS_EXCEPTIONS
+// First, in a block of its own: what it includes is then included outside the #ifs below.
+#include "ddp/communicator.hpp"
+
+#include "ddp/backend/host.hpp"
+#if DDP_HAS_MPI
+#include "ddp/backend/mpi.hpp"
+#endif
+#if DDP_HAS_CUDA
+#include "ddp/cuda.hpp"
+#endif
+#if DDP_HAS_NCCL
+#include "ddp/backend/nccl.hpp"
+#include "ddp/multi_gpu.hpp"
+#endif
+#include "ddp/codec.hpp"
+#include "ddp/environment.hpp"
+#include "ddp/options.hpp"
+#include "ddp/spawn.hpp"
+#include "ddp/store/client.hpp"
+#include "ddp/store/protocol.hpp"
+#include "ddp/store/server.hpp"
+#include "ddp/trace.hpp"
+#include "ddp/training/checkpoint.hpp"
+#include "ddp/training/elastic.hpp"
+#include "ddp/training/gradient.hpp"
+#include "ddp/training/guard.hpp"
+#include "ddp/training/join.hpp"
+#include "ddp/training/logging.hpp"
+#include "ddp/training/metrics.hpp"
+#include "ddp/training/powersgd.hpp"
+#include "ddp/training/sharded.hpp"
+#include "ddp/training/sharded_checkpoint.hpp"
+#include "ddp/training/state.hpp"
+#include "ddp/work.hpp"
+#endif

@@ -68,8 +68,9 @@ namespace detail {
 /// While it lives, the averager's mark_ready/synchronize/average do nothing (no_sync()).
 class AveragerNoSync {
  public:
-  explicit AveragerNoSync(bool& flag);
-  AveragerNoSync(AveragerNoSync&& o) noexcept;
+  explicit AveragerNoSync(bool& flag) : flag_(&flag), previous_(std::exchange(flag, true)) {}
+  AveragerNoSync(AveragerNoSync&& o) noexcept
+      : flag_(std::exchange(o.flag_, nullptr)), previous_(o.previous_) {}
   AveragerNoSync& operator=(AveragerNoSync&&) = delete;
   ~AveragerNoSync() {
     if (flag_ != nullptr) *flag_ = previous_;
@@ -79,14 +80,6 @@ class AveragerNoSync {
   bool* flag_;
   bool previous_;
 };
-
-#if DDP_BODIES
-DDP_INLINE AveragerNoSync::AveragerNoSync(bool& flag)
-    : flag_(&flag), previous_(std::exchange(flag, true)) {}
-
-DDP_INLINE AveragerNoSync::AveragerNoSync(AveragerNoSync&& o) noexcept
-    : flag_(std::exchange(o.flag_, nullptr)), previous_(o.previous_) {}
-#endif  // DDP_BODIES
 
 /// What GradientAverager forwards to: the engine for one element type.
 class AveragerBase : public Joinable {

@@ -1,0 +1,2 @@
+// ddp's implementation unit (ddp::compiled): the separate-compilation mode.
+#include <ddp/impl/src.hpp>
