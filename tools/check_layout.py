@@ -22,7 +22,6 @@ MAX_LINES = 650
 # Headers still over MAX_LINES, each with the most lines it may have until it is split: they may
 # shrink, never grow, and one that fits MAX_LINES must leave this list.
 STILL_LONG = {
-    "ddp/runtime/comm_state.hpp": 657,
     "ddp/store/engine.hpp": 691,
     "ddp/store/etcd.hpp": 678,
 }

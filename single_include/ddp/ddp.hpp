@@ -2967,6 +2967,7 @@ DDP_END_NAMESPACE
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <vector>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -3077,6 +3078,33 @@ DDP_INLINE void ByteReader::need(std::size_t n) const {
   if (n > left_) {
     fail(Errc::protocol, what_, " is truncated: needs ", n, " more bytes, has ", left_);
   }
+}
+#endif  // DDP_BODIES
+
+/// "0, 2, 3" of ranks, and back.
+DDP_INLINE std::string ranks_text(const std::vector<int>& ranks);
+#if DDP_BODIES
+DDP_INLINE std::string ranks_text(const std::vector<int>& ranks) {
+  std::string out;
+  for (int r : ranks) out += concat(out.empty() ? "" : ", ", r);
+  return out;
+}
+#endif  // DDP_BODIES
+DDP_INLINE std::vector<int> parse_ranks(std::string_view text);
+#if DDP_BODIES
+DDP_INLINE std::vector<int> parse_ranks(std::string_view text) {
+  std::vector<int> out;
+  int v = -1;
+  for (const char c : text) {
+    if (c >= '0' && c <= '9') {
+      v = (v < 0 ? 0 : v * 10) + (c - '0');
+    } else if (v >= 0) {
+      out.push_back(v);
+      v = -1;
+    }
+  }
+  if (v >= 0) out.push_back(v);
+  return out;
 }
 #endif  // DDP_BODIES
 
@@ -4441,6 +4469,17 @@ DDP_INLINE std::chrono::milliseconds Store::capped(std::chrono::milliseconds tim
   return std::clamp(left, std::chrono::milliseconds(0), timeout);
 }
 #endif  // DDP_BODIES
+
+namespace detail {
+/// The value at `key` in `s`, "" when absent, without waiting.
+DDP_INLINE std::string peek_key(Store& s, const std::string& key);
+#if DDP_BODIES
+DDP_INLINE std::string peek_key(Store& s, const std::string& key) {
+  const std::string k[] = {key};
+  return s.check(k) ? s.get(key) : std::string();
+}
+#endif  // DDP_BODIES
+}  // namespace detail
 
 DDP_END_NAMESPACE
 // end ddp/store/client.hpp
@@ -9557,47 +9596,12 @@ DDP_END_NAMESPACE
 DDP_BEGIN_NAMESPACE
 namespace detail {
 
-/// "0, 2, 3" of ranks, and back.
-DDP_INLINE std::string ranks_text(const std::vector<int>& ranks);
-#if DDP_BODIES
-DDP_INLINE std::string ranks_text(const std::vector<int>& ranks) {
-  std::string out;
-  for (int r : ranks) out += concat(out.empty() ? "" : ", ", r);
-  return out;
-}
-#endif  // DDP_BODIES
-DDP_INLINE std::vector<int> parse_ranks(std::string_view text);
-#if DDP_BODIES
-DDP_INLINE std::vector<int> parse_ranks(std::string_view text) {
-  std::vector<int> out;
-  int v = -1;
-  for (const char c : text) {
-    if (c >= '0' && c <= '9') {
-      v = (v < 0 ? 0 : v * 10) + (c - '0');
-    } else if (v >= 0) {
-      out.push_back(v);
-      v = -1;
-    }
-  }
-  if (v >= 0) out.push_back(v);
-  return out;
-}
-#endif  // DDP_BODIES
-
-/// The value at `key` in `s`, "" when absent, without waiting.
-DDP_INLINE std::string peek_key(Store& s, const std::string& key);
-#if DDP_BODIES
-DDP_INLINE std::string peek_key(Store& s, const std::string& key) {
-  const std::string k[] = {key};
-  return s.check(k) ? s.get(key) : std::string();
-}
-#endif  // DDP_BODIES
-
 struct CommState {
-  CommState() = default;
+  // Defined with the bodies: constructing and destroying the members is code of its own.
+  CommState();
   CommState(const CommState&) = delete;
   CommState& operator=(const CommState&) = delete;
-  ~CommState() = default;
+  ~CommState();
 
   Options options;
   FlightRecorder recorder;
@@ -9814,6 +9818,9 @@ struct CommState {
 };
 
 #if DDP_BODIES
+DDP_INLINE CommState::CommState() = default;
+DDP_INLINE CommState::~CommState() = default;
+
 DDP_INLINE void CommState::configure(const Options& o) {
   options = o;
   recorder.resize(o.trace_entries);

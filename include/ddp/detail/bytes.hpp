@@ -15,6 +15,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <vector>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -125,6 +126,33 @@ DDP_INLINE void ByteReader::need(std::size_t n) const {
   if (n > left_) {
     fail(Errc::protocol, what_, " is truncated: needs ", n, " more bytes, has ", left_);
   }
+}
+#endif  // DDP_BODIES
+
+/// "0, 2, 3" of ranks, and back.
+DDP_INLINE std::string ranks_text(const std::vector<int>& ranks);
+#if DDP_BODIES
+DDP_INLINE std::string ranks_text(const std::vector<int>& ranks) {
+  std::string out;
+  for (int r : ranks) out += concat(out.empty() ? "" : ", ", r);
+  return out;
+}
+#endif  // DDP_BODIES
+DDP_INLINE std::vector<int> parse_ranks(std::string_view text);
+#if DDP_BODIES
+DDP_INLINE std::vector<int> parse_ranks(std::string_view text) {
+  std::vector<int> out;
+  int v = -1;
+  for (const char c : text) {
+    if (c >= '0' && c <= '9') {
+      v = (v < 0 ? 0 : v * 10) + (c - '0');
+    } else if (v >= 0) {
+      out.push_back(v);
+      v = -1;
+    }
+  }
+  if (v >= 0) out.push_back(v);
+  return out;
 }
 #endif  // DDP_BODIES
 

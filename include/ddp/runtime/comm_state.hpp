@@ -49,47 +49,12 @@
 DDP_BEGIN_NAMESPACE
 namespace detail {
 
-/// "0, 2, 3" of ranks, and back.
-DDP_INLINE std::string ranks_text(const std::vector<int>& ranks);
-#if DDP_BODIES
-DDP_INLINE std::string ranks_text(const std::vector<int>& ranks) {
-  std::string out;
-  for (int r : ranks) out += concat(out.empty() ? "" : ", ", r);
-  return out;
-}
-#endif  // DDP_BODIES
-DDP_INLINE std::vector<int> parse_ranks(std::string_view text);
-#if DDP_BODIES
-DDP_INLINE std::vector<int> parse_ranks(std::string_view text) {
-  std::vector<int> out;
-  int v = -1;
-  for (const char c : text) {
-    if (c >= '0' && c <= '9') {
-      v = (v < 0 ? 0 : v * 10) + (c - '0');
-    } else if (v >= 0) {
-      out.push_back(v);
-      v = -1;
-    }
-  }
-  if (v >= 0) out.push_back(v);
-  return out;
-}
-#endif  // DDP_BODIES
-
-/// The value at `key` in `s`, "" when absent, without waiting.
-DDP_INLINE std::string peek_key(Store& s, const std::string& key);
-#if DDP_BODIES
-DDP_INLINE std::string peek_key(Store& s, const std::string& key) {
-  const std::string k[] = {key};
-  return s.check(k) ? s.get(key) : std::string();
-}
-#endif  // DDP_BODIES
-
 struct CommState {
-  CommState() = default;
+  // Defined with the bodies: constructing and destroying the members is code of its own.
+  CommState();
   CommState(const CommState&) = delete;
   CommState& operator=(const CommState&) = delete;
-  ~CommState() = default;
+  ~CommState();
 
   Options options;
   FlightRecorder recorder;
@@ -306,6 +271,9 @@ struct CommState {
 };
 
 #if DDP_BODIES
+DDP_INLINE CommState::CommState() = default;
+DDP_INLINE CommState::~CommState() = default;
+
 DDP_INLINE void CommState::configure(const Options& o) {
   options = o;
   recorder.resize(o.trace_entries);

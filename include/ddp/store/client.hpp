@@ -288,4 +288,15 @@ DDP_INLINE std::chrono::milliseconds Store::capped(std::chrono::milliseconds tim
 }
 #endif  // DDP_BODIES
 
+namespace detail {
+/// The value at `key` in `s`, "" when absent, without waiting.
+DDP_INLINE std::string peek_key(Store& s, const std::string& key);
+#if DDP_BODIES
+DDP_INLINE std::string peek_key(Store& s, const std::string& key) {
+  const std::string k[] = {key};
+  return s.check(k) ? s.get(key) : std::string();
+}
+#endif  // DDP_BODIES
+}  // namespace detail
+
 DDP_END_NAMESPACE
