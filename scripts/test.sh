@@ -7,13 +7,17 @@
 #                            (+ packaging: install, find_package, add_subdirectory, meson,
 #                            pkg-config, conan; the launchers for real: PyPI's torchrun, a
 #                            one-node Slurm cluster, mpirun across two network namespaces),
-#                            clang++ against the single header (the fast and compile-fail tests,
-#                            the fuzzers),
+#                            clang++ against the single header, header-only (the fast and
+#                            compile-fail tests, the fuzzers),
 #                            ASan+UBSan (every test but the main job and packaging), TSan (the
 #                            multi-threaded parts), meson
 #   scripts/test.sh --fast   g++, the tests labelled fast (the development loop; not the
 #                            compile-fail tests)
 # Tests run two at a time (the presets' jobs); those that measure time windows run alone.
+# Modes: the g++, sanitizer and --fast stages build ddp's tests, examples, tools and benchmarks
+# in the separate-compilation mode (against ddp::compiled), except the header checks, the MPI,
+# CUDA and libtorch programs and the fuzzers, which are header-only; the clang stage and meson
+# build everything header-only.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -102,7 +106,7 @@ if [ $fast -eq 1 ]; then
   stage "g++: the fast tests" fresh_workflow fast
 else
   stage "g++ Release: every test (unit, launch, examples, the main job, MPI, libtorch, packaging)" fresh_workflow ci
-  stage "clang++ against single_include/: the fast and compile-fail tests, the fuzzers" fresh_workflow clang
+  stage "clang++ against single_include/, header-only: the fast and compile-fail tests, the fuzzers" fresh_workflow clang
   stage "AddressSanitizer + UndefinedBehaviorSanitizer" fresh_workflow asan-ubsan
   stage "ThreadSanitizer (the multi-threaded parts)" fresh_workflow tsan
   stage "meson: build and tests (both dependencies)" meson_tests

@@ -90,7 +90,7 @@ namespace detail {
 class ErrcCategory final : public std::error_category {
  public:
   [[nodiscard]] const char* name() const noexcept override { return "ddp"; }
-  [[nodiscard]] std::string message(int value) const override;
+  [[nodiscard]] DDP_INLINE std::string message(int value) const override;
 };
 
 #if DDP_BODIES

@@ -196,7 +196,7 @@ namespace detail {
 class ErrcCategory final : public std::error_category {
  public:
   [[nodiscard]] const char* name() const noexcept override { return "ddp"; }
-  [[nodiscard]] std::string message(int value) const override;
+  [[nodiscard]] DDP_INLINE std::string message(int value) const override;
 };
 
 #if DDP_BODIES
@@ -3808,41 +3808,42 @@ class TcpStoreConnection final : public StoreConnection {
   TcpStoreConnection(std::string host, int port, StoreOptions o);
   ~TcpStoreConnection() override { stop_heartbeat(); }
 
-  void set(const StoreCall& c, const std::string& key, std::string_view value) override;
+  DDP_INLINE void set(const StoreCall& c, const std::string& key, std::string_view value) override;
 
-  std::string get(const StoreCall& c, const std::string& key, std::chrono::milliseconds timeout,
-                  const std::string& stop) override;
+  DDP_INLINE std::string get(const StoreCall& c, const std::string& key,
+                             std::chrono::milliseconds timeout, const std::string& stop) override;
 
-  bool wait(const StoreCall& c, std::span<const std::string> keys,
-            std::chrono::milliseconds timeout, const std::string& stop,
-            bool report_timeout) override;
+  DDP_INLINE bool wait(const StoreCall& c, std::span<const std::string> keys,
+                       std::chrono::milliseconds timeout, const std::string& stop,
+                       bool report_timeout) override;
 
-  std::int64_t add(const StoreCall& c, const std::string& key, std::int64_t delta) override;
+  DDP_INLINE std::int64_t add(const StoreCall& c, const std::string& key,
+                              std::int64_t delta) override;
 
-  std::string compare_set(const StoreCall& c, const std::string& key, std::string_view expected,
-                          std::string_view desired) override;
+  DDP_INLINE std::string compare_set(const StoreCall& c, const std::string& key,
+                                     std::string_view expected, std::string_view desired) override;
 
-  bool erase(const StoreCall& c, const std::string& key) override;
+  DDP_INLINE bool erase(const StoreCall& c, const std::string& key) override;
 
-  bool check(const StoreCall& c, std::span<const std::string> keys) override;
+  DDP_INLINE bool check(const StoreCall& c, std::span<const std::string> keys) override;
 
-  void set_on_close(const StoreCall& c,
-                    std::span<const std::pair<std::string, std::string>> keys) override;
+  DDP_INLINE void set_on_close(const StoreCall& c,
+                               std::span<const std::pair<std::string, std::string>> keys) override;
 
-  void lease(const StoreCall& c, std::chrono::milliseconds ttl,
-             std::span<const LeaseRecord> on_expire) override;
+  DDP_INLINE void lease(const StoreCall& c, std::chrono::milliseconds ttl,
+                        std::span<const LeaseRecord> on_expire) override;
 
-  [[nodiscard]] bool lost() override;
+  [[nodiscard]] DDP_INLINE bool lost() override;
   [[nodiscard]] std::string where() const override { return host_port(host_, port_); }
   [[nodiscard]] const std::string& host() const noexcept override { return host_; }
   [[nodiscard]] int port() const noexcept override { return port_; }
-  [[nodiscard]] std::string local_address() override;
+  [[nodiscard]] DDP_INLINE std::string local_address() override;
 
  protected:
   /// One sign of life, whole or not at all: it never blocks behind a full socket buffer (the
   /// server is then not reading: a sign of life changes nothing), and a frame begun is ended,
   /// so the stream stays whole.
-  void keepalive() override;
+  DDP_INLINE void keepalive() override;
 
  private:
   using Op = store_proto::Op;
@@ -6486,9 +6487,8 @@ DDP_END_NAMESPACE
 ///    and R "expire/<lease>"; every process sweeps them after each sign of life, and applies
 ///    those of a lease that ran out (the process died, or stopped signing), then removes them.
 ///    A process that ends normally applies its own close records and revokes its lease.
-/// Counters (add) are compare-and-swapped, each marked with the request's number, so that a
-/// request retried after a lost answer is not applied twice. Waits poll (1 ms, doubling to
-/// 32 ms). Plain HTTP; etcd's authentication and TLS are not used.
+/// Counters (add) are compare-and-swapped, marked with the request's number: a request retried
+/// after a lost answer is not applied twice. Waits poll (1 ms doubling to 32 ms). Plain HTTP.
 
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
@@ -6782,48 +6782,49 @@ class EtcdStoreConnection final : public StoreConnection {
   /// Connects to the cluster and joins namespace `ns` (its lease made, or kept alive), within
   /// options.timeout.
   EtcdStoreConnection(EtcdAddress address, StoreOptions o);
-  ~EtcdStoreConnection() override;
+  DDP_INLINE ~EtcdStoreConnection() override;
 
-  void set(const StoreCall& c, const std::string& key, std::string_view value) override;
+  DDP_INLINE void set(const StoreCall& c, const std::string& key, std::string_view value) override;
 
-  std::string get(const StoreCall& c, const std::string& key, std::chrono::milliseconds timeout,
-                  const std::string& stop) override;
+  DDP_INLINE std::string get(const StoreCall& c, const std::string& key,
+                             std::chrono::milliseconds timeout, const std::string& stop) override;
 
-  bool wait(const StoreCall& c, std::span<const std::string> keys,
-            std::chrono::milliseconds timeout, const std::string& stop,
-            bool report_timeout) override;
+  DDP_INLINE bool wait(const StoreCall& c, std::span<const std::string> keys,
+                       std::chrono::milliseconds timeout, const std::string& stop,
+                       bool report_timeout) override;
 
-  std::int64_t add(const StoreCall& c, const std::string& key, std::int64_t delta) override;
+  DDP_INLINE std::int64_t add(const StoreCall& c, const std::string& key,
+                              std::int64_t delta) override;
 
-  std::string compare_set(const StoreCall& c, const std::string& key, std::string_view expected,
-                          std::string_view desired) override;
+  DDP_INLINE std::string compare_set(const StoreCall& c, const std::string& key,
+                                     std::string_view expected, std::string_view desired) override;
 
-  bool erase(const StoreCall& c, const std::string& key) override;
+  DDP_INLINE bool erase(const StoreCall& c, const std::string& key) override;
 
-  bool check(const StoreCall& c, std::span<const std::string> keys) override;
+  DDP_INLINE bool check(const StoreCall& c, std::span<const std::string> keys) override;
 
-  void set_on_close(const StoreCall& c,
-                    std::span<const std::pair<std::string, std::string>> keys) override;
+  DDP_INLINE void set_on_close(const StoreCall& c,
+                               std::span<const std::pair<std::string, std::string>> keys) override;
 
-  void lease(const StoreCall& c, std::chrono::milliseconds,
-             std::span<const LeaseRecord> on_expire) override;
+  DDP_INLINE void lease(const StoreCall& c, std::chrono::milliseconds,
+                        std::span<const LeaseRecord> on_expire) override;
 
   [[nodiscard]] bool lost() override { return false; }  // every call tries every member
   /// The process's lease is signed from the start (the rendezvous may outlast it).
   void adopted() override { start_heartbeat(options.lease_ttl); }
-  [[nodiscard]] std::string where() const override;
+  [[nodiscard]] DDP_INLINE std::string where() const override;
   [[nodiscard]] const std::string& host() const noexcept override {
     return address_.endpoints.front().first;
   }
   [[nodiscard]] int port() const noexcept override { return address_.endpoints.front().second; }
-  [[nodiscard]] std::string local_address() override;
+  [[nodiscard]] DDP_INLINE std::string local_address() override;
 
  protected:
   /// The process's lease and the namespace's, on the heartbeat's own connections.
-  void keepalive() override;
+  DDP_INLINE void keepalive() override;
 
   /// Applies the records of the leases that ran out (the processes that died or stopped).
-  void on_beat() override;
+  DDP_INLINE void on_beat() override;
 
  private:
   using Clients = std::vector<HttpClient>;
@@ -13584,11 +13585,11 @@ class Transport {
 
   /// Single copy: the smallest all_reduce, in bytes, that copies straight out of the peers'
   /// memory with copy_from instead of through rounds (the same on every rank); none by default.
-  [[nodiscard]] virtual std::size_t single_copy_from() const noexcept;
+  [[nodiscard]] DDP_INLINE virtual std::size_t single_copy_from() const noexcept;
   /// Copies `len` bytes at address `addr` of rank j's process into `dst` (single copy). Fails
   /// with Errc::peer_lost (or the error the peer left with) when rank j's memory is gone.
-  virtual void copy_from(int j, std::uint64_t /*addr*/, std::byte* /*dst*/, std::size_t /*len*/,
-                         const Fingerprint* fp);
+  DDP_INLINE virtual void copy_from(int j, std::uint64_t /*addr*/, std::byte* /*dst*/,
+                                    std::size_t /*len*/, const Fingerprint* fp);
 
   /// Point-to-point, matched in order per pair; the receiver checks tag, dtype and count.
   virtual void send(const Buf& buf, int peer, int tag, std::uint64_t seq) = 0;
@@ -13746,11 +13747,11 @@ class SelfTransport final : public Transport {
  public:
   explicit SelfTransport(std::chrono::milliseconds timeout);
   [[nodiscard]] std::string_view name() const noexcept override { return "self"; }
-  [[nodiscard]] std::size_t max_offer() const noexcept override;
-  [[nodiscard]] std::size_t small_bytes() const noexcept override;
+  [[nodiscard]] DDP_INLINE std::size_t max_offer() const noexcept override;
+  [[nodiscard]] DDP_INLINE std::size_t small_bytes() const noexcept override;
 
-  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
-                                          const Fingerprint*) override;
+  DDP_INLINE std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
+                                                     const Fingerprint*) override;
   void send(const Buf&, int, int, std::uint64_t) override {
     fail(Errc::invalid_argument, "rank 0: send: a world of one has no peer to send to");
   }
@@ -15139,7 +15140,7 @@ class ShmTransport final : public Transport {
 
   /// Marks this rank gone (ShmCtl::left) and wakes the peers: one still waiting for it fails at
   /// once, with the reason its communicator recorded (CommState::announce_leaving).
-  ~ShmTransport() override;
+  DDP_INLINE ~ShmTransport() override;
 
   /// Initializes a freshly created segment (rank 0 only, before anyone else maps it).
   static void format(std::byte* base, const ShmLayout& layout, std::uint64_t cookie);
@@ -15149,14 +15150,14 @@ class ShmTransport final : public Transport {
 
   [[nodiscard]] std::string_view name() const noexcept override { return "shm"; }
   [[nodiscard]] std::size_t max_offer() const noexcept override { return layout_.slot_bytes; }
-  [[nodiscard]] std::size_t small_bytes() const noexcept override;
+  [[nodiscard]] DDP_INLINE std::size_t small_bytes() const noexcept override;
 
-  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
-                                          const Fingerprint* fp) override;
+  DDP_INLINE std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
+                                                     const Fingerprint* fp) override;
 
   /// My slot for the next round: free, since every peer has finished reading the round that used
   /// it last (they published the current round, which they only do after that).
-  std::byte* stage(std::size_t bytes) override;
+  DDP_INLINE std::byte* stage(std::size_t bytes) override;
 
   /// Single copy. Where this process's probe word lies, for peers' probe_single_copy().
   [[nodiscard]] std::uint64_t probe_address() const noexcept;
@@ -15168,14 +15169,14 @@ class ShmTransport final : public Transport {
   void use_single_copy(std::size_t bytes) noexcept { single_copy_from_ = bytes; }
   [[nodiscard]] std::size_t single_copy_from() const noexcept override { return single_copy_from_; }
 
-  void copy_from(int j, std::uint64_t addr, std::byte* dst, std::size_t len,
-                 const Fingerprint* fp) override;
+  DDP_INLINE void copy_from(int j, std::uint64_t addr, std::byte* dst, std::size_t len,
+                            const Fingerprint* fp) override;
 
-  void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override;
+  DDP_INLINE void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override;
 
-  void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override;
+  DDP_INLINE void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override;
 
-  void abort(Errc code, const std::string& why) override;
+  DDP_INLINE void abort(Errc code, const std::string& why) override;
 
  private:
   [[nodiscard]] ShmCtl* ctl(int r) const;
@@ -15714,16 +15715,16 @@ class TcpTransport final : public Transport {
 
   [[nodiscard]] std::string_view name() const noexcept override { return "tcp"; }
   [[nodiscard]] std::size_t max_offer() const noexcept override { return segment_; }
-  [[nodiscard]] std::size_t small_bytes() const noexcept override;
+  [[nodiscard]] DDP_INLINE std::size_t small_bytes() const noexcept override;
 
-  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
-                                          const Fingerprint* fp) override;
+  DDP_INLINE std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
+                                                     const Fingerprint* fp) override;
 
-  void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override;
+  DDP_INLINE void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override;
 
-  void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override;
+  DDP_INLINE void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override;
 
-  void abort(Errc code, const std::string&) override;
+  DDP_INLINE void abort(Errc code, const std::string&) override;
 
  private:
   struct Seg {

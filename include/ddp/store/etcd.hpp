@@ -19,9 +19,8 @@
 ///    and R "expire/<lease>"; every process sweeps them after each sign of life, and applies
 ///    those of a lease that ran out (the process died, or stopped signing), then removes them.
 ///    A process that ends normally applies its own close records and revokes its lease.
-/// Counters (add) are compare-and-swapped, each marked with the request's number, so that a
-/// request retried after a lost answer is not applied twice. Waits poll (1 ms, doubling to
-/// 32 ms). Plain HTTP; etcd's authentication and TLS are not used.
+/// Counters (add) are compare-and-swapped, marked with the request's number: a request retried
+/// after a lost answer is not applied twice. Waits poll (1 ms doubling to 32 ms). Plain HTTP.
 
 #include "ddp/config.hpp"
 #if !DDP_HAS_EXCEPTIONS
@@ -109,48 +108,49 @@ class EtcdStoreConnection final : public StoreConnection {
   /// Connects to the cluster and joins namespace `ns` (its lease made, or kept alive), within
   /// options.timeout.
   EtcdStoreConnection(EtcdAddress address, StoreOptions o);
-  ~EtcdStoreConnection() override;
+  DDP_INLINE ~EtcdStoreConnection() override;
 
-  void set(const StoreCall& c, const std::string& key, std::string_view value) override;
+  DDP_INLINE void set(const StoreCall& c, const std::string& key, std::string_view value) override;
 
-  std::string get(const StoreCall& c, const std::string& key, std::chrono::milliseconds timeout,
-                  const std::string& stop) override;
+  DDP_INLINE std::string get(const StoreCall& c, const std::string& key,
+                             std::chrono::milliseconds timeout, const std::string& stop) override;
 
-  bool wait(const StoreCall& c, std::span<const std::string> keys,
-            std::chrono::milliseconds timeout, const std::string& stop,
-            bool report_timeout) override;
+  DDP_INLINE bool wait(const StoreCall& c, std::span<const std::string> keys,
+                       std::chrono::milliseconds timeout, const std::string& stop,
+                       bool report_timeout) override;
 
-  std::int64_t add(const StoreCall& c, const std::string& key, std::int64_t delta) override;
+  DDP_INLINE std::int64_t add(const StoreCall& c, const std::string& key,
+                              std::int64_t delta) override;
 
-  std::string compare_set(const StoreCall& c, const std::string& key, std::string_view expected,
-                          std::string_view desired) override;
+  DDP_INLINE std::string compare_set(const StoreCall& c, const std::string& key,
+                                     std::string_view expected, std::string_view desired) override;
 
-  bool erase(const StoreCall& c, const std::string& key) override;
+  DDP_INLINE bool erase(const StoreCall& c, const std::string& key) override;
 
-  bool check(const StoreCall& c, std::span<const std::string> keys) override;
+  DDP_INLINE bool check(const StoreCall& c, std::span<const std::string> keys) override;
 
-  void set_on_close(const StoreCall& c,
-                    std::span<const std::pair<std::string, std::string>> keys) override;
+  DDP_INLINE void set_on_close(const StoreCall& c,
+                               std::span<const std::pair<std::string, std::string>> keys) override;
 
-  void lease(const StoreCall& c, std::chrono::milliseconds,
-             std::span<const LeaseRecord> on_expire) override;
+  DDP_INLINE void lease(const StoreCall& c, std::chrono::milliseconds,
+                        std::span<const LeaseRecord> on_expire) override;
 
   [[nodiscard]] bool lost() override { return false; }  // every call tries every member
   /// The process's lease is signed from the start (the rendezvous may outlast it).
   void adopted() override { start_heartbeat(options.lease_ttl); }
-  [[nodiscard]] std::string where() const override;
+  [[nodiscard]] DDP_INLINE std::string where() const override;
   [[nodiscard]] const std::string& host() const noexcept override {
     return address_.endpoints.front().first;
   }
   [[nodiscard]] int port() const noexcept override { return address_.endpoints.front().second; }
-  [[nodiscard]] std::string local_address() override;
+  [[nodiscard]] DDP_INLINE std::string local_address() override;
 
  protected:
   /// The process's lease and the namespace's, on the heartbeat's own connections.
-  void keepalive() override;
+  DDP_INLINE void keepalive() override;
 
   /// Applies the records of the leases that ran out (the processes that died or stopped).
-  void on_beat() override;
+  DDP_INLINE void on_beat() override;
 
  private:
   using Clients = std::vector<HttpClient>;

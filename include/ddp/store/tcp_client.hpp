@@ -45,41 +45,42 @@ class TcpStoreConnection final : public StoreConnection {
   TcpStoreConnection(std::string host, int port, StoreOptions o);
   ~TcpStoreConnection() override { stop_heartbeat(); }
 
-  void set(const StoreCall& c, const std::string& key, std::string_view value) override;
+  DDP_INLINE void set(const StoreCall& c, const std::string& key, std::string_view value) override;
 
-  std::string get(const StoreCall& c, const std::string& key, std::chrono::milliseconds timeout,
-                  const std::string& stop) override;
+  DDP_INLINE std::string get(const StoreCall& c, const std::string& key,
+                             std::chrono::milliseconds timeout, const std::string& stop) override;
 
-  bool wait(const StoreCall& c, std::span<const std::string> keys,
-            std::chrono::milliseconds timeout, const std::string& stop,
-            bool report_timeout) override;
+  DDP_INLINE bool wait(const StoreCall& c, std::span<const std::string> keys,
+                       std::chrono::milliseconds timeout, const std::string& stop,
+                       bool report_timeout) override;
 
-  std::int64_t add(const StoreCall& c, const std::string& key, std::int64_t delta) override;
+  DDP_INLINE std::int64_t add(const StoreCall& c, const std::string& key,
+                              std::int64_t delta) override;
 
-  std::string compare_set(const StoreCall& c, const std::string& key, std::string_view expected,
-                          std::string_view desired) override;
+  DDP_INLINE std::string compare_set(const StoreCall& c, const std::string& key,
+                                     std::string_view expected, std::string_view desired) override;
 
-  bool erase(const StoreCall& c, const std::string& key) override;
+  DDP_INLINE bool erase(const StoreCall& c, const std::string& key) override;
 
-  bool check(const StoreCall& c, std::span<const std::string> keys) override;
+  DDP_INLINE bool check(const StoreCall& c, std::span<const std::string> keys) override;
 
-  void set_on_close(const StoreCall& c,
-                    std::span<const std::pair<std::string, std::string>> keys) override;
+  DDP_INLINE void set_on_close(const StoreCall& c,
+                               std::span<const std::pair<std::string, std::string>> keys) override;
 
-  void lease(const StoreCall& c, std::chrono::milliseconds ttl,
-             std::span<const LeaseRecord> on_expire) override;
+  DDP_INLINE void lease(const StoreCall& c, std::chrono::milliseconds ttl,
+                        std::span<const LeaseRecord> on_expire) override;
 
-  [[nodiscard]] bool lost() override;
+  [[nodiscard]] DDP_INLINE bool lost() override;
   [[nodiscard]] std::string where() const override { return host_port(host_, port_); }
   [[nodiscard]] const std::string& host() const noexcept override { return host_; }
   [[nodiscard]] int port() const noexcept override { return port_; }
-  [[nodiscard]] std::string local_address() override;
+  [[nodiscard]] DDP_INLINE std::string local_address() override;
 
  protected:
   /// One sign of life, whole or not at all: it never blocks behind a full socket buffer (the
   /// server is then not reading: a sign of life changes nothing), and a frame begun is ended,
   /// so the stream stays whole.
-  void keepalive() override;
+  DDP_INLINE void keepalive() override;
 
  private:
   using Op = store_proto::Op;

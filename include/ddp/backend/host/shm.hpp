@@ -60,7 +60,7 @@ class ShmTransport final : public Transport {
 
   /// Marks this rank gone (ShmCtl::left) and wakes the peers: one still waiting for it fails at
   /// once, with the reason its communicator recorded (CommState::announce_leaving).
-  ~ShmTransport() override;
+  DDP_INLINE ~ShmTransport() override;
 
   /// Initializes a freshly created segment (rank 0 only, before anyone else maps it).
   static void format(std::byte* base, const ShmLayout& layout, std::uint64_t cookie);
@@ -70,14 +70,14 @@ class ShmTransport final : public Transport {
 
   [[nodiscard]] std::string_view name() const noexcept override { return "shm"; }
   [[nodiscard]] std::size_t max_offer() const noexcept override { return layout_.slot_bytes; }
-  [[nodiscard]] std::size_t small_bytes() const noexcept override;
+  [[nodiscard]] DDP_INLINE std::size_t small_bytes() const noexcept override;
 
-  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
-                                          const Fingerprint* fp) override;
+  DDP_INLINE std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
+                                                     const Fingerprint* fp) override;
 
   /// My slot for the next round: free, since every peer has finished reading the round that used
   /// it last (they published the current round, which they only do after that).
-  std::byte* stage(std::size_t bytes) override;
+  DDP_INLINE std::byte* stage(std::size_t bytes) override;
 
   /// Single copy. Where this process's probe word lies, for peers' probe_single_copy().
   [[nodiscard]] std::uint64_t probe_address() const noexcept;
@@ -89,14 +89,14 @@ class ShmTransport final : public Transport {
   void use_single_copy(std::size_t bytes) noexcept { single_copy_from_ = bytes; }
   [[nodiscard]] std::size_t single_copy_from() const noexcept override { return single_copy_from_; }
 
-  void copy_from(int j, std::uint64_t addr, std::byte* dst, std::size_t len,
-                 const Fingerprint* fp) override;
+  DDP_INLINE void copy_from(int j, std::uint64_t addr, std::byte* dst, std::size_t len,
+                            const Fingerprint* fp) override;
 
-  void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override;
+  DDP_INLINE void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override;
 
-  void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override;
+  DDP_INLINE void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override;
 
-  void abort(Errc code, const std::string& why) override;
+  DDP_INLINE void abort(Errc code, const std::string& why) override;
 
  private:
   [[nodiscard]] ShmCtl* ctl(int r) const;

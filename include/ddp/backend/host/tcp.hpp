@@ -58,16 +58,16 @@ class TcpTransport final : public Transport {
 
   [[nodiscard]] std::string_view name() const noexcept override { return "tcp"; }
   [[nodiscard]] std::size_t max_offer() const noexcept override { return segment_; }
-  [[nodiscard]] std::size_t small_bytes() const noexcept override;
+  [[nodiscard]] DDP_INLINE std::size_t small_bytes() const noexcept override;
 
-  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
-                                          const Fingerprint* fp) override;
+  DDP_INLINE std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
+                                                     const Fingerprint* fp) override;
 
-  void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override;
+  DDP_INLINE void send(const Buf& buf, int peer, int tag, std::uint64_t seq) override;
 
-  void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override;
+  DDP_INLINE void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override;
 
-  void abort(Errc code, const std::string&) override;
+  DDP_INLINE void abort(Errc code, const std::string&) override;
 
  private:
   struct Seg {

@@ -157,11 +157,11 @@ class Transport {
 
   /// Single copy: the smallest all_reduce, in bytes, that copies straight out of the peers'
   /// memory with copy_from instead of through rounds (the same on every rank); none by default.
-  [[nodiscard]] virtual std::size_t single_copy_from() const noexcept;
+  [[nodiscard]] DDP_INLINE virtual std::size_t single_copy_from() const noexcept;
   /// Copies `len` bytes at address `addr` of rank j's process into `dst` (single copy). Fails
   /// with Errc::peer_lost (or the error the peer left with) when rank j's memory is gone.
-  virtual void copy_from(int j, std::uint64_t /*addr*/, std::byte* /*dst*/, std::size_t /*len*/,
-                         const Fingerprint* fp);
+  DDP_INLINE virtual void copy_from(int j, std::uint64_t /*addr*/, std::byte* /*dst*/,
+                                    std::size_t /*len*/, const Fingerprint* fp);
 
   /// Point-to-point, matched in order per pair; the receiver checks tag, dtype and count.
   virtual void send(const Buf& buf, int peer, int tag, std::uint64_t seq) = 0;
@@ -319,11 +319,11 @@ class SelfTransport final : public Transport {
  public:
   explicit SelfTransport(std::chrono::milliseconds timeout);
   [[nodiscard]] std::string_view name() const noexcept override { return "self"; }
-  [[nodiscard]] std::size_t max_offer() const noexcept override;
-  [[nodiscard]] std::size_t small_bytes() const noexcept override;
+  [[nodiscard]] DDP_INLINE std::size_t max_offer() const noexcept override;
+  [[nodiscard]] DDP_INLINE std::size_t small_bytes() const noexcept override;
 
-  std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
-                                          const Fingerprint*) override;
+  DDP_INLINE std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
+                                                     const Fingerprint*) override;
   void send(const Buf&, int, int, std::uint64_t) override {
     fail(Errc::invalid_argument, "rank 0: send: a world of one has no peer to send to");
   }
