@@ -190,12 +190,15 @@ TEST_CASE(
   run_job(
       3, 4, ddp::HostTransport::shm,
       [&](Comm& comm) {
-        // Wait for the withdrawn one (6) to give up before growing.
+        // Wait for the withdrawn one (6) to give up before growing. Rank 0 looks (the requests
+        // waiting, 6's answer) and the all_reduce tells the others: every rank leaves the loop
+        // at the same step (each looking at the file itself, they could disagree).
         for (int i = 0; i < 2000; ++i) {
-          std::vector<double> n{comm.rank() == 0 ? static_cast<double>(comm.waiting_to_join())
-                                                 : 0.0};
+          const bool lead = comm.rank() == 0;
+          std::vector<double> n{lead ? static_cast<double>(comm.waiting_to_join()) : 0.0,
+                                lead && mp::TempDir::exists(dir.file("p6")) ? 1.0 : 0.0};
           comm.all_reduce(n, ddp::ReduceOp::max);
-          if (n[0] >= 3 && mp::TempDir::exists(dir.file("p6"))) break;
+          if (n[0] >= 3 && n[1] > 0) break;
           std::this_thread::sleep_for(10ms);
         }
         Comm same = comm.grow({.ticket = "model 10 floats;step int"});
