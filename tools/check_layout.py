@@ -23,7 +23,6 @@ MAX_LINES = 650
 # shrink, never grow, and one that fits MAX_LINES must leave this list.
 STILL_LONG = {
     "ddp/store/engine.hpp": 691,
-    "ddp/store/etcd.hpp": 678,
 }
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "include")

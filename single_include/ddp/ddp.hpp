@@ -6707,19 +6707,25 @@ DDP_END_NAMESPACE
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/store/connection.hpp" (already included above)
+// begin ddp/store/etcd_address.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// detail::EtcdAddress: where an etcd cluster is, from
+/// "etcd://HOST:PORT[,HOST:PORT...][/NAMESPACE]" (DDP_STORE, Options::store, ddprun's
+/// --rdzv-endpoint), checked before anything connects.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
 
 #include <algorithm>
 #include <charconv>
-#include <chrono>
-#include <cstdint>
-#include <map>
-#include <memory>
-#include <optional>
-#include <set>
-#include <span>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -6775,6 +6781,28 @@ DDP_INLINE EtcdAddress EtcdAddress::parse(std::string_view url, std::string_view
   return a;
 }
 #endif  // DDP_BODIES
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/store/etcd_address.hpp
+
+#include <algorithm>
+#include <charconv>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
 
 /// A rendezvous store in etcd (see the file comment).
 class EtcdStoreConnection final : public StoreConnection {
