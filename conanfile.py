@@ -25,9 +25,15 @@ class DdpConan(ConanFile):
     # user.ddp:nccl_root (else $NCCL_ROOT, else the CUDA root). with_torch adds ddp::torch, the
     # libtorch adapter, linked to the consumer's own libtorch: find_package(ddp) then runs
     # find_package(Torch) (libtorch's CMake directory on CMAKE_PREFIX_PATH, as for CMake users).
-    options = {"with_mpi": [True, False], "with_nccl": [True, False], "with_torch": [True, False]}
-    default_options = {"with_mpi": False, "with_nccl": False, "with_torch": False}
-    exports_sources = "include/*", "LICENSE", "cmake/ddp-conan-torch.cmake"
+    # compiled adds ddp::compiled, the separate-compilation mode (README "Compiled once"): a static
+    # library of ddp's implementation unit that CMakeDeps consumers build in their own project.
+    options = {"with_mpi": [True, False], "with_nccl": [True, False], "with_torch": [True, False],
+               "compiled": [True, False]}
+    default_options = {"with_mpi": False, "with_nccl": False, "with_torch": False,
+                       "compiled": False}
+    exports_sources = ("include/*", "LICENSE", "cmake/ddp-conan-torch.cmake",
+                       "cmake/ddp-conan-compiled.cmake", "cmake/ddpCompiled.cmake",
+                       "cmake/ddp_compiled.cpp")
     no_copy_source = True
 
     def layout(self):
@@ -40,8 +46,10 @@ class DdpConan(ConanFile):
         copy(self, "LICENSE", self.source_folder, os.path.join(self.package_folder, "licenses"))
         copy(self, "*.hpp", os.path.join(self.source_folder, "include"),
              os.path.join(self.package_folder, "include"))
-        copy(self, "ddp-conan-torch.cmake", os.path.join(self.source_folder, "cmake"),
-             os.path.join(self.package_folder, "lib", "cmake"))
+        for f in ("ddp-conan-torch.cmake", "ddp-conan-compiled.cmake", "ddpCompiled.cmake",
+                  "ddp_compiled.cpp"):
+            copy(self, f, os.path.join(self.source_folder, "cmake"),
+                 os.path.join(self.package_folder, "lib", "cmake"))
 
     def _cuda_roots(self):
         cuda = self.conf.get("user.ddp:cuda_root", default=os.environ.get("CUDA_HOME", "/usr/local/cuda"))
@@ -94,6 +102,12 @@ class DdpConan(ConanFile):
             torch.defines = ["DDP_HAS_TORCH=1"]
             torch.bindirs = []
             torch.libdirs = []
-            # libtorch is not a Conan package: this module finds the consumer's and links it.
-            self.cpp_info.set_property("cmake_build_modules",
-                                       [os.path.join("lib", "cmake", "ddp-conan-torch.cmake")])
+        # Modules CMakeDeps includes after the targets exist: libtorch is not a Conan package (the
+        # torch module finds the consumer's and links it); ddp::compiled is built by the consumer.
+        modules = []
+        if self.options.with_torch:
+            modules.append(os.path.join("lib", "cmake", "ddp-conan-torch.cmake"))
+        if self.options.compiled:
+            modules.append(os.path.join("lib", "cmake", "ddp-conan-compiled.cmake"))
+        if modules:
+            self.cpp_info.set_property("cmake_build_modules", modules)

@@ -22,6 +22,7 @@ class DdpTestPackage(ConanFile):
         toolchain.variables["DDP_TEST_MPI"] = bool(options.with_mpi)
         toolchain.variables["DDP_TEST_NCCL"] = bool(options.with_nccl)
         toolchain.variables["DDP_TEST_TORCH"] = bool(options.with_torch)
+        toolchain.variables["DDP_TEST_COMPILED"] = bool(options.compiled)
         toolchain.generate()
 
     def build(self):
@@ -37,3 +38,5 @@ class DdpTestPackage(ConanFile):
                 self.run(os.path.join(self.cpp.build.bindir, "test_components"), env="conanrun")
             if options.with_torch:
                 self.run(os.path.join(self.cpp.build.bindir, "test_torch"), env="conanrun")
+            if options.compiled:
+                self.run(os.path.join(self.cpp.build.bindir, "test_compiled"), env="conanrun")

@@ -83,7 +83,8 @@ case $kind in
     mkdir -p "$work/src/tests/package"
     mkdir -p "$work/src/cmake"
     cp -r "$src/conanfile.py" "$src/LICENSE" "$src/include" "$src/test_package" "$work/src/"
-    cp "$src/cmake/ddp-conan-torch.cmake" "$work/src/cmake/"
+    cp "$src/cmake/ddp-conan-torch.cmake" "$src/cmake/ddp-conan-compiled.cmake" \
+      "$src/cmake/ddpCompiled.cmake" "$src/cmake/ddp_compiled.cpp" "$work/src/cmake/"
     cp -r "$src/tests/package/common" "$src/tests/package/cmake_components" \
       "$src/tests/package/torch_pip" "$work/src/tests/package/"
     CXX=$cxx CC=${cxx/++/cc} conan create "$work/src" --no-remote --build=missing -s compiler.cppstd=20 \
@@ -91,7 +92,7 @@ case $kind in
     out=$(grep -E '^ddp [0-9]' "$work/conan.log" | tail -1)
     # The backend options, each where its library is installed: ddp::mpi / ddp::nccl link and
     # define what the headers need.
-    options=()
+    options=(-o "ddp/*:compiled=True")  # ddp::compiled: the separate-compilation mode
     command -v mpicxx >/dev/null 2>&1 && options+=(-o "ddp/*:with_mpi=True")
     [ -e "${CUDA_HOME:-/usr/local/cuda}/include/nccl.h" ] && options+=(-o "ddp/*:with_nccl=True")
     # with_torch where a libtorch CMake finds by default is installed (Debian's libtorch-dev)
@@ -105,12 +106,14 @@ case $kind in
         grep -q "^components ok: ddp $version" "$work/conan-options.log" \
           || { tail -40 "$work/conan-options.log"; echo "the components consumer did not run" >&2; exit 1; }
       fi
+      grep -q "compiled mode: all_reduce over 1 rank(s): 2.5" "$work/conan-options.log" \
+        || { tail -40 "$work/conan-options.log"; echo "the ddp::compiled consumer did not run" >&2; exit 1; }
       if [[ " ${options[*]} " == *with_torch=True* ]]; then
         grep -q "^libtorch [0-9.]* with ddp $version: all_reduce and GradientAverager ok" \
           "$work/conan-options.log" \
           || { tail -40 "$work/conan-options.log"; echo "the ddp::torch consumer did not run" >&2; exit 1; }
       fi
-      echo "conan create ${options[*]}: $(grep -E '^(mpi|nccl) linked|^libtorch' "$work/conan-options.log" | tr '\n' ' ')"
+      echo "conan create ${options[*]}: $(grep -E '^(mpi|nccl) linked|^libtorch|^compiled mode' "$work/conan-options.log" | tr '\n' ' ')"
     fi
     check_output "$out"
     ;;
