@@ -18,6 +18,7 @@
 #include "ddp/detail/socket.hpp"
 #include "ddp/error.hpp"
 #include "ddp/store/protocol.hpp"
+#include "ddp/store/refusals.hpp"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -76,7 +77,7 @@ class StoreEngine {
   explicit StoreEngine(StoreOptions options);
 
   [[nodiscard]] const StoreOptions& options() const noexcept { return options_; }
-  [[nodiscard]] std::uint64_t refused() const noexcept { return refused_.load(); }
+  [[nodiscard]] std::uint64_t refused() const noexcept { return refusals_.count(); }
   [[nodiscard]] std::map<std::uint64_t, Session>& sessions() noexcept { return sessions_; }
   [[nodiscard]] Session* session(std::uint64_t id);
   [[nodiscard]] std::size_t keys() const noexcept { return data_.size(); }
@@ -140,12 +141,10 @@ class StoreEngine {
   void note_refusal(std::string_view why) { refuse("a client", why); }
 
  private:
-  /// Counts and logs a refusal; at most log_burst lines per 10 s, the rest summed up in one line
-  /// (a flood of bad connections must not flood the log).
-  void refuse(const std::string& peer, std::string_view why);
-
-  /// Starts a new log window when the last one is over, first saying how many lines it held back.
-  void flush_log_summary();
+  /// Counts and logs a refusal (store/refusals.hpp: rate-limited).
+  void refuse(const std::string& peer, std::string_view why) {
+    refusals_.refuse(options_, peer, why);
+  }
 
   /// Closes the connection that has waited longest without authenticating.
   void evict_oldest_pending();
@@ -165,9 +164,6 @@ class StoreEngine {
  private:
   /// Checks a complete length prefix before a byte of the frame is buffered.
   bool read_length(Session& s);
-
-  static bool looks_like_text(std::string_view first4);
-  static std::string printable(std::string_view s);
 
   void handshake(Session& s, std::string_view frame);
 
@@ -193,10 +189,7 @@ class StoreEngine {
   void wake_waiters();
 
   StoreOptions options_;
-  std::atomic<std::uint64_t> refused_{0};
-  Clock::time_point log_window_ = Clock::now();
-  std::size_t logged_in_window_ = 0;
-  std::uint64_t suppressed_ = 0;
+  RefusalLog refusals_;
   std::map<std::uint64_t, Session> sessions_;
   std::uint64_t next_id_ = 1;
   std::vector<Waiter> waiters_;
@@ -280,7 +273,7 @@ DDP_INLINE void StoreEngine::peer_closed(std::uint64_t id) {
 }
 
 DDP_INLINE void StoreEngine::expire(Clock::time_point now) {
-  flush_log_summary();
+  refusals_.flush(options_);
   std::erase_if(waiters_, [&](const Waiter& wt) {
     Session* s = session(wt.conn);
     if (s == nullptr || s->closed) return true;
@@ -329,30 +322,6 @@ DDP_INLINE void StoreEngine::reap() {
 
 DDP_INLINE void StoreEngine::close_all() {
   for (auto& [id, s] : sessions_) s.closed = true;
-}
-
-DDP_INLINE void StoreEngine::refuse(const std::string& peer, std::string_view why) {
-  refused_.fetch_add(1);
-  flush_log_summary();
-  if (logged_in_window_ < options_.log_burst) {
-    ++logged_in_window_;
-    options_.log(concat("refused ", peer, ": ", why));
-  } else {
-    ++suppressed_;
-  }
-}
-
-DDP_INLINE void StoreEngine::flush_log_summary() {
-  const auto now = Clock::now();
-  if (now - log_window_ < std::chrono::seconds(10)) return;
-  if (suppressed_ != 0) {
-    options_.log(concat(suppressed_, " more connection(s) refused in the last ",
-                        std::chrono::duration_cast<std::chrono::seconds>(now - log_window_).count(),
-                        " s (not logged one by one)"));
-  }
-  log_window_ = now;
-  logged_in_window_ = 0;
-  suppressed_ = 0;
 }
 
 DDP_INLINE void StoreEngine::evict_oldest_pending() {
@@ -414,18 +383,6 @@ DDP_INLINE bool StoreEngine::read_length(Session& s) {
   }
   s.frame_len = len;
   return true;
-}
-
-DDP_INLINE bool StoreEngine::looks_like_text(std::string_view first4) {
-  return std::all_of(first4.begin(), first4.end(), [](char ch) {
-    return (ch >= 'A' && ch <= 'Z') || (ch >= 'a' && ch <= 'z') || ch == ' ' || ch == '/';
-  });
-}
-
-DDP_INLINE std::string StoreEngine::printable(std::string_view s) {
-  std::string out;
-  for (char ch : s) out += (ch >= 32 && ch < 127) ? ch : '?';
-  return out;
 }
 
 DDP_INLINE void StoreEngine::handshake(Session& s, std::string_view frame) {

@@ -1,0 +1,93 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// detail::RefusalLog: how the store server reports the connections it refuses (a wrong token, a
+/// stranger, too many clients): each is counted, at most StoreOptions::log_burst are logged one
+/// by one per 10 s and the rest summed up in one line, so a flood of bad connections cannot flood
+/// the log; and how a stranger's first bytes are described.
+
+#include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+#include "ddp/detail/lean_std.hpp"
+#include "ddp/error.hpp"
+#include "ddp/store/protocol.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// The refusals of one store server. refuse() and flush() run on the server's thread; count()
+/// from any.
+class RefusalLog {
+ public:
+  /// Counts and logs (through `o.log`) a refusal of `peer`, rate-limited.
+  void refuse(const StoreOptions& o, const std::string& peer, std::string_view why);
+  /// Starts a new log window when the last one is over, first saying how many lines it held back.
+  void flush(const StoreOptions& o);
+  /// Refusals so far.
+  [[nodiscard]] std::uint64_t count() const noexcept { return refused_.load(); }
+
+ private:
+  std::atomic<std::uint64_t> refused_{0};
+  Clock::time_point window_ = Clock::now();
+  std::size_t logged_ = 0;
+  std::uint64_t suppressed_ = 0;
+};
+
+/// Whether a connection's first bytes look like text (an HTTP request, a port scanner's probe):
+/// stray traffic, named as such.
+DDP_INLINE bool looks_like_text(std::string_view first4);
+/// `s` with every byte outside printable ASCII shown as '?'.
+DDP_INLINE std::string printable(std::string_view s);
+
+#if DDP_BODIES
+DDP_INLINE void RefusalLog::refuse(const StoreOptions& o, const std::string& peer,
+                                   std::string_view why) {
+  refused_.fetch_add(1);
+  flush(o);
+  if (logged_ < o.log_burst) {
+    ++logged_;
+    o.log(concat("refused ", peer, ": ", why));
+  } else {
+    ++suppressed_;
+  }
+}
+
+DDP_INLINE void RefusalLog::flush(const StoreOptions& o) {
+  const auto now = Clock::now();
+  if (now - window_ < std::chrono::seconds(10)) return;
+  if (suppressed_ != 0) {
+    o.log(concat(suppressed_, " more connection(s) refused in the last ",
+                 std::chrono::duration_cast<std::chrono::seconds>(now - window_).count(),
+                 " s (not logged one by one)"));
+  }
+  window_ = now;
+  logged_ = 0;
+  suppressed_ = 0;
+}
+
+DDP_INLINE bool looks_like_text(std::string_view first4) {
+  return std::all_of(first4.begin(), first4.end(), [](char ch) {
+    return (ch >= 'A' && ch <= 'Z') || (ch >= 'a' && ch <= 'z') || ch == ' ' || ch == '/';
+  });
+}
+
+DDP_INLINE std::string printable(std::string_view s) {
+  std::string out;
+  for (char ch : s) out += (ch >= 32 && ch < 127) ? ch : '?';
+  return out;
+}
+#endif  // DDP_BODIES
+
+}  // namespace detail
+DDP_END_NAMESPACE
