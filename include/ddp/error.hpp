@@ -18,6 +18,8 @@
 #include <string_view>
 #include <system_error>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 DDP_BEGIN_NAMESPACE
 
@@ -115,21 +117,40 @@ DDP_INLINE const std::error_category& error_category() noexcept {
   return {static_cast<int>(code), error_category()};
 }
 
-/// The one exception type of ddp. `what()` is the full message; `code()` tells what happened.
+/// The one exception type of ddp. `what()` is the full message; `code()` tells what happened;
+/// `origin_rank()` and `lost_ranks()` say, where ddp knows them, on which rank the failure started
+/// and which ranks were found lost: a program reads them instead of parsing the message.
 class Error : public std::runtime_error {
  public:
   /// An error with the given code; `message` becomes what().
   Error(Errc code, const std::string& message);
   /// An error with the given code; `message` becomes what().
   Error(Errc code, const char* message);
+  /// An error that started on rank `origin_rank` (-1: not known), which reported
+  /// `origin_message`: what() is `context` followed by it. `lost_ranks`: the ranks found lost.
+  Error(Errc code, std::string_view context, int origin_rank, std::string_view origin_message,
+        std::vector<int> lost_ranks = {});
 
   /// What went wrong.
   [[nodiscard]] Errc code() const noexcept { return code_; }
   /// code() as a std::error_code in ddp::error_category().
   [[nodiscard]] std::error_code error_code() const noexcept { return make_error_code(code_); }
+  /// The rank (of the communicator) that found this failure and reported it first, when it is
+  /// another rank: the "rank N" of "failed because rank N reported" (a collective, rendezvous or
+  /// monitored_barrier verdict that failed there first, relayed through shared memory, the
+  /// transport or the store). -1 when this process found it.
+  [[nodiscard]] int origin_rank() const noexcept { return origin_; }
+  /// The words of the rank that found the failure: what() without the context this rank added.
+  [[nodiscard]] DDP_INLINE std::string_view origin_message() const noexcept;
+  /// The ranks (of the communicator) found lost: dead, their connection closed, silent past the
+  /// heartbeat, missing at a monitored_barrier. Empty when none was, or none is known.
+  [[nodiscard]] const std::vector<int>& lost_ranks() const noexcept { return lost_; }
 
  private:
   Errc code_;
+  int origin_ = -1;
+  std::size_t origin_at_ = 0;
+  std::vector<int> lost_;
 };
 
 #if DDP_BODIES
@@ -138,6 +159,19 @@ DDP_INLINE Error::Error(Errc code, const std::string& message)
 
 DDP_INLINE Error::Error(Errc code, const char* message)
     : std::runtime_error(message), code_(code) {}
+
+DDP_INLINE std::string_view Error::origin_message() const noexcept {
+  const std::string_view whole = what();
+  return origin_at_ < whole.size() ? whole.substr(origin_at_) : std::string_view{};
+}
+
+DDP_INLINE Error::Error(Errc code, std::string_view context, int origin_rank,
+                        std::string_view origin_message, std::vector<int> lost_ranks)
+    : std::runtime_error(std::string(context).append(origin_message)),
+      code_(code),
+      origin_(origin_rank),
+      origin_at_(context.size()),
+      lost_(std::move(lost_ranks)) {}
 #endif  // DDP_BODIES
 
 namespace detail {
@@ -146,6 +180,24 @@ namespace detail {
 template <class... Args>
 [[noreturn]] void fail(Errc code, const Args&... parts) {
   DDP_THROW(Error(code, concat(parts...)));
+}
+
+/// Throws an error that started on rank `origin` (-1: not known) and found `lost` lost; the
+/// message is made of `parts`.
+template <class... Args>
+[[noreturn]] void fail_from(int origin, std::vector<int> lost, Errc code, const Args&... parts) {
+  DDP_THROW(Error(code, std::string_view{}, origin, concat(parts...), std::move(lost)));
+}
+
+/// Throws `cause` again with `context` (message parts) before its message: its code, origin
+/// and lost ranks kept.
+template <class... Args>
+[[noreturn]] void fail_within(const Error& cause, const Args&... context) {
+  const std::string before = concat(context...);
+  const std::string_view whole = cause.what();
+  const std::size_t at = whole.size() - cause.origin_message().size();
+  DDP_THROW(Error(cause.code(), before + std::string(whole.substr(0, at)), cause.origin_rank(),
+                  cause.origin_message(), cause.lost_ranks()));
 }
 
 /// Throws Errc::system for a failed OS call: "<what>: <strerror(err)> (errno <err>)".

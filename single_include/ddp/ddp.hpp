@@ -124,6 +124,8 @@
 #include <string_view>
 #include <system_error>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 DDP_BEGIN_NAMESPACE
 
@@ -221,21 +223,40 @@ DDP_INLINE const std::error_category& error_category() noexcept {
   return {static_cast<int>(code), error_category()};
 }
 
-/// The one exception type of ddp. `what()` is the full message; `code()` tells what happened.
+/// The one exception type of ddp. `what()` is the full message; `code()` tells what happened;
+/// `origin_rank()` and `lost_ranks()` say, where ddp knows them, on which rank the failure started
+/// and which ranks were found lost: a program reads them instead of parsing the message.
 class Error : public std::runtime_error {
  public:
   /// An error with the given code; `message` becomes what().
   Error(Errc code, const std::string& message);
   /// An error with the given code; `message` becomes what().
   Error(Errc code, const char* message);
+  /// An error that started on rank `origin_rank` (-1: not known), which reported
+  /// `origin_message`: what() is `context` followed by it. `lost_ranks`: the ranks found lost.
+  Error(Errc code, std::string_view context, int origin_rank, std::string_view origin_message,
+        std::vector<int> lost_ranks = {});
 
   /// What went wrong.
   [[nodiscard]] Errc code() const noexcept { return code_; }
   /// code() as a std::error_code in ddp::error_category().
   [[nodiscard]] std::error_code error_code() const noexcept { return make_error_code(code_); }
+  /// The rank (of the communicator) that found this failure and reported it first, when it is
+  /// another rank: the "rank N" of "failed because rank N reported" (a collective, rendezvous or
+  /// monitored_barrier verdict that failed there first, relayed through shared memory, the
+  /// transport or the store). -1 when this process found it.
+  [[nodiscard]] int origin_rank() const noexcept { return origin_; }
+  /// The words of the rank that found the failure: what() without the context this rank added.
+  [[nodiscard]] DDP_INLINE std::string_view origin_message() const noexcept;
+  /// The ranks (of the communicator) found lost: dead, their connection closed, silent past the
+  /// heartbeat, missing at a monitored_barrier. Empty when none was, or none is known.
+  [[nodiscard]] const std::vector<int>& lost_ranks() const noexcept { return lost_; }
 
  private:
   Errc code_;
+  int origin_ = -1;
+  std::size_t origin_at_ = 0;
+  std::vector<int> lost_;
 };
 
 #if DDP_BODIES
@@ -244,6 +265,19 @@ DDP_INLINE Error::Error(Errc code, const std::string& message)
 
 DDP_INLINE Error::Error(Errc code, const char* message)
     : std::runtime_error(message), code_(code) {}
+
+DDP_INLINE std::string_view Error::origin_message() const noexcept {
+  const std::string_view whole = what();
+  return origin_at_ < whole.size() ? whole.substr(origin_at_) : std::string_view{};
+}
+
+DDP_INLINE Error::Error(Errc code, std::string_view context, int origin_rank,
+                        std::string_view origin_message, std::vector<int> lost_ranks)
+    : std::runtime_error(std::string(context).append(origin_message)),
+      code_(code),
+      origin_(origin_rank),
+      origin_at_(context.size()),
+      lost_(std::move(lost_ranks)) {}
 #endif  // DDP_BODIES
 
 namespace detail {
@@ -252,6 +286,24 @@ namespace detail {
 template <class... Args>
 [[noreturn]] void fail(Errc code, const Args&... parts) {
   DDP_THROW(Error(code, concat(parts...)));
+}
+
+/// Throws an error that started on rank `origin` (-1: not known) and found `lost` lost; the
+/// message is made of `parts`.
+template <class... Args>
+[[noreturn]] void fail_from(int origin, std::vector<int> lost, Errc code, const Args&... parts) {
+  DDP_THROW(Error(code, std::string_view{}, origin, concat(parts...), std::move(lost)));
+}
+
+/// Throws `cause` again with `context` (message parts) before its message: its code, origin
+/// and lost ranks kept.
+template <class... Args>
+[[noreturn]] void fail_within(const Error& cause, const Args&... context) {
+  const std::string before = concat(context...);
+  const std::string_view whole = cause.what();
+  const std::size_t at = whole.size() - cause.origin_message().size();
+  DDP_THROW(Error(cause.code(), before + std::string(whole.substr(0, at)), cause.origin_rank(),
+                  cause.origin_message(), cause.lost_ranks()));
 }
 
 /// Throws Errc::system for a failed OS call: "<what>: <strerror(err)> (errno <err>)".
@@ -2071,11 +2123,11 @@ DDP_INLINE void fail_if_out_of_fds(int err, std::string_view doing) {
          "close programs or raise fs.file-max");
   rlimit lim{};
   (void)::getrlimit(RLIMIT_NOFILE, &lim);
-  const auto text = [](rlim_t v) {
+  const auto limit_text = [](rlim_t v) {
     return v == RLIM_INFINITY ? std::string("unlimited") : std::to_string(v);
   };
   fail(Errc::system, doing, ": out of file descriptors (EMFILE: this process has ",
-       text(lim.rlim_cur), " open, its limit; hard limit ", text(lim.rlim_max),
+       limit_text(lim.rlim_cur), " open, its limit; hard limit ", limit_text(lim.rlim_max),
        "); raise the limit (ulimit -n, or LimitNOFILE in a service) or open fewer files");
 }
 #endif  // DDP_BODIES
@@ -3402,12 +3454,16 @@ DDP_END_NAMESPACE
 // #include "ddp/detail/socket.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 DDP_BEGIN_NAMESPACE
 
@@ -3532,6 +3588,52 @@ DDP_INLINE IoResult recv_frame(int fd, std::string& out, std::size_t limit, Dead
 
 }  // namespace detail::store_proto
 
+namespace detail {
+
+/// A stop value (Store::stop_value): the error's code and message, then where it started
+/// (origin rank, the offset of its own words in the message) and the ranks it lost.
+DDP_INLINE std::string encode_stop(const Error& e);
+/// The ddp::Error a stop value holds; nothing when the value is not one.
+DDP_INLINE std::optional<Error> decode_stop(std::string_view value);
+
+#if DDP_BODIES
+DDP_INLINE std::string encode_stop(const Error& e) {
+  std::string v;
+  ByteWriter w(v);
+  w.put(static_cast<std::int32_t>(e.code()));
+  const std::string_view whole = e.what();
+  w.str(whole);
+  w.put(static_cast<std::int32_t>(e.origin_rank()));
+  w.put(static_cast<std::uint32_t>(whole.size() - e.origin_message().size()));
+  w.put(static_cast<std::uint32_t>(e.lost_ranks().size()));
+  for (const int r : e.lost_ranks()) w.put(static_cast<std::int32_t>(r));
+  return v;
+}
+
+DDP_INLINE std::optional<Error> decode_stop(std::string_view value) {
+  if (value.size() < 8) return std::nullopt;
+  try {
+    ByteReader r(value, "stop value");
+    const auto code = r.get<std::int32_t>();
+    if (code < 1 || code > static_cast<std::int32_t>(Errc::unsupported)) return std::nullopt;
+    const std::string message = r.str(value.size());
+    if (r.left() == 0) return Error(static_cast<Errc>(code), message);
+    const auto origin = r.get<std::int32_t>();
+    const auto at = std::min<std::size_t>(r.get<std::uint32_t>(), message.size());
+    const auto n = r.get<std::uint32_t>();
+    if (n > r.left() / 4) return std::nullopt;
+    std::vector<int> lost(n);
+    for (int& x : lost) x = r.get<std::int32_t>();
+    r.expect_end();
+    return Error(static_cast<Errc>(code), std::string_view(message).substr(0, at), origin,
+                 std::string_view(message).substr(at), std::move(lost));
+  } catch (const Error&) {  // not a stop value
+    return std::nullopt;
+  }
+}
+#endif  // DDP_BODIES
+
+}  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/store/protocol.hpp
 
@@ -3561,20 +3663,13 @@ struct StoreCall {
   bool soft = false;  ///< never wait for another thread's call (Errc::timeout instead)
 };
 
-/// The error a watched key's value holds (Store::stop_value): its code and message; otherwise
-/// Errc::aborted quoting it.
+/// The error a watched key's value holds (Store::stop_value, detail::decode_stop): its code,
+/// message, origin and lost ranks; otherwise Errc::aborted quoting it.
 [[noreturn]] DDP_INLINE void fail_stopped(const StoreCall& c, std::string_view stop,
                                           const std::string& value);
 #if DDP_BODIES
 DDP_INLINE void fail_stopped(const StoreCall& c, std::string_view stop, const std::string& value) {
-  if (value.size() >= 8) {
-    ByteReader vr(value, "stop value");
-    const auto code = vr.get<std::int32_t>();
-    if (code >= 1 && code <= static_cast<std::int32_t>(Errc::unsupported)) {
-      const std::string message = vr.str(value.size());
-      fail(static_cast<Errc>(code), message);
-    }
-  }
+  if (auto e = decode_stop(value)) DDP_THROW(std::move(*e));
   fail(Errc::aborted, "store ", c.what, "(\"", c.prefix, c.key, "\"): stopped by \"", stop,
        "\": ", value);
 }
@@ -4251,6 +4346,8 @@ class Store {
   /// The value for a watched key (see watching()) that makes the waiters throw `code` with
   /// `message`.
   [[nodiscard]] static std::string stop_value(Errc code, std::string_view message);
+  /// The same for `e`, keeping its origin rank and lost ranks (Error::origin_rank()).
+  [[nodiscard]] static std::string stop_value(const Error& e) { return detail::encode_stop(e); }
 
   /// Whether a call has found the store gone (closed or unresponsive): every later call fails at
   /// once instead of reconnecting.
@@ -5990,6 +6087,13 @@ DDP_END_NAMESPACE
 DDP_BEGIN_NAMESPACE
 namespace detail {
 
+/// The failure of a monitored_barrier that the ranks `missing` (ascending, not empty) did not
+/// arrive at within `timeout`, as rank `rank` reports it (rank 0 gave the verdict; the others
+/// say so): it names the first missing rank, or every one with `wait_all_ranks`; its lost
+/// ranks are all of them. The one verdict of every backend's monitored_barrier.
+DDP_INLINE Error missed_barrier(int rank, std::string_view what, const std::vector<int>& missing,
+                                std::chrono::milliseconds timeout, bool wait_all_ranks);
+
 /// Monitored barrier number `n` of a communicator whose keys `store` holds (this rank `rank` of
 /// `size`): every rank says it arrived; rank 0 waits up to `timeout` for the others and gives
 /// its verdict, naming the ranks that did not arrive (all of them with `wait_all_ranks`, else
@@ -5999,70 +6103,89 @@ namespace detail {
 DDP_INLINE void monitored_barrier(Store& store, std::uint64_t n, int rank, int size,
                                   std::chrono::milliseconds timeout, bool wait_all_ranks);
 #if DDP_BODIES
+DDP_INLINE Error missed_barrier(int rank, std::string_view what, const std::vector<int>& missing,
+                                std::chrono::milliseconds timeout, bool wait_all_ranks) {
+  const std::size_t named = wait_all_ranks ? missing.size() : 1;
+  std::string who;
+  for (std::size_t i = 0; i < named; ++i) who += concat(i == 0 ? "" : ", ", missing[i]);
+  return Error(
+      Errc::timeout,
+      concat("rank ", rank, ": ", what, ": ", rank == 0 ? "" : "failed because rank 0 reported: "),
+      rank == 0 ? -1 : 0,
+      concat(named == 1 ? "rank " : "ranks ", who, " did not arrive within ", timeout.count(),
+             " ms (stopped, slow, or not calling it)",
+             wait_all_ranks || missing.size() == 1
+                 ? ""
+                 : concat("; ", missing.size() - 1,
+                          " more did not either (wait_all_ranks names every one)")),
+      missing);
+}
+
 DDP_INLINE void monitored_barrier(Store& store, std::uint64_t n, int rank, int size,
                                   std::chrono::milliseconds timeout, bool wait_all_ranks) {
   const std::string at = concat("monitored/", n, "/");
   const std::string what = concat("monitored_barrier #", n);
-  const std::string verdict = at + "verdict";
-  // Waits up to `limit` for `keys` (each ends in the rank it waits for; the verdict is rank
-  // 0's); returns those still missing. A rank among them whose process left (its store
-  // connection closed: "exit/<r>") is not waited for: that fails at once with Errc::peer_lost.
-  const auto await = [&](std::vector<std::string> keys, std::chrono::milliseconds limit,
+  const std::string verdict = at + "verdict";  // "" when every rank arrived, else a stop value
+  // Waits up to `limit` for the ranks `ranks` (-1: rank 0's verdict); returns those still
+  // missing. A rank among them whose process left (its store connection closed: "exit/<r>") is
+  // not waited for: that fails at once with Errc::peer_lost.
+  const auto await = [&](std::vector<int> ranks, std::chrono::milliseconds limit,
                          const char* doing) {
+    const auto key = [&](int r) { return r < 0 ? verdict : concat(at, r); };
     const auto deadline = Clock::now() + limit;
     for (;;) {
       const auto left =
           std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      std::vector<std::string> keys;
+      for (const int r : ranks) keys.push_back(key(r));
       keys = store.missing_after(
           keys, std::clamp(left, std::chrono::milliseconds(0), std::chrono::milliseconds(100)));
-      if (keys.empty() || left.count() <= 0) return keys;
-      for (const std::string& k : keys) {
-        const std::string r = k == verdict ? "0" : k.substr(k.rfind('/') + 1),
-                          exited[] = {concat("exit/", r)};
+      std::erase_if(
+          ranks, [&](int r) { return std::find(keys.begin(), keys.end(), key(r)) == keys.end(); });
+      if (ranks.empty() || left.count() <= 0) return ranks;
+      for (const int r : ranks) {
+        const int gone = std::max(r, 0);
+        const std::string exited[] = {concat("exit/", gone)};
         if (!store.check(exited)) continue;
-        const std::string why = concat("rank ", r,
-                                       " left (its process exited, or it destroyed "
-                                       "its communicator) before ",
-                                       doing);
-        if (rank == 0) store.set(verdict, why);
-        fail(Errc::peer_lost, "rank ", rank, ": ", what, ": ", why);
+        const Error lost(Errc::peer_lost, concat("rank ", rank, ": ", what, ": "), -1,
+                         concat("rank ", gone,
+                                " left (its process exited, or it destroyed its communicator) "
+                                "before ",
+                                doing),
+                         {gone});
+        if (rank == 0) store.set(verdict, Store::stop_value(lost));
+        DDP_THROW(lost);
       }
     }
   };
   store.set(concat(at, rank), "");
   if (rank == 0) {
-    std::vector<std::string> keys;
-    for (int r = 1; r < size; ++r) keys.push_back(concat(at, r));
-    const auto missing = await(keys, timeout, "arriving");
+    std::vector<int> others;
+    for (int r = 1; r < size; ++r) others.push_back(r);
+    const std::vector<int> missing = await(others, timeout, "arriving");
     if (missing.empty()) {
       store.set(verdict, "");
       return;
     }
-    std::string who;
-    const std::size_t named = wait_all_ranks ? missing.size() : 1;
-    for (std::size_t i = 0; i < named; ++i)
-      who += concat(i == 0 ? "" : ", ", missing[i].substr(at.size()));
-    const std::string why =
-        concat(named == 1 ? "rank " : "ranks ", who, " did not arrive within ", timeout.count(),
-               " ms (stopped, slow, or not calling it)",
-               wait_all_ranks || missing.size() == 1
-                   ? ""
-                   : concat("; ", missing.size() - 1,
-                            " more did not either (wait_all_ranks names every one)"));
-    store.set(verdict, why);
-    fail(Errc::timeout, "rank 0: ", what, ": ", why);
+    const Error e = missed_barrier(0, what, missing, timeout, wait_all_ranks);
+    store.set(verdict, Store::stop_value(e));
+    DDP_THROW(e);
   }
-  if (!await({at + "0"}, timeout, "arriving").empty())
-    fail(Errc::timeout, "rank ", rank, ": ", what, ": rank 0 did not arrive within ",
-         timeout.count(), " ms (stopped, slow, or not calling it)");
+  if (!await({0}, timeout, "arriving").empty())
+    fail_from(-1, {0}, Errc::timeout, "rank ", rank, ": ", what, ": rank 0 did not arrive within ",
+              timeout.count(), " ms (stopped, slow, or not calling it)");
   // Rank 0 gives it within `timeout` of its own arrival (and a moment to write it).
   const auto grace = timeout + std::chrono::seconds(2);
-  if (!await({verdict}, grace, "giving its verdict").empty())
-    fail(Errc::timeout, "rank ", rank, ": ", what, ": rank 0 gave no verdict within ",
-         grace.count(), " ms of arriving");
-  if (std::string why = store.get(verdict); !why.empty())
-    fail(why.find(" left (") != std::string::npos ? Errc::peer_lost : Errc::timeout, "rank ", rank,
-         ": ", what, ": failed because rank 0 reported: ", why);
+  if (!await({-1}, grace, "giving its verdict").empty())
+    fail_from(-1, {}, Errc::timeout, "rank ", rank, ": ", what, ": rank 0 gave no verdict within ",
+              grace.count(), " ms of arriving");
+  if (const std::string v = store.get(verdict); !v.empty()) {
+    const auto e = decode_stop(v);
+    if (!e) fail(Errc::protocol, "rank ", rank, ": ", what, ": rank 0's verdict is not one");
+    DDP_THROW(Error(e->code(),
+                    concat("rank ", rank, ": ", what, ": failed because rank 0 reported: "), 0,
+                    e->origin_message(), e->lost_ranks()));
+  }
 }
 #endif  // DDP_BODIES
 
@@ -6538,8 +6661,7 @@ class HttpClient {
 
   [[nodiscard]] const std::string& host() const noexcept { return host_; }
   [[nodiscard]] int port() const noexcept { return port_; }
-  [[nodiscard]] int fd() const noexcept { return fd_.get(); }
-  void close() noexcept { fd_.reset(); }
+  [[nodiscard]] int descriptor() const noexcept { return fd_.get(); }
 
   /// POSTs `body` (JSON) to `path`; the reply, or Errc::peer_lost / Errc::timeout (the
   /// connection then closed) when the server cannot be reached or does not answer by
@@ -6889,8 +7011,8 @@ class EtcdStoreConnection final : public StoreConnection {
                       const StoreCall* c = nullptr);
 
   /// Waits (polling) until every key exists; false at the timeout. A stop key throws.
-  bool poll(const StoreCall& c, std::span<const std::string> keys,
-            std::chrono::milliseconds timeout, const std::string& stop, std::string* value);
+  bool await_keys(const StoreCall& c, std::span<const std::string> keys,
+                  std::chrono::milliseconds timeout, const std::string& stop, std::string* value);
 
   void put_raw(const std::string& key, std::string_view value, std::int64_t lease,
                Deadline deadline, Clients& clients, std::size_t& at);
@@ -6967,14 +7089,15 @@ DDP_INLINE std::string EtcdStoreConnection::get(const StoreCall& c, const std::s
                                                 const std::string& stop) {
   const std::string one[] = {key};
   std::string value;
-  if (!poll(c, one, timeout, stop, &value)) fail_missing(c, timeout, std::vector<std::string>{key});
+  if (!await_keys(c, one, timeout, stop, &value))
+    fail_missing(c, timeout, std::vector<std::string>{key});
   return value;
 }
 
 DDP_INLINE bool EtcdStoreConnection::wait(const StoreCall& c, std::span<const std::string> keys,
                                           std::chrono::milliseconds timeout,
                                           const std::string& stop, bool report_timeout) {
-  if (poll(c, keys, timeout, stop, nullptr)) return true;
+  if (await_keys(c, keys, timeout, stop, nullptr)) return true;
   if (report_timeout) return false;
   std::vector<std::string> missing;
   for (const auto& k : keys)
@@ -7092,7 +7215,7 @@ DDP_INLINE std::string EtcdStoreConnection::where() const {
 DDP_INLINE std::string EtcdStoreConnection::local_address() {
   std::lock_guard lock(mutex_);
   (void)request("/v3/maintenance/status", "{}", Deadline::after(options.timeout), calls_, at_);
-  return detail::local_address(calls_[at_].fd());
+  return detail::local_address(calls_[at_].descriptor());
 }
 
 DDP_INLINE void EtcdStoreConnection::keepalive() {
@@ -7223,9 +7346,10 @@ DDP_INLINE std::size_t EtcdStoreConnection::present(std::span<const std::string>
   return found;
 }
 
-DDP_INLINE bool EtcdStoreConnection::poll(const StoreCall& c, std::span<const std::string> keys,
-                                          std::chrono::milliseconds timeout,
-                                          const std::string& stop, std::string* value) {
+DDP_INLINE bool EtcdStoreConnection::await_keys(const StoreCall& c,
+                                                std::span<const std::string> keys,
+                                                std::chrono::milliseconds timeout,
+                                                const std::string& stop, std::string* value) {
   Deadline deadline = Deadline::after(timeout);
   deadline.at = std::min(deadline.at, c.deadline);
   auto pause = std::chrono::milliseconds(1);
@@ -7828,13 +7952,12 @@ DDP_INLINE void StoreEngine::evict_oldest_pending() {
 DDP_INLINE void StoreEngine::publish_refusal(const std::string& peer, std::int32_t rank,
                                              const std::string& key) {
   if (key.empty() || data_.count(key) != 0) return;
-  std::string v;
-  ByteWriter w(v);
-  w.put(static_cast<std::int32_t>(Errc::unauthorized));
-  w.str(concat("the rendezvous failed ", rank >= 0 ? concat("on rank ", rank, ": ") : ": ",
-               "the store refused its connection from ", peer,
-               ": its token differs from the store's (rank 0's, or the launcher's) or is "
-               "missing; every rank must have the same DDP_TOKEN"));
+  std::string v = encode_stop(Error(
+      Errc::unauthorized,
+      concat("the rendezvous failed ", rank >= 0 ? concat("on rank ", rank, ": ") : ": "), rank,
+      concat("the store refused its connection from ", peer,
+             ": its token differs from the store's (rank 0's, or the launcher's) or "
+             "is missing; every rank must have the same DDP_TOKEN")));
   if (store_value(key, std::move(v))) wake_waiters();
 }
 
@@ -9666,6 +9789,7 @@ DDP_END_NAMESPACE
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -9726,6 +9850,8 @@ struct CommState {
   mutable std::mutex poison_mutex;
   std::string poison;
   Errc poison_code = Errc::aborted;
+  int poison_origin = -1;             // the first failure's Error::origin_rank()
+  std::vector<int> poison_lost;       // and its lost_ranks()
   std::atomic<bool> poisoned{false};  // poison is set: read without the lock on every call
 #if DDP_HAS_CUDA
   std::unique_ptr<CudaStaging> staging;  // made on first use
@@ -9812,6 +9938,8 @@ struct CommState {
 
   /// Marks the communicator failed with `why` (the first failure wins).
   void poison_with(std::string why, Errc code);
+  /// The same with `e`'s message, code, origin and lost ranks.
+  void poison_with(const Error& e);
 
   /// Fails with Errc::aborted, quoting the first failure, when the communicator is poisoned.
   void check_poisoned(int rank, const char* name) const;
@@ -9819,13 +9947,13 @@ struct CommState {
   [[noreturn, gnu::noinline, gnu::cold]] void fail_poisoned(int rank, const char* name) const {
     std::lock_guard lock(poison_mutex);
     if (replaced_by != 0)
-      fail(Errc::aborted, "rank ", rank, ": ", name,
-           ": this communicator was replaced by membership epoch ", replaced_by, " (", poison,
-           "): use the communicator that shrink() or grow() returned");
-    fail(Errc::aborted, "rank ", rank, ": ", name,
-         ": this communicator failed earlier and cannot be used (", poison,
-         "); the ranks still alive can go on together with shrink(), or make a new "
-         "communicator with Communicator::init");
+      fail_from(poison_origin, poison_lost, Errc::aborted, "rank ", rank, ": ", name,
+                ": this communicator was replaced by membership epoch ", replaced_by, " (", poison,
+                "): use the communicator that shrink() or grow() returned");
+    fail_from(poison_origin, poison_lost, Errc::aborted, "rank ", rank, ": ", name,
+              ": this communicator failed earlier and cannot be used (", poison,
+              "); the ranks still alive can go on together with shrink(), or make a new "
+              "communicator with Communicator::init");
   }
 
   /// Runs body() unless the communicator is poisoned (then fails at once), and poisons it
@@ -9848,9 +9976,9 @@ struct CommState {
         std::string_view why = poison;
         if (const std::string own = concat("rank ", rank, ": "); why.starts_with(own))
           why.remove_prefix(own.size());
-        fail(poison_code, "rank ", rank, ": ", name, ": ", why);
+        fail_from(poison_origin, poison_lost, poison_code, "rank ", rank, ": ", name, ": ", why);
       }
-      poison_with(e.what(), e.code());
+      poison_with(e);
       throw;
     } catch (...) {
       poison_with("an operation threw a non-ddp exception", Errc::aborted);
@@ -9881,7 +10009,7 @@ struct CommState {
 
   /// The heartbeat's watch: after each sign of life, when the store counted a new stall, checks
   /// whether a member of this communicator stalled, and then calls `lost` (once) with why.
-  void watch_peers(std::function<void(const std::string&)> lost);
+  void watch_peers(std::function<void(const Error&)> lost);
   /// Ends the watch (before the backend goes); a tick running now finishes first.
   void unwatch_peers();
 
@@ -9942,11 +10070,12 @@ DDP_INLINE std::shared_ptr<Store> CommState::connect_store(const Environment& en
   // Should this process die before the rendezvous is over, the store tells the others at once,
   // and counts it as gone (the store's host does not wait for it to leave).
   const std::pair<std::string, std::string> on_close[] = {
-      {"failed", Store::stop_value(Errc::peer_lost,
-                                   concat("the rendezvous failed on rank ", env.rank,
-                                          ": its process closed its connection to the store "
-                                          "(it died or was killed) before the rendezvous was "
-                                          "over"))},
+      {"failed",
+       Store::stop_value(Error(Errc::peer_lost,
+                               concat("the rendezvous failed on rank ", env.rank, ": "), env.rank,
+                               "its process closed its connection to the store (it "
+                               "died or was killed) before the rendezvous was over",
+                               {env.rank}))},
       {concat("exit/", env.rank), ""}};
   store->set_on_close(on_close);
   return store;
@@ -10050,17 +10179,16 @@ DDP_INLINE void CommState::announce_leaving() {
   try {
     Store plain = store->unwatched();
     const int r = world_rank_in_group;
-    std::string why;
-    Errc code{};
+    std::optional<Error> why;
     {
       std::lock_guard lock(poison_mutex);
-      why = poison;
-      code = poison_code;
+      if (!poison.empty())
+        why.emplace(poison_code, std::string_view{}, poison_origin, poison, poison_lost);
     }
-    if (why.empty())
+    if (!why)
       plain.set(concat("done/", r), std::to_string(recorder.issued()));
     else
-      (void)plain.compare_set(concat("left/", r), "", Store::stop_value(code, why));
+      (void)plain.compare_set(concat("left/", r), "", Store::stop_value(*why));
     plain.set(concat("exit/", r), "");
   } catch (...) {  // leaving anyway
   }
@@ -10107,20 +10235,20 @@ DDP_INLINE void CommState::linger_after_failed_rendezvous(Store& plain,
 }
 
 DDP_INLINE void CommState::relay_failure(int rank, const Error& e) {
-  constexpr std::string_view relayed = "the rendezvous failed on rank ";
   // Leaving, this rank then records this failure ("left/<rank>"), not a finish: ranks already
   // past the rendezvous, waiting for it in a collective, read that record.
-  poison_with(std::string(e.what()), e.code());
-  if (std::string_view(e.what()).starts_with(relayed)) {  // another rank's, via the store
-    fail(e.code(), "rank ", rank, ": ", e.what());
-  }
+  poison_with(e);
+  if (e.origin_rank() >= 0 && e.origin_rank() != rank)  // another rank's, via the store
+    fail_within(e, "rank ", rank, ": ");
   std::string_view why = e.what();
   if (const std::string own = concat("rank ", rank, ": "); why.starts_with(own))
     why.remove_prefix(own.size());  // the relayed message names the rank once
   if (store && !store->lost()) {
     try {
-      (void)store->compare_set("failed", "",
-                               Store::stop_value(e.code(), concat(relayed, rank, ": ", why)));
+      (void)store->compare_set(
+          "failed", "",
+          Store::stop_value(Error(e.code(), concat("the rendezvous failed on rank ", rank, ": "),
+                                  rank, why, e.lost_ranks())));
     } catch (...) {  // the store is gone too: the peers learn from it
     }
   }
@@ -10129,6 +10257,17 @@ DDP_INLINE void CommState::relay_failure(int rank, const Error& e) {
 DDP_INLINE void CommState::monitored_barrier(int rank, int size, std::chrono::milliseconds timeout,
                                              bool wait_all_ranks) {
   detail::monitored_barrier(*store, monitored_barriers++, rank, size, timeout, wait_all_ranks);
+}
+
+DDP_INLINE void CommState::poison_with(const Error& e) {
+  std::lock_guard lock(poison_mutex);
+  if (poison.empty()) {
+    poison = e.what();
+    poison_code = e.code();
+    poison_origin = e.origin_rank();
+    poison_lost = e.lost_ranks();
+    poisoned.store(true, std::memory_order_release);
+  }
 }
 
 DDP_INLINE void CommState::poison_with(std::string why, Errc code) {
@@ -10209,7 +10348,7 @@ DDP_INLINE bool CommState::stalled() const {
   }
 }
 
-DDP_INLINE void CommState::watch_peers(std::function<void(const std::string&)> lost) {
+DDP_INLINE void CommState::watch_peers(std::function<void(const Error&)> lost) {
   if (!root_store || options.heartbeat.count() <= 0 || job_prefix.empty() ||
       world_ranks.size() < 2 || stall_tick != 0)
     return;
@@ -10220,11 +10359,14 @@ DDP_INLINE void CommState::watch_peers(std::function<void(const std::string&)> l
       const std::string k[] = {concat(job_prefix, "stalled/", world_ranks[r])};
       if (static_cast<int>(r) == world_rank_in_group || !s.check(k)) continue;
       stall_reported = true;
-      lost(concat("rank ", world_rank_in_group, ": rank ", r, " (world rank ", world_ranks[r],
-                  ") stopped answering: no sign of life reached the rendezvous store for ",
-                  options.heartbeat.count(),
-                  " ms (the heartbeat; its process is stopped, hung or cut off), so the job "
-                  "counts it as lost; shrink() to go on without it"));
+      const int gone = static_cast<int>(r);
+      lost(Error(Errc::peer_lost, concat("rank ", world_rank_in_group, ": "), -1,
+                 concat("rank ", r, " (world rank ", world_ranks[r],
+                        ") stopped answering: no sign of life reached the rendezvous store for ",
+                        options.heartbeat.count(),
+                        " ms (the heartbeat; its process is stopped, hung or cut off), so the "
+                        "job counts it as lost; shrink() to go on without it"),
+                 {gone}));
       return;
     }
     stalls_seen = n;
@@ -11475,9 +11617,7 @@ class MembershipChange {
     try {
       return body();
     } catch (const Error& e) {
-      if (e.code() != Errc::peer_lost || old_.root_store->lost() == false ||
-          std::string_view(e.what()).find("store") == std::string_view::npos)
-        throw;
+      if (e.code() != Errc::peer_lost || !old_.root_store->lost()) throw;
       fail(Errc::peer_lost, "rank ", me_, ": shrink: the rendezvous store at ",
            old_.root_store->host(), ":", old_.root_store->port(),
            " is gone (its process ended or stopped answering: when rank 0 hosts it, losing rank "
@@ -11788,7 +11928,7 @@ std::shared_ptr<State> init_state(const Environment& env, Options options) {
     return state;
   } catch (const Error& e) {
     if (std::string_view(e.what()).starts_with("rank ")) throw;
-    fail(e.code(), "rank ", env.rank, ": ", e.what());
+    fail_within(e, "rank ", env.rank, ": ");
   }
 }
 
@@ -12064,7 +12204,7 @@ std::shared_ptr<State> join_state(const Environment& env, Options options, const
   try {
     s->connect_to_job(env);
   } catch (const Error& e) {  // the message names the rank and the operation
-    fail(e.code(), "rank ", env.rank, ": join: ", e.what());
+    fail_within(e, "rank ", env.rank, ": join: ");
   }
   Store base = s->root_store->prefixed(s->base_prefix).unwatched();
   JoinRequest request(base, env.rank, j.ticket, env.world_size);
@@ -12207,9 +12347,9 @@ struct CommRunner : CommState {
   /// answering poisons this communicator and aborts its backend, so that a collective waiting
   /// for it fails at once with Errc::peer_lost naming it.
   void watch_peers() {
-    CommState::watch_peers([this](const std::string& why) {
-      poison_with(why, Errc::peer_lost);
-      if (backend) backend->abort(Errc::peer_lost, why);
+    CommState::watch_peers([this](const Error& lost) {
+      poison_with(lost);
+      if (backend) backend->abort(lost.code(), lost.what());
     });
   }
 
@@ -13626,6 +13766,11 @@ class Transport {
     int rank = -1;
     Errc code{};
     std::string message;
+    /// Where the failure it recorded started, when another rank's (its record relays that
+    /// rank's): the rank and its own words; and the ranks that failure found lost.
+    int origin = -1;
+    std::string origin_message;
+    std::vector<int> lost;
     /// It finished: destroyed its communicator without a failure, after `operations` calls.
     bool finished = false;
     std::uint64_t operations = 0;
@@ -13694,10 +13839,9 @@ class Transport {
   void fail_if_left(const std::vector<int>& ranks, std::chrono::milliseconds grace,
                     const Fingerprint* fp, const char* what) const;
 
-  /// Fails with `code`, quoting the failure rank `from` reported; where that was itself a report
-  /// of another rank's ("failed because rank N reported: ..."), the first one in the chain.
-  [[noreturn]] void fail_reported(Errc code, const Fingerprint* fp, const char* what, int from,
-                                  std::string_view message) const;
+  /// Fails with the failure `left` recorded, naming the rank it started on (the first one in a
+  /// chain of relays: Left::origin) and quoting that rank's words.
+  [[noreturn]] void fail_reported(const Left& left, const Fingerprint* fp, const char* what) const;
 
   /// Records abort() on this rank.
   void set_local_abort(Errc code) noexcept { local_abort_code_.store(static_cast<int>(code)); }
@@ -13794,22 +13938,18 @@ DDP_INLINE void Transport::fail_if_left(const std::vector<int>& ranks,
            "different numbers of collectives (steps). For uneven inputs see ddp::Join; "
            "otherwise make every rank call the same collectives");
     }
-    fail_reported(left->code, fp, what, left->rank, left->message);
+    fail_reported(*left, fp, what);
   }
 }
 
-DDP_INLINE void Transport::fail_reported(Errc code, const Fingerprint* fp, const char* what,
-                                         int from, std::string_view message) const {
-  constexpr std::string_view relay = "failed because rank ";
-  for (std::size_t at; (at = message.find(relay)) != std::string_view::npos;) {
-    const std::string_view rest = message.substr(at + relay.size());
-    const std::size_t said = rest.find(" reported: ");
-    if (said == std::string_view::npos) break;
-    from = std::atoi(std::string(rest.substr(0, said)).c_str());
-    message = rest.substr(said + 11);
-  }
-  fail(code, "rank ", global(rank_), ": ", describe(fp, what), ": failed because rank ", from,
-       " reported: ", message);
+DDP_INLINE void Transport::fail_reported(const Left& left, const Fingerprint* fp,
+                                         const char* what) const {
+  const bool relayed = left.origin >= 0;
+  const int from = relayed ? left.origin : left.rank;
+  DDP_THROW(Error(left.code,
+                  concat("rank ", global(rank_), ": ", describe(fp, what), ": failed because rank ",
+                         from, " reported: "),
+                  from, relayed ? left.origin_message : left.message, left.lost));
 }
 
 DDP_INLINE void Transport::check_local_abort(const Fingerprint* fp) const {
@@ -14561,28 +14701,30 @@ DDP_INLINE std::optional<Transport::Left> left_record(const Store& store,
     for (;;) {
       const std::string failed = "failed";
       if (plain.check(std::span<const std::string>(&failed, 1))) {
-        const std::string rec = plain.get(failed);
-        ByteReader r(rec, "rendezvous failure");
-        Transport::Left left;
-        left.code = static_cast<Errc>(r.get<std::int32_t>());
-        left.message = r.str(rec.size());
-        constexpr std::string_view on = "the rendezvous failed on rank ";
-        if (std::string_view(left.message).starts_with(on)) {
-          left.rank = std::atoi(left.message.c_str() + on.size());
-          const std::size_t colon = left.message.find(": ");
-          if (colon != std::string::npos) left.message.erase(0, colon + 2);
+        // CommState::relay_failure's record: its origin is the rank whose rendezvous failed
+        if (const auto e = decode_stop(plain.get(failed)); e && e->origin_rank() >= 0) {
+          Transport::Left left;
+          left.rank = e->origin_rank();
+          left.code = e->code();
+          left.message = std::string(e->origin_message());
+          left.lost = e->lost_ranks();
+          return left;
         }
-        if (left.rank >= 0) return left;
       }
       for (int j : ranks) {
         const std::string key = concat("left/", j);
         if (!plain.check(std::span<const std::string>(&key, 1))) continue;
-        const std::string rec = plain.get(key);
-        ByteReader r(rec, "leaving record");
+        const auto e = decode_stop(plain.get(key));
+        if (!e) fail(Errc::protocol, "the leaving record of rank ", j, " is not one");
         Transport::Left left;
         left.rank = j;
-        left.code = static_cast<Errc>(r.get<std::int32_t>());
-        left.message = r.str(rec.size());
+        left.code = e->code();
+        left.message = e->what();
+        if (e->origin_rank() >= 0 && e->origin_rank() != j) {  // it relayed another rank's
+          left.origin = e->origin_rank();
+          left.origin_message = std::string(e->origin_message());
+        }
+        left.lost = e->lost_ranks();
         return left;
       }
       for (int j : ranks) {  // one that finished (CommState::announce_leaving)
@@ -14733,7 +14875,7 @@ DDP_INLINE void Hierarchy::all_reduce(RoundScratch& s, SingleCopy& single, const
 DDP_INLINE void Hierarchy::record_leaving(const Error& e) noexcept {
   if (!store) return;
   try {
-    store->set(concat("left/", rank), Store::stop_value(e.code(), e.what()));
+    store->set(concat("left/", rank), Store::stop_value(e));
   } catch (...) {  // the store is gone: the peers report a lost connection instead
   }
 }
@@ -15028,6 +15170,8 @@ struct ShmHeader {
   std::int32_t abort_rank;
   std::int32_t abort_code;
   char abort_message[2048];
+  std::int32_t abort_lost_count;  // the ranks the failure found lost (the first 64)
+  std::int32_t abort_lost[64];
 };
 static_assert(sizeof(ShmHeader) <= ShmLayout::header_bytes);
 
@@ -15286,8 +15430,12 @@ class ShmTransport final : public Transport {
   /// left, from its record in the store (it finished, or failed), and tells the other ranks.
   [[noreturn]] void departed(int j, const Fingerprint* fp, const char* what);
 
-  /// First failure wins; later ones keep the first message.
-  void publish_abort(Errc code, const std::string& why);
+  /// First failure wins; later ones keep the first message. `lost`: the ranks it found lost;
+  /// `reporter`: the rank that found it, when another (this rank relays its failure).
+  void publish_abort(Errc code, std::string_view why, const std::vector<int>& lost = {},
+                     int reporter = -1);
+  /// The same for `e`: relayed as its origin rank's words when another rank found it.
+  void publish_abort(const Error& e);
 
   /// Throws if this communicator was aborted here or by a peer.
   void check_abort(const Fingerprint* fp) const;
@@ -15338,8 +15486,9 @@ class ShmTransport final : public Transport {
                      " died (its process exited); the job cannot continue with this communicator "
                      "(the ranks still alive can go on with shrink())");
           publish_abort(Errc::peer_lost,
-                        concat("rank ", global(dead), " died (its process exited)"));
-          fail(Errc::peer_lost, msg);
+                        concat("rank ", global(dead), " died (its process exited)"),
+                        {global(dead)});
+          fail_from(-1, {global(dead)}, Errc::peer_lost, msg);
         }
         if (now >= deadline.at) {
           const std::string who = concat(ranks_text(waited_for), doing);
@@ -15554,8 +15703,10 @@ DDP_INLINE void ShmTransport::copy_from(int j, std::uint64_t addr, std::byte* ds
       "; the job cannot continue with this communicator (the ranks still alive can go on "
       "with shrink())");
   const Errc code = err == EPERM ? Errc::system : Errc::peer_lost;
-  publish_abort(code, concat("copying out of rank ", global(j), "'s memory failed: ", why));
-  fail(code, msg);
+  std::vector<int> lost;
+  if (code == Errc::peer_lost) lost.push_back(global(j));
+  publish_abort(code, concat("copying out of rank ", global(j), "'s memory failed: ", why), lost);
+  fail_from(-1, std::move(lost), code, msg);
 }
 
 DDP_INLINE void ShmTransport::send(const Buf& buf, int peer, int tag, std::uint64_t seq) {
@@ -15644,7 +15795,7 @@ DDP_INLINE void ShmTransport::departed(int j, const Fingerprint* fp, const char*
   try {
     fail_if_left({j}, std::chrono::milliseconds(300), fp, what);
   } catch (const Error& e) {
-    publish_abort(e.code(), e.what());
+    publish_abort(e);
     throw;
   }
   const std::string msg =
@@ -15655,25 +15806,42 @@ DDP_INLINE void ShmTransport::departed(int j, const Fingerprint* fp, const char*
   fail(Errc::peer_lost, msg);
 }
 
-DDP_INLINE void ShmTransport::publish_abort(Errc code, const std::string& why) {
+DDP_INLINE void ShmTransport::publish_abort(Errc code, std::string_view why,
+                                            const std::vector<int>& lost, int reporter) {
   std::uint32_t expected = 0;
   if (header_->abort_state.compare_exchange_strong(expected, 1)) {
-    header_->abort_rank = global(rank_);
+    header_->abort_rank = reporter >= 0 ? reporter : global(rank_);
     header_->abort_code = static_cast<int>(code);
     const std::size_t n = std::min(why.size(), sizeof header_->abort_message - 1);
     std::memcpy(header_->abort_message, why.data(), n);
     header_->abort_message[n] = '\0';
+    const std::size_t k = std::min(lost.size(), std::size(header_->abort_lost));
+    std::copy_n(lost.begin(), k, header_->abort_lost);
+    header_->abort_lost_count = static_cast<std::int32_t>(k);
     header_->abort_state.store(2, std::memory_order_seq_cst);
   }
   header_->wake.epoch.fetch_add(1);
   futex_wake_all(&header_->wake.epoch);
 }
 
+DDP_INLINE void ShmTransport::publish_abort(const Error& e) {
+  if (e.origin_rank() >= 0)
+    publish_abort(e.code(), e.origin_message(), e.lost_ranks(), e.origin_rank());
+  else
+    publish_abort(e.code(), e.what(), e.lost_ranks());
+}
+
 DDP_INLINE void ShmTransport::check_abort(const Fingerprint* fp) const {
   check_local_abort(fp);
   if (header_->abort_state.load(std::memory_order_acquire) == 2) {
-    fail_reported(static_cast<Errc>(header_->abort_code), fp, nullptr, header_->abort_rank,
-                  header_->abort_message);
+    Left left;
+    left.rank = header_->abort_rank;
+    left.code = static_cast<Errc>(header_->abort_code);
+    left.message = header_->abort_message;
+    constexpr auto most = static_cast<std::int32_t>(std::size(ShmHeader{}.abort_lost));
+    const auto k = static_cast<std::size_t>(std::clamp(header_->abort_lost_count, 0, most));
+    left.lost.assign(header_->abort_lost, header_->abort_lost + k);
+    fail_reported(left, fp, nullptr);
   }
 }
 
@@ -16080,19 +16248,24 @@ DDP_INLINE void TcpTransport::lost(int peer, const Fingerprint* fp, const char* 
   // A rank that failed and left may have said why (a rank that died says nothing).
   fail_if_left(closed, std::chrono::milliseconds(300), fp, what);
   if (closed.size() == 1) {
-    fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what),
-         ": the connection to rank ", global(peer),
-         " closed (that process died or failed) (tcp transport); the job cannot continue with "
-         "this communicator (the ranks still alive can go on with shrink())");
+    fail_from(-1, {global(peer)}, Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what),
+              ": the connection to rank ", global(peer),
+              " closed (that process died or failed) (tcp transport); the job cannot continue with "
+              "this communicator (the ranks still alive can go on with shrink())");
   }
   std::sort(closed.begin(), closed.end());
   std::string list;
-  for (int j : closed) list += concat(list.empty() ? "" : ", ", "rank ", global(j));
-  fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what), ": the connections to ",
-       list,
-       " closed (one of those processes died, and the others left because of it) (tcp "
-       "transport); the job cannot continue with this communicator (the ranks still alive can go "
-       "on with shrink())");
+  std::vector<int> lost;
+  for (int j : closed) {
+    list += concat(list.empty() ? "" : ", ", "rank ", global(j));
+    lost.push_back(global(j));
+  }
+  fail_from(
+      -1, std::move(lost), Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what),
+      ": the connections to ", list,
+      " closed (one of those processes died, and the others left because of it) (tcp "
+      "transport); the job cannot continue with this communicator (the ranks still alive can go "
+      "on with shrink())");
 }
 
 DDP_INLINE void TcpTransport::pump(int j, bool out, const Fingerprint* fp, const char* what) {
@@ -17668,6 +17841,7 @@ DDP_END_NAMESPACE
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/runtime/collective.hpp" (already included above)
+// #include "ddp/runtime/monitored_barrier.hpp" (already included above)
 // #include "ddp/runtime/uneven.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
@@ -17964,17 +18138,11 @@ class Mpi {
       }
       options_.timeout = saved;
     }
-    std::string who;
-    int n = 0;
-    for (int r = 0; r < size_; ++r) {
-      if (missing[static_cast<std::size_t>(r)] == 0 || (n > 0 && !wait_all_ranks)) continue;
-      who += detail::concat(n++ == 0 ? "" : ", ", r);
-    }
-    if (n == 0) return;
-    detail::fail(Errc::timeout, "rank ", rank_, ": ", what, ": ",
-                 rank_ == 0 ? "" : "failed because rank 0 reported: ", n == 1 ? "rank " : "ranks ",
-                 who, " did not arrive within ", timeout.count(),
-                 " ms (stopped, slow, or not calling it)");
+    std::vector<int> late;
+    for (int r = 0; r < size_; ++r)
+      if (missing[static_cast<std::size_t>(r)] != 0) late.push_back(r);
+    if (!late.empty())
+      DDP_THROW(detail::missed_barrier(rank_, what, late, timeout, wait_all_ranks));
   }
 
   /// Communicator::barrier with MPI_Ibarrier, waited on up to Options::timeout.
@@ -19458,6 +19626,156 @@ DDP_END_NAMESPACE
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 // #include "ddp/detail/lean_std.hpp" (already included above)
+// begin ddp/detail/process.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Starting and stopping worker processes, the one way ddp::spawn and ddprun's agent both do it:
+/// a fork that gives the child default signal dispositions and ties its life to its parent's,
+/// the variables that place a worker in its job (torchrun's names), a stop in two steps
+/// (SIGTERM, then SIGKILL after a grace period) and the words for how a process ended.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// Where a worker stands in its job: what RANK, WORLD_SIZE, ... tell it.
+struct WorkerPlace {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  int node_rank = 0;
+  std::string master_addr;
+  int master_port = 0;
+};
+
+/// "RANK=r", "WORLD_SIZE=n", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
+/// "MASTER_ADDR", "MASTER_PORT" (torchrun's names) and "DDP_STORE_HOSTED=1": the parent hosts the
+/// rendezvous store, or reaches the one that does, for the worker's whole life.
+[[nodiscard]] DDP_INLINE std::vector<std::string> worker_variables(const WorkerPlace& p);
+
+/// fork() for a worker. Signals are blocked across it, so that none reaches the child before the
+/// child has its own dispositions. In the child (0 is returned): the signals a parent handles
+/// (SIGINT, SIGTERM, SIGHUP, SIGCHLD, SIGPIPE and the crash signals) back to their defaults, the
+/// previous mask back, killed when its parent dies (PR_SET_PDEATHSIG; it exits with 127 at once
+/// when the parent is already gone) and, with `own_group`, in a process group of its own (so that
+/// stopping it stops what it started). The child makes async-signal-safe calls only. In the
+/// parent: the child's pid; fails with Errc::system.
+[[nodiscard]] DDP_INLINE pid_t fork_worker(bool own_group);
+
+/// "exited with status N", "was killed by SIGKILL (signal 9)" for a waitpid() status.
+[[nodiscard]] DDP_INLINE std::string describe_status(int status);
+
+/// A stop in two steps, as torchrun and mpirun stop their workers: SIGTERM, then SIGKILL to what
+/// has not ended when the grace period is over. Only the times: the owner sends the signals that
+/// due() names, to its own processes.
+class GracefulStop {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  /// SIGTERM at `now + delay` (time for the workers to write their flight recorders), SIGKILL
+  /// `grace` after that.
+  void begin(Clock::time_point now, std::chrono::milliseconds delay,
+             std::chrono::milliseconds grace) {
+    term_at_ = now + delay;
+    kill_at_ = term_at_ + grace;
+  }
+  /// The first signal is sent already (passed on from the launcher's own): SIGKILL `grace` later.
+  void begin_sent(Clock::time_point now, std::chrono::milliseconds grace) {
+    term_at_ = Clock::time_point::max();
+    kill_at_ = now + grace;
+  }
+  /// No stop under way.
+  void reset() { term_at_ = kill_at_ = Clock::time_point::max(); }
+  /// Whether SIGKILL is still to come: a stop is under way and its grace period not over.
+  [[nodiscard]] bool kill_pending() const { return kill_at_ != Clock::time_point::max(); }
+  /// The signal due at `now`: SIGTERM, then SIGKILL, each named once; 0 when none is.
+  [[nodiscard]] int due(Clock::time_point now) {
+    if (now >= term_at_) {
+      term_at_ = Clock::time_point::max();
+      return SIGTERM;
+    }
+    if (now >= kill_at_) {
+      kill_at_ = Clock::time_point::max();
+      return SIGKILL;
+    }
+    return 0;
+  }
+
+ private:
+  Clock::time_point term_at_ = Clock::time_point::max();
+  Clock::time_point kill_at_ = Clock::time_point::max();
+};
+
+#if DDP_BODIES
+DDP_INLINE std::vector<std::string> worker_variables(const WorkerPlace& p) {
+  return {concat("RANK=", p.rank),
+          concat("WORLD_SIZE=", p.world_size),
+          concat("LOCAL_RANK=", p.local_rank),
+          concat("LOCAL_WORLD_SIZE=", p.local_world_size),
+          concat("NODE_RANK=", p.node_rank),
+          concat("GROUP_RANK=", p.node_rank),
+          concat("MASTER_ADDR=", p.master_addr),
+          concat("MASTER_PORT=", p.master_port),
+          "DDP_STORE_HOSTED=1"};
+}
+
+DDP_INLINE pid_t fork_worker(bool own_group) {
+  std::fflush(nullptr);  // nothing buffered is written twice
+  sigset_t all, previous;
+  ::sigfillset(&all);
+  ::pthread_sigmask(SIG_SETMASK, &all, &previous);
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    if (own_group) ::setpgid(0, 0);
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(127);
+    struct sigaction dfl {};
+    dfl.sa_handler = SIG_DFL;
+    for (const int sig :
+         {SIGINT, SIGTERM, SIGHUP, SIGCHLD, SIGPIPE, SIGSEGV, SIGABRT, SIGFPE, SIGILL, SIGBUS})
+      ::sigaction(sig, &dfl, nullptr);
+    ::sigprocmask(SIG_SETMASK, &previous, nullptr);
+    return 0;
+  }
+  const int err = errno;
+  ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+  if (pid < 0) fail_errno(err, "fork");
+  if (own_group) ::setpgid(pid, pid);  // also here: whichever of the two runs first
+  return pid;
+}
+
+DDP_INLINE std::string describe_status(int status) {
+  if (WIFEXITED(status)) return concat("exited with status ", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    const char* name = ::sigabbrev_np(sig);
+    return concat("was killed by SIG", name != nullptr ? name : "?", " (signal ", sig, ")");
+  }
+  return "stopped";
+}
+#endif  // DDP_BODIES
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/process.hpp
 // #include "ddp/detail/socket.hpp" (already included above)
 // #include "ddp/environment.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
@@ -19467,9 +19785,7 @@ DDP_END_NAMESPACE
 // #include "ddp/trace.hpp" (already included above)
 
 #include <fcntl.h>
-#include <pthread.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -19504,23 +19820,6 @@ struct SpawnOptions {
   bool stop_on_failure = true;
 };
 
-namespace detail {
-
-DDP_INLINE std::string describe_status(int status);
-#if DDP_BODIES
-DDP_INLINE std::string describe_status(int status) {
-  if (WIFEXITED(status)) return concat("exited with status ", WEXITSTATUS(status));
-  if (WIFSIGNALED(status)) {
-    const int sig = WTERMSIG(status);
-    const char* name = ::sigabbrev_np(sig);
-    return concat("was killed by SIG", name != nullptr ? name : "?", " (signal ", sig, ")");
-  }
-  return "stopped";
-}
-#endif  // DDP_BODIES
-
-}  // namespace detail
-
 /// Runs fn(env) in nprocs forked processes and waits for all of them (see the file comment).
 DDP_INLINE void spawn(int nprocs, const std::function<void(Environment)>& fn,
                       const SpawnOptions& options = {});
@@ -19542,27 +19841,12 @@ DDP_INLINE void spawn(int nprocs, const std::function<void(Environment)>& fn,
     bool done = false;
   };
   std::vector<Child> children(static_cast<std::size_t>(nprocs));
-  const pid_t parent = ::getpid();
   for (int r = 0; r < nprocs; ++r) {
     int fds[2];
     if (::pipe2(fds, O_CLOEXEC) != 0) detail::fail_errno(errno, "spawn: pipe2");
-    // Signals are blocked across fork() so that none reaches the child before it has reset the
-    // parent's handlers: a worker starts with default dispositions (the parent's handlers, a
-    // test framework's crash reporter say, are not the worker's).
-    sigset_t all, previous;
-    ::sigfillset(&all);
-    ::pthread_sigmask(SIG_SETMASK, &all, &previous);
-    const pid_t pid = ::fork();
-    if (pid != 0) ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
-    if (pid < 0) detail::fail_errno(errno, "spawn: fork");
+    // A worker never outlives the parent (killed, say): no orphans spinning in a collective.
+    const pid_t pid = detail::fork_worker(false);
     if (pid == 0) {
-      // A worker never outlives the parent (killed, say): no orphans spinning in a collective.
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != parent) ::_exit(1);
-      for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGSEGV, SIGABRT, SIGFPE, SIGILL, SIGBUS, SIGPIPE}) {
-        ::signal(sig, SIG_DFL);
-      }
-      ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
       ::close(fds[0]);
       listener.reset();
       for (int k = 0; k < r; ++k) children[static_cast<std::size_t>(k)].error_pipe.reset();
@@ -19575,14 +19859,11 @@ DDP_INLINE void spawn(int nprocs, const std::function<void(Environment)>& fn,
       env.master_addr = options.master_addr;
       env.master_port = port;
       env.launcher = "spawn";
-      ::setenv("RANK", std::to_string(r).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(nprocs).c_str(), 1);
-      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      ::setenv("LOCAL_WORLD_SIZE", std::to_string(nprocs).c_str(), 1);
-      ::setenv("NODE_RANK", "0", 1);
-      ::setenv("MASTER_ADDR", options.master_addr.c_str(), 1);
-      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      ::setenv("DDP_STORE_HOSTED", "1", 1);
+      for (const std::string& kv :
+           detail::worker_variables({r, nprocs, r, nprocs, 0, options.master_addr, port})) {
+        const std::size_t eq = kv.find('=');
+        ::setenv(kv.substr(0, eq).c_str(), kv.c_str() + eq + 1, 1);
+      }
       for (const auto& kv : options.env) ::putenv(const_cast<char*>(kv.c_str()));
       int code = 0;
       std::string message;
@@ -19626,8 +19907,7 @@ DDP_INLINE void spawn(int nprocs, const std::function<void(Environment)>& fn,
   };
   int first_failed = -1;
   int remaining = nprocs;
-  auto term_at = detail::Clock::time_point::max();
-  auto kill_deadline = detail::Clock::time_point::max();
+  detail::GracefulStop stop;
   const auto dump_delay = detail::trace_dump_grace();  // time to write flight recorders
   while (remaining > 0) {
     bool reaped = false;
@@ -19645,23 +19925,14 @@ DDP_INLINE void spawn(int nprocs, const std::function<void(Environment)>& fn,
       const bool ok = pid > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0;
       if (!ok && first_failed < 0) {
         first_failed = r;
-        if (options.stop_on_failure) {
-          term_at = detail::Clock::now() + dump_delay;
-          kill_deadline = term_at + options.grace;
-        }
+        if (options.stop_on_failure)
+          stop.begin(detail::GracefulStop::Clock::now(), dump_delay, options.grace);
       }
     }
-    if (detail::Clock::now() >= term_at) {
-      for (auto& other : children) {
-        if (!other.done) ::kill(other.pid, SIGTERM);
+    while (const int sig = stop.due(detail::GracefulStop::Clock::now())) {
+      for (const auto& c : children) {
+        if (!c.done) ::kill(c.pid, sig);
       }
-      term_at = detail::Clock::time_point::max();
-    }
-    if (detail::Clock::now() >= kill_deadline) {  // the grace period is over
-      for (auto& c : children) {
-        if (!c.done) ::kill(c.pid, SIGKILL);
-      }
-      kill_deadline = detail::Clock::time_point::max();
     }
     if (!reaped && remaining > 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
@@ -21648,8 +21919,9 @@ class Elastic {
     for (;;) {
       ++recoveries_;
       if (eo_.max_recoveries >= 0 && recoveries_ > eo_.max_recoveries)
-        detail::fail(first.code(), first.what(), " (Elastic: ", eo_.max_recoveries,
-                     " losses recovered from already: ElasticOptions::max_recoveries)");
+        detail::fail_from(first.origin_rank(), first.lost_ranks(), first.code(), first.what(),
+                          " (Elastic: ", eo_.max_recoveries,
+                          " losses recovered from already: ElasticOptions::max_recoveries)");
       Comm next = comm_->shrink(eo_.shrink);  // left out: Errc::aborted, rethrown
       *comm_ = std::move(next);
       if (comm_->size() < eo_.min_size)
@@ -21669,10 +21941,10 @@ class Elastic {
       // a lost rank (a step that throws Errc::timeout every time, say): recovering again would
       // repeat it forever. Every member sees the same sizes and commit, and rethrows alike.
       if (comm_->size() == before && restored == no_loss_commit_)
-        detail::fail(first.code(), first.what(), " (Elastic: the same failure came back at commit ",
-                     restored,
-                     " after a recovery that lost no rank: it is not a lost rank, so it is "
-                     "rethrown instead of recovered from again)");
+        detail::fail_from(first.origin_rank(), first.lost_ranks(), first.code(), first.what(),
+                          " (Elastic: the same failure came back at commit ", restored,
+                          " after a recovery that lost no rank: it is not a lost rank, so it is "
+                          "rethrown instead of recovered from again)");
       no_loss_commit_ = comm_->size() == before ? restored : ~std::uint64_t{0};
       reset(ElasticChange::Kind::lost, before, t0, first.what());
       return;

@@ -25,11 +25,14 @@ inline long long now_ms() {
       .count();
 }
 
-/// What a rank saw: "<errc> <ms> <message>" or "ok".
+/// What a rank saw: "<errc> <ms> <message>" or "ok"; with report(), the error's origin rank and
+/// lost ranks too ("fields<rank>": "<origin> <lost ranks...>").
 struct Outcome {
   std::string code;
   long long ms = 0;
   std::string message;
+  int origin = -2;  // -2: not reported
+  std::vector<int> lost;
 };
 
 inline Outcome read_outcome(const mp::TempDir& dir, int rank) {
@@ -37,10 +40,19 @@ inline Outcome read_outcome(const mp::TempDir& dir, int rank) {
   Outcome o;
   in >> o.code >> o.ms;
   std::getline(in, o.message);
+  const std::string fields = dir.file("fields" + std::to_string(rank));
+  if (::access(fields.c_str(), F_OK) == 0) {
+    std::istringstream f(mp::TempDir::read(fields));
+    f >> o.origin;
+    for (int r; f >> r;) o.lost.push_back(r);
+  }
   return o;
 }
 
 inline void report(const mp::TempDir& dir, int rank, const ddp::Error& e, long long ms) {
+  std::string fields = std::to_string(e.origin_rank());
+  for (const int r : e.lost_ranks()) fields += " " + std::to_string(r);
+  mp::TempDir::write(dir.file("fields" + std::to_string(rank)), fields);
   mp::TempDir::write(
       dir.file("rank" + std::to_string(rank)),
       std::string(ddp::to_string(e.code())) + " " + std::to_string(ms) + " " + e.what());

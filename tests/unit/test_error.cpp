@@ -114,3 +114,39 @@ TEST_CASE("fingerprint_code: exact, never a hash: equal codes only for equal fie
     CHECK(fingerprint_code(f, 6, true) == fingerprint_wide);
   }
 }
+
+TEST_CASE("Error carries the rank that reported it first and the ranks lost, as fields") {
+  const ddp::Error plain(ddp::Errc::timeout, "rank 1: barrier timed out");
+  CHECK(plain.origin_rank() == -1);
+  CHECK(plain.lost_ranks().empty());
+  CHECK(plain.origin_message() == plain.what());
+
+  const ddp::Error relayed(ddp::Errc::peer_lost,
+                           "rank 0: all_reduce: failed because rank 3 reported: ", 3, "rank 2 died",
+                           {2});
+  CHECK(std::string_view(relayed.what()) ==
+        "rank 0: all_reduce: failed because rank 3 reported: rank 2 died");
+  CHECK(relayed.origin_rank() == 3);
+  CHECK(relayed.origin_message() == "rank 2 died");
+  CHECK(relayed.lost_ranks() == std::vector<int>{2});
+
+  try {  // more context in front keeps every field
+    ddp::detail::fail_within(relayed, "rank 0: join: ");
+    FAIL("fail_within() returned");
+  } catch (const ddp::Error& e) {
+    CHECK(e.code() == ddp::Errc::peer_lost);
+    CHECK(std::string_view(e.what()) ==
+          "rank 0: join: rank 0: all_reduce: failed because rank 3 reported: rank 2 died");
+    CHECK(e.origin_rank() == 3);
+    CHECK(e.origin_message() == "rank 2 died");
+    CHECK(e.lost_ranks() == std::vector<int>{2});
+  }
+  try {
+    ddp::detail::fail_from(-1, {4, 5}, ddp::Errc::peer_lost, "ranks ", 4, " and ", 5, " died");
+    FAIL("fail_from() returned");
+  } catch (const ddp::Error& e) {
+    CHECK(std::string_view(e.what()) == "ranks 4 and 5 died");
+    CHECK(e.origin_rank() == -1);
+    CHECK(e.lost_ranks() == std::vector<int>{4, 5});
+  }
+}

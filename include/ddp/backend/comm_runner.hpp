@@ -92,9 +92,9 @@ struct CommRunner : CommState {
   /// answering poisons this communicator and aborts its backend, so that a collective waiting
   /// for it fails at once with Errc::peer_lost naming it.
   void watch_peers() {
-    CommState::watch_peers([this](const std::string& why) {
-      poison_with(why, Errc::peer_lost);
-      if (backend) backend->abort(Errc::peer_lost, why);
+    CommState::watch_peers([this](const Error& lost) {
+      poison_with(lost);
+      if (backend) backend->abort(lost.code(), lost.what());
     });
   }
 

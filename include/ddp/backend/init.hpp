@@ -119,7 +119,7 @@ std::shared_ptr<State> init_state(const Environment& env, Options options) {
     return state;
   } catch (const Error& e) {
     if (std::string_view(e.what()).starts_with("rank ")) throw;
-    fail(e.code(), "rank ", env.rank, ": ", e.what());
+    fail_within(e, "rank ", env.rank, ": ");
   }
 }
 
@@ -395,7 +395,7 @@ std::shared_ptr<State> join_state(const Environment& env, Options options, const
   try {
     s->connect_to_job(env);
   } catch (const Error& e) {  // the message names the rank and the operation
-    fail(e.code(), "rank ", env.rank, ": join: ", e.what());
+    fail_within(e, "rank ", env.rank, ": join: ");
   }
   Store base = s->root_store->prefixed(s->base_prefix).unwatched();
   JoinRequest request(base, env.rank, j.ticket, env.world_size);

@@ -40,6 +40,7 @@
 #include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
 #include "ddp/runtime/collective.hpp"
+#include "ddp/runtime/monitored_barrier.hpp"
 #include "ddp/runtime/uneven.hpp"
 #include "ddp/types.hpp"
 
@@ -336,17 +337,11 @@ class Mpi {
       }
       options_.timeout = saved;
     }
-    std::string who;
-    int n = 0;
-    for (int r = 0; r < size_; ++r) {
-      if (missing[static_cast<std::size_t>(r)] == 0 || (n > 0 && !wait_all_ranks)) continue;
-      who += detail::concat(n++ == 0 ? "" : ", ", r);
-    }
-    if (n == 0) return;
-    detail::fail(Errc::timeout, "rank ", rank_, ": ", what, ": ",
-                 rank_ == 0 ? "" : "failed because rank 0 reported: ", n == 1 ? "rank " : "ranks ",
-                 who, " did not arrive within ", timeout.count(),
-                 " ms (stopped, slow, or not calling it)");
+    std::vector<int> late;
+    for (int r = 0; r < size_; ++r)
+      if (missing[static_cast<std::size_t>(r)] != 0) late.push_back(r);
+    if (!late.empty())
+      DDP_THROW(detail::missed_barrier(rank_, what, late, timeout, wait_all_ranks));
   }
 
   /// Communicator::barrier with MPI_Ibarrier, waited on up to Options::timeout.

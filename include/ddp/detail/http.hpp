@@ -40,8 +40,7 @@ class HttpClient {
 
   [[nodiscard]] const std::string& host() const noexcept { return host_; }
   [[nodiscard]] int port() const noexcept { return port_; }
-  [[nodiscard]] int fd() const noexcept { return fd_.get(); }
-  void close() noexcept { fd_.reset(); }
+  [[nodiscard]] int descriptor() const noexcept { return fd_.get(); }
 
   /// POSTs `body` (JSON) to `path`; the reply, or Errc::peer_lost / Errc::timeout (the
   /// connection then closed) when the server cannot be reached or does not answer by

@@ -143,11 +143,11 @@ DDP_INLINE void fail_if_out_of_fds(int err, std::string_view doing) {
          "close programs or raise fs.file-max");
   rlimit lim{};
   (void)::getrlimit(RLIMIT_NOFILE, &lim);
-  const auto text = [](rlim_t v) {
+  const auto limit_text = [](rlim_t v) {
     return v == RLIM_INFINITY ? std::string("unlimited") : std::to_string(v);
   };
   fail(Errc::system, doing, ": out of file descriptors (EMFILE: this process has ",
-       text(lim.rlim_cur), " open, its limit; hard limit ", text(lim.rlim_max),
+       limit_text(lim.rlim_cur), " open, its limit; hard limit ", limit_text(lim.rlim_max),
        "); raise the limit (ulimit -n, or LimitNOFILE in a service) or open fewer files");
 }
 #endif  // DDP_BODIES

@@ -40,6 +40,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -100,6 +101,8 @@ struct CommState {
   mutable std::mutex poison_mutex;
   std::string poison;
   Errc poison_code = Errc::aborted;
+  int poison_origin = -1;             // the first failure's Error::origin_rank()
+  std::vector<int> poison_lost;       // and its lost_ranks()
   std::atomic<bool> poisoned{false};  // poison is set: read without the lock on every call
 #if DDP_HAS_CUDA
   std::unique_ptr<CudaStaging> staging;  // made on first use
@@ -186,6 +189,8 @@ struct CommState {
 
   /// Marks the communicator failed with `why` (the first failure wins).
   void poison_with(std::string why, Errc code);
+  /// The same with `e`'s message, code, origin and lost ranks.
+  void poison_with(const Error& e);
 
   /// Fails with Errc::aborted, quoting the first failure, when the communicator is poisoned.
   void check_poisoned(int rank, const char* name) const;
@@ -193,13 +198,13 @@ struct CommState {
   [[noreturn, gnu::noinline, gnu::cold]] void fail_poisoned(int rank, const char* name) const {
     std::lock_guard lock(poison_mutex);
     if (replaced_by != 0)
-      fail(Errc::aborted, "rank ", rank, ": ", name,
-           ": this communicator was replaced by membership epoch ", replaced_by, " (", poison,
-           "): use the communicator that shrink() or grow() returned");
-    fail(Errc::aborted, "rank ", rank, ": ", name,
-         ": this communicator failed earlier and cannot be used (", poison,
-         "); the ranks still alive can go on together with shrink(), or make a new "
-         "communicator with Communicator::init");
+      fail_from(poison_origin, poison_lost, Errc::aborted, "rank ", rank, ": ", name,
+                ": this communicator was replaced by membership epoch ", replaced_by, " (", poison,
+                "): use the communicator that shrink() or grow() returned");
+    fail_from(poison_origin, poison_lost, Errc::aborted, "rank ", rank, ": ", name,
+              ": this communicator failed earlier and cannot be used (", poison,
+              "); the ranks still alive can go on together with shrink(), or make a new "
+              "communicator with Communicator::init");
   }
 
   /// Runs body() unless the communicator is poisoned (then fails at once), and poisons it
@@ -222,9 +227,9 @@ struct CommState {
         std::string_view why = poison;
         if (const std::string own = concat("rank ", rank, ": "); why.starts_with(own))
           why.remove_prefix(own.size());
-        fail(poison_code, "rank ", rank, ": ", name, ": ", why);
+        fail_from(poison_origin, poison_lost, poison_code, "rank ", rank, ": ", name, ": ", why);
       }
-      poison_with(e.what(), e.code());
+      poison_with(e);
       throw;
     } catch (...) {
       poison_with("an operation threw a non-ddp exception", Errc::aborted);
@@ -255,7 +260,7 @@ struct CommState {
 
   /// The heartbeat's watch: after each sign of life, when the store counted a new stall, checks
   /// whether a member of this communicator stalled, and then calls `lost` (once) with why.
-  void watch_peers(std::function<void(const std::string&)> lost);
+  void watch_peers(std::function<void(const Error&)> lost);
   /// Ends the watch (before the backend goes); a tick running now finishes first.
   void unwatch_peers();
 
@@ -316,11 +321,12 @@ DDP_INLINE std::shared_ptr<Store> CommState::connect_store(const Environment& en
   // Should this process die before the rendezvous is over, the store tells the others at once,
   // and counts it as gone (the store's host does not wait for it to leave).
   const std::pair<std::string, std::string> on_close[] = {
-      {"failed", Store::stop_value(Errc::peer_lost,
-                                   concat("the rendezvous failed on rank ", env.rank,
-                                          ": its process closed its connection to the store "
-                                          "(it died or was killed) before the rendezvous was "
-                                          "over"))},
+      {"failed",
+       Store::stop_value(Error(Errc::peer_lost,
+                               concat("the rendezvous failed on rank ", env.rank, ": "), env.rank,
+                               "its process closed its connection to the store (it "
+                               "died or was killed) before the rendezvous was over",
+                               {env.rank}))},
       {concat("exit/", env.rank), ""}};
   store->set_on_close(on_close);
   return store;
@@ -424,17 +430,16 @@ DDP_INLINE void CommState::announce_leaving() {
   try {
     Store plain = store->unwatched();
     const int r = world_rank_in_group;
-    std::string why;
-    Errc code{};
+    std::optional<Error> why;
     {
       std::lock_guard lock(poison_mutex);
-      why = poison;
-      code = poison_code;
+      if (!poison.empty())
+        why.emplace(poison_code, std::string_view{}, poison_origin, poison, poison_lost);
     }
-    if (why.empty())
+    if (!why)
       plain.set(concat("done/", r), std::to_string(recorder.issued()));
     else
-      (void)plain.compare_set(concat("left/", r), "", Store::stop_value(code, why));
+      (void)plain.compare_set(concat("left/", r), "", Store::stop_value(*why));
     plain.set(concat("exit/", r), "");
   } catch (...) {  // leaving anyway
   }
@@ -481,20 +486,20 @@ DDP_INLINE void CommState::linger_after_failed_rendezvous(Store& plain,
 }
 
 DDP_INLINE void CommState::relay_failure(int rank, const Error& e) {
-  constexpr std::string_view relayed = "the rendezvous failed on rank ";
   // Leaving, this rank then records this failure ("left/<rank>"), not a finish: ranks already
   // past the rendezvous, waiting for it in a collective, read that record.
-  poison_with(std::string(e.what()), e.code());
-  if (std::string_view(e.what()).starts_with(relayed)) {  // another rank's, via the store
-    fail(e.code(), "rank ", rank, ": ", e.what());
-  }
+  poison_with(e);
+  if (e.origin_rank() >= 0 && e.origin_rank() != rank)  // another rank's, via the store
+    fail_within(e, "rank ", rank, ": ");
   std::string_view why = e.what();
   if (const std::string own = concat("rank ", rank, ": "); why.starts_with(own))
     why.remove_prefix(own.size());  // the relayed message names the rank once
   if (store && !store->lost()) {
     try {
-      (void)store->compare_set("failed", "",
-                               Store::stop_value(e.code(), concat(relayed, rank, ": ", why)));
+      (void)store->compare_set(
+          "failed", "",
+          Store::stop_value(Error(e.code(), concat("the rendezvous failed on rank ", rank, ": "),
+                                  rank, why, e.lost_ranks())));
     } catch (...) {  // the store is gone too: the peers learn from it
     }
   }
@@ -503,6 +508,17 @@ DDP_INLINE void CommState::relay_failure(int rank, const Error& e) {
 DDP_INLINE void CommState::monitored_barrier(int rank, int size, std::chrono::milliseconds timeout,
                                              bool wait_all_ranks) {
   detail::monitored_barrier(*store, monitored_barriers++, rank, size, timeout, wait_all_ranks);
+}
+
+DDP_INLINE void CommState::poison_with(const Error& e) {
+  std::lock_guard lock(poison_mutex);
+  if (poison.empty()) {
+    poison = e.what();
+    poison_code = e.code();
+    poison_origin = e.origin_rank();
+    poison_lost = e.lost_ranks();
+    poisoned.store(true, std::memory_order_release);
+  }
 }
 
 DDP_INLINE void CommState::poison_with(std::string why, Errc code) {
@@ -583,7 +599,7 @@ DDP_INLINE bool CommState::stalled() const {
   }
 }
 
-DDP_INLINE void CommState::watch_peers(std::function<void(const std::string&)> lost) {
+DDP_INLINE void CommState::watch_peers(std::function<void(const Error&)> lost) {
   if (!root_store || options.heartbeat.count() <= 0 || job_prefix.empty() ||
       world_ranks.size() < 2 || stall_tick != 0)
     return;
@@ -594,11 +610,14 @@ DDP_INLINE void CommState::watch_peers(std::function<void(const std::string&)> l
       const std::string k[] = {concat(job_prefix, "stalled/", world_ranks[r])};
       if (static_cast<int>(r) == world_rank_in_group || !s.check(k)) continue;
       stall_reported = true;
-      lost(concat("rank ", world_rank_in_group, ": rank ", r, " (world rank ", world_ranks[r],
-                  ") stopped answering: no sign of life reached the rendezvous store for ",
-                  options.heartbeat.count(),
-                  " ms (the heartbeat; its process is stopped, hung or cut off), so the job "
-                  "counts it as lost; shrink() to go on without it"));
+      const int gone = static_cast<int>(r);
+      lost(Error(Errc::peer_lost, concat("rank ", world_rank_in_group, ": "), -1,
+                 concat("rank ", r, " (world rank ", world_ranks[r],
+                        ") stopped answering: no sign of life reached the rendezvous store for ",
+                        options.heartbeat.count(),
+                        " ms (the heartbeat; its process is stopped, hung or cut off), so the "
+                        "job counts it as lost; shrink() to go on without it"),
+                 {gone}));
       return;
     }
     stalls_seen = n;

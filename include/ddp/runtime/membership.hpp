@@ -115,9 +115,7 @@ class MembershipChange {
     try {
       return body();
     } catch (const Error& e) {
-      if (e.code() != Errc::peer_lost || old_.root_store->lost() == false ||
-          std::string_view(e.what()).find("store") == std::string_view::npos)
-        throw;
+      if (e.code() != Errc::peer_lost || !old_.root_store->lost()) throw;
       fail(Errc::peer_lost, "rank ", me_, ": shrink: the rendezvous store at ",
            old_.root_store->host(), ":", old_.root_store->port(),
            " is gone (its process ended or stopped answering: when rank 0 hosts it, losing rank "

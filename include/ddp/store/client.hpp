@@ -68,6 +68,8 @@ class Store {
   /// The value for a watched key (see watching()) that makes the waiters throw `code` with
   /// `message`.
   [[nodiscard]] static std::string stop_value(Errc code, std::string_view message);
+  /// The same for `e`, keeping its origin rank and lost ranks (Error::origin_rank()).
+  [[nodiscard]] static std::string stop_value(const Error& e) { return detail::encode_stop(e); }
 
   /// Whether a call has found the store gone (closed or unresponsive): every later call fails at
   /// once instead of reconnecting.

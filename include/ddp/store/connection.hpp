@@ -45,20 +45,13 @@ struct StoreCall {
   bool soft = false;  ///< never wait for another thread's call (Errc::timeout instead)
 };
 
-/// The error a watched key's value holds (Store::stop_value): its code and message; otherwise
-/// Errc::aborted quoting it.
+/// The error a watched key's value holds (Store::stop_value, detail::decode_stop): its code,
+/// message, origin and lost ranks; otherwise Errc::aborted quoting it.
 [[noreturn]] DDP_INLINE void fail_stopped(const StoreCall& c, std::string_view stop,
                                           const std::string& value);
 #if DDP_BODIES
 DDP_INLINE void fail_stopped(const StoreCall& c, std::string_view stop, const std::string& value) {
-  if (value.size() >= 8) {
-    ByteReader vr(value, "stop value");
-    const auto code = vr.get<std::int32_t>();
-    if (code >= 1 && code <= static_cast<std::int32_t>(Errc::unsupported)) {
-      const std::string message = vr.str(value.size());
-      fail(static_cast<Errc>(code), message);
-    }
-  }
+  if (auto e = decode_stop(value)) DDP_THROW(std::move(*e));
   fail(Errc::aborted, "store ", c.what, "(\"", c.prefix, c.key, "\"): stopped by \"", stop,
        "\": ", value);
 }

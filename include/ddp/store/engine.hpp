@@ -336,13 +336,12 @@ DDP_INLINE void StoreEngine::evict_oldest_pending() {
 DDP_INLINE void StoreEngine::publish_refusal(const std::string& peer, std::int32_t rank,
                                              const std::string& key) {
   if (key.empty() || data_.count(key) != 0) return;
-  std::string v;
-  ByteWriter w(v);
-  w.put(static_cast<std::int32_t>(Errc::unauthorized));
-  w.str(concat("the rendezvous failed ", rank >= 0 ? concat("on rank ", rank, ": ") : ": ",
-               "the store refused its connection from ", peer,
-               ": its token differs from the store's (rank 0's, or the launcher's) or is "
-               "missing; every rank must have the same DDP_TOKEN"));
+  std::string v = encode_stop(Error(
+      Errc::unauthorized,
+      concat("the rendezvous failed ", rank >= 0 ? concat("on rank ", rank, ": ") : ": "), rank,
+      concat("the store refused its connection from ", peer,
+             ": its token differs from the store's (rank 0's, or the launcher's) or "
+             "is missing; every rank must have the same DDP_TOKEN")));
   if (store_value(key, std::move(v))) wake_waiters();
 }
 

@@ -138,8 +138,8 @@ class EtcdStoreConnection final : public StoreConnection {
                       const StoreCall* c = nullptr);
 
   /// Waits (polling) until every key exists; false at the timeout. A stop key throws.
-  bool poll(const StoreCall& c, std::span<const std::string> keys,
-            std::chrono::milliseconds timeout, const std::string& stop, std::string* value);
+  bool await_keys(const StoreCall& c, std::span<const std::string> keys,
+                  std::chrono::milliseconds timeout, const std::string& stop, std::string* value);
 
   void put_raw(const std::string& key, std::string_view value, std::int64_t lease,
                Deadline deadline, Clients& clients, std::size_t& at);
@@ -216,14 +216,15 @@ DDP_INLINE std::string EtcdStoreConnection::get(const StoreCall& c, const std::s
                                                 const std::string& stop) {
   const std::string one[] = {key};
   std::string value;
-  if (!poll(c, one, timeout, stop, &value)) fail_missing(c, timeout, std::vector<std::string>{key});
+  if (!await_keys(c, one, timeout, stop, &value))
+    fail_missing(c, timeout, std::vector<std::string>{key});
   return value;
 }
 
 DDP_INLINE bool EtcdStoreConnection::wait(const StoreCall& c, std::span<const std::string> keys,
                                           std::chrono::milliseconds timeout,
                                           const std::string& stop, bool report_timeout) {
-  if (poll(c, keys, timeout, stop, nullptr)) return true;
+  if (await_keys(c, keys, timeout, stop, nullptr)) return true;
   if (report_timeout) return false;
   std::vector<std::string> missing;
   for (const auto& k : keys)
@@ -341,7 +342,7 @@ DDP_INLINE std::string EtcdStoreConnection::where() const {
 DDP_INLINE std::string EtcdStoreConnection::local_address() {
   std::lock_guard lock(mutex_);
   (void)request("/v3/maintenance/status", "{}", Deadline::after(options.timeout), calls_, at_);
-  return detail::local_address(calls_[at_].fd());
+  return detail::local_address(calls_[at_].descriptor());
 }
 
 DDP_INLINE void EtcdStoreConnection::keepalive() {
@@ -472,9 +473,10 @@ DDP_INLINE std::size_t EtcdStoreConnection::present(std::span<const std::string>
   return found;
 }
 
-DDP_INLINE bool EtcdStoreConnection::poll(const StoreCall& c, std::span<const std::string> keys,
-                                          std::chrono::milliseconds timeout,
-                                          const std::string& stop, std::string* value) {
+DDP_INLINE bool EtcdStoreConnection::await_keys(const StoreCall& c,
+                                                std::span<const std::string> keys,
+                                                std::chrono::milliseconds timeout,
+                                                const std::string& stop, std::string* value) {
   Deadline deadline = Deadline::after(timeout);
   deadline.at = std::min(deadline.at, c.deadline);
   auto pause = std::chrono::milliseconds(1);

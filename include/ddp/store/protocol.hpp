@@ -18,12 +18,16 @@
 #include "ddp/detail/socket.hpp"
 #include "ddp/error.hpp"
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 DDP_BEGIN_NAMESPACE
 
@@ -148,4 +152,50 @@ DDP_INLINE IoResult recv_frame(int fd, std::string& out, std::size_t limit, Dead
 
 }  // namespace detail::store_proto
 
+namespace detail {
+
+/// A stop value (Store::stop_value): the error's code and message, then where it started
+/// (origin rank, the offset of its own words in the message) and the ranks it lost.
+DDP_INLINE std::string encode_stop(const Error& e);
+/// The ddp::Error a stop value holds; nothing when the value is not one.
+DDP_INLINE std::optional<Error> decode_stop(std::string_view value);
+
+#if DDP_BODIES
+DDP_INLINE std::string encode_stop(const Error& e) {
+  std::string v;
+  ByteWriter w(v);
+  w.put(static_cast<std::int32_t>(e.code()));
+  const std::string_view whole = e.what();
+  w.str(whole);
+  w.put(static_cast<std::int32_t>(e.origin_rank()));
+  w.put(static_cast<std::uint32_t>(whole.size() - e.origin_message().size()));
+  w.put(static_cast<std::uint32_t>(e.lost_ranks().size()));
+  for (const int r : e.lost_ranks()) w.put(static_cast<std::int32_t>(r));
+  return v;
+}
+
+DDP_INLINE std::optional<Error> decode_stop(std::string_view value) {
+  if (value.size() < 8) return std::nullopt;
+  try {
+    ByteReader r(value, "stop value");
+    const auto code = r.get<std::int32_t>();
+    if (code < 1 || code > static_cast<std::int32_t>(Errc::unsupported)) return std::nullopt;
+    const std::string message = r.str(value.size());
+    if (r.left() == 0) return Error(static_cast<Errc>(code), message);
+    const auto origin = r.get<std::int32_t>();
+    const auto at = std::min<std::size_t>(r.get<std::uint32_t>(), message.size());
+    const auto n = r.get<std::uint32_t>();
+    if (n > r.left() / 4) return std::nullopt;
+    std::vector<int> lost(n);
+    for (int& x : lost) x = r.get<std::int32_t>();
+    r.expect_end();
+    return Error(static_cast<Errc>(code), std::string_view(message).substr(0, at), origin,
+                 std::string_view(message).substr(at), std::move(lost));
+  } catch (const Error&) {  // not a stop value
+    return std::nullopt;
+  }
+}
+#endif  // DDP_BODIES
+
+}  // namespace detail
 DDP_END_NAMESPACE

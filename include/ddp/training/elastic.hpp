@@ -319,8 +319,9 @@ class Elastic {
     for (;;) {
       ++recoveries_;
       if (eo_.max_recoveries >= 0 && recoveries_ > eo_.max_recoveries)
-        detail::fail(first.code(), first.what(), " (Elastic: ", eo_.max_recoveries,
-                     " losses recovered from already: ElasticOptions::max_recoveries)");
+        detail::fail_from(first.origin_rank(), first.lost_ranks(), first.code(), first.what(),
+                          " (Elastic: ", eo_.max_recoveries,
+                          " losses recovered from already: ElasticOptions::max_recoveries)");
       Comm next = comm_->shrink(eo_.shrink);  // left out: Errc::aborted, rethrown
       *comm_ = std::move(next);
       if (comm_->size() < eo_.min_size)
@@ -340,10 +341,10 @@ class Elastic {
       // a lost rank (a step that throws Errc::timeout every time, say): recovering again would
       // repeat it forever. Every member sees the same sizes and commit, and rethrows alike.
       if (comm_->size() == before && restored == no_loss_commit_)
-        detail::fail(first.code(), first.what(), " (Elastic: the same failure came back at commit ",
-                     restored,
-                     " after a recovery that lost no rank: it is not a lost rank, so it is "
-                     "rethrown instead of recovered from again)");
+        detail::fail_from(first.origin_rank(), first.lost_ranks(), first.code(), first.what(),
+                          " (Elastic: the same failure came back at commit ", restored,
+                          " after a recovery that lost no rank: it is not a lost rank, so it is "
+                          "rethrown instead of recovered from again)");
       no_loss_commit_ = comm_->size() == before ? restored : ~std::uint64_t{0};
       reset(ElasticChange::Kind::lost, before, t0, first.what());
       return;

@@ -202,6 +202,9 @@ TEST_CASE(
       CHECK(o.code == "peer_lost");
       CHECK(o.message.find("rank 2") != std::string::npos);
       CHECK(o.ms - killed_at < 2000);
+      // As fields too: rank 2 lost; found here (-1) or reported by another survivor.
+      CHECK(std::find(o.lost.begin(), o.lost.end(), 2) != o.lost.end());
+      CHECK(o.origin != 2);
     }
     CHECK(lasting_new_shm_entries(shm_before).empty());
   }
@@ -515,6 +518,10 @@ TEST_CASE("monitored_barrier: a rank that died is named at once, not at the time
       CHECK(out.message.find("rank " + std::to_string(dead) + " left (its process exited") !=
             std::string::npos);
       CHECK(out.ms < 5000);
+      CHECK(out.lost == std::vector<int>{dead});
+      // rank 0 finds a dead rank itself; the others learn it from rank 0's verdict, unless rank
+      // 0 is the one that died
+      CHECK(out.origin == (r == 0 || dead == 0 ? -1 : 0));
     }
   }
 }
@@ -545,6 +552,8 @@ TEST_CASE("monitored_barrier names the ranks that did not arrive, on every rank"
       CHECK(out.message.find(who) != std::string::npos);
       if (!all) CHECK(out.message.find("1 more did not either") != std::string::npos);
       if (r != 0) CHECK(out.message.find("failed because rank 0 reported") != std::string::npos);
+      CHECK(out.origin == (r == 0 ? -1 : 0));
+      CHECK(out.lost == std::vector<int>{2, 3});  // every one late, named or not
     }
   }
 }

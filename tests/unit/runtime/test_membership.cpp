@@ -240,6 +240,7 @@ TEST_CASE(
             MP_EXPECT(std::string(e.what()).find("rank 2 (world rank 2) stopped answering") !=
                           std::string::npos,
                       e.what());
+            MP_EXPECT(e.lost_ranks() == std::vector<int>{2}, e.what());
           }
           Comm next = comm.shrink();  // the default wait: the timeout, not spent on rank 2
           const long long paused = now_ms() - t0;

@@ -183,7 +183,8 @@ TEST_CASE("a rank with a wrong or missing token fails the rendezvous at once, on
           auto comm = Comm::init(env, o);
           outcome = "ok";
         } catch (const ddp::Error& e) {
-          outcome = std::string(ddp::to_string(e.code())) + " " + e.what();
+          outcome = std::string(ddp::to_string(e.code())) + " " + std::to_string(e.origin_rank()) +
+                    " " + e.what();
         }
         const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
                             std::chrono::steady_clock::now() - t0)
@@ -198,15 +199,20 @@ TEST_CASE("a rank with a wrong or missing token fails the rendezvous at once, on
       std::ifstream in(dir + "/rank" + std::to_string(r));
       long long ms = -1;
       std::string code, message;
-      in >> ms >> code;
+      int origin = -2;
+      in >> ms >> code >> origin;
       std::getline(in, message);
       CAPTURE(r);
       CAPTURE(message);
       CHECK(code == "unauthorized");
       CHECK(ms < 5000);  // not the 20 s timeout
-      if (r != 2)
+      if (r != 2) {
         CHECK(message.find("the rendezvous failed on rank 2: the store refused") !=
               std::string::npos);
+        CHECK(origin == 2);  // the failure's rank as a field: nothing parses the message
+      } else {
+        CHECK(origin == -1);
+      }
       CHECK(message.find("DDP_TOKEN") != std::string::npos);
     }
     std::filesystem::remove_all(dir);

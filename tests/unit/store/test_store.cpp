@@ -406,3 +406,33 @@ TEST_CASE(
   std::this_thread::sleep_for(200ms);
   CHECK(!watcher.check(std::vector<std::string>{"gone/1"}));
 }
+
+TEST_CASE("store: a watched key's stop value throws the error it holds, its fields kept") {
+  ddp::StoreServer server("127.0.0.1", 0, quiet());
+  ddp::Store store("127.0.0.1", server.port(), quiet());
+  const ddp::Error e(ddp::Errc::peer_lost, "the rendezvous failed on rank 3: ", 3, "rank 1 died",
+                     {1});
+  store.set("failed", ddp::Store::stop_value(e));
+  ddp::Store watched = store.watching("failed");
+  try {
+    (void)watched.get("never");
+    FAIL("get() returned");
+  } catch (const ddp::Error& got) {
+    CHECK(got.code() == ddp::Errc::peer_lost);
+    CHECK(std::string_view(got.what()) == e.what());
+    CHECK(got.origin_rank() == 3);
+    CHECK(got.origin_message() == "rank 1 died");
+    CHECK(got.lost_ranks() == std::vector<int>{1});
+  }
+  // The plain form (no fields) and bytes that are no stop value
+  CHECK(
+      ddp::detail::decode_stop(ddp::Store::stop_value(ddp::Errc::timeout, "late"))->origin_rank() ==
+      -1);
+  CHECK_FALSE(ddp::detail::decode_stop("short").has_value());
+  std::string hostile = ddp::Store::stop_value(e);
+  hostile.resize(hostile.size() - 2);  // a lost-rank list cut short
+  CHECK_FALSE(ddp::detail::decode_stop(hostile).has_value());
+  hostile = ddp::Store::stop_value(e);
+  hostile[hostile.size() - 5] = '\x7f';  // a count of lost ranks larger than the bytes left
+  CHECK_FALSE(ddp::detail::decode_stop(hostile).has_value());
+}

@@ -53,28 +53,30 @@ DDP_INLINE std::optional<Transport::Left> left_record(const Store& store,
     for (;;) {
       const std::string failed = "failed";
       if (plain.check(std::span<const std::string>(&failed, 1))) {
-        const std::string rec = plain.get(failed);
-        ByteReader r(rec, "rendezvous failure");
-        Transport::Left left;
-        left.code = static_cast<Errc>(r.get<std::int32_t>());
-        left.message = r.str(rec.size());
-        constexpr std::string_view on = "the rendezvous failed on rank ";
-        if (std::string_view(left.message).starts_with(on)) {
-          left.rank = std::atoi(left.message.c_str() + on.size());
-          const std::size_t colon = left.message.find(": ");
-          if (colon != std::string::npos) left.message.erase(0, colon + 2);
+        // CommState::relay_failure's record: its origin is the rank whose rendezvous failed
+        if (const auto e = decode_stop(plain.get(failed)); e && e->origin_rank() >= 0) {
+          Transport::Left left;
+          left.rank = e->origin_rank();
+          left.code = e->code();
+          left.message = std::string(e->origin_message());
+          left.lost = e->lost_ranks();
+          return left;
         }
-        if (left.rank >= 0) return left;
       }
       for (int j : ranks) {
         const std::string key = concat("left/", j);
         if (!plain.check(std::span<const std::string>(&key, 1))) continue;
-        const std::string rec = plain.get(key);
-        ByteReader r(rec, "leaving record");
+        const auto e = decode_stop(plain.get(key));
+        if (!e) fail(Errc::protocol, "the leaving record of rank ", j, " is not one");
         Transport::Left left;
         left.rank = j;
-        left.code = static_cast<Errc>(r.get<std::int32_t>());
-        left.message = r.str(rec.size());
+        left.code = e->code();
+        left.message = e->what();
+        if (e->origin_rank() >= 0 && e->origin_rank() != j) {  // it relayed another rank's
+          left.origin = e->origin_rank();
+          left.origin_message = std::string(e->origin_message());
+        }
+        left.lost = e->lost_ranks();
         return left;
       }
       for (int j : ranks) {  // one that finished (CommState::announce_leaving)
@@ -225,7 +227,7 @@ DDP_INLINE void Hierarchy::all_reduce(RoundScratch& s, SingleCopy& single, const
 DDP_INLINE void Hierarchy::record_leaving(const Error& e) noexcept {
   if (!store) return;
   try {
-    store->set(concat("left/", rank), Store::stop_value(e.code(), e.what()));
+    store->set(concat("left/", rank), Store::stop_value(e));
   } catch (...) {  // the store is gone: the peers report a lost connection instead
   }
 }

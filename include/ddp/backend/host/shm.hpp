@@ -128,8 +128,12 @@ class ShmTransport final : public Transport {
   /// left, from its record in the store (it finished, or failed), and tells the other ranks.
   [[noreturn]] void departed(int j, const Fingerprint* fp, const char* what);
 
-  /// First failure wins; later ones keep the first message.
-  void publish_abort(Errc code, const std::string& why);
+  /// First failure wins; later ones keep the first message. `lost`: the ranks it found lost;
+  /// `reporter`: the rank that found it, when another (this rank relays its failure).
+  void publish_abort(Errc code, std::string_view why, const std::vector<int>& lost = {},
+                     int reporter = -1);
+  /// The same for `e`: relayed as its origin rank's words when another rank found it.
+  void publish_abort(const Error& e);
 
   /// Throws if this communicator was aborted here or by a peer.
   void check_abort(const Fingerprint* fp) const;
@@ -180,8 +184,9 @@ class ShmTransport final : public Transport {
                      " died (its process exited); the job cannot continue with this communicator "
                      "(the ranks still alive can go on with shrink())");
           publish_abort(Errc::peer_lost,
-                        concat("rank ", global(dead), " died (its process exited)"));
-          fail(Errc::peer_lost, msg);
+                        concat("rank ", global(dead), " died (its process exited)"),
+                        {global(dead)});
+          fail_from(-1, {global(dead)}, Errc::peer_lost, msg);
         }
         if (now >= deadline.at) {
           const std::string who = concat(ranks_text(waited_for), doing);
@@ -396,8 +401,10 @@ DDP_INLINE void ShmTransport::copy_from(int j, std::uint64_t addr, std::byte* ds
       "; the job cannot continue with this communicator (the ranks still alive can go on "
       "with shrink())");
   const Errc code = err == EPERM ? Errc::system : Errc::peer_lost;
-  publish_abort(code, concat("copying out of rank ", global(j), "'s memory failed: ", why));
-  fail(code, msg);
+  std::vector<int> lost;
+  if (code == Errc::peer_lost) lost.push_back(global(j));
+  publish_abort(code, concat("copying out of rank ", global(j), "'s memory failed: ", why), lost);
+  fail_from(-1, std::move(lost), code, msg);
 }
 
 DDP_INLINE void ShmTransport::send(const Buf& buf, int peer, int tag, std::uint64_t seq) {
@@ -486,7 +493,7 @@ DDP_INLINE void ShmTransport::departed(int j, const Fingerprint* fp, const char*
   try {
     fail_if_left({j}, std::chrono::milliseconds(300), fp, what);
   } catch (const Error& e) {
-    publish_abort(e.code(), e.what());
+    publish_abort(e);
     throw;
   }
   const std::string msg =
@@ -497,25 +504,42 @@ DDP_INLINE void ShmTransport::departed(int j, const Fingerprint* fp, const char*
   fail(Errc::peer_lost, msg);
 }
 
-DDP_INLINE void ShmTransport::publish_abort(Errc code, const std::string& why) {
+DDP_INLINE void ShmTransport::publish_abort(Errc code, std::string_view why,
+                                            const std::vector<int>& lost, int reporter) {
   std::uint32_t expected = 0;
   if (header_->abort_state.compare_exchange_strong(expected, 1)) {
-    header_->abort_rank = global(rank_);
+    header_->abort_rank = reporter >= 0 ? reporter : global(rank_);
     header_->abort_code = static_cast<int>(code);
     const std::size_t n = std::min(why.size(), sizeof header_->abort_message - 1);
     std::memcpy(header_->abort_message, why.data(), n);
     header_->abort_message[n] = '\0';
+    const std::size_t k = std::min(lost.size(), std::size(header_->abort_lost));
+    std::copy_n(lost.begin(), k, header_->abort_lost);
+    header_->abort_lost_count = static_cast<std::int32_t>(k);
     header_->abort_state.store(2, std::memory_order_seq_cst);
   }
   header_->wake.epoch.fetch_add(1);
   futex_wake_all(&header_->wake.epoch);
 }
 
+DDP_INLINE void ShmTransport::publish_abort(const Error& e) {
+  if (e.origin_rank() >= 0)
+    publish_abort(e.code(), e.origin_message(), e.lost_ranks(), e.origin_rank());
+  else
+    publish_abort(e.code(), e.what(), e.lost_ranks());
+}
+
 DDP_INLINE void ShmTransport::check_abort(const Fingerprint* fp) const {
   check_local_abort(fp);
   if (header_->abort_state.load(std::memory_order_acquire) == 2) {
-    fail_reported(static_cast<Errc>(header_->abort_code), fp, nullptr, header_->abort_rank,
-                  header_->abort_message);
+    Left left;
+    left.rank = header_->abort_rank;
+    left.code = static_cast<Errc>(header_->abort_code);
+    left.message = header_->abort_message;
+    constexpr auto most = static_cast<std::int32_t>(std::size(ShmHeader{}.abort_lost));
+    const auto k = static_cast<std::size_t>(std::clamp(header_->abort_lost_count, 0, most));
+    left.lost.assign(header_->abort_lost, header_->abort_lost + k);
+    fail_reported(left, fp, nullptr);
   }
 }
 

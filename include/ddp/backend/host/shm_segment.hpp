@@ -89,6 +89,8 @@ struct ShmHeader {
   std::int32_t abort_rank;
   std::int32_t abort_code;
   char abort_message[2048];
+  std::int32_t abort_lost_count;  // the ranks the failure found lost (the first 64)
+  std::int32_t abort_lost[64];
 };
 static_assert(sizeof(ShmHeader) <= ShmLayout::header_bytes);
 

@@ -345,19 +345,24 @@ DDP_INLINE void TcpTransport::lost(int peer, const Fingerprint* fp, const char* 
   // A rank that failed and left may have said why (a rank that died says nothing).
   fail_if_left(closed, std::chrono::milliseconds(300), fp, what);
   if (closed.size() == 1) {
-    fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what),
-         ": the connection to rank ", global(peer),
-         " closed (that process died or failed) (tcp transport); the job cannot continue with "
-         "this communicator (the ranks still alive can go on with shrink())");
+    fail_from(-1, {global(peer)}, Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what),
+              ": the connection to rank ", global(peer),
+              " closed (that process died or failed) (tcp transport); the job cannot continue with "
+              "this communicator (the ranks still alive can go on with shrink())");
   }
   std::sort(closed.begin(), closed.end());
   std::string list;
-  for (int j : closed) list += concat(list.empty() ? "" : ", ", "rank ", global(j));
-  fail(Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what), ": the connections to ",
-       list,
-       " closed (one of those processes died, and the others left because of it) (tcp "
-       "transport); the job cannot continue with this communicator (the ranks still alive can go "
-       "on with shrink())");
+  std::vector<int> lost;
+  for (int j : closed) {
+    list += concat(list.empty() ? "" : ", ", "rank ", global(j));
+    lost.push_back(global(j));
+  }
+  fail_from(
+      -1, std::move(lost), Errc::peer_lost, "rank ", global(rank_), ": ", describe(fp, what),
+      ": the connections to ", list,
+      " closed (one of those processes died, and the others left because of it) (tcp "
+      "transport); the job cannot continue with this communicator (the ranks still alive can go "
+      "on with shrink())");
 }
 
 DDP_INLINE void TcpTransport::pump(int j, bool out, const Fingerprint* fp, const char* what) {

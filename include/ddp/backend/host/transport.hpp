@@ -120,6 +120,11 @@ class Transport {
     int rank = -1;
     Errc code{};
     std::string message;
+    /// Where the failure it recorded started, when another rank's (its record relays that
+    /// rank's): the rank and its own words; and the ranks that failure found lost.
+    int origin = -1;
+    std::string origin_message;
+    std::vector<int> lost;
     /// It finished: destroyed its communicator without a failure, after `operations` calls.
     bool finished = false;
     std::uint64_t operations = 0;
@@ -188,10 +193,9 @@ class Transport {
   void fail_if_left(const std::vector<int>& ranks, std::chrono::milliseconds grace,
                     const Fingerprint* fp, const char* what) const;
 
-  /// Fails with `code`, quoting the failure rank `from` reported; where that was itself a report
-  /// of another rank's ("failed because rank N reported: ..."), the first one in the chain.
-  [[noreturn]] void fail_reported(Errc code, const Fingerprint* fp, const char* what, int from,
-                                  std::string_view message) const;
+  /// Fails with the failure `left` recorded, naming the rank it started on (the first one in a
+  /// chain of relays: Left::origin) and quoting that rank's words.
+  [[noreturn]] void fail_reported(const Left& left, const Fingerprint* fp, const char* what) const;
 
   /// Records abort() on this rank.
   void set_local_abort(Errc code) noexcept { local_abort_code_.store(static_cast<int>(code)); }
@@ -288,22 +292,18 @@ DDP_INLINE void Transport::fail_if_left(const std::vector<int>& ranks,
            "different numbers of collectives (steps). For uneven inputs see ddp::Join; "
            "otherwise make every rank call the same collectives");
     }
-    fail_reported(left->code, fp, what, left->rank, left->message);
+    fail_reported(*left, fp, what);
   }
 }
 
-DDP_INLINE void Transport::fail_reported(Errc code, const Fingerprint* fp, const char* what,
-                                         int from, std::string_view message) const {
-  constexpr std::string_view relay = "failed because rank ";
-  for (std::size_t at; (at = message.find(relay)) != std::string_view::npos;) {
-    const std::string_view rest = message.substr(at + relay.size());
-    const std::size_t said = rest.find(" reported: ");
-    if (said == std::string_view::npos) break;
-    from = std::atoi(std::string(rest.substr(0, said)).c_str());
-    message = rest.substr(said + 11);
-  }
-  fail(code, "rank ", global(rank_), ": ", describe(fp, what), ": failed because rank ", from,
-       " reported: ", message);
+DDP_INLINE void Transport::fail_reported(const Left& left, const Fingerprint* fp,
+                                         const char* what) const {
+  const bool relayed = left.origin >= 0;
+  const int from = relayed ? left.origin : left.rank;
+  DDP_THROW(Error(left.code,
+                  concat("rank ", global(rank_), ": ", describe(fp, what), ": failed because rank ",
+                         from, " reported: "),
+                  from, relayed ? left.origin_message : left.message, left.lost));
 }
 
 DDP_INLINE void Transport::check_local_abort(const Fingerprint* fp) const {
