@@ -6,7 +6,8 @@ room stands on every room it includes; its floor is one above the highest of the
 
   * no circle between headers, and no circle between rooms (an include that runs back up);
   * at most MAX_FLOORS floors;
-  * no header longer than MAX_LINES lines (those in STILL_LONG: no longer than they are now);
+  * no header longer than MAX_LINES lines (those in STILL_LONG: no longer than they are now), and
+    no file of the tools (tools/*.hpp, *.cpp, *.py) either;
   * impl/src.hpp (the separate-compilation mode's implementation unit) includes what ddp.hpp
     includes, no more, no less.
 
@@ -25,6 +26,7 @@ STILL_LONG = {
 }
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "include")
+TOOLS = os.path.dirname(os.path.abspath(__file__))
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"](ddp/[^>"]+)[>"]', re.M)
 
 
@@ -110,6 +112,11 @@ def main():
             if a != b:
                 room_edges.setdefault(a, set()).add(b)
                 why.setdefault((a, b), f"{h} -> {inc}")
+    for name in sorted(os.listdir(TOOLS)):
+        if name.endswith((".hpp", ".cpp", ".py")):
+            lines = open(os.path.join(TOOLS, name), encoding="utf-8").read().count("\n")
+            if lines > MAX_LINES:
+                problems.append(f"tools/{name}: {lines} lines (at most {MAX_LINES})")
     if "ddp/impl/src.hpp" in files:
         umbrella, impl = file_edges.get("ddp/ddp.hpp", set()), file_edges.get("ddp/impl/src.hpp", set())
         for h in sorted(umbrella ^ impl):
@@ -146,7 +153,7 @@ def main():
         return 1
     long = "".join(f"; {h} still {STILL_LONG[h]}" for h in sorted(STILL_LONG))
     print(f"include/ddp: {len(files)} headers, {len(rooms)} rooms on {max(floors.values())} "
-          f"floors, no circle, no header over {MAX_LINES} lines{long}")
+          f"floors, no circle, no header (nor file of tools/) over {MAX_LINES} lines{long}")
     return 0
 
 

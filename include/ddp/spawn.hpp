@@ -14,6 +14,7 @@
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 #include "ddp/detail/lean_std.hpp"
+#include "ddp/detail/process.hpp"
 #include "ddp/detail/socket.hpp"
 #include "ddp/environment.hpp"
 #include "ddp/error.hpp"
@@ -23,9 +24,7 @@
 #include "ddp/trace.hpp"
 
 #include <fcntl.h>
-#include <pthread.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -60,23 +59,6 @@ struct SpawnOptions {
   bool stop_on_failure = true;
 };
 
-namespace detail {
-
-DDP_INLINE std::string describe_status(int status);
-#if DDP_BODIES
-DDP_INLINE std::string describe_status(int status) {
-  if (WIFEXITED(status)) return concat("exited with status ", WEXITSTATUS(status));
-  if (WIFSIGNALED(status)) {
-    const int sig = WTERMSIG(status);
-    const char* name = ::sigabbrev_np(sig);
-    return concat("was killed by SIG", name != nullptr ? name : "?", " (signal ", sig, ")");
-  }
-  return "stopped";
-}
-#endif  // DDP_BODIES
-
-}  // namespace detail
-
 /// Runs fn(env) in nprocs forked processes and waits for all of them (see the file comment).
 DDP_INLINE void spawn(int nprocs, const std::function<void(Environment)>& fn,
                       const SpawnOptions& options = {});
@@ -98,27 +80,12 @@ DDP_INLINE void spawn(int nprocs, const std::function<void(Environment)>& fn,
     bool done = false;
   };
   std::vector<Child> children(static_cast<std::size_t>(nprocs));
-  const pid_t parent = ::getpid();
   for (int r = 0; r < nprocs; ++r) {
     int fds[2];
     if (::pipe2(fds, O_CLOEXEC) != 0) detail::fail_errno(errno, "spawn: pipe2");
-    // Signals are blocked across fork() so that none reaches the child before it has reset the
-    // parent's handlers: a worker starts with default dispositions (the parent's handlers, a
-    // test framework's crash reporter say, are not the worker's).
-    sigset_t all, previous;
-    ::sigfillset(&all);
-    ::pthread_sigmask(SIG_SETMASK, &all, &previous);
-    const pid_t pid = ::fork();
-    if (pid != 0) ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
-    if (pid < 0) detail::fail_errno(errno, "spawn: fork");
+    // A worker never outlives the parent (killed, say): no orphans spinning in a collective.
+    const pid_t pid = detail::fork_worker(false);
     if (pid == 0) {
-      // A worker never outlives the parent (killed, say): no orphans spinning in a collective.
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != parent) ::_exit(1);
-      for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGSEGV, SIGABRT, SIGFPE, SIGILL, SIGBUS, SIGPIPE}) {
-        ::signal(sig, SIG_DFL);
-      }
-      ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
       ::close(fds[0]);
       listener.reset();
       for (int k = 0; k < r; ++k) children[static_cast<std::size_t>(k)].error_pipe.reset();
@@ -131,14 +98,11 @@ DDP_INLINE void spawn(int nprocs, const std::function<void(Environment)>& fn,
       env.master_addr = options.master_addr;
       env.master_port = port;
       env.launcher = "spawn";
-      ::setenv("RANK", std::to_string(r).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(nprocs).c_str(), 1);
-      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      ::setenv("LOCAL_WORLD_SIZE", std::to_string(nprocs).c_str(), 1);
-      ::setenv("NODE_RANK", "0", 1);
-      ::setenv("MASTER_ADDR", options.master_addr.c_str(), 1);
-      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      ::setenv("DDP_STORE_HOSTED", "1", 1);
+      for (const std::string& kv :
+           detail::worker_variables({r, nprocs, r, nprocs, 0, options.master_addr, port})) {
+        const std::size_t eq = kv.find('=');
+        ::setenv(kv.substr(0, eq).c_str(), kv.c_str() + eq + 1, 1);
+      }
       for (const auto& kv : options.env) ::putenv(const_cast<char*>(kv.c_str()));
       int code = 0;
       std::string message;
@@ -182,8 +146,7 @@ DDP_INLINE void spawn(int nprocs, const std::function<void(Environment)>& fn,
   };
   int first_failed = -1;
   int remaining = nprocs;
-  auto term_at = detail::Clock::time_point::max();
-  auto kill_deadline = detail::Clock::time_point::max();
+  detail::GracefulStop stop;
   const auto dump_delay = detail::trace_dump_grace();  // time to write flight recorders
   while (remaining > 0) {
     bool reaped = false;
@@ -201,23 +164,14 @@ DDP_INLINE void spawn(int nprocs, const std::function<void(Environment)>& fn,
       const bool ok = pid > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0;
       if (!ok && first_failed < 0) {
         first_failed = r;
-        if (options.stop_on_failure) {
-          term_at = detail::Clock::now() + dump_delay;
-          kill_deadline = term_at + options.grace;
-        }
+        if (options.stop_on_failure)
+          stop.begin(detail::GracefulStop::Clock::now(), dump_delay, options.grace);
       }
     }
-    if (detail::Clock::now() >= term_at) {
-      for (auto& other : children) {
-        if (!other.done) ::kill(other.pid, SIGTERM);
+    while (const int sig = stop.due(detail::GracefulStop::Clock::now())) {
+      for (const auto& c : children) {
+        if (!c.done) ::kill(c.pid, sig);
       }
-      term_at = detail::Clock::time_point::max();
-    }
-    if (detail::Clock::now() >= kill_deadline) {  // the grace period is over
-      for (auto& c : children) {
-        if (!c.done) ::kill(c.pid, SIGKILL);
-      }
-      kill_deadline = detail::Clock::time_point::max();
     }
     if (!reaped && remaining > 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
