@@ -99,7 +99,7 @@ meson_tests() {
 if [ $fast -eq 0 ]; then
   stage "clang-format (every C++ file)" scripts/format.sh --check
   stage "single_include is regenerated from include/" python3 tools/amalgamate.py --check
-  stage "include/ddp's layout (no circle, <= 10 floors, header lengths)" python3 tools/check_layout.py
+  stage "include/ddp's layout (no circle, <= 10 floors, header and tools/ file lengths)" python3 tools/check_layout.py
   stage "API reference (Doxygen, warnings are errors)" scripts/docs.sh
 fi
 if [ $fast -eq 1 ]; then
