@@ -38,7 +38,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 INCLUDE = ROOT / "include"
 ENTRY = "ddp/ddp.hpp"
 # Headers that only forward to others (an old spelling kept working); see forwarding_errors().
-FORWARDING = ["ddp/store.hpp"]
+FORWARDING = ["ddp/store.hpp", "ddp/trace.hpp"]
 # The separate-compilation mode's implementation unit: in single_include/ its stub defines
 # DDP_IMPLEMENTATION before the single header (what impl/src.hpp does with include/).
 IMPLEMENTATION = "ddp/impl/src.hpp"

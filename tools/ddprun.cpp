@@ -32,7 +32,7 @@
 // the attempt succeeds when the workers that remain finish successfully. With --on-failure
 // rejoin the failed worker is also restarted alone (same RANK and WORLD_SIZE, DDP_REJOIN=N; its
 // log appended), up to --max-restarts times per worker, and joins the running job
-// (Communicator::join).
+// (Communicator::enter).
 
 #include <ddp/ddp.hpp>
 

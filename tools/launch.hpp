@@ -9,11 +9,12 @@
 /// restarts and on the root cause of a failure, and stops everything on a failure or a signal.
 /// Only the tools use it; it includes nothing of ddp but <ddp/ddp.hpp>, so it builds against
 /// include/ and against the single header alike. Its rooms: launch_options.hpp (the options),
-/// launch_agent.hpp (the agent's state), launch_join.hpp, launch_workers.hpp, launch_outcome.hpp.
+/// launch_agent.hpp (the agent's state), launch_rendezvous.hpp, launch_workers.hpp,
+/// launch_outcome.hpp.
 
 #include "launch_agent.hpp"
-#include "launch_join.hpp"
 #include "launch_outcome.hpp"
+#include "launch_rendezvous.hpp"
 #include "launch_workers.hpp"
 
 DDP_BEGIN_NAMESPACE
@@ -126,7 +127,7 @@ inline int LaunchAgent::run() {
     f = run_attempt(attempt);
     if (membership_changed_ && interrupted_ == 0 && f.code == 0) {  // torchrun's way
       membership_changed_ = false;
-      say("a node is waiting to join: restarting every worker with it (a membership change, "
+      say("a node is waiting to enter: restarting every worker with it (a membership change, "
           "not counted in --max-restarts)");
       delay = std::chrono::milliseconds(0);
       continue;

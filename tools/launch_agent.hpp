@@ -4,7 +4,7 @@
 
 /// \file
 /// detail::LaunchAgent, one node's agent of ddp::launch: its state and its parts. The parts are
-/// defined in rooms of their own: joining the other agents (launch_join.hpp), the workers
+/// defined in rooms of their own: meeting the other agents (launch_rendezvous.hpp), the workers
 /// (launch_workers.hpp), the outcome of an attempt (launch_outcome.hpp); tools/launch.hpp puts
 /// them together.
 

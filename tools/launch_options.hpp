@@ -54,7 +54,7 @@ struct LaunchOptions {
   int nnodes = 1;
   /// --nnodes MIN:MAX: the job starts once min_nodes nodes (and every other node that arrives
   /// within last_call) are there; a node that comes later, up to nnodes, adds its workers to the
-  /// running job (DDP_REJOIN=1: Communicator::join). 0: a fixed count (nnodes).
+  /// running job (DDP_REJOIN=1: Communicator::enter). 0: a fixed count (nnodes).
   int min_nodes = 0;
   std::chrono::milliseconds last_call{1000};
   /// This node's index; node 0 hosts the rendezvous store. -1: given on arrival, as torchrun's
@@ -79,7 +79,7 @@ struct LaunchOptions {
   /// Communicator::shrink), and the attempt succeeds when the workers that remain do.
   bool shrink_on_failure = false;
   /// --on-failure rejoin: a failed worker is restarted alone, as its rank with DDP_REJOIN=N, to
-  /// join the running job (Communicator::join); each worker at most max_restarts times, then as
+  /// join the running job (Communicator::enter); each worker at most max_restarts times, then as
   /// shrink.
   bool rejoin_on_failure = false;
   /// The wait before a restart: restart_backoff after the first failed attempt, doubled after

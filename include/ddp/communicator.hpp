@@ -7,9 +7,8 @@
 /// typed (any ddp::TensorLike buffer), checked before anything is sent, with an _async twin for
 /// each collective (returning ddp::Work, see work.hpp), and split().
 ///
-/// Each typed argument becomes a detail::Buf (the only code compiled per tensor type), checked
-/// and described by runtime/call.hpp, run by backend/dispatch.hpp; init and split start the
-/// backend through backend/init.hpp; the object collectives are made in runtime/objects.hpp.
+/// Each typed argument becomes a detail::Buf (the only code compiled per tensor type); the rest
+/// of its way runs down through comm/ (checks, the runner, dispatch, init) to the backend.
 ///
 /// Operations on one communicator run one at a time, in the order they were issued, whichever
 /// thread issued them. A synchronous call with nothing queued runs in the calling thread (no
@@ -20,27 +19,27 @@
 /// unusable: every later call fails at once with Errc::aborted naming the first failure; the
 /// ranks still alive go on together with shrink(), a communicator of the survivors.
 
-#include "ddp/backend/arguments.hpp"
 #include "ddp/backend/backend.hpp"
-#include "ddp/backend/comm_runner.hpp"
-#include "ddp/backend/dispatch.hpp"
-#include "ddp/backend/init.hpp"
+#include "ddp/comm/arguments.hpp"
+#include "ddp/comm/dispatch.hpp"
+#include "ddp/comm/init.hpp"
+#include "ddp/comm/runner.hpp"
 #include "ddp/config.hpp"
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+#include "ddp/backend/collective.hpp"
+#include "ddp/backend/rendezvous.hpp"
+#include "ddp/comm/call.hpp"
+#include "ddp/comm/objects.hpp"
+#include "ddp/comm/recorder.hpp"
+#include "ddp/comm/state.hpp"
 #include "ddp/detail/lean_std.hpp"
 #include "ddp/environment.hpp"
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
 #include "ddp/process_group.hpp"
-#include "ddp/runtime/call.hpp"
-#include "ddp/runtime/collective.hpp"
-#include "ddp/runtime/comm_state.hpp"
-#include "ddp/runtime/objects.hpp"
-#include "ddp/runtime/rendezvous.hpp"
 #include "ddp/tensor.hpp"
-#include "ddp/trace.hpp"
 #include "ddp/types.hpp"
 #include "ddp/work.hpp"
 
@@ -106,7 +105,7 @@ class Communicator {
   /// Reduces `buf` over all ranks, in place (every rank gets the result).
   template <detail::tensor_output T>
   void all_reduce(T&& buf, ReduceOp op = ReduceOp::sum) {
-    exec_single(detail::Coll::all_reduce, arg(buf, "all_reduce", "buf"), op, 0);
+    exec_single(detail::Coll::all_reduce, buf, op, 0);
   }
   /// all_reduce(), run asynchronously: returns at once. The buffers must outlive the Work,
   /// unless their type shares its storage (torch::Tensor: see ddp::tensor_traits), which the
@@ -170,7 +169,7 @@ class Communicator {
   /// Copies root's `buf` to every rank.
   template <detail::tensor_output T>
   void broadcast(T&& buf, int root = 0) {
-    exec_single(detail::Coll::broadcast, arg(buf, "broadcast", "buf"), ReduceOp::sum, root);
+    exec_single(detail::Coll::broadcast, buf, ReduceOp::sum, root);
   }
   /// broadcast(), run asynchronously: returns at once; the buffers must outlive the Work (see
   /// all_reduce_async).
@@ -184,7 +183,7 @@ class Communicator {
   /// Reduces `buf` over all ranks into root's `buf`; the other ranks' buffers are unchanged.
   template <detail::tensor_output T>
   void reduce(T&& buf, int root = 0, ReduceOp op = ReduceOp::sum) {
-    exec_single(detail::Coll::reduce, arg(buf, "reduce", "buf"), op, root);
+    exec_single(detail::Coll::reduce, buf, op, root);
   }
   /// reduce(), run asynchronously: returns at once; the buffers must outlive the Work (see
   /// all_reduce_async).
@@ -262,7 +261,7 @@ class Communicator {
                   {}, detail::hold(in, out));
   }
 
-  // ---- uneven sizes: a count per rank (runtime/uneven.hpp) ------------------------------------
+  // ---- uneven sizes: a count per rank (backend/uneven.hpp) ------------------------------------
   // Every rank's counts must match the others' (what rank i sends to rank j is what rank j
   // expects from rank i): checked on every rank before any data moves, failing with
   // Errc::mismatch naming the pair. Blocks lie in rank order, each right after the one before.
@@ -385,7 +384,7 @@ class Communicator {
     });
   }
 
-  // ---- layered on the collectives (runtime/objects.hpp) ------------------
+  // ---- layered on the collectives (comm/objects.hpp) ------------------
 
   /// all_reduce of a few host values on any backend (through a device copy on a backend that moves
   /// device memory only).
@@ -460,7 +459,7 @@ class Communicator {
   /// Fault tolerance: after a failure (Errc::peer_lost, or a timeout the caller treats as a
   /// loss), the surviving ranks each call shrink() and get a communicator of themselves, ranked
   /// 0..n-1 in the order of their old ranks, at the next membership epoch; its previous_ranks()
-  /// maps them back. The survivors agree through the rendezvous store (runtime/membership.hpp):
+  /// maps them back. The survivors agree through the rendezvous store (comm/membership.hpp):
   /// a rank that died is left out at once, one that neither arrives nor dies within
   /// ShrinkOptions::wait_for_ranks is left out and fenced (on waking, each of its calls fails
   /// with Errc::aborted naming the epoch), and a member that fails while they connect costs one
@@ -474,11 +473,11 @@ class Communicator {
       (void)options;
       return Communicator(detail::shrink_backend(s, rank()));
     } else {
-      refuse_membership(rank(), "shrink");
+      detail::refuse_membership<Backend>(rank(), "shrink");
       return Communicator(detail::shrink_state(s, rank(), size(), options));
     }
   }
-  /// Admits the processes waiting to join (join()), at a step boundary: every member calls it,
+  /// Admits the processes waiting to enter (enter()), at a step boundary: every member calls it,
   /// and gets the communicator of the members (ranks 0..n-1, in their order) and the newcomers
   /// (n.., in the order they asked), at the next membership epoch; or, when none was admitted,
   /// this one. Rank 0 answers each request: refused when its ticket differs from
@@ -488,23 +487,28 @@ class Communicator {
   /// Errc::unsupported on backend::Mpi (MPI cannot add processes to a running job here).
   [[nodiscard]] Communicator grow(const GrowOptions& options = {}) {
     State& s = same_process("grow");
-    refuse_membership(rank(), "grow");
+    detail::refuse_membership<Backend>(rank(), "grow");
     auto grown = detail::grow_state(s, rank(), options);
     return grown ? Communicator(std::move(grown)) : Communicator(state_);
   }
-  /// A process joins a running job (a restarted worker, or an added one): asks to be admitted as
-  /// world rank env.rank (its own, after a restart: refused while that rank's process lives),
-  /// waits until the members' next grow() admits it (JoinOptions::wait), and returns its
+  /// A process enters a running job (a restarted worker, or an added one): asks to be admitted
+  /// as world rank env.rank (its own, after a restart: refused while that rank's process lives),
+  /// waits until the members' next grow() admits it (EnterOptions::wait), and returns its
   /// communicator with them. Then it receives their state (TrainingState::restore). Refusals
-  /// and a wrong token fail this process alone.
-  [[nodiscard]] static Communicator join(const Environment& env = Environment::detect(),
-                                         const Options& options = {}, const JoinOptions& j = {}) {
-    refuse_membership(env.rank, "join");
-    return Communicator(detail::join_state<State>(env, options, j));
+  /// and a wrong token fail this process alone. (`join` is its older name; ddp::Join is uneven
+  /// inputs.)
+  [[nodiscard]] static Communicator enter(const Environment& env = Environment::detect(),
+                                          const Options& options = {}, const EnterOptions& e = {}) {
+    detail::refuse_membership<Backend>(env.rank, "enter");
+    return Communicator(detail::enter_state<State>(env, options, e));
   }
-  /// How many processes wait to join (one store read; not collective: for an agreed decision
-  /// use TrainingState::joining()). 0 without a store.
-  [[nodiscard]] int waiting_to_join() const { return checked().waiting_to_join(); }
+  [[nodiscard]] static Communicator join(const Environment& env = Environment::detect(),
+                                         const Options& options = {}, const EnterOptions& e = {}) {
+    return enter(env, options, e);
+  }
+  /// How many processes wait to enter (one store read; not collective: for an agreed decision
+  /// use TrainingState::entering()). 0 without a store.
+  [[nodiscard]] int waiting_to_enter() const { return checked().waiting_to_enter(); }
   /// Membership epoch: 0 for a communicator from init() or split(), one more for each change.
   [[nodiscard]] std::uint64_t epoch() const { return checked().epoch; }
   /// After shrink() or grow(): each rank's number in the communicator it was made from (-1: a
@@ -539,18 +543,10 @@ class Communicator {
   }
 
  private:
-  /// The communicator's state (backend/comm_runner.hpp).
+  /// The communicator's state (comm/runner.hpp).
   using State = detail::CommRunner<Backend, Communicator>;
 
   explicit Communicator(std::shared_ptr<State> s) : state_(std::move(s)) {}
-
-  static void refuse_membership(int rank, const char* what) {
-    if constexpr (!backend_traits<Backend>::needs_store)
-      detail::fail(Errc::unsupported, "rank ", rank, ": ", what,
-                   ": not available on backend::", Backend::name, " (",
-                   detail::membership_refusal(Backend::name, what),
-                   "); for fault tolerance use backend::Host");
-  }
 
   /// checked(), and that this is the process that created the communicator: a fork() child
   /// shares its peers' shared memory and sockets, and using them would corrupt the parent's job.
@@ -575,10 +571,11 @@ class Communicator {
                                       [&](Backend& be, State& st) { detail::dispatch(be, st, c); });
   }
 
-  /// Synchronous all_reduce, broadcast and reduce, without building a Call: the same checks and
-  /// the same code as through dispatch(), minus writing a 150-byte description on the path where
-  /// the library's own cost shows most (small messages).
-  void exec_single(detail::Coll coll, const detail::Buf& b, ReduceOp op, int root) {
+  /// Synchronous all_reduce, broadcast and reduce without a Call (dispatch()'s checks and code,
+  /// minus a 150-byte description where the library's own cost shows most: small messages).
+  template <class T>
+  void exec_single(detail::Coll coll, T& buf, ReduceOp op, int root) {
+    const detail::Buf b = arg(buf, detail::single_name(coll), "buf");
     const char* name = detail::check_single(coll, b, op, root, caller());
     same_process(name).run_in_order(name, b.bytes(), [&](Backend& be, State& st) {
       detail::run_single(be, st, coll, b, op, root);
@@ -601,7 +598,7 @@ class Communicator {
 
   [[nodiscard]] detail::Caller caller() const { return {rank(), size()}; }
 
-  /// A typed argument as a checked type-erased buffer (backend/arguments.hpp).
+  /// A typed argument as a checked type-erased buffer (comm/arguments.hpp).
   template <class T>
   detail::Buf arg(T& t, const char* what, const char* name) const {
     return detail::to_buf<Backend>(t, rank(), what, name);

@@ -49,7 +49,7 @@ struct Environment {
   /// neighbour may be held by any connection on the host; then 8.
   int store_ports = 1;
   /// The launcher restarted this process to join the running job (DDP_REJOIN=N, its N-th
-  /// restart: ddprun --on-failure rejoin): make the communicator with Communicator::join.
+  /// restart: ddprun --on-failure rejoin): make the communicator with Communicator::enter.
   bool rejoin = false;
   /// Which launcher the values came from: "ddprun", "torchrun", "slurm", "openmpi", "pmi"
   /// (MPICH, Intel MPI), "mvapich", "none"; "unknown" when variables of a launcher ddp cannot read

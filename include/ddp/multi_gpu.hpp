@@ -26,12 +26,12 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+#include "ddp/backend/collective.hpp"
 #include "ddp/backend/nccl_support.hpp"
+#include "ddp/comm/call.hpp"
 #include "ddp/cuda.hpp"
 #include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
-#include "ddp/runtime/call.hpp"
-#include "ddp/runtime/collective.hpp"
 #include "ddp/tensor.hpp"
 #include "ddp/types.hpp"
 

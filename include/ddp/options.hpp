@@ -63,21 +63,23 @@ struct ShrinkOptions {
   std::vector<int> exclude{};
 };
 
-/// How Communicator::grow admits the processes waiting to join the job.
+/// How Communicator::grow admits the processes waiting to enter the job.
 struct GrowOptions {
-  /// What a newcomer must bring to be admitted: its JoinOptions::ticket must be equal
+  /// What a newcomer must bring to be admitted: its EnterOptions::ticket must be equal
   /// (TrainingState::ticket() describes the state the program tracks). Others are refused.
   std::string ticket{};
 };
 
-/// How Communicator::join asks to join a running job.
-struct JoinOptions {
+/// How Communicator::enter asks to enter a running job.
+struct EnterOptions {
   /// Compared with the members' GrowOptions::ticket (see there).
   std::string ticket{};
   /// How long to wait to be admitted (the members admit newcomers at their next grow()); 0: the
   /// communicator's timeout. The request is withdrawn when it passes.
   std::chrono::milliseconds wait{0};
 };
+/// The older name of EnterOptions (Communicator::join is Communicator::enter's).
+using JoinOptions = EnterOptions;
 
 /// How a communicator is made and behaves: timeouts, the rendezvous secret, transports,
 /// verification and the flight recorder (see the file comment for which backend reads what).
@@ -124,7 +126,7 @@ struct Options {
   /// "Diagnostics").
   bool verify_collectives = true;
   /// How many recent operations each communicator remembers (the flight recorder, see
-  /// trace.hpp); 0 turns it off ($DDP_TRACE_ENTRIES: 0 to 10^6).
+  /// comm/recorder.hpp); 0 turns it off ($DDP_TRACE_ENTRIES: 0 to 10^6).
   std::size_t trace_entries = 2000;
   /// Where a communicator writes its flight recorder when an operation times out: "" nowhere,
   /// "stderr", or a directory (one file per rank) ($DDP_TRACE_DUMP).

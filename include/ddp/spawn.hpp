@@ -13,6 +13,7 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+#include "ddp/comm/recorder.hpp"
 #include "ddp/detail/lean_std.hpp"
 #include "ddp/detail/process.hpp"
 #include "ddp/detail/socket.hpp"
@@ -21,7 +22,6 @@
 #include "ddp/options.hpp"
 #include "ddp/store/protocol.hpp"
 #include "ddp/store/server.hpp"
-#include "ddp/trace.hpp"
 
 #include <fcntl.h>
 #include <signal.h>

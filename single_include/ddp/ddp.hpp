@@ -1920,9 +1920,8 @@ DDP_END_NAMESPACE
 /// typed (any ddp::TensorLike buffer), checked before anything is sent, with an _async twin for
 /// each collective (returning ddp::Work, see work.hpp), and split().
 ///
-/// Each typed argument becomes a detail::Buf (the only code compiled per tensor type), checked
-/// and described by runtime/call.hpp, run by backend/dispatch.hpp; init and split start the
-/// backend through backend/init.hpp; the object collectives are made in runtime/objects.hpp.
+/// Each typed argument becomes a detail::Buf (the only code compiled per tensor type); the rest
+/// of its way runs down through comm/ (checks, the runner, dispatch, init) to the backend.
 ///
 /// Operations on one communicator run one at a time, in the order they were issued, whichever
 /// thread issued them. A synchronous call with nothing queued runs in the calling thread (no
@@ -1932,16 +1931,6 @@ DDP_END_NAMESPACE
 /// After a collective fails (timeout, a lost peer, a mismatch, abort()), the communicator is
 /// unusable: every later call fails at once with Errc::aborted naming the first failure; the
 /// ranks still alive go on together with shrink(), a communicator of the survivors.
-
-// begin ddp/backend/arguments.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// How Communicator turns a typed argument into a checked detail::Buf for its backend: the only
-/// code compiled per tensor type. A TensorView's type already says what the compiler can check
-/// (element type, read-only); a DynamicView (run-time typed) is checked here; the device must be
-/// one the backend can use (backend/dispatch.hpp: its own, or CUDA staged through the host).
 
 // begin ddp/backend/backend.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -1971,13 +1960,186 @@ DDP_END_NAMESPACE
 ///
 /// backend::Host (backend/host.hpp), backend::Nccl (backend/nccl.hpp) and backend::Mpi
 /// (backend/mpi.hpp) implement it. A new backend includes this header, and
-/// runtime/uneven.hpp for the uneven collectives' fallbacks, store/client.hpp when it
+/// backend/uneven.hpp for the uneven collectives' fallbacks, store/client.hpp when it
 /// rendezvouses through the store.
 
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// begin ddp/backend/collective.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// What the typed Communicator hands to a backend: type-erased buffers, and the fingerprint
+/// every collective carries so that ranks calling different collectives fail instead of hanging.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <string_view>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// The largest buffer, in bytes, a collective accepts (what a pointer difference can express):
+/// element counts are checked against it, so no byte size computed from them can wrap.
+inline constexpr std::size_t max_buffer_bytes =
+    static_cast<std::size_t>(std::numeric_limits<std::ptrdiff_t>::max());
+
+/// Whether total == part * p exactly, with no overflow in the product.
+[[nodiscard]] constexpr bool is_product(std::size_t total, std::size_t part,
+                                        std::size_t p) noexcept {
+  return p != 0 && total % p == 0 && total / p == part;
+}
+
+/// "part x p = product", or that the product overflows.
+[[nodiscard]] DDP_INLINE std::string product_text(std::size_t part, std::size_t p);
+#if DDP_BODIES
+DDP_INLINE std::string product_text(std::size_t part, std::size_t p) {
+  if (p != 0 && part > max_buffer_bytes / p) return concat(part, " x ", p, " (which overflows)");
+  return concat(part, " x ", p, " = ", part * p);
+}
+#endif  // DDP_BODIES
+
+/// A type-erased buffer: `count` elements of `dtype`.
+struct Buf {
+  std::byte* data = nullptr;
+  std::size_t count = 0;
+  DType dtype = DType::float32;
+  Device device{};
+  void* stream = nullptr;
+  /// For a piece of a larger elementwise collective (a CUDA buffer staged through host memory
+  /// chunk by chunk): the whole buffer's element count, which the fingerprint carries so that
+  /// ranks with different sizes fail on the first piece. 0: the buffer is whole.
+  std::size_t whole = 0;
+
+  [[nodiscard]] std::size_t elem() const noexcept { return size_of(dtype); }
+  [[nodiscard]] std::size_t fingerprint_count() const noexcept {
+    return whole != 0 ? whole : count;
+  }
+  [[nodiscard]] std::size_t bytes() const noexcept { return count * size_of(dtype); }
+  [[nodiscard]] std::byte* at(std::size_t element) const noexcept {
+    return data + element * elem();
+  }
+};
+
+enum class Coll : std::uint8_t {
+  all_reduce = 1,
+  broadcast = 2,
+  reduce = 3,
+  all_gather = 4,
+  gather = 5,
+  scatter = 6,
+  reduce_scatter = 7,
+  all_to_all = 8,
+  barrier = 9,
+  send = 10,
+  recv = 11,
+  // The uneven forms (a count per rank; backend/uneven.hpp), named as their even twins.
+  all_gather_v = 12,
+  gather_v = 13,
+  scatter_v = 14,
+  all_to_all_v = 15,
+  batch_p2p = 16,  ///< batch_isend_irecv: sends and receives, no fingerprint
+};
+
+/// Whether `c` is an uneven form (its fingerprint's count is 0: the sizes are checked apart).
+[[nodiscard]] constexpr bool is_uneven(Coll c) noexcept {
+  return c == Coll::all_gather_v || c == Coll::gather_v || c == Coll::scatter_v ||
+         c == Coll::all_to_all_v;
+}
+
+[[nodiscard]] constexpr std::string_view to_string(Coll c) noexcept {
+  switch (c) {
+    case Coll::all_reduce: return "all_reduce";
+    case Coll::broadcast: return "broadcast";
+    case Coll::reduce: return "reduce";
+    case Coll::all_gather: return "all_gather";
+    case Coll::gather: return "gather";
+    case Coll::scatter: return "scatter";
+    case Coll::reduce_scatter: return "reduce_scatter";
+    case Coll::all_to_all: return "all_to_all";
+    case Coll::barrier: return "barrier";
+    case Coll::send: return "send";
+    case Coll::recv: return "recv";
+    case Coll::all_gather_v: return "all_gather";
+    case Coll::gather_v: return "gather";
+    case Coll::scatter_v: return "scatter";
+    case Coll::all_to_all_v: return "all_to_all";
+    case Coll::batch_p2p: return "batch_isend_irecv";
+  }
+  return "unknown collective";
+}
+
+/// What a rank says it is doing: compared across ranks at the start of every collective.
+struct Fingerprint {
+  std::uint64_t seq = 0;    ///< collectives issued on this communicator before this one
+  std::uint64_t count = 0;  ///< elements per rank (the size of `in` for all_gather, ...)
+  std::int32_t root = -1;   ///< root, or -1
+  Coll coll = Coll::barrier;
+  DType dtype = DType::uint8;
+  ReduceOp op = ReduceOp::sum;
+  std::uint8_t has_op = 0;
+
+  friend bool operator==(const Fingerprint&, const Fingerprint&) = default;
+};
+static_assert(sizeof(Fingerprint) == 24);
+
+/// The shared-memory transport's short form of a fingerprint, published in 48 bits with the
+/// round number (see ShmTransport::round). It is exact, never a hash:
+///  * 0: the round has no fingerprint;
+///  * fingerprint_wide: a field does not fit; peers compare the full fingerprints;
+///  * otherwise every field packed into a bit range of its own, injectively: coll (4 bits),
+///    dtype (4), op (3), has_op (1), root + 1 (5), count (28), and the sequence number as its
+///    distance (0 to 3) from `prev_seq`, the one of this rank's previous checked round.
+/// Two equal codes therefore mean equal fingerprints whenever the two ranks' previous checked
+/// rounds had equal fingerprints, which the transport makes sure of (a rank's first checked
+/// round is always wide). `has_prev`: whether there was a previous checked round.
+inline constexpr std::uint64_t fingerprint_wide = std::uint64_t{1} << 47;
+[[nodiscard]] constexpr std::uint64_t fingerprint_code(const Fingerprint& f, std::uint64_t prev_seq,
+                                                       bool has_prev) noexcept {
+  const auto coll = static_cast<std::uint64_t>(f.coll);
+  const auto dtype = static_cast<std::uint64_t>(f.dtype);
+  const auto op = static_cast<std::uint64_t>(f.op);
+  const std::uint64_t root1 = static_cast<std::uint64_t>(static_cast<std::int64_t>(f.root) + 1);
+  const std::uint64_t delta = f.seq - prev_seq;
+  if (!has_prev || f.seq < prev_seq || delta > 3 || coll == 0 || coll > 15 || dtype > 15 ||
+      op > 7 || f.has_op > 1 || f.root < -1 || root1 > 31 || f.count >= (std::uint64_t{1} << 28))
+    return fingerprint_wide;
+  return coll | dtype << 4 | op << 8 | std::uint64_t{f.has_op} << 11 | root1 << 12 | delta << 17 |
+         f.count << 19;
+}
+
+[[nodiscard]] DDP_INLINE std::string to_string(const Fingerprint& f);
+#if DDP_BODIES
+DDP_INLINE std::string to_string(const Fingerprint& f) {
+  std::string s = concat(to_string(f.coll), '(');
+  if (is_uneven(f.coll))
+    s += concat(to_string(f.dtype), ", counts per rank");
+  else if (f.coll != Coll::barrier)
+    s += concat(to_string(f.dtype), ", count=", f.count);
+  if (f.has_op != 0) s += concat(", op=", to_string(f.op));
+  if (f.root >= 0) s += concat(", root=", f.root);
+  return s + concat(") #", f.seq);
+}
+#endif  // DDP_BODIES
+
+/// A byte range of a rank's offer.
+struct Range {
+  std::size_t off = 0;
+  std::size_t len = 0;
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/backend/collective.hpp
 // begin ddp/detail/socket.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -2446,7 +2608,7 @@ DDP_END_NAMESPACE
 /// Who reads what: Environment::detect (the launcher's variables), Options::with_env (DDP_TIMEOUT,
 /// DDP_TOKEN, DDP_HOST_TRANSPORT, DDP_SEGMENT_BYTES, DDP_SHM_SINGLE_COPY, DDP_VERIFY_COLLECTIVES,
 /// DDP_TRACE_ENTRIES, DDP_TRACE_DUMP), Communicator::init (DDP_STORE_HOSTED, DDP_RESTART_COUNT: set
-/// by launchers that host the store; TORCHELASTIC_ERROR_FILE, runtime/error_file.hpp), ddp::spawn
+/// by launchers that host the store; TORCHELASTIC_ERROR_FILE, comm/error_file.hpp), ddp::spawn
 /// and ddprun (what they pass to their workers).
 
 // #include "ddp/config.hpp" (already included above)
@@ -2624,21 +2786,23 @@ struct ShrinkOptions {
   std::vector<int> exclude{};
 };
 
-/// How Communicator::grow admits the processes waiting to join the job.
+/// How Communicator::grow admits the processes waiting to enter the job.
 struct GrowOptions {
-  /// What a newcomer must bring to be admitted: its JoinOptions::ticket must be equal
+  /// What a newcomer must bring to be admitted: its EnterOptions::ticket must be equal
   /// (TrainingState::ticket() describes the state the program tracks). Others are refused.
   std::string ticket{};
 };
 
-/// How Communicator::join asks to join a running job.
-struct JoinOptions {
+/// How Communicator::enter asks to enter a running job.
+struct EnterOptions {
   /// Compared with the members' GrowOptions::ticket (see there).
   std::string ticket{};
   /// How long to wait to be admitted (the members admit newcomers at their next grow()); 0: the
   /// communicator's timeout. The request is withdrawn when it passes.
   std::chrono::milliseconds wait{0};
 };
+/// The older name of EnterOptions (Communicator::join is Communicator::enter's).
+using JoinOptions = EnterOptions;
 
 /// How a communicator is made and behaves: timeouts, the rendezvous secret, transports,
 /// verification and the flight recorder (see the file comment for which backend reads what).
@@ -2685,7 +2849,7 @@ struct Options {
   /// "Diagnostics").
   bool verify_collectives = true;
   /// How many recent operations each communicator remembers (the flight recorder, see
-  /// trace.hpp); 0 turns it off ($DDP_TRACE_ENTRIES: 0 to 10^6).
+  /// comm/recorder.hpp); 0 turns it off ($DDP_TRACE_ENTRIES: 0 to 10^6).
   std::size_t trace_entries = 2000;
   /// Where a communicator writes its flight recorder when an operation times out: "" nowhere,
   /// "stderr", or a directory (one file per rank) ($DDP_TRACE_DUMP).
@@ -2815,179 +2979,6 @@ DDP_INLINE Options Options::with_env(const detail::EnvReader& env,
 
 DDP_END_NAMESPACE
 // end ddp/options.hpp
-// begin ddp/runtime/collective.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// What the typed Communicator hands to a backend: type-erased buffers, and the fingerprint
-/// every collective carries so that ranks calling different collectives fail instead of hanging.
-
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
-
-#include <cstddef>
-#include <cstdint>
-#include <limits>
-#include <string>
-#include <string_view>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-/// The largest buffer, in bytes, a collective accepts (what a pointer difference can express):
-/// element counts are checked against it, so no byte size computed from them can wrap.
-inline constexpr std::size_t max_buffer_bytes =
-    static_cast<std::size_t>(std::numeric_limits<std::ptrdiff_t>::max());
-
-/// Whether total == part * p exactly, with no overflow in the product.
-[[nodiscard]] constexpr bool is_product(std::size_t total, std::size_t part,
-                                        std::size_t p) noexcept {
-  return p != 0 && total % p == 0 && total / p == part;
-}
-
-/// "part x p = product", or that the product overflows.
-[[nodiscard]] DDP_INLINE std::string product_text(std::size_t part, std::size_t p);
-#if DDP_BODIES
-DDP_INLINE std::string product_text(std::size_t part, std::size_t p) {
-  if (p != 0 && part > max_buffer_bytes / p) return concat(part, " x ", p, " (which overflows)");
-  return concat(part, " x ", p, " = ", part * p);
-}
-#endif  // DDP_BODIES
-
-/// A type-erased buffer: `count` elements of `dtype`.
-struct Buf {
-  std::byte* data = nullptr;
-  std::size_t count = 0;
-  DType dtype = DType::float32;
-  Device device{};
-  void* stream = nullptr;
-  /// For a piece of a larger elementwise collective (a CUDA buffer staged through host memory
-  /// chunk by chunk): the whole buffer's element count, which the fingerprint carries so that
-  /// ranks with different sizes fail on the first piece. 0: the buffer is whole.
-  std::size_t whole = 0;
-
-  [[nodiscard]] std::size_t elem() const noexcept { return size_of(dtype); }
-  [[nodiscard]] std::size_t fingerprint_count() const noexcept {
-    return whole != 0 ? whole : count;
-  }
-  [[nodiscard]] std::size_t bytes() const noexcept { return count * size_of(dtype); }
-  [[nodiscard]] std::byte* at(std::size_t element) const noexcept {
-    return data + element * elem();
-  }
-};
-
-enum class Coll : std::uint8_t {
-  all_reduce = 1,
-  broadcast = 2,
-  reduce = 3,
-  all_gather = 4,
-  gather = 5,
-  scatter = 6,
-  reduce_scatter = 7,
-  all_to_all = 8,
-  barrier = 9,
-  send = 10,
-  recv = 11,
-  // The uneven forms (a count per rank; runtime/uneven.hpp), named as their even twins.
-  all_gather_v = 12,
-  gather_v = 13,
-  scatter_v = 14,
-  all_to_all_v = 15,
-  batch_p2p = 16,  ///< batch_isend_irecv: sends and receives, no fingerprint
-};
-
-/// Whether `c` is an uneven form (its fingerprint's count is 0: the sizes are checked apart).
-[[nodiscard]] constexpr bool is_uneven(Coll c) noexcept {
-  return c == Coll::all_gather_v || c == Coll::gather_v || c == Coll::scatter_v ||
-         c == Coll::all_to_all_v;
-}
-
-[[nodiscard]] constexpr std::string_view to_string(Coll c) noexcept {
-  switch (c) {
-    case Coll::all_reduce: return "all_reduce";
-    case Coll::broadcast: return "broadcast";
-    case Coll::reduce: return "reduce";
-    case Coll::all_gather: return "all_gather";
-    case Coll::gather: return "gather";
-    case Coll::scatter: return "scatter";
-    case Coll::reduce_scatter: return "reduce_scatter";
-    case Coll::all_to_all: return "all_to_all";
-    case Coll::barrier: return "barrier";
-    case Coll::send: return "send";
-    case Coll::recv: return "recv";
-    case Coll::all_gather_v: return "all_gather";
-    case Coll::gather_v: return "gather";
-    case Coll::scatter_v: return "scatter";
-    case Coll::all_to_all_v: return "all_to_all";
-    case Coll::batch_p2p: return "batch_isend_irecv";
-  }
-  return "unknown collective";
-}
-
-/// What a rank says it is doing: compared across ranks at the start of every collective.
-struct Fingerprint {
-  std::uint64_t seq = 0;    ///< collectives issued on this communicator before this one
-  std::uint64_t count = 0;  ///< elements per rank (the size of `in` for all_gather, ...)
-  std::int32_t root = -1;   ///< root, or -1
-  Coll coll = Coll::barrier;
-  DType dtype = DType::uint8;
-  ReduceOp op = ReduceOp::sum;
-  std::uint8_t has_op = 0;
-
-  friend bool operator==(const Fingerprint&, const Fingerprint&) = default;
-};
-static_assert(sizeof(Fingerprint) == 24);
-
-/// The shared-memory transport's short form of a fingerprint, published in 48 bits with the
-/// round number (see ShmTransport::round). It is exact, never a hash:
-///  * 0: the round has no fingerprint;
-///  * fingerprint_wide: a field does not fit; peers compare the full fingerprints;
-///  * otherwise every field packed into a bit range of its own, injectively: coll (4 bits),
-///    dtype (4), op (3), has_op (1), root + 1 (5), count (28), and the sequence number as its
-///    distance (0 to 3) from `prev_seq`, the one of this rank's previous checked round.
-/// Two equal codes therefore mean equal fingerprints whenever the two ranks' previous checked
-/// rounds had equal fingerprints, which the transport makes sure of (a rank's first checked
-/// round is always wide). `has_prev`: whether there was a previous checked round.
-inline constexpr std::uint64_t fingerprint_wide = std::uint64_t{1} << 47;
-[[nodiscard]] constexpr std::uint64_t fingerprint_code(const Fingerprint& f, std::uint64_t prev_seq,
-                                                       bool has_prev) noexcept {
-  const auto coll = static_cast<std::uint64_t>(f.coll);
-  const auto dtype = static_cast<std::uint64_t>(f.dtype);
-  const auto op = static_cast<std::uint64_t>(f.op);
-  const std::uint64_t root1 = static_cast<std::uint64_t>(static_cast<std::int64_t>(f.root) + 1);
-  const std::uint64_t delta = f.seq - prev_seq;
-  if (!has_prev || f.seq < prev_seq || delta > 3 || coll == 0 || coll > 15 || dtype > 15 ||
-      op > 7 || f.has_op > 1 || f.root < -1 || root1 > 31 || f.count >= (std::uint64_t{1} << 28))
-    return fingerprint_wide;
-  return coll | dtype << 4 | op << 8 | std::uint64_t{f.has_op} << 11 | root1 << 12 | delta << 17 |
-         f.count << 19;
-}
-
-[[nodiscard]] DDP_INLINE std::string to_string(const Fingerprint& f);
-#if DDP_BODIES
-DDP_INLINE std::string to_string(const Fingerprint& f) {
-  std::string s = concat(to_string(f.coll), '(');
-  if (is_uneven(f.coll))
-    s += concat(to_string(f.dtype), ", counts per rank");
-  else if (f.coll != Coll::barrier)
-    s += concat(to_string(f.dtype), ", count=", f.count);
-  if (f.has_op != 0) s += concat(", op=", to_string(f.op));
-  if (f.root >= 0) s += concat(", root=", f.root);
-  return s + concat(") #", f.seq);
-}
-#endif  // DDP_BODIES
-
-/// A byte range of a rank's offer.
-struct Range {
-  std::size_t off = 0;
-  std::size_t len = 0;
-};
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/runtime/collective.hpp
 // begin ddp/store/client.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -4729,7 +4720,7 @@ struct backend_traits {
   static constexpr bool shrinks = requires(B & b, std::vector<int>& previous) {
     { b.shrink(previous) } -> std::same_as<std::unique_ptr<B>>;
   };
-  /// The backend runs the collectives with a count per rank itself (runtime/uneven.hpp).
+  /// The backend runs the collectives with a count per rank itself (backend/uneven.hpp).
   static constexpr bool uneven =
       requires(B & b, const detail::Buf& x, int i, std::span<const std::size_t> c) {
     b.all_to_all_v(x, x, c, c);
@@ -4763,23 +4754,19 @@ inline constexpr bool host_type_for_device_backend =
 
 DDP_END_NAMESPACE
 // end ddp/backend/backend.hpp
-// begin ddp/backend/dispatch.hpp
+// begin ddp/comm/arguments.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// How Communicator runs a call on its backend: detail::dispatch maps a detail::Call to the
-/// backend's member of the collective (all_reduce_many where the backend reduces several buffers
-/// at once, all_reduce_as where it converts the wire type itself, else the conversion around a
-/// plain all_reduce), staging CUDA buffers through pinned host memory when the backend moves
-/// host memory only (runtime/staging.hpp).
+/// How Communicator turns a typed argument into a checked detail::Buf for its backend: the only
+/// code compiled per tensor type. A TensorView's type already says what the compiler can check
+/// (element type, read-only); a DynamicView (run-time typed) is checked here; the device must be
+/// one the backend can use (comm/dispatch.hpp: its own, or CUDA staged through the host).
 
 // #include "ddp/backend/backend.hpp" (already included above)
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// begin ddp/runtime/call.hpp
+// #include "ddp/backend/collective.hpp" (already included above)
+// begin ddp/comm/call.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -4795,8 +4782,8 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// #include "ddp/backend/collective.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
-// #include "ddp/runtime/collective.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
@@ -4970,19 +4957,20 @@ DDP_INLINE void check_in_place(const Buf& whole, const Buf& part, Caller c, cons
 }
 #endif  // DDP_BODIES
 
+/// The name of a single-buffer collective (all_reduce, broadcast, reduce).
+constexpr const char* single_name(Coll coll) {
+  return coll == Coll::all_reduce ? "all_reduce" : coll == Coll::broadcast ? "broadcast" : "reduce";
+}
+
 /// The checks of the single-buffer collectives (all_reduce, broadcast, reduce); returns the
 /// collective's name. Their synchronous form runs without building a Call.
 DDP_INLINE const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, Caller c);
 #if DDP_BODIES
 DDP_INLINE const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, Caller c) {
-  switch (coll) {
-    case Coll::all_reduce: check_op(op, b.dtype, c, "all_reduce"); return "all_reduce";
-    case Coll::broadcast: check_root(root, c, "broadcast"); return "broadcast";
-    default:
-      check_root(root, c, "reduce");
-      check_op(op, b.dtype, c, "reduce");
-      return "reduce";
-  }
+  const char* name = single_name(coll);
+  if (coll != Coll::all_reduce) check_root(root, c, name);
+  if (coll != Coll::broadcast) check_op(op, b.dtype, c, name);
+  return name;
 }
 #endif  // DDP_BODIES
 
@@ -5305,9 +5293,304 @@ DDP_INLINE Call prepare_scatter_v(const Buf& in, const Buf& out,
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/runtime/call.hpp
-// #include "ddp/runtime/collective.hpp" (already included above)
-// begin ddp/runtime/comm_state.hpp
+// end ddp/comm/call.hpp
+// begin ddp/comm/dispatch.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// How Communicator runs a call on its backend: detail::dispatch maps a detail::Call to the
+/// backend's member of the collective (all_reduce_many where the backend reduces several buffers
+/// at once, all_reduce_as where it converts the wire type itself, else the conversion around a
+/// plain all_reduce), staging CUDA buffers through pinned host memory when the backend moves
+/// host memory only (comm/staging.hpp).
+
+// #include "ddp/backend/backend.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/backend/collective.hpp" (already included above)
+// begin ddp/backend/reduce.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Reduction kernels. Every element is reduced over the ranks' contributions in rank order
+/// 0, 1, ..., P-1, whichever rank computes it and whatever the message size, so the result is
+/// bitwise the same on every rank and in every run. half and bfloat16 accumulate in float and
+/// are rounded once; integer sums and products wrap (two's complement) instead of overflowing
+/// into undefined behaviour; avg divides the sum by P.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+template <class T>
+struct Accum {
+  using type = T;
+};
+template <>
+struct Accum<half> {
+  using type = float;
+};
+template <>
+struct Accum<bfloat16> {
+  using type = float;
+};
+
+template <class T>
+inline T load_elem(const std::byte* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+template <ReduceOp Op, class A>
+inline A combine(A a, A b) {
+  if constexpr (Op == ReduceOp::sum || Op == ReduceOp::avg) {
+    if constexpr (std::is_integral_v<A>) {
+      using U = std::make_unsigned_t<A>;
+      return static_cast<A>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
+    } else {
+      return a + b;
+    }
+  } else if constexpr (Op == ReduceOp::prod) {
+    if constexpr (std::is_integral_v<A>) {
+      using U = std::make_unsigned_t<A>;
+      using W =
+          std::conditional_t<(sizeof(U) < sizeof(unsigned)), unsigned, U>;  // no int promotion
+      return static_cast<A>(
+          static_cast<U>(static_cast<W>(static_cast<U>(a)) * static_cast<W>(static_cast<U>(b))));
+    } else {
+      return a * b;
+    }
+  } else if constexpr (Op == ReduceOp::min) {
+    return b < a ? b : a;
+  } else {
+    return a < b ? b : a;
+  }
+}
+
+/// dst[i] = src[0][i] op src[1][i] op ... op src[n-1][i] for i in [0, count), and the same into
+/// dst2 when it is not null (one pass writing both: the all-reduce writes its result to the user's
+/// buffer and to the slot peers read it from). dst may alias a source exactly (in place), but
+/// must not partially overlap one; dst2 must not overlap anything.
+template <class T, ReduceOp Op>
+void reduce_kernel(std::byte* dst, std::byte* dst2, const std::byte* const* src, int n,
+                   std::size_t count) {
+  using A = typename Accum<T>::type;
+  auto* d = reinterpret_cast<T*>(dst);
+  auto* d2 = reinterpret_cast<T*>(dst2);
+  if (n == 2) {  // the common case, one fused pass (the same operations as the general path)
+    const auto* a = reinterpret_cast<const T*>(src[0]);
+    const auto* b = reinterpret_cast<const T*>(src[1]);
+    const auto value = [a, b](std::size_t i) {
+      A v = combine<Op, A>(static_cast<A>(a[i]), static_cast<A>(b[i]));
+      if constexpr (Op == ReduceOp::avg) v = v / static_cast<A>(2);
+      return static_cast<T>(v);
+    };
+    if (d2 == nullptr) {
+      for (std::size_t i = 0; i < count; ++i) d[i] = value(i);
+      return;
+    }
+    if constexpr (std::is_same_v<A, T>) {
+      for (std::size_t i = 0; i < count; ++i) {
+        const T v = value(i);
+        d[i] = v;
+        d2[i] = v;
+      }
+      return;
+    }
+    // half and bfloat16: two stores of the class type keep the loop scalar, so write dst in
+    // steps and copy each step to dst2 while it is still in L1.
+    constexpr std::size_t step = 4096;
+    for (std::size_t base = 0; base < count; base += step) {
+      const std::size_t end = std::min(count, base + step);
+      for (std::size_t i = base; i < end; ++i) d[i] = value(i);
+      std::memcpy(d2 + base, d + base, (end - base) * sizeof(T));
+    }
+    return;
+  }
+  constexpr std::size_t block = 1024;
+  A acc[block];
+  for (std::size_t base = 0; base < count; base += block) {
+    const std::size_t m = std::min(block, count - base);
+    {
+      const auto* s = reinterpret_cast<const T*>(src[0]) + base;
+      if (n > 1) {
+        const auto* s1 = reinterpret_cast<const T*>(src[1]) + base;
+        for (std::size_t i = 0; i < m; ++i)
+          acc[i] = combine<Op, A>(static_cast<A>(s[i]), static_cast<A>(s1[i]));
+      } else {
+        for (std::size_t i = 0; i < m; ++i) acc[i] = static_cast<A>(s[i]);
+      }
+    }
+    for (int k = 2; k < n; ++k) {
+      const auto* s = reinterpret_cast<const T*>(src[k]) + base;
+      for (std::size_t i = 0; i < m; ++i) acc[i] = combine<Op, A>(acc[i], static_cast<A>(s[i]));
+    }
+    if constexpr (Op == ReduceOp::avg) {
+      const A ranks = static_cast<A>(n);
+      for (std::size_t i = 0; i < m; ++i) acc[i] = acc[i] / ranks;
+    }
+    for (std::size_t i = 0; i < m; ++i) d[base + i] = static_cast<T>(acc[i]);
+    if (d2 != nullptr) {
+      for (std::size_t i = 0; i < m; ++i) d2[base + i] = d[base + i];
+    }
+  }
+}
+
+using ReduceFn = void (*)(std::byte*, std::byte*, const std::byte* const*, int, std::size_t);
+
+template <class T>
+constexpr ReduceFn reduce_fn_for(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return &reduce_kernel<T, ReduceOp::sum>;
+    case ReduceOp::prod: return &reduce_kernel<T, ReduceOp::prod>;
+    case ReduceOp::max: return &reduce_kernel<T, ReduceOp::max>;
+    case ReduceOp::min: return &reduce_kernel<T, ReduceOp::min>;
+    case ReduceOp::avg:
+      if constexpr (std::is_floating_point_v<T> || std::is_same_v<T, half> ||
+                    std::is_same_v<T, bfloat16>) {
+        return &reduce_kernel<T, ReduceOp::avg>;
+      } else {
+        return nullptr;
+      }
+  }
+  return nullptr;
+}
+
+/// The kernel for (dtype, op), or nullptr when the pair is not supported.
+[[nodiscard]] DDP_INLINE ReduceFn reduce_fn(DType t, ReduceOp op);
+#if DDP_BODIES
+DDP_INLINE ReduceFn reduce_fn(DType t, ReduceOp op) {
+  switch (t) {
+    case DType::int8: return reduce_fn_for<std::int8_t>(op);
+    case DType::uint8: return reduce_fn_for<std::uint8_t>(op);
+    case DType::int16: return reduce_fn_for<std::int16_t>(op);
+    case DType::uint16: return reduce_fn_for<std::uint16_t>(op);
+    case DType::int32: return reduce_fn_for<std::int32_t>(op);
+    case DType::uint32: return reduce_fn_for<std::uint32_t>(op);
+    case DType::int64: return reduce_fn_for<std::int64_t>(op);
+    case DType::uint64: return reduce_fn_for<std::uint64_t>(op);
+    case DType::float16: return reduce_fn_for<half>(op);
+    case DType::float32: return reduce_fn_for<float>(op);
+    case DType::float64: return reduce_fn_for<double>(op);
+    case DType::bfloat16: return reduce_fn_for<bfloat16>(op);
+  }
+  return nullptr;
+}
+#endif  // DDP_BODIES
+
+/// data[i] /= n in place, in the accumulator's precision (as avg does after its sum): the last
+/// step of an avg whose sum was taken in parts (the hierarchical all_reduce).
+using DivideFn = void (*)(std::byte*, std::size_t, int);
+
+template <class T>
+void divide_kernel(std::byte* data, std::size_t count, int n) {
+  using A = typename Accum<T>::type;
+  auto* d = reinterpret_cast<T*>(data);
+  const A by = static_cast<A>(n);
+  for (std::size_t i = 0; i < count; ++i) d[i] = static_cast<T>(static_cast<A>(d[i]) / by);
+}
+
+/// The divide kernel for a dtype that avg supports (floating point), else nullptr.
+[[nodiscard]] DDP_INLINE DivideFn divide_fn(DType t);
+#if DDP_BODIES
+DDP_INLINE DivideFn divide_fn(DType t) {
+  switch (t) {
+    case DType::float16: return &divide_kernel<half>;
+    case DType::float32: return &divide_kernel<float>;
+    case DType::float64: return &divide_kernel<double>;
+    case DType::bfloat16: return &divide_kernel<bfloat16>;
+    default: return nullptr;
+  }
+}
+#endif  // DDP_BODIES
+
+// ---- compressed all-reduce: float32 values that travel and are reduced as W (half, bfloat16) --
+
+/// dst[i] = W(src[i]): float32 to the wire type, rounded to nearest even.
+template <class W>
+void encode_kernel(std::byte* dst, const std::byte* src, std::size_t count) {
+  auto* d = reinterpret_cast<W*>(dst);
+  const auto* s = reinterpret_cast<const float*>(src);
+  for (std::size_t i = 0; i < count; ++i) d[i] = W(s[i]);
+}
+
+/// dst[i] = float(src[i]): the wire type back to float32 (exact).
+template <class W>
+void decode_kernel(std::byte* dst, const std::byte* src, std::size_t count) {
+  auto* d = reinterpret_cast<float*>(dst);
+  const auto* s = reinterpret_cast<const W*>(src);
+  for (std::size_t i = 0; i < count; ++i) d[i] = static_cast<float>(s[i]);
+}
+
+/// reduce_kernel<W, Op> over W-typed sources (the same operations, so the same bits), with the
+/// rounded result written decoded to `dst` (float32) and, when `wire` is not null, as W there.
+template <class W, ReduceOp Op>
+void reduce_decode_kernel(std::byte* dst, std::byte* wire, const std::byte* const* src, int n,
+                          std::size_t count) {
+  // In steps, each decoded while in L1: a loop storing both W and float stays scalar.
+  constexpr std::size_t step = 2048;
+  W block[step];
+  std::vector<const std::byte*> shifted(static_cast<std::size_t>(n));
+  for (std::size_t base = 0; base < count; base += step) {
+    const std::size_t m = std::min(step, count - base);
+    W* w = wire != nullptr ? reinterpret_cast<W*>(wire) + base : block;
+    for (int k = 0; k < n; ++k) shifted[static_cast<std::size_t>(k)] = src[k] + base * sizeof(W);
+    reduce_kernel<W, Op>(reinterpret_cast<std::byte*>(w), nullptr, shifted.data(), n, m);
+    decode_kernel<W>(dst + base * sizeof(float), reinterpret_cast<const std::byte*>(w), m);
+  }
+}
+
+/// The kernels of an all-reduce whose float32 values travel as `wire`.
+struct WireKernels {
+  void (*encode)(std::byte*, const std::byte*, std::size_t) = nullptr;
+  void (*decode)(std::byte*, const std::byte*, std::size_t) = nullptr;
+  ReduceFn reduce = nullptr;  // (float32 dst, wire dst or null, wire sources, n, count)
+};
+
+template <class W>
+WireKernels wire_kernels_for(ReduceOp op) {
+  WireKernels k{&encode_kernel<W>, &decode_kernel<W>, nullptr};
+  switch (op) {
+    case ReduceOp::sum: k.reduce = &reduce_decode_kernel<W, ReduceOp::sum>; break;
+    case ReduceOp::prod: k.reduce = &reduce_decode_kernel<W, ReduceOp::prod>; break;
+    case ReduceOp::max: k.reduce = &reduce_decode_kernel<W, ReduceOp::max>; break;
+    case ReduceOp::min: k.reduce = &reduce_decode_kernel<W, ReduceOp::min>; break;
+    case ReduceOp::avg: k.reduce = &reduce_decode_kernel<W, ReduceOp::avg>; break;
+  }
+  return k;
+}
+
+/// Kernels for float32 values carried as `wire` (float16 or bfloat16); reduce is null otherwise.
+[[nodiscard]] DDP_INLINE WireKernels wire_kernels(DType wire, ReduceOp op);
+#if DDP_BODIES
+DDP_INLINE WireKernels wire_kernels(DType wire, ReduceOp op) {
+  switch (wire) {
+    case DType::float16: return wire_kernels_for<half>(op);
+    case DType::bfloat16: return wire_kernels_for<bfloat16>(op);
+    default: return {};
+  }
+}
+#endif  // DDP_BODIES
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/backend/reduce.hpp
+// #include "ddp/comm/call.hpp" (already included above)
+// begin ddp/comm/state.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -5321,302 +5604,389 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-// #include "ddp/detail/env.hpp" (already included above)
-// #include "ddp/detail/fork.hpp" (already included above)
-// #include "ddp/detail/lean_std.hpp" (already included above)
-// begin ddp/environment.hpp
+// begin ddp/backend/monitored_barrier.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// ddp::Environment: who am I? Read from the variables a launcher sets — ddprun and torchrun
-/// (RANK, WORLD_SIZE, ...), Slurm (SLURM_PROCID, ...), Open MPI (OMPI_COMM_WORLD_*), MPICH/PMI
-/// (PMI_RANK, ...) — or, with no launcher, rank 0 of a world of 1.
+/// Communicator::monitored_barrier over a rendezvous store (torch's monitored_barrier): every
+/// rank says it arrived; rank 0 waits for the others and gives its verdict, naming the ranks that
+/// did not arrive.
 
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-// #include "ddp/detail/env.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
+// #include "ddp/store/client.hpp" (already included above)
 
 #include <algorithm>
-#include <charconv>
+#include <chrono>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <functional>
-#include <optional>
 #include <string>
-#include <string_view>
-#include <system_error>
+#include <vector>
 
 DDP_BEGIN_NAMESPACE
-
-/// Where a process stands in the job, and where the rendezvous store is.
-struct Environment {
-  int rank = 0;              ///< this process's rank in the job (RANK)
-  int world_size = 1;        ///< the number of processes (WORLD_SIZE)
-  int local_rank = 0;        ///< this process's rank on its host (LOCAL_RANK)
-  int local_world_size = 1;  ///< processes on this host (LOCAL_WORLD_SIZE)
-  int node_rank = 0;         ///< this host's index in the job (NODE_RANK)
-  /// Host of rank 0's rendezvous store (MASTER_ADDR). Empty when an MPI launcher (mpirun, hydra,
-  /// MVAPICH) runs the job across hosts and MASTER_ADDR is not set: MPI does not say which host
-  /// rank 0 is on, and Communicator<backend::Host>::init then fails saying what to export.
-  std::string master_addr = "127.0.0.1";
-  int master_port = 0;  ///< 0: not set (only allowed when world_size == 1 or under MPI)
-  /// The port of ddp's rendezvous store on master_addr: DDP_STORE_PORT when set; under torchrun,
-  /// whose agent already serves its own (c10d) store on MASTER_PORT, MASTER_PORT + 1; otherwise
-  /// master_port.
-  int store_port = 0;
-  /// How many consecutive ports from store_port rank 0 may host the store on, the first free one
-  /// (every other rank probes them for the job's store). 1, except under torchrun when the port is
-  /// MASTER_PORT + 1: torchrun's agent picked MASTER_PORT as a free ephemeral port, and its
-  /// neighbour may be held by any connection on the host; then 8.
-  int store_ports = 1;
-  /// The launcher restarted this process to join the running job (DDP_REJOIN=N, its N-th
-  /// restart: ddprun --on-failure rejoin): make the communicator with Communicator::join.
-  bool rejoin = false;
-  /// Which launcher the values came from: "ddprun", "torchrun", "slurm", "openmpi", "pmi"
-  /// (MPICH, Intel MPI), "mvapich", "none"; "unknown" when variables of a launcher ddp cannot read
-  /// fully were seen (then `warning` says which, and the values are those of a world of 1).
-  std::string launcher = "none";
-  /// Non-empty when the environment looks like a launcher's that ddp could not read (PMIX_RANK
-  /// without a world size, LOCAL_RANK alone): what was seen and what to do. detect() prints it to
-  /// stderr; detect(lookup) leaves that to the caller.
-  std::string warning;
-
-  /// Reads the process environment. Never throws when no launcher variable is set; throws
-  /// Errc::invalid_argument naming the variable when one is malformed or inconsistent.
-  [[nodiscard]] static Environment detect();
-
-  /// The same, from any lookup function (returns nullptr for unset names): for tests and for
-  /// programs that keep their configuration elsewhere.
-  [[nodiscard]] static Environment detect(const std::function<const char*(const char*)>& lookup);
-};
-
 namespace detail {
 
-/// The number of tasks on node `node` from a Slurm task layout: "2(x3),1" means 2, 2, 2, 1.
-/// nullopt when it does not parse or has no such node.
-[[nodiscard]] DDP_INLINE std::optional<int> slurm_tasks_on_node(std::string_view layout, int node);
+/// The failure of a monitored_barrier that the ranks `missing` (ascending, not empty) did not
+/// arrive at within `timeout`, as rank `rank` reports it (rank 0 gave the verdict; the others
+/// say so): it names the first missing rank, or every one with `wait_all_ranks`; its lost
+/// ranks are all of them. The one verdict of every backend's monitored_barrier.
+DDP_INLINE Error missed_barrier(int rank, std::string_view what, const std::vector<int>& missing,
+                                std::chrono::milliseconds timeout, bool wait_all_ranks);
+
+/// Monitored barrier number `n` of a communicator whose keys `store` holds (this rank `rank` of
+/// `size`): every rank says it arrived; rank 0 waits up to `timeout` for the others and gives
+/// its verdict, naming the ranks that did not arrive (all of them with `wait_all_ranks`, else
+/// the first); the others wait up to `timeout` for rank 0 to arrive, then for its verdict. Fails
+/// with Errc::timeout on every rank that waits; a rank whose process left ("exit/<r>") fails it
+/// at once with Errc::peer_lost.
+DDP_INLINE void monitored_barrier(Store& store, std::uint64_t n, int rank, int size,
+                                  std::chrono::milliseconds timeout, bool wait_all_ranks);
 #if DDP_BODIES
-DDP_INLINE std::optional<int> slurm_tasks_on_node(std::string_view layout, int node) {
-  int index = 0;
-  while (!layout.empty()) {
-    const std::size_t comma = layout.find(',');
-    const std::string_view item = layout.substr(0, comma);
-    layout = comma == std::string_view::npos ? std::string_view{} : layout.substr(comma + 1);
-    int tasks = 0, repeat = 1;
-    auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), tasks);
-    if (ec != std::errc{} || tasks < 1) return std::nullopt;
-    std::string_view rest(end, static_cast<std::size_t>(item.data() + item.size() - end));
-    if (!rest.empty()) {  // "(xM)"
-      if (rest.size() < 4 || rest.substr(0, 2) != "(x" || rest.back() != ')') return std::nullopt;
-      const auto [e2, ec2] =
-          std::from_chars(rest.data() + 2, rest.data() + rest.size() - 1, repeat);
-      if (ec2 != std::errc{} || e2 != rest.data() + rest.size() - 1 || repeat < 1)
-        return std::nullopt;
+DDP_INLINE Error missed_barrier(int rank, std::string_view what, const std::vector<int>& missing,
+                                std::chrono::milliseconds timeout, bool wait_all_ranks) {
+  const std::size_t named = wait_all_ranks ? missing.size() : 1;
+  std::string who;
+  for (std::size_t i = 0; i < named; ++i) who += concat(i == 0 ? "" : ", ", missing[i]);
+  return Error(
+      Errc::timeout,
+      concat("rank ", rank, ": ", what, ": ", rank == 0 ? "" : "failed because rank 0 reported: "),
+      rank == 0 ? -1 : 0,
+      concat(named == 1 ? "rank " : "ranks ", who, " did not arrive within ", timeout.count(),
+             " ms (stopped, slow, or not calling it)",
+             wait_all_ranks || missing.size() == 1
+                 ? ""
+                 : concat("; ", missing.size() - 1,
+                          " more did not either (wait_all_ranks names every one)")),
+      missing);
+}
+
+DDP_INLINE void monitored_barrier(Store& store, std::uint64_t n, int rank, int size,
+                                  std::chrono::milliseconds timeout, bool wait_all_ranks) {
+  const std::string at = concat("monitored/", n, "/");
+  const std::string what = concat("monitored_barrier #", n);
+  const std::string verdict = at + "verdict";  // "" when every rank arrived, else a stop value
+  // Waits up to `limit` for the ranks `ranks` (-1: rank 0's verdict); returns those still
+  // missing. A rank among them whose process left (its store connection closed: "exit/<r>") is
+  // not waited for: that fails at once with Errc::peer_lost.
+  const auto await = [&](std::vector<int> ranks, std::chrono::milliseconds limit,
+                         const char* doing) {
+    const auto key = [&](int r) { return r < 0 ? verdict : concat(at, r); };
+    const auto deadline = Clock::now() + limit;
+    for (;;) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      std::vector<std::string> keys;
+      for (const int r : ranks) keys.push_back(key(r));
+      keys = store.missing_after(
+          keys, std::clamp(left, std::chrono::milliseconds(0), std::chrono::milliseconds(100)));
+      std::erase_if(
+          ranks, [&](int r) { return std::find(keys.begin(), keys.end(), key(r)) == keys.end(); });
+      if (ranks.empty() || left.count() <= 0) return ranks;
+      for (const int r : ranks) {
+        const int gone = std::max(r, 0);
+        const std::string exited[] = {concat("exit/", gone)};
+        if (!store.check(exited)) continue;
+        const Error lost(Errc::peer_lost, concat("rank ", rank, ": ", what, ": "), -1,
+                         concat("rank ", gone,
+                                " left (its process exited, or it destroyed its communicator) "
+                                "before ",
+                                doing),
+                         {gone});
+        if (rank == 0) store.set(verdict, Store::stop_value(lost));
+        DDP_THROW(lost);
+      }
     }
-    if (node < index + repeat) return tasks;
-    index += repeat;
+  };
+  store.set(concat(at, rank), "");
+  if (rank == 0) {
+    std::vector<int> others;
+    for (int r = 1; r < size; ++r) others.push_back(r);
+    const std::vector<int> missing = await(others, timeout, "arriving");
+    if (missing.empty()) {
+      store.set(verdict, "");
+      return;
+    }
+    const Error e = missed_barrier(0, what, missing, timeout, wait_all_ranks);
+    store.set(verdict, Store::stop_value(e));
+    DDP_THROW(e);
   }
-  return std::nullopt;
-}
-#endif  // DDP_BODIES
-
-/// The first host name of a Slurm node list: "gpu[07-09,12],cpu3" -> "gpu07".
-[[nodiscard]] DDP_INLINE std::string first_slurm_host(std::string_view list);
-#if DDP_BODIES
-DDP_INLINE std::string first_slurm_host(std::string_view list) {
-  const auto bracket = list.find('[');
-  const auto comma = list.find(',');
-  if (bracket == std::string_view::npos || (comma != std::string_view::npos && comma < bracket)) {
-    return std::string(list.substr(0, comma));
-  }
-  const auto close = list.find(']', bracket);
-  if (close == std::string_view::npos) {
-    fail(Errc::invalid_argument, "SLURM_JOB_NODELIST=\"", list, "\" is malformed (no ']')");
-  }
-  std::string_view range = list.substr(bracket + 1, close - bracket - 1);
-  range = range.substr(0, range.find_first_of(",-"));
-  return std::string(list.substr(0, bracket)) + std::string(range);
-}
-#endif  // DDP_BODIES
-
-DDP_INLINE void check_rank(const EnvReader&, int rank, int world, const char* rank_var,
-                           const char* world_var);
-#if DDP_BODIES
-DDP_INLINE void check_rank(const EnvReader&, int rank, int world, const char* rank_var,
-                           const char* world_var) {
-  if (rank >= world) {
-    fail(Errc::invalid_argument, "environment: ", rank_var, "=", rank, " must be less than ",
-         world_var, "=", world);
+  if (!await({0}, timeout, "arriving").empty())
+    fail_from(-1, {0}, Errc::timeout, "rank ", rank, ": ", what, ": rank 0 did not arrive within ",
+              timeout.count(), " ms (stopped, slow, or not calling it)");
+  // Rank 0 gives it within `timeout` of its own arrival (and a moment to write it).
+  const auto grace = timeout + std::chrono::seconds(2);
+  if (!await({-1}, grace, "giving its verdict").empty())
+    fail_from(-1, {}, Errc::timeout, "rank ", rank, ": ", what, ": rank 0 gave no verdict within ",
+              grace.count(), " ms of arriving");
+  if (const std::string v = store.get(verdict); !v.empty()) {
+    const auto e = decode_stop(v);
+    if (!e) fail(Errc::protocol, "rank ", rank, ": ", what, ": rank 0's verdict is not one");
+    DDP_THROW(Error(e->code(),
+                    concat("rank ", rank, ": ", what, ": failed because rank 0 reported: "), 0,
+                    e->origin_message(), e->lost_ranks()));
   }
 }
 #endif  // DDP_BODIES
 
 }  // namespace detail
-
-inline Environment Environment::detect(const std::function<const char*(const char*)>& lookup) {
-  constexpr int max_world = 1 << 24;
-  const detail::EnvReader env(lookup);
-  Environment e;
-
-  const auto fill_master = [&](bool required) {
-    if (auto addr = env.str("MASTER_ADDR")) {
-      e.master_addr = *addr;
-    } else if (e.launcher != "slurm" && !required && e.local_world_size < e.world_size) {
-      e.master_addr.clear();  // an MPI job across hosts: rank 0's host is unknown
-    }
-    if (auto port = env.integer("MASTER_PORT", 1, 65535)) {
-      e.master_port = *port;
-    } else if (required && e.world_size > 1 && !env.str("DDP_STORE")) {  // etcd: none needed
-      detail::fail(Errc::invalid_argument, "environment: WORLD_SIZE=", e.world_size,
-                   " but MASTER_PORT is not set; export MASTER_ADDR and MASTER_PORT (ddprun and "
-                   "torchrun do this for you)");
-    }
-  };
-
-  if (env.has("RANK") || env.has("WORLD_SIZE")) {  // ddprun / torchrun / torch.distributed.launch
-    e.launcher = env.has("DDP_LAUNCHER") ? "ddprun" : "torchrun";
-    const auto rank = env.integer("RANK", 0, max_world - 1);
-    const auto world = env.integer("WORLD_SIZE", 1, max_world);
-    if (!rank)
-      detail::fail(Errc::invalid_argument, "environment: WORLD_SIZE is set but RANK is not");
-    if (!world)
-      detail::fail(Errc::invalid_argument, "environment: RANK is set but WORLD_SIZE is not");
-    e.rank = *rank;
-    e.world_size = *world;
-    detail::check_rank(env, e.rank, e.world_size, "RANK", "WORLD_SIZE");
-    e.local_world_size = env.integer("LOCAL_WORLD_SIZE", 1, max_world).value_or(e.world_size);
-    e.local_rank =
-        env.integer("LOCAL_RANK", 0, max_world - 1).value_or(e.rank % e.local_world_size);
-    detail::check_rank(env, e.local_rank, e.local_world_size, "LOCAL_RANK", "LOCAL_WORLD_SIZE");
-    if (e.local_world_size > e.world_size) {
-      detail::fail(Errc::invalid_argument, "environment: LOCAL_WORLD_SIZE=", e.local_world_size,
-                   " is larger than WORLD_SIZE=", e.world_size);
-    }
-    auto node = env.integer("NODE_RANK", 0, max_world - 1);
-    if (!node) node = env.integer("GROUP_RANK", 0, max_world - 1);
-    e.node_rank = node.value_or(e.rank / e.local_world_size);
-    fill_master(/*required=*/true);
-  } else if (env.has("OMPI_COMM_WORLD_RANK")) {  // Open MPI's mpirun
-    e.launcher = "openmpi";
-    e.world_size = env.integer("OMPI_COMM_WORLD_SIZE", 1, max_world).value_or(1);
-    e.rank = *env.integer("OMPI_COMM_WORLD_RANK", 0, max_world - 1);
-    detail::check_rank(env, e.rank, e.world_size, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE");
-    e.local_world_size =
-        env.integer("OMPI_COMM_WORLD_LOCAL_SIZE", 1, max_world).value_or(e.world_size);
-    e.local_rank = env.integer("OMPI_COMM_WORLD_LOCAL_RANK", 0, max_world - 1).value_or(0);
-    detail::check_rank(env, e.local_rank, e.local_world_size, "OMPI_COMM_WORLD_LOCAL_RANK",
-                       "OMPI_COMM_WORLD_LOCAL_SIZE");
-    // Not OMPI_COMM_WORLD_NODE_RANK: despite its name it ranks processes within a node (across
-    // jobs). With mpirun's default by-slot mapping, ranks fill the nodes in order.
-    e.node_rank = e.rank / e.local_world_size;
-    fill_master(/*required=*/false);
-  } else if (env.has("PMI_RANK")) {  // MPICH / Intel MPI (hydra)
-    e.launcher = "pmi";
-    e.world_size = env.integer("PMI_SIZE", 1, max_world).value_or(1);
-    e.rank = *env.integer("PMI_RANK", 0, max_world - 1);
-    detail::check_rank(env, e.rank, e.world_size, "PMI_RANK", "PMI_SIZE");
-    e.local_world_size = env.integer("MPI_LOCALNRANKS", 1, max_world).value_or(e.world_size);
-    e.local_rank = env.integer("MPI_LOCALRANKID", 0, max_world - 1).value_or(0);
-    detail::check_rank(env, e.local_rank, e.local_world_size, "MPI_LOCALRANKID", "MPI_LOCALNRANKS");
-    e.node_rank = e.rank / e.local_world_size;
-    fill_master(/*required=*/false);
-  } else if (env.has("SLURM_PROCID")) {  // srun
-    e.launcher = "slurm";
-    e.world_size = env.integer("SLURM_NTASKS", 1, max_world).value_or(1);
-    e.rank = *env.integer("SLURM_PROCID", 0, max_world - 1);
-    detail::check_rank(env, e.rank, e.world_size, "SLURM_PROCID", "SLURM_NTASKS");
-    e.local_rank = env.integer("SLURM_LOCALID", 0, max_world - 1).value_or(0);
-    e.node_rank = env.integer("SLURM_NODEID", 0, max_world - 1).value_or(0);
-    // The tasks on this node: the step's layout (srun), else the job's, each like "2(x2),1"
-    // (2 on nodes 0 and 1, 1 on node 2), indexed by this node; else SLURM_NTASKS_PER_NODE; else
-    // one node.
-    e.local_world_size = e.world_size;
-    const char* local_from = "SLURM_NTASKS";
-    for (const char* name :
-         {"SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"}) {
-      if (auto v = env.str(name)) {
-        if (auto n = detail::slurm_tasks_on_node(*v, e.node_rank)) {
-          e.local_world_size = *n;
-          local_from = name;
-          break;
-        }
-      }
-    }
-    detail::check_rank(env, e.local_rank, e.local_world_size, "SLURM_LOCALID", local_from);
-    if (!env.has("MASTER_ADDR")) {
-      if (auto nodes = env.str("SLURM_JOB_NODELIST"))
-        e.master_addr = detail::first_slurm_host(*nodes);
-    }
-    fill_master(/*required=*/false);
-    if (e.master_port == 0) {
-      // Same on every task of the step; different between jobs, and between the steps of one
-      // job (which may run at once on a node). Below the kernel's ephemeral ports (32768-),
-      // where a connecting socket can never be given it as its own source port.
-      if (auto job = env.integer("SLURM_JOB_ID", 0, 2147483647)) {
-        const auto step = env.integer("SLURM_STEP_ID", 0, 2147483647).value_or(0);
-        e.master_port = 15000 + static_cast<int>((static_cast<std::uint64_t>(*job) * 7919U +
-                                                  static_cast<std::uint64_t>(step)) %
-                                                 17000U);
-      }
-    }
-  } else if (env.has("MV2_COMM_WORLD_RANK")) {  // MVAPICH2's mpirun_rsh / mpiexec
-    e.launcher = "mvapich";
-    e.world_size = env.integer("MV2_COMM_WORLD_SIZE", 1, max_world).value_or(1);
-    e.rank = *env.integer("MV2_COMM_WORLD_RANK", 0, max_world - 1);
-    detail::check_rank(env, e.rank, e.world_size, "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE");
-    e.local_world_size =
-        env.integer("MV2_COMM_WORLD_LOCAL_SIZE", 1, max_world).value_or(e.world_size);
-    e.local_rank = env.integer("MV2_COMM_WORLD_LOCAL_RANK", 0, max_world - 1).value_or(0);
-    detail::check_rank(env, e.local_rank, e.local_world_size, "MV2_COMM_WORLD_LOCAL_RANK",
-                       "MV2_COMM_WORLD_LOCAL_SIZE");
-    e.node_rank = e.rank / e.local_world_size;
-    fill_master(/*required=*/false);
-  } else if (env.has("PMIX_RANK") || env.has("LOCAL_RANK")) {
-    // A launcher ddp cannot read fully: PMIx gives a rank but no world size in the environment
-    // (Open MPI 5 and srun --mpi=pmix also set the variables above); LOCAL_RANK alone comes from
-    // launchers that set nothing else. Run as a world of 1, but say so: in the quickstart
-    // pattern (spawn when there is no launcher) every process would otherwise fork a job.
-    e.launcher = "unknown";
-    const char* seen = env.has("PMIX_RANK") ? "PMIX_RANK" : "LOCAL_RANK";
-    e.warning = detail::concat(
-        "ddp: ", seen,
-        " is set, but not the variables ddp reads a job from (RANK and WORLD_SIZE, "
-        "OMPI_COMM_WORLD_*, PMI_RANK/PMI_SIZE, MV2_COMM_WORLD_*, SLURM_PROCID); this process "
-        "runs as rank 0 of a world of 1. Launch with ddprun, torchrun, srun or mpirun, or export "
-        "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.");
-  }
-  e.store_port = e.master_port;
-  e.rejoin = env.integer("DDP_REJOIN", 0, 1 << 30).value_or(0) > 0;
-  if (auto port = env.integer("DDP_STORE_PORT", 1, 65535)) {
-    e.store_port = *port;
-  } else if (e.launcher == "torchrun" && e.master_port != 0 &&
-             env.str("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True") {
-    if (e.master_port == 65535)
-      detail::fail(Errc::invalid_argument,
-                   "environment: under torchrun ddp's store listens on MASTER_PORT + 1, but "
-                   "MASTER_PORT is 65535; pick another port or set DDP_STORE_PORT");
-    e.store_port = e.master_port + 1;
-    e.store_ports = std::min(8, 65536 - e.store_port);
-  }
-  return e;
-}
-
-inline Environment Environment::detect() {
-  Environment e = detect([](const char* name) -> const char* { return std::getenv(name); });
-  if (!e.warning.empty()) std::fprintf(stderr, "%s\n", e.warning.c_str());
-  return e;
-}
-
 DDP_END_NAMESPACE
-// end ddp/environment.hpp
+// end ddp/backend/monitored_barrier.hpp
+// begin ddp/backend/rendezvous.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The first steps of every communicator's rendezvous, before the backend connects:
+///  * each rank claims its rank number in the store (compare-and-set), so a second process
+///    started with the same RANK is refused at once and told who holds it;
+///  * each rank publishes the job as it sees it (world size, backend, library version,
+///    fingerprint check) and checks every other rank's record against its own, so ranks that
+///    were started differently fail together with Errc::mismatch instead of running with
+///    different views of the job (and different results).
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/bytes.hpp" (already included above)
+// #include "ddp/detail/crypto.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
-// #include "ddp/options.hpp" (already included above)
-// begin ddp/runtime/error_file.hpp
+// #include "ddp/store/client.hpp" (already included above)
+// #include "ddp/version.hpp" (already included above)
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// Fails with Errc::mismatch unless every rank's `values[j]` equals this rank's, naming the ranks
+/// that differ and their values: "rank 0: the ranks disagree on WHAT: this rank has A, rank 1 has
+/// B; FIX".
+DDP_INLINE void require_agreement(int rank, std::string_view what, std::string_view fix,
+                                  const std::vector<std::string>& values);
+#if DDP_BODIES
+DDP_INLINE void require_agreement(int rank, std::string_view what, std::string_view fix,
+                                  const std::vector<std::string>& values) {
+  const std::string& mine = values.at(static_cast<std::size_t>(rank));
+  std::string others;
+  int n = 0;
+  for (std::size_t j = 0; j < values.size(); ++j) {
+    if (values[j] == mine) continue;
+    if (n < 4) others += concat(", rank ", j, " has ", values[j]);
+    ++n;
+  }
+  if (n == 0) return;
+  if (n > 4) others += concat(" (and ", n - 4, " more ranks differ)");
+  fail(Errc::mismatch, "rank ", rank, ": the ranks disagree on ", what, ": this rank has ", mine,
+       others, "; ", fix);
+}
+#endif  // DDP_BODIES
+
+/// The rendezvous timeout, naming the ranks whose `prefix<j>` key never appeared.
+[[noreturn]] DDP_INLINE void fail_missing_ranks(int rank, int size,
+                                                std::chrono::milliseconds timeout,
+                                                const std::vector<std::string>& missing,
+                                                std::size_t prefix_len);
+#if DDP_BODIES
+DDP_INLINE void fail_missing_ranks(int rank, int size, std::chrono::milliseconds timeout,
+                                   const std::vector<std::string>& missing,
+                                   std::size_t prefix_len) {
+  std::string who;
+  for (const auto& k : missing) who += concat(who.empty() ? "" : ", ", k.substr(prefix_len));
+  fail(Errc::timeout, "rank ", rank, ": rendezvous timed out after ", timeout.count(),
+       " ms: ", size - static_cast<int>(missing.size()), "/", size, " ranks joined; missing rank",
+       missing.size() == 1 ? " " : "s ", who,
+       ". Check that every rank was started with the same MASTER_ADDR, MASTER_PORT and "
+       "WORLD_SIZE");
+}
+#endif  // DDP_BODIES
+
+/// Waits up to `timeout` for `prefix<j>` of every rank j and returns their values; a timeout
+/// names the ranks that are missing.
+[[nodiscard]] DDP_INLINE std::vector<std::string> gather_records(Store& store,
+                                                                 std::string_view prefix, int rank,
+                                                                 int size,
+                                                                 std::chrono::milliseconds timeout);
+#if DDP_BODIES
+DDP_INLINE std::vector<std::string> gather_records(Store& store, std::string_view prefix, int rank,
+                                                   int size, std::chrono::milliseconds timeout) {
+  std::vector<std::string> keys;
+  for (int j = 0; j < size; ++j) keys.push_back(concat(prefix, j));
+  if (auto missing = store.missing_after(keys, timeout); !missing.empty())
+    fail_missing_ranks(rank, size, timeout, missing, prefix.size());
+  std::vector<std::string> values;
+  for (const auto& k : keys) values.push_back(store.get(k));
+  return values;
+}
+#endif  // DDP_BODIES
+
+/// What a rank believes about its job; every rank must believe the same.
+struct JobView {
+  int world_size = 1;
+  std::string backend;
+  bool verify_collectives = true;
+  std::int64_t heartbeat_ms = 0;  ///< Options::heartbeat (0: none)
+};
+
+/// Who this process is, as another process would be told ("pid 123 on host node7").
+[[nodiscard]] DDP_INLINE std::string process_label();
+#if DDP_BODIES
+DDP_INLINE std::string process_label() {
+  char name[256] = {};
+  (void)::gethostname(name, sizeof name - 1);
+  return concat("pid ", ::getpid(), " on host ", name);
+}
+#endif  // DDP_BODIES
+
+/// Process `pid`'s start time (clock ticks after boot, /proc/PID/stat field 22); "" when it is
+/// gone or has ended (a zombie its parent has not reaped yet).
+[[nodiscard]] DDP_INLINE std::string process_start(int pid);
+#if DDP_BODIES
+DDP_INLINE std::string process_start(int pid) {
+  const std::string path = concat("/proc/", pid, "/stat");
+  std::string stat(1024, '\0');
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const ssize_t n = fd < 0 ? 0 : ::read(fd, stat.data(), stat.size());
+  if (fd >= 0) ::close(fd);
+  if (n <= 0) return {};
+  stat.resize(static_cast<std::size_t>(n));
+  std::size_t at = stat.rfind(')');  // the name may hold spaces
+  if (at == std::string::npos || at + 2 >= stat.size() || stat[at + 2] == 'Z' ||
+      stat[at + 2] == 'X')
+    return {};
+  for (int field = 2; field < 22 && at != std::string::npos; ++field) at = stat.find(' ', at + 1);
+  if (at == std::string::npos) return {};
+  return stat.substr(at + 1, stat.find(' ', at + 1) - at - 1);
+}
+#endif  // DDP_BODIES
+
+/// This process as another process on the same machine can find it: host name, boot id and pid
+/// namespace, then pid and start time ("host|boot|pidns pid start").
+[[nodiscard]] DDP_INLINE std::string process_identity();
+#if DDP_BODIES
+DDP_INLINE std::string process_identity() {
+  char name[256] = {};
+  (void)::gethostname(name, sizeof name - 1);
+  const auto first_line = [](const char* path) {
+    std::string text(256, '\0');
+    const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+    const ssize_t n = fd < 0 ? 0 : ::read(fd, text.data(), text.size());
+    if (fd >= 0) ::close(fd);
+    text.resize(n > 0 ? static_cast<std::size_t>(n) : 0);
+    return text.substr(0, text.find('\n'));
+  };
+  char ns[128] = {};
+  (void)!::readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
+  return concat(name, "|", first_line("/proc/sys/kernel/random/boot_id"), "|", ns, " ", ::getpid(),
+                " ", process_start(::getpid()));
+}
+#endif  // DDP_BODIES
+
+/// Whether the process `identity` (process_identity()) ran on this machine, in this pid
+/// namespace, and has ended: certain evidence of a death, without waiting for a lease.
+[[nodiscard]] DDP_INLINE bool ended_here(std::string_view identity);
+#if DDP_BODIES
+DDP_INLINE bool ended_here(std::string_view identity) {
+  const std::string mine = process_identity();
+  const std::size_t a = identity.find(' '), b = mine.find(' ');
+  if (a == std::string_view::npos || identity.substr(0, a) != std::string_view(mine).substr(0, b))
+    return false;
+  const std::string_view rest = identity.substr(a + 1);
+  const std::size_t sp = rest.find(' ');
+  int pid = 0;
+  if (sp == std::string_view::npos ||
+      std::from_chars(rest.data(), rest.data() + sp, pid).ec != std::errc{} || pid <= 0)
+    return false;
+  return process_start(pid) != rest.substr(sp + 1);
+}
+#endif  // DDP_BODIES
+
+/// Claims `rank` in the store: fails with Errc::invalid_argument, naming the process that holds
+/// it, when another process claimed it first. Returns normally once the rank is this process's.
+DDP_INLINE void claim_rank(Store& store, int rank, std::string_view group);
+#if DDP_BODIES
+DDP_INLINE void claim_rank(Store& store, int rank, std::string_view group) {
+  const std::string me =
+      concat(process_label(), " [", random_value<std::uint64_t>(), "]");  // unique per claim
+  const std::string held = store.compare_set(concat("claim/", rank), "", me);
+  if (held == me) return;
+  const std::string who = held.substr(0, held.find(" ["));
+  int pid = 0;
+  const bool here = who.ends_with(process_label().substr(process_label().find(" on host")));
+  if (here && std::from_chars(who.data() + 4, who.data() + who.size(), pid).ec == std::errc{} &&
+      pid > 0 && process_start(pid).empty())
+    fail(Errc::invalid_argument, "rank ", rank, ": rank ", rank, " of group \"", group,
+         "\" was claimed by ", who,
+         ", which has ended: the store holds an earlier run's keys (with an etcd store, give "
+         "each run its own namespace, DDP_STORE=etcd://.../NAME, or --rdzv-id; an ended run's "
+         "keys vanish a minute after its last process)");
+  fail(Errc::invalid_argument, "rank ", rank, ": rank ", rank, " of group \"", group,
+       "\" is already taken by ", who, "; this process (", process_label(),
+       ") was started with the same RANK. Give every process its own RANK (0..WORLD_SIZE-1)");
+}
+#endif  // DDP_BODIES
+
+/// Publishes this rank's view of the job and checks it against every rank's (see the file
+/// comment). Errc::mismatch names the ranks that differ and both values. `widest` is set to the
+/// largest world size any rank claimed (before a mismatch is thrown): the store's host waits for
+/// that many ranks to read the failure before it stops serving.
+DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
+                             std::chrono::milliseconds timeout, int& widest);
+#if DDP_BODIES
+DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
+                             std::chrono::milliseconds timeout, int& widest) {
+  std::string rec;
+  ByteWriter w(rec);
+  w.str(DDP_VERSION_STRING);
+  w.put(static_cast<std::uint32_t>(job.world_size));
+  w.str(job.backend);
+  w.put(static_cast<std::uint8_t>(job.verify_collectives ? 1 : 0));
+  w.put(job.heartbeat_ms);
+  store.set(concat("job/", rank), rec);
+  std::vector<std::string> versions, worlds, backends, verify, heartbeats;
+  for (const auto& r : gather_records(store, "job/", rank, job.world_size, timeout)) {
+    ByteReader rd(r, "job record");
+    versions.push_back(rd.str(64));
+    const auto ws = rd.get<std::uint32_t>();
+    worlds.push_back(std::to_string(ws));
+    if (ws <= 1u << 20) widest = std::max(widest, static_cast<int>(ws));
+    backends.push_back(rd.str(64));
+    verify.push_back(rd.get<std::uint8_t>() != 0 ? "on" : "off");
+    const auto hb = rd.get<std::int64_t>();
+    heartbeats.push_back(hb > 0 ? concat(hb, " ms") : std::string("none"));
+  }
+  require_agreement(rank, "the world size",
+                    "start every rank with the same WORLD_SIZE (if the others are another job's "
+                    "processes, give each job its own MASTER_PORT)",
+                    worlds);
+  require_agreement(rank, "the ddp version", "build every rank against the same ddp", versions);
+  require_agreement(rank, "the backend", "every rank must create the same Communicator<Backend>",
+                    backends);
+  require_agreement(rank, "Options::verify_collectives (DDP_VERIFY_COLLECTIVES)",
+                    "every rank must use the same setting", verify);
+  require_agreement(rank, "Options::heartbeat (DDP_HEARTBEAT)",
+                    "every rank must use the same heartbeat (a rank that waits longer than the "
+                    "others sign would count them lost, or they it)",
+                    heartbeats);
+}
+#endif  // DDP_BODIES
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/backend/rendezvous.hpp
+// begin ddp/comm/error_file.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -6061,390 +6431,274 @@ int record(F&& fn) {
 }
 
 DDP_END_NAMESPACE
-// end ddp/runtime/error_file.hpp
-// begin ddp/runtime/monitored_barrier.hpp
+// end ddp/comm/error_file.hpp
+// begin ddp/comm/recorder.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// Communicator::monitored_barrier over a rendezvous store (torch's monitored_barrier): every
-/// rank says it arrived; rank 0 waits for the others and gives its verdict, naming the ranks that
-/// did not arrive.
+/// The flight recorder: every communicator keeps its most recent operations (op, sequence
+/// number, bytes, state) in a ring of Options::trace_entries records, readable at any time with
+/// Communicator::recent() / trace(), and written out when an operation times out
+/// (Options::trace_dump, $DDP_TRACE_DUMP). Comparing the ranks' records shows which rank fell
+/// behind and where; the timeout message itself already names the ranks that did not arrive.
+/// Reading dumps back and comparing a job's ranks is the tools' part (tools/trace_diagnose.hpp:
+/// the `ddp-trace` tool prints it for a directory of dumps).
 
 // #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/store/client.hpp" (already included above)
-
-#include <algorithm>
-#include <chrono>
-#include <cstdint>
-#include <string>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-/// The failure of a monitored_barrier that the ranks `missing` (ascending, not empty) did not
-/// arrive at within `timeout`, as rank `rank` reports it (rank 0 gave the verdict; the others
-/// say so): it names the first missing rank, or every one with `wait_all_ranks`; its lost
-/// ranks are all of them. The one verdict of every backend's monitored_barrier.
-DDP_INLINE Error missed_barrier(int rank, std::string_view what, const std::vector<int>& missing,
-                                std::chrono::milliseconds timeout, bool wait_all_ranks);
-
-/// Monitored barrier number `n` of a communicator whose keys `store` holds (this rank `rank` of
-/// `size`): every rank says it arrived; rank 0 waits up to `timeout` for the others and gives
-/// its verdict, naming the ranks that did not arrive (all of them with `wait_all_ranks`, else
-/// the first); the others wait up to `timeout` for rank 0 to arrive, then for its verdict. Fails
-/// with Errc::timeout on every rank that waits; a rank whose process left ("exit/<r>") fails it
-/// at once with Errc::peer_lost.
-DDP_INLINE void monitored_barrier(Store& store, std::uint64_t n, int rank, int size,
-                                  std::chrono::milliseconds timeout, bool wait_all_ranks);
-#if DDP_BODIES
-DDP_INLINE Error missed_barrier(int rank, std::string_view what, const std::vector<int>& missing,
-                                std::chrono::milliseconds timeout, bool wait_all_ranks) {
-  const std::size_t named = wait_all_ranks ? missing.size() : 1;
-  std::string who;
-  for (std::size_t i = 0; i < named; ++i) who += concat(i == 0 ? "" : ", ", missing[i]);
-  return Error(
-      Errc::timeout,
-      concat("rank ", rank, ": ", what, ": ", rank == 0 ? "" : "failed because rank 0 reported: "),
-      rank == 0 ? -1 : 0,
-      concat(named == 1 ? "rank " : "ranks ", who, " did not arrive within ", timeout.count(),
-             " ms (stopped, slow, or not calling it)",
-             wait_all_ranks || missing.size() == 1
-                 ? ""
-                 : concat("; ", missing.size() - 1,
-                          " more did not either (wait_all_ranks names every one)")),
-      missing);
-}
-
-DDP_INLINE void monitored_barrier(Store& store, std::uint64_t n, int rank, int size,
-                                  std::chrono::milliseconds timeout, bool wait_all_ranks) {
-  const std::string at = concat("monitored/", n, "/");
-  const std::string what = concat("monitored_barrier #", n);
-  const std::string verdict = at + "verdict";  // "" when every rank arrived, else a stop value
-  // Waits up to `limit` for the ranks `ranks` (-1: rank 0's verdict); returns those still
-  // missing. A rank among them whose process left (its store connection closed: "exit/<r>") is
-  // not waited for: that fails at once with Errc::peer_lost.
-  const auto await = [&](std::vector<int> ranks, std::chrono::milliseconds limit,
-                         const char* doing) {
-    const auto key = [&](int r) { return r < 0 ? verdict : concat(at, r); };
-    const auto deadline = Clock::now() + limit;
-    for (;;) {
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      std::vector<std::string> keys;
-      for (const int r : ranks) keys.push_back(key(r));
-      keys = store.missing_after(
-          keys, std::clamp(left, std::chrono::milliseconds(0), std::chrono::milliseconds(100)));
-      std::erase_if(
-          ranks, [&](int r) { return std::find(keys.begin(), keys.end(), key(r)) == keys.end(); });
-      if (ranks.empty() || left.count() <= 0) return ranks;
-      for (const int r : ranks) {
-        const int gone = std::max(r, 0);
-        const std::string exited[] = {concat("exit/", gone)};
-        if (!store.check(exited)) continue;
-        const Error lost(Errc::peer_lost, concat("rank ", rank, ": ", what, ": "), -1,
-                         concat("rank ", gone,
-                                " left (its process exited, or it destroyed its communicator) "
-                                "before ",
-                                doing),
-                         {gone});
-        if (rank == 0) store.set(verdict, Store::stop_value(lost));
-        DDP_THROW(lost);
-      }
-    }
-  };
-  store.set(concat(at, rank), "");
-  if (rank == 0) {
-    std::vector<int> others;
-    for (int r = 1; r < size; ++r) others.push_back(r);
-    const std::vector<int> missing = await(others, timeout, "arriving");
-    if (missing.empty()) {
-      store.set(verdict, "");
-      return;
-    }
-    const Error e = missed_barrier(0, what, missing, timeout, wait_all_ranks);
-    store.set(verdict, Store::stop_value(e));
-    DDP_THROW(e);
-  }
-  if (!await({0}, timeout, "arriving").empty())
-    fail_from(-1, {0}, Errc::timeout, "rank ", rank, ": ", what, ": rank 0 did not arrive within ",
-              timeout.count(), " ms (stopped, slow, or not calling it)");
-  // Rank 0 gives it within `timeout` of its own arrival (and a moment to write it).
-  const auto grace = timeout + std::chrono::seconds(2);
-  if (!await({-1}, grace, "giving its verdict").empty())
-    fail_from(-1, {}, Errc::timeout, "rank ", rank, ": ", what, ": rank 0 gave no verdict within ",
-              grace.count(), " ms of arriving");
-  if (const std::string v = store.get(verdict); !v.empty()) {
-    const auto e = decode_stop(v);
-    if (!e) fail(Errc::protocol, "rank ", rank, ": ", what, ": rank 0's verdict is not one");
-    DDP_THROW(Error(e->code(),
-                    concat("rank ", rank, ": ", what, ": failed because rank 0 reported: "), 0,
-                    e->origin_message(), e->lost_ranks()));
-  }
-}
-#endif  // DDP_BODIES
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/runtime/monitored_barrier.hpp
-// begin ddp/runtime/rendezvous.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// The first steps of every communicator's rendezvous, before the backend connects:
-///  * each rank claims its rank number in the store (compare-and-set), so a second process
-///    started with the same RANK is refused at once and told who holds it;
-///  * each rank publishes the job as it sees it (world size, backend, library version,
-///    fingerprint check) and checks every other rank's record against its own, so ranks that
-///    were started differently fail together with Errc::mismatch instead of running with
-///    different views of the job (and different results).
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/detail/bytes.hpp" (already included above)
-// #include "ddp/detail/crypto.hpp" (already included above)
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
-// #include "ddp/store/client.hpp" (already included above)
-// #include "ddp/version.hpp" (already included above)
+// #include "ddp/options.hpp" (already included above)
 
 #include <fcntl.h>
+#include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <charconv>
+#include <atomic>
+#include <cerrno>
+#include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
-namespace detail {
 
-/// Fails with Errc::mismatch unless every rank's `values[j]` equals this rank's, naming the ranks
-/// that differ and their values: "rank 0: the ranks disagree on WHAT: this rank has A, rank 1 has
-/// B; FIX".
-DDP_INLINE void require_agreement(int rank, std::string_view what, std::string_view fix,
-                                  const std::vector<std::string>& values);
-#if DDP_BODIES
-DDP_INLINE void require_agreement(int rank, std::string_view what, std::string_view fix,
-                                  const std::vector<std::string>& values) {
-  const std::string& mine = values.at(static_cast<std::size_t>(rank));
-  std::string others;
-  int n = 0;
-  for (std::size_t j = 0; j < values.size(); ++j) {
-    if (values[j] == mine) continue;
-    if (n < 4) others += concat(", rank ", j, " has ", values[j]);
-    ++n;
-  }
-  if (n == 0) return;
-  if (n > 4) others += concat(" (and ", n - 4, " more ranks differ)");
-  fail(Errc::mismatch, "rank ", rank, ": the ranks disagree on ", what, ": this rank has ", mine,
-       others, "; ", fix);
-}
-#endif  // DDP_BODIES
-
-/// The rendezvous timeout, naming the ranks whose `prefix<j>` key never appeared.
-[[noreturn]] DDP_INLINE void fail_missing_ranks(int rank, int size,
-                                                std::chrono::milliseconds timeout,
-                                                const std::vector<std::string>& missing,
-                                                std::size_t prefix_len);
-#if DDP_BODIES
-DDP_INLINE void fail_missing_ranks(int rank, int size, std::chrono::milliseconds timeout,
-                                   const std::vector<std::string>& missing,
-                                   std::size_t prefix_len) {
-  std::string who;
-  for (const auto& k : missing) who += concat(who.empty() ? "" : ", ", k.substr(prefix_len));
-  fail(Errc::timeout, "rank ", rank, ": rendezvous timed out after ", timeout.count(),
-       " ms: ", size - static_cast<int>(missing.size()), "/", size, " ranks joined; missing rank",
-       missing.size() == 1 ? " " : "s ", who,
-       ". Check that every rank was started with the same MASTER_ADDR, MASTER_PORT and "
-       "WORLD_SIZE");
-}
-#endif  // DDP_BODIES
-
-/// Waits up to `timeout` for `prefix<j>` of every rank j and returns their values; a timeout
-/// names the ranks that are missing.
-[[nodiscard]] DDP_INLINE std::vector<std::string> gather_records(Store& store,
-                                                                 std::string_view prefix, int rank,
-                                                                 int size,
-                                                                 std::chrono::milliseconds timeout);
-#if DDP_BODIES
-DDP_INLINE std::vector<std::string> gather_records(Store& store, std::string_view prefix, int rank,
-                                                   int size, std::chrono::milliseconds timeout) {
-  std::vector<std::string> keys;
-  for (int j = 0; j < size; ++j) keys.push_back(concat(prefix, j));
-  if (auto missing = store.missing_after(keys, timeout); !missing.empty())
-    fail_missing_ranks(rank, size, timeout, missing, prefix.size());
-  std::vector<std::string> values;
-  for (const auto& k : keys) values.push_back(store.get(k));
-  return values;
-}
-#endif  // DDP_BODIES
-
-/// What a rank believes about its job; every rank must believe the same.
-struct JobView {
-  int world_size = 1;
-  std::string backend;
-  bool verify_collectives = true;
-  std::int64_t heartbeat_ms = 0;  ///< Options::heartbeat (0: none)
+/// One operation in a communicator's flight recorder.
+struct TraceRecord {
+  /// Where the operation is: waiting behind others, running, finished, or failed.
+  enum class State : std::uint8_t { queued, running, done, failed };
+  std::uint64_t seq = 0;        ///< operations issued on this communicator before this one
+  const char* op = "";          ///< "all_reduce", "broadcast", ...
+  std::size_t bytes = 0;        ///< bytes of this rank's buffer(s)
+  State state = State::queued;  ///< where it was when the record was read
+  std::chrono::steady_clock::time_point issued{};  ///< when it was called (or queued)
 };
 
-/// Who this process is, as another process would be told ("pid 123 on host node7").
-[[nodiscard]] DDP_INLINE std::string process_label();
-#if DDP_BODIES
-DDP_INLINE std::string process_label() {
-  char name[256] = {};
-  (void)::gethostname(name, sizeof name - 1);
-  return concat("pid ", ::getpid(), " on host ", name);
-}
-#endif  // DDP_BODIES
-
-/// Process `pid`'s start time (clock ticks after boot, /proc/PID/stat field 22); "" when it is
-/// gone or has ended (a zombie its parent has not reaped yet).
-[[nodiscard]] DDP_INLINE std::string process_start(int pid);
-#if DDP_BODIES
-DDP_INLINE std::string process_start(int pid) {
-  const std::string path = concat("/proc/", pid, "/stat");
-  std::string stat(1024, '\0');
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  const ssize_t n = fd < 0 ? 0 : ::read(fd, stat.data(), stat.size());
-  if (fd >= 0) ::close(fd);
-  if (n <= 0) return {};
-  stat.resize(static_cast<std::size_t>(n));
-  std::size_t at = stat.rfind(')');  // the name may hold spaces
-  if (at == std::string::npos || at + 2 >= stat.size() || stat[at + 2] == 'Z' ||
-      stat[at + 2] == 'X')
-    return {};
-  for (int field = 2; field < 22 && at != std::string::npos; ++field) at = stat.find(' ', at + 1);
-  if (at == std::string::npos) return {};
-  return stat.substr(at + 1, stat.find(' ', at + 1) - at - 1);
-}
-#endif  // DDP_BODIES
-
-/// This process as another process on the same machine can find it: host name, boot id and pid
-/// namespace, then pid and start time ("host|boot|pidns pid start").
-[[nodiscard]] DDP_INLINE std::string process_identity();
-#if DDP_BODIES
-DDP_INLINE std::string process_identity() {
-  char name[256] = {};
-  (void)::gethostname(name, sizeof name - 1);
-  const auto first_line = [](const char* path) {
-    std::string text(256, '\0');
-    const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
-    const ssize_t n = fd < 0 ? 0 : ::read(fd, text.data(), text.size());
-    if (fd >= 0) ::close(fd);
-    text.resize(n > 0 ? static_cast<std::size_t>(n) : 0);
-    return text.substr(0, text.find('\n'));
-  };
-  char ns[128] = {};
-  (void)!::readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
-  return concat(name, "|", first_line("/proc/sys/kernel/random/boot_id"), "|", ns, " ", ::getpid(),
-                " ", process_start(::getpid()));
-}
-#endif  // DDP_BODIES
-
-/// Whether the process `identity` (process_identity()) ran on this machine, in this pid
-/// namespace, and has ended: certain evidence of a death, without waiting for a lease.
-[[nodiscard]] DDP_INLINE bool ended_here(std::string_view identity);
-#if DDP_BODIES
-DDP_INLINE bool ended_here(std::string_view identity) {
-  const std::string mine = process_identity();
-  const std::size_t a = identity.find(' '), b = mine.find(' ');
-  if (a == std::string_view::npos || identity.substr(0, a) != std::string_view(mine).substr(0, b))
-    return false;
-  const std::string_view rest = identity.substr(a + 1);
-  const std::size_t sp = rest.find(' ');
-  int pid = 0;
-  if (sp == std::string_view::npos ||
-      std::from_chars(rest.data(), rest.data() + sp, pid).ec != std::errc{} || pid <= 0)
-    return false;
-  return process_start(pid) != rest.substr(sp + 1);
-}
-#endif  // DDP_BODIES
-
-/// Claims `rank` in the store: fails with Errc::invalid_argument, naming the process that holds
-/// it, when another process claimed it first. Returns normally once the rank is this process's.
-DDP_INLINE void claim_rank(Store& store, int rank, std::string_view group);
-#if DDP_BODIES
-DDP_INLINE void claim_rank(Store& store, int rank, std::string_view group) {
-  const std::string me =
-      concat(process_label(), " [", random_value<std::uint64_t>(), "]");  // unique per claim
-  const std::string held = store.compare_set(concat("claim/", rank), "", me);
-  if (held == me) return;
-  const std::string who = held.substr(0, held.find(" ["));
-  int pid = 0;
-  const bool here = who.ends_with(process_label().substr(process_label().find(" on host")));
-  if (here && std::from_chars(who.data() + 4, who.data() + who.size(), pid).ec == std::errc{} &&
-      pid > 0 && process_start(pid).empty())
-    fail(Errc::invalid_argument, "rank ", rank, ": rank ", rank, " of group \"", group,
-         "\" was claimed by ", who,
-         ", which has ended: the store holds an earlier run's keys (with an etcd store, give "
-         "each run its own namespace, DDP_STORE=etcd://.../NAME, or --rdzv-id; an ended run's "
-         "keys vanish a minute after its last process)");
-  fail(Errc::invalid_argument, "rank ", rank, ": rank ", rank, " of group \"", group,
-       "\" is already taken by ", who, "; this process (", process_label(),
-       ") was started with the same RANK. Give every process its own RANK (0..WORLD_SIZE-1)");
-}
-#endif  // DDP_BODIES
-
-/// Publishes this rank's view of the job and checks it against every rank's (see the file
-/// comment). Errc::mismatch names the ranks that differ and both values. `widest` is set to the
-/// largest world size any rank claimed (before a mismatch is thrown): the store's host waits for
-/// that many ranks to read the failure before it stops serving.
-DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
-                             std::chrono::milliseconds timeout, int& widest);
-#if DDP_BODIES
-DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
-                             std::chrono::milliseconds timeout, int& widest) {
-  std::string rec;
-  ByteWriter w(rec);
-  w.str(DDP_VERSION_STRING);
-  w.put(static_cast<std::uint32_t>(job.world_size));
-  w.str(job.backend);
-  w.put(static_cast<std::uint8_t>(job.verify_collectives ? 1 : 0));
-  w.put(job.heartbeat_ms);
-  store.set(concat("job/", rank), rec);
-  std::vector<std::string> versions, worlds, backends, verify, heartbeats;
-  for (const auto& r : gather_records(store, "job/", rank, job.world_size, timeout)) {
-    ByteReader rd(r, "job record");
-    versions.push_back(rd.str(64));
-    const auto ws = rd.get<std::uint32_t>();
-    worlds.push_back(std::to_string(ws));
-    if (ws <= 1u << 20) widest = std::max(widest, static_cast<int>(ws));
-    backends.push_back(rd.str(64));
-    verify.push_back(rd.get<std::uint8_t>() != 0 ? "on" : "off");
-    const auto hb = rd.get<std::int64_t>();
-    heartbeats.push_back(hb > 0 ? concat(hb, " ms") : std::string("none"));
+/// The state's name: "queued", "running", "done" or "failed".
+[[nodiscard]] constexpr const char* to_string(TraceRecord::State s) noexcept {
+  switch (s) {
+    case TraceRecord::State::queued: return "queued";
+    case TraceRecord::State::running: return "running";
+    case TraceRecord::State::done: return "done";
+    case TraceRecord::State::failed: return "failed";
   }
-  require_agreement(rank, "the world size",
-                    "start every rank with the same WORLD_SIZE (if the others are another job's "
-                    "processes, give each job its own MASTER_PORT)",
-                    worlds);
-  require_agreement(rank, "the ddp version", "build every rank against the same ddp", versions);
-  require_agreement(rank, "the backend", "every rank must create the same Communicator<Backend>",
-                    backends);
-  require_agreement(rank, "Options::verify_collectives (DDP_VERIFY_COLLECTIVES)",
-                    "every rank must use the same setting", verify);
-  require_agreement(rank, "Options::heartbeat (DDP_HEARTBEAT)",
-                    "every rank must use the same heartbeat (a rank that waits longer than the "
-                    "others sign would count them lost, or they it)",
-                    heartbeats);
+  return "?";
+}
+
+namespace detail {
+
+/// How long a launcher (ddprun, spawn) lets the other workers run after one failed before it
+/// stops them: a second when they write flight recorders ($DDP_TRACE_DUMP), in which they fail on
+/// their own (peers of a failed rank do within milliseconds) and write them; else no time.
+[[nodiscard]] DDP_INLINE std::chrono::milliseconds trace_dump_grace();
+#if DDP_BODIES
+DDP_INLINE std::chrono::milliseconds trace_dump_grace() {
+  return !EnvReader().has("DDP_TRACE_DUMP") ? std::chrono::milliseconds(0)
+                                            : std::chrono::milliseconds(1000);
+}
+#endif  // DDP_BODIES
+
+/// A fixed ring of TraceRecords that costs no lock: issuing an operation is one atomic
+/// increment and a few plain stores, updating its state one store, so the flight recorder stays
+/// on in production. Operations are recorded by the thread that issues them and updated by the
+/// one that runs them; any thread may read (a record being written at that moment is skipped).
+/// Times come from the coarse monotonic clock (a memory read; a few ms resolution, enough for
+/// ages in ms).
+class FlightRecorder {
+ public:
+  using State = TraceRecord::State;
+
+  /// Sets the capacity and forgets every record; not concurrent with the other members.
+  void resize(std::size_t capacity);
+
+  /// Records a new operation and returns its sequence number.
+  std::uint64_t issue(const char* op, std::size_t bytes, State state);
+
+  /// Moves operation `seq` to `state` (unless the ring has overwritten it since).
+  void update(std::uint64_t seq, State state);
+
+  /// The records still held, oldest first.
+  [[nodiscard]] std::vector<TraceRecord> recent() const;
+
+  /// Operations issued so far.
+  [[nodiscard]] std::uint64_t issued() const;
+
+ private:
+  struct Slot {
+    std::atomic<std::uint64_t> version{0};  // 2 seq + 2 when record `seq` is complete
+    std::atomic<const char*> op{""};
+    std::atomic<std::size_t> bytes{0};
+    std::atomic<State> state{State::queued};
+    std::atomic<std::int64_t> issued_ns{0};
+  };
+
+  /// steady_clock's clock (CLOCK_MONOTONIC), read at its coarse resolution.
+  static std::int64_t coarse_now_ns() noexcept;
+
+  std::unique_ptr<Slot[]> slots_;
+  std::size_t mask_ = 0;
+  std::size_t capacity_ = 0;  // records kept (recent() returns at most this many)
+  std::atomic<std::uint64_t> next_{0};
+};
+
+#if DDP_BODIES
+DDP_INLINE void FlightRecorder::resize(std::size_t capacity) {
+  // Slots for a power of two at least `capacity`: a slot is found with a mask, not a division
+  // (a 64-bit division costs more than the rest of recording an operation).
+  std::size_t slots = capacity != 0 ? 1 : 0;
+  while (slots < capacity) slots <<= 1;
+  slots_ = slots != 0 ? std::make_unique<Slot[]>(slots) : nullptr;
+  mask_ = slots - 1;
+  capacity_ = capacity;
+  next_.store(0, std::memory_order_relaxed);
+}
+
+DDP_INLINE std::uint64_t FlightRecorder::issue(const char* op, std::size_t bytes, State state) {
+  const std::uint64_t seq = next_.fetch_add(1, std::memory_order_relaxed);
+  if (capacity_ == 0) return seq;
+  Slot& s = slots_[seq & mask_];
+  // A seqlock without fences (ThreadSanitizer does not model them): the fields are release
+  // stores after the odd version, so a reader that sees any of them sees the version change.
+  s.version.store(2 * seq + 1, std::memory_order_relaxed);  // odd: being written
+  s.op.store(op, std::memory_order_release);
+  s.bytes.store(bytes, std::memory_order_release);
+  s.state.store(state, std::memory_order_release);
+  s.issued_ns.store(coarse_now_ns(), std::memory_order_release);
+  s.version.store(2 * seq + 2, std::memory_order_release);
+  return seq;
+}
+
+DDP_INLINE void FlightRecorder::update(std::uint64_t seq, State state) {
+  if (capacity_ == 0) return;
+  Slot& s = slots_[seq & mask_];
+  if (s.version.load(std::memory_order_relaxed) == 2 * seq + 2)
+    s.state.store(state, std::memory_order_release);
+}
+
+DDP_INLINE std::vector<TraceRecord> FlightRecorder::recent() const {
+  std::vector<TraceRecord> out;
+  const std::uint64_t next = next_.load(std::memory_order_acquire);
+  const std::uint64_t n = std::min<std::uint64_t>(next, capacity_);
+  out.reserve(static_cast<std::size_t>(n));
+  for (std::uint64_t seq = next - n; seq < next; ++seq) {
+    const Slot& s = slots_[seq & mask_];
+    const std::uint64_t v = s.version.load(std::memory_order_acquire);
+    if (v != 2 * seq + 2) continue;  // being written, or already overwritten
+    TraceRecord r;
+    r.seq = seq;
+    r.op = s.op.load(std::memory_order_acquire);
+    r.bytes = s.bytes.load(std::memory_order_acquire);
+    r.state = s.state.load(std::memory_order_acquire);
+    r.issued = std::chrono::steady_clock::time_point(
+        std::chrono::nanoseconds(s.issued_ns.load(std::memory_order_acquire)));
+    if (s.version.load(std::memory_order_relaxed) == v) out.push_back(r);
+  }
+  return out;
+}
+
+DDP_INLINE std::uint64_t FlightRecorder::issued() const {
+  return next_.load(std::memory_order_acquire);
+}
+
+DDP_INLINE std::int64_t FlightRecorder::coarse_now_ns() noexcept {
+  timespec ts{};
+  if (::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts) != 0) {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  return std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
+#endif  // DDP_BODIES
+
+/// The recorder's contents as text: a header line, then one line per record, oldest first.
+[[nodiscard]] DDP_INLINE std::string format_trace(const std::vector<TraceRecord>& records,
+                                                  std::uint64_t issued, int rank, int size,
+                                                  std::string_view group, std::string_view why);
+#if DDP_BODIES
+DDP_INLINE std::string format_trace(const std::vector<TraceRecord>& records, std::uint64_t issued,
+                                    int rank, int size, std::string_view group,
+                                    std::string_view why) {
+  const auto now = std::chrono::steady_clock::now();
+  std::string out = concat("ddp flight recorder: rank ", rank, " of ", size, ", group \"", group,
+                           "\", the last ", records.size(), " of ", issued, " operations");
+  if (!why.empty()) out += concat(", dumped because: ", why);
+  // The op column fits the longest name (all_reduce_coalesced, 20 characters).
+  out += "\n       seq  op                           bytes  state    age (ms)\n";
+  for (const auto& r : records) {
+    const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(now - r.issued).count();
+    char line[160];
+    std::snprintf(line, sizeof line, "%10llu  %-22s %12llu  %-7s %9lld\n",
+                  static_cast<unsigned long long>(r.seq), r.op,
+                  static_cast<unsigned long long>(r.bytes), to_string(r.state),
+                  static_cast<long long>(age));
+    out += line;
+  }
+  return out;
+}
+#endif  // DDP_BODIES
+
+/// Writes a dump where Options::trace_dump (or $DDP_TRACE_DUMP) says: "stderr", or a directory
+/// that receives ddp-trace-<group>-rank<r>.txt. Never throws (it runs while an error propagates).
+DDP_INLINE void dump_trace(const std::string& where, const std::string& text,
+                           std::string_view group, int rank) noexcept;
+#if DDP_BODIES
+DDP_INLINE void dump_trace(const std::string& where, const std::string& text,
+                           std::string_view group, int rank) noexcept {
+  try {
+    if (where == "stderr" || where == "-") {
+      std::fwrite(text.data(), 1, text.size(), stderr);
+      return;
+    }
+    std::string name(group);
+    for (char& ch : name) {
+      const bool plain = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+                         (ch >= '0' && ch <= '9') || ch == '-' || ch == '_' || ch == '.';
+      if (!plain) ch = '_';
+    }
+    // The directory is made if missing (and its parents), as `mkdir -p` would.
+    for (std::size_t at = where.find('/', 1); at != std::string::npos; at = where.find('/', at + 1))
+      (void)::mkdir(where.substr(0, at).c_str(), 0777);
+    (void)::mkdir(where.c_str(), 0777);
+    const std::string path = concat(where, "/ddp-trace-", name, "-rank", rank, ".txt");
+    // Never through a link, never waiting on a FIFO someone put there (O_NONBLOCK: opening one
+    // without a reader fails at once), never anything but a regular file.
+    const int fd = ::open(path.c_str(),
+                          O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
+    const char* why = fd < 0 ? std::strerror(errno) : nullptr;
+    struct stat st {};
+    std::FILE* f = nullptr;
+    if (fd >= 0 && ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) f = ::fdopen(fd, "w");
+    if (f == nullptr && fd >= 0) {
+      ::close(fd);
+      why = "something other than a regular file is there";
+    }
+    if (f != nullptr) {
+      std::fwrite(text.data(), 1, text.size(), f);
+      std::fclose(f);
+      std::fprintf(stderr, "[ddp] rank %d: flight recorder written to %s\n", rank, path.c_str());
+    } else {
+      // Not lost: the dump goes to stderr instead, after the reason.
+      std::fprintf(stderr,
+                   "[ddp] rank %d: cannot write the flight recorder to %s: %s; here it is\n", rank,
+                   path.c_str(), why);
+      std::fwrite(text.data(), 1, text.size(), stderr);
+    }
+  } catch (...) {
+  }
 }
 #endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/runtime/rendezvous.hpp
-// begin ddp/runtime/staging.hpp
+// end ddp/comm/recorder.hpp
+// begin ddp/comm/staging.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -6462,8 +6716,8 @@ DDP_END_NAMESPACE
 /// The copies are a `StagingCopier` (ddp::detail::CudaStager with pinned memory and CUDA
 /// streams; the unit tests use plain memcpy), so this file has no device dependency.
 
+// #include "ddp/backend/collective.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
-// #include "ddp/runtime/collective.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
 #include <algorithm>
@@ -6569,8 +6823,8 @@ void stage_whole(C& c, std::array<StagedArg, N> args, Op&& op) {
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/runtime/staging.hpp
-// begin ddp/runtime/store_location.hpp
+// end ddp/comm/staging.hpp
+// begin ddp/comm/store_location.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -6586,7 +6840,296 @@ DDP_END_NAMESPACE
 #endif
 // #include "ddp/detail/env.hpp" (already included above)
 // #include "ddp/detail/socket.hpp" (already included above)
-// #include "ddp/environment.hpp" (already included above)
+// begin ddp/environment.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ddp::Environment: who am I? Read from the variables a launcher sets — ddprun and torchrun
+/// (RANK, WORLD_SIZE, ...), Slurm (SLURM_PROCID, ...), Open MPI (OMPI_COMM_WORLD_*), MPICH/PMI
+/// (PMI_RANK, ...) — or, with no launcher, rank 0 of a world of 1.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/env.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <algorithm>
+#include <charconv>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <system_error>
+
+DDP_BEGIN_NAMESPACE
+
+/// Where a process stands in the job, and where the rendezvous store is.
+struct Environment {
+  int rank = 0;              ///< this process's rank in the job (RANK)
+  int world_size = 1;        ///< the number of processes (WORLD_SIZE)
+  int local_rank = 0;        ///< this process's rank on its host (LOCAL_RANK)
+  int local_world_size = 1;  ///< processes on this host (LOCAL_WORLD_SIZE)
+  int node_rank = 0;         ///< this host's index in the job (NODE_RANK)
+  /// Host of rank 0's rendezvous store (MASTER_ADDR). Empty when an MPI launcher (mpirun, hydra,
+  /// MVAPICH) runs the job across hosts and MASTER_ADDR is not set: MPI does not say which host
+  /// rank 0 is on, and Communicator<backend::Host>::init then fails saying what to export.
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;  ///< 0: not set (only allowed when world_size == 1 or under MPI)
+  /// The port of ddp's rendezvous store on master_addr: DDP_STORE_PORT when set; under torchrun,
+  /// whose agent already serves its own (c10d) store on MASTER_PORT, MASTER_PORT + 1; otherwise
+  /// master_port.
+  int store_port = 0;
+  /// How many consecutive ports from store_port rank 0 may host the store on, the first free one
+  /// (every other rank probes them for the job's store). 1, except under torchrun when the port is
+  /// MASTER_PORT + 1: torchrun's agent picked MASTER_PORT as a free ephemeral port, and its
+  /// neighbour may be held by any connection on the host; then 8.
+  int store_ports = 1;
+  /// The launcher restarted this process to join the running job (DDP_REJOIN=N, its N-th
+  /// restart: ddprun --on-failure rejoin): make the communicator with Communicator::enter.
+  bool rejoin = false;
+  /// Which launcher the values came from: "ddprun", "torchrun", "slurm", "openmpi", "pmi"
+  /// (MPICH, Intel MPI), "mvapich", "none"; "unknown" when variables of a launcher ddp cannot read
+  /// fully were seen (then `warning` says which, and the values are those of a world of 1).
+  std::string launcher = "none";
+  /// Non-empty when the environment looks like a launcher's that ddp could not read (PMIX_RANK
+  /// without a world size, LOCAL_RANK alone): what was seen and what to do. detect() prints it to
+  /// stderr; detect(lookup) leaves that to the caller.
+  std::string warning;
+
+  /// Reads the process environment. Never throws when no launcher variable is set; throws
+  /// Errc::invalid_argument naming the variable when one is malformed or inconsistent.
+  [[nodiscard]] static Environment detect();
+
+  /// The same, from any lookup function (returns nullptr for unset names): for tests and for
+  /// programs that keep their configuration elsewhere.
+  [[nodiscard]] static Environment detect(const std::function<const char*(const char*)>& lookup);
+};
+
+namespace detail {
+
+/// The number of tasks on node `node` from a Slurm task layout: "2(x3),1" means 2, 2, 2, 1.
+/// nullopt when it does not parse or has no such node.
+[[nodiscard]] DDP_INLINE std::optional<int> slurm_tasks_on_node(std::string_view layout, int node);
+#if DDP_BODIES
+DDP_INLINE std::optional<int> slurm_tasks_on_node(std::string_view layout, int node) {
+  int index = 0;
+  while (!layout.empty()) {
+    const std::size_t comma = layout.find(',');
+    const std::string_view item = layout.substr(0, comma);
+    layout = comma == std::string_view::npos ? std::string_view{} : layout.substr(comma + 1);
+    int tasks = 0, repeat = 1;
+    auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), tasks);
+    if (ec != std::errc{} || tasks < 1) return std::nullopt;
+    std::string_view rest(end, static_cast<std::size_t>(item.data() + item.size() - end));
+    if (!rest.empty()) {  // "(xM)"
+      if (rest.size() < 4 || rest.substr(0, 2) != "(x" || rest.back() != ')') return std::nullopt;
+      const auto [e2, ec2] =
+          std::from_chars(rest.data() + 2, rest.data() + rest.size() - 1, repeat);
+      if (ec2 != std::errc{} || e2 != rest.data() + rest.size() - 1 || repeat < 1)
+        return std::nullopt;
+    }
+    if (node < index + repeat) return tasks;
+    index += repeat;
+  }
+  return std::nullopt;
+}
+#endif  // DDP_BODIES
+
+/// The first host name of a Slurm node list: "gpu[07-09,12],cpu3" -> "gpu07".
+[[nodiscard]] DDP_INLINE std::string first_slurm_host(std::string_view list);
+#if DDP_BODIES
+DDP_INLINE std::string first_slurm_host(std::string_view list) {
+  const auto bracket = list.find('[');
+  const auto comma = list.find(',');
+  if (bracket == std::string_view::npos || (comma != std::string_view::npos && comma < bracket)) {
+    return std::string(list.substr(0, comma));
+  }
+  const auto close = list.find(']', bracket);
+  if (close == std::string_view::npos) {
+    fail(Errc::invalid_argument, "SLURM_JOB_NODELIST=\"", list, "\" is malformed (no ']')");
+  }
+  std::string_view range = list.substr(bracket + 1, close - bracket - 1);
+  range = range.substr(0, range.find_first_of(",-"));
+  return std::string(list.substr(0, bracket)) + std::string(range);
+}
+#endif  // DDP_BODIES
+
+DDP_INLINE void check_rank(const EnvReader&, int rank, int world, const char* rank_var,
+                           const char* world_var);
+#if DDP_BODIES
+DDP_INLINE void check_rank(const EnvReader&, int rank, int world, const char* rank_var,
+                           const char* world_var) {
+  if (rank >= world) {
+    fail(Errc::invalid_argument, "environment: ", rank_var, "=", rank, " must be less than ",
+         world_var, "=", world);
+  }
+}
+#endif  // DDP_BODIES
+
+}  // namespace detail
+
+inline Environment Environment::detect(const std::function<const char*(const char*)>& lookup) {
+  constexpr int max_world = 1 << 24;
+  const detail::EnvReader env(lookup);
+  Environment e;
+
+  const auto fill_master = [&](bool required) {
+    if (auto addr = env.str("MASTER_ADDR")) {
+      e.master_addr = *addr;
+    } else if (e.launcher != "slurm" && !required && e.local_world_size < e.world_size) {
+      e.master_addr.clear();  // an MPI job across hosts: rank 0's host is unknown
+    }
+    if (auto port = env.integer("MASTER_PORT", 1, 65535)) {
+      e.master_port = *port;
+    } else if (required && e.world_size > 1 && !env.str("DDP_STORE")) {  // etcd: none needed
+      detail::fail(Errc::invalid_argument, "environment: WORLD_SIZE=", e.world_size,
+                   " but MASTER_PORT is not set; export MASTER_ADDR and MASTER_PORT (ddprun and "
+                   "torchrun do this for you)");
+    }
+  };
+
+  if (env.has("RANK") || env.has("WORLD_SIZE")) {  // ddprun / torchrun / torch.distributed.launch
+    e.launcher = env.has("DDP_LAUNCHER") ? "ddprun" : "torchrun";
+    const auto rank = env.integer("RANK", 0, max_world - 1);
+    const auto world = env.integer("WORLD_SIZE", 1, max_world);
+    if (!rank)
+      detail::fail(Errc::invalid_argument, "environment: WORLD_SIZE is set but RANK is not");
+    if (!world)
+      detail::fail(Errc::invalid_argument, "environment: RANK is set but WORLD_SIZE is not");
+    e.rank = *rank;
+    e.world_size = *world;
+    detail::check_rank(env, e.rank, e.world_size, "RANK", "WORLD_SIZE");
+    e.local_world_size = env.integer("LOCAL_WORLD_SIZE", 1, max_world).value_or(e.world_size);
+    e.local_rank =
+        env.integer("LOCAL_RANK", 0, max_world - 1).value_or(e.rank % e.local_world_size);
+    detail::check_rank(env, e.local_rank, e.local_world_size, "LOCAL_RANK", "LOCAL_WORLD_SIZE");
+    if (e.local_world_size > e.world_size) {
+      detail::fail(Errc::invalid_argument, "environment: LOCAL_WORLD_SIZE=", e.local_world_size,
+                   " is larger than WORLD_SIZE=", e.world_size);
+    }
+    auto node = env.integer("NODE_RANK", 0, max_world - 1);
+    if (!node) node = env.integer("GROUP_RANK", 0, max_world - 1);
+    e.node_rank = node.value_or(e.rank / e.local_world_size);
+    fill_master(/*required=*/true);
+  } else if (env.has("OMPI_COMM_WORLD_RANK")) {  // Open MPI's mpirun
+    e.launcher = "openmpi";
+    e.world_size = env.integer("OMPI_COMM_WORLD_SIZE", 1, max_world).value_or(1);
+    e.rank = *env.integer("OMPI_COMM_WORLD_RANK", 0, max_world - 1);
+    detail::check_rank(env, e.rank, e.world_size, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE");
+    e.local_world_size =
+        env.integer("OMPI_COMM_WORLD_LOCAL_SIZE", 1, max_world).value_or(e.world_size);
+    e.local_rank = env.integer("OMPI_COMM_WORLD_LOCAL_RANK", 0, max_world - 1).value_or(0);
+    detail::check_rank(env, e.local_rank, e.local_world_size, "OMPI_COMM_WORLD_LOCAL_RANK",
+                       "OMPI_COMM_WORLD_LOCAL_SIZE");
+    // Not OMPI_COMM_WORLD_NODE_RANK: despite its name it ranks processes within a node (across
+    // jobs). With mpirun's default by-slot mapping, ranks fill the nodes in order.
+    e.node_rank = e.rank / e.local_world_size;
+    fill_master(/*required=*/false);
+  } else if (env.has("PMI_RANK")) {  // MPICH / Intel MPI (hydra)
+    e.launcher = "pmi";
+    e.world_size = env.integer("PMI_SIZE", 1, max_world).value_or(1);
+    e.rank = *env.integer("PMI_RANK", 0, max_world - 1);
+    detail::check_rank(env, e.rank, e.world_size, "PMI_RANK", "PMI_SIZE");
+    e.local_world_size = env.integer("MPI_LOCALNRANKS", 1, max_world).value_or(e.world_size);
+    e.local_rank = env.integer("MPI_LOCALRANKID", 0, max_world - 1).value_or(0);
+    detail::check_rank(env, e.local_rank, e.local_world_size, "MPI_LOCALRANKID", "MPI_LOCALNRANKS");
+    e.node_rank = e.rank / e.local_world_size;
+    fill_master(/*required=*/false);
+  } else if (env.has("SLURM_PROCID")) {  // srun
+    e.launcher = "slurm";
+    e.world_size = env.integer("SLURM_NTASKS", 1, max_world).value_or(1);
+    e.rank = *env.integer("SLURM_PROCID", 0, max_world - 1);
+    detail::check_rank(env, e.rank, e.world_size, "SLURM_PROCID", "SLURM_NTASKS");
+    e.local_rank = env.integer("SLURM_LOCALID", 0, max_world - 1).value_or(0);
+    e.node_rank = env.integer("SLURM_NODEID", 0, max_world - 1).value_or(0);
+    // The tasks on this node: the step's layout (srun), else the job's, each like "2(x2),1"
+    // (2 on nodes 0 and 1, 1 on node 2), indexed by this node; else SLURM_NTASKS_PER_NODE; else
+    // one node.
+    e.local_world_size = e.world_size;
+    const char* local_from = "SLURM_NTASKS";
+    for (const char* name :
+         {"SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"}) {
+      if (auto v = env.str(name)) {
+        if (auto n = detail::slurm_tasks_on_node(*v, e.node_rank)) {
+          e.local_world_size = *n;
+          local_from = name;
+          break;
+        }
+      }
+    }
+    detail::check_rank(env, e.local_rank, e.local_world_size, "SLURM_LOCALID", local_from);
+    if (!env.has("MASTER_ADDR")) {
+      if (auto nodes = env.str("SLURM_JOB_NODELIST"))
+        e.master_addr = detail::first_slurm_host(*nodes);
+    }
+    fill_master(/*required=*/false);
+    if (e.master_port == 0) {
+      // Same on every task of the step; different between jobs, and between the steps of one
+      // job (which may run at once on a node). Below the kernel's ephemeral ports (32768-),
+      // where a connecting socket can never be given it as its own source port.
+      if (auto job = env.integer("SLURM_JOB_ID", 0, 2147483647)) {
+        const auto step = env.integer("SLURM_STEP_ID", 0, 2147483647).value_or(0);
+        e.master_port = 15000 + static_cast<int>((static_cast<std::uint64_t>(*job) * 7919U +
+                                                  static_cast<std::uint64_t>(step)) %
+                                                 17000U);
+      }
+    }
+  } else if (env.has("MV2_COMM_WORLD_RANK")) {  // MVAPICH2's mpirun_rsh / mpiexec
+    e.launcher = "mvapich";
+    e.world_size = env.integer("MV2_COMM_WORLD_SIZE", 1, max_world).value_or(1);
+    e.rank = *env.integer("MV2_COMM_WORLD_RANK", 0, max_world - 1);
+    detail::check_rank(env, e.rank, e.world_size, "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE");
+    e.local_world_size =
+        env.integer("MV2_COMM_WORLD_LOCAL_SIZE", 1, max_world).value_or(e.world_size);
+    e.local_rank = env.integer("MV2_COMM_WORLD_LOCAL_RANK", 0, max_world - 1).value_or(0);
+    detail::check_rank(env, e.local_rank, e.local_world_size, "MV2_COMM_WORLD_LOCAL_RANK",
+                       "MV2_COMM_WORLD_LOCAL_SIZE");
+    e.node_rank = e.rank / e.local_world_size;
+    fill_master(/*required=*/false);
+  } else if (env.has("PMIX_RANK") || env.has("LOCAL_RANK")) {
+    // A launcher ddp cannot read fully: PMIx gives a rank but no world size in the environment
+    // (Open MPI 5 and srun --mpi=pmix also set the variables above); LOCAL_RANK alone comes from
+    // launchers that set nothing else. Run as a world of 1, but say so: in the quickstart
+    // pattern (spawn when there is no launcher) every process would otherwise fork a job.
+    e.launcher = "unknown";
+    const char* seen = env.has("PMIX_RANK") ? "PMIX_RANK" : "LOCAL_RANK";
+    e.warning = detail::concat(
+        "ddp: ", seen,
+        " is set, but not the variables ddp reads a job from (RANK and WORLD_SIZE, "
+        "OMPI_COMM_WORLD_*, PMI_RANK/PMI_SIZE, MV2_COMM_WORLD_*, SLURM_PROCID); this process "
+        "runs as rank 0 of a world of 1. Launch with ddprun, torchrun, srun or mpirun, or export "
+        "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.");
+  }
+  e.store_port = e.master_port;
+  e.rejoin = env.integer("DDP_REJOIN", 0, 1 << 30).value_or(0) > 0;
+  if (auto port = env.integer("DDP_STORE_PORT", 1, 65535)) {
+    e.store_port = *port;
+  } else if (e.launcher == "torchrun" && e.master_port != 0 &&
+             env.str("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True") {
+    if (e.master_port == 65535)
+      detail::fail(Errc::invalid_argument,
+                   "environment: under torchrun ddp's store listens on MASTER_PORT + 1, but "
+                   "MASTER_PORT is 65535; pick another port or set DDP_STORE_PORT");
+    e.store_port = e.master_port + 1;
+    e.store_ports = std::min(8, 65536 - e.store_port);
+  }
+  return e;
+}
+
+inline Environment Environment::detect() {
+  Environment e = detect([](const char* name) -> const char* { return std::getenv(name); });
+  if (!e.warning.empty()) std::fprintf(stderr, "%s\n", e.warning.c_str());
+  return e;
+}
+
+DDP_END_NAMESPACE
+// end ddp/environment.hpp
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 // begin ddp/store/etcd.hpp
@@ -8644,275 +9187,15 @@ DDP_INLINE std::shared_ptr<Store> open_etcd_store(const std::string& url, int ra
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/runtime/store_location.hpp
-// #include "ddp/store/client.hpp" (already included above)
-// #include "ddp/store/server.hpp" (already included above)
-// begin ddp/trace.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// The flight recorder: every communicator keeps its most recent operations (op, sequence
-/// number, bytes, state) in a ring of Options::trace_entries records, readable at any time with
-/// Communicator::recent() / trace(), and written out when an operation times out
-/// (Options::trace_dump, $DDP_TRACE_DUMP). Comparing the ranks' records shows which rank fell
-/// behind and where; the timeout message itself already names the ranks that did not arrive.
-/// Reading dumps back and comparing a job's ranks is the tools' part (tools/trace_diagnose.hpp:
-/// the `ddp-trace` tool prints it for a directory of dumps).
-
-// #include "ddp/config.hpp" (already included above)
+// end ddp/comm/store_location.hpp
+// #include "ddp/detail/env.hpp" (already included above)
+// #include "ddp/detail/fork.hpp" (already included above)
 // #include "ddp/detail/lean_std.hpp" (already included above)
+// #include "ddp/environment.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
-
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <time.h>
-#include <unistd.h>
-
-#include <algorithm>
-#include <atomic>
-#include <cerrno>
-#include <cstddef>
-#include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <memory>
-#include <string>
-#include <string_view>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-/// One operation in a communicator's flight recorder.
-struct TraceRecord {
-  /// Where the operation is: waiting behind others, running, finished, or failed.
-  enum class State : std::uint8_t { queued, running, done, failed };
-  std::uint64_t seq = 0;        ///< operations issued on this communicator before this one
-  const char* op = "";          ///< "all_reduce", "broadcast", ...
-  std::size_t bytes = 0;        ///< bytes of this rank's buffer(s)
-  State state = State::queued;  ///< where it was when the record was read
-  std::chrono::steady_clock::time_point issued{};  ///< when it was called (or queued)
-};
-
-/// The state's name: "queued", "running", "done" or "failed".
-[[nodiscard]] constexpr const char* to_string(TraceRecord::State s) noexcept {
-  switch (s) {
-    case TraceRecord::State::queued: return "queued";
-    case TraceRecord::State::running: return "running";
-    case TraceRecord::State::done: return "done";
-    case TraceRecord::State::failed: return "failed";
-  }
-  return "?";
-}
-
-namespace detail {
-
-/// How long a launcher (ddprun, spawn) lets the other workers run after one failed before it
-/// stops them: a second when they write flight recorders ($DDP_TRACE_DUMP), in which they fail on
-/// their own (peers of a failed rank do within milliseconds) and write them; else no time.
-[[nodiscard]] DDP_INLINE std::chrono::milliseconds trace_dump_grace();
-#if DDP_BODIES
-DDP_INLINE std::chrono::milliseconds trace_dump_grace() {
-  return !EnvReader().has("DDP_TRACE_DUMP") ? std::chrono::milliseconds(0)
-                                            : std::chrono::milliseconds(1000);
-}
-#endif  // DDP_BODIES
-
-/// A fixed ring of TraceRecords that costs no lock: issuing an operation is one atomic
-/// increment and a few plain stores, updating its state one store, so the flight recorder stays
-/// on in production. Operations are recorded by the thread that issues them and updated by the
-/// one that runs them; any thread may read (a record being written at that moment is skipped).
-/// Times come from the coarse monotonic clock (a memory read; a few ms resolution, enough for
-/// ages in ms).
-class FlightRecorder {
- public:
-  using State = TraceRecord::State;
-
-  /// Sets the capacity and forgets every record; not concurrent with the other members.
-  void resize(std::size_t capacity);
-
-  /// Records a new operation and returns its sequence number.
-  std::uint64_t issue(const char* op, std::size_t bytes, State state);
-
-  /// Moves operation `seq` to `state` (unless the ring has overwritten it since).
-  void update(std::uint64_t seq, State state);
-
-  /// The records still held, oldest first.
-  [[nodiscard]] std::vector<TraceRecord> recent() const;
-
-  /// Operations issued so far.
-  [[nodiscard]] std::uint64_t issued() const;
-
- private:
-  struct Slot {
-    std::atomic<std::uint64_t> version{0};  // 2 seq + 2 when record `seq` is complete
-    std::atomic<const char*> op{""};
-    std::atomic<std::size_t> bytes{0};
-    std::atomic<State> state{State::queued};
-    std::atomic<std::int64_t> issued_ns{0};
-  };
-
-  /// steady_clock's clock (CLOCK_MONOTONIC), read at its coarse resolution.
-  static std::int64_t coarse_now_ns() noexcept;
-
-  std::unique_ptr<Slot[]> slots_;
-  std::size_t mask_ = 0;
-  std::size_t capacity_ = 0;  // records kept (recent() returns at most this many)
-  std::atomic<std::uint64_t> next_{0};
-};
-
-#if DDP_BODIES
-DDP_INLINE void FlightRecorder::resize(std::size_t capacity) {
-  // Slots for a power of two at least `capacity`: a slot is found with a mask, not a division
-  // (a 64-bit division costs more than the rest of recording an operation).
-  std::size_t slots = capacity != 0 ? 1 : 0;
-  while (slots < capacity) slots <<= 1;
-  slots_ = slots != 0 ? std::make_unique<Slot[]>(slots) : nullptr;
-  mask_ = slots - 1;
-  capacity_ = capacity;
-  next_.store(0, std::memory_order_relaxed);
-}
-
-DDP_INLINE std::uint64_t FlightRecorder::issue(const char* op, std::size_t bytes, State state) {
-  const std::uint64_t seq = next_.fetch_add(1, std::memory_order_relaxed);
-  if (capacity_ == 0) return seq;
-  Slot& s = slots_[seq & mask_];
-  // A seqlock without fences (ThreadSanitizer does not model them): the fields are release
-  // stores after the odd version, so a reader that sees any of them sees the version change.
-  s.version.store(2 * seq + 1, std::memory_order_relaxed);  // odd: being written
-  s.op.store(op, std::memory_order_release);
-  s.bytes.store(bytes, std::memory_order_release);
-  s.state.store(state, std::memory_order_release);
-  s.issued_ns.store(coarse_now_ns(), std::memory_order_release);
-  s.version.store(2 * seq + 2, std::memory_order_release);
-  return seq;
-}
-
-DDP_INLINE void FlightRecorder::update(std::uint64_t seq, State state) {
-  if (capacity_ == 0) return;
-  Slot& s = slots_[seq & mask_];
-  if (s.version.load(std::memory_order_relaxed) == 2 * seq + 2)
-    s.state.store(state, std::memory_order_release);
-}
-
-DDP_INLINE std::vector<TraceRecord> FlightRecorder::recent() const {
-  std::vector<TraceRecord> out;
-  const std::uint64_t next = next_.load(std::memory_order_acquire);
-  const std::uint64_t n = std::min<std::uint64_t>(next, capacity_);
-  out.reserve(static_cast<std::size_t>(n));
-  for (std::uint64_t seq = next - n; seq < next; ++seq) {
-    const Slot& s = slots_[seq & mask_];
-    const std::uint64_t v = s.version.load(std::memory_order_acquire);
-    if (v != 2 * seq + 2) continue;  // being written, or already overwritten
-    TraceRecord r;
-    r.seq = seq;
-    r.op = s.op.load(std::memory_order_acquire);
-    r.bytes = s.bytes.load(std::memory_order_acquire);
-    r.state = s.state.load(std::memory_order_acquire);
-    r.issued = std::chrono::steady_clock::time_point(
-        std::chrono::nanoseconds(s.issued_ns.load(std::memory_order_acquire)));
-    if (s.version.load(std::memory_order_relaxed) == v) out.push_back(r);
-  }
-  return out;
-}
-
-DDP_INLINE std::uint64_t FlightRecorder::issued() const {
-  return next_.load(std::memory_order_acquire);
-}
-
-DDP_INLINE std::int64_t FlightRecorder::coarse_now_ns() noexcept {
-  timespec ts{};
-  if (::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts) != 0) {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-  }
-  return std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
-}
-#endif  // DDP_BODIES
-
-/// The recorder's contents as text: a header line, then one line per record, oldest first.
-[[nodiscard]] DDP_INLINE std::string format_trace(const std::vector<TraceRecord>& records,
-                                                  std::uint64_t issued, int rank, int size,
-                                                  std::string_view group, std::string_view why);
-#if DDP_BODIES
-DDP_INLINE std::string format_trace(const std::vector<TraceRecord>& records, std::uint64_t issued,
-                                    int rank, int size, std::string_view group,
-                                    std::string_view why) {
-  const auto now = std::chrono::steady_clock::now();
-  std::string out = concat("ddp flight recorder: rank ", rank, " of ", size, ", group \"", group,
-                           "\", the last ", records.size(), " of ", issued, " operations");
-  if (!why.empty()) out += concat(", dumped because: ", why);
-  // The op column fits the longest name (all_reduce_coalesced, 20 characters).
-  out += "\n       seq  op                           bytes  state    age (ms)\n";
-  for (const auto& r : records) {
-    const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(now - r.issued).count();
-    char line[160];
-    std::snprintf(line, sizeof line, "%10llu  %-22s %12llu  %-7s %9lld\n",
-                  static_cast<unsigned long long>(r.seq), r.op,
-                  static_cast<unsigned long long>(r.bytes), to_string(r.state),
-                  static_cast<long long>(age));
-    out += line;
-  }
-  return out;
-}
-#endif  // DDP_BODIES
-
-/// Writes a dump where Options::trace_dump (or $DDP_TRACE_DUMP) says: "stderr", or a directory
-/// that receives ddp-trace-<group>-rank<r>.txt. Never throws (it runs while an error propagates).
-DDP_INLINE void dump_trace(const std::string& where, const std::string& text,
-                           std::string_view group, int rank) noexcept;
-#if DDP_BODIES
-DDP_INLINE void dump_trace(const std::string& where, const std::string& text,
-                           std::string_view group, int rank) noexcept {
-  try {
-    if (where == "stderr" || where == "-") {
-      std::fwrite(text.data(), 1, text.size(), stderr);
-      return;
-    }
-    std::string name(group);
-    for (char& ch : name) {
-      const bool plain = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
-                         (ch >= '0' && ch <= '9') || ch == '-' || ch == '_' || ch == '.';
-      if (!plain) ch = '_';
-    }
-    // The directory is made if missing (and its parents), as `mkdir -p` would.
-    for (std::size_t at = where.find('/', 1); at != std::string::npos; at = where.find('/', at + 1))
-      (void)::mkdir(where.substr(0, at).c_str(), 0777);
-    (void)::mkdir(where.c_str(), 0777);
-    const std::string path = concat(where, "/ddp-trace-", name, "-rank", rank, ".txt");
-    // Never through a link, never waiting on a FIFO someone put there (O_NONBLOCK: opening one
-    // without a reader fails at once), never anything but a regular file.
-    const int fd = ::open(path.c_str(),
-                          O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
-    const char* why = fd < 0 ? std::strerror(errno) : nullptr;
-    struct stat st {};
-    std::FILE* f = nullptr;
-    if (fd >= 0 && ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) f = ::fdopen(fd, "w");
-    if (f == nullptr && fd >= 0) {
-      ::close(fd);
-      why = "something other than a regular file is there";
-    }
-    if (f != nullptr) {
-      std::fwrite(text.data(), 1, text.size(), f);
-      std::fclose(f);
-      std::fprintf(stderr, "[ddp] rank %d: flight recorder written to %s\n", rank, path.c_str());
-    } else {
-      // Not lost: the dump goes to stderr instead, after the reason.
-      std::fprintf(stderr,
-                   "[ddp] rank %d: cannot write the flight recorder to %s: %s; here it is\n", rank,
-                   path.c_str(), why);
-      std::fwrite(text.data(), 1, text.size(), stderr);
-    }
-  } catch (...) {
-  }
-}
-#endif  // DDP_BODIES
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/trace.hpp
+// #include "ddp/store/client.hpp" (already included above)
+// #include "ddp/store/server.hpp" (already included above)
 // begin ddp/work.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -9130,7 +9413,7 @@ DDP_INLINE bool Work::failed() const {
 DDP_END_NAMESPACE
 // end ddp/work.hpp
 #if DDP_HAS_CUDA
-// begin ddp/runtime/cuda_staging.hpp
+// begin ddp/comm/cuda_staging.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -9138,12 +9421,14 @@ DDP_END_NAMESPACE
 /// How a communicator runs a collective on CUDA buffers its backend cannot use (backend::Host, a
 /// backend::Mpi that is not CUDA-aware): detail::CudaStager (slots of pinned memory, copies in
 /// both directions on their own streams) and detail::CudaStaging (one stager per communicator,
-/// made on first use for the buffers' device). The pipeline itself is runtime/staging.hpp.
+/// made on first use for the buffers' device). The pipeline itself is comm/staging.hpp.
 
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_CUDA
-#error "ddp/runtime/cuda_staging.hpp needs DDP_HAS_CUDA=1 (the ddp::cuda target)"
+#error "ddp/comm/cuda_staging.hpp needs DDP_HAS_CUDA=1 (the ddp::cuda target)"
 #endif
+// #include "ddp/backend/collective.hpp" (already included above)
+// #include "ddp/comm/staging.hpp" (already included above)
 // begin ddp/cuda.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -9645,8 +9930,6 @@ DDP_END_NAMESPACE
 // end ddp/cuda.hpp
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
-// #include "ddp/runtime/collective.hpp" (already included above)
-// #include "ddp/runtime/staging.hpp" (already included above)
 
 #include <array>
 #include <cstddef>
@@ -9655,7 +9938,7 @@ DDP_END_NAMESPACE
 DDP_BEGIN_NAMESPACE
 namespace detail {
 
-/// The copies of a host-memory backend staging CUDA buffers (see runtime/staging.hpp): slots of
+/// The copies of a host-memory backend staging CUDA buffers (see comm/staging.hpp): slots of
 /// pinned memory, kept between collectives; device-to-host copies on one stream and
 /// host-to-device copies on another, so the two directions overlap; copies ordered after the
 /// tensor's stream with an event. One per communicator and device; used with its device current.
@@ -9730,7 +10013,7 @@ class CudaStager {
 
 /// How a communicator runs a collective on CUDA buffers its backend cannot use (backend::Host, a
 /// backend::Mpi that is not CUDA-aware): through pinned host memory, with a CudaStager made on
-/// first use for the buffers' device (see runtime/staging.hpp for the pipeline).
+/// first use for the buffers' device (see comm/staging.hpp for the pipeline).
 class CudaStaging {
  public:
   CudaStaging(std::chrono::milliseconds timeout, std::size_t piece_bytes)
@@ -9777,7 +10060,7 @@ class CudaStaging {
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/runtime/cuda_staging.hpp
+// end ddp/comm/cuda_staging.hpp
 #endif
 
 #include <time.h>
@@ -9837,7 +10120,7 @@ struct CommState {
   /// The membership epoch a shrink() or grow() of this communicator formed (0: none): it is
   /// replaced.
   std::uint64_t replaced_by = 0;
-  /// The join requests (Communicator::join) answered so far: every id up to this one.
+  /// The join requests (Communicator::enter) answered so far: every id up to this one.
   std::int64_t joins_seen = 0;
   /// grow() calls on this communicator (every member's the same): tags each decision, since a
   /// grow() that admits nobody leaves the epoch and joins_seen as they were.
@@ -9871,7 +10154,7 @@ struct CommState {
   /// whose calls all end by `rendezvous_deadline` until end_rendezvous().
   std::shared_ptr<Store> connect_store(const Environment& env);
 
-  /// A newcomer (Communicator::join): connects to the running job's store, which the launcher or
+  /// A newcomer (Communicator::enter): connects to the running job's store, which the launcher or
   /// a member hosts (never this process), without a refusal key: a wrong token fails this
   /// process alone, not the job. Sets the job's prefixes, as init() does.
   void connect_to_job(const Environment& env);
@@ -9886,9 +10169,9 @@ struct CommState {
   /// newcomer is known dead).
   [[nodiscard]] bool rank_gone(int r) const;
 
-  /// How many processes asked to join the job (Communicator::join) since its last growth: one
+  /// How many processes asked to join the job (Communicator::enter) since its last growth: one
   /// store read. 0 without a store, or for a communicator that split() made.
-  [[nodiscard]] int waiting_to_join() const;
+  [[nodiscard]] int waiting_to_enter() const;
 
   /// The store key that marks this process gone: "<init prefix>gone/<rank in init()'s
   /// communicator>", written only by the store as the process's connection closes (never by a
@@ -9932,7 +10215,7 @@ struct CommState {
   /// A failure relayed from another rank gets this rank's name in front instead.
   void relay_failure(int rank, const Error& e);
 
-  /// Communicator::monitored_barrier over the store (runtime/monitored_barrier.hpp).
+  /// Communicator::monitored_barrier over the store (backend/monitored_barrier.hpp).
   void monitored_barrier(int rank, int size, std::chrono::milliseconds timeout,
                          bool wait_all_ranks);
 
@@ -10084,7 +10367,7 @@ DDP_INLINE std::shared_ptr<Store> CommState::connect_store(const Environment& en
 DDP_INLINE void CommState::connect_to_job(const Environment& env) {
   if (env.master_port == 0 && options.store.empty())
     fail(Errc::invalid_argument, "rank ", env.rank,
-         ": Communicator::join: MASTER_PORT is not set; export MASTER_ADDR and MASTER_PORT "
+         ": Communicator::enter: MASTER_PORT is not set; export MASTER_ADDR and MASTER_PORT "
          "of the running job, or launch with ddprun");
   const EnvReader launcher;
   prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
@@ -10143,7 +10426,7 @@ DDP_INLINE bool CommState::rank_gone(int r) const {
          seen(concat(job_prefix, "gone/", world_ranks[i]));
 }
 
-DDP_INLINE int CommState::waiting_to_join() const {
+DDP_INLINE int CommState::waiting_to_enter() const {
   if (!root_store || base_prefix != job_prefix) return 0;
   Store base = root_store->prefixed(base_prefix).unwatched();
   return static_cast<int>(std::max<std::int64_t>(0, base.add("join/next", 0) - joins_seen));
@@ -10391,285 +10674,7 @@ DDP_INLINE std::string CommState::peek_membership(const char* key) const {
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/runtime/comm_state.hpp
-// begin ddp/runtime/reduce.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Reduction kernels. Every element is reduced over the ranks' contributions in rank order
-/// 0, 1, ..., P-1, whichever rank computes it and whatever the message size, so the result is
-/// bitwise the same on every rank and in every run. half and bfloat16 accumulate in float and
-/// are rounded once; integer sums and products wrap (two's complement) instead of overflowing
-/// into undefined behaviour; avg divides the sum by P.
-
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
-
-#include <algorithm>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <type_traits>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-template <class T>
-struct Accum {
-  using type = T;
-};
-template <>
-struct Accum<half> {
-  using type = float;
-};
-template <>
-struct Accum<bfloat16> {
-  using type = float;
-};
-
-template <class T>
-inline T load_elem(const std::byte* p) {
-  T v;
-  std::memcpy(&v, p, sizeof(T));
-  return v;
-}
-
-template <ReduceOp Op, class A>
-inline A combine(A a, A b) {
-  if constexpr (Op == ReduceOp::sum || Op == ReduceOp::avg) {
-    if constexpr (std::is_integral_v<A>) {
-      using U = std::make_unsigned_t<A>;
-      return static_cast<A>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
-    } else {
-      return a + b;
-    }
-  } else if constexpr (Op == ReduceOp::prod) {
-    if constexpr (std::is_integral_v<A>) {
-      using U = std::make_unsigned_t<A>;
-      using W =
-          std::conditional_t<(sizeof(U) < sizeof(unsigned)), unsigned, U>;  // no int promotion
-      return static_cast<A>(
-          static_cast<U>(static_cast<W>(static_cast<U>(a)) * static_cast<W>(static_cast<U>(b))));
-    } else {
-      return a * b;
-    }
-  } else if constexpr (Op == ReduceOp::min) {
-    return b < a ? b : a;
-  } else {
-    return a < b ? b : a;
-  }
-}
-
-/// dst[i] = src[0][i] op src[1][i] op ... op src[n-1][i] for i in [0, count), and the same into
-/// dst2 when it is not null (one pass writing both: the all-reduce writes its result to the user's
-/// buffer and to the slot peers read it from). dst may alias a source exactly (in place), but
-/// must not partially overlap one; dst2 must not overlap anything.
-template <class T, ReduceOp Op>
-void reduce_kernel(std::byte* dst, std::byte* dst2, const std::byte* const* src, int n,
-                   std::size_t count) {
-  using A = typename Accum<T>::type;
-  auto* d = reinterpret_cast<T*>(dst);
-  auto* d2 = reinterpret_cast<T*>(dst2);
-  if (n == 2) {  // the common case, one fused pass (the same operations as the general path)
-    const auto* a = reinterpret_cast<const T*>(src[0]);
-    const auto* b = reinterpret_cast<const T*>(src[1]);
-    const auto value = [a, b](std::size_t i) {
-      A v = combine<Op, A>(static_cast<A>(a[i]), static_cast<A>(b[i]));
-      if constexpr (Op == ReduceOp::avg) v = v / static_cast<A>(2);
-      return static_cast<T>(v);
-    };
-    if (d2 == nullptr) {
-      for (std::size_t i = 0; i < count; ++i) d[i] = value(i);
-      return;
-    }
-    if constexpr (std::is_same_v<A, T>) {
-      for (std::size_t i = 0; i < count; ++i) {
-        const T v = value(i);
-        d[i] = v;
-        d2[i] = v;
-      }
-      return;
-    }
-    // half and bfloat16: two stores of the class type keep the loop scalar, so write dst in
-    // steps and copy each step to dst2 while it is still in L1.
-    constexpr std::size_t step = 4096;
-    for (std::size_t base = 0; base < count; base += step) {
-      const std::size_t end = std::min(count, base + step);
-      for (std::size_t i = base; i < end; ++i) d[i] = value(i);
-      std::memcpy(d2 + base, d + base, (end - base) * sizeof(T));
-    }
-    return;
-  }
-  constexpr std::size_t block = 1024;
-  A acc[block];
-  for (std::size_t base = 0; base < count; base += block) {
-    const std::size_t m = std::min(block, count - base);
-    {
-      const auto* s = reinterpret_cast<const T*>(src[0]) + base;
-      if (n > 1) {
-        const auto* s1 = reinterpret_cast<const T*>(src[1]) + base;
-        for (std::size_t i = 0; i < m; ++i)
-          acc[i] = combine<Op, A>(static_cast<A>(s[i]), static_cast<A>(s1[i]));
-      } else {
-        for (std::size_t i = 0; i < m; ++i) acc[i] = static_cast<A>(s[i]);
-      }
-    }
-    for (int k = 2; k < n; ++k) {
-      const auto* s = reinterpret_cast<const T*>(src[k]) + base;
-      for (std::size_t i = 0; i < m; ++i) acc[i] = combine<Op, A>(acc[i], static_cast<A>(s[i]));
-    }
-    if constexpr (Op == ReduceOp::avg) {
-      const A ranks = static_cast<A>(n);
-      for (std::size_t i = 0; i < m; ++i) acc[i] = acc[i] / ranks;
-    }
-    for (std::size_t i = 0; i < m; ++i) d[base + i] = static_cast<T>(acc[i]);
-    if (d2 != nullptr) {
-      for (std::size_t i = 0; i < m; ++i) d2[base + i] = d[base + i];
-    }
-  }
-}
-
-using ReduceFn = void (*)(std::byte*, std::byte*, const std::byte* const*, int, std::size_t);
-
-template <class T>
-constexpr ReduceFn reduce_fn_for(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::sum: return &reduce_kernel<T, ReduceOp::sum>;
-    case ReduceOp::prod: return &reduce_kernel<T, ReduceOp::prod>;
-    case ReduceOp::max: return &reduce_kernel<T, ReduceOp::max>;
-    case ReduceOp::min: return &reduce_kernel<T, ReduceOp::min>;
-    case ReduceOp::avg:
-      if constexpr (std::is_floating_point_v<T> || std::is_same_v<T, half> ||
-                    std::is_same_v<T, bfloat16>) {
-        return &reduce_kernel<T, ReduceOp::avg>;
-      } else {
-        return nullptr;
-      }
-  }
-  return nullptr;
-}
-
-/// The kernel for (dtype, op), or nullptr when the pair is not supported.
-[[nodiscard]] DDP_INLINE ReduceFn reduce_fn(DType t, ReduceOp op);
-#if DDP_BODIES
-DDP_INLINE ReduceFn reduce_fn(DType t, ReduceOp op) {
-  switch (t) {
-    case DType::int8: return reduce_fn_for<std::int8_t>(op);
-    case DType::uint8: return reduce_fn_for<std::uint8_t>(op);
-    case DType::int16: return reduce_fn_for<std::int16_t>(op);
-    case DType::uint16: return reduce_fn_for<std::uint16_t>(op);
-    case DType::int32: return reduce_fn_for<std::int32_t>(op);
-    case DType::uint32: return reduce_fn_for<std::uint32_t>(op);
-    case DType::int64: return reduce_fn_for<std::int64_t>(op);
-    case DType::uint64: return reduce_fn_for<std::uint64_t>(op);
-    case DType::float16: return reduce_fn_for<half>(op);
-    case DType::float32: return reduce_fn_for<float>(op);
-    case DType::float64: return reduce_fn_for<double>(op);
-    case DType::bfloat16: return reduce_fn_for<bfloat16>(op);
-  }
-  return nullptr;
-}
-#endif  // DDP_BODIES
-
-/// data[i] /= n in place, in the accumulator's precision (as avg does after its sum): the last
-/// step of an avg whose sum was taken in parts (the hierarchical all_reduce).
-using DivideFn = void (*)(std::byte*, std::size_t, int);
-
-template <class T>
-void divide_kernel(std::byte* data, std::size_t count, int n) {
-  using A = typename Accum<T>::type;
-  auto* d = reinterpret_cast<T*>(data);
-  const A by = static_cast<A>(n);
-  for (std::size_t i = 0; i < count; ++i) d[i] = static_cast<T>(static_cast<A>(d[i]) / by);
-}
-
-/// The divide kernel for a dtype that avg supports (floating point), else nullptr.
-[[nodiscard]] DDP_INLINE DivideFn divide_fn(DType t);
-#if DDP_BODIES
-DDP_INLINE DivideFn divide_fn(DType t) {
-  switch (t) {
-    case DType::float16: return &divide_kernel<half>;
-    case DType::float32: return &divide_kernel<float>;
-    case DType::float64: return &divide_kernel<double>;
-    case DType::bfloat16: return &divide_kernel<bfloat16>;
-    default: return nullptr;
-  }
-}
-#endif  // DDP_BODIES
-
-// ---- compressed all-reduce: float32 values that travel and are reduced as W (half, bfloat16) --
-
-/// dst[i] = W(src[i]): float32 to the wire type, rounded to nearest even.
-template <class W>
-void encode_kernel(std::byte* dst, const std::byte* src, std::size_t count) {
-  auto* d = reinterpret_cast<W*>(dst);
-  const auto* s = reinterpret_cast<const float*>(src);
-  for (std::size_t i = 0; i < count; ++i) d[i] = W(s[i]);
-}
-
-/// dst[i] = float(src[i]): the wire type back to float32 (exact).
-template <class W>
-void decode_kernel(std::byte* dst, const std::byte* src, std::size_t count) {
-  auto* d = reinterpret_cast<float*>(dst);
-  const auto* s = reinterpret_cast<const W*>(src);
-  for (std::size_t i = 0; i < count; ++i) d[i] = static_cast<float>(s[i]);
-}
-
-/// reduce_kernel<W, Op> over W-typed sources (the same operations, so the same bits), with the
-/// rounded result written decoded to `dst` (float32) and, when `wire` is not null, as W there.
-template <class W, ReduceOp Op>
-void reduce_decode_kernel(std::byte* dst, std::byte* wire, const std::byte* const* src, int n,
-                          std::size_t count) {
-  // In steps, each decoded while in L1: a loop storing both W and float stays scalar.
-  constexpr std::size_t step = 2048;
-  W block[step];
-  std::vector<const std::byte*> shifted(static_cast<std::size_t>(n));
-  for (std::size_t base = 0; base < count; base += step) {
-    const std::size_t m = std::min(step, count - base);
-    W* w = wire != nullptr ? reinterpret_cast<W*>(wire) + base : block;
-    for (int k = 0; k < n; ++k) shifted[static_cast<std::size_t>(k)] = src[k] + base * sizeof(W);
-    reduce_kernel<W, Op>(reinterpret_cast<std::byte*>(w), nullptr, shifted.data(), n, m);
-    decode_kernel<W>(dst + base * sizeof(float), reinterpret_cast<const std::byte*>(w), m);
-  }
-}
-
-/// The kernels of an all-reduce whose float32 values travel as `wire`.
-struct WireKernels {
-  void (*encode)(std::byte*, const std::byte*, std::size_t) = nullptr;
-  void (*decode)(std::byte*, const std::byte*, std::size_t) = nullptr;
-  ReduceFn reduce = nullptr;  // (float32 dst, wire dst or null, wire sources, n, count)
-};
-
-template <class W>
-WireKernels wire_kernels_for(ReduceOp op) {
-  WireKernels k{&encode_kernel<W>, &decode_kernel<W>, nullptr};
-  switch (op) {
-    case ReduceOp::sum: k.reduce = &reduce_decode_kernel<W, ReduceOp::sum>; break;
-    case ReduceOp::prod: k.reduce = &reduce_decode_kernel<W, ReduceOp::prod>; break;
-    case ReduceOp::max: k.reduce = &reduce_decode_kernel<W, ReduceOp::max>; break;
-    case ReduceOp::min: k.reduce = &reduce_decode_kernel<W, ReduceOp::min>; break;
-    case ReduceOp::avg: k.reduce = &reduce_decode_kernel<W, ReduceOp::avg>; break;
-  }
-  return k;
-}
-
-/// Kernels for float32 values carried as `wire` (float16 or bfloat16); reduce is null otherwise.
-[[nodiscard]] DDP_INLINE WireKernels wire_kernels(DType wire, ReduceOp op);
-#if DDP_BODIES
-DDP_INLINE WireKernels wire_kernels(DType wire, ReduceOp op) {
-  switch (wire) {
-    case DType::float16: return wire_kernels_for<half>(op);
-    case DType::bfloat16: return wire_kernels_for<bfloat16>(op);
-    default: return {};
-  }
-}
-#endif  // DDP_BODIES
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/runtime/reduce.hpp
+// end ddp/comm/state.hpp
 // #include "ddp/types.hpp" (already included above)
 
 #include <algorithm>
@@ -10703,7 +10708,7 @@ bool staged(const Buf& b) noexcept {
 }
 
 /// Runs f(buffer) for an elementwise collective, through the staging pipeline when `b` is a
-/// CUDA buffer this backend cannot use (see runtime/staging.hpp).
+/// CUDA buffer this backend cannot use (see comm/staging.hpp).
 template <class Backend, class F>
 void elementwise(CommState& s, const Buf& b, bool fetch, bool store, const F& f) {
   if (!staged<Backend>(b)) return f(b);
@@ -10913,10 +10918,8 @@ void dispatch(Backend& be, CommState& s, const Call& c) {
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/backend/dispatch.hpp
+// end ddp/comm/dispatch.hpp
 // #include "ddp/config.hpp" (already included above)
-// #include "ddp/runtime/call.hpp" (already included above)
-// #include "ddp/runtime/collective.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
@@ -10994,7 +10997,7 @@ DDP_INLINE std::vector<std::size_t> joined_counts(std::span<const std::size_t> a
 #endif  // DDP_BODIES
 
 /// An uneven collective's call; `in`, `out` and `counts` read only where the collective reads
-/// them (see runtime/call.hpp).
+/// them (see comm/call.hpp).
 template <class Backend, class In, class Out>
 Call prepare_uneven_args(Coll coll, In& in_t, Out& out_t, std::span<const std::size_t> counts,
                          int root, Caller caller) {
@@ -11037,21 +11040,9 @@ Call prepare_scatter_args(In& in_t, Out& out_t, int root, Caller caller) {
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/backend/arguments.hpp
-// #include "ddp/backend/backend.hpp" (already included above)
-// begin ddp/backend/comm_runner.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// What runs a Communicator's operations: detail::CommRunner, the communicator's state
-/// (detail::CommState, everything that does not depend on the backend, plus the backend) and
-/// how each operation runs on it: in issue order, inline when the communicator is idle, else on
-/// its worker (submit), recorded in the flight recorder, poisoning the communicator when it
-/// fails. And detail::hold: the tensors that share their storage an async operation keeps alive.
-
-// #include "ddp/backend/dispatch.hpp" (already included above)
-// begin ddp/backend/init.hpp
+// end ddp/comm/arguments.hpp
+// #include "ddp/comm/dispatch.hpp" (already included above)
+// begin ddp/comm/init.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -11066,17 +11057,12 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-// #include "ddp/detail/env.hpp" (already included above)
-// #include "ddp/environment.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/options.hpp" (already included above)
-// #include "ddp/runtime/comm_state.hpp" (already included above)
-// begin ddp/runtime/growth.hpp
+// begin ddp/comm/growth.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// How a process joins a running job (Communicator::join) and how the job's members admit it
+/// How a process joins a running job (Communicator::enter) and how the job's members admit it
 /// (Communicator::grow), over the rendezvous store, under the prefix of the communicator that
 /// init() made (its "join/" keys):
 ///  1. a newcomer takes a number ("join/next"), writes its request ("join/<id>": the world rank
@@ -11102,9 +11088,9 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// #include "ddp/comm/state.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
-// #include "ddp/runtime/comm_state.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 
 #include <unistd.h>
@@ -11338,7 +11324,7 @@ DDP_INLINE Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch
       refusal = concat(static_cast<int>(Errc::mismatch), " ", ticket_difference(theirs, ticket),
                        ": a newcomer must run the same program (the same TrainingState: model, "
                        "optimizer and objects, tracked in the same order) with the same "
-                       "JoinOptions::ticket as the members' GrowOptions::ticket");
+                       "EnterOptions::ticket as the members' GrowOptions::ticket");
     } else if (claim < 0) {
       refusal = concat(static_cast<int>(Errc::invalid_argument),
                        " it claims no valid rank (Environment::rank must be 0 to 2^30)");
@@ -11499,8 +11485,8 @@ DDP_INLINE std::string JoinRequest::await(Clock::time_point deadline) {
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/runtime/growth.hpp
-// begin ddp/runtime/membership.hpp
+// end ddp/comm/growth.hpp
+// begin ddp/comm/membership.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -11532,10 +11518,10 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// #include "ddp/comm/growth.hpp" (already included above)
+// #include "ddp/comm/state.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
-// #include "ddp/runtime/comm_state.hpp" (already included above)
-// #include "ddp/runtime/growth.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 
 #include <unistd.h>
@@ -11828,7 +11814,12 @@ DDP_INLINE void MembershipChange::excluded(const std::string& why) {
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/runtime/membership.hpp
+// end ddp/comm/membership.hpp
+// #include "ddp/comm/state.hpp" (already included above)
+// #include "ddp/detail/env.hpp" (already included above)
+// #include "ddp/environment.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/options.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 
 #include <algorithm>
@@ -11857,7 +11848,7 @@ DDP_INLINE BackendInit begin_init(CommState& state, const Environment& env, Opti
   if (env.rejoin && needs_store)
     fail(Errc::invalid_argument, "rank ", env.rank,
          ": Communicator::init: the launcher restarted this process to join the running job "
-         "(DDP_REJOIN is set): make its communicator with Communicator::join (README, \"Fault "
+         "(DDP_REJOIN is set): make its communicator with Communicator::enter (README, \"Fault "
          "tolerance\"), or launch with --on-failure shrink, which restarts nobody");
   options = options.with_env(EnvReader(), bad_setting);
   if (!bad_setting &&
@@ -11985,7 +11976,7 @@ DDP_INLINE BackendInit begin_split(CommState& sub, const CommState& parent,
 }
 #endif  // DDP_BODIES
 
-/// Why a backend without a rendezvous store (backend::Mpi) cannot `what` (shrink, grow, join),
+/// Why a backend without a rendezvous store (backend::Mpi) cannot `what` (shrink, grow, enter),
 /// for the refusal.
 DDP_INLINE const char* membership_refusal(std::string_view backend, std::string_view what);
 #if DDP_BODIES
@@ -11998,6 +11989,15 @@ DDP_INLINE const char* membership_refusal(std::string_view backend, std::string_
   return "this backend has no rendezvous store to agree on a new membership in";
 }
 #endif  // DDP_BODIES
+
+/// Errc::unsupported for `what` (shrink, grow, enter) on a backend without a rendezvous store.
+template <class Backend>
+void refuse_membership(int rank, const char* what) {
+  if constexpr (!backend_traits<Backend>::needs_store)
+    fail(Errc::unsupported, "rank ", rank, ": ", what,
+         ": not available on backend::", Backend::name, " (",
+         membership_refusal(Backend::name, what), "); for fault tolerance use backend::Host");
+}
 
 /// Connects `sub` (its root store, prefix, options and rendezvous deadline set) as `rank` of
 /// `size` under its prefix: the backend made, and the job agreed on as at init().
@@ -12050,7 +12050,7 @@ std::shared_ptr<State> shrink_backend(State& old, int rank) {
 
 /// Communicator::shrink on a backend that does not shrink itself: agree with the other
 /// survivors of `old` (this rank `rank` of `size`) on the members of the next membership epoch
-/// (runtime/membership.hpp), connect them, and return the new communicator's state; another
+/// (comm/membership.hpp), connect them, and return the new communicator's state; another
 /// round when a member fails or dies meanwhile. Fails with Errc::aborted when this rank is left
 /// out.
 template <class State>
@@ -12141,7 +12141,7 @@ void connect_grown(State& sub, const std::string& base, std::uint64_t epoch, con
 }
 
 /// Communicator::grow: the members of `old` (this rank `rank` of `size`) admit the processes
-/// waiting to join (runtime/growth.hpp) and connect with them; nullptr when none was admitted
+/// waiting to enter (comm/growth.hpp) and connect with them; nullptr when none was admitted
 /// (`old` goes on). A failure leaves `old` usable: shrink() it.
 template <class State>
 std::shared_ptr<State> grow_state(State& old, int rank, const GrowOptions& o) {
@@ -12186,17 +12186,17 @@ std::shared_ptr<State> grow_state(State& old, int rank, const GrowOptions& o) {
   return sub;
 }
 
-/// Communicator::join: this process asks the running job of `env` to admit it, as the world rank
+/// Communicator::enter: this process asks the running job of `env` to admit it, as the world rank
 /// `env.rank` (its own again, after a restart, or one of its own for an added process), and,
 /// once admitted at the members' next grow(), connects with them.
 template <class State>
-std::shared_ptr<State> join_state(const Environment& env, Options options, const JoinOptions& j) {
+std::shared_ptr<State> enter_state(const Environment& env, Options options, const EnterOptions& j) {
   std::exception_ptr bad_setting;
   options = options.with_env(EnvReader(), bad_setting);
   if (bad_setting) std::rethrow_exception(bad_setting);
   if (j.wait.count() < 0)
-    fail(Errc::invalid_argument, "rank ", env.rank, ": join: JoinOptions::wait is ", j.wait.count(),
-         " ms; give 0 (the communicator's timeout) or more");
+    fail(Errc::invalid_argument, "rank ", env.rank, ": enter: EnterOptions::wait is ",
+         j.wait.count(), " ms; give 0 (the communicator's timeout) or more");
   auto s = std::make_shared<State>();
   s->configure(options);
   s->world_rank = env.rank;
@@ -12204,7 +12204,7 @@ std::shared_ptr<State> join_state(const Environment& env, Options options, const
   try {
     s->connect_to_job(env);
   } catch (const Error& e) {  // the message names the rank and the operation
-    fail_within(e, "rank ", env.rank, ": join: ");
+    fail_within(e, "rank ", env.rank, ": enter: ");
   }
   Store base = s->root_store->prefixed(s->base_prefix).unwatched();
   JoinRequest request(base, env.rank, j.ticket, env.world_size);
@@ -12212,7 +12212,7 @@ std::shared_ptr<State> join_state(const Environment& env, Options options, const
   const std::string reply = request.await(Clock::now() + wait);
   if (reply == "ended")
     fail(Errc::peer_lost, "rank ", env.rank,
-         ": join: every member of the running job has ended (their processes are gone), so "
+         ": enter: every member of the running job has ended (their processes are gone), so "
          "nobody is left to admit this process; the request was withdrawn");
   const auto number_at = [&](std::size_t from, std::int64_t most) {
     std::int64_t v = -1;
@@ -12220,21 +12220,21 @@ std::shared_ptr<State> join_state(const Environment& env, Options options, const
     const auto [stop, ec] = std::from_chars(reply.data() + std::min(from, reply.size()), end, v);
     if (ec != std::errc{} || v < 0 || v > most || (stop != end && *stop != ' '))
       fail(Errc::protocol, "rank ", env.rank,
-           ": join: the reply to this process's request is damaged (\"", reply.substr(0, 200),
+           ": enter: the reply to this process's request is damaged (\"", reply.substr(0, 200),
            "\"): is another program writing into this job's store?");
     return v;
   };
   if (reply.starts_with("refuse ")) {
     const auto code = number_at(7, 255);
     const std::size_t sp = reply.find(' ', 7);
-    fail(static_cast<Errc>(code), "rank ", env.rank, ": join: the job refused this process: ",
+    fail(static_cast<Errc>(code), "rank ", env.rank, ": enter: the job refused this process: ",
          sp == std::string::npos ? std::string() : reply.substr(sp + 1));
   }
   if (!reply.starts_with("admit "))
-    fail(Errc::timeout, "rank ", env.rank, ": join: no member admitted this process within ",
+    fail(Errc::timeout, "rank ", env.rank, ": enter: no member admitted this process within ",
          wait.count(),
          " ms (the request was withdrawn): the members admit newcomers when they call grow(), "
-         "which a TrainingState loop does when TrainingState::joining() says so after a commit; "
+         "which a TrainingState loop does when TrainingState::entering() says so after a commit; "
          "is the job running, with the same DDP_GROUP, token and MASTER_ADDR:MASTER_PORT?");
   const auto epoch = static_cast<std::uint64_t>(number_at(6, std::int64_t{1} << 40));
   const std::size_t tag_at = reply.find(' ', 6);
@@ -12246,7 +12246,7 @@ std::shared_ptr<State> join_state(const Environment& env, Options options, const
   g.from = from;
   const auto at = std::find(g.ids.begin(), g.ids.end(), request.id());
   if (at == g.ids.end())
-    fail(Errc::protocol, "rank ", env.rank, ": join: admitted to membership epoch ", epoch,
+    fail(Errc::protocol, "rank ", env.rank, ": enter: admitted to membership epoch ", epoch,
          " but not in its decision");
   const int members = static_cast<int>(g.members.size());
   s->world_ranks = g.members;
@@ -12265,16 +12265,29 @@ std::shared_ptr<State> join_state(const Environment& env, Options options, const
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/backend/init.hpp
+// end ddp/comm/init.hpp
+// begin ddp/comm/runner.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// What runs a Communicator's operations: detail::CommRunner, the communicator's state
+/// (detail::CommState, everything that does not depend on the backend, plus the backend) and
+/// how each operation runs on it: in issue order, inline when the communicator is idle, else on
+/// its worker (submit), recorded in the flight recorder, poisoning the communicator when it
+/// fails. And detail::hold: the tensors that share their storage an async operation keeps alive.
+
+// #include "ddp/comm/dispatch.hpp" (already included above)
+// #include "ddp/comm/init.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// #include "ddp/comm/call.hpp" (already included above)
+// #include "ddp/comm/recorder.hpp" (already included above)
+// #include "ddp/comm/state.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
-// #include "ddp/runtime/call.hpp" (already included above)
-// #include "ddp/runtime/comm_state.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
-// #include "ddp/trace.hpp" (already included above)
 // #include "ddp/work.hpp" (already included above)
 
 #include <cstddef>
@@ -12439,22 +12452,15 @@ struct CommRunner : CommState {
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/backend/comm_runner.hpp
-// #include "ddp/backend/dispatch.hpp" (already included above)
-// #include "ddp/backend/init.hpp" (already included above)
+// end ddp/comm/runner.hpp
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-// #include "ddp/detail/lean_std.hpp" (already included above)
-// #include "ddp/environment.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/options.hpp" (already included above)
-// #include "ddp/process_group.hpp" (already included above)
-// #include "ddp/runtime/call.hpp" (already included above)
-// #include "ddp/runtime/collective.hpp" (already included above)
-// #include "ddp/runtime/comm_state.hpp" (already included above)
-// begin ddp/runtime/objects.hpp
+// #include "ddp/backend/collective.hpp" (already included above)
+// #include "ddp/backend/rendezvous.hpp" (already included above)
+// #include "ddp/comm/call.hpp" (already included above)
+// begin ddp/comm/objects.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -12786,9 +12792,9 @@ T decode_object(const void* data, std::size_t n) {
 
 DDP_END_NAMESPACE
 // end ddp/codec.hpp
+// #include "ddp/comm/call.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
-// #include "ddp/runtime/call.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 #if DDP_HAS_CUDA
 // #include "ddp/cuda.hpp" (already included above)
@@ -12960,10 +12966,15 @@ template <Encodable T, class Comm>
 }  // namespace detail
 
 DDP_END_NAMESPACE
-// end ddp/runtime/objects.hpp
-// #include "ddp/runtime/rendezvous.hpp" (already included above)
+// end ddp/comm/objects.hpp
+// #include "ddp/comm/recorder.hpp" (already included above)
+// #include "ddp/comm/state.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
+// #include "ddp/environment.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/options.hpp" (already included above)
+// #include "ddp/process_group.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
-// #include "ddp/trace.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 // #include "ddp/work.hpp" (already included above)
 
@@ -13029,7 +13040,7 @@ class Communicator {
   /// Reduces `buf` over all ranks, in place (every rank gets the result).
   template <detail::tensor_output T>
   void all_reduce(T&& buf, ReduceOp op = ReduceOp::sum) {
-    exec_single(detail::Coll::all_reduce, arg(buf, "all_reduce", "buf"), op, 0);
+    exec_single(detail::Coll::all_reduce, buf, op, 0);
   }
   /// all_reduce(), run asynchronously: returns at once. The buffers must outlive the Work,
   /// unless their type shares its storage (torch::Tensor: see ddp::tensor_traits), which the
@@ -13093,7 +13104,7 @@ class Communicator {
   /// Copies root's `buf` to every rank.
   template <detail::tensor_output T>
   void broadcast(T&& buf, int root = 0) {
-    exec_single(detail::Coll::broadcast, arg(buf, "broadcast", "buf"), ReduceOp::sum, root);
+    exec_single(detail::Coll::broadcast, buf, ReduceOp::sum, root);
   }
   /// broadcast(), run asynchronously: returns at once; the buffers must outlive the Work (see
   /// all_reduce_async).
@@ -13107,7 +13118,7 @@ class Communicator {
   /// Reduces `buf` over all ranks into root's `buf`; the other ranks' buffers are unchanged.
   template <detail::tensor_output T>
   void reduce(T&& buf, int root = 0, ReduceOp op = ReduceOp::sum) {
-    exec_single(detail::Coll::reduce, arg(buf, "reduce", "buf"), op, root);
+    exec_single(detail::Coll::reduce, buf, op, root);
   }
   /// reduce(), run asynchronously: returns at once; the buffers must outlive the Work (see
   /// all_reduce_async).
@@ -13185,7 +13196,7 @@ class Communicator {
                   {}, detail::hold(in, out));
   }
 
-  // ---- uneven sizes: a count per rank (runtime/uneven.hpp) ------------------------------------
+  // ---- uneven sizes: a count per rank (backend/uneven.hpp) ------------------------------------
   // Every rank's counts must match the others' (what rank i sends to rank j is what rank j
   // expects from rank i): checked on every rank before any data moves, failing with
   // Errc::mismatch naming the pair. Blocks lie in rank order, each right after the one before.
@@ -13308,7 +13319,7 @@ class Communicator {
     });
   }
 
-  // ---- layered on the collectives (runtime/objects.hpp) ------------------
+  // ---- layered on the collectives (comm/objects.hpp) ------------------
 
   /// all_reduce of a few host values on any backend (through a device copy on a backend that moves
   /// device memory only).
@@ -13383,7 +13394,7 @@ class Communicator {
   /// Fault tolerance: after a failure (Errc::peer_lost, or a timeout the caller treats as a
   /// loss), the surviving ranks each call shrink() and get a communicator of themselves, ranked
   /// 0..n-1 in the order of their old ranks, at the next membership epoch; its previous_ranks()
-  /// maps them back. The survivors agree through the rendezvous store (runtime/membership.hpp):
+  /// maps them back. The survivors agree through the rendezvous store (comm/membership.hpp):
   /// a rank that died is left out at once, one that neither arrives nor dies within
   /// ShrinkOptions::wait_for_ranks is left out and fenced (on waking, each of its calls fails
   /// with Errc::aborted naming the epoch), and a member that fails while they connect costs one
@@ -13397,11 +13408,11 @@ class Communicator {
       (void)options;
       return Communicator(detail::shrink_backend(s, rank()));
     } else {
-      refuse_membership(rank(), "shrink");
+      detail::refuse_membership<Backend>(rank(), "shrink");
       return Communicator(detail::shrink_state(s, rank(), size(), options));
     }
   }
-  /// Admits the processes waiting to join (join()), at a step boundary: every member calls it,
+  /// Admits the processes waiting to enter (enter()), at a step boundary: every member calls it,
   /// and gets the communicator of the members (ranks 0..n-1, in their order) and the newcomers
   /// (n.., in the order they asked), at the next membership epoch; or, when none was admitted,
   /// this one. Rank 0 answers each request: refused when its ticket differs from
@@ -13411,23 +13422,28 @@ class Communicator {
   /// Errc::unsupported on backend::Mpi (MPI cannot add processes to a running job here).
   [[nodiscard]] Communicator grow(const GrowOptions& options = {}) {
     State& s = same_process("grow");
-    refuse_membership(rank(), "grow");
+    detail::refuse_membership<Backend>(rank(), "grow");
     auto grown = detail::grow_state(s, rank(), options);
     return grown ? Communicator(std::move(grown)) : Communicator(state_);
   }
-  /// A process joins a running job (a restarted worker, or an added one): asks to be admitted as
-  /// world rank env.rank (its own, after a restart: refused while that rank's process lives),
-  /// waits until the members' next grow() admits it (JoinOptions::wait), and returns its
+  /// A process enters a running job (a restarted worker, or an added one): asks to be admitted
+  /// as world rank env.rank (its own, after a restart: refused while that rank's process lives),
+  /// waits until the members' next grow() admits it (EnterOptions::wait), and returns its
   /// communicator with them. Then it receives their state (TrainingState::restore). Refusals
-  /// and a wrong token fail this process alone.
-  [[nodiscard]] static Communicator join(const Environment& env = Environment::detect(),
-                                         const Options& options = {}, const JoinOptions& j = {}) {
-    refuse_membership(env.rank, "join");
-    return Communicator(detail::join_state<State>(env, options, j));
+  /// and a wrong token fail this process alone. (`join` is its older name; ddp::Join is uneven
+  /// inputs.)
+  [[nodiscard]] static Communicator enter(const Environment& env = Environment::detect(),
+                                          const Options& options = {}, const EnterOptions& e = {}) {
+    detail::refuse_membership<Backend>(env.rank, "enter");
+    return Communicator(detail::enter_state<State>(env, options, e));
   }
-  /// How many processes wait to join (one store read; not collective: for an agreed decision
-  /// use TrainingState::joining()). 0 without a store.
-  [[nodiscard]] int waiting_to_join() const { return checked().waiting_to_join(); }
+  [[nodiscard]] static Communicator join(const Environment& env = Environment::detect(),
+                                         const Options& options = {}, const EnterOptions& e = {}) {
+    return enter(env, options, e);
+  }
+  /// How many processes wait to enter (one store read; not collective: for an agreed decision
+  /// use TrainingState::entering()). 0 without a store.
+  [[nodiscard]] int waiting_to_enter() const { return checked().waiting_to_enter(); }
   /// Membership epoch: 0 for a communicator from init() or split(), one more for each change.
   [[nodiscard]] std::uint64_t epoch() const { return checked().epoch; }
   /// After shrink() or grow(): each rank's number in the communicator it was made from (-1: a
@@ -13462,18 +13478,10 @@ class Communicator {
   }
 
  private:
-  /// The communicator's state (backend/comm_runner.hpp).
+  /// The communicator's state (comm/runner.hpp).
   using State = detail::CommRunner<Backend, Communicator>;
 
   explicit Communicator(std::shared_ptr<State> s) : state_(std::move(s)) {}
-
-  static void refuse_membership(int rank, const char* what) {
-    if constexpr (!backend_traits<Backend>::needs_store)
-      detail::fail(Errc::unsupported, "rank ", rank, ": ", what,
-                   ": not available on backend::", Backend::name, " (",
-                   detail::membership_refusal(Backend::name, what),
-                   "); for fault tolerance use backend::Host");
-  }
 
   /// checked(), and that this is the process that created the communicator: a fork() child
   /// shares its peers' shared memory and sockets, and using them would corrupt the parent's job.
@@ -13498,10 +13506,11 @@ class Communicator {
                                       [&](Backend& be, State& st) { detail::dispatch(be, st, c); });
   }
 
-  /// Synchronous all_reduce, broadcast and reduce, without building a Call: the same checks and
-  /// the same code as through dispatch(), minus writing a 150-byte description on the path where
-  /// the library's own cost shows most (small messages).
-  void exec_single(detail::Coll coll, const detail::Buf& b, ReduceOp op, int root) {
+  /// Synchronous all_reduce, broadcast and reduce without a Call (dispatch()'s checks and code,
+  /// minus a 150-byte description where the library's own cost shows most: small messages).
+  template <class T>
+  void exec_single(detail::Coll coll, T& buf, ReduceOp op, int root) {
+    const detail::Buf b = arg(buf, detail::single_name(coll), "buf");
     const char* name = detail::check_single(coll, b, op, root, caller());
     same_process(name).run_in_order(name, b.bytes(), [&](Backend& be, State& st) {
       detail::run_single(be, st, coll, b, op, root);
@@ -13524,7 +13533,7 @@ class Communicator {
 
   [[nodiscard]] detail::Caller caller() const { return {rank(), size()}; }
 
-  /// A typed argument as a checked type-erased buffer (backend/arguments.hpp).
+  /// A typed argument as a checked type-erased buffer (comm/arguments.hpp).
   template <class T>
   detail::Buf arg(T& t, const char* what, const char* name) const {
     return detail::to_buf<Backend>(t, rank(), what, name);
@@ -13618,6 +13627,7 @@ DDP_END_NAMESPACE
 /// reaches every rank at once (the other ranks of the host through the local transport, the
 /// other hosts through a record in the store and the connections closing).
 
+// #include "ddp/backend/collective.hpp" (already included above)
 // begin ddp/backend/host/flat.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -13634,6 +13644,7 @@ DDP_END_NAMESPACE
 /// Every element is reduced in rank order 0..P-1 in every path, so results are bitwise identical
 /// on every rank, in every run, for every message size and on every transport.
 
+// #include "ddp/backend/collective.hpp" (already included above)
 // begin ddp/backend/host/rounds.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -13644,6 +13655,7 @@ DDP_END_NAMESPACE
 /// (cache-line-aligned chunks), and the scratch memory the algorithms reuse between calls. The
 /// algorithms built on them are flat.hpp (one transport), single_copy.hpp and hierarchy.hpp.
 
+// #include "ddp/backend/collective.hpp" (already included above)
 // begin ddp/backend/host/transport.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -13664,9 +13676,9 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// #include "ddp/backend/collective.hpp" (already included above)
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
-// #include "ddp/runtime/collective.hpp" (already included above)
 
 #include <atomic>
 #include <bit>
@@ -14014,7 +14026,6 @@ DDP_INLINE const std::byte* SelfTransport::locate(std::span<const Piece> offer, 
 DDP_END_NAMESPACE
 // end ddp/backend/host/transport.hpp
 // #include "ddp/config.hpp" (already included above)
-// #include "ddp/runtime/collective.hpp" (already included above)
 
 #include <algorithm>
 #include <cstddef>
@@ -14135,10 +14146,9 @@ void exchange_blocks(Transport& t, RoundScratch& s, const Buf& in, std::size_t n
 DDP_END_NAMESPACE
 // end ddp/backend/host/rounds.hpp
 // #include "ddp/backend/host/transport.hpp" (already included above)
+// #include "ddp/backend/reduce.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
-// #include "ddp/runtime/collective.hpp" (already included above)
-// #include "ddp/runtime/reduce.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
 #include <algorithm>
@@ -14471,14 +14481,14 @@ DDP_END_NAMESPACE
 /// with Transport::copy_from), the path chooser that picks it or the slot path per message size,
 /// and all_reduce_on: the one entry of a flat all_reduce (small, single copy or segments).
 
+// #include "ddp/backend/collective.hpp" (already included above)
 // #include "ddp/backend/host/flat.hpp" (already included above)
 // #include "ddp/backend/host/rounds.hpp" (already included above)
 // #include "ddp/backend/host/transport.hpp" (already included above)
+// #include "ddp/backend/reduce.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
-// #include "ddp/runtime/collective.hpp" (already included above)
-// #include "ddp/runtime/reduce.hpp" (already included above)
 
 #include <array>
 #include <bit>
@@ -14660,13 +14670,12 @@ DDP_INLINE void all_reduce_on(Transport& t, RoundScratch& s, const Buf& b, Reduc
 DDP_END_NAMESPACE
 // end ddp/backend/host/single_copy.hpp
 // #include "ddp/backend/host/transport.hpp" (already included above)
+// #include "ddp/backend/reduce.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/detail/bytes.hpp" (already included above)
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
-// #include "ddp/runtime/collective.hpp" (already included above)
-// #include "ddp/runtime/reduce.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 
 #include <cstdlib>
@@ -14917,6 +14926,7 @@ DDP_END_NAMESPACE
 /// is laid out (ShmLayout), the header and the per-rank control blocks in it, and how it is
 /// created without a name and mapped by every rank (ShmSegment).
 
+// #include "ddp/backend/collective.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/detail/socket.hpp" (already included above)
 // begin ddp/detail/wait.hpp
@@ -15092,7 +15102,6 @@ DDP_INLINE int ProcessWatch::first_dead() const {
 DDP_END_NAMESPACE
 // end ddp/detail/wait.hpp
 // #include "ddp/error.hpp" (already included above)
-// #include "ddp/runtime/collective.hpp" (already included above)
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -16430,6 +16439,7 @@ DDP_INLINE void TcpTransport::flush_headers() {
 DDP_END_NAMESPACE
 // end ddp/backend/host/tcp.hpp
 // #include "ddp/backend/host/transport.hpp" (already included above)
+// #include "ddp/backend/rendezvous.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/detail/bytes.hpp" (already included above)
 // #include "ddp/detail/crypto.hpp" (already included above)
@@ -16437,7 +16447,6 @@ DDP_END_NAMESPACE
 // #include "ddp/detail/socket.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
-// #include "ddp/runtime/rendezvous.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 
 #include <fcntl.h>
@@ -16916,18 +16925,16 @@ DDP_END_NAMESPACE
 /// The Host backend's collectives of uneven sizes over rounds (all_to_all with split sizes,
 /// all_gather, gather and scatter with a count per rank), on any transport.
 ///
-/// Each starts with a sizes round: every rank offers its plan (runtime/uneven.hpp), so that
+/// Each starts with a sizes round: every rank offers its plan (backend/uneven.hpp), so that
 /// every rank holds the whole matrix and checks it the same way before any data moves. The data
 /// then moves in rounds of at most a slot, each rank's offer holding the next chunk of each of its
 /// blocks; every rank computes the same number of rounds from the same matrix.
 
+// #include "ddp/backend/collective.hpp" (already included above)
 // #include "ddp/backend/host/flat.hpp" (already included above)
 // #include "ddp/backend/host/rounds.hpp" (already included above)
 // #include "ddp/backend/host/transport.hpp" (already included above)
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/runtime/collective.hpp" (already included above)
-// begin ddp/runtime/uneven.hpp
+// begin ddp/backend/uneven.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -17041,7 +17048,9 @@ DDP_INLINE std::vector<std::size_t> block_offsets(std::span<const std::size_t> c
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/runtime/uneven.hpp
+// end ddp/backend/uneven.hpp
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
 
 #include <algorithm>
 #include <cstddef>
@@ -17204,10 +17213,10 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// #include "ddp/backend/collective.hpp" (already included above)
+// #include "ddp/backend/reduce.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
-// #include "ddp/runtime/collective.hpp" (already included above)
-// #include "ddp/runtime/reduce.hpp" (already included above)
 
 #include <cstddef>
 #include <cstdint>
@@ -17283,7 +17292,7 @@ class Host {
   /// Communicator::all_to_all: block j of `in` to rank j, stored as its block r of `out`.
   void all_to_all(const detail::Buf& in, const detail::Buf& out);
 
-  /// Communicator::all_to_all with split sizes (runtime/uneven.hpp).
+  /// Communicator::all_to_all with split sizes (backend/uneven.hpp).
   void all_to_all_v(const detail::Buf& in, const detail::Buf& out,
                     std::span<const std::size_t> in_counts,
                     std::span<const std::size_t> out_counts);
@@ -17517,6 +17526,8 @@ DDP_END_NAMESPACE
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 // #include "ddp/backend/backend.hpp" (already included above)
+// #include "ddp/backend/collective.hpp" (already included above)
+// #include "ddp/backend/monitored_barrier.hpp" (already included above)
 // begin ddp/backend/mpi_support.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -17527,10 +17538,10 @@ DDP_END_NAMESPACE
 /// whose blocking MPI collective outlives Options::timeout (MpiWatchdog), and recovery from lost
 /// ranks with ULFM where the library has it (mpi_shrink).
 
+// #include "ddp/backend/collective.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
-// #include "ddp/runtime/collective.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
 #include <mpi.h>
@@ -17838,11 +17849,9 @@ inline void mpi_check_lost(int rc, MPI_Comm comm, int rank, const char* what, co
 
 DDP_END_NAMESPACE
 // end ddp/backend/mpi_support.hpp
+// #include "ddp/backend/uneven.hpp" (already included above)
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
-// #include "ddp/runtime/collective.hpp" (already included above)
-// #include "ddp/runtime/monitored_barrier.hpp" (already included above)
-// #include "ddp/runtime/uneven.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
 #include <mpi.h>
@@ -18032,7 +18041,7 @@ class Mpi {
   }
 
   /// Communicator::all_to_all with split sizes: the ranks' plans agreed (MPI_Allgather, see
-  /// runtime/uneven.hpp), then MPI_Alltoallv.
+  /// backend/uneven.hpp), then MPI_Alltoallv.
   void all_to_all_v(const detail::Buf& in, const detail::Buf& out,
                     std::span<const std::size_t> in_counts,
                     std::span<const std::size_t> out_counts) {
@@ -18487,6 +18496,7 @@ DDP_END_NAMESPACE
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 // #include "ddp/backend/backend.hpp" (already included above)
+// #include "ddp/backend/collective.hpp" (already included above)
 // begin ddp/backend/nccl_support.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -18496,11 +18506,11 @@ DDP_END_NAMESPACE
 /// NCCL failure is, and detail::NcclAborter (ncclCommAbort on a thread of its own). Needs
 /// DDP_HAS_NCCL=1 (the ddp::nccl target).
 
+// #include "ddp/backend/collective.hpp" (already included above)
+// #include "ddp/backend/uneven.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/cuda.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
-// #include "ddp/runtime/collective.hpp" (already included above)
-// #include "ddp/runtime/uneven.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
 #include <cuda_runtime_api.h>
@@ -18596,7 +18606,7 @@ std::optional<cudaStream_t> common_stream(const Bufs& bufs) {
   return common;
 }
 
-/// Every rank's plan of an uneven collective (runtime/uneven.hpp), shared with an all_gather on
+/// Every rank's plan of an uneven collective (backend/uneven.hpp), shared with an all_gather on
 /// `be` (backend::Nccl) through device memory and checked pair by pair: the agreed
 /// sends[src * size + dst].
 template <class Be>
@@ -18631,11 +18641,10 @@ inline const char* nccl_refuses(std::string_view what, DType t) noexcept {
 
 DDP_END_NAMESPACE
 // end ddp/backend/nccl_support.hpp
+// #include "ddp/backend/uneven.hpp" (already included above)
 // #include "ddp/cuda.hpp" (already included above)
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
-// #include "ddp/runtime/collective.hpp" (already included above)
-// #include "ddp/runtime/uneven.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
@@ -19272,12 +19281,12 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// #include "ddp/backend/collective.hpp" (already included above)
 // #include "ddp/backend/nccl_support.hpp" (already included above)
+// #include "ddp/comm/call.hpp" (already included above)
 // #include "ddp/cuda.hpp" (already included above)
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
-// #include "ddp/runtime/call.hpp" (already included above)
-// #include "ddp/runtime/collective.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
@@ -19608,6 +19617,7 @@ DDP_END_NAMESPACE
 // end ddp/multi_gpu.hpp
 #endif
 // #include "ddp/codec.hpp" (already included above)
+// #include "ddp/comm/recorder.hpp" (already included above)
 // #include "ddp/environment.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
 // begin ddp/spawn.hpp
@@ -19625,6 +19635,7 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// #include "ddp/comm/recorder.hpp" (already included above)
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // begin ddp/detail/process.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -19782,7 +19793,6 @@ DDP_END_NAMESPACE
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/store/protocol.hpp" (already included above)
 // #include "ddp/store/server.hpp" (already included above)
-// #include "ddp/trace.hpp" (already included above)
 
 #include <fcntl.h>
 #include <signal.h>
@@ -19953,7 +19963,6 @@ DDP_END_NAMESPACE
 // #include "ddp/store/client.hpp" (already included above)
 // #include "ddp/store/protocol.hpp" (already included above)
 // #include "ddp/store/server.hpp" (already included above)
-// #include "ddp/trace.hpp" (already included above)
 // begin ddp/training/checkpoint.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -20908,7 +20917,7 @@ DDP_END_NAMESPACE
 /// `hvd.elastic.run` and torchft's Manager. It owns the communicator and a TrainingState, runs
 /// the program's step function, commits after every step, and on a lost rank catches the
 /// failure, shrinks, restores the newest commit on every survivor, makes the program's
-/// averagers again (on_reset) and goes on; it admits the processes waiting to join at a step
+/// averagers again (on_reset) and goes on; it admits the processes waiting to enter at a step
 /// boundary, and deals the rest of the epoch over every new membership, the ranks stepping
 /// together (as many steps as the longest shard needs).
 ///
@@ -21368,11 +21377,11 @@ class TrainingState {
     confirming_ = steps_ + 1;
     // max of the commit and of its complement: the largest and the smallest over the members
     // (three values: a commit on some ranks never pairs with a program's own all_reduce of two).
-    // The third: how many processes wait to join, as rank 0 sees them (Communicator::join).
+    // The third: how many processes wait to join, as rank 0 sees them (Communicator::enter).
     std::vector<double> at{static_cast<double>(confirming_), -static_cast<double>(confirming_),
-                           comm.rank() == 0 ? static_cast<double>(poll_joining(comm)) : 0.0};
+                           comm.rank() == 0 ? static_cast<double>(poll_entering(comm)) : 0.0};
     comm.all_reduce_host(std::span<double>(at), ReduceOp::max);
-    joining_ = static_cast<int>(at[2]);
+    entering_ = static_cast<int>(at[2]);
     if (at[0] != -at[1])
       detail::fail(Errc::mismatch, "rank ", comm.rank(),
                    ": TrainingState::commit: this rank commits step ", confirming_,
@@ -21411,12 +21420,12 @@ class TrainingState {
 
   /// How many processes waited to join the job at the last commit(), the same on every member
   /// (rank 0 looks at most every 50 ms). When it is not 0, every member calls grow(comm).
-  [[nodiscard]] int joining() const noexcept { return joining_; }
+  [[nodiscard]] int entering() const noexcept { return entering_; }
 
-  /// Collective over the members, after a commit() whose joining() is not 0: admits the
-  /// processes waiting to join (Communicator::grow with ticket()), replaces `comm` with the
+  /// Collective over the members, after a commit() whose entering() is not 0: admits the
+  /// processes waiting to enter (Communicator::grow with ticket()), replaces `comm` with the
   /// grown communicator, and sends every member the last commit (restore()), the newcomers
-  /// included (they call restore() after Communicator::join). Returns whether the membership
+  /// included (they call restore() after Communicator::enter). Returns whether the membership
   /// changed: then re-create the averagers over `comm` (their constructors are collective, and
   /// the newcomers make theirs now). A failure meanwhile throws as a collective does, `comm`
   /// already the grown one: shrink() it and restore(), as after any failure.
@@ -21424,7 +21433,7 @@ class TrainingState {
   bool grow(Comm& comm) {
     GrowOptions o;
     o.ticket = ticket();
-    joining_ = last_waiting_ = 0;
+    entering_ = last_waiting_ = 0;
     Comm grown = comm.grow(o);
     if (grown.epoch() == comm.epoch()) return false;
     comm = std::move(grown);
@@ -21433,7 +21442,7 @@ class TrainingState {
   }
 
   /// What a process must track alike to be admitted to the job (GrowOptions::ticket,
-  /// JoinOptions::ticket): each piece's name, kind and size (tensors: bytes; objects: a tag of
+  /// EnterOptions::ticket): each piece's name, kind and size (tensors: bytes; objects: a tag of
   /// their type; samplers: the dataset size), in order.
   [[nodiscard]] std::string ticket() const;
 
@@ -21536,21 +21545,21 @@ class TrainingState {
     }
   }
 
-  // Rank 0's look at the processes waiting to join, at most every 50 ms.
+  // Rank 0's look at the processes waiting to enter, at most every 50 ms.
   template <class Comm>
-  int poll_joining(Comm& comm) {
-    if constexpr (requires { comm.waiting_to_join(); }) {
+  int poll_entering(Comm& comm) {
+    if constexpr (requires { comm.waiting_to_enter(); }) {
       const auto now = std::chrono::steady_clock::now();
       if (now - polled_ < std::chrono::milliseconds(50)) return last_waiting_;
       polled_ = now;
-      last_waiting_ = comm.waiting_to_join();
+      last_waiting_ = comm.waiting_to_enter();
       return last_waiting_;
     }
     return 0;
   }
 
   std::vector<Piece> pieces_;
-  int joining_ = 0, last_waiting_ = 0;
+  int entering_ = 0, last_waiting_ = 0;
   std::chrono::steady_clock::time_point polled_{};
   std::uint64_t steps_ = 0;       // commits made (since start)
   std::uint64_t confirming_ = 0;  // the commit being confirmed (0: none)
@@ -21683,8 +21692,8 @@ struct ElasticChange {
 struct ElasticOptions {
   /// How the survivors agree (ShrinkOptions::wait_for_ranks, exclude).
   ShrinkOptions shrink{};
-  /// How long a newcomer waits to be admitted (JoinOptions::wait; 0: the timeout).
-  std::chrono::milliseconds join_wait{0};
+  /// How long a newcomer waits to be admitted (EnterOptions::wait; 0: the timeout).
+  std::chrono::milliseconds enter_wait{0};
   /// The fewest ranks the job goes on with: a loss that leaves fewer is rethrown.
   int min_size = 1;
   /// Losses recovered from at most (-1: no limit); the next one is rethrown.
@@ -21849,7 +21858,8 @@ class Elastic {
     if (comm_) return;
     const auto t0 = Clock::now();
     if (env_.rejoin) {
-      comm_.emplace(Comm::join(env_, options_, {.ticket = state_.ticket(), .wait = eo_.join_wait}));
+      comm_.emplace(
+          Comm::enter(env_, options_, {.ticket = state_.ticket(), .wait = eo_.enter_wait}));
       state_.restore(*comm_);
       reset(ElasticChange::Kind::joined, 0, t0, {});
     } else {
@@ -21873,14 +21883,14 @@ class Elastic {
     }
   }
 
-  /// The commit after a step; admits the processes waiting to join, when there are. Returns
+  /// The commit after a step; admits the processes waiting to enter, when there are. Returns
   /// whether the membership grew (the epoch's rest is then dealt again).
   bool commit() {
     confirming_ = state_.steps() + 1;
     state_.commit(*comm_);
     confirming_ = 0;
     if (commit_) commit_(*comm_, state_.steps());
-    if (state_.joining() <= 0) return false;
+    if (state_.entering() <= 0) return false;
     const auto t0 = Clock::now();
     const int before = comm_->size();
     if (!state_.grow(*comm_)) return false;

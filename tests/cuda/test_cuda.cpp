@@ -348,7 +348,7 @@ TEST_CASE(
   done = 1;
   CHECK(state.commit(comm) == 1);
   CHECK(state.bytes() >= (5 + 200'000 + 3 + 7) * sizeof(float));
-  CHECK(comm.waiting_to_join() == 0);
+  CHECK(comm.waiting_to_enter() == 0);
   auto same = comm.grow({.ticket = state.ticket()});
   CHECK(same.epoch() == 0);
   auto next = comm.shrink();

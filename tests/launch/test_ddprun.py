@@ -469,7 +469,7 @@ class SingleNode(Base):
 
     def test_on_failure_rejoin_restarts_the_worker_alone(self):
         # Rank 2 dies after three all_reduces; ddprun restarts it alone with DDP_REJOIN=1; the
-        # other three shrink, then grow() admits it back (Communicator::join): 4 ranks again.
+        # other three shrink, then grow() admits it back (Communicator::enter): 4 ranks again.
         r = ddprun("--standalone", "--nproc-per-node", 4, "--on-failure", "rejoin",
                    "--max-restarts", 1, WORKER, "rejoin", 2)
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
@@ -550,7 +550,7 @@ class SingleNode(Base):
         out0, err0 = p0.communicate(timeout=max(1, wait_for_output - time.monotonic()))
         out1, err1 = p1.communicate(timeout=LIMIT)
         self.assertEqual((p0.returncode, p1.returncode), (0, 0), err0 + err1)
-        self.assertIn("a node is waiting to join: restarting every worker with it (a membership "
+        self.assertIn("a node is waiting to enter: restarting every worker with it (a membership "
                       "change, not counted in --max-restarts)", err0)
         self.assertIn("node 1 came after the job started: the running workers are restarted "
                       "with this node's", err1)

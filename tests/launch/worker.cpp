@@ -252,7 +252,7 @@ int main(int argc, char** argv) try {
     o.timeout = std::chrono::seconds(20);
     std::vector<float> w(10, static_cast<float>(env.rank));
     if (env.rejoin) {  // a node that came late (ddprun --nnodes MIN:MAX)
-      auto comm = Host::join(env, o, {.ticket = "worker"});
+      auto comm = Host::enter(env, o, {.ticket = "worker"});
       comm.all_reduce(w);
       std::cout << "rank " << env.rank << " joined as rank " << comm.rank() << " of " << comm.size()
                 << " (epoch " << comm.epoch() << "), sum of world ranks " << w[0] << std::endl;
@@ -261,7 +261,7 @@ int main(int argc, char** argv) try {
     auto comm = Host::init(env, o);
     const int n = std::stoi(args[1]), start = comm.size();
     while (comm.size() < start + n) {  // a request not written yet is admitted at a later grow()
-      std::vector<double> waiting{comm.rank() == 0 ? static_cast<double>(comm.waiting_to_join())
+      std::vector<double> waiting{comm.rank() == 0 ? static_cast<double>(comm.waiting_to_enter())
                                                    : 0.0};
       comm.all_reduce(waiting, ddp::ReduceOp::max);
       if (waiting[0] > 0) comm = comm.grow({.ticket = "worker"});
@@ -278,7 +278,7 @@ int main(int argc, char** argv) try {
     o.timeout = std::chrono::seconds(20);
     std::vector<float> w(10, static_cast<float>(env.rank));
     if (env.rejoin) {  // a node that came late, or its replacement
-      auto comm = Host::join(env, o, {.ticket = "worker"});
+      auto comm = Host::enter(env, o, {.ticket = "worker"});
       comm.all_reduce(w);
       if (env.rank == 1) std::_Exit(9);  // the first late node's worker is lost
       std::cout << "rank " << env.rank << " joined as rank " << comm.rank() << " of " << comm.size()
@@ -288,7 +288,7 @@ int main(int argc, char** argv) try {
     auto comm = Host::init(env, o);
     const auto admit_one = [&] {  // a request not written yet is admitted at a later grow()
       for (const int before = comm.size(); comm.size() == before;) {
-        std::vector<double> n{static_cast<double>(comm.waiting_to_join())};
+        std::vector<double> n{static_cast<double>(comm.waiting_to_enter())};
         comm.all_reduce(n, ddp::ReduceOp::max);
         if (n[0] > 0) comm = comm.grow({.ticket = "worker"});
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -314,7 +314,7 @@ int main(int argc, char** argv) try {
     o.timeout = std::chrono::seconds(20);
     std::vector<float> w(10, static_cast<float>(env.rank));
     if (env.rejoin) {  // restarted by ddprun --on-failure rejoin
-      auto comm = Host::join(env, o, {.ticket = "worker"});
+      auto comm = Host::enter(env, o, {.ticket = "worker"});
       comm.all_reduce(w);
       std::cout << "rank " << env.rank << " rejoined as rank " << comm.rank() << " of "
                 << comm.size() << " (epoch " << comm.epoch() << "), sum of world ranks " << w[0]
@@ -331,7 +331,7 @@ int main(int argc, char** argv) try {
       comm = comm.shrink({.wait_for_ranks = std::chrono::seconds(10)});
     }
     for (const int before = comm.size(); comm.size() == before;) {  // the restarted one joins
-      std::vector<double> n{comm.rank() == 0 ? static_cast<double>(comm.waiting_to_join()) : 0.0};
+      std::vector<double> n{comm.rank() == 0 ? static_cast<double>(comm.waiting_to_enter()) : 0.0};
       comm.all_reduce(n, ddp::ReduceOp::max);
       if (n[0] > 0) comm = comm.grow({.ticket = "worker"});
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -414,7 +414,7 @@ int main(int argc, char** argv) try {
     ddp::Options o;
     o.timeout = std::chrono::seconds(60);
     if (env.rejoin) {  // restarted to rejoin a job whose members all finished: must not happen
-      auto comm = Host::join(env, o, {.ticket = "worker"});
+      auto comm = Host::enter(env, o, {.ticket = "worker"});
       std::cout << "rank " << env.rank << " rejoined" << std::endl;
       return 0;
     }

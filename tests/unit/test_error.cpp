@@ -1,5 +1,5 @@
+#include <ddp/backend/collective.hpp>
 #include <ddp/error.hpp>
-#include <ddp/runtime/collective.hpp>
 
 #include <doctest/doctest.h>
 
@@ -131,12 +131,12 @@ TEST_CASE("Error carries the rank that reported it first and the ranks lost, as 
   CHECK(relayed.lost_ranks() == std::vector<int>{2});
 
   try {  // more context in front keeps every field
-    ddp::detail::fail_within(relayed, "rank 0: join: ");
+    ddp::detail::fail_within(relayed, "rank 0: enter: ");
     FAIL("fail_within() returned");
   } catch (const ddp::Error& e) {
     CHECK(e.code() == ddp::Errc::peer_lost);
     CHECK(std::string_view(e.what()) ==
-          "rank 0: join: rank 0: all_reduce: failed because rank 3 reported: rank 2 died");
+          "rank 0: enter: rank 0: all_reduce: failed because rank 3 reported: rank 2 died");
     CHECK(e.origin_rank() == 3);
     CHECK(e.origin_message() == "rank 2 died");
     CHECK(e.lost_ranks() == std::vector<int>{2});

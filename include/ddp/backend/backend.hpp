@@ -26,17 +26,17 @@
 ///
 /// backend::Host (backend/host.hpp), backend::Nccl (backend/nccl.hpp) and backend::Mpi
 /// (backend/mpi.hpp) implement it. A new backend includes this header, and
-/// runtime/uneven.hpp for the uneven collectives' fallbacks, store/client.hpp when it
+/// backend/uneven.hpp for the uneven collectives' fallbacks, store/client.hpp when it
 /// rendezvouses through the store.
 
 #include "ddp/config.hpp"
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+#include "ddp/backend/collective.hpp"
 #include "ddp/detail/socket.hpp"
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
-#include "ddp/runtime/collective.hpp"
 #include "ddp/store/client.hpp"
 #include "ddp/tensor.hpp"
 #include "ddp/types.hpp"
@@ -186,7 +186,7 @@ struct backend_traits {
   static constexpr bool shrinks = requires(B & b, std::vector<int>& previous) {
     { b.shrink(previous) } -> std::same_as<std::unique_ptr<B>>;
   };
-  /// The backend runs the collectives with a count per rank itself (runtime/uneven.hpp).
+  /// The backend runs the collectives with a count per rank itself (backend/uneven.hpp).
   static constexpr bool uneven =
       requires(B & b, const detail::Buf& x, int i, std::span<const std::size_t> c) {
     b.all_to_all_v(x, x, c, c);

@@ -31,10 +31,10 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+#include "ddp/backend/collective.hpp"
+#include "ddp/backend/reduce.hpp"
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
-#include "ddp/runtime/collective.hpp"
-#include "ddp/runtime/reduce.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -110,7 +110,7 @@ class Host {
   /// Communicator::all_to_all: block j of `in` to rank j, stored as its block r of `out`.
   void all_to_all(const detail::Buf& in, const detail::Buf& out);
 
-  /// Communicator::all_to_all with split sizes (runtime/uneven.hpp).
+  /// Communicator::all_to_all with split sizes (backend/uneven.hpp).
   void all_to_all_v(const detail::Buf& in, const detail::Buf& out,
                     std::span<const std::size_t> in_counts,
                     std::span<const std::size_t> out_counts);

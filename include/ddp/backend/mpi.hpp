@@ -36,12 +36,12 @@
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 #include "ddp/backend/backend.hpp"
+#include "ddp/backend/collective.hpp"
+#include "ddp/backend/monitored_barrier.hpp"
 #include "ddp/backend/mpi_support.hpp"
+#include "ddp/backend/uneven.hpp"
 #include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
-#include "ddp/runtime/collective.hpp"
-#include "ddp/runtime/monitored_barrier.hpp"
-#include "ddp/runtime/uneven.hpp"
 #include "ddp/types.hpp"
 
 #include <mpi.h>
@@ -231,7 +231,7 @@ class Mpi {
   }
 
   /// Communicator::all_to_all with split sizes: the ranks' plans agreed (MPI_Allgather, see
-  /// runtime/uneven.hpp), then MPI_Alltoallv.
+  /// backend/uneven.hpp), then MPI_Alltoallv.
   void all_to_all_v(const detail::Buf& in, const detail::Buf& out,
                     std::span<const std::size_t> in_counts,
                     std::span<const std::size_t> out_counts) {

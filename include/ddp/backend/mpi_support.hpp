@@ -8,10 +8,10 @@
 /// whose blocking MPI collective outlives Options::timeout (MpiWatchdog), and recovery from lost
 /// ranks with ULFM where the library has it (mpi_shrink).
 
+#include "ddp/backend/collective.hpp"
 #include "ddp/config.hpp"
 #include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
-#include "ddp/runtime/collective.hpp"
 #include "ddp/types.hpp"
 
 #include <mpi.h>

@@ -35,12 +35,12 @@
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 #include "ddp/backend/backend.hpp"
+#include "ddp/backend/collective.hpp"
 #include "ddp/backend/nccl_support.hpp"
+#include "ddp/backend/uneven.hpp"
 #include "ddp/cuda.hpp"
 #include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
-#include "ddp/runtime/collective.hpp"
-#include "ddp/runtime/uneven.hpp"
 #include "ddp/store/client.hpp"
 #include "ddp/types.hpp"
 

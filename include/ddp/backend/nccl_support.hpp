@@ -7,11 +7,11 @@
 /// NCCL failure is, and detail::NcclAborter (ncclCommAbort on a thread of its own). Needs
 /// DDP_HAS_NCCL=1 (the ddp::nccl target).
 
+#include "ddp/backend/collective.hpp"
+#include "ddp/backend/uneven.hpp"
 #include "ddp/config.hpp"
 #include "ddp/cuda.hpp"
 #include "ddp/error.hpp"
-#include "ddp/runtime/collective.hpp"
-#include "ddp/runtime/uneven.hpp"
 #include "ddp/types.hpp"
 
 #include <cuda_runtime_api.h>
@@ -107,7 +107,7 @@ std::optional<cudaStream_t> common_stream(const Bufs& bufs) {
   return common;
 }
 
-/// Every rank's plan of an uneven collective (runtime/uneven.hpp), shared with an all_gather on
+/// Every rank's plan of an uneven collective (backend/uneven.hpp), shared with an all_gather on
 /// `be` (backend::Nccl) through device memory and checked pair by pair: the agreed
 /// sends[src * size + dst].
 template <class Be>

@@ -11,7 +11,7 @@
 /// Who reads what: Environment::detect (the launcher's variables), Options::with_env (DDP_TIMEOUT,
 /// DDP_TOKEN, DDP_HOST_TRANSPORT, DDP_SEGMENT_BYTES, DDP_SHM_SINGLE_COPY, DDP_VERIFY_COLLECTIVES,
 /// DDP_TRACE_ENTRIES, DDP_TRACE_DUMP), Communicator::init (DDP_STORE_HOSTED, DDP_RESTART_COUNT: set
-/// by launchers that host the store; TORCHELASTIC_ERROR_FILE, runtime/error_file.hpp), ddp::spawn
+/// by launchers that host the store; TORCHELASTIC_ERROR_FILE, comm/error_file.hpp), ddp::spawn
 /// and ddprun (what they pass to their workers).
 
 #include "ddp/config.hpp"

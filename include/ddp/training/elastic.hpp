@@ -7,7 +7,7 @@
 /// `hvd.elastic.run` and torchft's Manager. It owns the communicator and a TrainingState, runs
 /// the program's step function, commits after every step, and on a lost rank catches the
 /// failure, shrinks, restores the newest commit on every survivor, makes the program's
-/// averagers again (on_reset) and goes on; it admits the processes waiting to join at a step
+/// averagers again (on_reset) and goes on; it admits the processes waiting to enter at a step
 /// boundary, and deals the rest of the epoch over every new membership, the ranks stepping
 /// together (as many steps as the longest shard needs).
 ///
@@ -83,8 +83,8 @@ struct ElasticChange {
 struct ElasticOptions {
   /// How the survivors agree (ShrinkOptions::wait_for_ranks, exclude).
   ShrinkOptions shrink{};
-  /// How long a newcomer waits to be admitted (JoinOptions::wait; 0: the timeout).
-  std::chrono::milliseconds join_wait{0};
+  /// How long a newcomer waits to be admitted (EnterOptions::wait; 0: the timeout).
+  std::chrono::milliseconds enter_wait{0};
   /// The fewest ranks the job goes on with: a loss that leaves fewer is rethrown.
   int min_size = 1;
   /// Losses recovered from at most (-1: no limit); the next one is rethrown.
@@ -249,7 +249,8 @@ class Elastic {
     if (comm_) return;
     const auto t0 = Clock::now();
     if (env_.rejoin) {
-      comm_.emplace(Comm::join(env_, options_, {.ticket = state_.ticket(), .wait = eo_.join_wait}));
+      comm_.emplace(
+          Comm::enter(env_, options_, {.ticket = state_.ticket(), .wait = eo_.enter_wait}));
       state_.restore(*comm_);
       reset(ElasticChange::Kind::joined, 0, t0, {});
     } else {
@@ -273,14 +274,14 @@ class Elastic {
     }
   }
 
-  /// The commit after a step; admits the processes waiting to join, when there are. Returns
+  /// The commit after a step; admits the processes waiting to enter, when there are. Returns
   /// whether the membership grew (the epoch's rest is then dealt again).
   bool commit() {
     confirming_ = state_.steps() + 1;
     state_.commit(*comm_);
     confirming_ = 0;
     if (commit_) commit_(*comm_, state_.steps());
-    if (state_.joining() <= 0) return false;
+    if (state_.entering() <= 0) return false;
     const auto t0 = Clock::now();
     const int before = comm_->size();
     if (!state_.grow(*comm_)) return false;

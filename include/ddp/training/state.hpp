@@ -125,11 +125,11 @@ class TrainingState {
     confirming_ = steps_ + 1;
     // max of the commit and of its complement: the largest and the smallest over the members
     // (three values: a commit on some ranks never pairs with a program's own all_reduce of two).
-    // The third: how many processes wait to join, as rank 0 sees them (Communicator::join).
+    // The third: how many processes wait to join, as rank 0 sees them (Communicator::enter).
     std::vector<double> at{static_cast<double>(confirming_), -static_cast<double>(confirming_),
-                           comm.rank() == 0 ? static_cast<double>(poll_joining(comm)) : 0.0};
+                           comm.rank() == 0 ? static_cast<double>(poll_entering(comm)) : 0.0};
     comm.all_reduce_host(std::span<double>(at), ReduceOp::max);
-    joining_ = static_cast<int>(at[2]);
+    entering_ = static_cast<int>(at[2]);
     if (at[0] != -at[1])
       detail::fail(Errc::mismatch, "rank ", comm.rank(),
                    ": TrainingState::commit: this rank commits step ", confirming_,
@@ -168,12 +168,12 @@ class TrainingState {
 
   /// How many processes waited to join the job at the last commit(), the same on every member
   /// (rank 0 looks at most every 50 ms). When it is not 0, every member calls grow(comm).
-  [[nodiscard]] int joining() const noexcept { return joining_; }
+  [[nodiscard]] int entering() const noexcept { return entering_; }
 
-  /// Collective over the members, after a commit() whose joining() is not 0: admits the
-  /// processes waiting to join (Communicator::grow with ticket()), replaces `comm` with the
+  /// Collective over the members, after a commit() whose entering() is not 0: admits the
+  /// processes waiting to enter (Communicator::grow with ticket()), replaces `comm` with the
   /// grown communicator, and sends every member the last commit (restore()), the newcomers
-  /// included (they call restore() after Communicator::join). Returns whether the membership
+  /// included (they call restore() after Communicator::enter). Returns whether the membership
   /// changed: then re-create the averagers over `comm` (their constructors are collective, and
   /// the newcomers make theirs now). A failure meanwhile throws as a collective does, `comm`
   /// already the grown one: shrink() it and restore(), as after any failure.
@@ -181,7 +181,7 @@ class TrainingState {
   bool grow(Comm& comm) {
     GrowOptions o;
     o.ticket = ticket();
-    joining_ = last_waiting_ = 0;
+    entering_ = last_waiting_ = 0;
     Comm grown = comm.grow(o);
     if (grown.epoch() == comm.epoch()) return false;
     comm = std::move(grown);
@@ -190,7 +190,7 @@ class TrainingState {
   }
 
   /// What a process must track alike to be admitted to the job (GrowOptions::ticket,
-  /// JoinOptions::ticket): each piece's name, kind and size (tensors: bytes; objects: a tag of
+  /// EnterOptions::ticket): each piece's name, kind and size (tensors: bytes; objects: a tag of
   /// their type; samplers: the dataset size), in order.
   [[nodiscard]] std::string ticket() const;
 
@@ -293,21 +293,21 @@ class TrainingState {
     }
   }
 
-  // Rank 0's look at the processes waiting to join, at most every 50 ms.
+  // Rank 0's look at the processes waiting to enter, at most every 50 ms.
   template <class Comm>
-  int poll_joining(Comm& comm) {
-    if constexpr (requires { comm.waiting_to_join(); }) {
+  int poll_entering(Comm& comm) {
+    if constexpr (requires { comm.waiting_to_enter(); }) {
       const auto now = std::chrono::steady_clock::now();
       if (now - polled_ < std::chrono::milliseconds(50)) return last_waiting_;
       polled_ = now;
-      last_waiting_ = comm.waiting_to_join();
+      last_waiting_ = comm.waiting_to_enter();
       return last_waiting_;
     }
     return 0;
   }
 
   std::vector<Piece> pieces_;
-  int joining_ = 0, last_waiting_ = 0;
+  int entering_ = 0, last_waiting_ = 0;
   std::chrono::steady_clock::time_point polled_{};
   std::uint64_t steps_ = 0;       // commits made (since start)
   std::uint64_t confirming_ = 0;  // the commit being confirmed (0: none)

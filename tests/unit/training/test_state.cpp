@@ -308,7 +308,7 @@ void grow_training(Comm& comm, bool newcomer, const mp::TempDir& dir, const std:
       for (; step < steps; ++step) {
         if (!newcomer && comm.epoch() == 0 && step == 4 && comm.rank() == 0) {
           mp::TempDir::write(dir.file("step4"), "");
-          while (comm.waiting_to_join() == 0) std::this_thread::sleep_for(5ms);
+          while (comm.waiting_to_enter() == 0) std::this_thread::sleep_for(5ms);
           std::this_thread::sleep_for(60ms);  // past the commit's look-up interval
         }
         const auto mine = sampler.indices();
@@ -319,7 +319,7 @@ void grow_training(Comm& comm, bool newcomer, const mp::TempDir& dir, const std:
         sampler.advance(batch);
         done = step + 1;
         state.commit(comm);
-        if (state.joining() == 0) continue;
+        if (state.entering() == 0) continue;
         if (scenario == "source_dies" && comm.rank() == 0 && comm.epoch() == 0) {
           ddp::GrowOptions g;
           g.ticket = state.ticket();
@@ -376,7 +376,7 @@ TEST_CASE(
                 t.track_model("net", net)
                     .track_object("done", done)
                     .track_sampler("sampler", sampler);
-                auto comm = Comm::join(env, o, {.ticket = t.ticket()});
+                auto comm = Comm::enter(env, o, {.ticket = t.ticket()});
                 grow_training(comm, true, dir, scenario, 3);
                 return;
               }

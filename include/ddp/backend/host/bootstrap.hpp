@@ -16,6 +16,7 @@
 #include "ddp/backend/host/single_copy.hpp"
 #include "ddp/backend/host/tcp.hpp"
 #include "ddp/backend/host/transport.hpp"
+#include "ddp/backend/rendezvous.hpp"
 #include "ddp/config.hpp"
 #include "ddp/detail/bytes.hpp"
 #include "ddp/detail/crypto.hpp"
@@ -23,7 +24,6 @@
 #include "ddp/detail/socket.hpp"
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
-#include "ddp/runtime/rendezvous.hpp"
 #include "ddp/store/client.hpp"
 
 #include <fcntl.h>

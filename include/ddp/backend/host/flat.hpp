@@ -14,12 +14,12 @@
 /// Every element is reduced in rank order 0..P-1 in every path, so results are bitwise identical
 /// on every rank, in every run, for every message size and on every transport.
 
+#include "ddp/backend/collective.hpp"
 #include "ddp/backend/host/rounds.hpp"
 #include "ddp/backend/host/transport.hpp"
+#include "ddp/backend/reduce.hpp"
 #include "ddp/config.hpp"
 #include "ddp/error.hpp"
-#include "ddp/runtime/collective.hpp"
-#include "ddp/runtime/reduce.hpp"
 #include "ddp/types.hpp"
 
 #include <algorithm>

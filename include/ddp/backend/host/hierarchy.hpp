@@ -8,17 +8,17 @@
 /// reaches every rank at once (the other ranks of the host through the local transport, the
 /// other hosts through a record in the store and the connections closing).
 
+#include "ddp/backend/collective.hpp"
 #include "ddp/backend/host/flat.hpp"
 #include "ddp/backend/host/rounds.hpp"
 #include "ddp/backend/host/single_copy.hpp"
 #include "ddp/backend/host/transport.hpp"
+#include "ddp/backend/reduce.hpp"
 #include "ddp/config.hpp"
 #include "ddp/detail/bytes.hpp"
 #include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
-#include "ddp/runtime/collective.hpp"
-#include "ddp/runtime/reduce.hpp"
 #include "ddp/store/client.hpp"
 
 #include <cstdlib>

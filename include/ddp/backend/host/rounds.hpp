@@ -8,9 +8,9 @@
 /// (cache-line-aligned chunks), and the scratch memory the algorithms reuse between calls. The
 /// algorithms built on them are flat.hpp (one transport), single_copy.hpp and hierarchy.hpp.
 
+#include "ddp/backend/collective.hpp"
 #include "ddp/backend/host/transport.hpp"
 #include "ddp/config.hpp"
-#include "ddp/runtime/collective.hpp"
 
 #include <algorithm>
 #include <cstddef>

@@ -7,11 +7,11 @@
 /// is laid out (ShmLayout), the header and the per-rank control blocks in it, and how it is
 /// created without a name and mapped by every rank (ShmSegment).
 
+#include "ddp/backend/collective.hpp"
 #include "ddp/config.hpp"
 #include "ddp/detail/socket.hpp"
 #include "ddp/detail/wait.hpp"
 #include "ddp/error.hpp"
-#include "ddp/runtime/collective.hpp"
 
 #include <fcntl.h>
 #include <sys/mman.h>

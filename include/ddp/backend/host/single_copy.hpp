@@ -7,14 +7,14 @@
 /// with Transport::copy_from), the path chooser that picks it or the slot path per message size,
 /// and all_reduce_on: the one entry of a flat all_reduce (small, single copy or segments).
 
+#include "ddp/backend/collective.hpp"
 #include "ddp/backend/host/flat.hpp"
 #include "ddp/backend/host/rounds.hpp"
 #include "ddp/backend/host/transport.hpp"
+#include "ddp/backend/reduce.hpp"
 #include "ddp/config.hpp"
 #include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
-#include "ddp/runtime/collective.hpp"
-#include "ddp/runtime/reduce.hpp"
 
 #include <array>
 #include <bit>

@@ -18,9 +18,9 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+#include "ddp/backend/collective.hpp"
 #include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
-#include "ddp/runtime/collective.hpp"
 
 #include <atomic>
 #include <bit>

@@ -6,18 +6,18 @@
 /// The Host backend's collectives of uneven sizes over rounds (all_to_all with split sizes,
 /// all_gather, gather and scatter with a count per rank), on any transport.
 ///
-/// Each starts with a sizes round: every rank offers its plan (runtime/uneven.hpp), so that
+/// Each starts with a sizes round: every rank offers its plan (backend/uneven.hpp), so that
 /// every rank holds the whole matrix and checks it the same way before any data moves. The data
 /// then moves in rounds of at most a slot, each rank's offer holding the next chunk of each of its
 /// blocks; every rank computes the same number of rounds from the same matrix.
 
+#include "ddp/backend/collective.hpp"
 #include "ddp/backend/host/flat.hpp"
 #include "ddp/backend/host/rounds.hpp"
 #include "ddp/backend/host/transport.hpp"
+#include "ddp/backend/uneven.hpp"
 #include "ddp/config.hpp"
 #include "ddp/error.hpp"
-#include "ddp/runtime/collective.hpp"
-#include "ddp/runtime/uneven.hpp"
 
 #include <algorithm>
 #include <cstddef>

@@ -1,0 +1,328 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// How the survivors of a failure agree on who is alive and form a communicator of themselves
+/// (Communicator::shrink), over the rendezvous store. The store is the one place every rank
+/// reads alike, so each decision is one compare-and-set there: the first proposal wins and every
+/// rank follows it, whoever made it.
+///
+/// Round k of forming membership epoch E (keys under the communicator's base prefix,
+/// "e<E>/r<k>/"):
+///  1. each survivor says it is alive ("alive/<old rank>"), then waits until every candidate
+///     (round 0: every rank; later rounds: the previous round's members) has either said so or
+///     is known dead ("exit/<old rank>" of the old communicator, which the store writes when a
+///     process's connection closes), or until ShrinkOptions::wait_for_ranks has passed;
+///  2. it proposes the candidates that said they are alive; "members" takes the first proposal;
+///     a rank left out fails with Errc::aborted (it is fenced: a stopped rank that wakes up);
+///  3. the members connect a new backend under "e<E>/r<k>/comm/", ranks renumbered densely in
+///     the order of their old ranks; a member that dies meanwhile fails the others at once (its
+///     connection's on-close record sets that communicator's "failed" key);
+///  4. each member says whether it connected ("ready/<old rank>"); "outcome" takes the first
+///     verdict: "ok" once every member is ready, "retry" once one has failed or died. On
+///     "retry" the survivors go to round k + 1, so a second failure during the agreement costs
+///     one more round, never a split.
+/// Once formed, "superseded" of the old communicator names the new epoch and its members: a
+/// fenced rank that later calls the old communicator reads it and fails naming the epoch.
+
+#include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+#include "ddp/comm/growth.hpp"
+#include "ddp/comm/state.hpp"
+#include "ddp/error.hpp"
+#include "ddp/options.hpp"
+#include "ddp/store/client.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// Test hook for fault injection: called with the phase of shrink() reached ("alive",
+/// "decided", "connected", "ready"); tests kill the process there. Null outside tests.
+inline void (*&shrink_phase_hook() noexcept)(const char*) {
+  static void (*hook)(const char*) = nullptr;
+  return hook;
+}
+
+/// One membership change of communicator `old` (see the file comment).
+class MembershipChange {
+ public:
+  MembershipChange(CommState& old, int old_rank, int old_size, const ShrinkOptions& o);
+
+  [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_; }
+
+  /// Says in the old communicator's store space that it is being replaced ("shrinking": the
+  /// epoch), so that a rank coming back to it after a long absence learns so before acting.
+  void announce();
+  [[nodiscard]] int round() const noexcept { return round_; }
+
+  /// Steps 1 and 2 of the current round: the members (old ranks, ascending). Fails with
+  /// Errc::aborted when this rank is left out.
+  std::vector<int> decide();
+
+  /// The new communicator's store prefix (under the job's), and this rank's place in it.
+  [[nodiscard]] std::string prefix() const { return concat(old_.base_prefix, tag(), "comm/"); }
+  [[nodiscard]] int new_rank() const;
+
+  /// Before saying it is alive: should this process die from then on, the store fails the
+  /// round's connecting at once, and marks it gone in the old communicator (a later round does
+  /// not wait for it).
+  void watch_connecting();
+
+  /// Steps 3-4: whether the round formed the communicator (every member connected); false:
+  /// another round, without the members that failed or died.
+  bool settle(bool connected);
+
+ private:
+  [[nodiscard]] std::string tag() const { return concat("e", epoch_, "/r", round_, "/"); }
+
+  /// The value at `key` (under the base prefix), "" when absent, without waiting.
+  std::string peek(const std::string& key) { return peek_key(*base_, key); }
+
+  void hook(const char* phase) const {
+    if (shrink_phase_hook() != nullptr) shrink_phase_hook()(phase);
+  }
+
+  /// Whether rank r is known gone: the store's mark, or (a process on this machine) its pid
+  /// found ended, which this rank then marks for the others (no lease to wait out).
+  bool gone(int r);
+  /// Whether rank r's process ran out of heartbeat (the store's mark).
+  bool stalled(int r) const;
+
+  /// Waits until every candidate has said it is alive or is known dead, or wait_ has passed, or
+  /// another rank has decided; returns the candidates alive.
+  std::vector<int> await_candidates(const std::string& at);
+
+  [[noreturn]] void excluded(const std::string& why);
+
+  /// Runs body, turning the loss of the store into an error that says what it means here.
+  template <class F>
+  auto guarded(const F& body) -> decltype(body()) {
+    try {
+      return body();
+    } catch (const Error& e) {
+      if (e.code() != Errc::peer_lost || !old_.root_store->lost()) throw;
+      fail(Errc::peer_lost, "rank ", me_, ": shrink: the rendezvous store at ",
+           old_.root_store->host(), ":", old_.root_store->port(),
+           " is gone (its process ended or stopped answering: when rank 0 hosts it, losing rank "
+           "0 loses it), so the survivors cannot agree. Run the job under ddprun or ddp::spawn, "
+           "whose store outlives every worker, or keep the store in etcd (DDP_STORE) (",
+           e.what(), ")");
+    }
+  }
+
+  CommState& old_;
+  int me_;
+  int size_;
+  std::uint64_t epoch_;
+  int round_ = 0;
+  std::chrono::milliseconds wait_{};
+  Clock::time_point deadline_;
+  std::shared_ptr<Store> base_;
+  std::vector<int> candidates_, members_;
+};
+
+#if DDP_BODIES
+DDP_INLINE MembershipChange::MembershipChange(CommState& old, int old_rank, int old_size,
+                                              const ShrinkOptions& o)
+    : old_(old), me_(old_rank), size_(old_size), epoch_(old.epoch + 1) {
+  if (!old.root_store)
+    fail(Errc::unsupported, "rank ", me_,
+         ": shrink: this communicator has no rendezvous store to agree in (a world of one "
+         "started without a launcher, or a group that backend::Nccl's split() made: shrink the "
+         "communicator init() made, then split it again)");
+  if (o.wait_for_ranks.count() < 0)
+    fail(Errc::invalid_argument, "rank ", me_, ": shrink: ShrinkOptions::wait_for_ranks is ",
+         o.wait_for_ranks.count(), " ms; give 0 (the communicator's timeout) or more");
+  for (int r : o.exclude) {
+    if (r < 0 || r >= size_)
+      fail(Errc::invalid_argument, "rank ", me_, ": shrink: ShrinkOptions::exclude names rank ", r,
+           ", not a rank of this communicator of ", size_);
+  }
+  wait_ = o.wait_for_ranks.count() > 0 ? o.wait_for_ranks : old.options.timeout;
+  deadline_ = Clock::now() + old.options.timeout + wait_;
+  base_ = std::make_shared<Store>(old.root_store->prefixed(old.base_prefix).unwatched());
+  for (int r = 0; r < size_; ++r) {
+    if (std::find(o.exclude.begin(), o.exclude.end(), r) == o.exclude.end())
+      candidates_.push_back(r);
+  }
+  if (std::find(candidates_.begin(), candidates_.end(), me_) == candidates_.end())
+    fail(Errc::invalid_argument, "rank ", me_, ": shrink: ShrinkOptions::exclude names this rank");
+}
+
+DDP_INLINE void MembershipChange::announce() {
+  guarded([&] {
+    (void)old_.root_store->prefixed(old_.prefix)
+        .unwatched()
+        .compare_set("shrinking", "", std::to_string(epoch_));
+    return 0;
+  });
+}
+
+DDP_INLINE std::vector<int> MembershipChange::decide() {
+  return guarded([&] {
+    const std::string at = tag();
+    if (old_.stalled())
+      excluded(
+          concat("this process sent no sign of life to the store for longer than the "
+                 "heartbeat (",
+                 old_.options.heartbeat.count(),
+                 " ms: stopped, hung or cut off), so the job counts it as lost"));
+    watch_connecting();
+    base_->set(concat(at, "alive/", me_), std::to_string(::getpid()));
+    hook("alive");
+    std::string decided = peek(concat(at, "members"));
+    if (decided.empty()) {
+      const std::vector<int> alive = await_candidates(at);
+      decided = base_->compare_set(concat(at, "members"), "", ranks_text(alive));
+    }
+    members_ = parse_ranks(decided);
+    if (std::find(members_.begin(), members_.end(), me_) == members_.end())
+      excluded(concat("the other ranks formed membership epoch ", epoch_, " of ranks ",
+                      ranks_text(members_),
+                      " (old numbers) without it: it did not say it was "
+                      "alive within ",
+                      wait_.count(),
+                      " ms of the first of them (stopped, or "
+                      "slow to notice the failure), or another rank's ShrinkOptions::exclude "
+                      "named it"));
+    hook("decided");
+    return members_;
+  });
+}
+
+DDP_INLINE int MembershipChange::new_rank() const {
+  return static_cast<int>(std::find(members_.begin(), members_.end(), me_) - members_.begin());
+}
+
+DDP_INLINE void MembershipChange::watch_connecting() {
+  guarded([&] {
+    const std::pair<std::string, std::string> on_close[] = {
+        {concat(prefix(), "failed"),
+         Store::stop_value(Errc::peer_lost,
+                           concat("rank ", me_,
+                                  " (of the communicator being shrunk) died while the "
+                                  "survivors were forming membership epoch ",
+                                  epoch_))},
+        {concat(old_.prefix, "exit/", me_), ""},
+        {old_.process_exit_key(), ""}};
+    old_.root_store->set_on_close(std::span(on_close, old_.process_exit_key().empty() ? 2 : 3));
+    return 0;
+  });
+}
+
+DDP_INLINE bool MembershipChange::settle(bool connected) {
+  return guarded([&] {
+    const std::string at = tag();
+    if (connected) hook("connected");
+    base_->set(concat(at, connected ? "ready/" : "broken/", me_), "");
+    if (connected) hook("ready");
+    std::string verdict = peek(concat(at, "outcome"));
+    while (verdict.empty()) {
+      std::vector<std::string> ready;
+      bool broken = !connected;
+      for (int r : members_) {
+        ready.push_back(concat(at, "ready/", r));
+        const std::string failed[] = {concat(at, "broken/", r)};
+        broken = broken || base_->check(failed) || gone(r);
+      }
+      if (broken) {
+        verdict = base_->compare_set(concat(at, "outcome"), "", "retry");
+        break;
+      }
+      if (base_->missing_after(ready, std::chrono::milliseconds(20)).empty()) {
+        verdict = base_->compare_set(concat(at, "outcome"), "", "ok");
+        break;
+      }
+      verdict = peek(concat(at, "outcome"));
+      if (verdict.empty() && Clock::now() > deadline_)
+        verdict = base_->compare_set(concat(at, "outcome"), "", "retry");
+    }
+    if (verdict == "ok") {
+      (void)old_.root_store->prefixed(old_.prefix)
+          .unwatched()
+          .compare_set("superseded", "", concat(epoch_, ":", ranks_text(members_)));
+      if (old_.base_prefix == old_.job_prefix && new_rank() == 0) {  // for newcomers
+        std::vector<int> world;
+        for (const int m : members_)
+          if (static_cast<std::size_t>(m) < old_.world_ranks.size())
+            world.push_back(old_.world_ranks[static_cast<std::size_t>(m)]);
+        Store job = old_.root_store->prefixed(old_.job_prefix).unwatched();
+        record_members(job, epoch_, world);
+      }
+      return true;
+    }
+    candidates_ = members_;
+    ++round_;
+    if (Clock::now() > deadline_)
+      fail(Errc::timeout, "rank ", me_, ": shrink: membership epoch ", epoch_,
+           " could not be formed within the timeout (", round_,
+           " rounds: ranks kept failing while connecting)");
+    return false;
+  });
+}
+
+DDP_INLINE bool MembershipChange::gone(int r) {
+  if (old_.rank_gone(r)) return true;
+  const auto i = static_cast<std::size_t>(r);
+  if (i >= old_.world_ranks.size() || old_.job_prefix.empty()) return false;
+  Store job = old_.root_store->prefixed(old_.job_prefix).unwatched();
+  const std::string who = peek_key(job, concat("proc/", old_.world_ranks[i]));
+  if (who.empty() || !ended_here(who)) return false;
+  (void)job.compare_set(concat("gone/", old_.world_ranks[i]), "", "");
+  return true;
+}
+
+DDP_INLINE bool MembershipChange::stalled(int r) const {
+  const auto i = static_cast<std::size_t>(r);
+  if (i >= old_.world_ranks.size() || old_.job_prefix.empty()) return false;
+  const std::string k[] = {concat(old_.job_prefix, "stalled/", old_.world_ranks[i])};
+  return old_.root_store->check(k);
+}
+
+DDP_INLINE std::vector<int> MembershipChange::await_candidates(const std::string& at) {
+  const auto until = std::min(deadline_, Clock::now() + wait_);
+  for (;;) {
+    std::vector<int> alive;
+    std::vector<std::string> pending;
+    for (int r : candidates_) {
+      const std::string said[] = {concat(at, "alive/", r)};
+      if (stalled(r)) continue;  // counted lost by its heartbeat, even should it wake
+      if (base_->check(said)) {
+        alive.push_back(r);
+      } else if (!gone(r)) {
+        pending.push_back(said[0]);
+      }
+    }
+    const std::string members[] = {concat(at, "members")};
+    if (pending.empty() || Clock::now() >= until || base_->check(members)) return alive;
+    (void)base_->missing_after(pending, std::chrono::milliseconds(20));
+  }
+}
+
+DDP_INLINE void MembershipChange::excluded(const std::string& why) {
+  const std::string msg =
+      concat("rank ", me_, ": shrink: this rank was excluded: ", why,
+             "; it can never act on this communicator again: restart the process (it may "
+             "rejoin the job as a new rank)");
+  old_.poison_with(msg, Errc::aborted);
+  fail(Errc::aborted, msg);
+}
+#endif  // DDP_BODIES
+
+}  // namespace detail
+DDP_END_NAMESPACE

@@ -1,0 +1,265 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// The flight recorder: every communicator keeps its most recent operations (op, sequence
+/// number, bytes, state) in a ring of Options::trace_entries records, readable at any time with
+/// Communicator::recent() / trace(), and written out when an operation times out
+/// (Options::trace_dump, $DDP_TRACE_DUMP). Comparing the ranks' records shows which rank fell
+/// behind and where; the timeout message itself already names the ranks that did not arrive.
+/// Reading dumps back and comparing a job's ranks is the tools' part (tools/trace_diagnose.hpp:
+/// the `ddp-trace` tool prints it for a directory of dumps).
+
+#include "ddp/config.hpp"
+#include "ddp/detail/lean_std.hpp"
+#include "ddp/error.hpp"
+#include "ddp/options.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// One operation in a communicator's flight recorder.
+struct TraceRecord {
+  /// Where the operation is: waiting behind others, running, finished, or failed.
+  enum class State : std::uint8_t { queued, running, done, failed };
+  std::uint64_t seq = 0;        ///< operations issued on this communicator before this one
+  const char* op = "";          ///< "all_reduce", "broadcast", ...
+  std::size_t bytes = 0;        ///< bytes of this rank's buffer(s)
+  State state = State::queued;  ///< where it was when the record was read
+  std::chrono::steady_clock::time_point issued{};  ///< when it was called (or queued)
+};
+
+/// The state's name: "queued", "running", "done" or "failed".
+[[nodiscard]] constexpr const char* to_string(TraceRecord::State s) noexcept {
+  switch (s) {
+    case TraceRecord::State::queued: return "queued";
+    case TraceRecord::State::running: return "running";
+    case TraceRecord::State::done: return "done";
+    case TraceRecord::State::failed: return "failed";
+  }
+  return "?";
+}
+
+namespace detail {
+
+/// How long a launcher (ddprun, spawn) lets the other workers run after one failed before it
+/// stops them: a second when they write flight recorders ($DDP_TRACE_DUMP), in which they fail on
+/// their own (peers of a failed rank do within milliseconds) and write them; else no time.
+[[nodiscard]] DDP_INLINE std::chrono::milliseconds trace_dump_grace();
+#if DDP_BODIES
+DDP_INLINE std::chrono::milliseconds trace_dump_grace() {
+  return !EnvReader().has("DDP_TRACE_DUMP") ? std::chrono::milliseconds(0)
+                                            : std::chrono::milliseconds(1000);
+}
+#endif  // DDP_BODIES
+
+/// A fixed ring of TraceRecords that costs no lock: issuing an operation is one atomic
+/// increment and a few plain stores, updating its state one store, so the flight recorder stays
+/// on in production. Operations are recorded by the thread that issues them and updated by the
+/// one that runs them; any thread may read (a record being written at that moment is skipped).
+/// Times come from the coarse monotonic clock (a memory read; a few ms resolution, enough for
+/// ages in ms).
+class FlightRecorder {
+ public:
+  using State = TraceRecord::State;
+
+  /// Sets the capacity and forgets every record; not concurrent with the other members.
+  void resize(std::size_t capacity);
+
+  /// Records a new operation and returns its sequence number.
+  std::uint64_t issue(const char* op, std::size_t bytes, State state);
+
+  /// Moves operation `seq` to `state` (unless the ring has overwritten it since).
+  void update(std::uint64_t seq, State state);
+
+  /// The records still held, oldest first.
+  [[nodiscard]] std::vector<TraceRecord> recent() const;
+
+  /// Operations issued so far.
+  [[nodiscard]] std::uint64_t issued() const;
+
+ private:
+  struct Slot {
+    std::atomic<std::uint64_t> version{0};  // 2 seq + 2 when record `seq` is complete
+    std::atomic<const char*> op{""};
+    std::atomic<std::size_t> bytes{0};
+    std::atomic<State> state{State::queued};
+    std::atomic<std::int64_t> issued_ns{0};
+  };
+
+  /// steady_clock's clock (CLOCK_MONOTONIC), read at its coarse resolution.
+  static std::int64_t coarse_now_ns() noexcept;
+
+  std::unique_ptr<Slot[]> slots_;
+  std::size_t mask_ = 0;
+  std::size_t capacity_ = 0;  // records kept (recent() returns at most this many)
+  std::atomic<std::uint64_t> next_{0};
+};
+
+#if DDP_BODIES
+DDP_INLINE void FlightRecorder::resize(std::size_t capacity) {
+  // Slots for a power of two at least `capacity`: a slot is found with a mask, not a division
+  // (a 64-bit division costs more than the rest of recording an operation).
+  std::size_t slots = capacity != 0 ? 1 : 0;
+  while (slots < capacity) slots <<= 1;
+  slots_ = slots != 0 ? std::make_unique<Slot[]>(slots) : nullptr;
+  mask_ = slots - 1;
+  capacity_ = capacity;
+  next_.store(0, std::memory_order_relaxed);
+}
+
+DDP_INLINE std::uint64_t FlightRecorder::issue(const char* op, std::size_t bytes, State state) {
+  const std::uint64_t seq = next_.fetch_add(1, std::memory_order_relaxed);
+  if (capacity_ == 0) return seq;
+  Slot& s = slots_[seq & mask_];
+  // A seqlock without fences (ThreadSanitizer does not model them): the fields are release
+  // stores after the odd version, so a reader that sees any of them sees the version change.
+  s.version.store(2 * seq + 1, std::memory_order_relaxed);  // odd: being written
+  s.op.store(op, std::memory_order_release);
+  s.bytes.store(bytes, std::memory_order_release);
+  s.state.store(state, std::memory_order_release);
+  s.issued_ns.store(coarse_now_ns(), std::memory_order_release);
+  s.version.store(2 * seq + 2, std::memory_order_release);
+  return seq;
+}
+
+DDP_INLINE void FlightRecorder::update(std::uint64_t seq, State state) {
+  if (capacity_ == 0) return;
+  Slot& s = slots_[seq & mask_];
+  if (s.version.load(std::memory_order_relaxed) == 2 * seq + 2)
+    s.state.store(state, std::memory_order_release);
+}
+
+DDP_INLINE std::vector<TraceRecord> FlightRecorder::recent() const {
+  std::vector<TraceRecord> out;
+  const std::uint64_t next = next_.load(std::memory_order_acquire);
+  const std::uint64_t n = std::min<std::uint64_t>(next, capacity_);
+  out.reserve(static_cast<std::size_t>(n));
+  for (std::uint64_t seq = next - n; seq < next; ++seq) {
+    const Slot& s = slots_[seq & mask_];
+    const std::uint64_t v = s.version.load(std::memory_order_acquire);
+    if (v != 2 * seq + 2) continue;  // being written, or already overwritten
+    TraceRecord r;
+    r.seq = seq;
+    r.op = s.op.load(std::memory_order_acquire);
+    r.bytes = s.bytes.load(std::memory_order_acquire);
+    r.state = s.state.load(std::memory_order_acquire);
+    r.issued = std::chrono::steady_clock::time_point(
+        std::chrono::nanoseconds(s.issued_ns.load(std::memory_order_acquire)));
+    if (s.version.load(std::memory_order_relaxed) == v) out.push_back(r);
+  }
+  return out;
+}
+
+DDP_INLINE std::uint64_t FlightRecorder::issued() const {
+  return next_.load(std::memory_order_acquire);
+}
+
+DDP_INLINE std::int64_t FlightRecorder::coarse_now_ns() noexcept {
+  timespec ts{};
+  if (::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts) != 0) {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  return std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
+#endif  // DDP_BODIES
+
+/// The recorder's contents as text: a header line, then one line per record, oldest first.
+[[nodiscard]] DDP_INLINE std::string format_trace(const std::vector<TraceRecord>& records,
+                                                  std::uint64_t issued, int rank, int size,
+                                                  std::string_view group, std::string_view why);
+#if DDP_BODIES
+DDP_INLINE std::string format_trace(const std::vector<TraceRecord>& records, std::uint64_t issued,
+                                    int rank, int size, std::string_view group,
+                                    std::string_view why) {
+  const auto now = std::chrono::steady_clock::now();
+  std::string out = concat("ddp flight recorder: rank ", rank, " of ", size, ", group \"", group,
+                           "\", the last ", records.size(), " of ", issued, " operations");
+  if (!why.empty()) out += concat(", dumped because: ", why);
+  // The op column fits the longest name (all_reduce_coalesced, 20 characters).
+  out += "\n       seq  op                           bytes  state    age (ms)\n";
+  for (const auto& r : records) {
+    const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(now - r.issued).count();
+    char line[160];
+    std::snprintf(line, sizeof line, "%10llu  %-22s %12llu  %-7s %9lld\n",
+                  static_cast<unsigned long long>(r.seq), r.op,
+                  static_cast<unsigned long long>(r.bytes), to_string(r.state),
+                  static_cast<long long>(age));
+    out += line;
+  }
+  return out;
+}
+#endif  // DDP_BODIES
+
+/// Writes a dump where Options::trace_dump (or $DDP_TRACE_DUMP) says: "stderr", or a directory
+/// that receives ddp-trace-<group>-rank<r>.txt. Never throws (it runs while an error propagates).
+DDP_INLINE void dump_trace(const std::string& where, const std::string& text,
+                           std::string_view group, int rank) noexcept;
+#if DDP_BODIES
+DDP_INLINE void dump_trace(const std::string& where, const std::string& text,
+                           std::string_view group, int rank) noexcept {
+  try {
+    if (where == "stderr" || where == "-") {
+      std::fwrite(text.data(), 1, text.size(), stderr);
+      return;
+    }
+    std::string name(group);
+    for (char& ch : name) {
+      const bool plain = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+                         (ch >= '0' && ch <= '9') || ch == '-' || ch == '_' || ch == '.';
+      if (!plain) ch = '_';
+    }
+    // The directory is made if missing (and its parents), as `mkdir -p` would.
+    for (std::size_t at = where.find('/', 1); at != std::string::npos; at = where.find('/', at + 1))
+      (void)::mkdir(where.substr(0, at).c_str(), 0777);
+    (void)::mkdir(where.c_str(), 0777);
+    const std::string path = concat(where, "/ddp-trace-", name, "-rank", rank, ".txt");
+    // Never through a link, never waiting on a FIFO someone put there (O_NONBLOCK: opening one
+    // without a reader fails at once), never anything but a regular file.
+    const int fd = ::open(path.c_str(),
+                          O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
+    const char* why = fd < 0 ? std::strerror(errno) : nullptr;
+    struct stat st {};
+    std::FILE* f = nullptr;
+    if (fd >= 0 && ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) f = ::fdopen(fd, "w");
+    if (f == nullptr && fd >= 0) {
+      ::close(fd);
+      why = "something other than a regular file is there";
+    }
+    if (f != nullptr) {
+      std::fwrite(text.data(), 1, text.size(), f);
+      std::fclose(f);
+      std::fprintf(stderr, "[ddp] rank %d: flight recorder written to %s\n", rank, path.c_str());
+    } else {
+      // Not lost: the dump goes to stderr instead, after the reason.
+      std::fprintf(stderr,
+                   "[ddp] rank %d: cannot write the flight recorder to %s: %s; here it is\n", rank,
+                   path.c_str(), why);
+      std::fwrite(text.data(), 1, text.size(), stderr);
+    }
+  } catch (...) {
+  }
+}
+#endif  // DDP_BODIES
+
+}  // namespace detail
+DDP_END_NAMESPACE
