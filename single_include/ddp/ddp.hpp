@@ -12362,7 +12362,11 @@ struct CommRunner : CommState {
   void watch_peers() {
     CommState::watch_peers([this](const Error& lost) {
       poison_with(lost);
-      if (backend) backend->abort(lost.code(), lost.what());
+      if (!backend) return;
+      if constexpr (requires { backend->abort_with(lost); })
+        backend->abort_with(lost);  // the peers learn the lost ranks too
+      else
+        backend->abort(lost.code(), lost.what());
     });
   }
 
@@ -13833,6 +13837,9 @@ class Transport {
   /// Makes every current and future wait of this process (and, where the transport can, of its
   /// peers) fail with `code`. Safe to call from any thread.
   virtual void abort(Errc code, const std::string& why) = 0;
+  /// abort() for a failure `e` this rank found or learned of: where the transport tells its
+  /// peers, they learn e's words, the rank that found it and the ranks it found lost.
+  virtual void abort_with(const Error& e) { abort(e.code(), e.what()); }
 
  protected:
   /// "rank R: <what>: mismatched collectives: this rank called X but rank P called Y; ..."
@@ -15408,6 +15415,7 @@ class ShmTransport final : public Transport {
   DDP_INLINE void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override;
 
   DDP_INLINE void abort(Errc code, const std::string& why) override;
+  DDP_INLINE void abort_with(const Error& e) override;
 
  private:
   [[nodiscard]] ShmCtl* ctl(int r) const;
@@ -15741,6 +15749,11 @@ DDP_INLINE void ShmTransport::abort(Errc code, const std::string& why) {
   publish_abort(code, why);
 }
 
+DDP_INLINE void ShmTransport::abort_with(const Error& e) {
+  set_local_abort(e.code());
+  publish_abort(e);
+}
+
 DDP_INLINE ShmCtl* ShmTransport::ctl(int r) const {
   return reinterpret_cast<ShmCtl*>(segment_->base() + layout_.ctl_offset() +
                                    static_cast<std::size_t>(r) * ShmLayout::ctl_bytes);
@@ -15834,10 +15847,8 @@ DDP_INLINE void ShmTransport::publish_abort(Errc code, std::string_view why,
 }
 
 DDP_INLINE void ShmTransport::publish_abort(const Error& e) {
-  if (e.origin_rank() >= 0)
-    publish_abort(e.code(), e.origin_message(), e.lost_ranks(), e.origin_rank());
-  else
-    publish_abort(e.code(), e.what(), e.lost_ranks());
+  // The words after the context ("rank R: ..."): the peers put the reporter's name in front.
+  publish_abort(e.code(), e.origin_message(), e.lost_ranks(), e.origin_rank());
 }
 
 DDP_INLINE void ShmTransport::check_abort(const Fingerprint* fp) const {
@@ -17314,6 +17325,9 @@ class Host {
   /// Fails every current and later operation of this communicator with `code`; peers on shared
   /// memory fail too, TCP peers see the connections close. Thread-safe.
   void abort(Errc code, const std::string& why);
+  /// abort() for a failure found on this rank or learned from another (a peer silent past the
+  /// heartbeat): peers on shared memory learn the rank that found it and the ranks it lost.
+  void abort_with(const Error& e);
 
  private:
   /// The transport of the whole communicator.
@@ -17454,6 +17468,12 @@ DDP_INLINE void Host::abort(Errc code, const std::string& why) {
   t().abort(code, why);
   if (net_.hierarchy.local) net_.hierarchy.local->abort(code, why);
   if (net_.hierarchy.across) net_.hierarchy.across->abort(code, why);
+}
+
+DDP_INLINE void Host::abort_with(const Error& e) {
+  t().abort_with(e);
+  if (net_.hierarchy.local) net_.hierarchy.local->abort_with(e);
+  if (net_.hierarchy.across) net_.hierarchy.across->abort_with(e);
 }
 
 DDP_INLINE Host::Host(int rank, int size)

@@ -132,6 +132,9 @@ class Host {
   /// Fails every current and later operation of this communicator with `code`; peers on shared
   /// memory fail too, TCP peers see the connections close. Thread-safe.
   void abort(Errc code, const std::string& why);
+  /// abort() for a failure found on this rank or learned from another (a peer silent past the
+  /// heartbeat): peers on shared memory learn the rank that found it and the ranks it lost.
+  void abort_with(const Error& e);
 
  private:
   /// The transport of the whole communicator.
@@ -272,6 +275,12 @@ DDP_INLINE void Host::abort(Errc code, const std::string& why) {
   t().abort(code, why);
   if (net_.hierarchy.local) net_.hierarchy.local->abort(code, why);
   if (net_.hierarchy.across) net_.hierarchy.across->abort(code, why);
+}
+
+DDP_INLINE void Host::abort_with(const Error& e) {
+  t().abort_with(e);
+  if (net_.hierarchy.local) net_.hierarchy.local->abort_with(e);
+  if (net_.hierarchy.across) net_.hierarchy.across->abort_with(e);
 }
 
 DDP_INLINE Host::Host(int rank, int size)

@@ -94,7 +94,11 @@ struct CommRunner : CommState {
   void watch_peers() {
     CommState::watch_peers([this](const Error& lost) {
       poison_with(lost);
-      if (backend) backend->abort(lost.code(), lost.what());
+      if (!backend) return;
+      if constexpr (requires { backend->abort_with(lost); })
+        backend->abort_with(lost);  // the peers learn the lost ranks too
+      else
+        backend->abort(lost.code(), lost.what());
     });
   }
 

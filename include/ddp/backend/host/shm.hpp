@@ -97,6 +97,7 @@ class ShmTransport final : public Transport {
   DDP_INLINE void recv(const Buf& buf, int peer, int tag, std::uint64_t seq) override;
 
   DDP_INLINE void abort(Errc code, const std::string& why) override;
+  DDP_INLINE void abort_with(const Error& e) override;
 
  private:
   [[nodiscard]] ShmCtl* ctl(int r) const;
@@ -430,6 +431,11 @@ DDP_INLINE void ShmTransport::abort(Errc code, const std::string& why) {
   publish_abort(code, why);
 }
 
+DDP_INLINE void ShmTransport::abort_with(const Error& e) {
+  set_local_abort(e.code());
+  publish_abort(e);
+}
+
 DDP_INLINE ShmCtl* ShmTransport::ctl(int r) const {
   return reinterpret_cast<ShmCtl*>(segment_->base() + layout_.ctl_offset() +
                                    static_cast<std::size_t>(r) * ShmLayout::ctl_bytes);
@@ -523,10 +529,8 @@ DDP_INLINE void ShmTransport::publish_abort(Errc code, std::string_view why,
 }
 
 DDP_INLINE void ShmTransport::publish_abort(const Error& e) {
-  if (e.origin_rank() >= 0)
-    publish_abort(e.code(), e.origin_message(), e.lost_ranks(), e.origin_rank());
-  else
-    publish_abort(e.code(), e.what(), e.lost_ranks());
+  // The words after the context ("rank R: ..."): the peers put the reporter's name in front.
+  publish_abort(e.code(), e.origin_message(), e.lost_ranks(), e.origin_rank());
 }
 
 DDP_INLINE void ShmTransport::check_abort(const Fingerprint* fp) const {

@@ -175,6 +175,9 @@ class Transport {
   /// Makes every current and future wait of this process (and, where the transport can, of its
   /// peers) fail with `code`. Safe to call from any thread.
   virtual void abort(Errc code, const std::string& why) = 0;
+  /// abort() for a failure `e` this rank found or learned of: where the transport tells its
+  /// peers, they learn e's words, the rank that found it and the ranks it found lost.
+  virtual void abort_with(const Error& e) { abort(e.code(), e.what()); }
 
  protected:
   /// "rank R: <what>: mismatched collectives: this rank called X but rank P called Y; ..."
