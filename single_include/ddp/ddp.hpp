@@ -5596,9 +5596,11 @@ DDP_END_NAMESPACE
 
 /// \file
 /// What a communicator holds besides its backend, and the rules around it that do not depend on
-/// the backend (compiled once, not per Communicator<Backend>): its store connections and the
-/// leaving protocol, the executor, the flight recorder, the poison that makes every call after a
-/// failure fail at once, and the fork() check.
+/// the backend (compiled once, not per Communicator<Backend>), one concern per part: its store
+/// connections and the leaving protocol (comm/job_store.hpp), what it knows of its membership
+/// (comm/watch.hpp), the poison that makes every call after a failure fail at once
+/// (comm/poison.hpp), the process that made it (comm/owner.hpp); here the executor, the flight
+/// recorder, CUDA staging, and the rules that join the parts (run_poisoning, leaving).
 
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
@@ -5734,258 +5736,6 @@ DDP_INLINE void monitored_barrier(Store& store, std::uint64_t n, int rank, int s
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/backend/monitored_barrier.hpp
-// begin ddp/backend/rendezvous.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// The first steps of every communicator's rendezvous, before the backend connects:
-///  * each rank claims its rank number in the store (compare-and-set), so a second process
-///    started with the same RANK is refused at once and told who holds it;
-///  * each rank publishes the job as it sees it (world size, backend, library version,
-///    fingerprint check) and checks every other rank's record against its own, so ranks that
-///    were started differently fail together with Errc::mismatch instead of running with
-///    different views of the job (and different results).
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/detail/bytes.hpp" (already included above)
-// #include "ddp/detail/crypto.hpp" (already included above)
-// #include "ddp/detail/lean_std.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/store/client.hpp" (already included above)
-// #include "ddp/version.hpp" (already included above)
-
-#include <fcntl.h>
-#include <unistd.h>
-
-#include <algorithm>
-#include <charconv>
-#include <cstdint>
-#include <string>
-#include <string_view>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-/// Fails with Errc::mismatch unless every rank's `values[j]` equals this rank's, naming the ranks
-/// that differ and their values: "rank 0: the ranks disagree on WHAT: this rank has A, rank 1 has
-/// B; FIX".
-DDP_INLINE void require_agreement(int rank, std::string_view what, std::string_view fix,
-                                  const std::vector<std::string>& values);
-#if DDP_BODIES
-DDP_INLINE void require_agreement(int rank, std::string_view what, std::string_view fix,
-                                  const std::vector<std::string>& values) {
-  const std::string& mine = values.at(static_cast<std::size_t>(rank));
-  std::string others;
-  int n = 0;
-  for (std::size_t j = 0; j < values.size(); ++j) {
-    if (values[j] == mine) continue;
-    if (n < 4) others += concat(", rank ", j, " has ", values[j]);
-    ++n;
-  }
-  if (n == 0) return;
-  if (n > 4) others += concat(" (and ", n - 4, " more ranks differ)");
-  fail(Errc::mismatch, "rank ", rank, ": the ranks disagree on ", what, ": this rank has ", mine,
-       others, "; ", fix);
-}
-#endif  // DDP_BODIES
-
-/// The rendezvous timeout, naming the ranks whose `prefix<j>` key never appeared.
-[[noreturn]] DDP_INLINE void fail_missing_ranks(int rank, int size,
-                                                std::chrono::milliseconds timeout,
-                                                const std::vector<std::string>& missing,
-                                                std::size_t prefix_len);
-#if DDP_BODIES
-DDP_INLINE void fail_missing_ranks(int rank, int size, std::chrono::milliseconds timeout,
-                                   const std::vector<std::string>& missing,
-                                   std::size_t prefix_len) {
-  std::string who;
-  for (const auto& k : missing) who += concat(who.empty() ? "" : ", ", k.substr(prefix_len));
-  fail(Errc::timeout, "rank ", rank, ": rendezvous timed out after ", timeout.count(),
-       " ms: ", size - static_cast<int>(missing.size()), "/", size, " ranks joined; missing rank",
-       missing.size() == 1 ? " " : "s ", who,
-       ". Check that every rank was started with the same MASTER_ADDR, MASTER_PORT and "
-       "WORLD_SIZE");
-}
-#endif  // DDP_BODIES
-
-/// Waits up to `timeout` for `prefix<j>` of every rank j and returns their values; a timeout
-/// names the ranks that are missing.
-[[nodiscard]] DDP_INLINE std::vector<std::string> gather_records(Store& store,
-                                                                 std::string_view prefix, int rank,
-                                                                 int size,
-                                                                 std::chrono::milliseconds timeout);
-#if DDP_BODIES
-DDP_INLINE std::vector<std::string> gather_records(Store& store, std::string_view prefix, int rank,
-                                                   int size, std::chrono::milliseconds timeout) {
-  std::vector<std::string> keys;
-  for (int j = 0; j < size; ++j) keys.push_back(concat(prefix, j));
-  if (auto missing = store.missing_after(keys, timeout); !missing.empty())
-    fail_missing_ranks(rank, size, timeout, missing, prefix.size());
-  std::vector<std::string> values;
-  for (const auto& k : keys) values.push_back(store.get(k));
-  return values;
-}
-#endif  // DDP_BODIES
-
-/// What a rank believes about its job; every rank must believe the same.
-struct JobView {
-  int world_size = 1;
-  std::string backend;
-  bool verify_collectives = true;
-  std::int64_t heartbeat_ms = 0;  ///< Options::heartbeat (0: none)
-};
-
-/// Who this process is, as another process would be told ("pid 123 on host node7").
-[[nodiscard]] DDP_INLINE std::string process_label();
-#if DDP_BODIES
-DDP_INLINE std::string process_label() {
-  char name[256] = {};
-  (void)::gethostname(name, sizeof name - 1);
-  return concat("pid ", ::getpid(), " on host ", name);
-}
-#endif  // DDP_BODIES
-
-/// Process `pid`'s start time (clock ticks after boot, /proc/PID/stat field 22); "" when it is
-/// gone or has ended (a zombie its parent has not reaped yet).
-[[nodiscard]] DDP_INLINE std::string process_start(int pid);
-#if DDP_BODIES
-DDP_INLINE std::string process_start(int pid) {
-  const std::string path = concat("/proc/", pid, "/stat");
-  std::string stat(1024, '\0');
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  const ssize_t n = fd < 0 ? 0 : ::read(fd, stat.data(), stat.size());
-  if (fd >= 0) ::close(fd);
-  if (n <= 0) return {};
-  stat.resize(static_cast<std::size_t>(n));
-  std::size_t at = stat.rfind(')');  // the name may hold spaces
-  if (at == std::string::npos || at + 2 >= stat.size() || stat[at + 2] == 'Z' ||
-      stat[at + 2] == 'X')
-    return {};
-  for (int field = 2; field < 22 && at != std::string::npos; ++field) at = stat.find(' ', at + 1);
-  if (at == std::string::npos) return {};
-  return stat.substr(at + 1, stat.find(' ', at + 1) - at - 1);
-}
-#endif  // DDP_BODIES
-
-/// This process as another process on the same machine can find it: host name, boot id and pid
-/// namespace, then pid and start time ("host|boot|pidns pid start").
-[[nodiscard]] DDP_INLINE std::string process_identity();
-#if DDP_BODIES
-DDP_INLINE std::string process_identity() {
-  char name[256] = {};
-  (void)::gethostname(name, sizeof name - 1);
-  const auto first_line = [](const char* path) {
-    std::string text(256, '\0');
-    const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
-    const ssize_t n = fd < 0 ? 0 : ::read(fd, text.data(), text.size());
-    if (fd >= 0) ::close(fd);
-    text.resize(n > 0 ? static_cast<std::size_t>(n) : 0);
-    return text.substr(0, text.find('\n'));
-  };
-  char ns[128] = {};
-  (void)!::readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
-  return concat(name, "|", first_line("/proc/sys/kernel/random/boot_id"), "|", ns, " ", ::getpid(),
-                " ", process_start(::getpid()));
-}
-#endif  // DDP_BODIES
-
-/// Whether the process `identity` (process_identity()) ran on this machine, in this pid
-/// namespace, and has ended: certain evidence of a death, without waiting for a lease.
-[[nodiscard]] DDP_INLINE bool ended_here(std::string_view identity);
-#if DDP_BODIES
-DDP_INLINE bool ended_here(std::string_view identity) {
-  const std::string mine = process_identity();
-  const std::size_t a = identity.find(' '), b = mine.find(' ');
-  if (a == std::string_view::npos || identity.substr(0, a) != std::string_view(mine).substr(0, b))
-    return false;
-  const std::string_view rest = identity.substr(a + 1);
-  const std::size_t sp = rest.find(' ');
-  int pid = 0;
-  if (sp == std::string_view::npos ||
-      std::from_chars(rest.data(), rest.data() + sp, pid).ec != std::errc{} || pid <= 0)
-    return false;
-  return process_start(pid) != rest.substr(sp + 1);
-}
-#endif  // DDP_BODIES
-
-/// Claims `rank` in the store: fails with Errc::invalid_argument, naming the process that holds
-/// it, when another process claimed it first. Returns normally once the rank is this process's.
-DDP_INLINE void claim_rank(Store& store, int rank, std::string_view group);
-#if DDP_BODIES
-DDP_INLINE void claim_rank(Store& store, int rank, std::string_view group) {
-  const std::string me =
-      concat(process_label(), " [", random_value<std::uint64_t>(), "]");  // unique per claim
-  const std::string held = store.compare_set(concat("claim/", rank), "", me);
-  if (held == me) return;
-  const std::string who = held.substr(0, held.find(" ["));
-  int pid = 0;
-  const bool here = who.ends_with(process_label().substr(process_label().find(" on host")));
-  if (here && std::from_chars(who.data() + 4, who.data() + who.size(), pid).ec == std::errc{} &&
-      pid > 0 && process_start(pid).empty())
-    fail(Errc::invalid_argument, "rank ", rank, ": rank ", rank, " of group \"", group,
-         "\" was claimed by ", who,
-         ", which has ended: the store holds an earlier run's keys (with an etcd store, give "
-         "each run its own namespace, DDP_STORE=etcd://.../NAME, or --rdzv-id; an ended run's "
-         "keys vanish a minute after its last process)");
-  fail(Errc::invalid_argument, "rank ", rank, ": rank ", rank, " of group \"", group,
-       "\" is already taken by ", who, "; this process (", process_label(),
-       ") was started with the same RANK. Give every process its own RANK (0..WORLD_SIZE-1)");
-}
-#endif  // DDP_BODIES
-
-/// Publishes this rank's view of the job and checks it against every rank's (see the file
-/// comment). Errc::mismatch names the ranks that differ and both values. `widest` is set to the
-/// largest world size any rank claimed (before a mismatch is thrown): the store's host waits for
-/// that many ranks to read the failure before it stops serving.
-DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
-                             std::chrono::milliseconds timeout, int& widest);
-#if DDP_BODIES
-DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
-                             std::chrono::milliseconds timeout, int& widest) {
-  std::string rec;
-  ByteWriter w(rec);
-  w.str(DDP_VERSION_STRING);
-  w.put(static_cast<std::uint32_t>(job.world_size));
-  w.str(job.backend);
-  w.put(static_cast<std::uint8_t>(job.verify_collectives ? 1 : 0));
-  w.put(job.heartbeat_ms);
-  store.set(concat("job/", rank), rec);
-  std::vector<std::string> versions, worlds, backends, verify, heartbeats;
-  for (const auto& r : gather_records(store, "job/", rank, job.world_size, timeout)) {
-    ByteReader rd(r, "job record");
-    versions.push_back(rd.str(64));
-    const auto ws = rd.get<std::uint32_t>();
-    worlds.push_back(std::to_string(ws));
-    if (ws <= 1u << 20) widest = std::max(widest, static_cast<int>(ws));
-    backends.push_back(rd.str(64));
-    verify.push_back(rd.get<std::uint8_t>() != 0 ? "on" : "off");
-    const auto hb = rd.get<std::int64_t>();
-    heartbeats.push_back(hb > 0 ? concat(hb, " ms") : std::string("none"));
-  }
-  require_agreement(rank, "the world size",
-                    "start every rank with the same WORLD_SIZE (if the others are another job's "
-                    "processes, give each job its own MASTER_PORT)",
-                    worlds);
-  require_agreement(rank, "the ddp version", "build every rank against the same ddp", versions);
-  require_agreement(rank, "the backend", "every rank must create the same Communicator<Backend>",
-                    backends);
-  require_agreement(rank, "Options::verify_collectives (DDP_VERIFY_COLLECTIVES)",
-                    "every rank must use the same setting", verify);
-  require_agreement(rank, "Options::heartbeat (DDP_HEARTBEAT)",
-                    "every rank must use the same heartbeat (a rank that waits longer than the "
-                    "others sign would count them lost, or they it)",
-                    heartbeats);
-}
-#endif  // DDP_BODIES
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/backend/rendezvous.hpp
 // begin ddp/comm/error_file.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -6432,398 +6182,272 @@ int record(F&& fn) {
 
 DDP_END_NAMESPACE
 // end ddp/comm/error_file.hpp
-// begin ddp/comm/recorder.hpp
+// begin ddp/comm/job_store.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// The flight recorder: every communicator keeps its most recent operations (op, sequence
-/// number, bytes, state) in a ring of Options::trace_entries records, readable at any time with
-/// Communicator::recent() / trace(), and written out when an operation times out
-/// (Options::trace_dump, $DDP_TRACE_DUMP). Comparing the ranks' records shows which rank fell
-/// behind and where; the timeout message itself already names the ranks that did not arrive.
-/// Reading dumps back and comparing a job's ranks is the tools' part (tools/trace_diagnose.hpp:
-/// the `ddp-trace` tool prints it for a directory of dumps).
+/// detail::JobStore: a communicator's connections to the job's rendezvous store: hosting it
+/// (rank 0, unless a launcher or etcd does), connecting and claiming this rank, the newcomer's
+/// connection, the records that tell the others when this process leaves or dies, the heartbeat's
+/// lease, and the store host's wait for the others before it goes.
 
 // #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// begin ddp/backend/rendezvous.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The first steps of every communicator's rendezvous, before the backend connects:
+///  * each rank claims its rank number in the store (compare-and-set), so a second process
+///    started with the same RANK is refused at once and told who holds it;
+///  * each rank publishes the job as it sees it (world size, backend, library version,
+///    fingerprint check) and checks every other rank's record against its own, so ranks that
+///    were started differently fail together with Errc::mismatch instead of running with
+///    different views of the job (and different results).
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/bytes.hpp" (already included above)
+// #include "ddp/detail/crypto.hpp" (already included above)
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
-// #include "ddp/options.hpp" (already included above)
+// #include "ddp/store/client.hpp" (already included above)
+// #include "ddp/version.hpp" (already included above)
 
 #include <fcntl.h>
-#include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
-#include <cerrno>
-#include <cstddef>
+#include <charconv>
 #include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
-
-/// One operation in a communicator's flight recorder.
-struct TraceRecord {
-  /// Where the operation is: waiting behind others, running, finished, or failed.
-  enum class State : std::uint8_t { queued, running, done, failed };
-  std::uint64_t seq = 0;        ///< operations issued on this communicator before this one
-  const char* op = "";          ///< "all_reduce", "broadcast", ...
-  std::size_t bytes = 0;        ///< bytes of this rank's buffer(s)
-  State state = State::queued;  ///< where it was when the record was read
-  std::chrono::steady_clock::time_point issued{};  ///< when it was called (or queued)
-};
-
-/// The state's name: "queued", "running", "done" or "failed".
-[[nodiscard]] constexpr const char* to_string(TraceRecord::State s) noexcept {
-  switch (s) {
-    case TraceRecord::State::queued: return "queued";
-    case TraceRecord::State::running: return "running";
-    case TraceRecord::State::done: return "done";
-    case TraceRecord::State::failed: return "failed";
-  }
-  return "?";
-}
-
 namespace detail {
 
-/// How long a launcher (ddprun, spawn) lets the other workers run after one failed before it
-/// stops them: a second when they write flight recorders ($DDP_TRACE_DUMP), in which they fail on
-/// their own (peers of a failed rank do within milliseconds) and write them; else no time.
-[[nodiscard]] DDP_INLINE std::chrono::milliseconds trace_dump_grace();
+/// Fails with Errc::mismatch unless every rank's `values[j]` equals this rank's, naming the ranks
+/// that differ and their values: "rank 0: the ranks disagree on WHAT: this rank has A, rank 1 has
+/// B; FIX".
+DDP_INLINE void require_agreement(int rank, std::string_view what, std::string_view fix,
+                                  const std::vector<std::string>& values);
 #if DDP_BODIES
-DDP_INLINE std::chrono::milliseconds trace_dump_grace() {
-  return !EnvReader().has("DDP_TRACE_DUMP") ? std::chrono::milliseconds(0)
-                                            : std::chrono::milliseconds(1000);
+DDP_INLINE void require_agreement(int rank, std::string_view what, std::string_view fix,
+                                  const std::vector<std::string>& values) {
+  const std::string& mine = values.at(static_cast<std::size_t>(rank));
+  std::string others;
+  int n = 0;
+  for (std::size_t j = 0; j < values.size(); ++j) {
+    if (values[j] == mine) continue;
+    if (n < 4) others += concat(", rank ", j, " has ", values[j]);
+    ++n;
+  }
+  if (n == 0) return;
+  if (n > 4) others += concat(" (and ", n - 4, " more ranks differ)");
+  fail(Errc::mismatch, "rank ", rank, ": the ranks disagree on ", what, ": this rank has ", mine,
+       others, "; ", fix);
 }
 #endif  // DDP_BODIES
 
-/// A fixed ring of TraceRecords that costs no lock: issuing an operation is one atomic
-/// increment and a few plain stores, updating its state one store, so the flight recorder stays
-/// on in production. Operations are recorded by the thread that issues them and updated by the
-/// one that runs them; any thread may read (a record being written at that moment is skipped).
-/// Times come from the coarse monotonic clock (a memory read; a few ms resolution, enough for
-/// ages in ms).
-class FlightRecorder {
- public:
-  using State = TraceRecord::State;
+/// The rendezvous timeout, naming the ranks whose `prefix<j>` key never appeared.
+[[noreturn]] DDP_INLINE void fail_missing_ranks(int rank, int size,
+                                                std::chrono::milliseconds timeout,
+                                                const std::vector<std::string>& missing,
+                                                std::size_t prefix_len);
+#if DDP_BODIES
+DDP_INLINE void fail_missing_ranks(int rank, int size, std::chrono::milliseconds timeout,
+                                   const std::vector<std::string>& missing,
+                                   std::size_t prefix_len) {
+  std::string who;
+  for (const auto& k : missing) who += concat(who.empty() ? "" : ", ", k.substr(prefix_len));
+  fail(Errc::timeout, "rank ", rank, ": rendezvous timed out after ", timeout.count(),
+       " ms: ", size - static_cast<int>(missing.size()), "/", size, " ranks joined; missing rank",
+       missing.size() == 1 ? " " : "s ", who,
+       ". Check that every rank was started with the same MASTER_ADDR, MASTER_PORT and "
+       "WORLD_SIZE");
+}
+#endif  // DDP_BODIES
 
-  /// Sets the capacity and forgets every record; not concurrent with the other members.
-  void resize(std::size_t capacity);
+/// Waits up to `timeout` for `prefix<j>` of every rank j and returns their values; a timeout
+/// names the ranks that are missing.
+[[nodiscard]] DDP_INLINE std::vector<std::string> gather_records(Store& store,
+                                                                 std::string_view prefix, int rank,
+                                                                 int size,
+                                                                 std::chrono::milliseconds timeout);
+#if DDP_BODIES
+DDP_INLINE std::vector<std::string> gather_records(Store& store, std::string_view prefix, int rank,
+                                                   int size, std::chrono::milliseconds timeout) {
+  std::vector<std::string> keys;
+  for (int j = 0; j < size; ++j) keys.push_back(concat(prefix, j));
+  if (auto missing = store.missing_after(keys, timeout); !missing.empty())
+    fail_missing_ranks(rank, size, timeout, missing, prefix.size());
+  std::vector<std::string> values;
+  for (const auto& k : keys) values.push_back(store.get(k));
+  return values;
+}
+#endif  // DDP_BODIES
 
-  /// Records a new operation and returns its sequence number.
-  std::uint64_t issue(const char* op, std::size_t bytes, State state);
-
-  /// Moves operation `seq` to `state` (unless the ring has overwritten it since).
-  void update(std::uint64_t seq, State state);
-
-  /// The records still held, oldest first.
-  [[nodiscard]] std::vector<TraceRecord> recent() const;
-
-  /// Operations issued so far.
-  [[nodiscard]] std::uint64_t issued() const;
-
- private:
-  struct Slot {
-    std::atomic<std::uint64_t> version{0};  // 2 seq + 2 when record `seq` is complete
-    std::atomic<const char*> op{""};
-    std::atomic<std::size_t> bytes{0};
-    std::atomic<State> state{State::queued};
-    std::atomic<std::int64_t> issued_ns{0};
-  };
-
-  /// steady_clock's clock (CLOCK_MONOTONIC), read at its coarse resolution.
-  static std::int64_t coarse_now_ns() noexcept;
-
-  std::unique_ptr<Slot[]> slots_;
-  std::size_t mask_ = 0;
-  std::size_t capacity_ = 0;  // records kept (recent() returns at most this many)
-  std::atomic<std::uint64_t> next_{0};
+/// What a rank believes about its job; every rank must believe the same.
+struct JobView {
+  int world_size = 1;
+  std::string backend;
+  bool verify_collectives = true;
+  std::int64_t heartbeat_ms = 0;  ///< Options::heartbeat (0: none)
 };
 
+/// Who this process is, as another process would be told ("pid 123 on host node7").
+[[nodiscard]] DDP_INLINE std::string process_label();
 #if DDP_BODIES
-DDP_INLINE void FlightRecorder::resize(std::size_t capacity) {
-  // Slots for a power of two at least `capacity`: a slot is found with a mask, not a division
-  // (a 64-bit division costs more than the rest of recording an operation).
-  std::size_t slots = capacity != 0 ? 1 : 0;
-  while (slots < capacity) slots <<= 1;
-  slots_ = slots != 0 ? std::make_unique<Slot[]>(slots) : nullptr;
-  mask_ = slots - 1;
-  capacity_ = capacity;
-  next_.store(0, std::memory_order_relaxed);
-}
-
-DDP_INLINE std::uint64_t FlightRecorder::issue(const char* op, std::size_t bytes, State state) {
-  const std::uint64_t seq = next_.fetch_add(1, std::memory_order_relaxed);
-  if (capacity_ == 0) return seq;
-  Slot& s = slots_[seq & mask_];
-  // A seqlock without fences (ThreadSanitizer does not model them): the fields are release
-  // stores after the odd version, so a reader that sees any of them sees the version change.
-  s.version.store(2 * seq + 1, std::memory_order_relaxed);  // odd: being written
-  s.op.store(op, std::memory_order_release);
-  s.bytes.store(bytes, std::memory_order_release);
-  s.state.store(state, std::memory_order_release);
-  s.issued_ns.store(coarse_now_ns(), std::memory_order_release);
-  s.version.store(2 * seq + 2, std::memory_order_release);
-  return seq;
-}
-
-DDP_INLINE void FlightRecorder::update(std::uint64_t seq, State state) {
-  if (capacity_ == 0) return;
-  Slot& s = slots_[seq & mask_];
-  if (s.version.load(std::memory_order_relaxed) == 2 * seq + 2)
-    s.state.store(state, std::memory_order_release);
-}
-
-DDP_INLINE std::vector<TraceRecord> FlightRecorder::recent() const {
-  std::vector<TraceRecord> out;
-  const std::uint64_t next = next_.load(std::memory_order_acquire);
-  const std::uint64_t n = std::min<std::uint64_t>(next, capacity_);
-  out.reserve(static_cast<std::size_t>(n));
-  for (std::uint64_t seq = next - n; seq < next; ++seq) {
-    const Slot& s = slots_[seq & mask_];
-    const std::uint64_t v = s.version.load(std::memory_order_acquire);
-    if (v != 2 * seq + 2) continue;  // being written, or already overwritten
-    TraceRecord r;
-    r.seq = seq;
-    r.op = s.op.load(std::memory_order_acquire);
-    r.bytes = s.bytes.load(std::memory_order_acquire);
-    r.state = s.state.load(std::memory_order_acquire);
-    r.issued = std::chrono::steady_clock::time_point(
-        std::chrono::nanoseconds(s.issued_ns.load(std::memory_order_acquire)));
-    if (s.version.load(std::memory_order_relaxed) == v) out.push_back(r);
-  }
-  return out;
-}
-
-DDP_INLINE std::uint64_t FlightRecorder::issued() const {
-  return next_.load(std::memory_order_acquire);
-}
-
-DDP_INLINE std::int64_t FlightRecorder::coarse_now_ns() noexcept {
-  timespec ts{};
-  if (::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts) != 0) {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-  }
-  return std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+DDP_INLINE std::string process_label() {
+  char name[256] = {};
+  (void)::gethostname(name, sizeof name - 1);
+  return concat("pid ", ::getpid(), " on host ", name);
 }
 #endif  // DDP_BODIES
 
-/// The recorder's contents as text: a header line, then one line per record, oldest first.
-[[nodiscard]] DDP_INLINE std::string format_trace(const std::vector<TraceRecord>& records,
-                                                  std::uint64_t issued, int rank, int size,
-                                                  std::string_view group, std::string_view why);
+/// Process `pid`'s start time (clock ticks after boot, /proc/PID/stat field 22); "" when it is
+/// gone or has ended (a zombie its parent has not reaped yet).
+[[nodiscard]] DDP_INLINE std::string process_start(int pid);
 #if DDP_BODIES
-DDP_INLINE std::string format_trace(const std::vector<TraceRecord>& records, std::uint64_t issued,
-                                    int rank, int size, std::string_view group,
-                                    std::string_view why) {
-  const auto now = std::chrono::steady_clock::now();
-  std::string out = concat("ddp flight recorder: rank ", rank, " of ", size, ", group \"", group,
-                           "\", the last ", records.size(), " of ", issued, " operations");
-  if (!why.empty()) out += concat(", dumped because: ", why);
-  // The op column fits the longest name (all_reduce_coalesced, 20 characters).
-  out += "\n       seq  op                           bytes  state    age (ms)\n";
-  for (const auto& r : records) {
-    const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(now - r.issued).count();
-    char line[160];
-    std::snprintf(line, sizeof line, "%10llu  %-22s %12llu  %-7s %9lld\n",
-                  static_cast<unsigned long long>(r.seq), r.op,
-                  static_cast<unsigned long long>(r.bytes), to_string(r.state),
-                  static_cast<long long>(age));
-    out += line;
-  }
-  return out;
+DDP_INLINE std::string process_start(int pid) {
+  const std::string path = concat("/proc/", pid, "/stat");
+  std::string stat(1024, '\0');
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const ssize_t n = fd < 0 ? 0 : ::read(fd, stat.data(), stat.size());
+  if (fd >= 0) ::close(fd);
+  if (n <= 0) return {};
+  stat.resize(static_cast<std::size_t>(n));
+  std::size_t at = stat.rfind(')');  // the name may hold spaces
+  if (at == std::string::npos || at + 2 >= stat.size() || stat[at + 2] == 'Z' ||
+      stat[at + 2] == 'X')
+    return {};
+  for (int field = 2; field < 22 && at != std::string::npos; ++field) at = stat.find(' ', at + 1);
+  if (at == std::string::npos) return {};
+  return stat.substr(at + 1, stat.find(' ', at + 1) - at - 1);
 }
 #endif  // DDP_BODIES
 
-/// Writes a dump where Options::trace_dump (or $DDP_TRACE_DUMP) says: "stderr", or a directory
-/// that receives ddp-trace-<group>-rank<r>.txt. Never throws (it runs while an error propagates).
-DDP_INLINE void dump_trace(const std::string& where, const std::string& text,
-                           std::string_view group, int rank) noexcept;
+/// This process as another process on the same machine can find it: host name, boot id and pid
+/// namespace, then pid and start time ("host|boot|pidns pid start").
+[[nodiscard]] DDP_INLINE std::string process_identity();
 #if DDP_BODIES
-DDP_INLINE void dump_trace(const std::string& where, const std::string& text,
-                           std::string_view group, int rank) noexcept {
-  try {
-    if (where == "stderr" || where == "-") {
-      std::fwrite(text.data(), 1, text.size(), stderr);
-      return;
-    }
-    std::string name(group);
-    for (char& ch : name) {
-      const bool plain = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
-                         (ch >= '0' && ch <= '9') || ch == '-' || ch == '_' || ch == '.';
-      if (!plain) ch = '_';
-    }
-    // The directory is made if missing (and its parents), as `mkdir -p` would.
-    for (std::size_t at = where.find('/', 1); at != std::string::npos; at = where.find('/', at + 1))
-      (void)::mkdir(where.substr(0, at).c_str(), 0777);
-    (void)::mkdir(where.c_str(), 0777);
-    const std::string path = concat(where, "/ddp-trace-", name, "-rank", rank, ".txt");
-    // Never through a link, never waiting on a FIFO someone put there (O_NONBLOCK: opening one
-    // without a reader fails at once), never anything but a regular file.
-    const int fd = ::open(path.c_str(),
-                          O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
-    const char* why = fd < 0 ? std::strerror(errno) : nullptr;
-    struct stat st {};
-    std::FILE* f = nullptr;
-    if (fd >= 0 && ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) f = ::fdopen(fd, "w");
-    if (f == nullptr && fd >= 0) {
-      ::close(fd);
-      why = "something other than a regular file is there";
-    }
-    if (f != nullptr) {
-      std::fwrite(text.data(), 1, text.size(), f);
-      std::fclose(f);
-      std::fprintf(stderr, "[ddp] rank %d: flight recorder written to %s\n", rank, path.c_str());
-    } else {
-      // Not lost: the dump goes to stderr instead, after the reason.
-      std::fprintf(stderr,
-                   "[ddp] rank %d: cannot write the flight recorder to %s: %s; here it is\n", rank,
-                   path.c_str(), why);
-      std::fwrite(text.data(), 1, text.size(), stderr);
-    }
-  } catch (...) {
+DDP_INLINE std::string process_identity() {
+  char name[256] = {};
+  (void)::gethostname(name, sizeof name - 1);
+  const auto first_line = [](const char* path) {
+    std::string text(256, '\0');
+    const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+    const ssize_t n = fd < 0 ? 0 : ::read(fd, text.data(), text.size());
+    if (fd >= 0) ::close(fd);
+    text.resize(n > 0 ? static_cast<std::size_t>(n) : 0);
+    return text.substr(0, text.find('\n'));
+  };
+  char ns[128] = {};
+  (void)!::readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
+  return concat(name, "|", first_line("/proc/sys/kernel/random/boot_id"), "|", ns, " ", ::getpid(),
+                " ", process_start(::getpid()));
+}
+#endif  // DDP_BODIES
+
+/// Whether the process `identity` (process_identity()) ran on this machine, in this pid
+/// namespace, and has ended: certain evidence of a death, without waiting for a lease.
+[[nodiscard]] DDP_INLINE bool ended_here(std::string_view identity);
+#if DDP_BODIES
+DDP_INLINE bool ended_here(std::string_view identity) {
+  const std::string mine = process_identity();
+  const std::size_t a = identity.find(' '), b = mine.find(' ');
+  if (a == std::string_view::npos || identity.substr(0, a) != std::string_view(mine).substr(0, b))
+    return false;
+  const std::string_view rest = identity.substr(a + 1);
+  const std::size_t sp = rest.find(' ');
+  int pid = 0;
+  if (sp == std::string_view::npos ||
+      std::from_chars(rest.data(), rest.data() + sp, pid).ec != std::errc{} || pid <= 0)
+    return false;
+  return process_start(pid) != rest.substr(sp + 1);
+}
+#endif  // DDP_BODIES
+
+/// Claims `rank` in the store: fails with Errc::invalid_argument, naming the process that holds
+/// it, when another process claimed it first. Returns normally once the rank is this process's.
+DDP_INLINE void claim_rank(Store& store, int rank, std::string_view group);
+#if DDP_BODIES
+DDP_INLINE void claim_rank(Store& store, int rank, std::string_view group) {
+  const std::string me =
+      concat(process_label(), " [", random_value<std::uint64_t>(), "]");  // unique per claim
+  const std::string held = store.compare_set(concat("claim/", rank), "", me);
+  if (held == me) return;
+  const std::string who = held.substr(0, held.find(" ["));
+  int pid = 0;
+  const bool here = who.ends_with(process_label().substr(process_label().find(" on host")));
+  if (here && std::from_chars(who.data() + 4, who.data() + who.size(), pid).ec == std::errc{} &&
+      pid > 0 && process_start(pid).empty())
+    fail(Errc::invalid_argument, "rank ", rank, ": rank ", rank, " of group \"", group,
+         "\" was claimed by ", who,
+         ", which has ended: the store holds an earlier run's keys (with an etcd store, give "
+         "each run its own namespace, DDP_STORE=etcd://.../NAME, or --rdzv-id; an ended run's "
+         "keys vanish a minute after its last process)");
+  fail(Errc::invalid_argument, "rank ", rank, ": rank ", rank, " of group \"", group,
+       "\" is already taken by ", who, "; this process (", process_label(),
+       ") was started with the same RANK. Give every process its own RANK (0..WORLD_SIZE-1)");
+}
+#endif  // DDP_BODIES
+
+/// Publishes this rank's view of the job and checks it against every rank's (see the file
+/// comment). Errc::mismatch names the ranks that differ and both values. `widest` is set to the
+/// largest world size any rank claimed (before a mismatch is thrown): the store's host waits for
+/// that many ranks to read the failure before it stops serving.
+DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
+                             std::chrono::milliseconds timeout, int& widest);
+#if DDP_BODIES
+DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
+                             std::chrono::milliseconds timeout, int& widest) {
+  std::string rec;
+  ByteWriter w(rec);
+  w.str(DDP_VERSION_STRING);
+  w.put(static_cast<std::uint32_t>(job.world_size));
+  w.str(job.backend);
+  w.put(static_cast<std::uint8_t>(job.verify_collectives ? 1 : 0));
+  w.put(job.heartbeat_ms);
+  store.set(concat("job/", rank), rec);
+  std::vector<std::string> versions, worlds, backends, verify, heartbeats;
+  for (const auto& r : gather_records(store, "job/", rank, job.world_size, timeout)) {
+    ByteReader rd(r, "job record");
+    versions.push_back(rd.str(64));
+    const auto ws = rd.get<std::uint32_t>();
+    worlds.push_back(std::to_string(ws));
+    if (ws <= 1u << 20) widest = std::max(widest, static_cast<int>(ws));
+    backends.push_back(rd.str(64));
+    verify.push_back(rd.get<std::uint8_t>() != 0 ? "on" : "off");
+    const auto hb = rd.get<std::int64_t>();
+    heartbeats.push_back(hb > 0 ? concat(hb, " ms") : std::string("none"));
   }
+  require_agreement(rank, "the world size",
+                    "start every rank with the same WORLD_SIZE (if the others are another job's "
+                    "processes, give each job its own MASTER_PORT)",
+                    worlds);
+  require_agreement(rank, "the ddp version", "build every rank against the same ddp", versions);
+  require_agreement(rank, "the backend", "every rank must create the same Communicator<Backend>",
+                    backends);
+  require_agreement(rank, "Options::verify_collectives (DDP_VERIFY_COLLECTIVES)",
+                    "every rank must use the same setting", verify);
+  require_agreement(rank, "Options::heartbeat (DDP_HEARTBEAT)",
+                    "every rank must use the same heartbeat (a rank that waits longer than the "
+                    "others sign would count them lost, or they it)",
+                    heartbeats);
 }
 #endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/comm/recorder.hpp
-// begin ddp/comm/staging.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Staging: how a backend that moves host memory only (backend::Host, a non-CUDA-aware
-/// backend::Mpi) runs a collective on device buffers. Each device buffer is copied into host
-/// staging memory, the backend works there, and results are copied back.
-///
-/// Elementwise collectives (all_reduce, broadcast, reduce) give the same result piece by piece,
-/// so they run as a pipeline over fixed-size pieces in three rotating staging slots: while the
-/// backend works on piece k, piece k+1 is copied in and piece k-1 copied out. Every piece carries
-/// the whole buffer's count in its fingerprint (Buf::whole), so ranks that disagree on the size
-/// fail on the first piece. Other collectives stage each buffer whole.
-///
-/// The copies are a `StagingCopier` (ddp::detail::CudaStager with pinned memory and CUDA
-/// streams; the unit tests use plain memcpy), so this file has no device dependency.
-
-// #include "ddp/backend/collective.hpp" (already included above)
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
-
-#include <algorithm>
-#include <array>
-#include <concepts>
-#include <cstddef>
-#include <tuple>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-/// The copies staging needs. Slots are independent staging areas; a slot is only resized or
-/// reused after its copies were waited for.
-template <class C>
-concept StagingCopier = requires(C& c, int slot, std::byte* p, const std::byte* q, std::size_t n,
-                                 void* stream) {
-  { c.slot(slot, n) } -> std::same_as<std::byte*>;  // host memory of at least n bytes
-  c.after(stream);         // later copies (both ways) start after the work queued on `stream`
-  c.fetch(slot, p, q, n);  // device q -> host p, asynchronously
-  c.wait_fetch(slot);      // the slot's last fetch has landed
-  c.store(slot, p, q, n);  // host q -> device p, asynchronously
-  c.wait_store(slot);      // the slot's last store has landed (no-op when none is pending)
-};
-
-/// Staging slots 0..2 rotate through the pieces of an elementwise collective; whole-buffer
-/// staging uses slots 3 and 4.
-inline constexpr int staging_pipeline_slots = 3;
-inline constexpr int staging_whole_slot = 3;
-
-/// Runs op(host piece) over `dev` in pieces of at most `piece_bytes`, copying each piece in first
-/// when `fetch` and back afterwards when `store`; returns when every store has landed. Always
-/// calls op at least once (an empty collective still synchronizes the ranks). Every store has
-/// landed when this returns, so later work on any stream sees the results.
-template <StagingCopier C, class Op>
-void stage_elementwise(C& c, const Buf& dev, bool fetch, bool store, std::size_t piece_bytes,
-                       Op&& op) {
-  const std::size_t elem = dev.elem();
-  const std::size_t per = std::max<std::size_t>(1, piece_bytes / elem);
-  const std::size_t pieces = std::max<std::size_t>(1, (dev.count + per - 1) / per);
-  const auto length = [&](std::size_t k) { return std::min(per, dev.count - k * per); };
-  const std::size_t slot_bytes = std::min(per, dev.count) * elem;  // piece 0 is the longest
-  const auto host = [&](std::size_t k) {
-    return c.slot(static_cast<int>(k % staging_pipeline_slots), slot_bytes);
-  };
-  c.after(dev.stream);
-  if (fetch && dev.count != 0) {
-    c.fetch(0, host(0), dev.at(0), length(0) * elem);
-  }
-  for (std::size_t k = 0; k < pieces; ++k) {
-    const int slot = static_cast<int>(k % staging_pipeline_slots);
-    if (fetch && k + 1 < pieces) {  // bring the next piece in while this one is worked on
-      const int next = static_cast<int>((k + 1) % staging_pipeline_slots);
-      c.wait_store(next);
-      c.fetch(next, host(k + 1), dev.at((k + 1) * per), length(k + 1) * elem);
-    }
-    const std::size_t n = dev.count == 0 ? 0 : length(k);
-    std::byte* h = n == 0 ? nullptr : host(k);
-    if (fetch && n != 0) c.wait_fetch(slot);
-    if (!fetch && n != 0) c.wait_store(slot);  // store-only: the slot's previous store is done
-    op(Buf{h, n, dev.dtype, Device::cpu(), nullptr, dev.count});
-    if (store && n != 0) c.store(slot, dev.at(k * per), h, n * elem);
-  }
-  for (int s = 0; s < staging_pipeline_slots; ++s) c.wait_store(s);
-}
-
-/// A buffer of a non-elementwise collective and what the collective does with it.
-struct StagedArg {
-  Buf buf;
-  bool fetch = false;  // the collective reads it
-  bool store = false;  // the collective writes it
-};
-
-/// Runs op(host buffers...) with every device buffer among `args` staged whole: copied in when
-/// read, copied back when written. Host buffers and empty ones pass through.
-template <StagingCopier C, class Op, std::size_t N>
-void stage_whole(C& c, std::array<StagedArg, N> args, Op&& op) {
-  std::array<Buf, N> host{};
-  std::array<bool, N> moved{};
-  for (std::size_t i = 0; i < N; ++i) {
-    const Buf& b = args[i].buf;
-    host[i] = b;
-    if (b.device.is_cpu() || b.data == nullptr || b.count == 0) continue;
-    const int slot = staging_whole_slot + static_cast<int>(i);
-    host[i] = Buf{c.slot(slot, b.bytes()), b.count, b.dtype, Device::cpu(), nullptr};
-    moved[i] = true;
-    c.after(b.stream);  // read or overwritten: after the work that uses it now
-    if (args[i].fetch) c.fetch(slot, host[i].data, b.data, b.bytes());
-  }
-  for (std::size_t i = 0; i < N; ++i) {
-    if (moved[i] && args[i].fetch) c.wait_fetch(staging_whole_slot + static_cast<int>(i));
-  }
-  std::apply([&](const auto&... h) { op(h...); }, host);
-  for (std::size_t i = 0; i < N; ++i) {
-    if (moved[i] && args[i].store) {
-      const int slot = staging_whole_slot + static_cast<int>(i);
-      c.store(slot, args[i].buf.data, host[i].data, args[i].buf.bytes());
-    }
-  }
-  for (std::size_t i = 0; i < N; ++i) {
-    if (moved[i] && args[i].store) c.wait_store(staging_whole_slot + static_cast<int>(i));
-  }
-}
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/comm/staging.hpp
+// end ddp/backend/rendezvous.hpp
 // begin ddp/comm/store_location.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -9189,13 +8813,1003 @@ DDP_INLINE std::shared_ptr<Store> open_etcd_store(const std::string& url, int ra
 DDP_END_NAMESPACE
 // end ddp/comm/store_location.hpp
 // #include "ddp/detail/env.hpp" (already included above)
-// #include "ddp/detail/fork.hpp" (already included above)
 // #include "ddp/detail/lean_std.hpp" (already included above)
+// #include "ddp/detail/socket.hpp" (already included above)
 // #include "ddp/environment.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 // #include "ddp/store/server.hpp" (already included above)
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+struct JobStore {
+  Options options;
+  bool joined = false;          // this process holds its rank's claim in the store
+  int world_size = 1;           // ranks in this communicator (for the store host's wait)
+  int world_rank_in_group = 0;  // this rank in this communicator
+  int world_rank = 0;
+  int local_rank_hint = 0;  // the launcher's local rank: the default CUDA device
+  /// The rendezvous store this process hosts (rank 0 without a launcher's store), shared by
+  /// every communicator made from the one that started it (shrink(), grow(), split()): the store
+  /// lives while any of them does, not only while the first one does.
+  std::shared_ptr<StoreServer> server;
+  std::shared_ptr<Store> root_store;
+  std::shared_ptr<Store> store;
+  std::string prefix;
+  /// The prefix of the communicator that init() or split() made, which every communicator
+  /// shrink() makes from it shares (their keys are "<base_prefix>e<epoch>/...").
+  std::string base_prefix;
+  /// Each rank's number in the communicator init() made (its process), and that communicator's
+  /// prefix, under which the store marks a process gone (process_exit_key()): how shrink()
+  /// knows that a member of any communicator of the job died.
+  std::vector<int> world_ranks;
+  std::string job_prefix;
+  /// When the rendezvous must be done: Options::timeout after init() began.
+  Clock::time_point rendezvous_deadline = Clock::time_point::max();
+
+  /// Joins the rendezvous store of the job `env` describes: rank 0 hosts it (unless a launcher
+  /// does: Options::external_store, DDP_STORE_HOSTED=1), every rank connects, works under this
+  /// communicator's prefix, watches the "failed" key and claims its rank. Returns that store,
+  /// whose calls all end by `rendezvous_deadline` until end_rendezvous().
+  std::shared_ptr<Store> connect_store(const Environment& env);
+
+  /// A newcomer (Communicator::enter): connects to the running job's store, which the launcher or
+  /// a member hosts (never this process), without a refusal key: a wrong token fails this
+  /// process alone, not the job. Sets the job's prefixes, as init() does.
+  void connect_to_job(const Environment& env);
+
+  /// The rendezvous succeeded: later store calls (split, leaving) get their own timeouts, and
+  /// should this process die, the store counts it as left (the store's host does not wait for
+  /// it in wait_for_the_others).
+  void end_rendezvous();
+
+  /// Whether rank r of this communicator is known gone: it left this communicator, or its
+  /// process did (the store's mark of it under init()'s prefix: how a member of a split() or a
+  /// newcomer is known dead).
+  [[nodiscard]] bool rank_gone(int r) const;
+
+  /// The store key that marks this process gone: "<init prefix>gone/<rank in init()'s
+  /// communicator>", written only by the store as the process's connection closes (never by a
+  /// communicator that is destroyed: its process may live on in another); "" before init().
+  [[nodiscard]] std::string process_exit_key() const;
+
+  /// Leaving, first step (the communicator is destroyed, its executor drained, its backend not
+  /// yet): this rank says in the store that it left ("exit/<rank>") and how, before its
+  /// connections close, so that a peer still waiting for it reports why at once: "done/<rank>"
+  /// with the number of operations it ran (`issued`) when it finished without a failure (the
+  /// ranks ran different numbers of collectives), "left/<rank>" with its failure `why` otherwise.
+  void announce_leaving(const std::optional<Error>& why, std::uint64_t issued);
+
+  /// Leaving, last step (the backend is gone): rank 0 keeps the store up until every rank has
+  /// left, so none loses it mid-call, and after a failed rendezvous too, so the others can read
+  /// why it failed. A rank whose process died counts as left (its connection's on-close record).
+  /// Only the last communicator holding the store waits (another, made from this one by
+  /// shrink() or grow(), goes on using it). `failed`: this communicator failed.
+  void wait_for_the_others(bool connected, bool failed);
+
+  /// The rendezvous failed here, and this process hosts the store: keep it up until every rank
+  /// that claimed its place has left (and has so read why), for at most `limit`; ranks that
+  /// never claimed one get a second to appear. Nobody waits for a rank that was never started.
+  void linger_after_failed_rendezvous(Store& plain, std::chrono::milliseconds limit) const;
+};
+
+#if DDP_BODIES
+DDP_INLINE std::shared_ptr<Store> JobStore::connect_store(const Environment& env) {
+  const EnvReader launcher;  // what the launcher that hosts the store says
+  prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
+  base_prefix = prefix;
+  job_prefix = prefix;
+  for (int r = 0; r < env.world_size; ++r) world_ranks.push_back(r);
+  StoreOptions so;
+  so.timeout = options.timeout;
+  so.token = options.token;
+  so.refusal_key = prefix + "failed";  // a wrong token fails this rendezvous at once
+  so.refusal_rank = env.rank;
+  int store_port = env.store_port != 0 ? env.store_port : env.master_port;
+  const int ports = env.store_port != 0 ? std::max(1, env.store_ports) : 1;
+  // With several candidate ports, the store says whose it is: a probing rank must not join
+  // another job's store that took one of them.
+  const std::string job = store_job_name(env);
+  const bool hosted = options.external_store || launcher.get("DDP_STORE_HOSTED") == "1";
+  if (!options.store.empty()) {  // an etcd cluster: nobody hosts it
+    root_store = open_etcd_store(options.store, env.rank, options.heartbeat, so);
+  } else {
+    if (env.rank == 0 && !hosted) {
+      store_port = host_store(server, env, store_port, ports, so);
+    } else if (ports > 1) {
+      store_port = find_store(env, store_port, ports, so, job, rendezvous_deadline);
+    }
+    root_store = std::make_shared<Store>(env.master_addr, store_port, so);
+    if (server && ports > 1) root_store->set(store_job_key, job);
+  }
+  store = std::make_shared<Store>(
+      root_store->prefixed(prefix).watching("failed").with_deadline(rendezvous_deadline));
+  world_size = env.world_size;
+  claim_rank(*store, env.rank, options.group);
+  joined = true;
+  // Should this process die before the rendezvous is over, the store tells the others at once,
+  // and counts it as gone (the store's host does not wait for it to leave).
+  const std::pair<std::string, std::string> on_close[] = {
+      {"failed",
+       Store::stop_value(Error(Errc::peer_lost,
+                               concat("the rendezvous failed on rank ", env.rank, ": "), env.rank,
+                               "its process closed its connection to the store (it "
+                               "died or was killed) before the rendezvous was over",
+                               {env.rank}))},
+      {concat("exit/", env.rank), ""}};
+  store->set_on_close(on_close);
+  return store;
+}
+
+DDP_INLINE void JobStore::connect_to_job(const Environment& env) {
+  if (env.master_port == 0 && options.store.empty())
+    fail(Errc::invalid_argument, "rank ", env.rank,
+         ": Communicator::enter: MASTER_PORT is not set; export MASTER_ADDR and MASTER_PORT "
+         "of the running job, or launch with ddprun");
+  const EnvReader launcher;
+  prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
+  base_prefix = prefix;
+  job_prefix = prefix;
+  StoreOptions so;
+  so.timeout = options.timeout;
+  so.token = options.token;
+  int store_port = env.store_port != 0 ? env.store_port : env.master_port;
+  const int ports = env.store_port != 0 ? std::max(1, env.store_ports) : 1;
+  if (!options.store.empty()) {
+    root_store = open_etcd_store(options.store, env.rank, options.heartbeat, so);
+    return;
+  }
+  if (ports > 1)
+    store_port = find_store(env, store_port, ports, so, store_job_name(env),
+                            Deadline::after(options.timeout).at);
+  root_store = std::make_shared<Store>(
+      env.master_addr.empty() ? std::string("127.0.0.1") : env.master_addr, store_port, so);
+}
+
+DDP_INLINE void JobStore::end_rendezvous() {
+  if (!store) return;
+  *store = store->with_deadline(Clock::time_point::max());
+  // This communicator's mark, and (for one made by shrink()) the process's mark in init()'s.
+  std::vector<std::pair<std::string, std::string>> on_close{
+      {concat(store->prefix(), "exit/", world_rank_in_group), ""}};
+  if (const std::string mine = process_exit_key(); !mine.empty()) on_close.emplace_back(mine, "");
+  Store root = root_store ? root_store->unwatched() : store->prefixed("");
+  if (root_store) {
+    root.set_on_close(on_close);
+    // Where this process runs: a survivor on the same machine can tell that it died without
+    // waiting for the store to notice (MembershipChange).
+    if (!job_prefix.empty()) root.set(concat(job_prefix, "proc/", world_rank), process_identity());
+    // Heartbeat: should this process stop signing (stopped, hung, cut off), the store counts
+    // it gone (the records above), marks it stalled and counts the stall for the watchers.
+    if (options.heartbeat.count() > 0 && !job_prefix.empty()) {
+      const LeaseRecord on_expire[] = {{concat(job_prefix, "stalled/", world_rank), "", 0, false},
+                                       {concat(job_prefix, "stalls"), "", 1, true}};
+      root.lease(options.heartbeat, on_expire);
+    }
+  } else {
+    const std::pair<std::string, std::string> own[] = {{concat("exit/", world_rank_in_group), ""}};
+    store->set_on_close(own);
+  }
+}
+
+DDP_INLINE bool JobStore::rank_gone(int r) const {
+  const auto seen = [&](const std::string& key) {
+    const std::string k[] = {key};
+    return root_store->check(k);
+  };
+  if (seen(concat(prefix, "exit/", r))) return true;
+  const auto i = static_cast<std::size_t>(r);
+  return i < world_ranks.size() && !job_prefix.empty() &&
+         seen(concat(job_prefix, "gone/", world_ranks[i]));
+}
+
+DDP_INLINE std::string JobStore::process_exit_key() const {
+  return job_prefix.empty() ? std::string() : concat(job_prefix, "gone/", world_rank);
+}
+
+DDP_INLINE void JobStore::announce_leaving(const std::optional<Error>& why, std::uint64_t issued) {
+  if (!store || !joined || store->lost()) return;
+  try {
+    Store plain = store->unwatched();
+    const int r = world_rank_in_group;
+    if (!why)
+      plain.set(concat("done/", r), std::to_string(issued));
+    else
+      (void)plain.compare_set(concat("left/", r), "", Store::stop_value(*why));
+    plain.set(concat("exit/", r), "");
+  } catch (...) {  // leaving anyway
+  }
+}
+
+DDP_INLINE void JobStore::wait_for_the_others(bool connected, bool failed) {
+  if (!store || !joined || store->lost() || !server || server.use_count() > 1) return;
+  try {
+    Store plain = store->unwatched();  // the waits below must not end at "failed"
+    const auto limit =
+        std::min<std::chrono::milliseconds>(options.timeout, std::chrono::seconds(10));
+    if (connected && !failed) {
+      std::vector<std::string> keys;
+      for (int r = 0; r < world_size; ++r) keys.push_back(concat("exit/", r));
+      (void)plain.missing_after(keys, limit);
+    } else if (!connected) {
+      // Within the rendezvous's one timeout (and a moment for the others to read why).
+      const auto left =
+          std::chrono::ceil<std::chrono::milliseconds>(rendezvous_deadline - Clock::now());
+      linger_after_failed_rendezvous(plain,
+                                     std::clamp(left, std::chrono::milliseconds(250), limit));
+    }
+  } catch (...) {  // leaving anyway
+  }
+}
+
+DDP_INLINE void JobStore::linger_after_failed_rendezvous(Store& plain,
+                                                         std::chrono::milliseconds limit) const {
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    bool all_left = true, all_claimed = true;
+    for (int r = 0; r < world_size && all_left; ++r) {
+      const std::string claim = concat("claim/", r);
+      const std::string left = concat("exit/", r);
+      if (!plain.check(std::span<const std::string>(&claim, 1)))
+        all_claimed = false;
+      else if (!plain.check(std::span<const std::string>(&left, 1)))
+        all_left = false;
+    }
+    const auto waited = std::chrono::steady_clock::now() - start;
+    if ((all_left && (all_claimed || waited > std::chrono::seconds(1))) || waited > limit) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+#endif  // DDP_BODIES
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/comm/job_store.hpp
+// begin ddp/comm/owner.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// detail::OwnerProcess: the process that made a communicator, and the fork() check of every
+/// call (a child shares its parent's peers' shared memory and sockets).
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/fork.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <unistd.h>
+
+#include <cstdint>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+struct OwnerProcess {
+  std::uint64_t fork_generation = detail::fork_generation();  // made in this process
+  int pid = static_cast<int>(::getpid());
+
+  /// Whether this is a fork() child's copy.
+  [[nodiscard]] bool inherited() const noexcept {
+    return detail::fork_generation() != fork_generation;
+  }
+
+  /// The fork() check of every call: a child shares its parent's peers' shared memory and
+  /// sockets, and using them would corrupt the parent's job.
+  void check_process(int rank, const char* what) const;
+};
+
+#if DDP_BODIES
+DDP_INLINE void OwnerProcess::check_process(int rank, const char* what) const {
+  if (inherited()) [[unlikely]] {
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what,
+         ": this communicator was created by process ", pid,
+         " and cannot be used by a child it fork()ed (this is process ", ::getpid(),
+         "): the child would write into the parent's connections and shared memory. Create a "
+         "new communicator in the child (another MASTER_PORT or Options::group), or fork "
+         "before init()");
+  }
+}
+#endif  // DDP_BODIES
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/comm/owner.hpp
+// begin ddp/comm/poison.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// detail::CommPoison: the mark that makes every call on a communicator fail at once after a
+/// failure (the first failure's message, code, origin and lost ranks, read without a lock on every
+/// call), and the membership epoch that replaced the communicator, when another did.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+struct CommPoison {
+  mutable std::mutex poison_mutex;
+  std::string poison;
+  Errc poison_code = Errc::aborted;
+  int poison_origin = -1;             // the first failure's Error::origin_rank()
+  std::vector<int> poison_lost;       // and its lost_ranks()
+  std::atomic<bool> poisoned{false};  // poison is set: read without the lock on every call
+  /// The membership epoch a shrink() or grow() of this communicator formed (0: none): it is
+  /// replaced.
+  std::uint64_t replaced_by = 0;
+
+  /// Marks the communicator failed with `why` (the first failure wins).
+  void poison_with(std::string why, Errc code);
+  /// The same with `e`'s message, code, origin and lost ranks.
+  void poison_with(const Error& e);
+
+  /// The first failure, as an Error (none while the communicator is healthy).
+  [[nodiscard]] std::optional<Error> failure() const;
+
+  /// Fails with Errc::aborted, quoting the first failure, when the communicator is poisoned.
+  void check_poisoned(int rank, const char* name) const;
+
+  [[noreturn, gnu::noinline, gnu::cold]] void fail_poisoned(int rank, const char* name) const {
+    std::lock_guard lock(poison_mutex);
+    if (replaced_by != 0)
+      fail_from(poison_origin, poison_lost, Errc::aborted, "rank ", rank, ": ", name,
+                ": this communicator was replaced by membership epoch ", replaced_by, " (", poison,
+                "): use the communicator that shrink() or grow() returned");
+    fail_from(poison_origin, poison_lost, Errc::aborted, "rank ", rank, ": ", name,
+              ": this communicator failed earlier and cannot be used (", poison,
+              "); the ranks still alive can go on together with shrink(), or make a new "
+              "communicator with Communicator::init");
+  }
+};
+
+#if DDP_BODIES
+DDP_INLINE void CommPoison::poison_with(const Error& e) {
+  std::lock_guard lock(poison_mutex);
+  if (poison.empty()) {
+    poison = e.what();
+    poison_code = e.code();
+    poison_origin = e.origin_rank();
+    poison_lost = e.lost_ranks();
+    poisoned.store(true, std::memory_order_release);
+  }
+}
+
+DDP_INLINE void CommPoison::poison_with(std::string why, Errc code) {
+  std::lock_guard lock(poison_mutex);
+  if (poison.empty()) {
+    poison = std::move(why);
+    poison_code = code;
+    poisoned.store(true, std::memory_order_release);
+  }
+}
+
+DDP_INLINE std::optional<Error> CommPoison::failure() const {
+  std::lock_guard lock(poison_mutex);
+  if (poison.empty()) return std::nullopt;
+  return Error(poison_code, std::string_view{}, poison_origin, poison, poison_lost);
+}
+
+DDP_INLINE void CommPoison::check_poisoned(int rank, const char* name) const {
+  if (poisoned.load(std::memory_order_acquire)) [[unlikely]]
+    fail_poisoned(rank, name);
+}
+#endif  // DDP_BODIES
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/comm/poison.hpp
+// begin ddp/comm/recorder.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The flight recorder: every communicator keeps its most recent operations (op, sequence
+/// number, bytes, state) in a ring of Options::trace_entries records, readable at any time with
+/// Communicator::recent() / trace(), and written out when an operation times out
+/// (Options::trace_dump, $DDP_TRACE_DUMP). Comparing the ranks' records shows which rank fell
+/// behind and where; the timeout message itself already names the ranks that did not arrive.
+/// Reading dumps back and comparing a job's ranks is the tools' part (tools/trace_diagnose.hpp:
+/// the `ddp-trace` tool prints it for a directory of dumps).
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/options.hpp" (already included above)
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// One operation in a communicator's flight recorder.
+struct TraceRecord {
+  /// Where the operation is: waiting behind others, running, finished, or failed.
+  enum class State : std::uint8_t { queued, running, done, failed };
+  std::uint64_t seq = 0;        ///< operations issued on this communicator before this one
+  const char* op = "";          ///< "all_reduce", "broadcast", ...
+  std::size_t bytes = 0;        ///< bytes of this rank's buffer(s)
+  State state = State::queued;  ///< where it was when the record was read
+  std::chrono::steady_clock::time_point issued{};  ///< when it was called (or queued)
+};
+
+/// The state's name: "queued", "running", "done" or "failed".
+[[nodiscard]] constexpr const char* to_string(TraceRecord::State s) noexcept {
+  switch (s) {
+    case TraceRecord::State::queued: return "queued";
+    case TraceRecord::State::running: return "running";
+    case TraceRecord::State::done: return "done";
+    case TraceRecord::State::failed: return "failed";
+  }
+  return "?";
+}
+
+namespace detail {
+
+/// How long a launcher (ddprun, spawn) lets the other workers run after one failed before it
+/// stops them: a second when they write flight recorders ($DDP_TRACE_DUMP), in which they fail on
+/// their own (peers of a failed rank do within milliseconds) and write them; else no time.
+[[nodiscard]] DDP_INLINE std::chrono::milliseconds trace_dump_grace();
+#if DDP_BODIES
+DDP_INLINE std::chrono::milliseconds trace_dump_grace() {
+  return !EnvReader().has("DDP_TRACE_DUMP") ? std::chrono::milliseconds(0)
+                                            : std::chrono::milliseconds(1000);
+}
+#endif  // DDP_BODIES
+
+/// A fixed ring of TraceRecords that costs no lock: issuing an operation is one atomic
+/// increment and a few plain stores, updating its state one store, so the flight recorder stays
+/// on in production. Operations are recorded by the thread that issues them and updated by the
+/// one that runs them; any thread may read (a record being written at that moment is skipped).
+/// Times come from the coarse monotonic clock (a memory read; a few ms resolution, enough for
+/// ages in ms).
+class FlightRecorder {
+ public:
+  using State = TraceRecord::State;
+
+  /// Sets the capacity and forgets every record; not concurrent with the other members.
+  void resize(std::size_t capacity);
+
+  /// Records a new operation and returns its sequence number.
+  std::uint64_t issue(const char* op, std::size_t bytes, State state);
+
+  /// Moves operation `seq` to `state` (unless the ring has overwritten it since).
+  void update(std::uint64_t seq, State state);
+
+  /// The records still held, oldest first.
+  [[nodiscard]] std::vector<TraceRecord> recent() const;
+
+  /// Operations issued so far.
+  [[nodiscard]] std::uint64_t issued() const;
+
+ private:
+  struct Slot {
+    std::atomic<std::uint64_t> version{0};  // 2 seq + 2 when record `seq` is complete
+    std::atomic<const char*> op{""};
+    std::atomic<std::size_t> bytes{0};
+    std::atomic<State> state{State::queued};
+    std::atomic<std::int64_t> issued_ns{0};
+  };
+
+  /// steady_clock's clock (CLOCK_MONOTONIC), read at its coarse resolution.
+  static std::int64_t coarse_now_ns() noexcept;
+
+  std::unique_ptr<Slot[]> slots_;
+  std::size_t mask_ = 0;
+  std::size_t capacity_ = 0;  // records kept (recent() returns at most this many)
+  std::atomic<std::uint64_t> next_{0};
+};
+
+#if DDP_BODIES
+DDP_INLINE void FlightRecorder::resize(std::size_t capacity) {
+  // Slots for a power of two at least `capacity`: a slot is found with a mask, not a division
+  // (a 64-bit division costs more than the rest of recording an operation).
+  std::size_t slots = capacity != 0 ? 1 : 0;
+  while (slots < capacity) slots <<= 1;
+  slots_ = slots != 0 ? std::make_unique<Slot[]>(slots) : nullptr;
+  mask_ = slots - 1;
+  capacity_ = capacity;
+  next_.store(0, std::memory_order_relaxed);
+}
+
+DDP_INLINE std::uint64_t FlightRecorder::issue(const char* op, std::size_t bytes, State state) {
+  const std::uint64_t seq = next_.fetch_add(1, std::memory_order_relaxed);
+  if (capacity_ == 0) return seq;
+  Slot& s = slots_[seq & mask_];
+  // A seqlock without fences (ThreadSanitizer does not model them): the fields are release
+  // stores after the odd version, so a reader that sees any of them sees the version change.
+  s.version.store(2 * seq + 1, std::memory_order_relaxed);  // odd: being written
+  s.op.store(op, std::memory_order_release);
+  s.bytes.store(bytes, std::memory_order_release);
+  s.state.store(state, std::memory_order_release);
+  s.issued_ns.store(coarse_now_ns(), std::memory_order_release);
+  s.version.store(2 * seq + 2, std::memory_order_release);
+  return seq;
+}
+
+DDP_INLINE void FlightRecorder::update(std::uint64_t seq, State state) {
+  if (capacity_ == 0) return;
+  Slot& s = slots_[seq & mask_];
+  if (s.version.load(std::memory_order_relaxed) == 2 * seq + 2)
+    s.state.store(state, std::memory_order_release);
+}
+
+DDP_INLINE std::vector<TraceRecord> FlightRecorder::recent() const {
+  std::vector<TraceRecord> out;
+  const std::uint64_t next = next_.load(std::memory_order_acquire);
+  const std::uint64_t n = std::min<std::uint64_t>(next, capacity_);
+  out.reserve(static_cast<std::size_t>(n));
+  for (std::uint64_t seq = next - n; seq < next; ++seq) {
+    const Slot& s = slots_[seq & mask_];
+    const std::uint64_t v = s.version.load(std::memory_order_acquire);
+    if (v != 2 * seq + 2) continue;  // being written, or already overwritten
+    TraceRecord r;
+    r.seq = seq;
+    r.op = s.op.load(std::memory_order_acquire);
+    r.bytes = s.bytes.load(std::memory_order_acquire);
+    r.state = s.state.load(std::memory_order_acquire);
+    r.issued = std::chrono::steady_clock::time_point(
+        std::chrono::nanoseconds(s.issued_ns.load(std::memory_order_acquire)));
+    if (s.version.load(std::memory_order_relaxed) == v) out.push_back(r);
+  }
+  return out;
+}
+
+DDP_INLINE std::uint64_t FlightRecorder::issued() const {
+  return next_.load(std::memory_order_acquire);
+}
+
+DDP_INLINE std::int64_t FlightRecorder::coarse_now_ns() noexcept {
+  timespec ts{};
+  if (::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts) != 0) {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  return std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
+#endif  // DDP_BODIES
+
+/// The recorder's contents as text: a header line, then one line per record, oldest first.
+[[nodiscard]] DDP_INLINE std::string format_trace(const std::vector<TraceRecord>& records,
+                                                  std::uint64_t issued, int rank, int size,
+                                                  std::string_view group, std::string_view why);
+#if DDP_BODIES
+DDP_INLINE std::string format_trace(const std::vector<TraceRecord>& records, std::uint64_t issued,
+                                    int rank, int size, std::string_view group,
+                                    std::string_view why) {
+  const auto now = std::chrono::steady_clock::now();
+  std::string out = concat("ddp flight recorder: rank ", rank, " of ", size, ", group \"", group,
+                           "\", the last ", records.size(), " of ", issued, " operations");
+  if (!why.empty()) out += concat(", dumped because: ", why);
+  // The op column fits the longest name (all_reduce_coalesced, 20 characters).
+  out += "\n       seq  op                           bytes  state    age (ms)\n";
+  for (const auto& r : records) {
+    const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(now - r.issued).count();
+    char line[160];
+    std::snprintf(line, sizeof line, "%10llu  %-22s %12llu  %-7s %9lld\n",
+                  static_cast<unsigned long long>(r.seq), r.op,
+                  static_cast<unsigned long long>(r.bytes), to_string(r.state),
+                  static_cast<long long>(age));
+    out += line;
+  }
+  return out;
+}
+#endif  // DDP_BODIES
+
+/// Writes a dump where Options::trace_dump (or $DDP_TRACE_DUMP) says: "stderr", or a directory
+/// that receives ddp-trace-<group>-rank<r>.txt. Never throws (it runs while an error propagates).
+DDP_INLINE void dump_trace(const std::string& where, const std::string& text,
+                           std::string_view group, int rank) noexcept;
+#if DDP_BODIES
+DDP_INLINE void dump_trace(const std::string& where, const std::string& text,
+                           std::string_view group, int rank) noexcept {
+  try {
+    if (where == "stderr" || where == "-") {
+      std::fwrite(text.data(), 1, text.size(), stderr);
+      return;
+    }
+    std::string name(group);
+    for (char& ch : name) {
+      const bool plain = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+                         (ch >= '0' && ch <= '9') || ch == '-' || ch == '_' || ch == '.';
+      if (!plain) ch = '_';
+    }
+    // The directory is made if missing (and its parents), as `mkdir -p` would.
+    for (std::size_t at = where.find('/', 1); at != std::string::npos; at = where.find('/', at + 1))
+      (void)::mkdir(where.substr(0, at).c_str(), 0777);
+    (void)::mkdir(where.c_str(), 0777);
+    const std::string path = concat(where, "/ddp-trace-", name, "-rank", rank, ".txt");
+    // Never through a link, never waiting on a FIFO someone put there (O_NONBLOCK: opening one
+    // without a reader fails at once), never anything but a regular file.
+    const int fd = ::open(path.c_str(),
+                          O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
+    const char* why = fd < 0 ? std::strerror(errno) : nullptr;
+    struct stat st {};
+    std::FILE* f = nullptr;
+    if (fd >= 0 && ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) f = ::fdopen(fd, "w");
+    if (f == nullptr && fd >= 0) {
+      ::close(fd);
+      why = "something other than a regular file is there";
+    }
+    if (f != nullptr) {
+      std::fwrite(text.data(), 1, text.size(), f);
+      std::fclose(f);
+      std::fprintf(stderr, "[ddp] rank %d: flight recorder written to %s\n", rank, path.c_str());
+    } else {
+      // Not lost: the dump goes to stderr instead, after the reason.
+      std::fprintf(stderr,
+                   "[ddp] rank %d: cannot write the flight recorder to %s: %s; here it is\n", rank,
+                   path.c_str(), why);
+      std::fwrite(text.data(), 1, text.size(), stderr);
+    }
+  } catch (...) {
+  }
+}
+#endif  // DDP_BODIES
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/comm/recorder.hpp
+// begin ddp/comm/staging.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Staging: how a backend that moves host memory only (backend::Host, a non-CUDA-aware
+/// backend::Mpi) runs a collective on device buffers. Each device buffer is copied into host
+/// staging memory, the backend works there, and results are copied back.
+///
+/// Elementwise collectives (all_reduce, broadcast, reduce) give the same result piece by piece,
+/// so they run as a pipeline over fixed-size pieces in three rotating staging slots: while the
+/// backend works on piece k, piece k+1 is copied in and piece k-1 copied out. Every piece carries
+/// the whole buffer's count in its fingerprint (Buf::whole), so ranks that disagree on the size
+/// fail on the first piece. Other collectives stage each buffer whole.
+///
+/// The copies are a `StagingCopier` (ddp::detail::CudaStager with pinned memory and CUDA
+/// streams; the unit tests use plain memcpy), so this file has no device dependency.
+
+// #include "ddp/backend/collective.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <algorithm>
+#include <array>
+#include <concepts>
+#include <cstddef>
+#include <tuple>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// The copies staging needs. Slots are independent staging areas; a slot is only resized or
+/// reused after its copies were waited for.
+template <class C>
+concept StagingCopier = requires(C& c, int slot, std::byte* p, const std::byte* q, std::size_t n,
+                                 void* stream) {
+  { c.slot(slot, n) } -> std::same_as<std::byte*>;  // host memory of at least n bytes
+  c.after(stream);         // later copies (both ways) start after the work queued on `stream`
+  c.fetch(slot, p, q, n);  // device q -> host p, asynchronously
+  c.wait_fetch(slot);      // the slot's last fetch has landed
+  c.store(slot, p, q, n);  // host q -> device p, asynchronously
+  c.wait_store(slot);      // the slot's last store has landed (no-op when none is pending)
+};
+
+/// Staging slots 0..2 rotate through the pieces of an elementwise collective; whole-buffer
+/// staging uses slots 3 and 4.
+inline constexpr int staging_pipeline_slots = 3;
+inline constexpr int staging_whole_slot = 3;
+
+/// Runs op(host piece) over `dev` in pieces of at most `piece_bytes`, copying each piece in first
+/// when `fetch` and back afterwards when `store`; returns when every store has landed. Always
+/// calls op at least once (an empty collective still synchronizes the ranks). Every store has
+/// landed when this returns, so later work on any stream sees the results.
+template <StagingCopier C, class Op>
+void stage_elementwise(C& c, const Buf& dev, bool fetch, bool store, std::size_t piece_bytes,
+                       Op&& op) {
+  const std::size_t elem = dev.elem();
+  const std::size_t per = std::max<std::size_t>(1, piece_bytes / elem);
+  const std::size_t pieces = std::max<std::size_t>(1, (dev.count + per - 1) / per);
+  const auto length = [&](std::size_t k) { return std::min(per, dev.count - k * per); };
+  const std::size_t slot_bytes = std::min(per, dev.count) * elem;  // piece 0 is the longest
+  const auto host = [&](std::size_t k) {
+    return c.slot(static_cast<int>(k % staging_pipeline_slots), slot_bytes);
+  };
+  c.after(dev.stream);
+  if (fetch && dev.count != 0) {
+    c.fetch(0, host(0), dev.at(0), length(0) * elem);
+  }
+  for (std::size_t k = 0; k < pieces; ++k) {
+    const int slot = static_cast<int>(k % staging_pipeline_slots);
+    if (fetch && k + 1 < pieces) {  // bring the next piece in while this one is worked on
+      const int next = static_cast<int>((k + 1) % staging_pipeline_slots);
+      c.wait_store(next);
+      c.fetch(next, host(k + 1), dev.at((k + 1) * per), length(k + 1) * elem);
+    }
+    const std::size_t n = dev.count == 0 ? 0 : length(k);
+    std::byte* h = n == 0 ? nullptr : host(k);
+    if (fetch && n != 0) c.wait_fetch(slot);
+    if (!fetch && n != 0) c.wait_store(slot);  // store-only: the slot's previous store is done
+    op(Buf{h, n, dev.dtype, Device::cpu(), nullptr, dev.count});
+    if (store && n != 0) c.store(slot, dev.at(k * per), h, n * elem);
+  }
+  for (int s = 0; s < staging_pipeline_slots; ++s) c.wait_store(s);
+}
+
+/// A buffer of a non-elementwise collective and what the collective does with it.
+struct StagedArg {
+  Buf buf;
+  bool fetch = false;  // the collective reads it
+  bool store = false;  // the collective writes it
+};
+
+/// Runs op(host buffers...) with every device buffer among `args` staged whole: copied in when
+/// read, copied back when written. Host buffers and empty ones pass through.
+template <StagingCopier C, class Op, std::size_t N>
+void stage_whole(C& c, std::array<StagedArg, N> args, Op&& op) {
+  std::array<Buf, N> host{};
+  std::array<bool, N> moved{};
+  for (std::size_t i = 0; i < N; ++i) {
+    const Buf& b = args[i].buf;
+    host[i] = b;
+    if (b.device.is_cpu() || b.data == nullptr || b.count == 0) continue;
+    const int slot = staging_whole_slot + static_cast<int>(i);
+    host[i] = Buf{c.slot(slot, b.bytes()), b.count, b.dtype, Device::cpu(), nullptr};
+    moved[i] = true;
+    c.after(b.stream);  // read or overwritten: after the work that uses it now
+    if (args[i].fetch) c.fetch(slot, host[i].data, b.data, b.bytes());
+  }
+  for (std::size_t i = 0; i < N; ++i) {
+    if (moved[i] && args[i].fetch) c.wait_fetch(staging_whole_slot + static_cast<int>(i));
+  }
+  std::apply([&](const auto&... h) { op(h...); }, host);
+  for (std::size_t i = 0; i < N; ++i) {
+    if (moved[i] && args[i].store) {
+      const int slot = staging_whole_slot + static_cast<int>(i);
+      c.store(slot, args[i].buf.data, host[i].data, args[i].buf.bytes());
+    }
+  }
+  for (std::size_t i = 0; i < N; ++i) {
+    if (moved[i] && args[i].store) c.wait_store(staging_whole_slot + static_cast<int>(i));
+  }
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/comm/staging.hpp
+// begin ddp/comm/watch.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// detail::MembershipWatch: what a member of a communicator knows of its membership: the epoch,
+/// the ranks before the last change, the newcomers waiting, and how it learns that the others
+/// went on without it (fenced after a stop, excluded by their shrink(), stalled past the
+/// heartbeat) or that a peer stopped answering (the heartbeat's watch).
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/backend/rendezvous.hpp" (already included above)
+// #include "ddp/comm/job_store.hpp" (already included above)
+// #include "ddp/detail/bytes.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/store/client.hpp" (already included above)
+
+#include <time.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+struct MembershipWatch : JobStore {
+  /// Membership epoch: 0 from init() or split(), one more at each shrink().
+  std::uint64_t epoch = 0;
+  /// After shrink(): each rank's number in the communicator it was made from.
+  std::vector<int> previous;
+  /// The join requests (Communicator::enter) answered so far: every id up to this one.
+  std::int64_t joins_seen = 0;
+  /// grow() calls on this communicator (every member's the same): tags each decision, since a
+  /// grow() that admits nobody leaves the epoch and joins_seen as they were.
+  std::uint64_t grow_calls = 0;
+  /// When the last call on this communicator began (CLOCK_MONOTONIC_COARSE, ns; 0: none yet).
+  std::atomic<std::int64_t> last_call_ns{0};
+
+  /// How many processes asked to join the job (Communicator::enter) since its last growth: one
+  /// store read. 0 without a store, or for a communicator that split() made.
+  [[nodiscard]] int waiting_to_enter() const;
+
+  /// Whether the call that began now follows a gap of half `limit` or more since the last one
+  /// (one clock read): then the others may have left this rank out meanwhile.
+  [[nodiscard]] bool after_gap(std::chrono::milliseconds limit);
+
+  /// After a failure: when the other ranks formed a communicator without this rank (shrink()
+  /// wrote "superseded": the epoch and the members), the message that says so; else "".
+  [[nodiscard]] std::string excluded(int rank, const char* name) const;
+
+  /// When the other ranks are forming a new membership from this communicator (shrink() wrote
+  /// "shrinking"), the message that says so; else "".
+  [[nodiscard]] std::string shrinking(int rank, const char* name) const;
+
+  /// Whether the store marked this process stalled (its heartbeat lease ran out).
+  [[nodiscard]] bool stalled() const;
+
+  /// The heartbeat's watch: after each sign of life, when the store counted a new stall, checks
+  /// whether a member of this communicator stalled, and then calls `lost` (once) with why.
+  void watch_peers(std::function<void(const Error&)> lost);
+  /// Ends the watch (before the backend goes); a tick running now finishes first.
+  void unwatch_peers();
+
+ private:
+  std::uint64_t stall_tick = 0;   // the watch's tick on root_store (0: none)
+  std::int64_t stalls_seen = -1;  // the stall count the watch last checked (its thread only)
+  bool stall_reported = false;    // (its thread only)
+
+  /// This communicator's store key `key`, "" when absent or the store is unreachable.
+  [[nodiscard]] std::string peek_membership(const char* key) const;
+};
+
+#if DDP_BODIES
+DDP_INLINE int MembershipWatch::waiting_to_enter() const {
+  if (!root_store || base_prefix != job_prefix) return 0;
+  Store base = root_store->prefixed(base_prefix).unwatched();
+  return static_cast<int>(std::max<std::int64_t>(0, base.add("join/next", 0) - joins_seen));
+}
+
+DDP_INLINE bool MembershipWatch::after_gap(std::chrono::milliseconds limit) {
+  timespec ts{};
+  (void)::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+  const std::int64_t now = std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+  const std::int64_t last = last_call_ns.exchange(now, std::memory_order_relaxed);
+  const std::int64_t half = std::chrono::nanoseconds(limit).count() / 2;
+  return last != 0 && now - last >= half;
+}
+
+DDP_INLINE std::string MembershipWatch::excluded(int rank, const char* name) const {
+  if (stalled())
+    return concat("rank ", rank, ": ", name,
+                  ": this process sent no sign of life to the rendezvous store for longer than "
+                  "the heartbeat (",
+                  options.heartbeat.count(),
+                  " ms: it was stopped, hung or cut off), so the job counts it as lost and "
+                  "goes on without it; it can never act on this communicator again: restart "
+                  "the process (it may rejoin the job as a new rank)");
+  const std::string v = peek_membership("superseded");
+  if (v.empty()) return {};
+  const std::size_t colon = v.find(':');
+  const std::string members = v.substr(colon + 1);
+  const std::vector<int> ranks = parse_ranks(members);
+  if (std::find(ranks.begin(), ranks.end(), rank) != ranks.end()) return {};
+  return concat("rank ", rank, ": ", name,
+                ": this rank was excluded from the communicator: the other ranks formed "
+                "membership epoch ",
+                v.substr(0, colon), " of ranks ", members,
+                " without it (it was stopped or too slow to take part); it can never act on "
+                "this communicator again: restart the process (it may rejoin the job as a new "
+                "rank)");
+}
+
+DDP_INLINE std::string MembershipWatch::shrinking(int rank, const char* name) const {
+  const std::string next = peek_membership("shrinking");
+  if (next.empty()) return {};
+  return concat("rank ", rank, ": ", name,
+                ": the other ranks are replacing this communicator after a failure (forming "
+                "membership epoch ",
+                next, "): call shrink() to take part");
+}
+
+DDP_INLINE bool MembershipWatch::stalled() const {
+  if (!root_store || root_store->lost() || job_prefix.empty() || options.heartbeat.count() <= 0)
+    return false;
+  try {
+    Store plain = root_store->unwatched();
+    const std::string k[] = {concat(job_prefix, "stalled/", world_rank)};
+    return plain.check(k);
+  } catch (...) {
+    return false;
+  }
+}
+
+DDP_INLINE void MembershipWatch::watch_peers(std::function<void(const Error&)> lost) {
+  if (!root_store || options.heartbeat.count() <= 0 || job_prefix.empty() ||
+      world_ranks.size() < 2 || stall_tick != 0)
+    return;
+  stall_tick = root_store->add_tick([this, lost = std::move(lost)](Store& s) {
+    const std::int64_t n = s.add(concat(job_prefix, "stalls"), 0);
+    if (n == stalls_seen || stall_reported) return;
+    for (std::size_t r = 0; r < world_ranks.size(); ++r) {
+      const std::string k[] = {concat(job_prefix, "stalled/", world_ranks[r])};
+      if (static_cast<int>(r) == world_rank_in_group || !s.check(k)) continue;
+      stall_reported = true;
+      const int gone = static_cast<int>(r);
+      lost(Error(Errc::peer_lost, concat("rank ", world_rank_in_group, ": "), -1,
+                 concat("rank ", r, " (world rank ", world_ranks[r],
+                        ") stopped answering: no sign of life reached the rendezvous store for ",
+                        options.heartbeat.count(),
+                        " ms (the heartbeat; its process is stopped, hung or cut off), so the "
+                        "job counts it as lost; shrink() to go on without it"),
+                 {gone}));
+      return;
+    }
+    stalls_seen = n;
+  });
+}
+
+DDP_INLINE void MembershipWatch::unwatch_peers() {
+  if (stall_tick != 0 && root_store) root_store->remove_tick(stall_tick);
+  stall_tick = 0;
+}
+
+DDP_INLINE std::string MembershipWatch::peek_membership(const char* key) const {
+  if (!root_store || root_store->lost()) return {};
+  try {
+    Store plain = root_store->prefixed(prefix).unwatched();
+    return peek_key(plain, key);
+  } catch (...) {
+    return {};
+  }
+}
+#endif  // DDP_BODIES
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/comm/watch.hpp
+// #include "ddp/detail/lean_std.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/options.hpp" (already included above)
+// #include "ddp/store/client.hpp" (already included above)
 // begin ddp/work.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -10063,9 +10677,6 @@ DDP_END_NAMESPACE
 // end ddp/comm/cuda_staging.hpp
 #endif
 
-#include <time.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -10082,60 +10693,17 @@ DDP_END_NAMESPACE
 DDP_BEGIN_NAMESPACE
 namespace detail {
 
-struct CommState {
+struct CommState : MembershipWatch, CommPoison, OwnerProcess {
   // Defined with the bodies: constructing and destroying the members is code of its own.
   CommState();
   CommState(const CommState&) = delete;
   CommState& operator=(const CommState&) = delete;
   ~CommState();
 
-  Options options;
   FlightRecorder recorder;
-  std::uint64_t fork_generation = detail::fork_generation();  // made in this process
-  int pid = static_cast<int>(::getpid());
-  bool joined = false;          // this process holds its rank's claim in the store
-  int world_size = 1;           // ranks in this communicator (for the store host's wait)
-  int world_rank_in_group = 0;  // this rank in this communicator
-  int world_rank = 0;
-  int local_rank_hint = 0;  // the launcher's local rank: the default CUDA device
-  /// The rendezvous store this process hosts (rank 0 without a launcher's store), shared by
-  /// every communicator made from the one that started it (shrink(), grow(), split()): the store
-  /// lives while any of them does, not only while the first one does.
-  std::shared_ptr<StoreServer> server;
-  std::shared_ptr<Store> root_store;
-  std::shared_ptr<Store> store;
-  std::string prefix;
-  /// The prefix of the communicator that init() or split() made, which every communicator
-  /// shrink() makes from it shares (their keys are "<base_prefix>e<epoch>/...").
-  std::string base_prefix;
-  /// Membership epoch: 0 from init() or split(), one more at each shrink().
-  std::uint64_t epoch = 0;
-  /// After shrink(): each rank's number in the communicator it was made from.
-  std::vector<int> previous;
-  /// Each rank's number in the communicator init() made (its process), and that communicator's
-  /// prefix, under which the store marks a process gone (process_exit_key()): how shrink()
-  /// knows that a member of any communicator of the job died.
-  std::vector<int> world_ranks;
-  std::string job_prefix;
-  /// The membership epoch a shrink() or grow() of this communicator formed (0: none): it is
-  /// replaced.
-  std::uint64_t replaced_by = 0;
-  /// The join requests (Communicator::enter) answered so far: every id up to this one.
-  std::int64_t joins_seen = 0;
-  /// grow() calls on this communicator (every member's the same): tags each decision, since a
-  /// grow() that admits nobody leaves the epoch and joins_seen as they were.
-  std::uint64_t grow_calls = 0;
   std::unique_ptr<Executor> executor = std::make_unique<Executor>();
-  /// When the rendezvous must be done: Options::timeout after init() began.
-  Clock::time_point rendezvous_deadline = Clock::time_point::max();
   std::uint64_t splits = 0;
   std::uint64_t monitored_barriers = 0;
-  mutable std::mutex poison_mutex;
-  std::string poison;
-  Errc poison_code = Errc::aborted;
-  int poison_origin = -1;             // the first failure's Error::origin_rank()
-  std::vector<int> poison_lost;       // and its lost_ranks()
-  std::atomic<bool> poisoned{false};  // poison is set: read without the lock on every call
 #if DDP_HAS_CUDA
   std::unique_ptr<CudaStaging> staging;  // made on first use
 
@@ -10148,67 +10716,17 @@ struct CommState {
 
   void configure(const Options& o);
 
-  /// Joins the rendezvous store of the job `env` describes: rank 0 hosts it (unless a launcher
-  /// does: Options::external_store, DDP_STORE_HOSTED=1), every rank connects, works under this
-  /// communicator's prefix, watches the "failed" key and claims its rank. Returns that store,
-  /// whose calls all end by `rendezvous_deadline` until end_rendezvous().
-  std::shared_ptr<Store> connect_store(const Environment& env);
-
-  /// A newcomer (Communicator::enter): connects to the running job's store, which the launcher or
-  /// a member hosts (never this process), without a refusal key: a wrong token fails this
-  /// process alone, not the job. Sets the job's prefixes, as init() does.
-  void connect_to_job(const Environment& env);
-
-  /// The rendezvous succeeded: later store calls (split, leaving) get their own timeouts, and
-  /// should this process die, the store counts it as left (the store's host does not wait for
-  /// it in wait_for_the_others).
-  void end_rendezvous();
-
-  /// Whether rank r of this communicator is known gone: it left this communicator, or its
-  /// process did (the store's mark of it under init()'s prefix: how a member of a split() or a
-  /// newcomer is known dead).
-  [[nodiscard]] bool rank_gone(int r) const;
-
-  /// How many processes asked to join the job (Communicator::enter) since its last growth: one
-  /// store read. 0 without a store, or for a communicator that split() made.
-  [[nodiscard]] int waiting_to_enter() const;
-
-  /// The store key that marks this process gone: "<init prefix>gone/<rank in init()'s
-  /// communicator>", written only by the store as the process's connection closes (never by a
-  /// communicator that is destroyed: its process may live on in another); "" before init().
-  [[nodiscard]] std::string process_exit_key() const;
-
-  /// Whether this is a fork() child's copy.
-  [[nodiscard]] bool inherited() const noexcept {
-    return detail::fork_generation() != fork_generation;
-  }
-
   /// A fork() child's copy: the parent owns the store, the shared memory and the peers, and
   /// this process has none of the threads. Touch nothing; keep it reachable (never destroyed).
   void abandon() noexcept;
 
-  /// The fork() check of every call: a child shares its parent's peers' shared memory and
-  /// sockets, and using them would corrupt the parent's job.
-  void check_process(int rank, const char* what) const;
-
-  /// Leaving, first step (the communicator is destroyed, its executor drained, its backend not
-  /// yet): this rank says in the store that it left ("exit/<rank>") and how, before its
-  /// connections close, so that a peer still waiting for it reports why at once: "done/<rank>"
-  /// with the number of operations it ran when it finished without a failure (the ranks ran
-  /// different numbers of collectives), "left/<rank>" with its failure otherwise.
-  void announce_leaving();
-
-  /// Leaving, last step (the backend is gone): rank 0 keeps the store up until every rank has
-  /// left, so none loses it mid-call, and after a failed rendezvous too, so the others can read
-  /// why it failed. A rank whose process died counts as left (its connection's on-close record).
-  /// Only the last communicator holding the store waits (another, made from this one by
-  /// shrink() or grow(), goes on using it).
-  void wait_for_the_others(bool connected);
-
-  /// The rendezvous failed here, and this process hosts the store: keep it up until every rank
-  /// that claimed its place has left (and has so read why), for at most `limit`; ranks that
-  /// never claimed one get a second to appear. Nobody waits for a rank that was never started.
-  void linger_after_failed_rendezvous(Store& plain, std::chrono::milliseconds limit) const;
+  /// Leaving (JobStore::announce_leaving): with this communicator's first failure, or the number
+  /// of operations it ran.
+  void announce_leaving() { JobStore::announce_leaving(failure(), recorder.issued()); }
+  /// Leaving, last step (JobStore::wait_for_the_others).
+  void wait_for_the_others(bool connected) {
+    JobStore::wait_for_the_others(connected, poisoned.load(std::memory_order_acquire));
+  }
 
   /// Creating the backend failed on `rank` with `e`: tell the other ranks, which are waiting on
   /// the store for it, so that they fail at once with its reason instead of at their timeout.
@@ -10218,26 +10736,6 @@ struct CommState {
   /// Communicator::monitored_barrier over the store (backend/monitored_barrier.hpp).
   void monitored_barrier(int rank, int size, std::chrono::milliseconds timeout,
                          bool wait_all_ranks);
-
-  /// Marks the communicator failed with `why` (the first failure wins).
-  void poison_with(std::string why, Errc code);
-  /// The same with `e`'s message, code, origin and lost ranks.
-  void poison_with(const Error& e);
-
-  /// Fails with Errc::aborted, quoting the first failure, when the communicator is poisoned.
-  void check_poisoned(int rank, const char* name) const;
-
-  [[noreturn, gnu::noinline, gnu::cold]] void fail_poisoned(int rank, const char* name) const {
-    std::lock_guard lock(poison_mutex);
-    if (replaced_by != 0)
-      fail_from(poison_origin, poison_lost, Errc::aborted, "rank ", rank, ": ", name,
-                ": this communicator was replaced by membership epoch ", replaced_by, " (", poison,
-                "): use the communicator that shrink() or grow() returned");
-    fail_from(poison_origin, poison_lost, Errc::aborted, "rank ", rank, ": ", name,
-              ": this communicator failed earlier and cannot be used (", poison,
-              "); the ranks still alive can go on together with shrink(), or make a new "
-              "communicator with Communicator::init");
-  }
 
   /// Runs body() unless the communicator is poisoned (then fails at once), and poisons it
   /// when body fails. A failure on a communicator that the other ranks replaced without this
@@ -10269,42 +10767,12 @@ struct CommState {
     }
   }
 
-  /// When the last call on this communicator began (CLOCK_MONOTONIC_COARSE, ns; 0: none yet).
-  std::atomic<std::int64_t> last_call_ns{0};
-
   /// Before each call: a rank that was stopped or away for half the timeout or more may have
   /// been left out by the others' shrink() meanwhile (they waited a timeout for it first). Then
   /// its next call asks the store before acting, and fails (Errc::aborted) when the others
   /// formed a communicator without it or are forming one: so a fenced rank never completes a
   /// collective, even one whose peers' data still sits in its sockets. One clock read per call.
   void check_membership_after_gap(int rank, const char* name);
-
-  /// After a failure: when the other ranks formed a communicator without this rank (shrink()
-  /// wrote "superseded": the epoch and the members), the message that says so; else "".
-  [[nodiscard]] std::string excluded(int rank, const char* name) const;
-
-  /// When the other ranks are forming a new membership from this communicator (shrink() wrote
-  /// "shrinking"), the message that says so; else "".
-  [[nodiscard]] std::string shrinking(int rank, const char* name) const;
-
-  /// Whether the store marked this process stalled (its heartbeat lease ran out).
-  [[nodiscard]] bool stalled() const;
-
-  /// The heartbeat's watch: after each sign of life, when the store counted a new stall, checks
-  /// whether a member of this communicator stalled, and then calls `lost` (once) with why.
-  void watch_peers(std::function<void(const Error&)> lost);
-  /// Ends the watch (before the backend goes); a tick running now finishes first.
-  void unwatch_peers();
-
- private:
-  std::uint64_t stall_tick = 0;   // the watch's tick on root_store (0: none)
-  std::int64_t stalls_seen = -1;  // the stall count the watch last checked (its thread only)
-  bool stall_reported = false;    // (its thread only)
-
-  /// This communicator's store key `key`, "" when absent or the store is unreachable.
-  [[nodiscard]] std::string peek_membership(const char* key) const;
-
- public:
 };
 
 #if DDP_BODIES
@@ -10317,125 +10785,6 @@ DDP_INLINE void CommState::configure(const Options& o) {
   install_error_file_handler();  // an uncaught exception reaches the launcher's error file
 }
 
-DDP_INLINE std::shared_ptr<Store> CommState::connect_store(const Environment& env) {
-  const EnvReader launcher;  // what the launcher that hosts the store says
-  prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
-  base_prefix = prefix;
-  job_prefix = prefix;
-  for (int r = 0; r < env.world_size; ++r) world_ranks.push_back(r);
-  StoreOptions so;
-  so.timeout = options.timeout;
-  so.token = options.token;
-  so.refusal_key = prefix + "failed";  // a wrong token fails this rendezvous at once
-  so.refusal_rank = env.rank;
-  int store_port = env.store_port != 0 ? env.store_port : env.master_port;
-  const int ports = env.store_port != 0 ? std::max(1, env.store_ports) : 1;
-  // With several candidate ports, the store says whose it is: a probing rank must not join
-  // another job's store that took one of them.
-  const std::string job = store_job_name(env);
-  const bool hosted = options.external_store || launcher.get("DDP_STORE_HOSTED") == "1";
-  if (!options.store.empty()) {  // an etcd cluster: nobody hosts it
-    root_store = open_etcd_store(options.store, env.rank, options.heartbeat, so);
-  } else {
-    if (env.rank == 0 && !hosted) {
-      store_port = host_store(server, env, store_port, ports, so);
-    } else if (ports > 1) {
-      store_port = find_store(env, store_port, ports, so, job, rendezvous_deadline);
-    }
-    root_store = std::make_shared<Store>(env.master_addr, store_port, so);
-    if (server && ports > 1) root_store->set(store_job_key, job);
-  }
-  store = std::make_shared<Store>(
-      root_store->prefixed(prefix).watching("failed").with_deadline(rendezvous_deadline));
-  world_size = env.world_size;
-  claim_rank(*store, env.rank, options.group);
-  joined = true;
-  // Should this process die before the rendezvous is over, the store tells the others at once,
-  // and counts it as gone (the store's host does not wait for it to leave).
-  const std::pair<std::string, std::string> on_close[] = {
-      {"failed",
-       Store::stop_value(Error(Errc::peer_lost,
-                               concat("the rendezvous failed on rank ", env.rank, ": "), env.rank,
-                               "its process closed its connection to the store (it "
-                               "died or was killed) before the rendezvous was over",
-                               {env.rank}))},
-      {concat("exit/", env.rank), ""}};
-  store->set_on_close(on_close);
-  return store;
-}
-
-DDP_INLINE void CommState::connect_to_job(const Environment& env) {
-  if (env.master_port == 0 && options.store.empty())
-    fail(Errc::invalid_argument, "rank ", env.rank,
-         ": Communicator::enter: MASTER_PORT is not set; export MASTER_ADDR and MASTER_PORT "
-         "of the running job, or launch with ddprun");
-  const EnvReader launcher;
-  prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
-  base_prefix = prefix;
-  job_prefix = prefix;
-  StoreOptions so;
-  so.timeout = options.timeout;
-  so.token = options.token;
-  int store_port = env.store_port != 0 ? env.store_port : env.master_port;
-  const int ports = env.store_port != 0 ? std::max(1, env.store_ports) : 1;
-  if (!options.store.empty()) {
-    root_store = open_etcd_store(options.store, env.rank, options.heartbeat, so);
-    return;
-  }
-  if (ports > 1)
-    store_port = find_store(env, store_port, ports, so, store_job_name(env),
-                            Deadline::after(options.timeout).at);
-  root_store = std::make_shared<Store>(
-      env.master_addr.empty() ? std::string("127.0.0.1") : env.master_addr, store_port, so);
-}
-
-DDP_INLINE void CommState::end_rendezvous() {
-  if (!store) return;
-  *store = store->with_deadline(Clock::time_point::max());
-  // This communicator's mark, and (for one made by shrink()) the process's mark in init()'s.
-  std::vector<std::pair<std::string, std::string>> on_close{
-      {concat(store->prefix(), "exit/", world_rank_in_group), ""}};
-  if (const std::string mine = process_exit_key(); !mine.empty()) on_close.emplace_back(mine, "");
-  Store root = root_store ? root_store->unwatched() : store->prefixed("");
-  if (root_store) {
-    root.set_on_close(on_close);
-    // Where this process runs: a survivor on the same machine can tell that it died without
-    // waiting for the store to notice (MembershipChange).
-    if (!job_prefix.empty()) root.set(concat(job_prefix, "proc/", world_rank), process_identity());
-    // Heartbeat: should this process stop signing (stopped, hung, cut off), the store counts
-    // it gone (the records above), marks it stalled and counts the stall for the watchers.
-    if (options.heartbeat.count() > 0 && !job_prefix.empty()) {
-      const LeaseRecord on_expire[] = {{concat(job_prefix, "stalled/", world_rank), "", 0, false},
-                                       {concat(job_prefix, "stalls"), "", 1, true}};
-      root.lease(options.heartbeat, on_expire);
-    }
-  } else {
-    const std::pair<std::string, std::string> own[] = {{concat("exit/", world_rank_in_group), ""}};
-    store->set_on_close(own);
-  }
-}
-
-DDP_INLINE bool CommState::rank_gone(int r) const {
-  const auto seen = [&](const std::string& key) {
-    const std::string k[] = {key};
-    return root_store->check(k);
-  };
-  if (seen(concat(prefix, "exit/", r))) return true;
-  const auto i = static_cast<std::size_t>(r);
-  return i < world_ranks.size() && !job_prefix.empty() &&
-         seen(concat(job_prefix, "gone/", world_ranks[i]));
-}
-
-DDP_INLINE int CommState::waiting_to_enter() const {
-  if (!root_store || base_prefix != job_prefix) return 0;
-  Store base = root_store->prefixed(base_prefix).unwatched();
-  return static_cast<int>(std::max<std::int64_t>(0, base.add("join/next", 0) - joins_seen));
-}
-
-DDP_INLINE std::string CommState::process_exit_key() const {
-  return job_prefix.empty() ? std::string() : concat(job_prefix, "gone/", world_rank);
-}
-
 DDP_INLINE void CommState::abandon() noexcept {
   (void)executor.release();
   (void)new std::shared_ptr<StoreServer>(std::move(server));
@@ -10444,77 +10793,6 @@ DDP_INLINE void CommState::abandon() noexcept {
 #if DDP_HAS_CUDA
   (void)staging.release();
 #endif
-}
-
-DDP_INLINE void CommState::check_process(int rank, const char* what) const {
-  if (inherited()) [[unlikely]] {
-    fail(Errc::invalid_argument, "rank ", rank, ": ", what,
-         ": this communicator was created by process ", pid,
-         " and cannot be used by a child it fork()ed (this is process ", ::getpid(),
-         "): the child would write into the parent's connections and shared memory. Create a "
-         "new communicator in the child (another MASTER_PORT or Options::group), or fork "
-         "before init()");
-  }
-}
-
-DDP_INLINE void CommState::announce_leaving() {
-  if (!store || !joined || store->lost()) return;
-  try {
-    Store plain = store->unwatched();
-    const int r = world_rank_in_group;
-    std::optional<Error> why;
-    {
-      std::lock_guard lock(poison_mutex);
-      if (!poison.empty())
-        why.emplace(poison_code, std::string_view{}, poison_origin, poison, poison_lost);
-    }
-    if (!why)
-      plain.set(concat("done/", r), std::to_string(recorder.issued()));
-    else
-      (void)plain.compare_set(concat("left/", r), "", Store::stop_value(*why));
-    plain.set(concat("exit/", r), "");
-  } catch (...) {  // leaving anyway
-  }
-}
-
-DDP_INLINE void CommState::wait_for_the_others(bool connected) {
-  if (!store || !joined || store->lost() || !server || server.use_count() > 1) return;
-  try {
-    Store plain = store->unwatched();  // the waits below must not end at "failed"
-    const auto limit =
-        std::min<std::chrono::milliseconds>(options.timeout, std::chrono::seconds(10));
-    if (connected && poison.empty()) {
-      std::vector<std::string> keys;
-      for (int r = 0; r < world_size; ++r) keys.push_back(concat("exit/", r));
-      (void)plain.missing_after(keys, limit);
-    } else if (!connected) {
-      // Within the rendezvous's one timeout (and a moment for the others to read why).
-      const auto left =
-          std::chrono::ceil<std::chrono::milliseconds>(rendezvous_deadline - Clock::now());
-      linger_after_failed_rendezvous(plain,
-                                     std::clamp(left, std::chrono::milliseconds(250), limit));
-    }
-  } catch (...) {  // leaving anyway
-  }
-}
-
-DDP_INLINE void CommState::linger_after_failed_rendezvous(Store& plain,
-                                                          std::chrono::milliseconds limit) const {
-  const auto start = std::chrono::steady_clock::now();
-  for (;;) {
-    bool all_left = true, all_claimed = true;
-    for (int r = 0; r < world_size && all_left; ++r) {
-      const std::string claim = concat("claim/", r);
-      const std::string left = concat("exit/", r);
-      if (!plain.check(std::span<const std::string>(&claim, 1)))
-        all_claimed = false;
-      else if (!plain.check(std::span<const std::string>(&left, 1)))
-        all_left = false;
-    }
-    const auto waited = std::chrono::steady_clock::now() - start;
-    if ((all_left && (all_claimed || waited > std::chrono::seconds(1))) || waited > limit) return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
 }
 
 DDP_INLINE void CommState::relay_failure(int rank, const Error& e) {
@@ -10542,132 +10820,17 @@ DDP_INLINE void CommState::monitored_barrier(int rank, int size, std::chrono::mi
   detail::monitored_barrier(*store, monitored_barriers++, rank, size, timeout, wait_all_ranks);
 }
 
-DDP_INLINE void CommState::poison_with(const Error& e) {
-  std::lock_guard lock(poison_mutex);
-  if (poison.empty()) {
-    poison = e.what();
-    poison_code = e.code();
-    poison_origin = e.origin_rank();
-    poison_lost = e.lost_ranks();
-    poisoned.store(true, std::memory_order_release);
-  }
-}
-
-DDP_INLINE void CommState::poison_with(std::string why, Errc code) {
-  std::lock_guard lock(poison_mutex);
-  if (poison.empty()) {
-    poison = std::move(why);
-    poison_code = code;
-    poisoned.store(true, std::memory_order_release);
-  }
-}
-
-DDP_INLINE void CommState::check_poisoned(int rank, const char* name) const {
-  if (poisoned.load(std::memory_order_acquire)) [[unlikely]]
-    fail_poisoned(rank, name);
-}
-
 DDP_INLINE void CommState::check_membership_after_gap(int rank, const char* name) {
-  timespec ts{};
-  (void)::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
-  const std::int64_t now = std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
-  const std::int64_t last = last_call_ns.exchange(now, std::memory_order_relaxed);
   // Half the time after which the others may have left it out: the timeout, or the heartbeat.
   const auto limit = options.heartbeat.count() > 0 ? std::min(options.timeout, options.heartbeat)
                                                    : options.timeout;
-  const std::int64_t half = std::chrono::nanoseconds(limit).count() / 2;
-  if (last == 0 || now - last < half || !root_store) [[likely]]
+  if (!after_gap(limit) || !root_store) [[likely]]
     return;
   std::string why = excluded(rank, name);
   if (why.empty()) why = shrinking(rank, name);
   if (!why.empty()) {
     poison_with(why, Errc::aborted);
     fail(Errc::aborted, why);
-  }
-}
-
-DDP_INLINE std::string CommState::excluded(int rank, const char* name) const {
-  if (stalled())
-    return concat("rank ", rank, ": ", name,
-                  ": this process sent no sign of life to the rendezvous store for longer than "
-                  "the heartbeat (",
-                  options.heartbeat.count(),
-                  " ms: it was stopped, hung or cut off), so the job counts it as lost and "
-                  "goes on without it; it can never act on this communicator again: restart "
-                  "the process (it may rejoin the job as a new rank)");
-  const std::string v = peek_membership("superseded");
-  if (v.empty()) return {};
-  const std::size_t colon = v.find(':');
-  const std::string members = v.substr(colon + 1);
-  const std::vector<int> ranks = parse_ranks(members);
-  if (std::find(ranks.begin(), ranks.end(), rank) != ranks.end()) return {};
-  return concat("rank ", rank, ": ", name,
-                ": this rank was excluded from the communicator: the other ranks formed "
-                "membership epoch ",
-                v.substr(0, colon), " of ranks ", members,
-                " without it (it was stopped or too slow to take part); it can never act on "
-                "this communicator again: restart the process (it may rejoin the job as a new "
-                "rank)");
-}
-
-DDP_INLINE std::string CommState::shrinking(int rank, const char* name) const {
-  const std::string next = peek_membership("shrinking");
-  if (next.empty()) return {};
-  return concat("rank ", rank, ": ", name,
-                ": the other ranks are replacing this communicator after a failure (forming "
-                "membership epoch ",
-                next, "): call shrink() to take part");
-}
-
-DDP_INLINE bool CommState::stalled() const {
-  if (!root_store || root_store->lost() || job_prefix.empty() || options.heartbeat.count() <= 0)
-    return false;
-  try {
-    Store plain = root_store->unwatched();
-    const std::string k[] = {concat(job_prefix, "stalled/", world_rank)};
-    return plain.check(k);
-  } catch (...) {
-    return false;
-  }
-}
-
-DDP_INLINE void CommState::watch_peers(std::function<void(const Error&)> lost) {
-  if (!root_store || options.heartbeat.count() <= 0 || job_prefix.empty() ||
-      world_ranks.size() < 2 || stall_tick != 0)
-    return;
-  stall_tick = root_store->add_tick([this, lost = std::move(lost)](Store& s) {
-    const std::int64_t n = s.add(concat(job_prefix, "stalls"), 0);
-    if (n == stalls_seen || stall_reported) return;
-    for (std::size_t r = 0; r < world_ranks.size(); ++r) {
-      const std::string k[] = {concat(job_prefix, "stalled/", world_ranks[r])};
-      if (static_cast<int>(r) == world_rank_in_group || !s.check(k)) continue;
-      stall_reported = true;
-      const int gone = static_cast<int>(r);
-      lost(Error(Errc::peer_lost, concat("rank ", world_rank_in_group, ": "), -1,
-                 concat("rank ", r, " (world rank ", world_ranks[r],
-                        ") stopped answering: no sign of life reached the rendezvous store for ",
-                        options.heartbeat.count(),
-                        " ms (the heartbeat; its process is stopped, hung or cut off), so the "
-                        "job counts it as lost; shrink() to go on without it"),
-                 {gone}));
-      return;
-    }
-    stalls_seen = n;
-  });
-}
-
-DDP_INLINE void CommState::unwatch_peers() {
-  if (stall_tick != 0 && root_store) root_store->remove_tick(stall_tick);
-  stall_tick = 0;
-}
-
-DDP_INLINE std::string CommState::peek_membership(const char* key) const {
-  if (!root_store || root_store->lost()) return {};
-  try {
-    Store plain = root_store->prefixed(prefix).unwatched();
-    return peek_key(plain, key);
-  } catch (...) {
-    return {};
   }
 }
 #endif  // DDP_BODIES
