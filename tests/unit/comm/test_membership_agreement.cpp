@@ -10,6 +10,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -22,8 +23,8 @@ using ddp::detail::MembershipChange;
 
 /// A job of `size` ranks over one store server: each rank's state as init() leaves it (its own
 /// connection, the job's prefixes, its exit record should its connection close).
-struct Job {
-  explicit Job(int size) : server("127.0.0.1", 0) {
+struct AgreementJob {
+  explicit AgreementJob(int size) : server("127.0.0.1", 0) {
     for (int r = 0; r < size; ++r) {
       auto s = std::make_unique<CommState>();
       s->options.timeout = 10s;
@@ -55,23 +56,24 @@ struct Job {
 };
 
 /// What one rank's shrink() agreement ended with.
-struct Outcome {
+struct AgreementOutcome {
   std::vector<int> members;  // old ranks, the last round's
   int new_rank = -1;
   int rounds = 0;
-  ddp::Errc code = ddp::Errc::ok;
+  std::optional<ddp::Errc> code;  // none: it succeeded
   std::string error;
 };
 
 /// Runs the agreement on each rank of `who` in a thread of its own: decide(), then settle() with
 /// `connected(rank, round)` standing for connecting the new backend.
-std::vector<Outcome> agree(Job& job, const std::vector<int>& who, const ddp::ShrinkOptions& o,
-                           const std::function<bool(int, int)>& connected = {}) {
-  std::vector<Outcome> out(job.ranks.size());
+std::vector<AgreementOutcome> agree_on(AgreementJob& job, const std::vector<int>& who,
+                                       const ddp::ShrinkOptions& o,
+                                       const std::function<bool(int, int)>& connected = {}) {
+  std::vector<AgreementOutcome> out(job.ranks.size());
   std::vector<std::thread> threads;
   for (int r : who) {
     threads.emplace_back([&, r] {
-      Outcome& mine = out[static_cast<std::size_t>(r)];
+      AgreementOutcome& mine = out[static_cast<std::size_t>(r)];
       try {
         CommState& s = *job.ranks[static_cast<std::size_t>(r)];
         MembershipChange change(s, r, static_cast<int>(job.ranks.size()), o);
@@ -96,11 +98,11 @@ std::vector<Outcome> agree(Job& job, const std::vector<int>& who, const ddp::Shr
 }  // namespace
 
 TEST_CASE("membership agreement: the survivors of a dead rank agree on themselves, renumbered") {
-  Job job(4);
+  AgreementJob job(4);
   job.kill(2);
-  const auto out = agree(job, {0, 1, 3}, {});
+  const auto out = agree_on(job, {0, 1, 3}, {});
   for (int r : {0, 1, 3}) {
-    const Outcome& o = out[static_cast<std::size_t>(r)];
+    const AgreementOutcome& o = out[static_cast<std::size_t>(r)];
     CAPTURE(r);
     CHECK_MESSAGE(o.error.empty(), o.error);
     CHECK(o.members == std::vector<int>{0, 1, 3});
@@ -117,18 +119,18 @@ TEST_CASE("membership agreement: the survivors of a dead rank agree on themselve
 }
 
 TEST_CASE("membership agreement: a rank that is silent past wait_for_ranks is left out, fenced") {
-  Job job(3);
+  AgreementJob job(3);
   ddp::ShrinkOptions o;
   o.wait_for_ranks = 300ms;
   const auto t0 = std::chrono::steady_clock::now();
-  auto out = agree(job, {0, 1}, o);  // rank 2 lives, but says nothing: stopped, or slow
+  auto out = agree_on(job, {0, 1}, o);  // rank 2 lives, but says nothing: stopped, or slow
   const auto waited = std::chrono::steady_clock::now() - t0;
   CHECK(waited >= 300ms);
   CHECK(waited < 5s);  // not the 10 s timeout
   CHECK(out[0].members == std::vector<int>{0, 1});
   CHECK(out[1].members == std::vector<int>{0, 1});
   // It wakes and tries to take part: the decision stands, and it is excluded for good.
-  const auto late = agree(job, {2}, o);
+  const auto late = agree_on(job, {2}, o);
   CHECK(late[2].code == ddp::Errc::aborted);
   CHECK(late[2].error.find("this rank was excluded") != std::string::npos);
   CHECK(late[2].error.find("epoch 1 of ranks 0,1") != std::string::npos);
@@ -136,11 +138,11 @@ TEST_CASE("membership agreement: a rank that is silent past wait_for_ranks is le
 }
 
 TEST_CASE("membership agreement: ranks named by ShrinkOptions::exclude are not waited for") {
-  Job job(4);
+  AgreementJob job(4);
   ddp::ShrinkOptions o;
   o.exclude = {1, 3};
   const auto t0 = std::chrono::steady_clock::now();
-  const auto out = agree(job, {0, 2}, o);
+  const auto out = agree_on(job, {0, 2}, o);
   CHECK(std::chrono::steady_clock::now() - t0 < 5s);
   CHECK(out[0].members == std::vector<int>{0, 2});
   CHECK(out[2].members == std::vector<int>{0, 2});
@@ -148,17 +150,17 @@ TEST_CASE("membership agreement: ranks named by ShrinkOptions::exclude are not w
   // Naming itself, or a rank that does not exist, is refused before anything is written.
   ddp::ShrinkOptions self;
   self.exclude = {0};
-  CHECK(agree(job, {0}, self)[0].code == ddp::Errc::invalid_argument);
+  CHECK(agree_on(job, {0}, self)[0].code == ddp::Errc::invalid_argument);
   ddp::ShrinkOptions bad;
   bad.exclude = {7};
-  CHECK(agree(job, {0}, bad)[0].error.find("names rank 7") != std::string::npos);
+  CHECK(agree_on(job, {0}, bad)[0].error.find("names rank 7") != std::string::npos);
 }
 
 TEST_CASE("membership agreement: a member that fails while connecting costs one more round") {
-  Job job(4);
+  AgreementJob job(4);
   job.kill(3);
   // Rank 2 cannot connect the new backend in round 0 (alive still): every member retries.
-  const auto out = agree(job, {0, 1, 2}, {}, [&](int r, int round) {
+  const auto out = agree_on(job, {0, 1, 2}, {}, [&](int r, int round) {
     if (r == 2 && round == 0) return false;
     return true;
   });
@@ -168,9 +170,8 @@ TEST_CASE("membership agreement: a member that fails while connecting costs one 
   CHECK(job.peek("e1/r1/outcome") == "ok");
 
   // The same, with rank 2 dying after its failure: round 1 is formed of the two others.
-  Job again(4);
+  AgreementJob again(4);
   again.kill(3);
-  std::vector<Outcome> out2(4);
   std::thread two([&] {
     CommState& s = *again.ranks[2];
     MembershipChange change(s, 2, 4, {});
@@ -179,7 +180,7 @@ TEST_CASE("membership agreement: a member that fails while connecting costs one 
     (void)change.settle(false);
     again.kill(2);  // its connection closes: "exit/2" for the next round
   });
-  const auto rest = agree(again, {0, 1}, {});
+  const auto rest = agree_on(again, {0, 1}, {});
   two.join();
   CHECK(rest[0].members == std::vector<int>{0, 1});
   CHECK(rest[1].members == std::vector<int>{0, 1});
@@ -188,10 +189,10 @@ TEST_CASE("membership agreement: a member that fails while connecting costs one 
 }
 
 TEST_CASE("membership agreement: a rank whose heartbeat ran out is counted lost, even awake") {
-  Job job(3);
+  AgreementJob job(3);
   ddp::Store(("127.0.0.1"), job.server.port()).set("ddp/0/g/stalled/1", "");
   const auto t0 = std::chrono::steady_clock::now();
-  const auto out = agree(job, {0, 2}, {});
+  const auto out = agree_on(job, {0, 2}, {});
   CHECK(std::chrono::steady_clock::now() - t0 < 5s);  // not waited for
   CHECK(out[0].members == std::vector<int>{0, 2});
   CHECK(out[2].members == std::vector<int>{0, 2});
