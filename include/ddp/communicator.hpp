@@ -29,7 +29,6 @@
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 #include "ddp/backend/collective.hpp"
-#include "ddp/backend/rendezvous.hpp"
 #include "ddp/comm/call.hpp"
 #include "ddp/comm/objects.hpp"
 #include "ddp/comm/recorder.hpp"
@@ -37,6 +36,7 @@
 #include "ddp/detail/lean_std.hpp"
 #include "ddp/environment.hpp"
 #include "ddp/error.hpp"
+#include "ddp/membership/rendezvous.hpp"
 #include "ddp/options.hpp"
 #include "ddp/process_group.hpp"
 #include "ddp/tensor.hpp"
@@ -459,7 +459,7 @@ class Communicator {
   /// Fault tolerance: after a failure (Errc::peer_lost, or a timeout the caller treats as a
   /// loss), the surviving ranks each call shrink() and get a communicator of themselves, ranked
   /// 0..n-1 in the order of their old ranks, at the next membership epoch; its previous_ranks()
-  /// maps them back. The survivors agree through the rendezvous store (comm/membership.hpp):
+  /// maps them back. The survivors agree through the rendezvous store (membership/agreement.hpp):
   /// a rank that died is left out at once, one that neither arrives nor dies within
   /// ShrinkOptions::wait_for_ranks is left out and fenced (on waking, each of its calls fails
   /// with Errc::aborted naming the epoch), and a member that fails while they connect costs one

@@ -5597,8 +5597,8 @@ DDP_END_NAMESPACE
 /// \file
 /// What a communicator holds besides its backend, and the rules around it that do not depend on
 /// the backend (compiled once, not per Communicator<Backend>), one concern per part: its store
-/// connections and the leaving protocol (comm/job_store.hpp), what it knows of its membership
-/// (comm/watch.hpp), the poison that makes every call after a failure fail at once
+/// connections and the leaving protocol (membership/job_store.hpp), what it knows of its membership
+/// (membership/watch.hpp), the poison that makes every call after a failure fail at once
 /// (comm/poison.hpp), the process that made it (comm/owner.hpp); here the executor, the flight
 /// recorder, CUDA staging, and the rules that join the parts (run_poisoning, leaving).
 
@@ -6182,7 +6182,551 @@ int record(F&& fn) {
 
 DDP_END_NAMESPACE
 // end ddp/comm/error_file.hpp
-// begin ddp/comm/job_store.hpp
+// begin ddp/comm/owner.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// detail::OwnerProcess: the process that made a communicator, and the fork() check of every
+/// call (a child shares its parent's peers' shared memory and sockets).
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/fork.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <unistd.h>
+
+#include <cstdint>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+struct OwnerProcess {
+  std::uint64_t fork_generation = detail::fork_generation();  // made in this process
+  int pid = static_cast<int>(::getpid());
+
+  /// Whether this is a fork() child's copy.
+  [[nodiscard]] bool inherited() const noexcept {
+    return detail::fork_generation() != fork_generation;
+  }
+
+  /// The fork() check of every call: a child shares its parent's peers' shared memory and
+  /// sockets, and using them would corrupt the parent's job.
+  void check_process(int rank, const char* what) const;
+};
+
+#if DDP_BODIES
+DDP_INLINE void OwnerProcess::check_process(int rank, const char* what) const {
+  if (inherited()) [[unlikely]] {
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what,
+         ": this communicator was created by process ", pid,
+         " and cannot be used by a child it fork()ed (this is process ", ::getpid(),
+         "): the child would write into the parent's connections and shared memory. Create a "
+         "new communicator in the child (another MASTER_PORT or Options::group), or fork "
+         "before init()");
+  }
+}
+#endif  // DDP_BODIES
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/comm/owner.hpp
+// begin ddp/comm/poison.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// detail::CommPoison: the mark that makes every call on a communicator fail at once after a
+/// failure (the first failure's message, code, origin and lost ranks, read without a lock on every
+/// call), and the membership epoch that replaced the communicator, when another did.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+struct CommPoison {
+  mutable std::mutex poison_mutex;
+  std::string poison;
+  Errc poison_code = Errc::aborted;
+  int poison_origin = -1;             // the first failure's Error::origin_rank()
+  std::vector<int> poison_lost;       // and its lost_ranks()
+  std::atomic<bool> poisoned{false};  // poison is set: read without the lock on every call
+  /// The membership epoch a shrink() or grow() of this communicator formed (0: none): it is
+  /// replaced.
+  std::uint64_t replaced_by = 0;
+
+  /// Marks the communicator failed with `why` (the first failure wins).
+  void poison_with(std::string why, Errc code);
+  /// The same with `e`'s message, code, origin and lost ranks.
+  void poison_with(const Error& e);
+
+  /// The first failure, as an Error (none while the communicator is healthy).
+  [[nodiscard]] std::optional<Error> failure() const;
+
+  /// Fails with Errc::aborted, quoting the first failure, when the communicator is poisoned.
+  void check_poisoned(int rank, const char* name) const;
+
+  [[noreturn, gnu::noinline, gnu::cold]] void fail_poisoned(int rank, const char* name) const {
+    std::lock_guard lock(poison_mutex);
+    if (replaced_by != 0)
+      fail_from(poison_origin, poison_lost, Errc::aborted, "rank ", rank, ": ", name,
+                ": this communicator was replaced by membership epoch ", replaced_by, " (", poison,
+                "): use the communicator that shrink() or grow() returned");
+    fail_from(poison_origin, poison_lost, Errc::aborted, "rank ", rank, ": ", name,
+              ": this communicator failed earlier and cannot be used (", poison,
+              "); the ranks still alive can go on together with shrink(), or make a new "
+              "communicator with Communicator::init");
+  }
+};
+
+#if DDP_BODIES
+DDP_INLINE void CommPoison::poison_with(const Error& e) {
+  std::lock_guard lock(poison_mutex);
+  if (poison.empty()) {
+    poison = e.what();
+    poison_code = e.code();
+    poison_origin = e.origin_rank();
+    poison_lost = e.lost_ranks();
+    poisoned.store(true, std::memory_order_release);
+  }
+}
+
+DDP_INLINE void CommPoison::poison_with(std::string why, Errc code) {
+  std::lock_guard lock(poison_mutex);
+  if (poison.empty()) {
+    poison = std::move(why);
+    poison_code = code;
+    poisoned.store(true, std::memory_order_release);
+  }
+}
+
+DDP_INLINE std::optional<Error> CommPoison::failure() const {
+  std::lock_guard lock(poison_mutex);
+  if (poison.empty()) return std::nullopt;
+  return Error(poison_code, std::string_view{}, poison_origin, poison, poison_lost);
+}
+
+DDP_INLINE void CommPoison::check_poisoned(int rank, const char* name) const {
+  if (poisoned.load(std::memory_order_acquire)) [[unlikely]]
+    fail_poisoned(rank, name);
+}
+#endif  // DDP_BODIES
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/comm/poison.hpp
+// begin ddp/comm/recorder.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The flight recorder: every communicator keeps its most recent operations (op, sequence
+/// number, bytes, state) in a ring of Options::trace_entries records, readable at any time with
+/// Communicator::recent() / trace(), and written out when an operation times out
+/// (Options::trace_dump, $DDP_TRACE_DUMP). Comparing the ranks' records shows which rank fell
+/// behind and where; the timeout message itself already names the ranks that did not arrive.
+/// Reading dumps back and comparing a job's ranks is the tools' part (tools/trace_diagnose.hpp:
+/// the `ddp-trace` tool prints it for a directory of dumps).
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/options.hpp" (already included above)
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// One operation in a communicator's flight recorder.
+struct TraceRecord {
+  /// Where the operation is: waiting behind others, running, finished, or failed.
+  enum class State : std::uint8_t { queued, running, done, failed };
+  std::uint64_t seq = 0;        ///< operations issued on this communicator before this one
+  const char* op = "";          ///< "all_reduce", "broadcast", ...
+  std::size_t bytes = 0;        ///< bytes of this rank's buffer(s)
+  State state = State::queued;  ///< where it was when the record was read
+  std::chrono::steady_clock::time_point issued{};  ///< when it was called (or queued)
+};
+
+/// The state's name: "queued", "running", "done" or "failed".
+[[nodiscard]] constexpr const char* to_string(TraceRecord::State s) noexcept {
+  switch (s) {
+    case TraceRecord::State::queued: return "queued";
+    case TraceRecord::State::running: return "running";
+    case TraceRecord::State::done: return "done";
+    case TraceRecord::State::failed: return "failed";
+  }
+  return "?";
+}
+
+namespace detail {
+
+/// How long a launcher (ddprun, spawn) lets the other workers run after one failed before it
+/// stops them: a second when they write flight recorders ($DDP_TRACE_DUMP), in which they fail on
+/// their own (peers of a failed rank do within milliseconds) and write them; else no time.
+[[nodiscard]] DDP_INLINE std::chrono::milliseconds trace_dump_grace();
+#if DDP_BODIES
+DDP_INLINE std::chrono::milliseconds trace_dump_grace() {
+  return !EnvReader().has("DDP_TRACE_DUMP") ? std::chrono::milliseconds(0)
+                                            : std::chrono::milliseconds(1000);
+}
+#endif  // DDP_BODIES
+
+/// A fixed ring of TraceRecords that costs no lock: issuing an operation is one atomic
+/// increment and a few plain stores, updating its state one store, so the flight recorder stays
+/// on in production. Operations are recorded by the thread that issues them and updated by the
+/// one that runs them; any thread may read (a record being written at that moment is skipped).
+/// Times come from the coarse monotonic clock (a memory read; a few ms resolution, enough for
+/// ages in ms).
+class FlightRecorder {
+ public:
+  using State = TraceRecord::State;
+
+  /// Sets the capacity and forgets every record; not concurrent with the other members.
+  void resize(std::size_t capacity);
+
+  /// Records a new operation and returns its sequence number.
+  std::uint64_t issue(const char* op, std::size_t bytes, State state);
+
+  /// Moves operation `seq` to `state` (unless the ring has overwritten it since).
+  void update(std::uint64_t seq, State state);
+
+  /// The records still held, oldest first.
+  [[nodiscard]] std::vector<TraceRecord> recent() const;
+
+  /// Operations issued so far.
+  [[nodiscard]] std::uint64_t issued() const;
+
+ private:
+  struct Slot {
+    std::atomic<std::uint64_t> version{0};  // 2 seq + 2 when record `seq` is complete
+    std::atomic<const char*> op{""};
+    std::atomic<std::size_t> bytes{0};
+    std::atomic<State> state{State::queued};
+    std::atomic<std::int64_t> issued_ns{0};
+  };
+
+  /// steady_clock's clock (CLOCK_MONOTONIC), read at its coarse resolution.
+  static std::int64_t coarse_now_ns() noexcept;
+
+  std::unique_ptr<Slot[]> slots_;
+  std::size_t mask_ = 0;
+  std::size_t capacity_ = 0;  // records kept (recent() returns at most this many)
+  std::atomic<std::uint64_t> next_{0};
+};
+
+#if DDP_BODIES
+DDP_INLINE void FlightRecorder::resize(std::size_t capacity) {
+  // Slots for a power of two at least `capacity`: a slot is found with a mask, not a division
+  // (a 64-bit division costs more than the rest of recording an operation).
+  std::size_t slots = capacity != 0 ? 1 : 0;
+  while (slots < capacity) slots <<= 1;
+  slots_ = slots != 0 ? std::make_unique<Slot[]>(slots) : nullptr;
+  mask_ = slots - 1;
+  capacity_ = capacity;
+  next_.store(0, std::memory_order_relaxed);
+}
+
+DDP_INLINE std::uint64_t FlightRecorder::issue(const char* op, std::size_t bytes, State state) {
+  const std::uint64_t seq = next_.fetch_add(1, std::memory_order_relaxed);
+  if (capacity_ == 0) return seq;
+  Slot& s = slots_[seq & mask_];
+  // A seqlock without fences (ThreadSanitizer does not model them): the fields are release
+  // stores after the odd version, so a reader that sees any of them sees the version change.
+  s.version.store(2 * seq + 1, std::memory_order_relaxed);  // odd: being written
+  s.op.store(op, std::memory_order_release);
+  s.bytes.store(bytes, std::memory_order_release);
+  s.state.store(state, std::memory_order_release);
+  s.issued_ns.store(coarse_now_ns(), std::memory_order_release);
+  s.version.store(2 * seq + 2, std::memory_order_release);
+  return seq;
+}
+
+DDP_INLINE void FlightRecorder::update(std::uint64_t seq, State state) {
+  if (capacity_ == 0) return;
+  Slot& s = slots_[seq & mask_];
+  if (s.version.load(std::memory_order_relaxed) == 2 * seq + 2)
+    s.state.store(state, std::memory_order_release);
+}
+
+DDP_INLINE std::vector<TraceRecord> FlightRecorder::recent() const {
+  std::vector<TraceRecord> out;
+  const std::uint64_t next = next_.load(std::memory_order_acquire);
+  const std::uint64_t n = std::min<std::uint64_t>(next, capacity_);
+  out.reserve(static_cast<std::size_t>(n));
+  for (std::uint64_t seq = next - n; seq < next; ++seq) {
+    const Slot& s = slots_[seq & mask_];
+    const std::uint64_t v = s.version.load(std::memory_order_acquire);
+    if (v != 2 * seq + 2) continue;  // being written, or already overwritten
+    TraceRecord r;
+    r.seq = seq;
+    r.op = s.op.load(std::memory_order_acquire);
+    r.bytes = s.bytes.load(std::memory_order_acquire);
+    r.state = s.state.load(std::memory_order_acquire);
+    r.issued = std::chrono::steady_clock::time_point(
+        std::chrono::nanoseconds(s.issued_ns.load(std::memory_order_acquire)));
+    if (s.version.load(std::memory_order_relaxed) == v) out.push_back(r);
+  }
+  return out;
+}
+
+DDP_INLINE std::uint64_t FlightRecorder::issued() const {
+  return next_.load(std::memory_order_acquire);
+}
+
+DDP_INLINE std::int64_t FlightRecorder::coarse_now_ns() noexcept {
+  timespec ts{};
+  if (::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts) != 0) {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  return std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
+#endif  // DDP_BODIES
+
+/// The recorder's contents as text: a header line, then one line per record, oldest first.
+[[nodiscard]] DDP_INLINE std::string format_trace(const std::vector<TraceRecord>& records,
+                                                  std::uint64_t issued, int rank, int size,
+                                                  std::string_view group, std::string_view why);
+#if DDP_BODIES
+DDP_INLINE std::string format_trace(const std::vector<TraceRecord>& records, std::uint64_t issued,
+                                    int rank, int size, std::string_view group,
+                                    std::string_view why) {
+  const auto now = std::chrono::steady_clock::now();
+  std::string out = concat("ddp flight recorder: rank ", rank, " of ", size, ", group \"", group,
+                           "\", the last ", records.size(), " of ", issued, " operations");
+  if (!why.empty()) out += concat(", dumped because: ", why);
+  // The op column fits the longest name (all_reduce_coalesced, 20 characters).
+  out += "\n       seq  op                           bytes  state    age (ms)\n";
+  for (const auto& r : records) {
+    const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(now - r.issued).count();
+    char line[160];
+    std::snprintf(line, sizeof line, "%10llu  %-22s %12llu  %-7s %9lld\n",
+                  static_cast<unsigned long long>(r.seq), r.op,
+                  static_cast<unsigned long long>(r.bytes), to_string(r.state),
+                  static_cast<long long>(age));
+    out += line;
+  }
+  return out;
+}
+#endif  // DDP_BODIES
+
+/// Writes a dump where Options::trace_dump (or $DDP_TRACE_DUMP) says: "stderr", or a directory
+/// that receives ddp-trace-<group>-rank<r>.txt. Never throws (it runs while an error propagates).
+DDP_INLINE void dump_trace(const std::string& where, const std::string& text,
+                           std::string_view group, int rank) noexcept;
+#if DDP_BODIES
+DDP_INLINE void dump_trace(const std::string& where, const std::string& text,
+                           std::string_view group, int rank) noexcept {
+  try {
+    if (where == "stderr" || where == "-") {
+      std::fwrite(text.data(), 1, text.size(), stderr);
+      return;
+    }
+    std::string name(group);
+    for (char& ch : name) {
+      const bool plain = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+                         (ch >= '0' && ch <= '9') || ch == '-' || ch == '_' || ch == '.';
+      if (!plain) ch = '_';
+    }
+    // The directory is made if missing (and its parents), as `mkdir -p` would.
+    for (std::size_t at = where.find('/', 1); at != std::string::npos; at = where.find('/', at + 1))
+      (void)::mkdir(where.substr(0, at).c_str(), 0777);
+    (void)::mkdir(where.c_str(), 0777);
+    const std::string path = concat(where, "/ddp-trace-", name, "-rank", rank, ".txt");
+    // Never through a link, never waiting on a FIFO someone put there (O_NONBLOCK: opening one
+    // without a reader fails at once), never anything but a regular file.
+    const int fd = ::open(path.c_str(),
+                          O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
+    const char* why = fd < 0 ? std::strerror(errno) : nullptr;
+    struct stat st {};
+    std::FILE* f = nullptr;
+    if (fd >= 0 && ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) f = ::fdopen(fd, "w");
+    if (f == nullptr && fd >= 0) {
+      ::close(fd);
+      why = "something other than a regular file is there";
+    }
+    if (f != nullptr) {
+      std::fwrite(text.data(), 1, text.size(), f);
+      std::fclose(f);
+      std::fprintf(stderr, "[ddp] rank %d: flight recorder written to %s\n", rank, path.c_str());
+    } else {
+      // Not lost: the dump goes to stderr instead, after the reason.
+      std::fprintf(stderr,
+                   "[ddp] rank %d: cannot write the flight recorder to %s: %s; here it is\n", rank,
+                   path.c_str(), why);
+      std::fwrite(text.data(), 1, text.size(), stderr);
+    }
+  } catch (...) {
+  }
+}
+#endif  // DDP_BODIES
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/comm/recorder.hpp
+// begin ddp/comm/staging.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Staging: how a backend that moves host memory only (backend::Host, a non-CUDA-aware
+/// backend::Mpi) runs a collective on device buffers. Each device buffer is copied into host
+/// staging memory, the backend works there, and results are copied back.
+///
+/// Elementwise collectives (all_reduce, broadcast, reduce) give the same result piece by piece,
+/// so they run as a pipeline over fixed-size pieces in three rotating staging slots: while the
+/// backend works on piece k, piece k+1 is copied in and piece k-1 copied out. Every piece carries
+/// the whole buffer's count in its fingerprint (Buf::whole), so ranks that disagree on the size
+/// fail on the first piece. Other collectives stage each buffer whole.
+///
+/// The copies are a `StagingCopier` (ddp::detail::CudaStager with pinned memory and CUDA
+/// streams; the unit tests use plain memcpy), so this file has no device dependency.
+
+// #include "ddp/backend/collective.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <algorithm>
+#include <array>
+#include <concepts>
+#include <cstddef>
+#include <tuple>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// The copies staging needs. Slots are independent staging areas; a slot is only resized or
+/// reused after its copies were waited for.
+template <class C>
+concept StagingCopier = requires(C& c, int slot, std::byte* p, const std::byte* q, std::size_t n,
+                                 void* stream) {
+  { c.slot(slot, n) } -> std::same_as<std::byte*>;  // host memory of at least n bytes
+  c.after(stream);         // later copies (both ways) start after the work queued on `stream`
+  c.fetch(slot, p, q, n);  // device q -> host p, asynchronously
+  c.wait_fetch(slot);      // the slot's last fetch has landed
+  c.store(slot, p, q, n);  // host q -> device p, asynchronously
+  c.wait_store(slot);      // the slot's last store has landed (no-op when none is pending)
+};
+
+/// Staging slots 0..2 rotate through the pieces of an elementwise collective; whole-buffer
+/// staging uses slots 3 and 4.
+inline constexpr int staging_pipeline_slots = 3;
+inline constexpr int staging_whole_slot = 3;
+
+/// Runs op(host piece) over `dev` in pieces of at most `piece_bytes`, copying each piece in first
+/// when `fetch` and back afterwards when `store`; returns when every store has landed. Always
+/// calls op at least once (an empty collective still synchronizes the ranks). Every store has
+/// landed when this returns, so later work on any stream sees the results.
+template <StagingCopier C, class Op>
+void stage_elementwise(C& c, const Buf& dev, bool fetch, bool store, std::size_t piece_bytes,
+                       Op&& op) {
+  const std::size_t elem = dev.elem();
+  const std::size_t per = std::max<std::size_t>(1, piece_bytes / elem);
+  const std::size_t pieces = std::max<std::size_t>(1, (dev.count + per - 1) / per);
+  const auto length = [&](std::size_t k) { return std::min(per, dev.count - k * per); };
+  const std::size_t slot_bytes = std::min(per, dev.count) * elem;  // piece 0 is the longest
+  const auto host = [&](std::size_t k) {
+    return c.slot(static_cast<int>(k % staging_pipeline_slots), slot_bytes);
+  };
+  c.after(dev.stream);
+  if (fetch && dev.count != 0) {
+    c.fetch(0, host(0), dev.at(0), length(0) * elem);
+  }
+  for (std::size_t k = 0; k < pieces; ++k) {
+    const int slot = static_cast<int>(k % staging_pipeline_slots);
+    if (fetch && k + 1 < pieces) {  // bring the next piece in while this one is worked on
+      const int next = static_cast<int>((k + 1) % staging_pipeline_slots);
+      c.wait_store(next);
+      c.fetch(next, host(k + 1), dev.at((k + 1) * per), length(k + 1) * elem);
+    }
+    const std::size_t n = dev.count == 0 ? 0 : length(k);
+    std::byte* h = n == 0 ? nullptr : host(k);
+    if (fetch && n != 0) c.wait_fetch(slot);
+    if (!fetch && n != 0) c.wait_store(slot);  // store-only: the slot's previous store is done
+    op(Buf{h, n, dev.dtype, Device::cpu(), nullptr, dev.count});
+    if (store && n != 0) c.store(slot, dev.at(k * per), h, n * elem);
+  }
+  for (int s = 0; s < staging_pipeline_slots; ++s) c.wait_store(s);
+}
+
+/// A buffer of a non-elementwise collective and what the collective does with it.
+struct StagedArg {
+  Buf buf;
+  bool fetch = false;  // the collective reads it
+  bool store = false;  // the collective writes it
+};
+
+/// Runs op(host buffers...) with every device buffer among `args` staged whole: copied in when
+/// read, copied back when written. Host buffers and empty ones pass through.
+template <StagingCopier C, class Op, std::size_t N>
+void stage_whole(C& c, std::array<StagedArg, N> args, Op&& op) {
+  std::array<Buf, N> host{};
+  std::array<bool, N> moved{};
+  for (std::size_t i = 0; i < N; ++i) {
+    const Buf& b = args[i].buf;
+    host[i] = b;
+    if (b.device.is_cpu() || b.data == nullptr || b.count == 0) continue;
+    const int slot = staging_whole_slot + static_cast<int>(i);
+    host[i] = Buf{c.slot(slot, b.bytes()), b.count, b.dtype, Device::cpu(), nullptr};
+    moved[i] = true;
+    c.after(b.stream);  // read or overwritten: after the work that uses it now
+    if (args[i].fetch) c.fetch(slot, host[i].data, b.data, b.bytes());
+  }
+  for (std::size_t i = 0; i < N; ++i) {
+    if (moved[i] && args[i].fetch) c.wait_fetch(staging_whole_slot + static_cast<int>(i));
+  }
+  std::apply([&](const auto&... h) { op(h...); }, host);
+  for (std::size_t i = 0; i < N; ++i) {
+    if (moved[i] && args[i].store) {
+      const int slot = staging_whole_slot + static_cast<int>(i);
+      c.store(slot, args[i].buf.data, host[i].data, args[i].buf.bytes());
+    }
+  }
+  for (std::size_t i = 0; i < N; ++i) {
+    if (moved[i] && args[i].store) c.wait_store(staging_whole_slot + static_cast<int>(i));
+  }
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/comm/staging.hpp
+// #include "ddp/detail/lean_std.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// begin ddp/membership/job_store.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -6196,273 +6740,8 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-// begin ddp/backend/rendezvous.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// The first steps of every communicator's rendezvous, before the backend connects:
-///  * each rank claims its rank number in the store (compare-and-set), so a second process
-///    started with the same RANK is refused at once and told who holds it;
-///  * each rank publishes the job as it sees it (world size, backend, library version,
-///    fingerprint check) and checks every other rank's record against its own, so ranks that
-///    were started differently fail together with Errc::mismatch instead of running with
-///    different views of the job (and different results).
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/detail/bytes.hpp" (already included above)
-// #include "ddp/detail/crypto.hpp" (already included above)
-// #include "ddp/detail/lean_std.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/store/client.hpp" (already included above)
-// #include "ddp/version.hpp" (already included above)
-
-#include <fcntl.h>
-#include <unistd.h>
-
-#include <algorithm>
-#include <charconv>
-#include <cstdint>
-#include <string>
-#include <string_view>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-/// Fails with Errc::mismatch unless every rank's `values[j]` equals this rank's, naming the ranks
-/// that differ and their values: "rank 0: the ranks disagree on WHAT: this rank has A, rank 1 has
-/// B; FIX".
-DDP_INLINE void require_agreement(int rank, std::string_view what, std::string_view fix,
-                                  const std::vector<std::string>& values);
-#if DDP_BODIES
-DDP_INLINE void require_agreement(int rank, std::string_view what, std::string_view fix,
-                                  const std::vector<std::string>& values) {
-  const std::string& mine = values.at(static_cast<std::size_t>(rank));
-  std::string others;
-  int n = 0;
-  for (std::size_t j = 0; j < values.size(); ++j) {
-    if (values[j] == mine) continue;
-    if (n < 4) others += concat(", rank ", j, " has ", values[j]);
-    ++n;
-  }
-  if (n == 0) return;
-  if (n > 4) others += concat(" (and ", n - 4, " more ranks differ)");
-  fail(Errc::mismatch, "rank ", rank, ": the ranks disagree on ", what, ": this rank has ", mine,
-       others, "; ", fix);
-}
-#endif  // DDP_BODIES
-
-/// The rendezvous timeout, naming the ranks whose `prefix<j>` key never appeared.
-[[noreturn]] DDP_INLINE void fail_missing_ranks(int rank, int size,
-                                                std::chrono::milliseconds timeout,
-                                                const std::vector<std::string>& missing,
-                                                std::size_t prefix_len);
-#if DDP_BODIES
-DDP_INLINE void fail_missing_ranks(int rank, int size, std::chrono::milliseconds timeout,
-                                   const std::vector<std::string>& missing,
-                                   std::size_t prefix_len) {
-  std::string who;
-  for (const auto& k : missing) who += concat(who.empty() ? "" : ", ", k.substr(prefix_len));
-  fail(Errc::timeout, "rank ", rank, ": rendezvous timed out after ", timeout.count(),
-       " ms: ", size - static_cast<int>(missing.size()), "/", size, " ranks joined; missing rank",
-       missing.size() == 1 ? " " : "s ", who,
-       ". Check that every rank was started with the same MASTER_ADDR, MASTER_PORT and "
-       "WORLD_SIZE");
-}
-#endif  // DDP_BODIES
-
-/// Waits up to `timeout` for `prefix<j>` of every rank j and returns their values; a timeout
-/// names the ranks that are missing.
-[[nodiscard]] DDP_INLINE std::vector<std::string> gather_records(Store& store,
-                                                                 std::string_view prefix, int rank,
-                                                                 int size,
-                                                                 std::chrono::milliseconds timeout);
-#if DDP_BODIES
-DDP_INLINE std::vector<std::string> gather_records(Store& store, std::string_view prefix, int rank,
-                                                   int size, std::chrono::milliseconds timeout) {
-  std::vector<std::string> keys;
-  for (int j = 0; j < size; ++j) keys.push_back(concat(prefix, j));
-  if (auto missing = store.missing_after(keys, timeout); !missing.empty())
-    fail_missing_ranks(rank, size, timeout, missing, prefix.size());
-  std::vector<std::string> values;
-  for (const auto& k : keys) values.push_back(store.get(k));
-  return values;
-}
-#endif  // DDP_BODIES
-
-/// What a rank believes about its job; every rank must believe the same.
-struct JobView {
-  int world_size = 1;
-  std::string backend;
-  bool verify_collectives = true;
-  std::int64_t heartbeat_ms = 0;  ///< Options::heartbeat (0: none)
-};
-
-/// Who this process is, as another process would be told ("pid 123 on host node7").
-[[nodiscard]] DDP_INLINE std::string process_label();
-#if DDP_BODIES
-DDP_INLINE std::string process_label() {
-  char name[256] = {};
-  (void)::gethostname(name, sizeof name - 1);
-  return concat("pid ", ::getpid(), " on host ", name);
-}
-#endif  // DDP_BODIES
-
-/// Process `pid`'s start time (clock ticks after boot, /proc/PID/stat field 22); "" when it is
-/// gone or has ended (a zombie its parent has not reaped yet).
-[[nodiscard]] DDP_INLINE std::string process_start(int pid);
-#if DDP_BODIES
-DDP_INLINE std::string process_start(int pid) {
-  const std::string path = concat("/proc/", pid, "/stat");
-  std::string stat(1024, '\0');
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  const ssize_t n = fd < 0 ? 0 : ::read(fd, stat.data(), stat.size());
-  if (fd >= 0) ::close(fd);
-  if (n <= 0) return {};
-  stat.resize(static_cast<std::size_t>(n));
-  std::size_t at = stat.rfind(')');  // the name may hold spaces
-  if (at == std::string::npos || at + 2 >= stat.size() || stat[at + 2] == 'Z' ||
-      stat[at + 2] == 'X')
-    return {};
-  for (int field = 2; field < 22 && at != std::string::npos; ++field) at = stat.find(' ', at + 1);
-  if (at == std::string::npos) return {};
-  return stat.substr(at + 1, stat.find(' ', at + 1) - at - 1);
-}
-#endif  // DDP_BODIES
-
-/// This process as another process on the same machine can find it: host name, boot id and pid
-/// namespace, then pid and start time ("host|boot|pidns pid start").
-[[nodiscard]] DDP_INLINE std::string process_identity();
-#if DDP_BODIES
-DDP_INLINE std::string process_identity() {
-  char name[256] = {};
-  (void)::gethostname(name, sizeof name - 1);
-  const auto first_line = [](const char* path) {
-    std::string text(256, '\0');
-    const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
-    const ssize_t n = fd < 0 ? 0 : ::read(fd, text.data(), text.size());
-    if (fd >= 0) ::close(fd);
-    text.resize(n > 0 ? static_cast<std::size_t>(n) : 0);
-    return text.substr(0, text.find('\n'));
-  };
-  char ns[128] = {};
-  (void)!::readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
-  return concat(name, "|", first_line("/proc/sys/kernel/random/boot_id"), "|", ns, " ", ::getpid(),
-                " ", process_start(::getpid()));
-}
-#endif  // DDP_BODIES
-
-/// Whether the process `identity` (process_identity()) ran on this machine, in this pid
-/// namespace, and has ended: certain evidence of a death, without waiting for a lease.
-[[nodiscard]] DDP_INLINE bool ended_here(std::string_view identity);
-#if DDP_BODIES
-DDP_INLINE bool ended_here(std::string_view identity) {
-  const std::string mine = process_identity();
-  const std::size_t a = identity.find(' '), b = mine.find(' ');
-  if (a == std::string_view::npos || identity.substr(0, a) != std::string_view(mine).substr(0, b))
-    return false;
-  const std::string_view rest = identity.substr(a + 1);
-  const std::size_t sp = rest.find(' ');
-  int pid = 0;
-  if (sp == std::string_view::npos ||
-      std::from_chars(rest.data(), rest.data() + sp, pid).ec != std::errc{} || pid <= 0)
-    return false;
-  return process_start(pid) != rest.substr(sp + 1);
-}
-#endif  // DDP_BODIES
-
-/// Claims `rank` in the store: fails with Errc::invalid_argument, naming the process that holds
-/// it, when another process claimed it first. Returns normally once the rank is this process's.
-DDP_INLINE void claim_rank(Store& store, int rank, std::string_view group);
-#if DDP_BODIES
-DDP_INLINE void claim_rank(Store& store, int rank, std::string_view group) {
-  const std::string me =
-      concat(process_label(), " [", random_value<std::uint64_t>(), "]");  // unique per claim
-  const std::string held = store.compare_set(concat("claim/", rank), "", me);
-  if (held == me) return;
-  const std::string who = held.substr(0, held.find(" ["));
-  int pid = 0;
-  const bool here = who.ends_with(process_label().substr(process_label().find(" on host")));
-  if (here && std::from_chars(who.data() + 4, who.data() + who.size(), pid).ec == std::errc{} &&
-      pid > 0 && process_start(pid).empty())
-    fail(Errc::invalid_argument, "rank ", rank, ": rank ", rank, " of group \"", group,
-         "\" was claimed by ", who,
-         ", which has ended: the store holds an earlier run's keys (with an etcd store, give "
-         "each run its own namespace, DDP_STORE=etcd://.../NAME, or --rdzv-id; an ended run's "
-         "keys vanish a minute after its last process)");
-  fail(Errc::invalid_argument, "rank ", rank, ": rank ", rank, " of group \"", group,
-       "\" is already taken by ", who, "; this process (", process_label(),
-       ") was started with the same RANK. Give every process its own RANK (0..WORLD_SIZE-1)");
-}
-#endif  // DDP_BODIES
-
-/// Publishes this rank's view of the job and checks it against every rank's (see the file
-/// comment). Errc::mismatch names the ranks that differ and both values. `widest` is set to the
-/// largest world size any rank claimed (before a mismatch is thrown): the store's host waits for
-/// that many ranks to read the failure before it stops serving.
-DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
-                             std::chrono::milliseconds timeout, int& widest);
-#if DDP_BODIES
-DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
-                             std::chrono::milliseconds timeout, int& widest) {
-  std::string rec;
-  ByteWriter w(rec);
-  w.str(DDP_VERSION_STRING);
-  w.put(static_cast<std::uint32_t>(job.world_size));
-  w.str(job.backend);
-  w.put(static_cast<std::uint8_t>(job.verify_collectives ? 1 : 0));
-  w.put(job.heartbeat_ms);
-  store.set(concat("job/", rank), rec);
-  std::vector<std::string> versions, worlds, backends, verify, heartbeats;
-  for (const auto& r : gather_records(store, "job/", rank, job.world_size, timeout)) {
-    ByteReader rd(r, "job record");
-    versions.push_back(rd.str(64));
-    const auto ws = rd.get<std::uint32_t>();
-    worlds.push_back(std::to_string(ws));
-    if (ws <= 1u << 20) widest = std::max(widest, static_cast<int>(ws));
-    backends.push_back(rd.str(64));
-    verify.push_back(rd.get<std::uint8_t>() != 0 ? "on" : "off");
-    const auto hb = rd.get<std::int64_t>();
-    heartbeats.push_back(hb > 0 ? concat(hb, " ms") : std::string("none"));
-  }
-  require_agreement(rank, "the world size",
-                    "start every rank with the same WORLD_SIZE (if the others are another job's "
-                    "processes, give each job its own MASTER_PORT)",
-                    worlds);
-  require_agreement(rank, "the ddp version", "build every rank against the same ddp", versions);
-  require_agreement(rank, "the backend", "every rank must create the same Communicator<Backend>",
-                    backends);
-  require_agreement(rank, "Options::verify_collectives (DDP_VERIFY_COLLECTIVES)",
-                    "every rank must use the same setting", verify);
-  require_agreement(rank, "Options::heartbeat (DDP_HEARTBEAT)",
-                    "every rank must use the same heartbeat (a rank that waits longer than the "
-                    "others sign would count them lost, or they it)",
-                    heartbeats);
-}
-#endif  // DDP_BODIES
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/backend/rendezvous.hpp
-// begin ddp/comm/store_location.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Where a job's rendezvous store is: in an etcd cluster (Options::store, DDP_STORE:
-/// open_etcd_store), or rank 0 hosts it on the first free port of its candidates (host_store)
-/// and the other ranks find the one that names their job (find_store); the messages say which
-/// variable chose the port.
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
 // #include "ddp/detail/env.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/detail/socket.hpp" (already included above)
 // begin ddp/environment.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -6754,6 +7033,276 @@ inline Environment Environment::detect() {
 
 DDP_END_NAMESPACE
 // end ddp/environment.hpp
+// #include "ddp/error.hpp" (already included above)
+// begin ddp/membership/rendezvous.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The first steps of every communicator's rendezvous, before the backend connects:
+///  * each rank claims its rank number in the store (compare-and-set), so a second process
+///    started with the same RANK is refused at once and told who holds it;
+///  * each rank publishes the job as it sees it (world size, backend, library version,
+///    fingerprint check) and checks every other rank's record against its own, so ranks that
+///    were started differently fail together with Errc::mismatch instead of running with
+///    different views of the job (and different results).
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/bytes.hpp" (already included above)
+// #include "ddp/detail/crypto.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/store/client.hpp" (already included above)
+// #include "ddp/version.hpp" (already included above)
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// Fails with Errc::mismatch unless every rank's `values[j]` equals this rank's, naming the ranks
+/// that differ and their values: "rank 0: the ranks disagree on WHAT: this rank has A, rank 1 has
+/// B; FIX".
+DDP_INLINE void require_agreement(int rank, std::string_view what, std::string_view fix,
+                                  const std::vector<std::string>& values);
+#if DDP_BODIES
+DDP_INLINE void require_agreement(int rank, std::string_view what, std::string_view fix,
+                                  const std::vector<std::string>& values) {
+  const std::string& mine = values.at(static_cast<std::size_t>(rank));
+  std::string others;
+  int n = 0;
+  for (std::size_t j = 0; j < values.size(); ++j) {
+    if (values[j] == mine) continue;
+    if (n < 4) others += concat(", rank ", j, " has ", values[j]);
+    ++n;
+  }
+  if (n == 0) return;
+  if (n > 4) others += concat(" (and ", n - 4, " more ranks differ)");
+  fail(Errc::mismatch, "rank ", rank, ": the ranks disagree on ", what, ": this rank has ", mine,
+       others, "; ", fix);
+}
+#endif  // DDP_BODIES
+
+/// The rendezvous timeout, naming the ranks whose `prefix<j>` key never appeared.
+[[noreturn]] DDP_INLINE void fail_missing_ranks(int rank, int size,
+                                                std::chrono::milliseconds timeout,
+                                                const std::vector<std::string>& missing,
+                                                std::size_t prefix_len);
+#if DDP_BODIES
+DDP_INLINE void fail_missing_ranks(int rank, int size, std::chrono::milliseconds timeout,
+                                   const std::vector<std::string>& missing,
+                                   std::size_t prefix_len) {
+  std::string who;
+  for (const auto& k : missing) who += concat(who.empty() ? "" : ", ", k.substr(prefix_len));
+  fail(Errc::timeout, "rank ", rank, ": rendezvous timed out after ", timeout.count(),
+       " ms: ", size - static_cast<int>(missing.size()), "/", size, " ranks joined; missing rank",
+       missing.size() == 1 ? " " : "s ", who,
+       ". Check that every rank was started with the same MASTER_ADDR, MASTER_PORT and "
+       "WORLD_SIZE");
+}
+#endif  // DDP_BODIES
+
+/// Waits up to `timeout` for `prefix<j>` of every rank j and returns their values; a timeout
+/// names the ranks that are missing.
+[[nodiscard]] DDP_INLINE std::vector<std::string> gather_records(Store& store,
+                                                                 std::string_view prefix, int rank,
+                                                                 int size,
+                                                                 std::chrono::milliseconds timeout);
+#if DDP_BODIES
+DDP_INLINE std::vector<std::string> gather_records(Store& store, std::string_view prefix, int rank,
+                                                   int size, std::chrono::milliseconds timeout) {
+  std::vector<std::string> keys;
+  for (int j = 0; j < size; ++j) keys.push_back(concat(prefix, j));
+  if (auto missing = store.missing_after(keys, timeout); !missing.empty())
+    fail_missing_ranks(rank, size, timeout, missing, prefix.size());
+  std::vector<std::string> values;
+  for (const auto& k : keys) values.push_back(store.get(k));
+  return values;
+}
+#endif  // DDP_BODIES
+
+/// What a rank believes about its job; every rank must believe the same.
+struct JobView {
+  int world_size = 1;
+  std::string backend;
+  bool verify_collectives = true;
+  std::int64_t heartbeat_ms = 0;  ///< Options::heartbeat (0: none)
+};
+
+/// Who this process is, as another process would be told ("pid 123 on host node7").
+[[nodiscard]] DDP_INLINE std::string process_label();
+#if DDP_BODIES
+DDP_INLINE std::string process_label() {
+  char name[256] = {};
+  (void)::gethostname(name, sizeof name - 1);
+  return concat("pid ", ::getpid(), " on host ", name);
+}
+#endif  // DDP_BODIES
+
+/// Process `pid`'s start time (clock ticks after boot, /proc/PID/stat field 22); "" when it is
+/// gone or has ended (a zombie its parent has not reaped yet).
+[[nodiscard]] DDP_INLINE std::string process_start(int pid);
+#if DDP_BODIES
+DDP_INLINE std::string process_start(int pid) {
+  const std::string path = concat("/proc/", pid, "/stat");
+  std::string stat(1024, '\0');
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const ssize_t n = fd < 0 ? 0 : ::read(fd, stat.data(), stat.size());
+  if (fd >= 0) ::close(fd);
+  if (n <= 0) return {};
+  stat.resize(static_cast<std::size_t>(n));
+  std::size_t at = stat.rfind(')');  // the name may hold spaces
+  if (at == std::string::npos || at + 2 >= stat.size() || stat[at + 2] == 'Z' ||
+      stat[at + 2] == 'X')
+    return {};
+  for (int field = 2; field < 22 && at != std::string::npos; ++field) at = stat.find(' ', at + 1);
+  if (at == std::string::npos) return {};
+  return stat.substr(at + 1, stat.find(' ', at + 1) - at - 1);
+}
+#endif  // DDP_BODIES
+
+/// This process as another process on the same machine can find it: host name, boot id and pid
+/// namespace, then pid and start time ("host|boot|pidns pid start").
+[[nodiscard]] DDP_INLINE std::string process_identity();
+#if DDP_BODIES
+DDP_INLINE std::string process_identity() {
+  char name[256] = {};
+  (void)::gethostname(name, sizeof name - 1);
+  const auto first_line = [](const char* path) {
+    std::string text(256, '\0');
+    const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+    const ssize_t n = fd < 0 ? 0 : ::read(fd, text.data(), text.size());
+    if (fd >= 0) ::close(fd);
+    text.resize(n > 0 ? static_cast<std::size_t>(n) : 0);
+    return text.substr(0, text.find('\n'));
+  };
+  char ns[128] = {};
+  (void)!::readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
+  return concat(name, "|", first_line("/proc/sys/kernel/random/boot_id"), "|", ns, " ", ::getpid(),
+                " ", process_start(::getpid()));
+}
+#endif  // DDP_BODIES
+
+/// Whether the process `identity` (process_identity()) ran on this machine, in this pid
+/// namespace, and has ended: certain evidence of a death, without waiting for a lease.
+[[nodiscard]] DDP_INLINE bool ended_here(std::string_view identity);
+#if DDP_BODIES
+DDP_INLINE bool ended_here(std::string_view identity) {
+  const std::string mine = process_identity();
+  const std::size_t a = identity.find(' '), b = mine.find(' ');
+  if (a == std::string_view::npos || identity.substr(0, a) != std::string_view(mine).substr(0, b))
+    return false;
+  const std::string_view rest = identity.substr(a + 1);
+  const std::size_t sp = rest.find(' ');
+  int pid = 0;
+  if (sp == std::string_view::npos ||
+      std::from_chars(rest.data(), rest.data() + sp, pid).ec != std::errc{} || pid <= 0)
+    return false;
+  return process_start(pid) != rest.substr(sp + 1);
+}
+#endif  // DDP_BODIES
+
+/// Claims `rank` in the store: fails with Errc::invalid_argument, naming the process that holds
+/// it, when another process claimed it first. Returns normally once the rank is this process's.
+DDP_INLINE void claim_rank(Store& store, int rank, std::string_view group);
+#if DDP_BODIES
+DDP_INLINE void claim_rank(Store& store, int rank, std::string_view group) {
+  const std::string me =
+      concat(process_label(), " [", random_value<std::uint64_t>(), "]");  // unique per claim
+  const std::string held = store.compare_set(concat("claim/", rank), "", me);
+  if (held == me) return;
+  const std::string who = held.substr(0, held.find(" ["));
+  int pid = 0;
+  const bool here = who.ends_with(process_label().substr(process_label().find(" on host")));
+  if (here && std::from_chars(who.data() + 4, who.data() + who.size(), pid).ec == std::errc{} &&
+      pid > 0 && process_start(pid).empty())
+    fail(Errc::invalid_argument, "rank ", rank, ": rank ", rank, " of group \"", group,
+         "\" was claimed by ", who,
+         ", which has ended: the store holds an earlier run's keys (with an etcd store, give "
+         "each run its own namespace, DDP_STORE=etcd://.../NAME, or --rdzv-id; an ended run's "
+         "keys vanish a minute after its last process)");
+  fail(Errc::invalid_argument, "rank ", rank, ": rank ", rank, " of group \"", group,
+       "\" is already taken by ", who, "; this process (", process_label(),
+       ") was started with the same RANK. Give every process its own RANK (0..WORLD_SIZE-1)");
+}
+#endif  // DDP_BODIES
+
+/// Publishes this rank's view of the job and checks it against every rank's (see the file
+/// comment). Errc::mismatch names the ranks that differ and both values. `widest` is set to the
+/// largest world size any rank claimed (before a mismatch is thrown): the store's host waits for
+/// that many ranks to read the failure before it stops serving.
+DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
+                             std::chrono::milliseconds timeout, int& widest);
+#if DDP_BODIES
+DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
+                             std::chrono::milliseconds timeout, int& widest) {
+  std::string rec;
+  ByteWriter w(rec);
+  w.str(DDP_VERSION_STRING);
+  w.put(static_cast<std::uint32_t>(job.world_size));
+  w.str(job.backend);
+  w.put(static_cast<std::uint8_t>(job.verify_collectives ? 1 : 0));
+  w.put(job.heartbeat_ms);
+  store.set(concat("job/", rank), rec);
+  std::vector<std::string> versions, worlds, backends, verify, heartbeats;
+  for (const auto& r : gather_records(store, "job/", rank, job.world_size, timeout)) {
+    ByteReader rd(r, "job record");
+    versions.push_back(rd.str(64));
+    const auto ws = rd.get<std::uint32_t>();
+    worlds.push_back(std::to_string(ws));
+    if (ws <= 1u << 20) widest = std::max(widest, static_cast<int>(ws));
+    backends.push_back(rd.str(64));
+    verify.push_back(rd.get<std::uint8_t>() != 0 ? "on" : "off");
+    const auto hb = rd.get<std::int64_t>();
+    heartbeats.push_back(hb > 0 ? concat(hb, " ms") : std::string("none"));
+  }
+  require_agreement(rank, "the world size",
+                    "start every rank with the same WORLD_SIZE (if the others are another job's "
+                    "processes, give each job its own MASTER_PORT)",
+                    worlds);
+  require_agreement(rank, "the ddp version", "build every rank against the same ddp", versions);
+  require_agreement(rank, "the backend", "every rank must create the same Communicator<Backend>",
+                    backends);
+  require_agreement(rank, "Options::verify_collectives (DDP_VERIFY_COLLECTIVES)",
+                    "every rank must use the same setting", verify);
+  require_agreement(rank, "Options::heartbeat (DDP_HEARTBEAT)",
+                    "every rank must use the same heartbeat (a rank that waits longer than the "
+                    "others sign would count them lost, or they it)",
+                    heartbeats);
+}
+#endif  // DDP_BODIES
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/membership/rendezvous.hpp
+// begin ddp/membership/store_location.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Where a job's rendezvous store is: in an etcd cluster (Options::store, DDP_STORE:
+/// open_etcd_store), or rank 0 hosts it on the first free port of its candidates (host_store)
+/// and the other ranks find the one that names their job (find_store); the messages say which
+/// variable chose the port.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/env.hpp" (already included above)
+// #include "ddp/detail/socket.hpp" (already included above)
+// #include "ddp/environment.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 // begin ddp/store/etcd.hpp
@@ -8811,12 +9360,7 @@ DDP_INLINE std::shared_ptr<Store> open_etcd_store(const std::string& url, int ra
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/comm/store_location.hpp
-// #include "ddp/detail/env.hpp" (already included above)
-// #include "ddp/detail/lean_std.hpp" (already included above)
-// #include "ddp/detail/socket.hpp" (already included above)
-// #include "ddp/environment.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
+// end ddp/membership/store_location.hpp
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 // #include "ddp/store/server.hpp" (already included above)
@@ -9077,550 +9621,8 @@ DDP_INLINE void JobStore::linger_after_failed_rendezvous(Store& plain,
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/comm/job_store.hpp
-// begin ddp/comm/owner.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// detail::OwnerProcess: the process that made a communicator, and the fork() check of every
-/// call (a child shares its parent's peers' shared memory and sockets).
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/detail/fork.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-
-#include <unistd.h>
-
-#include <cstdint>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-struct OwnerProcess {
-  std::uint64_t fork_generation = detail::fork_generation();  // made in this process
-  int pid = static_cast<int>(::getpid());
-
-  /// Whether this is a fork() child's copy.
-  [[nodiscard]] bool inherited() const noexcept {
-    return detail::fork_generation() != fork_generation;
-  }
-
-  /// The fork() check of every call: a child shares its parent's peers' shared memory and
-  /// sockets, and using them would corrupt the parent's job.
-  void check_process(int rank, const char* what) const;
-};
-
-#if DDP_BODIES
-DDP_INLINE void OwnerProcess::check_process(int rank, const char* what) const {
-  if (inherited()) [[unlikely]] {
-    fail(Errc::invalid_argument, "rank ", rank, ": ", what,
-         ": this communicator was created by process ", pid,
-         " and cannot be used by a child it fork()ed (this is process ", ::getpid(),
-         "): the child would write into the parent's connections and shared memory. Create a "
-         "new communicator in the child (another MASTER_PORT or Options::group), or fork "
-         "before init()");
-  }
-}
-#endif  // DDP_BODIES
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/comm/owner.hpp
-// begin ddp/comm/poison.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// detail::CommPoison: the mark that makes every call on a communicator fail at once after a
-/// failure (the first failure's message, code, origin and lost ranks, read without a lock on every
-/// call), and the membership epoch that replaced the communicator, when another did.
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/error.hpp" (already included above)
-
-#include <atomic>
-#include <cstdint>
-#include <mutex>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-struct CommPoison {
-  mutable std::mutex poison_mutex;
-  std::string poison;
-  Errc poison_code = Errc::aborted;
-  int poison_origin = -1;             // the first failure's Error::origin_rank()
-  std::vector<int> poison_lost;       // and its lost_ranks()
-  std::atomic<bool> poisoned{false};  // poison is set: read without the lock on every call
-  /// The membership epoch a shrink() or grow() of this communicator formed (0: none): it is
-  /// replaced.
-  std::uint64_t replaced_by = 0;
-
-  /// Marks the communicator failed with `why` (the first failure wins).
-  void poison_with(std::string why, Errc code);
-  /// The same with `e`'s message, code, origin and lost ranks.
-  void poison_with(const Error& e);
-
-  /// The first failure, as an Error (none while the communicator is healthy).
-  [[nodiscard]] std::optional<Error> failure() const;
-
-  /// Fails with Errc::aborted, quoting the first failure, when the communicator is poisoned.
-  void check_poisoned(int rank, const char* name) const;
-
-  [[noreturn, gnu::noinline, gnu::cold]] void fail_poisoned(int rank, const char* name) const {
-    std::lock_guard lock(poison_mutex);
-    if (replaced_by != 0)
-      fail_from(poison_origin, poison_lost, Errc::aborted, "rank ", rank, ": ", name,
-                ": this communicator was replaced by membership epoch ", replaced_by, " (", poison,
-                "): use the communicator that shrink() or grow() returned");
-    fail_from(poison_origin, poison_lost, Errc::aborted, "rank ", rank, ": ", name,
-              ": this communicator failed earlier and cannot be used (", poison,
-              "); the ranks still alive can go on together with shrink(), or make a new "
-              "communicator with Communicator::init");
-  }
-};
-
-#if DDP_BODIES
-DDP_INLINE void CommPoison::poison_with(const Error& e) {
-  std::lock_guard lock(poison_mutex);
-  if (poison.empty()) {
-    poison = e.what();
-    poison_code = e.code();
-    poison_origin = e.origin_rank();
-    poison_lost = e.lost_ranks();
-    poisoned.store(true, std::memory_order_release);
-  }
-}
-
-DDP_INLINE void CommPoison::poison_with(std::string why, Errc code) {
-  std::lock_guard lock(poison_mutex);
-  if (poison.empty()) {
-    poison = std::move(why);
-    poison_code = code;
-    poisoned.store(true, std::memory_order_release);
-  }
-}
-
-DDP_INLINE std::optional<Error> CommPoison::failure() const {
-  std::lock_guard lock(poison_mutex);
-  if (poison.empty()) return std::nullopt;
-  return Error(poison_code, std::string_view{}, poison_origin, poison, poison_lost);
-}
-
-DDP_INLINE void CommPoison::check_poisoned(int rank, const char* name) const {
-  if (poisoned.load(std::memory_order_acquire)) [[unlikely]]
-    fail_poisoned(rank, name);
-}
-#endif  // DDP_BODIES
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/comm/poison.hpp
-// begin ddp/comm/recorder.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// The flight recorder: every communicator keeps its most recent operations (op, sequence
-/// number, bytes, state) in a ring of Options::trace_entries records, readable at any time with
-/// Communicator::recent() / trace(), and written out when an operation times out
-/// (Options::trace_dump, $DDP_TRACE_DUMP). Comparing the ranks' records shows which rank fell
-/// behind and where; the timeout message itself already names the ranks that did not arrive.
-/// Reading dumps back and comparing a job's ranks is the tools' part (tools/trace_diagnose.hpp:
-/// the `ddp-trace` tool prints it for a directory of dumps).
-
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/detail/lean_std.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/options.hpp" (already included above)
-
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <time.h>
-#include <unistd.h>
-
-#include <algorithm>
-#include <atomic>
-#include <cerrno>
-#include <cstddef>
-#include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <memory>
-#include <string>
-#include <string_view>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-/// One operation in a communicator's flight recorder.
-struct TraceRecord {
-  /// Where the operation is: waiting behind others, running, finished, or failed.
-  enum class State : std::uint8_t { queued, running, done, failed };
-  std::uint64_t seq = 0;        ///< operations issued on this communicator before this one
-  const char* op = "";          ///< "all_reduce", "broadcast", ...
-  std::size_t bytes = 0;        ///< bytes of this rank's buffer(s)
-  State state = State::queued;  ///< where it was when the record was read
-  std::chrono::steady_clock::time_point issued{};  ///< when it was called (or queued)
-};
-
-/// The state's name: "queued", "running", "done" or "failed".
-[[nodiscard]] constexpr const char* to_string(TraceRecord::State s) noexcept {
-  switch (s) {
-    case TraceRecord::State::queued: return "queued";
-    case TraceRecord::State::running: return "running";
-    case TraceRecord::State::done: return "done";
-    case TraceRecord::State::failed: return "failed";
-  }
-  return "?";
-}
-
-namespace detail {
-
-/// How long a launcher (ddprun, spawn) lets the other workers run after one failed before it
-/// stops them: a second when they write flight recorders ($DDP_TRACE_DUMP), in which they fail on
-/// their own (peers of a failed rank do within milliseconds) and write them; else no time.
-[[nodiscard]] DDP_INLINE std::chrono::milliseconds trace_dump_grace();
-#if DDP_BODIES
-DDP_INLINE std::chrono::milliseconds trace_dump_grace() {
-  return !EnvReader().has("DDP_TRACE_DUMP") ? std::chrono::milliseconds(0)
-                                            : std::chrono::milliseconds(1000);
-}
-#endif  // DDP_BODIES
-
-/// A fixed ring of TraceRecords that costs no lock: issuing an operation is one atomic
-/// increment and a few plain stores, updating its state one store, so the flight recorder stays
-/// on in production. Operations are recorded by the thread that issues them and updated by the
-/// one that runs them; any thread may read (a record being written at that moment is skipped).
-/// Times come from the coarse monotonic clock (a memory read; a few ms resolution, enough for
-/// ages in ms).
-class FlightRecorder {
- public:
-  using State = TraceRecord::State;
-
-  /// Sets the capacity and forgets every record; not concurrent with the other members.
-  void resize(std::size_t capacity);
-
-  /// Records a new operation and returns its sequence number.
-  std::uint64_t issue(const char* op, std::size_t bytes, State state);
-
-  /// Moves operation `seq` to `state` (unless the ring has overwritten it since).
-  void update(std::uint64_t seq, State state);
-
-  /// The records still held, oldest first.
-  [[nodiscard]] std::vector<TraceRecord> recent() const;
-
-  /// Operations issued so far.
-  [[nodiscard]] std::uint64_t issued() const;
-
- private:
-  struct Slot {
-    std::atomic<std::uint64_t> version{0};  // 2 seq + 2 when record `seq` is complete
-    std::atomic<const char*> op{""};
-    std::atomic<std::size_t> bytes{0};
-    std::atomic<State> state{State::queued};
-    std::atomic<std::int64_t> issued_ns{0};
-  };
-
-  /// steady_clock's clock (CLOCK_MONOTONIC), read at its coarse resolution.
-  static std::int64_t coarse_now_ns() noexcept;
-
-  std::unique_ptr<Slot[]> slots_;
-  std::size_t mask_ = 0;
-  std::size_t capacity_ = 0;  // records kept (recent() returns at most this many)
-  std::atomic<std::uint64_t> next_{0};
-};
-
-#if DDP_BODIES
-DDP_INLINE void FlightRecorder::resize(std::size_t capacity) {
-  // Slots for a power of two at least `capacity`: a slot is found with a mask, not a division
-  // (a 64-bit division costs more than the rest of recording an operation).
-  std::size_t slots = capacity != 0 ? 1 : 0;
-  while (slots < capacity) slots <<= 1;
-  slots_ = slots != 0 ? std::make_unique<Slot[]>(slots) : nullptr;
-  mask_ = slots - 1;
-  capacity_ = capacity;
-  next_.store(0, std::memory_order_relaxed);
-}
-
-DDP_INLINE std::uint64_t FlightRecorder::issue(const char* op, std::size_t bytes, State state) {
-  const std::uint64_t seq = next_.fetch_add(1, std::memory_order_relaxed);
-  if (capacity_ == 0) return seq;
-  Slot& s = slots_[seq & mask_];
-  // A seqlock without fences (ThreadSanitizer does not model them): the fields are release
-  // stores after the odd version, so a reader that sees any of them sees the version change.
-  s.version.store(2 * seq + 1, std::memory_order_relaxed);  // odd: being written
-  s.op.store(op, std::memory_order_release);
-  s.bytes.store(bytes, std::memory_order_release);
-  s.state.store(state, std::memory_order_release);
-  s.issued_ns.store(coarse_now_ns(), std::memory_order_release);
-  s.version.store(2 * seq + 2, std::memory_order_release);
-  return seq;
-}
-
-DDP_INLINE void FlightRecorder::update(std::uint64_t seq, State state) {
-  if (capacity_ == 0) return;
-  Slot& s = slots_[seq & mask_];
-  if (s.version.load(std::memory_order_relaxed) == 2 * seq + 2)
-    s.state.store(state, std::memory_order_release);
-}
-
-DDP_INLINE std::vector<TraceRecord> FlightRecorder::recent() const {
-  std::vector<TraceRecord> out;
-  const std::uint64_t next = next_.load(std::memory_order_acquire);
-  const std::uint64_t n = std::min<std::uint64_t>(next, capacity_);
-  out.reserve(static_cast<std::size_t>(n));
-  for (std::uint64_t seq = next - n; seq < next; ++seq) {
-    const Slot& s = slots_[seq & mask_];
-    const std::uint64_t v = s.version.load(std::memory_order_acquire);
-    if (v != 2 * seq + 2) continue;  // being written, or already overwritten
-    TraceRecord r;
-    r.seq = seq;
-    r.op = s.op.load(std::memory_order_acquire);
-    r.bytes = s.bytes.load(std::memory_order_acquire);
-    r.state = s.state.load(std::memory_order_acquire);
-    r.issued = std::chrono::steady_clock::time_point(
-        std::chrono::nanoseconds(s.issued_ns.load(std::memory_order_acquire)));
-    if (s.version.load(std::memory_order_relaxed) == v) out.push_back(r);
-  }
-  return out;
-}
-
-DDP_INLINE std::uint64_t FlightRecorder::issued() const {
-  return next_.load(std::memory_order_acquire);
-}
-
-DDP_INLINE std::int64_t FlightRecorder::coarse_now_ns() noexcept {
-  timespec ts{};
-  if (::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts) != 0) {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-  }
-  return std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
-}
-#endif  // DDP_BODIES
-
-/// The recorder's contents as text: a header line, then one line per record, oldest first.
-[[nodiscard]] DDP_INLINE std::string format_trace(const std::vector<TraceRecord>& records,
-                                                  std::uint64_t issued, int rank, int size,
-                                                  std::string_view group, std::string_view why);
-#if DDP_BODIES
-DDP_INLINE std::string format_trace(const std::vector<TraceRecord>& records, std::uint64_t issued,
-                                    int rank, int size, std::string_view group,
-                                    std::string_view why) {
-  const auto now = std::chrono::steady_clock::now();
-  std::string out = concat("ddp flight recorder: rank ", rank, " of ", size, ", group \"", group,
-                           "\", the last ", records.size(), " of ", issued, " operations");
-  if (!why.empty()) out += concat(", dumped because: ", why);
-  // The op column fits the longest name (all_reduce_coalesced, 20 characters).
-  out += "\n       seq  op                           bytes  state    age (ms)\n";
-  for (const auto& r : records) {
-    const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(now - r.issued).count();
-    char line[160];
-    std::snprintf(line, sizeof line, "%10llu  %-22s %12llu  %-7s %9lld\n",
-                  static_cast<unsigned long long>(r.seq), r.op,
-                  static_cast<unsigned long long>(r.bytes), to_string(r.state),
-                  static_cast<long long>(age));
-    out += line;
-  }
-  return out;
-}
-#endif  // DDP_BODIES
-
-/// Writes a dump where Options::trace_dump (or $DDP_TRACE_DUMP) says: "stderr", or a directory
-/// that receives ddp-trace-<group>-rank<r>.txt. Never throws (it runs while an error propagates).
-DDP_INLINE void dump_trace(const std::string& where, const std::string& text,
-                           std::string_view group, int rank) noexcept;
-#if DDP_BODIES
-DDP_INLINE void dump_trace(const std::string& where, const std::string& text,
-                           std::string_view group, int rank) noexcept {
-  try {
-    if (where == "stderr" || where == "-") {
-      std::fwrite(text.data(), 1, text.size(), stderr);
-      return;
-    }
-    std::string name(group);
-    for (char& ch : name) {
-      const bool plain = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
-                         (ch >= '0' && ch <= '9') || ch == '-' || ch == '_' || ch == '.';
-      if (!plain) ch = '_';
-    }
-    // The directory is made if missing (and its parents), as `mkdir -p` would.
-    for (std::size_t at = where.find('/', 1); at != std::string::npos; at = where.find('/', at + 1))
-      (void)::mkdir(where.substr(0, at).c_str(), 0777);
-    (void)::mkdir(where.c_str(), 0777);
-    const std::string path = concat(where, "/ddp-trace-", name, "-rank", rank, ".txt");
-    // Never through a link, never waiting on a FIFO someone put there (O_NONBLOCK: opening one
-    // without a reader fails at once), never anything but a regular file.
-    const int fd = ::open(path.c_str(),
-                          O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
-    const char* why = fd < 0 ? std::strerror(errno) : nullptr;
-    struct stat st {};
-    std::FILE* f = nullptr;
-    if (fd >= 0 && ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) f = ::fdopen(fd, "w");
-    if (f == nullptr && fd >= 0) {
-      ::close(fd);
-      why = "something other than a regular file is there";
-    }
-    if (f != nullptr) {
-      std::fwrite(text.data(), 1, text.size(), f);
-      std::fclose(f);
-      std::fprintf(stderr, "[ddp] rank %d: flight recorder written to %s\n", rank, path.c_str());
-    } else {
-      // Not lost: the dump goes to stderr instead, after the reason.
-      std::fprintf(stderr,
-                   "[ddp] rank %d: cannot write the flight recorder to %s: %s; here it is\n", rank,
-                   path.c_str(), why);
-      std::fwrite(text.data(), 1, text.size(), stderr);
-    }
-  } catch (...) {
-  }
-}
-#endif  // DDP_BODIES
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/comm/recorder.hpp
-// begin ddp/comm/staging.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Staging: how a backend that moves host memory only (backend::Host, a non-CUDA-aware
-/// backend::Mpi) runs a collective on device buffers. Each device buffer is copied into host
-/// staging memory, the backend works there, and results are copied back.
-///
-/// Elementwise collectives (all_reduce, broadcast, reduce) give the same result piece by piece,
-/// so they run as a pipeline over fixed-size pieces in three rotating staging slots: while the
-/// backend works on piece k, piece k+1 is copied in and piece k-1 copied out. Every piece carries
-/// the whole buffer's count in its fingerprint (Buf::whole), so ranks that disagree on the size
-/// fail on the first piece. Other collectives stage each buffer whole.
-///
-/// The copies are a `StagingCopier` (ddp::detail::CudaStager with pinned memory and CUDA
-/// streams; the unit tests use plain memcpy), so this file has no device dependency.
-
-// #include "ddp/backend/collective.hpp" (already included above)
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
-
-#include <algorithm>
-#include <array>
-#include <concepts>
-#include <cstddef>
-#include <tuple>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-/// The copies staging needs. Slots are independent staging areas; a slot is only resized or
-/// reused after its copies were waited for.
-template <class C>
-concept StagingCopier = requires(C& c, int slot, std::byte* p, const std::byte* q, std::size_t n,
-                                 void* stream) {
-  { c.slot(slot, n) } -> std::same_as<std::byte*>;  // host memory of at least n bytes
-  c.after(stream);         // later copies (both ways) start after the work queued on `stream`
-  c.fetch(slot, p, q, n);  // device q -> host p, asynchronously
-  c.wait_fetch(slot);      // the slot's last fetch has landed
-  c.store(slot, p, q, n);  // host q -> device p, asynchronously
-  c.wait_store(slot);      // the slot's last store has landed (no-op when none is pending)
-};
-
-/// Staging slots 0..2 rotate through the pieces of an elementwise collective; whole-buffer
-/// staging uses slots 3 and 4.
-inline constexpr int staging_pipeline_slots = 3;
-inline constexpr int staging_whole_slot = 3;
-
-/// Runs op(host piece) over `dev` in pieces of at most `piece_bytes`, copying each piece in first
-/// when `fetch` and back afterwards when `store`; returns when every store has landed. Always
-/// calls op at least once (an empty collective still synchronizes the ranks). Every store has
-/// landed when this returns, so later work on any stream sees the results.
-template <StagingCopier C, class Op>
-void stage_elementwise(C& c, const Buf& dev, bool fetch, bool store, std::size_t piece_bytes,
-                       Op&& op) {
-  const std::size_t elem = dev.elem();
-  const std::size_t per = std::max<std::size_t>(1, piece_bytes / elem);
-  const std::size_t pieces = std::max<std::size_t>(1, (dev.count + per - 1) / per);
-  const auto length = [&](std::size_t k) { return std::min(per, dev.count - k * per); };
-  const std::size_t slot_bytes = std::min(per, dev.count) * elem;  // piece 0 is the longest
-  const auto host = [&](std::size_t k) {
-    return c.slot(static_cast<int>(k % staging_pipeline_slots), slot_bytes);
-  };
-  c.after(dev.stream);
-  if (fetch && dev.count != 0) {
-    c.fetch(0, host(0), dev.at(0), length(0) * elem);
-  }
-  for (std::size_t k = 0; k < pieces; ++k) {
-    const int slot = static_cast<int>(k % staging_pipeline_slots);
-    if (fetch && k + 1 < pieces) {  // bring the next piece in while this one is worked on
-      const int next = static_cast<int>((k + 1) % staging_pipeline_slots);
-      c.wait_store(next);
-      c.fetch(next, host(k + 1), dev.at((k + 1) * per), length(k + 1) * elem);
-    }
-    const std::size_t n = dev.count == 0 ? 0 : length(k);
-    std::byte* h = n == 0 ? nullptr : host(k);
-    if (fetch && n != 0) c.wait_fetch(slot);
-    if (!fetch && n != 0) c.wait_store(slot);  // store-only: the slot's previous store is done
-    op(Buf{h, n, dev.dtype, Device::cpu(), nullptr, dev.count});
-    if (store && n != 0) c.store(slot, dev.at(k * per), h, n * elem);
-  }
-  for (int s = 0; s < staging_pipeline_slots; ++s) c.wait_store(s);
-}
-
-/// A buffer of a non-elementwise collective and what the collective does with it.
-struct StagedArg {
-  Buf buf;
-  bool fetch = false;  // the collective reads it
-  bool store = false;  // the collective writes it
-};
-
-/// Runs op(host buffers...) with every device buffer among `args` staged whole: copied in when
-/// read, copied back when written. Host buffers and empty ones pass through.
-template <StagingCopier C, class Op, std::size_t N>
-void stage_whole(C& c, std::array<StagedArg, N> args, Op&& op) {
-  std::array<Buf, N> host{};
-  std::array<bool, N> moved{};
-  for (std::size_t i = 0; i < N; ++i) {
-    const Buf& b = args[i].buf;
-    host[i] = b;
-    if (b.device.is_cpu() || b.data == nullptr || b.count == 0) continue;
-    const int slot = staging_whole_slot + static_cast<int>(i);
-    host[i] = Buf{c.slot(slot, b.bytes()), b.count, b.dtype, Device::cpu(), nullptr};
-    moved[i] = true;
-    c.after(b.stream);  // read or overwritten: after the work that uses it now
-    if (args[i].fetch) c.fetch(slot, host[i].data, b.data, b.bytes());
-  }
-  for (std::size_t i = 0; i < N; ++i) {
-    if (moved[i] && args[i].fetch) c.wait_fetch(staging_whole_slot + static_cast<int>(i));
-  }
-  std::apply([&](const auto&... h) { op(h...); }, host);
-  for (std::size_t i = 0; i < N; ++i) {
-    if (moved[i] && args[i].store) {
-      const int slot = staging_whole_slot + static_cast<int>(i);
-      c.store(slot, args[i].buf.data, host[i].data, args[i].buf.bytes());
-    }
-  }
-  for (std::size_t i = 0; i < N; ++i) {
-    if (moved[i] && args[i].store) c.wait_store(staging_whole_slot + static_cast<int>(i));
-  }
-}
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/comm/staging.hpp
-// begin ddp/comm/watch.hpp
+// end ddp/membership/job_store.hpp
+// begin ddp/membership/watch.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -9634,10 +9636,10 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-// #include "ddp/backend/rendezvous.hpp" (already included above)
-// #include "ddp/comm/job_store.hpp" (already included above)
 // #include "ddp/detail/bytes.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
+// #include "ddp/membership/job_store.hpp" (already included above)
+// #include "ddp/membership/rendezvous.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 
 #include <time.h>
@@ -9805,9 +9807,7 @@ DDP_INLINE std::string MembershipWatch::peek_membership(const char* key) const {
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/comm/watch.hpp
-// #include "ddp/detail/lean_std.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
+// end ddp/membership/watch.hpp
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 // begin ddp/work.hpp
@@ -11220,7 +11220,45 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-// begin ddp/comm/growth.hpp
+// #include "ddp/comm/state.hpp" (already included above)
+// #include "ddp/detail/env.hpp" (already included above)
+// #include "ddp/environment.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// begin ddp/membership/agreement.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// How the survivors of a failure agree on who is alive and form a communicator of themselves
+/// (Communicator::shrink), over the rendezvous store. The store is the one place every rank
+/// reads alike, so each decision is one compare-and-set there: the first proposal wins and every
+/// rank follows it, whoever made it.
+///
+/// Round k of forming membership epoch E (keys under the communicator's base prefix,
+/// "e<E>/r<k>/"):
+///  1. each survivor says it is alive ("alive/<old rank>"), then waits until every candidate
+///     (round 0: every rank; later rounds: the previous round's members) has either said so or
+///     is known dead ("exit/<old rank>" of the old communicator, which the store writes when a
+///     process's connection closes), or until ShrinkOptions::wait_for_ranks has passed;
+///  2. it proposes the candidates that said they are alive; "members" takes the first proposal;
+///     a rank left out fails with Errc::aborted (it is fenced: a stopped rank that wakes up;
+///     its old communicator was poisoned by the caller, Communicator::shrink, when it began);
+///  3. the members connect a new backend under "e<E>/r<k>/comm/", ranks renumbered densely in
+///     the order of their old ranks; a member that dies meanwhile fails the others at once (its
+///     connection's on-close record sets that communicator's "failed" key);
+///  4. each member says whether it connected ("ready/<old rank>"); "outcome" takes the first
+///     verdict: "ok" once every member is ready, "retry" once one has failed or died. On
+///     "retry" the survivors go to round k + 1, so a second failure during the agreement costs
+///     one more round, never a split.
+/// Once formed, "superseded" of the old communicator names the new epoch and its members: a
+/// fenced rank that later calls the old communicator reads it and fails naming the epoch.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+// begin ddp/membership/growth.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -11251,8 +11289,8 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-// #include "ddp/comm/state.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
+// #include "ddp/membership/watch.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 
@@ -11443,10 +11481,10 @@ DDP_INLINE bool job_ended(Store& job, int claim, int world_size) {
 
 /// Rank 0 of the members: answers the requests that arrived since the last growth of `old`
 /// (this process's communicator, of `size` ranks) and writes the decision of epoch `epoch`.
-DDP_INLINE Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
+DDP_INLINE Growth decide_growth(MembershipWatch& old, Store& base, std::uint64_t epoch,
                                 const std::string& ticket);
 #if DDP_BODIES
-DDP_INLINE Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
+DDP_INLINE Growth decide_growth(MembershipWatch& old, Store& base, std::uint64_t epoch,
                                 const std::string& ticket) {
   Growth g;
   g.upto = base.add("join/next", 0);
@@ -11525,11 +11563,11 @@ DDP_INLINE Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch
 #endif  // DDP_BODIES
 
 /// The other members: rank 0's decision of epoch `epoch` (rank 0 dying fails it at once).
-DDP_INLINE Growth await_growth(const CommState& old, Store& base, std::uint64_t epoch, int rank,
-                               Clock::time_point deadline);
+DDP_INLINE Growth await_growth(const MembershipWatch& old, Store& base, std::uint64_t epoch,
+                               int rank, Clock::time_point deadline);
 #if DDP_BODIES
-DDP_INLINE Growth await_growth(const CommState& old, Store& base, std::uint64_t epoch, int rank,
-                               Clock::time_point deadline) {
+DDP_INLINE Growth await_growth(const MembershipWatch& old, Store& base, std::uint64_t epoch,
+                               int rank, Clock::time_point deadline) {
   const std::string key[] = {
       growth_key(epoch, old.joins_seen, concat("decision.", old.grow_calls))};
   while (!base.check(key)) {
@@ -11648,42 +11686,8 @@ DDP_INLINE std::string JoinRequest::await(Clock::time_point deadline) {
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/comm/growth.hpp
-// begin ddp/comm/membership.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// How the survivors of a failure agree on who is alive and form a communicator of themselves
-/// (Communicator::shrink), over the rendezvous store. The store is the one place every rank
-/// reads alike, so each decision is one compare-and-set there: the first proposal wins and every
-/// rank follows it, whoever made it.
-///
-/// Round k of forming membership epoch E (keys under the communicator's base prefix,
-/// "e<E>/r<k>/"):
-///  1. each survivor says it is alive ("alive/<old rank>"), then waits until every candidate
-///     (round 0: every rank; later rounds: the previous round's members) has either said so or
-///     is known dead ("exit/<old rank>" of the old communicator, which the store writes when a
-///     process's connection closes), or until ShrinkOptions::wait_for_ranks has passed;
-///  2. it proposes the candidates that said they are alive; "members" takes the first proposal;
-///     a rank left out fails with Errc::aborted (it is fenced: a stopped rank that wakes up);
-///  3. the members connect a new backend under "e<E>/r<k>/comm/", ranks renumbered densely in
-///     the order of their old ranks; a member that dies meanwhile fails the others at once (its
-///     connection's on-close record sets that communicator's "failed" key);
-///  4. each member says whether it connected ("ready/<old rank>"); "outcome" takes the first
-///     verdict: "ok" once every member is ready, "retry" once one has failed or died. On
-///     "retry" the survivors go to round k + 1, so a second failure during the agreement costs
-///     one more round, never a split.
-/// Once formed, "superseded" of the old communicator names the new epoch and its members: a
-/// fenced rank that later calls the old communicator reads it and fails naming the epoch.
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/comm/growth.hpp" (already included above)
-// #include "ddp/comm/state.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
+// end ddp/membership/growth.hpp
+// #include "ddp/membership/watch.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 
@@ -11712,7 +11716,7 @@ inline void (*&shrink_phase_hook() noexcept)(const char*) {
 /// One membership change of communicator `old` (see the file comment).
 class MembershipChange {
  public:
-  MembershipChange(CommState& old, int old_rank, int old_size, const ShrinkOptions& o);
+  MembershipChange(MembershipWatch& old, int old_rank, int old_size, const ShrinkOptions& o);
 
   [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_; }
 
@@ -11776,7 +11780,7 @@ class MembershipChange {
     }
   }
 
-  CommState& old_;
+  MembershipWatch& old_;
   int me_;
   int size_;
   std::uint64_t epoch_;
@@ -11788,7 +11792,7 @@ class MembershipChange {
 };
 
 #if DDP_BODIES
-DDP_INLINE MembershipChange::MembershipChange(CommState& old, int old_rank, int old_size,
+DDP_INLINE MembershipChange::MembershipChange(MembershipWatch& old, int old_rank, int old_size,
                                               const ShrinkOptions& o)
     : old_(old), me_(old_rank), size_(old_size), epoch_(old.epoch + 1) {
   if (!old.root_store)
@@ -11970,18 +11974,14 @@ DDP_INLINE void MembershipChange::excluded(const std::string& why) {
       concat("rank ", me_, ": shrink: this rank was excluded: ", why,
              "; it can never act on this communicator again: restart the process (it may "
              "rejoin the job as a new rank)");
-  old_.poison_with(msg, Errc::aborted);
   fail(Errc::aborted, msg);
 }
 #endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/comm/membership.hpp
-// #include "ddp/comm/state.hpp" (already included above)
-// #include "ddp/detail/env.hpp" (already included above)
-// #include "ddp/environment.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
+// end ddp/membership/agreement.hpp
+// #include "ddp/membership/growth.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 
@@ -12213,7 +12213,7 @@ std::shared_ptr<State> shrink_backend(State& old, int rank) {
 
 /// Communicator::shrink on a backend that does not shrink itself: agree with the other
 /// survivors of `old` (this rank `rank` of `size`) on the members of the next membership epoch
-/// (comm/membership.hpp), connect them, and return the new communicator's state; another
+/// (membership/agreement.hpp), connect them, and return the new communicator's state; another
 /// round when a member fails or dies meanwhile. Fails with Errc::aborted when this rank is left
 /// out.
 template <class State>
@@ -12304,7 +12304,7 @@ void connect_grown(State& sub, const std::string& base, std::uint64_t epoch, con
 }
 
 /// Communicator::grow: the members of `old` (this rank `rank` of `size`) admit the processes
-/// waiting to enter (comm/growth.hpp) and connect with them; nullptr when none was admitted
+/// waiting to enter (membership/growth.hpp) and connect with them; nullptr when none was admitted
 /// (`old` goes on). A failure leaves `old` usable: shrink() it.
 template <class State>
 std::shared_ptr<State> grow_state(State& old, int rank, const GrowOptions& o) {
@@ -12625,7 +12625,6 @@ DDP_END_NAMESPACE
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 // #include "ddp/backend/collective.hpp" (already included above)
-// #include "ddp/backend/rendezvous.hpp" (already included above)
 // #include "ddp/comm/call.hpp" (already included above)
 // begin ddp/comm/objects.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -13139,6 +13138,7 @@ DDP_END_NAMESPACE
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/environment.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
+// #include "ddp/membership/rendezvous.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/process_group.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
@@ -13561,7 +13561,7 @@ class Communicator {
   /// Fault tolerance: after a failure (Errc::peer_lost, or a timeout the caller treats as a
   /// loss), the surviving ranks each call shrink() and get a communicator of themselves, ranked
   /// 0..n-1 in the order of their old ranks, at the next membership epoch; its previous_ranks()
-  /// maps them back. The survivors agree through the rendezvous store (comm/membership.hpp):
+  /// maps them back. The survivors agree through the rendezvous store (membership/agreement.hpp):
   /// a rank that died is left out at once, one that neither arrives nor dies within
   /// ShrinkOptions::wait_for_ranks is left out and fenced (on waking, each of its calls fails
   /// with Errc::aborted naming the epoch), and a member that fails while they connect costs one
@@ -16613,13 +16613,13 @@ DDP_INLINE void TcpTransport::flush_headers() {
 DDP_END_NAMESPACE
 // end ddp/backend/host/tcp.hpp
 // #include "ddp/backend/host/transport.hpp" (already included above)
-// #include "ddp/backend/rendezvous.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/detail/bytes.hpp" (already included above)
 // #include "ddp/detail/crypto.hpp" (already included above)
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/detail/socket.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
+// #include "ddp/membership/rendezvous.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 

@@ -13,12 +13,12 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-#include "ddp/comm/growth.hpp"
-#include "ddp/comm/membership.hpp"
 #include "ddp/comm/state.hpp"
 #include "ddp/detail/env.hpp"
 #include "ddp/environment.hpp"
 #include "ddp/error.hpp"
+#include "ddp/membership/agreement.hpp"
+#include "ddp/membership/growth.hpp"
 #include "ddp/options.hpp"
 #include "ddp/store/client.hpp"
 
@@ -250,7 +250,7 @@ std::shared_ptr<State> shrink_backend(State& old, int rank) {
 
 /// Communicator::shrink on a backend that does not shrink itself: agree with the other
 /// survivors of `old` (this rank `rank` of `size`) on the members of the next membership epoch
-/// (comm/membership.hpp), connect them, and return the new communicator's state; another
+/// (membership/agreement.hpp), connect them, and return the new communicator's state; another
 /// round when a member fails or dies meanwhile. Fails with Errc::aborted when this rank is left
 /// out.
 template <class State>
@@ -341,7 +341,7 @@ void connect_grown(State& sub, const std::string& base, std::uint64_t epoch, con
 }
 
 /// Communicator::grow: the members of `old` (this rank `rank` of `size`) admit the processes
-/// waiting to enter (comm/growth.hpp) and connect with them; nullptr when none was admitted
+/// waiting to enter (membership/growth.hpp) and connect with them; nullptr when none was admitted
 /// (`old` goes on). A failure leaves `old` usable: shrink() it.
 template <class State>
 std::shared_ptr<State> grow_state(State& old, int rank, const GrowOptions& o) {

@@ -5,8 +5,8 @@
 /// \file
 /// What a communicator holds besides its backend, and the rules around it that do not depend on
 /// the backend (compiled once, not per Communicator<Backend>), one concern per part: its store
-/// connections and the leaving protocol (comm/job_store.hpp), what it knows of its membership
-/// (comm/watch.hpp), the poison that makes every call after a failure fail at once
+/// connections and the leaving protocol (membership/job_store.hpp), what it knows of its membership
+/// (membership/watch.hpp), the poison that makes every call after a failure fail at once
 /// (comm/poison.hpp), the process that made it (comm/owner.hpp); here the executor, the flight
 /// recorder, CUDA staging, and the rules that join the parts (run_poisoning, leaving).
 
@@ -16,14 +16,14 @@
 #endif
 #include "ddp/backend/monitored_barrier.hpp"
 #include "ddp/comm/error_file.hpp"
-#include "ddp/comm/job_store.hpp"
 #include "ddp/comm/owner.hpp"
 #include "ddp/comm/poison.hpp"
 #include "ddp/comm/recorder.hpp"
 #include "ddp/comm/staging.hpp"
-#include "ddp/comm/watch.hpp"
 #include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
+#include "ddp/membership/job_store.hpp"
+#include "ddp/membership/watch.hpp"
 #include "ddp/options.hpp"
 #include "ddp/store/client.hpp"
 #include "ddp/work.hpp"

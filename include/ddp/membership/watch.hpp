@@ -12,10 +12,10 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-#include "ddp/backend/rendezvous.hpp"
-#include "ddp/comm/job_store.hpp"
 #include "ddp/detail/bytes.hpp"
 #include "ddp/error.hpp"
+#include "ddp/membership/job_store.hpp"
+#include "ddp/membership/rendezvous.hpp"
 #include "ddp/store/client.hpp"
 
 #include <time.h>

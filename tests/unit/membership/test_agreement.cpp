@@ -1,9 +1,11 @@
-// The survivors' agreement of shrink() (comm/membership.hpp: detail::MembershipChange) in one
-// process: threads as ranks, each with its own connection to a store server of this process (the
-// real store engine; a rank "dies" when its connection closes, as a process's does). What the
-// multi-process tests (test_membership.cpp) check end to end, here at the protocol's own scale:
-// who is waited for, who is left out, and the round a failure while connecting costs.
-#include <ddp/ddp.hpp>
+// The survivors' agreement of shrink() (membership/agreement.hpp: detail::MembershipChange) in
+// one process, with nothing of the communicator: threads as ranks, each a MembershipWatch with
+// its own connection to a store server of this process (the real store engine, its data in
+// memory; a rank "dies" when its connection closes, as a process's does). What the
+// multi-process tests (comm/test_membership.cpp) check end to end, here at the protocol's own
+// scale: who is waited for, who is left out, and the round a failure while connecting costs.
+#include <ddp/membership/agreement.hpp>
+#include <ddp/store/server.hpp>
 
 #include <doctest/doctest.h>
 
@@ -18,15 +20,15 @@
 namespace {
 
 using namespace std::chrono_literals;
-using ddp::detail::CommState;
 using ddp::detail::MembershipChange;
+using ddp::detail::MembershipWatch;
 
 /// A job of `size` ranks over one store server: each rank's state as init() leaves it (its own
 /// connection, the job's prefixes, its exit record should its connection close).
 struct AgreementJob {
   explicit AgreementJob(int size) : server("127.0.0.1", 0) {
     for (int r = 0; r < size; ++r) {
-      auto s = std::make_unique<CommState>();
+      auto s = std::make_unique<MembershipWatch>();
       s->options.timeout = 10s;
       ddp::StoreOptions so;
       so.timeout = 10s;
@@ -52,7 +54,7 @@ struct AgreementJob {
   }
 
   ddp::StoreServer server;
-  std::vector<std::unique_ptr<CommState>> ranks;
+  std::vector<std::unique_ptr<MembershipWatch>> ranks;
 };
 
 /// What one rank's shrink() agreement ended with.
@@ -75,7 +77,7 @@ std::vector<AgreementOutcome> agree_on(AgreementJob& job, const std::vector<int>
     threads.emplace_back([&, r] {
       AgreementOutcome& mine = out[static_cast<std::size_t>(r)];
       try {
-        CommState& s = *job.ranks[static_cast<std::size_t>(r)];
+        MembershipWatch& s = *job.ranks[static_cast<std::size_t>(r)];
         MembershipChange change(s, r, static_cast<int>(job.ranks.size()), o);
         change.announce();
         for (;;) {
@@ -134,7 +136,6 @@ TEST_CASE("membership agreement: a rank that is silent past wait_for_ranks is le
   CHECK(late[2].code == ddp::Errc::aborted);
   CHECK(late[2].error.find("this rank was excluded") != std::string::npos);
   CHECK_MESSAGE(late[2].error.find("epoch 1 of ranks 0, 1") != std::string::npos, late[2].error);
-  CHECK(job.ranks[2]->poisoned.load());
 }
 
 TEST_CASE("membership agreement: ranks named by ShrinkOptions::exclude are not waited for") {
@@ -173,7 +174,7 @@ TEST_CASE("membership agreement: a member that fails while connecting costs one 
   AgreementJob again(4);
   again.kill(3);
   std::thread two([&] {
-    CommState& s = *again.ranks[2];
+    MembershipWatch& s = *again.ranks[2];
     MembershipChange change(s, 2, 4, {});
     change.announce();
     (void)change.decide();

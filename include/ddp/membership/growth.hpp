@@ -29,8 +29,8 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-#include "ddp/comm/state.hpp"
 #include "ddp/error.hpp"
+#include "ddp/membership/watch.hpp"
 #include "ddp/options.hpp"
 #include "ddp/store/client.hpp"
 
@@ -221,10 +221,10 @@ DDP_INLINE bool job_ended(Store& job, int claim, int world_size) {
 
 /// Rank 0 of the members: answers the requests that arrived since the last growth of `old`
 /// (this process's communicator, of `size` ranks) and writes the decision of epoch `epoch`.
-DDP_INLINE Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
+DDP_INLINE Growth decide_growth(MembershipWatch& old, Store& base, std::uint64_t epoch,
                                 const std::string& ticket);
 #if DDP_BODIES
-DDP_INLINE Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch,
+DDP_INLINE Growth decide_growth(MembershipWatch& old, Store& base, std::uint64_t epoch,
                                 const std::string& ticket) {
   Growth g;
   g.upto = base.add("join/next", 0);
@@ -303,11 +303,11 @@ DDP_INLINE Growth decide_growth(CommState& old, Store& base, std::uint64_t epoch
 #endif  // DDP_BODIES
 
 /// The other members: rank 0's decision of epoch `epoch` (rank 0 dying fails it at once).
-DDP_INLINE Growth await_growth(const CommState& old, Store& base, std::uint64_t epoch, int rank,
-                               Clock::time_point deadline);
+DDP_INLINE Growth await_growth(const MembershipWatch& old, Store& base, std::uint64_t epoch,
+                               int rank, Clock::time_point deadline);
 #if DDP_BODIES
-DDP_INLINE Growth await_growth(const CommState& old, Store& base, std::uint64_t epoch, int rank,
-                               Clock::time_point deadline) {
+DDP_INLINE Growth await_growth(const MembershipWatch& old, Store& base, std::uint64_t epoch,
+                               int rank, Clock::time_point deadline) {
   const std::string key[] = {
       growth_key(epoch, old.joins_seen, concat("decision.", old.grow_calls))};
   while (!base.check(key)) {

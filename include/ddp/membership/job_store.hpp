@@ -12,13 +12,13 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-#include "ddp/backend/rendezvous.hpp"
-#include "ddp/comm/store_location.hpp"
 #include "ddp/detail/env.hpp"
 #include "ddp/detail/lean_std.hpp"
 #include "ddp/detail/socket.hpp"
 #include "ddp/environment.hpp"
 #include "ddp/error.hpp"
+#include "ddp/membership/rendezvous.hpp"
+#include "ddp/membership/store_location.hpp"
 #include "ddp/options.hpp"
 #include "ddp/store/client.hpp"
 #include "ddp/store/server.hpp"

@@ -15,7 +15,8 @@
 ///     is known dead ("exit/<old rank>" of the old communicator, which the store writes when a
 ///     process's connection closes), or until ShrinkOptions::wait_for_ranks has passed;
 ///  2. it proposes the candidates that said they are alive; "members" takes the first proposal;
-///     a rank left out fails with Errc::aborted (it is fenced: a stopped rank that wakes up);
+///     a rank left out fails with Errc::aborted (it is fenced: a stopped rank that wakes up;
+///     its old communicator was poisoned by the caller, Communicator::shrink, when it began);
 ///  3. the members connect a new backend under "e<E>/r<k>/comm/", ranks renumbered densely in
 ///     the order of their old ranks; a member that dies meanwhile fails the others at once (its
 ///     connection's on-close record sets that communicator's "failed" key);
@@ -30,9 +31,9 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-#include "ddp/comm/growth.hpp"
-#include "ddp/comm/state.hpp"
 #include "ddp/error.hpp"
+#include "ddp/membership/growth.hpp"
+#include "ddp/membership/watch.hpp"
 #include "ddp/options.hpp"
 #include "ddp/store/client.hpp"
 
@@ -61,7 +62,7 @@ inline void (*&shrink_phase_hook() noexcept)(const char*) {
 /// One membership change of communicator `old` (see the file comment).
 class MembershipChange {
  public:
-  MembershipChange(CommState& old, int old_rank, int old_size, const ShrinkOptions& o);
+  MembershipChange(MembershipWatch& old, int old_rank, int old_size, const ShrinkOptions& o);
 
   [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_; }
 
@@ -125,7 +126,7 @@ class MembershipChange {
     }
   }
 
-  CommState& old_;
+  MembershipWatch& old_;
   int me_;
   int size_;
   std::uint64_t epoch_;
@@ -137,7 +138,7 @@ class MembershipChange {
 };
 
 #if DDP_BODIES
-DDP_INLINE MembershipChange::MembershipChange(CommState& old, int old_rank, int old_size,
+DDP_INLINE MembershipChange::MembershipChange(MembershipWatch& old, int old_rank, int old_size,
                                               const ShrinkOptions& o)
     : old_(old), me_(old_rank), size_(old_size), epoch_(old.epoch + 1) {
   if (!old.root_store)
@@ -319,7 +320,6 @@ DDP_INLINE void MembershipChange::excluded(const std::string& why) {
       concat("rank ", me_, ": shrink: this rank was excluded: ", why,
              "; it can never act on this communicator again: restart the process (it may "
              "rejoin the job as a new rank)");
-  old_.poison_with(msg, Errc::aborted);
   fail(Errc::aborted, msg);
 }
 #endif  // DDP_BODIES
