@@ -73,17 +73,15 @@ class Communicator {
   /// MASTER_ADDR:MASTER_PORT (unless a launcher hosts it), every rank connects, and the backend
   /// connects the ranks. A world of one needs no store.
   [[nodiscard]] static Communicator init(const Environment& env = Environment::detect(),
-                                         Options options = {}) {
-    return Communicator(detail::init_state<State>(env, std::move(options)));
-  }
+                                         Options options = {});
 
   /// Takes over `other`'s process group; `other` is left invalid.
   Communicator(Communicator&&) noexcept = default;
   /// Takes over `other`'s process group, releasing the one this communicator held.
-  Communicator& operator=(Communicator&&) noexcept = default;
+  Communicator& operator=(Communicator&&) noexcept;
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
-  ~Communicator() = default;
+  ~Communicator();
 
   /// False for the result of split() with no_color.
   [[nodiscard]] bool valid() const noexcept { return state_ && state_->backend; }
@@ -152,14 +150,14 @@ class Communicator {
   template <std::ranges::range R>
     requires detail::tensor_output<std::ranges::range_reference_t<R>>
   void all_reduce_coalesced(R&& bufs, ReduceOp op = ReduceOp::sum) {
-    const auto b = args(bufs);
+    const auto b = detail::to_bufs<Backend>(bufs, rank(), "all_reduce_coalesced");
     exec(detail::prepare_all_reduce_coalesced(b, op, caller()));
   }
   /// all_reduce_coalesced(), run asynchronously: the buffers must outlive the returned Work.
   template <std::ranges::range R>
     requires detail::tensor_output<std::ranges::range_reference_t<R>>
   [[nodiscard]] Work all_reduce_coalesced_async(R&& bufs, ReduceOp op = ReduceOp::sum) {
-    auto b = args(bufs);
+    auto b = detail::to_bufs<Backend>(bufs, rank(), "all_reduce_coalesced");
     const auto call = detail::prepare_all_reduce_coalesced(b, op, caller());
     detail::Holds held;
     for (auto&& t : bufs) detail::hold_into(held, t);
@@ -287,8 +285,7 @@ class Communicator {
   /// The same, run asynchronously (the counts are copied).
   template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work all_gather_async(In&& in, Out&& out, Counts counts) {
-    return uneven_async(detail::Coll::all_gather_v, in, out,
-                        {counts.span().begin(), counts.span().end()}, -1);
+    return uneven_async(detail::Coll::all_gather_v, in, out, counts.span(), -1);
   }
   /// gather with a count per rank (MPI_Gatherv): `out` and `counts` are read on the root only.
   template <detail::tensor_input In, detail::tensor_output Out>
@@ -298,8 +295,7 @@ class Communicator {
   /// The same, run asynchronously (the counts are copied).
   template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work gather_async(In&& in, Out&& out, Counts counts, int root = 0) {
-    return uneven_async(detail::Coll::gather_v, in, out,
-                        {counts.span().begin(), counts.span().end()}, root);
+    return uneven_async(detail::Coll::gather_v, in, out, counts.span(), root);
   }
   /// scatter with a count per rank (MPI_Scatterv): counts[j] elements of root's `in` into rank
   /// j's `out`; `in` and `counts` are read on the root only.
@@ -310,8 +306,7 @@ class Communicator {
   /// The same, run asynchronously (the counts are copied).
   template <detail::tensor_input In, detail::tensor_output Out>
   [[nodiscard]] Work scatter_async(In&& in, Out&& out, Counts counts, int root = 0) {
-    return uneven_async(detail::Coll::scatter_v, in, out,
-                        {counts.span().begin(), counts.span().end()}, root);
+    return uneven_async(detail::Coll::scatter_v, in, out, counts.span(), root);
   }
 
   /// Point-to-point. Between a pair, sends and receives match in issue order; the receiver checks
@@ -348,16 +343,8 @@ class Communicator {
   /// a batch or a plain send/recv); they are not overlapped. Each op is checked as send and
   /// recv are, before anything is sent.
   [[nodiscard]] Work batch_isend_irecv(std::span<const P2POp> ops) {
-    std::vector<detail::Buf> bufs;
-    std::vector<std::size_t> specs;
-    for (const P2POp& o : ops) {
-      bufs.push_back(detail::dynamic_buf<Backend>(o.buf, rank(), "batch_isend_irecv",
-                                                  o.is_send ? "in" : "buf"));
-      specs.insert(specs.end(), {o.is_send ? 1u : 0u, static_cast<std::size_t>(o.peer),
-                                 static_cast<std::size_t>(o.tag)});
-    }
-    const detail::Call c = detail::prepare_batch_p2p(bufs, specs, caller());
-    return submit(c, std::move(bufs), {}, std::move(specs));
+    auto b = detail::prepare_batch_args<Backend>(ops, caller());
+    return submit(b.call, std::move(b.bufs), {}, std::move(b.specs));
   }
 
   /// Returns once every rank has entered barrier().
@@ -370,19 +357,7 @@ class Communicator {
   /// Errc::timeout naming the first missing rank (every one with `wait_all_ranks`); the others
   /// fail quoting it. Goes through the rendezvous store (backend::Host and backend::Nccl); on
   /// backend::Mpi, through MPI point-to-point messages.
-  void monitored_barrier(std::chrono::milliseconds timeout = {}, bool wait_all_ranks = false) {
-    if (timeout.count() <= 0) timeout = options().timeout;
-    exec_fn("monitored_barrier", [&](Backend& be, State& st) {
-      if (st.store)
-        st.monitored_barrier(rank(), size(), timeout, wait_all_ranks);
-      else if constexpr (requires { be.monitored_barrier(timeout, wait_all_ranks); })
-        be.monitored_barrier(timeout, wait_all_ranks);
-      else if (size() > 1)
-        detail::fail(Errc::unsupported, "rank ", rank(),
-                     ": monitored_barrier: backend::", Backend::name,
-                     " has no store here; use barrier()");
-    });
-  }
+  void monitored_barrier(std::chrono::milliseconds timeout = {}, bool wait_all_ranks = false);
 
   // ---- layered on the collectives (comm/objects.hpp) ------------------
 
@@ -431,30 +406,7 @@ class Communicator {
   /// DDP_* settings apply to the fields left at their defaults, as at init(). Group, token and
   /// store are this communicator's. Every member should pass the same options
   /// (verify_collectives must agree: it is checked).
-  [[nodiscard]] Communicator split(int color, int key, const Options& given) {
-    const Options options = given.with_env();
-    if (color < no_color) {
-      detail::fail(Errc::invalid_argument, "rank ", rank(), ": split: color ", color,
-                   " is negative (use no_color)");
-    }
-    if constexpr (backend_traits<Backend>::splits) {
-      std::unique_ptr<Backend> made;
-      exec_fn("split", [&](Backend& b, State&) { made = b.split(color, key, options); });
-      if (!made) return Communicator(nullptr);
-      auto sub = std::make_shared<State>();
-      detail::inherit_settings(*sub, *state_, options);
-      sub->backend = std::move(made);
-      return Communicator(std::move(sub));
-    }
-    const auto all = all_gather_object(std::pair<int, int>{color, key});
-    const std::uint64_t n = checked().splits++;
-    if (color == no_color) return Communicator(nullptr);
-    std::shared_ptr<State> sub;
-    exec_fn("split", [&](Backend&, State& s) {
-      sub = detail::split_state(s, all, color, rank(), n, options);
-    });
-    return Communicator(std::move(sub));
-  }
+  [[nodiscard]] Communicator split(int color, int key, const Options& given);
 
   /// Fault tolerance: after a failure (Errc::peer_lost, or a timeout the caller treats as a
   /// loss), the surviving ranks each call shrink() and get a communicator of themselves, ranked
@@ -467,16 +419,7 @@ class Communicator {
   /// lost rank (ddprun's, spawn's, etcd's; rank 0's while rank 0 lives). backend::Host and
   /// backend::Nccl (a new NCCL communicator); backend::Mpi with ULFM (MPIX_Comm_shrink: the
   /// library decides who is lost, `options` are not used), Errc::unsupported without it.
-  [[nodiscard]] Communicator shrink(const ShrinkOptions& options = {}) {
-    State& s = same_process("shrink");
-    if constexpr (backend_traits<Backend>::shrinks) {
-      (void)options;
-      return Communicator(detail::shrink_backend(s, rank()));
-    } else {
-      detail::refuse_membership<Backend>(rank(), "shrink");
-      return Communicator(detail::shrink_state(s, rank(), size(), options));
-    }
-  }
+  [[nodiscard]] Communicator shrink(const ShrinkOptions& options = {});
   /// Admits the processes waiting to enter (enter()), at a step boundary: every member calls it,
   /// and gets the communicator of the members (ranks 0..n-1, in their order) and the newcomers
   /// (n.., in the order they asked), at the next membership epoch; or, when none was admitted,
@@ -485,12 +428,7 @@ class Communicator {
   /// the refusal reaching the newcomer alone. A failure meanwhile (a newcomer or member died)
   /// leaves this communicator as it was: shrink() it. backend::Host and backend::Nccl;
   /// Errc::unsupported on backend::Mpi (MPI cannot add processes to a running job here).
-  [[nodiscard]] Communicator grow(const GrowOptions& options = {}) {
-    State& s = same_process("grow");
-    detail::refuse_membership<Backend>(rank(), "grow");
-    auto grown = detail::grow_state(s, rank(), options);
-    return grown ? Communicator(std::move(grown)) : Communicator(state_);
-  }
+  [[nodiscard]] Communicator grow(const GrowOptions& options = {});
   /// A process enters a running job (a restarted worker, or an added one): asks to be admitted
   /// as world rank env.rank (its own, after a restart: refused while that rank's process lives),
   /// waits until the members' next grow() admits it (EnterOptions::wait), and returns its
@@ -498,10 +436,8 @@ class Communicator {
   /// and a wrong token fail this process alone. (`join` is its older name; ddp::Join is uneven
   /// inputs.)
   [[nodiscard]] static Communicator enter(const Environment& env = Environment::detect(),
-                                          const Options& options = {}, const EnterOptions& e = {}) {
-    detail::refuse_membership<Backend>(env.rank, "enter");
-    return Communicator(detail::enter_state<State>(env, options, e));
-  }
+                                          const Options& options = {}, const EnterOptions& e = {});
+  /// enter()'s older name.
   [[nodiscard]] static Communicator join(const Environment& env = Environment::detect(),
                                          const Options& options = {}, const EnterOptions& e = {}) {
     return enter(env, options, e);
@@ -536,11 +472,7 @@ class Communicator {
 
   /// Makes every pending and later operation fail with Errc::aborted, here and, where the
   /// backend can reach them, on the peers. Safe to call from any thread, e.g. a watchdog.
-  void abort(const std::string& why = "Communicator::abort() was called") {
-    auto& s = same_process("abort");
-    s.poison_with(detail::concat("rank ", s.backend->rank(), ": aborted: ", why), Errc::aborted);
-    s.backend->abort(Errc::aborted, why);
-  }
+  void abort(const std::string& why = "Communicator::abort() was called");
 
  private:
   /// The communicator's state (comm/runner.hpp).
@@ -566,27 +498,21 @@ class Communicator {
   }
 
   /// Synchronous.
-  void exec(const detail::Call& c) {
-    same_process(c.name).run_in_order(c.name, c.bytes,
-                                      [&](Backend& be, State& st) { detail::dispatch(be, st, c); });
-  }
+  void exec(const detail::Call& c);
 
   /// Synchronous all_reduce, broadcast and reduce without a Call (dispatch()'s checks and code,
   /// minus a 150-byte description where the library's own cost shows most: small messages).
   template <class T>
   void exec_single(detail::Coll coll, T& buf, ReduceOp op, int root) {
-    const detail::Buf b = arg(buf, detail::single_name(coll), "buf");
-    const char* name = detail::check_single(coll, b, op, root, caller());
-    same_process(name).run_in_order(name, b.bytes(), [&](Backend& be, State& st) {
-      detail::run_single(be, st, coll, b, op, root);
-    });
+    exec_single_buf(coll, arg(buf, detail::single_name(coll), "buf"), op, root);
   }
+  /// exec_single's part that does not depend on the tensor type: compiled once per backend in
+  /// the separate-compilation mode (ddp/instances.hpp).
+  void exec_single_buf(detail::Coll coll, const detail::Buf& b, ReduceOp op, int root);
 
   /// Asynchronous (CommRunner::submit).
   Work submit(const detail::Call& c, std::vector<detail::Buf> many = {}, detail::Holds held = {},
-              std::vector<std::size_t> counts = {}) {
-    return same_process(c.name).submit(c, std::move(many), std::move(held), std::move(counts));
-  }
+              std::vector<std::size_t> counts = {});
 
   /// An operation that is not a collective call (split).
   template <class F>
@@ -602,13 +528,6 @@ class Communicator {
   template <class T>
   detail::Buf arg(T& t, const char* what, const char* name) const {
     return detail::to_buf<Backend>(t, rank(), what, name);
-  }
-
-  template <class R>
-  std::vector<detail::Buf> args(R& bufs) const {
-    std::vector<detail::Buf> out;
-    for (auto&& t : bufs) out.push_back(arg(t, "all_reduce_coalesced", "bufs"));
-    return out;
   }
 
   detail::Call prepare_all_reduce_as(const detail::Buf& b, ReduceOp op, DType wire) const {
@@ -627,10 +546,10 @@ class Communicator {
     return detail::prepare_uneven_args<Backend>(coll, in, out, counts, root, caller());
   }
   template <class In, class Out>
-  Work uneven_async(detail::Coll coll, In& in, Out& out, std::vector<std::size_t> counts,
+  Work uneven_async(detail::Coll coll, In& in, Out& out, std::span<const std::size_t> counts,
                     int root) {
-    const detail::Call c = prepare_uneven(coll, in, out, counts, root);
-    return submit(c, {}, detail::hold(in, out), std::move(counts));
+    return submit(prepare_uneven(coll, in, out, counts, root), {}, detail::hold(in, out),
+                  {counts.begin(), counts.end()});
   }
   template <class In, class Out>
   detail::Call prepare_gather(In& in, Out& out, int root) const {
@@ -643,5 +562,89 @@ class Communicator {
 
   std::shared_ptr<State> state_;
 };
+
+// Outside the class, so that `extern template` (ddp/instances.hpp) keeps them out of other units.
+template <CommBackend Backend>
+Communicator<Backend>& Communicator<Backend>::operator=(Communicator&&) noexcept = default;
+template <CommBackend Backend>
+Communicator<Backend>::~Communicator() = default;
+template <CommBackend Backend>
+Communicator<Backend> Communicator<Backend>::init(const Environment& env, Options options) {
+  return Communicator(detail::init_state<State>(env, std::move(options)));
+}
+template <CommBackend Backend>
+void Communicator<Backend>::monitored_barrier(std::chrono::milliseconds timeout,
+                                              bool wait_all_ranks) {
+  if (timeout.count() <= 0) timeout = options().timeout;
+  exec_fn("monitored_barrier", [&](Backend& be, State& st) {
+    detail::run_monitored_barrier(be, st, timeout, wait_all_ranks);
+  });
+}
+template <CommBackend Backend>
+Communicator<Backend> Communicator<Backend>::split(int color, int key, const Options& given) {
+  const Options options = given.with_env();
+  if (color < no_color) {
+    detail::fail(Errc::invalid_argument, "rank ", rank(), ": split: color ", color,
+                 " is negative (use no_color)");
+  }
+  if constexpr (backend_traits<Backend>::splits)
+    return Communicator(detail::split_backend(same_process("split"), color, key, options));
+  const auto all = all_gather_object(std::pair<int, int>{color, key});
+  const std::uint64_t n = checked().splits++;
+  if (color == no_color) return Communicator(nullptr);
+  std::shared_ptr<State> sub;
+  exec_fn("split", [&](Backend&, State& s) {
+    sub = detail::split_state(s, all, color, rank(), n, options);
+  });
+  return Communicator(std::move(sub));
+}
+template <CommBackend Backend>
+Communicator<Backend> Communicator<Backend>::shrink(const ShrinkOptions& options) {
+  State& s = same_process("shrink");
+  if constexpr (backend_traits<Backend>::shrinks) {
+    (void)options;
+    return Communicator(detail::shrink_backend(s, rank()));
+  } else {
+    detail::refuse_membership<Backend>(rank(), "shrink");
+    return Communicator(detail::shrink_state(s, rank(), size(), options));
+  }
+}
+template <CommBackend Backend>
+Communicator<Backend> Communicator<Backend>::grow(const GrowOptions& options) {
+  State& s = same_process("grow");
+  detail::refuse_membership<Backend>(rank(), "grow");
+  auto grown = detail::grow_state(s, rank(), options);
+  return grown ? Communicator(std::move(grown)) : Communicator(state_);
+}
+template <CommBackend Backend>
+Communicator<Backend> Communicator<Backend>::enter(const Environment& env, const Options& options,
+                                                   const EnterOptions& e) {
+  detail::refuse_membership<Backend>(env.rank, "enter");
+  return Communicator(detail::enter_state<State>(env, options, e));
+}
+template <CommBackend Backend>
+void Communicator<Backend>::abort(const std::string& why) {
+  auto& s = same_process("abort");
+  s.poison_with(detail::concat("rank ", s.backend->rank(), ": aborted: ", why), Errc::aborted);
+  s.backend->abort(Errc::aborted, why);
+}
+template <CommBackend Backend>
+void Communicator<Backend>::exec(const detail::Call& c) {
+  same_process(c.name).run_in_order(c.name, c.bytes,
+                                    [&](Backend& be, State& st) { detail::dispatch(be, st, c); });
+}
+template <CommBackend Backend>
+void Communicator<Backend>::exec_single_buf(detail::Coll coll, const detail::Buf& b, ReduceOp op,
+                                            int root) {
+  const char* name = detail::check_single(coll, b, op, root, caller());
+  same_process(name).run_in_order(name, b.bytes(), [&](Backend& be, State& st) {
+    detail::run_single(be, st, coll, b, op, root);
+  });
+}
+template <CommBackend Backend>
+Work Communicator<Backend>::submit(const detail::Call& c, std::vector<detail::Buf> many,
+                                   detail::Holds held, std::vector<std::size_t> counts) {
+  return same_process(c.name).submit(c, std::move(many), std::move(held), std::move(counts));
+}
 
 DDP_END_NAMESPACE

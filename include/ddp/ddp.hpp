@@ -37,6 +37,7 @@
 #include "ddp/codec.hpp"
 #include "ddp/comm/recorder.hpp"
 #include "ddp/environment.hpp"
+#include "ddp/instances.hpp"
 #include "ddp/options.hpp"
 #include "ddp/spawn.hpp"
 #include "ddp/store/client.hpp"

@@ -35,9 +35,20 @@ for mode in include single_include; do
       exit 1
     fi
   done
+  # Nor Communicator<backend::Host>'s machinery (init, the type-erased part of each collective):
+  # ddp/instances.hpp declares it `extern template`, and the implementation unit defines it.
+  host_comm='Communicator<ddp::v[0-9]*::backend::Host>::(init|exec_single_buf|exec|submit)\('
+  for o in main sum; do
+    if nm -C --defined-only "$out/$o.o" | grep -Eq " [TW] ddp::v[0-9]*::$host_comm"; then
+      echo "$mode: $o.o instantiates Communicator<backend::Host>'s members itself" >&2
+      exit 1
+    fi
+  done
   impl_symbols=$(nm -C --defined-only "$out/impl.o")
   grep -q 'ddp::v[0-9]*::StoreServer::run()' <<<"$impl_symbols" ||
     { echo "$mode: the implementation unit does not define StoreServer::run()" >&2; exit 1; }
+  [ "$(grep -Ec " [TW] ddp::v[0-9]*::$host_comm" <<<"$impl_symbols")" -ge 4 ] ||
+    { echo "$mode: the implementation unit does not instantiate Communicator<backend::Host>" >&2; exit 1; }
   "$cxx" "$out/main.o" "$out/sum.o" "$out/impl.o" -o "$out/program" -pthread -lrt
   outp=$("$ddprun" --nproc-per-node 3 "$out/program")
   n=$(grep -c "compiled mode: all_reduce over 3 rank(s): 7.5" <<<"$outp" || true)

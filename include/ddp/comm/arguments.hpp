@@ -131,5 +131,32 @@ Call prepare_scatter_args(In& in_t, Out& out_t, int root, Caller caller) {
       caller);
 }
 
+/// A range of typed arguments as checked type-erased buffers (all_reduce_coalesced).
+template <class Backend, class R>
+std::vector<Buf> to_bufs(R& range, int rank, const char* what) {
+  std::vector<Buf> out;
+  for (auto&& t : range) out.push_back(to_buf<Backend>(t, rank, what, "bufs"));
+  return out;
+}
+
+/// batch_isend_irecv's call, its buffers and its (is_send, peer, tag) triples.
+struct BatchArgs {
+  Call call;
+  std::vector<Buf> bufs;
+  std::vector<std::size_t> specs;
+};
+template <class Backend>
+BatchArgs prepare_batch_args(std::span<const P2POp> ops, Caller caller) {
+  BatchArgs b;
+  for (const P2POp& o : ops) {
+    b.bufs.push_back(
+        dynamic_buf<Backend>(o.buf, caller.rank, "batch_isend_irecv", o.is_send ? "in" : "buf"));
+    b.specs.insert(b.specs.end(), {o.is_send ? 1u : 0u, static_cast<std::size_t>(o.peer),
+                                   static_cast<std::size_t>(o.tag)});
+  }
+  b.call = prepare_batch_p2p(b.bufs, b.specs, caller);
+  return b;
+}
+
 }  // namespace detail
 DDP_END_NAMESPACE

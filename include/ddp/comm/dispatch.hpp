@@ -21,6 +21,7 @@
 #include "ddp/types.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstring>
 #include <span>
@@ -257,6 +258,20 @@ void dispatch(Backend& be, CommState& s, const Call& c) {
     case Coll::barrier: be.barrier(); return;
     case Coll::batch_p2p: return run_batch_p2p(be, s, c);
   }
+}
+
+/// Communicator::monitored_barrier: over the rendezvous store where there is one, else the
+/// backend's own, else refused (a world of one passes).
+template <class Backend>
+void run_monitored_barrier(Backend& be, CommState& st, std::chrono::milliseconds timeout,
+                           bool wait_all_ranks) {
+  if (st.store)
+    st.monitored_barrier(be.rank(), be.size(), timeout, wait_all_ranks);
+  else if constexpr (requires { be.monitored_barrier(timeout, wait_all_ranks); })
+    be.monitored_barrier(timeout, wait_all_ranks);
+  else if (be.size() > 1)
+    fail(Errc::unsupported, "rank ", be.rank(), ": monitored_barrier: backend::", Backend::name,
+         " has no store here; use barrier()");
 }
 
 }  // namespace detail

@@ -231,6 +231,20 @@ void refuse_replaced(const State& old, int rank, const char* what) {
          " (an earlier shrink() or grow() returned it); use that communicator");
 }
 
+/// split() on a backend that splits itself (backend_traits::splits): the backend's split under
+/// `s`'s runner, the new state inheriting `s`'s settings with `options`; nullptr for no_color.
+template <class State>
+std::shared_ptr<State> split_backend(State& s, int color, int key, const Options& options) {
+  using Backend = std::remove_cvref_t<decltype(*s.backend)>;
+  std::unique_ptr<Backend> made;
+  s.run_in_order("split", 0, [&](Backend& b, State&) { made = b.split(color, key, options); });
+  if (!made) return nullptr;
+  auto sub = std::make_shared<State>();
+  inherit_settings(*sub, s, options);
+  sub->backend = std::move(made);
+  return sub;
+}
+
 /// Communicator::shrink on a backend that shrinks itself (backend::Mpi with ULFM): the
 /// survivors' communicator at the next membership epoch; `old` fails every call afterwards.
 /// A refusal (no ULFM) leaves `old` as it was.
