@@ -8,16 +8,59 @@
 /// never by probing for headers, so a program's meaning does not depend on what happens to be
 /// installed.
 
+/// Separate compilation (README "Compiled once"). Header-only by default: every function is
+/// defined in the headers. With DDP_SEPARATE_COMPILATION defined in every unit of a program, the
+/// headers only declare ddp's non-template functions (and the instantiations every program
+/// uses), and the one unit that includes <ddp/impl/src.hpp> (or defines DDP_IMPLEMENTATION
+/// before the single header) defines them.
+#if defined(DDP_IMPLEMENTATION) && !defined(DDP_SEPARATE_COMPILATION)
+#define DDP_SEPARATE_COMPILATION
+#endif
+#ifdef DDP_SEPARATE_COMPILATION
+#define DDP_INLINE  // one definition, in the implementation unit
+#ifdef DDP_IMPLEMENTATION
+#define DDP_BODIES 1
+#else
+#define DDP_BODIES 0
+#endif
+#else
+#define DDP_INLINE inline
+#define DDP_BODIES 1
+#endif
+
 // Every symbol is declared in an inline namespace named after the major version, so two
 // incompatible copies of the header in one program do not silently violate the ODR (the same
-// scheme as fmt and nlohmann/json). Users always spell names as ddp::X.
-#define DDP_ABI_NAMESPACE v0  // v<DDP_VERSION_MAJOR> (ddp/version.hpp): change the two together
+// scheme as fmt and nlohmann/json), and after the mode: a unit compiled header-only and one in
+// the separate-compilation mode share no symbol, so that passing ddp's objects between them
+// fails to link instead of running two copies of ddp's state (a fork counter, say) that each
+// believe they are the only one. Users always spell names as ddp::X.
+#ifdef DDP_SEPARATE_COMPILATION
+#define DDP_ABI_NAMESPACE v0_compiled  // v<DDP_VERSION_MAJOR> (ddp/version.hpp): change together
+#else
+#define DDP_ABI_NAMESPACE v0
+#endif
 #define DDP_BEGIN_NAMESPACE \
   namespace ddp {           \
   inline namespace DDP_ABI_NAMESPACE {
 #define DDP_END_NAMESPACE \
   }                       \
   }
+
+// A program in the separate-compilation mode without its implementation unit fails to link
+// naming what is missing: every other unit refers to this constant, which only that unit defines.
+#ifdef DDP_SEPARATE_COMPILATION
+DDP_BEGIN_NAMESPACE
+namespace detail {
+extern const int separate_compilation_needs_one_unit_that_includes_ddp_impl_src_hpp;
+#if DDP_BODIES
+const int separate_compilation_needs_one_unit_that_includes_ddp_impl_src_hpp = 1;
+#elif defined(__GNUC__) || defined(__clang__)
+[[gnu::used]] static const int* const separate_compilation_link_check =
+    &separate_compilation_needs_one_unit_that_includes_ddp_impl_src_hpp;
+#endif
+}  // namespace detail
+DDP_END_NAMESPACE
+#endif
 
 #ifndef DDP_HAS_CUDA
 #define DDP_HAS_CUDA 0
@@ -59,26 +102,6 @@
     std::fprintf(stderr, "ddp: fatal: %s\n", (exception).what()); \
     std::abort();                                                 \
   } while (false)
-#endif
-
-/// Separate compilation (README "Compiled once"). Header-only by default: every function is
-/// defined in the headers. With DDP_SEPARATE_COMPILATION defined in every unit of a program, the
-/// headers only declare ddp's non-template functions (and the instantiations every program
-/// uses), and the one unit that includes <ddp/impl/src.hpp> (or defines DDP_IMPLEMENTATION
-/// before the single header) defines them.
-#if defined(DDP_IMPLEMENTATION) && !defined(DDP_SEPARATE_COMPILATION)
-#define DDP_SEPARATE_COMPILATION
-#endif
-#ifdef DDP_SEPARATE_COMPILATION
-#define DDP_INLINE  // one definition, in the implementation unit
-#ifdef DDP_IMPLEMENTATION
-#define DDP_BODIES 1
-#else
-#define DDP_BODIES 0
-#endif
-#else
-#define DDP_INLINE inline
-#define DDP_BODIES 1
 #endif
 
 #if defined(__GNUC__) || defined(__clang__)

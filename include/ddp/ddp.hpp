@@ -2,6 +2,15 @@
 // SPDX-License-Identifier: MIT
 //
 // Copyright (c) 2026 the ddp authors. Licensed under the MIT License (see LICENSE).
+
+// The implementation unit of the separate-compilation mode defines DDP_IMPLEMENTATION before its
+// first ddp include; defined after one, it would define nothing (the headers are read already).
+#if defined(DDP_IMPLEMENTATION) && defined(DDP_BODIES) && \
+    (!DDP_BODIES || !defined(DDP_SEPARATE_COMPILATION))
+#error \
+    "DDP_IMPLEMENTATION is defined after a ddp header was included: define it (or include <ddp/impl/src.hpp>) before any other ddp header in the implementation unit"
+#endif
+
 #ifndef DDP_DDP_HPP
 #define DDP_DDP_HPP
 

@@ -4,7 +4,8 @@
 # For include/ (<ddp/impl/src.hpp> in the implementation unit) and for the single header
 # (DDP_IMPLEMENTATION defined before it): the program's two units are compiled with
 # DDP_SEPARATE_COMPILATION and must define none of ddp's non-template functions themselves; the
-# three objects link, and the program runs under ddprun on 3 ranks.
+# three objects link, and the program runs under ddprun on 3 ranks; without the implementation
+# unit the link fails naming it, and a unit compiled header-only does not link with the others.
 set -euo pipefail
 src=$1 work=$2 cxx=$3 ddprun=$4
 rm -rf "$work"
@@ -37,18 +38,35 @@ for mode in include single_include; do
   done
   # Nor Communicator<backend::Host>'s machinery (init, the type-erased part of each collective):
   # ddp/instances.hpp declares it `extern template`, and the implementation unit defines it.
-  host_comm='Communicator<ddp::v[0-9]*::backend::Host>::(init|exec_single_buf|exec|submit)\('
+  host_comm='Communicator<ddp::v[0-9a-z_]*::backend::Host>::(init|exec_single_buf|exec|submit)\('
   for o in main sum; do
-    if nm -C --defined-only "$out/$o.o" | grep -Eq " [TW] ddp::v[0-9]*::$host_comm"; then
+    if nm -C --defined-only "$out/$o.o" | grep -Eq " [TW] ddp::v[0-9a-z_]*::$host_comm"; then
       echo "$mode: $o.o instantiates Communicator<backend::Host>'s members itself" >&2
       exit 1
     fi
   done
   impl_symbols=$(nm -C --defined-only "$out/impl.o")
-  grep -q 'ddp::v[0-9]*::StoreServer::run()' <<<"$impl_symbols" ||
+  grep -q 'ddp::v[0-9a-z_]*::StoreServer::run()' <<<"$impl_symbols" ||
     { echo "$mode: the implementation unit does not define StoreServer::run()" >&2; exit 1; }
-  [ "$(grep -Ec " [TW] ddp::v[0-9]*::$host_comm" <<<"$impl_symbols")" -ge 4 ] ||
+  [ "$(grep -Ec " [TW] ddp::v[0-9a-z_]*::$host_comm" <<<"$impl_symbols")" -ge 4 ] ||
     { echo "$mode: the implementation unit does not instantiate Communicator<backend::Host>" >&2; exit 1; }
+  # Without the implementation unit, the link fails naming it.
+  if "$cxx" "$out/main.o" "$out/sum.o" -o "$out/no_impl" -pthread -lrt 2>"$out/no_impl.log"; then
+    echo "$mode: the program linked without its implementation unit" >&2
+    exit 1
+  fi
+  grep -q 'separate_compilation_needs_one_unit_that_includes_ddp_impl_src_hpp' "$out/no_impl.log" ||
+    { echo "$mode: the link error does not name the implementation unit:" >&2; head "$out/no_impl.log" >&2; exit 1; }
+  # A unit compiled header-only does not meet the others: passing a communicator to it fails to
+  # link (its symbols are in another inline namespace) instead of running two copies of ddp.
+  "$cxx" "${flags[@]}" -c "$common/compiled_sum.cpp" -o "$out/sum_header_only.o"
+  if "$cxx" "$out/main.o" "$out/sum_header_only.o" "$out/impl.o" -o "$out/mixed" -pthread -lrt \
+    2>"$out/mixed.log"; then
+    echo "$mode: a header-only unit linked with the separate-compilation mode's units" >&2
+    exit 1
+  fi
+  grep -q 'undefined reference to .*sum_over_ranks' "$out/mixed.log" ||
+    { echo "$mode: unexpected link error for the mixed program:" >&2; head "$out/mixed.log" >&2; exit 1; }
   "$cxx" "$out/main.o" "$out/sum.o" "$out/impl.o" -o "$out/program" -pthread -lrt
   outp=$("$ddprun" --nproc-per-node 3 "$out/program")
   n=$(grep -c "compiled mode: all_reduce over 3 rank(s): 7.5" <<<"$outp" || true)

@@ -417,7 +417,7 @@ std::shared_ptr<State> enter_state(const Environment& env, Options options, cons
   s->local_rank_hint = env.local_rank;
   try {
     s->connect_to_job(env);
-  } catch (const Error& e) {  // the message names the rank and the operation
+  } catch (const Error& e) {  // the store's words, under the rank and the call
     fail_within(e, "rank ", env.rank, ": enter: ");
   }
   Store base = s->root_store->prefixed(s->base_prefix).unwatched();

@@ -158,9 +158,9 @@ DDP_INLINE std::shared_ptr<Store> JobStore::connect_store(const Environment& env
 
 DDP_INLINE void JobStore::connect_to_job(const Environment& env) {
   if (env.master_port == 0 && options.store.empty())
-    fail(Errc::invalid_argument, "rank ", env.rank,
-         ": Communicator::enter: MASTER_PORT is not set; export MASTER_ADDR and MASTER_PORT "
-         "of the running job, or launch with ddprun");
+    fail(Errc::invalid_argument,  // enter_state names the rank and the call
+         "MASTER_PORT is not set; export MASTER_ADDR and MASTER_PORT of the running job, or "
+         "launch with ddprun");
   const EnvReader launcher;
   prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
   base_prefix = prefix;
