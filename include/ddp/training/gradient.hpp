@@ -22,12 +22,14 @@
 ///
 /// Models, parameters and their adaptation: ddp/training/parameters.hpp.
 
+#include "ddp/backend/reduce.hpp"
 #include "ddp/communicator.hpp"
 #include "ddp/training/buckets.hpp"
 #include "ddp/training/comm_hooks.hpp"
 #include "ddp/training/join.hpp"
 #include "ddp/training/parameters.hpp"
 
+#include <cmath>
 #include <cstddef>
 #include <memory>
 #include <utility>
@@ -183,7 +185,99 @@ class GradientAverager : public detail::Averager<M, Backend>, public Joinable {
     this->broadcast_buffers(last);
   }
 
+  /// The 2-norm of all the averaged gradients together, after synchronize() (or average()): the
+  /// norm torch's clip_grad_norm_ computes after DDP's backward, accumulated in double. Every
+  /// rank holds the same averages (bitwise), so every rank gets the same value, without any
+  /// communication. inf or NaN when a gradient holds one. CUDA gradients are read through host
+  /// memory.
+  [[nodiscard]] double grad_norm() {
+    double sum = 0;
+    this->typed([&](auto t) {
+      using T = decltype(t);
+      engine<T>().for_each_result([&](const T* g, std::size_t n) {
+        for (std::size_t k = 0; k < n; ++k) {
+          const double x = static_cast<double>(static_cast<typename detail::Accum<T>::type>(g[k]));
+          sum += x * x;
+        }
+      });
+    });
+    return std::sqrt(sum);
+  }
+
+  /// torch's clip_grad_norm_(parameters, max_norm) after synchronize(): when grad_norm() exceeds
+  /// `max_norm`, multiplies every gradient by max_norm / (norm + 1e-6); returns the norm before
+  /// clipping. A norm that is not finite fails with Errc::invalid_argument naming the first
+  /// parameter whose average holds an inf or a NaN (on every rank alike), gradients untouched;
+  /// with `error_if_nonfinite` false it is returned instead (torch's default), gradients
+  /// untouched too.
+  double clip_grad_norm(double max_norm, bool error_if_nonfinite = true) {
+    if (!(max_norm > 0.0) || !std::isfinite(max_norm))
+      detail::fail(Errc::invalid_argument, "rank ", this->comm_->rank(),
+                   ": clip_grad_norm: max_norm is ", max_norm, "; give a positive finite norm");
+    const double norm = grad_norm();
+    if (!std::isfinite(norm)) {
+      if (!error_if_nonfinite) return norm;
+      detail::fail(Errc::invalid_argument, "rank ", this->comm_->rank(),
+                   ": clip_grad_norm: the averaged gradients' norm is ", norm, ": parameter ",
+                   first_nonfinite(),
+                   "'s average holds an inf or a NaN (on every rank: the averages are the same "
+                   "everywhere); skip the step (found_nonfinite() says so before clipping), scale "
+                   "the loss or lower the learning rate, or pass error_if_nonfinite = false");
+    }
+    const double coef = max_norm / (norm + 1e-6);
+    if (coef < 1.0) this->typed([&](auto t) { scale<decltype(t)>(coef); });
+    return norm;
+  }
+
  private:
+  template <class T>
+  detail::BucketEngine<T, M, Backend>& engine() {
+    return static_cast<detail::BucketEngine<T, M, Backend>&>(*this->impl_);
+  }
+
+  // f(param, data, n) over every range of the gradients, in host memory: CUDA ranges are copied
+  // to the host before f and back after it when `write`.
+  template <class T, class F>
+  void each_gradient(bool write, F&& f) {
+    auto& e = engine<T>();
+    std::vector<T> host;
+    e.for_each_owned([&](std::size_t i, std::size_t offset, std::size_t n) {
+      const auto& g = e.grads()[i];
+      T* data = g.data + offset;
+      if (!e.cuda()) return f(i, data, n);
+      host.resize(n);
+      detail::copy_bytes(host.data(), data, n * sizeof(T), true, g.stream);
+      detail::sync_stream(true, g.stream);
+      f(i, host.data(), n);
+      if (!write) return;
+      detail::copy_bytes(data, host.data(), n * sizeof(T), true, g.stream);
+      detail::sync_stream(true, g.stream);
+    });
+  }
+
+  template <class T>
+  void scale(double factor) {
+    using A = typename detail::Accum<T>::type;
+    const A f = static_cast<A>(factor);
+    each_gradient<T>(true, [&](std::size_t, T* g, std::size_t n) {
+      for (std::size_t k = 0; k < n; ++k) g[k] = static_cast<T>(static_cast<A>(g[k]) * f);
+    });
+  }
+
+  std::size_t first_nonfinite() {
+    std::size_t first = this->size();
+    this->typed([&](auto t) {
+      using T = decltype(t);
+      each_gradient<T>(false, [&](std::size_t i, T* g, std::size_t n) {
+        for (std::size_t k = 0; k < n && i < first; ++k)
+          if (!std::isfinite(
+                  static_cast<double>(static_cast<typename detail::Accum<T>::type>(g[k]))))
+            first = i;
+      });
+    });
+    return first;
+  }
+
   // The element type of run-time-typed gradients: the first gradient's (a model without
   // parameters: float32).
   static DType first_dtype(Communicator<Backend>& comm, M& model) {

@@ -192,6 +192,79 @@ TEST_CASE("training: buckets, no_sync accumulation, unused parameters, mismatche
   });
 }
 
+TEST_CASE(
+    "training: grad_norm and clip_grad_norm over the averaged gradients, equal on every rank") {
+  for (int world : {1, 2, 3, 4}) {
+    for (auto transport : {ddp::HostTransport::shm, ddp::HostTransport::tcp}) {
+      if (transport == ddp::HostTransport::tcp && world != 3) continue;
+      CAPTURE(world);
+      mp::run(world, transport, [](mp::Comm& comm) {
+        Linear m;
+        ddp::GradientAverager avg(comm, m, {.bucket_bytes = 64, .first_bucket_bytes = 16});
+        const auto grad = [](int rank, std::size_t p, std::size_t k) {
+          return 0.25f * std::sin(static_cast<float>(rank * 31 + static_cast<int>(p * 7 + k)));
+        };
+        for (std::size_t p = 0; p < m.params.size(); ++p)
+          for (std::size_t k = 0; k < m.params[p].grad.size(); ++k)
+            m.params[p].grad[k] = grad(comm.rank(), p, k);
+        avg.average();
+        // By hand: the mean over the ranks of each element, squared and summed.
+        double want = 0;
+        for (std::size_t p = 0; p < m.params.size(); ++p)
+          for (std::size_t k = 0; k < m.params[p].grad.size(); ++k) {
+            double mean = 0;
+            for (int r = 0; r < comm.size(); ++r) mean += grad(r, p, k);
+            mean /= comm.size();
+            want += mean * mean;
+          }
+        want = std::sqrt(want);
+        const double norm = avg.grad_norm();
+        MP_EXPECT(std::abs(norm - want) <= 1e-6 * want, "grad_norm " << norm << " vs " << want);
+        const auto all = comm.all_gather_object(norm);
+        for (double other : all) MP_EXPECT(other == norm, "grad_norm differs between ranks");
+
+        // Under the limit: nothing changes; over it: scaled to the limit.
+        const auto before = m.params;
+        MP_EXPECT(avg.clip_grad_norm(2 * norm) == norm, "clip_grad_norm returns the norm");
+        for (std::size_t p = 0; p < m.params.size(); ++p)
+          MP_EXPECT(m.params[p].grad == before[p].grad, "a gradient under the limit changed");
+        MP_EXPECT(avg.clip_grad_norm(norm / 2) == norm, "clip_grad_norm returns the norm before");
+        const double coef = (norm / 2) / (norm + 1e-6);
+        for (std::size_t p = 0; p < m.params.size(); ++p)
+          for (std::size_t k = 0; k < m.params[p].grad.size(); ++k)
+            MP_EXPECT(m.params[p].grad[k] ==
+                          static_cast<float>(before[p].grad[k] * static_cast<float>(coef)),
+                      "parameter " << p << "[" << k << "] not scaled by the clip");
+        const double clipped = avg.grad_norm();
+        MP_EXPECT(std::abs(clipped - norm / 2) <= 1e-5 * norm, "clipped norm " << clipped);
+
+        // A non-finite average: named, on every rank, gradients untouched; or returned.
+        if (comm.rank() == comm.size() - 1) m.params[1].grad[2] = INFINITY;
+        avg.average();
+        const auto inf = m.params;
+        try {
+          (void)avg.clip_grad_norm(1.0);
+          MP_EXPECT(false, "no error for an inf gradient on rank " << comm.rank());
+        } catch (const ddp::Error& e) {
+          MP_EXPECT(e.code() == ddp::Errc::invalid_argument, e.what());
+          MP_EXPECT(std::string(e.what()).find("parameter 1's average holds an inf or a NaN") !=
+                        std::string::npos,
+                    e.what());
+        }
+        MP_EXPECT(std::isinf(avg.clip_grad_norm(1.0, false)), "error_if_nonfinite = false");
+        for (std::size_t p = 0; p < m.params.size(); ++p)
+          MP_EXPECT(m.params[p].grad == inf[p].grad, "a non-finite step's gradients changed");
+        try {
+          (void)avg.clip_grad_norm(-1.0);
+          MP_EXPECT(false, "a negative max_norm accepted");
+        } catch (const ddp::Error& e) {
+          MP_EXPECT(e.code() == ddp::Errc::invalid_argument, e.what());
+        }
+      });
+    }
+  }
+}
+
 TEST_CASE("training: compressed gradients stay within float16 and bfloat16 rounding") {
   // Linear's small gradients share a bucket; the extra large one is averaged in place.
   for (auto c : {ddp::Compression::float16, ddp::Compression::bfloat16}) {
