@@ -134,17 +134,20 @@ int main(int argc, char** argv) {
   try {
     Config defaults;
     defaults.checkpoint = "fashion_mnist.ckpt";
-    const Config cfg =
-        fashion_mnist::parse(argc, argv, defaults, "fashion_mnist.cpp",
-                             [](const std::string& a, const std::function<std::string()>& next) {
-                               if (a == "--resume")
-                                 cfg_resume = true;
-                               else if (a == "--crash-once-after-epoch")
-                                 cfg_crash_after = std::stoi(next());
-                               else
-                                 return false;
-                               return true;
-                             });
+    const Config cfg = fashion_mnist::parse(
+        argc, argv, defaults, "fashion_mnist.cpp",
+        [](const std::string& a, const std::function<std::string()>& next) {
+          if (a == "--resume")
+            cfg_resume = true;
+          else if (a == "--crash-once-after-epoch")
+            cfg_crash_after = std::stoi(next());
+          else
+            return false;
+          return true;
+        },
+        "  --resume          continue from the checkpoint when there is one\n"
+        "  --crash-once-after-epoch N  rank 1 kills itself once after that "
+        "epoch's checkpoint");
     const auto env = ddp::Environment::detect();
     if (env.launcher == "none")
       ddp::spawn(cfg.nproc, [&](ddp::Environment e) { run(e, cfg); });

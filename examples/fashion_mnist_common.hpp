@@ -46,10 +46,12 @@ struct Config {
 
 /// Parses --epochs, --batch, --lr, --lr-decay, --hidden, --data, --cache, --limit, --checkpoint
 /// and --nproc over `c` (FASHION_MNIST_DIR sets the data directory); `extra(option, next)` takes
-/// a program's own options and returns false for one it does not know.
-inline Config parse(int argc, char** argv, Config c, const char* program,
-                    const std::function<bool(const std::string&,
-                                             const std::function<std::string()>&)>& extra = {}) {
+/// a program's own options and returns false for one it does not know. --help (-h) prints them
+/// all, the program's own ones from `own`, and exits.
+inline Config parse(
+    int argc, char** argv, Config c, const char* program,
+    const std::function<bool(const std::string&, const std::function<std::string()>&)>& extra = {},
+    const char* own = "") {
   if (const char* d = std::getenv("FASHION_MNIST_DIR")) c.data = d;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -57,6 +59,26 @@ inline Config parse(int argc, char** argv, Config c, const char* program,
       if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
       return argv[++i];
     };
+    if (a == "--help" || a == "-h") {
+      std::printf(
+          "usage: %s [options]   (under ddprun, or alone: it forks --nproc ranks itself)\n"
+          "  --epochs N        epochs (%d)\n"
+          "  --batch N         the global batch, split between the ranks (%d)\n"
+          "  --lr X            learning rate (%g)\n"
+          "  --lr-decay X      the learning rate's factor after every epoch (%g)\n"
+          "  --hidden N        hidden units (%d)\n"
+          "  --data DIR        the gzip'd IDX files (%s; FASHION_MNIST_DIR)\n"
+          "  --cache DIR       the decoded files (%s)\n"
+          "  --limit N         use the first N training images (0: all)\n"
+          "  --checkpoint FILE (%s)\n"
+          "  --nproc N         ranks to fork without a launcher (%d)\n"
+          "%s%sSee the top of %s for more.\n",
+          argv[0], c.epochs, c.batch, static_cast<double>(c.lr), static_cast<double>(c.decay),
+          c.hidden, c.data.c_str(), c.cache.c_str(),
+          c.checkpoint.empty() ? "none" : c.checkpoint.c_str(), c.nproc, own,
+          *own != '\0' ? "\n" : "", program);
+      std::exit(0);
+    }
     if (a == "--epochs")
       c.epochs = std::stoi(next());
     else if (a == "--batch")

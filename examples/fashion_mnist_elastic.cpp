@@ -184,24 +184,28 @@ int main(int argc, char** argv) {
   try {
     fashion_mnist::Config defaults;
     defaults.nproc = 4;
-    const fashion_mnist::Config cfg =
-        fashion_mnist::parse(argc, argv, defaults, "fashion_mnist_elastic.cpp",
-                             [](const std::string& a, const std::function<std::string()>& next) {
-                               if (a == "--kill" || a == "--stop") {
-                                 Kill k{};
-                                 if (std::sscanf(next().c_str(), "%d:%d:%zu:%d", &k.rank, &k.epoch,
-                                                 &k.step, &k.life) < 3)
-                                   throw std::invalid_argument(a + " takes RANK:EPOCH:STEP[:LIFE]");
-                                 (a == "--kill" ? cfg_kills : cfg_stops).push_back(k);
-                               } else if (a == "--record") {
-                                 cfg_record = next();
-                               } else if (a == "--timing") {
-                                 cfg_timing = true;
-                               } else {
-                                 return false;
-                               }
-                               return true;
-                             });
+    const fashion_mnist::Config cfg = fashion_mnist::parse(
+        argc, argv, defaults, "fashion_mnist_elastic.cpp",
+        [](const std::string& a, const std::function<std::string()>& next) {
+          if (a == "--kill" || a == "--stop") {
+            Kill k{};
+            if (std::sscanf(next().c_str(), "%d:%d:%zu:%d", &k.rank, &k.epoch, &k.step, &k.life) <
+                3)
+              throw std::invalid_argument(a + " takes RANK:EPOCH:STEP[:LIFE]");
+            (a == "--kill" ? cfg_kills : cfg_stops).push_back(k);
+          } else if (a == "--record") {
+            cfg_record = next();
+          } else if (a == "--timing") {
+            cfg_timing = true;
+          } else {
+            return false;
+          }
+          return true;
+        },
+        "  --kill R:E:S[:L]  world rank R dies at step S of epoch E (life L)\n"
+        "  --stop R:E:S[:L]  the same with SIGSTOP: it wakes fenced\n"
+        "  --record DIR      each rank writes its committed steps' images to DIR/rank<R>.txt\n"
+        "  --timing          wall-clock times of a kill and of the next step");
     const auto env = ddp::Environment::detect();
     if (env.launcher == "none") {
       ddp::SpawnOptions so;

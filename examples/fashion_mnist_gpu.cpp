@@ -41,11 +41,13 @@ Config parse(int argc, char** argv) {
   c.checkpoint = "fashion_mnist_gpu.ckpt";
   c.nproc = 1;
   static_cast<fashion_mnist::Config&>(c) = fashion_mnist::parse(
-      argc, argv, c, "fashion_mnist_gpu.cpp", [&](const std::string& a, const auto& next) {
+      argc, argv, c, "fashion_mnist_gpu.cpp",
+      [&](const std::string& a, const auto& next) {
         if (a != "--backend") return false;
         c.backend = next();
         return true;
-      });
+      },
+      "  --backend B       nccl (the gradients on the GPU) or host (staged through host memory)");
   if (c.backend != "nccl" && c.backend != "host")
     throw std::invalid_argument("--backend must be nccl or host");
   return c;

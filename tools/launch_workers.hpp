@@ -55,6 +55,7 @@ inline std::vector<std::string> LaunchAgent::worker_env(const Worker& w, int att
                                          "DDP_STORE_HOSTED",
                                          "DDP_STORE_PORT",
                                          "DDP_STORE",
+                                         "DDP_OUTPUT_PREFIXED",
                                          "TORCHELASTIC_ERROR_FILE",
                                          "TORCHELASTIC_USE_AGENT_STORE",
                                          "TORCHELASTIC_RESTART_COUNT",
@@ -85,6 +86,9 @@ inline std::vector<std::string> LaunchAgent::worker_env(const Worker& w, int att
   else
     env.push_back(concat("DDP_STORE=", o_.store_url, "/", etcd_namespace()));
   env.push_back("DDP_LAUNCHER=" + o_.name);
+  // Every line of the worker's starts with "[rRANK] ": ddp::Logger then adds no prefix of its own
+  // (a rank changed since, by shrink or grow, it still says).
+  if (o_.prefix_output && o_.prefix_template.empty()) env.push_back("DDP_OUTPUT_PREFIXED=1");
   env.push_back(concat("TORCHELASTIC_ERROR_FILE=", error_file(w, attempt)));
   env.push_back(concat("DDP_RESTART_COUNT=", attempt));
   if (w.rejoins > 0 || late_) env.push_back(concat("DDP_REJOIN=", std::max(w.rejoins, 1)));

@@ -153,11 +153,16 @@ class SingleNode(Base):
     def test_environment_of_the_workers(self):
         r = ddprun("--standalone", "--nproc-per-node", 2, "sh", "-c",
                    "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $NODE_RANK $GROUP_RANK "
-                   "$MASTER_ADDR $DDP_RESTART_COUNT $DDP_STORE_HOSTED $DDP_LAUNCHER")
+                   "$MASTER_ADDR $DDP_RESTART_COUNT $DDP_STORE_HOSTED $DDP_LAUNCHER "
+                   "$DDP_OUTPUT_PREFIXED")
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertEqual(sorted(r.stdout.splitlines()),
-                         ["[r0] 0 2 0 2 0 0 127.0.0.1 0 1 ddprun",
-                          "[r1] 1 2 1 2 0 0 127.0.0.1 0 1 ddprun"])
+                         ["[r0] 0 2 0 2 0 0 127.0.0.1 0 1 ddprun 1",
+                          "[r1] 1 2 1 2 0 0 127.0.0.1 0 1 ddprun 1"])
+        # Without the prefix, ddp::Logger is told nothing: it prefixes its lines itself.
+        r = ddprun("--standalone", "--no-prefix", "sh", "-c", "echo x${DDP_OUTPUT_PREFIXED}x")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout.splitlines(), ["xx"])
 
     def test_torchrun_worker_variables(self):
         r = ddprun("--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "sh", "-c",

@@ -29,7 +29,9 @@
 #include <cstdarg>
 #include <cstddef>
 #include <cstdio>
+#include <cstdlib>
 #include <initializer_list>
+#include <limits>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -38,7 +40,9 @@ DDP_BEGIN_NAMESPACE
 
 /// Where and on which ranks a Logger prints.
 struct LoggerOptions {
-  /// Every rank prints, each line prefixed "[rN] " (else rank 0 only, without a prefix).
+  /// Every rank prints, each line prefixed "[rN] " (else rank 0 only, without a prefix). Under
+  /// ddprun, which prefixes every line with the rank the process started as, a Logger adds
+  /// nothing, or "(now rN) " once shrink() or grow() gave the process another rank.
   bool every_rank = false;
   /// The file descriptor lines go to (stdout by default; 2 for stderr).
   int fd = 1;
@@ -80,10 +84,19 @@ class Logger {
 
   int rank_;
   LoggerOptions o_;
+  int started_as_ = -1;  // the RANK ddprun's "[rRANK] " prefix names (-1: no such prefix)
 };
 
 #if DDP_BODIES
-DDP_INLINE Logger::Logger(int rank, LoggerOptions o) : rank_(rank), o_(o) {}
+DDP_INLINE Logger::Logger(int rank, LoggerOptions o) : rank_(rank), o_(o) {
+  const char* prefixed = std::getenv("DDP_OUTPUT_PREFIXED");
+  const char* started = std::getenv("RANK");
+  if (prefixed == nullptr || std::string_view(prefixed) != "1" || started == nullptr) return;
+  char* end = nullptr;
+  const long r = std::strtol(started, &end, 10);
+  if (end != started && *end == '\0' && r >= 0 && r <= std::numeric_limits<int>::max())
+    started_as_ = static_cast<int>(r);
+}
 
 DDP_INLINE void Logger::write(std::string_view text) const {
   if (enabled()) write_all(std::string(text));
@@ -110,8 +123,11 @@ DDP_INLINE std::string Logger::vformat(const char* format, va_list args) {
 
 DDP_INLINE void Logger::write_all(std::string text) const {
   if (o_.every_rank) {
-    // A prefix after the carriage return of a redrawn line, else at the start.
-    const std::string prefix = "[r" + std::to_string(rank_) + "] ";
+    // A prefix after the carriage return of a redrawn line, else at the start. Under ddprun,
+    // whose "[rRANK] " starts every line already, only a rank changed since (shrink, grow).
+    const std::string prefix = started_as_ < 0        ? "[r" + std::to_string(rank_) + "] "
+                               : started_as_ != rank_ ? "(now r" + std::to_string(rank_) + ") "
+                                                      : std::string();
     text.insert(!text.empty() && text[0] == '\r' ? 1 : 0, prefix);
   }
   const char* p = text.data();

@@ -38,6 +38,23 @@ TEST_CASE("training: Logger prints whole lines on rank 0 or on every rank with i
   ::close(fd);
 }
 
+TEST_CASE("training: under ddprun's [rRANK] prefix a Logger adds only a rank changed since") {
+  char path[] = "/tmp/ddp-log-XXXXXX";
+  const int fd = ::mkstemp(path);
+  REQUIRE(fd >= 0);
+  ::unlink(path);
+  ::setenv("DDP_OUTPUT_PREFIXED", "1", 1);
+  ::setenv("RANK", "2", 1);
+  ddp::Logger(2, {.every_rank = true, .fd = fd}).print("%s", "as started");
+  ddp::Logger(1, {.every_rank = true, .fd = fd}).print("%s", "shrunk");  // rank 2 is now rank 1
+  ::setenv("RANK", "two", 1);  // not a rank: the logger's own prefix
+  ddp::Logger(1, {.every_rank = true, .fd = fd}).print("%s", "own");
+  ::unsetenv("DDP_OUTPUT_PREFIXED");
+  ::unsetenv("RANK");
+  CHECK(written(fd) == "as started\n(now r1) shrunk\n[r1] own\n");
+  ::close(fd);
+}
+
 TEST_CASE("training: Progress writes a line per quarter in a log, redraws on a terminal") {
   char path[] = "/tmp/ddp-log-XXXXXX";
   const int fd = ::mkstemp(path);
