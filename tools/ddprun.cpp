@@ -44,6 +44,7 @@
 #include <cctype>
 #include <charconv>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -176,10 +177,27 @@ struct Usage : CLI::Formatter {
   }
 };
 
+/// A number of at least 0 (`zero_ok`) or above it: what CLI11's NonNegativeNumber and
+/// PositiveNumber check, said without the 309 digits of the largest double they print.
+CLI::Validator number_above_zero(bool zero_ok) {
+  return CLI::Validator(
+      [=](std::string& value) -> std::string {
+        char* end = nullptr;
+        const double x = std::strtod(value.c_str(), &end);
+        if (value.empty() || end == nullptr || *end != '\0' || !std::isfinite(x))
+          return fmt::format("{} is not a number", value);
+        if (zero_ok ? x >= 0 : x > 0) return {};
+        return zero_ok ? fmt::format("{} is negative: give 0 or more", value)
+                       : fmt::format("{} is not positive: give more than 0", value);
+      },
+      zero_ok ? "NUMBER >= 0" : "NUMBER > 0");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   Config cfg;
+  const CLI::Validator non_negative = number_above_zero(true), positive = number_above_zero(false);
   CLI::App app{
       "Launches the worker processes of a ddp (or torch.distributed) program. A PROGRAM ending in "
       ".py runs with $PYTHON (default: python3 on PATH)."};
@@ -194,7 +212,7 @@ int main(int argc, char** argv) {
          "number of nodes, or torchrun's MIN:MAX: start with MIN, admit late nodes up to MAX")
       ->capture_default_str();
   app.add_option("--node-rank,--node_rank", cfg.node_rank, "this node's rank, 0 to nnodes-1")
-      ->check(CLI::NonNegativeNumber)
+      ->check(non_negative)
       ->capture_default_str();
   app.add_option("--master-addr,--master_addr", cfg.master_addr,
                  "address of node 0, where the rendezvous store listens")
@@ -206,7 +224,7 @@ int main(int argc, char** argv) {
                "a single node on 127.0.0.1 with a free port (no --master-* needed)");
   app.add_option("--max-restarts,--max_restarts", cfg.max_restarts,
                  "restart the whole group up to this many times after a failure")
-      ->check(CLI::NonNegativeNumber)
+      ->check(non_negative)
       ->capture_default_str();
   app.add_option("--on-failure,--on_failure", cfg.on_failure,
                  "what a worker's failure does: restart (stop every worker; --max-restarts may "
@@ -220,21 +238,21 @@ int main(int argc, char** argv) {
                  "seconds to wait before restarting after a failed attempt, doubled after each "
                  "further failed attempt in a row (an attempt that ran 30 s or more begins a new "
                  "row); 0 restarts at once")
-      ->check(CLI::NonNegativeNumber)
+      ->check(non_negative)
       ->capture_default_str();
   app.add_option("--restart-backoff-max", cfg.restart_backoff_max,
                  "the longest wait before a restart, in seconds")
-      ->check(CLI::NonNegativeNumber)
+      ->check(non_negative)
       ->capture_default_str();
   app.add_option("--log-dir,--log_dir", cfg.log_dir,
                  "also write each worker's output to DIR/attempt_K/rank_R.log, byte for byte");
   app.add_flag("--no-prefix,--no_prefix", cfg.no_prefix, "do not prefix output lines with [rR]");
   app.add_option("--grace", cfg.grace, "seconds between SIGTERM and SIGKILL when stopping workers")
-      ->check(CLI::NonNegativeNumber)
+      ->check(non_negative)
       ->capture_default_str();
   app.add_option("--join-timeout,--join_timeout", cfg.join_timeout,
                  "seconds to wait for every node to join, and for the others to finish")
-      ->check(CLI::PositiveNumber)
+      ->check(positive)
       ->capture_default_str();
   app.add_option("--rdzv-endpoint,--rdzv_endpoint", cfg.rdzv_endpoint,
                  "HOST:PORT of the rendezvous store: --master-addr and --master-port in one "
@@ -273,7 +291,7 @@ int main(int argc, char** argv) {
                  "${rank} and ${hostname} are replaced");
   app.add_option("--shutdown-timeout,--shutdown_timeout", cfg.shutdown_timeout,
                  "as --grace: seconds between SIGTERM and SIGKILL when stopping workers")
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative);
   app.add_flag("--run-path,--run_path", cfg.run_path,
                "torchrun runs the script in its own interpreter; ddprun runs it with python3");
   // Accepted, and noted once on stderr: they describe how torchrun's Python agent works.

@@ -829,12 +829,22 @@ class SingleNode(Base):
             (["--rdzv-conf", "join_timeout=-1", "true"], 'expected seconds, got "-1"'),
             (["--on-failure", "bogus", "true"], "--on-failure: bogus not in {restart,shrink,rejoin}"),
             (["--on-failure", "shrink", "--on-failure", "restart", "true"], "--on-failure"),
-            (["--max-restarts", "-1", "true"], "--max-restarts"),
+            (["--max-restarts", "-1", "true"], "--max-restarts: -1 is negative: give 0 or more"),
+            (["--grace", "soon", "true"], "--grace: soon is not a number"),
+            (["--join-timeout", "0", "true"], "--join-timeout: 0 is not positive"),
         ]
         for args, message in cases:
             r = ddprun(*args)
             self.assertEqual(r.returncode, 2, (args, r.stderr))
             self.assertIn(message, r.stderr)
+            self.assertLess(len(r.stderr), 400, r.stderr)  # said in a line, not 300 digits
+        # The same from torchrun's PET_ variables, and a flag's value that is not a boolean.
+        for name, value, message in [("PET_MAX_RESTARTS", "-1", "-1 is negative"),
+                                     ("PET_STANDALONE", "maybe", "--standalone = maybe")]:
+            r = ddprun("--nproc-per-node", 1, "true", env={**os.environ, name: value})
+            self.assertEqual(r.returncode, 2, (name, r.stderr))
+            self.assertIn(message, r.stderr)
+            self.assertLess(len(r.stderr), 400, r.stderr)
         r = ddprun("--help")
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertEqual(r.stdout.count("Usage:"), 1, r.stdout)  # one usage line, naming PROGRAM
