@@ -22304,6 +22304,7 @@ DDP_END_NAMESPACE
 ///
 /// Models, parameters and their adaptation: ddp/training/parameters.hpp.
 
+// #include "ddp/backend/reduce.hpp" (already included above)
 // #include "ddp/communicator.hpp" (already included above)
 // begin ddp/training/buckets.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -23294,6 +23295,7 @@ DDP_END_NAMESPACE
 // #include "ddp/training/join.hpp" (already included above)
 // #include "ddp/training/parameters.hpp" (already included above)
 
+#include <cmath>
 #include <cstddef>
 #include <memory>
 #include <utility>
@@ -23449,7 +23451,99 @@ class GradientAverager : public detail::Averager<M, Backend>, public Joinable {
     this->broadcast_buffers(last);
   }
 
+  /// The 2-norm of all the averaged gradients together, after synchronize() (or average()): the
+  /// norm torch's clip_grad_norm_ computes after DDP's backward, accumulated in double. Every
+  /// rank holds the same averages (bitwise), so every rank gets the same value, without any
+  /// communication. inf or NaN when a gradient holds one. CUDA gradients are read through host
+  /// memory.
+  [[nodiscard]] double grad_norm() {
+    double sum = 0;
+    this->typed([&](auto t) {
+      using T = decltype(t);
+      engine<T>().for_each_result([&](const T* g, std::size_t n) {
+        for (std::size_t k = 0; k < n; ++k) {
+          const double x = static_cast<double>(static_cast<typename detail::Accum<T>::type>(g[k]));
+          sum += x * x;
+        }
+      });
+    });
+    return std::sqrt(sum);
+  }
+
+  /// torch's clip_grad_norm_(parameters, max_norm) after synchronize(): when grad_norm() exceeds
+  /// `max_norm`, multiplies every gradient by max_norm / (norm + 1e-6); returns the norm before
+  /// clipping. A norm that is not finite fails with Errc::invalid_argument naming the first
+  /// parameter whose average holds an inf or a NaN (on every rank alike), gradients untouched;
+  /// with `error_if_nonfinite` false it is returned instead (torch's default), gradients
+  /// untouched too.
+  double clip_grad_norm(double max_norm, bool error_if_nonfinite = true) {
+    if (!(max_norm > 0.0) || !std::isfinite(max_norm))
+      detail::fail(Errc::invalid_argument, "rank ", this->comm_->rank(),
+                   ": clip_grad_norm: max_norm is ", max_norm, "; give a positive finite norm");
+    const double norm = grad_norm();
+    if (!std::isfinite(norm)) {
+      if (!error_if_nonfinite) return norm;
+      detail::fail(Errc::invalid_argument, "rank ", this->comm_->rank(),
+                   ": clip_grad_norm: the averaged gradients' norm is ", norm, ": parameter ",
+                   first_nonfinite(),
+                   "'s average holds an inf or a NaN (on every rank: the averages are the same "
+                   "everywhere); skip the step (found_nonfinite() says so before clipping), scale "
+                   "the loss or lower the learning rate, or pass error_if_nonfinite = false");
+    }
+    const double coef = max_norm / (norm + 1e-6);
+    if (coef < 1.0) this->typed([&](auto t) { scale<decltype(t)>(coef); });
+    return norm;
+  }
+
  private:
+  template <class T>
+  detail::BucketEngine<T, M, Backend>& engine() {
+    return static_cast<detail::BucketEngine<T, M, Backend>&>(*this->impl_);
+  }
+
+  // f(param, data, n) over every range of the gradients, in host memory: CUDA ranges are copied
+  // to the host before f and back after it when `write`.
+  template <class T, class F>
+  void each_gradient(bool write, F&& f) {
+    auto& e = engine<T>();
+    std::vector<T> host;
+    e.for_each_owned([&](std::size_t i, std::size_t offset, std::size_t n) {
+      const auto& g = e.grads()[i];
+      T* data = g.data + offset;
+      if (!e.cuda()) return f(i, data, n);
+      host.resize(n);
+      detail::copy_bytes(host.data(), data, n * sizeof(T), true, g.stream);
+      detail::sync_stream(true, g.stream);
+      f(i, host.data(), n);
+      if (!write) return;
+      detail::copy_bytes(data, host.data(), n * sizeof(T), true, g.stream);
+      detail::sync_stream(true, g.stream);
+    });
+  }
+
+  template <class T>
+  void scale(double factor) {
+    using A = typename detail::Accum<T>::type;
+    const A f = static_cast<A>(factor);
+    each_gradient<T>(true, [&](std::size_t, T* g, std::size_t n) {
+      for (std::size_t k = 0; k < n; ++k) g[k] = static_cast<T>(static_cast<A>(g[k]) * f);
+    });
+  }
+
+  std::size_t first_nonfinite() {
+    std::size_t first = this->size();
+    this->typed([&](auto t) {
+      using T = decltype(t);
+      each_gradient<T>(false, [&](std::size_t i, T* g, std::size_t n) {
+        for (std::size_t k = 0; k < n && i < first; ++k)
+          if (!std::isfinite(
+                  static_cast<double>(static_cast<typename detail::Accum<T>::type>(g[k]))))
+            first = i;
+      });
+    });
+    return first;
+  }
+
   // The element type of run-time-typed gradients: the first gradient's (a model without
   // parameters: float32).
   static DType first_dtype(Communicator<Backend>& comm, M& model) {
@@ -23588,7 +23682,9 @@ DDP_END_NAMESPACE
 #include <cstdarg>
 #include <cstddef>
 #include <cstdio>
+#include <cstdlib>
 #include <initializer_list>
+#include <limits>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -23597,7 +23693,9 @@ DDP_BEGIN_NAMESPACE
 
 /// Where and on which ranks a Logger prints.
 struct LoggerOptions {
-  /// Every rank prints, each line prefixed "[rN] " (else rank 0 only, without a prefix).
+  /// Every rank prints, each line prefixed "[rN] " (else rank 0 only, without a prefix). Under
+  /// ddprun, which prefixes every line with the rank the process started as, a Logger adds
+  /// nothing, or "(now rN) " once shrink() or grow() gave the process another rank.
   bool every_rank = false;
   /// The file descriptor lines go to (stdout by default; 2 for stderr).
   int fd = 1;
@@ -23639,10 +23737,19 @@ class Logger {
 
   int rank_;
   LoggerOptions o_;
+  int started_as_ = -1;  // the RANK ddprun's "[rRANK] " prefix names (-1: no such prefix)
 };
 
 #if DDP_BODIES
-DDP_INLINE Logger::Logger(int rank, LoggerOptions o) : rank_(rank), o_(o) {}
+DDP_INLINE Logger::Logger(int rank, LoggerOptions o) : rank_(rank), o_(o) {
+  const char* prefixed = std::getenv("DDP_OUTPUT_PREFIXED");
+  const char* started = std::getenv("RANK");
+  if (prefixed == nullptr || std::string_view(prefixed) != "1" || started == nullptr) return;
+  char* end = nullptr;
+  const long r = std::strtol(started, &end, 10);
+  if (end != started && *end == '\0' && r >= 0 && r <= std::numeric_limits<int>::max())
+    started_as_ = static_cast<int>(r);
+}
 
 DDP_INLINE void Logger::write(std::string_view text) const {
   if (enabled()) write_all(std::string(text));
@@ -23669,8 +23776,11 @@ DDP_INLINE std::string Logger::vformat(const char* format, va_list args) {
 
 DDP_INLINE void Logger::write_all(std::string text) const {
   if (o_.every_rank) {
-    // A prefix after the carriage return of a redrawn line, else at the start.
-    const std::string prefix = "[r" + std::to_string(rank_) + "] ";
+    // A prefix after the carriage return of a redrawn line, else at the start. Under ddprun,
+    // whose "[rRANK] " starts every line already, only a rank changed since (shrink, grow).
+    const std::string prefix = started_as_ < 0        ? "[r" + std::to_string(rank_) + "] "
+                               : started_as_ != rank_ ? "(now r" + std::to_string(rank_) + ") "
+                                                      : std::string();
     text.insert(!text.empty() && text[0] == '\r' ? 1 : 0, prefix);
   }
   const char* p = text.data();
