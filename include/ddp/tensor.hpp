@@ -127,6 +127,11 @@ struct DynamicView {
 template <class T>
 struct tensor_traits {};
 
+template <class T>
+struct From;
+template <class T>
+struct Into;
+
 /// A TensorView passes through unchanged (keeping its device and stream); where it lives is known
 /// only at run time.
 template <class T>
@@ -286,6 +291,15 @@ concept range_of_tensors = std::ranges::range<U&> &&
     (Viewable<std::ranges::range_value_t<U&>> ||
      unadapted_torch_tensor<std::ranges::range_value_t<U&>>);
 
+template <class T>
+inline constexpr bool is_from_v = false;
+template <class T>
+inline constexpr bool is_from_v<From<T>> = true;
+template <class T>
+inline constexpr bool is_into_v = false;
+template <class T>
+inline constexpr bool is_into_v<Into<T>> = true;
+
 /// True when T can be a collective's argument (written to when Output); otherwise the first
 /// error the compiler prints says why, instead of "no matching function" and 20 lines of
 /// unsatisfied constraints. The collectives' template parameters use it (tensor_input /
@@ -293,13 +307,25 @@ concept range_of_tensors = std::ranges::range<U&> &&
 template <class T, bool Output>
 consteval bool explain_tensor_argument() {
   using U = std::remove_reference_t<T>;
-  if constexpr (Output ? MutableTensor<T> : TensorLike<T>) {
+  if constexpr (!Output && is_into_v<std::remove_cv_t<U>>) {
+    static_assert(always_false<T>,
+                  "ddp: ddp::into(...) is given where the collective reads its input: the "
+                  "arguments are in torch's order (out, in); ddp's collectives take "
+                  "(ddp::from(in), ddp::into(out)), the input first, as MPI does: swap them");
+  } else if constexpr (Output && is_from_v<std::remove_cv_t<U>>) {
+    static_assert(always_false<T>,
+                  "ddp: ddp::from(...) is given where the collective writes its result: the "
+                  "arguments are in torch's order (out, in), or an in-place buffer is marked as "
+                  "an input; ddp's collectives take (ddp::from(in), ddp::into(out)), the input "
+                  "first, as MPI does");
+  } else if constexpr (Output ? MutableTensor<T> : TensorLike<T>) {
     return true;
   } else if constexpr (!Viewable<T> && proxy_range<U>) {
     static_assert(always_false<T>,
                   "ddp: this range has no elements in memory to send (std::vector<bool> packs "
-                  "bits; a view computes its values): use std::vector<std::uint8_t> for flags, "
-                  "or copy the values into a std::vector");
+                  "bits; a view computes its values): for flags use a bool array "
+                  "(std::array<bool, N>, std::unique_ptr<bool[]> in a std::span), or copy the "
+                  "values into a std::vector");
   } else if constexpr (!Viewable<T> && std::ranges::range<U&> &&
                        !std::ranges::contiguous_range<U&>) {
     static_assert(always_false<T>,
@@ -324,10 +350,9 @@ consteval bool explain_tensor_argument() {
   } else if constexpr (!DynamicTensor<T> && !Scalar<tensor_value_t<T>>) {
     static_assert(always_false<T>,
                   "ddp: the element type is not one a collective carries; ddp carries int8, "
-                  "int16, int32, int64, uint8, uint16, uint32, uint64, ddp::half, "
-                  "ddp::bfloat16, float and double (not bool, char, long double or "
-                  "std::complex: a std::complex<float> buffer travels as a std::span<float> of "
-                  "twice the size)");
+                  "int16, int32, int64, uint8, uint16, uint32, uint64, bool, ddp::half, "
+                  "ddp::bfloat16, float and double (not char, long double or std::complex: a "
+                  "std::complex<float> buffer travels as a std::span<float> of twice the size)");
   } else {
     static_assert(always_false<T>,
                   "ddp: this argument is written to, but its elements are const: pass a "
@@ -449,6 +474,71 @@ struct P2POp {
                          std::is_const_v<E>};
     }
   }
+};
+
+/// A collective's input with its role named: `comm.all_gather(ddp::from(mine), ddp::into(all))`
+/// (as KaMPIng's `send_buf`). ddp's buffer-pair collectives take the input first, as MPI does;
+/// torch's take the output first. Written with from() and into(), an argument in the wrong
+/// place is a compile error that says so (detail::explain_tensor_argument), where two plain
+/// buffers of one type would be accepted in either order. Holds a reference to `tensor`, or a
+/// copy of a tensor whose copies share its storage (torch::Tensor), so that an async call keeps
+/// that storage alive as it would the tensor itself.
+template <class T>
+struct From {
+  T tensor;  ///< The tensor (a reference, or a storage-sharing copy).
+};
+/// A collective's output with its role named: see ddp::From.
+template <class T>
+struct Into {
+  T tensor;  ///< The tensor (a reference, or a storage-sharing copy).
+};
+
+namespace detail {
+/// How a role wrapper holds `T&&`: a storage-sharing tensor by value, anything else by
+/// reference (an rvalue by value: the wrapper lives as long as the call's argument would).
+template <class T>
+using role_held_t =
+    std::conditional_t<shares_storage<std::remove_cvref_t<T>>, std::remove_cvref_t<T>, T>;
+
+/// tensor_traits of a role wrapper: the wrapped tensor's view, device kind and storage sharing.
+template <class T>
+struct role_traits {
+  static constexpr bool shares_storage = !std::is_reference_v<T> && detail::shares_storage<T>;
+};
+template <class T>
+  requires(static_device_kind<std::remove_reference_t<T>>().has_value())
+struct role_traits<T> {
+  static constexpr bool shares_storage = !std::is_reference_v<T> && detail::shares_storage<T>;
+  static constexpr DeviceKind device_kind = *static_device_kind<std::remove_reference_t<T>>();
+};
+}  // namespace detail
+
+/// `in` as a collective's input (ddp::From).
+template <class T>
+  requires Viewable<T>
+[[nodiscard]] constexpr From<detail::role_held_t<T>> from(T&& in) { return {std::forward<T>(in)}; }
+/// `out` as a collective's output (ddp::Into).
+template <class T>
+  requires Viewable<T>
+[[nodiscard]] constexpr Into<detail::role_held_t<T>> into(T&& out) {
+  return {std::forward<T>(out)};
+}
+
+/// An input named by ddp::from: the wrapped tensor's view.
+template <class T>
+struct tensor_traits<From<T>> : detail::role_traits<T> {
+  /// The wrapped tensor's view.
+  static constexpr auto view(From<T>& f) { return ddp::view(f.tensor); }
+  /// The same, for a wrapper held const.
+  static constexpr auto view(const From<T>& f) { return ddp::view(f.tensor); }
+};
+/// An output named by ddp::into: the wrapped tensor's own view.
+template <class T>
+struct tensor_traits<Into<T>> : detail::role_traits<T> {
+  /// The wrapped tensor's view.
+  static constexpr auto view(Into<T>& i) { return ddp::view(i.tensor); }
+  /// The same, for a wrapper held const (the wrapped tensor keeps its own constness).
+  static constexpr auto view(const Into<T>& i) { return ddp::view(i.tensor); }
 };
 
 DDP_END_NAMESPACE

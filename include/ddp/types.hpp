@@ -176,7 +176,7 @@ static_assert(sizeof(bfloat16) == 2 && std::is_trivially_copyable_v<bfloat16>);
 
 /// Element types a collective can carry. The numbering is stable (it is sent on the wire) and
 /// matches ncclDataType_t's set of types, plus the 16-bit integers (which NCCL moves but cannot
-/// reduce).
+/// reduce) and bool (one byte holding 0 or 1, as torch.bool; NCCL moves it as uint8).
 enum class DType : std::uint8_t {
   int8 = 0,
   uint8 = 1,
@@ -190,10 +190,11 @@ enum class DType : std::uint8_t {
   bfloat16 = 9,
   int16 = 10,
   uint16 = 11,
+  boolean = 12,  ///< bool; to_string says "bool"
 };
 
 /// The number of DType enumerators (one past the largest value).
-inline constexpr int dtype_count = 12;
+inline constexpr int dtype_count = 13;
 
 /// The enumerator's name, e.g. "float32"; "invalid" for a value that is not one.
 [[nodiscard]] constexpr std::string_view to_string(DType t) noexcept {
@@ -210,6 +211,7 @@ inline constexpr int dtype_count = 12;
     case DType::bfloat16: return "bfloat16";
     case DType::int16: return "int16";
     case DType::uint16: return "uint16";
+    case DType::boolean: return "bool";
   }
   return "invalid";
 }
@@ -218,7 +220,8 @@ inline constexpr int dtype_count = 12;
 [[nodiscard]] constexpr std::size_t size_of(DType t) noexcept {
   switch (t) {
     case DType::int8:
-    case DType::uint8: return 1;
+    case DType::uint8:
+    case DType::boolean: return 1;
     case DType::int16:
     case DType::uint16:
     case DType::float16:
@@ -259,6 +262,10 @@ struct dtype_of_impl<T> {
                        : (std::is_signed_v<T> ? DType::int64 : DType::uint64);
 };
 template <>
+struct dtype_of_impl<bool> {
+  static constexpr DType value = DType::boolean;
+};
+template <>
 struct dtype_of_impl<float> {
   static constexpr DType value = DType::float32;
 };
@@ -277,7 +284,7 @@ struct dtype_of_impl<bfloat16> {
 }  // namespace detail
 
 /// A type that collectives can carry: the fixed-width integers of 8, 16, 32 and 64 bits (signed
-/// char and unsigned char included, plain char, bool and the character types excluded), half,
+/// char and unsigned char included, plain char and the character types excluded), bool, half,
 /// bfloat16, float and double.
 template <class T>
 concept Scalar = requires {
@@ -288,11 +295,23 @@ concept Scalar = requires {
 template <Scalar T>
 inline constexpr DType dtype_of = detail::dtype_of_impl<std::remove_cv_t<T>>::value;
 
-/// Reduction operators, as in torch.distributed.ReduceOp (stable numbering, 1:1 with ncclRedOp_t).
-enum class ReduceOp : std::uint8_t { sum = 0, prod = 1, max = 2, min = 3, avg = 4 };
+/// Reduction operators, as in torch.distributed.ReduceOp. Stable numbering: sum to avg are 1:1
+/// with ncclRedOp_t; band, bor and bxor are bitwise (integers and bool); premul_sum multiplies each
+/// rank's input by a factor before the sum (ddp::premul_sum makes one).
+enum class ReduceOp : std::uint8_t {
+  sum = 0,
+  prod = 1,
+  max = 2,
+  min = 3,
+  avg = 4,
+  band = 5,
+  bor = 6,
+  bxor = 7,
+  premul_sum = 8,
+};
 
 /// The number of ReduceOp enumerators (one past the largest value).
-inline constexpr int reduce_op_count = 5;
+inline constexpr int reduce_op_count = 9;
 
 /// The enumerator's name, e.g. "sum"; "invalid" for a value that is not one.
 [[nodiscard]] constexpr std::string_view to_string(ReduceOp op) noexcept {
@@ -302,6 +321,10 @@ inline constexpr int reduce_op_count = 5;
     case ReduceOp::max: return "max";
     case ReduceOp::min: return "min";
     case ReduceOp::avg: return "avg";
+    case ReduceOp::band: return "band";
+    case ReduceOp::bor: return "bor";
+    case ReduceOp::bxor: return "bxor";
+    case ReduceOp::premul_sum: return "premul_sum";
   }
   return "invalid";
 }
@@ -311,11 +334,58 @@ inline constexpr int reduce_op_count = 5;
   return static_cast<unsigned>(op) < static_cast<unsigned>(reduce_op_count);
 }
 
-/// Whether `op` is defined on `dtype`. avg is defined on floating-point types only (an integer
-/// mean would have to choose a rounding); every other op on every type.
+/// Whether `op` is defined on `dtype`. avg and premul_sum are defined on floating-point types
+/// only (an integer mean would have to choose a rounding); band, bor and bxor on integers and
+/// bool only; sum, prod, max and min on every type. On bool, sum and max are a logical or, prod
+/// and min a logical and (the result stays 0 or 1).
 [[nodiscard]] constexpr bool is_supported(ReduceOp op, DType dtype) noexcept {
   if (!is_valid(op) || !is_valid(dtype)) return false;
-  return op != ReduceOp::avg || is_floating_point(dtype);
+  switch (op) {
+    case ReduceOp::avg:
+    case ReduceOp::premul_sum: return is_floating_point(dtype);
+    case ReduceOp::band:
+    case ReduceOp::bor:
+    case ReduceOp::bxor: return !is_floating_point(dtype);
+    default: return true;
+  }
+}
+
+namespace detail {
+/// bool's operator as one on its 0/1 bytes: or (sum, max, bor), and (prod, min, band), xor.
+[[nodiscard]] constexpr ReduceOp bool_as_byte(ReduceOp op) noexcept {
+  switch (op) {
+    case ReduceOp::sum:
+    case ReduceOp::max:
+    case ReduceOp::bor: return ReduceOp::max;
+    case ReduceOp::prod:
+    case ReduceOp::min:
+    case ReduceOp::band: return ReduceOp::min;
+    case ReduceOp::bxor: return ReduceOp::bxor;
+    default: return op;  // avg, premul_sum: not defined on bool
+  }
+}
+}  // namespace detail
+
+/// A reduction as the collectives take it: a ReduceOp, and premul_sum's factor. Made implicitly
+/// from a ReduceOp (`comm.all_reduce(buf, ReduceOp::max)`), or by ddp::premul_sum.
+struct Reduction {
+  ReduceOp op = ReduceOp::sum;  ///< The operator.
+  /// premul_sum: what each rank's input is multiplied by (in the element type's precision, float
+  /// for half and bfloat16) before the sum; ignored by the other operators.
+  double factor = 1.0;
+
+  /// ReduceOp::sum.
+  constexpr Reduction() noexcept = default;
+  /// `o` (premul_sum with the factor 1).
+  constexpr Reduction(ReduceOp o) noexcept : op(o) {}  // NOLINT(google-explicit-constructor)
+  /// `o` with premul_sum's `f`.
+  constexpr Reduction(ReduceOp o, double f) noexcept : op(o), factor(f) {}
+};
+
+/// torch's `_make_nccl_premul_sum(factor)`: sums every rank's input multiplied by `factor` first
+/// (a gradient average with the division before the sum, where the sum could overflow float16).
+[[nodiscard]] constexpr Reduction premul_sum(double factor) noexcept {
+  return {ReduceOp::premul_sum, factor};
 }
 
 /// Where a buffer lives.

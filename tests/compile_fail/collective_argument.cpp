@@ -41,6 +41,16 @@ void step(ddp::Communicator<ddp::backend::Host>& comm) {
 #elif CASE == 8
   std::vector<std::vector<float> > layers(3, std::vector<float>(4));
   comm.all_reduce(layers);
+#elif CASE == 9  // torch's order with the roles named: the output first
+  std::vector<float> mine(4), all(8);
+  comm.all_gather(ddp::into(all), ddp::from(mine));
+#elif CASE == 10
+  std::vector<float> in(8), out(8);
+  const std::vector<std::size_t> counts{4, 4};
+  comm.all_to_all_async(ddp::into(out), ddp::from(in), counts, counts).wait();
+#elif CASE == 11
+  std::vector<float> grads(4);
+  comm.all_reduce(ddp::from(grads));
 #endif
 #else
   // What each case should have written.
@@ -56,6 +66,12 @@ void step(ddp::Communicator<ddp::backend::Host>& comm) {
   comm.all_gather(std::span<std::uint16_t>(all).first(4), all);
   std::vector<std::vector<float> > layers(3, std::vector<float>(4));
   comm.all_reduce_coalesced(layers);
+  std::vector<float> mine(4), gathered(4 * static_cast<std::size_t>(comm.size()));
+  comm.all_gather(ddp::from(mine), ddp::into(gathered));
+  const std::vector<std::size_t> fours(static_cast<std::size_t>(comm.size()), 4);
+  std::vector<float> spread(gathered.size());
+  comm.all_to_all_async(ddp::from(gathered), ddp::into(spread), fours, fours).wait();
+  comm.all_reduce(ddp::into(grads));
 #endif
 }
 

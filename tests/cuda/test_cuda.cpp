@@ -7,6 +7,7 @@
 
 #include <doctest/doctest.h>
 
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -143,6 +144,69 @@ TEST_CASE("16-bit integers on backend::Nccl: moved bitwise, reductions refused")
   }
   ddp::CudaBuffer<std::int32_t> wide(3);
   comm.all_reduce(wide);  // still usable: the refused calls sent nothing
+}
+
+TEST_CASE("bool, premul_sum and the bitwise ops on backend::Nccl") {
+  auto comm = single();
+  // bool travels as ncclUint8: sum/bor as max, band as min; bxor is refused (NCCL has none).
+  const bool flags[] = {true, false, true};
+  ddp::CudaBuffer<bool> f{std::span<const bool>(flags)};
+  for (const auto op : {ddp::ReduceOp::sum, ddp::ReduceOp::bor, ddp::ReduceOp::band,
+                        ddp::ReduceOp::max, ddp::ReduceOp::min, ddp::ReduceOp::prod}) {
+    comm.all_reduce(f, op);
+    std::array<bool, 3> got{};
+    f.copy_to(got);
+    CHECK((got[0] && !got[1] && got[2]));
+  }
+  std::vector<std::int32_t> ints{6, 3};
+  ddp::CudaBuffer<std::int32_t> i32{std::span<const std::int32_t>(ints)};
+  for (const auto op : {ddp::ReduceOp::band, ddp::ReduceOp::bor, ddp::ReduceOp::bxor}) {
+    try {
+      comm.all_reduce(i32, op);
+      FAIL("a bitwise reduction was accepted by backend::Nccl");
+    } catch (const ddp::Error& e) {
+      CHECK(e.code() == ddp::Errc::invalid_argument);
+      CHECK(std::string(e.what()).find("NCCL has no bitwise reductions") != std::string::npos);
+    }
+  }
+  try {
+    comm.all_reduce(f, ddp::ReduceOp::bxor);
+    FAIL("bxor on bool was accepted by backend::Nccl");
+  } catch (const ddp::Error& e) {
+    CHECK(e.code() == ddp::Errc::invalid_argument);
+  }
+  comm.all_reduce(i32, ddp::ReduceOp::sum);  // still usable
+  CHECK(host(i32) == ints);
+  // premul_sum with ncclRedOpCreatePreMulSum: one rank, so the result is the input times the
+  // factor, in every reducing collective and every floating-point type.
+  std::vector<float> h{1, -2, 3, 4.5f};
+  std::vector<float> quarter{0.25f, -0.5f, 0.75f, 1.125f};
+  ddp::CudaBuffer<float> a{std::span<const float>(h)}, b(4);
+  comm.all_reduce(a, ddp::premul_sum(0.25));
+  CHECK(host(a) == quarter);
+  a.copy_from(h);
+  comm.reduce(a, 0, ddp::premul_sum(0.25));
+  CHECK(host(a) == quarter);
+  a.copy_from(h);
+  comm.reduce_scatter(a, b, ddp::premul_sum(0.25));
+  CHECK(host(b) == quarter);
+  CHECK(host(a) == h);  // `in` unchanged
+  std::vector<ddp::CudaBuffer<float>> many;
+  many.emplace_back(std::span<const float>(h));
+  many.emplace_back(std::span<const float>(h));
+  comm.all_reduce_coalesced(many, ddp::premul_sum(0.25));  // one NCCL group
+  CHECK(host(many[0]) == quarter);
+  CHECK(host(many[1]) == quarter);
+  std::vector<double> hd{2, -8};
+  ddp::CudaBuffer<double> d{std::span<const double>(hd)};
+  comm.all_reduce(d, ddp::premul_sum(0.5));
+  CHECK(host(d) == std::vector<double>{1, -4});
+  std::vector<ddp::bfloat16> hb{ddp::bfloat16(3.0f), ddp::bfloat16(-1.0f)};
+  ddp::CudaBuffer<ddp::bfloat16> bf{std::span<const ddp::bfloat16>(hb)};
+  comm.all_reduce(bf, ddp::premul_sum(2.0));
+  const auto bb = host(bf);
+  CHECK(static_cast<float>(bb[0]) == 6.0f);
+  CHECK(static_cast<float>(bb[1]) == -2.0f);
 }
 
 TEST_CASE("object collectives and split on backend::Nccl go through device memory") {

@@ -86,6 +86,12 @@ TEST_CASE("all_reduce: every dtype, op and count, sync and async") {
 TEST_CASE("reduce: the root gets the reduction, the others keep their buffers") {
   on_world([](Mpi& c) { cases::reduce_to_root(c); });
 }
+TEST_CASE("premul_sum in every reducing collective, bitwise ops refused on floating point") {
+  on_world([](Mpi& c) { cases::premul_sum_every_form(c); });
+}
+TEST_CASE("named roles: ddp::from(in), ddp::into(out) in every buffer-pair collective") {
+  on_world([](Mpi& c) { cases::named_roles(c); });
+}
 TEST_CASE("broadcast: every dtype, count and root") {
   on_world([](Mpi& c) { cases::broadcast_every_root(c); });
 }
@@ -121,6 +127,7 @@ TEST_CASE("run-time-typed tensors (ddp::DynamicView): every dtype through every 
     cases::scatter_reduce_scatter_all_to_all(c, wrap);
     cases::uneven_collectives(c, wrap);
     cases::all_reduce_coalesced(c, wrap);
+    cases::premul_sum_every_form(c, wrap);
     if (c.size() > 1) cases::send_recv_ring(c, wrap);
     cases::async_in_issue_order(c, wrap);
   });

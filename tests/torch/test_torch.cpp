@@ -60,6 +60,8 @@ TEST_CASE("torch::Tensor: every dtype through every collective, sync and async")
     cases::all_gather_and_gather(comm, wrap);
     cases::scatter_reduce_scatter_all_to_all(comm, wrap);
     cases::all_reduce_coalesced(comm, wrap);
+    cases::premul_sum_every_form(comm, wrap);
+    cases::named_roles(comm, wrap);
     if (comm.size() > 1) cases::send_recv_ring(comm, wrap);
     cases::async_in_issue_order(comm, wrap);
   });
@@ -97,6 +99,21 @@ TEST_CASE("torch::Tensor: tensors torch owns, every op, and the result seen by t
                                     torch::ones({5}, torch::kChar)};
     comm.all_reduce_coalesced(many);
     for (const auto& t : many) MP_EXPECT(torch::all(t == p).item<bool>(), t);
+    // torch.bool: a flag any rank raised (bor), one every rank raised (band).
+    auto any = torch::tensor({r == p - 1, false}, torch::kBool);
+    auto all = torch::tensor({true, r == 0}, torch::kBool);
+    comm.all_reduce(any, ReduceOp::bor);
+    comm.all_reduce(all, ReduceOp::band);
+    MP_EXPECT(any[0].item<bool>() && !any[1].item<bool>(), any);
+    MP_EXPECT(all[0].item<bool>() && !all[1].item<bool>(), all);
+    // bxor on int32; premul_sum on float32 (each rank's values times its factor, then summed).
+    auto bits = torch::tensor({1 << r, 3}, torch::kInt);
+    comm.all_reduce(bits, ReduceOp::bxor);
+    MP_EXPECT(bits[0].item<int>() == (1 << p) - 1 && bits[1].item<int>() == (p % 2 == 1 ? 3 : 0),
+              bits);
+    auto scaled = torch::full({3}, 2.0f);
+    comm.all_reduce(scaled, ddp::premul_sum(0.5 * (r + 1)));
+    MP_EXPECT(torch::equal(scaled, torch::full({3}, p * (p + 1) / 2.0, torch::kFloat)), scaled);
   });
 }
 
@@ -164,9 +181,9 @@ TEST_CASE("torch::Tensor: what a collective refuses, before anything is sent") {
       auto g = w.grad();
       comm.all_reduce(g);
     });
-    refused(comm, "a bool tensor", "a dtype ddp does not carry", [&] {
+    refused(comm, "avg on a bool tensor", "op avg is not defined on bool", [&] {
       auto b = torch::ones({3}, torch::kBool);
-      comm.all_reduce(b);
+      comm.all_reduce(b, ReduceOp::avg);
     });
     refused(comm, "a complex tensor", "a dtype ddp does not carry", [&] {
       auto c = torch::ones({3}, torch::kComplexFloat);

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <ranges>
 #include <span>
@@ -35,10 +36,61 @@ void for_each_dtype(F&& f) {
   f.template operator()<ddp::bfloat16>();
   f.template operator()<float>();
   f.template operator()<double>();
+  f.template operator()<bool>();
 }
 
+/// A contiguous array of bool with the members of std::vector the cases use (std::vector<bool>
+/// packs bits: it is no tensor).
+class BoolArray {
+ public:
+  using value_type = bool;
+  BoolArray() = default;
+  explicit BoolArray(std::size_t n) : data_(new bool[n]()), size_(n), capacity_(n) {}
+  template <class It>
+  BoolArray(It first, It last) {
+    for (; first != last; ++first) push_back(*first);
+  }
+  BoolArray(const BoolArray& o) : BoolArray(o.begin(), o.end()) {}
+  BoolArray& operator=(const BoolArray& o) {
+    if (this != &o) {
+      clear();
+      for (bool x : o) push_back(x);
+    }
+    return *this;
+  }
+  void push_back(bool x) {
+    if (size_ == capacity_) {
+      capacity_ = std::max<std::size_t>(8, capacity_ * 2);
+      std::unique_ptr<bool[]> grown(new bool[capacity_]());
+      std::copy(begin(), end(), grown.get());
+      data_ = std::move(grown);
+    }
+    data_[size_++] = x;
+  }
+  void clear() noexcept { size_ = 0; }
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
+  [[nodiscard]] bool* data() noexcept { return data_.get(); }
+  [[nodiscard]] const bool* data() const noexcept { return data_.get(); }
+  bool* begin() noexcept { return data_.get(); }
+  bool* end() noexcept { return data_.get() + size_; }
+  [[nodiscard]] const bool* begin() const noexcept { return data_.get(); }
+  [[nodiscard]] const bool* end() const noexcept { return data_.get() + size_; }
+  bool& operator[](std::size_t i) noexcept { return data_[i]; }
+  const bool& operator[](std::size_t i) const noexcept { return data_[i]; }
+
+ private:
+  std::unique_ptr<bool[]> data_;
+  std::size_t size_ = 0, capacity_ = 0;
+};
+
+/// The cases' buffer of T: std::vector<T>, BoolArray for bool.
+template <class T>
+using Vec = std::conditional_t<std::is_same_v<T, bool>, BoolArray, std::vector<T>>;
+
+/// Every operator but premul_sum (premul_sum_every_form has it, with its factor).
 constexpr ReduceOp all_ops[] = {ReduceOp::sum, ReduceOp::prod, ReduceOp::min, ReduceOp::max,
-                                ReduceOp::avg};
+                                ReduceOp::avg, ReduceOp::band, ReduceOp::bor, ReduceOp::bxor};
 
 /// How a case passes its buffers: as they are (compile-time typed), or through RuntimeTensor.
 struct AsIs {
@@ -102,7 +154,9 @@ using AsRuntimeMember = AsRuntimeT<true>;
 template <class T>
 T value(int rank, std::size_t i, int salt = 0) {
   const auto k = static_cast<std::size_t>(rank * 37 + salt * 13) + i * 11;
-  if constexpr (std::is_integral_v<T>) {
+  if constexpr (std::is_same_v<T, bool>) {
+    return k % 3 != 0;
+  } else if constexpr (std::is_integral_v<T>) {
     return static_cast<T>(static_cast<int>(k % 5) + 1 -
                           (std::is_signed_v<T> && (k % 3 == 0) ? 3 : 0));
   } else {
@@ -119,8 +173,20 @@ A combine_float(ReduceOp op, A acc, A x) {
     case ReduceOp::prod: return acc * x;
     case ReduceOp::min: return x < acc ? x : acc;
     case ReduceOp::max: return acc < x ? x : acc;
+    default: break;  // bitwise: integers only; premul_sum: the caller scales and sums
   }
   return acc;
+}
+
+/// One step of a bool reduction: or for sum, max and bor, and for prod, min and band, xor.
+inline bool combine_bool(ReduceOp op, bool acc, bool x) {
+  switch (op) {
+    case ReduceOp::prod:
+    case ReduceOp::min:
+    case ReduceOp::band: return acc && x;
+    case ReduceOp::bxor: return acc != x;
+    default: return acc || x;
+  }
 }
 
 /// The documented semantics: combine in rank order 0..P-1; half and bfloat16 in float, rounded
@@ -157,7 +223,9 @@ T reference_of(ReduceOp op, int p, V&& v, int hosts = 1) {
   auto acc = static_cast<A>(v(0));
   for (int r = 1; r < p; ++r) {
     const auto x = static_cast<A>(v(r));
-    if constexpr (std::is_integral_v<A>) {
+    if constexpr (std::is_same_v<A, bool>) {
+      acc = combine_bool(op, acc, x);
+    } else if constexpr (std::is_integral_v<A>) {
       using U = std::make_unsigned_t<A>;
       switch (op) {
         case ReduceOp::sum:
@@ -169,7 +237,10 @@ T reference_of(ReduceOp op, int p, V&& v, int hosts = 1) {
           break;
         case ReduceOp::min: acc = std::min(acc, x); break;
         case ReduceOp::max: acc = std::max(acc, x); break;
-        case ReduceOp::avg: break;
+        case ReduceOp::band: acc = static_cast<A>(acc & x); break;
+        case ReduceOp::bor: acc = static_cast<A>(acc | x); break;
+        case ReduceOp::bxor: acc = static_cast<A>(acc ^ x); break;
+        default: break;
       }
     } else {
       acc = combine_float(op, acc, x);
@@ -232,7 +303,7 @@ bool close_enough(const T& got, const T& want) {
 }
 
 template <class T>
-void check_values(const std::vector<T>& got, const std::function<T(std::size_t)>& want,
+void check_values(const Vec<T>& got, const std::function<T(std::size_t)>& want,
                   const std::string& what) {
   for (std::size_t i = 0; i < got.size(); ++i) {
     const T w = want(i);
@@ -248,7 +319,7 @@ void all_reduce_every_dtype(C& comm, Wrap wrap = {}) {
     for (ReduceOp op : all_ops) {
       if (!ddp::is_supported(op, ddp::dtype_of<T>)) continue;
       for (std::size_t n : counts<T>()) {
-        std::vector<T> buf(n);
+        Vec<T> buf(n);
         for (std::size_t i = 0; i < n; ++i) buf[i] = value<T>(r, i);
         const std::string what = "all_reduce(" + std::string(ddp::to_string(ddp::dtype_of<T>)) +
                                  ", " + std::string(ddp::to_string(op)) +
@@ -271,7 +342,7 @@ void reduce_to_root(C& comm, Wrap wrap = {}) {
     for (ReduceOp op : {ReduceOp::sum, ReduceOp::max}) {
       for (int root : {0, p - 1}) {
         for (std::size_t n : counts<T>()) {
-          std::vector<T> buf(n);
+          Vec<T> buf(n);
           for (std::size_t i = 0; i < n; ++i) buf[i] = value<T>(r, i, 1);
           comm.reduce(wrap(buf), root, op);
           const std::string what =
@@ -294,7 +365,7 @@ void broadcast_every_root(C& comm, Wrap wrap = {}) {
   for_each_dtype([&]<class T>() {
     for (int root = 0; root < p; ++root) {
       for (std::size_t n : counts<T>()) {
-        std::vector<T> buf(n);
+        Vec<T> buf(n);
         for (std::size_t i = 0; i < n; ++i) buf[i] = value<T>(r, i);
         if (root % 2 == 0)
           comm.broadcast(wrap(buf), root);
@@ -314,24 +385,24 @@ void all_gather_and_gather(C& comm, Wrap wrap = {}) {
   const auto up = static_cast<std::size_t>(p);
   for_each_dtype([&]<class T>() {
     for (std::size_t n : counts<T>()) {
-      std::vector<T> in(n);
+      Vec<T> in(n);
       for (std::size_t i = 0; i < n; ++i) in[i] = value<T>(r, i);
       const auto want = [&](std::size_t k) {
         return value<T>(static_cast<int>(k / std::max<std::size_t>(n, 1)),
                         k % std::max<std::size_t>(n, 1));
       };
-      std::vector<T> out(n * up);
+      Vec<T> out(n * up);
       comm.all_gather(wrap(in), wrap(out));
       check_values<T>(out, want, "all_gather(n=" + std::to_string(n) + ")");
       // In place: this rank's block of `out` is the input.
-      std::vector<T> inplace(n * up);
+      Vec<T> inplace(n * up);
       std::copy(in.begin(), in.end(),
                 inplace.begin() + static_cast<std::ptrdiff_t>(n * static_cast<std::size_t>(r)));
       comm.all_gather(wrap(std::span<T>(inplace).subspan(n * static_cast<std::size_t>(r), n)),
                       wrap(inplace));
       check_values<T>(inplace, want, "all_gather in place");
       for (int root : {0, p - 1}) {
-        std::vector<T> g(r == root ? n * up : 0);
+        Vec<T> g(r == root ? n * up : 0);
         comm.gather(wrap(in), wrap(g), root);
         if (r == root) check_values<T>(g, want, "gather(root " + std::to_string(root) + ")");
       }
@@ -349,9 +420,9 @@ void scatter_reduce_scatter_all_to_all(C& comm, Wrap wrap = {}) {
       const std::string tag = "(n=" + std::to_string(n) + ")";
       // scatter: block j of root's input goes to rank j.
       for (int root : {0, p - 1}) {
-        std::vector<T> in(r == root ? n * up : 0);
+        Vec<T> in(r == root ? n * up : 0);
         for (std::size_t k = 0; k < in.size(); ++k) in[k] = value<T>(root, k, 2);
-        std::vector<T> out(n);
+        Vec<T> out(n);
         comm.scatter(wrap(in), wrap(out), root);
         check_values<T>(
             out,
@@ -360,9 +431,9 @@ void scatter_reduce_scatter_all_to_all(C& comm, Wrap wrap = {}) {
       }
       // reduce_scatter: block r of the element-wise reduction.
       for (ReduceOp op : {ReduceOp::sum, ReduceOp::min}) {
-        std::vector<T> in(n * up);
+        Vec<T> in(n * up);
         for (std::size_t k = 0; k < in.size(); ++k) in[k] = value<T>(r, k, 3);
-        std::vector<T> out(n);
+        Vec<T> out(n);
         comm.reduce_scatter(wrap(in), wrap(out), op);
         check_values<T>(
             out,
@@ -374,7 +445,7 @@ void scatter_reduce_scatter_all_to_all(C& comm, Wrap wrap = {}) {
         for (std::size_t k = 0; k < in.size(); ++k) in[k] = value<T>(r, k, 3);
         auto mine = std::span<T>(in).subspan(static_cast<std::size_t>(r) * n, n);
         comm.reduce_scatter(wrap(in), wrap(mine), op);
-        std::vector<T> copy(mine.begin(), mine.end());
+        Vec<T> copy(mine.begin(), mine.end());
         check_values<T>(
             copy,
             [&](std::size_t i) {
@@ -383,7 +454,7 @@ void scatter_reduce_scatter_all_to_all(C& comm, Wrap wrap = {}) {
             "reduce_scatter in place" + tag);
       }
       // all_to_all: out block j = rank j's in block r.
-      std::vector<T> in(n * up), out(n * up);
+      Vec<T> in(n * up), out(n * up);
       for (std::size_t k = 0; k < in.size(); ++k) in[k] = value<T>(r, k, 4);
       comm.all_to_all(wrap(in), wrap(out));
       check_values<T>(
@@ -424,7 +495,7 @@ void uneven_collectives(C& comm, Wrap wrap = {}) {
         inc[static_cast<std::size_t>(j)] = f(r, j);
         outc[static_cast<std::size_t>(j)] = f(j, r);
       }
-      std::vector<T> in, out(sum(outc));
+      Vec<T> in, out(sum(outc));
       for (int j = 0; j < p; ++j) {
         for (std::size_t k = 0; k < f(r, j); ++k)
           in.push_back(value<T>(r, static_cast<std::size_t>(j) * stride + k, 5));
@@ -433,7 +504,7 @@ void uneven_collectives(C& comm, Wrap wrap = {}) {
         comm.all_to_all_async(wrap(in), wrap(out), inc, outc).wait();
       else
         comm.all_to_all(wrap(in), wrap(out), inc, outc);
-      std::vector<T> want;
+      Vec<T> want;
       for (int j = 0; j < p; ++j) {
         for (std::size_t k = 0; k < f(j, r); ++k)
           want.push_back(value<T>(j, static_cast<std::size_t>(r) * stride + k, 5));
@@ -443,14 +514,14 @@ void uneven_collectives(C& comm, Wrap wrap = {}) {
       // all_gather and gather: rank j offers f(j, p - 1) elements.
       std::vector<std::size_t> counts(up);
       for (int j = 0; j < p; ++j) counts[static_cast<std::size_t>(j)] = f(j, p - 1);
-      std::vector<T> mine(counts[static_cast<std::size_t>(r)]);
+      Vec<T> mine(counts[static_cast<std::size_t>(r)]);
       for (std::size_t k = 0; k < mine.size(); ++k) mine[k] = value<T>(r, k, 6);
-      std::vector<T> every;
+      Vec<T> every;
       for (int j = 0; j < p; ++j) {
         for (std::size_t k = 0; k < counts[static_cast<std::size_t>(j)]; ++k)
           every.push_back(value<T>(j, k, 6));
       }
-      std::vector<T> all(every.size());
+      Vec<T> all(every.size());
       if (async)
         comm.all_gather_async(wrap(mine), wrap(all), counts).wait();
       else
@@ -459,7 +530,7 @@ void uneven_collectives(C& comm, Wrap wrap = {}) {
           all, [&](std::size_t i) { return every[i]; }, "all_gather uneven" + how);
       for (int root : {0, p - 1}) {
         const std::string at = " (root " + std::to_string(root) + ")" + how;
-        std::vector<T> g(r == root ? every.size() : 0);
+        Vec<T> g(r == root ? every.size() : 0);
         const std::vector<std::size_t> none;  // counts are read on the root only
         const std::vector<std::size_t>& cs = r == root ? counts : none;
         if (async)
@@ -471,13 +542,13 @@ void uneven_collectives(C& comm, Wrap wrap = {}) {
               g, [&](std::size_t i) { return every[i]; }, "gather" + at);
         // scatter: block j of root's `in` (f(root, j) elements) to rank j.
         std::vector<std::size_t> sc(up);
-        std::vector<T> src;
+        Vec<T> src;
         for (int j = 0; j < p; ++j) {
           sc[static_cast<std::size_t>(j)] = f(root, j);
           for (std::size_t k = 0; k < f(root, j); ++k)
             src.push_back(value<T>(root, static_cast<std::size_t>(j) * stride + k, 7));
         }
-        std::vector<T> part(f(root, r));
+        Vec<T> part(f(root, r));
         if (r != root) src.clear();
         if (async)
           comm.scatter_async(wrap(src), wrap(part), r == root ? sc : none, root).wait();
@@ -569,6 +640,7 @@ void all_reduce_compressed(C& comm) {
   };
   each_wire([&]<class W>() {
     for (ReduceOp op : all_ops) {
+      if (!ddp::is_supported(op, ddp::dtype_of<W>)) continue;
       for (std::size_t n :
            {std::size_t{0}, std::size_t{1}, std::size_t{7}, 3 * mp::test_segment / sizeof(W) + 5}) {
         const std::string what = "all_reduce_as<" + std::string(ddp::to_string(ddp::dtype_of<W>)) +
@@ -601,6 +673,158 @@ void all_reduce_compressed(C& comm) {
       }
     }
   });
+}
+
+/// premul_sum (each rank's input multiplied by its own factor, in the element type's
+/// precision, then summed in rank order) in every collective that reduces: all_reduce sync and
+/// async, reduce (a non-root buffer unchanged), reduce_scatter (`in` unchanged),
+/// all_reduce_coalesced and all_reduce_as; and the operators refused on floating point.
+template <class C, class Wrap = AsIs>
+void premul_sum_every_form(C& comm, Wrap wrap = {}) {
+  const int p = comm.size(), r = comm.rank();
+  const auto factor = [](int rank) { return 0.25 + 0.5 * rank; };
+  const auto each_float = [](auto&& f) {
+    f.template operator()<ddp::half>();
+    f.template operator()<ddp::bfloat16>();
+    f.template operator()<float>();
+    f.template operator()<double>();
+  };
+  each_float([&]<class T>() {
+    using A = std::conditional_t<sizeof(T) == 2, float, T>;
+    const auto scaled = [&](int rank, std::size_t i, int salt) {
+      return static_cast<T>(static_cast<A>(value<T>(rank, i, salt)) * static_cast<A>(factor(rank)));
+    };
+    const auto want = [&](std::size_t i, int salt, int hosts) {
+      return reference_of<T>(
+          ReduceOp::sum, p, [&](int k) { return scaled(k, i, salt); }, hosts);
+    };
+    const std::string type(ddp::to_string(ddp::dtype_of<T>));
+    for (std::size_t n : counts<T>()) {
+      const std::string tag = "(" + type + ", premul_sum, n=" + std::to_string(n) + ")";
+      Vec<T> buf(n);
+      for (std::size_t i = 0; i < n; ++i) buf[i] = value<T>(r, i);
+      if (n % 2 == 0)
+        comm.all_reduce(wrap(buf), ddp::premul_sum(factor(r)));
+      else
+        comm.all_reduce_async(wrap(buf), ddp::premul_sum(factor(r))).wait();
+      check_values<T>(
+          buf, [&](std::size_t i) { return want(i, 0, mp::current_hosts); }, "all_reduce" + tag);
+      for (int root : {0, p - 1}) {
+        for (std::size_t i = 0; i < n; ++i) buf[i] = value<T>(r, i, 1);
+        comm.reduce(wrap(buf), root, ddp::premul_sum(factor(r)));
+        if (r == root)
+          check_values<T>(
+              buf, [&](std::size_t i) { return want(i, 1, 1); }, "reduce" + tag);
+        else
+          check_values<T>(
+              buf, [&](std::size_t i) { return value<T>(r, i, 1); }, "reduce non-root" + tag);
+      }
+      Vec<T> in(n * static_cast<std::size_t>(p)), out(n);
+      for (std::size_t k = 0; k < in.size(); ++k) in[k] = value<T>(r, k, 3);
+      const Vec<T> before = in;
+      comm.reduce_scatter(wrap(in), wrap(out), ddp::premul_sum(factor(r)));
+      check_values<T>(
+          out, [&](std::size_t i) { return want(static_cast<std::size_t>(r) * n + i, 3, 1); },
+          "reduce_scatter" + tag);
+      check_values<T>(
+          in, [&](std::size_t k) { return before[k]; }, "reduce_scatter's in" + tag);
+    }
+    // Refused by name on floating point, before anything is sent: the communicator stays usable.
+    for (ReduceOp op : {ReduceOp::band, ReduceOp::bor, ReduceOp::bxor}) {
+      Vec<T> x(3);
+      try {
+        comm.all_reduce(wrap(x), op);
+        MP_EXPECT(false, "all_reduce(" << type << ", " << ddp::to_string(op) << ") was accepted");
+      } catch (const ddp::Error& e) {
+        const std::string m = e.what();
+        MP_EXPECT(e.code() == ddp::Errc::invalid_argument &&
+                      m.find("op " + std::string(ddp::to_string(op)) + " is not defined on " +
+                             type) != std::string::npos,
+                  m);
+      }
+    }
+  });
+  std::vector<float> a(5), b(3);
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] = value<float>(r, i);
+  for (std::size_t i = 0; i < b.size(); ++i) b[i] = value<float>(r, i, 1);
+  std::vector<std::vector<float>> many{a, b};
+  comm.all_reduce_coalesced(many, ddp::premul_sum(factor(r)));
+  for (int k = 0; k < 2; ++k) {
+    check_values<float>(
+        many[static_cast<std::size_t>(k)],
+        [&](std::size_t i) {
+          return reference_of<float>(
+              ReduceOp::sum, p,
+              [&](int j) { return value<float>(j, i, k) * static_cast<float>(factor(j)); },
+              mp::current_hosts);
+        },
+        "all_reduce_coalesced(premul_sum) buffer " + std::to_string(k));
+  }
+  std::vector<float> c(7);
+  for (std::size_t i = 0; i < c.size(); ++i) c[i] = value<float>(r, i);
+  comm.template all_reduce_as<ddp::bfloat16>(c, ddp::premul_sum(factor(r)));
+  Vec<ddp::bfloat16> c16(c.size());  // exact: the result is a bfloat16 decoded
+  for (std::size_t i = 0; i < c.size(); ++i) c16[i] = ddp::bfloat16(c[i]);
+  check_values<ddp::bfloat16>(
+      c16,
+      [&](std::size_t i) {
+        return reference_of<ddp::bfloat16>(
+            ReduceOp::sum, p,
+            [&](int j) {
+              return ddp::bfloat16(value<float>(j, i) * static_cast<float>(factor(j)));
+            },
+            mp::current_hosts);
+      },
+      "all_reduce_as<bfloat16>(premul_sum)");
+}
+
+/// The buffer-pair collectives with their roles named (ddp::from, ddp::into), sync and async,
+/// even and uneven, and the single-buffer ones with ddp::into: the same results as the
+/// positional form.
+template <class C, class Wrap = AsIs>
+void named_roles(C& comm, Wrap wrap = {}) {
+  const int p = comm.size(), r = comm.rank();
+  const auto up = static_cast<std::size_t>(p);
+  const std::size_t n = 5;
+  std::vector<float> mine(n), all(n * up), again(n * up);
+  for (std::size_t i = 0; i < n; ++i) mine[i] = value<float>(r, i);
+  comm.all_gather(ddp::from(wrap(mine)), ddp::into(wrap(all)));
+  comm.all_gather_async(ddp::from(wrap(mine)), ddp::into(wrap(again))).wait();
+  const auto gathered = [&](std::size_t k) { return value<float>(static_cast<int>(k / n), k % n); };
+  check_values<float>(all, gathered, "all_gather(from, into)");
+  check_values<float>(again, gathered, "all_gather_async(from, into)");
+  std::vector<float> g(r == 0 ? n * up : 0);
+  comm.gather(ddp::from(wrap(mine)), ddp::into(wrap(g)), 0);
+  if (r == 0) check_values<float>(g, gathered, "gather(from, into)");
+  std::vector<float> part(n);
+  comm.scatter(ddp::from(wrap(all)), ddp::into(wrap(part)), p - 1);
+  check_values<float>(
+      part, [&](std::size_t i) { return gathered(static_cast<std::size_t>(r) * n + i); },
+      "scatter(from, into)");
+  std::vector<float> in(n * up), out(n);
+  for (std::size_t k = 0; k < in.size(); ++k) in[k] = value<float>(r, k, 3);
+  comm.reduce_scatter(ddp::from(wrap(in)), ddp::into(wrap(out)), ReduceOp::max);
+  check_values<float>(
+      out,
+      [&](std::size_t i) {
+        return reference<float>(ReduceOp::max, p, static_cast<std::size_t>(r) * n + i, 3);
+      },
+      "reduce_scatter(from, into)");
+  std::vector<float> spread(n * up);
+  comm.all_to_all(ddp::from(wrap(in)), ddp::into(wrap(spread)));
+  const auto swapped = [&](std::size_t k) {
+    return value<float>(static_cast<int>(k / n), static_cast<std::size_t>(r) * n + k % n, 3);
+  };
+  check_values<float>(spread, swapped, "all_to_all(from, into)");
+  const std::vector<std::size_t> counts(up, n);
+  std::fill(spread.begin(), spread.end(), 0.0f);
+  comm.all_to_all_async(ddp::from(wrap(in)), ddp::into(wrap(spread)), counts, counts).wait();
+  check_values<float>(spread, swapped, "all_to_all_async(from, into, counts, counts)");
+  std::vector<float> sum(mine);
+  comm.all_reduce(ddp::into(wrap(sum)));
+  check_values<float>(
+      sum, [&](std::size_t i) { return all_reduce_reference<float>(ReduceOp::sum, p, i); },
+      "all_reduce(into)");
 }
 
 /// all_reduce_host/broadcast_host and the layers built on them (exact_mean, ZeroFirstGuard):

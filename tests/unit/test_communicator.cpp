@@ -34,6 +34,40 @@ TEST_CASE("avg is refused on integer types before anything is sent") {
   });
 }
 
+TEST_CASE("premul_sum in every reducing collective, bitwise ops refused on floating point") {
+  mp::each_world([](Comm& comm) { cases::premul_sum_every_form(comm); });
+}
+
+TEST_CASE("bool and the bitwise ops: values stay 0 or 1, band/bor/bxor refused on floats") {
+  // all_reduce_every_dtype covers bool and band/bor/bxor on every path; this checks what a
+  // torch user relies on: a flag any rank raised (sum/bor) or every rank raised (band/min).
+  mp::each_world([](Comm& comm) {
+    const bool mine = comm.rank() == comm.size() - 1;
+    std::array<bool, 3> any{mine, false, true}, all{mine, false, true}, odd{true, mine, false};
+    comm.all_reduce(any, ReduceOp::sum);
+    comm.all_reduce(all, ReduceOp::band);
+    comm.all_reduce(odd, ReduceOp::bxor);
+    const bool one = comm.size() == 1;
+    MP_EXPECT(any[0] && !any[1] && any[2], "bool sum");
+    MP_EXPECT(all[0] == one && !all[1] && all[2], "bool band");
+    MP_EXPECT(odd[0] == (comm.size() % 2 == 1) && odd[1] && !odd[2], "bool bxor");
+    std::array<std::uint8_t, 3> bytes{};
+    std::memcpy(bytes.data(), any.data(), 3);
+    MP_EXPECT(bytes[0] == 1 && bytes[1] == 0 && bytes[2] == 1, "bool bytes stay 0 or 1");
+    static_assert(!ddp::TensorLike<std::vector<bool>>);  // not contiguous: not a tensor
+    std::array<bool, 1> avg{true};
+    mp::expect_refused(comm, "avg on bool", "avg needs a floating-point type",
+                       [&] { comm.all_reduce(avg, ReduceOp::avg); });
+    mp::expect_refused(comm, "premul_sum on bool", "op premul_sum is not defined on bool",
+                       [&] { comm.all_reduce(avg, ddp::premul_sum(2)); });
+    comm.all_reduce(avg, ReduceOp::max);  // still usable
+  });
+}
+
+TEST_CASE("named roles: ddp::from(in), ddp::into(out) in every buffer-pair collective") {
+  mp::each_world([](Comm& comm) { cases::named_roles(comm); }, {1, 3});
+}
+
 TEST_CASE("reduce: the root gets the reduction, the others keep their buffers") {
   mp::each_world([](Comm& comm) { cases::reduce_to_root(comm); });
 }
@@ -193,6 +227,8 @@ TEST_CASE("run-time-typed tensors (ddp::DynamicView): every dtype through every 
       cases::uneven_collectives(comm, wrap);
       cases::batch_p2p(comm, wrap);
       cases::all_reduce_coalesced(comm, wrap);
+      cases::premul_sum_every_form(comm, wrap);
+      cases::named_roles(comm, wrap);
       if (comm.size() > 1) cases::send_recv_ring(comm, wrap);
       cases::async_in_issue_order(comm, wrap);
     };

@@ -229,7 +229,9 @@ TEST_CASE("DType: element sizes, names, floating-point flag, mapping from C++ ty
   static_assert(ddp::dtype_of<double> == ddp::DType::float64);
   static_assert(ddp::dtype_of<ddp::half> == ddp::DType::float16);
   static_assert(ddp::dtype_of<ddp::bfloat16> == ddp::DType::bfloat16);
-  static_assert(!ddp::Scalar<bool> && !ddp::Scalar<char> && !ddp::Scalar<char8_t>);
+  static_assert(ddp::dtype_of<bool> == ddp::DType::boolean &&
+                ddp::size_of(ddp::DType::boolean) == 1);
+  static_assert(!ddp::Scalar<char> && !ddp::Scalar<char8_t>);
   static_assert(ddp::dtype_of<short> == ddp::DType::int16);
   static_assert(ddp::dtype_of<std::uint16_t> == ddp::DType::uint16);
   static_assert(!ddp::Scalar<long double> && !ddp::Scalar<void*> && !ddp::Scalar<char16_t>);
@@ -246,6 +248,8 @@ TEST_CASE("DType: element sizes, names, floating-point flag, mapping from C++ ty
   CHECK(names.size() == std::size_t(ddp::dtype_count));
   CHECK_FALSE(ddp::is_valid(static_cast<ddp::DType>(ddp::dtype_count)));
   CHECK(ddp::to_string(static_cast<ddp::DType>(200)) == "invalid");
+  CHECK(ddp::to_string(ddp::DType::boolean) == "bool");
+  CHECK_FALSE(ddp::is_floating_point(ddp::DType::boolean));
   CHECK(ddp::size_of(ddp::DType::bfloat16) == 2);
   CHECK(ddp::size_of(ddp::DType::float64) == 8);
   CHECK(ddp::is_floating_point(ddp::DType::float16));
@@ -258,7 +262,24 @@ TEST_CASE("ReduceOp names and which dtype/op pairs are defined") {
   CHECK(ddp::is_supported(ddp::ReduceOp::avg, ddp::DType::bfloat16));
   CHECK_FALSE(ddp::is_supported(ddp::ReduceOp::avg, ddp::DType::int32));
   CHECK(ddp::is_supported(ddp::ReduceOp::max, ddp::DType::uint8));
-  CHECK_FALSE(ddp::is_supported(static_cast<ddp::ReduceOp>(9), ddp::DType::float32));
+  CHECK_FALSE(
+      ddp::is_supported(static_cast<ddp::ReduceOp>(ddp::reduce_op_count), ddp::DType::float32));
+  // Bitwise on integers and bool only; premul_sum on floating point only; avg not on bool.
+  for (const auto op : {ddp::ReduceOp::band, ddp::ReduceOp::bor, ddp::ReduceOp::bxor}) {
+    CHECK(ddp::is_supported(op, ddp::DType::int64));
+    CHECK(ddp::is_supported(op, ddp::DType::boolean));
+    CHECK_FALSE(ddp::is_supported(op, ddp::DType::float32));
+    CHECK_FALSE(ddp::is_supported(op, ddp::DType::bfloat16));
+  }
+  CHECK(ddp::is_supported(ddp::ReduceOp::premul_sum, ddp::DType::float16));
+  CHECK_FALSE(ddp::is_supported(ddp::ReduceOp::premul_sum, ddp::DType::int32));
+  CHECK_FALSE(ddp::is_supported(ddp::ReduceOp::avg, ddp::DType::boolean));
+  CHECK(ddp::to_string(ddp::ReduceOp::premul_sum) == "premul_sum");
+  CHECK(ddp::to_string(ddp::ReduceOp::bxor) == "bxor");
+  constexpr ddp::Reduction r = ddp::premul_sum(0.5);
+  static_assert(r.op == ddp::ReduceOp::premul_sum && r.factor == 0.5);
+  constexpr ddp::Reduction plain = ddp::ReduceOp::max;  // implicit, as the collectives take it
+  static_assert(plain.op == ddp::ReduceOp::max && plain.factor == 1.0);
   CHECK_FALSE(ddp::is_supported(ddp::ReduceOp::sum, static_cast<ddp::DType>(77)));
   // Numbering matches ncclRedOp_t (ncclSum=0, ncclProd=1, ncclMax=2, ncclMin=3, ncclAvg=4).
   static_assert(static_cast<int>(ddp::ReduceOp::max) == 2 &&

@@ -23,6 +23,8 @@
 ///    | uneven | `all_to_all_v`, `gather_v`, `scatter_v` (counts per rank) | send/recv pairs |
 ///    | has_device | `int device()` (the CUDA device it uses) | — |
 ///    | refuses_some | `static const char* refuses(std::string_view collective, DType)` | none |
+///    | refuses_ops | `static const char* refuses(ReduceOp, DType)` | none |
+///    | premultiplies | `all_reduce(Buf, ReduceOp, double factor)`, ... | multiply, then sum |
 ///
 /// backend::Host (backend/host.hpp), backend::Nccl (backend/nccl.hpp) and backend::Mpi
 /// (backend/mpi.hpp) implement it. A new backend includes this header, and
@@ -176,6 +178,20 @@ struct backend_traits {
   /// before any rank sends, so a refused call leaves the communicator usable.
   static constexpr bool refuses_some = requires(std::string_view w, DType t) {
     { B::refuses(w, t) } -> std::convertible_to<const char*>;
+  };
+  /// The backend refuses some operators on some element types (backend::Nccl: no bitwise
+  /// reductions): refuses(op, dtype) gives the reason, or nullptr; asked as refuses_some is.
+  static constexpr bool refuses_ops = requires(ReduceOp op, DType t) {
+    { B::refuses(op, t) } -> std::convertible_to<const char*>;
+  };
+  /// The backend applies premul_sum's factor itself (ncclRedOpCreatePreMulSum): its
+  /// all_reduce, reduce, reduce_scatter (and all_reduce_many, where it has one) take the factor
+  /// after the op. Elsewhere the communicator multiplies this rank's input (in host memory) and
+  /// the backend sums.
+  static constexpr bool premultiplies = requires(B & b, const detail::Buf& x, ReduceOp op) {
+    b.all_reduce(x, op, 1.0);
+    b.reduce(x, 0, op, 1.0);
+    b.reduce_scatter(x, x, op, 1.0);
   };
   /// The backend makes sub-groups itself (MPI_Comm_split, ncclCommSplit).
   static constexpr bool splits = requires(B & b, int i, const Options& o) {

@@ -76,7 +76,8 @@ class MpiTypes {
   [[nodiscard]] MPI_Datatype type(DType t) const noexcept {
     switch (t) {
       case DType::int8: return MPI_INT8_T;
-      case DType::uint8: return MPI_UINT8_T;
+      case DType::uint8:
+      case DType::boolean: return MPI_UINT8_T;
       case DType::int16: return MPI_INT16_T;
       case DType::uint16: return MPI_UINT16_T;
       case DType::int32: return MPI_INT32_T;
@@ -91,8 +92,13 @@ class MpiTypes {
     return MPI_DATATYPE_NULL;
   }
 
-  /// avg maps to sum (the backend divides afterwards).
+  /// avg maps to sum (the backend divides afterwards), premul_sum to sum (the communicator has
+  /// multiplied the inputs), bool's operators to those on its 0/1 bytes.
   [[nodiscard]] MPI_Op op(ReduceOp op, DType t) const noexcept {
+    if (t == DType::boolean) op = bool_as_byte(op);
+    if (op == ReduceOp::band) return MPI_BAND;
+    if (op == ReduceOp::bor) return MPI_BOR;
+    if (op == ReduceOp::bxor) return MPI_BXOR;
     const int k = op == ReduceOp::prod ? 1 : op == ReduceOp::min ? 2 : op == ReduceOp::max ? 3 : 0;
     if (t == DType::float16) return half_ops_[k];
     if (t == DType::bfloat16) return bfloat16_ops_[k];

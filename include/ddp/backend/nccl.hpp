@@ -23,7 +23,8 @@
 ///    or Errc::backend.
 ///  * gather, scatter and all_to_all are grouped ncclSend/ncclRecv; send/recv carry a small
 ///    header, so the receiver checks the tag, dtype and count as on every backend.
-///  * Types: half -> ncclFloat16, bfloat16 -> ncclBfloat16, ReduceOp::avg -> ncclAvg. Host
+///  * Types: half -> ncclFloat16, bfloat16 -> ncclBfloat16, bool -> ncclUint8, ReduceOp::avg ->
+///    ncclAvg, premul_sum -> ncclRedOpCreatePreMulSum (bitwise ops refused). Host
 ///    buffers: a host-typed one (std::vector, ...) does not compile with this backend; a view on
 ///    the host, or on another device, is refused with Errc::invalid_argument.
 ///  * Membership changes (shrink, grow, join) as on backend::Host: agreed through the store,
@@ -132,28 +133,30 @@ class Nccl {
   /// CUDA device memory only.
   [[nodiscard]] static bool supports(const Device& device) noexcept { return device.is_cuda(); }
 
-  /// Communicator::all_reduce with ncclAllReduce (in place).
-  void all_reduce(const detail::Buf& b, ReduceOp op) {
+  /// Communicator::all_reduce with ncclAllReduce (in place); `factor`: premul_sum's.
+  void all_reduce(const detail::Buf& b, ReduceOp op, double factor = 1) {
     reducible(b, "all_reduce");
-    run("all_reduce", {&b}, [&] {
-      return ncclAllReduce(b.data, b.data, b.count, detail::nccl_type(b.dtype), detail::nccl_op(op),
-                           comm_, on());
-    });
+    const detail::NcclRedOp o(op, b.dtype, factor, comm_, rank_);
+    run("all_reduce", {&b},
+        [&] { return ncclAllReduce(b.data, b.data, b.count, type(b), o.get(), comm_, on()); });
   }
 
   /// Several all_reduces in one NCCL group: one launch, one wait (Communicator::
   /// all_reduce_coalesced; the GradientAverager's buckets).
-  void all_reduce_many(std::span<const detail::Buf> bufs, ReduceOp op) {
+  void all_reduce_many(std::span<const detail::Buf> bufs, ReduceOp op, double factor = 1) {
     std::vector<const detail::Buf*> ptrs;
+    std::vector<detail::NcclRedOp> ops;  // alive until the group has ended
     for (const auto& b : bufs) {
       reducible(b, "all_reduce_coalesced");
       ptrs.push_back(&b);
+      ops.emplace_back(op, b.dtype, factor, comm_, rank_);
     }
     run_on("all_reduce_coalesced", ptrs, [&] {
       return grouped([&]() -> ncclResult_t {
-        for (const auto& b : bufs) {
+        for (std::size_t i = 0; i < bufs.size(); ++i) {
+          const auto& b = bufs[i];
           const auto rc =
-              ncclAllReduce(b.data, b.data, b.count, type(b), detail::nccl_op(op), comm_, on());
+              ncclAllReduce(b.data, b.data, b.count, type(b), ops[i].get(), comm_, on());
           if (rc != ncclSuccess && rc != ncclInProgress) return rc;
         }
         return ncclSuccess;
@@ -169,12 +172,11 @@ class Nccl {
   }
 
   /// Communicator::reduce with ncclReduce.
-  void reduce(const detail::Buf& b, int root, ReduceOp op) {
+  void reduce(const detail::Buf& b, int root, ReduceOp op, double factor = 1) {
     reducible(b, "reduce");
-    run("reduce", {&b}, [&] {
-      return ncclReduce(b.data, b.data, b.count, detail::nccl_type(b.dtype), detail::nccl_op(op),
-                        root, comm_, on());
-    });
+    const detail::NcclRedOp o(op, b.dtype, factor, comm_, rank_);
+    run("reduce", {&b},
+        [&] { return ncclReduce(b.data, b.data, b.count, type(b), o.get(), root, comm_, on()); });
   }
 
   /// Communicator::all_gather with ncclAllGather.
@@ -211,11 +213,12 @@ class Nccl {
   }
 
   /// Communicator::reduce_scatter with ncclReduceScatter.
-  void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
+  void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op,
+                      double factor = 1) {
     reducible(out, "reduce_scatter");
+    const detail::NcclRedOp o(op, out.dtype, factor, comm_, rank_);
     run("reduce_scatter", {&in, &out}, [&] {
-      return ncclReduceScatter(in.data, out.data, out.count, detail::nccl_type(out.dtype),
-                               detail::nccl_op(op), comm_, on());
+      return ncclReduceScatter(in.data, out.data, out.count, type(out), o.get(), comm_, on());
     });
   }
 
@@ -396,6 +399,10 @@ class Nccl {
   static const char* refuses(std::string_view what, DType t) noexcept {
     return detail::nccl_refuses(what, t);
   }
+  /// backend_traits::refuses_ops: NCCL has no bitwise reductions (detail::nccl_refuses_op).
+  static const char* refuses(ReduceOp op, DType t) noexcept {
+    return detail::nccl_refuses_op(op, t);
+  }
 
  private:
   Nccl(const detail::BackendInit& init, int device)
@@ -565,14 +572,7 @@ class Nccl {
   [[noreturn]] void give_up(const char* what, Errc code, const std::string& why) {
     const std::string detail_text = last_error();
     abort_comm();
-    {
-      std::lock_guard lock(abort_mutex_);
-      if (!aborted_.load()) {
-        abort_code_ = code;
-        abort_why_ = detail::concat(what, " failed earlier");
-        aborted_.store(true);
-      }
-    }
+    abort(code, detail::concat(what, " failed earlier"));
     detail::fail(code, "rank ", rank_, ": backend::Nccl: ", what, ": ", why, detail_text,
                  "; the NCCL communicator was aborted");
   }

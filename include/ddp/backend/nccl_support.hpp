@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <string_view>
 #include <thread>
@@ -36,7 +37,8 @@ namespace detail {
     case DType::int16:
     case DType::uint16: return ncclFloat16;
     case DType::int8: return ncclInt8;
-    case DType::uint8: return ncclUint8;
+    case DType::uint8:
+    case DType::boolean: return ncclUint8;
     case DType::int32: return ncclInt32;
     case DType::uint32: return ncclUint32;
     case DType::int64: return ncclInt64;
@@ -56,8 +58,65 @@ namespace detail {
     case ReduceOp::max: return ncclMax;
     case ReduceOp::min: return ncclMin;
     case ReduceOp::avg: return ncclAvg;
+    default: return ncclSum;  // premul_sum: NcclRedOp; bitwise: refused (nccl_refuses_op)
   }
-  return ncclSum;
+}
+
+/// The reduction operator of one NCCL call: `op` on `t` (bool's operators as those on its 0/1
+/// bytes); premul_sum's made with ncclRedOpCreatePreMulSum, the factor in the element type
+/// (float for half and bfloat16 rounded to them) read when the call is made, and destroyed
+/// with this object, after the last call that uses it has returned.
+class NcclRedOp {
+ public:
+  NcclRedOp(ReduceOp op, DType t, double factor, ncclComm_t comm, int rank) : comm_(comm) {
+    if (op != ReduceOp::premul_sum) {
+      op_ = nccl_op(t == DType::boolean ? bool_as_byte(op) : op);
+      return;
+    }
+    if (t == DType::float16)
+      store(half(static_cast<float>(factor)));
+    else if (t == DType::bfloat16)
+      store(bfloat16(static_cast<float>(factor)));
+    else if (t == DType::float32)
+      store(static_cast<float>(factor));
+    else
+      store(factor);
+    const auto rc =
+        ncclRedOpCreatePreMulSum(&op_, scalar_, nccl_type(t), ncclScalarHostImmediate, comm);
+    if (rc != ncclSuccess)
+      fail(Errc::backend, "rank ", rank,
+           ": backend::Nccl: ncclRedOpCreatePreMulSum failed: ", ncclGetErrorString(rc));
+    made_ = true;
+  }
+  NcclRedOp(NcclRedOp&& o) noexcept
+      : comm_(o.comm_), op_(o.op_), made_(std::exchange(o.made_, false)) {
+    std::memcpy(scalar_, o.scalar_, sizeof scalar_);
+  }
+  NcclRedOp(const NcclRedOp&) = delete;
+  NcclRedOp& operator=(const NcclRedOp&) = delete;
+  NcclRedOp& operator=(NcclRedOp&&) = delete;
+  ~NcclRedOp() {
+    if (made_) (void)ncclRedOpDestroy(op_, comm_);
+  }
+  [[nodiscard]] ncclRedOp_t get() const noexcept { return op_; }
+
+ private:
+  template <class S>
+  void store(S value) noexcept {
+    std::memcpy(scalar_, &value, sizeof value);
+  }
+  ncclComm_t comm_;
+  ncclRedOp_t op_ = ncclSum;
+  bool made_ = false;
+  alignas(8) unsigned char scalar_[8] = {};
+};
+
+/// backend::Nccl::refuses for operators: NCCL has no bitwise reductions (nullptr: accepted).
+inline const char* nccl_refuses_op(ReduceOp op, DType t) noexcept {
+  if (op != ReduceOp::band && op != ReduceOp::bor && op != ReduceOp::bxor) return nullptr;
+  if (t == DType::boolean && op != ReduceOp::bxor) return nullptr;  // min and max on 0/1 bytes
+  return "NCCL has no bitwise reductions (band, bor, bxor; on bool band and bor are min and max); "
+         "use backend::Host for them";
 }
 
 /// The Errc for an NCCL failure: a remote process or the network -> peer_lost, else backend.

@@ -7,7 +7,10 @@
 /// 0, 1, ..., P-1, whichever rank computes it and whatever the message size, so the result is
 /// bitwise the same on every rank and in every run. half and bfloat16 accumulate in float and
 /// are rounded once; integer sums and products wrap (two's complement) instead of overflowing
-/// into undefined behaviour; avg divides the sum by P.
+/// into undefined behaviour; avg divides the sum by P; band, bor and bxor are bitwise on
+/// integers; bool reduces as 0/1 bytes (sum and max: or, prod and min: and, bxor: xor).
+/// premul_sum is a sum here: the communicator has multiplied each rank's input already
+/// (scale_fn), so the kernels carry no factor.
 
 #include "ddp/config.hpp"
 #include "ddp/types.hpp"
@@ -63,6 +66,12 @@ inline A combine(A a, A b) {
     }
   } else if constexpr (Op == ReduceOp::min) {
     return b < a ? b : a;
+  } else if constexpr (Op == ReduceOp::band) {
+    return static_cast<A>(a & b);
+  } else if constexpr (Op == ReduceOp::bor) {
+    return static_cast<A>(a | b);
+  } else if constexpr (Op == ReduceOp::bxor) {
+    return static_cast<A>(a ^ b);
   } else {
     return a < b ? b : a;
   }
@@ -141,18 +150,27 @@ using ReduceFn = void (*)(std::byte*, std::byte*, const std::byte* const*, int, 
 
 template <class T>
 constexpr ReduceFn reduce_fn_for(ReduceOp op) {
+  constexpr bool integer = std::is_integral_v<T>;
   switch (op) {
     case ReduceOp::sum: return &reduce_kernel<T, ReduceOp::sum>;
     case ReduceOp::prod: return &reduce_kernel<T, ReduceOp::prod>;
     case ReduceOp::max: return &reduce_kernel<T, ReduceOp::max>;
     case ReduceOp::min: return &reduce_kernel<T, ReduceOp::min>;
     case ReduceOp::avg:
-      if constexpr (std::is_floating_point_v<T> || std::is_same_v<T, half> ||
-                    std::is_same_v<T, bfloat16>) {
-        return &reduce_kernel<T, ReduceOp::avg>;
-      } else {
-        return nullptr;
-      }
+      if constexpr (!integer) return &reduce_kernel<T, ReduceOp::avg>;
+      break;
+    case ReduceOp::band:
+      if constexpr (integer) return &reduce_kernel<T, ReduceOp::band>;
+      break;
+    case ReduceOp::bor:
+      if constexpr (integer) return &reduce_kernel<T, ReduceOp::bor>;
+      break;
+    case ReduceOp::bxor:
+      if constexpr (integer) return &reduce_kernel<T, ReduceOp::bxor>;
+      break;
+    case ReduceOp::premul_sum:  // the communicator has scaled the inputs (scale_fn): a sum
+      if constexpr (!integer) return &reduce_kernel<T, ReduceOp::sum>;
+      break;
   }
   return nullptr;
 }
@@ -174,8 +192,36 @@ DDP_INLINE ReduceFn reduce_fn(DType t, ReduceOp op) {
     case DType::float32: return reduce_fn_for<float>(op);
     case DType::float64: return reduce_fn_for<double>(op);
     case DType::bfloat16: return reduce_fn_for<bfloat16>(op);
+    case DType::boolean:
+      return is_supported(op, t) ? reduce_fn_for<std::uint8_t>(bool_as_byte(op)) : nullptr;
   }
   return nullptr;
+}
+#endif  // DDP_BODIES
+
+/// premul_sum's first step: data[i] *= factor in place, in the accumulator's precision (float
+/// for half and bfloat16), rounded once to the element type.
+using ScaleFn = void (*)(std::byte*, std::size_t, double);
+
+template <class T>
+void scale_kernel(std::byte* data, std::size_t count, double factor) {
+  using A = typename Accum<T>::type;
+  auto* d = reinterpret_cast<T*>(data);
+  const auto by = static_cast<A>(factor);
+  for (std::size_t i = 0; i < count; ++i) d[i] = static_cast<T>(static_cast<A>(d[i]) * by);
+}
+
+/// The scale kernel for a floating-point dtype, else nullptr.
+[[nodiscard]] DDP_INLINE ScaleFn scale_fn(DType t);
+#if DDP_BODIES
+DDP_INLINE ScaleFn scale_fn(DType t) {
+  switch (t) {
+    case DType::float16: return &scale_kernel<half>;
+    case DType::float32: return &scale_kernel<float>;
+    case DType::float64: return &scale_kernel<double>;
+    case DType::bfloat16: return &scale_kernel<bfloat16>;
+    default: return nullptr;
+  }
 }
 #endif  // DDP_BODIES
 
@@ -257,6 +303,10 @@ WireKernels wire_kernels_for(ReduceOp op) {
     case ReduceOp::max: k.reduce = &reduce_decode_kernel<W, ReduceOp::max>; break;
     case ReduceOp::min: k.reduce = &reduce_decode_kernel<W, ReduceOp::min>; break;
     case ReduceOp::avg: k.reduce = &reduce_decode_kernel<W, ReduceOp::avg>; break;
+    case ReduceOp::premul_sum:  // the float32 values were scaled first
+      k.reduce = &reduce_decode_kernel<W, ReduceOp::sum>;
+      break;
+    default: break;  // bitwise: not defined on floating point
   }
   return k;
 }

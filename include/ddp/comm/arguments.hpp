@@ -53,6 +53,16 @@ Buf dynamic_buf(const DynamicView& v, int rank, const char* what, const char* na
   return b;
 }
 
+/// Who checks a call on `be`: its rank and size, and its refusal of an operator on a dtype
+/// (backend_traits::refuses_ops) where it has one.
+template <class Backend>
+Caller caller_of(const Backend& be) {
+  Caller c{be.rank(), be.size(), nullptr, Backend::name};
+  if constexpr (backend_traits<Backend>::refuses_ops)
+    c.refuses_op = [](ReduceOp op, DType t) -> const char* { return Backend::refuses(op, t); };
+  return c;
+}
+
 /// Argument `name` of collective `what` on `rank`, as a checked type-erased buffer.
 template <class Backend, class T>
 Buf to_buf(T& t, int rank, const char* what, const char* name) {

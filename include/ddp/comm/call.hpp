@@ -34,6 +34,10 @@ namespace detail {
 struct Caller {
   int rank = 0;
   int size = 1;
+  /// The backend's refusal of an operator on a dtype (backend_traits::refuses_ops: NCCL has no
+  /// bitwise reductions), or nullptr.
+  const char* (*refuses_op)(ReduceOp, DType) = nullptr;
+  std::string_view backend;  ///< the backend's name, for that refusal
 };
 
 /// A checked collective call.
@@ -55,7 +59,8 @@ struct Call {
   /// then out_counts; the others' counts (read where the collective reads them).
   std::span<const std::size_t> counts{};
   ReduceOp op = ReduceOp::sum;
-  int root = -1;  ///< root, or the peer of send/recv
+  double factor = 1.0;  ///< premul_sum's factor (Reduction::factor)
+  int root = -1;        ///< root, or the peer of send/recv
   int tag = 0;
   DType wire = DType::float32;
   std::size_t bytes = 0;  ///< this rank's buffers, for the flight recorder
@@ -109,6 +114,11 @@ DDP_INLINE void check_op(ReduceOp op, DType t, const char* who, int rank, const 
 #endif  // DDP_BODIES
 inline void check_op(ReduceOp op, DType t, Caller c, const char* what) {
   check_op(op, t, "rank ", c.rank, what);
+  if (c.refuses_op != nullptr) {
+    if (const char* why = c.refuses_op(op, t)) [[unlikely]]
+      fail(Errc::invalid_argument, "rank ", c.rank, ": backend::", c.backend, ": ", what, "(",
+           to_string(t), ", op ", to_string(op), "): ", why);
+  }
 }
 
 /// `root` in [0, size), else Errc::invalid_argument naming `who`/`rank` (as check_op), `what`
@@ -206,24 +216,30 @@ DDP_INLINE const char* check_single(Coll coll, const Buf& b, ReduceOp op, int ro
 }
 #endif  // DDP_BODIES
 
-[[nodiscard]] DDP_INLINE Call prepare_single(Coll coll, const Buf& b, ReduceOp op, int root,
+[[nodiscard]] DDP_INLINE Call prepare_single(Coll coll, const Buf& b, Reduction op, int root,
                                              Caller c);
 #if DDP_BODIES
-DDP_INLINE Call prepare_single(Coll coll, const Buf& b, ReduceOp op, int root, Caller c) {
-  const char* name = check_single(coll, b, op, root, c);
-  return Call{.name = name, .coll = coll, .in = b, .op = op, .root = root, .bytes = b.bytes()};
+DDP_INLINE Call prepare_single(Coll coll, const Buf& b, Reduction op, int root, Caller c) {
+  const char* name = check_single(coll, b, op.op, root, c);
+  return Call{.name = name,
+              .coll = coll,
+              .in = b,
+              .op = op.op,
+              .factor = op.factor,
+              .root = root,
+              .bytes = b.bytes()};
 }
 #endif  // DDP_BODIES
 
 /// `moved_on_device`: the backend moves this CUDA buffer itself (no staging), so there is no
 /// host pass in which to convert it.
-[[nodiscard]] DDP_INLINE Call prepare_all_reduce_as(const Buf& b, ReduceOp op, DType wire,
+[[nodiscard]] DDP_INLINE Call prepare_all_reduce_as(const Buf& b, Reduction op, DType wire,
                                                     bool moved_on_device, std::string_view backend,
                                                     Caller c);
 #if DDP_BODIES
-DDP_INLINE Call prepare_all_reduce_as(const Buf& b, ReduceOp op, DType wire, bool moved_on_device,
+DDP_INLINE Call prepare_all_reduce_as(const Buf& b, Reduction op, DType wire, bool moved_on_device,
                                       std::string_view backend, Caller c) {
-  check_op(op, wire, c, "all_reduce_as");
+  check_op(op.op, wire, c, "all_reduce_as");
   if (b.dtype != DType::float32)
     fail(Errc::invalid_argument, "rank ", c.rank, ": all_reduce_as: `buf` is ", to_string(b.dtype),
          "; compression carries float32 values");
@@ -236,27 +252,29 @@ DDP_INLINE Call prepare_all_reduce_as(const Buf& b, ReduceOp op, DType wire, boo
               .coll = Coll::all_reduce,
               .form = Call::Form::as_wire,
               .in = b,
-              .op = op,
+              .op = op.op,
+              .factor = op.factor,
               .wire = wire,
               .bytes = b.bytes()};
 }
 #endif  // DDP_BODIES
 
 /// `bufs` must outlive the call.
-[[nodiscard]] DDP_INLINE Call prepare_all_reduce_coalesced(std::span<const Buf> bufs, ReduceOp op,
+[[nodiscard]] DDP_INLINE Call prepare_all_reduce_coalesced(std::span<const Buf> bufs, Reduction op,
                                                            Caller c);
 #if DDP_BODIES
-DDP_INLINE Call prepare_all_reduce_coalesced(std::span<const Buf> bufs, ReduceOp op, Caller c) {
+DDP_INLINE Call prepare_all_reduce_coalesced(std::span<const Buf> bufs, Reduction op, Caller c) {
   std::size_t bytes = 0;
   for (const Buf& b : bufs) {
-    check_op(op, b.dtype, c, "all_reduce_coalesced");
+    check_op(op.op, b.dtype, c, "all_reduce_coalesced");
     bytes += b.bytes();
   }
   return Call{.name = "all_reduce_coalesced",
               .coll = Coll::all_reduce,
               .form = Call::Form::coalesced,
               .many = bufs,
-              .op = op,
+              .op = op.op,
+              .factor = op.factor,
               .bytes = bytes};
 }
 #endif  // DDP_BODIES
@@ -305,12 +323,12 @@ DDP_INLINE Call prepare_scatter(const Buf& in, const Buf& out, int root, Caller 
 }
 #endif  // DDP_BODIES
 
-[[nodiscard]] DDP_INLINE Call prepare_reduce_scatter(const Buf& in, const Buf& out, ReduceOp op,
+[[nodiscard]] DDP_INLINE Call prepare_reduce_scatter(const Buf& in, const Buf& out, Reduction op,
                                                      Caller c);
 #if DDP_BODIES
-DDP_INLINE Call prepare_reduce_scatter(const Buf& in, const Buf& out, ReduceOp op, Caller c) {
+DDP_INLINE Call prepare_reduce_scatter(const Buf& in, const Buf& out, Reduction op, Caller c) {
   check_same_dtype(in, out, c, "reduce_scatter");
-  check_op(op, out.dtype, c, "reduce_scatter");
+  check_op(op.op, out.dtype, c, "reduce_scatter");
   check_blocks(in, out, c, "reduce_scatter", "in", "out.size() x size()");
   check_in_place(in, out, c, "reduce_scatter",
                  ": `out` overlaps `in` but is not this rank's block of it (the only in-place "
@@ -318,7 +336,8 @@ DDP_INLINE Call prepare_reduce_scatter(const Buf& in, const Buf& out, ReduceOp o
   Call call{.name = "reduce_scatter", .coll = Coll::reduce_scatter};
   call.in = in;
   call.out = out;
-  call.op = op;
+  call.op = op.op;
+  call.factor = op.factor;
   call.bytes = in.bytes() + out.bytes();
   return call;
 }

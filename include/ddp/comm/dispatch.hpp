@@ -74,6 +74,44 @@ void whole(CommState& s, int rank, const char* what, const F& f, A... a) {
 #endif
 }
 
+/// premul_sum's first step where the backend has none of its own: this rank's values in `h`
+/// (host memory) multiplied by `factor`.
+DDP_INLINE void premultiply(const Buf& h, double factor, int rank, const char* what);
+#if DDP_BODIES
+DDP_INLINE void premultiply(const Buf& h, double factor, int rank, const char* what) {
+  if (h.count == 0) return;
+  if (h.device.is_cuda())
+    fail(Errc::unsupported, "rank ", rank, ": ", what, "(", to_string(h.dtype),
+         ", op premul_sum): the buffer is on ", to_string(h.device),
+         " and this backend moves it itself; ddp's headers carry no GPU kernels to multiply it "
+         "(backend::Nccl applies the factor itself): multiply on the device and use sum");
+  scale_fn(h.dtype)(h.data, h.count, factor);
+}
+#endif  // DDP_BODIES
+
+/// A copy of `h`'s bytes, for premul_sum where the input must stay as it is (reduce's non-root
+/// ranks, reduce_scatter's `in`).
+struct ScaledCopy {
+  std::vector<std::byte> bytes;
+  Buf buf;
+  ScaledCopy(const Buf& h, double factor, int rank, const char* what)
+      : bytes(h.data, h.data + h.bytes()), buf(h) {
+    buf.data = bytes.data();
+    premultiply(buf, factor, rank, what);
+  }
+};
+
+/// all_reduce of `h` with `r`: premul_sum's factor applied by the backend where it can
+/// (backend_traits::premultiplies), else to this rank's values first.
+template <class Backend>
+void all_reduce_with(Backend& be, const Buf& h, const Reduction& r, const char* what) {
+  if (r.op == ReduceOp::premul_sum) {
+    if constexpr (backend_traits<Backend>::premultiplies) return be.all_reduce(h, r.op, r.factor);
+    premultiply(h, r.factor, be.rank(), what);
+  }
+  be.all_reduce(h, r.op);
+}
+
 /// all_reduce of float32 `h` carried as `wire`: by the backend when it can, else converted
 /// around a plain all_reduce.
 template <class W, class Backend>
@@ -90,17 +128,26 @@ void all_reduce_as_wire(Backend& be, const Buf& h, ReduceOp op) {
 }
 
 template <class Backend>
-void run_single(Backend& be, CommState& s, Coll coll, const Buf& b, ReduceOp op, int root) {
+void run_single(Backend& be, CommState& s, Coll coll, const Buf& b, Reduction r, int root) {
+  const bool mine = be.rank() == root;
   switch (coll) {
     case Coll::all_reduce:
-      return elementwise<Backend>(s, b, true, true, [&](const Buf& h) { be.all_reduce(h, op); });
-    case Coll::broadcast: {
-      const bool mine = be.rank() == root;
+      return elementwise<Backend>(s, b, true, true,
+                                  [&](const Buf& h) { all_reduce_with(be, h, r, "all_reduce"); });
+    case Coll::broadcast:
       return elementwise<Backend>(s, b, mine, !mine, [&](const Buf& h) { be.broadcast(h, root); });
-    }
     default:
-      return elementwise<Backend>(s, b, true, be.rank() == root,
-                                  [&](const Buf& h) { be.reduce(h, root, op); });
+      return elementwise<Backend>(s, b, true, mine, [&](const Buf& h) {
+        if (r.op != ReduceOp::premul_sum) return be.reduce(h, root, r.op);
+        if constexpr (backend_traits<Backend>::premultiplies) {
+          be.reduce(h, root, r.op, r.factor);
+        } else if (mine || staged<Backend>(b)) {  // root's result overwrites it; a staged copy
+          premultiply(h, r.factor, be.rank(), "reduce");
+          be.reduce(h, root, r.op);
+        } else {  // a non-root rank's buffer stays as it is
+          be.reduce(ScaledCopy(h, r.factor, be.rank(), "reduce").buf, root, r.op);
+        }
+      });
   }
 }
 
@@ -204,31 +251,43 @@ void dispatch(Backend& be, CommState& s, const Call& c) {
   switch (c.coll) {
     case Coll::all_reduce:
       if (c.form == Call::Form::coalesced) {
-        if constexpr (backend_traits<Backend>::reduces_many) {
+        if constexpr (backend_traits<Backend>::reduces_many &&
+                      backend_traits<Backend>::premultiplies) {
+          be.all_reduce_many(c.many, c.op, c.factor);
+        } else if constexpr (backend_traits<Backend>::reduces_many) {
           be.all_reduce_many(c.many, c.op);
         } else {
           for (const Buf& b : c.many)
-            elementwise<Backend>(s, b, true, true, [&](const Buf& h) { be.all_reduce(h, c.op); });
+            elementwise<Backend>(s, b, true, true, [&](const Buf& h) {
+              all_reduce_with(be, h, {c.op, c.factor}, c.name);
+            });
         }
       } else if (c.form == Call::Form::as_wire) {
         elementwise<Backend>(s, c.in, true, true, [&](const Buf& h) {
+          if (c.op == ReduceOp::premul_sum) premultiply(h, c.factor, be.rank(), c.name);
           if (c.wire == DType::float16)
             all_reduce_as_wire<half>(be, h, c.op);
           else
             all_reduce_as_wire<bfloat16>(be, h, c.op);
         });
       } else {
-        run_single(be, s, c.coll, c.in, c.op, c.root);
+        run_single(be, s, c.coll, c.in, {c.op, c.factor}, c.root);
       }
       return;
     case Coll::broadcast:
-    case Coll::reduce: return run_single(be, s, c.coll, c.in, c.op, c.root);
+    case Coll::reduce: return run_single(be, s, c.coll, c.in, {c.op, c.factor}, c.root);
     case Coll::all_gather: return in_out([&](const Buf& i, const Buf& o) { be.all_gather(i, o); });
     case Coll::gather: return in_out([&](const Buf& i, const Buf& o) { be.gather(i, o, c.root); });
     case Coll::scatter:
       return in_out([&](const Buf& i, const Buf& o) { be.scatter(i, o, c.root); });
     case Coll::reduce_scatter:
-      return in_out([&](const Buf& i, const Buf& o) { be.reduce_scatter(i, o, c.op); });
+      return in_out([&](const Buf& i, const Buf& o) {
+        if (c.op != ReduceOp::premul_sum) return be.reduce_scatter(i, o, c.op);
+        if constexpr (backend_traits<Backend>::premultiplies)
+          be.reduce_scatter(i, o, c.op, c.factor);
+        else  // `in` stays as it is
+          be.reduce_scatter(ScaledCopy(i, c.factor, be.rank(), c.name).buf, o, c.op);
+      });
     case Coll::all_to_all: return in_out([&](const Buf& i, const Buf& o) { be.all_to_all(i, o); });
     case Coll::all_to_all_v:
     case Coll::all_gather_v:

@@ -71,7 +71,8 @@ void on_host_data(Comm& comm, std::span<E> a, std::span<E> b, const F& f) {
 template <class T, class Comm>
 std::vector<T> gather_objects(Comm& comm, const T& value, int root) {
   const char* what = root < 0 ? "all_gather_object" : "gather_object";
-  if (root >= 0) check_root(root, {comm.rank(), comm.size()}, what);
+  if (root >= 0)
+    check_root(root, comm.size(), "rank ", comm.rank(), what, "a rank of this communicator");
   const std::string mine = encode_object(value);
   const auto p = static_cast<std::size_t>(comm.size());
   std::vector<std::int64_t> sizes(p);
@@ -134,7 +135,8 @@ template <Encodable T, class Comm>
 /// Replaces `value` on every rank with root's.
 template <Encodable T, class Comm>
 void broadcast_object(Comm& comm, T& value, int root = 0) {
-  check_root(root, {comm.rank(), comm.size()}, "broadcast_object");
+  check_root(root, comm.size(), "rank ", comm.rank(), "broadcast_object",
+             "a rank of this communicator");
   std::string bytes;
   if (comm.rank() == root) bytes = encode_object(value);
   std::int64_t n = static_cast<std::int64_t>(bytes.size());
@@ -152,7 +154,8 @@ void broadcast_object(Comm& comm, T& value, int root = 0) {
 template <Encodable T, class Comm>
 [[nodiscard]] T scatter_object(Comm& comm, const std::vector<T>& objects, int root = 0) {
   const auto p = static_cast<std::size_t>(comm.size());
-  check_root(root, {comm.rank(), comm.size()}, "scatter_object");
+  check_root(root, comm.size(), "rank ", comm.rank(), "scatter_object",
+             "a rank of this communicator");
   constexpr std::int64_t wrong_count = -2;  // what every rank receives when root's list is wrong
   std::vector<std::int64_t> sizes(comm.rank() == root ? p : 0);
   std::vector<std::uint8_t> bytes;
