@@ -16,6 +16,11 @@
 //   gradient-bench -n 2 --zero 5   ShardedAverager (ZeRO) against GradientAverager, 5 rounds
 //   gradient-bench -n 4 --mirror 5 ShardedAverager steps without and with ShardMirror saves,
 //                                  the memory it holds, and the recovery after a rank leaves
+//   gradient-bench -n 2 --timeline 7   the timeline's cost (DDP_TIMELINE): steps recorded and
+//                                  not recorded in alternating order, 7 rounds, the median of
+//                                  the per-round ratios: a training step (GradientAverager, 1 MiB
+//                                  buckets, mark_ready during a simulated backward) and the
+//                                  tutorial's 161 per-tensor all_reduces
 //
 // Each round runs both in fresh processes, alternating which goes first: a training step with
 // Adam (average, update, and for the sharded one gather), the communication alone, each rank's
@@ -504,6 +509,73 @@ int mirror_rounds(int nproc, int reps, int rounds) {
   return 0;
 }
 
+// --timeline: the timeline's cost, recording on against off, in alternating rounds.
+void timeline_rounds(ddp::Environment env, int reps, int rounds) {
+  const std::string dir = (std::filesystem::temp_directory_path() /
+                           ("ddp-bench-timeline-" + std::to_string(::getppid())))
+                              .string();
+  auto comm = Comm::init(env, {.timeline = dir});
+  std::vector<Param> model;
+  std::size_t floats = 0;
+  for (std::size_t n : resnet50_sizes()) {
+    model.push_back({std::vector<float>(n, 0.01f), std::vector<float>(n, 1.0f)});
+    floats += n;
+  }
+  ddp::GradientAverager avg(comm, model, {.bucket_bytes = std::size_t{1} << 20});
+  auto& timeline = ddp::detail::Timeline::get();
+  const double compute_total = 20000;  // 20 ms of backward on this core
+  const auto step = [&] {
+    for (std::size_t i = model.size(); i-- > 0;) {
+      compute_for(compute_total * static_cast<double>(model[i].grad.size()) /
+                  static_cast<double>(floats));
+      avg.mark_ready(i);
+    }
+    avg.synchronize();
+  };
+  const auto per_tensor = [&] {
+    for (auto& p : model) comm.all_reduce(p.grad, ddp::ReduceOp::avg);
+  };
+  std::vector<double> step_ratio, tensor_ratio;
+  double step_on = 0, step_off = 0;
+  for (int round = 0; round < rounds; ++round) {
+    double on[2] = {}, off[2] = {};
+    for (int k = 0; k < 2; ++k) {
+      const bool recording = (round + k) % 2 == 0;
+      timeline.set_recording(recording);
+      const double a = measure(comm, reps, step), b = measure(comm, reps, per_tensor);
+      (recording ? on : off)[0] = a;
+      (recording ? on : off)[1] = b;
+    }
+    step_ratio.push_back(on[0] / off[0]);
+    tensor_ratio.push_back(on[1] / off[1]);
+    step_on += on[0] / rounds;
+    step_off += off[0] / rounds;
+  }
+  timeline.set_recording(true);
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  if (comm.rank() == 0) {
+    fmt::print(
+        "# the timeline's cost: {} ranks ({}), {} rounds of {} steps, recorded and not in "
+        "alternating order\n",
+        comm.size(), comm.backend().transport(), rounds, reps);
+    fmt::print("| workload | median of per-round on/off | rounds |\n|---|---:|---|\n");
+    const auto row = [&](const char* name, const std::vector<double>& r) {
+      std::string all;
+      for (double x : r) all += fmt::format("{}{:.3f}", all.empty() ? "" : " ", x);
+      fmt::print("| {} | {:.3f} | {} |\n", name, median(r), all);
+    };
+    row("training step: GradientAverager (1 MiB buckets), 20 ms backward", step_ratio);
+    row("161 per-tensor all_reduces", tensor_ratio);
+    fmt::print("step time: {:.2f} ms recorded, {:.2f} ms not (means of the rounds' medians)\n",
+               step_on / 1e3, step_off / 1e3);
+  }
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -518,6 +590,9 @@ int main(int argc, char** argv) {
   int zero = 0;
   app.add_option("--zero", zero,
                  "ShardedAverager against GradientAverager with Adam: this many rounds");
+  int timeline = 0;
+  app.add_option("--timeline", timeline,
+                 "the timeline's cost, recording on against off: this many rounds");
   int mirror = 0;
   app.add_option("--mirror", mirror,
                  "ShardedAverager steps without and with an in-memory copy of each shard "
@@ -541,6 +616,18 @@ int main(int argc, char** argv) {
     }
   }
   const auto env = ddp::Environment::detect();
+  if (timeline > 0) {
+    try {
+      if (env.launcher == "none")
+        ddp::spawn(nproc, [&](ddp::Environment e) { timeline_rounds(e, reps, timeline); });
+      else
+        timeline_rounds(env, reps, timeline);
+      return 0;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "gradient-bench: %s\n", e.what());
+      return 1;
+    }
+  }
   try {
     if (env.launcher == "none")
       ddp::spawn(nproc, [&](ddp::Environment e) { run(e, reps); });

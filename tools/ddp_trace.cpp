@@ -1,12 +1,19 @@
-// ddp-trace: reads the flight-recorder dumps of a job's ranks and names the rank that fell behind.
+// ddp-trace: reads the flight-recorder dumps of a job's ranks and names the rank that fell behind;
+// or reads the ranks' timelines, merges them into one trace and draws a step.
 //
 //   DDP_TRACE_DUMP=/tmp/traces ddprun --nproc-per-node 4 ./train     # a timeout writes the dumps
 //   ddp-trace /tmp/traces                                             # who lagged, and where
 //
-// Arguments are dump files or directories (every ddp-trace-*.txt in them). Exit status: 0 when
-// dumps were read, 1 when none were found or one could not be read.
+//   DDP_TIMELINE=/tmp/tl ddprun --nproc-per-node 4 ./train           # every rank's timeline
+//   ddp-trace /tmp/tl            # /tmp/tl/ddp-timeline.json (open in ui.perfetto.dev) and
+//                                # /tmp/tl/ddp-timeline-step.svg (the last step of every rank)
+//
+// Arguments are dump files or directories (every ddp-trace-*.txt in them), or timeline files or
+// directories (ddp-timeline-rank*.json). Exit status: 0 when dumps or timelines were read, 1
+// when none were found or one could not be read.
 #include <ddp/ddp.hpp>
 
+#include "timeline_view.hpp"
 #include "trace_diagnose.hpp"
 
 #include <fmt/format.h>
@@ -15,6 +22,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -24,19 +32,67 @@ int main(int argc, char** argv) {
   CLI::App app{"ddp-trace: which rank fell behind, from the ranks' flight-recorder dumps"};
   std::vector<std::string> paths;
   bool verbose = false;
-  app.add_option("paths", paths, "dump files, or directories holding ddp-trace-*.txt")->required();
+  std::string output, svg;
+  long step = -1;
+  app.add_option("paths", paths,
+                 "dump files or directories holding ddp-trace-*.txt; or timeline files or "
+                 "directories holding ddp-timeline-rank*.json")
+      ->required();
   app.add_flag("-v,--verbose", verbose, "also print each dump's last records");
+  app.add_option("-o,--output", output,
+                 "timelines: the merged trace (default: ddp-timeline.json beside the first)");
+  app.add_option("--svg", svg,
+                 "timelines: the picture of a step (default: ddp-timeline-step.svg beside the "
+                 "first)");
+  app.add_option("--step", step, "timelines: the step to draw (default: the last every rank ran)")
+      ->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
   std::vector<ddp::TraceDump> dumps;
+  std::vector<ddp::TimelineFile> timelines;
+  std::string beside;  // where the timelines' outputs go by default
   try {
     for (const auto& p : paths) {
       std::error_code ec;
       if (fs::is_directory(p, ec)) {
         auto found = ddp::read_trace_dumps(p);
         dumps.insert(dumps.end(), found.begin(), found.end());
+        auto lines = ddp::read_timelines(p);
+        if (!lines.empty() && beside.empty()) beside = p;
+        timelines.insert(timelines.end(), lines.begin(), lines.end());
+        continue;
+      }
+      if (p.ends_with(".json")) {
+        timelines.push_back(ddp::read_timeline(p));
+        if (beside.empty()) beside = fs::path(p).parent_path().string();
         continue;
       }
       dumps.push_back(ddp::read_trace_file(p));
+    }
+    if (!timelines.empty()) {
+      if (beside.empty()) beside = ".";
+      if (output.empty()) output = beside + "/ddp-timeline.json";
+      if (svg.empty()) svg = beside + "/ddp-timeline-step.svg";
+      for (const auto& t : timelines) {
+        if (t.repaired)
+          fmt::print(stderr,
+                     "ddp-trace: {} ended mid-event (its process died?): read up to its "
+                     "last complete event\n",
+                     t.path);
+      }
+      std::ofstream(output) << ddp::merge_timelines(timelines);
+      fmt::print(
+          "{} ranks' timelines merged into {} (open it in ui.perfetto.dev or "
+          "chrome://tracing)\n",
+          timelines.size(), output);
+      fmt::print("{}", ddp::format_steps(ddp::summarize_steps(timelines)));
+      try {
+        std::ofstream(svg) << ddp::draw_step(timelines, step);
+        fmt::print("a step of every rank drawn in {}\n", svg);
+      } catch (const ddp::Error& e) {
+        fmt::print("no picture: {}\n", e.what());
+        if (step >= 0) return 1;
+      }
+      if (dumps.empty()) return 0;
     }
   } catch (const std::exception& e) {
     fmt::print(stderr, "ddp-trace: {}\n", e.what());

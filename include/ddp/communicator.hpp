@@ -102,14 +102,14 @@ class Communicator {
 
   /// Reduces `buf` over all ranks, in place (every rank gets the result).
   template <detail::tensor_output T>
-  void all_reduce(T&& buf, ReduceOp op = ReduceOp::sum) {
+  void all_reduce(T&& buf, Reduction op = ReduceOp::sum) {
     exec_single(detail::Coll::all_reduce, buf, op, 0);
   }
   /// all_reduce(), run asynchronously: returns at once. The buffers must outlive the Work,
   /// unless their type shares its storage (torch::Tensor: see ddp::tensor_traits), which the
   /// Work keeps alive until the operation has finished.
   template <detail::tensor_output T>
-  [[nodiscard]] Work all_reduce_async(T&& buf, ReduceOp op = ReduceOp::sum) {
+  [[nodiscard]] Work all_reduce_async(T&& buf, Reduction op = ReduceOp::sum) {
     return submit(detail::prepare_single(detail::Coll::all_reduce, arg(buf, "all_reduce", "buf"),
                                          op, 0, caller()),
                   {}, detail::hold(buf));
@@ -123,21 +123,21 @@ class Communicator {
   /// that backend::Nccl moves (Errc::unsupported: ddp's headers carry no GPU kernels).
   template <class W, detail::tensor_output T>
     requires(std::is_same_v<W, half> || std::is_same_v<W, bfloat16>)
-  void all_reduce_as(T&& buf, ReduceOp op = ReduceOp::sum) {
+  void all_reduce_as(T&& buf, Reduction op = ReduceOp::sum) {
     exec(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, dtype_of<W>));
   }
   /// all_reduce_as(), run asynchronously: returns at once; the buffers must outlive the Work (see
   /// all_reduce_async).
   template <class W, detail::tensor_output T>
     requires(std::is_same_v<W, half> || std::is_same_v<W, bfloat16>)
-  [[nodiscard]] Work all_reduce_as_async(T&& buf, ReduceOp op = ReduceOp::sum) {
+  [[nodiscard]] Work all_reduce_as_async(T&& buf, Reduction op = ReduceOp::sum) {
     return submit(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, dtype_of<W>), {},
                   detail::hold(buf));
   }
   /// all_reduce_as_async() with the wire type as a value, DType::float16 or DType::bfloat16 (how
   /// the compression comm hooks carry it).
   template <MutableTensor T>
-  [[nodiscard]] Work all_reduce_as_async(T&& buf, DType wire, ReduceOp op = ReduceOp::sum) {
+  [[nodiscard]] Work all_reduce_as_async(T&& buf, DType wire, Reduction op = ReduceOp::sum) {
     if (wire != DType::float16 && wire != DType::bfloat16)
       detail::fail(Errc::invalid_argument, "rank ", rank(), ": all_reduce_as: the wire type is ",
                    to_string(wire), "; compressed values travel as float16 or bfloat16");
@@ -149,14 +149,14 @@ class Communicator {
   /// group on backend::Nccl (one launch, one wait), one buffer after another elsewhere.
   template <std::ranges::range R>
     requires detail::tensor_output<std::ranges::range_reference_t<R>>
-  void all_reduce_coalesced(R&& bufs, ReduceOp op = ReduceOp::sum) {
+  void all_reduce_coalesced(R&& bufs, Reduction op = ReduceOp::sum) {
     const auto b = detail::to_bufs<Backend>(bufs, rank(), "all_reduce_coalesced");
     exec(detail::prepare_all_reduce_coalesced(b, op, caller()));
   }
   /// all_reduce_coalesced(), run asynchronously: the buffers must outlive the returned Work.
   template <std::ranges::range R>
     requires detail::tensor_output<std::ranges::range_reference_t<R>>
-  [[nodiscard]] Work all_reduce_coalesced_async(R&& bufs, ReduceOp op = ReduceOp::sum) {
+  [[nodiscard]] Work all_reduce_coalesced_async(R&& bufs, Reduction op = ReduceOp::sum) {
     auto b = detail::to_bufs<Backend>(bufs, rank(), "all_reduce_coalesced");
     const auto call = detail::prepare_all_reduce_coalesced(b, op, caller());
     detail::Holds held;
@@ -180,13 +180,13 @@ class Communicator {
 
   /// Reduces `buf` over all ranks into root's `buf`; the other ranks' buffers are unchanged.
   template <detail::tensor_output T>
-  void reduce(T&& buf, int root = 0, ReduceOp op = ReduceOp::sum) {
+  void reduce(T&& buf, int root = 0, Reduction op = ReduceOp::sum) {
     exec_single(detail::Coll::reduce, buf, op, root);
   }
   /// reduce(), run asynchronously: returns at once; the buffers must outlive the Work (see
   /// all_reduce_async).
   template <detail::tensor_output T>
-  [[nodiscard]] Work reduce_async(T&& buf, int root = 0, ReduceOp op = ReduceOp::sum) {
+  [[nodiscard]] Work reduce_async(T&& buf, int root = 0, Reduction op = ReduceOp::sum) {
     return submit(
         detail::prepare_single(detail::Coll::reduce, arg(buf, "reduce", "buf"), op, root, caller()),
         {}, detail::hold(buf));
@@ -231,14 +231,14 @@ class Communicator {
 
   /// out = block r of the reduction of every rank's `in`; in.size() == out.size() * size().
   template <detail::tensor_input In, detail::tensor_output Out>
-  void reduce_scatter(In&& in, Out&& out, ReduceOp op = ReduceOp::sum) {
+  void reduce_scatter(In&& in, Out&& out, Reduction op = ReduceOp::sum) {
     exec(detail::prepare_reduce_scatter(arg(in, "reduce_scatter", "in"),
                                         arg(out, "reduce_scatter", "out"), op, caller()));
   }
   /// reduce_scatter(), run asynchronously: returns at once; the buffers must outlive the Work (see
   /// all_reduce_async).
   template <detail::tensor_input In, detail::tensor_output Out>
-  [[nodiscard]] Work reduce_scatter_async(In&& in, Out&& out, ReduceOp op = ReduceOp::sum) {
+  [[nodiscard]] Work reduce_scatter_async(In&& in, Out&& out, Reduction op = ReduceOp::sum) {
     return submit(detail::prepare_reduce_scatter(arg(in, "reduce_scatter", "in"),
                                                  arg(out, "reduce_scatter", "out"), op, caller()),
                   {}, detail::hold(in, out));
@@ -503,12 +503,12 @@ class Communicator {
   /// Synchronous all_reduce, broadcast and reduce without a Call (dispatch()'s checks and code,
   /// minus a 150-byte description where the library's own cost shows most: small messages).
   template <class T>
-  void exec_single(detail::Coll coll, T& buf, ReduceOp op, int root) {
+  void exec_single(detail::Coll coll, T& buf, Reduction op, int root) {
     exec_single_buf(coll, arg(buf, detail::single_name(coll), "buf"), op, root);
   }
   /// exec_single's part that does not depend on the tensor type: compiled once per backend in
   /// the separate-compilation mode (ddp/instances.hpp).
-  void exec_single_buf(detail::Coll coll, const detail::Buf& b, ReduceOp op, int root);
+  void exec_single_buf(detail::Coll coll, const detail::Buf& b, Reduction op, int root);
 
   /// Asynchronous (CommRunner::submit).
   Work submit(const detail::Call& c, std::vector<detail::Buf> many = {}, detail::Holds held = {},
@@ -522,7 +522,7 @@ class Communicator {
 
   // ---- arguments -----------------------------------------------------------------------------
 
-  [[nodiscard]] detail::Caller caller() const { return {rank(), size()}; }
+  [[nodiscard]] detail::Caller caller() const { return detail::caller_of(backend()); }
 
   /// A typed argument as a checked type-erased buffer (comm/arguments.hpp).
   template <class T>
@@ -530,7 +530,7 @@ class Communicator {
     return detail::to_buf<Backend>(t, rank(), what, name);
   }
 
-  detail::Call prepare_all_reduce_as(const detail::Buf& b, ReduceOp op, DType wire) const {
+  detail::Call prepare_all_reduce_as(const detail::Buf& b, Reduction op, DType wire) const {
     return detail::prepare_all_reduce_as(
         b, op, wire, b.device.is_cuda() && !detail::staged<Backend>(b), Backend::name, caller());
   }
@@ -630,16 +630,16 @@ void Communicator<Backend>::abort(const std::string& why) {
 }
 template <CommBackend Backend>
 void Communicator<Backend>::exec(const detail::Call& c) {
-  same_process(c.name).run_in_order(c.name, c.bytes,
-                                    [&](Backend& be, State& st) { detail::dispatch(be, st, c); });
+  same_process(c.name).run_in_order(
+      c.name, c.bytes, [&](Backend& be, State& st) { detail::dispatch(be, st, c); }, c.root);
 }
 template <CommBackend Backend>
-void Communicator<Backend>::exec_single_buf(detail::Coll coll, const detail::Buf& b, ReduceOp op,
+void Communicator<Backend>::exec_single_buf(detail::Coll coll, const detail::Buf& b, Reduction op,
                                             int root) {
-  const char* name = detail::check_single(coll, b, op, root, caller());
-  same_process(name).run_in_order(name, b.bytes(), [&](Backend& be, State& st) {
-    detail::run_single(be, st, coll, b, op, root);
-  });
+  const char* name = detail::check_single(coll, b, op.op, root, caller());
+  same_process(name).run_in_order(
+      name, b.bytes(),
+      [&](Backend& be, State& st) { detail::run_single(be, st, coll, b, op, root); }, root);
 }
 template <CommBackend Backend>
 Work Communicator<Backend>::submit(const detail::Call& c, std::vector<detail::Buf> many,

@@ -9,7 +9,8 @@
 /// applies to a field left at its default.
 ///
 /// Which backend reads which field (a backend ignores the others):
-///   every backend        timeout, token, group, external_store, trace_entries, trace_dump
+///   every backend        timeout, token, group, external_store, trace_entries, trace_dump,
+///                        timeline
 ///   with a store         heartbeat, store (backend::Host, backend::Nccl)
 ///   backend::Host        transport, segment_bytes, shm_single_copy_bytes, verify_collectives,
 ///                        hierarchy
@@ -148,6 +149,11 @@ struct Options {
   /// (ddprun's, TORCHELASTIC_RUN_ID, Slurm's job and step); it must be new for each run. Every
   /// rank must give the same ($DDP_STORE).
   std::string store{};
+  /// A directory where every process writes its timeline, Chrome trace-event JSON that Perfetto
+  /// and chrome://tracing open (comm/timeline.hpp; `ddp-trace DIR` merges the ranks' files and
+  /// draws a step); "" records nothing ($DDP_TIMELINE). The first communicator a process makes
+  /// with it starts the file; later ones write into it.
+  std::string timeline{};
 
   /// These options with the environment's settings (the $ names above) applied to every field
   /// still at its default. A malformed value is Errc::invalid_argument naming the variable.
@@ -230,6 +236,7 @@ DDP_INLINE Options Options::with_env(const detail::EnvReader& env,
   });
   if (o.trace_dump.empty()) o.trace_dump = env.get("DDP_TRACE_DUMP");
   if (o.store.empty()) o.store = env.get("DDP_STORE");
+  if (o.timeline.empty()) o.timeline = env.get("DDP_TIMELINE");
   apply([&] {
     if (o.heartbeat != defaults.heartbeat) return;
     if (const std::string v = env.get("DDP_HEARTBEAT"); v == "0" || v == "off")

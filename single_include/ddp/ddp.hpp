@@ -551,7 +551,7 @@ static_assert(sizeof(bfloat16) == 2 && std::is_trivially_copyable_v<bfloat16>);
 
 /// Element types a collective can carry. The numbering is stable (it is sent on the wire) and
 /// matches ncclDataType_t's set of types, plus the 16-bit integers (which NCCL moves but cannot
-/// reduce).
+/// reduce) and bool (one byte holding 0 or 1, as torch.bool; NCCL moves it as uint8).
 enum class DType : std::uint8_t {
   int8 = 0,
   uint8 = 1,
@@ -565,10 +565,11 @@ enum class DType : std::uint8_t {
   bfloat16 = 9,
   int16 = 10,
   uint16 = 11,
+  boolean = 12,  ///< bool; to_string says "bool"
 };
 
 /// The number of DType enumerators (one past the largest value).
-inline constexpr int dtype_count = 12;
+inline constexpr int dtype_count = 13;
 
 /// The enumerator's name, e.g. "float32"; "invalid" for a value that is not one.
 [[nodiscard]] constexpr std::string_view to_string(DType t) noexcept {
@@ -585,6 +586,7 @@ inline constexpr int dtype_count = 12;
     case DType::bfloat16: return "bfloat16";
     case DType::int16: return "int16";
     case DType::uint16: return "uint16";
+    case DType::boolean: return "bool";
   }
   return "invalid";
 }
@@ -593,7 +595,8 @@ inline constexpr int dtype_count = 12;
 [[nodiscard]] constexpr std::size_t size_of(DType t) noexcept {
   switch (t) {
     case DType::int8:
-    case DType::uint8: return 1;
+    case DType::uint8:
+    case DType::boolean: return 1;
     case DType::int16:
     case DType::uint16:
     case DType::float16:
@@ -634,6 +637,10 @@ struct dtype_of_impl<T> {
                        : (std::is_signed_v<T> ? DType::int64 : DType::uint64);
 };
 template <>
+struct dtype_of_impl<bool> {
+  static constexpr DType value = DType::boolean;
+};
+template <>
 struct dtype_of_impl<float> {
   static constexpr DType value = DType::float32;
 };
@@ -652,7 +659,7 @@ struct dtype_of_impl<bfloat16> {
 }  // namespace detail
 
 /// A type that collectives can carry: the fixed-width integers of 8, 16, 32 and 64 bits (signed
-/// char and unsigned char included, plain char, bool and the character types excluded), half,
+/// char and unsigned char included, plain char and the character types excluded), bool, half,
 /// bfloat16, float and double.
 template <class T>
 concept Scalar = requires {
@@ -663,11 +670,23 @@ concept Scalar = requires {
 template <Scalar T>
 inline constexpr DType dtype_of = detail::dtype_of_impl<std::remove_cv_t<T>>::value;
 
-/// Reduction operators, as in torch.distributed.ReduceOp (stable numbering, 1:1 with ncclRedOp_t).
-enum class ReduceOp : std::uint8_t { sum = 0, prod = 1, max = 2, min = 3, avg = 4 };
+/// Reduction operators, as in torch.distributed.ReduceOp. Stable numbering: sum to avg are 1:1
+/// with ncclRedOp_t; band, bor and bxor are bitwise (integers and bool); premul_sum multiplies each
+/// rank's input by a factor before the sum (ddp::premul_sum makes one).
+enum class ReduceOp : std::uint8_t {
+  sum = 0,
+  prod = 1,
+  max = 2,
+  min = 3,
+  avg = 4,
+  band = 5,
+  bor = 6,
+  bxor = 7,
+  premul_sum = 8,
+};
 
 /// The number of ReduceOp enumerators (one past the largest value).
-inline constexpr int reduce_op_count = 5;
+inline constexpr int reduce_op_count = 9;
 
 /// The enumerator's name, e.g. "sum"; "invalid" for a value that is not one.
 [[nodiscard]] constexpr std::string_view to_string(ReduceOp op) noexcept {
@@ -677,6 +696,10 @@ inline constexpr int reduce_op_count = 5;
     case ReduceOp::max: return "max";
     case ReduceOp::min: return "min";
     case ReduceOp::avg: return "avg";
+    case ReduceOp::band: return "band";
+    case ReduceOp::bor: return "bor";
+    case ReduceOp::bxor: return "bxor";
+    case ReduceOp::premul_sum: return "premul_sum";
   }
   return "invalid";
 }
@@ -686,11 +709,58 @@ inline constexpr int reduce_op_count = 5;
   return static_cast<unsigned>(op) < static_cast<unsigned>(reduce_op_count);
 }
 
-/// Whether `op` is defined on `dtype`. avg is defined on floating-point types only (an integer
-/// mean would have to choose a rounding); every other op on every type.
+/// Whether `op` is defined on `dtype`. avg and premul_sum are defined on floating-point types
+/// only (an integer mean would have to choose a rounding); band, bor and bxor on integers and
+/// bool only; sum, prod, max and min on every type. On bool, sum and max are a logical or, prod
+/// and min a logical and (the result stays 0 or 1).
 [[nodiscard]] constexpr bool is_supported(ReduceOp op, DType dtype) noexcept {
   if (!is_valid(op) || !is_valid(dtype)) return false;
-  return op != ReduceOp::avg || is_floating_point(dtype);
+  switch (op) {
+    case ReduceOp::avg:
+    case ReduceOp::premul_sum: return is_floating_point(dtype);
+    case ReduceOp::band:
+    case ReduceOp::bor:
+    case ReduceOp::bxor: return !is_floating_point(dtype);
+    default: return true;
+  }
+}
+
+namespace detail {
+/// bool's operator as one on its 0/1 bytes: or (sum, max, bor), and (prod, min, band), xor.
+[[nodiscard]] constexpr ReduceOp bool_as_byte(ReduceOp op) noexcept {
+  switch (op) {
+    case ReduceOp::sum:
+    case ReduceOp::max:
+    case ReduceOp::bor: return ReduceOp::max;
+    case ReduceOp::prod:
+    case ReduceOp::min:
+    case ReduceOp::band: return ReduceOp::min;
+    case ReduceOp::bxor: return ReduceOp::bxor;
+    default: return op;  // avg, premul_sum: not defined on bool
+  }
+}
+}  // namespace detail
+
+/// A reduction as the collectives take it: a ReduceOp, and premul_sum's factor. Made implicitly
+/// from a ReduceOp (`comm.all_reduce(buf, ReduceOp::max)`), or by ddp::premul_sum.
+struct Reduction {
+  ReduceOp op = ReduceOp::sum;  ///< The operator.
+  /// premul_sum: what each rank's input is multiplied by (in the element type's precision, float
+  /// for half and bfloat16) before the sum; ignored by the other operators.
+  double factor = 1.0;
+
+  /// ReduceOp::sum.
+  constexpr Reduction() noexcept = default;
+  /// `o` (premul_sum with the factor 1).
+  constexpr Reduction(ReduceOp o) noexcept : op(o) {}  // NOLINT(google-explicit-constructor)
+  /// `o` with premul_sum's `f`.
+  constexpr Reduction(ReduceOp o, double f) noexcept : op(o), factor(f) {}
+};
+
+/// torch's `_make_nccl_premul_sum(factor)`: sums every rank's input multiplied by `factor` first
+/// (a gradient average with the division before the sum, where the sum could overflow float16).
+[[nodiscard]] constexpr Reduction premul_sum(double factor) noexcept {
+  return {ReduceOp::premul_sum, factor};
 }
 
 /// Where a buffer lives.
@@ -973,6 +1043,11 @@ struct DynamicView {
 template <class T>
 struct tensor_traits {};
 
+template <class T>
+struct From;
+template <class T>
+struct Into;
+
 /// A TensorView passes through unchanged (keeping its device and stream); where it lives is known
 /// only at run time.
 template <class T>
@@ -1132,6 +1207,15 @@ concept range_of_tensors = std::ranges::range<U&> &&
     (Viewable<std::ranges::range_value_t<U&>> ||
      unadapted_torch_tensor<std::ranges::range_value_t<U&>>);
 
+template <class T>
+inline constexpr bool is_from_v = false;
+template <class T>
+inline constexpr bool is_from_v<From<T>> = true;
+template <class T>
+inline constexpr bool is_into_v = false;
+template <class T>
+inline constexpr bool is_into_v<Into<T>> = true;
+
 /// True when T can be a collective's argument (written to when Output); otherwise the first
 /// error the compiler prints says why, instead of "no matching function" and 20 lines of
 /// unsatisfied constraints. The collectives' template parameters use it (tensor_input /
@@ -1139,13 +1223,25 @@ concept range_of_tensors = std::ranges::range<U&> &&
 template <class T, bool Output>
 consteval bool explain_tensor_argument() {
   using U = std::remove_reference_t<T>;
-  if constexpr (Output ? MutableTensor<T> : TensorLike<T>) {
+  if constexpr (!Output && is_into_v<std::remove_cv_t<U>>) {
+    static_assert(always_false<T>,
+                  "ddp: ddp::into(...) is given where the collective reads its input: the "
+                  "arguments are in torch's order (out, in); ddp's collectives take "
+                  "(ddp::from(in), ddp::into(out)), the input first, as MPI does: swap them");
+  } else if constexpr (Output && is_from_v<std::remove_cv_t<U>>) {
+    static_assert(always_false<T>,
+                  "ddp: ddp::from(...) is given where the collective writes its result: the "
+                  "arguments are in torch's order (out, in), or an in-place buffer is marked as "
+                  "an input; ddp's collectives take (ddp::from(in), ddp::into(out)), the input "
+                  "first, as MPI does");
+  } else if constexpr (Output ? MutableTensor<T> : TensorLike<T>) {
     return true;
   } else if constexpr (!Viewable<T> && proxy_range<U>) {
     static_assert(always_false<T>,
                   "ddp: this range has no elements in memory to send (std::vector<bool> packs "
-                  "bits; a view computes its values): use std::vector<std::uint8_t> for flags, "
-                  "or copy the values into a std::vector");
+                  "bits; a view computes its values): for flags use a bool array "
+                  "(std::array<bool, N>, std::unique_ptr<bool[]> in a std::span), or copy the "
+                  "values into a std::vector");
   } else if constexpr (!Viewable<T> && std::ranges::range<U&> &&
                        !std::ranges::contiguous_range<U&>) {
     static_assert(always_false<T>,
@@ -1170,10 +1266,9 @@ consteval bool explain_tensor_argument() {
   } else if constexpr (!DynamicTensor<T> && !Scalar<tensor_value_t<T>>) {
     static_assert(always_false<T>,
                   "ddp: the element type is not one a collective carries; ddp carries int8, "
-                  "int16, int32, int64, uint8, uint16, uint32, uint64, ddp::half, "
-                  "ddp::bfloat16, float and double (not bool, char, long double or "
-                  "std::complex: a std::complex<float> buffer travels as a std::span<float> of "
-                  "twice the size)");
+                  "int16, int32, int64, uint8, uint16, uint32, uint64, bool, ddp::half, "
+                  "ddp::bfloat16, float and double (not char, long double or std::complex: a "
+                  "std::complex<float> buffer travels as a std::span<float> of twice the size)");
   } else {
     static_assert(always_false<T>,
                   "ddp: this argument is written to, but its elements are const: pass a "
@@ -1295,6 +1390,71 @@ struct P2POp {
                          std::is_const_v<E>};
     }
   }
+};
+
+/// A collective's input with its role named: `comm.all_gather(ddp::from(mine), ddp::into(all))`
+/// (as KaMPIng's `send_buf`). ddp's buffer-pair collectives take the input first, as MPI does;
+/// torch's take the output first. Written with from() and into(), an argument in the wrong
+/// place is a compile error that says so (detail::explain_tensor_argument), where two plain
+/// buffers of one type would be accepted in either order. Holds a reference to `tensor`, or a
+/// copy of a tensor whose copies share its storage (torch::Tensor), so that an async call keeps
+/// that storage alive as it would the tensor itself.
+template <class T>
+struct From {
+  T tensor;  ///< The tensor (a reference, or a storage-sharing copy).
+};
+/// A collective's output with its role named: see ddp::From.
+template <class T>
+struct Into {
+  T tensor;  ///< The tensor (a reference, or a storage-sharing copy).
+};
+
+namespace detail {
+/// How a role wrapper holds `T&&`: a storage-sharing tensor by value, anything else by
+/// reference (an rvalue by value: the wrapper lives as long as the call's argument would).
+template <class T>
+using role_held_t =
+    std::conditional_t<shares_storage<std::remove_cvref_t<T>>, std::remove_cvref_t<T>, T>;
+
+/// tensor_traits of a role wrapper: the wrapped tensor's view, device kind and storage sharing.
+template <class T>
+struct role_traits {
+  static constexpr bool shares_storage = !std::is_reference_v<T> && detail::shares_storage<T>;
+};
+template <class T>
+  requires(static_device_kind<std::remove_reference_t<T>>().has_value())
+struct role_traits<T> {
+  static constexpr bool shares_storage = !std::is_reference_v<T> && detail::shares_storage<T>;
+  static constexpr DeviceKind device_kind = *static_device_kind<std::remove_reference_t<T>>();
+};
+}  // namespace detail
+
+/// `in` as a collective's input (ddp::From).
+template <class T>
+  requires Viewable<T>
+[[nodiscard]] constexpr From<detail::role_held_t<T>> from(T&& in) { return {std::forward<T>(in)}; }
+/// `out` as a collective's output (ddp::Into).
+template <class T>
+  requires Viewable<T>
+[[nodiscard]] constexpr Into<detail::role_held_t<T>> into(T&& out) {
+  return {std::forward<T>(out)};
+}
+
+/// An input named by ddp::from: the wrapped tensor's view.
+template <class T>
+struct tensor_traits<From<T>> : detail::role_traits<T> {
+  /// The wrapped tensor's view.
+  static constexpr auto view(From<T>& f) { return ddp::view(f.tensor); }
+  /// The same, for a wrapper held const.
+  static constexpr auto view(const From<T>& f) { return ddp::view(f.tensor); }
+};
+/// An output named by ddp::into: the wrapped tensor's own view.
+template <class T>
+struct tensor_traits<Into<T>> : detail::role_traits<T> {
+  /// The wrapped tensor's view.
+  static constexpr auto view(Into<T>& i) { return ddp::view(i.tensor); }
+  /// The same, for a wrapper held const (the wrapped tensor keeps its own constness).
+  static constexpr auto view(const Into<T>& i) { return ddp::view(i.tensor); }
 };
 
 DDP_END_NAMESPACE
@@ -1989,6 +2149,8 @@ DDP_END_NAMESPACE
 ///    | uneven | `all_to_all_v`, `gather_v`, `scatter_v` (counts per rank) | send/recv pairs |
 ///    | has_device | `int device()` (the CUDA device it uses) | — |
 ///    | refuses_some | `static const char* refuses(std::string_view collective, DType)` | none |
+///    | refuses_ops | `static const char* refuses(ReduceOp, DType)` | none |
+///    | premultiplies | `all_reduce(Buf, ReduceOp, double factor)`, ... | multiply, then sum |
 ///
 /// backend::Host (backend/host.hpp), backend::Nccl (backend/nccl.hpp) and backend::Mpi
 /// (backend/mpi.hpp) implement it. A new backend includes this header, and
@@ -2614,7 +2776,8 @@ DDP_END_NAMESPACE
 /// applies to a field left at its default.
 ///
 /// Which backend reads which field (a backend ignores the others):
-///   every backend        timeout, token, group, external_store, trace_entries, trace_dump
+///   every backend        timeout, token, group, external_store, trace_entries, trace_dump,
+///                        timeline
 ///   with a store         heartbeat, store (backend::Host, backend::Nccl)
 ///   backend::Host        transport, segment_bytes, shm_single_copy_bytes, verify_collectives,
 ///                        hierarchy
@@ -2903,6 +3066,11 @@ struct Options {
   /// (ddprun's, TORCHELASTIC_RUN_ID, Slurm's job and step); it must be new for each run. Every
   /// rank must give the same ($DDP_STORE).
   std::string store{};
+  /// A directory where every process writes its timeline, Chrome trace-event JSON that Perfetto
+  /// and chrome://tracing open (comm/timeline.hpp; `ddp-trace DIR` merges the ranks' files and
+  /// draws a step); "" records nothing ($DDP_TIMELINE). The first communicator a process makes
+  /// with it starts the file; later ones write into it.
+  std::string timeline{};
 
   /// These options with the environment's settings (the $ names above) applied to every field
   /// still at its default. A malformed value is Errc::invalid_argument naming the variable.
@@ -2985,6 +3153,7 @@ DDP_INLINE Options Options::with_env(const detail::EnvReader& env,
   });
   if (o.trace_dump.empty()) o.trace_dump = env.get("DDP_TRACE_DUMP");
   if (o.store.empty()) o.store = env.get("DDP_STORE");
+  if (o.timeline.empty()) o.timeline = env.get("DDP_TIMELINE");
   apply([&] {
     if (o.heartbeat != defaults.heartbeat) return;
     if (const std::string v = env.get("DDP_HEARTBEAT"); v == "0" || v == "off")
@@ -4743,6 +4912,20 @@ struct backend_traits {
   static constexpr bool refuses_some = requires(std::string_view w, DType t) {
     { B::refuses(w, t) } -> std::convertible_to<const char*>;
   };
+  /// The backend refuses some operators on some element types (backend::Nccl: no bitwise
+  /// reductions): refuses(op, dtype) gives the reason, or nullptr; asked as refuses_some is.
+  static constexpr bool refuses_ops = requires(ReduceOp op, DType t) {
+    { B::refuses(op, t) } -> std::convertible_to<const char*>;
+  };
+  /// The backend applies premul_sum's factor itself (ncclRedOpCreatePreMulSum): its
+  /// all_reduce, reduce, reduce_scatter (and all_reduce_many, where it has one) take the factor
+  /// after the op. Elsewhere the communicator multiplies this rank's input (in host memory) and
+  /// the backend sums.
+  static constexpr bool premultiplies = requires(B & b, const detail::Buf& x, ReduceOp op) {
+    b.all_reduce(x, op, 1.0);
+    b.reduce(x, 0, op, 1.0);
+    b.reduce_scatter(x, x, op, 1.0);
+  };
   /// The backend makes sub-groups itself (MPI_Comm_split, ncclCommSplit).
   static constexpr bool splits = requires(B & b, int i, const Options& o) {
     { b.split(i, i, o) } -> std::same_as<std::unique_ptr<B>>;
@@ -4834,6 +5017,10 @@ namespace detail {
 struct Caller {
   int rank = 0;
   int size = 1;
+  /// The backend's refusal of an operator on a dtype (backend_traits::refuses_ops: NCCL has no
+  /// bitwise reductions), or nullptr.
+  const char* (*refuses_op)(ReduceOp, DType) = nullptr;
+  std::string_view backend;  ///< the backend's name, for that refusal
 };
 
 /// A checked collective call.
@@ -4855,7 +5042,8 @@ struct Call {
   /// then out_counts; the others' counts (read where the collective reads them).
   std::span<const std::size_t> counts{};
   ReduceOp op = ReduceOp::sum;
-  int root = -1;  ///< root, or the peer of send/recv
+  double factor = 1.0;  ///< premul_sum's factor (Reduction::factor)
+  int root = -1;        ///< root, or the peer of send/recv
   int tag = 0;
   DType wire = DType::float32;
   std::size_t bytes = 0;  ///< this rank's buffers, for the flight recorder
@@ -4909,6 +5097,11 @@ DDP_INLINE void check_op(ReduceOp op, DType t, const char* who, int rank, const 
 #endif  // DDP_BODIES
 inline void check_op(ReduceOp op, DType t, Caller c, const char* what) {
   check_op(op, t, "rank ", c.rank, what);
+  if (c.refuses_op != nullptr) {
+    if (const char* why = c.refuses_op(op, t)) [[unlikely]]
+      fail(Errc::invalid_argument, "rank ", c.rank, ": backend::", c.backend, ": ", what, "(",
+           to_string(t), ", op ", to_string(op), "): ", why);
+  }
 }
 
 /// `root` in [0, size), else Errc::invalid_argument naming `who`/`rank` (as check_op), `what`
@@ -5006,24 +5199,30 @@ DDP_INLINE const char* check_single(Coll coll, const Buf& b, ReduceOp op, int ro
 }
 #endif  // DDP_BODIES
 
-[[nodiscard]] DDP_INLINE Call prepare_single(Coll coll, const Buf& b, ReduceOp op, int root,
+[[nodiscard]] DDP_INLINE Call prepare_single(Coll coll, const Buf& b, Reduction op, int root,
                                              Caller c);
 #if DDP_BODIES
-DDP_INLINE Call prepare_single(Coll coll, const Buf& b, ReduceOp op, int root, Caller c) {
-  const char* name = check_single(coll, b, op, root, c);
-  return Call{.name = name, .coll = coll, .in = b, .op = op, .root = root, .bytes = b.bytes()};
+DDP_INLINE Call prepare_single(Coll coll, const Buf& b, Reduction op, int root, Caller c) {
+  const char* name = check_single(coll, b, op.op, root, c);
+  return Call{.name = name,
+              .coll = coll,
+              .in = b,
+              .op = op.op,
+              .factor = op.factor,
+              .root = root,
+              .bytes = b.bytes()};
 }
 #endif  // DDP_BODIES
 
 /// `moved_on_device`: the backend moves this CUDA buffer itself (no staging), so there is no
 /// host pass in which to convert it.
-[[nodiscard]] DDP_INLINE Call prepare_all_reduce_as(const Buf& b, ReduceOp op, DType wire,
+[[nodiscard]] DDP_INLINE Call prepare_all_reduce_as(const Buf& b, Reduction op, DType wire,
                                                     bool moved_on_device, std::string_view backend,
                                                     Caller c);
 #if DDP_BODIES
-DDP_INLINE Call prepare_all_reduce_as(const Buf& b, ReduceOp op, DType wire, bool moved_on_device,
+DDP_INLINE Call prepare_all_reduce_as(const Buf& b, Reduction op, DType wire, bool moved_on_device,
                                       std::string_view backend, Caller c) {
-  check_op(op, wire, c, "all_reduce_as");
+  check_op(op.op, wire, c, "all_reduce_as");
   if (b.dtype != DType::float32)
     fail(Errc::invalid_argument, "rank ", c.rank, ": all_reduce_as: `buf` is ", to_string(b.dtype),
          "; compression carries float32 values");
@@ -5036,27 +5235,29 @@ DDP_INLINE Call prepare_all_reduce_as(const Buf& b, ReduceOp op, DType wire, boo
               .coll = Coll::all_reduce,
               .form = Call::Form::as_wire,
               .in = b,
-              .op = op,
+              .op = op.op,
+              .factor = op.factor,
               .wire = wire,
               .bytes = b.bytes()};
 }
 #endif  // DDP_BODIES
 
 /// `bufs` must outlive the call.
-[[nodiscard]] DDP_INLINE Call prepare_all_reduce_coalesced(std::span<const Buf> bufs, ReduceOp op,
+[[nodiscard]] DDP_INLINE Call prepare_all_reduce_coalesced(std::span<const Buf> bufs, Reduction op,
                                                            Caller c);
 #if DDP_BODIES
-DDP_INLINE Call prepare_all_reduce_coalesced(std::span<const Buf> bufs, ReduceOp op, Caller c) {
+DDP_INLINE Call prepare_all_reduce_coalesced(std::span<const Buf> bufs, Reduction op, Caller c) {
   std::size_t bytes = 0;
   for (const Buf& b : bufs) {
-    check_op(op, b.dtype, c, "all_reduce_coalesced");
+    check_op(op.op, b.dtype, c, "all_reduce_coalesced");
     bytes += b.bytes();
   }
   return Call{.name = "all_reduce_coalesced",
               .coll = Coll::all_reduce,
               .form = Call::Form::coalesced,
               .many = bufs,
-              .op = op,
+              .op = op.op,
+              .factor = op.factor,
               .bytes = bytes};
 }
 #endif  // DDP_BODIES
@@ -5105,12 +5306,12 @@ DDP_INLINE Call prepare_scatter(const Buf& in, const Buf& out, int root, Caller 
 }
 #endif  // DDP_BODIES
 
-[[nodiscard]] DDP_INLINE Call prepare_reduce_scatter(const Buf& in, const Buf& out, ReduceOp op,
+[[nodiscard]] DDP_INLINE Call prepare_reduce_scatter(const Buf& in, const Buf& out, Reduction op,
                                                      Caller c);
 #if DDP_BODIES
-DDP_INLINE Call prepare_reduce_scatter(const Buf& in, const Buf& out, ReduceOp op, Caller c) {
+DDP_INLINE Call prepare_reduce_scatter(const Buf& in, const Buf& out, Reduction op, Caller c) {
   check_same_dtype(in, out, c, "reduce_scatter");
-  check_op(op, out.dtype, c, "reduce_scatter");
+  check_op(op.op, out.dtype, c, "reduce_scatter");
   check_blocks(in, out, c, "reduce_scatter", "in", "out.size() x size()");
   check_in_place(in, out, c, "reduce_scatter",
                  ": `out` overlaps `in` but is not this rank's block of it (the only in-place "
@@ -5118,7 +5319,8 @@ DDP_INLINE Call prepare_reduce_scatter(const Buf& in, const Buf& out, ReduceOp o
   Call call{.name = "reduce_scatter", .coll = Coll::reduce_scatter};
   call.in = in;
   call.out = out;
-  call.op = op;
+  call.op = op.op;
+  call.factor = op.factor;
   call.bytes = in.bytes() + out.bytes();
   return call;
 }
@@ -5352,7 +5554,10 @@ DDP_END_NAMESPACE
 /// 0, 1, ..., P-1, whichever rank computes it and whatever the message size, so the result is
 /// bitwise the same on every rank and in every run. half and bfloat16 accumulate in float and
 /// are rounded once; integer sums and products wrap (two's complement) instead of overflowing
-/// into undefined behaviour; avg divides the sum by P.
+/// into undefined behaviour; avg divides the sum by P; band, bor and bxor are bitwise on
+/// integers; bool reduces as 0/1 bytes (sum and max: or, prod and min: and, bxor: xor).
+/// premul_sum is a sum here: the communicator has multiplied each rank's input already
+/// (scale_fn), so the kernels carry no factor.
 
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
@@ -5408,6 +5613,12 @@ inline A combine(A a, A b) {
     }
   } else if constexpr (Op == ReduceOp::min) {
     return b < a ? b : a;
+  } else if constexpr (Op == ReduceOp::band) {
+    return static_cast<A>(a & b);
+  } else if constexpr (Op == ReduceOp::bor) {
+    return static_cast<A>(a | b);
+  } else if constexpr (Op == ReduceOp::bxor) {
+    return static_cast<A>(a ^ b);
   } else {
     return a < b ? b : a;
   }
@@ -5486,18 +5697,27 @@ using ReduceFn = void (*)(std::byte*, std::byte*, const std::byte* const*, int, 
 
 template <class T>
 constexpr ReduceFn reduce_fn_for(ReduceOp op) {
+  constexpr bool integer = std::is_integral_v<T>;
   switch (op) {
     case ReduceOp::sum: return &reduce_kernel<T, ReduceOp::sum>;
     case ReduceOp::prod: return &reduce_kernel<T, ReduceOp::prod>;
     case ReduceOp::max: return &reduce_kernel<T, ReduceOp::max>;
     case ReduceOp::min: return &reduce_kernel<T, ReduceOp::min>;
     case ReduceOp::avg:
-      if constexpr (std::is_floating_point_v<T> || std::is_same_v<T, half> ||
-                    std::is_same_v<T, bfloat16>) {
-        return &reduce_kernel<T, ReduceOp::avg>;
-      } else {
-        return nullptr;
-      }
+      if constexpr (!integer) return &reduce_kernel<T, ReduceOp::avg>;
+      break;
+    case ReduceOp::band:
+      if constexpr (integer) return &reduce_kernel<T, ReduceOp::band>;
+      break;
+    case ReduceOp::bor:
+      if constexpr (integer) return &reduce_kernel<T, ReduceOp::bor>;
+      break;
+    case ReduceOp::bxor:
+      if constexpr (integer) return &reduce_kernel<T, ReduceOp::bxor>;
+      break;
+    case ReduceOp::premul_sum:  // the communicator has scaled the inputs (scale_fn): a sum
+      if constexpr (!integer) return &reduce_kernel<T, ReduceOp::sum>;
+      break;
   }
   return nullptr;
 }
@@ -5519,8 +5739,36 @@ DDP_INLINE ReduceFn reduce_fn(DType t, ReduceOp op) {
     case DType::float32: return reduce_fn_for<float>(op);
     case DType::float64: return reduce_fn_for<double>(op);
     case DType::bfloat16: return reduce_fn_for<bfloat16>(op);
+    case DType::boolean:
+      return is_supported(op, t) ? reduce_fn_for<std::uint8_t>(bool_as_byte(op)) : nullptr;
   }
   return nullptr;
+}
+#endif  // DDP_BODIES
+
+/// premul_sum's first step: data[i] *= factor in place, in the accumulator's precision (float
+/// for half and bfloat16), rounded once to the element type.
+using ScaleFn = void (*)(std::byte*, std::size_t, double);
+
+template <class T>
+void scale_kernel(std::byte* data, std::size_t count, double factor) {
+  using A = typename Accum<T>::type;
+  auto* d = reinterpret_cast<T*>(data);
+  const auto by = static_cast<A>(factor);
+  for (std::size_t i = 0; i < count; ++i) d[i] = static_cast<T>(static_cast<A>(d[i]) * by);
+}
+
+/// The scale kernel for a floating-point dtype, else nullptr.
+[[nodiscard]] DDP_INLINE ScaleFn scale_fn(DType t);
+#if DDP_BODIES
+DDP_INLINE ScaleFn scale_fn(DType t) {
+  switch (t) {
+    case DType::float16: return &scale_kernel<half>;
+    case DType::float32: return &scale_kernel<float>;
+    case DType::float64: return &scale_kernel<double>;
+    case DType::bfloat16: return &scale_kernel<bfloat16>;
+    default: return nullptr;
+  }
 }
 #endif  // DDP_BODIES
 
@@ -5602,6 +5850,10 @@ WireKernels wire_kernels_for(ReduceOp op) {
     case ReduceOp::max: k.reduce = &reduce_decode_kernel<W, ReduceOp::max>; break;
     case ReduceOp::min: k.reduce = &reduce_decode_kernel<W, ReduceOp::min>; break;
     case ReduceOp::avg: k.reduce = &reduce_decode_kernel<W, ReduceOp::avg>; break;
+    case ReduceOp::premul_sum:  // the float32 values were scaled first
+      k.reduce = &reduce_decode_kernel<W, ReduceOp::sum>;
+      break;
+    default: break;  // bitwise: not defined on floating point
   }
   return k;
 }
@@ -6370,12 +6622,12 @@ DDP_END_NAMESPACE
 
 /// \file
 /// The flight recorder: every communicator keeps its most recent operations (op, sequence
-/// number, bytes, state) in a ring of Options::trace_entries records, readable at any time with
-/// Communicator::recent() / trace(), and written out when an operation times out
-/// (Options::trace_dump, $DDP_TRACE_DUMP). Comparing the ranks' records shows which rank fell
-/// behind and where; the timeout message itself already names the ranks that did not arrive.
-/// Reading dumps back and comparing a job's ranks is the tools' part (tools/trace_diagnose.hpp:
-/// the `ddp-trace` tool prints it for a directory of dumps).
+/// number, bytes, state, when it was issued, started and ended) in a ring of Options::trace_entries
+/// records, readable at any time with Communicator::recent() / trace(), and written out when an
+/// operation times out (Options::trace_dump, $DDP_TRACE_DUMP). Comparing the ranks' records shows
+/// which rank fell behind and where; the timeout message itself already names the ranks that did
+/// not arrive. Reading dumps back and comparing a job's ranks is the tools' part
+/// (tools/trace_diagnose.hpp: the `ddp-trace` tool prints it for a directory of dumps).
 
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/detail/lean_std.hpp" (already included above)
@@ -6410,6 +6662,8 @@ struct TraceRecord {
   std::size_t bytes = 0;        ///< bytes of this rank's buffer(s)
   State state = State::queued;  ///< where it was when the record was read
   std::chrono::steady_clock::time_point issued{};  ///< when it was called (or queued)
+  /// When it started running and when it finished or failed (the epoch while it has not).
+  std::chrono::steady_clock::time_point started{}, ended{};
 };
 
 /// The state's name: "queued", "running", "done" or "failed".
@@ -6468,6 +6722,8 @@ class FlightRecorder {
     std::atomic<std::size_t> bytes{0};
     std::atomic<State> state{State::queued};
     std::atomic<std::int64_t> issued_ns{0};
+    std::atomic<std::int64_t> started_ns{0};
+    std::atomic<std::int64_t> ended_ns{0};
   };
 
   /// steady_clock's clock (CLOCK_MONOTONIC), read at its coarse resolution.
@@ -6501,7 +6757,10 @@ DDP_INLINE std::uint64_t FlightRecorder::issue(const char* op, std::size_t bytes
   s.op.store(op, std::memory_order_release);
   s.bytes.store(bytes, std::memory_order_release);
   s.state.store(state, std::memory_order_release);
-  s.issued_ns.store(coarse_now_ns(), std::memory_order_release);
+  const std::int64_t now = coarse_now_ns();
+  s.issued_ns.store(now, std::memory_order_release);
+  s.started_ns.store(state == State::running ? now : 0, std::memory_order_release);
+  s.ended_ns.store(0, std::memory_order_release);
   s.version.store(2 * seq + 2, std::memory_order_release);
   return seq;
 }
@@ -6509,8 +6768,10 @@ DDP_INLINE std::uint64_t FlightRecorder::issue(const char* op, std::size_t bytes
 DDP_INLINE void FlightRecorder::update(std::uint64_t seq, State state) {
   if (capacity_ == 0) return;
   Slot& s = slots_[seq & mask_];
-  if (s.version.load(std::memory_order_relaxed) == 2 * seq + 2)
-    s.state.store(state, std::memory_order_release);
+  if (s.version.load(std::memory_order_relaxed) != 2 * seq + 2) return;
+  (state == State::running ? s.started_ns : s.ended_ns)
+      .store(coarse_now_ns(), std::memory_order_release);
+  s.state.store(state, std::memory_order_release);
 }
 
 DDP_INLINE std::vector<TraceRecord> FlightRecorder::recent() const {
@@ -6527,8 +6788,13 @@ DDP_INLINE std::vector<TraceRecord> FlightRecorder::recent() const {
     r.op = s.op.load(std::memory_order_acquire);
     r.bytes = s.bytes.load(std::memory_order_acquire);
     r.state = s.state.load(std::memory_order_acquire);
-    r.issued = std::chrono::steady_clock::time_point(
-        std::chrono::nanoseconds(s.issued_ns.load(std::memory_order_acquire)));
+    const auto at = [](const std::atomic<std::int64_t>& ns) {
+      return std::chrono::steady_clock::time_point(
+          std::chrono::nanoseconds(ns.load(std::memory_order_acquire)));
+    };
+    r.issued = at(s.issued_ns);
+    r.started = at(s.started_ns);
+    r.ended = at(s.ended_ns);
     if (s.version.load(std::memory_order_relaxed) == v) out.push_back(r);
   }
   return out;
@@ -6562,14 +6828,21 @@ DDP_INLINE std::string format_trace(const std::vector<TraceRecord>& records, std
                            "\", the last ", records.size(), " of ", issued, " operations");
   if (!why.empty()) out += concat(", dumped because: ", why);
   // The op column fits the longest name (all_reduce_coalesced, 20 characters).
-  out += "\n       seq  op                           bytes  state    age (ms)\n";
+  // ran: from the start to the end (or to now while it runs; "-" while queued), at the coarse
+  // clock's resolution (a few ms).
+  out += "\n       seq  op                           bytes  state    age (ms)  ran (ms)\n";
+  using std::chrono::milliseconds;
   for (const auto& r : records) {
-    const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(now - r.issued).count();
-    char line[160];
-    std::snprintf(line, sizeof line, "%10llu  %-22s %12llu  %-7s %9lld\n",
+    const auto age = std::chrono::duration_cast<milliseconds>(now - r.issued).count();
+    const bool started = r.started.time_since_epoch().count() != 0;
+    const bool ended = r.ended.time_since_epoch().count() != 0;
+    const auto ran =
+        std::chrono::duration_cast<milliseconds>((ended ? r.ended : now) - r.started).count();
+    char line[192];
+    std::snprintf(line, sizeof line, "%10llu  %-22s %12llu  %-7s %9lld  %8s\n",
                   static_cast<unsigned long long>(r.seq), r.op,
                   static_cast<unsigned long long>(r.bytes), to_string(r.state),
-                  static_cast<long long>(age));
+                  static_cast<long long>(age), started ? concat(ran).c_str() : "-");
     out += line;
   }
   return out;
@@ -7170,6 +7443,7 @@ struct JobView {
   std::string backend;
   bool verify_collectives = true;
   std::int64_t heartbeat_ms = 0;  ///< Options::heartbeat (0: none)
+  bool timeline = false;          ///< Options::timeline is set (init() aligns the clocks)
 };
 
 /// Who this process is, as another process would be told ("pid 123 on host node7").
@@ -7286,8 +7560,9 @@ DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
   w.str(job.backend);
   w.put(static_cast<std::uint8_t>(job.verify_collectives ? 1 : 0));
   w.put(job.heartbeat_ms);
+  w.put(static_cast<std::uint8_t>(job.timeline ? 1 : 0));
   store.set(concat("job/", rank), rec);
-  std::vector<std::string> versions, worlds, backends, verify, heartbeats;
+  std::vector<std::string> versions, worlds, backends, verify, heartbeats, timelines;
   for (const auto& r : gather_records(store, "job/", rank, job.world_size, timeout)) {
     ByteReader rd(r, "job record");
     versions.push_back(rd.str(64));
@@ -7298,6 +7573,7 @@ DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
     verify.push_back(rd.get<std::uint8_t>() != 0 ? "on" : "off");
     const auto hb = rd.get<std::int64_t>();
     heartbeats.push_back(hb > 0 ? concat(hb, " ms") : std::string("none"));
+    timelines.push_back(rd.get<std::uint8_t>() != 0 ? "a directory" : "none");
   }
   require_agreement(rank, "the world size",
                     "start every rank with the same WORLD_SIZE (if the others are another job's "
@@ -7312,6 +7588,9 @@ DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
                     "every rank must use the same heartbeat (a rank that waits longer than the "
                     "others sign would count them lost, or they it)",
                     heartbeats);
+  require_agreement(rank, "Options::timeline (DDP_TIMELINE)",
+                    "set it on every rank or on none (init() aligns the ranks' clocks together)",
+                    timelines);
 }
 #endif  // DDP_BODIES
 
@@ -10736,6 +11015,7 @@ struct CommState : MembershipWatch, CommPoison, OwnerProcess {
   std::unique_ptr<Executor> executor = std::make_unique<Executor>();
   std::uint64_t splits = 0;
   std::uint64_t monitored_barriers = 0;
+  int timeline_lane = 2;  // this group's track in the timeline (detail::Timeline::lane_of)
 #if DDP_HAS_CUDA
   std::unique_ptr<CudaStaging> staging;  // made on first use
 
@@ -10926,6 +11206,44 @@ void whole(CommState& s, int rank, const char* what, const F& f, A... a) {
 #endif
 }
 
+/// premul_sum's first step where the backend has none of its own: this rank's values in `h`
+/// (host memory) multiplied by `factor`.
+DDP_INLINE void premultiply(const Buf& h, double factor, int rank, const char* what);
+#if DDP_BODIES
+DDP_INLINE void premultiply(const Buf& h, double factor, int rank, const char* what) {
+  if (h.count == 0) return;
+  if (h.device.is_cuda())
+    fail(Errc::unsupported, "rank ", rank, ": ", what, "(", to_string(h.dtype),
+         ", op premul_sum): the buffer is on ", to_string(h.device),
+         " and this backend moves it itself; ddp's headers carry no GPU kernels to multiply it "
+         "(backend::Nccl applies the factor itself): multiply on the device and use sum");
+  scale_fn(h.dtype)(h.data, h.count, factor);
+}
+#endif  // DDP_BODIES
+
+/// A copy of `h`'s bytes, for premul_sum where the input must stay as it is (reduce's non-root
+/// ranks, reduce_scatter's `in`).
+struct ScaledCopy {
+  std::vector<std::byte> bytes;
+  Buf buf;
+  ScaledCopy(const Buf& h, double factor, int rank, const char* what)
+      : bytes(h.data, h.data + h.bytes()), buf(h) {
+    buf.data = bytes.data();
+    premultiply(buf, factor, rank, what);
+  }
+};
+
+/// all_reduce of `h` with `r`: premul_sum's factor applied by the backend where it can
+/// (backend_traits::premultiplies), else to this rank's values first.
+template <class Backend>
+void all_reduce_with(Backend& be, const Buf& h, const Reduction& r, const char* what) {
+  if (r.op == ReduceOp::premul_sum) {
+    if constexpr (backend_traits<Backend>::premultiplies) return be.all_reduce(h, r.op, r.factor);
+    premultiply(h, r.factor, be.rank(), what);
+  }
+  be.all_reduce(h, r.op);
+}
+
 /// all_reduce of float32 `h` carried as `wire`: by the backend when it can, else converted
 /// around a plain all_reduce.
 template <class W, class Backend>
@@ -10942,17 +11260,26 @@ void all_reduce_as_wire(Backend& be, const Buf& h, ReduceOp op) {
 }
 
 template <class Backend>
-void run_single(Backend& be, CommState& s, Coll coll, const Buf& b, ReduceOp op, int root) {
+void run_single(Backend& be, CommState& s, Coll coll, const Buf& b, Reduction r, int root) {
+  const bool mine = be.rank() == root;
   switch (coll) {
     case Coll::all_reduce:
-      return elementwise<Backend>(s, b, true, true, [&](const Buf& h) { be.all_reduce(h, op); });
-    case Coll::broadcast: {
-      const bool mine = be.rank() == root;
+      return elementwise<Backend>(s, b, true, true,
+                                  [&](const Buf& h) { all_reduce_with(be, h, r, "all_reduce"); });
+    case Coll::broadcast:
       return elementwise<Backend>(s, b, mine, !mine, [&](const Buf& h) { be.broadcast(h, root); });
-    }
     default:
-      return elementwise<Backend>(s, b, true, be.rank() == root,
-                                  [&](const Buf& h) { be.reduce(h, root, op); });
+      return elementwise<Backend>(s, b, true, mine, [&](const Buf& h) {
+        if (r.op != ReduceOp::premul_sum) return be.reduce(h, root, r.op);
+        if constexpr (backend_traits<Backend>::premultiplies) {
+          be.reduce(h, root, r.op, r.factor);
+        } else if (mine || staged<Backend>(b)) {  // root's result overwrites it; a staged copy
+          premultiply(h, r.factor, be.rank(), "reduce");
+          be.reduce(h, root, r.op);
+        } else {  // a non-root rank's buffer stays as it is
+          be.reduce(ScaledCopy(h, r.factor, be.rank(), "reduce").buf, root, r.op);
+        }
+      });
   }
 }
 
@@ -11056,31 +11383,43 @@ void dispatch(Backend& be, CommState& s, const Call& c) {
   switch (c.coll) {
     case Coll::all_reduce:
       if (c.form == Call::Form::coalesced) {
-        if constexpr (backend_traits<Backend>::reduces_many) {
+        if constexpr (backend_traits<Backend>::reduces_many &&
+                      backend_traits<Backend>::premultiplies) {
+          be.all_reduce_many(c.many, c.op, c.factor);
+        } else if constexpr (backend_traits<Backend>::reduces_many) {
           be.all_reduce_many(c.many, c.op);
         } else {
           for (const Buf& b : c.many)
-            elementwise<Backend>(s, b, true, true, [&](const Buf& h) { be.all_reduce(h, c.op); });
+            elementwise<Backend>(s, b, true, true, [&](const Buf& h) {
+              all_reduce_with(be, h, {c.op, c.factor}, c.name);
+            });
         }
       } else if (c.form == Call::Form::as_wire) {
         elementwise<Backend>(s, c.in, true, true, [&](const Buf& h) {
+          if (c.op == ReduceOp::premul_sum) premultiply(h, c.factor, be.rank(), c.name);
           if (c.wire == DType::float16)
             all_reduce_as_wire<half>(be, h, c.op);
           else
             all_reduce_as_wire<bfloat16>(be, h, c.op);
         });
       } else {
-        run_single(be, s, c.coll, c.in, c.op, c.root);
+        run_single(be, s, c.coll, c.in, {c.op, c.factor}, c.root);
       }
       return;
     case Coll::broadcast:
-    case Coll::reduce: return run_single(be, s, c.coll, c.in, c.op, c.root);
+    case Coll::reduce: return run_single(be, s, c.coll, c.in, {c.op, c.factor}, c.root);
     case Coll::all_gather: return in_out([&](const Buf& i, const Buf& o) { be.all_gather(i, o); });
     case Coll::gather: return in_out([&](const Buf& i, const Buf& o) { be.gather(i, o, c.root); });
     case Coll::scatter:
       return in_out([&](const Buf& i, const Buf& o) { be.scatter(i, o, c.root); });
     case Coll::reduce_scatter:
-      return in_out([&](const Buf& i, const Buf& o) { be.reduce_scatter(i, o, c.op); });
+      return in_out([&](const Buf& i, const Buf& o) {
+        if (c.op != ReduceOp::premul_sum) return be.reduce_scatter(i, o, c.op);
+        if constexpr (backend_traits<Backend>::premultiplies)
+          be.reduce_scatter(i, o, c.op, c.factor);
+        else  // `in` stays as it is
+          be.reduce_scatter(ScaledCopy(i, c.factor, be.rank(), c.name).buf, o, c.op);
+      });
     case Coll::all_to_all: return in_out([&](const Buf& i, const Buf& o) { be.all_to_all(i, o); });
     case Coll::all_to_all_v:
     case Coll::all_gather_v:
@@ -11168,6 +11507,16 @@ Buf dynamic_buf(const DynamicView& v, int rank, const char* what, const char* na
   if (!usable || v.data == nullptr || v.size > max_buffer_bytes / size_of(v.dtype))
     check_buf(b, size_of(v.dtype), usable, Backend::name, rank, what, name);
   return b;
+}
+
+/// Who checks a call on `be`: its rank and size, and its refusal of an operator on a dtype
+/// (backend_traits::refuses_ops) where it has one.
+template <class Backend>
+Caller caller_of(const Backend& be) {
+  Caller c{be.rank(), be.size(), nullptr, Backend::name};
+  if constexpr (backend_traits<Backend>::refuses_ops)
+    c.refuses_op = [](ReduceOp op, DType t) -> const char* { return Backend::refuses(op, t); };
+  return c;
 }
 
 /// Argument `name` of collective `what` on `rank`, as a checked type-erased buffer.
@@ -11295,6 +11644,420 @@ DDP_END_NAMESPACE
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 // #include "ddp/comm/state.hpp" (already included above)
+// begin ddp/comm/timeline.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The timeline: with Options::timeline (or $DDP_TIMELINE) naming a directory, every process
+/// writes what its communicators did, when and for how long, as Chrome trace-event JSON
+/// (`<dir>/ddp-timeline-rank<R>-<pid>.json`) that Perfetto (ui.perfetto.dev) and chrome://tracing
+/// open: one process per rank, one track for the program's steps (GradientAverager's step and
+/// its wait for the buckets, checkpoint saves, shrink and grow, the program's own
+/// ddp::TimelineSpan), one for the buckets' comm hooks, one per communicator group for its
+/// collectives (start, duration, bytes, queueing, the bucket that issued it). Times are on rank
+/// 0's clock: init() measures each rank's offset over a few barriers. Off, recording costs one
+/// relaxed atomic load per operation. Where CUDA is on, the same spans are NVTX ranges, so that
+/// Nsight Systems shows them beside the kernels. `ddp-trace DIR` merges the ranks' files and
+/// draws a step of every rank as SVG.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/detail/json.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
+
+#if DDP_HAS_CUDA
+#include <nvtx3/nvToolsExt.h>
+#endif
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// The tracks of a rank's timeline (Chrome's thread ids); collectives get one per group from
+/// Lane::collectives on.
+enum class Lane : int { steps = 0, buckets = 1, collectives = 2 };
+
+/// The process's timeline writer (see the file comment). Thread-safe.
+class Timeline {
+ public:
+  /// The process's one timeline.
+  static Timeline& get();
+
+  /// Whether spans are being recorded (one relaxed load).
+  [[nodiscard]] bool on() const noexcept { return on_.load(std::memory_order_relaxed); }
+
+  /// Starts writing to `dir` as world rank `rank` (made if missing); the first call wins, later
+  /// ones (split groups, shrink, grow) only register. Errc::system when the file cannot be made.
+  void open(const std::string& dir, int rank);
+
+  /// Rank 0's clock minus this process's (nanoseconds), and rank 0's time of the alignment: the
+  /// file's zero. Spans recorded before are shifted when written.
+  void align(std::int64_t offset_ns, std::int64_t zero_ns);
+
+  /// Pauses (false) or resumes (true) recording into the open file (a benchmark's paired
+  /// rounds: the timeline's cost, on against off, in one process).
+  void set_recording(bool on) {
+    std::lock_guard lock(mutex_);
+    on_.store(on && file_ != nullptr, std::memory_order_relaxed);
+  }
+
+  /// Whether align() was called.
+  [[nodiscard]] bool aligned() {
+    std::lock_guard lock(mutex_);
+    return aligned_;
+  }
+
+  /// The track of a communicator group ("default" for init()'s), named in the file once.
+  int lane_of(std::string_view group);
+
+  /// One finished span: `name` on track `lane` from `start_ns` to `end_ns` (now_ns() times),
+  /// with `args` a JSON object's members ("\"bytes\":4096") or empty.
+  void span(int lane, std::string_view name, std::string_view cat, std::int64_t start_ns,
+            std::int64_t end_ns, std::string_view args = {});
+
+  /// Writes what is buffered (the file is then a complete JSON document). Every communicator's
+  /// destructor calls it.
+  void flush();
+
+  /// flush(), and no more spans: at the process's exit (static destruction).
+  void close();
+
+  /// The steady clock in nanoseconds (the spans' clock).
+  [[nodiscard]] static std::int64_t now_ns() noexcept {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
+  /// The label of the bucket whose hook runs on this thread (-1: none): the collectives it
+  /// issues carry it.
+  static int& bucket_label() noexcept {
+    thread_local int label = -1;
+    return label;
+  }
+
+  Timeline() = default;
+  Timeline(const Timeline&) = delete;
+  Timeline& operator=(const Timeline&) = delete;
+  ~Timeline() { close(); }
+
+ private:
+  void write_locked();
+  void format_locked(int lane, std::string_view name, std::string_view cat, std::int64_t start_ns,
+                     std::int64_t end_ns, std::string_view args);
+  void flush_pending_locked();
+
+  std::atomic<bool> on_{false};
+  std::mutex mutex_;
+  std::FILE* file_ = nullptr;
+  int rank_ = 0;
+  bool aligned_ = false, wrote_event_ = false;
+  std::int64_t offset_ns_ = 0, zero_ns_ = 0;
+  std::vector<std::string> lanes_;  // group names, from Lane::collectives on
+  struct Pending {
+    int lane;
+    std::string name, cat, args;
+    std::int64_t start_ns, end_ns;
+  };
+  std::vector<Pending> pending_;  // recorded before align()
+  std::string out_;               // formatted, not yet written
+};
+
+#if DDP_BODIES
+DDP_INLINE Timeline& Timeline::get() {
+  static Timeline t;
+  return t;
+}
+
+DDP_INLINE void Timeline::open(const std::string& dir, int rank) {
+  std::lock_guard lock(mutex_);
+  if (file_ != nullptr || dir.empty()) return;
+  for (std::size_t at = dir.find('/', 1); at != std::string::npos; at = dir.find('/', at + 1))
+    (void)::mkdir(dir.substr(0, at).c_str(), 0777);
+  (void)::mkdir(dir.c_str(), 0777);
+  const std::string path = concat(dir, "/ddp-timeline-rank", rank, "-", ::getpid(), ".json");
+  // Never through a link, never waiting on a FIFO, never anything but a regular file.
+  const int fd = ::open(path.c_str(),
+                        O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
+  struct stat st {};
+  if (fd < 0 || ::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    const int err = errno;
+    if (fd >= 0) ::close(fd);
+    fail(Errc::system, "rank ", rank, ": the timeline (DDP_TIMELINE) cannot be written to ", path,
+         ": ", fd < 0 ? std::strerror(err) : "something other than a regular file is there",
+         "; name a writable directory, or unset DDP_TIMELINE");
+  }
+  file_ = ::fdopen(fd, "w");
+  if (file_ == nullptr) {
+    ::close(fd);
+    fail(Errc::system, "rank ", rank, ": the timeline cannot be written to ", path);
+  }
+  rank_ = rank;
+  out_ = concat("{\"displayTimeUnit\":\"ms\",\"otherData\":{\"ddp_rank\":", rank,
+                ",\"ddp_pid\":", ::getpid(), "},\"traceEvents\":[\n",
+                "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":", rank,
+                ",\"args\":{\"name\":\"rank ", rank, "\"}},\n",
+                "{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":", rank,
+                ",\"args\":{\"sort_index\":", rank, "}},\n",
+                "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":", rank,
+                ",\"tid\":0,\"args\":{\"name\":\"steps\"}},\n",
+                "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":", rank,
+                ",\"tid\":1,\"args\":{\"name\":\"buckets\"}}");
+  wrote_event_ = true;
+  on_.store(true, std::memory_order_relaxed);
+}
+
+DDP_INLINE void Timeline::align(std::int64_t offset_ns, std::int64_t zero_ns) {
+  std::lock_guard lock(mutex_);
+  if (aligned_ || file_ == nullptr) return;
+  offset_ns_ = offset_ns;
+  zero_ns_ = zero_ns;
+  aligned_ = true;
+  out_ += concat(",\n{\"name\":\"ddp_clock\",\"ph\":\"M\",\"pid\":", rank_,
+                 ",\"args\":{\"offset_ns\":", offset_ns, "}}");
+  flush_pending_locked();
+}
+
+DDP_INLINE int Timeline::lane_of(std::string_view group) {
+  std::lock_guard lock(mutex_);
+  for (std::size_t i = 0; i < lanes_.size(); ++i)
+    if (lanes_[i] == group) return static_cast<int>(Lane::collectives) + static_cast<int>(i);
+  lanes_.emplace_back(group);
+  const int lane = static_cast<int>(Lane::collectives) + static_cast<int>(lanes_.size()) - 1;
+  if (file_ != nullptr)
+    out_ += concat(",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":", rank_, ",\"tid\":", lane,
+                   ",\"args\":{\"name\":", json_quoted(concat("collectives: ", group)), "}}");
+  return lane;
+}
+
+DDP_INLINE void Timeline::span(int lane, std::string_view name, std::string_view cat,
+                               std::int64_t start_ns, std::int64_t end_ns, std::string_view args) {
+  std::lock_guard lock(mutex_);
+  if (file_ == nullptr) return;
+  if (!aligned_) {
+    if (pending_.size() < 100000)
+      pending_.push_back(
+          {lane, std::string(name), std::string(cat), std::string(args), start_ns, end_ns});
+    return;
+  }
+  format_locked(lane, name, cat, start_ns, end_ns, args);
+}
+
+DDP_INLINE void Timeline::format_locked(int lane, std::string_view name, std::string_view cat,
+                                        std::int64_t start_ns, std::int64_t end_ns,
+                                        std::string_view args) {
+  const auto start = static_cast<double>(start_ns + offset_ns_ - zero_ns_) / 1e3;
+  const auto dur = static_cast<double>(end_ns > start_ns ? end_ns - start_ns : 0) / 1e3;
+  char times[80];
+  std::snprintf(times, sizeof times, "\"ts\":%.3f,\"dur\":%.3f", start, dur);
+  out_ += concat(",\n{\"name\":", json_quoted(name), ",\"cat\":", json_quoted(cat),
+                 ",\"ph\":\"X\",", times, ",\"pid\":", rank_, ",\"tid\":", lane);
+  if (!args.empty()) out_ += concat(",\"args\":{", args, "}");
+  out_ += "}";
+  if (out_.size() > (std::size_t{1} << 16)) write_locked();
+}
+
+DDP_INLINE void Timeline::flush_pending_locked() {
+  for (const Pending& p : pending_)
+    format_locked(p.lane, p.name, p.cat, p.start_ns, p.end_ns, p.args);
+  pending_.clear();
+}
+
+DDP_INLINE void Timeline::write_locked() {
+  if (file_ == nullptr) return;
+  // The document is complete after every write: the closing brackets follow the events, and the
+  // next write starts over them.
+  static constexpr std::string_view tail = "\n]}\n";
+  out_ += tail;
+  const bool ok = std::fwrite(out_.data(), 1, out_.size(), file_) == out_.size() &&
+                  std::fflush(file_) == 0 &&
+                  std::fseek(file_, -static_cast<long>(tail.size()), SEEK_CUR) == 0;
+  out_.clear();
+  if (!ok) {  // a full disk: the timeline stops, the program goes on
+    std::fprintf(stderr, "[ddp] rank %d: the timeline stopped: %s\n", rank_, std::strerror(errno));
+    std::fclose(file_);
+    file_ = nullptr;
+    on_.store(false, std::memory_order_relaxed);
+  }
+}
+
+DDP_INLINE void Timeline::flush() {
+  std::lock_guard lock(mutex_);
+  write_locked();
+}
+
+DDP_INLINE void Timeline::close() {
+  std::lock_guard lock(mutex_);
+  if (file_ == nullptr) return;
+  if (!aligned_) {  // a world of one, or a rank that never aligned: its own clock
+    aligned_ = true;
+    offset_ns_ = 0;
+    zero_ns_ = pending_.empty() ? now_ns() : pending_.front().start_ns;
+    flush_pending_locked();
+  }
+  write_locked();
+  on_.store(false, std::memory_order_relaxed);
+  if (file_ != nullptr) std::fclose(file_);
+  file_ = nullptr;
+}
+#endif  // DDP_BODIES
+
+/// A span from its construction to its destruction on `lane` (an NVTX range too, where CUDA is
+/// on); nothing when the timeline is off.
+class TimelineScope {
+ public:
+  TimelineScope(int lane, const char* name, const char* cat) noexcept : lane_(lane) {
+    if (!Timeline::get().on()) return;
+    name_ = name;
+    cat_ = cat;
+    start_ = Timeline::now_ns();
+#if DDP_HAS_CUDA
+    nvtx_ = nvtxRangeStartA(name);
+#endif
+  }
+  TimelineScope(Lane lane, const char* name, const char* cat) noexcept
+      : TimelineScope(static_cast<int>(lane), name, cat) {}
+  TimelineScope(const TimelineScope&) = delete;
+  TimelineScope& operator=(const TimelineScope&) = delete;
+  ~TimelineScope() {
+    if (name_ == nullptr) return;
+#if DDP_HAS_CUDA
+    nvtxRangeEnd(nvtx_);
+#endif
+    try {
+      Timeline::get().span(lane_, label_.empty() ? std::string_view(name_) : label_, cat_, start_,
+                           Timeline::now_ns(), args_);
+    } catch (...) {  // a timeline never fails the operation it records
+    }
+  }
+  /// Whether this span records (the timeline was on when it began).
+  [[nodiscard]] bool on() const noexcept { return name_ != nullptr; }
+  /// The span's name instead of the one it was made with.
+  void label(std::string text) { label_ = std::move(text); }
+  /// Adds `"key":value` to the span's args (`value` is JSON: a number, or json_quoted text).
+  void arg(std::string_view key, std::string_view value) {
+    if (!args_.empty()) args_ += ',';
+    args_ += concat('"', key, "\":", value);
+  }
+  /// When the span began (now_ns()).
+  [[nodiscard]] std::int64_t start() const noexcept { return start_; }
+
+ private:
+  int lane_;
+  const char* name_ = nullptr;
+  const char* cat_ = "";
+  std::int64_t start_ = 0;
+  std::string label_, args_;
+#if DDP_HAS_CUDA
+  nvtxRangeId_t nvtx_ = 0;
+#endif
+};
+
+/// A bucket's comm hook on the buckets track ("bucket K", its bytes); while it lives, the
+/// collectives this thread issues carry the bucket's number (Timeline::bucket_label).
+class BucketSpan {
+ public:
+  BucketSpan(std::size_t bucket, std::size_t bytes)
+      : scope_(Lane::buckets, "bucket", "bucket"), previous_(Timeline::bucket_label()) {
+    if (!scope_.on()) return;
+    scope_.label(concat("bucket ", bucket));
+    scope_.arg("bucket", concat(bucket));
+    scope_.arg("bytes", concat(bytes));
+    Timeline::bucket_label() = static_cast<int>(bucket);
+  }
+  BucketSpan(const BucketSpan&) = delete;
+  BucketSpan& operator=(const BucketSpan&) = delete;
+  ~BucketSpan() { Timeline::bucket_label() = previous_; }
+
+ private:
+  TimelineScope scope_;
+  int previous_;
+};
+
+/// A training loop's steps, for the timeline: when the last one ended (when the averager was
+/// made, before the first), and how many there were.
+struct StepClock {
+  std::int64_t last_end_ns = Timeline::get().on() ? Timeline::now_ns() : 0;
+  std::uint64_t steps = 0;
+};
+
+/// GradientAverager::synchronize() on the steps track ("synchronize": the wait for the
+/// buckets) and, when it returns, the step it ends ("step N": since the previous one's end;
+/// both end at the same instant).
+class StepSpan {
+ public:
+  explicit StepSpan(StepClock& clock) : clock_(clock) {
+    if (!Timeline::get().on()) return;
+    start_ = Timeline::now_ns();
+#if DDP_HAS_CUDA
+    nvtx_ = nvtxRangeStartA("synchronize");
+#endif
+  }
+  StepSpan(const StepSpan&) = delete;
+  StepSpan& operator=(const StepSpan&) = delete;
+  ~StepSpan() {
+    if (start_ == 0) return;
+#if DDP_HAS_CUDA
+    nvtxRangeEnd(nvtx_);
+#endif
+    const std::int64_t end = Timeline::now_ns();
+    const std::int64_t begin = clock_.last_end_ns != 0 ? clock_.last_end_ns : start_;
+    try {
+      Timeline& t = Timeline::get();
+      t.span(static_cast<int>(Lane::steps), "synchronize", "step", start_, end);
+      t.span(static_cast<int>(Lane::steps), concat("step ", clock_.steps), "step", begin, end,
+             concat("\"step\":", clock_.steps));
+    } catch (...) {
+    }
+    clock_.last_end_ns = end;
+    ++clock_.steps;
+  }
+
+ private:
+  StepClock& clock_;
+  std::int64_t start_ = 0;
+#if DDP_HAS_CUDA
+  nvtxRangeId_t nvtx_ = 0;
+#endif
+};
+
+}  // namespace detail
+
+/// A span of the program's own on its rank's "steps" track of the timeline (Options::timeline,
+/// $DDP_TIMELINE): `ddp::TimelineSpan span("forward");` from here to the end of the scope
+/// (an NVTX range too, where CUDA is on). Nothing is recorded, and nothing allocated, when the
+/// timeline is off.
+class TimelineSpan {
+ public:
+  /// Starts the span `name`.
+  explicit TimelineSpan(std::string_view name) : scope_(detail::Lane::steps, "span", "user") {
+    if (scope_.on()) scope_.label(std::string(name));
+  }
+  TimelineSpan(const TimelineSpan&) = delete;
+  TimelineSpan& operator=(const TimelineSpan&) = delete;
+  ~TimelineSpan() = default;
+
+ private:
+  detail::TimelineScope scope_;
+};
+
+DDP_END_NAMESPACE
+// end ddp/comm/timeline.hpp
 // #include "ddp/detail/env.hpp" (already included above)
 // #include "ddp/environment.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
@@ -12062,8 +12825,10 @@ DDP_END_NAMESPACE
 #include <algorithm>
 #include <charconv>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <type_traits>
 #include <utility>
@@ -12134,6 +12899,42 @@ DDP_INLINE BackendInit begin_init(CommState& state, const Environment& env, Opti
 }
 #endif  // DDP_BODIES
 
+/// Where Options::timeline names a directory: starts this process's timeline there (the first
+/// communicator does; later ones add their group's track). Times are CLOCK_MONOTONIC (one clock
+/// for every process of a host), shifted once per process onto rank 0's: at init() (`at_init`,
+/// where every rank agreed through the store that the timeline is on, rendezvous.hpp), every
+/// rank reads its clock after each of three barriers, rank 0's readings reach the others through
+/// the store, and the offset is the median of the three differences (the barriers' exits are
+/// microseconds apart). A process admitted later, or one without a store (backend::Mpi), keeps
+/// its own clock: right on rank 0's host.
+template <class State>
+void start_timeline(State& s, bool at_init) {
+  if (s.options.timeline.empty()) return;
+  Timeline& t = Timeline::get();
+  t.open(s.options.timeline, s.world_rank);
+  s.timeline_lane = t.lane_of(s.options.group);
+  if (t.aligned()) return;
+  auto& be = *s.backend;
+  if (!at_init || be.size() == 1 || !s.store) return t.align(0, 0);
+  std::int64_t mine[3] = {}, zero[3] = {};
+  for (std::int64_t& m : mine) {
+    be.barrier();
+    m = Timeline::now_ns();
+  }
+  const std::string key = concat("timeline/clock/", s.epoch);
+  if (be.rank() == 0) {
+    s.store->set(key, std::string_view(reinterpret_cast<const char*>(mine), sizeof mine));
+    std::memcpy(zero, mine, sizeof zero);
+  } else if (const std::string v = s.store->get(key); v.size() == sizeof zero) {
+    std::memcpy(zero, v.data(), sizeof zero);
+  } else {
+    std::memcpy(zero, mine, sizeof zero);
+  }
+  std::int64_t d[3] = {zero[0] - mine[0], zero[1] - mine[1], zero[2] - mine[2]};
+  std::sort(d, d + 3);
+  t.align(d[1], 0);
+}
+
 /// Communicator::init: the state of a new communicator, connected; every message names the rank.
 template <class State>
 std::shared_ptr<State> init_state(const Environment& env, Options options) {
@@ -12148,11 +12949,12 @@ std::shared_ptr<State> init_state(const Environment& env, Options options) {
       if (bi.store)
         agree_on_job(*bi.store, bi.rank,
                      {bi.size, std::string(Backend::name), options.verify_collectives,
-                      options.heartbeat.count()},
+                      options.heartbeat.count(), !options.timeline.empty()},
                      options.timeout, state->world_size);
     });
     state->end_rendezvous();
     state->watch_peers();
+    start_timeline(*state, true);
     return state;
   } catch (const Error& e) {
     if (std::string_view(e.what()).starts_with("rank ")) throw;
@@ -12307,6 +13109,7 @@ std::shared_ptr<State> shrink_backend(State& old, int rank) {
 template <class State>
 std::shared_ptr<State> shrink_state(State& old, int rank, int size, const ShrinkOptions& o) {
   refuse_replaced(old, rank, "shrink");
+  const TimelineScope span(Lane::steps, "shrink", "membership");
   MembershipChange change(old, rank, size, o);
   change.announce();
   // Every call on the old communicator fails from now on, and ranks still waiting in it are
@@ -12344,6 +13147,7 @@ std::shared_ptr<State> shrink_state(State& old, int rank, int size, const Shrink
     if (change.settle(connected)) {
       sub->end_rendezvous();
       sub->watch_peers();
+      start_timeline(*sub, false);
       old.replaced_by = change.epoch();
       return sub;
     }
@@ -12365,6 +13169,7 @@ std::shared_ptr<State> split_state(State& parent, const std::vector<std::pair<in
                    options.timeout, sub->world_size);
   });
   sub->watch_peers();
+  start_timeline(*sub, false);
   return sub;
 }
 
@@ -12389,6 +13194,7 @@ void connect_grown(State& sub, const std::string& base, std::uint64_t epoch, con
   connect_members(sub, rank, size);
   sub.end_rendezvous();
   sub.watch_peers();
+  start_timeline(sub, false);
 }
 
 /// Communicator::grow: the members of `old` (this rank `rank` of `size`) admit the processes
@@ -12397,6 +13203,7 @@ void connect_grown(State& sub, const std::string& base, std::uint64_t epoch, con
 template <class State>
 std::shared_ptr<State> grow_state(State& old, int rank, const GrowOptions& o) {
   refuse_replaced(old, rank, "grow");
+  const TimelineScope span(Lane::steps, "grow", "membership");
   if (!old.root_store)
     fail(Errc::unsupported, "rank ", rank,
          ": grow: this communicator has no rendezvous store (a world of one started without a "
@@ -12537,6 +13344,7 @@ DDP_END_NAMESPACE
 // #include "ddp/comm/call.hpp" (already included above)
 // #include "ddp/comm/recorder.hpp" (already included above)
 // #include "ddp/comm/state.hpp" (already included above)
+// #include "ddp/comm/timeline.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/work.hpp" (already included above)
@@ -12592,6 +13400,7 @@ struct CommRunner : CommState {
     announce_leaving();  // before the backend's connections close: peers read why
     backend.reset();
     wait_for_the_others(connected);
+    Timeline::get().flush();
   }
 
   /// Creates the backend after `before()` (checks that need the store), telling the other
@@ -12626,12 +13435,42 @@ struct CommRunner : CommState {
                         options.group, why);
   }
 
+  /// What the timeline shows of an operation: a span on this group's track, named after the
+  /// bucket whose hook issued it (`bucket`, Timeline::bucket_label), with its sequence number,
+  /// bytes, time in the queue (since `issued_ns`) and root or peer.
+  struct Traced {
+    std::size_t bytes = 0;
+    int root = -1;
+    int bucket = -1;
+    std::int64_t issued_ns = 0;
+    /// As the issuing thread sees it (the bucket label, the time), when the timeline is on.
+    static Traced at_issue(std::size_t bytes, int root) {
+      return Timeline::get().on()
+                 ? Traced{bytes, root, Timeline::bucket_label(), Timeline::now_ns()}
+                 : Traced{bytes, root};
+    }
+  };
+
   /// Runs an operation unless the communicator is poisoned (then fails at once), and poisons it
   /// when the operation fails; keeps the flight recorder's entry `seq` up to date and dumps the
-  /// recorder when the operation times out. body(backend, state).
+  /// recorder when the operation times out; records it in the timeline. body(backend, state).
   template <class F>
-  void run_guarded(std::uint64_t seq, const char* name, const F& body) {
+  void run_guarded(std::uint64_t seq, const char* name, const Traced& t, const F& body) {
     using St = TraceRecord::State;
+    TimelineScope span(timeline_lane, name, "collective");
+    if (span.on()) [[unlikely]] {
+      span.arg("seq", concat(seq));
+      span.arg("bytes", concat(t.bytes));
+      span.arg("backend", json_quoted(Backend::name));
+      if (t.root >= 0 && std::string_view(name) != "all_reduce")
+        span.arg("root_or_peer", concat(t.root));
+      if (t.issued_ns != 0 && t.issued_ns < span.start())
+        span.arg("queued_us", concat((span.start() - t.issued_ns) / 1000));
+      if (t.bucket >= 0) {
+        span.arg("bucket", concat(t.bucket));
+        span.label(concat(name, " (bucket ", t.bucket, ")"));
+      }
+    }
     try {
       run_poisoning(backend->rank(), name, [&] { body(*backend, *this); });
     } catch (const Error& e) {
@@ -12649,20 +13488,21 @@ struct CommRunner : CommState {
   /// Runs `body` in issue order: inline when the communicator is idle (recorded as running at
   /// once: no allocation, no lock, one record written), else queued behind what runs.
   template <class F>
-  void run_in_order(const char* name, std::size_t bytes, const F& body) {
+  void run_in_order(const char* name, std::size_t bytes, const F& body, int root = -1) {
     using St = TraceRecord::State;
     // A poisoned communicator fails at once and records nothing: its recorder keeps the
     // operation that failed, not thousands of refused calls after it.
     check_poisoned(backend->rank(), name);
     check_membership_after_gap(backend->rank(), name);
     std::uint64_t seq = 0;
+    const Traced traced = Traced::at_issue(bytes, root);
     executor->run(
         [&](bool now) {
           if (now)
             seq = recorder.issue(name, bytes, St::running);
           else
             recorder.update(seq, St::running);
-          run_guarded(seq, name, body);
+          run_guarded(seq, name, traced, body);
         },
         [&] { return seq = recorder.issue(name, bytes, St::queued); });
   }
@@ -12691,12 +13531,13 @@ struct CommRunner : CommState {
         [&] { return recorder.issue(c.name, c.bytes, TraceRecord::State::queued); },
         [&](std::uint64_t seq) {
           return std::function<void()>([this, seq, c, many = std::move(many),
-                                        held = std::move(held),
-                                        counts = std::move(counts)]() mutable {
+                                        held = std::move(held), counts = std::move(counts),
+                                        traced = Traced::at_issue(c.bytes, c.root)]() mutable {
             if (!many.empty()) c.many = many;
             if (!counts.empty()) c.counts = counts;
             recorder.update(seq, TraceRecord::State::running);
-            run_guarded(seq, c.name, [&](Backend& be, CommRunner& st) { dispatch(be, st, c); });
+            run_guarded(seq, c.name, traced,
+                        [&](Backend& be, CommRunner& st) { dispatch(be, st, c); });
           });
         }));
   }
@@ -13103,7 +13944,8 @@ void on_host_data(Comm& comm, std::span<E> a, std::span<E> b, const F& f) {
 template <class T, class Comm>
 std::vector<T> gather_objects(Comm& comm, const T& value, int root) {
   const char* what = root < 0 ? "all_gather_object" : "gather_object";
-  if (root >= 0) check_root(root, {comm.rank(), comm.size()}, what);
+  if (root >= 0)
+    check_root(root, comm.size(), "rank ", comm.rank(), what, "a rank of this communicator");
   const std::string mine = encode_object(value);
   const auto p = static_cast<std::size_t>(comm.size());
   std::vector<std::int64_t> sizes(p);
@@ -13166,7 +14008,8 @@ template <Encodable T, class Comm>
 /// Replaces `value` on every rank with root's.
 template <Encodable T, class Comm>
 void broadcast_object(Comm& comm, T& value, int root = 0) {
-  check_root(root, {comm.rank(), comm.size()}, "broadcast_object");
+  check_root(root, comm.size(), "rank ", comm.rank(), "broadcast_object",
+             "a rank of this communicator");
   std::string bytes;
   if (comm.rank() == root) bytes = encode_object(value);
   std::int64_t n = static_cast<std::int64_t>(bytes.size());
@@ -13184,7 +14027,8 @@ void broadcast_object(Comm& comm, T& value, int root = 0) {
 template <Encodable T, class Comm>
 [[nodiscard]] T scatter_object(Comm& comm, const std::vector<T>& objects, int root = 0) {
   const auto p = static_cast<std::size_t>(comm.size());
-  check_root(root, {comm.rank(), comm.size()}, "scatter_object");
+  check_root(root, comm.size(), "rank ", comm.rank(), "scatter_object",
+             "a rank of this communicator");
   constexpr std::int64_t wrong_count = -2;  // what every rank receives when root's list is wrong
   std::vector<std::int64_t> sizes(comm.rank() == root ? p : 0);
   std::vector<std::uint8_t> bytes;
@@ -13292,14 +14136,14 @@ class Communicator {
 
   /// Reduces `buf` over all ranks, in place (every rank gets the result).
   template <detail::tensor_output T>
-  void all_reduce(T&& buf, ReduceOp op = ReduceOp::sum) {
+  void all_reduce(T&& buf, Reduction op = ReduceOp::sum) {
     exec_single(detail::Coll::all_reduce, buf, op, 0);
   }
   /// all_reduce(), run asynchronously: returns at once. The buffers must outlive the Work,
   /// unless their type shares its storage (torch::Tensor: see ddp::tensor_traits), which the
   /// Work keeps alive until the operation has finished.
   template <detail::tensor_output T>
-  [[nodiscard]] Work all_reduce_async(T&& buf, ReduceOp op = ReduceOp::sum) {
+  [[nodiscard]] Work all_reduce_async(T&& buf, Reduction op = ReduceOp::sum) {
     return submit(detail::prepare_single(detail::Coll::all_reduce, arg(buf, "all_reduce", "buf"),
                                          op, 0, caller()),
                   {}, detail::hold(buf));
@@ -13313,21 +14157,21 @@ class Communicator {
   /// that backend::Nccl moves (Errc::unsupported: ddp's headers carry no GPU kernels).
   template <class W, detail::tensor_output T>
     requires(std::is_same_v<W, half> || std::is_same_v<W, bfloat16>)
-  void all_reduce_as(T&& buf, ReduceOp op = ReduceOp::sum) {
+  void all_reduce_as(T&& buf, Reduction op = ReduceOp::sum) {
     exec(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, dtype_of<W>));
   }
   /// all_reduce_as(), run asynchronously: returns at once; the buffers must outlive the Work (see
   /// all_reduce_async).
   template <class W, detail::tensor_output T>
     requires(std::is_same_v<W, half> || std::is_same_v<W, bfloat16>)
-  [[nodiscard]] Work all_reduce_as_async(T&& buf, ReduceOp op = ReduceOp::sum) {
+  [[nodiscard]] Work all_reduce_as_async(T&& buf, Reduction op = ReduceOp::sum) {
     return submit(prepare_all_reduce_as(arg(buf, "all_reduce_as", "buf"), op, dtype_of<W>), {},
                   detail::hold(buf));
   }
   /// all_reduce_as_async() with the wire type as a value, DType::float16 or DType::bfloat16 (how
   /// the compression comm hooks carry it).
   template <MutableTensor T>
-  [[nodiscard]] Work all_reduce_as_async(T&& buf, DType wire, ReduceOp op = ReduceOp::sum) {
+  [[nodiscard]] Work all_reduce_as_async(T&& buf, DType wire, Reduction op = ReduceOp::sum) {
     if (wire != DType::float16 && wire != DType::bfloat16)
       detail::fail(Errc::invalid_argument, "rank ", rank(), ": all_reduce_as: the wire type is ",
                    to_string(wire), "; compressed values travel as float16 or bfloat16");
@@ -13339,14 +14183,14 @@ class Communicator {
   /// group on backend::Nccl (one launch, one wait), one buffer after another elsewhere.
   template <std::ranges::range R>
     requires detail::tensor_output<std::ranges::range_reference_t<R>>
-  void all_reduce_coalesced(R&& bufs, ReduceOp op = ReduceOp::sum) {
+  void all_reduce_coalesced(R&& bufs, Reduction op = ReduceOp::sum) {
     const auto b = detail::to_bufs<Backend>(bufs, rank(), "all_reduce_coalesced");
     exec(detail::prepare_all_reduce_coalesced(b, op, caller()));
   }
   /// all_reduce_coalesced(), run asynchronously: the buffers must outlive the returned Work.
   template <std::ranges::range R>
     requires detail::tensor_output<std::ranges::range_reference_t<R>>
-  [[nodiscard]] Work all_reduce_coalesced_async(R&& bufs, ReduceOp op = ReduceOp::sum) {
+  [[nodiscard]] Work all_reduce_coalesced_async(R&& bufs, Reduction op = ReduceOp::sum) {
     auto b = detail::to_bufs<Backend>(bufs, rank(), "all_reduce_coalesced");
     const auto call = detail::prepare_all_reduce_coalesced(b, op, caller());
     detail::Holds held;
@@ -13370,13 +14214,13 @@ class Communicator {
 
   /// Reduces `buf` over all ranks into root's `buf`; the other ranks' buffers are unchanged.
   template <detail::tensor_output T>
-  void reduce(T&& buf, int root = 0, ReduceOp op = ReduceOp::sum) {
+  void reduce(T&& buf, int root = 0, Reduction op = ReduceOp::sum) {
     exec_single(detail::Coll::reduce, buf, op, root);
   }
   /// reduce(), run asynchronously: returns at once; the buffers must outlive the Work (see
   /// all_reduce_async).
   template <detail::tensor_output T>
-  [[nodiscard]] Work reduce_async(T&& buf, int root = 0, ReduceOp op = ReduceOp::sum) {
+  [[nodiscard]] Work reduce_async(T&& buf, int root = 0, Reduction op = ReduceOp::sum) {
     return submit(
         detail::prepare_single(detail::Coll::reduce, arg(buf, "reduce", "buf"), op, root, caller()),
         {}, detail::hold(buf));
@@ -13421,14 +14265,14 @@ class Communicator {
 
   /// out = block r of the reduction of every rank's `in`; in.size() == out.size() * size().
   template <detail::tensor_input In, detail::tensor_output Out>
-  void reduce_scatter(In&& in, Out&& out, ReduceOp op = ReduceOp::sum) {
+  void reduce_scatter(In&& in, Out&& out, Reduction op = ReduceOp::sum) {
     exec(detail::prepare_reduce_scatter(arg(in, "reduce_scatter", "in"),
                                         arg(out, "reduce_scatter", "out"), op, caller()));
   }
   /// reduce_scatter(), run asynchronously: returns at once; the buffers must outlive the Work (see
   /// all_reduce_async).
   template <detail::tensor_input In, detail::tensor_output Out>
-  [[nodiscard]] Work reduce_scatter_async(In&& in, Out&& out, ReduceOp op = ReduceOp::sum) {
+  [[nodiscard]] Work reduce_scatter_async(In&& in, Out&& out, Reduction op = ReduceOp::sum) {
     return submit(detail::prepare_reduce_scatter(arg(in, "reduce_scatter", "in"),
                                                  arg(out, "reduce_scatter", "out"), op, caller()),
                   {}, detail::hold(in, out));
@@ -13693,12 +14537,12 @@ class Communicator {
   /// Synchronous all_reduce, broadcast and reduce without a Call (dispatch()'s checks and code,
   /// minus a 150-byte description where the library's own cost shows most: small messages).
   template <class T>
-  void exec_single(detail::Coll coll, T& buf, ReduceOp op, int root) {
+  void exec_single(detail::Coll coll, T& buf, Reduction op, int root) {
     exec_single_buf(coll, arg(buf, detail::single_name(coll), "buf"), op, root);
   }
   /// exec_single's part that does not depend on the tensor type: compiled once per backend in
   /// the separate-compilation mode (ddp/instances.hpp).
-  void exec_single_buf(detail::Coll coll, const detail::Buf& b, ReduceOp op, int root);
+  void exec_single_buf(detail::Coll coll, const detail::Buf& b, Reduction op, int root);
 
   /// Asynchronous (CommRunner::submit).
   Work submit(const detail::Call& c, std::vector<detail::Buf> many = {}, detail::Holds held = {},
@@ -13712,7 +14556,7 @@ class Communicator {
 
   // ---- arguments -----------------------------------------------------------------------------
 
-  [[nodiscard]] detail::Caller caller() const { return {rank(), size()}; }
+  [[nodiscard]] detail::Caller caller() const { return detail::caller_of(backend()); }
 
   /// A typed argument as a checked type-erased buffer (comm/arguments.hpp).
   template <class T>
@@ -13720,7 +14564,7 @@ class Communicator {
     return detail::to_buf<Backend>(t, rank(), what, name);
   }
 
-  detail::Call prepare_all_reduce_as(const detail::Buf& b, ReduceOp op, DType wire) const {
+  detail::Call prepare_all_reduce_as(const detail::Buf& b, Reduction op, DType wire) const {
     return detail::prepare_all_reduce_as(
         b, op, wire, b.device.is_cuda() && !detail::staged<Backend>(b), Backend::name, caller());
   }
@@ -13820,16 +14664,16 @@ void Communicator<Backend>::abort(const std::string& why) {
 }
 template <CommBackend Backend>
 void Communicator<Backend>::exec(const detail::Call& c) {
-  same_process(c.name).run_in_order(c.name, c.bytes,
-                                    [&](Backend& be, State& st) { detail::dispatch(be, st, c); });
+  same_process(c.name).run_in_order(
+      c.name, c.bytes, [&](Backend& be, State& st) { detail::dispatch(be, st, c); }, c.root);
 }
 template <CommBackend Backend>
-void Communicator<Backend>::exec_single_buf(detail::Coll coll, const detail::Buf& b, ReduceOp op,
+void Communicator<Backend>::exec_single_buf(detail::Coll coll, const detail::Buf& b, Reduction op,
                                             int root) {
-  const char* name = detail::check_single(coll, b, op, root, caller());
-  same_process(name).run_in_order(name, b.bytes(), [&](Backend& be, State& st) {
-    detail::run_single(be, st, coll, b, op, root);
-  });
+  const char* name = detail::check_single(coll, b, op.op, root, caller());
+  same_process(name).run_in_order(
+      name, b.bytes(),
+      [&](Backend& be, State& st) { detail::run_single(be, st, coll, b, op, root); }, root);
 }
 template <CommBackend Backend>
 Work Communicator<Backend>::submit(const detail::Call& c, std::vector<detail::Buf> many,
@@ -17880,7 +18724,8 @@ class MpiTypes {
   [[nodiscard]] MPI_Datatype type(DType t) const noexcept {
     switch (t) {
       case DType::int8: return MPI_INT8_T;
-      case DType::uint8: return MPI_UINT8_T;
+      case DType::uint8:
+      case DType::boolean: return MPI_UINT8_T;
       case DType::int16: return MPI_INT16_T;
       case DType::uint16: return MPI_UINT16_T;
       case DType::int32: return MPI_INT32_T;
@@ -17895,8 +18740,13 @@ class MpiTypes {
     return MPI_DATATYPE_NULL;
   }
 
-  /// avg maps to sum (the backend divides afterwards).
+  /// avg maps to sum (the backend divides afterwards), premul_sum to sum (the communicator has
+  /// multiplied the inputs), bool's operators to those on its 0/1 bytes.
   [[nodiscard]] MPI_Op op(ReduceOp op, DType t) const noexcept {
+    if (t == DType::boolean) op = bool_as_byte(op);
+    if (op == ReduceOp::band) return MPI_BAND;
+    if (op == ReduceOp::bor) return MPI_BOR;
+    if (op == ReduceOp::bxor) return MPI_BXOR;
     const int k = op == ReduceOp::prod ? 1 : op == ReduceOp::min ? 2 : op == ReduceOp::max ? 3 : 0;
     if (t == DType::float16) return half_ops_[k];
     if (t == DType::bfloat16) return bfloat16_ops_[k];
@@ -18758,7 +19608,8 @@ DDP_END_NAMESPACE
 ///    or Errc::backend.
 ///  * gather, scatter and all_to_all are grouped ncclSend/ncclRecv; send/recv carry a small
 ///    header, so the receiver checks the tag, dtype and count as on every backend.
-///  * Types: half -> ncclFloat16, bfloat16 -> ncclBfloat16, ReduceOp::avg -> ncclAvg. Host
+///  * Types: half -> ncclFloat16, bfloat16 -> ncclBfloat16, bool -> ncclUint8, ReduceOp::avg ->
+///    ncclAvg, premul_sum -> ncclRedOpCreatePreMulSum (bitwise ops refused). Host
 ///    buffers: a host-typed one (std::vector, ...) does not compile with this backend; a view on
 ///    the host, or on another device, is refused with Errc::invalid_argument.
 ///  * Membership changes (shrink, grow, join) as on backend::Host: agreed through the store,
@@ -18792,6 +19643,7 @@ DDP_END_NAMESPACE
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <string_view>
 #include <thread>
@@ -18809,7 +19661,8 @@ namespace detail {
     case DType::int16:
     case DType::uint16: return ncclFloat16;
     case DType::int8: return ncclInt8;
-    case DType::uint8: return ncclUint8;
+    case DType::uint8:
+    case DType::boolean: return ncclUint8;
     case DType::int32: return ncclInt32;
     case DType::uint32: return ncclUint32;
     case DType::int64: return ncclInt64;
@@ -18829,8 +19682,65 @@ namespace detail {
     case ReduceOp::max: return ncclMax;
     case ReduceOp::min: return ncclMin;
     case ReduceOp::avg: return ncclAvg;
+    default: return ncclSum;  // premul_sum: NcclRedOp; bitwise: refused (nccl_refuses_op)
   }
-  return ncclSum;
+}
+
+/// The reduction operator of one NCCL call: `op` on `t` (bool's operators as those on its 0/1
+/// bytes); premul_sum's made with ncclRedOpCreatePreMulSum, the factor in the element type
+/// (float for half and bfloat16 rounded to them) read when the call is made, and destroyed
+/// with this object, after the last call that uses it has returned.
+class NcclRedOp {
+ public:
+  NcclRedOp(ReduceOp op, DType t, double factor, ncclComm_t comm, int rank) : comm_(comm) {
+    if (op != ReduceOp::premul_sum) {
+      op_ = nccl_op(t == DType::boolean ? bool_as_byte(op) : op);
+      return;
+    }
+    if (t == DType::float16)
+      store(half(static_cast<float>(factor)));
+    else if (t == DType::bfloat16)
+      store(bfloat16(static_cast<float>(factor)));
+    else if (t == DType::float32)
+      store(static_cast<float>(factor));
+    else
+      store(factor);
+    const auto rc =
+        ncclRedOpCreatePreMulSum(&op_, scalar_, nccl_type(t), ncclScalarHostImmediate, comm);
+    if (rc != ncclSuccess)
+      fail(Errc::backend, "rank ", rank,
+           ": backend::Nccl: ncclRedOpCreatePreMulSum failed: ", ncclGetErrorString(rc));
+    made_ = true;
+  }
+  NcclRedOp(NcclRedOp&& o) noexcept
+      : comm_(o.comm_), op_(o.op_), made_(std::exchange(o.made_, false)) {
+    std::memcpy(scalar_, o.scalar_, sizeof scalar_);
+  }
+  NcclRedOp(const NcclRedOp&) = delete;
+  NcclRedOp& operator=(const NcclRedOp&) = delete;
+  NcclRedOp& operator=(NcclRedOp&&) = delete;
+  ~NcclRedOp() {
+    if (made_) (void)ncclRedOpDestroy(op_, comm_);
+  }
+  [[nodiscard]] ncclRedOp_t get() const noexcept { return op_; }
+
+ private:
+  template <class S>
+  void store(S value) noexcept {
+    std::memcpy(scalar_, &value, sizeof value);
+  }
+  ncclComm_t comm_;
+  ncclRedOp_t op_ = ncclSum;
+  bool made_ = false;
+  alignas(8) unsigned char scalar_[8] = {};
+};
+
+/// backend::Nccl::refuses for operators: NCCL has no bitwise reductions (nullptr: accepted).
+inline const char* nccl_refuses_op(ReduceOp op, DType t) noexcept {
+  if (op != ReduceOp::band && op != ReduceOp::bor && op != ReduceOp::bxor) return nullptr;
+  if (t == DType::boolean && op != ReduceOp::bxor) return nullptr;  // min and max on 0/1 bytes
+  return "NCCL has no bitwise reductions (band, bor, bxor; on bool band and bor are min and max); "
+         "use backend::Host for them";
 }
 
 /// The Errc for an NCCL failure: a remote process or the network -> peer_lost, else backend.
@@ -19010,28 +19920,30 @@ class Nccl {
   /// CUDA device memory only.
   [[nodiscard]] static bool supports(const Device& device) noexcept { return device.is_cuda(); }
 
-  /// Communicator::all_reduce with ncclAllReduce (in place).
-  void all_reduce(const detail::Buf& b, ReduceOp op) {
+  /// Communicator::all_reduce with ncclAllReduce (in place); `factor`: premul_sum's.
+  void all_reduce(const detail::Buf& b, ReduceOp op, double factor = 1) {
     reducible(b, "all_reduce");
-    run("all_reduce", {&b}, [&] {
-      return ncclAllReduce(b.data, b.data, b.count, detail::nccl_type(b.dtype), detail::nccl_op(op),
-                           comm_, on());
-    });
+    const detail::NcclRedOp o(op, b.dtype, factor, comm_, rank_);
+    run("all_reduce", {&b},
+        [&] { return ncclAllReduce(b.data, b.data, b.count, type(b), o.get(), comm_, on()); });
   }
 
   /// Several all_reduces in one NCCL group: one launch, one wait (Communicator::
   /// all_reduce_coalesced; the GradientAverager's buckets).
-  void all_reduce_many(std::span<const detail::Buf> bufs, ReduceOp op) {
+  void all_reduce_many(std::span<const detail::Buf> bufs, ReduceOp op, double factor = 1) {
     std::vector<const detail::Buf*> ptrs;
+    std::vector<detail::NcclRedOp> ops;  // alive until the group has ended
     for (const auto& b : bufs) {
       reducible(b, "all_reduce_coalesced");
       ptrs.push_back(&b);
+      ops.emplace_back(op, b.dtype, factor, comm_, rank_);
     }
     run_on("all_reduce_coalesced", ptrs, [&] {
       return grouped([&]() -> ncclResult_t {
-        for (const auto& b : bufs) {
+        for (std::size_t i = 0; i < bufs.size(); ++i) {
+          const auto& b = bufs[i];
           const auto rc =
-              ncclAllReduce(b.data, b.data, b.count, type(b), detail::nccl_op(op), comm_, on());
+              ncclAllReduce(b.data, b.data, b.count, type(b), ops[i].get(), comm_, on());
           if (rc != ncclSuccess && rc != ncclInProgress) return rc;
         }
         return ncclSuccess;
@@ -19047,12 +19959,11 @@ class Nccl {
   }
 
   /// Communicator::reduce with ncclReduce.
-  void reduce(const detail::Buf& b, int root, ReduceOp op) {
+  void reduce(const detail::Buf& b, int root, ReduceOp op, double factor = 1) {
     reducible(b, "reduce");
-    run("reduce", {&b}, [&] {
-      return ncclReduce(b.data, b.data, b.count, detail::nccl_type(b.dtype), detail::nccl_op(op),
-                        root, comm_, on());
-    });
+    const detail::NcclRedOp o(op, b.dtype, factor, comm_, rank_);
+    run("reduce", {&b},
+        [&] { return ncclReduce(b.data, b.data, b.count, type(b), o.get(), root, comm_, on()); });
   }
 
   /// Communicator::all_gather with ncclAllGather.
@@ -19089,11 +20000,12 @@ class Nccl {
   }
 
   /// Communicator::reduce_scatter with ncclReduceScatter.
-  void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
+  void reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op,
+                      double factor = 1) {
     reducible(out, "reduce_scatter");
+    const detail::NcclRedOp o(op, out.dtype, factor, comm_, rank_);
     run("reduce_scatter", {&in, &out}, [&] {
-      return ncclReduceScatter(in.data, out.data, out.count, detail::nccl_type(out.dtype),
-                               detail::nccl_op(op), comm_, on());
+      return ncclReduceScatter(in.data, out.data, out.count, type(out), o.get(), comm_, on());
     });
   }
 
@@ -19274,6 +20186,10 @@ class Nccl {
   static const char* refuses(std::string_view what, DType t) noexcept {
     return detail::nccl_refuses(what, t);
   }
+  /// backend_traits::refuses_ops: NCCL has no bitwise reductions (detail::nccl_refuses_op).
+  static const char* refuses(ReduceOp op, DType t) noexcept {
+    return detail::nccl_refuses_op(op, t);
+  }
 
  private:
   Nccl(const detail::BackendInit& init, int device)
@@ -19443,14 +20359,7 @@ class Nccl {
   [[noreturn]] void give_up(const char* what, Errc code, const std::string& why) {
     const std::string detail_text = last_error();
     abort_comm();
-    {
-      std::lock_guard lock(abort_mutex_);
-      if (!aborted_.load()) {
-        abort_code_ = code;
-        abort_why_ = detail::concat(what, " failed earlier");
-        aborted_.store(true);
-      }
-    }
+    abort(code, detail::concat(what, " failed earlier"));
     detail::fail(code, "rank ", rank_, ": backend::Nccl: ", what, ": ", why, detail_text,
                  "; the NCCL communicator was aborted");
   }
@@ -20296,6 +21205,7 @@ DDP_END_NAMESPACE
 /// the directory it lives in.
 
 // #include "ddp/codec.hpp" (already included above)
+// #include "ddp/comm/timeline.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
@@ -21012,6 +21922,7 @@ DDP_INLINE Checkpoint Checkpoint::parse(std::string_view bytes, std::string_view
 }
 
 DDP_INLINE void Checkpoint::save(const std::string& path) const {
+  const detail::TimelineScope span(detail::Lane::steps, "checkpoint save", "checkpoint");
   check_target(path);
   detail::StagedFile f(path, "Checkpoint");
   f.write(serialize());
@@ -22305,6 +23216,7 @@ DDP_END_NAMESPACE
 /// Models, parameters and their adaptation: ddp/training/parameters.hpp.
 
 // #include "ddp/backend/reduce.hpp" (already included above)
+// #include "ddp/comm/timeline.hpp" (already included above)
 // #include "ddp/communicator.hpp" (already included above)
 // begin ddp/training/buckets.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -22319,6 +23231,7 @@ DDP_END_NAMESPACE
 /// host or device buffer, then its comm hook called: ddp/training/comm_hooks.hpp), waits for them
 /// in synchronize() and copies the results back.
 
+// #include "ddp/comm/timeline.hpp" (already included above)
 // #include "ddp/communicator.hpp" (already included above)
 // begin ddp/training/comm_hooks.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -23156,6 +24069,7 @@ class BucketEngine final : public AveragerBase {
 
   // Bucket k's hook on `buffer`. A failure is kept for synchronize(), and no later bucket starts.
   void run_hook(std::size_t k, View buf, bool shadow) {
+    const detail::BucketSpan span(k, buf.size * sizeof(T));  // the timeline's
     Bucket& b = buckets_[k];
     const bool last = k + 1 == buckets_.size();
     const ReduceOp op = join_ ? ReduceOp::sum : ReduceOp::avg;
@@ -23357,6 +24271,7 @@ class Averager {
   /// buckets the hooks have not.
   void synchronize() {
     if (impl_->in_no_sync()) return;
+    const detail::StepSpan step(steps_);  // the timeline's
     impl_->synchronize();
     if (o_.broadcast_buffers) broadcast_buffers(0);
   }
@@ -23408,6 +24323,7 @@ class Averager {
   BucketOptions o_;
   DType dtype_;  // the gradients' element type
   std::unique_ptr<AveragerBase> impl_;
+  detail::StepClock steps_;  // the timeline's steps
 };
 
 }  // namespace detail

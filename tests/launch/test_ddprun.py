@@ -654,6 +654,77 @@ class SingleNode(Base):
             self.assertEqual(t.returncode, 1, t.stdout)
             self.assertIn(f"{path}: {why}", t.stderr)
 
+    def test_timeline_merged_and_drawn(self):
+        """DDP_TIMELINE: every rank writes its timeline; ddp-trace merges them into one trace
+        (one process per rank, every bucket's all_reduce inside the step that issued it) and
+        draws the last step of every rank."""
+        tl = os.path.join(self.dir, "timeline")
+        env = dict(os.environ, DDP_TIMELINE=tl, WORKER_CHECKPOINT_DIR=self.dir)
+        r = ddprun("--standalone", "--nproc-per-node", 4, WORKER, "train", 5, env=env)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        files = sorted(f for f in os.listdir(tl) if f.startswith("ddp-timeline-rank"))
+        self.assertEqual([f.split("-")[2] for f in files], ["rank0", "rank1", "rank2", "rank3"])
+        t = subprocess.run([TRACE_TOOL, tl], capture_output=True, text=True, timeout=LIMIT)
+        self.assertEqual(t.returncode, 0, t.stderr)
+        self.assertIn(f"4 ranks' timelines merged into {tl}/ddp-timeline.json", t.stdout)
+        self.assertRegex(t.stdout, r"rank 3: 5 steps, [0-9.]+ ms each: collectives [0-9.]+ ms "
+                                   r"\([0-9]+% overlapped")
+        with open(os.path.join(tl, "ddp-timeline.json")) as f:
+            events = json.load(f)["traceEvents"]
+        spans = [e for e in events if e["ph"] == "X"]
+        self.assertEqual({e["pid"] for e in events}, {0, 1, 2, 3})
+        for rank in range(4):
+            mine = [e for e in spans if e["pid"] == rank]
+            steps = [e for e in mine if e["cat"] == "step" and e["name"].startswith("step ")]
+            self.assertEqual(len(steps), 5)
+            buckets = [e for e in mine if e["cat"] == "collective" and "bucket" in e.get("args", {})]
+            self.assertGreaterEqual(len(buckets), 5 * 4)
+            for b in buckets:
+                self.assertTrue(any(s["ts"] <= b["ts"] + 0.001 and
+                                    b["ts"] + b["dur"] <= s["ts"] + s["dur"] + 0.001
+                                    for s in steps), f"rank {rank}: {b} is in no step")
+            self.assertEqual(len([e for e in mine if e["name"] == "checkpoint save"]), 1)
+            self.assertEqual(len([e for e in mine if e["name"] == "forward"]), 5)
+        # The ranks' clocks are one: the same step starts within a few ms on every rank.
+        last = [next(e for e in spans if e["pid"] == k and e["name"] == "step 4") for k in range(4)]
+        self.assertLess(max(e["ts"] for e in last) - min(e["ts"] for e in last), 50000)
+        with open(os.path.join(tl, "ddp-timeline-step.svg")) as f:
+            svg = f.read()
+        self.assertTrue(svg.startswith("<svg "), svg[:100])
+        self.assertIn("step 4,", svg)
+        for rank in range(4):
+            self.assertIn(f'<g id="rank-{rank}">', svg)
+        self.assertGreaterEqual(svg.count('class="bucket"'), 4 * 4)
+        self.assertEqual(svg.count('class="step"'), 4)
+        self.assertEqual(svg.count('class="wait"'), 4)
+        # Perfetto's trace processor, where it is installed, loads the merged trace: one process
+        # track per rank and no import errors.
+        tp = shutil.which("trace_processor_shell") or os.environ.get("TRACE_PROCESSOR")
+        if tp:
+            q = ("select count(distinct upid) from process where pid between 0 and 3; "
+                 "select count(*) from stats where severity = 'error' and value > 0;")
+            p = subprocess.run([tp, "-q", "/dev/stdin", os.path.join(tl, "ddp-timeline.json")],
+                               input=q, capture_output=True, text=True, timeout=LIMIT)
+            self.assertEqual(p.returncode, 0, p.stderr)
+        # A step no rank ran: named, non-zero status; a truncated file is read up to its last
+        # complete event.
+        t = subprocess.run([TRACE_TOOL, tl, "--step", "99"], capture_output=True, text=True,
+                           timeout=LIMIT)
+        self.assertEqual(t.returncode, 1)
+        self.assertIn("no rank's timeline has step 99", t.stdout)
+        path = os.path.join(tl, files[0])
+        with open(path) as f:
+            text = f.read()
+        with open(path, "w") as f:
+            f.write(text[: len(text) * 2 // 3])
+        t = subprocess.run([TRACE_TOOL, path, "-o", os.path.join(self.dir, "one.json"), "--svg",
+                            os.path.join(self.dir, "one.svg")], capture_output=True, text=True,
+                           timeout=LIMIT)
+        self.assertEqual(t.returncode, 0, t.stderr)
+        self.assertIn("ended mid-event", t.stderr)
+        with open(os.path.join(self.dir, "one.json")) as f:
+            self.assertGreater(len(json.load(f)["traceEvents"]), 10)
+
     def test_bad_timeout_variable_is_named(self):
         for value in ("abc", "-1", "0", "2147483648", "1e400", "nan"):
             r = ddprun("--standalone", "--nproc-per-node", 2, WORKER, "allreduce",

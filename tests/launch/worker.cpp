@@ -29,6 +29,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cmath>
@@ -99,6 +100,46 @@ int all_reduce_and_check() {
   return 0;
 }
 
+/// A model of four parameters for "train": value and gradient per parameter.
+struct Param {
+  std::vector<float> value, grad;
+};
+struct Model {
+  std::vector<Param> params;
+  std::vector<Param>& parameters() { return params; }
+};
+
+/// train STEPS: GradientAverager over a 1 MB model, its gradients marked ready in backward's
+/// order between slices of computation (so that buckets overlap it), a checkpoint save at the end.
+int train(int steps) {
+  auto comm = ddp::Communicator<ddp::backend::Host>::init();
+  Model m;
+  for (int i = 0; i < 4; ++i)
+    m.params.push_back({std::vector<float>(1 << 16, 1.0f), std::vector<float>(1 << 16, 0.0f)});
+  ddp::GradientAverager avg(comm, m, {.bucket_bytes = 1 << 18});
+  volatile double sink = 0;
+  for (int step = 0; step < steps; ++step) {
+    {
+      ddp::TimelineSpan forward("forward");
+      for (int i = 0; i < 300000; ++i) sink = sink + i;
+    }
+    for (int i = 3; i >= 0; --i) {
+      ddp::TimelineSpan backward("backward");
+      for (int k = 0; k < 150000; ++k) sink = sink + k;
+      auto& g = m.params[static_cast<std::size_t>(i)].grad;
+      std::fill(g.begin(), g.end(), static_cast<float>(comm.rank() + step));
+      avg.mark_ready(static_cast<std::size_t>(i));
+    }
+    avg.synchronize();
+  }
+  ddp::Checkpoint ck;
+  ck.put_values("w", m.params[0].value);
+  const std::string dir = ddp::detail::EnvReader().get("WORKER_CHECKPOINT_DIR", "/tmp");
+  ck.save(dir + "/ddp-worker-ck-" + std::to_string(comm.rank()) + "-" + std::to_string(::getpid()));
+  std::cout << "rank " << comm.rank() << " trained " << steps << " steps" << std::endl;
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
@@ -108,6 +149,7 @@ int main(int argc, char** argv) try {
   g_rank = env.rank;
   const std::string& mode = args[0];
   if (mode == "allreduce") return all_reduce_and_check();
+  if (mode == "train" && args.size() >= 2) return train(std::stoi(args[1]));
   if (mode == "exit" && args.size() >= 3) {
     const bool once = args.size() > 3 && args[3] == "once";
     const bool first = restart_count() == "0";

@@ -14,6 +14,7 @@
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 #include "ddp/comm/state.hpp"
+#include "ddp/comm/timeline.hpp"
 #include "ddp/detail/env.hpp"
 #include "ddp/environment.hpp"
 #include "ddp/error.hpp"
@@ -25,8 +26,10 @@
 #include <algorithm>
 #include <charconv>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <type_traits>
 #include <utility>
@@ -97,6 +100,42 @@ DDP_INLINE BackendInit begin_init(CommState& state, const Environment& env, Opti
 }
 #endif  // DDP_BODIES
 
+/// Where Options::timeline names a directory: starts this process's timeline there (the first
+/// communicator does; later ones add their group's track). Times are CLOCK_MONOTONIC (one clock
+/// for every process of a host), shifted once per process onto rank 0's: at init() (`at_init`,
+/// where every rank agreed through the store that the timeline is on, rendezvous.hpp), every
+/// rank reads its clock after each of three barriers, rank 0's readings reach the others through
+/// the store, and the offset is the median of the three differences (the barriers' exits are
+/// microseconds apart). A process admitted later, or one without a store (backend::Mpi), keeps
+/// its own clock: right on rank 0's host.
+template <class State>
+void start_timeline(State& s, bool at_init) {
+  if (s.options.timeline.empty()) return;
+  Timeline& t = Timeline::get();
+  t.open(s.options.timeline, s.world_rank);
+  s.timeline_lane = t.lane_of(s.options.group);
+  if (t.aligned()) return;
+  auto& be = *s.backend;
+  if (!at_init || be.size() == 1 || !s.store) return t.align(0, 0);
+  std::int64_t mine[3] = {}, zero[3] = {};
+  for (std::int64_t& m : mine) {
+    be.barrier();
+    m = Timeline::now_ns();
+  }
+  const std::string key = concat("timeline/clock/", s.epoch);
+  if (be.rank() == 0) {
+    s.store->set(key, std::string_view(reinterpret_cast<const char*>(mine), sizeof mine));
+    std::memcpy(zero, mine, sizeof zero);
+  } else if (const std::string v = s.store->get(key); v.size() == sizeof zero) {
+    std::memcpy(zero, v.data(), sizeof zero);
+  } else {
+    std::memcpy(zero, mine, sizeof zero);
+  }
+  std::int64_t d[3] = {zero[0] - mine[0], zero[1] - mine[1], zero[2] - mine[2]};
+  std::sort(d, d + 3);
+  t.align(d[1], 0);
+}
+
 /// Communicator::init: the state of a new communicator, connected; every message names the rank.
 template <class State>
 std::shared_ptr<State> init_state(const Environment& env, Options options) {
@@ -111,11 +150,12 @@ std::shared_ptr<State> init_state(const Environment& env, Options options) {
       if (bi.store)
         agree_on_job(*bi.store, bi.rank,
                      {bi.size, std::string(Backend::name), options.verify_collectives,
-                      options.heartbeat.count()},
+                      options.heartbeat.count(), !options.timeline.empty()},
                      options.timeout, state->world_size);
     });
     state->end_rendezvous();
     state->watch_peers();
+    start_timeline(*state, true);
     return state;
   } catch (const Error& e) {
     if (std::string_view(e.what()).starts_with("rank ")) throw;
@@ -270,6 +310,7 @@ std::shared_ptr<State> shrink_backend(State& old, int rank) {
 template <class State>
 std::shared_ptr<State> shrink_state(State& old, int rank, int size, const ShrinkOptions& o) {
   refuse_replaced(old, rank, "shrink");
+  const TimelineScope span(Lane::steps, "shrink", "membership");
   MembershipChange change(old, rank, size, o);
   change.announce();
   // Every call on the old communicator fails from now on, and ranks still waiting in it are
@@ -307,6 +348,7 @@ std::shared_ptr<State> shrink_state(State& old, int rank, int size, const Shrink
     if (change.settle(connected)) {
       sub->end_rendezvous();
       sub->watch_peers();
+      start_timeline(*sub, false);
       old.replaced_by = change.epoch();
       return sub;
     }
@@ -328,6 +370,7 @@ std::shared_ptr<State> split_state(State& parent, const std::vector<std::pair<in
                    options.timeout, sub->world_size);
   });
   sub->watch_peers();
+  start_timeline(*sub, false);
   return sub;
 }
 
@@ -352,6 +395,7 @@ void connect_grown(State& sub, const std::string& base, std::uint64_t epoch, con
   connect_members(sub, rank, size);
   sub.end_rendezvous();
   sub.watch_peers();
+  start_timeline(sub, false);
 }
 
 /// Communicator::grow: the members of `old` (this rank `rank` of `size`) admit the processes
@@ -360,6 +404,7 @@ void connect_grown(State& sub, const std::string& base, std::uint64_t epoch, con
 template <class State>
 std::shared_ptr<State> grow_state(State& old, int rank, const GrowOptions& o) {
   refuse_replaced(old, rank, "grow");
+  const TimelineScope span(Lane::steps, "grow", "membership");
   if (!old.root_store)
     fail(Errc::unsupported, "rank ", rank,
          ": grow: this communicator has no rendezvous store (a world of one started without a "

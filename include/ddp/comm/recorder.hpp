@@ -4,12 +4,12 @@
 
 /// \file
 /// The flight recorder: every communicator keeps its most recent operations (op, sequence
-/// number, bytes, state) in a ring of Options::trace_entries records, readable at any time with
-/// Communicator::recent() / trace(), and written out when an operation times out
-/// (Options::trace_dump, $DDP_TRACE_DUMP). Comparing the ranks' records shows which rank fell
-/// behind and where; the timeout message itself already names the ranks that did not arrive.
-/// Reading dumps back and comparing a job's ranks is the tools' part (tools/trace_diagnose.hpp:
-/// the `ddp-trace` tool prints it for a directory of dumps).
+/// number, bytes, state, when it was issued, started and ended) in a ring of Options::trace_entries
+/// records, readable at any time with Communicator::recent() / trace(), and written out when an
+/// operation times out (Options::trace_dump, $DDP_TRACE_DUMP). Comparing the ranks' records shows
+/// which rank fell behind and where; the timeout message itself already names the ranks that did
+/// not arrive. Reading dumps back and comparing a job's ranks is the tools' part
+/// (tools/trace_diagnose.hpp: the `ddp-trace` tool prints it for a directory of dumps).
 
 #include "ddp/config.hpp"
 #include "ddp/detail/lean_std.hpp"
@@ -44,6 +44,8 @@ struct TraceRecord {
   std::size_t bytes = 0;        ///< bytes of this rank's buffer(s)
   State state = State::queued;  ///< where it was when the record was read
   std::chrono::steady_clock::time_point issued{};  ///< when it was called (or queued)
+  /// When it started running and when it finished or failed (the epoch while it has not).
+  std::chrono::steady_clock::time_point started{}, ended{};
 };
 
 /// The state's name: "queued", "running", "done" or "failed".
@@ -102,6 +104,8 @@ class FlightRecorder {
     std::atomic<std::size_t> bytes{0};
     std::atomic<State> state{State::queued};
     std::atomic<std::int64_t> issued_ns{0};
+    std::atomic<std::int64_t> started_ns{0};
+    std::atomic<std::int64_t> ended_ns{0};
   };
 
   /// steady_clock's clock (CLOCK_MONOTONIC), read at its coarse resolution.
@@ -135,7 +139,10 @@ DDP_INLINE std::uint64_t FlightRecorder::issue(const char* op, std::size_t bytes
   s.op.store(op, std::memory_order_release);
   s.bytes.store(bytes, std::memory_order_release);
   s.state.store(state, std::memory_order_release);
-  s.issued_ns.store(coarse_now_ns(), std::memory_order_release);
+  const std::int64_t now = coarse_now_ns();
+  s.issued_ns.store(now, std::memory_order_release);
+  s.started_ns.store(state == State::running ? now : 0, std::memory_order_release);
+  s.ended_ns.store(0, std::memory_order_release);
   s.version.store(2 * seq + 2, std::memory_order_release);
   return seq;
 }
@@ -143,8 +150,10 @@ DDP_INLINE std::uint64_t FlightRecorder::issue(const char* op, std::size_t bytes
 DDP_INLINE void FlightRecorder::update(std::uint64_t seq, State state) {
   if (capacity_ == 0) return;
   Slot& s = slots_[seq & mask_];
-  if (s.version.load(std::memory_order_relaxed) == 2 * seq + 2)
-    s.state.store(state, std::memory_order_release);
+  if (s.version.load(std::memory_order_relaxed) != 2 * seq + 2) return;
+  (state == State::running ? s.started_ns : s.ended_ns)
+      .store(coarse_now_ns(), std::memory_order_release);
+  s.state.store(state, std::memory_order_release);
 }
 
 DDP_INLINE std::vector<TraceRecord> FlightRecorder::recent() const {
@@ -161,8 +170,13 @@ DDP_INLINE std::vector<TraceRecord> FlightRecorder::recent() const {
     r.op = s.op.load(std::memory_order_acquire);
     r.bytes = s.bytes.load(std::memory_order_acquire);
     r.state = s.state.load(std::memory_order_acquire);
-    r.issued = std::chrono::steady_clock::time_point(
-        std::chrono::nanoseconds(s.issued_ns.load(std::memory_order_acquire)));
+    const auto at = [](const std::atomic<std::int64_t>& ns) {
+      return std::chrono::steady_clock::time_point(
+          std::chrono::nanoseconds(ns.load(std::memory_order_acquire)));
+    };
+    r.issued = at(s.issued_ns);
+    r.started = at(s.started_ns);
+    r.ended = at(s.ended_ns);
     if (s.version.load(std::memory_order_relaxed) == v) out.push_back(r);
   }
   return out;
@@ -196,14 +210,21 @@ DDP_INLINE std::string format_trace(const std::vector<TraceRecord>& records, std
                            "\", the last ", records.size(), " of ", issued, " operations");
   if (!why.empty()) out += concat(", dumped because: ", why);
   // The op column fits the longest name (all_reduce_coalesced, 20 characters).
-  out += "\n       seq  op                           bytes  state    age (ms)\n";
+  // ran: from the start to the end (or to now while it runs; "-" while queued), at the coarse
+  // clock's resolution (a few ms).
+  out += "\n       seq  op                           bytes  state    age (ms)  ran (ms)\n";
+  using std::chrono::milliseconds;
   for (const auto& r : records) {
-    const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(now - r.issued).count();
-    char line[160];
-    std::snprintf(line, sizeof line, "%10llu  %-22s %12llu  %-7s %9lld\n",
+    const auto age = std::chrono::duration_cast<milliseconds>(now - r.issued).count();
+    const bool started = r.started.time_since_epoch().count() != 0;
+    const bool ended = r.ended.time_since_epoch().count() != 0;
+    const auto ran =
+        std::chrono::duration_cast<milliseconds>((ended ? r.ended : now) - r.started).count();
+    char line[192];
+    std::snprintf(line, sizeof line, "%10llu  %-22s %12llu  %-7s %9lld  %8s\n",
                   static_cast<unsigned long long>(r.seq), r.op,
                   static_cast<unsigned long long>(r.bytes), to_string(r.state),
-                  static_cast<long long>(age));
+                  static_cast<long long>(age), started ? concat(ran).c_str() : "-");
     out += line;
   }
   return out;

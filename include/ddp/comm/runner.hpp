@@ -18,6 +18,7 @@
 #include "ddp/comm/call.hpp"
 #include "ddp/comm/recorder.hpp"
 #include "ddp/comm/state.hpp"
+#include "ddp/comm/timeline.hpp"
 #include "ddp/error.hpp"
 #include "ddp/tensor.hpp"
 #include "ddp/work.hpp"
@@ -73,6 +74,7 @@ struct CommRunner : CommState {
     announce_leaving();  // before the backend's connections close: peers read why
     backend.reset();
     wait_for_the_others(connected);
+    Timeline::get().flush();
   }
 
   /// Creates the backend after `before()` (checks that need the store), telling the other
@@ -107,12 +109,42 @@ struct CommRunner : CommState {
                         options.group, why);
   }
 
+  /// What the timeline shows of an operation: a span on this group's track, named after the
+  /// bucket whose hook issued it (`bucket`, Timeline::bucket_label), with its sequence number,
+  /// bytes, time in the queue (since `issued_ns`) and root or peer.
+  struct Traced {
+    std::size_t bytes = 0;
+    int root = -1;
+    int bucket = -1;
+    std::int64_t issued_ns = 0;
+    /// As the issuing thread sees it (the bucket label, the time), when the timeline is on.
+    static Traced at_issue(std::size_t bytes, int root) {
+      return Timeline::get().on()
+                 ? Traced{bytes, root, Timeline::bucket_label(), Timeline::now_ns()}
+                 : Traced{bytes, root};
+    }
+  };
+
   /// Runs an operation unless the communicator is poisoned (then fails at once), and poisons it
   /// when the operation fails; keeps the flight recorder's entry `seq` up to date and dumps the
-  /// recorder when the operation times out. body(backend, state).
+  /// recorder when the operation times out; records it in the timeline. body(backend, state).
   template <class F>
-  void run_guarded(std::uint64_t seq, const char* name, const F& body) {
+  void run_guarded(std::uint64_t seq, const char* name, const Traced& t, const F& body) {
     using St = TraceRecord::State;
+    TimelineScope span(timeline_lane, name, "collective");
+    if (span.on()) [[unlikely]] {
+      span.arg("seq", concat(seq));
+      span.arg("bytes", concat(t.bytes));
+      span.arg("backend", json_quoted(Backend::name));
+      if (t.root >= 0 && std::string_view(name) != "all_reduce")
+        span.arg("root_or_peer", concat(t.root));
+      if (t.issued_ns != 0 && t.issued_ns < span.start())
+        span.arg("queued_us", concat((span.start() - t.issued_ns) / 1000));
+      if (t.bucket >= 0) {
+        span.arg("bucket", concat(t.bucket));
+        span.label(concat(name, " (bucket ", t.bucket, ")"));
+      }
+    }
     try {
       run_poisoning(backend->rank(), name, [&] { body(*backend, *this); });
     } catch (const Error& e) {
@@ -130,20 +162,21 @@ struct CommRunner : CommState {
   /// Runs `body` in issue order: inline when the communicator is idle (recorded as running at
   /// once: no allocation, no lock, one record written), else queued behind what runs.
   template <class F>
-  void run_in_order(const char* name, std::size_t bytes, const F& body) {
+  void run_in_order(const char* name, std::size_t bytes, const F& body, int root = -1) {
     using St = TraceRecord::State;
     // A poisoned communicator fails at once and records nothing: its recorder keeps the
     // operation that failed, not thousands of refused calls after it.
     check_poisoned(backend->rank(), name);
     check_membership_after_gap(backend->rank(), name);
     std::uint64_t seq = 0;
+    const Traced traced = Traced::at_issue(bytes, root);
     executor->run(
         [&](bool now) {
           if (now)
             seq = recorder.issue(name, bytes, St::running);
           else
             recorder.update(seq, St::running);
-          run_guarded(seq, name, body);
+          run_guarded(seq, name, traced, body);
         },
         [&] { return seq = recorder.issue(name, bytes, St::queued); });
   }
@@ -172,12 +205,13 @@ struct CommRunner : CommState {
         [&] { return recorder.issue(c.name, c.bytes, TraceRecord::State::queued); },
         [&](std::uint64_t seq) {
           return std::function<void()>([this, seq, c, many = std::move(many),
-                                        held = std::move(held),
-                                        counts = std::move(counts)]() mutable {
+                                        held = std::move(held), counts = std::move(counts),
+                                        traced = Traced::at_issue(c.bytes, c.root)]() mutable {
             if (!many.empty()) c.many = many;
             if (!counts.empty()) c.counts = counts;
             recorder.update(seq, TraceRecord::State::running);
-            run_guarded(seq, c.name, [&](Backend& be, CommRunner& st) { dispatch(be, st, c); });
+            run_guarded(seq, c.name, traced,
+                        [&](Backend& be, CommRunner& st) { dispatch(be, st, c); });
           });
         }));
   }

@@ -58,6 +58,7 @@ struct CommState : MembershipWatch, CommPoison, OwnerProcess {
   std::unique_ptr<Executor> executor = std::make_unique<Executor>();
   std::uint64_t splits = 0;
   std::uint64_t monitored_barriers = 0;
+  int timeline_lane = 2;  // this group's track in the timeline (detail::Timeline::lane_of)
 #if DDP_HAS_CUDA
   std::unique_ptr<CudaStaging> staging;  // made on first use
 

@@ -102,6 +102,7 @@ struct JobView {
   std::string backend;
   bool verify_collectives = true;
   std::int64_t heartbeat_ms = 0;  ///< Options::heartbeat (0: none)
+  bool timeline = false;          ///< Options::timeline is set (init() aligns the clocks)
 };
 
 /// Who this process is, as another process would be told ("pid 123 on host node7").
@@ -218,8 +219,9 @@ DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
   w.str(job.backend);
   w.put(static_cast<std::uint8_t>(job.verify_collectives ? 1 : 0));
   w.put(job.heartbeat_ms);
+  w.put(static_cast<std::uint8_t>(job.timeline ? 1 : 0));
   store.set(concat("job/", rank), rec);
-  std::vector<std::string> versions, worlds, backends, verify, heartbeats;
+  std::vector<std::string> versions, worlds, backends, verify, heartbeats, timelines;
   for (const auto& r : gather_records(store, "job/", rank, job.world_size, timeout)) {
     ByteReader rd(r, "job record");
     versions.push_back(rd.str(64));
@@ -230,6 +232,7 @@ DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
     verify.push_back(rd.get<std::uint8_t>() != 0 ? "on" : "off");
     const auto hb = rd.get<std::int64_t>();
     heartbeats.push_back(hb > 0 ? concat(hb, " ms") : std::string("none"));
+    timelines.push_back(rd.get<std::uint8_t>() != 0 ? "a directory" : "none");
   }
   require_agreement(rank, "the world size",
                     "start every rank with the same WORLD_SIZE (if the others are another job's "
@@ -244,6 +247,9 @@ DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
                     "every rank must use the same heartbeat (a rank that waits longer than the "
                     "others sign would count them lost, or they it)",
                     heartbeats);
+  require_agreement(rank, "Options::timeline (DDP_TIMELINE)",
+                    "set it on every rank or on none (init() aligns the ranks' clocks together)",
+                    timelines);
 }
 #endif  // DDP_BODIES
 

@@ -11,6 +11,7 @@
 /// host or device buffer, then its comm hook called: ddp/training/comm_hooks.hpp), waits for them
 /// in synchronize() and copies the results back.
 
+#include "ddp/comm/timeline.hpp"
 #include "ddp/communicator.hpp"
 #include "ddp/training/comm_hooks.hpp"
 #include "ddp/training/join.hpp"
@@ -512,6 +513,7 @@ class BucketEngine final : public AveragerBase {
 
   // Bucket k's hook on `buffer`. A failure is kept for synchronize(), and no later bucket starts.
   void run_hook(std::size_t k, View buf, bool shadow) {
+    const detail::BucketSpan span(k, buf.size * sizeof(T));  // the timeline's
     Bucket& b = buckets_[k];
     const bool last = k + 1 == buckets_.size();
     const ReduceOp op = join_ ? ReduceOp::sum : ReduceOp::avg;

@@ -29,6 +29,7 @@
 /// the directory it lives in.
 
 #include "ddp/codec.hpp"
+#include "ddp/comm/timeline.hpp"
 #include "ddp/config.hpp"
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
@@ -446,6 +447,7 @@ DDP_INLINE Checkpoint Checkpoint::parse(std::string_view bytes, std::string_view
 }
 
 DDP_INLINE void Checkpoint::save(const std::string& path) const {
+  const detail::TimelineScope span(detail::Lane::steps, "checkpoint save", "checkpoint");
   check_target(path);
   detail::StagedFile f(path, "Checkpoint");
   f.write(serialize());

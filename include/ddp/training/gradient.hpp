@@ -23,6 +23,7 @@
 /// Models, parameters and their adaptation: ddp/training/parameters.hpp.
 
 #include "ddp/backend/reduce.hpp"
+#include "ddp/comm/timeline.hpp"
 #include "ddp/communicator.hpp"
 #include "ddp/training/buckets.hpp"
 #include "ddp/training/comm_hooks.hpp"
@@ -91,6 +92,7 @@ class Averager {
   /// buckets the hooks have not.
   void synchronize() {
     if (impl_->in_no_sync()) return;
+    const detail::StepSpan step(steps_);  // the timeline's
     impl_->synchronize();
     if (o_.broadcast_buffers) broadcast_buffers(0);
   }
@@ -142,6 +144,7 @@ class Averager {
   BucketOptions o_;
   DType dtype_;  // the gradients' element type
   std::unique_ptr<AveragerBase> impl_;
+  detail::StepClock steps_;  // the timeline's steps
 };
 
 }  // namespace detail

@@ -68,6 +68,7 @@ template <class S = c10::ScalarType>
     case c10::ScalarType::Short: return DType::int16;
     case c10::ScalarType::Int: return DType::int32;
     case c10::ScalarType::Long: return DType::int64;
+    case c10::ScalarType::Bool: return DType::boolean;
     default: return unsigned_dtype_of(t);
   }
 }
@@ -85,6 +86,7 @@ template <class S = c10::ScalarType>
     case DType::int16: return c10::ScalarType::Short;
     case DType::int32: return c10::ScalarType::Int;
     case DType::int64: return c10::ScalarType::Long;
+    case DType::boolean: return c10::ScalarType::Bool;
     default: return unsigned_scalar_type_of(t);
   }
 }

@@ -2,10 +2,16 @@
 // batch, buckets and no_sync, compressed gradients, gradient buffers reallocated between steps.
 #include <ddp/training/gradient.hpp>
 
+#include <ddp/detail/json.hpp>
+#include <ddp/training/checkpoint.hpp>
+
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -322,6 +328,115 @@ TEST_CASE("training: buffers reallocated between steps are found again, resizing
                 e.what());
     }
   });
+}
+
+}  // namespace gradient_tests
+
+namespace gradient_tests {
+namespace {
+
+// One span of a rank's timeline file.
+struct Span {
+  std::string name, cat;
+  double ts = 0, dur = 0;
+  int pid = -1, tid = -1;
+  std::int64_t bucket = -1;
+};
+
+// The spans of one timeline file, checked to be a complete Chrome trace-event document.
+std::vector<Span> read_timeline(const std::string& path, int& rank) {
+  const auto doc = ddp::detail::parse_json(mp::TempDir::read(path));
+  const auto* events = doc.find("traceEvents");
+  REQUIRE(events != nullptr);
+  REQUIRE(events->type == ddp::detail::Json::Type::array);
+  rank = static_cast<int>(doc.find("otherData")->integer("ddp_rank", -1));
+  std::vector<Span> spans;
+  bool named = false;
+  for (const auto& e : events->items) {
+    const std::string ph = e.get("ph");
+    CHECK(e.integer("pid", -1) == rank);  // one process per rank
+    if (ph == "M") {
+      if (e.get("name") == "process_name")
+        named = e.find("args")->get("name") == "rank " + std::to_string(rank);
+      continue;
+    }
+    REQUIRE(ph == "X");
+    Span s{e.get("name"),
+           e.get("cat"),
+           std::stod(e.get("ts")),
+           std::stod(e.get("dur")),
+           static_cast<int>(e.integer("pid")),
+           static_cast<int>(e.integer("tid"))};
+    if (const auto* args = e.find("args")) s.bucket = args->integer("bucket", -1);
+    CHECK(s.dur >= 0);
+    spans.push_back(s);
+  }
+  CHECK(named);
+  return spans;
+}
+
+}  // namespace
+
+TEST_CASE("timeline: every rank's steps, buckets and collectives, as Chrome trace events") {
+  mp::TempDir dir;
+  const std::string where = dir.file("timeline");
+  ::setenv("DDP_TIMELINE", where.c_str(), 1);
+  for (int world : {1, 3}) {
+    CAPTURE(world);
+    mp::run(world, ddp::HostTransport::shm, [&](mp::Comm& comm) {
+      Linear m;
+      ddp::GradientAverager avg(comm, m, {.bucket_bytes = 64, .first_bucket_bytes = 16});
+      for (int step = 0; step < 3; ++step) {
+        {
+          ddp::TimelineSpan forward("forward and backward");
+          backward(m, step * batch, batch / comm.size());
+        }
+        avg.mark_ready(1);
+        avg.mark_ready(0);
+        avg.synchronize();
+        sgd(m, 0.1f);
+      }
+      ddp::Checkpoint ck;
+      ck.put_object("step", std::int64_t{3});
+      ck.save(dir.file("ck-" + std::to_string(comm.rank())));
+    });
+    std::vector<std::string> files;
+    for (const auto& f : std::filesystem::directory_iterator(where)) files.push_back(f.path());
+    REQUIRE(files.size() == static_cast<std::size_t>(world));
+    std::set<int> ranks;
+    for (const auto& f : files) {
+      int rank = -1;
+      const auto spans = read_timeline(f, rank);
+      ranks.insert(rank);
+      const auto count = [&](const std::string& name) {
+        return std::count_if(spans.begin(), spans.end(),
+                             [&](const Span& s) { return s.name == name; });
+      };
+      CHECK(count("step 0") == 1);
+      CHECK(count("step 2") == 1);
+      CHECK(count("synchronize") == 3);
+      CHECK(count("forward and backward") == 3);
+      CHECK(count("checkpoint save") == 1);
+      CHECK(count("bucket 0") == 3);  // one per step
+      // Every bucket's all_reduce lies inside the step that issued it, on the group's track.
+      int bucket_ops = 0;
+      for (const Span& c : spans) {
+        if (c.cat != "collective" || c.bucket < 0) continue;
+        ++bucket_ops;
+        CHECK(c.tid >= 2);
+        CHECK(c.name.starts_with("all_reduce (bucket "));
+        const bool inside = std::any_of(spans.begin(), spans.end(), [&](const Span& s) {
+          return s.cat == "step" && s.name.starts_with("step ") && s.ts <= c.ts + 0.001 &&
+                 c.ts + c.dur <= s.ts + s.dur + 0.001;
+        });
+        CHECK_MESSAGE(inside, c.name << " at " << c.ts << " is in no step");
+      }
+      CHECK(bucket_ops >= 3 * 2);  // at least two buckets a step
+    }
+    CHECK(ranks.size() == static_cast<std::size_t>(world));
+    [[maybe_unused]] const int rc = std::system(("rm -rf " + where).c_str());
+  }
+  ::unsetenv("DDP_TIMELINE");
 }
 
 }  // namespace gradient_tests
