@@ -171,8 +171,15 @@ void run(const ddp::Environment& env, const Config& cfg, const char* name, const
       const std::size_t count = std::min(local_batch, mine.size() - first);
       const auto [x, y] = gather(train, mine, first, count);
       opt.zero_grad();
-      const torch::Tensor loss = torch::nn::functional::cross_entropy(net->forward(x), y);
-      loss.backward();    // buckets are averaged from the hooks while backward runs
+      torch::Tensor loss;
+      {
+        ddp::TimelineSpan span("forward");  // on the timeline when DDP_TIMELINE is set
+        loss = torch::nn::functional::cross_entropy(net->forward(x), y);
+      }
+      {
+        ddp::TimelineSpan span("backward");
+        loss.backward();  // buckets are averaged from the hooks while backward runs
+      }
       avg.synchronize();  // gradients hold the average over the global batch
       opt.step();
       loss_sum += loss.item<double>() * static_cast<double>(count);

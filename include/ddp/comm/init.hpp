@@ -113,7 +113,7 @@ void start_timeline(State& s, bool at_init) {
   if (s.options.timeline.empty()) return;
   Timeline& t = Timeline::get();
   t.open(s.options.timeline, s.world_rank);
-  s.timeline_lane = t.lane_of(s.options.group);
+  s.timeline_lane = t.lane_of(s.options.group, std::remove_cvref_t<decltype(*s.backend)>::name);
   if (t.aligned()) return;
   auto& be = *s.backend;
   if (!at_init || be.size() == 1 || !s.store) return t.align(0, 0);

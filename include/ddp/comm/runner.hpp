@@ -133,15 +133,13 @@ struct CommRunner : CommState {
     using St = TraceRecord::State;
     TimelineScope span(timeline_lane, name, "collective");
     if (span.on()) [[unlikely]] {
-      span.arg("seq", concat(seq));
-      span.arg("bytes", concat(t.bytes));
-      span.arg("backend", json_quoted(Backend::name));
-      if (t.root >= 0 && std::string_view(name) != "all_reduce")
-        span.arg("root_or_peer", concat(t.root));
+      span.arg("seq", static_cast<std::int64_t>(seq));
+      span.arg("bytes", static_cast<std::int64_t>(t.bytes));
+      if (t.root >= 0 && std::string_view(name) != "all_reduce") span.arg("root_or_peer", t.root);
       if (t.issued_ns != 0 && t.issued_ns < span.start())
-        span.arg("queued_us", concat((span.start() - t.issued_ns) / 1000));
+        span.arg("queued_us", (span.start() - t.issued_ns) / 1000);
       if (t.bucket >= 0) {
-        span.arg("bucket", concat(t.bucket));
+        span.arg("bucket", t.bucket);
         span.label(concat(name, " (bucket ", t.bucket, ")"));
       }
     }

@@ -27,6 +27,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -76,8 +77,9 @@ class Timeline {
     return aligned_;
   }
 
-  /// The track of a communicator group ("default" for init()'s), named in the file once.
-  int lane_of(std::string_view group);
+  /// The track of a communicator group ("default" for init()'s) on `backend`, named in the
+  /// file once.
+  int lane_of(std::string_view group, std::string_view backend);
 
   /// One finished span: `name` on track `lane` from `start_ns` to `end_ns` (now_ns() times),
   /// with `args` a JSON object's members ("\"bytes\":4096") or empty.
@@ -119,6 +121,7 @@ class Timeline {
   std::atomic<bool> on_{false};
   std::mutex mutex_;
   std::FILE* file_ = nullptr;
+  pid_t owner_ = 0;  // the process that opened the file (a fork() child writes nothing)
   int rank_ = 0;
   bool aligned_ = false, wrote_event_ = false;
   std::int64_t offset_ns_ = 0, zero_ns_ = 0;
@@ -162,6 +165,7 @@ DDP_INLINE void Timeline::open(const std::string& dir, int rank) {
     fail(Errc::system, "rank ", rank, ": the timeline cannot be written to ", path);
   }
   rank_ = rank;
+  owner_ = ::getpid();
   out_ = concat("{\"displayTimeUnit\":\"ms\",\"otherData\":{\"ddp_rank\":", rank,
                 ",\"ddp_pid\":", ::getpid(), "},\"traceEvents\":[\n",
                 "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":", rank,
@@ -187,7 +191,7 @@ DDP_INLINE void Timeline::align(std::int64_t offset_ns, std::int64_t zero_ns) {
   flush_pending_locked();
 }
 
-DDP_INLINE int Timeline::lane_of(std::string_view group) {
+DDP_INLINE int Timeline::lane_of(std::string_view group, std::string_view backend) {
   std::lock_guard lock(mutex_);
   for (std::size_t i = 0; i < lanes_.size(); ++i)
     if (lanes_[i] == group) return static_cast<int>(Lane::collectives) + static_cast<int>(i);
@@ -195,7 +199,8 @@ DDP_INLINE int Timeline::lane_of(std::string_view group) {
   const int lane = static_cast<int>(Lane::collectives) + static_cast<int>(lanes_.size()) - 1;
   if (file_ != nullptr)
     out_ += concat(",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":", rank_, ",\"tid\":", lane,
-                   ",\"args\":{\"name\":", json_quoted(concat("collectives: ", group)), "}}");
+                   ",\"args\":{\"name\":",
+                   json_quoted(concat("collectives: ", group, " (", backend, ")")), "}}");
   return lane;
 }
 
@@ -215,14 +220,41 @@ DDP_INLINE void Timeline::span(int lane, std::string_view name, std::string_view
 DDP_INLINE void Timeline::format_locked(int lane, std::string_view name, std::string_view cat,
                                         std::int64_t start_ns, std::int64_t end_ns,
                                         std::string_view args) {
-  const auto start = static_cast<double>(start_ns + offset_ns_ - zero_ns_) / 1e3;
-  const auto dur = static_cast<double>(end_ns > start_ns ? end_ns - start_ns : 0) / 1e3;
-  char times[80];
-  std::snprintf(times, sizeof times, "\"ts\":%.3f,\"dur\":%.3f", start, dur);
-  out_ += concat(",\n{\"name\":", json_quoted(name), ",\"cat\":", json_quoted(cat),
-                 ",\"ph\":\"X\",", times, ",\"pid\":", rank_, ",\"tid\":", lane);
-  if (!args.empty()) out_ += concat(",\"args\":{", args, "}");
-  out_ += "}";
+  // Appended in place, without temporaries: this runs once per collective.
+  const auto quoted = [this](std::string_view text) {
+    out_ += '"';
+    for (const char c : text) {
+      if (c == '"' || c == '\\') {
+        out_ += '\\';
+        out_ += c;
+      } else if (static_cast<unsigned char>(c) < 0x20) {
+        out_ += ' ';
+      } else {
+        out_ += c;
+      }
+    }
+    out_ += '"';
+  };
+  out_ += ",\n{\"name\":";
+  quoted(name);
+  out_ += ",\"cat\":";
+  quoted(cat);
+  const std::int64_t start = start_ns + offset_ns_ - zero_ns_;
+  const std::int64_t dur = end_ns > start_ns ? end_ns - start_ns : 0;
+  char fixed[160];
+  const int n = std::snprintf(
+      fixed, sizeof fixed,
+      ",\"ph\":\"X\",\"ts\":%s%lld.%03lld,\"dur\":%lld.%03lld,\"pid\":%d,\"tid\":%d",
+      start < 0 ? "-" : "", static_cast<long long>((start < 0 ? -start : start) / 1000),
+      static_cast<long long>((start < 0 ? -start : start) % 1000),
+      static_cast<long long>(dur / 1000), static_cast<long long>(dur % 1000), rank_, lane);
+  out_.append(fixed, static_cast<std::size_t>(std::max(n, 0)));
+  if (!args.empty()) {
+    out_ += ",\"args\":{";
+    out_ += args;
+    out_ += '}';
+  }
+  out_ += '}';
   if (out_.size() > (std::size_t{1} << 16)) write_locked();
 }
 
@@ -234,6 +266,10 @@ DDP_INLINE void Timeline::flush_pending_locked() {
 
 DDP_INLINE void Timeline::write_locked() {
   if (file_ == nullptr) return;
+  if (owner_ != ::getpid()) {  // a fork() child's copy: the file and what is buffered are the
+    out_.clear();              // parent's
+    return;
+  }
   // The document is complete after every write: the closing brackets follow the events, and the
   // next write starts over them.
   static constexpr std::string_view tail = "\n]}\n";
@@ -266,7 +302,7 @@ DDP_INLINE void Timeline::close() {
   }
   write_locked();
   on_.store(false, std::memory_order_relaxed);
-  if (file_ != nullptr) std::fclose(file_);
+  if (file_ != nullptr && owner_ == ::getpid()) std::fclose(file_);
   file_ = nullptr;
 }
 #endif  // DDP_BODIES
@@ -295,7 +331,7 @@ class TimelineScope {
 #endif
     try {
       Timeline::get().span(lane_, label_.empty() ? std::string_view(name_) : label_, cat_, start_,
-                           Timeline::now_ns(), args_);
+                           Timeline::now_ns(), std::string_view(args_, args_len_));
     } catch (...) {  // a timeline never fails the operation it records
     }
   }
@@ -305,8 +341,20 @@ class TimelineScope {
   void label(std::string text) { label_ = std::move(text); }
   /// Adds `"key":value` to the span's args (`value` is JSON: a number, or json_quoted text).
   void arg(std::string_view key, std::string_view value) {
-    if (!args_.empty()) args_ += ',';
-    args_ += concat('"', key, "\":", value);
+    // A fixed buffer: no allocation per operation (what does not fit is left out).
+    if (args_len_ + key.size() + value.size() + 4 > sizeof args_) return;
+    if (args_len_ != 0) args_[args_len_++] = ',';
+    args_[args_len_++] = '"';
+    for (const char c : key) args_[args_len_++] = c;
+    args_[args_len_++] = '"';
+    args_[args_len_++] = ':';
+    for (const char c : value) args_[args_len_++] = c;
+  }
+  /// Adds `"key":number`.
+  void arg(std::string_view key, std::int64_t number) {
+    char text[24];
+    const int n = std::snprintf(text, sizeof text, "%lld", static_cast<long long>(number));
+    arg(key, std::string_view(text, static_cast<std::size_t>(std::max(n, 0))));
   }
   /// When the span began (now_ns()).
   [[nodiscard]] std::int64_t start() const noexcept { return start_; }
@@ -316,7 +364,9 @@ class TimelineScope {
   const char* name_ = nullptr;
   const char* cat_ = "";
   std::int64_t start_ = 0;
-  std::string label_, args_;
+  std::string label_;
+  char args_[192];
+  std::size_t args_len_ = 0;
 #if DDP_HAS_CUDA
   nvtxRangeId_t nvtx_ = 0;
 #endif
