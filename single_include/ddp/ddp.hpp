@@ -6662,8 +6662,10 @@ struct TraceRecord {
   std::size_t bytes = 0;        ///< bytes of this rank's buffer(s)
   State state = State::queued;  ///< where it was when the record was read
   std::chrono::steady_clock::time_point issued{};  ///< when it was called (or queued)
-  /// When it started running and when it finished or failed (the epoch while it has not).
-  std::chrono::steady_clock::time_point started{}, ended{};
+  /// When it started running (the epoch while it has not).
+  std::chrono::steady_clock::time_point started{};
+  /// When it finished or failed (the epoch while it has not).
+  std::chrono::steady_clock::time_point ended{};
 };
 
 /// The state's name: "queued", "running", "done" or "failed".
