@@ -19,8 +19,10 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <sstream>
 #include <string>
@@ -29,7 +31,7 @@
 
 DDP_BEGIN_NAMESPACE
 
-/// One rank's timeline file, read back.
+/// One rank's timeline, read back (a file of its own, or its part of a merged one).
 struct TimelineFile {
   /// A span ("X" event) of the file.
   struct Span {
@@ -42,76 +44,159 @@ struct TimelineFile {
   };
   std::string path;
   int rank = -1;
-  std::string events;  ///< the traceEvents array's text, without the brackets
+  std::string run;  ///< the run it belongs to ("" when its process did not learn it)
+  std::vector<std::string> events;  ///< every event, as JSON text
   std::vector<Span> spans;
   bool repaired = false;  ///< the file ended mid-event (its process died): cut at the last one
 };
 
-/// Reads one timeline file; Errc::protocol when it is no ddp timeline.
-[[nodiscard]] inline TimelineFile read_timeline(const std::string& path) {
+namespace detail {
+/// `v` as JSON text (what parse_json read).
+inline void json_text(const Json& v, std::string& out) {
+  switch (v.type) {
+    case Json::Type::null: out += "null"; return;
+    case Json::Type::boolean: out += v.boolean ? "true" : "false"; return;
+    case Json::Type::number: out += v.text; return;
+    case Json::Type::string: out += json_quoted(v.text); return;
+    case Json::Type::array:
+      out += '[';
+      for (std::size_t i = 0; i < v.items.size(); ++i) {
+        if (i != 0) out += ',';
+        json_text(v.items[i], out);
+      }
+      out += ']';
+      return;
+    case Json::Type::object:
+      out += '{';
+      for (std::size_t i = 0; i < v.items.size(); ++i) {
+        if (i != 0) out += ',';
+        out += json_quoted(v.names[i]);
+        out += ':';
+        json_text(v.items[i], out);
+      }
+      out += '}';
+      return;
+  }
+}
+
+/// A number of a JSON value ("12.5", or a string of one); `otherwise` when it is not one.
+inline double json_number(const Json* v, double otherwise) {
+  if (v == nullptr || (v->type != Json::Type::number && v->type != Json::Type::string))
+    return otherwise;
+  char* end = nullptr;
+  const double d = std::strtod(v->text.c_str(), &end);
+  return end != v->text.c_str() && *end == '\0' ? d : otherwise;
+}
+}  // namespace detail
+
+/// Reads one timeline file: a rank's own (ddp/comm/timeline.hpp), or one ddp-trace merged (then
+/// one TimelineFile per rank in it). Errc::protocol naming the file when it holds no trace
+/// events; a file cut short (its process killed mid-write) is read up to its last event.
+[[nodiscard]] inline std::vector<TimelineFile> read_timeline(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) detail::fail(Errc::system, "cannot read ", path, ": ", std::strerror(errno));
   std::stringstream ss;
   ss << in.rdbuf();
   std::string text = ss.str();
-  TimelineFile f;
-  f.path = path;
-  constexpr std::string_view open = "\"traceEvents\":[";
-  const std::size_t begin = text.find(open);
-  if (begin == std::string::npos)
-    detail::fail(Errc::protocol, path, ": not a ddp timeline (no traceEvents)");
+  if (text.empty()) detail::fail(Errc::protocol, path, ": empty (its process wrote nothing)");
   detail::Json doc;
+  bool repaired = false;
   try {
-    doc = detail::parse_json(text);
+    doc = detail::parse_json(text, 16);
   } catch (const Error&) {  // cut short: keep the events up to the last complete one
-    const std::size_t last = text.rfind("},\n");  // events are separated by ",\n"
-    if (last == std::string::npos || last < begin)
+    const std::size_t last = text.rfind("},\n");  // ddp separates events by ",\n"
+    if (last == std::string::npos)
       detail::fail(Errc::protocol, path, ": not a ddp timeline (unreadable JSON)");
     text.resize(last + 1);
     text += "\n]}\n";
-    doc = detail::parse_json(text);
-    f.repaired = true;
+    try {
+      doc = detail::parse_json(text, 16);
+    } catch (const Error& e) {
+      detail::fail(Errc::protocol, path, ": not a ddp timeline (", e.what(), ")");
+    }
+    repaired = true;
   }
-  const std::size_t from = begin + open.size();
-  const std::size_t to = text.rfind(']');
-  f.events = text.substr(from, to > from ? to - from : 0);
-  while (!f.events.empty() && (f.events.back() == '\n' || f.events.back() == ' '))
-    f.events.pop_back();
-  const detail::Json* other = doc.find("otherData");
-  f.rank = other != nullptr ? static_cast<int>(other->integer("ddp_rank", -1)) : -1;
   const detail::Json* events = doc.find("traceEvents");
-  if (events == nullptr || events->type != detail::Json::Type::array || f.rank < 0)
-    detail::fail(Errc::protocol, path, ": not a ddp timeline (no rank, or no events)");
+  if (events == nullptr || events->type != detail::Json::Type::array)
+    detail::fail(Errc::protocol, path, ": not a ddp timeline (no traceEvents array)");
+  std::map<int, TimelineFile> by_rank;  // a ddp file holds one rank; a merged one several
   for (const auto& e : events->items) {
-    if (e.get("ph") != "X") continue;
+    if (e.type != detail::Json::Type::object) continue;
+    const double pid = detail::json_number(e.find("pid"), -1);
+    if (pid < 0 || pid > 1e7) continue;
+    TimelineFile& f = by_rank[static_cast<int>(pid)];
+    f.path = path;
+    f.rank = static_cast<int>(pid);
+    f.repaired = repaired;
+    std::string event;
+    detail::json_text(e, event);
+    f.events.push_back(std::move(event));
+    const std::string ph = e.get("ph");
+    const detail::Json* args = e.find("args");
+    if (ph == "M" && e.get("name") == "ddp_clock" && args != nullptr) f.run = args->get("run");
+    if (ph != "X") continue;
     TimelineFile::Span s;
     s.name = e.get("name");
     s.cat = e.get("cat");
-    s.ts = std::stod(e.get("ts"));
-    s.dur = std::stod(e.get("dur"));
-    s.tid = static_cast<int>(e.integer("tid"));
-    if (const auto* args = e.find("args")) {
-      s.bucket = static_cast<long>(args->integer("bucket", -1));
-      s.step = static_cast<long>(args->integer("step", -1));
+    s.ts = detail::json_number(e.find("ts"), 0);
+    s.dur = std::max(detail::json_number(e.find("dur"), 0), 0.0);
+    s.tid = static_cast<int>(detail::json_number(e.find("tid"), 0));
+    if (args != nullptr) {
+      s.bucket = static_cast<long>(detail::json_number(args->find("bucket"), -1));
+      s.step = static_cast<long>(detail::json_number(args->find("step"), -1));
     }
     f.spans.push_back(std::move(s));
   }
-  return f;
+  if (by_rank.empty()) detail::fail(Errc::protocol, path, ": not a ddp timeline (no events)");
+  std::vector<TimelineFile> out;
+  for (auto& [rank, f] : by_rank) out.push_back(std::move(f));
+  return out;
 }
 
-/// The timeline files (ddp-timeline-*.json) in `dir`, ordered by rank.
-[[nodiscard]] inline std::vector<TimelineFile> read_timelines(const std::string& dir) {
+/// The timeline files (ddp-timeline-rank*.json) in `dir`, ordered by rank. A file that cannot be
+/// read is left out, its path and why in `skipped`.
+[[nodiscard]] inline std::vector<TimelineFile> read_timelines(const std::string& dir,
+                                                              std::vector<std::string>& skipped) {
   std::vector<TimelineFile> out;
   DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) detail::fail(Errc::system, "cannot open ", dir, ": ", std::strerror(errno));
+  if (d == nullptr) return out;
+  std::vector<std::string> names;
   while (const dirent* e = ::readdir(d)) {
     const std::string name = e->d_name;
-    if (name.starts_with("ddp-timeline-rank") && name.ends_with(".json"))
-      out.push_back(read_timeline(dir + "/" + name));
+    if (name.starts_with("ddp-timeline-rank") && name.ends_with(".json")) names.push_back(name);
   }
   ::closedir(d);
-  std::sort(out.begin(), out.end(),
-            [](const TimelineFile& a, const TimelineFile& b) { return a.rank < b.rank; });
+  std::sort(names.begin(), names.end());
+  for (const auto& name : names) {
+    try {
+      for (auto& f : read_timeline(dir + "/" + name)) out.push_back(std::move(f));
+    } catch (const Error& e) {
+      skipped.push_back(e.what());
+    }
+  }
+  std::stable_sort(out.begin(), out.end(),
+                   [](const TimelineFile& a, const TimelineFile& b) { return a.rank < b.rank; });
+  return out;
+}
+
+/// The files of one run: those of the latest run (the one rank 0 started last) and those that
+/// name no run; the others' paths in `older`.
+[[nodiscard]] inline std::vector<TimelineFile> latest_run(std::vector<TimelineFile> files,
+                                                          std::vector<std::string>& older) {
+  const auto started = [](const std::string& run) {  // "... at <ns>"
+    const std::size_t at = run.rfind(" at ");
+    return at == std::string::npos ? 0.0 : std::strtod(run.c_str() + at + 4, nullptr);
+  };
+  std::string latest;
+  for (const auto& f : files)
+    if (!f.run.empty() && (latest.empty() || started(f.run) > started(latest))) latest = f.run;
+  std::vector<TimelineFile> out;
+  for (auto& f : files) {
+    if (f.run.empty() || f.run == latest)
+      out.push_back(std::move(f));
+    else
+      older.push_back(f.path);
+  }
   return out;
 }
 
@@ -120,10 +205,11 @@ struct TimelineFile {
   std::string out = "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n";
   bool first = true;
   for (const auto& f : files) {
-    if (f.events.empty()) continue;
-    if (!first) out += ",\n";
-    out += f.events;
-    first = false;
+    for (const auto& e : f.events) {
+      if (!first) out += ",\n";
+      out += e;
+      first = false;
+    }
   }
   return out + "\n]}\n";
 }
@@ -136,6 +222,7 @@ struct StepSummary {
   double comm_us = 0;        ///< mean time in collectives per step
   double overlapped_us = 0;  ///< ... of it outside synchronize(): overlapping the computation
   double wait_us = 0;        ///< mean time in synchronize(), waiting for the buckets
+  bool cut_short = false;    ///< its file ended mid-event: the process was killed
 };
 
 namespace detail {
@@ -178,6 +265,7 @@ inline double covered(std::vector<std::pair<double, double>> spans, double from,
   for (const auto& f : files) {
     StepSummary s;
     s.rank = f.rank;
+    s.cut_short = f.repaired;
     for (const auto& step : f.spans) {
       if (step.cat != "step" || step.step < 0) continue;
       ++s.steps;
@@ -225,6 +313,10 @@ inline double covered(std::vector<std::pair<double, double>> spans, double from,
                     s.rank, s.steps, s.step_us / 1e3, s.comm_us / 1e3, pct, s.wait_us / 1e3);
     }
     out += line;
+    if (s.cut_short) {
+      out.pop_back();
+      out += " (its file ends mid-event: the process was killed)\n";
+    }
   }
   return out;
 }
@@ -244,6 +336,9 @@ inline double covered(std::vector<std::pair<double, double>> spans, double from,
       first = false;
     }
     step = common;
+    if (step < 0)
+      detail::fail(Errc::invalid_argument,
+                   "no rank's timeline has a step (each GradientAverager::synchronize() ends one)");
   }
   double from = 0, to = 0;
   bool any = false;
@@ -267,14 +362,30 @@ inline double covered(std::vector<std::pair<double, double>> spans, double from,
   double y = 40;
   char buf[512];
   const auto rect = [&](double a, double b, double top, double h, const char* fill, const char* cls,
-                        const std::string& title) {
+                        const std::string& title, std::string_view label) {
+    const double w = std::max(x(b) - x(a), 0.5);
     std::snprintf(buf, sizeof buf,
                   "<rect class=\"%s\" x=\"%.2f\" y=\"%.2f\" width=\"%.2f\" height=\"%.2f\" "
                   "fill=\"%s\"><title>",
-                  cls, x(a), top, std::max(x(b) - x(a), 0.5), h, fill);
+                  cls, x(a), top, w, h, fill);
     body += buf;
     body += detail::xml_escaped(title);
     body += "</title></rect>\n";
+    // The name inside, where it fits (about 6 px a character at this size).
+    const auto fits = static_cast<std::size_t>(std::max(w - 4, 0.0) / 6);
+    if (!label.empty() && fits >= 3) {
+      std::snprintf(buf, sizeof buf,
+                    "<text x=\"%.2f\" y=\"%.2f\" font-size=\"9\" fill=\"#222\" "
+                    "pointer-events=\"none\">",
+                    x(a) + 2, top + h - 3);
+      body += buf;
+      body += detail::xml_escaped(label.substr(0, fits));
+      body += "</text>\n";
+    }
+  };
+  static constexpr const char* greens[] = {"#8cd17d", "#b6e3a8", "#59a14f", "#a0cbe8"};
+  const auto green = [&](const std::string& name) {
+    return greens[std::hash<std::string>{}(name) % 4];
   };
   for (const auto& f : files) {
     // This rank's own step: what it did then (the ranks' steps start and end a little apart).
@@ -309,19 +420,19 @@ inline double covered(std::vector<std::pair<double, double>> spans, double from,
         const std::string title = s.name + " (" + ms + " ms)";
         if (track == 0 && s.tid == 0) {
           if (s.cat == "step" && s.step == step)
-            rect(s.ts, s.end(), top + 2, row - 4, "#d9d9d9", "step", title);
+            rect(s.ts, s.end(), top + 2, row - 4, "#d9d9d9", "step", title, {});
           else if (s.name == "synchronize")
-            rect(s.ts, s.end(), top + 2, row - 4, "#ff9da7", "wait", title);
+            rect(s.ts, s.end(), top + 2, row - 4, "#ff9da7", "wait", title, "wait");
           else if (s.cat != "step")
-            rect(s.ts, s.end(), top + 5, row - 10, "#8cd17d", "compute", title);
+            rect(s.ts, s.end(), top + 3, row - 6, green(s.name), "compute", title, s.name);
         } else if (track == 1 && s.tid == 1) {
           rect(s.ts, s.end(), top + 4, row - 8,
-               palette[static_cast<std::size_t>(std::max(s.bucket, 0L)) % 8], "hook", title);
-        } else if (track == 2 && s.tid >= 2) {
+               palette[static_cast<std::size_t>(std::max(s.bucket, 0L)) % 8], "hook", title, {});
+        } else if (track == 2 && s.tid >= 2 && s.tid < 1000) {
           const char* fill =
               s.bucket >= 0 ? palette[static_cast<std::size_t>(s.bucket) % 8] : "#bab0ac";
           rect(s.ts, s.end(), top + 2, row - 4, fill, s.bucket >= 0 ? "bucket" : "collective",
-               title);
+               title, s.bucket >= 0 ? "b" + std::to_string(s.bucket) : s.name);
         }
       }
     }

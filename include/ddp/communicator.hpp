@@ -636,7 +636,7 @@ void Communicator<Backend>::exec(const detail::Call& c) {
 template <CommBackend Backend>
 void Communicator<Backend>::exec_single_buf(detail::Coll coll, const detail::Buf& b, Reduction op,
                                             int root) {
-  const char* name = detail::check_single(coll, b, op.op, root, caller());
+  const char* name = detail::check_single(coll, b, op, root, caller());
   same_process(name).run_in_order(
       name, b.bytes(),
       [&](Backend& be, State& st) { detail::run_single(be, st, coll, b, op, root); }, root);

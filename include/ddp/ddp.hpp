@@ -52,6 +52,7 @@
 #include "ddp/store/client.hpp"
 #include "ddp/store/protocol.hpp"
 #include "ddp/store/server.hpp"
+#include "ddp/training/async_checkpoint.hpp"
 #include "ddp/training/checkpoint.hpp"
 #include "ddp/training/elastic.hpp"
 #include "ddp/training/gradient.hpp"

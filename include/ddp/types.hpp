@@ -371,13 +371,16 @@ namespace detail {
 struct Reduction {
   ReduceOp op = ReduceOp::sum;  ///< The operator.
   /// premul_sum: what each rank's input is multiplied by (in the element type's precision, float
-  /// for half and bfloat16) before the sum; ignored by the other operators.
+  /// for half and bfloat16) before the sum: finite, and within float's range unless the elements
+  /// are double; ignored by the other operators.
   double factor = 1.0;
 
   /// ReduceOp::sum.
   constexpr Reduction() noexcept = default;
-  /// `o` (premul_sum with the factor 1).
-  constexpr Reduction(ReduceOp o) noexcept : op(o) {}  // NOLINT(google-explicit-constructor)
+  /// `o`. A bare ReduceOp::premul_sum has no factor (NaN), and the collectives refuse it: its
+  /// factor comes with ddp::premul_sum(f).
+  constexpr Reduction(ReduceOp o) noexcept  // NOLINT(google-explicit-constructor)
+      : op(o), factor(o == ReduceOp::premul_sum ? std::numeric_limits<double>::quiet_NaN() : 1.0) {}
   /// `o` with premul_sum's `f`.
   constexpr Reduction(ReduceOp o, double f) noexcept : op(o), factor(f) {}
 };

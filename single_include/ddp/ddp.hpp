@@ -746,13 +746,16 @@ namespace detail {
 struct Reduction {
   ReduceOp op = ReduceOp::sum;  ///< The operator.
   /// premul_sum: what each rank's input is multiplied by (in the element type's precision, float
-  /// for half and bfloat16) before the sum; ignored by the other operators.
+  /// for half and bfloat16) before the sum: finite, and within float's range unless the elements
+  /// are double; ignored by the other operators.
   double factor = 1.0;
 
   /// ReduceOp::sum.
   constexpr Reduction() noexcept = default;
-  /// `o` (premul_sum with the factor 1).
-  constexpr Reduction(ReduceOp o) noexcept : op(o) {}  // NOLINT(google-explicit-constructor)
+  /// `o`. A bare ReduceOp::premul_sum has no factor (NaN), and the collectives refuse it: its
+  /// factor comes with ddp::premul_sum(f).
+  constexpr Reduction(ReduceOp o) noexcept  // NOLINT(google-explicit-constructor)
+      : op(o), factor(o == ReduceOp::premul_sum ? std::numeric_limits<double>::quiet_NaN() : 1.0) {}
   /// `o` with premul_sum's `f`.
   constexpr Reduction(ReduceOp o, double f) noexcept : op(o), factor(f) {}
 };
@@ -5005,6 +5008,7 @@ DDP_END_NAMESPACE
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <string>
 #include <string_view>
@@ -5087,12 +5091,34 @@ DDP_INLINE void check_op(ReduceOp op, DType t, const char* who, int rank, const 
 #if DDP_BODIES
 DDP_INLINE void check_op(ReduceOp op, DType t, const char* who, int rank, const char* what) {
   if (!is_supported(op, t)) {
+    const bool bitwise = op == ReduceOp::band || op == ReduceOp::bor || op == ReduceOp::bxor;
     fail(Errc::invalid_argument, who, rank >= 0 ? concat(rank) : std::string(), ": ", what, ": op ",
          is_valid(op) ? std::string(to_string(op))
                       : concat("code ", static_cast<int>(op), " (not a ddp::ReduceOp)"),
          " is not defined on ", to_string(t),
-         op == ReduceOp::avg ? " (avg needs a floating-point type)" : "");
+         op == ReduceOp::avg          ? " (avg needs a floating-point type)"
+         : op == ReduceOp::premul_sum ? " (premul_sum needs a floating-point type: multiply "
+                                        "integers yourself and use sum)"
+         : bitwise                    ? " (band, bor and bxor need integers or bool)"
+                                      : "");
   }
+}
+#endif  // DDP_BODIES
+/// premul_sum's factor: given (ddp::premul_sum(f), not a bare ReduceOp::premul_sum), finite, and
+/// within float's range where the multiplication is in float (every dtype but float64).
+DDP_INLINE void check_factor(const Reduction& r, DType t, int rank, const char* what);
+#if DDP_BODIES
+DDP_INLINE void check_factor(const Reduction& r, DType t, int rank, const char* what) {
+  if (r.op != ReduceOp::premul_sum) return;
+  if (r.factor != r.factor)
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what,
+         ": ReduceOp::premul_sum has no factor (or a NaN one); pass ddp::premul_sum(factor)");
+  const double limit = t == DType::float64 ? std::numeric_limits<double>::max()
+                                           : static_cast<double>(std::numeric_limits<float>::max());
+  if (r.factor > limit || r.factor < -limit)
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": premul_sum's factor ", r.factor,
+         " is not a finite ", t == DType::float64 ? "double" : "float",
+         " (the inputs are multiplied in that precision); give a finite factor");
 }
 #endif  // DDP_BODIES
 inline void check_op(ReduceOp op, DType t, Caller c, const char* what) {
@@ -5189,12 +5215,17 @@ constexpr const char* single_name(Coll coll) {
 
 /// The checks of the single-buffer collectives (all_reduce, broadcast, reduce); returns the
 /// collective's name. Their synchronous form runs without building a Call.
-DDP_INLINE const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, Caller c);
+DDP_INLINE const char* check_single(Coll coll, const Buf& b, const Reduction& op, int root,
+                                    Caller c);
 #if DDP_BODIES
-DDP_INLINE const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, Caller c) {
+DDP_INLINE const char* check_single(Coll coll, const Buf& b, const Reduction& op, int root,
+                                    Caller c) {
   const char* name = single_name(coll);
   if (coll != Coll::all_reduce) check_root(root, c, name);
-  if (coll != Coll::broadcast) check_op(op, b.dtype, c, name);
+  if (coll != Coll::broadcast) {
+    check_op(op.op, b.dtype, c, name);
+    check_factor(op, b.dtype, c.rank, name);
+  }
   return name;
 }
 #endif  // DDP_BODIES
@@ -5203,7 +5234,7 @@ DDP_INLINE const char* check_single(Coll coll, const Buf& b, ReduceOp op, int ro
                                              Caller c);
 #if DDP_BODIES
 DDP_INLINE Call prepare_single(Coll coll, const Buf& b, Reduction op, int root, Caller c) {
-  const char* name = check_single(coll, b, op.op, root, c);
+  const char* name = check_single(coll, b, op, root, c);
   return Call{.name = name,
               .coll = coll,
               .in = b,
@@ -5223,6 +5254,7 @@ DDP_INLINE Call prepare_single(Coll coll, const Buf& b, Reduction op, int root, 
 DDP_INLINE Call prepare_all_reduce_as(const Buf& b, Reduction op, DType wire, bool moved_on_device,
                                       std::string_view backend, Caller c) {
   check_op(op.op, wire, c, "all_reduce_as");
+  check_factor(op, DType::float32, c.rank, "all_reduce_as");
   if (b.dtype != DType::float32)
     fail(Errc::invalid_argument, "rank ", c.rank, ": all_reduce_as: `buf` is ", to_string(b.dtype),
          "; compression carries float32 values");
@@ -5250,6 +5282,7 @@ DDP_INLINE Call prepare_all_reduce_coalesced(std::span<const Buf> bufs, Reductio
   std::size_t bytes = 0;
   for (const Buf& b : bufs) {
     check_op(op.op, b.dtype, c, "all_reduce_coalesced");
+    check_factor(op, b.dtype, c.rank, "all_reduce_coalesced");
     bytes += b.bytes();
   }
   return Call{.name = "all_reduce_coalesced",
@@ -5312,6 +5345,7 @@ DDP_INLINE Call prepare_scatter(const Buf& in, const Buf& out, int root, Caller 
 DDP_INLINE Call prepare_reduce_scatter(const Buf& in, const Buf& out, Reduction op, Caller c) {
   check_same_dtype(in, out, c, "reduce_scatter");
   check_op(op.op, out.dtype, c, "reduce_scatter");
+  check_factor(op, out.dtype, c.rank, "reduce_scatter");
   check_blocks(in, out, c, "reduce_scatter", "in", "out.size() x size()");
   check_in_place(in, out, c, "reduce_scatter",
                  ": `out` overlaps `in` but is not this rank's block of it (the only in-place "
@@ -11692,8 +11726,8 @@ DDP_BEGIN_NAMESPACE
 namespace detail {
 
 /// The tracks of a rank's timeline (Chrome's thread ids); collectives get one per group from
-/// Lane::collectives on.
-enum class Lane : int { steps = 0, buckets = 1, collectives = 2 };
+/// Lane::collectives on; background: work of the library's own threads (AsyncSaver's writes).
+enum class Lane : int { steps = 0, buckets = 1, collectives = 2, background = 1000 };
 
 /// The process's timeline writer (see the file comment). Thread-safe.
 class Timeline {
@@ -11708,9 +11742,10 @@ class Timeline {
   /// ones (split groups, shrink, grow) only register. Errc::system when the file cannot be made.
   void open(const std::string& dir, int rank);
 
-  /// Rank 0's clock minus this process's (nanoseconds), and rank 0's time of the alignment: the
-  /// file's zero. Spans recorded before are shifted when written.
-  void align(std::int64_t offset_ns, std::int64_t zero_ns);
+  /// Rank 0's clock minus this process's (nanoseconds), and the file's zero. Spans recorded
+  /// before are shifted when written. `run` names the job's run, the same on every rank of it
+  /// (ddp-trace keeps runs apart); the file is written out at once.
+  void align(std::int64_t offset_ns, std::int64_t zero_ns, std::string_view run);
 
   /// Pauses (false) or resumes (true) recording into the open file (a benchmark's paired
   /// rounds: the timeline's cost, on against off, in one process).
@@ -11771,8 +11806,8 @@ class Timeline {
   std::FILE* file_ = nullptr;
   pid_t owner_ = 0;  // the process that opened the file (a fork() child writes nothing)
   int rank_ = 0;
-  bool aligned_ = false, wrote_event_ = false;
-  std::int64_t offset_ns_ = 0, zero_ns_ = 0;
+  bool aligned_ = false;
+  std::int64_t offset_ns_ = 0, zero_ns_ = 0, last_write_ns_ = 0;
   std::vector<std::string> lanes_;  // group names, from Lane::collectives on
   struct Pending {
     int lane;
@@ -11795,17 +11830,21 @@ DDP_INLINE void Timeline::open(const std::string& dir, int rank) {
   for (std::size_t at = dir.find('/', 1); at != std::string::npos; at = dir.find('/', at + 1))
     (void)::mkdir(dir.substr(0, at).c_str(), 0777);
   (void)::mkdir(dir.c_str(), 0777);
-  const std::string path = concat(dir, "/ddp-timeline-rank", rank, "-", ::getpid(), ".json");
-  // Never through a link, never waiting on a FIFO, never anything but a regular file.
-  const int fd = ::open(path.c_str(),
-                        O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
-  struct stat st {};
-  if (fd < 0 || ::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+  // A new file, created exclusively (never through a link, never over another file: a name
+  // taken, by an earlier process of the same pid or a planted link, gets a suffix).
+  std::string path;
+  int fd = -1;
+  for (int n = 0; fd < 0 && n < 100; ++n) {
+    path = concat(dir, "/ddp-timeline-rank", rank, "-", ::getpid(), n == 0 ? "" : concat("-", n),
+                  ".json");
+    fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC,
+                0644);
+    if (fd < 0 && errno != EEXIST) break;
+  }
+  if (fd < 0) {
     const int err = errno;
-    if (fd >= 0) ::close(fd);
     fail(Errc::system, "rank ", rank, ": the timeline (DDP_TIMELINE) cannot be written to ", path,
-         ": ", fd < 0 ? std::strerror(err) : "something other than a regular file is there",
-         "; name a writable directory, or unset DDP_TIMELINE");
+         ": ", std::strerror(err), "; name a writable directory, or unset DDP_TIMELINE");
   }
   file_ = ::fdopen(fd, "w");
   if (file_ == nullptr) {
@@ -11823,20 +11862,23 @@ DDP_INLINE void Timeline::open(const std::string& dir, int rank) {
                 "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":", rank,
                 ",\"tid\":0,\"args\":{\"name\":\"steps\"}},\n",
                 "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":", rank,
-                ",\"tid\":1,\"args\":{\"name\":\"buckets\"}}");
-  wrote_event_ = true;
+                ",\"tid\":1,\"args\":{\"name\":\"buckets\"}},\n",
+                "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":", rank,
+                ",\"tid\":1000,\"args\":{\"name\":\"background\"}}");
   on_.store(true, std::memory_order_relaxed);
 }
 
-DDP_INLINE void Timeline::align(std::int64_t offset_ns, std::int64_t zero_ns) {
+DDP_INLINE void Timeline::align(std::int64_t offset_ns, std::int64_t zero_ns,
+                                std::string_view run) {
   std::lock_guard lock(mutex_);
   if (aligned_ || file_ == nullptr) return;
   offset_ns_ = offset_ns;
   zero_ns_ = zero_ns;
   aligned_ = true;
   out_ += concat(",\n{\"name\":\"ddp_clock\",\"ph\":\"M\",\"pid\":", rank_,
-                 ",\"args\":{\"offset_ns\":", offset_ns, "}}");
+                 ",\"args\":{\"offset_ns\":", offset_ns, ",\"run\":", json_quoted(run), "}}");
   flush_pending_locked();
+  write_locked();
 }
 
 DDP_INLINE int Timeline::lane_of(std::string_view group, std::string_view backend) {
@@ -11871,14 +11913,29 @@ DDP_INLINE void Timeline::format_locked(int lane, std::string_view name, std::st
   // Appended in place, without temporaries: this runs once per collective.
   const auto quoted = [this](std::string_view text) {
     out_ += '"';
-    for (const char c : text) {
+    for (std::size_t i = 0; i < text.size(); ++i) {
+      const auto c = static_cast<unsigned char>(text[i]);
       if (c == '"' || c == '\\') {
         out_ += '\\';
-        out_ += c;
-      } else if (static_cast<unsigned char>(c) < 0x20) {
+        out_ += static_cast<char>(c);
+      } else if (c < 0x20) {
         out_ += ' ';
-      } else {
-        out_ += c;
+      } else if (c < 0x80) {
+        out_ += static_cast<char>(c);
+      } else {  // UTF-8 kept whole; any other byte becomes '?', so that the file stays JSON
+        const std::size_t n = c >= 0xc2 && c <= 0xdf   ? 2
+                              : c >= 0xe0 && c <= 0xef ? 3
+                              : c >= 0xf0 && c <= 0xf4 ? 4
+                                                       : 0;
+        bool whole = n != 0 && i + n <= text.size();
+        for (std::size_t k = 1; whole && k < n; ++k)
+          whole = (static_cast<unsigned char>(text[i + k]) & 0xc0) == 0x80;
+        if (whole) {
+          out_.append(text.substr(i, n));
+          i += n - 1;
+        } else {
+          out_ += '?';
+        }
       }
     }
     out_ += '"';
@@ -11903,7 +11960,9 @@ DDP_INLINE void Timeline::format_locked(int lane, std::string_view name, std::st
     out_ += '}';
   }
   out_ += '}';
-  if (out_.size() > (std::size_t{1} << 16)) write_locked();
+  // Written every 64 KiB, and at least every second: a process killed loses at most its last
+  // second.
+  if (out_.size() > (std::size_t{1} << 16) || end_ns - last_write_ns_ > 1000000000) write_locked();
 }
 
 DDP_INLINE void Timeline::flush_pending_locked() {
@@ -11921,6 +11980,7 @@ DDP_INLINE void Timeline::write_locked() {
   // The document is complete after every write: the closing brackets follow the events, and the
   // next write starts over them.
   static constexpr std::string_view tail = "\n]}\n";
+  last_write_ns_ = now_ns();
   out_ += tail;
   const bool ok = std::fwrite(out_.data(), 1, out_.size(), file_) == out_.size() &&
                   std::fflush(file_) == 0 &&
@@ -11942,10 +12002,8 @@ DDP_INLINE void Timeline::flush() {
 DDP_INLINE void Timeline::close() {
   std::lock_guard lock(mutex_);
   if (file_ == nullptr) return;
-  if (!aligned_) {  // a world of one, or a rank that never aligned: its own clock
+  if (!aligned_) {  // a rank that never aligned: its own clock
     aligned_ = true;
-    offset_ns_ = 0;
-    zero_ns_ = pending_.empty() ? now_ns() : pending_.front().start_ns;
     flush_pending_locked();
   }
   write_locked();
@@ -12952,22 +13010,24 @@ DDP_INLINE BackendInit begin_init(CommState& state, const Environment& env, Opti
 #endif  // DDP_BODIES
 
 /// Where Options::timeline names a directory: starts this process's timeline there (the first
-/// communicator does; later ones add their group's track). Times are CLOCK_MONOTONIC (one clock
-/// for every process of a host), shifted once per process onto rank 0's: at init() (`at_init`,
-/// where every rank agreed through the store that the timeline is on, rendezvous.hpp), every
-/// rank reads its clock after each of three barriers, rank 0's readings reach the others through
-/// the store, and the offset is the median of the three differences (the barriers' exits are
-/// microseconds apart). A process admitted later, or one without a store (backend::Mpi), keeps
-/// its own clock: right on rank 0's host.
+/// communicator does; later ones add their group's track, named `label`: the group, and for
+/// split()'s its color). Times are CLOCK_MONOTONIC (one clock for every process of a host),
+/// shifted once per process onto rank 0's: at init() (`at_init`, where every rank agreed through
+/// the store that the timeline is on, rendezvous.hpp), every rank reads its clock after each of
+/// three barriers, rank 0's readings reach the others through the store, and the offset is the
+/// median of the three differences (the barriers' exits are microseconds apart); rank 0's first
+/// reading also names the run. A process admitted later, or one without a store (backend::Mpi),
+/// keeps its own clock, which is rank 0's on rank 0's host.
 template <class State>
-void start_timeline(State& s, bool at_init) {
+void start_timeline(State& s, bool at_init, std::string_view label) {
   if (s.options.timeline.empty()) return;
   Timeline& t = Timeline::get();
   t.open(s.options.timeline, s.world_rank);
-  s.timeline_lane = t.lane_of(s.options.group, std::remove_cvref_t<decltype(*s.backend)>::name);
+  s.timeline_lane = t.lane_of(label, std::remove_cvref_t<decltype(*s.backend)>::name);
   if (t.aligned()) return;
   auto& be = *s.backend;
-  if (!at_init || be.size() == 1 || !s.store) return t.align(0, 0);
+  if (!at_init || be.size() == 1 || !s.store)
+    return t.align(0, 0, concat("pid ", ::getpid(), " at ", Timeline::now_ns()));
   std::int64_t mine[3] = {}, zero[3] = {};
   for (std::int64_t& m : mine) {
     be.barrier();
@@ -12984,7 +13044,7 @@ void start_timeline(State& s, bool at_init) {
   }
   std::int64_t d[3] = {zero[0] - mine[0], zero[1] - mine[1], zero[2] - mine[2]};
   std::sort(d, d + 3);
-  t.align(d[1], 0);
+  t.align(d[1], 0, concat("rank 0 at ", zero[0]));
 }
 
 /// Communicator::init: the state of a new communicator, connected; every message names the rank.
@@ -13006,7 +13066,7 @@ std::shared_ptr<State> init_state(const Environment& env, Options options) {
     });
     state->end_rendezvous();
     state->watch_peers();
-    start_timeline(*state, true);
+    start_timeline(*state, true, state->options.group);
     return state;
   } catch (const Error& e) {
     if (std::string_view(e.what()).starts_with("rank ")) throw;
@@ -13133,6 +13193,7 @@ std::shared_ptr<State> split_backend(State& s, int color, int key, const Options
   auto sub = std::make_shared<State>();
   inherit_settings(*sub, s, options);
   sub->backend = std::move(made);
+  start_timeline(*sub, false, concat(options.group, ", split color ", color));
   return sub;
 }
 
@@ -13199,7 +13260,8 @@ std::shared_ptr<State> shrink_state(State& old, int rank, int size, const Shrink
     if (change.settle(connected)) {
       sub->end_rendezvous();
       sub->watch_peers();
-      start_timeline(*sub, false);
+      start_timeline(*sub, false, sub->options.group);
+      sub->timeline_lane = old.timeline_lane;  // the same group: the same track
       old.replaced_by = change.epoch();
       return sub;
     }
@@ -13221,7 +13283,7 @@ std::shared_ptr<State> split_state(State& parent, const std::vector<std::pair<in
                    options.timeout, sub->world_size);
   });
   sub->watch_peers();
-  start_timeline(*sub, false);
+  start_timeline(*sub, false, concat(options.group, ", split ", n, " color ", color));
   return sub;
 }
 
@@ -13246,7 +13308,7 @@ void connect_grown(State& sub, const std::string& base, std::uint64_t epoch, con
   connect_members(sub, rank, size);
   sub.end_rendezvous();
   sub.watch_peers();
-  start_timeline(sub, false);
+  start_timeline(sub, false, sub.options.group);
 }
 
 /// Communicator::grow: the members of `old` (this rank `rank` of `size`) admit the processes
@@ -13287,6 +13349,7 @@ std::shared_ptr<State> grow_state(State& old, int rank, const GrowOptions& o) {
   if (const std::string p = old.process_exit_key(); !p.empty()) mine.emplace_back(p, "");
   connect_grown(*sub, old.base_prefix, epoch, g, rank, size + static_cast<int>(g.ids.size()),
                 std::move(mine));
+  sub->timeline_lane = old.timeline_lane;  // the same group: the same track
   old.replaced_by = epoch;
   old.poison_with(concat("rank ", rank,
                          ": the communicator was replaced by grow() (membership "
@@ -13406,6 +13469,7 @@ DDP_END_NAMESPACE
 #include <exception>
 #include <functional>
 #include <memory>
+#include <ranges>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -13424,8 +13488,24 @@ void hold_into(Holds& h, const T& t) {
   using U = std::remove_cvref_t<T>;
   if constexpr (shares_storage<U>) h.push_back(std::make_shared<const U>(t));
 }
+/// Whether T is a ddp::from/ddp::into of a temporary that owns its elements (a std::vector made
+/// in the call): gone when the call returns, before an _async collective reads or writes it.
+template <class T>
+inline constexpr bool wraps_a_temporary = false;
+template <class X>
+inline constexpr bool wraps_a_temporary<From<X>> =
+    !std::is_reference_v<X> && std::ranges::range<X> && !std::ranges::borrowed_range<X> &&
+    !shares_storage<X>;
+template <class X>
+inline constexpr bool wraps_a_temporary<Into<X>> = wraps_a_temporary<From<X>>;
+
+/// What an _async call keeps alive (it runs after the call returns).
 template <class... T>
 Holds hold(const T&... t) {
+  static_assert(!(wraps_a_temporary<T> || ...),
+                "ddp: ddp::from(...) or ddp::into(...) of a temporary in an _async call: the "
+                "temporary is destroyed when the call returns, before the collective uses it; "
+                "name the buffer (a variable that outlives the Work)");
   Holds h;
   if constexpr ((shares_storage<std::remove_cvref_t<T>> || ...)) (hold_into(h, t), ...);
   return h;
@@ -14720,7 +14800,7 @@ void Communicator<Backend>::exec(const detail::Call& c) {
 template <CommBackend Backend>
 void Communicator<Backend>::exec_single_buf(detail::Coll coll, const detail::Buf& b, Reduction op,
                                             int root) {
-  const char* name = detail::check_single(coll, b, op.op, root, caller());
+  const char* name = detail::check_single(coll, b, op, root, caller());
   same_process(name).run_in_order(
       name, b.bytes(),
       [&](Backend& be, State& st) { detail::run_single(be, st, coll, b, op, root); }, root);
@@ -21224,37 +21304,30 @@ DDP_END_NAMESPACE
 // #include "ddp/store/client.hpp" (already included above)
 // #include "ddp/store/protocol.hpp" (already included above)
 // #include "ddp/store/server.hpp" (already included above)
-// begin ddp/training/checkpoint.hpp
+// begin ddp/training/async_checkpoint.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// ddp::Checkpoint: a training run's state as named sections (parameters, the optimizer's state,
-/// the sampler's position, the step, seeds), saved atomically and verified when loaded.
+/// ddp::AsyncSaver: checkpoint saves that do not stop training (torch.distributed.checkpoint's
+/// async_save). save() returns once the checkpoint is this saver's (moved in, or its file's bytes
+/// copied into a buffer the saver reuses); a thread of the saver writes the file with
+/// Checkpoint::save's atomicity and checks (a temporary next to the target, fsync, rename, fsync
+/// of the directory), so a crash or SIGKILL during the write leaves the previous checkpoint
+/// loadable. One save at a time: the next save() waits for the one in flight, and an error of
+/// that one (a full disk, a missing directory, a link at the path) is thrown there, or by wait().
 ///
-///     ddp::Checkpoint ck;
-///     ck.put_values("w", weights);                       // contiguous trivially copyable values
-///     ck.put_object("step", step);                       // anything ddp::codec encodes
-///     ck.put_object("sampler", sampler.state(consumed));
-///     ddp::save_checkpoint(comm, ck, "run.ckpt");        // collective: rank 0 writes
-///     ...
-///     if (auto ck = ddp::load_checkpoint(comm, "run.ckpt")) {   // collective: every rank gets it
-///       ck->get_values("w", std::span(weights));
-///       sampler.restore(ck->get_object<ddp::SamplerState>("sampler"));
+///     ddp::AsyncSaver saver;
+///     for (int step = 0;; ++step) {
+///       ...train...
+///       if (step % 100 == 0) {
+///         ddp::Checkpoint ck;
+///         ck.put_values("w", weights);              // the snapshot: a copy of the state
+///         saver.save(std::move(ck), "run.ckpt");    // returns at once; written meanwhile
+///       }
 ///     }
-///
-/// The file: "DDPCKPT1", the section count, each section's name and length, the sections' bytes,
-/// then a 64-bit checksum of everything before it. save() writes a temporary file next to the
-/// target (created exclusively under an unpredictable name, never through a link), fsyncs it,
-/// renames it over the target and fsyncs the directory, so a crash at any moment leaves the old
-/// checkpoint or the new one, never a mixture; a temporary file that a killed save left behind is
-/// removed by the next save. Something other than a regular file at the path (a symbolic link, a
-/// FIFO, a directory) is refused, never written through or waited on. load() refuses a file that is
-/// not a checkpoint, is truncated, or whose checksum differs (Errc::protocol, naming the file and
-/// what is wrong). The checksum catches corruption, not tampering: a checkpoint is as trusted as
-/// the directory it lives in.
+///     saver.wait();                                 // before the program ends
 
-// #include "ddp/codec.hpp" (already included above)
 // #include "ddp/comm/timeline.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
@@ -21560,6 +21633,44 @@ DDP_INLINE void StagedFile::discard() noexcept {
 }  // namespace detail
 DDP_END_NAMESPACE
 // end ddp/detail/files.hpp
+// #include "ddp/error.hpp" (already included above)
+// begin ddp/training/checkpoint.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ddp::Checkpoint: a training run's state as named sections (parameters, the optimizer's state,
+/// the sampler's position, the step, seeds), saved atomically and verified when loaded.
+///
+///     ddp::Checkpoint ck;
+///     ck.put_values("w", weights);                       // contiguous trivially copyable values
+///     ck.put_object("step", step);                       // anything ddp::codec encodes
+///     ck.put_object("sampler", sampler.state(consumed));
+///     ddp::save_checkpoint(comm, ck, "run.ckpt");        // collective: rank 0 writes
+///     ...
+///     if (auto ck = ddp::load_checkpoint(comm, "run.ckpt")) {   // collective: every rank gets it
+///       ck->get_values("w", std::span(weights));
+///       sampler.restore(ck->get_object<ddp::SamplerState>("sampler"));
+///     }
+///
+/// The file: "DDPCKPT1", the section count, each section's name and length, the sections' bytes,
+/// then a 64-bit checksum of everything before it. save() writes a temporary file next to the
+/// target (created exclusively under an unpredictable name, never through a link), fsyncs it,
+/// renames it over the target and fsyncs the directory, so a crash at any moment leaves the old
+/// checkpoint or the new one, never a mixture; a temporary file that a killed save left behind is
+/// removed by the next save. Something other than a regular file at the path (a symbolic link, a
+/// FIFO, a directory) is refused, never written through or waited on. load() refuses a file that is
+/// not a checkpoint, is truncated, or whose checksum differs (Errc::protocol, naming the file and
+/// what is wrong). The checksum catches corruption, not tampering: a checkpoint is as trusted as
+/// the directory it lives in.
+
+// #include "ddp/codec.hpp" (already included above)
+// #include "ddp/comm/timeline.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/files.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/training/partition.hpp" (already included above)
 
@@ -22171,6 +22282,117 @@ template <class Comm>
 
 DDP_END_NAMESPACE
 // end ddp/training/checkpoint.hpp
+
+#include <cstdio>
+#include <exception>
+#include <optional>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <utility>
+
+DDP_BEGIN_NAMESPACE
+
+/// Saves checkpoints in the background, one at a time (see the file comment). Not copyable; its
+/// destructor waits for the save in flight.
+class AsyncSaver {
+ public:
+  AsyncSaver() = default;
+  AsyncSaver(const AsyncSaver&) = delete;
+  AsyncSaver& operator=(const AsyncSaver&) = delete;
+  /// Waits for the save in flight; its error, if any, is printed to stderr (a destructor cannot
+  /// throw it): call wait() first to handle it.
+  ~AsyncSaver();
+
+  /// Takes `ck` (nothing is copied) and writes it to `path` in the background, after waiting for
+  /// the save before it. Throws that earlier save's error instead (and starts nothing).
+  void save(Checkpoint&& ck, std::string path);
+
+  /// Copies `ck`'s file bytes into this saver's buffer (its memory reused from one save to the
+  /// next) and writes them to `path` in the background; `ck` may change as soon as this returns.
+  /// Waits for, and throws the error of, the save before it, as the other overload.
+  void save(const Checkpoint& ck, std::string path);
+
+  /// Waits for the save in flight; throws its error: Errc::system naming the path and the reason
+  /// (the earlier file at the path is then as it was), Errc::invalid_argument for something other
+  /// than a regular file at the path.
+  void wait();
+
+  /// Whether a save was started and has not been waited for.
+  [[nodiscard]] bool pending() const noexcept { return writer_.joinable(); }
+
+ private:
+  void start(std::string path);
+  void write(const std::string& path) noexcept;
+
+  std::optional<Checkpoint> owned_;  // the checkpoint being written, when it was moved in
+  std::string bytes_;                // its file's bytes (reused)
+  std::exception_ptr error_;         // the last save's, until wait() throws it
+  std::string error_path_;
+  std::thread writer_;
+};
+
+#if DDP_BODIES
+DDP_INLINE AsyncSaver::~AsyncSaver() {
+  try {
+    wait();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "[ddp] AsyncSaver: the last save, to %s, failed: %s\n",
+                 error_path_.c_str(), e.what());
+  } catch (...) {
+  }
+}
+
+DDP_INLINE void AsyncSaver::save(Checkpoint&& ck, std::string path) {
+  wait();
+  owned_.emplace(std::move(ck));
+  start(std::move(path));
+}
+
+DDP_INLINE void AsyncSaver::save(const Checkpoint& ck, std::string path) {
+  wait();
+  {
+    const detail::TimelineScope span(detail::Lane::steps, "checkpoint snapshot", "checkpoint");
+    ck.serialize_into(bytes_, {});
+  }
+  owned_.reset();
+  start(std::move(path));
+}
+
+DDP_INLINE void AsyncSaver::wait() {
+  if (writer_.joinable()) writer_.join();
+  if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+}
+
+DDP_INLINE void AsyncSaver::start(std::string path) {
+  error_path_ = path;
+  try {
+    writer_ = std::thread([this, p = std::move(path)] { write(p); });
+  } catch (const std::system_error& e) {
+    detail::fail(Errc::system, "AsyncSaver: no thread to write ", error_path_, ": ", e.what());
+  }
+}
+
+DDP_INLINE void AsyncSaver::write(const std::string& path) noexcept {
+  try {
+    const detail::TimelineScope span(detail::Lane::background, "checkpoint write", "checkpoint");
+    if (owned_) {
+      owned_->serialize_into(bytes_, {});
+      owned_.reset();  // the state's memory goes back before the slow part
+    }
+    const std::string tmp = Checkpoint::stage_bytes(path, bytes_);
+    Checkpoint::commit(tmp, path);
+    detail::remove_abandoned(path);
+  } catch (...) {
+    owned_.reset();
+    error_ = std::current_exception();
+  }
+}
+#endif  // DDP_BODIES
+
+DDP_END_NAMESPACE
+// end ddp/training/async_checkpoint.hpp
+// #include "ddp/training/checkpoint.hpp" (already included above)
 // begin ddp/training/elastic.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT

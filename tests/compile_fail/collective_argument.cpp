@@ -51,6 +51,9 @@ void step(ddp::Communicator<ddp::backend::Host>& comm) {
 #elif CASE == 11
   std::vector<float> grads(4);
   comm.all_reduce(ddp::from(grads));
+#elif CASE == 12  // a temporary in an _async call: gone before the collective reads it
+  std::vector<float> all(8);
+  comm.all_gather_async(ddp::from(std::vector<float>(4)), ddp::into(all)).wait();
 #endif
 #else
   // What each case should have written.

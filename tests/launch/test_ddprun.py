@@ -721,9 +721,41 @@ class SingleNode(Base):
                             os.path.join(self.dir, "one.svg")], capture_output=True, text=True,
                            timeout=LIMIT)
         self.assertEqual(t.returncode, 0, t.stderr)
-        self.assertIn("ended mid-event", t.stderr)
+        self.assertIn("ends mid-event (its process was killed)", t.stderr)
         with open(os.path.join(self.dir, "one.json")) as f:
             self.assertGreater(len(json.load(f)["traceEvents"]), 10)
+        # The merged trace and a pretty-printed copy read back as the ranks' files do.
+        pretty = os.path.join(self.dir, "pretty.json")
+        with open(os.path.join(tl, "ddp-timeline.json")) as f, open(pretty, "w") as g:
+            json.dump(json.load(f), g, indent=2)
+        for again in (os.path.join(tl, "ddp-timeline.json"), pretty):
+            t = subprocess.run([TRACE_TOOL, again, "-o", os.path.join(self.dir, "again.json"),
+                                "--svg", os.path.join(self.dir, "again.svg")],
+                               capture_output=True, text=True, timeout=LIMIT)
+            self.assertEqual(t.returncode, 0, t.stderr)
+            self.assertIn("4 ranks' timelines merged", t.stdout)
+        # An empty rank file is left out, named; a second run in the same directory is told
+        # apart from the first: only the latest is merged and drawn.
+        with open(os.path.join(tl, "ddp-timeline-rank7-1.json"), "w"):
+            pass
+        r = ddprun("--standalone", "--nproc-per-node", 2, WORKER, "train", 3, env=env)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        svg_path = os.path.join(tl, "ddp-timeline-step.svg")
+        t = subprocess.run([TRACE_TOOL, tl, "--step", "99"], capture_output=True, text=True,
+                           timeout=LIMIT)
+        self.assertEqual(t.returncode, 1)
+        self.assertGreater(os.path.getsize(svg_path), 1000)  # a failed draw keeps the old one
+        t = subprocess.run([TRACE_TOOL, tl], capture_output=True, text=True, timeout=LIMIT)
+        self.assertEqual(t.returncode, 0, t.stderr)
+        self.assertIn("ddp-timeline-rank7-1.json: empty", t.stderr)
+        self.assertIn("timelines of several runs here; the latest only", t.stderr)
+        self.assertIn("2 ranks' timelines merged", t.stdout)
+        self.assertIn("rank 1: 3 steps", t.stdout)
+        for bad in ("-1", "abc", "99999999999999999999"):
+            t = subprocess.run([TRACE_TOOL, tl, "--step", bad], capture_output=True, text=True,
+                               timeout=LIMIT)
+            self.assertNotEqual(t.returncode, 0)
+            self.assertIn("is not a step number", t.stdout + t.stderr)
 
     def test_bad_timeout_variable_is_named(self):
         for value in ("abc", "-1", "0", "2147483648", "1e400", "nan"):

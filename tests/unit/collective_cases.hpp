@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <ranges>
@@ -744,6 +745,24 @@ void premul_sum_every_form(C& comm, Wrap wrap = {}) {
       }
     }
   });
+  // premul_sum without its factor (a bare ReduceOp::premul_sum), or with one the multiplication's
+  // type cannot hold: refused before anything is sent, on every rank alike.
+  std::vector<float> f32(3, 1.0f);
+  for (const ddp::Reduction bad :
+       {ddp::Reduction(ReduceOp::premul_sum), ddp::premul_sum(std::nan("")), ddp::premul_sum(1e300),
+        ddp::premul_sum(-std::numeric_limits<double>::infinity())}) {
+    try {
+      comm.all_reduce(wrap(f32), bad);
+      MP_EXPECT(false, "premul_sum(" << bad.factor << ") was accepted");
+    } catch (const ddp::Error& e) {
+      const std::string m = e.what();
+      MP_EXPECT(
+          e.code() == ddp::Errc::invalid_argument && m.find("premul_sum") != std::string::npos, m);
+    }
+  }
+  std::vector<double> f64(3, 1.0);
+  comm.all_reduce(wrap(f64), ddp::premul_sum(1e300));  // within double's range
+  MP_EXPECT(f64[0] == 1e300 * p, "premul_sum(1e300) on double: " << f64[0]);
   std::vector<float> a(5), b(3);
   for (std::size_t i = 0; i < a.size(); ++i) a[i] = value<float>(r, i);
   for (std::size_t i = 0; i < b.size(); ++i) b[i] = value<float>(r, i, 1);

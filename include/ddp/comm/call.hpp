@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <string>
 #include <string_view>
@@ -104,12 +105,34 @@ DDP_INLINE void check_op(ReduceOp op, DType t, const char* who, int rank, const 
 #if DDP_BODIES
 DDP_INLINE void check_op(ReduceOp op, DType t, const char* who, int rank, const char* what) {
   if (!is_supported(op, t)) {
+    const bool bitwise = op == ReduceOp::band || op == ReduceOp::bor || op == ReduceOp::bxor;
     fail(Errc::invalid_argument, who, rank >= 0 ? concat(rank) : std::string(), ": ", what, ": op ",
          is_valid(op) ? std::string(to_string(op))
                       : concat("code ", static_cast<int>(op), " (not a ddp::ReduceOp)"),
          " is not defined on ", to_string(t),
-         op == ReduceOp::avg ? " (avg needs a floating-point type)" : "");
+         op == ReduceOp::avg          ? " (avg needs a floating-point type)"
+         : op == ReduceOp::premul_sum ? " (premul_sum needs a floating-point type: multiply "
+                                        "integers yourself and use sum)"
+         : bitwise                    ? " (band, bor and bxor need integers or bool)"
+                                      : "");
   }
+}
+#endif  // DDP_BODIES
+/// premul_sum's factor: given (ddp::premul_sum(f), not a bare ReduceOp::premul_sum), finite, and
+/// within float's range where the multiplication is in float (every dtype but float64).
+DDP_INLINE void check_factor(const Reduction& r, DType t, int rank, const char* what);
+#if DDP_BODIES
+DDP_INLINE void check_factor(const Reduction& r, DType t, int rank, const char* what) {
+  if (r.op != ReduceOp::premul_sum) return;
+  if (r.factor != r.factor)
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what,
+         ": ReduceOp::premul_sum has no factor (or a NaN one); pass ddp::premul_sum(factor)");
+  const double limit = t == DType::float64 ? std::numeric_limits<double>::max()
+                                           : static_cast<double>(std::numeric_limits<float>::max());
+  if (r.factor > limit || r.factor < -limit)
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": premul_sum's factor ", r.factor,
+         " is not a finite ", t == DType::float64 ? "double" : "float",
+         " (the inputs are multiplied in that precision); give a finite factor");
 }
 #endif  // DDP_BODIES
 inline void check_op(ReduceOp op, DType t, Caller c, const char* what) {
@@ -206,12 +229,17 @@ constexpr const char* single_name(Coll coll) {
 
 /// The checks of the single-buffer collectives (all_reduce, broadcast, reduce); returns the
 /// collective's name. Their synchronous form runs without building a Call.
-DDP_INLINE const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, Caller c);
+DDP_INLINE const char* check_single(Coll coll, const Buf& b, const Reduction& op, int root,
+                                    Caller c);
 #if DDP_BODIES
-DDP_INLINE const char* check_single(Coll coll, const Buf& b, ReduceOp op, int root, Caller c) {
+DDP_INLINE const char* check_single(Coll coll, const Buf& b, const Reduction& op, int root,
+                                    Caller c) {
   const char* name = single_name(coll);
   if (coll != Coll::all_reduce) check_root(root, c, name);
-  if (coll != Coll::broadcast) check_op(op, b.dtype, c, name);
+  if (coll != Coll::broadcast) {
+    check_op(op.op, b.dtype, c, name);
+    check_factor(op, b.dtype, c.rank, name);
+  }
   return name;
 }
 #endif  // DDP_BODIES
@@ -220,7 +248,7 @@ DDP_INLINE const char* check_single(Coll coll, const Buf& b, ReduceOp op, int ro
                                              Caller c);
 #if DDP_BODIES
 DDP_INLINE Call prepare_single(Coll coll, const Buf& b, Reduction op, int root, Caller c) {
-  const char* name = check_single(coll, b, op.op, root, c);
+  const char* name = check_single(coll, b, op, root, c);
   return Call{.name = name,
               .coll = coll,
               .in = b,
@@ -240,6 +268,7 @@ DDP_INLINE Call prepare_single(Coll coll, const Buf& b, Reduction op, int root, 
 DDP_INLINE Call prepare_all_reduce_as(const Buf& b, Reduction op, DType wire, bool moved_on_device,
                                       std::string_view backend, Caller c) {
   check_op(op.op, wire, c, "all_reduce_as");
+  check_factor(op, DType::float32, c.rank, "all_reduce_as");
   if (b.dtype != DType::float32)
     fail(Errc::invalid_argument, "rank ", c.rank, ": all_reduce_as: `buf` is ", to_string(b.dtype),
          "; compression carries float32 values");
@@ -267,6 +296,7 @@ DDP_INLINE Call prepare_all_reduce_coalesced(std::span<const Buf> bufs, Reductio
   std::size_t bytes = 0;
   for (const Buf& b : bufs) {
     check_op(op.op, b.dtype, c, "all_reduce_coalesced");
+    check_factor(op, b.dtype, c.rank, "all_reduce_coalesced");
     bytes += b.bytes();
   }
   return Call{.name = "all_reduce_coalesced",
@@ -329,6 +359,7 @@ DDP_INLINE Call prepare_scatter(const Buf& in, const Buf& out, int root, Caller 
 DDP_INLINE Call prepare_reduce_scatter(const Buf& in, const Buf& out, Reduction op, Caller c) {
   check_same_dtype(in, out, c, "reduce_scatter");
   check_op(op.op, out.dtype, c, "reduce_scatter");
+  check_factor(op, out.dtype, c.rank, "reduce_scatter");
   check_blocks(in, out, c, "reduce_scatter", "in", "out.size() x size()");
   check_in_place(in, out, c, "reduce_scatter",
                  ": `out` overlaps `in` but is not this rank's block of it (the only in-place "

@@ -101,22 +101,24 @@ DDP_INLINE BackendInit begin_init(CommState& state, const Environment& env, Opti
 #endif  // DDP_BODIES
 
 /// Where Options::timeline names a directory: starts this process's timeline there (the first
-/// communicator does; later ones add their group's track). Times are CLOCK_MONOTONIC (one clock
-/// for every process of a host), shifted once per process onto rank 0's: at init() (`at_init`,
-/// where every rank agreed through the store that the timeline is on, rendezvous.hpp), every
-/// rank reads its clock after each of three barriers, rank 0's readings reach the others through
-/// the store, and the offset is the median of the three differences (the barriers' exits are
-/// microseconds apart). A process admitted later, or one without a store (backend::Mpi), keeps
-/// its own clock: right on rank 0's host.
+/// communicator does; later ones add their group's track, named `label`: the group, and for
+/// split()'s its color). Times are CLOCK_MONOTONIC (one clock for every process of a host),
+/// shifted once per process onto rank 0's: at init() (`at_init`, where every rank agreed through
+/// the store that the timeline is on, rendezvous.hpp), every rank reads its clock after each of
+/// three barriers, rank 0's readings reach the others through the store, and the offset is the
+/// median of the three differences (the barriers' exits are microseconds apart); rank 0's first
+/// reading also names the run. A process admitted later, or one without a store (backend::Mpi),
+/// keeps its own clock, which is rank 0's on rank 0's host.
 template <class State>
-void start_timeline(State& s, bool at_init) {
+void start_timeline(State& s, bool at_init, std::string_view label) {
   if (s.options.timeline.empty()) return;
   Timeline& t = Timeline::get();
   t.open(s.options.timeline, s.world_rank);
-  s.timeline_lane = t.lane_of(s.options.group, std::remove_cvref_t<decltype(*s.backend)>::name);
+  s.timeline_lane = t.lane_of(label, std::remove_cvref_t<decltype(*s.backend)>::name);
   if (t.aligned()) return;
   auto& be = *s.backend;
-  if (!at_init || be.size() == 1 || !s.store) return t.align(0, 0);
+  if (!at_init || be.size() == 1 || !s.store)
+    return t.align(0, 0, concat("pid ", ::getpid(), " at ", Timeline::now_ns()));
   std::int64_t mine[3] = {}, zero[3] = {};
   for (std::int64_t& m : mine) {
     be.barrier();
@@ -133,7 +135,7 @@ void start_timeline(State& s, bool at_init) {
   }
   std::int64_t d[3] = {zero[0] - mine[0], zero[1] - mine[1], zero[2] - mine[2]};
   std::sort(d, d + 3);
-  t.align(d[1], 0);
+  t.align(d[1], 0, concat("rank 0 at ", zero[0]));
 }
 
 /// Communicator::init: the state of a new communicator, connected; every message names the rank.
@@ -155,7 +157,7 @@ std::shared_ptr<State> init_state(const Environment& env, Options options) {
     });
     state->end_rendezvous();
     state->watch_peers();
-    start_timeline(*state, true);
+    start_timeline(*state, true, state->options.group);
     return state;
   } catch (const Error& e) {
     if (std::string_view(e.what()).starts_with("rank ")) throw;
@@ -282,6 +284,7 @@ std::shared_ptr<State> split_backend(State& s, int color, int key, const Options
   auto sub = std::make_shared<State>();
   inherit_settings(*sub, s, options);
   sub->backend = std::move(made);
+  start_timeline(*sub, false, concat(options.group, ", split color ", color));
   return sub;
 }
 
@@ -348,7 +351,8 @@ std::shared_ptr<State> shrink_state(State& old, int rank, int size, const Shrink
     if (change.settle(connected)) {
       sub->end_rendezvous();
       sub->watch_peers();
-      start_timeline(*sub, false);
+      start_timeline(*sub, false, sub->options.group);
+      sub->timeline_lane = old.timeline_lane;  // the same group: the same track
       old.replaced_by = change.epoch();
       return sub;
     }
@@ -370,7 +374,7 @@ std::shared_ptr<State> split_state(State& parent, const std::vector<std::pair<in
                    options.timeout, sub->world_size);
   });
   sub->watch_peers();
-  start_timeline(*sub, false);
+  start_timeline(*sub, false, concat(options.group, ", split ", n, " color ", color));
   return sub;
 }
 
@@ -395,7 +399,7 @@ void connect_grown(State& sub, const std::string& base, std::uint64_t epoch, con
   connect_members(sub, rank, size);
   sub.end_rendezvous();
   sub.watch_peers();
-  start_timeline(sub, false);
+  start_timeline(sub, false, sub.options.group);
 }
 
 /// Communicator::grow: the members of `old` (this rank `rank` of `size`) admit the processes
@@ -436,6 +440,7 @@ std::shared_ptr<State> grow_state(State& old, int rank, const GrowOptions& o) {
   if (const std::string p = old.process_exit_key(); !p.empty()) mine.emplace_back(p, "");
   connect_grown(*sub, old.base_prefix, epoch, g, rank, size + static_cast<int>(g.ids.size()),
                 std::move(mine));
+  sub->timeline_lane = old.timeline_lane;  // the same group: the same track
   old.replaced_by = epoch;
   old.poison_with(concat("rank ", rank,
                          ": the communicator was replaced by grow() (membership "

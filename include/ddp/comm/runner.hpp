@@ -28,6 +28,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <ranges>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -46,8 +47,24 @@ void hold_into(Holds& h, const T& t) {
   using U = std::remove_cvref_t<T>;
   if constexpr (shares_storage<U>) h.push_back(std::make_shared<const U>(t));
 }
+/// Whether T is a ddp::from/ddp::into of a temporary that owns its elements (a std::vector made
+/// in the call): gone when the call returns, before an _async collective reads or writes it.
+template <class T>
+inline constexpr bool wraps_a_temporary = false;
+template <class X>
+inline constexpr bool wraps_a_temporary<From<X>> =
+    !std::is_reference_v<X> && std::ranges::range<X> && !std::ranges::borrowed_range<X> &&
+    !shares_storage<X>;
+template <class X>
+inline constexpr bool wraps_a_temporary<Into<X>> = wraps_a_temporary<From<X>>;
+
+/// What an _async call keeps alive (it runs after the call returns).
 template <class... T>
 Holds hold(const T&... t) {
+  static_assert(!(wraps_a_temporary<T> || ...),
+                "ddp: ddp::from(...) or ddp::into(...) of a temporary in an _async call: the "
+                "temporary is destroyed when the call returns, before the collective uses it; "
+                "name the buffer (a variable that outlives the Work)");
   Holds h;
   if constexpr ((shares_storage<std::remove_cvref_t<T>> || ...)) (hold_into(h, t), ...);
   return h;

@@ -44,8 +44,8 @@ DDP_BEGIN_NAMESPACE
 namespace detail {
 
 /// The tracks of a rank's timeline (Chrome's thread ids); collectives get one per group from
-/// Lane::collectives on.
-enum class Lane : int { steps = 0, buckets = 1, collectives = 2 };
+/// Lane::collectives on; background: work of the library's own threads (AsyncSaver's writes).
+enum class Lane : int { steps = 0, buckets = 1, collectives = 2, background = 1000 };
 
 /// The process's timeline writer (see the file comment). Thread-safe.
 class Timeline {
@@ -60,9 +60,10 @@ class Timeline {
   /// ones (split groups, shrink, grow) only register. Errc::system when the file cannot be made.
   void open(const std::string& dir, int rank);
 
-  /// Rank 0's clock minus this process's (nanoseconds), and rank 0's time of the alignment: the
-  /// file's zero. Spans recorded before are shifted when written.
-  void align(std::int64_t offset_ns, std::int64_t zero_ns);
+  /// Rank 0's clock minus this process's (nanoseconds), and the file's zero. Spans recorded
+  /// before are shifted when written. `run` names the job's run, the same on every rank of it
+  /// (ddp-trace keeps runs apart); the file is written out at once.
+  void align(std::int64_t offset_ns, std::int64_t zero_ns, std::string_view run);
 
   /// Pauses (false) or resumes (true) recording into the open file (a benchmark's paired
   /// rounds: the timeline's cost, on against off, in one process).
@@ -123,8 +124,8 @@ class Timeline {
   std::FILE* file_ = nullptr;
   pid_t owner_ = 0;  // the process that opened the file (a fork() child writes nothing)
   int rank_ = 0;
-  bool aligned_ = false, wrote_event_ = false;
-  std::int64_t offset_ns_ = 0, zero_ns_ = 0;
+  bool aligned_ = false;
+  std::int64_t offset_ns_ = 0, zero_ns_ = 0, last_write_ns_ = 0;
   std::vector<std::string> lanes_;  // group names, from Lane::collectives on
   struct Pending {
     int lane;
@@ -147,17 +148,21 @@ DDP_INLINE void Timeline::open(const std::string& dir, int rank) {
   for (std::size_t at = dir.find('/', 1); at != std::string::npos; at = dir.find('/', at + 1))
     (void)::mkdir(dir.substr(0, at).c_str(), 0777);
   (void)::mkdir(dir.c_str(), 0777);
-  const std::string path = concat(dir, "/ddp-timeline-rank", rank, "-", ::getpid(), ".json");
-  // Never through a link, never waiting on a FIFO, never anything but a regular file.
-  const int fd = ::open(path.c_str(),
-                        O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
-  struct stat st {};
-  if (fd < 0 || ::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+  // A new file, created exclusively (never through a link, never over another file: a name
+  // taken, by an earlier process of the same pid or a planted link, gets a suffix).
+  std::string path;
+  int fd = -1;
+  for (int n = 0; fd < 0 && n < 100; ++n) {
+    path = concat(dir, "/ddp-timeline-rank", rank, "-", ::getpid(), n == 0 ? "" : concat("-", n),
+                  ".json");
+    fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC,
+                0644);
+    if (fd < 0 && errno != EEXIST) break;
+  }
+  if (fd < 0) {
     const int err = errno;
-    if (fd >= 0) ::close(fd);
     fail(Errc::system, "rank ", rank, ": the timeline (DDP_TIMELINE) cannot be written to ", path,
-         ": ", fd < 0 ? std::strerror(err) : "something other than a regular file is there",
-         "; name a writable directory, or unset DDP_TIMELINE");
+         ": ", std::strerror(err), "; name a writable directory, or unset DDP_TIMELINE");
   }
   file_ = ::fdopen(fd, "w");
   if (file_ == nullptr) {
@@ -175,20 +180,23 @@ DDP_INLINE void Timeline::open(const std::string& dir, int rank) {
                 "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":", rank,
                 ",\"tid\":0,\"args\":{\"name\":\"steps\"}},\n",
                 "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":", rank,
-                ",\"tid\":1,\"args\":{\"name\":\"buckets\"}}");
-  wrote_event_ = true;
+                ",\"tid\":1,\"args\":{\"name\":\"buckets\"}},\n",
+                "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":", rank,
+                ",\"tid\":1000,\"args\":{\"name\":\"background\"}}");
   on_.store(true, std::memory_order_relaxed);
 }
 
-DDP_INLINE void Timeline::align(std::int64_t offset_ns, std::int64_t zero_ns) {
+DDP_INLINE void Timeline::align(std::int64_t offset_ns, std::int64_t zero_ns,
+                                std::string_view run) {
   std::lock_guard lock(mutex_);
   if (aligned_ || file_ == nullptr) return;
   offset_ns_ = offset_ns;
   zero_ns_ = zero_ns;
   aligned_ = true;
   out_ += concat(",\n{\"name\":\"ddp_clock\",\"ph\":\"M\",\"pid\":", rank_,
-                 ",\"args\":{\"offset_ns\":", offset_ns, "}}");
+                 ",\"args\":{\"offset_ns\":", offset_ns, ",\"run\":", json_quoted(run), "}}");
   flush_pending_locked();
+  write_locked();
 }
 
 DDP_INLINE int Timeline::lane_of(std::string_view group, std::string_view backend) {
@@ -223,14 +231,29 @@ DDP_INLINE void Timeline::format_locked(int lane, std::string_view name, std::st
   // Appended in place, without temporaries: this runs once per collective.
   const auto quoted = [this](std::string_view text) {
     out_ += '"';
-    for (const char c : text) {
+    for (std::size_t i = 0; i < text.size(); ++i) {
+      const auto c = static_cast<unsigned char>(text[i]);
       if (c == '"' || c == '\\') {
         out_ += '\\';
-        out_ += c;
-      } else if (static_cast<unsigned char>(c) < 0x20) {
+        out_ += static_cast<char>(c);
+      } else if (c < 0x20) {
         out_ += ' ';
-      } else {
-        out_ += c;
+      } else if (c < 0x80) {
+        out_ += static_cast<char>(c);
+      } else {  // UTF-8 kept whole; any other byte becomes '?', so that the file stays JSON
+        const std::size_t n = c >= 0xc2 && c <= 0xdf   ? 2
+                              : c >= 0xe0 && c <= 0xef ? 3
+                              : c >= 0xf0 && c <= 0xf4 ? 4
+                                                       : 0;
+        bool whole = n != 0 && i + n <= text.size();
+        for (std::size_t k = 1; whole && k < n; ++k)
+          whole = (static_cast<unsigned char>(text[i + k]) & 0xc0) == 0x80;
+        if (whole) {
+          out_.append(text.substr(i, n));
+          i += n - 1;
+        } else {
+          out_ += '?';
+        }
       }
     }
     out_ += '"';
@@ -255,7 +278,9 @@ DDP_INLINE void Timeline::format_locked(int lane, std::string_view name, std::st
     out_ += '}';
   }
   out_ += '}';
-  if (out_.size() > (std::size_t{1} << 16)) write_locked();
+  // Written every 64 KiB, and at least every second: a process killed loses at most its last
+  // second.
+  if (out_.size() > (std::size_t{1} << 16) || end_ns - last_write_ns_ > 1000000000) write_locked();
 }
 
 DDP_INLINE void Timeline::flush_pending_locked() {
@@ -273,6 +298,7 @@ DDP_INLINE void Timeline::write_locked() {
   // The document is complete after every write: the closing brackets follow the events, and the
   // next write starts over them.
   static constexpr std::string_view tail = "\n]}\n";
+  last_write_ns_ = now_ns();
   out_ += tail;
   const bool ok = std::fwrite(out_.data(), 1, out_.size(), file_) == out_.size() &&
                   std::fflush(file_) == 0 &&
@@ -294,10 +320,8 @@ DDP_INLINE void Timeline::flush() {
 DDP_INLINE void Timeline::close() {
   std::lock_guard lock(mutex_);
   if (file_ == nullptr) return;
-  if (!aligned_) {  // a world of one, or a rank that never aligned: its own clock
+  if (!aligned_) {  // a rank that never aligned: its own clock
     aligned_ = true;
-    offset_ns_ = 0;
-    zero_ns_ = pending_.empty() ? now_ns() : pending_.front().start_ns;
     flush_pending_locked();
   }
   write_locked();

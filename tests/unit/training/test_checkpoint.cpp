@@ -1,6 +1,7 @@
 // Checkpoints: a run resumed mid-epoch ends bitwise as an uninterrupted one, files written
 // atomically and refused when foreign or damaged, load_checkpoint and save_checkpoint across real
 // processes. (Failed writes and killed savers: test_checkpoint_faults.cpp.)
+#include <ddp/training/async_checkpoint.hpp>
 #include <ddp/training/checkpoint.hpp>
 #include <ddp/training/gradient.hpp>
 #include <ddp/training/partition.hpp>
@@ -8,6 +9,7 @@
 #include <doctest/doctest.h>
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -213,6 +215,77 @@ TEST_CASE("training: load_checkpoint gives every rank the same checkpoint, or th
                 e.what());
     }
   });
+}
+
+TEST_CASE("training: AsyncSaver writes in the background, one save at a time, errors at wait") {
+  mp::TempDir dir;
+  const std::string path = dir.file("run.ckpt");
+  ddp::AsyncSaver saver;
+  CHECK_FALSE(saver.pending());
+  std::vector<double> w(100000, 1.5);
+  ddp::Checkpoint ck;
+  ck.put_values("w", w);
+  ck.put_object("step", 1);
+  saver.save(ck, path);  // copied: ck may change at once
+  CHECK(saver.pending());
+  ck.put_object("step", 2);
+  saver.save(ck, path);  // waits for the first
+  saver.wait();
+  CHECK_FALSE(saver.pending());
+  auto back = ddp::Checkpoint::load(path);
+  REQUIRE(back.has_value());
+  CHECK(back->get_object<int>("step") == 2);
+  std::vector<double> got(w.size());
+  back->get_values("w", std::span(got));
+  CHECK(got == w);
+  // Moved in: nothing copied; the same file.
+  ddp::Checkpoint moved;
+  moved.put_values("w", w);
+  moved.put_object("step", 3);
+  saver.save(std::move(moved), path);
+  saver.wait();
+  CHECK(ddp::Checkpoint::load(path)->get_object<int>("step") == 3);
+  CHECK(ddp::Checkpoint::load(path)->serialize() == ddp::Checkpoint::load(path)->serialize());
+  // An error surfaces at wait(), naming the path; the saver goes on afterwards.
+  const std::string missing = dir.file("no/such/dir/run.ckpt");
+  saver.save(ck, missing);
+  try {
+    saver.wait();
+    FAIL("a save into a missing directory succeeded");
+  } catch (const ddp::Error& e) {
+    CHECK(e.code() == ddp::Errc::system);
+    CHECK(std::string(e.what()).find(missing) != std::string::npos);
+  }
+  // ... or at the next save, which then does not start.
+  saver.save(ck, missing);
+  try {
+    saver.save(ck, path);
+    FAIL("the earlier save's error was not thrown");
+  } catch (const ddp::Error& e) {
+    CHECK(e.code() == ddp::Errc::system);
+  }
+  CHECK_FALSE(saver.pending());
+  CHECK(ddp::Checkpoint::load(path)->get_object<int>("step") == 3);  // not overwritten
+  // A symbolic link at the path is refused, never written through.
+  const std::string target = dir.file("elsewhere");
+  mp::TempDir::write(target, "keep me");
+  const std::string link = dir.file("link.ckpt");
+  REQUIRE(::symlink(target.c_str(), link.c_str()) == 0);
+  saver.save(ck, link);
+  try {
+    saver.wait();
+    FAIL("a save through a symbolic link succeeded");
+  } catch (const ddp::Error& e) {
+    CHECK(e.code() == ddp::Errc::invalid_argument);
+  }
+  CHECK(mp::TempDir::read(target) == "keep me");
+  // The destructor waits for a save in flight.
+  {
+    ddp::AsyncSaver last;
+    ck.put_object("step", 4);
+    last.save(ck, path);
+  }
+  CHECK(ddp::Checkpoint::load(path)->get_object<int>("step") == 4);
 }
 
 }  // namespace checkpoint_tests

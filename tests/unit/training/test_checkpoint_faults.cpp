@@ -7,6 +7,7 @@
 // calls) are injected by this executable's own definitions of open, write, fsync, rename and
 // unlink, which count the calls on files under a test directory and fail or kill at the chosen
 // one; every other call goes straight to the C library.
+#include <ddp/training/async_checkpoint.hpp>
 #include <ddp/training/checkpoint.hpp>
 #include <ddp/training/sharded_checkpoint.hpp>
 
@@ -467,5 +468,112 @@ TEST_CASE("sharded checkpoint: two jobs saving to one path, both killed, still l
     mp::run(2, ddp::HostTransport::shm,
             [&](Comm& comm) { load_agreed(comm, path, dir.file("loaded")); });
     CHECK(std::stoi("0" + mp::TempDir::read(dir.file("loaded"))) >= 1);
+  }
+}
+
+TEST_CASE("async checkpoint: an I/O error or a kill at every step of the background write") {
+  // How many file operations the background write makes (counted in a child: the plan is global).
+  int ops = 0;
+  {
+    mp::TempDir dir;
+    const std::string path = dir.file("run.ckpt");
+    const pid_t child = ::fork();
+    if (child == 0) {
+      step_checkpoint(1, 0).save(path);
+      fault::plan = {dir.path, fault::Action::count, 0, 0};
+      ddp::AsyncSaver saver;
+      saver.save(step_checkpoint(2, 0), path);
+      saver.wait();
+      mp::TempDir::write(dir.file("ops"), std::to_string(fault::plan.seen));
+      ::_exit(0);
+    }
+    int status = 0;
+    ::waitpid(child, &status, 0);
+    REQUIRE(WIFEXITED(status));
+    ops = std::stoi("0" + mp::TempDir::read(dir.file("ops")));
+    CHECK(ops >= 4);
+  }
+  for (const fault::Action action :
+       {fault::Action::eio, fault::Action::enospc, fault::Action::kill}) {
+    for (int at = 1; at <= ops; ++at) {
+      CAPTURE(static_cast<int>(action));
+      CAPTURE(at);
+      mp::TempDir dir;
+      const std::string path = dir.file("run.ckpt");
+      const pid_t child = ::fork();
+      if (child == 0) {
+        step_checkpoint(1, 0).save(path);
+        fault::plan = {dir.path, action, at, 0};
+        ddp::AsyncSaver saver;
+        saver.save(step_checkpoint(2, 0), path);  // returns before the write
+        std::string outcome = "ok";
+        try {
+          saver.wait();  // the write's error surfaces here
+        } catch (const ddp::Error& e) {
+          outcome = std::string(ddp::to_string(e.code())) + " " + e.what();
+        }
+        fault::plan = {};
+        mp::TempDir::write(dir.file("outcome"), outcome);
+        ::_exit(0);
+      }
+      int status = 0;
+      ::waitpid(child, &status, 0);
+      if (action == fault::Action::kill) {
+        CHECK((WIFSIGNALED(status) || WIFEXITED(status)));
+      } else {
+        const std::string outcome = mp::TempDir::read(dir.file("outcome"));
+        CAPTURE(outcome);
+        CHECK((outcome == "ok" || outcome.rfind("system Checkpoint: ", 0) == 0));
+      }
+      // The old checkpoint or the new one, complete; the next save cleans up.
+      const auto ck = ddp::Checkpoint::load(path);
+      REQUIRE(ck.has_value());
+      const int step = ck->get_object<int>("step");
+      CHECK((step == 1 || step == 2));
+      ddp::AsyncSaver saver;
+      saver.save(step_checkpoint(3, 0), path);
+      saver.wait();
+      CAPTURE(joined(listing(dir.path)));
+      for (const auto& name : listing(dir.path)) CHECK(name.find(".tmp.") == std::string::npos);
+      CHECK(ddp::Checkpoint::load(path)->get_object<int>("step") == 3);
+    }
+  }
+}
+
+TEST_CASE("async checkpoint: SIGKILL from outside during a 64 MB background write") {
+  // A process saves 64 MB checkpoints one after another in the background, each holding one
+  // value everywhere; killed at moments spread over the writes, it leaves a complete checkpoint.
+  for (const int delay_ms : {5, 40, 90, 160, 300}) {
+    CAPTURE(delay_ms);
+    mp::TempDir dir;
+    const std::string path = dir.file("big.ckpt");
+    const pid_t child = ::fork();
+    if (child == 0) {
+      ddp::AsyncSaver saver;
+      std::vector<float> w(std::size_t{16} << 20);
+      for (int version = 1;; ++version) {
+        std::fill(w.begin(), w.end(), static_cast<float>(version));
+        ddp::Checkpoint ck;
+        ck.put_values("w", w);
+        ck.put_object("version", version);
+        saver.save(std::move(ck), path);  // waits for the previous write first
+      }
+    }
+    // Kill it `delay_ms` after the first complete checkpoint appeared.
+    for (int i = 0; i < 3000 && !std::filesystem::exists(path); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+    ::kill(child, SIGKILL);
+    ::waitpid(child, nullptr, 0);
+    const auto ck = ddp::Checkpoint::load(path);
+    REQUIRE(ck.has_value());
+    const int version = ck->get_object<int>("version");
+    CHECK(version >= 1);
+    std::vector<float> w(std::size_t{16} << 20);
+    ck->get_values("w", std::span(w));
+    CHECK(
+        std::all_of(w.begin(), w.end(), [&](float x) { return x == static_cast<float>(version); }));
+    step_checkpoint(1, 0).save(path);  // and the next save removes the killed one's temporary
+    for (const auto& name : listing(dir.path)) CHECK(name.find(".tmp.") == std::string::npos);
   }
 }

@@ -1,0 +1,141 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// ddp::AsyncSaver: checkpoint saves that do not stop training (torch.distributed.checkpoint's
+/// async_save). save() returns once the checkpoint is this saver's (moved in, or its file's bytes
+/// copied into a buffer the saver reuses); a thread of the saver writes the file with
+/// Checkpoint::save's atomicity and checks (a temporary next to the target, fsync, rename, fsync
+/// of the directory), so a crash or SIGKILL during the write leaves the previous checkpoint
+/// loadable. One save at a time: the next save() waits for the one in flight, and an error of
+/// that one (a full disk, a missing directory, a link at the path) is thrown there, or by wait().
+///
+///     ddp::AsyncSaver saver;
+///     for (int step = 0;; ++step) {
+///       ...train...
+///       if (step % 100 == 0) {
+///         ddp::Checkpoint ck;
+///         ck.put_values("w", weights);              // the snapshot: a copy of the state
+///         saver.save(std::move(ck), "run.ckpt");    // returns at once; written meanwhile
+///       }
+///     }
+///     saver.wait();                                 // before the program ends
+
+#include "ddp/comm/timeline.hpp"
+#include "ddp/config.hpp"
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+#include "ddp/detail/files.hpp"
+#include "ddp/error.hpp"
+#include "ddp/training/checkpoint.hpp"
+
+#include <cstdio>
+#include <exception>
+#include <optional>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <utility>
+
+DDP_BEGIN_NAMESPACE
+
+/// Saves checkpoints in the background, one at a time (see the file comment). Not copyable; its
+/// destructor waits for the save in flight.
+class AsyncSaver {
+ public:
+  AsyncSaver() = default;
+  AsyncSaver(const AsyncSaver&) = delete;
+  AsyncSaver& operator=(const AsyncSaver&) = delete;
+  /// Waits for the save in flight; its error, if any, is printed to stderr (a destructor cannot
+  /// throw it): call wait() first to handle it.
+  ~AsyncSaver();
+
+  /// Takes `ck` (nothing is copied) and writes it to `path` in the background, after waiting for
+  /// the save before it. Throws that earlier save's error instead (and starts nothing).
+  void save(Checkpoint&& ck, std::string path);
+
+  /// Copies `ck`'s file bytes into this saver's buffer (its memory reused from one save to the
+  /// next) and writes them to `path` in the background; `ck` may change as soon as this returns.
+  /// Waits for, and throws the error of, the save before it, as the other overload.
+  void save(const Checkpoint& ck, std::string path);
+
+  /// Waits for the save in flight; throws its error: Errc::system naming the path and the reason
+  /// (the earlier file at the path is then as it was), Errc::invalid_argument for something other
+  /// than a regular file at the path.
+  void wait();
+
+  /// Whether a save was started and has not been waited for.
+  [[nodiscard]] bool pending() const noexcept { return writer_.joinable(); }
+
+ private:
+  void start(std::string path);
+  void write(const std::string& path) noexcept;
+
+  std::optional<Checkpoint> owned_;  // the checkpoint being written, when it was moved in
+  std::string bytes_;                // its file's bytes (reused)
+  std::exception_ptr error_;         // the last save's, until wait() throws it
+  std::string error_path_;
+  std::thread writer_;
+};
+
+#if DDP_BODIES
+DDP_INLINE AsyncSaver::~AsyncSaver() {
+  try {
+    wait();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "[ddp] AsyncSaver: the last save, to %s, failed: %s\n",
+                 error_path_.c_str(), e.what());
+  } catch (...) {
+  }
+}
+
+DDP_INLINE void AsyncSaver::save(Checkpoint&& ck, std::string path) {
+  wait();
+  owned_.emplace(std::move(ck));
+  start(std::move(path));
+}
+
+DDP_INLINE void AsyncSaver::save(const Checkpoint& ck, std::string path) {
+  wait();
+  {
+    const detail::TimelineScope span(detail::Lane::steps, "checkpoint snapshot", "checkpoint");
+    ck.serialize_into(bytes_, {});
+  }
+  owned_.reset();
+  start(std::move(path));
+}
+
+DDP_INLINE void AsyncSaver::wait() {
+  if (writer_.joinable()) writer_.join();
+  if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+}
+
+DDP_INLINE void AsyncSaver::start(std::string path) {
+  error_path_ = path;
+  try {
+    writer_ = std::thread([this, p = std::move(path)] { write(p); });
+  } catch (const std::system_error& e) {
+    detail::fail(Errc::system, "AsyncSaver: no thread to write ", error_path_, ": ", e.what());
+  }
+}
+
+DDP_INLINE void AsyncSaver::write(const std::string& path) noexcept {
+  try {
+    const detail::TimelineScope span(detail::Lane::background, "checkpoint write", "checkpoint");
+    if (owned_) {
+      owned_->serialize_into(bytes_, {});
+      owned_.reset();  // the state's memory goes back before the slow part
+    }
+    const std::string tmp = Checkpoint::stage_bytes(path, bytes_);
+    Checkpoint::commit(tmp, path);
+    detail::remove_abandoned(path);
+  } catch (...) {
+    owned_.reset();
+    error_ = std::current_exception();
+  }
+}
+#endif  // DDP_BODIES
+
+DDP_END_NAMESPACE
