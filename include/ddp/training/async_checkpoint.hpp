@@ -15,12 +15,15 @@
 ///     for (int step = 0;; ++step) {
 ///       ...train...
 ///       if (step % 100 == 0) {
-///         ddp::Checkpoint ck;
-///         ck.put_values("w", weights);              // the snapshot: a copy of the state
-///         saver.save(std::move(ck), "run.ckpt");    // returns at once; written meanwhile
+///         ddp::Checkpoint& ck = saver.next();      // waits for the last write; its memory kept
+///         ck.put_values("w", weights);              // the snapshot: one copy of the state
+///         saver.save("run.ckpt");                   // returns at once; written meanwhile
 ///       }
 ///     }
 ///     saver.wait();                                 // before the program ends
+///
+/// save(std::move(ck), path) takes a checkpoint built elsewhere (nothing copied, its memory freed
+/// once serialized); save(ck, path) copies its file's bytes first.
 
 #include "ddp/comm/timeline.hpp"
 #include "ddp/config.hpp"
@@ -61,6 +64,13 @@ class AsyncSaver {
   /// Waits for, and throws the error of, the save before it, as the other overload.
   void save(const Checkpoint& ck, std::string path);
 
+  /// The saver's own checkpoint, for the next save(path): waits for the save in flight (throwing
+  /// its error), and returns the checkpoint it wrote, sections kept, so that putting the state
+  /// into it again reuses their memory (the cheapest snapshot: one copy, no new pages).
+  [[nodiscard]] Checkpoint& next();
+  /// Writes next()'s checkpoint to `path` in the background.
+  void save(std::string path);
+
   /// Waits for the save in flight; throws its error: Errc::system naming the path and the reason
   /// (the earlier file at the path is then as it was), Errc::invalid_argument for something other
   /// than a regular file at the path.
@@ -73,7 +83,8 @@ class AsyncSaver {
   void start(std::string path);
   void write(const std::string& path) noexcept;
 
-  std::optional<Checkpoint> owned_;  // the checkpoint being written, when it was moved in
+  std::optional<Checkpoint> owned_;  // the checkpoint being written: moved in, or next()'s
+  bool keep_ = false;                // next()'s: kept for the next snapshot
   std::string bytes_;                // its file's bytes (reused)
   std::exception_ptr error_;         // the last save's, until wait() throws it
   std::string error_path_;
@@ -94,16 +105,31 @@ DDP_INLINE AsyncSaver::~AsyncSaver() {
 DDP_INLINE void AsyncSaver::save(Checkpoint&& ck, std::string path) {
   wait();
   owned_.emplace(std::move(ck));
+  keep_ = false;
   start(std::move(path));
 }
 
 DDP_INLINE void AsyncSaver::save(const Checkpoint& ck, std::string path) {
   wait();
+  keep_ = false;
   {
     const detail::TimelineScope span(detail::Lane::steps, "checkpoint snapshot", "checkpoint");
     ck.serialize_into(bytes_, {});
   }
   owned_.reset();
+  start(std::move(path));
+}
+
+DDP_INLINE Checkpoint& AsyncSaver::next() {
+  wait();
+  if (!owned_) owned_.emplace();
+  return *owned_;
+}
+
+DDP_INLINE void AsyncSaver::save(std::string path) {
+  wait();
+  if (!owned_) owned_.emplace();
+  keep_ = true;
   start(std::move(path));
 }
 
@@ -126,13 +152,13 @@ DDP_INLINE void AsyncSaver::write(const std::string& path) noexcept {
     const detail::TimelineScope span(detail::Lane::background, "checkpoint write", "checkpoint");
     if (owned_) {
       owned_->serialize_into(bytes_, {});
-      owned_.reset();  // the state's memory goes back before the slow part
+      if (!keep_) owned_.reset();  // a moved-in state's memory goes back before the slow part
     }
     const std::string tmp = Checkpoint::stage_bytes(path, bytes_);
     Checkpoint::commit(tmp, path);
     detail::remove_abandoned(path);
   } catch (...) {
-    owned_.reset();
+    if (!keep_) owned_.reset();
     error_ = std::current_exception();
   }
 }

@@ -279,6 +279,16 @@ TEST_CASE("training: AsyncSaver writes in the background, one save at a time, er
     CHECK(e.code() == ddp::Errc::invalid_argument);
   }
   CHECK(mp::TempDir::read(target) == "keep me");
+  // The saver's own checkpoint: kept from one save to the next, its memory reused.
+  ddp::AsyncSaver own;
+  for (int step = 5; step <= 7; ++step) {
+    ddp::Checkpoint& next = own.next();
+    if (step > 5) CHECK(next.get_object<int>("step") == step - 1);  // what was last written
+    next.put_values("w", w).put_object("step", step);
+    own.save(path);
+  }
+  own.wait();
+  CHECK(ddp::Checkpoint::load(path)->get_object<int>("step") == 7);
   // The destructor waits for a save in flight.
   {
     ddp::AsyncSaver last;
