@@ -17,8 +17,8 @@
 // (a new shuffled shard every epoch; the test set in exact mode, every image once, and
 // ddp::Metrics for the accuracy), GradientAverager over the torch::nn::Module (rank 0's initial
 // parameters everywhere, buckets averaged from autograd hooks while backward runs), and after
-// every epoch a ddp::Checkpoint: the module's parameters and buffers by name, the optimizer's
-// state (momentum) as the bytes of torch's own archive, and the epoch, saved atomically by rank 0
+// every epoch a ddp::Checkpoint: the module's parameters and buffers by name (ddp::put_module),
+// the optimizer's state and options (ddp::put_optimizer), and the epoch, saved atomically by rank 0
 // (save_checkpoint) and given to every rank by --resume (load_checkpoint). Rank 0 alone prints
 // progress.
 #include <ddp/adapters/torch.hpp>
@@ -31,10 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <functional>
-#include <span>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -52,46 +49,6 @@ using fashion_mnist::Config;
 using fashion_mnist::Split;
 
 bool g_resume = false;  // --resume
-
-/// A module's parameters and buffers, by name, into `ck` (their bytes), and back: copied into
-/// the module's own tensors (which the averager and the optimizer hold).
-void put_module(ddp::Checkpoint& ck, torch::nn::Module& m) {
-  const auto put = [&](const std::string& name, const torch::Tensor& t) {
-    const torch::Tensor c = t.detach().contiguous().cpu();
-    ck.put(name, std::span(static_cast<const std::byte*>(c.data_ptr()), c.nbytes()));
-  };
-  for (const auto& p : m.named_parameters()) put("param." + p.key(), p.value());
-  for (const auto& b : m.named_buffers()) put("buffer." + b.key(), b.value());
-}
-void get_module(const ddp::Checkpoint& ck, torch::nn::Module& m) {
-  torch::NoGradGuard no_grad;
-  const auto get = [&](const std::string& name, torch::Tensor t) {
-    const std::span<const std::byte> bytes = ck.get(name);
-    if (bytes.size() != t.nbytes() || !t.is_contiguous() || !t.device().is_cpu())
-      throw std::invalid_argument("--resume: " + name + " does not fit this model");
-    std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
-  };
-  for (const auto& p : m.named_parameters()) get("param." + p.key(), p.value());
-  for (const auto& b : m.named_buffers()) get("buffer." + b.key(), b.value());
-}
-
-/// What torch writes into an archive (the optimizer's state), as bytes.
-template <class T>
-std::string archive_bytes(const T& what) {
-  torch::serialize::OutputArchive archive;
-  what.save(archive);
-  std::ostringstream out;
-  archive.save_to(out);
-  return out.str();
-}
-/// Reads `what` back from such bytes.
-template <class T>
-void from_archive_bytes(T& what, std::span<const std::byte> bytes) {
-  std::istringstream in(std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
-  torch::serialize::InputArchive archive;
-  archive.load_from(in);
-  what.load(archive);
-}
 
 /// The images `idx` of `s` as a [n, 1, 28, 28] float tensor, and their labels.
 std::pair<torch::Tensor, torch::Tensor> gather(const Split& s, const std::vector<std::size_t>& idx,
@@ -147,8 +104,8 @@ void run(const ddp::Environment& env, const Config& cfg, const char* name, const
     if (const auto ck = ddp::load_checkpoint(comm, cfg.checkpoint)) {  // every rank gets it
       if (ck->get_object<std::string>("model") != name)
         throw std::invalid_argument("--resume: " + cfg.checkpoint + " holds another --model");
-      get_module(*ck, *net);
-      from_archive_bytes(opt, ck->get("optimizer"));
+      ddp::get_module(*ck, "net", *net);  // into the module's own tensors, by name
+      ddp::get_optimizer(*ck, "sgd", opt);
       first_epoch = ck->get_object<int>("epoch");
       log.print("resumed from %s after epoch %d", cfg.checkpoint.c_str(), first_epoch);
     }
@@ -207,9 +164,8 @@ void run(const ddp::Environment& env, const Config& cfg, const char* name, const
     // Collective: rank 0 writes (every rank holds the same module and momentum), atomically.
     ddp::Checkpoint ck;
     ck.put_object("epoch", epoch + 1).put_object("model", std::string(name));
-    put_module(ck, *net);
-    const std::string optimizer = archive_bytes(opt);
-    ck.put_values("optimizer", optimizer);
+    ddp::put_module(ck, "net", *net);    // parameters and buffers by name
+    ddp::put_optimizer(ck, "sgd", opt);  // momentum and options
     ddp::save_checkpoint(comm, ck, cfg.checkpoint);
   }
   if (h.hook == "powersgd") {

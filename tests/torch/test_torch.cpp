@@ -553,3 +553,333 @@ TEST_CASE(
               "Adam holds " << state << " moments on this rank, " << whole << " unsharded");
   });
 }
+
+// ---- torch state in checkpoints (ddp/adapters/torch_checkpoint.hpp) ----
+
+namespace {
+
+/// Whether `a` and `b` hold the same bytes (NaNs and signed zeros included).
+bool bitwise_equal(const torch::Tensor& a, const torch::Tensor& b) {
+  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
+  const auto ca = a.detach().contiguous(), cb = b.detach().contiguous();
+  return ca.nbytes() == cb.nbytes() && std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.nbytes()) == 0;
+}
+
+/// Expects `call` to fail with Errc::invalid_argument whose message contains `needle`.
+template <class F>
+void expect_invalid(const std::string& needle, F&& call) {
+  try {
+    call();
+    FAIL_CHECK("accepted; expected an error naming " << needle);
+  } catch (const ddp::Error& e) {
+    CHECK_MESSAGE(e.code() == ddp::Errc::invalid_argument, e.what());
+    CHECK_MESSAGE(std::string(e.what()).find(needle) != std::string::npos, e.what());
+  }
+}
+
+/// Every parameter and buffer of the model, and every state tensor of the optimizer, bitwise
+/// (as bytes), with each group's learning rate.
+std::string everything(torch::nn::Module& m, torch::optim::Optimizer& opt) {
+  std::string out;
+  const auto add = [&](const torch::Tensor& t) {
+    const auto c = t.detach().contiguous();
+    out.append(static_cast<const char*>(c.data_ptr()), c.nbytes());
+  };
+  for (const auto& p : m.parameters()) add(p);
+  for (const auto& b : m.buffers()) add(b);
+  for (const auto& g : opt.param_groups()) {
+    out += std::to_string(g.options().get_lr());
+    for (const auto& p : g.params()) {
+      const auto key = ddp::torch_detail::state_key(opt.state(), p);
+      const auto it = opt.state().find(key);
+      if (it == opt.state().end()) continue;
+      if (auto* a = dynamic_cast<torch::optim::AdamParamState*>(it->second.get())) {
+        out += std::to_string(a->step());
+        add(a->exp_avg());
+        add(a->exp_avg_sq());
+      } else if (auto* s = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
+        add(s->momentum_buffer());
+      }
+    }
+  }
+  return out;
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& kind,
+                                                        std::vector<torch::Tensor> params) {
+  if (kind == "Adam")
+    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01));
+  return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9));
+}
+
+}  // namespace
+
+TEST_CASE("Checkpoint: torch tensors of every dtype, bitwise through a file, and what is refused") {
+  torch::manual_seed(3);
+  mp::TempDir dir;
+  std::vector<std::pair<std::string, torch::Tensor>> cases = {
+      {"f32", torch::randn({3, 4})},
+      {"f64", torch::randn({5}, torch::kDouble)},
+      {"f16", torch::randn({2, 3}).to(torch::kHalf)},
+      {"bf16", torch::randn({7}).to(torch::kBFloat16)},
+      {"i8", torch::randint(-100, 100, {9}, torch::kChar)},
+      {"u8", torch::randint(0, 255, {2, 2, 2}, torch::kByte)},
+      {"i16", torch::randint(-1000, 1000, {4}, torch::kShort)},
+      {"i32", torch::randint(-100000, 100000, {4}, torch::kInt)},
+      {"i64", torch::randint(-100000, 100000, {1, 6}, torch::kLong)},
+      {"bool", torch::randint(0, 2, {10}).to(torch::kBool)},
+      {"c64", torch::randn({3}, torch::kComplexFloat)},
+      {"scalar", torch::tensor(2.5)},
+      {"empty", torch::empty({0, 3})},
+      {"transposed", torch::randn({3, 5}).t()},  // not contiguous: saved in torch's order
+  };
+  auto nan = torch::randn({4});
+  nan[1] = std::numeric_limits<float>::quiet_NaN();
+  nan[2] = -0.0F;
+  cases.emplace_back("nan", nan);
+  {
+    ddp::Checkpoint ck;
+    for (const auto& [name, t] : cases) ddp::put_tensor(ck, name, t);
+    ck.save(dir.file("t.ckpt"));
+  }
+  const auto ck = ddp::Checkpoint::load(dir.file("t.ckpt"));
+  REQUIRE(ck);
+  for (const auto& [name, t] : cases) {
+    const auto fresh = ddp::get_tensor(*ck, name);  // a new tensor of the saved dtype and shape
+    CHECK_MESSAGE(bitwise_equal(fresh, t), name);
+    auto into = torch::full_like(t, 1).contiguous();
+    ddp::get_tensor(*ck, name, into);  // into an existing one
+    CHECK_MESSAGE(bitwise_equal(into, t), name);
+  }
+  auto strided = torch::zeros({3, 5}).t();  // into a non-contiguous tensor
+  ddp::get_tensor(*ck, "transposed", strided);
+  CHECK(bitwise_equal(strided, cases[13].second));
+
+  expect_invalid("holds a tensor Float[3,4], but the tensor given is Half[3,4]", [&] {
+    ddp::get_tensor(*ck, "f32", torch::zeros({3, 4}, torch::kHalf));
+  });
+  expect_invalid("holds a tensor Float[3,4], but the tensor given is Float[4,3]", [&] {
+    ddp::get_tensor(*ck, "f32", torch::zeros({4, 3}));
+  });
+  expect_invalid("an undefined torch::Tensor",
+                 [&] { ddp::get_tensor(*ck, "f32", torch::Tensor()); });
+  expect_invalid("no section", [&] { (void)ddp::get_tensor(*ck, "absent"); });
+  ddp::Checkpoint raw;
+  expect_invalid("an undefined torch::Tensor", [&] { ddp::put_tensor(raw, "u", torch::Tensor()); });
+  expect_invalid("sparse", [&] { ddp::put_tensor(raw, "s", torch::eye(3).to_sparse()); });
+  const std::vector<float> values{1, 2, 3};
+  raw.put_values("raw", values);  // bytes alone: read into a tensor of that size
+  auto three = torch::zeros({3});
+  ddp::get_tensor(raw, "raw", three);
+  CHECK(torch::equal(three, torch::tensor({1.0F, 2.0F, 3.0F})));
+  expect_invalid("holds 12 bytes, but the tensor given (Float[4]) has 16",
+                 [&] { ddp::get_tensor(raw, "raw", torch::zeros({4})); });
+  expect_invalid("was not put with put_tensor", [&] { (void)ddp::get_tensor(raw, "raw"); });
+}
+
+TEST_CASE(
+    "Checkpoint: a torch::nn::Module with Adam or SGD saved and loaded across ranks, bitwise: the "
+    "run resumed from it equals the run that went on, another model or optimizer refused") {
+  mp::TempDir dir;
+  for (const std::string kind : {"Adam", "SGD"}) {
+    const std::string path = dir.file(kind + ".ckpt");
+    std::string saved, straight;  // rank 0's state at the save, and after 6 steps unbroken
+    const auto steps = [](Comm& comm, Net& net, auto& avg, torch::optim::Optimizer& opt, int from,
+                          int to) {
+      for (int k = from; k < to; ++k) {
+        const auto [x, y] = batch(comm.rank(), k);
+        opt.zero_grad();
+        torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+        avg.synchronize();
+        opt.step();
+      }
+    };
+    mp::run(2, ddp::HostTransport::shm, [&](Comm& comm) {
+      torch::set_num_threads(1);
+      torch::manual_seed(1);
+      Net net;
+      ddp::GradientAverager avg(comm, *net);
+      auto opt = make_optimizer(kind, net->parameters());
+      steps(comm, net, avg, *opt, 0, 3);
+      for (const auto& p : net->parameters())  // the state is found where torch keeps it
+        MP_EXPECT(opt->state().count(ddp::torch_detail::state_key(opt->state(), p)) == 1,
+                  "no state found for a parameter");
+      opt->param_groups()[0].options().set_lr(0.02);  // as a schedule would
+      ddp::Checkpoint ck;                             // the five lines of the documentation
+      ddp::put_module(ck, "model", *net);
+      ddp::put_optimizer(ck, "opt", *opt);
+      ddp::save_checkpoint(comm, ck, path);
+      mp::TempDir::write(path + ".at-save." + std::to_string(comm.rank()), everything(*net, *opt));
+      steps(comm, net, avg, *opt, 3, 6);
+      mp::TempDir::write(path + ".straight." + std::to_string(comm.rank()), everything(*net, *opt));
+    });
+    mp::run(2, ddp::HostTransport::shm, [&](Comm& comm) {
+      torch::set_num_threads(1);
+      torch::manual_seed(99);  // another initialization: everything comes from the checkpoint
+      Net net;
+      ddp::GradientAverager avg(comm, *net);
+      auto opt = make_optimizer(kind, net->parameters());
+      auto ck = ddp::load_checkpoint(comm, path);
+      MP_EXPECT(ck.has_value(), "no checkpoint");
+      ddp::get_module(*ck, "model", *net);
+      ddp::get_optimizer(*ck, "opt", *opt);
+      {
+        const auto a = everything(*net, *opt);
+        const auto b = mp::TempDir::read(path + ".at-save." + std::to_string(comm.rank()));
+        std::size_t i = 0;
+        while (i < a.size() && i < b.size() && a[i] == b[i]) ++i;
+        MP_EXPECT(a == b, kind << ": the loaded state differs from the saved one: " << a.size()
+                               << " " << b.size() << " at " << i);
+      }
+      MP_EXPECT(opt->param_groups()[0].options().get_lr() == 0.02, "the learning rate");
+      steps(comm, net, avg, *opt, 3, 6);
+      MP_EXPECT(everything(*net, *opt) ==
+                    mp::TempDir::read(path + ".straight." + std::to_string(comm.rank())),
+                kind << ": the resumed run differs from the one that went on");
+
+      // Refused, nothing changed: another model, another optimizer's state, other parameters.
+      struct OtherImpl : torch::nn::Module {
+        OtherImpl() : fc1(register_module("fc1", torch::nn::Linear(8, 17))) {}
+        torch::nn::Linear fc1;
+      };
+      auto other = std::make_shared<OtherImpl>();
+      const auto before = other->fc1->weight.clone();
+      const auto refused = [&](const std::string& needle, auto&& call) {
+        try {
+          call();
+          MP_EXPECT(false, "accepted: " << needle);
+        } catch (const ddp::Error& e) {
+          MP_EXPECT(e.code() == ddp::Errc::invalid_argument &&
+                        std::string(e.what()).find(needle) != std::string::npos,
+                    e.what());
+        }
+      };
+      refused("which this module has not", [&] { ddp::get_module(*ck, "model", *other); });
+      struct BiggerImpl : NetImpl {
+        BiggerImpl() { register_parameter("extra", torch::zeros({2})); }
+      };
+      BiggerImpl bigger;
+      refused("the module has extra", [&] { ddp::get_module(*ck, "model", bigger); });
+      struct WideImpl : torch::nn::Module {  // the same names, another shape
+        WideImpl()
+            : fc1(register_module("fc1", torch::nn::Linear(8, 16))),
+              bn(register_module("bn", torch::nn::BatchNorm1d(16))),
+              fc2(register_module("fc2", torch::nn::Linear(16, 5))) {}
+        torch::nn::Linear fc1;
+        torch::nn::BatchNorm1d bn;
+        torch::nn::Linear fc2;
+      } wide;
+      const auto wide_fc1 = wide.fc1->weight.clone();
+      refused("holds a tensor Float[4,16], but the tensor given is Float[5,16]",
+              [&] { ddp::get_module(*ck, "model", wide); });
+      MP_EXPECT(torch::equal(wide.fc1->weight, wide_fc1), "a refused load changed the module");
+      MP_EXPECT(torch::equal(other->fc1->weight, before), "a refused load changed the module");
+      auto wrong = make_optimizer(kind == "Adam" ? "SGD" : "Adam", net->parameters());
+      refused("another kind of optimizer", [&] { ddp::get_optimizer(*ck, "opt", *wrong); });
+      torch::optim::SGD few(std::vector<torch::Tensor>{net->parameters()[0]},
+                            torch::optim::SGDOptions(0.1));
+      refused("over 6 parameters in 1 groups, this one has 1 in 1",
+              [&] { ddp::get_optimizer(*ck, "opt", few); });
+    });
+  }
+}
+
+TEST_CASE(
+    "TorchShard: torch's Adam and SGD state saved sharded by 3 ranks, loaded and saved again by "
+    "2, loaded by 3: the run goes on bitwise as if never stopped") {
+  mp::TempDir dir;
+  for (const std::string kind : {"Adam", "SGD"}) {
+    const std::string path = dir.file(kind), again = dir.file(kind + "-again");
+    const auto run_steps = [](Comm& comm, Net& net, auto& shard, torch::optim::Optimizer& opt,
+                              int from, int to) {
+      for (int k = from; k < to; ++k) {
+        const auto [x, y] = batch(comm.rank(), k);
+        opt.zero_grad();
+        torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+        shard.step(opt);
+      }
+    };
+    const ddp::ShardedOptions small{
+        .bucket_bytes = 256, .first_bucket_bytes = 64, .in_place_bytes = 128};
+    mp::run(3, ddp::HostTransport::shm, [&](Comm& comm) {
+      torch::set_num_threads(1);
+      torch::manual_seed(5);
+      Net net;
+      ddp::ShardedAverager zero(comm, *net, small);
+      ddp::TorchShard shard(zero);
+      auto opt = make_optimizer(kind, shard.parameters());
+      run_steps(comm, net, shard, *opt, 0, 3);
+      opt->param_groups()[0].options().set_lr(0.03);
+      ddp::Checkpoint state;
+      ddp::put_optimizer(state, "opt", *opt, shard);
+      ddp::put_buffers(state, "bn", *net);
+      zero.save(path, state);
+      run_steps(comm, net, shard, *opt, 3, 6);
+      mp::TempDir::write(path + ".straight." + std::to_string(comm.rank()), everything(*net, *opt));
+    });
+    mp::run(2, ddp::HostTransport::shm, [&](Comm& comm) {  // cut for 2 ranks, and saved again
+      torch::set_num_threads(1);
+      Net net;
+      ddp::ShardedAverager zero(comm, *net, small);
+      ddp::TorchShard shard(zero);
+      auto opt = make_optimizer(kind, shard.parameters());
+      auto st = zero.load(path);
+      MP_EXPECT(st.has_value(), "no checkpoint");
+      ddp::get_optimizer(*st, "opt", *opt, shard);
+      ddp::get_buffers(*st, "bn", *net);
+      std::int64_t held = 0;
+      for (const auto& [key, s] : opt->state()) {
+        if (auto* a = dynamic_cast<torch::optim::AdamParamState*>(s.get())) {
+          held += a->exp_avg().numel();
+          MP_EXPECT(a->step() == 3, "Adam's step " << a->step());
+        } else {
+          held += static_cast<torch::optim::SGDParamState&>(*s).momentum_buffer().numel();
+        }
+      }
+      MP_EXPECT(held == static_cast<std::int64_t>(zero.shard_size()),
+                "state for " << held << " elements, the shard has " << zero.shard_size());
+      MP_EXPECT(opt->param_groups()[0].options().get_lr() == 0.03, "the learning rate");
+      ddp::Checkpoint state;
+      ddp::put_optimizer(state, "opt", *opt, shard);
+      ddp::put_buffers(state, "bn", *net);
+      zero.save(again, state);
+      // Refused: a checkpoint not cut for this shard, another kind of optimizer.
+      const auto refused = [&](const std::string& needle, auto&& call) {
+        try {
+          call();
+          MP_EXPECT(false, "accepted: " << needle);
+        } catch (const ddp::Error& e) {
+          MP_EXPECT(e.code() == ddp::Errc::invalid_argument &&
+                        std::string(e.what()).find(needle) != std::string::npos,
+                    e.what());
+        }
+      };
+      auto wrong = make_optimizer(kind == "Adam" ? "SGD" : "Adam", shard.parameters());
+      refused("state, the optimizer given is",
+              [&] { ddp::get_optimizer(*st, "opt", *wrong, shard); });
+      auto plain = ddp::load_sharded_checkpoint(comm, path);  // cut evenly, not by the averager
+      MP_EXPECT(plain.has_value(), "no set");
+      if (*plain->sharded_layout("opt." +
+                                 std::string(kind == "Adam" ? "exp_avg" : "momentum_buffer")) !=
+          zero.layout())
+        refused("is not cut for this rank's shard",
+                [&] { ddp::get_optimizer(*plain, "opt", *opt, shard); });
+    });
+    mp::run(3, ddp::HostTransport::shm, [&](Comm& comm) {
+      torch::set_num_threads(1);
+      torch::manual_seed(77);
+      Net net;
+      ddp::ShardedAverager zero(comm, *net, small);
+      ddp::TorchShard shard(zero);
+      auto opt = make_optimizer(kind, shard.parameters());
+      auto st = zero.load(again);
+      MP_EXPECT(st.has_value(), "no checkpoint");
+      ddp::get_optimizer(*st, "opt", *opt, shard);
+      ddp::get_buffers(*st, "bn", *net);
+      run_steps(comm, net, shard, *opt, 3, 6);
+      MP_EXPECT(everything(*net, *opt) ==
+                    mp::TempDir::read(path + ".straight." + std::to_string(comm.rank())),
+                kind << ": resumed through 2 ranks, the run differs from the one that went on");
+    });
+  }
+}

@@ -111,6 +111,8 @@ class TorchShard {
   }
   /// One tensor per slice of the shard, sharing its values: give these to the optimizer.
   [[nodiscard]] const std::vector<at::Tensor>& parameters() const noexcept { return tensors_; }
+  /// The ShardedAverager whose shard this is.
+  [[nodiscard]] Zero& averager() const noexcept { return *zero_; }
   /// One step after backward(): the averaged gradients of the shard (zero.average()), then
   /// opt.step() on the shard, then zero.gather() (every rank gets every updated parameter), and
   /// last zero.zero_grad(): the model's gradients are zero afterwards, ready for the next
