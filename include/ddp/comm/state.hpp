@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -75,9 +76,18 @@ struct CommState : MembershipWatch, CommPoison, OwnerProcess {
   /// this process has none of the threads. Touch nothing; keep it reachable (never destroyed).
   void abandon() noexcept;
 
-  /// Leaving (JobStore::announce_leaving): with this communicator's first failure, or the number
-  /// of operations it ran.
-  void announce_leaving() { JobStore::announce_leaving(failure(), recorder.issued()); }
+  /// Leaving (JobStore::announce_leaving): with this communicator's first failure; while an
+  /// exception unwinds the program (a call its checks refused, an error of its own), saying so;
+  /// else with the number of operations it ran.
+  void announce_leaving() {
+    std::optional<Error> why = failure();
+    if (!why && std::uncaught_exceptions() > 0)
+      why = Error(Errc::peer_lost,
+                  concat("rank ", world_rank_in_group, " left after ", recorder.issued(),
+                         " operations while an exception unwound its program (a call that its "
+                         "checks refused, or an error of the program's own: see its output)"));
+    JobStore::announce_leaving(why, recorder.issued());
+  }
   /// Leaving, last step (JobStore::wait_for_the_others).
   void wait_for_the_others(bool connected) {
     JobStore::wait_for_the_others(connected, poisoned.load(std::memory_order_acquire));

@@ -401,6 +401,43 @@ TEST_CASE("a rank that finishes early is reported as finished within a second, a
   }
 }
 
+TEST_CASE(
+    "a rank whose program leaves by an exception (a call its checks refused) is reported as such, "
+    "not as finished") {
+  for (const mp::Path& t : mp::paths()) {
+    CAPTURE(mp::name(t));
+    mp::TempDir dir;
+    ddp::Options o;
+    o.timeout = std::chrono::seconds(20);
+    std::string spawn_error;
+    run_faulty(
+        3, t,
+        [&](Comm& comm) {
+          std::vector<float> v(1000, 1.0f);
+          const auto t0 = Clock::now();
+          comm.all_reduce(v);
+          comm.all_reduce(v);
+          if (comm.rank() == 2) comm.broadcast(v, 7);  // refused: no rank 7; nothing catches it
+          try {
+            comm.all_reduce(v);
+            mp::TempDir::write(dir.file("rank" + std::to_string(comm.rank())), "ok 0");
+          } catch (const ddp::Error& e) {
+            report(dir, comm.rank(), e, mp::ms_since(t0));
+          }
+        },
+        o, &spawn_error);
+    CHECK(spawn_error.find("rank 2") != std::string::npos);
+    for (int r = 0; r < 2; ++r) {
+      const Outcome out = read_outcome(dir, r);
+      CAPTURE(out.message);
+      CHECK(out.code == "peer_lost");
+      CHECK(out.message.find("rank 2 left after 2 operations while an exception unwound its "
+                             "program") != std::string::npos);
+      CHECK(out.message.find("finished") == std::string::npos);
+    }
+  }
+}
+
 TEST_CASE("a rank that leaves does not disturb the others' sends and receives") {
   for (const mp::Path& t : mp::paths()) {
     CAPTURE(mp::name(t));
