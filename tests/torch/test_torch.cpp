@@ -605,6 +605,19 @@ std::string everything(torch::nn::Module& m, torch::optim::Optimizer& opt) {
   return out;
 }
 
+/// In a rank: expects `call` to fail with Errc::invalid_argument whose message contains `needle`.
+template <class F>
+void refused(const std::string& needle, F&& call) {
+  try {
+    call();
+    MP_EXPECT(false, "accepted: " << needle);
+  } catch (const ddp::Error& e) {
+    MP_EXPECT(e.code() == ddp::Errc::invalid_argument &&
+                  std::string(e.what()).find(needle) != std::string::npos,
+              e.what());
+  }
+}
+
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& kind,
                                                         std::vector<torch::Tensor> params) {
   if (kind == "Adam")
@@ -675,6 +688,21 @@ TEST_CASE("Checkpoint: torch tensors of every dtype, bitwise through a file, and
   expect_invalid("holds 12 bytes, but the tensor given (Float[4]) has 16",
                  [&] { ddp::get_tensor(raw, "raw", torch::zeros({4})); });
   expect_invalid("was not put with put_tensor", [&] { (void)ddp::get_tensor(raw, "raw"); });
+  expect_invalid("share memory", [&] {
+    ddp::get_tensor(*ck, "f32", torch::zeros({1, 4}).expand({3, 4}));
+  });
+  const auto meta = torch::empty({3}, torch::TensorOptions().device(torch::kMeta));
+  expect_invalid("a meta torch::Tensor", [&] { ddp::put_tensor(raw, "m", meta); });
+  // A name too long for the sections made from it: refused before anything is put.
+  const auto before = raw.names();
+  expect_invalid("(made from the name given) has 4101 bytes",
+                 [&] { ddp::put_tensor(raw, std::string(4090, 'x'), torch::zeros({2})); });
+  Net net;
+  expect_invalid("made from the name given",
+                 [&] { ddp::put_module(raw, std::string(4080, 'm'), *net); });
+  CHECK(raw.names() == before);
+  expect_invalid("holds no module named \"net\" (its modules: none)",
+                 [&] { ddp::get_module(raw, "net", *net); });
 }
 
 TEST_CASE(
@@ -744,16 +772,6 @@ TEST_CASE(
       };
       auto other = std::make_shared<OtherImpl>();
       const auto before = other->fc1->weight.clone();
-      const auto refused = [&](const std::string& needle, auto&& call) {
-        try {
-          call();
-          MP_EXPECT(false, "accepted: " << needle);
-        } catch (const ddp::Error& e) {
-          MP_EXPECT(e.code() == ddp::Errc::invalid_argument &&
-                        std::string(e.what()).find(needle) != std::string::npos,
-                    e.what());
-        }
-      };
       refused("which this module has not", [&] { ddp::get_module(*ck, "model", *other); });
       struct BiggerImpl : NetImpl {
         BiggerImpl() { register_parameter("extra", torch::zeros({2})); }
@@ -775,11 +793,28 @@ TEST_CASE(
       MP_EXPECT(torch::equal(wide.fc1->weight, wide_fc1), "a refused load changed the module");
       MP_EXPECT(torch::equal(other->fc1->weight, before), "a refused load changed the module");
       auto wrong = make_optimizer(kind == "Adam" ? "SGD" : "Adam", net->parameters());
-      refused("another kind of optimizer", [&] { ddp::get_optimizer(*ck, "opt", *wrong); });
-      torch::optim::SGD few(std::vector<torch::Tensor>{net->parameters()[0]},
-                            torch::optim::SGDOptions(0.1));
+      refused("the checkpoint holds " + kind + " state, the optimizer given is " +
+                  (kind == "Adam" ? "SGD" : "Adam"),
+              [&] { ddp::get_optimizer(*ck, "opt", *wrong); });
+      torch::optim::AdamW adamw(net->parameters());
+      refused("the optimizer given is AdamW", [&] { ddp::get_optimizer(*ck, "opt", adamw); });
+      Net twin;  // the same model in double precision: refused before torch's step would fail
+      twin->to(torch::kDouble);
+      auto doubled = make_optimizer(kind, twin->parameters());
+      refused("parameter 0 is Float[16,8] in the checkpoint but Double[16,8] here",
+              [&] { ddp::get_optimizer(*ck, "opt", *doubled); });
+      refused("holds no optimizer named \"adam\" (its optimizers: \"opt\")",
+              [&] { ddp::get_optimizer(*ck, "adam", *opt); });
+      // The state is replaced as a whole: a checkpoint of a fresh optimizer leaves none.
+      auto fresh = make_optimizer(kind, net->parameters());
+      ddp::Checkpoint empty;
+      ddp::put_optimizer(empty, "opt", *fresh);
+      MP_EXPECT(!opt->state().empty(), "the trained optimizer has state");
+      ddp::get_optimizer(empty, "opt", *opt);
+      MP_EXPECT(opt->state().empty(), "stale state survived the load: " << opt->state().size());
+      auto few = make_optimizer(kind, {net->parameters()[0]});
       refused("over 6 parameters in 1 groups, this one has 1 in 1",
-              [&] { ddp::get_optimizer(*ck, "opt", few); });
+              [&] { ddp::get_optimizer(*ck, "opt", *few); });
     });
   }
 }
@@ -799,6 +834,20 @@ TEST_CASE(
         shard.step(opt);
       }
     };
+    const auto save = [](ddp::Checkpoint& state, Net& net, auto& zero, auto& shard,
+                         torch::optim::Optimizer& opt, const std::string& to) {
+      ddp::put_optimizer(state, "opt", opt, shard);
+      ddp::put_buffers(state, "bn", *net);
+      zero.save(to, state);
+    };
+    const auto resume = [](Net& net, auto& zero, auto& shard, torch::optim::Optimizer& opt,
+                           const std::string& from) {
+      auto st = zero.load(from);
+      MP_EXPECT(st.has_value(), "no checkpoint at " << from);
+      ddp::get_optimizer(*st, "opt", opt, shard);
+      ddp::get_buffers(*st, "bn", *net);
+      return st;
+    };
     const ddp::ShardedOptions small{
         .bucket_bytes = 256, .first_bucket_bytes = 64, .in_place_bytes = 128};
     mp::run(3, ddp::HostTransport::shm, [&](Comm& comm) {
@@ -811,9 +860,7 @@ TEST_CASE(
       run_steps(comm, net, shard, *opt, 0, 3);
       opt->param_groups()[0].options().set_lr(0.03);
       ddp::Checkpoint state;
-      ddp::put_optimizer(state, "opt", *opt, shard);
-      ddp::put_buffers(state, "bn", *net);
-      zero.save(path, state);
+      save(state, net, zero, shard, *opt, path);
       run_steps(comm, net, shard, *opt, 3, 6);
       mp::TempDir::write(path + ".straight." + std::to_string(comm.rank()), everything(*net, *opt));
     });
@@ -823,10 +870,7 @@ TEST_CASE(
       ddp::ShardedAverager zero(comm, *net, small);
       ddp::TorchShard shard(zero);
       auto opt = make_optimizer(kind, shard.parameters());
-      auto st = zero.load(path);
-      MP_EXPECT(st.has_value(), "no checkpoint");
-      ddp::get_optimizer(*st, "opt", *opt, shard);
-      ddp::get_buffers(*st, "bn", *net);
+      const auto st = resume(net, zero, shard, *opt, path);
       std::int64_t held = 0;
       for (const auto& [key, s] : opt->state()) {
         if (auto* a = dynamic_cast<torch::optim::AdamParamState*>(s.get())) {
@@ -840,23 +884,19 @@ TEST_CASE(
                 "state for " << held << " elements, the shard has " << zero.shard_size());
       MP_EXPECT(opt->param_groups()[0].options().get_lr() == 0.03, "the learning rate");
       ddp::Checkpoint state;
-      ddp::put_optimizer(state, "opt", *opt, shard);
-      ddp::put_buffers(state, "bn", *net);
-      zero.save(again, state);
+      save(state, net, zero, shard, *opt, again);
       // Refused: a checkpoint not cut for this shard, another kind of optimizer.
-      const auto refused = [&](const std::string& needle, auto&& call) {
-        try {
-          call();
-          MP_EXPECT(false, "accepted: " << needle);
-        } catch (const ddp::Error& e) {
-          MP_EXPECT(e.code() == ddp::Errc::invalid_argument &&
-                        std::string(e.what()).find(needle) != std::string::npos,
-                    e.what());
-        }
-      };
       auto wrong = make_optimizer(kind == "Adam" ? "SGD" : "Adam", shard.parameters());
       refused("state, the optimizer given is",
               [&] { ddp::get_optimizer(*st, "opt", *wrong, shard); });
+      auto whole = make_optimizer(kind, net->parameters());
+      refused("the optimizer is not over the shard's tensors",
+              [&] { ddp::get_optimizer(*st, "opt", *whole, shard); });
+      refused("not over the shard's tensors",
+              [&] { ddp::put_optimizer(state, "o", *whole, shard); });
+      refused("it was put with a TorchShard", [&] { ddp::get_optimizer(*st, "opt", *opt); });
+      torch::optim::LBFGS lbfgs(shard.parameters(), torch::optim::LBFGSOptions(0.1));
+      refused("this optimizer is LBFGS", [&] { ddp::put_optimizer(state, "l", lbfgs, shard); });
       auto plain = ddp::load_sharded_checkpoint(comm, path);  // cut evenly, not by the averager
       MP_EXPECT(plain.has_value(), "no set");
       if (*plain->sharded_layout("opt." +
@@ -872,10 +912,7 @@ TEST_CASE(
       ddp::ShardedAverager zero(comm, *net, small);
       ddp::TorchShard shard(zero);
       auto opt = make_optimizer(kind, shard.parameters());
-      auto st = zero.load(again);
-      MP_EXPECT(st.has_value(), "no checkpoint");
-      ddp::get_optimizer(*st, "opt", *opt, shard);
-      ddp::get_buffers(*st, "bn", *net);
+      const auto st = resume(net, zero, shard, *opt, again);
       run_steps(comm, net, shard, *opt, 3, 6);
       MP_EXPECT(everything(*net, *opt) ==
                     mp::TempDir::read(path + ".straight." + std::to_string(comm.rank())),
