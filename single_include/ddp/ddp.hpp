@@ -23499,32 +23499,98 @@ class Elastic {
 
 DDP_END_NAMESPACE
 // end ddp/training/elastic.hpp
-// begin ddp/training/gradient.hpp
+// begin ddp/training/fully_sharded.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// GradientAverager<Model, Backend>: what DistributedDataParallel does to gradients.
+/// FullyShardedAverager<Backend, T>: fully sharded parameters (ZeRO-3), the units' engine.
 ///
-///  * At construction it checks that every rank has the same parameters (count, sizes, element
-///    type) and options (Errc::mismatch names the first difference and the ranks), and copies
-///    rank 0's values (and buffers) to every rank.
-///  * Gradients are averaged in buckets (ddp/training/buckets.hpp): parameters in reverse order,
-///    a small first bucket (1 MiB) so that communication starts early, then up to 25 MiB; 256 KiB
-///    and larger in place. mark_ready(i) says gradient i is final; a bucket whose gradients are
-///    all final starts in the background while backward goes on, in the same order on every
-///    rank. synchronize() waits and writes the averages back; a gradient never marked counts as
-///    zero (an unused parameter). no_sync() skips averaging while micro-batches accumulate.
-///  * What is done to a full bucket is its comm hook (ddp/training/comm_hooks.hpp):
-///    ddp::allreduce_hook; with AveragerOptions::compression the fp16 or bf16 hook (float32
-///    gradients travel as float16 or bfloat16: half the bytes); or register_comm_hook's.
-///  * found_nonfinite() agrees across ranks (dynamic loss scaling). It is a Joinable
-///    (ddp/training/join.hpp): with uneven inputs, the average is over the ranks that trained.
+/// The program's parameters are grouped into units (a layer, a block). Each unit's parameters,
+/// end to end, form one flat array padded with zeros to a multiple of P; rank r keeps block r of
+/// it (its values, their gradients, and whatever an optimizer keeps for them), so no rank holds a
+/// whole unit except while it is gathered:
 ///
-/// Models, parameters and their adaptation: ddp/training/parameters.hpp.
+///     ddp::FullyShardedAverager fsdp(comm, {{4096 * 4096, 4096}, {4096 * 10, 10}},
+///                                    [](std::size_t unit, std::size_t param, std::size_t offset,
+///                                       std::span<float> values) { /* initialize them */ });
+///     for (...) {
+///       fsdp.prefetch(0);
+///       for (u in forward order) {
+///         std::span<float> w = fsdp.gather(u);   // the unit's parameters, end to end
+///         if (u + 1 < units) fsdp.prefetch(u + 1); // while this unit computes
+///         forward(u, w);
+///         fsdp.release(u);                        // (or keep it for the backward)
+///       }
+///       for (u in backward order) {
+///         std::span<float> w = fsdp.gather(u);
+///         backward(u, w, fsdp.grad(u));            // adds into the unit's gradients
+///         fsdp.release(u);
+///         fsdp.reduce(u);                         // averaged into the shard in the background
+///       }
+///       fsdp.synchronize();                       // the shard's gradients hold the averages
+///       opt.step(fsdp.shard());                   // the optimizer on the shard (ShardSlice)
+///     }
+///
+/// The averages are every rank's gradients reduced with ReduceOp::avg, as GradientAverager's: on
+/// backend::Host (every element reduced in rank order on every path) they are bitwise its
+/// averages, so a run is bitwise a GradientAverager run. The shard is ShardedAverager's kind
+/// (ShardSlice over (parameter, offset, size), layout() for Checkpoint::put_sharded), so
+/// optimizers written for a model or a ShardedAverager's shard run on it unchanged.
+///
+/// A unit is gathered at most once at a time; gather() waits for a prefetch() of it. Calls on
+/// a unit out of turn (gather twice, grad() of a unit not gathered, reduce() before grad())
+/// fail with Errc::invalid_argument naming the unit. Every rank must make the same units
+/// (Errc::mismatch at construction, naming the first unit that differs).
 
-// #include "ddp/backend/reduce.hpp" (already included above)
-// #include "ddp/comm/timeline.hpp" (already included above)
+// #include "ddp/communicator.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/tensor.hpp" (already included above)
+// #include "ddp/training/checkpoint.hpp" (already included above)
+// begin ddp/training/sharded.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ShardedAverager<Model, Backend>: sharded optimizer state (ZeRO stages 1 and 2), the sibling of
+/// GradientAverager.
+///
+///     ddp::ShardedAverager zero(comm, model);   // broadcasts rank 0's parameters
+///     Adam opt(zero.shard());                   // state for this rank's shard only: ~1/P
+///     for (...) {
+///       forward_backward(model, batch);         // zero.mark_ready(i) as gradients are final
+///       zero.synchronize();                     // this rank's shard holds averaged gradients
+///       opt.step(zero.shard());                 // update the shard only
+///       zero.gather();                          // every rank gets every updated parameter
+///     }
+///
+///  * The same bucket engine as GradientAverager's (ddp/training/buckets.hpp, the same options),
+///    with each bucket cut into P contiguous blocks of equal size (padded with zeros to a
+///    multiple of P); rank r owns block r of every bucket, so its shard is balanced to within one
+///    element per bucket. A large gradient (in_place_bytes and up) is communicated where it is:
+///    its first n - n % P elements; the n % P left over join the next small bucket.
+///  * A bucket whose gradients are all final starts its reduce_scatter (ddp::reduce_scatter_hook;
+///    register_comm_hook replaces it) in the background while backward goes on: rank r receives
+///    the averaged gradients of its blocks only (ZeRO-2). synchronize() waits and writes them
+///    into the gradients' owned ranges (the rest is unspecified afterwards).
+///  * shard() lists the owned ranges as ShardSlice: a parameter index, an offset, views of those
+///    values and gradients. A slice has `value` and `grad`, so the shard is itself a Model: an
+///    optimizer written for a model runs unchanged on it and keeps state (momentum, Adam's
+///    moments) for 1/P of the parameters (ZeRO-1). gather() all-gathers the updated blocks;
+///    reduce_scatter + all_gather move the bytes of one all_reduce.
+///  * Unused parameters count as zero; no_sync() accumulates micro-batches; buffers() are copied
+///    from rank 0 after each synchronize(). Not a Joinable: with uneven inputs use
+///    GradientAverager in a ddp::Join, or give every rank the same step count.
+///
+/// Checkpoints: save(path, state) has every rank write its own file (its shard of the parameters,
+/// the shard's layout, and `state`: your optimizer's state for the shard, the step), all or none;
+/// load(path) puts every rank's shard back, gathers, and returns `state`, from a set saved at any
+/// world size and with any ShardedOptions: state put with Checkpoint::put_sharded(name, values,
+/// layout()) is cut again for the new shard (ZeRO resharding). A set saved with another model is
+/// refused (Errc::mismatch). With a framework whose
+/// backward adds into the gradients, zero_grad() the whole model after a step (TorchShard::step
+/// does): an optimizer on the shard zeroes only the shard's.
+
 // #include "ddp/communicator.hpp" (already included above)
 // begin ddp/training/buckets.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -24513,6 +24579,34 @@ class BucketEngine final : public AveragerBase {
 
 DDP_END_NAMESPACE
 // end ddp/training/buckets.hpp
+// begin ddp/training/gradient.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// GradientAverager<Model, Backend>: what DistributedDataParallel does to gradients.
+///
+///  * At construction it checks that every rank has the same parameters (count, sizes, element
+///    type) and options (Errc::mismatch names the first difference and the ranks), and copies
+///    rank 0's values (and buffers) to every rank.
+///  * Gradients are averaged in buckets (ddp/training/buckets.hpp): parameters in reverse order,
+///    a small first bucket (1 MiB) so that communication starts early, then up to 25 MiB; 256 KiB
+///    and larger in place. mark_ready(i) says gradient i is final; a bucket whose gradients are
+///    all final starts in the background while backward goes on, in the same order on every
+///    rank. synchronize() waits and writes the averages back; a gradient never marked counts as
+///    zero (an unused parameter). no_sync() skips averaging while micro-batches accumulate.
+///  * What is done to a full bucket is its comm hook (ddp/training/comm_hooks.hpp):
+///    ddp::allreduce_hook; with AveragerOptions::compression the fp16 or bf16 hook (float32
+///    gradients travel as float16 or bfloat16: half the bytes); or register_comm_hook's.
+///  * found_nonfinite() agrees across ranks (dynamic loss scaling). It is a Joinable
+///    (ddp/training/join.hpp): with uneven inputs, the average is over the ranks that trained.
+///
+/// Models, parameters and their adaptation: ddp/training/parameters.hpp.
+
+// #include "ddp/backend/reduce.hpp" (already included above)
+// #include "ddp/comm/timeline.hpp" (already included above)
+// #include "ddp/communicator.hpp" (already included above)
+// #include "ddp/training/buckets.hpp" (already included above)
 // #include "ddp/training/comm_hooks.hpp" (already included above)
 // #include "ddp/training/join.hpp" (already included above)
 // #include "ddp/training/parameters.hpp" (already included above)
@@ -24794,1076 +24888,6 @@ GradientAverager(Communicator<Backend>&, M&, AveragerOptions = {})
 
 DDP_END_NAMESPACE
 // end ddp/training/gradient.hpp
-// begin ddp/training/guard.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// ZeroFirstGuard: the RAII form of torch_distributed_zero_first (the context manager of
-/// YOLOv5-style training scripts). Rank 0 runs the guarded block first (downloading or decoding a
-/// dataset into a cache, say) while the other ranks wait in the constructor; when rank 0 leaves the
-/// block, the others run it (and find the cache). Per host by default (local rank 0 of each host
-/// goes first), or for the whole job.
-///
-/// If rank 0's block throws, the others do not hang: their constructor throws Errc::aborted.
-///
-///   { ddp::ZeroFirstGuard g(comm); load_or_build_cache(); }
-
-// #include "ddp/communicator.hpp" (already included above)
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/error.hpp" (already included above)
-
-#include <cstdint>
-#include <exception>
-#include <span>
-
-DDP_BEGIN_NAMESPACE
-
-/// Which ranks a ZeroFirstGuard orders: those of each host, or those of the whole job.
-enum class GuardScope : std::uint8_t {
-  local,   ///< local rank 0 of each host goes first (the cache is per host)
-  global,  ///< rank 0 of the job goes first (the cache is on a shared file system)
-};
-
-/// Lets rank 0 of the group run a block first, the other ranks after it (see the file comment).
-template <CommBackend Backend>
-class ZeroFirstGuard {
- public:
-  /// Rank 0 of the group (local rank 0 with GuardScope::local) returns at once; the others wait
-  /// here until it destroys its guard, and throw Errc::aborted if its block threw. Collective.
-  explicit ZeroFirstGuard(Communicator<Backend>& comm, GuardScope scope = GuardScope::local)
-      : group_(scope == GuardScope::global ? comm : comm.local_group()),
-        uncaught_(std::uncaught_exceptions()) {
-    if (group_.rank() != 0) {
-      std::int64_t status = 0;
-      group_.broadcast_host(std::span<std::int64_t>(&status, 1), 0);
-      if (status != ok) {
-        detail::fail(Errc::aborted, "rank ", comm.rank(),
-                     ": ZeroFirstGuard: rank 0 of the group threw inside the guarded block (its "
-                     "own error says why); "
-                     "this rank stops here instead of waiting for a result that will not come");
-      }
-    }
-  }
-
-  ZeroFirstGuard(const ZeroFirstGuard&) = delete;
-  ZeroFirstGuard& operator=(const ZeroFirstGuard&) = delete;
-
-  /// Rank 0 releases the others, telling them whether its block succeeded. Throws only when no
-  /// other exception is in flight.
-  ~ZeroFirstGuard() noexcept(false) {
-    if (group_.rank() != 0) return;
-    const bool failing = std::uncaught_exceptions() > uncaught_;
-    std::int64_t status = failing ? failed : ok;
-    try {
-      group_.broadcast_host(std::span<std::int64_t>(&status, 1), 0);
-    } catch (...) {
-      if (!failing) throw;
-    }
-  }
-
- private:
-  static constexpr std::int64_t ok = 1;
-  static constexpr std::int64_t failed = 2;
-  Communicator<Backend>& group_;
-  int uncaught_;
-};
-
-DDP_END_NAMESPACE
-// end ddp/training/guard.hpp
-// #include "ddp/training/join.hpp" (already included above)
-// begin ddp/training/logging.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Output for training programs: ddp::Logger prints on rank 0 only (or on every rank, each line
-/// prefixed with its rank), a whole line per write(2) so that ranks sharing a terminal or a log
-/// file never interleave within a line; ddp::Progress draws an epoch's progress bar with the
-/// samples per second of the whole job: redrawn in place on a terminal, a line at every quarter
-/// (or as asked) in a log file, where carriage returns would pile up.
-///
-///     ddp::Logger log(comm.rank());                         // rank 0 prints
-///     ddp::Progress bar(log, "epoch 1/5", sampler.num_samples(), comm.size());
-///     for (...) { ...; bar.update(seen, {{"loss", running_loss}}); }
-///     bar.finish();
-///     log.print("epoch %d: %s", epoch + 1, metrics.reduce(comm).format().c_str());
-///
-/// Why in the library rather than in each example: every data-parallel program needs rank
-/// gating, whole-line writes and a terminal-or-log decision, and gets them subtly wrong on its own
-/// (a bar redrawn into a log file, ranks' half lines mixed); what is drawn stays a few lines here.
-
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/detail/lean_std.hpp" (already included above)
-
-#include <unistd.h>
-
-#include <algorithm>
-#include <cerrno>
-#include <cstdarg>
-#include <cstddef>
-#include <cstdio>
-#include <cstdlib>
-#include <initializer_list>
-#include <limits>
-#include <string>
-#include <string_view>
-#include <utility>
-
-DDP_BEGIN_NAMESPACE
-
-/// Where and on which ranks a Logger prints.
-struct LoggerOptions {
-  /// Every rank prints, each line prefixed "[rN] " (else rank 0 only, without a prefix). Under
-  /// ddprun, which prefixes every line with the rank the process started as, a Logger adds
-  /// nothing, or "(now rN) " once shrink() or grow() gave the process another rank.
-  bool every_rank = false;
-  /// The file descriptor lines go to (stdout by default; 2 for stderr).
-  int fd = 1;
-};
-
-/// Prints whole lines on rank 0 (see the file comment). Copyable; no state but the options.
-class Logger {
- public:
-  /// A logger for rank `rank` (rank 0 prints unless `o` says every rank does).
-  explicit Logger(int rank, LoggerOptions o = {});
-
-  /// Whether this rank prints.
-  [[nodiscard]] bool enabled() const noexcept { return o_.every_rank || rank_ == 0; }
-  /// Whether the output is a terminal (where Progress redraws in place).
-  [[nodiscard]] bool terminal() const noexcept { return ::isatty(o_.fd) == 1; }
-
-  /// printf-style; a newline is added. One write(2) per line.
-#if defined(__GNUC__)
-  __attribute__((format(printf, 2, 3)))
-#endif
-  void
-  print(const char* format, ...) const {
-    if (!enabled()) return;
-    va_list args;
-    va_start(args, format);
-    std::string line = vformat(format, args);
-    va_end(args);
-    line += '\n';
-    write_all(line);
-  }
-
-  /// Writes `text` as it is (with the rank prefix when every rank prints), in one write(2).
-  void write(std::string_view text) const;
-
- private:
-  static std::string vformat(const char* format, va_list args);
-
-  void write_all(std::string text) const;
-
-  int rank_;
-  LoggerOptions o_;
-  int started_as_ = -1;  // the RANK ddprun's "[rRANK] " prefix names (-1: no such prefix)
-};
-
-#if DDP_BODIES
-DDP_INLINE Logger::Logger(int rank, LoggerOptions o) : rank_(rank), o_(o) {
-  const char* prefixed = std::getenv("DDP_OUTPUT_PREFIXED");
-  const char* started = std::getenv("RANK");
-  if (prefixed == nullptr || std::string_view(prefixed) != "1" || started == nullptr) return;
-  char* end = nullptr;
-  const long r = std::strtol(started, &end, 10);
-  if (end != started && *end == '\0' && r >= 0 && r <= std::numeric_limits<int>::max())
-    started_as_ = static_cast<int>(r);
-}
-
-DDP_INLINE void Logger::write(std::string_view text) const {
-  if (enabled()) write_all(std::string(text));
-}
-
-DDP_INLINE std::string Logger::vformat(const char* format, va_list args) {
-  va_list again;
-  va_copy(again, args);
-  char small[256];
-  const int n = std::vsnprintf(small, sizeof small, format, args);
-  std::string out;
-  if (n < 0) {
-    out = format;  // a malformed format: print it as it is rather than nothing
-  } else if (static_cast<std::size_t>(n) < sizeof small) {
-    out.assign(small, static_cast<std::size_t>(n));
-  } else {
-    out.resize(static_cast<std::size_t>(n) + 1);
-    std::vsnprintf(out.data(), out.size(), format, again);
-    out.resize(static_cast<std::size_t>(n));
-  }
-  va_end(again);
-  return out;
-}
-
-DDP_INLINE void Logger::write_all(std::string text) const {
-  if (o_.every_rank) {
-    // A prefix after the carriage return of a redrawn line, else at the start. Under ddprun,
-    // whose "[rRANK] " starts every line already, only a rank changed since (shrink, grow).
-    const std::string prefix = started_as_ < 0        ? "[r" + std::to_string(rank_) + "] "
-                               : started_as_ != rank_ ? "(now r" + std::to_string(rank_) + ") "
-                                                      : std::string();
-    text.insert(!text.empty() && text[0] == '\r' ? 1 : 0, prefix);
-  }
-  const char* p = text.data();
-  std::size_t left = text.size();
-  while (left > 0) {
-    const ssize_t n = ::write(o_.fd, p, left);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;  // output closed or full: logging never fails the training
-    p += n;
-    left -= static_cast<std::size_t>(n);
-  }
-}
-#endif  // DDP_BODIES
-
-/// An epoch's progress bar (see the file comment): `total` samples on this rank, `world` ranks
-/// (samples per second are the whole job's: this rank's rate times world, ranks being in step).
-class Progress {
- public:
-  /// A named value shown after the rate, e.g. {"loss", 0.4123}.
-  using Value = std::pair<std::string_view, double>;
-
-  /// A bar labelled `label` (e.g. "epoch 1/5") for `total` samples of this rank, `world` ranks
-  /// in step; in a log (not a terminal) a line at each 1/lines_in_logs of the total.
-  Progress(const Logger& log, std::string label, std::size_t total, int world = 1,
-           int lines_in_logs = 4);
-  Progress(const Progress&) = delete;
-  Progress& operator=(const Progress&) = delete;
-  ~Progress() {
-    if (!finished_) finish();
-  }
-
-  /// `done` of the total samples are processed; redraws when it is time (a terminal: at most 10
-  /// times a second; a log: at each 1/lines_in_logs of the total).
-  void update(std::size_t done, std::initializer_list<Value> values = {});
-
-  /// The final line (100% or wherever it stopped), ending the redrawn one on a terminal.
-  void finish(std::initializer_list<Value> values = {});
-
- private:
-  void draw(std::chrono::steady_clock::time_point now, std::initializer_list<Value> values,
-            bool last);
-
-  Logger log_;
-  std::string label_;
-  std::size_t total_;
-  int world_;
-  bool terminal_;
-  int lines_;
-  int logged_ = 0;
-  std::size_t done_ = 0;
-  bool finished_ = false;
-  std::chrono::steady_clock::time_point t0_, last_draw_;
-};
-
-#if DDP_BODIES
-DDP_INLINE Progress::Progress(const Logger& log, std::string label, std::size_t total, int world,
-                              int lines_in_logs)
-    : log_(log),
-      label_(std::move(label)),
-      total_(total),
-      world_(std::max(world, 1)),
-      terminal_(log.enabled() && log.terminal()),
-      lines_(std::max(lines_in_logs, 1)),
-      t0_(std::chrono::steady_clock::now()),
-      last_draw_(t0_) {}
-
-DDP_INLINE void Progress::update(std::size_t done, std::initializer_list<Value> values) {
-  done_ = std::min(done, total_);
-  if (!log_.enabled()) return;
-  const auto now = std::chrono::steady_clock::now();
-  if (terminal_) {
-    if (now - last_draw_ < std::chrono::milliseconds(100) && done_ < total_) return;
-  } else {
-    const std::size_t next =
-        total_ * static_cast<std::size_t>(logged_ + 1) / static_cast<std::size_t>(lines_);
-    if (done_ < next || logged_ >= lines_) return;
-    while (logged_ < lines_ && done_ >= total_ * static_cast<std::size_t>(logged_ + 1) /
-                                            static_cast<std::size_t>(lines_))
-      ++logged_;
-  }
-  last_draw_ = now;
-  draw(now, values, false);
-}
-
-DDP_INLINE void Progress::finish(std::initializer_list<Value> values) {
-  finished_ = true;
-  if (!log_.enabled()) return;
-  if (!terminal_ && logged_ >= lines_) return;  // the last quarter's line is already out
-  draw(std::chrono::steady_clock::now(), values, true);
-}
-
-DDP_INLINE void Progress::draw(std::chrono::steady_clock::time_point now,
-                               std::initializer_list<Value> values, bool last) {
-  const double secs = std::chrono::duration<double>(now - t0_).count();
-  const int pct = total_ == 0 ? 100 : static_cast<int>(100 * done_ / total_);
-  char head[160];
-  std::snprintf(head, sizeof head, "%s%s [%-20s] %3d%%  %.0f samples/s", terminal_ ? "\r" : "",
-                label_.c_str(), std::string(static_cast<std::size_t>(pct / 5), '#').c_str(), pct,
-                static_cast<double>(done_) * world_ / std::max(secs, 1e-9));
-  std::string line = head;
-  for (const auto& [name, v] : values) {
-    char buf[64];
-    std::snprintf(buf, sizeof buf, "  %.*s %.4g", static_cast<int>(name.size()), name.data(), v);
-    line += buf;
-  }
-  if (!terminal_ || last) line += '\n';
-  log_.write(line);
-}
-#endif  // DDP_BODIES
-
-DDP_END_NAMESPACE
-// end ddp/training/logging.hpp
-// begin ddp/training/metrics.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// ddp::Metrics: named scalars that every rank records during an epoch (a loss, counts of correct
-/// answers, a step time), reduced across ranks in one collective: sums, weighted means, minima and
-/// maxima, the same bits on every rank.
-///
-///     ddp::Metrics m;
-///     m.mean("loss", batch_loss, batch_size);    // weighted: per-sample, not per-rank
-///     m.sum("correct", correct).sum("seen", batch_size);
-///     m.max("step_ms", ms);
-///     const auto r = m.reduce(comm);             // collective: every rank calls it
-///     if (comm.rank() == 0) std::puts(r.format().c_str());   // "loss 0.3412  correct 8923 ..."
-///
-/// reduce() is one all_reduce of a rank-by-metric table (each rank fills its own row, zeros
-/// elsewhere), after which every rank combines the rows in rank order 0..P-1: sums and means
-/// are those ddp's own all_reduce would give (bitwise on backend::Host), and a mean is the sum of
-/// value × weight over every rank's records divided by the sum of the weights (as exact_mean:
-/// ranks with more samples weigh more). Every rank must record the same names, kinds and order;
-/// reduce() compares them (a digest in each row) and fails with Errc::mismatch on every rank,
-/// naming the first rank that differs, instead of mixing up values. It costs 8 × P × (names + 1)
-/// bytes: meant for a handful of metrics per epoch or per log line, not per-element tensors.
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/process_group.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <limits>
-#include <span>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-/// How a metric combines across records and ranks.
-enum class MetricKind : std::uint8_t {
-  sum,   ///< the total
-  mean,  ///< Σ value × weight / Σ weight over every record of every rank
-  min,   ///< the smallest value
-  max,   ///< the largest value
-};
-
-/// Reduced metrics: the same names, in the order they were first recorded, with their values.
-class MetricValues {
- public:
-  /// One reduced metric.
-  struct Entry {
-    std::string name;  ///< as recorded
-    MetricKind kind;   ///< how it combined
-    double value;      ///< the reduced value (NaN when no rank recorded one)
-    double weight;     ///< mean: Σ weight over all ranks; sum, min, max: records over all ranks
-  };
-
-  /// The value named `name`; Errc::invalid_argument naming it when there is none.
-  [[nodiscard]] double operator[](std::string_view name) const { return entry(name).value; }
-  /// The entry named `name` (value, kind, weight); Errc::invalid_argument when there is none.
-  [[nodiscard]] const Entry& entry(std::string_view name) const;
-  /// Whether a metric named `name` was reduced.
-  [[nodiscard]] bool contains(std::string_view name) const noexcept;
-  /// Every entry, in recording order.
-  [[nodiscard]] const std::vector<Entry>& entries() const noexcept { return entries_; }
-  /// The number of metrics.
-  [[nodiscard]] std::size_t size() const noexcept { return entries_.size(); }
-  /// Whether there are none.
-  [[nodiscard]] bool empty() const noexcept { return entries_.empty(); }
-
-  /// "loss 0.3412  correct 8923  step_ms 41.2": each value with `digits` significant digits
-  /// (%g), in recording order, two spaces apart.
-  [[nodiscard]] std::string format(int digits = 4) const;
-
- private:
-  friend class Metrics;
-  [[nodiscard]] std::string names() const;
-  std::vector<Entry> entries_;
-};
-
-#if DDP_BODIES
-DDP_INLINE auto MetricValues::entry(std::string_view name) const -> const Entry& {
-  for (const Entry& e : entries_) {
-    if (e.name == name) return e;
-  }
-  detail::fail(Errc::invalid_argument, "MetricValues: no metric named \"", name,
-               "\" (recorded: ", names(), ")");
-}
-
-DDP_INLINE bool MetricValues::contains(std::string_view name) const noexcept {
-  return std::any_of(entries_.begin(), entries_.end(),
-                     [&](const Entry& e) { return e.name == name; });
-}
-
-DDP_INLINE std::string MetricValues::format(int digits) const {
-  std::string out;
-  for (const Entry& e : entries_) {
-    char buf[64];
-    std::snprintf(buf, sizeof buf, "%.*g", std::clamp(digits, 1, 17), e.value);
-    if (!out.empty()) out += "  ";
-    out += e.name;
-    out += ' ';
-    out += buf;
-  }
-  return out;
-}
-
-DDP_INLINE std::string MetricValues::names() const {
-  std::string s;
-  for (const Entry& e : entries_) s += (s.empty() ? "" : ", ") + e.name;
-  return s.empty() ? std::string("none") : s;
-}
-#endif  // DDP_BODIES
-
-/// Named scalars recorded on each rank and reduced across ranks in one collective (see the file
-/// comment). Recording is local and cheap; a name keeps the kind it was first recorded with.
-class Metrics {
- public:
-  /// Adds `value` to the sum named `name`.
-  Metrics& sum(std::string_view name, double value);
-  /// Records `value` as the mean of `weight` samples (a batch's mean loss and its size): the
-  /// reduced mean weighs every sample of every rank alike. weight 0 records nothing.
-  Metrics& mean(std::string_view name, double value, double weight = 1.0);
-  /// Keeps the smallest value recorded as `name`.
-  Metrics& min(std::string_view name, double value);
-  /// Keeps the largest value recorded as `name`.
-  Metrics& max(std::string_view name, double value);
-
-  /// This rank's own values (not reduced), for per-rank logs.
-  [[nodiscard]] MetricValues local() const;
-
-  /// Collective: every rank of `comm` calls it, having recorded the same names with the same
-  /// kinds in the same order (Errc::mismatch on every rank otherwise). Returns the reduced
-  /// values, the same on every rank; the records stay (clear() starts afresh). A metric no rank
-  /// recorded a value for (a mean of weight 0 everywhere, a min with no record) is NaN.
-  template <ProcessGroup Comm>
-  [[nodiscard]] MetricValues reduce(Comm& comm) const {
-    const std::size_t p = static_cast<std::size_t>(comm.size());
-    const std::size_t me = static_cast<std::size_t>(comm.rank());
-    const std::size_t k = slots_.size();
-    const std::size_t row = 2 * k + 1;  // digest, then (a, b) per metric
-    std::vector<double> table(p * row, 0.0);
-    double* mine = table.data() + me * row;
-    mine[0] = static_cast<double>(digest() >> 11);  // 53 bits: exact in a double
-    for (std::size_t i = 0; i < k; ++i) {
-      mine[1 + 2 * i] = slots_[i].a;
-      mine[2 + 2 * i] = slots_[i].b;
-    }
-    comm.all_reduce_host(std::span<double>(table), ReduceOp::sum);
-    for (std::size_t j = 0; j < p; ++j) {
-      if (table[j * row] != mine[0]) {
-        detail::fail(Errc::mismatch, "rank ", me, ": Metrics::reduce: rank ", j,
-                     " recorded other metrics than this rank (", describe(),
-                     "); every rank must record the same names, with the same kinds, in the "
-                     "same order (record a weight-0 mean or skip the name on every rank)");
-      }
-    }
-    MetricValues out;
-    for (std::size_t i = 0; i < k; ++i) {
-      const MetricKind kind = slots_[i].kind;
-      double a = 0, b = 0;
-      bool any = false;
-      for (std::size_t j = 0; j < p; ++j) {  // rank order: the same bits on every rank
-        const double ra = table[j * row + 1 + 2 * i], rb = table[j * row + 2 + 2 * i];
-        if (kind == MetricKind::sum || kind == MetricKind::mean) {
-          a = j == 0 ? ra : a + ra;
-          b = j == 0 ? rb : b + rb;
-        } else if (rb > 0) {
-          a = !any ? ra : kind == MetricKind::min ? std::min(a, ra) : std::max(a, ra);
-          b += rb;
-          any = true;
-        }
-      }
-      if ((kind == MetricKind::min || kind == MetricKind::max) && !any)
-        a = std::numeric_limits<double>::quiet_NaN();
-      out.entries_.push_back({slots_[i].name, kind, value_of(kind, a, b), b});
-    }
-    return out;
-  }
-
-  /// Forgets every record and name (e.g. at the start of an epoch).
-  void clear() noexcept { slots_.clear(); }
-  /// Forgets the records but keeps the names, kinds and order.
-  void reset() noexcept {
-    for (Slot& s : slots_) s.a = s.b = 0;
-  }
-  /// The number of names recorded.
-  [[nodiscard]] std::size_t size() const noexcept { return slots_.size(); }
-
- private:
-  struct Slot {
-    std::string name;
-    MetricKind kind;
-    double a = 0;  // sum: total; mean: Σ value × weight; min/max: the extreme so far
-    double b = 0;  // mean: Σ weight; otherwise the number of records
-  };
-
-  Slot& slot(std::string_view name, MetricKind kind);
-
-  static double value_of(MetricKind kind, double a, double b);
-
-  static std::string_view to_string(MetricKind k) noexcept;
-
-  /// FNV-1a over the names and kinds, in order.
-  [[nodiscard]] std::uint64_t digest() const noexcept;
-
-  [[nodiscard]] std::string describe() const;
-
-  std::vector<Slot> slots_;
-};
-
-#if DDP_BODIES
-DDP_INLINE Metrics& Metrics::sum(std::string_view name, double value) {
-  Slot& s = slot(name, MetricKind::sum);
-  s.a += value;
-  s.b += 1;
-  return *this;
-}
-
-DDP_INLINE Metrics& Metrics::mean(std::string_view name, double value, double weight) {
-  if (!(weight >= 0) || !std::isfinite(weight)) {
-    detail::fail(Errc::invalid_argument, "Metrics::mean(\"", name, "\"): the weight ", weight,
-                 " must be finite and non-negative (a number of samples)");
-  }
-  Slot& s = slot(name, MetricKind::mean);
-  if (weight > 0) {
-    s.a += value * weight;
-    s.b += weight;
-  }
-  return *this;
-}
-
-DDP_INLINE Metrics& Metrics::min(std::string_view name, double value) {
-  Slot& s = slot(name, MetricKind::min);
-  s.a = s.b == 0 ? value : std::min(s.a, value);
-  s.b += 1;
-  return *this;
-}
-
-DDP_INLINE Metrics& Metrics::max(std::string_view name, double value) {
-  Slot& s = slot(name, MetricKind::max);
-  s.a = s.b == 0 ? value : std::max(s.a, value);
-  s.b += 1;
-  return *this;
-}
-
-DDP_INLINE MetricValues Metrics::local() const {
-  MetricValues v;
-  for (const Slot& s : slots_)
-    v.entries_.push_back({s.name, s.kind, value_of(s.kind, s.a, s.b), s.b});
-  return v;
-}
-
-DDP_INLINE auto Metrics::slot(std::string_view name, MetricKind kind) -> Slot& {
-  for (Slot& s : slots_) {
-    if (s.name != name) continue;
-    if (s.kind != kind) {
-      detail::fail(Errc::invalid_argument, "Metrics: \"", name, "\" was recorded as a ",
-                   to_string(s.kind), " and now as a ", to_string(kind),
-                   "; a name keeps its kind (clear() forgets it)");
-    }
-    return s;
-  }
-  if (name.empty()) detail::fail(Errc::invalid_argument, "Metrics: a metric needs a name");
-  slots_.push_back({std::string(name), kind});
-  return slots_.back();
-}
-
-DDP_INLINE double Metrics::value_of(MetricKind kind, double a, double b) {
-  if (kind == MetricKind::mean) return b > 0 ? a / b : std::numeric_limits<double>::quiet_NaN();
-  if ((kind == MetricKind::min || kind == MetricKind::max) && b == 0)
-    return std::numeric_limits<double>::quiet_NaN();
-  return a;
-}
-
-DDP_INLINE std::string_view Metrics::to_string(MetricKind k) noexcept {
-  switch (k) {
-    case MetricKind::sum: return "sum";
-    case MetricKind::mean: return "mean";
-    case MetricKind::min: return "min";
-    case MetricKind::max: return "max";
-  }
-  return "?";
-}
-
-DDP_INLINE std::uint64_t Metrics::digest() const noexcept {
-  std::uint64_t h = 0xcbf29ce484222325ull;
-  const auto mix = [&](unsigned char c) {
-    h ^= c;
-    h *= 0x100000001b3ull;
-  };
-  for (const Slot& s : slots_) {
-    for (char c : s.name) mix(static_cast<unsigned char>(c));
-    mix(0);
-    mix(static_cast<unsigned char>(s.kind));
-  }
-  return h;
-}
-
-DDP_INLINE std::string Metrics::describe() const {
-  std::string s;
-  for (const Slot& x : slots_)
-    s += detail::concat(s.empty() ? "" : ", ", x.name, " (", to_string(x.kind), ")");
-  return s.empty() ? std::string("no metrics") : "this rank has " + s;
-}
-#endif  // DDP_BODIES
-
-DDP_END_NAMESPACE
-// end ddp/training/metrics.hpp
-// begin ddp/training/powersgd.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// PowerSGD (Vogels et al., 2019), as torch's powerSGD_hook defines it: a comm hook that sends a
-/// rank-r approximation of each gradient matrix instead of the matrix.
-///
-///     ddp::PowerSGDHook powersgd({.rank = 4, .start_iter = 100});
-///     avg.register_comm_hook(powersgd);          // copies share one state
-///     ...
-///     powersgd.stats();                          // elements sent vs. uncompressed
-///
-/// Per bucket, once `start_iter` steps have gone by with a plain all_reduce: the error kept from
-/// the previous step is added to the gradients (error feedback); each gradient of a parameter
-/// whose rows the model gives (BucketPiece::rows, torch: size(0) of a tensor of 2+ dimensions)
-/// and that compresses by at least `min_compression_rate` is seen as an n x m matrix M, the
-/// rest (vectors, small or square-ish matrices: the per-tensor fallback) is all_reduced as it
-/// is, in one buffer. For the matrices: P = M Q (Q: the previous step's, warm start, else random
-/// and orthogonalized, the same on every rank), all_reduce(P), orthogonalize P, Q = M^T P,
-/// all_reduce(Q), M ~ P Q^T. The error, what this rank's gradient lost, is kept for the next
-/// step. So per matrix (n + m) r elements travel instead of n m.
-///
-/// A step whose result holds an inf or a NaN (a loss-scaling step that overflowed) would leave
-/// them in the error and the warm-start Q, and every later step would be non-finite too: the
-/// bucket's error and Q are reset instead (the next step starts afresh, as the first compressed
-/// step does), counted in PowerSGDStats::resets. The result is the same on every rank, so every
-/// rank resets alike.
-///
-/// Host memory only (there are no GPU kernels in ddp's headers): a bucket on a CUDA device is
-/// refused with Errc::unsupported. The hook computes and communicates when its bucket is ready,
-/// in the thread that completes it (its two all_reduces are small). In a ddp::Join, a finished
-/// rank's calls (bucket.shadow, zeros) issue the same collectives and leave the state alone.
-
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/tensor.hpp" (already included above)
-// #include "ddp/training/comm_hooks.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
-// #include "ddp/work.hpp" (already included above)
-
-#include <algorithm>
-#include <cmath>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <memory>
-#include <mutex>
-#include <span>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-/// PowerSGD's settings (torch's PowerSGDState).
-struct PowerSGDOptions {
-  /// The rank r of the approximation (matrix_approximation_rank).
-  std::size_t rank = 1;
-  /// Steps run with a plain all_reduce first (start_powerSGD_iter).
-  std::size_t start_iter = 1000;
-  /// A matrix n x m is compressed only when n m > (n + m) r times this.
-  double min_compression_rate = 2;
-  /// Keeps what compression lost and adds it to the next step's gradients.
-  bool error_feedback = true;
-  /// Starts each step's power iteration from the previous step's Q.
-  bool warm_start = true;
-  /// Added to each column's norm when orthogonalizing (0: none; a zero column stays zero).
-  float orthogonalization_epsilon = 0;
-  /// Seed of the random initial Q (the same on every rank).
-  std::uint64_t seed = 0;
-};
-
-/// What a PowerSGDHook has sent: elements of its all_reduces, and what plain all_reduces of the
-/// same buckets would have sent.
-struct PowerSGDStats {
-  std::uint64_t steps = 0;            ///< Steps seen (last buckets).
-  std::uint64_t sent = 0;             ///< Elements all_reduced, every step.
-  std::uint64_t uncompressed = 0;     ///< Elements of the buckets, every step.
-  std::uint64_t compressed_sent = 0;  ///< Of `sent`, in the compressed steps only.
-  std::uint64_t compressed_full = 0;  ///< Of `uncompressed`, in the compressed steps only.
-  /// Buckets whose error feedback and warm-start Q were reset after a non-finite result.
-  std::uint64_t resets = 0;
-};
-
-namespace detail {
-
-/// A reproducible standard normal sequence (splitmix64 and Box-Muller).
-class NormalSequence {
- public:
-  explicit NormalSequence(std::uint64_t seed);
-  float next();
-
- private:
-  std::uint64_t bits();
-  std::uint64_t s_;
-  float spare_ = 0;
-  bool has_spare_ = false;
-};
-
-#if DDP_BODIES
-DDP_INLINE NormalSequence::NormalSequence(std::uint64_t seed) : s_(seed) {}
-
-DDP_INLINE float NormalSequence::next() {
-  if (has_spare_) {
-    has_spare_ = false;
-    return spare_;
-  }
-  const double u1 = (static_cast<double>(bits() >> 11) + 1.0) * 0x1.0p-53;
-  const double u2 = static_cast<double>(bits() >> 11) * 0x1.0p-53;
-  const double r = std::sqrt(-2.0 * std::log(u1)), t = 6.283185307179586 * u2;
-  spare_ = static_cast<float>(r * std::sin(t));
-  has_spare_ = true;
-  return static_cast<float>(r * std::cos(t));
-}
-
-DDP_INLINE std::uint64_t NormalSequence::bits() {
-  std::uint64_t z = (s_ += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-#endif  // DDP_BODIES
-
-// The factors are kept transposed, one row per column of P (r x n) and of Q (r x c), so that
-// every loop below runs over contiguous memory.
-
-/// Gram-Schmidt on the r rows (of n) of `a`, in place: each row made orthogonal to the ones
-/// before it (twice: once is not enough in floating point when rows are nearly dependent) and
-/// normalized (`epsilon` added to the norm). A row that is (numerically) in the span of the
-/// ones before it becomes zero: normalizing the rounding noise left of it would add a direction
-/// the data does not have.
-DDP_INLINE void orthogonalize(float* a, std::size_t r, std::size_t n, float epsilon);
-#if DDP_BODIES
-DDP_INLINE void orthogonalize(float* a, std::size_t r, std::size_t n, float epsilon) {
-  const auto dot = [n](const float* x, const float* y) {
-    double s = 0;
-    for (std::size_t k = 0; k < n; ++k) s += double{x[k]} * y[k];
-    return s;
-  };
-  for (std::size_t i = 0; i < r; ++i) {
-    float* row = a + i * n;
-    const double before = std::sqrt(dot(row, row));
-    for (int pass = 0; pass < 2; ++pass) {
-      for (std::size_t j = 0; j < i; ++j) {
-        const auto f = static_cast<float>(dot(a + j * n, row));
-        for (std::size_t k = 0; k < n; ++k) row[k] -= f * a[j * n + k];
-      }
-    }
-    const double after = std::sqrt(dot(row, row));
-    const float scale = after > 1e-5 * before && after + epsilon > 0
-                            ? static_cast<float>(1.0 / (after + epsilon))
-                            : 0.0f;
-    for (std::size_t k = 0; k < n; ++k) row[k] *= scale;
-  }
-}
-#endif  // DDP_BODIES
-
-// Each kernel reads the big matrix m once (it is the gradient: megabytes), in chunks of its
-// rows that stay in the first-level cache while the r factors are applied to them.
-inline constexpr std::size_t powersgd_chunk = 256;
-
-/// pt (r x n) = (m q)^T for m (n x c, row-major) and qt = q^T (r x c).
-DDP_INLINE void times(const float* m, const float* qt, float* pt, std::size_t n, std::size_t c,
-                      std::size_t r);
-#if DDP_BODIES
-DDP_INLINE void times(const float* m, const float* qt, float* pt, std::size_t n, std::size_t c,
-                      std::size_t r) {
-  std::vector<float> acc(r * 8);
-  for (std::size_t i = 0; i < n; ++i) {
-    const float* row = m + i * c;
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    std::size_t j = 0;
-    for (; j + 8 <= c; j += 8)  // eight partial sums: vectorizes without reassociation
-      for (std::size_t k = 0; k < r; ++k)
-        for (std::size_t l = 0; l < 8; ++l) acc[k * 8 + l] += row[j + l] * qt[k * c + j + l];
-    for (std::size_t k = 0; k < r; ++k) {
-      const float* a = &acc[k * 8];
-      float sum = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-      for (std::size_t t = 0; t < c - j; ++t) sum += row[j + t] * qt[k * c + j + t];
-      pt[k * n + i] = sum;
-    }
-  }
-}
-#endif  // DDP_BODIES
-
-/// qt (r x c) = (m^T p)^T for m (n x c) and pt = p^T (r x n).
-DDP_INLINE void times_transposed(const float* m, const float* pt, float* qt, std::size_t n,
-                                 std::size_t c, std::size_t r);
-#if DDP_BODIES
-DDP_INLINE void times_transposed(const float* m, const float* pt, float* qt, std::size_t n,
-                                 std::size_t c, std::size_t r) {
-  std::fill(qt, qt + r * c, 0.0f);
-  for (std::size_t i = 0; i < n; ++i) {
-    const float* row = m + i * c;
-    for (std::size_t j0 = 0; j0 < c; j0 += powersgd_chunk) {
-      const std::size_t j1 = std::min(c, j0 + powersgd_chunk);
-      for (std::size_t k = 0; k < r; ++k) {
-        const float f = pt[k * n + i];
-        float* q = qt + k * c;
-        for (std::size_t j = j0; j < j1; ++j) q[j] += f * row[j];
-      }
-    }
-  }
-}
-#endif  // DDP_BODIES
-
-/// m (n x c) = p q^T for pt = p^T (r x n) and qt = q^T (r x c); with `err`, err = what m held
-/// minus what it holds now (error feedback), in the same pass.
-DDP_INLINE void outer(const float* pt, const float* qt, float* m, float* err, std::size_t n,
-                      std::size_t c, std::size_t r);
-#if DDP_BODIES
-DDP_INLINE void outer(const float* pt, const float* qt, float* m, float* err, std::size_t n,
-                      std::size_t c, std::size_t r) {
-  float out[powersgd_chunk];
-  for (std::size_t i = 0; i < n; ++i) {
-    float* row = m + i * c;
-    for (std::size_t j0 = 0; j0 < c; j0 += powersgd_chunk) {
-      const std::size_t len = std::min(c - j0, powersgd_chunk);
-      std::fill(out, out + len, 0.0f);
-      for (std::size_t k = 0; k < r; ++k) {
-        const float f = pt[k * n + i];
-        const float* q = qt + k * c + j0;
-        for (std::size_t j = 0; j < len; ++j) out[j] += f * q[j];
-      }
-      if (err != nullptr)
-        for (std::size_t j = 0; j < len; ++j) err[i * c + j0 + j] = row[j0 + j] - out[j];
-      std::copy(out, out + len, row + j0);
-    }
-  }
-}
-#endif  // DDP_BODIES
-
-}  // namespace detail
-
-/// The PowerSGD comm hook for float32 gradients (see the file comment). Copies share one state:
-/// register a copy and keep this one to read stats().
-class PowerSGDHook {
- public:
-  /// A hook with its own state (checked: rank >= 1, min_compression_rate >= 0).
-  explicit PowerSGDHook(PowerSGDOptions o = {});
-
-  /// What has been sent so far.
-  [[nodiscard]] PowerSGDStats stats() const;
-  /// The settings it was made with.
-  [[nodiscard]] const PowerSGDOptions& options() const noexcept { return s_->o; }
-
-  /// Reduces `b` (see the file comment); returns a finished Work.
-  template <class Comm>
-  Work operator()(Comm& comm, GradBucket<float>& b) const {
-    State& s = *s_;
-    std::lock_guard lock(s.mutex);  // one bucket at a time: they share the state
-    if (b.buffer.device.is_cuda())
-      detail::fail(Errc::unsupported, "rank ", comm.rank(), ": PowerSGDHook: bucket ", b.index,
-                   " is on ", to_string(b.buffer.device),
-                   "; PowerSGD runs on host buckets only (ddp's headers carry no GPU kernels)");
-    const std::size_t n_all = b.buffer.size;
-    const bool compress = s.iter >= s.o.start_iter;
-    s.stats.uncompressed += n_all;
-    if (compress) s.stats.compressed_full += n_all;
-    if (b.last) {
-      ++s.iter;  // finished ranks too: every rank switches at the same step
-      ++s.stats.steps;
-    }
-    if (!compress) {
-      s.stats.sent += n_all;
-      comm.all_reduce(b.buffer, b.op);
-      return {};
-    }
-    if (s.buckets.size() <= b.index) s.buckets.resize(b.index + 1);
-    Bucket& mem = s.buckets[b.index];
-    float* g = b.buffer.data;
-    const bool feedback = s.o.error_feedback && !b.shadow;
-    if (feedback) {
-      if (mem.error.size() != n_all) mem.error.assign(n_all, 0.0f);
-      for (std::size_t i = 0; i < n_all; ++i) g[i] += mem.error[i];
-    }
-    // Which pieces are matrices worth compressing; the rest goes as it is, in one buffer.
-    struct Mat {
-      float* m;
-      std::size_t n, c, r, p_at, q_at;
-    };
-    std::vector<Mat> mats;
-    std::vector<float> plain;
-    std::vector<bool> is_matrix;
-    std::size_t p_len = 0, q_len = 0;
-    for (const BucketPiece& pc : b.pieces) {
-      const std::size_t n = pc.rows, c = n != 0 ? pc.size / n : 0;
-      const std::size_t r = std::min({s.o.rank, n, c});
-      const bool matrix =
-          pc.offset == 0 && n >= 2 && c >= 2 && n * c == pc.size &&
-          static_cast<double>(n * c) > static_cast<double>((n + c) * r) * s.o.min_compression_rate;
-      is_matrix.push_back(matrix);
-      if (matrix) {
-        mats.push_back({g + pc.at, n, c, r, p_len, q_len});
-        p_len += n * r;
-        q_len += c * r;
-      } else {
-        plain.insert(plain.end(), g + pc.at, g + pc.at + pc.size);
-      }
-    }
-    s.stats.sent += plain.size() + p_len + q_len;
-    s.stats.compressed_sent += plain.size() + p_len + q_len;
-    if (!plain.empty()) {
-      comm.all_reduce(plain, b.op);
-      std::size_t at = 0;
-      for (std::size_t k = 0; k < b.pieces.size(); ++k) {
-        if (is_matrix[k]) continue;
-        float* x = g + b.pieces[k].at;
-        if (feedback)  // what this rank's input lost
-          for (std::size_t j = 0; j < b.pieces[k].size; ++j)
-            mem.error[b.pieces[k].at + j] = x[j] - plain[at + j];
-        std::memcpy(x, plain.data() + at, b.pieces[k].size * sizeof(float));
-        at += b.pieces[k].size;
-      }
-    }
-    if (!mats.empty()) {
-      // Q: the previous step's (warm start) or random, orthogonalized, the same everywhere.
-      if (!s.o.warm_start || mem.q.size() != q_len) {
-        mem.q.resize(q_len);
-        detail::NormalSequence rng(s.o.seed * 0x100000001b3ull + b.index * 7919 + s.iter);
-        for (float& x : mem.q) x = rng.next();
-        for (const Mat& m : mats) detail::orthogonalize(mem.q.data() + m.q_at, m.r, m.c, 0);
-      }
-      std::vector<float> p(p_len), q(mem.q);
-      for (const Mat& m : mats)
-        detail::times(m.m, q.data() + m.q_at, p.data() + m.p_at, m.n, m.c, m.r);
-      comm.all_reduce(p, ReduceOp::sum);  // orthogonalized next: no need to average
-      for (const Mat& m : mats)
-        detail::orthogonalize(p.data() + m.p_at, m.r, m.n, s.o.orthogonalization_epsilon);
-      for (const Mat& m : mats)
-        detail::times_transposed(m.m, p.data() + m.p_at, q.data() + m.q_at, m.n, m.c, m.r);
-      comm.all_reduce(q, ReduceOp::sum);
-      if (b.op == ReduceOp::avg) {
-        const float inv = 1.0f / static_cast<float>(comm.size());
-        for (float& x : q) x *= inv;
-      }
-      for (const Mat& m : mats)  // and what this rank's input lost, kept for the next step
-        detail::outer(p.data() + m.p_at, q.data() + m.q_at, m.m,
-                      feedback ? mem.error.data() + (m.m - g) : nullptr, m.n, m.c, m.r);
-      if (!b.shadow) mem.q = std::move(q);
-    }
-    // An inf or NaN in the result (the same on every rank) would stay in the error and in Q
-    // and poison every later step: start this bucket afresh instead.
-    if (!std::all_of(g, g + n_all, [](float x) { return std::isfinite(x); })) {
-      if (!b.shadow) {
-        std::fill(mem.error.begin(), mem.error.end(), 0.0f);
-        mem.q.clear();
-      }
-      ++s.stats.resets;
-    }
-    return {};
-  }
-
- private:
-  struct Bucket {
-    std::vector<float> error, q;
-  };
-  struct State {
-    PowerSGDOptions o;
-    std::size_t iter = 0;
-    std::vector<Bucket> buckets;  // by bucket index
-    PowerSGDStats stats;
-    std::mutex mutex;
-  };
-  std::shared_ptr<State> s_;
-};
-
-#if DDP_BODIES
-DDP_INLINE PowerSGDHook::PowerSGDHook(PowerSGDOptions o) : s_(std::make_shared<State>()) {
-  if (o.rank == 0) detail::fail(Errc::invalid_argument, "PowerSGDHook: rank must be at least 1");
-  if (!(o.min_compression_rate >= 0))
-    detail::fail(Errc::invalid_argument, "PowerSGDHook: min_compression_rate must not be negative");
-  s_->o = o;
-}
-
-DDP_INLINE PowerSGDStats PowerSGDHook::stats() const {
-  std::lock_guard lock(s_->mutex);
-  return s_->stats;
-}
-#endif  // DDP_BODIES
-
-DDP_END_NAMESPACE
-// end ddp/training/powersgd.hpp
-// begin ddp/training/sharded.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// ShardedAverager<Model, Backend>: sharded optimizer state (ZeRO stages 1 and 2), the sibling of
-/// GradientAverager.
-///
-///     ddp::ShardedAverager zero(comm, model);   // broadcasts rank 0's parameters
-///     Adam opt(zero.shard());                   // state for this rank's shard only: ~1/P
-///     for (...) {
-///       forward_backward(model, batch);         // zero.mark_ready(i) as gradients are final
-///       zero.synchronize();                     // this rank's shard holds averaged gradients
-///       opt.step(zero.shard());                 // update the shard only
-///       zero.gather();                          // every rank gets every updated parameter
-///     }
-///
-///  * The same bucket engine as GradientAverager's (ddp/training/buckets.hpp, the same options),
-///    with each bucket cut into P contiguous blocks of equal size (padded with zeros to a
-///    multiple of P); rank r owns block r of every bucket, so its shard is balanced to within one
-///    element per bucket. A large gradient (in_place_bytes and up) is communicated where it is:
-///    its first n - n % P elements; the n % P left over join the next small bucket.
-///  * A bucket whose gradients are all final starts its reduce_scatter (ddp::reduce_scatter_hook;
-///    register_comm_hook replaces it) in the background while backward goes on: rank r receives
-///    the averaged gradients of its blocks only (ZeRO-2). synchronize() waits and writes them
-///    into the gradients' owned ranges (the rest is unspecified afterwards).
-///  * shard() lists the owned ranges as ShardSlice: a parameter index, an offset, views of those
-///    values and gradients. A slice has `value` and `grad`, so the shard is itself a Model: an
-///    optimizer written for a model runs unchanged on it and keeps state (momentum, Adam's
-///    moments) for 1/P of the parameters (ZeRO-1). gather() all-gathers the updated blocks;
-///    reduce_scatter + all_gather move the bytes of one all_reduce.
-///  * Unused parameters count as zero; no_sync() accumulates micro-batches; buffers() are copied
-///    from rank 0 after each synchronize(). Not a Joinable: with uneven inputs use
-///    GradientAverager in a ddp::Join, or give every rank the same step count.
-///
-/// Checkpoints: save(path, state) has every rank write its own file (its shard of the parameters,
-/// the shard's layout, and `state`: your optimizer's state for the shard, the step), all or none;
-/// load(path) puts every rank's shard back, gathers, and returns `state`, from a set saved at any
-/// world size and with any ShardedOptions: state put with Checkpoint::put_sharded(name, values,
-/// layout()) is cut again for the new shard (ZeRO resharding). A set saved with another model is
-/// refused (Errc::mismatch). With a framework whose
-/// backward adds into the gradients, zero_grad() the whole model after a step (TorchShard::step
-/// does): an optimizer on the shard zeroes only the shard's.
-
-// #include "ddp/communicator.hpp" (already included above)
-// #include "ddp/training/buckets.hpp" (already included above)
-// #include "ddp/training/gradient.hpp" (already included above)
 // #include "ddp/training/parameters.hpp" (already included above)
 // begin ddp/training/shard_mirror.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -27122,6 +26146,1261 @@ ShardedAverager(Communicator<Backend>&, M&, ShardedOptions = {})
 
 DDP_END_NAMESPACE
 // end ddp/training/sharded.hpp
+// #include "ddp/work.hpp" (already included above)
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// Fully sharded parameters (see the file comment). T: the parameters' element type.
+template <class Backend, class T = float>
+class FullyShardedAverager {
+ public:
+  /// A unit: its parameters' element counts, in the order the program lays them end to end.
+  using Unit = std::vector<std::size_t>;
+  /// Fills `values` with the initial values of elements [offset, offset + values.size()) of
+  /// parameter `param` (its index in unit `unit`): called for this rank's pieces only.
+  using Init = std::function<void(std::size_t unit, std::size_t param, std::size_t offset,
+                                  std::span<T> values)>;
+
+  /// Collective: makes this rank's shard of `units`, its values from `init`. Errc::mismatch on
+  /// every rank when the ranks' units differ; Errc::invalid_argument for a unit without
+  /// elements.
+  FullyShardedAverager(Communicator<Backend>& comm, std::vector<Unit> units, const Init& init)
+      : comm_(&comm) {
+    const auto p = static_cast<std::size_t>(comm.size()), r = static_cast<std::size_t>(comm.rank());
+    std::vector<std::uint64_t> shape{units.size()};
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      Block b;
+      b.sizes = std::move(units[u]);
+      std::size_t n = 0;
+      for (const std::size_t s : b.sizes) n += s;
+      if (n == 0)
+        detail::fail(Errc::invalid_argument, "rank ", comm.rank(), ": FullyShardedAverager: unit ",
+                     u, " has no elements");
+      b.elements = n;
+      b.block = (n + p - 1) / p;
+      b.value.assign(b.block, T{});
+      b.grad.assign(b.block, T{});
+      // This rank's pieces: parameter by parameter, the part of [r*block, (r+1)*block) it covers.
+      std::size_t first = 0;
+      for (std::size_t i = 0; i < b.sizes.size(); ++i) {
+        const std::size_t lo = std::max(first, r * b.block),
+                          hi = std::min(first + b.sizes[i], (r + 1) * b.block);
+        if (lo < hi) {
+          const std::size_t at = lo - r * b.block;
+          b.pieces.push_back({i, lo - first, at, hi - lo});
+          if (init) init(u, i, lo - first, std::span<T>(b.value.data() + at, hi - lo));
+        }
+        first += b.sizes[i];
+      }
+      shape.push_back(b.sizes.size());
+      shape.insert(shape.end(), b.sizes.begin(), b.sizes.end());
+      blocks_.push_back(std::move(b));
+    }
+    agree(shape);
+  }
+
+  FullyShardedAverager(const FullyShardedAverager&) = delete;
+  FullyShardedAverager& operator=(const FullyShardedAverager&) = delete;
+  /// Waits for what is in flight (its errors are dropped: the destructor cannot throw).
+  ~FullyShardedAverager() {
+    for (Block& b : blocks_) {
+      for (Work* w : {&b.gathering, &b.reducing}) {
+        try {
+          w->wait();
+        } catch (...) {  // leaving anyway
+        }
+      }
+    }
+  }
+
+  /// The number of units.
+  [[nodiscard]] std::size_t units() const noexcept { return blocks_.size(); }
+  /// The communicator.
+  [[nodiscard]] Communicator<Backend>& comm() const noexcept { return *comm_; }
+
+  /// Starts gathering unit `u` in the background (no-op when it is gathered or on its way).
+  void prefetch(std::size_t u) {
+    Block& b = at(u, "prefetch");
+    if (!b.full.empty()) return;
+    b.full.assign(b.block * static_cast<std::size_t>(comm_->size()), T{});
+    b.gathering = comm_->all_gather_async(std::span<const T>(b.value), std::span<T>(b.full));
+  }
+
+  /// Unit `u`'s parameters end to end (its element count: the padding is left out), gathered
+  /// from every rank's block (waiting for a prefetch() of it). Valid until release(u).
+  [[nodiscard]] std::span<T> gather(std::size_t u) {
+    Block& b = at(u, "gather");
+    prefetch(u);
+    b.gathering.wait();
+    b.gathering = Work();
+    return std::span<T>(b.full.data(), b.elements);
+  }
+
+  /// Frees unit `u`'s gathered parameters (the shard stays). Waits for a prefetch still on
+  /// its way.
+  void release(std::size_t u) {
+    Block& b = at(u, "release");
+    b.gathering.wait();
+    b.gathering = Work();
+    std::vector<T>().swap(b.full);
+  }
+
+  /// Unit `u`'s gradients end to end, for the backward to add into: zeros when first asked for
+  /// after the unit's last reduce(). Valid until reduce(u).
+  [[nodiscard]] std::span<T> grad(std::size_t u) {
+    Block& b = at(u, "grad");
+    b.reducing.wait();  // a reduce of this unit still on its way owns the buffer
+    b.reducing = Work();
+    if (b.full_grad.empty())
+      b.full_grad.assign(b.block * static_cast<std::size_t>(comm_->size()), T{});
+    return std::span<T>(b.full_grad.data(), b.elements);
+  }
+
+  /// Starts averaging unit `u`'s gradients over the ranks into this rank's shard (a
+  /// reduce_scatter, in the background); the unit's full gradients are freed when it is done.
+  void reduce(std::size_t u) {
+    Block& b = at(u, "reduce");
+    if (b.full_grad.empty())
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": FullyShardedAverager: unit ",
+                   u, " is reduced without gradients: call grad(", u, ") in its backward first");
+    b.reducing = comm_->reduce_scatter_async(std::span<const T>(b.full_grad), std::span<T>(b.grad),
+                                             ReduceOp::avg);
+    pending_.push_back(u);
+  }
+
+  /// Waits for every reduce(): the shard's gradients then hold the averages.
+  void synchronize() {
+    for (const std::size_t u : pending_) {
+      Block& b = blocks_[u];
+      b.reducing.wait();
+      b.reducing = Work();
+      std::vector<T>().swap(b.full_grad);
+    }
+    pending_.clear();
+  }
+
+  /// This rank's shard: a slice per piece (parameter index counted over every unit's parameters
+  /// in order, offset within it, the values and their averaged gradients), for the optimizer.
+  [[nodiscard]] std::vector<ShardSlice<T>> shard() {
+    std::vector<ShardSlice<T>> out;
+    std::size_t first_param = 0;
+    for (Block& b : blocks_) {
+      for (const Piece& pc : b.pieces)
+        out.push_back({first_param + pc.param, pc.offset, view(b.value.data() + pc.at, pc.size),
+                       view(b.grad.data() + pc.at, pc.size)});
+      first_param += b.sizes.size();
+    }
+    return out;
+  }
+
+  /// The shard as a ShardLayout (the arrays: every unit's parameters in order; the pieces:
+  /// shard()'s), for Checkpoint::put_sharded of state kept per element of the shard.
+  [[nodiscard]] ShardLayout layout() const {
+    ShardLayout l;
+    std::size_t first_param = 0;
+    for (const Block& b : blocks_) {
+      l.sizes.insert(l.sizes.end(), b.sizes.begin(), b.sizes.end());
+      for (const Piece& pc : b.pieces)
+        l.ranges.push_back({first_param + pc.param, pc.offset, pc.size});
+      first_param += b.sizes.size();
+    }
+    return l;
+  }
+
+  /// Elements this rank keeps: its blocks' sizes added up (about 1/P of the model).
+  [[nodiscard]] std::size_t shard_size() const noexcept {
+    std::size_t n = 0;
+    for (const Block& b : blocks_) n += b.block;
+    return n;
+  }
+
+ private:
+  struct Piece {
+    std::size_t param = 0;   // within the unit
+    std::size_t offset = 0;  // within the parameter
+    std::size_t at = 0;      // within this rank's block
+    std::size_t size = 0;
+  };
+  struct Block {
+    std::vector<std::size_t> sizes;
+    std::size_t elements = 0, block = 0;
+    std::vector<T> value, grad;      // this rank's block: values and averaged gradients
+    std::vector<T> full, full_grad;  // the gathered unit and its gradients (P blocks), or empty
+    std::vector<Piece> pieces;
+    Work gathering, reducing;
+  };
+
+  static TensorView<T> view(T* data, std::size_t n) { return TensorView<T>{data, n}; }
+
+  Block& at(std::size_t u, const char* what) {
+    if (u >= blocks_.size())
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": FullyShardedAverager::", what,
+                   ": unit ", u, " of ", blocks_.size());
+    return blocks_[u];
+  }
+
+  /// Every rank's units the same, else Errc::mismatch on every rank naming the first difference.
+  void agree(const std::vector<std::uint64_t>& shape) {
+    const auto all = comm_->all_gather_object(shape);
+    for (std::size_t j = 1; j < all.size(); ++j) {
+      if (all[j] == all[0]) continue;
+      std::size_t k = 0;
+      while (k < all[0].size() && k < all[j].size() && all[0][k] == all[j][k]) ++k;
+      detail::fail(Errc::mismatch, "rank ", comm_->rank(), ": FullyShardedAverager: rank ", j,
+                   "'s units differ from rank 0's (", all[0][0], " and ", all[j][0],
+                   " units; the first difference at word ", k,
+                   " of their shapes): every rank must make the same units");
+    }
+  }
+
+  Communicator<Backend>* comm_;
+  std::vector<Block> blocks_;
+  std::vector<std::size_t> pending_;
+};
+
+/// Deduces the backend from the communicator: FullyShardedAverager fsdp(comm, units, init).
+template <class Backend, class I>
+FullyShardedAverager(Communicator<Backend>&, std::vector<std::vector<std::size_t>>, I)
+    -> FullyShardedAverager<Backend, float>;
+
+DDP_END_NAMESPACE
+// end ddp/training/fully_sharded.hpp
+// #include "ddp/training/gradient.hpp" (already included above)
+// begin ddp/training/guard.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ZeroFirstGuard: the RAII form of torch_distributed_zero_first (the context manager of
+/// YOLOv5-style training scripts). Rank 0 runs the guarded block first (downloading or decoding a
+/// dataset into a cache, say) while the other ranks wait in the constructor; when rank 0 leaves the
+/// block, the others run it (and find the cache). Per host by default (local rank 0 of each host
+/// goes first), or for the whole job.
+///
+/// If rank 0's block throws, the others do not hang: their constructor throws Errc::aborted.
+///
+///   { ddp::ZeroFirstGuard g(comm); load_or_build_cache(); }
+
+// #include "ddp/communicator.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+
+#include <cstdint>
+#include <exception>
+#include <span>
+
+DDP_BEGIN_NAMESPACE
+
+/// Which ranks a ZeroFirstGuard orders: those of each host, or those of the whole job.
+enum class GuardScope : std::uint8_t {
+  local,   ///< local rank 0 of each host goes first (the cache is per host)
+  global,  ///< rank 0 of the job goes first (the cache is on a shared file system)
+};
+
+/// Lets rank 0 of the group run a block first, the other ranks after it (see the file comment).
+template <CommBackend Backend>
+class ZeroFirstGuard {
+ public:
+  /// Rank 0 of the group (local rank 0 with GuardScope::local) returns at once; the others wait
+  /// here until it destroys its guard, and throw Errc::aborted if its block threw. Collective.
+  explicit ZeroFirstGuard(Communicator<Backend>& comm, GuardScope scope = GuardScope::local)
+      : group_(scope == GuardScope::global ? comm : comm.local_group()),
+        uncaught_(std::uncaught_exceptions()) {
+    if (group_.rank() != 0) {
+      std::int64_t status = 0;
+      group_.broadcast_host(std::span<std::int64_t>(&status, 1), 0);
+      if (status != ok) {
+        detail::fail(Errc::aborted, "rank ", comm.rank(),
+                     ": ZeroFirstGuard: rank 0 of the group threw inside the guarded block (its "
+                     "own error says why); "
+                     "this rank stops here instead of waiting for a result that will not come");
+      }
+    }
+  }
+
+  ZeroFirstGuard(const ZeroFirstGuard&) = delete;
+  ZeroFirstGuard& operator=(const ZeroFirstGuard&) = delete;
+
+  /// Rank 0 releases the others, telling them whether its block succeeded. Throws only when no
+  /// other exception is in flight.
+  ~ZeroFirstGuard() noexcept(false) {
+    if (group_.rank() != 0) return;
+    const bool failing = std::uncaught_exceptions() > uncaught_;
+    std::int64_t status = failing ? failed : ok;
+    try {
+      group_.broadcast_host(std::span<std::int64_t>(&status, 1), 0);
+    } catch (...) {
+      if (!failing) throw;
+    }
+  }
+
+ private:
+  static constexpr std::int64_t ok = 1;
+  static constexpr std::int64_t failed = 2;
+  Communicator<Backend>& group_;
+  int uncaught_;
+};
+
+DDP_END_NAMESPACE
+// end ddp/training/guard.hpp
+// #include "ddp/training/join.hpp" (already included above)
+// begin ddp/training/logging.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Output for training programs: ddp::Logger prints on rank 0 only (or on every rank, each line
+/// prefixed with its rank), a whole line per write(2) so that ranks sharing a terminal or a log
+/// file never interleave within a line; ddp::Progress draws an epoch's progress bar with the
+/// samples per second of the whole job: redrawn in place on a terminal, a line at every quarter
+/// (or as asked) in a log file, where carriage returns would pile up.
+///
+///     ddp::Logger log(comm.rank());                         // rank 0 prints
+///     ddp::Progress bar(log, "epoch 1/5", sampler.num_samples(), comm.size());
+///     for (...) { ...; bar.update(seen, {{"loss", running_loss}}); }
+///     bar.finish();
+///     log.print("epoch %d: %s", epoch + 1, metrics.reduce(comm).format().c_str());
+///
+/// Why in the library rather than in each example: every data-parallel program needs rank
+/// gating, whole-line writes and a terminal-or-log decision, and gets them subtly wrong on its own
+/// (a bar redrawn into a log file, ranks' half lines mixed); what is drawn stays a few lines here.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdarg>
+#include <cstddef>
+#include <cstdio>
+#include <cstdlib>
+#include <initializer_list>
+#include <limits>
+#include <string>
+#include <string_view>
+#include <utility>
+
+DDP_BEGIN_NAMESPACE
+
+/// Where and on which ranks a Logger prints.
+struct LoggerOptions {
+  /// Every rank prints, each line prefixed "[rN] " (else rank 0 only, without a prefix). Under
+  /// ddprun, which prefixes every line with the rank the process started as, a Logger adds
+  /// nothing, or "(now rN) " once shrink() or grow() gave the process another rank.
+  bool every_rank = false;
+  /// The file descriptor lines go to (stdout by default; 2 for stderr).
+  int fd = 1;
+};
+
+/// Prints whole lines on rank 0 (see the file comment). Copyable; no state but the options.
+class Logger {
+ public:
+  /// A logger for rank `rank` (rank 0 prints unless `o` says every rank does).
+  explicit Logger(int rank, LoggerOptions o = {});
+
+  /// Whether this rank prints.
+  [[nodiscard]] bool enabled() const noexcept { return o_.every_rank || rank_ == 0; }
+  /// Whether the output is a terminal (where Progress redraws in place).
+  [[nodiscard]] bool terminal() const noexcept { return ::isatty(o_.fd) == 1; }
+
+  /// printf-style; a newline is added. One write(2) per line.
+#if defined(__GNUC__)
+  __attribute__((format(printf, 2, 3)))
+#endif
+  void
+  print(const char* format, ...) const {
+    if (!enabled()) return;
+    va_list args;
+    va_start(args, format);
+    std::string line = vformat(format, args);
+    va_end(args);
+    line += '\n';
+    write_all(line);
+  }
+
+  /// Writes `text` as it is (with the rank prefix when every rank prints), in one write(2).
+  void write(std::string_view text) const;
+
+ private:
+  static std::string vformat(const char* format, va_list args);
+
+  void write_all(std::string text) const;
+
+  int rank_;
+  LoggerOptions o_;
+  int started_as_ = -1;  // the RANK ddprun's "[rRANK] " prefix names (-1: no such prefix)
+};
+
+#if DDP_BODIES
+DDP_INLINE Logger::Logger(int rank, LoggerOptions o) : rank_(rank), o_(o) {
+  const char* prefixed = std::getenv("DDP_OUTPUT_PREFIXED");
+  const char* started = std::getenv("RANK");
+  if (prefixed == nullptr || std::string_view(prefixed) != "1" || started == nullptr) return;
+  char* end = nullptr;
+  const long r = std::strtol(started, &end, 10);
+  if (end != started && *end == '\0' && r >= 0 && r <= std::numeric_limits<int>::max())
+    started_as_ = static_cast<int>(r);
+}
+
+DDP_INLINE void Logger::write(std::string_view text) const {
+  if (enabled()) write_all(std::string(text));
+}
+
+DDP_INLINE std::string Logger::vformat(const char* format, va_list args) {
+  va_list again;
+  va_copy(again, args);
+  char small[256];
+  const int n = std::vsnprintf(small, sizeof small, format, args);
+  std::string out;
+  if (n < 0) {
+    out = format;  // a malformed format: print it as it is rather than nothing
+  } else if (static_cast<std::size_t>(n) < sizeof small) {
+    out.assign(small, static_cast<std::size_t>(n));
+  } else {
+    out.resize(static_cast<std::size_t>(n) + 1);
+    std::vsnprintf(out.data(), out.size(), format, again);
+    out.resize(static_cast<std::size_t>(n));
+  }
+  va_end(again);
+  return out;
+}
+
+DDP_INLINE void Logger::write_all(std::string text) const {
+  if (o_.every_rank) {
+    // A prefix after the carriage return of a redrawn line, else at the start. Under ddprun,
+    // whose "[rRANK] " starts every line already, only a rank changed since (shrink, grow).
+    const std::string prefix = started_as_ < 0        ? "[r" + std::to_string(rank_) + "] "
+                               : started_as_ != rank_ ? "(now r" + std::to_string(rank_) + ") "
+                                                      : std::string();
+    text.insert(!text.empty() && text[0] == '\r' ? 1 : 0, prefix);
+  }
+  const char* p = text.data();
+  std::size_t left = text.size();
+  while (left > 0) {
+    const ssize_t n = ::write(o_.fd, p, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;  // output closed or full: logging never fails the training
+    p += n;
+    left -= static_cast<std::size_t>(n);
+  }
+}
+#endif  // DDP_BODIES
+
+/// An epoch's progress bar (see the file comment): `total` samples on this rank, `world` ranks
+/// (samples per second are the whole job's: this rank's rate times world, ranks being in step).
+class Progress {
+ public:
+  /// A named value shown after the rate, e.g. {"loss", 0.4123}.
+  using Value = std::pair<std::string_view, double>;
+
+  /// A bar labelled `label` (e.g. "epoch 1/5") for `total` samples of this rank, `world` ranks
+  /// in step; in a log (not a terminal) a line at each 1/lines_in_logs of the total.
+  Progress(const Logger& log, std::string label, std::size_t total, int world = 1,
+           int lines_in_logs = 4);
+  Progress(const Progress&) = delete;
+  Progress& operator=(const Progress&) = delete;
+  ~Progress() {
+    if (!finished_) finish();
+  }
+
+  /// `done` of the total samples are processed; redraws when it is time (a terminal: at most 10
+  /// times a second; a log: at each 1/lines_in_logs of the total).
+  void update(std::size_t done, std::initializer_list<Value> values = {});
+
+  /// The final line (100% or wherever it stopped), ending the redrawn one on a terminal.
+  void finish(std::initializer_list<Value> values = {});
+
+ private:
+  void draw(std::chrono::steady_clock::time_point now, std::initializer_list<Value> values,
+            bool last);
+
+  Logger log_;
+  std::string label_;
+  std::size_t total_;
+  int world_;
+  bool terminal_;
+  int lines_;
+  int logged_ = 0;
+  std::size_t done_ = 0;
+  bool finished_ = false;
+  std::chrono::steady_clock::time_point t0_, last_draw_;
+};
+
+#if DDP_BODIES
+DDP_INLINE Progress::Progress(const Logger& log, std::string label, std::size_t total, int world,
+                              int lines_in_logs)
+    : log_(log),
+      label_(std::move(label)),
+      total_(total),
+      world_(std::max(world, 1)),
+      terminal_(log.enabled() && log.terminal()),
+      lines_(std::max(lines_in_logs, 1)),
+      t0_(std::chrono::steady_clock::now()),
+      last_draw_(t0_) {}
+
+DDP_INLINE void Progress::update(std::size_t done, std::initializer_list<Value> values) {
+  done_ = std::min(done, total_);
+  if (!log_.enabled()) return;
+  const auto now = std::chrono::steady_clock::now();
+  if (terminal_) {
+    if (now - last_draw_ < std::chrono::milliseconds(100) && done_ < total_) return;
+  } else {
+    const std::size_t next =
+        total_ * static_cast<std::size_t>(logged_ + 1) / static_cast<std::size_t>(lines_);
+    if (done_ < next || logged_ >= lines_) return;
+    while (logged_ < lines_ && done_ >= total_ * static_cast<std::size_t>(logged_ + 1) /
+                                            static_cast<std::size_t>(lines_))
+      ++logged_;
+  }
+  last_draw_ = now;
+  draw(now, values, false);
+}
+
+DDP_INLINE void Progress::finish(std::initializer_list<Value> values) {
+  finished_ = true;
+  if (!log_.enabled()) return;
+  if (!terminal_ && logged_ >= lines_) return;  // the last quarter's line is already out
+  draw(std::chrono::steady_clock::now(), values, true);
+}
+
+DDP_INLINE void Progress::draw(std::chrono::steady_clock::time_point now,
+                               std::initializer_list<Value> values, bool last) {
+  const double secs = std::chrono::duration<double>(now - t0_).count();
+  const int pct = total_ == 0 ? 100 : static_cast<int>(100 * done_ / total_);
+  char head[160];
+  std::snprintf(head, sizeof head, "%s%s [%-20s] %3d%%  %.0f samples/s", terminal_ ? "\r" : "",
+                label_.c_str(), std::string(static_cast<std::size_t>(pct / 5), '#').c_str(), pct,
+                static_cast<double>(done_) * world_ / std::max(secs, 1e-9));
+  std::string line = head;
+  for (const auto& [name, v] : values) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "  %.*s %.4g", static_cast<int>(name.size()), name.data(), v);
+    line += buf;
+  }
+  if (!terminal_ || last) line += '\n';
+  log_.write(line);
+}
+#endif  // DDP_BODIES
+
+DDP_END_NAMESPACE
+// end ddp/training/logging.hpp
+// begin ddp/training/metrics.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ddp::Metrics: named scalars that every rank records during an epoch (a loss, counts of correct
+/// answers, a step time), reduced across ranks in one collective: sums, weighted means, minima and
+/// maxima, the same bits on every rank.
+///
+///     ddp::Metrics m;
+///     m.mean("loss", batch_loss, batch_size);    // weighted: per-sample, not per-rank
+///     m.sum("correct", correct).sum("seen", batch_size);
+///     m.max("step_ms", ms);
+///     const auto r = m.reduce(comm);             // collective: every rank calls it
+///     if (comm.rank() == 0) std::puts(r.format().c_str());   // "loss 0.3412  correct 8923 ..."
+///
+/// reduce() is one all_reduce of a rank-by-metric table (each rank fills its own row, zeros
+/// elsewhere), after which every rank combines the rows in rank order 0..P-1: sums and means
+/// are those ddp's own all_reduce would give (bitwise on backend::Host), and a mean is the sum of
+/// value × weight over every rank's records divided by the sum of the weights (as exact_mean:
+/// ranks with more samples weigh more). Every rank must record the same names, kinds and order;
+/// reduce() compares them (a digest in each row) and fails with Errc::mismatch on every rank,
+/// naming the first rank that differs, instead of mixing up values. It costs 8 × P × (names + 1)
+/// bytes: meant for a handful of metrics per epoch or per log line, not per-element tensors.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/process_group.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// How a metric combines across records and ranks.
+enum class MetricKind : std::uint8_t {
+  sum,   ///< the total
+  mean,  ///< Σ value × weight / Σ weight over every record of every rank
+  min,   ///< the smallest value
+  max,   ///< the largest value
+};
+
+/// Reduced metrics: the same names, in the order they were first recorded, with their values.
+class MetricValues {
+ public:
+  /// One reduced metric.
+  struct Entry {
+    std::string name;  ///< as recorded
+    MetricKind kind;   ///< how it combined
+    double value;      ///< the reduced value (NaN when no rank recorded one)
+    double weight;     ///< mean: Σ weight over all ranks; sum, min, max: records over all ranks
+  };
+
+  /// The value named `name`; Errc::invalid_argument naming it when there is none.
+  [[nodiscard]] double operator[](std::string_view name) const { return entry(name).value; }
+  /// The entry named `name` (value, kind, weight); Errc::invalid_argument when there is none.
+  [[nodiscard]] const Entry& entry(std::string_view name) const;
+  /// Whether a metric named `name` was reduced.
+  [[nodiscard]] bool contains(std::string_view name) const noexcept;
+  /// Every entry, in recording order.
+  [[nodiscard]] const std::vector<Entry>& entries() const noexcept { return entries_; }
+  /// The number of metrics.
+  [[nodiscard]] std::size_t size() const noexcept { return entries_.size(); }
+  /// Whether there are none.
+  [[nodiscard]] bool empty() const noexcept { return entries_.empty(); }
+
+  /// "loss 0.3412  correct 8923  step_ms 41.2": each value with `digits` significant digits
+  /// (%g), in recording order, two spaces apart.
+  [[nodiscard]] std::string format(int digits = 4) const;
+
+ private:
+  friend class Metrics;
+  [[nodiscard]] std::string names() const;
+  std::vector<Entry> entries_;
+};
+
+#if DDP_BODIES
+DDP_INLINE auto MetricValues::entry(std::string_view name) const -> const Entry& {
+  for (const Entry& e : entries_) {
+    if (e.name == name) return e;
+  }
+  detail::fail(Errc::invalid_argument, "MetricValues: no metric named \"", name,
+               "\" (recorded: ", names(), ")");
+}
+
+DDP_INLINE bool MetricValues::contains(std::string_view name) const noexcept {
+  return std::any_of(entries_.begin(), entries_.end(),
+                     [&](const Entry& e) { return e.name == name; });
+}
+
+DDP_INLINE std::string MetricValues::format(int digits) const {
+  std::string out;
+  for (const Entry& e : entries_) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.*g", std::clamp(digits, 1, 17), e.value);
+    if (!out.empty()) out += "  ";
+    out += e.name;
+    out += ' ';
+    out += buf;
+  }
+  return out;
+}
+
+DDP_INLINE std::string MetricValues::names() const {
+  std::string s;
+  for (const Entry& e : entries_) s += (s.empty() ? "" : ", ") + e.name;
+  return s.empty() ? std::string("none") : s;
+}
+#endif  // DDP_BODIES
+
+/// Named scalars recorded on each rank and reduced across ranks in one collective (see the file
+/// comment). Recording is local and cheap; a name keeps the kind it was first recorded with.
+class Metrics {
+ public:
+  /// Adds `value` to the sum named `name`.
+  Metrics& sum(std::string_view name, double value);
+  /// Records `value` as the mean of `weight` samples (a batch's mean loss and its size): the
+  /// reduced mean weighs every sample of every rank alike. weight 0 records nothing.
+  Metrics& mean(std::string_view name, double value, double weight = 1.0);
+  /// Keeps the smallest value recorded as `name`.
+  Metrics& min(std::string_view name, double value);
+  /// Keeps the largest value recorded as `name`.
+  Metrics& max(std::string_view name, double value);
+
+  /// This rank's own values (not reduced), for per-rank logs.
+  [[nodiscard]] MetricValues local() const;
+
+  /// Collective: every rank of `comm` calls it, having recorded the same names with the same
+  /// kinds in the same order (Errc::mismatch on every rank otherwise). Returns the reduced
+  /// values, the same on every rank; the records stay (clear() starts afresh). A metric no rank
+  /// recorded a value for (a mean of weight 0 everywhere, a min with no record) is NaN.
+  template <ProcessGroup Comm>
+  [[nodiscard]] MetricValues reduce(Comm& comm) const {
+    const std::size_t p = static_cast<std::size_t>(comm.size());
+    const std::size_t me = static_cast<std::size_t>(comm.rank());
+    const std::size_t k = slots_.size();
+    const std::size_t row = 2 * k + 1;  // digest, then (a, b) per metric
+    std::vector<double> table(p * row, 0.0);
+    double* mine = table.data() + me * row;
+    mine[0] = static_cast<double>(digest() >> 11);  // 53 bits: exact in a double
+    for (std::size_t i = 0; i < k; ++i) {
+      mine[1 + 2 * i] = slots_[i].a;
+      mine[2 + 2 * i] = slots_[i].b;
+    }
+    comm.all_reduce_host(std::span<double>(table), ReduceOp::sum);
+    for (std::size_t j = 0; j < p; ++j) {
+      if (table[j * row] != mine[0]) {
+        detail::fail(Errc::mismatch, "rank ", me, ": Metrics::reduce: rank ", j,
+                     " recorded other metrics than this rank (", describe(),
+                     "); every rank must record the same names, with the same kinds, in the "
+                     "same order (record a weight-0 mean or skip the name on every rank)");
+      }
+    }
+    MetricValues out;
+    for (std::size_t i = 0; i < k; ++i) {
+      const MetricKind kind = slots_[i].kind;
+      double a = 0, b = 0;
+      bool any = false;
+      for (std::size_t j = 0; j < p; ++j) {  // rank order: the same bits on every rank
+        const double ra = table[j * row + 1 + 2 * i], rb = table[j * row + 2 + 2 * i];
+        if (kind == MetricKind::sum || kind == MetricKind::mean) {
+          a = j == 0 ? ra : a + ra;
+          b = j == 0 ? rb : b + rb;
+        } else if (rb > 0) {
+          a = !any ? ra : kind == MetricKind::min ? std::min(a, ra) : std::max(a, ra);
+          b += rb;
+          any = true;
+        }
+      }
+      if ((kind == MetricKind::min || kind == MetricKind::max) && !any)
+        a = std::numeric_limits<double>::quiet_NaN();
+      out.entries_.push_back({slots_[i].name, kind, value_of(kind, a, b), b});
+    }
+    return out;
+  }
+
+  /// Forgets every record and name (e.g. at the start of an epoch).
+  void clear() noexcept { slots_.clear(); }
+  /// Forgets the records but keeps the names, kinds and order.
+  void reset() noexcept {
+    for (Slot& s : slots_) s.a = s.b = 0;
+  }
+  /// The number of names recorded.
+  [[nodiscard]] std::size_t size() const noexcept { return slots_.size(); }
+
+ private:
+  struct Slot {
+    std::string name;
+    MetricKind kind;
+    double a = 0;  // sum: total; mean: Σ value × weight; min/max: the extreme so far
+    double b = 0;  // mean: Σ weight; otherwise the number of records
+  };
+
+  Slot& slot(std::string_view name, MetricKind kind);
+
+  static double value_of(MetricKind kind, double a, double b);
+
+  static std::string_view to_string(MetricKind k) noexcept;
+
+  /// FNV-1a over the names and kinds, in order.
+  [[nodiscard]] std::uint64_t digest() const noexcept;
+
+  [[nodiscard]] std::string describe() const;
+
+  std::vector<Slot> slots_;
+};
+
+#if DDP_BODIES
+DDP_INLINE Metrics& Metrics::sum(std::string_view name, double value) {
+  Slot& s = slot(name, MetricKind::sum);
+  s.a += value;
+  s.b += 1;
+  return *this;
+}
+
+DDP_INLINE Metrics& Metrics::mean(std::string_view name, double value, double weight) {
+  if (!(weight >= 0) || !std::isfinite(weight)) {
+    detail::fail(Errc::invalid_argument, "Metrics::mean(\"", name, "\"): the weight ", weight,
+                 " must be finite and non-negative (a number of samples)");
+  }
+  Slot& s = slot(name, MetricKind::mean);
+  if (weight > 0) {
+    s.a += value * weight;
+    s.b += weight;
+  }
+  return *this;
+}
+
+DDP_INLINE Metrics& Metrics::min(std::string_view name, double value) {
+  Slot& s = slot(name, MetricKind::min);
+  s.a = s.b == 0 ? value : std::min(s.a, value);
+  s.b += 1;
+  return *this;
+}
+
+DDP_INLINE Metrics& Metrics::max(std::string_view name, double value) {
+  Slot& s = slot(name, MetricKind::max);
+  s.a = s.b == 0 ? value : std::max(s.a, value);
+  s.b += 1;
+  return *this;
+}
+
+DDP_INLINE MetricValues Metrics::local() const {
+  MetricValues v;
+  for (const Slot& s : slots_)
+    v.entries_.push_back({s.name, s.kind, value_of(s.kind, s.a, s.b), s.b});
+  return v;
+}
+
+DDP_INLINE auto Metrics::slot(std::string_view name, MetricKind kind) -> Slot& {
+  for (Slot& s : slots_) {
+    if (s.name != name) continue;
+    if (s.kind != kind) {
+      detail::fail(Errc::invalid_argument, "Metrics: \"", name, "\" was recorded as a ",
+                   to_string(s.kind), " and now as a ", to_string(kind),
+                   "; a name keeps its kind (clear() forgets it)");
+    }
+    return s;
+  }
+  if (name.empty()) detail::fail(Errc::invalid_argument, "Metrics: a metric needs a name");
+  slots_.push_back({std::string(name), kind});
+  return slots_.back();
+}
+
+DDP_INLINE double Metrics::value_of(MetricKind kind, double a, double b) {
+  if (kind == MetricKind::mean) return b > 0 ? a / b : std::numeric_limits<double>::quiet_NaN();
+  if ((kind == MetricKind::min || kind == MetricKind::max) && b == 0)
+    return std::numeric_limits<double>::quiet_NaN();
+  return a;
+}
+
+DDP_INLINE std::string_view Metrics::to_string(MetricKind k) noexcept {
+  switch (k) {
+    case MetricKind::sum: return "sum";
+    case MetricKind::mean: return "mean";
+    case MetricKind::min: return "min";
+    case MetricKind::max: return "max";
+  }
+  return "?";
+}
+
+DDP_INLINE std::uint64_t Metrics::digest() const noexcept {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  const auto mix = [&](unsigned char c) {
+    h ^= c;
+    h *= 0x100000001b3ull;
+  };
+  for (const Slot& s : slots_) {
+    for (char c : s.name) mix(static_cast<unsigned char>(c));
+    mix(0);
+    mix(static_cast<unsigned char>(s.kind));
+  }
+  return h;
+}
+
+DDP_INLINE std::string Metrics::describe() const {
+  std::string s;
+  for (const Slot& x : slots_)
+    s += detail::concat(s.empty() ? "" : ", ", x.name, " (", to_string(x.kind), ")");
+  return s.empty() ? std::string("no metrics") : "this rank has " + s;
+}
+#endif  // DDP_BODIES
+
+DDP_END_NAMESPACE
+// end ddp/training/metrics.hpp
+// begin ddp/training/powersgd.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// PowerSGD (Vogels et al., 2019), as torch's powerSGD_hook defines it: a comm hook that sends a
+/// rank-r approximation of each gradient matrix instead of the matrix.
+///
+///     ddp::PowerSGDHook powersgd({.rank = 4, .start_iter = 100});
+///     avg.register_comm_hook(powersgd);          // copies share one state
+///     ...
+///     powersgd.stats();                          // elements sent vs. uncompressed
+///
+/// Per bucket, once `start_iter` steps have gone by with a plain all_reduce: the error kept from
+/// the previous step is added to the gradients (error feedback); each gradient of a parameter
+/// whose rows the model gives (BucketPiece::rows, torch: size(0) of a tensor of 2+ dimensions)
+/// and that compresses by at least `min_compression_rate` is seen as an n x m matrix M, the
+/// rest (vectors, small or square-ish matrices: the per-tensor fallback) is all_reduced as it
+/// is, in one buffer. For the matrices: P = M Q (Q: the previous step's, warm start, else random
+/// and orthogonalized, the same on every rank), all_reduce(P), orthogonalize P, Q = M^T P,
+/// all_reduce(Q), M ~ P Q^T. The error, what this rank's gradient lost, is kept for the next
+/// step. So per matrix (n + m) r elements travel instead of n m.
+///
+/// A step whose result holds an inf or a NaN (a loss-scaling step that overflowed) would leave
+/// them in the error and the warm-start Q, and every later step would be non-finite too: the
+/// bucket's error and Q are reset instead (the next step starts afresh, as the first compressed
+/// step does), counted in PowerSGDStats::resets. The result is the same on every rank, so every
+/// rank resets alike.
+///
+/// Host memory only (there are no GPU kernels in ddp's headers): a bucket on a CUDA device is
+/// refused with Errc::unsupported. The hook computes and communicates when its bucket is ready,
+/// in the thread that completes it (its two all_reduces are small). In a ddp::Join, a finished
+/// rank's calls (bucket.shadow, zeros) issue the same collectives and leave the state alone.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/tensor.hpp" (already included above)
+// #include "ddp/training/comm_hooks.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+// #include "ddp/work.hpp" (already included above)
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// PowerSGD's settings (torch's PowerSGDState).
+struct PowerSGDOptions {
+  /// The rank r of the approximation (matrix_approximation_rank).
+  std::size_t rank = 1;
+  /// Steps run with a plain all_reduce first (start_powerSGD_iter).
+  std::size_t start_iter = 1000;
+  /// A matrix n x m is compressed only when n m > (n + m) r times this.
+  double min_compression_rate = 2;
+  /// Keeps what compression lost and adds it to the next step's gradients.
+  bool error_feedback = true;
+  /// Starts each step's power iteration from the previous step's Q.
+  bool warm_start = true;
+  /// Added to each column's norm when orthogonalizing (0: none; a zero column stays zero).
+  float orthogonalization_epsilon = 0;
+  /// Seed of the random initial Q (the same on every rank).
+  std::uint64_t seed = 0;
+};
+
+/// What a PowerSGDHook has sent: elements of its all_reduces, and what plain all_reduces of the
+/// same buckets would have sent.
+struct PowerSGDStats {
+  std::uint64_t steps = 0;            ///< Steps seen (last buckets).
+  std::uint64_t sent = 0;             ///< Elements all_reduced, every step.
+  std::uint64_t uncompressed = 0;     ///< Elements of the buckets, every step.
+  std::uint64_t compressed_sent = 0;  ///< Of `sent`, in the compressed steps only.
+  std::uint64_t compressed_full = 0;  ///< Of `uncompressed`, in the compressed steps only.
+  /// Buckets whose error feedback and warm-start Q were reset after a non-finite result.
+  std::uint64_t resets = 0;
+};
+
+namespace detail {
+
+/// A reproducible standard normal sequence (splitmix64 and Box-Muller).
+class NormalSequence {
+ public:
+  explicit NormalSequence(std::uint64_t seed);
+  float next();
+
+ private:
+  std::uint64_t bits();
+  std::uint64_t s_;
+  float spare_ = 0;
+  bool has_spare_ = false;
+};
+
+#if DDP_BODIES
+DDP_INLINE NormalSequence::NormalSequence(std::uint64_t seed) : s_(seed) {}
+
+DDP_INLINE float NormalSequence::next() {
+  if (has_spare_) {
+    has_spare_ = false;
+    return spare_;
+  }
+  const double u1 = (static_cast<double>(bits() >> 11) + 1.0) * 0x1.0p-53;
+  const double u2 = static_cast<double>(bits() >> 11) * 0x1.0p-53;
+  const double r = std::sqrt(-2.0 * std::log(u1)), t = 6.283185307179586 * u2;
+  spare_ = static_cast<float>(r * std::sin(t));
+  has_spare_ = true;
+  return static_cast<float>(r * std::cos(t));
+}
+
+DDP_INLINE std::uint64_t NormalSequence::bits() {
+  std::uint64_t z = (s_ += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+#endif  // DDP_BODIES
+
+// The factors are kept transposed, one row per column of P (r x n) and of Q (r x c), so that
+// every loop below runs over contiguous memory.
+
+/// Gram-Schmidt on the r rows (of n) of `a`, in place: each row made orthogonal to the ones
+/// before it (twice: once is not enough in floating point when rows are nearly dependent) and
+/// normalized (`epsilon` added to the norm). A row that is (numerically) in the span of the
+/// ones before it becomes zero: normalizing the rounding noise left of it would add a direction
+/// the data does not have.
+DDP_INLINE void orthogonalize(float* a, std::size_t r, std::size_t n, float epsilon);
+#if DDP_BODIES
+DDP_INLINE void orthogonalize(float* a, std::size_t r, std::size_t n, float epsilon) {
+  const auto dot = [n](const float* x, const float* y) {
+    double s = 0;
+    for (std::size_t k = 0; k < n; ++k) s += double{x[k]} * y[k];
+    return s;
+  };
+  for (std::size_t i = 0; i < r; ++i) {
+    float* row = a + i * n;
+    const double before = std::sqrt(dot(row, row));
+    for (int pass = 0; pass < 2; ++pass) {
+      for (std::size_t j = 0; j < i; ++j) {
+        const auto f = static_cast<float>(dot(a + j * n, row));
+        for (std::size_t k = 0; k < n; ++k) row[k] -= f * a[j * n + k];
+      }
+    }
+    const double after = std::sqrt(dot(row, row));
+    const float scale = after > 1e-5 * before && after + epsilon > 0
+                            ? static_cast<float>(1.0 / (after + epsilon))
+                            : 0.0f;
+    for (std::size_t k = 0; k < n; ++k) row[k] *= scale;
+  }
+}
+#endif  // DDP_BODIES
+
+// Each kernel reads the big matrix m once (it is the gradient: megabytes), in chunks of its
+// rows that stay in the first-level cache while the r factors are applied to them.
+inline constexpr std::size_t powersgd_chunk = 256;
+
+/// pt (r x n) = (m q)^T for m (n x c, row-major) and qt = q^T (r x c).
+DDP_INLINE void times(const float* m, const float* qt, float* pt, std::size_t n, std::size_t c,
+                      std::size_t r);
+#if DDP_BODIES
+DDP_INLINE void times(const float* m, const float* qt, float* pt, std::size_t n, std::size_t c,
+                      std::size_t r) {
+  std::vector<float> acc(r * 8);
+  for (std::size_t i = 0; i < n; ++i) {
+    const float* row = m + i * c;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    std::size_t j = 0;
+    for (; j + 8 <= c; j += 8)  // eight partial sums: vectorizes without reassociation
+      for (std::size_t k = 0; k < r; ++k)
+        for (std::size_t l = 0; l < 8; ++l) acc[k * 8 + l] += row[j + l] * qt[k * c + j + l];
+    for (std::size_t k = 0; k < r; ++k) {
+      const float* a = &acc[k * 8];
+      float sum = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+      for (std::size_t t = 0; t < c - j; ++t) sum += row[j + t] * qt[k * c + j + t];
+      pt[k * n + i] = sum;
+    }
+  }
+}
+#endif  // DDP_BODIES
+
+/// qt (r x c) = (m^T p)^T for m (n x c) and pt = p^T (r x n).
+DDP_INLINE void times_transposed(const float* m, const float* pt, float* qt, std::size_t n,
+                                 std::size_t c, std::size_t r);
+#if DDP_BODIES
+DDP_INLINE void times_transposed(const float* m, const float* pt, float* qt, std::size_t n,
+                                 std::size_t c, std::size_t r) {
+  std::fill(qt, qt + r * c, 0.0f);
+  for (std::size_t i = 0; i < n; ++i) {
+    const float* row = m + i * c;
+    for (std::size_t j0 = 0; j0 < c; j0 += powersgd_chunk) {
+      const std::size_t j1 = std::min(c, j0 + powersgd_chunk);
+      for (std::size_t k = 0; k < r; ++k) {
+        const float f = pt[k * n + i];
+        float* q = qt + k * c;
+        for (std::size_t j = j0; j < j1; ++j) q[j] += f * row[j];
+      }
+    }
+  }
+}
+#endif  // DDP_BODIES
+
+/// m (n x c) = p q^T for pt = p^T (r x n) and qt = q^T (r x c); with `err`, err = what m held
+/// minus what it holds now (error feedback), in the same pass.
+DDP_INLINE void outer(const float* pt, const float* qt, float* m, float* err, std::size_t n,
+                      std::size_t c, std::size_t r);
+#if DDP_BODIES
+DDP_INLINE void outer(const float* pt, const float* qt, float* m, float* err, std::size_t n,
+                      std::size_t c, std::size_t r) {
+  float out[powersgd_chunk];
+  for (std::size_t i = 0; i < n; ++i) {
+    float* row = m + i * c;
+    for (std::size_t j0 = 0; j0 < c; j0 += powersgd_chunk) {
+      const std::size_t len = std::min(c - j0, powersgd_chunk);
+      std::fill(out, out + len, 0.0f);
+      for (std::size_t k = 0; k < r; ++k) {
+        const float f = pt[k * n + i];
+        const float* q = qt + k * c + j0;
+        for (std::size_t j = 0; j < len; ++j) out[j] += f * q[j];
+      }
+      if (err != nullptr)
+        for (std::size_t j = 0; j < len; ++j) err[i * c + j0 + j] = row[j0 + j] - out[j];
+      std::copy(out, out + len, row + j0);
+    }
+  }
+}
+#endif  // DDP_BODIES
+
+}  // namespace detail
+
+/// The PowerSGD comm hook for float32 gradients (see the file comment). Copies share one state:
+/// register a copy and keep this one to read stats().
+class PowerSGDHook {
+ public:
+  /// A hook with its own state (checked: rank >= 1, min_compression_rate >= 0).
+  explicit PowerSGDHook(PowerSGDOptions o = {});
+
+  /// What has been sent so far.
+  [[nodiscard]] PowerSGDStats stats() const;
+  /// The settings it was made with.
+  [[nodiscard]] const PowerSGDOptions& options() const noexcept { return s_->o; }
+
+  /// Reduces `b` (see the file comment); returns a finished Work.
+  template <class Comm>
+  Work operator()(Comm& comm, GradBucket<float>& b) const {
+    State& s = *s_;
+    std::lock_guard lock(s.mutex);  // one bucket at a time: they share the state
+    if (b.buffer.device.is_cuda())
+      detail::fail(Errc::unsupported, "rank ", comm.rank(), ": PowerSGDHook: bucket ", b.index,
+                   " is on ", to_string(b.buffer.device),
+                   "; PowerSGD runs on host buckets only (ddp's headers carry no GPU kernels)");
+    const std::size_t n_all = b.buffer.size;
+    const bool compress = s.iter >= s.o.start_iter;
+    s.stats.uncompressed += n_all;
+    if (compress) s.stats.compressed_full += n_all;
+    if (b.last) {
+      ++s.iter;  // finished ranks too: every rank switches at the same step
+      ++s.stats.steps;
+    }
+    if (!compress) {
+      s.stats.sent += n_all;
+      comm.all_reduce(b.buffer, b.op);
+      return {};
+    }
+    if (s.buckets.size() <= b.index) s.buckets.resize(b.index + 1);
+    Bucket& mem = s.buckets[b.index];
+    float* g = b.buffer.data;
+    const bool feedback = s.o.error_feedback && !b.shadow;
+    if (feedback) {
+      if (mem.error.size() != n_all) mem.error.assign(n_all, 0.0f);
+      for (std::size_t i = 0; i < n_all; ++i) g[i] += mem.error[i];
+    }
+    // Which pieces are matrices worth compressing; the rest goes as it is, in one buffer.
+    struct Mat {
+      float* m;
+      std::size_t n, c, r, p_at, q_at;
+    };
+    std::vector<Mat> mats;
+    std::vector<float> plain;
+    std::vector<bool> is_matrix;
+    std::size_t p_len = 0, q_len = 0;
+    for (const BucketPiece& pc : b.pieces) {
+      const std::size_t n = pc.rows, c = n != 0 ? pc.size / n : 0;
+      const std::size_t r = std::min({s.o.rank, n, c});
+      const bool matrix =
+          pc.offset == 0 && n >= 2 && c >= 2 && n * c == pc.size &&
+          static_cast<double>(n * c) > static_cast<double>((n + c) * r) * s.o.min_compression_rate;
+      is_matrix.push_back(matrix);
+      if (matrix) {
+        mats.push_back({g + pc.at, n, c, r, p_len, q_len});
+        p_len += n * r;
+        q_len += c * r;
+      } else {
+        plain.insert(plain.end(), g + pc.at, g + pc.at + pc.size);
+      }
+    }
+    s.stats.sent += plain.size() + p_len + q_len;
+    s.stats.compressed_sent += plain.size() + p_len + q_len;
+    if (!plain.empty()) {
+      comm.all_reduce(plain, b.op);
+      std::size_t at = 0;
+      for (std::size_t k = 0; k < b.pieces.size(); ++k) {
+        if (is_matrix[k]) continue;
+        float* x = g + b.pieces[k].at;
+        if (feedback)  // what this rank's input lost
+          for (std::size_t j = 0; j < b.pieces[k].size; ++j)
+            mem.error[b.pieces[k].at + j] = x[j] - plain[at + j];
+        std::memcpy(x, plain.data() + at, b.pieces[k].size * sizeof(float));
+        at += b.pieces[k].size;
+      }
+    }
+    if (!mats.empty()) {
+      // Q: the previous step's (warm start) or random, orthogonalized, the same everywhere.
+      if (!s.o.warm_start || mem.q.size() != q_len) {
+        mem.q.resize(q_len);
+        detail::NormalSequence rng(s.o.seed * 0x100000001b3ull + b.index * 7919 + s.iter);
+        for (float& x : mem.q) x = rng.next();
+        for (const Mat& m : mats) detail::orthogonalize(mem.q.data() + m.q_at, m.r, m.c, 0);
+      }
+      std::vector<float> p(p_len), q(mem.q);
+      for (const Mat& m : mats)
+        detail::times(m.m, q.data() + m.q_at, p.data() + m.p_at, m.n, m.c, m.r);
+      comm.all_reduce(p, ReduceOp::sum);  // orthogonalized next: no need to average
+      for (const Mat& m : mats)
+        detail::orthogonalize(p.data() + m.p_at, m.r, m.n, s.o.orthogonalization_epsilon);
+      for (const Mat& m : mats)
+        detail::times_transposed(m.m, p.data() + m.p_at, q.data() + m.q_at, m.n, m.c, m.r);
+      comm.all_reduce(q, ReduceOp::sum);
+      if (b.op == ReduceOp::avg) {
+        const float inv = 1.0f / static_cast<float>(comm.size());
+        for (float& x : q) x *= inv;
+      }
+      for (const Mat& m : mats)  // and what this rank's input lost, kept for the next step
+        detail::outer(p.data() + m.p_at, q.data() + m.q_at, m.m,
+                      feedback ? mem.error.data() + (m.m - g) : nullptr, m.n, m.c, m.r);
+      if (!b.shadow) mem.q = std::move(q);
+    }
+    // An inf or NaN in the result (the same on every rank) would stay in the error and in Q
+    // and poison every later step: start this bucket afresh instead.
+    if (!std::all_of(g, g + n_all, [](float x) { return std::isfinite(x); })) {
+      if (!b.shadow) {
+        std::fill(mem.error.begin(), mem.error.end(), 0.0f);
+        mem.q.clear();
+      }
+      ++s.stats.resets;
+    }
+    return {};
+  }
+
+ private:
+  struct Bucket {
+    std::vector<float> error, q;
+  };
+  struct State {
+    PowerSGDOptions o;
+    std::size_t iter = 0;
+    std::vector<Bucket> buckets;  // by bucket index
+    PowerSGDStats stats;
+    std::mutex mutex;
+  };
+  std::shared_ptr<State> s_;
+};
+
+#if DDP_BODIES
+DDP_INLINE PowerSGDHook::PowerSGDHook(PowerSGDOptions o) : s_(std::make_shared<State>()) {
+  if (o.rank == 0) detail::fail(Errc::invalid_argument, "PowerSGDHook: rank must be at least 1");
+  if (!(o.min_compression_rate >= 0))
+    detail::fail(Errc::invalid_argument, "PowerSGDHook: min_compression_rate must not be negative");
+  s_->o = o;
+}
+
+DDP_INLINE PowerSGDStats PowerSGDHook::stats() const {
+  std::lock_guard lock(s_->mutex);
+  return s_->stats;
+}
+#endif  // DDP_BODIES
+
+DDP_END_NAMESPACE
+// end ddp/training/powersgd.hpp
+// #include "ddp/training/sharded.hpp" (already included above)
 // #include "ddp/training/sharded_checkpoint.hpp" (already included above)
 // #include "ddp/training/state.hpp" (already included above)
 // #include "ddp/work.hpp" (already included above)

@@ -1,0 +1,278 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// FullyShardedAverager<Backend, T>: fully sharded parameters (ZeRO-3), the units' engine.
+///
+/// The program's parameters are grouped into units (a layer, a block). Each unit's parameters,
+/// end to end, form one flat array padded with zeros to a multiple of P; rank r keeps block r of
+/// it (its values, their gradients, and whatever an optimizer keeps for them), so no rank holds a
+/// whole unit except while it is gathered:
+///
+///     ddp::FullyShardedAverager fsdp(comm, {{4096 * 4096, 4096}, {4096 * 10, 10}},
+///                                    [](std::size_t unit, std::size_t param, std::size_t offset,
+///                                       std::span<float> values) { /* initialize them */ });
+///     for (...) {
+///       fsdp.prefetch(0);
+///       for (u in forward order) {
+///         std::span<float> w = fsdp.gather(u);   // the unit's parameters, end to end
+///         if (u + 1 < units) fsdp.prefetch(u + 1); // while this unit computes
+///         forward(u, w);
+///         fsdp.release(u);                        // (or keep it for the backward)
+///       }
+///       for (u in backward order) {
+///         std::span<float> w = fsdp.gather(u);
+///         backward(u, w, fsdp.grad(u));            // adds into the unit's gradients
+///         fsdp.release(u);
+///         fsdp.reduce(u);                         // averaged into the shard in the background
+///       }
+///       fsdp.synchronize();                       // the shard's gradients hold the averages
+///       opt.step(fsdp.shard());                   // the optimizer on the shard (ShardSlice)
+///     }
+///
+/// The averages are every rank's gradients reduced with ReduceOp::avg, as GradientAverager's: on
+/// backend::Host (every element reduced in rank order on every path) they are bitwise its
+/// averages, so a run is bitwise a GradientAverager run. The shard is ShardedAverager's kind
+/// (ShardSlice over (parameter, offset, size), layout() for Checkpoint::put_sharded), so
+/// optimizers written for a model or a ShardedAverager's shard run on it unchanged.
+///
+/// A unit is gathered at most once at a time; gather() waits for a prefetch() of it. Calls on
+/// a unit out of turn (gather twice, grad() of a unit not gathered, reduce() before grad())
+/// fail with Errc::invalid_argument naming the unit. Every rank must make the same units
+/// (Errc::mismatch at construction, naming the first unit that differs).
+
+#include "ddp/communicator.hpp"
+#include "ddp/error.hpp"
+#include "ddp/tensor.hpp"
+#include "ddp/training/checkpoint.hpp"
+#include "ddp/training/sharded.hpp"
+#include "ddp/work.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// Fully sharded parameters (see the file comment). T: the parameters' element type.
+template <class Backend, class T = float>
+class FullyShardedAverager {
+ public:
+  /// A unit: its parameters' element counts, in the order the program lays them end to end.
+  using Unit = std::vector<std::size_t>;
+  /// Fills `values` with the initial values of elements [offset, offset + values.size()) of
+  /// parameter `param` (its index in unit `unit`): called for this rank's pieces only.
+  using Init = std::function<void(std::size_t unit, std::size_t param, std::size_t offset,
+                                  std::span<T> values)>;
+
+  /// Collective: makes this rank's shard of `units`, its values from `init`. Errc::mismatch on
+  /// every rank when the ranks' units differ; Errc::invalid_argument for a unit without
+  /// elements.
+  FullyShardedAverager(Communicator<Backend>& comm, std::vector<Unit> units, const Init& init)
+      : comm_(&comm) {
+    const auto p = static_cast<std::size_t>(comm.size()), r = static_cast<std::size_t>(comm.rank());
+    std::vector<std::uint64_t> shape{units.size()};
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      Block b;
+      b.sizes = std::move(units[u]);
+      std::size_t n = 0;
+      for (const std::size_t s : b.sizes) n += s;
+      if (n == 0)
+        detail::fail(Errc::invalid_argument, "rank ", comm.rank(), ": FullyShardedAverager: unit ",
+                     u, " has no elements");
+      b.elements = n;
+      b.block = (n + p - 1) / p;
+      b.value.assign(b.block, T{});
+      b.grad.assign(b.block, T{});
+      // This rank's pieces: parameter by parameter, the part of [r*block, (r+1)*block) it covers.
+      std::size_t first = 0;
+      for (std::size_t i = 0; i < b.sizes.size(); ++i) {
+        const std::size_t lo = std::max(first, r * b.block),
+                          hi = std::min(first + b.sizes[i], (r + 1) * b.block);
+        if (lo < hi) {
+          const std::size_t at = lo - r * b.block;
+          b.pieces.push_back({i, lo - first, at, hi - lo});
+          if (init) init(u, i, lo - first, std::span<T>(b.value.data() + at, hi - lo));
+        }
+        first += b.sizes[i];
+      }
+      shape.push_back(b.sizes.size());
+      shape.insert(shape.end(), b.sizes.begin(), b.sizes.end());
+      blocks_.push_back(std::move(b));
+    }
+    agree(shape);
+  }
+
+  FullyShardedAverager(const FullyShardedAverager&) = delete;
+  FullyShardedAverager& operator=(const FullyShardedAverager&) = delete;
+  /// Waits for what is in flight (its errors are dropped: the destructor cannot throw).
+  ~FullyShardedAverager() {
+    for (Block& b : blocks_) {
+      for (Work* w : {&b.gathering, &b.reducing}) {
+        try {
+          w->wait();
+        } catch (...) {  // leaving anyway
+        }
+      }
+    }
+  }
+
+  /// The number of units.
+  [[nodiscard]] std::size_t units() const noexcept { return blocks_.size(); }
+  /// The communicator.
+  [[nodiscard]] Communicator<Backend>& comm() const noexcept { return *comm_; }
+
+  /// Starts gathering unit `u` in the background (no-op when it is gathered or on its way).
+  void prefetch(std::size_t u) {
+    Block& b = at(u, "prefetch");
+    if (!b.full.empty()) return;
+    b.full.assign(b.block * static_cast<std::size_t>(comm_->size()), T{});
+    b.gathering = comm_->all_gather_async(std::span<const T>(b.value), std::span<T>(b.full));
+  }
+
+  /// Unit `u`'s parameters end to end (its element count: the padding is left out), gathered
+  /// from every rank's block (waiting for a prefetch() of it). Valid until release(u).
+  [[nodiscard]] std::span<T> gather(std::size_t u) {
+    Block& b = at(u, "gather");
+    prefetch(u);
+    b.gathering.wait();
+    b.gathering = Work();
+    return std::span<T>(b.full.data(), b.elements);
+  }
+
+  /// Frees unit `u`'s gathered parameters (the shard stays). Waits for a prefetch still on
+  /// its way.
+  void release(std::size_t u) {
+    Block& b = at(u, "release");
+    b.gathering.wait();
+    b.gathering = Work();
+    std::vector<T>().swap(b.full);
+  }
+
+  /// Unit `u`'s gradients end to end, for the backward to add into: zeros when first asked for
+  /// after the unit's last reduce(). Valid until reduce(u).
+  [[nodiscard]] std::span<T> grad(std::size_t u) {
+    Block& b = at(u, "grad");
+    b.reducing.wait();  // a reduce of this unit still on its way owns the buffer
+    b.reducing = Work();
+    if (b.full_grad.empty())
+      b.full_grad.assign(b.block * static_cast<std::size_t>(comm_->size()), T{});
+    return std::span<T>(b.full_grad.data(), b.elements);
+  }
+
+  /// Starts averaging unit `u`'s gradients over the ranks into this rank's shard (a
+  /// reduce_scatter, in the background); the unit's full gradients are freed when it is done.
+  void reduce(std::size_t u) {
+    Block& b = at(u, "reduce");
+    if (b.full_grad.empty())
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": FullyShardedAverager: unit ",
+                   u, " is reduced without gradients: call grad(", u, ") in its backward first");
+    b.reducing = comm_->reduce_scatter_async(std::span<const T>(b.full_grad), std::span<T>(b.grad),
+                                             ReduceOp::avg);
+    pending_.push_back(u);
+  }
+
+  /// Waits for every reduce(): the shard's gradients then hold the averages.
+  void synchronize() {
+    for (const std::size_t u : pending_) {
+      Block& b = blocks_[u];
+      b.reducing.wait();
+      b.reducing = Work();
+      std::vector<T>().swap(b.full_grad);
+    }
+    pending_.clear();
+  }
+
+  /// This rank's shard: a slice per piece (parameter index counted over every unit's parameters
+  /// in order, offset within it, the values and their averaged gradients), for the optimizer.
+  [[nodiscard]] std::vector<ShardSlice<T>> shard() {
+    std::vector<ShardSlice<T>> out;
+    std::size_t first_param = 0;
+    for (Block& b : blocks_) {
+      for (const Piece& pc : b.pieces)
+        out.push_back({first_param + pc.param, pc.offset, view(b.value.data() + pc.at, pc.size),
+                       view(b.grad.data() + pc.at, pc.size)});
+      first_param += b.sizes.size();
+    }
+    return out;
+  }
+
+  /// The shard as a ShardLayout (the arrays: every unit's parameters in order; the pieces:
+  /// shard()'s), for Checkpoint::put_sharded of state kept per element of the shard.
+  [[nodiscard]] ShardLayout layout() const {
+    ShardLayout l;
+    std::size_t first_param = 0;
+    for (const Block& b : blocks_) {
+      l.sizes.insert(l.sizes.end(), b.sizes.begin(), b.sizes.end());
+      for (const Piece& pc : b.pieces)
+        l.ranges.push_back({first_param + pc.param, pc.offset, pc.size});
+      first_param += b.sizes.size();
+    }
+    return l;
+  }
+
+  /// Elements this rank keeps: its blocks' sizes added up (about 1/P of the model).
+  [[nodiscard]] std::size_t shard_size() const noexcept {
+    std::size_t n = 0;
+    for (const Block& b : blocks_) n += b.block;
+    return n;
+  }
+
+ private:
+  struct Piece {
+    std::size_t param = 0;   // within the unit
+    std::size_t offset = 0;  // within the parameter
+    std::size_t at = 0;      // within this rank's block
+    std::size_t size = 0;
+  };
+  struct Block {
+    std::vector<std::size_t> sizes;
+    std::size_t elements = 0, block = 0;
+    std::vector<T> value, grad;      // this rank's block: values and averaged gradients
+    std::vector<T> full, full_grad;  // the gathered unit and its gradients (P blocks), or empty
+    std::vector<Piece> pieces;
+    Work gathering, reducing;
+  };
+
+  static TensorView<T> view(T* data, std::size_t n) { return TensorView<T>{data, n}; }
+
+  Block& at(std::size_t u, const char* what) {
+    if (u >= blocks_.size())
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": FullyShardedAverager::", what,
+                   ": unit ", u, " of ", blocks_.size());
+    return blocks_[u];
+  }
+
+  /// Every rank's units the same, else Errc::mismatch on every rank naming the first difference.
+  void agree(const std::vector<std::uint64_t>& shape) {
+    const auto all = comm_->all_gather_object(shape);
+    for (std::size_t j = 1; j < all.size(); ++j) {
+      if (all[j] == all[0]) continue;
+      std::size_t k = 0;
+      while (k < all[0].size() && k < all[j].size() && all[0][k] == all[j][k]) ++k;
+      detail::fail(Errc::mismatch, "rank ", comm_->rank(), ": FullyShardedAverager: rank ", j,
+                   "'s units differ from rank 0's (", all[0][0], " and ", all[j][0],
+                   " units; the first difference at word ", k,
+                   " of their shapes): every rank must make the same units");
+    }
+  }
+
+  Communicator<Backend>* comm_;
+  std::vector<Block> blocks_;
+  std::vector<std::size_t> pending_;
+};
+
+/// Deduces the backend from the communicator: FullyShardedAverager fsdp(comm, units, init).
+template <class Backend, class I>
+FullyShardedAverager(Communicator<Backend>&, std::vector<std::vector<std::size_t>>, I)
+    -> FullyShardedAverager<Backend, float>;
+
+DDP_END_NAMESPACE
