@@ -26257,11 +26257,11 @@ class FullyShardedAverager {
   }
 
   /// Unit `u`'s gradients end to end, for the backward to add into: zeros when first asked for
-  /// after the unit's last reduce(). Valid until reduce(u).
+  /// after the unit's last reduce() (a reduce still on its way is waited for). Valid until
+  /// reduce(u).
   [[nodiscard]] std::span<T> grad(std::size_t u) {
     Block& b = at(u, "grad");
-    b.reducing.wait();  // a reduce of this unit still on its way owns the buffer
-    b.reducing = Work();
+    finish(b);
     if (b.full_grad.empty())
       b.full_grad.assign(b.block * static_cast<std::size_t>(comm_->size()), T{});
     return std::span<T>(b.full_grad.data(), b.elements);
@@ -26274,20 +26274,18 @@ class FullyShardedAverager {
     if (b.full_grad.empty())
       detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": FullyShardedAverager: unit ",
                    u, " is reduced without gradients: call grad(", u, ") in its backward first");
+    if (b.reduced)
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": FullyShardedAverager: unit ",
+                   u, " is reduced twice without a backward between: call grad(", u,
+                   ") for its next backward");
     b.reducing = comm_->reduce_scatter_async(std::span<const T>(b.full_grad), std::span<T>(b.grad),
                                              ReduceOp::avg);
-    pending_.push_back(u);
+    b.reduced = true;
   }
 
   /// Waits for every reduce(): the shard's gradients then hold the averages.
   void synchronize() {
-    for (const std::size_t u : pending_) {
-      Block& b = blocks_[u];
-      b.reducing.wait();
-      b.reducing = Work();
-      std::vector<T>().swap(b.full_grad);
-    }
-    pending_.clear();
+    for (Block& b : blocks_) finish(b);
   }
 
   /// This rank's shard: a slice per piece (parameter index counted over every unit's parameters
@@ -26339,7 +26337,17 @@ class FullyShardedAverager {
     std::vector<T> full, full_grad;  // the gathered unit and its gradients (P blocks), or empty
     std::vector<Piece> pieces;
     Work gathering, reducing;
+    bool reduced = false;  // reduce() issued since the last grad()
   };
+
+  /// Waits for `b`'s reduce, if any, and frees its full gradients.
+  static void finish(Block& b) {
+    if (!b.reduced) return;
+    b.reducing.wait();
+    b.reducing = Work();
+    b.reduced = false;
+    std::vector<T>().swap(b.full_grad);
+  }
 
   static TensorView<T> view(T* data, std::size_t n) { return TensorView<T>{data, n}; }
 
@@ -26366,7 +26374,6 @@ class FullyShardedAverager {
 
   Communicator<Backend>* comm_;
   std::vector<Block> blocks_;
-  std::vector<std::size_t> pending_;
 };
 
 /// Deduces the backend from the communicator: FullyShardedAverager fsdp(comm, units, init).

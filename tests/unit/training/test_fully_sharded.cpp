@@ -197,6 +197,13 @@ TEST_CASE("fully sharded: units that differ between ranks, and calls out of turn
     };
     refused("unit 3 of 3", [&] { (void)fsdp.gather(3); });
     refused("unit 1 is reduced without gradients", [&] { fsdp.reduce(1); });
+    (void)fsdp.grad(1);
+    fsdp.reduce(1);
+    refused("unit 1 is reduced twice", [&] { fsdp.reduce(1); });
+    const auto fresh = fsdp.grad(1);  // the reduce waited for, a new backward's zeros
+    MP_EXPECT(std::all_of(fresh.begin(), fresh.end(), [](float g) { return g == 0.0f; }),
+              "a new backward's gradients are not zero");
+    fsdp.synchronize();
     refused("unit 0 has no elements",
             [&] { ddp::FullyShardedAverager<ddp::backend::Host> empty(comm, {{}}, nullptr); });
   });
