@@ -608,14 +608,7 @@ std::string everything(torch::nn::Module& m, torch::optim::Optimizer& opt) {
 /// In a rank: expects `call` to fail with Errc::invalid_argument whose message contains `needle`.
 template <class F>
 void refused(const std::string& needle, F&& call) {
-  try {
-    call();
-    MP_EXPECT(false, "accepted: " << needle);
-  } catch (const ddp::Error& e) {
-    MP_EXPECT(e.code() == ddp::Errc::invalid_argument &&
-                  std::string(e.what()).find(needle) != std::string::npos,
-              e.what());
-  }
+  mp::expect_invalid(needle, std::forward<F>(call));
 }
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& kind,

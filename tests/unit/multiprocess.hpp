@@ -194,6 +194,19 @@ void expect_refused(const Comm& comm, const char* what, const std::string& needl
   }
 }
 
+/// In a rank: expects `call` to fail with Errc::invalid_argument whose message contains `needle`.
+template <class F>
+void expect_invalid(const std::string& needle, F&& call) {
+  try {
+    call();
+    MP_EXPECT(false, "accepted: " << needle);
+  } catch (const ddp::Error& e) {
+    MP_EXPECT(e.code() == ddp::Errc::invalid_argument &&
+                  std::string(e.what()).find(needle) != std::string::npos,
+              e.what());
+  }
+}
+
 inline long long ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
                                                                t0)
