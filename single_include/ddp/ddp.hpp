@@ -18812,6 +18812,8 @@ DDP_END_NAMESPACE
 #define DDP_MPI_ULFM 0
 #endif
 
+#include <signal.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
@@ -19010,6 +19012,19 @@ class MpiWatchdog {
 #else
   return DDP_MPI_ULFM != 0;
 #endif
+}
+
+/// With ULFM on, a survivor's write to a dead peer's TCP connection raises SIGPIPE inside the MPI
+/// library, whose default action ends the survivor without a word; so SIGPIPE is ignored (the
+/// write fails, the library reports the failure) unless the program installed its own handler.
+inline void mpi_survive_broken_pipes() noexcept {
+  if (!mpi_fault_tolerant()) return;
+  struct sigaction now {};
+  if (::sigaction(SIGPIPE, nullptr, &now) != 0 || now.sa_handler != SIG_DFL) return;
+  struct sigaction ignore {};
+  ignore.sa_handler = SIG_IGN;
+  sigemptyset(&ignore.sa_mask);
+  (void)::sigaction(SIGPIPE, &ignore, nullptr);
 }
 
 /// The ranks in `comm` of `group`'s members, in the group's order.
@@ -19502,6 +19517,7 @@ class Mpi {
 
   Mpi(MPI_Comm comm, const Options& options) : comm_(comm), options_(options) {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    detail::mpi_survive_broken_pipes();
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
     check(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local_),

@@ -18,6 +18,7 @@
 #include "ddp/backend/mpi.hpp"
 #include "ddp/ddp.hpp"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <csignal>
@@ -64,6 +65,14 @@ void expect(bool ok, const std::string& what) {
   std::exit(1);
 }
 
+/// SIGPIPE's action now: ignored on a job started with ULFM (a survivor's write to a dead peer's
+/// connection would otherwise end it without a word), the default on one without.
+bool sigpipe_ignored() {
+  struct sigaction now {};
+  ::sigaction(SIGPIPE, nullptr, &now);
+  return now.sa_handler == SIG_IGN;
+}
+
 /// Rank `who`'s gradient at `step` (small integers: every sum is exact in float, so the result
 /// does not depend on the order in which MPI adds them).
 float grad(int who, int step, std::size_t i) {
@@ -98,6 +107,7 @@ int train(const char* spec) {
   say_how_it_ends();
   Mpi comm = Mpi::init();
   world_rank = comm.rank();
+  expect(sigpipe_ignored(), "SIGPIPE is ignored on a fault-tolerant job");
   std::vector<int> members;  // world ranks of the current communicator's ranks
   for (int r = 0; r < comm.size(); ++r) members.push_back(r);
   std::vector<float> params(n_params, 100.0f);
@@ -190,6 +200,7 @@ int refused() {
   Mpi comm = Mpi::init();
   world_rank = comm.rank();
   expect(!ddp::backend::Mpi::fault_tolerant(), "started without --with-ft: not fault tolerant");
+  expect(!sigpipe_ignored(), "SIGPIPE keeps its action on a job without fault tolerance");
   try {
     (void)comm.shrink();
     expect(false, "shrink() accepted without ULFM enabled");

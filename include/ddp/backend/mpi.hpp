@@ -428,6 +428,7 @@ class Mpi {
 
   Mpi(MPI_Comm comm, const Options& options) : comm_(comm), options_(options) {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    detail::mpi_survive_broken_pipes();
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
     check(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local_),

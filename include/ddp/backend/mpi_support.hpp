@@ -24,6 +24,8 @@
 #define DDP_MPI_ULFM 0
 #endif
 
+#include <signal.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
@@ -222,6 +224,19 @@ class MpiWatchdog {
 #else
   return DDP_MPI_ULFM != 0;
 #endif
+}
+
+/// With ULFM on, a survivor's write to a dead peer's TCP connection raises SIGPIPE inside the MPI
+/// library, whose default action ends the survivor without a word; so SIGPIPE is ignored (the
+/// write fails, the library reports the failure) unless the program installed its own handler.
+inline void mpi_survive_broken_pipes() noexcept {
+  if (!mpi_fault_tolerant()) return;
+  struct sigaction now {};
+  if (::sigaction(SIGPIPE, nullptr, &now) != 0 || now.sa_handler != SIG_DFL) return;
+  struct sigaction ignore {};
+  ignore.sa_handler = SIG_IGN;
+  sigemptyset(&ignore.sa_mask);
+  (void)::sigaction(SIGPIPE, &ignore, nullptr);
 }
 
 /// The ranks in `comm` of `group`'s members, in the group's order.
