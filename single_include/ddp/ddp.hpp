@@ -23554,6 +23554,10 @@ DDP_END_NAMESPACE
 /// (ShardSlice over (parameter, offset, size), layout() for Checkpoint::put_sharded), so
 /// optimizers written for a model or a ShardedAverager's shard run on it unchanged.
 ///
+/// save(path, state) / load(path) are ShardedAverager's sharded checkpoints (a set loads at any
+/// world size), save(mirror, tag) / load(mirror) its in-memory copies for recovery;
+/// gather_to(root, fn) hands `root` the whole model a unit at a time, for export.
+///
 /// A unit is gathered at most once at a time; gather() waits for a prefetch() of it. Calls on
 /// a unit out of turn (gather twice, grad() of a unit not gathered, reduce() before grad())
 /// fail with Errc::invalid_argument naming the unit. Every rank must make the same units
@@ -23563,6 +23567,777 @@ DDP_END_NAMESPACE
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/training/checkpoint.hpp" (already included above)
+// begin ddp/training/shard_mirror.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ddp::ShardMirror: a ShardedAverager's sharded state kept in memory, each rank's shard also on
+/// the rank before it (rank 0's on the last), so that a job that loses a rank recovers that
+/// rank's shard of the optimizer state from its neighbour, without a disk and without losing a
+/// step (ShardedAverager::save(mirror, tag, state), load(mirror, tag)).
+///
+///  * save(mirror, ...): two small all_gathers (the save's number, the sizes), then an
+///    all_to_all in which each rank sends its shard (what save(path) would write: the shard's
+///    parameter values, its layout, `state`) to the rank before it. Each rank keeps the two
+///    newest saves: its own shard and its neighbour's of each (4 shards' worth of memory, reused
+///    from save to save).
+///  * load(mirror, tag) takes the newest save (with that tag) of which the survivors hold every
+///    old rank's shard, and cuts it again for the new world as a sharded checkpoint is cut
+///    (training/reshard.hpp). One loss, or losses of ranks no two of which are neighbours, lose
+///    nothing; two neighbours lost together take a shard with them (Errc::mismatch, naming it:
+///    resume from a sharded checkpoint on disk).
+///  * A save that a failure interrupted is complete on some ranks and not on others; the older
+///    save is kept for that case. load() mirrors the save it loaded again on the new world
+///    before it returns, so a second loss right after a recovery loses nothing either. With
+///    TrainingState, save before commit() and load the tag of the restored commit: a commit
+///    completes only after every rank finished its save.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/detail/crypto.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/training/checkpoint.hpp" (already included above)
+// begin ddp/training/reshard.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The insides of load_sharded_checkpoint: finding the newest complete set of shard files (of
+/// any world size) among the files every rank sees, and handing each rank its state, cut again
+/// for the world size that loads it.
+///
+///  * Each rank lists the shard files it sees ("<path>.rankK-of-N.G.ID"); the lists are gathered,
+///    and the newest save G with a file of every one of its N ranks somewhere is chosen. Ranks
+///    may share one file system or each have a disk of its own.
+///  * Old rank K's file is read by rank K % M when that rank sees it (K itself when the world
+///    size is unchanged), else by the lowest rank that does: each file is read once.
+///  * Unchanged world size and layouts: each rank keeps its own file, nothing moves. Otherwise
+///    each reader cuts its files' sharded sections (Checkpoint::put_sharded) into the pieces each
+///    new rank's layout needs and scatters them; every rank can compute every piece's size from
+///    the gathered layouts, so bytes are all that travel. A section that is not sharded must be
+///    the same in every file (it goes to every rank) unless the world size is unchanged (each
+///    rank keeps its own).
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/detail/files.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/training/checkpoint.hpp" (already included above)
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// The name that rank `rank` of `world`'s shard files start with: path.rankR-of-P. Each save
+/// writes a new generation of them, path.rankR-of-P.G.ID (G = 1, 2, ...; ID: the save's
+/// identifier, 16 hex digits), and removes the older generations only once the new one is
+/// complete on every rank.
+[[nodiscard]] inline std::string shard_path(const std::string& path, int rank, int world) {
+  return detail::concat(path, ".rank", rank, "-of-", world);
+}
+
+/// The layout a rank wants a sharded section in (load_sharded_checkpoint): given the section's
+/// name and its arrays' sizes.
+using ShardLayoutFor =
+    std::function<ShardLayout(std::string_view section, const std::vector<std::size_t>& sizes)>;
+
+namespace detail {
+
+/// One shard file: old rank `rank` of `world`, generation `g` of save `id` (g = 0: the one
+/// unnumbered file "<path>.rankR-of-N" that saves before generations wrote).
+struct ShardFile {
+  std::uint64_t g = 0, id = 0, world = 0, rank = 0;
+  friend auto operator<=>(const ShardFile&, const ShardFile&) = default;
+};
+
+DDP_INLINE std::string shard_file_path(const std::string& path, const ShardFile& f);
+#if DDP_BODIES
+DDP_INLINE std::string shard_file_path(const std::string& path, const ShardFile& f) {
+  std::string out = concat(path, ".rank", f.rank, "-of-", f.world);
+  if (f.g == 0) return out;
+  char hex[17];
+  for (int i = 0; i < 16; ++i) hex[i] = "0123456789abcdef"[(f.id >> (60 - 4 * i)) & 15];
+  hex[16] = '\0';
+  return concat(out, ".", f.g, ".", hex);
+}
+#endif  // DDP_BODIES
+
+/// Digits without a leading zero ("0" itself allowed) as a number.
+DDP_INLINE bool parse_decimal(std::string_view t, std::uint64_t& v);
+#if DDP_BODIES
+DDP_INLINE bool parse_decimal(std::string_view t, std::uint64_t& v) {
+  if (t.empty() || t.size() > 18 || (t[0] == '0' && t.size() > 1)) return false;
+  v = 0;
+  for (const char c : t) {
+    if (c < '0' || c > '9') return false;
+    v = v * 10 + static_cast<std::uint64_t>(c - '0');
+  }
+  return true;
+}
+#endif  // DDP_BODIES
+
+/// Every shard file of `path` (any rank, any world size) in its directory, newest first.
+DDP_INLINE std::vector<ShardFile> shard_files(const std::string& path);
+#if DDP_BODIES
+DDP_INLINE std::vector<ShardFile> shard_files(const std::string& path) {
+  std::vector<ShardFile> out;
+  for (const std::string& rest : suffixes(path)) {  // "rankK-of-N[.G.<16 hex>]"
+    const std::string_view r = rest;
+    const std::size_t of = r.find("-of-");
+    if (r.substr(0, 4) != "rank" || of == std::string_view::npos) continue;
+    const std::size_t dot = r.find('.', of);
+    ShardFile f;
+    if (!parse_decimal(r.substr(4, of - 4), f.rank) ||
+        !parse_decimal(r.substr(of + 4, dot == std::string_view::npos ? dot : dot - of - 4),
+                       f.world) ||
+        f.world == 0 || f.rank >= f.world)
+      continue;
+    if (dot != std::string_view::npos) {
+      const std::string_view gen = r.substr(dot + 1);
+      const std::size_t d = gen.find('.');
+      if (d == std::string_view::npos || gen.size() != d + 17 ||
+          !parse_decimal(gen.substr(0, d), f.g) || f.g == 0)
+        continue;
+      bool ok = true;
+      for (const char c : gen.substr(d + 1)) {
+        const int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+        ok = ok && v >= 0;
+        f.id = f.id << 4 | static_cast<std::uint64_t>(v < 0 ? 0 : v);
+      }
+      if (!ok) continue;
+    }
+    out.push_back(f);
+  }
+  std::sort(out.begin(), out.end(), std::greater<>());
+  return out;
+}
+#endif  // DDP_BODIES
+
+/// The save load_sharded_checkpoint takes: its world size N, generation, id, and which rank
+/// reads each old rank's file.
+struct ShardSet {
+  std::uint64_t world = 0, g = 0, id = 0;
+  std::vector<int> reader;  ///< reader[K]: the rank that reads old rank K's file
+};
+
+/// Collective: the newest save of which some rank holds every old rank's shard, `mine` being
+/// what this rank holds (std::nullopt when no rank holds any; Errc::mismatch when none is
+/// complete: `incomplete(key, have, missing, first_missing)` says what is missing).
+template <class Comm, class Incomplete>
+std::optional<ShardSet> choose_held(Comm& comm, const std::vector<ShardFile>& mine,
+                                    Incomplete&& incomplete) {
+  std::vector<std::uint64_t> words;
+  for (const ShardFile& f : mine) words.insert(words.end(), {f.g, f.id, f.world, f.rank});
+  // (g, id, world) -> the ranks that see each old rank's file
+  std::map<std::vector<std::uint64_t>, std::map<std::uint64_t, std::vector<int>>, std::greater<>>
+      saves;
+  const auto all = comm.all_gather_object(words);
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    for (std::size_t i = 0; i + 3 < all[r].size(); i += 4)
+      saves[{all[r][i], all[r][i + 1], all[r][i + 2]}][all[r][i + 3]].push_back(
+          static_cast<int>(r));
+  }
+  if (saves.empty()) return std::nullopt;
+  const auto m = static_cast<std::uint64_t>(comm.size());
+  // The newest complete save; among saves of one generation (another job's, under the same
+  // path), the one of this world size first.
+  const std::map<std::uint64_t, std::vector<int>>* best = nullptr;
+  ShardSet set;
+  for (const auto& [key, files] : saves) {
+    if (files.size() != key[2]) continue;  // old ranks 0..N-1 each seen (rank < world)
+    if (best != nullptr && (key[0] < set.g || set.world == m || key[2] != m)) continue;
+    best = &files;
+    set.g = key[0];
+    set.id = key[1];
+    set.world = key[2];
+  }
+  if (best == nullptr) {
+    const auto& [key, files] = *saves.begin();  // the newest, incomplete
+    std::string have, missing;
+    std::uint64_t first_missing = 0;
+    for (std::uint64_t k = key[2]; k-- > 0;) {
+      const bool seen = files.count(k) != 0;
+      if (!seen) first_missing = k;
+      std::string& to = seen ? have : missing;
+      to = concat(k, to.empty() ? "" : ", ", to);
+    }
+    const auto shorten = [](std::string t) { return t.size() > 40 ? t.substr(0, 37) + "..." : t; };
+    incomplete(ShardFile{key[0], key[1], key[2], first_missing}, shorten(have), shorten(missing));
+  }
+  for (std::uint64_t k = 0; k < set.world; ++k) {
+    const std::vector<int>& seen = best->at(k);
+    const int preferred = static_cast<int>(k % m);
+    set.reader.push_back(
+        std::find(seen.begin(), seen.end(), preferred) != seen.end() ? preferred : seen.front());
+  }
+  return set;
+}
+
+/// Collective: the newest save with a file of every one of its ranks seen by some rank
+/// (std::nullopt when no rank sees any shard file; Errc::mismatch, saying what is missing, when
+/// there are files but no complete save). `mine`: this rank's shard_files.
+template <class Comm>
+std::optional<ShardSet> choose_shard_set(Comm& comm, const std::string& path,
+                                         const std::vector<ShardFile>& mine) {
+  return choose_held(
+      comm, mine, [&](const ShardFile& f, const std::string& have, const std::string& missing) {
+        fail(Errc::mismatch, "rank ", comm.rank(),
+             ": load_sharded_checkpoint: no save has a file of every rank: the newest, generation ",
+             f.g, " of ", f.world, " ranks, has the files of rank ", have, " but none of rank ",
+             missing, " (", shard_file_path(path, f),
+             "): the checkpoint is incomplete, its files come from different runs, or a rank's "
+             "disk cannot be reached; resume from a complete checkpoint");
+      });
+}
+
+/// What a shard file holds, as every rank needs to know it: its sections in order, each with
+/// words: {0, checksum, bytes} for a plain section; layout_words (element size first, never 0)
+/// for a sharded one.
+using FileInfo = std::vector<std::pair<std::string, std::vector<std::uint64_t>>>;
+
+DDP_INLINE std::uint64_t section_checksum(std::span<const std::byte> b);
+#if DDP_BODIES
+DDP_INLINE std::uint64_t section_checksum(std::span<const std::byte> b) {
+  std::uint64_t h = 0xcbf29ce484222325ull ^ b.size();
+  for (const std::byte c : b) h = (h ^ static_cast<std::uint64_t>(c)) * 0x100000001b3ull;
+  return h;
+}
+#endif  // DDP_BODIES
+
+DDP_INLINE FileInfo describe(const Checkpoint& ck, const std::string& file);
+#if DDP_BODIES
+DDP_INLINE FileInfo describe(const Checkpoint& ck, const std::string& file) {
+  FileInfo info;
+  for (const std::string& name : ck.names()) {
+    if (name == "ddp.shard" || name.rfind("ddp.sharded.", 0) == 0) continue;
+    if (const auto layout = ck.sharded_layout(name)) {
+      const auto words = ck.get_object<std::vector<std::uint64_t>>(layout_section(name));
+      if (ck.get(name).size() != layout->elements() * words[0])
+        fail(Errc::protocol, "Checkpoint: ", file, ": sharded section \"", name, "\" holds ",
+             ck.get(name).size(), " bytes, not the ", layout->elements(), " elements of ", words[0],
+             " bytes its layout says");
+      info.emplace_back(name, words);
+    } else if (name == "ddp.values") {
+      fail(Errc::mismatch, "Checkpoint: ", file,
+           " was saved by an older ddp, without the layout a new world size or other "
+           "ShardedOptions need; load it with those that saved it, save again, then resume");
+    } else {
+      info.emplace_back(
+          name, std::vector<std::uint64_t>{0, section_checksum(ck.get(name)), ck.get(name).size()});
+    }
+  }
+  return info;
+}
+#endif  // DDP_BODIES
+
+/// Calls f(destination element, source element, count) for each run of elements that old
+/// layout `from` and new layout `to` share, in `to`'s order, then `from`'s.
+template <class F>
+void for_each_overlap(const ShardLayout& to, const ShardLayout& from, F&& f) {
+  std::size_t wp = 0;
+  for (const ShardRange& w : to.ranges) {
+    std::size_t sp = 0;
+    for (const ShardRange& o : from.ranges) {
+      if (o.array == w.array) {
+        const std::size_t lo = std::max(o.offset, w.offset);
+        const std::size_t hi = std::min(o.offset + o.size, w.offset + w.size);
+        if (lo < hi) f(wp + lo - w.offset, sp + lo - o.offset, hi - lo);
+      }
+      sp += o.size;
+    }
+    wp += w.size;
+  }
+}
+
+/// Collective: each rank's checkpoint, in the layouts `want` gives (null: each rank's own at
+/// the same world size, ShardLayout::even at another), of save `set`, whose old rank K's
+/// checkpoint `files` holds on rank set.reader[K]. `what` and `file_name(K)` name them in errors.
+template <class Comm, class Name>
+Checkpoint reshard_held(Comm& comm, const ShardSet& set, std::map<std::uint64_t, Checkpoint>& files,
+                        const ShardLayoutFor& want, const char* what, Name&& file_name) {
+  const int me = comm.rank();
+  const auto m = static_cast<std::uint64_t>(comm.size());
+  const bool same_world = set.world == m;
+  const auto failed = [&](const std::string& error) {
+    fail_with_first(comm, comm.all_gather_object(error), what);
+  };
+  std::vector<std::pair<std::uint64_t, FileInfo>> infos;
+  std::string error;
+  try {
+    for (const auto& [k, ck] : files) infos.emplace_back(k, describe(ck, file_name(k)));
+  } catch (const Error& e) {
+    error = error_text(e);
+  }
+  failed(error);
+  // 2. What every file holds, on every rank; the files must agree on their sections.
+  std::vector<FileInfo> info(set.world);
+  for (auto& from_rank : comm.all_gather_object(infos))
+    for (auto& [k, i] : from_rank) info[k] = std::move(i);
+  const auto refuse = [&](const auto&... why) {
+    fail(Errc::mismatch, "rank ", me, ": ", what, ": ", why...,
+         "; resume from a complete checkpoint");
+  };
+  std::vector<std::string> sharded;  // the sharded sections' names, in file 0's order
+  std::vector<std::size_t> element;  // their element sizes
+  for (const auto& [name, words] : info[0]) {
+    if (words[0] != 0) {
+      sharded.push_back(name);
+      element.push_back(static_cast<std::size_t>(words[0]));
+    }
+  }
+  for (std::uint64_t k = 1; k < set.world; ++k) {
+    if (info[k].size() != info[0].size())
+      refuse(file_name(k), " has ", info[k].size(), " sections but ", file_name(0), " has ",
+             info[0].size());
+    for (std::size_t i = 0; i < info[0].size(); ++i) {
+      const auto& [name, words] = info[k][i];
+      const auto& first = info[0][i].second;
+      if (name != info[0][i].first)
+        refuse(file_name(k), "'s section ", i, " is \"", name, "\" but ", file_name(0), "'s is \"",
+               info[0][i].first, "\"");
+      if ((words[0] == 0) != (first[0] == 0))
+        refuse("section \"", name, "\" is sharded in one rank's file and not in another's");
+      if (words[0] == 0 && !same_world && words != first)
+        refuse("section \"", name, "\" differs between ", file_name(0), " and ", file_name(k),
+               ", and it is not sharded: on another world size than the one that saved it, a "
+               "section must be the same on every rank (it goes to every rank) or be put with "
+               "Checkpoint::put_sharded (its values are cut again)");
+    }
+  }
+  std::vector<std::vector<ShardLayout>> old(sharded.size());  // [section][old rank]
+  for (std::size_t s = 0; s < sharded.size(); ++s) {
+    std::vector<std::vector<std::pair<std::size_t, std::size_t>>> cover;
+    for (std::uint64_t k = 0; k < set.world; ++k) {
+      std::vector<std::uint64_t> words;
+      for (const auto& [name, w] : info[k])
+        if (name == sharded[s]) words = w;
+      auto [bytes, layout] = layout_of_words(words, file_name(k));
+      if (bytes != element[s] || (k != 0 && layout.sizes != old[s][0].sizes))
+        refuse("sharded section \"", sharded[s], "\" has other element sizes or arrays in ",
+               file_name(k), " than in ", file_name(0));
+      cover.resize(layout.sizes.size());
+      for (const ShardRange& r : layout.ranges) cover[r.array].emplace_back(r.offset, r.size);
+      old[s].push_back(std::move(layout));
+    }
+    for (std::size_t a = 0; a < cover.size(); ++a) {  // the files hold each element once
+      std::sort(cover[a].begin(), cover[a].end());
+      std::size_t next = 0;
+      bool once = true;
+      for (const auto& [offset, size] : cover[a]) {
+        once = once && offset == next;  // a gap (offset > next) or an overlap (offset < next)
+        next = offset + size;
+      }
+      if (!once || next != old[s][0].sizes[a])
+        refuse("the shard files' pieces of sharded section \"", sharded[s], "\" do not hold array ",
+               a, " (", old[s][0].sizes[a], " elements) exactly once");
+    }
+  }
+  // 3. The layout each rank wants each sharded section in.
+  std::vector<std::vector<std::uint64_t>> wanted_words;
+  try {
+    for (std::size_t s = 0; s < sharded.size(); ++s) {
+      const std::vector<std::size_t>& sizes = old[s][0].sizes;
+      ShardLayout l = want         ? want(sharded[s], sizes)
+                      : same_world ? old[s][static_cast<std::size_t>(me)]
+                                   : ShardLayout::even(sizes, me, comm.size());
+      if (l.sizes != sizes)
+        fail(Errc::mismatch, "the layout asked for sharded section \"", sharded[s], "\" has ",
+             l.sizes.size(), " arrays of other sizes than the ", sizes.size(),
+             " it was saved with");
+      check_layout(l, concat("the layout asked for sharded section \"", sharded[s], "\""));
+      wanted_words.push_back(layout_words(element[s], l));
+    }
+    error.clear();
+  } catch (const Error& e) {
+    error = error_text(e);
+  }
+  failed(error);
+  const auto all_wanted = comm.all_gather_object(wanted_words);
+  std::vector<std::vector<ShardLayout>> wanted(m);  // [new rank][section]
+  bool moves = !same_world;
+  for (std::uint64_t d = 0; d < m; ++d) {
+    for (std::size_t s = 0; s < sharded.size(); ++s) {
+      wanted[d].push_back(layout_of_words(all_wanted[d][s], what).second);
+      moves = moves || !(wanted[d][s] == old[s][d]);
+    }
+  }
+  for (std::uint64_t k = 0; k < set.world; ++k)
+    moves = moves || set.reader[k] != static_cast<int>(k);
+  if (!moves) return std::move(files.at(static_cast<std::uint64_t>(me)));  // its own file
+  // 4. The plain sections come from old rank d's file (same world size) or rank 0's; the sharded
+  // ones from every file holding a piece of d's layout. Bytes s sends d, in the order d reads.
+  const auto plain_from = [&](std::uint64_t d) { return same_world ? d : 0; };
+  const auto for_each_piece = [&](int s, std::uint64_t d, auto&& f) {  // f(section, k, from, to, n)
+    for (std::uint64_t k = 0; k < set.world; ++k) {
+      if (set.reader[k] != s || k != plain_from(d)) continue;
+      for (const auto& [name, words] : info[k])
+        if (words[0] == 0)
+          f(name, k, std::size_t{0}, std::size_t{0}, static_cast<std::size_t>(words[2]));
+    }
+    for (std::size_t sec = 0; sec < sharded.size(); ++sec) {
+      for (std::uint64_t k = 0; k < set.world; ++k) {
+        if (set.reader[k] != s) continue;
+        for_each_overlap(
+            wanted[d][sec], old[sec][k], [&](std::size_t to, std::size_t from, std::size_t n) {
+              f(sharded[sec], k, from * element[sec], to * element[sec], n * element[sec]);
+            });
+      }
+    }
+  };
+  Checkpoint out;
+  std::map<std::string, std::string> values;  // the sharded sections' new bytes
+  for (std::size_t s = 0; s < sharded.size(); ++s)
+    values[sharded[s]].resize(wanted[static_cast<std::size_t>(me)][s].elements() * element[s]);
+  std::map<std::string, std::string> plain;
+  // One all_to_all of bytes: what this rank sends each rank, and receives from each, in rank
+  // order (every rank computes every size from what it gathered).
+  const auto me64 = static_cast<std::uint64_t>(me);
+  std::vector<std::size_t> send(m, 0), recv(m, 0);
+  for (std::uint64_t d = 0; d < m; ++d) {
+    for_each_piece(me, d,
+                   [&](const std::string&, std::uint64_t, std::size_t, std::size_t, std::size_t n) {
+                     send[d] += n;
+                   });
+    for_each_piece(static_cast<int>(d), me64,
+                   [&](const std::string&, std::uint64_t, std::size_t, std::size_t, std::size_t n) {
+                     recv[d] += n;
+                   });
+  }
+  std::string out_bytes, got;
+  std::size_t total_send = 0, total_recv = 0;
+  for (std::uint64_t d = 0; d < m; ++d) total_send += send[d], total_recv += recv[d];
+  out_bytes.reserve(total_send);
+  for (std::uint64_t d = 0; d < m; ++d)
+    for_each_piece(me, d,
+                   [&](const std::string& name, std::uint64_t k, std::size_t from, std::size_t,
+                       std::size_t n) {
+                     const auto b = files.at(k).get(name);
+                     out_bytes.append(reinterpret_cast<const char*>(b.data()) + from, n);
+                   });
+  got.resize(total_recv);
+  comm.all_to_all(std::span(reinterpret_cast<std::uint8_t*>(out_bytes.data()), out_bytes.size()),
+                  std::span(reinterpret_cast<std::uint8_t*>(got.data()), got.size()), send, recv);
+  std::size_t at = 0;
+  for (std::uint64_t s = 0; s < m; ++s) {
+    for_each_piece(
+        static_cast<int>(s), me64,
+        [&](const std::string& name, std::uint64_t k, std::size_t, std::size_t to, std::size_t n) {
+          const bool is_plain = [&] {
+            for (const auto& [nm, words] : info[k])
+              if (nm == name) return words[0] == 0;
+            return false;
+          }();
+          if (is_plain)
+            plain[name] = got.substr(at, n);
+          else
+            got.copy(values[name].data() + to, n, at);
+          at += n;
+        });
+  }
+  // 5. This rank's checkpoint: the plain sections in their order, the sharded ones, the stamp.
+  for (const auto& [name, words] : info[plain_from(static_cast<std::uint64_t>(me))]) {
+    const std::string& b = words[0] == 0 ? plain[name] : values[name];
+    out.put(name, std::as_bytes(std::span(b.data(), b.size())));
+    if (words[0] != 0) {
+      const auto s = static_cast<std::size_t>(std::find(sharded.begin(), sharded.end(), name) -
+                                              sharded.begin());
+      out.put_object(layout_section(name), all_wanted[static_cast<std::size_t>(me)][s]);
+    }
+  }
+  out.put_object("ddp.shard",
+                 std::vector<std::uint64_t>{static_cast<std::uint64_t>(me), m, set.id});
+  return out;
+}
+
+/// Collective: each rank's checkpoint of save `set` of `path`, in the layouts `want` gives
+/// (null: each rank's own at the same world size, ShardLayout::even at another).
+template <class Comm>
+Checkpoint load_shard_set(Comm& comm, const std::string& path, const ShardSet& set,
+                          const ShardLayoutFor& want) {
+  const int me = comm.rank();
+  // 1. Each reader loads and checks its files.
+  std::map<std::uint64_t, Checkpoint> files;  // old rank -> its file, on its reader
+  std::string error;
+  try {
+    for (std::uint64_t k = 0; k < set.world; ++k) {
+      if (set.reader[k] != me) continue;
+      const std::string file = shard_file_path(path, {set.g, set.id, set.world, k});
+      std::optional<Checkpoint> ck = Checkpoint::load(file);
+      if (!ck) fail(Errc::system, "Checkpoint: ", file, " disappeared while it was being loaded");
+      if (!ck->contains("ddp.shard"))
+        fail(Errc::mismatch, "Checkpoint: ", file,
+             " is not a shard file (it was not written by save_sharded_checkpoint)");
+      const auto stamp = ck->get_object<std::vector<std::uint64_t>>("ddp.shard");
+      if (stamp.size() < 3 || stamp[0] != k || stamp[1] != set.world)
+        fail(Errc::mismatch, "Checkpoint: ", file, " was written by rank ",
+             stamp.empty() ? 0 : stamp[0], " of ", stamp.size() < 2 ? 0 : stamp[1],
+             " ranks; a shard file is read under the name its rank and world size gave it");
+      if (set.g != 0 && stamp[2] != set.id)
+        fail(Errc::mismatch, "Checkpoint: ", file,
+             " holds another save than its name says (it was copied or renamed)");
+      files.emplace(k, std::move(*ck));
+    }
+  } catch (const Error& e) {
+    error = error_text(e);
+  }
+  fail_with_first(comm, comm.all_gather_object(error), "load_sharded_checkpoint");
+  return reshard_held(comm, set, files, want, "load_sharded_checkpoint", [&](std::uint64_t k) {
+    return shard_file_path(path, {set.g, set.id, set.world, k});
+  });
+}
+
+}  // namespace detail
+
+DDP_END_NAMESPACE
+// end ddp/training/reshard.hpp
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+namespace detail {
+struct MirrorAccess;
+}
+
+/// The in-memory sharded state of a ShardedAverager (see the file comment). Make it once, before
+/// the averager, and keep it across membership changes (the averager is made again after
+/// each; the mirror is not).
+class ShardMirror {
+ public:
+  /// Bytes held on this rank (its own shards and its neighbour's, of the saves kept).
+  [[nodiscard]] std::size_t bytes() const noexcept;
+  /// The tags of the saves kept on this rank, oldest first.
+  [[nodiscard]] std::vector<std::uint64_t> tags() const;
+  /// Forgets every save.
+  void clear() noexcept { saves_.clear(); }
+
+ private:
+  friend struct detail::MirrorAccess;
+  struct Save {
+    std::uint64_t tag = 0, g = 0, id = 0, world = 0, rank = 0;
+    std::string own, next;  // this rank's shard, and rank (rank + 1) % world's
+  };
+  static constexpr std::size_t kept = 2;
+  std::vector<Save> saves_;  // oldest first
+};
+
+#if DDP_BODIES
+DDP_INLINE std::size_t ShardMirror::bytes() const noexcept {
+  std::size_t n = 0;
+  for (const Save& s : saves_) n += s.own.size() + s.next.size();
+  return n;
+}
+
+DDP_INLINE std::vector<std::uint64_t> ShardMirror::tags() const {
+  std::vector<std::uint64_t> t;
+  for (const Save& s : saves_) t.push_back(s.tag);
+  return t;
+}
+#endif  // DDP_BODIES
+
+namespace detail {
+
+/// ShardedAverager's access to a ShardMirror.
+struct MirrorAccess {
+  /// Collective: this rank's shard checkpoint (`state` with `extra` sections) kept in `m` and on
+  /// the rank before, as save `tag`.
+  template <class Comm>
+  static void save(Comm& comm, ShardMirror& m, std::uint64_t tag, const Checkpoint& state,
+                   std::span<const Checkpoint::Section> extra) {
+    const auto n = static_cast<std::uint64_t>(comm.size()),
+               me = static_cast<std::uint64_t>(comm.rank());
+    // 1. Every rank is here, so every rank finished the newest save: the one before it is
+    // needed no more, and its memory takes this one.
+    // The ranks must save the same tag and the same unsharded sections (after a loss they go
+    // to every survivor), checked here rather than found out after a loss.
+    const std::uint64_t newest = m.saves_.empty() ? 0 : m.saves_.back().g;
+    const auto ids = comm.all_gather_object(std::vector<std::uint64_t>{
+        newest, me == 0 ? random_value<std::uint64_t>() : 0, tag, plain_checksum(state)});
+    for (std::uint64_t r = 1; r < n; ++r) {
+      if (ids[r][2] != ids[0][2])
+        fail(Errc::mismatch, "rank ", me, ": ShardedAverager::save (in-memory copies): rank ", r,
+             " saves tag ", ids[r][2], " but rank 0 tag ", ids[0][2],
+             "; every rank saves the same tag (the steps done, say)");
+      if (ids[r][3] != ids[0][3]) refuse_plain(comm, state, r);
+    }
+    ShardMirror::Save s{tag, 0, ids[0][1], n, me, {}, {}};
+    for (const auto& r : ids) s.g = std::max(s.g, r[0]);
+    ++s.g;
+    if (m.saves_.size() >= ShardMirror::kept) {
+      s.own = std::move(m.saves_.front().own);
+      s.next = std::move(m.saves_.front().next);
+      m.saves_.erase(m.saves_.begin());
+    }
+    // 2. This rank's shard, then to the rank before it (sizes first).
+    std::vector<Checkpoint::Section> sections(extra.begin(), extra.end());
+    const std::string stamp = encode_object(std::vector<std::uint64_t>{me, n, tag});
+    sections.emplace_back("ddp.shard", stamp);
+    state.serialize_into(s.own, sections);
+    if (n > 1) {
+      const auto sizes = comm.all_gather_object(static_cast<std::uint64_t>(s.own.size()));
+      const std::uint64_t before = (me + n - 1) % n, after = (me + 1) % n;
+      std::vector<std::size_t> out_counts(n, 0), in_counts(n, 0);
+      out_counts[before] = s.own.size();
+      in_counts[after] = static_cast<std::size_t>(sizes[after]);
+      s.next.resize(in_counts[after]);
+      comm.all_to_all(bytes(s.own), bytes(s.next), out_counts, in_counts);
+    } else {
+      s.next.clear();
+    }
+    m.saves_.push_back(std::move(s));
+  }
+
+  /// Collective: each rank's checkpoint of the newest save (with tag `tag`, when given) of which
+  /// the ranks hold every old rank's shard, cut for this world in the layouts `want` gives;
+  /// std::nullopt when no rank holds such a save. Before it returns, that save is mirrored again
+  /// on this world (each new shard on its own rank and the rank before it, under the same tag),
+  /// and every other save is dropped: the next loss, however soon, finds every shard twice.
+  template <class Comm>
+  static std::optional<Checkpoint> load(Comm& comm, ShardMirror& m,
+                                        std::optional<std::uint64_t> tag,
+                                        const ShardLayoutFor& want) {
+    const char* what = "ShardedAverager::load (in-memory copies)";
+    if (tag) {  // a tag no rank holds, while saves are held: say which are
+      std::vector<std::uint64_t> mine;
+      for (const auto& s : m.saves_) mine.push_back(s.tag);
+      std::set<std::uint64_t> tags;
+      for (const auto& r : comm.all_gather_object(mine)) tags.insert(r.begin(), r.end());
+      if (!tags.empty() && tags.count(*tag) == 0) {
+        std::string list;
+        for (const auto t : tags) list += concat(list.empty() ? "" : ", ", t);
+        fail(Errc::mismatch, "rank ", comm.rank(), ": ", what, ": no rank holds a save tagged ",
+             *tag, " (the ranks hold tags ", list, "; each keeps its two newest saves)");
+      }
+    }
+    std::vector<ShardFile> held;
+    for (const auto& s : m.saves_) {
+      if (tag && s.tag != *tag) continue;
+      held.push_back({s.g, s.id, s.world, s.rank});
+      if (s.world > 1) held.push_back({s.g, s.id, s.world, (s.rank + 1) % s.world});
+    }
+    const auto set = choose_held(
+        comm, held, [&](const ShardFile& f, const std::string& have, const std::string& missing) {
+          fail(Errc::mismatch, "rank ", comm.rank(), ": ", what, ": no rank holds a copy of rank ",
+               f.rank, "'s shard of save ", f.g, " (", f.world,
+               " ranks), neither its own nor the one "
+               "on the rank before it: both were lost (held: ranks ",
+               have, "; missing: ranks ", missing, "); resume from a sharded checkpoint on disk");
+        });
+    if (!set) return std::nullopt;
+    std::map<std::uint64_t, Checkpoint> shards;  // old rank -> its checkpoint, on its reader
+    std::string error;
+    try {
+      for (std::uint64_t k = 0; k < set->world; ++k) {
+        if (set->reader[k] != comm.rank()) continue;
+        for (const auto& s : m.saves_) {
+          if (s.g != set->g || s.id != set->id || s.world != set->world) continue;
+          const std::string& b = s.rank == k ? s.own : s.next;
+          shards.emplace(k, Checkpoint::parse(b, name(k, *set)));
+        }
+      }
+    } catch (const Error& e) {
+      error = error_text(e);
+    }
+    fail_with_first(comm, comm.all_gather_object(error), what);
+    Checkpoint mine = reshard_held(comm, *set, shards, want, what,
+                                   [&](std::uint64_t k) { return name(k, *set); });
+    // Redundancy again before training goes on: the loaded save, mirrored on this world. The
+    // saves it came from are dropped (the loaded one is kept until its copy is whole).
+    const auto chosen = [&](const ShardMirror::Save& s) {
+      return s.g == set->g && s.id == set->id && s.world == set->world;
+    };
+    std::uint64_t loaded_tag = 0;
+    for (const auto& s : m.saves_)
+      if (chosen(s)) loaded_tag = s.tag;
+    for (const std::uint64_t t : comm.all_gather_object(loaded_tag))
+      loaded_tag = std::max(loaded_tag, t);
+    std::erase_if(m.saves_, [&](const ShardMirror::Save& s) { return !chosen(s); });
+    Checkpoint again;
+    for (const std::string& section : mine.names())
+      if (section != "ddp.shard") again.put(section, mine.get(section));
+    save(comm, m, loaded_tag, again, {});
+    return mine;
+  }
+
+ private:
+  /// The unsharded sections of `state` (not put with put_sharded), named with their checksums.
+  static std::vector<std::pair<std::string, std::uint64_t>> plain_sections(const Checkpoint& c);
+  static std::uint64_t plain_checksum(const Checkpoint& c);
+  /// Collective (every rank found that rank `r`'s unsharded sections differ from rank 0's):
+  /// Errc::mismatch naming the first section that differs.
+  template <class Comm>
+  [[noreturn]] static void refuse_plain(Comm& comm, const Checkpoint& state, std::uint64_t r) {
+    const auto all = comm.all_gather_object(plain_sections(state));
+    const auto& a = all[0];
+    const auto& b = all[r];
+    std::string which;
+    for (std::size_t i = 0; i < std::max(a.size(), b.size()) && which.empty(); ++i) {
+      if (i >= a.size() || i >= b.size() || a[i].first != b[i].first)
+        which = concat("section \"", i < b.size() ? b[i].first : a[i].first,
+                       "\" is on one of them only");
+      else if (a[i].second != b[i].second)
+        which = concat("section \"", a[i].first, "\" differs");
+    }
+    fail(Errc::mismatch, "rank ", comm.rank(), ": ShardedAverager::save (in-memory copies): rank ",
+         r,
+         "'s state and rank 0's have "
+         "other unsharded sections (",
+         which,
+         "): after a loss they go to every survivor, so they "
+         "must be the same on every rank; put per-rank state with Checkpoint::put_sharded");
+  }
+  static std::span<std::uint8_t> bytes(std::string& s);
+  static std::string name(std::uint64_t k, const ShardSet& set);
+};
+
+#if DDP_BODIES
+DDP_INLINE std::vector<std::pair<std::string, std::uint64_t>> MirrorAccess::plain_sections(
+    const Checkpoint& c) {
+  std::vector<std::pair<std::string, std::uint64_t>> out;
+  for (const std::string& name : c.names())
+    if (!c.sharded_layout(name) && name.rfind("ddp.sharded.", 0) != 0)
+      out.emplace_back(name, section_checksum(c.get(name)));
+  return out;
+}
+
+DDP_INLINE std::uint64_t MirrorAccess::plain_checksum(const Checkpoint& c) {
+  std::uint64_t h = 0;
+  for (const auto& [name, sum] : plain_sections(c))
+    h = (h ^ section_checksum(std::as_bytes(std::span(name.data(), name.size())))) * 31 + sum;
+  return h;
+}
+
+DDP_INLINE std::span<std::uint8_t> MirrorAccess::bytes(std::string& s) {
+  return {reinterpret_cast<std::uint8_t*>(s.data()), s.size()};
+}
+
+DDP_INLINE std::string MirrorAccess::name(std::uint64_t k, const ShardSet& set) {
+  return concat("the in-memory copy of rank ", k, "'s shard (save ", set.g, " of ", set.world,
+                " ranks)");
+}
+#endif  // DDP_BODIES
+
+}  // namespace detail
+
+DDP_END_NAMESPACE
+// end ddp/training/shard_mirror.hpp
 // begin ddp/training/sharded.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -24905,777 +25680,7 @@ GradientAverager(Communicator<Backend>&, M&, AveragerOptions = {})
 DDP_END_NAMESPACE
 // end ddp/training/gradient.hpp
 // #include "ddp/training/parameters.hpp" (already included above)
-// begin ddp/training/shard_mirror.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// ddp::ShardMirror: a ShardedAverager's sharded state kept in memory, each rank's shard also on
-/// the rank before it (rank 0's on the last), so that a job that loses a rank recovers that
-/// rank's shard of the optimizer state from its neighbour, without a disk and without losing a
-/// step (ShardedAverager::save(mirror, tag, state), load(mirror, tag)).
-///
-///  * save(mirror, ...): two small all_gathers (the save's number, the sizes), then an
-///    all_to_all in which each rank sends its shard (what save(path) would write: the shard's
-///    parameter values, its layout, `state`) to the rank before it. Each rank keeps the two
-///    newest saves: its own shard and its neighbour's of each (4 shards' worth of memory, reused
-///    from save to save).
-///  * load(mirror, tag) takes the newest save (with that tag) of which the survivors hold every
-///    old rank's shard, and cuts it again for the new world as a sharded checkpoint is cut
-///    (training/reshard.hpp). One loss, or losses of ranks no two of which are neighbours, lose
-///    nothing; two neighbours lost together take a shard with them (Errc::mismatch, naming it:
-///    resume from a sharded checkpoint on disk).
-///  * A save that a failure interrupted is complete on some ranks and not on others; the older
-///    save is kept for that case. load() mirrors the save it loaded again on the new world
-///    before it returns, so a second loss right after a recovery loses nothing either. With
-///    TrainingState, save before commit() and load the tag of the restored commit: a commit
-///    completes only after every rank finished its save.
-
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/detail/crypto.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/training/checkpoint.hpp" (already included above)
-// begin ddp/training/reshard.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// The insides of load_sharded_checkpoint: finding the newest complete set of shard files (of
-/// any world size) among the files every rank sees, and handing each rank its state, cut again
-/// for the world size that loads it.
-///
-///  * Each rank lists the shard files it sees ("<path>.rankK-of-N.G.ID"); the lists are gathered,
-///    and the newest save G with a file of every one of its N ranks somewhere is chosen. Ranks
-///    may share one file system or each have a disk of its own.
-///  * Old rank K's file is read by rank K % M when that rank sees it (K itself when the world
-///    size is unchanged), else by the lowest rank that does: each file is read once.
-///  * Unchanged world size and layouts: each rank keeps its own file, nothing moves. Otherwise
-///    each reader cuts its files' sharded sections (Checkpoint::put_sharded) into the pieces each
-///    new rank's layout needs and scatters them; every rank can compute every piece's size from
-///    the gathered layouts, so bytes are all that travel. A section that is not sharded must be
-///    the same in every file (it goes to every rank) unless the world size is unchanged (each
-///    rank keeps its own).
-
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/detail/files.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/training/checkpoint.hpp" (already included above)
-
-#include <algorithm>
-#include <cstddef>
-#include <cstdint>
-#include <functional>
-#include <map>
-#include <optional>
-#include <span>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-/// The name that rank `rank` of `world`'s shard files start with: path.rankR-of-P. Each save
-/// writes a new generation of them, path.rankR-of-P.G.ID (G = 1, 2, ...; ID: the save's
-/// identifier, 16 hex digits), and removes the older generations only once the new one is
-/// complete on every rank.
-[[nodiscard]] inline std::string shard_path(const std::string& path, int rank, int world) {
-  return detail::concat(path, ".rank", rank, "-of-", world);
-}
-
-/// The layout a rank wants a sharded section in (load_sharded_checkpoint): given the section's
-/// name and its arrays' sizes.
-using ShardLayoutFor =
-    std::function<ShardLayout(std::string_view section, const std::vector<std::size_t>& sizes)>;
-
-namespace detail {
-
-/// One shard file: old rank `rank` of `world`, generation `g` of save `id` (g = 0: the one
-/// unnumbered file "<path>.rankR-of-N" that saves before generations wrote).
-struct ShardFile {
-  std::uint64_t g = 0, id = 0, world = 0, rank = 0;
-  friend auto operator<=>(const ShardFile&, const ShardFile&) = default;
-};
-
-DDP_INLINE std::string shard_file_path(const std::string& path, const ShardFile& f);
-#if DDP_BODIES
-DDP_INLINE std::string shard_file_path(const std::string& path, const ShardFile& f) {
-  std::string out = concat(path, ".rank", f.rank, "-of-", f.world);
-  if (f.g == 0) return out;
-  char hex[17];
-  for (int i = 0; i < 16; ++i) hex[i] = "0123456789abcdef"[(f.id >> (60 - 4 * i)) & 15];
-  hex[16] = '\0';
-  return concat(out, ".", f.g, ".", hex);
-}
-#endif  // DDP_BODIES
-
-/// Digits without a leading zero ("0" itself allowed) as a number.
-DDP_INLINE bool parse_decimal(std::string_view t, std::uint64_t& v);
-#if DDP_BODIES
-DDP_INLINE bool parse_decimal(std::string_view t, std::uint64_t& v) {
-  if (t.empty() || t.size() > 18 || (t[0] == '0' && t.size() > 1)) return false;
-  v = 0;
-  for (const char c : t) {
-    if (c < '0' || c > '9') return false;
-    v = v * 10 + static_cast<std::uint64_t>(c - '0');
-  }
-  return true;
-}
-#endif  // DDP_BODIES
-
-/// Every shard file of `path` (any rank, any world size) in its directory, newest first.
-DDP_INLINE std::vector<ShardFile> shard_files(const std::string& path);
-#if DDP_BODIES
-DDP_INLINE std::vector<ShardFile> shard_files(const std::string& path) {
-  std::vector<ShardFile> out;
-  for (const std::string& rest : suffixes(path)) {  // "rankK-of-N[.G.<16 hex>]"
-    const std::string_view r = rest;
-    const std::size_t of = r.find("-of-");
-    if (r.substr(0, 4) != "rank" || of == std::string_view::npos) continue;
-    const std::size_t dot = r.find('.', of);
-    ShardFile f;
-    if (!parse_decimal(r.substr(4, of - 4), f.rank) ||
-        !parse_decimal(r.substr(of + 4, dot == std::string_view::npos ? dot : dot - of - 4),
-                       f.world) ||
-        f.world == 0 || f.rank >= f.world)
-      continue;
-    if (dot != std::string_view::npos) {
-      const std::string_view gen = r.substr(dot + 1);
-      const std::size_t d = gen.find('.');
-      if (d == std::string_view::npos || gen.size() != d + 17 ||
-          !parse_decimal(gen.substr(0, d), f.g) || f.g == 0)
-        continue;
-      bool ok = true;
-      for (const char c : gen.substr(d + 1)) {
-        const int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-        ok = ok && v >= 0;
-        f.id = f.id << 4 | static_cast<std::uint64_t>(v < 0 ? 0 : v);
-      }
-      if (!ok) continue;
-    }
-    out.push_back(f);
-  }
-  std::sort(out.begin(), out.end(), std::greater<>());
-  return out;
-}
-#endif  // DDP_BODIES
-
-/// The save load_sharded_checkpoint takes: its world size N, generation, id, and which rank
-/// reads each old rank's file.
-struct ShardSet {
-  std::uint64_t world = 0, g = 0, id = 0;
-  std::vector<int> reader;  ///< reader[K]: the rank that reads old rank K's file
-};
-
-/// Collective: the newest save of which some rank holds every old rank's shard, `mine` being
-/// what this rank holds (std::nullopt when no rank holds any; Errc::mismatch when none is
-/// complete: `incomplete(key, have, missing, first_missing)` says what is missing).
-template <class Comm, class Incomplete>
-std::optional<ShardSet> choose_held(Comm& comm, const std::vector<ShardFile>& mine,
-                                    Incomplete&& incomplete) {
-  std::vector<std::uint64_t> words;
-  for (const ShardFile& f : mine) words.insert(words.end(), {f.g, f.id, f.world, f.rank});
-  // (g, id, world) -> the ranks that see each old rank's file
-  std::map<std::vector<std::uint64_t>, std::map<std::uint64_t, std::vector<int>>, std::greater<>>
-      saves;
-  const auto all = comm.all_gather_object(words);
-  for (std::size_t r = 0; r < all.size(); ++r) {
-    for (std::size_t i = 0; i + 3 < all[r].size(); i += 4)
-      saves[{all[r][i], all[r][i + 1], all[r][i + 2]}][all[r][i + 3]].push_back(
-          static_cast<int>(r));
-  }
-  if (saves.empty()) return std::nullopt;
-  const auto m = static_cast<std::uint64_t>(comm.size());
-  // The newest complete save; among saves of one generation (another job's, under the same
-  // path), the one of this world size first.
-  const std::map<std::uint64_t, std::vector<int>>* best = nullptr;
-  ShardSet set;
-  for (const auto& [key, files] : saves) {
-    if (files.size() != key[2]) continue;  // old ranks 0..N-1 each seen (rank < world)
-    if (best != nullptr && (key[0] < set.g || set.world == m || key[2] != m)) continue;
-    best = &files;
-    set.g = key[0];
-    set.id = key[1];
-    set.world = key[2];
-  }
-  if (best == nullptr) {
-    const auto& [key, files] = *saves.begin();  // the newest, incomplete
-    std::string have, missing;
-    std::uint64_t first_missing = 0;
-    for (std::uint64_t k = key[2]; k-- > 0;) {
-      const bool seen = files.count(k) != 0;
-      if (!seen) first_missing = k;
-      std::string& to = seen ? have : missing;
-      to = concat(k, to.empty() ? "" : ", ", to);
-    }
-    const auto shorten = [](std::string t) { return t.size() > 40 ? t.substr(0, 37) + "..." : t; };
-    incomplete(ShardFile{key[0], key[1], key[2], first_missing}, shorten(have), shorten(missing));
-  }
-  for (std::uint64_t k = 0; k < set.world; ++k) {
-    const std::vector<int>& seen = best->at(k);
-    const int preferred = static_cast<int>(k % m);
-    set.reader.push_back(
-        std::find(seen.begin(), seen.end(), preferred) != seen.end() ? preferred : seen.front());
-  }
-  return set;
-}
-
-/// Collective: the newest save with a file of every one of its ranks seen by some rank
-/// (std::nullopt when no rank sees any shard file; Errc::mismatch, saying what is missing, when
-/// there are files but no complete save). `mine`: this rank's shard_files.
-template <class Comm>
-std::optional<ShardSet> choose_shard_set(Comm& comm, const std::string& path,
-                                         const std::vector<ShardFile>& mine) {
-  return choose_held(
-      comm, mine, [&](const ShardFile& f, const std::string& have, const std::string& missing) {
-        fail(Errc::mismatch, "rank ", comm.rank(),
-             ": load_sharded_checkpoint: no save has a file of every rank: the newest, generation ",
-             f.g, " of ", f.world, " ranks, has the files of rank ", have, " but none of rank ",
-             missing, " (", shard_file_path(path, f),
-             "): the checkpoint is incomplete, its files come from different runs, or a rank's "
-             "disk cannot be reached; resume from a complete checkpoint");
-      });
-}
-
-/// What a shard file holds, as every rank needs to know it: its sections in order, each with
-/// words: {0, checksum, bytes} for a plain section; layout_words (element size first, never 0)
-/// for a sharded one.
-using FileInfo = std::vector<std::pair<std::string, std::vector<std::uint64_t>>>;
-
-DDP_INLINE std::uint64_t section_checksum(std::span<const std::byte> b);
-#if DDP_BODIES
-DDP_INLINE std::uint64_t section_checksum(std::span<const std::byte> b) {
-  std::uint64_t h = 0xcbf29ce484222325ull ^ b.size();
-  for (const std::byte c : b) h = (h ^ static_cast<std::uint64_t>(c)) * 0x100000001b3ull;
-  return h;
-}
-#endif  // DDP_BODIES
-
-DDP_INLINE FileInfo describe(const Checkpoint& ck, const std::string& file);
-#if DDP_BODIES
-DDP_INLINE FileInfo describe(const Checkpoint& ck, const std::string& file) {
-  FileInfo info;
-  for (const std::string& name : ck.names()) {
-    if (name == "ddp.shard" || name.rfind("ddp.sharded.", 0) == 0) continue;
-    if (const auto layout = ck.sharded_layout(name)) {
-      const auto words = ck.get_object<std::vector<std::uint64_t>>(layout_section(name));
-      if (ck.get(name).size() != layout->elements() * words[0])
-        fail(Errc::protocol, "Checkpoint: ", file, ": sharded section \"", name, "\" holds ",
-             ck.get(name).size(), " bytes, not the ", layout->elements(), " elements of ", words[0],
-             " bytes its layout says");
-      info.emplace_back(name, words);
-    } else if (name == "ddp.values") {
-      fail(Errc::mismatch, "Checkpoint: ", file,
-           " was saved by an older ddp, without the layout a new world size or other "
-           "ShardedOptions need; load it with those that saved it, save again, then resume");
-    } else {
-      info.emplace_back(
-          name, std::vector<std::uint64_t>{0, section_checksum(ck.get(name)), ck.get(name).size()});
-    }
-  }
-  return info;
-}
-#endif  // DDP_BODIES
-
-/// Calls f(destination element, source element, count) for each run of elements that old
-/// layout `from` and new layout `to` share, in `to`'s order, then `from`'s.
-template <class F>
-void for_each_overlap(const ShardLayout& to, const ShardLayout& from, F&& f) {
-  std::size_t wp = 0;
-  for (const ShardRange& w : to.ranges) {
-    std::size_t sp = 0;
-    for (const ShardRange& o : from.ranges) {
-      if (o.array == w.array) {
-        const std::size_t lo = std::max(o.offset, w.offset);
-        const std::size_t hi = std::min(o.offset + o.size, w.offset + w.size);
-        if (lo < hi) f(wp + lo - w.offset, sp + lo - o.offset, hi - lo);
-      }
-      sp += o.size;
-    }
-    wp += w.size;
-  }
-}
-
-/// Collective: each rank's checkpoint, in the layouts `want` gives (null: each rank's own at
-/// the same world size, ShardLayout::even at another), of save `set`, whose old rank K's
-/// checkpoint `files` holds on rank set.reader[K]. `what` and `file_name(K)` name them in errors.
-template <class Comm, class Name>
-Checkpoint reshard_held(Comm& comm, const ShardSet& set, std::map<std::uint64_t, Checkpoint>& files,
-                        const ShardLayoutFor& want, const char* what, Name&& file_name) {
-  const int me = comm.rank();
-  const auto m = static_cast<std::uint64_t>(comm.size());
-  const bool same_world = set.world == m;
-  const auto failed = [&](const std::string& error) {
-    fail_with_first(comm, comm.all_gather_object(error), what);
-  };
-  std::vector<std::pair<std::uint64_t, FileInfo>> infos;
-  std::string error;
-  try {
-    for (const auto& [k, ck] : files) infos.emplace_back(k, describe(ck, file_name(k)));
-  } catch (const Error& e) {
-    error = error_text(e);
-  }
-  failed(error);
-  // 2. What every file holds, on every rank; the files must agree on their sections.
-  std::vector<FileInfo> info(set.world);
-  for (auto& from_rank : comm.all_gather_object(infos))
-    for (auto& [k, i] : from_rank) info[k] = std::move(i);
-  const auto refuse = [&](const auto&... why) {
-    fail(Errc::mismatch, "rank ", me, ": ", what, ": ", why...,
-         "; resume from a complete checkpoint");
-  };
-  std::vector<std::string> sharded;  // the sharded sections' names, in file 0's order
-  std::vector<std::size_t> element;  // their element sizes
-  for (const auto& [name, words] : info[0]) {
-    if (words[0] != 0) {
-      sharded.push_back(name);
-      element.push_back(static_cast<std::size_t>(words[0]));
-    }
-  }
-  for (std::uint64_t k = 1; k < set.world; ++k) {
-    if (info[k].size() != info[0].size())
-      refuse(file_name(k), " has ", info[k].size(), " sections but ", file_name(0), " has ",
-             info[0].size());
-    for (std::size_t i = 0; i < info[0].size(); ++i) {
-      const auto& [name, words] = info[k][i];
-      const auto& first = info[0][i].second;
-      if (name != info[0][i].first)
-        refuse(file_name(k), "'s section ", i, " is \"", name, "\" but ", file_name(0), "'s is \"",
-               info[0][i].first, "\"");
-      if ((words[0] == 0) != (first[0] == 0))
-        refuse("section \"", name, "\" is sharded in one rank's file and not in another's");
-      if (words[0] == 0 && !same_world && words != first)
-        refuse("section \"", name, "\" differs between ", file_name(0), " and ", file_name(k),
-               ", and it is not sharded: on another world size than the one that saved it, a "
-               "section must be the same on every rank (it goes to every rank) or be put with "
-               "Checkpoint::put_sharded (its values are cut again)");
-    }
-  }
-  std::vector<std::vector<ShardLayout>> old(sharded.size());  // [section][old rank]
-  for (std::size_t s = 0; s < sharded.size(); ++s) {
-    std::vector<std::vector<std::pair<std::size_t, std::size_t>>> cover;
-    for (std::uint64_t k = 0; k < set.world; ++k) {
-      std::vector<std::uint64_t> words;
-      for (const auto& [name, w] : info[k])
-        if (name == sharded[s]) words = w;
-      auto [bytes, layout] = layout_of_words(words, file_name(k));
-      if (bytes != element[s] || (k != 0 && layout.sizes != old[s][0].sizes))
-        refuse("sharded section \"", sharded[s], "\" has other element sizes or arrays in ",
-               file_name(k), " than in ", file_name(0));
-      cover.resize(layout.sizes.size());
-      for (const ShardRange& r : layout.ranges) cover[r.array].emplace_back(r.offset, r.size);
-      old[s].push_back(std::move(layout));
-    }
-    for (std::size_t a = 0; a < cover.size(); ++a) {  // the files hold each element once
-      std::sort(cover[a].begin(), cover[a].end());
-      std::size_t next = 0;
-      bool once = true;
-      for (const auto& [offset, size] : cover[a]) {
-        once = once && offset == next;  // a gap (offset > next) or an overlap (offset < next)
-        next = offset + size;
-      }
-      if (!once || next != old[s][0].sizes[a])
-        refuse("the shard files' pieces of sharded section \"", sharded[s], "\" do not hold array ",
-               a, " (", old[s][0].sizes[a], " elements) exactly once");
-    }
-  }
-  // 3. The layout each rank wants each sharded section in.
-  std::vector<std::vector<std::uint64_t>> wanted_words;
-  try {
-    for (std::size_t s = 0; s < sharded.size(); ++s) {
-      const std::vector<std::size_t>& sizes = old[s][0].sizes;
-      ShardLayout l = want         ? want(sharded[s], sizes)
-                      : same_world ? old[s][static_cast<std::size_t>(me)]
-                                   : ShardLayout::even(sizes, me, comm.size());
-      if (l.sizes != sizes)
-        fail(Errc::mismatch, "the layout asked for sharded section \"", sharded[s], "\" has ",
-             l.sizes.size(), " arrays of other sizes than the ", sizes.size(),
-             " it was saved with");
-      check_layout(l, concat("the layout asked for sharded section \"", sharded[s], "\""));
-      wanted_words.push_back(layout_words(element[s], l));
-    }
-    error.clear();
-  } catch (const Error& e) {
-    error = error_text(e);
-  }
-  failed(error);
-  const auto all_wanted = comm.all_gather_object(wanted_words);
-  std::vector<std::vector<ShardLayout>> wanted(m);  // [new rank][section]
-  bool moves = !same_world;
-  for (std::uint64_t d = 0; d < m; ++d) {
-    for (std::size_t s = 0; s < sharded.size(); ++s) {
-      wanted[d].push_back(layout_of_words(all_wanted[d][s], what).second);
-      moves = moves || !(wanted[d][s] == old[s][d]);
-    }
-  }
-  for (std::uint64_t k = 0; k < set.world; ++k)
-    moves = moves || set.reader[k] != static_cast<int>(k);
-  if (!moves) return std::move(files.at(static_cast<std::uint64_t>(me)));  // its own file
-  // 4. The plain sections come from old rank d's file (same world size) or rank 0's; the sharded
-  // ones from every file holding a piece of d's layout. Bytes s sends d, in the order d reads.
-  const auto plain_from = [&](std::uint64_t d) { return same_world ? d : 0; };
-  const auto for_each_piece = [&](int s, std::uint64_t d, auto&& f) {  // f(section, k, from, to, n)
-    for (std::uint64_t k = 0; k < set.world; ++k) {
-      if (set.reader[k] != s || k != plain_from(d)) continue;
-      for (const auto& [name, words] : info[k])
-        if (words[0] == 0)
-          f(name, k, std::size_t{0}, std::size_t{0}, static_cast<std::size_t>(words[2]));
-    }
-    for (std::size_t sec = 0; sec < sharded.size(); ++sec) {
-      for (std::uint64_t k = 0; k < set.world; ++k) {
-        if (set.reader[k] != s) continue;
-        for_each_overlap(
-            wanted[d][sec], old[sec][k], [&](std::size_t to, std::size_t from, std::size_t n) {
-              f(sharded[sec], k, from * element[sec], to * element[sec], n * element[sec]);
-            });
-      }
-    }
-  };
-  Checkpoint out;
-  std::map<std::string, std::string> values;  // the sharded sections' new bytes
-  for (std::size_t s = 0; s < sharded.size(); ++s)
-    values[sharded[s]].resize(wanted[static_cast<std::size_t>(me)][s].elements() * element[s]);
-  std::map<std::string, std::string> plain;
-  // One all_to_all of bytes: what this rank sends each rank, and receives from each, in rank
-  // order (every rank computes every size from what it gathered).
-  const auto me64 = static_cast<std::uint64_t>(me);
-  std::vector<std::size_t> send(m, 0), recv(m, 0);
-  for (std::uint64_t d = 0; d < m; ++d) {
-    for_each_piece(me, d,
-                   [&](const std::string&, std::uint64_t, std::size_t, std::size_t, std::size_t n) {
-                     send[d] += n;
-                   });
-    for_each_piece(static_cast<int>(d), me64,
-                   [&](const std::string&, std::uint64_t, std::size_t, std::size_t, std::size_t n) {
-                     recv[d] += n;
-                   });
-  }
-  std::string out_bytes, got;
-  std::size_t total_send = 0, total_recv = 0;
-  for (std::uint64_t d = 0; d < m; ++d) total_send += send[d], total_recv += recv[d];
-  out_bytes.reserve(total_send);
-  for (std::uint64_t d = 0; d < m; ++d)
-    for_each_piece(me, d,
-                   [&](const std::string& name, std::uint64_t k, std::size_t from, std::size_t,
-                       std::size_t n) {
-                     const auto b = files.at(k).get(name);
-                     out_bytes.append(reinterpret_cast<const char*>(b.data()) + from, n);
-                   });
-  got.resize(total_recv);
-  comm.all_to_all(std::span(reinterpret_cast<std::uint8_t*>(out_bytes.data()), out_bytes.size()),
-                  std::span(reinterpret_cast<std::uint8_t*>(got.data()), got.size()), send, recv);
-  std::size_t at = 0;
-  for (std::uint64_t s = 0; s < m; ++s) {
-    for_each_piece(
-        static_cast<int>(s), me64,
-        [&](const std::string& name, std::uint64_t k, std::size_t, std::size_t to, std::size_t n) {
-          const bool is_plain = [&] {
-            for (const auto& [nm, words] : info[k])
-              if (nm == name) return words[0] == 0;
-            return false;
-          }();
-          if (is_plain)
-            plain[name] = got.substr(at, n);
-          else
-            got.copy(values[name].data() + to, n, at);
-          at += n;
-        });
-  }
-  // 5. This rank's checkpoint: the plain sections in their order, the sharded ones, the stamp.
-  for (const auto& [name, words] : info[plain_from(static_cast<std::uint64_t>(me))]) {
-    const std::string& b = words[0] == 0 ? plain[name] : values[name];
-    out.put(name, std::as_bytes(std::span(b.data(), b.size())));
-    if (words[0] != 0) {
-      const auto s = static_cast<std::size_t>(std::find(sharded.begin(), sharded.end(), name) -
-                                              sharded.begin());
-      out.put_object(layout_section(name), all_wanted[static_cast<std::size_t>(me)][s]);
-    }
-  }
-  out.put_object("ddp.shard",
-                 std::vector<std::uint64_t>{static_cast<std::uint64_t>(me), m, set.id});
-  return out;
-}
-
-/// Collective: each rank's checkpoint of save `set` of `path`, in the layouts `want` gives
-/// (null: each rank's own at the same world size, ShardLayout::even at another).
-template <class Comm>
-Checkpoint load_shard_set(Comm& comm, const std::string& path, const ShardSet& set,
-                          const ShardLayoutFor& want) {
-  const int me = comm.rank();
-  // 1. Each reader loads and checks its files.
-  std::map<std::uint64_t, Checkpoint> files;  // old rank -> its file, on its reader
-  std::string error;
-  try {
-    for (std::uint64_t k = 0; k < set.world; ++k) {
-      if (set.reader[k] != me) continue;
-      const std::string file = shard_file_path(path, {set.g, set.id, set.world, k});
-      std::optional<Checkpoint> ck = Checkpoint::load(file);
-      if (!ck) fail(Errc::system, "Checkpoint: ", file, " disappeared while it was being loaded");
-      if (!ck->contains("ddp.shard"))
-        fail(Errc::mismatch, "Checkpoint: ", file,
-             " is not a shard file (it was not written by save_sharded_checkpoint)");
-      const auto stamp = ck->get_object<std::vector<std::uint64_t>>("ddp.shard");
-      if (stamp.size() < 3 || stamp[0] != k || stamp[1] != set.world)
-        fail(Errc::mismatch, "Checkpoint: ", file, " was written by rank ",
-             stamp.empty() ? 0 : stamp[0], " of ", stamp.size() < 2 ? 0 : stamp[1],
-             " ranks; a shard file is read under the name its rank and world size gave it");
-      if (set.g != 0 && stamp[2] != set.id)
-        fail(Errc::mismatch, "Checkpoint: ", file,
-             " holds another save than its name says (it was copied or renamed)");
-      files.emplace(k, std::move(*ck));
-    }
-  } catch (const Error& e) {
-    error = error_text(e);
-  }
-  fail_with_first(comm, comm.all_gather_object(error), "load_sharded_checkpoint");
-  return reshard_held(comm, set, files, want, "load_sharded_checkpoint", [&](std::uint64_t k) {
-    return shard_file_path(path, {set.g, set.id, set.world, k});
-  });
-}
-
-}  // namespace detail
-
-DDP_END_NAMESPACE
-// end ddp/training/reshard.hpp
-
-#include <cstddef>
-#include <cstdint>
-#include <map>
-#include <optional>
-#include <set>
-#include <span>
-#include <string>
-#include <utility>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-namespace detail {
-struct MirrorAccess;
-}
-
-/// The in-memory sharded state of a ShardedAverager (see the file comment). Make it once, before
-/// the averager, and keep it across membership changes (the averager is made again after
-/// each; the mirror is not).
-class ShardMirror {
- public:
-  /// Bytes held on this rank (its own shards and its neighbour's, of the saves kept).
-  [[nodiscard]] std::size_t bytes() const noexcept;
-  /// The tags of the saves kept on this rank, oldest first.
-  [[nodiscard]] std::vector<std::uint64_t> tags() const;
-  /// Forgets every save.
-  void clear() noexcept { saves_.clear(); }
-
- private:
-  friend struct detail::MirrorAccess;
-  struct Save {
-    std::uint64_t tag = 0, g = 0, id = 0, world = 0, rank = 0;
-    std::string own, next;  // this rank's shard, and rank (rank + 1) % world's
-  };
-  static constexpr std::size_t kept = 2;
-  std::vector<Save> saves_;  // oldest first
-};
-
-#if DDP_BODIES
-DDP_INLINE std::size_t ShardMirror::bytes() const noexcept {
-  std::size_t n = 0;
-  for (const Save& s : saves_) n += s.own.size() + s.next.size();
-  return n;
-}
-
-DDP_INLINE std::vector<std::uint64_t> ShardMirror::tags() const {
-  std::vector<std::uint64_t> t;
-  for (const Save& s : saves_) t.push_back(s.tag);
-  return t;
-}
-#endif  // DDP_BODIES
-
-namespace detail {
-
-/// ShardedAverager's access to a ShardMirror.
-struct MirrorAccess {
-  /// Collective: this rank's shard checkpoint (`state` with `extra` sections) kept in `m` and on
-  /// the rank before, as save `tag`.
-  template <class Comm>
-  static void save(Comm& comm, ShardMirror& m, std::uint64_t tag, const Checkpoint& state,
-                   std::span<const Checkpoint::Section> extra) {
-    const auto n = static_cast<std::uint64_t>(comm.size()),
-               me = static_cast<std::uint64_t>(comm.rank());
-    // 1. Every rank is here, so every rank finished the newest save: the one before it is
-    // needed no more, and its memory takes this one.
-    // The ranks must save the same tag and the same unsharded sections (after a loss they go
-    // to every survivor), checked here rather than found out after a loss.
-    const std::uint64_t newest = m.saves_.empty() ? 0 : m.saves_.back().g;
-    const auto ids = comm.all_gather_object(std::vector<std::uint64_t>{
-        newest, me == 0 ? random_value<std::uint64_t>() : 0, tag, plain_checksum(state)});
-    for (std::uint64_t r = 1; r < n; ++r) {
-      if (ids[r][2] != ids[0][2])
-        fail(Errc::mismatch, "rank ", me, ": ShardedAverager::save (in-memory copies): rank ", r,
-             " saves tag ", ids[r][2], " but rank 0 tag ", ids[0][2],
-             "; every rank saves the same tag (the steps done, say)");
-      if (ids[r][3] != ids[0][3]) refuse_plain(comm, state, r);
-    }
-    ShardMirror::Save s{tag, 0, ids[0][1], n, me, {}, {}};
-    for (const auto& r : ids) s.g = std::max(s.g, r[0]);
-    ++s.g;
-    if (m.saves_.size() >= ShardMirror::kept) {
-      s.own = std::move(m.saves_.front().own);
-      s.next = std::move(m.saves_.front().next);
-      m.saves_.erase(m.saves_.begin());
-    }
-    // 2. This rank's shard, then to the rank before it (sizes first).
-    std::vector<Checkpoint::Section> sections(extra.begin(), extra.end());
-    const std::string stamp = encode_object(std::vector<std::uint64_t>{me, n, tag});
-    sections.emplace_back("ddp.shard", stamp);
-    state.serialize_into(s.own, sections);
-    if (n > 1) {
-      const auto sizes = comm.all_gather_object(static_cast<std::uint64_t>(s.own.size()));
-      const std::uint64_t before = (me + n - 1) % n, after = (me + 1) % n;
-      std::vector<std::size_t> out_counts(n, 0), in_counts(n, 0);
-      out_counts[before] = s.own.size();
-      in_counts[after] = static_cast<std::size_t>(sizes[after]);
-      s.next.resize(in_counts[after]);
-      comm.all_to_all(bytes(s.own), bytes(s.next), out_counts, in_counts);
-    } else {
-      s.next.clear();
-    }
-    m.saves_.push_back(std::move(s));
-  }
-
-  /// Collective: each rank's checkpoint of the newest save (with tag `tag`, when given) of which
-  /// the ranks hold every old rank's shard, cut for this world in the layouts `want` gives;
-  /// std::nullopt when no rank holds such a save. Before it returns, that save is mirrored again
-  /// on this world (each new shard on its own rank and the rank before it, under the same tag),
-  /// and every other save is dropped: the next loss, however soon, finds every shard twice.
-  template <class Comm>
-  static std::optional<Checkpoint> load(Comm& comm, ShardMirror& m,
-                                        std::optional<std::uint64_t> tag,
-                                        const ShardLayoutFor& want) {
-    const char* what = "ShardedAverager::load (in-memory copies)";
-    if (tag) {  // a tag no rank holds, while saves are held: say which are
-      std::vector<std::uint64_t> mine;
-      for (const auto& s : m.saves_) mine.push_back(s.tag);
-      std::set<std::uint64_t> tags;
-      for (const auto& r : comm.all_gather_object(mine)) tags.insert(r.begin(), r.end());
-      if (!tags.empty() && tags.count(*tag) == 0) {
-        std::string list;
-        for (const auto t : tags) list += concat(list.empty() ? "" : ", ", t);
-        fail(Errc::mismatch, "rank ", comm.rank(), ": ", what, ": no rank holds a save tagged ",
-             *tag, " (the ranks hold tags ", list, "; each keeps its two newest saves)");
-      }
-    }
-    std::vector<ShardFile> held;
-    for (const auto& s : m.saves_) {
-      if (tag && s.tag != *tag) continue;
-      held.push_back({s.g, s.id, s.world, s.rank});
-      if (s.world > 1) held.push_back({s.g, s.id, s.world, (s.rank + 1) % s.world});
-    }
-    const auto set = choose_held(
-        comm, held, [&](const ShardFile& f, const std::string& have, const std::string& missing) {
-          fail(Errc::mismatch, "rank ", comm.rank(), ": ", what, ": no rank holds a copy of rank ",
-               f.rank, "'s shard of save ", f.g, " (", f.world,
-               " ranks), neither its own nor the one "
-               "on the rank before it: both were lost (held: ranks ",
-               have, "; missing: ranks ", missing, "); resume from a sharded checkpoint on disk");
-        });
-    if (!set) return std::nullopt;
-    std::map<std::uint64_t, Checkpoint> shards;  // old rank -> its checkpoint, on its reader
-    std::string error;
-    try {
-      for (std::uint64_t k = 0; k < set->world; ++k) {
-        if (set->reader[k] != comm.rank()) continue;
-        for (const auto& s : m.saves_) {
-          if (s.g != set->g || s.id != set->id || s.world != set->world) continue;
-          const std::string& b = s.rank == k ? s.own : s.next;
-          shards.emplace(k, Checkpoint::parse(b, name(k, *set)));
-        }
-      }
-    } catch (const Error& e) {
-      error = error_text(e);
-    }
-    fail_with_first(comm, comm.all_gather_object(error), what);
-    Checkpoint mine = reshard_held(comm, *set, shards, want, what,
-                                   [&](std::uint64_t k) { return name(k, *set); });
-    // Redundancy again before training goes on: the loaded save, mirrored on this world. The
-    // saves it came from are dropped (the loaded one is kept until its copy is whole).
-    const auto chosen = [&](const ShardMirror::Save& s) {
-      return s.g == set->g && s.id == set->id && s.world == set->world;
-    };
-    std::uint64_t loaded_tag = 0;
-    for (const auto& s : m.saves_)
-      if (chosen(s)) loaded_tag = s.tag;
-    for (const std::uint64_t t : comm.all_gather_object(loaded_tag))
-      loaded_tag = std::max(loaded_tag, t);
-    std::erase_if(m.saves_, [&](const ShardMirror::Save& s) { return !chosen(s); });
-    Checkpoint again;
-    for (const std::string& section : mine.names())
-      if (section != "ddp.shard") again.put(section, mine.get(section));
-    save(comm, m, loaded_tag, again, {});
-    return mine;
-  }
-
- private:
-  /// The unsharded sections of `state` (not put with put_sharded), named with their checksums.
-  static std::vector<std::pair<std::string, std::uint64_t>> plain_sections(const Checkpoint& c);
-  static std::uint64_t plain_checksum(const Checkpoint& c);
-  /// Collective (every rank found that rank `r`'s unsharded sections differ from rank 0's):
-  /// Errc::mismatch naming the first section that differs.
-  template <class Comm>
-  [[noreturn]] static void refuse_plain(Comm& comm, const Checkpoint& state, std::uint64_t r) {
-    const auto all = comm.all_gather_object(plain_sections(state));
-    const auto& a = all[0];
-    const auto& b = all[r];
-    std::string which;
-    for (std::size_t i = 0; i < std::max(a.size(), b.size()) && which.empty(); ++i) {
-      if (i >= a.size() || i >= b.size() || a[i].first != b[i].first)
-        which = concat("section \"", i < b.size() ? b[i].first : a[i].first,
-                       "\" is on one of them only");
-      else if (a[i].second != b[i].second)
-        which = concat("section \"", a[i].first, "\" differs");
-    }
-    fail(Errc::mismatch, "rank ", comm.rank(), ": ShardedAverager::save (in-memory copies): rank ",
-         r,
-         "'s state and rank 0's have "
-         "other unsharded sections (",
-         which,
-         "): after a loss they go to every survivor, so they "
-         "must be the same on every rank; put per-rank state with Checkpoint::put_sharded");
-  }
-  static std::span<std::uint8_t> bytes(std::string& s);
-  static std::string name(std::uint64_t k, const ShardSet& set);
-};
-
-#if DDP_BODIES
-DDP_INLINE std::vector<std::pair<std::string, std::uint64_t>> MirrorAccess::plain_sections(
-    const Checkpoint& c) {
-  std::vector<std::pair<std::string, std::uint64_t>> out;
-  for (const std::string& name : c.names())
-    if (!c.sharded_layout(name) && name.rfind("ddp.sharded.", 0) != 0)
-      out.emplace_back(name, section_checksum(c.get(name)));
-  return out;
-}
-
-DDP_INLINE std::uint64_t MirrorAccess::plain_checksum(const Checkpoint& c) {
-  std::uint64_t h = 0;
-  for (const auto& [name, sum] : plain_sections(c))
-    h = (h ^ section_checksum(std::as_bytes(std::span(name.data(), name.size())))) * 31 + sum;
-  return h;
-}
-
-DDP_INLINE std::span<std::uint8_t> MirrorAccess::bytes(std::string& s) {
-  return {reinterpret_cast<std::uint8_t*>(s.data()), s.size()};
-}
-
-DDP_INLINE std::string MirrorAccess::name(std::uint64_t k, const ShardSet& set) {
-  return concat("the in-memory copy of rank ", k, "'s shard (save ", set.g, " of ", set.world,
-                " ranks)");
-}
-#endif  // DDP_BODIES
-
-}  // namespace detail
-
-DDP_END_NAMESPACE
-// end ddp/training/shard_mirror.hpp
+// #include "ddp/training/shard_mirror.hpp" (already included above)
 // begin ddp/training/sharded_checkpoint.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -25716,6 +25721,7 @@ DDP_END_NAMESPACE
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -25825,13 +25831,35 @@ std::uint64_t save_shard(Comm& comm, const Checkpoint& state, const std::string&
   return save_shard_files(comm, state, path, extra);
 }
 
+/// The layout a load asks for (`who`'s, "ShardedAverager" say): `mine` (this rank's) for the
+/// parameters, whose sizes must be the checkpoint's (Errc::mismatch naming the first parameter
+/// that differs: a checkpoint of another model), even for other sharded sections.
+inline ShardLayoutFor wanted_layout(ShardLayout mine, int rank, int world, const char* who) {
+  return [mine = std::move(mine), rank, world, who](
+             std::string_view section, const std::vector<std::size_t>& sizes) -> ShardLayout {
+    if (sizes == mine.sizes) return mine;
+    if (section == "ddp.values") {
+      std::size_t i = 0;
+      while (i < sizes.size() && i < mine.sizes.size() && sizes[i] == mine.sizes[i]) ++i;
+      fail(Errc::mismatch, who, "::load: the checkpoint holds ", sizes.size(),
+           " parameters and this model ", mine.sizes.size(),
+           i < sizes.size() && i < mine.sizes.size()
+               ? concat("; parameter ", i, " has ", sizes[i], " elements in the checkpoint but ",
+                        mine.sizes[i], " here")
+               : std::string(),
+           ": it was saved with another model");
+    }
+    return ShardLayout::even(sizes, rank, world);
+  };
+}
+
 /// ShardedAverager::load: checks that `ck` (this rank's, from load_sharded_checkpoint in the
 /// averager's layout; `file` names it) holds parameter values in the layout of this rank's
 /// `slices`, then copies them back into the slices. Collective: a rank's problem fails every
 /// rank (Errc::mismatch).
 template <class Comm, class Slices>
 void restore_shard(Comm& comm, const Checkpoint& ck, const std::string& file, const Slices& slices,
-                   const ShardLayout& layout, bool cuda) {
+                   const ShardLayout& layout, bool cuda, const char* who = "ShardedAverager") {
   std::string problem;
   std::size_t bytes = 0;
   for (const auto& sl : slices) bytes += sl.value.bytes();
@@ -25840,13 +25868,12 @@ void restore_shard(Comm& comm, const Checkpoint& ck, const std::string& file, co
   for (const ShardRange& r : layout.ranges)
     legacy.insert(legacy.end(), {r.array, r.offset, r.size});
   if (!ck.contains("ddp.values")) {
-    problem = concat(file,
-                     " holds no parameters (it was saved by save_sharded_checkpoint, not "
-                     "ShardedAverager::save)");
+    problem = concat(file, " holds no parameters (it was saved by save_sharded_checkpoint, not ",
+                     who, "::save)");
   } else if (ck.sharded_layout("ddp.values")
                  ? *ck.sharded_layout("ddp.values") != layout
                  : std::vector<std::uint64_t>(stamp.begin() + 3, stamp.end()) != legacy) {
-    problem = concat(file, " holds its parameters in another layout than this averager's");
+    problem = concat(file, " holds its parameters in another layout than this ", who, "'s");
   } else if (ck.get("ddp.values").size() != bytes) {
     problem = concat(file, " holds ", ck.get("ddp.values").size(), " bytes of parameters, not ",
                      bytes, ": it was saved with another element type");
@@ -25854,8 +25881,8 @@ void restore_shard(Comm& comm, const Checkpoint& ck, const std::string& file, co
   const auto problems = comm.all_gather_object(problem);
   for (std::size_t r = 0; r < problems.size(); ++r) {
     if (!problems[r].empty())
-      fail(Errc::mismatch, "rank ", comm.rank(), ": ShardedAverager::load: rank ", r, ": ",
-           problems[r], "; resume with the model that saved it");
+      fail(Errc::mismatch, "rank ", comm.rank(), ": ", who, "::load: rank ", r, ": ", problems[r],
+           "; resume with the model that saved it");
   }
   const std::byte* values = ck.get("ddp.values").data();
   for (const auto& sl : slices) {
@@ -26117,25 +26144,8 @@ class ShardedAverager : public detail::Averager<M, Backend> {
   /// The layout load() asks for: this averager's for its parameters (a checkpoint of another
   /// model refused), even for other sharded sections.
   [[nodiscard]] ShardLayoutFor wanted() const {
-    const ShardLayout mine = layout();
-    const int rank = this->comm_->rank(), world = this->comm_->size();
-    return [mine, rank, world](std::string_view section,
-                               const std::vector<std::size_t>& sizes) -> ShardLayout {
-      if (sizes == mine.sizes) return mine;
-      if (section == "ddp.values") {
-        std::size_t i = 0;
-        while (i < sizes.size() && i < mine.sizes.size() && sizes[i] == mine.sizes[i]) ++i;
-        detail::fail(
-            Errc::mismatch, "ShardedAverager::load: the checkpoint holds ", sizes.size(),
-            " parameters and this model ", mine.sizes.size(),
-            i < sizes.size() && i < mine.sizes.size()
-                ? detail::concat("; parameter ", i, " has ", sizes[i],
-                                 " elements in the checkpoint but ", mine.sizes[i], " here")
-                : std::string(),
-            ": it was saved with another model");
-      }
-      return ShardLayout::even(sizes, rank, world);
-    };
+    return detail::wanted_layout(layout(), this->comm_->rank(), this->comm_->size(),
+                                 "ShardedAverager");
   }
   /// The shard of `ck` (named `where` in errors) back in place, gathered.
   std::optional<Checkpoint> restore(std::optional<Checkpoint> ck, const std::string& where) {
@@ -26162,6 +26172,7 @@ ShardedAverager(Communicator<Backend>&, M&, ShardedOptions = {})
 
 DDP_END_NAMESPACE
 // end ddp/training/sharded.hpp
+// #include "ddp/training/sharded_checkpoint.hpp" (already included above)
 // #include "ddp/work.hpp" (already included above)
 
 #include <algorithm>
@@ -26332,6 +26343,70 @@ class FullyShardedAverager {
     return l;
   }
 
+  /// Collective: saves this rank's part of a sharded checkpoint, next to the others' (as
+  /// ShardedAverager::save): its shard of the parameter values (a sharded section laid out as
+  /// layout()) and `state` (the optimizer's state for the shard, put with
+  /// Checkpoint::put_sharded(name, values, layout()); the step, ...), to shard_path(path, rank,
+  /// size) through the two phases of save_sharded_checkpoint. No rank writes the whole model.
+  /// Returns the save identifier.
+  std::uint64_t save(const std::string& path, const Checkpoint& state = Checkpoint{}) {
+    return detail::save_shard(*comm_, state, path, shard(), layout(), false);
+  }
+
+  /// Collective: loads what save() wrote, at this world size or any other (every rank's shard
+  /// cut again from the files that hold its elements), and returns the checkpoint for the rest
+  /// (`state`'s sections, its sharded sections over this model in layout()). Gathered units are
+  /// released and pending reduces finished first: spans from gather() and grad() end here.
+  /// std::nullopt on every rank, parameters untouched, when there is none; Errc::mismatch on
+  /// every rank for a set saved with other units' parameters.
+  [[nodiscard]] std::optional<Checkpoint> load(const std::string& path) {
+    return restore(load_sharded_checkpoint(*comm_, path, wanted()),
+                   shard_path(path, comm_->rank(), comm_->size()));
+  }
+
+  /// Collective: keeps this rank's shard (what save(path, state) writes) in `mirror` and a copy
+  /// on the rank before it, as save `tag` (ShardMirror): after a rank is lost, the survivors'
+  /// new averager loads it with load(mirror).
+  void save(ShardMirror& mirror, std::uint64_t tag, const Checkpoint& state = Checkpoint{}) {
+    const auto [values, words] = detail::shard_values(shard(), layout(), false);
+    const std::string companion = detail::layout_section("ddp.values");
+    const Checkpoint::Section extra[] = {{"ddp.values", values}, {companion, words}};
+    detail::MirrorAccess::save(*comm_, mirror, tag, state, extra);
+  }
+
+  /// Collective, after a membership change (an averager made again over the survivors): loads
+  /// the newest save in `mirror` (tag `tag`, when given) of which the ranks hold every old rank's
+  /// shard, cut again for this world, as load(path) does (see ShardedAverager::load(mirror)).
+  [[nodiscard]] std::optional<Checkpoint> load(ShardMirror& mirror,
+                                               std::optional<std::uint64_t> tag = std::nullopt) {
+    return restore(detail::MirrorAccess::load(*comm_, mirror, tag, wanted()),
+                   detail::concat("the in-memory copy of rank ", comm_->rank(), "'s shard"));
+  }
+
+  /// Collective: the whole model at rank `root` (to export it), a unit at a time, so that
+  /// `root` holds one unit in full besides its shard: there `fn(unit, param, values)` is called
+  /// for each parameter of each unit in order (`values` valid during the call); the other ranks
+  /// only send their blocks. Errc::invalid_argument for a root outside the world.
+  template <class F>
+  void gather_to(int root, F&& fn) {
+    if (root < 0 || root >= comm_->size())
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                   ": FullyShardedAverager::gather_to: root ", root, " outside the world of ",
+                   comm_->size());
+    const bool here = comm_->rank() == root;
+    for (std::size_t u = 0; u < blocks_.size(); ++u) {
+      const Block& b = blocks_[u];
+      std::vector<T> full(here ? b.block * static_cast<std::size_t>(comm_->size()) : 0);
+      comm_->gather(std::span<const T>(b.value), std::span<T>(full), root);
+      if (!here) continue;
+      std::size_t at = 0;
+      for (std::size_t i = 0; i < b.sizes.size(); ++i) {
+        fn(u, i, std::span<const T>(full.data() + at, b.sizes[i]));
+        at += b.sizes[i];
+      }
+    }
+  }
+
   /// Elements this rank keeps: its blocks' sizes added up (about 1/P of the model).
   [[nodiscard]] std::size_t shard_size() const noexcept {
     std::size_t n = 0;
@@ -26355,6 +26430,23 @@ class FullyShardedAverager {
     Work gathering, reducing;
     bool reduced = false;  // reduce() issued since the last grad()
   };
+
+  /// The layout load() asks for (another model's checkpoint refused).
+  [[nodiscard]] ShardLayoutFor wanted() const {
+    return detail::wanted_layout(layout(), comm_->rank(), comm_->size(), "FullyShardedAverager");
+  }
+
+  /// The shard of `ck` (named `where` in errors) back in place, every unit released first.
+  std::optional<Checkpoint> restore(std::optional<Checkpoint> ck, const std::string& where) {
+    if (!ck) return std::nullopt;
+    for (std::size_t u = 0; u < blocks_.size(); ++u) {
+      release(u);
+      finish(blocks_[u]);
+      std::vector<T>().swap(blocks_[u].full_grad);
+    }
+    detail::restore_shard(*comm_, *ck, where, shard(), layout(), false, "FullyShardedAverager");
+    return ck;
+  }
 
   /// Waits for `b`'s reduce, if any, and frees its full gradients.
   static void finish(Block& b) {

@@ -37,6 +37,10 @@
 /// (ShardSlice over (parameter, offset, size), layout() for Checkpoint::put_sharded), so
 /// optimizers written for a model or a ShardedAverager's shard run on it unchanged.
 ///
+/// save(path, state) / load(path) are ShardedAverager's sharded checkpoints (a set loads at any
+/// world size), save(mirror, tag) / load(mirror) its in-memory copies for recovery;
+/// gather_to(root, fn) hands `root` the whole model a unit at a time, for export.
+///
 /// A unit is gathered at most once at a time; gather() waits for a prefetch() of it. Calls on
 /// a unit out of turn (gather twice, grad() of a unit not gathered, reduce() before grad())
 /// fail with Errc::invalid_argument naming the unit. Every rank must make the same units
@@ -46,7 +50,9 @@
 #include "ddp/error.hpp"
 #include "ddp/tensor.hpp"
 #include "ddp/training/checkpoint.hpp"
+#include "ddp/training/shard_mirror.hpp"
 #include "ddp/training/sharded.hpp"
+#include "ddp/training/sharded_checkpoint.hpp"
 #include "ddp/work.hpp"
 
 #include <algorithm>
@@ -217,6 +223,70 @@ class FullyShardedAverager {
     return l;
   }
 
+  /// Collective: saves this rank's part of a sharded checkpoint, next to the others' (as
+  /// ShardedAverager::save): its shard of the parameter values (a sharded section laid out as
+  /// layout()) and `state` (the optimizer's state for the shard, put with
+  /// Checkpoint::put_sharded(name, values, layout()); the step, ...), to shard_path(path, rank,
+  /// size) through the two phases of save_sharded_checkpoint. No rank writes the whole model.
+  /// Returns the save identifier.
+  std::uint64_t save(const std::string& path, const Checkpoint& state = Checkpoint{}) {
+    return detail::save_shard(*comm_, state, path, shard(), layout(), false);
+  }
+
+  /// Collective: loads what save() wrote, at this world size or any other (every rank's shard
+  /// cut again from the files that hold its elements), and returns the checkpoint for the rest
+  /// (`state`'s sections, its sharded sections over this model in layout()). Gathered units are
+  /// released and pending reduces finished first: spans from gather() and grad() end here.
+  /// std::nullopt on every rank, parameters untouched, when there is none; Errc::mismatch on
+  /// every rank for a set saved with other units' parameters.
+  [[nodiscard]] std::optional<Checkpoint> load(const std::string& path) {
+    return restore(load_sharded_checkpoint(*comm_, path, wanted()),
+                   shard_path(path, comm_->rank(), comm_->size()));
+  }
+
+  /// Collective: keeps this rank's shard (what save(path, state) writes) in `mirror` and a copy
+  /// on the rank before it, as save `tag` (ShardMirror): after a rank is lost, the survivors'
+  /// new averager loads it with load(mirror).
+  void save(ShardMirror& mirror, std::uint64_t tag, const Checkpoint& state = Checkpoint{}) {
+    const auto [values, words] = detail::shard_values(shard(), layout(), false);
+    const std::string companion = detail::layout_section("ddp.values");
+    const Checkpoint::Section extra[] = {{"ddp.values", values}, {companion, words}};
+    detail::MirrorAccess::save(*comm_, mirror, tag, state, extra);
+  }
+
+  /// Collective, after a membership change (an averager made again over the survivors): loads
+  /// the newest save in `mirror` (tag `tag`, when given) of which the ranks hold every old rank's
+  /// shard, cut again for this world, as load(path) does (see ShardedAverager::load(mirror)).
+  [[nodiscard]] std::optional<Checkpoint> load(ShardMirror& mirror,
+                                               std::optional<std::uint64_t> tag = std::nullopt) {
+    return restore(detail::MirrorAccess::load(*comm_, mirror, tag, wanted()),
+                   detail::concat("the in-memory copy of rank ", comm_->rank(), "'s shard"));
+  }
+
+  /// Collective: the whole model at rank `root` (to export it), a unit at a time, so that
+  /// `root` holds one unit in full besides its shard: there `fn(unit, param, values)` is called
+  /// for each parameter of each unit in order (`values` valid during the call); the other ranks
+  /// only send their blocks. Errc::invalid_argument for a root outside the world.
+  template <class F>
+  void gather_to(int root, F&& fn) {
+    if (root < 0 || root >= comm_->size())
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                   ": FullyShardedAverager::gather_to: root ", root, " outside the world of ",
+                   comm_->size());
+    const bool here = comm_->rank() == root;
+    for (std::size_t u = 0; u < blocks_.size(); ++u) {
+      const Block& b = blocks_[u];
+      std::vector<T> full(here ? b.block * static_cast<std::size_t>(comm_->size()) : 0);
+      comm_->gather(std::span<const T>(b.value), std::span<T>(full), root);
+      if (!here) continue;
+      std::size_t at = 0;
+      for (std::size_t i = 0; i < b.sizes.size(); ++i) {
+        fn(u, i, std::span<const T>(full.data() + at, b.sizes[i]));
+        at += b.sizes[i];
+      }
+    }
+  }
+
   /// Elements this rank keeps: its blocks' sizes added up (about 1/P of the model).
   [[nodiscard]] std::size_t shard_size() const noexcept {
     std::size_t n = 0;
@@ -240,6 +310,23 @@ class FullyShardedAverager {
     Work gathering, reducing;
     bool reduced = false;  // reduce() issued since the last grad()
   };
+
+  /// The layout load() asks for (another model's checkpoint refused).
+  [[nodiscard]] ShardLayoutFor wanted() const {
+    return detail::wanted_layout(layout(), comm_->rank(), comm_->size(), "FullyShardedAverager");
+  }
+
+  /// The shard of `ck` (named `where` in errors) back in place, every unit released first.
+  std::optional<Checkpoint> restore(std::optional<Checkpoint> ck, const std::string& where) {
+    if (!ck) return std::nullopt;
+    for (std::size_t u = 0; u < blocks_.size(); ++u) {
+      release(u);
+      finish(blocks_[u]);
+      std::vector<T>().swap(blocks_[u].full_grad);
+    }
+    detail::restore_shard(*comm_, *ck, where, shard(), layout(), false, "FullyShardedAverager");
+    return ck;
+  }
 
   /// Waits for `b`'s reduce, if any, and frees its full gradients.
   static void finish(Block& b) {

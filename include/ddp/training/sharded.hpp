@@ -236,25 +236,8 @@ class ShardedAverager : public detail::Averager<M, Backend> {
   /// The layout load() asks for: this averager's for its parameters (a checkpoint of another
   /// model refused), even for other sharded sections.
   [[nodiscard]] ShardLayoutFor wanted() const {
-    const ShardLayout mine = layout();
-    const int rank = this->comm_->rank(), world = this->comm_->size();
-    return [mine, rank, world](std::string_view section,
-                               const std::vector<std::size_t>& sizes) -> ShardLayout {
-      if (sizes == mine.sizes) return mine;
-      if (section == "ddp.values") {
-        std::size_t i = 0;
-        while (i < sizes.size() && i < mine.sizes.size() && sizes[i] == mine.sizes[i]) ++i;
-        detail::fail(
-            Errc::mismatch, "ShardedAverager::load: the checkpoint holds ", sizes.size(),
-            " parameters and this model ", mine.sizes.size(),
-            i < sizes.size() && i < mine.sizes.size()
-                ? detail::concat("; parameter ", i, " has ", sizes[i],
-                                 " elements in the checkpoint but ", mine.sizes[i], " here")
-                : std::string(),
-            ": it was saved with another model");
-      }
-      return ShardLayout::even(sizes, rank, world);
-    };
+    return detail::wanted_layout(layout(), this->comm_->rank(), this->comm_->size(),
+                                 "ShardedAverager");
   }
   /// The shard of `ck` (named `where` in errors) back in place, gathered.
   std::optional<Checkpoint> restore(std::optional<Checkpoint> ck, const std::string& where) {

@@ -38,6 +38,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -147,13 +148,35 @@ std::uint64_t save_shard(Comm& comm, const Checkpoint& state, const std::string&
   return save_shard_files(comm, state, path, extra);
 }
 
+/// The layout a load asks for (`who`'s, "ShardedAverager" say): `mine` (this rank's) for the
+/// parameters, whose sizes must be the checkpoint's (Errc::mismatch naming the first parameter
+/// that differs: a checkpoint of another model), even for other sharded sections.
+inline ShardLayoutFor wanted_layout(ShardLayout mine, int rank, int world, const char* who) {
+  return [mine = std::move(mine), rank, world, who](
+             std::string_view section, const std::vector<std::size_t>& sizes) -> ShardLayout {
+    if (sizes == mine.sizes) return mine;
+    if (section == "ddp.values") {
+      std::size_t i = 0;
+      while (i < sizes.size() && i < mine.sizes.size() && sizes[i] == mine.sizes[i]) ++i;
+      fail(Errc::mismatch, who, "::load: the checkpoint holds ", sizes.size(),
+           " parameters and this model ", mine.sizes.size(),
+           i < sizes.size() && i < mine.sizes.size()
+               ? concat("; parameter ", i, " has ", sizes[i], " elements in the checkpoint but ",
+                        mine.sizes[i], " here")
+               : std::string(),
+           ": it was saved with another model");
+    }
+    return ShardLayout::even(sizes, rank, world);
+  };
+}
+
 /// ShardedAverager::load: checks that `ck` (this rank's, from load_sharded_checkpoint in the
 /// averager's layout; `file` names it) holds parameter values in the layout of this rank's
 /// `slices`, then copies them back into the slices. Collective: a rank's problem fails every
 /// rank (Errc::mismatch).
 template <class Comm, class Slices>
 void restore_shard(Comm& comm, const Checkpoint& ck, const std::string& file, const Slices& slices,
-                   const ShardLayout& layout, bool cuda) {
+                   const ShardLayout& layout, bool cuda, const char* who = "ShardedAverager") {
   std::string problem;
   std::size_t bytes = 0;
   for (const auto& sl : slices) bytes += sl.value.bytes();
@@ -162,13 +185,12 @@ void restore_shard(Comm& comm, const Checkpoint& ck, const std::string& file, co
   for (const ShardRange& r : layout.ranges)
     legacy.insert(legacy.end(), {r.array, r.offset, r.size});
   if (!ck.contains("ddp.values")) {
-    problem = concat(file,
-                     " holds no parameters (it was saved by save_sharded_checkpoint, not "
-                     "ShardedAverager::save)");
+    problem = concat(file, " holds no parameters (it was saved by save_sharded_checkpoint, not ",
+                     who, "::save)");
   } else if (ck.sharded_layout("ddp.values")
                  ? *ck.sharded_layout("ddp.values") != layout
                  : std::vector<std::uint64_t>(stamp.begin() + 3, stamp.end()) != legacy) {
-    problem = concat(file, " holds its parameters in another layout than this averager's");
+    problem = concat(file, " holds its parameters in another layout than this ", who, "'s");
   } else if (ck.get("ddp.values").size() != bytes) {
     problem = concat(file, " holds ", ck.get("ddp.values").size(), " bytes of parameters, not ",
                      bytes, ": it was saved with another element type");
@@ -176,8 +198,8 @@ void restore_shard(Comm& comm, const Checkpoint& ck, const std::string& file, co
   const auto problems = comm.all_gather_object(problem);
   for (std::size_t r = 0; r < problems.size(); ++r) {
     if (!problems[r].empty())
-      fail(Errc::mismatch, "rank ", comm.rank(), ": ShardedAverager::load: rank ", r, ": ",
-           problems[r], "; resume with the model that saved it");
+      fail(Errc::mismatch, "rank ", comm.rank(), ": ", who, "::load: rank ", r, ": ", problems[r],
+           "; resume with the model that saved it");
   }
   const std::byte* values = ck.get("ddp.values").data();
   for (const auto& sl : slices) {

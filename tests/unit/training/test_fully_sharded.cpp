@@ -1,16 +1,22 @@
 // FullyShardedAverager across real processes: a model whose parameters live sharded, gathered a
 // unit at a time, trains bitwise as GradientAverager does; units that differ between ranks, and
 // calls out of turn, are refused.
+#include <ddp/spawn.hpp>
+#include <ddp/training/checkpoint.hpp>
 #include <ddp/training/fully_sharded.hpp>
 #include <ddp/training/gradient.hpp>
 
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "multiprocess.hpp"
@@ -40,22 +46,53 @@ float gradient(std::size_t unit, std::size_t param, std::size_t k, float value, 
   return (1.0f + 0.5f * std::sin(x)) * (value - target);
 }
 
-// SGD with momentum 0.9, lr 0.05, over slices (value, grad, n) kept in order.
-struct Sgd {
-  std::vector<std::vector<float>> m;
+// SGD with momentum 0.9 (lr 0.05), or Adam (lr 0.01), over slices (value, grad, n) in order; its
+// state is kept per element of the slices end to end (so that it can be checkpointed sharded).
+struct Optimizer {
+  bool adam = false;
+  std::vector<float> m{}, v{};
+  std::int64_t t = 0;
   template <class Slices>
   void step(Slices&& slices) {
     std::size_t j = 0;
+    for (auto&& s : slices) j += s.value.size;
+    m.resize(j, 0.0f);
+    v.resize(adam ? j : 0, 0.0f);
+    ++t;
+    const auto c1 = static_cast<float>(1.0 - std::pow(0.9, static_cast<double>(t)));
+    const auto c2 = static_cast<float>(1.0 - std::pow(0.999, static_cast<double>(t)));
+    j = 0;
     for (auto&& s : slices) {
-      float* v = s.value.data;
+      float* x = s.value.data;
       const float* g = s.grad.data;
-      if (m.size() <= j) m.emplace_back(s.value.size, 0.0f);
-      for (std::size_t k = 0; k < s.value.size; ++k) {
-        m[j][k] = 0.9f * m[j][k] + g[k];
-        v[k] -= 0.05f * m[j][k];
+      for (std::size_t k = 0; k < s.value.size; ++k, ++j) {
+        if (adam) {
+          m[j] = 0.9f * m[j] + 0.1f * g[k];
+          v[j] = 0.999f * v[j] + 0.001f * g[k] * g[k];
+          x[k] -= 0.01f * (m[j] / c1) / (std::sqrt(v[j] / c2) + 1e-8f);
+        } else {
+          m[j] = 0.9f * m[j] + g[k];
+          x[k] -= 0.05f * m[j];
+        }
       }
-      ++j;
     }
+  }
+  void put(ddp::Checkpoint& ck, const ddp::ShardLayout* layout) const {
+    ck.put_object("t", t);
+    for (const auto& [name, state] : {std::pair{"m", &m}, std::pair{"v", &v}}) {
+      if (state->empty()) continue;
+      if (layout != nullptr)
+        ck.put_sharded(name, *state, *layout);
+      else
+        ck.put_values(name, *state);
+    }
+  }
+  void get(const ddp::Checkpoint& ck, std::size_t elements) {
+    t = ck.get_object<std::int64_t>("t");
+    m.assign(elements, 0.0f);
+    v.assign(adam ? elements : 0, 0.0f);
+    ck.get_values("m", std::span(m));
+    if (adam) ck.get_values("v", std::span(v));
   }
 };
 
@@ -73,102 +110,294 @@ struct WholeNet {
       }
   }
   std::vector<WholeParam>& parameters() { return params; }
+  std::size_t elements() const {
+    std::size_t n = 0;
+    for (const auto& p : params) n += p.value.size();
+    return n;
+  }
 };
 
-struct Slice {  // a whole parameter as an Sgd slice
+struct Slice {  // a whole parameter as an optimizer's slice
   ddp::TensorView<float> value, grad;
 };
 
-// Trains 20 SGD-momentum steps both ways; the parameters must end equal: bitwise, or (across
-// hosts, where GradientAverager's all_reduce adds each host's sum to the other's while the
-// reduce_scatter adds in rank order) within rounding.
-void train_against_gradient_averager(mp::Comm& comm, bool bitwise) {
-  {
-    constexpr int steps = 20;
-    // The reference: every parameter whole, averaged by GradientAverager.
-    WholeNet whole;
-    ddp::GradientAverager avg(comm, whole);
-    Sgd whole_opt;
-    // Fully sharded: this rank keeps its blocks only, made by the initializer.
-    ddp::FullyShardedAverager fsdp(
-        comm, unit_sizes,
-        [](std::size_t u, std::size_t i, std::size_t offset, std::span<float> values) {
-          for (std::size_t k = 0; k < values.size(); ++k) values[k] = initial(u, i, offset + k);
-        });
-    Sgd opt;
-    for (int step = 0; step < steps; ++step) {
-      std::size_t first = 0;
-      for (std::size_t u = 0; u < unit_sizes.size(); ++u) {
-        for (std::size_t i = 0; i < unit_sizes[u].size(); ++i) {
-          auto& p = whole.params[first + i];
-          for (std::size_t k = 0; k < p.value.size(); ++k)
-            p.grad[k] = gradient(u, i, k, p.value[k], comm.rank(), step);
-        }
-        first += unit_sizes[u].size();
-      }
-      avg.average();
-      std::vector<Slice> slices;
-      for (auto& p : whole.params)
-        slices.push_back({{p.value.data(), p.value.size()}, {p.grad.data(), p.grad.size()}});
-      whole_opt.step(slices);
-
-      fsdp.prefetch(unit_sizes.size() - 1);
-      for (std::size_t u = unit_sizes.size(); u-- > 0;) {  // the backward, last unit first
-        const std::span<float> w = fsdp.gather(u);
-        if (u > 0) fsdp.prefetch(u - 1);
-        const std::span<float> g = fsdp.grad(u);
-        std::size_t at = 0;
-        for (std::size_t i = 0; i < unit_sizes[u].size(); ++i) {
-          for (std::size_t k = 0; k < unit_sizes[u][i]; ++k)
-            g[at + k] += gradient(u, i, k, w[at + k], comm.rank(), step);
-          at += unit_sizes[u][i];
-        }
-        fsdp.release(u);
-        fsdp.reduce(u);
-      }
-      fsdp.synchronize();
-      opt.step(fsdp.shard());
+// One step of the fully sharded model: the backward unit by unit (last first, the next one
+// prefetched), then the optimizer on the shard.
+template <class Fsdp>
+void sharded_step(Fsdp& fsdp, Optimizer& opt, int rank, int step) {
+  fsdp.prefetch(unit_sizes.size() - 1);
+  for (std::size_t u = unit_sizes.size(); u-- > 0;) {
+    const std::span<float> w = fsdp.gather(u);
+    if (u > 0) fsdp.prefetch(u - 1);
+    const std::span<float> g = fsdp.grad(u);
+    std::size_t at = 0;
+    for (std::size_t i = 0; i < unit_sizes[u].size(); ++i) {
+      for (std::size_t k = 0; k < unit_sizes[u][i]; ++k)
+        g[at + k] += gradient(u, i, k, w[at + k], rank, step);
+      at += unit_sizes[u][i];
     }
-    // Every unit gathered: bitwise the reference's parameters, on every rank.
+    fsdp.release(u);
+    fsdp.reduce(u);
+  }
+  fsdp.synchronize();
+  opt.step(fsdp.shard());
+}
+
+// Every unit gathered, end to end, as bytes (collective).
+template <class Fsdp>
+std::string model_bytes(Fsdp& fsdp) {
+  std::string out;
+  for (std::size_t u = 0; u < fsdp.units(); ++u) {
+    const std::span<float> w = fsdp.gather(u);
+    out.append(reinterpret_cast<const char*>(w.data()), w.size_bytes());
+    fsdp.release(u);
+  }
+  return out;
+}
+
+// Part of a run: steps [from, to) of SGD-momentum or Adam, both ways: every parameter whole,
+// averaged by GradientAverager (the reference), and fully sharded. From a step past 0 both are
+// loaded from `dir` (the reference from rank 0's file, the sharded model from its set, saved at
+// any world size); with a `dir`, both are saved there at the end. The parameters must end equal:
+// bitwise, or (across hosts, where GradientAverager's all_reduce adds each host's sum to the
+// other's while the reduce_scatter adds in rank order) within rounding.
+struct Phase {
+  bool adam = false;
+  int from = 0, to = 20;
+  std::string dir{};
+  bool bitwise = true;
+};
+
+void train_against_gradient_averager(mp::Comm& comm, const Phase& ph) {
+  WholeNet whole;
+  ddp::GradientAverager avg(comm, whole);
+  Optimizer whole_opt{ph.adam};
+  // Fully sharded: this rank keeps its blocks only, made by the initializer.
+  ddp::FullyShardedAverager fsdp(
+      comm, unit_sizes,
+      [](std::size_t u, std::size_t i, std::size_t offset, std::span<float> values) {
+        for (std::size_t k = 0; k < values.size(); ++k) values[k] = initial(u, i, offset + k);
+      });
+  Optimizer opt{ph.adam};
+  if (ph.from > 0) {
+    const auto ck = ddp::Checkpoint::load(ph.dir + "/whole");
+    MP_EXPECT(ck.has_value(), "no reference checkpoint");
+    for (std::size_t i = 0; i < whole.params.size(); ++i)
+      ck->get_values("p" + std::to_string(i), std::span(whole.params[i].value));
+    whole_opt.get(*ck, whole.elements());
+    const auto sharded = fsdp.load(ph.dir + "/sharded");
+    MP_EXPECT(sharded.has_value(), "no sharded checkpoint");
+    MP_EXPECT(sharded->get_object<int>("step") == ph.from, "saved at another step");
+    opt.get(*sharded, fsdp.layout().elements());
+  }
+  for (int step = ph.from; step < ph.to; ++step) {
     std::size_t first = 0;
     for (std::size_t u = 0; u < unit_sizes.size(); ++u) {
-      const std::span<float> w = fsdp.gather(u);
-      std::size_t at = 0;
       for (std::size_t i = 0; i < unit_sizes[u].size(); ++i) {
-        const auto& p = whole.params[first + i].value;
-        double worst = 0;
-        for (std::size_t k = 0; k < p.size(); ++k)
-          worst = std::max(worst, std::abs(static_cast<double>(w[at + k]) - p[k]) /
-                                      std::max(1.0, std::abs(static_cast<double>(p[k]))));
-        MP_EXPECT(bitwise ? std::memcmp(w.data() + at, p.data(), p.size() * sizeof(float)) == 0
-                          : worst <= 1e-5,
-                  "unit " << u << " parameter " << i << " differs from GradientAverager's by "
-                          << worst << " (relative)");
-        at += p.size();
+        auto& p = whole.params[first + i];
+        for (std::size_t k = 0; k < p.value.size(); ++k)
+          p.grad[k] = gradient(u, i, k, p.value[k], comm.rank(), step);
       }
-      fsdp.release(u);
       first += unit_sizes[u].size();
     }
-    // The shard: about 1/P of the model, its layout covering every element once over the ranks.
-    std::size_t total = 0;
-    for (const auto& u : unit_sizes)
-      for (const std::size_t n : u) total += n;
-    const auto p = static_cast<std::size_t>(comm.size());
-    MP_EXPECT(fsdp.shard_size() <= total / p + unit_sizes.size(), fsdp.shard_size());
-    const std::vector<std::uint64_t> mine{fsdp.layout().elements()};
-    std::uint64_t covered = 0;
-    for (const auto& n : comm.all_gather_object(mine)) covered += n[0];
-    MP_EXPECT(covered == total, covered << " of " << total << " elements in the shards");
+    avg.average();
+    std::vector<Slice> slices;
+    for (auto& p : whole.params)
+      slices.push_back({{p.value.data(), p.value.size()}, {p.grad.data(), p.grad.size()}});
+    whole_opt.step(slices);
+
+    sharded_step(fsdp, opt, comm.rank(), step);
   }
+  const auto differs = [&](std::span<const float> got, const std::vector<float>& want) {
+    double worst = 0;
+    for (std::size_t k = 0; k < want.size(); ++k)
+      worst = std::max(worst, std::abs(static_cast<double>(got[k]) - want[k]) /
+                                  std::max(1.0, std::abs(static_cast<double>(want[k]))));
+    const bool same = ph.bitwise
+                          ? std::memcmp(got.data(), want.data(), want.size() * sizeof(float)) == 0
+                          : worst <= 1e-5;
+    return same ? std::string() : std::to_string(worst) + " (relative)";
+  };
+  // Every unit gathered: bitwise the reference's parameters, on every rank.
+  std::size_t first = 0;
+  for (std::size_t u = 0; u < unit_sizes.size(); ++u) {
+    const std::span<float> w = fsdp.gather(u);
+    std::size_t at = 0;
+    for (std::size_t i = 0; i < unit_sizes[u].size(); ++i) {
+      const auto& p = whole.params[first + i].value;
+      const std::string d = differs(w.subspan(at, p.size()), p);
+      MP_EXPECT(d.empty(),
+                "unit " << u << " parameter " << i << " differs from GradientAverager's by " << d);
+      at += p.size();
+    }
+    fsdp.release(u);
+    first += unit_sizes[u].size();
+  }
+  // The whole model at the last rank, a unit at a time: the same, in order.
+  std::size_t seen = 0;
+  const int root = comm.size() - 1;
+  fsdp.gather_to(root, [&](std::size_t u, std::size_t i, std::span<const float> values) {
+    std::size_t index = i;
+    for (std::size_t v = 0; v < u; ++v) index += unit_sizes[v].size();
+    MP_EXPECT(index == seen++, "gather_to out of order at unit " << u << " parameter " << i);
+    const std::string d = differs(values, whole.params[index].value);
+    MP_EXPECT(d.empty(), "gather_to: unit " << u << " parameter " << i << " differs by " << d);
+  });
+  MP_EXPECT(seen == (comm.rank() == root ? whole.params.size() : 0), seen);
+  if (!ph.dir.empty()) {
+    if (comm.rank() == 0) {
+      std::string bytes;
+      for (const auto& p : whole.params)
+        bytes.append(reinterpret_cast<const char*>(p.value.data()), p.value.size() * sizeof(float));
+      mp::TempDir::write(ph.dir + "/final", bytes);
+      ddp::Checkpoint ck;
+      for (std::size_t i = 0; i < whole.params.size(); ++i)
+        ck.put_values("p" + std::to_string(i), whole.params[i].value);
+      whole_opt.put(ck, nullptr);
+      ck.save(ph.dir + "/whole");
+    }
+    ddp::Checkpoint state;
+    state.put_object("step", ph.to);
+    const ddp::ShardLayout layout = fsdp.layout();
+    opt.put(state, &layout);
+    fsdp.save(ph.dir + "/sharded", state);
+  }
+  // The shard: about 1/P of the model, its layout covering every element once over the ranks.
+  std::size_t total = 0;
+  for (const auto& u : unit_sizes)
+    for (const std::size_t n : u) total += n;
+  const auto p = static_cast<std::size_t>(comm.size());
+  MP_EXPECT(fsdp.shard_size() <= total / p + unit_sizes.size(), fsdp.shard_size());
+  const std::vector<std::uint64_t> mine{fsdp.layout().elements()};
+  std::uint64_t covered = 0;
+  for (const auto& n : comm.all_gather_object(mine)) covered += n[0];
+  MP_EXPECT(covered == total, covered << " of " << total << " elements in the shards");
 }
 
 }  // namespace
 
-TEST_CASE("fully sharded: 20 SGD-momentum steps are bitwise GradientAverager's, worlds 1-4") {
-  mp::each_world_on({ddp::HostTransport::shm, ddp::HostTransport::tcp},
-                    [](mp::Comm& comm) { train_against_gradient_averager(comm, true); });
-  mp::each_world_on({mp::two_hosts},
-                    [](mp::Comm& comm) { train_against_gradient_averager(comm, false); });
+TEST_CASE(
+    "fully sharded: 20 steps of SGD-momentum and of Adam are bitwise GradientAverager's, "
+    "worlds 1-4") {
+  for (const bool adam : {false, true}) {
+    CAPTURE(adam);
+    mp::each_world_on({ddp::HostTransport::shm, ddp::HostTransport::tcp}, [&](mp::Comm& comm) {
+      train_against_gradient_averager(comm, {.adam = adam});
+    });
+    mp::each_world_on({mp::two_hosts}, [&](mp::Comm& comm) {
+      train_against_gradient_averager(comm, {.adam = adam, .bitwise = false});
+    });
+  }
+}
+
+TEST_CASE(
+    "fully sharded: a run resumed from a sharded checkpoint at another world size goes on "
+    "bitwise as GradientAverager's") {
+  for (const auto& [before, after] : {std::pair{3, 2}, std::pair{2, 4}}) {
+    for (const bool adam : {false, true}) {
+      CAPTURE(before);
+      CAPTURE(after);
+      CAPTURE(adam);
+      mp::TempDir dir;
+      mp::run(before, ddp::HostTransport::shm, [&](mp::Comm& comm) {
+        train_against_gradient_averager(comm, {.adam = adam, .from = 0, .to = 10, .dir = dir.path});
+      });
+      mp::run(after, ddp::HostTransport::shm, [&](mp::Comm& comm) {
+        train_against_gradient_averager(comm,
+                                        {.adam = adam, .from = 10, .to = 20, .dir = dir.path});
+      });
+    }
+  }
+  // Nothing saved: nothing loaded, the shard untouched; another model's set refused by name.
+  mp::TempDir dir;
+  mp::run(2, ddp::HostTransport::shm, [&](mp::Comm& comm) {
+    ddp::FullyShardedAverager<ddp::backend::Host> fsdp(comm, unit_sizes, nullptr);
+    MP_EXPECT(!fsdp.load(dir.file("none")).has_value(), "a set loaded where none was saved");
+    fsdp.save(dir.file("run"));
+    auto other = unit_sizes;
+    other[2][0] += 1;
+    ddp::FullyShardedAverager<ddp::backend::Host> wrong(comm, other, nullptr);
+    try {
+      (void)wrong.load(dir.file("run"));
+      MP_EXPECT(false, "another model's checkpoint was loaded");
+    } catch (const ddp::Error& e) {
+      MP_EXPECT(e.code() == ddp::Errc::mismatch &&
+                    std::string(e.what()).find("FullyShardedAverager::load") != std::string::npos &&
+                    std::string(e.what()).find("saved with another model") != std::string::npos,
+                e.what());
+    }
+  });
+}
+
+TEST_CASE(
+    "fully sharded: a lost rank's shard comes back from the in-memory copy on the rank "
+    "before it, no step lost") {
+  // The reference: 4 ranks to step 8 (GradientAverager, checked against the sharded run), then 3
+  // from its checkpoint to step 12.
+  mp::TempDir dir;
+  mp::run(4, ddp::HostTransport::shm, [&](mp::Comm& comm) {
+    train_against_gradient_averager(comm, {.adam = true, .from = 0, .to = 8, .dir = dir.path});
+  });
+  mp::run(3, ddp::HostTransport::shm, [&](mp::Comm& comm) {
+    train_against_gradient_averager(comm, {.adam = true, .from = 8, .to = 12, .dir = dir.path});
+  });
+  const std::string want = mp::TempDir::read(dir.file("final"));
+  REQUIRE(!want.empty());
+  // Rank 2 of 4 dies at the start of step 8; each step was saved to the mirror.
+  ddp::SpawnOptions so;
+  so.stop_on_failure = false;
+  try {
+    ddp::spawn(
+        4,
+        [&](ddp::Environment env) {
+          ddp::Options o;
+          o.timeout = std::chrono::seconds(20);
+          auto comm = mp::Comm::init(env, o);
+          const int first = comm.rank();
+          const auto init = [](std::size_t u, std::size_t i, std::size_t offset,
+                               std::span<float> values) {
+            for (std::size_t k = 0; k < values.size(); ++k) values[k] = initial(u, i, offset + k);
+          };
+          ddp::ShardMirror mirror;
+          std::optional<ddp::FullyShardedAverager<ddp::backend::Host>> fsdp;
+          fsdp.emplace(comm, unit_sizes, init);
+          Optimizer opt;
+          opt.adam = true;
+          int step = 0, resumed = -1;
+          for (;;) {
+            try {
+              for (; step < 12; ++step) {
+                if (first == 2 && step == 8) std::_Exit(5);
+                sharded_step(*fsdp, opt, comm.rank(), step);
+                ddp::Checkpoint state;
+                state.put_object("step", step + 1);
+                const ddp::ShardLayout layout = fsdp->layout();
+                opt.put(state, &layout);
+                fsdp->save(mirror, static_cast<std::uint64_t>(step + 1), state);
+              }
+              break;
+            } catch (const ddp::Error& e) {
+              MP_EXPECT(e.code() == ddp::Errc::peer_lost || e.code() == ddp::Errc::aborted,
+                        e.what());
+              fsdp.reset();
+              comm = comm.shrink({.wait_for_ranks = std::chrono::seconds(10)});
+              fsdp.emplace(comm, unit_sizes, nullptr);  // shards for the survivors
+              const auto ck = fsdp->load(mirror);
+              MP_EXPECT(ck.has_value(), "no save in memory to resume from");
+              step = resumed = ck->get_object<int>("step");
+              opt.get(*ck, fsdp->layout().elements());
+            }
+          }
+          MP_EXPECT(resumed == 8, "resumed after " << resumed << " steps, not 8");
+          const std::string got = model_bytes(*fsdp);
+          mp::TempDir::write(dir.file("net" + std::to_string(first)), got);
+        },
+        so);
+  } catch (const ddp::Error&) {  // rank 2's exit
+  }
+  for (const int r : {0, 1, 3})
+    CHECK_MESSAGE(mp::TempDir::read(dir.file("net" + std::to_string(r))) == want,
+                  "survivor " << r << " differs from the reference");
 }
 
 TEST_CASE("fully sharded: units that differ between ranks, and calls out of turn, are refused") {
