@@ -23558,10 +23558,14 @@ DDP_END_NAMESPACE
 /// world size), save(mirror, tag) / load(mirror) its in-memory copies for recovery;
 /// gather_to(root, fn) hands `root` the whole model a unit at a time, for export.
 ///
-/// A unit is gathered at most once at a time; gather() waits for a prefetch() of it. Calls on
-/// a unit out of turn (gather twice, grad() of a unit not gathered, reduce() before grad())
+/// A unit is gathered at most once at a time: gather() waits for a prefetch() of it, and
+/// gathering a gathered unit (kept from the forward for the backward) returns the same values.
+/// A unit out of range, reduce() without grad() and a second reduce() before the next grad()
 /// fail with Errc::invalid_argument naming the unit. Every rank must make the same units
-/// (Errc::mismatch at construction, naming the first unit that differs).
+/// (Errc::mismatch at construction, naming the first unit that differs). A rank lost during a
+/// gather or a reduce fails the others' calls that wait for it with Errc::peer_lost; the shard's
+/// values, written only by the optimizer, stay as they were (save them to a ShardMirror each
+/// step, and the survivors go on from there without the lost rank's shard: load(mirror)).
 
 // #include "ddp/communicator.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)

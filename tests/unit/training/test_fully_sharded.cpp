@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <optional>
 #include <span>
@@ -123,8 +124,10 @@ struct Slice {  // a whole parameter as an optimizer's slice
 
 // One step of the fully sharded model: the backward unit by unit (last first, the next one
 // prefetched), then the optimizer on the shard.
-template <class Fsdp>
-void sharded_step(Fsdp& fsdp, Optimizer& opt, int rank, int step) {
+// `reduced(u)` is called after unit u's reduce() is issued.
+template <class Fsdp, class After = void (*)(std::size_t)>
+void sharded_step(
+    Fsdp& fsdp, Optimizer& opt, int rank, int step, After reduced = [](std::size_t) {}) {
   fsdp.prefetch(unit_sizes.size() - 1);
   for (std::size_t u = unit_sizes.size(); u-- > 0;) {
     const std::span<float> w = fsdp.gather(u);
@@ -138,6 +141,7 @@ void sharded_step(Fsdp& fsdp, Optimizer& opt, int rank, int step) {
     }
     fsdp.release(u);
     fsdp.reduce(u);
+    reduced(u);
   }
   fsdp.synchronize();
   opt.step(fsdp.shard());
@@ -331,7 +335,8 @@ TEST_CASE(
 
 TEST_CASE(
     "fully sharded: a lost rank's shard comes back from the in-memory copy on the rank "
-    "before it, no step lost") {
+    "before it, no step lost, whether it died between steps or inside a backward's "
+    "all_gather and reduce_scatter") {
   // The reference: 4 ranks to step 8 (GradientAverager, checked against the sharded run), then 3
   // from its checkpoint to step 12.
   mp::TempDir dir;
@@ -343,61 +348,71 @@ TEST_CASE(
   });
   const std::string want = mp::TempDir::read(dir.file("final"));
   REQUIRE(!want.empty());
-  // Rank 2 of 4 dies at the start of step 8; each step was saved to the mirror.
-  ddp::SpawnOptions so;
-  so.stop_on_failure = false;
-  try {
-    ddp::spawn(
-        4,
-        [&](ddp::Environment env) {
-          ddp::Options o;
-          o.timeout = std::chrono::seconds(20);
-          auto comm = mp::Comm::init(env, o);
-          const int first = comm.rank();
-          const auto init = [](std::size_t u, std::size_t i, std::size_t offset,
-                               std::span<float> values) {
-            for (std::size_t k = 0; k < values.size(); ++k) values[k] = initial(u, i, offset + k);
-          };
-          ddp::ShardMirror mirror;
-          std::optional<ddp::FullyShardedAverager<ddp::backend::Host>> fsdp;
-          fsdp.emplace(comm, unit_sizes, init);
-          Optimizer opt;
-          opt.adam = true;
-          int step = 0, resumed = -1;
-          for (;;) {
-            try {
-              for (; step < 12; ++step) {
-                if (first == 2 && step == 8) std::_Exit(5);
-                sharded_step(*fsdp, opt, comm.rank(), step);
-                ddp::Checkpoint state;
-                state.put_object("step", step + 1);
-                const ddp::ShardLayout layout = fsdp->layout();
-                opt.put(state, &layout);
-                fsdp->save(mirror, static_cast<std::uint64_t>(step + 1), state);
+  // Rank 2 of 4 dies at the start of step 8, or in its backward once the last unit's
+  // reduce_scatter and the next unit's all_gather are on their way; each step was saved to the
+  // mirror.
+  for (const bool inside : {false, true}) {
+    CAPTURE(inside);
+    ddp::SpawnOptions so;
+    so.stop_on_failure = false;
+    try {
+      ddp::spawn(
+          4,
+          [&](ddp::Environment env) {
+            ddp::Options o;
+            o.timeout = std::chrono::seconds(20);
+            auto comm = mp::Comm::init(env, o);
+            const int first = comm.rank();
+            const auto init = [](std::size_t u, std::size_t i, std::size_t offset,
+                                 std::span<float> values) {
+              for (std::size_t k = 0; k < values.size(); ++k) values[k] = initial(u, i, offset + k);
+            };
+            ddp::ShardMirror mirror;
+            std::optional<ddp::FullyShardedAverager<ddp::backend::Host>> fsdp;
+            fsdp.emplace(comm, unit_sizes, init);
+            Optimizer opt;
+            opt.adam = true;
+            int step = 0, resumed = -1;
+            for (;;) {
+              try {
+                for (; step < 12; ++step) {
+                  const bool victim = first == 2 && step == 8 && comm.epoch() == 0;
+                  if (victim && !inside) std::_Exit(5);
+                  sharded_step(*fsdp, opt, comm.rank(), step, [&](std::size_t u) {
+                    if (victim && u + 1 == unit_sizes.size()) std::_Exit(5);
+                  });
+                  ddp::Checkpoint state;
+                  state.put_object("step", step + 1);
+                  const ddp::ShardLayout layout = fsdp->layout();
+                  opt.put(state, &layout);
+                  fsdp->save(mirror, static_cast<std::uint64_t>(step + 1), state);
+                }
+                break;
+              } catch (const ddp::Error& e) {
+                MP_EXPECT(e.code() == ddp::Errc::peer_lost || e.code() == ddp::Errc::aborted,
+                          e.what());
+                fsdp.reset();
+                comm = comm.shrink({.wait_for_ranks = std::chrono::seconds(10)});
+                fsdp.emplace(comm, unit_sizes, nullptr);  // shards for the survivors
+                const auto ck = fsdp->load(mirror);
+                MP_EXPECT(ck.has_value(), "no save in memory to resume from");
+                step = resumed = ck->get_object<int>("step");
+                opt.get(*ck, fsdp->layout().elements());
               }
-              break;
-            } catch (const ddp::Error& e) {
-              MP_EXPECT(e.code() == ddp::Errc::peer_lost || e.code() == ddp::Errc::aborted,
-                        e.what());
-              fsdp.reset();
-              comm = comm.shrink({.wait_for_ranks = std::chrono::seconds(10)});
-              fsdp.emplace(comm, unit_sizes, nullptr);  // shards for the survivors
-              const auto ck = fsdp->load(mirror);
-              MP_EXPECT(ck.has_value(), "no save in memory to resume from");
-              step = resumed = ck->get_object<int>("step");
-              opt.get(*ck, fsdp->layout().elements());
             }
-          }
-          MP_EXPECT(resumed == 8, "resumed after " << resumed << " steps, not 8");
-          const std::string got = model_bytes(*fsdp);
-          mp::TempDir::write(dir.file("net" + std::to_string(first)), got);
-        },
-        so);
-  } catch (const ddp::Error&) {  // rank 2's exit
+            MP_EXPECT(resumed == 8, "resumed after " << resumed << " steps, not 8");
+            const std::string got = model_bytes(*fsdp);
+            mp::TempDir::write(dir.file("net" + std::to_string(first)), got);
+          },
+          so);
+    } catch (const ddp::Error&) {  // rank 2's exit
+    }
+    for (const int r : {0, 1, 3}) {
+      CHECK_MESSAGE(mp::TempDir::read(dir.file("net" + std::to_string(r))) == want,
+                    "survivor " << r << " differs from the reference");
+      std::remove(dir.file("net" + std::to_string(r)).c_str());
+    }
   }
-  for (const int r : {0, 1, 3})
-    CHECK_MESSAGE(mp::TempDir::read(dir.file("net" + std::to_string(r))) == want,
-                  "survivor " << r << " differs from the reference");
 }
 
 TEST_CASE("fully sharded: units that differ between ranks, and calls out of turn, are refused") {
