@@ -26179,7 +26179,10 @@ DDP_END_NAMESPACE
 // #include "ddp/training/sharded_checkpoint.hpp" (already included above)
 // #include "ddp/work.hpp" (already included above)
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -26187,10 +26190,56 @@ DDP_END_NAMESPACE
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// A zero-filled array of n T's in pages of its own, returned to the system when it goes: a
+/// unit's gathered parameters or gradients never stay resident in the heap after release (as
+/// freed blocks of malloc's heap would, raising the peak), and zeros cost nothing until written.
+template <class T>
+class PageArray {
+  static_assert(std::is_trivially_copyable_v<T>, "PageArray holds plain numbers");
+
+ public:
+  PageArray() = default;
+  /// Errc::system naming `what` when the pages cannot be had (a memory limit, say).
+  PageArray(std::size_t n, int rank, const char* what) : size_(n) {
+    if (n == 0) return;
+    void* p =
+        ::mmap(nullptr, n * sizeof(T), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+      fail_errno(errno, "rank ", rank, ": FullyShardedAverager: no memory for ", what, " (",
+                 n * sizeof(T),
+                 " bytes); shard the model over more ranks or cut its units smaller");
+    data_ = static_cast<T*>(p);
+  }
+  PageArray(PageArray&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  PageArray& operator=(PageArray&& o) noexcept {
+    PageArray(std::move(o)).swap(*this);
+    return *this;
+  }
+  ~PageArray() {
+    if (data_ != nullptr) ::munmap(data_, size_ * sizeof(T));
+  }
+  void swap(PageArray& o) noexcept {
+    std::swap(data_, o.data_);
+    std::swap(size_, o.size_);
+  }
+  [[nodiscard]] T* data() const noexcept { return data_; }
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
+
+ private:
+  T* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+}  // namespace detail
 
 /// Fully sharded parameters (see the file comment). T: the parameters' element type.
 template <class Backend, class T = float>
@@ -26264,8 +26313,10 @@ class FullyShardedAverager {
   void prefetch(std::size_t u) {
     Block& b = at(u, "prefetch");
     if (!b.full.empty()) return;
-    b.full.assign(b.block * static_cast<std::size_t>(comm_->size()), T{});
-    b.gathering = comm_->all_gather_async(std::span<const T>(b.value), std::span<T>(b.full));
+    b.full = detail::PageArray<T>(b.block * static_cast<std::size_t>(comm_->size()), comm_->rank(),
+                                  "a gathered unit");
+    b.gathering = comm_->all_gather_async(std::span<const T>(b.value),
+                                          std::span<T>(b.full.data(), b.full.size()));
   }
 
   /// Unit `u`'s parameters end to end (its element count: the padding is left out), gathered
@@ -26284,7 +26335,7 @@ class FullyShardedAverager {
     Block& b = at(u, "release");
     b.gathering.wait();
     b.gathering = Work();
-    std::vector<T>().swap(b.full);
+    b.full = detail::PageArray<T>();
   }
 
   /// Unit `u`'s gradients end to end, for the backward to add into: zeros when first asked for
@@ -26294,12 +26345,15 @@ class FullyShardedAverager {
     Block& b = at(u, "grad");
     finish(b);
     if (b.full_grad.empty())
-      b.full_grad.assign(b.block * static_cast<std::size_t>(comm_->size()), T{});
+      b.full_grad = detail::PageArray<T>(b.block * static_cast<std::size_t>(comm_->size()),
+                                         comm_->rank(), "a unit's gradients");
     return std::span<T>(b.full_grad.data(), b.elements);
   }
 
   /// Starts averaging unit `u`'s gradients over the ranks into this rank's shard (a
-  /// reduce_scatter, in the background); the unit's full gradients are freed when it is done.
+  /// reduce_scatter, in the background); the unit's full gradients are freed when it is done:
+  /// the reduces issued before are waited for here (by now they have usually finished, as this
+  /// unit's backward ran meanwhile), so that one unit's full gradients are in flight at a time.
   void reduce(std::size_t u) {
     Block& b = at(u, "reduce");
     if (b.full_grad.empty())
@@ -26309,8 +26363,10 @@ class FullyShardedAverager {
       detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": FullyShardedAverager: unit ",
                    u, " is reduced twice without a backward between: call grad(", u,
                    ") for its next backward");
-    b.reducing = comm_->reduce_scatter_async(std::span<const T>(b.full_grad), std::span<T>(b.grad),
-                                             ReduceOp::avg);
+    for (Block& other : blocks_) finish(other);
+    b.reducing =
+        comm_->reduce_scatter_async(std::span<const T>(b.full_grad.data(), b.full_grad.size()),
+                                    std::span<T>(b.grad), ReduceOp::avg);
     b.reduced = true;
   }
 
@@ -26400,8 +26456,9 @@ class FullyShardedAverager {
     const bool here = comm_->rank() == root;
     for (std::size_t u = 0; u < blocks_.size(); ++u) {
       const Block& b = blocks_[u];
-      std::vector<T> full(here ? b.block * static_cast<std::size_t>(comm_->size()) : 0);
-      comm_->gather(std::span<const T>(b.value), std::span<T>(full), root);
+      const detail::PageArray<T> full(here ? b.block * static_cast<std::size_t>(comm_->size()) : 0,
+                                      comm_->rank(), "a unit gathered to export it");
+      comm_->gather(std::span<const T>(b.value), std::span<T>(full.data(), full.size()), root);
       if (!here) continue;
       std::size_t at = 0;
       for (std::size_t i = 0; i < b.sizes.size(); ++i) {
@@ -26428,8 +26485,8 @@ class FullyShardedAverager {
   struct Block {
     std::vector<std::size_t> sizes;
     std::size_t elements = 0, block = 0;
-    std::vector<T> value, grad;      // this rank's block: values and averaged gradients
-    std::vector<T> full, full_grad;  // the gathered unit and its gradients (P blocks), or empty
+    std::vector<T> value, grad;            // this rank's block: values and averaged gradients
+    detail::PageArray<T> full, full_grad;  // the gathered unit, its gradients (P blocks), or none
     std::vector<Piece> pieces;
     Work gathering, reducing;
     bool reduced = false;  // reduce() issued since the last grad()
@@ -26446,7 +26503,7 @@ class FullyShardedAverager {
     for (std::size_t u = 0; u < blocks_.size(); ++u) {
       release(u);
       finish(blocks_[u]);
-      std::vector<T>().swap(blocks_[u].full_grad);
+      blocks_[u].full_grad = detail::PageArray<T>();
     }
     detail::restore_shard(*comm_, *ck, where, shard(), layout(), false, "FullyShardedAverager");
     return ck;
@@ -26458,7 +26515,7 @@ class FullyShardedAverager {
     b.reducing.wait();
     b.reducing = Work();
     b.reduced = false;
-    std::vector<T>().swap(b.full_grad);
+    b.full_grad = detail::PageArray<T>();
   }
 
   static TensorView<T> view(T* data, std::size_t n) { return TensorView<T>{data, n}; }
