@@ -37,6 +37,10 @@
 /// (ShardSlice over (parameter, offset, size), layout() for Checkpoint::put_sharded), so
 /// optimizers written for a model or a ShardedAverager's shard run on it unchanged.
 ///
+/// Mixed precision (MixedPrecisionPolicy): FullyShardedAverager<Backend, float, bfloat16, float>
+/// keeps float masters in the shard, gathers the parameters converted to bfloat16, and takes the
+/// backward's gradients in float (the third type: the reduce's), converted into the shard.
+///
 /// save(path, state) / load(path) are ShardedAverager's sharded checkpoints (a set loads at any
 /// world size), save(mirror, tag) / load(mirror) its in-memory copies for recovery;
 /// gather_to(root, fn) hands `root` the whole model a unit at a time, for export.
@@ -119,10 +123,25 @@ class PageArray {
   std::size_t size_ = 0;
 };
 
+/// `x` as a To (through float for ddp::half and ddp::bfloat16, which convert only to and from
+/// arithmetic types).
+template <class To, class From>
+[[nodiscard]] constexpr To convert_value(From x) noexcept {
+  if constexpr (std::is_same_v<To, From>)
+    return x;
+  else if constexpr (std::is_arithmetic_v<From>)
+    return static_cast<To>(x);
+  else
+    return static_cast<To>(static_cast<float>(x));
+}
+
 }  // namespace detail
 
-/// Fully sharded parameters (see the file comment). T: the parameters' element type.
-template <class Backend, class T = float>
+/// Fully sharded parameters (see the file comment). T: the element type of the shard (the
+/// optimizer's, "master" values); ParamT: of the gathered parameters (bfloat16 to gather and
+/// compute in it, as MixedPrecisionPolicy's param_dtype); ReduceT: of the gradients the backward
+/// writes and the reduce averages in (reduce_dtype), converted to T in the shard.
+template <class Backend, class T = float, class ParamT = T, class ReduceT = ParamT>
 class FullyShardedAverager {
  public:
   /// A unit: its parameters' element counts, in the order the program lays them end to end.
@@ -193,20 +212,27 @@ class FullyShardedAverager {
   void prefetch(std::size_t u) {
     Block& b = at(u, "prefetch");
     if (!b.full.empty()) return;
-    b.full = detail::PageArray<T>(b.block * static_cast<std::size_t>(comm_->size()), comm_->rank(),
-                                  "a gathered unit");
-    b.gathering = comm_->all_gather_async(std::span<const T>(b.value),
-                                          std::span<T>(b.full.data(), b.full.size()));
+    b.full = detail::PageArray<ParamT>(b.block * static_cast<std::size_t>(comm_->size()),
+                                       comm_->rank(), "a gathered unit");
+    const std::span<ParamT> full(b.full.data(), b.full.size());
+    if constexpr (std::is_same_v<ParamT, T>) {
+      b.gathering = comm_->all_gather_async(std::span<const T>(b.value), full);
+    } else {  // this rank's block converted in place, then gathered around it
+      const std::span<ParamT> mine =
+          full.subspan(static_cast<std::size_t>(comm_->rank()) * b.block, b.block);
+      for (std::size_t k = 0; k < b.block; ++k) mine[k] = detail::convert_value<ParamT>(b.value[k]);
+      b.gathering = comm_->all_gather_async(std::span<const ParamT>(mine), full);
+    }
   }
 
   /// Unit `u`'s parameters end to end (its element count: the padding is left out), gathered
   /// from every rank's block (waiting for a prefetch() of it). Valid until release(u).
-  [[nodiscard]] std::span<T> gather(std::size_t u) {
+  [[nodiscard]] std::span<ParamT> gather(std::size_t u) {
     Block& b = at(u, "gather");
     prefetch(u);
     b.gathering.wait();
     b.gathering = Work();
-    return std::span<T>(b.full.data(), b.elements);
+    return std::span<ParamT>(b.full.data(), b.elements);
   }
 
   /// Frees unit `u`'s gathered parameters (the shard stays). Waits for a prefetch still on
@@ -215,19 +241,19 @@ class FullyShardedAverager {
     Block& b = at(u, "release");
     b.gathering.wait();
     b.gathering = Work();
-    b.full = detail::PageArray<T>();
+    b.full = detail::PageArray<ParamT>();
   }
 
   /// Unit `u`'s gradients end to end, for the backward to add into: zeros when first asked for
   /// after the unit's last reduce() (a reduce still on its way is waited for). Valid until
   /// reduce(u).
-  [[nodiscard]] std::span<T> grad(std::size_t u) {
+  [[nodiscard]] std::span<ReduceT> grad(std::size_t u) {
     Block& b = at(u, "grad");
     finish(b);
     if (b.full_grad.empty())
-      b.full_grad = detail::PageArray<T>(b.block * static_cast<std::size_t>(comm_->size()),
-                                         comm_->rank(), "a unit's gradients");
-    return std::span<T>(b.full_grad.data(), b.elements);
+      b.full_grad = detail::PageArray<ReduceT>(b.block * static_cast<std::size_t>(comm_->size()),
+                                               comm_->rank(), "a unit's gradients");
+    return std::span<ReduceT>(b.full_grad.data(), b.elements);
   }
 
   /// Starts averaging unit `u`'s gradients over the ranks into this rank's shard (a
@@ -244,9 +270,14 @@ class FullyShardedAverager {
                    u, " is reduced twice without a backward between: call grad(", u,
                    ") for its next backward");
     for (Block& other : blocks_) finish(other);
-    b.reducing =
-        comm_->reduce_scatter_async(std::span<const T>(b.full_grad.data(), b.full_grad.size()),
-                                    std::span<T>(b.grad), ReduceOp::avg);
+    const std::span<const ReduceT> full(b.full_grad.data(), b.full_grad.size());
+    if constexpr (std::is_same_v<ReduceT, T>) {
+      b.reducing = comm_->reduce_scatter_async(full, std::span<T>(b.grad), ReduceOp::avg);
+    } else {  // averaged in ReduceT, converted into the shard by finish()
+      b.reduced_block = detail::PageArray<ReduceT>(b.block, comm_->rank(), "a reduced block");
+      b.reducing = comm_->reduce_scatter_async(
+          full, std::span<ReduceT>(b.reduced_block.data(), b.block), ReduceOp::avg);
+    }
     b.reduced = true;
   }
 
@@ -365,8 +396,9 @@ class FullyShardedAverager {
   struct Block {
     std::vector<std::size_t> sizes;
     std::size_t elements = 0, block = 0;
-    std::vector<T> value, grad;            // this rank's block: values and averaged gradients
-    detail::PageArray<T> full, full_grad;  // the gathered unit, its gradients (P blocks), or none
+    std::vector<T> value, grad;      // this rank's block: values and averaged gradients
+    detail::PageArray<ParamT> full;  // the gathered unit (P blocks), or none
+    detail::PageArray<ReduceT> full_grad, reduced_block;  // its gradients; their block, averaged
     std::vector<Piece> pieces;
     Work gathering, reducing;
     bool reduced = false;  // reduce() issued since the last grad()
@@ -383,7 +415,7 @@ class FullyShardedAverager {
     for (std::size_t u = 0; u < blocks_.size(); ++u) {
       release(u);
       finish(blocks_[u]);
-      blocks_[u].full_grad = detail::PageArray<T>();
+      blocks_[u].full_grad = detail::PageArray<ReduceT>();
     }
     detail::restore_shard(*comm_, *ck, where, shard(), layout(), false, "FullyShardedAverager");
     return ck;
@@ -395,7 +427,12 @@ class FullyShardedAverager {
     b.reducing.wait();
     b.reducing = Work();
     b.reduced = false;
-    b.full_grad = detail::PageArray<T>();
+    b.full_grad = detail::PageArray<ReduceT>();
+    if constexpr (!std::is_same_v<ReduceT, T>) {
+      for (std::size_t k = 0; k < b.block; ++k)
+        b.grad[k] = detail::convert_value<T>(b.reduced_block.data()[k]);
+      b.reduced_block = detail::PageArray<ReduceT>();
+    }
   }
 
   static TensorView<T> view(T* data, std::size_t n) { return TensorView<T>{data, n}; }
