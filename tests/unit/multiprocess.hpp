@@ -213,4 +213,25 @@ inline long long ms_since(std::chrono::steady_clock::time_point t0) {
       .count();
 }
 
+/// Runs `body(comm, first rank)` in 4 processes, some of which die on purpose: the survivors
+/// go on (a 20 s timeout); what the launcher reports at the end is left to the caller's checks.
+template <class Body>
+void run_with_losses(Body&& body) {
+  ddp::SpawnOptions so;
+  so.stop_on_failure = false;
+  try {
+    ddp::spawn(
+        4,
+        [&](ddp::Environment env) {
+          ddp::Options o;
+          o.timeout = std::chrono::seconds(20);
+          auto comm = Comm::init(env, o);
+          const int first = comm.rank();
+          body(comm, first);
+        },
+        so);
+  } catch (const ddp::Error&) {  // the ranks that died on purpose
+  }
+}
+
 }  // namespace mp

@@ -38,6 +38,11 @@ float initial(std::size_t unit, std::size_t param, std::size_t k) {
   return 0.5f * std::sin(0.3f * static_cast<float>(k) + static_cast<float>(7 * unit + param));
 }
 
+// The initializer: this rank's pieces of the initial values.
+void init_values(std::size_t u, std::size_t i, std::size_t offset, std::span<float> values) {
+  for (std::size_t k = 0; k < values.size(); ++k) values[k] = initial(u, i, offset + k);
+}
+
 // Rank r's gradient at step s of element k of parameter `param` of unit `unit`, given its value.
 float gradient(std::size_t unit, std::size_t param, std::size_t k, float value, int rank,
                int step) {
@@ -179,11 +184,7 @@ void train_against_gradient_averager(mp::Comm& comm, const Phase& ph) {
   ddp::GradientAverager avg(comm, whole);
   Optimizer whole_opt{ph.adam};
   // Fully sharded: this rank keeps its blocks only, made by the initializer.
-  ddp::FullyShardedAverager fsdp(
-      comm, unit_sizes,
-      [](std::size_t u, std::size_t i, std::size_t offset, std::span<float> values) {
-        for (std::size_t k = 0; k < values.size(); ++k) values[k] = initial(u, i, offset + k);
-      });
+  ddp::FullyShardedAverager fsdp(comm, unit_sizes, init_values);
   Optimizer opt{ph.adam};
   if (ph.from > 0) {
     const auto ck = ddp::Checkpoint::load(ph.dir + "/whole");
@@ -305,11 +306,8 @@ template <class ParamT, class ReduceT>
 void train_mixed(mp::Comm& comm) {
   WholeNet whole;
   Optimizer whole_opt;
-  ddp::FullyShardedAverager<ddp::backend::Host, float, ParamT, ReduceT> fsdp(
-      comm, unit_sizes,
-      [](std::size_t u, std::size_t i, std::size_t offset, std::span<float> values) {
-        for (std::size_t k = 0; k < values.size(); ++k) values[k] = initial(u, i, offset + k);
-      });
+  ddp::FullyShardedAverager<ddp::backend::Host, float, ParamT, ReduceT> fsdp(comm, unit_sizes,
+                                                                             init_values);
   Optimizer opt;
   for (int step = 0; step < 10; ++step) {
     std::size_t first = 0;
@@ -430,60 +428,43 @@ TEST_CASE(
   // mirror.
   for (const bool inside : {false, true}) {
     CAPTURE(inside);
-    ddp::SpawnOptions so;
-    so.stop_on_failure = false;
-    try {
-      ddp::spawn(
-          4,
-          [&](ddp::Environment env) {
-            ddp::Options o;
-            o.timeout = std::chrono::seconds(20);
-            auto comm = mp::Comm::init(env, o);
-            const int first = comm.rank();
-            const auto init = [](std::size_t u, std::size_t i, std::size_t offset,
-                                 std::span<float> values) {
-              for (std::size_t k = 0; k < values.size(); ++k) values[k] = initial(u, i, offset + k);
-            };
-            ddp::ShardMirror mirror;
-            std::optional<ddp::FullyShardedAverager<ddp::backend::Host>> fsdp;
-            fsdp.emplace(comm, unit_sizes, init);
-            Optimizer opt;
-            opt.adam = true;
-            int step = 0, resumed = -1;
-            for (;;) {
-              try {
-                for (; step < 12; ++step) {
-                  const bool victim = first == 2 && step == 8 && comm.epoch() == 0;
-                  if (victim && !inside) std::_Exit(5);
-                  sharded_step(*fsdp, opt, comm.rank(), step, [&](std::size_t u) {
-                    if (victim && u + 1 == unit_sizes.size()) std::_Exit(5);
-                  });
-                  ddp::Checkpoint state;
-                  state.put_object("step", step + 1);
-                  const ddp::ShardLayout layout = fsdp->layout();
-                  opt.put(state, &layout);
-                  fsdp->save(mirror, static_cast<std::uint64_t>(step + 1), state);
-                }
-                break;
-              } catch (const ddp::Error& e) {
-                MP_EXPECT(e.code() == ddp::Errc::peer_lost || e.code() == ddp::Errc::aborted,
-                          e.what());
-                fsdp.reset();
-                comm = comm.shrink({.wait_for_ranks = std::chrono::seconds(10)});
-                fsdp.emplace(comm, unit_sizes, nullptr);  // shards for the survivors
-                const auto ck = fsdp->load(mirror);
-                MP_EXPECT(ck.has_value(), "no save in memory to resume from");
-                step = resumed = ck->get_object<int>("step");
-                opt.get(*ck, fsdp->layout().elements());
-              }
-            }
-            MP_EXPECT(resumed == 8, "resumed after " << resumed << " steps, not 8");
-            const std::string got = model_bytes(*fsdp);
-            mp::TempDir::write(dir.file("net" + std::to_string(first)), got);
-          },
-          so);
-    } catch (const ddp::Error&) {  // rank 2's exit
-    }
+    mp::run_with_losses([&](mp::Comm& comm, int first) {
+      ddp::ShardMirror mirror;
+      std::optional<ddp::FullyShardedAverager<ddp::backend::Host>> fsdp;
+      fsdp.emplace(comm, unit_sizes, init_values);
+      Optimizer opt;
+      opt.adam = true;
+      int step = 0, resumed = -1;
+      for (;;) {
+        try {
+          for (; step < 12; ++step) {
+            const bool victim = first == 2 && step == 8 && comm.epoch() == 0;
+            if (victim && !inside) std::_Exit(5);
+            sharded_step(*fsdp, opt, comm.rank(), step, [&](std::size_t u) {
+              if (victim && u + 1 == unit_sizes.size()) std::_Exit(5);
+            });
+            ddp::Checkpoint state;
+            state.put_object("step", step + 1);
+            const ddp::ShardLayout layout = fsdp->layout();
+            opt.put(state, &layout);
+            fsdp->save(mirror, static_cast<std::uint64_t>(step + 1), state);
+          }
+          break;
+        } catch (const ddp::Error& e) {
+          MP_EXPECT(e.code() == ddp::Errc::peer_lost || e.code() == ddp::Errc::aborted, e.what());
+          fsdp.reset();
+          comm = comm.shrink({.wait_for_ranks = std::chrono::seconds(10)});
+          fsdp.emplace(comm, unit_sizes, nullptr);  // shards for the survivors
+          const auto ck = fsdp->load(mirror);
+          MP_EXPECT(ck.has_value(), "no save in memory to resume from");
+          step = resumed = ck->get_object<int>("step");
+          opt.get(*ck, fsdp->layout().elements());
+        }
+      }
+      MP_EXPECT(resumed == 8, "resumed after " << resumed << " steps, not 8");
+      const std::string got = model_bytes(*fsdp);
+      mp::TempDir::write(dir.file("net" + std::to_string(first)), got);
+    });
     for (const int r : {0, 1, 3}) {
       CHECK_MESSAGE(mp::TempDir::read(dir.file("net" + std::to_string(r))) == want,
                     "survivor " << r << " differs from the reference");

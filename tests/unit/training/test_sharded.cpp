@@ -618,27 +618,6 @@ Optimizer optimizer_from(const ddp::Checkpoint& ck, Zero& zero) {
   return opt;
 }
 
-/// Runs `body(comm, first rank)` in 4 processes, some of which die on purpose: the survivors
-/// go on (a 20 s timeout); what the launcher reports at the end is left to the caller's checks.
-template <class Body>
-void run_with_losses(Body&& body) {
-  ddp::SpawnOptions so;
-  so.stop_on_failure = false;
-  try {
-    ddp::spawn(
-        4,
-        [&](ddp::Environment env) {
-          ddp::Options o;
-          o.timeout = std::chrono::seconds(20);
-          auto comm = mp::Comm::init(env, o);
-          const int first = comm.rank();
-          body(comm, first);
-        },
-        so);
-  } catch (const ddp::Error&) {
-  }
-}
-
 // Adam steps [from, 12) with a sharded save after every third; `die`: this rank exits at the
 // start of step 8. After a loss: shrink(), a new averager over the survivors, the last save
 // loaded at their size (resharded), and on.
@@ -688,7 +667,7 @@ TEST_CASE(
   // 3 fresh processes loading that save. Every survivor ends bitwise equal to the reference.
   mp::TempDir dir;
   const std::string path = dir.file("z");
-  run_with_losses([&](mp::Comm& comm, int first) {
+  mp::run_with_losses([&](mp::Comm& comm, int first) {
     Net net;
     sharded_run(comm, net, path, 2);
     MP_EXPECT(comm.size() == 3, "the survivors");
@@ -825,7 +804,7 @@ TEST_CASE(
     CAPTURE(c.die.back());
     CAPTURE(c.in_save);
     mp::TempDir dir;
-    run_with_losses([&](mp::Comm& comm, int first) {
+    mp::run_with_losses([&](mp::Comm& comm, int first) {
       Net net;
       std::uint64_t resumed = 0;
       std::string refused;
@@ -863,7 +842,7 @@ TEST_CASE(
   const std::string want = reference_from(8, 2);
   REQUIRE(!want.empty());
   mp::TempDir dir;
-  run_with_losses([&](mp::Comm& comm, int first) {
+  mp::run_with_losses([&](mp::Comm& comm, int first) {
     Net net;
     std::uint64_t resumed = 0;
     std::string refused;
