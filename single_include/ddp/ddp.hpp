@@ -23558,6 +23558,9 @@ DDP_END_NAMESPACE
 /// keeps float masters in the shard, gathers the parameters converted to bfloat16, and takes the
 /// backward's gradients in float (the third type: the reduce's), converted into the shard.
 ///
+/// Uneven inputs: a Joinable (ddp::Join) once on_join_step(update) says how a rank updates its
+/// shard; a rank whose inputs are done answers the others' steps and keeps its shard current.
+///
 /// save(path, state) / load(path) are ShardedAverager's sharded checkpoints (a set loads at any
 /// world size), save(mirror, tag) / load(mirror) its in-memory copies for recovery;
 /// gather_to(root, fn) hands `root` the whole model a unit at a time, for export.
@@ -23575,6 +23578,180 @@ DDP_END_NAMESPACE
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/training/checkpoint.hpp" (already included above)
+// begin ddp/training/join.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Uneven inputs (torch's Join context, Horovod's hvd.join): ranks whose data runs out early keep
+/// answering the collectives of the ranks still training, with contributions that change nothing,
+/// so that a job whose ranks have different numbers of batches finishes without a hang.
+///
+///     ddp::GradientAverager avg(comm, model);
+///     {
+///       ddp::Join join(comm, {&avg});          // collective: every rank
+///       for (auto batch : my_batches) {        // as many as this rank has
+///         join.step();                         // before each optimizer step's backward
+///         forward_backward(model, batch);
+///         avg.synchronize();                   // the average over the ranks still training
+///         sgd_step(model);
+///       }
+///       join.finish();                         // (or the destructor) answers the others
+///     }
+///
+/// Each step() is one small all_reduce that counts the ranks still training. A rank that called
+/// finish() takes part in that count with 0 and, while the count is not 0, runs each Joinable's
+/// join_step(): the collectives one step issues, with zeros. GradientAverager is a Joinable: in a
+/// Join it sums the gradients and divides by the number of ranks that trained the step, so the
+/// average is over the ranks that contributed (torch's divide_by_initial_world_size=False), and
+/// a rank that finished shadows each bucket's all_reduce and the buffers' broadcast; once every
+/// rank has finished, every rank gets the parameters of the rank that trained longest. Your own
+/// per-step collectives join the same way: derive from Joinable and issue them, with neutral
+/// contributions, in join_step(). Collectives a step issues that no Joinable shadows (e.g. a
+/// found_nonfinite() call) would meet a finished rank's count instead: Errc::mismatch on backends
+/// that compare fingerprints (backend::Host), so make them Joinables too.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/process_group.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <cmath>
+#include <exception>
+#include <initializer_list>
+#include <span>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// Something whose per-step collectives a Join shadows on ranks that have finished.
+class Joinable {
+ public:
+  virtual ~Joinable() = default;
+  /// On a finished rank, once per step of the ranks still training (`active` of them): issue
+  /// the collectives one step issues, with contributions that change nothing (zeros for a sum).
+  virtual void join_step(int active) = 0;
+  /// On a rank still training, at each Join::step(): `active` ranks train this step.
+  virtual void join_active(int /*active*/) {}
+  /// The Join begins (true, at its construction) or ends (false), on every rank.
+  virtual void join_attach(bool /*on*/) {}
+  /// Every rank has finished (collective, on every rank, before join_attach(false)). `last`:
+  /// the rank that trained the most steps (the highest such rank), the same on every rank, whose
+  /// state the others may want (GradientAverager copies its parameters to every rank).
+  virtual void join_done(int /*last*/) {}
+};
+
+/// Uneven inputs: see the file comment. Comm is any ProcessGroup (a Communicator<Backend>).
+template <ProcessGroup Comm>
+class Join {
+ public:
+  /// Collective: every rank makes it, with the same Joinables in the same order; they (and
+  /// `comm`) must outlive the Join.
+  Join(Comm& comm, std::initializer_list<Joinable*> joinables)
+      : comm_(&comm), joinables_(joinables) {
+    for (Joinable* j : joinables_) {
+      if (j == nullptr)
+        detail::fail(Errc::invalid_argument, "rank ", comm.rank(), ": Join: a Joinable is null");
+    }
+    std::size_t attached = 0;
+    try {
+      for (Joinable* j : joinables_) {
+        j->join_attach(true);
+        ++attached;
+      }
+    } catch (...) {
+      for (std::size_t i = 0; i < attached; ++i) detach(joinables_[i]);
+      throw;
+    }
+  }
+  Join(const Join&) = delete;
+  Join& operator=(const Join&) = delete;
+  /// finish(), unless an exception is on its way out (then only the Joinables are released: the
+  /// other ranks learn of the failure from the communicator).
+  ~Join() noexcept(false) {
+    if (finished_) return;
+    if (std::uncaught_exceptions() > uncaught_) {
+      for (Joinable* j : joinables_) detach(j);
+      return;
+    }
+    finish();
+  }
+
+  /// Collective with the finished ranks: a step begins on this rank. Returns how many ranks
+  /// train it (this one included). Call it once per optimizer step, before its backward pass.
+  int step() {
+    if (finished_)
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                   ": Join::step() after finish(): this rank said its inputs were done");
+    active_ = count(1.0);
+    ++steps_;
+    for (Joinable* j : joinables_) j->join_active(active_);
+    return active_;
+  }
+
+  /// This rank's inputs are done: answers the steps of the ranks still training until every
+  /// rank has finished. Collective.
+  void finish() {
+    if (finished_) return;
+    finished_ = true;
+    try {
+      for (;;) {
+        const int n = count(0.0);
+        if (n == 0) break;
+        ++shadowed_;
+        for (Joinable* j : joinables_) j->join_step(n);
+      }
+      // The rank that trained longest: steps * size + rank, the largest over the ranks.
+      double key = static_cast<double>(steps_) * comm_->size() + comm_->rank();
+      comm_->all_reduce_host(std::span<double>(&key, 1), ReduceOp::max);
+      last_ = static_cast<int>(std::fmod(key, static_cast<double>(comm_->size())));
+      for (Joinable* j : joinables_) j->join_done(last_);
+    } catch (...) {
+      for (Joinable* j : joinables_) detach(j);
+      throw;
+    }
+    for (Joinable* j : joinables_) j->join_attach(false);
+  }
+
+  /// How many ranks trained this rank's last step.
+  [[nodiscard]] int active() const noexcept { return active_; }
+  /// Steps this rank trained.
+  [[nodiscard]] std::size_t steps() const noexcept { return steps_; }
+  /// Steps of the others this rank answered after it finished.
+  [[nodiscard]] std::size_t shadowed() const noexcept { return shadowed_; }
+  /// After finish(): the rank that trained the most steps (see Joinable::join_done).
+  [[nodiscard]] int last() const noexcept { return last_; }
+
+ private:
+  int count(double mine) {
+    double v = mine;
+    comm_->all_reduce_host(std::span<double>(&v, 1), ReduceOp::sum);
+    if (!(v >= 0) || v > comm_->size())
+      detail::fail(Errc::protocol, "rank ", comm_->rank(), ": Join: ", v,
+                   " ranks said they train this step, of ", comm_->size());
+    return static_cast<int>(v);
+  }
+  static void detach(Joinable* j) noexcept {
+    try {
+      j->join_attach(false);
+    } catch (...) {  // releasing must not fail on top of the failure in flight
+    }
+  }
+
+  Comm* comm_;
+  std::vector<Joinable*> joinables_;
+  int uncaught_ = std::uncaught_exceptions();
+  int active_ = 0;
+  int last_ = -1;
+  std::size_t steps_ = 0, shadowed_ = 0;
+  bool finished_ = false;
+};
+
+DDP_END_NAMESPACE
+// end ddp/training/join.hpp
 // begin ddp/training/shard_mirror.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -24570,180 +24747,7 @@ inline constexpr ReduceScatterHook reduce_scatter_hook{};
 
 DDP_END_NAMESPACE
 // end ddp/training/comm_hooks.hpp
-// begin ddp/training/join.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Uneven inputs (torch's Join context, Horovod's hvd.join): ranks whose data runs out early keep
-/// answering the collectives of the ranks still training, with contributions that change nothing,
-/// so that a job whose ranks have different numbers of batches finishes without a hang.
-///
-///     ddp::GradientAverager avg(comm, model);
-///     {
-///       ddp::Join join(comm, {&avg});          // collective: every rank
-///       for (auto batch : my_batches) {        // as many as this rank has
-///         join.step();                         // before each optimizer step's backward
-///         forward_backward(model, batch);
-///         avg.synchronize();                   // the average over the ranks still training
-///         sgd_step(model);
-///       }
-///       join.finish();                         // (or the destructor) answers the others
-///     }
-///
-/// Each step() is one small all_reduce that counts the ranks still training. A rank that called
-/// finish() takes part in that count with 0 and, while the count is not 0, runs each Joinable's
-/// join_step(): the collectives one step issues, with zeros. GradientAverager is a Joinable: in a
-/// Join it sums the gradients and divides by the number of ranks that trained the step, so the
-/// average is over the ranks that contributed (torch's divide_by_initial_world_size=False), and
-/// a rank that finished shadows each bucket's all_reduce and the buffers' broadcast; once every
-/// rank has finished, every rank gets the parameters of the rank that trained longest. Your own
-/// per-step collectives join the same way: derive from Joinable and issue them, with neutral
-/// contributions, in join_step(). Collectives a step issues that no Joinable shadows (e.g. a
-/// found_nonfinite() call) would meet a finished rank's count instead: Errc::mismatch on backends
-/// that compare fingerprints (backend::Host), so make them Joinables too.
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/process_group.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
-
-#include <cmath>
-#include <exception>
-#include <initializer_list>
-#include <span>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-/// Something whose per-step collectives a Join shadows on ranks that have finished.
-class Joinable {
- public:
-  virtual ~Joinable() = default;
-  /// On a finished rank, once per step of the ranks still training (`active` of them): issue
-  /// the collectives one step issues, with contributions that change nothing (zeros for a sum).
-  virtual void join_step(int active) = 0;
-  /// On a rank still training, at each Join::step(): `active` ranks train this step.
-  virtual void join_active(int /*active*/) {}
-  /// The Join begins (true, at its construction) or ends (false), on every rank.
-  virtual void join_attach(bool /*on*/) {}
-  /// Every rank has finished (collective, on every rank, before join_attach(false)). `last`:
-  /// the rank that trained the most steps (the highest such rank), the same on every rank, whose
-  /// state the others may want (GradientAverager copies its parameters to every rank).
-  virtual void join_done(int /*last*/) {}
-};
-
-/// Uneven inputs: see the file comment. Comm is any ProcessGroup (a Communicator<Backend>).
-template <ProcessGroup Comm>
-class Join {
- public:
-  /// Collective: every rank makes it, with the same Joinables in the same order; they (and
-  /// `comm`) must outlive the Join.
-  Join(Comm& comm, std::initializer_list<Joinable*> joinables)
-      : comm_(&comm), joinables_(joinables) {
-    for (Joinable* j : joinables_) {
-      if (j == nullptr)
-        detail::fail(Errc::invalid_argument, "rank ", comm.rank(), ": Join: a Joinable is null");
-    }
-    std::size_t attached = 0;
-    try {
-      for (Joinable* j : joinables_) {
-        j->join_attach(true);
-        ++attached;
-      }
-    } catch (...) {
-      for (std::size_t i = 0; i < attached; ++i) detach(joinables_[i]);
-      throw;
-    }
-  }
-  Join(const Join&) = delete;
-  Join& operator=(const Join&) = delete;
-  /// finish(), unless an exception is on its way out (then only the Joinables are released: the
-  /// other ranks learn of the failure from the communicator).
-  ~Join() noexcept(false) {
-    if (finished_) return;
-    if (std::uncaught_exceptions() > uncaught_) {
-      for (Joinable* j : joinables_) detach(j);
-      return;
-    }
-    finish();
-  }
-
-  /// Collective with the finished ranks: a step begins on this rank. Returns how many ranks
-  /// train it (this one included). Call it once per optimizer step, before its backward pass.
-  int step() {
-    if (finished_)
-      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
-                   ": Join::step() after finish(): this rank said its inputs were done");
-    active_ = count(1.0);
-    ++steps_;
-    for (Joinable* j : joinables_) j->join_active(active_);
-    return active_;
-  }
-
-  /// This rank's inputs are done: answers the steps of the ranks still training until every
-  /// rank has finished. Collective.
-  void finish() {
-    if (finished_) return;
-    finished_ = true;
-    try {
-      for (;;) {
-        const int n = count(0.0);
-        if (n == 0) break;
-        ++shadowed_;
-        for (Joinable* j : joinables_) j->join_step(n);
-      }
-      // The rank that trained longest: steps * size + rank, the largest over the ranks.
-      double key = static_cast<double>(steps_) * comm_->size() + comm_->rank();
-      comm_->all_reduce_host(std::span<double>(&key, 1), ReduceOp::max);
-      last_ = static_cast<int>(std::fmod(key, static_cast<double>(comm_->size())));
-      for (Joinable* j : joinables_) j->join_done(last_);
-    } catch (...) {
-      for (Joinable* j : joinables_) detach(j);
-      throw;
-    }
-    for (Joinable* j : joinables_) j->join_attach(false);
-  }
-
-  /// How many ranks trained this rank's last step.
-  [[nodiscard]] int active() const noexcept { return active_; }
-  /// Steps this rank trained.
-  [[nodiscard]] std::size_t steps() const noexcept { return steps_; }
-  /// Steps of the others this rank answered after it finished.
-  [[nodiscard]] std::size_t shadowed() const noexcept { return shadowed_; }
-  /// After finish(): the rank that trained the most steps (see Joinable::join_done).
-  [[nodiscard]] int last() const noexcept { return last_; }
-
- private:
-  int count(double mine) {
-    double v = mine;
-    comm_->all_reduce_host(std::span<double>(&v, 1), ReduceOp::sum);
-    if (!(v >= 0) || v > comm_->size())
-      detail::fail(Errc::protocol, "rank ", comm_->rank(), ": Join: ", v,
-                   " ranks said they train this step, of ", comm_->size());
-    return static_cast<int>(v);
-  }
-  static void detach(Joinable* j) noexcept {
-    try {
-      j->join_attach(false);
-    } catch (...) {  // releasing must not fail on top of the failure in flight
-    }
-  }
-
-  Comm* comm_;
-  std::vector<Joinable*> joinables_;
-  int uncaught_ = std::uncaught_exceptions();
-  int active_ = 0;
-  int last_ = -1;
-  std::size_t steps_ = 0, shadowed_ = 0;
-  bool finished_ = false;
-};
-
-DDP_END_NAMESPACE
-// end ddp/training/join.hpp
+// #include "ddp/training/join.hpp" (already included above)
 // #include "ddp/training/parameters.hpp" (already included above)
 
 #include <algorithm>
@@ -26262,7 +26266,7 @@ template <class To, class From>
 /// compute in it, as MixedPrecisionPolicy's param_dtype); ReduceT: of the gradients the backward
 /// writes and the reduce averages in (reduce_dtype), converted to T in the shard.
 template <class Backend, class T = float, class ParamT = T, class ReduceT = ParamT>
-class FullyShardedAverager {
+class FullyShardedAverager : public Joinable {
  public:
   /// A unit: its parameters' element counts, in the order the program lays them end to end.
   using Unit = std::vector<std::size_t>;
@@ -26332,6 +26336,7 @@ class FullyShardedAverager {
   void prefetch(std::size_t u) {
     Block& b = at(u, "prefetch");
     if (!b.full.empty()) return;
+    if (join_) trace_.push_back({u, false});
     b.full = detail::PageArray<ParamT>(b.block * static_cast<std::size_t>(comm_->size()),
                                        comm_->rank(), "a gathered unit");
     const std::span<ParamT> full(b.full.data(), b.full.size());
@@ -26391,12 +26396,16 @@ class FullyShardedAverager {
                    ") for its next backward");
     for (Block& other : blocks_) finish(other);
     const std::span<const ReduceT> full(b.full_grad.data(), b.full_grad.size());
+    // In a Join: summed, then divided by the ranks that trained the step (finish()).
+    const ReduceOp op = join_ ? ReduceOp::sum : ReduceOp::avg;
+    b.divide_by = join_ ? active_ : 0;
+    if (join_) trace_.push_back({u, true});
     if constexpr (std::is_same_v<ReduceT, T>) {
-      b.reducing = comm_->reduce_scatter_async(full, std::span<T>(b.grad), ReduceOp::avg);
+      b.reducing = comm_->reduce_scatter_async(full, std::span<T>(b.grad), op);
     } else {  // averaged in ReduceT, converted into the shard by finish()
       b.reduced_block = detail::PageArray<ReduceT>(b.block, comm_->rank(), "a reduced block");
       b.reducing = comm_->reduce_scatter_async(
-          full, std::span<ReduceT>(b.reduced_block.data(), b.block), ReduceOp::avg);
+          full, std::span<ReduceT>(b.reduced_block.data(), b.block), op);
     }
     b.reduced = true;
   }
@@ -26499,6 +26508,55 @@ class FullyShardedAverager {
     }
   }
 
+  /// For uneven inputs (ddp::Join, with this averager among its Joinables): `update(shard())`
+  /// is what a rank does with the averaged gradients of a step (the optimizer on its shard). A
+  /// rank whose inputs are done still owns its shard, so for each step of the others it takes
+  /// part in that step's gathers and reduces (those of its own last step, with zero gradients)
+  /// and then runs `update`; the averages are over the ranks that trained the step. Set it on
+  /// every rank before the Join is made (Errc::invalid_argument there otherwise).
+  template <class F>
+  void on_join_step(F&& update) {
+    join_update_ = std::forward<F>(update);
+  }
+
+  /// Joinable: see on_join_step().
+  void join_attach(bool on) override {
+    if (on && !join_update_)
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                   ": FullyShardedAverager in a ddp::Join: call on_join_step(update) first, with "
+                   "the optimizer's step on the shard, which a rank whose inputs are done still "
+                   "runs for the others' steps");
+    join_ = on;
+    trace_.clear();
+  }
+  void join_active(int active) override {
+    active_ = active;
+    trace_.clear();  // this step's gathers and reduces, recorded for a finished rank
+  }
+  void join_step(int active) override {
+    if (trace_.empty())
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                   ": FullyShardedAverager in a ddp::Join: this rank finished without training a "
+                   "step, so it does not know which units a step gathers and reduces; give every "
+                   "rank at least one batch");
+    active_ = active;
+    const std::vector<Op> ops = trace_;
+    for (std::size_t u = 0; u < blocks_.size(); ++u) release(u);
+    for (const Op& op : ops) {
+      if (op.reduce) {
+        (void)grad(op.unit);  // zeros: this rank adds nothing
+        reduce(op.unit);
+      } else {
+        release(op.unit);
+        prefetch(op.unit);
+      }
+    }
+    for (std::size_t u = 0; u < blocks_.size(); ++u) release(u);
+    synchronize();
+    join_update_(shard());
+    trace_ = ops;
+  }
+
   /// Elements this rank keeps: its blocks' sizes added up (about 1/P of the model).
   [[nodiscard]] std::size_t shard_size() const noexcept {
     std::size_t n = 0;
@@ -26522,6 +26580,7 @@ class FullyShardedAverager {
     std::vector<Piece> pieces;
     Work gathering, reducing;
     bool reduced = false;  // reduce() issued since the last grad()
+    int divide_by = 0;     // in a Join: the ranks that trained the reduced step
   };
 
   /// The layout load() asks for (another model's checkpoint refused).
@@ -26553,6 +26612,11 @@ class FullyShardedAverager {
         b.grad[k] = detail::convert_value<T>(b.reduced_block.data()[k]);
       b.reduced_block = detail::PageArray<ReduceT>();
     }
+    if (b.divide_by > 0) {  // a Join's sum: over the ranks that trained (as GradientAverager's)
+      using A = typename detail::Accum<T>::type;
+      for (T& g : b.grad) g = static_cast<T>(static_cast<A>(g) / static_cast<A>(b.divide_by));
+      b.divide_by = 0;
+    }
   }
 
   static TensorView<T> view(T* data, std::size_t n) { return TensorView<T>{data, n}; }
@@ -26578,8 +26642,17 @@ class FullyShardedAverager {
     }
   }
 
+  struct Op {  // a collective a step issued: unit's all_gather, or its reduce_scatter
+    std::size_t unit = 0;
+    bool reduce = false;
+  };
+
   Communicator<Backend>* comm_;
   std::vector<Block> blocks_;
+  std::function<void(std::vector<ShardSlice<T>>)> join_update_;
+  std::vector<Op> trace_;  // in a Join: this rank's collectives of its current (last) step
+  bool join_ = false;
+  int active_ = 0;
 };
 
 /// Deduces the backend from the communicator: FullyShardedAverager fsdp(comm, units, init).

@@ -41,6 +41,9 @@
 /// keeps float masters in the shard, gathers the parameters converted to bfloat16, and takes the
 /// backward's gradients in float (the third type: the reduce's), converted into the shard.
 ///
+/// Uneven inputs: a Joinable (ddp::Join) once on_join_step(update) says how a rank updates its
+/// shard; a rank whose inputs are done answers the others' steps and keeps its shard current.
+///
 /// save(path, state) / load(path) are ShardedAverager's sharded checkpoints (a set loads at any
 /// world size), save(mirror, tag) / load(mirror) its in-memory copies for recovery;
 /// gather_to(root, fn) hands `root` the whole model a unit at a time, for export.
@@ -58,6 +61,7 @@
 #include "ddp/error.hpp"
 #include "ddp/tensor.hpp"
 #include "ddp/training/checkpoint.hpp"
+#include "ddp/training/join.hpp"
 #include "ddp/training/shard_mirror.hpp"
 #include "ddp/training/sharded.hpp"
 #include "ddp/training/sharded_checkpoint.hpp"
@@ -142,7 +146,7 @@ template <class To, class From>
 /// compute in it, as MixedPrecisionPolicy's param_dtype); ReduceT: of the gradients the backward
 /// writes and the reduce averages in (reduce_dtype), converted to T in the shard.
 template <class Backend, class T = float, class ParamT = T, class ReduceT = ParamT>
-class FullyShardedAverager {
+class FullyShardedAverager : public Joinable {
  public:
   /// A unit: its parameters' element counts, in the order the program lays them end to end.
   using Unit = std::vector<std::size_t>;
@@ -212,6 +216,7 @@ class FullyShardedAverager {
   void prefetch(std::size_t u) {
     Block& b = at(u, "prefetch");
     if (!b.full.empty()) return;
+    if (join_) trace_.push_back({u, false});
     b.full = detail::PageArray<ParamT>(b.block * static_cast<std::size_t>(comm_->size()),
                                        comm_->rank(), "a gathered unit");
     const std::span<ParamT> full(b.full.data(), b.full.size());
@@ -271,12 +276,16 @@ class FullyShardedAverager {
                    ") for its next backward");
     for (Block& other : blocks_) finish(other);
     const std::span<const ReduceT> full(b.full_grad.data(), b.full_grad.size());
+    // In a Join: summed, then divided by the ranks that trained the step (finish()).
+    const ReduceOp op = join_ ? ReduceOp::sum : ReduceOp::avg;
+    b.divide_by = join_ ? active_ : 0;
+    if (join_) trace_.push_back({u, true});
     if constexpr (std::is_same_v<ReduceT, T>) {
-      b.reducing = comm_->reduce_scatter_async(full, std::span<T>(b.grad), ReduceOp::avg);
+      b.reducing = comm_->reduce_scatter_async(full, std::span<T>(b.grad), op);
     } else {  // averaged in ReduceT, converted into the shard by finish()
       b.reduced_block = detail::PageArray<ReduceT>(b.block, comm_->rank(), "a reduced block");
       b.reducing = comm_->reduce_scatter_async(
-          full, std::span<ReduceT>(b.reduced_block.data(), b.block), ReduceOp::avg);
+          full, std::span<ReduceT>(b.reduced_block.data(), b.block), op);
     }
     b.reduced = true;
   }
@@ -379,6 +388,55 @@ class FullyShardedAverager {
     }
   }
 
+  /// For uneven inputs (ddp::Join, with this averager among its Joinables): `update(shard())`
+  /// is what a rank does with the averaged gradients of a step (the optimizer on its shard). A
+  /// rank whose inputs are done still owns its shard, so for each step of the others it takes
+  /// part in that step's gathers and reduces (those of its own last step, with zero gradients)
+  /// and then runs `update`; the averages are over the ranks that trained the step. Set it on
+  /// every rank before the Join is made (Errc::invalid_argument there otherwise).
+  template <class F>
+  void on_join_step(F&& update) {
+    join_update_ = std::forward<F>(update);
+  }
+
+  /// Joinable: see on_join_step().
+  void join_attach(bool on) override {
+    if (on && !join_update_)
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                   ": FullyShardedAverager in a ddp::Join: call on_join_step(update) first, with "
+                   "the optimizer's step on the shard, which a rank whose inputs are done still "
+                   "runs for the others' steps");
+    join_ = on;
+    trace_.clear();
+  }
+  void join_active(int active) override {
+    active_ = active;
+    trace_.clear();  // this step's gathers and reduces, recorded for a finished rank
+  }
+  void join_step(int active) override {
+    if (trace_.empty())
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                   ": FullyShardedAverager in a ddp::Join: this rank finished without training a "
+                   "step, so it does not know which units a step gathers and reduces; give every "
+                   "rank at least one batch");
+    active_ = active;
+    const std::vector<Op> ops = trace_;
+    for (std::size_t u = 0; u < blocks_.size(); ++u) release(u);
+    for (const Op& op : ops) {
+      if (op.reduce) {
+        (void)grad(op.unit);  // zeros: this rank adds nothing
+        reduce(op.unit);
+      } else {
+        release(op.unit);
+        prefetch(op.unit);
+      }
+    }
+    for (std::size_t u = 0; u < blocks_.size(); ++u) release(u);
+    synchronize();
+    join_update_(shard());
+    trace_ = ops;
+  }
+
   /// Elements this rank keeps: its blocks' sizes added up (about 1/P of the model).
   [[nodiscard]] std::size_t shard_size() const noexcept {
     std::size_t n = 0;
@@ -402,6 +460,7 @@ class FullyShardedAverager {
     std::vector<Piece> pieces;
     Work gathering, reducing;
     bool reduced = false;  // reduce() issued since the last grad()
+    int divide_by = 0;     // in a Join: the ranks that trained the reduced step
   };
 
   /// The layout load() asks for (another model's checkpoint refused).
@@ -433,6 +492,11 @@ class FullyShardedAverager {
         b.grad[k] = detail::convert_value<T>(b.reduced_block.data()[k]);
       b.reduced_block = detail::PageArray<ReduceT>();
     }
+    if (b.divide_by > 0) {  // a Join's sum: over the ranks that trained (as GradientAverager's)
+      using A = typename detail::Accum<T>::type;
+      for (T& g : b.grad) g = static_cast<T>(static_cast<A>(g) / static_cast<A>(b.divide_by));
+      b.divide_by = 0;
+    }
   }
 
   static TensorView<T> view(T* data, std::size_t n) { return TensorView<T>{data, n}; }
@@ -458,8 +522,17 @@ class FullyShardedAverager {
     }
   }
 
+  struct Op {  // a collective a step issued: unit's all_gather, or its reduce_scatter
+    std::size_t unit = 0;
+    bool reduce = false;
+  };
+
   Communicator<Backend>* comm_;
   std::vector<Block> blocks_;
+  std::function<void(std::vector<ShardSlice<T>>)> join_update_;
+  std::vector<Op> trace_;  // in a Join: this rank's collectives of its current (last) step
+  bool join_ = false;
+  int active_ = 0;
 };
 
 /// Deduces the backend from the communicator: FullyShardedAverager fsdp(comm, units, init).

@@ -5,6 +5,7 @@
 #include <ddp/training/checkpoint.hpp>
 #include <ddp/training/fully_sharded.hpp>
 #include <ddp/training/gradient.hpp>
+#include <ddp/training/join.hpp>
 
 #include <doctest/doctest.h>
 
@@ -471,6 +472,54 @@ TEST_CASE(
       std::remove(dir.file("net" + std::to_string(r)).c_str());
     }
   }
+}
+
+TEST_CASE("fully sharded: uneven inputs in a ddp::Join train bitwise as GradientAverager's") {
+  // Rank r trains 3 + 2r steps (SGD-momentum, the same model both ways, both in one Join); a
+  // finished rank takes part in the others' gathers and reduces and updates its shard.
+  mp::run(3, ddp::HostTransport::shm, [](mp::Comm& comm) {
+    WholeNet whole;
+    ddp::GradientAverager avg(comm, whole);
+    Optimizer whole_opt;
+    ddp::FullyShardedAverager fsdp(comm, unit_sizes, init_values);
+    Optimizer opt;
+    fsdp.on_join_step([&](auto shard) { opt.step(shard); });
+    const int mine = 3 + 2 * comm.rank();
+    {
+      ddp::Join join(comm, {&avg, &fsdp});
+      for (int step = 0; step < mine; ++step) {
+        join.step();
+        std::size_t first = 0;
+        for (std::size_t u = 0; u < unit_sizes.size(); ++u) {
+          for (std::size_t i = 0; i < unit_sizes[u].size(); ++i) {
+            auto& p = whole.params[first + i];
+            for (std::size_t k = 0; k < p.value.size(); ++k)
+              p.grad[k] = gradient(u, i, k, p.value[k], comm.rank(), step);
+          }
+          first += unit_sizes[u].size();
+        }
+        avg.average();
+        std::vector<Slice> slices;
+        for (auto& p : whole.params)
+          slices.push_back({{p.value.data(), p.value.size()}, {p.grad.data(), p.grad.size()}});
+        whole_opt.step(slices);
+        sharded_step(fsdp, opt, comm.rank(), step);
+      }
+      join.finish();
+      MP_EXPECT(join.shadowed() == static_cast<std::size_t>(7 - mine), join.shadowed());
+    }
+    std::size_t index = 0;
+    fsdp.gather_to(0, [&](std::size_t u, std::size_t i, std::span<const float> values) {
+      const auto& want = whole.params[index++].value;
+      MP_EXPECT(std::memcmp(values.data(), want.data(), want.size() * sizeof(float)) == 0,
+                "unit " << u << " parameter " << i << " differs from GradientAverager's");
+    });
+  });
+  // Without the update a finished rank runs, the Join is refused on every rank.
+  mp::run(2, ddp::HostTransport::shm, [](mp::Comm& comm) {
+    ddp::FullyShardedAverager fsdp(comm, unit_sizes, init_values);
+    mp::expect_invalid("call on_join_step(update) first", [&] { ddp::Join join(comm, {&fsdp}); });
+  });
 }
 
 TEST_CASE("fully sharded: units that differ between ranks, and calls out of turn, are refused") {
