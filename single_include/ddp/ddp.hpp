@@ -25716,6 +25716,7 @@ DDP_END_NAMESPACE
 // #include "ddp/training/checkpoint.hpp" (already included above)
 // #include "ddp/training/parameters.hpp" (already included above)
 // #include "ddp/training/reshard.hpp" (already included above)
+// #include "ddp/training/shard_mirror.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
@@ -25863,6 +25864,18 @@ inline ShardLayoutFor wanted_layout(ShardLayout mine, int rank, int world, const
     }
     return ShardLayout::even(sizes, rank, world);
   };
+}
+
+/// ShardedAverager::save(mirror, ...): the values of this rank's `slices` and `state` kept in
+/// `mirror` as save `tag`, as save_shard writes them to a file. Collective.
+template <class Comm, class Slices>
+void save_shard_to_mirror(Comm& comm, ShardMirror& mirror, std::uint64_t tag,
+                          const Checkpoint& state, const Slices& slices, const ShardLayout& layout,
+                          bool cuda) {
+  const auto [values, words] = shard_values(slices, layout, cuda);
+  const std::string companion = layout_section("ddp.values");
+  const Checkpoint::Section extra[] = {{"ddp.values", values}, {companion, words}};
+  MirrorAccess::save(comm, mirror, tag, state, extra);
 }
 
 /// ShardedAverager::load: checks that `ck` (this rank's, from load_sharded_checkpoint in the
@@ -26107,10 +26120,8 @@ class ShardedAverager : public detail::Averager<M, Backend> {
   /// rank must save the same tag and the same unsharded sections of `state` (Errc::mismatch).
   void save(ShardMirror& mirror, std::uint64_t tag, const Checkpoint& state = Checkpoint{}) {
     engine().look_up_all();
-    const auto [values, words] = detail::shard_values(shard(), layout(), engine().cuda());
-    const std::string companion = detail::layout_section("ddp.values");
-    const Checkpoint::Section extra[] = {{"ddp.values", values}, {companion, words}};
-    detail::MirrorAccess::save(*this->comm_, mirror, tag, state, extra);
+    detail::save_shard_to_mirror(*this->comm_, mirror, tag, state, shard(), layout(),
+                                 engine().cuda());
   }
 
   /// Collective, after a membership change (an averager made again over the survivors): loads
@@ -26468,10 +26479,7 @@ class FullyShardedAverager : public Joinable {
   /// on the rank before it, as save `tag` (ShardMirror): after a rank is lost, the survivors'
   /// new averager loads it with load(mirror).
   void save(ShardMirror& mirror, std::uint64_t tag, const Checkpoint& state = Checkpoint{}) {
-    const auto [values, words] = detail::shard_values(shard(), layout(), false);
-    const std::string companion = detail::layout_section("ddp.values");
-    const Checkpoint::Section extra[] = {{"ddp.values", values}, {companion, words}};
-    detail::MirrorAccess::save(*comm_, mirror, tag, state, extra);
+    detail::save_shard_to_mirror(*comm_, mirror, tag, state, shard(), layout(), false);
   }
 
   /// Collective, after a membership change (an averager made again over the survivors): loads

@@ -348,10 +348,7 @@ class FullyShardedAverager : public Joinable {
   /// on the rank before it, as save `tag` (ShardMirror): after a rank is lost, the survivors'
   /// new averager loads it with load(mirror).
   void save(ShardMirror& mirror, std::uint64_t tag, const Checkpoint& state = Checkpoint{}) {
-    const auto [values, words] = detail::shard_values(shard(), layout(), false);
-    const std::string companion = detail::layout_section("ddp.values");
-    const Checkpoint::Section extra[] = {{"ddp.values", values}, {companion, words}};
-    detail::MirrorAccess::save(*comm_, mirror, tag, state, extra);
+    detail::save_shard_to_mirror(*comm_, mirror, tag, state, shard(), layout(), false);
   }
 
   /// Collective, after a membership change (an averager made again over the survivors): loads

@@ -187,10 +187,8 @@ class ShardedAverager : public detail::Averager<M, Backend> {
   /// rank must save the same tag and the same unsharded sections of `state` (Errc::mismatch).
   void save(ShardMirror& mirror, std::uint64_t tag, const Checkpoint& state = Checkpoint{}) {
     engine().look_up_all();
-    const auto [values, words] = detail::shard_values(shard(), layout(), engine().cuda());
-    const std::string companion = detail::layout_section("ddp.values");
-    const Checkpoint::Section extra[] = {{"ddp.values", values}, {companion, words}};
-    detail::MirrorAccess::save(*this->comm_, mirror, tag, state, extra);
+    detail::save_shard_to_mirror(*this->comm_, mirror, tag, state, shard(), layout(),
+                                 engine().cuda());
   }
 
   /// Collective, after a membership change (an averager made again over the survivors): loads

@@ -21,6 +21,7 @@
 #include "ddp/training/checkpoint.hpp"
 #include "ddp/training/parameters.hpp"
 #include "ddp/training/reshard.hpp"
+#include "ddp/training/shard_mirror.hpp"
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
@@ -168,6 +169,18 @@ inline ShardLayoutFor wanted_layout(ShardLayout mine, int rank, int world, const
     }
     return ShardLayout::even(sizes, rank, world);
   };
+}
+
+/// ShardedAverager::save(mirror, ...): the values of this rank's `slices` and `state` kept in
+/// `mirror` as save `tag`, as save_shard writes them to a file. Collective.
+template <class Comm, class Slices>
+void save_shard_to_mirror(Comm& comm, ShardMirror& mirror, std::uint64_t tag,
+                          const Checkpoint& state, const Slices& slices, const ShardLayout& layout,
+                          bool cuda) {
+  const auto [values, words] = shard_values(slices, layout, cuda);
+  const std::string companion = layout_section("ddp.values");
+  const Checkpoint::Section extra[] = {{"ddp.values", values}, {companion, words}};
+  MirrorAccess::save(comm, mirror, tag, state, extra);
 }
 
 /// ShardedAverager::load: checks that `ck` (this rank's, from load_sharded_checkpoint in the

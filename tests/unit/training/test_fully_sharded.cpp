@@ -155,6 +155,29 @@ void sharded_step(
   opt.step(fsdp.shard());
 }
 
+// The unsharded reference's gradients at `step` on `rank`, of its parameters as `seen` gives
+// them to the backward (rounded to the gathered type, say).
+template <class Seen>
+void whole_gradients(WholeNet& whole, int rank, int step, Seen seen) {
+  std::size_t first = 0;
+  for (std::size_t u = 0; u < unit_sizes.size(); ++u) {
+    for (std::size_t i = 0; i < unit_sizes[u].size(); ++i) {
+      auto& p = whole.params[first + i];
+      for (std::size_t k = 0; k < p.value.size(); ++k)
+        p.grad[k] = gradient(u, i, k, seen(p.value[k]), rank, step);
+    }
+    first += unit_sizes[u].size();
+  }
+}
+
+// The unsharded reference's optimizer step over its averaged gradients.
+void whole_update(WholeNet& whole, Optimizer& opt) {
+  std::vector<Slice> slices;
+  for (auto& p : whole.params)
+    slices.push_back({{p.value.data(), p.value.size()}, {p.grad.data(), p.grad.size()}});
+  opt.step(slices);
+}
+
 // Every unit gathered, end to end, as bytes (collective).
 template <class Fsdp>
 std::string model_bytes(Fsdp& fsdp) {
@@ -199,20 +222,9 @@ void train_against_gradient_averager(mp::Comm& comm, const Phase& ph) {
     opt.get(*sharded, fsdp.layout().elements());
   }
   for (int step = ph.from; step < ph.to; ++step) {
-    std::size_t first = 0;
-    for (std::size_t u = 0; u < unit_sizes.size(); ++u) {
-      for (std::size_t i = 0; i < unit_sizes[u].size(); ++i) {
-        auto& p = whole.params[first + i];
-        for (std::size_t k = 0; k < p.value.size(); ++k)
-          p.grad[k] = gradient(u, i, k, p.value[k], comm.rank(), step);
-      }
-      first += unit_sizes[u].size();
-    }
+    whole_gradients(whole, comm.rank(), step, [](float x) { return x; });
     avg.average();
-    std::vector<Slice> slices;
-    for (auto& p : whole.params)
-      slices.push_back({{p.value.data(), p.value.size()}, {p.grad.data(), p.grad.size()}});
-    whole_opt.step(slices);
+    whole_update(whole, whole_opt);
 
     sharded_step(fsdp, opt, comm.rank(), step);
   }
@@ -311,15 +323,8 @@ void train_mixed(mp::Comm& comm) {
                                                                              init_values);
   Optimizer opt;
   for (int step = 0; step < 10; ++step) {
-    std::size_t first = 0;
-    for (std::size_t u = 0; u < unit_sizes.size(); ++u) {
-      for (std::size_t i = 0; i < unit_sizes[u].size(); ++i) {
-        auto& p = whole.params[first + i];
-        for (std::size_t k = 0; k < p.value.size(); ++k)
-          p.grad[k] = gradient(u, i, k, static_cast<float>(ParamT(p.value[k])), comm.rank(), step);
-      }
-      first += unit_sizes[u].size();
-    }
+    whole_gradients(whole, comm.rank(), step,
+                    [](float x) { return static_cast<float>(ParamT(x)); });
     std::vector<ReduceT> all;
     for (const auto& p : whole.params)
       for (const float g : p.grad) all.push_back(ReduceT(g));
@@ -327,10 +332,7 @@ void train_mixed(mp::Comm& comm) {
     std::size_t j = 0;
     for (auto& p : whole.params)
       for (float& g : p.grad) g = static_cast<float>(all[j++]);
-    std::vector<Slice> slices;
-    for (auto& p : whole.params)
-      slices.push_back({{p.value.data(), p.value.size()}, {p.grad.data(), p.grad.size()}});
-    whole_opt.step(slices);
+    whole_update(whole, whole_opt);
     sharded_step(fsdp, opt, comm.rank(), step);
   }
   std::size_t index = 0;
@@ -489,20 +491,9 @@ TEST_CASE("fully sharded: uneven inputs in a ddp::Join train bitwise as Gradient
       ddp::Join join(comm, {&avg, &fsdp});
       for (int step = 0; step < mine; ++step) {
         join.step();
-        std::size_t first = 0;
-        for (std::size_t u = 0; u < unit_sizes.size(); ++u) {
-          for (std::size_t i = 0; i < unit_sizes[u].size(); ++i) {
-            auto& p = whole.params[first + i];
-            for (std::size_t k = 0; k < p.value.size(); ++k)
-              p.grad[k] = gradient(u, i, k, p.value[k], comm.rank(), step);
-          }
-          first += unit_sizes[u].size();
-        }
+        whole_gradients(whole, comm.rank(), step, [](float x) { return x; });
         avg.average();
-        std::vector<Slice> slices;
-        for (auto& p : whole.params)
-          slices.push_back({{p.value.data(), p.value.size()}, {p.grad.data(), p.grad.size()}});
-        whole_opt.step(slices);
+        whole_update(whole, whole_opt);
         sharded_step(fsdp, opt, comm.rank(), step);
       }
       join.finish();
