@@ -188,6 +188,11 @@ class LaunchAgent {
   // Forwards what can be read now, as whole lines.
   void pump(Worker& w, Stream& s);
 
+  // The end of a stream: its last line without a newline is forwarded, unless the other stream
+  // writes to the same log and is still open: then it waits for that one's end, so that a line
+  // of the other stream is never glued to it in the log.
+  void end_stream(Worker& w, Stream& s);
+
   // A worker about to be restarted: what its pipes still hold is forwarded, then they close.
   void drain(Worker& w);
 

@@ -216,9 +216,7 @@ inline void LaunchAgent::pump(Worker& w, Stream& s) {
   const ssize_t n = ::read(s.fd.get(), buf, sizeof buf);
   if (n < 0 && (errno == EINTR || errno == EAGAIN)) return;
   if (n <= 0) {
-    if (!s.pending.empty()) emit(w, s, s.pending);  // a last line without its newline
-    s.pending.clear();
-    s.fd.reset();
+    end_stream(w, s);
     return;
   }
   s.pending.append(buf, static_cast<std::size_t>(n));
@@ -232,6 +230,16 @@ inline void LaunchAgent::pump(Worker& w, Stream& s) {
   }
 }
 
+inline void LaunchAgent::end_stream(Worker& w, Stream& s) {
+  s.fd.reset();
+  Stream& other = w.streams[&s == &w.streams[0] ? 1 : 0];
+  if (other.fd && s.log && other.log && w.log) return;
+  for (Stream* t : {&s, &other}) {
+    if (!t->fd && !t->pending.empty()) emit(w, *t, t->pending);  // a last line without newline
+    if (!t->fd) t->pending.clear();
+  }
+}
+
 inline void LaunchAgent::drain(Worker& w) {
   for (auto& s : w.streams) {
     for (int i = 0; s.fd && i < 4096; ++i) {
@@ -239,6 +247,8 @@ inline void LaunchAgent::drain(Worker& w) {
       if (::poll(&p, 1, 0) <= 0) break;
       pump(w, s);
     }
+  }
+  for (auto& s : w.streams) {
     if (!s.pending.empty()) emit(w, s, s.pending);
     s.pending.clear();
     s.fd.reset();

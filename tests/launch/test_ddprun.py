@@ -231,6 +231,12 @@ class SingleNode(Base):
             with open(os.path.join(logs, "attempt_0", f"rank_{rank}.log")) as f:
                 self.assertEqual(sorted(f.read().splitlines()),
                                  sorted([f"out {rank}", f"err {rank}", "tail"]))
+        # A last line without its newline waits for the other stream's end, never glued to it.
+        r = ddprun("--standalone", "--nproc-per-node", 1, "--no-prefix", "--log-dir", logs,
+                   "sh", "-c", "printf tail; exec 1>&-; sleep 0.3; echo err >&2; echo more >&2")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(logs, "attempt_0", "rank_0.log")) as f:
+            self.assertEqual(f.read(), "err\nmore\ntail")
         # Without --log-dir or a prefix, the workers write to ddprun's own stdout.
         r = ddprun("--standalone", "--nproc-per-node", 2, "--no-prefix", "sh", "-c", "echo $RANK")
         self.assertEqual(sorted(r.stdout.splitlines()), ["0", "1"])
