@@ -15923,6 +15923,7 @@ DDP_END_NAMESPACE
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <optional>
@@ -16019,6 +16020,8 @@ class Hierarchy {
   std::unique_ptr<Transport> across;
   std::shared_ptr<Store> store;  ///< where record_leaving writes (may be null)
   int rank = 0;                  ///< this rank in the communicator
+  /// Each rank's host (0, 1, ...: hosts in order of their lowest rank); set when active().
+  std::vector<int> host_of;
 
   [[nodiscard]] bool active() const noexcept { return kind != HostHierarchy::flat; }
 
@@ -16041,6 +16044,14 @@ class Hierarchy {
   ///    broadcast inside the host.
   void all_reduce(RoundScratch& s, SingleCopy& single, const Buf& b, ReduceOp op,
                   const Fingerprint& fp, int size);
+
+  /// reduce_scatter over `t` (every rank of the communicator) when the ranks span several
+  /// hosts: each block is combined in all_reduce's order above (each host's ranks in rank order,
+  /// then the hosts' sums in host order; avg divides by `size` at the end), so that a rank's
+  /// block is bitwise that block of the same all_reduce. The bytes travel as in the flat
+  /// reduce_scatter; only the order of the combination differs.
+  void reduce_scatter(Transport& t, RoundScratch& s, const Buf& in, const Buf& out, ReduceOp op,
+                      const Fingerprint& fp, int size);
 
   /// Runs body(crossing); if it fails, fails this host's other ranks too (through the local
   /// transport) and shuts down the connections of `remote` (when not null), before rethrowing,
@@ -16124,6 +16135,30 @@ DDP_INLINE void Hierarchy::all_reduce(RoundScratch& s, SingleCopy& single, const
         all_gather_parts(host, b, part);
       },
       across.get());
+}
+
+DDP_INLINE void Hierarchy::reduce_scatter(Transport& t, RoundScratch& s, const Buf& in,
+                                          const Buf& out, ReduceOp op, const Fingerprint& fp,
+                                          int size) {
+  const bool avg = op == ReduceOp::avg;
+  const auto fn = reduce_fn(out.dtype, avg ? ReduceOp::sum : op);
+  const int hosts = host_of.empty() ? 1 : *std::max_element(host_of.begin(), host_of.end()) + 1;
+  const std::size_t es = out.elem();
+  std::vector<const std::byte*> group, sums(static_cast<std::size_t>(hosts));
+  exchange_blocks(t, s, in, out.count, fp, [&](std::size_t s0, std::size_t m, auto ptrs) {
+    std::byte* partial = RoundScratch::at_least(s.bytes, static_cast<std::size_t>(hosts) * m * es);
+    for (int h = 0; h < hosts; ++h) {
+      group.clear();
+      for (std::size_t j = 0; j < host_of.size(); ++j) {
+        if (host_of[j] == h) group.push_back(ptrs[j]);
+      }
+      std::byte* sum = partial + static_cast<std::size_t>(h) * m * es;
+      fn(sum, nullptr, group.data(), static_cast<int>(group.size()), m);
+      sums[static_cast<std::size_t>(h)] = sum;
+    }
+    fn(out.at(s0), nullptr, sums.data(), hosts, m);
+    if (avg && m != 0) divide_fn(out.dtype)(out.at(s0), m, size);
+  });
 }
 
 DDP_INLINE void Hierarchy::record_leaving(const Error& e) noexcept {
@@ -17952,6 +17987,7 @@ DDP_INLINE void HostLinks::connect_hierarchy(Store& store, const Options& o,
   }
   hierarchy.kind = o.hierarchy == HostHierarchy::leaders || !equal ? HostHierarchy::leaders
                                                                    : HostHierarchy::slices;
+  hierarchy.host_of = host_of;
   // Below this many bytes per local rank, slices' TCP rounds cost more than they save
   // (bench/README.md, "Across hosts"): all_reduce goes through the leaders.
   hierarchy.slices_from = o.hierarchy == HostHierarchy::slices ? 0 : slices_from_bytes;
@@ -18660,6 +18696,10 @@ DDP_INLINE void Host::scatter(const detail::Buf& in, const detail::Buf& out, int
 
 DDP_INLINE void Host::reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
   const auto fp = next(detail::Coll::reduce_scatter, out.dtype, out.count, -1, op, true);
+  if (net_.hierarchy.active()) {  // bitwise the matching block of the hierarchical all_reduce
+    net_.hierarchy.reduce_scatter(t(), scratch_, in, out, op, fp, size_);
+    return;
+  }
   detail::reduce_scatter_on(t(), scratch_, in, out, detail::reduce_fn(out.dtype, op), fp);
 }
 

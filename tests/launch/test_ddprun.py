@@ -1710,6 +1710,20 @@ class MultiNode(Base):
                                    r"launcher ddprun transport tcp hierarchy slices restart 0 "
                                    r"sum ok$")
 
+    def test_fully_sharded_is_bitwise_ddp_across_two_nodes(self):
+        # Two hosts of two ranks (the slices hierarchy): all_reduce adds each host's sum, and the
+        # fully sharded model's reduce_scatter adds in that order, so that its parameters are
+        # bitwise GradientAverager's.
+        with Namespaces() as ns:
+            port = 29616
+            p0 = ns.start(0, port, WORKER, "sharded", 6)
+            p1 = ns.start(1, port, WORKER, "sharded", 6)
+            out0, err0 = p0.communicate(timeout=LIMIT)
+            out1, err1 = p1.communicate(timeout=LIMIT)
+        self.assertEqual((p0.returncode, p1.returncode), (0, 0), err0 + err1)
+        self.assertEqual(sorted((out0 + out1).splitlines()),
+                         [f"[r{r}] rank {r} hierarchy slices sharded bitwise" for r in range(4)])
+
     def test_torchrun_c10d_line_without_node_ranks(self):
         # Node 1 starts first: it cannot listen at node 0's address, so it joins as a client
         # and waits; node 0's launcher hosts the store and is node 0.

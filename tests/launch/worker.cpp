@@ -22,6 +22,9 @@
 //                                     call a fourth (which times out: run with DDP_TIMEOUT)
 //   worker elastic R:E:S,...          the README's ddp::Elastic loop; world rank R dies at step
 //                                     S of epoch E; the others print the model's hash
+//   worker sharded STEPS              SGD-momentum on a model of three units, fully sharded and
+//                                     whole (GradientAverager) from the same data; prints
+//                                     whether the parameters are bitwise the same
 
 #include <ddp/ddp.hpp>
 
@@ -39,6 +42,7 @@
 #include <fstream>
 #include <iostream>
 #include <optional>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -140,6 +144,88 @@ int train(int steps) {
   return 0;
 }
 
+/// sharded STEPS: FullyShardedAverager against GradientAverager, SGD with momentum, gradients
+/// whose sums round differently in different orders (large and small values, by rank): the
+/// fully sharded parameters must be bitwise the whole model's, also across hosts, where
+/// all_reduce adds each host's sum.
+int sharded(int steps) {
+  auto comm = ddp::Communicator<ddp::backend::Host>::init();
+  const std::vector<std::vector<std::size_t>> units{{3001, 17}, {4096}, {5, 999, 1}};
+  const auto initial = [](std::size_t u, std::size_t i, std::size_t k) {
+    return 0.01f * static_cast<float>((u * 131 + i * 17 + k * 7) % 97) - 0.4f;
+  };
+  const auto gradient = [&](std::size_t u, std::size_t i, std::size_t k, int step) {
+    const float big = (k + static_cast<std::size_t>(comm.rank())) % 3 == 0 ? 1.0e4f : 1.0f;
+    return big *
+           (1.0f +
+            1e-3f * static_cast<float>(
+                        (k * 7 + u + i + static_cast<std::size_t>(comm.rank() + step)) % 11)) *
+           (comm.rank() % 2 == 0 ? 1.0f : -0.75f);
+  };
+  constexpr float lr = 1e-4f, momentum = 0.9f;
+  Model whole;
+  for (std::size_t u = 0; u < units.size(); ++u)
+    for (std::size_t i = 0; i < units[u].size(); ++i) {
+      Param q{std::vector<float>(units[u][i]), std::vector<float>(units[u][i])};
+      for (std::size_t k = 0; k < q.value.size(); ++k) q.value[k] = initial(u, i, k);
+      whole.params.push_back(std::move(q));
+    }
+  std::vector<std::vector<float>> whole_velocity;
+  for (const auto& q : whole.params) whole_velocity.emplace_back(q.value.size(), 0.0f);
+  ddp::GradientAverager avg(comm, whole);
+  ddp::FullyShardedAverager fsdp(
+      comm, units, [&](std::size_t u, std::size_t i, std::size_t offset, std::span<float> v) {
+        for (std::size_t k = 0; k < v.size(); ++k) v[k] = initial(u, i, offset + k);
+      });
+  std::vector<std::vector<float>> velocity;  // per shard slice, in shard() order
+  for (const auto& sl : fsdp.shard()) velocity.emplace_back(sl.value.size, 0.0f);
+  const auto sgd = [&](float& w, float g, float& v) {
+    v = momentum * v + g;
+    w -= lr * v;
+  };
+  for (int step = 0; step < steps; ++step) {
+    std::size_t first = 0;
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      for (std::size_t i = 0; i < units[u].size(); ++i) {
+        auto& g = whole.params[first + i].grad;
+        for (std::size_t k = 0; k < g.size(); ++k) g[k] = gradient(u, i, k, step);
+      }
+      first += units[u].size();
+    }
+    avg.average();
+    for (std::size_t j = 0; j < whole.params.size(); ++j)
+      for (std::size_t k = 0; k < whole.params[j].value.size(); ++k)
+        sgd(whole.params[j].value[k], whole.params[j].grad[k], whole_velocity[j][k]);
+
+    for (std::size_t u = units.size(); u-- > 0;) {
+      const std::span<float> g = fsdp.grad(u);
+      std::size_t at = 0;
+      for (std::size_t i = 0; i < units[u].size(); ++i)
+        for (std::size_t k = 0; k < units[u][i]; ++k) g[at++] = gradient(u, i, k, step);
+      fsdp.reduce(u);
+    }
+    fsdp.synchronize();
+    const auto slices = fsdp.shard();
+    for (std::size_t s = 0; s < slices.size(); ++s)
+      for (std::size_t k = 0; k < slices[s].value.size; ++k)
+        sgd(slices[s].value.data[k], slices[s].grad.data[k], velocity[s][k]);
+  }
+  std::size_t first = 0, differ = 0;
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    const std::span<float> w = fsdp.gather(u);
+    std::size_t at = 0;
+    for (std::size_t i = 0; i < units[u].size(); ++i)
+      for (const float x : whole.params[first + i].value)
+        if (std::memcmp(&x, &w[at++], sizeof x) != 0) ++differ;
+    fsdp.release(u);
+    first += units[u].size();
+  }
+  std::cout << "rank " << comm.rank() << " hierarchy " << comm.backend().hierarchy() << " "
+            << (differ == 0 ? "sharded bitwise" : std::to_string(differ) + " elements differ")
+            << std::endl;
+  return differ == 0 ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
@@ -150,6 +236,7 @@ int main(int argc, char** argv) try {
   const std::string& mode = args[0];
   if (mode == "allreduce") return all_reduce_and_check();
   if (mode == "train" && args.size() >= 2) return train(std::stoi(args[1]));
+  if (mode == "sharded" && args.size() >= 2) return sharded(std::stoi(args[1]));
   if (mode == "exit" && args.size() >= 3) {
     const bool once = args.size() > 3 && args[3] == "once";
     const bool first = restart_count() == "0";

@@ -430,7 +430,7 @@ void scatter_reduce_scatter_all_to_all(C& comm, Wrap wrap = {}) {
             [&](std::size_t i) { return value<T>(root, static_cast<std::size_t>(r) * n + i, 2); },
             "scatter" + tag);
       }
-      // reduce_scatter: block r of the element-wise reduction.
+      // reduce_scatter: block r of the element-wise reduction, in all_reduce's order.
       for (ReduceOp op : {ReduceOp::sum, ReduceOp::min}) {
         Vec<T> in(n * up);
         for (std::size_t k = 0; k < in.size(); ++k) in[k] = value<T>(r, k, 3);
@@ -439,7 +439,7 @@ void scatter_reduce_scatter_all_to_all(C& comm, Wrap wrap = {}) {
         check_values<T>(
             out,
             [&](std::size_t i) {
-              return reference<T>(op, p, static_cast<std::size_t>(r) * n + i, 3);
+              return all_reduce_reference<T>(op, p, static_cast<std::size_t>(r) * n + i, 3);
             },
             "reduce_scatter" + tag);
         // In place: out is this rank's block of in.
@@ -450,7 +450,7 @@ void scatter_reduce_scatter_all_to_all(C& comm, Wrap wrap = {}) {
         check_values<T>(
             copy,
             [&](std::size_t i) {
-              return reference<T>(op, p, static_cast<std::size_t>(r) * n + i, 3);
+              return all_reduce_reference<T>(op, p, static_cast<std::size_t>(r) * n + i, 3);
             },
             "reduce_scatter in place" + tag);
       }
@@ -725,7 +725,10 @@ void premul_sum_every_form(C& comm, Wrap wrap = {}) {
       const Vec<T> before = in;
       comm.reduce_scatter(wrap(in), wrap(out), ddp::premul_sum(factor(r)));
       check_values<T>(
-          out, [&](std::size_t i) { return want(static_cast<std::size_t>(r) * n + i, 3, 1); },
+          out,
+          [&](std::size_t i) {
+            return want(static_cast<std::size_t>(r) * n + i, 3, mp::current_hosts);
+          },
           "reduce_scatter" + tag);
       check_values<T>(
           in, [&](std::size_t k) { return before[k]; }, "reduce_scatter's in" + tag);

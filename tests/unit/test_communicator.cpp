@@ -524,7 +524,7 @@ TEST_CASE("across hosts: DDP_HIERARCHY and the host layout pick the path, bad se
 TEST_CASE("across hosts: the combination order is fixed, whatever the path, size and segment") {
   // Values whose float sums round differently in different orders: the result must be bitwise
   // (x0 + x1) + (x2 + x3) for 2 hosts of 2, on every rank, for slices and leaders, small and
-  // large buffers and segment sizes; avg divides that by 4.
+  // large buffers and segment sizes; avg divides that by 4. reduce_scatter too.
   const std::size_t n = 300000;
   const auto x = [](int r, std::size_t i) {
     const float big = (i % 3 == 0) ? 1.0e8f : 1.0f;
@@ -555,6 +555,19 @@ TEST_CASE("across hosts: the combination order is fixed, whatever the path, size
                   MP_EXPECT(cases::same_bits(v[i], want), "count " << count << " element " << i
                                                                    << ": " << v[i]
                                                                    << " != " << want);
+                }
+                // reduce_scatter in the same order: a rank's block is bitwise that block of
+                // the all_reduce (a fully sharded model's gradients, bitwise DDP's).
+                std::vector<float> in(4 * count), out(count);
+                for (std::size_t k = 0; k < in.size(); ++k) in[k] = x(r, k);
+                comm.reduce_scatter(in, out, op);
+                for (std::size_t i = 0; i < count; ++i) {
+                  const std::size_t k = static_cast<std::size_t>(r) * count + i;
+                  float want = (x(0, k) + x(1, k)) + (x(2, k) + x(3, k));
+                  if (op == ddp::ReduceOp::avg) want = want / 4.0f;
+                  MP_EXPECT(cases::same_bits(out[i], want), "reduce_scatter: count "
+                                                                << count << " element " << i << ": "
+                                                                << out[i] << " != " << want);
                 }
               }
             }

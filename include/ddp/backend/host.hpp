@@ -229,6 +229,10 @@ DDP_INLINE void Host::scatter(const detail::Buf& in, const detail::Buf& out, int
 
 DDP_INLINE void Host::reduce_scatter(const detail::Buf& in, const detail::Buf& out, ReduceOp op) {
   const auto fp = next(detail::Coll::reduce_scatter, out.dtype, out.count, -1, op, true);
+  if (net_.hierarchy.active()) {  // bitwise the matching block of the hierarchical all_reduce
+    net_.hierarchy.reduce_scatter(t(), scratch_, in, out, op, fp, size_);
+    return;
+  }
   detail::reduce_scatter_on(t(), scratch_, in, out, detail::reduce_fn(out.dtype, op), fp);
 }
 

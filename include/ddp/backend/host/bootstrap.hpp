@@ -280,6 +280,7 @@ DDP_INLINE void HostLinks::connect_hierarchy(Store& store, const Options& o,
   }
   hierarchy.kind = o.hierarchy == HostHierarchy::leaders || !equal ? HostHierarchy::leaders
                                                                    : HostHierarchy::slices;
+  hierarchy.host_of = host_of;
   // Below this many bytes per local rank, slices' TCP rounds cost more than they save
   // (bench/README.md, "Across hosts"): all_reduce goes through the leaders.
   hierarchy.slices_from = o.hierarchy == HostHierarchy::slices ? 0 : slices_from_bytes;

@@ -21,6 +21,7 @@
 #include "ddp/options.hpp"
 #include "ddp/store/client.hpp"
 
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <optional>
@@ -117,6 +118,8 @@ class Hierarchy {
   std::unique_ptr<Transport> across;
   std::shared_ptr<Store> store;  ///< where record_leaving writes (may be null)
   int rank = 0;                  ///< this rank in the communicator
+  /// Each rank's host (0, 1, ...: hosts in order of their lowest rank); set when active().
+  std::vector<int> host_of;
 
   [[nodiscard]] bool active() const noexcept { return kind != HostHierarchy::flat; }
 
@@ -139,6 +142,14 @@ class Hierarchy {
   ///    broadcast inside the host.
   void all_reduce(RoundScratch& s, SingleCopy& single, const Buf& b, ReduceOp op,
                   const Fingerprint& fp, int size);
+
+  /// reduce_scatter over `t` (every rank of the communicator) when the ranks span several
+  /// hosts: each block is combined in all_reduce's order above (each host's ranks in rank order,
+  /// then the hosts' sums in host order; avg divides by `size` at the end), so that a rank's
+  /// block is bitwise that block of the same all_reduce. The bytes travel as in the flat
+  /// reduce_scatter; only the order of the combination differs.
+  void reduce_scatter(Transport& t, RoundScratch& s, const Buf& in, const Buf& out, ReduceOp op,
+                      const Fingerprint& fp, int size);
 
   /// Runs body(crossing); if it fails, fails this host's other ranks too (through the local
   /// transport) and shuts down the connections of `remote` (when not null), before rethrowing,
@@ -222,6 +233,30 @@ DDP_INLINE void Hierarchy::all_reduce(RoundScratch& s, SingleCopy& single, const
         all_gather_parts(host, b, part);
       },
       across.get());
+}
+
+DDP_INLINE void Hierarchy::reduce_scatter(Transport& t, RoundScratch& s, const Buf& in,
+                                          const Buf& out, ReduceOp op, const Fingerprint& fp,
+                                          int size) {
+  const bool avg = op == ReduceOp::avg;
+  const auto fn = reduce_fn(out.dtype, avg ? ReduceOp::sum : op);
+  const int hosts = host_of.empty() ? 1 : *std::max_element(host_of.begin(), host_of.end()) + 1;
+  const std::size_t es = out.elem();
+  std::vector<const std::byte*> group, sums(static_cast<std::size_t>(hosts));
+  exchange_blocks(t, s, in, out.count, fp, [&](std::size_t s0, std::size_t m, auto ptrs) {
+    std::byte* partial = RoundScratch::at_least(s.bytes, static_cast<std::size_t>(hosts) * m * es);
+    for (int h = 0; h < hosts; ++h) {
+      group.clear();
+      for (std::size_t j = 0; j < host_of.size(); ++j) {
+        if (host_of[j] == h) group.push_back(ptrs[j]);
+      }
+      std::byte* sum = partial + static_cast<std::size_t>(h) * m * es;
+      fn(sum, nullptr, group.data(), static_cast<int>(group.size()), m);
+      sums[static_cast<std::size_t>(h)] = sum;
+    }
+    fn(out.at(s0), nullptr, sums.data(), hosts, m);
+    if (avg && m != 0) divide_fn(out.dtype)(out.at(s0), m, size);
+  });
 }
 
 DDP_INLINE void Hierarchy::record_leaving(const Error& e) noexcept {
