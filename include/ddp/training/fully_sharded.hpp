@@ -73,6 +73,7 @@
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -125,6 +126,36 @@ class PageArray {
  private:
   T* data_ = nullptr;
   std::size_t size_ = 0;
+};
+
+/// Freed unit buffers kept for the next unit of the same size: at most two, as many of a kind
+/// as a step holds at once (the unit computed and the one prefetched; the gradients written and
+/// the ones being reduced), so that the peak stays what it was while a step stops mapping and
+/// faulting in fresh pages for every gather and every unit's gradients.
+template <class T>
+class PageCache {
+ public:
+  /// An array of n T's: a kept one (zero-filled again when `zeros`), or new pages.
+  PageArray<T> take(std::size_t n, int rank, const char* what, bool zeros) {
+    for (auto it = kept_.begin(); it != kept_.end(); ++it) {
+      if (it->size() != n) continue;
+      PageArray<T> a = std::move(*it);
+      kept_.erase(it);
+      if (zeros) std::memset(static_cast<void*>(a.data()), 0, n * sizeof(T));
+      return a;
+    }
+    return PageArray<T>(n, rank, what);
+  }
+  /// Keeps `a` (the oldest kept one goes back to the system when two are kept).
+  void give(PageArray<T>& a) {
+    if (a.empty()) return;
+    if (kept_.size() >= 2) kept_.erase(kept_.begin());
+    kept_.push_back(std::move(a));
+  }
+  void clear() noexcept { kept_.clear(); }
+
+ private:
+  std::vector<PageArray<T>> kept_;
 };
 
 /// `x` as a To (through float for ddp::half and ddp::bfloat16, which convert only to and from
@@ -217,8 +248,8 @@ class FullyShardedAverager : public Joinable {
     Block& b = at(u, "prefetch");
     if (!b.full.empty()) return;
     if (join_) trace_.push_back({u, false});
-    b.full = detail::PageArray<ParamT>(b.block * static_cast<std::size_t>(comm_->size()),
-                                       comm_->rank(), "a gathered unit");
+    b.full = params_.take(b.block * static_cast<std::size_t>(comm_->size()), comm_->rank(),
+                          "a gathered unit", false);
     const std::span<ParamT> full(b.full.data(), b.full.size());
     if constexpr (std::is_same_v<ParamT, T>) {
       b.gathering = comm_->all_gather_async(std::span<const T>(b.value), full);
@@ -246,7 +277,7 @@ class FullyShardedAverager : public Joinable {
     Block& b = at(u, "release");
     b.gathering.wait();
     b.gathering = Work();
-    b.full = detail::PageArray<ParamT>();
+    params_.give(b.full);
   }
 
   /// Unit `u`'s gradients end to end, for the backward to add into: zeros when first asked for
@@ -256,8 +287,8 @@ class FullyShardedAverager : public Joinable {
     Block& b = at(u, "grad");
     finish(b);
     if (b.full_grad.empty())
-      b.full_grad = detail::PageArray<ReduceT>(b.block * static_cast<std::size_t>(comm_->size()),
-                                               comm_->rank(), "a unit's gradients");
+      b.full_grad = grads_.take(b.block * static_cast<std::size_t>(comm_->size()), comm_->rank(),
+                                "a unit's gradients", true);
     return std::span<ReduceT>(b.full_grad.data(), b.elements);
   }
 
@@ -288,6 +319,14 @@ class FullyShardedAverager : public Joinable {
           full, std::span<ReduceT>(b.reduced_block.data(), b.block), op);
     }
     b.reduced = true;
+  }
+
+  /// Returns the buffers of released units and reduced gradients that are kept for the next
+  /// ones (at most two of each: the peak is the same with them) to the system, e.g. before a
+  /// phase that needs the memory for something else.
+  void trim() noexcept {
+    params_.clear();
+    grads_.clear();
   }
 
   /// Waits for every reduce(): the shard's gradients then hold the averages.
@@ -371,6 +410,7 @@ class FullyShardedAverager : public Joinable {
                    ": FullyShardedAverager::gather_to: root ", root, " outside the world of ",
                    comm_->size());
     const bool here = comm_->rank() == root;
+    trim();  // the kept buffers go, so that the export's buffer does not add to the peak
     for (std::size_t u = 0; u < blocks_.size(); ++u) {
       const Block& b = blocks_[u];
       const detail::PageArray<T> full(here ? b.block * static_cast<std::size_t>(comm_->size()) : 0,
@@ -472,18 +512,19 @@ class FullyShardedAverager : public Joinable {
       release(u);
       finish(blocks_[u]);
       blocks_[u].full_grad = detail::PageArray<ReduceT>();
+      trim();
     }
     detail::restore_shard(*comm_, *ck, where, shard(), layout(), false, "FullyShardedAverager");
     return ck;
   }
 
   /// Waits for `b`'s reduce, if any, and frees its full gradients.
-  static void finish(Block& b) {
+  void finish(Block& b) {
     if (!b.reduced) return;
     b.reducing.wait();
     b.reducing = Work();
     b.reduced = false;
-    b.full_grad = detail::PageArray<ReduceT>();
+    grads_.give(b.full_grad);
     if constexpr (!std::is_same_v<ReduceT, T>) {
       for (std::size_t k = 0; k < b.block; ++k)
         b.grad[k] = detail::convert_value<T>(b.reduced_block.data()[k]);
@@ -526,6 +567,8 @@ class FullyShardedAverager : public Joinable {
 
   Communicator<Backend>* comm_;
   std::vector<Block> blocks_;
+  detail::PageCache<ParamT> params_;  // freed gathered units, for the next gathers
+  detail::PageCache<ReduceT> grads_;  // freed full gradients, for the next units' backward
   std::function<void(std::vector<ShardSlice<T>>)> join_update_;
   std::vector<Op> trace_;  // in a Join: this rank's collectives of its current (last) step
   bool join_ = false;

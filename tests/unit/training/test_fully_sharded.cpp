@@ -226,6 +226,7 @@ void train_against_gradient_averager(mp::Comm& comm, const Phase& ph) {
     whole_update(whole, whole_opt);
 
     sharded_step(fsdp, opt, comm.rank(), step);
+    if (step % 3 == 1) fsdp.trim();  // the kept buffers go; the next step maps new ones
   }
   const auto differs = [&](std::span<const float> got, const std::vector<float>& want) {
     double worst = 0;
