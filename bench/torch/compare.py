@@ -25,9 +25,10 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def ms_per_step(cmd, env, tries=3, timeout=180):
-    """One run's ms/step. A run that hangs (PyTorch's gloo rendezvous does, now and then, on this
-    VM) is killed with its whole process group after `timeout` s and retried."""
+def run_output(cmd, env, tries=3, timeout=180, wanted=r"ms/step ([0-9.]+)"):
+    """One run's stdout, which must match `wanted`. A run that hangs (PyTorch's gloo rendezvous
+    does, now and then, on this VM) is killed with its whole process group after `timeout` s and
+    retried."""
     for attempt in range(tries):
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              start_new_session=True)
@@ -38,11 +39,16 @@ def ms_per_step(cmd, env, tries=3, timeout=180):
             p.communicate()
             print(f"  (timed out, retrying: {' '.join(cmd)})", file=sys.stderr, flush=True)
             continue
-        m = re.search(r"ms/step ([0-9.]+)", out)
-        if p.returncode != 0 or not m:
-            sys.exit(f"{' '.join(cmd)} failed ({p.returncode}):\n{out}\n{err}")
-        return float(m.group(1))
+        if p.returncode != 0 or not re.search(wanted, out):
+            sys.exit(f"{' '.join(cmd)} failed ({p.returncode}):\n{out}\n{err[-3000:]}")
+        return out
     sys.exit(f"{' '.join(cmd)} timed out {tries} times")
+
+
+def ms_per_step(cmd, env, tries=3, timeout=180):
+    """One run's ms/step (see run_output)."""
+    out = run_output(cmd, env, tries, timeout)
+    return float(re.search(r"ms/step ([0-9.]+)", out).group(1))
 
 
 def main():

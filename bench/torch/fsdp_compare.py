@@ -17,33 +17,20 @@ given, into --build.
 import argparse
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from compare import run_output  # noqa: E402
 
 
-def run(cmd, env, tries=3, timeout=300):
-    """One run's (ms/step, peak MiB). A run that hangs (gloo's rendezvous does, now and then, on
-    this VM) is killed with its whole process group after `timeout` s and retried."""
-    for _ in range(tries):
-        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, start_new_session=True)
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.communicate()
-            print(f"  (timed out, retrying: {' '.join(cmd)})", file=sys.stderr, flush=True)
-            continue
-        ms = re.search(r"ms/step ([0-9.]+)", out)
-        mib = re.search(r"peak MiB ([0-9.]+)", out)
-        if p.returncode != 0 or not ms or not mib:
-            sys.exit(f"{' '.join(cmd)} failed ({p.returncode}):\n{out}\n{err[-3000:]}")
-        return float(ms.group(1)), float(mib.group(1))
-    sys.exit(f"{' '.join(cmd)} timed out {tries} times")
+def run(cmd, env):
+    """One run's (ms/step, peak MiB)."""
+    out = run_output(cmd, env, timeout=300, wanted=r"ms/step [0-9.]+\npeak MiB [0-9.]+")
+    ms, mib = re.search(r"ms/step ([0-9.]+)\npeak MiB ([0-9.]+)", out).groups()
+    return float(ms), float(mib)
 
 
 def build(python, where):
