@@ -15,6 +15,7 @@
 /// find_package(Torch) and ${TORCH_LIBRARIES}); only the adapters depend on it.
 
 #include "ddp/adapters/torch_checkpoint.hpp"
+#include "ddp/adapters/torch_fully_sharded.hpp"
 #include "ddp/adapters/torch_shard_checkpoint.hpp"
 #include "ddp/adapters/torch_tensor.hpp"
 #include "ddp/adapters/torch_training.hpp"

@@ -3,10 +3,11 @@
 #pragma once
 
 /// \file
-/// A ShardedAverager's shard of a torch optimizer's state in checkpoints (part of the torch
-/// adapter; included by ddp/adapters/torch.hpp): with ZeRO-1 through TorchShard, the optimizer's
-/// state for this rank's shard goes into sharded sections (Checkpoint::put_sharded over the
-/// averager's layout()), so that a set saved by P ranks loads on any number of them, bitwise:
+/// A ShardedAverager's (or FullyShardedAverager's) shard of a torch optimizer's state in
+/// checkpoints (part of the torch adapter; included by ddp/adapters/torch.hpp): with ZeRO-1 through
+/// TorchShard, the optimizer's state for this rank's shard goes into sharded sections
+/// (Checkpoint::put_sharded over the averager's layout()), so that a set saved by P ranks loads on
+/// any number of them, bitwise:
 ///
 ///     ddp::Checkpoint state;
 ///     ddp::put_optimizer(state, "adam", opt, shard);      // the shard's moments and step
@@ -36,6 +37,7 @@
 
 #include <algorithm>
 #include <array>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -43,6 +45,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -113,6 +116,18 @@ inline void check_over_shard(const torch::optim::Optimizer& opt,
                  mine.size(), " parameters, the shard ", shard.size(), " tensors)");
 }
 
+/// A shard of a model as tensors for torch's optimizers: TorchShard (over a ShardedAverager) or
+/// TorchFullyShard (over a FullyShardedAverager).
+template <class S>
+concept tensor_shard = requires(const S& s) {
+  { s.parameters() } -> std::convertible_to<const std::vector<at::Tensor>&>;
+  { s.averager().layout() } -> std::convertible_to<ShardLayout>;
+  typename std::remove_cvref_t<decltype(s.averager())>::value_type;
+};
+template <class S>
+using shard_value_t =
+    typename std::remove_cvref_t<decltype(std::declval<const S&>().averager())>::value_type;
+
 }  // namespace torch_detail
 
 /// Sections "<name>.<field>" hold the state of `opt` (an optimizer over shard.parameters()) for
@@ -125,10 +140,10 @@ inline void check_over_shard(const torch::optim::Optimizer& opt,
 /// ShardMirror). Errc::invalid_argument, nothing put, for another kind of optimizer, one that is
 /// not over shard.parameters(), or state that differs between the shard's tensors (a step count,
 /// a kind of state that some have and others have not).
-template <class Zero>
+template <torch_detail::tensor_shard Shard>
 Checkpoint& put_optimizer(Checkpoint& ck, std::string_view name, const torch::optim::Optimizer& opt,
-                          const TorchShard<Zero>& shard) {
-  using T = typename Zero::value_type;
+                          const Shard& shard) {
+  using T = torch_detail::shard_value_t<Shard>;
   const auto what = detail::concat("put_optimizer(\"", name.substr(0, 40), "\")");
   const std::string section = torch_detail::sharded_optimizer_section(name);
   torch_detail::check_names(
@@ -196,10 +211,10 @@ Checkpoint& put_optimizer(Checkpoint& ck, std::string_view name, const torch::op
 /// another kind of optimizer's state, state cut for another shard (a checkpoint not loaded
 /// through this averager), another number of parameter groups, or no such optimizer, or when
 /// `opt` is not over shard.parameters().
-template <class Zero>
+template <torch_detail::tensor_shard Shard>
 void get_optimizer(const Checkpoint& ck, std::string_view name, torch::optim::Optimizer& opt,
-                   const TorchShard<Zero>& shard) {
-  using T = typename Zero::value_type;
+                   const Shard& shard) {
+  using T = torch_detail::shard_value_t<Shard>;
   using Described = std::pair<std::vector<std::string>, std::vector<double>>;
   const auto what = detail::concat("get_optimizer(\"", name.substr(0, 40), "\")");
   const std::string section = torch_detail::sharded_optimizer_section(name);

@@ -181,6 +181,8 @@ class FullyShardedAverager : public Joinable {
  public:
   /// A unit: its parameters' element counts, in the order the program lays them end to end.
   using Unit = std::vector<std::size_t>;
+  /// The shard's element type.
+  using value_type = T;
   /// Fills `values` with the initial values of elements [offset, offset + values.size()) of
   /// parameter `param` (its index in unit `unit`): called for this rank's pieces only.
   using Init = std::function<void(std::size_t unit, std::size_t param, std::size_t offset,

@@ -16,6 +16,7 @@
 /// find_package(Torch) and ${TORCH_LIBRARIES}); only the adapters depend on it.
 
 #include "torch_checkpoint.hpp"
+#include "torch_fully_sharded.hpp"
 #include "torch_shard_checkpoint.hpp"
 #include "torch_tensor.hpp"
 #include "torch_training.hpp"

@@ -1,0 +1,449 @@
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+#pragma once
+
+/// \file
+/// Fully sharded libtorch modules (ZeRO-3, as PyTorch's FSDP2 `fully_shard`): ddp::TorchFullyShard
+/// over a FullyShardedAverager (part of the torch adapter; ddp/adapters/torch.hpp includes it).
+///
+/// The units are modules (a layer, a block; the root last, for the parameters no other unit
+/// takes): each parameter belongs to the smallest listed module that holds it. Between a unit's
+/// forwards a rank keeps 1/P of its parameters; the module's parameters have no elements then
+/// (their memory is freed):
+///
+///     ddp::TorchFullyShard fsdp(comm, {net->fc1.ptr(), net->fc2.ptr(), net.ptr()});
+///     torch::optim::Adam opt(fsdp.parameters(), torch::optim::AdamOptions(1e-3));  // the shard
+///     for (...) {
+///       // in the model's forward, each unit's part runs inside fsdp.forward(unit, fn):
+///       auto h = fsdp.forward(0, [&] { return net->fc1(x); });
+///       auto y = fsdp.forward(1, [&] { return net->fc2(torch::relu(h)); });
+///       loss(y).backward();   // units gathered again and reduced as their backward runs
+///       fsdp.step(opt);       // opt.step() on the shard's averaged gradients
+///     }
+///
+/// forward(u, fn) gathers unit u (prefetched while the unit before it ran), points its module's
+/// parameters at the gathered values, starts gathering the next unit, runs fn(), and releases the
+/// unit again (Options::reshard_after_forward = false keeps it for the backward). A hook on each
+/// output that requires grad gathers the unit again just before its backward (prefetching the
+/// unit before it); autograd then adds the unit's gradients straight into the unit's gradient
+/// buffer, and once every parameter of the unit has its gradient (AccumulateGrad post hooks) the
+/// unit is released and reduce-scattered into the shard in the background, while the backward
+/// goes on with the units before it. The parameters saved for the backward (views such as a
+/// weight's transpose) share one storage per unit whose memory is swapped in at each gather, so
+/// autograd sees the values gathered again.
+///
+/// On backend::Host the averages are GradientAverager's bitwise, so with the same elementwise
+/// optimizer a run is bitwise a GradientAverager run. parameters() are 1-D tensors sharing the
+/// shard's slices (as TorchShard's): torch::optim keeps state for this rank's shard only.
+/// The shard starts as rank 0's parameters (as GradientAverager's); buffers (BatchNorm's
+/// statistics) stay whole on every rank and are not averaged.
+///
+/// Misuse: a unit's parameters that get gradients though the unit's outputs did not come out of
+/// forward(u, fn) (so that nothing gathered them for the backward) fail the backward with
+/// Errc::invalid_argument naming the unit; a parameter changed in size or replaced between
+/// forwards, with Errc::invalid_argument at the next forward; a torch error inside fn while other
+/// units are released (their parameters have no elements) comes back as Errc::invalid_argument
+/// naming those units and torch's message. Float parameters on the CPU.
+
+#include "ddp/adapters/torch_training.hpp"
+#include "ddp/communicator.hpp"
+#include "ddp/error.hpp"
+#include "ddp/training/fully_sharded.hpp"
+
+#include <ATen/Functions.h>
+#include <ATen/core/Tensor.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/Storage.h>
+#include <torch/nn/module.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <span>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// TorchFullyShard's options.
+struct TorchFullyShardOptions {
+  /// Release a unit after its forward (gathered again for its backward), as FSDP2's
+  /// reshard_after_forward; false keeps it gathered until its backward is done.
+  bool reshard_after_forward = true;
+  /// Gather the next unit in the background while one computes (forward and backward order).
+  bool prefetch = true;
+};
+
+/// libtorch modules fully sharded over a FullyShardedAverager (see the file comment).
+template <class Backend>
+class TorchFullyShard {
+ public:
+  using Averager = FullyShardedAverager<Backend, float>;
+  using Options = TorchFullyShardOptions;
+
+  /// Collective: shards the modules' parameters over the ranks (rank 0's values) and frees the
+  /// modules' own copies. Errc::invalid_argument for a module listed twice, a parameter that is
+  /// not a float CPU tensor, a unit without parameters; Errc::mismatch when the ranks' units
+  /// differ.
+  TorchFullyShard(Communicator<Backend>& comm,
+                  const std::vector<std::shared_ptr<torch::nn::Module>>& modules, Options o = {})
+      : comm_(&comm), opt_(o) {
+    assign(modules);
+    std::vector<std::vector<std::size_t>> sizes;
+    for (const Unit& un : units_) {
+      sizes.emplace_back();
+      for (const Param& p : un.params) sizes.back().push_back(p.numel);
+    }
+    fsdp_ = std::make_unique<Averager>(comm, sizes, nullptr);
+    scatter_from_root();
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      Unit& un = units_[u];
+      un.storage = c10::Storage(c10::Storage::use_byte_size_t(), 0,
+                                at::DataPtr(nullptr, at::Device(at::kCPU)), nullptr, false);
+      for (Param& p : un.params) {
+        if (!p.tensor.requires_grad()) continue;
+        // Made while the parameter has its shape: autograd checks gradients against it.
+        p.hook = parameter_traits<at::Tensor>::ready_hook(p.tensor, [this, u] { ready(u); });
+        ++un.trainable;
+      }
+      point(un, nullptr, 0);  // the module's own copy goes
+    }
+    for (const auto& s : fsdp_->shard()) {
+      shard_.push_back(wrap(s.value.data, s.value.size));
+      shard_grads_.push_back(wrap(s.grad.data, s.grad.size));
+    }
+  }
+
+  TorchFullyShard(const TorchFullyShard&) = delete;
+  TorchFullyShard& operator=(const TorchFullyShard&) = delete;
+
+  /// Runs unit `u`'s forward, fn(), with its parameters gathered (see the file comment); returns
+  /// what fn returns (a tensor, a vector or tuple of them, ...), hooked for the backward.
+  template <class F>
+  decltype(auto) forward(std::size_t u, F&& fn) {
+    Unit& un = at(u, "forward");
+    gather(u);
+    if (!un.forwarded) {
+      un.forwarded = true;
+      order_.push_back(u);
+    }
+    if (opt_.prefetch) {
+      const std::size_t next = next_in_forward(u);
+      if (next < units_.size() && !units_[next].forwarded) fsdp_->prefetch(next);
+    }
+    using R = decltype(std::forward<F>(fn)());
+    static_assert(!std::is_reference_v<R>, "TorchFullyShard::forward: fn returns by value");
+    auto out = call(u, std::forward<F>(fn));
+    bool hooked = false;
+    visit(out, [&](const at::Tensor& t) {
+      if (!t.defined() || !t.requires_grad()) return;
+      hooked = true;
+      t.register_hook([this, u](const at::Tensor&) { before_backward(u); });
+    });
+    if (!hooked || opt_.reshard_after_forward) release(u);
+    return out;
+  }
+
+  /// Waits for the units' reduces after backward(); a unit whose backward did not run (or not for
+  /// every parameter) is reduced here, in reverse order, with what it has (zeros when nothing):
+  /// the shard's gradients then hold the averages of every unit.
+  void synchronize() {
+    for (std::size_t k = units_.size(); k-- > 0;) {
+      Unit& un = units_[k];
+      if (un.reduced) continue;
+      if (!un.in_backward) (void)fsdp_->grad(k);
+      finish_backward(k);
+    }
+    fsdp_->synchronize();
+    for (Unit& un : units_) {
+      un.reduced = false;
+      un.forwarded = false;
+    }
+    if (!order_.empty()) last_order_ = order_;
+    order_.clear();
+  }
+
+  /// The shard as tensors for torch's optimizers (1-D, sharing its slices' values).
+  [[nodiscard]] const std::vector<at::Tensor>& parameters() const noexcept { return shard_; }
+
+  /// One step after backward(): synchronize(), then opt.step() on the shard's averaged gradients
+  /// (the shard's tensors' gradients pointed at them again, as opt.zero_grad() may drop them).
+  template <class Optimizer>
+  void step(Optimizer& opt) {
+    synchronize();
+    for (std::size_t j = 0; j < shard_.size(); ++j) shard_[j].mutable_grad() = shard_grads_[j];
+    opt.step();
+  }
+
+  /// The FullyShardedAverager underneath, between steps (every unit released): save/load
+  /// (sharded checkpoints at any world size, mirrors), gather_to, trim, shard(). The optimizer's
+  /// state goes with put_optimizer(ck, name, opt, fsdp) / get_optimizer(ck, name, opt, fsdp).
+  [[nodiscard]] Averager& averager() const noexcept { return *fsdp_; }
+  /// The number of units.
+  [[nodiscard]] std::size_t units() const noexcept { return units_.size(); }
+  /// Unit `u`'s parameters (the module's tensors; without elements while the unit is released).
+  [[nodiscard]] std::vector<at::Tensor> unit_parameters(std::size_t u) {
+    std::vector<at::Tensor> out;
+    for (const Param& p : at(u, "unit_parameters").params) out.push_back(p.tensor);
+    return out;
+  }
+
+ private:
+  struct Param {
+    at::Tensor tensor;                  // the module's parameter (the same TensorImpl)
+    std::vector<std::int64_t> sizes;    // its shape
+    std::size_t numel = 0, offset = 0;  // elements; where in the unit's values
+    std::string name;
+    std::shared_ptr<void> hook;  // the AccumulateGrad post hook (keeps the node alive)
+  };
+  struct Unit {
+    std::vector<Param> params;
+    std::size_t elements = 0;
+    c10::Storage storage;  // the gathered values (swapped in and out), shared by every view
+    int trainable = 0, pending = 0;
+    bool gathered = false, in_backward = false, reduced = false, forwarded = false;
+  };
+
+  /// Each parameter to the smallest listed module holding it.
+  void assign(const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
+    std::vector<std::vector<std::pair<std::string, at::Tensor>>> held(modules.size());
+    for (std::size_t u = 0; u < modules.size(); ++u) {
+      if (!modules[u])
+        detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": TorchFullyShard: unit ", u,
+                     " is a null module");
+      for (std::size_t v = 0; v < u; ++v)
+        if (modules[v] == modules[u])
+          detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": TorchFullyShard: unit ",
+                       u, " is the module of unit ", v, " again: list each module once");
+      for (const auto& item : modules[u]->named_parameters(true))
+        held[u].emplace_back(item.key(), item.value());
+    }
+    units_.resize(modules.size());
+    for (std::size_t u = 0; u < modules.size(); ++u) {
+      for (const auto& [name, t] : held[u]) {
+        std::size_t owner = u;  // the smallest module holding it (the first listed of those)
+        for (std::size_t v = 0; v < modules.size(); ++v)
+          if (v != owner && holds(held[v], t) &&
+              (held[v].size() < held[owner].size() ||
+               (held[v].size() == held[owner].size() && v < owner)))
+            owner = v;
+        if (owner != u) continue;
+        if (t.scalar_type() != at::kFloat || !t.device().is_cpu())
+          detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                       ": TorchFullyShard: parameter ", name, " of unit ", u,
+                       " is not a float tensor on the CPU");
+        Unit& un = units_[u];
+        Param p;
+        p.tensor = t;
+        p.sizes.assign(t.sizes().begin(), t.sizes().end());
+        p.numel = static_cast<std::size_t>(t.numel());
+        p.offset = un.elements;
+        p.name = name;
+        un.elements += p.numel;
+        un.params.push_back(std::move(p));
+      }
+      if (units_[u].elements == 0)
+        detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": TorchFullyShard: unit ", u,
+                     " has no parameters of its own (the smaller units listed took them all)");
+    }
+  }
+
+  static bool holds(const std::vector<std::pair<std::string, at::Tensor>>& h, const at::Tensor& t) {
+    for (const auto& [name, x] : h)
+      if (x.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) return true;
+    return false;
+  }
+
+  /// Rank 0's values into every rank's shard, a unit at a time (rank 0 lays out one unit).
+  void scatter_from_root() {
+    const auto p = static_cast<std::size_t>(comm_->size()),
+               r = static_cast<std::size_t>(comm_->rank());
+    std::vector<ShardSlice<float>> slices = fsdp_->shard();
+    std::size_t first_param = 0, s = 0;
+    for (Unit& un : units_) {
+      const std::size_t block = (un.elements + p - 1) / p;
+      std::vector<float> all(r == 0 ? block * p : 0), mine(block);
+      if (r == 0) {
+        at::NoGradGuard no_grad;
+        for (const Param& q : un.params) {
+          const at::Tensor c = q.tensor.detach().contiguous();
+          std::memcpy(all.data() + q.offset, c.data_ptr<float>(), q.numel * sizeof(float));
+        }
+      }
+      comm_->scatter(std::span<const float>(all), std::span<float>(mine), 0);
+      for (; s < slices.size() && slices[s].param < first_param + un.params.size(); ++s) {
+        const Param& q = un.params[slices[s].param - first_param];
+        std::memcpy(slices[s].value.data, mine.data() + (q.offset + slices[s].offset - r * block),
+                    slices[s].value.size * sizeof(float));
+      }
+      first_param += un.params.size();
+    }
+  }
+
+  /// Points unit `un`'s storage at `data` (its gathered values; nullptr: released) and its
+  /// parameters at their parts of it (no elements when released).
+  void point(Unit& un, float* data, std::size_t elements) {
+    at::NoGradGuard no_grad;
+    c10::StorageImpl* s = un.storage.unsafeGetStorageImpl();
+    s->set_data_ptr_noswap(data == nullptr
+                               ? at::DataPtr(nullptr, at::Device(at::kCPU))
+                               : at::DataPtr(data, data, &no_delete, at::Device(at::kCPU)));
+    s->set_nbytes(elements * sizeof(float));
+    const auto options = at::TensorOptions().dtype(at::kFloat).device(at::kCPU);
+    for (Param& q : un.params) {
+      if (data == nullptr) {
+        q.tensor.set_data(at::empty({0}, options));
+      } else {
+        at::Tensor v = at::empty({0}, options);
+        std::vector<std::int64_t> strides(q.sizes.size(), 1);
+        for (std::size_t d = q.sizes.size(); d-- > 1;) strides[d - 1] = strides[d] * q.sizes[d];
+        v.set_(un.storage, static_cast<std::int64_t>(q.offset), q.sizes, strides);
+        q.tensor.set_data(v);
+      }
+    }
+    un.gathered = data != nullptr;
+  }
+  static void no_delete(void*) {}
+
+  /// Unit u gathered, its parameters pointing at it; a parameter changed since is refused.
+  void gather(std::size_t u) {
+    Unit& un = units_[u];
+    if (un.gathered) return;
+    for (const Param& q : un.params)
+      if (q.tensor.numel() != 0)
+        detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                     ": TorchFullyShard: parameter ", q.name, " of unit ", u, " was given ",
+                     q.tensor.numel(),
+                     " elements while the unit was released (the shard holds its ", q.numel,
+                     "): a fully sharded parameter keeps its shape; make the TorchFullyShard "
+                     "again after changing the model");
+    const std::span<float> values = fsdp_->gather(u);
+    point(un, values.data(), values.size());
+  }
+
+  void release(std::size_t u) {
+    Unit& un = units_[u];
+    if (!un.gathered) return;
+    point(un, nullptr, 0);
+    fsdp_->release(u);
+  }
+
+  /// The unit after u in the last step's forward order (the next index before a step is done).
+  [[nodiscard]] std::size_t next_in_forward(std::size_t u) const {
+    for (std::size_t k = 0; k + 1 < last_order_.size(); ++k)
+      if (last_order_[k] == u) return last_order_[k + 1];
+    return last_order_.empty() ? u + 1 : units_.size();
+  }
+
+  /// From the hook on unit u's outputs: gathered again, autograd's gradients pointed at the
+  /// unit's gradient buffer, the unit before it (in this step's forward order) prefetched.
+  void before_backward(std::size_t u) {
+    Unit& un = units_[u];
+    if (un.in_backward) return;
+    if (un.reduced)
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": TorchFullyShard: unit ", u,
+                   "'s backward runs again before step(): its gradients were reduced into the "
+                   "shard already; run one backward per step");
+    gather(u);
+    const std::span<float> g = fsdp_->grad(u);
+    const auto options = at::TensorOptions().dtype(at::kFloat).device(at::kCPU);
+    for (Param& q : un.params)
+      q.tensor.mutable_grad() = at::from_blob(g.data() + q.offset, q.sizes, options);
+    un.in_backward = true;
+    un.pending = un.trainable;
+    if (!opt_.prefetch) return;
+    for (std::size_t k = order_.size(); k-- > 1;) {
+      if (order_[k] != u) continue;
+      const Unit& before = units_[order_[k - 1]];
+      if (!before.in_backward && !before.reduced) fsdp_->prefetch(order_[k - 1]);
+      break;
+    }
+  }
+
+  /// From an AccumulateGrad post hook of unit u: the unit is reduced once every parameter has
+  /// its gradient.
+  void ready(std::size_t u) {
+    Unit& un = units_[u];
+    if (!un.in_backward)
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": TorchFullyShard: unit ", u,
+                   "'s parameters got gradients, but no output of forward(", u,
+                   ", fn) led there, so the unit was not gathered for its backward: run the "
+                   "unit's module inside fsdp.forward(",
+                   u, ", fn) and return its outputs from fn");
+    if (--un.pending == 0) finish_backward(u);
+  }
+
+  void finish_backward(std::size_t u) {
+    Unit& un = units_[u];
+    release(u);
+    for (Param& q : un.params) q.tensor.mutable_grad() = at::Tensor();
+    fsdp_->reduce(u);
+    un.in_backward = false;
+    un.reduced = true;
+  }
+
+  /// fn(), a torch error in it named with the units released meanwhile.
+  template <class F>
+  auto call(std::size_t u, F&& fn) -> decltype(std::forward<F>(fn)()) {
+    try {
+      return std::forward<F>(fn)();
+    } catch (const c10::Error& e) {
+      std::string released;
+      for (std::size_t k = 0; k < units_.size(); ++k)
+        if (!units_[k].gathered) released += (released.empty() ? "" : ", ") + std::to_string(k);
+      if (released.empty()) throw;
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": TorchFullyShard: unit ", u,
+                   "'s forward failed: ", e.what_without_backtrace(), " (units ", released,
+                   " are released: their parameters have no elements; a unit's parameters are "
+                   "there only inside fsdp.forward(unit, fn))");
+    }
+  }
+
+  /// Calls f on every tensor in x (a tensor, a vector, a tuple or pair of them).
+  template <class X, class G>
+  static void visit(const X& x, G&& f) {
+    if constexpr (std::is_convertible_v<const X&, const at::Tensor&>) {
+      f(x);
+    } else if constexpr (requires {
+                           x.begin();
+                           x.end();
+                         }) {
+      for (const auto& e : x) visit(e, f);
+    } else if constexpr (requires { std::tuple_size<X>::value; }) {
+      std::apply([&](const auto&... e) { (visit(e, f), ...); }, x);
+    }
+  }
+
+  static at::Tensor wrap(float* data, std::size_t n) {
+    return at::from_blob(data, {static_cast<std::int64_t>(n)},
+                         at::TensorOptions().dtype(at::kFloat).device(at::kCPU));
+  }
+
+  Unit& at(std::size_t u, const char* what) {
+    if (u >= units_.size())
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": TorchFullyShard::", what,
+                   ": unit ", u, " of ", units_.size());
+    return units_[u];
+  }
+
+  Communicator<Backend>* comm_;
+  Options opt_;
+  std::vector<Unit> units_;
+  std::unique_ptr<Averager> fsdp_;
+  std::vector<at::Tensor> shard_, shard_grads_;
+  std::vector<std::size_t> order_, last_order_;  // units in forward order: this step's, the last
+};
+
+template <class Backend>
+TorchFullyShard(Communicator<Backend>&, const std::vector<std::shared_ptr<torch::nn::Module>>&)
+    -> TorchFullyShard<Backend>;
+template <class Backend>
+TorchFullyShard(Communicator<Backend>&, const std::vector<std::shared_ptr<torch::nn::Module>>&,
+                TorchFullyShardOptions) -> TorchFullyShard<Backend>;
+
+DDP_END_NAMESPACE
