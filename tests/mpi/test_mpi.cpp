@@ -9,6 +9,8 @@
 #include "../unit/collective_cases.hpp"
 
 #include <ddp/backend/mpi.hpp>
+#include <ddp/training/fully_sharded.hpp>
+#include <ddp/training/join.hpp>
 #include <ddp/training/sharded.hpp>
 
 #include <mpi.h>
@@ -309,6 +311,118 @@ TEST_CASE("ShardedAverager on backend::Mpi: momentum SGD equals GradientAverager
     MP_EXPECT(state == zero.shard_size() &&
                   state <= zero.total_size() / static_cast<std::size_t>(p) + zero.buckets().size(),
               "momentum for " << state << " of " << zero.total_size() << " elements");
+  });
+}
+
+TEST_CASE(
+    "FullyShardedAverager on backend::Mpi: units gathered, prefetched and reduce-scattered, "
+    "momentum SGD equals GradientAverager's; a Join's finished ranks keep their shards current") {
+  on_world([](Mpi& comm) {
+    const int r = comm.rank();
+    const std::vector<std::vector<std::size_t>> units{{37, 1001}, {3, 129, 1}, {50002, 64}};
+    const auto initial = [](std::size_t u, std::size_t i, std::size_t k) {
+      return 0.5f * std::sin(0.3f * static_cast<float>(k) + static_cast<float>(7 * u + i));
+    };
+    // The gradient of element k of parameter i of unit u, given its value.
+    const auto gradient = [&](std::size_t u, std::size_t i, std::size_t k, float v, int step) {
+      return v - std::cos(0.01f * static_cast<float>(k) + static_cast<float>(3 * u + i) + static_cast<float>(r + step));
+    };
+    std::vector<Param> full;
+    for (std::size_t u = 0; u < units.size(); ++u)
+      for (std::size_t i = 0; i < units[u].size(); ++i) {
+        Param prm{std::vector<float>(units[u][i]), std::vector<float>(units[u][i])};
+        for (std::size_t k = 0; k < prm.value.size(); ++k) prm.value[k] = initial(u, i, k);
+        full.push_back(std::move(prm));
+      }
+    ddp::GradientAverager avg(comm, full);
+    ddp::FullyShardedAverager fsdp(
+        comm, units, [&](std::size_t u, std::size_t i, std::size_t offset, std::span<float> v) {
+          for (std::size_t k = 0; k < v.size(); ++k) v[k] = initial(u, i, offset + k);
+        });
+    std::vector<std::vector<float>> mom_full, mom;
+    for (auto& prm : full) mom_full.emplace_back(prm.value.size(), 0.0f);
+    for (auto& sl : fsdp.shard()) mom.emplace_back(sl.value.size, 0.0f);
+    const auto sgd = [&](std::span<ddp::ShardSlice<float>> shard) {
+      for (std::size_t j = 0; j < shard.size(); ++j)
+        for (std::size_t i = 0; i < shard[j].value.size; ++i) {
+          mom[j][i] = 0.9f * mom[j][i] + shard[j].grad.data[i];
+          shard[j].value.data[i] -= 0.1f * mom[j][i];
+        }
+    };
+    for (int step = 0; step < 8; ++step) {
+      std::size_t j = 0;
+      for (std::size_t u = 0; u < units.size(); ++u)
+        for (std::size_t i = 0; i < units[u].size(); ++i, ++j)
+          for (std::size_t k = 0; k < full[j].value.size(); ++k)
+            full[j].grad[k] = gradient(u, i, k, full[j].value[k], step);
+      avg.average();
+      for (std::size_t q = 0; q < full.size(); ++q)
+        for (std::size_t k = 0; k < full[q].value.size(); ++k) {
+          mom_full[q][k] = 0.9f * mom_full[q][k] + full[q].grad[k];
+          full[q].value[k] -= 0.1f * mom_full[q][k];
+        }
+      fsdp.prefetch(units.size() - 1);
+      for (std::size_t u = units.size(); u-- > 0;) {  // the backward: last unit first
+        const std::span<float> w = fsdp.gather(u);
+        if (u > 0) fsdp.prefetch(u - 1);
+        const std::span<float> g = fsdp.grad(u);
+        std::size_t at = 0;
+        for (std::size_t i = 0; i < units[u].size(); ++i)
+          for (std::size_t k = 0; k < units[u][i]; ++k, ++at)
+            g[at] += gradient(u, i, k, w[at], step);
+        fsdp.release(u);
+        fsdp.reduce(u);
+      }
+      fsdp.synchronize();
+      auto shard = fsdp.shard();
+      sgd(shard);
+    }
+    std::size_t q = 0;
+    fsdp.gather_to(0, [&](std::size_t, std::size_t, std::span<const float> v) {
+      for (std::size_t k = 0; k < v.size(); ++k) {
+        const float a = v[k], b = full[q].value[k];
+        MP_EXPECT(std::abs(a - b) <= 1e-5f * std::max(1e-2f, std::abs(b)),
+                  "parameter " << q << "[" << k << "]: " << a << " vs " << b);
+      }
+      ++q;
+    });
+    MP_EXPECT(r != 0 || q == full.size(), "gather_to handed " << q << " parameters");
+    // Uneven inputs: rank r trains 1 + r steps; the finished ranks answer the others' steps.
+    fsdp.on_join_step([&](std::vector<ddp::ShardSlice<float>> shard) { sgd(shard); });
+    {
+      ddp::Join join(comm, {&fsdp});
+      for (int step = 0; step < 1 + r; ++step) {
+        (void)join.step();
+        for (std::size_t u = units.size(); u-- > 0;) {
+          const std::span<float> w = fsdp.gather(u);
+          const std::span<float> g = fsdp.grad(u);
+          for (std::size_t k = 0; k < g.size(); ++k) g[k] += w[k];
+          fsdp.release(u);
+          fsdp.reduce(u);
+        }
+        fsdp.synchronize();
+        auto shard = fsdp.shard();
+        sgd(shard);
+      }
+      join.finish();
+    }
+    // Every gradient was the value itself (the same on every rank): comm.size() steps of it on
+    // the whole model, which the finished ranks' shards must have followed too.
+    for (int step = 0; step < comm.size(); ++step)
+      for (std::size_t j = 0; j < full.size(); ++j)
+        for (std::size_t k = 0; k < full[j].value.size(); ++k) {
+          mom_full[j][k] = 0.9f * mom_full[j][k] + full[j].value[k];
+          full[j].value[k] -= 0.1f * mom_full[j][k];
+        }
+    q = 0;
+    fsdp.gather_to(0, [&](std::size_t, std::size_t, std::span<const float> v) {
+      for (std::size_t k = 0; k < v.size(); ++k) {
+        const float x = v[k], y = full[q].value[k];
+        MP_EXPECT(std::abs(x - y) <= 1e-4f * std::max(1e-2f, std::abs(y)),
+                  "after the Join, parameter " << q << "[" << k << "]: " << x << " vs " << y);
+      }
+      ++q;
+    });
   });
 }
 
