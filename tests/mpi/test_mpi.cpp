@@ -325,7 +325,8 @@ TEST_CASE(
     };
     // The gradient of element k of parameter i of unit u, given its value.
     const auto gradient = [&](std::size_t u, std::size_t i, std::size_t k, float v, int step) {
-      return v - std::cos(0.01f * static_cast<float>(k) + static_cast<float>(3 * u + i) + static_cast<float>(r + step));
+      return v - std::cos(0.01f * static_cast<float>(k) + static_cast<float>(3 * u + i) +
+                          static_cast<float>(r + step));
     };
     std::vector<Param> full;
     for (std::size_t u = 0; u < units.size(); ++u)

@@ -120,6 +120,17 @@ class TorchFullyShard {
 
   TorchFullyShard(const TorchFullyShard&) = delete;
   TorchFullyShard& operator=(const TorchFullyShard&) = delete;
+  /// The modules' parameters are left without elements (none points at freed memory): export
+  /// the model first (averager().gather_to). A backward through its forwards must end before.
+  ~TorchFullyShard() {
+    for (Unit& un : units_) {
+      try {
+        point(un, nullptr, 0);
+        for (Param& q : un.params) q.tensor.mutable_grad() = at::Tensor();
+      } catch (...) {  // leaving anyway
+      }
+    }
+  }
 
   /// Runs unit `u`'s forward, fn(), with its parameters gathered (see the file comment); returns
   /// what fn returns (a tensor, a vector or tuple of them, ...), hooked for the backward.
@@ -159,9 +170,10 @@ class TorchFullyShard {
       finish_backward(k);
     }
     fsdp_->synchronize();
-    for (Unit& un : units_) {
-      un.reduced = false;
-      un.forwarded = false;
+    for (std::size_t k = 0; k < units_.size(); ++k) {
+      units_[k].reduced = false;
+      units_[k].forwarded = false;
+      fsdp_->release(k);  // a unit prefetched but not used this step (stale after the update)
     }
     if (!order_.empty()) last_order_ = order_;
     order_.clear();
