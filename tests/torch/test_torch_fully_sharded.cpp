@@ -131,6 +131,7 @@ torch::Tensor sharded(Comm& comm, bool adam, int steps, ddp::TorchFullyShardOpti
     const auto [x, y] = data(comm.rank(), k);
     torch::mse_loss(net->forward(f, x, skip && k % 3 == 1), y).backward();
     f.synchronize();
+    if (k % 2 == 0) f.synchronize();  // again: nothing more (the averages stay)
     std::vector<std::pair<float*, const float*>> xs;
     std::vector<std::size_t> n;
     for (const auto& s : f.averager().shard()) {
@@ -302,6 +303,47 @@ TEST_CASE(
   mp::run(3, ddp::HostTransport::shm, [&](Comm& comm) { resume(comm, again, ""); });
 }
 
+TEST_CASE(
+    "TorchFullyShard: a unit with a frozen layer before a trainable one trains; the frozen "
+    "parameters stay as they were, with weight decay") {
+  mp::run(2, ddp::HostTransport::shm, [](Comm& comm) {
+    torch::set_num_threads(1);
+    torch::manual_seed(3);
+    torch::nn::Linear first(8, 16), q(16, 16), last(16, 4);
+    torch::nn::Sequential block(q, last);
+    for (auto& p : q->parameters()) p.set_requires_grad(false);
+    const auto frozen = q->weight.detach().clone(), trained = last->weight.detach().clone();
+    Fsdp f(comm, {first.ptr(), block.ptr()});
+    torch::optim::SGD opt(f.parameters(), torch::optim::SGDOptions(0.1).weight_decay(0.5));
+    for (int k = 0; k < 4; ++k) {
+      const auto [x, y] = data(comm.rank(), k);
+      opt.zero_grad();
+      auto h = f.forward(0, [&] { return first(x); });
+      const auto loss = torch::mse_loss(f.forward(1, [&] { return block->forward(h); }), y);
+      loss.backward();  // Q's backward needs its weight after P's gradients are reduced
+      f.step(opt);
+    }
+    std::vector<torch::Tensor> params;
+    f.averager().gather_to(0, [&](std::size_t, std::size_t, std::span<const float> v) {
+      params.push_back(
+          torch::from_blob(const_cast<float*>(v.data()), {static_cast<std::int64_t>(v.size())})
+              .clone());
+    });
+    if (comm.rank() == 0) {  // unit 1: Q's weight, Q's bias, P's weight, P's bias
+      MP_EXPECT(params.size() == 6, params.size());
+      MP_EXPECT(bitwise(params[2], frozen.flatten()), "the frozen weight moved");
+      MP_EXPECT(!bitwise(params[4], trained.flatten()), "the trainable weight did not move");
+    }
+    // Freezing after construction is refused at the next backward.
+    for (auto& p : last->parameters()) p.set_requires_grad(false);
+    const auto [x, y] = data(comm.rank(), 9);
+    auto h = f.forward(0, [&] { return first(x); });
+    const auto out = f.forward(1, [&] { return block->forward(h); });
+    mp::expect_refused(comm, "a parameter frozen after construction", "was frozen after",
+                       [&] { torch::mse_loss(out, y).backward(); });
+  });
+}
+
 TEST_CASE("TorchFullyShard: what a user gets wrong is refused, naming the unit") {
   mp::run(2, ddp::HostTransport::shm, [](Comm& comm) {
     torch::set_num_threads(1);
@@ -352,6 +394,23 @@ TEST_CASE("TorchFullyShard: what a user gets wrong is refused, naming the unit")
       torch::mse_loss(net->forward(f, x), y).backward();
       mp::expect_refused(comm, "a second backward before step()", "runs again before step()",
                          [&] { torch::mse_loss(net->forward(f, x), y).backward(); });
+    }
+    {
+      Deep net;
+      Fsdp f(comm, net->units());
+      mp::expect_refused(comm, "a view of the unit's parameters returned",
+                         "returned a view of its own parameters",
+                         [&] { (void)f.forward(0, [&] { return net->fc1->weight.t(); }); });
+      torch::optim::SGD whole_opt(net->parameters(), torch::optim::SGDOptions(0.1));
+      mp::expect_refused(comm, "an optimizer over the module's parameters",
+                         "make it over fsdp.parameters()", [&] { f.step(whole_opt); });
+    }
+    {
+      Deep net;
+      Fsdp f(comm, net->units());
+      const auto loss = torch::mse_loss(net->forward(f, x), y);
+      mp::expect_refused(comm, "a backward with create_graph", "create_graph",
+                         [&] { loss.backward({}, true, true); });
     }
     {
       Deep net;

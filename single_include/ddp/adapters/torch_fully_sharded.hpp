@@ -41,10 +41,17 @@
 ///
 /// Misuse: a unit's parameters that get gradients though the unit's outputs did not come out of
 /// forward(u, fn) (so that nothing gathered them for the backward) fail the backward with
-/// Errc::invalid_argument naming the unit; a parameter changed in size or replaced between
-/// forwards, with Errc::invalid_argument at the next forward; a torch error inside fn while other
-/// units are released (their parameters have no elements) comes back as Errc::invalid_argument
-/// naming those units and torch's message. Float parameters on the CPU.
+/// Errc::invalid_argument naming the unit; so do a parameter changed in size between forwards
+/// or frozen / unfrozen after construction, a view of a unit's own parameters returned from its
+/// fn (return a copy), a backward with create_graph, a second backward before step(), and a
+/// torch optimizer given to step() over other tensors than parameters(). A torch error inside fn
+/// while other units are released (their parameters have no elements) comes back as
+/// Errc::invalid_argument naming those units and torch's message. A module run outside forward()
+/// sees its parameters without elements (torch's own error); a parameter replaced by another
+/// tensor (module->weight = t) is not seen. Frozen parameters (requires_grad false) are sharded
+/// too; their shard tensors get no gradient, so torch's optimizers leave them alone. A unit's
+/// parameters stay gathered after its gradients are reduced until the backward reaches a unit
+/// that ran before it in the forward. Float parameters on the CPU; one backward per step.
 
 #include "torch_training.hpp"
 #include "../ddp.hpp"
@@ -104,17 +111,22 @@ class TorchFullyShard {
       Unit& un = units_[u];
       un.storage = c10::Storage(c10::Storage::use_byte_size_t(), 0,
                                 at::DataPtr(nullptr, at::Device(at::kCPU)), nullptr, false);
-      for (Param& p : un.params) {
-        if (!p.tensor.requires_grad()) continue;
+      for (std::size_t i = 0; i < un.params.size(); ++i) {
+        Param& p = un.params[i];
+        p.trainable = p.tensor.requires_grad();
+        if (!p.trainable) continue;
         // Made while the parameter has its shape: autograd checks gradients against it.
-        p.hook = parameter_traits<at::Tensor>::ready_hook(p.tensor, [this, u] { ready(u); });
+        p.hook = parameter_traits<at::Tensor>::ready_hook(p.tensor, [this, u, i] { ready(u, i); });
         ++un.trainable;
       }
       point(un, nullptr, 0);  // the module's own copy goes
     }
+    std::vector<bool> trainable;
+    for (const Unit& un : units_)
+      for (const Param& p : un.params) trainable.push_back(p.trainable);
     for (const auto& s : fsdp_->shard()) {
       shard_.push_back(wrap(s.value.data, s.value.size));
-      shard_grads_.push_back(wrap(s.grad.data, s.grad.size));
+      shard_grads_.push_back(trainable[s.param] ? wrap(s.grad.data, s.grad.size) : at::Tensor());
     }
   }
 
@@ -123,6 +135,7 @@ class TorchFullyShard {
   /// The modules' parameters are left without elements (none points at freed memory): export
   /// the model first (averager().gather_to). A backward through its forwards must end before.
   ~TorchFullyShard() {
+    *alive_ = false;
     for (Unit& un : units_) {
       try {
         point(un, nullptr, 0);
@@ -149,11 +162,24 @@ class TorchFullyShard {
     using R = decltype(std::forward<F>(fn)());
     static_assert(!std::is_reference_v<R>, "TorchFullyShard::forward: fn returns by value");
     auto out = call(u, std::forward<F>(fn));
+    synced_ = false;
     bool hooked = false;
     visit(out, [&](const at::Tensor& t) {
-      if (!t.defined() || !t.requires_grad()) return;
+      if (!t.defined()) return;
+      if (t.has_storage() &&
+          t.storage().unsafeGetStorageImpl() == un.storage.unsafeGetStorageImpl())
+        detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": TorchFullyShard: unit ", u,
+                     "'s forward returned a view of its own parameters, whose memory goes when "
+                     "the unit is released: return a copy (.clone())");
+      if (!t.requires_grad()) return;
       hooked = true;
-      t.register_hook([this, u](const at::Tensor&) { before_backward(u); });
+      t.register_hook([this, u, alive = std::weak_ptr<bool>(alive_)](const at::Tensor&) {
+        const auto a = alive.lock();
+        if (!a || !*a)
+          detail::fail(Errc::invalid_argument, "TorchFullyShard: a backward through unit ", u,
+                       "'s forward ran after the TorchFullyShard was destroyed");
+        before_backward(u);
+      });
     });
     if (!hooked || opt_.reshard_after_forward) release(u);
     return out;
@@ -163,6 +189,7 @@ class TorchFullyShard {
   /// every parameter) is reduced here, in reverse order, with what it has (zeros when nothing):
   /// the shard's gradients then hold the averages of every unit.
   void synchronize() {
+    if (synced_) return;  // again before the next forward: the averages are there already
     for (std::size_t k = units_.size(); k-- > 0;) {
       Unit& un = units_[k];
       if (un.reduced) continue;
@@ -173,21 +200,39 @@ class TorchFullyShard {
     for (std::size_t k = 0; k < units_.size(); ++k) {
       units_[k].reduced = false;
       units_[k].forwarded = false;
+      release(k);
       fsdp_->release(k);  // a unit prefetched but not used this step (stale after the update)
     }
     if (!order_.empty()) last_order_ = order_;
     order_.clear();
+    backward_.clear();
+    // The shard's tensors' gradients: the averages (none for frozen parameters, which torch's
+    // optimizers then leave alone); opt.zero_grad() may have dropped them since the last step.
+    for (std::size_t j = 0; j < shard_.size(); ++j) shard_[j].mutable_grad() = shard_grads_[j];
+    synced_ = true;
   }
 
-  /// The shard as tensors for torch's optimizers (1-D, sharing its slices' values).
+  /// The shard as tensors for torch's optimizers (1-D, sharing its slices' values); after
+  /// synchronize() their gradients are the averages (undefined for frozen parameters).
   [[nodiscard]] const std::vector<at::Tensor>& parameters() const noexcept { return shard_; }
 
-  /// One step after backward(): synchronize(), then opt.step() on the shard's averaged gradients
-  /// (the shard's tensors' gradients pointed at them again, as opt.zero_grad() may drop them).
+  /// One step after backward(): synchronize(), then opt.step() on the shard's averaged
+  /// gradients. Errc::invalid_argument, before anything is averaged, for a torch optimizer over
+  /// other tensors than parameters() (the module's own parameters have no elements).
   template <class Optimizer>
   void step(Optimizer& opt) {
+    if constexpr (std::is_base_of_v<torch::optim::Optimizer, Optimizer>) {
+      for (const auto& g : opt.param_groups())
+        for (const auto& p : g.params()) {
+          bool mine = false;
+          for (const at::Tensor& t : shard_) mine = mine || t.is_same(p);
+          if (!mine)
+            detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                         ": TorchFullyShard::step: the optimizer holds a tensor that is not the "
+                         "shard's: make it over fsdp.parameters()");
+        }
+    }
     synchronize();
-    for (std::size_t j = 0; j < shard_.size(); ++j) shard_[j].mutable_grad() = shard_grads_[j];
     opt.step();
   }
 
@@ -211,6 +256,7 @@ class TorchFullyShard {
     std::size_t numel = 0, offset = 0;  // elements; where in the unit's values
     std::string name;
     std::shared_ptr<void> hook;  // the AccumulateGrad post hook (keeps the node alive)
+    bool trainable = false;      // requires_grad when the TorchFullyShard was made
   };
   struct Unit {
     std::vector<Param> params;
@@ -218,6 +264,7 @@ class TorchFullyShard {
     c10::Storage storage;  // the gathered values (swapped in and out), shared by every view
     int trainable = 0, pending = 0;
     bool gathered = false, in_backward = false, reduced = false, forwarded = false;
+    float* grads = nullptr;  // its gradient buffer during its backward
   };
 
   /// Each parameter to the smallest listed module holding it.
@@ -359,14 +406,35 @@ class TorchFullyShard {
     if (un.reduced)
       detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": TorchFullyShard: unit ", u,
                    "'s backward runs again before step(): its gradients were reduced into the "
-                   "shard already; run one backward per step");
+                   "shard already; call fsdp.step(opt) (or fsdp.synchronize()) after each "
+                   "backward, one backward per step");
+    for (const Param& q : un.params)
+      if (q.tensor.requires_grad() != q.trainable)
+        detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                     ": TorchFullyShard: parameter ", q.name, " of unit ", u, " was ",
+                     q.trainable ? "frozen" : "unfrozen",
+                     " after the TorchFullyShard was made: make it again after changing "
+                     "requires_grad");
+    // Units whose backward is done and that ran after this one in the forward: autograd is past
+    // them now (it runs the nodes made later first), so their parameters go.
+    const std::size_t here = position(u);
+    for (std::size_t k = 0; k < backward_.size();) {
+      if (units_[backward_[k]].reduced && position(backward_[k]) > here) {
+        release(backward_[k]);
+        backward_.erase(backward_.begin() + static_cast<std::ptrdiff_t>(k));
+      } else {
+        ++k;
+      }
+    }
     gather(u);
     const std::span<float> g = fsdp_->grad(u);
     const auto options = at::TensorOptions().dtype(at::kFloat).device(at::kCPU);
     for (Param& q : un.params)
       q.tensor.mutable_grad() = at::from_blob(g.data() + q.offset, q.sizes, options);
+    un.grads = g.data();
     un.in_backward = true;
     un.pending = un.trainable;
+    backward_.push_back(u);
     if (!opt_.prefetch) return;
     for (std::size_t k = order_.size(); k-- > 1;) {
       if (order_[k] != u) continue;
@@ -378,8 +446,14 @@ class TorchFullyShard {
 
   /// From an AccumulateGrad post hook of unit u: the unit is reduced once every parameter has
   /// its gradient.
-  void ready(std::size_t u) {
+  void ready(std::size_t u, std::size_t i) {
     Unit& un = units_[u];
+    if (un.in_backward &&
+        un.params[i].tensor.grad().data_ptr() != static_cast<void*>(un.grads + un.params[i].offset))
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": TorchFullyShard: parameter ",
+                   un.params[i].name, " of unit ", u,
+                   ": autograd replaced its gradient instead of adding into the unit's gradients "
+                   "(a backward with create_graph, which TorchFullyShard does not support)");
     if (!un.in_backward)
       detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": TorchFullyShard: unit ", u,
                    "'s parameters got gradients, but no output of forward(", u,
@@ -389,13 +463,23 @@ class TorchFullyShard {
     if (--un.pending == 0) finish_backward(u);
   }
 
+  /// Unit u's gradients are complete: reduced into the shard. Its parameters stay until the
+  /// backward reaches a unit before it (nodes of its own, or frozen parameters' uses, may still
+  /// need them), or until synchronize().
   void finish_backward(std::size_t u) {
     Unit& un = units_[u];
-    release(u);
     for (Param& q : un.params) q.tensor.mutable_grad() = at::Tensor();
     fsdp_->reduce(u);
     un.in_backward = false;
     un.reduced = true;
+    un.grads = nullptr;
+  }
+
+  /// Where unit u came in this step's forward order (after every unit when it did not).
+  [[nodiscard]] std::size_t position(std::size_t u) const {
+    for (std::size_t k = 0; k < order_.size(); ++k)
+      if (order_[k] == u) return k;
+    return order_.size();
   }
 
   /// fn(), a torch error in it named with the units released meanwhile.
@@ -448,6 +532,9 @@ class TorchFullyShard {
   std::unique_ptr<Averager> fsdp_;
   std::vector<at::Tensor> shard_, shard_grads_;
   std::vector<std::size_t> order_, last_order_;  // units in forward order: this step's, the last
+  std::vector<std::size_t> backward_;  // units whose backward started this step, not released
+  bool synced_ = false;                // synchronize() done, no forward since
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);  // for hooks that outlive this
 };
 
 template <class Backend>
