@@ -25217,12 +25217,12 @@ class BucketEngine final : public AveragerBase {
     grads_[i] = g;
   }
 
-  // The gradients of bucket b, which starts now: those looked up lazily are made by now (or are
-  // created as zeros: the parameter was unused this step).
+  // Bucket b's gradients looked up again as it starts: made by now (zeros if unused), or replaced
+  // since the step began (torch's backward with create_graph makes new tensors).
   void look_up_missing(const Bucket& b) {
     if constexpr (lazy_grad<Param>) {
       for (const BucketPiece& p : b.pieces)
-        if (missing_[p.param]) missing_[p.param] = false, look_up(p.param, lazy_[p.param]);
+        missing_[p.param] = false, look_up(p.param, lazy_[p.param]);
     }
   }
 

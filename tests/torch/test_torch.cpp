@@ -472,6 +472,34 @@ TEST_CASE("GradientAverager over a torch::nn::Module: a second backward before s
   });
 }
 
+TEST_CASE(
+    "GradientAverager over a torch::nn::Module: a backward with create_graph (autograd makes new "
+    "gradient tensors) is averaged where the gradients are") {
+  mp::run(2, ddp::HostTransport::shm, [](Comm& comm) {
+    torch::set_num_threads(1);
+    torch::manual_seed(1);
+    torch::nn::Linear fc(8, 8);
+    ddp::GradientAverager avg(comm, *fc);
+    for (int s = 0; s < 3; ++s) {
+      fc->zero_grad();
+      const auto x = torch::randn({4, 8}) + static_cast<double>(comm.rank());
+      fc(x).pow(2).sum().backward({}, true, true);
+      const auto grads = [&] {
+        std::vector<torch::Tensor> g;
+        for (const auto& p : fc->parameters()) g.push_back(p.grad().detach().flatten());
+        return torch::cat(g);
+      };
+      const auto mine = grads();
+      avg.synchronize();
+      auto all = torch::empty({comm.size(), mine.numel()});
+      comm.all_gather(mine, all);
+      const auto want = (all[0] + all[1]) / 2, got = grads();
+      MP_EXPECT(torch::allclose(got, want, 1e-6, 1e-6),
+                "step " << s << ": the average is off by " << (got - want).abs().max());
+    }
+  });
+}
+
 TEST_CASE("GradientAverager over a torch::nn::Module: refusals") {
   mp::run(2, ddp::HostTransport::shm, [](Comm& comm) {
     torch::set_num_threads(1);
