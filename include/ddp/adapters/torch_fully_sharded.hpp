@@ -90,7 +90,9 @@ struct TorchFullyShardOptions {
 template <class Backend>
 class TorchFullyShard {
  public:
+  /// The engine underneath (float shards).
   using Averager = FullyShardedAverager<Backend, float>;
+  /// The options.
   using Options = TorchFullyShardOptions;
 
   /// Collective: shards the modules' parameters over the ranks (rank 0's values) and frees the
@@ -538,9 +540,11 @@ class TorchFullyShard {
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);  // for hooks that outlive this
 };
 
+/// Deduces the backend from the communicator: TorchFullyShard fsdp(comm, modules).
 template <class Backend>
 TorchFullyShard(Communicator<Backend>&, const std::vector<std::shared_ptr<torch::nn::Module>>&)
     -> TorchFullyShard<Backend>;
+/// Deduces the backend from the communicator: TorchFullyShard fsdp(comm, modules, options).
 template <class Backend>
 TorchFullyShard(Communicator<Backend>&, const std::vector<std::shared_ptr<torch::nn::Module>>&,
                 TorchFullyShardOptions) -> TorchFullyShard<Backend>;
