@@ -180,7 +180,7 @@ TEST_CASE(
 
 TEST_CASE(
     "TorchFullyShard: units kept from the forward for the backward, without prefetch, and a unit "
-    "unused in some steps: bitwise the same run; torch's Adam on the shard keeps 1/P of the "
+    "unused in some steps: bitwise the same run, and torch's Adam on the shard keeps 1/P of the "
     "moments") {
   mp::run(3, ddp::HostTransport::shm, [](Comm& comm) {
     torch::set_num_threads(1);
@@ -304,7 +304,7 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "TorchFullyShard: a unit with a frozen layer before a trainable one trains; the frozen "
+    "TorchFullyShard: a unit with a frozen layer before a trainable one trains, and the frozen "
     "parameters stay as they were, with weight decay") {
   mp::run(2, ddp::HostTransport::shm, [](Comm& comm) {
     torch::set_num_threads(1);
