@@ -316,7 +316,8 @@ TEST_CASE("ShardedAverager on backend::Mpi: momentum SGD equals GradientAverager
 
 TEST_CASE(
     "FullyShardedAverager on backend::Mpi: units gathered, prefetched and reduce-scattered, "
-    "momentum SGD equals GradientAverager's, and a Join's finished ranks keep their shards current") {
+    "momentum SGD equals GradientAverager's, and a Join's finished ranks keep their shards "
+    "current") {
   on_world([](Mpi& comm) {
     const int r = comm.rank();
     const std::vector<std::vector<std::size_t>> units{{37, 1001}, {3, 129, 1}, {50002, 64}};
