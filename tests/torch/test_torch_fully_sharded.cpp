@@ -118,6 +118,17 @@ torch::Tensor whole(Comm& comm, bool adam, int steps, bool skip = false) {
   return flat(net);
 }
 
+/// The whole model at rank 0, a tensor per parameter (none elsewhere).
+std::vector<torch::Tensor> gathered(Fsdp& f) {
+  std::vector<torch::Tensor> parts;
+  f.averager().gather_to(0, [&](std::size_t, std::size_t, std::span<const float> v) {
+    parts.push_back(
+        torch::from_blob(const_cast<float*>(v.data()), {static_cast<std::int64_t>(v.size())})
+            .clone());
+  });
+  return parts;
+}
+
 /// The same run fully sharded; the whole model gathered to rank 0 after it (empty elsewhere).
 torch::Tensor sharded(Comm& comm, bool adam, int steps, ddp::TorchFullyShardOptions o,
                       bool skip = false) {
@@ -142,12 +153,7 @@ torch::Tensor sharded(Comm& comm, bool adam, int steps, ddp::TorchFullyShardOpti
     for (const auto& p : net->parameters())
       MP_EXPECT(p.numel() == 0 && !p.grad().defined(), "unit not released after step " << k);
   }
-  std::vector<torch::Tensor> parts;
-  f.averager().gather_to(0, [&](std::size_t, std::size_t, std::span<const float> v) {
-    parts.push_back(
-        torch::from_blob(const_cast<float*>(v.data()), {static_cast<std::int64_t>(v.size())})
-            .clone());
-  });
+  const auto parts = gathered(f);
   return parts.empty() ? torch::Tensor() : torch::cat(parts);
 }
 
@@ -222,12 +228,7 @@ TEST_CASE(
     for (const auto& s : f.averager().shard()) mine += static_cast<std::int64_t>(s.value.size);
     MP_EXPECT(moments == mine && mine * comm.size() < flat(full).numel() + 4 * comm.size(),
               "Adam keeps " << moments << " moments, the shard " << mine);
-    std::vector<torch::Tensor> parts;
-    f.averager().gather_to(0, [&](std::size_t, std::size_t, std::span<const float> v) {
-      parts.push_back(
-          torch::from_blob(const_cast<float*>(v.data()), {static_cast<std::int64_t>(v.size())})
-              .clone());
-    });
+    const auto parts = gathered(f);
     if (comm.rank() == 0) {
       const auto a = torch::cat(parts), b = flat(full);
       const double diff = ((a - b).abs() / b.abs().clamp_min(1e-3)).max().item<double>();
@@ -323,12 +324,7 @@ TEST_CASE(
       loss.backward();  // Q's backward needs its weight after P's gradients are reduced
       f.step(opt);
     }
-    std::vector<torch::Tensor> params;
-    f.averager().gather_to(0, [&](std::size_t, std::size_t, std::span<const float> v) {
-      params.push_back(
-          torch::from_blob(const_cast<float*>(v.data()), {static_cast<std::int64_t>(v.size())})
-              .clone());
-    });
+    const auto params = gathered(f);
     if (comm.rank() == 0) {  // unit 1: Q's weight, Q's bias, P's weight, P's bias
       MP_EXPECT(params.size() == 6, params.size());
       MP_EXPECT(bitwise(params[2], frozen.flatten()), "the frozen weight moved");
