@@ -427,6 +427,28 @@ class FullyShardedAverager : public Joinable {
     }
   }
 
+  /// Collective: the shard's values from the whole model at rank `root`, a unit at a time (as
+  /// gather_to the other way): there `fn(unit, param, values)` writes each parameter of each
+  /// unit into `values` (its element count); the other ranks only receive their blocks. Gathered
+  /// units are released first. Errc::invalid_argument for a root outside the world.
+  template <class F>
+  void scatter_from(int root, F&& fn) {
+    if (root < 0 || root >= comm_->size())
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                   ": FullyShardedAverager::scatter_from: root ", root, " outside the world of ",
+                   comm_->size());
+    const bool here = comm_->rank() == root;
+    for (std::size_t u = 0; u < blocks_.size(); ++u) {
+      release(u);
+      Block& b = blocks_[u];
+      const detail::PageArray<T> full(here ? b.block * static_cast<std::size_t>(comm_->size()) : 0,
+                                      comm_->rank(), "a unit laid out to shard it");
+      for (std::size_t i = 0, at = 0; here && i < b.sizes.size(); at += b.sizes[i++])
+        fn(u, i, std::span<T>(full.data() + at, b.sizes[i]));
+      comm_->scatter(std::span<const T>(full.data(), full.size()), std::span<T>(b.value), root);
+    }
+  }
+
   /// For uneven inputs (ddp::Join, with this averager among its Joinables): `update(shard())`
   /// is what a rank does with the averaged gradients of a step (the optimizer on its shard). A
   /// rank whose inputs are done still owns its shard, so for each step of the others it takes
