@@ -56,6 +56,7 @@
 #include "ddp/training/async_checkpoint.hpp"
 #include "ddp/training/checkpoint.hpp"
 #include "ddp/training/elastic.hpp"
+#include "ddp/training/fully_shard.hpp"
 #include "ddp/training/fully_sharded.hpp"
 #include "ddp/training/gradient.hpp"
 #include "ddp/training/guard.hpp"

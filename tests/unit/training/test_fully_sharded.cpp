@@ -1,8 +1,10 @@
 // FullyShardedAverager across real processes: a model whose parameters live sharded, gathered a
 // unit at a time, trains bitwise as GradientAverager does; units that differ between ranks, and
-// calls out of turn, are refused.
+// calls out of turn, are refused. FullyShard: a model of a tensor type of one's own, its
+// parameters re-pointed at the gathered units, the same.
 #include <ddp/spawn.hpp>
 #include <ddp/training/checkpoint.hpp>
+#include <ddp/training/fully_shard.hpp>
 #include <ddp/training/fully_sharded.hpp>
 #include <ddp/training/gradient.hpp>
 #include <ddp/training/join.hpp>
@@ -22,6 +24,37 @@
 #include <vector>
 
 #include "multiprocess.hpp"
+
+// A tensor type of one's own that FullyShard re-points: a pointer and a size, owning nothing.
+namespace fully_shard_toy {
+struct Tensor {
+  float* data = nullptr;
+  std::size_t size = 0;
+};
+struct Param {  // a framework's parameter: its value, its gradient, the memory it started with
+  Tensor w, dw;
+  std::vector<float> own;
+};
+}  // namespace fully_shard_toy
+
+template <>
+struct ddp::tensor_traits<fully_shard_toy::Tensor> {
+  static constexpr ddp::DeviceKind device_kind = ddp::DeviceKind::cpu;
+  static ddp::TensorView<float> view(fully_shard_toy::Tensor& t) { return {t.data, t.size}; }
+  static ddp::TensorView<const float> view(const fully_shard_toy::Tensor& t) {
+    return {t.data, t.size};
+  }
+};
+template <>
+struct ddp::parameter_traits<fully_shard_toy::Param> {
+  static fully_shard_toy::Tensor& value(fully_shard_toy::Param& p) { return p.w; }
+  static fully_shard_toy::Tensor& grad(fully_shard_toy::Param& p) { return p.dw; }
+  // The hook FullyShard calls to point the parameter at a gathered unit (empty: at nothing).
+  static void point(fully_shard_toy::Param& p, std::span<float> value, std::span<float> grad) {
+    p.w = {value.data(), value.size()};
+    p.dw = {grad.data(), grad.size()};
+  }
+};
 
 // Named, so that the executable can be built as one unity translation unit.
 namespace fully_sharded_tests {
@@ -538,6 +571,215 @@ TEST_CASE("fully sharded: units that differ between ranks, and calls out of turn
     fsdp.synchronize();
     refused("unit 0 has no elements",
             [&] { ddp::FullyShardedAverager<ddp::backend::Host> empty(comm, {{}}, nullptr); });
+  });
+}
+
+namespace {
+
+// A model of the toy type: unit_sizes' parameters in order, rank 0's values the initial ones
+// (the others' differ: FullyShard takes rank 0's), or none at all (`empty`: pointing at nothing,
+// sizes only, for the initializer).
+std::vector<fully_shard_toy::Param> toy_model(int rank, bool empty) {
+  std::vector<fully_shard_toy::Param> net;
+  for (std::size_t u = 0; u < unit_sizes.size(); ++u)
+    for (std::size_t i = 0; i < unit_sizes[u].size(); ++i) {
+      fully_shard_toy::Param p;
+      if (!empty) {
+        p.own.resize(unit_sizes[u][i]);
+        for (std::size_t k = 0; k < p.own.size(); ++k)
+          p.own[k] = rank == 0 ? initial(u, i, k) : -1.0f;
+      }
+      p.w = {p.own.data(), unit_sizes[u][i]};
+      net.push_back(std::move(p));
+    }
+  return net;
+}
+
+struct ShardRun {
+  bool adam = false, init = false, reshard = true, prefetch = true;
+};
+
+// 20 steps through FullyShard over the toy model against GradientAverager: inside each unit's
+// forward and backward its parameters hold the reference's current values, bitwise; between
+// units they point at nothing; the gradients the backward adds train the same bits.
+void train_toy(mp::Comm& comm, const ShardRun& run) {
+  WholeNet whole;
+  ddp::GradientAverager avg(comm, whole);
+  Optimizer whole_opt{run.adam}, opt{run.adam};
+  auto net = toy_model(comm.rank(), run.init);
+  std::vector<std::vector<std::size_t>> units;
+  for (std::size_t u = 0, i = 0; u < unit_sizes.size(); ++u) {
+    units.emplace_back();
+    for (std::size_t j = 0; j < unit_sizes[u].size(); ++j) units.back().push_back(i++);
+  }
+  const ddp::FullyShardOptions o{.reshard_after_forward = run.reshard, .prefetch = run.prefetch};
+  std::optional<ddp::FullyShard<std::vector<fully_shard_toy::Param>, ddp::backend::Host>> made;
+  if (run.init) {
+    made.emplace(
+        comm, net, units,
+        [&](std::size_t param, std::size_t offset, std::span<float> values) {
+          std::size_t u = 0, i = param;
+          while (i >= unit_sizes[u].size()) i -= unit_sizes[u++].size();
+          init_values(u, i, offset, values);
+        },
+        o);
+  } else {
+    made.emplace(comm, net, units, o);
+  }
+  auto& fsdp = *made;
+  for (auto& p : net) p.own = {};  // the model's own memory: no longer used
+  const auto nothing = [&](const char* when) {
+    for (std::size_t i = 0; i < net.size(); ++i)
+      MP_EXPECT(net[i].w.size == 0 && net[i].dw.size == 0,
+                "parameter " << i << " points at elements " << when);
+  };
+  nothing("after construction");
+  // Unit u's parameters as the reference has them (and gradients of their size, when asked).
+  const auto same = [&](std::size_t u, bool grads, const char* when) {
+    for (std::size_t i : units[u]) {
+      const auto& want = whole.params[i].value;
+      MP_EXPECT(net[i].w.size == want.size() &&
+                    std::memcmp(net[i].w.data, want.data(), want.size() * sizeof(float)) == 0,
+                "parameter " << i << " of unit " << u << " differs from the reference " << when);
+      MP_EXPECT(net[i].dw.size == (grads ? want.size() : 0),
+                "parameter " << i << "'s gradient has " << net[i].dw.size << " elements " << when);
+    }
+  };
+  for (int step = 0; step < 20; ++step) {
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      const int got = fsdp.forward(u, [&] {
+        same(u, false, "in its forward");
+        return static_cast<int>(u);
+      });
+      MP_EXPECT(got == static_cast<int>(u), "forward returned " << got);
+    }
+    if (run.reshard) nothing("between the forward and the backward");
+    for (std::size_t u = units.size(); u-- > 0;) {
+      fsdp.backward(u, [&] {
+        same(u, true, "in its backward");
+        for (std::size_t j = 0; j < units[u].size(); ++j) {
+          auto& p = net[units[u][j]];
+          for (std::size_t k = 0; k < p.w.size; ++k)
+            p.dw.data[k] += gradient(u, j, k, p.w.data[k], comm.rank(), step);
+        }
+      });
+    }
+    fsdp.step([&](auto shard) { opt.step(shard); });
+    nothing("after step()");
+    whole_gradients(whole, comm.rank(), step, [](float x) { return x; });
+    avg.average();
+    whole_update(whole, whole_opt);
+  }
+  std::size_t index = 0;
+  fsdp.averager().gather_to(0, [&](std::size_t u, std::size_t i, std::span<const float> values) {
+    const auto& want = whole.params[index++].value;
+    MP_EXPECT(std::memcmp(values.data(), want.data(), want.size() * sizeof(float)) == 0,
+              "unit " << u << " parameter " << i << " differs from GradientAverager's");
+  });
+}
+
+// A model whose parameters are spans: re-pointed by assignment, no hook needed.
+struct SpanParam {
+  std::span<float> value, grad;
+};
+
+}  // namespace
+
+TEST_CASE(
+    "FullyShard: a model of a tensor type of one's own, re-pointed at each unit, trains 20 "
+    "steps of SGD-momentum and of Adam bitwise as GradientAverager's, worlds 1-4") {
+  for (const bool adam : {false, true}) {
+    CAPTURE(adam);
+    mp::each_world_on({ddp::HostTransport::shm, ddp::HostTransport::tcp},
+                      [&](mp::Comm& comm) { train_toy(comm, {.adam = adam}); });
+  }
+  // Made from an initializer (no rank holds the model), units kept from the forward to the
+  // backward, prefetch off: the same bits.
+  mp::run(3, ddp::HostTransport::shm, [](mp::Comm& comm) {
+    train_toy(comm, {.adam = true, .init = true});
+    train_toy(comm, {.reshard = false});
+    train_toy(comm, {.prefetch = false});
+  });
+}
+
+TEST_CASE("FullyShard: parameters of spans, units listed out of order and a unit unused") {
+  mp::run(2, ddp::HostTransport::shm, [](mp::Comm& comm) {
+    std::vector<std::vector<float>> memory{{1, 2, 3}, {4, 5}, {6, 7, 8, 9}};
+    std::vector<SpanParam> net;
+    for (auto& m : memory) net.push_back({m, {}});
+    if (comm.rank() == 1)
+      for (auto& m : memory) std::fill(m.begin(), m.end(), 0.0f);
+    ddp::FullyShard fsdp(comm, net, {{2, 0}, {1}});
+    for (int step = 0; step < 2; ++step) {
+      fsdp.forward(0, [&] {
+        MP_EXPECT(net[2].value.size() == 4 && net[2].value[0] == static_cast<float>(6 - step) &&
+                      net[0].value.size() == 3 && net[0].value[2] == static_cast<float>(3 - step) &&
+                      net[1].value.empty(),
+                  "unit 0 is not parameters 2 and 0 at step " << step);
+      });
+      fsdp.backward(0, [&] {
+        for (const std::size_t i : {std::size_t{0}, std::size_t{2}})
+          for (float& g : net[i].grad) g += 1.0f;
+      });
+      // Unit 1 did not run: reduced with zeros, so its shard's gradients are 0.
+      fsdp.step([&](auto shard) {
+        for (auto& s : shard)
+          for (std::size_t k = 0; k < s.value.size; ++k) s.value.data[k] -= s.grad.data[k];
+      });
+    }
+    std::vector<std::vector<float>> got(3);
+    fsdp.averager().gather_to(0, [&](std::size_t u, std::size_t i, std::span<const float> v) {
+      got[fsdp.unit_parameters(u)[i]].assign(v.begin(), v.end());
+    });
+    if (comm.rank() == 0)
+      MP_EXPECT((got == std::vector<std::vector<float>>{{-1, 0, 1}, {4, 5}, {4, 5, 6, 7}}),
+                "the model after two steps is not the expected one");
+  });
+}
+
+TEST_CASE("FullyShard: units listed wrong, run twice, or parameters pointed away are refused") {
+  mp::run(2, ddp::HostTransport::shm, [](mp::Comm& comm) {
+    std::vector<std::vector<float>> memory{{1, 2, 3}, {4, 5}, {6, 7, 8, 9}};
+    std::vector<SpanParam> net;
+    for (auto& m : memory) net.push_back({m, {}});
+    using Shard = ddp::FullyShard<std::vector<SpanParam>, ddp::backend::Host>;
+    mp::expect_invalid("parameter 0 is in unit 0 and in unit 1", [&] {
+      Shard f(comm, net, {{0, 1}, {0, 2}});
+    });
+    mp::expect_invalid("parameter 2 is in no unit", [&] { Shard f(comm, net, {{0, 1}}); });
+    mp::expect_invalid("lists parameter 3 of a model of 3", [&] {
+      Shard f(comm, net, {{0, 1, 2, 3}});
+    });
+    try {
+      Shard f(comm, net,
+              comm.rank() == 0 ? std::vector<std::vector<std::size_t>>{{0, 1}, {2}}
+                               : std::vector<std::vector<std::size_t>>{{0}, {1, 2}});
+      MP_EXPECT(false, "units that differ between ranks were accepted");
+    } catch (const ddp::Error& e) {
+      MP_EXPECT(e.code() == ddp::Errc::mismatch, e.what());
+    }
+    for (std::size_t i = 0; i < net.size(); ++i) net[i].value = memory[i];
+    Shard fsdp(comm, net, {{0, 1}, {2}});
+    fsdp.backward(1, [] {});
+    mp::expect_invalid("unit 1's backward runs again before step()",
+                       [&] { fsdp.backward(1, [] {}); });
+    fsdp.step([](auto) {});
+    net[2].value = memory[2];  // pointed elsewhere while released
+    mp::expect_invalid("parameter 2 of unit 1 was given 4 elements while the unit was released",
+                       [&] { fsdp.forward(1, [] {}); });
+    net[2].value = {};
+    mp::expect_invalid("unit 2 of 2", [&] { fsdp.forward(2, [] {}); });
+    // A forward that throws leaves its unit released; a backward that throws, the object refused.
+    try {
+      fsdp.forward(0, [] { throw std::runtime_error("in the forward"); });
+    } catch (const std::runtime_error&) {
+    }
+    MP_EXPECT(net[0].value.empty(), "a failed forward left its unit gathered");
+    try {
+      fsdp.backward(0, [] { throw std::runtime_error("in the backward"); });
+    } catch (const std::runtime_error&) {
+    }
+    mp::expect_invalid("a backward failed inside its fn", [&] { fsdp.forward(1, [] {}); });
   });
 }
 
