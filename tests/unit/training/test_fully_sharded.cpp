@@ -569,6 +569,25 @@ TEST_CASE("fully sharded: units that differ between ranks, and calls out of turn
     MP_EXPECT(std::all_of(fresh.begin(), fresh.end(), [](float g) { return g == 0.0f; }),
               "a new backward's gradients are not zero");
     fsdp.synchronize();
+    // The shard from rank 2's whole model: every parameter k's elements k + 1000 * (unit,
+    // param), which gather_to hands back.
+    refused("scatter_from: root 3 outside the world of 3",
+            [&] { fsdp.scatter_from(3, [](std::size_t, std::size_t, std::span<float>) {}); });
+    const auto fill = [](std::size_t u, std::size_t i, std::span<float> values) {
+      for (std::size_t k = 0; k < values.size(); ++k)
+        values[k] = static_cast<float>(k + 1000 * (10 * u + i));
+    };
+    fsdp.scatter_from(2, [&](std::size_t u, std::size_t i, std::span<float> values) {
+      MP_EXPECT(comm.rank() == 2, "scatter_from called fn on rank " << comm.rank());
+      MP_EXPECT(values.size() == unit_sizes[u][i], values.size());
+      fill(u, i, values);
+    });
+    fsdp.gather_to(0, [&](std::size_t u, std::size_t i, std::span<const float> values) {
+      std::vector<float> want(unit_sizes[u][i]);
+      fill(u, i, want);
+      MP_EXPECT(std::equal(values.begin(), values.end(), want.begin(), want.end()),
+                "scatter_from: unit " << u << " parameter " << i << " came back otherwise");
+    });
     refused("unit 0 has no elements",
             [&] { ddp::FullyShardedAverager<ddp::backend::Host> empty(comm, {{}}, nullptr); });
   });
