@@ -22599,7 +22599,9 @@ DDP_BEGIN_NAMESPACE
 
 /// Adapts a parameter type: specialize with static value(P&) and grad(P&) returning tensors.
 /// Optional, for frameworks: ensure_grad(P&) and has_grad(P&) (gradients made lazily: see
-/// detail::lazy_grad) and ready_hook(P&, std::function<void()>) (see detail::has_ready_hook).
+/// detail::lazy_grad) and ready_hook(P&, std::function<void()>) (see detail::has_ready_hook);
+/// point(P&, std::span<T> value, std::span<T> grad) re-points a parameter at other memory (used
+/// by FullyShard, ddp/training/fully_shard.hpp).
 template <class P>
 struct parameter_traits {};
 
@@ -23555,6 +23557,56 @@ class Elastic {
 
 DDP_END_NAMESPACE
 // end ddp/training/elastic.hpp
+// begin ddp/training/fully_shard.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ddp::FullyShard<M, Backend>: a model's own parameters fully sharded (ZeRO-3, as FSDP2's
+/// `fully_shard`), for a model of any parameter type, over a FullyShardedAverager.
+///
+/// The program lists its parameters by unit (indices into the model's parameters; every
+/// parameter in one unit). Each rank then keeps 1/P of every unit; the parameters themselves
+/// point at nothing (empty values and gradients) except while their unit runs:
+///
+///     ddp::FullyShard fsdp(comm, net, {{0, 1}, {2, 3}, {4, 5}});   // three layers' (w, b)
+///     for (...) {
+///       for (u = 0; u < 3; ++u) fsdp.forward(u, [&] { layer_forward(u, net); });
+///       for (u = 3; u-- > 0;) fsdp.backward(u, [&] { layer_backward(u, net); });  // += grads
+///       fsdp.step([&](auto shard) { opt.step(shard); });  // the optimizer on the shard
+///     }
+///
+/// forward(u, fn) gathers unit u (prefetched while the unit before it ran), points its
+/// parameters' values at it, starts gathering the unit after it (the last step's forward order),
+/// runs fn() and releases the unit (Options::reshard_after_forward = false keeps it for the
+/// backward). backward(u, fn) gathers it again (prefetching the unit before it), points the
+/// values and the gradients (zeros, for fn to add into) at the unit's buffers, runs fn(),
+/// releases the unit and reduce-scatters its gradients into the shard in the background, while
+/// the program goes on with the units before it. step(update) waits for the reduces (a unit
+/// whose backward did not run this step is reduced with zero gradients), runs update(shard())
+/// (ShardSlice: the same optimizers as ShardedAverager's shard) and starts gathering the first
+/// unit of the next forward. On backend::Host the averages are GradientAverager's bitwise, so
+/// with the same elementwise optimizer a run is bitwise a GradientAverager run.
+///
+/// Re-pointing a parameter: parameter_traits<P>::point(P& p, std::span<T> value, std::span<T>
+/// grad) makes p's value and gradient views of those elements (empty spans: of nothing), for a
+/// tensor type of one's own; a parameter whose value and grad are std::span<T> or
+/// ddp::TensorView<T> members (or references to them) needs none.
+///
+/// The shard starts as rank 0's parameter values (the model is read once, then its parameters
+/// are pointed at nothing: free their memory), or, made with an initializer, from values made
+/// for this rank's pieces only, so that no rank ever holds the whole model (the parameters'
+/// sizes are read, not their values). Every rank must make the same units (Errc::mismatch) and
+/// run the same units' forwards and backwards in the same order (the gathers and reduces are
+/// collectives). Errc::invalid_argument for a parameter listed twice or in no unit, a unit run
+/// twice in one step's backward, and a parameter pointed elsewhere (given elements) while its
+/// unit was released. A parameter read outside forward() / backward() of its unit has no
+/// elements. An exception from a backward's fn leaves its unit's gradients partly added: this
+/// object then refuses every call (make it again, e.g. after shrink(), and load the shard).
+
+// #include "ddp/communicator.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/tensor.hpp" (already included above)
 // begin ddp/training/fully_sharded.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -26598,6 +26650,28 @@ class FullyShardedAverager : public Joinable {
     }
   }
 
+  /// Collective: the shard's values from the whole model at rank `root`, a unit at a time (as
+  /// gather_to the other way): there `fn(unit, param, values)` writes each parameter of each
+  /// unit into `values` (its element count); the other ranks only receive their blocks. Gathered
+  /// units are released first. Errc::invalid_argument for a root outside the world.
+  template <class F>
+  void scatter_from(int root, F&& fn) {
+    if (root < 0 || root >= comm_->size())
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                   ": FullyShardedAverager::scatter_from: root ", root, " outside the world of ",
+                   comm_->size());
+    const bool here = comm_->rank() == root;
+    for (std::size_t u = 0; u < blocks_.size(); ++u) {
+      release(u);
+      Block& b = blocks_[u];
+      const detail::PageArray<T> full(here ? b.block * static_cast<std::size_t>(comm_->size()) : 0,
+                                      comm_->rank(), "a unit laid out to shard it");
+      for (std::size_t i = 0, at = 0; here && i < b.sizes.size(); at += b.sizes[i++])
+        fn(u, i, std::span<T>(full.data() + at, b.sizes[i]));
+      comm_->scatter(std::span<const T>(full.data(), full.size()), std::span<T>(b.value), root);
+    }
+  }
+
   /// For uneven inputs (ddp::Join, with this averager among its Joinables): `update(shard())`
   /// is what a rank does with the averaged gradients of a step (the optimizer on its shard). A
   /// rank whose inputs are done still owns its shard, so for each step of the others it takes
@@ -26755,6 +26829,356 @@ FullyShardedAverager(Communicator<Backend>&, std::vector<std::vector<std::size_t
 
 DDP_END_NAMESPACE
 // end ddp/training/fully_sharded.hpp
+// #include "ddp/training/parameters.hpp" (already included above)
+
+#include <algorithm>
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <span>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+namespace detail {
+
+/// P's value and gradient can be pointed at a unit's elements: parameter_traits<P>::point, or
+/// members assignable from std::span<T> or TensorView<T>.
+template <class P, class T>
+concept pointable_parameter = requires(P& p, std::span<T> s) {
+  parameter_traits<P>::point(p, s, s);
+}
+|| ((std::is_assignable_v<value_of_t<P>, std::span<T>> ||
+     std::is_assignable_v<value_of_t<P>,
+                          TensorView<T>>)&&(std::is_assignable_v<grad_of_t<P>, std::span<T>> ||
+                                            std::is_assignable_v<grad_of_t<P>, TensorView<T>>));
+
+template <class X, class T>
+void point_to(X&& x, std::span<T> s) {
+  if constexpr (std::is_assignable_v<X&&, std::span<T>>)
+    std::forward<X>(x) = s;
+  else
+    std::forward<X>(x) = TensorView<T>{s.data(), s.size()};
+}
+
+/// Points p's value and gradient at `value` and `grad` (empty: at nothing).
+template <class T, class P>
+void point_parameter(P& p, std::span<T> value, std::span<T> grad) {
+  if constexpr (requires { parameter_traits<P>::point(p, value, grad); }) {
+    parameter_traits<P>::point(p, value, grad);
+  } else {
+    point_to(param_value(p), value);
+    point_to(param_grad(p), grad);
+  }
+}
+
+}  // namespace detail
+
+/// FullyShard's options.
+struct FullyShardOptions {
+  /// Release a unit after its forward (gathered again for its backward), as FSDP2's
+  /// reshard_after_forward; false keeps it gathered until its backward is done.
+  bool reshard_after_forward = true;
+  /// Gather the next unit in the background while one computes (forward and backward order).
+  bool prefetch = true;
+};
+
+/// A model's parameters fully sharded over a FullyShardedAverager (see the file comment).
+template <Model M, class Backend, class T = typename detail::model_element<M>::type>
+class FullyShard {
+ public:
+  /// The model's parameter type.
+  using Param = detail::param_of_t<M>;
+  /// The engine underneath.
+  using Averager = FullyShardedAverager<Backend, T>;
+  /// The options.
+  using Options = FullyShardOptions;
+  /// Fills `values` with the initial values of elements [offset, offset + values.size()) of the
+  /// model's parameter `param`: called for this rank's pieces only.
+  using Init = std::function<void(std::size_t param, std::size_t offset, std::span<T> values)>;
+
+  static_assert(detail::pointable_parameter<Param, T>,
+                "ddp::FullyShard points a unit's parameters at its gathered elements: specialize "
+                "ddp::parameter_traits<P>::point(P&, std::span<T> value, std::span<T> grad) for "
+                "the parameter type, or give it value and grad members that are std::span<T> or "
+                "ddp::TensorView<T>");
+
+  /// Collective: shards `model`'s parameters by `units` (indices into its parameters) from rank
+  /// 0's values, then points every parameter at nothing. Errc::invalid_argument for a parameter
+  /// in no unit or in two, a unit without elements; Errc::mismatch when the ranks' units differ.
+  FullyShard(Communicator<Backend>& comm, M& model, std::vector<std::vector<std::size_t>> units,
+             Options o = {})
+      : FullyShard(comm, model, std::move(units), Init(), o) {}
+
+  /// Collective: as above, the shard made by `init` for this rank's pieces only (the
+  /// parameters' values are not read: they may point at nothing already, with their sizes; an
+  /// empty `init`: rank 0's values).
+  FullyShard(Communicator<Backend>& comm, M& model, std::vector<std::vector<std::size_t>> units,
+             const Init& init, Options o = {})
+      : comm_(&comm), opt_(o) {
+    static_assert(std::is_lvalue_reference_v<decltype(detail::model_parameters(model))>,
+                  "ddp::FullyShard re-points the model's own parameters: its parameters() must "
+                  "return a reference to them, not a copy");
+    for (auto& p : detail::model_parameters(model)) params_.push_back(&p);
+    std::vector<int> owner(params_.size(), -1);
+    std::vector<std::vector<std::size_t>> sizes;
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      Unit un;
+      sizes.emplace_back();
+      for (const std::size_t i : units[u]) {
+        if (i >= params_.size())
+          detail::fail(Errc::invalid_argument, "rank ", comm.rank(), ": FullyShard: unit ", u,
+                       " lists parameter ", i, " of a model of ", params_.size());
+        if (owner[i] >= 0)
+          detail::fail(Errc::invalid_argument, "rank ", comm.rank(), ": FullyShard: parameter ", i,
+                       " is in unit ", owner[i], " and in unit ", u, ": list each parameter once");
+        owner[i] = static_cast<int>(u);
+        un.params.push_back(i);
+        un.offsets.push_back(un.elements);
+        const std::size_t n = detail::typed_view<T>(detail::param_value(*params_[i]), comm.rank(),
+                                                    i, "value", "FullyShard")
+                                  .size;
+        un.sizes.push_back(n);
+        un.elements += n;
+        sizes.back().push_back(n);
+      }
+      units_.push_back(std::move(un));
+    }
+    for (std::size_t i = 0; i < owner.size(); ++i)
+      if (owner[i] < 0)
+        detail::fail(Errc::invalid_argument, "rank ", comm.rank(), ": FullyShard: parameter ", i,
+                     " is in no unit: list every parameter of the model in one unit");
+    typename Averager::Init each;
+    if (init)
+      each = [&](std::size_t u, std::size_t i, std::size_t offset, std::span<T> values) {
+        init(units_[u].params[i], offset, values);
+      };
+    fsdp_ = std::make_unique<Averager>(comm, std::move(sizes), each);
+    if (!init)
+      fsdp_->scatter_from(0, [&](std::size_t u, std::size_t i, std::span<T> out) {
+        const TensorView<T> v = value(units_[u].params[i]);
+        std::copy(v.data, v.data + v.size, out.begin());
+      });
+    for (Unit& un : units_) point(un, {}, {});
+  }
+
+  FullyShard(const FullyShard&) = delete;
+  FullyShard& operator=(const FullyShard&) = delete;
+  /// The parameters are left pointing at nothing (none at freed memory).
+  ~FullyShard() {
+    for (Unit& un : units_) point(un, {}, {});
+  }
+
+  /// Runs unit `u`'s forward, fn(), with its parameters' values gathered (their gradients
+  /// empty); returns what fn returns.
+  template <class F>
+  decltype(auto) forward(std::size_t u, F&& fn) {
+    Unit& un = at(u, "forward");
+    gather(u, false);
+    if (!un.forwarded) {
+      un.forwarded = true;
+      order_.push_back(u);
+    }
+    synced_ = false;
+    if (opt_.prefetch) {
+      const std::size_t next = next_in_forward(u);
+      if (next < units_.size() && !units_[next].forwarded) fsdp_->prefetch(next);
+    }
+    return run(u, std::forward<F>(fn), [&] {
+      if (opt_.reshard_after_forward) release(u);
+    });
+  }
+
+  /// Runs unit `u`'s backward, fn(), with its parameters' values gathered and their gradients
+  /// pointed at zeros for fn to add into; then reduces them into the shard in the background.
+  /// Once per unit and step (Errc::invalid_argument otherwise).
+  template <class F>
+  void backward(std::size_t u, F&& fn) {
+    Unit& un = at(u, "backward");
+    if (un.backwarded)
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": FullyShard: unit ", u,
+                   "'s backward runs again before step(): its gradients were reduced into the "
+                   "shard already; call step() (or synchronize()) after each backward");
+    gather(u, true);
+    un.backwarded = true;
+    synced_ = false;
+    if (opt_.prefetch) {
+      for (std::size_t k = order_.size(); k-- > 1;) {
+        if (order_[k] != u) continue;
+        if (!units_[order_[k - 1]].backwarded) fsdp_->prefetch(order_[k - 1]);
+        break;
+      }
+    }
+    try {
+      std::forward<F>(fn)();
+    } catch (...) {
+      broken_ = true;  // its gradients are partly added: no reduce can make them right
+      release(u);
+      throw;
+    }
+    release(u);
+    fsdp_->reduce(u);
+  }
+
+  /// Waits for the units' reduces; a unit whose backward did not run this step is reduced here
+  /// (in reverse order, zeros): the shard's gradients then hold the averages of every unit.
+  void synchronize() {
+    check();
+    if (synced_) return;
+    for (std::size_t k = units_.size(); k-- > 0;) {
+      if (units_[k].backwarded) continue;
+      (void)fsdp_->grad(k);
+      fsdp_->reduce(k);
+    }
+    fsdp_->synchronize();
+    for (std::size_t k = 0; k < units_.size(); ++k) {
+      release(k);
+      fsdp_->release(k);  // prefetched but not run this step (stale after the update)
+      units_[k].forwarded = units_[k].backwarded = false;
+    }
+    if (!order_.empty()) last_order_ = order_;
+    order_.clear();
+    synced_ = true;
+  }
+
+  /// One step after the backward: synchronize(), update(shard()) (the optimizer on the shard's
+  /// averaged gradients), then the first unit of the next forward prefetched.
+  template <class F>
+  void step(F&& update) {
+    synchronize();
+    std::forward<F>(update)(fsdp_->shard());
+    if (opt_.prefetch && !last_order_.empty()) fsdp_->prefetch(last_order_.front());
+  }
+
+  /// This rank's shard (FullyShardedAverager::shard()).
+  [[nodiscard]] std::vector<ShardSlice<T>> shard() { return fsdp_->shard(); }
+  /// The FullyShardedAverager underneath, between steps: save/load (sharded checkpoints at any
+  /// world size, mirrors), gather_to, trim, layout().
+  [[nodiscard]] Averager& averager() const noexcept { return *fsdp_; }
+  /// The number of units.
+  [[nodiscard]] std::size_t units() const noexcept { return units_.size(); }
+  /// Unit `u`'s parameters (indices into the model's parameters).
+  [[nodiscard]] const std::vector<std::size_t>& unit_parameters(std::size_t u) const {
+    if (u >= units_.size())
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                   ": FullyShard::unit_parameters: unit ", u, " of ", units_.size());
+    return units_[u].params;
+  }
+
+ private:
+  struct Unit {
+    std::vector<std::size_t> params, offsets, sizes;  // model indices; where in the unit; sizes
+    std::size_t elements = 0;
+    bool gathered = false, with_grads = false, forwarded = false, backwarded = false;
+  };
+
+  TensorView<T> value(std::size_t i) {
+    return detail::typed_view<T>(detail::param_value(*params_[i]), comm_->rank(), i, "value",
+                                 "FullyShard");
+  }
+
+  /// Points unit `un`'s parameters at their parts of `values` and `grads` (empty: at nothing).
+  void point(Unit& un, std::span<T> values, std::span<T> grads) {
+    for (std::size_t j = 0; j < un.params.size(); ++j) {
+      const auto part = [&](std::span<T> all) {
+        return all.empty() ? std::span<T>() : all.subspan(un.offsets[j], un.sizes[j]);
+      };
+      detail::point_parameter<T>(*params_[un.params[j]], part(values), part(grads));
+    }
+    un.gathered = !values.empty();
+    un.with_grads = !grads.empty();
+  }
+
+  /// Unit u gathered, its parameters pointing at it (and at zeroed gradients for a backward).
+  void gather(std::size_t u, bool grads) {
+    check();
+    Unit& un = units_[u];
+    if (un.gathered && (un.with_grads || !grads)) return;
+    if (!un.gathered)
+      for (const std::size_t i : un.params)
+        if (const std::size_t n = value(i).size; n != 0)
+          detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": FullyShard: parameter ",
+                       i, " of unit ", u, " was given ", n,
+                       " elements while the unit was released: a fully sharded parameter points "
+                       "where FullyShard points it; make the FullyShard again after changing the "
+                       "model");
+    const std::span<T> values = fsdp_->gather(u);
+    point(un, values, grads ? fsdp_->grad(u) : std::span<T>());
+  }
+
+  void release(std::size_t u) {
+    Unit& un = units_[u];
+    if (!un.gathered) return;
+    point(un, {}, {});
+    fsdp_->release(u);
+  }
+
+  /// fn(), then `after()`; an exception from fn releases unit u first.
+  template <class F, class A>
+  decltype(auto) run(std::size_t u, F&& fn, A&& after) {
+    using R = decltype(std::forward<F>(fn)());
+    static_assert(!std::is_reference_v<R>, "FullyShard::forward: fn returns by value");
+    try {
+      if constexpr (std::is_void_v<R>) {
+        std::forward<F>(fn)();
+        after();
+      } else {
+        R out = std::forward<F>(fn)();
+        after();
+        return out;
+      }
+    } catch (...) {
+      release(u);
+      throw;
+    }
+  }
+
+  /// The unit after u in the last step's forward order (the next index before a step is done).
+  [[nodiscard]] std::size_t next_in_forward(std::size_t u) const {
+    for (std::size_t k = 0; k + 1 < last_order_.size(); ++k)
+      if (last_order_[k] == u) return last_order_[k + 1];
+    return last_order_.empty() ? u + 1 : units_.size();
+  }
+
+  void check() const {
+    if (broken_)
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                   ": FullyShard: a backward failed inside its fn, leaving its unit's gradients "
+                   "partly added: make the FullyShard again (and load its shard from a mirror or "
+                   "a checkpoint)");
+  }
+
+  Unit& at(std::size_t u, const char* what) {
+    if (u >= units_.size())
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": FullyShard::", what,
+                   ": unit ", u, " of ", units_.size());
+    return units_[u];
+  }
+
+  Communicator<Backend>* comm_;
+  Options opt_;
+  std::vector<Param*> params_;
+  std::vector<Unit> units_;
+  std::unique_ptr<Averager> fsdp_;
+  std::vector<std::size_t> order_, last_order_;  // units in forward order: this step's, the last
+  bool synced_ = false;                          // synchronize() done, no forward since
+  bool broken_ = false;                          // a backward's fn threw
+};
+
+/// Deduces the model and the backend: FullyShard fsdp(comm, model, units).
+template <class Backend, class M>
+FullyShard(Communicator<Backend>&, M&, std::vector<std::vector<std::size_t>>,
+           FullyShardOptions = {}) -> FullyShard<detail::model_t<M>, Backend>;
+/// Deduces the model and the backend: FullyShard fsdp(comm, model, units, init).
+template <class Backend, class M, class I>
+FullyShard(Communicator<Backend>&, M&, std::vector<std::vector<std::size_t>>, I,
+           FullyShardOptions = {}) -> FullyShard<detail::model_t<M>, Backend>;
+
+DDP_END_NAMESPACE
+// end ddp/training/fully_shard.hpp
+// #include "ddp/training/fully_sharded.hpp" (already included above)
 // #include "ddp/training/gradient.hpp" (already included above)
 // begin ddp/training/guard.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit

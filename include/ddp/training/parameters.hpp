@@ -36,7 +36,9 @@ DDP_BEGIN_NAMESPACE
 
 /// Adapts a parameter type: specialize with static value(P&) and grad(P&) returning tensors.
 /// Optional, for frameworks: ensure_grad(P&) and has_grad(P&) (gradients made lazily: see
-/// detail::lazy_grad) and ready_hook(P&, std::function<void()>) (see detail::has_ready_hook).
+/// detail::lazy_grad) and ready_hook(P&, std::function<void()>) (see detail::has_ready_hook);
+/// point(P&, std::span<T> value, std::span<T> grad) re-points a parameter at other memory (used
+/// by FullyShard, ddp/training/fully_shard.hpp).
 template <class P>
 struct parameter_traits {};
 

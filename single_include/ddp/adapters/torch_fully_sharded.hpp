@@ -321,28 +321,12 @@ class TorchFullyShard {
 
   /// Rank 0's values into every rank's shard, a unit at a time (rank 0 lays out one unit).
   void scatter_from_root() {
-    const auto p = static_cast<std::size_t>(comm_->size()),
-               r = static_cast<std::size_t>(comm_->rank());
-    std::vector<ShardSlice<float>> slices = fsdp_->shard();
-    std::size_t first_param = 0, s = 0;
-    for (Unit& un : units_) {
-      const std::size_t block = (un.elements + p - 1) / p;
-      std::vector<float> all(r == 0 ? block * p : 0), mine(block);
-      if (r == 0) {
-        at::NoGradGuard no_grad;
-        for (const Param& q : un.params) {
-          const at::Tensor c = q.tensor.detach().contiguous();
-          std::memcpy(all.data() + q.offset, c.data_ptr<float>(), q.numel * sizeof(float));
-        }
-      }
-      comm_->scatter(std::span<const float>(all), std::span<float>(mine), 0);
-      for (; s < slices.size() && slices[s].param < first_param + un.params.size(); ++s) {
-        const Param& q = un.params[slices[s].param - first_param];
-        std::memcpy(slices[s].value.data, mine.data() + (q.offset + slices[s].offset - r * block),
-                    slices[s].value.size * sizeof(float));
-      }
-      first_param += un.params.size();
-    }
+    fsdp_->scatter_from(0, [&](std::size_t u, std::size_t i, std::span<float> out) {
+      at::NoGradGuard no_grad;
+      const Param& q = units_[u].params[i];
+      const at::Tensor c = q.tensor.detach().contiguous();
+      std::memcpy(out.data(), c.data_ptr<float>(), q.numel * sizeof(float));
+    });
   }
 
   /// Points unit `un`'s storage at `data` (its gathered values; nullptr: released) and its
