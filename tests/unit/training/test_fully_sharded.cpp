@@ -706,10 +706,10 @@ struct SpanParam {
 
 TEST_CASE(
     "FullyShard: a model of a tensor type of one's own, re-pointed at each unit, trains 20 "
-    "steps of SGD-momentum and of Adam bitwise as GradientAverager's, worlds 1-4") {
+    "steps of SGD-momentum and of Adam bitwise as GradientAverager's, worlds 1-4 and two hosts") {
   for (const bool adam : {false, true}) {
     CAPTURE(adam);
-    mp::each_world_on({ddp::HostTransport::shm, ddp::HostTransport::tcp},
+    mp::each_world_on({ddp::HostTransport::shm, ddp::HostTransport::tcp, mp::two_hosts},
                       [&](mp::Comm& comm) { train_toy(comm, {.adam = adam}); });
   }
   // Made from an initializer (no rank holds the model), units kept from the forward to the
