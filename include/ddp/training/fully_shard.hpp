@@ -37,13 +37,17 @@
 /// The shard starts as rank 0's parameter values (the model is read once, then its parameters
 /// are pointed at nothing: free their memory), or, made with an initializer, from values made
 /// for this rank's pieces only, so that no rank ever holds the whole model (the parameters'
-/// sizes are read, not their values). Every rank must make the same units (Errc::mismatch) and
+/// sizes are read, not their values). Every rank must list the same units (Errc::mismatch) and
 /// run the same units' forwards and backwards in the same order (the gathers and reduces are
 /// collectives). Errc::invalid_argument for a parameter listed twice or in no unit, a unit run
 /// twice in one step's backward, and a parameter pointed elsewhere (given elements) while its
 /// unit was released. A parameter read outside forward() / backward() of its unit has no
 /// elements. An exception from a backward's fn leaves its unit's gradients partly added: this
-/// object then refuses every call (make it again, e.g. after shrink(), and load the shard).
+/// object then refuses every call until reset(comm) (after shrink(), say; then load the shard).
+///
+/// After a change of membership (ddp::Elastic's on_reset), reset(comm) shards the same units over
+/// the new world and the shard is loaded from a ShardMirror saved each step (averager().save(
+/// mirror, tag, state) before the commit; averager().load(mirror, tag)) or from a checkpoint.
 
 #include "ddp/communicator.hpp"
 #include "ddp/error.hpp"
@@ -53,6 +57,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <span>
@@ -142,6 +147,7 @@ class FullyShard {
                   "ddp::FullyShard re-points the model's own parameters: its parameters() must "
                   "return a reference to them, not a copy");
     for (auto& p : detail::model_parameters(model)) params_.push_back(&p);
+    agree(units);
     std::vector<int> owner(params_.size(), -1);
     std::vector<std::vector<std::size_t>> sizes;
     for (std::size_t u = 0; u < units.size(); ++u) {
@@ -157,9 +163,12 @@ class FullyShard {
         owner[i] = static_cast<int>(u);
         un.params.push_back(i);
         un.offsets.push_back(un.elements);
-        const std::size_t n = detail::typed_view<T>(detail::param_value(*params_[i]), comm.rank(),
-                                                    i, "value", "FullyShard")
-                                  .size;
+        const std::size_t n = value(i).size;
+        if (n == 0)
+          detail::fail(Errc::invalid_argument, "rank ", comm.rank(), ": FullyShard: parameter ", i,
+                       " has no elements (a FullyShard made over this model before points its "
+                       "parameters at nothing: keep that one, and reset(comm) it after a change "
+                       "of membership)");
         un.sizes.push_back(n);
         un.elements += n;
         sizes.back().push_back(n);
@@ -201,7 +210,7 @@ class FullyShard {
       un.forwarded = true;
       order_.push_back(u);
     }
-    synced_ = false;
+    synced_ = stepped_ = false;
     if (opt_.prefetch) {
       const std::size_t next = next_in_forward(u);
       if (next < units_.size() && !units_[next].forwarded) fsdp_->prefetch(next);
@@ -223,7 +232,7 @@ class FullyShard {
                    "shard already; call step() (or synchronize()) after each backward");
     gather(u, true);
     un.backwarded = true;
-    synced_ = false;
+    synced_ = stepped_ = false;
     if (opt_.prefetch) {
       for (std::size_t k = order_.size(); k-- > 1;) {
         if (order_[k] != u) continue;
@@ -263,13 +272,37 @@ class FullyShard {
     synced_ = true;
   }
 
-  /// One step after the backward: synchronize(), update(shard()) (the optimizer on the shard's
-  /// averaged gradients), then the first unit of the next forward prefetched.
+  /// One step after the backward: synchronize(), then update(shard()) (the optimizer on the
+  /// shard's averaged gradients). Errc::invalid_argument for a second step() without a forward
+  /// or a backward between (it would apply the same averages again).
   template <class F>
   void step(F&& update) {
+    if (synced_ && stepped_)
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                   ": FullyShard::step: no forward or backward ran since the last step(), whose "
+                   "averaged gradients would be applied again; one step() per backward");
     synchronize();
     std::forward<F>(update)(fsdp_->shard());
-    if (opt_.prefetch && !last_order_.empty()) fsdp_->prefetch(last_order_.front());
+    stepped_ = true;
+  }
+
+  /// Collective over `comm`, after a change of membership (Communicator::shrink, grow; in
+  /// ddp::Elastic's on_reset): the same units sharded over the new world, the shard zeros until
+  /// the caller loads it (averager().load(mirror, tag), or load(path)). What was in flight on
+  /// the old communicator is dropped, and a failed backward forgotten.
+  void reset(Communicator<Backend>& comm) {
+    for (Unit& un : units_) {
+      point(un, {}, {});
+      un.forwarded = un.backwarded = false;
+    }
+    std::vector<std::vector<std::size_t>> sizes;
+    for (const Unit& un : units_) sizes.push_back(un.sizes);
+    fsdp_.reset();
+    comm_ = &comm;
+    fsdp_ = std::make_unique<Averager>(comm, std::move(sizes), typename Averager::Init());
+    order_.clear();
+    last_order_.clear();
+    synced_ = stepped_ = broken_ = false;
   }
 
   /// This rank's shard (FullyShardedAverager::shard()).
@@ -362,12 +395,28 @@ class FullyShard {
     return last_order_.empty() ? u + 1 : units_.size();
   }
 
+  /// Every rank lists the same parameters in the same units (sizes alone would let two ranks
+  /// swap parameters of one size), else Errc::mismatch on every rank.
+  void agree(const std::vector<std::vector<std::size_t>>& units) {
+    std::vector<std::uint64_t> mine{units.size()};
+    for (const auto& un : units) {
+      mine.push_back(un.size());
+      mine.insert(mine.end(), un.begin(), un.end());
+    }
+    const auto all = comm_->all_gather_object(mine);
+    for (std::size_t j = 1; j < all.size(); ++j)
+      if (all[j] != all[0])
+        detail::fail(Errc::mismatch, "rank ", comm_->rank(), ": FullyShard: rank ", j,
+                     " lists other units or parameters than rank 0: every rank must list the same "
+                     "parameter indices in the same units");
+  }
+
   void check() const {
     if (broken_)
       detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
                    ": FullyShard: a backward failed inside its fn, leaving its unit's gradients "
-                   "partly added: make the FullyShard again (and load its shard from a mirror or "
-                   "a checkpoint)");
+                   "partly added: reset(comm) it (after shrink(), say) and load its shard from a "
+                   "mirror or a checkpoint");
   }
 
   Unit& at(std::size_t u, const char* what) {
@@ -384,6 +433,7 @@ class FullyShard {
   std::unique_ptr<Averager> fsdp_;
   std::vector<std::size_t> order_, last_order_;  // units in forward order: this step's, the last
   bool synced_ = false;                          // synchronize() done, no forward since
+  bool stepped_ = false;                         // step() since the last forward or backward
   bool broken_ = false;                          // a backward's fn threw
 };
 

@@ -4,6 +4,7 @@
 // parameters re-pointed at the gathered units, the same.
 #include <ddp/spawn.hpp>
 #include <ddp/training/checkpoint.hpp>
+#include <ddp/training/elastic.hpp>
 #include <ddp/training/fully_shard.hpp>
 #include <ddp/training/fully_sharded.hpp>
 #include <ddp/training/gradient.hpp>
@@ -614,6 +615,38 @@ std::vector<fully_shard_toy::Param> toy_model(int rank, bool empty) {
   return net;
 }
 
+// unit_sizes' units as lists of the toy model's parameter indices.
+std::vector<std::vector<std::size_t>> toy_units() {
+  std::vector<std::vector<std::size_t>> units;
+  for (std::size_t u = 0, i = 0; u < unit_sizes.size(); ++u) {
+    units.emplace_back();
+    for (std::size_t j = 0; j < unit_sizes[u].size(); ++j) units.back().push_back(i++);
+  }
+  return units;
+}
+
+// One step of the toy model through FullyShard: the forward, the backward adding gradient()
+// (`done(u)` after unit u's), the optimizer on the shard.
+template <class Shard, class Done = void (*)(std::size_t)>
+void toy_step(
+    Shard& fsdp, std::vector<fully_shard_toy::Param>& net, Optimizer& opt, int rank, int step,
+    Done done = [](std::size_t) {}) {
+  const std::size_t units = fsdp.units();
+  for (std::size_t u = 0; u < units; ++u) fsdp.forward(u, [] {});
+  for (std::size_t u = units; u-- > 0;) {
+    fsdp.backward(u, [&] {
+      const auto& ids = fsdp.unit_parameters(u);
+      for (std::size_t j = 0; j < ids.size(); ++j) {
+        auto& p = net[ids[j]];
+        for (std::size_t k = 0; k < p.w.size; ++k)
+          p.dw.data[k] += gradient(u, j, k, p.w.data[k], rank, step);
+      }
+    });
+    done(u);
+  }
+  fsdp.step([&](auto shard) { opt.step(shard); });
+}
+
 struct ShardRun {
   bool adam = false, init = false, reshard = true, prefetch = true;
 };
@@ -626,11 +659,7 @@ void train_toy(mp::Comm& comm, const ShardRun& run) {
   ddp::GradientAverager avg(comm, whole);
   Optimizer whole_opt{run.adam}, opt{run.adam};
   auto net = toy_model(comm.rank(), run.init);
-  std::vector<std::vector<std::size_t>> units;
-  for (std::size_t u = 0, i = 0; u < unit_sizes.size(); ++u) {
-    units.emplace_back();
-    for (std::size_t j = 0; j < unit_sizes[u].size(); ++j) units.back().push_back(i++);
-  }
+  const auto units = toy_units();
   const ddp::FullyShardOptions o{.reshard_after_forward = run.reshard, .prefetch = run.prefetch};
   std::optional<ddp::FullyShard<std::vector<fully_shard_toy::Param>, ddp::backend::Host>> made;
   if (run.init) {
@@ -746,6 +775,19 @@ TEST_CASE("FullyShard: parameters of spans, units listed out of order and a unit
           for (std::size_t k = 0; k < s.value.size; ++k) s.value.data[k] -= s.grad.data[k];
       });
     }
+    // The shard changed between steps (not through step()): the next forward sees it.
+    for (auto& slice : fsdp.shard())
+      for (std::size_t k = 0; k < slice.value.size; ++k) slice.value.data[k] *= 2.0f;
+    fsdp.forward(0, [&] {
+      MP_EXPECT(net[2].value[0] == 8.0f && net[0].value[0] == -2.0f,
+                "the forward after the shard changed sees " << net[2].value[0] << ", "
+                                                            << net[0].value[0]);
+    });
+    fsdp.backward(0, [] {});
+    fsdp.step([&](auto shard) {
+      for (auto& slice : shard)
+        for (std::size_t k = 0; k < slice.value.size; ++k) slice.value.data[k] *= 0.5f;
+    });
     std::vector<std::vector<float>> got(3);
     fsdp.averager().gather_to(0, [&](std::size_t u, std::size_t i, std::span<const float> v) {
       got[fsdp.unit_parameters(u)[i]].assign(v.begin(), v.end());
@@ -783,6 +825,12 @@ TEST_CASE("FullyShard: units listed wrong, run twice, or parameters pointed away
     mp::expect_invalid("unit 1's backward runs again before step()",
                        [&] { fsdp.backward(1, [] {}); });
     fsdp.step([](auto) {});
+    mp::expect_invalid("no forward or backward ran since the last step()",
+                       [&] { fsdp.step([](auto) {}); });
+    mp::expect_invalid("parameter 0 has no elements (a FullyShard made over this model before",
+                       [&] {
+                         Shard again(comm, net, {{0, 1}, {2}});
+                       });
     net[2].value = memory[2];  // pointed elsewhere while released
     mp::expect_invalid("parameter 2 of unit 1 was given 4 elements while the unit was released",
                        [&] { fsdp.forward(1, [] {}); });
@@ -799,7 +847,111 @@ TEST_CASE("FullyShard: units listed wrong, run twice, or parameters pointed away
     } catch (const std::runtime_error&) {
     }
     mp::expect_invalid("a backward failed inside its fn", [&] { fsdp.forward(1, [] {}); });
+    fsdp.reset(comm);  // the same units again, the shard zeros
+    fsdp.forward(1, [&] {
+      MP_EXPECT(net[2].value.size() == 4 && net[2].value[3] == 0.0f, "reset kept the shard");
+    });
+    // Two parameters of one size swapped between ranks' units: refused, not trained mixed up.
+    std::vector<std::vector<float>> same{{1, 2}, {3, 4}};
+    std::vector<SpanParam> pair{{same[0], {}}, {same[1], {}}};
+    try {
+      Shard f(comm, pair,
+              comm.rank() == 0 ? std::vector<std::vector<std::size_t>>{{0}, {1}}
+                               : std::vector<std::vector<std::size_t>>{{1}, {0}});
+      MP_EXPECT(false, "units of swapped parameters were accepted");
+    } catch (const ddp::Error& e) {
+      MP_EXPECT(e.code() == ddp::Errc::mismatch &&
+                    std::string(e.what()).find("rank 1 lists other units") != std::string::npos,
+                e.what());
+    }
   });
+}
+
+TEST_CASE(
+    "fully sharded: in a ddp::Elastic loop a lost rank's shard comes back from the in-memory "
+    "copies, no step lost, bitwise") {
+  // The reference, as above: 4 ranks to step 8, then 3 from its checkpoint to step 12.
+  mp::TempDir dir;
+  mp::run(4, ddp::HostTransport::shm, [&](mp::Comm& comm) {
+    train_against_gradient_averager(comm, {.adam = true, .from = 0, .to = 8, .dir = dir.path});
+  });
+  mp::run(3, ddp::HostTransport::shm, [&](mp::Comm& comm) {
+    train_against_gradient_averager(comm, {.adam = true, .from = 8, .to = 12, .dir = dir.path});
+  });
+  const std::string want = mp::TempDir::read(dir.file("final"));
+  REQUIRE(!want.empty());
+  // The loop in one object: each step saved to the mirror before Elastic commits it; on_reset
+  // makes the averager again over the survivors (or resets the FullyShard over the toy model)
+  // and loads the restored commit's save. Rank 2 dies at the start of step 8, or inside its
+  // backward.
+  for (const auto& [inside, whole_model] : {std::pair{false, false}, std::pair{true, false},
+                                            std::pair{false, true}, std::pair{true, true}}) {
+    CAPTURE(inside);
+    CAPTURE(whole_model);
+    ddp::SpawnOptions so;
+    so.stop_on_failure = false;
+    try {
+      ddp::spawn(
+          4,
+          [&](ddp::Environment env) {
+            using Host = ddp::backend::Host;
+            ddp::Options o;
+            o.timeout = std::chrono::seconds(20);
+            o.segment_bytes = mp::test_segment;
+            ddp::Elastic<Host> job(env, o,
+                                   {.shrink = {.wait_for_ranks = std::chrono::seconds(10)}});
+            ddp::ShardMirror mirror;
+            std::optional<ddp::FullyShardedAverager<Host>> fsdp;
+            // Or FullyShard over the toy model: made once, reset() after a change.
+            auto net = toy_model(env.rank, false);
+            const auto units = toy_units();
+            std::optional<ddp::FullyShard<std::vector<fully_shard_toy::Param>, Host>> shard;
+            Optimizer opt{true};
+            std::uint64_t resumed = 0;
+            job.on_reset([&](ddp::Communicator<Host>& comm) {
+              const bool first = !fsdp.has_value() && !shard.has_value();
+              if (whole_model && first) shard.emplace(comm, net, units);
+              if (whole_model && !first) shard->reset(comm);
+              fsdp.reset();
+              if (!whole_model) fsdp.emplace(comm, unit_sizes, first ? init_values : nullptr);
+              if (first) return;
+              auto& engine = whole_model ? shard->averager() : *fsdp;
+              const auto ck = engine.load(mirror, job.steps());
+              MP_EXPECT(ck.has_value(), "no save of commit " << job.steps() << " in memory");
+              opt.get(*ck, engine.layout().elements());
+              resumed = job.steps();
+            });
+            job.run(12, [&](ddp::Communicator<Host>& comm, std::uint64_t n) {
+              const bool victim = env.rank == 2 && n == 8;
+              if (victim && !inside) std::_Exit(5);
+              const auto die = [&](std::size_t u) {
+                if (victim && u == 0) std::_Exit(5);
+              };
+              if (whole_model)
+                toy_step(*shard, net, opt, comm.rank(), static_cast<int>(n), die);
+              else
+                sharded_step(*fsdp, opt, comm.rank(), static_cast<int>(n), die);
+              auto& engine = whole_model ? shard->averager() : *fsdp;
+              ddp::Checkpoint state;
+              const ddp::ShardLayout layout = engine.layout();
+              opt.put(state, &layout);
+              engine.save(mirror, n + 1, state);
+            });
+            MP_EXPECT(resumed == 8 && job.recoveries() == 1,
+                      "resumed from commit " << resumed << " after " << job.recoveries()
+                                             << " recoveries");
+            mp::TempDir::write(dir.file("elastic" + std::to_string(env.rank)),
+                               model_bytes(whole_model ? shard->averager() : *fsdp));
+          },
+          so);
+    } catch (const ddp::Error&) {  // rank 2, on purpose
+    }
+    for (const int r : {0, 1, 3}) {
+      CHECK_MESSAGE(mp::TempDir::read(dir.file("elastic" + std::to_string(r))) == want,
+                    "survivor " << r << " differs from the reference");
+      std::remove(dir.file("elastic" + std::to_string(r)).c_str());
+    }
+  }
 }
 
 }  // namespace fully_sharded_tests
