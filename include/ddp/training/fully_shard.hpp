@@ -29,6 +29,11 @@
 /// unit of the next forward. On backend::Host the averages are GradientAverager's bitwise, so
 /// with the same elementwise optimizer a run is bitwise a GradientAverager run.
 ///
+/// Mixed precision (MixedPrecisionPolicy): FullyShard<M, Backend, bfloat16, float> over a model
+/// of bfloat16 parameters keeps float masters in the shard for the optimizer, gathers the
+/// parameters in bfloat16 and averages the bfloat16 gradients (FullyShardedAverager<Backend,
+/// float, bfloat16, bfloat16>).
+///
 /// Re-pointing a parameter: parameter_traits<P>::point(P& p, std::span<T> value, std::span<T>
 /// grad) makes p's value and gradient views of those elements (empty spans: of nothing), for a
 /// tensor type of one's own; a parameter whose value and grad are std::span<T> or
@@ -55,7 +60,6 @@
 #include "ddp/training/fully_sharded.hpp"
 #include "ddp/training/parameters.hpp"
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -110,19 +114,23 @@ struct FullyShardOptions {
   bool prefetch = true;
 };
 
-/// A model's parameters fully sharded over a FullyShardedAverager (see the file comment).
-template <Model M, class Backend, class T = typename detail::model_element<M>::type>
+/// A model's parameters fully sharded over a FullyShardedAverager (see the file comment). T: the
+/// element type of the model's parameters (their values and gradients, gathered and reduced in
+/// it); Master: of the shard the optimizer updates (float masters for a bfloat16 model, as
+/// MixedPrecisionPolicy's).
+template <Model M, class Backend, class T = typename detail::model_element<M>::type,
+          class Master = T>
 class FullyShard {
  public:
   /// The model's parameter type.
   using Param = detail::param_of_t<M>;
   /// The engine underneath.
-  using Averager = FullyShardedAverager<Backend, T>;
+  using Averager = FullyShardedAverager<Backend, Master, T, T>;
   /// The options.
   using Options = FullyShardOptions;
   /// Fills `values` with the initial values of elements [offset, offset + values.size()) of the
   /// model's parameter `param`: called for this rank's pieces only.
-  using Init = std::function<void(std::size_t param, std::size_t offset, std::span<T> values)>;
+  using Init = std::function<void(std::size_t param, std::size_t offset, std::span<Master> values)>;
 
   static_assert(detail::pointable_parameter<Param, T>,
                 "ddp::FullyShard points a unit's parameters at its gathered elements: specialize "
@@ -181,14 +189,14 @@ class FullyShard {
                      " is in no unit: list every parameter of the model in one unit");
     typename Averager::Init each;
     if (init)
-      each = [&](std::size_t u, std::size_t i, std::size_t offset, std::span<T> values) {
+      each = [&](std::size_t u, std::size_t i, std::size_t offset, std::span<Master> values) {
         init(units_[u].params[i], offset, values);
       };
     fsdp_ = std::make_unique<Averager>(comm, std::move(sizes), each);
     if (!init)
-      fsdp_->scatter_from(0, [&](std::size_t u, std::size_t i, std::span<T> out) {
+      fsdp_->scatter_from(0, [&](std::size_t u, std::size_t i, std::span<Master> out) {
         const TensorView<T> v = value(units_[u].params[i]);
-        std::copy(v.data, v.data + v.size, out.begin());
+        for (std::size_t k = 0; k < v.size; ++k) out[k] = detail::convert_value<Master>(v.data[k]);
       });
     for (Unit& un : units_) point(un, {}, {});
   }
@@ -306,7 +314,7 @@ class FullyShard {
   }
 
   /// This rank's shard (FullyShardedAverager::shard()).
-  [[nodiscard]] std::vector<ShardSlice<T>> shard() { return fsdp_->shard(); }
+  [[nodiscard]] std::vector<ShardSlice<Master>> shard() { return fsdp_->shard(); }
   /// The FullyShardedAverager underneath, between steps: save/load (sharded checkpoints at any
   /// world size, mirrors), gather_to, trim, layout().
   [[nodiscard]] Averager& averager() const noexcept { return *fsdp_; }

@@ -750,6 +750,66 @@ TEST_CASE(
   });
 }
 
+namespace {
+struct HalfParam {  // a bfloat16 model
+  std::span<ddp::bfloat16> value, grad;
+};
+}  // namespace
+
+TEST_CASE(
+    "FullyShard: a bfloat16 model with float masters trains bitwise as FullyShardedAverager<"
+    "float, bfloat16, bfloat16>") {
+  mp::run(3, ddp::HostTransport::shm, [](mp::Comm& comm) {
+    using B = ddp::bfloat16;
+    // The engine, its masters the initial values rounded to bfloat16.
+    ddp::FullyShardedAverager<ddp::backend::Host, float, B, B> engine(
+        comm, unit_sizes, [](std::size_t u, std::size_t i, std::size_t offset, std::span<float> v) {
+          for (std::size_t k = 0; k < v.size(); ++k)
+            v[k] = static_cast<float>(B(initial(u, i, offset + k)));
+        });
+    // The model: rank 0's bfloat16 values.
+    std::vector<std::vector<B>> memory;
+    std::vector<HalfParam> net;
+    for (std::size_t u = 0; u < unit_sizes.size(); ++u)
+      for (std::size_t i = 0; i < unit_sizes[u].size(); ++i) {
+        memory.emplace_back(unit_sizes[u][i]);
+        for (std::size_t k = 0; k < memory.back().size(); ++k)
+          memory.back()[k] = B(comm.rank() == 0 ? initial(u, i, k) : 0.0f);
+      }
+    for (auto& m : memory) net.push_back({m, {}});
+    ddp::FullyShard<std::vector<HalfParam>, ddp::backend::Host, B, float> fsdp(comm, net,
+                                                                               toy_units());
+    static_assert(std::is_same_v<decltype(fsdp.shard())::value_type, ddp::ShardSlice<float>>);
+    Optimizer opt_engine{true}, opt{true};
+    for (int step = 0; step < 10; ++step) {
+      sharded_step(engine, opt_engine, comm.rank(), step);
+      for (std::size_t u = 0; u < fsdp.units(); ++u) fsdp.forward(u, [] {});
+      for (std::size_t u = fsdp.units(); u-- > 0;)
+        fsdp.backward(u, [&] {
+          const auto& ids = fsdp.unit_parameters(u);
+          for (std::size_t j = 0; j < ids.size(); ++j) {
+            auto& p = net[ids[j]];
+            for (std::size_t k = 0; k < p.value.size(); ++k)
+              p.grad[k] = B(static_cast<float>(p.grad[k]) +
+                            gradient(u, j, k, static_cast<float>(p.value[k]), comm.rank(), step));
+          }
+        });
+      fsdp.step([&](auto shard) { opt.step(shard); });
+    }
+    std::vector<std::string> want;
+    engine.gather_to(0, [&](std::size_t, std::size_t, std::span<const float> v) {
+      want.emplace_back(reinterpret_cast<const char*>(v.data()), v.size_bytes());
+    });
+    std::size_t index = 0;
+    fsdp.averager().gather_to(0, [&](std::size_t u, std::size_t i, std::span<const float> v) {
+      MP_EXPECT(
+          want[index++] == std::string(reinterpret_cast<const char*>(v.data()), v.size_bytes()),
+          "unit " << u << " parameter " << i << ": the masters differ from the engine's");
+    });
+    MP_EXPECT(index == want.size(), index);
+  });
+}
+
 TEST_CASE("FullyShard: parameters of spans, units listed out of order and a unit unused") {
   mp::run(2, ddp::HostTransport::shm, [](mp::Comm& comm) {
     std::vector<std::vector<float>> memory{{1, 2, 3}, {4, 5}, {6, 7, 8, 9}};
