@@ -442,20 +442,26 @@ TEST_CASE(
   });
 }
 
-TEST_CASE(
-    "fully sharded: a lost rank's shard comes back from the in-memory copy on the rank "
-    "before it, no step lost, whether it died between steps or inside a backward's "
-    "all_gather and reduce_scatter") {
-  // The reference: 4 ranks to step 8 (GradientAverager, checked against the sharded run), then 3
-  // from its checkpoint to step 12.
-  mp::TempDir dir;
+namespace {
+// The reference for a rank of 4 lost at step 8: 4 ranks to step 8 (GradientAverager, checked
+// against the sharded run), then 3 from its checkpoint to step 12 (Adam): the model's bytes.
+std::string lost_rank_reference(const mp::TempDir& dir) {
   mp::run(4, ddp::HostTransport::shm, [&](mp::Comm& comm) {
     train_against_gradient_averager(comm, {.adam = true, .from = 0, .to = 8, .dir = dir.path});
   });
   mp::run(3, ddp::HostTransport::shm, [&](mp::Comm& comm) {
     train_against_gradient_averager(comm, {.adam = true, .from = 8, .to = 12, .dir = dir.path});
   });
-  const std::string want = mp::TempDir::read(dir.file("final"));
+  return mp::TempDir::read(dir.file("final"));
+}
+}  // namespace
+
+TEST_CASE(
+    "fully sharded: a lost rank's shard comes back from the in-memory copy on the rank "
+    "before it, no step lost, whether it died between steps or inside a backward's "
+    "all_gather and reduce_scatter") {
+  mp::TempDir dir;
+  const std::string want = lost_rank_reference(dir);
   REQUIRE(!want.empty());
   // Rank 2 of 4 dies at the start of step 8, or in its backward once the last unit's
   // reduce_scatter and the next unit's all_gather are on their way; each step was saved to the
@@ -930,15 +936,8 @@ TEST_CASE("FullyShard: units listed wrong, run twice, or parameters pointed away
 TEST_CASE(
     "fully sharded: in a ddp::Elastic loop a lost rank's shard comes back from the in-memory "
     "copies, no step lost, bitwise") {
-  // The reference, as above: 4 ranks to step 8, then 3 from its checkpoint to step 12.
   mp::TempDir dir;
-  mp::run(4, ddp::HostTransport::shm, [&](mp::Comm& comm) {
-    train_against_gradient_averager(comm, {.adam = true, .from = 0, .to = 8, .dir = dir.path});
-  });
-  mp::run(3, ddp::HostTransport::shm, [&](mp::Comm& comm) {
-    train_against_gradient_averager(comm, {.adam = true, .from = 8, .to = 12, .dir = dir.path});
-  });
-  const std::string want = mp::TempDir::read(dir.file("final"));
+  const std::string want = lost_rank_reference(dir);  // as above
   REQUIRE(!want.empty());
   // The loop in one object: each step saved to the mirror before Elastic commits it; on_reset
   // makes the averager again over the survivors (or resets the FullyShard over the toy model)
