@@ -23603,11 +23603,12 @@ DDP_END_NAMESPACE
 /// for this rank's pieces only, so that no rank ever holds the whole model (the parameters'
 /// sizes are read, not their values). Every rank must list the same units (Errc::mismatch) and
 /// run the same units' forwards and backwards in the same order (the gathers and reduces are
-/// collectives). Errc::invalid_argument for a parameter listed twice or in no unit, a unit run
-/// twice in one step's backward, and a parameter pointed elsewhere (given elements) while its
-/// unit was released. A parameter read outside forward() / backward() of its unit has no
-/// elements. An exception from a backward's fn leaves its unit's gradients partly added: this
-/// object then refuses every call until reset(comm) (after shrink(), say; then load the shard).
+/// collectives; checked at each step, Options::check_order: Errc::mismatch before the update).
+/// Errc::invalid_argument for a parameter listed twice or in no unit, a unit run twice in one
+/// step's backward, and a parameter pointed elsewhere (given elements) while its unit was released.
+/// A parameter read outside forward() / backward() of its unit has no elements. An exception from a
+/// backward's fn leaves its unit's gradients partly added: this object then refuses every call
+/// until reset(comm) (after shrink(), say; then load the shard).
 ///
 /// After a change of membership (ddp::Elastic's on_reset), reset(comm) shards the same units over
 /// the new world and the shard is loaded from a ShardMirror saved each step (averager().save(
@@ -26840,6 +26841,7 @@ DDP_END_NAMESPACE
 // end ddp/training/fully_sharded.hpp
 // #include "ddp/training/parameters.hpp" (already included above)
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -26892,6 +26894,10 @@ struct FullyShardOptions {
   bool reshard_after_forward = true;
   /// Gather the next unit in the background while one computes (forward and backward order).
   bool prefetch = true;
+  /// Check at each step, in one all_reduce of 16 bytes, that every rank ran the same units'
+  /// forwards and backwards in the same order (units of one size run in different orders would
+  /// otherwise mix their values up silently): Errc::mismatch before the update.
+  bool check_order = true;
 };
 
 /// A model's parameters fully sharded over a FullyShardedAverager (see the file comment). T: the
@@ -26952,15 +26958,15 @@ class FullyShard {
         un.params.push_back(i);
         un.offsets.push_back(un.elements);
         const std::size_t n = value(i).size;
-        if (n == 0)
-          detail::fail(Errc::invalid_argument, "rank ", comm.rank(), ": FullyShard: parameter ", i,
-                       " has no elements (a FullyShard made over this model before points its "
-                       "parameters at nothing: keep that one, and reset(comm) it after a change "
-                       "of membership)");
         un.sizes.push_back(n);
         un.elements += n;
         sizes.back().push_back(n);
       }
+      if (un.elements == 0)
+        detail::fail(Errc::invalid_argument, "rank ", comm.rank(), ": FullyShard: unit ", u,
+                     " has no elements (list parameters with elements in it; when a FullyShard "
+                     "made over this model before points its parameters at nothing, keep that "
+                     "one, and reset(comm) it after a change of membership)");
       units_.push_back(std::move(un));
     }
     for (std::size_t i = 0; i < owner.size(); ++i)
@@ -26998,7 +27004,9 @@ class FullyShard {
       un.forwarded = true;
       order_.push_back(u);
     }
-    synced_ = stepped_ = false;
+    note(u, 0);
+    synced_ = false;
+    ran_ = true;
     if (opt_.prefetch) {
       const std::size_t next = next_in_forward(u);
       if (next < units_.size() && !units_[next].forwarded) fsdp_->prefetch(next);
@@ -27020,7 +27028,9 @@ class FullyShard {
                    "shard already; call step() (or synchronize()) after each backward");
     gather(u, true);
     un.backwarded = true;
-    synced_ = stepped_ = false;
+    note(u, 1);
+    synced_ = false;
+    ran_ = true;
     if (opt_.prefetch) {
       for (std::size_t k = order_.size(); k-- > 1;) {
         if (order_[k] != u) continue;
@@ -27057,21 +27067,34 @@ class FullyShard {
     }
     if (!order_.empty()) last_order_ = order_;
     order_.clear();
+    const std::uint64_t trace = std::exchange(trace_, kTraceStart);
+    if (opt_.check_order) {
+      std::array<std::uint64_t, 2> seen{trace, ~trace};  // the largest and the smallest trace
+      comm_->all_reduce(std::span<std::uint64_t>(seen), ReduceOp::max);
+      if (seen[0] != trace || ~seen[1] != trace)
+        detail::fail(Errc::mismatch, "rank ", comm_->rank(),
+                     ": FullyShard: the ranks ran their units' forwards and backwards in "
+                     "different orders this step (the gathers and reduces are collectives, "
+                     "matched by their order: units of one size were mixed up); every rank must "
+                     "run the same units in the same order. The step's averages are wrong, so "
+                     "the shard was not updated");
+    }
     synced_ = true;
   }
 
   /// One step after the backward: synchronize(), then update(shard()) (the optimizer on the
-  /// shard's averaged gradients). Errc::invalid_argument for a second step() without a forward
-  /// or a backward between (it would apply the same averages again).
+  /// shard's averaged gradients). Errc::invalid_argument when no forward or backward ran since
+  /// the last step() (or since the FullyShard was made or reset): the update would apply the
+  /// same averages again, or zeros.
   template <class F>
   void step(F&& update) {
-    if (synced_ && stepped_)
+    if (!ran_)
       detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
-                   ": FullyShard::step: no forward or backward ran since the last step(), whose "
-                   "averaged gradients would be applied again; one step() per backward");
+                   ": FullyShard::step: no forward or backward ran since the last step() (or "
+                   "since the FullyShard was made or reset); one step() per backward");
     synchronize();
     std::forward<F>(update)(fsdp_->shard());
-    stepped_ = true;
+    ran_ = false;
   }
 
   /// Collective over `comm`, after a change of membership (Communicator::shrink, grow; in
@@ -27090,7 +27113,8 @@ class FullyShard {
     fsdp_ = std::make_unique<Averager>(comm, std::move(sizes), typename Averager::Init());
     order_.clear();
     last_order_.clear();
-    synced_ = stepped_ = broken_ = false;
+    synced_ = ran_ = broken_ = false;
+    trace_ = kTraceStart;
   }
 
   /// This rank's shard (FullyShardedAverager::shard()).
@@ -27199,6 +27223,11 @@ class FullyShard {
                      "parameter indices in the same units");
   }
 
+  /// Adds unit u's forward (kind 0) or backward (1) to this step's trace.
+  void note(std::size_t u, int kind) {
+    trace_ = (trace_ ^ (u * 2 + static_cast<std::size_t>(kind) + 1)) * 1099511628211ull;
+  }
+
   void check() const {
     if (broken_)
       detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
@@ -27221,8 +27250,10 @@ class FullyShard {
   std::unique_ptr<Averager> fsdp_;
   std::vector<std::size_t> order_, last_order_;  // units in forward order: this step's, the last
   bool synced_ = false;                          // synchronize() done, no forward since
-  bool stepped_ = false;                         // step() since the last forward or backward
-  bool broken_ = false;                          // a backward's fn threw
+  bool ran_ = false;  // a forward or backward since the last step() (or construction, reset)
+  static constexpr std::uint64_t kTraceStart = 1469598103934665603ull;
+  std::uint64_t trace_ = kTraceStart;  // this step's forwards and backwards, in order (FNV-1a)
+  bool broken_ = false;                // a backward's fn threw
 };
 
 /// Deduces the model and the backend: FullyShard fsdp(comm, model, units).

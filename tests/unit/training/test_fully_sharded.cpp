@@ -893,10 +893,12 @@ TEST_CASE("FullyShard: units listed wrong, run twice, or parameters pointed away
     fsdp.step([](auto) {});
     mp::expect_invalid("no forward or backward ran since the last step()",
                        [&] { fsdp.step([](auto) {}); });
-    mp::expect_invalid("parameter 0 has no elements (a FullyShard made over this model before",
-                       [&] {
-                         Shard again(comm, net, {{0, 1}, {2}});
-                       });
+    mp::expect_invalid(
+        "unit 0 has no elements (list parameters with elements in it; when a "
+        "FullyShard made over this model before",
+        [&] {
+          Shard again(comm, net, {{0, 1}, {2}});
+        });
     net[2].value = memory[2];  // pointed elsewhere while released
     mp::expect_invalid("parameter 2 of unit 1 was given 4 elements while the unit was released",
                        [&] { fsdp.forward(1, [] {}); });
@@ -917,6 +919,38 @@ TEST_CASE("FullyShard: units listed wrong, run twice, or parameters pointed away
     fsdp.forward(1, [&] {
       MP_EXPECT(net[2].value.size() == 4 && net[2].value[3] == 0.0f, "reset kept the shard");
     });
+    // Units of one size run in different orders on the ranks: refused at the step, before the
+    // update (the shard stays); a step with no forward or backward since construction refused.
+    std::vector<std::vector<float>> three{{1, 1}, {2, 2}, {}, {3, 3}};
+    std::vector<SpanParam> trio;
+    for (auto& m : three) trio.push_back({m, {}});
+    Shard ordered(comm, trio, {{0}, {1, 2}, {3}});  // parameter 2: no elements, in a unit
+    mp::expect_invalid(
+        "no forward or backward ran since the last step() (or since the FullyShard "
+        "was made or reset)",
+        [&] { ordered.step([](auto) {}); });
+    const auto nth = [&](std::size_t k) { return comm.rank() == 0 ? k : 2 - k; };
+    for (std::size_t k = 0; k < 3; ++k) ordered.forward(nth(k), [] {});
+    for (std::size_t k = 3; k-- > 0;)
+      ordered.backward(nth(k), [&] {
+        for (float& g : trio[ordered.unit_parameters(nth(k))[0]].grad) g += 1.0f;
+      });
+    bool updated = false;
+    try {
+      ordered.step([&](auto) { updated = true; });
+      MP_EXPECT(false, "units run in different orders were not noticed");
+    } catch (const ddp::Error& e) {
+      MP_EXPECT(e.code() == ddp::Errc::mismatch &&
+                    std::string(e.what()).find("different orders this step") != std::string::npos,
+                e.what());
+    }
+    MP_EXPECT(!updated, "the shard was updated from mixed-up averages");
+    std::vector<float> values;
+    ordered.averager().gather_to(0, [&](std::size_t, std::size_t, std::span<const float> v) {
+      values.insert(values.end(), v.begin(), v.end());
+    });
+    if (comm.rank() == 0)
+      MP_EXPECT((values == std::vector<float>{1, 1, 2, 2, 3, 3}), "the shard changed");
     // Two parameters of one size swapped between ranks' units: refused, not trained mixed up.
     std::vector<std::vector<float>> same{{1, 2}, {3, 4}};
     std::vector<SpanParam> pair{{same[0], {}}, {same[1], {}}};
