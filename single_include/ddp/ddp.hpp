@@ -26303,6 +26303,7 @@ DDP_END_NAMESPACE
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
@@ -26402,6 +26403,36 @@ template <class To, class From>
   else
     return static_cast<To>(static_cast<float>(x));
 }
+
+/// The order in which a step ran its units' forwards and backwards (FNV-1a over them), checked
+/// to be every rank's at the step's end: units of one size run in different orders would
+/// otherwise mix their values up without a mismatched collective to show it.
+class UnitOrder {
+ public:
+  /// Unit u's forward (backward = false) or backward ran.
+  void note(std::size_t u, bool backward) noexcept {
+    h_ = (h_ ^ (u * 2 + (backward ? 2 : 1))) * 1099511628211ull;
+  }
+  /// Collective (one all_reduce of 16 bytes): Errc::mismatch on every rank, naming `who`, when
+  /// the ranks' orders differ. Starts the next step's order either way.
+  template <class Comm>
+  void check(Comm& comm, const char* who) {
+    const std::uint64_t h = std::exchange(h_, kStart);
+    std::array<std::uint64_t, 2> seen{h, ~h};  // the largest order and the smallest
+    comm.all_reduce(std::span<std::uint64_t>(seen), ReduceOp::max);
+    if (seen[0] != h || ~seen[1] != h)
+      fail(Errc::mismatch, "rank ", comm.rank(), ": ", who,
+           ": the ranks ran their units' forwards and backwards in different orders this step "
+           "(the gathers and reduces are collectives, matched by their order: units of one size "
+           "were mixed up); every rank must run the same units in the same order. The step's "
+           "averages are wrong, so the shard was not updated");
+  }
+  void clear() noexcept { h_ = kStart; }
+
+ private:
+  static constexpr std::uint64_t kStart = 1469598103934665603ull;
+  std::uint64_t h_ = kStart;
+};
 
 }  // namespace detail
 
@@ -26841,7 +26872,6 @@ DDP_END_NAMESPACE
 // end ddp/training/fully_sharded.hpp
 // #include "ddp/training/parameters.hpp" (already included above)
 
-#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -27004,7 +27034,7 @@ class FullyShard {
       un.forwarded = true;
       order_.push_back(u);
     }
-    note(u, 0);
+    trace_.note(u, false);
     synced_ = false;
     ran_ = true;
     if (opt_.prefetch) {
@@ -27028,7 +27058,7 @@ class FullyShard {
                    "shard already; call step() (or synchronize()) after each backward");
     gather(u, true);
     un.backwarded = true;
-    note(u, 1);
+    trace_.note(u, true);
     synced_ = false;
     ran_ = true;
     if (opt_.prefetch) {
@@ -27067,18 +27097,10 @@ class FullyShard {
     }
     if (!order_.empty()) last_order_ = order_;
     order_.clear();
-    const std::uint64_t trace = std::exchange(trace_, kTraceStart);
-    if (opt_.check_order) {
-      std::array<std::uint64_t, 2> seen{trace, ~trace};  // the largest and the smallest trace
-      comm_->all_reduce(std::span<std::uint64_t>(seen), ReduceOp::max);
-      if (seen[0] != trace || ~seen[1] != trace)
-        detail::fail(Errc::mismatch, "rank ", comm_->rank(),
-                     ": FullyShard: the ranks ran their units' forwards and backwards in "
-                     "different orders this step (the gathers and reduces are collectives, "
-                     "matched by their order: units of one size were mixed up); every rank must "
-                     "run the same units in the same order. The step's averages are wrong, so "
-                     "the shard was not updated");
-    }
+    if (opt_.check_order)
+      trace_.check(*comm_, "FullyShard");
+    else
+      trace_.clear();
     synced_ = true;
   }
 
@@ -27114,7 +27136,7 @@ class FullyShard {
     order_.clear();
     last_order_.clear();
     synced_ = ran_ = broken_ = false;
-    trace_ = kTraceStart;
+    trace_.clear();
   }
 
   /// This rank's shard (FullyShardedAverager::shard()).
@@ -27223,11 +27245,6 @@ class FullyShard {
                      "parameter indices in the same units");
   }
 
-  /// Adds unit u's forward (kind 0) or backward (1) to this step's trace.
-  void note(std::size_t u, int kind) {
-    trace_ = (trace_ ^ (u * 2 + static_cast<std::size_t>(kind) + 1)) * 1099511628211ull;
-  }
-
   void check() const {
     if (broken_)
       detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
@@ -27250,10 +27267,9 @@ class FullyShard {
   std::unique_ptr<Averager> fsdp_;
   std::vector<std::size_t> order_, last_order_;  // units in forward order: this step's, the last
   bool synced_ = false;                          // synchronize() done, no forward since
-  bool ran_ = false;  // a forward or backward since the last step() (or construction, reset)
-  static constexpr std::uint64_t kTraceStart = 1469598103934665603ull;
-  std::uint64_t trace_ = kTraceStart;  // this step's forwards and backwards, in order (FNV-1a)
-  bool broken_ = false;                // a backward's fn threw
+  bool ran_ = false;         // a forward or backward since the last step() (or construction, reset)
+  detail::UnitOrder trace_;  // this step's forwards and backwards, in order
+  bool broken_ = false;      // a backward's fn threw
 };
 
 /// Deduces the model and the backend: FullyShard fsdp(comm, model, units).

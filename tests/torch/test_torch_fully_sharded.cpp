@@ -415,6 +415,29 @@ TEST_CASE("TorchFullyShard: what a user gets wrong is refused, naming the unit")
         (void)f.forward(4, [&] { return x; });
       });
     }
+    {
+      // Units of one size run in different orders on the ranks: Errc::mismatch at step(), before
+      // the update.
+      torch::nn::Linear a(16, 16), b(16, 16);
+      Fsdp f(comm, {a.ptr(), b.ptr()});
+      torch::Tensor h = torch::randn({5, 16});
+      for (const std::size_t u : {std::size_t{0}, std::size_t{1}}) {
+        const std::size_t unit = comm.rank() == 0 ? u : 1 - u;
+        h = f.forward(unit, [&] { return (unit == 0 ? a : b)(h); });
+      }
+      h.sum().backward();
+      torch::optim::SGD opt(f.parameters(), torch::optim::SGDOptions(0.1));
+      const at::Tensor before = f.parameters()[0].clone();
+      try {
+        f.step(opt);
+        MP_EXPECT(false, "units run in different orders were not noticed");
+      } catch (const ddp::Error& e) {
+        MP_EXPECT(e.code() == ddp::Errc::mismatch &&
+                      std::string(e.what()).find("different orders this step") != std::string::npos,
+                  e.what());
+      }
+      MP_EXPECT(f.parameters()[0].equal(before), "the shard was updated");
+    }
     // Ranks whose units differ: Errc::mismatch on every rank.
     Deep net;
     auto units = net->units();

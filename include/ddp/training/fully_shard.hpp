@@ -61,7 +61,6 @@
 #include "ddp/training/fully_sharded.hpp"
 #include "ddp/training/parameters.hpp"
 
-#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -224,7 +223,7 @@ class FullyShard {
       un.forwarded = true;
       order_.push_back(u);
     }
-    note(u, 0);
+    trace_.note(u, false);
     synced_ = false;
     ran_ = true;
     if (opt_.prefetch) {
@@ -248,7 +247,7 @@ class FullyShard {
                    "shard already; call step() (or synchronize()) after each backward");
     gather(u, true);
     un.backwarded = true;
-    note(u, 1);
+    trace_.note(u, true);
     synced_ = false;
     ran_ = true;
     if (opt_.prefetch) {
@@ -287,18 +286,10 @@ class FullyShard {
     }
     if (!order_.empty()) last_order_ = order_;
     order_.clear();
-    const std::uint64_t trace = std::exchange(trace_, kTraceStart);
-    if (opt_.check_order) {
-      std::array<std::uint64_t, 2> seen{trace, ~trace};  // the largest and the smallest trace
-      comm_->all_reduce(std::span<std::uint64_t>(seen), ReduceOp::max);
-      if (seen[0] != trace || ~seen[1] != trace)
-        detail::fail(Errc::mismatch, "rank ", comm_->rank(),
-                     ": FullyShard: the ranks ran their units' forwards and backwards in "
-                     "different orders this step (the gathers and reduces are collectives, "
-                     "matched by their order: units of one size were mixed up); every rank must "
-                     "run the same units in the same order. The step's averages are wrong, so "
-                     "the shard was not updated");
-    }
+    if (opt_.check_order)
+      trace_.check(*comm_, "FullyShard");
+    else
+      trace_.clear();
     synced_ = true;
   }
 
@@ -334,7 +325,7 @@ class FullyShard {
     order_.clear();
     last_order_.clear();
     synced_ = ran_ = broken_ = false;
-    trace_ = kTraceStart;
+    trace_.clear();
   }
 
   /// This rank's shard (FullyShardedAverager::shard()).
@@ -443,11 +434,6 @@ class FullyShard {
                      "parameter indices in the same units");
   }
 
-  /// Adds unit u's forward (kind 0) or backward (1) to this step's trace.
-  void note(std::size_t u, int kind) {
-    trace_ = (trace_ ^ (u * 2 + static_cast<std::size_t>(kind) + 1)) * 1099511628211ull;
-  }
-
   void check() const {
     if (broken_)
       detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
@@ -470,10 +456,9 @@ class FullyShard {
   std::unique_ptr<Averager> fsdp_;
   std::vector<std::size_t> order_, last_order_;  // units in forward order: this step's, the last
   bool synced_ = false;                          // synchronize() done, no forward since
-  bool ran_ = false;  // a forward or backward since the last step() (or construction, reset)
-  static constexpr std::uint64_t kTraceStart = 1469598103934665603ull;
-  std::uint64_t trace_ = kTraceStart;  // this step's forwards and backwards, in order (FNV-1a)
-  bool broken_ = false;                // a backward's fn threw
+  bool ran_ = false;         // a forward or backward since the last step() (or construction, reset)
+  detail::UnitOrder trace_;  // this step's forwards and backwards, in order
+  bool broken_ = false;      // a backward's fn threw
 };
 
 /// Deduces the model and the backend: FullyShard fsdp(comm, model, units).
