@@ -9,6 +9,7 @@
 #include "../unit/collective_cases.hpp"
 
 #include <ddp/backend/mpi.hpp>
+#include <ddp/training/fully_shard.hpp>
 #include <ddp/training/fully_sharded.hpp>
 #include <ddp/training/join.hpp>
 #include <ddp/training/sharded.hpp>
@@ -425,6 +426,86 @@ TEST_CASE(
       }
       ++q;
     });
+  });
+}
+
+TEST_CASE(
+    "FullyShard on backend::Mpi: a model of span parameters re-pointed at each unit, momentum "
+    "SGD equals GradientAverager's, units in different orders refused") {
+  on_world([](Mpi& comm) {
+    const int r = comm.rank();
+    struct Span {
+      std::span<float> value, grad;
+    };
+    const std::vector<std::size_t> sizes{37, 1001, 3, 129, 1, 20002, 64};
+    const std::vector<std::vector<std::size_t>> units{{0, 1}, {2, 3, 4}, {5, 6}};
+    std::vector<Param> full;
+    std::vector<std::vector<float>> memory;
+    std::vector<Span> net;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      Param prm{std::vector<float>(sizes[i]), std::vector<float>(sizes[i])};
+      for (std::size_t k = 0; k < sizes[i]; ++k)
+        prm.value[k] = 0.5f * std::sin(0.3f * static_cast<float>(k) + static_cast<float>(i));
+      memory.push_back(prm.value);
+      full.push_back(std::move(prm));
+    }
+    for (auto& m : memory) net.push_back({m, {}});
+    const auto gradient = [&](std::size_t i, std::size_t k, float v, int step) {
+      return v - std::cos(0.01f * static_cast<float>(k) + static_cast<float>(i) +
+                          static_cast<float>(r + step));
+    };
+    ddp::GradientAverager avg(comm, full);
+    ddp::FullyShard fsdp(comm, net, units);
+    std::vector<std::vector<float>> mom_full, mom;
+    for (auto& prm : full) mom_full.emplace_back(prm.value.size(), 0.0f);
+    for (auto& sl : fsdp.shard()) mom.emplace_back(sl.value.size, 0.0f);
+    for (int step = 0; step < 6; ++step) {
+      for (std::size_t i = 0; i < full.size(); ++i)
+        for (std::size_t k = 0; k < full[i].value.size(); ++k)
+          full[i].grad[k] = gradient(i, k, full[i].value[k], step);
+      avg.average();
+      for (std::size_t q = 0; q < full.size(); ++q)
+        for (std::size_t k = 0; k < full[q].value.size(); ++k) {
+          mom_full[q][k] = 0.9f * mom_full[q][k] + full[q].grad[k];
+          full[q].value[k] -= 0.1f * mom_full[q][k];
+        }
+      for (std::size_t u = 0; u < units.size(); ++u) fsdp.forward(u, [] {});
+      for (std::size_t u = units.size(); u-- > 0;)
+        fsdp.backward(u, [&] {
+          for (const std::size_t i : units[u])
+            for (std::size_t k = 0; k < net[i].value.size(); ++k)
+              net[i].grad[k] += gradient(i, k, net[i].value[k], step);
+        });
+      fsdp.step([&](std::vector<ddp::ShardSlice<float>> shard) {
+        for (std::size_t j = 0; j < shard.size(); ++j)
+          for (std::size_t k = 0; k < shard[j].value.size; ++k) {
+            mom[j][k] = 0.9f * mom[j][k] + shard[j].grad.data[k];
+            shard[j].value.data[k] -= 0.1f * mom[j][k];
+          }
+      });
+    }
+    std::size_t seen = 0;
+    fsdp.averager().gather_to(0, [&](std::size_t u, std::size_t i, std::span<const float> v) {
+      const auto& want = full[units[u][i]].value;
+      for (std::size_t k = 0; k < v.size(); ++k)
+        MP_EXPECT(std::abs(v[k] - want[k]) <= 1e-5f * std::max(1e-2f, std::abs(want[k])),
+                  "parameter " << units[u][i] << "[" << k << "]: " << v[k] << " vs " << want[k]);
+      ++seen;
+    });
+    MP_EXPECT(r != 0 || seen == full.size(), "gather_to handed " << seen << " parameters");
+    // Two units of one size run in opposite orders on the ranks: refused at the step.
+    if (comm.size() < 2) return;
+    std::vector<std::vector<float>> two{{1, 2}, {3, 4}};
+    std::vector<Span> pair{{two[0], {}}, {two[1], {}}};
+    ddp::FullyShard swapped(comm, pair, {{0}, {1}});
+    for (const std::size_t u : {std::size_t{0}, std::size_t{1}})
+      swapped.forward(r == 0 ? u : 1 - u, [] {});
+    try {
+      swapped.step([](auto) {});
+      MP_EXPECT(false, "units run in different orders were not noticed");
+    } catch (const ddp::Error& e) {
+      MP_EXPECT(e.code() == ddp::Errc::mismatch, e.what());
+    }
   });
 }
 
