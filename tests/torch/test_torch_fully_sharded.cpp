@@ -33,7 +33,8 @@ struct DeepImpl : torch::nn::Module {
     return fc3(torch::tanh(skip ? h : fc2(h)));
   }
   /// The same, a unit at a time.
-  torch::Tensor forward(Fsdp& f, const torch::Tensor& x, bool skip = false) {
+  template <class F>
+  torch::Tensor forward(F& f, const torch::Tensor& x, bool skip = false) {
     auto h = f.forward(0, [&] { return fc1(x); });
     h = f.forward(3, [&] { return torch::relu(h) * scale; });
     if (!skip) h = f.forward(1, [&] { return fc2(h); });
@@ -160,6 +161,49 @@ torch::Tensor sharded(Comm& comm, bool adam, int steps, ddp::TorchFullyShardOpti
 bool bitwise(const torch::Tensor& a, const torch::Tensor& b) {
   return a.sizes() == b.sizes() &&
          std::memcmp(a.data_ptr(), b.data_ptr(), static_cast<std::size_t>(a.nbytes())) == 0;
+}
+
+/// Mixed precision by hand, the reference: float masters, a bfloat16 copy of the module computing
+/// (its inputs cast), its bfloat16 gradients averaged by GradientAverager, the optimizer on the
+/// masters. The masters after `steps` steps.
+torch::Tensor whole_bf16(Comm& comm, int steps) {
+  torch::manual_seed(static_cast<std::uint64_t>(comm.rank()));
+  Deep net;
+  std::vector<torch::Tensor> masters;
+  for (auto& p : net->parameters()) masters.push_back(p.detach().clone());
+  net->to(torch::kBFloat16);
+  ddp::GradientAverager avg(comm, *net);  // copies rank 0's parameters
+  for (std::size_t i = 0; i < masters.size(); ++i) {
+    torch::NoGradGuard no_grad;
+    comm.broadcast(masters[i], 0);
+  }
+  Elementwise opt{true};
+  for (int k = 0; k < steps; ++k) {
+    {
+      torch::NoGradGuard no_grad;
+      std::size_t i = 0;
+      for (auto& p : net->parameters()) p.copy_(masters[i++]);  // rounded to bfloat16
+    }
+    const auto [x, y] = data(comm.rank(), k);
+    for (auto& p : net->parameters()) p.mutable_grad() = torch::zeros_like(p);
+    torch::mse_loss(net->forward(x.to(torch::kBFloat16)).to(torch::kFloat), y).backward();
+    avg.synchronize();
+    std::vector<torch::Tensor> grads;
+    std::vector<std::pair<float*, const float*>> xs;
+    std::vector<std::size_t> n;
+    std::size_t i = 0;
+    for (auto& p : net->parameters()) {
+      grads.push_back(p.grad().to(torch::kFloat));
+      xs.emplace_back(masters[i++].data_ptr<float>(), grads.back().data_ptr<float>());
+      n.push_back(static_cast<std::size_t>(p.numel()));
+    }
+    opt.step(xs, n);
+  }
+  net->to(torch::kFloat);
+  torch::NoGradGuard no_grad;
+  std::size_t i = 0;
+  for (auto& p : net->parameters()) p.copy_(masters[i++]);
+  return flat(net);  // in the units' order
 }
 
 }  // namespace
@@ -337,6 +381,46 @@ TEST_CASE(
     const auto out = f.forward(1, [&] { return block->forward(h); });
     mp::expect_refused(comm, "a parameter frozen after construction", "was frozen after",
                        [&] { torch::mse_loss(out, y).backward(); });
+  });
+}
+
+TEST_CASE(
+    "TorchFullyShard<Backend, bfloat16>: parameters gathered and computed in bfloat16, float "
+    "masters, bitwise mixed precision by hand over GradientAverager") {
+  mp::run(2, ddp::HostTransport::shm, [](Comm& comm) {
+    torch::set_num_threads(1);
+    const torch::Tensor want = whole_bf16(comm, 6);
+    torch::manual_seed(static_cast<std::uint64_t>(comm.rank()));
+    Deep net;
+    ddp::TorchFullyShard<ddp::backend::Host, ddp::bfloat16> f(comm, net->units());
+    MP_EXPECT(f.parameters()[0].scalar_type() == torch::kFloat, "the masters are not float");
+    Elementwise opt{true};
+    for (int k = 0; k < 6; ++k) {
+      const auto [x, y] = data(comm.rank(), k);
+      (void)f.forward(0, [&] {
+        MP_EXPECT(net->fc1->weight.scalar_type() == torch::kBFloat16,
+                  "gathered as " << net->fc1->weight.scalar_type());
+        return x;
+      });
+      f.synchronize();  // that forward's unit: nothing to reduce, no backward
+      torch::mse_loss(net->forward(f, x.to(torch::kBFloat16)).to(torch::kFloat), y).backward();
+      f.synchronize();
+      std::vector<std::pair<float*, const float*>> xs;
+      std::vector<std::size_t> n;
+      for (const auto& s : f.averager().shard()) {
+        xs.emplace_back(s.value.data, s.grad.data);
+        n.push_back(s.value.size);
+      }
+      opt.step(xs, n);
+    }
+    std::vector<torch::Tensor> parts;
+    f.averager().gather_to(0, [&](std::size_t, std::size_t, std::span<const float> v) {
+      parts.push_back(
+          torch::from_blob(const_cast<float*>(v.data()), {static_cast<std::int64_t>(v.size())})
+              .clone());
+    });
+    if (comm.rank() == 0)
+      MP_EXPECT(bitwise(torch::cat(parts), want), "the masters differ from the reference");
   });
 }
 

@@ -33,6 +33,11 @@
 /// weight's transpose) share one storage per unit whose memory is swapped in at each gather, so
 /// autograd sees the values gathered again.
 ///
+/// Mixed precision (MixedPrecisionPolicy(param_dtype = reduce_dtype = bfloat16)):
+/// TorchFullyShard<Backend, ddp::bfloat16> (or ddp::half) gathers the parameters in bfloat16, so
+/// the units compute in it (cast their inputs: x.to(torch::kBFloat16)), averages the bfloat16
+/// gradients and keeps float masters in the shard for the optimizer (parameters() are float).
+///
 /// On backend::Host the averages are GradientAverager's bitwise, so with the same elementwise
 /// optimizer a run is bitwise a GradientAverager run. parameters() are 1-D tensors sharing the
 /// shard's slices (as TorchShard's): torch::optim keeps state for this rank's shard only.
@@ -88,12 +93,19 @@ struct TorchFullyShardOptions {
   bool check_order = true;
 };
 
-/// libtorch modules fully sharded over a FullyShardedAverager (see the file comment).
-template <class Backend>
+/// libtorch modules fully sharded over a FullyShardedAverager (see the file comment). ParamT:
+/// what the parameters are gathered, computed and reduced in (float; ddp::bfloat16 or ddp::half
+/// for mixed precision, as MixedPrecisionPolicy's param_dtype = reduce_dtype), the shard's masters
+/// staying float.
+template <class Backend, class ParamT = float>
 class TorchFullyShard {
+  static_assert(std::is_same_v<ParamT, float> || std::is_same_v<ParamT, bfloat16> ||
+                    std::is_same_v<ParamT, half>,
+                "TorchFullyShard gathers parameters in float, ddp::bfloat16 or ddp::half");
+
  public:
-  /// The engine underneath (float shards).
-  using Averager = FullyShardedAverager<Backend, float>;
+  /// The engine underneath (float shards, parameters and gradients in ParamT).
+  using Averager = FullyShardedAverager<Backend, float, ParamT, ParamT>;
   /// The options.
   using Options = TorchFullyShardOptions;
 
@@ -274,7 +286,7 @@ class TorchFullyShard {
     c10::Storage storage;  // the gathered values (swapped in and out), shared by every view
     int trainable = 0, pending = 0;
     bool gathered = false, in_backward = false, reduced = false, forwarded = false;
-    float* grads = nullptr;  // its gradient buffer during its backward
+    ParamT* grads = nullptr;  // its gradient buffer during its backward
   };
 
   /// Each parameter to the smallest listed module holding it.
@@ -339,14 +351,14 @@ class TorchFullyShard {
 
   /// Points unit `un`'s storage at `data` (its gathered values; nullptr: released) and its
   /// parameters at their parts of it (no elements when released).
-  void point(Unit& un, float* data, std::size_t elements) {
+  void point(Unit& un, ParamT* data, std::size_t elements) {
     at::NoGradGuard no_grad;
     c10::StorageImpl* s = un.storage.unsafeGetStorageImpl();
     s->set_data_ptr_noswap(data == nullptr
                                ? at::DataPtr(nullptr, at::Device(at::kCPU))
                                : at::DataPtr(data, data, &no_delete, at::Device(at::kCPU)));
-    s->set_nbytes(elements * sizeof(float));
-    const auto options = at::TensorOptions().dtype(at::kFloat).device(at::kCPU);
+    s->set_nbytes(elements * sizeof(ParamT));
+    const auto options = at::TensorOptions().dtype(kParam).device(at::kCPU);
     for (Param& q : un.params) {
       if (data == nullptr) {
         q.tensor.set_data(at::empty({0}, options));
@@ -374,7 +386,7 @@ class TorchFullyShard {
                      " elements while the unit was released (the shard holds its ", q.numel,
                      "): a fully sharded parameter keeps its shape; make the TorchFullyShard "
                      "again after changing the model");
-    const std::span<float> values = fsdp_->gather(u);
+    const std::span<ParamT> values = fsdp_->gather(u);
     point(un, values.data(), values.size());
   }
 
@@ -421,8 +433,8 @@ class TorchFullyShard {
       }
     }
     gather(u);
-    const std::span<float> g = fsdp_->grad(u);
-    const auto options = at::TensorOptions().dtype(at::kFloat).device(at::kCPU);
+    const std::span<ParamT> g = fsdp_->grad(u);
+    const auto options = at::TensorOptions().dtype(kParam).device(at::kCPU);
     for (Param& q : un.params)
       q.tensor.mutable_grad() = at::from_blob(g.data() + q.offset, q.sizes, options);
     un.grads = g.data();
@@ -520,6 +532,11 @@ class TorchFullyShard {
                    ": unit ", u, " of ", units_.size());
     return units_[u];
   }
+
+  /// ParamT as torch's dtype.
+  static constexpr at::ScalarType kParam = std::is_same_v<ParamT, float>      ? at::kFloat
+                                           : std::is_same_v<ParamT, bfloat16> ? at::kBFloat16
+                                                                              : at::kHalf;
 
   Communicator<Backend>* comm_;
   Options opt_;
