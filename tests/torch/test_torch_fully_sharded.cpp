@@ -472,8 +472,15 @@ TEST_CASE("TorchFullyShard: what a user gets wrong is refused, naming the unit")
       Deep net;
       Fsdp f(comm, net->units());
       torch::mse_loss(net->forward(f, x), y).backward();
-      mp::expect_refused(comm, "a second backward before step()", "runs again before step()",
+      mp::expect_refused(comm, "a second forward and backward before step()",
+                         "'s forward runs again after its backward, before step()",
                          [&] { torch::mse_loss(net->forward(f, x), y).backward(); });
+      {  // evaluating between the backward and the step is fine
+        torch::NoGradGuard no_grad;
+        MP_EXPECT(net->forward(f, x).sizes() == y.sizes(), "the evaluation's output");
+      }
+      torch::optim::SGD opt(f.parameters(), torch::optim::SGDOptions(0.1));
+      f.step(opt);
     }
     {
       Deep net;

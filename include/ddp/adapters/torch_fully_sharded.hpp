@@ -47,10 +47,13 @@
 /// forward(u, fn) (so that nothing gathered them for the backward) fail the backward with
 /// Errc::invalid_argument naming the unit; so do a parameter changed in size between forwards
 /// or frozen / unfrozen after construction, a view of a unit's own parameters returned from its
-/// fn (return a copy), a backward with create_graph, a second backward before step(), and a
-/// torch optimizer given to step() over other tensors than parameters(). A torch error inside fn
-/// while other units are released (their parameters have no elements) comes back as
-/// Errc::invalid_argument naming those units and torch's message. A module run outside forward()
+/// fn (return a copy), a backward with create_graph, a unit's forward again after its backward
+/// before step() (with grad mode on: one forward and backward per step; evaluating under
+/// torch::NoGradGuard is fine), and a torch optimizer given to step() over other tensors than
+/// parameters(). A torch error inside fn while other units are released (their parameters have
+/// no elements) comes back as Errc::invalid_argument naming those units and torch's message.
+/// synchronize() (and step()) ends a step: a later backward's averages replace the shard's
+/// gradients, they are not added to them. A module run outside forward()
 /// sees its parameters without elements (torch's own error); a parameter replaced by another
 /// tensor (module->weight = t) is not seen. Frozen parameters (requires_grad false) are sharded
 /// too; their shard tensors get no gradient, so torch's optimizers leave them alone. A unit's
@@ -168,6 +171,11 @@ class TorchFullyShard {
   template <class F>
   decltype(auto) forward(std::size_t u, F&& fn) {
     Unit& un = at(u, "forward");
+    if ((un.reduced || un.in_backward) && c10::GradMode::is_enabled())
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": TorchFullyShard: unit ", u,
+                   "'s forward runs again after its backward, before step(): one forward and "
+                   "backward per step (accumulate over a larger batch); call fsdp.step(opt) "
+                   "first, or run the forward under torch::NoGradGuard to evaluate");
     gather(u);
     if (!un.forwarded) {
       un.forwarded = true;
@@ -499,11 +507,19 @@ class TorchFullyShard {
       std::string released;
       for (std::size_t k = 0; k < units_.size(); ++k)
         if (!units_[k].gathered) released += (released.empty() ? "" : ", ") + std::to_string(k);
-      if (released.empty()) throw;
-      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": TorchFullyShard: unit ", u,
-                   "'s forward failed: ", e.what_without_backtrace(), " (units ", released,
-                   " are released: their parameters have no elements; a unit's parameters are "
-                   "there only inside fsdp.forward(unit, fn))");
+      if (released.empty() && std::is_same_v<ParamT, float>) throw;
+      detail::fail(
+          Errc::invalid_argument, "rank ", comm_->rank(), ": TorchFullyShard: unit ", u,
+          "'s forward failed: ", e.what_without_backtrace(),
+          std::is_same_v<ParamT, float>
+              ? ""
+              : " (the units compute in 16 bits: cast their inputs, x.to(torch::kBFloat16) "
+                "or kHalf, inside fn)",
+          released.empty() ? "" : " (units ", released,
+          released.empty() ? ""
+                           : " are released, their parameters without elements: a "
+                             "unit's parameters are there only inside "
+                             "fsdp.forward(unit, fn))");
     }
   }
 
