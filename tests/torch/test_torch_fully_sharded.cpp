@@ -120,7 +120,8 @@ torch::Tensor whole(Comm& comm, bool adam, int steps, bool skip = false) {
 }
 
 /// The whole model at rank 0, a tensor per parameter (none elsewhere).
-std::vector<torch::Tensor> gathered(Fsdp& f) {
+template <class F>
+std::vector<torch::Tensor> gathered(F& f) {
   std::vector<torch::Tensor> parts;
   f.averager().gather_to(0, [&](std::size_t, std::size_t, std::span<const float> v) {
     parts.push_back(
@@ -413,12 +414,7 @@ TEST_CASE(
       }
       opt.step(xs, n);
     }
-    std::vector<torch::Tensor> parts;
-    f.averager().gather_to(0, [&](std::size_t, std::size_t, std::span<const float> v) {
-      parts.push_back(
-          torch::from_blob(const_cast<float*>(v.data()), {static_cast<std::int64_t>(v.size())})
-              .clone());
-    });
+    const auto parts = gathered(f);
     if (comm.rank() == 0)
       MP_EXPECT(bitwise(torch::cat(parts), want), "the masters differ from the reference");
   });
