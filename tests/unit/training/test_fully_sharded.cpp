@@ -977,8 +977,9 @@ TEST_CASE(
   // makes the averager again over the survivors (or resets the FullyShard over the toy model)
   // and loads the restored commit's save. Rank 2 dies at the start of step 8, or inside its
   // backward.
-  for (const auto& [inside, whole_model] : {std::pair{false, false}, std::pair{true, false},
-                                            std::pair{false, true}, std::pair{true, true}}) {
+  for (const auto& way : {std::pair{false, false}, std::pair{true, false}, std::pair{false, true},
+                          std::pair{true, true}}) {
+    const bool inside = way.first, whole_model = way.second;  // (clang 14: no binding captures)
     CAPTURE(inside);
     CAPTURE(whole_model);
     ddp::SpawnOptions so;
