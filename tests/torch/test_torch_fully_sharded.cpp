@@ -131,6 +131,18 @@ std::vector<torch::Tensor> gathered(F& f) {
   return parts;
 }
 
+/// The elementwise optimizer on a fully sharded module's shard (its averaged gradients).
+template <class F>
+void shard_step(F& f, Elementwise& opt) {
+  std::vector<std::pair<float*, const float*>> xs;
+  std::vector<std::size_t> n;
+  for (const auto& s : f.averager().shard()) {
+    xs.emplace_back(s.value.data, s.grad.data);
+    n.push_back(s.value.size);
+  }
+  opt.step(xs, n);
+}
+
 /// The same run fully sharded; the whole model gathered to rank 0 after it (empty elsewhere).
 torch::Tensor sharded(Comm& comm, bool adam, int steps, ddp::TorchFullyShardOptions o,
                       bool skip = false) {
@@ -145,13 +157,7 @@ torch::Tensor sharded(Comm& comm, bool adam, int steps, ddp::TorchFullyShardOpti
     torch::mse_loss(net->forward(f, x, skip && k % 3 == 1), y).backward();
     f.synchronize();
     if (k % 2 == 0) f.synchronize();  // again: nothing more (the averages stay)
-    std::vector<std::pair<float*, const float*>> xs;
-    std::vector<std::size_t> n;
-    for (const auto& s : f.averager().shard()) {
-      xs.emplace_back(s.value.data, s.grad.data);
-      n.push_back(s.value.size);
-    }
-    opt.step(xs, n);
+    shard_step(f, opt);
     for (const auto& p : net->parameters())
       MP_EXPECT(p.numel() == 0 && !p.grad().defined(), "unit not released after step " << k);
   }
@@ -403,16 +409,9 @@ TEST_CASE(
                   "gathered as " << net->fc1->weight.scalar_type());
         return x;
       });
-      f.synchronize();  // that forward's unit: nothing to reduce, no backward
       torch::mse_loss(net->forward(f, x.to(torch::kBFloat16)).to(torch::kFloat), y).backward();
       f.synchronize();
-      std::vector<std::pair<float*, const float*>> xs;
-      std::vector<std::size_t> n;
-      for (const auto& s : f.averager().shard()) {
-        xs.emplace_back(s.value.data, s.grad.data);
-        n.push_back(s.value.size);
-      }
-      opt.step(xs, n);
+      shard_step(f, opt);
     }
     const auto parts = gathered(f);
     if (comm.rank() == 0)

@@ -61,6 +61,7 @@
 #include "ddp/training/fully_sharded.hpp"
 #include "ddp/training/parameters.hpp"
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -73,6 +74,53 @@
 DDP_BEGIN_NAMESPACE
 
 namespace detail {
+
+/// The unit after u in `order` (a step's forward order): `none` when u comes last or not at all;
+/// u + 1 while no order is known yet (the first step).
+inline std::size_t unit_after(const std::vector<std::size_t>& order, std::size_t u,
+                              std::size_t none) {
+  for (std::size_t k = 0; k + 1 < order.size(); ++k)
+    if (order[k] == u) return order[k + 1];
+  return order.empty() ? u + 1 : none;
+}
+
+/// The unit before the last u in `order` (the next one a backward reaches), or `none`.
+inline std::size_t unit_before(const std::vector<std::size_t>& order, std::size_t u,
+                               std::size_t none) {
+  for (std::size_t k = order.size(); k-- > 1;)
+    if (order[k] == u) return order[k - 1];
+  return none;
+}
+
+/// The order in which a step ran its units' forwards and backwards (FNV-1a over them), checked
+/// to be every rank's at the step's end: units of one size run in different orders would
+/// otherwise mix their values up without a mismatched collective to show it.
+class UnitOrder {
+ public:
+  /// Unit u's forward (backward = false) or backward ran.
+  void note(std::size_t u, bool backward) noexcept {
+    h_ = (h_ ^ (u * 2 + (backward ? 2 : 1))) * 1099511628211ull;
+  }
+  /// Collective (one all_reduce of 16 bytes): Errc::mismatch on every rank, naming `who`, when
+  /// the ranks' orders differ. Starts the next step's order either way.
+  template <class Comm>
+  void check(Comm& comm, const char* who) {
+    const std::uint64_t h = std::exchange(h_, kStart);
+    std::array<std::uint64_t, 2> seen{h, ~h};  // the largest order and the smallest
+    comm.all_reduce(std::span<std::uint64_t>(seen), ReduceOp::max);
+    if (seen[0] != h || ~seen[1] != h)
+      fail(Errc::mismatch, "rank ", comm.rank(), ": ", who,
+           ": the ranks ran their units' forwards and backwards in different orders this step "
+           "(the gathers and reduces are collectives, matched by their order: units of one size "
+           "were mixed up); every rank must run the same units in the same order. The step's "
+           "averages are wrong, so the shard was not updated");
+  }
+  void clear() noexcept { h_ = kStart; }
+
+ private:
+  static constexpr std::uint64_t kStart = 1469598103934665603ull;
+  std::uint64_t h_ = kStart;
+};
 
 /// P's value and gradient can be pointed at a unit's elements: parameter_traits<P>::point, or
 /// members assignable from std::span<T> or TensorView<T>.
@@ -227,7 +275,7 @@ class FullyShard {
     synced_ = false;
     ran_ = true;
     if (opt_.prefetch) {
-      const std::size_t next = next_in_forward(u);
+      const std::size_t next = detail::unit_after(last_order_, u, units_.size());
       if (next < units_.size() && !units_[next].forwarded) fsdp_->prefetch(next);
     }
     return run(u, std::forward<F>(fn), [&] {
@@ -251,11 +299,8 @@ class FullyShard {
     synced_ = false;
     ran_ = true;
     if (opt_.prefetch) {
-      for (std::size_t k = order_.size(); k-- > 1;) {
-        if (order_[k] != u) continue;
-        if (!units_[order_[k - 1]].backwarded) fsdp_->prefetch(order_[k - 1]);
-        break;
-      }
+      const std::size_t before = detail::unit_before(order_, u, units_.size());
+      if (before < units_.size() && !units_[before].backwarded) fsdp_->prefetch(before);
     }
     try {
       std::forward<F>(fn)();
@@ -378,8 +423,8 @@ class FullyShard {
           detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": FullyShard: parameter ",
                        i, " of unit ", u, " was given ", n,
                        " elements while the unit was released: a fully sharded parameter points "
-                       "where FullyShard points it; make the FullyShard again after changing the "
-                       "model");
+                       "where FullyShard points it (a changed model needs a new FullyShard, over "
+                       "parameters with their memory)");
     const std::span<T> values = fsdp_->gather(u);
     point(un, values, grads ? fsdp_->grad(u) : std::span<T>());
   }
@@ -409,13 +454,6 @@ class FullyShard {
       release(u);
       throw;
     }
-  }
-
-  /// The unit after u in the last step's forward order (the next index before a step is done).
-  [[nodiscard]] std::size_t next_in_forward(std::size_t u) const {
-    for (std::size_t k = 0; k + 1 < last_order_.size(); ++k)
-      if (last_order_[k] == u) return last_order_[k + 1];
-    return last_order_.empty() ? u + 1 : units_.size();
   }
 
   /// Every rank lists the same parameters in the same units (sizes alone would let two ranks

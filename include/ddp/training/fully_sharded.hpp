@@ -70,7 +70,6 @@
 #include <sys/mman.h>
 
 #include <algorithm>
-#include <array>
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
@@ -170,36 +169,6 @@ template <class To, class From>
   else
     return static_cast<To>(static_cast<float>(x));
 }
-
-/// The order in which a step ran its units' forwards and backwards (FNV-1a over them), checked
-/// to be every rank's at the step's end: units of one size run in different orders would
-/// otherwise mix their values up without a mismatched collective to show it.
-class UnitOrder {
- public:
-  /// Unit u's forward (backward = false) or backward ran.
-  void note(std::size_t u, bool backward) noexcept {
-    h_ = (h_ ^ (u * 2 + (backward ? 2 : 1))) * 1099511628211ull;
-  }
-  /// Collective (one all_reduce of 16 bytes): Errc::mismatch on every rank, naming `who`, when
-  /// the ranks' orders differ. Starts the next step's order either way.
-  template <class Comm>
-  void check(Comm& comm, const char* who) {
-    const std::uint64_t h = std::exchange(h_, kStart);
-    std::array<std::uint64_t, 2> seen{h, ~h};  // the largest order and the smallest
-    comm.all_reduce(std::span<std::uint64_t>(seen), ReduceOp::max);
-    if (seen[0] != h || ~seen[1] != h)
-      fail(Errc::mismatch, "rank ", comm.rank(), ": ", who,
-           ": the ranks ran their units' forwards and backwards in different orders this step "
-           "(the gathers and reduces are collectives, matched by their order: units of one size "
-           "were mixed up); every rank must run the same units in the same order. The step's "
-           "averages are wrong, so the shard was not updated");
-  }
-  void clear() noexcept { h_ = kStart; }
-
- private:
-  static constexpr std::uint64_t kStart = 1469598103934665603ull;
-  std::uint64_t h_ = kStart;
-};
 
 }  // namespace detail
 

@@ -182,7 +182,7 @@ class TorchFullyShard {
     }
     trace_.note(u, false);
     if (opt_.prefetch) {
-      const std::size_t next = next_in_forward(u);
+      const std::size_t next = detail::unit_after(last_order_, u, units_.size());
       if (next < units_.size() && !units_[next].forwarded) fsdp_->prefetch(next);
     }
     using R = decltype(std::forward<F>(fn)());
@@ -405,13 +405,6 @@ class TorchFullyShard {
     fsdp_->release(u);
   }
 
-  /// The unit after u in the last step's forward order (the next index before a step is done).
-  [[nodiscard]] std::size_t next_in_forward(std::size_t u) const {
-    for (std::size_t k = 0; k + 1 < last_order_.size(); ++k)
-      if (last_order_[k] == u) return last_order_[k + 1];
-    return last_order_.empty() ? u + 1 : units_.size();
-  }
-
   /// From the hook on unit u's outputs: gathered again, autograd's gradients pointed at the
   /// unit's gradient buffer, the unit before it (in this step's forward order) prefetched.
   void before_backward(std::size_t u) {
@@ -451,12 +444,9 @@ class TorchFullyShard {
     un.pending = un.trainable;
     backward_.push_back(u);
     if (!opt_.prefetch) return;
-    for (std::size_t k = order_.size(); k-- > 1;) {
-      if (order_[k] != u) continue;
-      const Unit& before = units_[order_[k - 1]];
-      if (!before.in_backward && !before.reduced) fsdp_->prefetch(order_[k - 1]);
-      break;
-    }
+    const std::size_t before = detail::unit_before(order_, u, units_.size());
+    if (before < units_.size() && !units_[before].in_backward && !units_[before].reduced)
+      fsdp_->prefetch(before);
   }
 
   /// From an AccumulateGrad post hook of unit u: the unit is reduced once every parameter has
