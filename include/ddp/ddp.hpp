@@ -66,6 +66,7 @@
 #include "ddp/training/sharded.hpp"
 #include "ddp/training/sharded_checkpoint.hpp"
 #include "ddp/training/state.hpp"
+#include "ddp/training/unit_memory.hpp"
 #include "ddp/work.hpp"
 
 DDP_BEGIN_NAMESPACE

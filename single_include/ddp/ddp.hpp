@@ -23663,6 +23663,13 @@ DDP_END_NAMESPACE
 /// Uneven inputs: a Joinable (ddp::Join) once on_join_step(update) says how a rank updates its
 /// shard; a rank whose inputs are done answers the others' steps and keeps its shard current.
 ///
+/// Memory (FullyShardedOptions): units gathered and the shard kept on the host, or on a CUDA
+/// device (backend::Nccl's default: the communicator's device; backend::Host stages through
+/// pinned memory), or units on the device and the shard on the host (`offload`, as FSDP2's
+/// CPUOffloadPolicy). gather() and grad() then return device memory, shard() device views (the
+/// optimizer runs where the shard is); init, gather_to and scatter_from stay host memory,
+/// copied through. Mixed precision on a device converts this rank's block through the host.
+///
 /// save(path, state) / load(path) are ShardedAverager's sharded checkpoints (a set loads at any
 /// world size), save(mirror, tag) / load(mirror) its in-memory copies for recovery;
 /// gather_to(root, fn) hands `root` the whole model a unit at a time, for export.
@@ -24311,8 +24318,10 @@ Checkpoint reshard_held(Comm& comm, const ShardSet& set, std::map<std::uint64_t,
                      out_bytes.append(reinterpret_cast<const char*>(b.data()) + from, n);
                    });
   got.resize(total_recv);
-  comm.all_to_all(std::span(reinterpret_cast<std::uint8_t*>(out_bytes.data()), out_bytes.size()),
-                  std::span(reinterpret_cast<std::uint8_t*>(got.data()), got.size()), send, recv);
+  on_host_data(comm,  // through the device on backend::Nccl
+               std::span(reinterpret_cast<std::uint8_t*>(out_bytes.data()), out_bytes.size()),
+               std::span(reinterpret_cast<std::uint8_t*>(got.data()), got.size()),
+               [&](auto& from, auto& into) { comm.all_to_all(from, into, send, recv); });
   std::size_t at = 0;
   for (std::uint64_t s = 0; s < m; ++s) {
     for_each_piece(
@@ -24484,7 +24493,8 @@ struct MirrorAccess {
       out_counts[before] = s.own.size();
       in_counts[after] = static_cast<std::size_t>(sizes[after]);
       s.next.resize(in_counts[after]);
-      comm.all_to_all(bytes(s.own), bytes(s.next), out_counts, in_counts);
+      on_host_data(comm, bytes(s.own), bytes(s.next),  // through the device on backend::Nccl
+                   [&](auto& in, auto& out) { comm.all_to_all(in, out, out_counts, in_counts); });
     } else {
       s.next.clear();
     }
@@ -26298,25 +26308,60 @@ ShardedAverager(Communicator<Backend>&, M&, ShardedOptions = {})
 DDP_END_NAMESPACE
 // end ddp/training/sharded.hpp
 // #include "ddp/training/sharded_checkpoint.hpp" (already included above)
-// #include "ddp/work.hpp" (already included above)
+// begin ddp/training/unit_memory.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Where the fully sharded engine keeps its arrays (ddp/training/fully_sharded.hpp): a shard's
+/// blocks, a gathered unit, a unit's gradients. In pages of their own on the host (returned to
+/// the system when freed, so a released unit never stays resident in malloc's heap), or in a
+/// CUDA device's memory, ordered on the stream the program computes on (builds with CUDA); and
+/// FullyShardedOptions, where the program asks for which.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/tensor.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+#if DDP_HAS_CUDA
+// #include "ddp/cuda.hpp" (already included above)
+#endif
 
 #include <sys/mman.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <cstddef>
-#include <cstdint>
 #include <cstring>
-#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
-#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
+
+/// Where FullyShardedAverager gathers units and keeps the shard.
+struct FullyShardedOptions {
+  /// Where units are gathered and their gradients written: the host, or a CUDA device (by
+  /// default the host, or on a backend that moves device memory only, backend::Nccl, the
+  /// communicator's device). The shard lives there too, unless `offload`.
+  std::optional<Device> device{};
+  /// Keep the shard (its values, their averaged gradients and so the optimizer's state) in host
+  /// memory while units are gathered on the CUDA device, as FSDP2's CPUOffloadPolicy: each
+  /// gather copies this rank's block in, each reduce copies the averaged block out, and the
+  /// optimizer runs on the host. (With units on the host too it changes nothing.)
+  bool offload = false;
+  /// The CUDA stream the program computes on with gathered units (nullptr: the legacy default
+  /// stream). The engine copies and communicates on a stream of its own, ordered against this
+  /// one by events (a prefetch or a reduce runs beside the program's kernels), and the shard's
+  /// views carry this stream for the optimizer.
+  void* stream = nullptr;
+};
+
 namespace detail {
 
 /// A zero-filled array of n T's in pages of its own, returned to the system when it goes: a
@@ -26361,34 +26406,195 @@ class PageArray {
   std::size_t size_ = 0;
 };
 
+/// Where an array lives: the host, or a CUDA device with the stream its work is ordered on.
+struct Place {
+  Device device = Device::cpu();
+  void* stream = nullptr;
+  [[nodiscard]] bool cuda() const noexcept { return device.is_cuda(); }
+};
+
+/// n T's at a Place, zero-filled when made: host pages (PageArray), or CUDA memory (zeroed on
+/// the place's stream). view() is the TensorView a collective takes (device and stream).
+template <class T>
+class UnitArray {
+ public:
+  UnitArray() = default;
+  /// Errc::system (host) or Errc::backend (device) naming `what` when the memory cannot be had.
+  UnitArray(std::size_t n, Place at, int rank, const char* what) : at_(at) {
+    if (!at.cuda()) {
+      host_ = PageArray<T>(n, rank, what);
+      return;
+    }
+#if DDP_HAS_CUDA
+    try {
+      dev_ = CudaBuffer<T>(n, at.device.index, static_cast<cudaStream_t>(at.stream));
+    } catch (const Error& e) {
+      fail(Errc::backend, "rank ", rank, ": FullyShardedAverager: no memory on ",
+           to_string(at.device), " for ", what, " (", n * sizeof(T), " bytes): ", e.what(),
+           "; shard the model over more ranks, cut its units smaller or offload the shard");
+    }
+    zero();
+#else
+    fail(Errc::unsupported, "rank ", rank, ": FullyShardedAverager: ", what, " on ",
+         to_string(at.device), " but ddp was built without CUDA (link the ddp::cuda target)");
+#endif
+  }
+
+  [[nodiscard]] T* data() const noexcept {
+#if DDP_HAS_CUDA
+    if (at_.cuda()) return const_cast<T*>(dev_.data());
+#endif
+    return host_.data();
+  }
+  [[nodiscard]] std::size_t size() const noexcept {
+#if DDP_HAS_CUDA
+    if (at_.cuda()) return dev_.size();
+#endif
+    return host_.size();
+  }
+  [[nodiscard]] bool empty() const noexcept { return size() == 0; }
+  [[nodiscard]] const Place& place() const noexcept { return at_; }
+
+  /// Elements [at, at + n) as a TensorView on the array's device, with its stream.
+  [[nodiscard]] TensorView<T> view(std::size_t at, std::size_t n) const noexcept {
+    return {data() + at, n, at_.device, at_.stream};
+  }
+  [[nodiscard]] TensorView<T> view() const noexcept { return view(0, size()); }
+
+  /// Every element zero (on a device: ordered on the stream, asynchronously).
+  void zero() {
+    if (empty()) return;
+#if DDP_HAS_CUDA
+    if (at_.cuda()) {
+      DDP_CUDA_CHECK(
+          cudaMemsetAsync(dev_.data(), 0, dev_.bytes(), static_cast<cudaStream_t>(at_.stream)));
+      return;
+    }
+#endif
+    std::memset(static_cast<void*>(host_.data()), 0, host_.size() * sizeof(T));
+  }
+
+  /// The elements in host memory: the array's own, or copied into `scratch` from the device.
+  [[nodiscard]] std::span<const T> on_host(std::vector<T>& scratch) const {
+    if (!at_.cuda()) return std::span<const T>(data(), size());
+    scratch.resize(size());
+    to_host(0, scratch);
+    return scratch;
+  }
+  /// fn(the elements in host memory): the array's own, or a copy put back on the device.
+  template <class F>
+  void edit(F&& fn) {
+    if (!at_.cuda()) {
+      fn(std::span<T>(data(), size()));
+      return;
+    }
+    std::vector<T> h(size());
+    to_host(0, h);
+    fn(std::span<T>(h));
+    from_host(0, h);
+  }
+
+  /// Copies elements [at, at + out.size()) into host memory; returns when they are there.
+  void to_host(std::size_t at, std::span<T> out) const {
+    copy(out.data(), data() + at, out.size());
+  }
+  /// Copies host elements into [at, at + in.size()); returns when they are there.
+  void from_host(std::size_t at, std::span<const T> in) { copy(data() + at, in.data(), in.size()); }
+
+ private:
+  void copy(T* dst, const T* src, std::size_t n) const {
+    if (n == 0) return;
+#if DDP_HAS_CUDA
+    if (at_.cuda()) {
+      const auto s = static_cast<cudaStream_t>(at_.stream);
+      DDP_CUDA_CHECK(cudaMemcpyAsync(dst, src, n * sizeof(T), cudaMemcpyDefault, s));
+      DDP_CUDA_CHECK(cudaStreamSynchronize(s));
+      return;
+    }
+#endif
+    std::memcpy(static_cast<void*>(dst), src, n * sizeof(T));
+  }
+
+  PageArray<T> host_;
+#if DDP_HAS_CUDA
+  CudaBuffer<T> dev_;
+#endif
+  Place at_;
+};
+
+/// For units on a CUDA device: the engine's own stream, on which its copies and collectives run,
+/// and the program's (FullyShardedOptions::stream), on which it computes with the units; each
+/// waits for the other (an event) where one touches what the other wrote or still reads, so
+/// that a prefetch or a reduce runs beside the program's kernels. Nothing on the host.
+class UnitStreams {
+ public:
+  UnitStreams() = default;
+  UnitStreams(Device d, void* compute) : compute_(compute) {
+#if DDP_HAS_CUDA
+    if (d.is_cuda()) own_ = std::make_unique<CudaStream>(d.index);
+#else
+    (void)d;
+#endif
+  }
+  /// The engine's stream (nullptr on the host).
+  [[nodiscard]] void* own() const noexcept {
+#if DDP_HAS_CUDA
+    if (own_) return own_->get();
+#endif
+    return nullptr;
+  }
+  /// The program's stream.
+  [[nodiscard]] void* compute() const noexcept { return compute_; }
+  /// Later work on the engine's stream waits for the program's work queued so far.
+  void own_after_compute() const {
+#if DDP_HAS_CUDA
+    if (own_) cuda_join_streams(own_->get(), compute_);
+#endif
+  }
+  /// Later work on the program's stream waits for the engine's work queued so far.
+  void compute_after_own() const {
+#if DDP_HAS_CUDA
+    if (own_) cuda_join_streams(compute_, own_->get());
+#endif
+  }
+
+ private:
+#if DDP_HAS_CUDA
+  std::unique_ptr<CudaStream> own_;
+#endif
+  void* compute_ = nullptr;
+};
+
 /// Freed unit buffers kept for the next unit of the same size: at most two, as many of a kind
 /// as a step holds at once (the unit computed and the one prefetched; the gradients written and
 /// the ones being reduced), so that the peak stays what it was while a step stops mapping and
-/// faulting in fresh pages for every gather and every unit's gradients.
+/// faulting in fresh pages (or allocating device memory) for every gather and every unit's
+/// gradients.
 template <class T>
 class PageCache {
  public:
-  /// An array of n T's: a kept one (zero-filled again when `zeros`), or new pages.
-  PageArray<T> take(std::size_t n, int rank, const char* what, bool zeros) {
+  /// An array of n T's at `at`: a kept one (zero-filled again when `zeros`), or a new one.
+  UnitArray<T> take(std::size_t n, Place at, int rank, const char* what, bool zeros) {
     for (auto it = kept_.begin(); it != kept_.end(); ++it) {
       if (it->size() != n) continue;
-      PageArray<T> a = std::move(*it);
+      UnitArray<T> a = std::move(*it);
       kept_.erase(it);
-      if (zeros) std::memset(static_cast<void*>(a.data()), 0, n * sizeof(T));
+      if (zeros) a.zero();
       return a;
     }
-    return PageArray<T>(n, rank, what);
+    return UnitArray<T>(n, at, rank, what);
   }
-  /// Keeps `a` (the oldest kept one goes back to the system when two are kept).
-  void give(PageArray<T>& a) {
+  /// Keeps `a` (the oldest kept one is freed when two are kept).
+  void give(UnitArray<T>& a) {
     if (a.empty()) return;
     if (kept_.size() >= 2) kept_.erase(kept_.begin());
     kept_.push_back(std::move(a));
+    a = UnitArray<T>();
   }
   void clear() noexcept { kept_.clear(); }
 
  private:
-  std::vector<PageArray<T>> kept_;
+  std::vector<UnitArray<T>> kept_;
 };
 
 /// `x` as a To (through float for ddp::half and ddp::bfloat16, which convert only to and from
@@ -26403,7 +26609,32 @@ template <class To, class From>
     return static_cast<To>(static_cast<float>(x));
 }
 
+/// Converts `in` into `out` (as many elements), element by element.
+template <class To, class From>
+void convert_values(std::span<const From> in, std::span<To> out) noexcept {
+  for (std::size_t k = 0; k < in.size(); ++k) out[k] = convert_value<To>(in[k]);
+}
+
 }  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/training/unit_memory.hpp
+// #include "ddp/work.hpp" (already included above)
+
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
 
 /// Fully sharded parameters (see the file comment). T: the element type of the shard (the
 /// optimizer's, "master" values); ParamT: of the gathered parameters (bfloat16 to gather and
@@ -26421,11 +26652,14 @@ class FullyShardedAverager : public Joinable {
   using Init = std::function<void(std::size_t unit, std::size_t param, std::size_t offset,
                                   std::span<T> values)>;
 
-  /// Collective: makes this rank's shard of `units`, its values from `init`. Errc::mismatch on
-  /// every rank when the ranks' units differ; Errc::invalid_argument for a unit without
-  /// elements.
-  FullyShardedAverager(Communicator<Backend>& comm, std::vector<Unit> units, const Init& init)
+  /// Collective: makes this rank's shard of `units`, its values from `init` (given host memory
+  /// to fill, copied to the device where the shard lives there), its memory where `o` says.
+  /// Errc::mismatch on every rank when the ranks' units differ; Errc::invalid_argument for a
+  /// unit without elements; Errc::unsupported for a device the backend cannot move.
+  FullyShardedAverager(Communicator<Backend>& comm, std::vector<Unit> units, const Init& init,
+                       const FullyShardedOptions& o = {})
       : comm_(&comm) {
+    place(o);
     const auto p = static_cast<std::size_t>(comm.size()), r = static_cast<std::size_t>(comm.rank());
     std::vector<std::uint64_t> shape{units.size()};
     for (std::size_t u = 0; u < units.size(); ++u) {
@@ -26438,8 +26672,10 @@ class FullyShardedAverager : public Joinable {
                      u, " has no elements");
       b.elements = n;
       b.block = (n + p - 1) / p;
-      b.value.assign(b.block, T{});
-      b.grad.assign(b.block, T{});
+      b.value = detail::UnitArray<T>(b.block, shard_at_, comm.rank(), "a shard's values");
+      b.grad = detail::UnitArray<T>(b.block, shard_at_, comm.rank(), "a shard's gradients");
+      std::vector<T> staged(init && shard_at_.cuda() ? b.block : 0);  // init's, for the device
+      T* const fill = shard_at_.cuda() ? staged.data() : b.value.data();
       // This rank's pieces: parameter by parameter, the part of [r*block, (r+1)*block) it covers.
       std::size_t first = 0;
       for (std::size_t i = 0; i < b.sizes.size(); ++i) {
@@ -26448,10 +26684,11 @@ class FullyShardedAverager : public Joinable {
         if (lo < hi) {
           const std::size_t at = lo - r * b.block;
           b.pieces.push_back({i, lo - first, at, hi - lo});
-          if (init) init(u, i, lo - first, std::span<T>(b.value.data() + at, hi - lo));
+          if (init) init(u, i, lo - first, std::span<T>(fill + at, hi - lo));
         }
         first += b.sizes[i];
       }
+      if (!staged.empty()) b.value.from_host(0, staged);
       shape.push_back(b.sizes.size());
       shape.insert(shape.end(), b.sizes.begin(), b.sizes.end());
       blocks_.push_back(std::move(b));
@@ -26477,27 +26714,43 @@ class FullyShardedAverager : public Joinable {
   [[nodiscard]] std::size_t units() const noexcept { return blocks_.size(); }
   /// The communicator.
   [[nodiscard]] Communicator<Backend>& comm() const noexcept { return *comm_; }
+  /// Where units are gathered (FullyShardedOptions::device, or its default), and the program's
+  /// CUDA stream (FullyShardedOptions::stream).
+  [[nodiscard]] Device device() const noexcept { return units_at_.device; }
+  [[nodiscard]] void* stream() const noexcept { return streams_.compute(); }
 
   /// Starts gathering unit `u` in the background (no-op when it is gathered or on its way).
   void prefetch(std::size_t u) {
     Block& b = at(u, "prefetch");
     if (!b.full.empty()) return;
     if (join_) trace_.push_back({u, false});
-    b.full = params_.take(b.block * static_cast<std::size_t>(comm_->size()), comm_->rank(),
-                          "a gathered unit", false);
-    const std::span<ParamT> full(b.full.data(), b.full.size());
+    streams_.own_after_compute();  // the optimizer's writes, the last reads of a kept buffer
+    b.full = params_.take(b.block * static_cast<std::size_t>(comm_->size()), units_at_,
+                          comm_->rank(), "a gathered unit", false);
     if constexpr (std::is_same_v<ParamT, T>) {
-      b.gathering = comm_->all_gather_async(std::span<const T>(b.value), full);
-    } else {  // this rank's block converted in place, then gathered around it
-      const std::span<ParamT> mine =
-          full.subspan(static_cast<std::size_t>(comm_->rank()) * b.block, b.block);
-      for (std::size_t k = 0; k < b.block; ++k) mine[k] = detail::convert_value<ParamT>(b.value[k]);
-      b.gathering = comm_->all_gather_async(std::span<const ParamT>(mine), full);
+      if (!offloaded()) {
+        b.gathering = comm_->all_gather_async(b.value.view(), b.full.view());
+        return;
+      }
     }
+    // This rank's block converted (or copied in from the host) into its place, gathered around it.
+    const std::size_t at = static_cast<std::size_t>(comm_->rank()) * b.block;
+    const std::span<const T> mine = b.value.on_host(staged_);
+    if (!units_at_.cuda()) {
+      detail::convert_values(mine, std::span<ParamT>(b.full.data() + at, b.block));
+    } else if constexpr (std::is_same_v<ParamT, T>) {
+      b.full.from_host(at, mine);
+    } else {
+      std::vector<ParamT> converted(b.block);
+      detail::convert_values(mine, std::span<ParamT>(converted));
+      b.full.from_host(at, converted);
+    }
+    b.gathering = comm_->all_gather_async(b.full.view(at, b.block), b.full.view());
   }
 
   /// Unit `u`'s parameters end to end (its element count: the padding is left out), gathered
-  /// from every rank's block (waiting for a prefetch() of it). Valid until release(u).
+  /// from every rank's block (waiting for a prefetch() of it), in device memory when units are
+  /// gathered on a CUDA device. Valid until release(u).
   [[nodiscard]] std::span<ParamT> gather(std::size_t u) {
     Block& b = at(u, "gather");
     prefetch(u);
@@ -26522,8 +26775,9 @@ class FullyShardedAverager : public Joinable {
     Block& b = at(u, "grad");
     finish(b);
     if (b.full_grad.empty())
-      b.full_grad = grads_.take(b.block * static_cast<std::size_t>(comm_->size()), comm_->rank(),
-                                "a unit's gradients", true);
+      b.full_grad = grads_.take(b.block * static_cast<std::size_t>(comm_->size()), units_at_,
+                                comm_->rank(), "a unit's gradients", true);
+    streams_.compute_after_own();  // zeroed before the backward adds into them
     return std::span<ReduceT>(b.full_grad.data(), b.elements);
   }
 
@@ -26541,18 +26795,22 @@ class FullyShardedAverager : public Joinable {
                    u, " is reduced twice without a backward between: call grad(", u,
                    ") for its next backward");
     for (Block& other : blocks_) finish(other);
-    const std::span<const ReduceT> full(b.full_grad.data(), b.full_grad.size());
     // In a Join: summed, then divided by the ranks that trained the step (finish()).
     const ReduceOp op = join_ ? ReduceOp::sum : ReduceOp::avg;
     b.divide_by = join_ ? active_ : 0;
     if (join_) trace_.push_back({u, true});
+    streams_.own_after_compute();  // the backward's gradients written
     if constexpr (std::is_same_v<ReduceT, T>) {
-      b.reducing = comm_->reduce_scatter_async(full, std::span<T>(b.grad), op);
-    } else {  // averaged in ReduceT, converted into the shard by finish()
-      b.reduced_block = detail::PageArray<ReduceT>(b.block, comm_->rank(), "a reduced block");
-      b.reducing = comm_->reduce_scatter_async(
-          full, std::span<ReduceT>(b.reduced_block.data(), b.block), op);
+      if (!offloaded()) {  // straight into the shard
+        b.reducing = comm_->reduce_scatter_async(b.full_grad.view(), b.grad.view(), op);
+        b.reduced = true;
+        return;
+      }
     }
+    // Averaged in ReduceT where the unit is, taken into the shard by finish().
+    b.reduced_block =
+        detail::UnitArray<ReduceT>(b.block, units_at_, comm_->rank(), "a reduced block");
+    b.reducing = comm_->reduce_scatter_async(b.full_grad.view(), b.reduced_block.view(), op);
     b.reduced = true;
   }
 
@@ -26576,8 +26834,8 @@ class FullyShardedAverager : public Joinable {
     std::size_t first_param = 0;
     for (Block& b : blocks_) {
       for (const Piece& pc : b.pieces)
-        out.push_back({first_param + pc.param, pc.offset, view(b.value.data() + pc.at, pc.size),
-                       view(b.grad.data() + pc.at, pc.size)});
+        out.push_back({first_param + pc.param, pc.offset, on_compute(b.value.view(pc.at, pc.size)),
+                       on_compute(b.grad.view(pc.at, pc.size))});
       first_param += b.sizes.size();
     }
     return out;
@@ -26604,7 +26862,7 @@ class FullyShardedAverager : public Joinable {
   /// size) through the two phases of save_sharded_checkpoint. No rank writes the whole model.
   /// Returns the save identifier.
   std::uint64_t save(const std::string& path, const Checkpoint& state = Checkpoint{}) {
-    return detail::save_shard(*comm_, state, path, shard(), layout(), false);
+    return detail::save_shard(*comm_, state, path, shard(), layout(), shard_at_.cuda());
   }
 
   /// Collective: loads what save() wrote, at this world size or any other (every rank's shard
@@ -26622,7 +26880,7 @@ class FullyShardedAverager : public Joinable {
   /// on the rank before it, as save `tag` (ShardMirror): after a rank is lost, the survivors'
   /// new averager loads it with load(mirror).
   void save(ShardMirror& mirror, std::uint64_t tag, const Checkpoint& state = Checkpoint{}) {
-    detail::save_shard_to_mirror(*comm_, mirror, tag, state, shard(), layout(), false);
+    detail::save_shard_to_mirror(*comm_, mirror, tag, state, shard(), layout(), shard_at_.cuda());
   }
 
   /// Collective, after a membership change (an averager made again over the survivors): loads
@@ -26645,16 +26903,29 @@ class FullyShardedAverager : public Joinable {
                    ": FullyShardedAverager::gather_to: root ", root, " outside the world of ",
                    comm_->size());
     const bool here = comm_->rank() == root;
+    streams_.own_after_compute();
     trim();  // the kept buffers go, so that the export's buffer does not add to the peak
     for (std::size_t u = 0; u < blocks_.size(); ++u) {
       const Block& b = blocks_[u];
-      const detail::PageArray<T> full(here ? b.block * static_cast<std::size_t>(comm_->size()) : 0,
-                                      comm_->rank(), "a unit gathered to export it");
-      comm_->gather(std::span<const T>(b.value), std::span<T>(full.data(), full.size()), root);
+      const std::size_t n = here ? b.block * static_cast<std::size_t>(comm_->size()) : 0;
+      const detail::UnitArray<T> full(n, units_at_, comm_->rank(), "a unit gathered to export it");
+      detail::UnitArray<T> staged;  // an offloaded block, on the device for the backend
+      if (offloaded()) {
+        staged = detail::UnitArray<T>(b.block, units_at_, comm_->rank(), "a block to export");
+        staged.from_host(0, std::span<const T>(b.value.data(), b.block));
+      }
+      comm_->gather((offloaded() ? staged : b.value).view(), full.view(), root);
       if (!here) continue;
+      detail::PageArray<T> copy;  // a unit gathered on a device, on the host for fn
+      const T* values = full.data();
+      if (units_at_.cuda()) {
+        copy = detail::PageArray<T>(n, comm_->rank(), "a unit gathered to export it");
+        full.to_host(0, std::span<T>(copy.data(), n));
+        values = copy.data();
+      }
       std::size_t at = 0;
       for (std::size_t i = 0; i < b.sizes.size(); ++i) {
-        fn(u, i, std::span<const T>(full.data() + at, b.sizes[i]));
+        fn(u, i, std::span<const T>(values + at, b.sizes[i]));
         at += b.sizes[i];
       }
     }
@@ -26674,11 +26945,25 @@ class FullyShardedAverager : public Joinable {
     for (std::size_t u = 0; u < blocks_.size(); ++u) {
       release(u);
       Block& b = blocks_[u];
-      const detail::PageArray<T> full(here ? b.block * static_cast<std::size_t>(comm_->size()) : 0,
-                                      comm_->rank(), "a unit laid out to shard it");
+      const std::size_t n = here ? b.block * static_cast<std::size_t>(comm_->size()) : 0;
+      detail::PageArray<T> laid(n, comm_->rank(), "a unit laid out to shard it");
       for (std::size_t i = 0, at = 0; here && i < b.sizes.size(); at += b.sizes[i++])
-        fn(u, i, std::span<T>(full.data() + at, b.sizes[i]));
-      comm_->scatter(std::span<const T>(full.data(), full.size()), std::span<T>(b.value), root);
+        fn(u, i, std::span<T>(laid.data() + at, b.sizes[i]));
+      detail::UnitArray<T> full(units_at_.cuda() ? n : 0, units_at_, comm_->rank(),
+                                "a unit laid out to shard it");
+      TensorView<T> in{laid.data(), n};
+      if (units_at_.cuda()) {  // the backend takes it from the device
+        full.from_host(0, std::span<const T>(laid.data(), n));
+        laid = detail::PageArray<T>();
+        in = full.view();
+      }
+      if (!offloaded()) {
+        comm_->scatter(in, b.value.view(), root);
+      } else {
+        const detail::UnitArray<T> mine(b.block, units_at_, comm_->rank(), "a block to shard");
+        comm_->scatter(in, mine.view(), root);
+        mine.to_host(0, std::span<T>(b.value.data(), b.block));
+      }
     }
   }
 
@@ -26748,9 +27033,9 @@ class FullyShardedAverager : public Joinable {
   struct Block {
     std::vector<std::size_t> sizes;
     std::size_t elements = 0, block = 0;
-    std::vector<T> value, grad;      // this rank's block: values and averaged gradients
-    detail::PageArray<ParamT> full;  // the gathered unit (P blocks), or none
-    detail::PageArray<ReduceT> full_grad, reduced_block;  // its gradients; their block, averaged
+    detail::UnitArray<T> value, grad;  // this rank's block: values and averaged gradients
+    detail::UnitArray<ParamT> full;    // the gathered unit (P blocks), or none
+    detail::UnitArray<ReduceT> full_grad, reduced_block;  // its gradients; their block, averaged
     std::vector<Piece> pieces;
     Work gathering, reducing;
     bool reduced = false;  // reduce() issued since the last grad()
@@ -26768,10 +27053,11 @@ class FullyShardedAverager : public Joinable {
     for (std::size_t u = 0; u < blocks_.size(); ++u) {
       release(u);
       finish(blocks_[u]);
-      blocks_[u].full_grad = detail::PageArray<ReduceT>();
+      blocks_[u].full_grad = detail::UnitArray<ReduceT>();
       trim();
     }
-    detail::restore_shard(*comm_, *ck, where, shard(), layout(), false, "FullyShardedAverager");
+    detail::restore_shard(*comm_, *ck, where, shard(), layout(), shard_at_.cuda(),
+                          "FullyShardedAverager");
     return ck;
   }
 
@@ -26782,19 +27068,62 @@ class FullyShardedAverager : public Joinable {
     b.reducing = Work();
     b.reduced = false;
     grads_.give(b.full_grad);
-    if constexpr (!std::is_same_v<ReduceT, T>) {
-      for (std::size_t k = 0; k < b.block; ++k)
-        b.grad[k] = detail::convert_value<T>(b.reduced_block.data()[k]);
-      b.reduced_block = detail::PageArray<ReduceT>();
+    if (!b.reduced_block.empty()) {
+      take_reduced(b);
+      b.reduced_block = detail::UnitArray<ReduceT>();
     }
     if (b.divide_by > 0) {  // a Join's sum: over the ranks that trained (as GradientAverager's)
       using A = typename detail::Accum<T>::type;
-      for (T& g : b.grad) g = static_cast<T>(static_cast<A>(g) / static_cast<A>(b.divide_by));
-      b.divide_by = 0;
+      const int n = std::exchange(b.divide_by, 0);
+      b.grad.edit([n](std::span<T> g) {
+        for (T& x : g) x = static_cast<T>(static_cast<A>(x) / static_cast<A>(n));
+      });
     }
   }
 
-  static TensorView<T> view(T* data, std::size_t n) { return TensorView<T>{data, n}; }
+  /// The averaged block of `b` (ReduceT, where units are) into the shard's gradients.
+  void take_reduced(Block& b) {
+    if constexpr (std::is_same_v<ReduceT, T>) {  // offloaded: copied out
+      if (!shard_at_.cuda()) {
+        b.reduced_block.to_host(0, std::span<T>(b.grad.data(), b.block));
+        return;
+      }
+    }
+    std::vector<ReduceT> scratch;  // converted on the host
+    const std::span<const ReduceT> avg = b.reduced_block.on_host(scratch);
+    b.grad.edit([&](std::span<T> g) { detail::convert_values(avg, g); });
+  }
+
+  /// `v` on the program's stream (the shard's views, for the optimizer).
+  [[nodiscard]] TensorView<T> on_compute(TensorView<T> v) const noexcept {
+    if (v.device.is_cuda()) v.stream = streams_.compute();
+    return v;
+  }
+
+  /// Units gathered on a device, the shard kept on the host.
+  [[nodiscard]] bool offloaded() const noexcept { return units_at_.cuda() && !shard_at_.cuda(); }
+
+  /// Where units and the shard go (FullyShardedOptions), refused where the backend cannot go.
+  void place(const FullyShardedOptions& o) {
+    Device d = Device::cpu();
+    if (o.device) {
+      d = *o.device;
+    } else if constexpr (backend_traits<Backend>::device_only) {
+      d = Device::cuda(comm_->backend().device());
+    }
+    if (d.is_cuda() && !DDP_HAS_CUDA)
+      detail::fail(Errc::unsupported, "rank ", comm_->rank(), ": FullyShardedAverager: units on ",
+                   to_string(d), " but ddp was built without CUDA (link the ddp::cuda target)");
+    if (!detail::usable_device<Backend>(d))
+      detail::fail(Errc::unsupported, "rank ", comm_->rank(), ": FullyShardedAverager: backend ",
+                   Backend::name, " cannot move memory on ", to_string(d),
+                   d.is_cpu() ? "; gather units on the CUDA device (FullyShardedOptions::device) "
+                                "and keep the shard on the host with offload = true"
+                              : "; gather units on the host");
+    streams_ = detail::UnitStreams(d, d.is_cuda() ? o.stream : nullptr);
+    units_at_ = {d, streams_.own()};
+    shard_at_ = o.offload ? detail::Place{} : units_at_;
+  }
 
   Block& at(std::size_t u, const char* what) {
     if (u >= blocks_.size())
@@ -26824,8 +27153,11 @@ class FullyShardedAverager : public Joinable {
 
   Communicator<Backend>* comm_;
   std::vector<Block> blocks_;
-  detail::PageCache<ParamT> params_;  // freed gathered units, for the next gathers
-  detail::PageCache<ReduceT> grads_;  // freed full gradients, for the next units' backward
+  detail::UnitStreams streams_;        // on a device: the engine's stream and the program's
+  detail::Place units_at_, shard_at_;  // where units are gathered; where the shard is
+  std::vector<T> staged_;              // a block of values copied out of the device
+  detail::PageCache<ParamT> params_;   // freed gathered units, for the next gathers
+  detail::PageCache<ReduceT> grads_;   // freed full gradients, for the next units' backward
   std::function<void(std::vector<ShardSlice<T>>)> join_update_;
   std::vector<Op> trace_;  // in a Join: this rank's collectives of its current (last) step
   bool join_ = false;
@@ -26836,10 +27168,15 @@ class FullyShardedAverager : public Joinable {
 template <class Backend, class I>
 FullyShardedAverager(Communicator<Backend>&, std::vector<std::vector<std::size_t>>, I)
     -> FullyShardedAverager<Backend, float>;
+/// Deduces the backend from the communicator: FullyShardedAverager fsdp(comm, units, init, o).
+template <class Backend, class I>
+FullyShardedAverager(Communicator<Backend>&, std::vector<std::vector<std::size_t>>, I,
+                     FullyShardedOptions) -> FullyShardedAverager<Backend, float>;
 
 DDP_END_NAMESPACE
 // end ddp/training/fully_sharded.hpp
 // #include "ddp/training/parameters.hpp" (already included above)
+// #include "ddp/training/unit_memory.hpp" (already included above)
 
 #include <array>
 #include <cstddef>
@@ -26887,7 +27224,7 @@ class UnitOrder {
   void check(Comm& comm, const char* who) {
     const std::uint64_t h = std::exchange(h_, kStart);
     std::array<std::uint64_t, 2> seen{h, ~h};  // the largest order and the smallest
-    comm.all_reduce(std::span<std::uint64_t>(seen), ReduceOp::max);
+    comm.all_reduce_host(std::span<std::uint64_t>(seen), ReduceOp::max);
     if (seen[0] != h || ~seen[1] != h)
       fail(Errc::mismatch, "rank ", comm.rank(), ": ", who,
            ": the ranks ran their units' forwards and backwards in different orders this step "
@@ -26914,21 +27251,21 @@ concept pointable_parameter = requires(P& p, std::span<T> s) {
                                             std::is_assignable_v<grad_of_t<P>, TensorView<T>>));
 
 template <class X, class T>
-void point_to(X&& x, std::span<T> s) {
+void point_to(X&& x, std::span<T> s, const Place& at) {
   if constexpr (std::is_assignable_v<X&&, std::span<T>>)
     std::forward<X>(x) = s;
   else
-    std::forward<X>(x) = TensorView<T>{s.data(), s.size()};
+    std::forward<X>(x) = TensorView<T>{s.data(), s.size(), at.device, at.stream};
 }
 
-/// Points p's value and gradient at `value` and `grad` (empty: at nothing).
+/// Points p's value and gradient at `value` and `grad` (empty: at nothing), memory at `at`.
 template <class T, class P>
-void point_parameter(P& p, std::span<T> value, std::span<T> grad) {
+void point_parameter(P& p, std::span<T> value, std::span<T> grad, const Place& at) {
   if constexpr (requires { parameter_traits<P>::point(p, value, grad); }) {
     parameter_traits<P>::point(p, value, grad);
   } else {
-    point_to(param_value(p), value);
-    point_to(param_grad(p), grad);
+    point_to(param_value(p), value, at);
+    point_to(param_grad(p), grad, at);
   }
 }
 
@@ -26945,6 +27282,9 @@ struct FullyShardOptions {
   /// forwards and backwards in the same order (units of one size run in different orders would
   /// otherwise mix their values up silently): Errc::mismatch before the update.
   bool check_order = true;
+  /// Where units are gathered and the shard kept (a CUDA device, the shard offloaded to the
+  /// host): the engine's options. Parameters' values and gradients are then device memory.
+  FullyShardedOptions memory{};
 };
 
 /// A model's parameters fully sharded over a FullyShardedAverager (see the file comment). T: the
@@ -27025,11 +27365,19 @@ class FullyShard {
       each = [&](std::size_t u, std::size_t i, std::size_t offset, std::span<Master> values) {
         init(units_[u].params[i], offset, values);
       };
-    fsdp_ = std::make_unique<Averager>(comm, std::move(sizes), each);
+    fsdp_ = std::make_unique<Averager>(comm, std::move(sizes), each, o.memory);
+    at_ = {fsdp_->device(), fsdp_->stream()};
     if (!init)
       fsdp_->scatter_from(0, [&](std::size_t u, std::size_t i, std::span<Master> out) {
         const TensorView<T> v = value(units_[u].params[i]);
-        for (std::size_t k = 0; k < v.size; ++k) out[k] = detail::convert_value<Master>(v.data[k]);
+        std::vector<T> staged(v.device.is_cuda() ? v.size : 0);  // a device parameter's values
+        const T* from = v.data;
+        if (!staged.empty()) {
+          detail::copy_bytes(staged.data(), v.data, v.bytes(), true, v.stream);
+          detail::sync_stream(true, v.stream);
+          from = staged.data();
+        }
+        detail::convert_values(std::span<const T>(from, v.size), out);
       });
     for (Unit& un : units_) point(un, {}, {});
   }
@@ -27146,7 +27494,9 @@ class FullyShard {
     for (const Unit& un : units_) sizes.push_back(un.sizes);
     fsdp_.reset();
     comm_ = &comm;
-    fsdp_ = std::make_unique<Averager>(comm, std::move(sizes), typename Averager::Init());
+    fsdp_ =
+        std::make_unique<Averager>(comm, std::move(sizes), typename Averager::Init(), opt_.memory);
+    at_ = {fsdp_->device(), fsdp_->stream()};
     order_.clear();
     last_order_.clear();
     synced_ = ran_ = broken_ = false;
@@ -27186,7 +27536,7 @@ class FullyShard {
       const auto part = [&](std::span<T> all) {
         return all.empty() ? std::span<T>() : all.subspan(un.offsets[j], un.sizes[j]);
       };
-      detail::point_parameter<T>(*params_[un.params[j]], part(values), part(grads));
+      detail::point_parameter<T>(*params_[un.params[j]], part(values), part(grads), at_);
     }
     un.gathered = !values.empty();
     un.with_grads = !grads.empty();
@@ -27269,6 +27619,7 @@ class FullyShard {
 
   Communicator<Backend>* comm_;
   Options opt_;
+  detail::Place at_;  // where units are gathered
   std::vector<Param*> params_;
   std::vector<Unit> units_;
   std::unique_ptr<Averager> fsdp_;
@@ -28318,6 +28669,7 @@ DDP_END_NAMESPACE
 // #include "ddp/training/sharded.hpp" (already included above)
 // #include "ddp/training/sharded_checkpoint.hpp" (already included above)
 // #include "ddp/training/state.hpp" (already included above)
+// #include "ddp/training/unit_memory.hpp" (already included above)
 // #include "ddp/work.hpp" (already included above)
 
 DDP_BEGIN_NAMESPACE

@@ -11,7 +11,9 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -437,6 +439,180 @@ TEST_CASE(
   ddp::CudaBuffer<float> a{std::span<const float>(h)};
   next.all_reduce(a);
   CHECK(host(a) == h);
+}
+
+namespace {
+/// Copies n elements between host and device memory (either side) on `s`; done on return.
+template <class T>
+void copy(T* dst, const T* src, std::size_t n, cudaStream_t s) {
+  DDP_CUDA_CHECK(cudaMemcpyAsync(dst, src, n * sizeof(T), cudaMemcpyDefault, s));
+  DDP_CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+/// A FullyShard parameter: views that FullyShard points at its unit's (device) memory.
+struct ViewParam {
+  ddp::TensorView<float> value, grad;
+};
+
+/// Fully sharded units of the Nccl case: element j of unit u after `steps` updates value -= grad
+/// (gradient expected(j)); exact in float.
+float fsdp_value(std::size_t u, std::size_t j, int steps) {
+  const std::size_t i = u == 0 && j >= 5 ? 1 : 0, offset = i == 1 ? j - 5 : j;
+  return static_cast<float>(u * 3 + i) + static_cast<float>(offset % 7) * 0.25f -
+         static_cast<float>(steps) * expected(j);
+}
+void fsdp_init(std::size_t u, std::size_t i, std::size_t offset, std::span<float> v) {
+  for (std::size_t k = 0; k < v.size(); ++k) v[k] = fsdp_value(u, (i == 1 ? 5 : 0) + offset + k, 0);
+}
+
+/// Unit u's gathered values, on the host.
+template <class E>
+std::vector<float> fsdp_gathered(E& fsdp, std::size_t u, cudaStream_t s) {
+  const auto w = fsdp.gather(u);
+  using P = typename decltype(w)::value_type;
+  std::vector<P> h(w.size());
+  copy(h.data(), w.data(), h.size(), s);
+  fsdp.release(u);
+  return std::vector<float>(h.begin(), h.end());
+}
+
+/// Whether every unit holds fsdp_value(u, j, steps) (in P's precision).
+template <class P, class E>
+bool fsdp_holds(E& fsdp, int steps, cudaStream_t s) {
+  for (std::size_t u = 0; u < fsdp.units(); ++u) {
+    const auto got = fsdp_gathered(fsdp, u, s);
+    for (std::size_t j = 0; j < got.size(); ++j)
+      if (got[j] != static_cast<float>(static_cast<P>(fsdp_value(u, j, steps)))) return false;
+  }
+  return true;
+}
+
+/// A backward over every unit with gradients expected(j), reduced; then synchronize().
+template <class E>
+void fsdp_backward(E& fsdp, cudaStream_t s) {
+  for (std::size_t u = fsdp.units(); u-- > 0;) {
+    (void)fsdp.gather(u);
+    const auto g = fsdp.grad(u);
+    std::vector<float> h(g.size());
+    for (std::size_t j = 0; j < h.size(); ++j) h[j] = expected(j);
+    copy(g.data(), h.data(), h.size(), s);
+    fsdp.release(u);
+    fsdp.reduce(u);
+  }
+  fsdp.synchronize();
+}
+
+/// value -= grad over a shard, wherever it is (on the host for the test).
+void fsdp_update(const std::vector<ddp::ShardSlice<float>>& shard, cudaStream_t s) {
+  for (const auto& sl : shard) {
+    std::vector<float> v(sl.value.size), g(sl.grad.size);
+    copy(v.data(), sl.value.data, v.size(), s);
+    copy(g.data(), sl.grad.data, g.size(), s);
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] -= g[i];
+    copy(sl.value.data, v.data(), v.size(), s);
+  }
+}
+}  // namespace
+
+TEST_CASE(
+    "FullyShardedAverager on backend::Nccl: units on the device, the shard there or offloaded, "
+    "Join, export, save and load, bfloat16") {
+  auto comm = single();
+  ddp::CudaStream stream(0);
+  const cudaStream_t s = stream.get();
+  const std::vector<std::vector<std::size_t>> units{{5, 3}, {200'000}};
+  for (const bool offload : {false, true}) {
+    CAPTURE(offload);
+    ddp::FullyShardedAverager fsdp(comm, units, fsdp_init, {std::nullopt, offload, s});
+    CHECK(fsdp.device() == ddp::Device::cuda(0));  // the communicator's device
+    CHECK(fsdp.shard()[0].value.device == (offload ? ddp::Device::cpu() : ddp::Device::cuda(0)));
+    for (int step = 0; step < 2; ++step) {
+      CHECK(fsdp_holds<float>(fsdp, step, s));
+      fsdp_backward(fsdp, s);
+      fsdp_update(fsdp.shard(), s);
+    }
+    CHECK(fsdp_holds<float>(fsdp, 2, s));
+    // A step in a Join (a sum divided by the ranks that trained it, one here).
+    fsdp.on_join_step([&](const std::vector<ddp::ShardSlice<float>>& sh) { fsdp_update(sh, s); });
+    {
+      ddp::Join join(comm, {&fsdp});
+      CHECK(join.step() == 1);
+      fsdp_backward(fsdp, s);
+      fsdp_update(fsdp.shard(), s);
+      join.finish();
+    }
+    CHECK(fsdp_holds<float>(fsdp, 3, s));
+    std::vector<float> exported;
+    fsdp.gather_to(0, [&](std::size_t u, std::size_t, std::span<const float> v) {
+      if (u == 1) exported.assign(v.begin(), v.end());
+    });
+    CHECK(exported == fsdp_gathered(fsdp, 1, s));
+    const std::string path = std::string("/tmp/ddp-cuda-fsdp-") + std::to_string(::getpid()) +
+                             (offload ? "-offloaded" : "-on-device");
+    (void)fsdp.save(path);
+    fsdp.scatter_from(0, [](std::size_t, std::size_t, std::span<float> v) {
+      for (float& x : v) x = -1.0f;
+    });
+    CHECK(fsdp_gathered(fsdp, 0, s) == std::vector<float>(8, -1.0f));
+    CHECK(fsdp.load(path).has_value());
+    CHECK(fsdp_holds<float>(fsdp, 3, s));
+    for (const auto& f : std::filesystem::directory_iterator("/tmp"))
+      if (f.path().string().starts_with(path)) std::filesystem::remove(f.path());
+  }
+  // bfloat16 gathers and float masters: this rank's block converted through the host.
+  ddp::FullyShardedAverager<ddp::backend::Nccl, float, ddp::bfloat16, float> mixed(
+      comm, units, fsdp_init, {std::nullopt, false, s});
+  CHECK(fsdp_holds<ddp::bfloat16>(mixed, 0, s));
+  fsdp_backward(mixed, s);
+  fsdp_update(mixed.shard(), s);
+  CHECK(fsdp_holds<ddp::bfloat16>(mixed, 1, s));
+  // NCCL moves device memory only: units on the host are refused, naming the way out.
+  try {
+    ddp::FullyShardedAverager host_units(comm, units, fsdp_init, {ddp::Device::cpu(), false, s});
+    FAIL("units on the host accepted by backend::Nccl");
+  } catch (const ddp::Error& e) {
+    CHECK(e.code() == ddp::Errc::unsupported);
+    CHECK(std::string(e.what()).find("offload") != std::string::npos);
+  }
+}
+
+TEST_CASE("FullyShard on backend::Nccl: a model's device views pointed at gathered device units") {
+  auto comm = single();
+  ddp::CudaStream stream(0);
+  const cudaStream_t s = stream.get();
+  auto owned = cuda_model(stream);  // rank 0's values: read once at construction
+  std::vector<ViewParam> net;
+  for (auto& p : owned) net.push_back({ddp::view(p.value), ddp::view(p.grad)});
+  ddp::FullyShardOptions o;
+  o.memory.stream = s;
+  ddp::FullyShard fs(comm, net, {{0, 1}, {2, 3}}, o);
+  owned.clear();  // the shard holds the values now
+  CHECK(net[0].value.size == 0);
+  for (int step = 0; step < 2; ++step) {
+    for (std::size_t u = 0; u < 2; ++u) {
+      fs.forward(u, [&] {
+        for (const std::size_t i : fs.unit_parameters(u)) {
+          CHECK(net[i].value.device == ddp::Device::cuda(0));
+          CHECK(net[i].grad.size == 0);
+          std::vector<float> v(net[i].value.size);
+          copy(v.data(), net[i].value.data, v.size(), s);
+          for (std::size_t k = 0; k < v.size(); ++k)
+            REQUIRE(v[k] == expected(k) - static_cast<float>(step) * 0.5f);
+        }
+      });
+    }
+    for (std::size_t u = 2; u-- > 0;) {
+      fs.backward(u, [&] {
+        for (const std::size_t i : fs.unit_parameters(u)) {
+          CHECK(net[i].grad.device == ddp::Device::cuda(0));
+          const std::vector<float> g(net[i].grad.size, 0.5f);
+          copy(net[i].grad.data, g.data(), g.size(), s);
+        }
+      });
+    }
+    fs.step([&](const std::vector<ddp::ShardSlice<float>>& shard) { fsdp_update(shard, s); });
+  }
+  CHECK(net[1].value.size == 0);  // released between units
 }
 
 TEST_CASE("a host buffer seen only at run time, or one on another device, is refused") {

@@ -16,9 +16,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <functional>
+#include <span>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #include "../unit/collective_cases.hpp"
 #include "kernels.hpp"
@@ -97,6 +101,65 @@ void all_reduce_case(Host& comm, cudaStream_t s) {
               std::string(to_string(op)) + " n=" + std::to_string(n));
     }
   }
+}
+
+/// Copies n elements between host and device memory (either side), on `s`; done on return.
+template <class T>
+void copy(T* dst, const T* src, std::size_t n, cudaStream_t s) {
+  DDP_CUDA_CHECK(cudaMemcpyAsync(dst, src, n * sizeof(T), cudaMemcpyDefault, s));
+  DDP_CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+/// The fully sharded units of the GPU cases and their initial values (every rank's the same).
+const std::vector<std::vector<std::size_t>> fsdp_units{{7, 1001}, {300'000}, {3}};
+void fsdp_init(std::size_t u, std::size_t i, std::size_t offset, std::span<float> v) {
+  for (std::size_t k = 0; k < v.size(); ++k)
+    v[k] = cases::value<float>(0, offset + k, 50 + static_cast<int>(u * 10 + i));
+}
+
+/// Three steps of SGD on `fsdp` (host or device units alike): rank r's gradients
+/// cases::value(r, j, step), the update value -= 0.5 * grad done on the host; returns every
+/// unit's values gathered at the end, as float.
+template <class E>
+std::vector<std::vector<float>> fsdp_train(const Host& comm, E& fsdp, cudaStream_t s) {
+  for (int step = 0; step < 3; ++step) {
+    fsdp.prefetch(0);
+    for (std::size_t u = 0; u < fsdp.units(); ++u) {
+      (void)fsdp.gather(u);
+      if (u + 1 < fsdp.units()) fsdp.prefetch(u + 1);
+      fsdp.release(u);
+    }
+    for (std::size_t u = fsdp.units(); u-- > 0;) {
+      (void)fsdp.gather(u);
+      const auto g = fsdp.grad(u);
+      using R = typename decltype(g)::value_type;
+      std::vector<R> h(g.size());
+      for (std::size_t j = 0; j < h.size(); ++j)
+        h[j] = ddp::detail::convert_value<R>(cases::value<float>(comm.rank(), j, 40 + step));
+      copy(g.data(), h.data(), h.size(), s);
+      fsdp.release(u);
+      fsdp.reduce(u);
+    }
+    fsdp.synchronize();
+    for (const auto& sl : fsdp.shard()) {
+      std::vector<float> v(sl.value.size), g(sl.grad.size);
+      copy(v.data(), sl.value.data, v.size(), s);
+      copy(g.data(), sl.grad.data, g.size(), s);
+      for (std::size_t i = 0; i < v.size(); ++i) v[i] -= 0.5f * g[i];
+      copy(sl.value.data, v.data(), v.size(), s);
+    }
+  }
+  std::vector<std::vector<float>> out;
+  for (std::size_t u = 0; u < fsdp.units(); ++u) {
+    const auto w = fsdp.gather(u);
+    using P = typename decltype(w)::value_type;
+    std::vector<P> h(w.size());
+    copy(h.data(), w.data(), h.size(), s);
+    out.emplace_back();
+    for (const P x : h) out.back().push_back(static_cast<float>(x));
+    fsdp.release(u);
+  }
+  return out;
 }
 
 }  // namespace
@@ -403,6 +466,69 @@ TEST_CASE("a rank lost mid-step: the others shrink and go on from the last commi
   float got = 0;
   std::memcpy(&got, a.data(), sizeof(float));
   CHECK(got == doctest::Approx(v).epsilon(1e-5));
+}
+
+TEST_CASE(
+    "FullyShardedAverager with units on the GPU over backend::Host: bitwise the host engine, "
+    "the shard offloaded, bfloat16 gathers, exported and loaded") {
+  for (const int world : {2, 4}) {
+    run(world, [](Host& comm, ddp::CudaStream& stream) {
+      const cudaStream_t s = stream.get();
+      ddp::FullyShardedAverager on_host(comm, fsdp_units, fsdp_init);
+      const auto want = fsdp_train(comm, on_host, s);
+      for (const bool offload : {false, true}) {
+        const ddp::FullyShardedOptions o{ddp::Device::cuda(0), offload, s};
+        ddp::FullyShardedAverager on_gpu(comm, fsdp_units, fsdp_init, o);
+        MP_EXPECT(on_gpu.device() == ddp::Device::cuda(0), "units on the GPU");
+        MP_EXPECT(
+            on_gpu.shard()[0].value.device == (offload ? ddp::Device::cpu() : ddp::Device::cuda(0)),
+            "the shard where asked, offload " << offload);
+        MP_EXPECT(fsdp_train(comm, on_gpu, s) == want, "device units, offload " << offload);
+        // Exported at rank 1, a unit at a time, in host memory.
+        std::vector<std::vector<float>> got(fsdp_units.size());
+        on_gpu.gather_to(1, [&](std::size_t u, std::size_t, std::span<const float> v) {
+          got[u].insert(got[u].end(), v.begin(), v.end());
+        });
+        if (comm.rank() == 1) MP_EXPECT(got == want, "gather_to, offload " << offload);
+        // Saved, overwritten from rank 0 (scatter_from), loaded back.
+        const std::string dir = "/tmp/ddp-cuda-fsdp-" + std::to_string(::getppid());
+        std::filesystem::create_directories(dir);
+        const std::string path = dir + (offload ? "/offloaded" : "/on-device");
+        (void)on_gpu.save(path);
+        on_gpu.scatter_from(0, [](std::size_t, std::size_t, std::span<float> v) {
+          for (float& x : v) x = 3.0f;
+        });
+        const auto w = on_gpu.gather(1);
+        std::vector<float> h(w.size());
+        copy(h.data(), w.data(), h.size(), s);
+        on_gpu.release(1);
+        MP_EXPECT(h == std::vector<float>(h.size(), 3.0f), "scatter_from, offload " << offload);
+        MP_EXPECT(on_gpu.load(path).has_value(), "load");
+        for (std::size_t u = 0; u < fsdp_units.size(); ++u) {
+          const auto x = on_gpu.gather(u);
+          std::vector<float> back(x.size());
+          copy(back.data(), x.data(), back.size(), s);
+          on_gpu.release(u);
+          MP_EXPECT(back == want[u], "loaded unit " << u << ", offload " << offload);
+        }
+        comm.barrier();
+        if (comm.rank() == 0) std::filesystem::remove_all(dir);
+      }
+      // bfloat16 gathers and gradients, float masters: the conversions on the host either way.
+      using Mixed = ddp::FullyShardedAverager<ddp::backend::Host, float, ddp::bfloat16, float>;
+      Mixed mixed_host(comm, fsdp_units, fsdp_init);
+      const auto mixed_want = fsdp_train(comm, mixed_host, s);
+      using Mixed16 = ddp::FullyShardedAverager<ddp::backend::Host, float, ddp::bfloat16>;
+      for (const bool offload : {false, true}) {
+        Mixed mixed_gpu(comm, fsdp_units, fsdp_init, {ddp::Device::cuda(0), offload, s});
+        MP_EXPECT(fsdp_train(comm, mixed_gpu, s) == mixed_want, "bfloat16, offload " << offload);
+        Mixed16 reduced16_host(comm, fsdp_units, fsdp_init);
+        Mixed16 reduced16_gpu(comm, fsdp_units, fsdp_init, {ddp::Device::cuda(0), offload, s});
+        MP_EXPECT(fsdp_train(comm, reduced16_gpu, s) == fsdp_train(comm, reduced16_host, s),
+                  "bfloat16 gradients, offload " << offload);
+      }
+    });
+  }
 }
 
 int main(int argc, char** argv) {

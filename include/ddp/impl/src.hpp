@@ -67,5 +67,6 @@
 #include "ddp/training/sharded.hpp"
 #include "ddp/training/sharded_checkpoint.hpp"
 #include "ddp/training/state.hpp"
+#include "ddp/training/unit_memory.hpp"
 #include "ddp/work.hpp"
 #endif

@@ -60,6 +60,7 @@
 #include "ddp/tensor.hpp"
 #include "ddp/training/fully_sharded.hpp"
 #include "ddp/training/parameters.hpp"
+#include "ddp/training/unit_memory.hpp"
 
 #include <array>
 #include <cstddef>
@@ -107,7 +108,7 @@ class UnitOrder {
   void check(Comm& comm, const char* who) {
     const std::uint64_t h = std::exchange(h_, kStart);
     std::array<std::uint64_t, 2> seen{h, ~h};  // the largest order and the smallest
-    comm.all_reduce(std::span<std::uint64_t>(seen), ReduceOp::max);
+    comm.all_reduce_host(std::span<std::uint64_t>(seen), ReduceOp::max);
     if (seen[0] != h || ~seen[1] != h)
       fail(Errc::mismatch, "rank ", comm.rank(), ": ", who,
            ": the ranks ran their units' forwards and backwards in different orders this step "
@@ -134,21 +135,21 @@ concept pointable_parameter = requires(P& p, std::span<T> s) {
                                             std::is_assignable_v<grad_of_t<P>, TensorView<T>>));
 
 template <class X, class T>
-void point_to(X&& x, std::span<T> s) {
+void point_to(X&& x, std::span<T> s, const Place& at) {
   if constexpr (std::is_assignable_v<X&&, std::span<T>>)
     std::forward<X>(x) = s;
   else
-    std::forward<X>(x) = TensorView<T>{s.data(), s.size()};
+    std::forward<X>(x) = TensorView<T>{s.data(), s.size(), at.device, at.stream};
 }
 
-/// Points p's value and gradient at `value` and `grad` (empty: at nothing).
+/// Points p's value and gradient at `value` and `grad` (empty: at nothing), memory at `at`.
 template <class T, class P>
-void point_parameter(P& p, std::span<T> value, std::span<T> grad) {
+void point_parameter(P& p, std::span<T> value, std::span<T> grad, const Place& at) {
   if constexpr (requires { parameter_traits<P>::point(p, value, grad); }) {
     parameter_traits<P>::point(p, value, grad);
   } else {
-    point_to(param_value(p), value);
-    point_to(param_grad(p), grad);
+    point_to(param_value(p), value, at);
+    point_to(param_grad(p), grad, at);
   }
 }
 
@@ -165,6 +166,9 @@ struct FullyShardOptions {
   /// forwards and backwards in the same order (units of one size run in different orders would
   /// otherwise mix their values up silently): Errc::mismatch before the update.
   bool check_order = true;
+  /// Where units are gathered and the shard kept (a CUDA device, the shard offloaded to the
+  /// host): the engine's options. Parameters' values and gradients are then device memory.
+  FullyShardedOptions memory{};
 };
 
 /// A model's parameters fully sharded over a FullyShardedAverager (see the file comment). T: the
@@ -245,11 +249,19 @@ class FullyShard {
       each = [&](std::size_t u, std::size_t i, std::size_t offset, std::span<Master> values) {
         init(units_[u].params[i], offset, values);
       };
-    fsdp_ = std::make_unique<Averager>(comm, std::move(sizes), each);
+    fsdp_ = std::make_unique<Averager>(comm, std::move(sizes), each, o.memory);
+    at_ = {fsdp_->device(), fsdp_->stream()};
     if (!init)
       fsdp_->scatter_from(0, [&](std::size_t u, std::size_t i, std::span<Master> out) {
         const TensorView<T> v = value(units_[u].params[i]);
-        for (std::size_t k = 0; k < v.size; ++k) out[k] = detail::convert_value<Master>(v.data[k]);
+        std::vector<T> staged(v.device.is_cuda() ? v.size : 0);  // a device parameter's values
+        const T* from = v.data;
+        if (!staged.empty()) {
+          detail::copy_bytes(staged.data(), v.data, v.bytes(), true, v.stream);
+          detail::sync_stream(true, v.stream);
+          from = staged.data();
+        }
+        detail::convert_values(std::span<const T>(from, v.size), out);
       });
     for (Unit& un : units_) point(un, {}, {});
   }
@@ -366,7 +378,9 @@ class FullyShard {
     for (const Unit& un : units_) sizes.push_back(un.sizes);
     fsdp_.reset();
     comm_ = &comm;
-    fsdp_ = std::make_unique<Averager>(comm, std::move(sizes), typename Averager::Init());
+    fsdp_ =
+        std::make_unique<Averager>(comm, std::move(sizes), typename Averager::Init(), opt_.memory);
+    at_ = {fsdp_->device(), fsdp_->stream()};
     order_.clear();
     last_order_.clear();
     synced_ = ran_ = broken_ = false;
@@ -406,7 +420,7 @@ class FullyShard {
       const auto part = [&](std::span<T> all) {
         return all.empty() ? std::span<T>() : all.subspan(un.offsets[j], un.sizes[j]);
       };
-      detail::point_parameter<T>(*params_[un.params[j]], part(values), part(grads));
+      detail::point_parameter<T>(*params_[un.params[j]], part(values), part(grads), at_);
     }
     un.gathered = !values.empty();
     un.with_grads = !grads.empty();
@@ -489,6 +503,7 @@ class FullyShard {
 
   Communicator<Backend>* comm_;
   Options opt_;
+  detail::Place at_;  // where units are gathered
   std::vector<Param*> params_;
   std::vector<Unit> units_;
   std::unique_ptr<Averager> fsdp_;

@@ -44,6 +44,13 @@
 /// Uneven inputs: a Joinable (ddp::Join) once on_join_step(update) says how a rank updates its
 /// shard; a rank whose inputs are done answers the others' steps and keeps its shard current.
 ///
+/// Memory (FullyShardedOptions): units gathered and the shard kept on the host, or on a CUDA
+/// device (backend::Nccl's default: the communicator's device; backend::Host stages through
+/// pinned memory), or units on the device and the shard on the host (`offload`, as FSDP2's
+/// CPUOffloadPolicy). gather() and grad() then return device memory, shard() device views (the
+/// optimizer runs where the shard is); init, gather_to and scatter_from stay host memory,
+/// copied through. Mixed precision on a device converts this rank's block through the host.
+///
 /// save(path, state) / load(path) are ShardedAverager's sharded checkpoints (a set loads at any
 /// world size), save(mirror, tag) / load(mirror) its in-memory copies for recovery;
 /// gather_to(root, fn) hands `root` the whole model a unit at a time, for export.
@@ -65,9 +72,8 @@
 #include "ddp/training/shard_mirror.hpp"
 #include "ddp/training/sharded.hpp"
 #include "ddp/training/sharded_checkpoint.hpp"
+#include "ddp/training/unit_memory.hpp"
 #include "ddp/work.hpp"
-
-#include <sys/mman.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -84,93 +90,6 @@
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
-namespace detail {
-
-/// A zero-filled array of n T's in pages of its own, returned to the system when it goes: a
-/// unit's gathered parameters or gradients never stay resident in the heap after release (as
-/// freed blocks of malloc's heap would, raising the peak), and zeros cost nothing until written.
-template <class T>
-class PageArray {
-  static_assert(std::is_trivially_copyable_v<T>, "PageArray holds plain numbers");
-
- public:
-  PageArray() = default;
-  /// Errc::system naming `what` when the pages cannot be had (a memory limit, say).
-  PageArray(std::size_t n, int rank, const char* what) : size_(n) {
-    if (n == 0) return;
-    void* p =
-        ::mmap(nullptr, n * sizeof(T), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED)
-      fail_errno(errno, "rank ", rank, ": FullyShardedAverager: no memory for ", what, " (",
-                 n * sizeof(T),
-                 " bytes); shard the model over more ranks or cut its units smaller");
-    data_ = static_cast<T*>(p);
-  }
-  PageArray(PageArray&& o) noexcept
-      : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
-  PageArray& operator=(PageArray&& o) noexcept {
-    PageArray(std::move(o)).swap(*this);
-    return *this;
-  }
-  ~PageArray() {
-    if (data_ != nullptr) ::munmap(data_, size_ * sizeof(T));
-  }
-  void swap(PageArray& o) noexcept {
-    std::swap(data_, o.data_);
-    std::swap(size_, o.size_);
-  }
-  [[nodiscard]] T* data() const noexcept { return data_; }
-  [[nodiscard]] std::size_t size() const noexcept { return size_; }
-  [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
-
- private:
-  T* data_ = nullptr;
-  std::size_t size_ = 0;
-};
-
-/// Freed unit buffers kept for the next unit of the same size: at most two, as many of a kind
-/// as a step holds at once (the unit computed and the one prefetched; the gradients written and
-/// the ones being reduced), so that the peak stays what it was while a step stops mapping and
-/// faulting in fresh pages for every gather and every unit's gradients.
-template <class T>
-class PageCache {
- public:
-  /// An array of n T's: a kept one (zero-filled again when `zeros`), or new pages.
-  PageArray<T> take(std::size_t n, int rank, const char* what, bool zeros) {
-    for (auto it = kept_.begin(); it != kept_.end(); ++it) {
-      if (it->size() != n) continue;
-      PageArray<T> a = std::move(*it);
-      kept_.erase(it);
-      if (zeros) std::memset(static_cast<void*>(a.data()), 0, n * sizeof(T));
-      return a;
-    }
-    return PageArray<T>(n, rank, what);
-  }
-  /// Keeps `a` (the oldest kept one goes back to the system when two are kept).
-  void give(PageArray<T>& a) {
-    if (a.empty()) return;
-    if (kept_.size() >= 2) kept_.erase(kept_.begin());
-    kept_.push_back(std::move(a));
-  }
-  void clear() noexcept { kept_.clear(); }
-
- private:
-  std::vector<PageArray<T>> kept_;
-};
-
-/// `x` as a To (through float for ddp::half and ddp::bfloat16, which convert only to and from
-/// arithmetic types).
-template <class To, class From>
-[[nodiscard]] constexpr To convert_value(From x) noexcept {
-  if constexpr (std::is_same_v<To, From>)
-    return x;
-  else if constexpr (std::is_arithmetic_v<From>)
-    return static_cast<To>(x);
-  else
-    return static_cast<To>(static_cast<float>(x));
-}
-
-}  // namespace detail
 
 /// Fully sharded parameters (see the file comment). T: the element type of the shard (the
 /// optimizer's, "master" values); ParamT: of the gathered parameters (bfloat16 to gather and
@@ -188,11 +107,14 @@ class FullyShardedAverager : public Joinable {
   using Init = std::function<void(std::size_t unit, std::size_t param, std::size_t offset,
                                   std::span<T> values)>;
 
-  /// Collective: makes this rank's shard of `units`, its values from `init`. Errc::mismatch on
-  /// every rank when the ranks' units differ; Errc::invalid_argument for a unit without
-  /// elements.
-  FullyShardedAverager(Communicator<Backend>& comm, std::vector<Unit> units, const Init& init)
+  /// Collective: makes this rank's shard of `units`, its values from `init` (given host memory
+  /// to fill, copied to the device where the shard lives there), its memory where `o` says.
+  /// Errc::mismatch on every rank when the ranks' units differ; Errc::invalid_argument for a
+  /// unit without elements; Errc::unsupported for a device the backend cannot move.
+  FullyShardedAverager(Communicator<Backend>& comm, std::vector<Unit> units, const Init& init,
+                       const FullyShardedOptions& o = {})
       : comm_(&comm) {
+    place(o);
     const auto p = static_cast<std::size_t>(comm.size()), r = static_cast<std::size_t>(comm.rank());
     std::vector<std::uint64_t> shape{units.size()};
     for (std::size_t u = 0; u < units.size(); ++u) {
@@ -205,8 +127,10 @@ class FullyShardedAverager : public Joinable {
                      u, " has no elements");
       b.elements = n;
       b.block = (n + p - 1) / p;
-      b.value.assign(b.block, T{});
-      b.grad.assign(b.block, T{});
+      b.value = detail::UnitArray<T>(b.block, shard_at_, comm.rank(), "a shard's values");
+      b.grad = detail::UnitArray<T>(b.block, shard_at_, comm.rank(), "a shard's gradients");
+      std::vector<T> staged(init && shard_at_.cuda() ? b.block : 0);  // init's, for the device
+      T* const fill = shard_at_.cuda() ? staged.data() : b.value.data();
       // This rank's pieces: parameter by parameter, the part of [r*block, (r+1)*block) it covers.
       std::size_t first = 0;
       for (std::size_t i = 0; i < b.sizes.size(); ++i) {
@@ -215,10 +139,11 @@ class FullyShardedAverager : public Joinable {
         if (lo < hi) {
           const std::size_t at = lo - r * b.block;
           b.pieces.push_back({i, lo - first, at, hi - lo});
-          if (init) init(u, i, lo - first, std::span<T>(b.value.data() + at, hi - lo));
+          if (init) init(u, i, lo - first, std::span<T>(fill + at, hi - lo));
         }
         first += b.sizes[i];
       }
+      if (!staged.empty()) b.value.from_host(0, staged);
       shape.push_back(b.sizes.size());
       shape.insert(shape.end(), b.sizes.begin(), b.sizes.end());
       blocks_.push_back(std::move(b));
@@ -244,27 +169,43 @@ class FullyShardedAverager : public Joinable {
   [[nodiscard]] std::size_t units() const noexcept { return blocks_.size(); }
   /// The communicator.
   [[nodiscard]] Communicator<Backend>& comm() const noexcept { return *comm_; }
+  /// Where units are gathered (FullyShardedOptions::device, or its default), and the program's
+  /// CUDA stream (FullyShardedOptions::stream).
+  [[nodiscard]] Device device() const noexcept { return units_at_.device; }
+  [[nodiscard]] void* stream() const noexcept { return streams_.compute(); }
 
   /// Starts gathering unit `u` in the background (no-op when it is gathered or on its way).
   void prefetch(std::size_t u) {
     Block& b = at(u, "prefetch");
     if (!b.full.empty()) return;
     if (join_) trace_.push_back({u, false});
-    b.full = params_.take(b.block * static_cast<std::size_t>(comm_->size()), comm_->rank(),
-                          "a gathered unit", false);
-    const std::span<ParamT> full(b.full.data(), b.full.size());
+    streams_.own_after_compute();  // the optimizer's writes, the last reads of a kept buffer
+    b.full = params_.take(b.block * static_cast<std::size_t>(comm_->size()), units_at_,
+                          comm_->rank(), "a gathered unit", false);
     if constexpr (std::is_same_v<ParamT, T>) {
-      b.gathering = comm_->all_gather_async(std::span<const T>(b.value), full);
-    } else {  // this rank's block converted in place, then gathered around it
-      const std::span<ParamT> mine =
-          full.subspan(static_cast<std::size_t>(comm_->rank()) * b.block, b.block);
-      for (std::size_t k = 0; k < b.block; ++k) mine[k] = detail::convert_value<ParamT>(b.value[k]);
-      b.gathering = comm_->all_gather_async(std::span<const ParamT>(mine), full);
+      if (!offloaded()) {
+        b.gathering = comm_->all_gather_async(b.value.view(), b.full.view());
+        return;
+      }
     }
+    // This rank's block converted (or copied in from the host) into its place, gathered around it.
+    const std::size_t at = static_cast<std::size_t>(comm_->rank()) * b.block;
+    const std::span<const T> mine = b.value.on_host(staged_);
+    if (!units_at_.cuda()) {
+      detail::convert_values(mine, std::span<ParamT>(b.full.data() + at, b.block));
+    } else if constexpr (std::is_same_v<ParamT, T>) {
+      b.full.from_host(at, mine);
+    } else {
+      std::vector<ParamT> converted(b.block);
+      detail::convert_values(mine, std::span<ParamT>(converted));
+      b.full.from_host(at, converted);
+    }
+    b.gathering = comm_->all_gather_async(b.full.view(at, b.block), b.full.view());
   }
 
   /// Unit `u`'s parameters end to end (its element count: the padding is left out), gathered
-  /// from every rank's block (waiting for a prefetch() of it). Valid until release(u).
+  /// from every rank's block (waiting for a prefetch() of it), in device memory when units are
+  /// gathered on a CUDA device. Valid until release(u).
   [[nodiscard]] std::span<ParamT> gather(std::size_t u) {
     Block& b = at(u, "gather");
     prefetch(u);
@@ -289,8 +230,9 @@ class FullyShardedAverager : public Joinable {
     Block& b = at(u, "grad");
     finish(b);
     if (b.full_grad.empty())
-      b.full_grad = grads_.take(b.block * static_cast<std::size_t>(comm_->size()), comm_->rank(),
-                                "a unit's gradients", true);
+      b.full_grad = grads_.take(b.block * static_cast<std::size_t>(comm_->size()), units_at_,
+                                comm_->rank(), "a unit's gradients", true);
+    streams_.compute_after_own();  // zeroed before the backward adds into them
     return std::span<ReduceT>(b.full_grad.data(), b.elements);
   }
 
@@ -308,18 +250,22 @@ class FullyShardedAverager : public Joinable {
                    u, " is reduced twice without a backward between: call grad(", u,
                    ") for its next backward");
     for (Block& other : blocks_) finish(other);
-    const std::span<const ReduceT> full(b.full_grad.data(), b.full_grad.size());
     // In a Join: summed, then divided by the ranks that trained the step (finish()).
     const ReduceOp op = join_ ? ReduceOp::sum : ReduceOp::avg;
     b.divide_by = join_ ? active_ : 0;
     if (join_) trace_.push_back({u, true});
+    streams_.own_after_compute();  // the backward's gradients written
     if constexpr (std::is_same_v<ReduceT, T>) {
-      b.reducing = comm_->reduce_scatter_async(full, std::span<T>(b.grad), op);
-    } else {  // averaged in ReduceT, converted into the shard by finish()
-      b.reduced_block = detail::PageArray<ReduceT>(b.block, comm_->rank(), "a reduced block");
-      b.reducing = comm_->reduce_scatter_async(
-          full, std::span<ReduceT>(b.reduced_block.data(), b.block), op);
+      if (!offloaded()) {  // straight into the shard
+        b.reducing = comm_->reduce_scatter_async(b.full_grad.view(), b.grad.view(), op);
+        b.reduced = true;
+        return;
+      }
     }
+    // Averaged in ReduceT where the unit is, taken into the shard by finish().
+    b.reduced_block =
+        detail::UnitArray<ReduceT>(b.block, units_at_, comm_->rank(), "a reduced block");
+    b.reducing = comm_->reduce_scatter_async(b.full_grad.view(), b.reduced_block.view(), op);
     b.reduced = true;
   }
 
@@ -343,8 +289,8 @@ class FullyShardedAverager : public Joinable {
     std::size_t first_param = 0;
     for (Block& b : blocks_) {
       for (const Piece& pc : b.pieces)
-        out.push_back({first_param + pc.param, pc.offset, view(b.value.data() + pc.at, pc.size),
-                       view(b.grad.data() + pc.at, pc.size)});
+        out.push_back({first_param + pc.param, pc.offset, on_compute(b.value.view(pc.at, pc.size)),
+                       on_compute(b.grad.view(pc.at, pc.size))});
       first_param += b.sizes.size();
     }
     return out;
@@ -371,7 +317,7 @@ class FullyShardedAverager : public Joinable {
   /// size) through the two phases of save_sharded_checkpoint. No rank writes the whole model.
   /// Returns the save identifier.
   std::uint64_t save(const std::string& path, const Checkpoint& state = Checkpoint{}) {
-    return detail::save_shard(*comm_, state, path, shard(), layout(), false);
+    return detail::save_shard(*comm_, state, path, shard(), layout(), shard_at_.cuda());
   }
 
   /// Collective: loads what save() wrote, at this world size or any other (every rank's shard
@@ -389,7 +335,7 @@ class FullyShardedAverager : public Joinable {
   /// on the rank before it, as save `tag` (ShardMirror): after a rank is lost, the survivors'
   /// new averager loads it with load(mirror).
   void save(ShardMirror& mirror, std::uint64_t tag, const Checkpoint& state = Checkpoint{}) {
-    detail::save_shard_to_mirror(*comm_, mirror, tag, state, shard(), layout(), false);
+    detail::save_shard_to_mirror(*comm_, mirror, tag, state, shard(), layout(), shard_at_.cuda());
   }
 
   /// Collective, after a membership change (an averager made again over the survivors): loads
@@ -412,16 +358,29 @@ class FullyShardedAverager : public Joinable {
                    ": FullyShardedAverager::gather_to: root ", root, " outside the world of ",
                    comm_->size());
     const bool here = comm_->rank() == root;
+    streams_.own_after_compute();
     trim();  // the kept buffers go, so that the export's buffer does not add to the peak
     for (std::size_t u = 0; u < blocks_.size(); ++u) {
       const Block& b = blocks_[u];
-      const detail::PageArray<T> full(here ? b.block * static_cast<std::size_t>(comm_->size()) : 0,
-                                      comm_->rank(), "a unit gathered to export it");
-      comm_->gather(std::span<const T>(b.value), std::span<T>(full.data(), full.size()), root);
+      const std::size_t n = here ? b.block * static_cast<std::size_t>(comm_->size()) : 0;
+      const detail::UnitArray<T> full(n, units_at_, comm_->rank(), "a unit gathered to export it");
+      detail::UnitArray<T> staged;  // an offloaded block, on the device for the backend
+      if (offloaded()) {
+        staged = detail::UnitArray<T>(b.block, units_at_, comm_->rank(), "a block to export");
+        staged.from_host(0, std::span<const T>(b.value.data(), b.block));
+      }
+      comm_->gather((offloaded() ? staged : b.value).view(), full.view(), root);
       if (!here) continue;
+      detail::PageArray<T> copy;  // a unit gathered on a device, on the host for fn
+      const T* values = full.data();
+      if (units_at_.cuda()) {
+        copy = detail::PageArray<T>(n, comm_->rank(), "a unit gathered to export it");
+        full.to_host(0, std::span<T>(copy.data(), n));
+        values = copy.data();
+      }
       std::size_t at = 0;
       for (std::size_t i = 0; i < b.sizes.size(); ++i) {
-        fn(u, i, std::span<const T>(full.data() + at, b.sizes[i]));
+        fn(u, i, std::span<const T>(values + at, b.sizes[i]));
         at += b.sizes[i];
       }
     }
@@ -441,11 +400,25 @@ class FullyShardedAverager : public Joinable {
     for (std::size_t u = 0; u < blocks_.size(); ++u) {
       release(u);
       Block& b = blocks_[u];
-      const detail::PageArray<T> full(here ? b.block * static_cast<std::size_t>(comm_->size()) : 0,
-                                      comm_->rank(), "a unit laid out to shard it");
+      const std::size_t n = here ? b.block * static_cast<std::size_t>(comm_->size()) : 0;
+      detail::PageArray<T> laid(n, comm_->rank(), "a unit laid out to shard it");
       for (std::size_t i = 0, at = 0; here && i < b.sizes.size(); at += b.sizes[i++])
-        fn(u, i, std::span<T>(full.data() + at, b.sizes[i]));
-      comm_->scatter(std::span<const T>(full.data(), full.size()), std::span<T>(b.value), root);
+        fn(u, i, std::span<T>(laid.data() + at, b.sizes[i]));
+      detail::UnitArray<T> full(units_at_.cuda() ? n : 0, units_at_, comm_->rank(),
+                                "a unit laid out to shard it");
+      TensorView<T> in{laid.data(), n};
+      if (units_at_.cuda()) {  // the backend takes it from the device
+        full.from_host(0, std::span<const T>(laid.data(), n));
+        laid = detail::PageArray<T>();
+        in = full.view();
+      }
+      if (!offloaded()) {
+        comm_->scatter(in, b.value.view(), root);
+      } else {
+        const detail::UnitArray<T> mine(b.block, units_at_, comm_->rank(), "a block to shard");
+        comm_->scatter(in, mine.view(), root);
+        mine.to_host(0, std::span<T>(b.value.data(), b.block));
+      }
     }
   }
 
@@ -515,9 +488,9 @@ class FullyShardedAverager : public Joinable {
   struct Block {
     std::vector<std::size_t> sizes;
     std::size_t elements = 0, block = 0;
-    std::vector<T> value, grad;      // this rank's block: values and averaged gradients
-    detail::PageArray<ParamT> full;  // the gathered unit (P blocks), or none
-    detail::PageArray<ReduceT> full_grad, reduced_block;  // its gradients; their block, averaged
+    detail::UnitArray<T> value, grad;  // this rank's block: values and averaged gradients
+    detail::UnitArray<ParamT> full;    // the gathered unit (P blocks), or none
+    detail::UnitArray<ReduceT> full_grad, reduced_block;  // its gradients; their block, averaged
     std::vector<Piece> pieces;
     Work gathering, reducing;
     bool reduced = false;  // reduce() issued since the last grad()
@@ -535,10 +508,11 @@ class FullyShardedAverager : public Joinable {
     for (std::size_t u = 0; u < blocks_.size(); ++u) {
       release(u);
       finish(blocks_[u]);
-      blocks_[u].full_grad = detail::PageArray<ReduceT>();
+      blocks_[u].full_grad = detail::UnitArray<ReduceT>();
       trim();
     }
-    detail::restore_shard(*comm_, *ck, where, shard(), layout(), false, "FullyShardedAverager");
+    detail::restore_shard(*comm_, *ck, where, shard(), layout(), shard_at_.cuda(),
+                          "FullyShardedAverager");
     return ck;
   }
 
@@ -549,19 +523,62 @@ class FullyShardedAverager : public Joinable {
     b.reducing = Work();
     b.reduced = false;
     grads_.give(b.full_grad);
-    if constexpr (!std::is_same_v<ReduceT, T>) {
-      for (std::size_t k = 0; k < b.block; ++k)
-        b.grad[k] = detail::convert_value<T>(b.reduced_block.data()[k]);
-      b.reduced_block = detail::PageArray<ReduceT>();
+    if (!b.reduced_block.empty()) {
+      take_reduced(b);
+      b.reduced_block = detail::UnitArray<ReduceT>();
     }
     if (b.divide_by > 0) {  // a Join's sum: over the ranks that trained (as GradientAverager's)
       using A = typename detail::Accum<T>::type;
-      for (T& g : b.grad) g = static_cast<T>(static_cast<A>(g) / static_cast<A>(b.divide_by));
-      b.divide_by = 0;
+      const int n = std::exchange(b.divide_by, 0);
+      b.grad.edit([n](std::span<T> g) {
+        for (T& x : g) x = static_cast<T>(static_cast<A>(x) / static_cast<A>(n));
+      });
     }
   }
 
-  static TensorView<T> view(T* data, std::size_t n) { return TensorView<T>{data, n}; }
+  /// The averaged block of `b` (ReduceT, where units are) into the shard's gradients.
+  void take_reduced(Block& b) {
+    if constexpr (std::is_same_v<ReduceT, T>) {  // offloaded: copied out
+      if (!shard_at_.cuda()) {
+        b.reduced_block.to_host(0, std::span<T>(b.grad.data(), b.block));
+        return;
+      }
+    }
+    std::vector<ReduceT> scratch;  // converted on the host
+    const std::span<const ReduceT> avg = b.reduced_block.on_host(scratch);
+    b.grad.edit([&](std::span<T> g) { detail::convert_values(avg, g); });
+  }
+
+  /// `v` on the program's stream (the shard's views, for the optimizer).
+  [[nodiscard]] TensorView<T> on_compute(TensorView<T> v) const noexcept {
+    if (v.device.is_cuda()) v.stream = streams_.compute();
+    return v;
+  }
+
+  /// Units gathered on a device, the shard kept on the host.
+  [[nodiscard]] bool offloaded() const noexcept { return units_at_.cuda() && !shard_at_.cuda(); }
+
+  /// Where units and the shard go (FullyShardedOptions), refused where the backend cannot go.
+  void place(const FullyShardedOptions& o) {
+    Device d = Device::cpu();
+    if (o.device) {
+      d = *o.device;
+    } else if constexpr (backend_traits<Backend>::device_only) {
+      d = Device::cuda(comm_->backend().device());
+    }
+    if (d.is_cuda() && !DDP_HAS_CUDA)
+      detail::fail(Errc::unsupported, "rank ", comm_->rank(), ": FullyShardedAverager: units on ",
+                   to_string(d), " but ddp was built without CUDA (link the ddp::cuda target)");
+    if (!detail::usable_device<Backend>(d))
+      detail::fail(Errc::unsupported, "rank ", comm_->rank(), ": FullyShardedAverager: backend ",
+                   Backend::name, " cannot move memory on ", to_string(d),
+                   d.is_cpu() ? "; gather units on the CUDA device (FullyShardedOptions::device) "
+                                "and keep the shard on the host with offload = true"
+                              : "; gather units on the host");
+    streams_ = detail::UnitStreams(d, d.is_cuda() ? o.stream : nullptr);
+    units_at_ = {d, streams_.own()};
+    shard_at_ = o.offload ? detail::Place{} : units_at_;
+  }
 
   Block& at(std::size_t u, const char* what) {
     if (u >= blocks_.size())
@@ -591,8 +608,11 @@ class FullyShardedAverager : public Joinable {
 
   Communicator<Backend>* comm_;
   std::vector<Block> blocks_;
-  detail::PageCache<ParamT> params_;  // freed gathered units, for the next gathers
-  detail::PageCache<ReduceT> grads_;  // freed full gradients, for the next units' backward
+  detail::UnitStreams streams_;        // on a device: the engine's stream and the program's
+  detail::Place units_at_, shard_at_;  // where units are gathered; where the shard is
+  std::vector<T> staged_;              // a block of values copied out of the device
+  detail::PageCache<ParamT> params_;   // freed gathered units, for the next gathers
+  detail::PageCache<ReduceT> grads_;   // freed full gradients, for the next units' backward
   std::function<void(std::vector<ShardSlice<T>>)> join_update_;
   std::vector<Op> trace_;  // in a Join: this rank's collectives of its current (last) step
   bool join_ = false;
@@ -603,5 +623,9 @@ class FullyShardedAverager : public Joinable {
 template <class Backend, class I>
 FullyShardedAverager(Communicator<Backend>&, std::vector<std::vector<std::size_t>>, I)
     -> FullyShardedAverager<Backend, float>;
+/// Deduces the backend from the communicator: FullyShardedAverager fsdp(comm, units, init, o).
+template <class Backend, class I>
+FullyShardedAverager(Communicator<Backend>&, std::vector<std::vector<std::size_t>>, I,
+                     FullyShardedOptions) -> FullyShardedAverager<Backend, float>;
 
 DDP_END_NAMESPACE

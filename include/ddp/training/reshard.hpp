@@ -425,8 +425,10 @@ Checkpoint reshard_held(Comm& comm, const ShardSet& set, std::map<std::uint64_t,
                      out_bytes.append(reinterpret_cast<const char*>(b.data()) + from, n);
                    });
   got.resize(total_recv);
-  comm.all_to_all(std::span(reinterpret_cast<std::uint8_t*>(out_bytes.data()), out_bytes.size()),
-                  std::span(reinterpret_cast<std::uint8_t*>(got.data()), got.size()), send, recv);
+  on_host_data(comm,  // through the device on backend::Nccl
+               std::span(reinterpret_cast<std::uint8_t*>(out_bytes.data()), out_bytes.size()),
+               std::span(reinterpret_cast<std::uint8_t*>(got.data()), got.size()),
+               [&](auto& from, auto& into) { comm.all_to_all(from, into, send, recv); });
   std::size_t at = 0;
   for (std::uint64_t s = 0; s < m; ++s) {
     for_each_piece(

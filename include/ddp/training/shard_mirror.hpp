@@ -127,7 +127,8 @@ struct MirrorAccess {
       out_counts[before] = s.own.size();
       in_counts[after] = static_cast<std::size_t>(sizes[after]);
       s.next.resize(in_counts[after]);
-      comm.all_to_all(bytes(s.own), bytes(s.next), out_counts, in_counts);
+      on_host_data(comm, bytes(s.own), bytes(s.next),  // through the device on backend::Nccl
+                   [&](auto& in, auto& out) { comm.all_to_all(in, out, out_counts, in_counts); });
     } else {
       s.next.clear();
     }
