@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds and runs everything that needs a GPU: the CUDA suites (CudaBuffer, backend::Nccl on one
-# device: every collective, stream ordering behind a slow producer, timeout and abort; NcclClique;
-# backend::Host with CUDA buffers in 2 and 4 processes) and, where the Fashion-MNIST files are
+# device: every collective, stream ordering behind a slow producer, timeout and abort, the
+# averagers, fully sharded units on the device or offloaded; NcclClique; backend::Host with CUDA
+# buffers in 2 and 4 processes, fully sharded units on the GPU bitwise the host's) and, where the Fashion-MNIST files are
 # ($FASHION_MNIST_DIR, default /usr/share/datasets/fashion-mnist), the GPU examples. Run it on a
 # machine with an NVIDIA GPU, the CUDA toolkit and NCCL (CUDA_HOME, default /usr/local/cuda).
 # Elsewhere the same tests build and report themselves skipped (scripts/test.sh).
