@@ -32,6 +32,7 @@ cmake --build build/gpu --target ddp-cuda-test ddp-cuda-staging-test data_parall
   fashion_mnist_gpu cuda-bench memcpy-bench
 rc=0
 ctest --test-dir build/gpu -L cuda --output-on-failure || rc=$?
+scripts/cuda_torch_test.sh || rc=$?  # TorchFullyShard on CUDA modules, where torch has CUDA
 # The GPU figures for bench/README.md (scripts/gpu.sh --bench), measured even when a test failed.
 if [ "${1:-}" = "--bench" ]; then
   build/gpu/bench/cuda-bench nccl || rc=$?

@@ -7,6 +7,8 @@
 #                            (+ packaging: install, find_package, add_subdirectory, meson,
 #                            pkg-config, conan; the launchers for real: PyPI's torchrun, a
 #                            one-node Slurm cluster, mpirun across two network namespaces),
+#                            the CUDA libtorch test built against PyPI's torch (where the
+#                            CUDA toolkit is; it runs on a GPU only: scripts/gpu.sh),
 #                            clang++ against the single header, header-only (the fast and
 #                            compile-fail tests, the fuzzers),
 #                            ASan+UBSan (every test but the main job and packaging), TSan (the
@@ -106,6 +108,8 @@ if [ $fast -eq 1 ]; then
   stage "g++: the fast tests" fresh_workflow fast
 else
   stage "g++ Release: every test (unit, launch, examples, the main job, MPI, libtorch, packaging)" fresh_workflow ci
+  stage "TorchFullyShard on CUDA modules: built against PyPI's torch (skipped without a GPU)" \
+    scripts/cuda_torch_test.sh "${DDP_TORCH_VENV:-$HOME/.cache/ddp/torch-venv}/bin/python"
   stage "clang++ against single_include/, header-only: the fast and compile-fail tests, the fuzzers" fresh_workflow clang
   stage "AddressSanitizer + UndefinedBehaviorSanitizer" fresh_workflow asan-ubsan
   stage "ThreadSanitizer (the multi-threaded parts)" fresh_workflow tsan

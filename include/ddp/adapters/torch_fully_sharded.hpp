@@ -58,7 +58,9 @@
 /// tensor (module->weight = t) is not seen. Frozen parameters (requires_grad false) are sharded
 /// too; their shard tensors get no gradient, so torch's optimizers leave them alone. A unit's
 /// parameters stay gathered after its gradients are reduced until the backward reaches a unit
-/// that ran before it in the forward. Float parameters on the CPU; one backward per step.
+/// that ran before it in the forward. Float parameters, on the CPU or on one CUDA device (units
+/// gathered there, the shard there too or, with Options::offload, on the host: parameters() are
+/// then CPU tensors and the optimizer runs on the CPU); one backward per step.
 
 #include "ddp/adapters/torch_training.hpp"
 #include "ddp/communicator.hpp"
@@ -96,6 +98,10 @@ struct TorchFullyShardOptions {
   /// Check at each step, in one all_reduce of 16 bytes, that every rank ran the same units in
   /// the same order (units of one size mixed up otherwise): Errc::mismatch before the update.
   bool check_order = true;
+  /// For modules on a CUDA device: keep the shard (the float masters, their averaged gradients,
+  /// hence the optimizer's state) in host memory, as FSDP2's CPUOffloadPolicy; parameters() are
+  /// then CPU tensors. Units are gathered on the modules' device either way.
+  bool offload = false;
 };
 
 /// libtorch modules fully sharded over a FullyShardedAverager (see the file comment). ParamT:
@@ -116,8 +122,8 @@ class TorchFullyShard {
 
   /// Collective: shards the modules' parameters over the ranks (rank 0's values) and frees the
   /// modules' own copies. Errc::invalid_argument for a module listed twice, a parameter that is
-  /// not a float CPU tensor, a unit without parameters; Errc::mismatch when the ranks' units
-  /// differ.
+  /// not a float tensor or on another device than the first, a unit without parameters;
+  /// Errc::mismatch when the ranks' units differ.
   TorchFullyShard(Communicator<Backend>& comm,
                   const std::vector<std::shared_ptr<torch::nn::Module>>& modules, Options o = {})
       : comm_(&comm), opt_(o) {
@@ -127,12 +133,15 @@ class TorchFullyShard {
       sizes.emplace_back();
       for (const Param& p : un.params) sizes.back().push_back(p.numel);
     }
-    fsdp_ = std::make_unique<Averager>(comm, sizes, nullptr);
+    FullyShardedOptions memory;  // units where the modules are (torch's default CUDA stream)
+    memory.device = device_.is_cuda() ? Device::cuda(device_.index()) : Device::cpu();
+    memory.offload = o.offload;
+    fsdp_ = std::make_unique<Averager>(comm, sizes, nullptr, memory);
     scatter_from_root();
     for (std::size_t u = 0; u < units_.size(); ++u) {
       Unit& un = units_[u];
-      un.storage = c10::Storage(c10::Storage::use_byte_size_t(), 0,
-                                at::DataPtr(nullptr, at::Device(at::kCPU)), nullptr, false);
+      un.storage = c10::Storage(c10::Storage::use_byte_size_t(), 0, at::DataPtr(nullptr, device_),
+                                nullptr, false);
       for (std::size_t i = 0; i < un.params.size(); ++i) {
         Param& p = un.params[i];
         p.trainable = p.tensor.requires_grad();
@@ -147,8 +156,8 @@ class TorchFullyShard {
     for (const Unit& un : units_)
       for (const Param& p : un.params) trainable.push_back(p.trainable);
     for (const auto& s : fsdp_->shard()) {
-      shard_.push_back(wrap(s.value.data, s.value.size));
-      shard_grads_.push_back(trainable[s.param] ? wrap(s.grad.data, s.grad.size) : at::Tensor());
+      shard_.push_back(wrap(s.value));
+      shard_grads_.push_back(trainable[s.param] ? wrap(s.grad) : at::Tensor());
     }
   }
 
@@ -314,6 +323,11 @@ class TorchFullyShard {
         held[u].emplace_back(item.key(), item.value());
     }
     units_.resize(modules.size());
+    for (const auto& h : held)  // the device: the first parameter's
+      if (!h.empty()) {
+        device_ = h.front().second.device();
+        break;
+      }
     for (std::size_t u = 0; u < modules.size(); ++u) {
       for (const auto& [name, t] : held[u]) {
         std::size_t owner = u;  // the smallest module holding it (the first listed of those)
@@ -323,10 +337,14 @@ class TorchFullyShard {
                (held[v].size() == held[owner].size() && v < owner)))
             owner = v;
         if (owner != u) continue;
-        if (t.scalar_type() != at::kFloat || !t.device().is_cpu())
+        if (t.scalar_type() != at::kFloat || t.device() != device_)
           detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
-                       ": TorchFullyShard: parameter ", name, " of unit ", u,
-                       " is not a float tensor on the CPU");
+                       ": TorchFullyShard: parameter ", name, " of unit ", u, " is ",
+                       t.scalar_type() != at::kFloat ? "not a float tensor" : "on ",
+                       t.scalar_type() != at::kFloat ? "" : t.device().str(),
+                       t.scalar_type() != at::kFloat ? "" : " while the first is on ",
+                       t.scalar_type() != at::kFloat ? "" : device_.str(),
+                       ": float parameters, on the CPU or on one CUDA device");
         Unit& un = units_[u];
         Param p;
         p.tensor = t;
@@ -354,7 +372,7 @@ class TorchFullyShard {
     fsdp_->scatter_from(0, [&](std::size_t u, std::size_t i, std::span<float> out) {
       at::NoGradGuard no_grad;
       const Param& q = units_[u].params[i];
-      const at::Tensor c = q.tensor.detach().contiguous();
+      const at::Tensor c = q.tensor.detach().to(at::kCPU).contiguous();
       std::memcpy(out.data(), c.data_ptr<float>(), q.numel * sizeof(float));
     });
   }
@@ -364,11 +382,10 @@ class TorchFullyShard {
   void point(Unit& un, ParamT* data, std::size_t elements) {
     at::NoGradGuard no_grad;
     c10::StorageImpl* s = un.storage.unsafeGetStorageImpl();
-    s->set_data_ptr_noswap(data == nullptr
-                               ? at::DataPtr(nullptr, at::Device(at::kCPU))
-                               : at::DataPtr(data, data, &no_delete, at::Device(at::kCPU)));
+    s->set_data_ptr_noswap(data == nullptr ? at::DataPtr(nullptr, device_)
+                                           : at::DataPtr(data, data, &no_delete, device_));
     s->set_nbytes(elements * sizeof(ParamT));
-    const auto options = at::TensorOptions().dtype(kParam).device(at::kCPU);
+    const auto options = at::TensorOptions().dtype(kParam).device(device_);
     for (Param& q : un.params) {
       if (data == nullptr) {
         q.tensor.set_data(at::empty({0}, options));
@@ -383,6 +400,13 @@ class TorchFullyShard {
     un.gathered = data != nullptr;
   }
   static void no_delete(void*) {}
+
+  /// A shard's slice as a 1-D float tensor over its memory (the host, or the modules' device).
+  [[nodiscard]] at::Tensor wrap(const TensorView<float>& v) const {
+    const at::Device d = v.device.is_cuda() ? device_ : at::Device(at::kCPU);
+    return at::from_blob(v.data, {static_cast<std::int64_t>(v.size)},
+                         at::TensorOptions().dtype(at::kFloat).device(d));
+  }
 
   /// Unit u gathered, its parameters pointing at it; a parameter changed since is refused.
   void gather(std::size_t u) {
@@ -437,7 +461,7 @@ class TorchFullyShard {
     }
     gather(u);
     const std::span<ParamT> g = fsdp_->grad(u);
-    const auto options = at::TensorOptions().dtype(kParam).device(at::kCPU);
+    const auto options = at::TensorOptions().dtype(kParam).device(device_);
     for (Param& q : un.params)
       q.tensor.mutable_grad() = at::from_blob(g.data() + q.offset, q.sizes, options);
     un.grads = g.data();
@@ -529,11 +553,6 @@ class TorchFullyShard {
     }
   }
 
-  static at::Tensor wrap(float* data, std::size_t n) {
-    return at::from_blob(data, {static_cast<std::int64_t>(n)},
-                         at::TensorOptions().dtype(at::kFloat).device(at::kCPU));
-  }
-
   Unit& at(std::size_t u, const char* what) {
     if (u >= units_.size())
       detail::fail(Errc::invalid_argument, "rank ", comm_->rank(), ": TorchFullyShard::", what,
@@ -548,6 +567,7 @@ class TorchFullyShard {
 
   Communicator<Backend>* comm_;
   Options opt_;
+  at::Device device_ = at::kCPU;  // the modules' parameters' device
   std::vector<Unit> units_;
   std::unique_ptr<Averager> fsdp_;
   std::vector<at::Tensor> shard_, shard_grads_;
