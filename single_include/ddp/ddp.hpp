@@ -26313,16 +26313,18 @@ DDP_END_NAMESPACE
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// Where the fully sharded engine keeps its arrays (ddp/training/fully_sharded.hpp): a shard's
-/// blocks, a gathered unit, a unit's gradients. In pages of their own on the host (returned to
-/// the system when freed, so a released unit never stays resident in malloc's heap), or in a
-/// CUDA device's memory, ordered on the stream the program computes on (builds with CUDA); and
-/// FullyShardedOptions, where the program asks for which.
+/// Parts of the fully sharded engine (ddp/training/fully_sharded.hpp): where it keeps its arrays
+/// (a shard's blocks, a gathered unit, a unit's gradients), in pages of their own on the host
+/// (returned to the system when freed, so a released unit never stays resident in malloc's
+/// heap) or in a CUDA device's memory, ordered on the stream the program computes on (builds
+/// with CUDA); FullyShardedOptions, where the program asks for which; UnitOrder, the order check.
 
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// #include "ddp/backend/backend.hpp" (already included above)
+// #include "ddp/comm/dispatch.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
@@ -26332,9 +26334,12 @@ DDP_END_NAMESPACE
 
 #include <sys/mman.h>
 
+#include <array>
 #include <cerrno>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -26355,6 +26360,10 @@ struct FullyShardedOptions {
   /// gather copies this rank's block in, each reduce copies the averaged block out, and the
   /// optimizer runs on the host. (With units on the host too it changes nothing.)
   bool offload = false;
+  /// Check at each synchronize(), in one all_reduce of 16 bytes, that every rank issued the
+  /// same units' gathers and reduces in the same order this step (units of one size gathered
+  /// in different orders would otherwise mix their values up silently): Errc::mismatch.
+  bool check_order = true;
   /// The CUDA stream the program computes on with gathered units (nullptr: the legacy default
   /// stream). The engine copies and communicates on a stream of its own, ordered against this
   /// one by events (a prefetch or a reduce runs beside the program's kernels), and the shard's
@@ -26376,6 +26385,9 @@ class PageArray {
   /// Errc::system naming `what` when the pages cannot be had (a memory limit, say).
   PageArray(std::size_t n, int rank, const char* what) : size_(n) {
     if (n == 0) return;
+    if (n > std::numeric_limits<std::size_t>::max() / sizeof(T))
+      fail(Errc::invalid_argument, "rank ", rank, ": FullyShardedAverager: ", what, " of ", n,
+           " elements is more than memory can address");
     void* p =
         ::mmap(nullptr, n * sizeof(T), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED)
@@ -26436,7 +26448,9 @@ class UnitArray {
     zero();
 #else
     fail(Errc::unsupported, "rank ", rank, ": FullyShardedAverager: ", what, " on ",
-         to_string(at.device), " but ddp was built without CUDA (link the ddp::cuda target)");
+         to_string(at.device),
+         " but ddp was built without CUDA (link the ddp::cuda target, or compile with "
+         "-DDDP_HAS_CUDA=1 and the CUDA headers and link cudart)");
 #endif
   }
 
@@ -26565,6 +26579,60 @@ class UnitStreams {
   void* compute_ = nullptr;
 };
 
+/// The order in which a step issued its units' gathers and reduces (FNV-1a over them), checked to
+/// be every rank's at the step's end: units of one size gathered or reduced in different orders
+/// would otherwise mix their values up without a mismatched collective to show it.
+class UnitOrder {
+ public:
+  /// Unit u's gather (reduce = false) or reduce was issued.
+  void note(std::size_t u, bool reduce) noexcept {
+    h_ = (h_ ^ (u * 2 + (reduce ? 2 : 1))) * 1099511628211ull;
+  }
+  /// Collective (one all_reduce of 16 bytes): Errc::mismatch on every rank, naming `who`, when
+  /// the ranks' orders differ. Starts the next step's order either way.
+  template <class Comm>
+  void check(Comm& comm, const char* who) {
+    const std::uint64_t h = std::exchange(h_, kStart);
+    std::array<std::uint64_t, 2> seen{h, ~h};  // the largest order and the smallest
+    comm.all_reduce_host(std::span<std::uint64_t>(seen), ReduceOp::max);
+    if (seen[0] != h || ~seen[1] != h)
+      fail(Errc::mismatch, "rank ", comm.rank(), ": ", who,
+           ": the ranks gathered and reduced their units in different orders this step (the "
+           "gathers and reduces are collectives, matched by their order: units of one size were "
+           "mixed up); every rank must run the same units' forwards and backwards in the same "
+           "order. The step's averages are wrong: the shard must not be updated with them");
+  }
+  void clear() noexcept { h_ = kStart; }
+
+ private:
+  static constexpr std::uint64_t kStart = 1469598103934665603ull;
+  std::uint64_t h_ = kStart;
+};
+
+/// Where a FullyShardedAverager over `comm` gathers its units: `o.device`, or by default the host
+/// (the communicator's CUDA device on a backend that moves device memory only). Errc::unsupported
+/// for a device the build or the backend cannot move.
+template <class Backend, class Comm>
+Device unit_device(Comm& comm, const FullyShardedOptions& o) {
+  Device d = Device::cpu();
+  if (o.device) {
+    d = *o.device;
+  } else if constexpr (backend_traits<Backend>::device_only) {
+    d = Device::cuda(comm.backend().device());
+  }
+  if (d.is_cuda() && !DDP_HAS_CUDA)
+    fail(Errc::unsupported, "rank ", comm.rank(), ": FullyShardedAverager: units on ", to_string(d),
+         " but ddp was built without CUDA (link the ddp::cuda target, or compile with "
+         "-DDDP_HAS_CUDA=1 and the CUDA headers and link cudart)");
+  if (!usable_device<Backend>(d))
+    fail(Errc::unsupported, "rank ", comm.rank(), ": FullyShardedAverager: backend ", Backend::name,
+         " cannot move memory on ", to_string(d),
+         d.is_cpu() ? "; gather units on the CUDA device (FullyShardedOptions::device) and keep "
+                      "the shard on the host with offload = true"
+                    : "; gather units on the host");
+  return d;
+}
+
 /// Freed unit buffers kept for the next unit of the same size: at most two, as many of a kind
 /// as a step holds at once (the unit computed and the one prefetched; the gradients written and
 /// the ones being reduced), so that the peak stays what it was while a step stops mapping and
@@ -26626,6 +26694,7 @@ DDP_END_NAMESPACE
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -26666,7 +26735,11 @@ class FullyShardedAverager : public Joinable {
       Block b;
       b.sizes = std::move(units[u]);
       std::size_t n = 0;
-      for (const std::size_t s : b.sizes) n += s;
+      for (const std::size_t s : b.sizes)
+        if ((n += s) < s || n > std::numeric_limits<std::size_t>::max() / 16)
+          detail::fail(Errc::invalid_argument, "rank ", comm.rank(),
+                       ": FullyShardedAverager: unit ", u,
+                       " has more elements than memory can address");
       if (n == 0)
         detail::fail(Errc::invalid_argument, "rank ", comm.rank(), ": FullyShardedAverager: unit ",
                      u, " has no elements");
@@ -26724,6 +26797,7 @@ class FullyShardedAverager : public Joinable {
     Block& b = at(u, "prefetch");
     if (!b.full.empty()) return;
     if (join_) trace_.push_back({u, false});
+    order_.note(u, false);
     streams_.own_after_compute();  // the optimizer's writes, the last reads of a kept buffer
     b.full = params_.take(b.block * static_cast<std::size_t>(comm_->size()), units_at_,
                           comm_->rank(), "a gathered unit", false);
@@ -26799,6 +26873,7 @@ class FullyShardedAverager : public Joinable {
     const ReduceOp op = join_ ? ReduceOp::sum : ReduceOp::avg;
     b.divide_by = join_ ? active_ : 0;
     if (join_) trace_.push_back({u, true});
+    order_.note(u, true);
     streams_.own_after_compute();  // the backward's gradients written
     if constexpr (std::is_same_v<ReduceT, T>) {
       if (!offloaded()) {  // straight into the shard
@@ -26822,9 +26897,18 @@ class FullyShardedAverager : public Joinable {
     grads_.clear();
   }
 
-  /// Waits for every reduce(): the shard's gradients then hold the averages.
+  /// Collective, once per step on every rank: reduces the units whose grad() was taken but not
+  /// reduced (last unit first), waits for every reduce (the shard's gradients then hold the
+  /// averages) and checks that the ranks issued the same gathers and reduces in the same order
+  /// (FullyShardedOptions::check_order; Errc::mismatch, the averages not to be used).
   void synchronize() {
+    for (std::size_t u = blocks_.size(); u-- > 0;)
+      if (!blocks_[u].full_grad.empty() && !blocks_[u].reduced) reduce(u);
     for (Block& b : blocks_) finish(b);
+    if (check_order_)
+      order_.check(*comm_, "FullyShardedAverager::synchronize");
+    else
+      order_.clear();
   }
 
   /// This rank's shard: a slice per piece (parameter index counted over every unit's parameters
@@ -27105,22 +27189,9 @@ class FullyShardedAverager : public Joinable {
 
   /// Where units and the shard go (FullyShardedOptions), refused where the backend cannot go.
   void place(const FullyShardedOptions& o) {
-    Device d = Device::cpu();
-    if (o.device) {
-      d = *o.device;
-    } else if constexpr (backend_traits<Backend>::device_only) {
-      d = Device::cuda(comm_->backend().device());
-    }
-    if (d.is_cuda() && !DDP_HAS_CUDA)
-      detail::fail(Errc::unsupported, "rank ", comm_->rank(), ": FullyShardedAverager: units on ",
-                   to_string(d), " but ddp was built without CUDA (link the ddp::cuda target)");
-    if (!detail::usable_device<Backend>(d))
-      detail::fail(Errc::unsupported, "rank ", comm_->rank(), ": FullyShardedAverager: backend ",
-                   Backend::name, " cannot move memory on ", to_string(d),
-                   d.is_cpu() ? "; gather units on the CUDA device (FullyShardedOptions::device) "
-                                "and keep the shard on the host with offload = true"
-                              : "; gather units on the host");
+    const Device d = detail::unit_device<Backend>(*comm_, o);
     streams_ = detail::UnitStreams(d, d.is_cuda() ? o.stream : nullptr);
+    check_order_ = o.check_order;
     units_at_ = {d, streams_.own()};
     shard_at_ = o.offload ? detail::Place{} : units_at_;
   }
@@ -27153,7 +27224,9 @@ class FullyShardedAverager : public Joinable {
 
   Communicator<Backend>* comm_;
   std::vector<Block> blocks_;
-  detail::UnitStreams streams_;        // on a device: the engine's stream and the program's
+  detail::UnitStreams streams_;  // on a device: the engine's stream and the program's
+  detail::UnitOrder order_;      // this step's gathers and reduces, in order
+  bool check_order_ = true;
   detail::Place units_at_, shard_at_;  // where units are gathered; where the shard is
   std::vector<T> staged_;              // a block of values copied out of the device
   detail::PageCache<ParamT> params_;   // freed gathered units, for the next gathers
@@ -27181,6 +27254,7 @@ DDP_END_NAMESPACE
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <span>
@@ -27208,36 +27282,6 @@ inline std::size_t unit_before(const std::vector<std::size_t>& order, std::size_
     if (order[k] == u) return order[k - 1];
   return none;
 }
-
-/// The order in which a step ran its units' forwards and backwards (FNV-1a over them), checked
-/// to be every rank's at the step's end: units of one size run in different orders would
-/// otherwise mix their values up without a mismatched collective to show it.
-class UnitOrder {
- public:
-  /// Unit u's forward (backward = false) or backward ran.
-  void note(std::size_t u, bool backward) noexcept {
-    h_ = (h_ ^ (u * 2 + (backward ? 2 : 1))) * 1099511628211ull;
-  }
-  /// Collective (one all_reduce of 16 bytes): Errc::mismatch on every rank, naming `who`, when
-  /// the ranks' orders differ. Starts the next step's order either way.
-  template <class Comm>
-  void check(Comm& comm, const char* who) {
-    const std::uint64_t h = std::exchange(h_, kStart);
-    std::array<std::uint64_t, 2> seen{h, ~h};  // the largest order and the smallest
-    comm.all_reduce_host(std::span<std::uint64_t>(seen), ReduceOp::max);
-    if (seen[0] != h || ~seen[1] != h)
-      fail(Errc::mismatch, "rank ", comm.rank(), ": ", who,
-           ": the ranks ran their units' forwards and backwards in different orders this step "
-           "(the gathers and reduces are collectives, matched by their order: units of one size "
-           "were mixed up); every rank must run the same units in the same order. The step's "
-           "averages are wrong, so the shard was not updated");
-  }
-  void clear() noexcept { h_ = kStart; }
-
- private:
-  static constexpr std::uint64_t kStart = 1469598103934665603ull;
-  std::uint64_t h_ = kStart;
-};
 
 /// P's value and gradient can be pointed at a unit's elements: parameter_traits<P>::point, or
 /// members assignable from std::span<T> or TensorView<T>.
@@ -27324,6 +27368,7 @@ class FullyShard {
   FullyShard(Communicator<Backend>& comm, M& model, std::vector<std::vector<std::size_t>> units,
              const Init& init, Options o = {})
       : comm_(&comm), opt_(o) {
+    opt_.memory.check_order = o.check_order;  // the engine checks the step's order
     static_assert(std::is_lvalue_reference_v<decltype(detail::model_parameters(model))>,
                   "ddp::FullyShard re-points the model's own parameters: its parameters() must "
                   "return a reference to them, not a copy");
@@ -27365,7 +27410,7 @@ class FullyShard {
       each = [&](std::size_t u, std::size_t i, std::size_t offset, std::span<Master> values) {
         init(units_[u].params[i], offset, values);
       };
-    fsdp_ = std::make_unique<Averager>(comm, std::move(sizes), each, o.memory);
+    fsdp_ = std::make_unique<Averager>(comm, std::move(sizes), each, opt_.memory);
     at_ = {fsdp_->device(), fsdp_->stream()};
     if (!init)
       fsdp_->scatter_from(0, [&](std::size_t u, std::size_t i, std::span<Master> out) {
@@ -27399,7 +27444,6 @@ class FullyShard {
       un.forwarded = true;
       order_.push_back(u);
     }
-    trace_.note(u, false);
     synced_ = false;
     ran_ = true;
     if (opt_.prefetch) {
@@ -27423,7 +27467,6 @@ class FullyShard {
                    "shard already; call step() (or synchronize()) after each backward");
     gather(u, true);
     un.backwarded = true;
-    trace_.note(u, true);
     synced_ = false;
     ran_ = true;
     if (opt_.prefetch) {
@@ -27451,7 +27494,12 @@ class FullyShard {
       (void)fsdp_->grad(k);
       fsdp_->reduce(k);
     }
-    fsdp_->synchronize();
+    std::exception_ptr failed;  // the order check's: the step ends all the same
+    try {
+      fsdp_->synchronize();
+    } catch (...) {
+      failed = std::current_exception();
+    }
     for (std::size_t k = 0; k < units_.size(); ++k) {
       release(k);
       fsdp_->release(k);  // prefetched but not run this step (stale after the update)
@@ -27459,10 +27507,7 @@ class FullyShard {
     }
     if (!order_.empty()) last_order_ = order_;
     order_.clear();
-    if (opt_.check_order)
-      trace_.check(*comm_, "FullyShard");
-    else
-      trace_.clear();
+    if (failed) std::rethrow_exception(failed);
     synced_ = true;
   }
 
@@ -27477,8 +27522,8 @@ class FullyShard {
                    ": FullyShard::step: no forward or backward ran since the last step() (or "
                    "since the FullyShard was made or reset); one step() per backward");
     synchronize();
+    ran_ = false;  // before the update: one that throws is not applied again on these averages
     std::forward<F>(update)(fsdp_->shard());
-    ran_ = false;
   }
 
   /// Collective over `comm`, after a change of membership (Communicator::shrink, grow; in
@@ -27500,7 +27545,6 @@ class FullyShard {
     order_.clear();
     last_order_.clear();
     synced_ = ran_ = broken_ = false;
-    trace_.clear();
   }
 
   /// This rank's shard (FullyShardedAverager::shard()).
@@ -27625,9 +27669,8 @@ class FullyShard {
   std::unique_ptr<Averager> fsdp_;
   std::vector<std::size_t> order_, last_order_;  // units in forward order: this step's, the last
   bool synced_ = false;                          // synchronize() done, no forward since
-  bool ran_ = false;         // a forward or backward since the last step() (or construction, reset)
-  detail::UnitOrder trace_;  // this step's forwards and backwards, in order
-  bool broken_ = false;      // a backward's fn threw
+  bool ran_ = false;     // a forward or backward since the last step() (or construction, reset)
+  bool broken_ = false;  // a backward's fn threw
 };
 
 /// Deduces the model and the backend: FullyShard fsdp(comm, model, units).

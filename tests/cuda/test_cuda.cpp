@@ -523,7 +523,7 @@ TEST_CASE(
   const std::vector<std::vector<std::size_t>> units{{5, 3}, {200'000}};
   for (const bool offload : {false, true}) {
     CAPTURE(offload);
-    ddp::FullyShardedAverager fsdp(comm, units, fsdp_init, {std::nullopt, offload, s});
+    ddp::FullyShardedAverager fsdp(comm, units, fsdp_init, {.offload = offload, .stream = s});
     CHECK(fsdp.device() == ddp::Device::cuda(0));  // the communicator's device
     CHECK(fsdp.shard()[0].value.device == (offload ? ddp::Device::cpu() : ddp::Device::cuda(0)));
     for (int step = 0; step < 2; ++step) {
@@ -561,14 +561,15 @@ TEST_CASE(
   }
   // bfloat16 gathers and float masters: this rank's block converted through the host.
   ddp::FullyShardedAverager<ddp::backend::Nccl, float, ddp::bfloat16, float> mixed(
-      comm, units, fsdp_init, {std::nullopt, false, s});
+      comm, units, fsdp_init, {.stream = s});
   CHECK(fsdp_holds<ddp::bfloat16>(mixed, 0, s));
   fsdp_backward(mixed, s);
   fsdp_update(mixed.shard(), s);
   CHECK(fsdp_holds<ddp::bfloat16>(mixed, 1, s));
   // NCCL moves device memory only: units on the host are refused, naming the way out.
   try {
-    ddp::FullyShardedAverager host_units(comm, units, fsdp_init, {ddp::Device::cpu(), false, s});
+    ddp::FullyShardedAverager host_units(comm, units, fsdp_init,
+                                         {.device = ddp::Device::cpu(), .stream = s});
     FAIL("units on the host accepted by backend::Nccl");
   } catch (const ddp::Error& e) {
     CHECK(e.code() == ddp::Errc::unsupported);

@@ -477,7 +477,8 @@ TEST_CASE(
       ddp::FullyShardedAverager on_host(comm, fsdp_units, fsdp_init);
       const auto want = fsdp_train(comm, on_host, s);
       for (const bool offload : {false, true}) {
-        const ddp::FullyShardedOptions o{ddp::Device::cuda(0), offload, s};
+        const ddp::FullyShardedOptions o{
+            .device = ddp::Device::cuda(0), .offload = offload, .stream = s};
         ddp::FullyShardedAverager on_gpu(comm, fsdp_units, fsdp_init, o);
         MP_EXPECT(on_gpu.device() == ddp::Device::cuda(0), "units on the GPU");
         MP_EXPECT(
@@ -520,10 +521,12 @@ TEST_CASE(
       const auto mixed_want = fsdp_train(comm, mixed_host, s);
       using Mixed16 = ddp::FullyShardedAverager<ddp::backend::Host, float, ddp::bfloat16>;
       for (const bool offload : {false, true}) {
-        Mixed mixed_gpu(comm, fsdp_units, fsdp_init, {ddp::Device::cuda(0), offload, s});
+        Mixed mixed_gpu(comm, fsdp_units, fsdp_init,
+                        {.device = ddp::Device::cuda(0), .offload = offload, .stream = s});
         MP_EXPECT(fsdp_train(comm, mixed_gpu, s) == mixed_want, "bfloat16, offload " << offload);
         Mixed16 reduced16_host(comm, fsdp_units, fsdp_init);
-        Mixed16 reduced16_gpu(comm, fsdp_units, fsdp_init, {ddp::Device::cuda(0), offload, s});
+        Mixed16 reduced16_gpu(comm, fsdp_units, fsdp_init,
+                              {.device = ddp::Device::cuda(0), .offload = offload, .stream = s});
         MP_EXPECT(fsdp_train(comm, reduced16_gpu, s) == fsdp_train(comm, reduced16_host, s),
                   "bfloat16 gradients, offload " << offload);
       }

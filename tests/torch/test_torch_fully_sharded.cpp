@@ -476,6 +476,17 @@ TEST_CASE("TorchFullyShard: what a user gets wrong is refused, naming the unit")
       }
       torch::optim::SGD opt(f.parameters(), torch::optim::SGDOptions(0.1));
       f.step(opt);
+      mp::expect_refused(comm, "a second step() on the same averages",
+                         "no forward ran (with grad mode on) since the last step()",
+                         [&] { f.step(opt); });
+      {  // evaluating does not start a step either
+        torch::NoGradGuard no_grad;
+        (void)net->forward(f, x);
+      }
+      mp::expect_refused(comm, "a step() after an evaluation only", "since the last step()",
+                         [&] { f.step(opt); });
+      torch::mse_loss(net->forward(f, x), y).backward();  // the next step: accepted
+      f.step(opt);
     }
     {
       Deep net;

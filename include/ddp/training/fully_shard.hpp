@@ -65,6 +65,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <span>
@@ -92,36 +93,6 @@ inline std::size_t unit_before(const std::vector<std::size_t>& order, std::size_
     if (order[k] == u) return order[k - 1];
   return none;
 }
-
-/// The order in which a step ran its units' forwards and backwards (FNV-1a over them), checked
-/// to be every rank's at the step's end: units of one size run in different orders would
-/// otherwise mix their values up without a mismatched collective to show it.
-class UnitOrder {
- public:
-  /// Unit u's forward (backward = false) or backward ran.
-  void note(std::size_t u, bool backward) noexcept {
-    h_ = (h_ ^ (u * 2 + (backward ? 2 : 1))) * 1099511628211ull;
-  }
-  /// Collective (one all_reduce of 16 bytes): Errc::mismatch on every rank, naming `who`, when
-  /// the ranks' orders differ. Starts the next step's order either way.
-  template <class Comm>
-  void check(Comm& comm, const char* who) {
-    const std::uint64_t h = std::exchange(h_, kStart);
-    std::array<std::uint64_t, 2> seen{h, ~h};  // the largest order and the smallest
-    comm.all_reduce_host(std::span<std::uint64_t>(seen), ReduceOp::max);
-    if (seen[0] != h || ~seen[1] != h)
-      fail(Errc::mismatch, "rank ", comm.rank(), ": ", who,
-           ": the ranks ran their units' forwards and backwards in different orders this step "
-           "(the gathers and reduces are collectives, matched by their order: units of one size "
-           "were mixed up); every rank must run the same units in the same order. The step's "
-           "averages are wrong, so the shard was not updated");
-  }
-  void clear() noexcept { h_ = kStart; }
-
- private:
-  static constexpr std::uint64_t kStart = 1469598103934665603ull;
-  std::uint64_t h_ = kStart;
-};
 
 /// P's value and gradient can be pointed at a unit's elements: parameter_traits<P>::point, or
 /// members assignable from std::span<T> or TensorView<T>.
@@ -208,6 +179,7 @@ class FullyShard {
   FullyShard(Communicator<Backend>& comm, M& model, std::vector<std::vector<std::size_t>> units,
              const Init& init, Options o = {})
       : comm_(&comm), opt_(o) {
+    opt_.memory.check_order = o.check_order;  // the engine checks the step's order
     static_assert(std::is_lvalue_reference_v<decltype(detail::model_parameters(model))>,
                   "ddp::FullyShard re-points the model's own parameters: its parameters() must "
                   "return a reference to them, not a copy");
@@ -249,7 +221,7 @@ class FullyShard {
       each = [&](std::size_t u, std::size_t i, std::size_t offset, std::span<Master> values) {
         init(units_[u].params[i], offset, values);
       };
-    fsdp_ = std::make_unique<Averager>(comm, std::move(sizes), each, o.memory);
+    fsdp_ = std::make_unique<Averager>(comm, std::move(sizes), each, opt_.memory);
     at_ = {fsdp_->device(), fsdp_->stream()};
     if (!init)
       fsdp_->scatter_from(0, [&](std::size_t u, std::size_t i, std::span<Master> out) {
@@ -283,7 +255,6 @@ class FullyShard {
       un.forwarded = true;
       order_.push_back(u);
     }
-    trace_.note(u, false);
     synced_ = false;
     ran_ = true;
     if (opt_.prefetch) {
@@ -307,7 +278,6 @@ class FullyShard {
                    "shard already; call step() (or synchronize()) after each backward");
     gather(u, true);
     un.backwarded = true;
-    trace_.note(u, true);
     synced_ = false;
     ran_ = true;
     if (opt_.prefetch) {
@@ -335,7 +305,12 @@ class FullyShard {
       (void)fsdp_->grad(k);
       fsdp_->reduce(k);
     }
-    fsdp_->synchronize();
+    std::exception_ptr failed;  // the order check's: the step ends all the same
+    try {
+      fsdp_->synchronize();
+    } catch (...) {
+      failed = std::current_exception();
+    }
     for (std::size_t k = 0; k < units_.size(); ++k) {
       release(k);
       fsdp_->release(k);  // prefetched but not run this step (stale after the update)
@@ -343,10 +318,7 @@ class FullyShard {
     }
     if (!order_.empty()) last_order_ = order_;
     order_.clear();
-    if (opt_.check_order)
-      trace_.check(*comm_, "FullyShard");
-    else
-      trace_.clear();
+    if (failed) std::rethrow_exception(failed);
     synced_ = true;
   }
 
@@ -361,8 +333,8 @@ class FullyShard {
                    ": FullyShard::step: no forward or backward ran since the last step() (or "
                    "since the FullyShard was made or reset); one step() per backward");
     synchronize();
+    ran_ = false;  // before the update: one that throws is not applied again on these averages
     std::forward<F>(update)(fsdp_->shard());
-    ran_ = false;
   }
 
   /// Collective over `comm`, after a change of membership (Communicator::shrink, grow; in
@@ -384,7 +356,6 @@ class FullyShard {
     order_.clear();
     last_order_.clear();
     synced_ = ran_ = broken_ = false;
-    trace_.clear();
   }
 
   /// This rank's shard (FullyShardedAverager::shard()).
@@ -509,9 +480,8 @@ class FullyShard {
   std::unique_ptr<Averager> fsdp_;
   std::vector<std::size_t> order_, last_order_;  // units in forward order: this step's, the last
   bool synced_ = false;                          // synchronize() done, no forward since
-  bool ran_ = false;         // a forward or backward since the last step() (or construction, reset)
-  detail::UnitOrder trace_;  // this step's forwards and backwards, in order
-  bool broken_ = false;      // a backward's fn threw
+  bool ran_ = false;     // a forward or backward since the last step() (or construction, reset)
+  bool broken_ = false;  // a backward's fn threw
 };
 
 /// Deduces the model and the backend: FullyShard fsdp(comm, model, units).

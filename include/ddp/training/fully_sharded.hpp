@@ -81,6 +81,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -121,7 +122,11 @@ class FullyShardedAverager : public Joinable {
       Block b;
       b.sizes = std::move(units[u]);
       std::size_t n = 0;
-      for (const std::size_t s : b.sizes) n += s;
+      for (const std::size_t s : b.sizes)
+        if ((n += s) < s || n > std::numeric_limits<std::size_t>::max() / 16)
+          detail::fail(Errc::invalid_argument, "rank ", comm.rank(),
+                       ": FullyShardedAverager: unit ", u,
+                       " has more elements than memory can address");
       if (n == 0)
         detail::fail(Errc::invalid_argument, "rank ", comm.rank(), ": FullyShardedAverager: unit ",
                      u, " has no elements");
@@ -179,6 +184,7 @@ class FullyShardedAverager : public Joinable {
     Block& b = at(u, "prefetch");
     if (!b.full.empty()) return;
     if (join_) trace_.push_back({u, false});
+    order_.note(u, false);
     streams_.own_after_compute();  // the optimizer's writes, the last reads of a kept buffer
     b.full = params_.take(b.block * static_cast<std::size_t>(comm_->size()), units_at_,
                           comm_->rank(), "a gathered unit", false);
@@ -254,6 +260,7 @@ class FullyShardedAverager : public Joinable {
     const ReduceOp op = join_ ? ReduceOp::sum : ReduceOp::avg;
     b.divide_by = join_ ? active_ : 0;
     if (join_) trace_.push_back({u, true});
+    order_.note(u, true);
     streams_.own_after_compute();  // the backward's gradients written
     if constexpr (std::is_same_v<ReduceT, T>) {
       if (!offloaded()) {  // straight into the shard
@@ -277,9 +284,18 @@ class FullyShardedAverager : public Joinable {
     grads_.clear();
   }
 
-  /// Waits for every reduce(): the shard's gradients then hold the averages.
+  /// Collective, once per step on every rank: reduces the units whose grad() was taken but not
+  /// reduced (last unit first), waits for every reduce (the shard's gradients then hold the
+  /// averages) and checks that the ranks issued the same gathers and reduces in the same order
+  /// (FullyShardedOptions::check_order; Errc::mismatch, the averages not to be used).
   void synchronize() {
+    for (std::size_t u = blocks_.size(); u-- > 0;)
+      if (!blocks_[u].full_grad.empty() && !blocks_[u].reduced) reduce(u);
     for (Block& b : blocks_) finish(b);
+    if (check_order_)
+      order_.check(*comm_, "FullyShardedAverager::synchronize");
+    else
+      order_.clear();
   }
 
   /// This rank's shard: a slice per piece (parameter index counted over every unit's parameters
@@ -560,22 +576,9 @@ class FullyShardedAverager : public Joinable {
 
   /// Where units and the shard go (FullyShardedOptions), refused where the backend cannot go.
   void place(const FullyShardedOptions& o) {
-    Device d = Device::cpu();
-    if (o.device) {
-      d = *o.device;
-    } else if constexpr (backend_traits<Backend>::device_only) {
-      d = Device::cuda(comm_->backend().device());
-    }
-    if (d.is_cuda() && !DDP_HAS_CUDA)
-      detail::fail(Errc::unsupported, "rank ", comm_->rank(), ": FullyShardedAverager: units on ",
-                   to_string(d), " but ddp was built without CUDA (link the ddp::cuda target)");
-    if (!detail::usable_device<Backend>(d))
-      detail::fail(Errc::unsupported, "rank ", comm_->rank(), ": FullyShardedAverager: backend ",
-                   Backend::name, " cannot move memory on ", to_string(d),
-                   d.is_cpu() ? "; gather units on the CUDA device (FullyShardedOptions::device) "
-                                "and keep the shard on the host with offload = true"
-                              : "; gather units on the host");
+    const Device d = detail::unit_device<Backend>(*comm_, o);
     streams_ = detail::UnitStreams(d, d.is_cuda() ? o.stream : nullptr);
+    check_order_ = o.check_order;
     units_at_ = {d, streams_.own()};
     shard_at_ = o.offload ? detail::Place{} : units_at_;
   }
@@ -608,7 +611,9 @@ class FullyShardedAverager : public Joinable {
 
   Communicator<Backend>* comm_;
   std::vector<Block> blocks_;
-  detail::UnitStreams streams_;        // on a device: the engine's stream and the program's
+  detail::UnitStreams streams_;  // on a device: the engine's stream and the program's
+  detail::UnitOrder order_;      // this step's gathers and reduces, in order
+  bool check_order_ = true;
   detail::Place units_at_, shard_at_;  // where units are gathered; where the shard is
   std::vector<T> staged_;              // a block of values copied out of the device
   detail::PageCache<ParamT> params_;   // freed gathered units, for the next gathers

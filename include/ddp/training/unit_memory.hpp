@@ -3,16 +3,18 @@
 #pragma once
 
 /// \file
-/// Where the fully sharded engine keeps its arrays (ddp/training/fully_sharded.hpp): a shard's
-/// blocks, a gathered unit, a unit's gradients. In pages of their own on the host (returned to
-/// the system when freed, so a released unit never stays resident in malloc's heap), or in a
-/// CUDA device's memory, ordered on the stream the program computes on (builds with CUDA); and
-/// FullyShardedOptions, where the program asks for which.
+/// Parts of the fully sharded engine (ddp/training/fully_sharded.hpp): where it keeps its arrays
+/// (a shard's blocks, a gathered unit, a unit's gradients), in pages of their own on the host
+/// (returned to the system when freed, so a released unit never stays resident in malloc's
+/// heap) or in a CUDA device's memory, ordered on the stream the program computes on (builds
+/// with CUDA); FullyShardedOptions, where the program asks for which; UnitOrder, the order check.
 
 #include "ddp/config.hpp"
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+#include "ddp/backend/backend.hpp"
+#include "ddp/comm/dispatch.hpp"
 #include "ddp/error.hpp"
 #include "ddp/tensor.hpp"
 #include "ddp/types.hpp"
@@ -22,9 +24,12 @@
 
 #include <sys/mman.h>
 
+#include <array>
 #include <cerrno>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -45,6 +50,10 @@ struct FullyShardedOptions {
   /// gather copies this rank's block in, each reduce copies the averaged block out, and the
   /// optimizer runs on the host. (With units on the host too it changes nothing.)
   bool offload = false;
+  /// Check at each synchronize(), in one all_reduce of 16 bytes, that every rank issued the
+  /// same units' gathers and reduces in the same order this step (units of one size gathered
+  /// in different orders would otherwise mix their values up silently): Errc::mismatch.
+  bool check_order = true;
   /// The CUDA stream the program computes on with gathered units (nullptr: the legacy default
   /// stream). The engine copies and communicates on a stream of its own, ordered against this
   /// one by events (a prefetch or a reduce runs beside the program's kernels), and the shard's
@@ -66,6 +75,9 @@ class PageArray {
   /// Errc::system naming `what` when the pages cannot be had (a memory limit, say).
   PageArray(std::size_t n, int rank, const char* what) : size_(n) {
     if (n == 0) return;
+    if (n > std::numeric_limits<std::size_t>::max() / sizeof(T))
+      fail(Errc::invalid_argument, "rank ", rank, ": FullyShardedAverager: ", what, " of ", n,
+           " elements is more than memory can address");
     void* p =
         ::mmap(nullptr, n * sizeof(T), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED)
@@ -126,7 +138,9 @@ class UnitArray {
     zero();
 #else
     fail(Errc::unsupported, "rank ", rank, ": FullyShardedAverager: ", what, " on ",
-         to_string(at.device), " but ddp was built without CUDA (link the ddp::cuda target)");
+         to_string(at.device),
+         " but ddp was built without CUDA (link the ddp::cuda target, or compile with "
+         "-DDDP_HAS_CUDA=1 and the CUDA headers and link cudart)");
 #endif
   }
 
@@ -254,6 +268,60 @@ class UnitStreams {
 #endif
   void* compute_ = nullptr;
 };
+
+/// The order in which a step issued its units' gathers and reduces (FNV-1a over them), checked to
+/// be every rank's at the step's end: units of one size gathered or reduced in different orders
+/// would otherwise mix their values up without a mismatched collective to show it.
+class UnitOrder {
+ public:
+  /// Unit u's gather (reduce = false) or reduce was issued.
+  void note(std::size_t u, bool reduce) noexcept {
+    h_ = (h_ ^ (u * 2 + (reduce ? 2 : 1))) * 1099511628211ull;
+  }
+  /// Collective (one all_reduce of 16 bytes): Errc::mismatch on every rank, naming `who`, when
+  /// the ranks' orders differ. Starts the next step's order either way.
+  template <class Comm>
+  void check(Comm& comm, const char* who) {
+    const std::uint64_t h = std::exchange(h_, kStart);
+    std::array<std::uint64_t, 2> seen{h, ~h};  // the largest order and the smallest
+    comm.all_reduce_host(std::span<std::uint64_t>(seen), ReduceOp::max);
+    if (seen[0] != h || ~seen[1] != h)
+      fail(Errc::mismatch, "rank ", comm.rank(), ": ", who,
+           ": the ranks gathered and reduced their units in different orders this step (the "
+           "gathers and reduces are collectives, matched by their order: units of one size were "
+           "mixed up); every rank must run the same units' forwards and backwards in the same "
+           "order. The step's averages are wrong: the shard must not be updated with them");
+  }
+  void clear() noexcept { h_ = kStart; }
+
+ private:
+  static constexpr std::uint64_t kStart = 1469598103934665603ull;
+  std::uint64_t h_ = kStart;
+};
+
+/// Where a FullyShardedAverager over `comm` gathers its units: `o.device`, or by default the host
+/// (the communicator's CUDA device on a backend that moves device memory only). Errc::unsupported
+/// for a device the build or the backend cannot move.
+template <class Backend, class Comm>
+Device unit_device(Comm& comm, const FullyShardedOptions& o) {
+  Device d = Device::cpu();
+  if (o.device) {
+    d = *o.device;
+  } else if constexpr (backend_traits<Backend>::device_only) {
+    d = Device::cuda(comm.backend().device());
+  }
+  if (d.is_cuda() && !DDP_HAS_CUDA)
+    fail(Errc::unsupported, "rank ", comm.rank(), ": FullyShardedAverager: units on ", to_string(d),
+         " but ddp was built without CUDA (link the ddp::cuda target, or compile with "
+         "-DDDP_HAS_CUDA=1 and the CUDA headers and link cudart)");
+  if (!usable_device<Backend>(d))
+    fail(Errc::unsupported, "rank ", comm.rank(), ": FullyShardedAverager: backend ", Backend::name,
+         " cannot move memory on ", to_string(d),
+         d.is_cpu() ? "; gather units on the CUDA device (FullyShardedOptions::device) and keep "
+                      "the shard on the host with offload = true"
+                    : "; gather units on the host");
+  return d;
+}
 
 /// Freed unit buffers kept for the next unit of the same size: at most two, as many of a kind
 /// as a step holds at once (the unit computed and the one prefetched; the gradients written and

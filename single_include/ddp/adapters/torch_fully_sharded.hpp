@@ -12,7 +12,8 @@
 /// forwards a rank keeps 1/P of its parameters; the module's parameters have no elements then
 /// (their memory is freed):
 ///
-///     ddp::TorchFullyShard fsdp(comm, {net->fc1.ptr(), net->fc2.ptr(), net.ptr()});
+///     ddp::TorchFullyShard fsdp(comm, {net->fc1.ptr(), net->fc2.ptr()});  // net.ptr() last too
+///                                                 // when the root holds parameters of its own
 ///     torch::optim::Adam opt(fsdp.parameters(), torch::optim::AdamOptions(1e-3));  // the shard
 ///     for (...) {
 ///       // in the model's forward, each unit's part runs inside fsdp.forward(unit, fn):
@@ -134,6 +135,7 @@ class TorchFullyShard {
     FullyShardedOptions memory;  // units where the modules are (torch's default CUDA stream)
     memory.device = device_.is_cuda() ? Device::cuda(device_.index()) : Device::cpu();
     memory.offload = o.offload;
+    memory.check_order = o.check_order;  // the engine checks the step's order
     fsdp_ = std::make_unique<Averager>(comm, sizes, nullptr, memory);
     scatter_from_root();
     for (std::size_t u = 0; u < units_.size(); ++u) {
@@ -189,7 +191,6 @@ class TorchFullyShard {
       un.forwarded = true;
       order_.push_back(u);
     }
-    trace_.note(u, false);
     if (opt_.prefetch) {
       const std::size_t next = detail::unit_after(last_order_, u, units_.size());
       if (next < units_.size() && !units_[next].forwarded) fsdp_->prefetch(next);
@@ -198,6 +199,7 @@ class TorchFullyShard {
     static_assert(!std::is_reference_v<R>, "TorchFullyShard::forward: fn returns by value");
     auto out = call(u, std::forward<F>(fn));
     synced_ = false;
+    stepped_ = stepped_ && !c10::GradMode::is_enabled();
     bool hooked = false;
     visit(out, [&](const at::Tensor& t) {
       if (!t.defined()) return;
@@ -231,7 +233,12 @@ class TorchFullyShard {
       if (!un.in_backward) (void)fsdp_->grad(k);
       finish_backward(k);
     }
-    fsdp_->synchronize();
+    std::exception_ptr failed;  // the order check's: the step ends all the same
+    try {
+      fsdp_->synchronize();
+    } catch (...) {
+      failed = std::current_exception();
+    }
     for (std::size_t k = 0; k < units_.size(); ++k) {
       units_[k].reduced = false;
       units_[k].forwarded = false;
@@ -241,10 +248,7 @@ class TorchFullyShard {
     if (!order_.empty()) last_order_ = order_;
     order_.clear();
     backward_.clear();
-    if (opt_.check_order)
-      trace_.check(*comm_, "TorchFullyShard");
-    else
-      trace_.clear();
+    if (failed) std::rethrow_exception(failed);
     // The shard's tensors' gradients: the averages (none for frozen parameters, which torch's
     // optimizers then leave alone); opt.zero_grad() may have dropped them since the last step.
     for (std::size_t j = 0; j < shard_.size(); ++j) shard_[j].mutable_grad() = shard_grads_[j];
@@ -271,7 +275,13 @@ class TorchFullyShard {
                          "shard's: make it over fsdp.parameters()");
         }
     }
+    if (stepped_)
+      detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                   ": TorchFullyShard::step: no forward ran (with grad mode on) since the last "
+                   "step(), so the optimizer would apply the same averages again; one step() "
+                   "per backward");
     synchronize();
+    stepped_ = true;  // before opt.step(): an optimizer that throws is not retried on them
     opt.step();
   }
 
@@ -464,7 +474,6 @@ class TorchFullyShard {
       q.tensor.mutable_grad() = at::from_blob(g.data() + q.offset, q.sizes, options);
     un.grads = g.data();
     un.in_backward = true;
-    trace_.note(u, true);
     un.pending = un.trainable;
     backward_.push_back(u);
     if (!opt_.prefetch) return;
@@ -572,7 +581,7 @@ class TorchFullyShard {
   std::vector<std::size_t> order_, last_order_;  // units in forward order: this step's, the last
   std::vector<std::size_t> backward_;  // units whose backward started this step, not released
   bool synced_ = false;                // synchronize() done, no forward since
-  detail::UnitOrder trace_;            // this step's forwards and backwards, in order
+  bool stepped_ = false;               // step() done, no forward with grad mode on since
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);  // for hooks that outlive this
 };
 

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <optional>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -550,6 +551,51 @@ TEST_CASE("fully sharded: uneven inputs in a ddp::Join train bitwise as Gradient
   });
 }
 
+TEST_CASE(
+    "fully sharded: units of one size gathered in different orders fail the step's check, and "
+    "gradients taken but not reduced are reduced at synchronize") {
+  mp::run(3, ddp::HostTransport::shm, [](mp::Comm& comm) {
+    const auto ones = [](std::size_t u, std::size_t, std::size_t, std::span<float> v) {
+      std::fill(v.begin(), v.end(), static_cast<float>(u));
+    };
+    ddp::FullyShardedAverager fsdp(comm, {{4}, {4}}, ones);
+    const std::size_t first = comm.rank() == 1 ? 1 : 0;
+    for (const std::size_t u : {first, 1 - first}) {
+      (void)fsdp.gather(u);
+      fsdp.release(u);
+    }
+    try {
+      fsdp.synchronize();
+      MP_EXPECT(false, "units gathered in different orders were not noticed");
+    } catch (const ddp::Error& e) {
+      MP_EXPECT(e.code() == ddp::Errc::mismatch &&
+                    std::string(e.what()).find("different orders this step") != std::string::npos,
+                e.what());
+    }
+    // The next step starts afresh: in one order, it passes; unit 0's gradients (rank + 1 each)
+    // were taken and never reduced: synchronize() reduces them, the average is 2.
+    for (const std::size_t u : {std::size_t{0}, std::size_t{1}}) {
+      (void)fsdp.gather(u);
+      fsdp.release(u);
+    }
+    for (float& g : fsdp.grad(0)) g = static_cast<float>(comm.rank() + 1);
+    fsdp.synchronize();
+    for (const auto& s : fsdp.shard())
+      for (std::size_t k = 0; k < s.grad.size; ++k)
+        MP_EXPECT(s.grad.data[k] == (s.param == 0 ? 2.0f : 0.0f),
+                  "parameter " << s.param << ": " << s.grad.data[k]);
+    // Without the check (check_order = false) the mixed-up order goes unnoticed.
+    ddp::FullyShardedOptions unchecked;
+    unchecked.check_order = false;
+    ddp::FullyShardedAverager loose(comm, {{4}, {4}}, ones, unchecked);
+    for (const std::size_t u : {first, 1 - first}) {
+      (void)loose.gather(u);
+      loose.release(u);
+    }
+    loose.synchronize();
+  });
+}
+
 TEST_CASE("fully sharded: units that differ between ranks, and calls out of turn, are refused") {
   mp::run(3, ddp::HostTransport::shm, [](mp::Comm& comm) {
     auto units = unit_sizes;
@@ -597,6 +643,27 @@ TEST_CASE("fully sharded: units that differ between ranks, and calls out of turn
     });
     refused("unit 0 has no elements",
             [&] { ddp::FullyShardedAverager<ddp::backend::Host> empty(comm, {{}}, nullptr); });
+    // Sizes past what memory can address (a wrapped sum, or one beyond any byte count): named
+    // before anything is allocated, never a short buffer.
+    const std::size_t huge = std::size_t{1} << 62;
+    for (const auto& huge_units : std::vector<std::vector<std::vector<std::size_t>>>{
+             {{huge, huge, huge, huge + 1}}, {{8}, {huge + 1}}})
+      refused("more elements than memory can address", [&] {
+        ddp::FullyShardedAverager<ddp::backend::Host> big(comm, huge_units, nullptr);
+      });
+#if !DDP_HAS_CUDA
+    // Units on a device in a build without CUDA: named, on every rank, before any allocation.
+    try {
+      ddp::FullyShardedOptions gpu;
+      gpu.device = ddp::Device::cuda(0);
+      ddp::FullyShardedAverager<ddp::backend::Host> on_gpu(comm, {{8}}, nullptr, gpu);
+      MP_EXPECT(false, "units on cuda:0 accepted without CUDA");
+    } catch (const ddp::Error& e) {
+      MP_EXPECT(e.code() == ddp::Errc::unsupported &&
+                    std::string(e.what()).find("built without CUDA") != std::string::npos,
+                e.what());
+    }
+#endif
   });
 }
 
@@ -738,6 +805,39 @@ struct SpanParam {
 };
 
 }  // namespace
+
+TEST_CASE(
+    "FullyShard in a ddp::Join: uneven inputs train bitwise as GradientAverager's, the order "
+    "check on, the finished ranks answering it") {
+  // Rank r trains 3 + 2r steps through FullyShard; its engine is the Joinable.
+  mp::run(3, ddp::HostTransport::shm, [](mp::Comm& comm) {
+    WholeNet whole;
+    ddp::GradientAverager avg(comm, whole);
+    Optimizer whole_opt, opt;
+    auto net = toy_model(comm.rank(), false);
+    ddp::FullyShard fsdp(comm, net, toy_units());
+    fsdp.averager().on_join_step([&](auto shard) { opt.step(shard); });
+    const int mine = 3 + 2 * comm.rank();
+    {
+      ddp::Join join(comm, {&avg, &fsdp.averager()});
+      for (int step = 0; step < mine; ++step) {
+        join.step();
+        whole_gradients(whole, comm.rank(), step, [](float x) { return x; });
+        avg.average();
+        whole_update(whole, whole_opt);
+        toy_step(fsdp, net, opt, comm.rank(), step);
+      }
+      join.finish();
+      MP_EXPECT(join.shadowed() == static_cast<std::size_t>(7 - mine), join.shadowed());
+    }
+    std::size_t index = 0;
+    fsdp.averager().gather_to(0, [&](std::size_t u, std::size_t i, std::span<const float> values) {
+      const auto& want = whole.params[index++].value;
+      MP_EXPECT(std::memcmp(values.data(), want.data(), want.size() * sizeof(float)) == 0,
+                "unit " << u << " parameter " << i << " differs from GradientAverager's");
+    });
+  });
+}
 
 TEST_CASE(
     "FullyShard: a model of a tensor type of one's own, re-pointed at each unit, trains 20 "
@@ -891,6 +991,14 @@ TEST_CASE("FullyShard: units listed wrong, run twice, or parameters pointed away
     mp::expect_invalid("unit 1's backward runs again before step()",
                        [&] { fsdp.backward(1, [] {}); });
     fsdp.step([](auto) {});
+    mp::expect_invalid("no forward or backward ran since the last step()",
+                       [&] { fsdp.step([](auto) {}); });
+    // An update that throws (partly applied, say) is not run again on the same averages.
+    fsdp.forward(0, [] {});
+    try {
+      fsdp.step([](auto) { throw std::runtime_error("the optimizer failed"); });
+    } catch (const std::runtime_error&) {
+    }
     mp::expect_invalid("no forward or backward ran since the last step()",
                        [&] { fsdp.step([](auto) {}); });
     mp::expect_invalid(
