@@ -26787,9 +26787,9 @@ class FullyShardedAverager : public Joinable {
   [[nodiscard]] std::size_t units() const noexcept { return blocks_.size(); }
   /// The communicator.
   [[nodiscard]] Communicator<Backend>& comm() const noexcept { return *comm_; }
-  /// Where units are gathered (FullyShardedOptions::device, or its default), and the program's
-  /// CUDA stream (FullyShardedOptions::stream).
+  /// Where units are gathered (FullyShardedOptions::device, or its default).
   [[nodiscard]] Device device() const noexcept { return units_at_.device; }
+  /// The program's CUDA stream (FullyShardedOptions::stream).
   [[nodiscard]] void* stream() const noexcept { return streams_.compute(); }
 
   /// Starts gathering unit `u` in the background (no-op when it is gathered or on its way).
