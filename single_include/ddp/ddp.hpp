@@ -26730,7 +26730,7 @@ class FullyShardedAverager : public Joinable {
       : comm_(&comm) {
     place(o);
     const auto p = static_cast<std::size_t>(comm.size()), r = static_cast<std::size_t>(comm.rank());
-    std::vector<std::uint64_t> shape{units.size()};
+    std::vector<std::uint64_t> shape{units.size(), o.check_order ? 1u : 0u};
     for (std::size_t u = 0; u < units.size(); ++u) {
       Block b;
       b.sizes = std::move(units[u]);
@@ -26878,7 +26878,7 @@ class FullyShardedAverager : public Joinable {
     if constexpr (std::is_same_v<ReduceT, T>) {
       if (!offloaded()) {  // straight into the shard
         b.reducing = comm_->reduce_scatter_async(b.full_grad.view(), b.grad.view(), op);
-        b.reduced = true;
+        b.reduced = b.stepped = true;
         return;
       }
     }
@@ -26886,7 +26886,7 @@ class FullyShardedAverager : public Joinable {
     b.reduced_block =
         detail::UnitArray<ReduceT>(b.block, units_at_, comm_->rank(), "a reduced block");
     b.reducing = comm_->reduce_scatter_async(b.full_grad.view(), b.reduced_block.view(), op);
-    b.reduced = true;
+    b.reduced = b.stepped = true;
   }
 
   /// Returns the buffers of released units and reduced gradients that are kept for the next
@@ -26898,13 +26898,21 @@ class FullyShardedAverager : public Joinable {
   }
 
   /// Collective, once per step on every rank: reduces the units whose grad() was taken but not
-  /// reduced (last unit first), waits for every reduce (the shard's gradients then hold the
-  /// averages) and checks that the ranks issued the same gathers and reduces in the same order
-  /// (FullyShardedOptions::check_order; Errc::mismatch, the averages not to be used).
+  /// reduced this step (last unit first), waits for every reduce (the shard's gradients then
+  /// hold the averages), releases every gathered unit (the optimizer changes the shard next, so
+  /// a unit gathered across it would be stale) and checks that the ranks issued the same
+  /// gathers and reduces in the same order (FullyShardedOptions::check_order; Errc::mismatch,
+  /// the averages not to be used). grad(u) after reduce(u) is the next backward's zeros, not
+  /// the averages (those are in shard()).
   void synchronize() {
     for (std::size_t u = blocks_.size(); u-- > 0;)
-      if (!blocks_[u].full_grad.empty() && !blocks_[u].reduced) reduce(u);
-    for (Block& b : blocks_) finish(b);
+      if (!blocks_[u].full_grad.empty() && !blocks_[u].reduced && !blocks_[u].stepped) reduce(u);
+    for (std::size_t u = 0; u < blocks_.size(); ++u) {  // the optimizer changes the shard next
+      finish(blocks_[u]);
+      release(u);
+      grads_.give(blocks_[u].full_grad);  // zeros asked for after the unit's reduce: unused
+      blocks_[u].stepped = false;
+    }
     if (check_order_)
       order_.check(*comm_, "FullyShardedAverager::synchronize");
     else
@@ -27123,6 +27131,7 @@ class FullyShardedAverager : public Joinable {
     std::vector<Piece> pieces;
     Work gathering, reducing;
     bool reduced = false;  // reduce() issued since the last grad()
+    bool stepped = false;  // reduce() issued since the last synchronize()
     int divide_by = 0;     // in a Join: the ranks that trained the reduced step
   };
 
@@ -27208,6 +27217,11 @@ class FullyShardedAverager : public Joinable {
     const auto all = comm_->all_gather_object(shape);
     for (std::size_t j = 1; j < all.size(); ++j) {
       if (all[j] == all[0]) continue;
+      if (all[j][1] != all[0][1])
+        detail::fail(Errc::mismatch, "rank ", comm_->rank(),
+                     ": FullyShardedAverager: FullyShardedOptions::check_order is ", all[0][1] != 0,
+                     " on rank 0 but ", all[j][1] != 0, " on rank ", j,
+                     ": the check is a collective, so every rank must make the same choice");
       std::size_t k = 0;
       while (k < all[0].size() && k < all[j].size() && all[0][k] == all[j][k]) ++k;
       detail::fail(Errc::mismatch, "rank ", comm_->rank(), ": FullyShardedAverager: rank ", j,
@@ -27391,7 +27405,9 @@ class FullyShard {
         un.offsets.push_back(un.elements);
         const std::size_t n = value(i).size;
         un.sizes.push_back(n);
-        un.elements += n;
+        if ((un.elements += n) < n)
+          detail::fail(Errc::invalid_argument, "rank ", comm.rank(), ": FullyShard: unit ", u,
+                       " has more elements than memory can address");
         sizes.back().push_back(n);
       }
       if (un.elements == 0)
@@ -27513,16 +27529,17 @@ class FullyShard {
 
   /// One step after the backward: synchronize(), then update(shard()) (the optimizer on the
   /// shard's averaged gradients). Errc::invalid_argument when no forward or backward ran since
-  /// the last step() (or since the FullyShard was made or reset): the update would apply the
-  /// same averages again, or zeros.
+  /// the last step() (or since the FullyShard was made or reset), a failed step() included (its
+  /// order check or its update threw): the update would apply the same averages again, or zeros.
   template <class F>
   void step(F&& update) {
     if (!ran_)
       detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
                    ": FullyShard::step: no forward or backward ran since the last step() (or "
-                   "since the FullyShard was made or reset); one step() per backward");
+                   "since the FullyShard was made or reset; a step() that failed counts: its "
+                   "averages are not applied again); one step() per backward");
+    ran_ = false;  // a step that fails (its check, its update) is not applied again on these
     synchronize();
-    ran_ = false;  // before the update: one that throws is not applied again on these averages
     std::forward<F>(update)(fsdp_->shard());
   }
 

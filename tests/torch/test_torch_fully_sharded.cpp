@@ -491,6 +491,13 @@ TEST_CASE("TorchFullyShard: what a user gets wrong is refused, naming the unit")
     {
       Deep net;
       Fsdp f(comm, net->units());
+      torch::optim::SGD opt(f.parameters(), torch::optim::SGDOptions(0.1));
+      mp::expect_refused(comm, "a step() before any forward", "since the TorchFullyShard was made",
+                         [&] { f.step(opt); });
+    }
+    {
+      Deep net;
+      Fsdp f(comm, net->units());
       mp::expect_refused(comm, "a view of the unit's parameters returned",
                          "returned a view of its own parameters",
                          [&] { (void)f.forward(0, [&] { return net->fc1->weight.t(); }); });
@@ -534,6 +541,9 @@ TEST_CASE("TorchFullyShard: what a user gets wrong is refused, naming the unit")
                   e.what());
       }
       MP_EXPECT(f.parameters()[0].equal(before), "the shard was updated");
+      mp::expect_refused(comm, "a step() retried after the check failed",
+                         "a step() that failed counts", [&] { f.step(opt); });
+      MP_EXPECT(f.parameters()[0].equal(before), "a retried step updated the shard");
     }
     // Ranks whose units differ: Errc::mismatch on every rank.
     Deep net;

@@ -202,7 +202,9 @@ class FullyShard {
         un.offsets.push_back(un.elements);
         const std::size_t n = value(i).size;
         un.sizes.push_back(n);
-        un.elements += n;
+        if ((un.elements += n) < n)
+          detail::fail(Errc::invalid_argument, "rank ", comm.rank(), ": FullyShard: unit ", u,
+                       " has more elements than memory can address");
         sizes.back().push_back(n);
       }
       if (un.elements == 0)
@@ -324,16 +326,17 @@ class FullyShard {
 
   /// One step after the backward: synchronize(), then update(shard()) (the optimizer on the
   /// shard's averaged gradients). Errc::invalid_argument when no forward or backward ran since
-  /// the last step() (or since the FullyShard was made or reset): the update would apply the
-  /// same averages again, or zeros.
+  /// the last step() (or since the FullyShard was made or reset), a failed step() included (its
+  /// order check or its update threw): the update would apply the same averages again, or zeros.
   template <class F>
   void step(F&& update) {
     if (!ran_)
       detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
                    ": FullyShard::step: no forward or backward ran since the last step() (or "
-                   "since the FullyShard was made or reset); one step() per backward");
+                   "since the FullyShard was made or reset; a step() that failed counts: its "
+                   "averages are not applied again); one step() per backward");
+    ran_ = false;  // a step that fails (its check, its update) is not applied again on these
     synchronize();
-    ran_ = false;  // before the update: one that throws is not applied again on these averages
     std::forward<F>(update)(fsdp_->shard());
   }
 

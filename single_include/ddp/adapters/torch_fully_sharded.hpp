@@ -278,10 +278,11 @@ class TorchFullyShard {
     if (stepped_)
       detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
                    ": TorchFullyShard::step: no forward ran (with grad mode on) since the last "
-                   "step(), so the optimizer would apply the same averages again; one step() "
-                   "per backward");
+                   "step() (or since the TorchFullyShard was made; a step() that failed "
+                   "counts), so the optimizer would apply the same averages again, or zeros; one "
+                   "step() per backward");
+    stepped_ = true;  // a step that fails (its check, opt.step()) is not applied again on them
     synchronize();
-    stepped_ = true;  // before opt.step(): an optimizer that throws is not retried on them
     opt.step();
   }
 
@@ -581,7 +582,7 @@ class TorchFullyShard {
   std::vector<std::size_t> order_, last_order_;  // units in forward order: this step's, the last
   std::vector<std::size_t> backward_;  // units whose backward started this step, not released
   bool synced_ = false;                // synchronize() done, no forward since
-  bool stepped_ = false;               // step() done, no forward with grad mode on since
+  bool stepped_ = true;  // step() done (or none yet), no forward with grad mode on since
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);  // for hooks that outlive this
 };
 

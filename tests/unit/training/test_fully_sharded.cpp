@@ -579,11 +579,25 @@ TEST_CASE(
       fsdp.release(u);
     }
     for (float& g : fsdp.grad(0)) g = static_cast<float>(comm.rank() + 1);
+    // Unit 1 reduced, then its grad() asked for again (the next backward's zeros): the
+    // averages stay. Unit 0 prefetched for the next step: released at synchronize(), so the
+    // update below is what the next gather sees.
+    for (float& g : fsdp.grad(1)) g = static_cast<float>(2 * comm.rank() + 2);
+    fsdp.reduce(1);
+    (void)fsdp.grad(1);
+    fsdp.prefetch(0);
     fsdp.synchronize();
     for (const auto& s : fsdp.shard())
-      for (std::size_t k = 0; k < s.grad.size; ++k)
-        MP_EXPECT(s.grad.data[k] == (s.param == 0 ? 2.0f : 0.0f),
+      for (std::size_t k = 0; k < s.grad.size; ++k) {
+        MP_EXPECT(s.grad.data[k] == (s.param == 0 ? 2.0f : 4.0f),
                   "parameter " << s.param << ": " << s.grad.data[k]);
+        s.value.data[k] += 10.0f;
+      }
+    const auto fresh = fsdp.gather(0);
+    MP_EXPECT(std::all_of(fresh.begin(), fresh.end(), [](float x) { return x == 10.0f; }),
+              "a unit gathered before the update came back stale: " << fresh[0]);
+    fsdp.release(0);
+    fsdp.synchronize();
     // Without the check (check_order = false) the mixed-up order goes unnoticed.
     ddp::FullyShardedOptions unchecked;
     unchecked.check_order = false;
@@ -593,6 +607,18 @@ TEST_CASE(
       loose.release(u);
     }
     loose.synchronize();
+    // The check is a collective: ranks that choose differently are refused when made.
+    ddp::FullyShardedOptions mixed;
+    mixed.check_order = comm.rank() != 2;
+    try {
+      ddp::FullyShardedAverager differing(comm, {{4}, {4}}, ones, mixed);
+      MP_EXPECT(false, "ranks differing in check_order were accepted");
+    } catch (const ddp::Error& e) {
+      MP_EXPECT(e.code() == ddp::Errc::mismatch &&
+                    std::string(e.what()).find("check_order is true on rank 0 but false on "
+                                               "rank 2") != std::string::npos,
+                e.what());
+    }
   });
 }
 
@@ -1035,7 +1061,7 @@ TEST_CASE("FullyShard: units listed wrong, run twice, or parameters pointed away
     Shard ordered(comm, trio, {{0}, {1, 2}, {3}});  // parameter 2: no elements, in a unit
     mp::expect_invalid(
         "no forward or backward ran since the last step() (or since the FullyShard "
-        "was made or reset)",
+        "was made or reset;",
         [&] { ordered.step([](auto) {}); });
     const auto nth = [&](std::size_t k) { return comm.rank() == 0 ? k : 2 - k; };
     for (std::size_t k = 0; k < 3; ++k) ordered.forward(nth(k), [] {});
@@ -1053,6 +1079,9 @@ TEST_CASE("FullyShard: units listed wrong, run twice, or parameters pointed away
                 e.what());
     }
     MP_EXPECT(!updated, "the shard was updated from mixed-up averages");
+    mp::expect_invalid("a step() that failed counts",  // no retry on those averages
+                       [&] { ordered.step([&](auto) { updated = true; }); });
+    MP_EXPECT(!updated, "a retried step updated the shard");
     std::vector<float> values;
     ordered.averager().gather_to(0, [&](std::size_t, std::size_t, std::span<const float> v) {
       values.insert(values.end(), v.begin(), v.end());
