@@ -537,6 +537,19 @@ TEST_CASE(
 int main(int argc, char** argv) {
   // Ask a child: the parent must not create a CUDA context before forking the ranks.
   if (ddp::cuda_device_count_before_fork() == 0) {
+    // What runs without a device: fully sharded units asked for on one are refused, named.
+    try {
+      auto comm = Host::init(ddp::Environment{});
+      ddp::FullyShardedAverager f(comm, {{4}}, nullptr, {.device = ddp::Device::cuda(0)});
+      std::puts("FAILED: units on cuda:0 were accepted without a CUDA device");
+      return 1;
+    } catch (const ddp::Error& e) {
+      if (e.code() != ddp::Errc::invalid_argument ||
+          std::string(e.what()).find("sees 0 CUDA device(s)") == std::string::npos) {
+        std::printf("FAILED: %s\n", e.what());
+        return 1;
+      }
+    }
     std::puts("ddp CUDA staging tests: no CUDA device; skipped");
     return 0;
   }

@@ -314,6 +314,12 @@ Device unit_device(Comm& comm, const FullyShardedOptions& o) {
     fail(Errc::unsupported, "rank ", comm.rank(), ": FullyShardedAverager: units on ", to_string(d),
          " but ddp was built without CUDA (link the ddp::cuda target, or compile with "
          "-DDDP_HAS_CUDA=1 and the CUDA headers and link cudart)");
+#if DDP_HAS_CUDA
+  if (const int n = d.is_cuda() ? cuda_device_count() : 0; d.is_cuda() && d.index >= n)
+    fail(Errc::invalid_argument, "rank ", comm.rank(), ": FullyShardedAverager: units on ",
+         to_string(d), " but this process sees ", n,
+         " CUDA device(s) (none: no driver or no device; CUDA_VISIBLE_DEVICES renumbers them)");
+#endif
   if (!usable_device<Backend>(d))
     fail(Errc::unsupported, "rank ", comm.rank(), ": FullyShardedAverager: backend ", Backend::name,
          " cannot move memory on ", to_string(d),
