@@ -27347,7 +27347,8 @@ struct FullyShardOptions {
   /// otherwise mix their values up silently): Errc::mismatch before the update.
   bool check_order = true;
   /// Where units are gathered and the shard kept (a CUDA device, the shard offloaded to the
-  /// host): the engine's options. Parameters' values and gradients are then device memory.
+  /// host): the engine's options (its check_order is the one above). Parameters' values and
+  /// gradients are then device memory.
   FullyShardedOptions memory{};
 };
 

@@ -348,14 +348,15 @@ class TorchFullyShard {
                (held[v].size() == held[owner].size() && v < owner)))
             owner = v;
         if (owner != u) continue;
-        if (t.scalar_type() != at::kFloat || t.device() != device_)
+        if (t.scalar_type() != at::kFloat)
           detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
-                       ": TorchFullyShard: parameter ", name, " of unit ", u, " is ",
-                       t.scalar_type() != at::kFloat ? "not a float tensor" : "on ",
-                       t.scalar_type() != at::kFloat ? "" : t.device().str(),
-                       t.scalar_type() != at::kFloat ? "" : " while the first is on ",
-                       t.scalar_type() != at::kFloat ? "" : device_.str(),
-                       ": float parameters, on the CPU or on one CUDA device");
+                       ": TorchFullyShard: parameter ", name, " of unit ", u,
+                       " is not a float tensor (float parameters: mixed precision is ParamT)");
+        if (t.device() != device_)
+          detail::fail(Errc::invalid_argument, "rank ", comm_->rank(),
+                       ": TorchFullyShard: parameter ", name, " of unit ", u, " is on ",
+                       t.device().str(), " while the first is on ", device_.str(),
+                       ": every parameter on the CPU or on one CUDA device");
         Unit& un = units_[u];
         Param p;
         p.tensor = t;
