@@ -25,8 +25,10 @@ endfunction()
 
 # ddp_test_optimization(target): DDP_TEST_OPTIMIZATION (the ci preset: -O1) for what the test
 # suite builds only to run once and check results, not speed: the unit tests, the benchmarks
-# (their figures come from bench/run.sh's own Release build) and the launch tests' worker. Most
-# of their compile time goes to optimizing the collectives' many instantiations.
+# (their figures come from bench/run.sh's own Release build), the launch tests' worker, ddprun
+# and ddp-trace (scripts/main.sh builds its own Release ddprun), and the examples whose work runs
+# in libtorch or CUDA kernels. Most of their compile time goes to optimizing the collectives'
+# many instantiations (and libtorch's templates).
 function(ddp_test_optimization target)
   if(DDP_TEST_OPTIMIZATION)
     separate_arguments(_opt UNIX_COMMAND "${DDP_TEST_OPTIMIZATION}")

@@ -3,17 +3,25 @@
 # modules) against PYTHON's torch, a CUDA build of it (PyPI's); Debian's libtorch is CPU-only.
 # Without a GPU the test reports itself skipped, so this checks that the CUDA path compiles.
 #
-#   scripts/cuda_torch_test.sh [PYTHON]     (default: python3; scripts/test.sh gives the
-#                                            torch venv's, scripts/gpu.sh the machine's)
+#   scripts/cuda_torch_test.sh [PYTHON [BUILD]]   PYTHON: default python3 (scripts/test.sh gives
+#                                            the torch venv's, scripts/gpu.sh the machine's);
+#                                            BUILD: Release (default) or check (-O0, what
+#                                            scripts/test.sh builds where it cannot run it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py="${1:-python3}"
+build="${2:-Release}"
 if ! "$py" -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; then
   echo "scripts/cuda_torch_test.sh: $py has no CUDA build of torch; nothing to build" >&2
   exit 0
 fi
 tdir=$("$py" -c 'import os, torch; print(os.path.dirname(torch.__file__))' 2>/dev/null)
-args=(-DCMAKE_BUILD_TYPE=Release "-DCMAKE_PREFIX_PATH=$tdir/share/cmake"
+if [ "$build" = check ]; then
+  build_args=(-DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG=-O0)
+else
+  build_args=("-DCMAKE_BUILD_TYPE=$build")
+fi
+args=("${build_args[@]}" "-DCMAKE_PREFIX_PATH=$tdir/share/cmake"
   # a system libtorch (Debian's libtorch-dev) has libraries find_library would prefer
   "-Dc10_LIBRARY=$tdir/lib/libc10.so" "-DTORCH_LIBRARY=$tdir/lib/libtorch.so")
 # A CUDA build of torch links NCCL from its own wheel.

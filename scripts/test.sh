@@ -73,13 +73,26 @@ stage() {  # stage NAME COMMAND...: runs one stage, records the outcome, keeps g
   fi
 }
 
-fresh_workflow() {  # configure from scratch so a stale cache can never hide a problem
+build_tree() {  # build_tree PRESET: configure from scratch (a stale cache can never hide a problem), build
   rm -rf "build/$1"
-  mkdir -p build
-  cmake --workflow --preset "$1" 2>&1 | tee "build/$1.log"
+  cmake --preset "$1" && cmake --build --preset "$1"
+}
+
+test_tree() {  # test_tree PRESET: its tests, and the slowest of them
+  ctest --preset "$1" 2>&1 | tee "build/$1-tests.log"
   local rc=${PIPESTATUS[0]}
-  slowest "build/$1.log"
+  slowest "build/$1-tests.log"
   return "$rc"
+}
+
+logged_build() {  # logged_build PRESET: build_tree, its output also in build/PRESET.log
+  mkdir -p build
+  build_tree "$1" 2>&1 | tee "build/$1.log"
+  return "${PIPESTATUS[0]}"
+}
+
+fresh_workflow() {  # fresh_workflow PRESET: build_tree, then test_tree
+  logged_build "$1" && test_tree "$1"
 }
 
 slowest() {  # the 15 slowest tests of a stage's ctest output, slowest first
@@ -92,11 +105,49 @@ slowest() {  # the 15 slowest tests of a stage's ctest output, slowest first
   echo "$lines" | awk '{ printf "%8.1f  %s\n", $1, substr($0, index($0, " ") + 1) }'
 }
 
-meson_tests() {
+meson_build() {
   rm -rf build/meson
-  meson setup build/meson -Dtests=enabled >build/meson-setup.log 2>&1 || { cat build/meson-setup.log; return 1; }
-  meson test -C build/meson --print-errorlogs
+  meson setup build/meson -Dtests=enabled && meson compile -C build/meson
 }
+
+# The builds of the later stages run in the background at the lowest CPU priority (nice 19),
+# one after another, while the g++ stage's tests run: most of those tests wait (on processes,
+# sockets, timeouts, launchers), and a niced build takes only the CPU they leave idle. Each later
+# stage then waits for its build (its log is printed) and runs its tests alone in the foreground.
+background_builds() {
+  local job
+  for job in "$@"; do
+    local start=$SECONDS rc=0
+    case $job in
+      meson) meson_build >"build/$job.log" 2>&1 || rc=$? ;;
+      cuda-torch)
+        scripts/cuda_torch_test.sh "${DDP_TORCH_VENV:-$HOME/.cache/ddp/torch-venv}/bin/python" check \
+          >"build/$job.log" 2>&1 || rc=$? ;;
+      *) build_tree "$job" >"build/$job.log" 2>&1 || rc=$? ;;
+    esac
+    echo "$rc $((SECONDS - start))" >"build/$job.done"
+  done
+}
+
+await_build() {  # await_build JOB: waits for a background build, prints its log, returns its status
+  local start=$SECONDS
+  while [ ! -e "build/$1.done" ]; do
+    if ! kill -0 "$background_pid" 2>/dev/null && [ ! -e "build/$1.done" ]; then
+      echo "the background builds ended before $1's" >&2
+      return 1
+    fi
+    sleep 2
+  done
+  cat "build/$1.log"
+  local rc took
+  read -r rc took <"build/$1.done"
+  echo "--- $1: built in the background in $took s; waited $((SECONDS - start)) s for it here"
+  return "$rc"
+}
+
+sanitized_tests() { await_build clang-asan-ubsan && test_tree clang-asan-ubsan; }
+tsan_tests() { await_build tsan && test_tree tsan; }
+meson_tests() { await_build meson && meson test -C build/meson --print-errorlogs; }
 
 if [ $fast -eq 0 ]; then
   stage "clang-format (every C++ file)" scripts/format.sh --check
@@ -107,13 +158,18 @@ fi
 if [ $fast -eq 1 ]; then
   stage "g++: the fast tests" fresh_workflow fast
 else
-  stage "g++ Release: every test (unit, launch, examples, the main job, MPI, libtorch, packaging)" fresh_workflow ci
-  stage "TorchFullyShard on CUDA modules: built against PyPI's torch (skipped without a GPU)" \
-    scripts/cuda_torch_test.sh "${DDP_TORCH_VENV:-$HOME/.cache/ddp/torch-venv}/bin/python"
-  stage "clang++ against single_include/, header-only: the fast and compile-fail tests, the fuzzers" fresh_workflow clang
-  stage "AddressSanitizer + UndefinedBehaviorSanitizer" fresh_workflow asan-ubsan
-  stage "ThreadSanitizer (the multi-threaded parts)" fresh_workflow tsan
+  stage "g++ Release: the build (tests, examples, tools, benchmarks, header checks)" logged_build ci
+  rm -f build/*.done
+  nice -n 19 bash -c "$(declare -f build_tree meson_build background_builds); background_builds clang-asan-ubsan tsan meson cuda-torch" &
+  background_pid=$!
+  trap 'kill "$background_pid" 2>/dev/null; [ -z "${SLURM_CONF:-}" ] || scripts/slurm.sh stop build/slurm' EXIT
+  stage "g++ Release: every test (unit, launch, examples, the main job, MPI, libtorch, packaging)" test_tree ci
+  stage "clang++ against single_include/, ASan + UBSan: every test but the main job and packaging, compile-fail, the fuzzers" \
+    sanitized_tests
+  stage "ThreadSanitizer (the multi-threaded parts)" tsan_tests
   stage "meson: build and tests (both dependencies)" meson_tests
+  stage "TorchFullyShard on CUDA modules: built against PyPI's torch (skipped without a GPU)" \
+    await_build cuda-torch
 fi
 
 echo

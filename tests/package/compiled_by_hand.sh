@@ -22,7 +22,8 @@ for mode in include single_include; do
   flags=(-std=c++20 -O1 -I "$src/$mode")
   "$cxx" "${flags[@]}" -DDDP_SEPARATE_COMPILATION -c "$common/compiled_main.cpp" -o "$out/main.o"
   "$cxx" "${flags[@]}" -DDDP_SEPARATE_COMPILATION -c "$common/compiled_sum.cpp" -o "$out/sum.o"
-  "$cxx" "${flags[@]}" -c "$out/impl.cpp" -o "$out/impl.o"
+  # The implementation unit at -O0: what is checked is which unit defines what, and that it runs.
+  "$cxx" "${flags[@]}" -O0 -c "$out/impl.cpp" -o "$out/impl.o"
   # The user's units call ddp's store, transports and communicator state; they must not carry
   # their code: no non-template function of ddp is defined in them (a symbol without template
   # arguments), but for the implicit destructors of plain structs (Options, Environment, ...).

@@ -78,7 +78,9 @@ case $kind in
     need conan
     export CONAN_HOME="$work/conan-home"
     conan profile detect >/dev/null 2>&1
-    # The profile's default is the compiler's default standard; ddp needs C++20.
+    # The profile's default is the compiler's default standard; ddp needs C++20. Debug: the test
+    # package checks that the recipe's targets build, link and run, not their speed (the
+    # profile's Release would compile the implementation unit and libtorch's headers at -O3).
     # Work on a copy, so the test package's build folder never lands in the source tree.
     mkdir -p "$work/src/tests/package"
     mkdir -p "$work/src/cmake"
@@ -88,7 +90,7 @@ case $kind in
     cp -r "$src/tests/package/common" "$src/tests/package/cmake_components" \
       "$src/tests/package/torch_pip" "$work/src/tests/package/"
     CXX=$cxx CC=${cxx/++/cc} conan create "$work/src" --no-remote --build=missing -s compiler.cppstd=20 \
-      >"$work/conan.log" 2>&1 || { tail -60 "$work/conan.log"; exit 1; }
+      -s build_type=Debug >"$work/conan.log" 2>&1 || { tail -60 "$work/conan.log"; exit 1; }
     out=$(grep -E '^ddp [0-9]' "$work/conan.log" | tail -1)
     # The backend options, each where its library is installed: ddp::mpi / ddp::nccl link and
     # define what the headers need.
@@ -101,7 +103,7 @@ case $kind in
       && options+=(-o "ddp/*:with_torch=True")
     if [ ${#options[@]} -gt 0 ]; then
       CXX=$cxx CC=${cxx/++/cc} conan create "$work/src" --no-remote --build=missing -s compiler.cppstd=20 \
-        "${options[@]}" >"$work/conan-options.log" 2>&1 || { tail -60 "$work/conan-options.log"; exit 1; }
+        -s build_type=Debug "${options[@]}" >"$work/conan-options.log" 2>&1 || { tail -60 "$work/conan-options.log"; exit 1; }
       if [[ " ${options[*]} " == *with_mpi=True* || " ${options[*]} " == *with_nccl=True* ]]; then
         grep -q "^components ok: ddp $version" "$work/conan-options.log" \
           || { tail -40 "$work/conan-options.log"; echo "the components consumer did not run" >&2; exit 1; }
