@@ -35,3 +35,15 @@ function(ddp_test_optimization target)
     target_compile_options(${target} PRIVATE ${_opt})
   endif()
 endfunction()
+
+# ddp_program_optimization(target): DDP_PROGRAM_OPTIMIZATION (the sanitizer preset: -O0) for the
+# programs the suite runs for what they do rather than for how fast (the examples, ddprun,
+# ddp-trace and the launch tests' worker), after the build type's and DDP_TEST_OPTIMIZATION.
+# The sanitizer stage keeps ddp's implementation unit and the unit tests at -O1, where its tests
+# spend their time.
+function(ddp_program_optimization target)
+  if(DDP_PROGRAM_OPTIMIZATION)
+    separate_arguments(_opt UNIX_COMMAND "${DDP_PROGRAM_OPTIMIZATION}")
+    target_compile_options(${target} PRIVATE ${_opt})
+  endif()
+endfunction()

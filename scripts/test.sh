@@ -110,10 +110,11 @@ meson_build() {
   meson setup build/meson -Dtests=enabled && meson compile -C build/meson
 }
 
-# The builds of the later stages run in the background at the lowest CPU priority (nice 19),
-# one after another, while the g++ stage's tests run: most of those tests wait (on processes,
-# sockets, timeouts, launchers), and a niced build takes only the CPU they leave idle. Each later
-# stage then waits for its build (its log is printed) and runs its tests alone in the foreground.
+# The builds of the later stages run in the background, one after another, while the g++ stage's
+# tests run: most of those tests wait (on processes, sockets, timeouts, launchers), and a build
+# under the idle scheduling class (SCHED_IDLE: any other task that wakes takes the core at once)
+# takes only the CPU they leave. Each later stage then waits for its build (its log is printed)
+# and runs its tests alone in the foreground, beside what is left of the background builds.
 background_builds() {
   local job
   for job in "$@"; do
@@ -160,7 +161,9 @@ if [ $fast -eq 1 ]; then
 else
   stage "g++ Release: the build (tests, examples, tools, benchmarks, header checks)" logged_build ci
   rm -f build/*.done
-  nice -n 19 bash -c "$(declare -f build_tree meson_build background_builds); background_builds clang-asan-ubsan tsan meson cuda-torch" &
+  idle=(nice -n 19)  # where SCHED_IDLE is not allowed, the lowest priority
+  chrt --idle 0 true 2>/dev/null && idle=(chrt --idle 0)
+  "${idle[@]}" bash -c "$(declare -f build_tree meson_build background_builds); background_builds clang-asan-ubsan tsan meson cuda-torch" &
   background_pid=$!
   trap 'kill "$background_pid" 2>/dev/null; [ -z "${SLURM_CONF:-}" ] || scripts/slurm.sh stop build/slurm' EXIT
   stage "g++ Release: every test (unit, launch, examples, the main job, MPI, libtorch, packaging)" test_tree ci
