@@ -47,3 +47,13 @@ function(ddp_program_optimization target)
     target_compile_options(${target} PRIVATE ${_opt})
   endif()
 endfunction()
+
+# ddp_gpu_optimization(target): DDP_GPU_OPTIMIZATION (the ci preset: -O0) for the programs that
+# run only on a GPU (the CUDA tests, the GPU examples, cuda-bench), after the others: a suite
+# without a GPU builds them to check that they compile (scripts/gpu.sh builds its own Release).
+function(ddp_gpu_optimization target)
+  if(DDP_GPU_OPTIMIZATION)
+    separate_arguments(_opt UNIX_COMMAND "${DDP_GPU_OPTIMIZATION}")
+    target_compile_options(${target} PRIVATE ${_opt})
+  endif()
+endfunction()

@@ -29,6 +29,9 @@ inline int LaunchAgent::pick_worker_port() const {
 
 inline Store LaunchAgent::connect_etcd_interruptibly(StoreOptions so) {
   const auto until = Clock::now() + o_.join_timeout;
+  // Endpoints that refuse all along fail after the window, counted from the first probe.
+  so.tried_since = Clock::now();
+  so.unreachable_window = unreachable_window_for(o_.join_timeout);
   for (;;) {
     check_join_signals();
     StoreOptions probe = so;

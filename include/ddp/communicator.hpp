@@ -445,6 +445,11 @@ class Communicator {
   /// How many processes wait to enter (one store read; not collective: for an agreed decision
   /// use TrainingState::entering()). 0 without a store.
   [[nodiscard]] int waiting_to_enter() const { return checked().waiting_to_enter(); }
+  /// waiting_to_enter()'s older name.
+  [[deprecated("renamed Communicator::waiting_to_enter()")]] [[nodiscard]] int waiting_to_join()
+      const {
+    return waiting_to_enter();
+  }
   /// Membership epoch: 0 for a communicator from init() or split(), one more for each change.
   [[nodiscard]] std::uint64_t epoch() const { return checked().epoch; }
   /// After shrink() or grow(): each rank's number in the communicator it was made from (-1: a

@@ -62,6 +62,25 @@ const int separate_compilation_needs_one_unit_that_includes_ddp_impl_src_hpp = 1
 DDP_END_NAMESPACE
 #endif
 
+// Which of the two modes a program's units were compiled in. A program whose units meet only
+// through its own types (a class holding a Communicator, no ddp type in any function's
+// signature) links with units of both modes, and would run two copies of ddp's state; each
+// mode's code sets its bit here before main, in one variable both copies share (C linkage,
+// outside the versioned namespace), and Communicator::init refuses a program with both.
+extern "C" {
+inline unsigned ddp_program_modes = 0;  // bit 1: header-only units, bit 2: separately compiled
+}
+DDP_BEGIN_NAMESPACE
+namespace detail {
+#ifdef DDP_SEPARATE_COMPILATION
+inline constexpr unsigned this_mode = 2;
+#else
+inline constexpr unsigned this_mode = 1;
+#endif
+inline const bool mode_registered = (ddp_program_modes |= this_mode, true);
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #ifndef DDP_HAS_CUDA
 #define DDP_HAS_CUDA 0
 #endif

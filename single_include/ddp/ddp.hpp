@@ -86,6 +86,25 @@ const int separate_compilation_needs_one_unit_that_includes_ddp_impl_src_hpp = 1
 DDP_END_NAMESPACE
 #endif
 
+// Which of the two modes a program's units were compiled in. A program whose units meet only
+// through its own types (a class holding a Communicator, no ddp type in any function's
+// signature) links with units of both modes, and would run two copies of ddp's state; each
+// mode's code sets its bit here before main, in one variable both copies share (C linkage,
+// outside the versioned namespace), and Communicator::init refuses a program with both.
+extern "C" {
+inline unsigned ddp_program_modes = 0;  // bit 1: header-only units, bit 2: separately compiled
+}
+DDP_BEGIN_NAMESPACE
+namespace detail {
+#ifdef DDP_SEPARATE_COMPILATION
+inline constexpr unsigned this_mode = 2;
+#else
+inline constexpr unsigned this_mode = 1;
+#endif
+inline const bool mode_registered = (ddp_program_modes |= this_mode, true);
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #ifndef DDP_HAS_CUDA
 #define DDP_HAS_CUDA 0
 #endif
@@ -2526,7 +2545,8 @@ DDP_INLINE std::pair<std::string, int> numeric_name(const sockaddr* sa, socklen_
 /// Resolves host:port for TCP; throws Errc::invalid_argument when the name does not resolve.
 class AddrInfo {
  public:
-  AddrInfo(const std::string& host, int port, bool passive);
+  /// `check`: what to check when `host` does not resolve, for the message.
+  AddrInfo(const std::string& host, int port, bool passive, std::string_view check = "MASTER_ADDR");
   AddrInfo(const AddrInfo&) = delete;
   AddrInfo& operator=(const AddrInfo&) = delete;
   ~AddrInfo() {
@@ -2539,7 +2559,8 @@ class AddrInfo {
 };
 
 #if DDP_BODIES
-DDP_INLINE AddrInfo::AddrInfo(const std::string& host, int port, bool passive) {
+DDP_INLINE AddrInfo::AddrInfo(const std::string& host, int port, bool passive,
+                              std::string_view check) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -2549,8 +2570,8 @@ DDP_INLINE AddrInfo::AddrInfo(const std::string& host, int port, bool passive) {
   const int rc =
       ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &list_);
   if (rc != 0) {
-    fail(Errc::invalid_argument, "cannot resolve \"", host, "\": ", ::gai_strerror(rc),
-         "; check MASTER_ADDR");
+    fail(Errc::invalid_argument, "cannot resolve \"", host, "\": ", ::gai_strerror(rc), "; check ",
+         check);
   }
 }
 #endif  // DDP_BODIES
@@ -2646,16 +2667,23 @@ DDP_INLINE bool connected_to_itself(int fd) {
 /// may not be up yet; a socket connected to itself counts as refused). Returns a blocking socket
 /// with TCP_NODELAY. `check_stop`, when given, runs between attempts and throws to give up (the
 /// peer is known to have failed).
+/// `failed_errno`, when given, is set to the errno of the last attempt when it fails (ECONNREFUSED:
+/// nothing listens there).
 [[nodiscard]] DDP_INLINE Fd connect_tcp(const std::string& host, int port, Deadline deadline,
                                         std::string_view what,
-                                        const std::function<void()>& check_stop = {});
+                                        const std::function<void()>& check_stop = {},
+                                        int* failed_errno = nullptr);
 #if DDP_BODIES
 DDP_INLINE Fd connect_tcp(const std::string& host, int port, Deadline deadline,
-                          std::string_view what, const std::function<void()>& check_stop) {
+                          std::string_view what, const std::function<void()>& check_stop,
+                          int* failed_errno) {
   int last_errno = 0;
   auto backoff = std::chrono::milliseconds(5);
   for (;;) {
-    const AddrInfo ai(host, port, /*passive=*/false);
+    const AddrInfo ai(host, port, /*passive=*/false,
+                      what.find("etcd") != std::string_view::npos
+                          ? "DDP_STORE (or ddprun's --rdzv-endpoint)"
+                          : "MASTER_ADDR");
     for (const addrinfo* a = ai.begin(); a != nullptr; a = a->ai_next) {
       Fd fd(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
       if (!fd) {
@@ -2694,6 +2722,7 @@ DDP_INLINE Fd connect_tcp(const std::string& host, int port, Deadline deadline,
       last_errno = errno;
     }
     if (deadline.expired()) {
+      if (failed_errno != nullptr) *failed_errno = last_errno;
       fail(Errc::timeout, "cannot connect to ", what, " at ", host_port(host, port), ": ",
            std::strerror(last_errno), " until the timeout; check that it is running and that ",
            what.find("etcd") != std::string_view::npos
@@ -7435,22 +7464,27 @@ DDP_INLINE void require_agreement(int rank, std::string_view what, std::string_v
 }
 #endif  // DDP_BODIES
 
-/// The rendezvous timeout, naming the ranks whose `prefix<j>` key never appeared.
+/// The rendezvous timeout, naming the ranks whose `prefix<j>` key never appeared, and what every
+/// rank must have been given alike to meet in `where` (the store: "etcd H:P,... (namespace N)",
+/// or ddp's own at "H:P").
 [[noreturn]] DDP_INLINE void fail_missing_ranks(int rank, int size,
                                                 std::chrono::milliseconds timeout,
                                                 const std::vector<std::string>& missing,
-                                                std::size_t prefix_len);
+                                                std::size_t prefix_len, const std::string& where);
 #if DDP_BODIES
 DDP_INLINE void fail_missing_ranks(int rank, int size, std::chrono::milliseconds timeout,
-                                   const std::vector<std::string>& missing,
-                                   std::size_t prefix_len) {
+                                   const std::vector<std::string>& missing, std::size_t prefix_len,
+                                   const std::string& where) {
   std::string who;
   for (const auto& k : missing) who += concat(who.empty() ? "" : ", ", k.substr(prefix_len));
+  const bool etcd = where.starts_with("etcd ");
   fail(Errc::timeout, "rank ", rank, ": rendezvous timed out after ", timeout.count(),
-       " ms: ", size - static_cast<int>(missing.size()), "/", size, " ranks joined; missing rank",
-       missing.size() == 1 ? " " : "s ", who,
-       ". Check that every rank was started with the same MASTER_ADDR, MASTER_PORT and "
-       "WORLD_SIZE");
+       " ms: ", size - static_cast<int>(missing.size()), "/", size, " ranks joined in the store ",
+       etcd ? "" : "at ", where, "; missing rank", missing.size() == 1 ? " " : "s ", who,
+       etcd ? ". Check that every rank was started with the same DDP_STORE (these etcd "
+              "endpoints and namespace), DDP_GROUP and WORLD_SIZE"
+            : ". Check that every rank was started with the same MASTER_ADDR, MASTER_PORT and "
+              "WORLD_SIZE");
 }
 #endif  // DDP_BODIES
 
@@ -7466,7 +7500,7 @@ DDP_INLINE std::vector<std::string> gather_records(Store& store, std::string_vie
   std::vector<std::string> keys;
   for (int j = 0; j < size; ++j) keys.push_back(concat(prefix, j));
   if (auto missing = store.missing_after(keys, timeout); !missing.empty())
-    fail_missing_ranks(rank, size, timeout, missing, prefix.size());
+    fail_missing_ranks(rank, size, timeout, missing, prefix.size(), store.where());
   std::vector<std::string> values;
   for (const auto& k : keys) values.push_back(store.get(k));
   return values;
@@ -7732,6 +7766,10 @@ class HttpClient {
   HttpReply post(std::string_view path, std::string_view body, Deadline deadline,
                  std::size_t limit = std::size_t{64} << 20);
 
+  /// Whether the last post() failed because nothing accepts connections at the address (the
+  /// connection refused) or its name does not resolve: no server there, rather than a slow one.
+  [[nodiscard]] bool unreachable() const noexcept { return unreachable_; }
+
  private:
   /// The number `text` (base 10 or 16, spaces around); Errc::protocol when it is none.
   [[nodiscard]] std::size_t number(std::string_view text, int base) const;
@@ -7751,6 +7789,7 @@ class HttpClient {
   int port_;
   Fd fd_;
   std::string in_;
+  bool unreachable_ = false;
 };
 
 #if DDP_BODIES
@@ -7764,10 +7803,17 @@ DDP_INLINE HttpReply HttpClient::post(std::string_view path, std::string_view bo
       "\r\nContent-Type: application/json\r\nContent-Length: ", body.size(), "\r\n\r\n", body);
   for (int attempt = 0;; ++attempt) {
     const bool reused = static_cast<bool>(fd_);
+    unreachable_ = false;
     if (!fd_) {  // a member that refuses is tried again later, after the others
       Deadline connect = Deadline::after(std::chrono::milliseconds(300));
       connect.at = std::min(connect.at, deadline.at);
-      fd_ = connect_tcp(host_, port_, connect, "the etcd server");
+      int failed = 0;
+      try {
+        fd_ = connect_tcp(host_, port_, connect, "the etcd server", {}, &failed);
+      } catch (const Error& e) {  // refused, or a name that does not resolve (invalid_argument)
+        unreachable_ = failed == ECONNREFUSED || e.code() == Errc::invalid_argument;
+        throw;
+      }
     }
     in_.clear();
     if (send_all(fd_.get(), request.data(), request.size(), deadline) == IoResult::ok) {
@@ -7989,6 +8035,11 @@ DDP_END_NAMESPACE
 DDP_BEGIN_NAMESPACE
 namespace detail {
 
+/// How long a connection to etcd keeps trying endpoints that refuse connections (or whose names
+/// do not resolve) before it has reached any member: a cluster still starting gets this long,
+/// a wrong port or host fails then, not at the store's timeout.
+inline constexpr std::chrono::seconds etcd_unreachable_window{10};
+
 /// A rendezvous store in etcd (see the file comment).
 class EtcdStoreConnection final : public StoreConnection {
  public:
@@ -8098,7 +8149,9 @@ class EtcdStoreConnection final : public StoreConnection {
   std::size_t at_ = 0, beat_at_ = 0;  // the member each last reached
   std::int64_t lease_ = 0, ns_lease_ = 0;
   std::uint64_t ops_ = 0;
-  bool committed_ = true;             // the last request's answer arrived
+  bool committed_ = true;  // the last request's answer arrived
+  bool reached_ = false;   // a member answered once
+  Clock::time_point created_ = Clock::now();
   std::vector<LeaseRecord> closing_;  // this process's close records
 };
 
@@ -8332,12 +8385,15 @@ DDP_INLINE std::string EtcdStoreConnection::request(std::string_view path, const
   const bool calls = &clients == &calls_;  // the heartbeat's requests leave committed_ alone
   if (calls) committed_ = true;
   std::string last = "no member answered", answer;
+  std::size_t unreachable = 0;  // members in a row that refused connections or do not resolve
   for (std::size_t tried = 0;; ++tried) {
     HttpClient& h = clients[at];
     Deadline one = Deadline::after(std::chrono::seconds(3));
     one.at = std::min(one.at, deadline.at);
     try {
       const HttpReply r = h.post(path, body, one);
+      reached_ = true;
+      unreachable = 0;
       if (r.status == 200) return r.body;
       last = answer = concat("member ", host_port(h.host(), h.port()), " answered ", r.status, ": ",
                              r.body.substr(0, 200));
@@ -8346,7 +8402,18 @@ DDP_INLINE std::string EtcdStoreConnection::request(std::string_view path, const
       if (e.code() == Errc::protocol) throw;
       last = e.what();
       if (calls) committed_ = false;  // the request may or may not have been applied
+      unreachable = h.unreachable() ? unreachable + 1 : 0;
     }
+    // No member was ever reached, and none accepts connections or resolves: wrong endpoints (or
+    // a cluster still starting). Given etcd_unreachable_window to start, then refused at once
+    // instead of at the timeout.
+    if (!reached_ && unreachable >= clients.size() &&
+        Clock::now() - created_ >= etcd_unreachable_window)
+      fail(Errc::invalid_argument, "the rendezvous store in ", where(),
+           " cannot be reached: no member accepts connections (", last, ") for ",
+           std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - created_).count(),
+           " s; is etcd running there? check the client URLs in DDP_STORE "
+           "(etcd://HOST:PORT,.../NAMESPACE) or ddprun's --rdzv-endpoint");
     at = (at + 1) % clients.size();
     if (deadline.expired())
       fail(Errc::timeout,
@@ -13057,9 +13124,24 @@ void start_timeline(State& s, bool at_init, std::string_view label) {
   t.align(d[1], 0, concat("rank 0 at ", zero[0]));
 }
 
+/// Errc::invalid_argument when the program's units were compiled in both of ddp's modes
+/// (ddp_program_modes, config.hpp): they would run two copies of ddp's state.
+DDP_INLINE void refuse_mixed_modes(int rank, const char* what);
+#if DDP_BODIES
+DDP_INLINE void refuse_mixed_modes(int rank, const char* what) {
+  if ((ddp_program_modes & 3U) != 3U) return;
+  fail(Errc::invalid_argument, "rank ", rank, ": ", what,
+       ": this program's units were compiled in both of ddp's modes, some header-only and some "
+       "with DDP_SEPARATE_COMPILATION (ddp::compiled), so two copies of ddp's state would run "
+       "side by side; compile every unit of the program in one mode (link ddp::compiled, or "
+       "define DDP_SEPARATE_COMPILATION, in all of them or in none)");
+}
+#endif  // DDP_BODIES
+
 /// Communicator::init: the state of a new communicator, connected; every message names the rank.
 template <class State>
 std::shared_ptr<State> init_state(const Environment& env, Options options) {
+  refuse_mixed_modes(env.rank, "init");
   try {
     auto state = std::make_shared<State>();
     std::exception_ptr bad_setting;
@@ -13374,6 +13456,7 @@ std::shared_ptr<State> grow_state(State& old, int rank, const GrowOptions& o) {
 /// once admitted at the members' next grow(), connects with them.
 template <class State>
 std::shared_ptr<State> enter_state(const Environment& env, Options options, const EnterOptions& j) {
+  refuse_mixed_modes(env.rank, "enter");
   std::exception_ptr bad_setting;
   options = options.with_env(EnvReader(), bad_setting);
   if (bad_setting) std::rethrow_exception(bad_setting);
@@ -14619,6 +14702,11 @@ class Communicator {
   /// How many processes wait to enter (one store read; not collective: for an agreed decision
   /// use TrainingState::entering()). 0 without a store.
   [[nodiscard]] int waiting_to_enter() const { return checked().waiting_to_enter(); }
+  /// waiting_to_enter()'s older name.
+  [[deprecated("renamed Communicator::waiting_to_enter()")]] [[nodiscard]] int waiting_to_join()
+      const {
+    return waiting_to_enter();
+  }
   /// Membership epoch: 0 for a communicator from init() or split(), one more for each change.
   [[nodiscard]] std::uint64_t epoch() const { return checked().epoch; }
   /// After shrink() or grow(): each rank's number in the communicator it was made from (-1: a
@@ -21846,6 +21934,18 @@ DDP_INLINE ShardLayout ShardLayout::even(std::vector<std::size_t> sizes, int ran
 namespace detail {
 /// The companion section of sharded section `name`: its element size and layout.
 inline std::string layout_section(std::string_view name) { return concat("ddp.sharded.", name); }
+/// The section that records what a put_values() section holds ("ddp.type.<name>").
+inline std::string type_section(std::string_view name) { return concat("ddp.type.", name); }
+/// What put_values records of an element type: its DType's name ("float32") for the types
+/// collectives carry, else "<n>-byte elements" (trivially copyable types of one's own).
+template <class T>
+std::string element_type_name() {
+  if constexpr (Scalar<T>) {
+    return std::string(to_string(dtype_of<T>));
+  } else {
+    return concat(sizeof(T), "-byte elements");
+  }
+}
 /// A layout and its element size as words: bytes, array count, sizes, then (array, offset, size)
 /// per piece.
 DDP_INLINE std::vector<std::uint64_t> layout_words(std::size_t element_bytes, const ShardLayout& l);
@@ -21898,16 +21998,20 @@ DDP_INLINE std::pair<std::size_t, ShardLayout> layout_of_words(const std::vector
 /// Named sections of bytes (see the file comment).
 class Checkpoint {
  public:
-  /// Sets section `name` to `bytes` (replacing one of that name).
+  /// Sets section `name` to `bytes` (replacing one of that name): raw bytes, of no element
+  /// type (get() reads them; get_values of any type of the right size too).
   Checkpoint& put(std::string_view name, std::span<const std::byte> bytes);
   /// Section `name` holds the bytes of `values` (a contiguous range of trivially copyable
-  /// elements: floats, a std::vector<double>, a std::span).
+  /// elements: floats, a std::vector<double>, a std::span), and records their element type
+  /// (section "ddp.type.<name>"): get_values reads them back as that type only.
   template <class R>
   requires std::ranges::contiguous_range<R> &&
       std::is_trivially_copyable_v<std::ranges::range_value_t<R>>
           Checkpoint& put_values(std::string_view name, const R& values) {
-    return put(name,
-               std::as_bytes(std::span(std::ranges::data(values), std::ranges::size(values))));
+    put(name, std::as_bytes(std::span(std::ranges::data(values), std::ranges::size(values))));
+    const std::string type = detail::element_type_name<std::ranges::range_value_t<R>>();
+    put_section(detail::type_section(name), type);
+    return *this;
   }
   /// Section `name` holds `value` encoded by ddp::codec (numbers, strings, vectors, optionals,
   /// SamplerState, your types with a codec).
@@ -21950,16 +22054,29 @@ class Checkpoint {
   /// Section `name`'s bytes; Errc::invalid_argument naming it (and the sections there are) when
   /// there is none.
   [[nodiscard]] std::span<const std::byte> get(std::string_view name) const;
-  /// Copies section `name` into `out`, which must have exactly its size.
+  /// Copies section `name` into `out`, which must have exactly its size; a section put_values
+  /// wrote is read as the element type it was put as only (Errc::invalid_argument naming both
+  /// types and counts otherwise; get() gives the bytes of any section).
   template <class T>
     requires std::is_trivially_copyable_v<T> &&
         (!std::is_const_v<T>)void get_values(std::string_view name, std::span<T> out) const {
       const std::string& b = section(name);
-      if (b.size() != out.size_bytes())
+      const std::string* type = find_section(detail::type_section(name));
+      const std::string asked = detail::element_type_name<T>();
+      if (type != nullptr && *type != asked)
+        detail::fail(Errc::invalid_argument, "Checkpoint: section \"", name, "\" holds ", *type,
+                     " (", b.size(), " bytes), but ", out.size(), " ", asked,
+                     " were asked for: read it as the type it was put as (get() gives its bytes)");
+      if (b.size() != out.size_bytes()) {
+        if (type != nullptr)
+          detail::fail(Errc::invalid_argument, "Checkpoint: section \"", name, "\" holds ",
+                       b.size() / sizeof(T), " ", *type, ", but ", out.size(),
+                       " were asked for: the model changed since it was saved");
         detail::fail(Errc::invalid_argument, "Checkpoint: section \"", name, "\" holds ", b.size(),
                      " bytes, but ", out.size(), " values of ", sizeof(T), " bytes (",
                      out.size_bytes(),
                      ") were asked for: the model or its element type changed since it was saved");
+      }
       if (!b.empty()) std::memcpy(out.data(), b.data(), b.size());
     }
     /// Section `name` decoded as T (it must have been put_object'ed as a T).
@@ -22023,6 +22140,14 @@ class Checkpoint {
     static constexpr char magic[8] = {'D', 'D', 'P', 'C', 'K', 'P', 'T', '1'};
 
     const std::string& section(std::string_view name) const;
+    /// Section `name`, or nullptr.
+    [[nodiscard]] const std::string* find_section(std::string_view name) const noexcept;
+    /// put() of a string's bytes.
+    void put_section(std::string_view name, std::string_view bytes) {
+      put_raw(name, std::as_bytes(std::span(bytes.data(), bytes.size())));
+    }
+    /// put() without dropping the section's type record.
+    void put_raw(std::string_view name, std::span<const std::byte> bytes);
     /// Errc::invalid_argument when something other than a regular file is at `path`.
     static void check_target(const std::string& path) {
       if (const char* kind = detail::non_regular(path)) refuse_target(path, kind);
@@ -22045,16 +22170,29 @@ class Checkpoint {
 
 #if DDP_BODIES
 DDP_INLINE Checkpoint& Checkpoint::put(std::string_view name, std::span<const std::byte> bytes) {
+  put_raw(name, bytes);
+  // Raw bytes are of no element type: a type recorded by an earlier put_values goes.
+  const std::string type = detail::type_section(name);
+  std::erase_if(sections_, [&](const auto& section) { return section.first == type; });
+  return *this;
+}
+
+DDP_INLINE void Checkpoint::put_raw(std::string_view name, std::span<const std::byte> bytes) {
   check_name(name);
   for (auto& [n, b] : sections_) {
     if (n == name) {
       b.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
-      return *this;
+      return;
     }
   }
   sections_.emplace_back(std::string(name),
                          std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
-  return *this;
+}
+
+DDP_INLINE const std::string* Checkpoint::find_section(std::string_view name) const noexcept {
+  for (const auto& [n, b] : sections_)
+    if (n == name) return &b;
+  return nullptr;
 }
 
 DDP_INLINE std::optional<ShardLayout> Checkpoint::sharded_layout(std::string_view name) const {
@@ -22890,6 +23028,16 @@ DDP_END_NAMESPACE
 
 DDP_BEGIN_NAMESPACE
 
+namespace detail {
+/// Test hook for fault injection: called with the phase of a state transfer reached ("transfer":
+/// the members agreed who sends, before the bytes go); tests kill the process there. Null
+/// outside tests.
+inline void (*&state_phase_hook() noexcept)(const char*) {
+  static void (*hook)(const char*) = nullptr;
+  return hook;
+}
+}  // namespace detail
+
 /// Named training state, committed per step (see the file comment).
 class TrainingState {
  public:
@@ -23000,6 +23148,10 @@ class TrainingState {
   /// How many processes waited to join the job at the last commit(), the same on every member
   /// (rank 0 looks at most every 50 ms). When it is not 0, every member calls grow(comm).
   [[nodiscard]] int entering() const noexcept { return entering_; }
+  /// entering()'s older name.
+  [[deprecated("renamed TrainingState::entering()")]] [[nodiscard]] int joining() const noexcept {
+    return entering_;
+  }
 
   /// Collective over the members, after a commit() whose entering() is not 0: admits the
   /// processes waiting to enter (Communicator::grow with ticket()), replaces `comm` with the
@@ -23105,6 +23257,7 @@ class TrainingState {
                  " on rank ", r, " than on rank ", root);
       }
     }
+    if (detail::state_phase_hook() != nullptr) detail::state_phase_hook()("transfer");
     for (Piece& p : pieces_) {
       std::vector<std::int64_t> size{static_cast<std::int64_t>(p.saved.size())};
       comm.broadcast_host(std::span<std::int64_t>(size), root);
@@ -23267,17 +23420,27 @@ struct ElasticChange {
   std::string why;           ///< lost: the failure that started it
 };
 
+// join_wait is deprecated: its uses are warned of, not the copies the compiler writes.
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+#endif
 /// Settings of an Elastic loop.
 struct ElasticOptions {
   /// How the survivors agree (ShrinkOptions::wait_for_ranks, exclude).
   ShrinkOptions shrink{};
   /// How long a newcomer waits to be admitted (EnterOptions::wait; 0: the timeout).
   std::chrono::milliseconds enter_wait{0};
+  /// enter_wait's older name (used when enter_wait is 0).
+  [[deprecated("renamed ElasticOptions::enter_wait")]] std::chrono::milliseconds join_wait{0};
   /// The fewest ranks the job goes on with: a loss that leaves fewer is rethrown.
   int min_size = 1;
   /// Losses recovered from at most (-1: no limit); the next one is rethrown.
   int max_recoveries = -1;
 };
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
 
 /// A fault-tolerant training loop (see the file comment). Track the state first (before comm()
 /// or run), then run.
@@ -23429,22 +23592,54 @@ class Elastic {
                    "checked against it)");
   }
 
+  std::chrono::milliseconds enter_wait() const noexcept {
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+#endif
+    return eo_.enter_wait.count() > 0 ? eo_.enter_wait : eo_.join_wait;
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+  }
+
   static bool recoverable(const Error& e) noexcept {
     return e.code() == Errc::peer_lost || e.code() == Errc::aborted || e.code() == Errc::timeout;
   }
 
+  /// Makes the communicator: init(), or (a restarted process, Environment::rejoin) enter() and
+  /// the members' state. A member lost meanwhile costs one recovery here as anywhere else; a
+  /// newcomer whose admission failed with it (the members then recover without it) asks again.
   void connect() {
     if (comm_) return;
     const auto t0 = Clock::now();
+    const ElasticChange::Kind kind =
+        env_.rejoin ? ElasticChange::Kind::joined : ElasticChange::Kind::started;
     if (env_.rejoin) {
-      comm_.emplace(
-          Comm::enter(env_, options_, {.ticket = state_.ticket(), .wait = eo_.enter_wait}));
-      state_.restore(*comm_);
-      reset(ElasticChange::Kind::joined, 0, t0, {});
+      for (int asked = 1;; ++asked) {
+        try {
+          comm_.emplace(
+              Comm::enter(env_, options_, {.ticket = state_.ticket(), .wait = enter_wait()}));
+          break;
+        } catch (const Error& e) {
+          // Refused, out of time, or every member gone: final. A member lost while this
+          // process was being admitted: the members recover, and it asks again.
+          if (e.code() != Errc::peer_lost || asked >= max_entries) throw;
+        }
+      }
     } else {
       comm_.emplace(Comm::init(env_, options_));
-      state_.start(*comm_);
-      reset(ElasticChange::Kind::started, 0, t0, {});
+    }
+    try {
+      if (kind == ElasticChange::Kind::joined) {
+        state_.restore(*comm_);
+      } else {
+        state_.start(*comm_);
+      }
+      reset(kind, 0, t0, {});
+    } catch (const Error& e) {
+      if (!recoverable(e)) throw;
+      recover(e);
     }
   }
 
@@ -23465,10 +23660,10 @@ class Elastic {
   /// The commit after a step; admits the processes waiting to enter, when there are. Returns
   /// whether the membership grew (the epoch's rest is then dealt again).
   bool commit() {
-    confirming_ = state_.steps() + 1;
+    unreported_ = state_.steps() + 1;
     state_.commit(*comm_);
-    confirming_ = 0;
     if (commit_) commit_(*comm_, state_.steps());
+    unreported_ = 0;
     if (state_.entering() <= 0) return false;
     const auto t0 = Clock::now();
     const int before = comm_->size();
@@ -23500,8 +23695,10 @@ class Elastic {
     return true;
   }
 
-  /// After a loss: shrink, restore, reset; again when a member is lost meanwhile. Rethrows
-  /// when this rank was left out (fenced), too few remain, or no recovery is left.
+  /// After a loss: shrink, restore, report the commit a loss interrupted (on_commit), reset
+  /// (on_reset, on_change); all of it again when a member is lost meanwhile, in any of those
+  /// (one more recovery each time). Rethrows when this rank was left out (fenced), too few
+  /// remain, or no recovery is left.
   void recover(const Error& first) {
     const auto t0 = Clock::now();
     const int before = comm_->size();
@@ -23511,6 +23708,7 @@ class Elastic {
         detail::fail_from(first.origin_rank(), first.lost_ranks(), first.code(), first.what(),
                           " (Elastic: ", eo_.max_recoveries,
                           " losses recovered from already: ElasticOptions::max_recoveries)");
+      const int round_before = comm_->size();
       Comm next = comm_->shrink(eo_.shrink);  // left out: Errc::aborted, rethrown
       *comm_ = std::move(next);
       if (comm_->size() < eo_.min_size)
@@ -23520,22 +23718,30 @@ class Elastic {
       std::uint64_t restored = 0;
       try {
         restored = state_.restore(*comm_);
+        // The commit being confirmed or reported when the loss came, if the members completed
+        // it: reported now (once its report returns).
+        if (unreported_ != 0 && restored == unreported_ && commit_) commit_(*comm_, restored);
+        unreported_ = 0;
       } catch (const Error& again) {
-        if (!recoverable(again)) throw;  // another loss while restoring: shrink again
+        if (!recoverable(again)) throw;  // another loss while restoring or reporting
         continue;
       }
-      if (confirming_ != 0 && restored == confirming_ && commit_) commit_(*comm_, restored);
-      confirming_ = 0;
-      // A failure that comes back at the same commit after a recovery that lost no rank is not
-      // a lost rank (a step that throws Errc::timeout every time, say): recovering again would
-      // repeat it forever. Every member sees the same sizes and commit, and rethrows alike.
-      if (comm_->size() == before && restored == no_loss_commit_)
+      // A failure that comes back at the same commit after a round that lost no rank is not a
+      // lost rank (a step, or on_reset, that throws Errc::timeout every time, say): recovering
+      // again would repeat it forever. Every member sees the same sizes and commit, and rethrows
+      // alike.
+      if (comm_->size() == round_before && restored == no_loss_commit_)
         detail::fail_from(first.origin_rank(), first.lost_ranks(), first.code(), first.what(),
                           " (Elastic: the same failure came back at commit ", restored,
                           " after a recovery that lost no rank: it is not a lost rank, so it is "
                           "rethrown instead of recovered from again)");
-      no_loss_commit_ = comm_->size() == before ? restored : ~std::uint64_t{0};
-      reset(ElasticChange::Kind::lost, before, t0, first.what());
+      no_loss_commit_ = comm_->size() == round_before ? restored : ~std::uint64_t{0};
+      try {
+        reset(ElasticChange::Kind::lost, before, t0, first.what());
+      } catch (const Error& again) {
+        if (!recoverable(again)) throw;  // another loss in on_reset or on_change
+        continue;
+      }
       return;
     }
   }
@@ -23549,7 +23755,8 @@ class Elastic {
   std::function<void(Comm&)> reset_;
   std::function<void(const ElasticChange&)> change_;
   std::function<void(Comm&, std::uint64_t)> commit_;
-  std::uint64_t confirming_ = 0;                      // the commit being confirmed (0: none)
+  static constexpr int max_entries = 5;  // a newcomer's requests, when members die meanwhile
+  std::uint64_t unreported_ = 0;         // the commit being confirmed or reported (0: none)
   std::uint64_t no_loss_commit_ = ~std::uint64_t{0};  // restored by the last loss-free recovery
   std::optional<Comm> comm_;
   int recoveries_ = 0;
@@ -25526,8 +25733,10 @@ DDP_END_NAMESPACE
 // #include "ddp/training/join.hpp" (already included above)
 // #include "ddp/training/parameters.hpp" (already included above)
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <limits>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -25535,6 +25744,50 @@ DDP_END_NAMESPACE
 DDP_BEGIN_NAMESPACE
 
 namespace detail {
+
+/// The 2-norm of gradients given range by range (`each(f)` calls f(const T*, n) for each):
+/// the sum of squares in double, as torch's clip_grad_norm_ takes it. When that sum is not finite
+/// although every element is (double gradients beyond 1e154, whose squares overflow), it is
+/// taken again scaled by the largest magnitude, as a careful BLAS nrm2 does: the norm is then
+/// right up to the largest double. `reduce(values)` sums (or maxes, `max` true) over the ranks
+/// that hold parts of the gradients (identity for one rank's whole set); every rank gets the
+/// same result.
+template <class T, class Each, class Reduce>
+double gradient_norm(Each&& each, Reduce&& reduce) {
+  const auto as_double = [](T x) {
+    return static_cast<double>(static_cast<typename detail::Accum<T>::type>(x));
+  };
+  std::vector<double> sum{0.0};
+  each([&](const T* g, std::size_t n) {
+    for (std::size_t k = 0; k < n; ++k) {
+      const double x = as_double(g[k]);
+      sum[0] += x * x;
+    }
+  });
+  reduce(sum, false);
+  if (std::isfinite(sum[0])) return std::sqrt(sum[0]);
+  std::vector<double> top{0.0, 0.0};  // the largest magnitude; 1 when an element is inf or NaN
+  each([&](const T* g, std::size_t n) {
+    for (std::size_t k = 0; k < n; ++k) {
+      const double x = as_double(g[k]);
+      if (!std::isfinite(x))
+        top[1] = 1.0;
+      else
+        top[0] = std::max(top[0], std::fabs(x));
+    }
+  });
+  reduce(top, true);
+  if (top[1] != 0.0 || top[0] == 0.0) return std::sqrt(sum[0]);  // inf or NaN: theirs
+  std::vector<double> scaled{0.0};
+  each([&](const T* g, std::size_t n) {
+    for (std::size_t k = 0; k < n; ++k) {
+      const double x = as_double(g[k]) / top[0];
+      scaled[0] += x * x;
+    }
+  });
+  reduce(scaled, false);
+  return top[0] * std::sqrt(scaled[0]);
+}
 
 /// What GradientAverager and ShardedAverager both offer, over their bucket engine.
 template <class M, class Backend>
@@ -25690,17 +25943,13 @@ class GradientAverager : public detail::Averager<M, Backend>, public Joinable {
   /// communication. inf or NaN when a gradient holds one. CUDA gradients are read through host
   /// memory.
   [[nodiscard]] double grad_norm() {
-    double sum = 0;
+    double norm = 0;
     this->typed([&](auto t) {
       using T = decltype(t);
-      engine<T>().for_each_result([&](const T* g, std::size_t n) {
-        for (std::size_t k = 0; k < n; ++k) {
-          const double x = static_cast<double>(static_cast<typename detail::Accum<T>::type>(g[k]));
-          sum += x * x;
-        }
-      });
+      norm = detail::gradient_norm<T>([&](auto&& f) { engine<T>().for_each_result(f); },
+                                      [](std::vector<double>&, bool) {});
     });
-    return std::sqrt(sum);
+    return norm;
   }
 
   /// torch's clip_grad_norm_(parameters, max_norm) after synchronize(): when grad_norm() exceeds
@@ -25716,9 +25965,17 @@ class GradientAverager : public detail::Averager<M, Backend>, public Joinable {
     const double norm = grad_norm();
     if (!std::isfinite(norm)) {
       if (!error_if_nonfinite) return norm;
+      const std::size_t first = first_nonfinite();
+      if (first == this->size())  // every average finite: their norm is beyond the largest double
+        detail::fail(Errc::invalid_argument, "rank ", this->comm_->rank(),
+                     ": clip_grad_norm: the averaged gradients are all finite, but their norm is "
+                     "beyond the largest double (",
+                     std::numeric_limits<double>::max(),
+                     "); scale the loss down or lower the learning rate, or pass "
+                     "error_if_nonfinite = false");
       detail::fail(Errc::invalid_argument, "rank ", this->comm_->rank(),
                    ": clip_grad_norm: the averaged gradients' norm is ", norm, ": parameter ",
-                   first_nonfinite(),
+                   first,
                    "'s average holds an inf or a NaN (on every rank: the averages are the same "
                    "everywhere); skip the step (found_nonfinite() says so before clipping), scale "
                    "the loss or lower the learning rate, or pass error_if_nonfinite = false");
@@ -26262,14 +26519,11 @@ class ShardedAverager : public detail::Averager<M, Backend> {
   /// the same value on every rank, for gradient clipping (scale the shard's gradients by
   /// max_norm / norm before the update). Collective.
   [[nodiscard]] double grad_norm() {
-    std::vector<double> sum{0.0};
-    engine().for_each_result([&](const T* g, std::size_t n) {
-      for (std::size_t k = 0; k < n; ++k)
-        sum[0] +=
-            std::pow(static_cast<double>(static_cast<typename detail::Accum<T>::type>(g[k])), 2);
-    });
-    this->comm_->all_reduce_host(std::span<double>(sum), ReduceOp::sum);
-    return std::sqrt(sum[0]);
+    return detail::gradient_norm<T>(
+        [&](auto&& f) { engine().for_each_result(f); },
+        [&](std::vector<double>& v, bool max) {
+          this->comm_->all_reduce_host(std::span<double>(v), max ? ReduceOp::max : ReduceOp::sum);
+        });
   }
 
  private:

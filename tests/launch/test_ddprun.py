@@ -1474,6 +1474,33 @@ class EtcdStore(Base):
                                  out + err + etcd.logs())
                 self.assertEqual(len({h for _, _, h, _ in elastic_results(out)}), 1, out)
 
+    def test_an_endpoint_that_refuses_or_does_not_resolve_fails_in_seconds(self):
+        # Nothing listens at the port (connection refused at once), or the host has no address:
+        # the worker and ddprun give up after the store's short window for a starting cluster
+        # (a quarter of their timeout, at most 10 s: here 2 s), not at their timeouts (here 8 s;
+        # by default 5 min and 300 s, the window then 10 s), naming the endpoints and what to
+        # check.
+        for endpoint in (f"127.0.0.1:{free_port()}", "no-such-host.invalid:2379"):
+            t0 = time.monotonic()
+            r = subprocess.run([WORKER, "allreduce"], capture_output=True, text=True,
+                               timeout=LIMIT, env={**os.environ, "RANK": "0", "WORLD_SIZE": "2",
+                                                   "DDP_STORE": f"etcd://{endpoint}/j",
+                                                   "DDP_TIMEOUT": "8"})
+            took = time.monotonic() - t0
+            self.assertNotEqual(r.returncode, 0)
+            self.assertIn(f"the rendezvous store in etcd {endpoint} (namespace j) cannot be "
+                          "reached: no member accepts connections", r.stderr)
+            self.assertIn("check the client URLs in DDP_STORE", r.stderr)
+            self.assertLess(took, 6, r.stderr)  # the window, not the timeout
+            t0 = time.monotonic()
+            r = ddprun("--nnodes", "1", "--nproc-per-node", "2", "--join-timeout", "8",
+                       "--rdzv-backend", "etcd",
+                       "--rdzv-endpoint", endpoint, "--rdzv-id", "refused", WORKER, "allreduce")
+            took = time.monotonic() - t0
+            self.assertNotEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("cannot be reached: no member accepts connections", r.stderr)
+            self.assertLess(took, 6, r.stderr)
+
     def test_bad_addresses_and_a_token_are_refused_saying_why(self):
         with etcd_cluster.EtcdCluster(1) as etcd:
             for url, says in (("etcd://127.0.0.1", "every endpoint needs a host and a port"),

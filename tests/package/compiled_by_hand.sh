@@ -5,7 +5,8 @@
 # (DDP_IMPLEMENTATION defined before it): the program's two units are compiled with
 # DDP_SEPARATE_COMPILATION and must define none of ddp's non-template functions themselves; the
 # three objects link, and the program runs under ddprun on 3 ranks; without the implementation
-# unit the link fails naming it, and a unit compiled header-only does not link with the others.
+# unit the link fails naming it, a unit compiled header-only does not link with the others, and
+# units of both modes that meet only through a class of the program's are refused at init().
 set -euo pipefail
 src=$1 work=$2 cxx=$3 ddprun=$4
 rm -rf "$work"
@@ -68,6 +69,17 @@ for mode in include single_include; do
   fi
   grep -q 'undefined reference to .*sum_over_ranks' "$out/mixed.log" ||
     { echo "$mode: unexpected link error for the mixed program:" >&2; head "$out/mixed.log" >&2; exit 1; }
+  # Units that meet only through the program's own type (a class holding a Communicator, no
+  # ddp type in a signature) link across the modes; init() then refuses, naming both modes.
+  "$cxx" "${flags[@]}" -c "$common/mixed_trainer.cpp" -o "$out/mixed_trainer.o"
+  "$cxx" "${flags[@]}" -DDDP_SEPARATE_COMPILATION -c "$common/mixed_main.cpp" -o "$out/mixed_main.o"
+  "$cxx" "$out/mixed_main.o" "$out/mixed_trainer.o" "$out/impl.o" -o "$out/mixed_by_class" \
+    -pthread -lrt
+  rc=0
+  said=$("$out/mixed_by_class") || rc=$?
+  [ "$rc" = 3 ] && grep -q "compiled in both of ddp's modes, some header-only and some with DDP_SEPARATE_COMPILATION" <<<"$said" ||
+    { echo "$mode: a program mixing the modes through its own class was not refused (rc $rc): $said" >&2; exit 1; }
+  echo "$mode: units of both modes meeting through a class: init() refuses, naming both modes"
   "$cxx" "$out/main.o" "$out/sum.o" "$out/impl.o" -o "$out/program" -pthread -lrt
   outp=$("$ddprun" --nproc-per-node 3 "$out/program")
   n=$(grep -c "compiled mode: all_reduce over 3 rank(s): 7.5" <<<"$outp" || true)

@@ -138,9 +138,24 @@ void start_timeline(State& s, bool at_init, std::string_view label) {
   t.align(d[1], 0, concat("rank 0 at ", zero[0]));
 }
 
+/// Errc::invalid_argument when the program's units were compiled in both of ddp's modes
+/// (ddp_program_modes, config.hpp): they would run two copies of ddp's state.
+DDP_INLINE void refuse_mixed_modes(int rank, const char* what);
+#if DDP_BODIES
+DDP_INLINE void refuse_mixed_modes(int rank, const char* what) {
+  if ((ddp_program_modes & 3U) != 3U) return;
+  fail(Errc::invalid_argument, "rank ", rank, ": ", what,
+       ": this program's units were compiled in both of ddp's modes, some header-only and some "
+       "with DDP_SEPARATE_COMPILATION (ddp::compiled), so two copies of ddp's state would run "
+       "side by side; compile every unit of the program in one mode (link ddp::compiled, or "
+       "define DDP_SEPARATE_COMPILATION, in all of them or in none)");
+}
+#endif  // DDP_BODIES
+
 /// Communicator::init: the state of a new communicator, connected; every message names the rank.
 template <class State>
 std::shared_ptr<State> init_state(const Environment& env, Options options) {
+  refuse_mixed_modes(env.rank, "init");
   try {
     auto state = std::make_shared<State>();
     std::exception_ptr bad_setting;
@@ -455,6 +470,7 @@ std::shared_ptr<State> grow_state(State& old, int rank, const GrowOptions& o) {
 /// once admitted at the members' next grow(), connects with them.
 template <class State>
 std::shared_ptr<State> enter_state(const Environment& env, Options options, const EnterOptions& j) {
+  refuse_mixed_modes(env.rank, "enter");
   std::exception_ptr bad_setting;
   options = options.with_env(EnvReader(), bad_setting);
   if (bad_setting) std::rethrow_exception(bad_setting);

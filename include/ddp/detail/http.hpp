@@ -48,6 +48,10 @@ class HttpClient {
   HttpReply post(std::string_view path, std::string_view body, Deadline deadline,
                  std::size_t limit = std::size_t{64} << 20);
 
+  /// Whether the last post() failed because nothing accepts connections at the address (the
+  /// connection refused) or its name does not resolve: no server there, rather than a slow one.
+  [[nodiscard]] bool unreachable() const noexcept { return unreachable_; }
+
  private:
   /// The number `text` (base 10 or 16, spaces around); Errc::protocol when it is none.
   [[nodiscard]] std::size_t number(std::string_view text, int base) const;
@@ -67,6 +71,7 @@ class HttpClient {
   int port_;
   Fd fd_;
   std::string in_;
+  bool unreachable_ = false;
 };
 
 #if DDP_BODIES
@@ -80,10 +85,17 @@ DDP_INLINE HttpReply HttpClient::post(std::string_view path, std::string_view bo
       "\r\nContent-Type: application/json\r\nContent-Length: ", body.size(), "\r\n\r\n", body);
   for (int attempt = 0;; ++attempt) {
     const bool reused = static_cast<bool>(fd_);
+    unreachable_ = false;
     if (!fd_) {  // a member that refuses is tried again later, after the others
       Deadline connect = Deadline::after(std::chrono::milliseconds(300));
       connect.at = std::min(connect.at, deadline.at);
-      fd_ = connect_tcp(host_, port_, connect, "the etcd server");
+      int failed = 0;
+      try {
+        fd_ = connect_tcp(host_, port_, connect, "the etcd server", {}, &failed);
+      } catch (const Error& e) {  // refused, or a name that does not resolve (invalid_argument)
+        unreachable_ = failed == ECONNREFUSED || e.code() == Errc::invalid_argument;
+        throw;
+      }
     }
     in_.clear();
     if (send_all(fd_.get(), request.data(), request.size(), deadline) == IoResult::ok) {

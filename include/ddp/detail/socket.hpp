@@ -187,7 +187,8 @@ DDP_INLINE std::pair<std::string, int> numeric_name(const sockaddr* sa, socklen_
 /// Resolves host:port for TCP; throws Errc::invalid_argument when the name does not resolve.
 class AddrInfo {
  public:
-  AddrInfo(const std::string& host, int port, bool passive);
+  /// `check`: what to check when `host` does not resolve, for the message.
+  AddrInfo(const std::string& host, int port, bool passive, std::string_view check = "MASTER_ADDR");
   AddrInfo(const AddrInfo&) = delete;
   AddrInfo& operator=(const AddrInfo&) = delete;
   ~AddrInfo() {
@@ -200,7 +201,8 @@ class AddrInfo {
 };
 
 #if DDP_BODIES
-DDP_INLINE AddrInfo::AddrInfo(const std::string& host, int port, bool passive) {
+DDP_INLINE AddrInfo::AddrInfo(const std::string& host, int port, bool passive,
+                              std::string_view check) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -210,8 +212,8 @@ DDP_INLINE AddrInfo::AddrInfo(const std::string& host, int port, bool passive) {
   const int rc =
       ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &list_);
   if (rc != 0) {
-    fail(Errc::invalid_argument, "cannot resolve \"", host, "\": ", ::gai_strerror(rc),
-         "; check MASTER_ADDR");
+    fail(Errc::invalid_argument, "cannot resolve \"", host, "\": ", ::gai_strerror(rc), "; check ",
+         check);
   }
 }
 #endif  // DDP_BODIES
@@ -307,16 +309,23 @@ DDP_INLINE bool connected_to_itself(int fd) {
 /// may not be up yet; a socket connected to itself counts as refused). Returns a blocking socket
 /// with TCP_NODELAY. `check_stop`, when given, runs between attempts and throws to give up (the
 /// peer is known to have failed).
+/// `failed_errno`, when given, is set to the errno of the last attempt when it fails (ECONNREFUSED:
+/// nothing listens there).
 [[nodiscard]] DDP_INLINE Fd connect_tcp(const std::string& host, int port, Deadline deadline,
                                         std::string_view what,
-                                        const std::function<void()>& check_stop = {});
+                                        const std::function<void()>& check_stop = {},
+                                        int* failed_errno = nullptr);
 #if DDP_BODIES
 DDP_INLINE Fd connect_tcp(const std::string& host, int port, Deadline deadline,
-                          std::string_view what, const std::function<void()>& check_stop) {
+                          std::string_view what, const std::function<void()>& check_stop,
+                          int* failed_errno) {
   int last_errno = 0;
   auto backoff = std::chrono::milliseconds(5);
   for (;;) {
-    const AddrInfo ai(host, port, /*passive=*/false);
+    const AddrInfo ai(host, port, /*passive=*/false,
+                      what.find("etcd") != std::string_view::npos
+                          ? "DDP_STORE (or ddprun's --rdzv-endpoint)"
+                          : "MASTER_ADDR");
     for (const addrinfo* a = ai.begin(); a != nullptr; a = a->ai_next) {
       Fd fd(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
       if (!fd) {
@@ -355,6 +364,7 @@ DDP_INLINE Fd connect_tcp(const std::string& host, int port, Deadline deadline,
       last_errno = errno;
     }
     if (deadline.expired()) {
+      if (failed_errno != nullptr) *failed_errno = last_errno;
       fail(Errc::timeout, "cannot connect to ", what, " at ", host_port(host, port), ": ",
            std::strerror(last_errno), " until the timeout; check that it is running and that ",
            what.find("etcd") != std::string_view::npos

@@ -117,6 +117,7 @@ DDP_INLINE std::shared_ptr<Store> JobStore::connect_store(const Environment& env
   for (int r = 0; r < env.world_size; ++r) world_ranks.push_back(r);
   StoreOptions so;
   so.timeout = options.timeout;
+  so.unreachable_window = unreachable_window_for(options.timeout);
   so.token = options.token;
   so.refusal_key = prefix + "failed";  // a wrong token fails this rendezvous at once
   so.refusal_rank = env.rank;
@@ -167,6 +168,7 @@ DDP_INLINE void JobStore::connect_to_job(const Environment& env) {
   job_prefix = prefix;
   StoreOptions so;
   so.timeout = options.timeout;
+  so.unreachable_window = unreachable_window_for(options.timeout);
   so.token = options.token;
   int store_port = env.store_port != 0 ? env.store_port : env.master_port;
   const int ports = env.store_port != 0 ? std::max(1, env.store_ports) : 1;

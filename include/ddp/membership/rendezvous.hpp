@@ -58,22 +58,27 @@ DDP_INLINE void require_agreement(int rank, std::string_view what, std::string_v
 }
 #endif  // DDP_BODIES
 
-/// The rendezvous timeout, naming the ranks whose `prefix<j>` key never appeared.
+/// The rendezvous timeout, naming the ranks whose `prefix<j>` key never appeared, and what every
+/// rank must have been given alike to meet in `where` (the store: "etcd H:P,... (namespace N)",
+/// or ddp's own at "H:P").
 [[noreturn]] DDP_INLINE void fail_missing_ranks(int rank, int size,
                                                 std::chrono::milliseconds timeout,
                                                 const std::vector<std::string>& missing,
-                                                std::size_t prefix_len);
+                                                std::size_t prefix_len, const std::string& where);
 #if DDP_BODIES
 DDP_INLINE void fail_missing_ranks(int rank, int size, std::chrono::milliseconds timeout,
-                                   const std::vector<std::string>& missing,
-                                   std::size_t prefix_len) {
+                                   const std::vector<std::string>& missing, std::size_t prefix_len,
+                                   const std::string& where) {
   std::string who;
   for (const auto& k : missing) who += concat(who.empty() ? "" : ", ", k.substr(prefix_len));
+  const bool etcd = where.starts_with("etcd ");
   fail(Errc::timeout, "rank ", rank, ": rendezvous timed out after ", timeout.count(),
-       " ms: ", size - static_cast<int>(missing.size()), "/", size, " ranks joined; missing rank",
-       missing.size() == 1 ? " " : "s ", who,
-       ". Check that every rank was started with the same MASTER_ADDR, MASTER_PORT and "
-       "WORLD_SIZE");
+       " ms: ", size - static_cast<int>(missing.size()), "/", size, " ranks joined in the store ",
+       etcd ? "" : "at ", where, "; missing rank", missing.size() == 1 ? " " : "s ", who,
+       etcd ? ". Check that every rank was started with the same DDP_STORE (these etcd "
+              "endpoints and namespace), DDP_GROUP and WORLD_SIZE"
+            : ". Check that every rank was started with the same MASTER_ADDR, MASTER_PORT and "
+              "WORLD_SIZE");
 }
 #endif  // DDP_BODIES
 
@@ -89,7 +94,7 @@ DDP_INLINE std::vector<std::string> gather_records(Store& store, std::string_vie
   std::vector<std::string> keys;
   for (int j = 0; j < size; ++j) keys.push_back(concat(prefix, j));
   if (auto missing = store.missing_after(keys, timeout); !missing.empty())
-    fail_missing_ranks(rank, size, timeout, missing, prefix.size());
+    fail_missing_ranks(rank, size, timeout, missing, prefix.size(), store.where());
   std::vector<std::string> values;
   for (const auto& k : keys) values.push_back(store.get(k));
   return values;

@@ -53,6 +53,7 @@
 DDP_BEGIN_NAMESPACE
 namespace detail {
 
+
 /// A rendezvous store in etcd (see the file comment).
 class EtcdStoreConnection final : public StoreConnection {
  public:
@@ -162,7 +163,9 @@ class EtcdStoreConnection final : public StoreConnection {
   std::size_t at_ = 0, beat_at_ = 0;  // the member each last reached
   std::int64_t lease_ = 0, ns_lease_ = 0;
   std::uint64_t ops_ = 0;
-  bool committed_ = true;             // the last request's answer arrived
+  bool committed_ = true;  // the last request's answer arrived
+  bool reached_ = false;   // a member answered once
+  Clock::time_point created_;         // since when the endpoints are tried
   std::vector<LeaseRecord> closing_;  // this process's close records
 };
 
@@ -170,7 +173,8 @@ class EtcdStoreConnection final : public StoreConnection {
 DDP_INLINE EtcdStoreConnection::EtcdStoreConnection(EtcdAddress address, StoreOptions o)
     : StoreConnection(std::move(o)),
       address_(std::move(address)),
-      root_(concat("/ddp/", address_.ns, "/")) {
+      root_(concat("/ddp/", address_.ns, "/")),
+      created_(options.tried_since == Clock::time_point{} ? Clock::now() : options.tried_since) {
   for (const auto& [h, p] : address_.endpoints) {
     calls_.emplace_back(h, p);
     beats_.emplace_back(h, p);
@@ -396,12 +400,15 @@ DDP_INLINE std::string EtcdStoreConnection::request(std::string_view path, const
   const bool calls = &clients == &calls_;  // the heartbeat's requests leave committed_ alone
   if (calls) committed_ = true;
   std::string last = "no member answered", answer;
+  std::size_t unreachable = 0;  // members in a row that refused connections or do not resolve
   for (std::size_t tried = 0;; ++tried) {
     HttpClient& h = clients[at];
     Deadline one = Deadline::after(std::chrono::seconds(3));
     one.at = std::min(one.at, deadline.at);
     try {
       const HttpReply r = h.post(path, body, one);
+      reached_ = true;
+      unreachable = 0;
       if (r.status == 200) return r.body;
       last = answer = concat("member ", host_port(h.host(), h.port()), " answered ", r.status, ": ",
                              r.body.substr(0, 200));
@@ -410,7 +417,18 @@ DDP_INLINE std::string EtcdStoreConnection::request(std::string_view path, const
       if (e.code() == Errc::protocol) throw;
       last = e.what();
       if (calls) committed_ = false;  // the request may or may not have been applied
+      unreachable = h.unreachable() ? unreachable + 1 : 0;
     }
+    // No member was ever reached, and none accepts connections or resolves: wrong endpoints (or
+    // a cluster still starting). Given StoreOptions::unreachable_window to start, then refused
+    // instead of at the timeout.
+    if (!reached_ && unreachable >= clients.size() &&
+        Clock::now() - created_ >= options.unreachable_window)
+      fail(Errc::invalid_argument, "the rendezvous store in ", where(),
+           " cannot be reached: no member accepts connections (", last, ") for ",
+           std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - created_).count(),
+           " s; is etcd running there? check the client URLs in DDP_STORE "
+           "(etcd://HOST:PORT,.../NAMESPACE) or ddprun's --rdzv-endpoint");
     at = (at + 1) % clients.size();
     if (deadline.expired())
       fail(Errc::timeout,

@@ -63,7 +63,22 @@ struct StoreOptions {
   /// Where the server reports refused connections and malformed traffic; default: stderr.
   /// Never receives the token.
   std::function<void(std::string_view)> log;
+  /// Client of an etcd store that has not reached any member yet: how long endpoints that all
+  /// refuse connections (nothing listens there) or do not resolve are tried again, for a
+  /// cluster still starting, before the connection fails saying so, instead of at `timeout`.
+  /// Callers give a quarter of their timeout, at most 10 s (unreachable_window_for).
+  std::chrono::milliseconds unreachable_window{std::chrono::seconds(10)};
+  /// Since when those endpoints have been tried (default: when it connects); a caller that
+  /// retries connections of its own passes its first try's time.
+  std::chrono::steady_clock::time_point tried_since{};
 };
+
+/// StoreOptions::unreachable_window for a caller whose own timeout is `timeout`: a quarter of it,
+/// at most 10 s.
+[[nodiscard]] inline std::chrono::milliseconds unreachable_window_for(
+    std::chrono::milliseconds timeout) noexcept {
+  return std::min<std::chrono::milliseconds>(timeout / 4, std::chrono::seconds(10));
+}
 
 /// What the server does to a key when a lease expires (Store::lease): sets it when absent, or
 /// adds to the integer it holds.

@@ -141,6 +141,18 @@ DDP_INLINE ShardLayout ShardLayout::even(std::vector<std::size_t> sizes, int ran
 namespace detail {
 /// The companion section of sharded section `name`: its element size and layout.
 inline std::string layout_section(std::string_view name) { return concat("ddp.sharded.", name); }
+/// The section that records what a put_values() section holds ("ddp.type.<name>").
+inline std::string type_section(std::string_view name) { return concat("ddp.type.", name); }
+/// What put_values records of an element type: its DType's name ("float32") for the types
+/// collectives carry, else "<n>-byte elements" (trivially copyable types of one's own).
+template <class T>
+std::string element_type_name() {
+  if constexpr (Scalar<T>) {
+    return std::string(to_string(dtype_of<T>));
+  } else {
+    return concat(sizeof(T), "-byte elements");
+  }
+}
 /// A layout and its element size as words: bytes, array count, sizes, then (array, offset, size)
 /// per piece.
 DDP_INLINE std::vector<std::uint64_t> layout_words(std::size_t element_bytes, const ShardLayout& l);
@@ -193,16 +205,20 @@ DDP_INLINE std::pair<std::size_t, ShardLayout> layout_of_words(const std::vector
 /// Named sections of bytes (see the file comment).
 class Checkpoint {
  public:
-  /// Sets section `name` to `bytes` (replacing one of that name).
+  /// Sets section `name` to `bytes` (replacing one of that name): raw bytes, of no element
+  /// type (get() reads them; get_values of any type of the right size too).
   Checkpoint& put(std::string_view name, std::span<const std::byte> bytes);
   /// Section `name` holds the bytes of `values` (a contiguous range of trivially copyable
-  /// elements: floats, a std::vector<double>, a std::span).
+  /// elements: floats, a std::vector<double>, a std::span), and records their element type
+  /// (section "ddp.type.<name>"): get_values reads them back as that type only.
   template <class R>
   requires std::ranges::contiguous_range<R> &&
       std::is_trivially_copyable_v<std::ranges::range_value_t<R>>
           Checkpoint& put_values(std::string_view name, const R& values) {
-    return put(name,
-               std::as_bytes(std::span(std::ranges::data(values), std::ranges::size(values))));
+    put(name, std::as_bytes(std::span(std::ranges::data(values), std::ranges::size(values))));
+    const std::string type = detail::element_type_name<std::ranges::range_value_t<R>>();
+    put_section(detail::type_section(name), type);
+    return *this;
   }
   /// Section `name` holds `value` encoded by ddp::codec (numbers, strings, vectors, optionals,
   /// SamplerState, your types with a codec).
@@ -245,16 +261,29 @@ class Checkpoint {
   /// Section `name`'s bytes; Errc::invalid_argument naming it (and the sections there are) when
   /// there is none.
   [[nodiscard]] std::span<const std::byte> get(std::string_view name) const;
-  /// Copies section `name` into `out`, which must have exactly its size.
+  /// Copies section `name` into `out`, which must have exactly its size; a section put_values
+  /// wrote is read as the element type it was put as only (Errc::invalid_argument naming both
+  /// types and counts otherwise; get() gives the bytes of any section).
   template <class T>
     requires std::is_trivially_copyable_v<T> &&
         (!std::is_const_v<T>)void get_values(std::string_view name, std::span<T> out) const {
       const std::string& b = section(name);
-      if (b.size() != out.size_bytes())
+      const std::string* type = find_section(detail::type_section(name));
+      const std::string asked = detail::element_type_name<T>();
+      if (type != nullptr && *type != asked)
+        detail::fail(Errc::invalid_argument, "Checkpoint: section \"", name, "\" holds ", *type,
+                     " (", b.size(), " bytes), but ", out.size(), " ", asked,
+                     " were asked for: read it as the type it was put as (get() gives its bytes)");
+      if (b.size() != out.size_bytes()) {
+        if (type != nullptr)
+          detail::fail(Errc::invalid_argument, "Checkpoint: section \"", name, "\" holds ",
+                       b.size() / sizeof(T), " ", *type, ", but ", out.size(),
+                       " were asked for: the model changed since it was saved");
         detail::fail(Errc::invalid_argument, "Checkpoint: section \"", name, "\" holds ", b.size(),
                      " bytes, but ", out.size(), " values of ", sizeof(T), " bytes (",
                      out.size_bytes(),
                      ") were asked for: the model or its element type changed since it was saved");
+      }
       if (!b.empty()) std::memcpy(out.data(), b.data(), b.size());
     }
     /// Section `name` decoded as T (it must have been put_object'ed as a T).
@@ -318,6 +347,14 @@ class Checkpoint {
     static constexpr char magic[8] = {'D', 'D', 'P', 'C', 'K', 'P', 'T', '1'};
 
     const std::string& section(std::string_view name) const;
+    /// Section `name`, or nullptr.
+    [[nodiscard]] const std::string* find_section(std::string_view name) const noexcept;
+    /// put() of a string's bytes.
+    void put_section(std::string_view name, std::string_view bytes) {
+      put_raw(name, std::as_bytes(std::span(bytes.data(), bytes.size())));
+    }
+    /// put() without dropping the section's type record.
+    void put_raw(std::string_view name, std::span<const std::byte> bytes);
     /// Errc::invalid_argument when something other than a regular file is at `path`.
     static void check_target(const std::string& path) {
       if (const char* kind = detail::non_regular(path)) refuse_target(path, kind);
@@ -340,16 +377,29 @@ class Checkpoint {
 
 #if DDP_BODIES
 DDP_INLINE Checkpoint& Checkpoint::put(std::string_view name, std::span<const std::byte> bytes) {
+  put_raw(name, bytes);
+  // Raw bytes are of no element type: a type recorded by an earlier put_values goes.
+  const std::string type = detail::type_section(name);
+  std::erase_if(sections_, [&](const auto& section) { return section.first == type; });
+  return *this;
+}
+
+DDP_INLINE void Checkpoint::put_raw(std::string_view name, std::span<const std::byte> bytes) {
   check_name(name);
   for (auto& [n, b] : sections_) {
     if (n == name) {
       b.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
-      return *this;
+      return;
     }
   }
   sections_.emplace_back(std::string(name),
                          std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
-  return *this;
+}
+
+DDP_INLINE const std::string* Checkpoint::find_section(std::string_view name) const noexcept {
+  for (const auto& [n, b] : sections_)
+    if (n == name) return &b;
+  return nullptr;
 }
 
 DDP_INLINE std::optional<ShardLayout> Checkpoint::sharded_layout(std::string_view name) const {

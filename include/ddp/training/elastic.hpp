@@ -79,12 +79,33 @@ struct ElasticChange {
   std::string why;           ///< lost: the failure that started it
 };
 
+namespace detail {
+/// ElasticOptions::join_wait, enter_wait's older name: a wait set through it still counts (when
+/// enter_wait is 0), and setting it is deprecated (the warning names the new name), while the
+/// options' own copies and designated initializers of other fields warn of nothing.
+class RenamedWait {
+ public:
+  RenamedWait() = default;
+  template <class Rep, class Period>
+  [[deprecated("renamed ElasticOptions::enter_wait")]] RenamedWait(  // NOLINT: implicit
+      std::chrono::duration<Rep, Period> wait)
+      : wait_(std::chrono::duration_cast<std::chrono::milliseconds>(wait)) {}
+  /// The wait set through the old name.
+  [[nodiscard]] std::chrono::milliseconds get() const noexcept { return wait_; }
+
+ private:
+  std::chrono::milliseconds wait_{0};
+};
+}  // namespace detail
+
 /// Settings of an Elastic loop.
 struct ElasticOptions {
   /// How the survivors agree (ShrinkOptions::wait_for_ranks, exclude).
   ShrinkOptions shrink{};
   /// How long a newcomer waits to be admitted (EnterOptions::wait; 0: the timeout).
   std::chrono::milliseconds enter_wait{0};
+  /// enter_wait's older name (used when enter_wait is 0); setting it is deprecated.
+  detail::RenamedWait join_wait{};
   /// The fewest ranks the job goes on with: a loss that leaves fewer is rethrown.
   int min_size = 1;
   /// Losses recovered from at most (-1: no limit); the next one is rethrown.
@@ -241,22 +262,47 @@ class Elastic {
                    "checked against it)");
   }
 
+  [[nodiscard]] std::chrono::milliseconds enter_wait() const noexcept {
+    return eo_.enter_wait.count() > 0 ? eo_.enter_wait : eo_.join_wait.get();
+  }
+
   static bool recoverable(const Error& e) noexcept {
     return e.code() == Errc::peer_lost || e.code() == Errc::aborted || e.code() == Errc::timeout;
   }
 
+  /// Makes the communicator: init(), or (a restarted process, Environment::rejoin) enter() and
+  /// the members' state. A member lost meanwhile costs one recovery here as anywhere else; a
+  /// newcomer whose admission failed with it (the members then recover without it) asks again.
   void connect() {
     if (comm_) return;
     const auto t0 = Clock::now();
+    const ElasticChange::Kind kind =
+        env_.rejoin ? ElasticChange::Kind::joined : ElasticChange::Kind::started;
     if (env_.rejoin) {
-      comm_.emplace(
-          Comm::enter(env_, options_, {.ticket = state_.ticket(), .wait = eo_.enter_wait}));
-      state_.restore(*comm_);
-      reset(ElasticChange::Kind::joined, 0, t0, {});
+      for (int asked = 1;; ++asked) {
+        try {
+          comm_.emplace(
+              Comm::enter(env_, options_, {.ticket = state_.ticket(), .wait = enter_wait()}));
+          break;
+        } catch (const Error& e) {
+          // Refused, out of time, or every member gone: final. A member lost while this
+          // process was being admitted: the members recover, and it asks again.
+          if (e.code() != Errc::peer_lost || asked >= max_entries) throw;
+        }
+      }
     } else {
       comm_.emplace(Comm::init(env_, options_));
-      state_.start(*comm_);
-      reset(ElasticChange::Kind::started, 0, t0, {});
+    }
+    try {
+      if (kind == ElasticChange::Kind::joined) {
+        state_.restore(*comm_);
+      } else {
+        state_.start(*comm_);
+      }
+      reset(kind, 0, t0, {});
+    } catch (const Error& e) {
+      if (!recoverable(e)) throw;
+      recover(e);
     }
   }
 
@@ -277,10 +323,10 @@ class Elastic {
   /// The commit after a step; admits the processes waiting to enter, when there are. Returns
   /// whether the membership grew (the epoch's rest is then dealt again).
   bool commit() {
-    confirming_ = state_.steps() + 1;
+    unreported_ = state_.steps() + 1;
     state_.commit(*comm_);
-    confirming_ = 0;
     if (commit_) commit_(*comm_, state_.steps());
+    unreported_ = 0;
     if (state_.entering() <= 0) return false;
     const auto t0 = Clock::now();
     const int before = comm_->size();
@@ -312,8 +358,10 @@ class Elastic {
     return true;
   }
 
-  /// After a loss: shrink, restore, reset; again when a member is lost meanwhile. Rethrows
-  /// when this rank was left out (fenced), too few remain, or no recovery is left.
+  /// After a loss: shrink, restore, report the commit a loss interrupted (on_commit), reset
+  /// (on_reset, on_change); all of it again when a member is lost meanwhile, in any of those
+  /// (one more recovery each time). Rethrows when this rank was left out (fenced), too few
+  /// remain, or no recovery is left.
   void recover(const Error& first) {
     const auto t0 = Clock::now();
     const int before = comm_->size();
@@ -323,6 +371,7 @@ class Elastic {
         detail::fail_from(first.origin_rank(), first.lost_ranks(), first.code(), first.what(),
                           " (Elastic: ", eo_.max_recoveries,
                           " losses recovered from already: ElasticOptions::max_recoveries)");
+      const int round_before = comm_->size();
       Comm next = comm_->shrink(eo_.shrink);  // left out: Errc::aborted, rethrown
       *comm_ = std::move(next);
       if (comm_->size() < eo_.min_size)
@@ -332,22 +381,30 @@ class Elastic {
       std::uint64_t restored = 0;
       try {
         restored = state_.restore(*comm_);
+        // The commit being confirmed or reported when the loss came, if the members completed
+        // it: reported now (once its report returns).
+        if (unreported_ != 0 && restored == unreported_ && commit_) commit_(*comm_, restored);
+        unreported_ = 0;
       } catch (const Error& again) {
-        if (!recoverable(again)) throw;  // another loss while restoring: shrink again
+        if (!recoverable(again)) throw;  // another loss while restoring or reporting
         continue;
       }
-      if (confirming_ != 0 && restored == confirming_ && commit_) commit_(*comm_, restored);
-      confirming_ = 0;
-      // A failure that comes back at the same commit after a recovery that lost no rank is not
-      // a lost rank (a step that throws Errc::timeout every time, say): recovering again would
-      // repeat it forever. Every member sees the same sizes and commit, and rethrows alike.
-      if (comm_->size() == before && restored == no_loss_commit_)
+      // A failure that comes back at the same commit after a round that lost no rank is not a
+      // lost rank (a step, or on_reset, that throws Errc::timeout every time, say): recovering
+      // again would repeat it forever. Every member sees the same sizes and commit, and rethrows
+      // alike.
+      if (comm_->size() == round_before && restored == no_loss_commit_)
         detail::fail_from(first.origin_rank(), first.lost_ranks(), first.code(), first.what(),
                           " (Elastic: the same failure came back at commit ", restored,
                           " after a recovery that lost no rank: it is not a lost rank, so it is "
                           "rethrown instead of recovered from again)");
-      no_loss_commit_ = comm_->size() == before ? restored : ~std::uint64_t{0};
-      reset(ElasticChange::Kind::lost, before, t0, first.what());
+      no_loss_commit_ = comm_->size() == round_before ? restored : ~std::uint64_t{0};
+      try {
+        reset(ElasticChange::Kind::lost, before, t0, first.what());
+      } catch (const Error& again) {
+        if (!recoverable(again)) throw;  // another loss in on_reset or on_change
+        continue;
+      }
       return;
     }
   }
@@ -361,7 +418,8 @@ class Elastic {
   std::function<void(Comm&)> reset_;
   std::function<void(const ElasticChange&)> change_;
   std::function<void(Comm&, std::uint64_t)> commit_;
-  std::uint64_t confirming_ = 0;                      // the commit being confirmed (0: none)
+  static constexpr int max_entries = 5;  // a newcomer's requests, when members die meanwhile
+  std::uint64_t unreported_ = 0;         // the commit being confirmed or reported (0: none)
   std::uint64_t no_loss_commit_ = ~std::uint64_t{0};  // restored by the last loss-free recovery
   std::optional<Comm> comm_;
   int recoveries_ = 0;

@@ -30,8 +30,10 @@
 #include "ddp/training/join.hpp"
 #include "ddp/training/parameters.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <limits>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -39,6 +41,50 @@
 DDP_BEGIN_NAMESPACE
 
 namespace detail {
+
+/// The 2-norm of gradients given range by range (`each(f)` calls f(const T*, n) for each):
+/// the sum of squares in double, as torch's clip_grad_norm_ takes it. When that sum is not finite
+/// although every element is (double gradients beyond 1e154, whose squares overflow), it is
+/// taken again scaled by the largest magnitude, as a careful BLAS nrm2 does: the norm is then
+/// right up to the largest double. `reduce(values)` sums (or maxes, `max` true) over the ranks
+/// that hold parts of the gradients (identity for one rank's whole set); every rank gets the
+/// same result.
+template <class T, class Each, class Reduce>
+double gradient_norm(Each&& each, Reduce&& reduce) {
+  const auto as_double = [](T x) {
+    return static_cast<double>(static_cast<typename detail::Accum<T>::type>(x));
+  };
+  std::vector<double> sum{0.0};
+  each([&](const T* g, std::size_t n) {
+    for (std::size_t k = 0; k < n; ++k) {
+      const double x = as_double(g[k]);
+      sum[0] += x * x;
+    }
+  });
+  reduce(sum, false);
+  if (std::isfinite(sum[0])) return std::sqrt(sum[0]);
+  std::vector<double> top{0.0, 0.0};  // the largest magnitude; 1 when an element is inf or NaN
+  each([&](const T* g, std::size_t n) {
+    for (std::size_t k = 0; k < n; ++k) {
+      const double x = as_double(g[k]);
+      if (!std::isfinite(x))
+        top[1] = 1.0;
+      else
+        top[0] = std::max(top[0], std::fabs(x));
+    }
+  });
+  reduce(top, true);
+  if (top[1] != 0.0 || top[0] == 0.0) return std::sqrt(sum[0]);  // inf or NaN: theirs
+  std::vector<double> scaled{0.0};
+  each([&](const T* g, std::size_t n) {
+    for (std::size_t k = 0; k < n; ++k) {
+      const double x = as_double(g[k]) / top[0];
+      scaled[0] += x * x;
+    }
+  });
+  reduce(scaled, false);
+  return top[0] * std::sqrt(scaled[0]);
+}
 
 /// What GradientAverager and ShardedAverager both offer, over their bucket engine.
 template <class M, class Backend>
@@ -194,17 +240,13 @@ class GradientAverager : public detail::Averager<M, Backend>, public Joinable {
   /// communication. inf or NaN when a gradient holds one. CUDA gradients are read through host
   /// memory.
   [[nodiscard]] double grad_norm() {
-    double sum = 0;
+    double norm = 0;
     this->typed([&](auto t) {
       using T = decltype(t);
-      engine<T>().for_each_result([&](const T* g, std::size_t n) {
-        for (std::size_t k = 0; k < n; ++k) {
-          const double x = static_cast<double>(static_cast<typename detail::Accum<T>::type>(g[k]));
-          sum += x * x;
-        }
-      });
+      norm = detail::gradient_norm<T>([&](auto&& f) { engine<T>().for_each_result(f); },
+                                      [](std::vector<double>&, bool) {});
     });
-    return std::sqrt(sum);
+    return norm;
   }
 
   /// torch's clip_grad_norm_(parameters, max_norm) after synchronize(): when grad_norm() exceeds
@@ -220,9 +262,17 @@ class GradientAverager : public detail::Averager<M, Backend>, public Joinable {
     const double norm = grad_norm();
     if (!std::isfinite(norm)) {
       if (!error_if_nonfinite) return norm;
+      const std::size_t first = first_nonfinite();
+      if (first == this->size())  // every average finite: their norm is beyond the largest double
+        detail::fail(Errc::invalid_argument, "rank ", this->comm_->rank(),
+                     ": clip_grad_norm: the averaged gradients are all finite, but their norm is "
+                     "beyond the largest double (",
+                     std::numeric_limits<double>::max(),
+                     "); scale the loss down or lower the learning rate, or pass "
+                     "error_if_nonfinite = false");
       detail::fail(Errc::invalid_argument, "rank ", this->comm_->rank(),
                    ": clip_grad_norm: the averaged gradients' norm is ", norm, ": parameter ",
-                   first_nonfinite(),
+                   first,
                    "'s average holds an inf or a NaN (on every rank: the averages are the same "
                    "everywhere); skip the step (found_nonfinite() says so before clipping), scale "
                    "the loss or lower the learning rate, or pass error_if_nonfinite = false");

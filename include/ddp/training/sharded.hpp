@@ -217,14 +217,11 @@ class ShardedAverager : public detail::Averager<M, Backend> {
   /// the same value on every rank, for gradient clipping (scale the shard's gradients by
   /// max_norm / norm before the update). Collective.
   [[nodiscard]] double grad_norm() {
-    std::vector<double> sum{0.0};
-    engine().for_each_result([&](const T* g, std::size_t n) {
-      for (std::size_t k = 0; k < n; ++k)
-        sum[0] +=
-            std::pow(static_cast<double>(static_cast<typename detail::Accum<T>::type>(g[k])), 2);
-    });
-    this->comm_->all_reduce_host(std::span<double>(sum), ReduceOp::sum);
-    return std::sqrt(sum[0]);
+    return detail::gradient_norm<T>(
+        [&](auto&& f) { engine().for_each_result(f); },
+        [&](std::vector<double>& v, bool max) {
+          this->comm_->all_reduce_host(std::span<double>(v), max ? ReduceOp::max : ReduceOp::sum);
+        });
   }
 
  private:

@@ -59,6 +59,16 @@
 
 DDP_BEGIN_NAMESPACE
 
+namespace detail {
+/// Test hook for fault injection: called with the phase of a state transfer reached ("transfer":
+/// the members agreed who sends, before the bytes go); tests kill the process there. Null
+/// outside tests.
+inline void (*&state_phase_hook() noexcept)(const char*) {
+  static void (*hook)(const char*) = nullptr;
+  return hook;
+}
+}  // namespace detail
+
 /// Named training state, committed per step (see the file comment).
 class TrainingState {
  public:
@@ -169,6 +179,10 @@ class TrainingState {
   /// How many processes waited to join the job at the last commit(), the same on every member
   /// (rank 0 looks at most every 50 ms). When it is not 0, every member calls grow(comm).
   [[nodiscard]] int entering() const noexcept { return entering_; }
+  /// entering()'s older name.
+  [[deprecated("renamed TrainingState::entering()")]] [[nodiscard]] int joining() const noexcept {
+    return entering_;
+  }
 
   /// Collective over the members, after a commit() whose entering() is not 0: admits the
   /// processes waiting to enter (Communicator::grow with ticket()), replaces `comm` with the
@@ -274,6 +288,7 @@ class TrainingState {
                  " on rank ", r, " than on rank ", root);
       }
     }
+    if (detail::state_phase_hook() != nullptr) detail::state_phase_hook()("transfer");
     for (Piece& p : pieces_) {
       std::vector<std::int64_t> size{static_cast<std::int64_t>(p.saved.size())};
       comm.broadcast_host(std::span<std::int64_t>(size), root);

@@ -36,7 +36,9 @@ TEST_CASE("a rank that never joins: the rendezvous names it") {
     const Outcome out = read_outcome(dir, r);
     CAPTURE(out.message);
     CHECK(out.code == "timeout");
-    CHECK(out.message.find("3/4 ranks joined; missing rank 3") != std::string::npos);
+    CHECK(out.message.find("3/4 ranks joined in the store at ") != std::string::npos);
+    CHECK(out.message.find("; missing rank 3. Check that every rank was started with the same "
+                           "MASTER_ADDR, MASTER_PORT and WORLD_SIZE") != std::string::npos);
   }
 }
 

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <span>
 #include <string>
@@ -123,6 +124,65 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("training: a section of typed values is read back as its type only, naming both") {
+  mp::TempDir dir;
+  ddp::Checkpoint ck;
+  std::vector<float> w(1000);
+  for (std::size_t i = 0; i < w.size(); ++i) w[i] = 0.5f * static_cast<float>(i);
+  ck.put_values("w", w);
+  struct Pair {  // a trivially copyable type of one's own
+    std::int32_t a, b;
+  };
+  const std::vector<Pair> pairs{{1, 2}, {3, 4}};
+  ck.put_values("pairs", pairs);
+  ck.put("raw", std::as_bytes(std::span(w)));
+  ck.save(dir.file("t.ckpt"));
+  const auto back = ddp::Checkpoint::load(dir.file("t.ckpt"));
+  REQUIRE(back.has_value());
+  const auto refused = [&](auto&& f, const std::string& needle) {
+    try {
+      f();
+      FAIL_CHECK("accepted: " << needle);
+    } catch (const ddp::Error& e) {
+      CHECK(e.code() == ddp::Errc::invalid_argument);
+      CHECK_MESSAGE(std::string(e.what()).find(needle) != std::string::npos, e.what());
+    }
+  };
+  // The same bytes (int32[1000]), half as many doubles, twice as many bfloat16: all refused.
+  std::vector<std::int32_t> as_int(1000);
+  refused([&] { back->get_values("w", std::span(as_int)); },
+          "section \"w\" holds float32 (4000 bytes), but 1000 int32 were asked for");
+  std::vector<double> as_double(500);
+  refused([&] { back->get_values("w", std::span(as_double)); },
+          "holds float32 (4000 bytes), but 500 float64 were asked for");
+  std::vector<ddp::bfloat16> as_bf16(2000);
+  refused([&] { back->get_values("w", std::span(as_bf16)); },
+          "holds float32 (4000 bytes), but 2000 bfloat16 were asked for");
+  std::vector<float> fewer(999);
+  refused([&] { back->get_values("w", std::span(fewer)); },
+          "holds 1000 float32, but 999 were asked for");
+  std::vector<std::int64_t> as_i64(2);
+  refused([&] { back->get_values("pairs", std::span(as_i64)); },
+          "holds 8-byte elements (16 bytes), but 2 int64 were asked for");
+  // Its own type reads back; raw bytes (put) are of no type: read as any of the right size.
+  std::vector<float> same(1000);
+  back->get_values("w", std::span(same));
+  CHECK(same == w);
+  std::vector<Pair> pairs_back(2);
+  back->get_values("pairs", std::span(pairs_back));
+  CHECK((pairs_back[1].a == 3 && pairs_back[1].b == 4));
+  back->get_values("raw", std::span(as_int));
+  CHECK(std::memcmp(as_int.data(), w.data(), 4000) == 0);
+  CHECK(back->get("w").size() == 4000);  // get() gives any section's bytes
+  // A section put again as raw bytes loses its type; put_values again gives it the new one.
+  ddp::Checkpoint again = *back;
+  again.put("w", std::as_bytes(std::span(as_int)));
+  again.get_values("w", std::span(as_int));
+  again.put_values("w", as_double);
+  again.get_values("w", std::span(as_double));
+  refused([&] { again.get_values("w", std::span(same)); }, "holds float64");
+}
+
 TEST_CASE("training: checkpoints are written atomically and refused when foreign or damaged") {
   mp::TempDir dir;
   const std::string path = dir.file("a.ckpt");
@@ -135,7 +195,8 @@ TEST_CASE("training: checkpoints are written atomically and refused when foreign
   ck.save(path);
   auto back = ddp::Checkpoint::load(path);
   REQUIRE(back.has_value());
-  CHECK(back->names() == std::vector<std::string>{"values", "name", "sampler", "empty"});
+  CHECK(back->names() ==
+        std::vector<std::string>{"values", "ddp.type.values", "name", "sampler", "empty"});
   std::vector<double> got(3);
   back->get_values("values", std::span(got));
   CHECK(got == values);
@@ -146,10 +207,10 @@ TEST_CASE("training: checkpoints are written atomically and refused when foreign
   // Asking for what is not there, or in another shape.
   std::vector<double> two(2);
   CHECK_THROWS_WITH_AS(back->get_values("values", std::span(two)),
-                       doctest::Contains("holds 24 bytes, but 2 values of 8 bytes"), ddp::Error);
+                       doctest::Contains("holds 3 float64, but 2 were asked for"), ddp::Error);
   CHECK_THROWS_WITH_AS(
       (void)back->get("nope"),
-      doctest::Contains("no section \"nope\" (it has values, name, sampler, empty)"), ddp::Error);
+      doctest::Contains("no section \"nope\" (it has values, ddp.type.values, name, sampler, empty)"), ddp::Error);
   CHECK_THROWS_WITH_AS((void)back->get_object<int>("name"),
                        doctest::Contains("does not hold the type asked for"), ddp::Error);
   // Damaged files: every truncation, a flipped byte anywhere, something else entirely.

@@ -9,6 +9,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -43,9 +44,58 @@ struct Kill {
   std::size_t step;
 };
 
+/// Where a process dies outside a step: world rank `rank` (in its first life), the `nth` time
+/// (from 1) it reaches `phase`: "reset" (its on_reset), "commit" (its on_commit; nth is the
+/// commit), "transfer" (a state transfer, start() being the first), or "shrink.<p>" (phase p of
+/// the agreement, alive/decided/connected/ready, in its first shrink).
+struct PhaseKill {
+  int rank;
+  const char* phase;
+  int nth;
+};
+
+/// The phase kill of this process, for the hooks (plain function pointers).
+const char* hook_phase = nullptr;
+int hook_nth = 0, hook_seen = 0, hook_rank = -1;
+const mp::TempDir* hook_dir = nullptr;
+
+void die_here(int rank, const mp::TempDir& dir) {
+  mp::TempDir::write(dir.file("died" + std::to_string(rank)), "");
+  std::_Exit(9);
+}
+
+void phase_hook(const char* phase) {
+  if (hook_phase == nullptr) return;
+  const std::string want = hook_phase;
+  const std::string got = want.starts_with("shrink.") ? std::string("shrink.") + phase : phase;
+  if (got == want && ++hook_seen == hook_nth) die_here(hook_rank, *hook_dir);
+}
+
 /// One process of the job: the README's loop. `rejoin`: restarted by its launcher.
 void train(ddp::Environment env, const std::vector<Kill>& kills, const mp::TempDir& dir,
-           const ddp::Options& o, std::chrono::milliseconds step_time) {
+           const ddp::Options& o, std::chrono::milliseconds step_time,
+           const std::vector<PhaseKill>& phase_kills = {}) {
+  int resets = 0;
+  const auto dies_at = [&](const char* phase, int nth) {
+    if (env.rejoin) return;
+    for (const PhaseKill& k : phase_kills)
+      if (k.rank == env.rank && std::string(k.phase) == phase && k.nth == nth)
+        die_here(k.rank, dir);
+  };
+  for (const PhaseKill& k : phase_kills) {
+    if (env.rejoin || k.rank != env.rank) continue;
+    const std::string phase = k.phase;
+    if (phase == "transfer" || phase.starts_with("shrink.")) {
+      hook_phase = k.phase;
+      hook_nth = k.nth;
+      hook_rank = k.rank;
+      hook_dir = &dir;
+      if (phase == "transfer")
+        ddp::detail::state_phase_hook() = phase_hook;
+      else
+        ddp::detail::shrink_phase_hook() = phase_hook;
+    }
+  }
   using Host = ddp::backend::Host;
   Net net;
   ddp::DistributedSampler sampler(samples, env.world_size, env.rank,
@@ -54,7 +104,21 @@ void train(ddp::Environment env, const std::vector<Kill>& kills, const mp::TempD
   ddp::Elastic<Host> job(env, o, {.shrink = {.wait_for_ranks = 20s}});
   job.track_model("net", net).track("count", count).track_sampler("sampler", sampler);
   std::optional<ddp::GradientAverager<Net, Host>> avg;
-  job.on_reset([&](ddp::Communicator<Host>& comm) { avg.emplace(comm, net); });
+  job.on_reset([&](ddp::Communicator<Host>& comm) {
+    dies_at("reset", ++resets);
+    avg.emplace(comm, net);  // collective: a rank dead before it fails the others in it
+  });
+  std::uint64_t reported = 0;
+  job.on_commit([&](ddp::Communicator<Host>& comm, std::uint64_t n) {
+    // Each commit once, in order (a newcomer's first is the job's next; one a loss interrupted
+    // is reported again after the recovery).
+    MP_EXPECT(reported == 0 || n == reported + 1 || n == reported,
+              "commit " << n << " reported after " << reported);
+    reported = std::max(reported, n);
+    dies_at("commit", static_cast<int>(n));
+    std::vector<float> v(2, 1.0f);  // a collective, as a checkpoint written here would make
+    comm.all_reduce(v);
+  });
   job.run_epochs(
       sampler, epochs, 8,
       [&](ddp::Communicator<Host>& comm, const ddp::ElasticBatch& b) {
@@ -100,7 +164,8 @@ void train(ddp::Environment env, const std::vector<Kill>& kills, const mp::TempD
 /// claiming the world ranks given.
 void run_job(int members, const std::vector<int>& late, const std::vector<Kill>& kills,
              const mp::TempDir& dir, ddp::HostTransport transport,
-             std::chrono::milliseconds step_time = 0ms) {
+             std::chrono::milliseconds step_time = 0ms,
+             const std::vector<PhaseKill>& phase_kills = {}) {
   ddp::Options o;
   o.timeout = 30s;
   o.transport = transport;
@@ -119,7 +184,7 @@ void run_job(int members, const std::vector<int>& late, const std::vector<Kill>&
           }
           env.world_size = members;
           env.local_world_size = std::min(env.local_world_size, members);
-          train(env, kills, dir, o, step_time);
+          train(env, kills, dir, o, step_time, phase_kills);
         },
         so);
   } catch (const ddp::Error&) {  // the killed ones
@@ -143,6 +208,60 @@ TEST_CASE(
     CHECK(!mp::TempDir::exists(dir.file("net0")));
     CHECK(!mp::TempDir::exists(dir.file("net2")));
   }
+}
+
+TEST_CASE(
+    "Elastic: a second loss during a recovery (in on_reset, on_commit, the agreement, the state "
+    "transfer) costs one more recovery, never the job") {
+  struct Case {
+    const char* what;
+    std::vector<Kill> kills;
+    std::vector<PhaseKill> phase_kills;
+    std::vector<int> survivors;
+  };
+  const std::vector<Case> cases{
+      // Rank 2 lost in a step; rank 3 then dies in its on_reset of that recovery (its second).
+      {"on_reset", {{2, 0, 3}}, {{3, "reset", 2}}, {0, 1}},
+      // Rank 1 dies in on_commit of commit 5 (a collective there), the commit made everywhere.
+      {"on_commit", {}, {{1, "commit", 5}}, {0, 2, 3}},
+      // Rank 2 lost in a step; rank 3 dies in the survivors' agreement, once it is decided.
+      {"the agreement", {{2, 1, 1}}, {{3, "shrink.decided", 1}}, {0, 1}},
+      // Rank 2 lost in a step; rank 0, the lowest member, dies as it sends the restored state
+      // (its second transfer: start() was the first).
+      {"the state transfer", {{2, 0, 4}}, {{0, "transfer", 2}}, {1, 3}},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.what);
+    mp::TempDir dir;
+    run_job(4, {}, c.kills, dir, ddp::HostTransport::shm, 0ms, c.phase_kills);
+    const std::string want = mp::TempDir::read(dir.file("net" + std::to_string(c.survivors[0])));
+    REQUIRE(!want.empty());
+    for (int r = 0; r < 4; ++r) {
+      CAPTURE(r);
+      const bool survives =
+          std::find(c.survivors.begin(), c.survivors.end(), r) != c.survivors.end();
+      CHECK(mp::TempDir::exists(dir.file("net" + std::to_string(r))) == survives);
+      if (!survives) continue;
+      CHECK(mp::TempDir::read(dir.file("net" + std::to_string(r))) == want);
+      const std::string end = mp::TempDir::read(dir.file("end" + std::to_string(r)));
+      CHECK(end.rfind(std::to_string(c.survivors.size()) + " 3 ", 0) == 0);  // size, epochs
+    }
+  }
+}
+
+TEST_CASE(
+    "Elastic: a member lost while a newcomer enters (in the grown job's on_reset): the newcomer "
+    "and the others recover together") {
+  // World rank 1 dies at step 2 of epoch 0 and is restarted; rank 2 dies in its on_reset of the
+  // growth that admits it (its third: the start, the recovery, the growth).
+  mp::TempDir dir;
+  run_job(3, {1}, {{1, 0, 2}}, dir, ddp::HostTransport::shm, 30ms, {{2, "reset", 3}});
+  const std::string want = mp::TempDir::read(dir.file("net0"));
+  REQUIRE(!want.empty());
+  CHECK(mp::TempDir::read(dir.file("net1")) == want);  // the restarted process
+  CHECK(!mp::TempDir::exists(dir.file("net2")));
+  CHECK(mp::TempDir::read(dir.file("end0")).rfind("2 3 ", 0) == 0);
+  CHECK(mp::TempDir::read(dir.file("end1")).rfind("2 3 ", 0) == 0);
 }
 
 TEST_CASE(

@@ -4,6 +4,7 @@
 
 #include <ddp/detail/json.hpp>
 #include <ddp/training/checkpoint.hpp>
+#include <ddp/training/sharded.hpp>
 
 #include <doctest/doctest.h>
 
@@ -268,6 +269,95 @@ TEST_CASE(
         }
       });
     }
+  }
+}
+
+// Two double parameters (3 and 5 elements): gradients up to 1e200, whose squares overflow.
+struct ParamD {
+  std::vector<double> value, grad;
+};
+struct Huge {
+  std::vector<ParamD> params{{std::vector<double>(3), std::vector<double>(3)},
+                             {std::vector<double>(5), std::vector<double>(5)}};
+  std::vector<ParamD>& parameters() { return params; }
+};
+
+TEST_CASE(
+    "training: grad_norm of finite double gradients whose squares overflow is their norm, not "
+    "inf (GradientAverager and ShardedAverager)") {
+  for (const int world : {1, 3}) {
+    CAPTURE(world);
+    mp::run(world, ddp::HostTransport::shm, [](mp::Comm& comm) {
+      // Rank r's gradient of parameter p, element k: big * (r + 1) * (k + 1) * (p + 1).
+      const auto fill = [&](Huge& m, double big) {
+        for (std::size_t p = 0; p < m.params.size(); ++p)
+          for (std::size_t k = 0; k < m.params[p].grad.size(); ++k)
+            m.params[p].grad[k] =
+                big * static_cast<double>(comm.rank() + 1) * static_cast<double>((k + 1) * (p + 1));
+      };
+      // The norm of the averages, by hand and scaled: big * sqrt(sum of (mean / big)^2).
+      const auto want = [&](const Huge& m, double big) {
+        const double mean_rank = (comm.size() + 1) / 2.0;
+        double ssq = 0;
+        for (std::size_t p = 0; p < m.params.size(); ++p)
+          for (std::size_t k = 0; k < m.params[p].grad.size(); ++k) {
+            const double x = mean_rank * static_cast<double>((k + 1) * (p + 1));
+            ssq += x * x;
+          }
+        return big * std::sqrt(ssq);
+      };
+      {
+        Huge m;
+        ddp::GradientAverager avg(comm, m);
+        fill(m, 1e200);
+        avg.average();
+        const double norm = avg.grad_norm();
+        MP_EXPECT(std::abs(norm - want(m, 1e200)) <= 1e-12 * want(m, 1e200),
+                  "grad_norm " << norm << " vs " << want(m, 1e200));
+        MP_EXPECT(avg.clip_grad_norm(1.0) == norm, "clip_grad_norm refused or changed the norm");
+        MP_EXPECT(std::abs(avg.grad_norm() - 1.0) <= 1e-9, "clipped to " << avg.grad_norm());
+        // Ordinary gradients: the plain sum of squares, as before.
+        fill(m, 1e-3);
+        avg.average();
+        MP_EXPECT(std::abs(avg.grad_norm() - want(m, 1e-3)) <= 1e-12 * want(m, 1e-3),
+                  "grad_norm " << avg.grad_norm());
+      }
+      {
+        // All finite, the norm itself beyond the largest double (1008 elements of 1e307: the
+        // norm is 3.2e308): said so, not "inf or NaN".
+        Huge m;
+        m.params.push_back({std::vector<double>(1000), std::vector<double>(1000)});
+        ddp::GradientAverager avg(comm, m);
+        for (auto& p : m.params) std::fill(p.grad.begin(), p.grad.end(), 1e307);
+        avg.average();
+        MP_EXPECT(std::isinf(avg.grad_norm()), "a norm beyond DBL_MAX is " << avg.grad_norm());
+        try {
+          (void)avg.clip_grad_norm(1.0);
+          MP_EXPECT(false, "a norm beyond the largest double was clipped");
+        } catch (const ddp::Error& e) {
+          const std::string w = e.what();
+          MP_EXPECT(w.find("the averaged gradients are all finite, but their norm is beyond the "
+                           "largest double") != std::string::npos,
+                    w);
+          MP_EXPECT(w.find("inf or a NaN") == std::string::npos, w);
+        }
+      }
+      {
+        Huge m;
+        ddp::ShardedAverager zero(comm, m, {.bucket_bytes = 16});
+        fill(m, 1e200);
+        zero.average();
+        const double norm = zero.grad_norm();
+        MP_EXPECT(std::abs(norm - want(m, 1e200)) <= 1e-12 * want(m, 1e200),
+                  "ShardedAverager::grad_norm " << norm << " vs " << want(m, 1e200));
+        for (const double other : comm.all_gather_object(norm))
+          MP_EXPECT(other == norm, "grad_norm differs between ranks");
+        // An inf stays inf (and NaN NaN), whoever holds it.
+        if (comm.rank() == comm.size() - 1) m.params[1].grad[4] = INFINITY;
+        zero.average();
+        MP_EXPECT(std::isinf(zero.grad_norm()), "an inf gradient's norm");
+      }
+    });
   }
 }
 
