@@ -31,7 +31,7 @@ fast=0
 
 ensure_debs build-essential g++ clang clang-format cmake ninja-build pkg-config python3 python3-venv \
   doctest-dev meson git libopenmpi-dev openmpi-bin libcli11-dev libfmt-dev iproute2 \
-  zlib1g-dev libeigen3-dev libclang-rt-dev dataset-fashion-mnist doxygen etcd-server
+  zlib1g-dev libeigen3-dev libclang-rt-dev dataset-fashion-mnist doxygen etcd-server nftables
 mkdir -p build
 [ $fast -eq 0 ] && ensure_conan "$root/build"  # the conan consumer test: not in --fast
 # libtorch (CPU) for the torch adapter's tests and examples, PyTorch for the benchmark's peer and

@@ -51,7 +51,8 @@ inline int LaunchAgent::run() {
   if (!o_.store_url.empty()) {  // etcd: nobody hosts; nodes are numbered as they come
     so.lease_ttl = std::chrono::seconds(5);
     try {
-      store_ = std::make_unique<Store>(connect_etcd_interruptibly(so).prefixed("ddprun/"));
+      root_store_ = std::make_unique<Store>(connect_etcd_interruptibly(so));
+      store_ = std::make_unique<Store>(root_store_->prefixed("ddprun/"));
     } catch (const RendezvousInterrupted& i) {
       return 128 + i.sig;
     }
@@ -82,8 +83,10 @@ inline int LaunchAgent::run() {
     }
     port_ = server_->port();
   }
-  if (!store_)
-    store_ = std::make_unique<Store>(Store(o_.master_addr, port_, so).prefixed("ddprun/"));
+  if (!store_) {
+    root_store_ = std::make_unique<Store>(Store(o_.master_addr, port_, so));
+    store_ = std::make_unique<Store>(root_store_->prefixed("ddprun/"));
+  }
   if (o_.node_rank == -1 && o_.min_nodes > 0) {
     // --nnodes MIN:MAX: the lowest node rank free, also one a node that lost its workers left.
     const std::string me = concat(o_.nproc_per_node, '|', ::getpid());

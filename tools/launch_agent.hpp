@@ -214,9 +214,12 @@ class LaunchAgent {
         .count();
   }
 
+  /// "rank 1 (local_rank 1, pid 42)".
+  [[nodiscard]] static std::string name(const Worker& w) {
+    return concat("rank ", w.rank, " (local_rank ", w.local_rank, ", pid ", w.pid, ")");
+  }
   [[nodiscard]] static std::string describe(const Worker& w) {
-    return concat("rank ", w.rank, " (local_rank ", w.local_rank, ", pid ", w.pid, ") ",
-                  describe_status(w.status), " after ", fixed1(w.seconds), " s");
+    return concat(name(w), " ", describe_status(w.status), " after ", fixed1(w.seconds), " s");
   }
 
   void publish_failure(int attempt, const LaunchFailure& f);
@@ -227,6 +230,15 @@ class LaunchAgent {
   [[nodiscard]] std::optional<LaunchFailure> published_failure(int attempt);
 
   void reap(Clock::time_point now, int attempt);
+
+  /// --on-failure shrink or rejoin: the workers of this node that the job left out (their
+  /// heartbeat stopped, or the others' shrink() excluded them: "ddp/<attempt>/left/<rank>" in the
+  /// store) are ended (SIGKILL: a stopped process too); they could never act again, and a
+  /// stopped one would hold the launcher open. Reaped, they count as lost (shrink) or are
+  /// restarted to rejoin (rejoin).
+  void end_left_out(int attempt);
+  /// Forgets a left-out record of world rank `rank` (before a worker of that rank starts).
+  void forget_left_out(int attempt, int rank);
 
   /// --on-failure rejoin: the job's workers (every node's) that ended for good this attempt,
   /// finished or lost, are counted in the store, so that a failed worker is restarted to rejoin
@@ -272,7 +284,8 @@ class LaunchAgent {
   int base_rank_ = 0;
   int world_ = 0;
   std::unique_ptr<StoreServer> server_;
-  std::unique_ptr<Store> store_;
+  std::unique_ptr<Store> store_;       // the agents' keys ("ddprun/...")
+  std::unique_ptr<Store> root_store_;  // the same store, unprefixed: the workers' keys
   std::vector<Worker> workers_;
   bool late_ = false;                   // --nnodes MIN:MAX: this node came after the start
   int first_attempt_ = 0;               // torchrun's way: the round a late node came in at

@@ -193,6 +193,32 @@ inline void LaunchAgent::reap(Clock::time_point now, int attempt) {
   stop_workers(now);
 }
 
+inline void LaunchAgent::end_left_out(int attempt) {
+  if (!root_store_) return;
+  for (auto& w : workers_) {
+    if (!w.running) continue;
+    const std::string key = concat("ddp/", attempt, "/left/", w.rank);
+    const std::string k[] = {key};
+    try {
+      if (!root_store_->check(k)) continue;
+      const std::string why = root_store_->get(key);
+      (void)root_store_->erase(key);
+      say(name(w), " was left out of the job (", why, "): ending it, as it can never act again");
+    } catch (const Error&) {  // the store is gone: the attempt ends on its own
+      return;
+    }
+    ::kill(-w.pid, SIGKILL);  // its process group; a stopped process too
+  }
+}
+
+inline void LaunchAgent::forget_left_out(int attempt, int rank) {
+  if (!root_store_ || !(o_.shrink_on_failure || o_.rejoin_on_failure)) return;
+  try {
+    (void)root_store_->erase(concat("ddp/", attempt, "/left/", rank));
+  } catch (const Error&) {  // the store is gone: the worker fails to start on its own
+  }
+}
+
 inline void LaunchAgent::count_ended(int attempt) {
   if (!o_.rejoin_on_failure) return;
   try {
@@ -257,6 +283,7 @@ inline LaunchFailure LaunchAgent::run_attempt(int attempt) {
     if (interrupted_ == 0) start(w, attempt);  // else interrupted while waiting to restart
   }
   auto next_store_check = Clock::now();
+  auto next_left_check = Clock::now();
   std::vector<pollfd> fds;
   std::vector<std::pair<Worker*, Stream*>> owners;
   for (;;) {
@@ -271,6 +298,11 @@ inline LaunchFailure LaunchAgent::run_attempt(int attempt) {
     if (!running && drain_until == Clock::time_point::max())
       drain_until = now + std::chrono::milliseconds(500);  // output in flight, or a leftover
     while (const int sig = stop_.due(now)) signal_workers(sig);
+    if ((o_.shrink_on_failure || o_.rejoin_on_failure) && running && root_cause_ < 0 &&
+        !stopping_ && now >= next_left_check) {
+      next_left_check = now + std::chrono::milliseconds(200);
+      end_left_out(attempt);
+    }
     if (o_.nnodes > 1 && !remote && root_cause_ < 0 && now >= next_store_check) {
       next_store_check = now + std::chrono::milliseconds(100);
       try {

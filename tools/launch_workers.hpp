@@ -102,6 +102,7 @@ inline std::vector<std::string> LaunchAgent::worker_env(const Worker& w, int att
 }
 
 inline void LaunchAgent::start(Worker& w, int attempt) {
+  forget_left_out(attempt, w.rank);  // a record of an earlier process of this rank
   make_dirs(concat(error_dir_, "/attempt_", attempt));
   ::unlink(error_file(w, attempt).c_str());  // a file left by an earlier launch is not news
   const bool custom = !o_.redirects.empty() || !o_.tee.empty();

@@ -62,13 +62,14 @@ const int separate_compilation_needs_one_unit_that_includes_ddp_impl_src_hpp = 1
 DDP_END_NAMESPACE
 #endif
 
-// Which of the two modes a program's units were compiled in. A program whose units meet only
-// through its own types (a class holding a Communicator, no ddp type in any function's
-// signature) links with units of both modes, and would run two copies of ddp's state; each
-// mode's code sets its bit here before main, in one variable both copies share (C linkage,
-// outside the versioned namespace), and Communicator::init refuses a program with both.
 extern "C" {
-inline unsigned ddp_program_modes = 0;  // bit 1: header-only units, bit 2: separately compiled
+/// Which of the two modes a program's units were compiled in (bit 1: header-only units, bit 2:
+/// separately compiled). A program whose units meet only through its own types (a class holding
+/// a Communicator, no ddp type in any function's signature) links with units of both modes, and
+/// would run two copies of ddp's state; each mode's code sets its bit here before main, in one
+/// variable both copies share (C linkage, outside the versioned namespace), and
+/// Communicator::init refuses a program with both.
+inline unsigned ddp_program_modes = 0;
 }
 DDP_BEGIN_NAMESPACE
 namespace detail {

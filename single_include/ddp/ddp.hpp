@@ -86,13 +86,14 @@ const int separate_compilation_needs_one_unit_that_includes_ddp_impl_src_hpp = 1
 DDP_END_NAMESPACE
 #endif
 
-// Which of the two modes a program's units were compiled in. A program whose units meet only
-// through its own types (a class holding a Communicator, no ddp type in any function's
-// signature) links with units of both modes, and would run two copies of ddp's state; each
-// mode's code sets its bit here before main, in one variable both copies share (C linkage,
-// outside the versioned namespace), and Communicator::init refuses a program with both.
 extern "C" {
-inline unsigned ddp_program_modes = 0;  // bit 1: header-only units, bit 2: separately compiled
+/// Which of the two modes a program's units were compiled in (bit 1: header-only units, bit 2:
+/// separately compiled). A program whose units meet only through its own types (a class holding
+/// a Communicator, no ddp type in any function's signature) links with units of both modes, and
+/// would run two copies of ddp's state; each mode's code sets its bit here before main, in one
+/// variable both copies share (C linkage, outside the versioned namespace), and
+/// Communicator::init refuses a program with both.
+inline unsigned ddp_program_modes = 0;
 }
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -3723,7 +3724,22 @@ struct StoreOptions {
   /// Where the server reports refused connections and malformed traffic; default: stderr.
   /// Never receives the token.
   std::function<void(std::string_view)> log;
+  /// Client of an etcd store that has not reached any member yet: how long endpoints that all
+  /// refuse connections (nothing listens there) or do not resolve are tried again, for a
+  /// cluster still starting, before the connection fails saying so, instead of at `timeout`.
+  /// Callers give a quarter of their timeout, at most 10 s (unreachable_window_for).
+  std::chrono::milliseconds unreachable_window{std::chrono::seconds(10)};
+  /// Since when those endpoints have been tried (default: when it connects); a caller that
+  /// retries connections of its own passes its first try's time.
+  std::chrono::steady_clock::time_point tried_since{};
 };
+
+/// StoreOptions::unreachable_window for a caller whose own timeout is `timeout`: a quarter of it,
+/// at most 10 s.
+[[nodiscard]] inline std::chrono::milliseconds unreachable_window_for(
+    std::chrono::milliseconds timeout) noexcept {
+  return std::min<std::chrono::milliseconds>(timeout / 4, std::chrono::seconds(10));
+}
 
 /// What the server does to a key when a lease expires (Store::lease): sets it when absent, or
 /// adds to the integer it holds.
@@ -4834,6 +4850,12 @@ struct BackendInit {
   /// The communicator's namespace in the rendezvous store (absent for a world of one).
   std::shared_ptr<Store> store;
   Options options;
+  /// A membership change's connection (shrink): how long this rank tries to connect to its
+  /// peers, all at once, before it counts those it could not reach as cut off from it (0: until
+  /// the timeout, failing at the first). The backend::Host's tcp transport then fails with
+  /// Errc::peer_lost listing them in Error::lost_ranks, for the survivors to leave out the ranks
+  /// on the wrong side of a partition.
+  std::chrono::milliseconds reach_window{0};
 };
 
 /// This machine's boot id: the same for every process of the machine, whatever namespaces or
@@ -8035,11 +8057,6 @@ DDP_END_NAMESPACE
 DDP_BEGIN_NAMESPACE
 namespace detail {
 
-/// How long a connection to etcd keeps trying endpoints that refuse connections (or whose names
-/// do not resolve) before it has reached any member: a cluster still starting gets this long,
-/// a wrong port or host fails then, not at the store's timeout.
-inline constexpr std::chrono::seconds etcd_unreachable_window{10};
-
 /// A rendezvous store in etcd (see the file comment).
 class EtcdStoreConnection final : public StoreConnection {
  public:
@@ -8149,9 +8166,9 @@ class EtcdStoreConnection final : public StoreConnection {
   std::size_t at_ = 0, beat_at_ = 0;  // the member each last reached
   std::int64_t lease_ = 0, ns_lease_ = 0;
   std::uint64_t ops_ = 0;
-  bool committed_ = true;  // the last request's answer arrived
-  bool reached_ = false;   // a member answered once
-  Clock::time_point created_ = Clock::now();
+  bool committed_ = true;             // the last request's answer arrived
+  bool reached_ = false;              // a member answered once
+  Clock::time_point created_;         // since when the endpoints are tried
   std::vector<LeaseRecord> closing_;  // this process's close records
 };
 
@@ -8159,7 +8176,8 @@ class EtcdStoreConnection final : public StoreConnection {
 DDP_INLINE EtcdStoreConnection::EtcdStoreConnection(EtcdAddress address, StoreOptions o)
     : StoreConnection(std::move(o)),
       address_(std::move(address)),
-      root_(concat("/ddp/", address_.ns, "/")) {
+      root_(concat("/ddp/", address_.ns, "/")),
+      created_(options.tried_since == Clock::time_point{} ? Clock::now() : options.tried_since) {
   for (const auto& [h, p] : address_.endpoints) {
     calls_.emplace_back(h, p);
     beats_.emplace_back(h, p);
@@ -8405,10 +8423,10 @@ DDP_INLINE std::string EtcdStoreConnection::request(std::string_view path, const
       unreachable = h.unreachable() ? unreachable + 1 : 0;
     }
     // No member was ever reached, and none accepts connections or resolves: wrong endpoints (or
-    // a cluster still starting). Given etcd_unreachable_window to start, then refused at once
+    // a cluster still starting). Given StoreOptions::unreachable_window to start, then refused
     // instead of at the timeout.
     if (!reached_ && unreachable >= clients.size() &&
-        Clock::now() - created_ >= etcd_unreachable_window)
+        Clock::now() - created_ >= options.unreachable_window)
       fail(Errc::invalid_argument, "the rendezvous store in ", where(),
            " cannot be reached: no member accepts connections (", last, ") for ",
            std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - created_).count(),
@@ -9815,6 +9833,10 @@ struct JobStore {
   /// knows that a member of any communicator of the job died.
   std::vector<int> world_ranks;
   std::string job_prefix;
+  /// "ddp/<restart>/": where the launcher reads which of its workers the job left out
+  /// ("left/<world rank>": stalled past the heartbeat, or excluded by the others' shrink()), to
+  /// end them (a stopped process can never act again, and would hold the launcher open).
+  std::string launcher_prefix;
   /// When the rendezvous must be done: Options::timeout after init() began.
   Clock::time_point rendezvous_deadline = Clock::time_point::max();
 
@@ -9867,12 +9889,14 @@ struct JobStore {
 #if DDP_BODIES
 DDP_INLINE std::shared_ptr<Store> JobStore::connect_store(const Environment& env) {
   const EnvReader launcher;  // what the launcher that hosts the store says
-  prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
+  launcher_prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/");
+  prefix = concat(launcher_prefix, options.group, "/");
   base_prefix = prefix;
   job_prefix = prefix;
   for (int r = 0; r < env.world_size; ++r) world_ranks.push_back(r);
   StoreOptions so;
   so.timeout = options.timeout;
+  so.unreachable_window = unreachable_window_for(options.timeout);
   so.token = options.token;
   so.refusal_key = prefix + "failed";  // a wrong token fails this rendezvous at once
   so.refusal_rank = env.rank;
@@ -9918,11 +9942,13 @@ DDP_INLINE void JobStore::connect_to_job(const Environment& env) {
          "MASTER_PORT is not set; export MASTER_ADDR and MASTER_PORT of the running job, or "
          "launch with ddprun");
   const EnvReader launcher;
-  prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
+  launcher_prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/");
+  prefix = concat(launcher_prefix, options.group, "/");
   base_prefix = prefix;
   job_prefix = prefix;
   StoreOptions so;
   so.timeout = options.timeout;
+  so.unreachable_window = unreachable_window_for(options.timeout);
   so.token = options.token;
   int store_port = env.store_port != 0 ? env.store_port : env.master_port;
   const int ports = env.store_port != 0 ? std::max(1, env.store_ports) : 1;
@@ -9953,8 +9979,10 @@ DDP_INLINE void JobStore::end_rendezvous() {
     // Heartbeat: should this process stop signing (stopped, hung, cut off), the store counts
     // it gone (the records above), marks it stalled and counts the stall for the watchers.
     if (options.heartbeat.count() > 0 && !job_prefix.empty()) {
-      const LeaseRecord on_expire[] = {{concat(job_prefix, "stalled/", world_rank), "", 0, false},
-                                       {concat(job_prefix, "stalls"), "", 1, true}};
+      const LeaseRecord on_expire[] = {
+          {concat(job_prefix, "stalled/", world_rank), "", 0, false},
+          {concat(job_prefix, "stalls"), "", 1, true},
+          {concat(launcher_prefix, "left/", world_rank), "its heartbeat stopped", 0, false}};
       root.lease(options.heartbeat, on_expire);
     }
   } else {
@@ -12737,6 +12765,15 @@ inline void (*&shrink_phase_hook() noexcept)(const char*) {
   return hook;
 }
 
+/// BackendInit::reach_window of a membership change's connection under `timeout`: a quarter of
+/// it, at least 1 s and at most 10 s, never past the timeout.
+[[nodiscard]] inline std::chrono::milliseconds reach_window_for(
+    std::chrono::milliseconds timeout) noexcept {
+  using std::chrono::milliseconds;
+  return std::min(timeout, std::clamp<milliseconds>(timeout / 4, std::chrono::seconds(1),
+                                                    std::chrono::seconds(10)));
+}
+
 /// One membership change of communicator `old` (see the file comment).
 class MembershipChange {
  public:
@@ -12763,8 +12800,11 @@ class MembershipChange {
   void watch_connecting();
 
   /// Steps 3-4: whether the round formed the communicator (every member connected); false:
-  /// another round, without the members that failed or died.
-  bool settle(bool connected);
+  /// another round, without the members that failed or died, and, when members could not
+  /// connect to each other (`cut`: the members this rank could not reach, by their new ranks),
+  /// without the fewest members whose removal leaves a set that all reach each other. Fails with
+  /// Errc::aborted when this rank is among those left out.
+  bool settle(bool connected, const std::vector<int>& cut = {});
 
  private:
   [[nodiscard]] std::string tag() const { return concat("e", epoch_, "/r", round_, "/"); }
@@ -12787,6 +12827,11 @@ class MembershipChange {
   std::vector<int> await_candidates(const std::string& at);
 
   [[noreturn]] void excluded(const std::string& why);
+
+  /// After a round that some member could not connect: waits (until the deadline) for every
+  /// member's report, then the members that reach each other (see keep_connected), as the
+  /// round's outcome ("retry:<ranks>"; "retry" when no member reported a cut).
+  std::string partition_outcome(const std::string& at);
 
   /// Runs body, turning the loss of the store into an error that says what it means here.
   template <class F>
@@ -12904,11 +12949,15 @@ DDP_INLINE void MembershipChange::watch_connecting() {
   });
 }
 
-DDP_INLINE bool MembershipChange::settle(bool connected) {
+DDP_INLINE bool MembershipChange::settle(bool connected, const std::vector<int>& cut) {
   return guarded([&] {
     const std::string at = tag();
     if (connected) hook("connected");
-    base_->set(concat(at, connected ? "ready/" : "broken/", me_), "");
+    std::vector<int> cut_old;  // in old ranks, as the reports are read
+    for (const int j : cut)
+      if (j >= 0 && static_cast<std::size_t>(j) < members_.size())
+        cut_old.push_back(members_[static_cast<std::size_t>(j)]);
+    base_->set(concat(at, connected ? "ready/" : "broken/", me_), ranks_text(cut_old));
     if (connected) hook("ready");
     std::string verdict = peek(concat(at, "outcome"));
     while (verdict.empty()) {
@@ -12920,7 +12969,7 @@ DDP_INLINE bool MembershipChange::settle(bool connected) {
         broken = broken || base_->check(failed) || gone(r);
       }
       if (broken) {
-        verdict = base_->compare_set(concat(at, "outcome"), "", "retry");
+        verdict = partition_outcome(at);
         break;
       }
       if (base_->missing_after(ready, std::chrono::milliseconds(20)).empty()) {
@@ -12935,6 +12984,20 @@ DDP_INLINE bool MembershipChange::settle(bool connected) {
       (void)old_.root_store->prefixed(old_.prefix)
           .unwatched()
           .compare_set("superseded", "", concat(epoch_, ":", ranks_text(members_)));
+      // The live processes left out (fenced), for their launcher, which ends them (ddprun).
+      // Dead ones end on their own, and a stalled one's heartbeat wrote its record when it
+      // stopped: written once, no record can reach a process that the launcher started since.
+      if (new_rank() == 0 && !old_.launcher_prefix.empty() &&
+          old_.base_prefix == old_.job_prefix) {  // the job's own, not a split()'s
+        Store root = old_.root_store->unwatched();
+        for (int r = 0; r < size_; ++r)
+          if (std::find(members_.begin(), members_.end(), r) == members_.end() && !gone(r) &&
+              !stalled(r) && static_cast<std::size_t>(r) < old_.world_ranks.size())
+            (void)root.compare_set(
+                concat(old_.launcher_prefix, "left/",
+                       old_.world_ranks[static_cast<std::size_t>(r)]),
+                "", "the others went on without it: it did not answer their shrink()");
+      }
       if (old_.base_prefix == old_.job_prefix && new_rank() == 0) {  // for newcomers
         std::vector<int> world;
         for (const int m : members_)
@@ -12946,6 +13009,23 @@ DDP_INLINE bool MembershipChange::settle(bool connected) {
       return true;
     }
     candidates_ = members_;
+    if (verdict.starts_with("retry:")) {  // a partition: only the members that reach each other
+      candidates_ = parse_ranks(std::string_view(verdict).substr(6));
+      if (std::find(candidates_.begin(), candidates_.end(), me_) == candidates_.end()) {
+        std::vector<int> reached;
+        for (const int m : members_)
+          if (m != me_ && std::find(cut_old.begin(), cut_old.end(), m) == cut_old.end())
+            reached.push_back(m);
+        excluded(concat(
+            "the members could not all connect to each other (a partition: links between them "
+            "down or cut, while every one of them still reaches the store), and the largest set "
+            "of members that reach each other, ranks ",
+            ranks_text(candidates_), " (old numbers), goes on without it",
+            cut_old.empty()
+                ? std::string()
+                : concat(" (this rank could not connect to ranks ", ranks_text(cut_old), ")")));
+      }
+    }
     ++round_;
     if (Clock::now() > deadline_)
       fail(Errc::timeout, "rank ", me_, ": shrink: membership epoch ", epoch_,
@@ -12953,6 +13033,58 @@ DDP_INLINE bool MembershipChange::settle(bool connected) {
            " rounds: ranks kept failing while connecting)");
     return false;
   });
+}
+
+DDP_INLINE std::string MembershipChange::partition_outcome(const std::string& at) {
+  // Every member's report: ready, broken (with the members it could not reach), or gone.
+  std::vector<std::vector<int>> cut(static_cast<std::size_t>(size_));
+  std::vector<int> alive;
+  for (;;) {
+    const std::string decided = peek(concat(at, "outcome"));
+    if (!decided.empty()) return decided;
+    alive.clear();
+    bool all = true;
+    for (const int r : members_) {
+      if (gone(r)) continue;
+      alive.push_back(r);
+      const std::string keys[] = {concat(at, "broken/", r)};
+      if (base_->check(keys)) {
+        cut[static_cast<std::size_t>(r)] = parse_ranks(base_->get(keys[0]));
+        continue;
+      }
+      const std::string ready[] = {concat(at, "ready/", r)};
+      all = all && base_->check(ready);
+    }
+    if (all || Clock::now() > deadline_) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  // Members r and j cannot talk when either said so. While some pair of the members left
+  // cannot, leave out the one that cannot reach the most others (the higher rank of equals):
+  // the side of a partition with more members, or rank 0's of equal sides, goes on.
+  const auto bad = [&](int r, int j) {
+    const auto& a = cut[static_cast<std::size_t>(r)];
+    const auto& b = cut[static_cast<std::size_t>(j)];
+    return std::find(a.begin(), a.end(), j) != a.end() ||
+           std::find(b.begin(), b.end(), r) != b.end();
+  };
+  std::vector<int> keep = alive;
+  bool any = false;
+  for (;;) {
+    int worst = -1, most = 0;
+    for (const int r : keep) {
+      int n = 0;
+      for (const int j : keep) n += j != r && bad(r, j) ? 1 : 0;
+      if (n > 0 && n >= most) {
+        worst = r;
+        most = n;
+      }
+    }
+    if (worst < 0) break;
+    keep.erase(std::find(keep.begin(), keep.end(), worst));
+    any = true;
+  }
+  return base_->compare_set(concat(at, "outcome"), "",
+                            any ? concat("retry:", ranks_text(keep)) : std::string("retry"));
 }
 
 DDP_INLINE bool MembershipChange::gone(int r) {
@@ -13245,10 +13377,11 @@ void refuse_membership(int rank, const char* what) {
 /// Connects `sub` (its root store, prefix, options and rendezvous deadline set) as `rank` of
 /// `size` under its prefix: the backend made, and the job agreed on as at init().
 template <class State>
-void connect_members(State& sub, int rank, int size) {
+void connect_members(State& sub, int rank, int size, std::chrono::milliseconds reach_window = {}) {
   BackendInit bi;
   bi.rank = rank;
   bi.size = size;
+  bi.reach_window = reach_window;
   bi.local_rank = sub.local_rank_hint;
   bi.options = sub.options;
   bi.store = std::make_shared<Store>(sub.root_store->prefixed(sub.prefix)
@@ -13340,16 +13473,19 @@ std::shared_ptr<State> shrink_state(State& old, int rank, int size, const Shrink
         sub->world_ranks.push_back(old.world_ranks[static_cast<std::size_t>(m)]);
     sub->rendezvous_deadline = Deadline::after(old.options.timeout).at;
     bool connected = false;
+    std::vector<int> cut;  // the members this rank could not reach (new ranks): a partition
     try {
-      connect_members(*sub, change.new_rank(), static_cast<int>(members.size()));
+      connect_members(*sub, change.new_rank(), static_cast<int>(members.size()),
+                      reach_window_for(old.options.timeout));
       connected = true;
     } catch (const Error& e) {
       if (e.code() != Errc::peer_lost && e.code() != Errc::timeout && e.code() != Errc::aborted) {
         (void)change.settle(false);
         throw;
       }
+      if (e.code() == Errc::peer_lost && e.origin_rank() < 0) cut = e.lost_ranks();  // its own
     }
-    if (change.settle(connected)) {
+    if (change.settle(connected, cut)) {
       sub->end_rendezvous();
       sub->watch_peers();
       start_timeline(*sub, false, sub->options.group);
@@ -17336,9 +17472,13 @@ class TcpTransport final : public Transport {
                std::size_t segment_bytes, int local_ranks);
 
   /// Builds the mesh: connect to ranks below, accept ranks above (see the file comment).
+  /// `reach_window` (BackendInit::reach_window): when not 0, the ranks below are connected to
+  /// at once, and those not reached within it fail the mesh with Errc::peer_lost, listed in
+  /// the error's lost_ranks().
   [[nodiscard]] static std::vector<Fd> connect_mesh(
       int rank, int size, Fd& listener, const std::vector<std::pair<std::string, int>>& addrs,
-      const SessionKey& key, Deadline deadline, const std::function<void()>& check_stop = {});
+      const SessionKey& key, Deadline deadline, const std::function<void()>& check_stop = {},
+      std::chrono::milliseconds reach_window = {});
 
   [[nodiscard]] std::string_view name() const noexcept override { return "tcp"; }
   [[nodiscard]] std::size_t max_offer() const noexcept override { return segment_; }
@@ -17373,6 +17513,13 @@ class TcpTransport final : public Transport {
     [[nodiscard]] bool out_done() const { return out_i == out.size(); }
     [[nodiscard]] bool in_done() const { return in_i == in.size(); }
   };
+  /// Connects to every rank below `rank` at once and introduces itself, until `window`:
+  /// the connections, empty where the rank could not be reached. Another rank's failure does
+  /// not cut it short, so that every rank reports every peer it cannot reach.
+  static std::vector<Fd> connect_below(int rank,
+                                       const std::vector<std::pair<std::string, int>>& addrs,
+                                       const SessionKey& key, Deadline window);
+
   /// Shuts every connection down, so that peers blocked on this rank fail at once.
   void poison() {
     for (auto& fd : peers_) {
@@ -17445,9 +17592,26 @@ DDP_INLINE TcpTransport::TcpTransport(int rank, int size, std::chrono::milliseco
 
 DDP_INLINE std::vector<Fd> TcpTransport::connect_mesh(
     int rank, int size, Fd& listener, const std::vector<std::pair<std::string, int>>& addrs,
-    const SessionKey& key, Deadline deadline, const std::function<void()>& check_stop) {
+    const SessionKey& key, Deadline deadline, const std::function<void()>& check_stop,
+    std::chrono::milliseconds reach_window) {
   std::vector<Fd> peers(static_cast<std::size_t>(size));
-  for (int j = 0; j < rank; ++j) {
+  if (reach_window.count() > 0) {
+    const Deadline window{std::min(deadline.at, Clock::now() + reach_window)};
+    peers = connect_below(rank, addrs, key, window);
+    peers.resize(static_cast<std::size_t>(size));
+    std::vector<int> cut;
+    for (int j = 0; j < rank; ++j)
+      if (!peers[static_cast<std::size_t>(j)]) cut.push_back(j);
+    if (!cut.empty())
+      DDP_THROW(Error(
+          Errc::peer_lost, {}, -1,
+          concat("rank ", rank, ": could not connect to ", cut.size() == 1 ? "rank " : "ranks ",
+                 ranks_text(cut), " within ", reach_window.count(),
+                 " ms (tcp transport): the links between them are down or cut, "
+                 "though this rank reaches the store"),
+          cut));
+  }
+  for (int j = reach_window.count() > 0 ? rank : 0; j < rank; ++j) {  // one at a time
     const auto& [host, port] = addrs[static_cast<std::size_t>(j)];
     Fd fd = connect_tcp(host, port, deadline, concat("rank ", j), check_stop);
     std::string hello;
@@ -17509,6 +17673,68 @@ DDP_INLINE std::vector<Fd> TcpTransport::connect_mesh(
     --missing;
   }
   return peers;
+}
+
+DDP_INLINE std::vector<Fd> TcpTransport::connect_below(
+    int rank, const std::vector<std::pair<std::string, int>>& addrs, const SessionKey& key,
+    Deadline window) {
+  const auto n = static_cast<std::size_t>(rank);
+  std::vector<Fd> done(n), trying(n);
+  std::vector<Clock::time_point> retry_at(n, Clock::now());
+  std::string hello;
+  ByteWriter w(hello);
+  w.put(hello_magic);
+  w.raw(key.data(), key.size());
+  w.put(static_cast<std::uint32_t>(rank));
+  const auto start = [&](std::size_t j) {  // a non-blocking connect to rank j
+    const auto& [host, port] = addrs[j];
+    const AddrInfo ai(host, port, /*passive=*/false, "MASTER_ADDR");
+    const addrinfo* a = ai.begin();
+    Fd fd(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
+    if (!fd) fail_if_out_of_fds(errno, concat("rank ", rank, ": cannot connect to rank ", j));
+    if (!fd) return;
+    set_nonblocking(fd.get(), true);
+    if (::connect(fd.get(), a->ai_addr, a->ai_addrlen) == 0 || errno == EINPROGRESS)
+      trying[j] = std::move(fd);
+    else
+      retry_at[j] = Clock::now() + std::chrono::milliseconds(50);  // refused, unreachable
+  };
+  const auto connected = [&](std::size_t j) {  // introduces itself; empty again on failure
+    Fd fd = std::move(trying[j]);
+    int err = 0;
+    socklen_t len = sizeof err;
+    (void)::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+    if (err == 0 && !connected_to_itself(fd.get())) {
+      set_nonblocking(fd.get(), false);
+      set_nodelay(fd.get());
+      if (send_all(fd.get(), hello.data(), hello.size(), window) == IoResult::ok) {
+        done[j] = std::move(fd);
+        return;
+      }
+    }
+    retry_at[j] = Clock::now() + std::chrono::milliseconds(50);
+  };
+  std::vector<pollfd> fds;
+  std::vector<std::size_t> which;
+  for (;;) {
+    fds.clear();
+    which.clear();
+    const auto now = Clock::now();
+    for (std::size_t j = 0; j < n; ++j) {
+      if (done[j]) continue;
+      if (!trying[j] && now >= retry_at[j]) start(j);
+      if (trying[j]) {
+        fds.push_back({trying[j].get(), POLLOUT, 0});
+        which.push_back(j);
+      }
+    }
+    if (std::all_of(done.begin(), done.end(), [](const Fd& f) { return bool(f); }) ||
+        window.expired())
+      return done;
+    const int rc = ::poll(fds.data(), fds.size(), std::min(50, window.poll_ms(50)));
+    for (std::size_t i = 0; rc > 0 && i < fds.size(); ++i)
+      if (fds[i].revents != 0) connected(which[i]);
+  }
 }
 
 DDP_INLINE std::size_t TcpTransport::small_bytes() const noexcept {
@@ -18024,8 +18250,8 @@ DDP_INLINE void HostLinks::connect(const BackendInit& init) {
       const std::string failed = "failed";
       if (store.check(std::span<const std::string>(&failed, 1))) (void)store.get(failed);
     };
-    auto peers =
-        TcpTransport::connect_mesh(rank, size, listener, addrs, key, deadline, peer_failed);
+    auto peers = TcpTransport::connect_mesh(rank, size, listener, addrs, key, deadline, peer_failed,
+                                            init.reach_window);
     if (requested == HostTransport::automatic && o.hierarchy != HostHierarchy::flat)
       connect_hierarchy(store, o, identities, pids, peers);
     transport =
@@ -21484,6 +21710,12 @@ DDP_END_NAMESPACE
 ///
 /// save(std::move(ck), path) takes a checkpoint built elsewhere (nothing copied, its memory freed
 /// once serialized); save(ck, path) copies its file's bytes first.
+///
+/// An AsyncSaver saves one process's file. In a job of several ranks, a checkpoint that every
+/// rank holds whole (replicated parameters and optimizer state, DDP's) is saved by rank 0 alone
+/// (`if (comm.rank() == 0) saver.save(...)`); state sharded over the ranks (ZeRO, fully sharded)
+/// is saved by every rank together with AsyncShardedSaver (ddp/training/sharded_checkpoint.hpp),
+/// the collective twin of save_sharded_checkpoint.
 
 // #include "ddp/comm/timeline.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
@@ -21830,57 +22062,26 @@ DDP_END_NAMESPACE
 // #include "ddp/detail/files.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/training/partition.hpp" (already included above)
+// begin ddp/training/shard_layout.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
+/// \file
+/// ShardLayout: how one rank's shard of some arrays is laid out (the arrays' sizes and the pieces
+/// it holds), and its encoding in a sharded checkpoint section's companion ("ddp.sharded.<name>").
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
 
 #include <algorithm>
-#include <cerrno>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
-#include <optional>
-#include <span>
 #include <string>
 #include <string_view>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
-
-/// SamplerState travels in checkpoints (put_object / get_object).
-template <>
-struct codec<SamplerState> {
-  /// Its five numbers in declaration order; when the epoch changed world size, num_replicas
-  /// has its top bit set and the earlier parts follow (a state without them reads as before).
-  static void encode(Encoder& e, const SamplerState& s) {
-    e.put(s.epoch);
-    e.put(s.offset);
-    e.put(s.seed);
-    e.put(s.dataset_size);
-    e.put(s.num_replicas | (s.earlier.empty() ? 0 : more));
-    if (!s.earlier.empty()) e.put(s.earlier);
-  }
-  /// The numbers back.
-  static SamplerState decode(Decoder& d) {
-    SamplerState s;
-    s.epoch = d.get<std::uint64_t>();
-    s.offset = d.get<std::uint64_t>();
-    s.seed = d.get<std::uint64_t>();
-    s.dataset_size = d.get<std::uint64_t>();
-    s.num_replicas = d.get<std::uint64_t>();
-    if ((s.num_replicas & more) != 0) {
-      s.num_replicas &= ~more;
-      s.earlier = d.get<std::vector<std::uint64_t>>();
-    }
-    return s;
-  }
-
- private:
-  static constexpr std::uint64_t more = std::uint64_t{1} << 63;
-};
 
 /// Elements [offset, offset + size) of array number `array`: one piece of a rank's shard.
 struct ShardRange {
@@ -21934,18 +22135,6 @@ DDP_INLINE ShardLayout ShardLayout::even(std::vector<std::size_t> sizes, int ran
 namespace detail {
 /// The companion section of sharded section `name`: its element size and layout.
 inline std::string layout_section(std::string_view name) { return concat("ddp.sharded.", name); }
-/// The section that records what a put_values() section holds ("ddp.type.<name>").
-inline std::string type_section(std::string_view name) { return concat("ddp.type.", name); }
-/// What put_values records of an element type: its DType's name ("float32") for the types
-/// collectives carry, else "<n>-byte elements" (trivially copyable types of one's own).
-template <class T>
-std::string element_type_name() {
-  if constexpr (Scalar<T>) {
-    return std::string(to_string(dtype_of<T>));
-  } else {
-    return concat(sizeof(T), "-byte elements");
-  }
-}
 /// A layout and its element size as words: bytes, array count, sizes, then (array, offset, size)
 /// per piece.
 DDP_INLINE std::vector<std::uint64_t> layout_words(std::size_t element_bytes, const ShardLayout& l);
@@ -21993,6 +22182,75 @@ DDP_INLINE std::pair<std::size_t, ShardLayout> layout_of_words(const std::vector
   return {static_cast<std::size_t>(w[0]), std::move(l)};
 }
 #endif  // DDP_BODIES
+}  // namespace detail
+
+DDP_END_NAMESPACE
+// end ddp/training/shard_layout.hpp
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// SamplerState travels in checkpoints (put_object / get_object).
+template <>
+struct codec<SamplerState> {
+  /// Its five numbers in declaration order; when the epoch changed world size, num_replicas
+  /// has its top bit set and the earlier parts follow (a state without them reads as before).
+  static void encode(Encoder& e, const SamplerState& s) {
+    e.put(s.epoch);
+    e.put(s.offset);
+    e.put(s.seed);
+    e.put(s.dataset_size);
+    e.put(s.num_replicas | (s.earlier.empty() ? 0 : more));
+    if (!s.earlier.empty()) e.put(s.earlier);
+  }
+  /// The numbers back.
+  static SamplerState decode(Decoder& d) {
+    SamplerState s;
+    s.epoch = d.get<std::uint64_t>();
+    s.offset = d.get<std::uint64_t>();
+    s.seed = d.get<std::uint64_t>();
+    s.dataset_size = d.get<std::uint64_t>();
+    s.num_replicas = d.get<std::uint64_t>();
+    if ((s.num_replicas & more) != 0) {
+      s.num_replicas &= ~more;
+      s.earlier = d.get<std::vector<std::uint64_t>>();
+    }
+    return s;
+  }
+
+ private:
+  static constexpr std::uint64_t more = std::uint64_t{1} << 63;
+};
+
+namespace detail {
+/// The section that records what a put_values() section holds ("ddp.type.<name>").
+inline std::string type_section(std::string_view name) { return concat("ddp.type.", name); }
+/// What put_values records of an element type: its DType's name ("float32") for the types
+/// collectives carry, else "<n>-byte elements" (trivially copyable types of one's own).
+template <class T>
+std::string element_type_name() {
+  if constexpr (Scalar<T>) {
+    return std::string(to_string(dtype_of<T>));
+  } else {
+    return concat(sizeof(T), "-byte elements");
+  }
+}
 }  // namespace detail
 
 /// Named sections of bytes (see the file comment).
@@ -23377,10 +23635,13 @@ DDP_END_NAMESPACE
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -23420,27 +23681,44 @@ struct ElasticChange {
   std::string why;           ///< lost: the failure that started it
 };
 
-// join_wait is deprecated: its uses are warned of, not the copies the compiler writes.
-#if defined(__GNUC__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-#endif
+namespace detail {
+/// ElasticOptions::join_wait, enter_wait's older name: a wait set through it still counts (when
+/// enter_wait is 0), and setting it is deprecated (the warning names the new name), while the
+/// options' own copies and designated initializers of other fields warn of nothing.
+class RenamedWait {
+ public:
+  RenamedWait() = default;
+  template <class Rep, class Period>
+  [[deprecated("renamed ElasticOptions::enter_wait")]] RenamedWait(  // NOLINT: implicit
+      std::chrono::duration<Rep, Period> wait)
+      : wait_(std::chrono::duration_cast<std::chrono::milliseconds>(wait)) {}
+  /// The wait set through the old name.
+  [[nodiscard]] std::chrono::milliseconds get() const noexcept { return wait_; }
+
+ private:
+  std::chrono::milliseconds wait_{0};
+};
+}  // namespace detail
+
 /// Settings of an Elastic loop.
 struct ElasticOptions {
   /// How the survivors agree (ShrinkOptions::wait_for_ranks, exclude).
   ShrinkOptions shrink{};
   /// How long a newcomer waits to be admitted (EnterOptions::wait; 0: the timeout).
   std::chrono::milliseconds enter_wait{0};
-  /// enter_wait's older name (used when enter_wait is 0).
-  [[deprecated("renamed ElasticOptions::enter_wait")]] std::chrono::milliseconds join_wait{0};
+  /// enter_wait's older name (used when enter_wait is 0); setting it is deprecated.
+  detail::RenamedWait join_wait{};
   /// The fewest ranks the job goes on with: a loss that leaves fewer is rethrown.
   int min_size = 1;
   /// Losses recovered from at most (-1: no limit); the next one is rethrown.
   int max_recoveries = -1;
+  /// When this process was left out of the job (stopped or cut off past the heartbeat, or
+  /// excluded by the others' shrink: it can never act again), end it: one line on stderr saying
+  /// so and why, then exit with Elastic::left_out_exit_code (a launcher counts it lost, or
+  /// restarts it to rejoin under --on-failure rejoin). False: Elastic rethrows the Errc::aborted
+  /// error instead.
+  bool exit_when_left_out = true;
 };
-#if defined(__GNUC__)
-#pragma GCC diagnostic pop
-#endif
 
 /// A fault-tolerant training loop (see the file comment). Track the state first (before comm()
 /// or run), then run.
@@ -23449,6 +23727,9 @@ class Elastic {
  public:
   /// The communicator it owns.
   using Comm = Communicator<Backend>;
+  /// The exit status of a process the job left out (ElasticOptions::exit_when_left_out):
+  /// EX_TEMPFAIL, a failure that a new attempt (a rejoin) may cure.
+  static constexpr int left_out_exit_code = 75;
 
   /// Nothing is connected yet: the communicator is made (init(), or join() when the launcher
   /// restarted this process to rejoin, Environment::rejoin) on the first comm() or run.
@@ -23541,6 +23822,7 @@ class Elastic {
         return;
       } catch (const Error& e) {
         if (!recoverable(e)) throw;
+        end_if_left_out(e);
         recover(e);
       }
     }
@@ -23576,6 +23858,7 @@ class Elastic {
         return;
       } catch (const Error& e) {
         if (!recoverable(e)) throw;
+        end_if_left_out(e);
         recover(e);
       }
     }
@@ -23592,15 +23875,22 @@ class Elastic {
                    "checked against it)");
   }
 
-  std::chrono::milliseconds enter_wait() const noexcept {
-#if defined(__GNUC__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-#endif
-    return eo_.enter_wait.count() > 0 ? eo_.enter_wait : eo_.join_wait;
-#if defined(__GNUC__)
-#pragma GCC diagnostic pop
-#endif
+  [[nodiscard]] std::chrono::milliseconds enter_wait() const noexcept {
+    return eo_.enter_wait.count() > 0 ? eo_.enter_wait : eo_.join_wait.get();
+  }
+
+  /// A process the job left out ends here (ElasticOptions::exit_when_left_out): every
+  /// exclusion says it "can never act on this communicator again".
+  void end_if_left_out(const Error& e) const {
+    if (e.code() != Errc::aborted || !eo_.exit_when_left_out ||
+        std::string_view(e.what()).find("can never act on this communicator again") ==
+            std::string_view::npos)
+      return;
+    std::fprintf(stderr,
+                 "ddp: world rank %d was left out of the job and ends (exit status %d): %s\n",
+                 env_.rank, left_out_exit_code, e.what());
+    std::fflush(nullptr);
+    std::_Exit(left_out_exit_code);  // its threads and peers' resources are not its own now
   }
 
   static bool recoverable(const Error& e) noexcept {
@@ -23709,8 +23999,14 @@ class Elastic {
                           " (Elastic: ", eo_.max_recoveries,
                           " losses recovered from already: ElasticOptions::max_recoveries)");
       const int round_before = comm_->size();
-      Comm next = comm_->shrink(eo_.shrink);  // left out: Errc::aborted, rethrown
-      *comm_ = std::move(next);
+      std::optional<Comm> next;
+      try {
+        next.emplace(comm_->shrink(eo_.shrink));
+      } catch (const Error& e) {  // left out: Errc::aborted
+        end_if_left_out(e);
+        throw;
+      }
+      *comm_ = std::move(*next);
       if (comm_->size() < eo_.min_size)
         detail::fail(Errc::peer_lost, "world rank ", env_.rank, ": Elastic: ", comm_->size(),
                      " ranks are left, fewer than ElasticOptions::min_size ", eo_.min_size, " (",
@@ -26077,6 +26373,9 @@ DDP_END_NAMESPACE
 /// has its new file on disk, so a failure or a kill at any moment, on any rank, leaves a complete
 /// set to load: the newest generation that every rank has.
 ///
+/// AsyncShardedSaver saves the same way in the background (every rank's file written by a thread
+/// of its own; the save complete once every rank's file is on disk).
+///
 /// A set loads on any world size: sections put with Checkpoint::put_sharded (state per element
 /// of a rank's shard, such as an optimizer's moments; ShardedAverager's parameters) are cut again
 /// for the new ranks, other sections must be the same in every file (ddp/training/reshard.hpp).
@@ -26099,11 +26398,14 @@ DDP_END_NAMESPACE
 
 #include <algorithm>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <system_error>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -26121,10 +26423,17 @@ namespace detail {
 /// untouched. When the outcome cannot be gathered (a rank died), every file stays:
 /// load_sharded_checkpoint takes the newest generation complete on every rank, and the next
 /// successful save removes the rest.
+/// One save of a sharded checkpoint on this rank: its generation, its identifier and its file.
+struct ShardSave {
+  std::string stem, target;  // this rank's files' stem, and its new file
+  std::uint64_t generation = 0, id = 0, world = 0, me = 0;
+};
+
+/// Steps (1) of the protocol, collective: the new generation and the save's identifier.
 template <class Comm>
-std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::string& path,
-                               std::span<const Checkpoint::Section> extra) {
-  const std::string stem = shard_path(path, comm.rank(), comm.size());
+ShardSave begin_shard_save(Comm& comm, const std::string& path) {
+  ShardSave s;
+  s.stem = shard_path(path, comm.rank(), comm.size());
   std::string error;
   std::uint64_t newest = 0;
   try {
@@ -26134,38 +26443,59 @@ std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::stri
     error = error_text(e);
   }
   fail_with_first(comm, comm.all_gather_object(error), "save_sharded_checkpoint");
-  std::uint64_t generation = 0;
-  for (const std::uint64_t g : comm.all_gather_object(newest)) generation = std::max(generation, g);
-  ++generation;
-  std::uint64_t id = 0;
-  if (comm.rank() == 0) {
-    id = detail::random_value<std::uint64_t>();
-  }
-  comm.broadcast_object(id, 0);
-  const std::string stamp = encode_object(std::vector<std::uint64_t>{
-      static_cast<std::uint64_t>(comm.rank()), static_cast<std::uint64_t>(comm.size()), id});
-  std::vector<Checkpoint::Section> sections(extra.begin(), extra.end());
-  sections.emplace_back("ddp.shard", stamp);
-  const auto me = static_cast<std::uint64_t>(comm.rank()),
-             world = static_cast<std::uint64_t>(comm.size());
-  const std::string target = shard_file_path(path, {generation, id, world, me});
-  bool written = false;
+  for (const std::uint64_t g : comm.all_gather_object(newest))
+    s.generation = std::max(s.generation, g);
+  ++s.generation;
+  if (comm.rank() == 0) s.id = detail::random_value<std::uint64_t>();
+  comm.broadcast_object(s.id, 0);
+  s.me = static_cast<std::uint64_t>(comm.rank());
+  s.world = static_cast<std::uint64_t>(comm.size());
+  s.target = shard_file_path(path, {s.generation, s.id, s.world, s.me});
+  return s;
+}
+
+/// Step (2), this rank alone: `ck` with `extra` sections and the save's stamp, written, flushed
+/// and renamed into s.target. Returns the error's text ("" when written); `written`: whether
+/// the file is there (renamed, even when the flush after it failed).
+DDP_INLINE std::string write_shard(const ShardSave& s, const Checkpoint& ck,
+                                   std::span<const Checkpoint::Section> extra, bool& written);
+#if DDP_BODIES
+DDP_INLINE std::string write_shard(const ShardSave& s, const Checkpoint& ck,
+                                   std::span<const Checkpoint::Section> extra, bool& written) {
+  written = false;
   try {
-    StagedFile f(stem, "Checkpoint");
+    const std::string stamp = encode_object(std::vector<std::uint64_t>{s.me, s.world, s.id});
+    std::vector<Checkpoint::Section> sections(extra.begin(), extra.end());
+    sections.emplace_back("ddp.shard", stamp);  // a view: the stamp outlives the write
+    StagedFile f(s.stem, "Checkpoint");
     f.write(ck.serialize_with(sections));
-    f.commit(target);  // a new name: nothing is replaced
+    f.commit(s.target);  // a new name: nothing is replaced
     written = true;
+    return {};
   } catch (const Error& e) {
-    error = error_text(e);
-    if (::access(target.c_str(), F_OK) == 0) written = true;  // renamed, then the flush failed
+    written = ::access(s.target.c_str(), F_OK) == 0;  // renamed, then the flush failed
+    return error_text(e);
+  } catch (const std::exception& e) {  // std::bad_alloc, from a background writer
+    return concat("rank ", s.me, ": ", e.what());
+  } catch (...) {
+    return concat("rank ", s.me, ": writing ", s.target, " failed");
   }
+}
+#endif  // DDP_BODIES
+
+/// Step (3), collective: every rank's outcome (`error`, "" for success); the older generations
+/// removed when every rank's file is on disk, else this one's, and every rank fails with the
+/// first rank's error.
+template <class Comm>
+void finish_shard_save(Comm& comm, const std::string& path, const ShardSave& s,
+                       const std::string& error, bool written) {
   const auto errors = comm.all_gather_object(error);  // a rank lost here: every file stays
   bool complete = true;
   for (const auto& e : errors) complete = complete && e.empty();
   if (!complete) {
     if (written) {  // generation G is incomplete: it goes, the previous one stays
-      ::unlink(target.c_str());
-      (void)sync_dir(parent_dir(target));
+      ::unlink(s.target.c_str());
+      (void)sync_dir(parent_dir(s.target));
     }
     fail_with_first(comm, errors, "save_sharded_checkpoint");
   }
@@ -26173,12 +26503,21 @@ std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::stri
   // size and of others (each file by one rank; newer ones, or other saves of G, are another
   // job's that writes to the same path: they stay).
   for (const ShardFile& f : shard_files(path)) {
-    if (f.g < generation && (f.world == world ? f.rank == me : f.rank % world == me))
+    if (f.g < s.generation && (f.world == s.world ? f.rank == s.me : f.rank % s.world == s.me))
       ::unlink(shard_file_path(path, f).c_str());
   }
-  remove_abandoned(stem);
-  (void)sync_dir(parent_dir(stem));
-  return id;
+  remove_abandoned(s.stem);
+  (void)sync_dir(parent_dir(s.stem));
+}
+
+template <class Comm>
+std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::string& path,
+                               std::span<const Checkpoint::Section> extra) {
+  const ShardSave s = begin_shard_save(comm, path);
+  bool written = false;
+  const std::string error = write_shard(s, ck, extra, written);
+  finish_shard_save(comm, path, s, error, written);
+  return s.id;
 }
 
 /// The values of `slices` (in CUDA memory when `cuda`), as the bytes of section "ddp.values",
@@ -26315,6 +26654,89 @@ DDP_INLINE std::uint64_t shard_save_id(const Checkpoint& shard) {
   return stamp[2];
 }
 #endif  // DDP_BODIES
+
+/// save_sharded_checkpoint in the background (torch.distributed.checkpoint's async_save): each
+/// rank's file is written by a thread of this saver while training goes on, and the save counts
+/// as complete only once every rank's file is on disk. Every rank of `comm` calls save() and
+/// wait() at the same points (both are collective, as save_sharded_checkpoint is):
+///
+///     ddp::AsyncShardedSaver saver;
+///     if (step % 100 == 0) {
+///       ddp::Checkpoint ck;                       // this rank's part: its shard, the step, ...
+///       ck.put_sharded("m", moments, layout);
+///       saver.save(comm, std::move(ck), "run.ckpt");  // agrees on the save, returns at once
+///     }
+///     ...
+///     saver.wait(comm);                            // before the program ends
+///
+/// save() first completes the save before it (as wait() does), then agrees with the other ranks
+/// on the new generation and starts writing this rank's file. wait() waits for this rank's
+/// write and gathers every rank's outcome: when all are on disk, the older generations are
+/// removed; when a rank failed (a full disk, a missing directory), its error is thrown on every
+/// rank and the new generation is removed. Until then load_sharded_checkpoint takes the newest
+/// generation whose files are all on disk, so a crash or SIGKILL at any moment leaves the last
+/// complete save loadable. A checkpoint that every rank holds whole (no sharded state) needs no
+/// coordination: rank 0 alone saves it with an AsyncSaver. The destructor waits for this rank's
+/// write but completes nothing (it is not collective): the next save() or a load does.
+class AsyncShardedSaver {
+ public:
+  AsyncShardedSaver() = default;
+  AsyncShardedSaver(const AsyncShardedSaver&) = delete;
+  AsyncShardedSaver& operator=(const AsyncShardedSaver&) = delete;
+  ~AsyncShardedSaver() {
+    if (writer_.joinable()) writer_.join();
+  }
+
+  /// Collective: completes the save in flight (wait()), then starts saving `ck` (taken, nothing
+  /// copied) as this rank's part of a new generation of `path`. Returns the save's identifier
+  /// (shard_save_id of its files).
+  template <class Comm>
+  std::uint64_t save(Comm& comm, Checkpoint&& ck, const std::string& path) {
+    wait(comm);
+    detail::ShardSave s = detail::begin_shard_save(comm, path);
+    const std::uint64_t id = s.id;
+    pending_.emplace(Pending{std::move(s), path, std::move(ck), {}, false});
+    try {
+      writer_ = std::thread(
+          [p = &*pending_] { p->error = detail::write_shard(p->save, p->ck, {}, p->written); });
+    } catch (const std::system_error& e) {
+      pending_->error =
+          detail::concat("rank ", comm.rank(), ": AsyncShardedSaver: no thread to write ",
+                         pending_->save.target, ": ", e.what());
+    }
+    return id;
+  }
+  /// save() of a copy of `ck`.
+  template <class Comm>
+  std::uint64_t save(Comm& comm, const Checkpoint& ck, const std::string& path) {
+    return save(comm, Checkpoint(ck), path);
+  }
+
+  /// Collective: waits for this rank's write of the save in flight, if any, and completes the
+  /// save on every rank (or fails on every rank with the first rank's error).
+  template <class Comm>
+  void wait(Comm& comm) {
+    if (writer_.joinable()) writer_.join();
+    if (!pending_) return;
+    Pending p = std::move(*pending_);
+    pending_.reset();
+    detail::finish_shard_save(comm, p.path, p.save, p.error, p.written);
+  }
+
+  /// Whether a save was started and not yet completed by wait().
+  [[nodiscard]] bool pending() const noexcept { return pending_.has_value(); }
+
+ private:
+  struct Pending {
+    detail::ShardSave save;
+    std::string path;
+    Checkpoint ck;
+    std::string error;
+    bool written;
+  };
+  std::optional<Pending> pending_;
+  std::thread writer_;
+};
 
 /// Collective: loads the newest save of `path` that has a file of every rank that saved it
 /// (a save cut short leaves the one before it), saved at this world size or any other;
@@ -26597,6 +27019,8 @@ DDP_END_NAMESPACE
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -26833,34 +27257,85 @@ class UnitStreams {
   void* compute_ = nullptr;
 };
 
-/// The order in which a step issued its units' gathers and reduces (FNV-1a over them), checked to
-/// be every rank's at the step's end: units of one size gathered or reduced in different orders
-/// would otherwise mix their values up without a mismatched collective to show it.
+/// The order in which a step issued its units' gathers and reduces (FNV-1a over them, and the
+/// list itself for messages), checked to be every rank's at the step's end: units of one size
+/// gathered or reduced in different orders would otherwise mix their values up without a
+/// mismatched collective to show it. Units of different sizes show it sooner, in the first
+/// mismatched collective; either way the error names the units each rank ran.
 class UnitOrder {
  public:
   /// Unit u's gather (reduce = false) or reduce was issued.
-  void note(std::size_t u, bool reduce) noexcept {
+  void note(std::size_t u, bool reduce) {
     h_ = (h_ ^ (u * 2 + (reduce ? 2 : 1))) * 1099511628211ull;
+    ops_.push_back(u * 2 + (reduce ? 1 : 0));
   }
-  /// Collective (one all_reduce of 16 bytes): Errc::mismatch on every rank, naming `who`, when
-  /// the ranks' orders differ. Starts the next step's order either way.
+  /// Collective (one all_reduce of 16 bytes; when they differ, an all_gather of each rank's
+  /// list): Errc::mismatch on every rank, naming `who` and the units each rank ran, when the
+  /// ranks' orders differ. Starts the next step's order either way.
   template <class Comm>
   void check(Comm& comm, const char* who) {
     const std::uint64_t h = std::exchange(h_, kStart);
     std::array<std::uint64_t, 2> seen{h, ~h};  // the largest order and the smallest
     comm.all_reduce_host(std::span<std::uint64_t>(seen), ReduceOp::max);
-    if (seen[0] != h || ~seen[1] != h)
-      fail(Errc::mismatch, "rank ", comm.rank(), ": ", who,
-           ": the ranks gathered and reduced their units in different orders this step (the "
-           "gathers and reduces are collectives, matched by their order: units of one size were "
-           "mixed up); every rank must run the same units' forwards and backwards in the same "
-           "order. The step's averages are wrong: the shard must not be updated with them");
+    std::vector<std::size_t> ops = std::exchange(ops_, {});
+    ops_.reserve(ops.size());
+    if (seen[0] == h && ~seen[1] == h) return;
+    const std::vector<std::string> all = comm.all_gather_object(ops_text(ops));
+    std::string each;
+    for (std::size_t r = 0; r < all.size(); ++r) each += concat("; rank ", r, " ran ", all[r]);
+    fail(Errc::mismatch, "rank ", comm.rank(), ": ", who,
+         ": the ranks gathered and reduced their units in different orders this step (the "
+         "gathers and reduces are collectives, matched by their order: units of one size were "
+         "mixed up)",
+         each,
+         ". Every rank must run the same units' forwards and backwards in the same order. The "
+         "step's averages are wrong: the shard must not be updated with them");
   }
-  void clear() noexcept { h_ = kStart; }
+  void clear() noexcept {
+    h_ = kStart;
+    ops_.clear();
+  }
+  /// fn(), waiting for unit u's gather (reduce = false) or reduce on rank `rank`: a mismatched
+  /// collective (Errc::mismatch) rethrown with the units this rank ran this step named (each
+  /// rank's message names its own), any other failure as it was.
+  template <class F>
+  void named(int rank, std::size_t u, bool reduce, F&& fn) const {
+    try {
+      fn();
+    } catch (const Error& e) {
+      rethrow(e, rank, "FullyShardedAverager", u, reduce);
+    }
+  }
 
  private:
+  [[noreturn]] void rethrow(const Error& e, int rank, const char* who, std::size_t u,
+                            bool reduce) const {
+    if (e.code() != Errc::mismatch ||
+        std::string_view(e.what()).find("in different orders") != std::string_view::npos)
+      throw;  // called in a handler: the error as it was
+    DDP_THROW(Error(Errc::mismatch,
+                    concat("rank ", rank, ": ", who, ": unit ", u, "'s ",
+                           reduce ? "reduce (reduce_scatter)" : "gather (all_gather)",
+                           " met another collective: the ranks run their units in different "
+                           "orders; every rank must run the same units' forwards and backwards in "
+                           "the same order. This step, this rank ran ",
+                           ops_text(ops_), ". The collective's error: "),
+                    e.origin_rank(), e.what(), e.lost_ranks()));
+  }
+
+  /// "gather 0, gather 1, reduce 1" (at most 64 named, then how many more).
+  [[nodiscard]] static std::string ops_text(const std::vector<std::size_t>& ops) {
+    if (ops.empty()) return "no gather or reduce";
+    std::string out;
+    for (std::size_t i = 0; i < ops.size() && i < 64; ++i)
+      out += concat(i == 0 ? "" : ", ", (ops[i] & 1) != 0 ? "reduce " : "gather ", ops[i] / 2);
+    if (ops.size() > 64) out += concat(" and ", ops.size() - 64, " more");
+    return out;
+  }
+
   static constexpr std::uint64_t kStart = 1469598103934665603ull;
   std::uint64_t h_ = kStart;
+  std::vector<std::size_t> ops_;
 };
 
 /// Where a FullyShardedAverager over `comm` gathers its units: `o.device`, or by default the host
@@ -27088,7 +27563,7 @@ class FullyShardedAverager : public Joinable {
   [[nodiscard]] std::span<ParamT> gather(std::size_t u) {
     Block& b = at(u, "gather");
     prefetch(u);
-    b.gathering.wait();
+    order_.named(comm_->rank(), u, false, [&] { b.gathering.wait(); });
     b.gathering = Work();
     return std::span<ParamT>(b.full.data(), b.elements);
   }
@@ -27097,7 +27572,7 @@ class FullyShardedAverager : public Joinable {
   /// its way.
   void release(std::size_t u) {
     Block& b = at(u, "release");
-    b.gathering.wait();
+    order_.named(comm_->rank(), u, false, [&] { b.gathering.wait(); });
     b.gathering = Work();
     params_.give(b.full);
   }
@@ -27417,7 +27892,7 @@ class FullyShardedAverager : public Joinable {
   /// Waits for `b`'s reduce, if any, and frees its full gradients.
   void finish(Block& b) {
     if (!b.reduced) return;
-    b.reducing.wait();
+    order_.named(comm_->rank(), std::size_t(&b - blocks_.data()), true, [&] { b.reducing.wait(); });
     b.reducing = Work();
     b.reduced = false;
     grads_.give(b.full_grad);

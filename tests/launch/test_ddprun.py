@@ -478,6 +478,32 @@ class SingleNode(Base):
         self.assertEqual(r.returncode, 7, r.stderr)
         self.assertIn("root cause: rank", r.stderr)
 
+    def test_a_stopped_worker_left_out_is_ended_and_ddprun_exits(self):
+        # Rank 1 stops itself (SIGSTOP) in epoch 0: after the heartbeat (2 s) the job counts it
+        # lost and goes on. ddprun ends it (it could never act again), then exits as it does
+        # for a lost worker under shrink (0, the others having finished), or restarts it to
+        # rejoin under rejoin, the job ending with every rank.
+        env = {**os.environ, "DDP_HEARTBEAT": "2", "WORKER_STEP_MS": "20"}
+        for policy in ("shrink", "rejoin"):
+            t0 = time.monotonic()
+            r = ddprun("--standalone", "--nproc-per-node", 3, "--on-failure", policy,
+                       "--max-restarts", 1, WORKER, "elastic", "1:0:3:stop", env=env)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertRegex(r.stderr, r"ddprun: rank 1 \(local_rank 1, pid \d+\) was left out "
+                                       r"of the job \(its heartbeat stopped\): ending it")
+            found = elastic_results(r.stdout)
+            if policy == "shrink":
+                self.assertIn("lost during the run: rank 1", r.stderr)
+                self.assertEqual([(w, n, once) for w, n, _, once in found],
+                                 [("0", "2", "yes"), ("2", "2", "yes")], r.stdout + r.stderr)
+            else:
+                self.assertIn("restarting it alone to rejoin the job", r.stderr)
+                self.assertEqual([(w, n, once) for w, n, _, once in found],
+                                 [("0", "3", "yes"), ("1", "3", "yes"), ("2", "3", "yes")],
+                                 r.stdout + r.stderr)
+            self.assertEqual(len({h for _, _, h, _ in found}), 1, r.stdout)
+            self.assertLess(time.monotonic() - t0, 45)
+
     def test_on_failure_rejoin_restarts_the_worker_alone(self):
         # Rank 2 dies after three all_reduces; ddprun restarts it alone with DDP_REJOIN=1; the
         # other three shrink, then grow() admits it back (Communicator::enter): 4 ranks again.
@@ -1719,6 +1745,82 @@ class EtcdTwoNodes(Base):
                 self.assertEqual([(r, n, once) for r, n, _, once in found],
                                  [("2", "2", "yes"), ("3", "2", "yes")], out1 + err1)
                 self.assertEqual(len({h for _, _, h, _ in found}), 1, out1)
+
+
+def nft_unavailable():
+    if netns_unavailable():
+        return netns_unavailable()
+    if shutil.which("nft") is None:
+        return "needs nftables (apt-get install nftables)"
+    return None
+
+
+def cut_data_links(ns, node, store_ports):
+    """Node `node`'s links to the other node down but for the store's ports (its data network
+    down, its store network up): every other packet between them is dropped, in both ways."""
+    other = ns.addrs[1 - node]
+    ports = "{ " + ", ".join(map(str, store_ports)) + " }"
+    rules = f"""table inet ddpcut {{
+  chain in {{ type filter hook input priority 0; policy accept;
+    ip saddr {other} tcp sport {ports} accept; ip saddr {other} drop; }}
+  chain out {{ type filter hook output priority 0; policy accept;
+    ip daddr {other} tcp dport {ports} accept; ip daddr {other} drop; }}
+}}
+"""
+    subprocess.run(["ip", "netns", "exec", ns.names[node], "nft", "-f", "-"], input=rules,
+                   text=True, check=True, capture_output=True)
+
+
+@unittest.skipIf(nft_unavailable(), nft_unavailable() or "")
+class Partition(Base):
+    """Two ddprun nodes of two workers under --on-failure shrink; node 1's data links to node 0
+    are cut while both still reach the store (ddprun's, then etcd's): the workers cannot
+    connect across the cut, and the side with rank 0 (of two equal sides) goes on alone."""
+
+    def check_partition(self, out0, err0, out1, err1, rc0):
+        self.assertEqual(rc0, 0, out0 + err0 + err1)
+        found = elastic_results(out0)
+        self.assertEqual([(r, n, once) for r, n, _, once in found],
+                         [("0", "2", "yes"), ("1", "2", "yes")], out0 + err0 + err1)
+        self.assertEqual(len({h for _, _, h, _ in found}), 1, out0)
+        self.assertEqual(elastic_results(out1), [], out1)
+        self.assertIn("could not connect to ranks 0, 1", err1)
+        self.assertIn("was left out of the job and ends (exit status 75)", err1)
+
+    def test_a_node_cut_from_the_others_but_not_from_the_store_is_left_out(self):
+        env = {**os.environ, "WORKER_STEP_MS": "60", "DDP_TIMEOUT": "4"}
+        with Namespaces() as ns:
+            port = 29631
+            nodes = [subprocess.Popen(
+                ["ip", "netns", "exec", ns.names[n], DDPRUN, "--nnodes", "2", "--node-rank",
+                 str(n), "--master-addr", ns.addrs[0], "--master-port", str(port),
+                 "--nproc-per-node", "2", "--on-failure", "shrink", WORKER, "elastic", "9:9:9"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                for n in (0, 1)]
+            time.sleep(2.5)  # training
+            cut_data_links(ns, 1, [port])
+            out0, err0 = nodes[0].communicate(timeout=3 * LIMIT)
+            out1, err1 = nodes[1].communicate(timeout=LIMIT)
+        self.check_partition(out0, err0, out1, err1, nodes[0].returncode)
+
+    @unittest.skipIf(not etcd_cluster.available(), "needs etcd (apt-get install etcd-server)")
+    def test_the_same_with_the_store_in_etcd(self):
+        env = {**os.environ, "WORKER_STEP_MS": "60", "DDP_TIMEOUT": "4"}
+        with Namespaces() as ns:
+            wrap = lambda i: ["ip", "netns", "exec", ns.names[0]]  # noqa: E731
+            with etcd_cluster.EtcdCluster(1, addrs=[ns.addrs[0]], wrap=wrap) as etcd:
+                rid = f"partition{os.getpid()}"
+                nodes = [subprocess.Popen(
+                    ["ip", "netns", "exec", ns.names[n], DDPRUN, "--nnodes", "2", "--node-rank",
+                     str(n), "--nproc-per-node", "2", "--rdzv-backend", "etcd",
+                     "--rdzv-endpoint", etcd.endpoints(), "--rdzv-id", rid, "--on-failure",
+                     "shrink", WORKER, "elastic", "9:9:9"], stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, text=True, env=env) for n in (0, 1)]
+                time.sleep(2.5)
+                cut_data_links(ns, 1, etcd.client)
+                out0, err0 = nodes[0].communicate(timeout=3 * LIMIT)
+                out1, err1 = nodes[1].communicate(timeout=LIMIT)
+                self.check_partition(out0, err0, out1, err1 + etcd.logs(), nodes[0].returncode)
 
 
 class MultiNode(Base):

@@ -21,7 +21,8 @@
 //   worker lag RANK                   three all_reduces, then RANK sleeps 30 s while the others
 //                                     call a fourth (which times out: run with DDP_TIMEOUT)
 //   worker elastic R:E:S,...          the README's ddp::Elastic loop; world rank R dies at step
-//                                     S of epoch E; the others print the model's hash
+//                                     S of epoch E (stops itself there: R:E:S:stop); the others
+//                                     print the model's hash
 //   worker sharded STEPS              SGD-momentum on a model of three units, fully sharded and
 //                                     whole (GradientAverager) from the same data; prints
 //                                     whether the parameters are bitwise the same
@@ -474,11 +475,18 @@ int main(int argc, char** argv) try {
     // KILLS: "R:E:S,..." world rank R dies at step S of epoch E (of its first life). The
     // processes that finish print the bytes of the model as a hash, the world size at the end
     // and whether every sample of every epoch was trained on exactly once.
-    std::vector<std::array<int, 3>> kills;
+    // "R:E:S:stop": R stops itself (SIGSTOP) there instead.
+    std::vector<std::array<int, 4>> kills;
     for (std::size_t at = 0; at < args[1].size();) {
-      std::array<int, 3> k{};
-      if (std::sscanf(args[1].c_str() + at, "%d:%d:%d", &k[0], &k[1], &k[2]) == 3)
+      std::array<int, 4> k{};
+      if (std::sscanf(args[1].c_str() + at, "%d:%d:%d", &k[0], &k[1], &k[2]) == 3) {
+        const auto end = args[1].find(',', at);
+        k[3] = args[1].substr(at, end == std::string::npos ? std::string::npos : end - at)
+                       .ends_with(":stop")
+                   ? 1
+                   : 0;
         kills.push_back(k);
+      }
       const auto comma = args[1].find(',', at);
       at = comma == std::string::npos ? args[1].size() : comma + 1;
     }
@@ -504,8 +512,10 @@ int main(int argc, char** argv) try {
         [&](ddp::Communicator<Host>& comm, const ddp::ElasticBatch& b) {
           for (const auto& k : kills)
             if (!env.rejoin && k[0] == env.rank && k[1] == b.epoch &&
-                k[2] == static_cast<int>(b.step))
-              std::_Exit(9);
+                k[2] == static_cast<int>(b.step)) {
+              if (k[3] == 0) std::_Exit(9);
+              ::raise(SIGSTOP);
+            }
           std::vector<float> seen(samples, 0.0f);
           for (const std::size_t i : b.indices) {
             seen[i] = 1.0f;

@@ -69,6 +69,12 @@ struct BackendInit {
   /// The communicator's namespace in the rendezvous store (absent for a world of one).
   std::shared_ptr<Store> store;
   Options options;
+  /// A membership change's connection (shrink): how long this rank tries to connect to its
+  /// peers, all at once, before it counts those it could not reach as cut off from it (0: until
+  /// the timeout, failing at the first). The backend::Host's tcp transport then fails with
+  /// Errc::peer_lost listing them in Error::lost_ranks, for the survivors to leave out the ranks
+  /// on the wrong side of a partition.
+  std::chrono::milliseconds reach_window{0};
 };
 
 /// This machine's boot id: the same for every process of the machine, whatever namespaces or

@@ -259,10 +259,11 @@ void refuse_membership(int rank, const char* what) {
 /// Connects `sub` (its root store, prefix, options and rendezvous deadline set) as `rank` of
 /// `size` under its prefix: the backend made, and the job agreed on as at init().
 template <class State>
-void connect_members(State& sub, int rank, int size) {
+void connect_members(State& sub, int rank, int size, std::chrono::milliseconds reach_window = {}) {
   BackendInit bi;
   bi.rank = rank;
   bi.size = size;
+  bi.reach_window = reach_window;
   bi.local_rank = sub.local_rank_hint;
   bi.options = sub.options;
   bi.store = std::make_shared<Store>(sub.root_store->prefixed(sub.prefix)
@@ -354,16 +355,19 @@ std::shared_ptr<State> shrink_state(State& old, int rank, int size, const Shrink
         sub->world_ranks.push_back(old.world_ranks[static_cast<std::size_t>(m)]);
     sub->rendezvous_deadline = Deadline::after(old.options.timeout).at;
     bool connected = false;
+    std::vector<int> cut;  // the members this rank could not reach (new ranks): a partition
     try {
-      connect_members(*sub, change.new_rank(), static_cast<int>(members.size()));
+      connect_members(*sub, change.new_rank(), static_cast<int>(members.size()),
+                      reach_window_for(old.options.timeout));
       connected = true;
     } catch (const Error& e) {
       if (e.code() != Errc::peer_lost && e.code() != Errc::timeout && e.code() != Errc::aborted) {
         (void)change.settle(false);
         throw;
       }
+      if (e.code() == Errc::peer_lost && e.origin_rank() < 0) cut = e.lost_ranks();  // its own
     }
-    if (change.settle(connected)) {
+    if (change.settle(connected, cut)) {
       sub->end_rendezvous();
       sub->watch_peers();
       start_timeline(*sub, false, sub->options.group);

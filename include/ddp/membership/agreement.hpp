@@ -59,6 +59,15 @@ inline void (*&shrink_phase_hook() noexcept)(const char*) {
   return hook;
 }
 
+/// BackendInit::reach_window of a membership change's connection under `timeout`: a quarter of
+/// it, at least 1 s and at most 10 s, never past the timeout.
+[[nodiscard]] inline std::chrono::milliseconds reach_window_for(
+    std::chrono::milliseconds timeout) noexcept {
+  using std::chrono::milliseconds;
+  return std::min(timeout, std::clamp<milliseconds>(timeout / 4, std::chrono::seconds(1),
+                                                    std::chrono::seconds(10)));
+}
+
 /// One membership change of communicator `old` (see the file comment).
 class MembershipChange {
  public:
@@ -85,8 +94,11 @@ class MembershipChange {
   void watch_connecting();
 
   /// Steps 3-4: whether the round formed the communicator (every member connected); false:
-  /// another round, without the members that failed or died.
-  bool settle(bool connected);
+  /// another round, without the members that failed or died, and, when members could not
+  /// connect to each other (`cut`: the members this rank could not reach, by their new ranks),
+  /// without the fewest members whose removal leaves a set that all reach each other. Fails with
+  /// Errc::aborted when this rank is among those left out.
+  bool settle(bool connected, const std::vector<int>& cut = {});
 
  private:
   [[nodiscard]] std::string tag() const { return concat("e", epoch_, "/r", round_, "/"); }
@@ -109,6 +121,11 @@ class MembershipChange {
   std::vector<int> await_candidates(const std::string& at);
 
   [[noreturn]] void excluded(const std::string& why);
+
+  /// After a round that some member could not connect: waits (until the deadline) for every
+  /// member's report, then the members that reach each other (see keep_connected), as the
+  /// round's outcome ("retry:<ranks>"; "retry" when no member reported a cut).
+  std::string partition_outcome(const std::string& at);
 
   /// Runs body, turning the loss of the store into an error that says what it means here.
   template <class F>
@@ -226,11 +243,15 @@ DDP_INLINE void MembershipChange::watch_connecting() {
   });
 }
 
-DDP_INLINE bool MembershipChange::settle(bool connected) {
+DDP_INLINE bool MembershipChange::settle(bool connected, const std::vector<int>& cut) {
   return guarded([&] {
     const std::string at = tag();
     if (connected) hook("connected");
-    base_->set(concat(at, connected ? "ready/" : "broken/", me_), "");
+    std::vector<int> cut_old;  // in old ranks, as the reports are read
+    for (const int j : cut)
+      if (j >= 0 && static_cast<std::size_t>(j) < members_.size())
+        cut_old.push_back(members_[static_cast<std::size_t>(j)]);
+    base_->set(concat(at, connected ? "ready/" : "broken/", me_), ranks_text(cut_old));
     if (connected) hook("ready");
     std::string verdict = peek(concat(at, "outcome"));
     while (verdict.empty()) {
@@ -242,7 +263,7 @@ DDP_INLINE bool MembershipChange::settle(bool connected) {
         broken = broken || base_->check(failed) || gone(r);
       }
       if (broken) {
-        verdict = base_->compare_set(concat(at, "outcome"), "", "retry");
+        verdict = partition_outcome(at);
         break;
       }
       if (base_->missing_after(ready, std::chrono::milliseconds(20)).empty()) {
@@ -257,6 +278,20 @@ DDP_INLINE bool MembershipChange::settle(bool connected) {
       (void)old_.root_store->prefixed(old_.prefix)
           .unwatched()
           .compare_set("superseded", "", concat(epoch_, ":", ranks_text(members_)));
+      // The live processes left out (fenced), for their launcher, which ends them (ddprun).
+      // Dead ones end on their own, and a stalled one's heartbeat wrote its record when it
+      // stopped: written once, no record can reach a process that the launcher started since.
+      if (new_rank() == 0 && !old_.launcher_prefix.empty() &&
+          old_.base_prefix == old_.job_prefix) {  // the job's own, not a split()'s
+        Store root = old_.root_store->unwatched();
+        for (int r = 0; r < size_; ++r)
+          if (std::find(members_.begin(), members_.end(), r) == members_.end() && !gone(r) &&
+              !stalled(r) && static_cast<std::size_t>(r) < old_.world_ranks.size())
+            (void)root.compare_set(
+                concat(old_.launcher_prefix, "left/",
+                       old_.world_ranks[static_cast<std::size_t>(r)]),
+                "", "the others went on without it: it did not answer their shrink()");
+      }
       if (old_.base_prefix == old_.job_prefix && new_rank() == 0) {  // for newcomers
         std::vector<int> world;
         for (const int m : members_)
@@ -268,6 +303,23 @@ DDP_INLINE bool MembershipChange::settle(bool connected) {
       return true;
     }
     candidates_ = members_;
+    if (verdict.starts_with("retry:")) {  // a partition: only the members that reach each other
+      candidates_ = parse_ranks(std::string_view(verdict).substr(6));
+      if (std::find(candidates_.begin(), candidates_.end(), me_) == candidates_.end()) {
+        std::vector<int> reached;
+        for (const int m : members_)
+          if (m != me_ && std::find(cut_old.begin(), cut_old.end(), m) == cut_old.end())
+            reached.push_back(m);
+        excluded(concat(
+            "the members could not all connect to each other (a partition: links between them "
+            "down or cut, while every one of them still reaches the store), and the largest set "
+            "of members that reach each other, ranks ",
+            ranks_text(candidates_), " (old numbers), goes on without it",
+            cut_old.empty()
+                ? std::string()
+                : concat(" (this rank could not connect to ranks ", ranks_text(cut_old), ")")));
+      }
+    }
     ++round_;
     if (Clock::now() > deadline_)
       fail(Errc::timeout, "rank ", me_, ": shrink: membership epoch ", epoch_,
@@ -275,6 +327,58 @@ DDP_INLINE bool MembershipChange::settle(bool connected) {
            " rounds: ranks kept failing while connecting)");
     return false;
   });
+}
+
+DDP_INLINE std::string MembershipChange::partition_outcome(const std::string& at) {
+  // Every member's report: ready, broken (with the members it could not reach), or gone.
+  std::vector<std::vector<int>> cut(static_cast<std::size_t>(size_));
+  std::vector<int> alive;
+  for (;;) {
+    const std::string decided = peek(concat(at, "outcome"));
+    if (!decided.empty()) return decided;
+    alive.clear();
+    bool all = true;
+    for (const int r : members_) {
+      if (gone(r)) continue;
+      alive.push_back(r);
+      const std::string keys[] = {concat(at, "broken/", r)};
+      if (base_->check(keys)) {
+        cut[static_cast<std::size_t>(r)] = parse_ranks(base_->get(keys[0]));
+        continue;
+      }
+      const std::string ready[] = {concat(at, "ready/", r)};
+      all = all && base_->check(ready);
+    }
+    if (all || Clock::now() > deadline_) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  // Members r and j cannot talk when either said so. While some pair of the members left
+  // cannot, leave out the one that cannot reach the most others (the higher rank of equals):
+  // the side of a partition with more members, or rank 0's of equal sides, goes on.
+  const auto bad = [&](int r, int j) {
+    const auto& a = cut[static_cast<std::size_t>(r)];
+    const auto& b = cut[static_cast<std::size_t>(j)];
+    return std::find(a.begin(), a.end(), j) != a.end() ||
+           std::find(b.begin(), b.end(), r) != b.end();
+  };
+  std::vector<int> keep = alive;
+  bool any = false;
+  for (;;) {
+    int worst = -1, most = 0;
+    for (const int r : keep) {
+      int n = 0;
+      for (const int j : keep) n += j != r && bad(r, j) ? 1 : 0;
+      if (n > 0 && n >= most) {
+        worst = r;
+        most = n;
+      }
+    }
+    if (worst < 0) break;
+    keep.erase(std::find(keep.begin(), keep.end(), worst));
+    any = true;
+  }
+  return base_->compare_set(concat(at, "outcome"), "",
+                            any ? concat("retry:", ranks_text(keep)) : std::string("retry"));
 }
 
 DDP_INLINE bool MembershipChange::gone(int r) {

@@ -59,6 +59,10 @@ struct JobStore {
   /// knows that a member of any communicator of the job died.
   std::vector<int> world_ranks;
   std::string job_prefix;
+  /// "ddp/<restart>/": where the launcher reads which of its workers the job left out
+  /// ("left/<world rank>": stalled past the heartbeat, or excluded by the others' shrink()), to
+  /// end them (a stopped process can never act again, and would hold the launcher open).
+  std::string launcher_prefix;
   /// When the rendezvous must be done: Options::timeout after init() began.
   Clock::time_point rendezvous_deadline = Clock::time_point::max();
 
@@ -111,7 +115,8 @@ struct JobStore {
 #if DDP_BODIES
 DDP_INLINE std::shared_ptr<Store> JobStore::connect_store(const Environment& env) {
   const EnvReader launcher;  // what the launcher that hosts the store says
-  prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
+  launcher_prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/");
+  prefix = concat(launcher_prefix, options.group, "/");
   base_prefix = prefix;
   job_prefix = prefix;
   for (int r = 0; r < env.world_size; ++r) world_ranks.push_back(r);
@@ -163,7 +168,8 @@ DDP_INLINE void JobStore::connect_to_job(const Environment& env) {
          "MASTER_PORT is not set; export MASTER_ADDR and MASTER_PORT of the running job, or "
          "launch with ddprun");
   const EnvReader launcher;
-  prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/", options.group, "/");
+  launcher_prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/");
+  prefix = concat(launcher_prefix, options.group, "/");
   base_prefix = prefix;
   job_prefix = prefix;
   StoreOptions so;
@@ -199,8 +205,10 @@ DDP_INLINE void JobStore::end_rendezvous() {
     // Heartbeat: should this process stop signing (stopped, hung, cut off), the store counts
     // it gone (the records above), marks it stalled and counts the stall for the watchers.
     if (options.heartbeat.count() > 0 && !job_prefix.empty()) {
-      const LeaseRecord on_expire[] = {{concat(job_prefix, "stalled/", world_rank), "", 0, false},
-                                       {concat(job_prefix, "stalls"), "", 1, true}};
+      const LeaseRecord on_expire[] = {
+          {concat(job_prefix, "stalled/", world_rank), "", 0, false},
+          {concat(job_prefix, "stalls"), "", 1, true},
+          {concat(launcher_prefix, "left/", world_rank), "its heartbeat stopped", 0, false}};
       root.lease(options.heartbeat, on_expire);
     }
   } else {

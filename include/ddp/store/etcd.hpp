@@ -53,7 +53,6 @@
 DDP_BEGIN_NAMESPACE
 namespace detail {
 
-
 /// A rendezvous store in etcd (see the file comment).
 class EtcdStoreConnection final : public StoreConnection {
  public:
@@ -163,8 +162,8 @@ class EtcdStoreConnection final : public StoreConnection {
   std::size_t at_ = 0, beat_at_ = 0;  // the member each last reached
   std::int64_t lease_ = 0, ns_lease_ = 0;
   std::uint64_t ops_ = 0;
-  bool committed_ = true;  // the last request's answer arrived
-  bool reached_ = false;   // a member answered once
+  bool committed_ = true;             // the last request's answer arrived
+  bool reached_ = false;              // a member answered once
   Clock::time_point created_;         // since when the endpoints are tried
   std::vector<LeaseRecord> closing_;  // this process's close records
 };

@@ -24,6 +24,12 @@
 ///
 /// save(std::move(ck), path) takes a checkpoint built elsewhere (nothing copied, its memory freed
 /// once serialized); save(ck, path) copies its file's bytes first.
+///
+/// An AsyncSaver saves one process's file. In a job of several ranks, a checkpoint that every
+/// rank holds whole (replicated parameters and optimizer state, DDP's) is saved by rank 0 alone
+/// (`if (comm.rank() == 0) saver.save(...)`); state sharded over the ranks (ZeRO, fully sharded)
+/// is saved by every rank together with AsyncShardedSaver (ddp/training/sharded_checkpoint.hpp),
+/// the collective twin of save_sharded_checkpoint.
 
 #include "ddp/comm/timeline.hpp"
 #include "ddp/config.hpp"

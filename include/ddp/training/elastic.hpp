@@ -36,10 +36,13 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -110,6 +113,12 @@ struct ElasticOptions {
   int min_size = 1;
   /// Losses recovered from at most (-1: no limit); the next one is rethrown.
   int max_recoveries = -1;
+  /// When this process was left out of the job (stopped or cut off past the heartbeat, or
+  /// excluded by the others' shrink: it can never act again), end it: one line on stderr saying
+  /// so and why, then exit with Elastic::left_out_exit_code (a launcher counts it lost, or
+  /// restarts it to rejoin under --on-failure rejoin). False: Elastic rethrows the Errc::aborted
+  /// error instead.
+  bool exit_when_left_out = true;
 };
 
 /// A fault-tolerant training loop (see the file comment). Track the state first (before comm()
@@ -119,6 +128,9 @@ class Elastic {
  public:
   /// The communicator it owns.
   using Comm = Communicator<Backend>;
+  /// The exit status of a process the job left out (ElasticOptions::exit_when_left_out):
+  /// EX_TEMPFAIL, a failure that a new attempt (a rejoin) may cure.
+  static constexpr int left_out_exit_code = 75;
 
   /// Nothing is connected yet: the communicator is made (init(), or join() when the launcher
   /// restarted this process to rejoin, Environment::rejoin) on the first comm() or run.
@@ -211,6 +223,7 @@ class Elastic {
         return;
       } catch (const Error& e) {
         if (!recoverable(e)) throw;
+        end_if_left_out(e);
         recover(e);
       }
     }
@@ -246,6 +259,7 @@ class Elastic {
         return;
       } catch (const Error& e) {
         if (!recoverable(e)) throw;
+        end_if_left_out(e);
         recover(e);
       }
     }
@@ -264,6 +278,20 @@ class Elastic {
 
   [[nodiscard]] std::chrono::milliseconds enter_wait() const noexcept {
     return eo_.enter_wait.count() > 0 ? eo_.enter_wait : eo_.join_wait.get();
+  }
+
+  /// A process the job left out ends here (ElasticOptions::exit_when_left_out): every
+  /// exclusion says it "can never act on this communicator again".
+  void end_if_left_out(const Error& e) const {
+    if (e.code() != Errc::aborted || !eo_.exit_when_left_out ||
+        std::string_view(e.what()).find("can never act on this communicator again") ==
+            std::string_view::npos)
+      return;
+    std::fprintf(stderr,
+                 "ddp: world rank %d was left out of the job and ends (exit status %d): %s\n",
+                 env_.rank, left_out_exit_code, e.what());
+    std::fflush(nullptr);
+    std::_Exit(left_out_exit_code);  // its threads and peers' resources are not its own now
   }
 
   static bool recoverable(const Error& e) noexcept {
@@ -372,8 +400,14 @@ class Elastic {
                           " (Elastic: ", eo_.max_recoveries,
                           " losses recovered from already: ElasticOptions::max_recoveries)");
       const int round_before = comm_->size();
-      Comm next = comm_->shrink(eo_.shrink);  // left out: Errc::aborted, rethrown
-      *comm_ = std::move(next);
+      std::optional<Comm> next;
+      try {
+        next.emplace(comm_->shrink(eo_.shrink));
+      } catch (const Error& e) {  // left out: Errc::aborted
+        end_if_left_out(e);
+        throw;
+      }
+      *comm_ = std::move(*next);
       if (comm_->size() < eo_.min_size)
         detail::fail(Errc::peer_lost, "world rank ", env_.rank, ": Elastic: ", comm_->size(),
                      " ranks are left, fewer than ElasticOptions::min_size ", eo_.min_size, " (",

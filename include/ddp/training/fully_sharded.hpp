@@ -215,7 +215,7 @@ class FullyShardedAverager : public Joinable {
   [[nodiscard]] std::span<ParamT> gather(std::size_t u) {
     Block& b = at(u, "gather");
     prefetch(u);
-    b.gathering.wait();
+    order_.named(comm_->rank(), u, false, [&] { b.gathering.wait(); });
     b.gathering = Work();
     return std::span<ParamT>(b.full.data(), b.elements);
   }
@@ -224,7 +224,7 @@ class FullyShardedAverager : public Joinable {
   /// its way.
   void release(std::size_t u) {
     Block& b = at(u, "release");
-    b.gathering.wait();
+    order_.named(comm_->rank(), u, false, [&] { b.gathering.wait(); });
     b.gathering = Work();
     params_.give(b.full);
   }
@@ -544,7 +544,7 @@ class FullyShardedAverager : public Joinable {
   /// Waits for `b`'s reduce, if any, and frees its full gradients.
   void finish(Block& b) {
     if (!b.reduced) return;
-    b.reducing.wait();
+    order_.named(comm_->rank(), std::size_t(&b - blocks_.data()), true, [&] { b.reducing.wait(); });
     b.reducing = Work();
     b.reduced = false;
     grads_.give(b.full_grad);

@@ -13,6 +13,9 @@
 /// has its new file on disk, so a failure or a kill at any moment, on any rank, leaves a complete
 /// set to load: the newest generation that every rank has.
 ///
+/// AsyncShardedSaver saves the same way in the background (every rank's file written by a thread
+/// of its own; the save complete once every rank's file is on disk).
+///
 /// A set loads on any world size: sections put with Checkpoint::put_sharded (state per element
 /// of a rank's shard, such as an optimizer's moments; ShardedAverager's parameters) are cut again
 /// for the new ranks, other sections must be the same in every file (ddp/training/reshard.hpp).
@@ -35,11 +38,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <system_error>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -57,10 +63,17 @@ namespace detail {
 /// untouched. When the outcome cannot be gathered (a rank died), every file stays:
 /// load_sharded_checkpoint takes the newest generation complete on every rank, and the next
 /// successful save removes the rest.
+/// One save of a sharded checkpoint on this rank: its generation, its identifier and its file.
+struct ShardSave {
+  std::string stem, target;  // this rank's files' stem, and its new file
+  std::uint64_t generation = 0, id = 0, world = 0, me = 0;
+};
+
+/// Steps (1) of the protocol, collective: the new generation and the save's identifier.
 template <class Comm>
-std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::string& path,
-                               std::span<const Checkpoint::Section> extra) {
-  const std::string stem = shard_path(path, comm.rank(), comm.size());
+ShardSave begin_shard_save(Comm& comm, const std::string& path) {
+  ShardSave s;
+  s.stem = shard_path(path, comm.rank(), comm.size());
   std::string error;
   std::uint64_t newest = 0;
   try {
@@ -70,38 +83,59 @@ std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::stri
     error = error_text(e);
   }
   fail_with_first(comm, comm.all_gather_object(error), "save_sharded_checkpoint");
-  std::uint64_t generation = 0;
-  for (const std::uint64_t g : comm.all_gather_object(newest)) generation = std::max(generation, g);
-  ++generation;
-  std::uint64_t id = 0;
-  if (comm.rank() == 0) {
-    id = detail::random_value<std::uint64_t>();
-  }
-  comm.broadcast_object(id, 0);
-  const std::string stamp = encode_object(std::vector<std::uint64_t>{
-      static_cast<std::uint64_t>(comm.rank()), static_cast<std::uint64_t>(comm.size()), id});
-  std::vector<Checkpoint::Section> sections(extra.begin(), extra.end());
-  sections.emplace_back("ddp.shard", stamp);
-  const auto me = static_cast<std::uint64_t>(comm.rank()),
-             world = static_cast<std::uint64_t>(comm.size());
-  const std::string target = shard_file_path(path, {generation, id, world, me});
-  bool written = false;
+  for (const std::uint64_t g : comm.all_gather_object(newest))
+    s.generation = std::max(s.generation, g);
+  ++s.generation;
+  if (comm.rank() == 0) s.id = detail::random_value<std::uint64_t>();
+  comm.broadcast_object(s.id, 0);
+  s.me = static_cast<std::uint64_t>(comm.rank());
+  s.world = static_cast<std::uint64_t>(comm.size());
+  s.target = shard_file_path(path, {s.generation, s.id, s.world, s.me});
+  return s;
+}
+
+/// Step (2), this rank alone: `ck` with `extra` sections and the save's stamp, written, flushed
+/// and renamed into s.target. Returns the error's text ("" when written); `written`: whether
+/// the file is there (renamed, even when the flush after it failed).
+DDP_INLINE std::string write_shard(const ShardSave& s, const Checkpoint& ck,
+                                   std::span<const Checkpoint::Section> extra, bool& written);
+#if DDP_BODIES
+DDP_INLINE std::string write_shard(const ShardSave& s, const Checkpoint& ck,
+                                   std::span<const Checkpoint::Section> extra, bool& written) {
+  written = false;
   try {
-    StagedFile f(stem, "Checkpoint");
+    const std::string stamp = encode_object(std::vector<std::uint64_t>{s.me, s.world, s.id});
+    std::vector<Checkpoint::Section> sections(extra.begin(), extra.end());
+    sections.emplace_back("ddp.shard", stamp);  // a view: the stamp outlives the write
+    StagedFile f(s.stem, "Checkpoint");
     f.write(ck.serialize_with(sections));
-    f.commit(target);  // a new name: nothing is replaced
+    f.commit(s.target);  // a new name: nothing is replaced
     written = true;
+    return {};
   } catch (const Error& e) {
-    error = error_text(e);
-    if (::access(target.c_str(), F_OK) == 0) written = true;  // renamed, then the flush failed
+    written = ::access(s.target.c_str(), F_OK) == 0;  // renamed, then the flush failed
+    return error_text(e);
+  } catch (const std::exception& e) {  // std::bad_alloc, from a background writer
+    return concat("rank ", s.me, ": ", e.what());
+  } catch (...) {
+    return concat("rank ", s.me, ": writing ", s.target, " failed");
   }
+}
+#endif  // DDP_BODIES
+
+/// Step (3), collective: every rank's outcome (`error`, "" for success); the older generations
+/// removed when every rank's file is on disk, else this one's, and every rank fails with the
+/// first rank's error.
+template <class Comm>
+void finish_shard_save(Comm& comm, const std::string& path, const ShardSave& s,
+                       const std::string& error, bool written) {
   const auto errors = comm.all_gather_object(error);  // a rank lost here: every file stays
   bool complete = true;
   for (const auto& e : errors) complete = complete && e.empty();
   if (!complete) {
     if (written) {  // generation G is incomplete: it goes, the previous one stays
-      ::unlink(target.c_str());
-      (void)sync_dir(parent_dir(target));
+      ::unlink(s.target.c_str());
+      (void)sync_dir(parent_dir(s.target));
     }
     fail_with_first(comm, errors, "save_sharded_checkpoint");
   }
@@ -109,12 +143,21 @@ std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::stri
   // size and of others (each file by one rank; newer ones, or other saves of G, are another
   // job's that writes to the same path: they stay).
   for (const ShardFile& f : shard_files(path)) {
-    if (f.g < generation && (f.world == world ? f.rank == me : f.rank % world == me))
+    if (f.g < s.generation && (f.world == s.world ? f.rank == s.me : f.rank % s.world == s.me))
       ::unlink(shard_file_path(path, f).c_str());
   }
-  remove_abandoned(stem);
-  (void)sync_dir(parent_dir(stem));
-  return id;
+  remove_abandoned(s.stem);
+  (void)sync_dir(parent_dir(s.stem));
+}
+
+template <class Comm>
+std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::string& path,
+                               std::span<const Checkpoint::Section> extra) {
+  const ShardSave s = begin_shard_save(comm, path);
+  bool written = false;
+  const std::string error = write_shard(s, ck, extra, written);
+  finish_shard_save(comm, path, s, error, written);
+  return s.id;
 }
 
 /// The values of `slices` (in CUDA memory when `cuda`), as the bytes of section "ddp.values",
@@ -251,6 +294,89 @@ DDP_INLINE std::uint64_t shard_save_id(const Checkpoint& shard) {
   return stamp[2];
 }
 #endif  // DDP_BODIES
+
+/// save_sharded_checkpoint in the background (torch.distributed.checkpoint's async_save): each
+/// rank's file is written by a thread of this saver while training goes on, and the save counts
+/// as complete only once every rank's file is on disk. Every rank of `comm` calls save() and
+/// wait() at the same points (both are collective, as save_sharded_checkpoint is):
+///
+///     ddp::AsyncShardedSaver saver;
+///     if (step % 100 == 0) {
+///       ddp::Checkpoint ck;                       // this rank's part: its shard, the step, ...
+///       ck.put_sharded("m", moments, layout);
+///       saver.save(comm, std::move(ck), "run.ckpt");  // agrees on the save, returns at once
+///     }
+///     ...
+///     saver.wait(comm);                            // before the program ends
+///
+/// save() first completes the save before it (as wait() does), then agrees with the other ranks
+/// on the new generation and starts writing this rank's file. wait() waits for this rank's
+/// write and gathers every rank's outcome: when all are on disk, the older generations are
+/// removed; when a rank failed (a full disk, a missing directory), its error is thrown on every
+/// rank and the new generation is removed. Until then load_sharded_checkpoint takes the newest
+/// generation whose files are all on disk, so a crash or SIGKILL at any moment leaves the last
+/// complete save loadable. A checkpoint that every rank holds whole (no sharded state) needs no
+/// coordination: rank 0 alone saves it with an AsyncSaver. The destructor waits for this rank's
+/// write but completes nothing (it is not collective): the next save() or a load does.
+class AsyncShardedSaver {
+ public:
+  AsyncShardedSaver() = default;
+  AsyncShardedSaver(const AsyncShardedSaver&) = delete;
+  AsyncShardedSaver& operator=(const AsyncShardedSaver&) = delete;
+  ~AsyncShardedSaver() {
+    if (writer_.joinable()) writer_.join();
+  }
+
+  /// Collective: completes the save in flight (wait()), then starts saving `ck` (taken, nothing
+  /// copied) as this rank's part of a new generation of `path`. Returns the save's identifier
+  /// (shard_save_id of its files).
+  template <class Comm>
+  std::uint64_t save(Comm& comm, Checkpoint&& ck, const std::string& path) {
+    wait(comm);
+    detail::ShardSave s = detail::begin_shard_save(comm, path);
+    const std::uint64_t id = s.id;
+    pending_.emplace(Pending{std::move(s), path, std::move(ck), {}, false});
+    try {
+      writer_ = std::thread(
+          [p = &*pending_] { p->error = detail::write_shard(p->save, p->ck, {}, p->written); });
+    } catch (const std::system_error& e) {
+      pending_->error =
+          detail::concat("rank ", comm.rank(), ": AsyncShardedSaver: no thread to write ",
+                         pending_->save.target, ": ", e.what());
+    }
+    return id;
+  }
+  /// save() of a copy of `ck`.
+  template <class Comm>
+  std::uint64_t save(Comm& comm, const Checkpoint& ck, const std::string& path) {
+    return save(comm, Checkpoint(ck), path);
+  }
+
+  /// Collective: waits for this rank's write of the save in flight, if any, and completes the
+  /// save on every rank (or fails on every rank with the first rank's error).
+  template <class Comm>
+  void wait(Comm& comm) {
+    if (writer_.joinable()) writer_.join();
+    if (!pending_) return;
+    Pending p = std::move(*pending_);
+    pending_.reset();
+    detail::finish_shard_save(comm, p.path, p.save, p.error, p.written);
+  }
+
+  /// Whether a save was started and not yet completed by wait().
+  [[nodiscard]] bool pending() const noexcept { return pending_.has_value(); }
+
+ private:
+  struct Pending {
+    detail::ShardSave save;
+    std::string path;
+    Checkpoint ck;
+    std::string error;
+    bool written;
+  };
+  std::optional<Pending> pending_;
+  std::thread writer_;
+};
 
 /// Collective: loads the newest save of `path` that has a file of every rank that saved it
 /// (a save cut short leaves the one before it), saved at this world size or any other;

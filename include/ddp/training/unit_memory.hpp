@@ -33,6 +33,8 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -269,34 +271,85 @@ class UnitStreams {
   void* compute_ = nullptr;
 };
 
-/// The order in which a step issued its units' gathers and reduces (FNV-1a over them), checked to
-/// be every rank's at the step's end: units of one size gathered or reduced in different orders
-/// would otherwise mix their values up without a mismatched collective to show it.
+/// The order in which a step issued its units' gathers and reduces (FNV-1a over them, and the
+/// list itself for messages), checked to be every rank's at the step's end: units of one size
+/// gathered or reduced in different orders would otherwise mix their values up without a
+/// mismatched collective to show it. Units of different sizes show it sooner, in the first
+/// mismatched collective; either way the error names the units each rank ran.
 class UnitOrder {
  public:
   /// Unit u's gather (reduce = false) or reduce was issued.
-  void note(std::size_t u, bool reduce) noexcept {
+  void note(std::size_t u, bool reduce) {
     h_ = (h_ ^ (u * 2 + (reduce ? 2 : 1))) * 1099511628211ull;
+    ops_.push_back(u * 2 + (reduce ? 1 : 0));
   }
-  /// Collective (one all_reduce of 16 bytes): Errc::mismatch on every rank, naming `who`, when
-  /// the ranks' orders differ. Starts the next step's order either way.
+  /// Collective (one all_reduce of 16 bytes; when they differ, an all_gather of each rank's
+  /// list): Errc::mismatch on every rank, naming `who` and the units each rank ran, when the
+  /// ranks' orders differ. Starts the next step's order either way.
   template <class Comm>
   void check(Comm& comm, const char* who) {
     const std::uint64_t h = std::exchange(h_, kStart);
     std::array<std::uint64_t, 2> seen{h, ~h};  // the largest order and the smallest
     comm.all_reduce_host(std::span<std::uint64_t>(seen), ReduceOp::max);
-    if (seen[0] != h || ~seen[1] != h)
-      fail(Errc::mismatch, "rank ", comm.rank(), ": ", who,
-           ": the ranks gathered and reduced their units in different orders this step (the "
-           "gathers and reduces are collectives, matched by their order: units of one size were "
-           "mixed up); every rank must run the same units' forwards and backwards in the same "
-           "order. The step's averages are wrong: the shard must not be updated with them");
+    std::vector<std::size_t> ops = std::exchange(ops_, {});
+    ops_.reserve(ops.size());
+    if (seen[0] == h && ~seen[1] == h) return;
+    const std::vector<std::string> all = comm.all_gather_object(ops_text(ops));
+    std::string each;
+    for (std::size_t r = 0; r < all.size(); ++r) each += concat("; rank ", r, " ran ", all[r]);
+    fail(Errc::mismatch, "rank ", comm.rank(), ": ", who,
+         ": the ranks gathered and reduced their units in different orders this step (the "
+         "gathers and reduces are collectives, matched by their order: units of one size were "
+         "mixed up)",
+         each,
+         ". Every rank must run the same units' forwards and backwards in the same order. The "
+         "step's averages are wrong: the shard must not be updated with them");
   }
-  void clear() noexcept { h_ = kStart; }
+  void clear() noexcept {
+    h_ = kStart;
+    ops_.clear();
+  }
+  /// fn(), waiting for unit u's gather (reduce = false) or reduce on rank `rank`: a mismatched
+  /// collective (Errc::mismatch) rethrown with the units this rank ran this step named (each
+  /// rank's message names its own), any other failure as it was.
+  template <class F>
+  void named(int rank, std::size_t u, bool reduce, F&& fn) const {
+    try {
+      fn();
+    } catch (const Error& e) {
+      rethrow(e, rank, "FullyShardedAverager", u, reduce);
+    }
+  }
 
  private:
+  [[noreturn]] void rethrow(const Error& e, int rank, const char* who, std::size_t u,
+                            bool reduce) const {
+    if (e.code() != Errc::mismatch ||
+        std::string_view(e.what()).find("in different orders") != std::string_view::npos)
+      throw;  // called in a handler: the error as it was
+    DDP_THROW(Error(Errc::mismatch,
+                    concat("rank ", rank, ": ", who, ": unit ", u, "'s ",
+                           reduce ? "reduce (reduce_scatter)" : "gather (all_gather)",
+                           " met another collective: the ranks run their units in different "
+                           "orders; every rank must run the same units' forwards and backwards in "
+                           "the same order. This step, this rank ran ",
+                           ops_text(ops_), ". The collective's error: "),
+                    e.origin_rank(), e.what(), e.lost_ranks()));
+  }
+
+  /// "gather 0, gather 1, reduce 1" (at most 64 named, then how many more).
+  [[nodiscard]] static std::string ops_text(const std::vector<std::size_t>& ops) {
+    if (ops.empty()) return "no gather or reduce";
+    std::string out;
+    for (std::size_t i = 0; i < ops.size() && i < 64; ++i)
+      out += concat(i == 0 ? "" : ", ", (ops[i] & 1) != 0 ? "reduce " : "gather ", ops[i] / 2);
+    if (ops.size() > 64) out += concat(" and ", ops.size() - 64, " more");
+    return out;
+  }
+
   static constexpr std::uint64_t kStart = 1469598103934665603ull;
   std::uint64_t h_ = kStart;
+  std::vector<std::size_t> ops_;
 };
 
 /// Where a FullyShardedAverager over `comm` gathers its units: `o.device`, or by default the host

@@ -210,7 +210,9 @@ TEST_CASE("training: checkpoints are written atomically and refused when foreign
                        doctest::Contains("holds 3 float64, but 2 were asked for"), ddp::Error);
   CHECK_THROWS_WITH_AS(
       (void)back->get("nope"),
-      doctest::Contains("no section \"nope\" (it has values, ddp.type.values, name, sampler, empty)"), ddp::Error);
+      doctest::Contains(
+          "no section \"nope\" (it has values, ddp.type.values, name, sampler, empty)"),
+      ddp::Error);
   CHECK_THROWS_WITH_AS((void)back->get_object<int>("name"),
                        doctest::Contains("does not hold the type asked for"), ddp::Error);
   // Damaged files: every truncation, a flipped byte anywhere, something else entirely.

@@ -199,68 +199,82 @@ TEST_CASE("sharded checkpoint: an I/O error or a kill at every step of a save, o
     }
     MESSAGE("file operations of a save: rank 0 " << ops[0] << ", rank 1 " << ops[1]);
   }
-  for (const fault::Action action :
-       {fault::Action::eio, fault::Action::enospc, fault::Action::kill}) {
-    for (int victim = 0; victim < world; ++victim) {
-      for (int at = 1; at <= ops[static_cast<std::size_t>(victim)]; ++at) {
-        CAPTURE(static_cast<int>(action));
-        CAPTURE(victim);
-        CAPTURE(at);
-        mp::TempDir dir;
-        const std::string path = dir.file("run");
-        run_all(world, [&](Comm& comm) {
-          (void)ddp::save_sharded_checkpoint(comm, step_checkpoint(1, comm.rank()), path);
-          if (comm.rank() == victim) fault::plan = {dir.path, action, at, 0};
-          std::string outcome = "ok";
-          try {
-            (void)ddp::save_sharded_checkpoint(comm, step_checkpoint(2, comm.rank()), path);
-          } catch (const ddp::Error& e) {
-            outcome = std::string(ddp::to_string(e.code())) + " " + e.what();
+  // The same save made by AsyncShardedSaver (the rank's file written by a thread of its own,
+  // the save completed by wait()): the same file operations, the same guarantees (an I/O error
+  // and a kill: ENOSPC takes the path of EIO).
+  for (const bool async : {false, true}) {
+    for (const fault::Action action :
+         {fault::Action::eio, fault::Action::enospc, fault::Action::kill}) {
+      if (async && action == fault::Action::enospc) continue;
+      for (int victim = 0; victim < world; ++victim) {
+        for (int at = 1; at <= ops[static_cast<std::size_t>(victim)]; ++at) {
+          CAPTURE(async);
+          CAPTURE(static_cast<int>(action));
+          CAPTURE(victim);
+          CAPTURE(at);
+          mp::TempDir dir;
+          const std::string path = dir.file("run");
+          run_all(world, [&](Comm& comm) {
+            (void)ddp::save_sharded_checkpoint(comm, step_checkpoint(1, comm.rank()), path);
+            if (comm.rank() == victim) fault::plan = {dir.path, action, at, 0};
+            std::string outcome = "ok";
+            try {
+              if (async) {
+                ddp::AsyncShardedSaver saver;
+                (void)saver.save(comm, step_checkpoint(2, comm.rank()), path);  // returns at once
+                saver.wait(comm);  // the outcome of every rank's write
+              } else {
+                (void)ddp::save_sharded_checkpoint(comm, step_checkpoint(2, comm.rank()), path);
+              }
+            } catch (const ddp::Error& e) {
+              outcome = std::string(ddp::to_string(e.code())) + " " + e.what();
+            }
+            fault::plan = {};
+            mp::TempDir::write(dir.file("outcome" + std::to_string(comm.rank())), outcome);
+          });
+          std::vector<std::string> outcomes;
+          for (int r = 0; r < world; ++r)
+            outcomes.push_back(mp::TempDir::read(dir.file("outcome" + std::to_string(r))));
+          CAPTURE(joined(outcomes));
+          const auto after_fault = listing(dir.path);
+          CAPTURE(joined(after_fault));
+          // A failure every rank heard of (no kill) leaves exactly the previous set: no new
+          // generation, no temporary file.
+          bool all_failed = action != fault::Action::kill;
+          for (const auto& o : outcomes) all_failed = all_failed && o.rfind("ok", 0) != 0;
+          if (all_failed) {
+            for (const auto& name : after_fault) {
+              CAPTURE(name);
+              CHECK(name.find(".tmp.") == std::string::npos);
+              if (name.rfind("run.rank", 0) == 0) CHECK(name.find("-of-2.1.") != std::string::npos);
+            }
           }
-          fault::plan = {};
-          mp::TempDir::write(dir.file("outcome" + std::to_string(comm.rank())), outcome);
-        });
-        std::vector<std::string> outcomes;
-        for (int r = 0; r < world; ++r)
-          outcomes.push_back(mp::TempDir::read(dir.file("outcome" + std::to_string(r))));
-        CAPTURE(joined(outcomes));
-        const auto after_fault = listing(dir.path);
-        CAPTURE(joined(after_fault));
-        // A failure every rank heard of (no kill) leaves exactly the previous set: no new
-        // generation, no temporary file.
-        bool all_failed = action != fault::Action::kill;
-        for (const auto& o : outcomes) all_failed = all_failed && o.rfind("ok", 0) != 0;
-        if (all_failed) {
-          for (const auto& name : after_fault) {
-            CAPTURE(name);
-            CHECK(name.find(".tmp.") == std::string::npos);
-            if (name.rfind("run.rank", 0) == 0) CHECK(name.find("-of-2.1.") != std::string::npos);
+          // In new processes: a complete checkpoint loads, the same step on every rank: the
+          // previous one when the save failed everywhere, else either.
+          mp::run(world, ddp::HostTransport::shm,
+                  [&](Comm& comm) { load_agreed(comm, path, dir.file("loaded")); });
+          const std::string loaded = mp::TempDir::read(dir.file("loaded"));
+          CHECK((loaded == "1" || loaded == "2"));
+          if (all_failed) CHECK(loaded == "1");
+          bool all_ok = true;
+          for (const auto& o : outcomes) all_ok = all_ok && o == "ok";
+          if (all_ok) CHECK(loaded == "2");
+          // The next save succeeds and cleans up: one file per rank, no temporary.
+          mp::run(world, ddp::HostTransport::shm, [&](Comm& comm) {
+            (void)ddp::save_sharded_checkpoint(comm, step_checkpoint(3, comm.rank()), path);
+            load_agreed(comm, path, dir.file("loaded"));
+          });
+          CHECK(mp::TempDir::read(dir.file("loaded")) == "3");
+          int shard_files = 0, temporaries = 0;
+          for (const auto& name : listing(dir.path)) {
+            shard_files +=
+                name.rfind("run.rank", 0) == 0 && name.find(".tmp.") == std::string::npos;
+            temporaries += name.find(".tmp.") != std::string::npos;
           }
+          CAPTURE(joined(listing(dir.path)));
+          CHECK(shard_files == world);
+          CHECK(temporaries == 0);
         }
-        // In new processes: a complete checkpoint loads, the same step on every rank: the
-        // previous one when the save failed everywhere, else either.
-        mp::run(world, ddp::HostTransport::shm,
-                [&](Comm& comm) { load_agreed(comm, path, dir.file("loaded")); });
-        const std::string loaded = mp::TempDir::read(dir.file("loaded"));
-        CHECK((loaded == "1" || loaded == "2"));
-        if (all_failed) CHECK(loaded == "1");
-        bool all_ok = true;
-        for (const auto& o : outcomes) all_ok = all_ok && o == "ok";
-        if (all_ok) CHECK(loaded == "2");
-        // The next save succeeds and cleans up: one file per rank, no temporary.
-        mp::run(world, ddp::HostTransport::shm, [&](Comm& comm) {
-          (void)ddp::save_sharded_checkpoint(comm, step_checkpoint(3, comm.rank()), path);
-          load_agreed(comm, path, dir.file("loaded"));
-        });
-        CHECK(mp::TempDir::read(dir.file("loaded")) == "3");
-        int shard_files = 0, temporaries = 0;
-        for (const auto& name : listing(dir.path)) {
-          shard_files += name.rfind("run.rank", 0) == 0 && name.find(".tmp.") == std::string::npos;
-          temporaries += name.find(".tmp.") != std::string::npos;
-        }
-        CAPTURE(joined(listing(dir.path)));
-        CHECK(shard_files == world);
-        CHECK(temporaries == 0);
       }
     }
   }

@@ -7,6 +7,8 @@
 
 #include <doctest/doctest.h>
 
+#include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -313,6 +315,74 @@ TEST_CASE(
     CHECK_MESSAGE(got.rfind("2 ", 0) == 0, got);  // one retry, then rethrown
   }
   CHECK(mp::TempDir::read(dir.file("r1")).find("the step's own timeout") != std::string::npos);
+}
+
+TEST_CASE(
+    "Elastic: a rank left out (stopped past the others' wait) ends when it wakes: exit status 75 "
+    "and one line saying why, or the error rethrown when exit_when_left_out is false") {
+  for (const bool exits : {true, false}) {
+    CAPTURE(exits);
+    mp::TempDir dir;
+    std::string spawn_error;
+    ddp::Options o;
+    o.timeout = 2s;
+    run_faulty(
+        3, ddp::HostTransport::shm,
+        [&](Comm& comm) {
+          const int me = comm.rank();
+          const auto pids = comm.all_gather_object(static_cast<long>(::getpid()));
+          ddp::ElasticOptions eo;
+          eo.shrink.wait_for_ranks = 1s;
+          eo.exit_when_left_out = exits;
+          ddp::Elastic<ddp::backend::Host> job(ddp::Environment::detect(),
+                                               {.timeout = 2s, .group = "left"}, eo);
+          std::uint64_t done = 0;
+          job.track_object("done", done);
+          job.on_reset([&](Comm& c) {  // after the recovery: the stopped rank wakes
+            if (c.size() == 2 && c.rank() == 0) ::kill(static_cast<pid_t>(pids[2]), SIGCONT);
+          });
+          if (me == 2) {  // its stderr to a file, to read its last words
+            const int fd = ::open(dir.file("stderr2").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+            ::dup2(fd, 2);
+            ::close(fd);
+          }
+          try {
+            job.run(30, [&](Comm& c, std::uint64_t step) {
+              if (me == 2 && step == 3) ::raise(SIGSTOP);
+              std::vector<float> v(4, 1.0f);
+              c.all_reduce(v);
+              done = step + 1;
+              std::this_thread::sleep_for(20ms);
+            });
+            mp::TempDir::write(dir.file("r" + std::to_string(me)),
+                               std::to_string(job.comm().size()) + " " + std::to_string(done));
+          } catch (const ddp::Error& e) {
+            mp::TempDir::write(dir.file("r" + std::to_string(me)),
+                               std::string(ddp::to_string(e.code())) + " " + e.what());
+          }
+        },
+        o, &spawn_error);
+    CHECK(mp::TempDir::read(dir.file("r0")) == "2 30");
+    CHECK(mp::TempDir::read(dir.file("r1")) == "2 30");
+    const std::string words = mp::TempDir::read(dir.file("stderr2"));
+    if (exits) {
+      CHECK_MESSAGE(spawn_error.find("exited with status 75") != std::string::npos, spawn_error);
+      CHECK(!mp::TempDir::exists(dir.file("r2")));
+      CHECK_MESSAGE(words.rfind("ddp: world rank 2 was left out of the job and ends (exit status "
+                                "75): ",
+                                0) == 0,
+                    words);
+      CHECK_MESSAGE(words.find("can never act on this communicator again") != std::string::npos,
+                    words);
+      CHECK_MESSAGE(std::count(words.begin(), words.end(), '\n') == 1, words);
+    } else {
+      CHECK_MESSAGE(spawn_error.empty(), spawn_error);
+      const std::string r2 = mp::TempDir::read(dir.file("r2"));
+      CHECK_MESSAGE(r2.rfind("aborted ", 0) == 0, r2);
+      CHECK_MESSAGE(r2.find("can never act on this communicator again") != std::string::npos, r2);
+      CHECK_MESSAGE(words.empty(), words);
+    }
+  }
 }
 
 TEST_CASE("Elastic: what cannot work is refused, saying what to do") {

@@ -571,6 +571,10 @@ TEST_CASE(
       MP_EXPECT(e.code() == ddp::Errc::mismatch &&
                     std::string(e.what()).find("different orders this step") != std::string::npos,
                 e.what());
+      MP_EXPECT(std::string(e.what()).find("; rank 0 ran gather 0, gather 1; rank 1 ran gather 1, "
+                                           "gather 0; rank 2 ran gather 0, gather 1.") !=
+                    std::string::npos,
+                e.what());
     }
     // The next step starts afresh: in one order, it passes; unit 0's gradients (rank + 1 each)
     // were taken and never reduced: synchronize() reduces them, the average is 2.
@@ -1102,6 +1106,48 @@ TEST_CASE("FullyShard: units listed wrong, run twice, or parameters pointed away
                 e.what());
     }
   });
+}
+
+TEST_CASE(
+    "FullyShard: units of different sizes run in different orders (the default prefetch): every "
+    "rank's error names the units it ran, whichever collective notices first") {
+  using Shard = ddp::FullyShard<std::vector<SpanParam>, ddp::backend::Host>;
+  for (const mp::Path& path : mp::paths()) {
+    CAPTURE(mp::name(path));
+    mp::run(2, path, [](mp::Comm& comm) {
+      std::vector<std::vector<float>> memory{std::vector<float>(20, 1.0f),
+                                             std::vector<float>(60, 2.0f),
+                                             std::vector<float>(140, 3.0f)};
+      std::vector<SpanParam> net;
+      for (auto& m : memory) net.push_back({m, {}});
+      Shard fsdp(comm, net, {{0}, {1}, {2}});
+      // Step 0 in one order everywhere; in step 1 rank 1 runs its forward backwards (the
+      // prefetch follows step 0's order): its first gather, unit 2's, meets rank 0's unit 0.
+      for (int step = 0; step < 2; ++step) {
+        try {
+          for (std::size_t k = 0; k < 3; ++k)
+            fsdp.forward(step == 1 && comm.rank() == 1 ? 2 - k : k, [] {});
+          for (std::size_t k = 3; k-- > 0;)
+            fsdp.backward(k, [&] {
+              for (float& g : net[k].grad) g += 1.0f;
+            });
+          fsdp.step([](auto) {});
+          MP_EXPECT(step == 0, "units run in different orders were not noticed");
+        } catch (const ddp::Error& e) {
+          const std::string m = e.what();
+          MP_EXPECT(step == 1 && e.code() == ddp::Errc::mismatch, m);
+          MP_EXPECT(m.find("in different orders") != std::string::npos, m);
+          // The order this rank ran, whichever way it was noticed (here or at the step's check).
+          const std::string mine = comm.rank() == 0 ? "gather 0" : "gather 2";
+          MP_EXPECT(m.find("this rank ran " + mine) != std::string::npos ||
+                        m.find("rank " + std::to_string(comm.rank()) + " ran " + mine) !=
+                            std::string::npos,
+                    m);
+          return;
+        }
+      }
+    });
+  }
 }
 
 TEST_CASE(

@@ -472,6 +472,65 @@ TEST_CASE("sharded: an interrupted save, files of different saves, a damaged fil
   });
 }
 
+TEST_CASE(
+    "sharded: AsyncShardedSaver writes every rank's part while collectives go on, completes at "
+    "wait(), and its saves load at this world size and another") {
+  mp::TempDir dir;
+  const std::string path = dir.file("a");
+  mp::run(3, ddp::HostTransport::shm, [&](mp::Comm& comm) {
+    ddp::AsyncShardedSaver saver;
+    MP_EXPECT(!saver.pending(), "a new saver has nothing in flight");
+    std::uint64_t last = 0;
+    for (int step = 1; step <= 3; ++step) {
+      ddp::Checkpoint ck;
+      ck.put_object("step", step);
+      std::vector<float> part(1000 + static_cast<std::size_t>(comm.rank()),
+                              static_cast<float>(10 * step + comm.rank()));
+      ck.put_sharded(
+          "m", part,
+          ddp::ShardLayout{
+              {3003},
+              {{0, static_cast<std::size_t>(comm.rank()) * 1000 + (comm.rank() > 1 ? 1 : 0),
+                part.size()}}});
+      last = saver.save(comm, std::move(ck), path);  // completes the save before it
+      MP_EXPECT(saver.pending(), "a save in flight");
+      std::vector<double> v(1 << 16, 1.0);  // training meanwhile
+      comm.all_reduce(v);
+      MP_EXPECT(v[0] == 3.0, v[0]);
+    }
+    saver.wait(comm);
+    MP_EXPECT(!saver.pending(), "wait() completed the save");
+    saver.wait(comm);  // nothing in flight: a no-op on every rank
+    const auto back = ddp::load_sharded_checkpoint(comm, path);
+    MP_EXPECT(back && back->get_object<int>("step") == 3 && ddp::shard_save_id(*back) == last,
+              "the last save, complete");
+    // The older generations went once the last one was complete everywhere: one file per rank.
+    int files = 0;
+    for (const auto& e : std::filesystem::directory_iterator(dir.path))
+      files += e.path().filename().string().rfind("a.rank" + std::to_string(comm.rank()), 0) == 0;
+    MP_EXPECT(files == 1, files << " files of rank " << comm.rank());
+    // A save whose directory does not exist fails on every rank (at save() or at wait()).
+    try {
+      (void)saver.save(comm, ddp::Checkpoint{}, dir.file("no/such/dir/a"));
+      saver.wait(comm);
+      MP_EXPECT(false, "a save into a missing directory was accepted");
+    } catch (const ddp::Error& e) {
+      MP_EXPECT(e.code() == ddp::Errc::invalid_argument || e.code() == ddp::Errc::system, e.what());
+    }
+  });
+  mp::run(2, ddp::HostTransport::shm, [&](mp::Comm& comm) {  // another world size
+    const auto back = ddp::load_sharded_checkpoint(comm, path);
+    MP_EXPECT(back && back->get_object<int>("step") == 3, "loads at 2 ranks");
+    std::vector<float> m(back->get("m").size() / sizeof(float));
+    std::memcpy(m.data(), back->get("m").data(), back->get("m").size());
+    MP_EXPECT(m.size() == (comm.rank() == 0 ? 1502u : 1501u), m.size());
+    // Old rank 0's 1000 values (30), rank 1's 1001 (31), rank 2's 1002 (32), cut in two halves.
+    const float first = comm.rank() == 0 ? 30.0f : 31.0f;
+    MP_EXPECT(m.front() == first && m.back() == (comm.rank() == 0 ? 31.0f : 32.0f),
+              m.front() << " " << m.back());
+  });
+}
+
 TEST_CASE("sharded: after a peer is lost mid-step, every later call fails cleanly") {
   mp::run(3, ddp::HostTransport::shm, [](mp::Comm& comm) {
     Net net;

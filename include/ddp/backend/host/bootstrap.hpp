@@ -229,8 +229,8 @@ DDP_INLINE void HostLinks::connect(const BackendInit& init) {
       const std::string failed = "failed";
       if (store.check(std::span<const std::string>(&failed, 1))) (void)store.get(failed);
     };
-    auto peers =
-        TcpTransport::connect_mesh(rank, size, listener, addrs, key, deadline, peer_failed);
+    auto peers = TcpTransport::connect_mesh(rank, size, listener, addrs, key, deadline, peer_failed,
+                                            init.reach_window);
     if (requested == HostTransport::automatic && o.hierarchy != HostHierarchy::flat)
       connect_hierarchy(store, o, identities, pids, peers);
     transport =

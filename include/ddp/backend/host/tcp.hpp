@@ -52,9 +52,13 @@ class TcpTransport final : public Transport {
                std::size_t segment_bytes, int local_ranks);
 
   /// Builds the mesh: connect to ranks below, accept ranks above (see the file comment).
+  /// `reach_window` (BackendInit::reach_window): when not 0, the ranks below are connected to
+  /// at once, and those not reached within it fail the mesh with Errc::peer_lost, listed in
+  /// the error's lost_ranks().
   [[nodiscard]] static std::vector<Fd> connect_mesh(
       int rank, int size, Fd& listener, const std::vector<std::pair<std::string, int>>& addrs,
-      const SessionKey& key, Deadline deadline, const std::function<void()>& check_stop = {});
+      const SessionKey& key, Deadline deadline, const std::function<void()>& check_stop = {},
+      std::chrono::milliseconds reach_window = {});
 
   [[nodiscard]] std::string_view name() const noexcept override { return "tcp"; }
   [[nodiscard]] std::size_t max_offer() const noexcept override { return segment_; }
@@ -89,6 +93,13 @@ class TcpTransport final : public Transport {
     [[nodiscard]] bool out_done() const { return out_i == out.size(); }
     [[nodiscard]] bool in_done() const { return in_i == in.size(); }
   };
+  /// Connects to every rank below `rank` at once and introduces itself, until `window`:
+  /// the connections, empty where the rank could not be reached. Another rank's failure does
+  /// not cut it short, so that every rank reports every peer it cannot reach.
+  static std::vector<Fd> connect_below(int rank,
+                                       const std::vector<std::pair<std::string, int>>& addrs,
+                                       const SessionKey& key, Deadline window);
+
   /// Shuts every connection down, so that peers blocked on this rank fail at once.
   void poison() {
     for (auto& fd : peers_) {
@@ -161,9 +172,26 @@ DDP_INLINE TcpTransport::TcpTransport(int rank, int size, std::chrono::milliseco
 
 DDP_INLINE std::vector<Fd> TcpTransport::connect_mesh(
     int rank, int size, Fd& listener, const std::vector<std::pair<std::string, int>>& addrs,
-    const SessionKey& key, Deadline deadline, const std::function<void()>& check_stop) {
+    const SessionKey& key, Deadline deadline, const std::function<void()>& check_stop,
+    std::chrono::milliseconds reach_window) {
   std::vector<Fd> peers(static_cast<std::size_t>(size));
-  for (int j = 0; j < rank; ++j) {
+  if (reach_window.count() > 0) {
+    const Deadline window{std::min(deadline.at, Clock::now() + reach_window)};
+    peers = connect_below(rank, addrs, key, window);
+    peers.resize(static_cast<std::size_t>(size));
+    std::vector<int> cut;
+    for (int j = 0; j < rank; ++j)
+      if (!peers[static_cast<std::size_t>(j)]) cut.push_back(j);
+    if (!cut.empty())
+      DDP_THROW(Error(
+          Errc::peer_lost, {}, -1,
+          concat("rank ", rank, ": could not connect to ", cut.size() == 1 ? "rank " : "ranks ",
+                 ranks_text(cut), " within ", reach_window.count(),
+                 " ms (tcp transport): the links between them are down or cut, "
+                 "though this rank reaches the store"),
+          cut));
+  }
+  for (int j = reach_window.count() > 0 ? rank : 0; j < rank; ++j) {  // one at a time
     const auto& [host, port] = addrs[static_cast<std::size_t>(j)];
     Fd fd = connect_tcp(host, port, deadline, concat("rank ", j), check_stop);
     std::string hello;
@@ -225,6 +253,68 @@ DDP_INLINE std::vector<Fd> TcpTransport::connect_mesh(
     --missing;
   }
   return peers;
+}
+
+DDP_INLINE std::vector<Fd> TcpTransport::connect_below(
+    int rank, const std::vector<std::pair<std::string, int>>& addrs, const SessionKey& key,
+    Deadline window) {
+  const auto n = static_cast<std::size_t>(rank);
+  std::vector<Fd> done(n), trying(n);
+  std::vector<Clock::time_point> retry_at(n, Clock::now());
+  std::string hello;
+  ByteWriter w(hello);
+  w.put(hello_magic);
+  w.raw(key.data(), key.size());
+  w.put(static_cast<std::uint32_t>(rank));
+  const auto start = [&](std::size_t j) {  // a non-blocking connect to rank j
+    const auto& [host, port] = addrs[j];
+    const AddrInfo ai(host, port, /*passive=*/false, "MASTER_ADDR");
+    const addrinfo* a = ai.begin();
+    Fd fd(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
+    if (!fd) fail_if_out_of_fds(errno, concat("rank ", rank, ": cannot connect to rank ", j));
+    if (!fd) return;
+    set_nonblocking(fd.get(), true);
+    if (::connect(fd.get(), a->ai_addr, a->ai_addrlen) == 0 || errno == EINPROGRESS)
+      trying[j] = std::move(fd);
+    else
+      retry_at[j] = Clock::now() + std::chrono::milliseconds(50);  // refused, unreachable
+  };
+  const auto connected = [&](std::size_t j) {  // introduces itself; empty again on failure
+    Fd fd = std::move(trying[j]);
+    int err = 0;
+    socklen_t len = sizeof err;
+    (void)::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+    if (err == 0 && !connected_to_itself(fd.get())) {
+      set_nonblocking(fd.get(), false);
+      set_nodelay(fd.get());
+      if (send_all(fd.get(), hello.data(), hello.size(), window) == IoResult::ok) {
+        done[j] = std::move(fd);
+        return;
+      }
+    }
+    retry_at[j] = Clock::now() + std::chrono::milliseconds(50);
+  };
+  std::vector<pollfd> fds;
+  std::vector<std::size_t> which;
+  for (;;) {
+    fds.clear();
+    which.clear();
+    const auto now = Clock::now();
+    for (std::size_t j = 0; j < n; ++j) {
+      if (done[j]) continue;
+      if (!trying[j] && now >= retry_at[j]) start(j);
+      if (trying[j]) {
+        fds.push_back({trying[j].get(), POLLOUT, 0});
+        which.push_back(j);
+      }
+    }
+    if (std::all_of(done.begin(), done.end(), [](const Fd& f) { return bool(f); }) ||
+        window.expired())
+      return done;
+    const int rc = ::poll(fds.data(), fds.size(), std::min(50, window.poll_ms(50)));
+    for (std::size_t i = 0; rc > 0 && i < fds.size(); ++i)
+      if (fds[i].revents != 0) connected(which[i]);
+  }
 }
 
 DDP_INLINE std::size_t TcpTransport::small_bytes() const noexcept {
