@@ -20,6 +20,7 @@
 #include "ddp/environment.hpp"
 #include "ddp/error.hpp"
 #include "ddp/options.hpp"
+#include "ddp/store/client.hpp"
 #include "ddp/store/protocol.hpp"
 #include "ddp/store/server.hpp"
 
@@ -35,6 +36,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -57,6 +59,11 @@ struct SpawnOptions {
   /// a second later, so that they can write their flight recorders). Fault-injection tests turn
   /// it off to watch how the survivors react.
   bool stop_on_failure = true;
+  /// With stop_on_failure false: end (SIGKILL) a worker that the job left out alive, stopped or
+  /// hung past the heartbeat or too slow for the others' shrink() (it can never act again, and
+  /// spawn would wait for it for ever), as ddprun does; spawn then fails naming it. Tests of
+  /// fencing, which wake such a worker to watch it refused, turn it off.
+  bool end_left_out = true;
 };
 
 /// Runs fn(env) in nprocs forked processes and waits for all of them (see the file comment).
@@ -78,6 +85,7 @@ DDP_INLINE void spawn(int nprocs, const std::function<void(Environment)>& fn,
     std::string error;
     int status = 0;
     bool done = false;
+    std::string left_out;  // why the job left it out, when spawn ended it for that
   };
   std::vector<Child> children(static_cast<std::size_t>(nprocs));
   for (int r = 0; r < nprocs; ++r) {
@@ -144,6 +152,26 @@ DDP_INLINE void spawn(int nprocs, const std::function<void(Environment)>& fn,
         break;
     }
   };
+  // Without stop_on_failure the others go on when a worker is lost; a worker the job left out
+  // alive (stopped or hung past the heartbeat, or too slow for the others' shrink) can never act
+  // again and would keep spawn waiting: its record in the store ("ddp/<restart>/left/<rank>",
+  // as ddprun reads it) ends it.
+  std::optional<Store> records;
+  if (!options.stop_on_failure && options.end_left_out)
+    records.emplace(options.master_addr, server.port(), so);
+  const std::string left =
+      detail::concat("ddp/", detail::EnvReader().get("DDP_RESTART_COUNT", "0"), "/left/");
+  auto next_check = std::chrono::steady_clock::now();
+  const auto end_left_out = [&] {
+    for (int r = 0; r < nprocs; ++r) {
+      Child& c = children[static_cast<std::size_t>(r)];
+      const std::string key[] = {detail::concat(left, r)};
+      if (c.done || !c.left_out.empty() || !records->check(key)) continue;
+      c.left_out = records->get(key[0]);
+      if (c.left_out.empty()) c.left_out = "the others went on without it";
+      ::kill(c.pid, SIGKILL);
+    }
+  };
   int first_failed = -1;
   int remaining = nprocs;
   detail::GracefulStop stop;
@@ -173,10 +201,18 @@ DDP_INLINE void spawn(int nprocs, const std::function<void(Environment)>& fn,
         if (!c.done) ::kill(c.pid, sig);
       }
     }
+    if (records && remaining > 0 && std::chrono::steady_clock::now() >= next_check) {
+      next_check = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+      end_left_out();
+    }
     if (!reaped && remaining > 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   if (first_failed >= 0) {
     const Child& c = children[static_cast<std::size_t>(first_failed)];
+    if (!c.left_out.empty())
+      detail::fail(Errc::aborted, "spawn: rank ", first_failed, " (pid ", c.pid,
+                   ") was left out of the job (", c.left_out,
+                   ") and ended, as it could never act again");
     if (!c.error.empty()) {
       detail::fail(Errc::aborted, "spawn: rank ", first_failed, " (pid ", c.pid,
                    ") failed: ", c.error);

@@ -14300,6 +14300,21 @@ void on_host_data(Comm& comm, std::span<E> a, std::span<E> b, const F& f) {
   }
 }
 
+/// decode_object of what rank `from` sent to this rank `rank` in object collective `what`: a
+/// failure says which ranks and call, and what it means (Errc::mismatch).
+template <class T>
+T decode_received(int rank, const char* what, int from, const void* data, std::size_t n) {
+  try {
+    return decode_object<T>(data, n);
+  } catch (const Error& e) {
+    fail(Errc::mismatch, "rank ", rank, ": ", what, ": what rank ", from,
+         " sent does not decode as the type this rank passed (", e.what(),
+         "): the ranks called different object collectives here (one rank skipped a call, or "
+         "called another), or passed different types; every rank must make the same calls with "
+         "the same types");
+  }
+}
+
 template <class T, class Comm>
 std::vector<T> gather_objects(Comm& comm, const T& value, int root) {
   const char* what = root < 0 ? "all_gather_object" : "gather_object";
@@ -14332,7 +14347,9 @@ std::vector<T> gather_objects(Comm& comm, const T& value, int root) {
   if (!receives) return out;
   out.reserve(p);
   for (std::size_t r = 0; r < p; ++r) {
-    out.push_back(decode_object<T>(all.data() + r * width, static_cast<std::size_t>(sizes[r])));
+    out.push_back(decode_received<T>(comm.rank(), root < 0 ? "all_gather_object" : "gather_object",
+                                     static_cast<int>(r), all.data() + r * width,
+                                     static_cast<std::size_t>(sizes[r])));
   }
   return out;
 }
@@ -14378,7 +14395,8 @@ void broadcast_object(Comm& comm, T& value, int root = 0) {
   broadcast_host(
       comm, std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(bytes.data()), bytes.size()),
       root);
-  if (comm.rank() != root) value = decode_object<T>(bytes.data(), bytes.size());
+  if (comm.rank() != root)
+    value = decode_received<T>(comm.rank(), "broadcast_object", root, bytes.data(), bytes.size());
 }
 
 /// Rank j's entry of root's `objects` (one per rank) on rank j. A root with the wrong number of
@@ -14417,7 +14435,7 @@ template <Encodable T, class Comm>
   std::vector<std::uint8_t> mine(static_cast<std::size_t>(n));
   on_host_data(comm, std::span<std::uint8_t>(bytes), std::span<std::uint8_t>(mine),
                [&](auto& in, auto& out) { comm.scatter(in, out, counts, root); });
-  return decode_object<T>(mine.data(), mine.size());
+  return decode_received<T>(comm.rank(), "scatter_object", root, mine.data(), mine.size());
 }
 
 }  // namespace detail
@@ -21512,6 +21530,7 @@ DDP_END_NAMESPACE
 // #include "ddp/environment.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
+// #include "ddp/store/client.hpp" (already included above)
 // #include "ddp/store/protocol.hpp" (already included above)
 // #include "ddp/store/server.hpp" (already included above)
 
@@ -21527,6 +21546,7 @@ DDP_END_NAMESPACE
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -21549,6 +21569,11 @@ struct SpawnOptions {
   /// a second later, so that they can write their flight recorders). Fault-injection tests turn
   /// it off to watch how the survivors react.
   bool stop_on_failure = true;
+  /// With stop_on_failure false: end (SIGKILL) a worker that the job left out alive, stopped or
+  /// hung past the heartbeat or too slow for the others' shrink() (it can never act again, and
+  /// spawn would wait for it for ever), as ddprun does; spawn then fails naming it. Tests of
+  /// fencing, which wake such a worker to watch it refused, turn it off.
+  bool end_left_out = true;
 };
 
 /// Runs fn(env) in nprocs forked processes and waits for all of them (see the file comment).
@@ -21570,6 +21595,7 @@ DDP_INLINE void spawn(int nprocs, const std::function<void(Environment)>& fn,
     std::string error;
     int status = 0;
     bool done = false;
+    std::string left_out;  // why the job left it out, when spawn ended it for that
   };
   std::vector<Child> children(static_cast<std::size_t>(nprocs));
   for (int r = 0; r < nprocs; ++r) {
@@ -21636,6 +21662,26 @@ DDP_INLINE void spawn(int nprocs, const std::function<void(Environment)>& fn,
         break;
     }
   };
+  // Without stop_on_failure the others go on when a worker is lost; a worker the job left out
+  // alive (stopped or hung past the heartbeat, or too slow for the others' shrink) can never act
+  // again and would keep spawn waiting: its record in the store ("ddp/<restart>/left/<rank>",
+  // as ddprun reads it) ends it.
+  std::optional<Store> records;
+  if (!options.stop_on_failure && options.end_left_out)
+    records.emplace(options.master_addr, server.port(), so);
+  const std::string left =
+      detail::concat("ddp/", detail::EnvReader().get("DDP_RESTART_COUNT", "0"), "/left/");
+  auto next_check = std::chrono::steady_clock::now();
+  const auto end_left_out = [&] {
+    for (int r = 0; r < nprocs; ++r) {
+      Child& c = children[static_cast<std::size_t>(r)];
+      const std::string key[] = {detail::concat(left, r)};
+      if (c.done || !c.left_out.empty() || !records->check(key)) continue;
+      c.left_out = records->get(key[0]);
+      if (c.left_out.empty()) c.left_out = "the others went on without it";
+      ::kill(c.pid, SIGKILL);
+    }
+  };
   int first_failed = -1;
   int remaining = nprocs;
   detail::GracefulStop stop;
@@ -21665,10 +21711,18 @@ DDP_INLINE void spawn(int nprocs, const std::function<void(Environment)>& fn,
         if (!c.done) ::kill(c.pid, sig);
       }
     }
+    if (records && remaining > 0 && std::chrono::steady_clock::now() >= next_check) {
+      next_check = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+      end_left_out();
+    }
     if (!reaped && remaining > 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   if (first_failed >= 0) {
     const Child& c = children[static_cast<std::size_t>(first_failed)];
+    if (!c.left_out.empty())
+      detail::fail(Errc::aborted, "spawn: rank ", first_failed, " (pid ", c.pid,
+                   ") was left out of the job (", c.left_out,
+                   ") and ended, as it could never act again");
     if (!c.error.empty()) {
       detail::fail(Errc::aborted, "spawn: rank ", first_failed, " (pid ", c.pid,
                    ") failed: ", c.error);
@@ -22241,6 +22295,13 @@ struct codec<SamplerState> {
 namespace detail {
 /// The section that records what a put_values() section holds ("ddp.type.<name>").
 inline std::string type_section(std::string_view name) { return concat("ddp.type.", name); }
+/// A type record read from a file, as a message may quote it: itself when short and printable,
+/// else a description (a forged or damaged record must not reach a terminal or a log raw).
+inline std::string type_record_text(const std::string& t) {
+  const bool plain = !t.empty() && t.size() <= 64 &&
+                     std::all_of(t.begin(), t.end(), [](char c) { return c >= 0x20 && c < 0x7f; });
+  return plain ? t : concat("an unreadable type record (", t.size(), " bytes)");
+}
 /// What put_values records of an element type: its DType's name ("float32") for the types
 /// collectives carry, else "<n>-byte elements" (trivially copyable types of one's own).
 template <class T>
@@ -22253,11 +22314,23 @@ std::string element_type_name() {
 }
 }  // namespace detail
 
+class Checkpoint;
+namespace detail {
+/// Sections written as they are, a type record ("ddp.type.<name>") too: for ddp's own code that
+/// rebuilds a checkpoint from another's sections (resharding, in-memory copies).
+struct CheckpointRaw {
+  static void put(Checkpoint& ck, std::string_view name, std::span<const std::byte> bytes);
+};
+}  // namespace detail
+
 /// Named sections of bytes (see the file comment).
 class Checkpoint {
+  friend struct detail::CheckpointRaw;
+
  public:
   /// Sets section `name` to `bytes` (replacing one of that name): raw bytes, of no element
-  /// type (get() reads them; get_values of any type of the right size too).
+  /// type (get() reads them; get_values of any type of the right size too). Names beginning
+  /// "ddp.type." are reserved for put_values' type records (Errc::invalid_argument).
   Checkpoint& put(std::string_view name, std::span<const std::byte> bytes);
   /// Section `name` holds the bytes of `values` (a contiguous range of trivially copyable
   /// elements: floats, a std::vector<double>, a std::span), and records their element type
@@ -22322,13 +22395,17 @@ class Checkpoint {
       const std::string* type = find_section(detail::type_section(name));
       const std::string asked = detail::element_type_name<T>();
       if (type != nullptr && *type != asked)
-        detail::fail(Errc::invalid_argument, "Checkpoint: section \"", name, "\" holds ", *type,
-                     " (", b.size(), " bytes), but ", out.size(), " ", asked,
+        detail::fail(Errc::invalid_argument, "Checkpoint: section \"", name, "\" holds ",
+                     detail::type_record_text(*type), " (", b.size(), " bytes), but ", out.size(),
+                     " ", asked,
                      " were asked for: read it as the type it was put as (get() gives its bytes)");
       if (b.size() != out.size_bytes()) {
+        if (type != nullptr && b.size() % sizeof(T) != 0)
+          detail::fail(Errc::protocol, "Checkpoint: section \"", name, "\" holds ", b.size(),
+                       " bytes, not a whole number of ", asked, ": the checkpoint is damaged");
         if (type != nullptr)
           detail::fail(Errc::invalid_argument, "Checkpoint: section \"", name, "\" holds ",
-                       b.size() / sizeof(T), " ", *type, ", but ", out.size(),
+                       b.size() / sizeof(T), " ", asked, ", but ", out.size(),
                        " were asked for: the model changed since it was saved");
         detail::fail(Errc::invalid_argument, "Checkpoint: section \"", name, "\" holds ", b.size(),
                      " bytes, but ", out.size(), " values of ", sizeof(T), " bytes (",
@@ -22428,11 +22505,20 @@ class Checkpoint {
 
 #if DDP_BODIES
 DDP_INLINE Checkpoint& Checkpoint::put(std::string_view name, std::span<const std::byte> bytes) {
+  if (name.starts_with("ddp.type."))
+    detail::fail(Errc::invalid_argument, "Checkpoint: the section name \"", name,
+                 "\" is reserved: \"ddp.type.<name>\" records the element type of put_values' "
+                 "section <name>; choose another name");
   put_raw(name, bytes);
   // Raw bytes are of no element type: a type recorded by an earlier put_values goes.
   const std::string type = detail::type_section(name);
   std::erase_if(sections_, [&](const auto& section) { return section.first == type; });
   return *this;
+}
+
+DDP_INLINE void detail::CheckpointRaw::put(Checkpoint& ck, std::string_view name,
+                                           std::span<const std::byte> bytes) {
+  ck.put_raw(name, bytes);
 }
 
 DDP_INLINE void Checkpoint::put_raw(std::string_view name, std::span<const std::byte> bytes) {
@@ -22533,10 +22619,16 @@ DDP_INLINE Checkpoint Checkpoint::parse(std::string_view bytes, std::string_view
   for (std::uint64_t i = 0; i < count; ++i) {
     const std::uint64_t n = get_u64(bytes, read(8));
     if (n > body - at) bad("truncated or corrupt: a name runs past the end");
+    if (n == 0 || n > 4096) bad("corrupt: section ", i, "'s name has ", n, " bytes (1 to 4096)");
     std::string name(bytes.substr(read(static_cast<std::size_t>(n)), static_cast<std::size_t>(n)));
     lens.push_back(get_u64(bytes, read(8)));
     ck.sections_.emplace_back(std::move(name), std::string());
   }
+  std::vector<std::string_view> names;  // no name twice (put() never writes one twice)
+  for (const auto& sec : ck.sections_) names.emplace_back(sec.first);
+  std::sort(names.begin(), names.end());
+  if (std::adjacent_find(names.begin(), names.end()) != names.end())
+    bad("corrupt: two sections have the same name");
   for (std::uint64_t i = 0; i < count; ++i) {
     const std::uint64_t n = lens[static_cast<std::size_t>(i)];
     if (n > body - at) bad("truncated or corrupt: section ", i, " runs past the end");
@@ -24845,7 +24937,7 @@ Checkpoint reshard_held(Comm& comm, const ShardSet& set, std::map<std::uint64_t,
   // 5. This rank's checkpoint: the plain sections in their order, the sharded ones, the stamp.
   for (const auto& [name, words] : info[plain_from(static_cast<std::uint64_t>(me))]) {
     const std::string& b = words[0] == 0 ? plain[name] : values[name];
-    out.put(name, std::as_bytes(std::span(b.data(), b.size())));
+    CheckpointRaw::put(out, name, std::as_bytes(std::span(b.data(), b.size())));
     if (words[0] != 0) {
       const auto s = static_cast<std::size_t>(std::find(sharded.begin(), sharded.end(), name) -
                                               sharded.begin());
@@ -25071,7 +25163,7 @@ struct MirrorAccess {
     std::erase_if(m.saves_, [&](const ShardMirror::Save& s) { return !chosen(s); });
     Checkpoint again;
     for (const std::string& section : mine.names())
-      if (section != "ddp.shard") again.put(section, mine.get(section));
+      if (section != "ddp.shard") detail::CheckpointRaw::put(again, section, mine.get(section));
     save(comm, m, loaded_tag, again, {});
     return mine;
   }
@@ -26043,9 +26135,10 @@ namespace detail {
 
 /// The 2-norm of gradients given range by range (`each(f)` calls f(const T*, n) for each):
 /// the sum of squares in double, as torch's clip_grad_norm_ takes it. When that sum is not finite
-/// although every element is (double gradients beyond 1e154, whose squares overflow), it is
-/// taken again scaled by the largest magnitude, as a careful BLAS nrm2 does: the norm is then
-/// right up to the largest double. `reduce(values)` sums (or maxes, `max` true) over the ranks
+/// although every element is (double gradients beyond 1e154, whose squares overflow), or so small
+/// that squares may have underflowed (gradients below 1e-154), it is taken again scaled by the
+/// largest magnitude, as a careful BLAS nrm2 does: the norm is then right over the whole range
+/// of doubles, subnormals included. `reduce(values)` sums (or maxes, `max` true) over the ranks
 /// that hold parts of the gradients (identity for one rank's whole set); every rank gets the
 /// same result.
 template <class T, class Each, class Reduce>
@@ -26061,7 +26154,9 @@ double gradient_norm(Each&& each, Reduce&& reduce) {
     }
   });
   reduce(sum, false);
-  if (std::isfinite(sum[0])) return std::sqrt(sum[0]);
+  // The plain sum is right unless squares overflowed, or the sum is so small (below 2^-900,
+  // 1e-271) that squares may have underflowed to zero or to subnormals (gradients below 1e-154).
+  if (std::isfinite(sum[0]) && sum[0] >= 0x1p-900) return std::sqrt(sum[0]);
   std::vector<double> top{0.0, 0.0};  // the largest magnitude; 1 when an element is inf or NaN
   each([&](const T* g, std::size_t n) {
     for (std::size_t k = 0; k < n; ++k) {
@@ -26431,7 +26526,8 @@ struct ShardSave {
 
 /// Steps (1) of the protocol, collective: the new generation and the save's identifier.
 template <class Comm>
-ShardSave begin_shard_save(Comm& comm, const std::string& path) {
+ShardSave begin_shard_save(Comm& comm, const std::string& path,
+                           const char* who = "save_sharded_checkpoint") {
   ShardSave s;
   s.stem = shard_path(path, comm.rank(), comm.size());
   std::string error;
@@ -26442,7 +26538,7 @@ ShardSave begin_shard_save(Comm& comm, const std::string& path) {
   } catch (const Error& e) {
     error = error_text(e);
   }
-  fail_with_first(comm, comm.all_gather_object(error), "save_sharded_checkpoint");
+  fail_with_first(comm, comm.all_gather_object(error), who);
   for (const std::uint64_t g : comm.all_gather_object(newest))
     s.generation = std::max(s.generation, g);
   ++s.generation;
@@ -26488,7 +26584,8 @@ DDP_INLINE std::string write_shard(const ShardSave& s, const Checkpoint& ck,
 /// first rank's error.
 template <class Comm>
 void finish_shard_save(Comm& comm, const std::string& path, const ShardSave& s,
-                       const std::string& error, bool written) {
+                       const std::string& error, bool written,
+                       const char* who = "save_sharded_checkpoint") {
   const auto errors = comm.all_gather_object(error);  // a rank lost here: every file stays
   bool complete = true;
   for (const auto& e : errors) complete = complete && e.empty();
@@ -26497,7 +26594,7 @@ void finish_shard_save(Comm& comm, const std::string& path, const ShardSave& s,
       ::unlink(s.target.c_str());
       (void)sync_dir(parent_dir(s.target));
     }
-    fail_with_first(comm, errors, "save_sharded_checkpoint");
+    fail_with_first(comm, errors, who);
   }
   // Generation G is on disk on every rank: the older ones are no longer needed, of this world
   // size and of others (each file by one rank; newer ones, or other saves of G, are another
@@ -26693,7 +26790,7 @@ class AsyncShardedSaver {
   template <class Comm>
   std::uint64_t save(Comm& comm, Checkpoint&& ck, const std::string& path) {
     wait(comm);
-    detail::ShardSave s = detail::begin_shard_save(comm, path);
+    detail::ShardSave s = detail::begin_shard_save(comm, path, "AsyncShardedSaver::save");
     const std::uint64_t id = s.id;
     pending_.emplace(Pending{std::move(s), path, std::move(ck), {}, false});
     try {
@@ -26720,7 +26817,7 @@ class AsyncShardedSaver {
     if (!pending_) return;
     Pending p = std::move(*pending_);
     pending_.reset();
-    detail::finish_shard_save(comm, p.path, p.save, p.error, p.written);
+    detail::finish_shard_save(comm, p.path, p.save, p.error, p.written, "AsyncShardedSaver::wait");
   }
 
   /// Whether a save was started and not yet completed by wait().

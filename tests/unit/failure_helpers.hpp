@@ -65,6 +65,7 @@ inline void run_faulty(int world, const mp::Path& t, const std::function<void(Co
   o.segment_bytes = mp::test_segment;
   ddp::SpawnOptions so;
   so.stop_on_failure = false;
+  so.end_left_out = false;  // fault tests wake the ranks they fence
   try {
     ddp::spawn(
         world,
@@ -87,6 +88,7 @@ inline void init_outcomes(int world, const mp::TempDir& dir,
                           const std::function<ddp::Options(ddp::Environment&)>& options) {
   ddp::SpawnOptions so;
   so.stop_on_failure = false;
+  so.end_left_out = false;  // fault tests wake the ranks they fence
   try {
     ddp::spawn(
         world,

@@ -103,6 +103,7 @@ inline ddp::Environment local_env(int rank, int world, int port) {
 inline std::string spawn_all(int world, const std::function<void(ddp::Environment)>& body) {
   ddp::SpawnOptions so;
   so.stop_on_failure = false;
+  so.end_left_out = false;  // fault tests wake the ranks they fence
   try {
     ddp::spawn(world, body, so);
   } catch (const ddp::Error& e) {
@@ -219,6 +220,7 @@ template <class Body>
 void run_with_losses(Body&& body) {
   ddp::SpawnOptions so;
   so.stop_on_failure = false;
+  so.end_left_out = false;  // fault tests wake the ranks they fence
   try {
     ddp::spawn(
         4,

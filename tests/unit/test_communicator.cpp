@@ -212,6 +212,26 @@ TEST_CASE("object collectives") {
   mp::each_world([](Comm& comm) { cases::object_collectives(comm); });
 }
 
+TEST_CASE("object collectives of different types on the ranks fail naming the call and the rank") {
+  mp::run(2, ddp::HostTransport::shm, [](Comm& comm) {
+    try {
+      if (comm.rank() == 0)
+        (void)comm.all_gather_object(std::string("text"));
+      else
+        (void)comm.all_gather_object(std::int64_t{7});
+      MP_EXPECT(false, "objects of two types were gathered");
+    } catch (const ddp::Error& e) {
+      const std::string w = e.what();
+      MP_EXPECT(e.code() == ddp::Errc::mismatch, w);
+      MP_EXPECT(w.rfind("rank " + std::to_string(comm.rank()) + ": all_gather_object: what rank " +
+                            std::to_string(1 - comm.rank()) + " sent does not decode",
+                        0) == 0,
+                w);
+      MP_EXPECT(w.find("every rank must make the same calls") != std::string::npos, w);
+    }
+  });
+}
+
 TEST_CASE("run-time-typed tensors (ddp::DynamicView): every dtype through every collective") {
   // The same cases and references as above, through a tensor type that knows its dtype only at
   // run time: adapted by tensor_traits in even worlds, by a member ddp_view() in odd ones. Run
@@ -489,6 +509,7 @@ TEST_CASE("across hosts: DDP_HIERARCHY and the host layout pick the path, bad se
     if (*c.setting != '\0') so.env = {std::string("DDP_HIERARCHY=") + c.setting};
     mp::TempDir dir;
     so.stop_on_failure = false;
+    so.end_left_out = false;  // fault tests wake the ranks they fence
     try {
       ddp::spawn(
           c.world,

@@ -123,6 +123,7 @@ TEST_CASE("errors in a collective's later rounds name the collective, not 'opera
   mp::TempDir dir;
   ddp::SpawnOptions so;
   so.stop_on_failure = false;
+  so.end_left_out = false;  // fault tests wake the ranks they fence
   ddp::spawn(
       3,
       [&](ddp::Environment env) {

@@ -3,6 +3,7 @@
 #include "failure_helpers.hpp"
 #include "multiprocess.hpp"
 
+#include <ddp/communicator.hpp>
 #include <ddp/spawn.hpp>
 
 #include <signal.h>
@@ -39,6 +40,37 @@ TEST_CASE("spawn names a failing rank and carries its message") {
     CHECK(std::string(e.what()).find("killed by SIGSEGV") != std::string::npos);
   }
   CHECK(lasting_new_shm_entries(shm_before).empty());
+}
+
+TEST_CASE(
+    "spawn without stop_on_failure ends a worker the job left out (stopped past the heartbeat), "
+    "and returns once the others are done") {
+  // Rank 1 stops itself; its heartbeat (1 s) runs out and the store records it left out; spawn
+  // ends it and fails naming it once ranks 0 and 2 finished. Before, spawn waited for ever.
+  ddp::SpawnOptions so;
+  so.stop_on_failure = false;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    ddp::spawn(
+        3,
+        [](ddp::Environment env) {
+          ddp::Options o;
+          o.heartbeat = std::chrono::seconds(1);
+          o.timeout = std::chrono::seconds(20);
+          auto comm = ddp::Communicator<ddp::backend::Host>::init(env, o);
+          if (env.rank == 1) ::raise(SIGSTOP);
+          std::this_thread::sleep_for(std::chrono::seconds(2));
+        },
+        so);
+    FAIL("spawn did not fail");
+  } catch (const ddp::Error& e) {
+    const std::string w = e.what();
+    CHECK_MESSAGE(w.find("spawn: rank 1 (pid ") == 0, w);
+    CHECK_MESSAGE(
+        w.find(") was left out of the job (its heartbeat stopped) and ended") != std::string::npos,
+        w);
+  }
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(15));
 }
 
 TEST_CASE("spawn: a long message comes back whole, and workers never outlive the parent") {

@@ -68,6 +68,21 @@ void on_host_data(Comm& comm, std::span<E> a, std::span<E> b, const F& f) {
   }
 }
 
+/// decode_object of what rank `from` sent to this rank `rank` in object collective `what`: a
+/// failure says which ranks and call, and what it means (Errc::mismatch).
+template <class T>
+T decode_received(int rank, const char* what, int from, const void* data, std::size_t n) {
+  try {
+    return decode_object<T>(data, n);
+  } catch (const Error& e) {
+    fail(Errc::mismatch, "rank ", rank, ": ", what, ": what rank ", from,
+         " sent does not decode as the type this rank passed (", e.what(),
+         "): the ranks called different object collectives here (one rank skipped a call, or "
+         "called another), or passed different types; every rank must make the same calls with "
+         "the same types");
+  }
+}
+
 template <class T, class Comm>
 std::vector<T> gather_objects(Comm& comm, const T& value, int root) {
   const char* what = root < 0 ? "all_gather_object" : "gather_object";
@@ -100,7 +115,9 @@ std::vector<T> gather_objects(Comm& comm, const T& value, int root) {
   if (!receives) return out;
   out.reserve(p);
   for (std::size_t r = 0; r < p; ++r) {
-    out.push_back(decode_object<T>(all.data() + r * width, static_cast<std::size_t>(sizes[r])));
+    out.push_back(decode_received<T>(comm.rank(), root < 0 ? "all_gather_object" : "gather_object",
+                                     static_cast<int>(r), all.data() + r * width,
+                                     static_cast<std::size_t>(sizes[r])));
   }
   return out;
 }
@@ -146,7 +163,8 @@ void broadcast_object(Comm& comm, T& value, int root = 0) {
   broadcast_host(
       comm, std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(bytes.data()), bytes.size()),
       root);
-  if (comm.rank() != root) value = decode_object<T>(bytes.data(), bytes.size());
+  if (comm.rank() != root)
+    value = decode_received<T>(comm.rank(), "broadcast_object", root, bytes.data(), bytes.size());
 }
 
 /// Rank j's entry of root's `objects` (one per rank) on rank j. A root with the wrong number of
@@ -185,7 +203,7 @@ template <Encodable T, class Comm>
   std::vector<std::uint8_t> mine(static_cast<std::size_t>(n));
   on_host_data(comm, std::span<std::uint8_t>(bytes), std::span<std::uint8_t>(mine),
                [&](auto& in, auto& out) { comm.scatter(in, out, counts, root); });
-  return decode_object<T>(mine.data(), mine.size());
+  return decode_received<T>(comm.rank(), "scatter_object", root, mine.data(), mine.size());
 }
 
 }  // namespace detail

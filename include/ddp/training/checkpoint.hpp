@@ -93,6 +93,13 @@ struct codec<SamplerState> {
 namespace detail {
 /// The section that records what a put_values() section holds ("ddp.type.<name>").
 inline std::string type_section(std::string_view name) { return concat("ddp.type.", name); }
+/// A type record read from a file, as a message may quote it: itself when short and printable,
+/// else a description (a forged or damaged record must not reach a terminal or a log raw).
+inline std::string type_record_text(const std::string& t) {
+  const bool plain = !t.empty() && t.size() <= 64 &&
+                     std::all_of(t.begin(), t.end(), [](char c) { return c >= 0x20 && c < 0x7f; });
+  return plain ? t : concat("an unreadable type record (", t.size(), " bytes)");
+}
 /// What put_values records of an element type: its DType's name ("float32") for the types
 /// collectives carry, else "<n>-byte elements" (trivially copyable types of one's own).
 template <class T>
@@ -105,11 +112,23 @@ std::string element_type_name() {
 }
 }  // namespace detail
 
+class Checkpoint;
+namespace detail {
+/// Sections written as they are, a type record ("ddp.type.<name>") too: for ddp's own code that
+/// rebuilds a checkpoint from another's sections (resharding, in-memory copies).
+struct CheckpointRaw {
+  static void put(Checkpoint& ck, std::string_view name, std::span<const std::byte> bytes);
+};
+}  // namespace detail
+
 /// Named sections of bytes (see the file comment).
 class Checkpoint {
+  friend struct detail::CheckpointRaw;
+
  public:
   /// Sets section `name` to `bytes` (replacing one of that name): raw bytes, of no element
-  /// type (get() reads them; get_values of any type of the right size too).
+  /// type (get() reads them; get_values of any type of the right size too). Names beginning
+  /// "ddp.type." are reserved for put_values' type records (Errc::invalid_argument).
   Checkpoint& put(std::string_view name, std::span<const std::byte> bytes);
   /// Section `name` holds the bytes of `values` (a contiguous range of trivially copyable
   /// elements: floats, a std::vector<double>, a std::span), and records their element type
@@ -174,13 +193,17 @@ class Checkpoint {
       const std::string* type = find_section(detail::type_section(name));
       const std::string asked = detail::element_type_name<T>();
       if (type != nullptr && *type != asked)
-        detail::fail(Errc::invalid_argument, "Checkpoint: section \"", name, "\" holds ", *type,
-                     " (", b.size(), " bytes), but ", out.size(), " ", asked,
+        detail::fail(Errc::invalid_argument, "Checkpoint: section \"", name, "\" holds ",
+                     detail::type_record_text(*type), " (", b.size(), " bytes), but ", out.size(),
+                     " ", asked,
                      " were asked for: read it as the type it was put as (get() gives its bytes)");
       if (b.size() != out.size_bytes()) {
+        if (type != nullptr && b.size() % sizeof(T) != 0)
+          detail::fail(Errc::protocol, "Checkpoint: section \"", name, "\" holds ", b.size(),
+                       " bytes, not a whole number of ", asked, ": the checkpoint is damaged");
         if (type != nullptr)
           detail::fail(Errc::invalid_argument, "Checkpoint: section \"", name, "\" holds ",
-                       b.size() / sizeof(T), " ", *type, ", but ", out.size(),
+                       b.size() / sizeof(T), " ", asked, ", but ", out.size(),
                        " were asked for: the model changed since it was saved");
         detail::fail(Errc::invalid_argument, "Checkpoint: section \"", name, "\" holds ", b.size(),
                      " bytes, but ", out.size(), " values of ", sizeof(T), " bytes (",
@@ -280,11 +303,20 @@ class Checkpoint {
 
 #if DDP_BODIES
 DDP_INLINE Checkpoint& Checkpoint::put(std::string_view name, std::span<const std::byte> bytes) {
+  if (name.starts_with("ddp.type."))
+    detail::fail(Errc::invalid_argument, "Checkpoint: the section name \"", name,
+                 "\" is reserved: \"ddp.type.<name>\" records the element type of put_values' "
+                 "section <name>; choose another name");
   put_raw(name, bytes);
   // Raw bytes are of no element type: a type recorded by an earlier put_values goes.
   const std::string type = detail::type_section(name);
   std::erase_if(sections_, [&](const auto& section) { return section.first == type; });
   return *this;
+}
+
+DDP_INLINE void detail::CheckpointRaw::put(Checkpoint& ck, std::string_view name,
+                                           std::span<const std::byte> bytes) {
+  ck.put_raw(name, bytes);
 }
 
 DDP_INLINE void Checkpoint::put_raw(std::string_view name, std::span<const std::byte> bytes) {
@@ -385,10 +417,16 @@ DDP_INLINE Checkpoint Checkpoint::parse(std::string_view bytes, std::string_view
   for (std::uint64_t i = 0; i < count; ++i) {
     const std::uint64_t n = get_u64(bytes, read(8));
     if (n > body - at) bad("truncated or corrupt: a name runs past the end");
+    if (n == 0 || n > 4096) bad("corrupt: section ", i, "'s name has ", n, " bytes (1 to 4096)");
     std::string name(bytes.substr(read(static_cast<std::size_t>(n)), static_cast<std::size_t>(n)));
     lens.push_back(get_u64(bytes, read(8)));
     ck.sections_.emplace_back(std::move(name), std::string());
   }
+  std::vector<std::string_view> names;  // no name twice (put() never writes one twice)
+  for (const auto& sec : ck.sections_) names.emplace_back(sec.first);
+  std::sort(names.begin(), names.end());
+  if (std::adjacent_find(names.begin(), names.end()) != names.end())
+    bad("corrupt: two sections have the same name");
   for (std::uint64_t i = 0; i < count; ++i) {
     const std::uint64_t n = lens[static_cast<std::size_t>(i)];
     if (n > body - at) bad("truncated or corrupt: section ", i, " runs past the end");

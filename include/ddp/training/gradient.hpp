@@ -44,9 +44,10 @@ namespace detail {
 
 /// The 2-norm of gradients given range by range (`each(f)` calls f(const T*, n) for each):
 /// the sum of squares in double, as torch's clip_grad_norm_ takes it. When that sum is not finite
-/// although every element is (double gradients beyond 1e154, whose squares overflow), it is
-/// taken again scaled by the largest magnitude, as a careful BLAS nrm2 does: the norm is then
-/// right up to the largest double. `reduce(values)` sums (or maxes, `max` true) over the ranks
+/// although every element is (double gradients beyond 1e154, whose squares overflow), or so small
+/// that squares may have underflowed (gradients below 1e-154), it is taken again scaled by the
+/// largest magnitude, as a careful BLAS nrm2 does: the norm is then right over the whole range
+/// of doubles, subnormals included. `reduce(values)` sums (or maxes, `max` true) over the ranks
 /// that hold parts of the gradients (identity for one rank's whole set); every rank gets the
 /// same result.
 template <class T, class Each, class Reduce>
@@ -62,7 +63,9 @@ double gradient_norm(Each&& each, Reduce&& reduce) {
     }
   });
   reduce(sum, false);
-  if (std::isfinite(sum[0])) return std::sqrt(sum[0]);
+  // The plain sum is right unless squares overflowed, or the sum is so small (below 2^-900,
+  // 1e-271) that squares may have underflowed to zero or to subnormals (gradients below 1e-154).
+  if (std::isfinite(sum[0]) && sum[0] >= 0x1p-900) return std::sqrt(sum[0]);
   std::vector<double> top{0.0, 0.0};  // the largest magnitude; 1 when an element is inf or NaN
   each([&](const T* g, std::size_t n) {
     for (std::size_t k = 0; k < n; ++k) {

@@ -449,7 +449,7 @@ Checkpoint reshard_held(Comm& comm, const ShardSet& set, std::map<std::uint64_t,
   // 5. This rank's checkpoint: the plain sections in their order, the sharded ones, the stamp.
   for (const auto& [name, words] : info[plain_from(static_cast<std::uint64_t>(me))]) {
     const std::string& b = words[0] == 0 ? plain[name] : values[name];
-    out.put(name, std::as_bytes(std::span(b.data(), b.size())));
+    CheckpointRaw::put(out, name, std::as_bytes(std::span(b.data(), b.size())));
     if (words[0] != 0) {
       const auto s = static_cast<std::size_t>(std::find(sharded.begin(), sharded.end(), name) -
                                               sharded.begin());

@@ -202,7 +202,7 @@ struct MirrorAccess {
     std::erase_if(m.saves_, [&](const ShardMirror::Save& s) { return !chosen(s); });
     Checkpoint again;
     for (const std::string& section : mine.names())
-      if (section != "ddp.shard") again.put(section, mine.get(section));
+      if (section != "ddp.shard") detail::CheckpointRaw::put(again, section, mine.get(section));
     save(comm, m, loaded_tag, again, {});
     return mine;
   }

@@ -71,7 +71,8 @@ struct ShardSave {
 
 /// Steps (1) of the protocol, collective: the new generation and the save's identifier.
 template <class Comm>
-ShardSave begin_shard_save(Comm& comm, const std::string& path) {
+ShardSave begin_shard_save(Comm& comm, const std::string& path,
+                           const char* who = "save_sharded_checkpoint") {
   ShardSave s;
   s.stem = shard_path(path, comm.rank(), comm.size());
   std::string error;
@@ -82,7 +83,7 @@ ShardSave begin_shard_save(Comm& comm, const std::string& path) {
   } catch (const Error& e) {
     error = error_text(e);
   }
-  fail_with_first(comm, comm.all_gather_object(error), "save_sharded_checkpoint");
+  fail_with_first(comm, comm.all_gather_object(error), who);
   for (const std::uint64_t g : comm.all_gather_object(newest))
     s.generation = std::max(s.generation, g);
   ++s.generation;
@@ -128,7 +129,8 @@ DDP_INLINE std::string write_shard(const ShardSave& s, const Checkpoint& ck,
 /// first rank's error.
 template <class Comm>
 void finish_shard_save(Comm& comm, const std::string& path, const ShardSave& s,
-                       const std::string& error, bool written) {
+                       const std::string& error, bool written,
+                       const char* who = "save_sharded_checkpoint") {
   const auto errors = comm.all_gather_object(error);  // a rank lost here: every file stays
   bool complete = true;
   for (const auto& e : errors) complete = complete && e.empty();
@@ -137,7 +139,7 @@ void finish_shard_save(Comm& comm, const std::string& path, const ShardSave& s,
       ::unlink(s.target.c_str());
       (void)sync_dir(parent_dir(s.target));
     }
-    fail_with_first(comm, errors, "save_sharded_checkpoint");
+    fail_with_first(comm, errors, who);
   }
   // Generation G is on disk on every rank: the older ones are no longer needed, of this world
   // size and of others (each file by one rank; newer ones, or other saves of G, are another
@@ -333,7 +335,7 @@ class AsyncShardedSaver {
   template <class Comm>
   std::uint64_t save(Comm& comm, Checkpoint&& ck, const std::string& path) {
     wait(comm);
-    detail::ShardSave s = detail::begin_shard_save(comm, path);
+    detail::ShardSave s = detail::begin_shard_save(comm, path, "AsyncShardedSaver::save");
     const std::uint64_t id = s.id;
     pending_.emplace(Pending{std::move(s), path, std::move(ck), {}, false});
     try {
@@ -360,7 +362,7 @@ class AsyncShardedSaver {
     if (!pending_) return;
     Pending p = std::move(*pending_);
     pending_.reset();
-    detail::finish_shard_save(comm, p.path, p.save, p.error, p.written);
+    detail::finish_shard_save(comm, p.path, p.save, p.error, p.written, "AsyncShardedSaver::wait");
   }
 
   /// Whether a save was started and not yet completed by wait().

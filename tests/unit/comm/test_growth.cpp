@@ -28,6 +28,7 @@ void run_job(int members, int newcomers, const mp::Path& path,
   o.segment_bytes = mp::test_segment;
   ddp::SpawnOptions so;
   so.stop_on_failure = false;
+  so.end_left_out = false;  // fault tests wake the ranks they fence
   try {
     ddp::spawn(
         members + newcomers,

@@ -19,6 +19,7 @@ TEST_CASE("a rank that never joins: the rendezvous names it") {
   mp::TempDir dir;
   ddp::SpawnOptions so;
   so.stop_on_failure = false;
+  so.end_left_out = false;  // fault tests wake the ranks they fence
   ddp::spawn(
       4,
       [&](ddp::Environment env) {
@@ -266,6 +267,7 @@ TEST_CASE(
   // With rank 0 absent the others give up at the timeout, naming the ports and DDP_STORE_PORT.
   ddp::SpawnOptions so;
   so.stop_on_failure = false;
+  so.end_left_out = false;  // fault tests wake the ranks they fence
   ddp::spawn(
       2,
       [&](ddp::Environment env) {

@@ -236,6 +236,40 @@ TEST_CASE("training: checkpoints are written atomically and refused when foreign
   }
   refused("hello, this is a text file, long enough to look like something", "not a ddp checkpoint");
   refused(good + "x", "checksum does not match");
+  // Well-formed files that no save writes (a checksum that matches: made on purpose): a name
+  // twice, a typed section that is not a whole number of its elements, a type record that is
+  // not text. Refused, and a forged record never quoted raw.
+  const auto forged = [&](std::string_view name, const std::string& bytes, const char* type) {
+    ddp::Checkpoint f;
+    f.put("w", std::as_bytes(std::span(bytes.data(), bytes.size())));
+    const std::string t(type);
+    ddp::detail::CheckpointRaw::put(f, name, std::as_bytes(std::span(t.data(), t.size())));
+    return f;
+  };
+  const ddp::Checkpoint twice = forged("w", "abcd", "float32");
+  CHECK(twice.names() == std::vector<std::string>{"w"});  // replaced in memory, as put does
+  const ddp::Checkpoint::Section again[] = {{"v", "one"}, {"v", "two"}};
+  refused(twice.serialize_with(again), "two sections have the same name");
+  mp::TempDir::write(dir.file("odd.ckpt"), forged("ddp.type.w", "123456", "float32").serialize());
+  std::vector<float> one(1);
+  CHECK_THROWS_WITH_AS(ddp::Checkpoint::load(dir.file("odd.ckpt"))->get_values("w", std::span(one)),
+                       doctest::Contains("holds 6 bytes, not a whole number of float32: the "
+                                         "checkpoint is damaged"),
+                       ddp::Error);
+  mp::TempDir::write(dir.file("raw.ckpt"),
+                     forged("ddp.type.w", "1234", "\n\x1b[31mfloat32").serialize());
+  try {
+    ddp::Checkpoint::load(dir.file("raw.ckpt"))->get_values("w", std::span(one));
+    FAIL("a forged type record was accepted");
+  } catch (const ddp::Error& e) {
+    const std::string w = e.what();
+    CHECK(w.find("an unreadable type record (13 bytes)") != std::string::npos);
+    CHECK(w.find('\x1b') == std::string::npos);
+  }
+  // The type records' names are reserved.
+  CHECK_THROWS_WITH_AS(ck.put("ddp.type.values", {}), doctest::Contains("is reserved"), ddp::Error);
+  CHECK_THROWS_WITH_AS(ck.put_values("ddp.type.x", values), doctest::Contains("is reserved"),
+                       ddp::Error);
   // A save that cannot complete leaves the old file as it was and no temporary file behind.
   ::mkdir(dir.file("taken").c_str(), 0755);
   CHECK_THROWS_WITH_AS(ck.save(dir.file("taken")), doctest::Contains("is a directory"), ddp::Error);

@@ -136,6 +136,7 @@ std::string joined(const std::vector<std::string>& v) {
 void run_all(int world, const std::function<void(Comm&)>& body) {
   ddp::SpawnOptions so;
   so.stop_on_failure = false;
+  so.end_left_out = false;  // fault tests wake the ranks they fence
   ddp::Options o;
   o.transport = ddp::HostTransport::shm;
   o.timeout = std::chrono::seconds(20);

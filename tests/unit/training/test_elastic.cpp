@@ -174,6 +174,7 @@ void run_job(int members, const std::vector<int>& late, const std::vector<Kill>&
   o.segment_bytes = mp::test_segment;
   ddp::SpawnOptions so;
   so.stop_on_failure = false;
+  so.end_left_out = false;  // fault tests wake the ranks they fence
   try {
     ddp::spawn(
         members + static_cast<int>(late.size()),

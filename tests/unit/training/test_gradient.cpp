@@ -283,8 +283,8 @@ struct Huge {
 };
 
 TEST_CASE(
-    "training: grad_norm of finite double gradients whose squares overflow is their norm, not "
-    "inf (GradientAverager and ShardedAverager)") {
+    "training: grad_norm of finite double gradients whose squares overflow or underflow is their "
+    "norm, not inf or 0 (GradientAverager and ShardedAverager)") {
   for (const int world : {1, 3}) {
     CAPTURE(world);
     mp::run(world, ddp::HostTransport::shm, [](mp::Comm& comm) {
@@ -321,6 +321,16 @@ TEST_CASE(
         avg.average();
         MP_EXPECT(std::abs(avg.grad_norm() - want(m, 1e-3)) <= 1e-12 * want(m, 1e-3),
                   "grad_norm " << avg.grad_norm());
+        // Gradients whose squares underflow (1e-200), or are subnormal themselves: not 0.
+        for (const double tiny : {1e-200, 1e-310}) {
+          fill(m, tiny);
+          avg.average();
+          MP_EXPECT(std::abs(avg.grad_norm() - want(m, tiny)) <= 1e-9 * want(m, tiny),
+                    "grad_norm " << avg.grad_norm() << " vs " << want(m, tiny));
+        }
+        fill(m, 0.0);  // zeros stay 0
+        avg.average();
+        MP_EXPECT(avg.grad_norm() == 0.0, avg.grad_norm());
       }
       {
         // All finite, the norm itself beyond the largest double (1008 elements of 1e307: the

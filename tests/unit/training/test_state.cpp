@@ -361,6 +361,7 @@ TEST_CASE(
       o.segment_bytes = mp::test_segment;
       ddp::SpawnOptions so;
       so.stop_on_failure = false;
+      so.end_left_out = false;  // fault tests wake the ranks they fence
       std::string spawn_error;
       try {
         ddp::spawn(
